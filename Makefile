@@ -1,0 +1,44 @@
+# ragkv — the two set-up commands are `make demo` and `make test`.
+BUILD      ?= build
+ASAN_BUILD ?= build-asan
+JOBS       ?= $(shell nproc)
+CMAKE_FLAGS ?=
+SHARED     ?= ../shared
+
+.PHONY: all deps build demo test test-fast test-asan bench clean format
+
+all: build
+
+deps:
+	@bash scripts/install-deps.sh
+
+build: deps
+	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(BUILD) -j $(JOBS)
+
+# The main job on the embedded default model.
+demo: build
+	@bash scripts/demo.sh $(BUILD)/ragkv
+
+# Every test: the optimised build, then the sanitizer build on the suites that
+# do not run large models; finally the CUDA build compiles when nvcc exists.
+test: build
+	@mkdir -p $(BUILD)/testtmp
+	@cd $(BUILD) && ctest --output-on-failure -j 1
+	@$(MAKE) --no-print-directory test-asan
+	@bash scripts/cuda-build-check.sh
+
+test-asan: deps
+	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DRAGKV_SANITIZE=ON $(CMAKE_FLAGS) >/dev/null
+	@cmake --build $(ASAN_BUILD) -j $(JOBS)
+	@mkdir -p $(ASAN_BUILD)/testtmp
+	@cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 RAGKV_TEST_LIGHT=1 ctest --output-on-failure -j 1
+
+bench: build
+	@for b in $(BUILD)/bench_*; do echo "== $$b"; $$b || exit 1; done
+
+format:
+	@clang-format -i $$(git ls-files '*.c' '*.h')
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD) build-cuda

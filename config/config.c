@@ -1,0 +1,106 @@
+/* config/config.c — status strings, the thread-local error slot, logging and
+ * the configuration defaults. */
+#include "config/config.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+const char *rk_status_str(rk_status st) {
+    switch (st) {
+    case RK_OK: return "ok";
+    case RK_ERR_NOMEM: return "out of memory";
+    case RK_ERR_IO: return "i/o error";
+    case RK_ERR_FORMAT: return "malformed data";
+    case RK_ERR_INVALID: return "invalid argument";
+    case RK_ERR_UNSUPPORTED: return "unsupported";
+    case RK_ERR_NOT_FOUND: return "not found";
+    case RK_ERR_EXHAUSTED: return "resource exhausted";
+    case RK_ERR_LIMIT: return "limit exceeded";
+    case RK_ERR_BUSY: return "busy";
+    case RK_ERR_DEVICE: return "device error";
+    case RK_ERR_INTERNAL: return "internal error";
+    }
+    return "unknown status";
+}
+
+/* ---------------------------------------------------------------- errors */
+
+static _Thread_local char g_error[512];
+
+rk_status rk_errorf(rk_status st, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g_error, sizeof g_error, fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+const char *rk_error_message(void) { return g_error; }
+
+void rk_error_clear(void) { g_error[0] = '\0'; }
+
+/* ---------------------------------------------------------------- logging */
+
+static rk_log_level g_log_level = RK_LOG_WARN;
+
+void rk_log_set_level(rk_log_level level) { g_log_level = level; }
+
+rk_log_level rk_log_get_level(void) { return g_log_level; }
+
+void rk_log(rk_log_level level, const char *func, const char *fmt, ...) {
+    static const char *names[] = {"debug", "info", "warn", "error"};
+    if (level < g_log_level || level >= RK_LOG_OFF) return;
+    char line[1024];
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    struct tm tm;
+    gmtime_r(&ts.tv_sec, &tm);
+    int n = snprintf(line, sizeof line, "%04d-%02d-%02dT%02d:%02d:%02d.%03ldZ %-5s %s: ",
+                     tm.tm_year + 1900, tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min,
+                     tm.tm_sec, ts.tv_nsec / 1000000, names[level], func);
+    va_list ap;
+    va_start(ap, fmt);
+    if (n > 0 && (size_t)n < sizeof line) vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, "%s\n", line); /* one write per line keeps threads from interleaving */
+}
+
+double rk_time_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* ---------------------------------------------------------------- config */
+
+void rk_config_defaults(rk_config *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    snprintf(cfg->backend, sizeof cfg->backend, "cpu");
+    cfg->n_threads = 0;
+    cfg->block_size = 16;
+    cfg->live_blocks = 4096;
+    cfg->prefix_blocks = 1024;
+    cfg->chunk_blocks = 4096;
+    cfg->kv_poison = 0;
+}
+
+rk_status rk_config_validate(const rk_config *cfg) {
+    if (strcmp(cfg->backend, "cpu") != 0 && strcmp(cfg->backend, "cuda") != 0)
+        return rk_errorf(RK_ERR_INVALID, "config: backend must be \"cpu\" or \"cuda\", got \"%s\"",
+                         cfg->backend);
+    if (cfg->n_threads < 0 || cfg->n_threads > 1024)
+        return rk_errorf(RK_ERR_INVALID, "config: n_threads must be 0 (auto) to 1024, got %d",
+                         cfg->n_threads);
+    int bs = cfg->block_size;
+    if (bs < 8 || bs > 64 || (bs & (bs - 1)) != 0)
+        return rk_errorf(RK_ERR_INVALID,
+                         "config: block_size must be a power of two from 8 to 64, got %d", bs);
+    if (cfg->live_blocks < 1 || cfg->prefix_blocks < 0 || cfg->chunk_blocks < 0)
+        return rk_errorf(RK_ERR_INVALID,
+                         "config: pool sizes must be >= 0 blocks (live >= 1), got live=%d "
+                         "prefix=%d chunk=%d",
+                         cfg->live_blocks, cfg->prefix_blocks, cfg->chunk_blocks);
+    return RK_OK;
+}

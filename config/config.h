@@ -1,0 +1,93 @@
+/* config/ — the lowest layer of ragkv: status codes, error messages, logging,
+ * and the single rk_config struct that every other module reads.
+ *
+ * Every fallible function in ragkv returns an rk_status (RK_OK == 0). The
+ * function that detects a failure records a one-line message with
+ * rk_errorf(); callers higher up may read it with rk_error_message() to show
+ * the user what went wrong and where. The message is thread-local. */
+#ifndef RK_CONFIG_H
+#define RK_CONFIG_H
+
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+typedef enum rk_status {
+    RK_OK = 0,
+    RK_ERR_NOMEM,       /* an allocation failed */
+    RK_ERR_IO,          /* a read, write, open or mmap failed */
+    RK_ERR_FORMAT,      /* a file or payload is malformed (bad magic, truncated, ...) */
+    RK_ERR_INVALID,     /* bad argument or bad user input */
+    RK_ERR_UNSUPPORTED, /* well-formed but not handled (unknown architecture, type) */
+    RK_ERR_NOT_FOUND,   /* a key, tensor or entry does not exist */
+    RK_ERR_EXHAUSTED,   /* a pool or budget has no room left */
+    RK_ERR_LIMIT,       /* a configured limit was exceeded */
+    RK_ERR_BUSY,        /* the resource is in use (referenced, locked) */
+    RK_ERR_DEVICE,      /* the accelerator reported an error */
+    RK_ERR_INTERNAL,    /* an invariant broke: a bug */
+} rk_status;
+
+/* Return a short constant description of a status ("out of memory"). */
+const char *rk_status_str(rk_status st);
+
+/* Record a formatted message describing the current failure in this thread's
+ * error slot and return st unchanged, so a failure site can be written as
+ * `return rk_errorf(RK_ERR_FORMAT, "%s: bad magic", path);`. */
+rk_status rk_errorf(rk_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Return this thread's last recorded error message ("" if none). The pointer
+ * stays valid until the next rk_errorf() in this thread. */
+const char *rk_error_message(void);
+
+/* Clear this thread's error message. */
+void rk_error_clear(void);
+
+/* ---------------------------------------------------------------- logging */
+
+typedef enum rk_log_level {
+    RK_LOG_DEBUG = 0,
+    RK_LOG_INFO,
+    RK_LOG_WARN,
+    RK_LOG_ERROR,
+    RK_LOG_OFF,
+} rk_log_level;
+
+/* Set the minimum level written to stderr (default RK_LOG_WARN). */
+void rk_log_set_level(rk_log_level level);
+rk_log_level rk_log_get_level(void);
+
+/* Write one structured line to stderr: `time level func: message`. */
+void rk_log(rk_log_level level, const char *func, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+#define RK_LOG_DEBUG(...) rk_log(RK_LOG_DEBUG, __func__, __VA_ARGS__)
+#define RK_LOG_INFO(...) rk_log(RK_LOG_INFO, __func__, __VA_ARGS__)
+#define RK_LOG_WARN(...) rk_log(RK_LOG_WARN, __func__, __VA_ARGS__)
+#define RK_LOG_ERROR(...) rk_log(RK_LOG_ERROR, __func__, __VA_ARGS__)
+
+/* Monotonic clock in seconds, for timings. */
+double rk_time_now(void);
+
+/* ---------------------------------------------------------------- config */
+
+typedef struct rk_config {
+    /* backend */
+    char backend[16];  /* "cpu" (default) or "cuda" */
+    int n_threads;     /* compute threads; 0 = number of online cores */
+
+    /* KV arena */
+    int block_size;        /* tokens per KV block: a power of two in [8, 64]; default 16 */
+    int live_blocks;       /* blocks in the `live` pool (requests in flight) */
+    int prefix_blocks;     /* blocks in the `prefix` pool (radix-cached system prompts) */
+    int chunk_blocks;      /* blocks in the `chunk` pool (the chunk cache) */
+    int kv_poison;         /* fill freed blocks with NaN (debugging aid) */
+} rk_config;
+
+/* Fill cfg with the defaults (which work on a laptop). */
+void rk_config_defaults(rk_config *cfg);
+
+/* Check every field; on failure record a message naming the field and return
+ * RK_ERR_INVALID. */
+rk_status rk_config_validate(const rk_config *cfg);
+
+#endif

@@ -1,0 +1,167 @@
+/* kernels/ — the compute backend of ragkv.
+ *
+ * A backend owns device memory and implements a table of ops. The CPU backend
+ * (kernels/cpu/) is the reference: multithreaded, SIMD where it pays, OpenBLAS
+ * for large GEMMs. The CUDA backend (kernels/cuda/) implements the same table.
+ * Every pointer passed to an op is backend memory (host memory for the CPU
+ * backend). Activations are f32; weights may be F32, F16 or BF16; KV storage
+ * has the dtype of the cache.
+ *
+ * Paged KV: the cache of one layer is an array of blocks, shape
+ *   (n_blocks, block_size, n_kv_heads, head_dim)
+ * and a token's K/V live at slot = block_id * block_size + offset. One block id
+ * addresses that block in every layer. A sequence is described by its block
+ * table: the i-th KV entry of the sequence lives in block table[i / block_size]
+ * at offset i % block_size. */
+#ifndef RK_KERNELS_H
+#define RK_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config/config.h"
+
+typedef enum rk_dtype {
+    RK_DTYPE_F32 = 0,
+    RK_DTYPE_F16 = 1,
+    RK_DTYPE_BF16 = 2,
+} rk_dtype;
+
+/* Bytes per element of a dtype. */
+size_t rk_dtype_size(rk_dtype t);
+const char *rk_dtype_name(rk_dtype t);
+
+/* Scalar conversions (round-to-nearest-even for the narrowing ones). */
+float rk_f16_to_f32(uint16_t h);
+uint16_t rk_f32_to_f16(float f);
+float rk_bf16_to_f32(uint16_t h);
+uint16_t rk_f32_to_bf16(float f);
+
+/* ---------------------------------------------------------------- RoPE */
+
+#define RK_ROPE_MAX_PAIRS 256 /* head_dim up to 512 */
+
+typedef enum rk_rope_pairing {
+    RK_ROPE_NORMAL = 0, /* rotate (x[2i], x[2i+1])          — llama */
+    RK_ROPE_NEOX = 1,   /* rotate (x[i], x[i + n_rot/2])     — qwen2, qwen3 */
+} rk_rope_pairing;
+
+typedef enum rk_rope_scaling {
+    RK_ROPE_SCALING_NONE = 0,
+    RK_ROPE_SCALING_LINEAR,
+    RK_ROPE_SCALING_YARN,
+    RK_ROPE_SCALING_LLAMA3,
+} rk_rope_scaling;
+
+typedef struct rk_rope_params {
+    int n_rot;             /* rotated dims per head (<= head_dim, even) */
+    float theta;           /* base frequency, e.g. 10000 or 1e6 */
+    rk_rope_pairing pairing;
+    rk_rope_scaling scaling;
+    float factor;          /* scaling factor (linear, yarn, llama3) */
+    int orig_ctx;          /* original training context (yarn, llama3) */
+    float low_freq_factor, high_freq_factor; /* llama3 */
+    float beta_fast, beta_slow;              /* yarn */
+} rk_rope_params;
+
+/* Frequencies derived once from rk_rope_params: the angle of pair i at
+ * position p is (float)p * freq[i], and cos/sin are multiplied by mscale. */
+typedef struct rk_rope {
+    int n_rot;
+    rk_rope_pairing pairing;
+    float mscale;
+    float freq[RK_ROPE_MAX_PAIRS];
+} rk_rope;
+
+/* Compute freq[] and mscale from the params (applies linear / yarn / llama3
+ * scaling). Returns RK_ERR_INVALID for n_rot odd, too large, or theta <= 0. */
+rk_status rk_rope_init(rk_rope *rope, const rk_rope_params *p);
+
+/* ---------------------------------------------------------------- KV cache */
+
+typedef struct rk_kv_cache {
+    int n_layers;
+    int n_blocks;
+    int block_size;
+    int n_kv_heads;
+    int head_dim;
+    rk_dtype dtype;
+    void **k; /* [n_layers] -> (n_blocks, block_size, n_kv_heads, head_dim), backend memory */
+    void **v; /* [n_layers] -> same */
+} rk_kv_cache;
+
+/* Attention over paged KV for a batch of sequences. Sequence s owns query rows
+ * q_start[s] .. q_start[s+1]-1 (n_q of them) and attends over the first
+ * kv_len[s] entries of its block table. Causal in table order: its query row j
+ * (0-based) sees entries 0 .. kv_len[s] - n_q + j. The new tokens' K/V must
+ * already be written (kv_write) before the call. */
+typedef struct rk_attn_batch {
+    int n_seqs;
+    const int32_t *q_start;     /* (n_seqs + 1), host memory */
+    const int32_t *kv_len;      /* (n_seqs), host memory */
+    const int32_t *block_table; /* (n_seqs, max_blocks) block ids, -1 unused; backend memory */
+    int max_blocks;
+} rk_attn_batch;
+
+/* ---------------------------------------------------------------- backend */
+
+typedef struct rk_backend rk_backend;
+
+typedef struct rk_backend_ops {
+    /* memory */
+    rk_status (*alloc)(rk_backend *be, size_t n_bytes, void **out);
+    void (*free)(rk_backend *be, void *p);
+    rk_status (*upload)(rk_backend *be, void *dst, const void *src, size_t n_bytes);
+    rk_status (*download)(rk_backend *be, void *dst, const void *src, size_t n_bytes);
+    rk_status (*memset)(rk_backend *be, void *dst, int value, size_t n_bytes);
+    rk_status (*sync)(rk_backend *be);
+
+    /* y(n, m) = x(n, k) · w(m, k)^T ; w of dtype wtype, row-major with k contiguous */
+    rk_status (*matmul)(rk_backend *be, float *y, const float *x, const void *w, rk_dtype wtype,
+                        int n, int k, int m);
+    /* y(n, m) += b(m) broadcast over rows */
+    rk_status (*add_bias)(rk_backend *be, float *y, const float *b, int n, int m);
+    /* y(n) += x(n) */
+    rk_status (*add)(rk_backend *be, float *y, const float *x, size_t n);
+    /* out(rows, dim) = x / rms(x) * w(dim), per row; out may equal x */
+    rk_status (*rmsnorm)(rk_backend *be, float *out, const float *x, const float *w, int rows,
+                         int dim, float eps);
+    /* out(n, dim) = rows ids[i] of table(n_vocab, dim) of dtype, as f32 */
+    rk_status (*embed)(rk_backend *be, float *out, const void *table, rk_dtype dtype,
+                       const int32_t *ids, int n, int dim);
+    /* x(n_tokens, n_heads, head_dim) rotated in place at positions pos(n_tokens) */
+    rk_status (*rope)(rk_backend *be, float *x, const int32_t *pos, int n_tokens, int n_heads,
+                      int head_dim, const rk_rope *rope);
+    /* out(n) = silu(gate(n)) * up(n); out may equal gate */
+    rk_status (*swiglu)(rk_backend *be, float *out, const float *gate, const float *up, size_t n);
+    /* write k, v (n_tokens, n_kv_heads, head_dim) of layer to slots(n_tokens); slot < 0 skipped */
+    rk_status (*kv_write)(rk_backend *be, const rk_kv_cache *kv, int layer, const float *k,
+                          const float *v, const int32_t *slots, int n_tokens);
+    /* out(n_q, n_heads, head_dim) = softmax(q k^T * scale) v, GQA (n_heads % n_kv_heads == 0);
+     * lse(n_q, n_heads) natural-log sum-exp of the scaled scores, may be NULL */
+    rk_status (*attention)(rk_backend *be, float *out, float *lse, const float *q,
+                           const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
+                           int n_heads, float scale);
+    /* For every layer and token t: K at dst_slots[t] = R(delta[t]) · K at src_slots[t],
+     * V copied unchanged. src and dst must not overlap. */
+    rk_status (*rope_shift_copy)(rk_backend *be, const rk_kv_cache *kv, const int32_t *src_slots,
+                                 const int32_t *dst_slots, const int32_t *delta, int n_tokens,
+                                 const rk_rope *rope);
+} rk_backend_ops;
+
+struct rk_backend {
+    const rk_backend_ops *ops;
+    const char *name; /* "cpu" or "cuda" */
+    int n_threads;
+    void *impl;       /* backend-private state */
+};
+
+/* Create a backend by name ("cpu"; "cuda" when built with RAGKV_CUDA).
+ * n_threads <= 0 means one per online core. Free with rk_backend_free(). */
+rk_status rk_backend_create(const char *name, int n_threads, rk_backend **out);
+void rk_backend_free(rk_backend *be);
+
+/* Index of the largest element (first on ties); CPU helper used by samplers. */
+int rk_argmax_f32(const float *x, int n);
+
+#endif

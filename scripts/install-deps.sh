@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install ragkv's build dependencies from Debian packages, only what is missing.
+set -euo pipefail
+pkgs=(build-essential cmake pkg-config libcivetweb-dev libjansson-dev libxxhash-dev
+      libsqlite3-dev libcriterion-dev libopenblas-dev libpcre2-dev curl)
+missing=()
+for p in "${pkgs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+echo "installing: ${missing[*]}"
+SUDO=""
+[ "$(id -u)" -ne 0 ] && SUDO="sudo"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"

@@ -1,0 +1,81 @@
+/* tests/testutil.c — see testutil.h. */
+#include "tests/testutil.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+const char *rk_test_shared_path(const char *rel) {
+    static char path[4096];
+    snprintf(path, sizeof path, "%s/%s", RK_SHARED_DIR, rel);
+    struct stat st;
+    if (stat(path, &st) != 0) return NULL;
+    return path;
+}
+
+int rk_test_light(void) {
+    const char *v = getenv("RAGKV_TEST_LIGHT");
+    return v && *v && strcmp(v, "0") != 0;
+}
+
+char *rk_test_strdup(const char *s) {
+    size_t n = strlen(s) + 1;
+    char *p = malloc(n);
+    if (p) memcpy(p, s, n);
+    return p;
+}
+
+char *rk_test_tmpdir(const char *tag) {
+    static int counter;
+    char path[4096];
+    mkdir(RK_TEST_TMP, 0755);
+    for (;;) {
+        snprintf(path, sizeof path, "%s/%s-%d-%d", RK_TEST_TMP, tag, (int)getpid(), counter++);
+        if (mkdir(path, 0755) == 0) break;
+    }
+    return rk_test_strdup(path);
+}
+
+int rk_test_run(const char *cmd, char **out) {
+    FILE *f = popen(cmd, "r");
+    if (!f) return -1;
+    size_t cap = 4096, len = 0;
+    char *buf = malloc(cap);
+    size_t n;
+    while (buf && (n = fread(buf + len, 1, cap - len - 1, f)) > 0) {
+        len += n;
+        if (cap - len < 2048) {
+            char *nb = realloc(buf, cap * 2);
+            if (!nb) break;
+            buf = nb;
+            cap *= 2;
+        }
+    }
+    if (buf) buf[len] = '\0';
+    int st = pclose(f);
+    if (out) *out = buf;
+    else free(buf);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+char *rk_test_read_file(const char *path, size_t *out_len) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    char *buf = malloc((size_t)n + 1);
+    if (buf && fread(buf, 1, (size_t)n, f) != (size_t)n) {
+        free(buf);
+        buf = NULL;
+    }
+    fclose(f);
+    if (buf) {
+        buf[n] = '\0';
+        if (out_len) *out_len = (size_t)n;
+    }
+    return buf;
+}

@@ -1,0 +1,44 @@
+/* tests/testutil.h — helpers shared by the Criterion suites: locating the
+ * shared models (skipping visibly when absent), scratch directories, and
+ * running the real `ragkv` binary. */
+#ifndef RK_TESTUTIL_H
+#define RK_TESTUTIL_H
+
+#include <stddef.h>
+
+/* Absolute path of a file under ../shared, or NULL when it does not exist.
+ * The returned string is static storage reused by the next call. */
+const char *rk_test_shared_path(const char *rel);
+
+/* Skip the current test (Criterion cr_skip_test) when the shared file is absent;
+ * otherwise store its path (malloc'ed, leaked deliberately: test lifetime) in var. */
+#define RK_REQUIRE_SHARED(var, rel)                                                    \
+    do {                                                                               \
+        const char *rk__p = rk_test_shared_path(rel);                                  \
+        if (!rk__p) cr_skip_test("missing ../shared/%s (tests need the shared data)", rel); \
+        var = rk_test_strdup(rk__p);                                                   \
+    } while (0)
+
+/* True when RAGKV_TEST_LIGHT is set: the sanitizer pass, where large synthetic
+ * models are skipped (visibly) to keep the run short. */
+int rk_test_light(void);
+
+#define RK_SKIP_IF_LIGHT()                                                                 \
+    do {                                                                                   \
+        if (rk_test_light()) cr_skip_test("skipped in the light (sanitizer) pass: large model"); \
+    } while (0)
+
+char *rk_test_strdup(const char *s);
+
+/* Create a fresh empty directory under the build tree's testtmp/ and return its
+ * path (malloc'ed). */
+char *rk_test_tmpdir(const char *tag);
+
+/* Run a shell command, capture stdout (malloc'ed, NUL-terminated) into *out
+ * (may be NULL), return the exit status (or -1 if it could not run). */
+int rk_test_run(const char *cmd, char **out);
+
+/* Read a whole file (malloc'ed, NUL-terminated); NULL on failure. */
+char *rk_test_read_file(const char *path, size_t *out_len);
+
+#endif
