@@ -61,8 +61,8 @@ void rk_log(rk_log_level level, const char *func, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
 #define RK_LOG_DEBUG(...) rk_log(RK_LOG_DEBUG, __func__, __VA_ARGS__)
-#define RK_LOG_INFO(...) rk_log(RK_LOG_INFO, __func__, __VA_ARGS__)
-#define RK_LOG_WARN(...) rk_log(RK_LOG_WARN, __func__, __VA_ARGS__)
+#define RK_LOG_INFO(...)  rk_log(RK_LOG_INFO, __func__, __VA_ARGS__)
+#define RK_LOG_WARN(...)  rk_log(RK_LOG_WARN, __func__, __VA_ARGS__)
 #define RK_LOG_ERROR(...) rk_log(RK_LOG_ERROR, __func__, __VA_ARGS__)
 
 /* Monotonic clock in seconds, for timings. */
@@ -72,15 +72,15 @@ double rk_time_now(void);
 
 typedef struct rk_config {
     /* backend */
-    char backend[16];  /* "cpu" (default) or "cuda" */
-    int n_threads;     /* compute threads; 0 = number of online cores */
+    char backend[16]; /* "cpu" (default) or "cuda" */
+    int n_threads;    /* compute threads; 0 = number of online cores */
 
     /* KV arena */
-    int block_size;        /* tokens per KV block: a power of two in [8, 64]; default 16 */
-    int live_blocks;       /* blocks in the `live` pool (requests in flight) */
-    int prefix_blocks;     /* blocks in the `prefix` pool (radix-cached system prompts) */
-    int chunk_blocks;      /* blocks in the `chunk` pool (the chunk cache) */
-    int kv_poison;         /* fill freed blocks with NaN (debugging aid) */
+    int block_size;    /* tokens per KV block: a power of two in [8, 64]; default 16 */
+    int live_blocks;   /* blocks in the `live` pool (requests in flight) */
+    int prefix_blocks; /* blocks in the `prefix` pool (radix-cached system prompts) */
+    int chunk_blocks;  /* blocks in the `chunk` pool (the chunk cache) */
+    int kv_poison;     /* fill freed blocks with NaN (debugging aid) */
 } rk_config;
 
 /* Fill cfg with the defaults (which work on a laptop). */

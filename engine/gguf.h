@@ -43,13 +43,13 @@ typedef enum rk_ggml_type {
 #define RK_GGUF_MAX_DIMS 4
 
 typedef struct rk_gguf_tensor {
-    const char *name;            /* NUL-terminated, owned by the rk_gguf */
-    uint32_t type;               /* rk_ggml_type value as stored in the file */
-    uint32_t n_dims;             /* 1..RK_GGUF_MAX_DIMS */
+    const char *name;             /* NUL-terminated, owned by the rk_gguf */
+    uint32_t type;                /* rk_ggml_type value as stored in the file */
+    uint32_t n_dims;              /* 1..RK_GGUF_MAX_DIMS */
     int64_t ne[RK_GGUF_MAX_DIMS]; /* elements per dim, ne[0] fastest; unused dims are 1 */
-    uint64_t offset;             /* offset from the start of the data section */
-    size_t n_bytes;              /* size of the data */
-    const void *data;            /* points into the read-only mapping */
+    uint64_t offset;              /* offset from the start of the data section */
+    size_t n_bytes;               /* size of the data */
+    const void *data;             /* points into the read-only mapping */
 } rk_gguf_tensor;
 
 typedef struct rk_gguf rk_gguf; /* opaque */

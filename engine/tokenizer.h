@@ -30,16 +30,16 @@ enum {
  * tokenizer is built from. All arrays are owned by the struct and released by
  * rk_vocab_free(). */
 typedef struct rk_vocab {
-    char model[16];       /* "llama" or "gpt2" */
-    char pre[32];         /* gpt2 pre-tokenizer name ("qwen2", "default", ...); "" for llama */
+    char model[16]; /* "llama" or "gpt2" */
+    char pre[32];   /* gpt2 pre-tokenizer name ("qwen2", "default", ...); "" for llama */
     int32_t n_tokens;
     char **tokens;        /* (n_tokens) NUL-terminated token texts, as stored in GGUF */
     float *scores;        /* (n_tokens) or NULL */
     int32_t *token_types; /* (n_tokens) RK_TOKEN_* */
     int32_t n_merges;
-    char **merges;        /* (n_merges) "left right", gpt2 only */
+    char **merges;                          /* (n_merges) "left right", gpt2 only */
     int32_t bos_id, eos_id, unk_id, pad_id; /* -1 when absent */
-    int add_bos;          /* tokenizer.ggml.add_bos_token */
+    int add_bos;                            /* tokenizer.ggml.add_bos_token */
 } rk_vocab;
 
 /* Release the arrays and zero the struct; accepts a zeroed struct. */

@@ -54,12 +54,12 @@ typedef enum rk_rope_scaling {
 } rk_rope_scaling;
 
 typedef struct rk_rope_params {
-    int n_rot;             /* rotated dims per head (<= head_dim, even) */
-    float theta;           /* base frequency, e.g. 10000 or 1e6 */
+    int n_rot;   /* rotated dims per head (<= head_dim, even) */
+    float theta; /* base frequency, e.g. 10000 or 1e6 */
     rk_rope_pairing pairing;
     rk_rope_scaling scaling;
-    float factor;          /* scaling factor (linear, yarn, llama3) */
-    int orig_ctx;          /* original training context (yarn, llama3) */
+    float factor;                            /* scaling factor (linear, yarn, llama3) */
+    int orig_ctx;                            /* original training context (yarn, llama3) */
     float low_freq_factor, high_freq_factor; /* llama3 */
     float beta_fast, beta_slow;              /* yarn */
 } rk_rope_params;
@@ -153,7 +153,7 @@ struct rk_backend {
     const rk_backend_ops *ops;
     const char *name; /* "cpu" or "cuda" */
     int n_threads;
-    void *impl;       /* backend-private state */
+    void *impl; /* backend-private state */
 };
 
 /* Create a backend by name ("cpu"; "cuda" when built with RAGKV_CUDA).

@@ -56,8 +56,10 @@ int rk_test_run(const char *cmd, char **out) {
     }
     if (buf) buf[len] = '\0';
     int st = pclose(f);
-    if (out) *out = buf;
-    else free(buf);
+    if (out)
+        *out = buf;
+    else
+        free(buf);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
 }
 

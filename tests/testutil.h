@@ -12,20 +12,20 @@ const char *rk_test_shared_path(const char *rel);
 
 /* Skip the current test (Criterion cr_skip_test) when the shared file is absent;
  * otherwise store its path (malloc'ed, leaked deliberately: test lifetime) in var. */
-#define RK_REQUIRE_SHARED(var, rel)                                                    \
-    do {                                                                               \
-        const char *rk__p = rk_test_shared_path(rel);                                  \
-        if (!rk__p) cr_skip_test("missing ../shared/%s (tests need the shared data)", rel); \
-        var = rk_test_strdup(rk__p);                                                   \
+#define RK_REQUIRE_SHARED(var, rel)                                                                \
+    do {                                                                                           \
+        const char *rk__p = rk_test_shared_path(rel);                                              \
+        if (!rk__p) cr_skip_test("missing ../shared/%s (tests need the shared data)", rel);        \
+        var = rk_test_strdup(rk__p);                                                               \
     } while (0)
 
 /* True when RAGKV_TEST_LIGHT is set: the sanitizer pass, where large synthetic
  * models are skipped (visibly) to keep the run short. */
 int rk_test_light(void);
 
-#define RK_SKIP_IF_LIGHT()                                                                 \
-    do {                                                                                   \
-        if (rk_test_light()) cr_skip_test("skipped in the light (sanitizer) pass: large model"); \
+#define RK_SKIP_IF_LIGHT()                                                                         \
+    do {                                                                                           \
+        if (rk_test_light()) cr_skip_test("skipped in the light (sanitizer) pass: large model");   \
     } while (0)
 
 char *rk_test_strdup(const char *s);
