@@ -11,6 +11,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 #include "config/config.h"
 
@@ -109,7 +110,94 @@ const rk_gguf_tensor *rk_gguf_find_tensor(const rk_gguf *g, const char *name);
 const char *rk_ggml_type_name(uint32_t type);
 size_t rk_ggml_type_row_bytes(uint32_t type, int64_t n_elements);
 
+/* Print a human-readable summary of g to out (for `ragkv inspect`): version,
+ * alignment, architecture, every metadata pair (scalars with their value,
+ * arrays as type, length and first elements), a tokenizer summary (model, pre,
+ * vocabulary size, merges, special token ids and texts), the tensor table
+ * (name, type, shape, bytes) and the parameter and byte totals. */
+void rk_gguf_print_info(const rk_gguf *g, FILE *out);
+
 /* ================================================================ writer
- * (declared below by the writer's implementation) */
+ *
+ * Collect metadata and tensor declarations, then write a GGUF v3 file in one
+ * go. Metadata is written in the order it was set; tensors are laid out in
+ * declaration order, each aligned to general.alignment (32 unless set), as
+ * ggml and gguf-py expect. Tensor data is not held by the writer: at write
+ * time the fill callback is asked for each tensor in turn, writing straight
+ * into the destination (the output buffer, or the mapped output file), so a
+ * multi-GB model streams through without a second copy in memory.
+ *
+ *     rk_gguf_writer *w;
+ *     rk_gguf_writer_create(&w);
+ *     rk_gguf_writer_set_str(w, "general.architecture", "llama");
+ *     rk_gguf_writer_add_tensor(w, "token_embd.weight", RK_GGML_F32, 2, (int64_t[]){64, 512});
+ *     rk_gguf_writer_write_file(w, "model.gguf", my_fill, my_ctx);
+ *     rk_gguf_writer_free(w);
+ *
+ * Setters copy their arguments and return RK_ERR_INVALID (with a message) for
+ * NULL or empty keys, a key set twice, bad tensor shapes or unknown types, a
+ * tensor name of 64 bytes or more (ggml's limit) or a duplicate tensor name;
+ * RK_ERR_NOMEM when a copy cannot be made. A failed setter leaves the writer
+ * as it was. */
+
+typedef struct rk_gguf_writer rk_gguf_writer; /* opaque */
+
+/* Supplies the data of tensor tensor_index (0-based, declaration order): write
+ * exactly n_bytes to dst (in the tensor's type, ne[0] fastest). Return RK_OK,
+ * or an error status with a message, which abandons the write. */
+typedef rk_status (*rk_gguf_fill_fn)(void *ctx, int64_t tensor_index, void *dst, size_t n_bytes);
+
+/* Create an empty writer; free it with rk_gguf_writer_free(). */
+rk_status rk_gguf_writer_create(rk_gguf_writer **out);
+/* Free the writer and everything it copied; accepts NULL. */
+void rk_gguf_writer_free(rk_gguf_writer *w);
+
+/* Scalars. set_bool stores 0 or 1. Setting general.alignment (u32, a power of
+ * two) changes the data alignment of the written file. */
+rk_status rk_gguf_writer_set_u32(rk_gguf_writer *w, const char *key, uint32_t v);
+rk_status rk_gguf_writer_set_i32(rk_gguf_writer *w, const char *key, int32_t v);
+rk_status rk_gguf_writer_set_u64(rk_gguf_writer *w, const char *key, uint64_t v);
+rk_status rk_gguf_writer_set_f32(rk_gguf_writer *w, const char *key, float v);
+rk_status rk_gguf_writer_set_bool(rk_gguf_writer *w, const char *key, int v);
+/* Any fixed-size scalar type (u8 .. f64, bool): value points at one value of
+ * that type in host (little-endian) layout. */
+rk_status rk_gguf_writer_set_scalar(rk_gguf_writer *w, const char *key, rk_gguf_type type,
+                                    const void *value);
+/* Strings: z_value NUL-terminated, or s of len bytes (may contain NULs). */
+rk_status rk_gguf_writer_set_str(rk_gguf_writer *w, const char *key, const char *z_value);
+rk_status rk_gguf_writer_set_str_len(rk_gguf_writer *w, const char *key, const char *s, size_t len);
+
+/* Arrays. Strings: n_strs strings, lens[i] their byte lengths or lens NULL to
+ * use strlen; all copied into one block. */
+rk_status rk_gguf_writer_set_arr_str(rk_gguf_writer *w, const char *key, const char *const *strs,
+                                     const uint32_t *lens, size_t n_strs);
+rk_status rk_gguf_writer_set_arr_i32(rk_gguf_writer *w, const char *key, const int32_t *values,
+                                     size_t n_values);
+rk_status rk_gguf_writer_set_arr_f32(rk_gguf_writer *w, const char *key, const float *values,
+                                     size_t n_values);
+/* Any fixed-size element type: values points at n_values packed elements. */
+rk_status rk_gguf_writer_set_arr(rk_gguf_writer *w, const char *key, rk_gguf_type elem_type,
+                                 const void *values, size_t n_values);
+
+/* Declare a tensor of n_dims (1..4) dimensions ne[0..n_dims-1] (ne[0] fastest;
+ * a matrix W of shape (out, in) has ne = {in, out}). Any ggml type with a known
+ * block size is accepted; ne[0] must be a multiple of its block size. */
+rk_status rk_gguf_writer_add_tensor(rk_gguf_writer *w, const char *name, rk_ggml_type type,
+                                    uint32_t n_dims, const int64_t *ne);
+/* Number of tensors declared so far. */
+int64_t rk_gguf_writer_n_tensors(const rk_gguf_writer *w);
+/* Size in bytes of the file the writer would write now (0 if it overflows). */
+size_t rk_gguf_writer_total_size(rk_gguf_writer *w);
+
+/* Write the file to path: to path.tmp first (space reserved up front, written
+ * through a shared mapping), fsync, then rename over path. fill may be NULL
+ * (tensors zero-filled). On failure path.tmp is removed, path is untouched,
+ * and the status is the fill callback's or RK_ERR_IO with a message. */
+rk_status rk_gguf_writer_write_file(rk_gguf_writer *w, const char *path, rk_gguf_fill_fn fill,
+                                    void *ctx);
+/* Write the file to a malloc'ed buffer (*out_buf, *out_len; the caller frees
+ * it). fill may be NULL (tensors zero-filled). */
+rk_status rk_gguf_writer_write_memory(rk_gguf_writer *w, rk_gguf_fill_fn fill, void *ctx,
+                                      void **out_buf, size_t *out_len);
 
 #endif
