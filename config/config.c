@@ -29,12 +29,13 @@ const char *rk_status_str(rk_status st) {
 
 static _Thread_local char g_error[512];
 
-rk_status rk_errorf(rk_status st, const char *fmt, ...) {
+void rk_error_setf(const char *fmt, ...) {
+    char buf[sizeof g_error]; /* the arguments may point into g_error itself */
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(g_error, sizeof g_error, fmt, ap);
+    vsnprintf(buf, sizeof buf, fmt, ap);
     va_end(ap);
-    return st;
+    memcpy(g_error, buf, sizeof buf);
 }
 
 const char *rk_error_message(void) { return g_error; }
@@ -81,9 +82,10 @@ void rk_config_defaults(rk_config *cfg) {
     snprintf(cfg->backend, sizeof cfg->backend, "cpu");
     cfg->n_threads = 0;
     cfg->block_size = 16;
-    cfg->live_blocks = 4096;
-    cfg->prefix_blocks = 1024;
-    cfg->chunk_blocks = 4096;
+    cfg->kv_memory_mb = 1024;
+    cfg->share_live = 0.4f;
+    cfg->share_prefix = 0.1f;
+    cfg->share_chunk = 0.5f;
     cfg->kv_poison = 0;
 }
 
@@ -98,10 +100,19 @@ rk_status rk_config_validate(const rk_config *cfg) {
     if (bs < 8 || bs > 64 || (bs & (bs - 1)) != 0)
         return rk_errorf(RK_ERR_INVALID,
                          "config: block_size must be a power of two from 8 to 64, got %d", bs);
-    if (cfg->live_blocks < 1 || cfg->prefix_blocks < 0 || cfg->chunk_blocks < 0)
+    if (cfg->kv_memory_mb < 1 || cfg->kv_memory_mb > (1 << 24))
+        return rk_errorf(RK_ERR_INVALID, "config: kv_memory_mb must be 1 to 16777216, got %d",
+                         cfg->kv_memory_mb);
+    float shares[3] = {cfg->share_live, cfg->share_prefix, cfg->share_chunk};
+    if (!(shares[0] > 0) || !(shares[1] >= 0) || !(shares[2] >= 0) ||
+        shares[0] + shares[1] + shares[2] > 1.0001f)
         return rk_errorf(RK_ERR_INVALID,
-                         "config: pool sizes must be >= 0 blocks (live >= 1), got live=%d "
-                         "prefix=%d chunk=%d",
+                         "config: pool shares must be >= 0 (live > 0) and add up to at most 1, "
+                         "got live=%g prefix=%g chunk=%g",
+                         shares[0], shares[1], shares[2]);
+    if (cfg->live_blocks < 0 || cfg->prefix_blocks < 0 || cfg->chunk_blocks < 0)
+        return rk_errorf(RK_ERR_INVALID,
+                         "config: pool block counts must be >= 0, got live=%d prefix=%d chunk=%d",
                          cfg->live_blocks, cfg->prefix_blocks, cfg->chunk_blocks);
     return RK_OK;
 }

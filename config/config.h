@@ -31,9 +31,14 @@ typedef enum rk_status {
 const char *rk_status_str(rk_status st);
 
 /* Record a formatted message describing the current failure in this thread's
- * error slot and return st unchanged, so a failure site can be written as
- * `return rk_errorf(RK_ERR_FORMAT, "%s: bad magic", path);`. */
-rk_status rk_errorf(rk_status st, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+ * error slot. */
+void rk_error_setf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* Record a message and evaluate to st, so a failure site reads
+ * `return rk_errorf(RK_ERR_FORMAT, "%s: bad magic", path);`. A macro rather
+ * than a function so the compiler sees the status returned is the constant
+ * given (which keeps its flow analysis precise). */
+#define rk_errorf(st, ...) (rk_error_setf(__VA_ARGS__), (st))
 
 /* Return this thread's last recorded error message ("" if none). The pointer
  * stays valid until the next rk_errorf() in this thread. */
@@ -75,12 +80,17 @@ typedef struct rk_config {
     char backend[16]; /* "cpu" (default) or "cuda" */
     int n_threads;    /* compute threads; 0 = number of online cores */
 
-    /* KV arena */
-    int block_size;    /* tokens per KV block: a power of two in [8, 64]; default 16 */
-    int live_blocks;   /* blocks in the `live` pool (requests in flight) */
-    int prefix_blocks; /* blocks in the `prefix` pool (radix-cached system prompts) */
-    int chunk_blocks;  /* blocks in the `chunk` pool (the chunk cache) */
-    int kv_poison;     /* fill freed blocks with NaN (debugging aid) */
+    /* KV arena: a memory budget split into pools by share; an explicit block
+     * count (> 0) overrides the share for that pool. */
+    int block_size;     /* tokens per KV block: a power of two in [8, 64]; default 16 */
+    int kv_memory_mb;   /* KV budget in MiB; default 1024 */
+    float share_live;   /* fraction of the budget for requests in flight; default 0.4 */
+    float share_prefix; /* ... for radix-cached system prompts; default 0.1 */
+    float share_chunk;  /* ... for the chunk cache; default 0.5 */
+    int live_blocks;    /* 0 = from the share */
+    int prefix_blocks;
+    int chunk_blocks;
+    int kv_poison; /* fill freed blocks with NaN (debugging aid) */
 } rk_config;
 
 /* Fill cfg with the defaults (which work on a laptop). */

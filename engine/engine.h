@@ -1,0 +1,116 @@
+/* engine/engine.h — models and the transformer forward pass.
+ *
+ * A model is loaded from GGUF (architectures llama, qwen2, qwen3; weights
+ * F32, F16 or BF16), with its tokenizer read from the same file. The forward
+ * pass computes a batch of tokens from one or more sequences at explicit
+ * positions, writes their K/V into the paged cache through a slot mapping and
+ * attends over each sequence's block table: the engine never owns KV memory
+ * and has no contiguous-cache path. Sampling lives here too. */
+#ifndef RK_ENGINE_H
+#define RK_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config/config.h"
+#include "engine/gguf.h"
+#include "engine/tokenizer.h"
+#include "kernels/kernels.h"
+
+typedef enum rk_arch {
+    RK_ARCH_LLAMA = 0,
+    RK_ARCH_QWEN2 = 1, /* QKV biases */
+    RK_ARCH_QWEN3 = 2, /* per-head RMSNorm on Q and K */
+} rk_arch;
+
+typedef struct rk_hparams {
+    rk_arch arch;
+    char arch_name[16];
+    char name[96]; /* general.name, "" when absent */
+    int n_layers;
+    int dim; /* embedding width */
+    int n_heads;
+    int n_kv_heads;
+    int head_dim;
+    int ffn_dim;
+    int n_vocab;
+    int n_ctx; /* training context length */
+    float rms_eps;
+    int has_qkv_bias;
+    int has_qk_norm;
+    int tied_embeddings;
+    rk_rope_params rope;
+    rk_dtype wtype; /* dtype of the attention/FFN matrices (of blk.0.attn_q) */
+} rk_hparams;
+
+typedef struct rk_model rk_model; /* opaque */
+
+/* Load a model from a GGUF file for the given backend. The file stays mapped
+ * for the model's lifetime (the CPU backend computes from the mapping). On
+ * failure returns an error with a message naming the file and the problem. */
+rk_status rk_model_load(const char *path, rk_backend *be, rk_model **out);
+
+/* Same, from a GGUF image in memory that the model takes ownership of (freed
+ * with free() when the model is freed, also on failure). */
+rk_status rk_model_load_owned_buffer(void *buf, size_t len, const char *name, rk_backend *be,
+                                     rk_model **out);
+
+void rk_model_free(rk_model *m);
+
+const rk_hparams *rk_model_hparams(const rk_model *m);
+const rk_tokenizer *rk_model_tokenizer(const rk_model *m);
+const rk_rope *rk_model_rope(const rk_model *m);
+const rk_gguf *rk_model_gguf(const rk_model *m);
+rk_backend *rk_model_backend(const rk_model *m);
+/* 32 lowercase hex digits identifying the weights and hyper-parameters. */
+const char *rk_model_fingerprint(const rk_model *m);
+/* Bytes of weights read per decoded token (every matrix once), for bandwidth figures. */
+size_t rk_model_weight_bytes(const rk_model *m);
+
+/* One forward call. Sequence s of attn owns token rows attn.q_start[s] ..
+ * attn.q_start[s+1]-1 of tokens/pos/slots; after its new K/V are written, it
+ * attends over the first attn.kv_len[s] entries of its block table (causal in
+ * table order). Logits are produced for the rows listed in logit_rows. All
+ * arrays are host memory. */
+typedef struct rk_batch {
+    int n_tokens;
+    const int32_t *tokens; /* (n_tokens) */
+    const int32_t *pos;    /* (n_tokens) RoPE positions */
+    const int32_t *slots;  /* (n_tokens) KV slot each token's K/V is written to */
+    rk_attn_batch attn;    /* block_table here is host memory */
+    int n_logits;
+    const int32_t *logit_rows; /* (n_logits) rows of tokens to compute logits for */
+} rk_batch;
+
+/* Run the transformer over the batch; writes logits (n_logits, n_vocab) to
+ * host memory out_logits (may be NULL when n_logits is 0). */
+rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b,
+                           float *out_logits);
+
+/* ---------------------------------------------------------------- sampling */
+
+typedef struct rk_sampler_params {
+    float temperature; /* 0 = greedy */
+    int top_k;         /* 0 = off */
+    float top_p;       /* 1 = off */
+    uint64_t seed;
+} rk_sampler_params;
+
+typedef struct rk_sampler {
+    rk_sampler_params p;
+    uint64_t rng[2];
+    int n_vocab;
+    float *probs; /* (n_vocab) scratch */
+    int32_t *idx; /* (n_vocab) scratch */
+} rk_sampler;
+
+rk_status rk_sampler_init(rk_sampler *s, const rk_sampler_params *p, int n_vocab);
+void rk_sampler_free(rk_sampler *s);
+/* Choose the next token from logits(n_vocab). Reproducible for a given seed. */
+int32_t rk_sampler_sample(rk_sampler *s, const float *logits);
+
+/* The k most likely tokens of logits(n) with their natural-log probabilities
+ * (log-softmax of the raw logits), most likely first. Returns how many were written. */
+int rk_logprobs_top(const float *logits, int n, int k, int32_t *out_ids, float *out_logprobs);
+
+#endif

@@ -1,0 +1,590 @@
+/* engine/model.c — loading llama / qwen2 / qwen3 models from GGUF and the
+ * transformer forward pass over a paged KV cache.
+ *
+ * Per layer, for a batch of n tokens (x is the residual stream):
+ *   xb = rmsnorm(x) · attn_norm
+ *   q, k, v = xb·Wq (+bq), xb·Wk (+bk), xb·Wv (+bv)
+ *   q, k = rmsnorm per head (qwen3 only), then RoPE at each token's position
+ *   kv_write(k, v → slots);  att = paged attention(q, block tables)
+ *   x += att·Wo
+ *   xb = rmsnorm(x) · ffn_norm;  x += (silu(xb·Wgate) * (xb·Wup)) · Wdown
+ * then logits = (rmsnorm(x) · output_norm) · Wout for the requested rows. */
+#include "engine/engine.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+typedef struct rk_matrix {
+    const void *w; /* (rows, cols) backend memory, cols contiguous */
+    rk_dtype type;
+    int rows, cols;
+} rk_matrix;
+
+typedef struct rk_layer {
+    const float *attn_norm, *ffn_norm; /* (dim) */
+    const float *q_norm, *k_norm;      /* (head_dim), qwen3 */
+    const float *bq, *bk, *bv;         /* (n_heads*head_dim), (kv_dim), (kv_dim); qwen2 */
+    rk_matrix wq, wk, wv, wo, gate, up, down;
+} rk_layer;
+
+/* Activation buffers, sized for cap tokens and cap_logits logit rows. */
+typedef struct rk_scratch {
+    int cap, cap_logits, cap_blocks;
+    float *x, *xb;                 /* (cap, dim) */
+    float *q, *att;                /* (cap, n_heads*head_dim) */
+    float *k, *v;                  /* (cap, kv_dim) */
+    float *hb, *hb2;               /* (cap, ffn_dim) */
+    float *xl;                     /* (cap_logits, dim) */
+    float *logits;                 /* (cap_logits, n_vocab) */
+    int32_t *tokens, *pos, *slots; /* (cap) */
+    int32_t *table;                /* (cap_blocks) */
+} rk_scratch;
+
+struct rk_model {
+    rk_hparams hp;
+    rk_rope rope;
+    rk_backend *be;
+    rk_gguf *gguf;
+    void *owned_buf;
+    rk_tokenizer *tok;
+    const void *embd; /* token_embd (n_vocab, dim) */
+    rk_dtype embd_type;
+    const float *out_norm;
+    rk_matrix out;
+    rk_layer *layers;
+    void **allocs; /* backend buffers this model owns */
+    int n_allocs, cap_allocs;
+    void **host_allocs; /* host buffers (converted small tensors) */
+    int n_host, cap_host;
+    size_t weight_bytes;
+    char fingerprint[33];
+    rk_scratch s;
+};
+
+/* ---------------------------------------------------------------- helpers */
+
+static rk_status track(void ***arr, int *n, int *cap, void *p) {
+    if (*n == *cap) {
+        int nc = *cap ? *cap * 2 : 64;
+        void **na = realloc(*arr, (size_t)nc * sizeof *na);
+        if (!na) return rk_errorf(RK_ERR_NOMEM, "model: out of memory");
+        *arr = na;
+        *cap = nc;
+    }
+    (*arr)[(*n)++] = p;
+    return RK_OK;
+}
+
+static rk_status be_alloc(rk_model *m, size_t bytes, void **out) {
+    rk_status st = m->be->ops->alloc(m->be, bytes ? bytes : 1, out);
+    if (st) return st;
+    st = track(&m->allocs, &m->n_allocs, &m->cap_allocs, *out);
+    if (st) m->be->ops->free(m->be, *out);
+    return st;
+}
+
+static int backend_is_host(const rk_backend *be) { return strcmp(be->name, "cpu") == 0; }
+
+static rk_status dtype_of(const rk_gguf_tensor *t, rk_dtype *out) {
+    switch (t->type) {
+    case RK_GGML_F32: *out = RK_DTYPE_F32; return RK_OK;
+    case RK_GGML_F16: *out = RK_DTYPE_F16; return RK_OK;
+    case RK_GGML_BF16: *out = RK_DTYPE_BF16; return RK_OK;
+    }
+    return rk_errorf(RK_ERR_UNSUPPORTED,
+                     "tensor %s has type %s; ragkv computes with F32, F16, BF16", t->name,
+                     rk_ggml_type_name(t->type));
+}
+
+/* Find a tensor and check its shape (ne0 fastest; ne1 = 1 for vectors). */
+static rk_status find(rk_model *m, const char *name, int64_t ne0, int64_t ne1, int optional,
+                      const rk_gguf_tensor **out) {
+    const rk_gguf_tensor *t = rk_gguf_find_tensor(m->gguf, name);
+    *out = t;
+    if (!t) {
+        if (optional) return RK_OK;
+        return rk_errorf(RK_ERR_FORMAT, "model: tensor %s is missing", name);
+    }
+    if (t->ne[0] != ne0 || t->ne[1] != ne1 || t->ne[2] != 1 || t->ne[3] != 1)
+        return rk_errorf(
+            RK_ERR_FORMAT,
+            "model: tensor %s has shape {%lld, %lld, %lld, %lld}, expected {%lld, %lld}", name,
+            (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2], (long long)t->ne[3],
+            (long long)ne0, (long long)ne1);
+    return RK_OK;
+}
+
+/* A weight as backend memory: the mapping itself on the CPU backend, an upload elsewhere. */
+static rk_status place(rk_model *m, const rk_gguf_tensor *t, const void **out) {
+    if (backend_is_host(m->be)) {
+        *out = t->data;
+        return RK_OK;
+    }
+    void *p;
+    rk_status st = be_alloc(m, t->n_bytes, &p);
+    if (st) return st;
+    *out = p;
+    return m->be->ops->upload(m->be, p, t->data, t->n_bytes);
+}
+
+/* A small f32 vector (norm weight, bias) of n elements, converted when stored narrower. */
+static rk_status load_vec(rk_model *m, const char *name, int64_t n, int optional,
+                          const float **out) {
+    const rk_gguf_tensor *t;
+    *out = NULL;
+    rk_status st = find(m, name, n, 1, optional, &t);
+    if (st || !t) return st;
+    rk_dtype dt;
+    if ((st = dtype_of(t, &dt))) return st;
+    const void *src = t->data;
+    if (dt != RK_DTYPE_F32) {
+        float *f = malloc((size_t)n * sizeof *f);
+        if (!f) return rk_errorf(RK_ERR_NOMEM, "model: out of memory");
+        if ((st = track(&m->host_allocs, &m->n_host, &m->cap_host, f))) {
+            free(f);
+            return st;
+        }
+        const uint16_t *h = t->data;
+        for (int64_t i = 0; i < n; i++)
+            f[i] = dt == RK_DTYPE_F16 ? rk_f16_to_f32(h[i]) : rk_bf16_to_f32(h[i]);
+        src = f;
+    }
+    if (backend_is_host(m->be)) {
+        *out = src;
+        return RK_OK;
+    }
+    void *p;
+    if ((st = be_alloc(m, (size_t)n * sizeof(float), &p))) return st;
+    *out = p;
+    return m->be->ops->upload(m->be, p, src, (size_t)n * sizeof(float));
+}
+
+static rk_status load_mat(rk_model *m, const char *name, int rows, int cols, rk_matrix *out) {
+    const rk_gguf_tensor *t;
+    rk_status st = find(m, name, cols, rows, 0, &t);
+    if (st) return st;
+    out->rows = rows;
+    out->cols = cols;
+    if ((st = dtype_of(t, &out->type))) return st;
+    m->weight_bytes += t->n_bytes;
+    return place(m, t, &out->w);
+}
+
+/* ---------------------------------------------------------------- hparams */
+
+static rk_status get_u32_arch(rk_model *m, const char *suffix, uint32_t def, int required,
+                              int *out) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", m->hp.arch_name, suffix);
+    uint32_t v;
+    rk_status st = rk_gguf_get_u32(m->gguf, key, &v);
+    if (st == RK_ERR_NOT_FOUND) {
+        if (required) return rk_errorf(RK_ERR_FORMAT, "model: metadata key %s is missing", key);
+        v = def;
+    } else if (st) {
+        return st;
+    }
+    if (v > (1u << 30)) return rk_errorf(RK_ERR_FORMAT, "model: %s = %u is out of range", key, v);
+    *out = (int)v;
+    return RK_OK;
+}
+
+static float get_f32_arch(rk_model *m, const char *suffix, float def) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", m->hp.arch_name, suffix);
+    float v;
+    return rk_gguf_get_f32(m->gguf, key, &v) == RK_OK ? v : def;
+}
+
+static rk_status read_hparams(rk_model *m) {
+    rk_hparams *hp = &m->hp;
+    const char *arch;
+    rk_status st = rk_gguf_get_str(m->gguf, "general.architecture", &arch, NULL);
+    if (st) return rk_errorf(RK_ERR_FORMAT, "model: general.architecture is missing");
+    if (!strcmp(arch, "llama"))
+        hp->arch = RK_ARCH_LLAMA;
+    else if (!strcmp(arch, "qwen2"))
+        hp->arch = RK_ARCH_QWEN2;
+    else if (!strcmp(arch, "qwen3"))
+        hp->arch = RK_ARCH_QWEN3;
+    else
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "model: architecture \"%s\" is not supported (llama, qwen2, qwen3)", arch);
+    snprintf(hp->arch_name, sizeof hp->arch_name, "%s", arch);
+    const char *name;
+    if (rk_gguf_get_str(m->gguf, "general.name", &name, NULL) == RK_OK)
+        snprintf(hp->name, sizeof hp->name, "%s", name);
+
+    if ((st = get_u32_arch(m, "block_count", 0, 1, &hp->n_layers)) ||
+        (st = get_u32_arch(m, "embedding_length", 0, 1, &hp->dim)) ||
+        (st = get_u32_arch(m, "feed_forward_length", 0, 1, &hp->ffn_dim)) ||
+        (st = get_u32_arch(m, "attention.head_count", 0, 1, &hp->n_heads)) ||
+        (st = get_u32_arch(m, "attention.head_count_kv", (uint32_t)hp->n_heads, 0,
+                           &hp->n_kv_heads)) ||
+        (st = get_u32_arch(m, "context_length", 2048, 0, &hp->n_ctx)))
+        return st;
+    if (hp->n_layers < 1 || hp->dim < 1 || hp->ffn_dim < 1 || hp->n_heads < 1 ||
+        hp->n_kv_heads < 1 || hp->n_heads % hp->n_kv_heads)
+        return rk_errorf(RK_ERR_FORMAT,
+                         "model: inconsistent shape (%d layers, dim %d, ffn %d, %d heads, %d kv)",
+                         hp->n_layers, hp->dim, hp->ffn_dim, hp->n_heads, hp->n_kv_heads);
+    if ((st = get_u32_arch(m, "attention.key_length", (uint32_t)(hp->dim / hp->n_heads), 0,
+                           &hp->head_dim)))
+        return st;
+    int vlen;
+    if ((st = get_u32_arch(m, "attention.value_length", (uint32_t)hp->head_dim, 0, &vlen)))
+        return st;
+    if (vlen != hp->head_dim || hp->head_dim < 2 || hp->head_dim > 2 * RK_ROPE_MAX_PAIRS)
+        return rk_errorf(RK_ERR_UNSUPPORTED, "model: head_dim %d / value_length %d not supported",
+                         hp->head_dim, vlen);
+    hp->rms_eps = get_f32_arch(m, "attention.layer_norm_rms_epsilon", 1e-5f);
+    hp->has_qkv_bias = hp->arch == RK_ARCH_QWEN2;
+    hp->has_qk_norm = hp->arch == RK_ARCH_QWEN3;
+
+    rk_rope_params *rp = &hp->rope;
+    memset(rp, 0, sizeof *rp);
+    if ((st = get_u32_arch(m, "rope.dimension_count", (uint32_t)hp->head_dim, 0, &rp->n_rot)))
+        return st;
+    rp->theta = get_f32_arch(m, "rope.freq_base", 10000.0f);
+    rp->pairing = hp->arch == RK_ARCH_LLAMA ? RK_ROPE_NORMAL : RK_ROPE_NEOX;
+    rp->factor = get_f32_arch(m, "rope.scaling.factor", 1.0f);
+    int orig;
+    if ((st = get_u32_arch(m, "rope.scaling.original_context_length", (uint32_t)hp->n_ctx, 0,
+                           &orig)))
+        return st;
+    rp->orig_ctx = orig;
+    rp->beta_fast = get_f32_arch(m, "rope.scaling.yarn_beta_fast", 32.0f);
+    rp->beta_slow = get_f32_arch(m, "rope.scaling.yarn_beta_slow", 1.0f);
+    rp->low_freq_factor = get_f32_arch(m, "rope.scaling.low_freq_factor", 1.0f);
+    rp->high_freq_factor = get_f32_arch(m, "rope.scaling.high_freq_factor", 4.0f);
+    char key[128];
+    const char *stype = "none";
+    snprintf(key, sizeof key, "%s.rope.scaling.type", hp->arch_name);
+    rk_gguf_get_str(m->gguf, key, &stype, NULL);
+    if (!strcmp(stype, "none"))
+        rp->scaling = RK_ROPE_SCALING_NONE;
+    else if (!strcmp(stype, "linear"))
+        rp->scaling = RK_ROPE_SCALING_LINEAR;
+    else if (!strcmp(stype, "yarn"))
+        rp->scaling = RK_ROPE_SCALING_YARN;
+    else if (!strcmp(stype, "llama3"))
+        rp->scaling = RK_ROPE_SCALING_LLAMA3;
+    else
+        return rk_errorf(RK_ERR_UNSUPPORTED, "model: rope scaling \"%s\" not supported", stype);
+    if (rp->scaling != RK_ROPE_SCALING_NONE && !(rp->factor > 0))
+        return rk_errorf(RK_ERR_FORMAT, "model: rope scaling factor %g is invalid", rp->factor);
+    if ((st = rk_rope_init(&m->rope, rp))) return st;
+    return RK_OK;
+}
+
+/* llama 3 files carry precomputed per-frequency divisors in rope_freqs.weight. */
+static rk_status apply_rope_freqs(rk_model *m) {
+    const rk_gguf_tensor *t = rk_gguf_find_tensor(m->gguf, "rope_freqs.weight");
+    if (!t) return RK_OK;
+    int n = m->rope.n_rot / 2;
+    if (t->type != RK_GGML_F32 || t->ne[0] != n || t->ne[1] != 1)
+        return rk_errorf(RK_ERR_FORMAT, "model: rope_freqs.weight should be F32 {%d}", n);
+    const float *f = t->data;
+    for (int i = 0; i < n; i++) {
+        if (!(f[i] > 0)) return rk_errorf(RK_ERR_FORMAT, "model: rope_freqs.weight[%d] <= 0", i);
+        m->rope.freq[i] /= f[i];
+    }
+    return RK_OK;
+}
+
+/* ---------------------------------------------------------------- loading */
+
+static rk_status load_weights(rk_model *m) {
+    rk_hparams *hp = &m->hp;
+    const rk_gguf_tensor *t;
+    rk_status st = rk_gguf_find_tensor(m->gguf, "token_embd.weight")
+                       ? RK_OK
+                       : rk_errorf(RK_ERR_FORMAT, "model: tensor token_embd.weight is missing");
+    if (st) return st;
+    t = rk_gguf_find_tensor(m->gguf, "token_embd.weight");
+    if (t->ne[0] != hp->dim || t->ne[1] < 1 || t->ne[1] > (1 << 24) || t->n_dims != 2)
+        return rk_errorf(RK_ERR_FORMAT, "model: token_embd.weight has shape {%lld, %lld}",
+                         (long long)t->ne[0], (long long)t->ne[1]);
+    hp->n_vocab = (int)t->ne[1];
+    if ((st = dtype_of(t, &m->embd_type)) || (st = place(m, t, &m->embd))) return st;
+
+    int q_dim = hp->n_heads * hp->head_dim, kv_dim = hp->n_kv_heads * hp->head_dim;
+    m->layers = calloc((size_t)hp->n_layers, sizeof *m->layers);
+    if (!m->layers) return rk_errorf(RK_ERR_NOMEM, "model: out of memory");
+    char name[96];
+#define N(fmt) (snprintf(name, sizeof name, "blk.%d." fmt, l), name)
+    for (int l = 0; l < hp->n_layers; l++) {
+        rk_layer *L = &m->layers[l];
+        if ((st = load_vec(m, N("attn_norm.weight"), hp->dim, 0, &L->attn_norm)) ||
+            (st = load_vec(m, N("ffn_norm.weight"), hp->dim, 0, &L->ffn_norm)) ||
+            (st = load_mat(m, N("attn_q.weight"), q_dim, hp->dim, &L->wq)) ||
+            (st = load_mat(m, N("attn_k.weight"), kv_dim, hp->dim, &L->wk)) ||
+            (st = load_mat(m, N("attn_v.weight"), kv_dim, hp->dim, &L->wv)) ||
+            (st = load_mat(m, N("attn_output.weight"), hp->dim, q_dim, &L->wo)) ||
+            (st = load_mat(m, N("ffn_gate.weight"), hp->ffn_dim, hp->dim, &L->gate)) ||
+            (st = load_mat(m, N("ffn_up.weight"), hp->ffn_dim, hp->dim, &L->up)) ||
+            (st = load_mat(m, N("ffn_down.weight"), hp->dim, hp->ffn_dim, &L->down)))
+            return st;
+        if (hp->has_qk_norm &&
+            ((st = load_vec(m, N("attn_q_norm.weight"), hp->head_dim, 0, &L->q_norm)) ||
+             (st = load_vec(m, N("attn_k_norm.weight"), hp->head_dim, 0, &L->k_norm))))
+            return st;
+        /* Biases are optional in any architecture (qwen2 always has them). */
+        if ((st = load_vec(m, N("attn_q.bias"), q_dim, !hp->has_qkv_bias, &L->bq)) ||
+            (st = load_vec(m, N("attn_k.bias"), kv_dim, !hp->has_qkv_bias, &L->bk)) ||
+            (st = load_vec(m, N("attn_v.bias"), kv_dim, !hp->has_qkv_bias, &L->bv)))
+            return st;
+    }
+#undef N
+    if ((st = load_vec(m, "output_norm.weight", hp->dim, 0, &m->out_norm))) return st;
+    if (rk_gguf_find_tensor(m->gguf, "output.weight")) {
+        if ((st = load_mat(m, "output.weight", hp->n_vocab, hp->dim, &m->out))) return st;
+    } else {
+        hp->tied_embeddings = 1;
+        m->out = (rk_matrix){m->embd, m->embd_type, hp->n_vocab, hp->dim};
+        m->weight_bytes += t->n_bytes;
+    }
+    hp->wtype = m->layers[0].wq.type;
+    return RK_OK;
+}
+
+/* Fingerprint: XXH3-128 over the hyper-parameters, the tensor table and a
+ * sample (first and last 64 KiB) of every tensor's data. */
+static void compute_fingerprint(rk_model *m) {
+    XXH3_state_t *s = XXH3_createState();
+    if (!s) {
+        snprintf(m->fingerprint, sizeof m->fingerprint, "%032x", 0);
+        return;
+    }
+    XXH3_128bits_reset(s);
+    XXH3_128bits_update(s, &m->hp, sizeof m->hp);
+    for (int64_t i = 0; i < rk_gguf_n_tensors(m->gguf); i++) {
+        const rk_gguf_tensor *t = rk_gguf_tensor_at(m->gguf, i);
+        XXH3_128bits_update(s, t->name, strlen(t->name));
+        XXH3_128bits_update(s, &t->type, sizeof t->type);
+        XXH3_128bits_update(s, t->ne, sizeof t->ne);
+        size_t n = t->n_bytes < 65536 ? t->n_bytes : 65536;
+        XXH3_128bits_update(s, t->data, n);
+        XXH3_128bits_update(s, (const char *)t->data + t->n_bytes - n, n);
+    }
+    XXH128_hash_t h = XXH3_128bits_digest(s);
+    XXH3_freeState(s);
+    snprintf(m->fingerprint, sizeof m->fingerprint, "%016llx%016llx", (unsigned long long)h.high64,
+             (unsigned long long)h.low64);
+}
+
+static rk_status load_common(rk_model *m) {
+    rk_status st;
+    if ((st = read_hparams(m)) || (st = apply_rope_freqs(m)) || (st = load_weights(m)) ||
+        (st = rk_tokenizer_from_gguf(m->gguf, &m->tok)))
+        return st;
+    if (rk_tokenizer_n_vocab(m->tok) > m->hp.n_vocab)
+        return rk_errorf(RK_ERR_FORMAT, "model: tokenizer has %d tokens but the embedding %d rows",
+                         rk_tokenizer_n_vocab(m->tok), m->hp.n_vocab);
+    compute_fingerprint(m);
+    return RK_OK;
+}
+
+rk_status rk_model_load(const char *path, rk_backend *be, rk_model **out) {
+    *out = NULL;
+    rk_model *m = calloc(1, sizeof *m);
+    if (!m) return rk_errorf(RK_ERR_NOMEM, "model: out of memory");
+    m->be = be;
+    rk_status st = rk_gguf_open(path, &m->gguf);
+    if (!st) st = load_common(m);
+    if (st) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", rk_error_message());
+        rk_model_free(m);
+        return strstr(msg, path) ? rk_errorf(st, "%s", msg) : rk_errorf(st, "%s: %s", path, msg);
+    }
+    *out = m;
+    return RK_OK;
+}
+
+rk_status rk_model_load_owned_buffer(void *buf, size_t len, const char *name, rk_backend *be,
+                                     rk_model **out) {
+    *out = NULL;
+    rk_model *m = calloc(1, sizeof *m);
+    if (!m) {
+        free(buf);
+        return rk_errorf(RK_ERR_NOMEM, "model: out of memory");
+    }
+    m->be = be;
+    m->owned_buf = buf;
+    rk_status st = rk_gguf_open_memory(buf, len, &m->gguf);
+    if (!st) st = load_common(m);
+    if (st) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", rk_error_message());
+        rk_model_free(m);
+        return rk_errorf(st, "%s: %s", name, msg);
+    }
+    *out = m;
+    return RK_OK;
+}
+
+static void scratch_free(rk_model *m) {
+    rk_scratch *s = &m->s;
+    void *bufs[] = {s->x,   s->xb, s->q,      s->att,    s->k,   s->v,     s->hb,
+                    s->hb2, s->xl, s->logits, s->tokens, s->pos, s->slots, s->table};
+    for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
+        if (bufs[i]) m->be->ops->free(m->be, bufs[i]);
+    memset(s, 0, sizeof *s);
+}
+
+void rk_model_free(rk_model *m) {
+    if (!m) return;
+    scratch_free(m);
+    for (int i = 0; i < m->n_allocs; i++) m->be->ops->free(m->be, m->allocs[i]);
+    for (int i = 0; i < m->n_host; i++) free(m->host_allocs[i]);
+    free(m->allocs);
+    free(m->host_allocs);
+    free(m->layers);
+    rk_tokenizer_free(m->tok);
+    rk_gguf_close(m->gguf);
+    free(m->owned_buf);
+    free(m);
+}
+
+const rk_hparams *rk_model_hparams(const rk_model *m) { return &m->hp; }
+const rk_tokenizer *rk_model_tokenizer(const rk_model *m) { return m->tok; }
+const rk_rope *rk_model_rope(const rk_model *m) { return &m->rope; }
+const rk_gguf *rk_model_gguf(const rk_model *m) { return m->gguf; }
+rk_backend *rk_model_backend(const rk_model *m) { return m->be; }
+const char *rk_model_fingerprint(const rk_model *m) { return m->fingerprint; }
+size_t rk_model_weight_bytes(const rk_model *m) { return m->weight_bytes; }
+
+/* ---------------------------------------------------------------- forward */
+
+static rk_status scratch_reserve(rk_model *m, int n, int n_logits, int n_table) {
+    rk_scratch *s = &m->s;
+    if (n <= s->cap && n_logits <= s->cap_logits && n_table <= s->cap_blocks) return RK_OK;
+    int cap = n > s->cap ? n : s->cap;
+    int cap_l = n_logits > s->cap_logits ? n_logits : s->cap_logits;
+    int cap_b = n_table > s->cap_blocks ? n_table : s->cap_blocks;
+    scratch_free(m);
+    const rk_hparams *hp = &m->hp;
+    size_t q_dim = (size_t)hp->n_heads * hp->head_dim,
+           kv_dim = (size_t)hp->n_kv_heads * hp->head_dim;
+    struct {
+        void **p;
+        size_t bytes;
+    } want[] = {
+        {(void **)&s->x, (size_t)cap * hp->dim * 4},
+        {(void **)&s->xb, (size_t)cap * hp->dim * 4},
+        {(void **)&s->q, (size_t)cap * q_dim * 4},
+        {(void **)&s->att, (size_t)cap * q_dim * 4},
+        {(void **)&s->k, (size_t)cap * kv_dim * 4},
+        {(void **)&s->v, (size_t)cap * kv_dim * 4},
+        {(void **)&s->hb, (size_t)cap * hp->ffn_dim * 4},
+        {(void **)&s->hb2, (size_t)cap * hp->ffn_dim * 4},
+        {(void **)&s->xl, (size_t)(cap_l ? cap_l : 1) * hp->dim * 4},
+        {(void **)&s->logits, (size_t)(cap_l ? cap_l : 1) * hp->n_vocab * 4},
+        {(void **)&s->tokens, (size_t)cap * 4},
+        {(void **)&s->pos, (size_t)cap * 4},
+        {(void **)&s->slots, (size_t)cap * 4},
+        {(void **)&s->table, (size_t)(cap_b ? cap_b : 1) * 4},
+    };
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        rk_status st = m->be->ops->alloc(m->be, want[i].bytes, want[i].p);
+        if (st) {
+            scratch_free(m);
+            return rk_errorf(st, "model: cannot allocate %zu bytes of activations for %d tokens",
+                             want[i].bytes, cap);
+        }
+    }
+    s->cap = cap;
+    s->cap_logits = cap_l;
+    s->cap_blocks = cap_b;
+    return RK_OK;
+}
+
+static rk_status check_batch(const rk_model *m, const rk_kv_cache *kv, const rk_batch *b) {
+    const rk_hparams *hp = &m->hp;
+    if (b->n_tokens < 1 || b->attn.n_seqs < 1 || b->n_logits < 0)
+        return rk_errorf(RK_ERR_INVALID, "forward: empty batch");
+    if (kv->n_layers != hp->n_layers || kv->n_kv_heads != hp->n_kv_heads ||
+        kv->head_dim != hp->head_dim)
+        return rk_errorf(RK_ERR_INVALID, "forward: KV cache shape does not match the model");
+    if (b->attn.q_start[0] != 0 || b->attn.q_start[b->attn.n_seqs] != b->n_tokens)
+        return rk_errorf(RK_ERR_INVALID, "forward: sequences do not cover the batch's tokens");
+    for (int i = 0; i < b->n_tokens; i++)
+        if (b->tokens[i] < 0 || b->tokens[i] >= hp->n_vocab)
+            return rk_errorf(RK_ERR_INVALID, "forward: token id %d out of range [0, %d)",
+                             b->tokens[i], hp->n_vocab);
+    for (int i = 0; i < b->n_logits; i++)
+        if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tokens)
+            return rk_errorf(RK_ERR_INVALID, "forward: logit row %d out of range",
+                             b->logit_rows[i]);
+    return RK_OK;
+}
+
+static rk_status matmul(rk_model *m, float *y, const float *x, const rk_matrix *w, int n) {
+    return m->be->ops->matmul(m->be, y, x, w->w, w->type, n, w->cols, w->rows);
+}
+
+rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b,
+                           float *out_logits) {
+    rk_status st = check_batch(m, kv, b);
+    if (st) return st;
+    const rk_hparams *hp = &m->hp;
+    const rk_backend_ops *ops = m->be->ops;
+    rk_backend *be = m->be;
+    int n = b->n_tokens, n_table = b->attn.n_seqs * b->attn.max_blocks;
+    if ((st = scratch_reserve(m, n, b->n_logits, n_table))) return st;
+    rk_scratch *s = &m->s;
+    int q_dim = hp->n_heads * hp->head_dim, kv_dim = hp->n_kv_heads * hp->head_dim;
+    if ((st = ops->upload(be, s->tokens, b->tokens, (size_t)n * 4)) ||
+        (st = ops->upload(be, s->pos, b->pos, (size_t)n * 4)) ||
+        (st = ops->upload(be, s->slots, b->slots, (size_t)n * 4)) ||
+        (st = ops->upload(be, s->table, b->attn.block_table, (size_t)n_table * 4)))
+        return st;
+    rk_attn_batch attn = b->attn;
+    attn.block_table = s->table;
+    float scale = 1.0f / sqrtf((float)hp->head_dim);
+
+#define CK(call)                                                                                   \
+    do {                                                                                           \
+        if ((st = (call))) return st;                                                              \
+    } while (0)
+    CK(ops->embed(be, s->x, m->embd, m->embd_type, s->tokens, n, hp->dim));
+    for (int l = 0; l < hp->n_layers; l++) {
+        const rk_layer *L = &m->layers[l];
+        CK(ops->rmsnorm(be, s->xb, s->x, L->attn_norm, n, hp->dim, hp->rms_eps));
+        CK(matmul(m, s->q, s->xb, &L->wq, n));
+        CK(matmul(m, s->k, s->xb, &L->wk, n));
+        CK(matmul(m, s->v, s->xb, &L->wv, n));
+        if (L->bq) CK(ops->add_bias(be, s->q, L->bq, n, q_dim));
+        if (L->bk) CK(ops->add_bias(be, s->k, L->bk, n, kv_dim));
+        if (L->bv) CK(ops->add_bias(be, s->v, L->bv, n, kv_dim));
+        if (L->q_norm) {
+            CK(ops->rmsnorm(be, s->q, s->q, L->q_norm, n * hp->n_heads, hp->head_dim, hp->rms_eps));
+            CK(ops->rmsnorm(be, s->k, s->k, L->k_norm, n * hp->n_kv_heads, hp->head_dim,
+                            hp->rms_eps));
+        }
+        CK(ops->rope(be, s->q, s->pos, n, hp->n_heads, hp->head_dim, &m->rope));
+        CK(ops->rope(be, s->k, s->pos, n, hp->n_kv_heads, hp->head_dim, &m->rope));
+        CK(ops->kv_write(be, kv, l, s->k, s->v, s->slots, n));
+        CK(ops->attention(be, s->att, NULL, s->q, kv, l, &attn, hp->n_heads, scale));
+        CK(matmul(m, s->xb, s->att, &L->wo, n));
+        CK(ops->add(be, s->x, s->xb, (size_t)n * hp->dim));
+        CK(ops->rmsnorm(be, s->xb, s->x, L->ffn_norm, n, hp->dim, hp->rms_eps));
+        CK(matmul(m, s->hb, s->xb, &L->gate, n));
+        CK(matmul(m, s->hb2, s->xb, &L->up, n));
+        CK(ops->swiglu(be, s->hb, s->hb, s->hb2, (size_t)n * hp->ffn_dim));
+        CK(matmul(m, s->xb, s->hb, &L->down, n));
+        CK(ops->add(be, s->x, s->xb, (size_t)n * hp->dim));
+    }
+    if (b->n_logits == 0) return RK_OK;
+    for (int i = 0; i < b->n_logits; i++)
+        CK(ops->rmsnorm(be, s->xl + (size_t)i * hp->dim, s->x + (size_t)b->logit_rows[i] * hp->dim,
+                        m->out_norm, 1, hp->dim, hp->rms_eps));
+    CK(matmul(m, s->logits, s->xl, &m->out, b->n_logits));
+    CK(ops->download(be, out_logits, s->logits, (size_t)b->n_logits * hp->n_vocab * 4));
+#undef CK
+    return RK_OK;
+}

@@ -1,0 +1,130 @@
+/* engine/sample.c — greedy, temperature, top-k and top-p sampling with a
+ * seeded xoroshiro128+ generator, and top-N log-probabilities. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine.h"
+
+static uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+/* Uniform in [0, 1) with 24 bits, from xoroshiro128+. */
+static float next_uniform(uint64_t s[2]) {
+    uint64_t s0 = s[0], s1 = s[1], r = s0 + s1;
+    s1 ^= s0;
+    s[0] = rotl(s0, 24) ^ s1 ^ (s1 << 16);
+    s[1] = rotl(s1, 37);
+    return (float)(r >> 40) * (1.0f / 16777216.0f);
+}
+
+rk_status rk_sampler_init(rk_sampler *s, const rk_sampler_params *p, int n_vocab) {
+    memset(s, 0, sizeof *s);
+    if (!(p->temperature >= 0) || p->top_k < 0 || !(p->top_p > 0 && p->top_p <= 1) || n_vocab < 1)
+        return rk_errorf(RK_ERR_INVALID,
+                         "sampler: temperature must be >= 0, top_k >= 0, top_p in (0, 1] "
+                         "(got %g, %d, %g)",
+                         p->temperature, p->top_k, p->top_p);
+    s->p = *p;
+    s->n_vocab = n_vocab;
+    uint64_t seed = p->seed;
+    s->rng[0] = splitmix64(&seed);
+    s->rng[1] = splitmix64(&seed);
+    if (p->temperature > 0) {
+        s->probs = malloc((size_t)n_vocab * sizeof *s->probs);
+        s->idx = malloc((size_t)n_vocab * sizeof *s->idx);
+        if (!s->probs || !s->idx) {
+            rk_sampler_free(s);
+            return rk_errorf(RK_ERR_NOMEM, "sampler: out of memory");
+        }
+    }
+    return RK_OK;
+}
+
+void rk_sampler_free(rk_sampler *s) {
+    if (!s) return;
+    free(s->probs);
+    free(s->idx);
+    s->probs = NULL;
+    s->idx = NULL;
+}
+
+/* qsort takes no context argument; a thread-local carries the probabilities. */
+static _Thread_local const float *t_sort_probs;
+
+static int by_prob_desc(const void *a, const void *b) {
+    float pa = t_sort_probs[*(const int32_t *)a], pb = t_sort_probs[*(const int32_t *)b];
+    if (pa != pb) return pa > pb ? -1 : 1;
+    return *(const int32_t *)a - *(const int32_t *)b;
+}
+
+int32_t rk_sampler_sample(rk_sampler *s, const float *logits) {
+    int n = s->n_vocab;
+    if (s->p.temperature == 0) return rk_argmax_f32(logits, n);
+    float mx = logits[0];
+    for (int i = 1; i < n; i++) mx = logits[i] > mx ? logits[i] : mx;
+    double sum = 0;
+    for (int i = 0; i < n; i++) {
+        s->probs[i] = expf((logits[i] - mx) / s->p.temperature);
+        sum += s->probs[i];
+    }
+    int n_keep = n;
+    int filter = (s->p.top_k > 0 && s->p.top_k < n) || s->p.top_p < 1;
+    if (filter) {
+        /* Candidates sorted by probability (ties by id, so the order is reproducible). */
+        for (int i = 0; i < n; i++) s->idx[i] = i;
+        t_sort_probs = s->probs;
+        qsort(s->idx, (size_t)n, sizeof *s->idx, by_prob_desc);
+        if (s->p.top_k > 0 && s->p.top_k < n_keep) n_keep = s->p.top_k;
+        if (s->p.top_p < 1) {
+            double cum = 0;
+            for (int i = 0; i < n_keep; i++) {
+                cum += s->probs[s->idx[i]] / sum;
+                if (cum >= s->p.top_p) {
+                    n_keep = i + 1;
+                    break;
+                }
+            }
+        }
+        sum = 0;
+        for (int i = 0; i < n_keep; i++) sum += s->probs[s->idx[i]];
+    }
+    float r = next_uniform(s->rng) * (float)sum;
+    double acc = 0;
+    for (int i = 0; i < n_keep; i++) {
+        int id = filter ? s->idx[i] : i;
+        acc += s->probs[id];
+        if (r < acc) return id;
+    }
+    return filter ? s->idx[n_keep - 1] : n - 1; /* rounding left r at the very end */
+}
+
+int rk_logprobs_top(const float *logits, int n, int k, int32_t *out_ids, float *out_logprobs) {
+    if (k > n) k = n;
+    if (k <= 0) return 0;
+    float mx = logits[0];
+    for (int i = 1; i < n; i++) mx = logits[i] > mx ? logits[i] : mx;
+    double sum = 0;
+    for (int i = 0; i < n; i++) sum += exp((double)(logits[i] - mx));
+    float lse = mx + (float)log(sum);
+    /* Insertion into a k-sized descending list; k is small (<= 20). */
+    int have = 0;
+    for (int i = 0; i < n; i++) {
+        float v = logits[i];
+        if (have == k && v <= logits[out_ids[k - 1]]) continue;
+        int j = have < k ? have++ : k - 1;
+        while (j > 0 && logits[out_ids[j - 1]] < v) {
+            out_ids[j] = out_ids[j - 1];
+            j--;
+        }
+        out_ids[j] = i;
+    }
+    for (int i = 0; i < have; i++) out_logprobs[i] = logits[out_ids[i]] - lse;
+    return have;
+}
