@@ -1,0 +1,563 @@
+/* engine/vocab.c — vocabularies as plain arrays (rk_vocab): read from GGUF
+ * metadata, read from a Hugging Face tokenizer.json, or built in (the `tiny`
+ * model's vocabulary).
+ *
+ * GGUF keys read (as llama.cpp writes them):
+ *   tokenizer.ggml.model            string  "llama" | "gpt2"            (required)
+ *   tokenizer.ggml.pre              string  gpt2 pre-tokenizer name     (default "default")
+ *   tokenizer.ggml.tokens           [string] token texts                (required)
+ *   tokenizer.ggml.scores           [f32]   one per token               (optional)
+ *   tokenizer.ggml.token_type       [i32]   one per token, RK_TOKEN_*   (optional: NORMAL)
+ *   tokenizer.ggml.merges           [string] "left right", by rank      (required for gpt2)
+ *   tokenizer.ggml.{bos,eos,unknown,padding}_token_id  u32 (0xFFFFFFFF = none)
+ *   tokenizer.ggml.add_bos_token    bool    (default: llama 1, gpt2 0) */
+#include <errno.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/tokenizer.h"
+#include "engine/tokenizer_internal.h"
+
+/* Upper bound on vocabulary sizes accepted from files (the largest real ones
+ * are ~260k). */
+#define VOCAB_MAX_TOKENS (1 << 24)
+
+void rk_vocab_free(rk_vocab *v) {
+    if (!v) return;
+    if (v->tokens)
+        for (int32_t i = 0; i < v->n_tokens; i++) free(v->tokens[i]);
+    free(v->tokens);
+    free(v->scores);
+    free(v->token_types);
+    if (v->merges)
+        for (int32_t i = 0; i < v->n_merges; i++) free(v->merges[i]);
+    free(v->merges);
+    memset(v, 0, sizeof *v);
+}
+
+static char *dup_n(const char *s, size_t n) {
+    char *p = malloc(n + 1);
+    if (!p) return NULL;
+    memcpy(p, s, n);
+    p[n] = '\0';
+    return p;
+}
+
+/* Start an empty vocabulary of n tokens: zeroed token pointers, types NORMAL,
+ * no scores, no special ids. */
+static rk_status vocab_init(rk_vocab *v, const char *model, int32_t n) {
+    memset(v, 0, sizeof *v);
+    snprintf(v->model, sizeof v->model, "%s", model);
+    v->bos_id = v->eos_id = v->unk_id = v->pad_id = -1;
+    v->tokens = calloc((size_t)n, sizeof *v->tokens);
+    v->token_types = malloc((size_t)n * sizeof *v->token_types);
+    if (!v->tokens || !v->token_types) {
+        free(v->tokens);
+        free(v->token_types);
+        memset(v, 0, sizeof *v);
+        return rk_errorf(RK_ERR_NOMEM, "vocabulary: out of memory for %d tokens", (int)n);
+    }
+    v->n_tokens = n;
+    for (int32_t i = 0; i < n; i++) v->token_types[i] = RK_TOKEN_NORMAL;
+    return RK_OK;
+}
+
+/* True when s is exactly "<0xHH>" with two upper- or lower-case hex digits. */
+static int is_byte_token(const char *s) {
+    return strlen(s) == 6 && s[0] == '<' && s[1] == '0' && s[2] == 'x' &&
+           strchr("0123456789ABCDEFabcdef", s[3]) && s[3] &&
+           strchr("0123456789ABCDEFabcdef", s[4]) && s[4] && s[5] == '>';
+}
+
+/* ================================================================ GGUF */
+
+/* Read an optional token id key into *out (-1 when absent or 0xFFFFFFFF /
+ * -1); an id outside [0, n) is a format error. */
+static rk_status gguf_token_id(const rk_gguf *g, const char *key, int32_t n, int32_t *out) {
+    *out = -1;
+    int64_t k = rk_gguf_find_key(g, key);
+    if (k < 0) return RK_OK;
+    rk_gguf_type ty = rk_gguf_kv_type(g, k);
+    int64_t val;
+    if (ty == RK_GGUF_INT8 || ty == RK_GGUF_INT16 || ty == RK_GGUF_INT32 || ty == RK_GGUF_INT64) {
+        int32_t x;
+        rk_status st = rk_gguf_get_i32(g, key, &x);
+        if (st != RK_OK) return st;
+        val = x;
+    } else {
+        uint64_t x;
+        rk_status st = rk_gguf_get_u64(g, key, &x);
+        if (st != RK_OK) return st;
+        if (x == UINT32_MAX || x == UINT64_MAX) return RK_OK; /* "no such token" */
+        val = x > (uint64_t)INT64_MAX ? INT64_MAX : (int64_t)x;
+    }
+    if (val == -1) return RK_OK;
+    if (val < 0 || val >= n)
+        return rk_errorf(RK_ERR_FORMAT, "%s = %lld is outside the vocabulary (%d tokens)", key,
+                         (long long)val, (int)n);
+    *out = (int32_t)val;
+    return RK_OK;
+}
+
+/* Copy an optional short string key into buf (cap bytes); "" when absent. */
+static rk_status gguf_short_str(const rk_gguf *g, const char *key, char *buf, size_t cap) {
+    const char *s;
+    size_t len;
+    buf[0] = '\0';
+    rk_status st = rk_gguf_get_str(g, key, &s, &len);
+    if (st == RK_ERR_NOT_FOUND) return RK_OK;
+    if (st != RK_OK) return st;
+    if (len >= cap || strlen(s) != len)
+        return rk_errorf(RK_ERR_FORMAT, "%s: value too long or contains NUL (%zu bytes)", key, len);
+    memcpy(buf, s, len + 1);
+    return RK_OK;
+}
+
+rk_status rk_vocab_from_gguf(const rk_gguf *g, rk_vocab *out) {
+    memset(out, 0, sizeof *out);
+    rk_vocab v;
+    char model[16];
+    rk_status st = gguf_short_str(g, "tokenizer.ggml.model", model, sizeof model);
+    if (st != RK_OK) return st;
+    if (!model[0]) return rk_errorf(RK_ERR_FORMAT, "GGUF has no tokenizer.ggml.model");
+    if (strcmp(model, "llama") != 0 && strcmp(model, "gpt2") != 0)
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "tokenizer.ggml.model \"%s\" is not supported (supported: llama, gpt2)",
+                         model);
+    int gpt2 = strcmp(model, "gpt2") == 0;
+
+    const char *const *strs;
+    const uint32_t *lens;
+    size_t n;
+    st = rk_gguf_get_arr_str(g, "tokenizer.ggml.tokens", &strs, &lens, &n);
+    if (st == RK_ERR_NOT_FOUND)
+        return rk_errorf(RK_ERR_FORMAT, "GGUF has no tokenizer.ggml.tokens");
+    if (st != RK_OK) return st;
+    if (n == 0 || n > VOCAB_MAX_TOKENS)
+        return rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.tokens has %zu entries (1..%d allowed)", n,
+                         VOCAB_MAX_TOKENS);
+    st = vocab_init(&v, model, (int32_t)n);
+    if (st != RK_OK) return st;
+
+    st = gguf_short_str(g, "tokenizer.ggml.pre", v.pre, sizeof v.pre);
+    if (st != RK_OK) goto fail;
+    if (gpt2 && !v.pre[0]) snprintf(v.pre, sizeof v.pre, "default");
+    if (!gpt2) v.pre[0] = '\0';
+
+    for (size_t i = 0; i < n; i++) {
+        if (strlen(strs[i]) != lens[i]) {
+            st = rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.tokens[%zu] contains a NUL byte", i);
+            goto fail;
+        }
+        v.tokens[i] = dup_n(strs[i], lens[i]);
+        if (!v.tokens[i]) {
+            st = rk_errorf(RK_ERR_NOMEM, "vocabulary: out of memory copying tokens");
+            goto fail;
+        }
+    }
+
+    size_t n_arr;
+    st = rk_gguf_get_arr_f32(g, "tokenizer.ggml.scores", &v.scores, &n_arr);
+    if (st == RK_ERR_NOT_FOUND) {
+        v.scores = NULL;
+    } else if (st != RK_OK) {
+        goto fail;
+    } else if (n_arr != n) {
+        st = rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.scores has %zu entries for %zu tokens", n_arr,
+                       n);
+        goto fail;
+    }
+
+    int32_t *types = NULL;
+    st = rk_gguf_get_arr_i32(g, "tokenizer.ggml.token_type", &types, &n_arr);
+    if (st == RK_ERR_NOT_FOUND) {
+        /* No types: everything is normal, except that llama byte tokens are
+         * recognised by their spelling so that they decode to their byte. */
+        if (!gpt2)
+            for (size_t i = 0; i < n; i++)
+                if (is_byte_token(v.tokens[i])) v.token_types[i] = RK_TOKEN_BYTE;
+    } else if (st != RK_OK) {
+        goto fail;
+    } else {
+        if (n_arr != n) {
+            free(types);
+            st = rk_errorf(RK_ERR_FORMAT,
+                           "tokenizer.ggml.token_type has %zu entries for %zu tokens", n_arr, n);
+            goto fail;
+        }
+        for (size_t i = 0; i < n; i++) {
+            if (types[i] < 0 || types[i] > RK_TOKEN_BYTE) {
+                st = rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.token_type[%zu] = %d is not a type",
+                               i, (int)types[i]);
+                free(types);
+                goto fail;
+            }
+            v.token_types[i] = types[i] == 0 ? RK_TOKEN_NORMAL : types[i]; /* 0 = undefined */
+        }
+        free(types);
+    }
+
+    if (gpt2) {
+        size_t n_merges;
+        st = rk_gguf_get_arr_str(g, "tokenizer.ggml.merges", &strs, &lens, &n_merges);
+        if (st == RK_ERR_NOT_FOUND) {
+            st = rk_errorf(RK_ERR_FORMAT, "gpt2 vocabulary without tokenizer.ggml.merges");
+            goto fail;
+        }
+        if (st != RK_OK) goto fail;
+        if (n_merges > VOCAB_MAX_TOKENS) {
+            st = rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.merges has %zu entries", n_merges);
+            goto fail;
+        }
+        v.merges = calloc(n_merges ? n_merges : 1, sizeof *v.merges);
+        if (!v.merges) {
+            st = rk_errorf(RK_ERR_NOMEM, "vocabulary: out of memory for merges");
+            goto fail;
+        }
+        v.n_merges = (int32_t)n_merges;
+        for (size_t i = 0; i < n_merges; i++) {
+            if (strlen(strs[i]) != lens[i]) {
+                st = rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.merges[%zu] contains a NUL byte", i);
+                goto fail;
+            }
+            v.merges[i] = dup_n(strs[i], lens[i]);
+            if (!v.merges[i]) {
+                st = rk_errorf(RK_ERR_NOMEM, "vocabulary: out of memory copying merges");
+                goto fail;
+            }
+        }
+    }
+
+    int32_t nt = (int32_t)n;
+    if ((st = gguf_token_id(g, "tokenizer.ggml.bos_token_id", nt, &v.bos_id)) != RK_OK ||
+        (st = gguf_token_id(g, "tokenizer.ggml.eos_token_id", nt, &v.eos_id)) != RK_OK ||
+        (st = gguf_token_id(g, "tokenizer.ggml.unknown_token_id", nt, &v.unk_id)) != RK_OK ||
+        (st = gguf_token_id(g, "tokenizer.ggml.padding_token_id", nt, &v.pad_id)) != RK_OK)
+        goto fail;
+
+    v.add_bos = gpt2 ? 0 : 1;
+    int add_bos;
+    st = rk_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &add_bos);
+    if (st == RK_OK)
+        v.add_bos = add_bos != 0;
+    else if (st != RK_ERR_NOT_FOUND)
+        goto fail;
+    *out = v;
+    return RK_OK;
+
+fail:
+    rk_vocab_free(&v);
+    return st;
+}
+
+/* ================================================================ Hugging Face tokenizer.json */
+
+/* Name the gpt2 pre-tokenizer of a tokenizer.json "pre_tokenizer" object: a
+ * Split with a known regex (possibly inside a Sequence), or a ByteLevel
+ * pre-tokenizer that uses the GPT-2 regex. NULL when not recognised. */
+static const char *hf_pre_name(const json_t *pre) {
+    if (!json_is_object(pre)) return NULL;
+    const char *type = json_string_value(json_object_get(pre, "type"));
+    if (!type) return NULL;
+    if (strcmp(type, "Sequence") == 0) {
+        const json_t *list = json_object_get(pre, "pretokenizers");
+        size_t i;
+        const json_t *item;
+        json_array_foreach(list, i, item) {
+            const char *name = hf_pre_name(item);
+            if (name) return name;
+        }
+        return NULL;
+    }
+    if (strcmp(type, "Split") == 0) {
+        const char *re =
+            json_string_value(json_object_get(json_object_get(pre, "pattern"), "Regex"));
+        return re ? rk_tok_pre_name_for_regex(re) : NULL;
+    }
+    if (strcmp(type, "ByteLevel") == 0) {
+        const json_t *use = json_object_get(pre, "use_regex");
+        if (!use || json_is_true(use)) return "gpt2";
+    }
+    return NULL;
+}
+
+/* Store token text at id, refusing ids outside [0, n) and ids given twice. */
+static rk_status hf_assign(rk_vocab *v, const char *path, int64_t id, const char *text,
+                           size_t len) {
+    if (id < 0 || id >= v->n_tokens)
+        return rk_errorf(RK_ERR_FORMAT, "%s: token id %lld out of range", path, (long long)id);
+    if (v->tokens[id])
+        return rk_errorf(RK_ERR_FORMAT, "%s: token id %lld is assigned twice (\"%s\" and \"%s\")",
+                         path, (long long)id, v->tokens[id], text);
+    if (strlen(text) != len)
+        return rk_errorf(RK_ERR_FORMAT, "%s: token %lld contains a NUL byte", path, (long long)id);
+    v->tokens[id] = dup_n(text, len);
+    if (!v->tokens[id]) return rk_errorf(RK_ERR_NOMEM, "%s: out of memory", path);
+    return RK_OK;
+}
+
+/* Copy one merge, given as "a b" or as the pair ["a", "b"], into *out. */
+static rk_status hf_merge(const json_t *m, const char *path, size_t i, char **out) {
+    if (json_is_string(m)) {
+        const char *s = json_string_value(m);
+        size_t len = json_string_length(m);
+        if (strlen(s) != len || !strchr(s + (len > 0), ' '))
+            return rk_errorf(RK_ERR_FORMAT, "%s: merge %zu is not \"left right\"", path, i);
+        *out = dup_n(s, len);
+    } else if (json_is_array(m) && json_array_size(m) == 2 &&
+               json_is_string(json_array_get(m, 0)) && json_is_string(json_array_get(m, 1))) {
+        const json_t *a = json_array_get(m, 0), *b = json_array_get(m, 1);
+        size_t la = json_string_length(a), lb = json_string_length(b);
+        const char *sa = json_string_value(a), *sb = json_string_value(b);
+        /* GGUF stores merges as "left right": the halves must not hold spaces. */
+        if (la == 0 || lb == 0 || strlen(sa) != la || strlen(sb) != lb || strchr(sa, ' ') ||
+            strchr(sb, ' '))
+            return rk_errorf(RK_ERR_FORMAT, "%s: merge %zu cannot be stored as \"left right\"",
+                             path, i);
+        *out = malloc(la + lb + 2);
+        if (*out) {
+            memcpy(*out, sa, la);
+            (*out)[la] = ' ';
+            memcpy(*out + la + 1, sb, lb + 1);
+        }
+    } else {
+        return rk_errorf(RK_ERR_FORMAT, "%s: merge %zu is neither a string nor a pair", path, i);
+    }
+    if (!*out) return rk_errorf(RK_ERR_NOMEM, "%s: out of memory", path);
+    return RK_OK;
+}
+
+rk_status rk_vocab_from_hf_json(const char *path, int32_t n_pad_to, rk_vocab *out) {
+    memset(out, 0, sizeof *out);
+    json_error_t jerr;
+    json_t *root = json_load_file(path, JSON_ALLOW_NUL, &jerr);
+    if (!root) {
+        FILE *f = fopen(path, "rb");
+        if (!f) return rk_errorf(RK_ERR_IO, "%s: %s", path, strerror(errno));
+        fclose(f);
+        return rk_errorf(RK_ERR_FORMAT, "%s:%d: %s", path, jerr.line, jerr.text);
+    }
+    rk_vocab v;
+    memset(&v, 0, sizeof v);
+    rk_status st = RK_OK;
+    const json_t *model = json_object_get(root, "model");
+    const json_t *vmap = json_object_get(model, "vocab");
+    const json_t *merges = json_object_get(model, "merges");
+    const json_t *added = json_object_get(root, "added_tokens");
+    const char *mtype = json_string_value(json_object_get(model, "type"));
+    if (!mtype || strcmp(mtype, "BPE") != 0 || !json_is_object(vmap) || !json_is_array(merges)) {
+        st = rk_errorf(RK_ERR_UNSUPPORTED,
+                       "%s: not a BPE tokenizer with model.vocab and model.merges", path);
+        goto done;
+    }
+    if (added && !json_is_array(added)) {
+        st = rk_errorf(RK_ERR_FORMAT, "%s: added_tokens is not an array", path);
+        goto done;
+    }
+    const char *pre = hf_pre_name(json_object_get(root, "pre_tokenizer"));
+    if (!pre) {
+        st = rk_errorf(RK_ERR_UNSUPPORTED,
+                       "%s: pre-tokenizer not recognised (supported regexes: %s)", path,
+                       rk_tok_pre_names());
+        goto done;
+    }
+
+    /* Size: one past the largest id anywhere. */
+    int64_t max_id = -1;
+    const char *key;
+    const json_t *val;
+    json_object_foreach((json_t *)vmap, key, val) {
+        if (!json_is_integer(val)) {
+            st = rk_errorf(RK_ERR_FORMAT, "%s: vocab entry \"%s\" has no integer id", path, key);
+            goto done;
+        }
+        if (json_integer_value(val) > max_id) max_id = json_integer_value(val);
+    }
+    size_t i;
+    json_array_foreach(added, i, val) {
+        const json_t *id = json_object_get(val, "id");
+        if (!json_is_integer(id) || !json_is_string(json_object_get(val, "content"))) {
+            st = rk_errorf(RK_ERR_FORMAT, "%s: added_tokens[%zu] lacks id or content", path, i);
+            goto done;
+        }
+        if (json_integer_value(id) > max_id) max_id = json_integer_value(id);
+    }
+    if (max_id < 0 || max_id >= VOCAB_MAX_TOKENS) {
+        st = rk_errorf(RK_ERR_FORMAT, "%s: vocabulary size %lld out of range", path,
+                       (long long)max_id + 1);
+        goto done;
+    }
+    int32_t n_base = (int32_t)max_id + 1;
+    int32_t n = n_pad_to > n_base ? n_pad_to : n_base;
+    if ((st = vocab_init(&v, "gpt2", n)) != RK_OK) goto done;
+    snprintf(v.pre, sizeof v.pre, "%s", pre);
+    v.n_tokens = n_base; /* ids >= n_base are padding, filled below */
+
+    json_object_foreach((json_t *)vmap, key, val) {
+        st = hf_assign(&v, path, json_integer_value(val), key, strlen(key));
+        if (st != RK_OK) goto done;
+    }
+    json_array_foreach(added, i, val) {
+        int64_t id = json_integer_value(json_object_get(val, "id"));
+        const json_t *content = json_object_get(val, "content");
+        const char *text = json_string_value(content);
+        size_t len = json_string_length(content);
+        int special = json_is_true(json_object_get(val, "special"));
+        if (id >= 0 && id < n_base && v.tokens[id] && v.token_types[id] == RK_TOKEN_NORMAL &&
+            strcmp(v.tokens[id], text) == 0) {
+            /* Listed in the vocab too, with the same text: only the type changes. */
+        } else if ((st = hf_assign(&v, path, id, text, len)) != RK_OK) {
+            goto done;
+        }
+        v.token_types[id] = special ? RK_TOKEN_CONTROL : RK_TOKEN_USER_DEFINED;
+    }
+    for (int32_t id = 0; id < n_base; id++)
+        if (!v.tokens[id]) {
+            st = rk_errorf(RK_ERR_FORMAT, "%s: token id %d is not assigned", path, (int)id);
+            goto done;
+        }
+    for (int32_t id = n_base; id < n; id++) {
+        char buf[32];
+        int len = snprintf(buf, sizeof buf, "[PAD%d]", (int)id);
+        v.n_tokens = id + 1;
+        v.tokens[id] = dup_n(buf, (size_t)len);
+        if (!v.tokens[id]) {
+            st = rk_errorf(RK_ERR_NOMEM, "%s: out of memory", path);
+            goto done;
+        }
+        v.token_types[id] = RK_TOKEN_UNUSED;
+    }
+    v.n_tokens = n;
+
+    size_t n_merges = json_array_size(merges);
+    if (n_merges > VOCAB_MAX_TOKENS) {
+        st = rk_errorf(RK_ERR_FORMAT, "%s: %zu merges", path, n_merges);
+        goto done;
+    }
+    v.merges = calloc(n_merges ? n_merges : 1, sizeof *v.merges);
+    if (!v.merges) {
+        st = rk_errorf(RK_ERR_NOMEM, "%s: out of memory", path);
+        goto done;
+    }
+    json_array_foreach(merges, i, val) {
+        if ((st = hf_merge(val, path, i, &v.merges[i])) != RK_OK) goto done;
+        v.n_merges = (int32_t)i + 1;
+    }
+
+    /* As llama.cpp sets it for Qwen: <|endoftext|> is bos, eos and padding;
+     * chat end markers (<|im_end|>) are end-of-generation tokens. */
+    for (int32_t id = 0; id < n; id++)
+        if (v.token_types[id] != RK_TOKEN_NORMAL && strcmp(v.tokens[id], "<|endoftext|>") == 0) {
+            v.bos_id = v.eos_id = v.pad_id = id;
+            break;
+        }
+    v.add_bos = 0;
+
+done:
+    json_decref(root);
+    if (st != RK_OK) {
+        rk_vocab_free(&v);
+        return st;
+    }
+    *out = v;
+    return RK_OK;
+}
+
+/* ================================================================ tiny */
+
+/* Pieces of the tiny vocabulary, best (highest score) first: merges learned by
+ * a small BPE run over common English words (with capitalised, -s, -ing and
+ * -ed forms), then "▁x" for every letter, then single characters. Every
+ * multi-character piece splits into two pieces of the table, so BPE by score
+ * can reach it. */
+static const char *const k_tiny_pieces[] = {
+    "▁t",      "in",     "he",      "▁a",     "▁w",     "ing",    "ed",    "▁o",    "▁s",
+    "ou",      "re",     "▁the",    "ha",     "▁f",     "nd",     "▁b",    "▁m",    "er",
+    "is",      "or",     "it",      "▁c",     "▁l",     "▁p",     "▁n",    "ll",    "ea",
+    "ow",      "▁T",     "▁of",     "me",     "ve",     "▁to",    "▁h",    "▁d",    "▁wa",
+    "hat",     "▁he",    "▁y",      "▁on",    "▁ha",    "▁I",     "▁and",  "se",    "en",
+    "▁you",    "an",     "▁A",      "▁th",    "ld",     "st",     "▁W",    "▁in",   "▁g",
+    "ut",      "ch",     "▁be",     "▁is",    "ro",     "ar",     "le",    "▁u",    "▁it",
+    "ot",      "▁O",     "ver",     "▁for",   "▁we",    "gh",     "▁S",    "ce",    "ay",
+    "oo",      "▁that",  "id",      "▁H",     "▁as",    "ome",    "▁was",  "ke",    "▁st",
+    "ir",      "▁are",   "ith",     "▁wh",    "her",    "▁The",   "et",    "at",    "▁wor",
+    "on",      "▁with",  "▁F",      "▁an",    "▁his",   "ould",   "ear",   "▁they", "rom",
+    "ound",    "▁B",     "ter",     "▁M",     "▁not",   "▁e",     "▁at",   "▁r",    "ad",
+    "ain",     "▁one",   "▁li",     "ght",    "▁or",    "al",     "▁have", "▁whe",  "▁this",
+    "▁mo",     "▁do",    "▁from",   "▁sa",    "▁ca",    "▁C",     "ct",    "▁se",   "▁had",
+    "▁pl",     "ss",     "▁ea",     "▁by",    "ill",    "▁L",     "ind",   "ake",   "ther",
+    "▁word",   "if",     "▁but",    "▁what",  "im",     "ple",    "▁some", "nt",    "▁man",
+    "ur",      "▁re",    "▁ne",     "▁can",   "ly",     "es",     "ck",    "▁out",  "ong",
+    "▁P",      "▁other", "out",     "▁k",     "▁N",     "ood",    "ry",    "▁were", "▁whi",
+    "▁all",    "▁ab",    "▁there",  "ace",    "▁when",  "ite",    "ge",    "▁up",   "ook",
+    "▁use",    "ime",    "▁Of",     "▁your",  "▁sh",    "ight",   "and",   "▁how",  "han",
+    "▁mu",     "▁D",     "▁said",   "▁she",   "um",     "ive",    "very",  "▁Y",    "art",
+    "▁To",     "ure",    "ber",     "▁On",    "▁their", "▁each",  "ten",   "▁time", "▁go",
+    "▁And",    "▁Is",    "▁if",     "rou",    "▁which", "rite",   "▁will", "ell",   "▁see",
+    "▁way",    "▁co",    "▁about",  "ort",    "▁many",  "▁You",   "now",   "▁then", "wo",
+    "▁them",   "▁Th",    "own",     "▁num",   "▁bo",    "▁would", "ame",   "ree",   "▁like",
+    "▁so",     "▁G",     "ack",     "▁these", "▁her",   "▁E",     "▁In",   "▁long", "▁make",
+    "▁write",  "ine",    "▁thing",  "ide",    "ose",    "▁who",   "ople",  "eople", "▁him",
+    "▁two",    "▁R",     "▁look",   "▁He",    "all",    "▁more",  "irst",  "▁day",  "▁Be",
+    "as",      "ave",    "▁could",  "ate",    "nder",   "▁U",     "▁come", "▁pa",   "▁did",
+    "▁It",     "our",    "▁number", "▁has",   "ep",     "▁sound", "▁no",   "▁sp",   "▁most",
+    "▁people", "▁fe",    "ean",     "▁my",    "hed",    "▁For",   "▁over", "ild",   "▁know",
+    "ie",      "el",     "▁water",  "ore",    "▁than",  "un",     "▁That", "▁call", "fter",
+    "▁too",    "▁first", "tle",     "ittle",  "ig",     "▁al",    "ust",   "dy",    "▁may",
+    "▁ag",     "▁down",  "ount",    "▁i",     "▁j",     "▁q",     "▁v",    "▁x",    "▁z",
+    "▁J",      "▁K",     "▁Q",      "▁V",     "▁X",     "▁Z",     "▁",     "a",     "b",
+    "c",       "d",      "e",       "f",      "g",      "h",      "i",     "j",     "k",
+    "l",       "m",      "n",       "o",      "p",      "q",      "r",     "s",     "t",
+    "u",       "v",      "w",       "x",      "y",      "z",      "A",     "B",     "C",
+    "D",       "E",      "F",       "G",      "H",      "I",      "J",     "K",     "L",
+    "M",       "N",      "O",       "P",      "Q",      "R",      "S",     "T",     "U",
+    "V",       "W",      "X",       "Y",      "Z",      "0",      "1",     "2",     "3",
+    "4",       "5",      "6",       "7",      "8",      "9",      ".",     ",",     "'",
+    "\"",      "!",      "?",       ":",      ";",      "-",      "(",     ")",     "/",
+    "&",       "%",      "$",       "#",      "@",      "*",      "+",     "=",     "<",
+    ">",       "[",      "]",       "{",      "}",      "_",      "`",     "~",     "^",
+    "|",       "\\",
+};
+
+#define TINY_N_PIECES ((int32_t)(sizeof k_tiny_pieces / sizeof k_tiny_pieces[0]))
+
+rk_status rk_vocab_tiny(rk_vocab *out) {
+    memset(out, 0, sizeof *out);
+    rk_vocab v;
+    int32_t n = 3 + 256 + TINY_N_PIECES;
+    rk_status st = vocab_init(&v, "llama", n);
+    if (st != RK_OK) return st;
+    v.scores = malloc((size_t)n * sizeof *v.scores);
+    if (!v.scores) goto nomem;
+    static const char *const specials[3] = {"<unk>", "<s>", "</s>"};
+    static const int32_t special_types[3] = {RK_TOKEN_UNKNOWN, RK_TOKEN_CONTROL, RK_TOKEN_CONTROL};
+    for (int32_t i = 0; i < 3; i++) {
+        if (!(v.tokens[i] = dup_n(specials[i], strlen(specials[i])))) goto nomem;
+        v.token_types[i] = special_types[i];
+        v.scores[i] = 0.0f;
+    }
+    for (int32_t b = 0; b < 256; b++) {
+        char buf[8];
+        snprintf(buf, sizeof buf, "<0x%02X>", (unsigned)b);
+        if (!(v.tokens[3 + b] = dup_n(buf, 6))) goto nomem;
+        v.token_types[3 + b] = RK_TOKEN_BYTE;
+        v.scores[3 + b] = 0.0f;
+    }
+    for (int32_t k = 0; k < TINY_N_PIECES; k++) {
+        int32_t id = 3 + 256 + k;
+        if (!(v.tokens[id] = dup_n(k_tiny_pieces[k], strlen(k_tiny_pieces[k])))) goto nomem;
+        v.scores[id] = (float)-k;
+    }
+    v.unk_id = 0;
+    v.bos_id = 1;
+    v.eos_id = 2;
+    v.add_bos = 1;
+    *out = v;
+    return RK_OK;
+
+nomem:
+    rk_vocab_free(&v);
+    return rk_errorf(RK_ERR_NOMEM, "tiny vocabulary: out of memory");
+}
