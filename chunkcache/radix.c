@@ -1,0 +1,454 @@
+/* chunkcache/radix.c — see radix.h.
+ *
+ * Invariants (checked by the tests after every operation):
+ *   - every edge is a non-empty whole number of pages; children of a node are
+ *     sorted by their first page and no two share it;
+ *   - a node's lock count is >= each child's (locks cover whole paths);
+ *   - evictable_tokens + protected_tokens == cached_tokens, where a node's
+ *     tokens are protected while its lock count is > 0. */
+#include "chunkcache/radix.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+struct rk_radix_node {
+    rk_radix_node *parent; /* NULL for a root */
+    rk_radix_node **kids;  /* (n_kids) sorted by first page */
+    int n_kids, cap_kids;
+    int32_t *tokens; /* (len) edge tokens */
+    int32_t *pages;  /* (len / page_size) pages owned by this edge */
+    int len;
+    int lock;
+    int priority;
+    uint64_t clock; /* logical time of the last match or insert through it */
+    uint64_t hits;
+};
+
+typedef struct radix_root {
+    uint64_t ns;
+    rk_radix_node *node;
+} radix_root;
+
+struct rk_radix {
+    rk_radix_params p;
+    radix_root *roots;
+    int n_roots, cap_roots;
+    uint64_t clock;
+    rk_radix_stats st;
+};
+
+/* ---------------------------------------------------------------- nodes */
+
+static int page_cmp(const rk_radix *r, const int32_t *a, const int32_t *b) {
+    for (int i = 0; i < r->p.page_size; i++)
+        if (a[i] != b[i]) return a[i] < b[i] ? -1 : 1;
+    return 0;
+}
+
+/* Index of the child whose first page equals key, or -(insertion point) - 1. */
+static int find_kid(const rk_radix *r, const rk_radix_node *n, const int32_t *key) {
+    int lo = 0, hi = n->n_kids - 1;
+    while (lo <= hi) {
+        int mid = (lo + hi) / 2;
+        int c = page_cmp(r, n->kids[mid]->tokens, key);
+        if (c == 0) return mid;
+        if (c < 0)
+            lo = mid + 1;
+        else
+            hi = mid - 1;
+    }
+    return -lo - 1;
+}
+
+static rk_status add_kid(rk_radix_node *parent, int at, rk_radix_node *kid) {
+    if (parent->n_kids == parent->cap_kids) {
+        int cap = parent->cap_kids ? parent->cap_kids * 2 : 2;
+        rk_radix_node **k = realloc(parent->kids, (size_t)cap * sizeof *k);
+        if (!k) return rk_errorf(RK_ERR_NOMEM, "radix: out of memory");
+        parent->kids = k;
+        parent->cap_kids = cap;
+    }
+    memmove(parent->kids + at + 1, parent->kids + at,
+            (size_t)(parent->n_kids - at) * sizeof *parent->kids);
+    parent->kids[at] = kid;
+    parent->n_kids++;
+    kid->parent = parent;
+    return RK_OK;
+}
+
+static void remove_kid(rk_radix_node *parent, rk_radix_node *kid) {
+    for (int i = 0; i < parent->n_kids; i++)
+        if (parent->kids[i] == kid) {
+            memmove(parent->kids + i, parent->kids + i + 1,
+                    (size_t)(parent->n_kids - i - 1) * sizeof *parent->kids);
+            parent->n_kids--;
+            return;
+        }
+}
+
+static void node_free(rk_radix_node *n) {
+    if (!n) return;
+    free(n->kids);
+    free(n->tokens);
+    free(n->pages);
+    free(n);
+}
+
+static rk_radix_node *node_new(const rk_radix *r, const int32_t *tokens, const int32_t *pages,
+                               int len) {
+    rk_radix_node *n = calloc(1, sizeof *n);
+    if (!n) return NULL;
+    int n_pages = len / r->p.page_size;
+    n->tokens = malloc((size_t)(len ? len : 1) * sizeof *n->tokens);
+    n->pages = malloc((size_t)(n_pages ? n_pages : 1) * sizeof *n->pages);
+    if (!n->tokens || !n->pages) {
+        node_free(n);
+        return NULL;
+    }
+    if (len) memcpy(n->tokens, tokens, (size_t)len * sizeof *tokens);
+    if (n_pages) memcpy(n->pages, pages, (size_t)n_pages * sizeof *pages);
+    n->len = len;
+    return n;
+}
+
+/* Split n after k tokens (0 < k < len, page-aligned): a new node takes the
+ * first k tokens and their pages and becomes n's parent; it copies n's lock
+ * count, priority, clock and hits. Returns the new node, NULL when out of memory. */
+static rk_radix_node *split(rk_radix *r, rk_radix_node *n, int k) {
+    int pk = k / r->p.page_size, pn = n->len / r->p.page_size;
+    rk_radix_node *mid = node_new(r, n->tokens, n->pages, k);
+    int32_t *rest_t = malloc((size_t)(n->len - k) * sizeof *rest_t);
+    int32_t *rest_p = malloc((size_t)(pn - pk) * sizeof *rest_p);
+    rk_radix_node **kids = malloc(2 * sizeof *kids);
+    if (!mid || !rest_t || !rest_p || !kids) {
+        node_free(mid);
+        free(rest_t);
+        free(rest_p);
+        free(kids);
+        return NULL;
+    }
+    memcpy(rest_t, n->tokens + k, (size_t)(n->len - k) * sizeof *rest_t);
+    memcpy(rest_p, n->pages + pk, (size_t)(pn - pk) * sizeof *rest_p);
+    free(n->tokens);
+    free(n->pages);
+    n->tokens = rest_t;
+    n->pages = rest_p;
+    n->len -= k;
+    mid->lock = n->lock;
+    mid->priority = n->priority;
+    mid->clock = n->clock;
+    mid->hits = n->hits;
+    /* mid takes n's place under the parent: same first page, same slot. */
+    rk_radix_node *parent = n->parent;
+    for (int i = 0; i < parent->n_kids; i++)
+        if (parent->kids[i] == n) parent->kids[i] = mid;
+    mid->parent = parent;
+    mid->kids = kids;
+    mid->cap_kids = 2;
+    mid->kids[0] = n;
+    mid->n_kids = 1;
+    n->parent = mid;
+    r->st.nodes++;
+    return mid;
+}
+
+/* Tokens two sequences share, rounded down to whole pages. */
+static int common_pages(const rk_radix *r, const int32_t *a, int na, const int32_t *b, int nb) {
+    int n = na < nb ? na : nb, i = 0;
+    while (i < n && a[i] == b[i]) i++;
+    return i / r->p.page_size * r->p.page_size;
+}
+
+static rk_radix_node *find_root(const rk_radix *r, uint64_t ns) {
+    for (int i = 0; i < r->n_roots; i++)
+        if (r->roots[i].ns == ns) return r->roots[i].node;
+    return NULL;
+}
+
+static rk_status get_root(rk_radix *r, uint64_t ns, rk_radix_node **out) {
+    if ((*out = find_root(r, ns))) return RK_OK;
+    if (r->n_roots == r->cap_roots) {
+        int cap = r->cap_roots ? r->cap_roots * 2 : 4;
+        radix_root *nr = realloc(r->roots, (size_t)cap * sizeof *nr);
+        if (!nr) return rk_errorf(RK_ERR_NOMEM, "radix: out of memory");
+        r->roots = nr;
+        r->cap_roots = cap;
+    }
+    rk_radix_node *root = node_new(r, NULL, NULL, 0);
+    if (!root) return rk_errorf(RK_ERR_NOMEM, "radix: out of memory");
+    r->roots[r->n_roots++] = (radix_root){ns, root};
+    *out = root;
+    return RK_OK;
+}
+
+static void lock_path(rk_radix *r, rk_radix_node *n) {
+    for (; n && n->parent; n = n->parent) {
+        if (n->lock++ == 0) {
+            r->st.evictable_tokens -= (uint64_t)n->len;
+            r->st.protected_tokens += (uint64_t)n->len;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- API */
+
+rk_status rk_radix_create(const rk_radix_params *p, rk_radix **out) {
+    *out = NULL;
+    if (p->page_size < 1 || p->page_size > 4096 || !p->release_pages ||
+        (unsigned)p->policy > RK_RADIX_PRIORITY)
+        return rk_errorf(RK_ERR_INVALID, "radix: bad parameters (page size %d)", p->page_size);
+    rk_radix *r = calloc(1, sizeof *r);
+    if (!r) return rk_errorf(RK_ERR_NOMEM, "radix: out of memory");
+    r->p = *p;
+    *out = r;
+    return RK_OK;
+}
+
+static void free_subtree(rk_radix *r, rk_radix_node *n) {
+    for (int i = 0; i < n->n_kids; i++) free_subtree(r, n->kids[i]);
+    if (n->len) r->p.release_pages(r->p.ctx, n->pages, n->len / r->p.page_size);
+    node_free(n);
+}
+
+void rk_radix_free(rk_radix *r) {
+    if (!r) return;
+    for (int i = 0; i < r->n_roots; i++) free_subtree(r, r->roots[i].node);
+    free(r->roots);
+    free(r);
+}
+
+rk_status rk_radix_match(rk_radix *r, uint64_t ns, const int32_t *tokens, int n, int flags,
+                         int32_t *out_pages, rk_radix_result *out) {
+    out->n_matched = 0;
+    out->node = NULL;
+    if (n < 0) return rk_errorf(RK_ERR_INVALID, "radix: negative length");
+    int ps = r->p.page_size;
+    int limit = (flags & RK_RADIX_LEAVE_ONE) ? n - 1 : n;
+    limit = limit > 0 ? limit / ps * ps : 0;
+    uint64_t now = ++r->clock;
+    rk_radix_node *node = find_root(r, ns);
+    int pos = 0;
+    while (node && pos < limit) {
+        int i = find_kid(r, node, tokens + pos);
+        if (i < 0) break;
+        rk_radix_node *kid = node->kids[i];
+        int k = common_pages(r, kid->tokens, kid->len, tokens + pos, limit - pos);
+        if (k == 0) break;
+        if (k < kid->len && !(kid = split(r, kid, k)))
+            return rk_errorf(RK_ERR_NOMEM, "radix: out of memory splitting a node");
+        memcpy(out_pages + pos / ps, kid->pages, (size_t)(k / ps) * sizeof *out_pages);
+        kid->clock = now;
+        kid->hits++;
+        pos += k;
+        node = kid;
+    }
+    r->st.queries++;
+    r->st.tokens_processed += (uint64_t)n;
+    r->st.tokens_reused += (uint64_t)pos;
+    r->st.tokens_computed += (uint64_t)(n - pos);
+    if (pos > 0) {
+        r->st.hits++;
+        lock_path(r, node);
+        out->node = node;
+    } else {
+        r->st.misses++;
+    }
+    out->n_matched = pos;
+    return RK_OK;
+}
+
+rk_status rk_radix_unlock(rk_radix *r, rk_radix_node *node) {
+    if (!node || !node->parent || node->lock <= 0)
+        return rk_errorf(RK_ERR_INVALID, "radix: unlock of a node that is not locked");
+    for (rk_radix_node *n = node; n->parent; n = n->parent) {
+        if (--n->lock == 0) {
+            r->st.protected_tokens -= (uint64_t)n->len;
+            r->st.evictable_tokens += (uint64_t)n->len;
+        }
+    }
+    return RK_OK;
+}
+
+rk_status rk_radix_insert(rk_radix *r, uint64_t ns, const int32_t *tokens, int n,
+                          const int32_t *pages, int priority, int *out_present,
+                          rk_radix_node **out_locked) {
+    *out_present = 0;
+    if (out_locked) *out_locked = NULL;
+    if (n < 0) return rk_errorf(RK_ERR_INVALID, "radix: negative length");
+    int ps = r->p.page_size, limit = n / ps * ps;
+    rk_radix_node *node;
+    rk_status st = get_root(r, ns, &node);
+    if (st) return st;
+    uint64_t now = ++r->clock;
+    int pos = 0;
+    while (pos < limit) {
+        int i = find_kid(r, node, tokens + pos);
+        if (i < 0) {
+            rk_radix_node *leaf = node_new(r, tokens + pos, pages + pos / ps, limit - pos);
+            if (!leaf || add_kid(node, -i - 1, leaf)) {
+                node_free(leaf);
+                return rk_errorf(RK_ERR_NOMEM, "radix: out of memory inserting %d tokens", n);
+            }
+            leaf->clock = now;
+            leaf->priority = priority;
+            r->st.nodes++;
+            r->st.cached_tokens += (uint64_t)leaf->len;
+            r->st.evictable_tokens += (uint64_t)leaf->len;
+            *out_present = pos;
+            node = leaf;
+            pos = limit;
+            break;
+        }
+        rk_radix_node *kid = node->kids[i];
+        int k = common_pages(r, kid->tokens, kid->len, tokens + pos, limit - pos);
+        if (k < kid->len && !(kid = split(r, kid, k)))
+            return rk_errorf(RK_ERR_NOMEM, "radix: out of memory splitting a node");
+        kid->clock = now;
+        if (priority > kid->priority) kid->priority = priority;
+        pos += k;
+        node = kid;
+        *out_present = pos;
+    }
+    if (out_locked && node->parent) {
+        lock_path(r, node);
+        *out_locked = node;
+    }
+    return RK_OK;
+}
+
+/* ---------------------------------------------------------------- eviction */
+
+/* True when a should be evicted before b. */
+static int evict_before(const rk_radix *r, const rk_radix_node *a, const rk_radix_node *b) {
+    if (r->p.policy == RK_RADIX_LFU && a->hits != b->hits) return a->hits < b->hits;
+    if (r->p.policy == RK_RADIX_PRIORITY && a->priority != b->priority)
+        return a->priority < b->priority;
+    return a->clock < b->clock;
+}
+
+typedef struct heap {
+    rk_radix_node **v;
+    int n, cap;
+} heap;
+
+static int heap_push(const rk_radix *r, heap *h, rk_radix_node *x) {
+    if (h->n == h->cap) {
+        int cap = h->cap ? h->cap * 2 : 64;
+        rk_radix_node **v = realloc(h->v, (size_t)cap * sizeof *v);
+        if (!v) return -1;
+        h->v = v;
+        h->cap = cap;
+    }
+    int i = h->n++;
+    while (i > 0 && evict_before(r, x, h->v[(i - 1) / 2])) {
+        h->v[i] = h->v[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    h->v[i] = x;
+    return 0;
+}
+
+static rk_radix_node *heap_pop(const rk_radix *r, heap *h) {
+    rk_radix_node *top = h->v[0], *x = h->v[--h->n];
+    int i = 0;
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= h->n) break;
+        if (c + 1 < h->n && evict_before(r, h->v[c + 1], h->v[c])) c++;
+        if (!evict_before(r, h->v[c], x)) break;
+        h->v[i] = h->v[c];
+        i = c;
+    }
+    if (h->n) h->v[i] = x;
+    return top;
+}
+
+static int collect_leaves(const rk_radix *r, rk_radix_node *n, heap *h) {
+    if (n->parent && n->n_kids == 0) return n->lock == 0 ? heap_push(r, h, n) : 0;
+    for (int i = 0; i < n->n_kids; i++)
+        if (collect_leaves(r, n->kids[i], h)) return -1;
+    return 0;
+}
+
+void rk_radix_evict(rk_radix *r, int n_tokens, int *out_evicted) {
+    heap h = {0};
+    int freed = 0;
+    for (int i = 0; i < r->n_roots; i++)
+        if (collect_leaves(r, r->roots[i].node, &h)) break; /* out of memory: evict what we have */
+    while (freed < n_tokens && h.n > 0) {
+        rk_radix_node *leaf = heap_pop(r, &h), *parent = leaf->parent;
+        r->p.release_pages(r->p.ctx, leaf->pages, leaf->len / r->p.page_size);
+        freed += leaf->len;
+        r->st.evictions++;
+        r->st.tokens_evicted += (uint64_t)leaf->len;
+        r->st.cached_tokens -= (uint64_t)leaf->len;
+        r->st.evictable_tokens -= (uint64_t)leaf->len;
+        r->st.nodes--;
+        remove_kid(parent, leaf);
+        node_free(leaf);
+        if (parent->parent && parent->n_kids == 0 && parent->lock == 0) heap_push(r, &h, parent);
+    }
+    free(h.v);
+    if (out_evicted) *out_evicted = freed;
+}
+
+void rk_radix_flush(rk_radix *r) { rk_radix_evict(r, 0x7fffffff, NULL); }
+
+void rk_radix_get_stats(const rk_radix *r, rk_radix_stats *out) { *out = r->st; }
+
+/* ---------------------------------------------------------------- inspection */
+
+typedef struct dump_buf {
+    char *buf;
+    int cap, len;
+} dump_buf;
+
+static void put(dump_buf *d, const char *s) {
+    int n = (int)strlen(s);
+    if (d->len + n < d->cap) memcpy(d->buf + d->len, s, (size_t)n + 1);
+    d->len += n;
+}
+
+static void dump_node(const rk_radix_node *n, dump_buf *d) {
+    char num[16];
+    put(d, "[");
+    for (int i = 0; i < n->len; i++) {
+        snprintf(num, sizeof num, "%s%d", i ? "," : "", n->tokens[i]);
+        put(d, num);
+    }
+    put(d, "]");
+    if (n->n_kids == 0) return;
+    put(d, "{");
+    for (int i = 0; i < n->n_kids; i++) {
+        if (i) put(d, ",");
+        dump_node(n->kids[i], d);
+    }
+    put(d, "}");
+}
+
+int rk_radix_dump(const rk_radix *r, uint64_t ns, char *buf, int cap) {
+    dump_buf d = {buf, cap, 0};
+    if (cap > 0) buf[0] = '\0';
+    const rk_radix_node *root = find_root(r, ns);
+    for (int i = 0; root && i < root->n_kids; i++) {
+        if (i) put(&d, ",");
+        dump_node(root->kids[i], &d);
+    }
+    return d.len;
+}
+
+static void shape(const rk_radix_node *n, int depth, int *nodes, int *leaves, int *max_depth) {
+    if (n->parent) {
+        (*nodes)++;
+        if (n->n_kids == 0) (*leaves)++;
+        if (depth > *max_depth) *max_depth = depth;
+    }
+    for (int i = 0; i < n->n_kids; i++) shape(n->kids[i], depth + 1, nodes, leaves, max_depth);
+}
+
+void rk_radix_shape(const rk_radix *r, uint64_t ns, int *out_nodes, int *out_leaves,
+                    int *out_depth) {
+    *out_nodes = *out_leaves = *out_depth = 0;
+    const rk_radix_node *root = find_root(r, ns);
+    if (root) shape(root, 0, out_nodes, out_leaves, out_depth);
+}
