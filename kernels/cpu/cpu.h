@@ -1,0 +1,192 @@
+/* kernels/cpu/cpu.h — private header of the CPU backend (the reference
+ * implementation of the op table in kernels/kernels.h).
+ *
+ * Not for use outside kernels/ except by tests and benchmarks: it exposes the
+ * thread pool, the backend's private state, the algorithm choices the tests
+ * must steer (which matmul path a shape takes) and a contiguous-cache variant
+ * of the attention kernel that runs the same traversal and reduction order as
+ * the paged one, so tests can prove the two bit-identical.
+ *
+ * Determinism: every op partitions its work so that each output element is
+ * computed by exactly one task with an arithmetic order that depends only on
+ * the shapes, never on the number of threads or on which thread runs a task. */
+#ifndef RK_KERNELS_CPU_H
+#define RK_KERNELS_CPU_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config/config.h"
+#include "kernels/kernels.h"
+
+/* ---------------------------------------------------------------- thread pool */
+
+typedef struct rk_threadpool rk_threadpool;
+
+/* A task: ctx is the caller's, task in [0, n_tasks), thread_id in
+ * [0, n_threads) names the thread running it (0 is the calling thread); use it
+ * only to pick per-thread scratch, never to decide what to compute. */
+typedef void (*rk_task_fn)(void *ctx, int task, int thread_id);
+
+/* Start a pool of n_threads threads in all (n_threads - 1 workers plus the
+ * caller of rk_threadpool_run; <= 0 means one per online core). Workers sleep
+ * on a condition variable between jobs after a short bounded spin. The caller
+ * owns *out and frees it with rk_threadpool_free(). */
+rk_status rk_threadpool_create(int n_threads, rk_threadpool **out);
+
+/* Stop and join the workers and free the pool. Accepts NULL. */
+void rk_threadpool_free(rk_threadpool *pool);
+
+/* Number of threads, the caller included. */
+int rk_threadpool_size(const rk_threadpool *pool);
+
+/* Run fn(ctx, t, thread_id) for every t in [0, n_tasks) across the pool; the
+ * caller participates and the call returns when every task has finished.
+ * Tasks are claimed in increasing order from a shared counter. Not reentrant:
+ * one job at a time, and a task must not call rk_threadpool_run. */
+void rk_threadpool_run(rk_threadpool *pool, int n_tasks, rk_task_fn fn, void *ctx);
+
+/* ---------------------------------------------------------------- backend state */
+
+typedef struct rk_cpu {
+    rk_threadpool *pool;
+    int n_threads;
+    unsigned char *scratch; /* (n_threads, scratch_stride) per-thread scratch, 64-byte aligned */
+    size_t scratch_stride;
+    unsigned char *shared; /* shared scratch (matmul panels, attention partials and tasks) */
+    size_t shared_cap;
+} rk_cpu;
+
+/* Create the CPU backend (see rk_backend_create). */
+rk_status rk_cpu_backend_create(int n_threads, rk_backend **out);
+
+/* Free a CPU backend. Accepts NULL. */
+void rk_cpu_backend_free(rk_backend *be);
+
+/* Make sure every thread has at least n_bytes of scratch; returns
+ * RK_ERR_NOMEM on failure (the old scratch stays valid). Call from the
+ * thread that runs the op, before rk_threadpool_run. */
+rk_status rk_cpu_reserve_scratch(rk_cpu *cpu, size_t n_bytes);
+
+/* Thread thread_id's scratch (valid after rk_cpu_reserve_scratch). */
+static inline void *rk_cpu_scratch(rk_cpu *cpu, int thread_id) {
+    return cpu->scratch + (size_t)thread_id * cpu->scratch_stride;
+}
+
+/* Make sure the shared scratch holds n_bytes and return it in *out. */
+rk_status rk_cpu_reserve_shared(rk_cpu *cpu, size_t n_bytes, void **out);
+
+/* ---------------------------------------------------------------- ops */
+
+rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w, rk_dtype wtype,
+                        int n, int k, int m);
+rk_status rk_cpu_kv_write(rk_backend *be, const rk_kv_cache *kv, int layer, const float *k,
+                          const float *v, const int32_t *slots, int n_tokens);
+rk_status rk_cpu_attention(rk_backend *be, float *out, float *lse, const float *q,
+                           const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
+                           int n_heads, float scale);
+rk_status rk_cpu_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv, const int32_t *src_slots,
+                                 const int32_t *dst_slots, const int32_t *delta, int n_tokens,
+                                 const rk_rope *rope);
+
+/* Smallest n (rows of x) for which matmul takes the BLAS path; below it the
+ * hand-written matrix-vector kernel runs. The choice depends on (n, k, m,
+ * wtype) only, never on the thread count. Returns 1 for the BLAS path. */
+int rk_cpu_matmul_uses_blas(int n, int k, int m, rk_dtype wtype);
+
+/* The attention kernel over contiguous caches, for tests and benchmarks:
+ * sequence s has k[s] and v[s] of shape (kv_len[s], n_kv_heads, head_dim) and
+ * dtype dtype; everything else as the attention op. Runs the same traversal
+ * and reduction order as the paged kernel, so results are bit-identical. */
+rk_status rk_cpu_attention_contig(rk_backend *be, float *out, float *lse, const float *q,
+                                  const void *const *k, const void *const *v, rk_dtype dtype,
+                                  int n_kv_heads, int head_dim, const int32_t *q_start,
+                                  const int32_t *kv_len, int n_seqs, int n_heads, float scale);
+
+/* KV partition size of the attention kernel: the kv range of every query row
+ * is split into partitions of this many entries (the last one shorter), each
+ * reduced on its own and merged in order with their log-sum-exp. */
+#define RK_CPU_ATTN_PARTITION 512
+
+/* ---------------------------------------------------------------- conversions */
+
+/* dst(n) f32 = src(n) of dtype (exact). */
+void rk_cpu_to_f32(float *dst, const void *src, rk_dtype dtype, size_t n);
+/* dst(n) of dtype = src(n) f32, round to nearest even (bit-identical to the
+ * scalar rk_f32_to_f16 / rk_f32_to_bf16 for finite values). */
+void rk_cpu_from_f32(void *dst, const float *src, rk_dtype dtype, size_t n);
+
+/* Rotate the n_rot leading dims of one head x by the pairs (c[i], s[i]):
+ * (x0, x1) -> (x0 c - x1 s, x0 s + x1 c), pairs (2i, 2i+1) for NORMAL and
+ * (i, i + n_rot/2) for NEOX. Shared by rope and rope_shift_copy. */
+static inline void rk_cpu_rotate_head(float *x, const float *c, const float *s, int n_rot,
+                                      rk_rope_pairing pairing) {
+    int half = n_rot / 2;
+    if (pairing == RK_ROPE_NEOX) {
+        for (int i = 0; i < half; i++) {
+            float x0 = x[i], x1 = x[i + half];
+            x[i] = x0 * c[i] - x1 * s[i];
+            x[i + half] = x0 * s[i] + x1 * c[i];
+        }
+    } else {
+        for (int i = 0; i < half; i++) {
+            float x0 = x[2 * i], x1 = x[2 * i + 1];
+            x[2 * i] = x0 * c[i] - x1 * s[i];
+            x[2 * i + 1] = x0 * s[i] + x1 * c[i];
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- SIMD helpers */
+
+#ifdef __AVX2__
+#include <immintrin.h>
+
+/* Horizontal sum of 8 lanes in a fixed order. */
+static inline float rk_hsum256(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v);
+    __m128 hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    __m128 sh = _mm_movehl_ps(lo, lo);
+    lo = _mm_add_ps(lo, sh);
+    sh = _mm_shuffle_ps(lo, lo, 1);
+    lo = _mm_add_ss(lo, sh);
+    return _mm_cvtss_f32(lo);
+}
+
+/* exp(x) for 8 lanes, each lane independent of the others (~1 ulp for
+ * |x| < 87; 0 below about -87.3, inf above 88.38, NaN stays NaN). */
+static inline __m256 rk_exp256(__m256 x) {
+    const __m256 hi = _mm256_set1_ps(88.3762626647949f);
+    const __m256 lo = _mm256_set1_ps(-87.3365447504f);
+    __m256 nan_mask = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    __m256 over = _mm256_cmp_ps(x, hi, _CMP_GT_OQ);
+    __m256 xc = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+    __m256 fx = _mm256_round_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), xc);
+    r = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    __m256 r2 = _mm256_mul_ps(r, r);
+    y = _mm256_fmadd_ps(y, r2, r);
+    y = _mm256_add_ps(y, _mm256_set1_ps(1.0f));
+    __m256i n = _mm256_cvtps_epi32(fx);
+    __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+    y = _mm256_andnot_ps(under, y);
+    y = _mm256_blendv_ps(y, _mm256_castsi256_ps(_mm256_set1_epi32(0x7f800000)), over);
+    return _mm256_blendv_ps(y, x, nan_mask);
+}
+#endif
+
+/* Vector-friendly exp over an array: dst[i] = exp(src[i]) for i < n. Each
+ * result depends only on its own input (the same on every call site). */
+void rk_cpu_exp(float *dst, const float *src, size_t n);
+
+#endif

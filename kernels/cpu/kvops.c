@@ -1,0 +1,219 @@
+/* kernels/cpu/kvops.c — writes into the paged KV cache: kv_write (new tokens
+ * of one layer through a slot mapping) and rope_shift_copy (re-rotate cached
+ * K to a new position while copying it, V copied as is).
+ *
+ * Both validate every slot before touching memory, so a failed call writes
+ * nothing, and both reject a mapping in which two tokens write the same slot
+ * (the parallel writes would race). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu/cpu.h"
+
+static int cmp_i32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+static int64_t cache_slots(const rk_kv_cache *kv) { return (int64_t)kv->n_blocks * kv->block_size; }
+
+static rk_status check_cache(const rk_kv_cache *kv, const char *op) {
+    if (!kv || kv->n_layers <= 0 || kv->n_blocks <= 0 || kv->block_size <= 0 ||
+        kv->n_kv_heads <= 0 || kv->head_dim <= 0 || !kv->k || !kv->v)
+        return rk_errorf(RK_ERR_INVALID, "%s: malformed KV cache", op);
+    if (rk_dtype_size(kv->dtype) == 0)
+        return rk_errorf(RK_ERR_INVALID, "%s: bad KV dtype %d", op, (int)kv->dtype);
+    return RK_OK;
+}
+
+/* Sort the n slots into tmp (n) and report the first duplicate >= 0, if any. */
+static int find_duplicate(const int32_t *slots, int n, int32_t *tmp, int32_t *out_dup) {
+    int m = 0;
+    for (int i = 0; i < n; i++)
+        if (slots[i] >= 0) tmp[m++] = slots[i];
+    qsort(tmp, (size_t)m, sizeof *tmp, cmp_i32);
+    for (int i = 1; i < m; i++) {
+        if (tmp[i] == tmp[i - 1]) {
+            *out_dup = tmp[i];
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- kv_write */
+
+typedef struct write_ctx {
+    const rk_kv_cache *kv;
+    int layer;
+    const float *k, *v;
+    const int32_t *slots;
+    int n_tokens, tokens_per;
+} write_ctx;
+
+static void write_task(void *p, int task, int tid) {
+    (void)tid;
+    write_ctx *c = p;
+    const rk_kv_cache *kv = c->kv;
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
+    size_t row_bytes = row * rk_dtype_size(kv->dtype);
+    unsigned char *kb = kv->k[c->layer], *vb = kv->v[c->layer];
+    int t0 = task * c->tokens_per;
+    int t1 = t0 + c->tokens_per < c->n_tokens ? t0 + c->tokens_per : c->n_tokens;
+    for (int t = t0; t < t1; t++) {
+        if (c->slots[t] < 0) continue;
+        size_t off = (size_t)c->slots[t] * row_bytes;
+        rk_cpu_from_f32(kb + off, c->k + (size_t)t * row, kv->dtype, row);
+        rk_cpu_from_f32(vb + off, c->v + (size_t)t * row, kv->dtype, row);
+    }
+}
+
+/* Write K and V (n_tokens, n_kv_heads, head_dim) of one layer to their slots,
+ * converted to the cache dtype. Negative slots are skipped; a slot past the
+ * cache or a slot named twice makes the call fail with RK_ERR_INVALID before
+ * anything is written. */
+rk_status rk_cpu_kv_write(rk_backend *be, const rk_kv_cache *kv, int layer, const float *k,
+                          const float *v, const int32_t *slots, int n_tokens) {
+    rk_cpu *cpu = be->impl;
+    rk_status st = check_cache(kv, "kv_write");
+    if (st != RK_OK) return st;
+    if (layer < 0 || layer >= kv->n_layers)
+        return rk_errorf(RK_ERR_INVALID, "kv_write: layer %d out of range [0, %d)", layer,
+                         kv->n_layers);
+    if (n_tokens < 0) return rk_errorf(RK_ERR_INVALID, "kv_write: n_tokens %d < 0", n_tokens);
+    if (n_tokens == 0) return RK_OK;
+    int64_t total = cache_slots(kv);
+    for (int t = 0; t < n_tokens; t++)
+        if (slots[t] >= total)
+            return rk_errorf(RK_ERR_INVALID, "kv_write: token %d slot %d out of range [0, %lld)", t,
+                             slots[t], (long long)total);
+    void *tmp;
+    st = rk_cpu_reserve_shared(cpu, (size_t)n_tokens * sizeof(int32_t), &tmp);
+    if (st != RK_OK) return st;
+    int32_t dup;
+    if (find_duplicate(slots, n_tokens, tmp, &dup))
+        return rk_errorf(RK_ERR_INVALID, "kv_write: slot %d is written twice", dup);
+
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
+    int per = (int)(16384 / row);
+    if (per < 1) per = 1;
+    write_ctx c = {kv, layer, k, v, slots, n_tokens, per};
+    rk_threadpool_run(cpu->pool, (n_tokens + per - 1) / per, write_task, &c);
+    return RK_OK;
+}
+
+/* ---------------------------------------------------------------- rope_shift_copy */
+
+#define SHIFT_TOKENS_PER_TASK 16
+
+typedef struct shift_ctx {
+    rk_cpu *cpu;
+    const rk_kv_cache *kv;
+    const int32_t *src, *dst, *delta;
+    int n_tokens;
+    const rk_rope *rope;
+} shift_ctx;
+
+static void shift_task(void *p, int task, int tid) {
+    shift_ctx *c = p;
+    const rk_kv_cache *kv = c->kv;
+    const rk_rope *r = c->rope;
+    int half = r->n_rot / 2;
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
+    size_t row_bytes = row * rk_dtype_size(kv->dtype);
+    int t0 = task * SHIFT_TOKENS_PER_TASK;
+    int nt = c->n_tokens - t0 < SHIFT_TOKENS_PER_TASK ? c->n_tokens - t0 : SHIFT_TOKENS_PER_TASK;
+
+    float *scratch = rk_cpu_scratch(c->cpu, tid);
+    float *cs = scratch;                                    // (nt, half)
+    float *sn = cs + (size_t)SHIFT_TOKENS_PER_TASK * half;  // (nt, half)
+    float *tmp = sn + (size_t)SHIFT_TOKENS_PER_TASK * half; // (row) f32 K row
+    /* Angles from the integer delta in fp32; no mscale: a shift composes
+     * rotations, the cached K already carries mscale once. */
+    for (int t = 0; t < nt; t++) {
+        float fd = (float)c->delta[t0 + t];
+        for (int i = 0; i < half; i++) {
+            float a = fd * r->freq[i];
+            cs[t * half + i] = cosf(a);
+            sn[t * half + i] = sinf(a);
+        }
+    }
+    for (int l = 0; l < kv->n_layers; l++) {
+        unsigned char *kb = kv->k[l], *vb = kv->v[l];
+        for (int t = 0; t < nt; t++) {
+            size_t so = (size_t)c->src[t0 + t] * row_bytes;
+            size_t d_off = (size_t)c->dst[t0 + t] * row_bytes;
+            float *kd;
+            if (kv->dtype == RK_DTYPE_F32) {
+                kd = (float *)(kb + d_off);
+                memcpy(kd, kb + so, row_bytes);
+            } else {
+                kd = tmp;
+                rk_cpu_to_f32(kd, kb + so, kv->dtype, row);
+            }
+            for (int h = 0; h < kv->n_kv_heads; h++)
+                rk_cpu_rotate_head(kd + (size_t)h * kv->head_dim, cs + t * half, sn + t * half,
+                                   r->n_rot, r->pairing);
+            if (kv->dtype != RK_DTYPE_F32) rk_cpu_from_f32(kb + d_off, kd, kv->dtype, row);
+            memcpy(vb + d_off, vb + so, row_bytes);
+        }
+    }
+}
+
+/* For every layer and token t: K[dst_slots[t]] = R(delta[t]) K[src_slots[t]]
+ * with angles (float)delta * freq[i] (mscale is NOT applied: the cached K was
+ * scaled once when it was computed, and a shift only composes rotations), V
+ * copied byte for byte. Every slot must lie in the cache, destinations must be
+ * distinct and no destination may be a source; otherwise RK_ERR_INVALID and
+ * nothing is written. */
+rk_status rk_cpu_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv, const int32_t *src_slots,
+                                 const int32_t *dst_slots, const int32_t *delta, int n_tokens,
+                                 const rk_rope *rope) {
+    rk_cpu *cpu = be->impl;
+    rk_status st = check_cache(kv, "rope_shift_copy");
+    if (st != RK_OK) return st;
+    if (n_tokens < 0)
+        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_tokens %d < 0", n_tokens);
+    if (rope->n_rot <= 0 || (rope->n_rot & 1) || rope->n_rot > kv->head_dim ||
+        rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
+        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_rot %d does not fit head_dim %d",
+                         rope->n_rot, kv->head_dim);
+    if (n_tokens == 0) return RK_OK;
+    int64_t total = cache_slots(kv);
+    for (int t = 0; t < n_tokens; t++) {
+        if (src_slots[t] < 0 || src_slots[t] >= total || dst_slots[t] < 0 || dst_slots[t] >= total)
+            return rk_errorf(RK_ERR_INVALID,
+                             "rope_shift_copy: token %d slots %d -> %d out of range [0, %lld)", t,
+                             src_slots[t], dst_slots[t], (long long)total);
+    }
+    void *buf;
+    st = rk_cpu_reserve_shared(cpu, 2 * (size_t)n_tokens * sizeof(int32_t), &buf);
+    if (st != RK_OK) return st;
+    int32_t *ds = buf, *ss = ds + n_tokens;
+    int32_t dup;
+    if (find_duplicate(dst_slots, n_tokens, ds, &dup))
+        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: destination slot %d is written twice",
+                         dup);
+    memcpy(ss, src_slots, (size_t)n_tokens * sizeof(int32_t));
+    qsort(ss, (size_t)n_tokens, sizeof *ss, cmp_i32);
+    for (int i = 0, j = 0; i < n_tokens && j < n_tokens;) {
+        if (ds[i] == ss[j])
+            return rk_errorf(RK_ERR_INVALID,
+                             "rope_shift_copy: slot %d is both a source and a destination", ds[i]);
+        if (ds[i] < ss[j])
+            i++;
+        else
+            j++;
+    }
+
+    int half = rope->n_rot / 2;
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
+    st = rk_cpu_reserve_scratch(cpu,
+                                (2 * (size_t)SHIFT_TOKENS_PER_TASK * half + row) * sizeof(float));
+    if (st != RK_OK) return st;
+    shift_ctx c = {cpu, kv, src_slots, dst_slots, delta, n_tokens, rope};
+    rk_threadpool_run(cpu->pool, (n_tokens + SHIFT_TOKENS_PER_TASK - 1) / SHIFT_TOKENS_PER_TASK,
+                      shift_task, &c);
+    return RK_OK;
+}

@@ -1,0 +1,250 @@
+/* kernels/kernels.c — backend-independent helpers of the compute layer: dtype
+ * names and sizes, scalar f16/bf16 conversions, RoPE frequency tables (with
+ * linear, llama3 and YaRN scaling), argmax, and backend creation by name. */
+#include "kernels/kernels.h"
+
+#include <math.h>
+#include <string.h>
+
+#include "kernels/cpu/cpu.h"
+#ifdef RAGKV_CUDA
+#include "kernels/cuda/cuda.h"
+#endif
+
+/* ---------------------------------------------------------------- dtypes */
+
+size_t rk_dtype_size(rk_dtype t) {
+    switch (t) {
+    case RK_DTYPE_F32: return 4;
+    case RK_DTYPE_F16: return 2;
+    case RK_DTYPE_BF16: return 2;
+    }
+    return 0;
+}
+
+const char *rk_dtype_name(rk_dtype t) {
+    switch (t) {
+    case RK_DTYPE_F32: return "f32";
+    case RK_DTYPE_F16: return "f16";
+    case RK_DTYPE_BF16: return "bf16";
+    }
+    return "unknown";
+}
+
+static uint32_t f32_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static float bits_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* IEEE binary16: 1 sign, 5 exponent (bias 15), 10 mantissa bits. Every f16 is
+ * exactly representable as f32, so this direction is exact. */
+float rk_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    if (exp == 0) { /* zero or subnormal: mant * 2^-24, exact in f32 */
+        float v = (float)mant * 0x1p-24f;
+        return sign ? -v : v;
+    }
+    if (exp == 31) return bits_f32(sign | 0x7f800000u | (mant << 13)); /* inf, nan */
+    return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+/* Round-to-nearest-even narrowing to binary16; overflow gives inf, NaN stays a
+ * quiet NaN (same result as the F16C vcvtps2ph instruction with RNE). */
+uint16_t rk_f32_to_f16(float f) {
+    uint32_t x = f32_bits(f);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) { /* inf or nan */
+        if (ax == 0x7f800000u) return sign | 0x7c00u;
+        return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu));
+    }
+    if (ax >= 0x477ff000u) return sign | 0x7c00u; /* >= 65520 rounds to inf */
+    if (ax < 0x38800000u) {                       /* below 2^-14: subnormal result */
+        if (ax < 0x33000000u) return sign;        /* below 2^-25 rounds to zero */
+        uint32_t e = ax >> 23;
+        uint32_t mant = (ax & 0x7fffffu) | 0x800000u;
+        uint32_t shift = 126u - e; /* 14 .. 24 */
+        uint32_t h = mant >> shift;
+        uint32_t rem = mant & ((1u << shift) - 1u);
+        uint32_t half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (h & 1u))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = (ax - 0x38000000u) >> 13; /* rebias exponent 127 -> 15 */
+    uint32_t rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
+    return (uint16_t)(sign | h);
+}
+
+float rk_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
+
+/* Round-to-nearest-even truncation to the top 16 bits; NaN stays a quiet NaN. */
+uint16_t rk_f32_to_bf16(float f) {
+    uint32_t x = f32_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 0x40u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+/* ---------------------------------------------------------------- RoPE */
+
+/* YaRN: the (fractional) pair index whose wavelength makes n_rot_turns full
+ * turns over the original context. */
+static double yarn_corr_dim(int n_rot, int orig_ctx, double turns, double theta) {
+    return n_rot * log((double)orig_ctx / (turns * 2.0 * M_PI)) / (2.0 * log(theta));
+}
+
+/* Fill rope->freq from the params: freq[i] = theta^(-2i/n_rot), computed in
+ * double and rounded once, then scaled:
+ *  - LINEAR: freq / factor.
+ *  - LLAMA3 (llama 3.1): wavelengths shorter than orig_ctx/high_freq_factor keep
+ *    their frequency, longer than orig_ctx/low_freq_factor are divided by
+ *    factor, and in between the two are blended with
+ *    smooth = (orig_ctx / wavelen - low) / (high - low).
+ *  - YARN: pairs below the beta_fast correction dim keep the extrapolated
+ *    frequency, pairs above the beta_slow one take freq / factor, a linear ramp
+ *    in between; mscale = 0.1 ln(factor) + 1 (1 when factor <= 1). beta_fast and
+ *    beta_slow default to 32 and 1 when both are zero.
+ * mscale is 1 except for YaRN. Returns RK_ERR_INVALID for a bad parameter. */
+rk_status rk_rope_init(rk_rope *rope, const rk_rope_params *p) {
+    if (!rope || !p) return rk_errorf(RK_ERR_INVALID, "rope_init: NULL argument");
+    if (p->n_rot <= 0 || (p->n_rot & 1) || p->n_rot > 2 * RK_ROPE_MAX_PAIRS)
+        return rk_errorf(RK_ERR_INVALID, "rope_init: n_rot must be even and in 2..%d, got %d",
+                         2 * RK_ROPE_MAX_PAIRS, p->n_rot);
+    if (!(p->theta > 0.0f) || !isfinite(p->theta))
+        return rk_errorf(RK_ERR_INVALID, "rope_init: theta must be > 0, got %g", p->theta);
+    if (p->pairing != RK_ROPE_NORMAL && p->pairing != RK_ROPE_NEOX)
+        return rk_errorf(RK_ERR_INVALID, "rope_init: unknown pairing %d", (int)p->pairing);
+    if (p->scaling != RK_ROPE_SCALING_NONE) {
+        if (!(p->factor > 0.0f) || !isfinite(p->factor))
+            return rk_errorf(RK_ERR_INVALID, "rope_init: scaling factor must be > 0, got %g",
+                             p->factor);
+    }
+    if ((p->scaling == RK_ROPE_SCALING_YARN || p->scaling == RK_ROPE_SCALING_LLAMA3) &&
+        p->orig_ctx <= 0)
+        return rk_errorf(RK_ERR_INVALID, "rope_init: orig_ctx must be > 0 for %s scaling, got %d",
+                         p->scaling == RK_ROPE_SCALING_YARN ? "yarn" : "llama3", p->orig_ctx);
+    if (p->scaling == RK_ROPE_SCALING_LLAMA3 &&
+        !(p->high_freq_factor > p->low_freq_factor && p->low_freq_factor > 0.0f))
+        return rk_errorf(RK_ERR_INVALID,
+                         "rope_init: llama3 needs 0 < low_freq_factor < high_freq_factor, "
+                         "got %g and %g",
+                         p->low_freq_factor, p->high_freq_factor);
+
+    int n_pairs = p->n_rot / 2;
+    memset(rope, 0, sizeof *rope);
+    rope->n_rot = p->n_rot;
+    rope->pairing = p->pairing;
+    rope->mscale = 1.0f;
+
+    double theta = p->theta, factor = p->factor;
+    double yarn_low = 0.0, yarn_high = 0.0;
+    if (p->scaling == RK_ROPE_SCALING_YARN) {
+        double beta_fast = p->beta_fast, beta_slow = p->beta_slow;
+        if (beta_fast == 0.0 && beta_slow == 0.0) {
+            beta_fast = 32.0;
+            beta_slow = 1.0;
+        }
+        if (!(beta_fast > 0.0) || !(beta_slow > 0.0))
+            return rk_errorf(RK_ERR_INVALID, "rope_init: yarn betas must be > 0, got %g and %g",
+                             beta_fast, beta_slow);
+        yarn_low = floor(yarn_corr_dim(p->n_rot, p->orig_ctx, beta_fast, theta));
+        yarn_high = ceil(yarn_corr_dim(p->n_rot, p->orig_ctx, beta_slow, theta));
+        if (yarn_low < 0.0) yarn_low = 0.0;
+        if (yarn_high > p->n_rot - 1) yarn_high = p->n_rot - 1;
+        if (factor > 1.0) rope->mscale = (float)(0.1 * log(factor) + 1.0);
+    }
+
+    for (int i = 0; i < n_pairs; i++) {
+        double f = pow(theta, -2.0 * i / p->n_rot);
+        switch (p->scaling) {
+        case RK_ROPE_SCALING_NONE: break;
+        case RK_ROPE_SCALING_LINEAR: f /= factor; break;
+        case RK_ROPE_SCALING_LLAMA3: {
+            double wavelen = 2.0 * M_PI / f;
+            double low_wavelen = p->orig_ctx / (double)p->low_freq_factor;
+            double high_wavelen = p->orig_ctx / (double)p->high_freq_factor;
+            if (wavelen < high_wavelen) {
+                /* high frequency: unchanged */
+            } else if (wavelen > low_wavelen) {
+                f /= factor;
+            } else {
+                double smooth = (p->orig_ctx / wavelen - p->low_freq_factor) /
+                                ((double)p->high_freq_factor - p->low_freq_factor);
+                f = (1.0 - smooth) * f / factor + smooth * f;
+            }
+            break;
+        }
+        case RK_ROPE_SCALING_YARN: {
+            double y = (i - yarn_low) / fmax(0.001, yarn_high - yarn_low);
+            double ramp = 1.0 - fmin(1.0, fmax(0.0, y)); /* 1: extrapolate, 0: interpolate */
+            f = (f / factor) * (1.0 - ramp) + f * ramp;
+            break;
+        }
+        default: return rk_errorf(RK_ERR_INVALID, "rope_init: unknown scaling %d", (int)p->scaling);
+        }
+        rope->freq[i] = (float)f;
+    }
+    return RK_OK;
+}
+
+/* ---------------------------------------------------------------- helpers */
+
+/* Return the index of the largest element of x(n), the first one on ties; NaN
+ * elements are never chosen unless all are NaN (then 0). Returns -1 for n <= 0. */
+int rk_argmax_f32(const float *x, int n) {
+    if (n <= 0) return -1;
+    int best = 0;
+    float bv = x[0];
+    for (int i = 1; i < n; i++) {
+        if (x[i] > bv || (bv != bv && x[i] == x[i])) {
+            bv = x[i];
+            best = i;
+        }
+    }
+    return best;
+}
+
+/* ---------------------------------------------------------------- backends */
+
+/* Create the backend called name ("cpu", or "cuda" when built with RAGKV_CUDA)
+ * with n_threads compute threads (<= 0: one per online core). On success the
+ * caller owns *out and frees it with rk_backend_free(). */
+rk_status rk_backend_create(const char *name, int n_threads, rk_backend **out) {
+    if (!name || !out) return rk_errorf(RK_ERR_INVALID, "backend_create: NULL argument");
+    *out = NULL;
+    if (strcmp(name, "cpu") == 0) return rk_cpu_backend_create(n_threads, out);
+    if (strcmp(name, "cuda") == 0) {
+#ifdef RAGKV_CUDA
+        return rk_cuda_backend_create(n_threads, out);
+#else
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "backend \"cuda\": this build has no CUDA support (configure with "
+                         "-DRAGKV_CUDA=ON)");
+#endif
+    }
+    return rk_errorf(RK_ERR_INVALID, "backend \"%s\" is unknown (expected \"cpu\" or \"cuda\")",
+                     name);
+}
+
+/* Free a backend created by rk_backend_create() and everything it owns
+ * (its allocations are not tracked: free them first). Accepts NULL. */
+void rk_backend_free(rk_backend *be) {
+    if (!be) return;
+    if (be->name && strcmp(be->name, "cpu") == 0) {
+        rk_cpu_backend_free(be);
+        return;
+    }
+#ifdef RAGKV_CUDA
+    rk_cuda_backend_free(be);
+#endif
+}

@@ -1,0 +1,1335 @@
+/* tests/test_kernels.c — the CPU backend, the reference every other backend is
+ * compared with: conversions, the thread pool, matmul (both paths) against a
+ * double-precision reference, the element-wise ops, RoPE tables against the
+ * published formulas, paged attention (bit-identical to the contiguous
+ * kernel, close to a double reference, independent of thread count),
+ * kv_write and rope_shift_copy. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu/cpu.h"
+#include "kernels/kernels.h"
+#include "tests/testutil.h"
+
+/* ---------------------------------------------------------------- helpers */
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static uint64_t rng_next(void) {
+    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* Uniform in [lo, hi). */
+static float frand(float lo, float hi) {
+    return lo + (hi - lo) * (float)((rng_next() >> 40) * (1.0 / 16777216.0));
+}
+
+static int irand(int n) { return (int)(rng_next() % (uint64_t)n); }
+
+static float *rand_floats(size_t n, float lo, float hi) {
+    float *p = malloc(n * sizeof(float) + 1);
+    cr_assert(p);
+    for (size_t i = 0; i < n; i++) p[i] = frand(lo, hi);
+    return p;
+}
+
+static rk_backend *make_backend(int n_threads) {
+    rk_backend *be = NULL;
+    cr_assert_eq(rk_backend_create("cpu", n_threads, &be), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(be->n_threads, n_threads);
+    return be;
+}
+
+/* Value of element i of a dtype array as f32. */
+static float elem_f32(const void *p, rk_dtype t, size_t i) {
+    switch (t) {
+    case RK_DTYPE_F32: return ((const float *)p)[i];
+    case RK_DTYPE_F16: return rk_f16_to_f32(((const uint16_t *)p)[i]);
+    case RK_DTYPE_BF16: return rk_bf16_to_f32(((const uint16_t *)p)[i]);
+    }
+    return NAN;
+}
+
+/* f rounded to dtype t and back. */
+static float round_to(float f, rk_dtype t) {
+    switch (t) {
+    case RK_DTYPE_F32: return f;
+    case RK_DTYPE_F16: return rk_f16_to_f32(rk_f32_to_f16(f));
+    case RK_DTYPE_BF16: return rk_bf16_to_f32(rk_f32_to_bf16(f));
+    }
+    return NAN;
+}
+
+/* A dtype copy of an f32 array (malloc'ed). */
+static void *to_dtype(const float *src, size_t n, rk_dtype t) {
+    void *p = malloc(n * rk_dtype_size(t) + 1);
+    cr_assert(p);
+    rk_cpu_from_f32(p, src, t, n);
+    return p;
+}
+
+/* ---------------------------------------------------------------- conversions */
+
+Test(convert, f16_rounds_to_nearest_even_at_the_edges) {
+    cr_assert_eq(rk_f32_to_f16(1.0f), 0x3c00);
+    cr_assert_eq(rk_f32_to_f16(-2.0f), 0xc000);
+    cr_assert_eq(rk_f32_to_f16(0.1f), 0x2e66);
+    cr_assert_eq(rk_f32_to_f16(65504.0f), 0x7bff);
+    cr_assert_eq(rk_f32_to_f16(65519.0f), 0x7bff);
+    cr_assert_eq(rk_f32_to_f16(65520.0f), 0x7c00); /* the tie rounds to even: inf */
+    cr_assert_eq(rk_f32_to_f16(1e9f), 0x7c00);
+    cr_assert_eq(rk_f32_to_f16(-INFINITY), 0xfc00);
+    cr_assert_eq(rk_f32_to_f16(0x1p-24f), 0x0001);        /* smallest subnormal */
+    cr_assert_eq(rk_f32_to_f16(0x1p-25f), 0x0000);        /* tie between 0 and 2^-24: even */
+    cr_assert_eq(rk_f32_to_f16(0x1.8p-25f), 0x0001);      /* above the tie */
+    cr_assert_eq(rk_f32_to_f16(0x1.8p-24f), 0x0002);      /* 1.5 ulp ties to even 2 */
+    cr_assert_eq(rk_f32_to_f16(0x1.ffcp-15f), 0x0400);    /* rounds up into the normals */
+    cr_assert_eq(rk_f32_to_f16(1.0f + 0x1p-11f), 0x3c00); /* tie at 1 + half ulp: even */
+    cr_assert_eq(rk_f32_to_f16(1.0f + 0x1.8p-10f), 0x3c02);
+    uint16_t nan = rk_f32_to_f16(NAN);
+    cr_assert_eq(nan & 0x7c00, 0x7c00);
+    cr_assert_neq(nan & 0x03ff, 0);
+}
+
+Test(convert, every_f16_value_round_trips_through_f32) {
+    for (uint32_t h = 0; h < 0x10000; h++) {
+        float f = rk_f16_to_f32((uint16_t)h);
+        if (f != f) continue;
+        cr_assert_eq(rk_f32_to_f16(f), h, "f16 0x%04x -> %g -> 0x%04x", h, f, rk_f32_to_f16(f));
+    }
+    cr_assert_eq(rk_f16_to_f32(0x3c00), 1.0f);
+    cr_assert_eq(rk_f16_to_f32(0x0001), 0x1p-24f);
+    cr_assert_eq(rk_f16_to_f32(0x7bff), 65504.0f);
+}
+
+Test(convert, bf16_rounds_to_nearest_even) {
+    cr_assert_eq(rk_f32_to_bf16(1.0f), 0x3f80);
+    cr_assert_eq(rk_f32_to_bf16(-1.0f), 0xbf80);
+    uint32_t bits = 0x3f808000; /* exactly between 0x3f80 and 0x3f81: even */
+    float f;
+    memcpy(&f, &bits, 4);
+    cr_assert_eq(rk_f32_to_bf16(f), 0x3f80);
+    bits = 0x3f818000; /* between 0x3f81 and 0x3f82: even */
+    memcpy(&f, &bits, 4);
+    cr_assert_eq(rk_f32_to_bf16(f), 0x3f82);
+    bits = 0x3f808001;
+    memcpy(&f, &bits, 4);
+    cr_assert_eq(rk_f32_to_bf16(f), 0x3f81);
+    cr_assert_eq(rk_f32_to_bf16(INFINITY), 0x7f80);
+    uint16_t nan = rk_f32_to_bf16(NAN);
+    cr_assert(rk_bf16_to_f32(nan) != rk_bf16_to_f32(nan));
+    cr_assert_eq(rk_bf16_to_f32(0x4049), 3.140625f);
+}
+
+Test(convert, vector_conversions_match_the_scalar_ones) {
+    size_t n = 1003;
+    float *x = malloc(n * sizeof(float));
+    cr_assert(x);
+    for (size_t i = 0; i < n; i++) {
+        float mag = powf(2.0f, frand(-30.0f, 18.0f));
+        x[i] = (i % 2 ? -1.0f : 1.0f) * mag;
+    }
+    x[0] = 0.0f;
+    x[1] = -0.0f;
+    x[2] = INFINITY;
+    x[3] = 65520.0f;
+    uint16_t *h = malloc(n * 2), *b = malloc(n * 2);
+    float *back = malloc(n * sizeof(float));
+    cr_assert(h && b && back);
+    rk_cpu_from_f32(h, x, RK_DTYPE_F16, n);
+    rk_cpu_from_f32(b, x, RK_DTYPE_BF16, n);
+    for (size_t i = 0; i < n; i++) {
+        cr_assert_eq(h[i], rk_f32_to_f16(x[i]), "f16 at %zu (%g)", i, x[i]);
+        cr_assert_eq(b[i], rk_f32_to_bf16(x[i]), "bf16 at %zu (%g)", i, x[i]);
+    }
+    rk_cpu_to_f32(back, h, RK_DTYPE_F16, n);
+    for (size_t i = 0; i < n; i++) cr_assert_eq(back[i], rk_f16_to_f32(h[i]));
+    rk_cpu_to_f32(back, b, RK_DTYPE_BF16, n);
+    for (size_t i = 0; i < n; i++) cr_assert_eq(back[i], rk_bf16_to_f32(b[i]));
+    free(x);
+    free(h);
+    free(b);
+    free(back);
+}
+
+Test(convert, dtype_sizes_and_names) {
+    cr_assert_eq(rk_dtype_size(RK_DTYPE_F32), 4);
+    cr_assert_eq(rk_dtype_size(RK_DTYPE_F16), 2);
+    cr_assert_eq(rk_dtype_size(RK_DTYPE_BF16), 2);
+    cr_assert_str_eq(rk_dtype_name(RK_DTYPE_BF16), "bf16");
+    cr_assert_str_eq(rk_dtype_name(RK_DTYPE_F16), "f16");
+}
+
+Test(convert, vector_exp_is_accurate_and_handles_the_edges) {
+    size_t n = 2001;
+    float *x = malloc(n * sizeof(float)), *y = malloc(n * sizeof(float));
+    cr_assert(x && y);
+    for (size_t i = 0; i < n; i++) x[i] = -87.0f + 175.0f * (float)i / (float)(n - 1);
+    rk_cpu_exp(y, x, n);
+    for (size_t i = 0; i < n; i++) {
+        double ref = exp((double)x[i]);
+        cr_assert(fabs(y[i] - ref) <= 4e-7 * ref, "exp(%g) = %g, expected %g", x[i], y[i], ref);
+    }
+    float e[7] = {0.0f, -INFINITY, -100.0f, INFINITY, NAN, 1.0f, -1.0f}, r[7];
+    rk_cpu_exp(r, e, 7);
+    cr_assert_eq(r[0], 1.0f);
+    cr_assert_eq(r[1], 0.0f);
+    cr_assert_eq(r[2], 0.0f);
+    cr_assert(isinf(r[3]) && r[3] > 0);
+    cr_assert(isnan(r[4]));
+    cr_assert_float_eq(r[5], 2.7182818f, 1e-6);
+    cr_assert_float_eq(r[6], 0.36787944f, 1e-7);
+    free(x);
+    free(y);
+}
+
+/* ---------------------------------------------------------------- backends, pool */
+
+Test(backend, creation_by_name) {
+    rk_backend *be = NULL;
+    cr_assert_eq(rk_backend_create("cpu", 3, &be), RK_OK);
+    cr_assert_str_eq(be->name, "cpu");
+    cr_assert_eq(be->n_threads, 3);
+    rk_backend_free(be);
+    cr_assert_eq(rk_backend_create("cpu", 0, &be), RK_OK);
+    cr_assert_geq(be->n_threads, 1);
+    rk_backend_free(be);
+#ifndef RAGKV_CUDA
+    be = (rk_backend *)1;
+    cr_assert_eq(rk_backend_create("cuda", 1, &be), RK_ERR_UNSUPPORTED);
+    cr_assert_null(be);
+    cr_assert(strstr(rk_error_message(), "CUDA") != NULL);
+#endif
+    cr_assert_eq(rk_backend_create("tpu", 1, &be), RK_ERR_INVALID);
+    rk_backend_free(NULL);
+}
+
+Test(backend, memory_ops_copy_and_fill) {
+    rk_backend *be = make_backend(1);
+    void *p = NULL;
+    cr_assert_eq(be->ops->alloc(be, 100, &p), RK_OK);
+    cr_assert_eq((uintptr_t)p % 64, 0);
+    char src[100], dst[100];
+    for (int i = 0; i < 100; i++) src[i] = (char)i;
+    cr_assert_eq(be->ops->upload(be, p, src, 100), RK_OK);
+    cr_assert_eq(be->ops->download(be, dst, p, 100), RK_OK);
+    cr_assert_arr_eq(src, dst, 100);
+    cr_assert_eq(be->ops->memset(be, p, 7, 100), RK_OK);
+    cr_assert_eq(be->ops->download(be, dst, p, 100), RK_OK);
+    for (int i = 0; i < 100; i++) cr_assert_eq(dst[i], 7);
+    cr_assert_eq(be->ops->sync(be), RK_OK);
+    be->ops->free(be, p);
+    rk_backend_free(be);
+}
+
+typedef struct pool_probe {
+    int *hits;
+    int *owner;
+} pool_probe;
+
+static void probe_task(void *ctx, int task, int tid) {
+    pool_probe *p = ctx;
+    p->hits[task]++;
+    p->owner[task] = tid;
+}
+
+Test(threadpool, runs_every_task_exactly_once) {
+    for (int nt = 1; nt <= 4; nt++) {
+        rk_threadpool *pool = NULL;
+        cr_assert_eq(rk_threadpool_create(nt, &pool), RK_OK);
+        cr_assert_eq(rk_threadpool_size(pool), nt);
+        int hits[257], owner[257];
+        pool_probe p = {hits, owner};
+        for (int rep = 0; rep < 200; rep++) {
+            int n = 1 + rep % 257;
+            memset(hits, 0, sizeof hits);
+            rk_threadpool_run(pool, n, probe_task, &p);
+            for (int i = 0; i < n; i++) {
+                cr_assert_eq(hits[i], 1, "threads %d rep %d task %d ran %d times", nt, rep, i,
+                             hits[i]);
+                cr_assert(owner[i] >= 0 && owner[i] < nt);
+            }
+            for (int i = n; i < 257; i++) cr_assert_eq(hits[i], 0);
+        }
+        rk_threadpool_run(pool, 0, probe_task, &p); /* no tasks: returns at once */
+        rk_threadpool_free(pool);
+    }
+    rk_threadpool_free(NULL);
+}
+
+/* ---------------------------------------------------------------- matmul */
+
+/* The double reference of y = x · w^T on the weights as stored. */
+static void matmul_ref(double *y, double *abs_sum, const float *x, const void *w, rk_dtype t, int n,
+                       int k, int m) {
+    for (int i = 0; i < n; i++)
+        for (int j = 0; j < m; j++) {
+            double s = 0.0, a = 0.0;
+            for (int l = 0; l < k; l++) {
+                double p = (double)x[(size_t)i * k + l] * elem_f32(w, t, (size_t)j * k + l);
+                s += p;
+                a += fabs(p);
+            }
+            y[(size_t)i * m + j] = s;
+            abs_sum[(size_t)i * m + j] = a;
+        }
+}
+
+Test(matmul, both_paths_are_chosen_from_the_shape) {
+    cr_assert_eq(rk_cpu_matmul_uses_blas(1, 1024, 3072, RK_DTYPE_F32), 0);
+    cr_assert_eq(rk_cpu_matmul_uses_blas(3, 1024, 3072, RK_DTYPE_BF16), 0);
+    cr_assert_eq(rk_cpu_matmul_uses_blas(17, 1024, 3072, RK_DTYPE_F16), 1);
+    cr_assert_eq(rk_cpu_matmul_uses_blas(64, 67, 37, RK_DTYPE_F32), 1);
+}
+
+Test(matmul, matches_a_double_reference_and_is_thread_count_independent) {
+    rk_backend *bes[3] = {make_backend(1), make_backend(2), make_backend(3)};
+    const int ns[] = {1, 3, 17, 64};
+    const int ks[] = {67, 1029};
+    const int ms[] = {37, 131};
+    const rk_dtype ts[] = {RK_DTYPE_F32, RK_DTYPE_F16, RK_DTYPE_BF16};
+    for (int a = 0; a < 4; a++)
+        for (int b = 0; b < 2; b++)
+            for (int c = 0; c < 2; c++)
+                for (int d = 0; d < 3; d++) {
+                    int n = ns[a], k = ks[b], m = ms[c];
+                    rk_dtype t = ts[d];
+                    float *x = rand_floats((size_t)n * k, -1.0f, 1.0f);
+                    float *wf = rand_floats((size_t)m * k, -1.0f, 1.0f);
+                    void *w = to_dtype(wf, (size_t)m * k, t);
+                    double *ref = malloc((size_t)n * m * sizeof(double));
+                    double *abs_sum = malloc((size_t)n * m * sizeof(double));
+                    float *y[3];
+                    cr_assert(ref && abs_sum);
+                    matmul_ref(ref, abs_sum, x, w, t, n, k, m);
+                    for (int e = 0; e < 3; e++) {
+                        y[e] = malloc((size_t)n * m * sizeof(float));
+                        cr_assert(y[e]);
+                        cr_assert_eq(bes[e]->ops->matmul(bes[e], y[e], x, w, t, n, k, m), RK_OK);
+                    }
+                    for (size_t i = 0; i < (size_t)n * m; i++) {
+                        double err = fabs(y[0][i] - ref[i]);
+                        cr_assert(err <= 1e-5 * abs_sum[i] + 1e-30,
+                                  "n=%d k=%d m=%d %s: y[%zu]=%.9g ref=%.9g", n, k, m,
+                                  rk_dtype_name(t), i, y[0][i], ref[i]);
+                    }
+                    cr_assert_arr_eq(y[0], y[1], (size_t)n * m * sizeof(float),
+                                     "n=%d k=%d m=%d %s: 1 vs 2 threads differ", n, k, m,
+                                     rk_dtype_name(t));
+                    cr_assert_arr_eq(y[0], y[2], (size_t)n * m * sizeof(float),
+                                     "n=%d k=%d m=%d %s: 1 vs 3 threads differ", n, k, m,
+                                     rk_dtype_name(t));
+                    for (int e = 0; e < 3; e++) free(y[e]);
+                    free(x);
+                    free(wf);
+                    free(w);
+                    free(ref);
+                    free(abs_sum);
+                }
+    for (int e = 0; e < 3; e++) rk_backend_free(bes[e]);
+}
+
+Test(matmul, matvec_rows_do_not_depend_on_n_or_on_each_other) {
+    /* Row i of y from a 3-row call equals the same row computed alone. */
+    rk_backend *be = make_backend(2);
+    int k = 301, m = 45;
+    for (int d = 0; d < 3; d++) {
+        rk_dtype t = (rk_dtype)d;
+        float *x = rand_floats(3 * (size_t)k, -1.0f, 1.0f);
+        float *wf = rand_floats((size_t)m * k, -1.0f, 1.0f);
+        void *w = to_dtype(wf, (size_t)m * k, t);
+        float y3[3 * 45], y1[45];
+        cr_assert_eq(be->ops->matmul(be, y3, x, w, t, 3, k, m), RK_OK);
+        for (int i = 0; i < 3; i++) {
+            cr_assert_eq(be->ops->matmul(be, y1, x + (size_t)i * k, w, t, 1, k, m), RK_OK);
+            cr_assert_arr_eq(y1, y3 + i * m, sizeof y1);
+        }
+        free(x);
+        free(wf);
+        free(w);
+    }
+    rk_backend_free(be);
+}
+
+Test(matmul, degenerate_shapes) {
+    rk_backend *be = make_backend(2);
+    float x[6] = {1, 2, 3, 4, 5, 6}, w[6] = {1, 0, 0, 0, 1, 0}, y[4] = {9, 9, 9, 9};
+    /* k = 0: the sum over nothing is 0 */
+    cr_assert_eq(be->ops->matmul(be, y, x, w, RK_DTYPE_F32, 2, 0, 2), RK_OK);
+    for (int i = 0; i < 4; i++) cr_assert_eq(y[i], 0.0f);
+    cr_assert_eq(be->ops->matmul(be, y, x, w, RK_DTYPE_F32, 2, 3, 2), RK_OK);
+    cr_assert_eq(y[0], 1.0f);
+    cr_assert_eq(y[1], 2.0f);
+    cr_assert_eq(y[2], 4.0f);
+    cr_assert_eq(y[3], 5.0f);
+    cr_assert_eq(be->ops->matmul(be, y, x, w, RK_DTYPE_F32, -1, 3, 2), RK_ERR_INVALID);
+    rk_backend_free(be);
+}
+
+/* ---------------------------------------------------------------- element-wise ops */
+
+Test(ops, rmsnorm_matches_a_double_reference_in_and_out_of_place) {
+    rk_backend *be = make_backend(2);
+    int rows = 5, dim = 37;
+    float *x = rand_floats((size_t)rows * dim, -2.0f, 2.0f);
+    float *w = rand_floats((size_t)dim, 0.5f, 1.5f);
+    float *out = malloc((size_t)rows * dim * sizeof(float));
+    float *inplace = malloc((size_t)rows * dim * sizeof(float));
+    cr_assert(out && inplace);
+    memcpy(inplace, x, (size_t)rows * dim * sizeof(float));
+    cr_assert_eq(be->ops->rmsnorm(be, out, x, w, rows, dim, 1e-5f), RK_OK);
+    cr_assert_eq(be->ops->rmsnorm(be, inplace, inplace, w, rows, dim, 1e-5f), RK_OK);
+    cr_assert_arr_eq(out, inplace, (size_t)rows * dim * sizeof(float));
+    for (int r = 0; r < rows; r++) {
+        double ss = 0;
+        for (int j = 0; j < dim; j++) ss += (double)x[r * dim + j] * x[r * dim + j];
+        double inv = 1.0 / sqrt(ss / dim + 1e-5);
+        for (int j = 0; j < dim; j++) {
+            double ref = x[r * dim + j] * inv * w[j];
+            cr_assert(fabs(out[r * dim + j] - ref) <= 1e-6 * fabs(ref) + 1e-7,
+                      "row %d col %d: %g vs %g", r, j, out[r * dim + j], ref);
+        }
+    }
+    /* a constant row of 3 with unit weights and eps 0 normalises to ones */
+    float c[4] = {3, 3, 3, 3}, ones[4] = {1, 1, 1, 1}, o[4];
+    cr_assert_eq(be->ops->rmsnorm(be, o, c, ones, 1, 4, 0.0f), RK_OK);
+    for (int j = 0; j < 4; j++) cr_assert_float_eq(o[j], 1.0f, 1e-7);
+    free(x);
+    free(w);
+    free(out);
+    free(inplace);
+    rk_backend_free(be);
+}
+
+Test(ops, swiglu_is_silu_of_gate_times_up) {
+    rk_backend *be = make_backend(2);
+    size_t n = 70001;
+    float *g = rand_floats(n, -20.0f, 20.0f), *u = rand_floats(n, -2.0f, 2.0f);
+    float *out = malloc(n * sizeof(float));
+    cr_assert(out);
+    g[0] = 0.0f;
+    g[1] = -100.0f;
+    g[2] = 100.0f;
+    u[2] = 0.5f;
+    cr_assert_eq(be->ops->swiglu(be, out, g, u, n), RK_OK);
+    cr_assert_eq(out[0], 0.0f);
+    cr_assert(fabsf(out[1]) < 1e-30f);
+    cr_assert_eq(out[2], 50.0f);
+    for (size_t i = 0; i < n; i++) {
+        double ref = g[i] / (1.0 + exp(-(double)g[i])) * u[i];
+        cr_assert(fabs(out[i] - ref) <= 1e-6 * fabs(ref) + 1e-30, "at %zu: %g vs %g", i, out[i],
+                  ref);
+    }
+    /* in place: out == gate */
+    float *g2 = malloc(n * sizeof(float));
+    cr_assert(g2);
+    memcpy(g2, g, n * sizeof(float));
+    cr_assert_eq(be->ops->swiglu(be, g2, g2, u, n), RK_OK);
+    cr_assert_arr_eq(g2, out, n * sizeof(float));
+    free(g);
+    free(g2);
+    free(u);
+    free(out);
+    rk_backend_free(be);
+}
+
+Test(ops, add_and_add_bias) {
+    rk_backend *be = make_backend(2);
+    size_t n = 100000;
+    float *y = rand_floats(n, -1, 1), *x = rand_floats(n, -1, 1), *y0 = malloc(n * 4);
+    cr_assert(y0);
+    memcpy(y0, y, n * 4);
+    cr_assert_eq(be->ops->add(be, y, x, n), RK_OK);
+    for (size_t i = 0; i < n; i++) cr_assert_eq(y[i], y0[i] + x[i]);
+    float yb[6] = {1, 2, 3, 4, 5, 6}, b[3] = {10, 20, 30};
+    cr_assert_eq(be->ops->add_bias(be, yb, b, 2, 3), RK_OK);
+    float expect[6] = {11, 22, 33, 14, 25, 36};
+    cr_assert_arr_eq(yb, expect, sizeof yb);
+    free(y);
+    free(x);
+    free(y0);
+    rk_backend_free(be);
+}
+
+Test(ops, embed_gathers_rows_of_every_dtype) {
+    rk_backend *be = make_backend(2);
+    int vocab = 50, dim = 13;
+    float *tf = rand_floats((size_t)vocab * dim, -1, 1);
+    int32_t ids[5] = {49, 0, 7, 7, 23};
+    float out[5 * 13];
+    for (int d = 0; d < 3; d++) {
+        rk_dtype t = (rk_dtype)d;
+        void *table = to_dtype(tf, (size_t)vocab * dim, t);
+        cr_assert_eq(be->ops->embed(be, out, table, t, ids, 5, dim), RK_OK);
+        for (int i = 0; i < 5; i++)
+            for (int j = 0; j < dim; j++)
+                cr_assert_eq(out[i * dim + j], elem_f32(table, t, (size_t)ids[i] * dim + j));
+        free(table);
+    }
+    int32_t bad = -1;
+    cr_assert_eq(be->ops->embed(be, out, tf, RK_DTYPE_F32, &bad, 1, dim), RK_ERR_INVALID);
+    free(tf);
+    rk_backend_free(be);
+}
+
+Test(ops, argmax_picks_the_first_largest) {
+    float a[6] = {-5, 3, 7, 7, -1, 2};
+    cr_assert_eq(rk_argmax_f32(a, 6), 2);
+    float b[3] = {-3, -2, -2};
+    cr_assert_eq(rk_argmax_f32(b, 3), 1);
+    float c[3] = {NAN, 1, 0};
+    cr_assert_eq(rk_argmax_f32(c, 3), 1);
+    cr_assert_eq(rk_argmax_f32(a, 1), 0);
+    cr_assert_eq(rk_argmax_f32(a, 0), -1);
+}
+
+/* ---------------------------------------------------------------- rope */
+
+static rk_rope plain_rope(int n_rot, float theta, rk_rope_pairing pairing) {
+    rk_rope_params p = {.n_rot = n_rot, .theta = theta, .pairing = pairing};
+    rk_rope r;
+    cr_assert_eq(rk_rope_init(&r, &p), RK_OK);
+    return r;
+}
+
+Test(rope, init_plain_frequencies) {
+    rk_rope r = plain_rope(128, 10000.0f, RK_ROPE_NORMAL);
+    cr_assert_eq(r.n_rot, 128);
+    cr_assert_eq(r.mscale, 1.0f);
+    cr_assert_eq(r.freq[0], 1.0f);
+    cr_assert_float_eq(r.freq[1], 0.86596432f, 1e-7);
+    for (int i = 0; i < 64; i++)
+        cr_assert_eq(r.freq[i], (float)pow(10000.0, -2.0 * i / 128.0), "freq[%d]", i);
+    rk_rope_params bad = {.n_rot = 7, .theta = 10000.0f};
+    cr_assert_eq(rk_rope_init(&r, &bad), RK_ERR_INVALID);
+    bad.n_rot = 2 * RK_ROPE_MAX_PAIRS + 2;
+    cr_assert_eq(rk_rope_init(&r, &bad), RK_ERR_INVALID);
+    bad.n_rot = 64;
+    bad.theta = 0.0f;
+    cr_assert_eq(rk_rope_init(&r, &bad), RK_ERR_INVALID);
+}
+
+Test(rope, init_linear_divides_by_the_factor) {
+    rk_rope_params p = {
+        .n_rot = 64, .theta = 10000.0f, .scaling = RK_ROPE_SCALING_LINEAR, .factor = 4.0f};
+    rk_rope r;
+    cr_assert_eq(rk_rope_init(&r, &p), RK_OK);
+    cr_assert_eq(r.mscale, 1.0f);
+    for (int i = 0; i < 32; i++)
+        cr_assert_eq(r.freq[i], (float)(pow(10000.0, -2.0 * i / 64.0) / 4.0));
+}
+
+Test(rope, init_llama3_follows_the_published_smoothing) {
+    rk_rope_params p = {.n_rot = 128,
+                        .theta = 500000.0f,
+                        .scaling = RK_ROPE_SCALING_LLAMA3,
+                        .factor = 8.0f,
+                        .orig_ctx = 8192,
+                        .low_freq_factor = 1.0f,
+                        .high_freq_factor = 4.0f};
+    rk_rope r;
+    cr_assert_eq(rk_rope_init(&r, &p), RK_OK);
+    cr_assert_eq(r.mscale, 1.0f);
+    /* Meta's apply_scaling(): wavelen < 8192/4 keeps freq, wavelen > 8192/1 uses
+     * freq/8, in between (1 - smooth) freq/8 + smooth freq with
+     * smooth = (8192/wavelen - 1) / (4 - 1). */
+    int n_kept = 0, n_scaled = 0, n_mixed = 0;
+    for (int i = 0; i < 64; i++) {
+        double f = 1.0 / pow(500000.0, (2.0 * i) / 128.0);
+        double wl = 2.0 * 3.14159265358979323846 / f, expect;
+        if (wl < 2048.0) {
+            expect = f;
+            n_kept++;
+        } else if (wl > 8192.0) {
+            expect = f / 8.0;
+            n_scaled++;
+        } else {
+            double smooth = (8192.0 / wl - 1.0) / 3.0;
+            expect = (1.0 - smooth) * f / 8.0 + smooth * f;
+            n_mixed++;
+        }
+        cr_assert(fabs(r.freq[i] - expect) <= 1e-6 * expect, "freq[%d] %.9g vs %.9g", i, r.freq[i],
+                  expect);
+    }
+    cr_assert(n_kept > 0 && n_scaled > 0 && n_mixed > 0, "%d %d %d", n_kept, n_scaled, n_mixed);
+    cr_assert_eq(r.freq[0], 1.0f);
+}
+
+Test(rope, init_yarn_ramps_between_extrapolation_and_interpolation) {
+    rk_rope_params p = {.n_rot = 128,
+                        .theta = 1000000.0f,
+                        .scaling = RK_ROPE_SCALING_YARN,
+                        .factor = 4.0f,
+                        .orig_ctx = 32768,
+                        .beta_fast = 32.0f,
+                        .beta_slow = 1.0f};
+    rk_rope r;
+    cr_assert_eq(rk_rope_init(&r, &p), RK_OK);
+    cr_assert_float_eq(r.mscale, (float)(0.1 * log(4.0) + 1.0), 1e-7); /* 1.1386294 */
+    /* find_correction_dim(rot) = dim ln(orig / (rot 2 pi)) / (2 ln base):
+     * 23.597 for rot 32 (floor: 23) and 39.655 for rot 1 (ceil: 40). */
+    double lo = floor(128.0 * log(32768.0 / (32.0 * 2.0 * M_PI)) / (2.0 * log(1e6)));
+    double hi = ceil(128.0 * log(32768.0 / (1.0 * 2.0 * M_PI)) / (2.0 * log(1e6)));
+    cr_assert_eq(lo, 23.0);
+    cr_assert_eq(hi, 40.0);
+    for (int i = 0; i < 64; i++) {
+        double extrap = 1.0 / pow(1e6, 2.0 * i / 128.0), interp = extrap / 4.0;
+        double ramp = (i - lo) / (hi - lo);
+        ramp = ramp < 0 ? 0 : ramp > 1 ? 1 : ramp;
+        double keep = 1.0 - ramp; /* share of the extrapolated frequency */
+        double expect = interp * (1.0 - keep) + extrap * keep;
+        cr_assert(fabs(r.freq[i] - expect) <= 1e-6 * expect, "freq[%d] %.9g vs %.9g", i, r.freq[i],
+                  expect);
+    }
+    rk_rope plain = plain_rope(128, 1000000.0f, RK_ROPE_NORMAL);
+    cr_assert_eq(r.freq[10], plain.freq[10]);     /* below the ramp: unchanged */
+    cr_assert_eq(r.freq[50], plain.freq[50] / 4); /* above: interpolated */
+}
+
+/* The reference rotation: angle (float)pos * freq in fp32 (the definition),
+ * cos/sin in double, times mscale. */
+static void rope_ref(double *out, const float *x, int pos, int head_dim, const rk_rope *r) {
+    for (int d = 0; d < head_dim; d++) out[d] = x[d];
+    int half = r->n_rot / 2;
+    for (int i = 0; i < half; i++) {
+        float a = (float)pos * r->freq[i];
+        double c = cos((double)a) * r->mscale, s = sin((double)a) * r->mscale;
+        int i0 = r->pairing == RK_ROPE_NEOX ? i : 2 * i;
+        int i1 = r->pairing == RK_ROPE_NEOX ? i + half : 2 * i + 1;
+        out[i0] = x[i0] * c - x[i1] * s;
+        out[i1] = x[i0] * s + x[i1] * c;
+    }
+}
+
+Test(rope, rotates_both_pairings_like_the_reference_up_to_1e6) {
+    rk_backend *be = make_backend(2);
+    int32_t pos[7] = {0, 1, 7, 1000, 65535, 524287, 1000000};
+    int n_heads = 3, hd = 64;
+    for (int pr = 0; pr < 2; pr++)
+        for (int part = 0; part < 2; part++) {
+            rk_rope_params p = {.n_rot = part ? 32 : 64,
+                                .theta = 10000.0f,
+                                .pairing = (rk_rope_pairing)pr,
+                                .scaling = part ? RK_ROPE_SCALING_YARN : RK_ROPE_SCALING_NONE,
+                                .factor = 4.0f,
+                                .orig_ctx = 4096};
+            rk_rope r;
+            cr_assert_eq(rk_rope_init(&r, &p), RK_OK);
+            size_t n = 7 * (size_t)n_heads * hd;
+            float *x = rand_floats(n, -1, 1), *y = malloc(n * sizeof(float));
+            cr_assert(y);
+            memcpy(y, x, n * sizeof(float));
+            cr_assert_eq(be->ops->rope(be, y, pos, 7, n_heads, hd, &r), RK_OK);
+            double ref[64];
+            for (int t = 0; t < 7; t++)
+                for (int h = 0; h < n_heads; h++) {
+                    size_t o = ((size_t)t * n_heads + h) * hd;
+                    rope_ref(ref, x + o, pos[t], hd, &r);
+                    for (int d = 0; d < hd; d++) {
+                        cr_assert(fabs(y[o + d] - ref[d]) <= 1e-6 * 2,
+                                  "pairing %d pos %d dim %d: %.9g vs %.9g", pr, pos[t], d, y[o + d],
+                                  ref[d]);
+                        if (d >= r.n_rot) cr_assert_eq(y[o + d], x[o + d]); /* untouched */
+                    }
+                }
+            free(x);
+            free(y);
+        }
+    rk_backend_free(be);
+}
+
+Test(rope, neox_pairs_i_with_i_plus_half) {
+    rk_backend *be = make_backend(1);
+    rk_rope r = plain_rope(8, 10000.0f, RK_ROPE_NEOX);
+    float x[8] = {1, 0, 0, 0, 0, 0, 0, 0};
+    int32_t pos = 1;
+    cr_assert_eq(be->ops->rope(be, x, &pos, 1, 1, 8, &r), RK_OK);
+    /* pair 0 is (x[0], x[4]) with freq 1: (cos 1, sin 1) */
+    cr_assert_float_eq(x[0], 0.54030231f, 1e-7);
+    cr_assert_float_eq(x[4], 0.84147098f, 1e-7);
+    cr_assert_eq(x[1], 0.0f);
+    rk_rope rn = plain_rope(8, 10000.0f, RK_ROPE_NORMAL);
+    float z[8] = {1, 0, 0, 0, 0, 0, 0, 0};
+    cr_assert_eq(be->ops->rope(be, z, &pos, 1, 1, 8, &rn), RK_OK);
+    /* pair 0 is (x[0], x[1]) */
+    cr_assert_float_eq(z[0], 0.54030231f, 1e-7);
+    cr_assert_float_eq(z[1], 0.84147098f, 1e-7);
+    cr_assert_eq(z[4], 0.0f);
+    r.n_rot = 10; /* wider than the head */
+    cr_assert_eq(be->ops->rope(be, x, &pos, 1, 1, 8, &r), RK_ERR_INVALID);
+    rk_backend_free(be);
+}
+
+/* ---------------------------------------------------------------- paged KV fixture */
+
+typedef struct seq_spec {
+    int n_q, kv_len;
+} seq_spec;
+
+/* A paged cache of 2 layers (layer 1 holds the data, layer 0 stays poisoned),
+ * random non-monotone block tables, the same K/V as contiguous arrays, and
+ * random queries. The cache starts filled with 0xff bytes (NaN in every
+ * dtype), so reading an unwritten slot shows up as NaN in the output. */
+typedef struct fixture {
+    int n_seqs, n_kv_heads, head_dim, n_heads, block_size, max_blocks, total_q;
+    rk_dtype dtype;
+    rk_kv_cache kv;
+    void *kbuf[2], *vbuf[2];
+    int32_t *table, *q_start, *kv_len;
+    float *q;         // (total_q, n_heads, head_dim)
+    float **kf, **vf; // [seq] -> (kv_len, n_kv_heads, head_dim) unrounded f32
+    void **ck, **cv;  // [seq] -> the same in dtype (contiguous cache)
+} fixture;
+
+static void fixture_build(fixture *f, rk_backend *be, const seq_spec *specs, int n_seqs,
+                          int n_kv_heads, int group, int head_dim, int block_size, rk_dtype dtype) {
+    memset(f, 0, sizeof *f);
+    f->n_seqs = n_seqs;
+    f->n_kv_heads = n_kv_heads;
+    f->head_dim = head_dim;
+    f->n_heads = n_kv_heads * group;
+    f->block_size = block_size;
+    f->dtype = dtype;
+    int need = 0, max_blocks = 1;
+    for (int s = 0; s < n_seqs; s++) {
+        int nb = (specs[s].kv_len + block_size - 1) / block_size;
+        need += nb;
+        if (nb + 2 > max_blocks) max_blocks = nb + 2;
+    }
+    int n_blocks = need + 3;
+    f->max_blocks = max_blocks;
+    size_t row = (size_t)n_kv_heads * head_dim;
+    size_t layer_bytes = (size_t)n_blocks * block_size * row * rk_dtype_size(dtype);
+    for (int l = 0; l < 2; l++) {
+        f->kbuf[l] = malloc(layer_bytes);
+        f->vbuf[l] = malloc(layer_bytes);
+        cr_assert(f->kbuf[l] && f->vbuf[l]);
+        memset(f->kbuf[l], 0xff, layer_bytes);
+        memset(f->vbuf[l], 0xff, layer_bytes);
+    }
+    f->kv = (rk_kv_cache){2, n_blocks, block_size, n_kv_heads, head_dim, dtype, f->kbuf, f->vbuf};
+
+    /* a random permutation of the block ids, dealt out to the sequences */
+    int *perm = malloc((size_t)n_blocks * sizeof(int));
+    cr_assert(perm);
+    for (int i = 0; i < n_blocks; i++) perm[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) {
+        int j = irand(i + 1), tmp = perm[i];
+        perm[i] = perm[j];
+        perm[j] = tmp;
+    }
+    f->table = malloc((size_t)n_seqs * max_blocks * sizeof(int32_t));
+    f->q_start = malloc((size_t)(n_seqs + 1) * sizeof(int32_t));
+    f->kv_len = malloc((size_t)n_seqs * sizeof(int32_t));
+    f->kf = calloc((size_t)n_seqs, sizeof(float *));
+    f->vf = calloc((size_t)n_seqs, sizeof(float *));
+    f->ck = calloc((size_t)n_seqs, sizeof(void *));
+    f->cv = calloc((size_t)n_seqs, sizeof(void *));
+    cr_assert(f->table && f->q_start && f->kv_len && f->kf && f->vf && f->ck && f->cv);
+    int next = 0;
+    f->q_start[0] = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int L = specs[s].kv_len, nb = (L + block_size - 1) / block_size;
+        int32_t *row_t = f->table + (size_t)s * max_blocks;
+        for (int b = 0; b < max_blocks; b++) row_t[b] = b < nb ? perm[next++] : -1;
+        f->kv_len[s] = L;
+        f->q_start[s + 1] = f->q_start[s] + specs[s].n_q;
+        f->kf[s] = rand_floats((size_t)L * row + 1, -1, 1);
+        f->vf[s] = rand_floats((size_t)L * row + 1, -1, 1);
+        f->ck[s] = to_dtype(f->kf[s], (size_t)L * row, dtype);
+        f->cv[s] = to_dtype(f->vf[s], (size_t)L * row, dtype);
+        int32_t *slots = malloc((size_t)L * sizeof(int32_t) + 4);
+        cr_assert(slots);
+        for (int t = 0; t < L; t++) slots[t] = row_t[t / block_size] * block_size + t % block_size;
+        cr_assert_eq(be->ops->kv_write(be, &f->kv, 1, f->kf[s], f->vf[s], slots, L), RK_OK);
+        free(slots);
+    }
+    free(perm);
+    f->total_q = f->q_start[n_seqs];
+    f->q = rand_floats((size_t)f->total_q * f->n_heads * head_dim + 1, -2, 2);
+}
+
+static void fixture_free(fixture *f) {
+    for (int l = 0; l < 2; l++) {
+        free(f->kbuf[l]);
+        free(f->vbuf[l]);
+    }
+    for (int s = 0; s < f->n_seqs; s++) {
+        free(f->kf[s]);
+        free(f->vf[s]);
+        free(f->ck[s]);
+        free(f->cv[s]);
+    }
+    free(f->kf);
+    free(f->vf);
+    free(f->ck);
+    free(f->cv);
+    free(f->table);
+    free(f->q_start);
+    free(f->kv_len);
+    free(f->q);
+}
+
+static rk_attn_batch fixture_batch(const fixture *f) {
+    return (rk_attn_batch){f->n_seqs, f->q_start, f->kv_len, f->table, f->max_blocks};
+}
+
+static float fixture_scale(const fixture *f) { return 1.0f / sqrtf((float)f->head_dim); }
+
+/* Run paged attention into out/lse (malloc'ed by the caller). */
+static rk_status run_paged(rk_backend *be, const fixture *f, float *out, float *lse) {
+    rk_attn_batch b = fixture_batch(f);
+    return be->ops->attention(be, out, lse, f->q, &f->kv, 1, &b, f->n_heads, fixture_scale(f));
+}
+
+/* The naive double reference on the stored (dtype-rounded) K/V, or on the
+ * unrounded f32 values when rounded is 0. */
+static void attn_ref(const fixture *f, int rounded, double *out, double *lse) {
+    int hd = f->head_dim, G = f->n_heads / f->n_kv_heads;
+    double scale = fixture_scale(f);
+    for (int s = 0; s < f->n_seqs; s++) {
+        int n_q = f->q_start[s + 1] - f->q_start[s], L = f->kv_len[s];
+        double *sc = malloc((size_t)L * sizeof(double) + 8);
+        cr_assert(sc);
+        for (int j = 0; j < n_q; j++)
+            for (int h = 0; h < f->n_heads; h++) {
+                size_t qi = (size_t)(f->q_start[s] + j) * f->n_heads + h;
+                const float *q = f->q + qi * hd;
+                int kh = h / G, vis = L - n_q + j + 1;
+                double mx = -INFINITY;
+                for (int t = 0; t < vis; t++) {
+                    size_t o = ((size_t)t * f->n_kv_heads + kh) * hd;
+                    double d = 0;
+                    for (int e = 0; e < hd; e++) {
+                        double kval =
+                            rounded ? elem_f32(f->ck[s], f->dtype, o + e) : f->kf[s][o + e];
+                        d += (double)q[e] * kval;
+                    }
+                    sc[t] = d * scale;
+                    if (sc[t] > mx) mx = sc[t];
+                }
+                double sum = 0;
+                for (int t = 0; t < vis; t++) {
+                    sc[t] = exp(sc[t] - mx);
+                    sum += sc[t];
+                }
+                for (int e = 0; e < hd; e++) {
+                    double a = 0;
+                    for (int t = 0; t < vis; t++) {
+                        size_t o = ((size_t)t * f->n_kv_heads + kh) * hd + e;
+                        double vval = rounded ? elem_f32(f->cv[s], f->dtype, o) : f->vf[s][o];
+                        a += sc[t] * vval;
+                    }
+                    out[qi * hd + e] = a / sum;
+                }
+                lse[qi] = mx + log(sum);
+            }
+        free(sc);
+    }
+}
+
+/* Check one fixture: paged == contiguous bit for bit (out and lse), and both
+ * within 1e-5 of the double reference. Returns the paged output (malloc'ed). */
+static float *check_fixture(rk_backend *be, const fixture *f, const char *what) {
+    size_t n_out = (size_t)f->total_q * f->n_heads * f->head_dim + 1;
+    size_t n_lse = (size_t)f->total_q * f->n_heads + 1;
+    float *out = malloc(n_out * sizeof(float)), *lse = malloc(n_lse * sizeof(float));
+    float *cout = malloc(n_out * sizeof(float)), *clse = malloc(n_lse * sizeof(float));
+    double *rout = malloc(n_out * sizeof(double)), *rlse = malloc(n_lse * sizeof(double));
+    cr_assert(out && lse && cout && clse && rout && rlse);
+    cr_assert_eq(run_paged(be, f, out, lse), RK_OK, "%s: %s", what, rk_error_message());
+    cr_assert_eq(rk_cpu_attention_contig(be, cout, clse, f->q, (const void *const *)f->ck,
+                                         (const void *const *)f->cv, f->dtype, f->n_kv_heads,
+                                         f->head_dim, f->q_start, f->kv_len, f->n_seqs, f->n_heads,
+                                         fixture_scale(f)),
+                 RK_OK);
+    cr_assert_arr_eq(out, cout, (n_out - 1) * sizeof(float), "%s: paged and contiguous differ",
+                     what);
+    cr_assert_arr_eq(lse, clse, (n_lse - 1) * sizeof(float), "%s: lse differs", what);
+    attn_ref(f, 1, rout, rlse);
+    for (size_t i = 0; i + 1 < n_out; i++)
+        cr_assert(fabs(out[i] - rout[i]) <= 1e-5, "%s: out[%zu] = %.9g, reference %.9g", what, i,
+                  out[i], rout[i]);
+    for (size_t i = 0; i + 1 < n_lse; i++)
+        cr_assert(fabs(lse[i] - rlse[i]) <= 1e-5 * fmax(1.0, fabs(rlse[i])),
+                  "%s: lse[%zu] = %.9g, reference %.9g", what, i, lse[i], rlse[i]);
+    free(lse);
+    free(cout);
+    free(clse);
+    free(rout);
+    free(rlse);
+    return out;
+}
+
+/* ---------------------------------------------------------------- attention */
+
+static const int kv_lens[] = {1, 15, 16, 17, 31, 32, 33, 255, 256, 257, 4095};
+static const int groups[] = {1, 2, 4, 7};
+static const int head_dims[] = {8, 64, 128};
+static const int block_sizes[] = {8, 16, 32};
+
+Test(attention, decode_paged_is_bit_identical_to_contiguous_and_matches_double, .timeout = 600) {
+    /* The full cross product: every kv length x GQA ratio x head_dim x block
+     * size, each a batch of two decode sequences (lengths L and L/3 + 1). */
+    rk_backend *be = make_backend(2);
+    char what[128];
+    for (size_t a = 0; a < sizeof kv_lens / sizeof *kv_lens; a++)
+        for (size_t g = 0; g < 4; g++)
+            for (size_t d = 0; d < 3; d++)
+                for (size_t b = 0; b < 3; b++) {
+                    seq_spec specs[2] = {{1, kv_lens[a]}, {1, kv_lens[a] / 3 + 1}};
+                    fixture f;
+                    fixture_build(&f, be, specs, 2, 2, groups[g], head_dims[d], block_sizes[b],
+                                  RK_DTYPE_F32);
+                    snprintf(what, sizeof what, "decode L=%d G=%d hd=%d B=%d", kv_lens[a],
+                             groups[g], head_dims[d], block_sizes[b]);
+                    free(check_fixture(be, &f, what));
+                    fixture_free(&f);
+                }
+    rk_backend_free(be);
+}
+
+Test(attention, prefill_batches_are_bit_identical_to_contiguous_and_match_double, .timeout = 600) {
+    /* A representative subset: every GQA ratio x head_dim, block sizes in
+     * turn, each batch mixing full prefills, chunked prefills over a longer
+     * cache (crossing the 512 partition), an empty and a decode sequence. */
+    rk_backend *be = make_backend(2);
+    char what[128];
+    int turn = 0;
+    for (size_t g = 0; g < 4; g++)
+        for (size_t d = 0; d < 3; d++) {
+            int B = block_sizes[turn++ % 3];
+            seq_spec specs[6] = {{17, 17}, {15, 33}, {40, 600}, {0, 9}, {1, 1100}, {16, 256}};
+            fixture f;
+            fixture_build(&f, be, specs, 6, 2, groups[g], head_dims[d], B, RK_DTYPE_F32);
+            snprintf(what, sizeof what, "prefill G=%d hd=%d B=%d", groups[g], head_dims[d], B);
+            free(check_fixture(be, &f, what));
+            fixture_free(&f);
+        }
+    /* one long prefill: every row of a 257-token sequence, and 33 rows at 4095 */
+    for (size_t b = 0; b < 3; b++) {
+        seq_spec specs[2] = {{257, 257}, {33, 4095}};
+        fixture f;
+        fixture_build(&f, be, specs, 2, 1, 4, 64, block_sizes[b], RK_DTYPE_F32);
+        snprintf(what, sizeof what, "long prefill B=%d", block_sizes[b]);
+        free(check_fixture(be, &f, what));
+        fixture_free(&f);
+    }
+    rk_backend_free(be);
+}
+
+Test(attention, results_do_not_depend_on_the_thread_count) {
+    rk_backend *bes[3] = {make_backend(1), make_backend(2), make_backend(4)};
+    seq_spec specs[4] = {{1, 4095}, {30, 700}, {1, 17}, {5, 5}};
+    fixture f;
+    fixture_build(&f, bes[0], specs, 4, 2, 4, 128, 16, RK_DTYPE_F32);
+    size_t n_out = (size_t)f.total_q * f.n_heads * f.head_dim,
+           n_lse = (size_t)f.total_q * f.n_heads;
+    float *out[3], *lse[3];
+    for (int e = 0; e < 3; e++) {
+        out[e] = malloc(n_out * sizeof(float));
+        lse[e] = malloc(n_lse * sizeof(float));
+        cr_assert(out[e] && lse[e]);
+        cr_assert_eq(run_paged(bes[e], &f, out[e], lse[e]), RK_OK);
+    }
+    for (int e = 1; e < 3; e++) {
+        cr_assert_arr_eq(out[0], out[e], n_out * sizeof(float), "1 vs %d threads", e == 1 ? 2 : 4);
+        cr_assert_arr_eq(lse[0], lse[e], n_lse * sizeof(float));
+    }
+    for (int e = 0; e < 3; e++) {
+        free(out[e]);
+        free(lse[e]);
+        rk_backend_free(bes[e]);
+    }
+    fixture_free(&f);
+}
+
+Test(attention, decode_and_prefill_rows_agree_bit_for_bit) {
+    /* The last row of a prefill sees the same range as a decode step over the
+     * same cache: split-K and the sequential walk give the same bits. */
+    rk_backend *be = make_backend(2);
+    seq_spec specs[2] = {{3, 1500}, {1, 1500}};
+    fixture f;
+    fixture_build(&f, be, specs, 2, 2, 2, 64, 16, RK_DTYPE_F32);
+    /* make sequence 1 a copy of sequence 0 in the cache: same table, same q */
+    memcpy(f.table + f.max_blocks, f.table, (size_t)f.max_blocks * sizeof(int32_t));
+    size_t qrow = (size_t)f.n_heads * f.head_dim;
+    memcpy(f.q + 3 * qrow, f.q + 2 * qrow, qrow * sizeof(float));
+    float *out = malloc(4 * qrow * sizeof(float)), lse[4 * 4];
+    cr_assert(out);
+    cr_assert_eq(run_paged(be, &f, out, lse), RK_OK);
+    cr_assert_arr_eq(out + 2 * qrow, out + 3 * qrow, qrow * sizeof(float));
+    cr_assert_arr_eq(lse + 2 * f.n_heads, lse + 3 * f.n_heads, (size_t)f.n_heads * sizeof(float));
+    free(out);
+    fixture_free(&f);
+    rk_backend_free(be);
+}
+
+Test(attention, half_precision_caches_stay_close_to_f32) {
+    /* F16 and BF16 caches: paged == contiguous, within 1e-5 of the double
+     * reference on the rounded values, and within 2e-3 (F16) / 2e-2 (BF16)
+     * of the F32 result on the unrounded values. */
+    rk_backend *be = make_backend(2);
+    char what[128];
+    const float tol[3] = {0, 2e-3f, 2e-2f};
+    for (int dt = 1; dt <= 2; dt++)
+        for (int c = 0; c < 4; c++) {
+            int hd = c % 2 ? 128 : 64, B = c < 2 ? 16 : 8, G = c < 2 ? 2 : 7;
+            seq_spec specs[3] = {{1, c < 2 ? 4095 : 257}, {20, 530}, {1, 33}};
+            fixture f;
+            fixture_build(&f, be, specs, 3, 2, G, hd, B, (rk_dtype)dt);
+            snprintf(what, sizeof what, "%s hd=%d B=%d G=%d", rk_dtype_name((rk_dtype)dt), hd, B,
+                     G);
+            float *out = check_fixture(be, &f, what);
+            size_t n_out = (size_t)f.total_q * f.n_heads * hd;
+            double *r32 = malloc(n_out * sizeof(double)),
+                   *l32 = malloc((size_t)f.total_q * f.n_heads * sizeof(double));
+            cr_assert(r32 && l32);
+            attn_ref(&f, 0, r32, l32);
+            double worst = 0;
+            for (size_t i = 0; i < n_out; i++) worst = fmax(worst, fabs(out[i] - r32[i]));
+            cr_assert(worst <= tol[dt], "%s: max |out - f32| = %g > %g", what, worst, tol[dt]);
+            free(r32);
+            free(l32);
+            free(out);
+            fixture_free(&f);
+        }
+    rk_backend_free(be);
+}
+
+Test(attention, one_entry_returns_its_value_and_two_equal_scores_average) {
+    rk_backend *be = make_backend(1);
+    float kbuf[2 * 4] = {0}, vbuf[2 * 4] = {0};
+    void *kl[1] = {kbuf}, *vl[1] = {vbuf};
+    rk_kv_cache kv = {1, 1, 2, 1, 4, RK_DTYPE_F32, kl, vl};
+    float k[8] = {1, 0, 0, 0, 1, 0, 0, 0}, v[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    int32_t slots[2] = {0, 1};
+    cr_assert_eq(be->ops->kv_write(be, &kv, 0, k, v, slots, 2), RK_OK);
+    float q[4] = {2, 0, 0, 0}, out[4], lse;
+    int32_t qs[2] = {0, 1}, len = 1, table[1] = {0};
+    rk_attn_batch b = {1, qs, &len, table, 1};
+    cr_assert_eq(be->ops->attention(be, out, &lse, q, &kv, 0, &b, 1, 0.5f), RK_OK);
+    float v0[4] = {1, 2, 3, 4};
+    cr_assert_arr_eq(out, v0, sizeof out);
+    cr_assert_eq(lse, 1.0f); /* 0.5 * q.k = 1, one term: lse = 1 */
+    len = 2;
+    cr_assert_eq(be->ops->attention(be, out, &lse, q, &kv, 0, &b, 1, 0.5f), RK_OK);
+    for (int i = 0; i < 4; i++) cr_assert_float_eq(out[i], 3.0f + i, 1e-6);
+    cr_assert_float_eq(lse, 1.0f + logf(2.0f), 1e-6);
+    rk_backend_free(be);
+}
+
+Test(attention, rejects_bad_tables_and_shapes) {
+    rk_backend *be = make_backend(2);
+    seq_spec specs[1] = {{2, 40}};
+    fixture f;
+    fixture_build(&f, be, specs, 1, 2, 2, 8, 16, RK_DTYPE_F32);
+    float *out = malloc((size_t)2 * f.n_heads * 8 * sizeof(float));
+    cr_assert(out);
+    rk_attn_batch b = fixture_batch(&f);
+    float scale = fixture_scale(&f);
+    /* -1 beyond kv_len is fine (entries 40.. are not used) */
+    cr_assert_eq(f.table[3], -1);
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b, f.n_heads, scale), RK_OK);
+    int32_t saved = f.table[2];
+    f.table[2] = -1; /* entries 32..39 live in block 2 */
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b, f.n_heads, scale),
+                 RK_ERR_INVALID);
+    f.table[2] = f.kv.n_blocks;
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b, f.n_heads, scale),
+                 RK_ERR_INVALID);
+    f.table[2] = saved;
+    int32_t short_len = 1; /* kv_len < n_q */
+    rk_attn_batch b2 = b;
+    b2.kv_len = &short_len;
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b2, f.n_heads, scale),
+                 RK_ERR_INVALID);
+    int32_t long_len = 16 * f.max_blocks + 1; /* does not fit the table */
+    b2.kv_len = &long_len;
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b2, f.n_heads, scale),
+                 RK_ERR_INVALID);
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b, 3, scale), RK_ERR_INVALID);
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 2, &b, f.n_heads, scale),
+                 RK_ERR_INVALID);
+    free(out);
+    fixture_free(&f);
+    rk_backend_free(be);
+}
+
+/* ---------------------------------------------------------------- kv_write */
+
+Test(kv_write, skips_negative_slots_and_rejects_bad_ones_without_writing) {
+    rk_backend *be = make_backend(2);
+    int n_blocks = 4, bs = 8, heads = 2, hd = 16;
+    size_t row = (size_t)heads * hd, slots_total = (size_t)n_blocks * bs;
+    for (int dt = 0; dt < 3; dt++) {
+        rk_dtype t = (rk_dtype)dt;
+        size_t bytes = slots_total * row * rk_dtype_size(t);
+        void *k0 = malloc(bytes), *v0 = malloc(bytes), *k1 = malloc(bytes), *v1 = malloc(bytes);
+        cr_assert(k0 && v0 && k1 && v1);
+        memset(k0, 0xab, bytes);
+        memset(v0, 0xab, bytes);
+        memset(k1, 0xab, bytes);
+        memset(v1, 0xab, bytes);
+        void *kl[2] = {k0, k1}, *vl[2] = {v0, v1};
+        rk_kv_cache kv = {2, n_blocks, bs, heads, hd, t, kl, vl};
+        float *k = rand_floats(5 * row, -1, 1), *v = rand_floats(5 * row, -1, 1);
+        int32_t slots[5] = {3, -1, 31, -7, 12};
+        cr_assert_eq(be->ops->kv_write(be, &kv, 1, k, v, slots, 5), RK_OK);
+        unsigned char *kb = k1;
+        size_t es = rk_dtype_size(t);
+        for (size_t s = 0; s < slots_total; s++) {
+            int tok = -1;
+            for (int i = 0; i < 5; i++)
+                if (slots[i] == (int32_t)s) tok = i;
+            for (size_t e = 0; e < row; e++) {
+                if (tok >= 0) {
+                    /* the cache holds k and v rounded to its dtype */
+                    float got = elem_f32(kb + s * row * es, t, e);
+                    cr_assert_eq(got, round_to(k[tok * row + e], t));
+                    cr_assert_eq(elem_f32(v1, t, s * row + e), round_to(v[tok * row + e], t));
+                } else {
+                    cr_assert_eq(kb[(s * row + e) * es], 0xab, "slot %zu was written", s);
+                }
+            }
+        }
+        /* layer 0 untouched */
+        unsigned char *l0 = k0;
+        for (size_t i = 0; i < bytes; i++) cr_assert_eq(l0[i], 0xab);
+        /* out of range: error, nothing written */
+        void *snap = malloc(bytes);
+        cr_assert(snap);
+        memcpy(snap, k1, bytes);
+        float *k2 = rand_floats(5 * row, 5, 6);
+        int32_t bad[3] = {0, 32, 1};
+        cr_assert_eq(be->ops->kv_write(be, &kv, 1, k2, k2, bad, 3), RK_ERR_INVALID);
+        cr_assert_arr_eq(snap, k1, bytes);
+        int32_t dup[3] = {4, 5, 4};
+        cr_assert_eq(be->ops->kv_write(be, &kv, 1, k2, k2, dup, 3), RK_ERR_INVALID);
+        cr_assert_arr_eq(snap, k1, bytes);
+        cr_assert_eq(be->ops->kv_write(be, &kv, 2, k2, k2, slots, 3), RK_ERR_INVALID);
+        free(snap);
+        free(k2);
+        free(k);
+        free(v);
+        free(k0);
+        free(v0);
+        free(k1);
+        free(v1);
+    }
+    rk_backend_free(be);
+}
+
+/* ---------------------------------------------------------------- rope_shift_copy */
+
+typedef struct shift_fixture {
+    rk_kv_cache kv;
+    void *kl[3], *vl[3];
+    size_t row, layer_bytes;
+} shift_fixture;
+
+static void shift_build(shift_fixture *f, int n_blocks, int bs, int heads, int hd, rk_dtype t) {
+    memset(f, 0, sizeof *f);
+    f->row = (size_t)heads * hd;
+    f->layer_bytes = (size_t)n_blocks * bs * f->row * rk_dtype_size(t);
+    for (int l = 0; l < 3; l++) {
+        f->kl[l] = malloc(f->layer_bytes);
+        f->vl[l] = malloc(f->layer_bytes);
+        cr_assert(f->kl[l] && f->vl[l]);
+        memset(f->kl[l], 0, f->layer_bytes);
+        memset(f->vl[l], 0, f->layer_bytes);
+    }
+    f->kv = (rk_kv_cache){3, n_blocks, bs, heads, hd, t, f->kl, f->vl};
+}
+
+static void shift_free(shift_fixture *f) {
+    for (int l = 0; l < 3; l++) {
+        free(f->kl[l]);
+        free(f->vl[l]);
+    }
+}
+
+Test(rope_shift_copy, shifting_keys_equals_computing_them_at_the_new_position) {
+    rk_backend *be = make_backend(2);
+    int n = 24, heads = 2, hd = 64, bs = 16, n_blocks = 8;
+    for (int pr = 0; pr < 2; pr++)
+        for (int part = 0; part < 2; part++) {
+            rk_rope_params p = {.n_rot = part ? 48 : 64,
+                                .theta = 10000.0f,
+                                .pairing = (rk_rope_pairing)pr,
+                                .scaling = part ? RK_ROPE_SCALING_YARN : RK_ROPE_SCALING_NONE,
+                                .factor = 2.0f,
+                                .orig_ctx = 1024};
+            rk_rope r;
+            cr_assert_eq(rk_rope_init(&r, &p), RK_OK);
+            shift_fixture f;
+            shift_build(&f, n_blocks, bs, heads, hd, RK_DTYPE_F32);
+            float *x = rand_floats((size_t)n * f.row, -1, 1);
+            float *k_src = malloc((size_t)n * f.row * sizeof(float));
+            float *k_dst = malloc((size_t)n * f.row * sizeof(float));
+            cr_assert(k_src && k_dst);
+            memcpy(k_src, x, (size_t)n * f.row * sizeof(float));
+            memcpy(k_dst, x, (size_t)n * f.row * sizeof(float));
+            int32_t pos_src[24], pos_dst[24], src[24], dst[24], delta[24];
+            for (int i = 0; i < n; i++) {
+                pos_src[i] = 100 + i;
+                pos_dst[i] = 33 + i;
+                delta[i] = -67;
+                src[i] = 5 + i;       /* slots 5..28 */
+                dst[i] = 127 - 3 * i; /* slots 127, 124, ... 58: other blocks, reversed */
+            }
+            cr_assert_eq(be->ops->rope(be, k_src, pos_src, n, heads, hd, &r), RK_OK);
+            cr_assert_eq(be->ops->rope(be, k_dst, pos_dst, n, heads, hd, &r), RK_OK);
+            float *v = rand_floats((size_t)n * f.row, -1, 1);
+            for (int l = 0; l < 3; l++)
+                cr_assert_eq(be->ops->kv_write(be, &f.kv, l, k_src, v, src, n), RK_OK);
+            unsigned char *snap_k = malloc(f.layer_bytes), *snap_v = malloc(f.layer_bytes);
+            cr_assert(snap_k && snap_v);
+            memcpy(snap_k, f.kl[2], f.layer_bytes);
+            memcpy(snap_v, f.vl[2], f.layer_bytes);
+            cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, &r), RK_OK);
+            for (int l = 0; l < 3; l++) {
+                const float *kc = f.kl[l];
+                for (int i = 0; i < n; i++) {
+                    const float *got = kc + (size_t)dst[i] * f.row;
+                    const float *want = k_dst + (size_t)i * f.row;
+                    for (size_t e = 0; e < f.row; e++)
+                        cr_assert(fabsf(got[e] - want[e]) <= 1e-5f * fmaxf(1.0f, fabsf(want[e])),
+                                  "pairing %d layer %d token %d elem %zu: %.9g vs %.9g", pr, l, i,
+                                  e, got[e], want[e]);
+                    /* V byte-identical */
+                    cr_assert_arr_eq((const unsigned char *)f.vl[l] + (size_t)dst[i] * f.row * 4,
+                                     v + (size_t)i * f.row, f.row * 4);
+                }
+            }
+            /* the source slots (and everything else but the destinations) are unchanged */
+            for (int i = 0; i < n; i++) {
+                size_t o = (size_t)src[i] * f.row * 4;
+                cr_assert_arr_eq(snap_k + o, (unsigned char *)f.kl[2] + o, f.row * 4);
+                cr_assert_arr_eq(snap_v + o, (unsigned char *)f.vl[2] + o, f.row * 4);
+            }
+            free(snap_k);
+            free(snap_v);
+            free(x);
+            free(v);
+            free(k_src);
+            free(k_dst);
+            shift_free(&f);
+        }
+    rk_backend_free(be);
+}
+
+Test(rope_shift_copy, shifting_by_d_then_minus_d_restores_the_keys) {
+    rk_backend *be = make_backend(2);
+    int n = 40, heads = 3, hd = 128, bs = 8, n_blocks = 16;
+    for (int pr = 0; pr < 2; pr++) {
+        rk_rope r = plain_rope(128, 1000000.0f, (rk_rope_pairing)pr);
+        shift_fixture f;
+        shift_build(&f, n_blocks, bs, heads, hd, RK_DTYPE_F32);
+        float *k = rand_floats((size_t)n * f.row, -1, 1),
+              *v = rand_floats((size_t)n * f.row, -1, 1);
+        int32_t a[40], b[40], c[40], d[40], md[40];
+        for (int i = 0; i < n; i++) {
+            a[i] = i;
+            b[i] = 40 + i;
+            c[i] = 127 - i; /* 127..88: disjoint from b */
+            d[i] = (i * 7919) % 100000 - 50000;
+            md[i] = -d[i];
+        }
+        cr_assert_eq(be->ops->kv_write(be, &f.kv, 1, k, v, a, n), RK_OK);
+        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, a, b, d, n, &r), RK_OK);
+        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, b, c, md, n, &r), RK_OK);
+        const float *kc = f.kl[1];
+        for (int i = 0; i < n; i++)
+            for (size_t e = 0; e < f.row; e++) {
+                float want = k[(size_t)i * f.row + e], got = kc[(size_t)c[i] * f.row + e];
+                cr_assert(fabsf(got - want) <= 1e-6f * fmaxf(1.0f, fabsf(want)),
+                          "pairing %d token %d elem %zu: %.9g vs %.9g", pr, i, e, got, want);
+            }
+        free(k);
+        free(v);
+        shift_free(&f);
+    }
+    rk_backend_free(be);
+}
+
+Test(rope_shift_copy, half_precision_caches_round_once_per_shift) {
+    rk_backend *be = make_backend(2);
+    int n = 16, heads = 2, hd = 64;
+    rk_rope r = plain_rope(64, 10000.0f, RK_ROPE_NEOX);
+    for (int dt = 1; dt <= 2; dt++) {
+        rk_dtype t = (rk_dtype)dt;
+        shift_fixture f;
+        shift_build(&f, 4, 16, heads, hd, t);
+        float *x = rand_floats((size_t)n * f.row, -1, 1),
+              *v = rand_floats((size_t)n * f.row, -1, 1);
+        float *want = malloc((size_t)n * f.row * sizeof(float));
+        cr_assert(want);
+        int32_t src[16], dst[16], pos[16], delta[16];
+        for (int i = 0; i < n; i++) {
+            src[i] = i;
+            dst[i] = 63 - i;
+            pos[i] = 500 + i;
+            delta[i] = 500 + i;
+        }
+        cr_assert_eq(be->ops->kv_write(be, &f.kv, 0, x, v, src, n), RK_OK);
+        /* expected: the stored (rounded) x rotated in f32, rounded again */
+        for (int i = 0; i < n; i++)
+            for (size_t e = 0; e < f.row; e++)
+                want[(size_t)i * f.row + e] = elem_f32(f.kl[0], t, (size_t)i * f.row + e);
+        cr_assert_eq(be->ops->rope(be, want, pos, n, heads, hd, &r), RK_OK);
+        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, &r), RK_OK);
+        /* the same f32 rotation as the rope op, then exactly one rounding */
+        for (int i = 0; i < n; i++)
+            for (size_t e = 0; e < f.row; e++) {
+                float got = elem_f32(f.kl[0], t, (size_t)dst[i] * f.row + e);
+                float w = want[(size_t)i * f.row + e];
+                cr_assert_eq(got, round_to(w, t), "%s: %.9g vs %.9g", rk_dtype_name(t), got,
+                             round_to(w, t));
+                cr_assert_eq(((uint16_t *)f.vl[0])[(size_t)dst[i] * f.row + e],
+                             ((uint16_t *)f.vl[0])[(size_t)src[i] * f.row + e]);
+            }
+        free(x);
+        free(v);
+        free(want);
+        shift_free(&f);
+    }
+    rk_backend_free(be);
+}
+
+Test(rope_shift_copy, rejects_bad_slots_without_writing) {
+    rk_backend *be = make_backend(2);
+    rk_rope r = plain_rope(16, 10000.0f, RK_ROPE_NORMAL);
+    shift_fixture f;
+    shift_build(&f, 2, 8, 1, 16, RK_DTYPE_F32);
+    float *k = rand_floats(16 * f.row, -1, 1);
+    int32_t all[16];
+    for (int i = 0; i < 16; i++) all[i] = i;
+    for (int l = 0; l < 3; l++) cr_assert_eq(be->ops->kv_write(be, &f.kv, l, k, k, all, 16), RK_OK);
+    unsigned char *snap = malloc(f.layer_bytes);
+    cr_assert(snap);
+    memcpy(snap, f.kl[0], f.layer_bytes);
+    int32_t delta[2] = {5, 5};
+    int32_t s1[2] = {0, 1}, d_over[2] = {2, 16}, d_neg[2] = {-1, 3}, d_dup[2] = {4, 4},
+            d_overlap[2] = {1, 5};
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_over, delta, 2, &r), RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_neg, delta, 2, &r), RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, d_over, s1, delta, 2, &r), RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_dup, delta, 2, &r), RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_overlap, delta, 2, &r), RK_ERR_INVALID);
+    cr_assert_arr_eq(snap, f.kl[0], f.layer_bytes);
+    rk_rope wide = plain_rope(32, 10000.0f, RK_ROPE_NORMAL); /* n_rot > head_dim */
+    int32_t d_ok[2] = {8, 9};
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_ok, delta, 2, &wide), RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_ok, delta, 2, &r), RK_OK);
+    free(snap);
+    free(k);
+    shift_free(&f);
+    rk_backend_free(be);
+}
