@@ -1,0 +1,516 @@
+/* engine/mkmodel.c — synthetic GGUF models (see mkmodel.h).
+ *
+ * A preset fixes the architecture and shapes; the vocabulary comes from the
+ * tokenizer module (the built-in tiny one, or the real Qwen3 tokenizer.json).
+ * The writer gets every key and tensor declaration up front and asks the fill
+ * callback below for each tensor's bytes while it writes, so no weights are
+ * held in memory beyond the output itself. */
+#include "engine/mkmodel.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "engine/tokenizer.h"
+#include "kernels/kernels.h"
+
+/* ================================================================ presets */
+
+typedef enum vocab_kind {
+    VOCAB_TINY,       /* rk_vocab_tiny() as is */
+    VOCAB_TINY_32000, /* rk_vocab_tiny() padded with unused tokens to 32000 */
+    VOCAB_QWEN3,      /* the Qwen3 tokenizer.json padded to 151936 */
+} vocab_kind;
+
+typedef struct preset {
+    const char *name;
+    const char *description;
+    const char *arch;
+    int n_layers, dim, n_heads, n_kv_heads, head_dim, ffn_dim, n_ctx;
+    float theta, eps;
+    int tied, qkv_bias, qk_norm;
+    vocab_kind vocab;
+} preset;
+
+#define QWEN3_N_VOCAB 151936
+#define LLAMA_N_VOCAB 32000
+
+static const preset k_presets[] = {
+    {"tiny",
+     "llama, 4 layers, dim 128, 4 heads / 2 KV, FFN 384, tiny vocabulary (the built-in "
+     "default, ~1 M parameters)",
+     "llama", 4, 128, 4, 2, 32, 384, 4096, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY},
+    {"qwen3-0.6b",
+     "qwen3, Qwen3-0.6B shapes: 28 layers, dim 1024, 16 heads / 8 KV, head 128, "
+     "FFN 3072, tied, Qwen3 vocabulary (~0.6 B parameters, 2.4 GB in F32)",
+     "qwen3", 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3},
+    {"qwen3-tiny",
+     "qwen3, 2 layers, dim 128, 4 heads / 2 KV, head 32, FFN 256, tied, Qwen3 "
+     "vocabulary (fast tests of the qwen3 path)",
+     "qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3},
+    {"qwen2-tiny",
+     "qwen2 (QKV biases), 2 layers, dim 128, 4 heads / 2 KV, head 32, FFN 256, "
+     "tied, Qwen3 vocabulary",
+     "qwen2", 2, 128, 4, 2, 32, 256, 32768, 1e6f, 1e-6f, 1, 1, 0, VOCAB_QWEN3},
+    {"llama-1b",
+     "llama, TinyLlama-1.1B shapes: 22 layers, dim 2048, 32 heads / 4 KV, FFN 5632, "
+     "tiny vocabulary padded to 32000 (~1.1 B parameters, 4.4 GB in F32)",
+     "llama", 22, 2048, 32, 4, 64, 5632, 2048, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY_32000},
+    {"qwen3-8b",
+     "qwen3, Qwen3-8B shapes: 36 layers, dim 4096, 32 heads / 8 KV, head 128, FFN "
+     "12288, untied, Qwen3 vocabulary (~8.2 B parameters, 33 GB in F32)",
+     "qwen3", 36, 4096, 32, 8, 128, 12288, 40960, 1e6f, 1e-6f, 0, 0, 1, VOCAB_QWEN3},
+};
+
+#define N_PRESETS (sizeof k_presets / sizeof k_presets[0])
+
+/* Return the preset table; see mkmodel.h. */
+const rk_mkmodel_preset_info *rk_mkmodel_presets(size_t *out_n) {
+    static rk_mkmodel_preset_info infos[N_PRESETS];
+    static int ready; /* the contents are constant, so a racing second fill is harmless */
+    if (!ready) {
+        for (size_t i = 0; i < N_PRESETS; i++) {
+            infos[i].name = k_presets[i].name;
+            infos[i].description = k_presets[i].description;
+        }
+        ready = 1;
+    }
+    if (out_n) *out_n = N_PRESETS;
+    return infos;
+}
+
+static rk_status find_preset(const char *name, const preset **out) {
+    if (!name) name = "tiny";
+    for (size_t i = 0; i < N_PRESETS; i++)
+        if (strcmp(k_presets[i].name, name) == 0) {
+            *out = &k_presets[i];
+            return RK_OK;
+        }
+    char list[256] = "";
+    for (size_t i = 0; i < N_PRESETS; i++) {
+        strncat(list, i ? ", " : "", sizeof list - strlen(list) - 1);
+        strncat(list, k_presets[i].name, sizeof list - strlen(list) - 1);
+    }
+    return rk_errorf(RK_ERR_NOT_FOUND, "mkmodel: unknown preset '%s' (presets: %s)", name, list);
+}
+
+/* Fill opts with the defaults; see mkmodel.h. */
+void rk_mkmodel_opts_default(rk_mkmodel_opts *opts) {
+    memset(opts, 0, sizeof *opts);
+    opts->preset = "tiny";
+    opts->wtype = RK_GGML_F32;
+    opts->vocab_path = NULL;
+    opts->seed = 42;
+}
+
+/* Parse "f32" / "f16" / "bf16"; see mkmodel.h. */
+rk_status rk_mkmodel_parse_wtype(const char *name, rk_ggml_type *out) {
+    static const struct {
+        const char *name;
+        rk_ggml_type type;
+    } k[] = {{"f32", RK_GGML_F32}, {"f16", RK_GGML_F16}, {"bf16", RK_GGML_BF16}};
+    if (name) {
+        for (size_t i = 0; i < sizeof k / sizeof k[0]; i++)
+            if (strcasecmp(name, k[i].name) == 0) {
+                *out = k[i].type;
+                return RK_OK;
+            }
+    }
+    return rk_errorf(RK_ERR_INVALID, "mkmodel: unknown weight type '%s' (f32, f16, bf16)",
+                     name ? name : "(null)");
+}
+
+/* ================================================================ vocabulary */
+
+/* A vocabulary ready for the writer: token pointers (into the loaded rk_vocab
+ * or the padding block), with padding applied. */
+typedef struct mk_vocab {
+    rk_vocab v;          /* as loaded; owns the strings */
+    int32_t n;           /* tokens after padding */
+    const char **tokens; /* (n) */
+    float *scores;       /* (n) or NULL */
+    int32_t *types;      /* (n) */
+    char *pad_blob;      /* texts of the padding tokens */
+} mk_vocab;
+
+static void mk_vocab_free(mk_vocab *mv) {
+    rk_vocab_free(&mv->v);
+    free(mv->tokens);
+    free(mv->scores);
+    free(mv->types);
+    free(mv->pad_blob);
+    memset(mv, 0, sizeof *mv);
+}
+
+/* Re-issue the loader's error with the preset named in front. */
+static rk_status wrap_error(rk_status st, const char *preset_name, const char *what) {
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s", rk_error_message());
+    return rk_errorf(st, "mkmodel %s: %s: %s", preset_name, what, msg);
+}
+
+static rk_status mk_vocab_load(const preset *p, const char *vocab_path, mk_vocab *mv) {
+    memset(mv, 0, sizeof *mv);
+    rk_status st;
+    int32_t pad_to = 0;
+    if (p->vocab == VOCAB_QWEN3) {
+        const char *path = vocab_path ? vocab_path : RK_MKMODEL_DEFAULT_QWEN3_VOCAB;
+        st = rk_vocab_from_hf_json(path, QWEN3_N_VOCAB, &mv->v);
+        if (st) return wrap_error(st, p->name, "cannot read the Qwen3 vocabulary");
+        pad_to = QWEN3_N_VOCAB;
+    } else {
+        st = rk_vocab_tiny(&mv->v);
+        if (st) return wrap_error(st, p->name, "cannot build the tiny vocabulary");
+        if (p->vocab == VOCAB_TINY_32000) pad_to = LLAMA_N_VOCAB;
+    }
+    int32_t n0 = mv->v.n_tokens;
+    int32_t n = pad_to > n0 ? pad_to : n0;
+    mv->n = n;
+    mv->tokens = malloc((size_t)n * sizeof *mv->tokens);
+    mv->types = malloc((size_t)n * sizeof *mv->types);
+    if (mv->v.scores) mv->scores = malloc((size_t)n * sizeof *mv->scores);
+    size_t blob_len = (size_t)(n - n0) * 16;
+    mv->pad_blob = malloc(blob_len ? blob_len : 1);
+    if (!mv->tokens || !mv->types || (mv->v.scores && !mv->scores) || !mv->pad_blob) {
+        mk_vocab_free(mv);
+        return rk_errorf(RK_ERR_NOMEM, "mkmodel %s: out of memory for the vocabulary", p->name);
+    }
+    for (int32_t i = 0; i < n0; i++) {
+        mv->tokens[i] = mv->v.tokens[i];
+        mv->types[i] = mv->v.token_types[i];
+        if (mv->scores) mv->scores[i] = mv->v.scores[i];
+    }
+    char *dst = mv->pad_blob;
+    for (int32_t i = n0; i < n; i++) {
+        int len = snprintf(dst, 16, "[PAD%d]", (int)i);
+        mv->tokens[i] = dst;
+        dst += len + 1;
+        mv->types[i] = RK_TOKEN_UNUSED;
+        if (mv->scores) mv->scores[i] = -1e6f;
+    }
+    return RK_OK;
+}
+
+/* ================================================================ weights */
+
+typedef enum init_kind {
+    INIT_MATRIX, /* uniform, std 1/sqrt(ne[0]) */
+    INIT_NORM,   /* 1 + U(-0.05, 0.05) */
+    INIT_BIAS,   /* uniform, std 0.02 */
+} init_kind;
+
+typedef struct mk_tensor {
+    char name[64];
+    init_kind kind;
+    rk_ggml_type type;
+    uint32_t n_dims;
+    int64_t ne[2];
+} mk_tensor;
+
+typedef struct mk_fill_ctx {
+    const mk_tensor *tensors;
+    uint64_t seed;
+} mk_fill_ctx;
+
+static uint64_t splitmix64(uint64_t *state) {
+    uint64_t z = (*state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+
+typedef struct xoshiro {
+    uint64_t s[4];
+} xoshiro;
+
+static inline uint64_t rotl64(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+/* xoshiro256** (Blackman and Vigna). */
+static inline uint64_t xo_next(xoshiro *r) {
+    uint64_t *s = r->s;
+    uint64_t result = rotl64(s[1] * 5, 7) * 9;
+    uint64_t t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl64(s[3], 45);
+    return result;
+}
+
+/* Seed a generator from the model seed and the tensor name (FNV-1a). */
+static void xo_seed(xoshiro *r, uint64_t seed, const char *name) {
+    uint64_t h = 0xCBF29CE484222325ull;
+    for (const unsigned char *p = (const unsigned char *)name; *p; p++)
+        h = (h ^ *p) * 0x100000001B3ull;
+    uint64_t sm = seed ^ rotl64(h, 29);
+    for (int i = 0; i < 4; i++) r->s[i] = splitmix64(&sm);
+}
+
+#define FILL_CHUNK 4096 /* values generated per step; even */
+
+/* Fill callback for the GGUF writer: generate tensor i's values in chunks
+ * and store them in its type. */
+static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
+    const mk_fill_ctx *fc = ctx;
+    const mk_tensor *t = &fc->tensors[index];
+    size_t n = (size_t)t->ne[0] * (size_t)(t->n_dims > 1 ? t->ne[1] : 1);
+    size_t esize = t->type == RK_GGML_F32 ? 4 : 2;
+    if (n * esize != n_bytes)
+        return rk_errorf(RK_ERR_INTERNAL, "mkmodel: tensor %s: %zu bytes requested, %zu expected",
+                         t->name, n_bytes, n * esize);
+    float scale, bias = 0.0f;
+    switch (t->kind) {
+    case INIT_MATRIX: scale = sqrtf(3.0f / (float)t->ne[0]); break;
+    case INIT_NORM:
+        scale = 0.05f;
+        bias = 1.0f;
+        break;
+    default: scale = 0.02f * sqrtf(3.0f); break;
+    }
+    scale *= 0x1p-31f; /* int32 -> [-1, 1) */
+    xoshiro r;
+    xo_seed(&r, fc->seed, t->name);
+    float buf[FILL_CHUNK];
+    uint16_t half[FILL_CHUNK];
+    uint8_t *out = dst;
+    for (size_t i = 0; i < n; i += FILL_CHUNK) {
+        size_t m = n - i < FILL_CHUNK ? n - i : FILL_CHUNK;
+        for (size_t j = 0; j < m; j += 2) {
+            uint64_t x = xo_next(&r);
+            buf[j] = (float)(int32_t)(uint32_t)(x >> 32) * scale + bias;
+            buf[j + 1] = (float)(int32_t)(uint32_t)x * scale + bias; /* j + 1 < FILL_CHUNK */
+        }
+        if (t->type == RK_GGML_F32) {
+            memcpy(out + i * 4, buf, m * 4);
+        } else {
+            if (t->type == RK_GGML_F16)
+                for (size_t j = 0; j < m; j++) half[j] = rk_f32_to_f16(buf[j]);
+            else
+                for (size_t j = 0; j < m; j++) half[j] = rk_f32_to_bf16(buf[j]);
+            memcpy(out + i * 2, half, m * 2);
+        }
+    }
+    return RK_OK;
+}
+
+/* ================================================================ the model */
+
+typedef struct mk_model {
+    const preset *p;
+    mk_vocab vocab;
+    rk_gguf_writer *w;
+    mk_tensor *tensors; /* (n_tensors), in declaration order */
+    int64_t n_tensors, cap;
+} mk_model;
+
+static void mk_model_free(mk_model *m) {
+    mk_vocab_free(&m->vocab);
+    rk_gguf_writer_free(m->w);
+    free(m->tensors);
+    memset(m, 0, sizeof *m);
+}
+
+/* Declare a tensor to the writer and remember how to fill it. */
+static rk_status mk_add(mk_model *m, init_kind kind, rk_ggml_type type, int64_t ne0, int64_t ne1,
+                        const char *fmt, int layer) {
+    if (m->n_tensors == m->cap) {
+        int64_t cap = m->cap ? m->cap * 2 : 64;
+        mk_tensor *p = realloc(m->tensors, (size_t)cap * sizeof *p);
+        if (!p) return rk_errorf(RK_ERR_NOMEM, "mkmodel: out of memory");
+        m->tensors = p;
+        m->cap = cap;
+    }
+    mk_tensor *t = &m->tensors[m->n_tensors];
+    memset(t, 0, sizeof *t);
+    snprintf(t->name, sizeof t->name, fmt, layer);
+    t->kind = kind;
+    t->type = ne1 ? type : RK_GGML_F32; /* 1-D tensors stay F32 */
+    t->n_dims = ne1 ? 2 : 1;
+    t->ne[0] = ne0;
+    t->ne[1] = ne1 ? ne1 : 1;
+    rk_status st = rk_gguf_writer_add_tensor(m->w, t->name, t->type, t->n_dims, t->ne);
+    if (st) return st;
+    m->n_tensors++;
+    return RK_OK;
+}
+
+static rk_status mk_set_arch_u32(rk_gguf_writer *w, const char *arch, const char *suffix,
+                                 uint32_t v) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    return rk_gguf_writer_set_u32(w, key, v);
+}
+
+static rk_status mk_set_arch_f32(rk_gguf_writer *w, const char *arch, const char *suffix, float v) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", arch, suffix);
+    return rk_gguf_writer_set_f32(w, key, v);
+}
+
+static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
+    const preset *p = m->p;
+    rk_gguf_writer *w = m->w;
+    const mk_vocab *mv = &m->vocab;
+    const char *a = p->arch;
+    char name[96];
+    snprintf(name, sizeof name, "ragkv synthetic %s", p->name);
+    uint32_t file_type = opts->wtype == RK_GGML_F32 ? 0 : opts->wtype == RK_GGML_F16 ? 1 : 32;
+    rk_status st;
+    if ((st = rk_gguf_writer_set_str(w, "general.architecture", a)) ||
+        (st = rk_gguf_writer_set_str(w, "general.name", name)) ||
+        (st = rk_gguf_writer_set_u32(w, "general.file_type", file_type)) ||
+        (st = rk_gguf_writer_set_str(w, "ragkv.synthetic.preset", p->name)) ||
+        (st = rk_gguf_writer_set_u64(w, "ragkv.synthetic.seed", opts->seed)) ||
+        (st = mk_set_arch_u32(w, a, "vocab_size", (uint32_t)mv->n)) ||
+        (st = mk_set_arch_u32(w, a, "context_length", (uint32_t)p->n_ctx)) ||
+        (st = mk_set_arch_u32(w, a, "embedding_length", (uint32_t)p->dim)) ||
+        (st = mk_set_arch_u32(w, a, "block_count", (uint32_t)p->n_layers)) ||
+        (st = mk_set_arch_u32(w, a, "feed_forward_length", (uint32_t)p->ffn_dim)) ||
+        (st = mk_set_arch_u32(w, a, "attention.head_count", (uint32_t)p->n_heads)) ||
+        (st = mk_set_arch_u32(w, a, "attention.head_count_kv", (uint32_t)p->n_kv_heads)) ||
+        (st = mk_set_arch_u32(w, a, "attention.key_length", (uint32_t)p->head_dim)) ||
+        (st = mk_set_arch_u32(w, a, "attention.value_length", (uint32_t)p->head_dim)) ||
+        (st = mk_set_arch_f32(w, a, "attention.layer_norm_rms_epsilon", p->eps)) ||
+        (st = mk_set_arch_f32(w, a, "rope.freq_base", p->theta)) ||
+        (st = mk_set_arch_u32(w, a, "rope.dimension_count", (uint32_t)p->head_dim)))
+        return st;
+
+    if ((st = rk_gguf_writer_set_str(w, "tokenizer.ggml.model", mv->v.model))) return st;
+    if (mv->v.pre[0] && (st = rk_gguf_writer_set_str(w, "tokenizer.ggml.pre", mv->v.pre)))
+        return st;
+    if ((st = rk_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", mv->tokens, NULL,
+                                         (size_t)mv->n)))
+        return st;
+    if (mv->scores &&
+        (st = rk_gguf_writer_set_arr_f32(w, "tokenizer.ggml.scores", mv->scores, (size_t)mv->n)))
+        return st;
+    if ((st = rk_gguf_writer_set_arr_i32(w, "tokenizer.ggml.token_type", mv->types, (size_t)mv->n)))
+        return st;
+    if (mv->v.n_merges > 0 && (st = rk_gguf_writer_set_arr_str(w, "tokenizer.ggml.merges",
+                                                               (const char *const *)mv->v.merges,
+                                                               NULL, (size_t)mv->v.n_merges)))
+        return st;
+    const struct {
+        const char *key;
+        int32_t id;
+    } ids[] = {{"tokenizer.ggml.bos_token_id", mv->v.bos_id},
+               {"tokenizer.ggml.eos_token_id", mv->v.eos_id},
+               {"tokenizer.ggml.unknown_token_id", mv->v.unk_id},
+               {"tokenizer.ggml.padding_token_id", mv->v.pad_id}};
+    for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++)
+        if (ids[i].id >= 0 && ids[i].id < mv->n &&
+            (st = rk_gguf_writer_set_u32(w, ids[i].key, (uint32_t)ids[i].id)))
+            return st;
+    return rk_gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", mv->v.add_bos);
+}
+
+static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
+    const preset *p = m->p;
+    const int64_t dim = p->dim, q_dim = (int64_t)p->n_heads * p->head_dim;
+    const int64_t kv_dim = (int64_t)p->n_kv_heads * p->head_dim, ffn = p->ffn_dim;
+    rk_status st;
+    if ((st = mk_add(m, INIT_MATRIX, wt, dim, m->vocab.n, "token_embd.weight", 0))) return st;
+    for (int l = 0; l < p->n_layers; l++) {
+        if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.attn_norm.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, wt, dim, q_dim, "blk.%d.attn_q.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, wt, dim, kv_dim, "blk.%d.attn_k.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, wt, dim, kv_dim, "blk.%d.attn_v.weight", l)))
+            return st;
+        if (p->qkv_bias && ((st = mk_add(m, INIT_BIAS, wt, q_dim, 0, "blk.%d.attn_q.bias", l)) ||
+                            (st = mk_add(m, INIT_BIAS, wt, kv_dim, 0, "blk.%d.attn_k.bias", l)) ||
+                            (st = mk_add(m, INIT_BIAS, wt, kv_dim, 0, "blk.%d.attn_v.bias", l))))
+            return st;
+        if (p->qk_norm &&
+            ((st = mk_add(m, INIT_NORM, wt, p->head_dim, 0, "blk.%d.attn_q_norm.weight", l)) ||
+             (st = mk_add(m, INIT_NORM, wt, p->head_dim, 0, "blk.%d.attn_k_norm.weight", l))))
+            return st;
+        if ((st = mk_add(m, INIT_MATRIX, wt, q_dim, dim, "blk.%d.attn_output.weight", l)) ||
+            (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.ffn_norm.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, wt, dim, ffn, "blk.%d.ffn_gate.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, wt, dim, ffn, "blk.%d.ffn_up.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, wt, ffn, dim, "blk.%d.ffn_down.weight", l)))
+            return st;
+    }
+    if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "output_norm.weight", 0))) return st;
+    if (!p->tied && (st = mk_add(m, INIT_MATRIX, wt, dim, m->vocab.n, "output.weight", 0)))
+        return st;
+    return RK_OK;
+}
+
+/* Resolve the preset, load the vocabulary and declare everything. */
+static rk_status mk_prepare(const rk_mkmodel_opts *opts, mk_model *m) {
+    memset(m, 0, sizeof *m);
+    if (!opts) return rk_errorf(RK_ERR_INVALID, "mkmodel: NULL options");
+    rk_status st = find_preset(opts->preset, &m->p);
+    if (st) return st;
+    if (opts->wtype != RK_GGML_F32 && opts->wtype != RK_GGML_F16 && opts->wtype != RK_GGML_BF16)
+        return rk_errorf(RK_ERR_INVALID, "mkmodel: weight type %s not supported (F32, F16, BF16)",
+                         rk_ggml_type_name((uint32_t)opts->wtype));
+    if ((st = mk_vocab_load(m->p, opts->vocab_path, &m->vocab)) ||
+        (st = rk_gguf_writer_create(&m->w)) || (st = mk_metadata(m, opts)) ||
+        (st = mk_tensors(m, opts->wtype))) {
+        mk_model_free(m);
+        return st;
+    }
+    return RK_OK;
+}
+
+/* Write the model to path; see mkmodel.h. */
+rk_status rk_mkmodel_write(const char *path, const rk_mkmodel_opts *opts) {
+    if (!path) return rk_errorf(RK_ERR_INVALID, "mkmodel: NULL path");
+    mk_model m;
+    rk_status st = mk_prepare(opts, &m);
+    if (st) return st;
+    mk_fill_ctx fc = {m.tensors, opts->seed};
+    st = rk_gguf_writer_write_file(m.w, path, mk_fill, &fc);
+    mk_model_free(&m);
+    return st;
+}
+
+/* Build the model in memory; see mkmodel.h. */
+rk_status rk_mkmodel_build_memory(const rk_mkmodel_opts *opts, void **out_buf, size_t *out_len) {
+    if (!out_buf || !out_len) return rk_errorf(RK_ERR_INVALID, "mkmodel: NULL output");
+    mk_model m;
+    rk_status st = mk_prepare(opts, &m);
+    if (st) return st;
+    mk_fill_ctx fc = {m.tensors, opts->seed};
+    st = rk_gguf_writer_write_memory(m.w, mk_fill, &fc, out_buf, out_len);
+    mk_model_free(&m);
+    return st;
+}
+
+/* Return a preset's shape; see mkmodel.h. */
+rk_status rk_mkmodel_preset_hparams(const char *preset_name, rk_mkmodel_hparams *out) {
+    const preset *p;
+    rk_status st = find_preset(preset_name, &p);
+    if (st) return st;
+    memset(out, 0, sizeof *out);
+    out->arch = p->arch;
+    out->n_layers = p->n_layers;
+    out->dim = p->dim;
+    out->n_heads = p->n_heads;
+    out->n_kv_heads = p->n_kv_heads;
+    out->head_dim = p->head_dim;
+    out->ffn_dim = p->ffn_dim;
+    out->n_ctx = p->n_ctx;
+    out->rope_theta = p->theta;
+    out->rms_eps = p->eps;
+    out->tied_embeddings = p->tied;
+    out->qkv_bias = p->qkv_bias;
+    out->qk_norm = p->qk_norm;
+    if (p->vocab == VOCAB_QWEN3) {
+        out->n_vocab = QWEN3_N_VOCAB;
+    } else if (p->vocab == VOCAB_TINY_32000) {
+        out->n_vocab = LLAMA_N_VOCAB;
+    } else {
+        rk_vocab v;
+        if ((st = rk_vocab_tiny(&v))) return st;
+        out->n_vocab = v.n_tokens;
+        rk_vocab_free(&v);
+    }
+    return RK_OK;
+}

@@ -1,0 +1,136 @@
+/* engine/mkmodel.h — synthetic models: real shapes and real vocabularies,
+ * seeded random weights, written as GGUF exactly as llama.cpp names things.
+ *
+ * They exercise every code path a real model of the same architecture does
+ * (GQA, NeoX RoPE, QKV biases, QK-norm, tied embeddings, F16/BF16 weights, the
+ * real Qwen3 byte-level BPE vocabulary) without shipping multi-GB weights. The
+ * embedded default model of the `ragkv` binary is the `tiny` preset built in
+ * memory at start-up.
+ *
+ * Metadata written (what the model loader reads), <arch> = general.architecture:
+ *   general.architecture                    string  "llama" | "qwen2" | "qwen3"
+ *   general.name                            string  "ragkv synthetic <preset>"
+ *   general.file_type                       u32     0 = all F32, 1 = mostly F16, 32 = mostly BF16
+ *   ragkv.synthetic.preset                  string  the preset name
+ *   ragkv.synthetic.seed                    u64     the seed the weights came from
+ *   <arch>.vocab_size                       u32     rows of token_embd.weight
+ *   <arch>.context_length                   u32
+ *   <arch>.embedding_length                 u32     dim
+ *   <arch>.block_count                      u32     layers
+ *   <arch>.feed_forward_length              u32     FFN hidden size
+ *   <arch>.attention.head_count             u32
+ *   <arch>.attention.head_count_kv          u32
+ *   <arch>.attention.key_length             u32     head_dim
+ *   <arch>.attention.value_length           u32     head_dim
+ *   <arch>.attention.layer_norm_rms_epsilon f32
+ *   <arch>.rope.freq_base                   f32     theta
+ *   <arch>.rope.dimension_count             u32     head_dim (RoPE over the whole head;
+ *                                                    llama pairs adjacent dims, qwen2/qwen3
+ *                                                    use NeoX half-split pairs, as in llama.cpp)
+ *   tokenizer.ggml.model                    string  "llama" (tiny vocab) | "gpt2" (Qwen3 vocab)
+ *   tokenizer.ggml.pre                      string  gpt2 only ("qwen2")
+ *   tokenizer.ggml.tokens                   [string]
+ *   tokenizer.ggml.scores                   [f32]   llama vocabularies only
+ *   tokenizer.ggml.token_type               [i32]   RK_TOKEN_*
+ *   tokenizer.ggml.merges                   [string] gpt2 only
+ *   tokenizer.ggml.{bos,eos,unknown,padding}_token_id  u32, each only when the vocabulary has it
+ *   tokenizer.ggml.add_bos_token            bool
+ *
+ * Tensors (W of shape (out, in) for y = W x is stored with ne = {in, out}):
+ *   token_embd.weight          {dim, n_vocab}
+ *   blk.N.attn_norm.weight     {dim}
+ *   blk.N.attn_q.weight        {dim, n_heads * head_dim}
+ *   blk.N.attn_k.weight        {dim, n_kv_heads * head_dim}
+ *   blk.N.attn_v.weight        {dim, n_kv_heads * head_dim}
+ *   blk.N.attn_q.bias          {n_heads * head_dim}       qwen2 only
+ *   blk.N.attn_k.bias          {n_kv_heads * head_dim}    qwen2 only
+ *   blk.N.attn_v.bias          {n_kv_heads * head_dim}    qwen2 only
+ *   blk.N.attn_q_norm.weight   {head_dim}                 qwen3 only
+ *   blk.N.attn_k_norm.weight   {head_dim}                 qwen3 only
+ *   blk.N.attn_output.weight   {n_heads * head_dim, dim}
+ *   blk.N.ffn_norm.weight      {dim}
+ *   blk.N.ffn_gate.weight      {dim, ffn}
+ *   blk.N.ffn_up.weight        {dim, ffn}
+ *   blk.N.ffn_down.weight      {ffn, dim}
+ *   output_norm.weight         {dim}
+ *   output.weight              {dim, n_vocab}             absent when embeddings are tied
+ * 2-D tensors (matrices and the embedding) have the chosen weight type; 1-D
+ * tensors (norm weights, biases) are always F32, as in llama.cpp's files.
+ *
+ * Weights: tensor by tensor from xoshiro256** seeded with splitmix64(seed, tensor
+ * name), uniform: matrices and the embedding with std 1/sqrt(in_dim) (so
+ * activations stay near unit scale), norm weights 1 + U(-0.05, 0.05), biases
+ * std 0.02. The f32 values depend only on the seed and the tensor, so every
+ * weight type gets the same numbers (before rounding), and the same options
+ * always give the same bytes. */
+#ifndef RK_MKMODEL_H
+#define RK_MKMODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config/config.h"
+#include "engine/gguf.h"
+
+/* Where the Qwen3 vocabulary is read from when the options give no path
+ * (relative to the working directory: the repository root). */
+#define RK_MKMODEL_DEFAULT_QWEN3_VOCAB "../shared/tokenizers/qwen3/tokenizer.json"
+
+typedef struct rk_mkmodel_opts {
+    const char *preset;     /* preset name (see rk_mkmodel_presets()); NULL = "tiny" */
+    rk_ggml_type wtype;     /* type of the 2-D weights: RK_GGML_F32, RK_GGML_F16 or RK_GGML_BF16 */
+    const char *vocab_path; /* tokenizer.json of the Qwen3 vocabulary; NULL = the default path */
+    uint64_t seed;          /* weights seed */
+} rk_mkmodel_opts;
+
+/* Fill opts with the defaults: preset "tiny", F32, default vocabulary path, seed 42. */
+void rk_mkmodel_opts_default(rk_mkmodel_opts *opts);
+
+typedef struct rk_mkmodel_preset_info {
+    const char *name;        /* "tiny", "qwen3-0.6b", ... */
+    const char *description; /* one line for `ragkv mkmodel --help` */
+} rk_mkmodel_preset_info;
+
+/* Return the table of presets (static storage, in the order help should list
+ * them) and its length in *out_n. */
+const rk_mkmodel_preset_info *rk_mkmodel_presets(size_t *out_n);
+
+/* The shape of a preset, as written to the metadata. */
+typedef struct rk_mkmodel_hparams {
+    const char *arch; /* "llama", "qwen2", "qwen3" */
+    int n_layers;
+    int dim;
+    int n_heads;
+    int n_kv_heads;
+    int head_dim;
+    int ffn_dim;
+    int n_ctx;
+    float rope_theta;
+    float rms_eps;
+    int tied_embeddings; /* no output.weight: the output projection is token_embd.weight */
+    int qkv_bias;        /* qwen2 */
+    int qk_norm;         /* qwen3 */
+    int n_vocab;         /* vocabulary rows (after padding) */
+} rk_mkmodel_hparams;
+
+/* Look up a preset's shape; RK_ERR_NOT_FOUND with a message listing the
+ * presets when the name is unknown. */
+rk_status rk_mkmodel_preset_hparams(const char *preset, rk_mkmodel_hparams *out);
+
+/* Parse a weight type name ("f32", "f16", "bf16", any case) into *out;
+ * RK_ERR_INVALID with a message otherwise. */
+rk_status rk_mkmodel_parse_wtype(const char *name, rk_ggml_type *out);
+
+/* Write the model described by opts to path (through path.tmp, fsync'ed and
+ * renamed). Weights are generated tensor by tensor while writing, so memory
+ * use stays near the size of the vocabulary. Returns RK_ERR_NOT_FOUND for an
+ * unknown preset, RK_ERR_INVALID for a bad weight type, the vocabulary
+ * loader's status when the vocabulary cannot be read, RK_ERR_IO when the file
+ * cannot be written; each with a message. */
+rk_status rk_mkmodel_write(const char *path, const rk_mkmodel_opts *opts);
+
+/* Build the same file in memory: *out_buf is malloc'ed (the caller frees it)
+ * and holds *out_len bytes, ready for rk_gguf_open_memory(). */
+rk_status rk_mkmodel_build_memory(const rk_mkmodel_opts *opts, void **out_buf, size_t *out_len);
+
+#endif
