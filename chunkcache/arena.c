@@ -264,6 +264,18 @@ rk_status rk_seq_reserve(rk_seq *s, rk_arena *a, rk_pool_tag pool, int n_new, in
     return RK_OK;
 }
 
+rk_status rk_seq_share(rk_seq *s, rk_arena *a, const int32_t *ids, int n_blocks) {
+    int bs = a->p.block_size;
+    if (n_blocks < 0 || s->n_tokens != s->n_blocks * bs)
+        return rk_errorf(RK_ERR_INVALID, "sequence: shared blocks must start on a block boundary");
+    rk_status st = seq_grow(s, s->n_blocks + n_blocks);
+    if (st || (st = rk_arena_ref(a, ids, n_blocks))) return st;
+    memcpy(s->blocks + s->n_blocks, ids, (size_t)n_blocks * sizeof *ids);
+    s->n_blocks += n_blocks;
+    s->n_tokens += n_blocks * bs;
+    return RK_OK;
+}
+
 void rk_seq_release(rk_seq *s, rk_arena *a) {
     if (s->n_blocks) rk_arena_release(a, s->blocks, s->n_blocks);
     free(s->blocks);

@@ -96,6 +96,11 @@ typedef struct rk_seq {
  * the forward pass succeeded. */
 rk_status rk_seq_reserve(rk_seq *s, rk_arena *a, rk_pool_tag pool, int n_new, int32_t *out_slots);
 
+/* Append shared blocks (e.g. a cached prefix) covering n_blocks * block_size
+ * tokens: the sequence takes its own reference on each. The sequence must end
+ * on a block boundary. */
+rk_status rk_seq_share(rk_seq *s, rk_arena *a, const int32_t *ids, int n_blocks);
+
 /* Release every block reference and reset the sequence (keeps nothing). */
 void rk_seq_release(rk_seq *s, rk_arena *a);
 

@@ -86,6 +86,7 @@ void rk_config_defaults(rk_config *cfg) {
     cfg->share_live = 0.4f;
     cfg->share_prefix = 0.1f;
     cfg->share_chunk = 0.5f;
+    cfg->prefix_cache = 1;
     cfg->kv_poison = 0;
 }
 

@@ -90,7 +90,8 @@ typedef struct rk_config {
     int live_blocks;    /* 0 = from the share */
     int prefix_blocks;
     int chunk_blocks;
-    int kv_poison; /* fill freed blocks with NaN (debugging aid) */
+    int kv_poison;    /* fill freed blocks with NaN (debugging aid) */
+    int prefix_cache; /* cache system prompts in the radix tree; default 1 */
 } rk_config;
 
 /* Fill cfg with the defaults (which work on a laptop). */

@@ -1,6 +1,536 @@
-/* gateway/main.c — placeholder while the command line is assembled. */
+/* gateway/main.c — the `ragkv` command line: one binary, one subcommand per
+ * job. Exit status: 0 success, 1 runtime failure, 2 bad usage. Errors are
+ * one line on stderr saying what and where. */
+#include <errno.h>
+#include <getopt.h>
+#include <jansson.h>
 #include <stdio.h>
-int main(void) {
-    fputs("usage: ragkv COMMAND [options]\n", stderr);
-    return 2;
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "engine/gguf.h"
+#include "engine/mkmodel.h"
+#include "gateway/gateway.h"
+
+#define EXIT_USAGE 2
+
+static int fail(const char *what) {
+    const char *msg = rk_error_message();
+    fprintf(stderr, "ragkv: %s%s%s\n", what, *msg ? ": " : "", msg);
+    return EXIT_FAILURE;
+}
+
+static int usage_error(const char *cmd, const char *fmt, const char *arg) {
+    fprintf(stderr, "ragkv %s: ", cmd);
+    fprintf(stderr, fmt, arg);
+    fprintf(stderr, " (see ragkv %s --help)\n", cmd);
+    return EXIT_USAGE;
+}
+
+/* Strict number parsing: the whole string must be a number in [lo, hi]. */
+static int parse_long(const char *s, long lo, long hi, long *out) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || end == s || *end || v < lo || v > hi) return -1;
+    *out = v;
+    return 0;
+}
+
+static int parse_float(const char *s, float lo, float hi, float *out) {
+    char *end;
+    errno = 0;
+    float v = strtof(s, &end);
+    if (errno || end == s || *end || !(v >= lo && v <= hi)) return -1;
+    *out = v;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- common options */
+
+/* Options every model-running subcommand takes. */
+typedef struct common_opts {
+    const char *model;
+    rk_config cfg;
+} common_opts;
+
+enum { OPT_MODEL = 1000, OPT_THREADS, OPT_BACKEND, OPT_KV_MB, OPT_LOG, OPT_BLOCK };
+
+#define COMMON_LONG_OPTS                                                                           \
+    {"model", required_argument, 0, OPT_MODEL}, {"threads", required_argument, 0, OPT_THREADS},    \
+        {"backend", required_argument, 0, OPT_BACKEND},                                            \
+        {"kv-memory-mb", required_argument, 0, OPT_KV_MB},                                         \
+        {"block-size", required_argument, 0, OPT_BLOCK},                                           \
+        {"log-level", required_argument, 0, OPT_LOG}, {                                            \
+        "help", no_argument, 0, 'h'                                                                \
+    }
+
+static const char *COMMON_HELP =
+    "  --model F.gguf        model file (default: the embedded `tiny` model)\n"
+    "  --threads N           compute threads (default: one per core)\n"
+    "  --backend cpu|cuda    compute backend (default: cpu)\n"
+    "  --kv-memory-mb N      KV cache budget in MiB (default: 1024)\n"
+    "  --block-size N        tokens per KV block, power of two 8..64 (default: 16)\n"
+    "  --log-level L         debug|info|warn|error (default: warn)\n";
+
+/* Handle one common option; returns 1 if handled, 0 if not common, -1 on bad value. */
+static int common_opt(const char *cmd, int c, common_opts *o) {
+    long v;
+    switch (c) {
+    case OPT_MODEL: o->model = optarg; return 1;
+    case OPT_THREADS:
+        if (parse_long(optarg, 0, 1024, &v))
+            return usage_error(cmd, "bad --threads '%s'", optarg), -1;
+        o->cfg.n_threads = (int)v;
+        return 1;
+    case OPT_BACKEND: snprintf(o->cfg.backend, sizeof o->cfg.backend, "%s", optarg); return 1;
+    case OPT_KV_MB:
+        if (parse_long(optarg, 1, 1 << 24, &v))
+            return usage_error(cmd, "bad --kv-memory-mb '%s'", optarg), -1;
+        o->cfg.kv_memory_mb = (int)v;
+        return 1;
+    case OPT_BLOCK:
+        if (parse_long(optarg, 1, 1 << 20, &v))
+            return usage_error(cmd, "bad --block-size '%s'", optarg), -1;
+        o->cfg.block_size = (int)v;
+        return 1;
+    case OPT_LOG: {
+        static const char *names[] = {"debug", "info", "warn", "error"};
+        for (int i = 0; i < 4; i++)
+            if (!strcmp(optarg, names[i])) {
+                rk_log_set_level((rk_log_level)i);
+                return 1;
+            }
+        return usage_error(cmd, "bad --log-level '%s'", optarg), -1;
+    }
+    }
+    return 0;
+}
+
+static rk_status open_service(common_opts *o, rk_service **out) {
+    rk_status st = rk_config_validate(&o->cfg);
+    if (st) return st;
+    return rk_service_open(&o->cfg, o->model, out);
+}
+
+/* ---------------------------------------------------------------- generate */
+
+typedef struct print_ctx {
+    const rk_tokenizer *tok;
+    int32_t prev;
+    int stream; /* print pieces as they come */
+} print_ctx;
+
+static void print_token(void *ctx, int seq, int32_t token) {
+    print_ctx *p = ctx;
+    (void)seq;
+    if (p->stream) {
+        char *text;
+        size_t len;
+        int skip = p->prev == rk_tokenizer_bos(p->tok);
+        if (rk_tokenizer_decode(p->tok, &token, 1, 0, skip, &text, &len) == RK_OK) {
+            fwrite(text, 1, len, stdout);
+            fflush(stdout);
+            free(text);
+        }
+    }
+    p->prev = token;
+}
+
+static int cmd_generate(int argc, char **argv) {
+    static const char *help =
+        "usage: ragkv generate [--model F.gguf] --prompt TEXT [options]\n"
+        "Generate text in-process (no HTTP).\n"
+        "  --prompt TEXT         the prompt (BOS is added when the model asks for it)\n"
+        "  -n, --max-tokens N    tokens to generate (default: 128)\n"
+        "  --temp T              sampling temperature, 0 = greedy (default: 1.0)\n"
+        "  --top-k K             keep the K most likely tokens (default: 0 = off)\n"
+        "  --top-p P             nucleus sampling threshold (default: 1.0 = off)\n"
+        "  --seed S              sampling seed (default: random, printed with --json)\n"
+        "  --ignore-eos          keep generating after an end-of-generation token\n"
+        "  --special             recognise special tokens written in the prompt\n"
+        "  --json                print one JSON object with ids, text and timings\n";
+    common_opts o = {0};
+    rk_config_defaults(&o.cfg);
+    const char *prompt = NULL;
+    long max_new = 128;
+    float temp = 1.0f, top_p = 1.0f;
+    long top_k = 0;
+    unsigned long long seed = (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32);
+    int json = 0, ignore_eos = 0, special = 0;
+    enum { O_PROMPT = 1, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_JSON, O_IGNORE_EOS, O_SPECIAL };
+    struct option longs[] = {COMMON_LONG_OPTS,
+                             {"prompt", required_argument, 0, O_PROMPT},
+                             {"max-tokens", required_argument, 0, 'n'},
+                             {"temp", required_argument, 0, O_TEMP},
+                             {"top-k", required_argument, 0, O_TOPK},
+                             {"top-p", required_argument, 0, O_TOPP},
+                             {"seed", required_argument, 0, O_SEED},
+                             {"json", no_argument, 0, O_JSON},
+                             {"ignore-eos", no_argument, 0, O_IGNORE_EOS},
+                             {"special", no_argument, 0, O_SPECIAL},
+                             {0, 0, 0, 0}};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "n:h", longs, NULL)) != -1) {
+        int r = common_opt("generate", c, &o);
+        if (r < 0) return EXIT_USAGE;
+        if (r > 0) continue;
+        long v;
+        switch (c) {
+        case 'h': fputs(help, stdout), fputs(COMMON_HELP, stdout); return 0;
+        case O_PROMPT: prompt = optarg; break;
+        case 'n':
+            if (parse_long(optarg, 0, 1 << 20, &max_new))
+                return usage_error("generate", "bad -n '%s'", optarg);
+            break;
+        case O_TEMP:
+            if (parse_float(optarg, 0, 100, &temp))
+                return usage_error("generate", "bad --temp '%s'", optarg);
+            break;
+        case O_TOPK:
+            if (parse_long(optarg, 0, 1 << 24, &top_k))
+                return usage_error("generate", "bad --top-k '%s'", optarg);
+            break;
+        case O_TOPP:
+            if (parse_float(optarg, 1e-6f, 1, &top_p))
+                return usage_error("generate", "bad --top-p '%s'", optarg);
+            break;
+        case O_SEED:
+            if (parse_long(optarg, 0, 0x7fffffffffffffffL, &v))
+                return usage_error("generate", "bad --seed '%s'", optarg);
+            seed = (unsigned long long)v;
+            break;
+        case O_JSON: json = 1; break;
+        case O_IGNORE_EOS: ignore_eos = 1; break;
+        case O_SPECIAL: special = 1; break;
+        default: return usage_error("generate", "%s", "unknown option");
+        }
+    }
+    if (optind < argc) return usage_error("generate", "unexpected argument '%s'", argv[optind]);
+    if (!prompt) return usage_error("generate", "%s", "--prompt is required");
+
+    rk_service *svc;
+    if (open_service(&o, &svc)) return fail("cannot start");
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    int32_t *ids = NULL, *prompt_ids = NULL, *out = NULL;
+    size_t n_ids = 0;
+    int rc = EXIT_FAILURE;
+    if (rk_tokenizer_encode(tok, prompt, strlen(prompt), special, &ids, &n_ids)) {
+        fail("cannot tokenize the prompt");
+        goto done;
+    }
+    int add_bos = rk_tokenizer_add_bos(tok) && rk_tokenizer_bos(tok) >= 0;
+    size_t n_prompt = n_ids + (size_t)add_bos;
+    prompt_ids = malloc((n_prompt ? n_prompt : 1) * sizeof *prompt_ids);
+    out = malloc((size_t)(max_new ? max_new : 1) * sizeof *out);
+    if (!prompt_ids || !out) {
+        rk_error_setf("out of memory");
+        fail("generate");
+        goto done;
+    }
+    if (add_bos) prompt_ids[0] = rk_tokenizer_bos(tok);
+    if (n_ids) memcpy(prompt_ids + add_bos, ids, n_ids * sizeof *ids);
+    if (n_prompt == 0) {
+        rk_error_setf("the prompt is empty and the model has no BOS token");
+        fail("generate");
+        goto done;
+    }
+    rk_gen_seq seq = {
+        .prompt = prompt_ids,
+        .n_prompt = (int)n_prompt,
+        .max_new = (int)max_new,
+        .sampling = {.temperature = temp, .top_k = (int)top_k, .top_p = top_p, .seed = seed},
+        .stop_at_eog = !ignore_eos,
+        .out_tokens = out};
+    print_ctx pc = {.tok = tok, .prev = prompt_ids[n_prompt - 1], .stream = !json};
+    rk_gen_hooks hooks = {.ctx = &pc, .on_token = print_token};
+    rk_gen_stats stats;
+    if (rk_generate(svc, &seq, 1, &hooks, &stats)) {
+        if (!json) fputc('\n', stdout);
+        fail("generation failed");
+        goto done;
+    }
+    if (json) {
+        char *raw = NULL, *text = NULL;
+        size_t raw_len = 0, len = 0;
+        int skip = prompt_ids[n_prompt - 1] == rk_tokenizer_bos(tok);
+        if (rk_tokenizer_decode(tok, out, (size_t)seq.n_out, 0, skip, &raw, &raw_len) == RK_OK)
+            text = rk_utf8_sanitize(raw, raw_len, &len);
+        free(raw);
+        json_t *ids_j = json_array(), *prompt_j = json_array();
+        for (int i = 0; i < seq.n_out; i++) json_array_append_new(ids_j, json_integer(out[i]));
+        for (size_t i = 0; i < n_prompt; i++)
+            json_array_append_new(prompt_j, json_integer(prompt_ids[i]));
+        double dec_tps = stats.decode_s > 0 ? stats.decode_tokens / stats.decode_s : 0;
+        json_t *root = json_pack(
+            "{s:s, s:s, s:o, s:o, s:s%, s:s, s:I, s:{s:f, s:f, s:f, s:f, s:f, s:i, s:i}}", "model",
+            rk_model_hparams(svc->model)->name, "fingerprint", rk_model_fingerprint(svc->model),
+            "prompt_tokens", prompt_j, "tokens", ids_j, "text", text ? text : "", len,
+            "finish_reason", seq.finish_reason, "seed", (json_int_t)seed, "timings", "ttft_ms",
+            seq.ttft_s * 1e3, "prefill_ms", stats.prefill_s * 1e3, "decode_ms",
+            stats.decode_s * 1e3, "prompt_tokens_per_s",
+            stats.prefill_s > 0 ? stats.prompt_tokens / stats.prefill_s : 0.0,
+            "decode_tokens_per_s", dec_tps, "prompt_n", stats.prompt_tokens, "decode_n",
+            stats.decode_tokens);
+        free(text);
+        if (!root) {
+            rk_error_setf("out of memory");
+            fail("generate");
+            goto done;
+        }
+        char *s = json_dumps(root, JSON_COMPACT | JSON_ENSURE_ASCII);
+        puts(s);
+        free(s);
+        json_decref(root);
+    } else if (isatty(STDOUT_FILENO)) {
+        fputc('\n', stdout);
+    }
+    rc = 0;
+done:
+    free(ids);
+    free(prompt_ids);
+    free(out);
+    rk_service_close(svc);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- tokenize / detokenize */
+
+static int cmd_tokenize(int argc, char **argv) {
+    static const char *help = "usage: ragkv tokenize [--model F.gguf] --text TEXT [--special]\n"
+                              "Print the token ids of TEXT as a JSON array (no BOS added).\n"
+                              "  --special             recognise special tokens in the text\n";
+    common_opts o = {0};
+    rk_config_defaults(&o.cfg);
+    const char *text = NULL;
+    int special = 0;
+    struct option longs[] = {COMMON_LONG_OPTS,
+                             {"text", required_argument, 0, 't'},
+                             {"special", no_argument, 0, 's'},
+                             {0, 0, 0, 0}};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
+        int r = common_opt("tokenize", c, &o);
+        if (r < 0) return EXIT_USAGE;
+        if (r > 0) continue;
+        if (c == 'h') return fputs(help, stdout), fputs(COMMON_HELP, stdout), 0;
+        if (c == 't')
+            text = optarg;
+        else if (c == 's')
+            special = 1;
+        else
+            return usage_error("tokenize", "%s", "unknown option");
+    }
+    if (!text) return usage_error("tokenize", "%s", "--text is required");
+    if (optind < argc) return usage_error("tokenize", "unexpected argument '%s'", argv[optind]);
+    /* Only the tokenizer is needed: read it from the file without loading weights. */
+    rk_tokenizer *tok = NULL;
+    rk_service *svc = NULL;
+    rk_gguf *g = NULL;
+    if (o.model) {
+        if (rk_gguf_open(o.model, &g) || rk_tokenizer_from_gguf(g, &tok)) {
+            rk_gguf_close(g);
+            return fail("cannot read the tokenizer");
+        }
+    } else if (open_service(&o, &svc)) {
+        return fail("cannot start");
+    }
+    const rk_tokenizer *t = tok ? tok : rk_model_tokenizer(svc->model);
+    int32_t *ids = NULL;
+    size_t n = 0;
+    int rc = 0;
+    if (rk_tokenizer_encode(t, text, strlen(text), special, &ids, &n)) {
+        rc = fail("cannot tokenize");
+    } else {
+        fputc('[', stdout);
+        for (size_t i = 0; i < n; i++) printf("%s%d", i ? ", " : "", ids[i]);
+        fputs("]\n", stdout);
+    }
+    free(ids);
+    rk_tokenizer_free(tok);
+    rk_gguf_close(g);
+    rk_service_close(svc);
+    return rc;
+}
+
+static int cmd_detokenize(int argc, char **argv) {
+    static const char *help = "usage: ragkv detokenize [--model F.gguf] --ids 1,2,3 [--special]\n"
+                              "Print the text of comma-separated token ids.\n"
+                              "  --special             render special tokens as their text\n";
+    common_opts o = {0};
+    rk_config_defaults(&o.cfg);
+    const char *ids_arg = NULL;
+    int special = 0;
+    struct option longs[] = {COMMON_LONG_OPTS,
+                             {"ids", required_argument, 0, 'i'},
+                             {"special", no_argument, 0, 's'},
+                             {0, 0, 0, 0}};
+    int c;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
+        int r = common_opt("detokenize", c, &o);
+        if (r < 0) return EXIT_USAGE;
+        if (r > 0) continue;
+        if (c == 'h') return fputs(help, stdout), fputs(COMMON_HELP, stdout), 0;
+        if (c == 'i')
+            ids_arg = optarg;
+        else if (c == 's')
+            special = 1;
+        else
+            return usage_error("detokenize", "%s", "unknown option");
+    }
+    if (!ids_arg) return usage_error("detokenize", "%s", "--ids is required");
+    size_t cap = strlen(ids_arg) / 2 + 1, n = 0;
+    int32_t *ids = malloc(cap * sizeof *ids);
+    if (!ids) return fail("out of memory");
+    for (const char *p = ids_arg; *p;) {
+        char *end;
+        errno = 0;
+        long v = strtol(p, &end, 10);
+        if (end == p || errno || v < 0 || v > INT32_MAX || (*end && *end != ',') || n == cap) {
+            free(ids);
+            return usage_error("detokenize", "bad --ids '%s' (want e.g. 1,2,3)", ids_arg);
+        }
+        ids[n++] = (int32_t)v;
+        p = *end ? end + 1 : end;
+    }
+    rk_tokenizer *tok = NULL;
+    rk_service *svc = NULL;
+    rk_gguf *g = NULL;
+    int rc = 0;
+    if (o.model) {
+        if (rk_gguf_open(o.model, &g) || rk_tokenizer_from_gguf(g, &tok))
+            rc = fail("cannot read the tokenizer");
+    } else if (open_service(&o, &svc)) {
+        rc = fail("cannot start");
+    }
+    if (rc == 0) {
+        const rk_tokenizer *t = tok ? tok : rk_model_tokenizer(svc->model);
+        char *text;
+        size_t len;
+        for (size_t i = 0; i < n; i++)
+            if (ids[i] >= rk_tokenizer_n_vocab(t)) {
+                rk_error_setf("token id %d is out of range [0, %d)", ids[i],
+                              rk_tokenizer_n_vocab(t));
+                rc = fail("cannot detokenize");
+                break;
+            }
+        if (rc == 0 && rk_tokenizer_decode(t, ids, n, special, 0, &text, &len) == RK_OK) {
+            fwrite(text, 1, len, stdout);
+            fputc('\n', stdout);
+            free(text);
+        } else if (rc == 0) {
+            rc = fail("cannot detokenize");
+        }
+    }
+    free(ids);
+    rk_tokenizer_free(tok);
+    rk_gguf_close(g);
+    rk_service_close(svc);
+    return rc;
+}
+
+/* ---------------------------------------------------------------- inspect / mkmodel */
+
+static int cmd_inspect(int argc, char **argv) {
+    if (argc != 2 || argv[1][0] == '-') {
+        int h = argc == 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"));
+        fputs("usage: ragkv inspect F.gguf\n"
+              "Print the architecture, hyper-parameters, tensors and tokenizer of a GGUF file.\n",
+              h ? stdout : stderr);
+        return h ? 0 : EXIT_USAGE;
+    }
+    rk_gguf *g;
+    if (rk_gguf_open(argv[1], &g)) return fail("cannot read the model");
+    rk_gguf_print_info(g, stdout);
+    rk_gguf_close(g);
+    return 0;
+}
+
+static int cmd_mkmodel(int argc, char **argv) {
+    rk_mkmodel_opts opts;
+    rk_mkmodel_opts_default(&opts);
+    const char *out = NULL;
+    struct option longs[] = {
+        {"preset", required_argument, 0, 'p'}, {"vocab", required_argument, 0, 'v'},
+        {"seed", required_argument, 0, 's'},   {"type", required_argument, 0, 't'},
+        {"help", no_argument, 0, 'h'},         {0, 0, 0, 0}};
+    int c;
+    long v;
+    optind = 1;
+    while ((c = getopt_long(argc, argv, "o:h", longs, NULL)) != -1) {
+        switch (c) {
+        case 'h':
+            fputs("usage: ragkv mkmodel --preset NAME -o F.gguf [--type f32|f16|bf16] "
+                  "[--vocab tokenizer.json] [--seed S]\n"
+                  "Write a synthetic GGUF model: random weights, real shapes.\nPresets:\n",
+                  stdout);
+            size_t n_presets;
+            const rk_mkmodel_preset_info *presets = rk_mkmodel_presets(&n_presets);
+            for (size_t i = 0; i < n_presets; i++)
+                printf("  %-12s %s\n", presets[i].name, presets[i].description);
+            return 0;
+        case 'p': opts.preset = optarg; break;
+        case 'o': out = optarg; break;
+        case 'v': opts.vocab_path = optarg; break;
+        case 's':
+            if (parse_long(optarg, 0, 0x7fffffffffffffffL, &v))
+                return usage_error("mkmodel", "bad --seed '%s'", optarg);
+            opts.seed = (uint64_t)v;
+            break;
+        case 't':
+            if (rk_mkmodel_parse_wtype(optarg, &opts.wtype))
+                return usage_error("mkmodel", "bad --type '%s' (f32, f16 or bf16)", optarg);
+            break;
+        default: return usage_error("mkmodel", "%s", "unknown option");
+        }
+    }
+    if (!out) return usage_error("mkmodel", "%s", "-o is required");
+    if (rk_mkmodel_write(out, &opts)) return fail("cannot write the model");
+    return 0;
+}
+
+/* ---------------------------------------------------------------- main */
+
+static const struct {
+    const char *name;
+    int (*fn)(int, char **);
+    const char *what;
+} commands[] = {
+    {"generate", cmd_generate, "generate text in-process"},
+    {"tokenize", cmd_tokenize, "print the token ids of a text"},
+    {"detokenize", cmd_detokenize, "print the text of token ids"},
+    {"mkmodel", cmd_mkmodel, "write a synthetic GGUF model"},
+    {"inspect", cmd_inspect, "describe a GGUF file"},
+};
+
+static void print_usage(FILE *f) {
+    fputs("usage: ragkv COMMAND [options]   (ragkv COMMAND --help for its options)\n\ncommands:\n",
+          f);
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        fprintf(f, "  %-12s %s\n", commands[i].name, commands[i].what);
+}
+
+int main(int argc, char **argv) {
+    if (argc < 2) {
+        print_usage(stderr);
+        return EXIT_USAGE;
+    }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        print_usage(stdout);
+        return 0;
+    }
+    if (!strcmp(argv[1], "--version")) {
+        puts("ragkv 0.1.0");
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
+        if (!strcmp(argv[1], commands[i].name)) return commands[i].fn(argc - 1, argv + 1);
+    fprintf(stderr, "ragkv: unknown command '%s'\n", argv[1]);
+    print_usage(stderr);
+    return EXIT_USAGE;
 }

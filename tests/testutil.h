@@ -19,6 +19,13 @@ const char *rk_test_shared_path(const char *rel);
         var = rk_test_strdup(rk__p);                                                               \
     } while (0)
 
+/* Skip the current test when the shared file is absent. */
+#define RK_SKIP_UNLESS_SHARED(rel)                                                                 \
+    do {                                                                                           \
+        if (!rk_test_shared_path(rel))                                                             \
+            cr_skip_test("missing ../shared/%s (tests need the shared data)", rel);                \
+    } while (0)
+
 /* True when RAGKV_TEST_LIGHT is set: the sanitizer pass, where large synthetic
  * models are skipped (visibly) to keep the run short. */
 int rk_test_light(void);

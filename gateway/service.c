@@ -1,0 +1,84 @@
+/* gateway/service.c — opening a backend, a model and the KV arena together. */
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+#include "engine/mkmodel.h"
+#include "gateway/gateway.h"
+
+static rk_status load_embedded(rk_backend *be, rk_model **out) {
+    rk_mkmodel_opts opts;
+    rk_mkmodel_opts_default(&opts);
+    opts.preset = "tiny";
+    opts.seed = RK_EMBEDDED_MODEL_SEED;
+    void *buf;
+    size_t len;
+    rk_status st = rk_mkmodel_build_memory(&opts, &buf, &len);
+    if (st) return st;
+    return rk_model_load_owned_buffer(buf, len, "embedded tiny model", be, out);
+}
+
+static rk_status open_arena(rk_service *svc) {
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    const rk_config *cfg = &svc->cfg;
+    rk_arena_params p = {.n_layers = hp->n_layers,
+                         .n_kv_heads = hp->n_kv_heads,
+                         .head_dim = hp->head_dim,
+                         .block_size = cfg->block_size,
+                         .dtype = RK_DTYPE_F32,
+                         .poison = cfg->kv_poison};
+    float share[RK_POOL_COUNT] = {cfg->share_live, cfg->share_prefix, cfg->share_chunk};
+    rk_status st = rk_arena_params_from_budget(&p, (size_t)cfg->kv_memory_mb << 20, share);
+    if (st) return st;
+    int fixed[RK_POOL_COUNT] = {cfg->live_blocks, cfg->prefix_blocks, cfg->chunk_blocks};
+    for (int i = 0; i < RK_POOL_COUNT; i++)
+        if (fixed[i] > 0) p.pool_blocks[i] = fixed[i];
+    return rk_arena_create(svc->be, &p, &svc->arena);
+}
+
+/* The tree owns one arena reference per page; giving a page up drops it. */
+static void release_prefix_pages(void *ctx, const int32_t *pages, int n) {
+    rk_arena_release(ctx, pages, n);
+}
+
+static rk_status open_prefix_cache(rk_service *svc) {
+    if (!svc->cfg.prefix_cache || rk_arena_pool_total(svc->arena, RK_POOL_PREFIX) == 0)
+        return RK_OK;
+    rk_radix_params p = {.page_size = rk_arena_block_size(svc->arena),
+                         .policy = RK_RADIX_LRU,
+                         .release_pages = release_prefix_pages,
+                         .ctx = svc->arena};
+    const char *fp = rk_model_fingerprint(svc->model);
+    svc->prefix_ns = XXH3_64bits(fp, strlen(fp));
+    return rk_radix_create(&p, &svc->prefix);
+}
+
+rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_service **out) {
+    *out = NULL;
+    rk_status st = rk_config_validate(cfg);
+    if (st) return st;
+    rk_service *svc = calloc(1, sizeof *svc);
+    if (!svc) return rk_errorf(RK_ERR_NOMEM, "service: out of memory");
+    svc->cfg = *cfg;
+    if (!(st = rk_backend_create(cfg->backend, cfg->n_threads, &svc->be))) {
+        st = model_path ? rk_model_load(model_path, svc->be, &svc->model)
+                        : load_embedded(svc->be, &svc->model);
+    }
+    if (!st) st = open_arena(svc);
+    if (!st) st = open_prefix_cache(svc);
+    if (st) {
+        rk_service_close(svc);
+        return st;
+    }
+    *out = svc;
+    return RK_OK;
+}
+
+void rk_service_close(rk_service *svc) {
+    if (!svc) return;
+    rk_radix_free(svc->prefix); /* gives its pages back to the arena first */
+    rk_arena_free(svc->arena);
+    rk_model_free(svc->model);
+    rk_backend_free(svc->be);
+    free(svc);
+}

@@ -1,0 +1,253 @@
+/* tests/test_engine.c — the CPU engine end to end: the golden greedy text of
+ * the real stories260K model (through the binary and through the library),
+ * batching that does not change results, synthetic qwen2/qwen3 models in F32
+ * and BF16 that generate identically across thread counts, and clean errors
+ * for hostile files and invalid prompts. */
+#include <criterion/criterion.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/mkmodel.h"
+#include "gateway/gateway.h"
+#include "tests/testutil.h"
+
+static rk_service *open_model(const char *path, int n_threads) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = n_threads;
+    cfg.kv_memory_mb = 64;
+    rk_service *svc = NULL;
+    rk_status st = rk_service_open(&cfg, path, &svc);
+    cr_assert_eq(st, RK_OK, "open %s: %s", path ? path : "(embedded)", rk_error_message());
+    return svc;
+}
+
+/* Greedy tokens after a prompt of ids. */
+static int greedy(rk_service *svc, const int32_t *prompt, int n_prompt, int n, int32_t *out) {
+    rk_gen_seq s = {.prompt = prompt,
+                    .n_prompt = n_prompt,
+                    .max_new = n,
+                    .out_tokens = out,
+                    .sampling = {.temperature = 0, .top_p = 1}};
+    cr_assert_eq(rk_generate(svc, &s, 1, NULL, NULL), RK_OK, "%s", rk_error_message());
+    return s.n_out;
+}
+
+static char *write_model(const char *preset, rk_ggml_type type, uint64_t seed) {
+    char *dir = rk_test_tmpdir("engine");
+    char *path = malloc(strlen(dir) + 64);
+    sprintf(path, "%s/%s-%s.gguf", dir, preset, rk_ggml_type_name(type));
+    rk_mkmodel_opts o;
+    rk_mkmodel_opts_default(&o);
+    o.preset = preset;
+    o.wtype = type;
+    o.seed = seed;
+    o.vocab_path = rk_test_shared_path("tokenizers/qwen3/tokenizer.json");
+    cr_assert_eq(rk_mkmodel_write(path, &o), RK_OK, "%s", rk_error_message());
+    free(dir);
+    return path;
+}
+
+/* ---------------------------------------------------------------- stories260K
+ * The golden file holds 200 generated tokens after BOS (llama2.c's `-n 200`:
+ * every one of the 200 forward passes yields a printed token), so the
+ * command that reproduces it is `-n 200`. */
+
+Test(engine, stories260k_greedy_matches_golden_text_through_the_binary) {
+    char *model, *golden_path;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    RK_REQUIRE_SHARED(golden_path, "models/stories260K.greedy200.txt");
+    size_t golden_len;
+    char *golden = rk_test_read_file(golden_path, &golden_len);
+    cr_assert_not_null(golden);
+    char cmd[4096], *out;
+    snprintf(cmd, sizeof cmd, "%s generate --model %s --prompt \"\" -n 200 --temp 0", RK_BIN,
+             model);
+    cr_assert_eq(rk_test_run(cmd, &out), 0);
+    cr_assert_eq(strlen(out), golden_len, "got %zu bytes:\n%s", strlen(out), out);
+    cr_assert_eq(memcmp(out, golden, golden_len), 0, "got:\n%s", out);
+    free(out);
+    free(golden);
+}
+
+Test(engine, stories260k_greedy_matches_golden_text_through_the_library) {
+    char *model, *golden_path;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    RK_REQUIRE_SHARED(golden_path, "models/stories260K.greedy200.txt");
+    char *golden = rk_test_read_file(golden_path, NULL);
+    rk_service *svc = open_model(model, 2);
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    int32_t bos = rk_tokenizer_bos(tok), out[200];
+    cr_assert_eq(bos, 1);
+    cr_assert_eq(greedy(svc, &bos, 1, 200, out), 200);
+    char *text;
+    size_t len;
+    cr_assert_eq(rk_tokenizer_decode(tok, out, 200, 0, 1, &text, &len), RK_OK);
+    cr_assert_str_eq(text, golden);
+    free(text);
+    free(golden);
+    /* Every block went back to the live pool. */
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
+                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE));
+    rk_service_close(svc);
+}
+
+Test(engine, a_batch_of_four_prompts_gives_the_tokens_of_each_alone) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    rk_service *svc = open_model(model, 2);
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    const char *texts[4] = {"Once upon a time", "Lily and Tom went to the park to play with a",
+                            "The dog", "One day, a little bird saw a big red ball in the garden"};
+    int32_t prompts[4][64], alone[4][40], together[4][40];
+    rk_gen_seq seqs[4];
+    for (int i = 0; i < 4; i++) {
+        int32_t *ids;
+        size_t n;
+        cr_assert_eq(rk_tokenizer_encode(tok, texts[i], strlen(texts[i]), 0, &ids, &n), RK_OK);
+        prompts[i][0] = 1;
+        memcpy(prompts[i] + 1, ids, n * sizeof *ids);
+        free(ids);
+        int max_new =
+            25 + 5 * i; /* different lengths: sequences leave the batch at different steps */
+        cr_assert_eq(greedy(svc, prompts[i], (int)n + 1, max_new, alone[i]), max_new);
+        seqs[i] = (rk_gen_seq){.prompt = prompts[i],
+                               .n_prompt = (int)n + 1,
+                               .max_new = max_new,
+                               .out_tokens = together[i],
+                               .sampling = {.temperature = 0, .top_p = 1}};
+    }
+    cr_assert_eq(rk_generate(svc, seqs, 4, NULL, NULL), RK_OK, "%s", rk_error_message());
+    for (int i = 0; i < 4; i++) {
+        cr_assert_eq(seqs[i].n_out, 25 + 5 * i);
+        for (int j = 0; j < seqs[i].n_out; j++)
+            cr_assert_eq(together[i][j], alone[i][j], "prompt %d token %d", i, j);
+    }
+    rk_service_close(svc);
+}
+
+Test(engine, seeded_sampling_is_reproducible) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    rk_service *svc = open_model(model, 1);
+    int32_t bos = 1, a[50], b[50], c[50];
+    rk_gen_seq s = {.prompt = &bos,
+                    .n_prompt = 1,
+                    .max_new = 50,
+                    .out_tokens = a,
+                    .sampling = {.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = 7}};
+    cr_assert_eq(rk_generate(svc, &s, 1, NULL, NULL), RK_OK);
+    s.out_tokens = b;
+    cr_assert_eq(rk_generate(svc, &s, 1, NULL, NULL), RK_OK);
+    cr_assert_eq(memcmp(a, b, sizeof a), 0);
+    s.out_tokens = c;
+    s.sampling.seed = 8;
+    cr_assert_eq(rk_generate(svc, &s, 1, NULL, NULL), RK_OK);
+    cr_assert_neq(memcmp(a, c, sizeof a), 0, "a different seed should change 50 sampled tokens");
+    rk_service_close(svc);
+}
+
+/* ---------------------------------------------------------------- synthetic models */
+
+static void check_thread_invariance(const char *path, int n_new) {
+    int32_t out[3][64];
+    int threads[3] = {1, 2, 3};
+    for (int t = 0; t < 3; t++) {
+        rk_service *svc = open_model(path, threads[t]);
+        const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+        const char *text =
+            "<|im_start|>user\nWhat is a KV cache?<|im_end|>\n<|im_start|>assistant\n";
+        int32_t *ids;
+        size_t n;
+        cr_assert_eq(rk_tokenizer_encode(tok, text, strlen(text), 1, &ids, &n), RK_OK);
+        cr_assert_eq(ids[0], 151644);
+        cr_assert_eq(greedy(svc, ids, (int)n, n_new, out[t]), n_new);
+        free(ids);
+        rk_service_close(svc);
+    }
+    cr_assert_eq(memcmp(out[0], out[1], (size_t)n_new * 4), 0, "1 vs 2 threads");
+    cr_assert_eq(memcmp(out[0], out[2], (size_t)n_new * 4), 0, "1 vs 3 threads");
+}
+
+Test(engine, qwen3_tiny_generates_identically_across_thread_counts) {
+    RK_SKIP_UNLESS_SHARED("tokenizers/qwen3/tokenizer.json");
+    char *path = write_model("qwen3-tiny", RK_GGML_F32, 1);
+    check_thread_invariance(path, 32);
+    free(path);
+}
+
+Test(engine, qwen2_tiny_with_qkv_bias_generates_identically_across_thread_counts) {
+    RK_SKIP_UNLESS_SHARED("tokenizers/qwen3/tokenizer.json");
+    char *path = write_model("qwen2-tiny", RK_GGML_BF16, 2);
+    check_thread_invariance(path, 32);
+    free(path);
+}
+
+Test(engine, qwen3_0_6b_f32_and_bf16_load_and_generate_identically_across_threads,
+     .timeout = 1200) {
+    RK_SKIP_UNLESS_SHARED("tokenizers/qwen3/tokenizer.json");
+    RK_SKIP_IF_LIGHT();
+    rk_ggml_type types[2] = {RK_GGML_F32, RK_GGML_BF16};
+    for (int i = 0; i < 2; i++) {
+        char *path = write_model("qwen3-0.6b", types[i], 3);
+        rk_service *svc = open_model(path, 1);
+        const rk_hparams *hp = rk_model_hparams(svc->model);
+        cr_assert_eq(hp->n_layers, 28);
+        cr_assert_eq(hp->head_dim, 128);
+        cr_assert_eq(hp->n_vocab, 151936);
+        cr_assert(hp->tied_embeddings && hp->has_qk_norm);
+        rk_service_close(svc);
+        check_thread_invariance(path, 6);
+        remove(path);
+        free(path);
+    }
+}
+
+/* ---------------------------------------------------------------- errors */
+
+Test(engine, hostile_model_file_exits_1_with_a_message) {
+    char *dir = rk_test_tmpdir("hostile");
+    char path[4096], cmd[8192], *out;
+    snprintf(path, sizeof path, "%s/bad.gguf", dir);
+    FILE *f = fopen(path, "wb");
+    /* A valid header claiming 2^62 metadata entries. */
+    fwrite("GGUF\3\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\0\x40", 1, 24, f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "%s generate --model %s --prompt hi 2>&1", RK_BIN, path);
+    cr_assert_eq(rk_test_run(cmd, &out), 1, "output: %s", out);
+    cr_assert(strstr(out, "bad.gguf") != NULL, "the message names the file: %s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s inspect %s/missing.gguf 2>&1", RK_BIN, dir);
+    cr_assert_eq(rk_test_run(cmd, &out), 1);
+    free(out);
+    free(dir);
+}
+
+Test(engine, invalid_utf8_prompt_exits_1_with_a_message) {
+    char cmd[512], *out;
+    snprintf(cmd, sizeof cmd, "%s generate --prompt \"$(printf 'ab\\377\\376')\" -n 4 2>&1",
+             RK_BIN);
+    cr_assert_eq(rk_test_run(cmd, &out), 1, "output: %s", out);
+    cr_assert(strstr(out, "UTF-8") != NULL || strstr(out, "utf-8") != NULL, "%s", out);
+    free(out);
+}
+
+Test(engine, bad_usage_exits_2) {
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "%s generate -n 5 2>/dev/null", RK_BIN);
+    cr_assert_eq(rk_test_run(cmd, NULL), 2);
+    snprintf(cmd, sizeof cmd, "%s generate --prompt x -n -3 2>/dev/null", RK_BIN);
+    cr_assert_eq(rk_test_run(cmd, NULL), 2);
+    snprintf(cmd, sizeof cmd, "%s frobnicate 2>/dev/null", RK_BIN);
+    cr_assert_eq(rk_test_run(cmd, NULL), 2);
+}
+
+Test(engine, embedded_model_generates_without_a_file) {
+    char cmd[512], *out;
+    snprintf(cmd, sizeof cmd, "%s generate --prompt 'Hello' -n 8 --temp 0 --json", RK_BIN);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "\"tokens\":[") != NULL, "%s", out);
+    cr_assert(strstr(out, "\"decode_tokens_per_s\"") != NULL, "%s", out);
+    free(out);
+}
