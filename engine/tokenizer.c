@@ -295,6 +295,20 @@ static void build_eog(rk_tokenizer *t) {
     }
 }
 
+/* True when no token holds U+2581 right after a character other than U+2581,
+ * so that SentencePiece merges never cross the start of a word. */
+static int spm_can_split(const rk_tokenizer *t) {
+    for (int32_t id = 0; id < t->n_tokens; id++) {
+        const unsigned char *s = (const unsigned char *)t->text + t->text_off[id];
+        uint32_t n = rk_tok_text_len(t, id);
+        for (uint32_t i = 1; i + 3 <= n; i++) {
+            if (s[i] != 0xE2 || s[i + 1] != 0x96 || s[i + 2] != 0x81) continue;
+            if (i < 3 || s[i - 3] != 0xE2 || s[i - 2] != 0x96 || s[i - 1] != 0x81) return 0;
+        }
+    }
+    return 1;
+}
+
 rk_status rk_tokenizer_create(const rk_vocab *v, rk_tokenizer **out) {
     *out = NULL;
     if (!v || v->n_tokens <= 0 || !v->tokens)
@@ -363,6 +377,7 @@ rk_status rk_tokenizer_create(const rk_vocab *v, rk_tokenizer **out) {
             snprintf(name, sizeof name, "<0x%02X>", (unsigned)b);
             t->byte_tok[b] = rk_tok_lookup(t, name, 6);
         }
+        t->spm_split = spm_can_split(t);
     }
     if ((st = build_decode(t)) != RK_OK) goto fail;
     if ((st = build_specials(t)) != RK_OK) goto fail;

@@ -50,6 +50,7 @@ struct rk_tokenizer {
     uint8_t *dec_special;  /* (n_tokens) 1: decodes to nothing unless render_special */
     rk_tok_strmap map;     /* text -> id */
     int32_t byte_tok[256]; /* llama: id of <0xXX>; gpt2: id of the byte's unicode char; -1 */
+    int spm_split;         /* llama: no token has U+2581 right after another character */
 
     int32_t bos_id, eos_id, unk_id, pad_id;
     int add_bos;

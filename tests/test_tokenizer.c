@@ -232,6 +232,52 @@ Test(tokenizer, tiny_falls_back_to_byte_tokens) {
     rk_tokenizer_free(t);
 }
 
+Test(tokenizer, llama_merges_across_words_when_the_vocabulary_has_such_pieces) {
+    /* "a▁" and "a▁b" hold U+2581 after another character, so merges may cross
+     * the start of a word here: "a b" -> ▁ a ▁ b -> ▁ (a▁) b -> ▁ (a▁b). No
+     * byte tokens: "c" falls back to <unk>. */
+    char *tokens[] = {"<unk>",
+                      "\xE2\x96\x81",
+                      "a",
+                      "b",
+                      "a\xE2\x96\x81",
+                      "a\xE2\x96\x81"
+                      "b"};
+    float scores[] = {0, -3, -4, -5, -1, -2};
+    int32_t types[] = {RK_TOKEN_UNKNOWN, 1, 1, 1, 1, 1};
+    rk_vocab v = {.model = "llama",
+                  .n_tokens = 6,
+                  .tokens = tokens,
+                  .scores = scores,
+                  .token_types = types,
+                  .bos_id = -1,
+                  .eos_id = -1,
+                  .unk_id = 0,
+                  .pad_id = -1};
+    rk_tokenizer *t;
+    cr_assert_eq(rk_tokenizer_create(&v, &t), RK_OK, "%s", rk_error_message());
+    static const int32_t ab[] = {1, 5};
+    expect_ids(t, "a b", 0, ab, 2);
+    static const int32_t ac[] = {1, 2, 0};
+    expect_ids(t, "ac", 0, ac, 3);
+    char *out;
+    size_t len;
+    cr_assert_eq(rk_tokenizer_decode(t, ab, 2, 0, 0, &out, &len), RK_OK);
+    cr_assert_str_eq(out, " a b");
+    free(out);
+    rk_tokenizer_free(t);
+
+    /* Without <unk> either, such a character is an error, not a crash. */
+    v.unk_id = -1;
+    types[0] = RK_TOKEN_NORMAL;
+    cr_assert_eq(rk_tokenizer_create(&v, &t), RK_OK);
+    int32_t *ids = NULL;
+    size_t n;
+    cr_assert_eq(rk_tokenizer_encode(t, "c", 1, 0, &ids, &n), RK_ERR_UNSUPPORTED);
+    cr_assert_null(ids);
+    rk_tokenizer_free(t);
+}
+
 /* ================================================================ stories260K (llama) */
 
 Test(tokenizer, stories_vocabulary_loads_from_gguf) {
@@ -820,6 +866,12 @@ Test(tokenizer, vocab_from_hf_json_rejects_broken_files) {
     cr_assert_eq(v.n_merges, 1);
     cr_assert_str_eq(v.merges[0], "a b");
     cr_assert_eq(v.bos_id, -1); /* no <|endoftext|> */
+    /* A byte-level tokenizer needs a token for each of the 256 bytes. */
+    rk_tokenizer *t = (rk_tokenizer *)1;
+    cr_assert_eq(rk_tokenizer_create(&v, &t), RK_ERR_FORMAT);
+    cr_assert_null(t);
+    cr_assert(strstr(rk_error_message(), "no token for byte 0x00") != NULL, "%s",
+              rk_error_message());
     rk_vocab_free(&v);
     free(p);
 
