@@ -25,8 +25,6 @@ typedef enum vocab_kind {
 } vocab_kind;
 
 typedef struct preset {
-    const char *name;
-    const char *description;
     const char *arch;
     int n_layers, dim, n_heads, n_kv_heads, head_dim, ffn_dim, n_ctx;
     float theta, eps;
@@ -37,61 +35,56 @@ typedef struct preset {
 #define QWEN3_N_VOCAB 151936
 #define LLAMA_N_VOCAB 32000
 
+/* Names and help lines; k_presets below has the shapes, in the same order. */
+static const rk_mkmodel_preset_info k_infos[] = {
+    {"tiny", "llama, 4 layers, dim 128, 4 heads / 2 KV, FFN 384, tiny vocabulary (the built-in "
+             "default, ~1 M parameters)"},
+    {"qwen3-0.6b", "qwen3, Qwen3-0.6B shapes: 28 layers, dim 1024, 16 heads / 8 KV, head 128, "
+                   "FFN 3072, tied, Qwen3 vocabulary (~0.6 B parameters, 2.4 GB in F32)"},
+    {"qwen3-tiny", "qwen3, 2 layers, dim 128, 4 heads / 2 KV, head 32, FFN 256, tied, Qwen3 "
+                   "vocabulary (fast tests of the qwen3 path)"},
+    {"qwen2-tiny", "qwen2 (QKV biases), 2 layers, dim 128, 4 heads / 2 KV, head 32, FFN 256, "
+                   "tied, Qwen3 vocabulary"},
+    {"llama-1b", "llama, TinyLlama-1.1B shapes: 22 layers, dim 2048, 32 heads / 4 KV, FFN 5632, "
+                 "tiny vocabulary padded to 32000 (~1.1 B parameters, 4.4 GB in F32)"},
+    {"qwen3-8b", "qwen3, Qwen3-8B shapes: 36 layers, dim 4096, 32 heads / 8 KV, head 128, FFN "
+                 "12288, untied, Qwen3 vocabulary (~8.2 B parameters, 33 GB in F32)"},
+};
+
 static const preset k_presets[] = {
-    {"tiny",
-     "llama, 4 layers, dim 128, 4 heads / 2 KV, FFN 384, tiny vocabulary (the built-in "
-     "default, ~1 M parameters)",
-     "llama", 4, 128, 4, 2, 32, 384, 4096, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY},
-    {"qwen3-0.6b",
-     "qwen3, Qwen3-0.6B shapes: 28 layers, dim 1024, 16 heads / 8 KV, head 128, "
-     "FFN 3072, tied, Qwen3 vocabulary (~0.6 B parameters, 2.4 GB in F32)",
-     "qwen3", 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3},
-    {"qwen3-tiny",
-     "qwen3, 2 layers, dim 128, 4 heads / 2 KV, head 32, FFN 256, tied, Qwen3 "
-     "vocabulary (fast tests of the qwen3 path)",
-     "qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3},
-    {"qwen2-tiny",
-     "qwen2 (QKV biases), 2 layers, dim 128, 4 heads / 2 KV, head 32, FFN 256, "
-     "tied, Qwen3 vocabulary",
-     "qwen2", 2, 128, 4, 2, 32, 256, 32768, 1e6f, 1e-6f, 1, 1, 0, VOCAB_QWEN3},
-    {"llama-1b",
-     "llama, TinyLlama-1.1B shapes: 22 layers, dim 2048, 32 heads / 4 KV, FFN 5632, "
-     "tiny vocabulary padded to 32000 (~1.1 B parameters, 4.4 GB in F32)",
-     "llama", 22, 2048, 32, 4, 64, 5632, 2048, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY_32000},
-    {"qwen3-8b",
-     "qwen3, Qwen3-8B shapes: 36 layers, dim 4096, 32 heads / 8 KV, head 128, FFN "
-     "12288, untied, Qwen3 vocabulary (~8.2 B parameters, 33 GB in F32)",
-     "qwen3", 36, 4096, 32, 8, 128, 12288, 40960, 1e6f, 1e-6f, 0, 0, 1, VOCAB_QWEN3},
+    /* tiny */ {"llama", 4, 128, 4, 2, 32, 384, 4096, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY},
+    /* qwen3-0.6b */
+    {"qwen3", 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3},
+    /* qwen3-tiny */ {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3},
+    /* qwen2-tiny */ {"qwen2", 2, 128, 4, 2, 32, 256, 32768, 1e6f, 1e-6f, 1, 1, 0, VOCAB_QWEN3},
+    /* llama-1b */
+    {"llama", 22, 2048, 32, 4, 64, 5632, 2048, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY_32000},
+    /* qwen3-8b */
+    {"qwen3", 36, 4096, 32, 8, 128, 12288, 40960, 1e6f, 1e-6f, 0, 0, 1, VOCAB_QWEN3},
 };
 
 #define N_PRESETS (sizeof k_presets / sizeof k_presets[0])
+_Static_assert(sizeof k_infos / sizeof k_infos[0] == N_PRESETS, "one info line per preset");
 
 /* Return the preset table; see mkmodel.h. */
 const rk_mkmodel_preset_info *rk_mkmodel_presets(size_t *out_n) {
-    static rk_mkmodel_preset_info infos[N_PRESETS];
-    static int ready; /* the contents are constant, so a racing second fill is harmless */
-    if (!ready) {
-        for (size_t i = 0; i < N_PRESETS; i++) {
-            infos[i].name = k_presets[i].name;
-            infos[i].description = k_presets[i].description;
-        }
-        ready = 1;
-    }
     if (out_n) *out_n = N_PRESETS;
-    return infos;
+    return k_infos;
 }
 
-static rk_status find_preset(const char *name, const preset **out) {
+/* Find a preset by name (NULL = "tiny"); *out_name gets its static name. */
+static rk_status find_preset(const char *name, const preset **out, const char **out_name) {
     if (!name) name = "tiny";
     for (size_t i = 0; i < N_PRESETS; i++)
-        if (strcmp(k_presets[i].name, name) == 0) {
+        if (strcmp(k_infos[i].name, name) == 0) {
             *out = &k_presets[i];
+            if (out_name) *out_name = k_infos[i].name;
             return RK_OK;
         }
     char list[256] = "";
     for (size_t i = 0; i < N_PRESETS; i++) {
         strncat(list, i ? ", " : "", sizeof list - strlen(list) - 1);
-        strncat(list, k_presets[i].name, sizeof list - strlen(list) - 1);
+        strncat(list, k_infos[i].name, sizeof list - strlen(list) - 1);
     }
     return rk_errorf(RK_ERR_NOT_FOUND, "mkmodel: unknown preset '%s' (presets: %s)", name, list);
 }
@@ -151,18 +144,19 @@ static rk_status wrap_error(rk_status st, const char *preset_name, const char *w
     return rk_errorf(st, "mkmodel %s: %s: %s", preset_name, what, msg);
 }
 
-static rk_status mk_vocab_load(const preset *p, const char *vocab_path, mk_vocab *mv) {
+static rk_status mk_vocab_load(const preset *p, const char *pname, const char *vocab_path,
+                               mk_vocab *mv) {
     memset(mv, 0, sizeof *mv);
     rk_status st;
     int32_t pad_to = 0;
     if (p->vocab == VOCAB_QWEN3) {
         const char *path = vocab_path ? vocab_path : RK_MKMODEL_DEFAULT_QWEN3_VOCAB;
         st = rk_vocab_from_hf_json(path, QWEN3_N_VOCAB, &mv->v);
-        if (st) return wrap_error(st, p->name, "cannot read the Qwen3 vocabulary");
+        if (st) return wrap_error(st, pname, "cannot read the Qwen3 vocabulary");
         pad_to = QWEN3_N_VOCAB;
     } else {
         st = rk_vocab_tiny(&mv->v);
-        if (st) return wrap_error(st, p->name, "cannot build the tiny vocabulary");
+        if (st) return wrap_error(st, pname, "cannot build the tiny vocabulary");
         if (p->vocab == VOCAB_TINY_32000) pad_to = LLAMA_N_VOCAB;
     }
     int32_t n0 = mv->v.n_tokens;
@@ -175,7 +169,7 @@ static rk_status mk_vocab_load(const preset *p, const char *vocab_path, mk_vocab
     mv->pad_blob = malloc(blob_len ? blob_len : 1);
     if (!mv->tokens || !mv->types || (mv->v.scores && !mv->scores) || !mv->pad_blob) {
         mk_vocab_free(mv);
-        return rk_errorf(RK_ERR_NOMEM, "mkmodel %s: out of memory for the vocabulary", p->name);
+        return rk_errorf(RK_ERR_NOMEM, "mkmodel %s: out of memory for the vocabulary", pname);
     }
     for (int32_t i = 0; i < n0; i++) {
         mv->tokens[i] = mv->v.tokens[i];
@@ -301,6 +295,7 @@ static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
 
 typedef struct mk_model {
     const preset *p;
+    const char *name; /* the preset's name (static) */
     mk_vocab vocab;
     rk_gguf_writer *w;
     mk_tensor *tensors; /* (n_tensors), in declaration order */
@@ -357,13 +352,13 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
     const mk_vocab *mv = &m->vocab;
     const char *a = p->arch;
     char name[96];
-    snprintf(name, sizeof name, "ragkv synthetic %s", p->name);
+    snprintf(name, sizeof name, "ragkv synthetic %s", m->name);
     uint32_t file_type = opts->wtype == RK_GGML_F32 ? 0 : opts->wtype == RK_GGML_F16 ? 1 : 32;
     rk_status st;
     if ((st = rk_gguf_writer_set_str(w, "general.architecture", a)) ||
         (st = rk_gguf_writer_set_str(w, "general.name", name)) ||
         (st = rk_gguf_writer_set_u32(w, "general.file_type", file_type)) ||
-        (st = rk_gguf_writer_set_str(w, "ragkv.synthetic.preset", p->name)) ||
+        (st = rk_gguf_writer_set_str(w, "ragkv.synthetic.preset", m->name)) ||
         (st = rk_gguf_writer_set_u64(w, "ragkv.synthetic.seed", opts->seed)) ||
         (st = mk_set_arch_u32(w, a, "vocab_size", (uint32_t)mv->n)) ||
         (st = mk_set_arch_u32(w, a, "context_length", (uint32_t)p->n_ctx)) ||
@@ -445,12 +440,12 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
 static rk_status mk_prepare(const rk_mkmodel_opts *opts, mk_model *m) {
     memset(m, 0, sizeof *m);
     if (!opts) return rk_errorf(RK_ERR_INVALID, "mkmodel: NULL options");
-    rk_status st = find_preset(opts->preset, &m->p);
+    rk_status st = find_preset(opts->preset, &m->p, &m->name);
     if (st) return st;
     if (opts->wtype != RK_GGML_F32 && opts->wtype != RK_GGML_F16 && opts->wtype != RK_GGML_BF16)
         return rk_errorf(RK_ERR_INVALID, "mkmodel: weight type %s not supported (F32, F16, BF16)",
                          rk_ggml_type_name((uint32_t)opts->wtype));
-    if ((st = mk_vocab_load(m->p, opts->vocab_path, &m->vocab)) ||
+    if ((st = mk_vocab_load(m->p, m->name, opts->vocab_path, &m->vocab)) ||
         (st = rk_gguf_writer_create(&m->w)) || (st = mk_metadata(m, opts)) ||
         (st = mk_tensors(m, opts->wtype))) {
         mk_model_free(m);
@@ -486,7 +481,7 @@ rk_status rk_mkmodel_build_memory(const rk_mkmodel_opts *opts, void **out_buf, s
 /* Return a preset's shape; see mkmodel.h. */
 rk_status rk_mkmodel_preset_hparams(const char *preset_name, rk_mkmodel_hparams *out) {
     const preset *p;
-    rk_status st = find_preset(preset_name, &p);
+    rk_status st = find_preset(preset_name, &p, NULL);
     if (st) return st;
     memset(out, 0, sizeof *out);
     out->arch = p->arch;

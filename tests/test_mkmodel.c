@@ -433,6 +433,7 @@ Test(mkmodel, qwen2_tiny_has_qkv_biases_and_no_qk_norm) {
 }
 
 Test(mkmodel, qwen3_tiny_weight_types_and_seeds) {
+    RK_SKIP_IF_LIGHT(); /* four builds with the real vocabulary: slow under the sanitizer */
     char *vocab;
     RK_REQUIRE_SHARED(vocab, QWEN3_VOCAB);
     void *a, *b, *c, *d;
