@@ -11,6 +11,7 @@
  *   tokenizer.ggml.merges           [string] "left right", by rank      (required for gpt2)
  *   tokenizer.ggml.{bos,eos,unknown,padding}_token_id  u32 (0xFFFFFFFF = none)
  *   tokenizer.ggml.add_bos_token    bool    (default: llama 1, gpt2 0) */
+#include <ctype.h>
 #include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -66,9 +67,8 @@ static rk_status vocab_init(rk_vocab *v, const char *model, int32_t n) {
 
 /* True when s is exactly "<0xHH>" with two upper- or lower-case hex digits. */
 static int is_byte_token(const char *s) {
-    return strlen(s) == 6 && s[0] == '<' && s[1] == '0' && s[2] == 'x' &&
-           strchr("0123456789ABCDEFabcdef", s[3]) && s[3] &&
-           strchr("0123456789ABCDEFabcdef", s[4]) && s[4] && s[5] == '>';
+    return strlen(s) == 6 && memcmp(s, "<0x", 3) == 0 && isxdigit((unsigned char)s[3]) &&
+           isxdigit((unsigned char)s[4]) && s[5] == '>';
 }
 
 /* ================================================================ GGUF */

@@ -790,6 +790,37 @@ Test(tokenizer, vocab_from_gguf_rejects_bad_metadata) {
     cr_assert(strstr(rk_error_message(), "merges") != NULL, "%s", rk_error_message());
 }
 
+Test(tokenizer, vocab_from_gguf_without_types_recognises_byte_tokens) {
+    static const char *const toks[] = {"<unk>", "<0x0A>", "a", "<0x0a>x"};
+    rk_gguf_writer *w;
+    cr_assert_eq(rk_gguf_writer_create(&w), RK_OK);
+    cr_assert_eq(rk_gguf_writer_set_str(w, "tokenizer.ggml.model", "llama"), RK_OK);
+    cr_assert_eq(rk_gguf_writer_set_arr_str(w, "tokenizer.ggml.tokens", toks, NULL, 4), RK_OK);
+    void *buf;
+    size_t len;
+    cr_assert_eq(rk_gguf_writer_write_memory(w, NULL, NULL, &buf, &len), RK_OK);
+    rk_gguf_writer_free(w);
+    rk_gguf *g;
+    cr_assert_eq(rk_gguf_open_memory(buf, len, &g), RK_OK, "%s", rk_error_message());
+    rk_vocab v;
+    cr_assert_eq(rk_vocab_from_gguf(g, &v), RK_OK, "%s", rk_error_message());
+    cr_assert_null(v.scores);
+    cr_assert_eq(v.token_types[0], RK_TOKEN_NORMAL);
+    cr_assert_eq(v.token_types[1], RK_TOKEN_BYTE);
+    cr_assert_eq(v.token_types[3], RK_TOKEN_NORMAL);
+    cr_assert_eq(v.bos_id, -1);
+    cr_assert_eq(v.add_bos, 1);
+    rk_tokenizer *t;
+    cr_assert_eq(rk_tokenizer_create(&v, &t), RK_OK, "%s", rk_error_message());
+    char c[4];
+    cr_assert_eq(rk_tokenizer_token_bytes(t, 1, 0, c, sizeof c), 1);
+    cr_assert_eq(c[0], '\n');
+    rk_tokenizer_free(t);
+    rk_vocab_free(&v);
+    rk_gguf_close(g);
+    free(buf);
+}
+
 Test(tokenizer, create_rejects_unknown_pre_tokenizers_listing_the_known_ones) {
     const char *path;
     RK_REQUIRE_SHARED(path, "tokenizers/qwen3/tokenizer.json");
