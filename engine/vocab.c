@@ -254,6 +254,13 @@ fail:
 
 /* ================================================================ Hugging Face tokenizer.json */
 
+/* What is read: model.vocab (text -> id), model.merges ("a b" strings or
+ * ["a", "b"] pairs, by rank), added_tokens (id, content, special: special ones
+ * become CONTROL, the others USER_DEFINED) and the pre-tokenizer regex, which
+ * must be one ragkv implements. The normalizer is not applied: Qwen's is NFC,
+ * and ragkv encodes the text as given, so text that is not in NFC may encode
+ * differently from Hugging Face (the decoded bytes are exact either way). */
+
 /* Name the gpt2 pre-tokenizer of a tokenizer.json "pre_tokenizer" object: a
  * Split with a known regex (possibly inside a Sequence), or a ByteLevel
  * pre-tokenizer that uses the GPT-2 regex. NULL when not recognised. */
