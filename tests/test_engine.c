@@ -34,21 +34,6 @@ static int greedy(rk_service *svc, const int32_t *prompt, int n_prompt, int n, i
     return s.n_out;
 }
 
-static char *write_model(const char *preset, rk_ggml_type type, uint64_t seed) {
-    char *dir = rk_test_tmpdir("engine");
-    char *path = malloc(strlen(dir) + 64);
-    sprintf(path, "%s/%s-%s.gguf", dir, preset, rk_ggml_type_name(type));
-    rk_mkmodel_opts o;
-    rk_mkmodel_opts_default(&o);
-    o.preset = preset;
-    o.wtype = type;
-    o.seed = seed;
-    o.vocab_path = rk_test_shared_path("tokenizers/qwen3/tokenizer.json");
-    cr_assert_eq(rk_mkmodel_write(path, &o), RK_OK, "%s", rk_error_message());
-    free(dir);
-    return path;
-}
-
 /* ---------------------------------------------------------------- stories260K
  * The golden file holds 200 generated tokens after BOS (llama2.c's `-n 200`:
  * every one of the 200 forward passes yields a printed token), so the
@@ -171,26 +156,23 @@ static void check_thread_invariance(const char *path, int n_new) {
 }
 
 Test(engine, qwen3_tiny_generates_identically_across_thread_counts) {
-    RK_SKIP_UNLESS_SHARED("tokenizers/qwen3/tokenizer.json");
-    char *path = write_model("qwen3-tiny", RK_GGML_F32, 1);
+    char *path = rk_test_model("qwen3-tiny", "f32", 1);
     check_thread_invariance(path, 32);
     free(path);
 }
 
 Test(engine, qwen2_tiny_with_qkv_bias_generates_identically_across_thread_counts) {
-    RK_SKIP_UNLESS_SHARED("tokenizers/qwen3/tokenizer.json");
-    char *path = write_model("qwen2-tiny", RK_GGML_BF16, 2);
+    char *path = rk_test_model("qwen2-tiny", "bf16", 2);
     check_thread_invariance(path, 32);
     free(path);
 }
 
 Test(engine, qwen3_0_6b_f32_and_bf16_load_and_generate_identically_across_threads,
      .timeout = 1200) {
-    RK_SKIP_UNLESS_SHARED("tokenizers/qwen3/tokenizer.json");
     RK_SKIP_IF_LIGHT();
-    rk_ggml_type types[2] = {RK_GGML_F32, RK_GGML_BF16};
+    const char *types[2] = {"f32", "bf16"};
     for (int i = 0; i < 2; i++) {
-        char *path = write_model("qwen3-0.6b", types[i], 3);
+        char *path = rk_test_model("qwen3-0.6b", types[i], 3);
         rk_service *svc = open_model(path, 1);
         const rk_hparams *hp = rk_model_hparams(svc->model);
         cr_assert_eq(hp->n_layers, 28);
@@ -199,7 +181,6 @@ Test(engine, qwen3_0_6b_f32_and_bf16_load_and_generate_identically_across_thread
         cr_assert(hp->tied_embeddings && hp->has_qk_norm);
         rk_service_close(svc);
         check_thread_invariance(path, 6);
-        remove(path);
         free(path);
     }
 }

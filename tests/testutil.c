@@ -1,6 +1,10 @@
 /* tests/testutil.c — see testutil.h. */
 #include "tests/testutil.h"
 
+#include <criterion/criterion.h>
+
+#include "engine/mkmodel.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -80,4 +84,30 @@ char *rk_test_read_file(const char *path, size_t *out_len) {
         if (out_len) *out_len = (size_t)n;
     }
     return buf;
+}
+
+char *rk_test_model(const char *preset, const char *wtype, unsigned seed) {
+    char dir[4096], path[4200], tmp[4300];
+    snprintf(dir, sizeof dir, "%s/models", RK_TEST_TMP);
+    mkdir(RK_TEST_TMP, 0755);
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/%s-%s-%u.gguf", dir, preset, wtype, seed);
+    struct stat st;
+    if (stat(path, &st) == 0) return rk_test_strdup(path);
+    rk_mkmodel_opts o;
+    rk_mkmodel_opts_default(&o);
+    o.preset = preset;
+    o.seed = seed;
+    if (strcmp(preset, "tiny") != 0) {
+        o.vocab_path = rk_test_shared_path("tokenizers/qwen3/tokenizer.json");
+        if (!o.vocab_path) cr_skip_test("missing ../shared/tokenizers/qwen3/tokenizer.json");
+        o.vocab_path = rk_test_strdup(o.vocab_path);
+    }
+    cr_assert_eq(rk_mkmodel_parse_wtype(wtype, &o.wtype), RK_OK);
+    /* Another test process may be writing the same model: write under a unique
+     * name and rename, which is atomic. */
+    snprintf(tmp, sizeof tmp, "%s.%d", path, (int)getpid());
+    cr_assert_eq(rk_mkmodel_write(tmp, &o), RK_OK, "mkmodel %s: %s", preset, rk_error_message());
+    cr_assert_eq(rename(tmp, path), 0);
+    return rk_test_strdup(path);
 }

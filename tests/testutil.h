@@ -41,6 +41,12 @@ char *rk_test_strdup(const char *s);
  * path (malloc'ed). */
 char *rk_test_tmpdir(const char *tag);
 
+/* Path of a synthetic model (rk_mkmodel preset, weight type "f32"/"f16"/"bf16",
+ * seed) under the build tree's testtmp/models/, written on first use and
+ * shared by every test afterwards (malloc'ed). Skips the test when the Qwen3
+ * vocabulary the preset needs is absent. */
+char *rk_test_model(const char *preset, const char *wtype, unsigned seed);
+
 /* Run a shell command, capture stdout (malloc'ed, NUL-terminated) into *out
  * (may be NULL), return the exit status (or -1 if it could not run). */
 int rk_test_run(const char *cmd, char **out);

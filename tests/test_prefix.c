@@ -1,0 +1,188 @@
+/* tests/test_prefix.c — the prefix cache inside generation: with the system
+ * prompt cached, `system + question` gives the same tokens and logits as with
+ * the cache disabled; the cache is hit the second time; every block and lock
+ * is accounted for afterwards. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gateway/gateway.h"
+#include "tests/testutil.h"
+
+#define MAX_STEPS 24
+
+typedef struct logit_log {
+    int n_vocab;
+    float *logits[MAX_STEPS]; /* per step */
+} logit_log;
+
+static void keep_logits(void *ctx, int seq, int step, const float *logits, int n_vocab) {
+    logit_log *l = ctx;
+    (void)seq;
+    if (step >= MAX_STEPS) return;
+    l->n_vocab = n_vocab;
+    l->logits[step] = malloc((size_t)n_vocab * sizeof(float));
+    memcpy(l->logits[step], logits, (size_t)n_vocab * sizeof(float));
+}
+
+static void free_log(logit_log *l) {
+    for (int i = 0; i < MAX_STEPS; i++) free(l->logits[i]);
+}
+
+static rk_service *open_svc(const char *model, int prefix_cache) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 2;
+    cfg.kv_memory_mb = 256;
+    cfg.prefix_cache = prefix_cache;
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
+    return svc;
+}
+
+/* BOS (when the model wants one) + system tokens + question tokens. */
+static int build_prompt(rk_service *svc, const char *sys, const char *question, int32_t *out,
+                        int *n_system) {
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    int n = 0;
+    if (rk_tokenizer_add_bos(tok)) out[n++] = rk_tokenizer_bos(tok);
+    const char *parts[2] = {sys, question};
+    for (int p = 0; p < 2; p++) {
+        int32_t *ids;
+        size_t k;
+        cr_assert_eq(rk_tokenizer_encode(tok, parts[p], strlen(parts[p]), 1, &ids, &k), RK_OK);
+        memcpy(out + n, ids, k * sizeof *ids);
+        n += (int)k;
+        free(ids);
+        if (p == 0) *n_system = n;
+    }
+    return n;
+}
+
+static void generate(rk_service *svc, const int32_t *prompt, int n, int n_system, int32_t *out,
+                     logit_log *log, int *n_cached) {
+    rk_gen_seq s = {.prompt = prompt,
+                    .n_prompt = n,
+                    .max_new = 16,
+                    .out_tokens = out,
+                    .n_system = n_system,
+                    .sampling = {.temperature = 0, .top_p = 1}};
+    rk_gen_hooks h = {.ctx = log, .on_logits = keep_logits};
+    cr_assert_eq(rk_generate(svc, &s, 1, &h, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(s.n_out, 16);
+    *n_cached = s.n_cached;
+}
+
+static void check_cached_equals_uncached(const char *model, const char *sys, const char *question) {
+    rk_service *on = open_svc(model, 1), *off = open_svc(model, 0);
+    static int32_t prompt[4096];
+    int n_system, n = build_prompt(on, sys, question, prompt, &n_system);
+    int bs = rk_arena_block_size(on->arena);
+    cr_assert_gt(n_system, 2 * bs, "the system prompt should span several blocks");
+
+    int32_t ref[16], first[16], second[16];
+    logit_log lref = {0}, l1 = {0}, l2 = {0};
+    int cached;
+    generate(off, prompt, n, n_system, ref, &lref, &cached);
+    cr_assert_eq(cached, 0);
+    generate(on, prompt, n, n_system, first, &l1, &cached);
+    cr_assert_eq(cached, 0, "a cold cache has nothing");
+    generate(on, prompt, n, n_system, second, &l2, &cached);
+    cr_assert_eq(cached, n_system / bs * bs, "the whole pages of the system prompt are reused");
+
+    cr_assert_eq(memcmp(ref, first, sizeof ref), 0);
+    cr_assert_eq(memcmp(ref, second, sizeof ref), 0);
+    /* Within 1e-5 of the logits' scale (the largest |logit| of the step): the
+     * cached run prefills fewer rows, so OpenBLAS may block its matmuls
+     * differently and round differently than the full prefill; the two agree
+     * to about 1e-6 of the scale. */
+    double worst = 0;
+    for (int s = 0; s < 16; s++) {
+        double scale = 0, d = 0;
+        for (int i = 0; i < lref.n_vocab; i++) scale = fmax(scale, fabs(lref.logits[s][i]));
+        for (int i = 0; i < lref.n_vocab; i++)
+            d = fmax(d, fabs((double)lref.logits[s][i] - l2.logits[s][i]));
+        worst = fmax(worst, d / fmax(1.0, scale));
+    }
+    cr_assert_leq(worst, 1e-5, "logits differ by %g of their scale with the prefix cache", worst);
+    rk_radix_stats st;
+    rk_radix_get_stats(on->prefix, &st);
+    cr_assert_eq(st.queries, 2);
+    cr_assert_eq(st.hits, 1);
+    cr_assert_eq(st.protected_tokens, 0, "no lock outlives a request");
+    cr_assert_eq(st.cached_tokens, (uint64_t)(n_system / bs * bs));
+    /* Live blocks all came back; the prefix pool holds exactly the tree's pages. */
+    cr_assert_eq(rk_arena_pool_free(on->arena, RK_POOL_LIVE),
+                 rk_arena_pool_total(on->arena, RK_POOL_LIVE));
+    cr_assert_eq(rk_arena_pool_total(on->arena, RK_POOL_PREFIX) -
+                     rk_arena_pool_free(on->arena, RK_POOL_PREFIX),
+                 (int)(st.cached_tokens / (uint64_t)bs));
+    /* Flushing gives every prefix block back. */
+    rk_radix_flush(on->prefix);
+    cr_assert_eq(rk_arena_pool_free(on->arena, RK_POOL_PREFIX),
+                 rk_arena_pool_total(on->arena, RK_POOL_PREFIX));
+    free_log(&lref);
+    free_log(&l1);
+    free_log(&l2);
+    rk_service_close(on);
+    rk_service_close(off);
+}
+
+static const char *SYS_EN =
+    "Lily and her brother Tom lived in a small house near the big green park. Every morning "
+    "they walked to the park with their dog Max, who loved to chase the red ball. Their mom "
+    "always told them to be kind to the other children and to share their toys.";
+
+Test(prefix, stories260k_cached_system_prompt_gives_the_uncached_result) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    check_cached_equals_uncached(model, SYS_EN, " One day, Lily saw a little bird.");
+}
+
+Test(prefix, qwen3_tiny_cached_system_prompt_gives_the_uncached_result) {
+    char *model = rk_test_model("qwen3-tiny", "f32", 1);
+    check_cached_equals_uncached(model, SYS_EN,
+                                 "<|im_start|>user\nWhat did Max chase?<|im_end|>\n");
+}
+
+Test(prefix, qwen3_0_6b_cached_system_prompt_gives_the_uncached_result, .timeout = 1200) {
+    RK_SKIP_IF_LIGHT();
+    char *model = rk_test_model("qwen3-0.6b", "f32", 3);
+    check_cached_equals_uncached(model, SYS_EN,
+                                 "<|im_start|>user\nWhat did Max chase?<|im_end|>\n");
+}
+
+Test(prefix, concurrent_sequences_with_one_system_prompt_share_and_release) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    rk_service *svc = open_svc(model, 1);
+    static int32_t p[4][512];
+    int n[4], n_sys[4];
+    const char *qs[4] = {" One day", " The dog ran", " Tom said", " Mom smiled"};
+    int32_t out[4][16];
+    rk_gen_seq seqs[4];
+    for (int i = 0; i < 4; i++) {
+        n[i] = build_prompt(svc, SYS_EN, qs[i], p[i], &n_sys[i]);
+        seqs[i] = (rk_gen_seq){.prompt = p[i],
+                               .n_prompt = n[i],
+                               .max_new = 8,
+                               .out_tokens = out[i],
+                               .n_system = n_sys[i],
+                               .sampling = {.temperature = 0, .top_p = 1}};
+    }
+    /* All four miss together; each inserts; the duplicates stay private and are released. */
+    cr_assert_eq(rk_generate(svc, seqs, 4, NULL, NULL), RK_OK, "%s", rk_error_message());
+    rk_radix_stats st;
+    rk_radix_get_stats(svc->prefix, &st);
+    int bs = rk_arena_block_size(svc->arena);
+    cr_assert_eq(st.cached_tokens, (uint64_t)(n_sys[0] / bs * bs));
+    cr_assert_eq(rk_arena_pool_total(svc->arena, RK_POOL_PREFIX) -
+                     rk_arena_pool_free(svc->arena, RK_POOL_PREFIX),
+                 n_sys[0] / bs);
+    cr_assert_eq(rk_generate(svc, seqs, 4, NULL, NULL), RK_OK);
+    for (int i = 0; i < 4; i++) cr_assert_eq(seqs[i].n_cached, n_sys[0] / bs * bs);
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
+                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE));
+    rk_service_close(svc);
+}
