@@ -1191,6 +1191,9 @@ void rk_gguf_writer_free(rk_gguf_writer *w) {
     free(w);
 }
 
+/* A key for messages: NULL shows as "(null)". */
+static const char *kname(const char *key) { return key ? key : "(null)"; }
+
 static char *dup_str(const char *s) {
     size_t n = strlen(s) + 1;
     char *p = malloc(n);
@@ -1275,7 +1278,8 @@ rk_status rk_gguf_writer_set_bool(rk_gguf_writer *w, const char *key, int v) {
 /* Set a string value of len bytes (copied). */
 rk_status rk_gguf_writer_set_str_len(rk_gguf_writer *w, const char *key, const char *s,
                                      size_t len) {
-    if (!s && len) return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': NULL string", key);
+    if (!s && len)
+        return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': NULL string", kname(key));
     wkv *kv;
     rk_status st = w_new_kv(w, key, RK_GGUF_STRING, &kv);
     if (st) return st;
@@ -1288,7 +1292,7 @@ rk_status rk_gguf_writer_set_str_len(rk_gguf_writer *w, const char *key, const c
 }
 
 rk_status rk_gguf_writer_set_str(rk_gguf_writer *w, const char *key, const char *s) {
-    if (!s) return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': NULL string", key ? key : "");
+    if (!s) return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': NULL string", kname(key));
     return rk_gguf_writer_set_str_len(w, key, s, strlen(s));
 }
 
@@ -1298,10 +1302,11 @@ rk_status rk_gguf_writer_set_arr(rk_gguf_writer *w, const char *key, rk_gguf_typ
     size_t es = gguf_scalar_size(elem_type);
     if (es == 0)
         return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': arrays of %s need another setter",
-                         key ? key : "(null)", gguf_type_name(elem_type));
-    if (!values && n) return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': NULL array", key);
+                         kname(key), gguf_type_name(elem_type));
+    if (!values && n)
+        return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': NULL array", kname(key));
     if (n > SIZE_MAX / es)
-        return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': array too large", key);
+        return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': array too large", kname(key));
     wkv *kv;
     rk_status st = w_new_kv(w, key, RK_GGUF_ARRAY, &kv);
     if (st) return st;
@@ -1325,14 +1330,17 @@ rk_status rk_gguf_writer_set_arr_f32(rk_gguf_writer *w, const char *key, const f
 /* Set an array of n strings (copied into one block); lens may be NULL. */
 rk_status rk_gguf_writer_set_arr_str(rk_gguf_writer *w, const char *key, const char *const *strs,
                                      const uint32_t *lens, size_t n) {
-    if (!strs && n) return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': NULL array", key);
+    if (!strs && n)
+        return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': NULL array", kname(key));
     size_t total = 0;
     for (size_t i = 0; i < n; i++) {
         if (!strs[i])
-            return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': string %zu is NULL", key, i);
+            return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': string %zu is NULL",
+                             kname(key), i);
         size_t len = lens ? lens[i] : strlen(strs[i]);
         if (len > UINT32_MAX || total > SIZE_MAX - len)
-            return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': string %zu too long", key, i);
+            return rk_errorf(RK_ERR_INVALID, "gguf writer: key '%s': string %zu too long",
+                             kname(key), i);
         total += len;
     }
     wkv *kv;
