@@ -1,0 +1,170 @@
+/* gateway/split.c — see split.h. One pass finds the piece boundaries
+ * (unescaped separators); each piece is then copied with its escaped
+ * separators turned into literal ones. */
+#include "gateway/split.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+rk_status rk_separator_check(const char *sep) {
+    size_t n = strlen(sep);
+    if (n == 0 || n > RK_SEPARATOR_MAX)
+        return rk_errorf(RK_ERR_INVALID, "separator must be 1 to %d bytes, got %zu",
+                         RK_SEPARATOR_MAX, n);
+    if (strchr(sep, '\\'))
+        return rk_errorf(RK_ERR_INVALID, "separator must not contain a backslash");
+    return RK_OK;
+}
+
+/* Does the escaped form of sep (a backslash before each byte) start at p? */
+static size_t escaped_at(const char *p, size_t left, const char *sep, size_t n_sep) {
+    if (left < 2 * n_sep) return 0;
+    for (size_t i = 0; i < n_sep; i++)
+        if (p[2 * i] != '\\' || p[2 * i + 1] != sep[i]) return 0;
+    return 2 * n_sep;
+}
+
+/* Copy a piece, turning escaped separators into literal ones. */
+static rk_status copy_piece(const char *p, size_t len, const char *sep, size_t n_sep,
+                            rk_text *out) {
+    out->s = malloc(len + 1);
+    if (!out->s) return rk_errorf(RK_ERR_NOMEM, "split: out of memory");
+    size_t o = 0;
+    for (size_t i = 0; i < len;) {
+        size_t e = escaped_at(p + i, len - i, sep, n_sep);
+        if (e) {
+            memcpy(out->s + o, sep, n_sep);
+            o += n_sep;
+            i += e;
+        } else {
+            out->s[o++] = p[i++];
+        }
+    }
+    out->s[o] = '\0';
+    out->len = o;
+    return RK_OK;
+}
+
+void rk_split_free(rk_split *s) {
+    if (!s) return;
+    free(s->system.s);
+    for (int i = 0; i < s->n_chunks; i++) free(s->chunks[i].s);
+    free(s->chunks);
+    free(s->question.s);
+    memset(s, 0, sizeof *s);
+}
+
+rk_status rk_split_prompt(const char *prompt, size_t len, const char *sep, int max_chunks,
+                          rk_split *out) {
+    memset(out, 0, sizeof *out);
+    if (!sep) sep = "##";
+    rk_status st = rk_separator_check(sep);
+    if (st) return st;
+    size_t n_sep = strlen(sep);
+    /* Boundaries: piece k spans [start[k], end[k]). */
+    size_t cap = 16, n = 0, from = 0;
+    size_t *start = malloc(cap * sizeof *start), *end = malloc(cap * sizeof *end);
+    if (!start || !end) {
+        st = rk_errorf(RK_ERR_NOMEM, "split: out of memory");
+        goto fail;
+    }
+    for (size_t i = 0;;) {
+        size_t e = i < len ? escaped_at(prompt + i, len - i, sep, n_sep) : 0;
+        int at_sep = !e && i + n_sep <= len && memcmp(prompt + i, sep, n_sep) == 0;
+        if (i >= len || at_sep) {
+            if (n == cap) {
+                cap *= 2;
+                size_t *ns = realloc(start, cap * sizeof *ns);
+                if (ns) start = ns;
+                size_t *ne = ns ? realloc(end, cap * sizeof *ne) : NULL;
+                if (!ns || !ne) {
+                    st = rk_errorf(RK_ERR_NOMEM, "split: out of memory");
+                    goto fail;
+                }
+                end = ne;
+            }
+            start[n] = from;
+            end[n++] = i < len ? i : len;
+            if (i >= len) break;
+            i += n_sep;
+            from = i;
+        } else {
+            i += e ? e : 1;
+        }
+    }
+    /* n >= 1. One piece: the question; two: system + question; more: chunks between. */
+    size_t q = n - 1;
+    if (end[q] == start[q]) {
+        st = rk_errorf(RK_ERR_INVALID, "the question (the text after the last separator) is empty");
+        goto fail;
+    }
+    int n_chunks = 0;
+    for (size_t k = 1; k + 1 < n; k++) n_chunks += end[k] > start[k];
+    if (n_chunks > max_chunks) {
+        st = rk_errorf(RK_ERR_LIMIT, "the prompt has %d chunks; at most %d are allowed", n_chunks,
+                       max_chunks);
+        goto fail;
+    }
+    out->n_empty_chunks = n > 2 ? (int)(n - 2) - n_chunks : 0;
+    out->chunks = calloc((size_t)(n_chunks ? n_chunks : 1), sizeof *out->chunks);
+    if (!out->chunks) {
+        st = rk_errorf(RK_ERR_NOMEM, "split: out of memory");
+        goto fail;
+    }
+    if (n > 1 && (st = copy_piece(prompt + start[0], end[0] - start[0], sep, n_sep, &out->system)))
+        goto fail;
+    for (size_t k = 1; k + 1 < n; k++) {
+        if (end[k] == start[k]) continue;
+        st = copy_piece(prompt + start[k], end[k] - start[k], sep, n_sep,
+                        &out->chunks[out->n_chunks]);
+        if (st) goto fail;
+        out->n_chunks++;
+    }
+    if ((st = copy_piece(prompt + start[q], end[q] - start[q], sep, n_sep, &out->question)))
+        goto fail;
+    if (!out->system.s && (st = copy_piece("", 0, sep, n_sep, &out->system))) goto fail;
+    free(start);
+    free(end);
+    return RK_OK;
+fail:
+    free(start);
+    free(end);
+    rk_split_free(out);
+    return st;
+}
+
+static rk_status copy_plain(const char *s, rk_text *out) {
+    size_t n = s ? strlen(s) : 0;
+    out->s = malloc(n + 1);
+    if (!out->s) return rk_errorf(RK_ERR_NOMEM, "split: out of memory");
+    if (n) memcpy(out->s, s, n);
+    out->s[n] = '\0';
+    out->len = n;
+    return RK_OK;
+}
+
+rk_status rk_split_structured(const char *system, const char *const *chunks, int n_chunks,
+                              const char *question, int max_chunks, rk_split *out) {
+    memset(out, 0, sizeof *out);
+    rk_status st;
+    if (!question || !*question) return rk_errorf(RK_ERR_INVALID, "the question is empty");
+    int n_nonempty = 0;
+    for (int i = 0; i < n_chunks; i++) n_nonempty += chunks[i] && *chunks[i];
+    if (n_nonempty > max_chunks)
+        return rk_errorf(RK_ERR_LIMIT, "the request has %d chunks; at most %d are allowed",
+                         n_nonempty, max_chunks);
+    out->chunks = calloc((size_t)(n_nonempty ? n_nonempty : 1), sizeof *out->chunks);
+    if (!out->chunks) return rk_errorf(RK_ERR_NOMEM, "split: out of memory");
+    out->n_empty_chunks = n_chunks - n_nonempty;
+    if ((st = copy_plain(system, &out->system)) || (st = copy_plain(question, &out->question)))
+        goto fail;
+    for (int i = 0; i < n_chunks; i++) {
+        if (!chunks[i] || !*chunks[i]) continue;
+        if ((st = copy_plain(chunks[i], &out->chunks[out->n_chunks]))) goto fail;
+        out->n_chunks++;
+    }
+    return RK_OK;
+fail:
+    rk_split_free(out);
+    return st;
+}
