@@ -14,10 +14,11 @@
  * All query heads of one kv head (the GQA group), and in prefill several
  * query rows, share one pass over each K/V tile. Parallelism: a prefill
  * sequence runs tasks of (row block, kv head) that walk the partitions in
- * order; a decode sequence (one query row) runs one task per (kv head,
- * partition) and a second pass merges the partials (split-K). Both give the
- * same bits: the per-partition arithmetic and the merge order are the same,
- * whatever the thread count or the block table layout. */
+ * order; a decode sequence (one query row) runs one task per (partition,
+ * range of kv heads) -- whole kv entries stream from memory -- and a second
+ * pass merges the partials (split-K). Every query vector's arithmetic is the
+ * same whichever task, blocking or thread computes it, so the results do not
+ * depend on the thread count, on the task split or on the block table. */
 #include <math.h>
 #include <string.h>
 
@@ -35,23 +36,26 @@ typedef struct kv_src {
     const int32_t *table;       /* block table of the sequence, NULL when contiguous */
     int block_size;
     size_t row_bytes; /* bytes per kv entry (all kv heads) */
-    size_t head_off;  /* bytes from an entry's start to this kv head */
+    size_t head_off;  /* bytes from an entry's start to the first kv head of the task */
+    int seg;          /* elements per entry the task reads (its kv heads x head_dim) */
 } kv_src;
 
 /* Per-thread working memory of one task. */
 typedef struct work {
-    const float **kp, **vp; /* (TILE) f32 rows of the current tile */
-    float *kt, *vt;         /* (TILE, head_dim) widened rows for F16/BF16 caches */
-    float *sc;              /* (TILE) scores, then probabilities */
+    const float **kp, **vp; /* (TILE) f32 row segments of the current tile */
+    float *kt, *vt;         /* (TILE, seg) widened segments for F16/BF16 caches */
+    float *sc;              /* (nq, TILE + 8) scores, then probabilities */
     const float **q;        /* (nq) query vectors */
+    int *koff;              /* (nq) offset of the vector's kv head in a segment */
     int *lim;               /* (nq) visible entries per query vector */
     float *m, *l, *acc;     /* (nq), (nq), (nq, head_dim): partition state */
     float *M, *S, *O;       /* (nq), (nq), (nq, head_dim): merged state */
 } work;
 
-/* Point kp/vp at the f32 rows of entries [t0, t0 + n), widening them into
- * kt/vt when the cache is not f32. */
-static void gather(const kv_src *src, rk_dtype dt, int hd, int t0, int n, work *w) {
+/* Point kp/vp at the f32 segments of entries [t0, t0 + n), widening them
+ * into kt/vt when the cache is not f32, and prefetch the next n_next. */
+static void gather(const kv_src *src, rk_dtype dt, int t0, int n, int n_next, work *w) {
+    int seg = src->seg;
     size_t slot = (size_t)t0, blk_left = SIZE_MAX;
     int b = 0;
     if (src->table) {
@@ -71,11 +75,28 @@ static void gather(const kv_src *src, rk_dtype dt, int hd, int t0, int n, work *
             w->kp[i] = (const float *)(src->k + off);
             w->vp[i] = (const float *)(src->v + off);
         } else {
-            float *kd = w->kt + (size_t)i * hd, *vd = w->vt + (size_t)i * hd;
-            rk_cpu_to_f32(kd, src->k + off, dt, (size_t)hd);
-            rk_cpu_to_f32(vd, src->v + off, dt, (size_t)hd);
+            float *kd = w->kt + (size_t)i * seg, *vd = w->vt + (size_t)i * seg;
+            rk_cpu_to_f32(kd, src->k + off, dt, (size_t)seg);
+            rk_cpu_to_f32(vd, src->v + off, dt, (size_t)seg);
             w->kp[i] = kd;
             w->vp[i] = vd;
+        }
+        slot++;
+        blk_left--;
+    }
+    /* Prefetch the next n_next entries into L2: the hardware prefetcher does
+     * not follow segments that lie a whole kv entry apart. */
+    size_t seg_bytes = (size_t)seg * rk_dtype_size(dt);
+    for (int i = 0; i < n_next; i++) {
+        if (blk_left == 0) {
+            b++;
+            slot = (size_t)src->table[b] * src->block_size;
+            blk_left = (size_t)src->block_size;
+        }
+        size_t off = slot * src->row_bytes + src->head_off;
+        for (size_t l = 0; l < seg_bytes; l += 64) {
+            __builtin_prefetch(src->k + off + l, 0, 2); /* into L2 */
+            __builtin_prefetch(src->v + off + l, 0, 2);
         }
         slot++;
         blk_left--;
@@ -84,95 +105,141 @@ static void gather(const kv_src *src, rk_dtype dt, int hd, int t0, int n, work *
 
 /* ---------------------------------------------------------------- inner kernels */
 
-/* s[t] = scale * q·k[t] for t < n; every dot product has the same order
- * whether it is computed alone or four at a time. */
-static void qk_scores(const float *q, const float *const *kp, int n, int hd, float scale,
-                      float *s) {
-    int t = 0;
+/* Every score is one dot product with a fixed order: an 8-lane FMA chain over
+ * the head dims in steps of 8, the lanes summed as
+ * ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)), then the scalar tail, then * scale.
+ * The kernels compute eight dots at a time (two query vectors x four kv
+ * entries, or one x eight); a lane's arithmetic never depends on the others,
+ * so a score has the same bits in every blocking. */
 #ifdef __AVX2__
-    for (; t + 4 <= n; t += 4) {
-        const float *k0 = kp[t], *k1 = kp[t + 1], *k2 = kp[t + 2], *k3 = kp[t + 3];
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        __m256 b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps();
-        __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps();
-        __m256 d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps();
-        int j = 0;
-        for (; j + 16 <= hd; j += 16) {
-            __m256 q0 = _mm256_loadu_ps(q + j), q1 = _mm256_loadu_ps(q + j + 8);
-            a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k0 + j), a0);
-            a1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k0 + j + 8), a1);
-            b0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k1 + j), b0);
-            b1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k1 + j + 8), b1);
-            c0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k2 + j), c0);
-            c1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k2 + j + 8), c1);
-            d0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k3 + j), d0);
-            d1 = _mm256_fmadd_ps(q1, _mm256_loadu_ps(k3 + j + 8), d1);
-        }
-        if (j + 8 <= hd) {
-            __m256 q0 = _mm256_loadu_ps(q + j);
-            a0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k0 + j), a0);
-            b0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k1 + j), b0);
-            c0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k2 + j), c0);
-            d0 = _mm256_fmadd_ps(q0, _mm256_loadu_ps(k3 + j), d0);
-            j += 8;
-        }
-        float sa = rk_hsum256(_mm256_add_ps(a0, a1)), sb = rk_hsum256(_mm256_add_ps(b0, b1));
-        float sc = rk_hsum256(_mm256_add_ps(c0, c1)), sd = rk_hsum256(_mm256_add_ps(d0, d1));
-        for (; j < hd; j++) {
-            sa += q[j] * k0[j];
-            sb += q[j] * k1[j];
-            sc += q[j] * k2[j];
-            sd += q[j] * k3[j];
-        }
-        s[t] = sa * scale;
-        s[t + 1] = sb * scale;
-        s[t + 2] = sc * scale;
-        s[t + 3] = sd * scale;
-    }
-    for (; t < n; t++) {
-        const float *k0 = kp[t];
-        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        int j = 0;
-        for (; j + 16 <= hd; j += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k0 + j), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j + 8), _mm256_loadu_ps(k0 + j + 8), a1);
-        }
-        if (j + 8 <= hd) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + j), _mm256_loadu_ps(k0 + j), a0);
-            j += 8;
-        }
-        float sa = rk_hsum256(_mm256_add_ps(a0, a1));
-        for (; j < hd; j++) sa += q[j] * k0[j];
-        s[t] = sa * scale;
-    }
-#else
-    for (; t < n; t++) {
-        float sa = 0.0f;
-        for (int j = 0; j < hd; j++) sa += q[j] * kp[t][j];
-        s[t] = sa * scale;
-    }
+static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                             __m256 a6, __m256 a7) {
+    __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
+    __m256 t2 = _mm256_hadd_ps(a4, a5), t3 = _mm256_hadd_ps(a6, a7);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20),
+                         _mm256_permute2f128_ps(u0, u1, 0x31));
+}
 #endif
+
+/* Finish eight dots: add the scalar tail of dims [hd8, hd) and scale. */
+static inline void finish8(float *sum, const float *const *qs, const float *const *ks, int hd8,
+                           int hd, float scale, float *out) {
+    for (int j = 0; j < 8; j++) {
+        float a = sum[j];
+        for (int e = hd8; e < hd; e++) a += qs[j][e] * ks[j][e];
+        out[j] = a * scale;
+    }
 }
 
-/* acc(hd) += sum over t < n of p[t] * v[t], in t order for every element. */
-static void pv_accum(float *acc, const float *p, const float *const *vp, int n, int hd) {
+/* out[j] = scale * qs[j]·ks[j] for eight (query, key) pairs where the queries
+ * come as two vectors x four keys (q0 q0 q0 q0 q1 q1 q1 q1). */
+static void dot8_2x4(const float *q0, const float *q1, const float *const *k, int hd, float scale,
+                     float *out) {
+    int hd8 = hd & ~7;
+    float sum[8];
+#ifdef __AVX2__
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+           a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
+           b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    for (int e = 0; e < hd8; e += 8) {
+        __m256 x0 = _mm256_loadu_ps(q0 + e), x1 = _mm256_loadu_ps(q1 + e);
+        __m256 k0 = _mm256_loadu_ps(k[0] + e), k1 = _mm256_loadu_ps(k[1] + e);
+        __m256 k2 = _mm256_loadu_ps(k[2] + e), k3 = _mm256_loadu_ps(k[3] + e);
+        a0 = _mm256_fmadd_ps(x0, k0, a0);
+        a1 = _mm256_fmadd_ps(x0, k1, a1);
+        a2 = _mm256_fmadd_ps(x0, k2, a2);
+        a3 = _mm256_fmadd_ps(x0, k3, a3);
+        b0 = _mm256_fmadd_ps(x1, k0, b0);
+        b1 = _mm256_fmadd_ps(x1, k1, b1);
+        b2 = _mm256_fmadd_ps(x1, k2, b2);
+        b3 = _mm256_fmadd_ps(x1, k3, b3);
+    }
+    _mm256_storeu_ps(sum, reduce8(a0, a1, a2, a3, b0, b1, b2, b3));
+#else
+    for (int j = 0; j < 8; j++) {
+        const float *q = j < 4 ? q0 : q1, *kk = k[j & 3];
+        float lane[8] = {0};
+        for (int e = 0; e < hd8; e += 8)
+            for (int l = 0; l < 8; l++) lane[l] += q[e + l] * kk[e + l];
+        sum[j] = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
+                 ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    }
+#endif
+    const float *qs[8] = {q0, q0, q0, q0, q1, q1, q1, q1};
+    const float *ks[8] = {k[0], k[1], k[2], k[3], k[0], k[1], k[2], k[3]};
+    finish8(sum, qs, ks, hd8, hd, scale, out);
+}
+
+/* out[j] = scale * q·k[j] for eight keys. */
+static void dot8_1x8(const float *q, const float *const *k, int hd, float scale, float *out) {
+    int hd8 = hd & ~7;
+    float sum[8];
+#ifdef __AVX2__
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+           a3 = _mm256_setzero_ps(), a4 = _mm256_setzero_ps(), a5 = _mm256_setzero_ps(),
+           a6 = _mm256_setzero_ps(), a7 = _mm256_setzero_ps();
+    for (int e = 0; e < hd8; e += 8) {
+        __m256 x = _mm256_loadu_ps(q + e);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + e), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + e), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + e), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + e), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[4] + e), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[5] + e), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[6] + e), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[7] + e), a7);
+    }
+    _mm256_storeu_ps(sum, reduce8(a0, a1, a2, a3, a4, a5, a6, a7));
+#else
+    for (int j = 0; j < 8; j++) {
+        float lane[8] = {0};
+        for (int e = 0; e < hd8; e += 8)
+            for (int l = 0; l < 8; l++) lane[l] += q[e + l] * k[j][e + l];
+        sum[j] = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
+                 ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    }
+#endif
+    const float *qs[8] = {q, q, q, q, q, q, q, q};
+    finish8(sum, qs, k, hd8, hd, scale, out);
+}
+
+/* Scores of query vectors i0 (and i1 when >= 0, of the same kv head) against
+ * the n keys of the tile; rows of sc are TILE + 8 long. Keys past n are padded with the last
+ * one (their scores are computed and ignored). */
+static void qk_tile(work *w, int i0, int i1, int n, int hd, float scale) {
+    const float *kp[TILE + 8];
+    int off = w->koff[i0]; /* i1 shares the kv head */
+    for (int t = 0; t < n; t++) kp[t] = w->kp[t] + off;
+    for (int t = n; t < TILE + 8; t++) kp[t] = kp[n - 1];
+    float *s0 = w->sc + (size_t)i0 * (TILE + 8);
+    if (i1 >= 0) {
+        float *s1 = w->sc + (size_t)i1 * (TILE + 8), out[8];
+        for (int t = 0; t < n; t += 4) {
+            dot8_2x4(w->q[i0], w->q[i1], kp + t, hd, scale, out);
+            memcpy(s0 + t, out, 4 * sizeof(float));
+            memcpy(s1 + t, out + 4, 4 * sizeof(float));
+        }
+    } else {
+        for (int t = 0; t < n; t += 8) dot8_1x8(w->q[i0], kp + t, hd, scale, s0 + t);
+    }
+}
+
+/* acc(hd) += sum over t < n of p[t] * v[t]: for every element an FMA chain in
+ * t order (the same in pv_1 and pv_2). */
+static void pv_1(float *acc, const float *p, const float *const *vp, int n, int hd) {
     int d = 0;
 #ifdef __AVX2__
-    for (; d + 32 <= hd; d += 32) {
-        __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
-        __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
+    for (; d + 64 <= hd; d += 64) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_loadu_ps(acc + d + 8 * j);
         for (int t = 0; t < n; t++) {
             __m256 pb = _mm256_set1_ps(p[t]);
             const float *v = vp[t] + d;
-            a0 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(v), a0);
-            a1 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(v + 8), a1);
-            a2 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(v + 16), a2);
-            a3 = _mm256_fmadd_ps(pb, _mm256_loadu_ps(v + 24), a3);
+            for (int j = 0; j < 8; j++)
+                a[j] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(v + 8 * j), a[j]);
         }
-        _mm256_storeu_ps(acc + d, a0);
-        _mm256_storeu_ps(acc + d + 8, a1);
-        _mm256_storeu_ps(acc + d + 16, a2);
-        _mm256_storeu_ps(acc + d + 24, a3);
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(acc + d + 8 * j, a[j]);
     }
     for (; d + 8 <= hd; d += 8) {
         __m256 a0 = _mm256_loadu_ps(acc + d);
@@ -180,11 +247,93 @@ static void pv_accum(float *acc, const float *p, const float *const *vp, int n, 
             a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(vp[t] + d), a0);
         _mm256_storeu_ps(acc + d, a0);
     }
-#endif
+    for (; d < hd; d++) {
+        float a = acc[d];
+        for (int t = 0; t < n; t++) a = fmaf(p[t], vp[t][d], a);
+        acc[d] = a;
+    }
+#else
     for (; d < hd; d++) {
         float a = acc[d];
         for (int t = 0; t < n; t++) a += p[t] * vp[t][d];
         acc[d] = a;
+    }
+#endif
+}
+
+/* pv_1 for two query vectors over the same n entries, sharing the V loads. */
+static void pv_2(float *acc0, float *acc1, const float *p0, const float *p1, const float *const *vp,
+                 int n, int hd) {
+#ifdef __AVX2__
+    int d = 0;
+    for (; d + 32 <= hd; d += 32) {
+        __m256 a[4], b[4];
+        for (int j = 0; j < 4; j++) {
+            a[j] = _mm256_loadu_ps(acc0 + d + 8 * j);
+            b[j] = _mm256_loadu_ps(acc1 + d + 8 * j);
+        }
+        for (int t = 0; t < n; t++) {
+            __m256 pa = _mm256_set1_ps(p0[t]), pb = _mm256_set1_ps(p1[t]);
+            const float *v = vp[t] + d;
+            for (int j = 0; j < 4; j++) {
+                __m256 x = _mm256_loadu_ps(v + 8 * j);
+                a[j] = _mm256_fmadd_ps(pa, x, a[j]);
+                b[j] = _mm256_fmadd_ps(pb, x, b[j]);
+            }
+        }
+        for (int j = 0; j < 4; j++) {
+            _mm256_storeu_ps(acc0 + d + 8 * j, a[j]);
+            _mm256_storeu_ps(acc1 + d + 8 * j, b[j]);
+        }
+    }
+    if (d < hd) {
+        const float *vt[TILE];
+        for (int t = 0; t < n; t++) vt[t] = vp[t] + d;
+        pv_1(acc0 + d, p0, vt, n, hd - d);
+        pv_1(acc1 + d, p1, vt, n, hd - d);
+    }
+#else
+    pv_1(acc0, p0, vp, n, hd);
+    pv_1(acc1, p1, vp, n, hd);
+#endif
+}
+
+/* Visible entries of vector i in the tile [t0, t1) of the partition at p0. */
+static inline int tile_count(const work *w, int i, int p0, int t0, int t1) {
+    int e = w->lim[i] < p0 + PART ? w->lim[i] : p0 + PART;
+    if (e > t1) e = t1;
+    return e - t0;
+}
+
+/* Online-softmax update of vector i with its n scores in sc (turned into
+ * probabilities in place); returns the factor the accumulator must be scaled
+ * by. */
+static float softmax_update(work *w, int i, int n) {
+    float *sc = w->sc + (size_t)i * (TILE + 8);
+    float mt = sc[0];
+    for (int t = 1; t < n; t++) mt = sc[t] > mt ? sc[t] : mt;
+    float m_new = w->m[i] > mt ? w->m[i] : mt;
+    float alpha = expf(w->m[i] - m_new); /* 0 on the first tile */
+    for (int t = 0; t < n; t++) sc[t] -= m_new;
+    rk_cpu_exp(sc, sc, (size_t)n);
+    float ls = 0.0f;
+    for (int t = 0; t < n; t++) ls += sc[t];
+    w->l[i] = w->l[i] * alpha + ls;
+    w->m[i] = m_new;
+    return alpha;
+}
+
+/* pv for vector i (or i and j, same kv head and count) over n entries. */
+static void pv_vectors(work *w, int i, int j, int n, int hd) {
+    const float *vp[TILE];
+    int off = w->koff[i];
+    for (int t = 0; t < n; t++) vp[t] = w->vp[t] + off;
+    float *pi = w->sc + (size_t)i * (TILE + 8);
+    if (j < 0) {
+        pv_1(w->acc + (size_t)i * hd, pi, vp, n, hd);
+    } else {
+        pv_2(w->acc + (size_t)i * hd, w->acc + (size_t)j * hd, pi, w->sc + (size_t)j * (TILE + 8),
+             vp, n, hd);
     }
 }
 
@@ -203,29 +352,43 @@ static void attn_partition(const kv_src *src, rk_dtype dt, int hd, float scale, 
     memset(w->acc, 0, (size_t)nq * hd * sizeof(float));
     for (int t0 = p0; t0 < p_end; t0 += TILE) {
         int t1 = t0 + TILE < p_end ? t0 + TILE : p_end;
-        gather(src, dt, hd, t0, t1 - t0, w);
+        int n_next = p_end - t1 < TILE ? p_end - t1 : TILE;
+        gather(src, dt, t0, t1 - t0, n_next, w);
+        /* scores, two vectors at a time where both see the tile and share a kv head */
+        int pending = -1;
         for (int i = 0; i < nq; i++) {
-            int e = w->lim[i] < p0 + PART ? w->lim[i] : p0 + PART;
-            if (e > t1) e = t1;
-            int n = e - t0;
+            int n = tile_count(w, i, p0, t0, t1);
             if (n <= 0) continue;
-            float *sc = w->sc;
-            qk_scores(w->q[i], w->kp, n, hd, scale, sc);
-            float mt = sc[0];
-            for (int t = 1; t < n; t++) mt = sc[t] > mt ? sc[t] : mt;
-            float m_new = w->m[i] > mt ? w->m[i] : mt;
-            float alpha = expf(w->m[i] - m_new); /* 0 on the first tile */
-            for (int t = 0; t < n; t++) sc[t] -= m_new;
-            rk_cpu_exp(sc, sc, (size_t)n);
-            float ls = 0.0f;
-            for (int t = 0; t < n; t++) ls += sc[t];
-            w->l[i] = w->l[i] * alpha + ls;
-            w->m[i] = m_new;
+            if (pending >= 0 && w->koff[pending] == w->koff[i]) {
+                int np = tile_count(w, pending, p0, t0, t1);
+                qk_tile(w, pending, i, n > np ? n : np, hd, scale);
+                pending = -1;
+                continue;
+            }
+            if (pending >= 0)
+                qk_tile(w, pending, -1, tile_count(w, pending, p0, t0, t1), hd, scale);
+            pending = i;
+        }
+        if (pending >= 0) qk_tile(w, pending, -1, tile_count(w, pending, p0, t0, t1), hd, scale);
+        /* softmax and P·V, two vectors at a time where they also see the same entries */
+        pending = -1;
+        for (int i = 0; i < nq; i++) {
+            int n = tile_count(w, i, p0, t0, t1);
+            if (n <= 0) continue;
+            float alpha = softmax_update(w, i, n);
             float *acc = w->acc + (size_t)i * hd;
             if (alpha != 1.0f)
                 for (int d = 0; d < hd; d++) acc[d] *= alpha;
-            pv_accum(acc, sc, w->vp, n, hd);
+            if (pending >= 0 && w->koff[pending] == w->koff[i] &&
+                tile_count(w, pending, p0, t0, t1) == n) {
+                pv_vectors(w, pending, i, n, hd);
+                pending = -1;
+                continue;
+            }
+            if (pending >= 0) pv_vectors(w, pending, -1, tile_count(w, pending, p0, t0, t1), hd);
+            pending = i;
         }
+        if (pending >= 0) pv_vectors(w, pending, -1, tile_count(w, pending, p0, t0, t1), hd);
     }
 }
 
@@ -253,8 +416,9 @@ static void finish(float *out, float *lse, float M, float S, const float *O, int
 /* ---------------------------------------------------------------- driver */
 
 typedef struct attn_task {
-    int seq, j0, j1, h, part; /* part < 0: walk all partitions of rows j0..j1-1 */
-    size_t partial;           /* split tasks: offset (floats) of the partials */
+    int seq, j0, j1, h0, h1; /* query rows j0..j1-1, kv heads h0..h1-1 */
+    int part;                /* split tasks: the partition; -1: walk all partitions */
+    size_t partial;          /* split: offset (floats) of the sequence's partials */
 } attn_task;
 
 typedef struct attn_ctx {
@@ -271,17 +435,18 @@ typedef struct attn_ctx {
     int n_kv_heads, head_dim;
     rk_dtype dtype;
     const int32_t *q_start, *kv_len;
-    int n_heads, group, nq_max;
+    int n_heads, group, nq_max, heads_max;
     float scale;
     const attn_task *tasks;
     const attn_task *merges;
-    float *partials;
+    float *partials; /* per decode sequence: (n_kv_heads, n_parts, group, head_dim + 2) */
 } attn_ctx;
 
-static void make_src(const attn_ctx *c, int seq, int h, kv_src *src) {
+static void make_src(const attn_ctx *c, int seq, int h0, int h1, kv_src *src) {
     size_t es = rk_dtype_size(c->dtype);
     src->row_bytes = (size_t)c->n_kv_heads * c->head_dim * es;
-    src->head_off = (size_t)h * c->head_dim * es;
+    src->head_off = (size_t)h0 * c->head_dim * es;
+    src->seg = (h1 - h0) * c->head_dim;
     if (c->kv) {
         src->k = c->kv->k[c->layer];
         src->v = c->kv->v[c->layer];
@@ -295,24 +460,25 @@ static void make_src(const attn_ctx *c, int seq, int h, kv_src *src) {
     }
 }
 
-static size_t work_bytes(int nq, int hd) {
-    size_t f = 2 * (size_t)TILE * hd + TILE + 8 + 2 * (size_t)nq * hd + 4 * (size_t)nq;
-    return f * sizeof(float) + 2 * TILE * sizeof(float *) + (size_t)nq * sizeof(float *) +
-           (size_t)nq * sizeof(int) + 256;
+static size_t work_bytes(int nq, int seg, int hd) {
+    size_t f =
+        2 * (size_t)TILE * seg + (size_t)nq * (TILE + 8) + 2 * (size_t)nq * hd + 4 * (size_t)nq;
+    return f * sizeof(float) + (2 * TILE + (size_t)nq) * sizeof(float *) +
+           2 * (size_t)nq * sizeof(int) + 256;
 }
 
-static void work_init(work *w, void *mem, int nq, int hd) {
+static void work_init(work *w, void *mem, int nq, int seg, int hd) {
     const float **pp = mem;
     w->kp = pp;
     w->vp = pp + TILE;
     w->q = pp + 2 * TILE;
     float *f = (float *)(pp + 2 * TILE + nq);
     w->kt = f;
-    f += (size_t)TILE * hd;
+    f += (size_t)TILE * seg;
     w->vt = f;
-    f += (size_t)TILE * hd;
+    f += (size_t)TILE * seg;
     w->sc = f;
-    f += TILE + 8;
+    f += (size_t)nq * (TILE + 8);
     w->m = f;
     f += nq;
     w->l = f;
@@ -326,20 +492,24 @@ static void work_init(work *w, void *mem, int nq, int hd) {
     w->O = f;
     f += (size_t)nq * hd;
     w->lim = (int *)f;
+    w->koff = w->lim + nq;
 }
 
-/* Fill the query pointers and limits of rows j0..j1-1 of a sequence, kv head h. */
-static int setup_rows(const attn_ctx *c, int seq, int j0, int j1, int h, work *w) {
-    int n_q = c->q_start[seq + 1] - c->q_start[seq];
-    int L = c->kv_len[seq];
+/* Fill the query vectors of rows j0..j1-1 of a sequence and kv heads h0..h1-1
+ * (row-major, then head, then the head's group). Returns their number. */
+static int setup_vectors(const attn_ctx *c, const attn_task *t, work *w) {
+    int n_q = c->q_start[t->seq + 1] - c->q_start[t->seq];
+    int L = c->kv_len[t->seq];
     int nq = 0;
-    for (int j = j0; j < j1; j++) {
-        size_t row = (size_t)(c->q_start[seq] + j);
-        for (int g = 0; g < c->group; g++) {
-            w->q[nq] = c->q + (row * c->n_heads + (size_t)h * c->group + g) * c->head_dim;
-            w->lim[nq] = L - n_q + j + 1;
-            nq++;
-        }
+    for (int j = t->j0; j < t->j1; j++) {
+        size_t row = (size_t)(c->q_start[t->seq] + j);
+        for (int h = t->h0; h < t->h1; h++)
+            for (int g = 0; g < c->group; g++) {
+                w->q[nq] = c->q + (row * c->n_heads + (size_t)h * c->group + g) * c->head_dim;
+                w->koff[nq] = (h - t->h0) * c->head_dim;
+                w->lim[nq] = L - n_q + j + 1;
+                nq++;
+            }
     }
     return nq;
 }
@@ -347,20 +517,22 @@ static int setup_rows(const attn_ctx *c, int seq, int j0, int j1, int h, work *w
 static void task_run(void *p, int ti, int tid) {
     const attn_ctx *c = p;
     const attn_task *t = &c->tasks[ti];
-    int hd = c->head_dim;
+    int hd = c->head_dim, G = c->group;
     work w;
-    work_init(&w, rk_cpu_scratch(c->cpu, tid), c->nq_max, hd);
+    work_init(&w, rk_cpu_scratch(c->cpu, tid), c->nq_max, c->heads_max * hd, hd);
     kv_src src;
-    make_src(c, t->seq, t->h, &src);
-    int nq = setup_rows(c, t->seq, t->j0, t->j1, t->h, &w);
+    make_src(c, t->seq, t->h0, t->h1, &src);
+    int nq = setup_vectors(c, t, &w);
     if (t->part >= 0) { /* split-K: one partition, partials out */
         attn_partition(&src, c->dtype, hd, c->scale, nq, t->part * PART, &w);
-        float *dst = c->partials + t->partial;
+        int n_parts = (c->kv_len[t->seq] + PART - 1) / PART;
         for (int i = 0; i < nq; i++) {
+            int h = t->h0 + i / G, g = i % G;
+            float *dst = c->partials + t->partial +
+                         (((size_t)h * n_parts + t->part) * G + g) * (size_t)(hd + 2);
             dst[0] = w.m[i];
             dst[1] = w.l[i];
             memcpy(dst + 2, w.acc + (size_t)i * hd, (size_t)hd * sizeof(float));
-            dst += hd + 2;
         }
         return;
     }
@@ -373,9 +545,10 @@ static void task_run(void *p, int ti, int tid) {
                 merge_part(&w.M[i], &w.S[i], w.O + (size_t)i * hd, w.m[i], w.l[i],
                            w.acc + (size_t)i * hd, hd, p0 == 0);
     }
+    int per_row = (t->h1 - t->h0) * G;
     for (int i = 0; i < nq; i++) {
-        int j = t->j0 + i / c->group, g = i % c->group;
-        size_t qi = (size_t)(c->q_start[t->seq] + j) * c->n_heads + (size_t)t->h * c->group + g;
+        int j = t->j0 + i / per_row, h = t->h0 + (i % per_row) / G, g = i % G;
+        size_t qi = (size_t)(c->q_start[t->seq] + j) * c->n_heads + (size_t)h * G + g;
         finish(c->out + qi * hd, c->lse ? c->lse + qi : NULL, w.M[i], w.S[i], w.O + (size_t)i * hd,
                hd);
     }
@@ -387,52 +560,63 @@ static void merge_run(void *p, int ti, int tid) {
     const attn_task *t = &c->merges[ti];
     int hd = c->head_dim, G = c->group;
     work w;
-    work_init(&w, rk_cpu_scratch(c->cpu, tid), c->nq_max, hd);
+    work_init(&w, rk_cpu_scratch(c->cpu, tid), c->nq_max, c->heads_max * hd, hd);
     int n_parts = (c->kv_len[t->seq] + PART - 1) / PART;
+    const float *base = c->partials + t->partial + (size_t)t->h0 * n_parts * G * (hd + 2);
     for (int pi = 0; pi < n_parts; pi++) {
-        const float *src = c->partials + t->partial + (size_t)pi * G * (hd + 2);
         for (int g = 0; g < G; g++) {
-            const float *e = src + (size_t)g * (hd + 2);
+            const float *e = base + ((size_t)pi * G + g) * (hd + 2);
             merge_part(&w.M[g], &w.S[g], w.O + (size_t)g * hd, e[0], e[1], e + 2, hd, pi == 0);
         }
     }
     size_t row = (size_t)c->q_start[t->seq];
     for (int g = 0; g < G; g++) {
-        size_t qi = row * c->n_heads + (size_t)t->h * G + g;
+        size_t qi = row * c->n_heads + (size_t)t->h0 * G + g;
         finish(c->out + qi * hd, c->lse ? c->lse + qi : NULL, w.M[g], w.S[g], w.O + (size_t)g * hd,
                hd);
     }
 }
 
-/* Plan the tasks, run them, then run the merges of the split sequences. */
+/* Plan the tasks, run them, then run the merges of the split sequences. The
+ * plan may depend on the thread count (how finely decode heads are split);
+ * the results do not. */
 static rk_status attn_run(attn_ctx *c, int n_seqs) {
     rk_cpu *cpu = c->cpu;
-    int G = c->group, hd = c->head_dim;
+    int G = c->group, hd = c->head_dim, H = c->n_kv_heads;
     int rows_per = ROW_QVECS / G > 1 ? ROW_QVECS / G : 1;
-    c->nq_max = rows_per * G;
 
-    size_t n_tasks = 0, n_merges = 0, n_partials = 0;
+    size_t n_prefill = 0, n_parts_total = 0, n_decode = 0, n_partials = 0;
     for (int s = 0; s < n_seqs; s++) {
         int n_q = c->q_start[s + 1] - c->q_start[s];
         if (n_q == 0) continue;
         if (n_q == 1) {
             size_t parts = (size_t)(c->kv_len[s] + PART - 1) / PART;
-            n_tasks += parts * c->n_kv_heads;
-            n_merges += (size_t)c->n_kv_heads;
-            n_partials += parts * c->n_kv_heads * G * (size_t)(hd + 2);
+            n_parts_total += parts;
+            n_decode++;
+            n_partials += parts * H * G * (size_t)(hd + 2);
         } else {
-            n_tasks += (size_t)((n_q + rows_per - 1) / rows_per) * c->n_kv_heads;
+            n_prefill += (size_t)((n_q + rows_per - 1) / rows_per) * H;
         }
     }
+    /* decode: whole kv entries per task unless that leaves threads idle */
+    int n_groups = 1;
+    if (n_parts_total > 0) {
+        size_t want = 4 * (size_t)cpu->n_threads;
+        if (n_parts_total < want) n_groups = (int)((want + n_parts_total - 1) / n_parts_total);
+        if (n_groups > H) n_groups = H;
+    }
+    size_t n_tasks = n_prefill + n_parts_total * n_groups, n_merges = n_decode * H;
     if (n_tasks == 0) return RK_OK;
     if (n_tasks > INT32_MAX || n_merges > INT32_MAX)
         return rk_errorf(RK_ERR_LIMIT, "attention: batch too large (%zu tasks)", n_tasks);
+    c->heads_max = n_parts_total > 0 ? (H + n_groups - 1) / n_groups : 1;
+    c->nq_max = rows_per * G > c->heads_max * G ? rows_per * G : c->heads_max * G;
     size_t task_bytes = (n_tasks + n_merges) * sizeof(attn_task);
     task_bytes = (task_bytes + 63) / 64 * 64;
     void *mem;
     rk_status st = rk_cpu_reserve_shared(cpu, task_bytes + n_partials * sizeof(float), &mem);
     if (st != RK_OK) return st;
-    st = rk_cpu_reserve_scratch(cpu, work_bytes(c->nq_max, hd));
+    st = rk_cpu_reserve_scratch(cpu, work_bytes(c->nq_max, c->heads_max * hd, hd));
     if (st != RK_OK) return st;
     attn_task *tasks = mem, *merges = tasks + n_tasks;
     c->partials = (float *)((unsigned char *)mem + task_bytes);
@@ -443,25 +627,24 @@ static rk_status attn_run(attn_ctx *c, int n_seqs) {
         if (n_q == 0) continue;
         if (n_q == 1) {
             int parts = (c->kv_len[s] + PART - 1) / PART;
-            for (int h = 0; h < c->n_kv_heads; h++) {
-                merges[mi++] = (attn_task){s, 0, 1, h, 0, off};
-                for (int p = 0; p < parts; p++) {
-                    tasks[ti++] = (attn_task){s, 0, 1, h, p, off};
-                    off += (size_t)G * (hd + 2);
+            for (int p = 0; p < parts; p++)
+                for (int g = 0; g < n_groups; g++) {
+                    int h0 = g * H / n_groups, h1 = (g + 1) * H / n_groups;
+                    if (h1 > h0) tasks[ti++] = (attn_task){s, 0, 1, h0, h1, p, off};
                 }
-            }
+            for (int h = 0; h < H; h++) merges[mi++] = (attn_task){s, 0, 1, h, h + 1, 0, off};
+            off += (size_t)parts * H * G * (hd + 2);
         } else {
             for (int j0 = 0; j0 < n_q; j0 += rows_per) {
                 int j1 = j0 + rows_per < n_q ? j0 + rows_per : n_q;
-                for (int h = 0; h < c->n_kv_heads; h++)
-                    tasks[ti++] = (attn_task){s, j0, j1, h, -1, 0};
+                for (int h = 0; h < H; h++) tasks[ti++] = (attn_task){s, j0, j1, h, h + 1, -1, 0};
             }
         }
     }
     c->tasks = tasks;
     c->merges = merges;
-    rk_threadpool_run(cpu->pool, (int)n_tasks, task_run, c);
-    if (n_merges) rk_threadpool_run(cpu->pool, (int)n_merges, merge_run, c);
+    rk_threadpool_run(cpu->pool, (int)ti, task_run, c);
+    if (mi) rk_threadpool_run(cpu->pool, (int)mi, merge_run, c);
     return RK_OK;
 }
 

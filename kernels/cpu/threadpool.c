@@ -8,6 +8,7 @@
  * waits for the workers to report the job done. Which thread runs a task
  * never changes what the task computes, so results do not depend on it. */
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -17,7 +18,10 @@
 
 #include "kernels/cpu/cpu.h"
 
-#define SPIN_ITERS 20000 /* bounded spin before sleeping (a few tens of microseconds) */
+/* Bounded spin before sleeping: about 25 us of pause instructions, yielding
+ * the core now and then in case another runnable thread shares it. */
+#define SPIN_ITERS 1000
+#define SPIN_YIELD 100
 
 struct rk_threadpool {
     int n_threads; /* the caller included */
@@ -43,10 +47,11 @@ typedef struct worker_arg {
     int id;
 } worker_arg;
 
-static inline void cpu_relax(void) {
+static inline void cpu_relax(int i) {
 #ifdef __SSE2__
     _mm_pause();
 #endif
+    if (i % SPIN_YIELD == SPIN_YIELD - 1) sched_yield();
 }
 
 static void run_tasks(rk_threadpool *pool, int thread_id) {
@@ -65,7 +70,7 @@ static void *worker_main(void *p) {
     for (;;) {
         unsigned g = atomic_load_explicit(&pool->generation, memory_order_acquire);
         for (int i = 0; g == seen && i < SPIN_ITERS; i++) {
-            cpu_relax();
+            cpu_relax(i);
             g = atomic_load_explicit(&pool->generation, memory_order_acquire);
         }
         if (g == seen) {
@@ -182,7 +187,7 @@ void rk_threadpool_run(rk_threadpool *pool, int n_tasks, rk_task_fn fn, void *ct
 
     for (int i = 0; i < SPIN_ITERS; i++) {
         if (atomic_load_explicit(&pool->pending, memory_order_acquire) == 0) return;
-        cpu_relax();
+        cpu_relax(i);
     }
     pthread_mutex_lock(&pool->mu);
     while (atomic_load_explicit(&pool->pending, memory_order_acquire) != 0)

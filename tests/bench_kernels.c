@@ -1,0 +1,357 @@
+/* tests/bench_kernels.c — throughput of the CPU backend's hot ops, printed as
+ * a table (a program, not a test):
+ *   (a) GEMM: cblas_sgemm and our matmul (F32 and BF16 weights) at
+ *       (512 x 1024) . (1024 x 3072);
+ *   (b) memory bandwidth (memcpy, and a read loop over the pool) against the
+ *       decode matvec (n = 1) at k = 1024, m = 3072 and m = 151936;
+ *   (c) paged vs contiguous attention (16 heads, 8 KV heads, head_dim 128):
+ *       decode at 1k, 4k, 8k context, prefill of 512 queries at 4k;
+ *   (d) rope_shift_copy of 4096 tokens x 28 layers x (8 x 128) against a
+ *       plain memcpy of the same bytes.
+ * Usage: bench_kernels [--threads N] (default 2). */
+#include <cblas.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config/config.h"
+#include "kernels/cpu/cpu.h"
+#include "kernels/kernels.h"
+
+static uint64_t rng = 88172645463325252ull;
+
+static float frand(void) {
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (float)((rng >> 40) * (1.0 / 16777216.0)) * 2.0f - 1.0f;
+}
+
+static void *xmalloc(size_t n) {
+    void *p = aligned_alloc(64, (n + 63) / 64 * 64);
+    if (!p) {
+        fprintf(stderr, "bench_kernels: out of memory (%zu bytes)\n", n);
+        exit(1);
+    }
+    return p;
+}
+
+static float *rand_f32(size_t n) {
+    float *p = xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) p[i] = frand();
+    return p;
+}
+
+static void check(rk_status st, const char *what) {
+    if (st != RK_OK) {
+        fprintf(stderr, "bench_kernels: %s failed: %s (%s)\n", what, rk_status_str(st),
+                rk_error_message());
+        exit(1);
+    }
+}
+
+/* Best time of reps runs after one warm-up (seconds). */
+#define TIME_BEST(reps, out_best, body)                                                            \
+    do {                                                                                           \
+        body;                                                                                      \
+        double best_ = 1e30;                                                                       \
+        for (int r_ = 0; r_ < (reps); r_++) {                                                      \
+            double t0_ = rk_time_now();                                                            \
+            body;                                                                                  \
+            double dt_ = rk_time_now() - t0_;                                                      \
+            if (dt_ < best_) best_ = dt_;                                                          \
+        }                                                                                          \
+        (out_best) = best_;                                                                        \
+    } while (0)
+
+/* ---------------------------------------------------------------- (a) gemm */
+
+static void bench_gemm(rk_backend *be) {
+    int n = 512, k = 1024, m = 3072;
+    float *x = rand_f32((size_t)n * k), *w = rand_f32((size_t)m * k), *y = rand_f32((size_t)n * m);
+    uint16_t *wb = xmalloc((size_t)m * k * 2);
+    rk_cpu_from_f32(wb, w, RK_DTYPE_BF16, (size_t)m * k);
+    double flop = 2.0 * n * k * m, t;
+    printf("\n(a) GEMM y(512,3072) = x(512,1024) . w(3072,1024)^T\n");
+    printf("  %-34s %10s %10s\n", "", "ms", "GFLOP/s");
+    TIME_BEST(5, t,
+              cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, k, 1.0f, x, k, w, k, 0.0f,
+                          y, m));
+    printf("  %-34s %10.2f %10.1f\n", "cblas_sgemm", t * 1e3, flop / t * 1e-9);
+    TIME_BEST(5, t, check(be->ops->matmul(be, y, x, w, RK_DTYPE_F32, n, k, m), "matmul"));
+    printf("  %-34s %10.2f %10.1f\n", "matmul F32 weights", t * 1e3, flop / t * 1e-9);
+    TIME_BEST(5, t, check(be->ops->matmul(be, y, x, wb, RK_DTYPE_BF16, n, k, m), "matmul"));
+    printf("  %-34s %10.2f %10.1f\n", "matmul BF16 weights", t * 1e3, flop / t * 1e-9);
+    /* where the two paths cross over: small n at the decode shape */
+    printf("  small n at k=1024 m=3072 (path: mv = matvec kernel, blas = sgemm):\n");
+    printf("  %6s %6s %12s %12s %12s\n", "n", "path", "F32 ms", "BF16 ms", "sgemm ms");
+    for (int nn = 1; nn <= 16; nn *= 2) {
+        double tf, tb, ts;
+        TIME_BEST(10, tf, check(be->ops->matmul(be, y, x, w, RK_DTYPE_F32, nn, k, m), "matmul"));
+        TIME_BEST(10, tb, check(be->ops->matmul(be, y, x, wb, RK_DTYPE_BF16, nn, k, m), "matmul"));
+        TIME_BEST(10, ts,
+                  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nn, m, k, 1.0f, x, k, w, k,
+                              0.0f, y, m));
+        printf("  %6d %6s %12.3f %12.3f %12.3f\n", nn,
+               rk_cpu_matmul_uses_blas(nn, k, m, RK_DTYPE_F32) ? "blas" : "mv", tf * 1e3, tb * 1e3,
+               ts * 1e3);
+    }
+    free(x);
+    free(w);
+    free(y);
+    free(wb);
+}
+
+/* ---------------------------------------------------------------- (b) bandwidth */
+
+typedef struct read_ctx {
+    const float *p;
+    size_t n, per;
+    float sums[64 * 16];
+} read_ctx;
+
+static void read_task(void *ctx, int task, int tid) {
+    read_ctx *c = ctx;
+    size_t i0 = (size_t)task * c->per, i1 = i0 + c->per < c->n ? i0 + c->per : c->n;
+#ifdef __AVX2__
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
+           a3 = _mm256_setzero_ps();
+    for (size_t i = i0; i + 32 <= i1; i += 32) {
+        a0 = _mm256_add_ps(a0, _mm256_load_ps(c->p + i));
+        a1 = _mm256_add_ps(a1, _mm256_load_ps(c->p + i + 8));
+        a2 = _mm256_add_ps(a2, _mm256_load_ps(c->p + i + 16));
+        a3 = _mm256_add_ps(a3, _mm256_load_ps(c->p + i + 24));
+    }
+    c->sums[(tid % 64) * 16] +=
+        rk_hsum256(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+    float a[8] = {0};
+    for (size_t i = i0; i + 8 <= i1; i += 8)
+        for (int j = 0; j < 8; j++) a[j] += c->p[i + j];
+    for (int j = 0; j < 8; j++) c->sums[(tid % 64) * 16] += a[j];
+#endif
+}
+
+static double bench_bandwidth(rk_backend *be) {
+    size_t bytes = (size_t)1 << 30; /* 1 GiB: far beyond the caches */
+    float *a = xmalloc(bytes), *b = xmalloc(bytes);
+    memset(a, 1, bytes);
+    memset(b, 2, bytes);
+    double t;
+    printf("\n(b) memory bandwidth and decode matvec (n = 1)\n");
+    TIME_BEST(3, t, memcpy(b, a, bytes));
+    printf("  %-44s %8.1f GB/s (read + write %.1f)\n", "memcpy 1 GiB, 1 thread (bytes copied)",
+           bytes / t * 1e-9, 2 * bytes / t * 1e-9);
+    rk_cpu *cpu = be->impl;
+    read_ctx *rc = xmalloc(sizeof *rc);
+    memset(rc, 0, sizeof *rc);
+    rc->p = a;
+    rc->n = bytes / sizeof(float);
+    rc->per = (size_t)1 << 20;
+    int n_tasks = (int)((rc->n + rc->per - 1) / rc->per);
+    TIME_BEST(3, t, rk_threadpool_run(cpu->pool, n_tasks, read_task, rc));
+    double read_bw = bytes / t * 1e-9;
+    printf("  %-44s %8.1f GB/s\n", "read loop 1 GiB, pool threads", read_bw);
+    free(rc);
+    free(a);
+    free(b);
+
+    const int ms[2] = {3072, 151936};
+    int k = 1024;
+    printf("  %-28s %10s %10s %10s\n", "matvec", "weights", "ms", "GB/s");
+    for (int i = 0; i < 2; i++) {
+        int m = ms[i];
+        float *w = rand_f32((size_t)m * k), *x = rand_f32((size_t)k), *y = rand_f32((size_t)m);
+        uint16_t *wb = xmalloc((size_t)m * k * 2);
+        rk_cpu_from_f32(wb, w, RK_DTYPE_BF16, (size_t)m * k);
+        int reps = m > 10000 ? 5 : 50;
+        char name[64];
+        snprintf(name, sizeof name, "k=%d m=%d F32", k, m);
+        TIME_BEST(reps, t, check(be->ops->matmul(be, y, x, w, RK_DTYPE_F32, 1, k, m), "matmul"));
+        printf("  %-28s %8.1fMB %10.3f %10.1f\n", name, m * (double)k * 4 / 1e6, t * 1e3,
+               m * (double)k * 4 / t * 1e-9);
+        snprintf(name, sizeof name, "k=%d m=%d BF16", k, m);
+        TIME_BEST(reps, t, check(be->ops->matmul(be, y, x, wb, RK_DTYPE_BF16, 1, k, m), "matmul"));
+        printf("  %-28s %8.1fMB %10.3f %10.1f\n", name, m * (double)k * 2 / 1e6, t * 1e3,
+               m * (double)k * 2 / t * 1e-9);
+        free(w);
+        free(x);
+        free(y);
+        free(wb);
+    }
+    return read_bw;
+}
+
+/* ---------------------------------------------------------------- (c) attention */
+
+static void bench_attention(rk_backend *be) {
+    const int n_heads = 16, n_kv = 8, hd = 128, bs = 16;
+    const size_t row = (size_t)n_kv * hd;
+    printf("\n(c) attention, 16 heads / 8 KV heads, head_dim 128, F32 KV, block 16 (permuted)\n");
+    printf("  %-26s %12s %12s %8s %10s\n", "", "paged ms", "contig ms", "ratio", "KV GB/s");
+    struct {
+        int n_q, kv_len;
+    } cases[4] = {{1, 1024}, {1, 4096}, {1, 8192}, {512, 4096}};
+    for (int c = 0; c < 4; c++) {
+        int L = cases[c].kv_len, n_q = cases[c].n_q, nb = (L + bs - 1) / bs;
+        int n_blocks = nb * 2; /* spread over twice the needed blocks */
+        float *kc = rand_f32((size_t)L * row), *vc = rand_f32((size_t)L * row);
+        float *kp = xmalloc((size_t)n_blocks * bs * row * 4),
+              *vp = xmalloc((size_t)n_blocks * bs * row * 4);
+        int32_t *table = xmalloc((size_t)nb * 4), *perm = xmalloc((size_t)n_blocks * 4);
+        for (int i = 0; i < n_blocks; i++) perm[i] = i;
+        for (int i = n_blocks - 1; i > 0; i--) {
+            (void)frand();
+            int j = (int)((rng >> 33) % (uint64_t)(i + 1));
+            int tmp = perm[i];
+            perm[i] = perm[j];
+            perm[j] = tmp;
+        }
+        for (int b = 0; b < nb; b++) table[b] = perm[b];
+        for (int t = 0; t < L; t++) {
+            size_t slot = (size_t)table[t / bs] * bs + t % bs;
+            memcpy(kp + slot * row, kc + (size_t)t * row, row * 4);
+            memcpy(vp + slot * row, vc + (size_t)t * row, row * 4);
+        }
+        void *kl[1] = {kp}, *vl[1] = {vp};
+        rk_kv_cache kv = {1, n_blocks, bs, n_kv, hd, RK_DTYPE_F32, kl, vl};
+        float *q = rand_f32((size_t)n_q * n_heads * hd),
+              *out = rand_f32((size_t)n_q * n_heads * hd);
+        int32_t qs[2] = {0, n_q}, len = L;
+        rk_attn_batch batch = {1, qs, &len, table, nb};
+        const void *ck[1] = {kc}, *cv[1] = {vc};
+        float scale = 1.0f / sqrtf((float)hd);
+        int reps = n_q > 1 ? 3 : 30;
+        double tp = 1e30, tc = 1e30, t;
+        for (int round = 0; round < 3; round++) { /* interleave to share any drift */
+            TIME_BEST(reps, t,
+                      check(be->ops->attention(be, out, NULL, q, &kv, 0, &batch, n_heads, scale),
+                            "attention"));
+            tp = t < tp ? t : tp;
+            TIME_BEST(reps, t,
+                      check(rk_cpu_attention_contig(be, out, NULL, q, ck, cv, RK_DTYPE_F32, n_kv,
+                                                    hd, qs, &len, 1, n_heads, scale),
+                            "attention_contig"));
+            tc = t < tc ? t : tc;
+        }
+        char name[64];
+        snprintf(name, sizeof name, "%s %d q @ %d", n_q > 1 ? "prefill" : "decode", n_q, L);
+        double kv_bytes = 2.0 * L * row * 4;
+        printf("  %-26s %12.3f %12.3f %8.3f %10.1f\n", name, tp * 1e3, tc * 1e3, tp / tc,
+               kv_bytes / tp * 1e-9);
+        free(kc);
+        free(vc);
+        free(kp);
+        free(vp);
+        free(table);
+        free(perm);
+        free(q);
+        free(out);
+    }
+}
+
+/* ---------------------------------------------------------------- (d) rope shift */
+
+typedef struct copy_ctx {
+    unsigned char **dst, **src;
+    size_t bytes;
+} copy_ctx;
+
+static void copy_task(void *ctx, int task, int tid) {
+    (void)tid;
+    copy_ctx *c = ctx;
+    memcpy(c->dst[task], c->src[task], c->bytes);
+}
+
+static void bench_shift(rk_backend *be) {
+    const int n_tok = 4096, n_layers = 28, n_kv = 8, hd = 128, bs = 16;
+    const size_t row_bytes = (size_t)n_kv * hd * 4;
+    int n_blocks = 2 * n_tok / bs;
+    size_t layer_bytes = (size_t)n_blocks * bs * row_bytes;
+    void **kl = xmalloc(n_layers * sizeof(void *)), **vl = xmalloc(n_layers * sizeof(void *));
+    for (int l = 0; l < n_layers; l++) {
+        kl[l] = xmalloc(layer_bytes);
+        vl[l] = xmalloc(layer_bytes);
+        float *k = kl[l], *v = vl[l];
+        for (size_t i = 0; i < layer_bytes / 4; i++) k[i] = v[i] = (float)(i % 977) * 1e-3f;
+    }
+    rk_kv_cache kv = {n_layers, n_blocks, bs, n_kv, hd, RK_DTYPE_F32, kl, vl};
+    int32_t *src = xmalloc(n_tok * 4), *dst = xmalloc(n_tok * 4), *delta = xmalloc(n_tok * 4);
+    for (int i = 0; i < n_tok; i++) {
+        src[i] = i;
+        dst[i] = n_tok + i;
+        delta[i] = 1000 + i;
+    }
+    rk_rope_params rp = {.n_rot = 128, .theta = 1000000.0f, .pairing = RK_ROPE_NEOX};
+    rk_rope rope;
+    check(rk_rope_init(&rope, &rp), "rope_init");
+    double bytes = 2.0 * n_tok * n_layers * row_bytes; /* K + V read (and as much written) */
+    double t;
+    printf("\n(d) rope_shift_copy, 4096 tokens x 28 layers x (8 x 128), F32, K + V = %.0f MB\n",
+           bytes / 1e6);
+    TIME_BEST(
+        3, t,
+        check(be->ops->rope_shift_copy(be, &kv, src, dst, delta, n_tok, &rope), "rope_shift_copy"));
+    double t_shift = t;
+    /* the same bytes as one memcpy per layer and tensor (contiguous runs) */
+    size_t run = (size_t)n_tok * row_bytes;
+    TIME_BEST(
+        3, t, for (int l = 0; l < n_layers; l++) {
+            memcpy((unsigned char *)kl[l] + run, kl[l], run);
+            memcpy((unsigned char *)vl[l] + run, vl[l], run);
+        });
+    double t_copy1 = t;
+    unsigned char **ds = xmalloc(2 * n_layers * sizeof(void *)),
+                  **ss = xmalloc(2 * n_layers * sizeof(void *));
+    for (int l = 0; l < n_layers; l++) {
+        ss[2 * l] = kl[l];
+        ds[2 * l] = (unsigned char *)kl[l] + run;
+        ss[2 * l + 1] = vl[l];
+        ds[2 * l + 1] = (unsigned char *)vl[l] + run;
+    }
+    copy_ctx cc = {ds, ss, run};
+    rk_cpu *cpu = be->impl;
+    TIME_BEST(3, t, rk_threadpool_run(cpu->pool, 2 * n_layers, copy_task, &cc));
+    double t_copyn = t;
+    printf("  %-36s %10s %10s %10s\n", "", "ms", "GB/s", "vs copy");
+    printf("  %-36s %10.1f %10.2f %10s\n", "memcpy, 1 thread", t_copy1 * 1e3,
+           bytes / t_copy1 * 1e-9, "");
+    printf("  %-36s %10.1f %10.2f %10s\n", "memcpy, pool threads", t_copyn * 1e3,
+           bytes / t_copyn * 1e-9, "");
+    printf("  %-36s %10.1f %10.2f %9.0f%% / %.0f%%\n", "rope_shift_copy", t_shift * 1e3,
+           bytes / t_shift * 1e-9, 100.0 * t_copy1 / t_shift, 100.0 * t_copyn / t_shift);
+    printf("  (GB/s counts bytes copied; the last column is vs 1-thread / pool memcpy)\n");
+    for (int l = 0; l < n_layers; l++) {
+        free(kl[l]);
+        free(vl[l]);
+    }
+    free(kl);
+    free(vl);
+    free(src);
+    free(dst);
+    free(delta);
+    free(ds);
+    free(ss);
+}
+
+int main(int argc, char **argv) {
+    int n_threads = 2;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
+            n_threads = atoi(argv[++i]);
+        } else {
+            fprintf(stderr, "usage: %s [--threads N]\n", argv[0]);
+            return 2;
+        }
+    }
+    rk_backend *be = NULL;
+    check(rk_backend_create("cpu", n_threads, &be), "backend_create");
+    printf("bench_kernels: CPU backend, %d threads\n", be->n_threads);
+    bench_gemm(be);
+    bench_bandwidth(be);
+    bench_attention(be);
+    bench_shift(be);
+    rk_backend_free(be);
+    return 0;
+}
