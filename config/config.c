@@ -87,6 +87,11 @@ void rk_config_defaults(rk_config *cfg) {
     cfg->share_prefix = 0.1f;
     cfg->share_chunk = 0.5f;
     cfg->prefix_cache = 1;
+    cfg->chunk_entries = 100000;
+    cfg->max_chunks = 64;
+    cfg->max_chunk_tokens = 4096;
+    cfg->max_context = 0;
+    cfg->max_tokens = 4096;
     cfg->kv_poison = 0;
 }
 
@@ -111,6 +116,11 @@ rk_status rk_config_validate(const rk_config *cfg) {
                          "config: pool shares must be >= 0 (live > 0) and add up to at most 1, "
                          "got live=%g prefix=%g chunk=%g",
                          shares[0], shares[1], shares[2]);
+    if (cfg->chunk_entries < 1 || cfg->max_chunks < 0 || cfg->max_chunk_tokens < 1 ||
+        cfg->max_context < 0 || cfg->max_tokens < 1)
+        return rk_errorf(RK_ERR_INVALID,
+                         "config: chunk_entries, max_chunk_tokens and max_tokens must be >= 1, "
+                         "max_chunks and max_context >= 0");
     if (cfg->live_blocks < 0 || cfg->prefix_blocks < 0 || cfg->chunk_blocks < 0)
         return rk_errorf(RK_ERR_INVALID,
                          "config: pool block counts must be >= 0, got live=%d prefix=%d chunk=%d",

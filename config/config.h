@@ -92,6 +92,13 @@ typedef struct rk_config {
     int chunk_blocks;
     int kv_poison;    /* fill freed blocks with NaN (debugging aid) */
     int prefix_cache; /* cache system prompts in the radix tree; default 1 */
+
+    /* chunk cache and request limits */
+    int chunk_entries;    /* most chunks the index holds; default 100000 */
+    int max_chunks;       /* chunks per request; default 64 */
+    int max_chunk_tokens; /* tokens per chunk; default 4096 */
+    int max_context;      /* tokens per request (prompt + generated); 0 = the model's context */
+    int max_tokens;       /* generated tokens per request; default 4096 */
 } rk_config;
 
 /* Fill cfg with the defaults (which work on a laptop). */

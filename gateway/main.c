@@ -13,6 +13,8 @@
 #include "engine/gguf.h"
 #include "engine/mkmodel.h"
 #include "gateway/gateway.h"
+#include "gateway/pipeline.h"
+#include "gateway/report.h"
 
 #define EXIT_USAGE 2
 
@@ -120,49 +122,120 @@ static rk_status open_service(common_opts *o, rk_service **out) {
 typedef struct print_ctx {
     const rk_tokenizer *tok;
     int32_t prev;
-    int stream; /* print pieces as they come */
 } print_ctx;
 
-static void print_token(void *ctx, int seq, int32_t token) {
+/* Stream each piece as it is generated (the first piece after BOS loses its
+ * leading space, as llama2.c prints). */
+static void print_token(void *ctx, int req, int32_t token) {
     print_ctx *p = ctx;
-    (void)seq;
-    if (p->stream) {
-        char *text;
-        size_t len;
-        int skip = p->prev == rk_tokenizer_bos(p->tok);
-        if (rk_tokenizer_decode(p->tok, &token, 1, 0, skip, &text, &len) == RK_OK) {
-            fwrite(text, 1, len, stdout);
-            fflush(stdout);
-            free(text);
-        }
+    (void)req;
+    char *text;
+    size_t len;
+    int skip = p->prev == rk_tokenizer_bos(p->tok);
+    if (rk_tokenizer_decode(p->tok, &token, 1, 0, skip, &text, &len) == RK_OK) {
+        fwrite(text, 1, len, stdout);
+        fflush(stdout);
+        free(text);
     }
     p->prev = token;
 }
 
+/* Parse an on/off style choice; returns the index of arg in names or -1. */
+static int choice(const char *arg, const char *a, const char *b) {
+    return !strcmp(arg, a) ? 0 : !strcmp(arg, b) ? 1 : -1;
+}
+
+/* Run one prompt through the pipeline and print it. Returns an exit status. */
+static int generate_one(rk_service *svc, const char *prompt, const char *sep,
+                        const rk_req_options *opt, int json, int index) {
+    rk_split pieces;
+    if (rk_split_prompt(prompt, strlen(prompt), sep, svc->cfg.max_chunks, &pieces))
+        return fail("bad prompt");
+    rk_request r = {.opt = *opt};
+    rk_status st = rk_request_prepare(svc, &pieces, &r);
+    rk_split_free(&pieces);
+    if (st) return fail("bad prompt");
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    print_ctx pc = {.tok = tok,
+                    .prev = r.n_question ? r.question[r.n_question - 1] : r.sys[r.n_sys - 1]};
+    rk_pipeline_hooks hooks = {.ctx = &pc, .on_token = json ? NULL : print_token};
+    rk_request *one = &r;
+    if (rk_pipeline_run(svc, &one, 1, &hooks)) {
+        if (!json) fputc('\n', stdout);
+        rk_request_free(&r);
+        return fail("generation failed");
+    }
+    if (json) {
+        char id[32];
+        snprintf(id, sizeof id, "cmpl-%d", index);
+        const char *name = rk_model_hparams(svc->model)->name;
+        json_t *root = rk_report_completion(tok, &r, id, (long)time(NULL), name);
+        char *s = root ? json_dumps(root, JSON_COMPACT) : NULL;
+        json_decref(root);
+        if (!s) {
+            rk_request_free(&r);
+            rk_error_setf("out of memory");
+            return fail("generate");
+        }
+        puts(s);
+        free(s);
+    }
+    rk_request_free(&r);
+    return 0;
+}
+
 static int cmd_generate(int argc, char **argv) {
     static const char *help =
-        "usage: ragkv generate [--model F.gguf] --prompt TEXT [options]\n"
-        "Generate text in-process (no HTTP).\n"
+        "usage: ragkv generate [--model F.gguf] (--prompt TEXT | --prompts FILE) [options]\n"
+        "Answer prompts in-process (no HTTP). A prompt may be `system##chunk##...##question`:\n"
+        "each chunk's KV is computed once and reused wherever it appears again.\n"
         "  --prompt TEXT         the prompt (BOS is added when the model asks for it)\n"
+        "  --prompts FILE        one prompt per line, run in order in one process\n"
+        "  --repeat N            run the prompt(s) N times (default: 1), sharing the caches\n"
         "  -n, --max-tokens N    tokens to generate (default: 128)\n"
         "  --temp T              sampling temperature, 0 = greedy (default: 1.0)\n"
         "  --top-k K             keep the K most likely tokens (default: 0 = off)\n"
         "  --top-p P             nucleus sampling threshold (default: 1.0 = off)\n"
-        "  --seed S              sampling seed (default: random, printed with --json)\n"
+        "  --seed S              sampling seed (default: random)\n"
         "  --ignore-eos          keep generating after an end-of-generation token\n"
-        "  --special             recognise special tokens written in the prompt\n"
-        "  --json                print one JSON object with ids, text and timings\n";
+        "  --separator S         piece separator (default: ##; \\#\\# is a literal ##)\n"
+        "  --chunk-cache on|off  off = the oracle: chunks computed fresh at their position\n"
+        "  --mode rag|plain      plain = the pieces as one ordinary sequence, no caches\n"
+        "  --chunk-context isolated|system   what a chunk's KV is computed after\n"
+        "  --position-mode sequential|parallel   where chunks go in the sequence\n"
+        "  --no-prefix-cache     do not reuse the system prompt through the radix cache\n"
+        "  --logprobs N          top-N log-probabilities per token (0-20, with --json)\n"
+        "  --json                one completion object per request, as POST /v1/completions\n";
     common_opts o = {0};
     rk_config_defaults(&o.cfg);
-    const char *prompt = NULL;
-    long max_new = 128;
-    float temp = 1.0f, top_p = 1.0f;
-    long top_k = 0;
-    unsigned long long seed = (unsigned long long)time(NULL) ^ ((unsigned long long)getpid() << 32);
-    int json = 0, ignore_eos = 0, special = 0;
-    enum { O_PROMPT = 1, O_TEMP, O_TOPK, O_TOPP, O_SEED, O_JSON, O_IGNORE_EOS, O_SPECIAL };
+    rk_req_options opt;
+    rk_req_options_default(&opt);
+    opt.sampling.seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
+    const char *prompt = NULL, *prompts_file = NULL, *sep = "##";
+    long repeat = 1, v;
+    int json = 0, prefix_flag = -1, c, r;
+    enum {
+        O_PROMPT = 1,
+        O_PROMPTS,
+        O_REPEAT,
+        O_TEMP,
+        O_TOPK,
+        O_TOPP,
+        O_SEED,
+        O_JSON,
+        O_IGNORE_EOS,
+        O_SEP,
+        O_CC,
+        O_MODE,
+        O_CTX,
+        O_POS,
+        O_LOGPROBS,
+        O_NOPREFIX
+    };
     struct option longs[] = {COMMON_LONG_OPTS,
                              {"prompt", required_argument, 0, O_PROMPT},
+                             {"prompts", required_argument, 0, O_PROMPTS},
+                             {"repeat", required_argument, 0, O_REPEAT},
                              {"max-tokens", required_argument, 0, 'n'},
                              {"temp", required_argument, 0, O_TEMP},
                              {"top-k", required_argument, 0, O_TOPK},
@@ -170,129 +243,148 @@ static int cmd_generate(int argc, char **argv) {
                              {"seed", required_argument, 0, O_SEED},
                              {"json", no_argument, 0, O_JSON},
                              {"ignore-eos", no_argument, 0, O_IGNORE_EOS},
-                             {"special", no_argument, 0, O_SPECIAL},
+                             {"separator", required_argument, 0, O_SEP},
+                             {"chunk-cache", required_argument, 0, O_CC},
+                             {"mode", required_argument, 0, O_MODE},
+                             {"chunk-context", required_argument, 0, O_CTX},
+                             {"position-mode", required_argument, 0, O_POS},
+                             {"logprobs", required_argument, 0, O_LOGPROBS},
+                             {"no-prefix-cache", no_argument, 0, O_NOPREFIX},
                              {0, 0, 0, 0}};
-    int c;
     optind = 1;
     while ((c = getopt_long(argc, argv, "n:h", longs, NULL)) != -1) {
-        int r = common_opt("generate", c, &o);
-        if (r < 0) return EXIT_USAGE;
+        if ((r = common_opt("generate", c, &o)) < 0) return EXIT_USAGE;
         if (r > 0) continue;
-        long v;
         switch (c) {
         case 'h': fputs(help, stdout), fputs(COMMON_HELP, stdout); return 0;
         case O_PROMPT: prompt = optarg; break;
+        case O_PROMPTS: prompts_file = optarg; break;
+        case O_REPEAT:
+            if (parse_long(optarg, 1, 1000000, &repeat))
+                return usage_error("generate", "bad --repeat '%s'", optarg);
+            break;
         case 'n':
-            if (parse_long(optarg, 0, 1 << 20, &max_new))
+            if (parse_long(optarg, 0, 1 << 20, &v))
                 return usage_error("generate", "bad -n '%s'", optarg);
+            opt.max_tokens = (int)v;
             break;
         case O_TEMP:
-            if (parse_float(optarg, 0, 100, &temp))
+            if (parse_float(optarg, 0, 100, &opt.sampling.temperature))
                 return usage_error("generate", "bad --temp '%s'", optarg);
             break;
         case O_TOPK:
-            if (parse_long(optarg, 0, 1 << 24, &top_k))
+            if (parse_long(optarg, 0, 1 << 24, &v))
                 return usage_error("generate", "bad --top-k '%s'", optarg);
+            opt.sampling.top_k = (int)v;
             break;
         case O_TOPP:
-            if (parse_float(optarg, 1e-6f, 1, &top_p))
+            if (parse_float(optarg, 1e-6f, 1, &opt.sampling.top_p))
                 return usage_error("generate", "bad --top-p '%s'", optarg);
             break;
         case O_SEED:
             if (parse_long(optarg, 0, 0x7fffffffffffffffL, &v))
                 return usage_error("generate", "bad --seed '%s'", optarg);
-            seed = (unsigned long long)v;
+            opt.sampling.seed = (uint64_t)v;
             break;
         case O_JSON: json = 1; break;
-        case O_IGNORE_EOS: ignore_eos = 1; break;
-        case O_SPECIAL: special = 1; break;
+        case O_IGNORE_EOS: opt.stop_at_eog = 0; break;
+        case O_SEP:
+            if (rk_separator_check(optarg))
+                return usage_error("generate", "bad --separator '%s'", optarg);
+            sep = optarg;
+            break;
+        case O_CC:
+            if ((r = choice(optarg, "off", "on")) < 0)
+                return usage_error("generate", "--chunk-cache is on or off, not '%s'", optarg);
+            opt.chunk_cache = r;
+            break;
+        case O_MODE:
+            if ((r = choice(optarg, "rag", "plain")) < 0)
+                return usage_error("generate", "--mode is rag or plain, not '%s'", optarg);
+            opt.mode_plain = r;
+            break;
+        case O_CTX:
+            if ((r = choice(optarg, "isolated", "system")) < 0)
+                return usage_error("generate", "--chunk-context is isolated or system, not '%s'",
+                                   optarg);
+            opt.context_system = r;
+            break;
+        case O_POS:
+            if ((r = choice(optarg, "sequential", "parallel")) < 0)
+                return usage_error("generate",
+                                   "--position-mode is sequential or parallel, not '%s'", optarg);
+            opt.positions = r ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
+            break;
+        case O_LOGPROBS:
+            if (parse_long(optarg, 0, 20, &v))
+                return usage_error("generate", "bad --logprobs '%s' (0 to 20)", optarg);
+            opt.n_logprobs = (int)v;
+            break;
+        case O_NOPREFIX: prefix_flag = 0; break;
         default: return usage_error("generate", "%s", "unknown option");
         }
     }
     if (optind < argc) return usage_error("generate", "unexpected argument '%s'", argv[optind]);
-    if (!prompt) return usage_error("generate", "%s", "--prompt is required");
+    if (!prompt == !prompts_file)
+        return usage_error("generate", "%s", "give exactly one of --prompt and --prompts");
+    /* Plain mode is the no-cache reference unless asked otherwise. */
+    opt.prefix_cache = prefix_flag >= 0 ? prefix_flag : !opt.mode_plain;
 
-    rk_service *svc;
-    if (open_service(&o, &svc)) return fail("cannot start");
-    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
-    int32_t *ids = NULL, *prompt_ids = NULL, *out = NULL;
-    size_t n_ids = 0;
-    int rc = EXIT_FAILURE;
-    if (rk_tokenizer_encode(tok, prompt, strlen(prompt), special, &ids, &n_ids)) {
-        fail("cannot tokenize the prompt");
-        goto done;
-    }
-    int add_bos = rk_tokenizer_add_bos(tok) && rk_tokenizer_bos(tok) >= 0;
-    size_t n_prompt = n_ids + (size_t)add_bos;
-    prompt_ids = malloc((n_prompt ? n_prompt : 1) * sizeof *prompt_ids);
-    out = malloc((size_t)(max_new ? max_new : 1) * sizeof *out);
-    if (!prompt_ids || !out) {
-        rk_error_setf("out of memory");
-        fail("generate");
-        goto done;
-    }
-    if (add_bos) prompt_ids[0] = rk_tokenizer_bos(tok);
-    if (n_ids) memcpy(prompt_ids + add_bos, ids, n_ids * sizeof *ids);
-    if (n_prompt == 0) {
-        rk_error_setf("the prompt is empty and the model has no BOS token");
-        fail("generate");
-        goto done;
-    }
-    rk_gen_seq seq = {
-        .prompt = prompt_ids,
-        .n_prompt = (int)n_prompt,
-        .max_new = (int)max_new,
-        .sampling = {.temperature = temp, .top_k = (int)top_k, .top_p = top_p, .seed = seed},
-        .stop_at_eog = !ignore_eos,
-        .out_tokens = out};
-    print_ctx pc = {.tok = tok, .prev = prompt_ids[n_prompt - 1], .stream = !json};
-    rk_gen_hooks hooks = {.ctx = &pc, .on_token = print_token};
-    rk_gen_stats stats;
-    if (rk_generate(svc, &seq, 1, &hooks, &stats)) {
-        if (!json) fputc('\n', stdout);
-        fail("generation failed");
-        goto done;
-    }
-    if (json) {
-        char *raw = NULL, *text = NULL;
-        size_t raw_len = 0, len = 0;
-        int skip = prompt_ids[n_prompt - 1] == rk_tokenizer_bos(tok);
-        if (rk_tokenizer_decode(tok, out, (size_t)seq.n_out, 0, skip, &raw, &raw_len) == RK_OK)
-            text = rk_utf8_sanitize(raw, raw_len, &len);
-        free(raw);
-        json_t *ids_j = json_array(), *prompt_j = json_array();
-        for (int i = 0; i < seq.n_out; i++) json_array_append_new(ids_j, json_integer(out[i]));
-        for (size_t i = 0; i < n_prompt; i++)
-            json_array_append_new(prompt_j, json_integer(prompt_ids[i]));
-        double dec_tps = stats.decode_s > 0 ? stats.decode_tokens / stats.decode_s : 0;
-        json_t *root = json_pack(
-            "{s:s, s:s, s:o, s:o, s:s%, s:s, s:I, s:{s:f, s:f, s:f, s:f, s:f, s:i, s:i}}", "model",
-            rk_model_hparams(svc->model)->name, "fingerprint", rk_model_fingerprint(svc->model),
-            "prompt_tokens", prompt_j, "tokens", ids_j, "text", text ? text : "", len,
-            "finish_reason", seq.finish_reason, "seed", (json_int_t)seed, "timings", "ttft_ms",
-            seq.ttft_s * 1e3, "prefill_ms", stats.prefill_s * 1e3, "decode_ms",
-            stats.decode_s * 1e3, "prompt_tokens_per_s",
-            stats.prefill_s > 0 ? stats.prompt_tokens / stats.prefill_s : 0.0,
-            "decode_tokens_per_s", dec_tps, "prompt_n", stats.prompt_tokens, "decode_n",
-            stats.decode_tokens);
-        free(text);
-        if (!root) {
-            rk_error_setf("out of memory");
-            fail("generate");
-            goto done;
+    /* The prompts: one, or one per line of the file. */
+    char *file_text = NULL, **lines = NULL;
+    size_t n_lines = 0;
+    if (prompts_file) {
+        FILE *f = fopen(prompts_file, "rb");
+        if (!f) {
+            rk_error_setf("%s: %s", prompts_file, strerror(errno));
+            return fail("cannot read the prompts");
         }
-        char *s = json_dumps(root, JSON_COMPACT | JSON_ENSURE_ASCII);
-        puts(s);
-        free(s);
-        json_decref(root);
-    } else if (isatty(STDOUT_FILENO)) {
-        fputc('\n', stdout);
+        size_t cap = 0, len = 0;
+        char buf[65536];
+        size_t k;
+        while ((k = fread(buf, 1, sizeof buf, f)) > 0) {
+            if (len + k + 1 > cap) {
+                cap = (len + k + 1) * 2;
+                char *nt = realloc(file_text, cap);
+                if (!nt) break;
+                file_text = nt;
+            }
+            memcpy(file_text + len, buf, k);
+            len += k;
+        }
+        fclose(f);
+        if (!file_text) file_text = calloc(1, 1);
+        if (!file_text) return fail("out of memory");
+        file_text[len] = '\0';
+        for (char *p = file_text; *p;) {
+            char *nl = strchr(p, '\n');
+            if (nl) *nl = '\0';
+            if (*p) {
+                char **nlines = realloc(lines, (n_lines + 1) * sizeof *lines);
+                if (!nlines) break;
+                lines = nlines;
+                lines[n_lines++] = p;
+            }
+            if (!nl) break;
+            p = nl + 1;
+        }
     }
-    rc = 0;
-done:
-    free(ids);
-    free(prompt_ids);
-    free(out);
+    rk_service *svc;
+    if (open_service(&o, &svc)) {
+        free(file_text);
+        free(lines);
+        return fail("cannot start");
+    }
+    int rc = 0, index = 0;
+    size_t n_prompts = prompts_file ? n_lines : 1;
+    for (long rep = 0; rep < repeat && rc == 0; rep++)
+        for (size_t i = 0; i < n_prompts && rc == 0; i++) {
+            rc = generate_one(svc, prompts_file ? lines[i] : prompt, sep, &opt, json, index++);
+            if (!json && rc == 0 && (n_prompts > 1 || repeat > 1 || isatty(STDOUT_FILENO)))
+                fputc('\n', stdout);
+        }
+    free(file_text);
+    free(lines);
     rk_service_close(svc);
     return rc;
 }

@@ -66,6 +66,7 @@ rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_servi
     }
     if (!st) st = open_arena(svc);
     if (!st) st = open_prefix_cache(svc);
+    if (!st) st = rk_chunk_index_create(svc->arena, cfg->chunk_entries, &svc->chunks);
     if (st) {
         rk_service_close(svc);
         return st;
@@ -76,6 +77,7 @@ rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_servi
 
 void rk_service_close(rk_service *svc) {
     if (!svc) return;
+    rk_chunk_index_free(svc->chunks);
     rk_radix_free(svc->prefix); /* gives its pages back to the arena first */
     rk_arena_free(svc->arena);
     rk_model_free(svc->model);

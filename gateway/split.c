@@ -94,7 +94,7 @@ rk_status rk_split_prompt(const char *prompt, size_t len, const char *sep, int m
     }
     /* n >= 1. One piece: the question; two: system + question; more: chunks between. */
     size_t q = n - 1;
-    if (end[q] == start[q]) {
+    if (n > 1 && end[q] == start[q]) {
         st = rk_errorf(RK_ERR_INVALID, "the question (the text after the last separator) is empty");
         goto fail;
     }

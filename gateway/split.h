@@ -5,10 +5,11 @@
  * Piece 0 is the system prompt, the last piece the question, everything
  * between is a chunk. A separator written with a backslash before each of its
  * characters (`\#\#` for `##`) is a literal separator inside a piece. Rules:
- *   - no separator: a plain prompt, all of it the question (no system, no chunks);
+ *   - no separator: a plain prompt, all of it the question (no system, no chunks;
+ *     it may be empty: generation then starts from BOS alone);
  *   - one separator: system + question, no chunks;
  *   - empty chunks are skipped and counted in n_empty_chunks;
- *   - an empty question is an error (RK_ERR_INVALID);
+ *   - with a separator, an empty question is an error (RK_ERR_INVALID);
  *   - more than max_chunks non-empty chunks is RK_ERR_LIMIT. */
 #ifndef RK_SPLIT_H
 #define RK_SPLIT_H

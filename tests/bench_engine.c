@@ -16,7 +16,9 @@
 #include <unistd.h>
 
 #include "engine/mkmodel.h"
-#include "gateway/gateway.h"
+#include <math.h>
+
+#include "gateway/pipeline.h"
 
 static double sgemm_gflops(int n, int k, int m) {
     float *a = malloc((size_t)n * k * 4), *b = malloc((size_t)m * k * 4),
@@ -128,7 +130,7 @@ int main(int argc, char **argv) {
         return 1;
     }
     const rk_hparams *hp = rk_model_hparams(svc->model);
-    int32_t *prompt = malloc((size_t)n_prompt * 4), *out = malloc((size_t)(n_decode + 1) * 4);
+    int32_t *prompt = malloc((size_t)n_prompt * 4);
     uint64_t x = 12345;
     for (int i = 0; i < n_prompt; i++) {
         x = x * 6364136223846793005ull + 1442695040888963407ull;
@@ -137,29 +139,32 @@ int main(int argc, char **argv) {
     /* Prefill: best of 3 (one forward pass over the whole prompt, one logit row). */
     double best_prefill = 1e9;
     for (int r = 0; r < 3; r++) {
-        rk_gen_seq s = {.prompt = prompt,
-                        .n_prompt = n_prompt,
-                        .max_new = 1,
-                        .out_tokens = out,
-                        .sampling = {.temperature = 0, .top_p = 1}};
-        rk_gen_stats st;
-        if (rk_generate(svc, &s, 1, NULL, &st)) {
+        rk_request req = {0};
+        rk_req_options_default(&req.opt);
+        req.opt.max_tokens = 1;
+        req.opt.sampling.temperature = 0;
+        if (rk_request_prepare_tokens(svc, NULL, 0, prompt, n_prompt, &req) ||
+            rk_pipeline_run(svc, (rk_request *[]){&req}, 1, NULL)) {
             fprintf(stderr, "bench_engine: %s\n", rk_error_message());
             return 1;
         }
-        best_prefill = st.prefill_s < best_prefill ? st.prefill_s : best_prefill;
+        best_prefill = fmin(best_prefill, req.t.prefill_ms / 1e3);
+        rk_request_free(&req);
     }
     /* Decode: n_decode tokens after a 16-token prompt. */
-    rk_gen_seq s = {.prompt = prompt,
-                    .n_prompt = 16,
-                    .max_new = n_decode + 1,
-                    .out_tokens = out,
-                    .sampling = {.temperature = 0, .top_p = 1}};
-    rk_gen_stats dst;
-    if (rk_generate(svc, &s, 1, NULL, &dst)) {
+    rk_request dreq = {0};
+    rk_req_options_default(&dreq.opt);
+    dreq.opt.max_tokens = n_decode + 1;
+    dreq.opt.sampling.temperature = 0;
+    dreq.opt.stop_at_eog = 0;
+    if (rk_request_prepare_tokens(svc, NULL, 0, prompt, 16, &dreq) ||
+        rk_pipeline_run(svc, (rk_request *[]){&dreq}, 1, NULL)) {
         fprintf(stderr, "bench_engine: %s\n", rk_error_message());
         return 1;
     }
+    double decode_s = dreq.t.decode_ms / 1e3;
+    int decode_tokens = dreq.n_out - 1;
+    rk_request_free(&dreq);
     double q = (double)hp->n_heads * hp->head_dim, kvd = (double)hp->n_kv_heads * hp->head_dim;
     double layer_params =
         (double)hp->dim * (q + 2 * kvd) + q * hp->dim + 3.0 * hp->dim * hp->ffn_dim;
@@ -169,7 +174,7 @@ int main(int argc, char **argv) {
     double gemm = sgemm_gflops(n_prompt, hp->dim, hp->ffn_dim);
     double bw = read_bandwidth(threads);
     double wbytes = (double)rk_model_weight_bytes(svc->model);
-    double dec_tps = dst.decode_tokens / dst.decode_s;
+    double dec_tps = decode_tokens / decode_s;
     double bound_tps = bw * 1e9 / wbytes;
     double prefill_gflops = prefill_flops / best_prefill / 1e9;
     printf("model %s (%s, %d layers, dim %d, weights %s, %.0f MB read per token), %d threads\n",
@@ -184,7 +189,6 @@ int main(int argc, char **argv) {
     printf("%-44s %10.1f GB/s   -> bound %.2f tok/s, decode at %.0f%% of it\n",
            "memory read bandwidth", bw, bound_tps, 100 * dec_tps / bound_tps);
     free(prompt);
-    free(out);
     rk_service_close(svc);
     if (*tmp) remove(tmp);
     return 0;

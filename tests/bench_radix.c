@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gateway/gateway.h"
+#include "gateway/pipeline.h"
 
 static void no_release(void *ctx, const int32_t *pages, int n) { (void)ctx, (void)pages, (void)n; }
 
@@ -70,24 +70,24 @@ int main(int argc, char **argv) {
         return 1;
     }
     enum { SYS = 1000, Q = 24 };
-    int32_t prompt[SYS + Q], out[1];
+    int32_t prompt[SYS + Q];
     for (int i = 0; i < SYS + Q; i++) prompt[i] = 3 + (i * 37) % 400;
     double ttft[3];
     int cached[3];
     for (int run = 0; run < 3; run++) {
         prompt[SYS] = 10 + run; /* a different question each time */
-        rk_gen_seq s = {.prompt = prompt,
-                        .n_prompt = SYS + Q,
-                        .max_new = 1,
-                        .out_tokens = out,
-                        .n_system = SYS,
-                        .sampling = {.temperature = 0, .top_p = 1}};
-        if (rk_generate(svc, &s, 1, NULL, NULL)) {
+        rk_request r = {0};
+        rk_req_options_default(&r.opt);
+        r.opt.max_tokens = 1;
+        r.opt.sampling.temperature = 0;
+        if (rk_request_prepare_tokens(svc, prompt, SYS, prompt + SYS, Q, &r) ||
+            rk_pipeline_run(svc, (rk_request *[]){&r}, 1, NULL)) {
             fprintf(stderr, "bench_radix: %s\n", rk_error_message());
             return 1;
         }
-        ttft[run] = s.ttft_s;
-        cached[run] = s.n_cached;
+        ttft[run] = r.t.ttft_ms / 1e3;
+        cached[run] = r.sys_cached;
+        rk_request_free(&r);
     }
     printf("%s, 1000-token system prompt + 24-token question, %d threads:\n",
            rk_model_hparams(svc->model)->name, threads);

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "engine/mkmodel.h"
-#include "gateway/gateway.h"
+#include "gateway/pipeline.h"
 #include "tests/testutil.h"
 
 static rk_service *open_model(const char *path, int n_threads) {
@@ -25,13 +25,7 @@ static rk_service *open_model(const char *path, int n_threads) {
 
 /* Greedy tokens after a prompt of ids. */
 static int greedy(rk_service *svc, const int32_t *prompt, int n_prompt, int n, int32_t *out) {
-    rk_gen_seq s = {.prompt = prompt,
-                    .n_prompt = n_prompt,
-                    .max_new = n,
-                    .out_tokens = out,
-                    .sampling = {.temperature = 0, .top_p = 1}};
-    cr_assert_eq(rk_generate(svc, &s, 1, NULL, NULL), RK_OK, "%s", rk_error_message());
-    return s.n_out;
+    return rk_test_greedy(svc, prompt, n_prompt, 0, n, out);
 }
 
 /* ---------------------------------------------------------------- stories260K
@@ -85,8 +79,8 @@ Test(engine, a_batch_of_four_prompts_gives_the_tokens_of_each_alone) {
     const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
     const char *texts[4] = {"Once upon a time", "Lily and Tom went to the park to play with a",
                             "The dog", "One day, a little bird saw a big red ball in the garden"};
-    int32_t prompts[4][64], alone[4][40], together[4][40];
-    rk_gen_seq seqs[4];
+    int32_t prompts[4][64], alone[4][40];
+    rk_request *reqs[4];
     for (int i = 0; i < 4; i++) {
         int32_t *ids;
         size_t n;
@@ -97,17 +91,14 @@ Test(engine, a_batch_of_four_prompts_gives_the_tokens_of_each_alone) {
         int max_new =
             25 + 5 * i; /* different lengths: sequences leave the batch at different steps */
         cr_assert_eq(greedy(svc, prompts[i], (int)n + 1, max_new, alone[i]), max_new);
-        seqs[i] = (rk_gen_seq){.prompt = prompts[i],
-                               .n_prompt = (int)n + 1,
-                               .max_new = max_new,
-                               .out_tokens = together[i],
-                               .sampling = {.temperature = 0, .top_p = 1}};
+        reqs[i] = rk_test_request(svc, prompts[i], (int)n + 1, 0, max_new);
     }
-    cr_assert_eq(rk_generate(svc, seqs, 4, NULL, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_run(svc, reqs, 4, NULL), RK_OK, "%s", rk_error_message());
     for (int i = 0; i < 4; i++) {
-        cr_assert_eq(seqs[i].n_out, 25 + 5 * i);
-        for (int j = 0; j < seqs[i].n_out; j++)
-            cr_assert_eq(together[i][j], alone[i][j], "prompt %d token %d", i, j);
+        cr_assert_eq(reqs[i]->n_out, 25 + 5 * i);
+        for (int j = 0; j < reqs[i]->n_out; j++)
+            cr_assert_eq(reqs[i]->out_tokens[j], alone[i][j], "prompt %d token %d", i, j);
+        rk_test_request_free(reqs[i]);
     }
     rk_service_close(svc);
 }
@@ -116,20 +107,20 @@ Test(engine, seeded_sampling_is_reproducible) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_service *svc = open_model(model, 1);
-    int32_t bos = 1, a[50], b[50], c[50];
-    rk_gen_seq s = {.prompt = &bos,
-                    .n_prompt = 1,
-                    .max_new = 50,
-                    .out_tokens = a,
-                    .sampling = {.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = 7}};
-    cr_assert_eq(rk_generate(svc, &s, 1, NULL, NULL), RK_OK);
-    s.out_tokens = b;
-    cr_assert_eq(rk_generate(svc, &s, 1, NULL, NULL), RK_OK);
-    cr_assert_eq(memcmp(a, b, sizeof a), 0);
-    s.out_tokens = c;
-    s.sampling.seed = 8;
-    cr_assert_eq(rk_generate(svc, &s, 1, NULL, NULL), RK_OK);
-    cr_assert_neq(memcmp(a, c, sizeof a), 0, "a different seed should change 50 sampled tokens");
+    int32_t bos = 1, out[3][50];
+    uint64_t seeds[3] = {7, 7, 8};
+    for (int i = 0; i < 3; i++) {
+        rk_request *r = rk_test_request(svc, &bos, 1, 0, 50);
+        r->opt.sampling =
+            (rk_sampler_params){.temperature = 0.9f, .top_k = 40, .top_p = 0.95f, .seed = seeds[i]};
+        cr_assert_eq(rk_pipeline_run(svc, &r, 1, NULL), RK_OK);
+        cr_assert_eq(r->n_out, 50);
+        memcpy(out[i], r->out_tokens, sizeof out[i]);
+        rk_test_request_free(r);
+    }
+    cr_assert_eq(memcmp(out[0], out[1], sizeof out[0]), 0);
+    cr_assert_neq(memcmp(out[0], out[2], sizeof out[0]), 0,
+                  "a different seed should change 50 sampled tokens");
     rk_service_close(svc);
 }
 
@@ -228,7 +219,8 @@ Test(engine, embedded_model_generates_without_a_file) {
     char cmd[512], *out;
     snprintf(cmd, sizeof cmd, "%s generate --prompt 'Hello' -n 8 --temp 0 --json", RK_BIN);
     cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
-    cr_assert(strstr(out, "\"tokens\":[") != NULL, "%s", out);
+    cr_assert(strstr(out, "\"object\":\"text_completion\"") != NULL, "%s", out);
+    cr_assert(strstr(out, "\"completion_ids\":[") != NULL, "%s", out);
     cr_assert(strstr(out, "\"decode_tokens_per_s\"") != NULL, "%s", out);
     free(out);
 }

@@ -7,7 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gateway/gateway.h"
+#include "gateway/pipeline.h"
 #include "tests/testutil.h"
 
 #define MAX_STEPS 24
@@ -62,16 +62,13 @@ static int build_prompt(rk_service *svc, const char *sys, const char *question, 
 
 static void generate(rk_service *svc, const int32_t *prompt, int n, int n_system, int32_t *out,
                      logit_log *log, int *n_cached) {
-    rk_gen_seq s = {.prompt = prompt,
-                    .n_prompt = n,
-                    .max_new = 16,
-                    .out_tokens = out,
-                    .n_system = n_system,
-                    .sampling = {.temperature = 0, .top_p = 1}};
-    rk_gen_hooks h = {.ctx = log, .on_logits = keep_logits};
-    cr_assert_eq(rk_generate(svc, &s, 1, &h, NULL), RK_OK, "%s", rk_error_message());
-    cr_assert_eq(s.n_out, 16);
-    *n_cached = s.n_cached;
+    rk_request *r = rk_test_request(svc, prompt, n, n_system, 16);
+    rk_pipeline_hooks h = {.ctx = log, .on_logits = keep_logits};
+    cr_assert_eq(rk_pipeline_run(svc, &r, 1, &h), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(r->n_out, 16);
+    memcpy(out, r->out_tokens, 16 * sizeof *out);
+    *n_cached = r->sys_cached;
+    rk_test_request_free(r);
 }
 
 static void check_cached_equals_uncached(const char *model, const char *sys, const char *question) {
@@ -160,19 +157,13 @@ Test(prefix, concurrent_sequences_with_one_system_prompt_share_and_release) {
     static int32_t p[4][512];
     int n[4], n_sys[4];
     const char *qs[4] = {" One day", " The dog ran", " Tom said", " Mom smiled"};
-    int32_t out[4][16];
-    rk_gen_seq seqs[4];
+    rk_request *reqs[4];
     for (int i = 0; i < 4; i++) {
         n[i] = build_prompt(svc, SYS_EN, qs[i], p[i], &n_sys[i]);
-        seqs[i] = (rk_gen_seq){.prompt = p[i],
-                               .n_prompt = n[i],
-                               .max_new = 8,
-                               .out_tokens = out[i],
-                               .n_system = n_sys[i],
-                               .sampling = {.temperature = 0, .top_p = 1}};
+        reqs[i] = rk_test_request(svc, p[i], n[i], n_sys[i], 8);
     }
     /* All four miss together; each inserts; the duplicates stay private and are released. */
-    cr_assert_eq(rk_generate(svc, seqs, 4, NULL, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_run(svc, reqs, 4, NULL), RK_OK, "%s", rk_error_message());
     rk_radix_stats st;
     rk_radix_get_stats(svc->prefix, &st);
     int bs = rk_arena_block_size(svc->arena);
@@ -180,8 +171,11 @@ Test(prefix, concurrent_sequences_with_one_system_prompt_share_and_release) {
     cr_assert_eq(rk_arena_pool_total(svc->arena, RK_POOL_PREFIX) -
                      rk_arena_pool_free(svc->arena, RK_POOL_PREFIX),
                  n_sys[0] / bs);
-    cr_assert_eq(rk_generate(svc, seqs, 4, NULL, NULL), RK_OK);
-    for (int i = 0; i < 4; i++) cr_assert_eq(seqs[i].n_cached, n_sys[0] / bs * bs);
+    cr_assert_eq(rk_pipeline_run(svc, reqs, 4, NULL), RK_OK);
+    for (int i = 0; i < 4; i++) {
+        cr_assert_eq(reqs[i]->sys_cached, n_sys[0] / bs * bs);
+        rk_test_request_free(reqs[i]);
+    }
     cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
                  rk_arena_pool_total(svc->arena, RK_POOL_LIVE));
     rk_service_close(svc);

@@ -31,6 +31,13 @@ Test(split, no_separator_is_a_plain_prompt) {
     rk_split_free(&s);
 }
 
+Test(split, an_empty_plain_prompt_is_an_empty_question) {
+    rk_split s = split("", NULL, 64, RK_OK);
+    cr_assert_eq(s.question.len, 0);
+    cr_assert_eq(s.n_chunks, 0);
+    rk_split_free(&s);
+}
+
 Test(split, one_separator_is_system_and_question) {
     rk_split s = split("Sys##Q", NULL, 64, RK_OK);
     cr_assert_str_eq(s.system.s, "Sys");
@@ -49,7 +56,6 @@ Test(split, empty_chunks_are_skipped_and_counted) {
 
 Test(split, empty_question_is_an_error) {
     split("S##A##", NULL, 64, RK_ERR_INVALID);
-    split("", NULL, 64, RK_ERR_INVALID);
     split("##", NULL, 64, RK_ERR_INVALID);
     split("####", NULL, 64, RK_ERR_INVALID);
 }

@@ -4,6 +4,7 @@
 #include <criterion/criterion.h>
 
 #include "engine/mkmodel.h"
+#include "gateway/pipeline.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -110,4 +111,32 @@ char *rk_test_model(const char *preset, const char *wtype, unsigned seed) {
     cr_assert_eq(rk_mkmodel_write(tmp, &o), RK_OK, "mkmodel %s: %s", preset, rk_error_message());
     cr_assert_eq(rename(tmp, path), 0);
     return rk_test_strdup(path);
+}
+
+rk_request *rk_test_request(rk_service *svc, const int *prompt, int n_prompt, int n_sys,
+                            int max_new) {
+    rk_request *r = calloc(1, sizeof *r);
+    cr_assert_not_null(r);
+    rk_req_options_default(&r->opt);
+    r->opt.max_tokens = max_new;
+    r->opt.sampling.temperature = 0;
+    r->opt.stop_at_eog = 0;
+    cr_assert_eq(rk_request_prepare_tokens(svc, prompt, n_sys, prompt + n_sys, n_prompt - n_sys, r),
+                 RK_OK, "%s", rk_error_message());
+    return r;
+}
+
+void rk_test_request_free(rk_request *r) {
+    rk_request_free(r);
+    free(r);
+}
+
+int rk_test_greedy(rk_service *svc, const int *prompt, int n_prompt, int n_sys, int max_new,
+                   int *out) {
+    rk_request *r = rk_test_request(svc, prompt, n_prompt, n_sys, max_new);
+    cr_assert_eq(rk_pipeline_run(svc, &r, 1, NULL), RK_OK, "%s", rk_error_message());
+    int n = r->n_out;
+    memcpy(out, r->out_tokens, (size_t)n * sizeof *out);
+    rk_test_request_free(r);
+    return n;
 }

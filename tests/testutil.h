@@ -47,6 +47,20 @@ char *rk_test_tmpdir(const char *tag);
  * vocabulary the preset needs is absent. */
 char *rk_test_model(const char *preset, const char *wtype, unsigned seed);
 
+struct rk_service;
+struct rk_request;
+/* A prepared token-level request (greedy unless temperature > 0): the first
+ * n_sys tokens of prompt are its system prompt, the rest its question.
+ * Asserts on failure. Free with rk_test_request_free. */
+struct rk_request *rk_test_request(struct rk_service *svc, const int *prompt, int n_prompt,
+                                   int n_sys, int max_new);
+void rk_test_request_free(struct rk_request *r);
+
+/* Run a token-level request greedily and copy its tokens to out (max_new
+ * of room); returns the number generated. */
+int rk_test_greedy(struct rk_service *svc, const int *prompt, int n_prompt, int n_sys, int max_new,
+                   int *out);
+
 /* Run a shell command, capture stdout (malloc'ed, NUL-terminated) into *out
  * (may be NULL), return the exit status (or -1 if it could not run). */
 int rk_test_run(const char *cmd, char **out);

@@ -1,0 +1,121 @@
+/* chunkcache/chunk_index.h — the position-independent chunk cache.
+ *
+ * Each document chunk's KV is computed once, at base positions (0 for the
+ * `isolated` context, the system length for `system`), into blocks of the
+ * arena's chunk pool, and kept under a content key: XXH3-128 over the model
+ * fingerprint, the chunk policy (context, KV dtype, RoPE parameters, the
+ * system prompt's hash for the `system` context) and the token ids. An entry
+ * stores its token ids and a hit verifies them. In-flight requests hold
+ * references; only unreferenced entries are evicted (LRU by a logical clock).
+ * Single flight: a key being computed is PENDING, and later lookups of it
+ * share the one computation instead of starting another. Cached entries are
+ * never modified: requests copy (and rotate) their KV into live blocks. */
+#ifndef RK_CHUNK_INDEX_H
+#define RK_CHUNK_INDEX_H
+
+#include <stdint.h>
+
+#include "chunkcache/arena.h"
+#include "config/config.h"
+
+typedef struct rk_chunk_key {
+    uint64_t hi, lo;
+} rk_chunk_key;
+
+/* 32 lowercase hex digits + NUL. */
+void rk_chunk_key_hex(rk_chunk_key k, char out[33]);
+/* Parse 32 hex digits; RK_ERR_INVALID otherwise. */
+rk_status rk_chunk_key_parse(const char *hex, rk_chunk_key *out);
+
+/* Everything besides the tokens that changes a chunk's KV. */
+typedef struct rk_chunk_policy {
+    const char *fingerprint; /* model fingerprint (32 hex) */
+    int context_system;      /* 0 = isolated, 1 = computed after the system prompt */
+    rk_chunk_key system_key; /* hash of the system tokens; used when context_system */
+    rk_dtype kv_dtype;
+    float rope_theta, rope_factor;
+    int rope_n_rot, rope_pairing, rope_scaling;
+} rk_chunk_policy;
+
+rk_chunk_key rk_chunk_key_compute(const rk_chunk_policy *p, const int32_t *tokens, int n_tokens);
+/* Hash of a token sequence alone (the system prompt's identity). */
+rk_chunk_key rk_tokens_hash(const int32_t *tokens, int n_tokens);
+
+typedef enum rk_chunk_state {
+    RK_CHUNK_PENDING = 0, /* reserved, KV being computed */
+    RK_CHUNK_READY = 1,
+} rk_chunk_state;
+
+typedef struct rk_chunk_entry {
+    rk_chunk_key key;
+    int32_t *tokens; /* (n_tokens) */
+    int n_tokens;
+    int32_t *blocks; /* (n_blocks) chunk-pool blocks holding its KV at base positions */
+    int n_blocks;
+    int base_pos;
+    rk_chunk_state state;
+    int refs;          /* references held by requests */
+    uint64_t last_use; /* logical clock */
+    uint64_t hits;
+    double created;  /* unix time */
+    char source[12]; /* where its KV came from: "computed" or "disk" */
+    /* private: hash chain and LRU links */
+    struct rk_chunk_entry *next_in_bucket, *lru_prev, *lru_next;
+} rk_chunk_entry;
+
+typedef struct rk_chunk_stats {
+    uint64_t lookups, hits, misses; /* a lookup of a PENDING key counts as a miss */
+    uint64_t computes;              /* entries reserved for computing */
+    uint64_t hit_tokens, computed_tokens;
+    uint64_t evictions, evicted_tokens;
+    uint64_t entries, tokens, blocks; /* current */
+} rk_chunk_stats;
+
+typedef struct rk_chunk_index rk_chunk_index; /* opaque */
+
+rk_status rk_chunk_index_create(rk_arena *arena, int max_entries, rk_chunk_index **out);
+/* Free every entry (referenced ones too: the caller has stopped) and its blocks. */
+void rk_chunk_index_free(rk_chunk_index *ix);
+
+typedef enum rk_chunk_lookup {
+    RK_CHUNK_HIT = 0,    /* ready: use it */
+    RK_CHUNK_MISS = 1,   /* reserved for this caller: compute it, then rk_chunk_index_ready */
+    RK_CHUNK_SHARED = 2, /* pending for another caller: use it once that one is ready */
+} rk_chunk_lookup;
+
+/* Find key, or reserve a PENDING entry with blocks for n_tokens tokens
+ * (evicting unreferenced LRU entries when the chunk pool needs room). Either
+ * way the caller holds one reference. RK_ERR_EXHAUSTED when the pool cannot
+ * hold the chunk even after eviction; RK_ERR_LIMIT when max_entries entries are
+ * all referenced; RK_ERR_INTERNAL on a key collision (tokens differ). */
+rk_status rk_chunk_index_acquire(rk_chunk_index *ix, rk_chunk_key key, const int32_t *tokens,
+                                 int n_tokens, int base_pos, rk_chunk_entry **out_entry,
+                                 rk_chunk_lookup *out_kind);
+
+/* The reserved entry's KV is written: mark it READY. */
+void rk_chunk_index_ready(rk_chunk_index *ix, rk_chunk_entry *e);
+
+/* Drop the caller's reference. A PENDING entry whose computation failed is
+ * released with failed = 1: it is removed once unreferenced. */
+void rk_chunk_index_release(rk_chunk_index *ix, rk_chunk_entry *e, int failed);
+
+/* Ready entry by key, or NULL (no reference taken). */
+rk_chunk_entry *rk_chunk_index_find(rk_chunk_index *ix, rk_chunk_key key);
+
+/* Remove an entry now: RK_ERR_BUSY while referenced, RK_ERR_NOT_FOUND if absent. */
+rk_status rk_chunk_index_remove(rk_chunk_index *ix, rk_chunk_key key);
+
+/* Evict unreferenced entries until at least n_blocks chunk-pool blocks are
+ * free (or nothing evictable is left); returns the number of entries evicted. */
+int rk_chunk_index_evict(rk_chunk_index *ix, int n_blocks);
+
+/* Remove every unreferenced entry; returns how many. */
+int rk_chunk_index_flush(rk_chunk_index *ix);
+
+void rk_chunk_index_get_stats(const rk_chunk_index *ix, rk_chunk_stats *out);
+
+/* Visit ready entries from most to least recently used; stop when fn returns nonzero. */
+void rk_chunk_index_foreach(rk_chunk_index *ix, int (*fn)(void *ctx, const rk_chunk_entry *e),
+                            void *ctx);
+
+#endif

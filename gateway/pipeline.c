@@ -1,0 +1,757 @@
+/* gateway/pipeline.c — see pipeline.h.
+ *
+ * A batch goes through up to three prefill passes, then decoding:
+ *   pass 1: every system-prompt tail the prefix cache did not have; every
+ *           missing chunk of the `isolated` context, alone at positions
+ *           0..n-1 into its entry's chunk-pool blocks; every oracle chunk
+ *           (cache off), fresh at its live positions in a scratch sequence;
+ *   pass 2: missing chunks of the `system` context, in a scratch sequence
+ *           that shares the request's system KV, copied into their entries;
+ *   copy:   one rope_shift_copy moves every chunk's KV into the request's
+ *           live blocks (cached ones rotated by live offset - base);
+ *   pass 3: the questions (the first decode step), with logits;
+ * then one pass per generated token for every unfinished request. */
+#include "gateway/pipeline.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chunkcache/chunk_index.h"
+
+/* A scratch sequence: KV computed somewhere other than the request's own
+ * table, then copied into place. */
+typedef struct scratch {
+    rk_seq kv;
+    int used;        /* kv holds references of its own */
+    int borrowed;    /* kv.blocks are a chunk entry's: never released through kv */
+    int src_first;   /* table index of the chunk's first token in kv */
+    int pass2;       /* computed in pass 2 (after the system prompt) */
+    int32_t *tokens; /* oracle with system context: system + chunk tokens */
+} scratch;
+
+struct rk_req_state {
+    rk_seq kv;           /* the merged sequence */
+    rk_radix_node *lock; /* radix path held for the request */
+    int sys_first;       /* first system token to compute */
+    int n_insert;        /* system tokens to insert into the radix tree after pass 1 */
+    rk_layout layout;
+    rk_chunk_entry **entries; /* (n_chunks) references held, NULL for oracle chunks */
+    rk_chunk_lookup *kinds;   /* (n_chunks) */
+    scratch *scratch;         /* (n_chunks) used ones have kv.n_blocks > 0 */
+    int32_t *qtok;            /* tokens fed in pass 3: the question (plain: chunks + question) */
+    int n_qtok;
+    int q_index, q_pos; /* table index and position of the first of them */
+    int next_pos;       /* position of the next token to feed */
+    rk_sampler sampler;
+    int done;
+    double t_start;
+};
+
+void rk_req_options_default(rk_req_options *o) {
+    memset(o, 0, sizeof *o);
+    o->chunk_cache = 1;
+    o->prefix_cache = 1;
+    o->positions = RK_POSITIONS_SEQUENTIAL;
+    o->max_tokens = 128;
+    o->sampling = (rk_sampler_params){.temperature = 1.0f, .top_k = 0, .top_p = 1.0f, .seed = 0};
+    o->stop_at_eog = 1;
+}
+
+/* ---------------------------------------------------------------- requests */
+
+void rk_request_free(rk_request *r) {
+    if (!r) return;
+    free(r->sys);
+    for (int i = 0; i < r->n_chunks; i++) free(r->chunks ? r->chunks[i] : NULL);
+    free(r->chunks);
+    free(r->chunk_lens);
+    free(r->question);
+    free(r->out_tokens);
+    free(r->top_ids);
+    free(r->top_logprobs);
+    free(r->logprobs);
+    free(r->chunk_reports);
+    r->sys = r->question = r->out_tokens = r->top_ids = NULL;
+    r->chunks = NULL;
+    r->chunk_lens = NULL;
+    r->top_logprobs = r->logprobs = NULL;
+    r->chunk_reports = NULL;
+    r->n_chunks = 0;
+}
+
+static rk_status alloc_results(rk_service *svc, rk_request *r) {
+    int n = r->opt.max_tokens > 0 ? r->opt.max_tokens : 1, k = r->opt.n_logprobs;
+    if (r->opt.max_tokens < 0 || r->opt.max_tokens > svc->cfg.max_tokens)
+        return rk_errorf(RK_ERR_LIMIT, "max_tokens %d is outside 0..%d", r->opt.max_tokens,
+                         svc->cfg.max_tokens);
+    if (k < 0 || k > 20) return rk_errorf(RK_ERR_INVALID, "logprobs must be 0 to 20, got %d", k);
+    r->out_tokens = malloc((size_t)n * sizeof *r->out_tokens);
+    r->logprobs = malloc((size_t)n * sizeof *r->logprobs);
+    r->chunk_reports = calloc((size_t)(r->n_chunks ? r->n_chunks : 1), sizeof *r->chunk_reports);
+    if (k) {
+        r->top_ids = malloc((size_t)n * k * sizeof *r->top_ids);
+        r->top_logprobs = malloc((size_t)n * k * sizeof *r->top_logprobs);
+    }
+    if (!r->out_tokens || !r->logprobs || !r->chunk_reports ||
+        (k && (!r->top_ids || !r->top_logprobs)))
+        return rk_errorf(RK_ERR_NOMEM, "request: out of memory");
+    return RK_OK;
+}
+
+static rk_status check_context(rk_service *svc, rk_request *r) {
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    long total = r->n_sys + r->n_question + (long)r->opt.max_tokens;
+    for (int i = 0; i < r->n_chunks; i++) total += r->chunk_lens[i];
+    long limit = svc->cfg.max_context > 0 ? svc->cfg.max_context : hp->n_ctx;
+    if (total > limit)
+        return rk_errorf(RK_ERR_LIMIT,
+                         "the request needs %ld tokens of context (prompt + max_tokens); the "
+                         "limit is %ld",
+                         total, limit);
+    if (r->n_sys + r->n_question == 0)
+        return rk_errorf(RK_ERR_INVALID, "the prompt is empty and the model has no BOS token");
+    return RK_OK;
+}
+
+static rk_status encode(const rk_tokenizer *tok, const rk_text *t, int special, int32_t **ids,
+                        int *n) {
+    size_t k = 0;
+    *ids = NULL;
+    *n = 0;
+    if (t->len == 0) return RK_OK;
+    rk_status st = rk_tokenizer_encode(tok, t->s, t->len, special, ids, &k);
+    *n = (int)k;
+    return st;
+}
+
+rk_status rk_request_prepare(rk_service *svc, const rk_split *pieces, rk_request *r) {
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    rk_status st;
+    r->n_chunks = 0;
+    r->n_empty_chunks = pieces->n_empty_chunks;
+    int32_t *ids = NULL;
+    int n = 0;
+    if ((st = encode(tok, &pieces->system, 1, &ids, &n))) goto fail;
+    int bos = rk_tokenizer_add_bos(tok) && rk_tokenizer_bos(tok) >= 0;
+    r->sys = malloc((size_t)(n + bos + 1) * sizeof *r->sys);
+    if (!r->sys) {
+        free(ids);
+        st = rk_errorf(RK_ERR_NOMEM, "request: out of memory");
+        goto fail;
+    }
+    if (bos) r->sys[0] = rk_tokenizer_bos(tok);
+    if (n) memcpy(r->sys + bos, ids, (size_t)n * sizeof *ids);
+    free(ids);
+    r->n_sys = n + bos;
+    r->chunks = calloc((size_t)(pieces->n_chunks ? pieces->n_chunks : 1), sizeof *r->chunks);
+    r->chunk_lens =
+        calloc((size_t)(pieces->n_chunks ? pieces->n_chunks : 1), sizeof *r->chunk_lens);
+    if (!r->chunks || !r->chunk_lens) {
+        st = rk_errorf(RK_ERR_NOMEM, "request: out of memory");
+        goto fail;
+    }
+    if (pieces->n_chunks > svc->cfg.max_chunks) {
+        st = rk_errorf(RK_ERR_LIMIT, "the request has %d chunks; at most %d are allowed",
+                       pieces->n_chunks, svc->cfg.max_chunks);
+        goto fail;
+    }
+    for (int i = 0; i < pieces->n_chunks; i++) {
+        /* Document text never carries control tokens: special tokens off. */
+        if ((st = encode(tok, &pieces->chunks[i], 0, &r->chunks[i], &r->chunk_lens[i]))) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", rk_error_message());
+            st = rk_errorf(st, "chunk %d: %s", i, msg);
+            goto fail;
+        }
+        r->n_chunks = i + 1;
+        if (r->chunk_lens[i] > svc->cfg.max_chunk_tokens) {
+            st = rk_errorf(RK_ERR_LIMIT, "chunk %d has %d tokens; at most %d are allowed", i,
+                           r->chunk_lens[i], svc->cfg.max_chunk_tokens);
+            goto fail;
+        }
+        if (r->chunk_lens[i] == 0) { /* text that tokenizes to nothing: skipped like an empty one */
+            free(r->chunks[i]);
+            r->chunks[i] = NULL;
+            r->n_chunks = i;
+            r->n_empty_chunks++;
+        }
+    }
+    /* Compact out chunks that tokenized to nothing. */
+    int kept = 0;
+    for (int i = 0; i < pieces->n_chunks; i++)
+        if (r->chunks[i]) {
+            r->chunks[kept] = r->chunks[i];
+            r->chunk_lens[kept++] = r->chunk_lens[i];
+        }
+    r->n_chunks = kept;
+    if ((st = encode(tok, &pieces->question, 1, &r->question, &r->n_question))) goto fail;
+    if (r->n_question == 0 && (r->n_chunks > 0 || pieces->system.len > 0)) {
+        st = rk_errorf(RK_ERR_INVALID, "the question is empty");
+        goto fail;
+    }
+    if ((st = check_context(svc, r)) || (st = alloc_results(svc, r))) goto fail;
+    return RK_OK;
+fail:
+    for (int i = r->n_chunks; i < pieces->n_chunks && r->chunks; i++) {
+        free(r->chunks[i]);
+        r->chunks[i] = NULL;
+    }
+    r->n_chunks = pieces->n_chunks < r->n_chunks ? r->n_chunks : pieces->n_chunks;
+    rk_request_free(r);
+    return st;
+}
+
+rk_status rk_request_prepare_tokens(rk_service *svc, const int32_t *sys, int n_sys,
+                                    const int32_t *question, int n_question, rk_request *r) {
+    r->sys = malloc((size_t)(n_sys + 1) * sizeof *r->sys);
+    r->question = malloc((size_t)(n_question + 1) * sizeof *r->question);
+    r->n_chunks = 0;
+    rk_status st;
+    if (!r->sys || !r->question) {
+        st = rk_errorf(RK_ERR_NOMEM, "request: out of memory");
+        goto fail;
+    }
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    for (int i = 0; i < n_sys + n_question; i++) {
+        int32_t t = i < n_sys ? sys[i] : question[i - n_sys];
+        if (t < 0 || t >= hp->n_vocab) {
+            st = rk_errorf(RK_ERR_INVALID, "token id %d out of range [0, %d)", t, hp->n_vocab);
+            goto fail;
+        }
+    }
+    if (n_sys) memcpy(r->sys, sys, (size_t)n_sys * sizeof *sys);
+    if (n_question) memcpy(r->question, question, (size_t)n_question * sizeof *question);
+    r->n_sys = n_sys;
+    r->n_question = n_question;
+    if ((st = check_context(svc, r)) || (st = alloc_results(svc, r))) goto fail;
+    return RK_OK;
+fail:
+    rk_request_free(r);
+    return st;
+}
+
+/* ---------------------------------------------------------------- batches */
+
+/* One forward pass under construction: sequences with their tokens, slots and
+ * block tables. */
+typedef struct batch {
+    int n_tok, cap_tok;
+    int32_t *tokens, *pos, *slots;
+    int n_seq, cap_seq;
+    int32_t *q_start, *kv_len, *logit_rows;
+    const rk_seq **tables; /* (n_seq) the sequence whose blocks are its table */
+    int max_blocks;
+    int32_t *table; /* (n_seq, max_blocks) built at run time */
+    int n_logits;
+    float *logits; /* (n_logits, n_vocab) */
+    int cap_logits;
+} batch;
+
+static void batch_reset(batch *b) {
+    b->n_tok = b->n_seq = b->n_logits = 0;
+    b->max_blocks = 0;
+}
+
+static void batch_free(batch *b) {
+    free(b->tokens);
+    free(b->pos);
+    free(b->slots);
+    free(b->q_start);
+    free(b->kv_len);
+    free(b->logit_rows);
+    free(b->tables);
+    free(b->table);
+    free(b->logits);
+    memset(b, 0, sizeof *b);
+}
+
+static rk_status grow32(int32_t **p, int n) {
+    int32_t *q = realloc(*p, (size_t)n * sizeof *q);
+    if (!q) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    *p = q;
+    return RK_OK;
+}
+
+/* Add a sequence: n tokens at positions pos0.., written at table indices
+ * idx0.. of seq, attending over seq's first idx0 + n entries. */
+static rk_status batch_add(batch *b, int bs, const rk_seq *seq, const int32_t *tokens, int n,
+                           int pos0, int idx0, int want_logits) {
+    rk_status st;
+    if (b->n_tok + n > b->cap_tok) {
+        int cap = b->cap_tok ? b->cap_tok : 256;
+        while (cap < b->n_tok + n) cap *= 2;
+        if ((st = grow32(&b->tokens, cap)) || (st = grow32(&b->pos, cap)) ||
+            (st = grow32(&b->slots, cap)))
+            return st;
+        b->cap_tok = cap;
+    }
+    if (b->n_seq + 1 >= b->cap_seq) {
+        int cap = b->cap_seq ? b->cap_seq * 2 : 16;
+        const rk_seq **t = realloc(b->tables, (size_t)cap * sizeof *t);
+        if (!t) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        b->tables = t;
+        if ((st = grow32(&b->q_start, cap + 1)) || (st = grow32(&b->kv_len, cap)) ||
+            (st = grow32(&b->logit_rows, cap)))
+            return st;
+        b->cap_seq = cap;
+    }
+    for (int j = 0; j < n; j++) {
+        b->tokens[b->n_tok + j] = tokens[j];
+        b->pos[b->n_tok + j] = pos0 + j;
+        b->slots[b->n_tok + j] = rk_seq_slot(seq, bs, idx0 + j);
+    }
+    b->q_start[b->n_seq] = b->n_tok;
+    b->n_tok += n;
+    b->q_start[b->n_seq + 1] = b->n_tok;
+    b->kv_len[b->n_seq] = idx0 + n;
+    b->tables[b->n_seq] = seq;
+    if (want_logits) b->logit_rows[b->n_logits++] = b->n_tok - 1;
+    int nb = (idx0 + n + bs - 1) / bs;
+    b->max_blocks = nb > b->max_blocks ? nb : b->max_blocks;
+    b->n_seq++;
+    return RK_OK;
+}
+
+static rk_status batch_run(rk_service *svc, batch *b) {
+    if (b->n_seq == 0) return RK_OK;
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    rk_status st = grow32(&b->table, b->n_seq * b->max_blocks);
+    if (st) return st;
+    for (int s = 0; s < b->n_seq; s++)
+        for (int k = 0; k < b->max_blocks; k++)
+            b->table[s * b->max_blocks + k] =
+                k < b->tables[s]->n_blocks ? b->tables[s]->blocks[k] : -1;
+    if (b->n_logits > b->cap_logits) {
+        float *l = realloc(b->logits, (size_t)b->n_logits * hp->n_vocab * sizeof *l);
+        if (!l) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for logits");
+        b->logits = l;
+        b->cap_logits = b->n_logits;
+    }
+    rk_batch fb = {.n_tokens = b->n_tok,
+                   .tokens = b->tokens,
+                   .pos = b->pos,
+                   .slots = b->slots,
+                   .attn = {.n_seqs = b->n_seq,
+                            .q_start = b->q_start,
+                            .kv_len = b->kv_len,
+                            .block_table = b->table,
+                            .max_blocks = b->max_blocks},
+                   .n_logits = b->n_logits,
+                   .logit_rows = b->logit_rows};
+    return rk_model_forward(svc->model, rk_arena_kv(svc->arena), &fb, b->logits);
+}
+
+/* ---------------------------------------------------------------- stages */
+
+/* Match the system prompt, share its cached pages, reserve blocks for the
+ * rest of the system (prefix pool for whole pages that will be inserted,
+ * live pool after) and for the chunks, question and generated tokens. */
+static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_table) {
+    rk_req_state *s = r->state;
+    int bs = rk_arena_block_size(svc->arena);
+    rk_status st;
+    int use_prefix = svc->prefix && r->opt.prefix_cache && r->n_sys > 0;
+    if (use_prefix) {
+        int32_t *pages = malloc((size_t)(r->n_sys / bs + 1) * sizeof *pages);
+        if (!pages) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        rk_radix_result m;
+        int flags = s->n_qtok == 0 ? RK_RADIX_LEAVE_ONE : 0;
+        st = rk_radix_match(svc->prefix, svc->prefix_ns, r->sys, r->n_sys, flags, pages, &m);
+        s->lock = m.node;
+        if (!st) st = rk_seq_share(&s->kv, svc->arena, pages, m.n_matched / bs);
+        free(pages);
+        if (st) return st;
+        s->sys_first = m.n_matched;
+        int aligned = r->n_sys / bs * bs, n_new = aligned - m.n_matched;
+        if (n_new > 0) {
+            st = rk_seq_reserve(&s->kv, svc->arena, RK_POOL_PREFIX, n_new, NULL);
+            if (st == RK_ERR_EXHAUSTED) {
+                rk_radix_evict(svc->prefix, n_new, NULL);
+                st = rk_seq_reserve(&s->kv, svc->arena, RK_POOL_PREFIX, n_new, NULL);
+            }
+            if (st == RK_OK) {
+                s->kv.n_tokens += n_new;
+                s->n_insert = aligned;
+            } else if (st != RK_ERR_EXHAUSTED) {
+                return st;
+            } /* else the prefix pool is all locked: compute in live blocks, cache nothing */
+        }
+    }
+    r->sys_cached = s->sys_first;
+    int rest = n_prompt_table + r->opt.max_tokens - s->kv.n_tokens;
+    if ((st = rk_seq_reserve(&s->kv, svc->arena, RK_POOL_LIVE, rest, NULL))) return st;
+    s->kv.n_tokens = n_prompt_table;
+    return RK_OK;
+}
+
+static void chunk_policy(rk_service *svc, const rk_request *r, rk_chunk_policy *p) {
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    *p = (rk_chunk_policy){.fingerprint = rk_model_fingerprint(svc->model),
+                           .context_system = r->opt.context_system,
+                           .kv_dtype = rk_arena_kv(svc->arena)->dtype,
+                           .rope_theta = hp->rope.theta,
+                           .rope_factor = hp->rope.factor,
+                           .rope_n_rot = hp->rope.n_rot,
+                           .rope_pairing = (int)hp->rope.pairing,
+                           .rope_scaling = (int)hp->rope.scaling};
+    if (r->opt.context_system) p->system_key = rk_tokens_hash(r->sys, r->n_sys);
+}
+
+/* Look up every chunk; queue the work each needs for pass 1. */
+static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
+    rk_req_state *s = r->state;
+    int bs = rk_arena_block_size(svc->arena);
+    rk_chunk_policy policy;
+    chunk_policy(svc, r, &policy);
+    rk_status st;
+    for (int k = 0; k < r->n_chunks; k++) {
+        rk_chunk_report *rep = &r->chunk_reports[k];
+        rep->tokens = r->chunk_lens[k];
+        rep->live_offset = s->layout.pos[k];
+        if (!r->opt.chunk_cache) {
+            /* The oracle: fresh at the live position, seeing what a cached chunk sees. */
+            rep->status = "off";
+            rep->source = "computed";
+            scratch *sc = &s->scratch[k];
+            int n_ctx = r->opt.context_system ? r->n_sys : 0;
+            int n = n_ctx + r->chunk_lens[k];
+            const int32_t *toks = r->chunks[k];
+            if (n_ctx) {
+                if (!(sc->tokens = malloc((size_t)n * sizeof *sc->tokens)))
+                    return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+                memcpy(sc->tokens, r->sys, (size_t)n_ctx * sizeof *sc->tokens);
+                memcpy(sc->tokens + n_ctx, r->chunks[k],
+                       (size_t)r->chunk_lens[k] * sizeof *sc->tokens);
+                toks = sc->tokens;
+            }
+            sc->used = 1;
+            if ((st = rk_seq_reserve(&sc->kv, svc->arena, RK_POOL_LIVE, n, NULL))) return st;
+            sc->kv.n_tokens = n;
+            sc->src_first = n_ctx;
+            if ((st = batch_add(pass1, bs, &sc->kv, toks, n, s->layout.pos[k] - n_ctx, 0, 0)))
+                return st;
+            continue;
+        }
+        rk_chunk_key key = rk_chunk_key_compute(&policy, r->chunks[k], r->chunk_lens[k]);
+        rk_chunk_key_hex(key, rep->key);
+        int base = r->opt.context_system ? r->n_sys : 0;
+        if ((st = rk_chunk_index_acquire(svc->chunks, key, r->chunks[k], r->chunk_lens[k], base,
+                                         &s->entries[k], &s->kinds[k])))
+            return st;
+        rk_chunk_entry *e = s->entries[k];
+        rep->status = s->kinds[k] == RK_CHUNK_HIT ? "hit" : "miss";
+        rep->source = s->kinds[k] == RK_CHUNK_HIT
+                          ? (strcmp(e->source, "disk") == 0 ? "disk" : "arena")
+                          : "computed";
+        if (s->kinds[k] != RK_CHUNK_MISS) continue;
+        if (!r->opt.context_system) {
+            /* Alone at positions 0..n-1, straight into the entry's blocks. */
+            scratch *sc = &s->scratch[k];
+            sc->kv.blocks = e->blocks; /* borrowed: released with the entry, not the scratch */
+            sc->kv.n_blocks = e->n_blocks;
+            sc->kv.n_tokens = e->n_tokens;
+            sc->borrowed = 1;
+            if ((st = batch_add(pass1, bs, &sc->kv, e->tokens, e->n_tokens, 0, 0, 0))) return st;
+        } else {
+            s->scratch[k].pass2 = 1; /* needs the system KV: after pass 1 */
+        }
+    }
+    return RK_OK;
+}
+
+/* Pass 2 set-up for a `system`-context miss: a scratch sequence sharing the
+ * request's whole system blocks, a copy of its partial last block, then the
+ * chunk at positions n_sys.. . */
+static rk_status plan_system_chunk(rk_service *svc, rk_request *r, int k, batch *pass2,
+                                   rk_copy_plan *pre) {
+    rk_req_state *s = r->state;
+    scratch *sc = &s->scratch[k];
+    int bs = rk_arena_block_size(svc->arena), full = r->n_sys / bs;
+    rk_status st;
+    sc->used = 1;
+    if ((st = rk_seq_share(&sc->kv, svc->arena, s->kv.blocks, full))) return st;
+    int tail = r->n_sys - full * bs;
+    if ((st = rk_seq_reserve(&sc->kv, svc->arena, RK_POOL_LIVE, tail + r->chunk_lens[k], NULL)))
+        return st;
+    if (tail &&
+        (st = rk_copy_plan_add(pre, bs, s->kv.blocks, full * bs, &sc->kv, full * bs, tail, 0)))
+        return st;
+    sc->kv.n_tokens = r->n_sys + r->chunk_lens[k];
+    sc->src_first = r->n_sys;
+    return batch_add(pass2, bs, &sc->kv, r->chunks[k], r->chunk_lens[k], r->n_sys, r->n_sys, 0);
+}
+
+/* After the radix-bound system pages are computed: insert them. The tree
+ * takes a reference on the pages it keeps; its locked path replaces ours. */
+static rk_status insert_system(rk_service *svc, rk_request *r) {
+    rk_req_state *s = r->state;
+    int bs = rk_arena_block_size(svc->arena), present;
+    rk_radix_node *node;
+    rk_status st = rk_radix_insert(svc->prefix, svc->prefix_ns, r->sys, s->n_insert, s->kv.blocks,
+                                   0, &present, &node);
+    if (st) return st;
+    st = rk_arena_ref(svc->arena, s->kv.blocks + present / bs, (s->n_insert - present) / bs);
+    if (st) return st;
+    if (s->lock) rk_radix_unlock(svc->prefix, s->lock);
+    s->lock = node;
+    s->n_insert = 0;
+    return RK_OK;
+}
+
+static void release_request(rk_service *svc, rk_request *r, int failed) {
+    rk_req_state *s = r->state;
+    if (!s) return;
+    for (int k = 0; k < r->n_chunks; k++) {
+        scratch *sc = &s->scratch[k];
+        if (sc->used) rk_seq_release(&sc->kv, svc->arena);
+        free(sc->tokens);
+        if (s->entries[k]) rk_chunk_index_release(svc->chunks, s->entries[k], failed);
+    }
+    if (s->lock) rk_radix_unlock(svc->prefix, s->lock);
+    rk_seq_release(&s->kv, svc->arena);
+    rk_sampler_free(&s->sampler);
+    rk_layout_free(&s->layout);
+    free(s->entries);
+    free(s->kinds);
+    free(s->scratch);
+    free(s->qtok);
+    free(s);
+    r->state = NULL;
+}
+
+static rk_status init_request(rk_service *svc, rk_request *r) {
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    rk_req_state *s = calloc(1, sizeof *s);
+    if (!s) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    r->state = s;
+    s->t_start = rk_time_now();
+    int nc = r->n_chunks ? r->n_chunks : 1;
+    s->entries = calloc((size_t)nc, sizeof *s->entries);
+    s->kinds = calloc((size_t)nc, sizeof *s->kinds);
+    s->scratch = calloc((size_t)nc, sizeof *s->scratch);
+    if (!s->entries || !s->kinds || !s->scratch)
+        return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    r->n_out = 0;
+    r->finish_reason = "length";
+    memset(&r->t, 0, sizeof r->t);
+    rk_status st = rk_sampler_init(&s->sampler, &r->opt.sampling, hp->n_vocab);
+    if (st) return st;
+    if (r->opt.mode_plain) {
+        /* One ordinary sequence: the chunks and the question follow the system. */
+        int n = r->n_question;
+        for (int k = 0; k < r->n_chunks; k++) n += r->chunk_lens[k];
+        s->qtok = malloc((size_t)(n ? n : 1) * sizeof *s->qtok);
+        if (!s->qtok) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        int o = 0;
+        for (int k = 0; k < r->n_chunks; k++) {
+            memcpy(s->qtok + o, r->chunks[k], (size_t)r->chunk_lens[k] * sizeof *s->qtok);
+            o += r->chunk_lens[k];
+        }
+        memcpy(s->qtok + o, r->question, (size_t)r->n_question * sizeof *s->qtok);
+        s->n_qtok = n;
+        s->q_index = s->q_pos = r->n_sys;
+        for (int k = 0; k < r->n_chunks; k++) {
+            r->chunk_reports[k] = (rk_chunk_report){
+                .tokens = r->chunk_lens[k], .status = "off", .source = "computed"};
+        }
+        return rk_layout_plan(RK_POSITIONS_SEQUENTIAL, r->n_sys, r->chunk_lens, r->n_chunks,
+                              &s->layout);
+    }
+    if ((st = rk_layout_plan(r->opt.positions, r->n_sys, r->chunk_lens, r->n_chunks, &s->layout)))
+        return st;
+    s->qtok = malloc((size_t)(r->n_question ? r->n_question : 1) * sizeof *s->qtok);
+    if (!s->qtok) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    memcpy(s->qtok, r->question, (size_t)r->n_question * sizeof *s->qtok);
+    s->n_qtok = r->n_question;
+    s->q_index = s->layout.question_index;
+    s->q_pos = s->layout.question_pos;
+    return RK_OK;
+}
+
+/* Sample request r's next token from its logits and decide whether it is done. */
+static void take_token(rk_service *svc, rk_request *r, int ri, const float *logits,
+                       const rk_pipeline_hooks *hooks) {
+    rk_req_state *s = r->state;
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    if (hooks && hooks->on_logits) hooks->on_logits(hooks->ctx, ri, r->n_out, logits, hp->n_vocab);
+    int32_t t = rk_sampler_sample(&s->sampler, logits);
+    if (r->opt.n_logprobs > 0)
+        rk_logprobs_top(logits, hp->n_vocab, r->opt.n_logprobs,
+                        r->top_ids + (size_t)r->n_out * r->opt.n_logprobs,
+                        r->top_logprobs + (size_t)r->n_out * r->opt.n_logprobs);
+    /* Log-probability of the sampled token under the raw logits. */
+    float mx = logits[0];
+    for (int i = 1; i < hp->n_vocab; i++) mx = logits[i] > mx ? logits[i] : mx;
+    double sum = 0;
+    for (int i = 0; i < hp->n_vocab; i++) sum += exp((double)(logits[i] - mx));
+    r->logprobs[r->n_out] = logits[t] - mx - (float)log(sum);
+    if (r->n_out == 0) r->t.ttft_ms = (rk_time_now() - s->t_start) * 1e3;
+    r->out_tokens[r->n_out++] = t;
+    if (hooks && hooks->on_token) hooks->on_token(hooks->ctx, ri, t);
+    if (r->opt.stop_at_eog && rk_tokenizer_is_eog(rk_model_tokenizer(svc->model), t)) {
+        r->finish_reason = "stop";
+        s->done = 1;
+    } else if (r->n_out >= r->opt.max_tokens) {
+        s->done = 1;
+    }
+}
+
+static void finish_report(rk_request *r) {
+    int chunk_tokens = 0, cached = r->sys_cached;
+    for (int k = 0; k < r->n_chunks; k++) {
+        chunk_tokens += r->chunk_lens[k];
+        if (r->chunk_reports[k].status && !strcmp(r->chunk_reports[k].status, "hit"))
+            cached += r->chunk_lens[k];
+    }
+    r->prompt_tokens = r->n_sys + chunk_tokens + r->n_question;
+    r->cached_tokens = cached;
+    r->computed_tokens = r->prompt_tokens - cached;
+    r->t.total_ms = (rk_time_now() - r->state->t_start) * 1e3 + r->t.queue_ms;
+}
+
+rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
+                          const rk_pipeline_hooks *hooks) {
+    int bs = rk_arena_block_size(svc->arena);
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    batch b = {0};
+    rk_copy_plan copies = {0};
+    rk_status st = RK_OK;
+    int *act = malloc((size_t)(n_reqs ? n_reqs : 1) * sizeof *act); /* requests in a decode pass */
+    if (!act) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    for (int i = 0; i < n_reqs; i++) reqs[i]->state = NULL;
+    for (int i = 0; i < n_reqs && !st; i++) st = init_request(svc, reqs[i]);
+    if (st) goto done;
+
+    /* Stage 1: system prompts, chunk lookups; pass 1. */
+    double t = rk_time_now();
+    for (int i = 0; i < n_reqs; i++) {
+        rk_request *r = reqs[i];
+        rk_req_state *s = r->state;
+        if ((st = start_request(svc, r, s->q_index + s->n_qtok))) goto done;
+        if (s->sys_first < r->n_sys &&
+            (st = batch_add(&b, bs, &s->kv, r->sys + s->sys_first, r->n_sys - s->sys_first,
+                            s->sys_first, s->sys_first, 0)))
+            goto done;
+    }
+    for (int i = 0; i < n_reqs; i++)
+        if (!reqs[i]->opt.mode_plain && (st = plan_chunks(svc, reqs[i], &b))) goto done;
+    double t_lookup = rk_time_now() - t;
+    t = rk_time_now();
+    if ((st = batch_run(svc, &b))) goto done;
+    for (int i = 0; i < n_reqs; i++)
+        if (reqs[i]->state->n_insert && (st = insert_system(svc, reqs[i]))) goto done;
+
+    /* Stage 2: chunks computed after their system prompt. */
+    batch_reset(&b);
+    for (int i = 0; i < n_reqs; i++) {
+        rk_request *r = reqs[i];
+        for (int k = 0; k < r->n_chunks; k++)
+            if (r->state->scratch[k].pass2 && r->state->kinds[k] == RK_CHUNK_MISS &&
+                (st = plan_system_chunk(svc, r, k, &b, &copies)))
+                goto done;
+    }
+    if ((st = rk_copy_plan_run(&copies, svc->be, svc->arena, rk_model_rope(svc->model))) ||
+        (st = batch_run(svc, &b)))
+        goto done;
+    /* Fresh entries: copy pass-2 results in, then mark every computed entry ready. */
+    for (int i = 0; i < n_reqs; i++) {
+        rk_request *r = reqs[i];
+        for (int k = 0; k < r->n_chunks; k++) {
+            rk_req_state *s = r->state;
+            if (s->kinds[k] != RK_CHUNK_MISS || !s->entries[k]) continue;
+            if (s->scratch[k].pass2) {
+                rk_seq dst = {.blocks = s->entries[k]->blocks, .n_blocks = s->entries[k]->n_blocks};
+                if ((st = rk_copy_plan_add(&copies, bs, s->scratch[k].kv.blocks, r->n_sys, &dst, 0,
+                                           r->chunk_lens[k], 0)))
+                    goto done;
+            }
+        }
+    }
+    if ((st = rk_copy_plan_run(&copies, svc->be, svc->arena, rk_model_rope(svc->model)))) goto done;
+    for (int i = 0; i < n_reqs; i++)
+        for (int k = 0; k < reqs[i]->n_chunks; k++)
+            if (reqs[i]->state->kinds[k] == RK_CHUNK_MISS && reqs[i]->state->entries[k])
+                rk_chunk_index_ready(svc->chunks, reqs[i]->state->entries[k]);
+    double t_compute = rk_time_now() - t;
+
+    /* Stage 3: every chunk's KV into its request's live blocks. */
+    t = rk_time_now();
+    int copied_tokens = 0;
+    for (int i = 0; i < n_reqs; i++) {
+        rk_request *r = reqs[i];
+        rk_req_state *s = r->state;
+        if (r->opt.mode_plain) continue;
+        for (int k = 0; k < r->n_chunks; k++) {
+            rk_chunk_entry *e = s->entries[k];
+            if (e) /* cached: rotate from its base to the live offset */
+                st = rk_copy_plan_add(&copies, bs, e->blocks, 0, &s->kv, s->layout.index[k],
+                                      e->n_tokens, s->layout.pos[k] - e->base_pos);
+            else /* oracle: computed in place already, delta 0 */
+                st = rk_copy_plan_add(&copies, bs, s->scratch[k].kv.blocks, s->scratch[k].src_first,
+                                      &s->kv, s->layout.index[k], r->chunk_lens[k], 0);
+            if (st) goto done;
+            copied_tokens += r->chunk_lens[k];
+        }
+    }
+    if ((st = rk_copy_plan_run(&copies, svc->be, svc->arena, rk_model_rope(svc->model)))) goto done;
+    double t_reindex = rk_time_now() - t;
+    for (int i = 0; i < n_reqs; i++) {
+        rk_request *r = reqs[i];
+        r->t.lookup_ms = t_lookup * 1e3;
+        r->t.chunk_compute_ms = t_compute * 1e3;
+        r->t.reindex_ms = t_reindex * 1e3;
+        for (int k = 0; k < r->n_chunks; k++)
+            r->chunk_reports[k].reindex_us =
+                copied_tokens ? t_reindex * 1e6 * r->chunk_lens[k] / copied_tokens : 0;
+    }
+
+    /* Stage 4: the questions (first token), then decoding. */
+    for (int step = 0;; step++) {
+        batch_reset(&b);
+        int n_act = 0;
+        for (int i = 0; i < n_reqs; i++) {
+            rk_request *r = reqs[i];
+            rk_req_state *s = r->state;
+            if (s->done || (step == 0 && r->opt.max_tokens == 0)) continue;
+            if (step == 0) {
+                if (s->n_qtok) {
+                    st = batch_add(&b, bs, &s->kv, s->qtok, s->n_qtok, s->q_pos, s->q_index, 1);
+                    s->next_pos = s->q_pos + s->n_qtok;
+                } else { /* the whole prompt is the system prompt: its last token gives logits */
+                    int last = r->n_sys - 1;
+                    st = batch_add(&b, bs, &s->kv, r->sys + last, 1, last, last, 1);
+                    s->next_pos = r->n_sys;
+                }
+            } else {
+                int idx = s->kv.n_tokens++;
+                st = batch_add(&b, bs, &s->kv, &r->out_tokens[r->n_out - 1], 1, s->next_pos++, idx,
+                               1);
+            }
+            if (st) goto done;
+            act[n_act++] = i;
+        }
+        if (n_act == 0) break;
+        t = rk_time_now();
+        if ((st = batch_run(svc, &b))) goto done;
+        double dt = (rk_time_now() - t) * 1e3;
+        for (int a = 0; a < n_act; a++) {
+            rk_request *r = reqs[act[a]];
+            if (step == 0)
+                r->t.prefill_ms = dt;
+            else
+                r->t.decode_ms += dt;
+            take_token(svc, r, act[a], b.logits + (size_t)a * hp->n_vocab, hooks);
+        }
+    }
+done:
+    for (int i = 0; i < n_reqs; i++) {
+        if (!reqs[i]->state) continue;
+        if (!st) finish_report(reqs[i]);
+        release_request(svc, reqs[i], st != RK_OK);
+    }
+    batch_free(&b);
+    rk_copy_plan_free(&copies);
+    free(act);
+    return st;
+}

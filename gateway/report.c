@@ -1,0 +1,97 @@
+/* gateway/report.c — a finished request as the JSON object POST
+ * /v1/completions returns (API.md), shared by the HTTP service and
+ * `ragkv generate --json`. */
+#include <jansson.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gateway/pipeline.h"
+#include "gateway/report.h"
+
+static json_t *timings_json(const rk_request *r) {
+    const rk_req_timings *t = &r->t;
+    /* Throughputs: prompt tokens computed per second of prefill work (chunk
+     * computation included), generated tokens per second of decoding. */
+    double prefill_s = (t->chunk_compute_ms + t->prefill_ms) / 1e3, decode_s = t->decode_ms / 1e3;
+    double prompt_tps = prefill_s > 0 ? r->computed_tokens / prefill_s : 0;
+    double decode_tps = decode_s > 0 && r->n_out > 1 ? (r->n_out - 1) / decode_s : 0;
+    return json_pack("{s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:i, s:f, s:f}", "queue_ms",
+                     t->queue_ms, "lookup_ms", t->lookup_ms, "chunk_compute_ms",
+                     t->chunk_compute_ms, "reindex_ms", t->reindex_ms, "repair_ms", t->repair_ms,
+                     "prefill_ms", t->prefill_ms, "ttft_ms", t->ttft_ms, "decode_ms", t->decode_ms,
+                     "total_ms", t->total_ms, "prompt_tokens_computed", r->computed_tokens,
+                     "prompt_tokens_per_s", prompt_tps, "decode_tokens_per_s", decode_tps);
+}
+
+json_t *rk_report_ragkv(const rk_request *r) {
+    json_t *chunks = json_array();
+    for (int k = 0; k < r->n_chunks; k++) {
+        const rk_chunk_report *c = &r->chunk_reports[k];
+        json_array_append_new(chunks, json_pack("{s:i, s:s, s:i, s:s, s:s, s:i, s:f}", "index", k,
+                                                "key", c->key, "tokens", c->tokens, "status",
+                                                c->status ? c->status : "off", "source",
+                                                c->source ? c->source : "computed", "live_offset",
+                                                c->live_offset, "reindex_us", c->reindex_us));
+    }
+    json_t *ids = json_array();
+    for (int i = 0; i < r->n_out; i++) json_array_append_new(ids, json_integer(r->out_tokens[i]));
+    return json_pack("{s:{s:i, s:i}, s:o, s:i, s:{s:i}, s:i, s:o, s:o}", "system", "tokens",
+                     r->n_sys, "cached_tokens", r->sys_cached, "chunks", chunks,
+                     "empty_chunks_skipped", r->n_empty_chunks, "question", "tokens", r->n_question,
+                     "recomputed_tokens", 0, "completion_ids", ids, "timings", timings_json(r));
+}
+
+json_t *rk_report_usage(const rk_request *r) {
+    return json_pack("{s:i, s:i, s:i, s:{s:i}}", "prompt_tokens", r->prompt_tokens,
+                     "completion_tokens", r->n_out, "total_tokens", r->prompt_tokens + r->n_out,
+                     "prompt_tokens_details", "cached_tokens", r->cached_tokens);
+}
+
+/* OpenAI-style logprobs: tokens, token_logprobs, top_logprobs (list of {text: lp}). */
+static json_t *logprobs_json(const rk_tokenizer *tok, const rk_request *r) {
+    if (r->opt.n_logprobs <= 0) return json_null();
+    json_t *tokens = json_array(), *lps = json_array(), *tops = json_array();
+    char buf[256];
+    for (int i = 0; i < r->n_out; i++) {
+        int n = rk_tokenizer_token_bytes(tok, r->out_tokens[i], 1, buf, sizeof buf - 1);
+        char *s = rk_utf8_sanitize(buf, n < 0 ? 0 : (size_t)(n < 255 ? n : 255), NULL);
+        json_array_append_new(tokens, json_string(s ? s : ""));
+        free(s);
+        json_array_append_new(lps, json_real(r->logprobs[i]));
+        json_t *top = json_object();
+        for (int k = 0; k < r->opt.n_logprobs; k++) {
+            int32_t id = r->top_ids[(size_t)i * r->opt.n_logprobs + k];
+            n = rk_tokenizer_token_bytes(tok, id, 1, buf, sizeof buf - 1);
+            s = rk_utf8_sanitize(buf, n < 0 ? 0 : (size_t)(n < 255 ? n : 255), NULL);
+            json_object_set_new(top, s ? s : "",
+                                json_real(r->top_logprobs[(size_t)i * r->opt.n_logprobs + k]));
+            free(s);
+        }
+        json_array_append_new(tops, top);
+    }
+    return json_pack("{s:o, s:o, s:o}", "tokens", tokens, "token_logprobs", lps, "top_logprobs",
+                     tops);
+}
+
+rk_status rk_report_text(const rk_tokenizer *tok, const rk_request *r, char **out) {
+    char *raw = NULL;
+    size_t len = 0;
+    int skip = r->n_sys + r->n_question > 0 && r->n_question == 0 && r->n_sys == 1;
+    rk_status st = rk_tokenizer_decode(tok, r->out_tokens, (size_t)r->n_out, 0, skip, &raw, &len);
+    if (st) return st;
+    *out = rk_utf8_sanitize(raw, len, NULL);
+    free(raw);
+    return *out ? RK_OK : rk_errorf(RK_ERR_NOMEM, "report: out of memory");
+}
+
+json_t *rk_report_completion(const rk_tokenizer *tok, const rk_request *r, const char *id,
+                             long created, const char *model) {
+    char *text = NULL;
+    if (rk_report_text(tok, r, &text)) return NULL;
+    json_t *choice = json_pack("{s:i, s:s, s:s, s:o}", "index", 0, "text", text, "finish_reason",
+                               r->finish_reason, "logprobs", logprobs_json(tok, r));
+    free(text);
+    return json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o, s:o}", "id", id, "object", "text_completion",
+                     "created", (json_int_t)created, "model", model, "choices", choice, "usage",
+                     rk_report_usage(r), "ragkv", rk_report_ragkv(r));
+}

@@ -1,0 +1,440 @@
+/* tests/test_chunkcache.c — the position-independent chunk cache end to end:
+ * content keys, exactness of the reindex against the oracle in every mode,
+ * reuse under movement, single flight, pool pressure, bad input. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gateway/pipeline.h"
+#include "tests/testutil.h"
+
+#define STEPS 12
+
+typedef struct run_log {
+    int n_vocab;
+    float *logits[STEPS];
+} run_log;
+
+static void keep_logits(void *ctx, int req, int step, const float *logits, int n_vocab) {
+    run_log *l = (run_log *)ctx + req;
+    if (step >= STEPS) return;
+    l->n_vocab = n_vocab;
+    free(l->logits[step]);
+    l->logits[step] = malloc((size_t)n_vocab * sizeof(float));
+    memcpy(l->logits[step], logits, (size_t)n_vocab * sizeof(float));
+}
+
+static void log_free(run_log *l) {
+    for (int i = 0; i < STEPS; i++) free(l->logits[i]);
+    memset(l, 0, sizeof *l);
+}
+
+static rk_service *open_svc(const char *model, int chunk_blocks) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 2;
+    cfg.kv_memory_mb = 256;
+    if (chunk_blocks) cfg.chunk_blocks = chunk_blocks;
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
+    return svc;
+}
+
+static rk_req_options greedy_opts(void) {
+    rk_req_options o;
+    rk_req_options_default(&o);
+    o.max_tokens = STEPS;
+    o.sampling.temperature = 0;
+    o.stop_at_eog = 0;
+    return o;
+}
+
+/* Prepare a request from prompt text; returns the status of prepare. */
+static rk_status prepare(rk_service *svc, const char *prompt, const rk_req_options *o,
+                         rk_request *r) {
+    rk_split sp;
+    memset(r, 0, sizeof *r);
+    r->opt = *o;
+    rk_status st = rk_split_prompt(prompt, strlen(prompt), NULL, svc->cfg.max_chunks, &sp);
+    if (st) return st;
+    st = rk_request_prepare(svc, &sp, r);
+    rk_split_free(&sp);
+    return st;
+}
+
+/* Run one prompt; keep its report in *r (caller frees) and logits in *log. */
+static void run(rk_service *svc, const char *prompt, const rk_req_options *o, rk_request *r,
+                run_log *log) {
+    cr_assert_eq(prepare(svc, prompt, o, r), RK_OK, "%s", rk_error_message());
+    rk_pipeline_hooks h = {.ctx = log, .on_logits = log ? keep_logits : NULL};
+    rk_request *one = r;
+    cr_assert_eq(rk_pipeline_run(svc, &one, 1, &h), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(r->cached_tokens + r->computed_tokens, r->prompt_tokens);
+}
+
+static double max_diff(const run_log *a, const run_log *b) {
+    double worst = 0;
+    for (int s = 0; s < STEPS; s++)
+        for (int i = 0; i < a->n_vocab; i++)
+            worst = fmax(worst, fabs((double)a->logits[s][i] - b->logits[s][i]));
+    return worst;
+}
+
+static void check_pools_back(rk_service *svc) {
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
+                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE), "every live block came back");
+    rk_chunk_stats cs;
+    rk_chunk_index_get_stats(svc->chunks, &cs);
+    cr_assert_eq(rk_arena_pool_total(svc->arena, RK_POOL_CHUNK) -
+                     rk_arena_pool_free(svc->arena, RK_POOL_CHUNK),
+                 (int)cs.blocks, "the chunk pool holds exactly the entries' blocks");
+}
+
+/* ---------------------------------------------------------------- exactness */
+
+static const char *STORY =
+    "You are a storyteller.##Lily had a red ball. She liked to play with it in the garden every "
+    "day.##Tom had a big dog named Max. Max liked to run and bark at the birds.##The sun was warm "
+    "and the sky was blue. The children sang a happy song.##One day";
+
+static void check_modes(const char *model, const char *prompt) {
+    rk_service *svc = open_svc(model, 0);
+    for (int ctx = 0; ctx < 2; ctx++)
+        for (int par = 0; par < 2; par++) {
+            rk_chunk_index_flush(svc->chunks); /* isolated chunks would hit across modes */
+            rk_req_options o = greedy_opts();
+            o.context_system = ctx;
+            o.positions = par ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
+            rk_request first, second, oracle;
+            run_log lf = {0}, ls = {0}, lo = {0};
+            run(svc, prompt, &o, &first, &lf);
+            run(svc, prompt, &o, &second, &ls);
+            for (int k = 0; k < second.n_chunks; k++) {
+                cr_assert_str_eq(first.chunk_reports[k].status, "miss");
+                cr_assert_str_eq(second.chunk_reports[k].status, "hit", "ctx %d par %d chunk %d",
+                                 ctx, par, k);
+            }
+            rk_req_options off = o;
+            off.chunk_cache = 0;
+            run(svc, prompt, &off, &oracle, &lo);
+            cr_assert_eq(memcmp(second.out_tokens, oracle.out_tokens, STEPS * sizeof(int32_t)), 0,
+                         "context %d parallel %d: cached tokens differ from the oracle", ctx, par);
+            double d = max_diff(&ls, &lo);
+            cr_assert_leq(d, 1e-4, "context %d parallel %d: logits differ by %g", ctx, par, d);
+            cr_assert_eq(memcmp(first.out_tokens, second.out_tokens, STEPS * sizeof(int32_t)), 0);
+            rk_request_free(&first);
+            rk_request_free(&second);
+            rk_request_free(&oracle);
+            log_free(&lf);
+            log_free(&ls);
+            log_free(&lo);
+        }
+    check_pools_back(svc);
+    rk_service_close(svc);
+}
+
+Test(chunkcache, stories260k_cached_path_equals_the_oracle_in_every_mode) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    check_modes(model, STORY);
+    free(model);
+}
+
+Test(chunkcache, qwen3_tiny_cached_path_equals_the_oracle_in_every_mode) {
+    char *model = rk_test_model("qwen3-tiny", "f32", 1);
+    check_modes(model, "<|im_start|>system\nAnswer from the documents.<|im_end|>\n##"
+                       "文档一：缓存的键由内容决定。##Document two: the KV of a chunk is "
+                       "rotated to its live offset.##<|im_start|>user\nWhat decides the key?"
+                       "<|im_end|>\n<|im_start|>assistant\n");
+    free(model);
+}
+
+Test(chunkcache, qwen3_0_6b_cached_path_equals_the_oracle_in_every_mode, .timeout = 1500) {
+    RK_SKIP_IF_LIGHT();
+    char *model = rk_test_model("qwen3-0.6b", "f32", 3);
+    check_modes(model, "You answer from documents.##The chunk cache keys KV by content.##"
+                       "RoPE rotations compose, so keys can be moved.##Why can keys move?");
+    free(model);
+}
+
+Test(chunkcache, one_chunk_after_its_system_prompt_equals_plain) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    rk_service *svc = open_svc(model, 0);
+    const char *p =
+        "Once upon a time there was a girl.##Lily had a red ball in the garden.##One day";
+    rk_req_options o = greedy_opts();
+    o.context_system = 1;
+    rk_req_options plain = greedy_opts();
+    plain.mode_plain = 1;
+    plain.prefix_cache = 0;
+    rk_request a, b, c;
+    run_log la = {0}, lb = {0}, lc = {0};
+    run(svc, p, &o, &a, &la);
+    run(svc, p, &o, &b, &lb); /* cached */
+    run(svc, p, &plain, &c, &lc);
+    cr_assert_str_eq(b.chunk_reports[0].status, "hit");
+    cr_assert_eq(memcmp(b.out_tokens, c.out_tokens, STEPS * sizeof(int32_t)), 0);
+    cr_assert_leq(max_diff(&lb, &lc), 1e-4);
+    cr_assert_leq(max_diff(&la, &lc), 1e-4);
+    rk_request_free(&a);
+    rk_request_free(&b);
+    rk_request_free(&c);
+    log_free(&la);
+    log_free(&lb);
+    log_free(&lc);
+    rk_service_close(svc);
+    free(model);
+}
+
+/* ---------------------------------------------------------------- reuse */
+
+static const char *status_of(rk_service *svc, const char *prompt, rk_req_options o, int k) {
+    rk_request r;
+    o.max_tokens = 1;
+    run(svc, prompt, &o, &r, NULL);
+    const char *s = r.chunk_reports[k].status;
+    rk_request_free(&r);
+    return s;
+}
+
+Test(chunkcache, a_chunk_moves_between_positions_and_system_prompts) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    rk_service *svc = open_svc(model, 0);
+    rk_req_options iso = greedy_opts(), sys = greedy_opts();
+    sys.context_system = 1;
+    const char *doc = "Max the dog ran to the park and found a stick.";
+    char a[512], b[512], c[512];
+    snprintf(a, sizeof a, "Sys A.##%s##Q", doc);
+    snprintf(b, sizeof b, "A different system prompt.##Tom was sad.##The cat slept.##%s##Q", doc);
+    cr_assert_str_eq(status_of(svc, a, iso, 0), "miss");
+    cr_assert_str_eq(status_of(svc, b, iso, 2), "hit",
+                     "chunk 1 under A is a hit as chunk 3 under B");
+    cr_assert_str_eq(status_of(svc, a, sys, 0), "miss");
+    cr_assert_str_eq(status_of(svc, b, sys, 2), "miss", "the system context keys by system prompt");
+    /* Reordered: all hits. */
+    snprintf(c, sizeof c, "Sys A.##The cat slept.##%s##Tom was sad.##Q", doc);
+    rk_request r;
+    run(svc, c, &iso, &r, NULL);
+    for (int k = 0; k < 3; k++) cr_assert_str_eq(r.chunk_reports[k].status, "hit");
+    rk_request_free(&r);
+    /* One token different: a miss. */
+    cr_assert_str_eq(
+        status_of(svc, "Sys A.##Max the dog ran to the park and found a ball.##Q", iso, 0), "miss");
+    rk_service_close(svc);
+    free(model);
+}
+
+Test(chunkcache, keys_depend_on_every_token_and_the_policy) {
+    int32_t t[6] = {5, 6, 7, 8, 9, 10}, u[6] = {5, 6, 7, 8, 9, 11};
+    rk_chunk_policy p = {
+        .fingerprint = "00112233445566778899aabbccddeeff", .rope_theta = 10000, .rope_n_rot = 64};
+    rk_chunk_key k1 = rk_chunk_key_compute(&p, t, 6), k2 = rk_chunk_key_compute(&p, t, 6);
+    cr_assert(k1.hi == k2.hi && k1.lo == k2.lo, "same tokens, same key");
+    rk_chunk_key k3 = rk_chunk_key_compute(&p, u, 6);
+    cr_assert(k1.hi != k3.hi || k1.lo != k3.lo, "one token changed, another key");
+    rk_chunk_policy q = p;
+    q.context_system = 1;
+    rk_chunk_key k4 = rk_chunk_key_compute(&q, t, 6);
+    cr_assert(k1.hi != k4.hi || k1.lo != k4.lo, "the context is part of the key");
+    q = p;
+    q.fingerprint = "ffeeddccbbaa99887766554433221100";
+    rk_chunk_key k5 = rk_chunk_key_compute(&q, t, 6);
+    cr_assert(k1.hi != k5.hi || k1.lo != k5.lo, "the model is part of the key");
+    char hex[33];
+    rk_chunk_key_hex(k1, hex);
+    rk_chunk_key back;
+    cr_assert_eq(rk_chunk_key_parse(hex, &back), RK_OK);
+    cr_assert(back.hi == k1.hi && back.lo == k1.lo);
+    cr_assert_eq(rk_chunk_key_parse("../../etc/passwd", &back), RK_ERR_INVALID);
+}
+
+Test(chunkcache, cached_entries_are_never_modified_by_reindexing) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    rk_service *svc = open_svc(model, 0);
+    rk_req_options o = greedy_opts();
+    rk_request r;
+    run(svc, "S##The bird sang a song in the tree.##Q", &o, &r, NULL);
+    rk_chunk_key key;
+    cr_assert_eq(rk_chunk_key_parse(r.chunk_reports[0].key, &key), RK_OK);
+    rk_request_free(&r);
+    rk_chunk_entry *e = rk_chunk_index_find(svc->chunks, key);
+    cr_assert_not_null(e);
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    size_t block_bytes = (size_t)kv->block_size * kv->n_kv_heads * kv->head_dim * sizeof(float);
+    char *before = malloc(block_bytes * (size_t)e->n_blocks * kv->n_layers * 2), *p = before;
+    for (int l = 0; l < kv->n_layers; l++)
+        for (int b = 0; b < e->n_blocks; b++) {
+            memcpy(p, (char *)kv->k[l] + (size_t)e->blocks[b] * block_bytes, block_bytes),
+                p += block_bytes;
+            memcpy(p, (char *)kv->v[l] + (size_t)e->blocks[b] * block_bytes, block_bytes),
+                p += block_bytes;
+        }
+    /* Reuse it at live offset 1 and at a live offset past 1000. */
+    run(svc, "S##The bird sang a song in the tree.##Q", &o, &r, NULL);
+    rk_request_free(&r);
+    static char big[16384];
+    int n = snprintf(big, sizeof big, "%s", "A long system prompt:");
+    for (int i = 0; i < 600; i++) n += snprintf(big + n, sizeof big - (size_t)n, " and then");
+    snprintf(big + n, sizeof big - (size_t)n, "##The bird sang a song in the tree.##Q");
+    run(svc, big, &o, &r, NULL);
+    cr_assert_gt(r.chunk_reports[0].live_offset, 1000);
+    cr_assert_str_eq(r.chunk_reports[0].status, "hit");
+    rk_request_free(&r);
+    p = before;
+    for (int l = 0; l < kv->n_layers; l++)
+        for (int b = 0; b < e->n_blocks; b++) {
+            cr_assert_eq(
+                memcmp(p, (char *)kv->k[l] + (size_t)e->blocks[b] * block_bytes, block_bytes), 0);
+            p += block_bytes;
+            cr_assert_eq(
+                memcmp(p, (char *)kv->v[l] + (size_t)e->blocks[b] * block_bytes, block_bytes), 0);
+            p += block_bytes;
+        }
+    free(before);
+    rk_service_close(svc);
+    free(model);
+}
+
+/* ---------------------------------------------------------------- concurrency, pressure */
+
+Test(chunkcache, eight_requests_missing_one_chunk_compute_it_once) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    rk_service *svc = open_svc(model, 0);
+    rk_req_options o = greedy_opts();
+    rk_request reqs[8], *ptrs[8];
+    char p[256];
+    for (int i = 0; i < 8; i++) {
+        snprintf(p, sizeof p, "System.##A shared document about a small red fox.##Question %d", i);
+        cr_assert_eq(prepare(svc, p, &o, &reqs[i]), RK_OK);
+        ptrs[i] = &reqs[i];
+    }
+    cr_assert_eq(rk_pipeline_run(svc, ptrs, 8, NULL), RK_OK, "%s", rk_error_message());
+    rk_chunk_stats cs;
+    rk_chunk_index_get_stats(svc->chunks, &cs);
+    cr_assert_eq(cs.computes, 1, "the chunk was computed %llu times",
+                 (unsigned long long)cs.computes);
+    cr_assert_eq(cs.lookups, 8);
+    cr_assert_eq(cs.entries, 1);
+    for (int i = 0; i < 8; i++) {
+        cr_assert_str_eq(reqs[i].chunk_reports[0].status, "miss");
+        cr_assert_str_eq(reqs[i].chunk_reports[0].key, reqs[0].chunk_reports[0].key);
+    }
+    for (int i = 0; i < 8; i++) rk_request_free(&reqs[i]);
+    check_pools_back(svc);
+    rk_service_close(svc);
+    free(model);
+}
+
+Test(chunkcache, a_small_chunk_pool_evicts_lru_and_gives_every_block_back) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    rk_service *svc = open_svc(model, 4); /* 4 blocks of 16 tokens */
+    rk_req_options o = greedy_opts();
+    o.max_tokens = 1;
+    rk_request r;
+    /* Each chunk is 17..32 tokens: two blocks. Three such chunks cannot all stay. */
+    const char *docs[3] = {"The little red fox ran into the forest.",
+                           "A big blue whale swam in the sea.",
+                           "Three small birds sang in the tree."};
+    char p[512];
+    for (int i = 0; i < 3; i++) {
+        snprintf(p, sizeof p, "S##%s##Q", docs[i]);
+        run(svc, p, &o, &r, NULL);
+        cr_assert_eq(r.chunk_reports[0].tokens > 16 && r.chunk_reports[0].tokens <= 32, 1);
+        rk_request_free(&r);
+    }
+    rk_chunk_stats cs;
+    rk_chunk_index_get_stats(svc->chunks, &cs);
+    cr_assert_eq(cs.evictions, 1);
+    cr_assert_eq(cs.entries, 2);
+    snprintf(p, sizeof p, "S##%s##Q", docs[0]); /* the least recently used went */
+    cr_assert_str_eq(status_of(svc, p, o, 0), "miss");
+    snprintf(p, sizeof p, "S##%s##Q", docs[2]);
+    cr_assert_str_eq(status_of(svc, p, o, 0), "hit");
+    /* A request whose chunks alone need more than the pool: a clear error. */
+    snprintf(p, sizeof p, "S##%s##%s##%s##Q", docs[0], docs[1], docs[2]);
+    rk_request big;
+    cr_assert_eq(prepare(svc, p, &o, &big), RK_OK);
+    rk_request *one = &big;
+    rk_status st = rk_pipeline_run(svc, &one, 1, NULL);
+    cr_assert_eq(st, RK_ERR_EXHAUSTED);
+    cr_assert(strstr(rk_error_message(), "chunk pool") != NULL, "%s", rk_error_message());
+    rk_request_free(&big);
+    check_pools_back(svc);
+    rk_chunk_index_get_stats(svc->chunks, &cs);
+    cr_assert_eq(rk_chunk_index_flush(svc->chunks), (int)cs.entries);
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_CHUNK), 4, "every chunk block came back");
+    rk_service_close(svc);
+    free(model);
+}
+
+Test(chunkcache, referenced_entries_are_never_evicted) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    rk_service *svc = open_svc(model, 4);
+    int32_t toks[20];
+    for (int i = 0; i < 20; i++) toks[i] = 10 + i;
+    rk_chunk_entry *e1, *e2;
+    rk_chunk_lookup kind;
+    rk_chunk_key k1 = {1, 1}, k2 = {2, 2};
+    cr_assert_eq(rk_chunk_index_acquire(svc->chunks, k1, toks, 20, 0, &e1, &kind), RK_OK);
+    rk_chunk_index_ready(svc->chunks, e1);
+    cr_assert_eq(rk_chunk_index_acquire(svc->chunks, k2, toks, 20, 0, &e2, &kind), RK_OK);
+    rk_chunk_index_ready(svc->chunks, e2);
+    /* Both referenced: a third cannot get room. */
+    rk_chunk_entry *e3;
+    rk_chunk_key k3 = {3, 3};
+    cr_assert_eq(rk_chunk_index_acquire(svc->chunks, k3, toks, 20, 0, &e3, &kind),
+                 RK_ERR_EXHAUSTED);
+    cr_assert_eq(rk_chunk_index_remove(svc->chunks, k1), RK_ERR_BUSY);
+    rk_chunk_index_release(svc->chunks, e1, 0);
+    cr_assert_eq(rk_chunk_index_acquire(svc->chunks, k3, toks, 20, 0, &e3, &kind), RK_OK);
+    cr_assert_eq(kind, RK_CHUNK_MISS);
+    cr_assert_null(rk_chunk_index_find(svc->chunks, k1), "the unreferenced one was evicted");
+    rk_chunk_index_release(svc->chunks, e3, 1); /* failed computation: removed */
+    cr_assert_null(rk_chunk_index_find(svc->chunks, k3));
+    rk_chunk_index_release(svc->chunks, e2, 0);
+    rk_service_close(svc);
+    free(model);
+}
+
+/* ---------------------------------------------------------------- bad input */
+
+Test(chunkcache, bad_input_is_an_error_or_a_defined_result) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    rk_service *svc = open_svc(model, 0);
+    rk_req_options o = greedy_opts();
+    o.max_tokens = 2;
+    rk_request r;
+    cr_assert_eq(prepare(svc, "S##\xff\xfe chunk##Q", &o, &r), RK_ERR_INVALID);
+    cr_assert(strstr(rk_error_message(), "chunk 0") != NULL, "%s", rk_error_message());
+    cr_assert_eq(prepare(svc, "##", &o, &r), RK_ERR_INVALID);
+    cr_assert_eq(prepare(svc, "S##A##", &o, &r), RK_ERR_INVALID);
+    /* 10,000 empty chunks: skipped and counted. */
+    size_t n = 1 + 10001 * 2 + 1;
+    char *p = malloc(n + 1);
+    p[0] = 'S';
+    memset(p + 1, '#', 10001 * 2);
+    strcpy(p + 1 + 10001 * 2, "Q");
+    run(svc, p, &o, &r, NULL);
+    cr_assert_eq(r.n_chunks, 0);
+    cr_assert_eq(r.n_empty_chunks, 10000);
+    rk_request_free(&r);
+    free(p);
+    /* Over the chunk limit. */
+    svc->cfg.max_chunks = 2;
+    cr_assert_eq(prepare(svc, "S##a##b##c##Q", &o, &r), RK_ERR_LIMIT);
+    svc->cfg.max_chunks = 64;
+    svc->cfg.max_chunk_tokens = 4;
+    cr_assert_eq(prepare(svc, "S##a chunk that is longer than four tokens##Q", &o, &r),
+                 RK_ERR_LIMIT);
+    check_pools_back(svc);
+    rk_service_close(svc);
+    free(model);
+}
