@@ -713,6 +713,10 @@ rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
         for (int i = 0; i < n_reqs; i++) {
             rk_request *r = reqs[i];
             rk_req_state *s = r->state;
+            if (!s->done && r->cancel) {
+                r->finish_reason = "cancelled";
+                s->done = 1;
+            }
             if (s->done || (step == 0 && r->opt.max_tokens == 0)) continue;
             if (step == 0) {
                 if (s->n_qtok) {

@@ -73,6 +73,10 @@ typedef struct rk_request {
     int prompt_tokens, cached_tokens, computed_tokens;
     rk_req_timings t;
 
+    /* Set from any thread (e.g. when the client disconnects): the request stops
+     * at its next decode step with finish_reason "cancelled" and releases all it holds. */
+    _Atomic int cancel;
+
     rk_req_state *state;
 } rk_request;
 
