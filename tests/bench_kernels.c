@@ -86,7 +86,9 @@ static void bench_gemm(rk_backend *be) {
     /* where the two paths cross over: small n at the decode shape */
     printf("  small n at k=1024 m=3072 (path: mv = matvec kernel, blas = sgemm):\n");
     printf("  %6s %6s %12s %12s %12s\n", "n", "path", "F32 ms", "BF16 ms", "sgemm ms");
-    for (int nn = 1; nn <= 16; nn *= 2) {
+    const int small_n[7] = {1, 2, 4, 8, 16, 24, 32};
+    for (int ni = 0; ni < 7; ni++) {
+        int nn = small_n[ni];
         double tf, tb, ts;
         TIME_BEST(10, tf, check(be->ops->matmul(be, y, x, w, RK_DTYPE_F32, nn, k, m), "matmul"));
         TIME_BEST(10, tb, check(be->ops->matmul(be, y, x, wb, RK_DTYPE_BF16, nn, k, m), "matmul"));

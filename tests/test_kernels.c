@@ -293,7 +293,7 @@ Test(matmul, both_paths_are_chosen_from_the_shape) {
 Test(matmul, matches_a_double_reference_and_is_thread_count_independent) {
     rk_backend *bes[3] = {make_backend(1), make_backend(2), make_backend(3)};
     const int ns[] = {1, 3, 17, 64};
-    const int ks[] = {67, 1029};
+    const int ks[] = {91, 1029}; /* 2 x 32 + 3 x 8 + 3 and 32 x 32 + 5 */
     const int ms[] = {37, 131};
     const rk_dtype ts[] = {RK_DTYPE_F32, RK_DTYPE_F16, RK_DTYPE_BF16};
     for (int a = 0; a < 4; a++)
@@ -914,6 +914,15 @@ Test(attention, prefill_batches_are_bit_identical_to_contiguous_and_match_double
             free(check_fixture(be, &f, what));
             fixture_free(&f);
         }
+    /* head_dim 20 and 44: dims past the last multiple of 8 take the scalar tail */
+    for (int hd = 20; hd <= 44; hd += 24) {
+        seq_spec specs[3] = {{9, 9}, {3, 700}, {1, 530}};
+        fixture f;
+        fixture_build(&f, be, specs, 3, 3, 2, hd, 16, RK_DTYPE_F32);
+        snprintf(what, sizeof what, "prefill hd=%d", hd);
+        free(check_fixture(be, &f, what));
+        fixture_free(&f);
+    }
     /* one long prefill: every row of a 257-token sequence, and 33 rows at 4095 */
     for (size_t b = 0; b < 3; b++) {
         seq_spec specs[2] = {{257, 257}, {33, 4095}};
