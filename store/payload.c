@@ -1,0 +1,341 @@
+/* store/payload.c — the KV payload file: format, durable write, checked read.
+ *
+ * A payload file is a fixed 160-byte header, the token ids, then the body.
+ * All integers are little-endian.
+ *
+ *   offset size  field
+ *        0    4  magic "RKKV"
+ *        4    4  u32 format version (1)
+ *        8    4  u32 header size (160)
+ *       12    4  u32 flags (0)
+ *       16   32  model fingerprint, 32 lowercase hex characters, no NUL
+ *       48   32  key, 32 lowercase hex characters, no NUL
+ *       80    4  u32 n_tokens (>= 1)
+ *       84   24  i32 n_layers, n_kv_heads, head_dim, dtype, block_size, base_pos
+ *      108    4  reserved (0)
+ *      112    8  u64 body size in bytes
+ *      120   16  XXH3-128 of the bytes after the header (token ids then body),
+ *                canonical form (big-endian high64 then low64)
+ *      136   16  reserved (0)
+ *      152    8  u64 XXH3-64 of header bytes [0, 152)
+ *      160       i32 token ids (n_tokens of them)
+ *  160+4*n       body (body size bytes)
+ *
+ * The file size is therefore exactly 160 + 4 * n_tokens + body size, which the
+ * row records as n_bytes. A reader checks, in order: the size against the
+ * row, the magic, version, header size and flags, the header checksum, the
+ * fingerprint, key, token count, body size and checksum against the row, and
+ * finally the checksum over the rest of the file. Nothing read from the file
+ * is used to size an allocation before the file size has confirmed it. */
+#include "store/payload.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
+
+#if !defined(__BYTE_ORDER__) || __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "store/payload.c writes token ids in host order and assumes a little-endian host"
+#endif
+
+_Static_assert(RK_STORE_HEADER_BYTES == 160, "payload header is 160 bytes");
+
+enum {
+    OFF_MAGIC = 0,
+    OFF_VERSION = 4,
+    OFF_HSIZE = 8,
+    OFF_FLAGS = 12,
+    OFF_FP = 16,
+    OFF_KEY = 48,
+    OFF_NTOK = 80,
+    OFF_LAYOUT = 84,
+    OFF_BODY_SIZE = 112,
+    OFF_SUM = 120,
+    OFF_HSUM = 152,
+    FORMAT_VERSION = 1,
+    READ_CHUNK = 1 << 20,
+};
+
+static const char k_magic[4] = {'R', 'K', 'K', 'V'};
+
+/* ---------------------------------------------------------------- helpers */
+
+static void put_u32(uint8_t *p, uint32_t v) {
+    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void put_u64(uint8_t *p, uint64_t v) {
+    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint32_t get_u32(const uint8_t *p) {
+    uint32_t v = 0;
+    for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+    return v;
+}
+
+static uint64_t get_u64(const uint8_t *p) {
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+uint64_t rk_payload_file_bytes(uint64_t n_tokens, uint64_t body_size) {
+    return RK_STORE_HEADER_BYTES + 4 * n_tokens + body_size;
+}
+
+void rk_payload_checksum(const int32_t *tokens, size_t n_tokens, const void *body, size_t body_size,
+                         uint8_t out[16]) {
+    XXH3_state_t st;
+    XXH3_128bits_reset(&st);
+    XXH3_128bits_update(&st, tokens, n_tokens * sizeof(int32_t));
+    if (body_size) XXH3_128bits_update(&st, body, body_size);
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, XXH3_128bits_digest(&st));
+    memcpy(out, c.digest, 16);
+}
+
+void rk_payload_checksum_hex(const uint8_t sum[16], char out[RK_STORE_KEY_LEN + 1]) {
+    static const char hex[] = "0123456789abcdef";
+    for (int i = 0; i < 16; i++) {
+        out[2 * i] = hex[sum[i] >> 4];
+        out[2 * i + 1] = hex[sum[i] & 15];
+    }
+    out[RK_STORE_KEY_LEN] = '\0';
+}
+
+static void encode_header(const rk_payload_header *h, uint8_t b[RK_STORE_HEADER_BYTES]) {
+    memset(b, 0, RK_STORE_HEADER_BYTES);
+    memcpy(b + OFF_MAGIC, k_magic, 4);
+    put_u32(b + OFF_VERSION, FORMAT_VERSION);
+    put_u32(b + OFF_HSIZE, RK_STORE_HEADER_BYTES);
+    memcpy(b + OFF_FP, h->fingerprint, RK_STORE_KEY_LEN);
+    memcpy(b + OFF_KEY, h->key, RK_STORE_KEY_LEN);
+    put_u32(b + OFF_NTOK, h->n_tokens);
+    const int32_t lay[6] = {h->layout.n_layers, h->layout.n_kv_heads, h->layout.head_dim,
+                            h->layout.dtype,    h->layout.block_size, h->layout.base_pos};
+    for (int i = 0; i < 6; i++) put_u32(b + OFF_LAYOUT + 4 * i, (uint32_t)lay[i]);
+    put_u64(b + OFF_BODY_SIZE, h->body_size);
+    memcpy(b + OFF_SUM, h->checksum, 16);
+    put_u64(b + OFF_HSUM, XXH3_64bits(b, OFF_HSUM));
+}
+
+/* Decode and check the header bytes of path against e. */
+static rk_status decode_header(const char *path, const uint8_t b[RK_STORE_HEADER_BYTES],
+                               const rk_payload_expect *e, rk_payload_header *h) {
+    if (memcmp(b + OFF_MAGIC, k_magic, 4) != 0)
+        return rk_errorf(RK_ERR_FORMAT, "%s: bad magic (not a ragkv payload)", path);
+    uint32_t version = get_u32(b + OFF_VERSION);
+    if (version != FORMAT_VERSION)
+        return rk_errorf(RK_ERR_FORMAT, "%s: payload format version %u, expected %d", path, version,
+                         FORMAT_VERSION);
+    if (get_u32(b + OFF_HSIZE) != RK_STORE_HEADER_BYTES || get_u32(b + OFF_FLAGS) != 0)
+        return rk_errorf(RK_ERR_FORMAT, "%s: bad header size or flags", path);
+    if (get_u64(b + OFF_HSUM) != XXH3_64bits(b, OFF_HSUM))
+        return rk_errorf(RK_ERR_FORMAT, "%s: header checksum mismatch", path);
+    memset(h, 0, sizeof *h);
+    memcpy(h->fingerprint, b + OFF_FP, RK_STORE_KEY_LEN);
+    memcpy(h->key, b + OFF_KEY, RK_STORE_KEY_LEN);
+    h->n_tokens = get_u32(b + OFF_NTOK);
+    int32_t lay[6];
+    for (int i = 0; i < 6; i++) lay[i] = (int32_t)get_u32(b + OFF_LAYOUT + 4 * i);
+    h->layout = (rk_store_layout){lay[0], lay[1], lay[2], lay[3], lay[4], lay[5]};
+    h->body_size = get_u64(b + OFF_BODY_SIZE);
+    memcpy(h->checksum, b + OFF_SUM, 16);
+
+    if (strcmp(h->fingerprint, e->fingerprint) != 0)
+        return rk_errorf(RK_ERR_FORMAT, "%s: written for another model than the row's %s", path,
+                         e->fingerprint);
+    if (strcmp(h->key, e->key) != 0)
+        return rk_errorf(RK_ERR_FORMAT, "%s: header key does not match the row", path);
+    if ((int64_t)h->n_tokens != e->n_tokens)
+        return rk_errorf(RK_ERR_FORMAT, "%s: header has %u tokens, row says %lld", path,
+                         h->n_tokens, (long long)e->n_tokens);
+    /* body_size comes from the file: compare without overflowing */
+    uint64_t fixed = rk_payload_file_bytes(h->n_tokens, 0);
+    if (e->n_bytes < fixed || h->body_size != e->n_bytes - fixed)
+        return rk_errorf(RK_ERR_FORMAT, "%s: header body size %llu does not fit the file size %llu",
+                         path, (unsigned long long)h->body_size, (unsigned long long)e->n_bytes);
+    char hex[RK_STORE_KEY_LEN + 1];
+    rk_payload_checksum_hex(h->checksum, hex);
+    if (strcmp(hex, e->checksum_hex) != 0)
+        return rk_errorf(RK_ERR_FORMAT, "%s: header checksum %s does not match the row's %s", path,
+                         hex, e->checksum_hex);
+    return RK_OK;
+}
+
+static rk_status write_all(int fd, const void *buf, size_t n, const char *path) {
+    const uint8_t *p = buf;
+    while (n > 0) {
+        size_t step = n > (1u << 30) ? (1u << 30) : n;
+        ssize_t w = write(fd, p, step);
+        if (w < 0 && errno == EINTR) continue;
+        if (w < 0) return rk_errorf(RK_ERR_IO, "%s: write: %s", path, strerror(errno));
+        if (w == 0) return rk_errorf(RK_ERR_IO, "%s: write: no progress", path);
+        p += w;
+        n -= (size_t)w;
+    }
+    return RK_OK;
+}
+
+/* Read exactly n bytes; a short file is a bad payload (RK_ERR_FORMAT). */
+static rk_status read_all(int fd, void *buf, size_t n, const char *path) {
+    uint8_t *p = buf;
+    while (n > 0) {
+        size_t step = n > (1u << 30) ? (1u << 30) : n;
+        ssize_t r = read(fd, p, step);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return rk_errorf(RK_ERR_IO, "%s: read: %s", path, strerror(errno));
+        if (r == 0) return rk_errorf(RK_ERR_FORMAT, "%s: truncated while reading", path);
+        p += r;
+        n -= (size_t)r;
+    }
+    return RK_OK;
+}
+
+static rk_status fsync_dir(const char *dir_path) {
+    int fd = open(dir_path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return rk_errorf(RK_ERR_IO, "%s: open directory: %s", dir_path, strerror(errno));
+    int rc = fsync(fd);
+    int err = errno;
+    close(fd);
+    if (rc != 0) return rk_errorf(RK_ERR_IO, "%s: fsync directory: %s", dir_path, strerror(err));
+    return RK_OK;
+}
+
+/* ---------------------------------------------------------------- write */
+
+rk_status rk_payload_write(const char *tmp_path, const char *final_path, const char *dir_path,
+                           const rk_payload_header *h, const int32_t *tokens, const void *body) {
+    uint8_t hdr[RK_STORE_HEADER_BYTES];
+    encode_header(h, hdr);
+    int fd = open(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) return rk_errorf(RK_ERR_IO, "%s: create: %s", tmp_path, strerror(errno));
+    rk_status st = write_all(fd, hdr, sizeof hdr, tmp_path);
+    if (st == RK_OK) st = write_all(fd, tokens, (size_t)h->n_tokens * sizeof(int32_t), tmp_path);
+    if (st == RK_OK && h->body_size) st = write_all(fd, body, (size_t)h->body_size, tmp_path);
+    if (st == RK_OK && fsync(fd) != 0)
+        st = rk_errorf(RK_ERR_IO, "%s: fsync: %s", tmp_path, strerror(errno));
+    if (close(fd) != 0 && st == RK_OK)
+        st = rk_errorf(RK_ERR_IO, "%s: close: %s", tmp_path, strerror(errno));
+    if (st != RK_OK) {
+        unlink(tmp_path);
+        return st;
+    }
+    if (rename(tmp_path, final_path) != 0) {
+        st = rk_errorf(RK_ERR_IO, "%s: rename: %s", final_path, strerror(errno));
+        unlink(tmp_path);
+        return st;
+    }
+    st = fsync_dir(dir_path);
+    if (st != RK_OK) unlink(final_path);
+    return st;
+}
+
+/* ---------------------------------------------------------------- read */
+
+/* Open path and check its size and header against e. On RK_OK *out_fd is
+ * positioned right after the header. */
+static rk_status open_checked(const char *path, const rk_payload_expect *e, rk_payload_header *h,
+                              int *out_fd) {
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+        if (errno == ENOENT || errno == ENOTDIR)
+            return rk_errorf(RK_ERR_FORMAT, "%s: payload file missing", path);
+        return rk_errorf(RK_ERR_IO, "%s: open: %s", path, strerror(errno));
+    }
+    struct stat sb;
+    rk_status st = RK_OK;
+    if (fstat(fd, &sb) != 0)
+        st = rk_errorf(RK_ERR_IO, "%s: stat: %s", path, strerror(errno));
+    else if (!S_ISREG(sb.st_mode))
+        st = rk_errorf(RK_ERR_FORMAT, "%s: not a regular file", path);
+    else if ((uint64_t)sb.st_size != e->n_bytes)
+        st = rk_errorf(RK_ERR_FORMAT, "%s: %s (%lld bytes, row says %llu)", path,
+                       (uint64_t)sb.st_size < e->n_bytes ? "truncated" : "too long",
+                       (long long)sb.st_size, (unsigned long long)e->n_bytes);
+    else if (e->n_bytes < RK_STORE_HEADER_BYTES)
+        st = rk_errorf(RK_ERR_FORMAT, "%s: shorter than a header", path);
+    uint8_t hdr[RK_STORE_HEADER_BYTES];
+    if (st == RK_OK) st = read_all(fd, hdr, sizeof hdr, path);
+    if (st == RK_OK) st = decode_header(path, hdr, e, h);
+    if (st != RK_OK) {
+        close(fd);
+        return st;
+    }
+    *out_fd = fd;
+    return RK_OK;
+}
+
+static rk_status checksum_matches(const char *path, const rk_payload_header *h,
+                                  const uint8_t sum[16]) {
+    if (memcmp(sum, h->checksum, 16) == 0) return RK_OK;
+    return rk_errorf(RK_ERR_FORMAT, "%s: checksum mismatch (token ids or body corrupt)", path);
+}
+
+rk_status rk_payload_check(const char *path, const rk_payload_expect *e, int full) {
+    rk_payload_header h;
+    int fd = -1;
+    rk_status st = open_checked(path, e, &h, &fd);
+    if (st != RK_OK || !full) {
+        if (fd >= 0) close(fd);
+        return st;
+    }
+    uint8_t *buf = malloc(READ_CHUNK);
+    if (!buf) {
+        close(fd);
+        return rk_errorf(RK_ERR_NOMEM, "%s: no memory for a read buffer", path);
+    }
+    XXH3_state_t xs;
+    XXH3_128bits_reset(&xs);
+    uint64_t left = e->n_bytes - RK_STORE_HEADER_BYTES;
+    while (st == RK_OK && left > 0) {
+        size_t n = left > READ_CHUNK ? READ_CHUNK : (size_t)left;
+        st = read_all(fd, buf, n, path);
+        if (st == RK_OK) XXH3_128bits_update(&xs, buf, n);
+        left -= n;
+    }
+    free(buf);
+    close(fd);
+    if (st != RK_OK) return st;
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, XXH3_128bits_digest(&xs));
+    return checksum_matches(path, &h, c.digest);
+}
+
+rk_status rk_payload_read(const char *path, const rk_payload_expect *e, rk_payload_header *out_h,
+                          int32_t **out_tokens, void **out_body) {
+    rk_payload_header h;
+    int fd = -1;
+    rk_status st = open_checked(path, e, &h, &fd);
+    if (st != RK_OK) return st;
+    /* Sizes are confirmed by the file size now. */
+    size_t tok_bytes = (size_t)h.n_tokens * sizeof(int32_t);
+    int32_t *tokens = malloc(tok_bytes);
+    void *body = h.body_size ? malloc((size_t)h.body_size) : NULL;
+    if (!tokens || (h.body_size && !body))
+        st = rk_errorf(RK_ERR_NOMEM, "%s: no memory for a %llu-byte payload", path,
+                       (unsigned long long)e->n_bytes);
+    if (st == RK_OK) st = read_all(fd, tokens, tok_bytes, path);
+    if (st == RK_OK && body) st = read_all(fd, body, (size_t)h.body_size, path);
+    close(fd);
+    if (st == RK_OK) {
+        uint8_t sum[16];
+        rk_payload_checksum(tokens, h.n_tokens, body, (size_t)h.body_size, sum);
+        st = checksum_matches(path, &h, sum);
+    }
+    if (st != RK_OK) {
+        free(tokens);
+        free(body);
+        return st;
+    }
+    *out_h = h;
+    *out_tokens = tokens;
+    *out_body = body;
+    return RK_OK;
+}

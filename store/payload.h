@@ -1,0 +1,60 @@
+/* store/payload.h — private to store/: reading, writing and checking KV
+ * payload files. The format is documented at the top of store/payload.c. */
+#ifndef RK_STORE_PAYLOAD_H
+#define RK_STORE_PAYLOAD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "config/config.h"
+#include "store/store.h"
+
+/* The fields of a payload header. */
+typedef struct rk_payload_header {
+    char fingerprint[RK_STORE_KEY_LEN + 1];
+    char key[RK_STORE_KEY_LEN + 1];
+    uint32_t n_tokens;
+    rk_store_layout layout;
+    uint64_t body_size;
+    uint8_t checksum[16]; /* XXH3-128 of token ids + body, canonical (big-endian) */
+} rk_payload_header;
+
+/* What a reader expects, from the row that names the file. */
+typedef struct rk_payload_expect {
+    const char *key;
+    const char *fingerprint;
+    const char *checksum_hex; /* 32 hex */
+    int64_t n_tokens;
+    uint64_t n_bytes; /* file size */
+} rk_payload_expect;
+
+/* Size of the payload file for n_tokens token ids and body_size body bytes. */
+uint64_t rk_payload_file_bytes(uint64_t n_tokens, uint64_t body_size);
+
+/* Compute the XXH3-128 checksum of tokens(n_tokens) followed by the body. */
+void rk_payload_checksum(const int32_t *tokens, size_t n_tokens, const void *body, size_t body_size,
+                         uint8_t out[16]);
+
+/* Write the 32-hex form of a checksum (and a NUL) into out. */
+void rk_payload_checksum_hex(const uint8_t sum[16], char out[RK_STORE_KEY_LEN + 1]);
+
+/* Write header, tokens and body to tmp_path, fsync it, rename it to
+ * final_path and fsync dir_path (the directory holding both). On failure no
+ * file is left at either name and an RK_ERR_IO message says what failed. */
+rk_status rk_payload_write(const char *tmp_path, const char *final_path, const char *dir_path,
+                           const rk_payload_header *h, const int32_t *tokens, const void *body);
+
+/* Check the file at path against e: its size, its header and (when full is
+ * set) the checksum of everything after the header. Returns RK_OK when good,
+ * RK_ERR_FORMAT when the payload is bad (missing, truncated, mismatched,
+ * corrupt: the message says which), RK_ERR_IO when it cannot be read for
+ * another reason, RK_ERR_NOMEM. */
+rk_status rk_payload_check(const char *path, const rk_payload_expect *e, int full);
+
+/* Read and fully verify the file at path against e, returning the header and
+ * malloc'ed token ids (e->n_tokens) and body (NULL when empty) that the caller
+ * frees. Statuses as rk_payload_check; on failure nothing is returned. */
+rk_status rk_payload_read(const char *path, const rk_payload_expect *e, rk_payload_header *out_h,
+                          int32_t **out_tokens, void **out_body);
+
+#endif

@@ -1,0 +1,1214 @@
+/* tests/test_store.c — the persistent chunk store on real files: round trips
+ * across a restart, listing and counters, every kind of corruption (found at
+ * open and at load, never served), other models' rows, hostile keys, write
+ * failures (read-only directory, file size limit), SIGKILL in the middle of
+ * writes, the disk budget, batches and schema versions. */
+#include <criterion/criterion.h>
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <signal.h>
+#include <sqlite3.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "store/store.h"
+#include "tests/testutil.h"
+
+#define FP_A "0123456789abcdef0123456789abcdef"
+#define FP_B "fedcba9876543210fedcba9876543210"
+
+#define ASSERT_OK(expr)                                                                            \
+    do {                                                                                           \
+        rk_status st__ = (expr);                                                                   \
+        cr_assert_eq(st__, RK_OK, "%s: %s (%s)", #expr, rk_status_str(st__), rk_error_message());  \
+    } while (0)
+
+/* snprintf into a char array, failing the test when the path does not fit. */
+#define PATHF(buf, ...) cr_assert(snprintf(buf, sizeof buf, __VA_ARGS__) < (int)sizeof buf)
+
+/* ---------------------------------------------------------------- fixtures */
+
+static uint64_t mix(uint64_t x) {
+    x += 0x9e3779b97f4a7c15ull;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+/* A chunk whose every byte follows from its seed. */
+typedef struct chunk {
+    char key[RK_STORE_KEY_LEN + 1];
+    char doc_id[32];
+    rk_store_layout layout;
+    int32_t n_tokens;
+    int32_t *tokens;
+    uint8_t *body;
+    size_t body_size;
+} chunk;
+
+static void make_key(uint64_t seed, char out[RK_STORE_KEY_LEN + 1]) {
+    snprintf(out, RK_STORE_KEY_LEN + 1, "%016llx%016llx", (unsigned long long)mix(seed),
+             (unsigned long long)mix(seed ^ 0x5555));
+}
+
+static void chunk_make(chunk *c, uint64_t seed, int32_t n_tokens, size_t body_size) {
+    memset(c, 0, sizeof *c);
+    make_key(seed, c->key);
+    snprintf(c->doc_id, sizeof c->doc_id, "doc-%llu", (unsigned long long)seed);
+    c->layout = (rk_store_layout){.n_layers = 2 + (int)(seed % 5),
+                                  .n_kv_heads = 4,
+                                  .head_dim = 64,
+                                  .dtype = 1,
+                                  .block_size = 16,
+                                  .base_pos = (int)(seed % 7)};
+    c->n_tokens = n_tokens;
+    c->tokens = malloc((size_t)n_tokens * sizeof *c->tokens);
+    cr_assert_not_null(c->tokens);
+    for (int i = 0; i < n_tokens; i++) c->tokens[i] = (int32_t)(mix(seed * 1000003 + i) % 150000);
+    c->body_size = body_size;
+    c->body = body_size ? malloc(body_size) : NULL;
+    cr_assert(body_size == 0 || c->body);
+    uint64_t x = seed;
+    for (size_t i = 0; i < body_size; i++) {
+        if (i % 8 == 0) x = mix(x);
+        c->body[i] = (uint8_t)(x >> (8 * (i % 8)));
+    }
+}
+
+static void chunk_free(chunk *c) {
+    free(c->tokens);
+    free(c->body);
+    memset(c, 0, sizeof *c);
+}
+
+static uint64_t chunk_file_bytes(const chunk *c) {
+    return RK_STORE_HEADER_BYTES + 4 * (uint64_t)c->n_tokens + c->body_size;
+}
+
+static rk_store_put_args chunk_args(const chunk *c) {
+    return (rk_store_put_args){.key = c->key,
+                               .policy = "isolated",
+                               .doc_id = c->doc_id,
+                               .layout = c->layout,
+                               .tokens = c->tokens,
+                               .n_tokens = c->n_tokens,
+                               .body = c->body,
+                               .body_size = c->body_size};
+}
+
+static rk_status put_chunk(rk_store *s, const chunk *c) {
+    rk_store_put_args a = chunk_args(c);
+    return rk_store_put(s, &a);
+}
+
+/* Load c's key and check every byte, the layout and the metadata. */
+static void expect_chunk(rk_store *s, const chunk *c) {
+    rk_store_payload p;
+    rk_status st = rk_store_get(s, c->key, &p);
+    cr_assert_eq(st, RK_OK, "get %s: %s", c->key, rk_error_message());
+    cr_assert_str_eq(p.meta.key, c->key);
+    cr_assert_str_eq(p.meta.model, FP_A);
+    cr_assert_str_eq(p.meta.policy, "isolated");
+    cr_assert_str_eq(p.meta.doc_id, c->doc_id);
+    cr_assert_eq(p.meta.n_tokens, c->n_tokens);
+    cr_assert_eq(p.meta.n_bytes, chunk_file_bytes(c));
+    cr_assert_eq(memcmp(&p.layout, &c->layout, sizeof p.layout), 0, "layout differs");
+    cr_assert_eq(memcmp(p.tokens, c->tokens, (size_t)c->n_tokens * 4), 0, "tokens differ");
+    cr_assert_eq(p.body_size, c->body_size);
+    if (c->body_size) cr_assert_eq(memcmp(p.body, c->body, c->body_size), 0, "body differs");
+    rk_store_payload_free(&p);
+    cr_assert_null(p.tokens);
+}
+
+static rk_store *open_store(const char *dir, const char *fp, int verify_on_open) {
+    rk_store_options o;
+    rk_store_options_default(&o);
+    o.verify_on_open = verify_on_open;
+    rk_store *s = NULL;
+    ASSERT_OK(rk_store_open(dir, fp, &o, &s));
+    return s;
+}
+
+static rk_store_counters stats_of(rk_store *s) {
+    rk_store_counters c;
+    ASSERT_OK(rk_store_stats(s, &c));
+    return c;
+}
+
+static int present(rk_store *s, const char *key) {
+    int p = -1;
+    ASSERT_OK(rk_store_contains(s, key, &p));
+    return p;
+}
+
+static char *payload_path(rk_store *s, const char *key) {
+    static char path[4096];
+    ASSERT_OK(rk_store_payload_path(s, key, path, sizeof path));
+    return path;
+}
+
+static int file_exists(const char *path) {
+    struct stat sb;
+    return stat(path, &sb) == 0;
+}
+
+/* Count files under dir/kv whose names end in suffix. */
+static int count_files(const char *dir, const char *suffix) {
+    char kv[4096];
+    snprintf(kv, sizeof kv, "%s/kv", dir);
+    DIR *top = opendir(kv);
+    if (!top) return 0;
+    int n = 0;
+    struct dirent *d;
+    while ((d = readdir(top)) != NULL) {
+        if (d->d_name[0] == '.') continue;
+        char sub[4200];
+        PATHF(sub, "%s/%s", kv, d->d_name);
+        DIR *dd = opendir(sub);
+        if (!dd) continue;
+        struct dirent *f;
+        while ((f = readdir(dd)) != NULL) {
+            if (f->d_name[0] == '.') continue;
+            size_t len = strlen(f->d_name), ls = strlen(suffix);
+            if (len > ls && strcmp(f->d_name + len - ls, suffix) == 0) n++;
+        }
+        closedir(dd);
+    }
+    closedir(top);
+    return n;
+}
+
+static int rm_one(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
+    (void)sb;
+    (void)flag;
+    (void)ftw;
+    return remove(path);
+}
+
+/* Remove a test directory once the test has passed. */
+static void rm_rf(char *dir) {
+    nftw(dir, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+    free(dir);
+}
+
+static void flip_byte(const char *path, long offset) {
+    FILE *f = fopen(path, "r+b");
+    cr_assert_not_null(f, "%s: %s", path, strerror(errno));
+    cr_assert_eq(fseek(f, offset, SEEK_SET), 0);
+    int ch = fgetc(f);
+    cr_assert_neq(ch, EOF);
+    cr_assert_eq(fseek(f, offset, SEEK_SET), 0);
+    fputc(ch ^ 0x40, f);
+    cr_assert_eq(fclose(f), 0);
+}
+
+static void sql_on(const char *dir, const char *sql) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/chunks.db", dir);
+    sqlite3 *db = NULL;
+    cr_assert_eq(sqlite3_open(path, &db), SQLITE_OK);
+    char *err = NULL;
+    cr_assert_eq(sqlite3_exec(db, sql, NULL, NULL, &err), SQLITE_OK, "%s: %s", sql,
+                 err ? err : "?");
+    sqlite3_close(db);
+}
+
+static long long sql_int_on(const char *dir, const char *sql) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/chunks.db", dir);
+    sqlite3 *db = NULL;
+    sqlite3_stmt *q = NULL;
+    cr_assert_eq(sqlite3_open(path, &db), SQLITE_OK);
+    cr_assert_eq(sqlite3_prepare_v2(db, sql, -1, &q, NULL), SQLITE_OK, "%s", sqlite3_errmsg(db));
+    cr_assert_eq(sqlite3_step(q), SQLITE_ROW);
+    long long v = sqlite3_column_int64(q, 0);
+    sqlite3_finalize(q);
+    sqlite3_close(db);
+    return v;
+}
+
+/* ---------------------------------------------------------------- round trips */
+
+Test(store, put_survives_a_restart_with_identical_bytes) {
+    char *dir = rk_test_tmpdir("store-restart");
+    chunk c[3];
+    chunk_make(&c[0], 1, 512, 1 << 20);
+    chunk_make(&c[1], 2, 1, 0); /* one token, empty body */
+    chunk_make(&c[2], 3, 77, 12345);
+    rk_store *s = open_store(dir, FP_A, 1);
+    for (int i = 0; i < 3; i++) ASSERT_OK(put_chunk(s, &c[i]));
+    rk_store_close(s);
+
+    s = open_store(dir, FP_A, 1);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.rows, 3);
+    cr_assert_eq(st.dropped_on_recovery, 0);
+    cr_assert_eq(st.orphans_removed, 0);
+    for (int i = 0; i < 3; i++) expect_chunk(s, &c[i]);
+
+    /* the file starts with the magic and has exactly header + tokens + body bytes */
+    const char *path = payload_path(s, c[2].key);
+    size_t len = 0;
+    char *raw = rk_test_read_file(path, &len);
+    cr_assert_not_null(raw);
+    cr_assert_eq(memcmp(raw, "RKKV", 4), 0);
+    cr_assert_eq(len, 160 + 4 * 77 + 12345);
+    cr_assert_eq(memcmp(raw + 160, c[2].tokens, 4 * 77), 0);
+    free(raw);
+    char want_tail[80];
+    snprintf(want_tail, sizeof want_tail, "/kv/%.2s/%s.kv", c[2].key, c[2].key);
+    cr_assert(strstr(path, want_tail), "payload path %s", path);
+
+    rk_store_close(s);
+    for (int i = 0; i < 3; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
+
+Test(store, put_of_an_existing_key_is_idempotent) {
+    char *dir = rk_test_tmpdir("store-idem");
+    chunk c, other;
+    chunk_make(&c, 10, 32, 1000);
+    chunk_make(&other, 11, 40, 2000);
+    memcpy(other.key, c.key, sizeof c.key); /* same key, different content */
+    rk_store *s = open_store(dir, FP_A, 1);
+    ASSERT_OK(put_chunk(s, &c));
+    ASSERT_OK(put_chunk(s, &c));
+    ASSERT_OK(put_chunk(s, &other));
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.rows, 1);
+    cr_assert_eq(st.writes, 1);
+    cr_assert_eq(count_files(dir, ".kv"), 1);
+    expect_chunk(s, &c); /* the first row and file are kept */
+    rk_store_close(s);
+    chunk_free(&c);
+    chunk_free(&other);
+    rm_rf(dir);
+}
+
+Test(store, list_sorts_by_hits_and_by_recent_access) {
+    char *dir = rk_test_tmpdir("store-list");
+    chunk c[3];
+    rk_store *s = open_store(dir, FP_A, 1);
+    for (int i = 0; i < 3; i++) {
+        chunk_make(&c[i], 20 + (uint64_t)i, 8, 100);
+        ASSERT_OK(put_chunk(s, &c[i]));
+    }
+    rk_store_payload p;
+    for (int i = 0; i < 3; i++) {
+        ASSERT_OK(rk_store_get(s, c[1].key, &p));
+        rk_store_payload_free(&p);
+    }
+    ASSERT_OK(rk_store_get(s, c[0].key, &p));
+    rk_store_payload_free(&p);
+
+    rk_store_entry *v = NULL;
+    int n = 0;
+    ASSERT_OK(rk_store_list(s, RK_STORE_SORT_HITS, 0, 0, &v, &n));
+    cr_assert_eq(n, 3);
+    cr_assert_str_eq(v[0].key, c[1].key);
+    cr_assert_eq(v[0].hits, 3);
+    cr_assert_str_eq(v[1].key, c[0].key);
+    cr_assert_eq(v[1].hits, 1);
+    cr_assert_str_eq(v[2].key, c[2].key);
+    cr_assert_eq(v[2].hits, 0);
+    cr_assert_str_eq(v[2].doc_id, c[2].doc_id);
+    cr_assert_eq(v[2].n_bytes, 160 + 32 + 100);
+    free(v);
+
+    ASSERT_OK(rk_store_list(s, RK_STORE_SORT_RECENT, 0, 0, &v, &n));
+    cr_assert_eq(n, 3);
+    cr_assert_str_eq(v[0].key, c[0].key); /* read last */
+    cr_assert_str_eq(v[1].key, c[1].key);
+    cr_assert_str_eq(v[2].key, c[2].key); /* written last, never read */
+    cr_assert(v[0].last_access > v[1].last_access && v[1].last_access > v[2].last_access);
+    free(v);
+
+    ASSERT_OK(rk_store_list(s, RK_STORE_SORT_HITS, 1, 1, &v, &n));
+    cr_assert_eq(n, 1);
+    cr_assert_str_eq(v[0].key, c[0].key);
+    free(v);
+    ASSERT_OK(rk_store_list(s, RK_STORE_SORT_HITS, 10, 3, &v, &n));
+    cr_assert_eq(n, 0);
+    cr_assert_null(v);
+
+    rk_store_entry e;
+    ASSERT_OK(rk_store_lookup(s, c[1].key, &e));
+    cr_assert_eq(e.hits, 3);
+    cr_assert_str_eq(e.policy, "isolated");
+    rk_store_close(s);
+    for (int i = 0; i < 3; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
+
+Test(store, delete_removes_row_and_file) {
+    char *dir = rk_test_tmpdir("store-delete");
+    chunk a, b;
+    chunk_make(&a, 30, 16, 500);
+    chunk_make(&b, 31, 16, 500);
+    rk_store *s = open_store(dir, FP_A, 1);
+    ASSERT_OK(put_chunk(s, &a));
+    ASSERT_OK(put_chunk(s, &b));
+    char path[4096];
+    snprintf(path, sizeof path, "%s", payload_path(s, a.key));
+    cr_assert(file_exists(path));
+    ASSERT_OK(rk_store_delete(s, a.key));
+    cr_assert_eq(present(s, a.key), 0);
+    cr_assert(!file_exists(path));
+    rk_store_payload p;
+    cr_assert_eq(rk_store_get(s, a.key, &p), RK_ERR_NOT_FOUND);
+    cr_assert_eq(rk_store_delete(s, a.key), RK_ERR_NOT_FOUND);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.deletes, 1);
+    cr_assert_eq(st.rows, 1);
+    expect_chunk(s, &b);
+    rk_store_close(s);
+    chunk_free(&a);
+    chunk_free(&b);
+    rm_rf(dir);
+}
+
+Test(store, stats_counters_are_exact) {
+    char *dir = rk_test_tmpdir("store-stats");
+    chunk c[3];
+    chunk_make(&c[0], 40, 10, 1000); /* 160 + 40 + 1000 = 1200 bytes */
+    chunk_make(&c[1], 41, 20, 2000); /* 2240 */
+    chunk_make(&c[2], 42, 30, 3000); /* 3280 */
+    rk_store *s = open_store(dir, FP_A, 1);
+    for (int i = 0; i < 3; i++) ASSERT_OK(put_chunk(s, &c[i]));
+    ASSERT_OK(put_chunk(s, &c[0])); /* idempotent: no write */
+    rk_store_payload p;
+    ASSERT_OK(rk_store_get(s, c[1].key, &p));
+    rk_store_payload_free(&p);
+    ASSERT_OK(rk_store_get(s, c[1].key, &p));
+    rk_store_payload_free(&p);
+    ASSERT_OK(rk_store_get(s, c[2].key, &p));
+    rk_store_payload_free(&p);
+    ASSERT_OK(rk_store_delete(s, c[0].key));
+    char missing[33];
+    make_key(999, missing);
+    cr_assert_eq(rk_store_get(s, missing, &p), RK_ERR_NOT_FOUND);
+
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.rows, 2);
+    cr_assert_eq(st.bytes, 2240 + 3280);
+    cr_assert_eq(st.writes, 3);
+    cr_assert_eq(st.write_bytes, 1200 + 2240 + 3280);
+    cr_assert_eq(st.loads, 3);
+    cr_assert_eq(st.load_bytes, 2240 * 2 + 3280);
+    cr_assert_eq(st.deletes, 1);
+    cr_assert_eq(st.dropped_on_load, 0);
+    cr_assert_eq(st.dropped_on_recovery, 0);
+    cr_assert_eq(st.other_model_rows, 0);
+    cr_assert_eq(st.evictions, 0);
+    rk_store_close(s);
+
+    /* the totals survive a restart; the per-session counters start again */
+    s = open_store(dir, FP_A, 1);
+    st = stats_of(s);
+    cr_assert_eq(st.rows, 2);
+    cr_assert_eq(st.bytes, 2240 + 3280);
+    cr_assert_eq(st.writes, 0);
+    cr_assert_eq(st.loads, 0);
+    rk_store_close(s);
+    for (int i = 0; i < 3; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
+
+/* ---------------------------------------------------------------- corruption */
+
+typedef enum damage {
+    TRUNCATE,
+    FLIP_BODY,
+    FLIP_TOKEN,
+    FLIP_HEADER,
+    DELETE_FILE,
+} damage;
+
+static void do_damage(const char *path, damage d, const chunk *c) {
+    switch (d) {
+    case TRUNCATE: cr_assert_eq(truncate(path, (off_t)chunk_file_bytes(c) - 100), 0); break;
+    case FLIP_BODY: flip_byte(path, 160 + 4 * c->n_tokens + (long)c->body_size / 2); break;
+    case FLIP_TOKEN: flip_byte(path, 160 + 4 * 3 + 1); break;
+    case FLIP_HEADER: flip_byte(path, 84); break; /* n_layers */
+    case DELETE_FILE: cr_assert_eq(unlink(path), 0); break;
+    }
+}
+
+#define N_CORRUPT 4
+
+/* Store four chunks, damage the second, and check it is found at open (with
+ * verify_on_open) or at load (damage done while the store is open), dropped,
+ * counted and never served, while the others stay readable. */
+static void corruption_case(damage d, int at_open) {
+    char *dir = rk_test_tmpdir("store-corrupt");
+    chunk c[N_CORRUPT];
+    rk_store *s = open_store(dir, FP_A, at_open);
+    for (int i = 0; i < N_CORRUPT; i++) {
+        chunk_make(&c[i], 50 + (uint64_t)i, 64, 8192);
+        ASSERT_OK(put_chunk(s, &c[i]));
+    }
+    char path[4096];
+    snprintf(path, sizeof path, "%s", payload_path(s, c[1].key));
+    rk_store_payload p;
+    if (at_open) {
+        rk_store_close(s);
+        do_damage(path, d, &c[1]);
+        s = open_store(dir, FP_A, 1);
+        rk_store_counters st = stats_of(s);
+        cr_assert_eq(st.dropped_on_recovery, 1);
+        cr_assert_eq(st.rows, N_CORRUPT - 1);
+        cr_assert_eq(present(s, c[1].key), 0);
+        cr_assert_eq(rk_store_get(s, c[1].key, &p), RK_ERR_NOT_FOUND);
+        cr_assert_null(p.tokens);
+        cr_assert_eq(stats_of(s).dropped_on_load, 0);
+    } else {
+        do_damage(path, d, &c[1]);
+        rk_store_verify_result vr;
+        ASSERT_OK(rk_store_verify(s, 0, NULL, NULL, &vr));
+        cr_assert_eq(vr.checked, N_CORRUPT);
+        cr_assert_eq(vr.bad, 1);
+        cr_assert_eq(vr.deleted, 0);
+        cr_assert_eq(present(s, c[1].key), 1); /* verify does not delete unless asked */
+        rk_status st = rk_store_get(s, c[1].key, &p);
+        cr_assert_eq(st, RK_ERR_NOT_FOUND, "bad payload served: %s", rk_status_str(st));
+        cr_assert(strstr(rk_error_message(), "dropped"), "message: %s", rk_error_message());
+        cr_assert_null(p.tokens);
+        cr_assert_null(p.body);
+        rk_store_counters cs = stats_of(s);
+        cr_assert_eq(cs.dropped_on_load, 1);
+        cr_assert_eq(cs.dropped_on_recovery, 0);
+        cr_assert_eq(cs.rows, N_CORRUPT - 1);
+        cr_assert_eq(cs.loads, 0);
+        cr_assert_eq(present(s, c[1].key), 0);
+        cr_assert_eq(rk_store_get(s, c[1].key, &p), RK_ERR_NOT_FOUND);
+        cr_assert_eq(stats_of(s).dropped_on_load, 1); /* counted once */
+    }
+    cr_assert(!file_exists(path), "bad payload file left behind");
+    for (int i = 0; i < N_CORRUPT; i++)
+        if (i != 1) expect_chunk(s, &c[i]);
+    rk_store_close(s);
+    /* gone for good: a restart does not bring it back */
+    s = open_store(dir, FP_A, 1);
+    cr_assert_eq(present(s, c[1].key), 0);
+    cr_assert_eq(stats_of(s).dropped_on_recovery, 0);
+    rk_store_close(s);
+    for (int i = 0; i < N_CORRUPT; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
+
+Test(store_corruption, truncated_payload_is_dropped_at_open) { corruption_case(TRUNCATE, 1); }
+Test(store_corruption, truncated_payload_is_dropped_at_load) { corruption_case(TRUNCATE, 0); }
+Test(store_corruption, flipped_body_byte_is_dropped_at_open) { corruption_case(FLIP_BODY, 1); }
+Test(store_corruption, flipped_body_byte_is_dropped_at_load) { corruption_case(FLIP_BODY, 0); }
+Test(store_corruption, flipped_token_byte_is_dropped_at_open) { corruption_case(FLIP_TOKEN, 1); }
+Test(store_corruption, flipped_token_byte_is_dropped_at_load) { corruption_case(FLIP_TOKEN, 0); }
+Test(store_corruption, flipped_header_byte_is_dropped_at_open) { corruption_case(FLIP_HEADER, 1); }
+Test(store_corruption, flipped_header_byte_is_dropped_at_load) { corruption_case(FLIP_HEADER, 0); }
+Test(store_corruption, deleted_payload_is_dropped_at_open) { corruption_case(DELETE_FILE, 1); }
+Test(store_corruption, deleted_payload_is_dropped_at_load) { corruption_case(DELETE_FILE, 0); }
+
+Test(store_corruption, open_without_verify_skips_checksums_and_load_catches_them) {
+    char *dir = rk_test_tmpdir("store-noverify");
+    chunk a, b;
+    chunk_make(&a, 60, 64, 8192);
+    chunk_make(&b, 61, 64, 8192);
+    rk_store *s = open_store(dir, FP_A, 0);
+    ASSERT_OK(put_chunk(s, &a));
+    ASSERT_OK(put_chunk(s, &b));
+    char pa[4096], pb[4096];
+    snprintf(pa, sizeof pa, "%s", payload_path(s, a.key));
+    snprintf(pb, sizeof pb, "%s", payload_path(s, b.key));
+    rk_store_close(s);
+    flip_byte(pa, 160 + 4 * 64 + 100); /* body */
+    flip_byte(pb, 160 + 8);            /* token ids */
+
+    s = open_store(dir, FP_A, 0); /* sizes and headers only: both pass */
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.dropped_on_recovery, 0);
+    cr_assert_eq(st.rows, 2);
+    rk_store_payload p;
+    cr_assert_eq(rk_store_get(s, a.key, &p), RK_ERR_NOT_FOUND);
+    cr_assert(strstr(rk_error_message(), "checksum mismatch"), "%s", rk_error_message());
+    cr_assert_eq(rk_store_get(s, b.key, &p), RK_ERR_NOT_FOUND);
+    st = stats_of(s);
+    cr_assert_eq(st.dropped_on_load, 2);
+    cr_assert_eq(st.rows, 0);
+    cr_assert_eq(count_files(dir, ".kv"), 0);
+    rk_store_close(s);
+    chunk_free(&a);
+    chunk_free(&b);
+    rm_rf(dir);
+}
+
+Test(store_recovery, row_deleted_behind_our_back_leaves_an_orphan_that_open_removes) {
+    char *dir = rk_test_tmpdir("store-orphan");
+    chunk c[3];
+    rk_store *s = open_store(dir, FP_A, 1);
+    for (int i = 0; i < 3; i++) {
+        chunk_make(&c[i], 70 + (uint64_t)i, 16, 300);
+        ASSERT_OK(put_chunk(s, &c[i]));
+    }
+    char path[4096];
+    snprintf(path, sizeof path, "%s", payload_path(s, c[0].key));
+    rk_store_close(s);
+    char sql[128];
+    snprintf(sql, sizeof sql, "DELETE FROM chunks WHERE key = '%s'", c[0].key);
+    sql_on(dir, sql);
+    cr_assert(file_exists(path));
+
+    s = open_store(dir, FP_A, 1);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.orphans_removed, 1);
+    cr_assert_eq(st.dropped_on_recovery, 0);
+    cr_assert_eq(st.rows, 2);
+    cr_assert(!file_exists(path), "orphan payload left behind");
+    cr_assert_eq(count_files(dir, ".kv"), 2);
+    expect_chunk(s, &c[1]);
+    expect_chunk(s, &c[2]);
+    rk_store_close(s);
+    for (int i = 0; i < 3; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
+
+Test(store_recovery, stray_tmp_files_are_removed_and_foreign_files_kept) {
+    char *dir = rk_test_tmpdir("store-tmp");
+    chunk c;
+    chunk_make(&c, 80, 16, 300);
+    rk_store *s = open_store(dir, FP_A, 1);
+    ASSERT_OK(put_chunk(s, &c));
+    rk_store_close(s);
+    char tmp1[4200], tmp2[4200], foreign[4200], sub[4200];
+    snprintf(tmp1, sizeof tmp1, "%s/kv/%.2s/%s.kv.tmp", dir, c.key, c.key);
+    snprintf(sub, sizeof sub, "%s/kv/ff", dir);
+    mkdir(sub, 0755);
+    PATHF(tmp2, "%s/ffffffffffffffffffffffffffffffff.kv.tmp", sub);
+    PATHF(foreign, "%s/notes.txt", sub);
+    const char *paths[] = {tmp1, tmp2, foreign};
+    for (int i = 0; i < 3; i++) {
+        FILE *f = fopen(paths[i], "wb");
+        cr_assert_not_null(f);
+        fputs("half-written", f);
+        fclose(f);
+    }
+    s = open_store(dir, FP_A, 1);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.orphans_removed, 2);
+    cr_assert(!file_exists(tmp1));
+    cr_assert(!file_exists(tmp2));
+    cr_assert(file_exists(foreign), "a file the store did not write was removed");
+    cr_assert_eq(count_files(dir, ".tmp"), 0);
+    expect_chunk(s, &c);
+    rk_store_close(s);
+    chunk_free(&c);
+    rm_rf(dir);
+}
+
+/* ---------------------------------------------------------------- models, keys */
+
+Test(store, another_fingerprint_serves_nothing_and_keeps_the_rows) {
+    char *dir = rk_test_tmpdir("store-models");
+    chunk c[3], mine;
+    rk_store *s = open_store(dir, FP_A, 1);
+    for (int i = 0; i < 3; i++) {
+        chunk_make(&c[i], 90 + (uint64_t)i, 16, 400);
+        ASSERT_OK(put_chunk(s, &c[i]));
+    }
+    rk_store_close(s);
+
+    s = open_store(dir, FP_B, 1);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.other_model_rows, 3);
+    cr_assert_eq(st.rows, 0);
+    cr_assert_eq(st.dropped_on_recovery, 0);
+    cr_assert_eq(st.orphans_removed, 0);
+    rk_store_payload p;
+    rk_store_entry e;
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(present(s, c[i].key), 0);
+        cr_assert_eq(rk_store_get(s, c[i].key, &p), RK_ERR_NOT_FOUND);
+        cr_assert_eq(rk_store_lookup(s, c[i].key, &e), RK_ERR_NOT_FOUND);
+        cr_assert_eq(rk_store_delete(s, c[i].key), RK_ERR_NOT_FOUND);
+        /* storing the same key for this model is refused, not overwritten */
+        cr_assert_eq(put_chunk(s, &c[i]), RK_ERR_INVALID);
+    }
+    rk_store_entry *v = NULL;
+    int n = -1;
+    ASSERT_OK(rk_store_list(s, RK_STORE_SORT_RECENT, 0, 0, &v, &n));
+    cr_assert_eq(n, 0);
+    chunk_make(&mine, 95, 8, 100);
+    ASSERT_OK(put_chunk(s, &mine));
+    uint64_t removed = 0;
+    ASSERT_OK(rk_store_flush(s, &removed)); /* flushes model B only */
+    cr_assert_eq(removed, 1);
+    ASSERT_OK(put_chunk(s, &mine));
+    rk_store_verify_result vr;
+    ASSERT_OK(rk_store_verify(s, 1, NULL, NULL, &vr));
+    cr_assert_eq(vr.checked, 1);
+    cr_assert_eq(vr.bad, 0);
+    cr_assert_eq(vr.orphans, 0);
+    rk_store_close(s);
+
+    s = open_store(dir, FP_A, 1);
+    st = stats_of(s);
+    cr_assert_eq(st.rows, 3);
+    cr_assert_eq(st.other_model_rows, 1);
+    for (int i = 0; i < 3; i++) expect_chunk(s, &c[i]);
+    cr_assert_eq(present(s, mine.key), 0);
+    rk_store_close(s);
+    for (int i = 0; i < 3; i++) chunk_free(&c[i]);
+    chunk_free(&mine);
+    rm_rf(dir);
+}
+
+Test(store, bad_keys_are_rejected_as_invalid) {
+    char *dir = rk_test_tmpdir("store-keys");
+    rk_store *s = open_store(dir, FP_A, 1);
+    chunk c;
+    chunk_make(&c, 100, 4, 16);
+    const char *bad[] = {
+        "../etc/passwd",
+        "0123456789abcdef0123456789abcde",   /* 31 */
+        "0123456789abcdef0123456789abcdef0", /* 33 */
+        "0123456789ABCDEF0123456789abcdef",  /* uppercase */
+        "0123456789abcdeg0123456789abcdef",  /* not hex */
+        "../../../../../../../../etc/pass",  /* 32 characters, a path */
+        "0123456789abcdef0123456789abcde/",
+        "",
+        NULL,
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        const char *k = bad[i];
+        rk_store_put_args a = chunk_args(&c);
+        a.key = k;
+        rk_store_payload p;
+        rk_store_entry e;
+        int pr;
+        char path[4096];
+        cr_assert_eq(rk_store_put(s, &a), RK_ERR_INVALID, "put %s", k ? k : "NULL");
+        cr_assert_eq(rk_store_get(s, k, &p), RK_ERR_INVALID);
+        cr_assert_eq(rk_store_contains(s, k, &pr), RK_ERR_INVALID);
+        cr_assert_eq(rk_store_lookup(s, k, &e), RK_ERR_INVALID);
+        cr_assert_eq(rk_store_delete(s, k), RK_ERR_INVALID);
+        cr_assert_eq(rk_store_payload_path(s, k, path, sizeof path), RK_ERR_INVALID);
+        cr_assert_eq(rk_store_key_valid(k), 0);
+    }
+    cr_assert_eq(count_files(dir, ""), 0);
+    cr_assert_eq(stats_of(s).rows, 0);
+
+    /* other bad arguments */
+    rk_store_put_args a = chunk_args(&c);
+    a.policy = "has space";
+    cr_assert_eq(rk_store_put(s, &a), RK_ERR_INVALID);
+    a = chunk_args(&c);
+    a.n_tokens = 0;
+    cr_assert_eq(rk_store_put(s, &a), RK_ERR_INVALID);
+    a = chunk_args(&c);
+    a.layout.n_layers = -1;
+    cr_assert_eq(rk_store_put(s, &a), RK_ERR_INVALID);
+    rk_store_close(s);
+
+    rk_store *t = NULL;
+    cr_assert_eq(rk_store_open(dir, "0123456789ABCDEF0123456789abcdef", NULL, &t), RK_ERR_INVALID);
+    cr_assert_eq(rk_store_open(dir, "short", NULL, &t), RK_ERR_INVALID);
+    cr_assert_null(t);
+    chunk_free(&c);
+    rm_rf(dir);
+}
+
+Test(store, a_second_writer_on_the_same_directory_is_refused) {
+    char *dir = rk_test_tmpdir("store-lock");
+    rk_store *s = open_store(dir, FP_A, 1), *t = NULL;
+    cr_assert_eq(rk_store_open(dir, FP_A, NULL, &t), RK_ERR_BUSY);
+    cr_assert(strstr(rk_error_message(), "in use"), "%s", rk_error_message());
+    cr_assert_null(t);
+    /* a read-only look is fine meanwhile */
+    ASSERT_OK(rk_store_open_readonly(dir, &t));
+    rk_store_close(t);
+    rk_store_close(s);
+    s = open_store(dir, FP_A, 1); /* the lock went with the close */
+    rk_store_close(s);
+    rm_rf(dir);
+}
+
+/* ---------------------------------------------------------------- write failures */
+
+/* Put a chunk that must fail and check nothing of it remains. */
+static void expect_failed_put(rk_store *s, const char *dir, const chunk *c, const char *why) {
+    rk_status st = put_chunk(s, c);
+    cr_assert_eq(st, RK_ERR_IO, "put should fail with an I/O error, got %s", rk_status_str(st));
+    cr_assert(strstr(rk_error_message(), why), "message \"%s\" lacks \"%s\"", rk_error_message(),
+              why);
+    cr_assert_eq(present(s, c->key), 0);
+    cr_assert_eq(count_files(dir, ".tmp"), 0, "temporary file left behind");
+    char path[4096];
+    snprintf(path, sizeof path, "%s", payload_path(s, c->key));
+    cr_assert(!file_exists(path));
+}
+
+Test(store_faults, read_only_directory_fails_the_put_cleanly) {
+    char *dir = rk_test_tmpdir("store-rodir");
+    if (geteuid() == 0) {
+        /* root ignores permissions: drop to nobody for this test process */
+        cr_assert_eq(chown(dir, 65534, 65534), 0);
+        if (setgid(65534) != 0 || setuid(65534) != 0)
+            cr_skip_test("running as root and cannot drop privileges: %s", strerror(errno));
+        prctl(PR_SET_DUMPABLE, 1); /* keep LeakSanitizer able to inspect this process */
+    }
+    chunk ok[2], fail_same, fail_new;
+    chunk_make(&ok[0], 110, 16, 1000);
+    chunk_make(&ok[1], 111, 16, 1000);
+    chunk_make(&fail_same, 112, 16, 1000);
+    fail_same.key[0] = ok[0].key[0]; /* lands in ok[0]'s existing subdirectory */
+    fail_same.key[1] = ok[0].key[1];
+    chunk_make(&fail_new, 113, 16, 1000);
+    char kv[4096];
+    snprintf(kv, sizeof kv, "%s/kv", dir);
+    rk_store *s = open_store(dir, FP_A, 1);
+    for (int i = 0; i < 2; i++) ASSERT_OK(put_chunk(s, &ok[i]));
+    /* a new subdirectory must be needed for fail_new */
+    char sub[4200];
+    snprintf(sub, sizeof sub, "%s/%.2s", kv, fail_new.key);
+    cr_assert(!file_exists(sub));
+
+    char sub0[4200], sub1[4200], probe[4200];
+    snprintf(sub0, sizeof sub0, "%s/%.2s", kv, ok[0].key);
+    snprintf(sub1, sizeof sub1, "%s/%.2s", kv, ok[1].key);
+    cr_assert_eq(chmod(kv, 0555), 0);
+    cr_assert_eq(chmod(sub0, 0555), 0);
+    cr_assert_eq(chmod(sub1, 0555), 0);
+    PATHF(probe, "%s/probe", sub0);
+    int fd = open(probe, O_WRONLY | O_CREAT, 0644);
+    if (fd >= 0) {
+        close(fd);
+        unlink(probe);
+        chmod(kv, 0755);
+        chmod(sub0, 0755);
+        chmod(sub1, 0755);
+        rk_store_close(s);
+        cr_skip_test("chmod 0555 does not stop writes here (root or odd filesystem)");
+    }
+
+    expect_failed_put(s, dir, &fail_same, "Permission denied");
+    expect_failed_put(s, dir, &fail_new, "Permission denied");
+    for (int i = 0; i < 2; i++) expect_chunk(s, &ok[i]);
+    cr_assert_eq(stats_of(s).rows, 2);
+
+    /* writable again: the store goes on */
+    cr_assert_eq(chmod(kv, 0755), 0);
+    cr_assert_eq(chmod(sub0, 0755), 0);
+    cr_assert_eq(chmod(sub1, 0755), 0);
+    ASSERT_OK(put_chunk(s, &fail_new));
+    expect_chunk(s, &fail_new);
+    rk_store_close(s);
+    chunk_free(&ok[0]);
+    chunk_free(&ok[1]);
+    chunk_free(&fail_same);
+    chunk_free(&fail_new);
+    rm_rf(dir);
+}
+
+Test(store_faults, file_size_limit_fails_the_put_cleanly) {
+    char *dir = rk_test_tmpdir("store-fsize");
+    chunk small[2], big;
+    chunk_make(&small[0], 120, 16, 1000);
+    chunk_make(&small[1], 121, 16, 1000);
+    chunk_make(&big, 122, 512, 1 << 20);
+    rk_store *s = open_store(dir, FP_A, 1);
+    for (int i = 0; i < 2; i++) ASSERT_OK(put_chunk(s, &small[i]));
+
+    /* Criterion runs this test in its own process: the limit ends with it. */
+    signal(SIGXFSZ, SIG_IGN);
+    struct rlimit old, lim;
+    cr_assert_eq(getrlimit(RLIMIT_FSIZE, &old), 0);
+    lim = old;
+    lim.rlim_cur = 512 * 1024;
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &lim), 0);
+
+    expect_failed_put(s, dir, &big, "File too large");
+    for (int i = 0; i < 2; i++) expect_chunk(s, &small[i]);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.rows, 2);
+    cr_assert_eq(st.writes, 2);
+
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &old), 0);
+    ASSERT_OK(put_chunk(s, &big));
+    expect_chunk(s, &big);
+    rk_store_close(s);
+    chunk_free(&small[0]);
+    chunk_free(&small[1]);
+    chunk_free(&big);
+    rm_rf(dir);
+}
+
+/* ---------------------------------------------------------------- crash consistency */
+
+#define CRASH_PUTS 200
+
+/* The chunk of the i-th put of run `run`: 1..64 KiB of body. Its doc_id
+ * names (run, i), so a reader can rebuild it from the row alone. */
+static void crash_chunk(chunk *c, int run, int i) {
+    uint64_t seed = 1000000ull * (uint64_t)(run + 1) + (uint64_t)i;
+    uint64_t h = mix(seed);
+    chunk_make(c, seed, 1 + (int32_t)(h % 128), 1024 + (size_t)((h >> 20) % (63 * 1024 + 1)));
+    snprintf(c->doc_id, sizeof c->doc_id, "%d:%d", run, i);
+}
+
+/* The writer process: 200 puts (in batches of 8 on odd runs), one byte to
+ * fd after each put is durable. Never returns. */
+static void crash_writer(const char *dir, int run, int fd) {
+    rk_store_options o;
+    rk_store_options_default(&o);
+    o.verify_on_open = 0;
+    rk_store *s = NULL;
+    if (rk_store_open(dir, FP_A, &o, &s) != RK_OK) _exit(2);
+    int batched = run % 2;
+    for (int i = 0; i < CRASH_PUTS; i++) {
+        if (batched && i % 8 == 0 && rk_store_begin(s) != RK_OK) _exit(3);
+        chunk c;
+        crash_chunk(&c, run, i);
+        rk_store_put_args a = chunk_args(&c);
+        rk_status st = rk_store_put(s, &a);
+        free(c.tokens);
+        free(c.body);
+        if (st != RK_OK) _exit(4);
+        if (batched && (i % 8 == 7 || i == CRASH_PUTS - 1) && rk_store_commit(s) != RK_OK) _exit(5);
+        if (!batched || i % 8 == 7 || i == CRASH_PUTS - 1) {
+            int n = batched ? 8 : 1;
+            if (batched && i == CRASH_PUTS - 1) n = CRASH_PUTS % 8 ? CRASH_PUTS % 8 : 8;
+            char buf[8] = {0};
+            if (write(fd, buf, (size_t)n) != n) _exit(6);
+        }
+    }
+    rk_store_close(s);
+    _exit(0);
+}
+
+/* Reopen and check: nothing dropped, every row verifies and holds the bytes
+ * its doc_id says, as many rows as payload files, no temporary file. Returns
+ * the number of rows. */
+static uint64_t check_consistent(const char *dir, uint64_t max_orphans) {
+    rk_store *s = open_store(dir, FP_A, 1);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.dropped_on_recovery, 0, "a row pointed at a bad payload after a crash");
+    cr_assert_leq(st.orphans_removed, max_orphans, "more orphans than files in flight");
+    rk_store_verify_result vr;
+    ASSERT_OK(rk_store_verify(s, 0, NULL, NULL, &vr));
+    cr_assert_eq(vr.bad, 0);
+    cr_assert_eq(vr.orphans, 0);
+    cr_assert_eq(vr.checked, st.rows);
+    cr_assert_eq((uint64_t)count_files(dir, ".kv"), st.rows, "rows and payload files differ");
+    cr_assert_eq(count_files(dir, ".tmp"), 0);
+    rk_store_entry *v = NULL;
+    int n = 0;
+    ASSERT_OK(rk_store_list(s, RK_STORE_SORT_RECENT, 0, 0, &v, &n));
+    cr_assert_eq((uint64_t)n, st.rows);
+    for (int k = 0; k < n; k++) {
+        int run = -1, i = -1;
+        cr_assert_eq(sscanf(v[k].doc_id, "%d:%d", &run, &i), 2);
+        chunk c;
+        crash_chunk(&c, run, i);
+        cr_assert_str_eq(c.key, v[k].key);
+        expect_chunk(s, &c);
+        chunk_free(&c);
+    }
+    free(v);
+    rk_store_close(s);
+    return st.rows;
+}
+
+Test(store_crash, sigkill_during_puts_leaves_every_row_verifiable, .timeout = 600) {
+    char *dir = rk_test_tmpdir("store-crash");
+    srand(12345);
+    uint64_t rows = 0;
+    for (int run = 0; run < 20; run++) {
+        int fds[2];
+        cr_assert_eq(pipe(fds), 0);
+        pid_t pid = fork();
+        cr_assert_neq(pid, -1);
+        if (pid == 0) {
+            close(fds[0]);
+            crash_writer(dir, run, fds[1]);
+        }
+        close(fds[1]);
+        /* let a random number of puts complete, then kill at a random moment */
+        int want = rand() % CRASH_PUTS, got = 0;
+        char buf[64];
+        while (got < want) {
+            ssize_t r = read(fds[0], buf,
+                             sizeof buf < (size_t)(want - got) ? sizeof buf : (size_t)(want - got));
+            if (r <= 0) break;
+            got += (int)r;
+        }
+        usleep((useconds_t)(rand() % 3000));
+        kill(pid, SIGKILL);
+        int status = 0;
+        cr_assert_eq(waitpid(pid, &status, 0), pid);
+        while (read(fds[0], buf, sizeof buf) > 0) {
+        } /* drain */
+        close(fds[0]);
+        cr_assert(WIFSIGNALED(status) || (WIFEXITED(status) && WEXITSTATUS(status) == 0),
+                  "writer failed with status %d", WEXITSTATUS(status));
+        /* in flight at the kill: one file, or a whole uncommitted batch of 8 */
+        uint64_t now = check_consistent(dir, run % 2 ? 8 : 1);
+        cr_log_info("run %d (%s): killed after %d acknowledged puts; %llu new rows", run,
+                    run % 2 ? "batches of 8" : "single puts", want,
+                    (unsigned long long)(now - rows));
+        cr_assert_geq(now, rows + (uint64_t)want, "run %d: %d acknowledged puts, %llu new rows",
+                      run, want, (unsigned long long)(now - rows));
+        cr_assert_leq(now, rows + CRASH_PUTS);
+        rows = now;
+    }
+    /* a complete run: all 200 land */
+    pid_t pid = fork();
+    cr_assert_neq(pid, -1);
+    if (pid == 0) {
+        int null = open("/dev/null", O_WRONLY);
+        crash_writer(dir, 20, null);
+    }
+    int status = 0;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "writer status %d", status);
+    cr_assert_eq(check_consistent(dir, 0), rows + CRASH_PUTS);
+    rk_store *s = open_store(dir, FP_A, 1);
+    for (int i = 0; i < CRASH_PUTS; i++) {
+        chunk c;
+        crash_chunk(&c, 20, i);
+        expect_chunk(s, &c);
+        chunk_free(&c);
+    }
+    rk_store_close(s);
+    rm_rf(dir);
+}
+
+/* ---------------------------------------------------------------- budget, batches */
+
+Test(store, disk_budget_evicts_the_least_recently_used) {
+    char *dir = rk_test_tmpdir("store-budget");
+    enum { N = 7, ENTRY = 160 + 64 + 4000 };
+    chunk c[N];
+    for (int i = 0; i < N; i++) chunk_make(&c[i], 130 + (uint64_t)i, 16, 4000);
+    rk_store_options o;
+    rk_store_options_default(&o);
+    o.disk_budget_bytes = 5 * ENTRY;
+    rk_store *s = NULL;
+    ASSERT_OK(rk_store_open(dir, FP_A, &o, &s));
+    for (int i = 0; i < 5; i++) ASSERT_OK(put_chunk(s, &c[i]));
+    cr_assert_eq(stats_of(s).evictions, 0);
+    rk_store_payload p;
+    ASSERT_OK(rk_store_get(s, c[0].key, &p)); /* c[0] becomes the most recent */
+    rk_store_payload_free(&p);
+    ASSERT_OK(put_chunk(s, &c[5]));
+    ASSERT_OK(put_chunk(s, &c[6]));
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.evictions, 2);
+    cr_assert_eq(st.evicted_bytes, 2 * ENTRY);
+    cr_assert_eq(st.rows, 5);
+    cr_assert_eq(st.bytes, 5 * ENTRY);
+    cr_assert_eq(present(s, c[0].key), 1, "the recently read entry was evicted");
+    cr_assert_eq(present(s, c[1].key), 0);
+    cr_assert_eq(present(s, c[2].key), 0);
+    for (int i = 3; i < N; i++) cr_assert_eq(present(s, c[i].key), 1);
+    cr_assert_eq(count_files(dir, ".kv"), 5);
+    expect_chunk(s, &c[0]);
+
+    /* one payload larger than the whole budget is refused up front */
+    chunk huge;
+    chunk_make(&huge, 140, 16, 6 * ENTRY);
+    cr_assert_eq(put_chunk(s, &huge), RK_ERR_LIMIT);
+    cr_assert_eq(present(s, huge.key), 0);
+    cr_assert_eq(count_files(dir, ".kv"), 5);
+    rk_store_close(s);
+
+    /* a smaller budget at the next open evicts down to it */
+    o.disk_budget_bytes = 2 * ENTRY;
+    ASSERT_OK(rk_store_open(dir, FP_A, &o, &s));
+    st = stats_of(s);
+    cr_assert_eq(st.rows, 2);
+    cr_assert_eq(st.evictions, 3);
+    cr_assert_eq(present(s, c[0].key), 1); /* read last, by expect_chunk */
+    cr_assert_eq(present(s, c[6].key), 1);
+    for (int i = 3; i < 6; i++) cr_assert_eq(present(s, c[i].key), 0);
+    cr_assert_eq(count_files(dir, ".kv"), 2);
+    rk_store_close(s);
+    for (int i = 0; i < N; i++) chunk_free(&c[i]);
+    chunk_free(&huge);
+    rm_rf(dir);
+}
+
+Test(store, batches_commit_together_and_roll_back_cleanly) {
+    char *dir = rk_test_tmpdir("store-batch");
+    chunk c[6];
+    for (int i = 0; i < 6; i++) chunk_make(&c[i], 150 + (uint64_t)i, 16, 700);
+    rk_store *s = open_store(dir, FP_A, 1);
+    cr_assert_eq(rk_store_commit(s), RK_ERR_INVALID);
+    ASSERT_OK(rk_store_begin(s));
+    cr_assert_eq(rk_store_begin(s), RK_ERR_INVALID);
+    for (int i = 0; i < 3; i++) ASSERT_OK(put_chunk(s, &c[i]));
+    expect_chunk(s, &c[1]); /* visible to this store before the commit */
+    ASSERT_OK(rk_store_rollback(s));
+    cr_assert_eq(stats_of(s).rows, 0);
+    cr_assert_eq(count_files(dir, ".kv"), 0, "rolled-back payload files left behind");
+    for (int i = 0; i < 3; i++) cr_assert_eq(present(s, c[i].key), 0);
+
+    ASSERT_OK(rk_store_begin(s));
+    for (int i = 0; i < 6; i++) ASSERT_OK(put_chunk(s, &c[i]));
+    ASSERT_OK(rk_store_delete(s, c[5].key)); /* its file goes at commit */
+    cr_assert_eq(count_files(dir, ".kv"), 6);
+    cr_assert_eq(put_chunk(s, &c[5]), RK_ERR_BUSY);
+    ASSERT_OK(rk_store_commit(s));
+    cr_assert_eq(count_files(dir, ".kv"), 5);
+
+    /* a batch left open at close is rolled back */
+    ASSERT_OK(rk_store_begin(s));
+    ASSERT_OK(put_chunk(s, &c[5]));
+    rk_store_close(s);
+
+    s = open_store(dir, FP_A, 1);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.rows, 5);
+    cr_assert_eq(st.orphans_removed, 0);
+    for (int i = 0; i < 5; i++) expect_chunk(s, &c[i]);
+    cr_assert_eq(present(s, c[5].key), 0);
+    cr_assert_eq(count_files(dir, ".kv"), 5);
+    uint64_t removed = 0;
+    ASSERT_OK(rk_store_flush(s, &removed));
+    cr_assert_eq(removed, 5);
+    cr_assert_eq(count_files(dir, ".kv"), 0);
+    cr_assert_eq(stats_of(s).rows, 0);
+    rk_store_close(s);
+    for (int i = 0; i < 6; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
+
+/* ---------------------------------------------------------------- schema */
+
+Test(store_schema, a_version_0_database_migrates_to_version_1) {
+    char *dir = rk_test_tmpdir("store-schema0");
+    sql_on(dir, "CREATE TABLE scratch (x INTEGER)"); /* a real database, user_version 0 */
+    cr_assert_eq(sql_int_on(dir, "PRAGMA user_version"), 0);
+    rk_store *s = open_store(dir, FP_A, 1);
+    chunk c;
+    chunk_make(&c, 160, 8, 64);
+    ASSERT_OK(put_chunk(s, &c));
+    rk_store_close(s);
+    cr_assert_eq(sql_int_on(dir, "PRAGMA user_version"), 1);
+    cr_assert_eq(sql_int_on(dir, "PRAGMA application_id"), 0x524b4b56);
+    cr_assert_eq(sql_int_on(dir, "SELECT COUNT(*) FROM chunks"), 1);
+    cr_assert_eq(sql_int_on(dir, "SELECT COUNT(*) FROM sqlite_master WHERE name = 'scratch'"), 1);
+    s = open_store(dir, FP_A, 1); /* already at version 1: opens as is */
+    expect_chunk(s, &c);
+    rk_store_close(s);
+    chunk_free(&c);
+    rm_rf(dir);
+}
+
+Test(store_schema, a_future_version_is_refused_with_a_clear_message) {
+    char *dir = rk_test_tmpdir("store-schema99");
+    sql_on(dir, "CREATE TABLE chunks (key TEXT); PRAGMA user_version = 99");
+    rk_store *s = NULL;
+    cr_assert_eq(rk_store_open(dir, FP_A, NULL, &s), RK_ERR_UNSUPPORTED);
+    cr_assert_null(s);
+    cr_assert(strstr(rk_error_message(), "schema version 99"), "%s", rk_error_message());
+    cr_assert(strstr(rk_error_message(), "newer ragkv"), "%s", rk_error_message());
+    cr_assert_eq(rk_store_open_readonly(dir, &s), RK_ERR_UNSUPPORTED);
+    cr_assert_eq(sql_int_on(dir, "PRAGMA user_version"), 99); /* untouched */
+    rm_rf(dir);
+}
+
+Test(store_schema, a_foreign_database_is_refused) {
+    char *dir = rk_test_tmpdir("store-foreign");
+    sql_on(dir, "CREATE TABLE chunks (key TEXT); PRAGMA user_version = 1");
+    rk_store *s = NULL;
+    cr_assert_eq(rk_store_open(dir, FP_A, NULL, &s), RK_ERR_FORMAT);
+    cr_assert(strstr(rk_error_message(), "not a ragkv chunk store"), "%s", rk_error_message());
+    rm_rf(dir);
+}
+
+/* ---------------------------------------------------------------- offline reports */
+
+static char *capture(rk_status (*fn)(rk_store *, FILE *), rk_store *s) {
+    char *buf = NULL;
+    size_t len = 0;
+    FILE *f = open_memstream(&buf, &len);
+    cr_assert_not_null(f);
+    ASSERT_OK(fn(s, f));
+    fclose(f);
+    return buf;
+}
+
+static rk_status print_ls_all(rk_store *s, FILE *f) {
+    return rk_store_print_ls(s, f, RK_STORE_SORT_HITS, 0);
+}
+
+static uint64_t g_bad;
+static rk_status print_verify(rk_store *s, FILE *f) { return rk_store_print_verify(s, f, &g_bad); }
+
+Test(store_offline, read_only_handle_lists_counts_and_verifies_without_deleting) {
+    char *dir = rk_test_tmpdir("store-offline");
+    rk_store *ro = NULL;
+    cr_assert_eq(rk_store_open_readonly(dir, &ro), RK_ERR_NOT_FOUND);
+    cr_assert_null(ro);
+
+    chunk a[2], b;
+    rk_store *s = open_store(dir, FP_A, 1);
+    for (int i = 0; i < 2; i++) {
+        chunk_make(&a[i], 170 + (uint64_t)i, 32, 1000);
+        ASSERT_OK(put_chunk(s, &a[i]));
+    }
+    rk_store_close(s);
+    s = open_store(dir, FP_B, 1);
+    chunk_make(&b, 180, 32, 1000);
+    ASSERT_OK(put_chunk(s, &b));
+    char pb[4096];
+    snprintf(pb, sizeof pb, "%s", payload_path(s, b.key));
+    rk_store_close(s);
+    flip_byte(pb, 160 + 4 * 32 + 10);
+
+    ASSERT_OK(rk_store_open_readonly(dir, &ro));
+    rk_store_counters st = stats_of(ro);
+    cr_assert_eq(st.rows, 3); /* every model */
+    cr_assert_eq(st.bytes, 3 * (160 + 128 + 1000));
+    char *ls = capture(print_ls_all, ro);
+    for (int i = 0; i < 2; i++) cr_assert(strstr(ls, a[i].key), "%s", ls);
+    cr_assert(strstr(ls, b.key));
+    cr_assert(strstr(ls, "3 rows"), "%s", ls);
+    cr_assert(strstr(ls, a[0].doc_id));
+    free(ls);
+    char *stats = capture(rk_store_print_stats, ro);
+    cr_assert(strstr(stats, FP_A) && strstr(stats, FP_B), "%s", stats);
+    free(stats);
+    char *ver = capture(print_verify, ro);
+    cr_assert_eq(g_bad, 1);
+    cr_assert(strstr(ver, b.key) && strstr(ver, "checksum mismatch"), "%s", ver);
+    cr_assert(strstr(ver, "checked 3 payloads: 1 bad"), "%s", ver);
+    free(ver);
+    cr_assert(file_exists(pb), "read-only verify deleted a file");
+
+    rk_store_payload p;
+    rk_store_verify_result vr;
+    cr_assert_eq(put_chunk(ro, &b), RK_ERR_INVALID);
+    cr_assert_eq(rk_store_get(ro, a[0].key, &p), RK_ERR_INVALID);
+    cr_assert_eq(rk_store_delete(ro, a[0].key), RK_ERR_INVALID);
+    cr_assert_eq(rk_store_flush(ro, NULL), RK_ERR_INVALID);
+    cr_assert_eq(rk_store_verify(ro, 1, NULL, NULL, &vr), RK_ERR_INVALID);
+    cr_assert_eq(rk_store_begin(ro), RK_ERR_INVALID);
+    cr_assert_eq(present(ro, b.key), 1);
+    rk_store_close(ro);
+
+    /* the writable store of model B still finds and drops it */
+    s = open_store(dir, FP_B, 1);
+    cr_assert_eq(stats_of(s).dropped_on_recovery, 1);
+    rk_store_close(s);
+    for (int i = 0; i < 2; i++) chunk_free(&a[i]);
+    chunk_free(&b);
+    rm_rf(dir);
+}
