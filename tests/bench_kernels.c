@@ -37,18 +37,32 @@ static void *xmalloc(size_t n) {
     return p;
 }
 
-static float *rand_f32(size_t n) {
-    float *p = xmalloc(n * sizeof(float));
-    for (size_t i = 0; i < n; i++) p[i] = frand();
-    return p;
-}
-
 static void check(rk_status st, const char *what) {
     if (st != RK_OK) {
         fprintf(stderr, "bench_kernels: %s failed: %s (%s)\n", what, rk_status_str(st),
                 rk_error_message());
         exit(1);
     }
+}
+
+/* Backend memory, as the engine allocates weights and the KV arena (huge
+ * pages for large buffers). */
+static void *be_alloc(rk_backend *be, size_t n) {
+    void *p = NULL;
+    check(be->ops->alloc(be, n, &p), "alloc");
+    return p;
+}
+
+static float *be_rand_f32(rk_backend *be, size_t n) {
+    float *p = be_alloc(be, n * sizeof(float));
+    for (size_t i = 0; i < n; i++) p[i] = frand();
+    return p;
+}
+
+static float *rand_f32(size_t n) {
+    float *p = xmalloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++) p[i] = frand();
+    return p;
 }
 
 /* Best time of reps runs after one warm-up (seconds). */
@@ -69,8 +83,9 @@ static void check(rk_status st, const char *what) {
 
 static void bench_gemm(rk_backend *be) {
     int n = 512, k = 1024, m = 3072;
-    float *x = rand_f32((size_t)n * k), *w = rand_f32((size_t)m * k), *y = rand_f32((size_t)n * m);
-    uint16_t *wb = xmalloc((size_t)m * k * 2);
+    float *x = rand_f32((size_t)n * k), *w = be_rand_f32(be, (size_t)m * k);
+    float *y = rand_f32((size_t)n * m);
+    uint16_t *wb = be_alloc(be, (size_t)m * k * 2);
     rk_cpu_from_f32(wb, w, RK_DTYPE_BF16, (size_t)m * k);
     double flop = 2.0 * n * k * m, t;
     printf("\n(a) GEMM y(512,3072) = x(512,1024) . w(3072,1024)^T\n");
@@ -100,7 +115,7 @@ static void bench_gemm(rk_backend *be) {
                ts * 1e3);
     }
     free(x);
-    free(w);
+    be->ops->free(be, w);
     free(y);
     free(wb);
 }
@@ -164,8 +179,9 @@ static double bench_bandwidth(rk_backend *be) {
     printf("  %-28s %10s %10s %10s\n", "matvec", "weights", "ms", "GB/s");
     for (int i = 0; i < 2; i++) {
         int m = ms[i];
-        float *w = rand_f32((size_t)m * k), *x = rand_f32((size_t)k), *y = rand_f32((size_t)m);
-        uint16_t *wb = xmalloc((size_t)m * k * 2);
+        float *w = be_rand_f32(be, (size_t)m * k), *x = rand_f32((size_t)k),
+              *y = rand_f32((size_t)m);
+        uint16_t *wb = be_alloc(be, (size_t)m * k * 2);
         rk_cpu_from_f32(wb, w, RK_DTYPE_BF16, (size_t)m * k);
         int reps = m > 10000 ? 5 : 50;
         char name[64];
@@ -177,10 +193,10 @@ static double bench_bandwidth(rk_backend *be) {
         TIME_BEST(reps, t, check(be->ops->matmul(be, y, x, wb, RK_DTYPE_BF16, 1, k, m), "matmul"));
         printf("  %-28s %8.1fMB %10.3f %10.1f\n", name, m * (double)k * 2 / 1e6, t * 1e3,
                m * (double)k * 2 / t * 1e-9);
-        free(w);
+        be->ops->free(be, w);
         free(x);
         free(y);
-        free(wb);
+        be->ops->free(be, wb);
     }
     return read_bw;
 }
@@ -198,9 +214,9 @@ static void bench_attention(rk_backend *be) {
     for (int c = 0; c < 4; c++) {
         int L = cases[c].kv_len, n_q = cases[c].n_q, nb = (L + bs - 1) / bs;
         int n_blocks = nb * 2; /* spread over twice the needed blocks */
-        float *kc = rand_f32((size_t)L * row), *vc = rand_f32((size_t)L * row);
-        float *kp = xmalloc((size_t)n_blocks * bs * row * 4),
-              *vp = xmalloc((size_t)n_blocks * bs * row * 4);
+        float *kc = be_rand_f32(be, (size_t)L * row), *vc = be_rand_f32(be, (size_t)L * row);
+        float *kp = be_alloc(be, (size_t)n_blocks * bs * row * 4),
+              *vp = be_alloc(be, (size_t)n_blocks * bs * row * 4);
         int32_t *table = xmalloc((size_t)nb * 4), *perm = xmalloc((size_t)n_blocks * 4);
         for (int i = 0; i < n_blocks; i++) perm[i] = i;
         for (int i = n_blocks - 1; i > 0; i--) {
@@ -224,28 +240,32 @@ static void bench_attention(rk_backend *be) {
         rk_attn_batch batch = {1, qs, &len, table, nb};
         const void *ck[1] = {kc}, *cv[1] = {vc};
         float scale = 1.0f / sqrtf((float)hd);
-        int reps = n_q > 1 ? 3 : 30;
-        double tp = 1e30, tc = 1e30, t;
-        for (int round = 0; round < 3; round++) { /* interleave to share any drift */
-            TIME_BEST(reps, t,
-                      check(be->ops->attention(be, out, NULL, q, &kv, 0, &batch, n_heads, scale),
-                            "attention"));
-            tp = t < tp ? t : tp;
-            TIME_BEST(reps, t,
-                      check(rk_cpu_attention_contig(be, out, NULL, q, ck, cv, RK_DTYPE_F32, n_kv,
-                                                    hd, qs, &len, 1, n_heads, scale),
-                            "attention_contig"));
-            tc = t < tc ? t : tc;
+        /* alternate single runs of the two layouts and keep each one's best,
+         * so drift and noise from other processes hit both alike */
+        int rounds = n_q > 1 ? 8 : 80;
+        double tp = 1e30, tc = 1e30;
+        for (int round = 0; round <= rounds; round++) {
+            double t0 = rk_time_now();
+            check(be->ops->attention(be, out, NULL, q, &kv, 0, &batch, n_heads, scale),
+                  "attention");
+            double t1 = rk_time_now();
+            check(rk_cpu_attention_contig(be, out, NULL, q, ck, cv, RK_DTYPE_F32, n_kv, hd, qs,
+                                          &len, 1, n_heads, scale),
+                  "attention_contig");
+            double t2 = rk_time_now();
+            if (round == 0) continue; /* warm-up */
+            if (t1 - t0 < tp) tp = t1 - t0;
+            if (t2 - t1 < tc) tc = t2 - t1;
         }
         char name[64];
         snprintf(name, sizeof name, "%s %d q @ %d", n_q > 1 ? "prefill" : "decode", n_q, L);
         double kv_bytes = 2.0 * L * row * 4;
         printf("  %-26s %12.3f %12.3f %8.3f %10.1f\n", name, tp * 1e3, tc * 1e3, tp / tc,
                kv_bytes / tp * 1e-9);
-        free(kc);
-        free(vc);
-        free(kp);
-        free(vp);
+        be->ops->free(be, kc);
+        be->ops->free(be, vc);
+        be->ops->free(be, kp);
+        be->ops->free(be, vp);
         free(table);
         free(perm);
         free(q);
@@ -273,8 +293,8 @@ static void bench_shift(rk_backend *be) {
     size_t layer_bytes = (size_t)n_blocks * bs * row_bytes;
     void **kl = xmalloc(n_layers * sizeof(void *)), **vl = xmalloc(n_layers * sizeof(void *));
     for (int l = 0; l < n_layers; l++) {
-        kl[l] = xmalloc(layer_bytes);
-        vl[l] = xmalloc(layer_bytes);
+        kl[l] = be_alloc(be, layer_bytes);
+        vl[l] = be_alloc(be, layer_bytes);
         float *k = kl[l], *v = vl[l];
         for (size_t i = 0; i < layer_bytes / 4; i++) k[i] = v[i] = (float)(i % 977) * 1e-3f;
     }
@@ -325,8 +345,8 @@ static void bench_shift(rk_backend *be) {
            bytes / t_shift * 1e-9, 100.0 * t_copy1 / t_shift, 100.0 * t_copyn / t_shift);
     printf("  (GB/s counts bytes copied; the last column is vs 1-thread / pool memcpy)\n");
     for (int l = 0; l < n_layers; l++) {
-        free(kl[l]);
-        free(vl[l]);
+        be->ops->free(be, kl[l]);
+        be->ops->free(be, vl[l]);
     }
     free(kl);
     free(vl);

@@ -30,7 +30,8 @@
 
 /* ---------------------------------------------------------------- kv addressing */
 
-/* Where the K/V entries of one sequence and kv head live. */
+/* Where the K/V entries of one sequence live and which of their kv heads a
+ * task reads. */
 typedef struct kv_src {
     const unsigned char *k, *v; /* paged: the layer's base; contiguous: the sequence's */
     const int32_t *table;       /* block table of the sequence, NULL when contiguous */
@@ -718,6 +719,8 @@ rk_status rk_cpu_attention(rk_backend *be, float *out, float *lse, const float *
     return attn_run(&c, batch->n_seqs);
 }
 
+/* The same kernel over contiguous per-sequence caches (tests, benchmarks);
+ * returns RK_ERR_INVALID for a bad batch shape. */
 rk_status rk_cpu_attention_contig(rk_backend *be, float *out, float *lse, const float *q,
                                   const void *const *k, const void *const *v, rk_dtype dtype,
                                   int n_kv_heads, int head_dim, const int32_t *q_start,

@@ -6,10 +6,13 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 
 #include "kernels/cpu/cpu.h"
 
-#define ALIGN 64
+#define ALIGN      64
+#define HUGE_MIN   ((size_t)4 << 20) /* allocations from this size ask for huge pages */
+#define HUGE_ALIGN ((size_t)2 << 20)
 
 /* ---------------------------------------------------------------- memory */
 
@@ -20,8 +23,19 @@ static void *aligned_bytes(size_t n_bytes) {
     return aligned_alloc(ALIGN, n);
 }
 
+/* Large buffers (weights, the KV arena) are 2 MiB aligned and advised to use
+ * transparent huge pages: attention reads one head of every kv entry, a page
+ * apart, and would otherwise miss the TLB on nearly every entry. */
 static rk_status cpu_alloc(rk_backend *be, size_t n_bytes, void **out) {
     (void)be;
+    if (n_bytes >= HUGE_MIN && n_bytes <= SIZE_MAX - HUGE_ALIGN) {
+        size_t n = (n_bytes + HUGE_ALIGN - 1) / HUGE_ALIGN * HUGE_ALIGN;
+        *out = aligned_alloc(HUGE_ALIGN, n);
+        if (*out) {
+            (void)madvise(*out, n, MADV_HUGEPAGE); /* advice only: failure is harmless */
+            return RK_OK;
+        }
+    }
     *out = aligned_bytes(n_bytes);
     if (!*out) return rk_errorf(RK_ERR_NOMEM, "cpu: cannot allocate %zu bytes", n_bytes);
     return RK_OK;
@@ -49,6 +63,8 @@ static rk_status cpu_sync(rk_backend *be) {
     return RK_OK;
 }
 
+/* Grow every thread's scratch to n_bytes (page-separated); keeps the old
+ * scratch and returns RK_ERR_NOMEM when that fails. */
 rk_status rk_cpu_reserve_scratch(rk_cpu *cpu, size_t n_bytes) {
     if (n_bytes <= cpu->scratch_stride) return RK_OK;
     size_t stride = (n_bytes + 4095) / 4096 * 4096; /* separate pages: no false sharing */
@@ -65,6 +81,8 @@ rk_status rk_cpu_reserve_scratch(rk_cpu *cpu, size_t n_bytes) {
     return RK_OK;
 }
 
+/* Grow the shared scratch to n_bytes and return it in *out (the backend owns
+ * it); RK_ERR_NOMEM when that fails. */
 rk_status rk_cpu_reserve_shared(rk_cpu *cpu, size_t n_bytes, void **out) {
     if (n_bytes > cpu->shared_cap) {
         size_t cap = n_bytes + n_bytes / 4;
@@ -107,6 +125,8 @@ void rk_cpu_to_f32(float *dst, const void *src, rk_dtype dtype, size_t n) {
         for (; i < n; i++) dst[i] = rk_bf16_to_f32(s[i]);
 }
 
+/* Narrow n f32 elements to dtype with round-to-nearest-even, bit-identical
+ * to the scalar conversions. */
 void rk_cpu_from_f32(void *dst, const float *src, rk_dtype dtype, size_t n) {
     size_t i = 0;
     if (dtype == RK_DTYPE_F32) {
@@ -143,6 +163,8 @@ void rk_cpu_from_f32(void *dst, const float *src, rk_dtype dtype, size_t n) {
         for (; i < n; i++) d[i] = rk_f32_to_bf16(src[i]);
 }
 
+/* exp over an array with the lane-independent vector exp (expf without
+ * AVX2). */
 void rk_cpu_exp(float *dst, const float *src, size_t n) {
 #ifdef __AVX2__
     size_t i = 0;
@@ -426,6 +448,7 @@ rk_status rk_cpu_backend_create(int n_threads, rk_backend **out) {
     return RK_OK;
 }
 
+/* Stop the pool and free the backend and its scratch. Accepts NULL. */
 void rk_cpu_backend_free(rk_backend *be) {
     if (!be) return;
     rk_cpu *cpu = be->impl;

@@ -78,6 +78,10 @@ rk_status rk_cpu_reserve_shared(rk_cpu *cpu, size_t n_bytes, void **out);
 
 /* ---------------------------------------------------------------- ops */
 
+/* The ops of the table that live outside backend.c; each has the contract of
+ * its rk_backend_ops entry in kernels/kernels.h and returns RK_ERR_INVALID
+ * (with a message) for a bad shape, slot or block id, RK_ERR_NOMEM when its
+ * scratch cannot grow. */
 rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w, rk_dtype wtype,
                         int n, int k, int m);
 rk_status rk_cpu_kv_write(rk_backend *be, const rk_kv_cache *kv, int layer, const float *k,

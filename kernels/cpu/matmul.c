@@ -23,6 +23,7 @@
 #define PANEL_MAX_BYTES  (8u * 1024 * 1024) /* f32 panel of converted weights */
 #define PANEL_ROWS_ALIGN 16
 
+/* Return 1 when matmul takes the BLAS path for this shape (n alone decides). */
 int rk_cpu_matmul_uses_blas(int n, int k, int m, rk_dtype wtype) {
     (void)k;
     (void)m;
