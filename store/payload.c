@@ -321,13 +321,21 @@ rk_status rk_payload_read(const char *path, const rk_payload_expect *e, rk_paylo
     if (!tokens || (h.body_size && !body))
         st = rk_errorf(RK_ERR_NOMEM, "%s: no memory for a %llu-byte payload", path,
                        (unsigned long long)e->n_bytes);
+    /* Hash each piece right after it lands, while it is still in cache. */
+    XXH3_state_t xs;
+    XXH3_128bits_reset(&xs);
     if (st == RK_OK) st = read_all(fd, tokens, tok_bytes, path);
-    if (st == RK_OK && body) st = read_all(fd, body, (size_t)h.body_size, path);
+    if (st == RK_OK) XXH3_128bits_update(&xs, tokens, tok_bytes);
+    for (uint64_t off = 0; st == RK_OK && off < h.body_size; off += READ_CHUNK) {
+        size_t n = h.body_size - off > READ_CHUNK ? READ_CHUNK : (size_t)(h.body_size - off);
+        st = read_all(fd, (uint8_t *)body + off, n, path);
+        if (st == RK_OK) XXH3_128bits_update(&xs, (uint8_t *)body + off, n);
+    }
     close(fd);
     if (st == RK_OK) {
-        uint8_t sum[16];
-        rk_payload_checksum(tokens, h.n_tokens, body, (size_t)h.body_size, sum);
-        st = checksum_matches(path, &h, sum);
+        XXH128_canonical_t c;
+        XXH128_canonicalFromHash(&c, XXH3_128bits_digest(&xs));
+        st = checksum_matches(path, &h, c.digest);
     }
     if (st != RK_OK) {
         free(tokens);
