@@ -268,6 +268,7 @@ rk_status rk_seq_share(rk_seq *s, rk_arena *a, const int32_t *ids, int n_blocks)
     int bs = a->p.block_size;
     if (n_blocks < 0 || s->n_tokens != s->n_blocks * bs)
         return rk_errorf(RK_ERR_INVALID, "sequence: shared blocks must start on a block boundary");
+    if (n_blocks == 0) return RK_OK;
     rk_status st = seq_grow(s, s->n_blocks + n_blocks);
     if (st || (st = rk_arena_ref(a, ids, n_blocks))) return st;
     memcpy(s->blocks + s->n_blocks, ids, (size_t)n_blocks * sizeof *ids);

@@ -548,7 +548,7 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
             memcpy(s->qtok + o, r->chunks[k], (size_t)r->chunk_lens[k] * sizeof *s->qtok);
             o += r->chunk_lens[k];
         }
-        memcpy(s->qtok + o, r->question, (size_t)r->n_question * sizeof *s->qtok);
+        if (r->n_question) memcpy(s->qtok + o, r->question, (size_t)r->n_question * sizeof *s->qtok);
         s->n_qtok = n;
         s->q_index = s->q_pos = r->n_sys;
         for (int k = 0; k < r->n_chunks; k++) {
@@ -562,7 +562,7 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
         return st;
     s->qtok = malloc((size_t)(r->n_question ? r->n_question : 1) * sizeof *s->qtok);
     if (!s->qtok) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
-    memcpy(s->qtok, r->question, (size_t)r->n_question * sizeof *s->qtok);
+    if (r->n_question) memcpy(s->qtok, r->question, (size_t)r->n_question * sizeof *s->qtok);
     s->n_qtok = r->n_question;
     s->q_index = s->layout.question_index;
     s->q_pos = s->layout.question_pos;

@@ -48,6 +48,8 @@ Test(engine, stories260k_greedy_matches_golden_text_through_the_binary) {
     cr_assert_eq(memcmp(out, golden, golden_len), 0, "got:\n%s", out);
     free(out);
     free(golden);
+    free(model);
+    free(golden_path);
 }
 
 Test(engine, stories260k_greedy_matches_golden_text_through_the_library) {
@@ -66,6 +68,8 @@ Test(engine, stories260k_greedy_matches_golden_text_through_the_library) {
     cr_assert_str_eq(text, golden);
     free(text);
     free(golden);
+    free(model);
+    free(golden_path);
     /* Every block went back to the live pool. */
     cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
                  rk_arena_pool_total(svc->arena, RK_POOL_LIVE));
@@ -101,6 +105,7 @@ Test(engine, a_batch_of_four_prompts_gives_the_tokens_of_each_alone) {
         rk_test_request_free(reqs[i]);
     }
     rk_service_close(svc);
+    free(model);
 }
 
 Test(engine, seeded_sampling_is_reproducible) {
@@ -122,6 +127,7 @@ Test(engine, seeded_sampling_is_reproducible) {
     cr_assert_neq(memcmp(out[0], out[2], sizeof out[0]), 0,
                   "a different seed should change 50 sampled tokens");
     rk_service_close(svc);
+    free(model);
 }
 
 /* ---------------------------------------------------------------- synthetic models */

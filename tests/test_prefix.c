@@ -135,12 +135,14 @@ Test(prefix, stories260k_cached_system_prompt_gives_the_uncached_result) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     check_cached_equals_uncached(model, SYS_EN, " One day, Lily saw a little bird.");
+    free(model);
 }
 
 Test(prefix, qwen3_tiny_cached_system_prompt_gives_the_uncached_result) {
     char *model = rk_test_model("qwen3-tiny", "f32", 1);
     check_cached_equals_uncached(model, SYS_EN,
                                  "<|im_start|>user\nWhat did Max chase?<|im_end|>\n");
+    free(model);
 }
 
 Test(prefix, qwen3_0_6b_cached_system_prompt_gives_the_uncached_result, .timeout = 1200) {
@@ -148,6 +150,7 @@ Test(prefix, qwen3_0_6b_cached_system_prompt_gives_the_uncached_result, .timeout
     char *model = rk_test_model("qwen3-0.6b", "f32", 3);
     check_cached_equals_uncached(model, SYS_EN,
                                  "<|im_start|>user\nWhat did Max chase?<|im_end|>\n");
+    free(model);
 }
 
 Test(prefix, concurrent_sequences_with_one_system_prompt_share_and_release) {
@@ -179,4 +182,5 @@ Test(prefix, concurrent_sequences_with_one_system_prompt_share_and_release) {
     cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
                  rk_arena_pool_total(svc->arena, RK_POOL_LIVE));
     rk_service_close(svc);
+    free(model);
 }
