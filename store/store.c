@@ -757,38 +757,46 @@ rk_status rk_store_delete(rk_store *s, const char *key) {
     return RK_OK;
 }
 
-/* Collect the rows of this model (any model on read-only handles) sorted by
- * key: the scan verify and flush work from, so nothing is deleted while a
- * statement still walks the table. */
-static rk_status collect_rows(rk_store *s, rk_store_entry **out, size_t *out_n) {
-    *out = NULL;
-    *out_n = 0;
+typedef rk_status (*row_fn)(rk_store *s, const rk_store_entry *e, void *ctx);
+
+/* Call fn for every row of this model (every model on read-only handles) in
+ * key order. fn must not write to the table: callers collect what to delete
+ * and delete after the walk. */
+static rk_status for_each_row(rk_store *s, row_fn fn, void *ctx) {
     sqlite3_stmt *q = stmt(s, ST_SCAN);
     bind_model(s, q);
-    rk_store_entry *v = NULL;
-    size_t n = 0, cap = 0;
+    rk_store_entry e;
     int rc;
     rk_status st = RK_OK;
     while ((rc = sqlite3_step(q)) == SQLITE_ROW) {
-        if (n == cap) {
-            cap = cap ? cap * 2 : 64;
-            rk_store_entry *nv = realloc(v, cap * sizeof *nv);
-            if (!nv) {
-                st = rk_errorf(RK_ERR_NOMEM, "store: no memory to list rows");
-                break;
-            }
-            v = nv;
-        }
-        read_row(q, &v[n++]);
+        read_row(q, &e);
+        if ((st = fn(s, &e, ctx)) != RK_OK) break;
     }
     if (st == RK_OK && rc != SQLITE_DONE) st = sql_error(s, rc, "scan rows");
     sqlite3_reset(q);
+    return st;
+}
+
+static rk_status push_key(rk_store *s, const rk_store_entry *e, void *ctx) {
+    (void)s;
+    if (!rk_store_key_valid(e->key)) return RK_OK; /* names no file */
+    return key_list_push(ctx, e->key);
+}
+
+/* Delete the rows of keys in one transaction, then their files. */
+static rk_status remove_keys(rk_store *s, const key_list *keys, const char *what) {
+    rk_status st = step_done(s, stmt(s, ST_BEGIN), what);
+    for (size_t i = 0; st == RK_OK && i < keys->n; i++) {
+        sqlite3_stmt *d = stmt(s, ST_DELETE);
+        sqlite3_bind_text(d, 1, keys->v[i], -1, SQLITE_STATIC);
+        st = step_done(s, d, what);
+    }
+    if (st == RK_OK) st = step_done(s, stmt(s, ST_COMMIT), what);
     if (st != RK_OK) {
-        free(v);
+        if (!sqlite3_get_autocommit(s->db)) step_done(s, stmt(s, ST_ROLLBACK), "roll back");
         return st;
     }
-    *out = v;
-    *out_n = n;
+    for (size_t i = 0; i < keys->n; i++) unlink_payload(s, keys->v[i]);
     return RK_OK;
 }
 
@@ -797,28 +805,13 @@ rk_status rk_store_flush(rk_store *s, uint64_t *out_removed) {
     if (st != RK_OK) return st;
     if (out_removed) *out_removed = 0;
     if (s->in_batch) return rk_errorf(RK_ERR_INVALID, "store %s: flush inside a batch", s->dir);
-    rk_store_entry *rows = NULL;
-    size_t n = 0;
-    if ((st = collect_rows(s, &rows, &n)) != RK_OK) return st;
-    st = step_done(s, stmt(s, ST_BEGIN), "begin flush");
-    for (size_t i = 0; st == RK_OK && i < n; i++) {
-        sqlite3_stmt *d = stmt(s, ST_DELETE);
-        sqlite3_bind_text(d, 1, rows[i].key, -1, SQLITE_STATIC);
-        st = step_done(s, d, "flush a row");
-    }
-    if (st == RK_OK) st = step_done(s, stmt(s, ST_COMMIT), "commit flush");
-    if (st != RK_OK) {
-        if (!sqlite3_get_autocommit(s->db)) step_done(s, stmt(s, ST_ROLLBACK), "roll back");
-        free(rows);
-        return st;
-    }
-    for (size_t i = 0; i < n; i++)
-        if (rk_store_key_valid(rows[i].key)) unlink_payload(s, rows[i].key);
-    free(rows);
-    s->rows = 0;
-    s->bytes = 0;
-    if (out_removed) *out_removed = n;
-    return RK_OK;
+    key_list keys = {0};
+    st = for_each_row(s, push_key, &keys);
+    if (st == RK_OK) st = remove_keys(s, &keys, "flush");
+    if (st == RK_OK && out_removed) *out_removed = keys.n;
+    key_list_free(&keys);
+    if (st == RK_OK) st = load_totals(s);
+    return st;
 }
 
 rk_status rk_store_list(rk_store *s, rk_store_sort sort, int limit, int offset,
@@ -951,47 +944,58 @@ static rk_status scan_orphans(rk_store *s, const key_list *keys, int remove, uin
 
 /* ---------------------------------------------------------------- verify */
 
+typedef struct verify_ctx {
+    int full;    /* check checksums too */
+    int collect; /* collect keys of bad payloads (RK_ERR_FORMAT only) */
+    rk_store_bad_fn on_bad;
+    void *on_bad_ctx;
+    rk_store_verify_result r;
+    key_list bad; /* when collecting */
+} verify_ctx;
+
+static rk_status verify_row(rk_store *s, const rk_store_entry *e, void *ctx) {
+    verify_ctx *v = ctx;
+    v->r.checked++;
+    if (!rk_store_key_valid(e->key)) {
+        v->r.bad++;
+        if (v->on_bad) v->on_bad(v->on_bad_ctx, e->key, "invalid key in the table");
+        return RK_OK;
+    }
+    char path[PATH_MAX];
+    rk_status st = key_paths(s, e->key, NULL, path, NULL, sizeof path);
+    if (st != RK_OK) return st;
+    rk_payload_expect x;
+    expect_from_row(e, &x);
+    rk_status cs = rk_payload_check(path, &x, v->full);
+    if (cs == RK_OK) return RK_OK;
+    if (cs == RK_ERR_NOMEM) return cs;
+    v->r.bad++;
+    if (v->on_bad) v->on_bad(v->on_bad_ctx, e->key, rk_error_message());
+    if (v->collect && cs == RK_ERR_FORMAT) return key_list_push(&v->bad, e->key);
+    return RK_OK;
+}
+
 rk_status rk_store_verify(rk_store *s, int delete_bad, rk_store_bad_fn on_bad, void *ctx,
                           rk_store_verify_result *out) {
     if (!s || !out) return rk_errorf(RK_ERR_INVALID, "store: NULL argument");
     memset(out, 0, sizeof *out);
     if (delete_bad && s->readonly)
         return rk_errorf(RK_ERR_INVALID, "store %s: opened read-only, cannot delete", s->dir);
-    rk_store_entry *rows = NULL;
-    size_t n = 0;
-    rk_status st = collect_rows(s, &rows, &n);
-    if (st != RK_OK) return st;
-    for (size_t i = 0; i < n; i++) {
-        const rk_store_entry *e = &rows[i];
-        out->checked++;
-        if (!rk_store_key_valid(e->key)) {
-            out->bad++;
-            if (on_bad) on_bad(ctx, e->key, "invalid key in the table");
-            continue;
-        }
-        char path[PATH_MAX];
-        if ((st = key_paths(s, e->key, NULL, path, NULL, sizeof path)) != RK_OK) break;
-        rk_payload_expect x;
-        expect_from_row(e, &x);
-        rk_status cs = rk_payload_check(path, &x, 1);
-        if (cs == RK_OK) continue;
-        if (cs == RK_ERR_NOMEM) {
-            st = cs;
-            break;
-        }
-        out->bad++;
-        if (on_bad) on_bad(ctx, e->key, rk_error_message());
-        if (delete_bad && cs == RK_ERR_FORMAT) {
-            if ((st = remove_entry(s, e->key, e->n_bytes)) != RK_OK) break;
-            out->deleted++;
-        }
+    verify_ctx v = {.full = 1, .collect = delete_bad, .on_bad = on_bad, .on_bad_ctx = ctx};
+    rk_status st = for_each_row(s, verify_row, &v);
+    for (size_t i = 0; st == RK_OK && i < v.bad.n; i++) {
+        rk_store_entry e;
+        int found = 0;
+        st = find_own_row(s, v.bad.v[i], &e, &found);
+        if (st == RK_OK && found && (st = remove_entry(s, e.key, e.n_bytes)) == RK_OK)
+            v.r.deleted++;
     }
-    free(rows);
-    if (st != RK_OK) return st;
+    key_list_free(&v.bad);
     key_list keys = {0};
-    st = all_keys(s, &keys);
-    if (st == RK_OK) st = scan_orphans(s, &keys, 0, &out->orphans);
+    if (st == RK_OK) st = all_keys(s, &keys);
+    if (st == RK_OK) st = scan_orphans(s, &keys, 0, &v.r.orphans);
     key_list_free(&keys);
+    *out = v.r;
     return st;
 }
 
@@ -1097,6 +1101,11 @@ static rk_status open_db(rk_store *s) {
     return st;
 }
 
+static void log_bad(void *ctx, const char *key, const char *reason) {
+    (void)key;
+    RK_LOG_WARN("store %s: bad payload: %s", ((rk_store *)ctx)->dir, reason);
+}
+
 /* Recovery at open: see the header. */
 static rk_status recover(rk_store *s) {
     /* rows of this model whose key could name no file */
@@ -1134,44 +1143,14 @@ static rk_status recover(rk_store *s) {
                     "by model %s",
                     s->dir, (long long)other, s->fingerprint);
 
-    /* this model's rows: check every payload */
-    rk_store_entry *rows = NULL;
-    size_t n = 0;
-    if ((st = collect_rows(s, &rows, &n)) != RK_OK) return st;
-    key_list bad = {0};
-    for (size_t i = 0; st == RK_OK && i < n; i++) {
-        char path[PATH_MAX];
-        if ((st = key_paths(s, rows[i].key, NULL, path, NULL, sizeof path)) != RK_OK) break;
-        rk_payload_expect x;
-        expect_from_row(&rows[i], &x);
-        rk_status cs = rk_payload_check(path, &x, s->opts.verify_on_open);
-        if (cs == RK_ERR_FORMAT) {
-            RK_LOG_WARN("store %s: dropping %s", s->dir, rk_error_message());
-            st = key_list_push(&bad, rows[i].key);
-        } else if (cs == RK_ERR_NOMEM) {
-            st = cs;
-        } else if (cs != RK_OK) {
-            /* unreadable for now (permissions, EIO): keep the row, loads check again */
-            RK_LOG_WARN("store %s: cannot check %s", s->dir, rk_error_message());
-        }
-    }
-    free(rows);
-    if (st == RK_OK && bad.n) {
-        st = step_done(s, stmt(s, ST_BEGIN), "begin recovery");
-        for (size_t i = 0; st == RK_OK && i < bad.n; i++) {
-            sqlite3_stmt *d = stmt(s, ST_DELETE);
-            sqlite3_bind_text(d, 1, bad.v[i], -1, SQLITE_STATIC);
-            st = step_done(s, d, "drop a bad row");
-        }
-        if (st == RK_OK) st = step_done(s, stmt(s, ST_COMMIT), "commit recovery");
-        if (st != RK_OK && !sqlite3_get_autocommit(s->db))
-            step_done(s, stmt(s, ST_ROLLBACK), "roll back");
-        if (st == RK_OK) {
-            for (size_t i = 0; i < bad.n; i++) unlink_payload(s, bad.v[i]);
-            s->c.dropped_on_recovery += bad.n;
-        }
-    }
-    key_list_free(&bad);
+    /* this model's rows: check every payload (checksums with verify_on_open);
+     * unreadable ones (permissions, EIO) stay: every load checks again */
+    verify_ctx v = {
+        .full = s->opts.verify_on_open, .collect = 1, .on_bad = log_bad, .on_bad_ctx = s};
+    st = for_each_row(s, verify_row, &v);
+    if (st == RK_OK && v.bad.n) st = remove_keys(s, &v.bad, "drop bad rows");
+    if (st == RK_OK) s->c.dropped_on_recovery += v.bad.n;
+    key_list_free(&v.bad);
     if (st != RK_OK) return st;
 
     /* files without a row (any model's row keeps its file) and *.tmp */

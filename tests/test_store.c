@@ -1212,3 +1212,69 @@ Test(store_offline, read_only_handle_lists_counts_and_verifies_without_deleting)
     chunk_free(&b);
     rm_rf(dir);
 }
+
+Test(store_recovery, rows_with_hostile_keys_are_dropped_and_name_no_file) {
+    char *dir = rk_test_tmpdir("store-hostile");
+    chunk c;
+    chunk_make(&c, 190, 16, 300);
+    rk_store *s = open_store(dir, FP_A, 1);
+    ASSERT_OK(put_chunk(s, &c));
+    rk_store_close(s);
+    /* a bait file where a naive path join would land */
+    char bait[4200];
+    PATHF(bait, "%s/passwd.kv", dir);
+    FILE *f = fopen(bait, "wb");
+    cr_assert_not_null(f);
+    fclose(f);
+    sql_on(dir, "INSERT INTO chunks (key, model, policy, n_tokens, n_bytes, checksum, created,"
+                " last_access, hits, file) VALUES"
+                " ('../passwd', '" FP_A "', 'isolated', 1, 164, 'x', 0, 0, 0, 'x'),"
+                " ('../../etc/shadow', '" FP_B "', 'isolated', 1, 164, 'x', 0, 0, 0, 'x')");
+
+    rk_store *ro = NULL;
+    ASSERT_OK(rk_store_open_readonly(dir, &ro));
+    rk_store_verify_result vr;
+    ASSERT_OK(rk_store_verify(ro, 0, NULL, NULL, &vr));
+    cr_assert_eq(vr.checked, 3);
+    cr_assert_eq(vr.bad, 2);
+    rk_store_close(ro);
+
+    s = open_store(dir, FP_A, 1);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.dropped_on_recovery, 1); /* this model's hostile row */
+    cr_assert_eq(st.other_model_rows, 1);    /* the other model's row is kept, never used */
+    cr_assert_eq(st.rows, 1);
+    cr_assert(file_exists(bait), "a file outside kv/ was touched");
+    expect_chunk(s, &c);
+    rk_store_close(s);
+    chunk_free(&c);
+    rm_rf(dir);
+}
+
+Test(store, verify_can_delete_what_it_finds_bad) {
+    char *dir = rk_test_tmpdir("store-verify-delete");
+    chunk c[3];
+    rk_store *s = open_store(dir, FP_A, 1);
+    for (int i = 0; i < 3; i++) {
+        chunk_make(&c[i], 200 + (uint64_t)i, 16, 3000);
+        ASSERT_OK(put_chunk(s, &c[i]));
+    }
+    flip_byte(payload_path(s, c[0].key), 160 + 64 + 5);
+    cr_assert_eq(truncate(payload_path(s, c[2].key), 100), 0);
+    rk_store_verify_result vr;
+    ASSERT_OK(rk_store_verify(s, 1, NULL, NULL, &vr));
+    cr_assert_eq(vr.checked, 3);
+    cr_assert_eq(vr.bad, 2);
+    cr_assert_eq(vr.deleted, 2);
+    cr_assert_eq(vr.orphans, 0);
+    cr_assert_eq(present(s, c[0].key), 0);
+    cr_assert_eq(present(s, c[2].key), 0);
+    cr_assert_eq(count_files(dir, ".kv"), 1);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.rows, 1);
+    cr_assert_eq(st.bytes, 160 + 64 + 3000);
+    expect_chunk(s, &c[1]);
+    rk_store_close(s);
+    for (int i = 0; i < 3; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
