@@ -90,16 +90,28 @@ static void bench_gemm(rk_backend *be) {
     double flop = 2.0 * n * k * m, t;
     printf("\n(a) GEMM y(512,3072) = x(512,1024) . w(3072,1024)^T\n");
     printf("  %-34s %10s %10s\n", "", "ms", "GFLOP/s");
+    /* plain OpenBLAS with its own threads (the backend keeps it at 1 and
+     * runs panels on its pool instead) */
+    openblas_set_num_threads(be->n_threads);
     TIME_BEST(5, t,
               cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, k, 1.0f, x, k, w, k, 0.0f,
                           y, m));
-    printf("  %-34s %10.2f %10.1f\n", "cblas_sgemm", t * 1e3, flop / t * 1e-9);
+    char label[64];
+    snprintf(label, sizeof label, "cblas_sgemm, OpenBLAS %d threads", be->n_threads);
+    printf("  %-34s %10.2f %10.1f\n", label, t * 1e3, flop / t * 1e-9);
+    openblas_set_num_threads(1);
+    TIME_BEST(5, t,
+              cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, k, 1.0f, x, k, w, k, 0.0f,
+                          y, m));
+    printf("  %-34s %10.2f %10.1f\n", "cblas_sgemm, OpenBLAS 1 thread", t * 1e3, flop / t * 1e-9);
     TIME_BEST(5, t, check(be->ops->matmul(be, y, x, w, RK_DTYPE_F32, n, k, m), "matmul"));
     printf("  %-34s %10.2f %10.1f\n", "matmul F32 weights", t * 1e3, flop / t * 1e-9);
     TIME_BEST(5, t, check(be->ops->matmul(be, y, x, wb, RK_DTYPE_BF16, n, k, m), "matmul"));
     printf("  %-34s %10.2f %10.1f\n", "matmul BF16 weights", t * 1e3, flop / t * 1e-9);
     /* where the two paths cross over: small n at the decode shape */
-    printf("  small n at k=1024 m=3072 (path: mv = matvec kernel, blas = sgemm):\n");
+    printf("  small n at k=1024 m=3072 (path: mv = matvec kernel, blas = sgemm panels;\n"
+           "  last column: plain OpenBLAS sgemm with %d threads):\n",
+           be->n_threads);
     printf("  %6s %6s %12s %12s %12s\n", "n", "path", "F32 ms", "BF16 ms", "sgemm ms");
     const int small_n[7] = {1, 2, 4, 8, 16, 24, 32};
     for (int ni = 0; ni < 7; ni++) {
@@ -107,9 +119,11 @@ static void bench_gemm(rk_backend *be) {
         double tf, tb, ts;
         TIME_BEST(10, tf, check(be->ops->matmul(be, y, x, w, RK_DTYPE_F32, nn, k, m), "matmul"));
         TIME_BEST(10, tb, check(be->ops->matmul(be, y, x, wb, RK_DTYPE_BF16, nn, k, m), "matmul"));
+        openblas_set_num_threads(be->n_threads);
         TIME_BEST(10, ts,
                   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, nn, m, k, 1.0f, x, k, w, k,
                               0.0f, y, m));
+        openblas_set_num_threads(1);
         printf("  %6d %6s %12.3f %12.3f %12.3f\n", nn,
                rk_cpu_matmul_uses_blas(nn, k, m, RK_DTYPE_F32) ? "blas" : "mv", tf * 1e3, tb * 1e3,
                ts * 1e3);

@@ -291,7 +291,7 @@ Test(matmul, both_paths_are_chosen_from_the_shape) {
 }
 
 Test(matmul, matches_a_double_reference_and_is_thread_count_independent) {
-    rk_backend *bes[3] = {make_backend(1), make_backend(2), make_backend(3)};
+    rk_backend *bes[4] = {make_backend(1), make_backend(2), make_backend(3), make_backend(4)};
     const int ns[] = {1, 3, 17, 64};
     const int ks[] = {91, 1029}; /* 2 x 32 + 3 x 8 + 3 and 32 x 32 + 5 */
     const int ms[] = {37, 131};
@@ -307,10 +307,10 @@ Test(matmul, matches_a_double_reference_and_is_thread_count_independent) {
                     void *w = to_dtype(wf, (size_t)m * k, t);
                     double *ref = malloc((size_t)n * m * sizeof(double));
                     double *abs_sum = malloc((size_t)n * m * sizeof(double));
-                    float *y[3];
+                    float *y[4];
                     cr_assert(ref && abs_sum);
                     matmul_ref(ref, abs_sum, x, w, t, n, k, m);
-                    for (int e = 0; e < 3; e++) {
+                    for (int e = 0; e < 4; e++) {
                         y[e] = malloc((size_t)n * m * sizeof(float));
                         cr_assert(y[e]);
                         cr_assert_eq(bes[e]->ops->matmul(bes[e], y[e], x, w, t, n, k, m), RK_OK);
@@ -327,14 +327,17 @@ Test(matmul, matches_a_double_reference_and_is_thread_count_independent) {
                     cr_assert_arr_eq(y[0], y[2], (size_t)n * m * sizeof(float),
                                      "n=%d k=%d m=%d %s: 1 vs 3 threads differ", n, k, m,
                                      rk_dtype_name(t));
-                    for (int e = 0; e < 3; e++) free(y[e]);
+                    cr_assert_arr_eq(y[0], y[3], (size_t)n * m * sizeof(float),
+                                     "n=%d k=%d m=%d %s: 1 vs 4 threads differ", n, k, m,
+                                     rk_dtype_name(t));
+                    for (int e = 0; e < 4; e++) free(y[e]);
                     free(x);
                     free(wf);
                     free(w);
                     free(ref);
                     free(abs_sum);
                 }
-    for (int e = 0; e < 3; e++) rk_backend_free(bes[e]);
+    for (int e = 0; e < 4; e++) rk_backend_free(bes[e]);
 }
 
 Test(matmul, matvec_rows_do_not_depend_on_n_or_on_each_other) {

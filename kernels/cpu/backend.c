@@ -422,7 +422,8 @@ static const rk_backend_ops cpu_ops = {
 };
 
 /* Create the CPU backend with a pool of n_threads threads (<= 0: one per
- * online core) and tell OpenBLAS to use as many. The caller owns *out. */
+ * online core) and keep OpenBLAS single-threaded (its calls run inside the
+ * pool). The caller owns *out. */
 rk_status rk_cpu_backend_create(int n_threads, rk_backend **out) {
     *out = NULL;
     rk_backend *be = calloc(1, sizeof *be);
@@ -439,7 +440,10 @@ rk_status rk_cpu_backend_create(int n_threads, rk_backend **out) {
         return st;
     }
     cpu->n_threads = rk_threadpool_size(cpu->pool);
-    openblas_set_num_threads(cpu->n_threads);
+    /* The BLAS path runs its panels on our pool, one single-threaded sgemm
+     * per panel: OpenBLAS threading would oversubscribe the cores and its
+     * results vary with its thread count. */
+    openblas_set_num_threads(1);
     be->ops = &cpu_ops;
     be->name = "cpu";
     be->n_threads = cpu->n_threads;

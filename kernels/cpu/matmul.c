@@ -2,10 +2,13 @@
  * weights.
  *
  * Two paths, chosen from the shape alone (rk_cpu_matmul_uses_blas):
- *  - n >= BLAS_MIN_N (prefill): OpenBLAS cblas_sgemm. F32 weights go in
- *    directly; F16/BF16 weights are converted to f32 one panel of rows at a
- *    time (in parallel, into a bounded shared buffer) and multiplied panel by
- *    panel into the matching columns of y.
+ *  - n >= BLAS_MIN_N (prefill): OpenBLAS cblas_sgemm, one call per panel of
+ *    rows of w, the panels spread over our thread pool and OpenBLAS kept
+ *    single-threaded. F32 weights go in directly; F16/BF16 panels are first
+ *    widened into per-thread scratch, so memory stays bounded. (OpenBLAS's
+ *    own threading is not bit-reproducible across thread counts for every
+ *    shape -- n=64 k=1029 m=37 differs between 1 and 2 threads -- so the
+ *    panel split, which depends on k only, does the parallel work.)
  *  - small n (decode): a memory-bound matrix-vector kernel, parallel over
  *    blocks of output rows (rows of w). Each row of w streams once from memory
  *    and meets every row of x (two at a time) while it is in L1; F16 rows are
@@ -18,10 +21,8 @@
 
 #include "kernels/cpu/cpu.h"
 
-#define BLAS_MIN_N       32 /* n from which sgemm beats the matvec kernel (measured: 24-32) */
-#define ROWS_PER_TASK    64 /* rows of w per matvec task (a multiple of 4) */
-#define PANEL_MAX_BYTES  (8u * 1024 * 1024) /* f32 panel of converted weights */
-#define PANEL_ROWS_ALIGN 16
+#define BLAS_MIN_N    32 /* n from which sgemm beats the matvec kernel (measured: 24-32) */
+#define ROWS_PER_TASK 64 /* rows of w per matvec task (a multiple of 4) */
 
 /* Return 1 when matmul takes the BLAS path for this shape (n alone decides). */
 int rk_cpu_matmul_uses_blas(int n, int k, int m, rk_dtype wtype) {
@@ -150,46 +151,56 @@ static void mv_task(void *p, int task, int tid) {
 
 /* ---------------------------------------------------------------- BLAS path */
 
-typedef struct cvt_ctx {
-    float *dst;
-    const unsigned char *src;
-    rk_dtype dtype;
-    size_t k;
-    int rows, rows_per;
-} cvt_ctx;
+/* Rows of w per sgemm call: the panel of f32 weights stays within about
+ * 2 MiB (a per-thread scratch for F16/BF16), at most 256 rows, at least 16.
+ * It depends on k only, so the split -- and the bits -- never depend on the
+ * thread count. */
+static int blas_panel_rows(int k) {
+    size_t rows = ((size_t)2 << 20) / ((size_t)k * sizeof(float));
+    if (rows > 256) rows = 256;
+    if (rows < 16) rows = 16;
+    return (int)rows;
+}
 
-static void cvt_task(void *p, int task, int tid) {
-    (void)tid;
-    cvt_ctx *c = p;
-    int r0 = task * c->rows_per, r1 = r0 + c->rows_per < c->rows ? r0 + c->rows_per : c->rows;
-    size_t es = rk_dtype_size(c->dtype);
-    rk_cpu_to_f32(c->dst + (size_t)r0 * c->k, c->src + (size_t)r0 * c->k * es, c->dtype,
-                  (size_t)(r1 - r0) * c->k);
+typedef struct blas_ctx {
+    rk_cpu *cpu;
+    float *y;
+    const float *x;
+    const void *w;
+    rk_dtype wtype;
+    int n, k, m, panel;
+} blas_ctx;
+
+/* One panel: y(n, cols) at column c0 = x(n, k) · w(rows c0.., k)^T with a
+ * single-threaded sgemm (OpenBLAS runs in the calling pool thread). */
+static void blas_task(void *p, int task, int tid) {
+    blas_ctx *c = p;
+    int c0 = task * c->panel;
+    int cols = c->m - c0 < c->panel ? c->m - c0 : c->panel;
+    size_t k = (size_t)c->k;
+    const float *wp;
+    if (c->wtype == RK_DTYPE_F32) {
+        wp = (const float *)c->w + (size_t)c0 * k;
+    } else {
+        float *scratch = rk_cpu_scratch(c->cpu, tid); // (panel, k)
+        rk_cpu_to_f32(scratch,
+                      (const unsigned char *)c->w + (size_t)c0 * k * rk_dtype_size(c->wtype),
+                      c->wtype, (size_t)cols * k);
+        wp = scratch;
+    }
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, c->n, cols, c->k, 1.0f, c->x, c->k, wp,
+                c->k, 0.0f, c->y + c0, c->m);
 }
 
 static rk_status matmul_blas(rk_cpu *cpu, float *y, const float *x, const void *w, rk_dtype wtype,
                              int n, int k, int m) {
-    if (wtype == RK_DTYPE_F32) {
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, m, k, 1.0f, x, k, w, k, 0.0f, y, m);
-        return RK_OK;
+    int panel = blas_panel_rows(k);
+    if (wtype != RK_DTYPE_F32) {
+        rk_status st = rk_cpu_reserve_scratch(cpu, (size_t)panel * k * sizeof(float));
+        if (st != RK_OK) return st;
     }
-    size_t panel_rows = PANEL_MAX_BYTES / ((size_t)k * sizeof(float));
-    panel_rows = panel_rows / PANEL_ROWS_ALIGN * PANEL_ROWS_ALIGN;
-    if (panel_rows < PANEL_ROWS_ALIGN) panel_rows = PANEL_ROWS_ALIGN;
-    if (panel_rows > (size_t)m) panel_rows = (size_t)m;
-    void *buf;
-    rk_status st = rk_cpu_reserve_shared(cpu, panel_rows * (size_t)k * sizeof(float), &buf);
-    if (st != RK_OK) return st;
-    float *panel = buf; // (panel_rows, k)
-    size_t es = rk_dtype_size(wtype);
-    for (size_t p0 = 0; p0 < (size_t)m; p0 += panel_rows) {
-        int rows = (int)((size_t)m - p0 < panel_rows ? (size_t)m - p0 : panel_rows);
-        cvt_ctx c = {panel, (const unsigned char *)w + p0 * (size_t)k * es, wtype, (size_t)k, rows,
-                     8};
-        rk_threadpool_run(cpu->pool, (rows + c.rows_per - 1) / c.rows_per, cvt_task, &c);
-        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, n, rows, k, 1.0f, x, k, panel, k, 0.0f,
-                    y + p0, m);
-    }
+    blas_ctx c = {cpu, y, x, w, wtype, n, k, m, panel};
+    rk_threadpool_run(cpu->pool, (m + panel - 1) / panel, blas_task, &c);
     return RK_OK;
 }
 
