@@ -263,6 +263,17 @@ void rk_chunk_index_ready(rk_chunk_index *ix, rk_chunk_entry *e) {
     e->state = RK_CHUNK_READY;
 }
 
+void rk_chunk_index_loaded(rk_chunk_index *ix, rk_chunk_entry *e) {
+    if (e->state != RK_CHUNK_PENDING) return;
+    e->state = RK_CHUNK_READY;
+    snprintf(e->source, sizeof e->source, "disk");
+    ix->st.computes--;
+    ix->st.disk_loads++;
+    ix->st.misses--;
+    ix->st.hits++;
+    ix->st.hit_tokens += (uint64_t)e->n_tokens;
+}
+
 void rk_chunk_index_release(rk_chunk_index *ix, rk_chunk_entry *e, int failed) {
     if (!e) return;
     if (e->refs > 0) e->refs--;

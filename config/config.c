@@ -92,6 +92,7 @@ void rk_config_defaults(rk_config *cfg) {
     cfg->max_chunk_tokens = 4096;
     cfg->max_context = 0;
     cfg->max_tokens = 4096;
+    cfg->store_verify = 1;
     cfg->kv_poison = 0;
 }
 

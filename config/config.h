@@ -99,6 +99,11 @@ typedef struct rk_config {
     int max_chunk_tokens; /* tokens per chunk; default 4096 */
     int max_context;      /* tokens per request (prompt + generated); 0 = the model's context */
     int max_tokens;       /* generated tokens per request; default 4096 */
+
+    /* persistent store (the disk tier) */
+    char store_dir[1024]; /* "" = no store */
+    int store_budget_mb;  /* payload bytes kept on disk; 0 = unlimited */
+    int store_verify;     /* checksum every payload when the store opens; default 1 */
 } rk_config;
 
 /* Fill cfg with the defaults (which work on a laptop). */

@@ -11,6 +11,7 @@
 #include "chunkcache/radix.h"
 #include "config/config.h"
 #include "engine/engine.h"
+#include "store/store.h"
 
 /* Seed of the embedded default model (`tiny`), fixed so every ragkv binary
  * serves the same weights. */
@@ -24,6 +25,7 @@ typedef struct rk_service {
     rk_radix *prefix;       /* system-prompt cache over prefix-pool blocks; NULL when disabled */
     uint64_t prefix_ns;     /* its namespace: derived from the model fingerprint */
     rk_chunk_index *chunks; /* the chunk cache over chunk-pool blocks */
+    rk_store *store;        /* the disk tier; NULL without --store */
 } rk_service;
 
 /* Create the backend, load the model (model_path NULL = build the embedded

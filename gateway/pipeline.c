@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "chunkcache/chunk_index.h"
+#include "gateway/persist.h"
 
 /* A scratch sequence: KV computed somewhere other than the request's own
  * table, then copied into place. */
@@ -344,6 +345,14 @@ static rk_status batch_run(rk_service *svc, batch *b) {
 
 /* ---------------------------------------------------------------- stages */
 
+/* Write a freshly computed entry through to the disk tier. A failed write is
+ * logged and counted by the store; serving goes on from the arena. */
+static void persist(rk_service *svc, const rk_chunk_entry *e, int context_system) {
+    if (!svc->store) return;
+    if (rk_persist_write(svc, e, context_system ? "system" : "isolated", NULL))
+        RK_LOG_WARN("chunk not persisted: %s", rk_error_message());
+}
+
 /* Match the system prompt, share its cached pages, reserve blocks for the
  * rest of the system (prefix pool for whole pages that will be inserted,
  * live pool after) and for the chunks, question and generated tokens. */
@@ -440,10 +449,19 @@ static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
                                          &s->entries[k], &s->kinds[k])))
             return st;
         rk_chunk_entry *e = s->entries[k];
+        if (s->kinds[k] == RK_CHUNK_MISS) { /* the disk tier may have it */
+            int loaded;
+            if ((st = rk_persist_load(svc, e, &loaded))) return st;
+            if (loaded) {
+                rk_chunk_index_loaded(svc->chunks, e);
+                s->kinds[k] = RK_CHUNK_HIT;
+                rep->status = "hit";
+                rep->source = "disk";
+                continue;
+            }
+        }
         rep->status = s->kinds[k] == RK_CHUNK_HIT ? "hit" : "miss";
-        rep->source = s->kinds[k] == RK_CHUNK_HIT
-                          ? (strcmp(e->source, "disk") == 0 ? "disk" : "arena")
-                          : "computed";
+        rep->source = s->kinds[k] == RK_CHUNK_HIT ? "arena" : "computed";
         if (s->kinds[k] != RK_CHUNK_MISS) continue;
         if (!r->opt.context_system) {
             /* Alone at positions 0..n-1, straight into the entry's blocks. */
@@ -548,7 +566,8 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
             memcpy(s->qtok + o, r->chunks[k], (size_t)r->chunk_lens[k] * sizeof *s->qtok);
             o += r->chunk_lens[k];
         }
-        if (r->n_question) memcpy(s->qtok + o, r->question, (size_t)r->n_question * sizeof *s->qtok);
+        if (r->n_question)
+            memcpy(s->qtok + o, r->question, (size_t)r->n_question * sizeof *s->qtok);
         s->n_qtok = n;
         s->q_index = s->q_pos = r->n_sys;
         for (int k = 0; k < r->n_chunks; k++) {
@@ -670,9 +689,12 @@ rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
     }
     if ((st = rk_copy_plan_run(&copies, svc->be, svc->arena, rk_model_rope(svc->model)))) goto done;
     for (int i = 0; i < n_reqs; i++)
-        for (int k = 0; k < reqs[i]->n_chunks; k++)
-            if (reqs[i]->state->kinds[k] == RK_CHUNK_MISS && reqs[i]->state->entries[k])
-                rk_chunk_index_ready(svc->chunks, reqs[i]->state->entries[k]);
+        for (int k = 0; k < reqs[i]->n_chunks; k++) {
+            rk_chunk_entry *e = reqs[i]->state->entries[k];
+            if (reqs[i]->state->kinds[k] != RK_CHUNK_MISS || !e) continue;
+            rk_chunk_index_ready(svc->chunks, e);
+            persist(svc, e, reqs[i]->opt.context_system);
+        }
     double t_compute = rk_time_now() - t;
 
     /* Stage 3: every chunk's KV into its request's live blocks. */
@@ -757,5 +779,116 @@ done:
     batch_free(&b);
     rk_copy_plan_free(&copies);
     free(act);
+    return st;
+}
+
+/* ---------------------------------------------------------------- pre-warming */
+
+/* Tokens per forward pass while pre-warming: bounds activation memory. */
+#define PREWARM_PASS_TOKENS 8192
+
+static void item_fail(rk_prewarm_item *it, const char *why) {
+    it->status = "failed";
+    snprintf(it->error, sizeof it->error, "%s", why);
+}
+
+/* Persist an arena entry unless the store has it already. */
+static void persist_if_missing(rk_service *svc, const rk_chunk_entry *e, const char *doc_id) {
+    int present = 0;
+    char key[33];
+    rk_chunk_key_hex(e->key, key);
+    if (rk_store_contains(svc->store, key, &present) == RK_OK && !present &&
+        rk_persist_write(svc, e, "isolated", doc_id))
+        RK_LOG_WARN("chunk %s not persisted: %s", key, rk_error_message());
+}
+
+rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_items, int persist) {
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    int bs = rk_arena_block_size(svc->arena);
+    rk_request policy_req = {.opt = {.context_system = 0}};
+    rk_chunk_policy policy;
+    chunk_policy(svc, &policy_req, &policy);
+    rk_chunk_entry **held = calloc((size_t)(n_items ? n_items : 1), sizeof *held);
+    rk_seq *views = calloc((size_t)(n_items ? n_items : 1), sizeof *views);
+    int *computing = calloc((size_t)(n_items ? n_items : 1), sizeof *computing);
+    if (!held || !views || !computing) {
+        free(held);
+        free(views);
+        free(computing);
+        return rk_errorf(RK_ERR_NOMEM, "prewarm: out of memory");
+    }
+    batch b = {0};
+    rk_status st = RK_OK;
+    int first = 0; /* first item of the current pass */
+    for (int i = 0; i <= n_items && !st; i++) {
+        /* Run the pass when it is full or at the end. */
+        if (i == n_items || b.n_tok >= PREWARM_PASS_TOKENS) {
+            if ((st = batch_run(svc, &b))) break;
+            for (int j = first; j < i; j++) {
+                if (!computing[j]) continue;
+                rk_chunk_index_ready(svc->chunks, held[j]);
+                items[j].status = "computed";
+                if (persist && svc->store) persist_if_missing(svc, held[j], items[j].doc_id);
+            }
+            batch_reset(&b);
+            first = i;
+            if (i == n_items) break;
+        }
+        rk_prewarm_item *it = &items[i];
+        it->status = "failed";
+        it->tier = "arena";
+        it->key[0] = it->error[0] = '\0';
+        rk_text text = {(char *)it->text, it->len};
+        int32_t *ids = NULL;
+        if (encode(tok, &text, 0, &ids, &it->tokens)) {
+            item_fail(it, rk_error_message());
+            continue;
+        }
+        if (it->tokens == 0 || it->tokens > svc->cfg.max_chunk_tokens) {
+            char why[160];
+            snprintf(why, sizeof why, "the chunk has %d tokens; 1 to %d are allowed", it->tokens,
+                     svc->cfg.max_chunk_tokens);
+            item_fail(it, why);
+            free(ids);
+            continue;
+        }
+        rk_chunk_key key = rk_chunk_key_compute(&policy, ids, it->tokens);
+        rk_chunk_key_hex(key, it->key);
+        rk_chunk_entry *e = rk_chunk_index_find(svc->chunks, key);
+        int on_disk = 0;
+        if (e) {
+            it->status = "cached";
+            if (persist && svc->store) persist_if_missing(svc, e, it->doc_id);
+        } else if (svc->store && rk_store_contains(svc->store, it->key, &on_disk) == RK_OK &&
+                   on_disk) {
+            it->status = "cached";
+            it->tier = "disk";
+        } else {
+            rk_chunk_lookup kind;
+            if (rk_chunk_index_acquire(svc->chunks, key, ids, it->tokens, 0, &e, &kind)) {
+                item_fail(it, rk_error_message());
+            } else if (kind != RK_CHUNK_MISS) {
+                held[i] = e; /* a duplicate within this call: computed once */
+                it->status = "cached";
+            } else {
+                held[i] = e;
+                computing[i] = 1;
+                views[i] =
+                    (rk_seq){.blocks = e->blocks, .n_blocks = e->n_blocks, .n_tokens = e->n_tokens};
+                st = batch_add(&b, bs, &views[i], e->tokens, e->n_tokens, 0, 0, 0);
+            }
+        }
+        free(ids);
+    }
+    for (int i = 0; i < n_items; i++)
+        if (held[i]) rk_chunk_index_release(svc->chunks, held[i], st != RK_OK);
+    if (st)
+        for (int i = 0; i < n_items; i++)
+            if (computing[i] && strcmp(items[i].status, "computed") != 0)
+                item_fail(&items[i], "the engine failed while computing it");
+    batch_free(&b);
+    free(held);
+    free(views);
+    free(computing);
     return st;
 }

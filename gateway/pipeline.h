@@ -104,4 +104,26 @@ typedef struct rk_pipeline_hooks {
 rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
                           const rk_pipeline_hooks *hooks);
 
+/* ---------------------------------------------------------------- pre-warming */
+
+typedef struct rk_prewarm_item {
+    /* in */
+    const char *text; /* chunk text (UTF-8), len bytes */
+    size_t len;
+    const char *doc_id; /* may be NULL */
+    /* out */
+    char key[33];
+    int tokens;
+    const char *status; /* "cached" (arena or disk), "computed" or "failed" */
+    const char *tier;   /* where it is now: "arena" or "disk" */
+    char error[160];    /* why it failed */
+} rk_prewarm_item;
+
+/* Make sure every chunk's KV (isolated context) is cached without generating
+ * anything: chunks found in the arena or the disk tier are "cached", the rest
+ * are computed together in forward passes of bounded size. With persist set
+ * (and a store), every chunk ends up on disk too. A bad chunk (invalid UTF-8,
+ * too long) fails alone. Returns an error only when the engine itself fails. */
+rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_items, int persist);
+
 #endif

@@ -67,6 +67,13 @@ rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_servi
     if (!st) st = open_arena(svc);
     if (!st) st = open_prefix_cache(svc);
     if (!st) st = rk_chunk_index_create(svc->arena, cfg->chunk_entries, &svc->chunks);
+    if (!st && cfg->store_dir[0]) {
+        rk_store_options so;
+        rk_store_options_default(&so);
+        so.disk_budget_bytes = (uint64_t)cfg->store_budget_mb << 20;
+        so.verify_on_open = cfg->store_verify;
+        st = rk_store_open(cfg->store_dir, rk_model_fingerprint(svc->model), &so, &svc->store);
+    }
     if (st) {
         rk_service_close(svc);
         return st;
@@ -77,6 +84,7 @@ rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_servi
 
 void rk_service_close(rk_service *svc) {
     if (!svc) return;
+    rk_store_close(svc->store);
     rk_chunk_index_free(svc->chunks);
     rk_radix_free(svc->prefix); /* gives its pages back to the arena first */
     rk_arena_free(svc->arena);

@@ -1,0 +1,238 @@
+/* tests/test_persist.c — the disk tier: chunks written through to the store,
+ * loaded back after a restart (identical results), offline pre-warming with
+ * the real binary (progress, resumption, malformed lines, SIGKILL at random
+ * points), and failing writes that leave serving untouched. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "gateway/pipeline.h"
+#include "tests/testutil.h"
+
+static rk_service *open_with_store(const char *model, const char *dir) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 2;
+    cfg.kv_memory_mb = 64;
+    snprintf(cfg.store_dir, sizeof cfg.store_dir, "%s", dir);
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
+    return svc;
+}
+
+typedef struct first_logits {
+    float *v;
+    int n;
+} first_logits;
+
+static void keep_first(void *ctx, int req, int step, const float *logits, int n_vocab) {
+    first_logits *f = ctx;
+    (void)req;
+    if (step != 0) return;
+    f->v = malloc((size_t)n_vocab * sizeof *f->v);
+    memcpy(f->v, logits, (size_t)n_vocab * sizeof *f->v);
+    f->n = n_vocab;
+}
+
+/* Run prompt greedily for 8 tokens; fills r (caller frees) and the first logits. */
+static void run(rk_service *svc, const char *prompt, rk_request *r, first_logits *fl) {
+    rk_split sp;
+    cr_assert_eq(rk_split_prompt(prompt, strlen(prompt), NULL, 64, &sp), RK_OK);
+    memset(r, 0, sizeof *r);
+    rk_req_options_default(&r->opt);
+    r->opt.max_tokens = 8;
+    r->opt.sampling.temperature = 0;
+    r->opt.stop_at_eog = 0;
+    cr_assert_eq(rk_request_prepare(svc, &sp, r), RK_OK, "%s", rk_error_message());
+    rk_split_free(&sp);
+    rk_pipeline_hooks h = {.ctx = fl, .on_logits = fl ? keep_first : NULL};
+    rk_request *one = r;
+    cr_assert_eq(rk_pipeline_run(svc, &one, 1, &h), RK_OK, "%s", rk_error_message());
+}
+
+static const char *PROMPT =
+    "Tell a story.##Lily found a shiny key under the old tree.##"
+    "The key opened a small wooden box full of letters.##What was in the box?";
+
+Test(persist, a_restart_serves_chunks_from_disk_with_identical_results) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    char *dir = rk_test_tmpdir("persist");
+    rk_service *svc = open_with_store(model, dir);
+    rk_request a;
+    first_logits la = {0};
+    run(svc, PROMPT, &a, &la);
+    cr_assert_str_eq(a.chunk_reports[0].source, "computed");
+    rk_store_counters sc;
+    rk_store_stats(svc->store, &sc);
+    cr_assert_eq(sc.rows, 2, "both chunks were written through");
+    rk_service_close(svc);
+
+    svc = open_with_store(model, dir); /* the restart */
+    rk_request b, c;
+    first_logits lb = {0};
+    run(svc, PROMPT, &b, &lb);
+    for (int k = 0; k < 2; k++) {
+        cr_assert_str_eq(b.chunk_reports[k].status, "hit");
+        cr_assert_str_eq(b.chunk_reports[k].source, "disk");
+    }
+    cr_assert_eq(b.cached_tokens,
+                 b.chunk_reports[0].tokens + b.chunk_reports[1].tokens + b.sys_cached);
+    /* Same tokens as the fresh compute; logits within 1e-5 of their scale (the
+     * fresh run's first pass also computed the chunks, so its matmuls took
+     * more rows and may round differently). */
+    cr_assert_eq(memcmp(a.out_tokens, b.out_tokens, 8 * sizeof(int32_t)), 0);
+    double scale = 0, d = 0;
+    for (int i = 0; i < la.n; i++) {
+        scale = fmax(scale, fabs(la.v[i]));
+        d = fmax(d, fabs((double)la.v[i] - lb.v[i]));
+    }
+    cr_assert_leq(d, 1e-5 * scale, "logits differ by %g (scale %g)", d, scale);
+    /* The disk payload is byte for byte what the arena held: a disk hit and an
+     * arena hit give bit-identical logits. */
+    first_logits lc = {0};
+    run(svc, PROMPT, &c, &lc);
+    cr_assert_str_eq(c.chunk_reports[0].source, "arena", "the next hit comes from memory");
+    for (int i = 0; i < lb.n; i++) cr_assert_eq(lb.v[i], lc.v[i], "logit %d differs", i);
+    free(lc.v);
+    rk_chunk_stats cs;
+    rk_chunk_index_get_stats(svc->chunks, &cs);
+    cr_assert_eq(cs.disk_loads, 2);
+    cr_assert_eq(cs.computes, 0);
+    rk_request_free(&a);
+    rk_request_free(&b);
+    rk_request_free(&c);
+    free(la.v);
+    free(lb.v);
+    rk_service_close(svc);
+    free(dir);
+    free(model);
+}
+
+Test(persist, failing_writes_leave_serving_untouched) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    char *dir = rk_test_tmpdir("persist-full");
+    rk_service *svc = open_with_store(model, dir);
+    /* A full disk: files may not grow past 4 KiB (each payload is larger). */
+    signal(SIGXFSZ, SIG_IGN);
+    struct rlimit rl = {4096, 4096};
+    cr_assert_eq(setrlimit(RLIMIT_FSIZE, &rl), 0);
+    rk_request a, b;
+    run(svc, PROMPT, &a, NULL);
+    cr_assert_str_eq(a.chunk_reports[0].status, "miss");
+    cr_assert_eq(a.n_out, 8, "the request is served from the arena");
+    rk_store_counters sc;
+    rk_store_stats(svc->store, &sc);
+    cr_assert_eq(sc.rows, 0, "nothing half-written is kept");
+    run(svc, PROMPT, &b, NULL);
+    cr_assert_str_eq(b.chunk_reports[0].source, "arena");
+    cr_assert_eq(memcmp(a.out_tokens, b.out_tokens, 8 * sizeof(int32_t)), 0);
+    rk_request_free(&a);
+    rk_request_free(&b);
+    rk_service_close(svc);
+    free(dir);
+    free(model);
+}
+
+/* ---------------------------------------------------------------- the binary */
+
+static char *write_corpus(const char *dir, int n, int bad_line) {
+    char *path = malloc(strlen(dir) + 32);
+    sprintf(path, "%s/corpus.jsonl", dir);
+    FILE *f = fopen(path, "w");
+    for (int i = 0; i < n; i++) {
+        if (i == bad_line) fprintf(f, "{\"id\": \"broken\", \"text\": \n");
+        fprintf(f,
+                "{\"id\": \"doc-%d#0\", \"text\": \"Document %d says the answer is %d and "
+                "that the sky over town %d was clear on day %d.\"}\n",
+                i, i, i * 7, i % 13, i);
+    }
+    fclose(f);
+    return path;
+}
+
+Test(persist, prewarm_then_generate_hits_from_disk_then_from_the_arena) {
+    char *dir = rk_test_tmpdir("prewarm");
+    char *corpus = write_corpus(dir, 5, -1);
+    char cmd[8192], *out;
+    snprintf(cmd, sizeof cmd, "%s prewarm --input %s --store %s/store 2>&1", RK_BIN, corpus, dir);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "5 computed") != NULL, "%s", out);
+    free(out);
+    /* Rerun: resumable, nothing computed again. */
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "0 computed, 5 already cached") != NULL, "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd,
+             "%s generate --store %s/store --json --repeat 2 -n 2 --temp 0 --prompt "
+             "'S##Document 3 says the answer is 21 and that the sky over town 3 was clear on day "
+             "3.##Document 1 says the answer is 7 and that the sky over town 1 was clear on day "
+             "1.##Q'",
+             RK_BIN, dir);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    char *second = strchr(out, '\n');
+    cr_assert_not_null(second);
+    *second++ = '\0';
+    cr_assert(strstr(out, "\"source\":\"disk\"") && !strstr(out, "\"source\":\"computed\""),
+              "first request: %s", out);
+    cr_assert(strstr(second, "\"source\":\"arena\"") && !strstr(second, "\"source\":\"disk\""),
+              "second request: %s", second);
+    free(out);
+    free(corpus);
+    free(dir);
+}
+
+Test(persist, malformed_input_lines_are_reported_and_skipped) {
+    char *dir = rk_test_tmpdir("prewarm-bad");
+    char *corpus = write_corpus(dir, 4, 2);
+    char cmd[8192], *out;
+    snprintf(cmd, sizeof cmd, "%s prewarm --input %s --store %s/store 2>&1", RK_BIN, corpus, dir);
+    cr_assert_eq(rk_test_run(cmd, &out), 1, "%s", out);
+    cr_assert(strstr(out, "corpus.jsonl:3:") != NULL, "the message names line 3: %s", out);
+    cr_assert(strstr(out, "4 computed") != NULL, "%s", out);
+    free(out);
+    free(corpus);
+    free(dir);
+}
+
+Test(persist, prewarm_killed_at_random_points_always_leaves_a_consistent_store, .timeout = 600) {
+    char *dir = rk_test_tmpdir("prewarm-kill");
+    char *corpus = write_corpus(dir, 200, -1);
+    char store[4096], cmd[8192], *out;
+    snprintf(store, sizeof store, "%s/store", dir);
+    srand(4242);
+    for (int round = 0; round < 20; round++) {
+        pid_t pid = fork();
+        cr_assert_neq(pid, -1);
+        if (pid == 0) {
+            freopen("/dev/null", "w", stderr);
+            execl(RK_BIN, RK_BIN, "prewarm", "--input", corpus, "--store", store, "--batch", "8",
+                  (char *)NULL);
+            _exit(127);
+        }
+        usleep((useconds_t)(20000 + rand() % 400000));
+        kill(pid, SIGKILL);
+        int status;
+        waitpid(pid, &status, 0);
+        snprintf(cmd, sizeof cmd, "%s cache verify --store %s 2>&1", RK_BIN, store);
+        cr_assert_eq(rk_test_run(cmd, &out), 0, "round %d: the store does not verify:\n%s", round,
+                     out);
+        free(out);
+    }
+    snprintf(cmd, sizeof cmd, "%s prewarm --input %s --store %s 2>&1", RK_BIN, corpus, store);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s cache stats --store %s 2>&1", RK_BIN, store);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "200") != NULL, "all 200 chunks are stored: %s", out);
+    free(out);
+    free(corpus);
+    free(dir);
+}
