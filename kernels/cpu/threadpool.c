@@ -7,6 +7,7 @@
  * are claimed from an atomic counter; the caller claims tasks too and then
  * waits for the workers to report the job done. Which thread runs a task
  * never changes what the task computes, so results do not depend on it. */
+#include <assert.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -40,6 +41,7 @@ struct rk_threadpool {
     int n_tasks;
     atomic_int next;
     atomic_int pending; /* workers that have not finished the current job */
+    atomic_int busy;    /* a job is running (catches a nested or concurrent run) */
 };
 
 typedef struct worker_arg {
@@ -109,6 +111,7 @@ rk_status rk_threadpool_create(int n_threads, rk_threadpool **out) {
     atomic_init(&pool->generation, 0);
     atomic_init(&pool->next, 0);
     atomic_init(&pool->pending, 0);
+    atomic_init(&pool->busy, 0);
     if (pthread_mutex_init(&pool->mu, NULL) != 0) {
         free(pool);
         return rk_errorf(RK_ERR_INTERNAL, "threadpool: pthread_mutex_init failed");
@@ -169,8 +172,12 @@ int rk_threadpool_size(const rk_threadpool *pool) { return pool->n_threads; }
 
 void rk_threadpool_run(rk_threadpool *pool, int n_tasks, rk_task_fn fn, void *ctx) {
     if (n_tasks <= 0) return;
+    int was_busy = atomic_exchange_explicit(&pool->busy, 1, memory_order_acquire);
+    assert(!was_busy && "rk_threadpool_run is not reentrant");
+    (void)was_busy;
     if (pool->n_threads == 1 || n_tasks == 1) {
         for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
+        atomic_store_explicit(&pool->busy, 0, memory_order_release);
         return;
     }
     pool->fn = fn;
@@ -186,11 +193,14 @@ void rk_threadpool_run(rk_threadpool *pool, int n_tasks, rk_task_fn fn, void *ct
     run_tasks(pool, 0);
 
     for (int i = 0; i < SPIN_ITERS; i++) {
-        if (atomic_load_explicit(&pool->pending, memory_order_acquire) == 0) return;
+        if (atomic_load_explicit(&pool->pending, memory_order_acquire) == 0) break;
         cpu_relax(i);
     }
-    pthread_mutex_lock(&pool->mu);
-    while (atomic_load_explicit(&pool->pending, memory_order_acquire) != 0)
-        pthread_cond_wait(&pool->cv_done, &pool->mu);
-    pthread_mutex_unlock(&pool->mu);
+    if (atomic_load_explicit(&pool->pending, memory_order_acquire) != 0) {
+        pthread_mutex_lock(&pool->mu);
+        while (atomic_load_explicit(&pool->pending, memory_order_acquire) != 0)
+            pthread_cond_wait(&pool->cv_done, &pool->mu);
+        pthread_mutex_unlock(&pool->mu);
+    }
+    atomic_store_explicit(&pool->busy, 0, memory_order_release);
 }
