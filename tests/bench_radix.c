@@ -63,7 +63,7 @@ int main(int argc, char **argv) {
     rk_config cfg;
     rk_config_defaults(&cfg);
     cfg.n_threads = threads;
-    cfg.kv_memory_mb = 512;
+    cfg.kv_memory_mb = 4096;
     rk_service *svc;
     if (rk_service_open(&cfg, model, &svc)) {
         fprintf(stderr, "bench_radix: %s\n", rk_error_message());
