@@ -32,7 +32,15 @@ test-asan: deps
 	@cmake -S . -B $(ASAN_BUILD) -DCMAKE_BUILD_TYPE=Debug -DRAGKV_SANITIZE=ON $(CMAKE_FLAGS) >/dev/null
 	@cmake --build $(ASAN_BUILD) -j $(JOBS)
 	@mkdir -p $(ASAN_BUILD)/testtmp
-	@cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 RAGKV_TEST_LIGHT=1 ctest --output-on-failure -j 1
+	@# Criterion reports a test before its process exits, so a leak found at exit
+	@# does not fail the test: the full log is kept and searched for reports.
+	@cd $(ASAN_BUILD) && ASAN_OPTIONS=detect_leaks=1 RAGKV_TEST_LIGHT=1 \
+		ctest -V -j 1 > sanitizer.log 2>&1; rc=$$?; \
+		grep -E "tests passed|tests failed|Test +#" sanitizer.log; \
+		if grep -qE "ERROR: (Address|Leak)Sanitizer|runtime error:" sanitizer.log; then \
+			grep -E -B2 -A20 "ERROR: (Address|Leak)Sanitizer|runtime error:" sanitizer.log | head -200; \
+			echo "sanitizer reports found (full log: $(ASAN_BUILD)/sanitizer.log)"; exit 1; fi; \
+		if [ $$rc -ne 0 ]; then grep -E -A30 "\[FAIL\]|Assertion Failed" sanitizer.log | head -200; exit $$rc; fi
 
 bench: build
 	@for b in $(BUILD)/bench_*; do echo "== $$b"; $$b || exit 1; done
