@@ -12,6 +12,7 @@
 
 #include "engine/gguf.h"
 #include "engine/mkmodel.h"
+#include "gateway/bench.h"
 #include "gateway/gateway.h"
 #include "gateway/pipeline.h"
 #include "gateway/report.h"
@@ -818,6 +819,7 @@ static const struct {
     {"inspect", cmd_inspect, "describe a GGUF file"},
     {"prewarm", cmd_prewarm, "compute chunk KV offline into the store"},
     {"cache", cmd_cache, "read a chunk store offline (ls, stats, verify)"},
+    {"bench", rk_bench_main, "run the RAG workload benchmark"},
 };
 
 static void print_usage(FILE *f) {

@@ -1,0 +1,222 @@
+/* tests/test_bench.c — `ragkv bench` run as a child process: the JSON it
+ * prints holds the invariants (hits + misses = lookups = requests x k,
+ * computed + reused = prompt tokens), every mode asked for is there, and the
+ * chunk cache beats full prefill. No timing is asserted beyond speedup > 1. */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "tests/testutil.h"
+
+#define SMALL "--corpus 20 --k 3 --requests 30 --chunk-tokens 32:64 --threads 2"
+
+/* Run `ragkv bench ARGS --json`; returns the parsed object (asserts on failure). */
+static json_t *run_bench(const char *args, int want_rc) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "%s bench %s --json", RK_BIN, args);
+    char *out = NULL;
+    int rc = rk_test_run(cmd, &out);
+    cr_assert_eq(rc, want_rc, "`%s` exited %d, wanted %d; stdout:\n%s", cmd, rc, want_rc,
+                 out ? out : "");
+    json_error_t err;
+    json_t *root = json_loads(out, 0, &err);
+    cr_assert_not_null(root, "bench printed no JSON (%s):\n%s", err.text, out);
+    free(out);
+    return root;
+}
+
+static json_int_t geti(json_t *o, const char *a, const char *b) {
+    json_t *v = json_object_get(o, a);
+    if (b) v = json_object_get(v, b);
+    cr_assert(json_is_integer(v), "%s%s%s is not an integer", a, b ? "." : "", b ? b : "");
+    return json_integer_value(v);
+}
+
+static double getf(json_t *o, const char *a, const char *b) {
+    json_t *v = json_object_get(json_object_get(o, a), b);
+    cr_assert(json_is_number(v), "%s.%s is not a number", a, b);
+    return json_number_value(v);
+}
+
+/* The checks every full four-mode run must pass. */
+static void check_run(json_t *root, int requests, int k) {
+    cr_assert(json_is_true(json_object_get(root, "invariants_ok")));
+    json_t *modes = json_object_get(root, "modes");
+    const char *names[] = {"plain", "prefix", "rag", "oracle"};
+    for (int i = 0; i < 4; i++) {
+        json_t *m = json_object_get(modes, names[i]);
+        cr_assert_not_null(m, "mode %s is missing", names[i]);
+        cr_expect_eq(geti(m, "requests", NULL), requests, "%s", names[i]);
+        cr_expect_eq(geti(m, "ok", NULL), requests, "%s", names[i]);
+        json_int_t prompt = geti(m, "prompt_tokens", NULL);
+        cr_expect_gt(prompt, (json_int_t)requests * k, "%s", names[i]);
+        cr_expect_eq(geti(m, "computed_tokens", NULL) + geti(m, "reused_tokens", NULL), prompt,
+                     "%s: computed + reused != prompt tokens", names[i]);
+        cr_expect(json_is_true(json_object_get(json_object_get(m, "invariants"), "ok")), "%s",
+                  names[i]);
+        /* Every mode sees the same request list, so the same prompt tokens. */
+        cr_expect_eq(prompt, geti(json_object_get(modes, "plain"), "prompt_tokens", NULL), "%s",
+                     names[i]);
+    }
+    json_t *plain = json_object_get(modes, "plain"), *prefix = json_object_get(modes, "prefix"),
+           *rag = json_object_get(modes, "rag"), *oracle = json_object_get(modes, "oracle");
+    /* plain: no reuse at all; prefix and oracle: the system prompt only; rag: more. */
+    cr_expect_eq(geti(plain, "reused_tokens", NULL), 0);
+    cr_expect_eq(geti(plain, "chunks", "lookups"), 0);
+    cr_expect_gt(geti(prefix, "reused_tokens", NULL), 0);
+    cr_expect_eq(geti(prefix, "chunks", "lookups"), 0);
+    cr_expect_eq(geti(oracle, "reused_tokens", NULL), geti(prefix, "reused_tokens", NULL));
+    cr_expect_gt(geti(rag, "reused_tokens", NULL), geti(prefix, "reused_tokens", NULL));
+    /* rag: hits + misses = lookups = requests x k, in the responses and in the index. */
+    json_int_t hits = geti(rag, "chunks", "hits"), misses = geti(rag, "chunks", "misses");
+    cr_expect_eq(hits + misses, geti(rag, "chunks", "lookups"));
+    cr_expect_eq(geti(rag, "chunks", "lookups"), (json_int_t)requests * k);
+    cr_expect_eq(geti(rag, "index", "lookups"), (json_int_t)requests * k);
+    cr_expect_eq(geti(rag, "index", "hits"), hits);
+    cr_expect_eq(geti(rag, "index", "evictions"), 0);
+    /* The pools fit the corpus and requests run one at a time: a chunk misses exactly once. */
+    cr_expect_float_eq(getf(rag, "chunks", "hit_rate"),
+                       getf(rag, "chunks", "unbounded_cache_hit_rate"), 1e-9);
+    cr_expect_gt(hits, 0);
+    cr_expect_gt(misses, 0);
+    double speedup = getf(json_object_get(root, "speedup"), "rag_over_plain", "ttft_p50");
+    cr_expect_gt(speedup, 1.0, "rag over plain TTFT p50 speedup %.3f", speedup);
+}
+
+Test(bench, stories260k_run_holds_the_invariants_and_rag_beats_plain, .timeout = 120) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    char args[1024];
+    snprintf(args, sizeof args, "--model %s " SMALL " --modes plain,prefix,rag,oracle", model);
+    json_t *root = run_bench(args, 0);
+    check_run(root, 30, 3);
+    json_t *w = json_object_get(root, "workload");
+    cr_expect_eq(geti(w, "corpus", NULL), 20);
+    cr_expect_eq(geti(w, "k", NULL), 3);
+    json_decref(root);
+}
+
+Test(bench, embedded_model_run_holds_the_invariants_and_rag_beats_plain, .timeout = 120) {
+    json_t *root = run_bench(SMALL " --modes plain,prefix,rag,oracle", 0);
+    check_run(root, 30, 3);
+    cr_expect_str_eq(json_string_value(json_object_get(root, "model")), "embedded");
+    json_decref(root);
+}
+
+Test(bench, same_seed_gives_the_same_workload_and_another_seed_does_not, .timeout = 120) {
+    json_t *a = run_bench(SMALL " --modes rag --seed 7", 0);
+    json_t *b = run_bench(SMALL " --modes rag --seed 7", 0);
+    json_t *c = run_bench(SMALL " --modes rag --seed 8", 0);
+    json_t *ra = json_object_get(json_object_get(a, "modes"), "rag");
+    json_t *rb = json_object_get(json_object_get(b, "modes"), "rag");
+    json_t *rc = json_object_get(json_object_get(c, "modes"), "rag");
+    cr_expect_eq(geti(ra, "prompt_tokens", NULL), geti(rb, "prompt_tokens", NULL));
+    cr_expect_eq(geti(ra, "reused_tokens", NULL), geti(rb, "reused_tokens", NULL));
+    cr_expect_eq(geti(ra, "chunks", "hits"), geti(rb, "chunks", "hits"));
+    cr_expect_eq(geti(json_object_get(a, "workload"), "corpus_tokens", NULL),
+                 geti(json_object_get(b, "workload"), "corpus_tokens", NULL));
+    cr_expect_neq(geti(json_object_get(a, "workload"), "corpus_tokens", NULL),
+                  geti(json_object_get(c, "workload"), "corpus_tokens", NULL));
+    cr_expect_neq(geti(ra, "prompt_tokens", NULL), geti(rc, "prompt_tokens", NULL));
+    json_decref(a);
+    json_decref(b);
+    json_decref(c);
+}
+
+Test(bench, prewarm_makes_every_rag_lookup_a_hit, .timeout = 120) {
+    json_t *root = run_bench(SMALL " --modes plain,rag --prewarm", 0);
+    json_t *rag = json_object_get(json_object_get(root, "modes"), "rag");
+    cr_expect_eq(geti(rag, "chunks", "hits"), 90);
+    cr_expect_eq(geti(rag, "chunks", "misses"), 0);
+    cr_expect_eq(geti(rag, "prewarm", "chunks"), 20);
+    cr_expect_eq(geti(rag, "prewarm", "tokens"),
+                 geti(json_object_get(root, "workload"), "corpus_tokens", NULL));
+    cr_expect_float_eq(getf(rag, "chunks", "predicted_hit_rate"), 1.0, 1e-12);
+    json_decref(root);
+}
+
+Test(bench, batches_share_one_computation_of_a_chunk_and_count_it_as_a_miss, .timeout = 120) {
+    json_t *root = run_bench(SMALL " --modes rag --concurrency 5", 0);
+    json_t *rag = json_object_get(json_object_get(root, "modes"), "rag");
+    cr_expect_eq(geti(rag, "chunks", "lookups"), 90);
+    cr_expect_float_eq(getf(rag, "chunks", "hit_rate"),
+                       getf(rag, "chunks", "unbounded_cache_hit_rate"), 1e-9);
+    cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
+    json_decref(root);
+}
+
+Test(bench, a_small_chunk_pool_warns_and_evicts_but_keeps_the_invariants, .timeout = 120) {
+    char cmd[512];
+    snprintf(cmd, sizeof cmd,
+             "%s bench --corpus 60 --k 4 --requests 40 --chunk-tokens 48:64 --kv-memory-mb 4 "
+             "--modes rag --json 2>&1 >/dev/null",
+             RK_BIN);
+    char *err = NULL;
+    cr_assert_eq(rk_test_run(cmd, &err), 0, "%s", err ? err : "");
+    cr_expect(strstr(err, "warning: the chunk pool holds") != NULL, "stderr: %s", err);
+    free(err);
+    json_t *root = run_bench("--corpus 60 --k 4 --requests 40 --chunk-tokens 48:64 "
+                             "--kv-memory-mb 4 --modes rag",
+                             0);
+    json_t *rag = json_object_get(json_object_get(root, "modes"), "rag");
+    cr_expect_gt(geti(rag, "index", "evictions"), 0);
+    cr_expect_eq(geti(rag, "chunks", "hits") + geti(rag, "chunks", "misses"), 160);
+    cr_expect_lt(getf(rag, "chunks", "hit_rate"), getf(rag, "chunks", "unbounded_cache_hit_rate"));
+    json_decref(root);
+}
+
+Test(bench, plot_is_a_complete_svg_with_one_curve_per_mode, .timeout = 120) {
+    char *dir = rk_test_tmpdir("bench_plot");
+    char path[512], args[1024];
+    snprintf(path, sizeof path, "%s/b.svg", dir);
+    snprintf(args, sizeof args, SMALL " --modes plain,rag --plot %s", path);
+    json_decref(run_bench(args, 0));
+    size_t len;
+    char *svg = rk_test_read_file(path, &len);
+    cr_assert_not_null(svg);
+    cr_expect_eq(strncmp(svg, "<svg ", 5), 0);
+    cr_expect(len > 7 && strcmp(svg + len - 7, "</svg>\n") == 0);
+    int curves = 0;
+    for (const char *p = svg; (p = strstr(p, "<polyline")); p++) curves++;
+    cr_expect_eq(curves, 2 + 3, "two CDFs and three hit-rate lines, got %d", curves);
+    cr_expect(strstr(svg, "rag (p50 ") != NULL);
+    free(svg);
+    free(dir);
+}
+
+Test(bench, rejects_bad_usage_with_status_2) {
+    const char *bad[] = {
+        "--modes plain,bogus",        "--modes rag,rag",   "--chunk-tokens 64:32",
+        "--chunk-tokens 64",          "--k 10 --corpus 5", "--url http://10.1.2.3:80",
+        "--url https://127.0.0.1:80", "--requests 0",      "extra"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char cmd[512];
+        snprintf(cmd, sizeof cmd, "%s bench %s 2>/dev/null", RK_BIN, bad[i]);
+        cr_expect_eq(rk_test_run(cmd, NULL), 2, "`%s`", bad[i]);
+    }
+}
+
+Test(bench, http_mode_reports_an_unreachable_server) {
+    /* A loopback port nobody listens on: bind one, note it, close it. */
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = 0};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t al = sizeof a;
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &al), 0);
+    close(fd);
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "%s bench " SMALL " --url http://127.0.0.1:%d 2>&1", RK_BIN,
+             ntohs(a.sin_port));
+    char *out = NULL;
+    cr_expect_eq(rk_test_run(cmd, &out), 1);
+    cr_expect(strstr(out, "cannot connect") != NULL, "output: %s", out);
+    free(out);
+}
