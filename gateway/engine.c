@@ -1,0 +1,616 @@
+/* gateway/engine.c — see engine.h.
+ *
+ * Locks: e->mu guards the queue, the state, the service pointer and the list
+ * of running jobs; each job's mu guards its reply channel. The engine never
+ * holds e->mu while it computes, and never holds a job's mu while it takes
+ * e->mu. A job is completed (done = 1) only after it left both the queue and
+ * the running list, so nothing reaches it through the engine afterwards. */
+#include "gateway/engine.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+typedef struct meta {
+    char key[33];
+    char *id;        /* malloc'ed document id, or NULL */
+    double last_use; /* unix seconds */
+    struct meta *next;
+} meta;
+
+struct rk_engine {
+    rk_engine_params p;
+    char *model_path;
+    pthread_t thread;
+    int thread_started;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    rk_engine_state state;
+    char fail_msg[320];
+    rk_service *svc;
+    rk_job *head, *tail;
+    int n_queued;
+    int stop;
+    rk_job **running; /* (max_batch) jobs of the batch in progress */
+    int n_running;
+
+    /* Engine thread only. */
+    int live_total;
+    meta **buckets; /* (n_buckets) chunk key -> id, last use */
+    size_t n_buckets, n_meta;
+    uint64_t chunk_removed, prefix_flushed;
+};
+
+/* ---------------------------------------------------------------- jobs */
+
+rk_status rk_job_init(rk_job *j) {
+    memset(j, 0, sizeof *j);
+    pthread_condattr_t ca;
+    if (pthread_condattr_init(&ca)) return rk_errorf(RK_ERR_INTERNAL, "job: condattr");
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    int bad = pthread_cond_init(&j->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    if (bad) return rk_errorf(RK_ERR_INTERNAL, "job: cannot create a condition variable");
+    if (pthread_mutex_init(&j->mu, NULL)) {
+        pthread_cond_destroy(&j->cv);
+        return rk_errorf(RK_ERR_INTERNAL, "job: cannot create a mutex");
+    }
+    return RK_OK;
+}
+
+void rk_job_destroy(rk_job *j) {
+    if (!j) return;
+    rk_request_free(&j->req);
+    pthread_cond_destroy(&j->cv);
+    pthread_mutex_destroy(&j->mu);
+}
+
+int rk_job_wait(rk_job *j, int seen, double deadline, int *out_n_tokens, int *out_done) {
+    int timed_out = 0;
+    pthread_mutex_lock(&j->mu);
+    while (!j->done && j->n_tokens <= seen) {
+        if (deadline > 0) {
+            if (rk_time_now() >= deadline) {
+                timed_out = 1;
+                break;
+            }
+            struct timespec ts;
+            ts.tv_sec = (time_t)deadline;
+            ts.tv_nsec = (long)((deadline - (double)ts.tv_sec) * 1e9);
+            if (ts.tv_nsec >= 1000000000L) ts.tv_nsec = 999999999L;
+            pthread_cond_timedwait(&j->cv, &j->mu, &ts);
+        } else {
+            pthread_cond_wait(&j->cv, &j->mu);
+        }
+    }
+    *out_n_tokens = j->n_tokens;
+    *out_done = j->done;
+    pthread_mutex_unlock(&j->mu);
+    return timed_out;
+}
+
+/* Hand the job back to its owner; the engine must not touch it afterwards. */
+static void complete(rk_job *j, int ran, rk_status st, const char *msg) {
+    pthread_mutex_lock(&j->mu);
+    j->ran = ran;
+    j->status = st;
+    snprintf(j->error, sizeof j->error, "%s", st ? msg : "");
+    if (ran && !j->fn) j->n_tokens = j->req.n_out;
+    j->done = 1;
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+}
+
+/* Take j off the running list, then complete it. */
+static void finish(rk_engine *e, rk_job *j, int ran, rk_status st, const char *msg) {
+    pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < e->n_running; i++)
+        if (e->running[i] == j) {
+            e->running[i] = e->running[--e->n_running];
+            break;
+        }
+    pthread_mutex_unlock(&e->mu);
+    complete(j, ran, st, msg);
+}
+
+static void unlink_job(rk_engine *e, rk_job *j) {
+    if (j->prev)
+        j->prev->next = j->next;
+    else
+        e->head = j->next;
+    if (j->next)
+        j->next->prev = j->prev;
+    else
+        e->tail = j->prev;
+    j->next = j->prev = NULL;
+    j->queued = 0;
+    e->n_queued--;
+}
+
+/* Blocks of the live pool a request may take: its whole table plus scratch
+ * for chunks computed at their live position or after the system prompt. */
+static int estimate_blocks(const rk_request *r, int bs) {
+    long tokens = (long)r->n_sys + r->n_question + r->opt.max_tokens, extra = 0;
+    for (int k = 0; k < r->n_chunks; k++) {
+        tokens += r->chunk_lens[k];
+        if (!r->opt.chunk_cache || r->opt.context_system)
+            extra += r->chunk_lens[k] + (r->opt.context_system ? r->n_sys : 0) + bs;
+    }
+    long blocks = (tokens + extra) / bs + 2;
+    return blocks > 1 << 30 ? 1 << 30 : (int)blocks;
+}
+
+/* ---------------------------------------------------------------- chunk metadata */
+
+static size_t key_hash(const char *key) {
+    size_t h = 1469598103934665603ull;
+    for (const char *p = key; *p; p++) h = (h ^ (unsigned char)*p) * 1099511628211ull;
+    return h;
+}
+
+static meta *meta_find(rk_engine *e, const char *key) {
+    if (!e->n_buckets) return NULL;
+    for (meta *m = e->buckets[key_hash(key) & (e->n_buckets - 1)]; m; m = m->next)
+        if (!strcmp(m->key, key)) return m;
+    return NULL;
+}
+
+/* Drop metadata of keys the chunk index no longer holds. */
+static void meta_prune(rk_engine *e) {
+    for (size_t b = 0; b < e->n_buckets; b++) {
+        meta **pp = &e->buckets[b];
+        while (*pp) {
+            meta *m = *pp;
+            rk_chunk_key k;
+            if (rk_chunk_key_parse(m->key, &k) || !rk_chunk_index_find(e->svc->chunks, k)) {
+                *pp = m->next;
+                free(m->id);
+                free(m);
+                e->n_meta--;
+            } else {
+                pp = &m->next;
+            }
+        }
+    }
+}
+
+const char *rk_engine_chunk_meta(rk_engine *e, const char *key, double *out_last_use) {
+    meta *m = meta_find(e, key);
+    if (out_last_use) *out_last_use = m ? m->last_use : 0;
+    return m ? m->id : NULL;
+}
+
+void rk_engine_chunk_touch(rk_engine *e, const char *key, const char *id) {
+    if (strlen(key) != 32) return;
+    if (!e->n_buckets) {
+        e->buckets = calloc(1024, sizeof *e->buckets);
+        if (!e->buckets) return;
+        e->n_buckets = 1024;
+    }
+    meta *m = meta_find(e, key);
+    if (!m) {
+        rk_chunk_stats cs;
+        rk_chunk_index_get_stats(e->svc->chunks, &cs);
+        if (e->n_meta > 2 * cs.entries + 1024) meta_prune(e);
+        if (e->n_meta >= e->n_buckets * 2) { /* grow the table */
+            size_t nb = e->n_buckets * 2;
+            meta **nbk = calloc(nb, sizeof *nbk);
+            if (nbk) {
+                for (size_t b = 0; b < e->n_buckets; b++)
+                    for (meta *x = e->buckets[b], *nx; x; x = nx) {
+                        nx = x->next;
+                        size_t h = key_hash(x->key) & (nb - 1);
+                        x->next = nbk[h];
+                        nbk[h] = x;
+                    }
+                free(e->buckets);
+                e->buckets = nbk;
+                e->n_buckets = nb;
+            }
+        }
+        if (!(m = calloc(1, sizeof *m))) return;
+        memcpy(m->key, key, 33);
+        size_t h = key_hash(key) & (e->n_buckets - 1);
+        m->next = e->buckets[h];
+        e->buckets[h] = m;
+        e->n_meta++;
+    }
+    if (id) {
+        char *d = strdup(id);
+        if (d) {
+            free(m->id);
+            m->id = d;
+        }
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    m->last_use = (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void meta_free(rk_engine *e) {
+    for (size_t b = 0; b < e->n_buckets; b++)
+        for (meta *m = e->buckets[b], *n; m; m = n) {
+            n = m->next;
+            free(m->id);
+            free(m);
+        }
+    free(e->buckets);
+    e->buckets = NULL;
+    e->n_buckets = e->n_meta = 0;
+}
+
+void rk_engine_count_removed(rk_engine *e, uint64_t chunks, uint64_t prefix_evictions) {
+    e->chunk_removed += chunks;
+    e->prefix_flushed += prefix_evictions;
+}
+
+/* ---------------------------------------------------------------- statistics */
+
+typedef struct walk_ctx {
+    rk_engine *e;
+    rk_cache_snapshot *s;
+    uint64_t block_bytes;
+} walk_ctx;
+
+static int walk_entry(void *ctx, const rk_chunk_entry *en) {
+    walk_ctx *w = ctx;
+    rk_cache_snapshot *s = w->s;
+    if (en->refs > 0) s->chunk_referenced++;
+    s->chunk_bytes += (uint64_t)en->n_blocks * w->block_bytes;
+    if (en->hits == 0) return 0;
+    /* Keep the top entries by hits, most first (insertion into a short list). */
+    int pos = s->n_top;
+    while (pos > 0 && s->top[pos - 1].hits < en->hits) pos--;
+    if (pos >= RK_STATS_TOP) return 0;
+    int last = s->n_top < RK_STATS_TOP ? s->n_top : RK_STATS_TOP - 1;
+    memmove(&s->top[pos + 1], &s->top[pos], (size_t)(last - pos) * sizeof s->top[0]);
+    if (s->n_top < RK_STATS_TOP) s->n_top++;
+    rk_top_chunk *t = &s->top[pos];
+    rk_chunk_key_hex(en->key, t->key);
+    const char *id = rk_engine_chunk_meta(w->e, t->key, NULL);
+    snprintf(t->id, sizeof t->id, "%s", id ? id : "");
+    t->hits = en->hits;
+    return 0;
+}
+
+void rk_engine_publish(rk_engine *e) {
+    rk_service *svc = e->svc;
+    if (!svc || !e->p.stats) return;
+    rk_cache_snapshot s;
+    memset(&s, 0, sizeof s);
+    rk_chunk_index_get_stats(svc->chunks, &s.chunk);
+    if (svc->prefix) {
+        s.have_prefix = 1;
+        rk_radix_get_stats(svc->prefix, &s.prefix);
+    }
+    for (int p = 0; p < RK_POOL_COUNT; p++) {
+        s.pool_total[p] = rk_arena_pool_total(svc->arena, (rk_pool_tag)p);
+        s.pool_free[p] = rk_arena_pool_free(svc->arena, (rk_pool_tag)p);
+    }
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    walk_ctx w = {.e = e,
+                  .s = &s,
+                  .block_bytes = 2ull * (uint64_t)kv->n_layers * (uint64_t)kv->block_size *
+                                 (uint64_t)kv->n_kv_heads * (uint64_t)kv->head_dim *
+                                 rk_dtype_size(kv->dtype)};
+    rk_chunk_index_foreach(svc->chunks, walk_entry, &w);
+    s.chunk_removed = e->chunk_removed;
+    s.prefix_flushed = e->prefix_flushed;
+    pthread_mutex_lock(&e->mu);
+    s.queued = e->n_queued;
+    pthread_mutex_unlock(&e->mu);
+    rk_stats_publish(e->p.stats, &s);
+}
+
+/* ---------------------------------------------------------------- running requests */
+
+typedef struct hook_ctx {
+    rk_engine *e;
+    rk_job **jobs; /* index in the pipeline call -> job (NULL entries: no job) */
+} hook_ctx;
+
+static void on_token(void *ctx, int i, int32_t token) {
+    hook_ctx *h = ctx;
+    (void)token;
+    rk_job *j = h->jobs ? h->jobs[i] : NULL;
+    if (!j) return;
+    pthread_mutex_lock(&j->mu);
+    j->n_tokens = j->req.n_out;
+    if (j->notify_tokens) pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+    if (h->e->p.token_delay_s > 0) {
+        double d = h->e->p.token_delay_s;
+        struct timespec ts = {(time_t)d, (long)((d - (double)(time_t)d) * 1e9)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* One pipeline call; on failure, each request that has not streamed a token
+ * yet is retried alone. */
+static void run_group(rk_engine *e, rk_request **reqs, rk_job **jobs, int n, rk_run_result *res) {
+    hook_ctx hc = {.e = e, .jobs = jobs};
+    rk_pipeline_hooks hooks = {.ctx = &hc, .on_token = on_token};
+    rk_error_clear();
+    rk_status st = rk_pipeline_run(e->svc, reqs, n, &hooks);
+    if (st == RK_OK) {
+        for (int i = 0; i < n; i++) res[i] = (rk_run_result){.status = RK_OK};
+        return;
+    }
+    char msg[320];
+    snprintf(msg, sizeof msg, "%s", rk_error_message());
+    if (n > 1)
+        RK_LOG_INFO("a batch of %d requests failed (%s: %s); running them one by one", n,
+                    rk_status_str(st), msg);
+    for (int i = 0; i < n; i++) {
+        res[i].status = st;
+        snprintf(res[i].error, sizeof res[i].error, "%s", msg);
+        if (n == 1 || (jobs && jobs[i] && jobs[i]->n_tokens > 0)) continue;
+        hook_ctx one = {.e = e, .jobs = jobs ? &jobs[i] : NULL};
+        rk_pipeline_hooks h1 = {.ctx = &one, .on_token = on_token};
+        rk_error_clear();
+        res[i].status = rk_pipeline_run(e->svc, &reqs[i], 1, &h1);
+        snprintf(res[i].error, sizeof res[i].error, "%s", res[i].status ? rk_error_message() : "");
+    }
+}
+
+static void run_requests(rk_engine *e, rk_request **reqs, rk_job **jobs, int n,
+                         rk_run_result *out) {
+    int mb = e->p.max_batch > 0 ? e->p.max_batch : 1;
+    for (int s = 0; s < n; s += mb)
+        run_group(e, reqs + s, jobs ? jobs + s : NULL, n - s < mb ? n - s : mb, out + s);
+}
+
+void rk_engine_run(rk_engine *e, rk_request **reqs, int n, rk_run_result *out) {
+    run_requests(e, reqs, NULL, n, out);
+}
+
+static void run_generations(rk_engine *e, rk_job **batch, int n) {
+    rk_request *reqs[n > 0 ? n : 1];
+    rk_job *jobs[n > 0 ? n : 1];
+    rk_run_result res[n > 0 ? n : 1];
+    int m = 0;
+    double now = rk_time_now();
+    for (int i = 0; i < n; i++) {
+        rk_job *j = batch[i];
+        if (j->req.cancel) {
+            finish(e, j, 0, RK_ERR_BUSY, "the request was cancelled before it ran");
+            continue;
+        }
+        j->req.t.queue_ms = (now - j->t_submit) * 1e3;
+        reqs[m] = &j->req;
+        jobs[m++] = j;
+    }
+    if (m == 0) return;
+    run_requests(e, reqs, jobs, m, res);
+    for (int i = 0; i < m; i++) {
+        rk_job *j = jobs[i];
+        if (res[i].status == RK_OK) {
+            if (e->p.stats) rk_stats_record_request(e->p.stats, &j->req);
+            for (int k = 0; k < j->req.n_chunks; k++)
+                if (j->req.chunk_reports[k].key[0])
+                    rk_engine_chunk_touch(e, j->req.chunk_reports[k].key,
+                                          j->chunk_ids ? j->chunk_ids[k] : NULL);
+        }
+        finish(e, j, 1, res[i].status, res[i].error);
+    }
+}
+
+/* ---------------------------------------------------------------- the thread */
+
+static void *engine_main(void *arg) {
+    rk_engine *e = arg;
+    for (double waited = 0; waited < e->p.load_delay_s; waited += 0.01) {
+        pthread_mutex_lock(&e->mu);
+        int stop = e->stop;
+        pthread_mutex_unlock(&e->mu);
+        if (stop) break;
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    rk_service *svc = NULL;
+    rk_status st = rk_service_open(&e->p.cfg, e->model_path, &svc);
+    pthread_mutex_lock(&e->mu);
+    if (st) {
+        e->state = RK_ENGINE_FAILED;
+        snprintf(e->fail_msg, sizeof e->fail_msg, "%s", rk_error_message());
+    } else {
+        e->svc = svc;
+        e->live_total = rk_arena_pool_total(svc->arena, RK_POOL_LIVE);
+        if (e->state == RK_ENGINE_LOADING) e->state = RK_ENGINE_READY;
+    }
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    if (st) return NULL;
+    rk_engine_publish(e);
+
+    int cap = e->p.max_batch > 0 ? e->p.max_batch : 1;
+    rk_job *batch[cap];
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        while (!e->stop && !e->head) pthread_cond_wait(&e->cv, &e->mu);
+        if (e->stop) {
+            pthread_mutex_unlock(&e->mu);
+            break;
+        }
+        int n = 0;
+        if (e->head->fn) {
+            batch[n++] = e->head;
+            unlink_job(e, e->head);
+        } else {
+            int used = 0;
+            for (rk_job *j = e->head, *next; j && n < cap; j = next) {
+                next = j->next;
+                if (j->fn || (n > 0 && used + j->est_blocks > e->live_total)) break;
+                unlink_job(e, j);
+                batch[n++] = j;
+                used += j->est_blocks;
+            }
+        }
+        for (int i = 0; i < n; i++) e->running[i] = batch[i];
+        e->n_running = n;
+        pthread_mutex_unlock(&e->mu);
+
+        if (batch[0]->fn) {
+            rk_error_clear();
+            rk_status cst = batch[0]->fn(batch[0]->fn_ctx, e, e->svc);
+            finish(e, batch[0], 1, cst, rk_error_message());
+        } else {
+            run_generations(e, batch, n);
+        }
+        rk_engine_publish(e);
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- API */
+
+rk_status rk_engine_start(const rk_engine_params *p, rk_engine **out) {
+    *out = NULL;
+    rk_engine *e = calloc(1, sizeof *e);
+    if (!e) return rk_errorf(RK_ERR_NOMEM, "engine: out of memory");
+    e->p = *p;
+    if (e->p.max_batch < 1) e->p.max_batch = 1;
+    e->running = calloc((size_t)e->p.max_batch, sizeof *e->running);
+    e->model_path = p->model_path ? strdup(p->model_path) : NULL;
+    if (!e->running || (p->model_path && !e->model_path)) {
+        free(e->running);
+        free(e->model_path);
+        free(e);
+        return rk_errorf(RK_ERR_NOMEM, "engine: out of memory");
+    }
+    e->p.model_path = e->model_path;
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cv, NULL);
+    e->state = RK_ENGINE_LOADING;
+    /* The pipeline's batches keep arrays on the engine thread's stack: give it room. */
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setstacksize(&attr, 8u << 20);
+    int rc = pthread_create(&e->thread, &attr, engine_main, e);
+    pthread_attr_destroy(&attr);
+    if (rc) {
+        pthread_cond_destroy(&e->cv);
+        pthread_mutex_destroy(&e->mu);
+        free(e->running);
+        free(e->model_path);
+        free(e);
+        return rk_errorf(RK_ERR_INTERNAL, "engine: cannot start its thread");
+    }
+    e->thread_started = 1;
+    *out = e;
+    return RK_OK;
+}
+
+rk_engine_state rk_engine_get_state(rk_engine *e, char *msg, size_t cap) {
+    pthread_mutex_lock(&e->mu);
+    rk_engine_state s = e->state;
+    if (msg && cap) snprintf(msg, cap, "%s", e->fail_msg);
+    pthread_mutex_unlock(&e->mu);
+    return s;
+}
+
+rk_service *rk_engine_service(rk_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    rk_service *s = e->svc;
+    pthread_mutex_unlock(&e->mu);
+    return s;
+}
+
+rk_status rk_engine_submit(rk_engine *e, rk_job *j) {
+    pthread_mutex_lock(&e->mu);
+    rk_status st = RK_OK;
+    if (e->state != RK_ENGINE_READY) {
+        st = rk_errorf(RK_ERR_UNSUPPORTED, "%s",
+                       e->state == RK_ENGINE_LOADING  ? "the model is still loading"
+                       : e->state == RK_ENGINE_FAILED ? "the model failed to load"
+                                                      : "the server is shutting down");
+    } else if (e->n_queued >= e->p.max_queue) {
+        st = rk_errorf(RK_ERR_BUSY, "the queue is full (%d requests waiting)", e->n_queued);
+    } else {
+        j->t_submit = rk_time_now();
+        j->est_blocks = j->fn ? 0 : estimate_blocks(&j->req, e->svc->cfg.block_size);
+        j->done = j->ran = 0;
+        j->n_tokens = 0;
+        j->queued = 1;
+        j->next = NULL;
+        j->prev = e->tail;
+        if (e->tail)
+            e->tail->next = j;
+        else
+            e->head = j;
+        e->tail = j;
+        e->n_queued++;
+        pthread_cond_broadcast(&e->cv);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return st;
+}
+
+void rk_engine_cancel(rk_engine *e, rk_job *j) {
+    pthread_mutex_lock(&e->mu);
+    int was_queued = j->queued;
+    if (was_queued) unlink_job(e, j);
+    pthread_mutex_unlock(&e->mu);
+    if (was_queued)
+        complete(j, 0, RK_ERR_BUSY, "the request was cancelled before it ran");
+    else if (!j->fn)
+        j->req.cancel = 1;
+}
+
+/* With e->mu held: unlink every queued job into a list; flag the running ones. */
+static rk_job *take_all(rk_engine *e) {
+    rk_job *list = NULL, **tail = &list;
+    while (e->head) {
+        rk_job *j = e->head;
+        unlink_job(e, j);
+        *tail = j;
+        tail = &j->next;
+    }
+    for (int i = 0; i < e->n_running; i++)
+        if (!e->running[i]->fn) e->running[i]->req.cancel = 1;
+    return list;
+}
+
+static void complete_list(rk_job *list, const char *why) {
+    while (list) {
+        rk_job *next = list->next;
+        list->next = NULL;
+        complete(list, 0, RK_ERR_BUSY, why);
+        list = next;
+    }
+}
+
+void rk_engine_cancel_all(rk_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    rk_job *list = take_all(e);
+    pthread_mutex_unlock(&e->mu);
+    complete_list(list, "the request was cancelled: the server is shutting down");
+}
+
+int rk_engine_queued(rk_engine *e) {
+    pthread_mutex_lock(&e->mu);
+    int n = e->n_queued;
+    pthread_mutex_unlock(&e->mu);
+    return n;
+}
+
+void rk_engine_free(rk_engine *e) {
+    if (!e) return;
+    pthread_mutex_lock(&e->mu);
+    e->stop = 1;
+    if (e->state != RK_ENGINE_FAILED) e->state = RK_ENGINE_STOPPING;
+    rk_job *list = take_all(e);
+    pthread_cond_broadcast(&e->cv);
+    pthread_mutex_unlock(&e->mu);
+    complete_list(list, "the request was cancelled: the server is shutting down");
+    if (e->thread_started) pthread_join(e->thread, NULL);
+    if (e->svc) meta_free(e);
+    rk_service_close(e->svc);
+    pthread_cond_destroy(&e->cv);
+    pthread_mutex_destroy(&e->mu);
+    free(e->running);
+    free(e->model_path);
+    free(e);
+}

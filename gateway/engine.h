@@ -1,0 +1,143 @@
+/* gateway/engine.h — the engine thread of `ragkv serve` and its request queue.
+ *
+ * One engine thread owns the rk_service (backend, model, KV arena, radix tree,
+ * chunk index); nothing else touches them, so they need no locks. It loads
+ * the model itself (the HTTP server listens meanwhile and answers /health
+ * with 503), then loops: take every queued generation (up to max_batch, and
+ * no more than the live pool can hold), run them together through
+ * rk_pipeline_run (which batches their prefill and decode), publish each
+ * generated token on its job's reply channel, complete the jobs, and publish a
+ * statistics snapshot. Requests that arrive while a batch runs wait for the
+ * next batch (no continuous batching yet). Cache commands (list, delete,
+ * flush, pre-warm) are jobs too: functions run on the engine thread between
+ * batches.
+ *
+ * A job belongs to its submitter (an HTTP worker thread), who must not free
+ * it before rk_job_wait reported it done: until then the engine may write it. */
+#ifndef RK_GATEWAY_ENGINE_H
+#define RK_GATEWAY_ENGINE_H
+
+#include <pthread.h>
+#include <stddef.h>
+
+#include "gateway/gateway.h"
+#include "gateway/pipeline.h"
+#include "gateway/stats.h"
+
+typedef struct rk_engine rk_engine; /* opaque */
+
+typedef enum rk_engine_state {
+    RK_ENGINE_LOADING = 0,
+    RK_ENGINE_READY = 1,
+    RK_ENGINE_FAILED = 2,   /* the model could not be loaded */
+    RK_ENGINE_STOPPING = 3, /* shutting down: no new jobs */
+} rk_engine_state;
+
+typedef struct rk_engine_params {
+    rk_config cfg;
+    const char *model_path; /* NULL = the embedded model; copied */
+    int max_queue;          /* jobs waiting at most (submit fails beyond) */
+    int max_batch;          /* generations run together at most */
+    double load_delay_s;    /* testing aid: wait this long before loading */
+    double token_delay_s;   /* testing aid: sleep after every generated token */
+    rk_stats *stats;        /* receives snapshots and finished requests; not owned */
+} rk_engine_params;
+
+/* A function run on the engine thread, with the service (command jobs). */
+typedef rk_status (*rk_engine_fn)(void *ctx, rk_engine *e, rk_service *svc);
+
+typedef struct rk_job {
+    /* Set by the submitter before rk_engine_submit. */
+    rk_request req;  /* a generation (prepared), when fn is NULL */
+    rk_engine_fn fn; /* or a command */
+    void *fn_ctx;
+    int notify_tokens;      /* wake the waiter at every token (streaming, stop strings) */
+    char *const *chunk_ids; /* (req.n_chunks) document ids to remember, or NULL; not owned */
+
+    /* The reply channel: under mu, read through rk_job_wait. */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int n_tokens;     /* tokens published: req.out_tokens[0 .. n_tokens) are final */
+    int done;         /* the engine is finished with the job */
+    int ran;          /* it went through the pipeline (0: cancelled while queued) */
+    rk_status status; /* of the generation or command */
+    char error[320];  /* message when status != RK_OK */
+
+    /* Private to the engine. */
+    double t_submit;
+    int est_blocks;
+    int queued;
+    struct rk_job *next, *prev;
+} rk_job;
+
+/* Initialise a job (zeroed, with its mutex and condition variable). */
+rk_status rk_job_init(rk_job *j);
+/* Free the request the job holds and its synchronisation objects. Only for a
+ * job never submitted or reported done. */
+void rk_job_destroy(rk_job *j);
+
+/* Wait until more than `seen` tokens are published, the job is done, or the
+ * deadline (rk_time_now() clock; <= 0 = none) passes. Writes the published
+ * token count and the done flag; returns 1 when the deadline passed first. */
+int rk_job_wait(rk_job *j, int seen, double deadline, int *out_n_tokens, int *out_done);
+
+/* Start the engine thread; it loads the model in the background. */
+rk_status rk_engine_start(const rk_engine_params *p, rk_engine **out);
+
+/* The current state; when FAILED, msg (cap bytes, may be NULL) gets the reason. */
+rk_engine_state rk_engine_get_state(rk_engine *e, char *msg, size_t cap);
+
+/* The service once READY (NULL before). Threads other than the engine's may
+ * read only its immutable parts: cfg, the model's hyper-parameters,
+ * fingerprint, GGUF metadata and tokenizer (immutable and safe for concurrent
+ * readers), e.g. to tokenize with rk_request_prepare. */
+rk_service *rk_engine_service(rk_engine *e);
+
+/* Queue a job. RK_ERR_BUSY when the queue is full, RK_ERR_UNSUPPORTED when
+ * the engine is not ready (loading, failed, stopping); the job is then not
+ * queued and stays the caller's. */
+rk_status rk_engine_submit(rk_engine *e, rk_job *j);
+
+/* Cancel a job: a queued one is taken out of the queue and completed at once
+ * (done, ran = 0); a running generation is flagged and stops at its next
+ * decode step. The caller still waits for done. */
+void rk_engine_cancel(rk_engine *e, rk_job *j);
+
+/* Flag every running generation and complete every queued job as cancelled. */
+void rk_engine_cancel_all(rk_engine *e);
+
+/* Jobs waiting now. */
+int rk_engine_queued(rk_engine *e);
+
+/* Stop: no new jobs, queued ones completed as cancelled, running ones
+ * flagged; join the thread and close the service. Then free. Accepts NULL. */
+void rk_engine_free(rk_engine *e);
+
+/* ---------------------------------------------------------------- engine thread only */
+
+/* The outcome of one request of rk_engine_run. */
+typedef struct rk_run_result {
+    rk_status status;
+    char error[320];
+} rk_run_result;
+
+/* Run prepared requests through the pipeline in batches of max_batch. When a
+ * batch fails (e.g. the live pool cannot hold all of it), each of its
+ * requests is retried alone, so one request's failure is its own. */
+void rk_engine_run(rk_engine *e, rk_request **reqs, int n, rk_run_result *out);
+
+/* Per-chunk metadata the engine keeps beside the chunk index: the document
+ * id given for a key, and the wall-clock time of its last use. Returns the id
+ * (NULL when none) and writes the last use (0 when unknown). */
+const char *rk_engine_chunk_meta(rk_engine *e, const char *key, double *out_last_use);
+/* Remember an id (NULL keeps the one known) and a use now. */
+void rk_engine_chunk_touch(rk_engine *e, const char *key, const char *id);
+
+/* Count a manual removal from the chunk index (DELETE, flush) and prefix-cache
+ * evictions caused by a flush, for the evictions-by-reason counters. */
+void rk_engine_count_removed(rk_engine *e, uint64_t chunks, uint64_t prefix_evictions);
+
+/* Publish a statistics snapshot now. */
+void rk_engine_publish(rk_engine *e);
+
+#endif

@@ -1,0 +1,665 @@
+/* gateway/http_json.c — request bodies of the HTTP API: JSON (jansson) in,
+ * validated pipeline options and split pieces out. Nothing here needs a
+ * model, so the fuzz target (fuzz/fuzz_request.c) and the corpus replay test
+ * run exactly this code on hostile input.
+ *
+ * Unknown fields are ignored (OpenAI clients send many), except a few whose
+ * non-default values ragkv cannot honour (n, best_of, echo): those are
+ * refused rather than silently dropped. */
+#include <jansson.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "gateway/server.h"
+
+/* ---------------------------------------------------------------- errors */
+
+const char *rk_http_error_type(int status) {
+    switch (status) {
+    case 400: return "invalid_request";
+    case 401: return "unauthorized";
+    case 404: return "not_found";
+    case 405: return "method_not_allowed";
+    case 409: return "conflict";
+    case 413: return "request_too_large";
+    case 422: return "unprocessable";
+    case 429: return "rate_limited";
+    case 501: return "not_implemented";
+    case 503: return "overloaded";
+    default: return status >= 500 ? "internal_error" : "invalid_request";
+    }
+}
+
+static rk_status status_of_http(int status) {
+    switch (status) {
+    case 404: return RK_ERR_NOT_FOUND;
+    case 409: return RK_ERR_BUSY;
+    case 413:
+    case 422: return RK_ERR_LIMIT;
+    case 501: return RK_ERR_UNSUPPORTED;
+    case 503: return RK_ERR_EXHAUSTED;
+    default: return status >= 500 ? RK_ERR_INTERNAL : RK_ERR_INVALID;
+    }
+}
+
+rk_status rk_http_errorf(rk_http_error *err, int status, const char *fmt, ...) {
+    err->status = status;
+    err->type = rk_http_error_type(status);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err->message, sizeof err->message, fmt, ap);
+    va_end(ap);
+    return status_of_http(status);
+}
+
+/* An error of a lower layer (split, separator check) as an HTTP error. */
+static rk_status from_status(rk_http_error *err, rk_status st, const char *what) {
+    int status = st == RK_ERR_LIMIT     ? 422
+                 : st == RK_ERR_NOMEM   ? 500
+                 : st == RK_ERR_INVALID ? 400
+                                        : 500;
+    rk_http_errorf(err, status, "%s: %s", what, rk_error_message());
+    return st;
+}
+
+/* ---------------------------------------------------------------- field helpers */
+
+/* Each getter leaves *out untouched when the field is absent (or null) and
+ * returns nonzero after filling err when it has the wrong type or range. */
+
+static int get_int(json_t *o, const char *name, json_int_t lo, json_int_t hi, json_int_t *out,
+                   rk_http_error *err) {
+    json_t *v = json_object_get(o, name);
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_integer(v)) return rk_http_errorf(err, 400, "'%s' must be an integer", name), 1;
+    json_int_t x = json_integer_value(v);
+    if (x < lo || x > hi)
+        return rk_http_errorf(err, 400, "'%s' must be from %lld to %lld, got %lld", name,
+                              (long long)lo, (long long)hi, (long long)x),
+               1;
+    *out = x;
+    return 0;
+}
+
+static int get_num(json_t *o, const char *name, double lo, double hi, int lo_open, double *out,
+                   rk_http_error *err) {
+    json_t *v = json_object_get(o, name);
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_number(v)) return rk_http_errorf(err, 400, "'%s' must be a number", name), 1;
+    double x = json_number_value(v);
+    if (!(x >= lo && x <= hi) || (lo_open && x == lo))
+        return rk_http_errorf(err, 400, "'%s' must be %s %g and at most %g, got %g", name,
+                              lo_open ? "above" : "at least", lo, hi, x),
+               1;
+    *out = x;
+    return 0;
+}
+
+static int get_bool(json_t *o, const char *name, int *out, rk_http_error *err) {
+    json_t *v = json_object_get(o, name);
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_boolean(v)) return rk_http_errorf(err, 400, "'%s' must be true or false", name), 1;
+    *out = json_is_true(v);
+    return 0;
+}
+
+/* A string field that must be one of two words: *out = 0 for a, 1 for b. */
+static int get_choice(json_t *o, const char *name, const char *a, const char *b, int *out,
+                      rk_http_error *err) {
+    json_t *v = json_object_get(o, name);
+    if (!v || json_is_null(v)) return 0;
+    const char *s = json_string_value(v);
+    if (s && !strcmp(s, a))
+        *out = 0;
+    else if (s && !strcmp(s, b))
+        *out = 1;
+    else
+        return rk_http_errorf(err, 400, "'%s' must be \"%s\" or \"%s\"", name, a, b), 1;
+    return 0;
+}
+
+static char *dup_str(const char *s) {
+    size_t n = strlen(s);
+    char *d = malloc(n + 1);
+    if (d) memcpy(d, s, n + 1);
+    return d;
+}
+
+/* A chunk entry: "text" or {"id": "...", "text": "..."}. *text and *id point
+ * into the JSON (id NULL when absent). */
+static int chunk_entry(json_t *v, int i, const char **text, const char **id, rk_http_error *err) {
+    *id = NULL;
+    if (json_is_string(v)) {
+        *text = json_string_value(v);
+        return 0;
+    }
+    if (json_is_object(v)) {
+        json_t *t = json_object_get(v, "text"), *d = json_object_get(v, "id");
+        if (!json_is_string(t))
+            return rk_http_errorf(err, 400, "chunks[%d].text must be a string", i), 1;
+        if (d && !json_is_null(d)) {
+            if (!json_is_string(d))
+                return rk_http_errorf(err, 400, "chunks[%d].id must be a string", i), 1;
+            if (json_string_length(d) > 255)
+                return rk_http_errorf(err, 400, "chunks[%d].id is longer than 255 bytes", i), 1;
+            *id = json_string_value(d);
+        }
+        *text = json_string_value(t);
+        return 0;
+    }
+    return rk_http_errorf(err, 400, "chunks[%d] must be a string or {\"id\", \"text\"}", i), 1;
+}
+
+/* ---------------------------------------------------------------- common fields */
+
+static int parse_stop(json_t *root, rk_api_request *out, rk_http_error *err) {
+    json_t *v = json_object_get(root, "stop");
+    if (!v || json_is_null(v)) return 0;
+    json_t *one[1] = {v};
+    json_t **items = one;
+    size_t n = 1;
+    if (json_is_array(v)) {
+        n = json_array_size(v);
+        if (n > RK_MAX_STOP)
+            return rk_http_errorf(err, 400, "'stop' has %zu strings; at most %d are allowed", n,
+                                  RK_MAX_STOP),
+                   1;
+        items = NULL;
+    } else if (!json_is_string(v)) {
+        return rk_http_errorf(err, 400, "'stop' must be a string or an array of strings"), 1;
+    }
+    for (size_t i = 0; i < n; i++) {
+        json_t *s = items ? items[i] : json_array_get(v, i);
+        if (!json_is_string(s))
+            return rk_http_errorf(err, 400, "'stop' must be a string or an array of strings"), 1;
+        size_t len = json_string_length(s);
+        if (len == 0 || len > RK_STOP_MAX_BYTES)
+            return rk_http_errorf(err, 400, "each stop string must be 1 to %d bytes",
+                                  RK_STOP_MAX_BYTES),
+                   1;
+        if (!(out->stop[out->n_stop] = dup_str(json_string_value(s))))
+            return rk_http_errorf(err, 500, "out of memory"), 1;
+        out->n_stop++;
+    }
+    return 0;
+}
+
+static int parse_repair(json_t *root, rk_http_error *err) {
+    json_t *v = json_object_get(root, "repair");
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_object(v))
+        return rk_http_errorf(err, 400,
+                              "'repair' must be an object {\"policy\", \"k\", \"ratio\"}"),
+               1;
+    json_int_t k = 16;
+    double ratio = 0.15;
+    if (get_int(v, "k", 0, 1 << 20, &k, err) || get_num(v, "ratio", 0, 1, 0, &ratio, err)) return 1;
+    json_t *p = json_object_get(v, "policy");
+    const char *policy = p && !json_is_null(p) ? json_string_value(p) : "none";
+    if (!policy) return rk_http_errorf(err, 400, "'repair.policy' must be a string"), 1;
+    if (!strcmp(policy, "none")) return 0;
+    if (!strcmp(policy, "first_k") || !strcmp(policy, "deviation"))
+        return rk_http_errorf(err, 400,
+                              "repair policy \"%s\" is not implemented yet; only \"none\" is",
+                              policy),
+               1;
+    return rk_http_errorf(err, 400,
+                          "'repair.policy' must be \"none\", \"first_k\" or "
+                          "\"deviation\""),
+           1;
+}
+
+/* Fields shared by both shapes: sampling, limits, extensions. */
+static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
+                        rk_http_error *err) {
+    rk_req_options *o = &out->opt;
+    json_int_t max_tokens = o->max_tokens, top_k = 0, seed = 0, n = 1, best_of = 1;
+    double temp = o->sampling.temperature, top_p = o->sampling.top_p;
+    int echo = 0, ignore_eos = 0, prefix = -1, plain = 0, ctx = 0, pos = 0;
+    json_t *mct = json_object_get(root, "max_completion_tokens");
+    const char *mt_name = mct && !json_is_null(mct) ? "max_completion_tokens" : "max_tokens";
+    if (get_int(root, mt_name, 0, (json_int_t)1 << 40, &max_tokens, err)) return 1;
+    if (max_tokens > lim->max_tokens)
+        return rk_http_errorf(err, 422, "'%s' is %lld; this server allows at most %d", mt_name,
+                              (long long)max_tokens, lim->max_tokens),
+               1;
+    if (get_num(root, "temperature", 0, 100, 0, &temp, err) ||
+        get_num(root, "top_p", 0, 1, 1, &top_p, err) ||
+        get_int(root, "top_k", 0, 1 << 24, &top_k, err) ||
+        get_int(root, "seed", 0, (json_int_t)0x7fffffffffffffffLL, &seed, err) ||
+        get_int(root, "n", 1, 1 << 20, &n, err) ||
+        get_int(root, "best_of", 1, 1 << 20, &best_of, err) || get_bool(root, "echo", &echo, err) ||
+        get_bool(root, "stream", &out->stream, err) ||
+        get_bool(root, "ignore_eos", &ignore_eos, err) ||
+        get_bool(root, "prefix_cache", &prefix, err) ||
+        get_choice(root, "mode", "rag", "plain", &plain, err) ||
+        get_choice(root, "chunk_context", "isolated", "system", &ctx, err) ||
+        get_choice(root, "position_mode", "sequential", "parallel", &pos, err) ||
+        parse_stop(root, out, err) || parse_repair(root, err))
+        return 1;
+    if (n != 1 || best_of != 1)
+        return rk_http_errorf(err, 400, "'n' and 'best_of' must be 1: one completion per request"),
+               1;
+    if (echo) return rk_http_errorf(err, 400, "'echo' is not supported"), 1;
+    json_t *cc = json_object_get(root, "chunk_cache");
+    if (cc && !json_is_null(cc)) {
+        const char *s = json_string_value(cc);
+        if (json_is_boolean(cc))
+            o->chunk_cache = json_is_true(cc);
+        else if (s && !strcmp(s, "on"))
+            o->chunk_cache = 1;
+        else if (s && !strcmp(s, "off"))
+            o->chunk_cache = 0;
+        else
+            return rk_http_errorf(err, 400, "'chunk_cache' must be \"on\" or \"off\""), 1;
+    }
+    json_t *seed_v = json_object_get(root, "seed");
+    out->seed_given = seed_v && !json_is_null(seed_v);
+    json_t *m = json_object_get(root, "model");
+    if (m && !json_is_null(m)) {
+        if (!json_is_string(m)) return rk_http_errorf(err, 400, "'model' must be a string"), 1;
+        if (!(out->model = dup_str(json_string_value(m))))
+            return rk_http_errorf(err, 500, "out of memory"), 1;
+    }
+    json_t *sep = json_object_get(root, "separator");
+    if (sep && !json_is_null(sep)) {
+        const char *s = json_string_value(sep);
+        if (!s || strlen(s) != json_string_length(sep) || rk_separator_check(s))
+            return rk_http_errorf(err, 400,
+                                  "'separator' must be a string of 1 to %d bytes without a "
+                                  "backslash",
+                                  RK_SEPARATOR_MAX),
+                   1;
+        snprintf(out->separator, sizeof out->separator, "%s", s);
+    }
+    o->max_tokens = (int)max_tokens;
+    o->sampling.temperature = (float)temp;
+    o->sampling.top_p = (float)top_p;
+    o->sampling.top_k = (int)top_k;
+    o->sampling.seed = (uint64_t)seed;
+    o->stop_at_eog = !ignore_eos;
+    o->mode_plain = plain;
+    o->context_system = ctx;
+    o->positions = pos ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
+    /* Plain mode is the no-cache reference unless asked otherwise (as `ragkv generate`). */
+    o->prefix_cache = prefix >= 0 ? prefix : !plain;
+    return 0;
+}
+
+/* ---------------------------------------------------------------- completions */
+
+/* The structured form: system + chunks + question. */
+static int parse_structured(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
+                            rk_http_error *err) {
+    json_t *sys = json_object_get(root, "system"), *q = json_object_get(root, "question");
+    json_t *ch = json_object_get(root, "chunks");
+    if (sys && !json_is_null(sys) && !json_is_string(sys))
+        return rk_http_errorf(err, 400, "'system' must be a string"), 1;
+    if (!json_is_string(q))
+        return rk_http_errorf(err, 400,
+                              "give 'prompt', or 'question' (with optional 'system' "
+                              "and 'chunks')"),
+               1;
+    if (ch && !json_is_null(ch) && !json_is_array(ch))
+        return rk_http_errorf(err, 400, "'chunks' must be an array"), 1;
+    size_t n = ch && json_is_array(ch) ? json_array_size(ch) : 0;
+    if (n > (size_t)lim->max_chunks + 65536)
+        return rk_http_errorf(err, 422, "the request has %zu chunks; at most %d are allowed", n,
+                              lim->max_chunks),
+               1;
+    const char **texts = calloc(n ? n : 1, sizeof *texts), **ids = calloc(n ? n : 1, sizeof *ids);
+    int failed = 0, kept = 0, empty = 0, any_id = 0;
+    if (!texts || !ids) {
+        rk_http_errorf(err, 500, "out of memory");
+        failed = 1;
+    }
+    for (size_t i = 0; i < n && !failed; i++) {
+        const char *t, *id;
+        if (chunk_entry(json_array_get(ch, i), (int)i, &t, &id, err)) {
+            failed = 1;
+        } else if (*t) { /* empty chunks are skipped and counted */
+            texts[kept] = t;
+            ids[kept++] = id;
+            any_id |= id != NULL;
+        } else {
+            empty++;
+        }
+    }
+    if (!failed) {
+        const char *question = json_string_value(q);
+        rk_status st = rk_split_structured(sys && !json_is_null(sys) ? json_string_value(sys) : "",
+                                           texts, kept, question, lim->max_chunks, &out->pieces);
+        if (st) {
+            from_status(err, st, "bad request");
+            failed = 1;
+        } else {
+            out->have_pieces = 1;
+            out->pieces.n_empty_chunks += empty;
+        }
+    }
+    if (!failed && any_id) {
+        out->chunk_ids = calloc((size_t)kept, sizeof *out->chunk_ids);
+        if (!out->chunk_ids) {
+            rk_http_errorf(err, 500, "out of memory");
+            failed = 1;
+        }
+        for (int i = 0; i < kept && !failed; i++)
+            if (ids[i] && !(out->chunk_ids[i] = dup_str(ids[i]))) {
+                rk_http_errorf(err, 500, "out of memory");
+                failed = 1;
+            }
+    }
+    free(texts);
+    free(ids);
+    return failed;
+}
+
+static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
+                            rk_http_error *err) {
+    json_t *prompt = json_object_get(root, "prompt");
+    int structured = json_object_get(root, "question") || json_object_get(root, "chunks") ||
+                     json_object_get(root, "system");
+    if (json_object_get(root, "messages"))
+        return rk_http_errorf(err, 400, "'messages' belongs to /v1/chat/completions"), 1;
+    json_int_t lp = 0;
+    if (get_int(root, "logprobs", 0, 20, &lp, err)) return 1;
+    out->opt.n_logprobs = (int)lp;
+    if (prompt && !json_is_null(prompt)) {
+        if (structured)
+            return rk_http_errorf(err, 400,
+                                  "give either 'prompt' or 'system'/'chunks'/'question', "
+                                  "not both"),
+                   1;
+        if (!json_is_string(prompt))
+            return rk_http_errorf(err, 400, "'prompt' must be a string"), 1;
+        rk_status st = rk_split_prompt(json_string_value(prompt), json_string_length(prompt),
+                                       out->separator, lim->max_chunks, &out->pieces);
+        if (st) return from_status(err, st, "bad prompt"), 1;
+        out->have_pieces = 1;
+        return 0;
+    }
+    return parse_structured(root, lim, out, err);
+}
+
+/* ---------------------------------------------------------------- chat */
+
+/* Message content: a string, null (empty) or an array of {"type": "text", "text"} parts. */
+static int message_content(json_t *c, int i, char **out, rk_http_error *err) {
+    if (!c || json_is_null(c)) {
+        *out = dup_str("");
+    } else if (json_is_string(c)) {
+        *out = dup_str(json_string_value(c));
+    } else if (json_is_array(c)) {
+        size_t total = 0;
+        for (size_t k = 0; k < json_array_size(c); k++) {
+            json_t *part = json_array_get(c, k), *ty = json_object_get(part, "type");
+            json_t *tx = json_object_get(part, "text");
+            if (!json_is_object(part) || !json_is_string(ty) ||
+                strcmp(json_string_value(ty), "text") != 0 || !json_is_string(tx))
+                return rk_http_errorf(err, 400,
+                                      "messages[%d].content parts must be {\"type\": \"text\", "
+                                      "\"text\": \"...\"}",
+                                      i),
+                       1;
+            total += json_string_length(tx);
+        }
+        *out = malloc(total + 1);
+        if (*out) {
+            size_t o = 0;
+            for (size_t k = 0; k < json_array_size(c); k++) {
+                json_t *tx = json_object_get(json_array_get(c, k), "text");
+                memcpy(*out + o, json_string_value(tx), json_string_length(tx));
+                o += json_string_length(tx);
+            }
+            (*out)[o] = '\0';
+        }
+    } else {
+        return rk_http_errorf(err, 400, "messages[%d].content must be a string or an array", i), 1;
+    }
+    if (!*out) return rk_http_errorf(err, 500, "out of memory"), 1;
+    return 0;
+}
+
+static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
+                      rk_http_error *err) {
+    if (json_object_get(root, "prompt"))
+        return rk_http_errorf(err, 400, "'prompt' belongs to /v1/completions; send 'messages'"), 1;
+    int lp = 0;
+    json_int_t top = 0;
+    if (get_bool(root, "logprobs", &lp, err) || get_int(root, "top_logprobs", 0, 20, &top, err))
+        return 1;
+    out->opt.n_logprobs = lp ? (top > 0 ? (int)top : 1) : 0;
+    json_t *msgs = json_object_get(root, "messages");
+    if (!json_is_array(msgs) || json_array_size(msgs) == 0)
+        return rk_http_errorf(err, 400, "'messages' must be a non-empty array"), 1;
+    size_t n = json_array_size(msgs);
+    if (n > RK_MAX_MESSAGES)
+        return rk_http_errorf(err, 422, "'messages' has %zu entries; at most %d are allowed", n,
+                              RK_MAX_MESSAGES),
+               1;
+    out->msgs = calloc(n, sizeof *out->msgs);
+    if (!out->msgs) return rk_http_errorf(err, 500, "out of memory"), 1;
+    for (size_t i = 0; i < n; i++) {
+        json_t *m = json_array_get(msgs, i), *role = json_object_get(m, "role");
+        if (!json_is_object(m) || !json_is_string(role))
+            return rk_http_errorf(err, 400, "messages[%zu] must be an object with a 'role'", i), 1;
+        const char *r = json_string_value(role);
+        rk_chat_role cr;
+        if (!strcmp(r, "system") || !strcmp(r, "developer"))
+            cr = RK_ROLE_SYSTEM;
+        else if (!strcmp(r, "user"))
+            cr = RK_ROLE_USER;
+        else if (!strcmp(r, "assistant"))
+            cr = RK_ROLE_ASSISTANT;
+        else
+            return rk_http_errorf(err, 400, "messages[%zu].role must be system, user or assistant",
+                                  i),
+                   1;
+        out->msgs[i].role = cr;
+        out->n_msgs = (int)i + 1;
+        if (message_content(json_object_get(m, "content"), (int)i, &out->msgs[i].content, err))
+            return 1;
+    }
+    if (out->msgs[n - 1].role != RK_ROLE_USER)
+        return rk_http_errorf(err, 400, "the last message must be the user's"), 1;
+    json_t *ch = json_object_get(root, "chunks");
+    if (ch && !json_is_null(ch)) {
+        if (!json_is_array(ch)) return rk_http_errorf(err, 400, "'chunks' must be an array"), 1;
+        size_t nc = json_array_size(ch);
+        if (nc > (size_t)lim->max_chunks + 65536)
+            return rk_http_errorf(err, 422, "the request has %zu chunks; at most %d are allowed",
+                                  nc, lim->max_chunks),
+                   1;
+        out->chat_chunks_given = 1;
+        out->chat_chunks = calloc(nc ? nc : 1, sizeof *out->chat_chunks);
+        out->chat_chunk_ids = calloc(nc ? nc : 1, sizeof *out->chat_chunk_ids);
+        if (!out->chat_chunks || !out->chat_chunk_ids)
+            return rk_http_errorf(err, 500, "out of memory"), 1;
+        for (size_t i = 0; i < nc; i++) {
+            const char *t, *id;
+            if (chunk_entry(json_array_get(ch, i), (int)i, &t, &id, err)) return 1;
+            out->chat_chunks[i] = dup_str(t);
+            out->chat_chunk_ids[i] = id ? dup_str(id) : NULL;
+            out->n_chat_chunks = (int)i + 1;
+            if (!out->chat_chunks[i] || (id && !out->chat_chunk_ids[i]))
+                return rk_http_errorf(err, 500, "out of memory"), 1;
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- entry points */
+
+#define MAX_DEPTH 32 /* arrays and objects nested deeper are refused before parsing */
+
+/* Deepest nesting of arrays and objects in len bytes of JSON text (strings
+ * skipped), stopping early once it passes MAX_DEPTH. The parser recurses per
+ * level, and HTTP worker threads have small stacks. */
+static int json_depth(const char *s, size_t len) {
+    int depth = 0, max = 0, in_str = 0;
+    for (size_t i = 0; i < len && max <= MAX_DEPTH; i++) {
+        char c = s[i];
+        if (in_str) {
+            if (c == '\\')
+                i++;
+            else if (c == '"')
+                in_str = 0;
+        } else if (c == '"') {
+            in_str = 1;
+        } else if (c == '[' || c == '{') {
+            if (++depth > max) max = depth;
+        } else if ((c == ']' || c == '}') && depth > 0) {
+            depth--;
+        }
+    }
+    return max;
+}
+
+static json_t *load_object(const char *body, size_t len, rk_http_error *err) {
+    if (json_depth(body, len) > MAX_DEPTH) {
+        rk_http_errorf(err, 400, "the body nests arrays and objects deeper than %d levels",
+                       MAX_DEPTH);
+        return NULL;
+    }
+    json_error_t je;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
+    if (!root) {
+        rk_http_errorf(err, 400, "the body is not valid JSON: %s (line %d, column %d)", je.text,
+                       je.line, je.column);
+        return NULL;
+    }
+    if (!json_is_object(root)) {
+        json_decref(root);
+        rk_http_errorf(err, 400, "the body must be a JSON object");
+        return NULL;
+    }
+    return root;
+}
+
+void rk_api_request_free(rk_api_request *r) {
+    if (!r) return;
+    for (int i = 0; i < r->n_stop; i++) free(r->stop[i]);
+    free(r->model);
+    if (r->have_pieces) {
+        if (r->chunk_ids)
+            for (int i = 0; i < r->pieces.n_chunks; i++) free(r->chunk_ids[i]);
+        rk_split_free(&r->pieces);
+    }
+    free(r->chunk_ids);
+    for (int i = 0; i < r->n_msgs; i++) free(r->msgs[i].content);
+    free(r->msgs);
+    for (int i = 0; i < r->n_chat_chunks; i++) {
+        free(r->chat_chunks[i]);
+        free(r->chat_chunk_ids[i]);
+    }
+    free(r->chat_chunks);
+    free(r->chat_chunk_ids);
+    memset(r, 0, sizeof *r);
+}
+
+rk_status rk_api_parse(const char *body, size_t len, int chat, const rk_parse_limits *lim,
+                       rk_api_request *out, rk_http_error *err) {
+    memset(out, 0, sizeof *out);
+    rk_req_options_default(&out->opt);
+    snprintf(out->separator, sizeof out->separator, "##");
+    out->chat = chat;
+    json_t *root = load_object(body, len, err);
+    if (!root) return RK_ERR_INVALID;
+    int failed = parse_common(root, lim, out, err) ||
+                 (chat ? parse_chat(root, lim, out, err) : parse_completion(root, lim, out, err));
+    json_decref(root);
+    if (failed) {
+        rk_api_request_free(out);
+        return err->status == 422   ? RK_ERR_LIMIT
+               : err->status >= 500 ? RK_ERR_NOMEM
+                                    : RK_ERR_INVALID;
+    }
+    return RK_OK;
+}
+
+/* ---------------------------------------------------------------- pre-warm, flush */
+
+void rk_prewarm_request_free(rk_prewarm_request *p) {
+    if (!p) return;
+    for (int i = 0; i < p->n; i++) {
+        free(p->texts[i]);
+        free(p->ids[i]);
+    }
+    free(p->texts);
+    free(p->ids);
+    free(p->system);
+    memset(p, 0, sizeof *p);
+}
+
+rk_status rk_prewarm_parse(const char *body, size_t len, rk_prewarm_request *out,
+                           rk_http_error *err) {
+    memset(out, 0, sizeof *out);
+    json_t *root = load_object(body, len, err);
+    if (!root) return RK_ERR_INVALID;
+    rk_status st = RK_OK;
+    json_t *ch = json_object_get(root, "chunks"), *sys = json_object_get(root, "system");
+    size_t n = json_is_array(ch) ? json_array_size(ch) : 0;
+    if (!json_is_array(ch) || n == 0) {
+        st = rk_http_errorf(err, 400, "'chunks' must be a non-empty array");
+    } else if (n > RK_MAX_PREWARM) {
+        st = rk_http_errorf(err, 422, "'chunks' has %zu entries; at most %d per request", n,
+                            RK_MAX_PREWARM);
+    } else if (sys && !json_is_null(sys) && !json_is_string(sys)) {
+        st = rk_http_errorf(err, 400, "'system' must be a string");
+    } else if (get_bool(root, "persist", &out->persist, err) ||
+               get_choice(root, "chunk_context", "isolated", "system", &out->context_system, err)) {
+        st = RK_ERR_INVALID;
+    }
+    if (!st) {
+        out->texts = calloc(n, sizeof *out->texts);
+        out->ids = calloc(n, sizeof *out->ids);
+        out->system = dup_str(json_is_string(sys) ? json_string_value(sys) : "");
+        if (!out->texts || !out->ids || !out->system)
+            st = rk_http_errorf(err, 500, "out of memory");
+    }
+    for (size_t i = 0; i < n && !st; i++) {
+        const char *t, *id;
+        if (chunk_entry(json_array_get(ch, i), (int)i, &t, &id, err)) {
+            st = RK_ERR_INVALID;
+            break;
+        }
+        if (!*t) {
+            st = rk_http_errorf(err, 400, "chunks[%zu] is empty", i);
+            break;
+        }
+        out->texts[i] = dup_str(t);
+        out->ids[i] = id ? dup_str(id) : NULL;
+        out->n = (int)i + 1;
+        if (!out->texts[i] || (id && !out->ids[i])) st = rk_http_errorf(err, 500, "out of memory");
+    }
+    json_decref(root);
+    if (st) rk_prewarm_request_free(out);
+    return st;
+}
+
+rk_status rk_flush_parse(const char *body, size_t len, rk_flush_request *out, rk_http_error *err) {
+    memset(out, 0, sizeof *out);
+    out->chunks = out->prefix = 1;
+    size_t i = 0;
+    while (i < len && (body[i] == ' ' || body[i] == '\n' || body[i] == '\r' || body[i] == '\t'))
+        i++;
+    if (i == len) return RK_OK; /* no body: everything */
+    json_t *root = load_object(body, len, err);
+    if (!root) return RK_ERR_INVALID;
+    rk_status st = RK_OK;
+    json_t *what = json_object_get(root, "what");
+    if (what && !json_is_null(what)) {
+        const char *w = json_string_value(what);
+        if (w && !strcmp(w, "chunks"))
+            out->prefix = 0;
+        else if (w && !strcmp(w, "prefix"))
+            out->chunks = 0;
+        else if (!w || strcmp(w, "all") != 0)
+            st = rk_http_errorf(err, 400, "'what' must be \"chunks\", \"prefix\" or \"all\"");
+    }
+    if (!st && get_bool(root, "disk", &out->disk, err)) st = RK_ERR_INVALID;
+    json_decref(root);
+    return st;
+}

@@ -1,0 +1,373 @@
+/* gateway/stats.c — see stats.h. Hit-rate windows come from per-minute
+ * buckets: the window of the last N minutes sums the current (partial) minute
+ * and the N - 1 minutes before it. */
+#include "gateway/stats.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define N_MINUTES 60
+
+typedef struct minute_bucket {
+    int64_t minute; /* minutes since the epoch; -1 = unused */
+    uint64_t lookups, hits, misses;
+} minute_bucket;
+
+struct rk_stats {
+    pthread_mutex_t mu;
+    double started; /* rk_time_now() at creation */
+    rk_cache_snapshot snap;
+    int have_snap;
+    minute_bucket minutes[N_MINUTES];
+    uint64_t status_counts[600]; /* per HTTP status */
+    uint64_t requests_done;      /* finished generations */
+    uint64_t prompt_tokens, cached_tokens, completion_tokens;
+    int in_flight;
+    rk_hist lookup, reindex, ttft, queue, total;
+};
+
+/* ---------------------------------------------------------------- histograms */
+
+static const double k_bounds[RK_HIST_BUCKETS] = {
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1,     0.25,   0.5,     1.0,    2.5,   5.0,    10.0,  20.0, 30.0,  60.0};
+
+const double *rk_hist_bounds(void) { return k_bounds; }
+
+void rk_hist_add(rk_hist *h, double seconds) {
+    if (!(seconds >= 0)) seconds = 0; /* NaN or negative: count as zero */
+    int b = 0;
+    while (b < RK_HIST_BUCKETS && seconds > k_bounds[b]) b++;
+    h->counts[b]++;
+    h->n++;
+    h->sum += seconds;
+    if (seconds > h->max) h->max = seconds;
+}
+
+double rk_hist_quantile(const rk_hist *h, double q) {
+    if (h->n == 0) return 0;
+    double rank = q * (double)h->n;
+    uint64_t cum = 0;
+    for (int b = 0; b <= RK_HIST_BUCKETS; b++) {
+        if (h->counts[b] == 0) continue;
+        if ((double)(cum + h->counts[b]) >= rank) {
+            double lo = b == 0 ? 0 : k_bounds[b - 1];
+            double hi = b < RK_HIST_BUCKETS ? k_bounds[b] : h->max;
+            if (hi > h->max) hi = h->max; /* never report beyond what was seen */
+            if (lo > hi) lo = hi;
+            double frac = (rank - (double)cum) / (double)h->counts[b];
+            if (frac < 0) frac = 0;
+            return lo + (hi - lo) * frac;
+        }
+        cum += h->counts[b];
+    }
+    return h->max;
+}
+
+/* ---------------------------------------------------------------- life */
+
+rk_status rk_stats_create(rk_stats **out) {
+    rk_stats *s = calloc(1, sizeof *s);
+    if (!s) return rk_errorf(RK_ERR_NOMEM, "stats: out of memory");
+    if (pthread_mutex_init(&s->mu, NULL)) {
+        free(s);
+        return rk_errorf(RK_ERR_INTERNAL, "stats: cannot create a mutex");
+    }
+    s->started = rk_time_now();
+    for (int i = 0; i < N_MINUTES; i++) s->minutes[i].minute = -1;
+    *out = s;
+    return RK_OK;
+}
+
+void rk_stats_free(rk_stats *s) {
+    if (!s) return;
+    pthread_mutex_destroy(&s->mu);
+    free(s);
+}
+
+static int64_t now_minute(void) { return (int64_t)time(NULL) / 60; }
+
+static minute_bucket *bucket_now(rk_stats *s) {
+    int64_t m = now_minute();
+    minute_bucket *b = &s->minutes[m % N_MINUTES];
+    if (b->minute != m) *b = (minute_bucket){.minute = m};
+    return b;
+}
+
+void rk_stats_publish(rk_stats *s, const rk_cache_snapshot *snap) {
+    pthread_mutex_lock(&s->mu);
+    const rk_chunk_stats *old = &s->snap.chunk, *cur = &snap->chunk;
+    if (s->have_snap && cur->lookups >= old->lookups) {
+        minute_bucket *b = bucket_now(s);
+        b->lookups += cur->lookups - old->lookups;
+        b->hits += cur->hits - old->hits;
+        b->misses += cur->misses - old->misses;
+    } else if (!s->have_snap) {
+        minute_bucket *b = bucket_now(s);
+        b->lookups += cur->lookups;
+        b->hits += cur->hits;
+        b->misses += cur->misses;
+    }
+    s->snap = *snap;
+    s->have_snap = 1;
+    pthread_mutex_unlock(&s->mu);
+}
+
+void rk_stats_record_request(rk_stats *s, const rk_request *r) {
+    pthread_mutex_lock(&s->mu);
+    s->requests_done++;
+    s->prompt_tokens += (uint64_t)r->prompt_tokens;
+    s->cached_tokens += (uint64_t)r->cached_tokens;
+    s->completion_tokens += (uint64_t)r->n_out;
+    rk_hist_add(&s->lookup, r->t.lookup_ms / 1e3);
+    rk_hist_add(&s->reindex, r->t.reindex_ms / 1e3);
+    if (r->n_out > 0) rk_hist_add(&s->ttft, (r->t.queue_ms + r->t.ttft_ms) / 1e3);
+    rk_hist_add(&s->queue, r->t.queue_ms / 1e3);
+    rk_hist_add(&s->total, r->t.total_ms / 1e3);
+    pthread_mutex_unlock(&s->mu);
+}
+
+void rk_stats_record_status(rk_stats *s, int http_status) {
+    if (http_status < 100 || http_status >= 600) return;
+    pthread_mutex_lock(&s->mu);
+    s->status_counts[http_status]++;
+    pthread_mutex_unlock(&s->mu);
+}
+
+void rk_stats_in_flight(rk_stats *s, int delta) {
+    pthread_mutex_lock(&s->mu);
+    s->in_flight += delta;
+    pthread_mutex_unlock(&s->mu);
+}
+
+void rk_stats_snapshot(rk_stats *s, rk_cache_snapshot *out) {
+    pthread_mutex_lock(&s->mu);
+    *out = s->snap;
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* ---------------------------------------------------------------- JSON */
+
+static double ratio(uint64_t a, uint64_t b) { return b ? (double)a / (double)b : 0.0; }
+
+static json_t *window_json(const rk_stats *s, int n_minutes) {
+    int64_t now = now_minute();
+    uint64_t l = 0, h = 0, m = 0;
+    for (int i = 0; i < N_MINUTES; i++) {
+        const minute_bucket *b = &s->minutes[i];
+        if (b->minute < 0 || b->minute > now || b->minute <= now - n_minutes) continue;
+        l += b->lookups;
+        h += b->hits;
+        m += b->misses;
+    }
+    return json_pack("{s:I, s:I, s:I, s:f}", "lookups", (json_int_t)l, "hits", (json_int_t)h,
+                     "misses", (json_int_t)m, "hit_rate", ratio(h, l));
+}
+
+static json_t *latency_json(const rk_hist *h) {
+    return json_pack("{s:I, s:f, s:f, s:f, s:f, s:f}", "count", (json_int_t)h->n, "p50_ms",
+                     rk_hist_quantile(h, 0.5) * 1e3, "p90_ms", rk_hist_quantile(h, 0.9) * 1e3,
+                     "p99_ms", rk_hist_quantile(h, 0.99) * 1e3, "mean_ms",
+                     h->n ? h->sum / (double)h->n * 1e3 : 0.0, "max_ms", h->max * 1e3);
+}
+
+static json_t *pools_json(const rk_cache_snapshot *c) {
+    json_t *o = json_object();
+    for (int p = 0; p < RK_POOL_COUNT && o; p++)
+        json_object_set_new(o, rk_pool_name((rk_pool_tag)p),
+                            json_pack("{s:i, s:i, s:i}", "total", c->pool_total[p], "used",
+                                      c->pool_total[p] - c->pool_free[p], "free", c->pool_free[p]));
+    return o;
+}
+
+static json_t *requests_json(const rk_stats *s) {
+    json_t *by = json_object();
+    uint64_t total = 0;
+    char code[8];
+    for (int i = 100; i < 600 && by; i++) {
+        if (!s->status_counts[i]) continue;
+        snprintf(code, sizeof code, "%d", i);
+        json_object_set_new(by, code, json_integer((json_int_t)s->status_counts[i]));
+        total += s->status_counts[i];
+    }
+    return json_pack("{s:I, s:o, s:I, s:i, s:i}", "total", (json_int_t)total, "by_status", by,
+                     "completed_generations", (json_int_t)s->requests_done, "in_flight",
+                     s->in_flight, "queued", s->snap.queued);
+}
+
+json_t *rk_stats_json(rk_stats *s) {
+    pthread_mutex_lock(&s->mu);
+    const rk_cache_snapshot *c = &s->snap;
+    const rk_chunk_stats *ch = &c->chunk;
+    json_t *top = json_array();
+    for (int i = 0; i < c->n_top && top; i++)
+        json_array_append_new(top, json_pack("{s:s, s:s?, s:I}", "key", c->top[i].key, "id",
+                                             c->top[i].id[0] ? c->top[i].id : NULL, "hits",
+                                             (json_int_t)c->top[i].hits));
+    json_t *chunks = json_pack(
+        "{s:I, s:I, s:I, s:f, s:{s:o, s:o, s:o}, s:I, s:I, s:f, s:{s:I, s:I}, s:I, s:I, s:I, "
+        "s:I, s:I, s:I}",
+        "lookups", (json_int_t)ch->lookups, "hits", (json_int_t)ch->hits, "misses",
+        (json_int_t)ch->misses, "hit_rate", ratio(ch->hits, ch->lookups), "windows", "1m",
+        window_json(s, 1), "5m", window_json(s, 5), "60m", window_json(s, 60), "hit_tokens",
+        (json_int_t)ch->hit_tokens, "computed_tokens", (json_int_t)ch->computed_tokens,
+        "token_hit_rate", ratio(ch->hit_tokens, ch->hit_tokens + ch->computed_tokens), "evictions",
+        "capacity", (json_int_t)ch->evictions, "manual", (json_int_t)c->chunk_removed,
+        "evicted_tokens", (json_int_t)ch->evicted_tokens, "entries", (json_int_t)ch->entries,
+        "tokens", (json_int_t)ch->tokens, "blocks", (json_int_t)ch->blocks, "bytes",
+        (json_int_t)c->chunk_bytes, "referenced", (json_int_t)c->chunk_referenced);
+    const rk_radix_stats *px = &c->prefix;
+    uint64_t px_manual = c->prefix_flushed <= px->evictions ? c->prefix_flushed : px->evictions;
+    json_t *prefix =
+        c->have_prefix
+            ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I, s:{s:I, s:I}, s:I, s:I, s:I, s:I}",
+                        "enabled", 1, "queries", (json_int_t)px->queries, "hits",
+                        (json_int_t)px->hits, "misses", (json_int_t)px->misses, "reused_tokens",
+                        (json_int_t)px->tokens_reused, "computed_tokens",
+                        (json_int_t)px->tokens_computed, "evictions", "capacity",
+                        (json_int_t)(px->evictions - px_manual), "manual", (json_int_t)px_manual,
+                        "evicted_tokens", (json_int_t)px->tokens_evicted, "nodes",
+                        (json_int_t)px->nodes, "cached_tokens", (json_int_t)px->cached_tokens,
+                        "locked_tokens", (json_int_t)px->protected_tokens)
+            : json_pack("{s:b}", "enabled", 0);
+    json_t *store =
+        c->have_store
+            ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I}", "configured", 1, "rows",
+                        (json_int_t)c->store_rows, "bytes", (json_int_t)c->store_bytes, "loads",
+                        (json_int_t)c->store_loads, "writes", (json_int_t)c->store_writes,
+                        "dropped_at_recovery", (json_int_t)c->store_dropped_at_recovery)
+            : json_pack("{s:b, s:n, s:n, s:i, s:i, s:i}", "configured", 0, "rows", "bytes", "loads",
+                        0, "writes", 0, "dropped_at_recovery", 0);
+    json_t *tiers =
+        json_pack("{s:{s:I, s:I}, s:o?}", "arena", "entries", (json_int_t)ch->entries, "bytes",
+                  (json_int_t)c->chunk_bytes, "disk",
+                  c->have_store ? json_pack("{s:I, s:I}", "entries", (json_int_t)c->store_rows,
+                                            "bytes", (json_int_t)c->store_bytes)
+                                : NULL);
+    json_t *tokens = json_pack("{s:I, s:I, s:I, s:I, s:f}", "prompt", (json_int_t)s->prompt_tokens,
+                               "reused", (json_int_t)s->cached_tokens, "computed",
+                               (json_int_t)(s->prompt_tokens - s->cached_tokens), "generated",
+                               (json_int_t)s->completion_tokens, "reuse_rate",
+                               ratio(s->cached_tokens, s->prompt_tokens));
+    json_t *latency =
+        json_pack("{s:o, s:o, s:o, s:o, s:o}", "lookup", latency_json(&s->lookup), "reindex",
+                  latency_json(&s->reindex), "ttft", latency_json(&s->ttft), "queue",
+                  latency_json(&s->queue), "total", latency_json(&s->total));
+    json_t *root = json_pack("{s:f, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "uptime_s",
+                             rk_time_now() - s->started, "requests", requests_json(s), "tokens",
+                             tokens, "chunks", chunks, "prefix", prefix, "tiers", tiers, "pools",
+                             pools_json(c), "latency", latency, "store", store, "top_chunks", top);
+    pthread_mutex_unlock(&s->mu);
+    return root;
+}
+
+/* ---------------------------------------------------------------- Prometheus */
+
+typedef struct text {
+    char *s;
+    size_t len, cap;
+    int oom;
+} text;
+
+static void put(text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void put(text *t, const char *fmt, ...) {
+    if (t->oom) return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int n = vsnprintf(t->s ? t->s + t->len : NULL, t->s ? t->cap - t->len : 0, fmt, ap);
+        va_end(ap);
+        if (n < 0) {
+            t->oom = 1;
+            return;
+        }
+        if (t->s && t->len + (size_t)n < t->cap) {
+            t->len += (size_t)n;
+            return;
+        }
+        size_t cap = t->cap ? t->cap : 4096;
+        while (cap <= t->len + (size_t)n) cap *= 2;
+        char *p = realloc(t->s, cap);
+        if (!p) {
+            t->oom = 1;
+            return;
+        }
+        t->s = p;
+        t->cap = cap;
+    }
+}
+
+static void counter(text *t, const char *name, const char *help, uint64_t v) {
+    put(t, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name,
+        (unsigned long long)v);
+}
+
+static void histogram(text *t, const char *name, const char *help, const rk_hist *h) {
+    put(t, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+    uint64_t cum = 0;
+    for (int b = 0; b < RK_HIST_BUCKETS; b++) {
+        cum += h->counts[b];
+        put(t, "%s_bucket{le=\"%g\"} %llu\n", name, k_bounds[b], (unsigned long long)cum);
+    }
+    put(t, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.9g\n%s_count %llu\n", name,
+        (unsigned long long)h->n, name, h->sum, name, (unsigned long long)h->n);
+}
+
+char *rk_stats_prometheus(rk_stats *s) {
+    text t = {0};
+    pthread_mutex_lock(&s->mu);
+    const rk_cache_snapshot *c = &s->snap;
+    counter(&t, "ragkv_chunk_lookups_total", "Chunk cache lookups.", c->chunk.lookups);
+    counter(&t, "ragkv_chunk_hits_total", "Chunk cache lookups that found the chunk ready.",
+            c->chunk.hits);
+    counter(&t, "ragkv_chunk_misses_total",
+            "Chunk cache lookups that had to compute the chunk (or wait for it).", c->chunk.misses);
+    counter(&t, "ragkv_chunk_hit_tokens_total", "Prompt tokens served from cached chunks.",
+            c->chunk.hit_tokens);
+    counter(&t, "ragkv_chunk_computed_tokens_total", "Chunk tokens computed into the cache.",
+            c->chunk.computed_tokens);
+    counter(&t, "ragkv_prefix_queries_total", "System prompts matched against the prefix cache.",
+            c->prefix.queries);
+    counter(&t, "ragkv_prefix_hit_tokens_total",
+            "System-prompt tokens reused from the prefix cache.", c->prefix.tokens_reused);
+    uint64_t px_manual =
+        c->prefix_flushed <= c->prefix.evictions ? c->prefix_flushed : c->prefix.evictions;
+    put(&t, "# HELP ragkv_evictions_total Cache entries evicted, by pool and reason.\n"
+            "# TYPE ragkv_evictions_total counter\n");
+    put(&t, "ragkv_evictions_total{pool=\"chunk\",reason=\"capacity\"} %llu\n",
+        (unsigned long long)c->chunk.evictions);
+    put(&t, "ragkv_evictions_total{pool=\"chunk\",reason=\"manual\"} %llu\n",
+        (unsigned long long)c->chunk_removed);
+    put(&t, "ragkv_evictions_total{pool=\"prefix\",reason=\"capacity\"} %llu\n",
+        (unsigned long long)(c->prefix.evictions - px_manual));
+    put(&t, "ragkv_evictions_total{pool=\"prefix\",reason=\"manual\"} %llu\n",
+        (unsigned long long)px_manual);
+    put(&t, "# HELP ragkv_requests_total HTTP responses sent, by status.\n"
+            "# TYPE ragkv_requests_total counter\n");
+    for (int i = 100; i < 600; i++)
+        if (s->status_counts[i])
+            put(&t, "ragkv_requests_total{status=\"%d\"} %llu\n", i,
+                (unsigned long long)s->status_counts[i]);
+    counter(&t, "ragkv_store_loads_total", "Chunks loaded from the disk store.", c->store_loads);
+    put(&t, "# HELP ragkv_pool_blocks KV blocks per pool and state.\n"
+            "# TYPE ragkv_pool_blocks gauge\n");
+    for (int p = 0; p < RK_POOL_COUNT; p++) {
+        const char *name = rk_pool_name((rk_pool_tag)p);
+        put(&t, "ragkv_pool_blocks{pool=\"%s\",state=\"used\"} %d\n", name,
+            c->pool_total[p] - c->pool_free[p]);
+        put(&t, "ragkv_pool_blocks{pool=\"%s\",state=\"free\"} %d\n", name, c->pool_free[p]);
+    }
+    histogram(&t, "ragkv_ttft_seconds", "Time to first token, queueing included.", &s->ttft);
+    histogram(&t, "ragkv_reindex_seconds", "Time to copy and rotate a request's cached chunks.",
+              &s->reindex);
+    pthread_mutex_unlock(&s->mu);
+    if (t.oom) {
+        free(t.s);
+        return NULL;
+    }
+    return t.s;
+}

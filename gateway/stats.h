@@ -1,0 +1,95 @@
+/* gateway/stats.h — the service's statistics for GET /v1/stats (JSON) and
+ * GET /metrics (Prometheus text).
+ *
+ * The engine thread owns the caches, so it alone reads their counters: after
+ * every batch or command it publishes a snapshot (rk_stats_publish). HTTP
+ * worker threads record response statuses; finished requests add their
+ * timings to latency histograms. Everything sits behind one mutex, so any
+ * thread may read a consistent view at any time. Counters only grow: nothing
+ * resets on a scrape. */
+#ifndef RK_STATS_H
+#define RK_STATS_H
+
+#include <jansson.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chunkcache/arena.h"
+#include "chunkcache/chunk_index.h"
+#include "chunkcache/radix.h"
+#include "gateway/pipeline.h"
+
+#define RK_STATS_TOP 10 /* top chunks by hits shown in /v1/stats */
+
+typedef struct rk_top_chunk {
+    char key[33];
+    char id[256]; /* "" when no id is known */
+    uint64_t hits;
+} rk_top_chunk;
+
+/* What the engine thread publishes. */
+typedef struct rk_cache_snapshot {
+    rk_chunk_stats chunk;
+    uint64_t chunk_removed;    /* entries removed by DELETE or flush (not counted as evictions
+                                  by the index) */
+    uint64_t chunk_referenced; /* ready entries with references now */
+    uint64_t chunk_bytes;      /* KV bytes of the chunk entries */
+    int have_prefix;
+    rk_radix_stats prefix;
+    uint64_t prefix_flushed; /* radix evictions caused by a flush (manual) */
+    int pool_total[RK_POOL_COUNT], pool_free[RK_POOL_COUNT];
+    rk_top_chunk top[RK_STATS_TOP];
+    int n_top;
+    int queued; /* requests waiting for the engine */
+    /* The chunk store (disk tier): zero while none is configured. */
+    int have_store;
+    uint64_t store_rows, store_bytes, store_loads, store_writes, store_dropped_at_recovery;
+} rk_cache_snapshot;
+
+typedef struct rk_stats rk_stats; /* opaque */
+
+rk_status rk_stats_create(rk_stats **out);
+void rk_stats_free(rk_stats *s);
+
+/* Store the engine's latest snapshot; counter growth since the previous one
+ * goes into the per-minute buckets of the hit-rate windows. */
+void rk_stats_publish(rk_stats *s, const rk_cache_snapshot *snap);
+
+/* A finished generation: its timings go into the latency histograms and its
+ * token counts into the reuse totals. */
+void rk_stats_record_request(rk_stats *s, const rk_request *r);
+
+/* An HTTP response with this status was sent (counted per status). */
+void rk_stats_record_status(rk_stats *s, int http_status);
+
+/* Requests being served now (parsed and not yet answered): add +1 or -1. */
+void rk_stats_in_flight(rk_stats *s, int delta);
+
+/* Read the latest published snapshot. */
+void rk_stats_snapshot(rk_stats *s, rk_cache_snapshot *out);
+
+/* The /v1/stats document (new reference; NULL when out of memory). */
+json_t *rk_stats_json(rk_stats *s);
+
+/* The /metrics page in Prometheus text format 0.0.4 (malloc'ed, NUL-terminated;
+ * NULL when out of memory). */
+char *rk_stats_prometheus(rk_stats *s);
+
+/* ---------------------------------------------------------------- histograms */
+
+#define RK_HIST_BUCKETS 20 /* finite upper bounds; +Inf is implicit */
+
+/* A latency histogram in seconds with fixed bounds (50 µs to 60 s). */
+typedef struct rk_hist {
+    uint64_t counts[RK_HIST_BUCKETS + 1]; /* per bucket (not cumulative); last = +Inf */
+    uint64_t n;
+    double sum, max;
+} rk_hist;
+
+/* The finite bucket upper bounds, in seconds (RK_HIST_BUCKETS of them). */
+const double *rk_hist_bounds(void);
+void rk_hist_add(rk_hist *h, double seconds);
+/* The q-quantile (0..1), interpolated inside its bucket; 0 when empty. */
+double rk_hist_quantile(const rk_hist *h, double q);
+
+#endif
