@@ -156,7 +156,12 @@ static void dot8_2x4(const float *q0, const float *q1, const float *const *k, in
         b2 = _mm256_fmadd_ps(x1, k2, b2);
         b3 = _mm256_fmadd_ps(x1, k3, b3);
     }
-    _mm256_storeu_ps(sum, reduce8(a0, a1, a2, a3, b0, b1, b2, b3));
+    __m256 r = reduce8(a0, a1, a2, a3, b0, b1, b2, b3);
+    if (hd8 == hd) { /* no tail: the same bits as finish8 */
+        _mm256_storeu_ps(out, _mm256_mul_ps(r, _mm256_set1_ps(scale)));
+        return;
+    }
+    _mm256_storeu_ps(sum, r);
 #else
     for (int j = 0; j < 8; j++) {
         const float *q = j < 4 ? q0 : q1, *kk = k[j & 3];
@@ -191,7 +196,12 @@ static void dot8_1x8(const float *q, const float *const *k, int hd, float scale,
         a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[6] + e), a6);
         a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[7] + e), a7);
     }
-    _mm256_storeu_ps(sum, reduce8(a0, a1, a2, a3, a4, a5, a6, a7));
+    __m256 r = reduce8(a0, a1, a2, a3, a4, a5, a6, a7);
+    if (hd8 == hd) {
+        _mm256_storeu_ps(out, _mm256_mul_ps(r, _mm256_set1_ps(scale)));
+        return;
+    }
+    _mm256_storeu_ps(sum, r);
 #else
     for (int j = 0; j < 8; j++) {
         float lane[8] = {0};
@@ -311,14 +321,35 @@ static inline int tile_count(const work *w, int i, int p0, int t0, int t1) {
  * by. */
 static float softmax_update(work *w, int i, int n) {
     float *sc = w->sc + (size_t)i * (TILE + 8);
-    float mt = sc[0];
+    float mt, ls = 0.0f;
+#ifdef __AVX2__
+    int n8 = (n + 7) & ~7;
+    for (int t = n; t < n8; t++) sc[t] = -INFINITY; /* padding: exp gives 0 */
+    __m256 mx = _mm256_loadu_ps(sc);
+    for (int t = 8; t < n8; t += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sc + t));
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mx);
+    mt = lanes[0];
+    for (int j = 1; j < 8; j++) mt = lanes[j] > mt ? lanes[j] : mt;
+#else
+    mt = sc[0];
     for (int t = 1; t < n; t++) mt = sc[t] > mt ? sc[t] : mt;
+#endif
     float m_new = w->m[i] > mt ? w->m[i] : mt;
     float alpha = expf(w->m[i] - m_new); /* 0 on the first tile */
+#ifdef __AVX2__
+    __m256 mv = _mm256_set1_ps(m_new), sum = _mm256_setzero_ps();
+    for (int t = 0; t < n8; t += 8) {
+        __m256 p = rk_exp256(_mm256_sub_ps(_mm256_loadu_ps(sc + t), mv));
+        _mm256_storeu_ps(sc + t, p);
+        sum = _mm256_add_ps(sum, p);
+    }
+    ls = rk_hsum256(sum);
+#else
     for (int t = 0; t < n; t++) sc[t] -= m_new;
     rk_cpu_exp(sc, sc, (size_t)n);
-    float ls = 0.0f;
     for (int t = 0; t < n; t++) ls += sc[t];
+#endif
     w->l[i] = w->l[i] * alpha + ls;
     w->m[i] = m_new;
     return alpha;
