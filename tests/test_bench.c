@@ -100,6 +100,7 @@ Test(bench, stories260k_run_holds_the_invariants_and_rag_beats_plain, .timeout =
     cr_expect_eq(geti(w, "corpus", NULL), 20);
     cr_expect_eq(geti(w, "k", NULL), 3);
     json_decref(root);
+    free(model);
 }
 
 Test(bench, embedded_model_run_holds_the_invariants_and_rag_beats_plain, .timeout = 120) {
