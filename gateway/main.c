@@ -16,6 +16,7 @@
 #include "gateway/gateway.h"
 #include "gateway/pipeline.h"
 #include "gateway/report.h"
+#include "gateway/server.h"
 
 #define EXIT_USAGE 2
 
@@ -812,6 +813,7 @@ static const struct {
     int (*fn)(int, char **);
     const char *what;
 } commands[] = {
+    {"serve", rk_serve_main, "run the HTTP service"},
     {"generate", cmd_generate, "generate text in-process"},
     {"tokenize", cmd_tokenize, "print the token ids of a text"},
     {"detokenize", cmd_detokenize, "print the text of token ids"},
