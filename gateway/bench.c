@@ -1318,18 +1318,13 @@ static void *http_worker(void *arg) {
         int j = job->next < b->w.n_req ? job->next++ : -1;
         pthread_mutex_unlock(&job->mu);
         if (j < 0) break;
-        json_t *body =
-            json_pack("{s:s, s:i, s:f, s:i}", "prompt", b->w.prompt[j], "max_tokens",
-                      b->o.max_tokens, "temperature", 0.0, "seed", (int)(b->o.seed & 0x7fffffff));
-        const char *mode_f = "rag", *cc = "on", *pc = "on";
-        if (job->mode == MODE_PLAIN) mode_f = "plain", pc = "off";
-        if (job->mode == MODE_PREFIX) mode_f = "plain";
-        if (job->mode == MODE_ORACLE) cc = "off";
-        if (body) {
-            json_object_set_new(body, "mode", json_string(mode_f));
-            json_object_set_new(body, "chunk_cache", json_string(cc));
-            json_object_set_new(body, "prefix_cache", json_string(pc));
-        }
+        /* The same options as in-process (mode_options): greedy, no early stop. */
+        int plain = job->mode == MODE_PLAIN || job->mode == MODE_PREFIX;
+        json_t *body = json_pack(
+            "{s:s, s:i, s:f, s:i, s:b, s:s, s:s, s:b}", "prompt", b->w.prompt[j], "max_tokens",
+            b->o.max_tokens, "temperature", 0.0, "seed", (int)(b->o.seed & 0x7fffffff),
+            "ignore_eos", 1, "mode", plain ? "plain" : "rag", "chunk_cache",
+            job->mode == MODE_ORACLE ? "off" : "on", "prefix_cache", job->mode != MODE_PLAIN);
         req_result *x = &m->req[j];
         int status = 0;
         json_t *resp = NULL;
@@ -1389,12 +1384,23 @@ static rk_status http_prewarm(bench *b, const http_target *t, mode_result *m) {
         }
         size_t q;
         json_t *e;
-        json_array_foreach(json_object_get(resp, "chunks"), q, e) {
+        json_t *list = json_object_get(resp, "data"); /* API.md's list, OpenAI style */
+        if (!json_is_array(list)) list = json_object_get(resp, "chunks");
+        int failed = 0;
+        json_array_foreach(list, q, e) {
             const char *s = json_string_value(json_object_get(e, "status"));
             if (s && !strcmp(s, "computed")) {
                 m->prewarm_chunks++;
                 m->prewarm_tokens += json_int_at(e, "tokens", NULL, NULL);
             }
+            failed += !s || !strcmp(s, "failed");
+        }
+        if (!json_is_array(list) || json_array_size(list) != (size_t)n || failed) {
+            json_decref(resp);
+            free(raw);
+            return rk_errorf(RK_ERR_FORMAT,
+                             "POST /v1/chunks: %d of %d chunks not pre-warmed (or no list)", failed,
+                             n);
         }
         json_decref(resp);
         free(raw);

@@ -9,7 +9,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <signal.h>
 #include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "tests/testutil.h"
@@ -44,8 +46,9 @@ static double getf(json_t *o, const char *a, const char *b) {
     return json_number_value(v);
 }
 
-/* The checks every full four-mode run must pass. */
-static void check_run(json_t *root, int requests, int k) {
+/* The checks every full four-mode run must pass; in_process adds the chunk
+ * index counters, which only an in-process run reports. */
+static void check_run_modes(json_t *root, int requests, int k, int in_process) {
     cr_assert(json_is_true(json_object_get(root, "invariants_ok")));
     json_t *modes = json_object_get(root, "modes");
     const char *names[] = {"plain", "prefix", "rag", "oracle"};
@@ -77,9 +80,11 @@ static void check_run(json_t *root, int requests, int k) {
     json_int_t hits = geti(rag, "chunks", "hits"), misses = geti(rag, "chunks", "misses");
     cr_expect_eq(hits + misses, geti(rag, "chunks", "lookups"));
     cr_expect_eq(geti(rag, "chunks", "lookups"), (json_int_t)requests * k);
-    cr_expect_eq(geti(rag, "index", "lookups"), (json_int_t)requests * k);
-    cr_expect_eq(geti(rag, "index", "hits"), hits);
-    cr_expect_eq(geti(rag, "index", "evictions"), 0);
+    if (in_process) {
+        cr_expect_eq(geti(rag, "index", "lookups"), (json_int_t)requests * k);
+        cr_expect_eq(geti(rag, "index", "hits"), hits);
+        cr_expect_eq(geti(rag, "index", "evictions"), 0);
+    }
     /* The pools fit the corpus and requests run one at a time: a chunk misses exactly once. */
     cr_expect_float_eq(getf(rag, "chunks", "hit_rate"),
                        getf(rag, "chunks", "unbounded_cache_hit_rate"), 1e-9);
@@ -88,6 +93,8 @@ static void check_run(json_t *root, int requests, int k) {
     double speedup = getf(json_object_get(root, "speedup"), "rag_over_plain", "ttft_p50");
     cr_expect_gt(speedup, 1.0, "rag over plain TTFT p50 speedup %.3f", speedup);
 }
+
+static void check_run(json_t *root, int requests, int k) { check_run_modes(root, requests, k, 1); }
 
 Test(bench, stories260k_run_holds_the_invariants_and_rag_beats_plain, .timeout = 120) {
     char *model;
@@ -220,4 +227,92 @@ Test(bench, http_mode_reports_an_unreachable_server) {
     cr_expect_eq(rk_test_run(cmd, &out), 1);
     cr_expect(strstr(out, "cannot connect") != NULL, "output: %s", out);
     free(out);
+}
+
+/* Start `ragkv serve --port 0` and read the port it prints (0 when it printed
+ * none); *out_pid is the child, *out_f the read end of its output. */
+static int start_server(pid_t *out_pid, FILE **out_f) {
+    int fds[2];
+    cr_assert_eq(pipe(fds), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        dup2(fds[1], STDOUT_FILENO);
+        dup2(fds[1], STDERR_FILENO);
+        close(fds[0]);
+        close(fds[1]);
+        execl(RK_BIN, RK_BIN, "serve", "--port", "0", "--threads", "2", (char *)NULL);
+        _exit(127);
+    }
+    close(fds[1]);
+    FILE *f = fdopen(fds[0], "r");
+    char line[256];
+    int port = 0;
+    while (port == 0 && fgets(line, sizeof line, f)) {
+        const char *p = strstr(line, "http://127.0.0.1:");
+        if (p) port = atoi(p + 17);
+    }
+    *out_pid = pid;
+    *out_f = f;
+    return port;
+}
+
+static void stop_server(pid_t pid, FILE *f) {
+    kill(pid, SIGTERM);
+    waitpid(pid, NULL, 0);
+    fclose(f);
+}
+
+/* Run `ragkv bench ARGS --json` without asserting (the server must be stopped first). */
+static int run_bench_raw(const char *args, char **out) {
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "%s bench %s --json", RK_BIN, args);
+    return rk_test_run(cmd, out);
+}
+
+static json_t *parse_json(const char *what, int rc, char *out) {
+    cr_assert_eq(rc, 0, "%s exited %d; stdout:\n%s", what, rc, out ? out : "");
+    json_t *root = json_loads(out, 0, NULL);
+    cr_assert_not_null(root, "%s printed no JSON:\n%s", what, out);
+    free(out);
+    return root;
+}
+
+Test(bench, http_mode_against_ragkv_serve_counts_what_in_process_counts, .timeout = 120) {
+    pid_t pid;
+    FILE *f;
+    int port = start_server(&pid, &f);
+    char args[512], *out1 = NULL, *out2 = NULL;
+    int rc1 = -1, rc2 = -1;
+    if (port > 0) {
+        snprintf(args, sizeof args,
+                 SMALL " --modes plain,prefix,rag,oracle --url http://127.0.0.1:%d", port);
+        rc1 = run_bench_raw(args, &out1);
+        snprintf(args, sizeof args,
+                 SMALL " --modes rag --prewarm --concurrency 3 --url http://localhost:%d", port);
+        rc2 = run_bench_raw(args, &out2);
+    }
+    stop_server(pid, f);
+    cr_assert_gt(port, 0, "ragkv serve printed no port");
+    json_t *http = parse_json("bench --url", rc1, out1);
+    json_t *warm = parse_json("bench --url --prewarm", rc2, out2);
+    json_t *local = run_bench(SMALL " --modes plain,prefix,rag,oracle", 0);
+    check_run_modes(http, 30, 3, 0);
+    cr_expect_str_eq(json_string_value(json_object_get(http, "transport")), "http");
+    const char *names[] = {"plain", "prefix", "rag", "oracle"};
+    for (int i = 0; i < 4; i++) {
+        json_t *h = json_object_get(json_object_get(http, "modes"), names[i]);
+        json_t *l = json_object_get(json_object_get(local, "modes"), names[i]);
+        cr_expect_eq(geti(h, "prompt_tokens", NULL), geti(l, "prompt_tokens", NULL), "%s",
+                     names[i]);
+        cr_expect_eq(geti(h, "reused_tokens", NULL), geti(l, "reused_tokens", NULL), "%s",
+                     names[i]);
+        cr_expect_eq(geti(h, "chunks", "hits"), geti(l, "chunks", "hits"), "%s", names[i]);
+    }
+    json_t *wr = json_object_get(json_object_get(warm, "modes"), "rag");
+    cr_expect_eq(geti(wr, "chunks", "hits"), 90);
+    cr_expect_eq(geti(wr, "prewarm", "chunks"), 20);
+    json_decref(http);
+    json_decref(warm);
+    json_decref(local);
 }
