@@ -1,0 +1,868 @@
+/* kernels/cuda/backend.c — the CUDA backend: creation, device memory, the
+ * stream, cuBLAS matmul, the argument checks of every op (the same checks,
+ * and the same messages, as the CPU backend) and the launch plans. The
+ * kernels live in the .cu files of this folder (see cuda.h).
+ *
+ * Ordering: every op is enqueued on the backend's one stream, so ops run in
+ * call order; only download() and sync() wait for the GPU (and check mode,
+ * which waits after every launch). Host arrays an op takes (attention's
+ * q_start and kv_len, rope_shift_copy's slot arrays) are read before the op
+ * returns; uploads from pageable memory are staged before cudaMemcpyAsync
+ * returns, and uploads from pinned memory are waited for, so the caller may
+ * reuse any host buffer as soon as an op returns. */
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda.h"
+
+/* ---------------------------------------------------------------- state */
+
+typedef struct dbuf {
+    void *p; /* device memory */
+    size_t cap;
+} dbuf;
+
+typedef struct rk_cuda {
+    int n_sm;
+    size_t smem_optin; /* shared memory a block may opt into */
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    int check;
+    int force_part;   /* attention partition length: 0 automatic, < 0 never split */
+    int *err_dev;     /* (4) device error word: code, three details */
+    unsigned *kv_bad; /* device word: generation of the last kv_write that failed its check */
+    int *err_host;    /* (4) pinned copy of the error word */
+    unsigned kv_gen;
+    dbuf bits;     /* kv_write: one bit per cache slot, all zero between calls */
+    dbuf xconv;    /* matmul: x converted to the weight type (n, k) */
+    dbuf shift;    /* rope_shift_copy: (2 * n_layers) layer pointers, then (3, n_tokens) ints */
+    dbuf plan;     /* attention: sequences, units, merges */
+    dbuf partials; /* attention: split-K partial results */
+    /* The attention plan of the last call, reused while its inputs repeat
+     * (every layer of a forward pass has the same batch). */
+    int32_t *plan_key; /* (plan_key_len) the inputs the plan was built from */
+    size_t plan_key_len, plan_key_cap;
+    int plan_ok, plan_units, plan_merges, plan_part_len, plan_wpc;
+    size_t plan_units_off, plan_merges_off, plan_partials;
+    unsigned char *host; /* host scratch: checks and staging */
+    size_t host_cap;
+} rk_cuda;
+
+static rk_cuda *cu_of(rk_backend *be) { return (rk_cuda *)be->impl; }
+
+/* ---------------------------------------------------------------- errors */
+
+static rk_status cu_fail(cudaError_t e, const char *what) {
+    return rk_errorf(RK_ERR_DEVICE, "cuda: %s: %s (%s)", what, cudaGetErrorString(e),
+                     cudaGetErrorName(e));
+}
+
+static rk_status blas_fail(cublasStatus_t st, const char *what) {
+    return rk_errorf(RK_ERR_DEVICE, "cuda: %s: cuBLAS %s (%s)", what, cublasGetStatusString(st),
+                     cublasGetStatusName(st));
+}
+
+#define CU(call, what)                                                                             \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess) return cu_fail(e_, what);                                           \
+    } while (0)
+
+/* Turn a device error word into a status and message, and clear it. Call
+ * only after the stream was synchronized with err_host copied. */
+static rk_status take_device_error(rk_cuda *cu) {
+    int code = cu->err_host[0], a = cu->err_host[1], b = cu->err_host[2], c = cu->err_host[3];
+    if (code == RK_CUDA_ERR_NONE) return RK_OK;
+    memset(cu->err_host, 0, 4 * sizeof(int));
+    cudaError_t e = cudaMemsetAsync(cu->err_dev, 0, 4 * sizeof(int), cu->stream);
+    if (e != cudaSuccess) return cu_fail(e, "clearing the device error word");
+    switch (code) {
+    case RK_CUDA_ERR_KV_SLOT:
+        return rk_errorf(RK_ERR_INVALID,
+                         "kv_write: token %d slot %d out of range [0, %d) (found on the device)", a,
+                         b, c);
+    case RK_CUDA_ERR_KV_DUP:
+        return rk_errorf(RK_ERR_INVALID, "kv_write: slot %d is written twice (found on the device)",
+                         b);
+    case RK_CUDA_ERR_ATTN_BLOCK:
+        return rk_errorf(
+            RK_ERR_INVALID,
+            "attention: sequence %d block %d is %d, out of range (found on the device)", a, b, c);
+    case RK_CUDA_ERR_EMBED_ID:
+        return rk_errorf(RK_ERR_INVALID, "embed: token id %d < 0 (row %d, found on the device)", b,
+                         a);
+    default:
+        return rk_errorf(RK_ERR_INTERNAL, "cuda: unknown device error code %d (%d, %d, %d)", code,
+                         a, b, c);
+    }
+}
+
+/* Wait for the stream, then report the first device-side error, if any. */
+static rk_status sync_and_check(rk_cuda *cu, const char *what) {
+    CU(cudaMemcpyAsync(cu->err_host, cu->err_dev, 4 * sizeof(int), cudaMemcpyDeviceToHost,
+                       cu->stream),
+       what);
+    CU(cudaStreamSynchronize(cu->stream), what);
+    return take_device_error(cu);
+}
+
+/* After the launches of an op: a launch error fails it; check mode also
+ * waits and reports device-side errors. */
+static rk_status launched(rk_cuda *cu, cudaError_t e, const char *what) {
+    if (e != cudaSuccess) return cu_fail(e, what);
+    if (cu->check) return sync_and_check(cu, what);
+    return RK_OK;
+}
+
+/* ---------------------------------------------------------------- memory */
+
+static rk_status dev_malloc(size_t n_bytes, void **out, const char *what) {
+    size_t n = n_bytes ? n_bytes : 1;
+    *out = NULL;
+    cudaError_t e = cudaMalloc(out, n);
+    if (e == cudaSuccess) return RK_OK;
+    *out = NULL;
+    (void)cudaGetLastError(); /* an allocation failure is not sticky: clear it */
+    if (e == cudaErrorMemoryAllocation) {
+        size_t free_b = 0, total_b = 0;
+        if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) (void)cudaGetLastError();
+        return rk_errorf(RK_ERR_DEVICE,
+                         "cuda: out of device memory for %s: %zu bytes asked, %zu of %zu bytes "
+                         "free",
+                         what, n, free_b, total_b);
+    }
+    return cu_fail(e, what);
+}
+
+/* Make b hold at least n_bytes (contents are not kept; zeroed when zero is
+ * set). The old buffer may still be in use by queued work: wait first. */
+static rk_status dbuf_reserve(rk_cuda *cu, dbuf *b, size_t n_bytes, int zero, const char *what) {
+    if (n_bytes <= b->cap && b->p) return RK_OK;
+    size_t cap = n_bytes + n_bytes / 4;
+    if (cap < n_bytes) cap = n_bytes;
+    cap = (cap + 255) / 256 * 256;
+    if (b->p) {
+        CU(cudaStreamSynchronize(cu->stream), what);
+        CU(cudaFree(b->p), what);
+        b->p = NULL;
+        b->cap = 0;
+    }
+    rk_status st = dev_malloc(cap, &b->p, what);
+    if (st != RK_OK) return st;
+    b->cap = cap;
+    if (zero) CU(cudaMemsetAsync(b->p, 0, cap, cu->stream), what);
+    return RK_OK;
+}
+
+static void dbuf_free(dbuf *b) {
+    if (b->p) (void)cudaFree(b->p);
+    b->p = NULL;
+    b->cap = 0;
+}
+
+static rk_status host_reserve(rk_cuda *cu, size_t n_bytes, const char *what) {
+    if (n_bytes <= cu->host_cap) return RK_OK;
+    size_t cap = n_bytes + n_bytes / 4;
+    unsigned char *p = realloc(cu->host, cap);
+    if (!p) return rk_errorf(RK_ERR_NOMEM, "cuda: %s: cannot allocate %zu bytes", what, cap);
+    cu->host = p;
+    cu->host_cap = cap;
+    return RK_OK;
+}
+
+/* Host -> device on the stream; the source may be reused when this returns
+ * (pageable memory is staged by the copy call; pinned memory is waited for). */
+static rk_status h2d(rk_cuda *cu, void *dst, const void *src, size_t n_bytes, const char *what) {
+    if (n_bytes == 0) return RK_OK;
+    CU(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyHostToDevice, cu->stream), what);
+    struct cudaPointerAttributes at;
+    if (cudaPointerGetAttributes(&at, src) != cudaSuccess) {
+        (void)cudaGetLastError();
+        at.type = cudaMemoryTypeUnregistered;
+    }
+    if (at.type != cudaMemoryTypeUnregistered) CU(cudaStreamSynchronize(cu->stream), what);
+    return RK_OK;
+}
+
+/* Device -> host, waited for (check mode reads device index arrays). */
+static rk_status d2h_sync(rk_cuda *cu, void *dst, const void *src, size_t n_bytes,
+                          const char *what) {
+    if (n_bytes == 0) return RK_OK;
+    CU(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyDeviceToHost, cu->stream), what);
+    CU(cudaStreamSynchronize(cu->stream), what);
+    return RK_OK;
+}
+
+static rk_status cuda_alloc(rk_backend *be, size_t n_bytes, void **out) {
+    (void)be;
+    if (!out) return rk_errorf(RK_ERR_INVALID, "cuda: alloc: NULL out");
+    return dev_malloc(n_bytes, out, "alloc");
+}
+
+/* cudaFree waits for the device, so queued work that uses p finishes first. */
+static void cuda_free(rk_backend *be, void *p) {
+    (void)be;
+    if (!p) return;
+    if (cudaFree(p) != cudaSuccess) (void)cudaGetLastError();
+}
+
+static rk_status cuda_upload(rk_backend *be, void *dst, const void *src, size_t n_bytes) {
+    if (n_bytes == 0) return RK_OK;
+    if (!dst || !src) return rk_errorf(RK_ERR_INVALID, "cuda: upload: NULL pointer");
+    return h2d(cu_of(be), dst, src, n_bytes, "upload");
+}
+
+static rk_status cuda_download(rk_backend *be, void *dst, const void *src, size_t n_bytes) {
+    rk_cuda *cu = cu_of(be);
+    if (n_bytes && (!dst || !src)) return rk_errorf(RK_ERR_INVALID, "cuda: download: NULL pointer");
+    if (n_bytes)
+        CU(cudaMemcpyAsync(dst, src, n_bytes, cudaMemcpyDeviceToHost, cu->stream), "download");
+    return sync_and_check(cu, "download");
+}
+
+static rk_status cuda_memset(rk_backend *be, void *dst, int value, size_t n_bytes) {
+    if (n_bytes == 0) return RK_OK;
+    if (!dst) return rk_errorf(RK_ERR_INVALID, "cuda: memset: NULL pointer");
+    rk_cuda *cu = cu_of(be);
+    return launched(cu, cudaMemsetAsync(dst, value, n_bytes, cu->stream), "memset");
+}
+
+static rk_status cuda_sync(rk_backend *be) { return sync_and_check(cu_of(be), "sync"); }
+
+/* ---------------------------------------------------------------- matmul */
+
+/* y(n, m) = x(n, k) · w(m, k)^T. Row-major y is column-major y^T (m, n) with
+ * ld m; row-major w (m rows of k) is column-major (k, m) with ld k; row-major
+ * x is column-major (k, n) with ld k. So y^T = op(W) · X with op = T on w:
+ * gemm(T, N, m, n, k, w, lda = k, x, ldb = k, y, ldc = m).
+ * n <= RK_CUDA_MATVEC_MAX_N: our matrix-vector kernel (f32 math, x not
+ * rounded). Otherwise F32 weights: cublasSgemm with FP32 math (no TF32);
+ * F16/BF16 weights: x converted to the weight type (round to nearest even),
+ * then cublasGemmEx with f32 output and f32 accumulation. */
+static rk_status cuda_matmul(rk_backend *be, float *y, const float *x, const void *w,
+                             rk_dtype wtype, int n, int k, int m) {
+    rk_cuda *cu = cu_of(be);
+    if (n < 0 || k < 0 || m < 0)
+        return rk_errorf(RK_ERR_INVALID, "matmul: negative shape n=%d k=%d m=%d", n, k, m);
+    if (rk_dtype_size(wtype) == 0)
+        return rk_errorf(RK_ERR_INVALID, "matmul: bad weight dtype %d", (int)wtype);
+    if (n == 0 || m == 0) return RK_OK;
+    if (k == 0)
+        return launched(cu, cudaMemsetAsync(y, 0, (size_t)n * m * sizeof(float), cu->stream),
+                        "matmul");
+    if (n <= RK_CUDA_MATVEC_MAX_N)
+        return launched(cu, rk_cuda_launch_matvec(y, x, w, wtype, n, k, m, cu->stream), "matmul");
+    const float one = 1.0f, zero = 0.0f;
+    cublasStatus_t bs;
+    if (wtype == RK_DTYPE_F32) {
+        bs = cublasSgemm(cu->blas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, (const float *)w, k, x,
+                         k, &zero, y, m);
+    } else {
+        size_t elems = (size_t)n * (size_t)k;
+        rk_status st = dbuf_reserve(cu, &cu->xconv, elems * 2, 0, "matmul scratch");
+        if (st != RK_OK) return st;
+        cudaError_t e = rk_cuda_launch_convert(cu->xconv.p, wtype, x, elems, cu->stream);
+        if (e != cudaSuccess) return cu_fail(e, "matmul: converting x");
+        cudaDataType_t t = wtype == RK_DTYPE_F16 ? CUDA_R_16F : CUDA_R_16BF;
+        bs = cublasGemmEx(cu->blas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, w, t, k, cu->xconv.p,
+                          t, k, &zero, y, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+    }
+    if (bs != CUBLAS_STATUS_SUCCESS) return blas_fail(bs, "matmul");
+    return launched(cu, cudaGetLastError(), "matmul");
+}
+
+/* ---------------------------------------------------------------- element-wise */
+
+static rk_status cuda_add_bias(rk_backend *be, float *y, const float *b, int n, int m) {
+    if (n < 0 || m < 0) return rk_errorf(RK_ERR_INVALID, "add_bias: negative shape %d x %d", n, m);
+    if (n == 0 || m == 0) return RK_OK;
+    rk_cuda *cu = cu_of(be);
+    return launched(cu, rk_cuda_launch_add_bias(y, b, n, m, cu->stream), "add_bias");
+}
+
+static rk_status cuda_add(rk_backend *be, float *y, const float *x, size_t n) {
+    if (n == 0) return RK_OK;
+    rk_cuda *cu = cu_of(be);
+    return launched(cu, rk_cuda_launch_add(y, x, n, cu->stream), "add");
+}
+
+static rk_status cuda_rmsnorm(rk_backend *be, float *out, const float *x, const float *w, int rows,
+                              int dim, float eps) {
+    if (rows < 0 || dim <= 0)
+        return rk_errorf(RK_ERR_INVALID, "rmsnorm: bad shape %d x %d", rows, dim);
+    if (rows == 0) return RK_OK;
+    rk_cuda *cu = cu_of(be);
+    return launched(cu, rk_cuda_launch_rmsnorm(out, x, w, rows, dim, eps, cu->stream), "rmsnorm");
+}
+
+/* ids are device memory: a negative id is found by the kernel (reported at
+ * the next sync), or before the launch in check mode. As on the CPU, ids
+ * past the table are the caller's to exclude (the table has no row count). */
+static rk_status cuda_embed(rk_backend *be, float *out, const void *table, rk_dtype dtype,
+                            const int32_t *ids, int n, int dim) {
+    rk_cuda *cu = cu_of(be);
+    if (n < 0 || dim <= 0) return rk_errorf(RK_ERR_INVALID, "embed: bad shape %d x %d", n, dim);
+    if (rk_dtype_size(dtype) == 0) return rk_errorf(RK_ERR_INVALID, "embed: bad dtype %d", dtype);
+    if (n == 0) return RK_OK;
+    if (cu->check) {
+        rk_status st = host_reserve(cu, (size_t)n * sizeof(int32_t), "embed");
+        if (st == RK_OK) st = d2h_sync(cu, cu->host, ids, (size_t)n * sizeof(int32_t), "embed");
+        if (st != RK_OK) return st;
+        const int32_t *h = (const int32_t *)cu->host;
+        for (int i = 0; i < n; i++)
+            if (h[i] < 0) return rk_errorf(RK_ERR_INVALID, "embed: token id %d < 0", h[i]);
+    }
+    return launched(
+        cu, rk_cuda_launch_embed(out, table, dtype, ids, n, dim, cu->err_dev, cu->stream), "embed");
+}
+
+static rk_status cuda_rope(rk_backend *be, float *x, const int32_t *pos, int n_tokens, int n_heads,
+                           int head_dim, const rk_rope *rope) {
+    if (n_tokens < 0 || n_heads <= 0 || head_dim <= 0)
+        return rk_errorf(RK_ERR_INVALID, "rope: bad shape %d x %d x %d", n_tokens, n_heads,
+                         head_dim);
+    if (rope->n_rot <= 0 || rope->n_rot > head_dim || (rope->n_rot & 1) ||
+        rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
+        return rk_errorf(RK_ERR_INVALID, "rope: n_rot %d does not fit head_dim %d", rope->n_rot,
+                         head_dim);
+    if (n_tokens == 0) return RK_OK;
+    rk_cuda *cu = cu_of(be);
+    return launched(cu, rk_cuda_launch_rope(x, pos, n_tokens, n_heads, head_dim, rope, cu->stream),
+                    "rope");
+}
+
+static rk_status cuda_swiglu(rk_backend *be, float *out, const float *gate, const float *up,
+                             size_t n) {
+    if (n == 0) return RK_OK;
+    rk_cuda *cu = cu_of(be);
+    return launched(cu, rk_cuda_launch_swiglu(out, gate, up, n, cu->stream), "swiglu");
+}
+
+/* ---------------------------------------------------------------- KV cache ops */
+
+static int64_t cache_slots(const rk_kv_cache *kv) { return (int64_t)kv->n_blocks * kv->block_size; }
+
+static rk_status check_cache(const rk_kv_cache *kv, const char *op) {
+    if (!kv || kv->n_layers <= 0 || kv->n_blocks <= 0 || kv->block_size <= 0 ||
+        kv->n_kv_heads <= 0 || kv->head_dim <= 0 || !kv->k || !kv->v)
+        return rk_errorf(RK_ERR_INVALID, "%s: malformed KV cache", op);
+    if (rk_dtype_size(kv->dtype) == 0)
+        return rk_errorf(RK_ERR_INVALID, "%s: bad KV dtype %d", op, (int)kv->dtype);
+    return RK_OK;
+}
+
+static int cmp_i32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Sort the slots >= 0 of slots(n) into tmp (n) and report the first duplicate. */
+static int find_duplicate(const int32_t *slots, int n, int32_t *tmp, int32_t *out_dup) {
+    int m = 0;
+    for (int i = 0; i < n; i++)
+        if (slots[i] >= 0) tmp[m++] = slots[i];
+    qsort(tmp, (size_t)m, sizeof *tmp, cmp_i32);
+    for (int i = 1; i < m; i++) {
+        if (tmp[i] == tmp[i - 1]) {
+            *out_dup = tmp[i];
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* slots are device memory. The kernels check them (a slot past the cache or
+ * a slot named twice fails the call with nothing written, reported at the
+ * next sync); check mode copies them back and checks them here first. */
+static rk_status cuda_kv_write(rk_backend *be, const rk_kv_cache *kv, int layer, const float *k,
+                               const float *v, const int32_t *slots, int n_tokens) {
+    rk_cuda *cu = cu_of(be);
+    rk_status st = check_cache(kv, "kv_write");
+    if (st != RK_OK) return st;
+    if (layer < 0 || layer >= kv->n_layers)
+        return rk_errorf(RK_ERR_INVALID, "kv_write: layer %d out of range [0, %d)", layer,
+                         kv->n_layers);
+    if (n_tokens < 0) return rk_errorf(RK_ERR_INVALID, "kv_write: n_tokens %d < 0", n_tokens);
+    if (n_tokens == 0) return RK_OK;
+    int64_t total = cache_slots(kv);
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
+    if (row > INT32_MAX) return rk_errorf(RK_ERR_LIMIT, "kv_write: rows of %zu elements", row);
+    if (cu->check) {
+        size_t nb = (size_t)n_tokens * sizeof(int32_t);
+        if ((st = host_reserve(cu, 2 * nb, "kv_write")) != RK_OK ||
+            (st = d2h_sync(cu, cu->host, slots, nb, "kv_write")) != RK_OK)
+            return st;
+        const int32_t *h = (const int32_t *)cu->host;
+        for (int t = 0; t < n_tokens; t++)
+            if (h[t] >= total)
+                return rk_errorf(RK_ERR_INVALID,
+                                 "kv_write: token %d slot %d out of range [0, %lld)", t, h[t],
+                                 (long long)total);
+        int32_t dup;
+        if (find_duplicate(h, n_tokens, (int32_t *)(cu->host + nb), &dup))
+            return rk_errorf(RK_ERR_INVALID, "kv_write: slot %d is written twice", dup);
+    }
+    size_t words = (size_t)((total + 31) / 32);
+    if ((st = dbuf_reserve(cu, &cu->bits, words * sizeof(unsigned), 1, "kv_write bitmap")) != RK_OK)
+        return st;
+    if (++cu->kv_gen == 0) cu->kv_gen = 1;
+    cudaError_t e = rk_cuda_launch_kv_check(slots, n_tokens, total, cu->bits.p, cu->kv_bad,
+                                            cu->kv_gen, cu->err_dev, cu->stream);
+    if (e != cudaSuccess) return cu_fail(e, "kv_write");
+    e = rk_cuda_launch_kv_write(kv->k[layer], kv->v[layer], kv->dtype, k, v, slots, n_tokens,
+                                (int)row, total, cu->bits.p, cu->kv_bad, cu->kv_gen, cu->stream);
+    if (e != cudaSuccess) {
+        /* the check pass set bits nobody clears: restore the all-zero bitmap */
+        (void)cudaMemsetAsync(cu->bits.p, 0, cu->bits.cap, cu->stream);
+        return cu_fail(e, "kv_write");
+    }
+    return launched(cu, cudaSuccess, "kv_write");
+}
+
+/* src_slots, dst_slots and delta are host memory (the pipeline's copy plan):
+ * checked here exactly like the CPU op (nothing is written on failure), then
+ * uploaded with the layer pointers into one scratch buffer; one launch covers
+ * every layer. */
+static rk_status cuda_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv,
+                                      const int32_t *src_slots, const int32_t *dst_slots,
+                                      const int32_t *delta, int n_tokens, const rk_rope *rope) {
+    rk_cuda *cu = cu_of(be);
+    rk_status st = check_cache(kv, "rope_shift_copy");
+    if (st != RK_OK) return st;
+    if (n_tokens < 0)
+        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_tokens %d < 0", n_tokens);
+    if (rope->n_rot <= 0 || (rope->n_rot & 1) || rope->n_rot > kv->head_dim ||
+        rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
+        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_rot %d does not fit head_dim %d",
+                         rope->n_rot, kv->head_dim);
+    if (n_tokens == 0) return RK_OK;
+    if (kv->n_layers > 65535)
+        return rk_errorf(RK_ERR_LIMIT, "rope_shift_copy: %d layers (at most 65535)", kv->n_layers);
+    int64_t total = cache_slots(kv);
+    for (int t = 0; t < n_tokens; t++) {
+        if (src_slots[t] < 0 || src_slots[t] >= total || dst_slots[t] < 0 || dst_slots[t] >= total)
+            return rk_errorf(RK_ERR_INVALID,
+                             "rope_shift_copy: token %d slots %d -> %d out of range [0, %lld)", t,
+                             src_slots[t], dst_slots[t], (long long)total);
+    }
+    size_t nb = (size_t)n_tokens * sizeof(int32_t);
+    size_t ptr_bytes = 2 * (size_t)kv->n_layers * sizeof(void *);
+    size_t stage = ptr_bytes + 3 * nb;
+    if ((st = host_reserve(cu, stage + 2 * nb, "rope_shift_copy")) != RK_OK) return st;
+    int32_t *ds = (int32_t *)(cu->host + stage), *ss = ds + n_tokens;
+    int32_t dup;
+    if (find_duplicate(dst_slots, n_tokens, ds, &dup))
+        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: destination slot %d is written twice",
+                         dup);
+    memcpy(ss, src_slots, nb);
+    qsort(ss, (size_t)n_tokens, sizeof *ss, cmp_i32);
+    for (int i = 0, j = 0; i < n_tokens && j < n_tokens;) {
+        if (ds[i] == ss[j])
+            return rk_errorf(RK_ERR_INVALID,
+                             "rope_shift_copy: slot %d is both a source and a destination", ds[i]);
+        if (ds[i] < ss[j])
+            i++;
+        else
+            j++;
+    }
+    /* staging: layer pointers (K then V), then src, dst, delta */
+    void **ptrs = (void **)cu->host;
+    for (int l = 0; l < kv->n_layers; l++) {
+        ptrs[l] = kv->k[l];
+        ptrs[kv->n_layers + l] = kv->v[l];
+    }
+    int32_t *idx = (int32_t *)(cu->host + ptr_bytes);
+    memcpy(idx, src_slots, nb);
+    memcpy(idx + n_tokens, dst_slots, nb);
+    memcpy(idx + 2 * (size_t)n_tokens, delta, nb);
+    if ((st = dbuf_reserve(cu, &cu->shift, stage, 0, "rope_shift_copy scratch")) != RK_OK ||
+        (st = h2d(cu, cu->shift.p, cu->host, stage, "rope_shift_copy")) != RK_OK)
+        return st;
+    const unsigned char *d = cu->shift.p;
+    cudaError_t e = rk_cuda_launch_shift((void *const *)d, kv->n_layers, kv->dtype,
+                                         (const int32_t *)(d + ptr_bytes), n_tokens, kv->n_kv_heads,
+                                         kv->head_dim, rope, cu->stream);
+    return launched(cu, e, "rope_shift_copy");
+}
+
+/* ---------------------------------------------------------------- attention */
+
+static rk_status check_batch(const int32_t *q_start, const int32_t *kv_len, int n_seqs, int n_heads,
+                             int n_kv_heads, int head_dim) {
+    if (n_seqs < 0) return rk_errorf(RK_ERR_INVALID, "attention: n_seqs %d < 0", n_seqs);
+    if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0)
+        return rk_errorf(RK_ERR_INVALID,
+                         "attention: n_heads %d must be a positive multiple of n_kv_heads %d",
+                         n_heads, n_kv_heads);
+    if (head_dim <= 0) return rk_errorf(RK_ERR_INVALID, "attention: head_dim %d", head_dim);
+    if (n_seqs > 0 && q_start[0] < 0)
+        return rk_errorf(RK_ERR_INVALID, "attention: q_start[0] = %d < 0", q_start[0]);
+    for (int s = 0; s < n_seqs; s++) {
+        int n_q = q_start[s + 1] - q_start[s];
+        if (n_q < 0)
+            return rk_errorf(RK_ERR_INVALID, "attention: q_start decreases at sequence %d", s);
+        if (kv_len[s] < n_q)
+            return rk_errorf(RK_ERR_INVALID, "attention: sequence %d has kv_len %d < %d query rows",
+                             s, kv_len[s], n_q);
+    }
+    return RK_OK;
+}
+
+static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
+
+static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+/* Build the work units of a batch (see cuda.h) and upload them, unless the
+ * last plan was built from the same inputs. The partition length is chosen so
+ * that the GPU gets about four warps per SM slot: when the unsplit units are
+ * fewer, long kv ranges are cut into partitions of at least 64 entries. */
+static rk_status attn_plan(rk_cuda *cu, const rk_attn_batch *b, int n_heads, int n_kv_heads,
+                           int head_dim) {
+    int n_seqs = b->n_seqs;
+    size_t key_len = 4 + (size_t)n_seqs + 1 + (size_t)n_seqs;
+    if (cu->plan_ok && cu->plan_key_len == key_len && cu->plan_key[0] == n_seqs &&
+        cu->plan_key[1] == n_heads && cu->plan_key[2] == n_kv_heads &&
+        cu->plan_key[3] == head_dim &&
+        memcmp(cu->plan_key + 4, b->q_start, ((size_t)n_seqs + 1) * sizeof(int32_t)) == 0 &&
+        memcmp(cu->plan_key + 5 + n_seqs, b->kv_len, (size_t)n_seqs * sizeof(int32_t)) == 0)
+        return RK_OK;
+    cu->plan_ok = 0;
+
+    int group = n_heads / n_kv_heads;
+    int n_g = group < RK_CUDA_ATTN_QV ? group : RK_CUDA_ATTN_QV;
+    int head_sets = (group + RK_CUDA_ATTN_QV - 1) / RK_CUDA_ATTN_QV;
+    int rows_per = group <= RK_CUDA_ATTN_QV ? RK_CUDA_ATTN_QV / group : 1;
+
+    int64_t base_units = 0, max_len = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int n_q = b->q_start[s + 1] - b->q_start[s];
+        if (n_q == 0) continue;
+        base_units += ceil_div(n_q, rows_per) * head_sets * n_kv_heads;
+        if (b->kv_len[s] > max_len) max_len = b->kv_len[s];
+    }
+    int64_t part_len = (int64_t)1 << 30;
+    int64_t target = 4 * (int64_t)cu->n_sm * 4;
+    if (cu->force_part > 0) {
+        part_len = ceil_div(cu->force_part, RK_CUDA_ATTN_TILE) * RK_CUDA_ATTN_TILE;
+    } else if (cu->force_part == 0 && base_units > 0 && base_units < target) {
+        int64_t want = ceil_div(target, base_units);
+        int64_t pl = ceil_div(ceil_div(max_len, want), RK_CUDA_ATTN_TILE) * RK_CUDA_ATTN_TILE;
+        if (pl < 64) pl = 64;
+        if (pl < max_len) part_len = pl;
+    }
+
+    /* count */
+    int64_t n_units = 0, n_merges = 0, n_partials = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int n_q = b->q_start[s + 1] - b->q_start[s], L = b->kv_len[s];
+        if (n_q == 0) continue;
+        int64_t n_parts = ceil_div(L, part_len);
+        for (int j0 = 0; j0 < n_q; j0 += rows_per) {
+            int j1 = j0 + rows_per < n_q ? j0 + rows_per : n_q;
+            n_units += ceil_div(L - n_q + j1, part_len) * head_sets * n_kv_heads;
+        }
+        if (n_parts > 1) {
+            n_partials += (int64_t)n_q * n_heads * n_parts * (head_dim + 2);
+            for (int j = 0; j < n_q; j++)
+                if (L - n_q + j + 1 > part_len) n_merges += n_heads;
+        }
+    }
+    if (n_units > INT32_MAX || n_merges > INT32_MAX)
+        return rk_errorf(RK_ERR_LIMIT, "attention: batch too large (%lld work units)",
+                         (long long)n_units);
+
+    size_t seq_bytes = align16((size_t)n_seqs * sizeof(rk_cuda_attn_seq));
+    size_t unit_bytes = align16((size_t)n_units * sizeof(rk_cuda_attn_unit));
+    size_t merge_bytes = align16((size_t)n_merges * sizeof(rk_cuda_attn_merge));
+    size_t total = seq_bytes + unit_bytes + merge_bytes;
+    rk_status st = host_reserve(cu, total, "attention plan");
+    if (st != RK_OK) return st;
+    rk_cuda_attn_seq *seqs = (rk_cuda_attn_seq *)cu->host;
+    rk_cuda_attn_unit *units = (rk_cuda_attn_unit *)(cu->host + seq_bytes);
+    rk_cuda_attn_merge *merges = (rk_cuda_attn_merge *)(cu->host + seq_bytes + unit_bytes);
+
+    int64_t pbase = 0;
+    size_t ui = 0, mi = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        int n_q = b->q_start[s + 1] - b->q_start[s], L = b->kv_len[s];
+        int64_t n_parts = n_q ? ceil_div(L, part_len) : 1;
+        seqs[s] = (rk_cuda_attn_seq){b->q_start[s], n_q, L, (int32_t)n_parts, pbase};
+        if (n_q == 0) continue;
+        /* units of one (sequence, kv head) are adjacent: neighbouring warps
+         * read the same K/V tiles */
+        for (int h = 0; h < n_kv_heads; h++)
+            for (int hs = 0; hs < head_sets; hs++)
+                for (int j0 = 0; j0 < n_q; j0 += rows_per) {
+                    int j1 = j0 + rows_per < n_q ? j0 + rows_per : n_q;
+                    int g0 = hs * RK_CUDA_ATTN_QV;
+                    int ng = group - g0 < n_g ? group - g0 : n_g;
+                    int64_t parts = ceil_div(L - n_q + j1, part_len);
+                    for (int64_t p = 0; p < parts; p++)
+                        units[ui++] = (rk_cuda_attn_unit){s, j0, j1 - j0, h, g0, ng, (int32_t)p, 0};
+                }
+        if (n_parts > 1) {
+            for (int j = 0; j < n_q; j++) {
+                int lim = L - n_q + j + 1;
+                if (lim <= part_len) continue;
+                for (int hq = 0; hq < n_heads; hq++)
+                    merges[mi++] = (rk_cuda_attn_merge){
+                        (b->q_start[s] + j) * n_heads + hq, (int32_t)ceil_div(lim, part_len),
+                        pbase + ((int64_t)j * n_heads + hq) * n_parts * (head_dim + 2)};
+            }
+            pbase += (int64_t)n_q * n_heads * n_parts * (head_dim + 2);
+        }
+    }
+    if ((st = dbuf_reserve(cu, &cu->plan, total, 0, "attention plan")) != RK_OK ||
+        (st = h2d(cu, cu->plan.p, cu->host, total, "attention plan")) != RK_OK)
+        return st;
+    if (n_partials > 0 && (st = dbuf_reserve(cu, &cu->partials, (size_t)n_partials * sizeof(float),
+                                             0, "attention partials")) != RK_OK)
+        return st;
+
+    if (key_len > cu->plan_key_cap) {
+        int32_t *k = realloc(cu->plan_key, key_len * sizeof(int32_t));
+        if (!k) return rk_errorf(RK_ERR_NOMEM, "attention: out of memory");
+        cu->plan_key = k;
+        cu->plan_key_cap = key_len;
+    }
+    cu->plan_key[0] = n_seqs;
+    cu->plan_key[1] = n_heads;
+    cu->plan_key[2] = n_kv_heads;
+    cu->plan_key[3] = head_dim;
+    memcpy(cu->plan_key + 4, b->q_start, ((size_t)n_seqs + 1) * sizeof(int32_t));
+    memcpy(cu->plan_key + 5 + n_seqs, b->kv_len, (size_t)n_seqs * sizeof(int32_t));
+    cu->plan_key_len = key_len;
+    cu->plan_units = (int)n_units;
+    cu->plan_merges = (int)n_merges;
+    cu->plan_part_len = (int)part_len;
+    cu->plan_units_off = seq_bytes;
+    cu->plan_merges_off = seq_bytes + unit_bytes;
+    cu->plan_partials = (size_t)n_partials;
+    cu->plan_ok = 1;
+    return RK_OK;
+}
+
+/* Paged attention. q_start and kv_len are host memory and checked here like
+ * the CPU op; the block table is device memory: its ids are checked by the
+ * kernel (reported at the next sync) or, in check mode, copied back and
+ * checked here. */
+static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const float *q,
+                                const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
+                                int n_heads, float scale) {
+    rk_cuda *cu = cu_of(be);
+    if (!kv || !batch || kv->block_size <= 0 || kv->n_blocks <= 0 || !kv->k || !kv->v ||
+        rk_dtype_size(kv->dtype) == 0)
+        return rk_errorf(RK_ERR_INVALID, "attention: malformed KV cache or batch");
+    if (layer < 0 || layer >= kv->n_layers)
+        return rk_errorf(RK_ERR_INVALID, "attention: layer %d out of range [0, %d)", layer,
+                         kv->n_layers);
+    rk_status st = check_batch(batch->q_start, batch->kv_len, batch->n_seqs, n_heads,
+                               kv->n_kv_heads, kv->head_dim);
+    if (st != RK_OK) return st;
+    int64_t need_max = 0;
+    for (int s = 0; s < batch->n_seqs; s++) {
+        int64_t need = ((int64_t)batch->kv_len[s] + kv->block_size - 1) / kv->block_size;
+        if (need > batch->max_blocks)
+            return rk_errorf(RK_ERR_INVALID,
+                             "attention: sequence %d kv_len %d needs %lld blocks, table has %d", s,
+                             batch->kv_len[s], (long long)need, batch->max_blocks);
+        if (need > need_max) need_max = need;
+    }
+    if (kv->head_dim > 512)
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "attention: head_dim %d > 512 is not supported on CUDA", kv->head_dim);
+    size_t warp_smem = rk_cuda_attn_warp_smem(kv->head_dim);
+    int wpc = 4;
+    while (wpc > 1 && (size_t)wpc * warp_smem > cu->smem_optin) wpc--;
+    if (warp_smem > cu->smem_optin)
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "attention: head_dim %d needs %zu bytes of shared memory, the device "
+                         "allows %zu",
+                         kv->head_dim, warp_smem, cu->smem_optin);
+    if (cu->check && batch->n_seqs > 0 && need_max > 0) {
+        size_t nb = (size_t)batch->n_seqs * batch->max_blocks * sizeof(int32_t);
+        if ((st = host_reserve(cu, nb, "attention")) != RK_OK ||
+            (st = d2h_sync(cu, cu->host, batch->block_table, nb, "attention")) != RK_OK)
+            return st;
+        for (int s = 0; s < batch->n_seqs; s++) {
+            int64_t need = ((int64_t)batch->kv_len[s] + kv->block_size - 1) / kv->block_size;
+            const int32_t *row = (const int32_t *)cu->host + (size_t)s * batch->max_blocks;
+            for (int64_t b = 0; b < need; b++)
+                if (row[b] < 0 || row[b] >= kv->n_blocks)
+                    return rk_errorf(RK_ERR_INVALID,
+                                     "attention: sequence %d block %lld is %d, not in [0, %d)", s,
+                                     (long long)b, row[b], kv->n_blocks);
+        }
+    }
+    if ((st = attn_plan(cu, batch, n_heads, kv->n_kv_heads, kv->head_dim)) != RK_OK) return st;
+    if (cu->plan_units == 0) return RK_OK;
+    const unsigned char *plan = cu->plan.p;
+    rk_cuda_attn_args a = {
+        .out = out,
+        .lse = lse,
+        .q = q,
+        .k = kv->k[layer],
+        .v = kv->v[layer],
+        .table = batch->block_table,
+        .max_blocks = batch->max_blocks,
+        .n_blocks = kv->n_blocks,
+        .block_size = kv->block_size,
+        .n_kv_heads = kv->n_kv_heads,
+        .head_dim = kv->head_dim,
+        .n_heads = n_heads,
+        .group = n_heads / kv->n_kv_heads,
+        .part_len = cu->plan_part_len,
+        .scale = scale,
+        .seqs = (const rk_cuda_attn_seq *)plan,
+        .units = (const rk_cuda_attn_unit *)(plan + cu->plan_units_off),
+        .n_units = cu->plan_units,
+        .partials = cu->plan_partials ? (float *)cu->partials.p : NULL,
+        .err = cu->err_dev,
+    };
+    cudaError_t e = rk_cuda_launch_attention(&a, kv->dtype, wpc, cu->stream);
+    if (e != cudaSuccess) return cu_fail(e, "attention");
+    if (cu->plan_merges > 0) {
+        e = rk_cuda_launch_attn_merge((const rk_cuda_attn_merge *)(plan + cu->plan_merges_off),
+                                      cu->plan_merges, (const float *)cu->partials.p, out, lse,
+                                      kv->head_dim, cu->stream);
+        if (e != cudaSuccess) return cu_fail(e, "attention merge");
+    }
+    return launched(cu, cudaSuccess, "attention");
+}
+
+/* ---------------------------------------------------------------- backend */
+
+static const rk_backend_ops cuda_ops = {
+    .alloc = cuda_alloc,
+    .free = cuda_free,
+    .upload = cuda_upload,
+    .download = cuda_download,
+    .memset = cuda_memset,
+    .sync = cuda_sync,
+    .matmul = cuda_matmul,
+    .add_bias = cuda_add_bias,
+    .add = cuda_add,
+    .rmsnorm = cuda_rmsnorm,
+    .embed = cuda_embed,
+    .rope = cuda_rope,
+    .swiglu = cuda_swiglu,
+    .kv_write = cuda_kv_write,
+    .attention = cuda_attention,
+    .rope_shift_copy = cuda_rope_shift_copy,
+};
+
+static void cuda_destroy(rk_cuda *cu) {
+    if (!cu) return;
+    if (cu->stream && cudaStreamSynchronize(cu->stream) != cudaSuccess) (void)cudaGetLastError();
+    dbuf_free(&cu->bits);
+    dbuf_free(&cu->xconv);
+    dbuf_free(&cu->shift);
+    dbuf_free(&cu->plan);
+    dbuf_free(&cu->partials);
+    if (cu->blas) (void)cublasDestroy(cu->blas);
+    if (cu->stream) (void)cudaStreamDestroy(cu->stream);
+    if (cu->err_dev) (void)cudaFree(cu->err_dev);
+    if (cu->err_host) (void)cudaFreeHost(cu->err_host);
+    (void)cudaGetLastError();
+    free(cu->plan_key);
+    free(cu->host);
+    free(cu);
+}
+
+/* Stream, error words, pinned memory and cuBLAS of a new backend. */
+static rk_status cuda_init(rk_cuda *cu) {
+    cudaError_t e = cudaStreamCreateWithFlags(&cu->stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+        cu->stream = NULL;
+        return cu_fail(e, "creating the stream");
+    }
+    void *words;
+    rk_status st = dev_malloc(64, &words, "the error word");
+    if (st != RK_OK) return st;
+    cu->err_dev = words;
+    cu->kv_bad = (unsigned *)((int *)words + 4);
+    CU(cudaMemsetAsync(words, 0, 64, cu->stream), "clearing the error word");
+    e = cudaMallocHost((void **)&cu->err_host, 4 * sizeof(int));
+    if (e != cudaSuccess) {
+        cu->err_host = NULL;
+        return cu_fail(e, "allocating pinned memory");
+    }
+    memset(cu->err_host, 0, 4 * sizeof(int));
+    cublasStatus_t bs = cublasCreate(&cu->blas);
+    if (bs != CUBLAS_STATUS_SUCCESS) {
+        cu->blas = NULL;
+        return blas_fail(bs, "creating the cuBLAS handle");
+    }
+    if ((bs = cublasSetStream(cu->blas, cu->stream)) != CUBLAS_STATUS_SUCCESS ||
+        (bs = cublasSetMathMode(cu->blas, CUBLAS_DEFAULT_MATH)) != CUBLAS_STATUS_SUCCESS)
+        return blas_fail(bs, "configuring cuBLAS");
+    CU(cudaStreamSynchronize(cu->stream), "starting the stream");
+    return RK_OK;
+}
+
+/* See cuda.h. */
+rk_status rk_cuda_backend_create(int n_threads, rk_backend **out) {
+    (void)n_threads;
+    *out = NULL;
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return rk_errorf(RK_ERR_DEVICE, "cuda: no usable device: %s (%s)", cudaGetErrorString(e),
+                         cudaGetErrorName(e));
+    }
+    if (count <= 0) return rk_errorf(RK_ERR_DEVICE, "cuda: no CUDA device found");
+    CU(cudaSetDevice(0), "selecting device 0");
+    struct cudaDeviceProp prop;
+    CU(cudaGetDeviceProperties(&prop, 0), "reading the device properties");
+    if (prop.major < 8)
+        return rk_errorf(RK_ERR_DEVICE,
+                         "cuda: %s has compute capability %d.%d; this build needs 8.0 or newer",
+                         prop.name, prop.major, prop.minor);
+
+    rk_backend *be = calloc(1, sizeof *be);
+    rk_cuda *cu = calloc(1, sizeof *cu);
+    if (!be || !cu) {
+        free(be);
+        free(cu);
+        return rk_errorf(RK_ERR_NOMEM, "cuda backend: out of memory");
+    }
+    cu->n_sm = prop.multiProcessorCount > 0 ? prop.multiProcessorCount : 1;
+    cu->smem_optin =
+        prop.sharedMemPerBlockOptin ? prop.sharedMemPerBlockOptin : prop.sharedMemPerBlock;
+    const char *chk = getenv("RAGKV_CUDA_CHECK");
+    cu->check = chk && *chk && strcmp(chk, "0") != 0;
+
+    rk_status st = cuda_init(cu);
+    if (st != RK_OK) {
+        cuda_destroy(cu);
+        free(be);
+        return st;
+    }
+    memset(cu->err_host, 0, 4 * sizeof(int));
+    be->ops = &cuda_ops;
+    be->name = "cuda";
+    be->n_threads = 1;
+    be->impl = cu;
+    *out = be;
+    return RK_OK;
+}
+
+void rk_cuda_backend_free(rk_backend *be) {
+    if (!be) return;
+    cuda_destroy(be->impl);
+    free(be);
+}
+
+void rk_cuda_set_check(rk_backend *be, int on) {
+    if (be && be->impl && be->name && strcmp(be->name, "cuda") == 0) cu_of(be)->check = on != 0;
+}
+
+void rk_cuda_set_attn_partition(rk_backend *be, int part_len) {
+    if (!be || !be->impl || !be->name || strcmp(be->name, "cuda") != 0) return;
+    cu_of(be)->force_part = part_len;
+    cu_of(be)->plan_ok = 0;
+}
