@@ -8,7 +8,7 @@
  *       decode at 1k, 4k, 8k context, prefill of 512 queries at 4k;
  *   (d) rope_shift_copy of 4096 tokens x 28 layers x (8 x 128) against a
  *       plain memcpy of the same bytes.
- * Usage: bench_kernels [--threads N] (default 2). */
+ * Usage: bench_kernels [--threads N] (default 2) [--only abcd] (sections). */
 #include <cblas.h>
 #include <math.h>
 #include <stdio.h>
@@ -164,7 +164,7 @@ static void read_task(void *ctx, int task, int tid) {
 #endif
 }
 
-static double bench_bandwidth(rk_backend *be) {
+static void bench_bandwidth(rk_backend *be) {
     size_t bytes = (size_t)1 << 30; /* 1 GiB: far beyond the caches */
     float *a = xmalloc(bytes), *b = xmalloc(bytes);
     memset(a, 1, bytes);
@@ -212,7 +212,7 @@ static double bench_bandwidth(rk_backend *be) {
         free(y);
         be->ops->free(be, wb);
     }
-    return read_bw;
+    (void)read_bw;
 }
 
 /* ---------------------------------------------------------------- (c) attention */
@@ -373,21 +373,24 @@ static void bench_shift(rk_backend *be) {
 
 int main(int argc, char **argv) {
     int n_threads = 2;
+    const char *only = "abcd";
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
             n_threads = atoi(argv[++i]);
+        } else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
+            only = argv[++i];
         } else {
-            fprintf(stderr, "usage: %s [--threads N]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--threads N] [--only SECTIONS (e.g. ac)]\n", argv[0]);
             return 2;
         }
     }
     rk_backend *be = NULL;
     check(rk_backend_create("cpu", n_threads, &be), "backend_create");
     printf("bench_kernels: CPU backend, %d threads\n", be->n_threads);
-    bench_gemm(be);
-    bench_bandwidth(be);
-    bench_attention(be);
-    bench_shift(be);
+    if (strchr(only, 'a')) bench_gemm(be);
+    if (strchr(only, 'b')) bench_bandwidth(be);
+    if (strchr(only, 'c')) bench_attention(be);
+    if (strchr(only, 'd')) bench_shift(be);
     rk_backend_free(be);
     return 0;
 }
