@@ -72,6 +72,7 @@ typedef struct bench_opts {
     const char *url;
     int steady_pct;
     double http_timeout_s;
+    int progress; /* 1 = progress lines even when stderr is not a terminal */
 } bench_opts;
 
 static int usage_error(const char *fmt, const char *arg) {
@@ -154,9 +155,11 @@ static const char *k_help =
     "  --modes LIST            comma-separated from plain,prefix,rag,oracle\n"
     "                          (default: plain,prefix,rag)\n"
     "  --prewarm               compute every corpus chunk before the rag run (timed apart)\n"
-    "  --steady PCT            steady state excludes the first PCT%% of requests (default: 20)\n"
+    "  --steady PCT            steady state excludes the first PCT% of requests (default: 20)\n"
     "  --seed S                workload seed (default: 1)\n"
     "  --json                  print one JSON object instead of the table\n"
+    "  --progress              a progress line per 5% of requests on stderr even when it is\n"
+    "                          not a terminal (on a terminal they are always shown)\n"
     "  --plot FILE.svg         write the TTFT distributions and the rag hit rate as SVG\n"
     "  --url http://127.0.0.1:PORT   drive a running `ragkv serve` instead (loopback only;\n"
     "                          --model then only gives the tokenizer that sizes the workload)\n"
@@ -193,6 +196,7 @@ enum {
     O_PLOT,
     O_URL,
     O_HTTP_TIMEOUT,
+    O_PROGRESS,
 };
 
 /* Parse argv into o; returns 0, EXIT_USAGE on a bad option, or -1 after --help. */
@@ -238,6 +242,7 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
                              {"plot", required_argument, 0, O_PLOT},
                              {"url", required_argument, 0, O_URL},
                              {"http-timeout", required_argument, 0, O_HTTP_TIMEOUT},
+                             {"progress", no_argument, 0, O_PROGRESS},
                              {"help", no_argument, 0, 'h'},
                              {0, 0, 0, 0}};
     int c;
@@ -337,6 +342,7 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
         case O_JSON: o->json = 1; break;
         case O_PLOT: o->plot = optarg; break;
         case O_URL: o->url = optarg; break;
+        case O_PROGRESS: o->progress = 1; break;
         case O_HTTP_TIMEOUT:
             if (parse_double(optarg, 0.001, 86400, &o->http_timeout_s))
                 return usage_error("bad --http-timeout '%s'", optarg);
@@ -2083,7 +2089,7 @@ int rk_bench_main(int argc, char **argv) {
     warned_pools = 0;
     b->model_name = o->model ? o->model : "embedded";
     snprintf(b->model_desc, sizeof b->model_desc, "%s", o->model ? "" : "ragkv tiny");
-    b->progress = isatty(STDERR_FILENO);
+    b->progress = o->progress || isatty(STDERR_FILENO);
     if (o->cfg.n_threads == 0) o->cfg.n_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (http && (st = http_parse_url(o->url, o->http_timeout_s, &target))) {
         fprintf(stderr, "ragkv bench: %s\n", rk_error_message());
