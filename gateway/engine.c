@@ -7,6 +7,7 @@
  * the running list, so nothing reaches it through the engine afterwards. */
 #include "gateway/engine.h"
 
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -32,6 +33,7 @@ struct rk_engine {
     rk_service *svc;
     rk_job *head, *tail;
     int n_queued;
+    atomic_int n_anytime; /* queued jobs with anytime set */
     int stop;
     rk_job **running; /* (max_batch) jobs of the batch in progress */
     int n_running;
@@ -41,6 +43,7 @@ struct rk_engine {
     meta **buckets; /* (n_buckets) chunk key -> id, last use */
     size_t n_buckets, n_meta;
     uint64_t chunk_removed, prefix_flushed;
+    double last_publish;
 };
 
 /* ---------------------------------------------------------------- jobs */
@@ -127,6 +130,7 @@ static void unlink_job(rk_engine *e, rk_job *j) {
     j->next = j->prev = NULL;
     j->queued = 0;
     e->n_queued--;
+    if (j->anytime) atomic_fetch_sub(&e->n_anytime, 1);
 }
 
 /* Blocks of the live pool a request may take: its whole table plus scratch
@@ -278,6 +282,7 @@ static int walk_entry(void *ctx, const rk_chunk_entry *en) {
 void rk_engine_publish(rk_engine *e) {
     rk_service *svc = e->svc;
     if (!svc || !e->p.stats) return;
+    e->last_publish = rk_time_now();
     rk_cache_snapshot s;
     memset(&s, 0, sizeof s);
     rk_chunk_index_get_stats(svc->chunks, &s.chunk);
@@ -311,15 +316,37 @@ typedef struct hook_ctx {
     rk_job **jobs; /* index in the pipeline call -> job (NULL entries: no job) */
 } hook_ctx;
 
+/* Between decode steps: run the light commands waiting, publish statistics. */
+static void poll_during_batch(rk_engine *e) {
+    while (atomic_load(&e->n_anytime) > 0) {
+        pthread_mutex_lock(&e->mu);
+        rk_job *j = e->head;
+        while (j && !j->anytime) j = j->next;
+        if (j) unlink_job(e, j);
+        pthread_mutex_unlock(&e->mu);
+        if (!j) break;
+        rk_error_clear();
+        rk_status st = j->fn(j->fn_ctx, e, e->svc);
+        char msg[320];
+        snprintf(msg, sizeof msg, "%s", rk_error_message());
+        rk_engine_publish(e);
+        complete(j, 1, st, msg);
+    }
+    if (rk_time_now() - e->last_publish > 0.1) rk_engine_publish(e);
+}
+
 static void on_token(void *ctx, int i, int32_t token) {
     hook_ctx *h = ctx;
     (void)token;
     rk_job *j = h->jobs ? h->jobs[i] : NULL;
     if (!j) return;
+    /* Its first token: the request now holds its blocks; show them before answering. */
+    if (j->req.n_out == 1) rk_engine_publish(h->e);
     pthread_mutex_lock(&j->mu);
     j->n_tokens = j->req.n_out;
     if (j->notify_tokens) pthread_cond_broadcast(&j->cv);
     pthread_mutex_unlock(&j->mu);
+    poll_during_batch(h->e);
     if (h->e->p.token_delay_s > 0) {
         double d = h->e->p.token_delay_s;
         struct timespec ts = {(time_t)d, (long)((d - (double)(time_t)d) * 1e9)};
@@ -385,15 +412,18 @@ static void run_generations(rk_engine *e, rk_job **batch, int n) {
     if (m == 0) return;
     run_requests(e, reqs, jobs, m, res);
     for (int i = 0; i < m; i++) {
-        rk_job *j = jobs[i];
         if (res[i].status == RK_OK) {
+            rk_job *j = jobs[i];
             if (e->p.stats) rk_stats_record_request(e->p.stats, &j->req);
             for (int k = 0; k < j->req.n_chunks; k++)
                 if (j->req.chunk_reports[k].key[0])
                     rk_engine_chunk_touch(e, j->req.chunk_reports[k].key,
                                           j->chunk_ids ? j->chunk_ids[k] : NULL);
         }
-        finish(e, j, 1, res[i].status, res[i].error);
+    }
+    rk_engine_publish(e); /* before answering: a client may ask for the stats right after */
+    for (int i = 0; i < m; i++) {
+        finish(e, jobs[i], 1, res[i].status, res[i].error);
     }
 }
 
@@ -455,11 +485,13 @@ static void *engine_main(void *arg) {
         if (batch[0]->fn) {
             rk_error_clear();
             rk_status cst = batch[0]->fn(batch[0]->fn_ctx, e, e->svc);
-            finish(e, batch[0], 1, cst, rk_error_message());
+            char msg[320];
+            snprintf(msg, sizeof msg, "%s", rk_error_message());
+            rk_engine_publish(e);
+            finish(e, batch[0], 1, cst, msg);
         } else {
             run_generations(e, batch, n);
         }
-        rk_engine_publish(e);
     }
     return NULL;
 }
@@ -542,6 +574,7 @@ rk_status rk_engine_submit(rk_engine *e, rk_job *j) {
             e->head = j;
         e->tail = j;
         e->n_queued++;
+        if (j->anytime) atomic_fetch_add(&e->n_anytime, 1);
         pthread_cond_broadcast(&e->cv);
     }
     pthread_mutex_unlock(&e->mu);

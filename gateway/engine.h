@@ -10,7 +10,9 @@
  * statistics snapshot. Requests that arrive while a batch runs wait for the
  * next batch (no continuous batching yet). Cache commands (list, delete,
  * flush, pre-warm) are jobs too: functions run on the engine thread between
- * batches.
+ * batches; the light ones (list, get, delete, flush) also between two decode
+ * steps of a running batch, so they do not wait for long generations. While a
+ * batch decodes, statistics are published every 100 ms.
  *
  * A job belongs to its submitter (an HTTP worker thread), who must not free
  * it before rk_job_wait reported it done: until then the engine may write it. */
@@ -52,6 +54,8 @@ typedef struct rk_job {
     rk_engine_fn fn; /* or a command */
     void *fn_ctx;
     int notify_tokens;      /* wake the waiter at every token (streaming, stop strings) */
+    int anytime;            /* a command that may also run between two decode steps of a
+                               batch (it must not run the pipeline itself) */
     char *const *chunk_ids; /* (req.n_chunks) document ids to remember, or NULL; not owned */
 
     /* The reply channel: under mu, read through rk_job_wait. */

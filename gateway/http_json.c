@@ -220,7 +220,12 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     int echo = 0, ignore_eos = 0, prefix = -1, plain = 0, ctx = 0, pos = 0;
     json_t *mct = json_object_get(root, "max_completion_tokens");
     const char *mt_name = mct && !json_is_null(mct) ? "max_completion_tokens" : "max_tokens";
-    if (get_int(root, mt_name, 0, (json_int_t)1 << 40, &max_tokens, err)) return 1;
+    json_t *mt = json_object_get(root, mt_name);
+    if (!mt || json_is_null(mt)) { /* the default, within the server's limit */
+        if (max_tokens > lim->max_tokens) max_tokens = lim->max_tokens;
+    } else if (get_int(root, mt_name, 0, (json_int_t)1 << 40, &max_tokens, err)) {
+        return 1;
+    }
     if (max_tokens > lim->max_tokens)
         return rk_http_errorf(err, 422, "'%s' is %lld; this server allows at most %d", mt_name,
                               (long long)max_tokens, lim->max_tokens),

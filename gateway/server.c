@@ -11,10 +11,12 @@
  * CivetWeb is stopped (joining its workers), then the engine. */
 #include "gateway/server.h"
 
+#include <arpa/inet.h>
 #include <civetweb.h>
 #include <errno.h>
 #include <getopt.h>
 #include <jansson.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -22,6 +24,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -1011,12 +1014,14 @@ done:
 /* Run fn on the engine thread and wait (at most until the request timeout).
  * Returns the command's status (RK_ERR_EXHAUSTED when it never ran: queue
  * full, timeout, shutdown), with its message in msg. */
-static rk_status run_command(req_ctx *rc, rk_engine_fn fn, void *ctx, char *msg, size_t cap) {
+static rk_status run_command(req_ctx *rc, rk_engine_fn fn, void *ctx, int anytime, char *msg,
+                             size_t cap) {
     server *S = rc->S;
     rk_job job;
     if (rk_job_init(&job)) return rk_errorf(RK_ERR_INTERNAL, "cannot create a job");
     job.fn = fn;
     job.fn_ctx = ctx;
+    job.anytime = anytime;
     rk_status st = rk_engine_submit(S->engine, &job);
     if (st) {
         snprintf(msg, cap, "%s", rk_error_message());
@@ -1321,7 +1326,7 @@ static int handle_prewarm(req_ctx *rc) {
         goto done;
     }
     char msg[320];
-    rk_status st = run_command(rc, prewarm_fn, &p.cmd, msg, sizeof msg);
+    rk_status st = run_command(rc, prewarm_fn, &p.cmd, 0, msg, sizeof msg);
     if (st) {
         send_errorf(rc, http_status_of(st), "%s", msg);
         goto done;
@@ -1399,7 +1404,7 @@ static int handle_list(req_ctx *rc) {
         return send_errorf(rc, 400, "'sort' must be hits or recent"), 0;
     if (!ready_service(rc->S)) return send_not_ready(rc), 0;
     char msg[320];
-    rk_status st = run_command(rc, list_fn, &l, msg, sizeof msg);
+    rk_status st = run_command(rc, list_fn, &l, 1, msg, sizeof msg);
     free(l.v);
     if (st) {
         json_decref(l.out);
@@ -1416,7 +1421,7 @@ static int handle_chunk_key(req_ctx *rc, const char *hex, int del) {
     rk_chunk_key_hex(k.key, k.hex);
     if (!ready_service(rc->S)) return send_not_ready(rc), 0;
     char msg[320];
-    rk_status st = run_command(rc, del ? delete_fn : get_fn, &k, msg, sizeof msg);
+    rk_status st = run_command(rc, del ? delete_fn : get_fn, &k, 1, msg, sizeof msg);
     if (st) {
         json_decref(k.out);
         int status = st == RK_ERR_BUSY ? 409 : http_status_of(st);
@@ -1445,7 +1450,7 @@ static int handle_flush(req_ctx *rc) {
                0;
     if (!ready_service(rc->S)) return send_not_ready(rc), 0;
     char msg[320];
-    if ((st = run_command(rc, flush_fn, &f, msg, sizeof msg)))
+    if ((st = run_command(rc, flush_fn, &f, 1, msg, sizeof msg)))
         return send_errorf(rc, http_status_of(st), "%s", msg), 0;
     send_json(rc, 200,
               json_pack("{s:{s:i, s:I, s:I}}", "flushed", "chunks", f.chunks, "prefix_nodes",
@@ -1629,6 +1634,44 @@ static int civet_log(const struct mg_connection *conn, const char *message) {
 }
 
 /* ================================================================ main */
+
+/* CivetWeb's listening thread polls with a 2 s timeout and notices mg_stop
+ * only then; a connection to the listening port wakes it at once. */
+typedef struct poker {
+    int port;
+    atomic_int done;
+} poker;
+
+static void *poke_listener(void *arg) {
+    poker *p = arg;
+    while (!atomic_load(&p->done)) {
+        int fd = socket(AF_INET, SOCK_STREAM, 0);
+        if (fd >= 0) {
+            struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)p->port)};
+            a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+            (void)connect(fd, (struct sockaddr *)&a, sizeof a);
+            close(fd);
+        }
+        struct timespec ts = {0, 20 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
+/* mg_stop, woken quickly when the server listens on a loopback-reachable port. */
+static void stop_civetweb(struct mg_context *ctx, int port, const char *host) {
+    poker p = {.port = port};
+    pthread_t t;
+    int poke =
+        port > 0 &&
+        (!strcmp(host, "127.0.0.1") || !strcmp(host, "0.0.0.0") || !strcmp(host, "localhost")) &&
+        pthread_create(&t, NULL, poke_listener, &p) == 0;
+    mg_stop(ctx);
+    if (poke) {
+        atomic_store(&p.done, 1);
+        pthread_join(t, NULL);
+    }
+}
 
 static const char *k_usage =
     "usage: ragkv serve [--model F.gguf] [--config F.json] [--host H] [--port P] [options]\n"
@@ -1860,7 +1903,7 @@ int rk_serve_main(int argc, char **argv) {
         nanosleep(&ts, NULL);
     }
     rk_engine_cancel_all(S->engine);
-    mg_stop(S->ctx);
+    stop_civetweb(S->ctx, n_ports > 0 ? sp[0].port : o->port, o->host);
     rk_engine_free(S->engine);
     S->engine = NULL;
     mg_exit_library();

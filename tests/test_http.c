@@ -1,0 +1,1087 @@
+/* tests/test_http.c — the HTTP service end to end: the real `ragkv serve`
+ * binary started on a free loopback port (--port 0), spoken to with a small
+ * socket client, stopped with SIGTERM at the end of every test (and killed
+ * with its parent if a test crashes). Most tests use the embedded model. */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "tests/testutil.h"
+
+/* ================================================================ the server process */
+
+typedef struct srv {
+    pid_t pid;
+    int port;
+    char log[4096];
+} srv;
+
+static srv S; /* the server of the current test */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void sleep_s(double s) {
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+/* Start `ragkv serve --port 0 ARGS...` with extra environment (NAME=VALUE
+ * strings), wait for its "listening on" line. Returns 0 or -1. */
+static int srv_start_env(srv *s, const char *const *env, const char *const *args) {
+    memset(s, 0, sizeof *s);
+    char *dir = rk_test_tmpdir("http");
+    snprintf(s->log, sizeof s->log, "%s/server.log", dir);
+    free(dir);
+    const char *argv[64] = {RK_BIN, "serve", "--port", "0"};
+    int n = 4;
+    for (int i = 0; args && args[i] && n < 62; i++) argv[n++] = args[i];
+    argv[n] = NULL;
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
+        int fd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        int null = open("/dev/null", O_WRONLY);
+        if (fd < 0 || null < 0) _exit(127);
+        dup2(null, 1);
+        dup2(fd, 2);
+        for (int i = 0; env && env[i]; i++) putenv((char *)env[i]);
+        execv(RK_BIN, (char *const *)argv);
+        _exit(127);
+    }
+    s->pid = pid;
+    double until = now_s() + 60;
+    while (now_s() < until) {
+        char *text = rk_test_read_file(s->log, NULL);
+        const char *p = text ? strstr(text, "listening on http://127.0.0.1:") : NULL;
+        if (p) {
+            s->port = atoi(p + strlen("listening on http://127.0.0.1:"));
+            free(text);
+            return s->port > 0 ? 0 : -1;
+        }
+        free(text);
+        int status;
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            s->pid = 0;
+            return -1;
+        }
+        sleep_s(0.01);
+    }
+    return -1;
+}
+
+/* ================================================================ a small HTTP client */
+
+struct resp {
+    int status;
+    char *head; /* status line and headers */
+    char *body;
+    size_t len;
+    json_t *json; /* the body parsed, when it is JSON */
+};
+typedef struct resp resp;
+
+static void resp_free(struct resp *r) {
+    free(r->head);
+    free(r->body);
+    json_decref(r->json);
+    memset(r, 0, sizeof *r);
+}
+
+static int connect_port(int port) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return -1;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    struct timeval tv = {120, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static int send_all(int fd, const char *p, size_t n) {
+    while (n) {
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+        if (k <= 0) return -1;
+        p += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+/* Send a request (Connection: close) and return the socket. */
+static int send_request(int port, const char *method, const char *path, const char *headers,
+                        const char *body, size_t body_len) {
+    int fd = connect_port(port);
+    if (fd < 0) return -1;
+    char head[2048];
+    int n = snprintf(head, sizeof head,
+                     "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%sContent-Length: "
+                     "%zu\r\n\r\n",
+                     method, path, headers ? headers : "", body_len);
+    if (send_all(fd, head, (size_t)n) || (body && body_len && send_all(fd, body, body_len))) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* A whole exchange. Returns 0 when a response was read. */
+static int http(const char *method, const char *path, const char *headers, const char *body,
+                struct resp *r) {
+    memset(r, 0, sizeof *r);
+    int fd = send_request(S.port, method, path, headers, body, body ? strlen(body) : 0);
+    if (fd < 0) return -1;
+    size_t cap = 65536, len = 0;
+    char *buf = malloc(cap);
+    for (;;) {
+        if (len + 1 >= cap) buf = realloc(buf, cap *= 2);
+        ssize_t k = recv(fd, buf + len, cap - len - 1, 0);
+        if (k <= 0) break;
+        len += (size_t)k;
+    }
+    close(fd);
+    buf[len] = '\0';
+    char *sep = strstr(buf, "\r\n\r\n");
+    if (!sep || sscanf(buf, "HTTP/1.%*d %d", &r->status) != 1) {
+        free(buf);
+        return -1;
+    }
+    size_t hl = (size_t)(sep - buf);
+    r->head = strndup(buf, hl);
+    r->len = len - hl - 4;
+    r->body = malloc(r->len + 1);
+    memcpy(r->body, sep + 4, r->len);
+    r->body[r->len] = '\0';
+    free(buf);
+    r->json = json_loadb(r->body, r->len, 0, NULL);
+    return 0;
+}
+
+/* The value of a response header (copied into a static buffer), or NULL. */
+static const char *header(const resp *r, const char *name) {
+    static char value[512];
+    size_t nl = strlen(name);
+    for (const char *p = strstr(r->head, "\r\n"); p; p = strstr(p + 2, "\r\n")) {
+        if (strncasecmp(p + 2, name, nl) == 0 && p[2 + nl] == ':') {
+            const char *v = p + 3 + nl;
+            while (*v == ' ') v++;
+            size_t k = strcspn(v, "\r");
+            snprintf(value, sizeof value, "%.*s", (int)k, v);
+            return value;
+        }
+    }
+    return NULL;
+}
+
+/* Start and wait until /health answers 200 (the model is loaded). */
+static int srv_start_ready(srv *s, const char *const *env, const char *const *args) {
+    if (srv_start_env(s, env, args)) return -1;
+    double until = now_s() + 60;
+    while (now_s() < until) {
+        struct resp r;
+        int ok = http("GET", "/health", NULL, NULL, &r) == 0 && r.status == 200;
+        resp_free(&r);
+        if (ok) return 0;
+        sleep_s(0.01);
+    }
+    return -1;
+}
+
+static int srv_start(srv *s, const char *const *args) { return srv_start_ready(s, NULL, args); }
+
+/* SIGTERM and wait; returns the exit status (128 + signal when killed). */
+static int srv_stop(srv *s) {
+    if (s->pid <= 0) return -1;
+    kill(s->pid, SIGTERM);
+    int status = 0;
+    double until = now_s() + 60;
+    while (waitpid(s->pid, &status, WNOHANG) != s->pid) {
+        if (now_s() > until) {
+            kill(s->pid, SIGKILL);
+            waitpid(s->pid, &status, 0);
+            break;
+        }
+        sleep_s(0.01);
+    }
+    s->pid = 0;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+static void start_default(void) {
+    cr_assert_eq(srv_start(&S, NULL), 0, "the server did not start");
+}
+static void stop_server(void) { srv_stop(&S); }
+
+static resp get(const char *path) {
+    resp r;
+    cr_assert_eq(http("GET", path, NULL, NULL, &r), 0, "GET %s: no response", path);
+    return r;
+}
+
+static resp post(const char *path, const char *body) {
+    resp r;
+    cr_assert_eq(http("POST", path, NULL, body, &r), 0, "POST %s: no response", path);
+    return r;
+}
+
+static resp postf(const char *path, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static resp postf(const char *path, const char *fmt, ...) {
+    char body[16384];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(body, sizeof body, fmt, ap);
+    va_end(ap);
+    return post(path, body);
+}
+
+/* Dotted path into a JSON object ("usage.prompt_tokens", "choices.0.text"). */
+static json_t *jget(json_t *j, const char *path) {
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *tok = strtok(buf, "."); tok && j; tok = strtok(NULL, ".")) {
+        if (json_is_array(j))
+            j = json_array_get(j, (size_t)atoi(tok));
+        else
+            j = json_object_get(j, tok);
+    }
+    return j;
+}
+
+static long long jint(json_t *j, const char *path) {
+    json_t *v = jget(j, path);
+    cr_assert(json_is_integer(v), "%s is not an integer", path);
+    return json_integer_value(v);
+}
+
+static const char *jstr(json_t *j, const char *path) {
+    json_t *v = jget(j, path);
+    cr_assert(json_is_string(v), "%s is not a string", path);
+    return json_string_value(v);
+}
+
+/* An error response: status, the JSON envelope with the same code and a message. */
+static void expect_error(resp *r, int status) {
+    cr_assert_eq(r->status, status, "want %d, got %d: %s", status, r->status, r->body);
+    cr_assert(r->json, "error body is not JSON: %s", r->body);
+    cr_assert_eq(jint(r->json, "error.code"), status);
+    cr_assert(strlen(jstr(r->json, "error.type")) > 0);
+    cr_assert(strlen(jstr(r->json, "error.message")) > 0);
+}
+
+/* The value of one Prometheus sample line ("name{labels}"), or -1. */
+static double metric(const char *text, const char *sample) {
+    size_t n = strlen(sample);
+    for (const char *p = text; p && *p; p = strchr(p, '\n') ? strchr(p, '\n') + 1 : NULL)
+        if (!strncmp(p, sample, n) && p[n] == ' ') return atof(p + n + 1);
+    return -1;
+}
+
+/* Check the report's token invariants. */
+static void check_invariants(json_t *j) {
+    long long prompt = jint(j, "usage.prompt_tokens");
+    long long sum = jint(j, "ragkv.system.tokens") + jint(j, "ragkv.question.tokens");
+    json_t *chunks = jget(j, "ragkv.chunks");
+    for (size_t i = 0; i < json_array_size(chunks); i++)
+        sum += json_integer_value(json_object_get(json_array_get(chunks, i), "tokens"));
+    cr_assert_eq(prompt, sum, "prompt_tokens %lld != system + chunks + question %lld", prompt, sum);
+    cr_assert_eq(jint(j, "usage.prompt_tokens_details.cached_tokens") +
+                     jint(j, "ragkv.timings.prompt_tokens_computed"),
+                 prompt);
+    cr_assert_eq(jint(j, "usage.total_tokens"), prompt + jint(j, "usage.completion_tokens"));
+}
+
+/* ================================================================ basic routes */
+
+TestSuite(http, .init = start_default, .fini = stop_server, .timeout = 300);
+
+Test(http, health_is_ok_without_a_key) {
+    resp r = get("/health");
+    cr_assert_eq(r.status, 200);
+    cr_assert_str_eq(jstr(r.json, "status"), "ok");
+    resp_free(&r);
+}
+
+Test(http, models_describe_the_served_model) {
+    resp r = get("/v1/models");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_str_eq(jstr(r.json, "object"), "list");
+    cr_assert_str_eq(jstr(r.json, "data.0.id"), "ragkv synthetic tiny");
+    cr_assert_eq(strlen(jstr(r.json, "data.0.ragkv.fingerprint")), 32);
+    cr_assert_eq(jint(r.json, "data.0.ragkv.n_layers"), 4);
+    cr_assert_eq(jint(r.json, "data.0.ragkv.dim"), 128);
+    cr_assert_str_eq(jstr(r.json, "data.0.ragkv.chat_template"), "llama2");
+    resp_free(&r);
+}
+
+Test(http, unknown_route_is_404_and_wrong_method_405) {
+    resp r = get("/v1/nothing");
+    expect_error(&r, 404);
+    resp_free(&r);
+    r = get("/v1/completions");
+    expect_error(&r, 405);
+    cr_assert_str_eq(header(&r, "Allow"), "POST");
+    resp_free(&r);
+    cr_assert_eq(http("DELETE", "/v1/stats", NULL, NULL, &r), 0);
+    expect_error(&r, 405);
+    resp_free(&r);
+}
+
+/* ================================================================ completions */
+
+Test(http, completion_report_keeps_the_token_invariants) {
+    resp r = post("/v1/completions", "{\"prompt\": \"You are terse.##The cat sat.##The dog ran."
+                                     "##Who ran?\", \"max_tokens\": 6, \"temperature\": 0}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_str_eq(jstr(r.json, "object"), "text_completion");
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2);
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "miss");
+    cr_assert_eq(strlen(jstr(r.json, "ragkv.chunks.0.key")), 32);
+    cr_assert_eq(jint(r.json, "usage.completion_tokens"), 6);
+    cr_assert_str_eq(jstr(r.json, "choices.0.finish_reason"), "length");
+    check_invariants(r.json);
+    resp_free(&r);
+
+    /* The same chunks in another order, under another system prompt: both hits. */
+    r = post("/v1/completions", "{\"system\": \"Be kind.\", \"chunks\": [\"The dog ran.\", \"The "
+                                "cat sat.\"], \"question\": \"Who sat?\", \"max_tokens\": 4}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.1.status"), "hit");
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.source"), "arena");
+    cr_assert(jint(r.json, "usage.prompt_tokens_details.cached_tokens") >=
+              jint(r.json, "ragkv.chunks.0.tokens") + jint(r.json, "ragkv.chunks.1.tokens"));
+    check_invariants(r.json);
+    resp_free(&r);
+}
+
+Test(http, miss_then_hit_shows_in_stats_and_metrics) {
+    resp r = get("/v1/stats");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    long long lookups0 = jint(r.json, "chunks.lookups"), hits0 = jint(r.json, "chunks.hits");
+    resp_free(&r);
+    const char *body = "{\"prompt\": \"S##alpha beta gamma##Q?\", \"max_tokens\": 2}";
+    r = post("/v1/completions", body);
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "miss");
+    resp_free(&r);
+    r = post("/v1/completions", body);
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    resp_free(&r);
+    r = get("/v1/stats");
+    cr_assert_eq(jint(r.json, "chunks.lookups"), lookups0 + 2);
+    cr_assert_eq(jint(r.json, "chunks.hits"), hits0 + 1);
+    cr_assert_eq(jint(r.json, "chunks.misses"), 1);
+    cr_assert_eq(jint(r.json, "chunks.windows.5m.lookups"), 2);
+    cr_assert_eq(jint(r.json, "chunks.windows.60m.hits"), 1);
+    cr_assert(jint(r.json, "chunks.entries") >= 1);
+    cr_assert(jint(r.json, "tokens.reused") > 0);
+    cr_assert(jint(r.json, "latency.ttft.count") >= 2);
+    cr_assert_eq(jint(r.json, "requests.by_status.200"), 3); /* two completions, one stats */
+    resp_free(&r);
+    r = get("/metrics");
+    cr_assert_eq(r.status, 200);
+    cr_assert(strstr(header(&r, "Content-Type"), "text/plain"));
+    cr_assert_eq(metric(r.body, "ragkv_chunk_lookups_total"), 2);
+    cr_assert_eq(metric(r.body, "ragkv_chunk_hits_total"), 1);
+    cr_assert_eq(metric(r.body, "ragkv_chunk_misses_total"), 1);
+    cr_assert(metric(r.body, "ragkv_chunk_hit_tokens_total") > 0);
+    cr_assert_eq(metric(r.body, "ragkv_chunk_hit_tokens_total"),
+                 metric(r.body, "ragkv_chunk_computed_tokens_total"));
+    cr_assert_eq(metric(r.body, "ragkv_prefix_queries_total"), 2);
+    cr_assert_eq(metric(r.body, "ragkv_requests_total{status=\"200\"}"), 4);
+    cr_assert_eq(metric(r.body, "ragkv_ttft_seconds_count"), 2);
+    cr_assert_eq(metric(r.body, "ragkv_ttft_seconds_bucket{le=\"+Inf\"}"), 2);
+    cr_assert(metric(r.body, "ragkv_reindex_seconds_sum") >= 0);
+    cr_assert(metric(r.body, "ragkv_pool_blocks{pool=\"chunk\",state=\"used\"}") >= 1);
+    cr_assert_eq(metric(r.body, "ragkv_pool_blocks{pool=\"live\",state=\"used\"}"), 0);
+    cr_assert_eq(metric(r.body, "ragkv_store_loads_total"), 0);
+    cr_assert_eq(metric(r.body, "ragkv_evictions_total{pool=\"chunk\",reason=\"capacity\"}"), 0);
+    resp_free(&r);
+}
+
+Test(http, metrics_have_help_type_and_every_listed_name) {
+    resp r = get("/metrics");
+    static const char *counters[] = {"ragkv_chunk_lookups_total",
+                                     "ragkv_chunk_hits_total",
+                                     "ragkv_chunk_misses_total",
+                                     "ragkv_chunk_hit_tokens_total",
+                                     "ragkv_chunk_computed_tokens_total",
+                                     "ragkv_prefix_queries_total",
+                                     "ragkv_prefix_hit_tokens_total",
+                                     "ragkv_evictions_total",
+                                     "ragkv_requests_total",
+                                     "ragkv_store_loads_total"};
+    char line[256];
+    for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++) {
+        snprintf(line, sizeof line, "# TYPE %s counter\n", counters[i]);
+        cr_assert(strstr(r.body, line), "missing %s", line);
+        snprintf(line, sizeof line, "# HELP %s ", counters[i]);
+        cr_assert(strstr(r.body, line), "missing %s", line);
+    }
+    cr_assert(strstr(r.body, "# TYPE ragkv_pool_blocks gauge\n"));
+    cr_assert(strstr(r.body, "# TYPE ragkv_ttft_seconds histogram\n"));
+    cr_assert(strstr(r.body, "# TYPE ragkv_reindex_seconds histogram\n"));
+    cr_assert(strstr(r.body, "ragkv_reindex_seconds_bucket{le=\"+Inf\"} "));
+    cr_assert(strstr(r.body, "ragkv_reindex_seconds_count "));
+    cr_assert(strstr(r.body, "ragkv_evictions_total{pool=\"prefix\",reason=\"manual\"} "));
+    resp_free(&r);
+}
+
+/* Greedy text and ids of `ragkv generate --json` for the same prompt. */
+static json_t *generate_json(const char *model_flag, const char *prompt, int n) {
+    char cmd[4096], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s generate %s --prompt '%s' -n %d --temp 0 --json", RK_BIN,
+             model_flag, prompt, n);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s failed", cmd);
+    json_t *j = json_loads(out, 0, NULL);
+    cr_assert(j, "generate printed no JSON: %s", out);
+    free(out);
+    return j;
+}
+
+static void expect_same_as_generate(const char *model_flag, const char *prompt, int n) {
+    json_t *want = generate_json(model_flag, prompt, n);
+    json_t *req = json_pack("{s:s, s:i, s:i}", "prompt", prompt, "max_tokens", n, "temperature", 0);
+    char *body = json_dumps(req, 0);
+    resp r = post("/v1/completions", body);
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_str_eq(jstr(r.json, "choices.0.text"), jstr(want, "choices.0.text"));
+    cr_assert(json_equal(jget(r.json, "ragkv.completion_ids"), jget(want, "ragkv.completion_ids")),
+              "completion ids differ");
+    cr_assert_str_eq(jstr(r.json, "choices.0.finish_reason"),
+                     jstr(want, "choices.0.finish_reason"));
+    cr_assert_eq(jint(r.json, "usage.prompt_tokens"), jint(want, "usage.prompt_tokens"));
+    resp_free(&r);
+    free(body);
+    json_decref(req);
+    json_decref(want);
+}
+
+Test(http, greedy_output_equals_generate_on_the_embedded_model) {
+    expect_same_as_generate("", "Be brief.##Paris is in France.##Rome is in Italy.##Where?", 24);
+    expect_same_as_generate("", "Once upon a time", 16);
+}
+
+Test(http_opts, greedy_output_equals_generate_on_stories260K, .fini = stop_server, .timeout = 300) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    const char *args[] = {"--model", model, NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    char flag[4200];
+    snprintf(flag, sizeof flag, "--model %s", model);
+    expect_same_as_generate(flag, "Once upon a time", 40);
+    expect_same_as_generate(flag, "Lily was happy.##Tom had a red ball.##One day", 30);
+    resp r = get("/v1/models");
+    cr_assert_str_eq(jstr(r.json, "data.0.ragkv.architecture"), "llama");
+    resp_free(&r);
+}
+
+Test(http, logprobs_give_top_alternatives) {
+    resp r =
+        post("/v1/completions",
+             "{\"prompt\": \"Hello\", \"max_tokens\": 3, \"temperature\": 0, \"logprobs\": 2}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    json_t *lp = jget(r.json, "choices.0.logprobs");
+    cr_assert_eq(json_array_size(json_object_get(lp, "tokens")), 3);
+    cr_assert_eq(json_array_size(json_object_get(lp, "token_logprobs")), 3);
+    cr_assert(json_object_size(json_array_get(json_object_get(lp, "top_logprobs"), 0)) >= 1);
+    cr_assert(json_real_value(json_array_get(json_object_get(lp, "token_logprobs"), 0)) <= 0);
+    resp_free(&r);
+}
+
+Test(http, stop_string_cuts_the_text) {
+    const char *req =
+        "{\"prompt\": \"Once upon a time\", \"max_tokens\": 40, \"temperature\": 0%s}";
+    resp full = postf("/v1/completions", req, "");
+    cr_assert_eq(full.status, 200, "%s", full.body);
+    const char *text = jstr(full.json, "choices.0.text");
+    cr_assert(strlen(text) > 12, "text too short: %s", text);
+    /* A stop string from the middle of the greedy text: the first run of 4
+     * printable ASCII characters (stop strings match the generated bytes). */
+    char stop[8] = "";
+    size_t at = 0;
+    for (size_t i = 4; text[i + 3] && !stop[0]; i++) {
+        int ok = 1;
+        for (int k = 0; k < 4; k++) ok &= text[i + k] >= 0x20 && text[i + k] < 0x7f;
+        snprintf(stop, sizeof stop, "%.4s", text + i);
+        if (!ok || (size_t)(strstr(text, stop) - text) != i)
+            stop[0] = '\0';
+        else
+            at = i;
+    }
+    cr_assert(stop[0], "no ASCII run in %s", text);
+    char extra[64];
+    json_t *s = json_string(stop);
+    char *stop_json = json_dumps(s, JSON_ENCODE_ANY);
+    snprintf(extra, sizeof extra, ", \"stop\": [%s]", stop_json);
+    resp cut = postf("/v1/completions", req, extra);
+    cr_assert_eq(cut.status, 200, "%s", cut.body);
+    cr_assert_str_eq(jstr(cut.json, "choices.0.finish_reason"), "stop");
+    cr_assert_eq(strlen(jstr(cut.json, "choices.0.text")), at);
+    cr_assert(!strncmp(jstr(cut.json, "choices.0.text"), text, at));
+    cr_assert(jint(cut.json, "usage.completion_tokens") < 40, "generation did not stop early");
+    /* The same through the stream. */
+    snprintf(extra, sizeof extra, ", \"stop\": %s, \"stream\": true", stop_json);
+    resp st = postf("/v1/completions", req, extra);
+    cr_assert_eq(st.status, 200);
+    cr_assert(strstr(st.body, "\"finish_reason\":\"stop\""));
+    free(stop_json);
+    json_decref(s);
+    resp_free(&full);
+    resp_free(&cut);
+    resp_free(&st);
+}
+
+/* ================================================================ streaming */
+
+/* Split an SSE body into its data payloads; checks the framing. Returns the
+ * number of events; events[] are malloc'ed strings. */
+static int sse_events(const char *body, char **events, int cap) {
+    int n = 0;
+    const char *p = body;
+    while (*p && n < cap) {
+        cr_assert(!strncmp(p, "data: ", 6), "an event does not start with 'data: ': %.40s", p);
+        const char *end = strstr(p, "\n\n");
+        cr_assert(end, "an event is not ended by a blank line");
+        events[n++] = strndup(p + 6, (size_t)(end - p - 6));
+        p = end + 2;
+    }
+    return n;
+}
+
+static void check_stream(const char *body, int chat, const char *want_text) {
+    char *ev[512];
+    int n = sse_events(body, ev, 512);
+    cr_assert(n >= 2, "want at least a final event and [DONE], got %d", n);
+    cr_assert_str_eq(ev[n - 1], "[DONE]");
+    char text[8192] = "";
+    for (int i = 0; i < n - 1; i++) {
+        json_t *j = json_loads(ev[i], 0, NULL);
+        cr_assert(j, "event %d is not JSON: %s", i, ev[i]);
+        cr_assert_str_eq(jstr(j, "object"), chat ? "chat.completion.chunk" : "text_completion");
+        json_t *piece = chat ? jget(j, "choices.0.delta.content") : jget(j, "choices.0.text");
+        if (piece) strncat(text, json_string_value(piece), sizeof text - strlen(text) - 1);
+        int last = i == n - 2;
+        cr_assert_eq(json_object_get(j, "usage") != NULL, last, "usage only in the final event");
+        cr_assert_eq(json_object_get(j, "ragkv") != NULL, last);
+        cr_assert_eq(json_is_string(jget(j, "choices.0.finish_reason")), last);
+        if (last) check_invariants(j);
+        json_decref(j);
+    }
+    if (want_text) cr_assert_str_eq(text, want_text);
+    for (int i = 0; i < n; i++) free(ev[i]);
+}
+
+Test(http, stream_frames_events_and_matches_the_whole_text) {
+    const char *req = "{\"prompt\": \"Sys##Chunk one.##Chunk two.##What?\", \"max_tokens\": 20, "
+                      "\"temperature\": 0%s}";
+    resp whole = postf("/v1/completions", req, "");
+    resp st = postf("/v1/completions", req, ", \"stream\": true");
+    cr_assert_eq(st.status, 200);
+    cr_assert(strstr(header(&st, "Content-Type"), "text/event-stream"));
+    check_stream(st.body, 0, jstr(whole.json, "choices.0.text"));
+    resp_free(&whole);
+    resp_free(&st);
+}
+
+Test(http, chat_completion_with_chunks_in_the_message_and_as_extension) {
+    const char *msgs = "\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, "
+                       "{\"role\": \"user\", \"content\": \"Doc A.##Doc B.##What?\"}]";
+    resp r = postf("/v1/chat/completions", "{%s, \"max_tokens\": 5, \"temperature\": 0}", msgs);
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_str_eq(jstr(r.json, "object"), "chat.completion");
+    cr_assert_str_eq(jstr(r.json, "choices.0.message.role"), "assistant");
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2);
+    check_invariants(r.json);
+    const char *text = jstr(r.json, "choices.0.message.content");
+    /* The same chunks through the extension field: the same keys, now hits. */
+    resp e = post("/v1/chat/completions",
+                  "{\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, {\"role\": "
+                  "\"user\", \"content\": \"What?\"}], \"chunks\": [\"Doc A.\", {\"id\": \"b\", "
+                  "\"text\": \"Doc B.\"}], \"max_tokens\": 5, \"temperature\": 0}");
+    cr_assert_eq(e.status, 200, "%s", e.body);
+    cr_assert_str_eq(jstr(e.json, "ragkv.chunks.1.status"), "hit");
+    cr_assert_str_eq(jstr(e.json, "ragkv.chunks.1.key"), jstr(r.json, "ragkv.chunks.1.key"));
+    cr_assert_str_eq(jstr(e.json, "choices.0.message.content"), text);
+    resp st = postf("/v1/chat/completions",
+                    "{%s, \"max_tokens\": 5, \"temperature\": 0, "
+                    "\"stream\": true}",
+                    msgs);
+    check_stream(st.body, 1, text);
+    resp_free(&r);
+    resp_free(&e);
+    resp_free(&st);
+    resp bad = post("/v1/chat/completions",
+                    "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": "
+                    "\"assistant\", \"content\": \"yo\"}]}");
+    expect_error(&bad, 400);
+    resp_free(&bad);
+}
+
+/* ================================================================ input errors */
+
+Test(http, malformed_input_is_400) {
+    static const char *bodies[] = {
+        "{not json",
+        "[1, 2]",
+        "{\"prompt\": 5}",
+        "{\"prompt\": \"x\", \"temperature\": \"hot\"}",
+        "{\"prompt\": \"x\", \"max_tokens\": -1}",
+        "{\"prompt\": \"x\", \"top_p\": 0}",
+        "{\"prompt\": \"x\", \"logprobs\": 21}",
+        "{\"prompt\": \"x\", \"stop\": [\"\"]}",
+        "{\"prompt\": \"x\", \"stream\": \"yes\"}",
+        "{\"prompt\": \"x\", \"mode\": \"fancy\"}",
+        "{\"prompt\": \"x\", \"separator\": \"\\\\\"}",
+        "{\"prompt\": \"x\", \"repair\": {\"policy\": \"first_k\"}}",
+        "{\"prompt\": \"x\", \"repair\": {\"policy\": \"deviation\", \"ratio\": 0.2}}",
+        "{\"prompt\": \"x\", \"n\": 2}",
+        "{\"prompt\": \"S##A##\"}",
+        "{\"prompt\": \"x\", \"question\": \"y\"}",
+        "{\"chunks\": [\"a\"]}",
+        "{\"question\": \"q\", \"chunks\": [1]}",
+        "{\"prompt\": "
+        "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]}",
+        "{\"prompt\": \"\\ud800\"}",
+    };
+    for (size_t i = 0; i < sizeof bodies / sizeof bodies[0]; i++) {
+        resp r = post("/v1/completions", bodies[i]);
+        cr_assert_eq(r.status, 400, "%s -> %d %s", bodies[i], r.status, r.body);
+        expect_error(&r, 400);
+        resp_free(&r);
+    }
+    resp r = post("/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"first_k\"}}");
+    cr_assert(strstr(jstr(r.json, "error.message"), "not implemented"));
+    resp_free(&r);
+    r = post("/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"none\"}, "
+                                "\"max_tokens\": 1}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+}
+
+Test(http, unknown_model_is_404) {
+    resp r = post("/v1/completions", "{\"prompt\": \"x\", \"model\": \"gpt-9\"}");
+    expect_error(&r, 404);
+    resp_free(&r);
+    r = post("/v1/completions",
+             "{\"prompt\": \"x\", \"model\": \"ragkv synthetic tiny\", \"max_tokens\": 1}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+}
+
+Test(http_opts, limits_give_413_and_422, .fini = stop_server, .timeout = 300) {
+    const char *args[] = {"--max-body-bytes",
+                          "2000",
+                          "--max-chunks",
+                          "2",
+                          "--max-chunk-tokens",
+                          "40",
+                          "--max-context",
+                          "60",
+                          "--max-tokens",
+                          "100",
+                          NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    char big[4000];
+    memset(big, 'a', sizeof big);
+    memcpy(big, "{\"prompt\": \"", 12);
+    memcpy(big + sizeof big - 3, "\"}", 3);
+    resp r = post("/v1/completions", big);
+    expect_error(&r, 413);
+    resp_free(&r);
+    r = post("/v1/completions", "{\"prompt\": \"S##a##b##c##Q\"}");
+    expect_error(&r, 422);
+    cr_assert(strstr(jstr(r.json, "error.message"), "chunks"));
+    resp_free(&r);
+    r = post("/v1/completions", "{\"system\": \"S\", \"chunks\": [\"a\", \"b\", \"c\"], "
+                                "\"question\": \"Q\"}");
+    expect_error(&r, 422);
+    resp_free(&r);
+    r = post("/v1/completions", "{\"prompt\": \"S##a##b##Q\", \"max_tokens\": 2}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+    r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 101}");
+    expect_error(&r, 422);
+    resp_free(&r);
+    r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 99}");
+    expect_error(&r, 422);
+    cr_assert(strstr(jstr(r.json, "error.message"), "context"));
+    resp_free(&r);
+    char chunk[600];
+    snprintf(chunk, sizeof chunk, "{\"prompt\": \"S##%0400d##Q\"}", 7);
+    r = post("/v1/completions", chunk);
+    expect_error(&r, 422);
+    resp_free(&r);
+}
+
+/* ================================================================ keys */
+
+Test(http_opts, api_key_protects_every_route_but_health, .fini = stop_server, .timeout = 300) {
+    const char *env[] = {"RAGKV_API_KEY=sesame", NULL};
+    cr_assert_eq(srv_start_ready(&S, env, NULL), 0);
+    resp r;
+    static const char *paths[] = {"/v1/models", "/v1/stats", "/metrics", "/v1/chunks"};
+    for (size_t i = 0; i < 4; i++) {
+        cr_assert_eq(http("GET", paths[i], NULL, NULL, &r), 0);
+        expect_error(&r, 401);
+        resp_free(&r);
+        cr_assert_eq(http("GET", paths[i], "Authorization: Bearer wrong\r\n", NULL, &r), 0);
+        expect_error(&r, 401);
+        resp_free(&r);
+        cr_assert_eq(http("GET", paths[i], "Authorization: Bearer sesame\r\n", NULL, &r), 0);
+        cr_assert_eq(r.status, 200, "%s: %s", paths[i], r.body);
+        resp_free(&r);
+    }
+    cr_assert_eq(http("POST", "/v1/completions", NULL, "{\"prompt\": \"x\"}", &r), 0);
+    expect_error(&r, 401);
+    resp_free(&r);
+    cr_assert_eq(http("POST", "/v1/completions", "Authorization: Bearer sesame\r\n",
+                      "{\"prompt\": \"x\", \"max_tokens\": 1}", &r),
+                 0);
+    cr_assert_eq(r.status, 200);
+    resp_free(&r);
+    r = get("/health");
+    cr_assert_eq(r.status, 200);
+    resp_free(&r);
+}
+
+Test(http_opts, admin_key_guards_flush_and_delete, .fini = stop_server, .timeout = 300) {
+    const char *args[] = {"--api-key", "user", "--admin-key", "root", NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    resp r;
+    cr_assert_eq(http("POST", "/v1/cache/flush", "Authorization: Bearer user\r\n", "{}", &r), 0);
+    expect_error(&r, 401);
+    resp_free(&r);
+    cr_assert_eq(http("DELETE", "/v1/chunks/00000000000000000000000000000000",
+                      "Authorization: Bearer user\r\n", NULL, &r),
+                 0);
+    expect_error(&r, 401);
+    resp_free(&r);
+    cr_assert_eq(http("POST", "/v1/cache/flush", "Authorization: Bearer root\r\n",
+                      "{\"what\": \"all\"}", &r),
+                 0);
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+    /* The admin key opens the ordinary routes too. */
+    cr_assert_eq(http("GET", "/v1/stats", "Authorization: Bearer root\r\n", NULL, &r), 0);
+    cr_assert_eq(r.status, 200);
+    resp_free(&r);
+}
+
+/* ================================================================ chunks and cache */
+
+Test(http, prewarm_list_get_delete_and_flush_chunks) {
+    resp r = post("/v1/chunks", "{\"chunks\": [\"The sky is blue.\", {\"id\": \"doc-7#3\", "
+                                "\"text\": \"Grass is green.\"}]}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_str_eq(jstr(r.json, "data.0.status"), "computed");
+    cr_assert_str_eq(jstr(r.json, "data.1.id"), "doc-7#3");
+    cr_assert(jint(r.json, "data.1.tokens") > 0);
+    char key[33];
+    snprintf(key, sizeof key, "%s", jstr(r.json, "data.1.key"));
+    resp_free(&r);
+    r = post("/v1/chunks", "{\"chunks\": [\"Grass is green.\"]}");
+    cr_assert_str_eq(jstr(r.json, "data.0.status"), "cached");
+    cr_assert_str_eq(jstr(r.json, "data.0.key"), key);
+    resp_free(&r);
+    /* A completion that uses it: a hit with the same key. */
+    r = post("/v1/completions", "{\"prompt\": \"S##Grass is green.##Q\", \"max_tokens\": 1}");
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.key"), key);
+    resp_free(&r);
+
+    r = get("/v1/chunks?sort=hits&limit=10");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(jint(r.json, "total"), 2);
+    cr_assert_str_eq(jstr(r.json, "data.0.key"), key); /* most hits first */
+    cr_assert_str_eq(jstr(r.json, "data.0.id"), "doc-7#3");
+    cr_assert_str_eq(jstr(r.json, "data.0.tier"), "arena");
+    cr_assert_eq(jint(r.json, "data.0.hits"), 2);
+    cr_assert(jint(r.json, "data.0.bytes") > 0);
+    cr_assert(!strstr(r.body, "Grass"), "chunk text leaked into the listing");
+    resp_free(&r);
+    r = get("/v1/chunks?limit=1&offset=1");
+    cr_assert_eq(json_array_size(jget(r.json, "data")), 1);
+    resp_free(&r);
+    r = get("/v1/chunks?sort=size");
+    expect_error(&r, 400);
+    resp_free(&r);
+
+    char path[128];
+    snprintf(path, sizeof path, "/v1/chunks/%s", key);
+    r = get(path);
+    cr_assert_eq(r.status, 200);
+    cr_assert_eq(jint(r.json, "refs"), 0);
+    resp_free(&r);
+    r = get("/v1/chunks/xyz");
+    expect_error(&r, 400);
+    resp_free(&r);
+    r = get("/v1/chunks/0123456789abcdef0123456789abcdef");
+    expect_error(&r, 404);
+    resp_free(&r);
+    cr_assert_eq(http("DELETE", path, NULL, NULL, &r), 0);
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+    cr_assert_eq(http("DELETE", path, NULL, NULL, &r), 0);
+    expect_error(&r, 404);
+    resp_free(&r);
+
+    r = post("/v1/cache/flush", "{\"what\": \"chunks\"}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(jint(r.json, "flushed.chunks"), 1);
+    resp_free(&r);
+    r = get("/v1/stats");
+    cr_assert_eq(jint(r.json, "chunks.entries"), 0);
+    cr_assert_eq(jint(r.json, "chunks.evictions.manual"), 2);
+    resp_free(&r);
+    r = post("/v1/cache/flush", "{\"what\": \"everything\"}");
+    expect_error(&r, 400);
+    resp_free(&r);
+    r = post("/v1/chunks", "{\"chunks\": [\"x\"], \"persist\": true}");
+    expect_error(&r, 501);
+    cr_assert(strstr(jstr(r.json, "error.message"), "persistence is not configured"));
+    resp_free(&r);
+    r = post("/v1/cache/flush", "{\"what\": \"all\", \"disk\": true}");
+    expect_error(&r, 501);
+    resp_free(&r);
+}
+
+/* Pool, reference and lock counts of /v1/stats. */
+typedef struct counts {
+    long long live_used, chunk_refs, prefix_locked;
+} counts;
+
+static counts stats_counts(void) {
+    resp r = get("/v1/stats");
+    cr_assert_eq(r.status, 200);
+    counts c = {jint(r.json, "pools.live.used"), jint(r.json, "chunks.referenced"),
+                jint(r.json, "prefix.locked_tokens")};
+    resp_free(&r);
+    return c;
+}
+
+static int counts_equal(counts a, counts b) {
+    return a.live_used == b.live_used && a.chunk_refs == b.chunk_refs &&
+           a.prefix_locked == b.prefix_locked;
+}
+
+/* Start a stream and return its socket once the first event arrived. */
+static int stream_until_first_event(const char *body) {
+    int fd = send_request(S.port, "POST", "/v1/completions", NULL, body, strlen(body));
+    cr_assert(fd >= 0);
+    char buf[4096];
+    size_t len = 0;
+    while (len < sizeof buf - 1) {
+        ssize_t k = recv(fd, buf + len, sizeof buf - 1 - len, 0);
+        cr_assert(k > 0, "the stream ended before its first event");
+        len += (size_t)k;
+        buf[len] = '\0';
+        if (strstr(buf, "data: ")) break;
+    }
+    return fd;
+}
+
+Test(http_opts, a_client_that_disconnects_mid_stream_releases_everything, .fini = stop_server,
+     .timeout = 300) {
+    const char *args[] = {"--token-delay-s", "0.01", NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    counts base = stats_counts();
+    const char *body = "{\"prompt\": \"A long system prompt for the prefix cache, long enough to "
+                       "fill a block or two of sixteen tokens.##Chunk text here.##Go on\", "
+                       "\"max_tokens\": 400, \"ignore_eos\": true, \"stream\": true}";
+    int fd = stream_until_first_event(body);
+    counts during = stats_counts();
+    for (double t_end = now_s() + 2; during.live_used == base.live_used && now_s() < t_end;) {
+        sleep_s(0.01);
+        during = stats_counts();
+    }
+    cr_assert(during.live_used > base.live_used, "the request holds no live blocks");
+    cr_assert(during.chunk_refs > 0 && during.prefix_locked > 0);
+    close(fd);
+    double until = now_s() + 30;
+    counts after = stats_counts();
+    while (!counts_equal(after, base) && now_s() < until) {
+        sleep_s(0.05);
+        after = stats_counts();
+    }
+    cr_assert(counts_equal(after, base), "live %lld refs %lld locked %lld, want %lld %lld %lld",
+              after.live_used, after.chunk_refs, after.prefix_locked, base.live_used,
+              base.chunk_refs, base.prefix_locked);
+    /* It stopped early: far fewer than 400 tokens went through. */
+    resp r = get("/v1/stats");
+    cr_assert(jint(r.json, "tokens.generated") < 390, "generated %lld",
+              jint(r.json, "tokens.generated"));
+    resp_free(&r);
+}
+
+Test(http_opts, deleting_a_chunk_in_use_is_409, .fini = stop_server, .timeout = 300) {
+    const char *args[] = {"--token-delay-s", "0.01", NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    resp r = post("/v1/chunks", "{\"chunks\": [\"Busy chunk.\"]}");
+    char path[128];
+    snprintf(path, sizeof path, "/v1/chunks/%s", jstr(r.json, "data.0.key"));
+    resp_free(&r);
+    int fd = stream_until_first_event("{\"prompt\": \"S##Busy chunk.##Q\", \"max_tokens\": 300, "
+                                      "\"ignore_eos\": true, \"stream\": true}");
+    cr_assert_eq(http("DELETE", path, NULL, NULL, &r), 0);
+    expect_error(&r, 409);
+    resp_free(&r);
+    close(fd);
+}
+
+/* Read a response to the end; returns it (malloc'ed). */
+static char *read_all(int fd) {
+    size_t cap = 65536, len = 0;
+    char *buf = malloc(cap);
+    ssize_t k;
+    while ((k = recv(fd, buf + len, cap - len - 1, 0)) > 0) {
+        len += (size_t)k;
+        if (len + 1 >= cap) buf = realloc(buf, cap *= 2);
+    }
+    buf[len] = '\0';
+    return buf;
+}
+
+Test(http_opts, a_full_queue_and_timeouts_give_503_or_cancel, .fini = stop_server, .timeout = 300) {
+    const char *args[] = {"--token-delay-s", "0.02", "--queue", "1", "--max-batch", "1",
+                          "--timeout-s",     "1.5",  NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    /* Q arrives first (its headers start its clock) but sends its body late,
+     * so it waits in the queue behind R and times out there, before R does. */
+    const char *qbody = "{\"prompt\": \"q\", \"max_tokens\": 5}";
+    int q = send_request(S.port, "POST", "/v1/completions", NULL, NULL, strlen(qbody));
+    cr_assert(q >= 0);
+    sleep_s(0.2);
+    int r_fd = stream_until_first_event("{\"prompt\": \"x\", \"max_tokens\": 500, \"ignore_eos\": "
+                                        "true, \"stream\": true}");
+    cr_assert_eq(send_all(q, qbody, strlen(qbody)), 0);
+    sleep_s(0.3);
+    /* The queue (one place) is full now. */
+    resp r = post("/v1/completions", "{\"prompt\": \"y\", \"max_tokens\": 1}");
+    expect_error(&r, 503);
+    cr_assert_str_eq(header(&r, "Retry-After"), "1");
+    cr_assert(strstr(jstr(r.json, "error.message"), "queue"));
+    resp_free(&r);
+    char *qr = read_all(q);
+    cr_assert(!strncmp(qr, "HTTP/1.1 503", 12), "queued request: %.200s", qr);
+    cr_assert(strstr(qr, "timeout"), "%s", qr);
+    free(qr);
+    close(q);
+    /* R is cancelled at its deadline: the stream ends with finish_reason "cancelled". */
+    char *rr = read_all(r_fd);
+    cr_assert(strstr(rr, "\"finish_reason\":\"cancelled\""), "stream tail: %s",
+              strlen(rr) > 600 ? rr + strlen(rr) - 600 : rr);
+    cr_assert(strstr(rr, "data: [DONE]"));
+    free(rr);
+    close(r_fd);
+    /* A non-streaming request that runs past the timeout is answered 503. */
+    r = post("/v1/completions", "{\"prompt\": \"z\", \"max_tokens\": 500, \"ignore_eos\": true}");
+    expect_error(&r, 503);
+    cr_assert(strstr(jstr(r.json, "error.message"), "timeout"));
+    resp_free(&r);
+}
+
+/* ================================================================ life cycle */
+
+Test(http_opts, health_is_503_while_loading, .fini = stop_server, .timeout = 300) {
+    const char *args[] = {"--load-delay-s", "1.5", NULL};
+    cr_assert_eq(srv_start_env(&S, NULL, args), 0);
+    resp r = get("/health");
+    cr_assert_eq(r.status, 503, "%s", r.body);
+    cr_assert_str_eq(jstr(r.json, "status"), "loading");
+    cr_assert_eq(jint(r.json, "error.code"), 503);
+    resp_free(&r);
+    r = post("/v1/completions", "{\"prompt\": \"x\"}");
+    expect_error(&r, 503);
+    resp_free(&r);
+    double until = now_s() + 30;
+    int status = 0;
+    while (now_s() < until) {
+        r = get("/health");
+        status = r.status;
+        resp_free(&r);
+        if (status == 200) break;
+        sleep_s(0.05);
+    }
+    cr_assert_eq(status, 200);
+}
+
+Test(http_opts, sigterm_exits_cleanly_after_work, .timeout = 300) {
+    cr_assert_eq(srv_start(&S, NULL), 0);
+    resp r = post("/v1/completions", "{\"prompt\": \"S##c##Q\", \"max_tokens\": 3}");
+    cr_assert_eq(r.status, 200);
+    resp_free(&r);
+    cr_assert_eq(srv_stop(&S), 0, "ragkv serve did not exit with status 0 on SIGTERM");
+}
+
+Test(http_opts, sigterm_cancels_a_stream_after_the_grace_period, .timeout = 300) {
+    const char *args[] = {"--token-delay-s", "0.02", "--grace-s", "0.2", NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    int fd = stream_until_first_event("{\"prompt\": \"x\", \"max_tokens\": 2000, \"ignore_eos\": "
+                                      "true, \"stream\": true}");
+    double t = now_s();
+    cr_assert_eq(srv_stop(&S), 0);
+    cr_assert(now_s() - t < 20, "shutdown took %.1f s", now_s() - t);
+    close(fd);
+}
+
+Test(http_opts, config_file_environment_and_flags_take_precedence_in_order, .timeout = 300) {
+    char *dir = rk_test_tmpdir("httpcfg");
+    char path[4200], cmd[9000], *out = NULL;
+    snprintf(path, sizeof path, "%s/cfg.json", dir);
+    FILE *f = fopen(path, "w");
+    fputs("{\"kv_memory_mb\": 64, \"max_chunks\": 5, \"queue\": 7, \"api_key\": \"k\"}", f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd,
+             "RAGKV_MAX_CHUNKS=9 RAGKV_QUEUE=8 %s serve --config %s --queue 3 "
+             "--print-config",
+             RK_BIN, path);
+    cr_assert_eq(rk_test_run(cmd, &out), 0);
+    json_t *j = json_loads(out, 0, NULL);
+    cr_assert(j, "%s", out);
+    cr_assert_eq(jint(j, "kv_memory_mb"), 64); /* file */
+    cr_assert_eq(jint(j, "max_chunks"), 9);    /* environment over file */
+    cr_assert_eq(jint(j, "queue"), 3);         /* flag over both */
+    cr_assert_eq(jint(j, "port"), 8080);       /* default */
+    cr_assert_str_eq(jstr(j, "api_key"), "<set>");
+    json_decref(j);
+    free(out);
+    f = fopen(path, "w");
+    fputs("{\"kv_memory_mb\": 64, \"no_such_setting\": 1}", f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "%s serve --config %s --print-config 2>&1", RK_BIN, path);
+    cr_assert_eq(rk_test_run(cmd, &out), 2);
+    cr_assert(strstr(out, "no_such_setting"), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s serve --queue zero 2>&1", RK_BIN);
+    cr_assert_eq(rk_test_run(cmd, &out), 2);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s serve --help", RK_BIN);
+    cr_assert_eq(rk_test_run(cmd, &out), 0);
+    cr_assert(strstr(out, "--api-key") && strstr(out, "--max-body-bytes") &&
+              strstr(out, "--timeout-s") && strstr(out, "--print-config"));
+    free(out);
+    free(dir);
+}
