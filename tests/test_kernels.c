@@ -987,11 +987,11 @@ Test(attention, decode_and_prefill_rows_agree_bit_for_bit) {
 
 Test(attention, half_precision_caches_stay_close_to_f32) {
     /* F16 and BF16 caches: paged == contiguous, within 1e-5 of the double
-     * reference on the rounded values, and within 2e-3 (F16) / 2e-2 (BF16)
+     * reference on the rounded values, and within 5e-4 (F16) / 4e-3 (BF16)
      * of the F32 result on the unrounded values. */
     rk_backend *be = make_backend(2);
     char what[128];
-    const float tol[3] = {0, 2e-3f, 2e-2f};
+    const float tol[3] = {0, 5e-4f, 4e-3f}; /* seen: 1.2e-4 and 8.2e-4 */
     for (int dt = 1; dt <= 2; dt++)
         for (int c = 0; c < 4; c++) {
             int hd = c % 2 ? 128 : 64, B = c < 2 ? 16 : 8, G = c < 2 ? 2 : 7;
