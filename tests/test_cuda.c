@@ -9,11 +9,11 @@
  * Tolerances, stated per test, follow the arithmetic:
  *  - element-wise ops: 1e-5 relative (expf and sincosf differ from the CPU's
  *    by an ulp or two); gathers, conversions and copies: exact;
- *  - matmul with f32 math (F32 weights on cuBLAS with FP32 math, and the
- *    matrix-vector kernel for n <= 8 on every weight type): 1e-5 of
- *    sum |x_i w_i| (a TF32 GEMM would miss this by 50x); the cuBLAS F16/BF16
- *    path rounds x to the weight type first, so 2^-10 (F16) and 2^-8 (BF16)
- *    of the same sum;
+ *  - matmul: 1e-5 of sum |x_i w_i| where the math is f32 (F32 weights on
+ *    cuBLAS with FP32 math, which a TF32 GEMM would miss by 50x, and the
+ *    matrix-vector kernel for n <= 8 on every weight type); 3e-5 of that sum
+ *    on the cuBLAS F16/BF16 path, which carries x as hi + lo in the weight
+ *    type (16 mantissa bits for bf16: 2^-16 = 1.5e-5);
  *  - attention: 2e-5 absolute + 1e-4 relative on outputs, 1e-4 on lse, for
  *    every KV dtype (both backends widen the stored K/V to f32 and compute in
  *    f32, so the KV dtype does not widen the gap);
@@ -71,8 +71,7 @@ static rk_backend *gpu_or_skip(void) {
     rk_backend *be = NULL;
     rk_status st = rk_backend_create("cuda", 0, &be);
     if (st == RK_ERR_UNSUPPORTED)
-        cr_skip_test("no CUDA backend in this build (configure with -DRAGKV_CUDA=ON): %s",
-                     rk_error_message());
+        cr_skip_test("no CUDA backend in this build: %s", rk_error_message());
     if (st == RK_ERR_DEVICE) cr_skip_test("no usable CUDA GPU here: %s", rk_error_message());
     cr_assert_eq(st, RK_OK, "cuda backend: %s", rk_error_message());
     cr_assert_str_eq(be->name, "cuda");
@@ -172,9 +171,7 @@ static void check_matmul(rk_backend *gpu, rk_backend *cpu, rk_dtype wt, int n, i
     cr_assert_eq(gpu->ops->matmul(gpu, dy, dx, dw, wt, n, k, m), RK_OK, "%s", rk_error_message());
     dev_read(gpu, got, dy, (size_t)n * m * 4);
     /* tolerance relative to sum |x_i w_i| (see the file comment) */
-    double tol = 1e-5;
-    if (n > RK_TEST_MATVEC_MAX_N && wt == RK_DTYPE_F16) tol = 1.0 / 1024;
-    if (n > RK_TEST_MATVEC_MAX_N && wt == RK_DTYPE_BF16) tol = 1.0 / 256;
+    double tol = n > RK_TEST_MATVEC_MAX_N && wt != RK_DTYPE_F32 ? 3e-5 : 1e-5;
     for (int r = 0; r < n; r++)
         for (int j = 0; j < m; j++) {
             double mag = 0;
@@ -1001,9 +998,10 @@ Test(cuda, qwen3_0_6b_bf16_greedy_tokens_follow_the_cpu, .timeout = 1500) {
     logit_log lgp = {0, 0, N_NEW, xmalloc((size_t)N_NEW * vocab * 4)};
     cr_assert_eq(run_logged(cpu, ids, (int)n, N_NEW, out_c, &lc), N_NEW);
     cr_assert_eq(run_logged(gpu, ids, (int)n, N_NEW, out_g, &lgp), N_NEW);
-    /* The GPU's prefill GEMMs round activations to bf16 (the CPU keeps f32):
-     * logits agree to about 1% of their range. */
-    int first = compare_generations(out_c, out_g, N_NEW, &lc, &lgp, 2e-2, "qwen3-0.6b bf16");
+    /* Both backends compute in f32 (the GPU's prefill GEMMs carry the
+     * activations as bf16 hi + lo): after 28 layers the logits agree to
+     * 1e-3 of their range. */
+    int first = compare_generations(out_c, out_g, N_NEW, &lc, &lgp, 1e-3, "qwen3-0.6b bf16");
     cr_log_info("qwen3-0.6b bf16: %d of %d greedy tokens equal before the first difference", first,
                 N_NEW);
     free(ids);

@@ -37,7 +37,7 @@ typedef struct rk_cuda {
     int *err_host;    /* (4) pinned copy of the error word */
     unsigned kv_gen;
     dbuf bits;     /* kv_write: one bit per cache slot, all zero between calls */
-    dbuf xconv;    /* matmul: x converted to the weight type (n, k) */
+    dbuf xconv;    /* matmul: x split into hi and lo of the weight type, (2, n, k) */
     dbuf shift;    /* rope_shift_copy: (2 * n_layers) layer pointers, then (3, n_tokens) ints */
     dbuf plan;     /* attention: sequences, units, merges */
     dbuf partials; /* attention: split-K partial results */
@@ -238,10 +238,13 @@ static rk_status cuda_sync(rk_backend *be) { return sync_and_check(cu_of(be), "s
  * ld m; row-major w (m rows of k) is column-major (k, m) with ld k; row-major
  * x is column-major (k, n) with ld k. So y^T = op(W) · X with op = T on w:
  * gemm(T, N, m, n, k, w, lda = k, x, ldb = k, y, ldc = m).
- * n <= RK_CUDA_MATVEC_MAX_N: our matrix-vector kernel (f32 math, x not
- * rounded). Otherwise F32 weights: cublasSgemm with FP32 math (no TF32);
- * F16/BF16 weights: x converted to the weight type (round to nearest even),
- * then cublasGemmEx with f32 output and f32 accumulation. */
+ * n <= RK_CUDA_MATVEC_MAX_N: our matrix-vector kernel (f32 math). Otherwise
+ * F32 weights: cublasSgemm with FP32 math (no TF32). F16/BF16 weights: x is
+ * split into hi + lo of the weight type and y = W·hi + W·lo by two
+ * cublasGemmEx calls (f32 accumulation and output): the activations keep
+ * about 16 (bf16) or 22 (f16) mantissa bits instead of 8 or 11, so results
+ * stay within f32 rounding of the CPU's and do not depend on whether a row
+ * was multiplied alone (matrix-vector kernel) or in a batch. */
 static rk_status cuda_matmul(rk_backend *be, float *y, const float *x, const void *w,
                              rk_dtype wtype, int n, int k, int m) {
     rk_cuda *cu = cu_of(be);
@@ -262,13 +265,17 @@ static rk_status cuda_matmul(rk_backend *be, float *y, const float *x, const voi
                          k, &zero, y, m);
     } else {
         size_t elems = (size_t)n * (size_t)k;
-        rk_status st = dbuf_reserve(cu, &cu->xconv, elems * 2, 0, "matmul scratch");
+        rk_status st = dbuf_reserve(cu, &cu->xconv, elems * 4, 0, "matmul scratch");
         if (st != RK_OK) return st;
-        cudaError_t e = rk_cuda_launch_convert(cu->xconv.p, wtype, x, elems, cu->stream);
-        if (e != cudaSuccess) return cu_fail(e, "matmul: converting x");
+        unsigned char *hi = cu->xconv.p, *lo = hi + elems * 2;
+        cudaError_t e = rk_cuda_launch_split(hi, lo, wtype, x, elems, cu->stream);
+        if (e != cudaSuccess) return cu_fail(e, "matmul: splitting x");
         cudaDataType_t t = wtype == RK_DTYPE_F16 ? CUDA_R_16F : CUDA_R_16BF;
-        bs = cublasGemmEx(cu->blas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, w, t, k, cu->xconv.p,
-                          t, k, &zero, y, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        bs = cublasGemmEx(cu->blas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, w, t, k, hi, t, k,
+                          &zero, y, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
+        if (bs == CUBLAS_STATUS_SUCCESS)
+            bs = cublasGemmEx(cu->blas, CUBLAS_OP_T, CUBLAS_OP_N, m, n, k, &one, w, t, k, lo, t, k,
+                              &one, y, CUDA_R_32F, m, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT);
     }
     if (bs != CUBLAS_STATUS_SUCCESS) return blas_fail(bs, "matmul");
     return launched(cu, cudaGetLastError(), "matmul");

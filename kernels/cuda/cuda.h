@@ -126,9 +126,10 @@ cudaError_t rk_cuda_launch_swiglu(float *out, const float *gate, const float *up
                                   cudaStream_t s);
 cudaError_t rk_cuda_launch_add(float *y, const float *x, size_t n, cudaStream_t s);
 cudaError_t rk_cuda_launch_add_bias(float *y, const float *b, int n, int m, cudaStream_t s);
-/* dst(n) of dtype (F16 or BF16) = src(n) f32, round to nearest even. */
-cudaError_t rk_cuda_launch_convert(void *dst, rk_dtype dtype, const float *src, size_t n,
-                                   cudaStream_t s);
+/* Split src(n) f32 into hi(n) + lo(n) of dtype (F16 or BF16): hi = round(x),
+ * lo = round(x - hi), both to nearest even. */
+cudaError_t rk_cuda_launch_split(void *hi, void *lo, rk_dtype dtype, const float *src, size_t n,
+                                 cudaStream_t s);
 
 /* Largest n the matrix-vector kernel takes (rows of x); larger n go to cuBLAS. */
 #define RK_CUDA_MATVEC_MAX_N 8

@@ -1,6 +1,6 @@
 /* kernels/cuda/elementwise.cu — the row-wise and element-wise ops of the CUDA
  * backend: embed, rmsnorm, rope, swiglu, add, add_bias and the f32 -> f16/bf16
- * conversion the cuBLAS matmul path uses. Every kernel matches its CPU op in
+ * split the cuBLAS matmul path uses. Every kernel matches its CPU op in
  * kernels/cpu/backend.c: the same formula in f32, the same operation order
  * where rounding would otherwise differ (rope uses uncontracted multiplies so
  * it rounds like the CPU). */
@@ -198,21 +198,30 @@ extern "C" cudaError_t rk_cuda_launch_add_bias(float *y, const float *b, int n, 
 
 /* ---------------------------------------------------------------- conversion */
 
-template <typename T> __global__ void convert_kernel(T *dst, const float *src, size_t n) {
+/* x = hi + lo in the narrow type: hi(n) = round(x), lo(n) = round(x - hi), so
+ * hi + lo carries about twice the narrow type's mantissa (16 bits for bf16,
+ * 22 for f16): two GEMMs over hi and lo give nearly f32 activations. */
+template <typename T> __global__ void split_kernel(T *hi, T *lo, const float *src, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
-         i += (size_t)gridDim.x * blockDim.x)
-        rk_cu_store(dst + i, src[i]);
+         i += (size_t)gridDim.x * blockDim.x) {
+        float x = src[i];
+        T h;
+        rk_cu_store(&h, x);
+        hi[i] = h;
+        rk_cu_store(lo + i, x - rk_cu_f32(h)); /* exact in f32: h is x rounded */
+    }
 }
 
-extern "C" cudaError_t rk_cuda_launch_convert(void *dst, rk_dtype dtype, const float *src, size_t n,
-                                              cudaStream_t s) {
+extern "C" cudaError_t rk_cuda_launch_split(void *hi, void *lo, rk_dtype dtype, const float *src,
+                                            size_t n, cudaStream_t s) {
     if (n == 0) return cudaSuccess;
     switch (dtype) {
     case RK_DTYPE_F16:
-        convert_kernel<<<ew_blocks(n), EW_THREADS, 0, s>>>((__half *)dst, src, n);
+        split_kernel<<<ew_blocks(n), EW_THREADS, 0, s>>>((__half *)hi, (__half *)lo, src, n);
         break;
     case RK_DTYPE_BF16:
-        convert_kernel<<<ew_blocks(n), EW_THREADS, 0, s>>>((__nv_bfloat16 *)dst, src, n);
+        split_kernel<<<ew_blocks(n), EW_THREADS, 0, s>>>((__nv_bfloat16 *)hi, (__nv_bfloat16 *)lo,
+                                                         src, n);
         break;
     default: return cudaErrorInvalidValue;
     }
