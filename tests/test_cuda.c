@@ -920,6 +920,7 @@ static int compare_generations(const int32_t *cpu_tok, const int32_t *gpu_tok, i
                                const char *what) {
     int vocab = cl->n_vocab;
     cr_assert_eq(gl->n_vocab, vocab);
+    double worst = 0; /* largest max |diff| / max(1, max |logit|) seen */
     for (int s = 0; s < n; s++) {
         const float *a = cl->rows + (size_t)s * vocab, *b = gl->rows + (size_t)s * vocab;
         double amax = 1, dmax = 0;
@@ -930,6 +931,7 @@ static int compare_generations(const int32_t *cpu_tok, const int32_t *gpu_tok, i
         }
         cr_assert(dmax <= tol * amax, "%s step %d: logits differ by %.4g (> %.3g * %.4g)", what, s,
                   dmax, tol, amax);
+        worst = dmax / amax > worst ? dmax / amax : worst;
         if (cpu_tok[s] != gpu_tok[s]) {
             double gap = fabs((double)a[cpu_tok[s]] - a[gpu_tok[s]]);
             cr_assert(gap <= 2 * tol * amax,
@@ -938,9 +940,11 @@ static int compare_generations(const int32_t *cpu_tok, const int32_t *gpu_tok, i
                       what, s, gpu_tok[s], cpu_tok[s], gap);
             cr_log_info("%s: greedy tokens first differ at step %d (a near tie: %.3g apart)", what,
                         s, gap);
+            cr_log_info("%s: logits differed by at most %.3g of their range before", what, worst);
             return s;
         }
     }
+    cr_log_info("%s: logits differed by at most %.3g of their range", what, worst);
     return n;
 }
 
