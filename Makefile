@@ -5,7 +5,7 @@ JOBS       ?= $(shell nproc)
 CMAKE_FLAGS ?=
 SHARED     ?= ../shared
 
-.PHONY: all deps build demo test test-fast test-asan bench clean format
+.PHONY: all deps build demo test test-fast test-asan bench fuzz clean format
 
 all: build
 
@@ -41,6 +41,10 @@ test-asan: deps
 			grep -E -B2 -A20 "ERROR: (Address|Leak)Sanitizer|runtime error:" sanitizer.log | head -200; \
 			echo "sanitizer reports found (full log: $(ASAN_BUILD)/sanitizer.log)"; exit 1; fi; \
 		if [ $$rc -ne 0 ]; then grep -E -A30 "\[FAIL\]|Assertion Failed" sanitizer.log | head -200; exit $$rc; fi
+
+# Fuzz the HTTP request parsers with libFuzzer for FUZZ_SECONDS (default 60).
+fuzz: deps
+	@FUZZ_BUILD=build-fuzz JOBS=$(JOBS) bash scripts/fuzz.sh
 
 bench: build
 	@for b in $(BUILD)/bench_*; do echo "== $$b"; $$b || exit 1; done

@@ -21,6 +21,7 @@
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -873,37 +874,6 @@ static void respond_generation(gen *g) {
     send_json(rc, 200, obj);
 }
 
-/* ---------------------------------------------------------------- big stacks */
-
-/* CivetWeb's worker threads have 100 KiB stacks. Parsing and tokenizing
- * (jansson recursion, the tokenizer, PCRE2's JIT stack) run on a short-lived
- * helper thread with a large stack instead; the worker waits for it. */
-typedef struct big_call {
-    void (*fn)(void *);
-    void *arg;
-} big_call;
-
-static void *big_trampoline(void *p) {
-    big_call *c = p;
-    c->fn(c->arg);
-    return NULL;
-}
-
-/* Run fn(arg) on a thread with an 8 MiB stack and wait. Returns -1 when no
- * thread could be started (fn did not run). */
-static int run_big_stack(void (*fn)(void *), void *arg) {
-    pthread_attr_t a;
-    if (pthread_attr_init(&a)) return -1;
-    pthread_attr_setstacksize(&a, 8u << 20);
-    pthread_t t;
-    big_call c = {fn, arg};
-    int rc = pthread_create(&t, &a, big_trampoline, &c);
-    pthread_attr_destroy(&a);
-    if (rc) return -1;
-    pthread_join(t, NULL);
-    return 0;
-}
-
 /* ---------------------------------------------------------------- preparing a generation */
 
 typedef struct prep_gen {
@@ -968,11 +938,7 @@ static int handle_generate(req_ctx *rc, int chat) {
         goto done;
     }
     prep_gen p = {.S = S, .g = &g, .body = body, .len = len, .chat = chat};
-    if (run_big_stack(prep_generation, &p)) {
-        free(body);
-        send_errorf(rc, 503, "cannot start a thread for the request; try again");
-        goto done;
-    }
+    prep_generation(&p);
     free(body);
     if (p.err.status) {
         send_error(rc, &p.err);
@@ -1317,10 +1283,7 @@ static int handle_prewarm(req_ctx *rc) {
         send_not_ready(rc);
         goto done;
     }
-    if (run_big_stack(prep_prewarm, &p)) {
-        send_errorf(rc, 503, "cannot start a thread for the request; try again");
-        goto done;
-    }
+    prep_prewarm(&p);
     if (p.err.status) {
         send_error(rc, &p.err);
         goto done;
@@ -1605,7 +1568,42 @@ static int dispatch(req_ctx *rc) {
     }
 }
 
-static int handle_request(struct mg_connection *conn) {
+/* ---------------------------------------------------------------- big stacks */
+
+/* CivetWeb's worker threads have 100 KiB stacks (fixed when the library was
+ * built), too little for parsing and tokenizing (jansson recursion, the
+ * tokenizer, PCRE2's JIT stack) and, under AddressSanitizer, even for
+ * CivetWeb's own header printing. So each request is handled on a
+ * short-lived helper thread with a large stack while the CivetWeb worker
+ * waits for it; the connection is used by one thread at a time. */
+typedef struct big_call {
+    void (*fn)(void *);
+    void *arg;
+} big_call;
+
+static void *big_trampoline(void *p) {
+    big_call *c = p;
+    c->fn(c->arg);
+    return NULL;
+}
+
+/* Run fn(arg) on a thread with a 4 MiB stack and wait. Returns -1 when no
+ * thread could be started (fn did not run). */
+static int run_big_stack(void (*fn)(void *), void *arg) {
+    pthread_attr_t a;
+    if (pthread_attr_init(&a)) return -1;
+    pthread_attr_setstacksize(&a, 4u << 20);
+    pthread_t t;
+    big_call c = {fn, arg};
+    int rc = pthread_create(&t, &a, big_trampoline, &c);
+    pthread_attr_destroy(&a);
+    if (rc) return -1;
+    pthread_join(t, NULL);
+    return 0;
+}
+
+static void serve_one(void *arg) {
+    struct mg_connection *conn = arg;
     server *S = mg_get_user_data(mg_get_context(conn));
     const struct mg_request_info *ri = mg_get_request_info(conn);
     req_ctx rc = {.S = S,
@@ -1624,7 +1622,23 @@ static int handle_request(struct mg_connection *conn) {
     if (!quiet) rk_stats_record_status(S->stats, rc.status);
     rk_log(quiet ? RK_LOG_DEBUG : RK_LOG_INFO, "request", "id=%s %s %s status=%d ms=%.2f%s", rc.id,
            rc.method, rc.path, rc.status, (rk_time_now() - rc.t0) * 1e3, rc.detail);
-    return rc.status > 0 ? rc.status : 500;
+    mg_set_user_connection_data(conn, (void *)(intptr_t)(rc.status > 0 ? rc.status : 500));
+}
+
+static int handle_request(struct mg_connection *conn) {
+    if (run_big_stack(serve_one, conn) == 0) {
+        intptr_t status = (intptr_t)mg_get_user_connection_data(conn);
+        mg_set_user_connection_data(conn, NULL);
+        return status > 0 ? (int)status : 500;
+    }
+    static const char busy[] =
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+        "Retry-After: 1\r\nConnection: close\r\nContent-Length: 84\r\n\r\n"
+        "{\"error\":{\"code\":503,\"type\":\"overloaded\",\"message\":\"cannot start a "
+        "request thread\"}}";
+    mg_disable_connection_keep_alive(conn);
+    mg_write(conn, busy, sizeof busy - 1);
+    return 503;
 }
 
 static int civet_log(const struct mg_connection *conn, const char *message) {

@@ -205,6 +205,14 @@ static int srv_start_ready(srv *s, const char *const *env, const char *const *ar
         int ok = http("GET", "/health", NULL, NULL, &r) == 0 && r.status == 200;
         resp_free(&r);
         if (ok) return 0;
+        int status;
+        if (waitpid(s->pid, &status, WNOHANG) == s->pid) { /* it died: see its log */
+            s->pid = 0;
+            char *log = rk_test_read_file(s->log, NULL);
+            fprintf(stderr, "ragkv serve died while starting; its log:\n%s\n", log ? log : "");
+            free(log);
+            return -1;
+        }
         sleep_s(0.01);
     }
     return -1;
@@ -233,7 +241,21 @@ static int srv_stop(srv *s) {
 static void start_default(void) {
     cr_assert_eq(srv_start(&S, NULL), 0, "the server did not start");
 }
-static void stop_server(void) { srv_stop(&S); }
+/* Stop the test's server; a sanitizer report in its log or an unclean exit
+ * fails the test (and the log goes to stderr, where `make test-asan` looks). */
+static void stop_server(void) {
+    if (S.pid <= 0) return;
+    int status = srv_stop(&S);
+    char *log = rk_test_read_file(S.log, NULL);
+    int report = log && (strstr(log, "ERROR: AddressSanitizer") ||
+                         strstr(log, "ERROR: LeakSanitizer") || strstr(log, "runtime error:"));
+    if (report || status != 0)
+        fprintf(stderr, "ragkv serve exited with status %d; its log (%s):\n%s\n", status, S.log,
+                log ? log : "");
+    free(log);
+    cr_expect_eq(status, 0, "ragkv serve exited with status %d", status);
+    cr_expect(!report, "ragkv serve's log has a sanitizer report");
+}
 
 static resp get(const char *path) {
     resp r;
@@ -496,6 +518,7 @@ Test(http_opts, greedy_output_equals_generate_on_stories260K, .fini = stop_serve
     resp r = get("/v1/models");
     cr_assert_str_eq(jstr(r.json, "data.0.ragkv.architecture"), "llama");
     resp_free(&r);
+    free(model);
 }
 
 Test(http, logprobs_give_top_alternatives) {

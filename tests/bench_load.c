@@ -1,0 +1,517 @@
+/* tests/bench_load.c — a bounded load test of `ragkv serve`.
+ *
+ *   bench_load [--seconds N] [--clients N] [--url http://127.0.0.1:PORT] [--max-tokens N]
+ *
+ * Starts the server (the ragkv binary next to this program, embedded model,
+ * --port 0) unless --url names a running one on 127.0.0.1, then runs N client
+ * threads (default 16) for N seconds (default 60) mixing cache hits (a fixed
+ * set of chunks), misses (fresh random chunks), streams and malformed
+ * requests (bad JSON, bad fields, oversized bodies, too many chunks, unknown
+ * routes). It fails (exit 1) on any 5xx other than a 503 with Retry-After,
+ * on a malformed request not answered with its 4xx, on a crash, when the
+ * pool and lock counts of /v1/stats are not back to their starting values
+ * at the end, or when the server it started does not exit with status 0 on
+ * SIGTERM (under the sanitizers: no leaks). Prints requests/s and latency
+ * percentiles. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <libgen.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+static int g_port;
+static double g_seconds = 60;
+static int g_clients = 16, g_max_tokens = 8;
+static atomic_int g_stop;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void sleep_s(double s) {
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+/* ---------------------------------------------------------------- HTTP */
+
+typedef struct reply {
+    int status;
+    int retry_after; /* the header was present */
+    char *body;      /* malloc'ed */
+} reply;
+
+static int send_all(int fd, const char *p, size_t n) {
+    while (n) {
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+        if (k <= 0) return -1;
+        p += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+/* One request over a fresh connection; returns 0 when a response came back. */
+static int request(const char *method, const char *path, const char *body, size_t len, reply *r) {
+    memset(r, 0, sizeof *r);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return -1;
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)g_port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    struct timeval tv = {300, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a)) {
+        close(fd);
+        return -1;
+    }
+    char head[512];
+    int n = snprintf(head, sizeof head,
+                     "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: "
+                     "application/json\r\nContent-Length: %zu\r\n\r\n",
+                     method, path, len);
+    /* A refused oversized body may close the connection before all of it is sent. */
+    if (send_all(fd, head, (size_t)n) ||
+        (len && send_all(fd, body, len) && errno != EPIPE && errno != ECONNRESET)) {
+        close(fd);
+        return -1;
+    }
+    size_t cap = 16384, got = 0;
+    char *buf = malloc(cap);
+    ssize_t k;
+    while (buf && (k = recv(fd, buf + got, cap - got - 1, 0)) > 0) {
+        got += (size_t)k;
+        if (got + 1 >= cap) {
+            char *nb = realloc(buf, cap *= 2);
+            if (!nb) break;
+            buf = nb;
+        }
+    }
+    close(fd);
+    if (!buf) return -1;
+    buf[got] = '\0';
+    char *sep = strstr(buf, "\r\n\r\n");
+    if (!sep || sscanf(buf, "HTTP/1.%*d %d", &r->status) != 1) {
+        free(buf);
+        return -1;
+    }
+    *sep = '\0';
+    r->retry_after = strstr(buf, "\r\nRetry-After:") != NULL;
+    r->body = strdup(sep + 4);
+    free(buf);
+    return 0;
+}
+
+static json_t *get_json(const char *path) {
+    reply r;
+    if (request("GET", path, NULL, 0, &r) || r.status != 200) {
+        free(r.body);
+        return NULL;
+    }
+    json_t *j = json_loads(r.body, 0, NULL);
+    free(r.body);
+    return j;
+}
+
+/* ---------------------------------------------------------------- the workload */
+
+enum { K_HIT, K_MISS, K_STREAM, K_BAD, K_COUNT };
+static const char *k_names[K_COUNT] = {"hit", "miss", "stream", "malformed"};
+
+typedef struct client {
+    pthread_t t;
+    uint64_t rng;
+    int n[K_COUNT], n_503, n_fail, n_conn_err;
+    double *lat[K_COUNT]; /* ms of successful requests */
+    int n_lat[K_COUNT], cap_lat[K_COUNT];
+    char first_failure[512];
+} client;
+
+static uint64_t next_rand(uint64_t *s) {
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static const char *k_words[] = {"river",  "stone",   "green",  "market", "silver", "cloud",
+                                "paper",  "engine",  "garden", "winter", "copper", "signal",
+                                "harbor", "lantern", "orbit",  "meadow"};
+
+static void random_text(client *c, char *out, size_t cap, int words) {
+    size_t o = 0;
+    for (int i = 0; i < words && o + 16 < cap; i++)
+        o += (size_t)snprintf(out + o, cap - o, "%s%s", i ? " " : "",
+                              k_words[next_rand(&c->rng) % 16]);
+    snprintf(out + o, cap - o, " %llu.", (unsigned long long)(next_rand(&c->rng) % 1000000));
+}
+
+static void fail(client *c, const char *what, const reply *r) {
+    c->n_fail++;
+    if (!c->first_failure[0])
+        snprintf(c->first_failure, sizeof c->first_failure, "%s: status %d: %.300s", what,
+                 r ? r->status : -1, r && r->body ? r->body : "(no response)");
+}
+
+static void record(client *c, int kind, double ms) {
+    if (c->n_lat[kind] == c->cap_lat[kind]) {
+        int cap = c->cap_lat[kind] ? c->cap_lat[kind] * 2 : 1024;
+        double *p = realloc(c->lat[kind], (size_t)cap * sizeof *p);
+        if (!p) return;
+        c->lat[kind] = p;
+        c->cap_lat[kind] = cap;
+    }
+    c->lat[kind][c->n_lat[kind]++] = ms;
+}
+
+/* A generation: 200, or 503 with Retry-After (overloaded). */
+static void generation(client *c, int kind, const char *body) {
+    reply r;
+    double t = now_s();
+    if (request("POST", "/v1/completions", body, strlen(body), &r)) {
+        c->n_conn_err++;
+        fail(c, "no response to a generation", NULL);
+        return;
+    }
+    double ms = (now_s() - t) * 1e3;
+    c->n[kind]++;
+    if (r.status == 200) {
+        if (kind == K_STREAM ? !strstr(r.body, "data: [DONE]") : !strstr(r.body, "\"usage\""))
+            fail(c, "a 200 without a complete body", &r);
+        else
+            record(c, kind, ms);
+    } else if (r.status == 503 && r.retry_after) {
+        c->n_503++;
+    } else {
+        fail(c, k_names[kind], &r);
+    }
+    free(r.body);
+}
+
+/* A malformed request and the status it must get. */
+static void malformed(client *c) {
+    static const struct {
+        const char *path, *body;
+        int want;
+    } cases[] = {
+        {"/v1/completions", "{\"prompt\": ", 400},
+        {"/v1/completions", "[1, 2]", 400},
+        {"/v1/completions", "{\"prompt\": 7}", 400},
+        {"/v1/completions", "{\"prompt\": \"x\", \"temperature\": \"hot\"}", 400},
+        {"/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": -3}", 400},
+        {"/v1/completions", "{\"prompt\": \"S##A##\"}", 400},
+        {"/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"first_k\"}}", 400},
+        {"/v1/chat/completions", "{\"messages\": []}", 400},
+        {"/v1/chunks", "{\"chunks\": []}", 400},
+        {"/v1/nowhere", "{}", 404},
+        {"/v1/completions", NULL, 422}, /* too many chunks, built below */
+        {"/v1/completions", NULL, 413}, /* oversized, built below */
+    };
+    int i = (int)(next_rand(&c->rng) % (sizeof cases / sizeof cases[0]));
+    char *body = NULL;
+    size_t len;
+    if (cases[i].want == 422) {
+        body = malloc(8192);
+        int o = snprintf(body, 8192, "{\"prompt\": \"S");
+        for (int k = 0; k < 100; k++) o += snprintf(body + o, (size_t)(8192 - o), "##c%d", k);
+        snprintf(body + o, (size_t)(8192 - o), "##Q\"}");
+        len = strlen(body);
+    } else if (cases[i].want == 413) {
+        len = 2u << 20; /* over the 1 MiB default */
+        body = malloc(len);
+        memset(body, 'a', len);
+        memcpy(body, "{\"prompt\": \"", 12);
+        memcpy(body + len - 2, "\"}", 2);
+    } else {
+        len = strlen(cases[i].body);
+    }
+    reply r;
+    double t = now_s();
+    int rc = request("POST", cases[i].path, body ? body : cases[i].body, len, &r);
+    free(body);
+    c->n[K_BAD]++;
+    if (rc) {
+        c->n_conn_err++;
+        fail(c, "no response to a malformed request", NULL);
+        return;
+    }
+    if (r.status == cases[i].want)
+        record(c, K_BAD, (now_s() - t) * 1e3);
+    else if (r.status == 503 && r.retry_after)
+        c->n_503++;
+    else
+        fail(c, "a malformed request got the wrong status", &r);
+    free(r.body);
+}
+
+static const char *k_fixed[8] = {
+    "The river runs past the old stone mill and into the green valley below.",
+    "Copper wire carries the signal from the harbor to the lantern on the hill.",
+    "In winter the market closes early and the paper lanterns stay dark.",
+    "The engine of the silver train hums as it leaves the station at dawn.",
+    "A garden of meadow flowers grows where the orbit of the moon is drawn.",
+    "Clouds gather over the harbor; the fishermen pull their boats ashore.",
+    "The library keeps maps of every river and stone bridge in the county.",
+    "Every morning the baker lights the oven and the street smells of bread."};
+
+static void *client_main(void *arg) {
+    client *c = arg;
+    char body[4096], a[512], b[512];
+    while (!atomic_load(&g_stop)) {
+        unsigned pick = (unsigned)(next_rand(&c->rng) % 100);
+        if (pick < 25) {
+            malformed(c);
+            continue;
+        }
+        int kind = pick < 60 ? K_HIT : pick < 85 ? K_MISS : K_STREAM;
+        if (kind == K_MISS) {
+            random_text(c, a, sizeof a, 12);
+            random_text(c, b, sizeof b, 10);
+        } else {
+            snprintf(a, sizeof a, "%s", k_fixed[next_rand(&c->rng) % 8]);
+            snprintf(b, sizeof b, "%s", k_fixed[next_rand(&c->rng) % 8]);
+        }
+        snprintf(body, sizeof body,
+                 "{\"prompt\": \"You answer from the documents.##%s##%s##Question %u?\", "
+                 "\"max_tokens\": %d, \"temperature\": 0%s}",
+                 a, b, (unsigned)(next_rand(&c->rng) % 1000), g_max_tokens,
+                 kind == K_STREAM ? ", \"stream\": true" : "");
+        generation(c, kind, body);
+    }
+    return NULL;
+}
+
+/* ---------------------------------------------------------------- the server */
+
+static pid_t start_server(const char *bin, const char *log) {
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd >= 0) dup2(fd, 2);
+        execl(bin, bin, "serve", "--port", "0", (char *)NULL);
+        _exit(127);
+    }
+    for (double until = now_s() + 60; now_s() < until; sleep_s(0.02)) {
+        FILE *f = fopen(log, "r");
+        char line[512];
+        while (f && fgets(line, sizeof line, f)) {
+            const char *p = strstr(line, "listening on http://127.0.0.1:");
+            if (p) g_port = atoi(p + strlen("listening on http://127.0.0.1:"));
+        }
+        if (f) fclose(f);
+        if (g_port > 0) break;
+        int st;
+        if (waitpid(pid, &st, WNOHANG) == pid) return -1;
+    }
+    return g_port > 0 ? pid : -1;
+}
+
+static int stop_server(pid_t pid) {
+    kill(pid, SIGTERM);
+    int st = 0;
+    for (double until = now_s() + 120; waitpid(pid, &st, WNOHANG) != pid; sleep_s(0.02))
+        if (now_s() > until) {
+            kill(pid, SIGKILL);
+            waitpid(pid, &st, 0);
+            return -1;
+        }
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+typedef struct counts {
+    long long live_used, chunk_refs, prefix_locked, queued;
+} counts;
+
+static int read_counts(counts *c) {
+    json_t *j = get_json("/v1/stats");
+    if (!j) return -1;
+    c->live_used = json_integer_value(
+        json_object_get(json_object_get(json_object_get(j, "pools"), "live"), "used"));
+    c->chunk_refs = json_integer_value(json_object_get(json_object_get(j, "chunks"), "referenced"));
+    c->prefix_locked =
+        json_integer_value(json_object_get(json_object_get(j, "prefix"), "locked_tokens"));
+    c->queued = json_integer_value(json_object_get(json_object_get(j, "requests"), "queued"));
+    json_decref(j);
+    return 0;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double pct(const double *v, int n, double q) {
+    if (n == 0) return 0;
+    int i = (int)(q * (n - 1) + 0.5);
+    return v[i];
+}
+
+int main(int argc, char **argv) {
+    const char *url = NULL;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--seconds") && i + 1 < argc)
+            g_seconds = atof(argv[++i]);
+        else if (!strcmp(argv[i], "--clients") && i + 1 < argc)
+            g_clients = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
+            g_max_tokens = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--url") && i + 1 < argc)
+            url = argv[++i];
+        else {
+            fprintf(stderr,
+                    "usage: %s [--seconds N] [--clients N] [--max-tokens N] [--url "
+                    "http://127.0.0.1:PORT]\n",
+                    argv[0]);
+            return 2;
+        }
+    }
+    if (g_seconds <= 0 || g_clients < 1 || g_clients > 1024 || g_max_tokens < 0) {
+        fprintf(stderr, "bench_load: bad arguments\n");
+        return 2;
+    }
+    signal(SIGPIPE, SIG_IGN);
+    pid_t pid = 0;
+    char log[4200] = "";
+    if (url) {
+        if (sscanf(url, "http://127.0.0.1:%d", &g_port) != 1 || g_port <= 0) {
+            fprintf(stderr, "bench_load: --url must be http://127.0.0.1:PORT\n");
+            return 2;
+        }
+    } else {
+        char exe[4096], bin[4200];
+        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+        if (n <= 0) return 1;
+        exe[n] = '\0';
+        snprintf(bin, sizeof bin, "%s/ragkv", dirname(exe));
+        snprintf(log, sizeof log, "/tmp/bench_load-%d.log", (int)getpid());
+        if ((pid = start_server(bin, log)) <= 0) {
+            fprintf(stderr, "bench_load: cannot start %s (log: %s)\n", bin, log);
+            return 1;
+        }
+    }
+    /* Wait until the model is loaded. */
+    json_t *h = NULL;
+    for (double until = now_s() + 60; !(h = get_json("/health")) && now_s() < until;) sleep_s(0.02);
+    json_decref(h);
+    counts base;
+    if (read_counts(&base)) {
+        fprintf(stderr, "bench_load: /v1/stats did not answer\n");
+        if (pid) stop_server(pid);
+        return 1;
+    }
+
+    client *cl = calloc((size_t)g_clients, sizeof *cl);
+    double t0 = now_s();
+    for (int i = 0; i < g_clients; i++) {
+        cl[i].rng = 0x1234567ull * (uint64_t)(i + 1) ^ (uint64_t)time(NULL);
+        pthread_create(&cl[i].t, NULL, client_main, &cl[i]);
+    }
+    while (now_s() - t0 < g_seconds) sleep_s(0.05);
+    atomic_store(&g_stop, 1);
+    for (int i = 0; i < g_clients; i++) pthread_join(cl[i].t, NULL);
+    double elapsed = now_s() - t0;
+
+    /* Totals. */
+    int n[K_COUNT] = {0}, n_503 = 0, n_fail = 0, total = 0;
+    double *lat[K_COUNT], *all = NULL;
+    int n_lat[K_COUNT] = {0}, n_all = 0;
+    const char *first = NULL;
+    for (int k = 0; k < K_COUNT; k++) {
+        for (int i = 0; i < g_clients; i++) n_lat[k] += cl[i].n_lat[k];
+        lat[k] = malloc((size_t)(n_lat[k] + 1) * sizeof *lat[k]);
+    }
+    all = malloc((size_t)(n_lat[K_HIT] + n_lat[K_MISS] + n_lat[K_STREAM] + 1) * sizeof *all);
+    for (int k = 0; k < K_COUNT; k++) {
+        int o = 0;
+        for (int i = 0; i < g_clients; i++) {
+            memcpy(lat[k] + o, cl[i].lat[k], (size_t)cl[i].n_lat[k] * sizeof(double));
+            o += cl[i].n_lat[k];
+            if (k != K_BAD)
+                memcpy(all + n_all, cl[i].lat[k], (size_t)cl[i].n_lat[k] * sizeof(double)),
+                    n_all += cl[i].n_lat[k];
+        }
+        qsort(lat[k], (size_t)n_lat[k], sizeof(double), cmp_double);
+    }
+    qsort(all, (size_t)n_all, sizeof(double), cmp_double);
+    for (int i = 0; i < g_clients; i++) {
+        for (int k = 0; k < K_COUNT; k++) n[k] += cl[i].n[k];
+        n_503 += cl[i].n_503;
+        n_fail += cl[i].n_fail;
+        if (!first && cl[i].first_failure[0]) first = cl[i].first_failure;
+    }
+    for (int k = 0; k < K_COUNT; k++) total += n[k];
+
+    /* Pools and locks back where they started, once the queue is empty. */
+    counts end = {0};
+    int settled = 0;
+    for (double until = now_s() + 60; now_s() < until; sleep_s(0.05)) {
+        if (read_counts(&end)) break;
+        if (end.queued == 0 && end.live_used == base.live_used &&
+            end.chunk_refs == base.chunk_refs && end.prefix_locked == base.prefix_locked) {
+            settled = 1;
+            break;
+        }
+    }
+    json_t *stats = get_json("/v1/stats");
+    json_t *ch = json_object_get(stats, "chunks");
+
+    printf("bench_load: %.1f s, %d clients: %d requests, %.1f requests/s\n", elapsed, g_clients,
+           total, total / elapsed);
+    printf("  by kind: %d hit, %d miss, %d stream, %d malformed; 503 with Retry-After: %d; "
+           "failures: %d\n",
+           n[K_HIT], n[K_MISS], n[K_STREAM], n[K_BAD], n_503, n_fail);
+    printf("  generation latency ms (%d answered 200): p50 %.2f  p99 %.2f\n", n_all,
+           pct(all, n_all, 0.5), pct(all, n_all, 0.99));
+    for (int k = 0; k < K_COUNT; k++)
+        printf("    %-9s p50 %8.2f  p99 %8.2f  (n %d)\n", k_names[k], pct(lat[k], n_lat[k], 0.5),
+               pct(lat[k], n_lat[k], 0.99), n_lat[k]);
+    if (ch)
+        printf("  chunk cache: %lld lookups, hit rate %.3f, %lld entries, %lld capacity "
+               "evictions\n",
+               (long long)json_integer_value(json_object_get(ch, "lookups")),
+               json_real_value(json_object_get(ch, "hit_rate")),
+               (long long)json_integer_value(json_object_get(ch, "entries")),
+               (long long)json_integer_value(
+                   json_object_get(json_object_get(ch, "evictions"), "capacity")));
+    printf("  after: live blocks used %lld (start %lld), chunk refs %lld, prefix locked tokens "
+           "%lld: %s\n",
+           end.live_used, base.live_used, end.chunk_refs, end.prefix_locked,
+           settled ? "back to baseline" : "NOT back to baseline");
+    json_decref(stats);
+    int ok = n_fail == 0 && settled && total > 0;
+    if (first) printf("  first failure: %s\n", first);
+    if (pid) {
+        int st = stop_server(pid);
+        printf("  server exit status on SIGTERM: %d%s\n", st, st ? " (see the log)" : "");
+        if (st) {
+            ok = 0;
+            printf("  server log: %s\n", log);
+        } else {
+            unlink(log);
+        }
+    }
+    for (int k = 0; k < K_COUNT; k++) {
+        free(lat[k]);
+        for (int i = 0; i < g_clients; i++) free(cl[i].lat[k]);
+    }
+    free(all);
+    free(cl);
+    printf("bench_load: %s\n", ok ? "PASS" : "FAIL");
+    return ok ? 0 : 1;
+}
