@@ -380,6 +380,17 @@ static void run_group(rk_engine *e, rk_request **reqs, rk_job **jobs, int n, rk_
         res[i].status = rk_pipeline_run(e->svc, &reqs[i], 1, &h1);
         snprintf(res[i].error, sizeof res[i].error, "%s", res[i].status ? rk_error_message() : "");
     }
+    /* A request that ran alone holds nothing when it starts and the caches evict
+     * what no request references: if its KV still does not fit, it never will. */
+    for (int i = 0; i < n; i++)
+        if (res[i].status == RK_ERR_EXHAUSTED &&
+            (n == 1 || !jobs || !jobs[i] || jobs[i]->n_tokens == 0)) {
+            char m[320];
+            snprintf(m, sizeof m, "%s", res[i].error);
+            res[i].status = RK_ERR_LIMIT;
+            snprintf(res[i].error, sizeof res[i].error,
+                     "the request needs more KV memory than the server has (%.200s)", m);
+        }
 }
 
 static void run_requests(rk_engine *e, rk_request **reqs, rk_job **jobs, int n,

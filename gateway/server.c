@@ -930,8 +930,8 @@ static int handle_generate(req_ctx *rc, int chat) {
     g.rc = rc;
     g.text.stop_at = -1;
     g.svc = ready_service(S);
-    if (S->o.log_prompts && rk_log_get_level() <= RK_LOG_DEBUG)
-        RK_LOG_DEBUG("id=%s body: %.*s", rc->id, (int)(len < 4000 ? len : 4000), body);
+    if (S->o.log_prompts) /* the only place prompt text may reach the log */
+        RK_LOG_INFO("id=%s body: %.*s", rc->id, (int)(len < 4000 ? len : 4000), body);
     if (!g.svc) {
         free(body);
         send_not_ready(rc);

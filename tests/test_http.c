@@ -759,6 +759,18 @@ Test(http_opts, limits_give_413_and_422, .fini = stop_server, .timeout = 300) {
     resp_free(&r);
 }
 
+Test(http_opts, a_request_larger_than_the_kv_memory_is_422, .fini = stop_server, .timeout = 300) {
+    const char *args[] = {"--kv-memory-mb", "1", NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    resp r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1000}");
+    expect_error(&r, 422);
+    cr_assert(strstr(jstr(r.json, "error.message"), "KV memory"), "%s", r.body);
+    resp_free(&r);
+    r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 4}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+}
+
 /* ================================================================ keys */
 
 Test(http_opts, api_key_protects_every_route_but_health, .fini = stop_server, .timeout = 300) {
