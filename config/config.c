@@ -82,6 +82,7 @@ void rk_config_defaults(rk_config *cfg) {
     snprintf(cfg->backend, sizeof cfg->backend, "cpu");
     cfg->n_threads = 0;
     cfg->block_size = 16;
+    snprintf(cfg->kv_dtype, sizeof cfg->kv_dtype, "f32");
     cfg->kv_memory_mb = 1024;
     cfg->share_live = 0.4f;
     cfg->share_prefix = 0.1f;
@@ -107,6 +108,10 @@ rk_status rk_config_validate(const rk_config *cfg) {
     if (bs < 8 || bs > 64 || (bs & (bs - 1)) != 0)
         return rk_errorf(RK_ERR_INVALID,
                          "config: block_size must be a power of two from 8 to 64, got %d", bs);
+    if (strcmp(cfg->kv_dtype, "f32") && strcmp(cfg->kv_dtype, "f16") &&
+        strcmp(cfg->kv_dtype, "bf16"))
+        return rk_errorf(RK_ERR_INVALID, "config: kv_dtype must be f32, f16 or bf16, got \"%s\"",
+                         cfg->kv_dtype);
     if (cfg->kv_memory_mb < 1 || cfg->kv_memory_mb > (1 << 24))
         return rk_errorf(RK_ERR_INVALID, "config: kv_memory_mb must be 1 to 16777216, got %d",
                          cfg->kv_memory_mb);

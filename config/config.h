@@ -91,6 +91,7 @@ typedef struct rk_config {
     int prefix_blocks;
     int chunk_blocks;
     int kv_poison;    /* fill freed blocks with NaN (debugging aid) */
+    char kv_dtype[8]; /* KV storage: "f32" (default), "f16" or "bf16" */
     int prefix_cache; /* cache system prompts in the radix tree; default 1 */
 
     /* chunk cache and request limits */

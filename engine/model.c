@@ -579,7 +579,9 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         CK(matmul(m, s->xb, s->hb, &L->down, n));
         CK(ops->add(be, s->x, s->xb, (size_t)n * hp->dim));
     }
-    if (b->n_logits == 0) return RK_OK;
+    /* Without logits nothing is downloaded: sync, so an error the device
+     * found in this pass is reported by this pass. */
+    if (b->n_logits == 0) return ops->sync(be);
     for (int i = 0; i < b->n_logits; i++)
         CK(ops->rmsnorm(be, s->xl + (size_t)i * hp->dim, s->x + (size_t)b->logit_rows[i] * hp->dim,
                         m->out_norm, 1, hp->dim, hp->rms_eps));

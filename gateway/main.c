@@ -68,7 +68,8 @@ enum {
     OPT_LOG,
     OPT_BLOCK,
     OPT_STORE,
-    OPT_STORE_MB
+    OPT_STORE_MB,
+    OPT_KV_DTYPE,
 };
 
 #define COMMON_LONG_OPTS                                                                           \
@@ -77,6 +78,7 @@ enum {
         {"kv-memory-mb", required_argument, 0, OPT_KV_MB},                                         \
         {"block-size", required_argument, 0, OPT_BLOCK},                                           \
         {"store", required_argument, 0, OPT_STORE},                                                \
+        {"kv-dtype", required_argument, 0, OPT_KV_DTYPE},                                          \
         {"store-budget-mb", required_argument, 0, OPT_STORE_MB},                                   \
         {"log-level", required_argument, 0, OPT_LOG}, {                                            \
         "help", no_argument, 0, 'h'                                                                \
@@ -88,6 +90,7 @@ static const char *COMMON_HELP =
     "  --backend cpu|cuda    compute backend (default: cpu)\n"
     "  --kv-memory-mb N      KV cache budget in MiB (default: 1024)\n"
     "  --block-size N        tokens per KV block, power of two 8..64 (default: 16)\n"
+    "  --kv-dtype T          KV storage type: f32 (default), f16 or bf16\n"
     "  --store DIR           persistent chunk store (the disk tier); created if missing\n"
     "  --store-budget-mb N   payload MiB kept on disk, least recently used evicted (0 = no limit)\n"
     "  --log-level L         debug|info|warn|error (default: warn)\n";
@@ -107,6 +110,11 @@ static int common_opt(const char *cmd, int c, common_opts *o) {
         if (parse_long(optarg, 1, 1 << 24, &v))
             return usage_error(cmd, "bad --kv-memory-mb '%s'", optarg), -1;
         o->cfg.kv_memory_mb = (int)v;
+        return 1;
+    case OPT_KV_DTYPE:
+        if (strcmp(optarg, "f32") && strcmp(optarg, "f16") && strcmp(optarg, "bf16"))
+            return usage_error(cmd, "--kv-dtype is f32, f16 or bf16, not '%s'", optarg), -1;
+        snprintf(o->cfg.kv_dtype, sizeof o->cfg.kv_dtype, "%s", optarg);
         return 1;
     case OPT_STORE:
         if (strlen(optarg) >= sizeof o->cfg.store_dir)

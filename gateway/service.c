@@ -25,7 +25,9 @@ static rk_status open_arena(rk_service *svc) {
                          .n_kv_heads = hp->n_kv_heads,
                          .head_dim = hp->head_dim,
                          .block_size = cfg->block_size,
-                         .dtype = RK_DTYPE_F32,
+                         .dtype = !strcmp(cfg->kv_dtype, "f16")    ? RK_DTYPE_F16
+                                  : !strcmp(cfg->kv_dtype, "bf16") ? RK_DTYPE_BF16
+                                                                   : RK_DTYPE_F32,
                          .poison = cfg->kv_poison};
     float share[RK_POOL_COUNT] = {cfg->share_live, cfg->share_prefix, cfg->share_chunk};
     rk_status st = rk_arena_params_from_budget(&p, (size_t)cfg->kv_memory_mb << 20, share);

@@ -143,7 +143,9 @@ typedef struct rk_backend_ops {
                            const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
                            int n_heads, float scale);
     /* For every layer and token t: K at dst_slots[t] = R(delta[t]) · K at src_slots[t],
-     * V copied unchanged. src and dst must not overlap. */
+     * V copied unchanged. src and dst must not overlap. src_slots, dst_slots and
+     * delta are HOST arrays (the reindex plan is built on the host); the backend
+     * uploads them itself. */
     rk_status (*rope_shift_copy)(rk_backend *be, const rk_kv_cache *kv, const int32_t *src_slots,
                                  const int32_t *dst_slots, const int32_t *delta, int n_tokens,
                                  const rk_rope *rope);

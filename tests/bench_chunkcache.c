@@ -55,7 +55,8 @@ static double run(rk_service *svc, const char *prompt, rk_req_options o, rk_requ
 }
 
 int main(int argc, char **argv) {
-    const char *model = NULL, *preset = "qwen3-0.6b", *type = "bf16";
+    const char *model = NULL, *preset = "qwen3-0.6b", *type = "bf16", *backend = "cpu",
+               *kv_dtype = "f32";
     int threads = 2, n_chunks = 8, chunk_tokens = 256, q_tokens = 32;
     for (int i = 1; i + 1 < argc; i += 2) {
         const char *a = argv[i], *v = argv[i + 1];
@@ -94,6 +95,8 @@ int main(int argc, char **argv) {
     rk_config cfg;
     rk_config_defaults(&cfg);
     cfg.n_threads = threads;
+    snprintf(cfg.backend, sizeof cfg.backend, "%s", backend);
+    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "%s", kv_dtype);
     cfg.kv_memory_mb = 8192;
     cfg.max_chunks = 1024;
     rk_service *svc;

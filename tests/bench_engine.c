@@ -87,7 +87,8 @@ static double read_bandwidth(int n_threads) {
 }
 
 int main(int argc, char **argv) {
-    const char *model = NULL, *preset = "qwen3-0.6b", *type = "f32";
+    const char *model = NULL, *preset = "qwen3-0.6b", *type = "f32", *backend = "cpu",
+               *kv_dtype = "f32";
     int threads = 2, n_prompt = 512, n_decode = 16;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -99,13 +100,18 @@ int main(int argc, char **argv) {
             type = v, i++;
         else if (!strcmp(a, "--threads") && v)
             threads = atoi(v), i++;
+        else if (!strcmp(a, "--backend") && v)
+            backend = v, i++;
+        else if (!strcmp(a, "--kv-dtype") && v)
+            kv_dtype = v, i++;
         else if (!strcmp(a, "--prompt-tokens") && v)
             n_prompt = atoi(v), i++;
         else if (!strcmp(a, "--decode-tokens") && v)
             n_decode = atoi(v), i++;
         else {
             fprintf(stderr, "usage: bench_engine [--model F | --preset NAME --type f32|bf16] "
-                            "[--threads N] [--prompt-tokens N] [--decode-tokens N]\n");
+                            "[--threads N] [--backend cpu|cuda] [--kv-dtype f32|f16|bf16] "
+                            "[--prompt-tokens N] [--decode-tokens N]\n");
             return 2;
         }
     }
@@ -130,6 +136,8 @@ int main(int argc, char **argv) {
     rk_config cfg;
     rk_config_defaults(&cfg);
     cfg.n_threads = threads;
+    snprintf(cfg.backend, sizeof cfg.backend, "%s", backend);
+    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "%s", kv_dtype);
     cfg.kv_memory_mb = 2048;
     rk_service *svc;
     if (rk_service_open(&cfg, model, &svc)) {
