@@ -1380,7 +1380,7 @@ static int handle_list(req_ctx *rc) {
 static int handle_chunk_key(req_ctx *rc, const char *hex, int del) {
     key_cmd k = {0};
     if (strlen(hex) != 32 || rk_chunk_key_parse(hex, &k.key))
-        return send_errorf(rc, 400, "a chunk key is 32 hexadecimal digits"), 0;
+        return send_errorf(rc, 400, "a chunk key is 32 lowercase hexadecimal digits"), 0;
     rk_chunk_key_hex(k.key, k.hex);
     if (!ready_service(rc->S)) return send_not_ready(rc), 0;
     char msg[320];
