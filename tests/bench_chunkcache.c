@@ -68,6 +68,10 @@ int main(int argc, char **argv) {
             type = v;
         else if (!strcmp(a, "--threads"))
             threads = atoi(v);
+        else if (!strcmp(a, "--backend"))
+            backend = v;
+        else if (!strcmp(a, "--kv-dtype"))
+            kv_dtype = v;
         else if (!strcmp(a, "--chunks"))
             n_chunks = atoi(v);
         else if (!strcmp(a, "--chunk-tokens"))

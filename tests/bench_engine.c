@@ -138,7 +138,8 @@ int main(int argc, char **argv) {
     cfg.n_threads = threads;
     snprintf(cfg.backend, sizeof cfg.backend, "%s", backend);
     snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "%s", kv_dtype);
-    cfg.kv_memory_mb = 2048;
+    /* Room for the prompt in the live pool (40% of the budget) at f32 KV. */
+    cfg.kv_memory_mb = 8192;
     rk_service *svc;
     if (rk_service_open(&cfg, model, &svc)) {
         fprintf(stderr, "bench_engine: %s\n", rk_error_message());
