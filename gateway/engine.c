@@ -303,6 +303,15 @@ void rk_engine_publish(rk_engine *e) {
     rk_chunk_index_foreach(svc->chunks, walk_entry, &w);
     s.chunk_removed = e->chunk_removed;
     s.prefix_flushed = e->prefix_flushed;
+    rk_store_counters sc;
+    if (svc->store && rk_store_stats(svc->store, &sc) == RK_OK) {
+        s.have_store = 1;
+        s.store_rows = sc.rows;
+        s.store_bytes = sc.bytes;
+        s.store_loads = sc.loads;
+        s.store_writes = sc.writes;
+        s.store_dropped_at_recovery = sc.dropped_on_recovery;
+    }
     pthread_mutex_lock(&e->mu);
     s.queued = e->n_queued;
     pthread_mutex_unlock(&e->mu);

@@ -30,6 +30,7 @@
 #include <unistd.h>
 
 #include "gateway/engine.h"
+#include "gateway/pipeline.h"
 #include "gateway/report.h"
 #include "gateway/stats.h"
 
@@ -52,7 +53,6 @@ typedef struct serve_opts {
     double timeout_s;
     int max_batch;
     int log_prompts;
-    char store[1024];
     double grace_s;
     int http_threads;
     char log_level[16];
@@ -97,8 +97,12 @@ static const field k_fields[] = {
      "N  requests run together at most (default: 16)"},
     {"log_prompts", "log-prompts", F_BOOL, OFF(log_prompts), 0, 0, 1, 0, 0,
      "  log prompt text (never logged otherwise)"},
-    {"store", "store", F_STR, STR(store), 0, 0, 0, 0,
-     "DIR  persistent chunk store (not available in the server yet)"},
+    {"store_dir", "store", F_STR, OFF(cfg.store_dir), sizeof(((rk_config *)0)->store_dir), 0, 0, 0,
+     0, "DIR  persistent chunk store: the disk tier (default: none)"},
+    {"store_budget_mb", "store-budget-mb", F_INT, OFF(cfg.store_budget_mb), 0, 0, 1 << 30, 0, 0,
+     "N  payload MiB kept in the store (default: 0 = unlimited)"},
+    {"store_verify", "no-store-verify", F_BOOL, OFF(cfg.store_verify), 0, 0, 1, 1, 0,
+     "  check sizes and headers only when the store opens (no checksums)"},
     {"grace_s", "grace-s", F_DOUBLE, OFF(grace_s), 0, 0, 3600, 0, 0,
      "S  on SIGINT/SIGTERM, let requests finish this long (default: 5)"},
     {"http_threads", "http-threads", F_INT, OFF(http_threads), 0, 0, 4096, 0, 0,
@@ -111,6 +115,8 @@ static const field k_fields[] = {
      "N  compute threads (default: 0 = one per core)"},
     {"block_size", "block-size", F_INT, OFF(cfg.block_size), 0, 1, 1 << 20, 0, 0,
      "N  tokens per KV block, power of two 8..64 (default: 16)"},
+    {"kv_dtype", "kv-dtype", F_STR, OFF(cfg.kv_dtype), sizeof(((rk_config *)0)->kv_dtype), 0, 0, 0,
+     0, "T  KV storage type: f32, f16 or bf16 (default: f32)"},
     {"kv_memory_mb", "kv-memory-mb", F_INT, OFF(cfg.kv_memory_mb), 0, 1, 1 << 24, 0, 0,
      "N  KV cache budget in MiB (default: 1024)"},
     {"share_live", "share-live", F_FLOAT, OFF(cfg.share_live), 0, 0, 1, 0, 0,
@@ -1025,8 +1031,16 @@ static json_t *entry_json(rk_engine *e, rk_service *svc, const rk_chunk_entry *e
         "tier", "arena", "source", en->source, "refs", en->refs, "base_pos", en->base_pos);
 }
 
+/* One store row as JSON (the disk tier). */
+static json_t *disk_entry_json(const rk_store_entry *r) {
+    return json_pack("{s:s, s:s?, s:i, s:I, s:I, s:f, s:f, s:s, s:s}", "key", r->key, "id",
+                     r->doc_id[0] ? r->doc_id : NULL, "tokens", r->n_tokens, "bytes",
+                     (json_int_t)r->n_bytes, "hits", (json_int_t)r->hits, "created", r->created,
+                     "last_access", r->last_access, "tier", "disk", "policy", r->policy);
+}
+
 typedef struct list_cmd {
-    int by_hits, limit, offset;
+    int by_hits, limit, offset, disk;
     const rk_chunk_entry **v;
     int n, cap, oom;
     json_t *out;
@@ -1064,17 +1078,37 @@ static void sort_by_hits(const rk_chunk_entry **v, int n) {
     free(tmp);
 }
 
+/* The disk tier's rows (the store sorts and pages them). */
+static rk_status list_disk(list_cmd *l, rk_service *svc) {
+    rk_store_entry *rows = NULL;
+    int n = 0;
+    rk_store_counters sc;
+    rk_status st = rk_store_stats(svc->store, &sc);
+    if (!st)
+        st = rk_store_list(svc->store, l->by_hits ? RK_STORE_SORT_HITS : RK_STORE_SORT_RECENT,
+                           l->limit, l->offset, &rows, &n);
+    if (st) return st;
+    json_t *data = json_array();
+    for (int i = 0; i < n && data; i++) json_array_append_new(data, disk_entry_json(&rows[i]));
+    free(rows);
+    l->out = json_pack("{s:s, s:o, s:I, s:i, s:i, s:s, s:s}", "object", "list", "data", data,
+                       "total", (json_int_t)sc.rows, "offset", l->offset, "limit", l->limit, "sort",
+                       l->by_hits ? "hits" : "recent", "tier", "disk");
+    return l->out ? RK_OK : rk_errorf(RK_ERR_NOMEM, "out of memory");
+}
+
 static rk_status list_fn(void *ctx, rk_engine *e, rk_service *svc) {
     list_cmd *l = ctx;
+    if (l->disk) return list_disk(l, svc);
     rk_chunk_index_foreach(svc->chunks, collect, l);
     if (l->oom) return rk_errorf(RK_ERR_NOMEM, "out of memory");
     if (l->by_hits) sort_by_hits(l->v, l->n);
     json_t *data = json_array();
     for (int i = l->offset; i < l->n && i < l->offset + l->limit && data; i++)
         json_array_append_new(data, entry_json(e, svc, l->v[i]));
-    l->out =
-        json_pack("{s:s, s:o, s:i, s:i, s:i, s:s}", "object", "list", "data", data, "total", l->n,
-                  "offset", l->offset, "limit", l->limit, "sort", l->by_hits ? "hits" : "recent");
+    l->out = json_pack("{s:s, s:o, s:i, s:i, s:i, s:s, s:s}", "object", "list", "data", data,
+                       "total", l->n, "offset", l->offset, "limit", l->limit, "sort",
+                       l->by_hits ? "hits" : "recent", "tier", "arena");
     return l->out ? RK_OK : rk_errorf(RK_ERR_NOMEM, "out of memory");
 }
 
@@ -1082,31 +1116,49 @@ typedef struct key_cmd {
     rk_chunk_key key;
     char hex[33];
     json_t *out;
+    int in_arena, on_disk; /* what a delete removed */
 } key_cmd;
 
 static rk_status get_fn(void *ctx, rk_engine *e, rk_service *svc) {
     key_cmd *k = ctx;
     rk_chunk_entry *en = rk_chunk_index_find(svc->chunks, k->key);
-    if (!en) return rk_errorf(RK_ERR_NOT_FOUND, "no cached chunk has the key %s", k->hex);
-    k->out = entry_json(e, svc, en);
+    int on_disk = 0;
+    if (svc->store) rk_store_contains(svc->store, k->hex, &on_disk);
+    if (en) {
+        k->out = entry_json(e, svc, en);
+        if (k->out && svc->store) json_object_set_new(k->out, "on_disk", json_boolean(on_disk));
+    } else if (on_disk) {
+        rk_store_entry row;
+        if (rk_store_lookup(svc->store, k->hex, &row) == RK_OK) k->out = disk_entry_json(&row);
+    }
+    if (!k->out && !en && !on_disk)
+        return rk_errorf(RK_ERR_NOT_FOUND, "no cached chunk has the key %s", k->hex);
     return k->out ? RK_OK : rk_errorf(RK_ERR_NOMEM, "out of memory");
 }
 
+/* Remove a chunk from the arena and from the store. */
 static rk_status delete_fn(void *ctx, rk_engine *e, rk_service *svc) {
     key_cmd *k = ctx;
     rk_status st = rk_chunk_index_remove(svc->chunks, k->key);
-    if (st == RK_ERR_NOT_FOUND) return rk_errorf(st, "no cached chunk has the key %s", k->hex);
     if (st == RK_ERR_BUSY)
         return rk_errorf(st, "the chunk %s is in use by a request in flight; try again", k->hex);
-    if (st) return st;
-    rk_engine_count_removed(e, 1, 0);
+    if (st && st != RK_ERR_NOT_FOUND) return st;
+    k->in_arena = st == RK_OK;
+    if (k->in_arena) rk_engine_count_removed(e, 1, 0);
+    if (svc->store) {
+        rk_status ds = rk_store_delete(svc->store, k->hex);
+        if (ds && ds != RK_ERR_NOT_FOUND) return ds;
+        k->on_disk = ds == RK_OK;
+    }
+    if (!k->in_arena && !k->on_disk)
+        return rk_errorf(RK_ERR_NOT_FOUND, "no cached chunk has the key %s", k->hex);
     return RK_OK;
 }
 
 typedef struct flush_cmd {
     rk_flush_request req;
     int chunks;
-    uint64_t prefix_nodes, prefix_tokens;
+    uint64_t prefix_nodes, prefix_tokens, disk_rows;
 } flush_cmd;
 
 static rk_status flush_fn(void *ctx, rk_engine *e, rk_service *svc) {
@@ -1121,19 +1173,31 @@ static rk_status flush_fn(void *ctx, rk_engine *e, rk_service *svc) {
         f->prefix_tokens = b.tokens_evicted - a.tokens_evicted;
     }
     rk_engine_count_removed(e, (uint64_t)f->chunks, f->prefix_nodes);
+    if (f->req.disk && svc->store) return rk_store_flush(svc->store, &f->disk_rows);
     return RK_OK;
 }
 
 typedef struct prewarm_cmd {
+    /* The isolated context: the pipeline's own pre-warm, which also checks
+     * the disk tier and writes to it (persist). */
+    rk_prewarm_item *items; /* (n) or NULL */
+    int persist;
+    /* The system context: one request per chunk, computing and generating nothing. */
     rk_request **reqs; /* (n) NULL where the chunk failed before running */
-    int n;
     rk_run_result *res;
+    int n;
     char **ids;
 } prewarm_cmd;
 
 static rk_status prewarm_fn(void *ctx, rk_engine *e, rk_service *svc) {
     prewarm_cmd *p = ctx;
-    (void)svc;
+    if (p->items) {
+        rk_status st = rk_pipeline_prewarm(svc, p->items, p->n, p->persist);
+        for (int i = 0; i < p->n; i++)
+            if (p->items[i].key[0] && strcmp(p->items[i].status, "failed"))
+                rk_engine_chunk_touch(e, p->items[i].key, p->ids[i]);
+        return st;
+    }
     rk_request **run = malloc((size_t)p->n * sizeof *run);
     rk_run_result *res = malloc((size_t)p->n * sizeof *res);
     if (!run || !res) {
@@ -1226,10 +1290,23 @@ static void prep_prewarm(void *arg) {
     prep_pw *p = arg;
     rk_service *svc = p->svc;
     if (rk_prewarm_parse(p->body, p->len, &p->pw, &p->err)) return;
-    if (p->pw.persist) {
+    if (p->pw.persist && !svc->store) {
         rk_http_errorf(&p->err, 501,
-                       "persistence is not configured: this server has no chunk "
-                       "store");
+                       "persistence is not configured: start the server with --store DIR");
+        return;
+    }
+    p->cmd.n = p->pw.n;
+    p->cmd.ids = p->pw.ids;
+    if (!p->pw.context_system) { /* the engine tokenizes and looks up */
+        p->cmd.persist = p->pw.persist;
+        p->cmd.items = calloc((size_t)p->pw.n, sizeof *p->cmd.items);
+        if (!p->cmd.items) {
+            rk_http_errorf(&p->err, 500, "out of memory");
+            return;
+        }
+        for (int i = 0; i < p->pw.n; i++)
+            p->cmd.items[i] = (rk_prewarm_item){
+                .text = p->pw.texts[i], .len = strlen(p->pw.texts[i]), .doc_id = p->pw.ids[i]};
         return;
     }
     const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
@@ -1297,20 +1374,35 @@ static int handle_prewarm(req_ctx *rc) {
     json_t *data = json_array();
     int computed = 0, cached = 0, failed = 0;
     for (int i = 0; i < p.pw.n && data; i++) {
-        rk_request *r = p.cmd.reqs[i];
-        const char *status = "failed";
-        if (p.cmd.res[i].status == RK_OK && r)
-            status = r->chunk_reports[0].status && !strcmp(r->chunk_reports[0].status, "hit")
-                         ? "cached"
-                         : "computed";
+        const char *status = "failed", *key = NULL, *tier = NULL, *error = NULL;
+        int tokens = 0;
+        if (p.cmd.items) { /* isolated: the pipeline's pre-warm */
+            rk_prewarm_item *it = &p.cmd.items[i];
+            status = it->status ? it->status : "failed";
+            key = it->key[0] ? it->key : NULL;
+            tier = strcmp(status, "failed") ? it->tier : NULL;
+            error = strcmp(status, "failed") ? NULL : it->error;
+            tokens = it->tokens;
+        } else { /* system context: one request per chunk */
+            rk_request *r = p.cmd.reqs[i];
+            if (p.cmd.res[i].status == RK_OK && r) {
+                const char *src = r->chunk_reports[0].source;
+                status = r->chunk_reports[0].status && !strcmp(r->chunk_reports[0].status, "hit")
+                             ? "cached"
+                             : "computed";
+                tier = src && !strcmp(src, "disk") ? "disk" : "arena";
+            } else {
+                error = p.cmd.res[i].error;
+            }
+            key = r && r->chunk_reports[0].key[0] ? r->chunk_reports[0].key : NULL;
+            tokens = r ? r->chunk_lens[0] : 0;
+        }
         computed += !strcmp(status, "computed");
         cached += !strcmp(status, "cached");
         failed += !strcmp(status, "failed");
-        json_array_append_new(
-            data, json_pack("{s:i, s:s?, s:s?, s:i, s:s, s:s?}", "index", i, "id", p.pw.ids[i],
-                            "key", r && r->chunk_reports[0].key[0] ? r->chunk_reports[0].key : NULL,
-                            "tokens", r ? r->chunk_lens[0] : 0, "status", status, "error",
-                            p.cmd.res[i].status ? p.cmd.res[i].error : NULL));
+        json_array_append_new(data, json_pack("{s:i, s:s?, s:s?, s:i, s:s, s:s?, s:s?}", "index", i,
+                                              "id", p.pw.ids[i], "key", key, "tokens", tokens,
+                                              "status", status, "tier", tier, "error", error));
     }
     snprintf(rc->detail, sizeof rc->detail, " chunks=%d computed=%d cached=%d failed=%d", p.pw.n,
              computed, cached, failed);
@@ -1326,6 +1418,7 @@ done:
         }
     free(p.cmd.reqs);
     free(p.cmd.res);
+    free(p.cmd.items);
     rk_prewarm_request_free(&p.pw);
     return 0;
 }
@@ -1365,6 +1458,17 @@ static int handle_list(req_ctx *rc) {
         l.by_hits = 1;
     else if (strcmp(sort, "recent") != 0)
         return send_errorf(rc, 400, "'sort' must be hits or recent"), 0;
+    char tier[16] = "arena";
+    int tn = qs ? mg_get_var(qs, strlen(qs), "tier", tier, sizeof tier) : -1;
+    if (tn == -1) snprintf(tier, sizeof tier, "arena");
+    if (tn < -1 || (strcmp(tier, "arena") && strcmp(tier, "disk")))
+        return send_errorf(rc, 400, "'tier' must be arena or disk"), 0;
+    l.disk = !strcmp(tier, "disk");
+    if (l.disk && !rc->S->o.cfg.store_dir[0])
+        return send_errorf(rc, 501,
+                           "persistence is not configured: start the server with "
+                           "--store DIR"),
+               0;
     if (!ready_service(rc->S)) return send_not_ready(rc), 0;
     char msg[320];
     rk_status st = run_command(rc, list_fn, &l, 1, msg, sizeof msg);
@@ -1391,7 +1495,9 @@ static int handle_chunk_key(req_ctx *rc, const char *hex, int del) {
         return send_errorf(rc, status, "%s", msg), 0;
     }
     if (del)
-        send_json(rc, 200, json_pack("{s:s, s:b}", "key", k.hex, "deleted", 1));
+        send_json(rc, 200,
+                  json_pack("{s:s, s:b, s:b, s:b}", "key", k.hex, "deleted", 1, "arena", k.in_arena,
+                            "disk", k.on_disk));
     else
         send_json(rc, 200, k.out);
     return 0;
@@ -1406,18 +1512,19 @@ static int handle_flush(req_ctx *rc) {
     rk_status st = rk_flush_parse(body, len, &f.req, &err);
     free(body);
     if (st) return send_error(rc, &err), 0;
-    if (f.req.disk)
+    if (f.req.disk && !rc->S->o.cfg.store_dir[0])
         return send_errorf(rc, 501,
-                           "persistence is not configured: this server has no chunk "
-                           "store"),
+                           "persistence is not configured: start the server with "
+                           "--store DIR"),
                0;
     if (!ready_service(rc->S)) return send_not_ready(rc), 0;
     char msg[320];
     if ((st = run_command(rc, flush_fn, &f, 1, msg, sizeof msg)))
         return send_errorf(rc, http_status_of(st), "%s", msg), 0;
     send_json(rc, 200,
-              json_pack("{s:{s:i, s:I, s:I}}", "flushed", "chunks", f.chunks, "prefix_nodes",
-                        (json_int_t)f.prefix_nodes, "prefix_tokens", (json_int_t)f.prefix_tokens));
+              json_pack("{s:{s:i, s:I, s:I, s:I}}", "flushed", "chunks", f.chunks, "prefix_nodes",
+                        (json_int_t)f.prefix_nodes, "prefix_tokens", (json_int_t)f.prefix_tokens,
+                        "disk_rows", (json_int_t)f.disk_rows));
     return 0;
 }
 
@@ -1808,14 +1915,6 @@ int rk_serve_main(int argc, char **argv) {
         free(s);
         free(S);
         return s ? 0 : EXIT_FAILURE;
-    }
-    if (o->store[0]) {
-        fprintf(stderr,
-                "ragkv serve: --store %s: the chunk store is not available in the server "
-                "yet (use `ragkv cache` to inspect a store)\n",
-                o->store);
-        free(S);
-        return EXIT_FAILURE;
     }
     rk_log_set_level((rk_log_level)parse_log_level(o->log_level));
 

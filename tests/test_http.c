@@ -853,7 +853,7 @@ Test(http, prewarm_list_get_delete_and_flush_chunks) {
     cr_assert_str_eq(jstr(r.json, "data.0.key"), key); /* most hits first */
     cr_assert_str_eq(jstr(r.json, "data.0.id"), "doc-7#3");
     cr_assert_str_eq(jstr(r.json, "data.0.tier"), "arena");
-    cr_assert_eq(jint(r.json, "data.0.hits"), 2);
+    cr_assert_eq(jint(r.json, "data.0.hits"), 1); /* the completion; a pre-warm is no hit */
     cr_assert(jint(r.json, "data.0.bytes") > 0);
     cr_assert(!strstr(r.body, "Grass"), "chunk text leaked into the listing");
     resp_free(&r);
@@ -901,6 +901,85 @@ Test(http, prewarm_list_get_delete_and_flush_chunks) {
     r = post("/v1/cache/flush", "{\"what\": \"all\", \"disk\": true}");
     expect_error(&r, 501);
     resp_free(&r);
+}
+
+Test(http, prewarm_in_the_system_context_is_reused_under_that_system_prompt) {
+    resp r = post("/v1/chunks", "{\"chunks\": [\"A chunk after the system.\"], "
+                                "\"chunk_context\": \"system\", \"system\": \"Be terse.\"}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_str_eq(jstr(r.json, "data.0.status"), "computed");
+    char key[33];
+    snprintf(key, sizeof key, "%s", jstr(r.json, "data.0.key"));
+    resp_free(&r);
+    r = post("/v1/completions", "{\"prompt\": \"Be terse.##A chunk after the system.##Q\", "
+                                "\"chunk_context\": \"system\", \"max_tokens\": 1}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.key"), key);
+    resp_free(&r);
+    /* Under another system prompt it is another key: a miss. */
+    r = post("/v1/completions", "{\"prompt\": \"Be kind.##A chunk after the system.##Q\", "
+                                "\"chunk_context\": \"system\", \"max_tokens\": 1}");
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "miss");
+    resp_free(&r);
+}
+
+Test(http_opts, the_store_keeps_chunks_across_restarts, .fini = stop_server, .timeout = 300) {
+    char *dir = rk_test_tmpdir("httpstore");
+    const char *args[] = {"--store", dir, NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    resp r = post("/v1/chunks", "{\"chunks\": [{\"id\": \"doc-1\", \"text\": \"Stored chunk "
+                                "text.\"}], \"persist\": true}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_str_eq(jstr(r.json, "data.0.status"), "computed");
+    char key[33], path[128];
+    snprintf(key, sizeof key, "%s", jstr(r.json, "data.0.key"));
+    snprintf(path, sizeof path, "/v1/chunks/%s", key);
+    resp_free(&r);
+    r = get("/v1/stats");
+    cr_assert(json_is_true(jget(r.json, "store.configured")));
+    cr_assert_eq(jint(r.json, "store.rows"), 1);
+    cr_assert(jint(r.json, "store.writes") >= 1);
+    resp_free(&r);
+    r = get("/v1/chunks?tier=disk");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(jint(r.json, "total"), 1);
+    cr_assert_str_eq(jstr(r.json, "data.0.key"), key);
+    cr_assert_str_eq(jstr(r.json, "data.0.id"), "doc-1");
+    cr_assert_str_eq(jstr(r.json, "data.0.tier"), "disk");
+    resp_free(&r);
+    cr_assert_eq(srv_stop(&S), 0);
+
+    /* A new process over the same store: the chunk comes back from disk. */
+    cr_assert_eq(srv_start(&S, args), 0);
+    r = post("/v1/chunks", "{\"chunks\": [\"Stored chunk text.\"]}");
+    cr_assert_str_eq(jstr(r.json, "data.0.status"), "cached");
+    cr_assert_str_eq(jstr(r.json, "data.0.tier"), "disk");
+    resp_free(&r);
+    r = get(path);
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_str_eq(jstr(r.json, "tier"), "disk");
+    resp_free(&r);
+    r = post("/v1/completions", "{\"prompt\": \"S##Stored chunk text.##Q\", \"max_tokens\": 1}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.source"), "disk");
+    resp_free(&r);
+    r = get("/metrics");
+    cr_assert_eq(metric(r.body, "ragkv_store_loads_total"), 1);
+    resp_free(&r);
+    cr_assert_eq(http("DELETE", path, NULL, NULL, &r), 0);
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert(json_is_true(jget(r.json, "arena")) && json_is_true(jget(r.json, "disk")));
+    resp_free(&r);
+    r = post("/v1/cache/flush", "{\"what\": \"all\", \"disk\": true}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(jint(r.json, "flushed.disk_rows"), 0);
+    resp_free(&r);
+    r = get("/v1/stats");
+    cr_assert_eq(jint(r.json, "store.rows"), 0);
+    resp_free(&r);
+    free(dir);
 }
 
 /* Pool, reference and lock counts of /v1/stats. */
