@@ -237,6 +237,8 @@ static int cmd_generate(int argc, char **argv) {
         "  --chunk-context isolated|system   what a chunk's KV is computed after\n"
         "  --position-mode sequential|parallel   where chunks go in the sequence\n"
         "  --no-prefix-cache     do not reuse the system prompt through the radix cache\n"
+        "  --repair-k K          repair: recompute the first K tokens of every chunk with\n"
+        "                        full attention over the merged cache (default: 0 = none)\n"
         "  --logprobs N          top-N log-probabilities per token (0-20, with --json)\n"
         "  --json                one completion object per request, as POST /v1/completions\n";
     common_opts o = {0};
@@ -263,7 +265,8 @@ static int cmd_generate(int argc, char **argv) {
         O_CTX,
         O_POS,
         O_LOGPROBS,
-        O_NOPREFIX
+        O_NOPREFIX,
+        O_REPAIR
     };
     struct option longs[] = {COMMON_LONG_OPTS,
                              {"prompt", required_argument, 0, O_PROMPT},
@@ -283,6 +286,7 @@ static int cmd_generate(int argc, char **argv) {
                              {"position-mode", required_argument, 0, O_POS},
                              {"logprobs", required_argument, 0, O_LOGPROBS},
                              {"no-prefix-cache", no_argument, 0, O_NOPREFIX},
+                             {"repair-k", required_argument, 0, O_REPAIR},
                              {0, 0, 0, 0}};
     optind = 1;
     while ((c = getopt_long(argc, argv, "n:h", longs, NULL)) != -1) {
@@ -354,6 +358,11 @@ static int cmd_generate(int argc, char **argv) {
             opt.n_logprobs = (int)v;
             break;
         case O_NOPREFIX: prefix_flag = 0; break;
+        case O_REPAIR:
+            if (parse_long(optarg, 0, 1 << 20, &v))
+                return usage_error("generate", "bad --repair-k '%s'", optarg);
+            opt.repair_k = (int)v;
+            break;
         default: return usage_error("generate", "%s", "unknown option");
         }
     }

@@ -620,8 +620,11 @@ static void finish_report(rk_request *r) {
     int chunk_tokens = 0, cached = r->sys_cached;
     for (int k = 0; k < r->n_chunks; k++) {
         chunk_tokens += r->chunk_lens[k];
-        if (r->chunk_reports[k].status && !strcmp(r->chunk_reports[k].status, "hit"))
-            cached += r->chunk_lens[k];
+        if (r->chunk_reports[k].status && !strcmp(r->chunk_reports[k].status, "hit")) {
+            int repaired = r->opt.repair_k < r->chunk_lens[k] ? r->opt.repair_k : r->chunk_lens[k];
+            cached +=
+                r->chunk_lens[k] - (repaired > 0 ? repaired : 0); /* repaired ones were computed */
+        }
     }
     r->prompt_tokens = r->n_sys + chunk_tokens + r->n_question;
     r->cached_tokens = cached;
@@ -728,7 +731,29 @@ rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
                 copied_tokens ? t_reindex * 1e6 * r->chunk_lens[k] / copied_tokens : 0;
     }
 
-    /* Stage 4: the questions (first token), then decoding. */
+    /* Stage 4 (repair, optional): the first repair_k tokens of every chunk
+     * again, now attending to everything before them in the merged table. */
+    batch_reset(&b);
+    for (int i = 0; i < n_reqs; i++) {
+        rk_request *r = reqs[i];
+        rk_req_state *s = r->state;
+        r->recomputed_tokens = 0;
+        if (r->opt.mode_plain || r->opt.repair_k <= 0) continue;
+        for (int k = 0; k < r->n_chunks; k++) {
+            int n = r->chunk_lens[k] < r->opt.repair_k ? r->chunk_lens[k] : r->opt.repair_k;
+            if ((st = batch_add(&b, bs, &s->kv, r->chunks[k], n, s->layout.pos[k],
+                                s->layout.index[k], 0)))
+                goto done;
+            r->recomputed_tokens += n;
+        }
+    }
+    t = rk_time_now();
+    if ((st = batch_run(svc, &b))) goto done;
+    double t_repair = rk_time_now() - t;
+    for (int i = 0; i < n_reqs; i++)
+        if (reqs[i]->recomputed_tokens) reqs[i]->t.repair_ms = t_repair * 1e3;
+
+    /* Stage 5: the questions (first token), then decoding. */
     for (int step = 0;; step++) {
         batch_reset(&b);
         int n_act = 0;

@@ -27,6 +27,10 @@ typedef struct rk_req_options {
     rk_sampler_params sampling;
     int stop_at_eog;
     int n_logprobs; /* 0..20 top log-probabilities per generated token */
+    /* Repair: recompute the first repair_k tokens of every chunk with full
+     * attention over the merged cache (system, earlier chunks, themselves),
+     * after reindexing; 0 = none. The recomputed KV goes to live blocks only. */
+    int repair_k;
 } rk_req_options;
 
 /* Defaults: rag mode, chunk and prefix caches on, isolated, sequential,
@@ -70,6 +74,7 @@ typedef struct rk_request {
     const char *finish_reason;
     rk_chunk_report *chunk_reports; /* (n_chunks) */
     int sys_cached;                 /* system tokens reused from the prefix cache */
+    int recomputed_tokens;          /* chunk tokens recomputed by the repair policy */
     int prompt_tokens, cached_tokens, computed_tokens;
     rk_req_timings t;
 

@@ -38,7 +38,8 @@ json_t *rk_report_ragkv(const rk_request *r) {
     return json_pack("{s:{s:i, s:i}, s:o, s:i, s:{s:i}, s:i, s:o, s:o}", "system", "tokens",
                      r->n_sys, "cached_tokens", r->sys_cached, "chunks", chunks,
                      "empty_chunks_skipped", r->n_empty_chunks, "question", "tokens", r->n_question,
-                     "recomputed_tokens", 0, "completion_ids", ids, "timings", timings_json(r));
+                     "recomputed_tokens", r->recomputed_tokens, "completion_ids", ids, "timings",
+                     timings_json(r));
 }
 
 json_t *rk_report_usage(const rk_request *r) {

@@ -438,3 +438,62 @@ Test(chunkcache, bad_input_is_an_error_or_a_defined_result) {
     rk_service_close(svc);
     free(model);
 }
+
+/* ---------------------------------------------------------------- repair */
+
+Test(chunkcache, repairing_every_chunk_token_gives_the_full_attention_result) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    rk_service *svc = open_svc(model, 0);
+    rk_req_options o = greedy_opts(), plain = greedy_opts();
+    o.repair_k = 4096; /* longer than any chunk: every chunk token is recomputed */
+    plain.mode_plain = 1;
+    plain.prefix_cache = 0;
+    rk_request warm, a, b;
+    run_log la = {0}, lb = {0};
+    run(svc, STORY, &o, &warm, NULL); /* the chunks are cached... */
+    run(svc, STORY, &o, &a, &la);     /* ...hit, then repaired */
+    run(svc, STORY, &plain, &b, &lb);
+    int total = 0;
+    for (int k = 0; k < a.n_chunks; k++) {
+        cr_assert_str_eq(a.chunk_reports[k].status, "hit");
+        total += a.chunk_lens[k];
+    }
+    cr_assert_eq(a.recomputed_tokens, total);
+    cr_assert_eq(a.cached_tokens, a.sys_cached, "repaired tokens count as computed");
+    cr_assert_eq(memcmp(a.out_tokens, b.out_tokens, STEPS * sizeof(int32_t)), 0);
+    double d = max_diff(&la, &lb);
+    cr_assert_leq(d, 1e-4, "repaired logits differ from full attention by %g", d);
+    rk_request_free(&warm);
+    rk_request_free(&a);
+    rk_request_free(&b);
+    log_free(&la);
+    log_free(&lb);
+    check_pools_back(svc);
+    rk_service_close(svc);
+    free(model);
+}
+
+Test(chunkcache, first_k_repair_recomputes_k_tokens_per_chunk_and_leaves_the_cache_alone) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    rk_service *svc = open_svc(model, 0);
+    rk_req_options o = greedy_opts(), none = greedy_opts();
+    o.repair_k = 4;
+    rk_request a, b, c;
+    run(svc, STORY, &none, &a, NULL);
+    run(svc, STORY, &o, &b, NULL);
+    cr_assert_eq(b.recomputed_tokens, 4 * b.n_chunks);
+    cr_assert_eq(b.cached_tokens + b.computed_tokens, b.prompt_tokens);
+    cr_assert_gt(b.t.repair_ms, 0);
+    /* The cached entries were not touched by the repair: without it, the same
+     * tokens as the first time come back. */
+    run(svc, STORY, &none, &c, NULL);
+    cr_assert_eq(memcmp(a.out_tokens, c.out_tokens, STEPS * sizeof(int32_t)), 0);
+    rk_request_free(&a);
+    rk_request_free(&b);
+    rk_request_free(&c);
+    check_pools_back(svc);
+    rk_service_close(svc);
+    free(model);
+}
