@@ -186,7 +186,8 @@ static int parse_stop(json_t *root, rk_api_request *out, rk_http_error *err) {
     return 0;
 }
 
-static int parse_repair(json_t *root, rk_http_error *err) {
+/* repair: {"policy": "none" | "first_k", "k": 16}; "deviation" is not implemented. */
+static int parse_repair(json_t *root, rk_req_options *o, rk_http_error *err) {
     json_t *v = json_object_get(root, "repair");
     if (!v || json_is_null(v)) return 0;
     if (!json_is_object(v))
@@ -200,10 +201,14 @@ static int parse_repair(json_t *root, rk_http_error *err) {
     const char *policy = p && !json_is_null(p) ? json_string_value(p) : "none";
     if (!policy) return rk_http_errorf(err, 400, "'repair.policy' must be a string"), 1;
     if (!strcmp(policy, "none")) return 0;
-    if (!strcmp(policy, "first_k") || !strcmp(policy, "deviation"))
+    if (!strcmp(policy, "first_k")) {
+        o->repair_k = (int)k;
+        return 0;
+    }
+    if (!strcmp(policy, "deviation"))
         return rk_http_errorf(err, 400,
-                              "repair policy \"%s\" is not implemented yet; only \"none\" is",
-                              policy),
+                              "repair policy \"deviation\" is not implemented yet; \"none\" and "
+                              "\"first_k\" are"),
                1;
     return rk_http_errorf(err, 400,
                           "'repair.policy' must be \"none\", \"first_k\" or "
@@ -242,7 +247,7 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
         get_choice(root, "mode", "rag", "plain", &plain, err) ||
         get_choice(root, "chunk_context", "isolated", "system", &ctx, err) ||
         get_choice(root, "position_mode", "sequential", "parallel", &pos, err) ||
-        parse_stop(root, out, err) || parse_repair(root, err))
+        parse_stop(root, out, err) || parse_repair(root, o, err))
         return 1;
     if (n != 1 || best_of != 1)
         return rk_http_errorf(err, 400, "'n' and 'best_of' must be 1: one completion per request"),

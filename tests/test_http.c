@@ -678,7 +678,7 @@ Test(http, malformed_input_is_400) {
         "{\"prompt\": \"x\", \"stream\": \"yes\"}",
         "{\"prompt\": \"x\", \"mode\": \"fancy\"}",
         "{\"prompt\": \"x\", \"separator\": \"\\\\\"}",
-        "{\"prompt\": \"x\", \"repair\": {\"policy\": \"first_k\"}}",
+        "{\"prompt\": \"x\", \"repair\": {\"policy\": \"first_k\", \"k\": -1}}",
         "{\"prompt\": \"x\", \"repair\": {\"policy\": \"deviation\", \"ratio\": 0.2}}",
         "{\"prompt\": \"x\", \"n\": 2}",
         "{\"prompt\": \"S##A##\"}",
@@ -695,8 +695,16 @@ Test(http, malformed_input_is_400) {
         expect_error(&r, 400);
         resp_free(&r);
     }
-    resp r = post("/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"first_k\"}}");
+    resp r =
+        post("/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"deviation\"}}");
     cr_assert(strstr(jstr(r.json, "error.message"), "not implemented"));
+    resp_free(&r);
+    /* first_k: the chunks' first k tokens are recomputed and reported. */
+    r = post("/v1/completions",
+             "{\"prompt\": \"S##a first chunk of text##a second chunk##Q\", "
+             "\"repair\": {\"policy\": \"first_k\", \"k\": 2}, \"max_tokens\": 1}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert(strstr(r.body, "\"recomputed_tokens\":4") != NULL, "%s", r.body);
     resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"none\"}, "
                                 "\"max_tokens\": 1}");
