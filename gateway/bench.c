@@ -720,6 +720,8 @@ typedef struct mode_result {
     /* summaries */
     int n_ok;
     double ttft[3], ttft_steady[3], ttft_mean, e2e[2], rps, prep_p50;
+    int n_all_hit;           /* requests whose every chunk was a hit */
+    double ttft_all_hit_p50; /* their TTFT p50 */
     double http_overhead_p50, http_overhead_mean;
     long prompt, reused, computed, hits, misses, lookups;
     double hit_rate, hit_rate_steady, req_hit, req_hit_steady;
@@ -1421,6 +1423,31 @@ static rk_status http_prewarm(bench *b, const http_target *t, mode_result *m) {
     return RK_OK;
 }
 
+/* Name the served model from GET /v1/models, and warn when the workload was
+ * sized with another model's tokenizer (the embedded one against a file, or
+ * the other way round). */
+static void http_describe_model(bench *b, const http_target *t) {
+    int status = 0;
+    char *raw = NULL;
+    snprintf(b->model_desc, sizeof b->model_desc, "served model");
+    if (http_request(t, "GET", "/v1/models", NULL, 0, &status, &raw) || status != 200) {
+        free(raw);
+        return;
+    }
+    json_t *root = json_loads(raw, 0, NULL);
+    free(raw);
+    json_t *m = json_array_get(json_object_get(root, "data"), 0);
+    const char *id = json_string_value(json_object_get(m, "id"));
+    const char *src = json_string_value(json_object_get(json_object_get(m, "ragkv"), "source"));
+    if (id) snprintf(b->model_desc, sizeof b->model_desc, "%s", id);
+    if (src && (strcmp(src, "embedded") == 0) != (b->o.model == NULL))
+        add_warning(b,
+                    "the server serves %s but the workload was sized with the tokenizer of %s: "
+                    "token counts differ from the server's",
+                    src, b->o.model ? b->o.model : "the embedded model");
+    json_decref(root);
+}
+
 static rk_status run_http(bench *b, const http_target *t, int mode) {
     mode_result *m = &b->res[mode];
     /* Empty caches: flush both (an admin endpoint; a refusal is reported, not fatal). */
@@ -1477,9 +1504,9 @@ static void summarize(bench *b, int mode) {
     int R = w->n_req, s0 = b->steady_from;
     double *all = malloc((size_t)R * sizeof *all), *st = malloc((size_t)R * sizeof *st),
            *e2e = malloc((size_t)R * sizeof *e2e), *ovh = malloc((size_t)R * sizeof *ovh),
-           *prep = malloc((size_t)R * sizeof *prep);
-    if (!all || !st || !e2e || !ovh || !prep) {
-        free(all), free(st), free(e2e), free(ovh), free(prep);
+           *prep = malloc((size_t)R * sizeof *prep), *ah = malloc((size_t)R * sizeof *ah);
+    if (!all || !st || !e2e || !ovh || !prep || !ah) {
+        free(all), free(st), free(e2e), free(ovh), free(prep), free(ah);
         add_failure(m, "out of memory summarizing");
         return;
     }
@@ -1510,6 +1537,11 @@ static void summarize(bench *b, int mode) {
         }
     }
     m->lookups = m->hits + m->misses;
+    for (int j = 0; j < R; j++)
+        if (m->req[j].ok && m->req[j].n_chunks > 0 && m->req[j].hits == m->req[j].n_chunks)
+            ah[m->n_all_hit++] = m->req[j].ttft_ms;
+    qsort(ah, (size_t)m->n_all_hit, sizeof *ah, cmp_double);
+    m->ttft_all_hit_p50 = pct(ah, m->n_all_hit, 0.5);
     qsort(all, (size_t)n, sizeof *all, cmp_double);
     qsort(st, (size_t)ns, sizeof *st, cmp_double);
     qsort(e2e, (size_t)n, sizeof *e2e, cmp_double);
@@ -1543,7 +1575,7 @@ static void summarize(bench *b, int mode) {
     m->pred_req_hit = 1 - pow(1 - m->pred_hit, w->k);
     m->pred_req_hit_steady = 1 - pow(1 - m->pred_hit_steady, w->k);
     m->ideal_hit = 1 - (double)w->ideal_misses / ((double)R * w->k);
-    free(all), free(st), free(e2e), free(ovh), free(prep);
+    free(all), free(st), free(e2e), free(ovh), free(prep), free(ah);
 }
 
 /* The invariants every run checks (see bench.h); failures go to m->fail. */
@@ -1684,13 +1716,17 @@ static void print_table(bench *b, int http) {
     }
     const mode_result *rag = &b->res[MODE_RAG];
     if (rag->ran) {
-        printf("\nspeedup of rag (TTFT p50 ratio)       all   steady\n");
+        printf("\nspeedup of rag (TTFT p50 ratio)       all   steady  all-hit\n");
         for (int other = MODE_PLAIN; other <= MODE_PREFIX; other++) {
             const mode_result *m = &b->res[other];
             if (!m->ran) continue;
-            printf("  over %-26s %7.2fx %7.2fx\n", k_mode_names[other],
-                   ratio(m->ttft[0], rag->ttft[0]), ratio(m->ttft_steady[0], rag->ttft_steady[0]));
+            printf("  over %-26s %7.2fx %7.2fx %7.2fx\n", k_mode_names[other],
+                   ratio(m->ttft[0], rag->ttft[0]), ratio(m->ttft_steady[0], rag->ttft_steady[0]),
+                   ratio(m->ttft[0], rag->ttft_all_hit_p50));
         }
+        printf("(all-hit: rag's TTFT p50 over the %d requests whose every chunk hit, against the "
+               "other mode's p50 over all requests)\n",
+               rag->n_all_hit);
         printf("chunk lookups %ld: %ld hits, %ld misses; an unbounded cache would miss %ld "
                "(hit rate %.3f)",
                rag->lookups, rag->hits, rag->misses, w->ideal_misses, rag->ideal_hit);
@@ -1760,6 +1796,8 @@ static json_t *mode_json(const bench *b, int mode, int http) {
                   num(m->hit_rate), "hit_rate_steady", num(m->hit_rate_steady), "requests_with_hit",
                   num(m->req_hit), "requests_with_hit_steady", num(m->req_hit_steady));
     if (mode == MODE_RAG) {
+        json_object_set_new(ch, "all_hit_requests", json_integer(m->n_all_hit));
+        json_object_set_new(ch, "all_hit_ttft_ms_p50", num(m->ttft_all_hit_p50));
         json_object_set_new(ch, "predicted_hit_rate", num(m->pred_hit));
         json_object_set_new(ch, "predicted_hit_rate_steady", num(m->pred_hit_steady));
         json_object_set_new(ch, "predicted_requests_with_hit", num(m->pred_req_hit));
@@ -1792,6 +1830,13 @@ static json_t *mode_json(const bench *b, int mode, int http) {
                             ? json_pack("{s:i, s:I, s:f}", "chunks", m->prewarm_chunks, "tokens",
                                         (json_int_t)m->prewarm_tokens, "seconds", m->prewarm_s)
                             : json_null());
+    json_t *t_each = json_array(), *miss_each = json_array();
+    for (int j = 0; j < b->w.n_req; j++) {
+        json_array_append_new(t_each, m->req[j].ok ? json_real(m->req[j].ttft_ms) : json_null());
+        json_array_append_new(miss_each, json_integer(m->req[j].misses));
+    }
+    json_object_set_new(o, "each",
+                        json_pack("{s:o, s:o}", "ttft_ms", t_each, "chunk_misses", miss_each));
     json_object_set_new(o, "invariants",
                         json_pack("{s:b, s:o}", "ok", m->n_fail == 0, "failures", fails));
     return o;
@@ -1815,10 +1860,11 @@ static json_t *bench_json(const bench *b, int http, int all_ok) {
         if (!m->ran) continue;
         char key[32];
         snprintf(key, sizeof key, "rag_over_%s", k_mode_names[other]);
-        json_object_set_new(speed, key,
-                            json_pack("{s:o, s:o}", "ttft_p50",
-                                      num(ratio(m->ttft[0], rag->ttft[0])), "ttft_p50_steady",
-                                      num(ratio(m->ttft_steady[0], rag->ttft_steady[0]))));
+        json_object_set_new(
+            speed, key,
+            json_pack("{s:o, s:o, s:o}", "ttft_p50", num(ratio(m->ttft[0], rag->ttft[0])),
+                      "ttft_p50_steady", num(ratio(m->ttft_steady[0], rag->ttft_steady[0])),
+                      "ttft_p50_all_hit", num(ratio(m->ttft[0], rag->ttft_all_hit_p50))));
     }
     double mean_chunk = (double)w->corpus_tokens / w->n_chunks;
     json_t *wl = json_pack(
@@ -2128,6 +2174,7 @@ int rk_bench_main(int argc, char **argv) {
         free(body);
         if (!st && status != 200)
             st = rk_errorf(RK_ERR_IO, "%s/health answered %d", o->url, status);
+        if (!st) http_describe_model(b, &target);
     }
     for (int i = 0; i < o->n_modes && !st; i++) {
         int mode = o->modes[i];
