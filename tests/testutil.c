@@ -108,9 +108,9 @@ char *rk_test_model(const char *preset, const char *wtype, unsigned seed) {
     /* Another test process may be writing the same model: write under a unique
      * name and rename, which is atomic. */
     snprintf(tmp, sizeof tmp, "%s.%d", path, (int)getpid());
-    rk_status st = rk_mkmodel_write(tmp, &o);
+    rk_status wst = rk_mkmodel_write(tmp, &o);
     if (strcmp(preset, "tiny") != 0) free((char *)o.vocab_path);
-    cr_assert_eq(st, RK_OK, "mkmodel %s: %s", preset, rk_error_message());
+    cr_assert_eq(wst, RK_OK, "mkmodel %s: %s", preset, rk_error_message());
     cr_assert_eq(rename(tmp, path), 0);
     return rk_test_strdup(path);
 }
