@@ -186,7 +186,7 @@ static int parse_stop(json_t *root, rk_api_request *out, rk_http_error *err) {
     return 0;
 }
 
-/* repair: {"policy": "none" | "first_k", "k": 16}; "deviation" is not implemented. */
+/* repair: {"policy": "none" | "first_k", "k": 16}; "deviation" is refused (not supported yet). */
 static int parse_repair(json_t *root, rk_req_options *o, rk_http_error *err) {
     json_t *v = json_object_get(root, "repair");
     if (!v || json_is_null(v)) return 0;
@@ -207,7 +207,7 @@ static int parse_repair(json_t *root, rk_req_options *o, rk_http_error *err) {
     }
     if (!strcmp(policy, "deviation"))
         return rk_http_errorf(err, 400,
-                              "repair policy \"deviation\" is not implemented yet; \"none\" and "
+                              "repair policy \"deviation\" is not supported yet; \"none\" and "
                               "\"first_k\" are"),
                1;
     return rk_http_errorf(err, 400,

@@ -697,7 +697,7 @@ Test(http, malformed_input_is_400) {
     }
     resp r =
         post("/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"deviation\"}}");
-    cr_assert(strstr(jstr(r.json, "error.message"), "not implemented"));
+    cr_assert(strstr(jstr(r.json, "error.message"), "not supported"));
     resp_free(&r);
     /* first_k: the chunks' first k tokens are recomputed and reported. */
     r = post("/v1/completions",
