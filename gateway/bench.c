@@ -1357,10 +1357,13 @@ static void *http_worker(void *arg) {
         } else {
             double ttft = json_num_at(resp, "ragkv", "timings", "ttft_ms");
             double total = json_num_at(resp, "ragkv", "timings", "total_ms");
+            double queue = json_num_at(resp, "ragkv", "timings", "queue_ms");
             x->e2e_ms = e2e;
             x->server_total_ms = total;
-            /* Client-side TTFT: the latency less what the server spent after its first token. */
-            x->ttft_ms = ttft >= 0 && total >= ttft ? e2e - (total - ttft) : e2e;
+            /* Client-side TTFT: the latency less what the server spent after its first
+             * token. The server's total_ms counts its queue wait, its ttft_ms does not. */
+            double after = total - (queue > 0 ? queue : 0) - ttft;
+            x->ttft_ms = ttft >= 0 && after >= 0 ? e2e - after : e2e;
             x->ok = 1;
         }
         json_decref(resp);
