@@ -2171,10 +2171,17 @@ int rk_bench_main(int argc, char **argv) {
         if (!b->res[i].req) st = rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
     }
     if (!st && http) {
+        /* The server answers 503 while it loads its model: wait for it, up to
+         * the HTTP timeout. */
         int status = 0;
-        char *body = NULL;
-        st = http_request(&target, "GET", "/health", NULL, 0, &status, &body);
-        free(body);
+        double t_wait = rk_time_now();
+        for (;;) {
+            char *body = NULL;
+            st = http_request(&target, "GET", "/health", NULL, 0, &status, &body);
+            free(body);
+            if (st || status != 503 || rk_time_now() - t_wait > o->http_timeout_s) break;
+            usleep(100000);
+        }
         if (!st && status != 200)
             st = rk_errorf(RK_ERR_IO, "%s/health answered %d", o->url, status);
         if (!st) http_describe_model(b, &target);
