@@ -71,6 +71,7 @@ typedef struct bench_opts {
     const char *plot;
     const char *url;
     int steady_pct;
+    int baseline_every; /* plain, prefix and oracle run every K-th request */
     double http_timeout_s;
     int progress; /* 1 = progress lines even when stderr is not a terminal */
 } bench_opts;
@@ -156,6 +157,10 @@ static const char *k_help =
     "                          (default: plain,prefix,rag)\n"
     "  --prewarm               compute every corpus chunk before the rag run (timed apart)\n"
     "  --steady PCT            steady state excludes the first PCT% of requests (default: 20)\n"
+    "  --baseline-every K      plain, prefix and oracle run only every K-th request of the list\n"
+    "                          (rag runs all): their TTFT depends on the request alone (and the\n"
+    "                          cached system prompt), so the sample gives the same percentiles\n"
+    "                          in 1/K of the time (default: 1, every request)\n"
     "  --seed S                workload seed (default: 1)\n"
     "  --json                  print one JSON object instead of the table\n"
     "  --progress              a progress line per 5% of requests on stderr even when it is\n"
@@ -169,6 +174,7 @@ static const char *k_help =
     "  --kv-memory-mb N        KV budget in MiB split by the default shares (default: pools\n"
     "                          sized so the whole working set fits)\n"
     "  --block-size N          tokens per KV block (default: 16)\n"
+    "  --kv-dtype f32|f16|bf16 KV cache storage (default: f32)\n"
     "  --log-level L           debug|info|warn|error (default: warn)\n";
 
 enum {
@@ -197,6 +203,8 @@ enum {
     O_URL,
     O_HTTP_TIMEOUT,
     O_PROGRESS,
+    O_BASELINE_EVERY,
+    O_KV_DTYPE,
 };
 
 /* Parse argv into o; returns 0, EXIT_USAGE on a bad option, or -1 after --help. */
@@ -216,6 +224,7 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
     o->max_tokens = 1;
     o->seed = 1;
     o->steady_pct = 20;
+    o->baseline_every = 1;
     o->http_timeout_s = 600;
     parse_modes("plain,prefix,rag", o);
     struct option longs[] = {{"model", required_argument, 0, O_MODEL},
@@ -243,6 +252,8 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
                              {"url", required_argument, 0, O_URL},
                              {"http-timeout", required_argument, 0, O_HTTP_TIMEOUT},
                              {"progress", no_argument, 0, O_PROGRESS},
+                             {"baseline-every", required_argument, 0, O_BASELINE_EVERY},
+                             {"kv-dtype", required_argument, 0, O_KV_DTYPE},
                              {"help", no_argument, 0, 'h'},
                              {0, 0, 0, 0}};
     int c;
@@ -334,6 +345,12 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
             if (parse_long(optarg, 0, 99, &v)) return usage_error("bad --steady '%s'", optarg);
             o->steady_pct = (int)v;
             break;
+        case O_BASELINE_EVERY:
+            if (parse_long(optarg, 1, 1000000, &v))
+                return usage_error("bad --baseline-every '%s'", optarg);
+            o->baseline_every = (int)v;
+            break;
+        case O_KV_DTYPE: snprintf(o->cfg.kv_dtype, sizeof o->cfg.kv_dtype, "%s", optarg); break;
         case O_SEED:
             if (parse_long(optarg, 0, 0x7fffffffffffffffL, &v))
                 return usage_error("bad --seed '%s'", optarg);
@@ -707,6 +724,7 @@ typedef struct req_result {
 typedef struct mode_result {
     int mode, ran;
     req_result *req; /* (n_req) */
+    int *run, n_run; /* the requests this mode runs, in list order (see --baseline-every) */
     double wall_s;
     long vmhwm_kb; /* -1 when unknown */
     int hwm_reset; /* the high-water mark was reset before the mode */
@@ -825,11 +843,12 @@ static void mode_options(const bench_opts *o, int mode, rk_req_options *opt) {
 static void progress_line(const bench *b, int mode, int done, double elapsed) {
     const mode_result *m = &b->res[mode];
     long hits = 0, lookups = 0;
-    for (int j = 0; j < done; j++) {
-        hits += m->req[j].hits;
-        lookups += m->req[j].hits + m->req[j].misses;
+    for (int i = 0; i < done; i++) {
+        const req_result *x = &m->req[m->run[i]];
+        hits += x->hits;
+        lookups += x->hits + x->misses;
     }
-    fprintf(stderr, "bench: %-6s %6d/%d requests, %8.1f s", k_mode_names[mode], done, b->w.n_req,
+    fprintf(stderr, "bench: %-6s %6d/%d requests, %8.1f s", k_mode_names[mode], done, m->n_run,
             elapsed);
     if (lookups) fprintf(stderr, ", chunk hit rate %.3f", (double)hits / lookups);
     fputc('\n', stderr);
@@ -837,8 +856,8 @@ static void progress_line(const bench *b, int mode, int done, double elapsed) {
 
 static void maybe_progress(const bench *b, int mode, int before, int after, double t0) {
     if (!b->progress) return;
-    int step = b->w.n_req / 20 > 0 ? b->w.n_req / 20 : 1;
-    if (after / step != before / step || after == b->w.n_req)
+    int n = b->res[mode].n_run, step = n / 20 > 0 ? n / 20 : 1;
+    if (after / step != before / step || after == n)
         progress_line(b, mode, after, rk_time_now() - t0);
 }
 
@@ -1016,10 +1035,11 @@ static rk_status run_inproc(bench *b, int mode) {
         return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
     }
     double t0 = rk_time_now();
-    for (int j0 = 0; j0 < w->n_req; j0 += C) {
-        int n = w->n_req - j0 < C ? w->n_req - j0 : C, n_prep = 0;
+    for (int i0 = 0; i0 < m->n_run; i0 += C) {
+        int n = m->n_run - i0 < C ? m->n_run - i0 : C, n_prep = 0;
         double tb = rk_time_now();
-        for (int j = j0; j < j0 + n; j++) {
+        for (int i = i0; i < i0 + n; i++) {
+            int j = m->run[i];
             double tr = rk_time_now();
             rk_split pieces;
             rk_request *r = &reqs[n_prep];
@@ -1042,8 +1062,8 @@ static rk_status run_inproc(bench *b, int mode) {
         double prep_ms = (rk_time_now() - tb) * 1e3;
         st = rk_pipeline_run(svc, ptrs, n_prep, NULL);
         if (st && !m->error[0])
-            snprintf(m->error, sizeof m->error, "requests %d..%d: %s", j0, j0 + n - 1,
-                     rk_error_message());
+            snprintf(m->error, sizeof m->error, "requests %d..%d: %s", m->run[i0],
+                     m->run[i0 + n - 1], rk_error_message());
         for (int q = 0; q < n_prep; q++) {
             req_result *x = &m->req[idx[q]];
             if (!st) {
@@ -1056,7 +1076,7 @@ static rk_status run_inproc(bench *b, int mode) {
             }
             rk_request_free(ptrs[q]);
         }
-        maybe_progress(b, mode, j0, j0 + n, t0);
+        maybe_progress(b, mode, i0, i0 + n, t0);
     }
     m->wall_s = rk_time_now() - t0;
     rk_chunk_index_get_stats(svc->chunks, &s1);
@@ -1328,7 +1348,7 @@ static void *http_worker(void *arg) {
     mode_result *m = &b->res[job->mode];
     for (;;) {
         pthread_mutex_lock(&job->mu);
-        int j = job->next < b->w.n_req ? job->next++ : -1;
+        int j = job->next < m->n_run ? m->run[job->next++] : -1;
         pthread_mutex_unlock(&job->mu);
         if (j < 0) break;
         /* The same options as in-process (mode_options): greedy, no early stop. */
@@ -1586,8 +1606,8 @@ static void check_invariants(bench *b, int mode, int http) {
     mode_result *m = &b->res[mode];
     const workload *w = &b->w;
     if (m->error[0]) add_failure(m, "%s", m->error);
-    if (m->n_ok != w->n_req)
-        add_failure(m, "%d of %d requests failed", w->n_req - m->n_ok, w->n_req);
+    if (m->n_ok != m->n_run)
+        add_failure(m, "%d of %d requests failed", m->n_run - m->n_ok, m->n_run);
     int bad_sum = 0, bad_parts = 0, bad_reuse = 0, bad_k = 0;
     for (int j = 0; j < w->n_req; j++) {
         const req_result *x = &m->req[j];
@@ -1663,8 +1683,15 @@ static void print_table(bench *b, int http) {
            w->n_chunks, o->chunk_min, o->chunk_max, mean_chunk, w->corpus_tokens, w->n_sys, w->k,
            o->zipf, o->question_tokens, w->n_req, o->concurrency, o->max_tokens,
            (unsigned long long)o->seed, o->prewarm ? ", rag pre-warmed" : "");
-    printf("steady state: requests %d..%d (the first %d%% left out)\n\n", b->steady_from + 1,
+    printf("steady state: requests %d..%d (the first %d%% left out)\n", b->steady_from + 1,
            w->n_req, o->steady_pct);
+    for (int i = 0; i < o->n_modes; i++) {
+        const mode_result *m = &b->res[o->modes[i]];
+        if (m->ran && m->n_run != w->n_req)
+            printf("%s: every %d%s request of the list (%d of %d)\n", k_mode_names[o->modes[i]],
+                   o->baseline_every, o->baseline_every == 2 ? "nd" : "th", m->n_run, w->n_req);
+    }
+    printf("\n");
     printf("%-7s %10s %10s %10s %10s %10s %8s %10s %10s %10s %8s %8s %8s %8s %9s\n", "mode",
            "TTFT p50", "p90", "p99", "e2e p50", "p99", "req/s", "prompt", "computed", "reused",
            "hit", "(pred)", ">=1 hit", "(pred)", "peak MiB");
@@ -1777,7 +1804,7 @@ static json_t *mode_json(const bench *b, int mode, int http) {
     json_t *fails = json_array();
     for (int f = 0; f < m->n_fail; f++) json_array_append_new(fails, json_string(m->fail[f]));
     json_t *o = json_object();
-    json_object_set_new(o, "requests", json_integer(b->w.n_req));
+    json_object_set_new(o, "requests", json_integer(m->n_run));
     json_object_set_new(o, "ok", json_integer(m->n_ok));
     json_object_set_new(o, "wall_s", num(m->wall_s));
     json_object_set_new(o, "requests_per_s", num(m->rps));
@@ -1871,13 +1898,13 @@ static json_t *bench_json(const bench *b, int http, int all_ok) {
     }
     double mean_chunk = (double)w->corpus_tokens / w->n_chunks;
     json_t *wl = json_pack(
-        "{s:i, s:I, s:f, s:i, s:i, s:i, s:f, s:i, s:i, s:i, s:i, s:i, s:I, s:i, s:b, s:i}",
+        "{s:i, s:I, s:f, s:i, s:i, s:i, s:f, s:i, s:i, s:i, s:i, s:i, s:I, s:i, s:b, s:i, s:i}",
         "corpus", w->n_chunks, "corpus_tokens", (json_int_t)w->corpus_tokens, "mean_chunk_tokens",
         mean_chunk, "chunk_tokens_min", o->chunk_min, "chunk_tokens_max", o->chunk_max, "k", w->k,
         "zipf", o->zipf, "systems", w->n_sys, "system_tokens", o->system_tokens, "question_tokens",
         o->question_tokens, "requests", w->n_req, "concurrency", o->concurrency, "seed",
         (json_int_t)o->seed, "max_tokens", o->max_tokens, "prewarm", o->prewarm, "steady_from",
-        b->steady_from);
+        b->steady_from, "baseline_every", o->baseline_every);
     json_t *root = json_object();
     json_object_set_new(root, "model", json_string(b->model_name));
     json_object_set_new(root, "model_name", json_string(b->model_desc));
@@ -1989,10 +2016,11 @@ static rk_status write_svg(const bench *b, const char *path, int http) {
     }
     int legend = 0, n_legend = 0;
     for (int i = 0; i < o->n_modes; i++) n_legend += b->res[o->modes[i]].ran;
+    double lx = r1 - (o->baseline_every > 1 ? 225 : 200); /* legend box, wider for "n N" */
     fprintf(f,
-            "<rect x=\"%.1f\" y=\"%.1f\" width=\"190\" height=\"%d\" fill=\"white\" "
+            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"white\" "
             "fill-opacity=\"0.85\" stroke=\"#ccc\"/>\n",
-            r1 - 200, bottom - 28 - 18 * (n_legend - 1), 18 * n_legend + 8);
+            lx, bottom - 28 - 18 * (n_legend - 1), (int)(r1 - lx - 10), 18 * n_legend + 8);
     for (int i = 0; i < o->n_modes; i++) {
         int mode = o->modes[i];
         const mode_result *m = &b->res[mode];
@@ -2013,11 +2041,14 @@ static rk_status write_svg(const bench *b, const char *path, int http) {
         fprintf(f,
                 "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
                 "stroke-width=\"3\"/>\n",
-                r1 - 192, ly - 4, r1 - 170, ly - 4, k_colors[mode]);
+                lx + 8, ly - 4, lx + 30, ly - 4, k_colors[mode]);
         char lab[64], ms[32];
         fmt_ms(ms, sizeof ms, m->ttft[0]);
-        snprintf(lab, sizeof lab, "%s (p50 %s ms)", k_mode_names[mode], ms);
-        svg_text(f, r1 - 164, ly, "start", 12, lab);
+        if (m->n_run != w->n_req) /* a --baseline-every sample */
+            snprintf(lab, sizeof lab, "%s (p50 %s ms, n %d)", k_mode_names[mode], ms, m->n_run);
+        else
+            snprintf(lab, sizeof lab, "%s (p50 %s ms)", k_mode_names[mode], ms);
+        svg_text(f, lx + 36, ly, "start", 12, lab);
     }
 
     /* Panel 2: the rag hit rate over time, running mean, with the prediction. */
@@ -2165,10 +2196,17 @@ int rk_bench_main(int argc, char **argv) {
     b->steady_from = (int)((long)b->w.n_req * o->steady_pct / 100);
     if (b->steady_from >= b->w.n_req) b->steady_from = 0;
     for (int i = 0; i < N_MODES && !st; i++) {
-        b->res[i].mode = i;
-        b->res[i].vmhwm_kb = -1;
-        b->res[i].req = calloc((size_t)b->w.n_req, sizeof *b->res[i].req);
-        if (!b->res[i].req) st = rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
+        mode_result *m = &b->res[i];
+        m->mode = i;
+        m->vmhwm_kb = -1;
+        m->req = calloc((size_t)b->w.n_req, sizeof *m->req);
+        m->run = calloc((size_t)b->w.n_req, sizeof *m->run);
+        if (!m->req || !m->run) {
+            st = rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
+            break;
+        }
+        int every = i == MODE_RAG ? 1 : o->baseline_every;
+        for (int j = 0; j < b->w.n_req; j += every) m->run[m->n_run++] = j;
     }
     if (!st && http) {
         /* The server answers 503 while it loads its model: wait for it, up to
@@ -2229,7 +2267,10 @@ int rk_bench_main(int argc, char **argv) {
                             k_mode_names[o->modes[i]], b->res[o->modes[i]].fail[f]);
         rc = all_ok ? 0 : EXIT_FAILURE;
     }
-    for (int i = 0; i < N_MODES; i++) free(b->res[i].req);
+    for (int i = 0; i < N_MODES; i++) {
+        free(b->res[i].req);
+        free(b->res[i].run);
+    }
     workload_free(&b->w);
     free(b);
     return rc;

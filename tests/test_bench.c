@@ -184,6 +184,27 @@ Test(bench, a_small_chunk_pool_warns_and_evicts_but_keeps_the_invariants, .timeo
     json_decref(root);
 }
 
+Test(bench, baseline_every_samples_plain_and_prefix_over_the_same_list, .timeout = 120) {
+    json_t *root =
+        run_bench(SMALL " --modes plain,prefix,rag --baseline-every 4 --kv-dtype bf16", 0);
+    cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
+    cr_expect_eq(geti(json_object_get(root, "workload"), "baseline_every", NULL), 4);
+    json_t *modes = json_object_get(root, "modes");
+    /* Requests 0, 4, ..., 28 of the 30: eight; rag runs every one. */
+    for (int i = 0; i < 2; i++) {
+        json_t *m = json_object_get(modes, i ? "prefix" : "plain");
+        cr_expect_eq(geti(m, "requests", NULL), 8);
+        cr_expect_eq(geti(m, "ok", NULL), 8);
+        json_t *each = json_object_get(json_object_get(m, "each"), "ttft_ms");
+        for (size_t j = 0; j < json_array_size(each); j++)
+            cr_expect_eq(json_is_null(json_array_get(each, j)), j % 4 != 0, "request %zu", j);
+    }
+    json_t *rag = json_object_get(modes, "rag");
+    cr_expect_eq(geti(rag, "requests", NULL), 30);
+    cr_expect_eq(geti(rag, "chunks", "lookups"), 90);
+    json_decref(root);
+}
+
 Test(bench, plot_is_a_complete_svg_with_one_curve_per_mode, .timeout = 120) {
     char *dir = rk_test_tmpdir("bench_plot");
     char path[512], args[1024];
@@ -204,10 +225,17 @@ Test(bench, plot_is_a_complete_svg_with_one_curve_per_mode, .timeout = 120) {
 }
 
 Test(bench, rejects_bad_usage_with_status_2) {
-    const char *bad[] = {
-        "--modes plain,bogus",        "--modes rag,rag",   "--chunk-tokens 64:32",
-        "--chunk-tokens 64",          "--k 10 --corpus 5", "--url http://10.1.2.3:80",
-        "--url https://127.0.0.1:80", "--requests 0",      "extra"};
+    const char *bad[] = {"--modes plain,bogus",
+                         "--modes rag,rag",
+                         "--chunk-tokens 64:32",
+                         "--chunk-tokens 64",
+                         "--k 10 --corpus 5",
+                         "--url http://10.1.2.3:80",
+                         "--url https://127.0.0.1:80",
+                         "--requests 0",
+                         "--baseline-every 0",
+                         "--kv-dtype f8",
+                         "extra"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char cmd[512];
         snprintf(cmd, sizeof cmd, "%s bench %s 2>/dev/null", RK_BIN, bad[i]);
