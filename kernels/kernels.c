@@ -4,6 +4,7 @@
 #include "kernels/kernels.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels/cpu/cpu.h"
@@ -212,6 +213,162 @@ int rk_argmax_f32(const float *x, int n) {
         }
     }
     return best;
+}
+
+/* ---------------------------------------------------------------- argument checks */
+
+int64_t rk_kv_slots(const rk_kv_cache *kv) { return (int64_t)kv->n_blocks * kv->block_size; }
+
+static rk_status check_cache(const rk_kv_cache *kv, const char *op) {
+    if (!kv || kv->n_layers <= 0 || kv->n_blocks <= 0 || kv->block_size <= 0 ||
+        kv->n_kv_heads <= 0 || kv->head_dim <= 0 || !kv->k || !kv->v)
+        return rk_errorf(RK_ERR_INVALID, "%s: malformed KV cache", op);
+    if (rk_dtype_size(kv->dtype) == 0)
+        return rk_errorf(RK_ERR_INVALID, "%s: bad KV dtype %d", op, (int)kv->dtype);
+    return RK_OK;
+}
+
+static int cmp_i32(const void *a, const void *b) {
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Sort the slots >= 0 of slots(n) into tmp (n) and report the first
+ * duplicate; returns the number of sorted slots, or -1 on a duplicate. */
+static int sort_unique(const int32_t *slots, int n, int32_t *tmp, int32_t *out_dup) {
+    int m = 0;
+    for (int i = 0; i < n; i++)
+        if (slots[i] >= 0) tmp[m++] = slots[i];
+    qsort(tmp, (size_t)m, sizeof *tmp, cmp_i32);
+    for (int i = 1; i < m; i++) {
+        if (tmp[i] == tmp[i - 1]) {
+            *out_dup = tmp[i];
+            return -1;
+        }
+    }
+    return m;
+}
+
+rk_status rk_kv_check_write(const rk_kv_cache *kv, int layer, int n_tokens) {
+    rk_status st = check_cache(kv, "kv_write");
+    if (st != RK_OK) return st;
+    if (layer < 0 || layer >= kv->n_layers)
+        return rk_errorf(RK_ERR_INVALID, "kv_write: layer %d out of range [0, %d)", layer,
+                         kv->n_layers);
+    if (n_tokens < 0) return rk_errorf(RK_ERR_INVALID, "kv_write: n_tokens %d < 0", n_tokens);
+    return RK_OK;
+}
+
+rk_status rk_kv_check_write_slots(const rk_kv_cache *kv, const int32_t *slots, int n_tokens,
+                                  int32_t *tmp) {
+    int64_t total = rk_kv_slots(kv);
+    for (int t = 0; t < n_tokens; t++)
+        if (slots[t] >= total)
+            return rk_errorf(RK_ERR_INVALID, "kv_write: token %d slot %d out of range [0, %lld)", t,
+                             slots[t], (long long)total);
+    int32_t dup;
+    if (sort_unique(slots, n_tokens, tmp, &dup) < 0)
+        return rk_errorf(RK_ERR_INVALID, "kv_write: slot %d is written twice", dup);
+    return RK_OK;
+}
+
+rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *rope) {
+    rk_status st = check_cache(kv, "rope_shift_copy");
+    if (st != RK_OK) return st;
+    if (n_tokens < 0)
+        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_tokens %d < 0", n_tokens);
+    if (rope->n_rot <= 0 || (rope->n_rot & 1) || rope->n_rot > kv->head_dim ||
+        rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
+        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_rot %d does not fit head_dim %d",
+                         rope->n_rot, kv->head_dim);
+    return RK_OK;
+}
+
+rk_status rk_kv_check_shift_slots(const rk_kv_cache *kv, const int32_t *src_slots,
+                                  const int32_t *dst_slots, int n_tokens, int32_t *tmp) {
+    int64_t total = rk_kv_slots(kv);
+    for (int t = 0; t < n_tokens; t++) {
+        if (src_slots[t] < 0 || src_slots[t] >= total || dst_slots[t] < 0 || dst_slots[t] >= total)
+            return rk_errorf(RK_ERR_INVALID,
+                             "rope_shift_copy: token %d slots %d -> %d out of range [0, %lld)", t,
+                             src_slots[t], dst_slots[t], (long long)total);
+    }
+    int32_t *ds = tmp, *ss = tmp + n_tokens, dup;
+    if (sort_unique(dst_slots, n_tokens, ds, &dup) < 0)
+        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: destination slot %d is written twice",
+                         dup);
+    memcpy(ss, src_slots, (size_t)n_tokens * sizeof *ss);
+    qsort(ss, (size_t)n_tokens, sizeof *ss, cmp_i32);
+    for (int i = 0, j = 0; i < n_tokens && j < n_tokens;) { /* merge walk of two sorted lists */
+        if (ds[i] == ss[j])
+            return rk_errorf(RK_ERR_INVALID,
+                             "rope_shift_copy: slot %d is both a source and a destination", ds[i]);
+        if (ds[i] < ss[j])
+            i++;
+        else
+            j++;
+    }
+    return RK_OK;
+}
+
+rk_status rk_attn_check_shape(const int32_t *q_start, const int32_t *kv_len, int n_seqs,
+                              int n_heads, int n_kv_heads, int head_dim) {
+    if (n_seqs < 0) return rk_errorf(RK_ERR_INVALID, "attention: n_seqs %d < 0", n_seqs);
+    if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0)
+        return rk_errorf(RK_ERR_INVALID,
+                         "attention: n_heads %d must be a positive multiple of n_kv_heads %d",
+                         n_heads, n_kv_heads);
+    if (head_dim <= 0) return rk_errorf(RK_ERR_INVALID, "attention: head_dim %d", head_dim);
+    if (n_seqs > 0 && q_start[0] < 0)
+        return rk_errorf(RK_ERR_INVALID, "attention: q_start[0] = %d < 0", q_start[0]);
+    for (int s = 0; s < n_seqs; s++) {
+        int n_q = q_start[s + 1] - q_start[s];
+        if (n_q < 0)
+            return rk_errorf(RK_ERR_INVALID, "attention: q_start decreases at sequence %d", s);
+        if (kv_len[s] < n_q)
+            return rk_errorf(RK_ERR_INVALID, "attention: sequence %d has kv_len %d < %d query rows",
+                             s, kv_len[s], n_q);
+    }
+    return RK_OK;
+}
+
+static int64_t blocks_needed(const rk_kv_cache *kv, int kv_len) {
+    return ((int64_t)kv_len + kv->block_size - 1) / kv->block_size;
+}
+
+rk_status rk_attn_check_batch(const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
+                              int n_heads) {
+    if (!kv || !batch || kv->block_size <= 0 || kv->n_blocks <= 0 || !kv->k || !kv->v ||
+        rk_dtype_size(kv->dtype) == 0)
+        return rk_errorf(RK_ERR_INVALID, "attention: malformed KV cache or batch");
+    if (layer < 0 || layer >= kv->n_layers)
+        return rk_errorf(RK_ERR_INVALID, "attention: layer %d out of range [0, %d)", layer,
+                         kv->n_layers);
+    rk_status st = rk_attn_check_shape(batch->q_start, batch->kv_len, batch->n_seqs, n_heads,
+                                       kv->n_kv_heads, kv->head_dim);
+    if (st != RK_OK) return st;
+    for (int s = 0; s < batch->n_seqs; s++) {
+        int64_t need = blocks_needed(kv, batch->kv_len[s]);
+        if (need > batch->max_blocks)
+            return rk_errorf(RK_ERR_INVALID,
+                             "attention: sequence %d kv_len %d needs %lld blocks, table has %d", s,
+                             batch->kv_len[s], (long long)need, batch->max_blocks);
+    }
+    return RK_OK;
+}
+
+rk_status rk_attn_check_block_ids(const rk_kv_cache *kv, const rk_attn_batch *batch,
+                                  const int32_t *table) {
+    for (int s = 0; s < batch->n_seqs; s++) {
+        const int32_t *row = table + (size_t)s * batch->max_blocks;
+        int64_t need = blocks_needed(kv, batch->kv_len[s]);
+        for (int64_t b = 0; b < need; b++)
+            if (row[b] < 0 || row[b] >= kv->n_blocks)
+                return rk_errorf(RK_ERR_INVALID,
+                                 "attention: sequence %d block %lld is %d, not in [0, %d)", s,
+                                 (long long)b, row[b], kv->n_blocks);
+    }
+    return RK_OK;
 }
 
 /* ---------------------------------------------------------------- backends */

@@ -163,6 +163,37 @@ struct rk_backend {
 rk_status rk_backend_create(const char *name, int n_threads, rk_backend **out);
 void rk_backend_free(rk_backend *be);
 
+/* ---------------------------------------------------------------- argument checks
+ * What every backend verifies before an op touches memory, so that a bad call
+ * fails with RK_ERR_INVALID (the op's name in the message) and writes nothing.
+ * Index arrays here are host memory; tmp is caller scratch of the size given. */
+
+int64_t rk_kv_slots(const rk_kv_cache *kv); /* n_blocks * block_size */
+/* kv_write: a well-formed cache, layer in range, n_tokens >= 0. */
+rk_status rk_kv_check_write(const rk_kv_cache *kv, int layer, int n_tokens);
+/* kv_write slots(n_tokens): each below rk_kv_slots (negative: skipped), none
+ * named twice; tmp (n_tokens). */
+rk_status rk_kv_check_write_slots(const rk_kv_cache *kv, const int32_t *slots, int n_tokens,
+                                  int32_t *tmp);
+/* rope_shift_copy: a well-formed cache, n_tokens >= 0, n_rot fits head_dim. */
+rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *rope);
+/* rope_shift_copy slots: all in range, no destination twice, no slot both a
+ * source and a destination; tmp (2 * n_tokens). */
+rk_status rk_kv_check_shift_slots(const rk_kv_cache *kv, const int32_t *src_slots,
+                                  const int32_t *dst_slots, int n_tokens, int32_t *tmp);
+/* attention: n_heads a multiple of n_kv_heads, q_start non-decreasing from
+ * >= 0, kv_len[s] >= the query rows of sequence s. */
+rk_status rk_attn_check_shape(const int32_t *q_start, const int32_t *kv_len, int n_seqs,
+                              int n_heads, int n_kv_heads, int head_dim);
+/* attention over kv: a well-formed cache, layer in range, the shape above, and
+ * every kv_len within the batch's max_blocks. */
+rk_status rk_attn_check_batch(const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
+                              int n_heads);
+/* every block id the kv range of a sequence uses is in [0, n_blocks); table is
+ * a host copy of batch->block_table. */
+rk_status rk_attn_check_block_ids(const rk_kv_cache *kv, const rk_attn_batch *batch,
+                                  const int32_t *table);
+
 /* Index of the largest element (first on ties); CPU helper used by samplers. */
 int rk_argmax_f32(const float *x, int n);
 

@@ -680,56 +680,15 @@ static rk_status attn_run(attn_ctx *c, int n_seqs) {
     return RK_OK;
 }
 
-static rk_status check_batch(const int32_t *q_start, const int32_t *kv_len, int n_seqs, int n_heads,
-                             int n_kv_heads, int head_dim) {
-    if (n_seqs < 0) return rk_errorf(RK_ERR_INVALID, "attention: n_seqs %d < 0", n_seqs);
-    if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0)
-        return rk_errorf(RK_ERR_INVALID,
-                         "attention: n_heads %d must be a positive multiple of n_kv_heads %d",
-                         n_heads, n_kv_heads);
-    if (head_dim <= 0) return rk_errorf(RK_ERR_INVALID, "attention: head_dim %d", head_dim);
-    if (n_seqs > 0 && q_start[0] < 0)
-        return rk_errorf(RK_ERR_INVALID, "attention: q_start[0] = %d < 0", q_start[0]);
-    for (int s = 0; s < n_seqs; s++) {
-        int n_q = q_start[s + 1] - q_start[s];
-        if (n_q < 0)
-            return rk_errorf(RK_ERR_INVALID, "attention: q_start decreases at sequence %d", s);
-        if (kv_len[s] < n_q)
-            return rk_errorf(RK_ERR_INVALID, "attention: sequence %d has kv_len %d < %d query rows",
-                             s, kv_len[s], n_q);
-    }
-    return RK_OK;
-}
-
 /* Paged attention (the attention op of the table). Validates the batch: every
  * block id the kv range of a sequence uses must lie in [0, n_blocks), and
  * kv_len must fit the table and be >= the number of query rows. */
 rk_status rk_cpu_attention(rk_backend *be, float *out, float *lse, const float *q,
                            const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
                            int n_heads, float scale) {
-    if (!kv || !batch || kv->block_size <= 0 || kv->n_blocks <= 0 || !kv->k || !kv->v ||
-        rk_dtype_size(kv->dtype) == 0)
-        return rk_errorf(RK_ERR_INVALID, "attention: malformed KV cache or batch");
-    if (layer < 0 || layer >= kv->n_layers)
-        return rk_errorf(RK_ERR_INVALID, "attention: layer %d out of range [0, %d)", layer,
-                         kv->n_layers);
-    rk_status st = check_batch(batch->q_start, batch->kv_len, batch->n_seqs, n_heads,
-                               kv->n_kv_heads, kv->head_dim);
+    rk_status st = rk_attn_check_batch(kv, layer, batch, n_heads);
+    if (st == RK_OK) st = rk_attn_check_block_ids(kv, batch, batch->block_table);
     if (st != RK_OK) return st;
-    for (int s = 0; s < batch->n_seqs; s++) {
-        int L = batch->kv_len[s];
-        int64_t need = ((int64_t)L + kv->block_size - 1) / kv->block_size;
-        if (need > batch->max_blocks)
-            return rk_errorf(RK_ERR_INVALID,
-                             "attention: sequence %d kv_len %d needs %lld blocks, table has %d", s,
-                             L, (long long)need, batch->max_blocks);
-        const int32_t *row = batch->block_table + (size_t)s * batch->max_blocks;
-        for (int64_t b = 0; b < need; b++)
-            if (row[b] < 0 || row[b] >= kv->n_blocks)
-                return rk_errorf(RK_ERR_INVALID,
-                                 "attention: sequence %d block %lld is %d, not in [0, %d)", s,
-                                 (long long)b, row[b], kv->n_blocks);
-    }
     attn_ctx c = {0};
     c.cpu = be->impl;
     c.out = out;
@@ -758,7 +717,7 @@ rk_status rk_cpu_attention_contig(rk_backend *be, float *out, float *lse, const 
                                   const int32_t *kv_len, int n_seqs, int n_heads, float scale) {
     if (rk_dtype_size(dtype) == 0)
         return rk_errorf(RK_ERR_INVALID, "attention: bad dtype %d", (int)dtype);
-    rk_status st = check_batch(q_start, kv_len, n_seqs, n_heads, n_kv_heads, head_dim);
+    rk_status st = rk_attn_check_shape(q_start, kv_len, n_seqs, n_heads, n_kv_heads, head_dim);
     if (st != RK_OK) return st;
     attn_ctx c = {0};
     c.cpu = be->impl;

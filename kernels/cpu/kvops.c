@@ -11,37 +11,6 @@
 
 #include "kernels/cpu/cpu.h"
 
-static int cmp_i32(const void *a, const void *b) {
-    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    return (x > y) - (x < y);
-}
-
-static int64_t cache_slots(const rk_kv_cache *kv) { return (int64_t)kv->n_blocks * kv->block_size; }
-
-static rk_status check_cache(const rk_kv_cache *kv, const char *op) {
-    if (!kv || kv->n_layers <= 0 || kv->n_blocks <= 0 || kv->block_size <= 0 ||
-        kv->n_kv_heads <= 0 || kv->head_dim <= 0 || !kv->k || !kv->v)
-        return rk_errorf(RK_ERR_INVALID, "%s: malformed KV cache", op);
-    if (rk_dtype_size(kv->dtype) == 0)
-        return rk_errorf(RK_ERR_INVALID, "%s: bad KV dtype %d", op, (int)kv->dtype);
-    return RK_OK;
-}
-
-/* Sort the n slots into tmp (n) and report the first duplicate >= 0, if any. */
-static int find_duplicate(const int32_t *slots, int n, int32_t *tmp, int32_t *out_dup) {
-    int m = 0;
-    for (int i = 0; i < n; i++)
-        if (slots[i] >= 0) tmp[m++] = slots[i];
-    qsort(tmp, (size_t)m, sizeof *tmp, cmp_i32);
-    for (int i = 1; i < m; i++) {
-        if (tmp[i] == tmp[i - 1]) {
-            *out_dup = tmp[i];
-            return 1;
-        }
-    }
-    return 0;
-}
-
 /* ---------------------------------------------------------------- kv_write */
 
 typedef struct write_ctx {
@@ -76,24 +45,12 @@ static void write_task(void *p, int task, int tid) {
 rk_status rk_cpu_kv_write(rk_backend *be, const rk_kv_cache *kv, int layer, const float *k,
                           const float *v, const int32_t *slots, int n_tokens) {
     rk_cpu *cpu = be->impl;
-    rk_status st = check_cache(kv, "kv_write");
-    if (st != RK_OK) return st;
-    if (layer < 0 || layer >= kv->n_layers)
-        return rk_errorf(RK_ERR_INVALID, "kv_write: layer %d out of range [0, %d)", layer,
-                         kv->n_layers);
-    if (n_tokens < 0) return rk_errorf(RK_ERR_INVALID, "kv_write: n_tokens %d < 0", n_tokens);
-    if (n_tokens == 0) return RK_OK;
-    int64_t total = cache_slots(kv);
-    for (int t = 0; t < n_tokens; t++)
-        if (slots[t] >= total)
-            return rk_errorf(RK_ERR_INVALID, "kv_write: token %d slot %d out of range [0, %lld)", t,
-                             slots[t], (long long)total);
+    rk_status st = rk_kv_check_write(kv, layer, n_tokens);
+    if (st != RK_OK || n_tokens == 0) return st;
     void *tmp;
-    st = rk_cpu_reserve_shared(cpu, (size_t)n_tokens * sizeof(int32_t), &tmp);
-    if (st != RK_OK) return st;
-    int32_t dup;
-    if (find_duplicate(slots, n_tokens, tmp, &dup))
-        return rk_errorf(RK_ERR_INVALID, "kv_write: slot %d is written twice", dup);
+    if ((st = rk_cpu_reserve_shared(cpu, (size_t)n_tokens * sizeof(int32_t), &tmp)) != RK_OK ||
+        (st = rk_kv_check_write_slots(kv, slots, n_tokens, tmp)) != RK_OK)
+        return st;
 
     size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
     int per = (int)(16384 / row);
@@ -171,41 +128,12 @@ rk_status rk_cpu_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv, const in
                                  const int32_t *dst_slots, const int32_t *delta, int n_tokens,
                                  const rk_rope *rope) {
     rk_cpu *cpu = be->impl;
-    rk_status st = check_cache(kv, "rope_shift_copy");
-    if (st != RK_OK) return st;
-    if (n_tokens < 0)
-        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_tokens %d < 0", n_tokens);
-    if (rope->n_rot <= 0 || (rope->n_rot & 1) || rope->n_rot > kv->head_dim ||
-        rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
-        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_rot %d does not fit head_dim %d",
-                         rope->n_rot, kv->head_dim);
-    if (n_tokens == 0) return RK_OK;
-    int64_t total = cache_slots(kv);
-    for (int t = 0; t < n_tokens; t++) {
-        if (src_slots[t] < 0 || src_slots[t] >= total || dst_slots[t] < 0 || dst_slots[t] >= total)
-            return rk_errorf(RK_ERR_INVALID,
-                             "rope_shift_copy: token %d slots %d -> %d out of range [0, %lld)", t,
-                             src_slots[t], dst_slots[t], (long long)total);
-    }
-    void *buf;
-    st = rk_cpu_reserve_shared(cpu, 2 * (size_t)n_tokens * sizeof(int32_t), &buf);
-    if (st != RK_OK) return st;
-    int32_t *ds = buf, *ss = ds + n_tokens;
-    int32_t dup;
-    if (find_duplicate(dst_slots, n_tokens, ds, &dup))
-        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: destination slot %d is written twice",
-                         dup);
-    memcpy(ss, src_slots, (size_t)n_tokens * sizeof(int32_t));
-    qsort(ss, (size_t)n_tokens, sizeof *ss, cmp_i32);
-    for (int i = 0, j = 0; i < n_tokens && j < n_tokens;) {
-        if (ds[i] == ss[j])
-            return rk_errorf(RK_ERR_INVALID,
-                             "rope_shift_copy: slot %d is both a source and a destination", ds[i]);
-        if (ds[i] < ss[j])
-            i++;
-        else
-            j++;
-    }
+    rk_status st = rk_kv_check_shift(kv, n_tokens, rope);
+    if (st != RK_OK || n_tokens == 0) return st;
+    void *tmp;
+    if ((st = rk_cpu_reserve_shared(cpu, 2 * (size_t)n_tokens * sizeof(int32_t), &tmp)) != RK_OK ||
+        (st = rk_kv_check_shift_slots(kv, src_slots, dst_slots, n_tokens, tmp)) != RK_OK)
+        return st;
 
     int half = rope->n_rot / 2;
     size_t row = (size_t)kv->n_kv_heads * kv->head_dim;

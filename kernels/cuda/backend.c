@@ -350,51 +350,15 @@ static rk_status cuda_swiglu(rk_backend *be, float *out, const float *gate, cons
 
 /* ---------------------------------------------------------------- KV cache ops */
 
-static int64_t cache_slots(const rk_kv_cache *kv) { return (int64_t)kv->n_blocks * kv->block_size; }
-
-static rk_status check_cache(const rk_kv_cache *kv, const char *op) {
-    if (!kv || kv->n_layers <= 0 || kv->n_blocks <= 0 || kv->block_size <= 0 ||
-        kv->n_kv_heads <= 0 || kv->head_dim <= 0 || !kv->k || !kv->v)
-        return rk_errorf(RK_ERR_INVALID, "%s: malformed KV cache", op);
-    if (rk_dtype_size(kv->dtype) == 0)
-        return rk_errorf(RK_ERR_INVALID, "%s: bad KV dtype %d", op, (int)kv->dtype);
-    return RK_OK;
-}
-
-static int cmp_i32(const void *a, const void *b) {
-    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
-    return (x > y) - (x < y);
-}
-
-/* Sort the slots >= 0 of slots(n) into tmp (n) and report the first duplicate. */
-static int find_duplicate(const int32_t *slots, int n, int32_t *tmp, int32_t *out_dup) {
-    int m = 0;
-    for (int i = 0; i < n; i++)
-        if (slots[i] >= 0) tmp[m++] = slots[i];
-    qsort(tmp, (size_t)m, sizeof *tmp, cmp_i32);
-    for (int i = 1; i < m; i++) {
-        if (tmp[i] == tmp[i - 1]) {
-            *out_dup = tmp[i];
-            return 1;
-        }
-    }
-    return 0;
-}
-
 /* slots are device memory. The kernels check them (a slot past the cache or
  * a slot named twice fails the call with nothing written, reported at the
  * next sync); check mode copies them back and checks them here first. */
 static rk_status cuda_kv_write(rk_backend *be, const rk_kv_cache *kv, int layer, const float *k,
                                const float *v, const int32_t *slots, int n_tokens) {
     rk_cuda *cu = cu_of(be);
-    rk_status st = check_cache(kv, "kv_write");
-    if (st != RK_OK) return st;
-    if (layer < 0 || layer >= kv->n_layers)
-        return rk_errorf(RK_ERR_INVALID, "kv_write: layer %d out of range [0, %d)", layer,
-                         kv->n_layers);
-    if (n_tokens < 0) return rk_errorf(RK_ERR_INVALID, "kv_write: n_tokens %d < 0", n_tokens);
-    if (n_tokens == 0) return RK_OK;
-    int64_t total = cache_slots(kv);
+    rk_status st = rk_kv_check_write(kv, layer, n_tokens);
+    if (st != RK_OK || n_tokens == 0) return st;
+    int64_t total = rk_kv_slots(kv);
     size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
     if (row > INT32_MAX) return rk_errorf(RK_ERR_LIMIT, "kv_write: rows of %zu elements", row);
     if (cu->check) {
@@ -402,15 +366,9 @@ static rk_status cuda_kv_write(rk_backend *be, const rk_kv_cache *kv, int layer,
         if ((st = host_reserve(cu, 2 * nb, "kv_write")) != RK_OK ||
             (st = d2h_sync(cu, cu->host, slots, nb, "kv_write")) != RK_OK)
             return st;
-        const int32_t *h = (const int32_t *)cu->host;
-        for (int t = 0; t < n_tokens; t++)
-            if (h[t] >= total)
-                return rk_errorf(RK_ERR_INVALID,
-                                 "kv_write: token %d slot %d out of range [0, %lld)", t, h[t],
-                                 (long long)total);
-        int32_t dup;
-        if (find_duplicate(h, n_tokens, (int32_t *)(cu->host + nb), &dup))
-            return rk_errorf(RK_ERR_INVALID, "kv_write: slot %d is written twice", dup);
+        st = rk_kv_check_write_slots(kv, (const int32_t *)cu->host, n_tokens,
+                                     (int32_t *)(cu->host + nb));
+        if (st != RK_OK) return st;
     }
     size_t words = (size_t)((total + 31) / 32);
     if ((st = dbuf_reserve(cu, &cu->bits, words * sizeof(unsigned), 1, "kv_write bitmap")) != RK_OK)
@@ -437,44 +395,17 @@ static rk_status cuda_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv,
                                       const int32_t *src_slots, const int32_t *dst_slots,
                                       const int32_t *delta, int n_tokens, const rk_rope *rope) {
     rk_cuda *cu = cu_of(be);
-    rk_status st = check_cache(kv, "rope_shift_copy");
-    if (st != RK_OK) return st;
-    if (n_tokens < 0)
-        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_tokens %d < 0", n_tokens);
-    if (rope->n_rot <= 0 || (rope->n_rot & 1) || rope->n_rot > kv->head_dim ||
-        rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
-        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_rot %d does not fit head_dim %d",
-                         rope->n_rot, kv->head_dim);
-    if (n_tokens == 0) return RK_OK;
+    rk_status st = rk_kv_check_shift(kv, n_tokens, rope);
+    if (st != RK_OK || n_tokens == 0) return st;
     if (kv->n_layers > 65535)
         return rk_errorf(RK_ERR_LIMIT, "rope_shift_copy: %d layers (at most 65535)", kv->n_layers);
-    int64_t total = cache_slots(kv);
-    for (int t = 0; t < n_tokens; t++) {
-        if (src_slots[t] < 0 || src_slots[t] >= total || dst_slots[t] < 0 || dst_slots[t] >= total)
-            return rk_errorf(RK_ERR_INVALID,
-                             "rope_shift_copy: token %d slots %d -> %d out of range [0, %lld)", t,
-                             src_slots[t], dst_slots[t], (long long)total);
-    }
     size_t nb = (size_t)n_tokens * sizeof(int32_t);
     size_t ptr_bytes = 2 * (size_t)kv->n_layers * sizeof(void *);
     size_t stage = ptr_bytes + 3 * nb;
-    if ((st = host_reserve(cu, stage + 2 * nb, "rope_shift_copy")) != RK_OK) return st;
-    int32_t *ds = (int32_t *)(cu->host + stage), *ss = ds + n_tokens;
-    int32_t dup;
-    if (find_duplicate(dst_slots, n_tokens, ds, &dup))
-        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: destination slot %d is written twice",
-                         dup);
-    memcpy(ss, src_slots, nb);
-    qsort(ss, (size_t)n_tokens, sizeof *ss, cmp_i32);
-    for (int i = 0, j = 0; i < n_tokens && j < n_tokens;) {
-        if (ds[i] == ss[j])
-            return rk_errorf(RK_ERR_INVALID,
-                             "rope_shift_copy: slot %d is both a source and a destination", ds[i]);
-        if (ds[i] < ss[j])
-            i++;
-        else
-            j++;
-    }
+    if ((st = host_reserve(cu, stage + 2 * nb, "rope_shift_copy")) != RK_OK ||
+        (st = rk_kv_check_shift_slots(kv, src_slots, dst_slots, n_tokens,
+                                      (int32_t *)(cu->host + stage))) != RK_OK)
+        return st;
     /* staging: layer pointers (K then V), then src, dst, delta */
     void **ptrs = (void **)cu->host;
     for (int l = 0; l < kv->n_layers; l++) {
@@ -496,27 +427,6 @@ static rk_status cuda_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv,
 }
 
 /* ---------------------------------------------------------------- attention */
-
-static rk_status check_batch(const int32_t *q_start, const int32_t *kv_len, int n_seqs, int n_heads,
-                             int n_kv_heads, int head_dim) {
-    if (n_seqs < 0) return rk_errorf(RK_ERR_INVALID, "attention: n_seqs %d < 0", n_seqs);
-    if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0)
-        return rk_errorf(RK_ERR_INVALID,
-                         "attention: n_heads %d must be a positive multiple of n_kv_heads %d",
-                         n_heads, n_kv_heads);
-    if (head_dim <= 0) return rk_errorf(RK_ERR_INVALID, "attention: head_dim %d", head_dim);
-    if (n_seqs > 0 && q_start[0] < 0)
-        return rk_errorf(RK_ERR_INVALID, "attention: q_start[0] = %d < 0", q_start[0]);
-    for (int s = 0; s < n_seqs; s++) {
-        int n_q = q_start[s + 1] - q_start[s];
-        if (n_q < 0)
-            return rk_errorf(RK_ERR_INVALID, "attention: q_start decreases at sequence %d", s);
-        if (kv_len[s] < n_q)
-            return rk_errorf(RK_ERR_INVALID, "attention: sequence %d has kv_len %d < %d query rows",
-                             s, kv_len[s], n_q);
-    }
-    return RK_OK;
-}
 
 static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
@@ -660,24 +570,11 @@ static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const fl
                                 const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
                                 int n_heads, float scale) {
     rk_cuda *cu = cu_of(be);
-    if (!kv || !batch || kv->block_size <= 0 || kv->n_blocks <= 0 || !kv->k || !kv->v ||
-        rk_dtype_size(kv->dtype) == 0)
-        return rk_errorf(RK_ERR_INVALID, "attention: malformed KV cache or batch");
-    if (layer < 0 || layer >= kv->n_layers)
-        return rk_errorf(RK_ERR_INVALID, "attention: layer %d out of range [0, %d)", layer,
-                         kv->n_layers);
-    rk_status st = check_batch(batch->q_start, batch->kv_len, batch->n_seqs, n_heads,
-                               kv->n_kv_heads, kv->head_dim);
+    rk_status st = rk_attn_check_batch(kv, layer, batch, n_heads);
     if (st != RK_OK) return st;
-    int64_t need_max = 0;
-    for (int s = 0; s < batch->n_seqs; s++) {
-        int64_t need = ((int64_t)batch->kv_len[s] + kv->block_size - 1) / kv->block_size;
-        if (need > batch->max_blocks)
-            return rk_errorf(RK_ERR_INVALID,
-                             "attention: sequence %d kv_len %d needs %lld blocks, table has %d", s,
-                             batch->kv_len[s], (long long)need, batch->max_blocks);
-        if (need > need_max) need_max = need;
-    }
+    int max_kv = 0; /* the longest kv range: no block is read when it is 0 */
+    for (int s = 0; s < batch->n_seqs; s++)
+        if (batch->kv_len[s] > max_kv) max_kv = batch->kv_len[s];
     if (kv->head_dim > 512)
         return rk_errorf(RK_ERR_UNSUPPORTED,
                          "attention: head_dim %d > 512 is not supported on CUDA", kv->head_dim);
@@ -689,20 +586,13 @@ static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const fl
                          "attention: head_dim %d needs %zu bytes of shared memory, the device "
                          "allows %zu",
                          kv->head_dim, warp_smem, cu->smem_optin);
-    if (cu->check && batch->n_seqs > 0 && need_max > 0) {
+    if (cu->check && max_kv > 0) {
         size_t nb = (size_t)batch->n_seqs * batch->max_blocks * sizeof(int32_t);
         if ((st = host_reserve(cu, nb, "attention")) != RK_OK ||
             (st = d2h_sync(cu, cu->host, batch->block_table, nb, "attention")) != RK_OK)
             return st;
-        for (int s = 0; s < batch->n_seqs; s++) {
-            int64_t need = ((int64_t)batch->kv_len[s] + kv->block_size - 1) / kv->block_size;
-            const int32_t *row = (const int32_t *)cu->host + (size_t)s * batch->max_blocks;
-            for (int64_t b = 0; b < need; b++)
-                if (row[b] < 0 || row[b] >= kv->n_blocks)
-                    return rk_errorf(RK_ERR_INVALID,
-                                     "attention: sequence %d block %lld is %d, not in [0, %d)", s,
-                                     (long long)b, row[b], kv->n_blocks);
-        }
+        if ((st = rk_attn_check_block_ids(kv, batch, (const int32_t *)cu->host)) != RK_OK)
+            return st;
     }
     if ((st = attn_plan(cu, batch, n_heads, kv->n_kv_heads, kv->head_dim)) != RK_OK) return st;
     if (cu->plan_units == 0) return RK_OK;
