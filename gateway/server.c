@@ -29,6 +29,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "config/settings.h"
 #include "gateway/engine.h"
 #include "gateway/pipeline.h"
 #include "gateway/report.h"
@@ -60,97 +61,50 @@ typedef struct serve_opts {
     double token_delay_s;
 } serve_opts;
 
-typedef enum ftype { F_INT, F_LONG, F_FLOAT, F_DOUBLE, F_BOOL, F_STR } ftype;
-
-typedef struct field {
-    const char *name; /* config key; the env name is RAGKV_<NAME> */
-    const char *flag; /* --flag */
-    ftype type;
-    size_t off;
-    size_t size; /* F_STR: buffer size */
-    double lo, hi;
-    int invert;       /* F_BOOL flag sets 0 (--no-...) */
-    int secret;       /* redacted by --print-config */
-    const char *help; /* NULL: not listed by --help (testing aids are listed) */
-} field;
-
 #define OFF(m) offsetof(serve_opts, m)
 #define STR(m) OFF(m), sizeof(((serve_opts *)0)->m)
 
-static const field k_fields[] = {
-    {"model", "model", F_STR, STR(model), 0, 0, 0, 0,
+/* The server's own settings; rk_config's come from config/settings.c. */
+static const rk_setting k_serve_settings[] = {
+    {"model", "model", RK_SET_STR, STR(model), 0, 0, 0, 0,
      "F.gguf  model file (default: the embedded tiny model)"},
-    {"host", "host", F_STR, STR(host), 0, 0, 0, 0, "H  address to listen on (default: 127.0.0.1)"},
-    {"port", "port", F_INT, OFF(port), 0, 0, 65535, 0, 0,
+    {"host", "host", RK_SET_STR, STR(host), 0, 0, 0, 0,
+     "H  address to listen on (default: 127.0.0.1)"},
+    {"port", "port", RK_SET_INT, OFF(port), 0, 0, 65535, 0, 0,
      "P  port (default: 8080; 0 = any free port, printed)"},
-    {"api_key", "api-key", F_STR, STR(api_key), 0, 0, 0, 1,
+    {"api_key", "api-key", RK_SET_STR, STR(api_key), 0, 0, 0, 1,
      "KEY  require `Authorization: Bearer KEY` on every route but /health"},
-    {"admin_key", "admin-key", F_STR, STR(admin_key), 0, 0, 0, 1,
+    {"admin_key", "admin-key", RK_SET_STR, STR(admin_key), 0, 0, 0, 1,
      "KEY  require this key for cache flush and chunk delete"},
-    {"max_body_bytes", "max-body-bytes", F_LONG, OFF(max_body_bytes), 0, 1, 1LL << 34, 0, 0,
+    {"max_body_bytes", "max-body-bytes", RK_SET_LONG, OFF(max_body_bytes), 0, 1, 1LL << 34, 0, 0,
      "N  largest request body (default: 1048576; larger: 413)"},
-    {"queue", "queue", F_INT, OFF(queue), 0, 1, 1 << 20, 0, 0,
+    {"queue", "queue", RK_SET_INT, OFF(queue), 0, 1, 1 << 20, 0, 0,
      "N  requests waiting for the engine at most (default: 64; more: 503)"},
-    {"timeout_s", "timeout-s", F_DOUBLE, OFF(timeout_s), 0, 0.001, 1e7, 0, 0,
+    {"timeout_s", "timeout-s", RK_SET_DOUBLE, OFF(timeout_s), 0, 0.001, 1e7, 0, 0,
      "S  cancel a request waiting or running longer (default: 600)"},
-    {"max_batch", "max-batch", F_INT, OFF(max_batch), 0, 1, 4096, 0, 0,
+    {"max_batch", "max-batch", RK_SET_INT, OFF(max_batch), 0, 1, 4096, 0, 0,
      "N  requests run together at most (default: 16)"},
-    {"log_prompts", "log-prompts", F_BOOL, OFF(log_prompts), 0, 0, 1, 0, 0,
+    {"log_prompts", "log-prompts", RK_SET_BOOL, OFF(log_prompts), 0, 0, 1, 0, 0,
      "  log prompt text (never logged otherwise)"},
-    {"store_dir", "store", F_STR, OFF(cfg.store_dir), sizeof(((rk_config *)0)->store_dir), 0, 0, 0,
-     0, "DIR  persistent chunk store: the disk tier (default: none)"},
-    {"store_budget_mb", "store-budget-mb", F_INT, OFF(cfg.store_budget_mb), 0, 0, 1 << 30, 0, 0,
-     "N  payload MiB kept in the store (default: 0 = unlimited)"},
-    {"store_verify", "no-store-verify", F_BOOL, OFF(cfg.store_verify), 0, 0, 1, 1, 0,
-     "  check sizes and headers only when the store opens (no checksums)"},
-    {"grace_s", "grace-s", F_DOUBLE, OFF(grace_s), 0, 0, 3600, 0, 0,
+    {"grace_s", "grace-s", RK_SET_DOUBLE, OFF(grace_s), 0, 0, 3600, 0, 0,
      "S  on SIGINT/SIGTERM, let requests finish this long (default: 5)"},
-    {"http_threads", "http-threads", F_INT, OFF(http_threads), 0, 0, 4096, 0, 0,
+    {"http_threads", "http-threads", RK_SET_INT, OFF(http_threads), 0, 0, 4096, 0, 0,
      "N  HTTP worker threads (default: 0 = queue + 16)"},
-    {"log_level", "log-level", F_STR, STR(log_level), 0, 0, 0, 0,
+    {"log_level", "log-level", RK_SET_STR, STR(log_level), 0, 0, 0, 0,
      "L  debug|info|warn|error (default: warn)"},
-    {"backend", "backend", F_STR, OFF(cfg.backend), sizeof(((rk_config *)0)->backend), 0, 0, 0, 0,
-     "cpu|cuda  compute backend (default: cpu)"},
-    {"n_threads", "threads", F_INT, OFF(cfg.n_threads), 0, 0, 1024, 0, 0,
-     "N  compute threads (default: 0 = one per core)"},
-    {"block_size", "block-size", F_INT, OFF(cfg.block_size), 0, 1, 1 << 20, 0, 0,
-     "N  tokens per KV block, power of two 8..64 (default: 16)"},
-    {"kv_dtype", "kv-dtype", F_STR, OFF(cfg.kv_dtype), sizeof(((rk_config *)0)->kv_dtype), 0, 0, 0,
-     0, "T  KV storage type: f32, f16 or bf16 (default: f32)"},
-    {"kv_memory_mb", "kv-memory-mb", F_INT, OFF(cfg.kv_memory_mb), 0, 1, 1 << 24, 0, 0,
-     "N  KV cache budget in MiB (default: 1024)"},
-    {"share_live", "share-live", F_FLOAT, OFF(cfg.share_live), 0, 0, 1, 0, 0,
-     "F  budget share of requests in flight (default: 0.4)"},
-    {"share_prefix", "share-prefix", F_FLOAT, OFF(cfg.share_prefix), 0, 0, 1, 0, 0,
-     "F  budget share of the system-prompt cache (default: 0.1)"},
-    {"share_chunk", "share-chunk", F_FLOAT, OFF(cfg.share_chunk), 0, 0, 1, 0, 0,
-     "F  budget share of the chunk cache (default: 0.5)"},
-    {"live_blocks", "live-blocks", F_INT, OFF(cfg.live_blocks), 0, 0, 1 << 30, 0, 0,
-     "N  live pool blocks (overrides the share)"},
-    {"prefix_blocks", "prefix-blocks", F_INT, OFF(cfg.prefix_blocks), 0, 0, 1 << 30, 0, 0,
-     "N  prefix pool blocks (overrides the share)"},
-    {"chunk_blocks", "chunk-blocks", F_INT, OFF(cfg.chunk_blocks), 0, 0, 1 << 30, 0, 0,
-     "N  chunk pool blocks (overrides the share)"},
-    {"kv_poison", "kv-poison", F_BOOL, OFF(cfg.kv_poison), 0, 0, 1, 0, 0,
-     "  fill freed KV blocks with NaN (debugging)"},
-    {"prefix_cache", "no-prefix-cache", F_BOOL, OFF(cfg.prefix_cache), 0, 0, 1, 1, 0,
-     "  do not cache system prompts in the radix tree"},
-    {"chunk_entries", "chunk-entries", F_INT, OFF(cfg.chunk_entries), 0, 1, 1 << 30, 0, 0,
-     "N  chunks the index holds at most (default: 100000)"},
-    {"max_chunks", "max-chunks", F_INT, OFF(cfg.max_chunks), 0, 0, 1 << 20, 0, 0,
-     "N  chunks per request (default: 64; more: 422)"},
-    {"max_chunk_tokens", "max-chunk-tokens", F_INT, OFF(cfg.max_chunk_tokens), 0, 1, 1 << 30, 0, 0,
-     "N  tokens per chunk (default: 4096; more: 422)"},
-    {"max_context", "max-context", F_INT, OFF(cfg.max_context), 0, 0, 1 << 30, 0, 0,
-     "N  tokens per request, prompt + max_tokens (default: 0 = the model's)"},
-    {"max_tokens", "max-tokens", F_INT, OFF(cfg.max_tokens), 0, 1, 1 << 30, 0, 0,
-     "N  largest max_tokens a request may ask (default: 4096)"},
-    {"load_delay_s", "load-delay-s", F_DOUBLE, OFF(load_delay_s), 0, 0, 3600, 0, 0,
+    {"load_delay_s", "load-delay-s", RK_SET_DOUBLE, OFF(load_delay_s), 0, 0, 3600, 0, 0,
      "S  testing aid: wait before loading the model"},
-    {"token_delay_s", "token-delay-s", F_DOUBLE, OFF(token_delay_s), 0, 0, 60, 0, 0,
+    {"token_delay_s", "token-delay-s", RK_SET_DOUBLE, OFF(token_delay_s), 0, 0, 60, 0, 0,
      "S  testing aid: sleep after every generated token"},
 };
-#define N_FIELDS (sizeof k_fields / sizeof k_fields[0])
+
+/* The tables `ragkv serve` reads, bound to o: its own, then rk_config's. */
+enum { N_TABLES = 2 };
+static void bind_settings(serve_opts *o, rk_settings tabs[N_TABLES]) {
+    tabs[0] =
+        (rk_settings){k_serve_settings, sizeof k_serve_settings / sizeof k_serve_settings[0], o};
+    tabs[1] = (rk_settings){rk_config_settings, rk_config_n_settings, &o->cfg};
+}
 
 static void opts_defaults(serve_opts *o) {
     memset(o, 0, sizeof *o);
@@ -163,164 +117,6 @@ static void opts_defaults(serve_opts *o) {
     o->max_batch = 16;
     o->grace_s = 5;
     snprintf(o->log_level, sizeof o->log_level, "warn");
-}
-
-static const field *field_by_name(const char *name) {
-    for (size_t i = 0; i < N_FIELDS; i++)
-        if (!strcmp(k_fields[i].name, name)) return &k_fields[i];
-    return NULL;
-}
-
-/* Set a field from text (flags, environment). Returns 0 or -1 with msg filled. */
-static int set_from_text(serve_opts *o, const field *f, const char *s, char *msg, size_t cap) {
-    char *p = (char *)o + f->off, *end;
-    errno = 0;
-    switch (f->type) {
-    case F_INT:
-    case F_LONG: {
-        long long v = strtoll(s, &end, 10);
-        if (errno || end == s || *end || v < (long long)f->lo || v > (long long)f->hi) {
-            snprintf(msg, cap, "%s must be an integer from %.0f to %.0f, got '%s'", f->name, f->lo,
-                     f->hi, s);
-            return -1;
-        }
-        if (f->type == F_INT)
-            *(int *)p = (int)v;
-        else
-            *(long long *)p = v;
-        return 0;
-    }
-    case F_FLOAT:
-    case F_DOUBLE: {
-        double v = strtod(s, &end);
-        if (errno || end == s || *end || !(v >= f->lo && v <= f->hi)) {
-            snprintf(msg, cap, "%s must be a number from %g to %g, got '%s'", f->name, f->lo, f->hi,
-                     s);
-            return -1;
-        }
-        if (f->type == F_FLOAT)
-            *(float *)p = (float)v;
-        else
-            *(double *)p = v;
-        return 0;
-    }
-    case F_BOOL:
-        if (!strcmp(s, "1") || !strcmp(s, "true") || !strcmp(s, "yes"))
-            *(int *)p = 1;
-        else if (!strcmp(s, "0") || !strcmp(s, "false") || !strcmp(s, "no"))
-            *(int *)p = 0;
-        else {
-            snprintf(msg, cap, "%s must be true or false, got '%s'", f->name, s);
-            return -1;
-        }
-        return 0;
-    case F_STR:
-        if (strlen(s) >= f->size) {
-            snprintf(msg, cap, "%s is longer than %zu bytes", f->name, f->size - 1);
-            return -1;
-        }
-        snprintf(p, f->size, "%s", s);
-        return 0;
-    }
-    return -1;
-}
-
-/* Set a field from a JSON value of the config file. */
-static int set_from_json(serve_opts *o, const field *f, json_t *v, char *msg, size_t cap) {
-    char buf[64];
-    switch (f->type) {
-    case F_INT:
-    case F_LONG:
-        if (!json_is_integer(v)) break;
-        snprintf(buf, sizeof buf, "%lld", (long long)json_integer_value(v));
-        return set_from_text(o, f, buf, msg, cap);
-    case F_FLOAT:
-    case F_DOUBLE:
-        if (!json_is_number(v)) break;
-        snprintf(buf, sizeof buf, "%.17g", json_number_value(v));
-        return set_from_text(o, f, buf, msg, cap);
-    case F_BOOL:
-        if (!json_is_boolean(v) && !json_is_integer(v)) break;
-        return set_from_text(o, f, json_is_true(v) || json_integer_value(v) ? "1" : "0", msg, cap);
-    case F_STR:
-        if (!json_is_string(v)) break;
-        return set_from_text(o, f, json_string_value(v), msg, cap);
-    }
-    snprintf(msg, cap, "%s has the wrong type (want %s)", f->name,
-             f->type == F_STR                        ? "a string"
-             : f->type == F_BOOL                     ? "true or false"
-             : f->type == F_INT || f->type == F_LONG ? "an integer"
-                                                     : "a number");
-    return -1;
-}
-
-static int load_config_file(serve_opts *o, const char *path, char *msg, size_t cap) {
-    json_error_t je;
-    json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
-    if (!root) {
-        snprintf(msg, cap, "%s:%d:%d: %s", path, je.line, je.column, je.text);
-        return -1;
-    }
-    if (!json_is_object(root)) {
-        json_decref(root);
-        snprintf(msg, cap, "%s: the configuration must be a JSON object", path);
-        return -1;
-    }
-    const char *key;
-    json_t *v;
-    int rc = 0;
-    json_object_foreach(root, key, v) {
-        const field *f = field_by_name(key);
-        char m[256];
-        if (!f) {
-            snprintf(msg, cap, "%s: unknown setting \"%s\"", path, key);
-            rc = -1;
-            break;
-        }
-        if (set_from_json(o, f, v, m, sizeof m)) {
-            snprintf(msg, cap, "%s: %s", path, m);
-            rc = -1;
-            break;
-        }
-    }
-    json_decref(root);
-    return rc;
-}
-
-static int load_env(serve_opts *o, char *msg, size_t cap) {
-    for (size_t i = 0; i < N_FIELDS; i++) {
-        char name[64] = "RAGKV_";
-        size_t n = 6;
-        for (const char *p = k_fields[i].name; *p && n + 1 < sizeof name; p++)
-            name[n++] = (char)(*p >= 'a' && *p <= 'z' ? *p - 32 : *p);
-        name[n] = '\0';
-        const char *v = getenv(name);
-        char m[256];
-        if (v && set_from_text(o, &k_fields[i], v, m, sizeof m)) {
-            snprintf(msg, cap, "environment %s: %s", name, m);
-            return -1;
-        }
-    }
-    return 0;
-}
-
-static json_t *opts_json(const serve_opts *o) {
-    json_t *root = json_object();
-    for (size_t i = 0; i < N_FIELDS && root; i++) {
-        const field *f = &k_fields[i];
-        const char *p = (const char *)o + f->off;
-        json_t *v = NULL;
-        switch (f->type) {
-        case F_INT: v = json_integer(*(const int *)p); break;
-        case F_LONG: v = json_integer(*(const long long *)p); break;
-        case F_FLOAT: v = json_real(*(const float *)p); break;
-        case F_DOUBLE: v = json_real(*(const double *)p); break;
-        case F_BOOL: v = json_boolean(*(const int *)p); break;
-        case F_STR: v = json_string(f->secret && *p ? "<set>" : p); break;
-        }
-        json_object_set_new(root, f->name, v);
-    }
-    return root;
 }
 
 static int parse_log_level(const char *s) {
@@ -1803,44 +1599,53 @@ static const char *k_usage =
     "  --print-config        print the effective settings as JSON and exit\n";
 
 static void print_help(void) {
+    serve_opts o;
+    rk_settings tabs[N_TABLES];
+    bind_settings(&o, tabs);
     fputs(k_usage, stdout);
-    for (size_t i = 0; i < N_FIELDS; i++) {
-        const field *f = &k_fields[i];
-        const char *sp = strchr(f->help, ' ');
-        char left[64];
-        int arglen = sp && f->help[0] != ' ' ? (int)(sp - f->help) : 0;
-        snprintf(left, sizeof left, "--%s%s%.*s", f->flag, arglen ? " " : "", arglen, f->help);
-        const char *text = sp ? sp : f->help;
-        while (*text == ' ') text++;
-        printf("  %-21s %s\n", left, text);
-    }
+    rk_settings_print_help(stdout, tabs, N_TABLES);
 }
 
 /* Parse flags over defaults, config file and environment. Returns -1 to exit
  * with status *out_exit. */
 static int parse_args(int argc, char **argv, serve_opts *o, int *print_config, int *out_exit) {
     enum { O_CONFIG = 2000, O_PRINT, O_FIELD = 3000 };
-    struct option longs[N_FIELDS + 4];
+    rk_settings tabs[N_TABLES];
+    bind_settings(o, tabs);
+    size_t n_fields = 0;
+    for (int t = 0; t < N_TABLES; t++) n_fields += tabs[t].n;
+    struct option *longs = calloc(n_fields + 4, sizeof *longs);
+    const rk_setting **fields = calloc(n_fields, sizeof *fields);
+    void **bases = calloc(n_fields, sizeof *bases);
+    if (!longs || !fields || !bases) {
+        fprintf(stderr, "ragkv serve: out of memory\n");
+        *out_exit = EXIT_FAILURE;
+        goto fail;
+    }
     size_t k = 0;
-    for (size_t i = 0; i < N_FIELDS; i++)
-        longs[k++] = (struct option){k_fields[i].flag,
-                                     k_fields[i].type == F_BOOL ? no_argument : required_argument,
-                                     0, O_FIELD + (int)i};
+    for (int t = 0; t < N_TABLES; t++)
+        for (size_t i = 0; i < tabs[t].n; i++, k++) {
+            fields[k] = &tabs[t].fields[i];
+            bases[k] = tabs[t].base;
+            longs[k] = (struct option){
+                fields[k]->flag, fields[k]->type == RK_SET_BOOL ? no_argument : required_argument,
+                0, O_FIELD + (int)k};
+        }
     longs[k++] = (struct option){"config", required_argument, 0, O_CONFIG};
     longs[k++] = (struct option){"print-config", no_argument, 0, O_PRINT};
     longs[k++] = (struct option){"help", no_argument, 0, 'h'};
     longs[k] = (struct option){0, 0, 0, 0};
-    char msg[512];
     const char *config = NULL;
     int c;
     /* Pass 1: --help, --config, and usage errors. */
     optind = 1;
     opterr = 0;
+    *out_exit = EXIT_USAGE;
     while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
         if (c == 'h') {
             print_help();
             *out_exit = 0;
-            return -1;
+            goto fail;
         }
         if (c == O_CONFIG) config = optarg;
         if (c == '?' || c == ':') {
@@ -1848,50 +1653,54 @@ static int parse_args(int argc, char **argv, serve_opts *o, int *print_config, i
                     "ragkv serve: unknown option or missing value: %s (see ragkv serve "
                     "--help)\n",
                     argv[optind - 1]);
-            *out_exit = EXIT_USAGE;
-            return -1;
+            goto fail;
         }
     }
     if (optind < argc) {
         fprintf(stderr, "ragkv serve: unexpected argument '%s' (see ragkv serve --help)\n",
                 argv[optind]);
-        *out_exit = EXIT_USAGE;
-        return -1;
+        goto fail;
     }
     opts_defaults(o);
-    if ((config && load_config_file(o, config, msg, sizeof msg)) || load_env(o, msg, sizeof msg)) {
-        fprintf(stderr, "ragkv serve: %s\n", msg);
-        *out_exit = EXIT_USAGE;
-        return -1;
+    if ((config && rk_settings_load_file(tabs, N_TABLES, config)) ||
+        rk_settings_load_env(tabs, N_TABLES)) {
+        fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
+        goto fail;
     }
     /* Pass 2: flags override. */
     optind = 1;
     while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
         if (c == O_PRINT) *print_config = 1;
         if (c < O_FIELD) continue;
-        const field *f = &k_fields[c - O_FIELD];
-        char m[256];
-        if (f->type == F_BOOL) {
-            *(int *)((char *)o + f->off) = !f->invert;
-        } else if (set_from_text(o, f, optarg, m, sizeof m)) {
-            fprintf(stderr, "ragkv serve: --%s: %s (see ragkv serve --help)\n", f->flag, m);
-            *out_exit = EXIT_USAGE;
-            return -1;
+        const rk_setting *f = fields[c - O_FIELD];
+        if (f->type == RK_SET_BOOL) {
+            *(int *)((char *)bases[c - O_FIELD] + f->off) = !f->invert;
+        } else if (rk_setting_parse(bases[c - O_FIELD], f, optarg)) {
+            fprintf(stderr, "ragkv serve: --%s: %s (see ragkv serve --help)\n", f->flag,
+                    rk_error_message());
+            goto fail;
         }
     }
-    opterr = 1;
     if (parse_log_level(o->log_level) < 0) {
         fprintf(stderr, "ragkv serve: log_level must be debug, info, warn or error, got '%s'\n",
                 o->log_level);
-        *out_exit = EXIT_USAGE;
-        return -1;
+        goto fail;
     }
     if (rk_config_validate(&o->cfg)) {
         fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
-        *out_exit = EXIT_USAGE;
-        return -1;
+        goto fail;
     }
+    opterr = 1;
+    free(longs);
+    free(fields);
+    free(bases);
     return 0;
+fail:
+    opterr = 1;
+    free(longs);
+    free(fields);
+    free(bases);
+    return -1;
 }
 
 int rk_serve_main(int argc, char **argv) {
@@ -1907,7 +1716,9 @@ int rk_serve_main(int argc, char **argv) {
     }
     serve_opts *o = &S->o;
     if (print_config) {
-        json_t *j = opts_json(o);
+        rk_settings tabs[N_TABLES];
+        bind_settings(o, tabs);
+        json_t *j = rk_settings_json(tabs, N_TABLES);
         char *s =
             j ? json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(7)) : NULL;
         json_decref(j);

@@ -1,0 +1,134 @@
+/* tests/test_settings.c — config/settings: text parsing with ranges, the JSON
+ * config file (unknown keys, wrong types, bad JSON), the environment, the
+ * effective settings as JSON with secrets redacted, and the help lines. */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "config/settings.h"
+#include "tests/testutil.h"
+
+typedef struct own {
+    int port;
+    char key[8];
+} own;
+
+static const rk_setting k_own[] = {
+    {"port", "port", RK_SET_INT, offsetof(own, port), 0, 0, 65535, 0, 0, "P  port"},
+    {"key", "key", RK_SET_STR, offsetof(own, key), sizeof(((own *)0)->key), 0, 0, 0, 1, "K  key"},
+};
+
+static void bind(own *o, rk_config *cfg, rk_settings tabs[2]) {
+    memset(o, 0, sizeof *o);
+    rk_config_defaults(cfg);
+    tabs[0] = (rk_settings){k_own, 2, o};
+    tabs[1] = (rk_settings){rk_config_settings, rk_config_n_settings, cfg};
+}
+
+Test(settings, text_values_are_range_checked_and_named_in_errors) {
+    own o;
+    rk_config cfg;
+    rk_settings tabs[2];
+    bind(&o, &cfg, tabs);
+    void *base;
+    const rk_setting *f = rk_settings_find(tabs, 2, "max_chunks", &base);
+    cr_assert_not_null(f);
+    cr_assert_eq(base, &cfg);
+    cr_expect_eq(rk_setting_parse(base, f, "12"), RK_OK);
+    cr_expect_eq(cfg.max_chunks, 12);
+    const char *bad[] = {"", "12x", "-1", "99999999999", "1.5"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        cr_expect_eq(rk_setting_parse(base, f, bad[i]), RK_ERR_INVALID, "'%s'", bad[i]);
+        cr_expect(strstr(rk_error_message(), "max_chunks"), "%s", rk_error_message());
+    }
+    cr_expect_eq(cfg.max_chunks, 12, "a failed parse leaves the value");
+    f = rk_settings_find(tabs, 2, "share_chunk", &base);
+    cr_expect_eq(rk_setting_parse(base, f, "0.25"), RK_OK);
+    cr_expect_float_eq(cfg.share_chunk, 0.25f, 1e-7);
+    cr_expect_eq(rk_setting_parse(base, f, "1.5"), RK_ERR_INVALID);
+    cr_expect_eq(rk_setting_parse(base, f, "nan"), RK_ERR_INVALID);
+    f = rk_settings_find(tabs, 2, "kv_poison", &base);
+    cr_expect_eq(rk_setting_parse(base, f, "yes"), RK_OK);
+    cr_expect_eq(cfg.kv_poison, 1);
+    cr_expect_eq(rk_setting_parse(base, f, "maybe"), RK_ERR_INVALID);
+    f = rk_settings_find(tabs, 2, "key", &base);
+    cr_assert_eq(base, &o);
+    cr_expect_eq(rk_setting_parse(base, f, "1234567"), RK_OK);
+    cr_expect_eq(rk_setting_parse(base, f, "12345678"), RK_ERR_INVALID, "too long for char[8]");
+    cr_expect_str_eq(o.key, "1234567");
+    cr_expect_null(rk_settings_find(tabs, 2, "no_such", NULL));
+}
+
+Test(settings, config_file_sets_both_tables_and_rejects_bad_files) {
+    own o;
+    rk_config cfg;
+    rk_settings tabs[2];
+    bind(&o, &cfg, tabs);
+    char *p = rk_test_write_tmp("settings", "good.json",
+                                "{\"port\": 81, \"kv_dtype\": \"bf16\", \"share_live\": 0.5,"
+                                " \"prefix_cache\": false}");
+    cr_assert_eq(rk_settings_load_file(tabs, 2, p), RK_OK, "%s", rk_error_message());
+    cr_expect_eq(o.port, 81);
+    cr_expect_str_eq(cfg.kv_dtype, "bf16");
+    cr_expect_float_eq(cfg.share_live, 0.5f, 1e-7);
+    cr_expect_eq(cfg.prefix_cache, 0);
+    free(p);
+    struct {
+        const char *text, *want;
+    } bad[] = {
+        {"{\"port\": 70000}", "port must be an integer"},
+        {"{\"port\": \"80\"}", "wrong type"},
+        {"{\"nope\": 1}", "unknown setting \"nope\""},
+        {"[1, 2]", "must be a JSON object"},
+        {"{\"port\": 1,", "bad.json"}, /* bad JSON: the message names the file */
+        {"{\"port\": 1, \"port\": 2}", "duplicate"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        p = rk_test_write_tmp("settings", "bad.json", bad[i].text);
+        cr_expect_neq(rk_settings_load_file(tabs, 2, p), RK_OK, "%s", bad[i].text);
+        cr_expect(strstr(rk_error_message(), bad[i].want) && strstr(rk_error_message(), p),
+                  "%s: %s", bad[i].text, rk_error_message());
+        free(p);
+    }
+    cr_expect_neq(rk_settings_load_file(tabs, 2, "/nonexistent/ragkv.json"), RK_OK);
+}
+
+Test(settings, environment_overrides_and_bad_values_name_the_variable) {
+    own o;
+    rk_config cfg;
+    rk_settings tabs[2];
+    bind(&o, &cfg, tabs);
+    setenv("RAGKV_MAX_TOKENS", "77", 1);
+    setenv("RAGKV_PORT", "90", 1);
+    cr_assert_eq(rk_settings_load_env(tabs, 2), RK_OK, "%s", rk_error_message());
+    cr_expect_eq(cfg.max_tokens, 77);
+    cr_expect_eq(o.port, 90);
+    setenv("RAGKV_PORT", "ninety", 1);
+    cr_expect_eq(rk_settings_load_env(tabs, 2), RK_ERR_INVALID);
+    cr_expect(strstr(rk_error_message(), "RAGKV_PORT"), "%s", rk_error_message());
+    unsetenv("RAGKV_PORT");
+    unsetenv("RAGKV_MAX_TOKENS");
+}
+
+Test(settings, json_lists_every_setting_and_redacts_secrets) {
+    own o;
+    rk_config cfg;
+    rk_settings tabs[2];
+    bind(&o, &cfg, tabs);
+    snprintf(o.key, sizeof o.key, "s3cret");
+    json_t *j = rk_settings_json(tabs, 2);
+    cr_assert_not_null(j);
+    cr_expect_eq(json_object_size(j), 2 + rk_config_n_settings);
+    cr_expect_str_eq(json_string_value(json_object_get(j, "key")), "<set>");
+    cr_expect_eq(json_integer_value(json_object_get(j, "block_size")), cfg.block_size);
+    cr_expect(json_is_true(json_object_get(j, "store_verify")));
+    json_decref(j);
+    /* Every rk_config setting has a distinct name and flag and a help text. */
+    for (size_t i = 0; i < rk_config_n_settings; i++) {
+        cr_expect_not_null(rk_config_settings[i].help);
+        for (size_t k = 0; k < i; k++) {
+            cr_expect_str_neq(rk_config_settings[i].name, rk_config_settings[k].name);
+            cr_expect_str_neq(rk_config_settings[i].flag, rk_config_settings[k].flag);
+        }
+    }
+}
