@@ -857,24 +857,10 @@ Test(tokenizer, create_rejects_unknown_pre_tokenizers_listing_the_known_ones) {
     rk_vocab_free(&v);
 }
 
-/* Write text to a file in a fresh scratch directory and return its path. */
-static char *write_tmp(const char *name, const char *text) {
-    char *dir = rk_test_tmpdir("tokenizer");
-    char *path = malloc(strlen(dir) + strlen(name) + 2);
-    cr_assert_not_null(path);
-    sprintf(path, "%s/%s", dir, name);
-    free(dir);
-    FILE *f = fopen(path, "wb");
-    cr_assert_not_null(f);
-    fputs(text, f);
-    fclose(f);
-    return path;
-}
-
 Test(tokenizer, vocab_from_hf_json_rejects_broken_files) {
     rk_vocab v;
     cr_assert_eq(rk_vocab_from_hf_json("/nonexistent/tokenizer.json", 0, &v), RK_ERR_IO);
-    char *p = write_tmp("bad.json", "{\"model\": ");
+    char *p = rk_test_write_tmp("tokenizer", "bad.json", "{\"model\": ");
     cr_assert_eq(rk_vocab_from_hf_json(p, 0, &v), RK_ERR_FORMAT);
     free(p);
 
@@ -887,7 +873,7 @@ Test(tokenizer, vocab_from_hf_json_rejects_broken_files) {
              "%s{\"a\": 0, \"b\": 1, \"ab\": 2}}, \"added_tokens\": "
              "[{\"id\": 3, \"content\": \"<eos>\", \"special\": true}]}",
              head);
-    p = write_tmp("ok.json", json);
+    p = rk_test_write_tmp("tokenizer", "ok.json", json);
     cr_assert_eq(rk_vocab_from_hf_json(p, 6, &v), RK_OK, "%s", rk_error_message());
     cr_assert_eq(v.n_tokens, 6);
     cr_assert_str_eq(v.pre, "gpt2");
@@ -907,7 +893,7 @@ Test(tokenizer, vocab_from_hf_json_rejects_broken_files) {
     free(p);
 
     snprintf(json, sizeof json, "%s{\"a\": 0, \"b\": 2}}}", head); /* id 1 missing */
-    p = write_tmp("gap.json", json);
+    p = rk_test_write_tmp("tokenizer", "gap.json", json);
     cr_assert_eq(rk_vocab_from_hf_json(p, 0, &v), RK_ERR_FORMAT);
     cr_assert(strstr(rk_error_message(), "id 1 is not assigned") != NULL, "%s", rk_error_message());
     free(p);
@@ -916,7 +902,7 @@ Test(tokenizer, vocab_from_hf_json_rejects_broken_files) {
              "%s{\"a\": 0, \"b\": 1}}, \"added_tokens\": "
              "[{\"id\": 1, \"content\": \"<x>\", \"special\": true}]}",
              head);
-    p = write_tmp("dup.json", json);
+    p = rk_test_write_tmp("tokenizer", "dup.json", json);
     cr_assert_eq(rk_vocab_from_hf_json(p, 0, &v), RK_ERR_FORMAT);
     cr_assert(strstr(rk_error_message(), "twice") != NULL, "%s", rk_error_message());
     free(p);

@@ -142,3 +142,16 @@ int rk_test_greedy(rk_service *svc, const int *prompt, int n_prompt, int n_sys, 
     rk_test_request_free(r);
     return n;
 }
+
+char *rk_test_write_tmp(const char *tag, const char *name, const char *text) {
+    char *dir = rk_test_tmpdir(tag);
+    char *path = malloc(strlen(dir) + strlen(name) + 2);
+    cr_assert_not_null(path);
+    sprintf(path, "%s/%s", dir, name);
+    free(dir);
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f, "%s", path);
+    fputs(text, f);
+    fclose(f);
+    return path;
+}

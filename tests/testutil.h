@@ -68,4 +68,8 @@ int rk_test_run(const char *cmd, char **out);
 /* Read a whole file (malloc'ed, NUL-terminated); NULL on failure. */
 char *rk_test_read_file(const char *path, size_t *out_len);
 
+/* Write text to NAME in a fresh scratch directory (rk_test_tmpdir(tag));
+ * returns the malloc'ed path (asserts on failure). */
+char *rk_test_write_tmp(const char *tag, const char *name, const char *text);
+
 #endif
