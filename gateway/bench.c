@@ -2014,17 +2014,12 @@ static rk_status write_svg(const bench *b, const char *path, int http) {
         fclose(f);
         return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
     }
-    int legend = 0, n_legend = 0;
-    for (int i = 0; i < o->n_modes; i++) n_legend += b->res[o->modes[i]].ran;
-    double lx = r1 - (o->baseline_every > 1 ? 225 : 200); /* legend box, wider for "n N" */
-    fprintf(f,
-            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"white\" "
-            "fill-opacity=\"0.85\" stroke=\"#ccc\"/>\n",
-            lx, bottom - 28 - 18 * (n_legend - 1), (int)(r1 - lx - 10), 18 * n_legend + 8);
+    int n_legend = 0;
     for (int i = 0; i < o->n_modes; i++) {
         int mode = o->modes[i];
         const mode_result *m = &b->res[mode];
         if (!m->ran) continue;
+        n_legend++;
         int n = 0;
         for (int j = 0; j < w->n_req; j++)
             if (m->req[j].ok && m->req[j].ttft_ms > 0) v[n++] = m->req[j].ttft_ms;
@@ -2037,6 +2032,17 @@ static rk_status write_svg(const bench *b, const char *path, int http) {
             fprintf(f, "%.1f,%.1f %.1f,%.1f ", X1(v[j]), Y((double)j / n), X1(v[j]),
                     Y((double)(j + 1) / n));
         fputs("\"/>\n", f);
+    }
+    /* The legend after the curves, so its box covers them. */
+    double lx = r1 - (o->baseline_every > 1 ? 225 : 200); /* wider for "n N" */
+    fprintf(f,
+            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"white\" "
+            "fill-opacity=\"0.85\" stroke=\"#ccc\"/>\n",
+            lx, bottom - 28 - 18 * (n_legend - 1), (int)(r1 - lx - 10), 18 * n_legend + 8);
+    for (int i = 0, legend = 0; i < o->n_modes; i++) {
+        int mode = o->modes[i];
+        const mode_result *m = &b->res[mode];
+        if (!m->ran) continue;
         double ly = bottom - 12 - 18 * (n_legend - 1 - legend++);
         fprintf(f,
                 "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
