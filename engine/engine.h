@@ -80,6 +80,7 @@ typedef struct rk_batch {
     rk_attn_batch attn;    /* block_table here is host memory */
     int n_logits;
     const int32_t *logit_rows; /* (n_logits) rows of tokens to compute logits for */
+    int n_layers;              /* run layers [0, n_layers) only (0 = all); no logits then */
 } rk_batch;
 
 /* Run the transformer over the batch; writes logits (n_logits, n_vocab) to

@@ -147,9 +147,7 @@ static rk_status load_vec(rk_model *m, const char *name, int64_t n, int optional
             free(f);
             return st;
         }
-        const uint16_t *h = t->data;
-        for (int64_t i = 0; i < n; i++)
-            f[i] = dt == RK_DTYPE_F16 ? rk_f16_to_f32(h[i]) : rk_bf16_to_f32(h[i]);
+        rk_dtype_to_f32(f, t->data, dt, (size_t)n);
         src = f;
     }
     if (backend_is_host(m->be)) {
@@ -516,6 +514,11 @@ static rk_status check_batch(const rk_model *m, const rk_kv_cache *kv, const rk_
         if (b->tokens[i] < 0 || b->tokens[i] >= hp->n_vocab)
             return rk_errorf(RK_ERR_INVALID, "forward: token id %d out of range [0, %d)",
                              b->tokens[i], hp->n_vocab);
+    if (b->n_layers < 0 || b->n_layers > hp->n_layers)
+        return rk_errorf(RK_ERR_INVALID, "forward: n_layers %d out of range [0, %d]", b->n_layers,
+                         hp->n_layers);
+    if (b->n_layers > 0 && b->n_layers < hp->n_layers && b->n_logits > 0)
+        return rk_errorf(RK_ERR_INVALID, "forward: logits need every layer");
     for (int i = 0; i < b->n_logits; i++)
         if (b->logit_rows[i] < 0 || b->logit_rows[i] >= b->n_tokens)
             return rk_errorf(RK_ERR_INVALID, "forward: logit row %d out of range",
@@ -552,7 +555,8 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         if ((st = (call))) return st;                                                              \
     } while (0)
     CK(ops->embed(be, s->x, m->embd, m->embd_type, s->tokens, n, hp->dim));
-    for (int l = 0; l < hp->n_layers; l++) {
+    int n_layers = b->n_layers > 0 ? b->n_layers : hp->n_layers;
+    for (int l = 0; l < n_layers; l++) {
         const rk_layer *L = &m->layers[l];
         CK(ops->rmsnorm(be, s->xb, s->x, L->attn_norm, n, hp->dim, hp->rms_eps));
         CK(matmul(m, s->q, s->xb, &L->wq, n));

@@ -186,7 +186,7 @@ static int parse_stop(json_t *root, rk_api_request *out, rk_http_error *err) {
     return 0;
 }
 
-/* repair: {"policy": "none" | "first_k", "k": 16}; "deviation" is refused (not supported yet). */
+/* repair: {"policy": "none" | "first_k" | "deviation", "k": 16, "ratio": 0.15}. */
 static int parse_repair(json_t *root, rk_req_options *o, rk_http_error *err) {
     json_t *v = json_object_get(root, "repair");
     if (!v || json_is_null(v)) return 0;
@@ -205,11 +205,10 @@ static int parse_repair(json_t *root, rk_req_options *o, rk_http_error *err) {
         o->repair_k = (int)k;
         return 0;
     }
-    if (!strcmp(policy, "deviation"))
-        return rk_http_errorf(err, 400,
-                              "repair policy \"deviation\" is not supported yet; \"none\" and "
-                              "\"first_k\" are"),
-               1;
+    if (!strcmp(policy, "deviation")) {
+        o->repair_ratio = (float)ratio;
+        return 0;
+    }
     return rk_http_errorf(err, 400,
                           "'repair.policy' must be \"none\", \"first_k\" or "
                           "\"deviation\""),

@@ -239,6 +239,8 @@ static int cmd_generate(int argc, char **argv) {
         "  --no-prefix-cache     do not reuse the system prompt through the radix cache\n"
         "  --repair-k K          repair: recompute the first K tokens of every chunk with\n"
         "                        full attention over the merged cache (default: 0 = none)\n"
+        "  --repair-ratio R      repair: recompute the fraction R (0-1) of chunk tokens whose\n"
+        "                        layer-1 K/V deviate most from fresh ones (CacheBlend style)\n"
         "  --logprobs N          top-N log-probabilities per token (0-20, with --json)\n"
         "  --json                one completion object per request, as POST /v1/completions\n";
     common_opts o = {0};
@@ -266,7 +268,8 @@ static int cmd_generate(int argc, char **argv) {
         O_POS,
         O_LOGPROBS,
         O_NOPREFIX,
-        O_REPAIR
+        O_REPAIR,
+        O_REPAIR_RATIO
     };
     struct option longs[] = {COMMON_LONG_OPTS,
                              {"prompt", required_argument, 0, O_PROMPT},
@@ -287,6 +290,7 @@ static int cmd_generate(int argc, char **argv) {
                              {"logprobs", required_argument, 0, O_LOGPROBS},
                              {"no-prefix-cache", no_argument, 0, O_NOPREFIX},
                              {"repair-k", required_argument, 0, O_REPAIR},
+                             {"repair-ratio", required_argument, 0, O_REPAIR_RATIO},
                              {0, 0, 0, 0}};
     optind = 1;
     while ((c = getopt_long(argc, argv, "n:h", longs, NULL)) != -1) {
@@ -362,6 +366,10 @@ static int cmd_generate(int argc, char **argv) {
             if (parse_long(optarg, 0, 1 << 20, &v))
                 return usage_error("generate", "bad --repair-k '%s'", optarg);
             opt.repair_k = (int)v;
+            break;
+        case O_REPAIR_RATIO:
+            if (parse_float(optarg, 0, 1, &opt.repair_ratio))
+                return usage_error("generate", "bad --repair-ratio '%s' (0 to 1)", optarg);
             break;
         default: return usage_error("generate", "%s", "unknown option");
         }

@@ -247,11 +247,13 @@ typedef struct batch {
     int n_logits;
     float *logits; /* (n_logits, n_vocab) */
     int cap_logits;
+    int n_layers; /* run only the first n_layers (0 = all) */
 } batch;
 
 static void batch_reset(batch *b) {
     b->n_tok = b->n_seq = b->n_logits = 0;
     b->max_blocks = 0;
+    b->n_layers = 0;
 }
 
 static void batch_free(batch *b) {
@@ -339,8 +341,157 @@ static rk_status batch_run(rk_service *svc, batch *b) {
                             .block_table = b->table,
                             .max_blocks = b->max_blocks},
                    .n_logits = b->n_logits,
-                   .logit_rows = b->logit_rows};
+                   .logit_rows = b->logit_rows,
+                   .n_layers = b->n_layers};
     return rk_model_forward(svc->model, rk_arena_kv(svc->arena), &fb, b->logits);
+}
+
+/* ---------------------------------------------------------------- deviation repair */
+
+/* Layer 0's K/V depend only on a token and its position, so a reused chunk's
+ * are exact once reindexed; layer 1 is the first that sees the rest of the
+ * prompt, and where a token's reused K/V is measured against fresh ones. */
+#define DEVIATION_LAYER 1
+
+/* K and V at layer of table entries idx0 .. idx0 + n - 1 of seq, as f32 rows
+ * of n_kv_heads * head_dim: k (n rows), v (n rows). raw: block_size rows of
+ * scratch in the cache dtype. Reads a block's run of entries per download. */
+static rk_status read_kv(rk_service *svc, const rk_seq *seq, int layer, int idx0, int n, float *k,
+                         float *v, unsigned char *raw) {
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    int bs = kv->block_size;
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim, rb = row * rk_dtype_size(kv->dtype);
+    rk_status st;
+    for (int j = 0; j < n;) {
+        int i = idx0 + j, run = bs - i % bs < n - j ? bs - i % bs : n - j;
+        size_t off = (size_t)rk_seq_slot(seq, bs, i) * rb;
+        if ((st = svc->be->ops->download(svc->be, raw, (const unsigned char *)kv->k[layer] + off,
+                                         run * rb)))
+            return st;
+        rk_dtype_to_f32(k + j * row, raw, kv->dtype, run * row);
+        if ((st = svc->be->ops->download(svc->be, raw, (const unsigned char *)kv->v[layer] + off,
+                                         run * rb)))
+            return st;
+        rk_dtype_to_f32(v + j * row, raw, kv->dtype, run * row);
+        j += run;
+    }
+    return RK_OK;
+}
+
+typedef struct dev_tok {
+    float score; /* squared distance of its layer-1 K and V, reused to fresh */
+    int chunk, off;
+} dev_tok;
+
+static int by_score_desc(const void *a, const void *b) {
+    const dev_tok *x = a, *y = b;
+    if (x->score != y->score) return x->score < y->score ? 1 : -1;
+    return x->chunk != y->chunk ? x->chunk - y->chunk : x->off - y->off; /* stable */
+}
+
+static int wants_deviation(const rk_request *r, const rk_hparams *hp) {
+    return r->opt.repair_ratio > 0 && !r->opt.mode_plain && r->n_chunks > 0 &&
+           hp->n_layers > DEVIATION_LAYER;
+}
+
+/* The deviation policy, first half: recompute layers 0..DEVIATION_LAYER for
+ * every chunk token of the requests asking for it (their KV then replaces the
+ * reused one in the live blocks), score each token by how far its layer-1 K/V
+ * moved, and add to *b (reset by the caller) the runs of the repair_ratio of
+ * each request's chunk tokens that moved most, for the full recompute.
+ * Sets chunk_reports[].repaired and recomputed_tokens. */
+static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int n_reqs, batch *b) {
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    int bs = kv->block_size, max_len = 0;
+    long total = 0;
+    for (int i = 0; i < n_reqs; i++)
+        for (int k = 0; wants_deviation(reqs[i], hp) && k < reqs[i]->n_chunks; k++) {
+            total += reqs[i]->chunk_lens[k];
+            max_len = reqs[i]->chunk_lens[k] > max_len ? reqs[i]->chunk_lens[k] : max_len;
+        }
+    if (total == 0) return RK_OK;
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
+    float *before = malloc((size_t)total * 2 * row * sizeof *before);
+    float *after = malloc((size_t)max_len * 2 * row * sizeof *after);
+    unsigned char *raw = malloc((size_t)bs * row * rk_dtype_size(kv->dtype));
+    dev_tok *toks = malloc((size_t)total * sizeof *toks);
+    rk_status st =
+        before && after && raw && toks
+            ? RK_OK
+            : rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for the deviation repair");
+    /* The reused K/V at the deviation layer, then layers 0..1 again over the merged cache. */
+    batch_reset(b);
+    size_t at = 0;
+    for (int i = 0; i < n_reqs && !st; i++) {
+        rk_request *r = reqs[i];
+        for (int k = 0; wants_deviation(r, hp) && k < r->n_chunks && !st; k++) {
+            int n = r->chunk_lens[k], idx = r->state->layout.index[k];
+            st = read_kv(svc, &r->state->kv, DEVIATION_LAYER, idx, n, before + at * 2 * row,
+                         before + (at * 2 + n) * row, raw);
+            if (!st)
+                st = batch_add(b, bs, &r->state->kv, r->chunks[k], n, r->state->layout.pos[k], idx,
+                               0);
+            at += (size_t)n;
+        }
+    }
+    b->n_layers = DEVIATION_LAYER + 1;
+    if (!st) st = batch_run(svc, b);
+    batch_reset(b);
+    /* Score, select per request, and queue the selected runs. */
+    at = 0;
+    for (int i = 0; i < n_reqs && !st; i++) {
+        rk_request *r = reqs[i];
+        if (!wants_deviation(r, hp)) continue;
+        int n_toks = 0;
+        for (int k = 0; k < r->n_chunks && !st; k++) {
+            int n = r->chunk_lens[k], idx = r->state->layout.index[k];
+            const float *bk = before + at * 2 * row, *bv = before + (at * 2 + n) * row;
+            if ((st = read_kv(svc, &r->state->kv, DEVIATION_LAYER, idx, n, after, after + n * row,
+                              raw)))
+                break;
+            for (int t = 0; t < n; t++) {
+                double d = 0;
+                for (size_t e = 0; e < row; e++) {
+                    double dk = after[t * row + e] - bk[t * row + e];
+                    double dv = after[(n + t) * row + e] - bv[t * row + e];
+                    d += dk * dk + dv * dv;
+                }
+                toks[n_toks++] = (dev_tok){(float)d, k, t};
+            }
+            at += (size_t)n;
+        }
+        if (st) break;
+        int n_sel = (int)ceil(r->opt.repair_ratio * n_toks - 1e-9);
+        n_sel = n_sel < n_toks ? n_sel : n_toks;
+        qsort(toks, (size_t)n_toks, sizeof *toks, by_score_desc);
+        /* Mark the chosen ones in `after` (free again), chunk by chunk. */
+        unsigned char *sel = (unsigned char *)after;
+        for (int k = 0; k < r->n_chunks && !st; k++) {
+            memset(sel, 0, (size_t)r->chunk_lens[k]);
+            int marked = 0;
+            for (int j = 0; j < n_sel; j++)
+                if (toks[j].chunk == k) sel[toks[j].off] = 1, marked++;
+            r->chunk_reports[k].repaired = marked;
+            r->recomputed_tokens += marked;
+            for (int t = 0; t < r->chunk_lens[k] && !st;) { /* one sequence per run */
+                if (!sel[t]) {
+                    t++;
+                    continue;
+                }
+                int t1 = t;
+                while (t1 < r->chunk_lens[k] && sel[t1]) t1++;
+                st = batch_add(b, bs, &r->state->kv, r->chunks[k] + t, t1 - t,
+                               r->state->layout.pos[k] + t, r->state->layout.index[k] + t, 0);
+                t = t1;
+            }
+        }
+    }
+    free(before);
+    free(after);
+    free(raw);
+    free(toks);
+    return st;
 }
 
 /* ---------------------------------------------------------------- stages */
@@ -620,11 +771,8 @@ static void finish_report(rk_request *r) {
     int chunk_tokens = 0, cached = r->sys_cached;
     for (int k = 0; k < r->n_chunks; k++) {
         chunk_tokens += r->chunk_lens[k];
-        if (r->chunk_reports[k].status && !strcmp(r->chunk_reports[k].status, "hit")) {
-            int repaired = r->opt.repair_k < r->chunk_lens[k] ? r->opt.repair_k : r->chunk_lens[k];
-            cached +=
-                r->chunk_lens[k] - (repaired > 0 ? repaired : 0); /* repaired ones were computed */
-        }
+        if (r->chunk_reports[k].status && !strcmp(r->chunk_reports[k].status, "hit"))
+            cached += r->chunk_lens[k] - r->chunk_reports[k].repaired; /* repaired: computed */
     }
     r->prompt_tokens = r->n_sys + chunk_tokens + r->n_question;
     r->cached_tokens = cached;
@@ -731,23 +879,26 @@ rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
                 copied_tokens ? t_reindex * 1e6 * r->chunk_lens[k] / copied_tokens : 0;
     }
 
-    /* Stage 4 (repair, optional): the first repair_k tokens of every chunk
-     * again, now attending to everything before them in the merged table. */
-    batch_reset(&b);
+    /* Stage 4 (repair, optional): chunk tokens again, now attending to
+     * everything before them in the merged table: the deviation policy's
+     * choice, then the first repair_k tokens of every chunk. */
+    t = rk_time_now();
+    for (int i = 0; i < n_reqs; i++) reqs[i]->recomputed_tokens = 0;
+    if ((st = deviation_select(svc, reqs, n_reqs, &b))) goto done;
     for (int i = 0; i < n_reqs; i++) {
         rk_request *r = reqs[i];
         rk_req_state *s = r->state;
-        r->recomputed_tokens = 0;
-        if (r->opt.mode_plain || r->opt.repair_k <= 0) continue;
+        if (r->opt.mode_plain || r->opt.repair_k <= 0 || r->opt.repair_ratio > 0)
+            continue; /* one policy a request: deviation's choice is queued already */
         for (int k = 0; k < r->n_chunks; k++) {
             int n = r->chunk_lens[k] < r->opt.repair_k ? r->chunk_lens[k] : r->opt.repair_k;
             if ((st = batch_add(&b, bs, &s->kv, r->chunks[k], n, s->layout.pos[k],
                                 s->layout.index[k], 0)))
                 goto done;
+            r->chunk_reports[k].repaired = n;
             r->recomputed_tokens += n;
         }
     }
-    t = rk_time_now();
     if ((st = batch_run(svc, &b))) goto done;
     double t_repair = rk_time_now() - t;
     for (int i = 0; i < n_reqs; i++)

@@ -27,10 +27,15 @@ typedef struct rk_req_options {
     rk_sampler_params sampling;
     int stop_at_eog;
     int n_logprobs; /* 0..20 top log-probabilities per generated token */
-    /* Repair: recompute the first repair_k tokens of every chunk with full
-     * attention over the merged cache (system, earlier chunks, themselves),
-     * after reindexing; 0 = none. The recomputed KV goes to live blocks only. */
+    /* Repair, after reindexing: recompute chunk tokens with full attention
+     * over the merged cache (system, earlier chunks, themselves). The
+     * recomputed KV goes to live blocks only; the cached entries are untouched.
+     * first_k: the first repair_k tokens of every chunk (0 = off).
+     * deviation: the repair_ratio of the request's chunk tokens whose layer-1
+     * K/V move most when layers 0..1 are recomputed over the merged cache
+     * (0 = off; those two layers are then recomputed for every chunk token). */
     int repair_k;
+    float repair_ratio;
 } rk_req_options;
 
 /* Defaults: rag mode, chunk and prefix caches on, isolated, sequential,
@@ -44,6 +49,7 @@ typedef struct rk_chunk_report {
     const char *source; /* "arena", "disk" or "computed" */
     int live_offset;    /* position of its first token in this request */
     double reindex_us;
+    int repaired; /* its tokens the repair policy recomputed through every layer */
 } rk_chunk_report;
 
 typedef struct rk_req_timings {

@@ -27,11 +27,12 @@ json_t *rk_report_ragkv(const rk_request *r) {
     json_t *chunks = json_array();
     for (int k = 0; k < r->n_chunks; k++) {
         const rk_chunk_report *c = &r->chunk_reports[k];
-        json_array_append_new(chunks, json_pack("{s:i, s:s, s:i, s:s, s:s, s:i, s:f}", "index", k,
-                                                "key", c->key, "tokens", c->tokens, "status",
+        json_array_append_new(chunks, json_pack("{s:i, s:s, s:i, s:s, s:s, s:i, s:f, s:i}", "index",
+                                                k, "key", c->key, "tokens", c->tokens, "status",
                                                 c->status ? c->status : "off", "source",
                                                 c->source ? c->source : "computed", "live_offset",
-                                                c->live_offset, "reindex_us", c->reindex_us));
+                                                c->live_offset, "reindex_us", c->reindex_us,
+                                                "recomputed_tokens", c->repaired));
     }
     json_t *ids = json_array();
     for (int i = 0; i < r->n_out; i++) json_array_append_new(ids, json_integer(r->out_tokens[i]));

@@ -96,6 +96,19 @@ uint16_t rk_f32_to_bf16(float f) {
     return (uint16_t)(x >> 16);
 }
 
+void rk_dtype_to_f32(float *dst, const void *src, rk_dtype t, size_t n) {
+    const uint16_t *h = src;
+    switch (t) {
+    case RK_DTYPE_F32: memcpy(dst, src, n * sizeof *dst); return;
+    case RK_DTYPE_F16:
+        for (size_t i = 0; i < n; i++) dst[i] = rk_f16_to_f32(h[i]);
+        return;
+    case RK_DTYPE_BF16:
+        for (size_t i = 0; i < n; i++) dst[i] = rk_bf16_to_f32(h[i]);
+        return;
+    }
+}
+
 /* ---------------------------------------------------------------- RoPE */
 
 /* YaRN: the (fractional) pair index whose wavelength makes n_rot_turns full

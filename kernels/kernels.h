@@ -36,6 +36,8 @@ float rk_f16_to_f32(uint16_t h);
 uint16_t rk_f32_to_f16(float f);
 float rk_bf16_to_f32(uint16_t h);
 uint16_t rk_f32_to_bf16(float f);
+/* dst(n) = src(n) of dtype t widened to f32 (host memory). */
+void rk_dtype_to_f32(float *dst, const void *src, rk_dtype t, size_t n);
 
 /* ---------------------------------------------------------------- RoPE */
 

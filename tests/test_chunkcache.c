@@ -441,12 +441,13 @@ Test(chunkcache, bad_input_is_an_error_or_a_defined_result) {
 
 /* ---------------------------------------------------------------- repair */
 
-Test(chunkcache, repairing_every_chunk_token_gives_the_full_attention_result) {
+/* A repair that recomputes every chunk token must give the full-attention
+ * result: the cached run, repaired, against mode plain. */
+static void check_full_repair(const rk_req_options *repair) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_service *svc = open_svc(model, 0);
-    rk_req_options o = greedy_opts(), plain = greedy_opts();
-    o.repair_k = 4096; /* longer than any chunk: every chunk token is recomputed */
+    rk_req_options o = *repair, plain = greedy_opts();
     plain.mode_plain = 1;
     plain.prefix_cache = 0;
     rk_request warm, a, b;
@@ -467,6 +468,55 @@ Test(chunkcache, repairing_every_chunk_token_gives_the_full_attention_result) {
     rk_request_free(&warm);
     rk_request_free(&a);
     rk_request_free(&b);
+    log_free(&la);
+    log_free(&lb);
+    check_pools_back(svc);
+    rk_service_close(svc);
+    free(model);
+}
+
+Test(chunkcache, repairing_every_chunk_token_gives_the_full_attention_result) {
+    rk_req_options o = greedy_opts();
+    o.repair_k = 4096; /* longer than any chunk: every chunk token is recomputed */
+    check_full_repair(&o);
+}
+
+Test(chunkcache, deviation_repair_of_every_token_gives_the_full_attention_result) {
+    rk_req_options o = greedy_opts();
+    o.repair_ratio = 1;
+    check_full_repair(&o);
+}
+
+Test(chunkcache, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    rk_service *svc = open_svc(model, 0);
+    rk_req_options o = greedy_opts(), none = greedy_opts();
+    o.repair_ratio = 0.25f;
+    rk_request a, b, c;
+    run_log la = {0}, lb = {0};
+    run(svc, STORY, &none, &a, &la);
+    run(svc, STORY, &o, &b, &lb);
+    int total = 0, repaired = 0;
+    for (int k = 0; k < b.n_chunks; k++) {
+        total += b.chunk_lens[k];
+        repaired += b.chunk_reports[k].repaired;
+        cr_assert_leq(b.chunk_reports[k].repaired, b.chunk_lens[k]);
+    }
+    cr_assert_eq(b.recomputed_tokens, (total + 3) / 4, "ceil(0.25 x %d) tokens", total);
+    cr_assert_eq(repaired, b.recomputed_tokens);
+    cr_assert_eq(b.cached_tokens, b.sys_cached + total - repaired);
+    cr_assert_eq(b.cached_tokens + b.computed_tokens, b.prompt_tokens);
+    cr_assert_gt(b.t.repair_ms, 0);
+    /* The repair changed the result (layers 0..1 of every chunk token and a
+     * quarter of them through every layer now see the other chunks)... */
+    cr_assert_gt(max_diff(&la, &lb), 0);
+    /* ...but not the cached entries: without it, the first run's tokens again. */
+    run(svc, STORY, &none, &c, NULL);
+    cr_assert_eq(memcmp(a.out_tokens, c.out_tokens, STEPS * sizeof(int32_t)), 0);
+    rk_request_free(&a);
+    rk_request_free(&b);
+    rk_request_free(&c);
     log_free(&la);
     log_free(&lb);
     check_pools_back(svc);

@@ -679,7 +679,8 @@ Test(http, malformed_input_is_400) {
         "{\"prompt\": \"x\", \"mode\": \"fancy\"}",
         "{\"prompt\": \"x\", \"separator\": \"\\\\\"}",
         "{\"prompt\": \"x\", \"repair\": {\"policy\": \"first_k\", \"k\": -1}}",
-        "{\"prompt\": \"x\", \"repair\": {\"policy\": \"deviation\", \"ratio\": 0.2}}",
+        "{\"prompt\": \"x\", \"repair\": {\"policy\": \"deviation\", \"ratio\": 1.5}}",
+        "{\"prompt\": \"x\", \"repair\": {\"policy\": \"best\"}}",
         "{\"prompt\": \"x\", \"n\": 2}",
         "{\"prompt\": \"S##A##\"}",
         "{\"prompt\": \"x\", \"question\": \"y\"}",
@@ -695,16 +696,26 @@ Test(http, malformed_input_is_400) {
         expect_error(&r, 400);
         resp_free(&r);
     }
-    resp r =
-        post("/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"deviation\"}}");
-    cr_assert(strstr(jstr(r.json, "error.message"), "not supported"));
-    resp_free(&r);
     /* first_k: the chunks' first k tokens are recomputed and reported. */
-    r = post("/v1/completions",
-             "{\"prompt\": \"S##a first chunk of text##a second chunk##Q\", "
-             "\"repair\": {\"policy\": \"first_k\", \"k\": 2}, \"max_tokens\": 1}");
+    resp r = post("/v1/completions",
+                  "{\"prompt\": \"S##a first chunk of text##a second chunk##Q\", "
+                  "\"repair\": {\"policy\": \"first_k\", \"k\": 2}, \"max_tokens\": 1}");
     cr_assert_eq(r.status, 200, "%s", r.body);
     cr_assert(strstr(r.body, "\"recomputed_tokens\":4") != NULL, "%s", r.body);
+    resp_free(&r);
+    /* deviation: a ratio of all the chunk tokens, rounded up. */
+    r = post("/v1/completions",
+             "{\"prompt\": \"S##a first chunk of text##a second chunk##Q\", "
+             "\"repair\": {\"policy\": \"deviation\", \"ratio\": 1}, \"max_tokens\": 1}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    json_int_t all = jint(r.json, "ragkv.recomputed_tokens");
+    cr_assert_gt(all, 4, "%s", r.body);
+    resp_free(&r);
+    r = post("/v1/completions",
+             "{\"prompt\": \"S##a first chunk of text##a second chunk##Q\", "
+             "\"repair\": {\"policy\": \"deviation\", \"ratio\": 0.5}, \"max_tokens\": 1}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(jint(r.json, "ragkv.recomputed_tokens"), (all + 1) / 2, "%s", r.body);
     resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"none\"}, "
                                 "\"max_tokens\": 1}");
