@@ -214,7 +214,7 @@ static void malformed(client *c) {
         {"/v1/completions", "{\"prompt\": \"x\", \"temperature\": \"hot\"}", 400},
         {"/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": -3}", 400},
         {"/v1/completions", "{\"prompt\": \"S##A##\"}", 400},
-        {"/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"first_k\"}}", 400},
+        {"/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"best\"}}", 400},
         {"/v1/chat/completions", "{\"messages\": []}", 400},
         {"/v1/chunks", "{\"chunks\": []}", 400},
         {"/v1/nowhere", "{}", 404},
