@@ -384,6 +384,7 @@ typedef struct gen_text {
     int skip_space;  /* drop the leading space of the first piece (as rk_report_text) */
     size_t sent;     /* raw bytes already turned into text */
     long stop_at;    /* raw offset of the first stop match, or -1 */
+    int stop_tokens; /* tokens up to the one that completed that match */
     size_t max_stop; /* longest stop string */
     char *const *stop;
     int n_stop;
@@ -407,25 +408,33 @@ static void gt_append(gen_text *g, const char *s, size_t n) {
     g->len += n;
 }
 
-/* Decode tokens [decoded, n) and look for stop strings in the new bytes. */
-static void gt_feed(gen_text *g, const int32_t *tokens, int n) {
-    size_t before = g->len;
-    for (; g->decoded < n; g->decoded++) {
-        int32_t id = tokens[g->decoded];
-        char *t;
-        size_t tl;
-        if (rk_tokenizer_decode(g->tok, &id, 1, 0, g->skip_space, &t, &tl)) continue;
-        gt_append(g, t, tl);
-        free(t);
-        if (rk_tokenizer_token_bytes(g->tok, id, 0, NULL, 0) > 0) g->skip_space = 0;
-    }
-    if (g->stop_at >= 0 || g->n_stop == 0 || g->len == before) return;
+/* Look for stop strings ending in the bytes after offset before. */
+static void gt_find_stop(gen_text *g, size_t before) {
     size_t from = before > g->max_stop ? before - g->max_stop + 1 : 0;
     for (int k = 0; k < g->n_stop; k++) {
         size_t sl = strlen(g->stop[k]);
         if (g->len < from + sl) continue;
         const char *hit = memmem(g->raw + from, g->len - from, g->stop[k], sl);
         if (hit && (g->stop_at < 0 || hit - g->raw < g->stop_at)) g->stop_at = hit - g->raw;
+    }
+}
+
+/* Decode tokens [decoded, n) one at a time, until one completes a stop
+ * string: the generation ends with that token (the engine may have sampled
+ * more before it heard; they are not part of the answer). */
+static void gt_feed(gen_text *g, const int32_t *tokens, int n) {
+    for (; g->decoded < n && g->stop_at < 0; g->decoded++) {
+        int32_t id = tokens[g->decoded];
+        char *t;
+        size_t tl, before = g->len;
+        if (rk_tokenizer_decode(g->tok, &id, 1, 0, g->skip_space, &t, &tl)) continue;
+        gt_append(g, t, tl);
+        free(t);
+        if (rk_tokenizer_token_bytes(g->tok, id, 0, NULL, 0) > 0) g->skip_space = 0;
+        if (g->n_stop && g->len > before) {
+            gt_find_stop(g, before);
+            if (g->stop_at >= 0) g->stop_tokens = g->decoded + 1;
+        }
     }
 }
 
@@ -649,6 +658,8 @@ static void respond_generation(gen *g) {
         return;
     }
     gt_feed(&g->text, j->req.out_tokens, j->req.n_out);
+    if (g->text.stop_at >= 0 && g->text.stop_tokens < j->req.n_out)
+        j->req.n_out = g->text.stop_tokens; /* usage, ids and logprobs end at the stop */
     log_generation(g);
     if (g->timed_out && !g->api.stream) {
         send_errorf(rc, 503, "the request ran longer than the timeout (%g s) and was cancelled",

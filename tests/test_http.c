@@ -565,6 +565,28 @@ Test(http, stop_string_cuts_the_text) {
     cr_assert_eq(strlen(jstr(cut.json, "choices.0.text")), at);
     cr_assert(!strncmp(jstr(cut.json, "choices.0.text"), text, at));
     cr_assert(jint(cut.json, "usage.completion_tokens") < 40, "generation did not stop early");
+    /* The generation ends with the token that completed the stop string:
+     * usage, ids and logprobs count no token past it. */
+    resp_free(&cut);
+    snprintf(extra, sizeof extra, ", \"stop\": [%s], \"logprobs\": 1", stop_json);
+    cut = postf("/v1/completions", req, extra);
+    cr_assert_eq(cut.status, 200, "%s", cut.body);
+    json_t *ids = jget(cut.json, "ragkv.completion_ids"),
+           *all = jget(full.json, "ragkv.completion_ids");
+    json_t *pieces = jget(cut.json, "choices.0.logprobs.tokens");
+    size_t n = json_array_size(ids);
+    cr_assert_eq(jint(cut.json, "usage.completion_tokens"), (long long)n);
+    cr_assert_eq(json_array_size(pieces), n);
+    for (size_t i = 0; i < n; i++)
+        cr_assert(json_equal(json_array_get(ids, i), json_array_get(all, i)), "id %zu", i);
+    char joined[4096] = "";
+    for (size_t i = 0; i + 1 < n; i++)
+        strncat(joined, json_string_value(json_array_get(pieces, i)),
+                sizeof joined - strlen(joined) - 1);
+    cr_assert_null(strstr(joined, stop), "the stop string was complete before the last token");
+    strncat(joined, json_string_value(json_array_get(pieces, n - 1)),
+            sizeof joined - strlen(joined) - 1);
+    cr_assert_not_null(strstr(joined, stop), "%s does not reach the stop string", joined);
     /* The same through the stream. */
     snprintf(extra, sizeof extra, ", \"stop\": %s, \"stream\": true", stop_json);
     resp st = postf("/v1/completions", req, extra);
