@@ -73,6 +73,11 @@ void rk_log(rk_log_level level, const char *func, const char *fmt, ...)
 /* Monotonic clock in seconds, for timings. */
 double rk_time_now(void);
 
+/* Strict number parsing for flags and settings: the whole string must be a
+ * number in [lo, hi]. 0 on success, -1 otherwise (*out untouched). */
+int rk_parse_long(const char *s, long lo, long hi, long *out);
+int rk_parse_double(const char *s, double lo, double hi, double *out);
+
 /* ---------------------------------------------------------------- config */
 
 typedef struct rk_config {

@@ -74,8 +74,8 @@ rk_status rk_setting_parse(void *base, const rk_setting *f, const char *s) {
     }
     case RK_SET_FLOAT:
     case RK_SET_DOUBLE: {
-        double v = strtod(s, &end);
-        if (errno || end == s || *end || !(v >= f->lo && v <= f->hi))
+        double v;
+        if (rk_parse_double(s, f->lo, f->hi, &v))
             return rk_errorf(RK_ERR_INVALID, "%s must be a number from %g to %g, got '%s'", f->name,
                              f->lo, f->hi, s);
         if (f->type == RK_SET_FLOAT)

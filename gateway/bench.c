@@ -83,25 +83,6 @@ static int usage_error(const char *fmt, const char *arg) {
     return EXIT_USAGE;
 }
 
-/* Strict number parsing: the whole string must be a number in [lo, hi]. */
-static int parse_long(const char *s, long lo, long hi, long *out) {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
-static int parse_double(const char *s, double lo, double hi, double *out) {
-    char *end;
-    errno = 0;
-    double v = strtod(s, &end);
-    if (errno || end == s || *end || !(v >= lo && v <= hi)) return -1;
-    *out = v;
-    return 0;
-}
-
 static int parse_range(const char *s, int *lo, int *hi) {
     char buf[64];
     const char *colon = strchr(s, ':');
@@ -109,7 +90,7 @@ static int parse_range(const char *s, int *lo, int *hi) {
     memcpy(buf, s, (size_t)(colon - s));
     buf[colon - s] = '\0';
     long a, b;
-    if (parse_long(buf, 1, 1 << 20, &a) || parse_long(colon + 1, 1, 1 << 20, &b) || a > b)
+    if (rk_parse_long(buf, 1, 1 << 20, &a) || rk_parse_long(colon + 1, 1, 1 << 20, &b) || a > b)
         return -1;
     *lo = (int)a;
     *hi = (int)b;
@@ -264,18 +245,19 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
         case 'h': fputs(k_help, stdout); return -1;
         case O_MODEL: o->model = optarg; break;
         case O_THREADS:
-            if (parse_long(optarg, 0, 1024, &v)) return usage_error("bad --threads '%s'", optarg);
+            if (rk_parse_long(optarg, 0, 1024, &v))
+                return usage_error("bad --threads '%s'", optarg);
             o->cfg.n_threads = (int)v;
             break;
         case O_BACKEND: snprintf(o->cfg.backend, sizeof o->cfg.backend, "%s", optarg); break;
         case O_KV_MB:
-            if (parse_long(optarg, 1, 1 << 24, &v))
+            if (rk_parse_long(optarg, 1, 1 << 24, &v))
                 return usage_error("bad --kv-memory-mb '%s'", optarg);
             o->cfg.kv_memory_mb = (int)v;
             o->kv_mb_given = 1;
             break;
         case O_BLOCK:
-            if (parse_long(optarg, 1, 1 << 20, &v))
+            if (rk_parse_long(optarg, 1, 1 << 20, &v))
                 return usage_error("bad --block-size '%s'", optarg);
             o->cfg.block_size = (int)v;
             break;
@@ -291,15 +273,16 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
             break;
         }
         case O_CORPUS:
-            if (parse_long(optarg, 1, 1000000, &v)) return usage_error("bad --corpus '%s'", optarg);
+            if (rk_parse_long(optarg, 1, 1000000, &v))
+                return usage_error("bad --corpus '%s'", optarg);
             o->corpus = (int)v;
             break;
         case O_K:
-            if (parse_long(optarg, 1, 4096, &v)) return usage_error("bad --k '%s'", optarg);
+            if (rk_parse_long(optarg, 1, 4096, &v)) return usage_error("bad --k '%s'", optarg);
             o->k = (int)v;
             break;
         case O_ZIPF:
-            if (parse_double(optarg, 0, 10, &o->zipf))
+            if (rk_parse_double(optarg, 0, 10, &o->zipf))
                 return usage_error("bad --zipf '%s' (0 to 10)", optarg);
             break;
         case O_CHUNK_TOKENS:
@@ -307,31 +290,32 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
                 return usage_error("bad --chunk-tokens '%s' (want MIN:MAX, e.g. 256:512)", optarg);
             break;
         case O_QUESTION_TOKENS:
-            if (parse_long(optarg, 1, 1 << 20, &v))
+            if (rk_parse_long(optarg, 1, 1 << 20, &v))
                 return usage_error("bad --question-tokens '%s'", optarg);
             o->question_tokens = (int)v;
             break;
         case O_SYSTEM_TOKENS:
-            if (parse_long(optarg, 1, 1 << 20, &v))
+            if (rk_parse_long(optarg, 1, 1 << 20, &v))
                 return usage_error("bad --system-tokens '%s'", optarg);
             o->system_tokens = (int)v;
             break;
         case O_SYSTEMS:
-            if (parse_long(optarg, 1, 1000, &v)) return usage_error("bad --systems '%s'", optarg);
+            if (rk_parse_long(optarg, 1, 1000, &v))
+                return usage_error("bad --systems '%s'", optarg);
             o->n_systems = (int)v;
             break;
         case O_REQUESTS:
-            if (parse_long(optarg, 1, 10000000, &v))
+            if (rk_parse_long(optarg, 1, 10000000, &v))
                 return usage_error("bad --requests '%s'", optarg);
             o->requests = (int)v;
             break;
         case O_CONCURRENCY:
-            if (parse_long(optarg, 1, 4096, &v))
+            if (rk_parse_long(optarg, 1, 4096, &v))
                 return usage_error("bad --concurrency '%s'", optarg);
             o->concurrency = (int)v;
             break;
         case O_MAX_TOKENS:
-            if (parse_long(optarg, 1, 1 << 20, &v))
+            if (rk_parse_long(optarg, 1, 1 << 20, &v))
                 return usage_error("bad --max-tokens '%s' (at least 1)", optarg);
             o->max_tokens = (int)v;
             break;
@@ -342,17 +326,17 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
             break;
         case O_PREWARM: o->prewarm = 1; break;
         case O_STEADY:
-            if (parse_long(optarg, 0, 99, &v)) return usage_error("bad --steady '%s'", optarg);
+            if (rk_parse_long(optarg, 0, 99, &v)) return usage_error("bad --steady '%s'", optarg);
             o->steady_pct = (int)v;
             break;
         case O_BASELINE_EVERY:
-            if (parse_long(optarg, 1, 1000000, &v))
+            if (rk_parse_long(optarg, 1, 1000000, &v))
                 return usage_error("bad --baseline-every '%s'", optarg);
             o->baseline_every = (int)v;
             break;
         case O_KV_DTYPE: snprintf(o->cfg.kv_dtype, sizeof o->cfg.kv_dtype, "%s", optarg); break;
         case O_SEED:
-            if (parse_long(optarg, 0, 0x7fffffffffffffffL, &v))
+            if (rk_parse_long(optarg, 0, 0x7fffffffffffffffL, &v))
                 return usage_error("bad --seed '%s'", optarg);
             o->seed = (uint64_t)v;
             break;
@@ -361,7 +345,7 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
         case O_URL: o->url = optarg; break;
         case O_PROGRESS: o->progress = 1; break;
         case O_HTTP_TIMEOUT:
-            if (parse_double(optarg, 0.001, 86400, &o->http_timeout_s))
+            if (rk_parse_double(optarg, 0.001, 86400, &o->http_timeout_s))
                 return usage_error("bad --http-timeout '%s'", optarg);
             break;
         default: return usage_error("%s", "unknown option");
@@ -1125,7 +1109,7 @@ static rk_status http_parse_url(const char *url, double timeout_s, http_target *
     memcpy(port, colon + 1, n);
     port[n] = '\0';
     long v;
-    if (parse_long(port, 1, 65535, &v))
+    if (rk_parse_long(port, 1, 65535, &v))
         return rk_errorf(RK_ERR_INVALID, "--url %s: bad port '%s'", url, port);
     t->port = (int)v;
     const char *ip = !strcmp(t->host, "localhost") ? "127.0.0.1" : t->host;

@@ -33,22 +33,11 @@ static int usage_error(const char *cmd, const char *fmt, const char *arg) {
     return EXIT_USAGE;
 }
 
-/* Strict number parsing: the whole string must be a number in [lo, hi]. */
-static int parse_long(const char *s, long lo, long hi, long *out) {
-    char *end;
-    errno = 0;
-    long v = strtol(s, &end, 10);
-    if (errno || end == s || *end || v < lo || v > hi) return -1;
-    *out = v;
-    return 0;
-}
-
+/* A float flag in [lo, hi] (see rk_parse_double). */
 static int parse_float(const char *s, float lo, float hi, float *out) {
-    char *end;
-    errno = 0;
-    float v = strtof(s, &end);
-    if (errno || end == s || *end || !(v >= lo && v <= hi)) return -1;
-    *out = v;
+    double v;
+    if (rk_parse_double(s, lo, hi, &v)) return -1;
+    *out = (float)v;
     return 0;
 }
 
@@ -101,13 +90,13 @@ static int common_opt(const char *cmd, int c, common_opts *o) {
     switch (c) {
     case OPT_MODEL: o->model = optarg; return 1;
     case OPT_THREADS:
-        if (parse_long(optarg, 0, 1024, &v))
+        if (rk_parse_long(optarg, 0, 1024, &v))
             return usage_error(cmd, "bad --threads '%s'", optarg), -1;
         o->cfg.n_threads = (int)v;
         return 1;
     case OPT_BACKEND: snprintf(o->cfg.backend, sizeof o->cfg.backend, "%s", optarg); return 1;
     case OPT_KV_MB:
-        if (parse_long(optarg, 1, 1 << 24, &v))
+        if (rk_parse_long(optarg, 1, 1 << 24, &v))
             return usage_error(cmd, "bad --kv-memory-mb '%s'", optarg), -1;
         o->cfg.kv_memory_mb = (int)v;
         return 1;
@@ -122,12 +111,12 @@ static int common_opt(const char *cmd, int c, common_opts *o) {
         snprintf(o->cfg.store_dir, sizeof o->cfg.store_dir, "%s", optarg);
         return 1;
     case OPT_STORE_MB:
-        if (parse_long(optarg, 0, 1 << 30, &v))
+        if (rk_parse_long(optarg, 0, 1 << 30, &v))
             return usage_error(cmd, "bad --store-budget-mb '%s'", optarg), -1;
         o->cfg.store_budget_mb = (int)v;
         return 1;
     case OPT_BLOCK:
-        if (parse_long(optarg, 1, 1 << 20, &v))
+        if (rk_parse_long(optarg, 1, 1 << 20, &v))
             return usage_error(cmd, "bad --block-size '%s'", optarg), -1;
         o->cfg.block_size = (int)v;
         return 1;
@@ -301,11 +290,11 @@ static int cmd_generate(int argc, char **argv) {
         case O_PROMPT: prompt = optarg; break;
         case O_PROMPTS: prompts_file = optarg; break;
         case O_REPEAT:
-            if (parse_long(optarg, 1, 1000000, &repeat))
+            if (rk_parse_long(optarg, 1, 1000000, &repeat))
                 return usage_error("generate", "bad --repeat '%s'", optarg);
             break;
         case 'n':
-            if (parse_long(optarg, 0, 1 << 20, &v))
+            if (rk_parse_long(optarg, 0, 1 << 20, &v))
                 return usage_error("generate", "bad -n '%s'", optarg);
             opt.max_tokens = (int)v;
             break;
@@ -314,7 +303,7 @@ static int cmd_generate(int argc, char **argv) {
                 return usage_error("generate", "bad --temp '%s'", optarg);
             break;
         case O_TOPK:
-            if (parse_long(optarg, 0, 1 << 24, &v))
+            if (rk_parse_long(optarg, 0, 1 << 24, &v))
                 return usage_error("generate", "bad --top-k '%s'", optarg);
             opt.sampling.top_k = (int)v;
             break;
@@ -323,7 +312,7 @@ static int cmd_generate(int argc, char **argv) {
                 return usage_error("generate", "bad --top-p '%s'", optarg);
             break;
         case O_SEED:
-            if (parse_long(optarg, 0, 0x7fffffffffffffffL, &v))
+            if (rk_parse_long(optarg, 0, 0x7fffffffffffffffL, &v))
                 return usage_error("generate", "bad --seed '%s'", optarg);
             opt.sampling.seed = (uint64_t)v;
             break;
@@ -357,13 +346,13 @@ static int cmd_generate(int argc, char **argv) {
             opt.positions = r ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
             break;
         case O_LOGPROBS:
-            if (parse_long(optarg, 0, 20, &v))
+            if (rk_parse_long(optarg, 0, 20, &v))
                 return usage_error("generate", "bad --logprobs '%s' (0 to 20)", optarg);
             opt.n_logprobs = (int)v;
             break;
         case O_NOPREFIX: prefix_flag = 0; break;
         case O_REPAIR:
-            if (parse_long(optarg, 0, 1 << 20, &v))
+            if (rk_parse_long(optarg, 0, 1 << 20, &v))
                 return usage_error("generate", "bad --repair-k '%s'", optarg);
             opt.repair_k = (int)v;
             break;
@@ -620,7 +609,7 @@ static int cmd_mkmodel(int argc, char **argv) {
         case 'o': out = optarg; break;
         case 'v': opts.vocab_path = optarg; break;
         case 's':
-            if (parse_long(optarg, 0, 0x7fffffffffffffffL, &v))
+            if (rk_parse_long(optarg, 0, 0x7fffffffffffffffL, &v))
                 return usage_error("mkmodel", "bad --seed '%s'", optarg);
             opts.seed = (uint64_t)v;
             break;
@@ -675,7 +664,7 @@ static int cmd_prewarm(int argc, char **argv) {
         if (c == 'i')
             input = optarg;
         else if (c == 'b') {
-            if (parse_long(optarg, 1, 100000, &batch))
+            if (rk_parse_long(optarg, 1, 100000, &batch))
                 return usage_error("prewarm", "bad --batch '%s'", optarg);
         } else
             return usage_error("prewarm", "%s", "unknown option");
@@ -808,7 +797,7 @@ static int cmd_cache(int argc, char **argv) {
             else
                 return usage_error("cache", "--sort is hits or recent, not '%s'", optarg);
         } else if (c == 'l') {
-            if (parse_long(optarg, 0, 1 << 30, &limit))
+            if (rk_parse_long(optarg, 0, 1 << 30, &limit))
                 return usage_error("cache", "bad --limit '%s'", optarg);
         } else
             return usage_error("cache", "%s", "unknown option");
