@@ -397,7 +397,7 @@ static int wants_deviation(const rk_request *r, const rk_hparams *hp) {
 /* The deviation policy, first half: recompute layers 0..DEVIATION_LAYER for
  * every chunk token of the requests asking for it (their KV then replaces the
  * reused one in the live blocks), score each token by how far its layer-1 K/V
- * moved, and add to *b (reset by the caller) the runs of the repair_ratio of
+ * moved, and leave in *b (empty on entry) the runs of the repair_ratio of
  * each request's chunk tokens that moved most, for the full recompute.
  * Sets chunk_reports[].repaired and recomputed_tokens. */
 static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int n_reqs, batch *b) {
@@ -421,7 +421,6 @@ static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int 
             ? RK_OK
             : rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for the deviation repair");
     /* The reused K/V at the deviation layer, then layers 0..1 again over the merged cache. */
-    batch_reset(b);
     size_t at = 0;
     for (int i = 0; i < n_reqs && !st; i++) {
         rk_request *r = reqs[i];
@@ -883,6 +882,7 @@ rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
      * everything before them in the merged table: the deviation policy's
      * choice, then the first repair_k tokens of every chunk. */
     t = rk_time_now();
+    batch_reset(&b);
     for (int i = 0; i < n_reqs; i++) reqs[i]->recomputed_tokens = 0;
     if ((st = deviation_select(svc, reqs, n_reqs, &b))) goto done;
     for (int i = 0; i < n_reqs; i++) {
