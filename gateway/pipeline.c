@@ -702,6 +702,8 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
         return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
     r->n_out = 0;
     r->finish_reason = "length";
+    /* Nothing to generate: the prompt is still cached, but no step samples. */
+    s->done = r->opt.max_tokens == 0;
     memset(&r->t, 0, sizeof r->t);
     rk_status st = rk_sampler_init(&s->sampler, &r->opt.sampling, hp->n_vocab);
     if (st) return st;
@@ -915,7 +917,7 @@ rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
                 r->finish_reason = "cancelled";
                 s->done = 1;
             }
-            if (s->done || (step == 0 && r->opt.max_tokens == 0)) continue;
+            if (s->done) continue;
             if (step == 0) {
                 if (s->n_qtok) {
                     st = batch_add(&b, bs, &s->kv, s->qtok, s->n_qtok, s->q_pos, s->q_index, 1);

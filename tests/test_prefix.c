@@ -184,3 +184,28 @@ Test(prefix, concurrent_sequences_with_one_system_prompt_share_and_release) {
     rk_service_close(svc);
     free(model);
 }
+
+/* A request asking for no tokens, batched with generating ones: it samples
+ * nothing and never reads a token it does not have (a heap overflow once). */
+Test(prefix, a_max_tokens_zero_request_in_a_generating_batch_generates_nothing) {
+    rk_service *svc = open_svc(NULL, 1);
+    int32_t p[3][64];
+    int n[3], n_sys[3];
+    const char *qs[3] = {" Once", " Hello", " Once upon"};
+    int max_new[3] = {6, 0, 3};
+    rk_request *reqs[3];
+    for (int i = 0; i < 3; i++) {
+        n[i] = build_prompt(svc, "A story.", qs[i], p[i], &n_sys[i]);
+        reqs[i] = rk_test_request(svc, p[i], n[i], n_sys[i], max_new[i]);
+        reqs[i]->opt.stop_at_eog = 0;
+    }
+    cr_assert_eq(rk_pipeline_run(svc, reqs, 3, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(reqs[0]->n_out, 6);
+    cr_assert_eq(reqs[1]->n_out, 0);
+    cr_assert_str_eq(reqs[1]->finish_reason, "length");
+    cr_assert_eq(reqs[2]->n_out, 3);
+    for (int i = 0; i < 3; i++) rk_test_request_free(reqs[i]);
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
+                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE));
+    rk_service_close(svc);
+}
