@@ -1,37 +1,12 @@
-/* gateway/ — the top of ragkv: the service object that ties a backend, a
- * model, the KV arena and the caches together; the request pipeline
- * (pipeline.h); the `ragkv` command line. */
+/* gateway/ — the HTTP side of ragkv: the server (server.h), JSON reports
+ * (report.h), chat rendering, statistics (stats.h) and text helpers. The
+ * request pipeline and the scheduler below it live in pipeline/. */
 #ifndef RK_GATEWAY_H
 #define RK_GATEWAY_H
 
 #include <stdint.h>
 
-#include "chunkcache/arena.h"
-#include "chunkcache/chunk_index.h"
-#include "chunkcache/radix.h"
-#include "config/config.h"
-#include "engine/engine.h"
-#include "store/store.h"
-
-/* Seed of the embedded default model (`tiny`), fixed so every ragkv binary
- * serves the same weights. */
-#define RK_EMBEDDED_MODEL_SEED 20261122u
-
-typedef struct rk_service {
-    rk_config cfg;
-    rk_backend *be;
-    rk_model *model;
-    rk_arena *arena;
-    rk_radix *prefix;       /* system-prompt cache over prefix-pool blocks; NULL when disabled */
-    uint64_t prefix_ns;     /* its namespace: derived from the model fingerprint */
-    rk_chunk_index *chunks; /* the chunk cache over chunk-pool blocks */
-    rk_store *store;        /* the disk tier; NULL without --store */
-} rk_service;
-
-/* Create the backend, load the model (model_path NULL = build the embedded
- * `tiny` model in memory) and size the arena from cfg. */
-rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_service **out);
-void rk_service_close(rk_service *svc);
+#include <stddef.h>
 
 /* ---------------------------------------------------------------- text */
 

@@ -5,7 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gateway/pipeline.h"
+#include "pipeline/pipeline.h"
 #include "gateway/report.h"
 
 static json_t *timings_json(const rk_request *r) {

@@ -4,7 +4,8 @@
 
 #include <jansson.h>
 
-#include "gateway/pipeline.h"
+#include "gateway/gateway.h"
+#include "pipeline/pipeline.h"
 
 /* The generated text, decoded and made valid UTF-8 (malloc'ed). */
 rk_status rk_report_text(const rk_tokenizer *tok, const rk_request *r, char **out);

@@ -30,8 +30,8 @@
 #include <unistd.h>
 
 #include "config/settings.h"
-#include "gateway/engine.h"
-#include "gateway/pipeline.h"
+#include "pipeline/scheduler.h"
+#include "pipeline/pipeline.h"
 #include "gateway/report.h"
 #include "gateway/stats.h"
 
@@ -131,7 +131,7 @@ static int parse_log_level(const char *s) {
 typedef struct server {
     serve_opts o;
     struct mg_context *ctx;
-    rk_engine *engine;
+    rk_scheduler *engine;
     rk_stats *stats;
     atomic_int stopping;
     atomic_int in_flight;
@@ -318,8 +318,8 @@ static int read_body(req_ctx *rc, char **out, size_t *out_len) {
 
 /* The service when ready, with the served name and chat template computed. */
 static rk_service *ready_service(server *S) {
-    if (rk_engine_get_state(S->engine, NULL, 0) != RK_ENGINE_READY) return NULL;
-    rk_service *svc = rk_engine_service(S->engine);
+    if (rk_scheduler_get_state(S->engine, NULL, 0) != RK_SCHEDULER_READY) return NULL;
+    rk_service *svc = rk_scheduler_service(S->engine);
     if (!svc) return NULL;
     pthread_mutex_lock(&S->info_mu);
     if (!S->have_info) {
@@ -361,10 +361,10 @@ static int model_matches(server *S, rk_service *svc, const char *name) {
 
 static void send_not_ready(req_ctx *rc) {
     char msg[320];
-    rk_engine_state st = rk_engine_get_state(rc->S->engine, msg, sizeof msg);
-    if (atomic_load(&rc->S->stopping) || st == RK_ENGINE_STOPPING)
+    rk_scheduler_state st = rk_scheduler_get_state(rc->S->engine, msg, sizeof msg);
+    if (atomic_load(&rc->S->stopping) || st == RK_SCHEDULER_STOPPING)
         send_errorf(rc, 503, "the server is shutting down");
-    else if (st == RK_ENGINE_FAILED)
+    else if (st == RK_SCHEDULER_FAILED)
         send_errorf(rc, 503, "the model failed to load: %s", msg);
     else
         send_errorf(rc, 503, "the model is still loading");
@@ -501,7 +501,7 @@ static int write_all(gen *g, const char *s, size_t n) {
     if (g->client_gone) return -1;
     if (mg_write(g->rc->conn, s, n) != (int)n) {
         g->client_gone = 1;
-        rk_engine_cancel(g->rc->S->engine, g->job);
+        rk_scheduler_cancel(g->rc->S->engine, g->job);
         return -1;
     }
     return 0;
@@ -605,14 +605,14 @@ static void wait_job(gen *g, double deadline) {
         int to = rk_job_wait(g->job, seen, g->timed_out ? 0 : deadline, &n, &done);
         if (to) {
             g->timed_out = 1;
-            rk_engine_cancel(S->engine, g->job);
+            rk_scheduler_cancel(S->engine, g->job);
             continue;
         }
         if (n > seen && !done) {
             /* Tokens 0..n-1 are final; the engine may append more meanwhile. */
             gt_feed(&g->text, g->job->req.out_tokens, n);
             seen = n;
-            if (g->text.stop_at >= 0) rk_engine_cancel(S->engine, g->job);
+            if (g->text.stop_at >= 0) rk_scheduler_cancel(S->engine, g->job);
             if (g->api.stream && !g->client_gone) stream_progress(g);
         }
     }
@@ -768,7 +768,7 @@ static int handle_generate(req_ctx *rc, int chat) {
     }
     snprintf(g.id, sizeof g.id, "%s", rc->id);
     g.created = (long)time(NULL);
-    rk_status st = rk_engine_submit(S->engine, g.job);
+    rk_status st = rk_scheduler_submit(S->engine, g.job);
     if (st) {
         if (st == RK_ERR_BUSY)
             send_errorf(rc, 503, "%s; try again", rk_error_message());
@@ -793,7 +793,7 @@ done:
 /* Run fn on the engine thread and wait (at most until the request timeout).
  * Returns the command's status (RK_ERR_EXHAUSTED when it never ran: queue
  * full, timeout, shutdown), with its message in msg. */
-static rk_status run_command(req_ctx *rc, rk_engine_fn fn, void *ctx, int anytime, char *msg,
+static rk_status run_command(req_ctx *rc, rk_scheduler_fn fn, void *ctx, int anytime, char *msg,
                              size_t cap) {
     server *S = rc->S;
     rk_job job;
@@ -801,7 +801,7 @@ static rk_status run_command(req_ctx *rc, rk_engine_fn fn, void *ctx, int anytim
     job.fn = fn;
     job.fn_ctx = ctx;
     job.anytime = anytime;
-    rk_status st = rk_engine_submit(S->engine, &job);
+    rk_status st = rk_scheduler_submit(S->engine, &job);
     if (st) {
         snprintf(msg, cap, "%s", rk_error_message());
         rk_job_destroy(&job);
@@ -811,7 +811,7 @@ static rk_status run_command(req_ctx *rc, rk_engine_fn fn, void *ctx, int anytim
     while (!done)
         if (rk_job_wait(&job, 0, timed_out ? 0 : rc->t0 + S->o.timeout_s, &n, &done)) {
             timed_out = 1;
-            rk_engine_cancel(S->engine, &job);
+            rk_scheduler_cancel(S->engine, &job);
         }
     st = job.ran ? job.status : RK_ERR_EXHAUSTED;
     snprintf(msg, cap, "%s", job.ran ? job.error : "the command was cancelled before it ran");
@@ -826,11 +826,11 @@ static uint64_t kv_block_bytes(rk_service *svc) {
 }
 
 /* One cached entry as JSON (engine thread: reads the index and metadata). */
-static json_t *entry_json(rk_engine *e, rk_service *svc, const rk_chunk_entry *en) {
+static json_t *entry_json(rk_scheduler *e, rk_service *svc, const rk_chunk_entry *en) {
     char key[33];
     rk_chunk_key_hex(en->key, key);
     double last = 0;
-    const char *id = rk_engine_chunk_meta(e, key, &last);
+    const char *id = rk_scheduler_chunk_meta(e, key, &last);
     return json_pack(
         "{s:s, s:s?, s:i, s:I, s:I, s:f, s:f, s:s, s:s, s:i, s:i}", "key", key, "id", id, "tokens",
         en->n_tokens, "bytes", (json_int_t)((uint64_t)en->n_blocks * kv_block_bytes(svc)), "hits",
@@ -904,7 +904,7 @@ static rk_status list_disk(list_cmd *l, rk_service *svc) {
     return l->out ? RK_OK : rk_errorf(RK_ERR_NOMEM, "out of memory");
 }
 
-static rk_status list_fn(void *ctx, rk_engine *e, rk_service *svc) {
+static rk_status list_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
     list_cmd *l = ctx;
     if (l->disk) return list_disk(l, svc);
     rk_chunk_index_foreach(svc->chunks, collect, l);
@@ -926,7 +926,7 @@ typedef struct key_cmd {
     int in_arena, on_disk; /* what a delete removed */
 } key_cmd;
 
-static rk_status get_fn(void *ctx, rk_engine *e, rk_service *svc) {
+static rk_status get_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
     key_cmd *k = ctx;
     rk_chunk_entry *en = rk_chunk_index_find(svc->chunks, k->key);
     int on_disk = 0;
@@ -944,14 +944,14 @@ static rk_status get_fn(void *ctx, rk_engine *e, rk_service *svc) {
 }
 
 /* Remove a chunk from the arena and from the store. */
-static rk_status delete_fn(void *ctx, rk_engine *e, rk_service *svc) {
+static rk_status delete_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
     key_cmd *k = ctx;
     rk_status st = rk_chunk_index_remove(svc->chunks, k->key);
     if (st == RK_ERR_BUSY)
         return rk_errorf(st, "the chunk %s is in use by a request in flight; try again", k->hex);
     if (st && st != RK_ERR_NOT_FOUND) return st;
     k->in_arena = st == RK_OK;
-    if (k->in_arena) rk_engine_count_removed(e, 1, 0);
+    if (k->in_arena) rk_scheduler_count_removed(e, 1, 0);
     if (svc->store) {
         rk_status ds = rk_store_delete(svc->store, k->hex);
         if (ds && ds != RK_ERR_NOT_FOUND) return ds;
@@ -968,7 +968,7 @@ typedef struct flush_cmd {
     uint64_t prefix_nodes, prefix_tokens, disk_rows;
 } flush_cmd;
 
-static rk_status flush_fn(void *ctx, rk_engine *e, rk_service *svc) {
+static rk_status flush_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
     flush_cmd *f = ctx;
     if (f->req.chunks) f->chunks = rk_chunk_index_flush(svc->chunks);
     if (f->req.prefix && svc->prefix) {
@@ -979,7 +979,7 @@ static rk_status flush_fn(void *ctx, rk_engine *e, rk_service *svc) {
         f->prefix_nodes = b.evictions - a.evictions;
         f->prefix_tokens = b.tokens_evicted - a.tokens_evicted;
     }
-    rk_engine_count_removed(e, (uint64_t)f->chunks, f->prefix_nodes);
+    rk_scheduler_count_removed(e, (uint64_t)f->chunks, f->prefix_nodes);
     if (f->req.disk && svc->store) return rk_store_flush(svc->store, &f->disk_rows);
     return RK_OK;
 }
@@ -996,13 +996,13 @@ typedef struct prewarm_cmd {
     char **ids;
 } prewarm_cmd;
 
-static rk_status prewarm_fn(void *ctx, rk_engine *e, rk_service *svc) {
+static rk_status prewarm_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
     prewarm_cmd *p = ctx;
     if (p->items) {
         rk_status st = rk_pipeline_prewarm(svc, p->items, p->n, p->persist);
         for (int i = 0; i < p->n; i++)
             if (p->items[i].key[0] && strcmp(p->items[i].status, "failed"))
-                rk_engine_chunk_touch(e, p->items[i].key, p->ids[i]);
+                rk_scheduler_chunk_touch(e, p->items[i].key, p->ids[i]);
         return st;
     }
     rk_request **run = malloc((size_t)p->n * sizeof *run);
@@ -1015,12 +1015,12 @@ static rk_status prewarm_fn(void *ctx, rk_engine *e, rk_service *svc) {
     int m = 0;
     for (int i = 0; i < p->n; i++)
         if (p->reqs[i]) run[m++] = p->reqs[i];
-    rk_engine_run(e, run, m, res);
+    rk_scheduler_run(e, run, m, res);
     for (int i = 0, k = 0; i < p->n; i++) {
         if (!p->reqs[i]) continue;
         p->res[i] = res[k++];
         if (p->res[i].status == RK_OK && p->reqs[i]->chunk_reports[0].key[0])
-            rk_engine_chunk_touch(e, p->reqs[i]->chunk_reports[0].key, p->ids[i]);
+            rk_scheduler_chunk_touch(e, p->reqs[i]->chunk_reports[0].key, p->ids[i]);
     }
     free(run);
     free(res);
@@ -1339,20 +1339,20 @@ static int handle_flush(req_ctx *rc) {
 
 static int handle_health(req_ctx *rc) {
     char msg[320];
-    rk_engine_state st = rk_engine_get_state(rc->S->engine, msg, sizeof msg);
-    if (st == RK_ENGINE_READY && !atomic_load(&rc->S->stopping)) {
+    rk_scheduler_state st = rk_scheduler_get_state(rc->S->engine, msg, sizeof msg);
+    if (st == RK_SCHEDULER_READY && !atomic_load(&rc->S->stopping)) {
         send_json(rc, 200, json_pack("{s:s}", "status", "ok"));
         return 0;
     }
-    const char *what = atomic_load(&rc->S->stopping) || st == RK_ENGINE_STOPPING ? "stopping"
-                       : st == RK_ENGINE_FAILED                                  ? "failed"
+    const char *what = atomic_load(&rc->S->stopping) || st == RK_SCHEDULER_STOPPING ? "stopping"
+                       : st == RK_SCHEDULER_FAILED                                  ? "failed"
                                                                                  : "loading";
     char m[400];
     snprintf(m, sizeof m, "%s%s%s",
              !strcmp(what, "loading")    ? "the model is still loading"
              : !strcmp(what, "stopping") ? "the server is shutting down"
                                          : "the model failed to load",
-             st == RK_ENGINE_FAILED ? ": " : "", st == RK_ENGINE_FAILED ? msg : "");
+             st == RK_SCHEDULER_FAILED ? ": " : "", st == RK_SCHEDULER_FAILED ? msg : "");
     send_json(rc, 503,
               json_pack("{s:s, s:{s:i, s:s, s:s}}", "status", what, "error", "code", 503, "type",
                         "overloaded", "message", m));
@@ -1713,6 +1713,10 @@ fail:
     free(bases);
     return -1;
 }
+/* The scheduler's statistics hooks, into the server's rk_stats. */
+static void publish_stats(void *ctx, const rk_cache_snapshot *snap) { rk_stats_publish(ctx, snap); }
+static void record_request(void *ctx, const rk_request *r) { rk_stats_record_request(ctx, r); }
+
 
 int rk_serve_main(int argc, char **argv) {
     server *S = calloc(1, sizeof *S);
@@ -1755,14 +1759,16 @@ int rk_serve_main(int argc, char **argv) {
         fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
         goto out;
     }
-    rk_engine_params ep = {.cfg = o->cfg,
+    rk_scheduler_params ep = {.cfg = o->cfg,
                            .model_path = o->model[0] ? o->model : NULL,
                            .max_queue = o->queue,
                            .max_batch = o->max_batch,
                            .load_delay_s = o->load_delay_s,
                            .token_delay_s = o->token_delay_s,
-                           .stats = S->stats};
-    if (rk_engine_start(&ep, &S->engine)) {
+                           .publish = publish_stats,
+                           .record_request = record_request,
+                           .stats_ctx = S->stats};
+    if (rk_scheduler_start(&ep, &S->engine)) {
         fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
         goto out;
     }
@@ -1793,7 +1799,7 @@ int rk_serve_main(int argc, char **argv) {
     if (!S->ctx) {
         fprintf(stderr, "ragkv serve: cannot listen on %s (in use, or not a local address?)\n",
                 ports);
-        rk_engine_free(S->engine);
+        rk_scheduler_free(S->engine);
         S->engine = NULL;
         mg_exit_library();
         goto out;
@@ -1806,7 +1812,7 @@ int rk_serve_main(int argc, char **argv) {
 
     /* Wait for a signal, watching the model load. */
     rc = 0;
-    rk_engine_state last = RK_ENGINE_LOADING;
+    rk_scheduler_state last = RK_SCHEDULER_LOADING;
     for (;;) {
         struct timespec tick = {0, 100 * 1000 * 1000};
         int sig = sigtimedwait(&sigs, NULL, &tick);
@@ -1815,13 +1821,13 @@ int rk_serve_main(int argc, char **argv) {
             break;
         }
         char msg[320];
-        rk_engine_state st = rk_engine_get_state(S->engine, msg, sizeof msg);
-        if (st != last && st == RK_ENGINE_READY) {
+        rk_scheduler_state st = rk_scheduler_get_state(S->engine, msg, sizeof msg);
+        if (st != last && st == RK_SCHEDULER_READY) {
             ready_service(S);
             RK_LOG_INFO("model ready: %s (chat template %s)", S->model_name,
                         rk_chat_template_name(S->tmpl));
         }
-        if (st == RK_ENGINE_FAILED) {
+        if (st == RK_SCHEDULER_FAILED) {
             fprintf(stderr, "ragkv serve: cannot load the model: %s\n", msg);
             rc = EXIT_FAILURE;
             break;
@@ -1837,9 +1843,9 @@ int rk_serve_main(int argc, char **argv) {
         struct timespec ts = {0, 20 * 1000 * 1000};
         nanosleep(&ts, NULL);
     }
-    rk_engine_cancel_all(S->engine);
+    rk_scheduler_cancel_all(S->engine);
     stop_civetweb(S->ctx, n_ports > 0 ? sp[0].port : o->port, o->host);
-    rk_engine_free(S->engine);
+    rk_scheduler_free(S->engine);
     S->engine = NULL;
     mg_exit_library();
     RK_LOG_INFO("stopped");

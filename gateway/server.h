@@ -17,8 +17,8 @@
 
 #include <stddef.h>
 
-#include "gateway/pipeline.h"
-#include "gateway/split.h"
+#include "pipeline/pipeline.h"
+#include "pipeline/split.h"
 
 /* Entry point of `ragkv serve` (argv[0] is "serve"). Returns the process exit
  * status: 0 after a clean shutdown (SIGINT/SIGTERM), 1 on a runtime failure,

@@ -17,34 +17,8 @@
 #include "chunkcache/arena.h"
 #include "chunkcache/chunk_index.h"
 #include "chunkcache/radix.h"
-#include "gateway/pipeline.h"
-
-#define RK_STATS_TOP 10 /* top chunks by hits shown in /v1/stats */
-
-typedef struct rk_top_chunk {
-    char key[33];
-    char id[256]; /* "" when no id is known */
-    uint64_t hits;
-} rk_top_chunk;
-
-/* What the engine thread publishes. */
-typedef struct rk_cache_snapshot {
-    rk_chunk_stats chunk;
-    uint64_t chunk_removed;    /* entries removed by DELETE or flush (not counted as evictions
-                                  by the index) */
-    uint64_t chunk_referenced; /* ready entries with references now */
-    uint64_t chunk_bytes;      /* KV bytes of the chunk entries */
-    int have_prefix;
-    rk_radix_stats prefix;
-    uint64_t prefix_flushed; /* radix evictions caused by a flush (manual) */
-    int pool_total[RK_POOL_COUNT], pool_free[RK_POOL_COUNT];
-    rk_top_chunk top[RK_STATS_TOP];
-    int n_top;
-    int queued; /* requests waiting for the engine */
-    /* The chunk store (disk tier): zero while none is configured. */
-    int have_store;
-    uint64_t store_rows, store_bytes, store_loads, store_writes, store_dropped_at_recovery;
-} rk_cache_snapshot;
+#include "pipeline/pipeline.h"
+#include "pipeline/scheduler.h"
 
 typedef struct rk_stats rk_stats; /* opaque */
 

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gateway/pipeline.h"
+#include "pipeline/pipeline.h"
 #include "tests/testutil.h"
 
 #define STEPS 12

@@ -27,7 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gateway/pipeline.h"
+#include "pipeline/pipeline.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 #include "tests/testutil.h"

@@ -9,7 +9,7 @@
 #include <string.h>
 
 #include "engine/mkmodel.h"
-#include "gateway/pipeline.h"
+#include "pipeline/pipeline.h"
 #include "tests/testutil.h"
 
 static rk_service *open_model(const char *path, int n_threads) {

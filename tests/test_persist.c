@@ -12,7 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "gateway/pipeline.h"
+#include "pipeline/pipeline.h"
 #include "tests/testutil.h"
 
 static rk_service *open_with_store(const char *model, const char *dir) {

@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gateway/split.h"
+#include "pipeline/split.h"
 
 static rk_split split(const char *p, const char *sep, int max_chunks, rk_status want) {
     rk_split s;

@@ -4,7 +4,7 @@
 #include <criterion/criterion.h>
 
 #include "engine/mkmodel.h"
-#include "gateway/pipeline.h"
+#include "pipeline/pipeline.h"
 
 #include <stdio.h>
 #include <stdlib.h>

@@ -1,4 +1,4 @@
-/* gateway/bench.c — see bench.h.
+/* bench/bench.c — see bench.h.
  *
  * Layout of this file: options; the workload generator (text from the
  * vocabulary, Zipf requests, the hit-rate prediction); the in-process and
@@ -20,7 +20,7 @@
  * (or over the steady-state ones). Treating a request's k lookups as
  * independent, a request has at least one hit with probability 1 - (1 - p)^k,
  * printed next to the measured fraction. With --prewarm, p = 1. */
-#include "gateway/bench.h"
+#include "bench/bench.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -42,9 +42,8 @@
 
 #include "engine/gguf.h"
 #include "engine/tokenizer.h"
-#include "gateway/gateway.h"
-#include "gateway/pipeline.h"
-#include "gateway/split.h"
+#include "pipeline/pipeline.h"
+#include "pipeline/split.h"
 
 #define EXIT_USAGE    2
 #define MAX_FAILURES  16

@@ -1,7 +1,7 @@
-/* gateway/split.c — see split.h. One pass finds the piece boundaries
+/* pipeline/split.c — see split.h. One pass finds the piece boundaries
  * (unescaped separators); each piece is then copied with its escaped
  * separators turned into literal ones. */
-#include "gateway/split.h"
+#include "pipeline/split.h"
 
 #include <stdlib.h>
 #include <string.h>

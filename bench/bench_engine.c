@@ -19,7 +19,7 @@
 #include "engine/mkmodel.h"
 #include <math.h>
 
-#include "gateway/pipeline.h"
+#include "pipeline/pipeline.h"
 
 static double sgemm_gflops(int n, int k, int m) {
     float *a = malloc((size_t)n * k * 4), *b = malloc((size_t)m * k * 4),

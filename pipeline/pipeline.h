@@ -1,4 +1,4 @@
-/* gateway/pipeline.h — the request pipeline:
+/* pipeline/pipeline.h — the request pipeline:
  *
  *   split → tokenize → system prompt through the radix cache → chunks through
  *   the chunk index (compute misses once, at base positions) → reindex (copy
@@ -13,9 +13,34 @@
 
 #include <stdint.h>
 
-#include "gateway/gateway.h"
-#include "gateway/split.h"
+#include "chunkcache/arena.h"
+#include "chunkcache/chunk_index.h"
+#include "chunkcache/radix.h"
+#include "config/config.h"
+#include "engine/engine.h"
+#include "store/store.h"
+#include "pipeline/split.h"
 #include "reindex/reindex.h"
+
+/* Seed of the embedded default model (`tiny`), fixed so every ragkv binary
+ * serves the same weights. */
+#define RK_EMBEDDED_MODEL_SEED 20261122u
+
+typedef struct rk_service {
+    rk_config cfg;
+    rk_backend *be;
+    rk_model *model;
+    rk_arena *arena;
+    rk_radix *prefix;       /* system-prompt cache over prefix-pool blocks; NULL when disabled */
+    uint64_t prefix_ns;     /* its namespace: derived from the model fingerprint */
+    rk_chunk_index *chunks; /* the chunk cache over chunk-pool blocks */
+    rk_store *store;        /* the disk tier; NULL without --store */
+} rk_service;
+
+/* Create the backend, load the model (model_path NULL = build the embedded
+ * `tiny` model in memory) and size the arena from cfg. */
+rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_service **out);
+void rk_service_close(rk_service *svc);
 
 typedef struct rk_req_options {
     int mode_plain;     /* 1 = the pieces as one ordinary sequence, no chunk cache */

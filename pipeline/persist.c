@@ -1,4 +1,4 @@
-/* gateway/persist.c — chunk KV between the arena and the store (the disk tier).
+/* pipeline/persist.c — chunk KV between the arena and the store (the disk tier).
  *
  * A payload body holds, for each layer, the chunk's K rows then its V rows,
  * one row (n_kv_heads * head_dim values of the KV dtype) per token, in token
@@ -8,7 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gateway/persist.h"
+#include "pipeline/persist.h"
 
 static size_t row_bytes(const rk_kv_cache *kv) {
     return (size_t)kv->n_kv_heads * kv->head_dim * rk_dtype_size(kv->dtype);

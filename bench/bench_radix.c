@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gateway/pipeline.h"
+#include "pipeline/pipeline.h"
 
 static void no_release(void *ctx, const int32_t *pages, int n) { (void)ctx, (void)pages, (void)n; }
 

@@ -1,8 +1,8 @@
-/* gateway/persist.h — chunk KV to and from the persistent store. */
+/* pipeline/persist.h — chunk KV to and from the persistent store. */
 #ifndef RK_PERSIST_H
 #define RK_PERSIST_H
 
-#include "gateway/gateway.h"
+#include "pipeline/pipeline.h"
 
 /* Write a ready entry's KV to the store (no-op without a store). policy is
  * "isolated" or "system"; doc_id may be NULL. */

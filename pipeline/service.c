@@ -1,10 +1,10 @@
-/* gateway/service.c — opening a backend, a model and the KV arena together. */
+/* pipeline/service.c — opening a backend, a model and the KV arena together. */
 #include <stdlib.h>
 #include <string.h>
 #include <xxhash.h>
 
 #include "engine/mkmodel.h"
-#include "gateway/gateway.h"
+#include "pipeline/pipeline.h"
 
 static rk_status load_embedded(rk_backend *be, rk_model **out) {
     rk_mkmodel_opts opts;

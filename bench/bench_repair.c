@@ -16,8 +16,8 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "gateway/pipeline.h"
-#include "gateway/split.h"
+#include "pipeline/pipeline.h"
+#include "pipeline/split.h"
 
 #define MAX_STEPS 64
 

@@ -1,4 +1,4 @@
-/* gateway/engine.h — the engine thread of `ragkv serve` and its request queue.
+/* pipeline/scheduler.h — the engine thread of `ragkv serve` and its request queue.
  *
  * One engine thread owns the rk_service (backend, model, KV arena, radix tree,
  * chunk index); nothing else touches them, so they need no locks. It loads
@@ -16,42 +16,72 @@
  *
  * A job belongs to its submitter (an HTTP worker thread), who must not free
  * it before rk_job_wait reported it done: until then the engine may write it. */
-#ifndef RK_GATEWAY_ENGINE_H
-#define RK_GATEWAY_ENGINE_H
+#ifndef RK_PIPELINE_SCHEDULER_H
+#define RK_PIPELINE_SCHEDULER_H
 
 #include <pthread.h>
 #include <stddef.h>
 
-#include "gateway/gateway.h"
-#include "gateway/pipeline.h"
-#include "gateway/stats.h"
+#include "pipeline/pipeline.h"
 
-typedef struct rk_engine rk_engine; /* opaque */
+#define RK_STATS_TOP 10 /* top chunks by hits shown in /v1/stats */
 
-typedef enum rk_engine_state {
-    RK_ENGINE_LOADING = 0,
-    RK_ENGINE_READY = 1,
-    RK_ENGINE_FAILED = 2,   /* the model could not be loaded */
-    RK_ENGINE_STOPPING = 3, /* shutting down: no new jobs */
-} rk_engine_state;
+typedef struct rk_top_chunk {
+    char key[33];
+    char id[256]; /* "" when no id is known */
+    uint64_t hits;
+} rk_top_chunk;
 
-typedef struct rk_engine_params {
+/* What the engine thread publishes. */
+typedef struct rk_cache_snapshot {
+    rk_chunk_stats chunk;
+    uint64_t chunk_removed;    /* entries removed by DELETE or flush (not counted as evictions
+                                  by the index) */
+    uint64_t chunk_referenced; /* ready entries with references now */
+    uint64_t chunk_bytes;      /* KV bytes of the chunk entries */
+    int have_prefix;
+    rk_radix_stats prefix;
+    uint64_t prefix_flushed; /* radix evictions caused by a flush (manual) */
+    int pool_total[RK_POOL_COUNT], pool_free[RK_POOL_COUNT];
+    rk_top_chunk top[RK_STATS_TOP];
+    int n_top;
+    int queued; /* requests waiting for the engine */
+    /* The chunk store (disk tier): zero while none is configured. */
+    int have_store;
+    uint64_t store_rows, store_bytes, store_loads, store_writes, store_dropped_at_recovery;
+} rk_cache_snapshot;
+
+typedef struct rk_scheduler rk_scheduler; /* opaque */
+
+typedef enum rk_scheduler_state {
+    RK_SCHEDULER_LOADING = 0,
+    RK_SCHEDULER_READY = 1,
+    RK_SCHEDULER_FAILED = 2,   /* the model could not be loaded */
+    RK_SCHEDULER_STOPPING = 3, /* shutting down: no new jobs */
+} rk_scheduler_state;
+
+typedef struct rk_scheduler_params {
     rk_config cfg;
     const char *model_path; /* NULL = the embedded model; copied */
     int max_queue;          /* jobs waiting at most (submit fails beyond) */
     int max_batch;          /* generations run together at most */
     double load_delay_s;    /* testing aid: wait this long before loading */
     double token_delay_s;   /* testing aid: sleep after every generated token */
-    rk_stats *stats;        /* receives snapshots and finished requests; not owned */
-} rk_engine_params;
+    /* Where statistics go (both may be NULL), called on the engine thread:
+     * a snapshot of the caches after every batch or command (and every
+     * 100 ms while a batch decodes), and every request that completed. */
+    void (*publish)(void *ctx, const rk_cache_snapshot *snap);
+    void (*record_request)(void *ctx, const rk_request *r);
+    void *stats_ctx;
+} rk_scheduler_params;
 
 /* A function run on the engine thread, with the service (command jobs). */
-typedef rk_status (*rk_engine_fn)(void *ctx, rk_engine *e, rk_service *svc);
+typedef rk_status (*rk_scheduler_fn)(void *ctx, rk_scheduler *e, rk_service *svc);
 
 typedef struct rk_job {
-    /* Set by the submitter before rk_engine_submit. */
+    /* Set by the submitter before rk_scheduler_submit. */
     rk_request req;  /* a generation (prepared), when fn is NULL */
-    rk_engine_fn fn; /* or a command */
+    rk_scheduler_fn fn; /* or a command */
     void *fn_ctx;
     int notify_tokens;      /* wake the waiter at every token (streaming, stop strings) */
     int anytime;            /* a command that may also run between two decode steps of a
@@ -86,40 +116,40 @@ void rk_job_destroy(rk_job *j);
 int rk_job_wait(rk_job *j, int seen, double deadline, int *out_n_tokens, int *out_done);
 
 /* Start the engine thread; it loads the model in the background. */
-rk_status rk_engine_start(const rk_engine_params *p, rk_engine **out);
+rk_status rk_scheduler_start(const rk_scheduler_params *p, rk_scheduler **out);
 
 /* The current state; when FAILED, msg (cap bytes, may be NULL) gets the reason. */
-rk_engine_state rk_engine_get_state(rk_engine *e, char *msg, size_t cap);
+rk_scheduler_state rk_scheduler_get_state(rk_scheduler *e, char *msg, size_t cap);
 
 /* The service once READY (NULL before). Threads other than the engine's may
  * read only its immutable parts: cfg, the model's hyper-parameters,
  * fingerprint, GGUF metadata and tokenizer (immutable and safe for concurrent
  * readers), e.g. to tokenize with rk_request_prepare. */
-rk_service *rk_engine_service(rk_engine *e);
+rk_service *rk_scheduler_service(rk_scheduler *e);
 
 /* Queue a job. RK_ERR_BUSY when the queue is full, RK_ERR_UNSUPPORTED when
  * the engine is not ready (loading, failed, stopping); the job is then not
  * queued and stays the caller's. */
-rk_status rk_engine_submit(rk_engine *e, rk_job *j);
+rk_status rk_scheduler_submit(rk_scheduler *e, rk_job *j);
 
 /* Cancel a job: a queued one is taken out of the queue and completed at once
  * (done, ran = 0); a running generation is flagged and stops at its next
  * decode step. The caller still waits for done. */
-void rk_engine_cancel(rk_engine *e, rk_job *j);
+void rk_scheduler_cancel(rk_scheduler *e, rk_job *j);
 
 /* Flag every running generation and complete every queued job as cancelled. */
-void rk_engine_cancel_all(rk_engine *e);
+void rk_scheduler_cancel_all(rk_scheduler *e);
 
 /* Jobs waiting now. */
-int rk_engine_queued(rk_engine *e);
+int rk_scheduler_queued(rk_scheduler *e);
 
 /* Stop: no new jobs, queued ones completed as cancelled, running ones
  * flagged; join the thread and close the service. Then free. Accepts NULL. */
-void rk_engine_free(rk_engine *e);
+void rk_scheduler_free(rk_scheduler *e);
 
 /* ---------------------------------------------------------------- engine thread only */
 
-/* The outcome of one request of rk_engine_run. */
+/* The outcome of one request of rk_scheduler_run. */
 typedef struct rk_run_result {
     rk_status status;
     char error[320];
@@ -128,20 +158,20 @@ typedef struct rk_run_result {
 /* Run prepared requests through the pipeline in batches of max_batch. When a
  * batch fails (e.g. the live pool cannot hold all of it), each of its
  * requests is retried alone, so one request's failure is its own. */
-void rk_engine_run(rk_engine *e, rk_request **reqs, int n, rk_run_result *out);
+void rk_scheduler_run(rk_scheduler *e, rk_request **reqs, int n, rk_run_result *out);
 
 /* Per-chunk metadata the engine keeps beside the chunk index: the document
  * id given for a key, and the wall-clock time of its last use. Returns the id
  * (NULL when none) and writes the last use (0 when unknown). */
-const char *rk_engine_chunk_meta(rk_engine *e, const char *key, double *out_last_use);
+const char *rk_scheduler_chunk_meta(rk_scheduler *e, const char *key, double *out_last_use);
 /* Remember an id (NULL keeps the one known) and a use now. */
-void rk_engine_chunk_touch(rk_engine *e, const char *key, const char *id);
+void rk_scheduler_chunk_touch(rk_scheduler *e, const char *key, const char *id);
 
 /* Count a manual removal from the chunk index (DELETE, flush) and prefix-cache
  * evictions caused by a flush, for the evictions-by-reason counters. */
-void rk_engine_count_removed(rk_engine *e, uint64_t chunks, uint64_t prefix_evictions);
+void rk_scheduler_count_removed(rk_scheduler *e, uint64_t chunks, uint64_t prefix_evictions);
 
 /* Publish a statistics snapshot now. */
-void rk_engine_publish(rk_engine *e);
+void rk_scheduler_publish(rk_scheduler *e);
 
 #endif

@@ -1,4 +1,4 @@
-/* gateway/split.h — splitting a RAG prompt into its pieces before tokenizing.
+/* pipeline/split.h — splitting a RAG prompt into its pieces before tokenizing.
  *
  *   "system##chunk 1##chunk 2##question"
  *

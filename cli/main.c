@@ -1,4 +1,4 @@
-/* gateway/main.c — the `ragkv` command line: one binary, one subcommand per
+/* cli/main.c — the `ragkv` command line: one binary, one subcommand per
  * job. Exit status: 0 success, 1 runtime failure, 2 bad usage. Errors are
  * one line on stderr saying what and where. */
 #include <errno.h>
@@ -12,9 +12,8 @@
 
 #include "engine/gguf.h"
 #include "engine/mkmodel.h"
-#include "gateway/bench.h"
-#include "gateway/gateway.h"
-#include "gateway/pipeline.h"
+#include "bench/bench.h"
+#include "pipeline/pipeline.h"
 #include "gateway/report.h"
 #include "gateway/server.h"
 

@@ -1,4 +1,4 @@
-/* gateway/bench.h — `ragkv bench`: a RAG workload benchmark that measures the
+/* bench/bench.h — `ragkv bench`: a RAG workload benchmark that measures the
  * chunk cache against full prefill in one run.
  *
  * A seeded generator builds a corpus of chunks from the model's vocabulary,

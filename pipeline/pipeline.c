@@ -1,4 +1,4 @@
-/* gateway/pipeline.c — see pipeline.h.
+/* pipeline/pipeline.c — see pipeline.h.
  *
  * A batch goes through up to three prefill passes, then decoding:
  *   pass 1: every system-prompt tail the prefix cache did not have; every
@@ -11,14 +11,14 @@
  *           live blocks (cached ones rotated by live offset - base);
  *   pass 3: the questions (the first decode step), with logits;
  * then one pass per generated token for every unfinished request. */
-#include "gateway/pipeline.h"
+#include "pipeline/pipeline.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "chunkcache/chunk_index.h"
-#include "gateway/persist.h"
+#include "pipeline/persist.h"
 
 /* A scratch sequence: KV computed somewhere other than the request's own
  * table, then copied into place. */

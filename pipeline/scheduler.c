@@ -1,11 +1,11 @@
-/* gateway/engine.c — see engine.h.
+/* pipeline/scheduler.c — see scheduler.h.
  *
  * Locks: e->mu guards the queue, the state, the service pointer and the list
  * of running jobs; each job's mu guards its reply channel. The engine never
  * holds e->mu while it computes, and never holds a job's mu while it takes
  * e->mu. A job is completed (done = 1) only after it left both the queue and
  * the running list, so nothing reaches it through the engine afterwards. */
-#include "gateway/engine.h"
+#include "pipeline/scheduler.h"
 
 #include <stdatomic.h>
 #include <stdio.h>
@@ -20,15 +20,15 @@ typedef struct meta {
     struct meta *next;
 } meta;
 
-struct rk_engine {
-    rk_engine_params p;
+struct rk_scheduler {
+    rk_scheduler_params p;
     char *model_path;
     pthread_t thread;
     int thread_started;
 
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    rk_engine_state state;
+    rk_scheduler_state state;
     char fail_msg[320];
     rk_service *svc;
     rk_job *head, *tail;
@@ -107,7 +107,7 @@ static void complete(rk_job *j, int ran, rk_status st, const char *msg) {
 }
 
 /* Take j off the running list, then complete it. */
-static void finish(rk_engine *e, rk_job *j, int ran, rk_status st, const char *msg) {
+static void finish(rk_scheduler *e, rk_job *j, int ran, rk_status st, const char *msg) {
     pthread_mutex_lock(&e->mu);
     for (int i = 0; i < e->n_running; i++)
         if (e->running[i] == j) {
@@ -118,7 +118,7 @@ static void finish(rk_engine *e, rk_job *j, int ran, rk_status st, const char *m
     complete(j, ran, st, msg);
 }
 
-static void unlink_job(rk_engine *e, rk_job *j) {
+static void unlink_job(rk_scheduler *e, rk_job *j) {
     if (j->prev)
         j->prev->next = j->next;
     else
@@ -154,7 +154,7 @@ static size_t key_hash(const char *key) {
     return h;
 }
 
-static meta *meta_find(rk_engine *e, const char *key) {
+static meta *meta_find(rk_scheduler *e, const char *key) {
     if (!e->n_buckets) return NULL;
     for (meta *m = e->buckets[key_hash(key) & (e->n_buckets - 1)]; m; m = m->next)
         if (!strcmp(m->key, key)) return m;
@@ -162,7 +162,7 @@ static meta *meta_find(rk_engine *e, const char *key) {
 }
 
 /* Drop metadata of keys the chunk index no longer holds. */
-static void meta_prune(rk_engine *e) {
+static void meta_prune(rk_scheduler *e) {
     for (size_t b = 0; b < e->n_buckets; b++) {
         meta **pp = &e->buckets[b];
         while (*pp) {
@@ -180,13 +180,13 @@ static void meta_prune(rk_engine *e) {
     }
 }
 
-const char *rk_engine_chunk_meta(rk_engine *e, const char *key, double *out_last_use) {
+const char *rk_scheduler_chunk_meta(rk_scheduler *e, const char *key, double *out_last_use) {
     meta *m = meta_find(e, key);
     if (out_last_use) *out_last_use = m ? m->last_use : 0;
     return m ? m->id : NULL;
 }
 
-void rk_engine_chunk_touch(rk_engine *e, const char *key, const char *id) {
+void rk_scheduler_chunk_touch(rk_scheduler *e, const char *key, const char *id) {
     if (strlen(key) != 32) return;
     if (!e->n_buckets) {
         e->buckets = calloc(1024, sizeof *e->buckets);
@@ -233,7 +233,7 @@ void rk_engine_chunk_touch(rk_engine *e, const char *key, const char *id) {
     m->last_use = (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static void meta_free(rk_engine *e) {
+static void meta_free(rk_scheduler *e) {
     for (size_t b = 0; b < e->n_buckets; b++)
         for (meta *m = e->buckets[b], *n; m; m = n) {
             n = m->next;
@@ -245,7 +245,7 @@ static void meta_free(rk_engine *e) {
     e->n_buckets = e->n_meta = 0;
 }
 
-void rk_engine_count_removed(rk_engine *e, uint64_t chunks, uint64_t prefix_evictions) {
+void rk_scheduler_count_removed(rk_scheduler *e, uint64_t chunks, uint64_t prefix_evictions) {
     e->chunk_removed += chunks;
     e->prefix_flushed += prefix_evictions;
 }
@@ -253,7 +253,7 @@ void rk_engine_count_removed(rk_engine *e, uint64_t chunks, uint64_t prefix_evic
 /* ---------------------------------------------------------------- statistics */
 
 typedef struct walk_ctx {
-    rk_engine *e;
+    rk_scheduler *e;
     rk_cache_snapshot *s;
     uint64_t block_bytes;
 } walk_ctx;
@@ -273,15 +273,15 @@ static int walk_entry(void *ctx, const rk_chunk_entry *en) {
     if (s->n_top < RK_STATS_TOP) s->n_top++;
     rk_top_chunk *t = &s->top[pos];
     rk_chunk_key_hex(en->key, t->key);
-    const char *id = rk_engine_chunk_meta(w->e, t->key, NULL);
+    const char *id = rk_scheduler_chunk_meta(w->e, t->key, NULL);
     snprintf(t->id, sizeof t->id, "%s", id ? id : "");
     t->hits = en->hits;
     return 0;
 }
 
-void rk_engine_publish(rk_engine *e) {
+void rk_scheduler_publish(rk_scheduler *e) {
     rk_service *svc = e->svc;
-    if (!svc || !e->p.stats) return;
+    if (!svc || !e->p.publish) return;
     e->last_publish = rk_time_now();
     rk_cache_snapshot s;
     memset(&s, 0, sizeof s);
@@ -315,18 +315,18 @@ void rk_engine_publish(rk_engine *e) {
     pthread_mutex_lock(&e->mu);
     s.queued = e->n_queued;
     pthread_mutex_unlock(&e->mu);
-    rk_stats_publish(e->p.stats, &s);
+    e->p.publish(e->p.stats_ctx, &s);
 }
 
 /* ---------------------------------------------------------------- running requests */
 
 typedef struct hook_ctx {
-    rk_engine *e;
+    rk_scheduler *e;
     rk_job **jobs; /* index in the pipeline call -> job (NULL entries: no job) */
 } hook_ctx;
 
 /* Between decode steps: run the light commands waiting, publish statistics. */
-static void poll_during_batch(rk_engine *e) {
+static void poll_during_batch(rk_scheduler *e) {
     while (atomic_load(&e->n_anytime) > 0) {
         pthread_mutex_lock(&e->mu);
         rk_job *j = e->head;
@@ -338,10 +338,10 @@ static void poll_during_batch(rk_engine *e) {
         rk_status st = j->fn(j->fn_ctx, e, e->svc);
         char msg[320];
         snprintf(msg, sizeof msg, "%s", rk_error_message());
-        rk_engine_publish(e);
+        rk_scheduler_publish(e);
         complete(j, 1, st, msg);
     }
-    if (rk_time_now() - e->last_publish > 0.1) rk_engine_publish(e);
+    if (rk_time_now() - e->last_publish > 0.1) rk_scheduler_publish(e);
 }
 
 static void on_token(void *ctx, int i, int32_t token) {
@@ -350,7 +350,7 @@ static void on_token(void *ctx, int i, int32_t token) {
     rk_job *j = h->jobs ? h->jobs[i] : NULL;
     if (!j) return;
     /* Its first token: the request now holds its blocks; show them before answering. */
-    if (j->req.n_out == 1) rk_engine_publish(h->e);
+    if (j->req.n_out == 1) rk_scheduler_publish(h->e);
     pthread_mutex_lock(&j->mu);
     j->n_tokens = j->req.n_out;
     if (j->notify_tokens) pthread_cond_broadcast(&j->cv);
@@ -365,7 +365,7 @@ static void on_token(void *ctx, int i, int32_t token) {
 
 /* One pipeline call; on failure, each request that has not streamed a token
  * yet is retried alone. */
-static void run_group(rk_engine *e, rk_request **reqs, rk_job **jobs, int n, rk_run_result *res) {
+static void run_group(rk_scheduler *e, rk_request **reqs, rk_job **jobs, int n, rk_run_result *res) {
     hook_ctx hc = {.e = e, .jobs = jobs};
     rk_pipeline_hooks hooks = {.ctx = &hc, .on_token = on_token};
     rk_error_clear();
@@ -402,18 +402,18 @@ static void run_group(rk_engine *e, rk_request **reqs, rk_job **jobs, int n, rk_
         }
 }
 
-static void run_requests(rk_engine *e, rk_request **reqs, rk_job **jobs, int n,
+static void run_requests(rk_scheduler *e, rk_request **reqs, rk_job **jobs, int n,
                          rk_run_result *out) {
     int mb = e->p.max_batch > 0 ? e->p.max_batch : 1;
     for (int s = 0; s < n; s += mb)
         run_group(e, reqs + s, jobs ? jobs + s : NULL, n - s < mb ? n - s : mb, out + s);
 }
 
-void rk_engine_run(rk_engine *e, rk_request **reqs, int n, rk_run_result *out) {
+void rk_scheduler_run(rk_scheduler *e, rk_request **reqs, int n, rk_run_result *out) {
     run_requests(e, reqs, NULL, n, out);
 }
 
-static void run_generations(rk_engine *e, rk_job **batch, int n) {
+static void run_generations(rk_scheduler *e, rk_job **batch, int n) {
     rk_request *reqs[n > 0 ? n : 1];
     rk_job *jobs[n > 0 ? n : 1];
     rk_run_result res[n > 0 ? n : 1];
@@ -434,14 +434,14 @@ static void run_generations(rk_engine *e, rk_job **batch, int n) {
     for (int i = 0; i < m; i++) {
         if (res[i].status == RK_OK) {
             rk_job *j = jobs[i];
-            if (e->p.stats) rk_stats_record_request(e->p.stats, &j->req);
+            if (e->p.record_request) e->p.record_request(e->p.stats_ctx, &j->req);
             for (int k = 0; k < j->req.n_chunks; k++)
                 if (j->req.chunk_reports[k].key[0])
-                    rk_engine_chunk_touch(e, j->req.chunk_reports[k].key,
+                    rk_scheduler_chunk_touch(e, j->req.chunk_reports[k].key,
                                           j->chunk_ids ? j->chunk_ids[k] : NULL);
         }
     }
-    rk_engine_publish(e); /* before answering: a client may ask for the stats right after */
+    rk_scheduler_publish(e); /* before answering: a client may ask for the stats right after */
     for (int i = 0; i < m; i++) {
         finish(e, jobs[i], 1, res[i].status, res[i].error);
     }
@@ -450,7 +450,7 @@ static void run_generations(rk_engine *e, rk_job **batch, int n) {
 /* ---------------------------------------------------------------- the thread */
 
 static void *engine_main(void *arg) {
-    rk_engine *e = arg;
+    rk_scheduler *e = arg;
     for (double waited = 0; waited < e->p.load_delay_s; waited += 0.01) {
         pthread_mutex_lock(&e->mu);
         int stop = e->stop;
@@ -463,17 +463,17 @@ static void *engine_main(void *arg) {
     rk_status st = rk_service_open(&e->p.cfg, e->model_path, &svc);
     pthread_mutex_lock(&e->mu);
     if (st) {
-        e->state = RK_ENGINE_FAILED;
+        e->state = RK_SCHEDULER_FAILED;
         snprintf(e->fail_msg, sizeof e->fail_msg, "%s", rk_error_message());
     } else {
         e->svc = svc;
         e->live_total = rk_arena_pool_total(svc->arena, RK_POOL_LIVE);
-        if (e->state == RK_ENGINE_LOADING) e->state = RK_ENGINE_READY;
+        if (e->state == RK_SCHEDULER_LOADING) e->state = RK_SCHEDULER_READY;
     }
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
     if (st) return NULL;
-    rk_engine_publish(e);
+    rk_scheduler_publish(e);
 
     int cap = e->p.max_batch > 0 ? e->p.max_batch : 1;
     rk_job *batch[cap];
@@ -507,7 +507,7 @@ static void *engine_main(void *arg) {
             rk_status cst = batch[0]->fn(batch[0]->fn_ctx, e, e->svc);
             char msg[320];
             snprintf(msg, sizeof msg, "%s", rk_error_message());
-            rk_engine_publish(e);
+            rk_scheduler_publish(e);
             finish(e, batch[0], 1, cst, msg);
         } else {
             run_generations(e, batch, n);
@@ -518,9 +518,9 @@ static void *engine_main(void *arg) {
 
 /* ---------------------------------------------------------------- API */
 
-rk_status rk_engine_start(const rk_engine_params *p, rk_engine **out) {
+rk_status rk_scheduler_start(const rk_scheduler_params *p, rk_scheduler **out) {
     *out = NULL;
-    rk_engine *e = calloc(1, sizeof *e);
+    rk_scheduler *e = calloc(1, sizeof *e);
     if (!e) return rk_errorf(RK_ERR_NOMEM, "engine: out of memory");
     e->p = *p;
     if (e->p.max_batch < 1) e->p.max_batch = 1;
@@ -535,7 +535,7 @@ rk_status rk_engine_start(const rk_engine_params *p, rk_engine **out) {
     e->p.model_path = e->model_path;
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv, NULL);
-    e->state = RK_ENGINE_LOADING;
+    e->state = RK_SCHEDULER_LOADING;
     /* The pipeline's batches keep arrays on the engine thread's stack: give it room. */
     pthread_attr_t attr;
     pthread_attr_init(&attr);
@@ -555,28 +555,28 @@ rk_status rk_engine_start(const rk_engine_params *p, rk_engine **out) {
     return RK_OK;
 }
 
-rk_engine_state rk_engine_get_state(rk_engine *e, char *msg, size_t cap) {
+rk_scheduler_state rk_scheduler_get_state(rk_scheduler *e, char *msg, size_t cap) {
     pthread_mutex_lock(&e->mu);
-    rk_engine_state s = e->state;
+    rk_scheduler_state s = e->state;
     if (msg && cap) snprintf(msg, cap, "%s", e->fail_msg);
     pthread_mutex_unlock(&e->mu);
     return s;
 }
 
-rk_service *rk_engine_service(rk_engine *e) {
+rk_service *rk_scheduler_service(rk_scheduler *e) {
     pthread_mutex_lock(&e->mu);
     rk_service *s = e->svc;
     pthread_mutex_unlock(&e->mu);
     return s;
 }
 
-rk_status rk_engine_submit(rk_engine *e, rk_job *j) {
+rk_status rk_scheduler_submit(rk_scheduler *e, rk_job *j) {
     pthread_mutex_lock(&e->mu);
     rk_status st = RK_OK;
-    if (e->state != RK_ENGINE_READY) {
+    if (e->state != RK_SCHEDULER_READY) {
         st = rk_errorf(RK_ERR_UNSUPPORTED, "%s",
-                       e->state == RK_ENGINE_LOADING  ? "the model is still loading"
-                       : e->state == RK_ENGINE_FAILED ? "the model failed to load"
+                       e->state == RK_SCHEDULER_LOADING  ? "the model is still loading"
+                       : e->state == RK_SCHEDULER_FAILED ? "the model failed to load"
                                                       : "the server is shutting down");
     } else if (e->n_queued >= e->p.max_queue) {
         st = rk_errorf(RK_ERR_BUSY, "the queue is full (%d requests waiting)", e->n_queued);
@@ -601,7 +601,7 @@ rk_status rk_engine_submit(rk_engine *e, rk_job *j) {
     return st;
 }
 
-void rk_engine_cancel(rk_engine *e, rk_job *j) {
+void rk_scheduler_cancel(rk_scheduler *e, rk_job *j) {
     pthread_mutex_lock(&e->mu);
     int was_queued = j->queued;
     if (was_queued) unlink_job(e, j);
@@ -613,7 +613,7 @@ void rk_engine_cancel(rk_engine *e, rk_job *j) {
 }
 
 /* With e->mu held: unlink every queued job into a list; flag the running ones. */
-static rk_job *take_all(rk_engine *e) {
+static rk_job *take_all(rk_scheduler *e) {
     rk_job *list = NULL, **tail = &list;
     while (e->head) {
         rk_job *j = e->head;
@@ -635,25 +635,25 @@ static void complete_list(rk_job *list, const char *why) {
     }
 }
 
-void rk_engine_cancel_all(rk_engine *e) {
+void rk_scheduler_cancel_all(rk_scheduler *e) {
     pthread_mutex_lock(&e->mu);
     rk_job *list = take_all(e);
     pthread_mutex_unlock(&e->mu);
     complete_list(list, "the request was cancelled: the server is shutting down");
 }
 
-int rk_engine_queued(rk_engine *e) {
+int rk_scheduler_queued(rk_scheduler *e) {
     pthread_mutex_lock(&e->mu);
     int n = e->n_queued;
     pthread_mutex_unlock(&e->mu);
     return n;
 }
 
-void rk_engine_free(rk_engine *e) {
+void rk_scheduler_free(rk_scheduler *e) {
     if (!e) return;
     pthread_mutex_lock(&e->mu);
     e->stop = 1;
-    if (e->state != RK_ENGINE_FAILED) e->state = RK_ENGINE_STOPPING;
+    if (e->state != RK_SCHEDULER_FAILED) e->state = RK_SCHEDULER_STOPPING;
     rk_job *list = take_all(e);
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);

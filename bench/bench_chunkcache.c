@@ -14,7 +14,7 @@
 #include <unistd.h>
 
 #include "engine/mkmodel.h"
-#include "gateway/pipeline.h"
+#include "pipeline/pipeline.h"
 
 static const char *WORDS[] = {
     "cache",     "model",     "token",      "chunk",    "server", "memory", "position",
