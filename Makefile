@@ -5,7 +5,7 @@ JOBS       ?= $(shell nproc)
 CMAKE_FLAGS ?=
 SHARED     ?= ../shared
 
-.PHONY: all deps build demo test test-fast test-asan bench fuzz clean format
+.PHONY: all deps build demo test test-fast test-asan bench fuzz clean format format-check
 
 all: build
 
@@ -22,7 +22,7 @@ demo: build
 
 # Every test: the optimised build, then the sanitizer build on the suites that
 # do not run large models; finally the CUDA build compiles when nvcc exists.
-test: build
+test: build format-check
 	@mkdir -p $(BUILD)/testtmp
 	@cd $(BUILD) && ctest --output-on-failure -j 1
 	@$(MAKE) --no-print-directory test-asan
@@ -50,7 +50,11 @@ bench: build
 	@for b in $(BUILD)/bench_*; do echo "== $$b"; $$b || exit 1; done
 
 format:
-	@clang-format -i $$(git ls-files '*.c' '*.h')
+	@clang-format -i $$(git ls-files '*.c' '*.h' '*.cu')
+
+# Fails on any file `make format` would change (.clang-format is the source of truth).
+format-check: deps
+	@clang-format --dry-run --Werror $$(git ls-files '*.c' '*.h' '*.cu') && echo "format: ok"
 
 clean:
 	rm -rf $(BUILD) $(ASAN_BUILD) build-cuda

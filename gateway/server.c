@@ -1346,7 +1346,7 @@ static int handle_health(req_ctx *rc) {
     }
     const char *what = atomic_load(&rc->S->stopping) || st == RK_SCHEDULER_STOPPING ? "stopping"
                        : st == RK_SCHEDULER_FAILED                                  ? "failed"
-                                                                                 : "loading";
+                                                                                    : "loading";
     char m[400];
     snprintf(m, sizeof m, "%s%s%s",
              !strcmp(what, "loading")    ? "the model is still loading"
@@ -1717,7 +1717,6 @@ fail:
 static void publish_stats(void *ctx, const rk_cache_snapshot *snap) { rk_stats_publish(ctx, snap); }
 static void record_request(void *ctx, const rk_request *r) { rk_stats_record_request(ctx, r); }
 
-
 int rk_serve_main(int argc, char **argv) {
     server *S = calloc(1, sizeof *S);
     if (!S) {
@@ -1760,14 +1759,14 @@ int rk_serve_main(int argc, char **argv) {
         goto out;
     }
     rk_scheduler_params ep = {.cfg = o->cfg,
-                           .model_path = o->model[0] ? o->model : NULL,
-                           .max_queue = o->queue,
-                           .max_batch = o->max_batch,
-                           .load_delay_s = o->load_delay_s,
-                           .token_delay_s = o->token_delay_s,
-                           .publish = publish_stats,
-                           .record_request = record_request,
-                           .stats_ctx = S->stats};
+                              .model_path = o->model[0] ? o->model : NULL,
+                              .max_queue = o->queue,
+                              .max_batch = o->max_batch,
+                              .load_delay_s = o->load_delay_s,
+                              .token_delay_s = o->token_delay_s,
+                              .publish = publish_stats,
+                              .record_request = record_request,
+                              .stats_ctx = S->stats};
     if (rk_scheduler_start(&ep, &S->engine)) {
         fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
         goto out;

@@ -365,7 +365,8 @@ static void on_token(void *ctx, int i, int32_t token) {
 
 /* One pipeline call; on failure, each request that has not streamed a token
  * yet is retried alone. */
-static void run_group(rk_scheduler *e, rk_request **reqs, rk_job **jobs, int n, rk_run_result *res) {
+static void run_group(rk_scheduler *e, rk_request **reqs, rk_job **jobs, int n,
+                      rk_run_result *res) {
     hook_ctx hc = {.e = e, .jobs = jobs};
     rk_pipeline_hooks hooks = {.ctx = &hc, .on_token = on_token};
     rk_error_clear();
@@ -438,7 +439,7 @@ static void run_generations(rk_scheduler *e, rk_job **batch, int n) {
             for (int k = 0; k < j->req.n_chunks; k++)
                 if (j->req.chunk_reports[k].key[0])
                     rk_scheduler_chunk_touch(e, j->req.chunk_reports[k].key,
-                                          j->chunk_ids ? j->chunk_ids[k] : NULL);
+                                             j->chunk_ids ? j->chunk_ids[k] : NULL);
         }
     }
     rk_scheduler_publish(e); /* before answering: a client may ask for the stats right after */
@@ -577,7 +578,7 @@ rk_status rk_scheduler_submit(rk_scheduler *e, rk_job *j) {
         st = rk_errorf(RK_ERR_UNSUPPORTED, "%s",
                        e->state == RK_SCHEDULER_LOADING  ? "the model is still loading"
                        : e->state == RK_SCHEDULER_FAILED ? "the model failed to load"
-                                                      : "the server is shutting down");
+                                                         : "the server is shutting down");
     } else if (e->n_queued >= e->p.max_queue) {
         st = rk_errorf(RK_ERR_BUSY, "the queue is full (%d requests waiting)", e->n_queued);
     } else {

@@ -80,7 +80,7 @@ typedef rk_status (*rk_scheduler_fn)(void *ctx, rk_scheduler *e, rk_service *svc
 
 typedef struct rk_job {
     /* Set by the submitter before rk_scheduler_submit. */
-    rk_request req;  /* a generation (prepared), when fn is NULL */
+    rk_request req;     /* a generation (prepared), when fn is NULL */
     rk_scheduler_fn fn; /* or a command */
     void *fn_ctx;
     int notify_tokens;      /* wake the waiter at every token (streaming, stop strings) */
