@@ -471,6 +471,48 @@ Test(http, metrics_have_help_type_and_every_listed_name) {
     resp_free(&r);
 }
 
+/* The serving metrics operators know from vLLM, and the whole exposition
+ * accepted by Prometheus's own checker. */
+Test(http, serving_metrics_follow_a_generation_and_pass_promtool) {
+    resp r = post("/v1/completions",
+                  "{\"prompt\": \"Sys##A chunk.##Q\", \"max_tokens\": 4, \"temperature\": 0, "
+                  "\"ignore_eos\": true}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+    r = get("/metrics");
+    static const char *gauges[] = {"ragkv_requests_running", "ragkv_requests_waiting",
+                                   "ragkv_kv_usage_ratio"};
+    static const char *histograms[] = {"ragkv_time_per_output_token_seconds",
+                                       "ragkv_queue_time_seconds",
+                                       "ragkv_e2e_request_latency_seconds"};
+    char line[256];
+    for (size_t i = 0; i < 3; i++) {
+        snprintf(line, sizeof line, "# TYPE %s gauge\n", gauges[i]);
+        cr_assert(strstr(r.body, line), "missing %s", line);
+        snprintf(line, sizeof line, "# TYPE %s histogram\n", histograms[i]);
+        cr_assert(strstr(r.body, line), "missing %s", line);
+    }
+    cr_assert_eq(metric(r.body, "ragkv_requests_running"), 0);
+    cr_assert_eq(metric(r.body, "ragkv_kv_usage_ratio"), 0);
+    cr_assert_eq(metric(r.body, "ragkv_preemptions_total"), 0);
+    cr_assert_geq(metric(r.body, "ragkv_generation_tokens_total"), 4);
+    cr_assert_geq(metric(r.body, "ragkv_prompt_tokens_total"), 3);
+    cr_assert_geq(metric(r.body, "ragkv_time_per_output_token_seconds_count"), 1);
+
+    if (rk_test_run("command -v promtool >/dev/null", NULL) != 0) {
+        resp_free(&r);
+        cr_skip_test("promtool is not installed (make deps installs it)");
+    }
+    char *path = rk_test_write_tmp("promtool", "metrics.txt", r.body);
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "promtool check metrics < %s 2>&1", path);
+    int rc = rk_test_run(cmd, &out);
+    cr_assert_eq(rc, 0, "promtool: %s", out ? out : "");
+    free(out);
+    free(path);
+    resp_free(&r);
+}
+
 /* Greedy text and ids of `ragkv generate --json` for the same prompt. */
 static json_t *generate_json(const char *model_flag, const char *prompt, int n) {
     char cmd[4096], *out = NULL;
