@@ -7,8 +7,9 @@
  * job's reply channel. Cache commands are functions queued the same way, so
  * only the engine thread ever touches the arena, the radix tree and the chunk
  * index. The main thread waits for SIGINT/SIGTERM and shuts down: new
- * requests get 503, in-flight ones have a grace period, then are cancelled;
- * CivetWeb is stopped (joining its workers), then the engine. */
+ * requests get 503, in-flight ones have a grace period, then are cancelled
+ * and write their last answer (a stream's final event, a queued request's
+ * 503); CivetWeb is stopped (joining its workers), then the engine. */
 #include "gateway/server.h"
 
 #include <arpa/inet.h>
@@ -670,6 +671,8 @@ static void respond_generation(gen *g) {
         if (g->timed_out && !j->ran)
             snprintf(msg, sizeof msg, "the request waited longer than the timeout (%g s)",
                      rc->S->o.timeout_s);
+        else if (!j->ran && atomic_load(&rc->S->stopping))
+            snprintf(msg, sizeof msg, "the server is shutting down");
         else if (j->status == RK_ERR_EXHAUSTED)
             snprintf(msg, sizeof msg, "out of KV memory, try again: %s", j->error);
         else
@@ -841,7 +844,10 @@ static rk_status run_command(req_ctx *rc, rk_scheduler_fn fn, void *ctx, int any
             rk_scheduler_cancel(S->engine, &job);
         }
     st = job.ran ? job.status : RK_ERR_EXHAUSTED;
-    snprintf(msg, cap, "%s", job.ran ? job.error : "the command was cancelled before it ran");
+    snprintf(msg, cap, "%s",
+             job.ran                     ? job.error
+             : atomic_load(&S->stopping) ? "the server is shutting down"
+                                         : "the command was cancelled before it ran");
     rk_job_destroy(&job);
     return st;
 }
@@ -1801,6 +1807,15 @@ fail:
     free(bases);
     return -1;
 }
+/* Wait until no request is being handled, for at most seconds. */
+static void wait_requests_done(server *S, double seconds) {
+    double until = rk_time_now() + seconds;
+    while (atomic_load(&S->in_flight) > 0 && rk_time_now() < until) {
+        struct timespec ts = {0, 20 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 /* The scheduler's statistics hooks, into the server's rk_stats. */
 static void publish_stats(void *ctx, const rk_cache_snapshot *snap) { rk_stats_publish(ctx, snap); }
 static void record_request(void *ctx, const rk_request *r) { rk_stats_record_request(ctx, r); }
@@ -1930,15 +1945,16 @@ int rk_serve_main(int argc, char **argv) {
         last = st;
     }
 
-    /* Shutdown: refuse new work, give in-flight requests the grace period,
-     * cancel the rest, stop the HTTP workers, then the engine. */
+    /* Shutdown: refuse new work (503), give in-flight requests the grace
+     * period, then cancel the rest: a running generation stops at its next
+     * step and its stream ends with a final event ("cancelled", with usage)
+     * and [DONE]; a queued one is answered 503. Their handlers write that
+     * before CivetWeb stops, as its stop flag ends every read and write; a
+     * client that does not read is given up after request_timeout_s. */
     atomic_store(&S->stopping, 1);
-    double until = rk_time_now() + o->grace_s;
-    while (atomic_load(&S->in_flight) > 0 && rk_time_now() < until) {
-        struct timespec ts = {0, 20 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-    }
+    wait_requests_done(S, o->grace_s);
     rk_scheduler_cancel_all(S->engine);
+    wait_requests_done(S, o->request_timeout_s + 2);
     stop_civetweb(S->ctx, n_ports > 0 ? sp[0].port : o->port, o->host);
     rk_scheduler_free(S->engine);
     S->engine = NULL;

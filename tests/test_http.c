@@ -1325,15 +1325,61 @@ Test(http_opts, sigterm_exits_cleanly_after_work, .timeout = 300) {
     cr_assert_eq(srv_stop(&S), 0, "ragkv serve did not exit with status 0 on SIGTERM");
 }
 
-Test(http_opts, sigterm_cancels_a_stream_after_the_grace_period, .timeout = 300) {
-    const char *args[] = {"--token-delay-s", "0.02", "--grace-s", "0.2", NULL};
+/* requests.queued of /v1/stats. */
+static long long queued_now(void) {
+    resp r = get("/v1/stats");
+    long long q = jint(r.json, "requests.queued");
+    resp_free(&r);
+    return q;
+}
+
+Test(http_opts, sigterm_ends_streams_with_a_final_event_and_answers_queued_requests_503,
+     .timeout = 300) {
+    const char *args[] = {"--token-delay-s", "0.02", "--grace-s", "0.3", "--max-batch", "1", NULL};
     cr_assert_eq(srv_start(&S, args), 0);
     int fd = stream_until_first_event("{\"prompt\": \"x\", \"max_tokens\": 2000, \"ignore_eos\": "
                                       "true, \"stream\": true}");
+    const char *q1body = "{\"prompt\": \"q\", \"max_tokens\": 5}";
+    const char *q2body = "{\"prompt\": \"r\", \"max_tokens\": 5, \"stream\": true}";
+    int q1 = send_request(S.port, "POST", "/v1/completions", NULL, q1body, strlen(q1body));
+    int q2 = send_request(S.port, "POST", "/v1/completions", NULL, q2body, strlen(q2body));
+    cr_assert(q1 >= 0 && q2 >= 0);
+    for (double until = now_s() + 20; queued_now() < 2 && now_s() < until;) sleep_s(0.02);
+    cr_assert_eq(queued_now(), 2, "the two requests are not queued behind the stream");
     double t = now_s();
-    cr_assert_eq(srv_stop(&S), 0);
+    cr_assert_eq(srv_stop(&S), 0, "ragkv serve did not exit with status 0 on SIGTERM");
     cr_assert(now_s() - t < 20, "shutdown took %.1f s", now_s() - t);
+    /* The stream that was cut ends with a final event (finish_reason
+     * "cancelled", usage) and [DONE]. */
+    size_t n;
+    char *rest = recv_all(fd, &n);
     close(fd);
+    const char *done = strstr(rest, "data: [DONE]\n\n");
+    cr_assert(done && done[14] == '\0', "the stream does not end with [DONE]; its tail: %s",
+              n > 400 ? rest + n - 400 : rest);
+    const char *last = NULL;
+    for (const char *p = strstr(rest, "data: {"); p && p < done; p = strstr(p + 1, "data: {"))
+        last = p;
+    cr_assert(last, "no event before [DONE]: %s", rest);
+    json_t *ev = json_loadb(last + 6, (size_t)(done - 2 - last - 6), 0, NULL);
+    cr_assert(ev, "the final event is not JSON: %.300s", last);
+    cr_assert_str_eq(jstr(ev, "choices.0.finish_reason"), "cancelled");
+    cr_assert(jint(ev, "usage.completion_tokens") > 0);
+    check_invariants(ev);
+    json_decref(ev);
+    free(rest);
+    /* The queued ones are answered 503 in the JSON error shape. */
+    int qs[2] = {q1, q2};
+    for (int i = 0; i < 2; i++) {
+        char *a = recv_all(qs[i], &n);
+        close(qs[i]);
+        resp r;
+        cr_assert_eq(parse_response(a, n, &r), 0, "queued request %d got no answer: %s", i, a);
+        expect_error(&r, 503);
+        cr_assert(strstr(jstr(r.json, "error.message"), "shutting down"), "%s", r.body);
+        resp_free(&r);
+        free(a);
+    }
 }
 
 /* ================================================================ slow and idle clients */
