@@ -1807,6 +1807,7 @@ fail:
     free(bases);
     return -1;
 }
+
 /* Wait until no request is being handled, for at most seconds. */
 static void wait_requests_done(server *S, double seconds) {
     double until = rk_time_now() + seconds;
@@ -1880,7 +1881,7 @@ int rk_serve_main(int argc, char **argv) {
     snprintf(ports, sizeof ports, "%s%s%s:%d", colon ? "[" : "", o->host, colon ? "]" : "",
              o->port);
     int nt = o->http_threads > 0 ? o->http_threads : o->queue + 16;
-    S->request_slots = nt < 4 ? 4 : nt;
+    S->request_slots = nt < 4 ? 4 : nt > 4096 ? 4096 : nt;
     /* CivetWeb serves each connection on one thread of its own, from the
      * request line to the close, waiting or not. Four threads more per
      * request slot let 4 x http_threads idle or slow connections be held

@@ -1409,6 +1409,38 @@ Test(http_opts, idle_connections_do_not_starve_the_service, .fini = stop_server,
     for (int i = 0; i < N_IDLE; i++) close(fds[i]);
 }
 
+Test(http_opts, requests_beyond_http_threads_get_503_but_probes_answer, .fini = stop_server,
+     .timeout = 300) {
+    const char *args[] = {"--http-threads",  "4",    "--max-batch", "1",
+                          "--token-delay-s", "0.02", NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    const char *body = "{\"prompt\": \"x\", \"max_tokens\": 2000, \"ignore_eos\": true, "
+                       "\"stream\": true}";
+    int fds[4];
+    for (int i = 0; i < 4; i++) {
+        fds[i] = send_request(S.port, "POST", "/v1/completions", NULL, body, strlen(body));
+        cr_assert(fds[i] >= 0);
+    }
+    /* Once the four are being handled, a fifth request is refused at once. */
+    resp r = {0};
+    for (double until = now_s() + 20; now_s() < until; sleep_s(0.02)) {
+        r = get("/v1/models");
+        if (r.status == 503) break;
+        resp_free(&r);
+    }
+    expect_error(&r, 503);
+    cr_assert_str_eq(header(&r, "Retry-After"), "1");
+    cr_assert(strstr(jstr(r.json, "error.message"), "http_threads"), "%s", r.body);
+    resp_free(&r);
+    r = get("/health");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+    r = get("/metrics");
+    cr_assert_eq(r.status, 200);
+    resp_free(&r);
+    for (int i = 0; i < 4; i++) close(fds[i]);
+}
+
 Test(http_opts, idle_and_slow_header_connections_are_closed_after_the_request_timeout,
      .fini = stop_server, .timeout = 300) {
     const char *env[] = {"RAGKV_REQUEST_TIMEOUT_S=1", NULL};
