@@ -242,7 +242,7 @@ static void unlink_payload(rk_store *s, const char *key) {
 /* Move the file at path (its name base) into DIR/quarantine/ under a unique
  * name, never deleting it: a payload that failed a check is kept for
  * inspection. Returns 1 when it was moved, 0 when it was not there or could
- * not be moved (logged; it stays where it is). */
+ * not be moved (logged; it stays where it is). Callers count payloads. */
 static int quarantine_file(rk_store *s, const char *path, const char *base) {
     char qdir[PATH_MAX], dst[PATH_MAX];
     struct timespec ts;
@@ -263,7 +263,6 @@ static int quarantine_file(rk_store *s, const char *path, const char *base) {
         return 0;
     }
     RK_LOG_WARN("store %s: moved %s to %s", s->dir, path, dst);
-    s->c.quarantined++;
     return 1;
 }
 
@@ -272,7 +271,7 @@ static void quarantine_payload(rk_store *s, const char *key) {
     char path[PATH_MAX], base[RK_STORE_KEY_LEN + 4];
     if (key_paths(s, key, NULL, path, NULL, sizeof path) != RK_OK) return;
     snprintf(base, sizeof base, "%s.kv", key);
-    quarantine_file(s, path, base);
+    s->c.quarantined += (uint64_t)quarantine_file(s, path, base);
 }
 
 /* ---------------------------------------------------------------- SQLite helpers */
@@ -966,7 +965,7 @@ static rk_status adopt_file(rk_store *s, const char *path, const char *key, int 
                     rk_error_message());
         char base[RK_STORE_KEY_LEN + 4];
         snprintf(base, sizeof base, "%s.kv", key);
-        quarantine_file(s, path, base);
+        s->c.quarantined += (uint64_t)quarantine_file(s, path, base);
         return RK_OK;
     }
     if (st != RK_OK) {
@@ -1337,7 +1336,12 @@ static rk_status db_missing(rk_store *s, int *out_missing) {
         return rk_errorf(RK_ERR_IO, "%s: stat: %s", db, strerror(errno));
     }
     *out_missing = 1;
-    if (stat(wal, &sb) == 0) quarantine_file(s, wal, "chunks.db-wal");
+    if (stat(wal, &sb) == 0) {
+        if (sb.st_size == 0)
+            unlink(wal); /* holds nothing; an empty log is harmless if it stays */
+        else
+            quarantine_file(s, wal, "chunks.db-wal");
+    }
     if (unlink(shm) != 0 && errno != ENOENT)
         return rk_errorf(RK_ERR_IO, "%s: unlink: %s", shm, strerror(errno));
     return RK_OK;
@@ -1378,14 +1382,17 @@ rk_status rk_store_open(const char *dir, const char *model_fingerprint,
     if (st == RK_OK) st = enforce_budget(s); /* the budget may have shrunk since */
     if (st != RK_OK) {
         char msg[768];
-        if (s->db_corrupt)
+        if (s->db_corrupt) {
+            /* The way out first and short: callers show the message in a
+             * bounded buffer. SQLite's words go to the log. */
+            RK_LOG_ERROR("%s", rk_error_message());
             snprintf(msg, sizeof msg,
-                     "store %s: chunks.db is corrupt (%s); the payload files are intact: stop "
-                     "ragkv and run `ragkv cache rebuild --store %s` to set the database aside "
-                     "and rebuild it from them",
-                     dir, rk_error_message(), dir);
-        else
+                     "store %s: chunks.db is corrupt; with ragkv stopped, run `ragkv cache "
+                     "rebuild --store %s` to set it aside and rebuild it from the payload files",
+                     dir, dir);
+        } else {
             snprintf(msg, sizeof msg, "%s", rk_error_message());
+        }
         rk_store_close(s);
         return rk_errorf(st, "%s", msg);
     }
