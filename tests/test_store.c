@@ -19,6 +19,7 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include "store/store.h"
 #include "tests/testutil.h"
@@ -1542,6 +1543,65 @@ Test(store_rebuild, unreadable_directory_is_skipped_and_counted) {
     rk_store_close(s);
     chunk_free(&a);
     chunk_free(&b);
+    rm_rf(dir);
+}
+
+/* Write c as a version 1 payload file (160-byte header, no policy, creation
+ * time or document id) for model fp at its place under dir/kv. */
+static void write_v1_payload(const char *dir, const chunk *c, const char *fp) {
+    uint8_t h[160] = {0};
+    memcpy(h, "RKKV", 4);
+    h[4] = 1;   /* version */
+    h[8] = 160; /* header size */
+    memcpy(h + 16, fp, 32);
+    memcpy(h + 48, c->key, 32);
+    memcpy(h + 80, &c->n_tokens, 4);
+    memcpy(h + 84, &c->layout, sizeof c->layout);
+    uint64_t body_size = c->body_size;
+    memcpy(h + 112, &body_size, 8);
+    XXH3_state_t *st = XXH3_createState();
+    cr_assert_not_null(st);
+    XXH3_128bits_reset(st);
+    XXH3_128bits_update(st, c->tokens, 4 * (size_t)c->n_tokens);
+    XXH3_128bits_update(st, c->body, c->body_size);
+    XXH128_canonical_t sum;
+    XXH128_canonicalFromHash(&sum, XXH3_128bits_digest(st));
+    XXH3_freeState(st);
+    memcpy(h + 120, sum.digest, 16);
+    uint64_t hsum = XXH3_64bits(h, 152);
+    memcpy(h + 152, &hsum, 8);
+    char sub[4200], path[4300];
+    PATHF(sub, "%s/kv/%.2s", dir, c->key);
+    mkdir(sub, 0755);
+    PATHF(path, "%s/%s.kv", sub, c->key);
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(h, 1, 160, f), 160);
+    cr_assert_eq(fwrite(c->tokens, 4, (size_t)c->n_tokens, f), (size_t)c->n_tokens);
+    cr_assert_eq(fwrite(c->body, 1, c->body_size, f), c->body_size);
+    cr_assert_eq(fclose(f), 0);
+}
+
+Test(store_rebuild, version_1_payloads_are_still_read_and_rebuilt) {
+    char *dir = rk_test_tmpdir("store-v1");
+    chunk c;
+    chunk_make(&c, 700, 20, 3000);
+    rk_store *s = open_store(dir, FP_A, 1);
+    rk_store_close(s);
+    write_v1_payload(dir, &c, FP_A);
+    s = open_store(dir, FP_A, 1);
+    cr_assert_eq(stats_of(s).rows_rebuilt, 1);
+    rk_store_payload p;
+    ASSERT_OK(rk_store_get(s, c.key, &p));
+    cr_assert_str_eq(p.meta.policy, "unknown");
+    cr_assert_str_eq(p.meta.doc_id, "");
+    cr_assert_eq(p.meta.n_bytes, 160 + 4 * 20 + 3000);
+    cr_assert_eq(memcmp(&p.layout, &c.layout, sizeof p.layout), 0);
+    cr_assert_eq(memcmp(p.tokens, c.tokens, 4 * 20), 0);
+    cr_assert_eq(memcmp(p.body, c.body, 3000), 0);
+    rk_store_payload_free(&p);
+    rk_store_close(s);
+    chunk_free(&c);
     rm_rf(dir);
 }
 
