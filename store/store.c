@@ -1567,6 +1567,19 @@ rk_status rk_store_print_ls(rk_store *s, FILE *f, rk_store_sort sort, int limit)
     return RK_OK;
 }
 
+/* Count the files in DIR/quarantine/ (0 when there is none). */
+static int count_quarantine(const rk_store *s) {
+    char qdir[PATH_MAX];
+    if (store_path(s, "quarantine", qdir, sizeof qdir) != RK_OK) return 0;
+    DIR *d = opendir(qdir);
+    if (!d) return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
 rk_status rk_store_print_stats(rk_store *s, FILE *f) {
     if (!s || !f) return rk_errorf(RK_ERR_INVALID, "store: NULL argument");
     rk_store_counters c;
@@ -1598,7 +1611,9 @@ rk_status rk_store_print_stats(rk_store *s, FILE *f) {
     }
     st = rc == SQLITE_DONE ? RK_OK : sql_error(s, rc, "per-model totals");
     sqlite3_finalize(q);
-    if (st != RK_OK || s->readonly) return st;
+    if (st != RK_OK) return st;
+    fprintf(f, "quarantine     %d files in %s/quarantine/\n", count_quarantine(s), s->dir);
+    if (s->readonly) return RK_OK;
     fprintf(f, "other_model_rows     %" PRIu64 "\n", c.other_model_rows);
     fprintf(f, "loads                %" PRIu64 " (%" PRIu64 " bytes)\n", c.loads, c.load_bytes);
     fprintf(f, "writes               %" PRIu64 " (%" PRIu64 " bytes)\n", c.writes, c.write_bytes);

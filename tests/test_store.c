@@ -1489,6 +1489,11 @@ Test(store_rebuild, corrupt_payload_without_a_row_is_quarantined_not_deleted) {
     cr_assert(strstr(report, "quarantined          1"), "%s", report);
     free(report);
     rk_store_close(s);
+    ASSERT_OK(rk_store_open_readonly(dir, &s)); /* `ragkv cache stats` shows it offline */
+    report = capture(rk_store_print_stats, s);
+    cr_assert(strstr(report, "quarantine     1 files in "), "%s", report);
+    free(report);
+    rk_store_close(s);
     for (int i = 0; i < N_REBUILD; i++) chunk_free(&c[i]);
     rm_rf(dir);
 }
