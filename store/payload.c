@@ -41,7 +41,7 @@
  * confirmed it.
  *
  * Every open, read, write, fsync, rename and stat of a payload goes through
- * io_fault(), the countdown armed by rk_store_fault_io() in tests. */
+ * rk_payload_io_fault(), the countdown armed by rk_store_fault_io() in tests. */
 #include "store/payload.h"
 
 #include <errno.h>
@@ -102,8 +102,6 @@ int rk_payload_io_fault(void) {
     }
     return 0;
 }
-
-#define io_fault rk_payload_io_fault
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -239,7 +237,7 @@ static rk_status write_all(int fd, const void *buf, size_t n, const char *path) 
     const uint8_t *p = buf;
     while (n > 0) {
         size_t step = n > (1u << 30) ? (1u << 30) : n;
-        ssize_t w = io_fault() ? -1 : write(fd, p, step);
+        ssize_t w = rk_payload_io_fault() ? -1 : write(fd, p, step);
         if (w < 0 && errno == EINTR) continue;
         if (w < 0) return rk_errorf(RK_ERR_IO, "%s: write: %s", path, strerror(errno));
         if (w == 0) return rk_errorf(RK_ERR_IO, "%s: write: no progress", path);
@@ -254,7 +252,7 @@ static rk_status read_all(int fd, void *buf, size_t n, const char *path) {
     uint8_t *p = buf;
     while (n > 0) {
         size_t step = n > (1u << 30) ? (1u << 30) : n;
-        ssize_t r = io_fault() ? -1 : read(fd, p, step);
+        ssize_t r = rk_payload_io_fault() ? -1 : read(fd, p, step);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) return rk_errorf(RK_ERR_IO, "%s: read: %s", path, strerror(errno));
         if (r == 0) return rk_errorf(RK_ERR_FORMAT, "%s: truncated while reading", path);
@@ -265,9 +263,9 @@ static rk_status read_all(int fd, void *buf, size_t n, const char *path) {
 }
 
 static rk_status fsync_dir(const char *dir_path) {
-    int fd = io_fault() ? -1 : open(dir_path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int fd = rk_payload_io_fault() ? -1 : open(dir_path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return rk_errorf(RK_ERR_IO, "%s: open directory: %s", dir_path, strerror(errno));
-    int rc = io_fault() ? -1 : fsync(fd);
+    int rc = rk_payload_io_fault() ? -1 : fsync(fd);
     int err = errno;
     close(fd);
     if (rc != 0) return rk_errorf(RK_ERR_IO, "%s: fsync directory: %s", dir_path, strerror(err));
@@ -280,12 +278,13 @@ rk_status rk_payload_write(const char *tmp_path, const char *final_path, const c
                            const rk_payload_header *h, const int32_t *tokens, const void *body) {
     uint8_t hdr[RK_STORE_HEADER_BYTES];
     encode_header(h, hdr);
-    int fd = io_fault() ? -1 : open(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int fd =
+        rk_payload_io_fault() ? -1 : open(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return rk_errorf(RK_ERR_IO, "%s: create: %s", tmp_path, strerror(errno));
     rk_status st = write_all(fd, hdr, sizeof hdr, tmp_path);
     if (st == RK_OK) st = write_all(fd, tokens, (size_t)h->n_tokens * sizeof(int32_t), tmp_path);
     if (st == RK_OK && h->body_size) st = write_all(fd, body, (size_t)h->body_size, tmp_path);
-    if (st == RK_OK && (io_fault() || fsync(fd) != 0))
+    if (st == RK_OK && (rk_payload_io_fault() || fsync(fd) != 0))
         st = rk_errorf(RK_ERR_IO, "%s: fsync: %s", tmp_path, strerror(errno));
     if (close(fd) != 0 && st == RK_OK)
         st = rk_errorf(RK_ERR_IO, "%s: close: %s", tmp_path, strerror(errno));
@@ -293,7 +292,7 @@ rk_status rk_payload_write(const char *tmp_path, const char *final_path, const c
         unlink(tmp_path);
         return st;
     }
-    if (io_fault() || rename(tmp_path, final_path) != 0) {
+    if (rk_payload_io_fault() || rename(tmp_path, final_path) != 0) {
         st = rk_errorf(RK_ERR_IO, "%s: rename: %s", final_path, strerror(errno));
         unlink(tmp_path);
         return st;
@@ -334,7 +333,7 @@ static rk_status read_header(int fd, const char *path, uint64_t file_bytes,
  * header and *out_bytes holds the file size. */
 static rk_status open_checked(const char *path, const rk_payload_expect *e, rk_payload_header *h,
                               int *out_fd, uint64_t *out_bytes) {
-    int fd = io_fault() ? -1 : open(path, O_RDONLY | O_CLOEXEC);
+    int fd = rk_payload_io_fault() ? -1 : open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         if (errno == ENOENT || errno == ENOTDIR)
             return rk_errorf(RK_ERR_FORMAT, "%s: payload file missing", path);
@@ -342,7 +341,7 @@ static rk_status open_checked(const char *path, const rk_payload_expect *e, rk_p
     }
     struct stat sb;
     rk_status st = RK_OK;
-    if (io_fault() || fstat(fd, &sb) != 0)
+    if (rk_payload_io_fault() || fstat(fd, &sb) != 0)
         st = rk_errorf(RK_ERR_IO, "%s: stat: %s", path, strerror(errno));
     else if (!S_ISREG(sb.st_mode))
         st = rk_errorf(RK_ERR_FORMAT, "%s: not a regular file", path);

@@ -1297,6 +1297,24 @@ static rk_status store_alloc(const char *dir, rk_store **out) {
     return RK_OK;
 }
 
+/* Close a store whose open failed with st and return st with the message.
+ * A corrupt database gets the way out, first and short (callers show the
+ * message in bounded buffers); SQLite's own words go to the log. */
+static rk_status open_failed(rk_store *s, rk_status st) {
+    char msg[768];
+    if (s->db_corrupt) {
+        RK_LOG_ERROR("%s", rk_error_message());
+        snprintf(msg, sizeof msg,
+                 "store %s: chunks.db is corrupt; with ragkv stopped, run `ragkv cache rebuild "
+                 "--store %s` to set it aside and rebuild it from the payload files",
+                 s->dir, s->dir);
+    } else {
+        snprintf(msg, sizeof msg, "%s", rk_error_message());
+    }
+    rk_store_close(s);
+    return rk_errorf(st, "%s", msg);
+}
+
 /* Take DIR/LOCK for writing: RK_ERR_BUSY when another process holds it. */
 static rk_status take_lock(rk_store *s) {
     char *lock = path_join(s->dir, "LOCK");
@@ -1380,22 +1398,7 @@ rk_status rk_store_open(const char *dir, const char *model_fingerprint,
     if (st == RK_OK) st = recover(s);
     if (st == RK_OK) st = load_totals(s);
     if (st == RK_OK) st = enforce_budget(s); /* the budget may have shrunk since */
-    if (st != RK_OK) {
-        char msg[768];
-        if (s->db_corrupt) {
-            /* The way out first and short: callers show the message in a
-             * bounded buffer. SQLite's words go to the log. */
-            RK_LOG_ERROR("%s", rk_error_message());
-            snprintf(msg, sizeof msg,
-                     "store %s: chunks.db is corrupt; with ragkv stopped, run `ragkv cache "
-                     "rebuild --store %s` to set it aside and rebuild it from the payload files",
-                     dir, dir);
-        } else {
-            snprintf(msg, sizeof msg, "%s", rk_error_message());
-        }
-        rk_store_close(s);
-        return rk_errorf(st, "%s", msg);
-    }
+    if (st != RK_OK) return open_failed(s, st);
     if (missing && (s->c.rows_rebuilt || s->c.quarantined))
         RK_LOG_WARN("store %s: chunks.db was missing or empty: rebuilt %llu rows from the payload "
                     "files (%llu quarantined, %llu unreadable)",
@@ -1504,17 +1507,17 @@ rk_status rk_store_open_readonly(const char *dir, rk_store **out) {
     struct stat sb;
     if (!db_path)
         st = rk_errorf(RK_ERR_NOMEM, "store: no memory");
+    else if (stat(db_path, &sb) != 0 && stat(s->kv_dir, &sb) == 0)
+        st = rk_errorf(RK_ERR_NOT_FOUND,
+                       "%s: chunks.db is missing; `ragkv cache rebuild --store %s` or the next "
+                       "start-up rebuilds it from the payload files",
+                       dir, dir);
     else if (stat(db_path, &sb) != 0)
         st = rk_errorf(RK_ERR_NOT_FOUND, "%s: no chunk store here (no chunks.db)", dir);
     free(db_path);
     if (st == RK_OK) st = open_db(s);
     if (st == RK_OK) st = load_totals(s);
-    if (st != RK_OK) {
-        char msg[512];
-        snprintf(msg, sizeof msg, "%s", rk_error_message());
-        rk_store_close(s);
-        return rk_errorf(st, "%s", msg);
-    }
+    if (st != RK_OK) return open_failed(s, st);
     *out = s;
     return RK_OK;
 }

@@ -1429,6 +1429,8 @@ static void corrupt_database_case(long offset, int len) {
     cr_assert(strstr(rk_error_message(), "chunks.db is corrupt"), "%s", rk_error_message());
     cr_assert(strstr(rk_error_message(), want), "%s", rk_error_message());
     cr_assert_eq(count_files(dir, ".kv"), N_REBUILD, "a failed open removed payload files");
+    cr_assert_eq(rk_store_open_readonly(dir, &s), RK_ERR_FORMAT); /* `ragkv cache ls` */
+    cr_assert(strstr(rk_error_message(), want), "%s", rk_error_message());
 
     rk_store_rebuild_result r;
     ASSERT_OK(rk_store_rebuild(dir, &r));
