@@ -1403,6 +1403,28 @@ Test(store_rebuild, emptied_database_keeps_every_payload_and_rebuilds_the_rows) 
     lost_database_case(1);
 }
 
+Test(store_rebuild, a_log_left_without_its_database_is_set_aside_not_applied) {
+    char *dir = rk_test_tmpdir("store-lostdb-wal");
+    chunk c[N_REBUILD];
+    store_for_rebuild(dir, c);
+    remove_db(dir, 0);
+    char wal[4200];
+    PATHF(wal, "%s/chunks.db-wal", dir);
+    FILE *f = fopen(wal, "wb");
+    cr_assert_not_null(f);
+    for (int i = 0; i < 4096; i++) fputc(i & 0xff, f);
+    cr_assert_eq(fclose(f), 0);
+
+    rk_store *s = open_store(dir, FP_A, 1);
+    cr_assert_eq(stats_of(s).rows_rebuilt, N_REBUILD);
+    cr_assert_eq(stats_of(s).quarantined, 0); /* counts payload files only */
+    rk_store_close(s);
+    cr_assert_eq(count_quarantined(dir, "chunks.db-wal."), 1, "the log was not kept aside");
+    expect_rebuilt(dir, c);
+    for (int i = 0; i < N_REBUILD; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
+
 /* Overwrite len bytes of chunks.db at offset with junk. */
 static void damage_db(const char *dir, long offset, int len) {
     char path[4200];
