@@ -1,8 +1,11 @@
 /* tests/test_store.c — the persistent chunk store on real files: round trips
  * across a restart, listing and counters, every kind of corruption (found at
  * open and at load, never served), other models' rows, hostile keys, write
- * failures (read-only directory, file size limit), SIGKILL in the middle of
- * writes, the disk budget, batches and schema versions. */
+ * failures (read-only directory, file size limit, an I/O error injected at
+ * every call of a put and a get), SIGKILL in the middle of writes, the disk
+ * budget, batches, schema versions, and recovery that loses nothing: a
+ * removed, emptied or corrupt database rebuilt from the payload files, bad
+ * payloads quarantined, unreadable directories skipped. */
 #include <criterion/criterion.h>
 
 #include <dirent.h>
