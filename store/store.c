@@ -1365,6 +1365,36 @@ static rk_status db_missing(rk_store *s, int *out_missing) {
     return RK_OK;
 }
 
+/* Create chunks.db whole: the schema is written to chunks.db.new, which is
+ * renamed into place only once it is complete, so a process killed while
+ * creating a store never leaves a database without its tables behind. */
+static rk_status create_db(rk_store *s) {
+    char db[PATH_MAX], tmp[PATH_MAX];
+    rk_status st = store_path(s, "chunks.db", db, sizeof db);
+    if (st == RK_OK) st = store_path(s, "chunks.db.new", tmp, sizeof tmp);
+    if (st != RK_OK) return st;
+    if (unlink(tmp) != 0 && errno != ENOENT)
+        return rk_errorf(RK_ERR_IO, "%s: unlink: %s", tmp, strerror(errno));
+    int rc = sqlite3_open_v2(tmp, &s->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, NULL);
+    st = rc == SQLITE_OK ? RK_OK : sql_error(s, rc, "create chunks.db");
+    if (st == RK_OK) st = sql_exec(s, "PRAGMA journal_mode = WAL", "set WAL mode");
+    if (st == RK_OK) st = migrate(s, 0);
+    /* Closing the only connection checkpoints the log into the file. */
+    if (s->db && sqlite3_close(s->db) != SQLITE_OK && st == RK_OK)
+        st = rk_errorf(RK_ERR_IO, "store %s: cannot close the new chunks.db", s->dir);
+    s->db = NULL;
+    if (st == RK_OK && rename(tmp, db) != 0)
+        st = rk_errorf(RK_ERR_IO, "%s: rename: %s", tmp, strerror(errno));
+    if (st == RK_OK) {
+        int fd = open(s->dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (fd < 0 || fsync(fd) != 0)
+            st = rk_errorf(RK_ERR_IO, "%s: fsync: %s", s->dir, strerror(errno));
+        if (fd >= 0) close(fd);
+    }
+    if (st != RK_OK) unlink(tmp);
+    return st;
+}
+
 rk_status rk_store_open(const char *dir, const char *model_fingerprint,
                         const rk_store_options *opts, rk_store **out) {
     if (!out) return rk_errorf(RK_ERR_INVALID, "store: NULL output");
@@ -1387,6 +1417,7 @@ rk_status rk_store_open(const char *dir, const char *model_fingerprint,
     if (st == RK_OK) st = take_lock(s);
     int missing = 0;
     if (st == RK_OK) st = db_missing(s, &missing);
+    if (st == RK_OK && missing) st = create_db(s);
     if (st == RK_OK) st = open_db(s);
     int64_t last = 0;
     if (st == RK_OK)

@@ -283,10 +283,17 @@ Test(persist, prewarm_killed_at_random_points_always_leaves_a_consistent_store, 
                   (char *)NULL);
             _exit(127);
         }
+        /* Kill at a random point once the store exists (a slow build,
+         * such as the sanitizer one, takes a while to get there). */
+        char db[4200];
+        snprintf(db, sizeof db, "%s/chunks.db", store);
+        for (int ms = 0; ms < 30000 && access(db, F_OK) != 0; ms += 5) usleep(5000);
         usleep((useconds_t)(20000 + rand() % 400000));
         kill(pid, SIGKILL);
         int status;
         waitpid(pid, &status, 0);
+        /* chunks.db appears only whole, so no kill leaves a half-made one. */
+        cr_assert_eq(access(db, F_OK), 0, "round %d: the store was never created", round);
         snprintf(cmd, sizeof cmd, "%s cache verify --store %s 2>&1", RK_BIN, store);
         cr_assert_eq(rk_test_run(cmd, &out), 0, "round %d: the store does not verify:\n%s", round,
                      out);
