@@ -262,7 +262,10 @@ static void bench_attention(rk_backend *be) {
         float *q = rand_f32((size_t)n_q * n_heads * hd),
               *out = rand_f32((size_t)n_q * n_heads * hd);
         int32_t qs[2] = {0, n_q}, len = L;
-        rk_attn_batch batch = {1, qs, &len, table, nb}, batch2 = {1, qs, &len, in_order, nb};
+        rk_attn_batch batch = {
+            .n_seqs = 1, .q_start = qs, .kv_len = &len, .block_table = table, .max_blocks = nb};
+        rk_attn_batch batch2 = batch;
+        batch2.block_table = in_order;
         const void *ck[1] = {kc}, *cv[1] = {vc};
         float scale = 1.0f / sqrtf((float)hd);
         /* alternate single runs of the layouts and keep each one's best, so

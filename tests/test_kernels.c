@@ -782,7 +782,11 @@ static void fixture_free(fixture *f) {
 }
 
 static rk_attn_batch fixture_batch(const fixture *f) {
-    return (rk_attn_batch){f->n_seqs, f->q_start, f->kv_len, f->table, f->max_blocks};
+    return (rk_attn_batch){.n_seqs = f->n_seqs,
+                           .q_start = f->q_start,
+                           .kv_len = f->kv_len,
+                           .block_table = f->table,
+                           .max_blocks = f->max_blocks};
 }
 
 static float fixture_scale(const fixture *f) { return 1.0f / sqrtf((float)f->head_dim); }
@@ -1027,7 +1031,8 @@ Test(attention, one_entry_returns_its_value_and_two_equal_scores_average) {
     cr_assert_eq(be->ops->kv_write(be, &kv, 0, k, v, slots, 2), RK_OK);
     float q[4] = {2, 0, 0, 0}, out[4], lse;
     int32_t qs[2] = {0, 1}, len = 1, table[1] = {0};
-    rk_attn_batch b = {1, qs, &len, table, 1};
+    rk_attn_batch b = {
+        .n_seqs = 1, .q_start = qs, .kv_len = &len, .block_table = table, .max_blocks = 1};
     cr_assert_eq(be->ops->attention(be, out, &lse, q, &kv, 0, &b, 1, 0.5f), RK_OK);
     float v0[4] = {1, 2, 3, 4};
     cr_assert_arr_eq(out, v0, sizeof out);
