@@ -8,9 +8,9 @@
  *       decode at 1k, 4k, 8k context, prefill of 512 queries at 4k;
  *   (d) rope_shift_copy of 4096 tokens x 28 layers x (8 x 128) against a
  *       plain memcpy of the same bytes;
- *   (e) decode attention at 4k context read as 8 position-shifted runs
- *       (chunks attended in place, queries counter-rotated) against the
- *       same entries as one run.
+ *   (e) attention at 4k context (decode, and a prefill of 512 queries) read
+ *       as 8 position-shifted runs (chunks attended in place, queries
+ *       counter-rotated) against the same entries as one run.
  * Usage: bench_kernels [--threads N] (default 2) [--only abcde] (sections). */
 #include <cblas.h>
 #include <math.h>
@@ -399,7 +399,7 @@ static void bench_segments(rk_backend *be) {
     const int n_heads = 16, n_kv = 8, hd = 128, bs = 16, n_runs = 8;
     const int lens[8] = {509, 515, 480, 530, 512, 498, 540, 512}; /* 4096 entries */
     const size_t row = (size_t)n_kv * hd;
-    printf("\n(e) decode attention at 4096 entries, 16 heads / 8 KV heads, head_dim 128, F32 KV,\n"
+    printf("\n(e) attention over 4096 entries, 16 heads / 8 KV heads, head_dim 128, F32 KV,\n"
            "  block size 16, random block tables. one run: no segments; 8 runs: the same\n"
            "  entries as 8 runs each from a block of its own, delta 0 or 7 shifted (the\n"
            "  queries rotated per run); ratio = 8 runs / one run\n");
@@ -412,7 +412,7 @@ static void bench_segments(rk_backend *be) {
         L += lens[r];
         nb_runs += (lens[r] + bs - 1) / bs;
         seg_end[r] = L;
-        seg_delta[r] = r == n_runs - 1 ? 0 : L - lens[r] - 37 * r; /* live - base */
+        seg_delta[r] = r == n_runs - 1 ? 0 : 1000 - 300 * r; /* +1000 .. -800, then 0 */
     }
     int nb_one = (L + bs - 1) / bs, n_blocks = nb_one + nb_runs;
     float *kp = be_rand_f32(be, (size_t)n_blocks * bs * row),
@@ -428,45 +428,55 @@ static void bench_segments(rk_backend *be) {
     }
     void *kl[1] = {kp}, *vl[1] = {vp};
     rk_kv_cache kv = {1, n_blocks, bs, n_kv, hd, RK_DTYPE_F32, kl, vl};
-    float *q = rand_f32((size_t)n_heads * hd), *out = rand_f32((size_t)n_heads * hd);
-    int32_t qs[2] = {0, 1}, len = L;
-    rk_attn_batch one = {
-        .n_seqs = 1, .q_start = qs, .kv_len = &len, .block_table = perm, .max_blocks = nb_one};
-    rk_attn_batch runs = one, runs0;
-    runs.block_table = perm + nb_one;
-    runs.max_blocks = nb_runs;
-    runs.seg_start = seg_start;
-    runs.seg_end = seg_end;
-    runs.seg_delta = seg_delta;
-    runs.rope = &rope;
-    runs0 = runs;
-    runs0.seg_delta = seg_zero;
     float scale = 1.0f / sqrtf((float)hd);
-    /* alternate single calls and keep each one's best, so drift and noise
-     * from other processes hit them alike */
-    double t_one = 1e30, t_runs = 1e30, t_runs0 = 1e30;
-    for (int round = 0; round <= 100; round++) {
-        double t0 = rk_time_now();
-        check(be->ops->attention(be, out, NULL, q, &kv, 0, &one, n_heads, scale), "attention");
-        double t1 = rk_time_now();
-        check(be->ops->attention(be, out, NULL, q, &kv, 0, &runs, n_heads, scale), "attention");
-        double t2 = rk_time_now();
-        check(be->ops->attention(be, out, NULL, q, &kv, 0, &runs0, n_heads, scale), "attention");
-        double t3 = rk_time_now();
-        if (round == 0) continue; /* warm-up */
-        if (t1 - t0 < t_one) t_one = t1 - t0;
-        if (t2 - t1 < t_runs) t_runs = t2 - t1;
-        if (t3 - t2 < t_runs0) t_runs0 = t3 - t2;
+    printf("  %-32s %10s %8s\n", "", "best ms", "ratio");
+    for (int n_q = 1; n_q <= 512; n_q += 511) { /* decode, then a 512-query prefill */
+        float *q = rand_f32((size_t)n_q * n_heads * hd),
+              *out = rand_f32((size_t)n_q * n_heads * hd);
+        int32_t qs[2] = {0, n_q}, len = L;
+        rk_attn_batch one = {
+            .n_seqs = 1, .q_start = qs, .kv_len = &len, .block_table = perm, .max_blocks = nb_one};
+        rk_attn_batch runs = one, runs0;
+        runs.block_table = perm + nb_one;
+        runs.max_blocks = nb_runs;
+        runs.seg_start = seg_start;
+        runs.seg_end = seg_end;
+        runs.seg_delta = seg_delta;
+        runs.rope = &rope;
+        runs0 = runs;
+        runs0.seg_delta = seg_zero;
+        /* alternate single calls and keep each one's best, so drift and noise
+         * from other processes hit them alike */
+        double t_one = 1e30, t_runs = 1e30, t_runs0 = 1e30;
+        int rounds = n_q > 1 ? 4 : 300;
+        for (int round = 0; round <= rounds; round++) {
+            double t0 = rk_time_now();
+            check(be->ops->attention(be, out, NULL, q, &kv, 0, &one, n_heads, scale), "attention");
+            double t1 = rk_time_now();
+            check(be->ops->attention(be, out, NULL, q, &kv, 0, &runs, n_heads, scale), "attention");
+            double t2 = rk_time_now();
+            check(be->ops->attention(be, out, NULL, q, &kv, 0, &runs0, n_heads, scale),
+                  "attention");
+            double t3 = rk_time_now();
+            if (round == 0) continue; /* warm-up */
+            if (t1 - t0 < t_one) t_one = t1 - t0;
+            if (t2 - t1 < t_runs) t_runs = t2 - t1;
+            if (t3 - t2 < t_runs0) t_runs0 = t3 - t2;
+        }
+        const char *what = n_q > 1 ? "prefill 512 q" : "decode";
+        char name[64];
+        snprintf(name, sizeof name, "%s, one run", what);
+        printf("  %-32s %10.3f %8s\n", name, t_one * 1e3, "");
+        snprintf(name, sizeof name, "%s, 8 runs, delta 0", what);
+        printf("  %-32s %10.3f %8.3f\n", name, t_runs0 * 1e3, t_runs0 / t_one);
+        snprintf(name, sizeof name, "%s, 8 runs, 7 shifted", what);
+        printf("  %-32s %10.3f %8.3f\n", name, t_runs * 1e3, t_runs / t_one);
+        free(q);
+        free(out);
     }
-    printf("  %-28s %10s %8s\n", "", "best ms", "ratio");
-    printf("  %-28s %10.3f %8s\n", "one run", t_one * 1e3, "");
-    printf("  %-28s %10.3f %8.3f\n", "8 runs, all delta 0", t_runs0 * 1e3, t_runs0 / t_one);
-    printf("  %-28s %10.3f %8.3f\n", "8 runs, 7 shifted", t_runs * 1e3, t_runs / t_one);
     be->ops->free(be, kp);
     be->ops->free(be, vp);
     free(perm);
-    free(q);
-    free(out);
 }
 
 int main(int argc, char **argv) {

@@ -383,7 +383,6 @@ static void pv_vectors(work *w, int i, int j, int n, int hd) {
 
 /* The runs of one sequence (see rk_attn_batch), indexed from its first. */
 typedef struct seq_runs {
-    int n;
     const int32_t *end;   /* (n) entry (exclusive) where run r ends */
     const int32_t *delta; /* (n) */
     const int32_t *block; /* (n) first table entry of run r */
@@ -548,7 +547,6 @@ typedef struct attn_ctx {
 static const seq_runs *make_runs(const attn_ctx *c, int seq, seq_runs *runs) {
     if (!c->seg_start) return NULL;
     int k0 = c->seg_start[seq];
-    runs->n = c->seg_start[seq + 1] - k0;
     runs->end = c->seg_end + k0;
     runs->delta = c->seg_delta + k0;
     runs->block = c->seg_block + k0;
