@@ -164,8 +164,10 @@ rk_status rk_redis_url_parse(const char *url, rk_redis_url *out);
 rk_status rk_redis_open(const rk_redis_config *cfg, const char *model_fingerprint, rk_redis **out);
 
 /* Stop the writer thread after it has written (or, with Redis unreachable,
- * dropped) what was queued, close both connections and free r. Bounded by
- * about queue length x timeout; accepts NULL. */
+ * dropped) what was queued, close both connections and free r. With Redis
+ * gone this takes about breaker_failures x timeout: the open breaker then
+ * drops the rest at once. Locks held by the caller are not released (they
+ * expire). Accepts NULL. */
 void rk_redis_close(rk_redis *r);
 
 /* Engine thread. Load chunk key for these token ids into *out (release with
