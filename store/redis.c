@@ -272,6 +272,12 @@ static void breaker_failure(rk_redis *r, const char *why) {
 
 /* ---------------------------------------------------------------- connections */
 
+/* hiredis reports a timed-out read or write as EAGAIN's text: say what it is. */
+static const char *conn_error(const redisContext *c) {
+    return c->err == REDIS_ERR_IO && strcmp(c->errstr, strerror(EAGAIN)) == 0 ? "timed out"
+                                                                              : c->errstr;
+}
+
 static struct timeval tv_ms(int ms) { return (struct timeval){ms / 1000, (ms % 1000) * 1000}; }
 
 /* Run one command on a fresh connection during its set-up; an error reply is
@@ -279,7 +285,8 @@ static struct timeval tv_ms(int ms) { return (struct timeval){ms / 1000, (ms % 1
 static rk_status setup_cmd(redisContext *c, const rk_redis_url *u, const char *what, int argc,
                            const char **argv) {
     redisReply *rep = redisCommandArgv(c, argc, argv, NULL);
-    if (!rep) return rk_errorf(RK_ERR_IO, "redis %s:%d: %s: %s", u->host, u->port, what, c->errstr);
+    if (!rep)
+        return rk_errorf(RK_ERR_IO, "redis %s:%d: %s: %s", u->host, u->port, what, conn_error(c));
     rk_status st = RK_OK;
     if (rep->type == REDIS_REPLY_ERROR)
         st = rk_errorf(RK_ERR_INVALID, "redis %s:%d refused %s: %s", u->host, u->port, what,
@@ -298,7 +305,7 @@ static rk_status connect_ctx(const rk_redis_url *u, int timeout_ms, redisContext
     if (!c) return rk_errorf(RK_ERR_NOMEM, "redis: no memory for a connection");
     if (c->err) {
         rk_status st =
-            rk_errorf(RK_ERR_IO, "redis %s:%d: connect: %s", u->host, u->port, c->errstr);
+            rk_errorf(RK_ERR_IO, "redis %s:%d: connect: %s", u->host, u->port, conn_error(c));
         redisFree(c);
         return st;
     }
@@ -319,7 +326,7 @@ static rk_status connect_ctx(const rk_redis_url *u, int timeout_ms, redisContext
     }
     if (!st) {
         const char *a[] = {"PING"};
-        st = setup_cmd(c, u, "PING (a password may be needed)", 1, a);
+        st = setup_cmd(c, u, "PING", 1, a);
     }
     if (st) {
         redisFree(c);
@@ -347,7 +354,7 @@ static rk_status run(rk_redis *r, redisContext **pc, int argc, const char **argv
     redisReply *rep = redisCommandArgv(*pc, argc, argv, lens);
     if (!rep) {
         char why[160];
-        snprintf(why, sizeof why, "%s: %s", argv[0], (*pc)->errstr);
+        snprintf(why, sizeof why, "%s: %s", argv[0], conn_error(*pc));
         redisFree(*pc);
         *pc = NULL;
         breaker_failure(r, why);
@@ -917,6 +924,10 @@ rk_status rk_redis_wait_for(rk_redis *r, const char *key, const int32_t *tokens,
 
 /* ---------------------------------------------------------------- cost gate */
 
+uint64_t rk_redis_value_bytes(int32_t n_tokens, uint64_t kv_bytes) {
+    return rk_payload_file_bytes(n_tokens > 0 ? (uint64_t)n_tokens : 0, kv_bytes);
+}
+
 int rk_redis_worth_fetching(rk_redis *r, int32_t n_tokens, uint64_t n_bytes,
                             double prefill_tokens_per_s) {
     if (n_tokens < r->cfg.min_tokens || breaker_is_open(r)) return 0;
@@ -939,7 +950,7 @@ static rk_status scan_all(rk_redis *r, redisContext *c, const char *pattern, bat
     do {
         const char *argv[] = {"SCAN", cursor, "MATCH", pattern, "COUNT", count};
         redisReply *rep = redisCommandArgv(c, 6, argv, NULL);
-        if (!rep) return rk_errorf(RK_ERR_IO, "redis SCAN: %s", c->errstr);
+        if (!rep) return rk_errorf(RK_ERR_IO, "redis SCAN: %s", conn_error(c));
         if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2 ||
             rep->element[0]->type != REDIS_REPLY_STRING ||
             rep->element[1]->type != REDIS_REPLY_ARRAY || rep->element[0]->len >= sizeof cursor) {
@@ -981,7 +992,7 @@ static rk_status list_batch(rk_redis *r, redisContext *c, redisReply *keys, void
     redisReply *rep = redisCommandArgv(c, (int)n + 1, argv, lens);
     free(argv);
     free(lens);
-    if (!rep) return rk_errorf(RK_ERR_IO, "redis MGET: %s", c->errstr);
+    if (!rep) return rk_errorf(RK_ERR_IO, "redis MGET: %s", conn_error(c));
     rk_status st = RK_OK;
     size_t stem = strlen(r->prefix) + 1 + RK_STORE_KEY_LEN + 1; /* "PREFIX:FP:" */
     for (size_t i = 0; rep->type == REDIS_REPLY_ARRAY && i < rep->elements && i < n; i++) {
@@ -1060,7 +1071,7 @@ static rk_status flush_batch(rk_redis *r, redisContext *c, redisReply *keys, voi
         if (argc == 1) continue;
         redisReply *rep = redisCommandArgv(c, argc, argv, lens);
         if (!rep) {
-            st = rk_errorf(RK_ERR_IO, "redis UNLINK: %s", c->errstr);
+            st = rk_errorf(RK_ERR_IO, "redis UNLINK: %s", conn_error(c));
         } else if (rep->type != REDIS_REPLY_INTEGER) {
             st = rk_errorf(RK_ERR_IO, "redis UNLINK: %s",
                            rep->type == REDIS_REPLY_ERROR ? rep->str : "unexpected reply");

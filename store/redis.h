@@ -45,7 +45,27 @@
  * rk_redis_stats, rk_redis_worth_fetching, rk_redis_wait_idle are safe from
  * any thread. rk_redis_list and rk_redis_flush open a connection of their own
  * for the call and are safe from any thread (an admin endpoint may call them
- * directly). rk_redis_open and rk_redis_close: the owner, once. */
+ * directly). rk_redis_open and rk_redis_close: the owner, once.
+ *
+ * Wiring at a chunk miss (after the arena and the disk store missed), with
+ * KEY the chunk key in hex and LAYOUT what rk_persist_load compares:
+ *
+ *   if (rk_redis_worth_fetching(r, n_tokens, rk_redis_value_bytes(n_tokens,
+ *                               kv_bytes), prefill_tokens_per_s) &&
+ *       rk_redis_get(r, KEY, tokens, n_tokens, &LAYOUT, &p) == RK_OK)
+ *       -> upload p.body into the entry's blocks as rk_persist_load does,
+ *          source "redis" (and write it to the disk store if there is one)
+ *   else switch (rk_redis_try_lock(r, KEY, &lk, &state), state):
+ *     ACQUIRED:    compute; then rk_redis_put(r, &args, &lk) with the same
+ *                  rk_store_put_args the disk store gets (the writer releases
+ *                  lk after the marker); if computing fails, rk_redis_unlock
+ *     HELD:        park the request; rk_redis_poll once per scheduler step:
+ *                  READY -> upload as above; GONE -> compute (without a
+ *                  lock); give up and compute after about lock_ttl_ms
+ *     UNAVAILABLE: compute, then rk_redis_put(r, &args, NULL)
+ *
+ * A chunk computed while Redis was unavailable is still offered with
+ * rk_redis_put (it is dropped at once while the breaker is open). */
 #ifndef RK_REDIS_H
 #define RK_REDIS_H
 
@@ -221,6 +241,10 @@ rk_status rk_redis_poll(rk_redis *r, const char *key, const int32_t *tokens, int
  * use rk_redis_poll. */
 rk_status rk_redis_wait_for(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
                             const rk_store_layout *layout, int bound_ms, rk_store_payload *out);
+
+/* Bytes of the value for a chunk of n_tokens tokens and kv_bytes KV bytes
+ * (header, token ids, KV): what rk_redis_worth_fetching should be given. */
+uint64_t rk_redis_value_bytes(int32_t n_tokens, uint64_t kv_bytes);
 
 /* Any thread. The cost gate: 1 when fetching a chunk of n_tokens tokens and
  * n_bytes payload bytes should beat recomputing it at prefill_tokens_per_s,

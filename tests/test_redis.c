@@ -458,6 +458,51 @@ Test(redis, killed_server_fails_fast_opens_the_breaker_and_sharing_resumes_after
     server_free(&s);
 }
 
+Test(redis, stalled_server_costs_at_most_the_timeout_per_call_and_then_nothing) {
+    server s = {0};
+    server_start(&s);
+    rk_redis_config cfg;
+    rk_redis_config_default(&cfg);
+    cfg.min_tokens = 1;
+    cfg.timeout_ms = 150;
+    cfg.breaker_failures = 2;
+    cfg.breaker_backoff_ms = 200;
+    rk_redis *a = open_tier(&s, FP_A, &cfg);
+    chunk c;
+    chunk_make(&c, 8);
+    put_and_settle(a, &c);
+    rk_store_payload p;
+    rk_redis_lock lk;
+    rk_redis_lock_state ls;
+    kill(s.pid, SIGSTOP); /* accepts connections, answers nothing */
+    for (int i = 0; i < 6; i++) {
+        double t0 = rk_time_now();
+        cr_assert_eq(get_chunk(a, &c, &p), RK_ERR_NOT_FOUND);
+        cr_assert_eq(rk_redis_try_lock(a, c.key, &lk, &ls), RK_OK);
+        cr_assert_eq(ls, RK_REDIS_LOCK_UNAVAILABLE);
+        double dt = rk_time_now() - t0;
+        /* two calls of at most one timeout each (plus a reconnect) */
+        cr_assert_lt(dt, 1.5, "calls %d took %.2f s with a 150 ms timeout", i, dt);
+    }
+    rk_redis_counters ct;
+    rk_redis_stats(a, &ct);
+    cr_assert_eq(ct.breaker, RK_REDIS_OPEN);
+    cr_assert_eq(ct.breaker_opened, 1);
+    cr_assert_gt(ct.skipped, 0, "the open breaker spares the stalled server");
+    kill(s.pid, SIGCONT);
+    int hit = 0;
+    for (int i = 0; i < 100 && !hit; i++) { /* bounded: about 5 s */
+        hit = get_chunk(a, &c, &p) == RK_OK;
+        if (hit)
+            rk_store_payload_free(&p);
+        else
+            usleep(50000);
+    }
+    cr_assert(hit, "sharing did not resume after the server woke up");
+    rk_redis_close(a);
+    server_free(&s);
+}
+
 Test(redis, wrong_password_fails_open_with_a_clear_message) {
     server s = {.password = "x"};
     server_start(&s);
@@ -637,6 +682,7 @@ Test(redis, cost_gate_uses_min_tokens_and_measured_throughput) {
     rk_redis_config_default(&cfg);
     cfg.min_tokens = 32;
     rk_redis *a = open_tier(&s, FP_A, &cfg);
+    cr_assert_eq(rk_redis_value_bytes(40, 4096), 160 + 4 * 40 + 4096);
     cr_assert_eq(rk_redis_worth_fetching(a, 31, 1000, 100.0), 0, "below min_tokens");
     cr_assert_eq(rk_redis_worth_fetching(a, 32, 1000, 100.0), 1, "nothing measured yet");
     chunk c;
