@@ -380,6 +380,7 @@ void rk_redis_config_default(rk_redis_config *cfg) {
                              .timeout_ms = 200,
                              .min_tokens = 32,
                              .queue_max = 256,
+                             .queue_max_bytes = (size_t)256 << 20,
                              .lock_ttl_ms = 30000,
                              .ttl_s = 0,
                              .breaker_failures = 3,
@@ -467,7 +468,8 @@ static rk_status config_check(const rk_redis_config *c) {
     if (c->timeout_ms < 1 || c->timeout_ms > 60000)
         return rk_errorf(RK_ERR_INVALID, "redis timeout must be 1..60000 ms");
     if (c->min_tokens < 0) return rk_errorf(RK_ERR_INVALID, "redis min tokens must be >= 0");
-    if (c->queue_max < 1) return rk_errorf(RK_ERR_INVALID, "redis write queue must hold >= 1");
+    if (c->queue_max < 1 || c->queue_max_bytes < 1)
+        return rk_errorf(RK_ERR_INVALID, "redis write queue must hold >= 1 write and >= 1 byte");
     if (c->lock_ttl_ms < 1) return rk_errorf(RK_ERR_INVALID, "redis lock TTL must be >= 1 ms");
     if (c->ttl_s < 0) return rk_errorf(RK_ERR_INVALID, "redis TTL must be >= 0 s");
     if (c->breaker_failures < 1 || c->breaker_backoff_ms < 1 ||
@@ -536,6 +538,7 @@ static void *writer_main(void *arg) {
         if (!r->head) r->tail = NULL;
         r->n_queued--;
         r->c.queued = (uint64_t)r->n_queued;
+        r->c.queued_bytes -= j->size;
         r->busy = 1;
         pthread_mutex_unlock(&r->mu);
         write_job(r, j);
@@ -751,35 +754,51 @@ rk_status rk_redis_get(rk_redis *r, const char *key, const int32_t *tokens, int3
     if (n_tokens >= r->cfg.min_tokens && (st = load(r, key, tokens, n_tokens, layout, out, &res)))
         return st;
     count_outcome(r, res == LOAD_HIT);
-    return res == LOAD_HIT ? RK_OK : RK_ERR_NOT_FOUND;
+    if (res == LOAD_HIT) return RK_OK;
+    return rk_errorf(RK_ERR_NOT_FOUND, "redis: chunk %s %s", key,
+                     res == LOAD_UNAVAILABLE ? "not loaded: Redis unavailable"
+                                             : "not shared (or not usable)");
 }
 
 /* ---------------------------------------------------------------- writes */
+
+/* 1 when a value of size bytes fits the queue now (mu held). One value
+ * larger than the byte cap still goes when the queue is empty. */
+static int queue_has_room(const rk_redis *r, size_t size) {
+    return r->n_queued < r->cfg.queue_max &&
+           (r->n_queued == 0 || r->c.queued_bytes + size <= r->cfg.queue_max_bytes);
+}
 
 rk_status rk_redis_put(rk_redis *r, const rk_store_put_args *args, const rk_redis_lock *release) {
     if (!args || !args->key || !rk_store_key_valid(args->key) || !args->tokens ||
         args->n_tokens < 1 || (args->body_size && !args->body))
         return rk_errorf(RK_ERR_INVALID, "redis: a put needs a key, token ids and a body");
+    if (args->n_tokens < r->cfg.min_tokens) {
+        if (release) release_lock(r, &r->eng, release);
+        return rk_errorf(RK_ERR_LIMIT, "redis: chunk %s is shorter than %d tokens: not shared",
+                         args->key, r->cfg.min_tokens);
+    }
+    size_t tok_bytes = (size_t)args->n_tokens * sizeof(int32_t);
+    size_t size = RK_STORE_HEADER_BYTES + tok_bytes + args->body_size;
     int room = 0;
-    if (args->n_tokens >= r->cfg.min_tokens && !breaker_is_open(r)) {
+    if (!breaker_is_open(r)) {
         pthread_mutex_lock(&r->mu);
-        room = r->n_queued < r->cfg.queue_max;
+        room = queue_has_room(r, size);
         pthread_mutex_unlock(&r->mu);
     }
-    wjob *j = NULL;
-    size_t tok_bytes = (size_t)args->n_tokens * sizeof(int32_t);
     if (room) {
-        j = calloc(1, sizeof *j);
-        if (j) j->value = malloc(RK_STORE_HEADER_BYTES + tok_bytes + args->body_size);
+        /* Copy outside the lock: the writer is not held up by a large chunk. */
+        wjob *j = calloc(1, sizeof *j);
+        if (j) j->value = malloc(size);
         if (!j || !j->value) {
-            if (j) free(j);
+            free(j);
             if (release) release_lock(r, &r->eng, release);
-            return rk_errorf(RK_ERR_NOMEM, "redis: no memory to queue a write");
+            return rk_errorf(RK_ERR_NOMEM, "redis: no memory to queue a %zu-byte write", size);
         }
         memcpy(j->key, args->key, RK_STORE_KEY_LEN + 1);
         j->layout = args->layout;
         j->n_tokens = (uint32_t)args->n_tokens;
-        j->size = RK_STORE_HEADER_BYTES + tok_bytes + args->body_size;
+        j->size = size;
         memcpy(j->value + RK_STORE_HEADER_BYTES, args->tokens, tok_bytes);
         if (args->body_size)
             memcpy(j->value + RK_STORE_HEADER_BYTES + tok_bytes, args->body, args->body_size);
@@ -788,7 +807,7 @@ rk_status rk_redis_put(rk_redis *r, const rk_store_put_args *args, const rk_redi
             j->lock = *release;
         }
         pthread_mutex_lock(&r->mu);
-        room = r->n_queued < r->cfg.queue_max; /* the writer only ever shrinks it */
+        room = queue_has_room(r, size); /* another thread may have filled it meanwhile */
         if (room) {
             if (r->tail)
                 r->tail->next = j;
@@ -797,6 +816,7 @@ rk_status rk_redis_put(rk_redis *r, const rk_store_put_args *args, const rk_redi
             r->tail = j;
             r->n_queued++;
             r->c.queued = (uint64_t)r->n_queued;
+            r->c.queued_bytes += size;
             pthread_cond_signal(&r->cv_work);
         }
         pthread_mutex_unlock(&r->mu);
@@ -809,7 +829,8 @@ rk_status rk_redis_put(rk_redis *r, const rk_store_put_args *args, const rk_redi
     pthread_mutex_unlock(&r->mu);
     /* Waiters should compute now rather than wait out the lock's TTL. */
     if (release) release_lock(r, &r->eng, release);
-    return rk_errorf(RK_ERR_LIMIT, "redis: write of chunk %s dropped", args->key);
+    return rk_errorf(RK_ERR_LIMIT, "redis: write of chunk %s dropped (queue full or Redis down)",
+                     args->key);
 }
 
 rk_status rk_redis_wait_idle(rk_redis *r, int timeout_ms, int *out_idle) {
@@ -912,14 +933,16 @@ rk_status rk_redis_wait_for(rk_redis *r, const char *key, const int32_t *tokens,
         rk_status st = rk_redis_poll(r, key, tokens, n_tokens, layout, out, &ps);
         if (st) return st;
         if (ps == RK_REDIS_READY) return RK_OK;
-        if (ps == RK_REDIS_GONE) return RK_ERR_NOT_FOUND;
+        if (ps == RK_REDIS_GONE)
+            return rk_errorf(RK_ERR_NOT_FOUND, "redis: chunk %s: nobody computes it", key);
         double left_ms = (deadline - rk_time_now()) * 1e3;
         if (left_ms <= 0) break;
         sleep_ms(nap < left_ms ? nap : (int)left_ms + 1);
         nap = nap * 2 > 50 ? 50 : nap * 2;
     }
     count_outcome(r, 0);
-    return RK_ERR_NOT_FOUND;
+    return rk_errorf(RK_ERR_NOT_FOUND, "redis: chunk %s did not appear within %d ms", key,
+                     bound_ms);
 }
 
 /* ---------------------------------------------------------------- cost gate */

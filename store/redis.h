@@ -100,6 +100,8 @@ typedef struct rk_redis_config {
     int min_tokens;             /* chunks shorter than this are neither fetched nor
                                    written; default 32 */
     int queue_max;              /* writes waiting for the writer thread; default 256 */
+    size_t queue_max_bytes;     /* and their bytes (one larger write still goes alone);
+                                   default 256 MiB */
     int lock_ttl_ms;            /* a compute lock expires after this; default 30000 */
     int ttl_s;                  /* expiry of payload and marker; 0 = none (default;
                                    let Redis's maxmemory policy evict) */
@@ -123,8 +125,10 @@ typedef struct rk_redis_counters {
                                      key or token ids */
     uint64_t layout_mismatch;     /* good payloads for another KV layout (kept; a miss) */
     uint64_t writes;              /* payloads committed (payload and marker written) */
-    uint64_t write_drops;         /* puts dropped: queue full, breaker open or write failed */
+    uint64_t write_drops;         /* puts dropped: queue full, breaker open or write failed
+                                     (not those under min_tokens) */
     uint64_t queued;              /* puts waiting for the writer now */
+    uint64_t queued_bytes;        /* their bytes */
     uint64_t bytes_in, bytes_out; /* payload bytes loaded / written */
     uint64_t get_count;           /* Redis round trips of gets (hit or not) */
     double get_seconds;           /* their total time: mean = get_seconds / get_count */
@@ -209,9 +213,10 @@ rk_status rk_redis_get(rk_redis *r, const char *key, const int32_t *tokens, int3
  * writer releases it after the marker, so replicas waiting on the lock find
  * the value as soon as the lock goes; if the write is dropped, the lock is
  * released at once on this thread (engine connection: then call it from the
- * engine thread). Returns RK_OK when queued; RK_ERR_LIMIT when dropped
- * (queue full, breaker open, shorter than min_tokens) and counted, which the
- * caller may ignore; RK_ERR_INVALID, RK_ERR_NOMEM. */
+ * engine thread). The copy is the only work done here: one memcpy of the KV.
+ * Returns RK_OK when queued; RK_ERR_LIMIT when dropped (queue full or breaker
+ * open: counted in write_drops; shorter than min_tokens: not counted), which
+ * the caller may ignore; RK_ERR_INVALID, RK_ERR_NOMEM. */
 rk_status rk_redis_put(rk_redis *r, const rk_store_put_args *args, const rk_redis_lock *release);
 
 /* Engine thread. Try to take the fleet-wide lock on computing key

@@ -649,29 +649,36 @@ Test(redis, async_writer_lands_every_put_and_counts_queue_full_drops) {
     rk_redis_close(a);
 
     /* A stopped server holds the writer on its first write: a queue of two
-     * takes at most three puts of ten, the rest are dropped and counted. */
-    rk_redis_config cfg;
-    rk_redis_config_default(&cfg);
-    cfg.min_tokens = 1;
-    cfg.queue_max = 2;
-    cfg.timeout_ms = 300;
-    a = open_tier(&s, FP_B, &cfg);
-    kill(s.pid, SIGSTOP);
-    int dropped = 0;
-    for (int i = 0; i < 10; i++) {
-        rk_store_put_args args = chunk_args(&c[i]);
-        rk_status st = rk_redis_put(a, &args, NULL);
-        cr_assert(st == RK_OK || st == RK_ERR_LIMIT);
-        dropped += st == RK_ERR_LIMIT;
+     * writes, or of 10000 bytes (two values of 4.3 kB), takes at most three
+     * puts of ten; the rest are dropped and counted. */
+    for (int cap = 0; cap < 2; cap++) {
+        rk_redis_config cfg;
+        rk_redis_config_default(&cfg);
+        cfg.min_tokens = 1;
+        cfg.timeout_ms = 300;
+        if (cap == 0)
+            cfg.queue_max = 2;
+        else
+            cfg.queue_max_bytes = 10000;
+        a = open_tier(&s, cap == 0 ? FP_B : FP_A, &cfg);
+        kill(s.pid, SIGSTOP);
+        int dropped = 0;
+        for (int i = 0; i < 10; i++) {
+            rk_store_put_args args = chunk_args(&c[i]);
+            rk_status st = rk_redis_put(a, &args, NULL);
+            cr_assert(st == RK_OK || st == RK_ERR_LIMIT);
+            dropped += st == RK_ERR_LIMIT;
+        }
+        cr_assert_geq(dropped, 7, "cap %d: %d dropped", cap, dropped);
+        kill(s.pid, SIGCONT);
+        cr_assert_eq(rk_redis_wait_idle(a, 20000, &idle), RK_OK);
+        cr_assert_eq(idle, 1);
+        rk_redis_stats(a, &ct);
+        cr_assert_geq(ct.write_drops, (uint64_t)dropped);
+        cr_assert_eq(ct.writes + ct.write_drops, 10);
+        cr_assert_eq(ct.queued_bytes, 0);
+        rk_redis_close(a);
     }
-    cr_assert_geq(dropped, 7);
-    kill(s.pid, SIGCONT);
-    cr_assert_eq(rk_redis_wait_idle(a, 20000, &idle), RK_OK);
-    cr_assert_eq(idle, 1);
-    rk_redis_stats(a, &ct);
-    cr_assert_geq(ct.write_drops, (uint64_t)dropped);
-    cr_assert_eq(ct.writes + ct.write_drops, 10);
-    rk_redis_close(a);
     server_free(&s);
 }
 
@@ -706,6 +713,8 @@ Test(redis, cost_gate_uses_min_tokens_and_measured_throughput) {
     rk_store_put_args args = chunk_args(&c);
     cr_assert_eq(rk_redis_put(a, &args, NULL), RK_ERR_LIMIT);
     cr_assert_eq(get_chunk(a, &c, &p), RK_ERR_NOT_FOUND);
+    rk_redis_stats(a, &ct);
+    cr_assert_eq(ct.write_drops, 0, "a short chunk is not a dropped write");
     rk_redis_close(a);
     server_free(&s);
 }
