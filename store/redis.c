@@ -49,8 +49,8 @@ static const char k_unlock_lua[] =
 
 /* A write waiting for the writer thread. value is the whole payload with its
  * header still zero: the writer computes the checksum and fills it. */
-typedef struct wjob {
-    struct wjob *next;
+struct rk_redis_value {
+    struct rk_redis_value *next;
     char key[RK_STORE_KEY_LEN + 1];
     rk_store_layout layout;
     uint32_t n_tokens;
@@ -58,7 +58,7 @@ typedef struct wjob {
     size_t size;
     int has_lock;
     rk_redis_lock lock;
-} wjob;
+};
 
 struct rk_redis {
     rk_redis_url url;
@@ -74,7 +74,7 @@ struct rk_redis {
     pthread_cond_t cv_work, cv_idle;
     pthread_t writer;
     int writer_started;
-    wjob *head, *tail;
+    rk_redis_value *head, *tail;
     int n_queued, busy, stopping;
     rk_redis_counters c;
     double avg_bytes, avg_secs; /* moving averages of load size and time */
@@ -125,7 +125,7 @@ static void key_names(const rk_redis *r, const char *key, char *vkey, char *mkey
 
 /* Write the payload header for the value (tokens and body already in place
  * after it), computing the checksum over them. */
-static void encode_value(const char *fp, const wjob *j) {
+static void encode_value(const char *fp, const rk_redis_value *j) {
     uint8_t *b = j->value;
     const uint8_t *rest = b + RK_STORE_HEADER_BYTES;
     size_t tok_bytes = (size_t)j->n_tokens * sizeof(int32_t);
@@ -490,7 +490,7 @@ static void release_lock(rk_redis *r, redisContext **pc, const rk_redis_lock *lk
     if (run(r, pc, 5, argv, NULL, &rep) == RK_OK) freeReplyObject(rep);
 }
 
-static void write_job(rk_redis *r, wjob *j) {
+static void write_job(rk_redis *r, rk_redis_value *j) {
     char vkey[KEY_CAP], mkey[KEY_CAP], meta_s[160], ttl[24];
     key_names(r, j->key, vkey, mkey, NULL);
     encode_value(r->fp, j);
@@ -533,7 +533,7 @@ static void *writer_main(void *arg) {
     for (;;) {
         while (!r->head && !r->stopping) pthread_cond_wait(&r->cv_work, &r->mu);
         if (!r->head) break;
-        wjob *j = r->head;
+        rk_redis_value *j = r->head;
         r->head = j->next;
         if (!r->head) r->tail = NULL;
         r->n_queued--;
@@ -542,8 +542,7 @@ static void *writer_main(void *arg) {
         r->busy = 1;
         pthread_mutex_unlock(&r->mu);
         write_job(r, j);
-        free(j->value);
-        free(j);
+        rk_redis_value_free(j);
         pthread_mutex_lock(&r->mu);
         r->busy = 0;
         if (!r->head) pthread_cond_broadcast(&r->cv_idle);
@@ -769,68 +768,109 @@ static int queue_has_room(const rk_redis *r, size_t size) {
            (r->n_queued == 0 || r->c.queued_bytes + size <= r->cfg.queue_max_bytes);
 }
 
+rk_status rk_redis_value_new(const char *key, const rk_store_layout *layout, const int32_t *tokens,
+                             int32_t n_tokens, size_t body_size, rk_redis_value **out,
+                             void **out_body) {
+    *out = NULL;
+    if (out_body) *out_body = NULL;
+    if (!key || !rk_store_key_valid(key) || !layout || !tokens || n_tokens < 1)
+        return rk_errorf(RK_ERR_INVALID, "redis: a value needs a key, a layout and token ids");
+    size_t tok_bytes = (size_t)n_tokens * sizeof(int32_t);
+    size_t size = RK_STORE_HEADER_BYTES + tok_bytes + body_size;
+    rk_redis_value *j = calloc(1, sizeof *j);
+    if (j) j->value = malloc(size);
+    if (!j || !j->value) {
+        free(j);
+        return rk_errorf(RK_ERR_NOMEM, "redis: no memory for a %zu-byte value", size);
+    }
+    memcpy(j->key, key, RK_STORE_KEY_LEN + 1);
+    j->layout = *layout;
+    j->n_tokens = (uint32_t)n_tokens;
+    j->size = size;
+    memcpy(j->value + RK_STORE_HEADER_BYTES, tokens, tok_bytes);
+    *out = j;
+    if (out_body) *out_body = j->value + RK_STORE_HEADER_BYTES + tok_bytes;
+    return RK_OK;
+}
+
+void rk_redis_value_free(rk_redis_value *v) {
+    if (!v) return;
+    free(v->value);
+    free(v);
+}
+
+/* Count a dropped write and release its lock at once, so that waiters
+ * compute now rather than wait out the lock's TTL. */
+static rk_status drop_write(rk_redis *r, const char *key, const rk_redis_lock *release) {
+    pthread_mutex_lock(&r->mu);
+    r->c.write_drops++;
+    pthread_mutex_unlock(&r->mu);
+    if (release) release_lock(r, &r->eng, release);
+    return rk_errorf(RK_ERR_LIMIT, "redis: write of chunk %s dropped (queue full or Redis down)",
+                     key);
+}
+
+rk_status rk_redis_put_value(rk_redis *r, rk_redis_value *v, const rk_redis_lock *release) {
+    if (!v) return rk_errorf(RK_ERR_INVALID, "redis: no value to put");
+    char key[RK_STORE_KEY_LEN + 1];
+    memcpy(key, v->key, sizeof key);
+    if ((int64_t)v->n_tokens < r->cfg.min_tokens) {
+        rk_redis_value_free(v);
+        if (release) release_lock(r, &r->eng, release);
+        return rk_errorf(RK_ERR_LIMIT, "redis: chunk %s is shorter than %d tokens: not shared", key,
+                         r->cfg.min_tokens);
+    }
+    if (release) {
+        v->has_lock = 1;
+        v->lock = *release;
+    }
+    int room = 0;
+    if (!breaker_is_open(r)) {
+        pthread_mutex_lock(&r->mu);
+        room = queue_has_room(r, v->size);
+        if (room) {
+            v->next = NULL;
+            if (r->tail)
+                r->tail->next = v;
+            else
+                r->head = v;
+            r->tail = v;
+            r->n_queued++;
+            r->c.queued = (uint64_t)r->n_queued;
+            r->c.queued_bytes += v->size;
+            pthread_cond_signal(&r->cv_work);
+        }
+        pthread_mutex_unlock(&r->mu);
+    }
+    if (room) return RK_OK;
+    rk_redis_value_free(v);
+    return drop_write(r, key, release);
+}
+
 rk_status rk_redis_put(rk_redis *r, const rk_store_put_args *args, const rk_redis_lock *release) {
     if (!args || !args->key || !rk_store_key_valid(args->key) || !args->tokens ||
         args->n_tokens < 1 || (args->body_size && !args->body))
         return rk_errorf(RK_ERR_INVALID, "redis: a put needs a key, token ids and a body");
-    if (args->n_tokens < r->cfg.min_tokens) {
-        if (release) release_lock(r, &r->eng, release);
-        return rk_errorf(RK_ERR_LIMIT, "redis: chunk %s is shorter than %d tokens: not shared",
-                         args->key, r->cfg.min_tokens);
-    }
-    size_t tok_bytes = (size_t)args->n_tokens * sizeof(int32_t);
-    size_t size = RK_STORE_HEADER_BYTES + tok_bytes + args->body_size;
-    int room = 0;
-    if (!breaker_is_open(r)) {
-        pthread_mutex_lock(&r->mu);
-        room = queue_has_room(r, size);
-        pthread_mutex_unlock(&r->mu);
-    }
-    if (room) {
-        /* Copy outside the lock: the writer is not held up by a large chunk. */
-        wjob *j = calloc(1, sizeof *j);
-        if (j) j->value = malloc(size);
-        if (!j || !j->value) {
-            free(j);
-            if (release) release_lock(r, &r->eng, release);
-            return rk_errorf(RK_ERR_NOMEM, "redis: no memory to queue a %zu-byte write", size);
-        }
-        memcpy(j->key, args->key, RK_STORE_KEY_LEN + 1);
-        j->layout = args->layout;
-        j->n_tokens = (uint32_t)args->n_tokens;
-        j->size = size;
-        memcpy(j->value + RK_STORE_HEADER_BYTES, args->tokens, tok_bytes);
-        if (args->body_size)
-            memcpy(j->value + RK_STORE_HEADER_BYTES + tok_bytes, args->body, args->body_size);
-        if (release) {
-            j->has_lock = 1;
-            j->lock = *release;
-        }
-        pthread_mutex_lock(&r->mu);
-        room = queue_has_room(r, size); /* another thread may have filled it meanwhile */
+    if (args->n_tokens >= r->cfg.min_tokens) {
+        /* Skip the copy when the write would be dropped anyway. */
+        int room = !breaker_is_open(r);
         if (room) {
-            if (r->tail)
-                r->tail->next = j;
-            else
-                r->head = j;
-            r->tail = j;
-            r->n_queued++;
-            r->c.queued = (uint64_t)r->n_queued;
-            r->c.queued_bytes += size;
-            pthread_cond_signal(&r->cv_work);
+            pthread_mutex_lock(&r->mu);
+            room = queue_has_room(r, rk_redis_value_bytes(args->n_tokens, args->body_size));
+            pthread_mutex_unlock(&r->mu);
         }
-        pthread_mutex_unlock(&r->mu);
-        if (room) return RK_OK;
-        free(j->value);
-        free(j);
+        if (!room) return drop_write(r, args->key, release);
     }
-    pthread_mutex_lock(&r->mu);
-    r->c.write_drops++;
-    pthread_mutex_unlock(&r->mu);
-    /* Waiters should compute now rather than wait out the lock's TTL. */
-    if (release) release_lock(r, &r->eng, release);
-    return rk_errorf(RK_ERR_LIMIT, "redis: write of chunk %s dropped (queue full or Redis down)",
-                     args->key);
+    rk_redis_value *v;
+    void *body;
+    rk_status st = rk_redis_value_new(args->key, &args->layout, args->tokens, args->n_tokens,
+                                      args->body_size, &v, &body);
+    if (st) {
+        if (release) release_lock(r, &r->eng, release);
+        return st;
+    }
+    if (args->body_size) memcpy(body, args->body, args->body_size);
+    return rk_redis_put_value(r, v, release);
 }
 
 rk_status rk_redis_wait_idle(rk_redis *r, int timeout_ms, int *out_idle) {

@@ -58,7 +58,9 @@
  *   else switch (rk_redis_try_lock(r, KEY, &lk, &state), state):
  *     ACQUIRED:    compute; then rk_redis_put(r, &args, &lk) with the same
  *                  rk_store_put_args the disk store gets (the writer releases
- *                  lk after the marker); if computing fails, rk_redis_unlock
+ *                  lk after the marker); if computing fails, rk_redis_unlock.
+ *                  Without a copy: rk_redis_value_new, download the KV into
+ *                  its body, rk_store_put with that body, rk_redis_put_value
  *     HELD:        park the request; rk_redis_poll once per scheduler step:
  *                  READY -> upload as above; GONE -> compute (without a
  *                  lock); give up and compute after about lock_ttl_ms
@@ -218,6 +220,28 @@ rk_status rk_redis_get(rk_redis *r, const char *key, const int32_t *tokens, int3
  * open: counted in write_drops; shorter than min_tokens: not counted), which
  * the caller may ignore; RK_ERR_INVALID, RK_ERR_NOMEM. */
 rk_status rk_redis_put(rk_redis *r, const rk_store_put_args *args, const rk_redis_lock *release);
+
+/* A value being built for rk_redis_put_value: the payload buffer with room
+ * for the KV, so the caller can write the KV into it and hand it over without
+ * a second copy. Opaque. */
+typedef struct rk_redis_value rk_redis_value;
+
+/* Any thread. Allocate a value for chunk key (32 lowercase hex) with these
+ * token ids (copied) and layout, and body_size bytes of KV that the caller
+ * writes at *out_body (may be NULL when body_size is 0) before handing *out to
+ * rk_redis_put_value (or freeing it with rk_redis_value_free). *out_body may
+ * also serve as the body of an rk_store_put for the disk store, so one buffer
+ * feeds both tiers. RK_ERR_INVALID, RK_ERR_NOMEM. */
+rk_status rk_redis_value_new(const char *key, const rk_store_layout *layout, const int32_t *tokens,
+                             int32_t n_tokens, size_t body_size, rk_redis_value **out,
+                             void **out_body);
+
+/* Free a value that was not handed to rk_redis_put_value; accepts NULL. */
+void rk_redis_value_free(rk_redis_value *v);
+
+/* As rk_redis_put, but takes ownership of v (always, also on failure) instead
+ * of copying the chunk: the request path pays no copy at all. */
+rk_status rk_redis_put_value(rk_redis *r, rk_redis_value *v, const rk_redis_lock *release);
 
 /* Engine thread. Try to take the fleet-wide lock on computing key
  * (SET PREFIX:FP:K:lock TOKEN NX PX lock_ttl_ms). *out_state says what

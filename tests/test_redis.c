@@ -268,6 +268,45 @@ Test(redis, put_then_get_returns_identical_bytes_and_a_second_client_sees_it) {
     server_free(&s);
 }
 
+Test(redis, put_value_hands_over_a_buffer_the_caller_filled_in_place) {
+    server s = {0};
+    server_start(&s);
+    rk_redis *a = open_tier(&s, FP_A, NULL);
+    chunk c;
+    chunk_make(&c, 9);
+    rk_redis_value *v = NULL;
+    void *body = NULL;
+    cr_assert_eq(
+        rk_redis_value_new(c.key, &c.layout, c.tokens, c.n_tokens, sizeof c.body, &v, &body),
+        RK_OK);
+    memcpy(body, c.body, sizeof c.body); /* as the KV download would */
+    cr_assert_eq(rk_redis_put_value(a, v, NULL), RK_OK);
+    int idle = 0;
+    cr_assert_eq(rk_redis_wait_idle(a, 10000, &idle), RK_OK);
+    cr_assert_eq(idle, 1);
+    rk_store_payload p;
+    cr_assert_eq(get_chunk(a, &c, &p), RK_OK);
+    expect_same(&p, &c);
+    rk_store_payload_free(&p);
+    rk_redis_close(a);
+
+    /* A dropped value is freed too (the sanitizer build checks it). */
+    rk_redis_config cfg;
+    rk_redis_config_default(&cfg);
+    cfg.min_tokens = 1000;
+    a = open_tier(&s, FP_A, &cfg);
+    cr_assert_eq(
+        rk_redis_value_new(c.key, &c.layout, c.tokens, c.n_tokens, sizeof c.body, &v, &body),
+        RK_OK);
+    cr_assert_eq(rk_redis_put_value(a, v, NULL), RK_ERR_LIMIT);
+    cr_assert_eq(rk_redis_value_new("not-a-key", &c.layout, c.tokens, c.n_tokens, 0, &v, &body),
+                 RK_ERR_INVALID);
+    cr_assert_null(v);
+    rk_redis_value_free(NULL);
+    rk_redis_close(a);
+    server_free(&s);
+}
+
 Test(redis, value_is_byte_for_byte_a_disk_payload_file) {
     server s = {0};
     server_start(&s);
