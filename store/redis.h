@@ -37,18 +37,22 @@
  * Threads. An rk_redis handle holds two hiredis connections, which are not
  * thread-safe:
  *   - the engine connection, used by rk_redis_get, rk_redis_poll,
- *     rk_redis_wait_for, rk_redis_try_lock, rk_redis_unlock and by
- *     rk_redis_put when it drops a write: call these from ONE thread (the
- *     engine thread), never concurrently;
+ *     rk_redis_wait_for, rk_redis_try_lock, rk_redis_unlock, and by
+ *     rk_redis_put/rk_redis_put_value to release the lock passed with a write
+ *     they drop: call these from ONE thread (the engine thread), never
+ *     concurrently;
  *   - the writer connection, owned by the writer thread that rk_redis_open
- *     starts; rk_redis_put only enqueues a copy for it.
- * rk_redis_stats, rk_redis_worth_fetching, rk_redis_wait_idle are safe from
- * any thread. rk_redis_list and rk_redis_flush open a connection of their own
+ *     starts; a put only enqueues the value for it.
+ * rk_redis_put and rk_redis_put_value without a lock, rk_redis_value_new and
+ * _free, rk_redis_stats, rk_redis_worth_fetching, rk_redis_wait_idle are
+ * safe from any thread. rk_redis_list and rk_redis_flush open a connection of their own
  * for the call and are safe from any thread (an admin endpoint may call them
  * directly). rk_redis_open and rk_redis_close: the owner, once.
  *
  * Wiring at a chunk miss (after the arena and the disk store missed), with
- * KEY the chunk key in hex and LAYOUT what rk_persist_load compares:
+ * KEY the chunk key in hex (rk_chunk_key_hex) and LAYOUT the record
+ * rk_persist_write stores (the running model and arena, the entry's base
+ * position; or NULL, then compare p.layout as rk_persist_load does):
  *
  *   if (rk_redis_worth_fetching(r, n_tokens, rk_redis_value_bytes(n_tokens,
  *                               kv_bytes), prefill_tokens_per_s) &&
@@ -208,7 +212,7 @@ void rk_redis_close(rk_redis *r);
 rk_status rk_redis_get(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
                        const rk_store_layout *layout, rk_store_payload *out);
 
-/* Any thread (the writer serialises). Queue a copy of the chunk for the
+/* Any thread (see Threads above for a lock). Queue a copy of the chunk for the
  * writer thread and return at once; policy and doc_id of args are not used
  * (the key already covers the policy). The writer stores the payload and then
  * its marker. When release is not NULL (a lock from rk_redis_try_lock) the
