@@ -570,6 +570,22 @@ Test(redis, wrong_password_fails_open_with_a_clear_message) {
     cr_assert_eq(ep.has_password, 1);
     cr_assert_str_eq(ep.password, "");
     rk_redis_close(r);
+
+    /* An ACL user (Redis 6+): user and password both count. */
+    redisContext *rc = raw(&s);
+    redisReply *rep = redisCommand(rc, "AUTH x");
+    freeReplyObject(rep);
+    rep = redisCommand(rc, "ACL SETUSER alice on >pw ~* +@all");
+    cr_assert(rep && rep->type == REDIS_REPLY_STATUS, "%s", rep ? rep->str : rc->errstr);
+    freeReplyObject(rep);
+    redisFree(rc);
+    snprintf(url, sizeof url, "redis://alice:pw@127.0.0.1:%d", s.port);
+    cr_assert_eq(rk_redis_open(&cfg, FP_A, &r), RK_OK, "%s", rk_error_message());
+    rk_redis_close(r);
+    snprintf(url, sizeof url, "redis://alice:x@127.0.0.1:%d", s.port);
+    cr_assert_eq(rk_redis_open(&cfg, FP_A, &r), RK_ERR_INVALID);
+    cr_assert(strstr(rk_error_message(), "refused the user name and password (AUTH)"), "%s",
+              rk_error_message());
     server_free(&s);
 }
 
