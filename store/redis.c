@@ -5,7 +5,7 @@
  * top of store/payload.c), so a value can be written to a file and read by
  * the disk tier and the other way round. The header encoder and decoder of
  * payload.c work on files; the in-memory pair here writes and checks the same
- * 160 bytes and shares its checksum. */
+ * version 2 header (512 bytes) and shares its checksum. */
 #include "store/redis.h"
 
 #include <errno.h>
@@ -33,12 +33,18 @@ enum {
     OFF_LAYOUT = 84,
     OFF_BODY_SIZE = 112,
     OFF_SUM = 120,
-    OFF_HSUM = 152,
-    FORMAT_VERSION = 1,
+    OFF_POLICY = 160,
+    OFF_CREATED = 192,
+    OFF_DOC_LEN = 200,
+    OFF_DOC = 204,
+    OFF_HSUM = RK_STORE_HEADER_BYTES - 8,
+    FORMAT_VERSION = 2,
     META_VERSION = 1,
     KEY_CAP = RK_REDIS_PREFIX_MAX + 2 * RK_STORE_KEY_LEN + 16, /* PREFIX:FP:K:meta */
     SCAN_COUNT = 1000,
 };
+
+_Static_assert(RK_STORE_HEADER_BYTES == 512, "the value header is payload format version 2");
 
 static const char k_magic[4] = {'R', 'K', 'K', 'V'};
 
@@ -52,6 +58,8 @@ static const char k_unlock_lua[] =
 struct rk_redis_value {
     struct rk_redis_value *next;
     char key[RK_STORE_KEY_LEN + 1];
+    char policy[RK_STORE_POLICY_MAX + 1];
+    char doc_id[RK_STORE_DOC_ID_MAX + 1];
     rk_store_layout layout;
     uint32_t n_tokens;
     uint8_t *value; /* (size) bytes: header, token ids, body */
@@ -146,7 +154,21 @@ static void encode_value(const char *fp, const rk_redis_value *j) {
     for (int i = 0; i < 6; i++) put_u32(b + OFF_LAYOUT + 4 * i, (uint32_t)lay[i]);
     put_u64(b + OFF_BODY_SIZE, body_size);
     memcpy(b + OFF_SUM, sum, 16);
+    memcpy(b + OFF_POLICY, j->policy, strlen(j->policy));
+    double now = wall_now();
+    uint64_t created;
+    memcpy(&created, &now, sizeof created);
+    put_u64(b + OFF_CREATED, created);
+    size_t nd = strlen(j->doc_id);
+    put_u32(b + OFF_DOC_LEN, (uint32_t)nd);
+    memcpy(b + OFF_DOC, j->doc_id, nd);
     put_u64(b + OFF_HSUM, XXH3_64bits(b, OFF_HSUM));
+}
+
+static int printable(const uint8_t *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i] < 0x21 || p[i] > 0x7e) return 0;
+    return 1;
 }
 
 /* What the commit marker says. */
@@ -177,10 +199,10 @@ static int meta_parse(const char *s, size_t len, meta *m) {
 
 /* Check value (len bytes) against the marker, the model, the key and the
  * request's token ids. Returns NULL when good, else why it is bad. On success
- * *out_layout is the header's layout. */
+ * out->layout, policy, doc_id and created come from the header. */
 static const char *check_value(const rk_redis *r, const char *key, const meta *m, const uint8_t *v,
                                size_t len, const int32_t *tokens, int32_t n_tokens,
-                               rk_store_layout *out_layout) {
+                               rk_store_payload *out) {
     if (len != m->n_bytes) return len < m->n_bytes ? "truncated" : "longer than its marker says";
     if (len < RK_STORE_HEADER_BYTES) return "shorter than a header";
     if (memcmp(v + OFF_MAGIC, k_magic, 4) != 0) return "bad magic";
@@ -188,6 +210,11 @@ static const char *check_value(const rk_redis *r, const char *key, const meta *m
         get_u32(v + OFF_HSIZE) != RK_STORE_HEADER_BYTES || get_u32(v + OFF_FLAGS) != 0)
         return "unknown payload version, header size or flags";
     if (get_u64(v + OFF_HSUM) != XXH3_64bits(v, OFF_HSUM)) return "header checksum mismatch";
+    size_t np = strnlen((const char *)v + OFF_POLICY, RK_STORE_POLICY_MAX + 1);
+    uint32_t nd = get_u32(v + OFF_DOC_LEN);
+    if (np == 0 || np > RK_STORE_POLICY_MAX || !printable(v + OFF_POLICY, np) ||
+        nd > RK_STORE_DOC_ID_MAX || memchr(v + OFF_DOC, 0, nd))
+        return "bad policy or document id in the header";
     if (memcmp(v + OFF_FP, r->fp, RK_STORE_KEY_LEN) != 0) return "written for another model";
     if (memcmp(v + OFF_KEY, key, RK_STORE_KEY_LEN) != 0) return "header key differs";
     uint32_t nt = get_u32(v + OFF_NTOK);
@@ -207,7 +234,12 @@ static const char *check_value(const rk_redis *r, const char *key, const meta *m
         return "token ids differ from the request's";
     int32_t lay[6];
     for (int i = 0; i < 6; i++) lay[i] = (int32_t)get_u32(v + OFF_LAYOUT + 4 * i);
-    *out_layout = (rk_store_layout){lay[0], lay[1], lay[2], lay[3], lay[4], lay[5]};
+    memset(out, 0, sizeof *out);
+    out->layout = (rk_store_layout){lay[0], lay[1], lay[2], lay[3], lay[4], lay[5]};
+    memcpy(out->meta.policy, v + OFF_POLICY, np);
+    memcpy(out->meta.doc_id, v + OFF_DOC, nd);
+    uint64_t created = get_u64(v + OFF_CREATED);
+    memcpy(&out->meta.created, &created, sizeof created);
     return NULL;
 }
 
@@ -663,11 +695,11 @@ static rk_status load(rk_redis *r, const char *key, const int32_t *tokens, int32
         return RK_OK;
     }
     meta m;
-    rk_store_layout lay = {0};
+    rk_store_payload got; /* header fields; the buffers come last */
     const char *bad =
         meta_parse(mr->str, mr->len, &m)
             ? "unreadable commit marker"
-            : check_value(r, key, &m, (uint8_t *)vr->str, vr->len, tokens, n_tokens, &lay);
+            : check_value(r, key, &m, (uint8_t *)vr->str, vr->len, tokens, n_tokens, &got);
     if (bad) {
         RK_LOG_WARN("redis chunk %s: %s; dropped, computing it", key, bad);
         freeReplyObject(rep);
@@ -677,7 +709,7 @@ static rk_status load(rk_redis *r, const char *key, const int32_t *tokens, int32
         pthread_mutex_unlock(&r->mu);
         return RK_OK;
     }
-    if (layout && memcmp(layout, &lay, sizeof lay) != 0) {
+    if (layout && memcmp(layout, &got.layout, sizeof got.layout) != 0) {
         freeReplyObject(rep);
         pthread_mutex_lock(&r->mu);
         r->c.layout_mismatch++;
@@ -696,14 +728,13 @@ static rk_status load(rk_redis *r, const char *key, const int32_t *tokens, int32
     }
     memcpy(tk, vr->str + RK_STORE_HEADER_BYTES, tok_bytes);
     if (body_size) memcpy(body, vr->str + RK_STORE_HEADER_BYTES + tok_bytes, body_size);
-    memset(out, 0, sizeof *out);
+    *out = got;
     memcpy(out->meta.key, key, RK_STORE_KEY_LEN);
     memcpy(out->meta.model, r->fp, RK_STORE_KEY_LEN);
     memcpy(out->meta.checksum, m.checksum, RK_STORE_KEY_LEN);
     out->meta.n_tokens = m.n_tokens;
     out->meta.n_bytes = vr->len;
-    out->meta.created = out->meta.last_access = m.created;
-    out->layout = lay;
+    out->meta.last_access = out->meta.created;
     out->tokens = tk;
     out->body = body;
     out->body_size = body_size;
@@ -768,13 +799,20 @@ static int queue_has_room(const rk_redis *r, size_t size) {
            (r->n_queued == 0 || r->c.queued_bytes + size <= r->cfg.queue_max_bytes);
 }
 
-rk_status rk_redis_value_new(const char *key, const rk_store_layout *layout, const int32_t *tokens,
-                             int32_t n_tokens, size_t body_size, rk_redis_value **out,
-                             void **out_body) {
+rk_status rk_redis_value_new(const char *key, const char *policy, const char *doc_id,
+                             const rk_store_layout *layout, const int32_t *tokens, int32_t n_tokens,
+                             size_t body_size, rk_redis_value **out, void **out_body) {
     *out = NULL;
     if (out_body) *out_body = NULL;
     if (!key || !rk_store_key_valid(key) || !layout || !tokens || n_tokens < 1)
         return rk_errorf(RK_ERR_INVALID, "redis: a value needs a key, a layout and token ids");
+    size_t np = policy ? strlen(policy) : 0, nd = doc_id ? strlen(doc_id) : 0;
+    if (np == 0 || np > RK_STORE_POLICY_MAX || !printable((const uint8_t *)policy, np))
+        return rk_errorf(RK_ERR_INVALID, "redis: policy must be 1..%d printable characters",
+                         RK_STORE_POLICY_MAX);
+    if (nd > RK_STORE_DOC_ID_MAX)
+        return rk_errorf(RK_ERR_INVALID, "redis: document id longer than %d bytes",
+                         RK_STORE_DOC_ID_MAX);
     size_t tok_bytes = (size_t)n_tokens * sizeof(int32_t);
     size_t size = RK_STORE_HEADER_BYTES + tok_bytes + body_size;
     rk_redis_value *j = calloc(1, sizeof *j);
@@ -784,6 +822,8 @@ rk_status rk_redis_value_new(const char *key, const rk_store_layout *layout, con
         return rk_errorf(RK_ERR_NOMEM, "redis: no memory for a %zu-byte value", size);
     }
     memcpy(j->key, key, RK_STORE_KEY_LEN + 1);
+    memcpy(j->policy, policy, np);
+    if (nd) memcpy(j->doc_id, doc_id, nd);
     j->layout = *layout;
     j->n_tokens = (uint32_t)n_tokens;
     j->size = size;
@@ -863,8 +903,8 @@ rk_status rk_redis_put(rk_redis *r, const rk_store_put_args *args, const rk_redi
     }
     rk_redis_value *v;
     void *body;
-    rk_status st = rk_redis_value_new(args->key, &args->layout, args->tokens, args->n_tokens,
-                                      args->body_size, &v, &body);
+    rk_status st = rk_redis_value_new(args->key, args->policy, args->doc_id, &args->layout,
+                                      args->tokens, args->n_tokens, args->body_size, &v, &body);
     if (st) {
         if (release) release_lock(r, &r->eng, release);
         return st;

@@ -10,9 +10,11 @@
  * Layout, for model fingerprint FP (32 hex) and chunk key K (32 hex):
  *
  *   PREFIX:FP:K        the payload: exactly the bytes of a disk payload file
- *                      (store/payload.c: 160-byte header with magic, version,
- *                      fingerprint, key, token count, KV layout and dtype,
- *                      body size, XXH3-128 checksum; then token ids, then body)
+ *                      (store/payload.c, version 2: 512-byte header with
+ *                      magic, version, fingerprint, key, token count, KV
+ *                      layout and dtype, body size, XXH3-128 checksum,
+ *                      policy, creation time, document id; then token ids,
+ *                      then body)
  *   PREFIX:FP:K:meta   the commit marker, written after the payload:
  *                      "1 N_TOKENS N_BYTES CHECKSUM_HEX CREATED_UNIX"
  *   PREFIX:FP:K:lock   the fleet-wide compute lock (SET NX PX), value a
@@ -213,8 +215,8 @@ rk_status rk_redis_get(rk_redis *r, const char *key, const int32_t *tokens, int3
                        const rk_store_layout *layout, rk_store_payload *out);
 
 /* Any thread (see Threads above for a lock). Queue a copy of the chunk for the
- * writer thread and return at once; policy and doc_id of args are not used
- * (the key already covers the policy). The writer stores the payload and then
+ * writer thread and return at once; policy and doc_id go into the header as
+ * on disk (a load returns them in out->meta). The writer stores the payload and then
  * its marker. When release is not NULL (a lock from rk_redis_try_lock) the
  * writer releases it after the marker, so replicas waiting on the lock find
  * the value as soon as the lock goes; if the write is dropped, the lock is
@@ -231,14 +233,16 @@ rk_status rk_redis_put(rk_redis *r, const rk_store_put_args *args, const rk_redi
 typedef struct rk_redis_value rk_redis_value;
 
 /* Any thread. Allocate a value for chunk key (32 lowercase hex) with these
- * token ids (copied) and layout, and body_size bytes of KV that the caller
+ * token ids (copied), policy (1..RK_STORE_POLICY_MAX printable characters),
+ * doc_id (NULL or up to RK_STORE_DOC_ID_MAX bytes) and layout, as
+ * rk_store_put_args has them, and body_size bytes of KV that the caller
  * writes at *out_body (may be NULL when body_size is 0) before handing *out to
  * rk_redis_put_value (or freeing it with rk_redis_value_free). *out_body may
  * also serve as the body of an rk_store_put for the disk store, so one buffer
  * feeds both tiers. RK_ERR_INVALID, RK_ERR_NOMEM. */
-rk_status rk_redis_value_new(const char *key, const rk_store_layout *layout, const int32_t *tokens,
-                             int32_t n_tokens, size_t body_size, rk_redis_value **out,
-                             void **out_body);
+rk_status rk_redis_value_new(const char *key, const char *policy, const char *doc_id,
+                             const rk_store_layout *layout, const int32_t *tokens, int32_t n_tokens,
+                             size_t body_size, rk_redis_value **out, void **out_body);
 
 /* Free a value that was not handed to rk_redis_put_value; accepts NULL. */
 void rk_redis_value_free(rk_redis_value *v);

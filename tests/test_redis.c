@@ -242,7 +242,7 @@ Test(redis, put_then_get_returns_identical_bytes_and_a_second_client_sees_it) {
     rk_redis_counters ca, cb;
     rk_redis_stats(a, &ca);
     rk_redis_stats(b, &cb);
-    size_t value_bytes = 160 + 4 * (size_t)c.n_tokens + sizeof c.body;
+    size_t value_bytes = RK_STORE_HEADER_BYTES + 4 * (size_t)c.n_tokens + sizeof c.body;
     cr_assert_eq(ca.writes, 1);
     cr_assert_eq(ca.bytes_out, value_bytes);
     cr_assert_eq(ca.hits, 1);
@@ -276,9 +276,9 @@ Test(redis, put_value_hands_over_a_buffer_the_caller_filled_in_place) {
     chunk_make(&c, 9);
     rk_redis_value *v = NULL;
     void *body = NULL;
-    cr_assert_eq(
-        rk_redis_value_new(c.key, &c.layout, c.tokens, c.n_tokens, sizeof c.body, &v, &body),
-        RK_OK);
+    cr_assert_eq(rk_redis_value_new(c.key, "isolated", "doc-9", &c.layout, c.tokens, c.n_tokens,
+                                    sizeof c.body, &v, &body),
+                 RK_OK);
     memcpy(body, c.body, sizeof c.body); /* as the KV download would */
     cr_assert_eq(rk_redis_put_value(a, v, NULL), RK_OK);
     int idle = 0;
@@ -287,6 +287,8 @@ Test(redis, put_value_hands_over_a_buffer_the_caller_filled_in_place) {
     rk_store_payload p;
     cr_assert_eq(get_chunk(a, &c, &p), RK_OK);
     expect_same(&p, &c);
+    cr_assert_str_eq(p.meta.policy, "isolated");
+    cr_assert_str_eq(p.meta.doc_id, "doc-9");
     rk_store_payload_free(&p);
     rk_redis_close(a);
 
@@ -295,11 +297,12 @@ Test(redis, put_value_hands_over_a_buffer_the_caller_filled_in_place) {
     rk_redis_config_default(&cfg);
     cfg.min_tokens = 1000;
     a = open_tier(&s, FP_A, &cfg);
-    cr_assert_eq(
-        rk_redis_value_new(c.key, &c.layout, c.tokens, c.n_tokens, sizeof c.body, &v, &body),
-        RK_OK);
+    cr_assert_eq(rk_redis_value_new(c.key, "isolated", "doc-9", &c.layout, c.tokens, c.n_tokens,
+                                    sizeof c.body, &v, &body),
+                 RK_OK);
     cr_assert_eq(rk_redis_put_value(a, v, NULL), RK_ERR_LIMIT);
-    cr_assert_eq(rk_redis_value_new("not-a-key", &c.layout, c.tokens, c.n_tokens, 0, &v, &body),
+    cr_assert_eq(rk_redis_value_new("not-a-key", "isolated", NULL, &c.layout, c.tokens, c.n_tokens,
+                                    0, &v, &body),
                  RK_ERR_INVALID);
     cr_assert_null(v);
     rk_redis_value_free(NULL);
@@ -339,6 +342,9 @@ Test(redis, value_is_byte_for_byte_a_disk_payload_file) {
     cr_assert_eq(memcmp(tokens, c.tokens, (size_t)c.n_tokens * 4), 0);
     cr_assert_eq(memcmp(body, c.body, sizeof c.body), 0);
     cr_assert_eq(h.layout.block_size, 16);
+    cr_assert_eq(h.header_bytes, RK_STORE_HEADER_BYTES);
+    cr_assert_str_eq(h.policy, "isolated");
+    cr_assert_gt(h.created, 1e9);
     free(tokens);
     free(body);
     freeReplyObject(rep);
@@ -361,7 +367,8 @@ Test(redis, corrupt_truncated_wrong_model_and_wrong_token_values_are_dropped_and
     /* 0: one body byte flipped in place */
     snprintf(k, sizeof k, "ragkv:%s:%s", FP_A, c[0].key);
     redisReply *rep =
-        redisCommand(rc, "SETRANGE %s %d %b", k, 160 + 4 * c[0].n_tokens + 100, "\xff", (size_t)1);
+        redisCommand(rc, "SETRANGE %s %d %b", k, RK_STORE_HEADER_BYTES + 4 * c[0].n_tokens + 100,
+                     "\xff", (size_t)1);
     cr_assert(rep && rep->type == REDIS_REPLY_INTEGER);
     freeReplyObject(rep);
     /* 1: the value cut short (its marker still has the full size) */
@@ -704,7 +711,7 @@ Test(redis, async_writer_lands_every_put_and_counts_queue_full_drops) {
     rk_redis_close(a);
 
     /* A stopped server holds the writer on its first write: a queue of two
-     * writes, or of 10000 bytes (two values of 4.3 kB), takes at most three
+     * writes, or of 10000 bytes (two values of 4.8 kB), takes at most three
      * puts of ten; the rest are dropped and counted. */
     for (int cap = 0; cap < 2; cap++) {
         rk_redis_config cfg;
@@ -744,7 +751,7 @@ Test(redis, cost_gate_uses_min_tokens_and_measured_throughput) {
     rk_redis_config_default(&cfg);
     cfg.min_tokens = 32;
     rk_redis *a = open_tier(&s, FP_A, &cfg);
-    cr_assert_eq(rk_redis_value_bytes(40, 4096), 160 + 4 * 40 + 4096);
+    cr_assert_eq(rk_redis_value_bytes(40, 4096), RK_STORE_HEADER_BYTES + 4 * 40 + 4096);
     cr_assert_eq(rk_redis_worth_fetching(a, 31, 1000, 100.0), 0, "below min_tokens");
     cr_assert_eq(rk_redis_worth_fetching(a, 32, 1000, 100.0), 1, "nothing measured yet");
     chunk c;
@@ -794,7 +801,8 @@ Test(redis, list_and_flush_touch_only_this_models_keys) {
     for (int i = 0; i < n; i++) {
         cr_assert(rk_store_key_valid(list[i].key));
         cr_assert_geq(list[i].n_tokens, 40);
-        cr_assert_eq(list[i].n_bytes, 160 + 4 * (uint64_t)list[i].n_tokens + 4096);
+        cr_assert_eq(list[i].n_bytes,
+                     RK_STORE_HEADER_BYTES + 4 * (uint64_t)list[i].n_tokens + 4096);
         cr_assert_gt(list[i].created, 1e9);
     }
     free(list);
