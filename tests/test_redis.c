@@ -664,11 +664,21 @@ Test(redis, nx_lock_is_taken_once_and_freed_when_its_holder_dies) {
     char k[200];
     snprintf(k, sizeof k, "ragkv:%s:%s:lock", FP_A, c.key);
     cr_assert_eq(raw_int(rc, "EXISTS %s", k), 0, "the writer released the lock");
-    /* A lock released without a value: a waiter is told to compute. */
-    cr_assert_eq(rk_redis_try_lock(a, c.key, &la, &sa), RK_OK);
+    /* A lock held past the wait's bound, then released without a value: the
+     * waiter is told to compute both times. */
+    chunk d;
+    chunk_make(&d, 15);
+    cr_assert_eq(rk_redis_try_lock(a, d.key, &la, &sa), RK_OK);
     cr_assert_eq(sa, RK_REDIS_LOCK_ACQUIRED);
+    double w0 = rk_time_now();
+    cr_assert_eq(rk_redis_wait_for(b, d.key, d.tokens, d.n_tokens, NULL, 150, &p),
+                 RK_ERR_NOT_FOUND);
+    cr_assert_geq(rk_time_now() - w0, 0.15, "the wait ended before its bound");
     cr_assert_eq(rk_redis_unlock(a, &la), RK_OK);
+    snprintf(k, sizeof k, "ragkv:%s:%s:lock", FP_A, d.key);
     cr_assert_eq(raw_int(rc, "EXISTS %s", k), 0);
+    cr_assert_eq(rk_redis_poll(b, d.key, d.tokens, d.n_tokens, NULL, &p, &ps), RK_OK);
+    cr_assert_eq(ps, RK_REDIS_GONE);
     redisFree(rc);
     rk_redis_close(a);
     rk_redis_close(b);
