@@ -139,8 +139,9 @@ static int estimate_blocks(const rk_request *r, int bs) {
     long tokens = (long)r->n_sys + r->n_question + r->opt.max_tokens, extra = 0;
     for (int k = 0; k < r->n_chunks; k++) {
         tokens += r->chunk_lens[k];
-        if (!r->opt.chunk_cache || r->opt.context_system)
-            extra += r->chunk_lens[k] + (r->opt.context_system ? r->n_sys : 0) + bs;
+        int after_system = r->opt.chunk_context == RK_CONTEXT_SYSTEM;
+        if (!r->opt.chunk_cache || after_system)
+            extra += r->chunk_lens[k] + (after_system ? r->n_sys : 0) + bs;
     }
     long blocks = (tokens + extra) / bs + 2;
     return blocks > 1 << 30 ? 1 << 30 : (int)blocks;
