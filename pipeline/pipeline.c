@@ -46,7 +46,7 @@ struct rk_req_state {
     int next_pos;       /* position of the next token to feed */
     rk_sampler sampler;
     int done;
-    int hook_index; /* its position in the admitting call's reqs: the hooks' req */
+    int hook_index; /* the hooks' req: its rank in admission order */
     double t_start;
 };
 
@@ -992,8 +992,9 @@ struct rk_pipeline {
     rk_service *svc;
     rk_request **running; /* (cap) admitted and unfinished, in admission order */
     int n_running, cap;
-    int *act; /* (cap) running[] indices in the current decode pass */
-    batch b;  /* reused by every pass */
+    int n_admitted; /* requests admitted so far: the next one's hook index */
+    int *act;       /* (cap) running[] indices in the current decode pass */
+    batch b;        /* reused by every pass */
     rk_copy_plan copies;
 };
 
@@ -1028,7 +1029,7 @@ rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
     for (int i = 0; i < n_reqs; i++) reqs[i]->state = NULL;
     for (int i = 0; i < n_reqs && !st; i++) {
         st = init_request(p->svc, reqs[i]);
-        if (reqs[i]->state) reqs[i]->state->hook_index = i;
+        if (reqs[i]->state) reqs[i]->state->hook_index = p->n_admitted + i;
     }
     admission a = {.svc = p->svc, .reqs = reqs, .n = n_reqs, .b = &p->b, .copies = &p->copies};
     if (!st) st = stage_system_and_chunks(&a);
@@ -1041,6 +1042,7 @@ rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
         rk_copy_plan_free(&p->copies);
         return st;
     }
+    p->n_admitted += n_reqs;
     for (int i = 0; i < n_reqs; i++) {
         if (reqs[i]->state->done)
             leave(p, reqs[i]);

@@ -166,8 +166,9 @@ rk_status rk_request_prepare_tokens(rk_service *svc, const int32_t *sys, int n_s
 void rk_request_free(rk_request *r);
 
 /* Called on the engine thread for every sampled token. req is the request's
- * position in the reqs array of the call that admitted it (rk_pipeline_admit
- * or rk_pipeline_run); step is its number of tokens before this one. */
+ * rank in the order its pipeline admitted requests (0 for the first; with
+ * rk_pipeline_run, its position in reqs); step is its number of tokens
+ * before this one. */
 typedef struct rk_pipeline_hooks {
     void *ctx;
     void (*on_token)(void *ctx, int req, int32_t token);
