@@ -1,6 +1,7 @@
 /* pipeline/pipeline.c — see pipeline.h.
  *
- * A batch goes through up to three prefill passes, then decoding:
+ * Requests admitted together go through up to three prefill passes (one
+ * function per stage, top to bottom under "admission stages"):
  *   pass 1: every system-prompt tail the prefix cache did not have; every
  *           missing chunk of the `isolated` context, alone at positions
  *           0..n-1 into its entry's chunk-pool blocks; every oracle chunk
@@ -9,8 +10,10 @@
  *           that shares the request's system KV, copied into their entries;
  *   copy:   one rope_shift_copy moves every chunk's KV into the request's
  *           live blocks (cached ones rotated by live offset - base);
- *   pass 3: the questions (the first decode step), with logits;
- * then one pass per generated token for every unfinished request. */
+ *   repair: chunk tokens recomputed over the merged cache (optional);
+ *   pass 3: the questions, with logits: each request's first token.
+ * Then they run: each rk_pipeline_step is one pass of one token for every
+ * running request, whenever it was admitted, and the finished leave. */
 #include "pipeline/pipeline.h"
 
 #include <math.h>

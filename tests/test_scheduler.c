@@ -224,6 +224,51 @@ Test(pipeline, ending_or_cancelling_a_request_releases_everything_the_same_step)
     rk_service_close(svc);
 }
 
+Test(pipeline, a_request_the_live_pool_cannot_hold_is_refused_and_the_running_ones_go_on) {
+    rk_config cfg = small_config();
+    cfg.live_blocks = 24;
+    rk_service *alone, *svc;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &alone), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    rk_request *ref = prepare(alone, LONG_PROMPT, 150);
+    cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
+
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_request *a = prepare(svc, LONG_PROMPT, 150);
+    cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
+    for (int s = 0; s < 3; s++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    held with_a = held_now(svc);
+    int bs = rk_arena_block_size(svc->arena);
+    int free_blocks = rk_arena_pool_free(svc->arena, RK_POOL_LIVE);
+    /* b's generated tokens alone need more blocks than are free. */
+    rk_request *b = prepare(svc, SHORT_PROMPT, (free_blocks + 1) * bs);
+    cr_assert_eq(rk_pipeline_admit(p, &b, 1, NULL), RK_ERR_EXHAUSTED);
+    cr_assert(!b->finished);
+    held after = held_now(svc);
+    cr_assert_eq(after.live_used, with_a.live_used, "b took nothing from the live pool");
+    cr_assert_eq(after.chunk_refs, with_a.chunk_refs);
+    cr_assert_eq(after.prefix_locked, with_a.prefix_locked);
+    cr_assert_eq(rk_pipeline_n_running(p), 1);
+
+    while (rk_pipeline_n_running(p) > 0) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(a->n_out, 150);
+    cr_assert_arr_eq(a->out_tokens, ref->out_tokens, 150 * sizeof(int32_t),
+                     "the running request went on as if alone");
+    /* With a gone, b fits. */
+    cr_assert_eq(rk_pipeline_admit(p, &b, 1, NULL), RK_OK, "%s", rk_error_message());
+    while (rk_pipeline_n_running(p) > 0) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert(b->finished);
+    cr_assert_eq(held_now(svc).live_used, 0);
+
+    rk_pipeline_free(p);
+    request_free(ref);
+    request_free(a);
+    request_free(b);
+    rk_service_close(alone);
+    rk_service_close(svc);
+}
+
 /* ---------------------------------------------------------------- the engine thread */
 
 static rk_scheduler *start(const rk_config *cfg, double token_delay_s, int max_batch) {
