@@ -1935,7 +1935,7 @@ int rk_serve_main(int argc, char **argv) {
                         rk_chat_template_name(S->tmpl));
         }
         if (st == RK_SCHEDULER_FAILED) {
-            fprintf(stderr, "ragkv serve: cannot load the model: %s\n", msg);
+            fprintf(stderr, "ragkv serve: cannot start: %s\n", msg);
             rc = EXIT_FAILURE;
             break;
         }
