@@ -330,13 +330,13 @@ static int cmd_generate(int argc, char **argv) {
         case O_MODE:
             if ((r = choice(optarg, "rag", "plain")) < 0)
                 return usage_error("generate", "--mode is rag or plain, not '%s'", optarg);
-            opt.mode_plain = r;
+            opt.mode = r ? RK_MODE_PLAIN : RK_MODE_RAG;
             break;
         case O_CTX:
             if ((r = choice(optarg, "isolated", "system")) < 0)
                 return usage_error("generate", "--chunk-context is isolated or system, not '%s'",
                                    optarg);
-            opt.context_system = r;
+            opt.chunk_context = r ? RK_CONTEXT_SYSTEM : RK_CONTEXT_ISOLATED;
             break;
         case O_POS:
             if ((r = choice(optarg, "sequential", "parallel")) < 0)
@@ -366,7 +366,7 @@ static int cmd_generate(int argc, char **argv) {
     if (!prompt == !prompts_file)
         return usage_error("generate", "%s", "give exactly one of --prompt and --prompts");
     /* Plain mode is the no-cache reference unless asked otherwise. */
-    opt.prefix_cache = prefix_flag >= 0 ? prefix_flag : !opt.mode_plain;
+    opt.prefix_cache = prefix_flag >= 0 ? prefix_flag : opt.mode == RK_MODE_RAG;
 
     /* The prompts: one, or one per line of the file. */
     char *file_text = NULL, **lines = NULL;

@@ -291,8 +291,8 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     o->sampling.top_k = (int)top_k;
     o->sampling.seed = (uint64_t)seed;
     o->stop_at_eog = !ignore_eos;
-    o->mode_plain = plain;
-    o->context_system = ctx;
+    o->mode = plain ? RK_MODE_PLAIN : RK_MODE_RAG;
+    o->chunk_context = ctx ? RK_CONTEXT_SYSTEM : RK_CONTEXT_ISOLATED;
     o->positions = pos ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
     /* Plain mode is the no-cache reference unless asked otherwise (as `ragkv generate`). */
     o->prefix_cache = prefix >= 0 ? prefix : !plain;

@@ -574,7 +574,7 @@ static json_t *chunk_event(gen *g, const char *text, int first) {
 
 static const char *finish_reason(gen *g) {
     if (g->text.stop_at >= 0) return "stop";
-    return g->job->req.finish_reason ? g->job->req.finish_reason : "length";
+    return rk_finish_reason_name(g->job->req.finish_reason);
 }
 
 /* The final object: a whole response, or the last streamed event (text is
@@ -650,9 +650,8 @@ static void log_generation(gen *g) {
     rk_request *r = &g->job->req;
     int hits = 0, misses = 0;
     for (int k = 0; k < r->n_chunks; k++) {
-        const char *s = r->chunk_reports[k].status;
-        hits += s && !strcmp(s, "hit");
-        misses += s && !strcmp(s, "miss");
+        hits += r->chunk_reports[k].status == RK_CHUNK_STATUS_HIT;
+        misses += r->chunk_reports[k].status == RK_CHUNK_STATUS_MISS;
     }
     snprintf(g->rc->detail, sizeof g->rc->detail,
              " prompt_tokens=%d cached_tokens=%d completion_tokens=%d chunks=%d hits=%d misses=%d "
@@ -1092,7 +1091,7 @@ static rk_status prewarm_request(rk_service *svc, const int32_t *sys, int n_sys,
     }
     rk_req_options_default(&r->opt);
     r->opt.max_tokens = 0;
-    r->opt.context_system = context_system;
+    r->opt.chunk_context = context_system ? RK_CONTEXT_SYSTEM : RK_CONTEXT_ISOLATED;
     r->opt.prefix_cache = context_system;
     r->sys = malloc((size_t)(n_sys + 1) * sizeof *r->sys);
     r->chunks = calloc(1, sizeof *r->chunks);
@@ -1226,11 +1225,8 @@ static int handle_prewarm(req_ctx *rc) {
         } else { /* system context: one request per chunk */
             rk_request *r = p.cmd.reqs[i];
             if (p.cmd.res[i].status == RK_OK && r) {
-                const char *src = r->chunk_reports[0].source;
-                status = r->chunk_reports[0].status && !strcmp(r->chunk_reports[0].status, "hit")
-                             ? "cached"
-                             : "computed";
-                tier = src && !strcmp(src, "disk") ? "disk" : "arena";
+                status = r->chunk_reports[0].status == RK_CHUNK_STATUS_HIT ? "cached" : "computed";
+                tier = r->chunk_reports[0].source == RK_CHUNK_SOURCE_DISK ? "disk" : "arena";
             } else {
                 error = p.cmd.res[i].error;
             }
