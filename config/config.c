@@ -108,6 +108,7 @@ void rk_config_defaults(rk_config *cfg) {
     cfg->share_prefix = 0.1f;
     cfg->share_chunk = 0.5f;
     cfg->prefix_cache = 1;
+    snprintf(cfg->reindex, sizeof cfg->reindex, "zero-copy");
     cfg->chunk_entries = 100000;
     cfg->max_chunks = 64;
     cfg->max_chunk_tokens = 4096;
@@ -132,6 +133,9 @@ rk_status rk_config_validate(const rk_config *cfg) {
         strcmp(cfg->kv_dtype, "bf16"))
         return rk_errorf(RK_ERR_INVALID, "config: kv_dtype must be f32, f16 or bf16, got \"%s\"",
                          cfg->kv_dtype);
+    if (strcmp(cfg->reindex, "zero-copy") && strcmp(cfg->reindex, "copy"))
+        return rk_errorf(RK_ERR_INVALID, "config: reindex must be zero-copy or copy, got \"%s\"",
+                         cfg->reindex);
     if (cfg->kv_memory_mb < 1 || cfg->kv_memory_mb > (1 << 24))
         return rk_errorf(RK_ERR_INVALID, "config: kv_memory_mb must be 1 to 16777216, got %d",
                          cfg->kv_memory_mb);

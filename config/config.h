@@ -98,6 +98,10 @@ typedef struct rk_config {
     int kv_poison;    /* fill freed blocks with NaN (debugging aid) */
     char kv_dtype[8]; /* KV storage: "f32" (default), "f16" or "bf16" */
     int prefix_cache; /* cache system prompts in the radix tree; default 1 */
+    /* How cached chunks reach a request: "zero-copy" (default: attended in
+     * place, position-shifted, where the backend can) or "copy" (rotated into
+     * the request's live blocks). */
+    char reindex[12];
 
     /* chunk cache and request limits */
     int chunk_entries;    /* most chunks the index holds; default 100000 */
