@@ -8,8 +8,11 @@
  *           (cache off), fresh at its live positions in a scratch sequence;
  *   pass 2: missing chunks of the `system` context, in a scratch sequence
  *           that shares the request's system KV, copied into their entries;
- *   copy:   one rope_shift_copy moves every chunk's KV into the request's
- *           live blocks (cached ones rotated by live offset - base);
+ *   reindex: zero-copy (the default, where the backend can): the request's
+ *           table is assembled from runs, the cached chunks' own blocks
+ *           among them, each attended with its shift live offset - base;
+ *           copy: one rope_shift_copy moves every chunk's KV into the
+ *           request's live blocks (cached ones rotated by that shift);
  *   repair: chunk tokens recomputed over the merged cache (optional);
  *   pass 3: the questions, with logits: each request's first token.
  * Then they run: each rk_pipeline_step is one pass of one token for every
@@ -35,7 +38,9 @@ typedef struct scratch {
 } scratch;
 
 struct rk_req_state {
-    rk_seq kv;           /* the merged sequence */
+    rk_seq kv;           /* the merged sequence (zero-copy: its system and live blocks) */
+    int zc;              /* zero-copy: the merged sequence's table is `runs` */
+    rk_runs runs;        /* zero-copy: system, each chunk's cached blocks, live blocks */
     rk_radix_node *lock; /* radix path held for the request */
     int sys_first;       /* first system token to compute */
     int n_insert;        /* system tokens to insert into the radix tree after pass 1 */
@@ -245,7 +250,10 @@ typedef struct batch {
     int32_t *tokens, *pos, *slots;
     int n_seq, cap_seq;
     int32_t *q_start, *kv_len, *logit_rows;
-    const rk_seq **tables; /* (n_seq) the sequence whose blocks are its table */
+    const rk_seq **tables;                    /* (n_seq) the sequence whose blocks are its table */
+    const rk_runs **runs;                     /* (n_seq) its run table instead, or NULL */
+    int32_t *seg_start, *seg_end, *seg_delta; /* the runs, when some sequence has them */
+    int cap_segs;
     int max_blocks;
     int32_t *table; /* (n_seq, max_blocks) built at run time */
     int n_logits;
@@ -268,6 +276,10 @@ static void batch_free(batch *b) {
     free(b->kv_len);
     free(b->logit_rows);
     free(b->tables);
+    free(b->runs);
+    free(b->seg_start);
+    free(b->seg_end);
+    free(b->seg_delta);
     free(b->table);
     free(b->logits);
     memset(b, 0, sizeof *b);
@@ -281,9 +293,10 @@ static rk_status grow32(int32_t **p, int n) {
 }
 
 /* Add a sequence: n tokens at positions pos0.., written at table indices
- * idx0.. of seq, attending over seq's first idx0 + n entries. */
-static rk_status batch_add(batch *b, int bs, const rk_seq *seq, const int32_t *tokens, int n,
-                           int pos0, int idx0, int want_logits) {
+ * idx0.. of seq (of its run table when runs is not NULL), attending over its
+ * first idx0 + n entries. */
+static rk_status batch_add_seq(batch *b, int bs, const rk_seq *seq, const rk_runs *runs,
+                               const int32_t *tokens, int n, int pos0, int idx0, int want_logits) {
     rk_status st;
     if (b->n_tok + n > b->cap_tok) {
         int cap = b->cap_tok ? b->cap_tok : 256;
@@ -298,6 +311,9 @@ static rk_status batch_add(batch *b, int bs, const rk_seq *seq, const int32_t *t
         const rk_seq **t = realloc(b->tables, (size_t)cap * sizeof *t);
         if (!t) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
         b->tables = t;
+        const rk_runs **rt = realloc(b->runs, (size_t)cap * sizeof *rt);
+        if (!rt) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        b->runs = rt;
         if ((st = grow32(&b->q_start, cap + 1)) || (st = grow32(&b->kv_len, cap)) ||
             (st = grow32(&b->logit_rows, cap)))
             return st;
@@ -306,17 +322,60 @@ static rk_status batch_add(batch *b, int bs, const rk_seq *seq, const int32_t *t
     for (int j = 0; j < n; j++) {
         b->tokens[b->n_tok + j] = tokens[j];
         b->pos[b->n_tok + j] = pos0 + j;
-        b->slots[b->n_tok + j] = rk_seq_slot(seq, bs, idx0 + j);
+        b->slots[b->n_tok + j] =
+            runs ? rk_runs_slot(runs, bs, idx0 + j) : rk_seq_slot(seq, bs, idx0 + j);
     }
     b->q_start[b->n_seq] = b->n_tok;
     b->n_tok += n;
     b->q_start[b->n_seq + 1] = b->n_tok;
     b->kv_len[b->n_seq] = idx0 + n;
     b->tables[b->n_seq] = seq;
+    b->runs[b->n_seq] = runs;
     if (want_logits) b->logit_rows[b->n_logits++] = b->n_tok - 1;
     int nb = (idx0 + n + bs - 1) / bs;
+    if (runs) rk_runs_cover(runs, bs, idx0 + n, NULL, NULL, &nb);
     b->max_blocks = nb > b->max_blocks ? nb : b->max_blocks;
     b->n_seq++;
+    return RK_OK;
+}
+
+static rk_status batch_add(batch *b, int bs, const rk_seq *seq, const int32_t *tokens, int n,
+                           int pos0, int idx0, int want_logits) {
+    return batch_add_seq(b, bs, seq, NULL, tokens, n, pos0, idx0, want_logits);
+}
+
+/* Add tokens of a request's merged sequence, addressed through its run
+ * table when it reuses chunks in place. */
+static rk_status batch_add_req(batch *b, int bs, const rk_req_state *s, const int32_t *tokens,
+                               int n, int pos0, int idx0, int want_logits) {
+    return batch_add_seq(b, bs, &s->kv, s->zc ? &s->runs : NULL, tokens, n, pos0, idx0,
+                         want_logits);
+}
+
+/* The segments of a batch with some run table: every sequence's runs (one
+ * unshifted run for a plain one), cut at its kv_len. */
+static rk_status batch_segments(batch *b, int bs) {
+    int n_runs = 0;
+    for (int s = 0; s < b->n_seq; s++)
+        n_runs += b->runs[s] ? rk_runs_cover(b->runs[s], bs, b->kv_len[s], NULL, NULL, NULL) : 1;
+    rk_status st;
+    if (n_runs > b->cap_segs) {
+        if ((st = grow32(&b->seg_end, n_runs)) || (st = grow32(&b->seg_delta, n_runs))) return st;
+        b->cap_segs = n_runs;
+    }
+    if ((st = grow32(&b->seg_start, b->cap_seq + 1))) return st;
+    int k = 0;
+    for (int s = 0; s < b->n_seq; s++) {
+        b->seg_start[s] = k;
+        if (b->runs[s]) {
+            k +=
+                rk_runs_cover(b->runs[s], bs, b->kv_len[s], b->seg_end + k, b->seg_delta + k, NULL);
+        } else {
+            b->seg_end[k] = b->kv_len[s];
+            b->seg_delta[k++] = 0;
+        }
+    }
+    b->seg_start[b->n_seq] = k;
     return RK_OK;
 }
 
@@ -325,10 +384,15 @@ static rk_status batch_run(rk_service *svc, batch *b) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
     rk_status st = grow32(&b->table, b->n_seq * b->max_blocks);
     if (st) return st;
-    for (int s = 0; s < b->n_seq; s++)
+    int segments = 0;
+    for (int s = 0; s < b->n_seq; s++) {
+        const int32_t *blocks = b->runs[s] ? b->runs[s]->blocks : b->tables[s]->blocks;
+        int n = b->runs[s] ? b->runs[s]->n_blocks : b->tables[s]->n_blocks;
         for (int k = 0; k < b->max_blocks; k++)
-            b->table[s * b->max_blocks + k] =
-                k < b->tables[s]->n_blocks ? b->tables[s]->blocks[k] : -1;
+            b->table[s * b->max_blocks + k] = k < n ? blocks[k] : -1;
+        segments |= b->runs[s] != NULL;
+    }
+    if (segments && (st = batch_segments(b, rk_arena_block_size(svc->arena)))) return st;
     if (b->n_logits > b->cap_logits) {
         float *l = realloc(b->logits, (size_t)b->n_logits * hp->n_vocab * sizeof *l);
         if (!l) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for logits");
@@ -343,7 +407,11 @@ static rk_status batch_run(rk_service *svc, batch *b) {
                             .q_start = b->q_start,
                             .kv_len = b->kv_len,
                             .block_table = b->table,
-                            .max_blocks = b->max_blocks},
+                            .max_blocks = b->max_blocks,
+                            .seg_start = segments ? b->seg_start : NULL,
+                            .seg_end = segments ? b->seg_end : NULL,
+                            .seg_delta = segments ? b->seg_delta : NULL,
+                            .rope = segments ? rk_model_rope(svc->model) : NULL},
                    .n_logits = b->n_logits,
                    .logit_rows = b->logit_rows,
                    .n_layers = b->n_layers};
@@ -548,6 +616,38 @@ static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_tabl
     return RK_OK;
 }
 
+/* Whether request r reuses its cached chunks in place. A request with a
+ * repair policy copies them (its recomputed tokens must be private, and both
+ * policies touch every chunk), as do the oracle and plain modes; so does every
+ * request on a backend without position-shifted attention. */
+static int zero_copy_for(const rk_service *svc, const rk_request *r) {
+    static _Atomic int told; /* the fallback is logged once */
+    if (r->opt.mode != RK_MODE_RAG || !r->opt.chunk_cache || r->n_chunks == 0 ||
+        r->opt.repair_k > 0 || r->opt.repair_ratio > 0 || strcmp(svc->cfg.reindex, "copy") == 0)
+        return 0;
+    if (strcmp(svc->be->name, "cpu") != 0) {
+        if (!told++)
+            RK_LOG_WARN("zero-copy reindex is not available on the %s backend: chunks are copied",
+                        svc->be->name);
+        return 0;
+    }
+    return 1;
+}
+
+/* start_request for either reindex path. Zero-copy: the merged sequence's
+ * own blocks are the system's (its partial last block a run of its own) and
+ * the live ones for the question and generated tokens; the chunks' blocks are
+ * the cache entries'. kv.n_tokens then counts table entries of the run table. */
+static rk_status start_request_reindexed(rk_service *svc, rk_request *r) {
+    rk_req_state *s = r->state;
+    s->zc = zero_copy_for(svc, r);
+    if (!s->zc) return start_request(svc, r, s->q_index + s->n_qtok);
+    int bs = rk_arena_block_size(svc->arena);
+    rk_status st = start_request(svc, r, (r->n_sys + bs - 1) / bs * bs + s->n_qtok);
+    s->kv.n_tokens = s->q_index + s->n_qtok;
+    return st;
+}
+
 static void chunk_policy(rk_service *svc, const rk_request *r, rk_chunk_policy *p) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
     *p = (rk_chunk_policy){.fingerprint = rk_model_fingerprint(svc->model),
@@ -684,6 +784,7 @@ static void release_request(rk_service *svc, rk_request *r, int failed) {
     }
     if (s->lock) rk_radix_unlock(svc->prefix, s->lock);
     rk_seq_release(&s->kv, svc->arena);
+    rk_runs_free(&s->runs);
     rk_sampler_free(&s->sampler);
     rk_layout_free(&s->layout);
     free(s->entries);
@@ -815,7 +916,7 @@ static rk_status stage_system_and_chunks(admission *a) {
     for (int i = 0; i < a->n; i++) {
         rk_request *r = a->reqs[i];
         rk_req_state *s = r->state;
-        if ((st = start_request(a->svc, r, s->q_index + s->n_qtok))) return st;
+        if ((st = start_request_reindexed(a->svc, r))) return st;
         if (s->sys_first < r->n_sys &&
             (st = batch_add(a->b, bs, &s->kv, r->sys + s->sys_first, r->n_sys - s->sys_first,
                             s->sys_first, s->sys_first, 0)))
@@ -883,8 +984,31 @@ static rk_status stage_system_chunks(admission *a) {
     return RK_OK;
 }
 
+/* Zero-copy reindex of request r: its run table is its system blocks, each
+ * chunk entry's blocks as they are (shifted by live offset - base), then its
+ * live blocks; the entries it holds keep those blocks until it leaves. */
+static rk_status build_runs(rk_service *svc, rk_request *r) {
+    rk_req_state *s = r->state;
+    int bs = rk_arena_block_size(svc->arena), sys_blocks = (r->n_sys + bs - 1) / bs;
+    rk_status st = RK_OK;
+    r->shared_blocks = 0;
+    if (r->n_sys) st = rk_runs_add(&s->runs, bs, s->kv.blocks, r->n_sys, 0);
+    for (int k = 0; k < r->n_chunks && !st; k++) {
+        const rk_chunk_entry *e = s->entries[k];
+        st = rk_runs_add(&s->runs, bs, e->blocks, e->n_tokens, s->layout.pos[k] - e->base_pos);
+        r->shared_blocks += e->n_blocks;
+        r->chunk_reports[k].zero_copy = 1;
+        r->chunk_reports[k].reindex_us = 0;
+    }
+    if (!st)
+        st = rk_runs_add(&s->runs, bs, s->kv.blocks + sys_blocks,
+                         (s->kv.n_blocks - sys_blocks) * bs, 0);
+    return st;
+}
+
 /* Stage 3: every chunk's KV into its request's live blocks, cached ones
- * rotated from their base to their live offset, in one copy plan. */
+ * rotated from their base to their live offset, in one copy plan; or, for
+ * the zero-copy requests, their run tables. */
 static rk_status stage_reindex(admission *a) {
     rk_service *svc = a->svc;
     int bs = rk_arena_block_size(svc->arena);
@@ -895,6 +1019,10 @@ static rk_status stage_reindex(admission *a) {
         rk_request *r = a->reqs[i];
         rk_req_state *s = r->state;
         if (r->opt.mode == RK_MODE_PLAIN) continue;
+        if (s->zc) {
+            if ((st = build_runs(svc, r))) return st;
+            continue;
+        }
         for (int k = 0; k < r->n_chunks; k++) {
             rk_chunk_entry *e = s->entries[k];
             if (e) /* cached: rotate from its base to the live offset */
@@ -914,7 +1042,7 @@ static rk_status stage_reindex(admission *a) {
     for (int i = 0; i < a->n; i++) {
         rk_request *r = a->reqs[i];
         r->t.reindex_ms = t_reindex * 1e3;
-        for (int k = 0; k < r->n_chunks; k++)
+        for (int k = 0; k < r->n_chunks && !r->state->zc; k++)
             r->chunk_reports[k].reindex_us =
                 copied_tokens ? t_reindex * 1e6 * r->chunk_lens[k] / copied_tokens : 0;
     }
@@ -968,7 +1096,7 @@ static rk_status stage_question(admission *a, const rk_pipeline_hooks *hooks) {
         }
         if (s->done) continue;
         if (s->n_qtok) {
-            st = batch_add(a->b, bs, &s->kv, s->qtok, s->n_qtok, s->q_pos, s->q_index, 1);
+            st = batch_add_req(a->b, bs, s, s->qtok, s->n_qtok, s->q_pos, s->q_index, 1);
             s->next_pos = s->q_pos + s->n_qtok;
         } else {
             int last = r->n_sys - 1;
@@ -1070,8 +1198,8 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
         }
         if (s->done) continue;
         int idx = s->kv.n_tokens++;
-        if ((st = batch_add(&p->b, bs, &s->kv, &r->out_tokens[r->n_out - 1], 1, s->next_pos++, idx,
-                            1)))
+        if ((st = batch_add_req(&p->b, bs, s, &r->out_tokens[r->n_out - 1], 1, s->next_pos++, idx,
+                                1)))
             return st;
         p->act[n_act++] = i;
     }

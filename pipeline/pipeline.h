@@ -110,7 +110,8 @@ typedef struct rk_chunk_report {
     rk_chunk_source source;
     int live_offset; /* position of its first token in this request */
     double reindex_us;
-    int repaired; /* its tokens the repair policy recomputed through every layer */
+    int repaired;  /* its tokens the repair policy recomputed through every layer */
+    int zero_copy; /* attended in place in the chunk pool (else copied into live blocks) */
 } rk_chunk_report;
 
 typedef struct rk_req_timings {
@@ -143,6 +144,7 @@ typedef struct rk_request {
     rk_chunk_report *chunk_reports; /* (n_chunks) */
     int sys_cached;                 /* system tokens reused from the prefix cache */
     int recomputed_tokens;          /* chunk tokens recomputed by the repair policy */
+    int shared_blocks;              /* chunk-pool blocks its table uses in place (zero-copy) */
     int prompt_tokens, cached_tokens, computed_tokens;
     rk_req_timings t;
 

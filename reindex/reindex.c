@@ -70,3 +70,79 @@ void rk_copy_plan_free(rk_copy_plan *p) {
     free(p->delta);
     memset(p, 0, sizeof *p);
 }
+
+rk_status rk_runs_add(rk_runs *t, int block_size, const int32_t *blocks, int n, int delta) {
+    int nb = (n + block_size - 1) / block_size;
+    if (t->n_runs == t->cap_runs) {
+        int cap = t->cap_runs ? t->cap_runs * 2 : 8;
+        int32_t *e = realloc(t->end, (size_t)cap * sizeof *e);
+        if (e) t->end = e;
+        int32_t *d = e ? realloc(t->delta, (size_t)cap * sizeof *d) : NULL;
+        if (d) t->delta = d;
+        int32_t *f = d ? realloc(t->first, (size_t)cap * sizeof *f) : NULL;
+        if (!f) return rk_errorf(RK_ERR_NOMEM, "reindex: out of memory");
+        t->first = f;
+        t->cap_runs = cap;
+    }
+    if (t->n_blocks + nb > t->cap_blocks) {
+        int cap = t->cap_blocks ? t->cap_blocks : 16;
+        while (cap < t->n_blocks + nb) cap *= 2;
+        int32_t *b = realloc(t->blocks, (size_t)cap * sizeof *b);
+        if (!b) return rk_errorf(RK_ERR_NOMEM, "reindex: out of memory");
+        t->blocks = b;
+        t->cap_blocks = cap;
+    }
+    int start = t->n_runs ? t->end[t->n_runs - 1] : 0;
+    t->end[t->n_runs] = start + n;
+    t->delta[t->n_runs] = delta;
+    t->first[t->n_runs] = t->n_blocks;
+    t->n_runs++;
+    memcpy(t->blocks + t->n_blocks, blocks, (size_t)nb * sizeof *blocks);
+    t->n_blocks += nb;
+    return RK_OK;
+}
+
+/* The run holding entry i: the first whose end is above i. */
+static int run_of(const rk_runs *t, int i) {
+    int lo = 0, hi = t->n_runs - 1;
+    while (lo < hi) {
+        int mid = (lo + hi) / 2;
+        if (t->end[mid] > i)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return lo;
+}
+
+int32_t rk_runs_slot(const rk_runs *t, int block_size, int i) {
+    int k = run_of(t, i), off = i - (k ? t->end[k - 1] : 0);
+    return t->blocks[t->first[k] + off / block_size] * block_size + off % block_size;
+}
+
+int rk_runs_cover(const rk_runs *t, int block_size, int kv_len, int32_t *end, int32_t *delta,
+                  int *n_table) {
+    if (kv_len <= 0) {
+        if (n_table) *n_table = 0;
+        return 0;
+    }
+    int last = run_of(t, kv_len - 1);
+    if (end && delta)
+        for (int k = 0; k <= last; k++) {
+            end[k] = k < last ? t->end[k] : kv_len;
+            delta[k] = t->delta[k];
+        }
+    if (n_table) {
+        int start = last ? t->end[last - 1] : 0;
+        *n_table = t->first[last] + (kv_len - start + block_size - 1) / block_size;
+    }
+    return last + 1;
+}
+
+void rk_runs_free(rk_runs *t) {
+    free(t->end);
+    free(t->delta);
+    free(t->first);
+    free(t->blocks);
+    memset(t, 0, sizeof *t);
+}

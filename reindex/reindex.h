@@ -59,4 +59,32 @@ rk_status rk_copy_plan_run(rk_copy_plan *p, rk_backend *be, rk_arena *a, const r
 
 void rk_copy_plan_free(rk_copy_plan *p);
 
+/* A run table: the block table of a sequence assembled from runs (see
+ * rk_attn_batch in kernels.h), so that a cached chunk's blocks are attended in
+ * place instead of being copied. Run k holds the entries [end[k-1], end[k])
+ * (end[-1] read as 0) in the table entries first[k] .. first[k] +
+ * ceil(len_k / block_size) - 1, starting at offset 0 of its first block, and
+ * its keys sit delta[k] positions below the live ones. The table only names
+ * blocks: the references are held by whoever owns them. */
+typedef struct rk_runs {
+    int n_runs, cap_runs;
+    int32_t *end, *delta, *first; /* (n_runs) */
+    int32_t *blocks;              /* (n_blocks) the table */
+    int n_blocks, cap_blocks;
+} rk_runs;
+
+/* Append a run of n entries (n > 0) held in blocks[0 .. ceil(n / block_size)). */
+rk_status rk_runs_add(rk_runs *t, int block_size, const int32_t *blocks, int n, int delta);
+
+/* Slot of entry i (i < the last run's end). */
+int32_t rk_runs_slot(const rk_runs *t, int block_size, int i);
+
+/* The runs covering entries [0, kv_len): their count; with end and delta
+ * non-NULL also their ends (the last one cut at kv_len) and deltas; with
+ * n_table non-NULL the table entries they take. */
+int rk_runs_cover(const rk_runs *t, int block_size, int kv_len, int32_t *end, int32_t *delta,
+                  int *n_table);
+
+void rk_runs_free(rk_runs *t);
+
 #endif
