@@ -54,20 +54,25 @@ json_t *rk_report_ragkv(const rk_request *r) {
     json_t *chunks = json_array();
     for (int k = 0; k < r->n_chunks; k++) {
         const rk_chunk_report *c = &r->chunk_reports[k];
-        json_array_append_new(chunks, json_pack("{s:i, s:s, s:i, s:s, s:s, s:i, s:f, s:i}", "index",
-                                                k, "key", c->key, "tokens", c->tokens, "status",
-                                                rk_chunk_status_name(c->status), "source",
+        /* How its KV reached the request: attended in place, copied, or
+         * neither (plain mode computes the chunk text as prompt). */
+        const char *reindex = r->opt.mode == RK_MODE_PLAIN ? "none"
+                              : c->zero_copy               ? "zero-copy"
+                                                           : "copy";
+        json_array_append_new(chunks, json_pack("{s:i, s:s, s:i, s:s, s:s, s:i, s:s, s:f, s:i}",
+                                                "index", k, "key", c->key, "tokens", c->tokens,
+                                                "status", rk_chunk_status_name(c->status), "source",
                                                 rk_chunk_source_name(c->source), "live_offset",
-                                                c->live_offset, "reindex_us", c->reindex_us,
-                                                "recomputed_tokens", c->repaired));
+                                                c->live_offset, "reindex", reindex, "reindex_us",
+                                                c->reindex_us, "recomputed_tokens", c->repaired));
     }
     json_t *ids = json_array();
     for (int i = 0; i < r->n_out; i++) json_array_append_new(ids, json_integer(r->out_tokens[i]));
-    return json_pack("{s:{s:i, s:i}, s:o, s:i, s:{s:i}, s:i, s:o, s:o}", "system", "tokens",
+    return json_pack("{s:{s:i, s:i}, s:o, s:i, s:{s:i}, s:i, s:i, s:o, s:o}", "system", "tokens",
                      r->n_sys, "cached_tokens", r->sys_cached, "chunks", chunks,
                      "empty_chunks_skipped", r->n_empty_chunks, "question", "tokens", r->n_question,
-                     "recomputed_tokens", r->recomputed_tokens, "completion_ids", ids, "timings",
-                     timings_json(r));
+                     "recomputed_tokens", r->recomputed_tokens, "shared_blocks", r->shared_blocks,
+                     "completion_ids", ids, "timings", timings_json(r));
 }
 
 json_t *rk_report_usage(const rk_request *r) {

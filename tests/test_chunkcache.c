@@ -114,6 +114,8 @@ static void check_modes(const char *model, const char *prompt) {
                 cr_assert_eq(first.chunk_reports[k].status, RK_CHUNK_STATUS_MISS);
                 cr_assert_eq(second.chunk_reports[k].status, RK_CHUNK_STATUS_HIT,
                              "ctx %d par %d chunk %d", ctx, par, k);
+                cr_assert_eq(second.chunk_reports[k].zero_copy, 1,
+                             "the default reindex is in place");
             }
             rk_req_options off = o;
             off.chunk_cache = 0;

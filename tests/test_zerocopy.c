@@ -1,0 +1,327 @@
+/* tests/test_zerocopy.c — zero-copy reindex: cached chunks attended in place
+ * (position-shifted runs over the chunk pool's blocks) give what copying them
+ * into live blocks gives, in every mode; the shared blocks stay put while a
+ * request holds them; every reference comes back. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pipeline/pipeline.h"
+#include "tests/testutil.h"
+
+#define MAX_STEPS 48
+#define MAX_REQS  4
+
+typedef struct run_log {
+    int n_vocab, n_steps;
+    float *logits[MAX_STEPS];
+} run_log;
+
+static void keep_logits(void *ctx, int req, int step, const float *logits, int n_vocab) {
+    run_log *l = (run_log *)ctx + req;
+    if (step >= MAX_STEPS) return;
+    l->n_vocab = n_vocab;
+    l->n_steps = step + 1 > l->n_steps ? step + 1 : l->n_steps;
+    free(l->logits[step]);
+    l->logits[step] = malloc((size_t)n_vocab * sizeof(float));
+    memcpy(l->logits[step], logits, (size_t)n_vocab * sizeof(float));
+}
+
+static void log_free(run_log *l) {
+    for (int i = 0; i < MAX_STEPS; i++) free(l->logits[i]);
+    memset(l, 0, sizeof *l);
+}
+
+typedef struct svc_opts {
+    const char *reindex;
+    int block_size, chunk_blocks, poison;
+} svc_opts;
+
+static rk_service *open_svc(const char *model, svc_opts so) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 2;
+    cfg.kv_memory_mb = 64;
+    snprintf(cfg.reindex, sizeof cfg.reindex, "%s", so.reindex);
+    if (so.block_size) cfg.block_size = so.block_size;
+    if (so.chunk_blocks) cfg.chunk_blocks = so.chunk_blocks;
+    cfg.kv_poison = so.poison;
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
+    return svc;
+}
+
+static rk_req_options greedy_opts(int max_tokens) {
+    rk_req_options o;
+    rk_req_options_default(&o);
+    o.max_tokens = max_tokens;
+    o.sampling.temperature = 0;
+    o.stop_at_eog = 0;
+    return o;
+}
+
+static void prepare(rk_service *svc, const char *prompt, const rk_req_options *o, rk_request *r) {
+    rk_split sp;
+    memset(r, 0, sizeof *r);
+    r->opt = *o;
+    cr_assert_eq(rk_split_prompt(prompt, strlen(prompt), NULL, svc->cfg.max_chunks, &sp), RK_OK);
+    rk_status st = rk_request_prepare(svc, &sp, r);
+    rk_split_free(&sp);
+    cr_assert_eq(st, RK_OK, "%s", rk_error_message());
+}
+
+/* Run prompts[0..n) admitted together; reports in r[], logits in log[]. */
+static void run_together(rk_service *svc, const char *const *prompts, int n,
+                         const rk_req_options *o, rk_request *r, run_log *log) {
+    rk_request *reqs[MAX_REQS];
+    for (int i = 0; i < n; i++) {
+        prepare(svc, prompts[i], o, &r[i]);
+        reqs[i] = &r[i];
+    }
+    rk_pipeline_hooks h = {.ctx = log, .on_logits = keep_logits};
+    cr_assert_eq(rk_pipeline_run(svc, reqs, n, &h), RK_OK, "%s", rk_error_message());
+}
+
+static double max_diff(const run_log *a, const run_log *b) {
+    cr_assert_eq(a->n_steps, b->n_steps);
+    double worst = 0;
+    for (int s = 0; s < a->n_steps; s++)
+        for (int i = 0; i < a->n_vocab; i++)
+            worst = fmax(worst, fabs((double)a->logits[s][i] - b->logits[s][i]));
+    return worst;
+}
+
+/* Every live block free, the chunk pool holding exactly the entries' blocks,
+ * no entry referenced. */
+static void check_counts_back(rk_service *svc) {
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
+                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE), "every live block came back");
+    rk_chunk_stats cs;
+    rk_chunk_index_get_stats(svc->chunks, &cs);
+    cr_assert_eq(rk_arena_pool_total(svc->arena, RK_POOL_CHUNK) -
+                     rk_arena_pool_free(svc->arena, RK_POOL_CHUNK),
+                 (int)cs.blocks, "the chunk pool holds exactly the entries' blocks");
+    cr_assert_eq(rk_chunk_index_flush(svc->chunks), (int)cs.entries, "no entry is referenced");
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_CHUNK),
+                 rk_arena_pool_total(svc->arena, RK_POOL_CHUNK));
+}
+
+/* The same prompts through a zero-copy and a copy service, twice (the first
+ * time the chunks are computed, the second they hit): same tokens, logits
+ * within 1e-4, and the zero-copy service reports each chunk's path. */
+static void check_same(const char *model, svc_opts so, const char *const *prompts, int n,
+                       const rk_req_options *o) {
+    so.reindex = "zero-copy";
+    rk_service *zc = open_svc(model, so);
+    so.reindex = "copy";
+    rk_service *cp = open_svc(model, so);
+    int in_place = o->repair_k <= 0 && o->repair_ratio <= 0;
+    int bs = rk_arena_block_size(zc->arena);
+    for (int pass = 0; pass < 2; pass++) {
+        rk_request rz[MAX_REQS], rc[MAX_REQS];
+        run_log lz[MAX_REQS] = {0}, lc[MAX_REQS] = {0};
+        run_together(zc, prompts, n, o, rz, lz);
+        run_together(cp, prompts, n, o, rc, lc);
+        for (int i = 0; i < n; i++) {
+            int shared = 0;
+            for (int k = 0; k < rz[i].n_chunks; k++) {
+                const rk_chunk_report *c = &rz[i].chunk_reports[k];
+                cr_assert_eq(c->zero_copy, in_place, "request %d chunk %d", i, k);
+                cr_assert_eq(rc[i].chunk_reports[k].zero_copy, 0);
+                if (pass) cr_assert_eq(c->status, RK_CHUNK_STATUS_HIT);
+                if (in_place) cr_assert_eq(c->reindex_us, 0);
+                shared += in_place ? (c->tokens + bs - 1) / bs : 0;
+            }
+            cr_assert_eq(rz[i].shared_blocks, shared);
+            cr_assert_eq(rc[i].shared_blocks, 0);
+            cr_assert_eq(rz[i].recomputed_tokens, rc[i].recomputed_tokens);
+            cr_assert_eq(rz[i].n_out, rc[i].n_out);
+            cr_assert_eq(
+                memcmp(rz[i].out_tokens, rc[i].out_tokens, (size_t)rz[i].n_out * sizeof(int32_t)),
+                0, "pass %d request %d: zero-copy tokens differ from copy", pass, i);
+            double d = max_diff(&lz[i], &lc[i]);
+            cr_assert_leq(d, 1e-4, "pass %d request %d: logits differ by %g", pass, i, d);
+            rk_request_free(&rz[i]);
+            rk_request_free(&rc[i]);
+            log_free(&lz[i]);
+            log_free(&lc[i]);
+        }
+    }
+    check_counts_back(zc);
+    check_counts_back(cp);
+    rk_service_close(zc);
+    rk_service_close(cp);
+}
+
+static const char *STORY =
+    "You are a storyteller.##Lily had a red ball. She liked to play with it in the garden every "
+    "day.##Tom had a big dog named Max. Max liked to run and bark at the birds.##The sun was warm "
+    "and the sky was blue. The children sang a happy song.##One day";
+
+/* Every chunk context x position mode x repair policy. */
+static void check_every_mode(const char *model) {
+    for (int ctx = 0; ctx < 2; ctx++)
+        for (int par = 0; par < 2; par++)
+            for (int rep = 0; rep < 3; rep++) {
+                rk_req_options o = greedy_opts(12);
+                o.chunk_context = ctx ? RK_CONTEXT_SYSTEM : RK_CONTEXT_ISOLATED;
+                o.positions = par ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
+                if (rep == 1) o.repair_k = 3;
+                if (rep == 2) o.repair_ratio = 0.25f;
+                check_same(model, (svc_opts){0}, &STORY, 1, &o);
+            }
+}
+
+Test(zerocopy, tiny_zero_copy_equals_copy_in_every_mode) { check_every_mode(NULL); }
+
+Test(zerocopy, stories260k_zero_copy_equals_copy_in_every_mode) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    check_every_mode(model);
+    free(model);
+}
+
+/* 8-token blocks and 40 generated tokens: the shared runs end mid-block and
+ * decoding crosses five live block boundaries behind them. */
+Test(zerocopy, decode_crosses_block_boundaries_behind_shared_runs) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    for (int par = 0; par < 2; par++) {
+        rk_req_options o = greedy_opts(40);
+        o.positions = par ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
+        check_same(model, (svc_opts){.block_size = 8}, &STORY, 1, &o);
+        check_same(NULL, (svc_opts){.block_size = 8}, &STORY, 1, &o);
+    }
+    free(model);
+}
+
+Test(zerocopy, sixty_four_chunks_in_one_request) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    static char prompt[8192];
+    int at = snprintf(prompt, sizeof prompt, "Read the notes.");
+    const char *things[4] = {"a cat", "the sea", "a red ball", "two birds"};
+    for (int i = 0; i < 64; i++)
+        at += snprintf(prompt + at, sizeof prompt - (size_t)at, "##Note %d is about %s.", i,
+                       things[i % 4]);
+    snprintf(prompt + at, sizeof prompt - (size_t)at, "##What is note 7 about?");
+    const char *p = prompt;
+    rk_req_options o = greedy_opts(8);
+    check_same(model, (svc_opts){0}, &p, 1, &o);
+    o.positions = RK_POSITIONS_PARALLEL;
+    check_same(model, (svc_opts){0}, &p, 1, &o);
+    free(model);
+}
+
+/* One chunk at three live offsets in requests admitted together: each run
+ * gets its own shift over the same blocks. */
+Test(zerocopy, concurrent_requests_place_one_chunk_at_different_offsets) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    const char *prompts[3] = {
+        "You are a storyteller.##Tom had a big dog named Max.##Lily had a red ball.##One day",
+        "You are a storyteller.##Lily had a red ball.##One day",
+        "Be brief.##The sun was warm and the sky was blue. The children sang.##Tom had a big dog "
+        "named Max.##Lily had a red ball.##Then"};
+    rk_req_options o = greedy_opts(16);
+    check_same(model, (svc_opts){0}, prompts, 3, &o);
+    o.chunk_context = RK_CONTEXT_SYSTEM;
+    check_same(model, (svc_opts){0}, prompts, 3, &o);
+    free(model);
+}
+
+/* While a request attends chunk-pool blocks in place, neither pool pressure
+ * nor a DELETE of the entry frees them (freed blocks are poisoned with NaN,
+ * so a freed and reused block would show in its logits); once it leaves,
+ * every reference is back and the entry can go. */
+Test(zerocopy, held_shared_blocks_survive_eviction_and_delete) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    /* Each chunk below is 17..32 tokens: two 16-token blocks; 6 blocks hold three. */
+    const char *held = "S##The little red fox ran into the forest.##A big blue whale swam in the "
+                       "sea.##Q";
+    const char *other[3] = {"S##Three small birds sang in the tree.##Q",
+                            "S##An old brown bear slept in a dark cave.##Q",
+                            "S##Five green frogs jumped into the pond.##Q"};
+    rk_req_options o = greedy_opts(24);
+    /* The reference: the same request alone on a copy service. */
+    rk_service *cp = open_svc(model, (svc_opts){.reindex = "copy"});
+    rk_request ref;
+    run_log lref = {0};
+    run_together(cp, &held, 1, &o, &ref, &lref);
+    rk_service *svc =
+        open_svc(model, (svc_opts){.reindex = "zero-copy", .chunk_blocks = 6, .poison = 1});
+    int live0 = rk_arena_pool_free(svc->arena, RK_POOL_LIVE);
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_request r;
+    run_log lr = {0};
+    prepare(svc, held, &o, &r);
+    rk_request *one = &r;
+    rk_pipeline_hooks h = {.ctx = &lr, .on_logits = keep_logits};
+    cr_assert_eq(rk_pipeline_admit(p, &one, 1, &h), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(r.shared_blocks, 4);
+    rk_chunk_key keys[2];
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(r.chunk_reports[k].zero_copy, 1);
+        cr_assert_eq(rk_chunk_key_parse(r.chunk_reports[k].key, &keys[k]), RK_OK);
+        cr_assert_eq(rk_chunk_index_remove(svc->chunks, keys[k]), RK_ERR_BUSY,
+                     "DELETE of a chunk in use is refused");
+    }
+    cr_assert_eq(rk_chunk_index_evict(svc->chunks, 6), 0, "held entries are not evicted");
+    /* Other requests cycle the two free blocks through three more chunks,
+     * evicting each other, between the held request's decode steps. */
+    rk_pipeline_hooks none = {0};
+    rk_req_options once = greedy_opts(1);
+    for (int i = 0; i < 3; i++) {
+        rk_request x;
+        prepare(svc, other[i], &once, &x);
+        rk_request *xp = &x;
+        cr_assert_eq(rk_pipeline_admit(p, &xp, 1, &none), RK_OK, "%s", rk_error_message());
+        cr_assert_eq(x.finished, 1);
+        rk_request_free(&x);
+        cr_assert_eq(rk_pipeline_step(p, &h), RK_OK);
+    }
+    rk_chunk_stats cs;
+    rk_chunk_index_get_stats(svc->chunks, &cs);
+    cr_assert_eq(cs.evictions, 2, "the pool was under pressure");
+    for (int k = 0; k < 2; k++) {
+        rk_chunk_entry *e = rk_chunk_index_find(svc->chunks, keys[k]);
+        cr_assert_not_null(e, "a held entry survived the pressure");
+        cr_assert_eq(e->refs, 1);
+    }
+    while (rk_pipeline_n_running(p)) cr_assert_eq(rk_pipeline_step(p, &h), RK_OK);
+    cr_assert_eq(r.finished, 1);
+    cr_assert_eq(memcmp(r.out_tokens, ref.out_tokens, (size_t)o.max_tokens * sizeof(int32_t)), 0);
+    double d = max_diff(&lr, &lref);
+    cr_assert_leq(d, 1e-4, "logits differ from the copy path by %g", d);
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(rk_chunk_index_find(svc->chunks, keys[k])->refs, 0);
+        cr_assert_eq(rk_chunk_index_remove(svc->chunks, keys[k]), RK_OK, "DELETE once released");
+    }
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE), live0);
+    check_counts_back(svc);
+    rk_pipeline_free(p);
+    rk_request_free(&r);
+    rk_request_free(&ref);
+    log_free(&lr);
+    log_free(&lref);
+    rk_service_close(svc);
+    rk_service_close(cp);
+    free(model);
+}
+
+/* The setting: zero-copy by default, copy on request, nothing else. */
+Test(zerocopy, the_reindex_setting_defaults_to_zero_copy_and_is_checked) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cr_assert_str_eq(cfg.reindex, "zero-copy");
+    cr_assert_eq(rk_config_validate(&cfg), RK_OK);
+    snprintf(cfg.reindex, sizeof cfg.reindex, "copy");
+    cr_assert_eq(rk_config_validate(&cfg), RK_OK);
+    snprintf(cfg.reindex, sizeof cfg.reindex, "zerocopy");
+    cr_assert_eq(rk_config_validate(&cfg), RK_ERR_INVALID);
+    cr_assert(strstr(rk_error_message(), "reindex") != NULL, "%s", rk_error_message());
+}
