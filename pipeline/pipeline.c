@@ -41,6 +41,7 @@ struct rk_req_state {
     rk_seq kv;           /* the merged sequence (zero-copy: its system and live blocks) */
     int zc;              /* zero-copy: the merged sequence's table is `runs` */
     rk_runs runs;        /* zero-copy: system, each chunk's cached blocks, live blocks */
+    rk_seq own;          /* zero-copy: private copies of the chunk blocks a repair writes */
     rk_radix_node *lock; /* radix path held for the request */
     int sys_first;       /* first system token to compute */
     int n_insert;        /* system tokens to insert into the radix tree after pass 1 */
@@ -616,14 +617,16 @@ static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_tabl
     return RK_OK;
 }
 
-/* Whether request r reuses its cached chunks in place. A request with a
- * repair policy copies them (its recomputed tokens must be private, and both
- * policies touch every chunk), as do the oracle and plain modes; so does every
- * request on a backend without position-shifted attention. */
+/* Whether request r reuses its cached chunks in place. Recomputed tokens
+ * must be private: `first_k` repair copies the blocks it writes (copy on
+ * write, see build_runs), but the deviation policy recomputes layers 0-1 of
+ * every chunk token, so its requests copy whole chunks (the copy path), as do
+ * the oracle and plain modes and every request on a backend without
+ * position-shifted attention. */
 static int zero_copy_for(const rk_service *svc, const rk_request *r) {
     static _Atomic int told; /* the fallback is logged once */
     if (r->opt.mode != RK_MODE_RAG || !r->opt.chunk_cache || r->n_chunks == 0 ||
-        r->opt.repair_k > 0 || r->opt.repair_ratio > 0 || strcmp(svc->cfg.reindex, "copy") == 0)
+        r->opt.repair_ratio > 0 || strcmp(svc->cfg.reindex, "copy") == 0)
         return 0;
     if (strcmp(svc->be->name, "cpu") != 0) {
         if (!told++)
@@ -785,6 +788,7 @@ static void release_request(rk_service *svc, rk_request *r, int failed) {
     if (s->lock) rk_radix_unlock(svc->prefix, s->lock);
     rk_seq_release(&s->kv, svc->arena);
     rk_runs_free(&s->runs);
+    rk_seq_release(&s->own, svc->arena);
     rk_sampler_free(&s->sampler);
     rk_layout_free(&s->layout);
     free(s->entries);
@@ -984,10 +988,21 @@ static rk_status stage_system_chunks(admission *a) {
     return RK_OK;
 }
 
+/* Tokens of a zero-copy request's chunk of n tokens that are copied into
+ * private blocks: those of the blocks its `first_k` repair writes. */
+static int private_tokens(const rk_request *r, int n, int bs) {
+    int k = r->opt.repair_k > 0 ? (r->opt.repair_k < n ? r->opt.repair_k : n) : 0;
+    int own = (k + bs - 1) / bs * bs;
+    return own < n ? own : n;
+}
+
 /* Zero-copy reindex of request r: its run table is its system blocks, each
  * chunk entry's blocks as they are (shifted by live offset - base), then its
- * live blocks; the entries it holds keep those blocks until it leaves. */
-static rk_status build_runs(rk_service *svc, rk_request *r) {
+ * live blocks; the entries it holds keep those blocks until it leaves. The
+ * blocks a `first_k` repair will write are copied first (rotated to the live
+ * offset, queued on copies) into private live blocks, a run of their own
+ * with delta 0: copy on write at block granularity. */
+static rk_status build_runs(rk_service *svc, rk_request *r, rk_copy_plan *copies) {
     rk_req_state *s = r->state;
     int bs = rk_arena_block_size(svc->arena), sys_blocks = (r->n_sys + bs - 1) / bs;
     rk_status st = RK_OK;
@@ -995,10 +1010,21 @@ static rk_status build_runs(rk_service *svc, rk_request *r) {
     if (r->n_sys) st = rk_runs_add(&s->runs, bs, s->kv.blocks, r->n_sys, 0);
     for (int k = 0; k < r->n_chunks && !st; k++) {
         const rk_chunk_entry *e = s->entries[k];
-        st = rk_runs_add(&s->runs, bs, e->blocks, e->n_tokens, s->layout.pos[k] - e->base_pos);
-        r->shared_blocks += e->n_blocks;
-        r->chunk_reports[k].zero_copy = 1;
-        r->chunk_reports[k].reindex_us = 0;
+        int n = e->n_tokens, m = private_tokens(r, n, bs), delta = s->layout.pos[k] - e->base_pos;
+        if (m) {
+            int first = s->own.n_blocks;
+            st = rk_seq_reserve(&s->own, svc->arena, RK_POOL_LIVE, (m + bs - 1) / bs * bs, NULL);
+            if (!st) {
+                s->own.n_tokens = s->own.n_blocks * bs;
+                st = rk_copy_plan_add(copies, bs, e->blocks, 0, &s->own, first * bs, m, delta);
+            }
+            if (!st) st = rk_runs_add(&s->runs, bs, s->own.blocks + first, m, 0);
+        }
+        if (!st && m < n) {
+            st = rk_runs_add(&s->runs, bs, e->blocks + m / bs, n - m, delta);
+            r->shared_blocks += e->n_blocks - m / bs;
+        }
+        r->chunk_reports[k].zero_copy = m < n;
     }
     if (!st)
         st = rk_runs_add(&s->runs, bs, s->kv.blocks + sys_blocks,
@@ -1020,7 +1046,9 @@ static rk_status stage_reindex(admission *a) {
         rk_req_state *s = r->state;
         if (r->opt.mode == RK_MODE_PLAIN) continue;
         if (s->zc) {
-            if ((st = build_runs(svc, r))) return st;
+            if ((st = build_runs(svc, r, a->copies))) return st;
+            for (int k = 0; k < r->n_chunks; k++)
+                copied_tokens += private_tokens(r, r->chunk_lens[k], bs);
             continue;
         }
         for (int k = 0; k < r->n_chunks; k++) {
@@ -1042,9 +1070,11 @@ static rk_status stage_reindex(admission *a) {
     for (int i = 0; i < a->n; i++) {
         rk_request *r = a->reqs[i];
         r->t.reindex_ms = t_reindex * 1e3;
-        for (int k = 0; k < r->n_chunks && !r->state->zc; k++)
+        for (int k = 0; k < r->n_chunks; k++) {
+            int n = r->state->zc ? private_tokens(r, r->chunk_lens[k], bs) : r->chunk_lens[k];
             r->chunk_reports[k].reindex_us =
-                copied_tokens ? t_reindex * 1e6 * r->chunk_lens[k] / copied_tokens : 0;
+                copied_tokens ? t_reindex * 1e6 * n / copied_tokens : 0;
+        }
     }
     return RK_OK;
 }
@@ -1066,8 +1096,8 @@ static rk_status stage_repair(admission *a) {
             continue; /* one policy a request: deviation's choice is queued already */
         for (int k = 0; k < r->n_chunks; k++) {
             int n = r->chunk_lens[k] < r->opt.repair_k ? r->chunk_lens[k] : r->opt.repair_k;
-            if ((st = batch_add(a->b, bs, &s->kv, r->chunks[k], n, s->layout.pos[k],
-                                s->layout.index[k], 0)))
+            if ((st = batch_add_req(a->b, bs, s, r->chunks[k], n, s->layout.pos[k],
+                                    s->layout.index[k], 0)))
                 return st;
             r->chunk_reports[k].repaired = n;
             r->recomputed_tokens += n;
