@@ -3,7 +3,8 @@
  *   1. N concurrent requests over the same chunks (different questions),
  *      admitted together and decoded to the end: the peak of live-pool blocks
  *      in use;
- *   2. the TTFT of one request whose chunks all hit (best of --rounds).
+ *   2. the TTFT of one request whose chunks all hit (best and median of
+ *      --rounds, the two modes' rounds alternating).
  *
  *   bench_zerocopy [--model F.gguf | --preset NAME --type f32|bf16] [--threads N]
  *                  [--requests N] [--chunks N] [--chunk-tokens N] [--answer N] [--rounds N]
@@ -64,11 +65,10 @@ static int live_used(rk_service *svc) {
 
 typedef struct result {
     int peak_live, shared_blocks;
-    double ttft_ms, wall_ms;
+    double ttft_best, ttft_median, wall_ms;
 } result;
 
-static result measure(const char *model, const char *reindex, int threads, int kv_mb,
-                      char **prompts, int n_req, int answer, int rounds) {
+static rk_service *open_mode(const char *model, const char *reindex, int threads, int kv_mb) {
     rk_config cfg;
     rk_config_defaults(&cfg);
     cfg.n_threads = threads;
@@ -77,48 +77,87 @@ static result measure(const char *model, const char *reindex, int threads, int k
     snprintf(cfg.reindex, sizeof cfg.reindex, "%s", reindex);
     rk_service *svc;
     if (rk_service_open(&cfg, model, &svc)) die();
+    return svc;
+}
+
+static rk_req_options greedy(int max_tokens) {
     rk_req_options o;
     rk_req_options_default(&o);
     o.sampling.temperature = 0;
     o.stop_at_eog = 0;
-    o.max_tokens = 1;
-    result res = {0};
+    o.max_tokens = max_tokens;
+    return o;
+}
+
+/* One request alone; its TTFT. */
+static double one(rk_service *svc, const char *prompt, int *shared_blocks) {
+    rk_request r;
+    prepare(svc, prompt, greedy(1), &r);
+    rk_request *one = &r;
+    if (rk_pipeline_run(svc, &one, 1, NULL)) die();
+    double ttft = r.t.ttft_ms;
+    *shared_blocks = r.shared_blocks;
+    rk_request_free(&r);
+    return ttft;
+}
+
+/* n_req requests admitted together and decoded to the end: the live pool's
+ * peak (blocks in use after admission and after every step). */
+static void concurrent(rk_service *svc, char **prompts, int n_req, int answer, result *res) {
     rk_request *reqs = calloc((size_t)n_req, sizeof *reqs);
     rk_request **ptrs = calloc((size_t)n_req, sizeof *ptrs);
-    if (!reqs || !ptrs) exit(1);
-    /* Warm the chunks (and the system prompt), then one request at a time: all-hit TTFT. */
-    for (int i = 0; i <= rounds; i++) {
-        prepare(svc, prompts[i % n_req], o, &reqs[0]);
-        ptrs[0] = &reqs[0];
-        if (rk_pipeline_run(svc, ptrs, 1, NULL)) die();
-        if (i == 1 || (i > 1 && reqs[0].t.ttft_ms < res.ttft_ms)) res.ttft_ms = reqs[0].t.ttft_ms;
-        rk_request_free(&reqs[0]);
-    }
-    /* n_req requests together, decoded to the end; the live pool's peak. */
-    o.max_tokens = answer;
     rk_pipeline *p;
-    if (rk_pipeline_create(svc, &p)) die();
+    if (!reqs || !ptrs || rk_pipeline_create(svc, &p)) die();
     int base = live_used(svc);
     for (int i = 0; i < n_req; i++) {
-        prepare(svc, prompts[i], o, &reqs[i]);
+        prepare(svc, prompts[i], greedy(answer), &reqs[i]);
         ptrs[i] = &reqs[i];
     }
     double t = rk_time_now();
     if (rk_pipeline_admit(p, ptrs, n_req, NULL)) die();
-    res.peak_live = live_used(svc) - base;
-    res.shared_blocks = reqs[0].shared_blocks;
+    res->peak_live = live_used(svc) - base;
     while (rk_pipeline_n_running(p)) {
         if (rk_pipeline_step(p, NULL)) die();
         int used = live_used(svc) - base;
-        res.peak_live = used > res.peak_live ? used : res.peak_live;
+        res->peak_live = used > res->peak_live ? used : res->peak_live;
     }
-    res.wall_ms = (rk_time_now() - t) * 1e3;
+    res->wall_ms = (rk_time_now() - t) * 1e3;
     rk_pipeline_free(p);
     for (int i = 0; i < n_req; i++) rk_request_free(&reqs[i]);
     free(reqs);
     free(ptrs);
-    rk_service_close(svc);
-    return res;
+}
+
+static int by_value(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Both modes side by side: the chunks warmed in each, then all-hit TTFT
+ * rounds alternating between them (so load from elsewhere falls on both),
+ * then the concurrent run in each. */
+static void measure(const char *model, int threads, int kv_mb, char **prompts, int n_req,
+                    int answer, int rounds, result res[2]) {
+    const char *modes[2] = {"copy", "zero-copy"};
+    rk_service *svc[2];
+    double *ttft = calloc((size_t)rounds * 2, sizeof *ttft);
+    if (!ttft) die();
+    for (int m = 0; m < 2; m++) {
+        svc[m] = open_mode(model, modes[m], threads, kv_mb);
+        memset(&res[m], 0, sizeof res[m]);
+        one(svc[m], prompts[0], &res[m].shared_blocks); /* every chunk computed */
+    }
+    for (int i = 0; i < rounds; i++)
+        for (int m = 0; m < 2; m++)
+            ttft[m * rounds + i] = one(svc[m], prompts[i % n_req], &res[m].shared_blocks);
+    for (int m = 0; m < 2; m++) {
+        qsort(ttft + m * rounds, (size_t)rounds, sizeof *ttft, by_value);
+        res[m].ttft_best = ttft[m * rounds];
+        res[m].ttft_median = ttft[m * rounds + rounds / 2];
+        concurrent(svc[m], prompts, n_req, answer, &res[m]);
+        rk_service_close(svc[m]);
+    }
+    free(ttft);
 }
 
 int main(int argc, char **argv) {
@@ -197,16 +236,16 @@ int main(int argc, char **argv) {
            hp->name, rk_dtype_name(hp->wtype), threads, cfg.block_size, n_req, n_chunks,
            chunk_tokens, answer);
     rk_service_close(svc);
-    result cp = measure(model, "copy", threads, kv_mb, prompts, n_req, answer, rounds);
-    result zc = measure(model, "zero-copy", threads, kv_mb, prompts, n_req, answer, rounds);
-    printf("  %-10s %16s %14s %20s %16s\n", "reindex", "peak live blocks", "shared blocks",
-           "all-hit TTFT (best)", "concurrent wall");
-    printf("  %-10s %16d %14d %17.3f ms %13.1f ms\n", "copy", cp.peak_live, cp.shared_blocks,
-           cp.ttft_ms, cp.wall_ms);
-    printf("  %-10s %16d %14d %17.3f ms %13.1f ms\n", "zero-copy", zc.peak_live, zc.shared_blocks,
-           zc.ttft_ms, zc.wall_ms);
+    result res[2];
+    measure(model, threads, kv_mb, prompts, n_req, answer, rounds, res);
+    printf("  %-10s %16s %14s %24s %16s\n", "reindex", "peak live blocks", "shared blocks",
+           "all-hit TTFT best/median", "concurrent wall");
+    for (int m = 0; m < 2; m++)
+        printf("  %-10s %16d %14d %11.3f / %8.3f ms %13.1f ms\n", m ? "zero-copy" : "copy",
+               res[m].peak_live, res[m].shared_blocks, res[m].ttft_best, res[m].ttft_median,
+               res[m].wall_ms);
     printf("  live blocks: zero-copy needs %.1f%% of copy's peak\n",
-           100.0 * zc.peak_live / (cp.peak_live ? cp.peak_live : 1));
+           100.0 * res[1].peak_live / (res[0].peak_live ? res[0].peak_live : 1));
     for (int i = 0; i < n_req; i++) free(prompts[i]);
     free(prompts);
     free(shared);
