@@ -1,9 +1,10 @@
 /* pipeline/pipeline.h — the request pipeline:
  *
  *   split → tokenize → system prompt through the radix cache → chunks through
- *   the chunk index (compute misses once, at base positions) → reindex (copy
- *   and rotate cached KV into the request's live blocks) → repair → question
- *   prefill (first token) → decode steps → release.
+ *   the chunk index (compute misses once, at base positions) → reindex (the
+ *   cached KV attended in place with a position shift, or copied and rotated
+ *   into the request's live blocks) → repair → question prefill (first
+ *   token) → decode steps → release.
  *
  * The pipeline is incremental: rk_pipeline_admit runs the prompt stages of
  * new requests together (every stage's forward work for all of them in one

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gateway/report.h"
 #include "pipeline/pipeline.h"
 #include "tests/testutil.h"
 
@@ -333,4 +334,45 @@ Test(zerocopy, the_reindex_setting_defaults_to_zero_copy_and_is_checked) {
     snprintf(cfg.reindex, sizeof cfg.reindex, "zerocopy");
     cr_assert_eq(rk_config_validate(&cfg), RK_ERR_INVALID);
     cr_assert(strstr(rk_error_message(), "reindex") != NULL, "%s", rk_error_message());
+}
+
+/* The report's words for each chunk's path, and the shared block count. */
+static void check_report(rk_service *svc, const rk_req_options *o, const char *want,
+                         int want_shared) {
+    rk_request r;
+    run_log l[1] = {0};
+    run_together(svc, &STORY, 1, o, &r, l);
+    json_t *j = rk_report_ragkv(&r);
+    cr_assert_not_null(j);
+    json_t *chunks = json_object_get(j, "chunks");
+    cr_assert_eq(json_array_size(chunks), (size_t)r.n_chunks);
+    for (int k = 0; k < r.n_chunks; k++) {
+        json_t *c = json_array_get(chunks, (size_t)k);
+        cr_assert_str_eq(json_string_value(json_object_get(c, "reindex")), want, "chunk %d", k);
+        if (!strcmp(want, "zero-copy"))
+            cr_assert_eq(json_real_value(json_object_get(c, "reindex_us")), 0.0);
+    }
+    json_int_t shared = json_integer_value(json_object_get(j, "shared_blocks"));
+    cr_assert_eq(shared, (json_int_t)r.shared_blocks);
+    cr_assert_eq(want_shared, shared > 0, "shared_blocks %d", (int)shared);
+    json_decref(j);
+    rk_request_free(&r);
+    log_free(l);
+}
+
+Test(zerocopy, the_report_names_each_chunks_path_and_the_shared_blocks) {
+    rk_service *svc = open_svc(NULL, (svc_opts){.reindex = "zero-copy"});
+    rk_req_options o = greedy_opts(2);
+    check_report(svc, &o, "zero-copy", 1);
+    rk_req_options dev = o;
+    dev.repair_ratio = 0.5f;
+    check_report(svc, &dev, "copy", 0);
+    rk_req_options plain = o;
+    plain.mode = RK_MODE_PLAIN;
+    check_report(svc, &plain, "none", 0);
+    rk_service_close(svc);
+    svc = open_svc(NULL, (svc_opts){.reindex = "copy"});
+    check_report(svc, &o, "copy", 0);
+    check_counts_back(svc);
+    rk_service_close(svc);
 }
