@@ -41,6 +41,7 @@
 #include <unistd.h>
 
 #include "engine/gguf.h"
+#include "config/settings.h"
 #include "engine/tokenizer.h"
 #include "pipeline/pipeline.h"
 #include "pipeline/split.h"
@@ -55,8 +56,8 @@ static const char *const k_mode_names[N_MODES] = {"plain", "prefix", "rag", "ora
 /* ---------------------------------------------------------------- options */
 
 typedef struct bench_opts {
-    const char *model; /* NULL = the embedded model */
-    rk_config cfg;
+    rk_run_opts run;
+    const char *model; /* run.model, or NULL for the embedded model */
     int kv_mb_given;
     int corpus, k;
     double zipf;
@@ -65,7 +66,7 @@ typedef struct bench_opts {
     int requests, concurrency, max_tokens;
     int modes[N_MODES], n_modes;
     int prewarm;
-    uint64_t seed;
+    long long seed;
     int json;
     const char *plot;
     const char *url;
@@ -81,6 +82,43 @@ static int usage_error(const char *fmt, const char *arg) {
     fprintf(stderr, " (see ragkv bench --help)\n");
     return EXIT_USAGE;
 }
+
+#define B_OFF(m) offsetof(bench_opts, m)
+
+/* bench's own settings; the model options are rk_run_opts's (config/settings.c). */
+static const rk_setting k_bench_settings[] = {
+    {"corpus", "corpus", RK_SET_INT, B_OFF(corpus), 0, 1, 1000000, 0, 0,
+     "N  chunks in the corpus (default: 200)"},
+    {"k", "k", RK_SET_INT, B_OFF(k), 0, 1, 4096, 0, 0, "K  chunks per request (default: 6)"},
+    {"zipf", "zipf", RK_SET_DOUBLE, B_OFF(zipf), 0, 0, 10, 0, 0,
+     "S  Zipf exponent of chunk popularity (default: 1.1)"},
+    {"question_tokens", "question-tokens", RK_SET_INT, B_OFF(question_tokens), 0, 1, 1 << 20, 0, 0,
+     "N  question length in tokens (default: 32)"},
+    {"system_tokens", "system-tokens", RK_SET_INT, B_OFF(system_tokens), 0, 1, 1 << 20, 0, 0,
+     "N  system prompt length in tokens (default: 64)"},
+    {"systems", "systems", RK_SET_INT, B_OFF(n_systems), 0, 1, 1000, 0, 0,
+     "N  distinct system prompts (default: 3)"},
+    {"requests", "requests", RK_SET_INT, B_OFF(requests), 0, 1, 10000000, 0, 0,
+     "N  requests per mode (default: 300)"},
+    {"concurrency", "concurrency", RK_SET_INT, B_OFF(concurrency), 0, 1, 4096, 0, 0,
+     "C  in-process: requests per pipeline batch; HTTP: client threads (default: 1)"},
+    {"max_tokens", "max-tokens", RK_SET_INT, B_OFF(max_tokens), 0, 1, 1 << 20, 0, 0,
+     "N  tokens generated per request (default: 1: TTFT is the target)"},
+    {"prewarm", "prewarm", RK_SET_BOOL, B_OFF(prewarm), 0, 0, 1, 0, 0,
+     "  compute every corpus chunk before the rag run (timed apart)"},
+    {"steady", "steady", RK_SET_INT, B_OFF(steady_pct), 0, 0, 99, 0, 0,
+     "PCT  steady state excludes the first PCT% of requests (default: 20)"},
+    {"baseline_every", "baseline-every", RK_SET_INT, B_OFF(baseline_every), 0, 1, 1000000, 0, 0,
+     "K  plain, prefix and oracle run only every K-th request (default: 1)"},
+    {"seed", "seed", RK_SET_LONG, B_OFF(seed), 0, 0, 0x7fffffffffffffffLL, 0, 0,
+     "S  workload seed (default: 1)"},
+    {"json", "json", RK_SET_BOOL, B_OFF(json), 0, 0, 1, 0, 0,
+     "  print one JSON object instead of the table"},
+    {"progress", "progress", RK_SET_BOOL, B_OFF(progress), 0, 0, 1, 0, 0,
+     "  progress lines on stderr even when it is not a terminal"},
+    {"http_timeout", "http-timeout", RK_SET_DOUBLE, B_OFF(http_timeout_s), 0, 0.001, 86400, 0, 0,
+     "S  seconds to wait for one HTTP response (default: 600)"},
+};
 
 static int parse_range(const char *s, int *lo, int *hi) {
     char buf[64];
@@ -120,77 +158,51 @@ static const char *k_help =
     "Run a seeded RAG workload (a Zipf-popular corpus of chunks, k chunks and a question per\n"
     "request) once per mode over the same request list, each mode from empty caches, and\n"
     "compare TTFT: plain (full prefill), prefix (system prompt cached), rag (chunk cache),\n"
-    "oracle (chunk cache off, chunks fresh at their positions).\n"
-    "  --model F.gguf          model file (default: the embedded `tiny` model)\n"
-    "  --corpus N              chunks in the corpus (default: 200)\n"
-    "  --k K                   chunks per request (default: 6)\n"
-    "  --zipf S                Zipf exponent of chunk popularity (default: 1.1)\n"
+    "oracle (chunk cache off, chunks fresh at their positions). Without --kv-memory-mb the\n"
+    "pools are sized so the whole working set fits. With --baseline-every K the baselines'\n"
+    "TTFT, which depends on the request alone, is sampled in 1/K of the time.\n"
     "  --chunk-tokens MIN:MAX  chunk length in tokens, uniform (default: 256:512)\n"
-    "  --question-tokens N     question length in tokens (default: 32)\n"
-    "  --system-tokens N       system prompt length in tokens (default: 64)\n"
-    "  --systems N             distinct system prompts (default: 3)\n"
-    "  --requests N            requests per mode (default: 300)\n"
-    "  --concurrency C         in-process: requests per pipeline batch; HTTP: client threads\n"
-    "                          (default: 1)\n"
-    "  --max-tokens N          tokens generated per request (default: 1: TTFT is the target)\n"
     "  --modes LIST            comma-separated from plain,prefix,rag,oracle\n"
     "                          (default: plain,prefix,rag)\n"
-    "  --prewarm               compute every corpus chunk before the rag run (timed apart)\n"
-    "  --steady PCT            steady state excludes the first PCT% of requests (default: 20)\n"
-    "  --baseline-every K      plain, prefix and oracle run only every K-th request of the list\n"
-    "                          (rag runs all): their TTFT depends on the request alone (and the\n"
-    "                          cached system prompt), so the sample gives the same percentiles\n"
-    "                          in 1/K of the time (default: 1, every request)\n"
-    "  --seed S                workload seed (default: 1)\n"
-    "  --json                  print one JSON object instead of the table\n"
-    "  --progress              a progress line per 5% of requests on stderr even when it is\n"
-    "                          not a terminal (on a terminal they are always shown)\n"
     "  --plot FILE.svg         write the TTFT distributions and the rag hit rate as SVG\n"
     "  --url http://127.0.0.1:PORT   drive a running `ragkv serve` instead (loopback only;\n"
-    "                          --model then only gives the tokenizer that sizes the workload)\n"
-    "  --http-timeout S        seconds to wait for one HTTP response (default: 600)\n"
-    "  --threads N             compute threads (default: one per core)\n"
-    "  --backend cpu|cuda      compute backend (default: cpu)\n"
-    "  --kv-memory-mb N        KV budget in MiB split by the default shares (default: pools\n"
-    "                          sized so the whole working set fits)\n"
-    "  --block-size N          tokens per KV block (default: 16)\n"
-    "  --kv-dtype f32|f16|bf16 KV cache storage (default: f32)\n"
-    "  --log-level L           debug|info|warn|error (default: warn)\n";
+    "                          --model then only gives the tokenizer that sizes the workload)\n";
 
-enum {
-    O_MODEL = 1000,
-    O_THREADS,
-    O_BACKEND,
-    O_KV_MB,
-    O_BLOCK,
-    O_LOG,
-    O_CORPUS,
-    O_K,
-    O_ZIPF,
-    O_CHUNK_TOKENS,
-    O_QUESTION_TOKENS,
-    O_SYSTEM_TOKENS,
-    O_SYSTEMS,
-    O_REQUESTS,
-    O_CONCURRENCY,
-    O_MAX_TOKENS,
-    O_MODES,
-    O_PREWARM,
-    O_STEADY,
-    O_SEED,
-    O_JSON,
-    O_PLOT,
-    O_URL,
-    O_HTTP_TIMEOUT,
-    O_PROGRESS,
-    O_BASELINE_EVERY,
-    O_KV_DTYPE,
-};
+enum { O_CHUNK_TOKENS = 1, O_MODES, O_PLOT, O_URL };
 
-/* Parse argv into o; returns 0, EXIT_USAGE on a bad option, or -1 after --help. */
-static int parse_args(int argc, char **argv, bench_opts *o) {
+static const struct option k_bench_extra[] = {
+    {"chunk-tokens", required_argument, 0, O_CHUNK_TOKENS},
+    {"modes", required_argument, 0, O_MODES},
+    {"plot", required_argument, 0, O_PLOT},
+    {"url", required_argument, 0, O_URL},
+    {0, 0, 0, 0}};
+
+/* The options a settings table does not express: a range, a list, free text. */
+static rk_status bench_extra(void *ctx, int val, const char *arg) {
+    bench_opts *o = ctx;
+    switch (val) {
+    case O_CHUNK_TOKENS:
+        if (parse_range(arg, &o->chunk_min, &o->chunk_max))
+            return rk_errorf(RK_ERR_INVALID, "bad --chunk-tokens '%s' (want MIN:MAX, e.g. 256:512)",
+                             arg);
+        return RK_OK;
+    case O_MODES:
+        if (parse_modes(arg, o))
+            return rk_errorf(RK_ERR_INVALID,
+                             "bad --modes '%s' (distinct names from plain,prefix,rag,oracle)", arg);
+        return RK_OK;
+    case O_PLOT: o->plot = arg; return RK_OK;
+    case O_URL: o->url = arg; return RK_OK;
+    }
+    return rk_errorf(RK_ERR_INVALID, "unknown option");
+}
+
+/* Parse argv into o; returns 0, or -1 to exit with *out_exit (0 after --help). */
+static int parse_args(int argc, char **argv, bench_opts *o, int *out_exit) {
     memset(o, 0, sizeof *o);
-    rk_config_defaults(&o->cfg);
+    rk_run_opts_defaults(&o->run);
+    int kv_mb_default = o->run.cfg.kv_memory_mb;
+    o->run.cfg.kv_memory_mb = 0; /* below its range: still 0 after parsing = not given */
     o->corpus = 200;
     o->k = 6;
     o->zipf = 1.1;
@@ -207,151 +219,16 @@ static int parse_args(int argc, char **argv, bench_opts *o) {
     o->baseline_every = 1;
     o->http_timeout_s = 600;
     parse_modes("plain,prefix,rag", o);
-    struct option longs[] = {{"model", required_argument, 0, O_MODEL},
-                             {"threads", required_argument, 0, O_THREADS},
-                             {"backend", required_argument, 0, O_BACKEND},
-                             {"kv-memory-mb", required_argument, 0, O_KV_MB},
-                             {"block-size", required_argument, 0, O_BLOCK},
-                             {"log-level", required_argument, 0, O_LOG},
-                             {"corpus", required_argument, 0, O_CORPUS},
-                             {"k", required_argument, 0, O_K},
-                             {"zipf", required_argument, 0, O_ZIPF},
-                             {"chunk-tokens", required_argument, 0, O_CHUNK_TOKENS},
-                             {"question-tokens", required_argument, 0, O_QUESTION_TOKENS},
-                             {"system-tokens", required_argument, 0, O_SYSTEM_TOKENS},
-                             {"systems", required_argument, 0, O_SYSTEMS},
-                             {"requests", required_argument, 0, O_REQUESTS},
-                             {"concurrency", required_argument, 0, O_CONCURRENCY},
-                             {"max-tokens", required_argument, 0, O_MAX_TOKENS},
-                             {"modes", required_argument, 0, O_MODES},
-                             {"prewarm", no_argument, 0, O_PREWARM},
-                             {"steady", required_argument, 0, O_STEADY},
-                             {"seed", required_argument, 0, O_SEED},
-                             {"json", no_argument, 0, O_JSON},
-                             {"plot", required_argument, 0, O_PLOT},
-                             {"url", required_argument, 0, O_URL},
-                             {"http-timeout", required_argument, 0, O_HTTP_TIMEOUT},
-                             {"progress", no_argument, 0, O_PROGRESS},
-                             {"baseline-every", required_argument, 0, O_BASELINE_EVERY},
-                             {"kv-dtype", required_argument, 0, O_KV_DTYPE},
-                             {"help", no_argument, 0, 'h'},
-                             {0, 0, 0, 0}};
-    int c;
-    long v;
-    optind = 1;
-    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
-        switch (c) {
-        case 'h': fputs(k_help, stdout); return -1;
-        case O_MODEL: o->model = optarg; break;
-        case O_THREADS:
-            if (rk_parse_long(optarg, 0, 1024, &v))
-                return usage_error("bad --threads '%s'", optarg);
-            o->cfg.n_threads = (int)v;
-            break;
-        case O_BACKEND: snprintf(o->cfg.backend, sizeof o->cfg.backend, "%s", optarg); break;
-        case O_KV_MB:
-            if (rk_parse_long(optarg, 1, 1 << 24, &v))
-                return usage_error("bad --kv-memory-mb '%s'", optarg);
-            o->cfg.kv_memory_mb = (int)v;
-            o->kv_mb_given = 1;
-            break;
-        case O_BLOCK:
-            if (rk_parse_long(optarg, 1, 1 << 20, &v))
-                return usage_error("bad --block-size '%s'", optarg);
-            o->cfg.block_size = (int)v;
-            break;
-        case O_LOG: {
-            static const char *names[] = {"debug", "info", "warn", "error"};
-            int found = 0;
-            for (int i = 0; i < 4; i++)
-                if (!strcmp(optarg, names[i])) {
-                    rk_log_set_level((rk_log_level)i);
-                    found = 1;
-                }
-            if (!found) return usage_error("bad --log-level '%s'", optarg);
-            break;
-        }
-        case O_CORPUS:
-            if (rk_parse_long(optarg, 1, 1000000, &v))
-                return usage_error("bad --corpus '%s'", optarg);
-            o->corpus = (int)v;
-            break;
-        case O_K:
-            if (rk_parse_long(optarg, 1, 4096, &v)) return usage_error("bad --k '%s'", optarg);
-            o->k = (int)v;
-            break;
-        case O_ZIPF:
-            if (rk_parse_double(optarg, 0, 10, &o->zipf))
-                return usage_error("bad --zipf '%s' (0 to 10)", optarg);
-            break;
-        case O_CHUNK_TOKENS:
-            if (parse_range(optarg, &o->chunk_min, &o->chunk_max))
-                return usage_error("bad --chunk-tokens '%s' (want MIN:MAX, e.g. 256:512)", optarg);
-            break;
-        case O_QUESTION_TOKENS:
-            if (rk_parse_long(optarg, 1, 1 << 20, &v))
-                return usage_error("bad --question-tokens '%s'", optarg);
-            o->question_tokens = (int)v;
-            break;
-        case O_SYSTEM_TOKENS:
-            if (rk_parse_long(optarg, 1, 1 << 20, &v))
-                return usage_error("bad --system-tokens '%s'", optarg);
-            o->system_tokens = (int)v;
-            break;
-        case O_SYSTEMS:
-            if (rk_parse_long(optarg, 1, 1000, &v))
-                return usage_error("bad --systems '%s'", optarg);
-            o->n_systems = (int)v;
-            break;
-        case O_REQUESTS:
-            if (rk_parse_long(optarg, 1, 10000000, &v))
-                return usage_error("bad --requests '%s'", optarg);
-            o->requests = (int)v;
-            break;
-        case O_CONCURRENCY:
-            if (rk_parse_long(optarg, 1, 4096, &v))
-                return usage_error("bad --concurrency '%s'", optarg);
-            o->concurrency = (int)v;
-            break;
-        case O_MAX_TOKENS:
-            if (rk_parse_long(optarg, 1, 1 << 20, &v))
-                return usage_error("bad --max-tokens '%s' (at least 1)", optarg);
-            o->max_tokens = (int)v;
-            break;
-        case O_MODES:
-            if (parse_modes(optarg, o))
-                return usage_error("bad --modes '%s' (distinct names from plain,prefix,rag,oracle)",
-                                   optarg);
-            break;
-        case O_PREWARM: o->prewarm = 1; break;
-        case O_STEADY:
-            if (rk_parse_long(optarg, 0, 99, &v)) return usage_error("bad --steady '%s'", optarg);
-            o->steady_pct = (int)v;
-            break;
-        case O_BASELINE_EVERY:
-            if (rk_parse_long(optarg, 1, 1000000, &v))
-                return usage_error("bad --baseline-every '%s'", optarg);
-            o->baseline_every = (int)v;
-            break;
-        case O_KV_DTYPE: snprintf(o->cfg.kv_dtype, sizeof o->cfg.kv_dtype, "%s", optarg); break;
-        case O_SEED:
-            if (rk_parse_long(optarg, 0, 0x7fffffffffffffffL, &v))
-                return usage_error("bad --seed '%s'", optarg);
-            o->seed = (uint64_t)v;
-            break;
-        case O_JSON: o->json = 1; break;
-        case O_PLOT: o->plot = optarg; break;
-        case O_URL: o->url = optarg; break;
-        case O_PROGRESS: o->progress = 1; break;
-        case O_HTTP_TIMEOUT:
-            if (rk_parse_double(optarg, 0.001, 86400, &o->http_timeout_s))
-                return usage_error("bad --http-timeout '%s'", optarg);
-            break;
-        default: return usage_error("%s", "unknown option");
-        }
-    }
-    if (optind < argc) return usage_error("unexpected argument '%s'", argv[optind]);
-    if (o->k > o->corpus) return usage_error("%s", "--k is larger than --corpus");
+    rk_settings own = {k_bench_settings, sizeof k_bench_settings / sizeof k_bench_settings[0], o};
+    rk_cmdline cl = {
+        .cmd = "bench", .usage = k_help, .extra = k_bench_extra, .on_extra = bench_extra, .ctx = o};
+    if (rk_run_parse(&cl, &o->run, &own, 1, argc, argv, out_exit)) return -1;
+    o->kv_mb_given = o->run.cfg.kv_memory_mb != 0;
+    if (!o->kv_mb_given) o->run.cfg.kv_memory_mb = kv_mb_default;
+    o->model = o->run.model[0] ? o->run.model : NULL;
+    *out_exit = EXIT_USAGE;
+    if (rk_run_opts_apply(&o->run)) return usage_error("%s", rk_error_message()), -1;
+    if (o->k > o->corpus) return usage_error("%s", "--k is larger than --corpus"), -1;
     return 0;
 }
 
@@ -947,7 +824,7 @@ static int warned_pools;
 static rk_status run_inproc(bench *b, int mode) {
     mode_result *m = &b->res[mode];
     const workload *w = &b->w;
-    rk_config cfg = b->o.cfg;
+    rk_config cfg = b->o.run.cfg;
     if (cfg.max_chunks < w->k) cfg.max_chunks = w->k;
     if (cfg.max_chunks < PREWARM_GROUP) cfg.max_chunks = PREWARM_GROUP;
     int cb = 0;
@@ -1658,7 +1535,7 @@ static void print_table(bench *b, int http) {
     const workload *w = &b->w;
     const bench_opts *o = &b->o;
     printf("ragkv bench: %s (%s), %s, %d threads\n", b->model_name, b->model_desc,
-           http ? o->url : "in-process", o->cfg.n_threads);
+           http ? o->url : "in-process", o->run.cfg.n_threads);
     double mean_chunk = (double)w->corpus_tokens / w->n_chunks;
     printf("workload: %d chunks of %d..%d tokens (mean %.0f, %ld in all), %d system prompts, "
            "k %d, Zipf s %.2f, question %d tokens,\n          %d requests, concurrency %d, "
@@ -1893,7 +1770,7 @@ static json_t *bench_json(const bench *b, int http, int all_ok) {
     json_object_set_new(root, "model_name", json_string(b->model_desc));
     json_object_set_new(root, "transport", json_string(http ? "http" : "in-process"));
     if (http) json_object_set_new(root, "url", json_string(o->url));
-    json_object_set_new(root, "threads", json_integer(o->cfg.n_threads));
+    json_object_set_new(root, "threads", json_integer(o->run.cfg.n_threads));
     json_object_set_new(root, "workload", wl);
     json_object_set_new(root, "order", order);
     json_object_set_new(root, "modes", modes);
@@ -2145,10 +2022,10 @@ int rk_bench_main(int argc, char **argv) {
         fprintf(stderr, "ragkv bench: out of memory\n");
         return EXIT_FAILURE;
     }
-    int rc = parse_args(argc, argv, &b->o);
-    if (rc) {
+    int rc;
+    if (parse_args(argc, argv, &b->o, &rc)) {
         free(b);
-        return rc < 0 ? 0 : rc;
+        return rc;
     }
     bench_opts *o = &b->o;
     int http = o->url != NULL;
@@ -2159,13 +2036,8 @@ int rk_bench_main(int argc, char **argv) {
     b->model_name = o->model ? o->model : "embedded";
     snprintf(b->model_desc, sizeof b->model_desc, "%s", o->model ? "" : "ragkv tiny");
     b->progress = o->progress || isatty(STDERR_FILENO);
-    if (o->cfg.n_threads == 0) o->cfg.n_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (o->run.cfg.n_threads == 0) o->run.cfg.n_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (http && (st = http_parse_url(o->url, o->http_timeout_s, &target))) {
-        fprintf(stderr, "ragkv bench: %s\n", rk_error_message());
-        free(b);
-        return EXIT_USAGE;
-    }
-    if ((st = rk_config_validate(&o->cfg))) {
         fprintf(stderr, "ragkv bench: %s\n", rk_error_message());
         free(b);
         return EXIT_USAGE;

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 
+#include "config/settings.h"
 #include "pipeline/pipeline.h"
 
 #define EXIT_USAGE 2
@@ -25,56 +26,16 @@ static inline int usage_error(const char *cmd, const char *fmt, const char *arg)
     return EXIT_USAGE;
 }
 
-/* ---------------------------------------------------------------- common options */
+/* ---------------------------------------------------------------- model options */
 
-/* Options every model-running subcommand takes. */
-typedef struct common_opts {
-    const char *model;
-    rk_config cfg;
-} common_opts;
+/* rk_run_parse, then rk_run_opts_apply (a failure there is a usage error).
+ * Returns 0 to go on, or -1 to exit with *out_exit. */
+int rk_cli_parse_run(rk_cmdline *cl, rk_run_opts *run, const rk_settings *own, int n_own, int argc,
+                     char **argv, int *out_exit);
 
-enum {
-    OPT_MODEL = 1000,
-    OPT_THREADS,
-    OPT_BACKEND,
-    OPT_KV_MB,
-    OPT_LOG,
-    OPT_BLOCK,
-    OPT_STORE,
-    OPT_STORE_MB,
-    OPT_KV_DTYPE,
-};
-
-#define COMMON_LONG_OPTS                                                                           \
-    {"model", required_argument, 0, OPT_MODEL}, {"threads", required_argument, 0, OPT_THREADS},    \
-        {"backend", required_argument, 0, OPT_BACKEND},                                            \
-        {"kv-memory-mb", required_argument, 0, OPT_KV_MB},                                         \
-        {"block-size", required_argument, 0, OPT_BLOCK},                                           \
-        {"store", required_argument, 0, OPT_STORE},                                                \
-        {"kv-dtype", required_argument, 0, OPT_KV_DTYPE},                                          \
-        {"store-budget-mb", required_argument, 0, OPT_STORE_MB},                                   \
-        {"log-level", required_argument, 0, OPT_LOG}, {                                            \
-        "help", no_argument, 0, 'h'                                                                \
-    }
-
-static const char COMMON_HELP[] =
-    "  --model F.gguf        model file (default: the embedded `tiny` model)\n"
-    "  --threads N           compute threads (default: one per core)\n"
-    "  --backend cpu|cuda    compute backend (default: cpu)\n"
-    "  --kv-memory-mb N      KV cache budget in MiB (default: 1024)\n"
-    "  --block-size N        tokens per KV block, power of two 8..64 (default: 16)\n"
-    "  --kv-dtype T          KV storage type: f32 (default), f16 or bf16\n"
-    "  --store DIR           persistent chunk store (the disk tier); created if missing\n"
-    "  --store-budget-mb N   payload MiB kept on disk, least recently used evicted (0 = no limit)\n"
-    "  --log-level L         debug|info|warn|error (default: warn)\n";
-
-/* Handle one common option; returns 1 if handled, 0 if not common, -1 on bad value. */
-int rk_cli_common_opt(const char *cmd, int c, common_opts *o);
-
-static inline rk_status open_service(common_opts *o, rk_service **out) {
-    rk_status st = rk_config_validate(&o->cfg);
-    if (st) return st;
-    return rk_service_open(&o->cfg, o->model, out);
+/* The service of o: its model, or the embedded one. */
+static inline rk_status open_service(rk_run_opts *o, rk_service **out) {
+    return rk_service_open(&o->cfg, o->model[0] ? o->model : NULL, out);
 }
 
 /* ---------------------------------------------------------------- subcommands */

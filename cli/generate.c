@@ -10,14 +10,6 @@
 #include "engine/gguf.h"
 #include "gateway/report.h"
 
-/* A float flag in [lo, hi] (see rk_parse_double). */
-static int parse_float(const char *s, float lo, float hi, float *out) {
-    double v;
-    if (rk_parse_double(s, lo, hi, &v)) return -1;
-    *out = (float)v;
-    return 0;
-}
-
 /* ---------------------------------------------------------------- generate */
 
 typedef struct print_ctx {
@@ -85,164 +77,132 @@ static int generate_one(rk_service *svc, const char *prompt, const char *sep,
     return 0;
 }
 
+/* generate's own options: the settings in k_generate_settings, the rest
+ * through generate_extra. */
+typedef struct gen_args {
+    rk_req_options opt;
+    long long repeat;
+    long long seed; /* -1: random */
+    int json;
+    int prefix_cache; /* -1: the mode's default */
+    char prompts_file[4096];
+    const char *prompt, *sep;
+} gen_args;
+
+#define G_OFF(m) offsetof(gen_args, m)
+
+static const rk_setting k_generate_settings[] = {
+    {"prompts", "prompts", RK_SET_STR, G_OFF(prompts_file), sizeof(((gen_args *)0)->prompts_file),
+     0, 0, 0, 0, "FILE  one prompt per line, run in order in one process"},
+    {"repeat", "repeat", RK_SET_LONG, G_OFF(repeat), 0, 1, 1000000, 0, 0,
+     "N  run the prompt(s) N times (default: 1), sharing the caches"},
+    {"max_tokens", "max-tokens", RK_SET_INT, G_OFF(opt.max_tokens), 0, 0, 1 << 20, 0, 0,
+     "N  tokens to generate, also -n N (default: 128)"},
+    {"temperature", "temp", RK_SET_FLOAT, G_OFF(opt.sampling.temperature), 0, 0, 100, 0, 0,
+     "T  sampling temperature, 0 = greedy (default: 1.0)"},
+    {"top_k", "top-k", RK_SET_INT, G_OFF(opt.sampling.top_k), 0, 0, 1 << 24, 0, 0,
+     "K  keep the K most likely tokens (default: 0 = off)"},
+    {"top_p", "top-p", RK_SET_FLOAT, G_OFF(opt.sampling.top_p), 0, 1e-6, 1, 0, 0,
+     "P  nucleus sampling threshold (default: 1.0 = off)"},
+    {"seed", "seed", RK_SET_LONG, G_OFF(seed), 0, 0, 0x7fffffffffffffffLL, 0, 0,
+     "S  sampling seed (default: random)"},
+    {"stop_at_eog", "ignore-eos", RK_SET_BOOL, G_OFF(opt.stop_at_eog), 0, 0, 1, 1, 0,
+     "  keep generating after an end-of-generation token"},
+    {"prefix_cache", "no-prefix-cache", RK_SET_BOOL, G_OFF(prefix_cache), 0, 0, 1, 1, 0,
+     "  do not reuse the system prompt through the radix cache"},
+    {"repair_k", "repair-k", RK_SET_INT, G_OFF(opt.repair_k), 0, 0, 1 << 20, 0, 0,
+     "K  repair: recompute the first K tokens of each chunk over the merged cache (0 = off)"},
+    {"repair_ratio", "repair-ratio", RK_SET_FLOAT, G_OFF(opt.repair_ratio), 0, 0, 1, 0, 0,
+     "R  repair: recompute the fraction R of chunk tokens that deviate most (0 = off)"},
+    {"logprobs", "logprobs", RK_SET_INT, G_OFF(opt.n_logprobs), 0, 0, 20, 0, 0,
+     "N  top-N log-probabilities per token (0-20, with --json)"},
+    {"json", "json", RK_SET_BOOL, G_OFF(json), 0, 0, 1, 0, 0,
+     "  one completion object per request, as POST /v1/completions"},
+};
+
+enum { O_PROMPT = 1, O_SEP, O_CC, O_MODE, O_CTX, O_POS };
+
+static const struct option k_generate_extra[] = {{"prompt", required_argument, 0, O_PROMPT},
+                                                 {"separator", required_argument, 0, O_SEP},
+                                                 {"chunk-cache", required_argument, 0, O_CC},
+                                                 {"mode", required_argument, 0, O_MODE},
+                                                 {"chunk-context", required_argument, 0, O_CTX},
+                                                 {"position-mode", required_argument, 0, O_POS},
+                                                 {0, 0, 0, 0}};
+
+/* Choices and free text: what a settings table does not express. */
+static rk_status generate_extra(void *ctx, int val, const char *arg) {
+    gen_args *g = ctx;
+    int r = 0;
+    switch (val) {
+    case 'n': {
+        rk_settings own = {k_generate_settings,
+                           sizeof k_generate_settings / sizeof k_generate_settings[0], g};
+        return rk_setting_parse(g, rk_settings_find(&own, 1, "max_tokens", NULL), arg);
+    }
+    case O_PROMPT: g->prompt = arg; return RK_OK;
+    case O_SEP:
+        if (rk_separator_check(arg)) return rk_errorf(RK_ERR_INVALID, "bad --separator '%s'", arg);
+        g->sep = arg;
+        return RK_OK;
+    case O_CC:
+        if ((r = choice(arg, "off", "on")) < 0)
+            return rk_errorf(RK_ERR_INVALID, "--chunk-cache is on or off, not '%s'", arg);
+        g->opt.chunk_cache = r;
+        return RK_OK;
+    case O_MODE:
+        if ((r = choice(arg, "rag", "plain")) < 0)
+            return rk_errorf(RK_ERR_INVALID, "--mode is rag or plain, not '%s'", arg);
+        g->opt.mode_plain = r;
+        return RK_OK;
+    case O_CTX:
+        if ((r = choice(arg, "isolated", "system")) < 0)
+            return rk_errorf(RK_ERR_INVALID, "--chunk-context is isolated or system, not '%s'",
+                             arg);
+        g->opt.context_system = r;
+        return RK_OK;
+    case O_POS:
+        if ((r = choice(arg, "sequential", "parallel")) < 0)
+            return rk_errorf(RK_ERR_INVALID, "--position-mode is sequential or parallel, not '%s'",
+                             arg);
+        g->opt.positions = r ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
+        return RK_OK;
+    }
+    return rk_errorf(RK_ERR_INVALID, "unknown option");
+}
+
 int rk_cli_generate(int argc, char **argv) {
     static const char *help =
         "usage: ragkv generate [--model F.gguf] (--prompt TEXT | --prompts FILE) [options]\n"
         "Answer prompts in-process (no HTTP). A prompt may be `system##chunk##...##question`:\n"
         "each chunk's KV is computed once and reused wherever it appears again.\n"
         "  --prompt TEXT         the prompt (BOS is added when the model asks for it)\n"
-        "  --prompts FILE        one prompt per line, run in order in one process\n"
-        "  --repeat N            run the prompt(s) N times (default: 1), sharing the caches\n"
-        "  -n, --max-tokens N    tokens to generate (default: 128)\n"
-        "  --temp T              sampling temperature, 0 = greedy (default: 1.0)\n"
-        "  --top-k K             keep the K most likely tokens (default: 0 = off)\n"
-        "  --top-p P             nucleus sampling threshold (default: 1.0 = off)\n"
-        "  --seed S              sampling seed (default: random)\n"
-        "  --ignore-eos          keep generating after an end-of-generation token\n"
         "  --separator S         piece separator (default: ##; \\#\\# is a literal ##)\n"
         "  --chunk-cache on|off  off = the oracle: chunks computed fresh at their position\n"
         "  --mode rag|plain      plain = the pieces as one ordinary sequence, no caches\n"
         "  --chunk-context isolated|system   what a chunk's KV is computed after\n"
-        "  --position-mode sequential|parallel   where chunks go in the sequence\n"
-        "  --no-prefix-cache     do not reuse the system prompt through the radix cache\n"
-        "  --repair-k K          repair: recompute the first K tokens of every chunk with\n"
-        "                        full attention over the merged cache (default: 0 = none)\n"
-        "  --repair-ratio R      repair: recompute the fraction R (0-1) of chunk tokens whose\n"
-        "                        layer-1 K/V deviate most from fresh ones (CacheBlend style)\n"
-        "  --logprobs N          top-N log-probabilities per token (0-20, with --json)\n"
-        "  --json                one completion object per request, as POST /v1/completions\n";
-    common_opts o = {0};
-    rk_config_defaults(&o.cfg);
-    rk_req_options opt;
-    rk_req_options_default(&opt);
-    opt.sampling.seed = (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
-    const char *prompt = NULL, *prompts_file = NULL, *sep = "##";
-    long repeat = 1, v;
-    int json = 0, prefix_flag = -1, c, r;
-    enum {
-        O_PROMPT = 1,
-        O_PROMPTS,
-        O_REPEAT,
-        O_TEMP,
-        O_TOPK,
-        O_TOPP,
-        O_SEED,
-        O_JSON,
-        O_IGNORE_EOS,
-        O_SEP,
-        O_CC,
-        O_MODE,
-        O_CTX,
-        O_POS,
-        O_LOGPROBS,
-        O_NOPREFIX,
-        O_REPAIR,
-        O_REPAIR_RATIO
-    };
-    struct option longs[] = {COMMON_LONG_OPTS,
-                             {"prompt", required_argument, 0, O_PROMPT},
-                             {"prompts", required_argument, 0, O_PROMPTS},
-                             {"repeat", required_argument, 0, O_REPEAT},
-                             {"max-tokens", required_argument, 0, 'n'},
-                             {"temp", required_argument, 0, O_TEMP},
-                             {"top-k", required_argument, 0, O_TOPK},
-                             {"top-p", required_argument, 0, O_TOPP},
-                             {"seed", required_argument, 0, O_SEED},
-                             {"json", no_argument, 0, O_JSON},
-                             {"ignore-eos", no_argument, 0, O_IGNORE_EOS},
-                             {"separator", required_argument, 0, O_SEP},
-                             {"chunk-cache", required_argument, 0, O_CC},
-                             {"mode", required_argument, 0, O_MODE},
-                             {"chunk-context", required_argument, 0, O_CTX},
-                             {"position-mode", required_argument, 0, O_POS},
-                             {"logprobs", required_argument, 0, O_LOGPROBS},
-                             {"no-prefix-cache", no_argument, 0, O_NOPREFIX},
-                             {"repair-k", required_argument, 0, O_REPAIR},
-                             {"repair-ratio", required_argument, 0, O_REPAIR_RATIO},
-                             {0, 0, 0, 0}};
-    optind = 1;
-    while ((c = getopt_long(argc, argv, "n:h", longs, NULL)) != -1) {
-        if ((r = rk_cli_common_opt("generate", c, &o)) < 0) return EXIT_USAGE;
-        if (r > 0) continue;
-        switch (c) {
-        case 'h': fputs(help, stdout), fputs(COMMON_HELP, stdout); return 0;
-        case O_PROMPT: prompt = optarg; break;
-        case O_PROMPTS: prompts_file = optarg; break;
-        case O_REPEAT:
-            if (rk_parse_long(optarg, 1, 1000000, &repeat))
-                return usage_error("generate", "bad --repeat '%s'", optarg);
-            break;
-        case 'n':
-            if (rk_parse_long(optarg, 0, 1 << 20, &v))
-                return usage_error("generate", "bad -n '%s'", optarg);
-            opt.max_tokens = (int)v;
-            break;
-        case O_TEMP:
-            if (parse_float(optarg, 0, 100, &opt.sampling.temperature))
-                return usage_error("generate", "bad --temp '%s'", optarg);
-            break;
-        case O_TOPK:
-            if (rk_parse_long(optarg, 0, 1 << 24, &v))
-                return usage_error("generate", "bad --top-k '%s'", optarg);
-            opt.sampling.top_k = (int)v;
-            break;
-        case O_TOPP:
-            if (parse_float(optarg, 1e-6f, 1, &opt.sampling.top_p))
-                return usage_error("generate", "bad --top-p '%s'", optarg);
-            break;
-        case O_SEED:
-            if (rk_parse_long(optarg, 0, 0x7fffffffffffffffL, &v))
-                return usage_error("generate", "bad --seed '%s'", optarg);
-            opt.sampling.seed = (uint64_t)v;
-            break;
-        case O_JSON: json = 1; break;
-        case O_IGNORE_EOS: opt.stop_at_eog = 0; break;
-        case O_SEP:
-            if (rk_separator_check(optarg))
-                return usage_error("generate", "bad --separator '%s'", optarg);
-            sep = optarg;
-            break;
-        case O_CC:
-            if ((r = choice(optarg, "off", "on")) < 0)
-                return usage_error("generate", "--chunk-cache is on or off, not '%s'", optarg);
-            opt.chunk_cache = r;
-            break;
-        case O_MODE:
-            if ((r = choice(optarg, "rag", "plain")) < 0)
-                return usage_error("generate", "--mode is rag or plain, not '%s'", optarg);
-            opt.mode_plain = r;
-            break;
-        case O_CTX:
-            if ((r = choice(optarg, "isolated", "system")) < 0)
-                return usage_error("generate", "--chunk-context is isolated or system, not '%s'",
-                                   optarg);
-            opt.context_system = r;
-            break;
-        case O_POS:
-            if ((r = choice(optarg, "sequential", "parallel")) < 0)
-                return usage_error("generate",
-                                   "--position-mode is sequential or parallel, not '%s'", optarg);
-            opt.positions = r ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
-            break;
-        case O_LOGPROBS:
-            if (rk_parse_long(optarg, 0, 20, &v))
-                return usage_error("generate", "bad --logprobs '%s' (0 to 20)", optarg);
-            opt.n_logprobs = (int)v;
-            break;
-        case O_NOPREFIX: prefix_flag = 0; break;
-        case O_REPAIR:
-            if (rk_parse_long(optarg, 0, 1 << 20, &v))
-                return usage_error("generate", "bad --repair-k '%s'", optarg);
-            opt.repair_k = (int)v;
-            break;
-        case O_REPAIR_RATIO:
-            if (parse_float(optarg, 0, 1, &opt.repair_ratio))
-                return usage_error("generate", "bad --repair-ratio '%s' (0 to 1)", optarg);
-            break;
-        default: return usage_error("generate", "%s", "unknown option");
-        }
-    }
-    if (optind < argc) return usage_error("generate", "unexpected argument '%s'", argv[optind]);
+        "  --position-mode sequential|parallel   where chunks go in the sequence\n";
+    rk_run_opts o;
+    rk_run_opts_defaults(&o);
+    gen_args g = {.repeat = 1, .seed = -1, .prefix_cache = -1, .sep = "##"};
+    rk_req_options_default(&g.opt);
+    rk_settings own = {k_generate_settings,
+                       sizeof k_generate_settings / sizeof k_generate_settings[0], &g};
+    rk_cmdline cl = {.cmd = "generate",
+                     .usage = help,
+                     .extra = k_generate_extra,
+                     .shorts = "n:",
+                     .on_extra = generate_extra,
+                     .ctx = &g};
+    int exit_code;
+    if (rk_cli_parse_run(&cl, &o, &own, 1, argc, argv, &exit_code)) return exit_code;
+    rk_req_options opt = g.opt;
+    opt.sampling.seed =
+        g.seed >= 0 ? (uint64_t)g.seed : (uint64_t)time(NULL) ^ ((uint64_t)getpid() << 32);
+    const char *prompt = g.prompt, *prompts_file = g.prompts_file[0] ? g.prompts_file : NULL;
+    const char *sep = g.sep;
+    long repeat = (long)g.repeat;
+    int json = g.json, prefix_flag = g.prefix_cache;
     if (!prompt == !prompts_file)
         return usage_error("generate", "%s", "give exactly one of --prompt and --prompts");
     /* Plain mode is the no-cache reference unless asked otherwise. */
@@ -309,39 +269,55 @@ int rk_cli_generate(int argc, char **argv) {
 
 /* ---------------------------------------------------------------- tokenize / detokenize */
 
+/* tokenize and detokenize: the text or ids, and whether specials count. */
+typedef struct tok_args {
+    int special;
+    const char *text;
+} tok_args;
+
+static const rk_setting k_tokenize_settings[] = {
+    {"special", "special", RK_SET_BOOL, offsetof(tok_args, special), 0, 0, 1, 0, 0,
+     "  special tokens: recognised in the text (tokenize), rendered (detokenize)"},
+};
+
+static rk_status tok_extra(void *ctx, int val, const char *arg) {
+    ((tok_args *)ctx)->text = arg;
+    return RK_OK;
+}
+
+/* Parse tokenize's or detokenize's command line; the one extra option
+ * (--text or --ids, named by flag) is required. */
+static int parse_tok_args(const char *cmd, const char *help, const char *flag, int argc,
+                          char **argv, rk_run_opts *o, tok_args *t, int *out_exit) {
+    rk_run_opts_defaults(o);
+    rk_settings own = {k_tokenize_settings, 1, t};
+    struct option extra[] = {{flag, required_argument, 0, 1}, {0, 0, 0, 0}};
+    rk_cmdline cl = {.cmd = cmd, .usage = help, .extra = extra, .on_extra = tok_extra, .ctx = t};
+    if (rk_cli_parse_run(&cl, o, &own, 1, argc, argv, out_exit)) return -1;
+    if (!t->text) {
+        char what[64];
+        snprintf(what, sizeof what, "--%s is required", flag);
+        *out_exit = usage_error(cmd, "%s", what);
+        return -1;
+    }
+    return 0;
+}
+
 int rk_cli_tokenize(int argc, char **argv) {
     static const char *help = "usage: ragkv tokenize [--model F.gguf] --text TEXT [--special]\n"
                               "Print the token ids of TEXT as a JSON array (no BOS added).\n"
-                              "  --special             recognise special tokens in the text\n";
-    common_opts o = {0};
-    rk_config_defaults(&o.cfg);
-    const char *text = NULL;
-    int special = 0;
-    struct option longs[] = {COMMON_LONG_OPTS,
-                             {"text", required_argument, 0, 't'},
-                             {"special", no_argument, 0, 's'},
-                             {0, 0, 0, 0}};
-    int c;
-    optind = 1;
-    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
-        int r = rk_cli_common_opt("tokenize", c, &o);
-        if (r < 0) return EXIT_USAGE;
-        if (r > 0) continue;
-        if (c == 'h') return fputs(help, stdout), fputs(COMMON_HELP, stdout), 0;
-        if (c == 't')
-            text = optarg;
-        else if (c == 's')
-            special = 1;
-        else
-            return usage_error("tokenize", "%s", "unknown option");
-    }
-    if (!text) return usage_error("tokenize", "%s", "--text is required");
-    if (optind < argc) return usage_error("tokenize", "unexpected argument '%s'", argv[optind]);
+                              "  --text TEXT           the text\n";
+    rk_run_opts o;
+    tok_args ta = {0};
+    int exit_code;
+    if (parse_tok_args("tokenize", help, "text", argc, argv, &o, &ta, &exit_code)) return exit_code;
+    const char *text = ta.text;
+    int special = ta.special;
     /* Only the tokenizer is needed: read it from the file without loading weights. */
     rk_tokenizer *tok = NULL;
     rk_service *svc = NULL;
     rk_gguf *g = NULL;
-    if (o.model) {
+    if (o.model[0]) {
         if (rk_gguf_open(o.model, &g) || rk_tokenizer_from_gguf(g, &tok)) {
             rk_gguf_close(g);
             return fail("cannot read the tokenizer");
@@ -370,30 +346,14 @@ int rk_cli_tokenize(int argc, char **argv) {
 int rk_cli_detokenize(int argc, char **argv) {
     static const char *help = "usage: ragkv detokenize [--model F.gguf] --ids 1,2,3 [--special]\n"
                               "Print the text of comma-separated token ids.\n"
-                              "  --special             render special tokens as their text\n";
-    common_opts o = {0};
-    rk_config_defaults(&o.cfg);
-    const char *ids_arg = NULL;
-    int special = 0;
-    struct option longs[] = {COMMON_LONG_OPTS,
-                             {"ids", required_argument, 0, 'i'},
-                             {"special", no_argument, 0, 's'},
-                             {0, 0, 0, 0}};
-    int c;
-    optind = 1;
-    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
-        int r = rk_cli_common_opt("detokenize", c, &o);
-        if (r < 0) return EXIT_USAGE;
-        if (r > 0) continue;
-        if (c == 'h') return fputs(help, stdout), fputs(COMMON_HELP, stdout), 0;
-        if (c == 'i')
-            ids_arg = optarg;
-        else if (c == 's')
-            special = 1;
-        else
-            return usage_error("detokenize", "%s", "unknown option");
-    }
-    if (!ids_arg) return usage_error("detokenize", "%s", "--ids is required");
+                              "  --ids 1,2,3           the token ids\n";
+    rk_run_opts o;
+    tok_args ta = {0};
+    int exit_code;
+    if (parse_tok_args("detokenize", help, "ids", argc, argv, &o, &ta, &exit_code))
+        return exit_code;
+    const char *ids_arg = ta.text;
+    int special = ta.special;
     size_t cap = strlen(ids_arg) / 2 + 1, n = 0;
     int32_t *ids = malloc(cap * sizeof *ids);
     if (!ids) return fail("out of memory");
@@ -412,7 +372,7 @@ int rk_cli_detokenize(int argc, char **argv) {
     rk_service *svc = NULL;
     rk_gguf *g = NULL;
     int rc = 0;
-    if (o.model) {
+    if (o.model[0]) {
         if (rk_gguf_open(o.model, &g) || rk_tokenizer_from_gguf(g, &tok))
             rc = fail("cannot read the tokenizer");
     } else if (open_service(&o, &svc)) {

@@ -9,50 +9,12 @@
 #include "cli/cli.h"
 #include "gateway/server.h"
 
-int rk_cli_common_opt(const char *cmd, int c, common_opts *o) {
-    long v;
-    switch (c) {
-    case OPT_MODEL: o->model = optarg; return 1;
-    case OPT_THREADS:
-        if (rk_parse_long(optarg, 0, 1024, &v))
-            return usage_error(cmd, "bad --threads '%s'", optarg), -1;
-        o->cfg.n_threads = (int)v;
-        return 1;
-    case OPT_BACKEND: snprintf(o->cfg.backend, sizeof o->cfg.backend, "%s", optarg); return 1;
-    case OPT_KV_MB:
-        if (rk_parse_long(optarg, 1, 1 << 24, &v))
-            return usage_error(cmd, "bad --kv-memory-mb '%s'", optarg), -1;
-        o->cfg.kv_memory_mb = (int)v;
-        return 1;
-    case OPT_KV_DTYPE:
-        if (strcmp(optarg, "f32") && strcmp(optarg, "f16") && strcmp(optarg, "bf16"))
-            return usage_error(cmd, "--kv-dtype is f32, f16 or bf16, not '%s'", optarg), -1;
-        snprintf(o->cfg.kv_dtype, sizeof o->cfg.kv_dtype, "%s", optarg);
-        return 1;
-    case OPT_STORE:
-        if (strlen(optarg) >= sizeof o->cfg.store_dir)
-            return usage_error(cmd, "--store path too long: '%s'", optarg), -1;
-        snprintf(o->cfg.store_dir, sizeof o->cfg.store_dir, "%s", optarg);
-        return 1;
-    case OPT_STORE_MB:
-        if (rk_parse_long(optarg, 0, 1 << 30, &v))
-            return usage_error(cmd, "bad --store-budget-mb '%s'", optarg), -1;
-        o->cfg.store_budget_mb = (int)v;
-        return 1;
-    case OPT_BLOCK:
-        if (rk_parse_long(optarg, 1, 1 << 20, &v))
-            return usage_error(cmd, "bad --block-size '%s'", optarg), -1;
-        o->cfg.block_size = (int)v;
-        return 1;
-    case OPT_LOG: {
-        static const char *names[] = {"debug", "info", "warn", "error"};
-        for (int i = 0; i < 4; i++)
-            if (!strcmp(optarg, names[i])) {
-                rk_log_set_level((rk_log_level)i);
-                return 1;
-            }
-        return usage_error(cmd, "bad --log-level '%s'", optarg), -1;
-    }
+int rk_cli_parse_run(rk_cmdline *cl, rk_run_opts *run, const rk_settings *own, int n_own, int argc,
+                     char **argv, int *out_exit) {
+    if (rk_run_parse(cl, run, own, n_own, argc, argv, out_exit)) return -1;
+    if (rk_run_opts_apply(run)) {
+        *out_exit = usage_error(cl->cmd, "%s", rk_error_message());
+        return -1;
     }
     return 0;
 }

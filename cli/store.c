@@ -20,40 +20,38 @@ static void progress(size_t done, size_t total, double t0) {
     fflush(stderr);
 }
 
+typedef struct prewarm_args {
+    char input[4096];
+    long long batch;
+} prewarm_args;
+
+static const rk_setting k_prewarm_settings[] = {
+    {"input", "input", RK_SET_STR, offsetof(prewarm_args, input),
+     sizeof(((prewarm_args *)0)->input), 0, 0, 0, 0,
+     "F.jsonl  the chunks, one JSON object per line"},
+    {"batch", "batch", RK_SET_LONG, offsetof(prewarm_args, batch), 0, 1, 100000, 0, 0,
+     "N  chunks per engine call (default: 64)"},
+};
+
 int rk_cli_prewarm(int argc, char **argv) {
     static const char *help =
         "usage: ragkv prewarm --input F.jsonl --store DIR [--model F.gguf] [options]\n"
         "Compute the KV of document chunks offline and write it to the store, without the\n"
         "HTTP server. Input lines are {\"id\": \"...\", \"text\": \"...\"}. Chunks already\n"
         "stored are skipped, so an interrupted run can be rerun. Malformed lines are reported\n"
-        "with their line number and skipped; the exit status is then 1.\n"
-        "  --input F.jsonl       the chunks, one JSON object per line\n"
-        "  --batch N             chunks per engine call (default: 64)\n";
-    common_opts o = {0};
-    rk_config_defaults(&o.cfg);
-    const char *input = NULL;
-    long batch = 64;
-    struct option longs[] = {COMMON_LONG_OPTS,
-                             {"input", required_argument, 0, 'i'},
-                             {"batch", required_argument, 0, 'b'},
-                             {0, 0, 0, 0}};
-    int c, r;
-    optind = 1;
-    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
-        if ((r = rk_cli_common_opt("prewarm", c, &o)) < 0) return EXIT_USAGE;
-        if (r > 0) continue;
-        if (c == 'h') return fputs(help, stdout), fputs(COMMON_HELP, stdout), 0;
-        if (c == 'i')
-            input = optarg;
-        else if (c == 'b') {
-            if (rk_parse_long(optarg, 1, 100000, &batch))
-                return usage_error("prewarm", "bad --batch '%s'", optarg);
-        } else
-            return usage_error("prewarm", "%s", "unknown option");
-    }
-    if (!input) return usage_error("prewarm", "%s", "--input is required");
+        "with their line number and skipped; the exit status is then 1.\n";
+    rk_run_opts o;
+    rk_run_opts_defaults(&o);
+    prewarm_args pa = {.batch = 64};
+    rk_settings own = {k_prewarm_settings, sizeof k_prewarm_settings / sizeof k_prewarm_settings[0],
+                       &pa};
+    rk_cmdline cl = {.cmd = "prewarm", .usage = help};
+    int exit_code;
+    if (rk_cli_parse_run(&cl, &o, &own, 1, argc, argv, &exit_code)) return exit_code;
+    const char *input = pa.input;
+    long batch = (long)pa.batch;
+    if (!input[0]) return usage_error("prewarm", "%s", "--input is required");
     if (!o.cfg.store_dir[0]) return usage_error("prewarm", "%s", "--store is required");
-    if (optind < argc) return usage_error("prewarm", "unexpected argument '%s'", argv[optind]);
     FILE *f = fopen(input, "rb");
     if (!f) {
         rk_error_setf("%s: %s", input, strerror(errno));
