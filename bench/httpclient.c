@@ -70,12 +70,10 @@ static long dechunk(char *s, size_t len) {
     return (long)out;
 }
 
-/* One HTTP/1.1 exchange on a fresh connection (Connection: close). On
- * success *out_body is the malloc'ed NUL-terminated body (caller frees). */
-rk_status rk_http_request(const rk_http_target *t, const char *method, const char *path,
-                          const char *body, size_t body_len, int *out_status, char **out_body) {
-    *out_body = NULL;
-    *out_status = 0;
+rk_status rk_http_exchange(const rk_http_target *t, const char *method, const char *path,
+                           const char *headers, const char *body, size_t body_len,
+                           rk_http_response *out) {
+    memset(out, 0, sizeof *out);
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0) return rk_errorf(RK_ERR_IO, "http: socket: %s", strerror(errno));
     struct timeval tv = {.tv_sec = (time_t)t->timeout_s,
@@ -91,29 +89,42 @@ rk_status rk_http_request(const rk_http_target *t, const char *method, const cha
         return rk_errorf(RK_ERR_IO, "http: cannot connect to %s:%d: %s", t->host, t->port,
                          strerror(e));
     }
-    char head[512];
-    int hn = snprintf(head, sizeof head,
+    size_t extra = headers ? strlen(headers) : 0;
+    char *head = malloc(512 + extra);
+    if (!head) {
+        close(fd);
+        return rk_errorf(RK_ERR_NOMEM, "http: out of memory");
+    }
+    int hn = snprintf(head, 512,
                       "%s %s HTTP/1.1\r\nHost: %s:%d\r\nUser-Agent: ragkv\r\n"
                       "Accept: application/json\r\nConnection: close\r\n",
                       method, path, t->host, t->port);
     if (body)
-        hn += snprintf(head + hn, sizeof head - (size_t)hn,
+        hn += snprintf(head + hn, 512 - (size_t)hn,
                        "Content-Type: application/json\r\nContent-Length: %zu\r\n", body_len);
-    hn += snprintf(head + hn, sizeof head - (size_t)hn, "\r\n");
+    memcpy(head + hn, headers ? headers : "", extra);
+    hn += (int)extra;
+    memcpy(head + hn, "\r\n", 2);
+    hn += 2;
     const char *parts[2] = {head, body};
     size_t lens[2] = {(size_t)hn, body ? body_len : 0};
     for (int p = 0; p < 2; p++)
         for (size_t off = 0; off < lens[p];) {
             ssize_t k = send(fd, parts[p] + off, lens[p] - off, MSG_NOSIGNAL);
             if (k < 0 && errno == EINTR) continue;
+            /* A server refusing a body (413) may close before reading all of
+             * it: its answer is still there to read. */
+            if (k < 0 && p == 1 && (errno == EPIPE || errno == ECONNRESET)) break;
             if (k <= 0) {
                 int e = errno;
                 close(fd);
+                free(head);
                 return rk_errorf(RK_ERR_IO, "http: send to %s:%d: %s", t->host, t->port,
                                  strerror(e));
             }
             off += (size_t)k;
         }
+    free(head);
     struct {
         char *s;
         size_t len, cap;
@@ -173,17 +184,48 @@ rk_status rk_http_request(const rk_http_target *t, const char *method, const cha
     } else if (clen >= 0 && (size_t)clen < blen) {
         blen = (size_t)clen;
     }
-    char *out = malloc(blen + 1);
-    if (!out) {
-        free(in.s);
-        return rk_errorf(RK_ERR_NOMEM, "http: out of memory");
-    }
-    memcpy(out, bstart, blen);
-    out[blen] = '\0';
-    free(in.s);
-    *out_status = status;
-    *out_body = out;
+    /* One allocation holds both: the head stays in place, the body moves to
+     * follow it (left by the de-chunking). */
+    memmove(hend + 1, bstart, blen);
+    hend[1 + blen] = '\0';
+    out->status = status;
+    out->head = in.s;
+    out->body = hend + 1;
+    out->body_len = blen;
     return RK_OK;
+}
+
+void rk_http_response_free(rk_http_response *r) {
+    if (!r) return;
+    free(r->head);
+    memset(r, 0, sizeof *r);
+}
+
+const char *rk_http_header(const rk_http_response *r, const char *name) {
+    size_t n = strlen(name);
+    for (const char *line = strstr(r->head, "\r\n"); line; line = strstr(line + 2, "\r\n")) {
+        const char *h = line + 2;
+        if (!strncasecmp(h, name, n) && h[n] == ':') {
+            h += n + 1;
+            while (*h == ' ' || *h == '\t') h++;
+            return h;
+        }
+    }
+    return NULL;
+}
+
+rk_status rk_http_request(const rk_http_target *t, const char *method, const char *path,
+                          const char *body, size_t body_len, int *out_status, char **out_body) {
+    rk_http_response r;
+    *out_status = 0;
+    *out_body = NULL;
+    rk_status st = rk_http_exchange(t, method, path, NULL, body, body_len, &r);
+    if (st) return st;
+    *out_body = malloc(r.body_len + 1);
+    if (*out_body) memcpy(*out_body, r.body, r.body_len + 1);
+    *out_status = r.status;
+    rk_http_response_free(&r);
+    return *out_body ? RK_OK : rk_errorf(RK_ERR_NOMEM, "http: out of memory");
 }
 
 /* POST a JSON value; returns the status and the parsed body (NULL when not JSON). */

@@ -26,11 +26,36 @@ typedef struct rk_http_target {
  * (anything else is RK_ERR_INVALID); timeout_s bounds every send and receive. */
 rk_status rk_http_parse_url(const char *url, double timeout_s, rk_http_target *t);
 
-/* One exchange on a fresh connection: method, path, an optional body sent as
- * application/json (NULL = none). On success *out_status is the HTTP status
- * and *out_body the malloc'ed NUL-terminated body (de-chunked), which the
- * caller frees. RK_ERR_IO when the server cannot be reached or answers
- * nothing in time, RK_ERR_FORMAT on a malformed answer. */
+/* One answer: the status, the head (status line and headers) and the body,
+ * de-chunked. head and body share one allocation that
+ * rk_http_response_free releases. */
+typedef struct rk_http_response {
+    int status;
+    char *head; /* NUL-terminated; header lines separated by CRLF */
+    char *body; /* NUL-terminated, body_len bytes (more NULs may be inside) */
+    size_t body_len;
+} rk_http_response;
+
+/* One exchange on a fresh connection: method, path, extra request header
+ * lines ("Name: value\r\n" each; NULL = none) and an optional body sent as
+ * application/json (NULL = none). The answer is read even when the server
+ * closes before taking the whole body (a 413). RK_ERR_IO when the server
+ * cannot be reached or answers nothing in time, RK_ERR_FORMAT on a malformed
+ * answer; *out is then empty. */
+rk_status rk_http_exchange(const rk_http_target *t, const char *method, const char *path,
+                           const char *headers, const char *body, size_t body_len,
+                           rk_http_response *out);
+
+/* Accepts NULL and an empty response. */
+void rk_http_response_free(rk_http_response *r);
+
+/* The value of the response header called name (case-insensitive), up to the
+ * CRLF that ends it; NULL when absent. */
+const char *rk_http_header(const rk_http_response *r, const char *name);
+
+/* rk_http_exchange without extra headers, for the body alone: on success
+ * *out_status is the HTTP status and *out_body the malloc'ed NUL-terminated
+ * body, which the caller frees. */
 rk_status rk_http_request(const rk_http_target *t, const char *method, const char *path,
                           const char *body, size_t body_len, int *out_status, char **out_body);
 
