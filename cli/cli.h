@@ -1,6 +1,7 @@
 /* cli/cli.h — what the `ragkv` subcommands share: error and usage lines,
- * the options every model-running subcommand takes, and the subcommands
- * themselves for the dispatch table in cli/main.c. Private to cli/. */
+ * parsing a model-running subcommand's command line (the tables and the
+ * parser are config/settings.h's), and the subcommands themselves for the
+ * dispatch table in cli/main.c. Private to cli/. */
 #ifndef RK_CLI_H
 #define RK_CLI_H
 
