@@ -21,8 +21,9 @@
  *
  * Scope: allocations inside shared libraries (libc itself, jansson, SQLite,
  * OpenBLAS, xxHash, Criterion) are not wrapped, so SQLite running out of
- * memory is not simulated here. Compute threads are set to 1 so the order of
- * allocations, and so N, is deterministic.
+ * memory is not simulated here. Requests run on one compute thread, so the
+ * order of allocations, and so N, is deterministic (loads start three: the
+ * workers do not allocate).
  *
  * Every N is covered in the optimised build (about 30 s in all). The light
  * (sanitizer) pass (RAGKV_TEST_LIGHT), where each run is ten times slower,
@@ -33,6 +34,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "pipeline/pipeline.h"
 #include "store/store.h"
@@ -300,7 +302,7 @@ static void load_fails_cleanly(const rk_config *cfg, const char *model_path, int
 static void load_case(const char *model_path) {
     rk_config cfg;
     rk_config_defaults(&cfg);
-    cfg.n_threads = 1;
+    cfg.n_threads = 3; /* the thread pool starts two workers: failing between them too */
     cfg.kv_memory_mb = 16;
     const char *what = model_path ? model_path : "embedded model";
     rk_service *svc;
@@ -341,42 +343,60 @@ Test(faults, every_allocation_of_loading_stories260k) {
 /* ---------------------------------------------------------------- store opens */
 
 #define FP     "0123456789abcdef0123456789abcdef"
-#define N_ROWS 3
+#define N_ROWS 3 /* good rows; row N_ROWS is the damaged one, ORPHAN names a file without a row */
+#define ORPHAN 9
 
 static void row_key(int i, char key[RK_STORE_KEY_LEN + 1]) {
     snprintf(key, RK_STORE_KEY_LEN + 1, "%032x", 0xabc00 + i);
 }
 
-/* A store with N_ROWS rows of a few hundred bytes each. */
-static void make_store(const char *dir) {
-    rk_store *s;
-    cr_assert_eq(rk_store_open(dir, FP, NULL, &s), RK_OK, "%s", rk_error_message());
-    for (int i = 0; i < N_ROWS; i++) {
-        char key[RK_STORE_KEY_LEN + 1];
-        row_key(i, key);
-        int32_t tokens[16];
-        uint8_t body[256];
-        for (int j = 0; j < 16; j++) tokens[j] = i * 100 + j;
-        for (int j = 0; j < 256; j++) body[j] = (uint8_t)(i + j);
-        rk_store_put_args a = {.key = key,
-                               .policy = "isolated",
-                               .doc_id = "doc",
-                               .layout = {.n_layers = 1,
-                                          .n_kv_heads = 1,
-                                          .head_dim = 8,
-                                          .dtype = 0,
-                                          .block_size = 16,
-                                          .base_pos = 0},
-                               .tokens = tokens,
-                               .n_tokens = 16,
-                               .body = body,
-                               .body_size = sizeof body};
-        cr_assert_eq(rk_store_put(s, &a), RK_OK, "%s", rk_error_message());
-    }
-    rk_store_close(s);
+/* Put row i: 16 tokens and 256 bytes of body that follow from i. */
+static void put_row(rk_store *s, int i) {
+    char key[RK_STORE_KEY_LEN + 1];
+    row_key(i, key);
+    int32_t tokens[16];
+    uint8_t body[256];
+    for (int j = 0; j < 16; j++) tokens[j] = i * 100 + j;
+    for (int j = 0; j < 256; j++) body[j] = (uint8_t)(i + j);
+    rk_store_put_args a = {
+        .key = key,
+        .policy = "isolated",
+        .doc_id = "doc",
+        .layout = {.n_layers = 1, .n_kv_heads = 1, .head_dim = 8, .block_size = 16},
+        .tokens = tokens,
+        .n_tokens = 16,
+        .body = body,
+        .body_size = sizeof body};
+    cr_assert_eq(rk_store_put(s, &a), RK_OK, "%s", rk_error_message());
 }
 
-/* Open normally and check every row is still there and loads. */
+static void write_file(const char *path, size_t n_bytes) {
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f, "%s", path);
+    for (size_t i = 0; i < n_bytes; i++) fputc((int)(i & 0xff), f);
+    cr_assert_eq(fclose(f), 0);
+}
+
+/* Leave what a crash or a disk fault leaves for the next open to recover: a
+ * row whose payload is cut short, a payload file without a row and a
+ * temporary file. */
+static void damage_store(const char *dir) {
+    rk_store *s;
+    cr_assert_eq(rk_store_open(dir, FP, NULL, &s), RK_OK, "%s", rk_error_message());
+    put_row(s, N_ROWS);
+    char key[RK_STORE_KEY_LEN + 1], cut[4096], orphan[4096], tmp[4200];
+    row_key(N_ROWS, key);
+    cr_assert_eq(rk_store_payload_path(s, key, cut, sizeof cut), RK_OK);
+    row_key(ORPHAN, key);
+    cr_assert_eq(rk_store_payload_path(s, key, orphan, sizeof orphan), RK_OK);
+    rk_store_close(s);
+    cr_assert_eq(truncate(cut, 100), 0, "%s", cut);
+    write_file(orphan, 300);
+    snprintf(tmp, sizeof tmp, "%s.tmp", orphan);
+    write_file(tmp, 10);
+}
+
+/* Open normally: every good row is there and loads, the damaged one is gone. */
 static void expect_rows(const char *dir, long n) {
     rk_store *s;
     cr_assert_eq(rk_store_open(dir, FP, NULL, &s), RK_OK, "after allocation %ld: %s", n,
@@ -391,32 +411,46 @@ static void expect_rows(const char *dir, long n) {
         cr_assert_eq(p.tokens[15], i * 100 + 15);
         rk_store_payload_free(&p);
     }
+    rk_store_counters c;
+    cr_assert_eq(rk_store_stats(s, &c), RK_OK);
+    cr_assert_eq(c.rows, N_ROWS, "after allocation %ld: %llu rows", n, (unsigned long long)c.rows);
     rk_store_close(s);
 }
 
-Test(faults, every_allocation_of_opening_a_store) {
+/* damaged: every open (counted or failing) has recovery work to do. */
+static void store_case(int damaged) {
     char *dir = rk_test_tmpdir("faults-store");
-    make_store(dir);
+    rk_store *s;
+    cr_assert_eq(rk_store_open(dir, FP, NULL, &s), RK_OK, "%s", rk_error_message());
+    for (int i = 0; i < N_ROWS; i++) put_row(s, i);
+    rk_store_close(s);
     rk_store_options o;
     rk_store_options_default(&o);
     o.verify_on_open = 1;
     long counts[2];
     for (int k = 0; k < 2; k++) {
-        rk_store *s;
+        if (damaged) damage_store(dir);
         rk_fault_alloc_fail_at(0);
         rk_status st = rk_store_open(dir, FP, &o, &s);
         rk_fault_alloc_stop();
         cr_assert_eq(st, RK_OK, "%s", rk_error_message());
         counts[k] = rk_fault_alloc_count();
+        if (damaged) {
+            rk_store_counters c;
+            cr_assert_eq(rk_store_stats(s, &c), RK_OK);
+            cr_assert_eq(c.dropped_on_recovery, 1);
+            cr_assert_eq(c.orphans_removed, 2);
+        }
         rk_store_close(s);
     }
     cr_assert_gt(counts[0], 0, "the allocation wrappers are not in effect");
     cr_assert_eq(counts[0], counts[1], "allocation counts differ between opens: %ld, %ld",
                  counts[0], counts[1]);
-    cr_log_info("store open: %ld allocations", counts[0]);
+    cr_log_info("store open%s: %ld allocations", damaged ? " with recovery" : "", counts[0]);
     for (int persistent = 0; persistent < 2; persistent++)
         for (long n = 1; n <= counts[0]; n++) {
-            rk_store *s = (rk_store *)0x1;
+            if (damaged) damage_store(dir);
+            s = (rk_store *)0x1;
             rk_error_clear();
             fail_at(n, persistent);
             rk_status st = rk_store_open(dir, FP, &o, &s);
@@ -427,3 +461,7 @@ Test(faults, every_allocation_of_opening_a_store) {
         }
     remove_tree(dir);
 }
+
+Test(faults, every_allocation_of_opening_a_store) { store_case(0); }
+
+Test(faults, every_allocation_of_opening_a_store_that_needs_recovery) { store_case(1); }
