@@ -30,4 +30,11 @@ long rk_fault_alloc_count(void);
 /* 1 when the armed failure has been delivered. */
 int rk_fault_alloc_fired(void);
 
+/* The distinct places in the code that allocated since the last arming (by
+ * return address), for runs too long to fail at every N: the number of the
+ * first and of the last allocation made from each, in order of first use.
+ * Fills up to cap of each and returns how many sites there were (1024 at
+ * most are told apart). */
+int rk_fault_alloc_sites(long *out_first, long *out_last, int cap);
+
 #endif
