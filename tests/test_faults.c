@@ -25,7 +25,7 @@
  * order of allocations, and so N, is deterministic (loads start three: the
  * workers do not allocate).
  *
- * The optimised build covers every N (about 40 s in all; but see the last
+ * The optimised build covers every N (about 45 s in all; but see the last
  * paragraph). The light
  * (sanitizer) pass (RAGKV_TEST_LIGHT), where each run is ten times slower,
  * steps N by LIGHT_REQUEST_STRIDE for requests (each N costs three runs of
@@ -110,18 +110,20 @@ typedef struct req_case {
     int empty_store; /* emptied before the run: computed chunks are written through */
     int warm;        /* run once just before: prefix match, chunk hits, reindex */
     int n_reqs;      /* requests run together in one batch (1 or 2) */
+    int qwen3;       /* a qwen3 model (byte-level BPE, QK-norm) instead of the embedded one */
     int plain, context_system, parallel, repair_k;
     float repair_ratio;
 } req_case;
 
-static rk_service *open_embedded(const char *store_dir) {
+/* model_path NULL: the embedded model. */
+static rk_service *open_service(const char *model_path, const char *store_dir) {
     rk_config cfg;
     rk_config_defaults(&cfg);
     cfg.n_threads = 1;
     cfg.kv_memory_mb = 16;
     if (store_dir) snprintf(cfg.store_dir, sizeof cfg.store_dir, "%s", store_dir);
     rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_service_open(&cfg, model_path, &svc), RK_OK, "%s", rk_error_message());
     return svc;
 }
 
@@ -210,7 +212,9 @@ static void set_up(rk_service *svc, const req_case *c) {
 
 static void request_case(const req_case *c) {
     char *dir = c->store ? rk_test_tmpdir("faults-req") : NULL;
-    rk_service *svc = open_embedded(dir);
+    char *model = c->qwen3 ? rk_test_model("qwen3-tiny", "f32", 1) : NULL;
+    rk_service *svc = open_service(model, dir);
+    free(model);
     int32_t want[2][MAX_NEW], got[2][MAX_NEW];
     size_t n_cmp = (size_t)c->n_reqs * sizeof want[0];
     /* The first run sizes the model's scratch (and fills the store); from
@@ -292,6 +296,10 @@ Test(faults, every_allocation_of_a_request_in_system_context_with_repair) {
 Test(faults, every_allocation_of_a_request_with_deviation_repair) {
     request_case(&(req_case){
         .name = "request, warm, deviation repair", .n_reqs = 1, .warm = 1, .repair_ratio = 0.5f});
+}
+
+Test(faults, every_allocation_of_a_request_to_a_qwen3_model) {
+    request_case(&(req_case){.name = "request to a qwen3 model", .n_reqs = 1, .qwen3 = 1});
 }
 
 Test(faults, every_allocation_of_a_plain_request) {
