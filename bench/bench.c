@@ -809,11 +809,11 @@ static void mode_options(const bench_opts *o, int mode, rk_req_options *opt) {
     opt->stop_at_eog = 0;
     switch (mode) {
     case MODE_PLAIN:
-        opt->mode_plain = 1;
+        opt->mode = RK_MODE_PLAIN;
         opt->prefix_cache = 0;
         break;
     case MODE_PREFIX:
-        opt->mode_plain = 1;
+        opt->mode = RK_MODE_PLAIN;
         opt->prefix_cache = 1;
         break;
     case MODE_RAG: break;
@@ -896,10 +896,10 @@ static void fill_from_request(const rk_request *r, req_result *x) {
     for (int c = 0; c < r->n_chunks; c++) {
         const rk_chunk_report *rep = &r->chunk_reports[c];
         x->chunk_tokens += r->chunk_lens[c];
-        if (rep->status && !strcmp(rep->status, "hit")) {
+        if (rep->status == RK_CHUNK_STATUS_HIT) {
             x->hits++;
             x->hit_tokens += rep->tokens;
-        } else if (rep->status && !strcmp(rep->status, "miss")) {
+        } else if (rep->status == RK_CHUNK_STATUS_MISS) {
             x->misses++;
         } else {
             x->offs++;
@@ -930,7 +930,7 @@ static rk_status prewarm_inproc(bench *b, rk_service *svc, mode_result *m) {
         rk_request *one = &r;
         if (!(st = rk_pipeline_run(svc, &one, 1, NULL))) {
             for (int c = 0; c < r.n_chunks; c++)
-                if (!strcmp(r.chunk_reports[c].status, "miss")) {
+                if (r.chunk_reports[c].status == RK_CHUNK_STATUS_MISS) {
                     m->prewarm_chunks++;
                     m->prewarm_tokens += r.chunk_lens[c];
                 }

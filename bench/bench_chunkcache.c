@@ -130,7 +130,7 @@ int main(int argc, char **argv) {
     rag.max_tokens = 1;
     rag.sampling.temperature = 0;
     rk_req_options plain = rag, oracle = rag;
-    plain.mode_plain = 1;
+    plain.mode = RK_MODE_PLAIN;
     plain.prefix_cache = 0;
     oracle.chunk_cache = 0;
     rk_request r;
@@ -144,7 +144,7 @@ int main(int argc, char **argv) {
     int chunk_total = 0;
     for (int k = 0; k < r.n_chunks; k++) chunk_total += r.chunk_lens[k];
     int hits = 0;
-    for (int k = 0; k < r.n_chunks; k++) hits += !strcmp(r.chunk_reports[k].status, "hit");
+    for (int k = 0; k < r.n_chunks; k++) hits += r.chunk_reports[k].status == RK_CHUNK_STATUS_HIT;
     int computed = r.computed_tokens;
     rk_request_free(&r);
     double t_oracle = run(svc, prompt, oracle, &r);

@@ -330,13 +330,13 @@ static int cmd_generate(int argc, char **argv) {
         case O_MODE:
             if ((r = choice(optarg, "rag", "plain")) < 0)
                 return usage_error("generate", "--mode is rag or plain, not '%s'", optarg);
-            opt.mode_plain = r;
+            opt.mode = r ? RK_MODE_PLAIN : RK_MODE_RAG;
             break;
         case O_CTX:
             if ((r = choice(optarg, "isolated", "system")) < 0)
                 return usage_error("generate", "--chunk-context is isolated or system, not '%s'",
                                    optarg);
-            opt.context_system = r;
+            opt.chunk_context = r ? RK_CONTEXT_SYSTEM : RK_CONTEXT_ISOLATED;
             break;
         case O_POS:
             if ((r = choice(optarg, "sequential", "parallel")) < 0)
@@ -366,7 +366,7 @@ static int cmd_generate(int argc, char **argv) {
     if (!prompt == !prompts_file)
         return usage_error("generate", "%s", "give exactly one of --prompt and --prompts");
     /* Plain mode is the no-cache reference unless asked otherwise. */
-    opt.prefix_cache = prefix_flag >= 0 ? prefix_flag : !opt.mode_plain;
+    opt.prefix_cache = prefix_flag >= 0 ? prefix_flag : opt.mode == RK_MODE_RAG;
 
     /* The prompts: one, or one per line of the file. */
     char *file_text = NULL, **lines = NULL;
@@ -765,11 +765,14 @@ static int cmd_prewarm(int argc, char **argv) {
 
 static int cmd_cache(int argc, char **argv) {
     static const char *help =
-        "usage: ragkv cache ls|stats|verify --store DIR [--sort hits|recent] [--limit N]\n"
-        "Read a chunk store offline (nothing is changed).\n"
+        "usage: ragkv cache ls|stats|verify|rebuild --store DIR [--sort hits|recent] [--limit N]\n"
+        "Read a chunk store offline (ls, stats and verify change nothing).\n"
         "  ls       one line per stored chunk (key, model, tokens, bytes, hits, last access)\n"
         "  stats    rows and bytes, per model\n"
-        "  verify   re-check every payload's checksum; exit status 1 if any is bad\n";
+        "  verify   re-check every payload's checksum; exit status 1 if any is bad\n"
+        "  rebuild  set chunks.db aside (chunks.db.corrupt-TIME or .old-TIME) and rebuild it\n"
+        "           from the payload files; bad payloads go to DIR/quarantine/. Only while\n"
+        "           no server has the store open.\n";
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         fputs(help, argc < 2 ? stderr : stdout);
         return argc < 2 ? EXIT_USAGE : 0;
@@ -802,8 +805,21 @@ static int cmd_cache(int argc, char **argv) {
             return usage_error("cache", "%s", "unknown option");
     }
     if (!dir) return usage_error("cache", "%s", "--store is required");
-    if (strcmp(sub, "ls") && strcmp(sub, "stats") && strcmp(sub, "verify"))
-        return usage_error("cache", "unknown subcommand '%s' (ls, stats, verify)", sub);
+    if (strcmp(sub, "ls") && strcmp(sub, "stats") && strcmp(sub, "verify") &&
+        strcmp(sub, "rebuild"))
+        return usage_error("cache", "unknown subcommand '%s' (ls, stats, verify, rebuild)", sub);
+    if (!strcmp(sub, "rebuild")) {
+        rk_store_rebuild_result r;
+        if (rk_store_rebuild(dir, &r)) return fail("cache rebuild");
+        if (r.set_aside[0])
+            printf("old database kept as %s/%s (%s)\n", dir, r.set_aside,
+                   r.db_was_corrupt ? "corrupt" : "sound");
+        printf("rebuilt %llu rows from the payload files; %llu quarantined, %llu unreadable, "
+               "%llu temporary files removed\n",
+               (unsigned long long)r.rows_rebuilt, (unsigned long long)r.quarantined,
+               (unsigned long long)r.unreadable, (unsigned long long)r.tmp_removed);
+        return 0;
+    }
     rk_store *st;
     if (rk_store_open_readonly(dir, &st)) return fail("cannot open the store");
     int rc = 0;
@@ -833,7 +849,7 @@ static const struct {
     {"mkmodel", cmd_mkmodel, "write a synthetic GGUF model"},
     {"inspect", cmd_inspect, "describe a GGUF file"},
     {"prewarm", cmd_prewarm, "compute chunk KV offline into the store"},
-    {"cache", cmd_cache, "read a chunk store offline (ls, stats, verify)"},
+    {"cache", cmd_cache, "inspect or rebuild a chunk store offline (ls, stats, verify, rebuild)"},
     {"bench", rk_bench_main, "run the RAG workload benchmark"},
 };
 

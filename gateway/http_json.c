@@ -22,12 +22,14 @@ const char *rk_http_error_type(int status) {
     case 401: return "unauthorized";
     case 404: return "not_found";
     case 405: return "method_not_allowed";
+    case 408: return "request_timeout";
     case 409: return "conflict";
     case 413: return "request_too_large";
     case 422: return "unprocessable";
     case 429: return "rate_limited";
     case 501: return "not_implemented";
     case 503: return "overloaded";
+    case 505: return "http_version_not_supported";
     default: return status >= 500 ? "internal_error" : "invalid_request";
     }
 }
@@ -289,8 +291,8 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     o->sampling.top_k = (int)top_k;
     o->sampling.seed = (uint64_t)seed;
     o->stop_at_eog = !ignore_eos;
-    o->mode_plain = plain;
-    o->context_system = ctx;
+    o->mode = plain ? RK_MODE_PLAIN : RK_MODE_RAG;
+    o->chunk_context = ctx ? RK_CONTEXT_SYSTEM : RK_CONTEXT_ISOLATED;
     o->positions = pos ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
     /* Plain mode is the no-cache reference unless asked otherwise (as `ragkv generate`). */
     o->prefix_cache = prefix >= 0 ? prefix : !plain;
