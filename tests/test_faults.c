@@ -37,6 +37,7 @@
  * first and last allocation fails instead of every one (rk_fault_alloc_sites),
  * transient failures only in the light pass. */
 #include <criterion/criterion.h>
+#include <sqlite3.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -390,9 +391,10 @@ Test(faults, every_call_site_of_loading_a_qwen3_model) {
 
 /* ---------------------------------------------------------------- store opens */
 
-#define FP     "0123456789abcdef0123456789abcdef"
-#define N_ROWS 3 /* good rows; row N_ROWS is the damaged one, ORPHAN names a file without a row */
-#define ORPHAN 9
+#define FP      "0123456789abcdef0123456789abcdef"
+#define N_ROWS  3 /* good rows; row N_ROWS is the damaged one, ORPHAN names a file without a row */
+#define ORPHAN  9
+#define REBUILT 4 /* row whose payload stays but whose row is deleted: rebuilt at open */
 
 static void row_key(int i, char key[RK_STORE_KEY_LEN + 1]) {
     snprintf(key, RK_STORE_KEY_LEN + 1, "%032x", 0xabc00 + i);
@@ -427,11 +429,17 @@ static void write_file(const char *path, size_t n_bytes) {
 
 /* Leave what a crash or a disk fault leaves for the next open to recover: a
  * row whose payload is cut short, a payload file without a row that explains
- * nothing (both quarantined) and a temporary file (removed). */
+ * nothing (both quarantined), a good payload whose row is lost (rebuilt) and a
+ * temporary file (removed). */
 static void damage_store(const char *dir) {
     rk_store *s;
     cr_assert_eq(rk_store_open(dir, FP, NULL, &s), RK_OK, "%s", rk_error_message());
     put_row(s, N_ROWS);
+    char rebuilt[RK_STORE_KEY_LEN + 1];
+    row_key(REBUILT, rebuilt);
+    int present = 0;
+    cr_assert_eq(rk_store_contains(s, rebuilt, &present), RK_OK);
+    if (!present) put_row(s, REBUILT);
     char key[RK_STORE_KEY_LEN + 1], cut[4096], orphan[4096], tmp[4200];
     row_key(N_ROWS, key);
     cr_assert_eq(rk_store_payload_path(s, key, cut, sizeof cut), RK_OK);
@@ -439,17 +447,27 @@ static void damage_store(const char *dir) {
     cr_assert_eq(rk_store_payload_path(s, key, orphan, sizeof orphan), RK_OK);
     rk_store_close(s);
     cr_assert_eq(truncate(cut, 100), 0, "%s", cut);
+    char db_path[4200], sql[128];
+    snprintf(db_path, sizeof db_path, "%s/chunks.db", dir);
+    snprintf(sql, sizeof sql, "DELETE FROM chunks WHERE key = '%s'", rebuilt);
+    sqlite3 *db;
+    cr_assert_eq(sqlite3_open(db_path, &db), SQLITE_OK);
+    cr_assert_eq(sqlite3_exec(db, sql, NULL, NULL, NULL), SQLITE_OK);
+    cr_assert_eq(sqlite3_changes(db), 1);
+    sqlite3_close(db);
     write_file(orphan, 300);
     snprintf(tmp, sizeof tmp, "%s.tmp", orphan);
     write_file(tmp, 10);
 }
 
-/* Open normally: every good row is there and loads, the damaged one is gone. */
-static void expect_rows(const char *dir, long n) {
+/* Open normally: every good row is there and loads (with the rebuilt one
+ * when the store was damaged), the cut one is gone. */
+static void expect_rows(const char *dir, int damaged, long n) {
     rk_store *s;
     cr_assert_eq(rk_store_open(dir, FP, NULL, &s), RK_OK, "after allocation %ld: %s", n,
                  rk_error_message());
-    for (int i = 0; i < N_ROWS; i++) {
+    for (int i = 0; i <= REBUILT; i++) {
+        if (i == N_ROWS || (i == REBUILT && !damaged)) continue;
         char key[RK_STORE_KEY_LEN + 1];
         row_key(i, key);
         rk_store_payload p;
@@ -461,7 +479,8 @@ static void expect_rows(const char *dir, long n) {
     }
     rk_store_counters c;
     cr_assert_eq(rk_store_stats(s, &c), RK_OK);
-    cr_assert_eq(c.rows, N_ROWS, "after allocation %ld: %llu rows", n, (unsigned long long)c.rows);
+    cr_assert_eq(c.rows, N_ROWS + damaged, "after allocation %ld: %llu rows", n,
+                 (unsigned long long)c.rows);
     rk_store_close(s);
 }
 
@@ -490,6 +509,7 @@ static void store_case(int damaged) {
             cr_assert_eq(c.dropped_on_recovery, 1);
             cr_assert_eq(c.quarantined, 2);
             cr_assert_eq(c.orphans_removed, 1);
+            cr_assert_eq(c.rows_rebuilt, 1);
         }
         rk_store_close(s);
     }
@@ -507,7 +527,7 @@ static void store_case(int damaged) {
             rk_fault_alloc_stop();
             expect_nomem(st, persistent, n, "store open");
             cr_assert_null(s, "allocation %ld: a store was returned with an error", n);
-            expect_rows(dir, n);
+            expect_rows(dir, damaged, n);
         }
     remove_tree(dir);
 }
