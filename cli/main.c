@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "bench/bench.h"
+#include "bench/eval.h"
 #include "cli/cli.h"
 #include "gateway/server.h"
 
@@ -36,6 +37,7 @@ static const struct {
     {"cache", rk_cli_cache,
      "inspect or rebuild a chunk store offline (ls, stats, verify, rebuild)"},
     {"bench", rk_bench_main, "run the RAG workload benchmark"},
+    {"eval", rk_eval_main, "measure cached RAG answers against full attention"},
 };
 
 static void print_usage(FILE *f) {
