@@ -376,3 +376,40 @@ Test(zerocopy, the_report_names_each_chunks_path_and_the_shared_blocks) {
     check_counts_back(svc);
     rk_service_close(svc);
 }
+
+/* Blocks of the live pool one admitted request holds. */
+static int live_held(rk_service *svc, const rk_req_options *o, rk_request *r) {
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    prepare(svc, STORY, o, r);
+    rk_request *one = r;
+    cr_assert_eq(rk_pipeline_admit(p, &one, 1, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_n_running(p), 1);
+    int used = rk_arena_pool_total(svc->arena, RK_POOL_LIVE) -
+               rk_arena_pool_free(svc->arena, RK_POOL_LIVE);
+    rk_pipeline_free(p);
+    return used;
+}
+
+/* The point of it: a zero-copy request's live blocks are its system tail,
+ * question and answer only; the chunks stay in the chunk pool. */
+Test(zerocopy, a_zero_copy_request_holds_no_live_blocks_for_its_chunks) {
+    rk_service *zc = open_svc(NULL, (svc_opts){.reindex = "zero-copy"});
+    rk_service *cp = open_svc(NULL, (svc_opts){.reindex = "copy"});
+    rk_req_options o = greedy_opts(8);
+    rk_request rz, rc;
+    int used_zc = live_held(zc, &o, &rz), used_cp = live_held(cp, &o, &rc);
+    int bs = rk_arena_block_size(zc->arena), chunk_tokens = 0;
+    for (int k = 0; k < rz.n_chunks; k++) chunk_tokens += rz.chunk_lens[k];
+    cr_assert_gt(rz.shared_blocks, 0);
+    cr_assert_leq(used_zc, (rz.n_question + o.max_tokens + bs - 1) / bs + 1,
+                  "zero-copy holds %d live blocks", used_zc);
+    cr_assert_geq(used_cp - used_zc, chunk_tokens / bs - 1, "copy %d, zero-copy %d", used_cp,
+                  used_zc);
+    rk_request_free(&rz);
+    rk_request_free(&rc);
+    check_counts_back(zc);
+    check_counts_back(cp);
+    rk_service_close(zc);
+    rk_service_close(cp);
+}
