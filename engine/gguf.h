@@ -37,7 +37,11 @@ typedef enum rk_gguf_type {
 typedef enum rk_ggml_type {
     RK_GGML_F32 = 0,
     RK_GGML_F16 = 1,
+    RK_GGML_Q4_0 = 2,
     RK_GGML_Q8_0 = 8,
+    RK_GGML_Q4_K = 12,
+    RK_GGML_Q5_K = 13,
+    RK_GGML_Q6_K = 14,
     RK_GGML_BF16 = 30,
 } rk_ggml_type;
 
