@@ -118,7 +118,8 @@ size_t rk_ggml_type_row_bytes(uint32_t type, int64_t n_elements);
  * alignment, architecture, every metadata pair (scalars with their value,
  * arrays as type, length and first elements), a tokenizer summary (model, pre,
  * vocabulary size, merges, special token ids and texts), the tensor table
- * (name, type, shape, bytes) and the parameter and byte totals. */
+ * (name, type, shape, bytes, bits per weight) and the parameter and byte
+ * totals with the bits per weight of the whole file. */
 void rk_gguf_print_info(const rk_gguf *g, FILE *out);
 
 /* ================================================================ writer
