@@ -283,15 +283,19 @@ void rk_cpu_quantize_act(rk_q8_block *dst, const float *x, int k) {
 
 /* ---------------------------------------------------------------- portable dots */
 
+/* The portable kernels unpack a block's weights to int8 first, so the
+ * integer dot products are plain loops the compiler can vectorize. */
+static int dot_i8(const int8_t *a, const int8_t *b, int n) {
+    int s = 0;
+    for (int l = 0; l < n; l++) s += a[l] * b[l];
+    return s;
+}
+
 static float dot_q8_0_c(const void *w, const rk_q8_block *x, int k) {
     const uint8_t *b = w;
     float acc = 0;
-    for (int i = 0; i < k / QK; i++, b += 34) {
-        const int8_t *q = (const int8_t *)(b + 2);
-        int s = 0;
-        for (int l = 0; l < QK; l++) s += q[l] * x[i].q[l];
-        acc += rdh(b) * x[i].d * (float)s;
-    }
+    for (int i = 0; i < k / QK; i++, b += 34)
+        acc += rdh(b) * x[i].d * (float)dot_i8((const int8_t *)(b + 2), x[i].q, QK);
     return acc;
 }
 
@@ -310,19 +314,20 @@ static float dot_q4_0_c(const void *w, const rk_q8_block *x, int k) {
 
 static float dot_kq_c(const uint8_t *b, size_t bytes, int has_qh, const rk_q8_block *x, int k) {
     float acc = 0;
+    int8_t q[QKK];
     for (int i = 0; i < k / QKK; i++, b += bytes, x += 8) {
         float d = rdh(b), dmin = rdh(b + 2);
-        const uint8_t *qh = has_qh ? b + 16 : NULL, *qs = b + (has_qh ? 48 : 16);
-        for (int j = 0; j < 8; j++) {
-            int sc, m, s = 0;
-            kq_scale_min(b + 4, j, &sc, &m);
-            const uint8_t *q = qs + 32 * (j / 2);
-            int shift = (j & 1) * 4;
+        const uint8_t *qh = b + 16, *qs = b + (has_qh ? 48 : 16);
+        for (int j = 0; j < 8; j++)
             for (int l = 0; l < 32; l++) {
-                int v = (q[l] >> shift) & 15;
-                if (qh) v |= (qh[l] >> j & 1) << 4;
-                s += v * x[j].q[l];
+                int v = (qs[32 * (j / 2) + l] >> (j & 1) * 4) & 15;
+                if (has_qh) v |= (qh[l] >> j & 1) << 4;
+                q[32 * j + l] = (int8_t)v;
             }
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            kq_scale_min(b + 4, j, &sc, &m);
+            int s = dot_i8(q + 32 * j, x[j].q, 32);
             acc += x[j].d * (d * (float)sc * (float)s - dmin * (float)m * (float)x[j].sum);
         }
     }
@@ -339,22 +344,23 @@ static float dot_q5_k_c(const void *w, const rk_q8_block *x, int k) {
 static float dot_q6_k_c(const void *w, const rk_q8_block *x, int k) {
     const uint8_t *b = w;
     float acc = 0;
+    int8_t q[QKK];
     for (int i = 0; i < k / QKK; i++, b += 210, x += 8) {
         const int8_t *sc = (const int8_t *)(b + 192);
         float d = rdh(b + 208);
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
-            for (int g = 0; g < 4; g++) {
-                const rk_q8_block *xb = &x[4 * h + g];
-                int s[2] = {0, 0};
-                for (int l = 0; l < 32; l++) {
-                    int lo = (g & 1) ? ql[l + 32] : ql[l];
-                    int q = ((lo >> (g >> 1) * 4) & 15) | (qh[l] >> 2 * g & 3) << 4;
-                    s[l / 16] += (q - 32) * xb->q[l];
-                }
-                int e = 8 * h + 2 * g;
-                acc += d * xb->d * (float)(sc[e] * s[0] + sc[e + 1] * s[1]);
+            for (int l = 0; l < 32; l++) {
+                int8_t *o = q + 128 * h + l;
+                o[0] = (int8_t)(((ql[l] & 15) | (qh[l] & 3) << 4) - 32);
+                o[32] = (int8_t)(((ql[l + 32] & 15) | (qh[l] >> 2 & 3) << 4) - 32);
+                o[64] = (int8_t)(((ql[l] >> 4) | (qh[l] >> 4 & 3) << 4) - 32);
+                o[96] = (int8_t)(((ql[l + 32] >> 4) | (qh[l] >> 6) << 4) - 32);
             }
+        }
+        for (int g = 0; g < 8; g++) {
+            int s0 = dot_i8(q + 32 * g, x[g].q, 16), s1 = dot_i8(q + 32 * g + 16, x[g].q + 16, 16);
+            acc += d * x[g].d * (float)(sc[2 * g] * s0 + sc[2 * g + 1] * s1);
         }
     }
     return acc;
