@@ -223,6 +223,7 @@ Test(quant, quantize_then_dequantize_stays_within_bound) {
     size_t n = 256 * 64;
     float *x = malloc(n * sizeof *x), *y = malloc(n * sizeof *y);
     unsigned char *q = malloc(rk_dtype_row_bytes(RK_DTYPE_Q8_0, n));
+    cr_assert(x && y && q);
     for (size_t i = 0; i < n; i++) x[i] = frand() * (1.0f + (float)(i / 256 % 7));
     for (size_t t = 0; t < N_QTYPES; t++) {
         rk_quantize(q, x, k_qtypes[t], n);
@@ -253,6 +254,7 @@ static void check_paths(rk_dtype t, int n, int k, int m) {
     unsigned char *wq = malloc(rb * (size_t)m);
     float *wf = malloc((size_t)m * k * sizeof *wf), *x = malloc((size_t)n * k * sizeof *x);
     float *y = malloc((size_t)n * m * sizeof *y);
+    cr_assert(wq && wf && x && y);
     for (size_t i = 0; i < (size_t)m * k; i++) wf[i] = frand();
     for (int r = 0; r < m; r++) rk_quantize(wq + r * rb, wf + (size_t)r * k, t, (size_t)k);
     rk_dequantize(wf, wq, t, (size_t)m * k);
@@ -315,6 +317,7 @@ Test(quant, simd_kernels_agree_with_portable_ones) {
     float *w = malloc((size_t)k * sizeof *w), *x = malloc((size_t)k * sizeof *x);
     unsigned char *wq = malloc(rk_dtype_row_bytes(RK_DTYPE_Q8_0, (size_t)k));
     rk_q8_block *xq = malloc((size_t)k / 32 * sizeof *xq);
+    cr_assert(w && x && wq && xq);
     for (int i = 0; i < k; i++) {
         w[i] = frand();
         x[i] = frand();
@@ -351,10 +354,12 @@ static void forward_logits(rk_model *m, const int32_t *ids, int batched, float *
     rk_kv_cache kv = {hp->n_layers, NB, BS, hp->n_kv_heads, hp->head_dim, RK_DTYPE_F32, NULL, NULL};
     kv.k = calloc((size_t)hp->n_layers, sizeof *kv.k);
     kv.v = calloc((size_t)hp->n_layers, sizeof *kv.v);
+    cr_assert(kv.k && kv.v);
     size_t layer = (size_t)NB * BS * hp->n_kv_heads * hp->head_dim * sizeof(float);
     for (int l = 0; l < hp->n_layers; l++) {
         kv.k[l] = calloc(1, layer);
         kv.v[l] = calloc(1, layer);
+        cr_assert(kv.k[l] && kv.v[l]);
     }
     int32_t pos[PF_TOKENS], table[NB], rows[PF_TOKENS];
     for (int i = 0; i < PF_TOKENS; i++) pos[i] = rows[i] = i;
@@ -387,6 +392,7 @@ static void check_prefill_matches_decode(const char *stem) {
     RK_REQUIRE_SHARED(model, rel);
     RK_REQUIRE_SHARED(golden_path, "models/stories260K.greedy200.txt");
     char *text = rk_test_read_file(golden_path, NULL);
+    cr_assert_not_null(text);
     rk_backend *be;
     cr_assert_eq(rk_backend_create("cpu", 2, &be), RK_OK);
     rk_model *m;
@@ -400,6 +406,7 @@ static void check_prefill_matches_decode(const char *stem) {
     cr_assert(rk_cpu_matmul_uses_blas(PF_TOKENS, 256, n_vocab, RK_DTYPE_Q8_0));
     size_t n = (size_t)PF_TOKENS * n_vocab;
     float *pre = malloc(n * sizeof *pre), *dec = malloc(n * sizeof *dec);
+    cr_assert(pre && dec);
     forward_logits(m, ids, 1, pre);
     forward_logits(m, ids, 0, dec);
     double ss = 0, sd = 0, max_diff = 0;
