@@ -8,10 +8,13 @@
  *       decode at 1k, 4k, 8k context, prefill of 512 queries at 4k;
  *   (d) rope_shift_copy of 4096 tokens x 28 layers x (8 x 128) against a
  *       plain memcpy of the same bytes;
- *   (e) quantized weights (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) at k = 1024,
+ *   (e) attention at 4k context (decode, and a prefill of 512 queries) read
+ *       as 8 position-shifted runs (chunks attended in place, queries
+ *       counter-rotated) against the same entries as one run;
+ *   (f) quantized weights (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) at k = 1024,
  *       m = 3072: the decode matvec (n = 1) with each instruction set's
  *       kernels, and matmul at n = 32, 128 and 512 (prefill sizes).
- * Usage: bench_kernels [--threads N] (default 2) [--only abcde] (sections). */
+ * Usage: bench_kernels [--threads N] (default 2) [--only abcdef] (sections). */
 #include <cblas.h>
 #include <math.h>
 #include <stdio.h>
@@ -265,7 +268,10 @@ static void bench_attention(rk_backend *be) {
         float *q = rand_f32((size_t)n_q * n_heads * hd),
               *out = rand_f32((size_t)n_q * n_heads * hd);
         int32_t qs[2] = {0, n_q}, len = L;
-        rk_attn_batch batch = {1, qs, &len, table, nb}, batch2 = {1, qs, &len, in_order, nb};
+        rk_attn_batch batch = {
+            .n_seqs = 1, .q_start = qs, .kv_len = &len, .block_table = table, .max_blocks = nb};
+        rk_attn_batch batch2 = batch;
+        batch2.block_table = in_order;
         const void *ck[1] = {kc}, *cv[1] = {vc};
         float scale = 1.0f / sqrtf((float)hd);
         /* alternate single runs of the layouts and keep each one's best, so
@@ -390,7 +396,93 @@ static void bench_shift(rk_backend *be) {
     free(ss);
 }
 
-/* ---------------------------------------------------------------- (e) quantized */
+/* ---------------------------------------------------------------- (e) shifted runs */
+
+static void bench_segments(rk_backend *be) {
+    const int n_heads = 16, n_kv = 8, hd = 128, bs = 16, n_runs = 8;
+    const int lens[8] = {509, 515, 480, 530, 512, 498, 540, 512}; /* 4096 entries */
+    const size_t row = (size_t)n_kv * hd;
+    printf("\n(e) attention over 4096 entries, 16 heads / 8 KV heads, head_dim 128, F32 KV,\n"
+           "  block size 16, random block tables. one run: no segments; 8 runs: the same\n"
+           "  entries as 8 runs each from a block of its own, delta 0 or 7 shifted (the\n"
+           "  queries rotated per run); ratio = 8 runs / one run\n");
+    rk_rope rope;
+    rk_rope_params rp = {.n_rot = hd, .theta = 1e6f, .pairing = RK_ROPE_NEOX};
+    check(rk_rope_init(&rope, &rp), "rope_init");
+    int L = 0, nb_runs = 0;
+    int32_t seg_start[2] = {0, n_runs}, seg_end[8], seg_delta[8], seg_zero[8] = {0};
+    for (int r = 0; r < n_runs; r++) {
+        L += lens[r];
+        nb_runs += (lens[r] + bs - 1) / bs;
+        seg_end[r] = L;
+        seg_delta[r] = r == n_runs - 1 ? 0 : 1000 - 300 * r; /* +1000 .. -800, then 0 */
+    }
+    int nb_one = (L + bs - 1) / bs, n_blocks = nb_one + nb_runs;
+    float *kp = be_rand_f32(be, (size_t)n_blocks * bs * row),
+          *vp = be_rand_f32(be, (size_t)n_blocks * bs * row);
+    int32_t *perm = xmalloc((size_t)n_blocks * 4);
+    for (int i = 0; i < n_blocks; i++) perm[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) {
+        (void)frand();
+        int j = (int)((rng >> 33) % (uint64_t)(i + 1));
+        int tmp = perm[i];
+        perm[i] = perm[j];
+        perm[j] = tmp;
+    }
+    void *kl[1] = {kp}, *vl[1] = {vp};
+    rk_kv_cache kv = {1, n_blocks, bs, n_kv, hd, RK_DTYPE_F32, kl, vl};
+    float scale = 1.0f / sqrtf((float)hd);
+    printf("  %-32s %10s %8s\n", "", "best ms", "ratio");
+    for (int n_q = 1; n_q <= 512; n_q += 511) { /* decode, then a 512-query prefill */
+        float *q = rand_f32((size_t)n_q * n_heads * hd),
+              *out = rand_f32((size_t)n_q * n_heads * hd);
+        int32_t qs[2] = {0, n_q}, len = L;
+        rk_attn_batch one = {
+            .n_seqs = 1, .q_start = qs, .kv_len = &len, .block_table = perm, .max_blocks = nb_one};
+        rk_attn_batch runs = one, runs0;
+        runs.block_table = perm + nb_one;
+        runs.max_blocks = nb_runs;
+        runs.seg_start = seg_start;
+        runs.seg_end = seg_end;
+        runs.seg_delta = seg_delta;
+        runs.rope = &rope;
+        runs0 = runs;
+        runs0.seg_delta = seg_zero;
+        /* alternate single calls and keep each one's best, so drift and noise
+         * from other processes hit them alike */
+        double t_one = 1e30, t_runs = 1e30, t_runs0 = 1e30;
+        int rounds = n_q > 1 ? 4 : 300;
+        for (int round = 0; round <= rounds; round++) {
+            double t0 = rk_time_now();
+            check(be->ops->attention(be, out, NULL, q, &kv, 0, &one, n_heads, scale), "attention");
+            double t1 = rk_time_now();
+            check(be->ops->attention(be, out, NULL, q, &kv, 0, &runs, n_heads, scale), "attention");
+            double t2 = rk_time_now();
+            check(be->ops->attention(be, out, NULL, q, &kv, 0, &runs0, n_heads, scale),
+                  "attention");
+            double t3 = rk_time_now();
+            if (round == 0) continue; /* warm-up */
+            if (t1 - t0 < t_one) t_one = t1 - t0;
+            if (t2 - t1 < t_runs) t_runs = t2 - t1;
+            if (t3 - t2 < t_runs0) t_runs0 = t3 - t2;
+        }
+        const char *what = n_q > 1 ? "prefill 512 q" : "decode";
+        char name[64];
+        snprintf(name, sizeof name, "%s, one run", what);
+        printf("  %-32s %10.3f %8s\n", name, t_one * 1e3, "");
+        snprintf(name, sizeof name, "%s, 8 runs, delta 0", what);
+        printf("  %-32s %10.3f %8.3f\n", name, t_runs0 * 1e3, t_runs0 / t_one);
+        snprintf(name, sizeof name, "%s, 8 runs, 7 shifted", what);
+        printf("  %-32s %10.3f %8.3f\n", name, t_runs * 1e3, t_runs / t_one);
+        free(q);
+        free(out);
+    }
+    be->ops->free(be, kp);
+    be->ops->free(be, vp);
+    free(perm);
+}
+
+/* ---------------------------------------------------------------- (f) quantized */
 
 static void bench_quant(rk_backend *be) {
     int k = 1024, m = 3072, n_max = 512;
@@ -399,7 +491,7 @@ static void bench_quant(rk_backend *be) {
     static const rk_cpu_isa isas[] = {RK_CPU_ISA_PORTABLE, RK_CPU_ISA_AVX2, RK_CPU_ISA_AVX512_VNNI};
     float *w = rand_f32((size_t)m * k), *x = rand_f32((size_t)n_max * k);
     float *y = rand_f32((size_t)n_max * m);
-    printf("\n(e) quantized weights, y(n,3072) = x(n,1024) . w(3072,1024)^T\n");
+    printf("\n(f) quantized weights, y(n,3072) = x(n,1024) . w(3072,1024)^T\n");
     printf("  decode (n = 1), GB/s of weights per instruction set; matmul at n = 32, 128, 512 "
            "in GMAC/s\n");
     printf("  %-6s %8s %8s %8s %8s | %8s %8s %8s\n", "type", "bytes/w", "C", "AVX2", "VNNI", "n=32",
@@ -437,7 +529,7 @@ static void bench_quant(rk_backend *be) {
 
 int main(int argc, char **argv) {
     int n_threads = 2;
-    const char *only = "abcde";
+    const char *only = "abcdef";
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
             n_threads = atoi(argv[++i]);
@@ -455,7 +547,8 @@ int main(int argc, char **argv) {
     if (strchr(only, 'b')) bench_bandwidth(be);
     if (strchr(only, 'c')) bench_attention(be);
     if (strchr(only, 'd')) bench_shift(be);
-    if (strchr(only, 'e')) bench_quant(be);
+    if (strchr(only, 'e')) bench_segments(be);
+    if (strchr(only, 'f')) bench_quant(be);
     rk_backend_free(be);
     return 0;
 }

@@ -22,6 +22,13 @@ struct rk_radix_node {
     int priority;
     uint64_t clock; /* logical time of the last match or insert through it */
     uint64_t hits;
+    /* The partial page that followed this edge in an inserted sequence: its
+     * first tail_len (1 .. page_size - 1) tokens, held in tail_page. A tail is
+     * only ever copied out by a match, never shared, so it needs no lock: it
+     * goes with its node, or when a newer tail replaces it. */
+    int32_t *tail;
+    int tail_len;
+    int32_t tail_page;
 };
 
 typedef struct radix_root {
@@ -88,6 +95,7 @@ static void remove_kid(rk_radix_node *parent, rk_radix_node *kid) {
 
 static void node_free(rk_radix_node *n) {
     if (!n) return;
+    free(n->tail);
     free(n->kids);
     free(n->tokens);
     free(n->pages);
@@ -181,13 +189,30 @@ static rk_status get_root(rk_radix *r, uint64_t ns, rk_radix_node **out) {
     return RK_OK;
 }
 
+/* Tokens a node holds: its edge and its tail. */
+static uint64_t node_tokens(const rk_radix_node *n) { return (uint64_t)(n->len + n->tail_len); }
+
 static void lock_path(rk_radix *r, rk_radix_node *n) {
     for (; n && n->parent; n = n->parent) {
         if (n->lock++ == 0) {
-            r->st.evictable_tokens -= (uint64_t)n->len;
-            r->st.protected_tokens += (uint64_t)n->len;
+            r->st.evictable_tokens -= node_tokens(n);
+            r->st.protected_tokens += node_tokens(n);
         }
     }
+}
+
+/* Give up n's tail page, if any, and its tokens in the counters. */
+static void drop_tail(rk_radix *r, rk_radix_node *n) {
+    if (!n->tail_len) return;
+    r->p.release_pages(r->p.ctx, &n->tail_page, 1);
+    r->st.cached_tokens -= (uint64_t)n->tail_len;
+    if (n->lock > 0)
+        r->st.protected_tokens -= (uint64_t)n->tail_len;
+    else
+        r->st.evictable_tokens -= (uint64_t)n->tail_len;
+    free(n->tail);
+    n->tail = NULL;
+    n->tail_len = 0;
 }
 
 /* ---------------------------------------------------------------- API */
@@ -207,6 +232,7 @@ rk_status rk_radix_create(const rk_radix_params *p, rk_radix **out) {
 static void free_subtree(rk_radix *r, rk_radix_node *n) {
     for (int i = 0; i < n->n_kids; i++) free_subtree(r, n->kids[i]);
     if (n->len) r->p.release_pages(r->p.ctx, n->pages, n->len / r->p.page_size);
+    if (n->tail_len) r->p.release_pages(r->p.ctx, &n->tail_page, 1);
     node_free(n);
 }
 
@@ -217,10 +243,43 @@ void rk_radix_free(rk_radix *r) {
     free(r);
 }
 
+/* Tokens a and b (of na and nb) share at their start. */
+static int common_tokens(const int32_t *a, int na, const int32_t *b, int nb) {
+    int n = na < nb ? na : nb, i = 0;
+    while (i < n && a[i] == b[i]) i++;
+    return i;
+}
+
+/* The page after node whose start shares most tokens with tokens(n): the
+ * first page of a child edge, or the node's tail. Returns the count (less
+ * than a page) and writes the page. */
+static int best_partial(const rk_radix *r, rk_radix_node *node, const int32_t *tokens, int n,
+                        int32_t *out_page, rk_radix_node **out_owner) {
+    int ps = r->p.page_size, best = 0;
+    if (n >= ps) n = ps - 1;
+    for (int i = 0; i < node->n_kids; i++) {
+        int k = common_tokens(node->kids[i]->tokens, ps, tokens, n);
+        if (k > best) {
+            best = k;
+            *out_page = node->kids[i]->pages[0];
+            *out_owner = node->kids[i];
+        }
+    }
+    int k = common_tokens(node->tail, node->tail_len, tokens, n);
+    if (k > best) {
+        best = k;
+        *out_page = node->tail_page;
+        *out_owner = node;
+    }
+    return best;
+}
+
 rk_status rk_radix_match(rk_radix *r, uint64_t ns, const int32_t *tokens, int n, int flags,
                          int32_t *out_pages, rk_radix_result *out) {
     out->n_matched = 0;
     out->node = NULL;
+    out->n_partial = 0;
+    out->partial_page = -1;
     if (n < 0) return rk_errorf(RK_ERR_INVALID, "radix: negative length");
     int ps = r->p.page_size;
     int limit = (flags & RK_RADIX_LEAVE_ONE) ? n - 1 : n;
@@ -242,16 +301,22 @@ rk_status rk_radix_match(rk_radix *r, uint64_t ns, const int32_t *tokens, int n,
         pos += k;
         node = kid;
     }
+    int rest = ((flags & RK_RADIX_LEAVE_ONE) ? n - 1 : n) - pos;
+    if ((flags & RK_RADIX_PARTIAL) && node && rest > 0) {
+        rk_radix_node *owner = NULL;
+        out->n_partial = best_partial(r, node, tokens + pos, rest, &out->partial_page, &owner);
+        if (owner) owner->clock = now;
+    }
+    int reused = pos + out->n_partial;
     r->st.queries++;
     r->st.tokens_processed += (uint64_t)n;
-    r->st.tokens_reused += (uint64_t)pos;
-    r->st.tokens_computed += (uint64_t)(n - pos);
+    r->st.tokens_reused += (uint64_t)reused;
+    r->st.tokens_computed += (uint64_t)(n - reused);
+    if (reused == 0) r->st.misses++;
+    if (reused > 0) r->st.hits++;
     if (pos > 0) {
-        r->st.hits++;
         lock_path(r, node);
         out->node = node;
-    } else {
-        r->st.misses++;
     }
     out->n_matched = pos;
     return RK_OK;
@@ -262,20 +327,19 @@ rk_status rk_radix_unlock(rk_radix *r, rk_radix_node *node) {
         return rk_errorf(RK_ERR_INVALID, "radix: unlock of a node that is not locked");
     for (rk_radix_node *n = node; n->parent; n = n->parent) {
         if (--n->lock == 0) {
-            r->st.protected_tokens -= (uint64_t)n->len;
-            r->st.evictable_tokens += (uint64_t)n->len;
+            r->st.protected_tokens -= node_tokens(n);
+            r->st.evictable_tokens += node_tokens(n);
         }
     }
     return RK_OK;
 }
 
-rk_status rk_radix_insert(rk_radix *r, uint64_t ns, const int32_t *tokens, int n,
-                          const int32_t *pages, int priority, int *out_present,
-                          rk_radix_node **out_locked) {
-    *out_present = 0;
-    if (out_locked) *out_locked = NULL;
-    if (n < 0) return rk_errorf(RK_ERR_INVALID, "radix: negative length");
-    int ps = r->p.page_size, limit = n / ps * ps;
+/* Insert the whole pages of tokens(limit); *out_node gets the node where they
+ * end (the root when limit is 0). */
+static rk_status insert_pages(rk_radix *r, uint64_t ns, const int32_t *tokens, int limit,
+                              const int32_t *pages, int priority, int *out_present,
+                              rk_radix_node **out_node) {
+    int ps = r->p.page_size;
     rk_radix_node *node;
     rk_status st = get_root(r, ns, &node);
     if (st) return st;
@@ -287,7 +351,7 @@ rk_status rk_radix_insert(rk_radix *r, uint64_t ns, const int32_t *tokens, int n
             rk_radix_node *leaf = node_new(r, tokens + pos, pages + pos / ps, limit - pos);
             if (!leaf || add_kid(node, -i - 1, leaf)) {
                 node_free(leaf);
-                return rk_errorf(RK_ERR_NOMEM, "radix: out of memory inserting %d tokens", n);
+                return rk_errorf(RK_ERR_NOMEM, "radix: out of memory inserting %d tokens", limit);
             }
             leaf->clock = now;
             leaf->priority = priority;
@@ -308,6 +372,60 @@ rk_status rk_radix_insert(rk_radix *r, uint64_t ns, const int32_t *tokens, int n
         pos += k;
         node = kid;
         *out_present = pos;
+    }
+    *out_node = node;
+    return RK_OK;
+}
+
+rk_status rk_radix_insert(rk_radix *r, uint64_t ns, const int32_t *tokens, int n,
+                          const int32_t *pages, int priority, int *out_present,
+                          rk_radix_node **out_locked) {
+    *out_present = 0;
+    if (out_locked) *out_locked = NULL;
+    if (n < 0) return rk_errorf(RK_ERR_INVALID, "radix: negative length");
+    rk_radix_node *node;
+    rk_status st = insert_pages(r, ns, tokens, n / r->p.page_size * r->p.page_size, pages, priority,
+                                out_present, &node);
+    if (st) return st;
+    if (out_locked && node->parent) {
+        lock_path(r, node);
+        *out_locked = node;
+    }
+    return RK_OK;
+}
+
+rk_status rk_radix_insert_partial(rk_radix *r, uint64_t ns, const int32_t *tokens, int n,
+                                  const int32_t *pages, int priority, int *out_present,
+                                  rk_radix_node **out_locked) {
+    int ps = r->p.page_size, limit = n / ps * ps, tl = n - limit;
+    *out_present = 0;
+    if (out_locked) *out_locked = NULL;
+    if (n < 0) return rk_errorf(RK_ERR_INVALID, "radix: negative length");
+    rk_radix_node *node;
+    rk_status st = insert_pages(r, ns, tokens, limit, pages, priority, out_present, &node);
+    if (st) {
+        if (tl) r->p.release_pages(r->p.ctx, pages + limit / ps, 1);
+        return st;
+    }
+    if (tl) {
+        /* Keep the tail that covers more: the one held, when the new one is
+         * a prefix of it; otherwise the new one replaces it. */
+        int32_t *copy = NULL;
+        if (common_tokens(node->tail, node->tail_len, tokens + limit, tl) == tl ||
+            !(copy = malloc((size_t)tl * sizeof *copy))) {
+            r->p.release_pages(r->p.ctx, pages + limit / ps, 1);
+        } else {
+            drop_tail(r, node);
+            memcpy(copy, tokens + limit, (size_t)tl * sizeof *copy);
+            node->tail = copy;
+            node->tail_len = tl;
+            node->tail_page = pages[limit / ps];
+            r->st.cached_tokens += (uint64_t)tl;
+            if (node->lock > 0)
+                r->st.protected_tokens += (uint64_t)tl;
+            else
+                r->st.evictable_tokens += (uint64_t)tl;
+        }
     }
     if (out_locked && node->parent) {
         lock_path(r, node);
@@ -377,10 +495,12 @@ void rk_radix_evict(rk_radix *r, int n_tokens, int *out_evicted) {
         if (collect_leaves(r, r->roots[i].node, &h)) break; /* out of memory: evict what we have */
     while (freed < n_tokens && h.n > 0) {
         rk_radix_node *leaf = heap_pop(r, &h), *parent = leaf->parent;
+        int tail_len = leaf->tail_len;
+        drop_tail(r, leaf);
         r->p.release_pages(r->p.ctx, leaf->pages, leaf->len / r->p.page_size);
-        freed += leaf->len;
+        freed += leaf->len + tail_len;
         r->st.evictions++;
-        r->st.tokens_evicted += (uint64_t)leaf->len;
+        r->st.tokens_evicted += (uint64_t)(leaf->len + tail_len);
         r->st.cached_tokens -= (uint64_t)leaf->len;
         r->st.evictable_tokens -= (uint64_t)leaf->len;
         r->st.nodes--;
@@ -389,6 +509,16 @@ void rk_radix_evict(rk_radix *r, int n_tokens, int *out_evicted) {
         if (parent->parent && parent->n_kids == 0 && parent->lock == 0) heap_push(r, &h, parent);
     }
     free(h.v);
+    /* A tail on a root (a sequence shorter than a page) has no node to go
+     * with: it goes last. */
+    for (int i = 0; i < r->n_roots && freed < n_tokens; i++) {
+        rk_radix_node *root = r->roots[i].node;
+        if (!root->tail_len) continue;
+        freed += root->tail_len;
+        r->st.evictions++;
+        r->st.tokens_evicted += (uint64_t)root->tail_len;
+        drop_tail(r, root);
+    }
     if (out_evicted) *out_evicted = freed;
 }
 

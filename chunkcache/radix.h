@@ -2,17 +2,22 @@
  * tree over token ids whose nodes own the KV pages of their edge tokens.
  *
  * Edges are whole pages (page_size tokens; a page is one KV block in the
- * engine, one token in the unit tests), so the partial tail of a sequence is
- * never inserted and every match is page-aligned. Children are keyed by their
- * first page. Each namespace (model fingerprint, tenant salt) has its own
- * root, so different namespaces never share.
+ * engine, one token in the unit tests), so every shared match is
+ * page-aligned. Children are keyed by their first page. Reuse is still
+ * token-granular: rk_radix_insert_partial keeps a sequence's partial last page
+ * as the tail of the node it follows, and a match with RK_RADIX_PARTIAL also
+ * names the page after the match (a child's first page or a tail) that
+ * shares the most tokens with the query, for the caller to copy: a partial
+ * page is never shared, because the caller writes the rest of it. Each namespace (model
+ * fingerprint, tenant salt) has its own root, so different namespaces never share.
  *
  * match() finds the longest cached prefix, splits the node where it ends
  * inside an edge, and locks the path from that node to the root in the same
  * call; the caller later unlocks with the node handle it got, never by tokens.
  * Locked nodes are never evicted. insert() adds only the new suffix and says
  * how much was already present, so the caller releases its duplicate pages.
- * Eviction takes unlocked leaves in policy order and reconsiders the parent.
+ * Eviction takes unlocked leaves (with their tails) in policy order and
+ * reconsiders the parent; tails on roots go last.
  * Pages leave the tree only through the release callback. */
 #ifndef RK_RADIX_H
 #define RK_RADIX_H
@@ -56,11 +61,20 @@ enum {
     /* Leave at least one token of the query unmatched (its logits must be
      * computed): the match is capped at n - 1 before page alignment. */
     RK_RADIX_LEAVE_ONE = 1,
+    /* Also report the page that continues the match for fewer than
+     * page_size tokens (n_partial, partial_page). */
+    RK_RADIX_PARTIAL = 2,
 };
 
 typedef struct rk_radix_result {
     int n_matched;       /* tokens, a multiple of page_size */
     rk_radix_node *node; /* locked; pass to rk_radix_unlock. NULL when nothing matched */
+    /* With RK_RADIX_PARTIAL: the first n_partial (< page_size) tokens of
+     * partial_page continue the match (0 and -1 when none). The page is not
+     * locked: copy it, or take an arena reference on it, before anything
+     * else can evict (an allocation from its pool, another radix call). */
+    int n_partial;
+    int32_t partial_page;
 } rk_radix_result;
 
 /* Match tokens(n) in namespace ns. Writes the pages of the matched prefix to
@@ -82,6 +96,15 @@ rk_status rk_radix_unlock(rk_radix *r, rk_radix_node *node);
 rk_status rk_radix_insert(rk_radix *r, uint64_t ns, const int32_t *tokens, int n,
                           const int32_t *pages, int priority, int *out_present,
                           rk_radix_node **out_locked);
+
+/* rk_radix_insert, and the partial last page too: n need not be a multiple
+ * of page_size, and pages holds n / page_size whole pages then the partial
+ * one. The tree owns that page from now on: it keeps it as the tail of the
+ * node the whole pages end at, or releases it (when the node already holds
+ * a tail of which this one is a prefix, or on error). */
+rk_status rk_radix_insert_partial(rk_radix *r, uint64_t ns, const int32_t *tokens, int n,
+                                  const int32_t *pages, int priority, int *out_present,
+                                  rk_radix_node **out_locked);
 
 /* Evict unlocked leaves until at least n_tokens tokens were freed or nothing
  * evictable is left; *out_evicted (may be NULL) gets the number freed. */

@@ -769,11 +769,14 @@ static int cmd_prewarm(int argc, char **argv) {
 
 static int cmd_cache(int argc, char **argv) {
     static const char *help =
-        "usage: ragkv cache ls|stats|verify --store DIR [--sort hits|recent] [--limit N]\n"
-        "Read a chunk store offline (nothing is changed).\n"
+        "usage: ragkv cache ls|stats|verify|rebuild --store DIR [--sort hits|recent] [--limit N]\n"
+        "Read a chunk store offline (ls, stats and verify change nothing).\n"
         "  ls       one line per stored chunk (key, model, tokens, bytes, hits, last access)\n"
         "  stats    rows and bytes, per model\n"
-        "  verify   re-check every payload's checksum; exit status 1 if any is bad\n";
+        "  verify   re-check every payload's checksum; exit status 1 if any is bad\n"
+        "  rebuild  set chunks.db aside (chunks.db.corrupt-TIME or .old-TIME) and rebuild it\n"
+        "           from the payload files; bad payloads go to DIR/quarantine/. Only while\n"
+        "           no server has the store open.\n";
     if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
         fputs(help, argc < 2 ? stderr : stdout);
         return argc < 2 ? EXIT_USAGE : 0;
@@ -806,8 +809,21 @@ static int cmd_cache(int argc, char **argv) {
             return usage_error("cache", "%s", "unknown option");
     }
     if (!dir) return usage_error("cache", "%s", "--store is required");
-    if (strcmp(sub, "ls") && strcmp(sub, "stats") && strcmp(sub, "verify"))
-        return usage_error("cache", "unknown subcommand '%s' (ls, stats, verify)", sub);
+    if (strcmp(sub, "ls") && strcmp(sub, "stats") && strcmp(sub, "verify") &&
+        strcmp(sub, "rebuild"))
+        return usage_error("cache", "unknown subcommand '%s' (ls, stats, verify, rebuild)", sub);
+    if (!strcmp(sub, "rebuild")) {
+        rk_store_rebuild_result r;
+        if (rk_store_rebuild(dir, &r)) return fail("cache rebuild");
+        if (r.set_aside[0])
+            printf("old database kept as %s/%s (%s)\n", dir, r.set_aside,
+                   r.db_was_corrupt ? "corrupt" : "sound");
+        printf("rebuilt %llu rows from the payload files; %llu quarantined, %llu unreadable, "
+               "%llu temporary files removed\n",
+               (unsigned long long)r.rows_rebuilt, (unsigned long long)r.quarantined,
+               (unsigned long long)r.unreadable, (unsigned long long)r.tmp_removed);
+        return 0;
+    }
     rk_store *st;
     if (rk_store_open_readonly(dir, &st)) return fail("cannot open the store");
     int rc = 0;
@@ -837,7 +853,7 @@ static const struct {
     {"mkmodel", cmd_mkmodel, "write a synthetic GGUF model"},
     {"inspect", cmd_inspect, "describe a GGUF file"},
     {"prewarm", cmd_prewarm, "compute chunk KV offline into the store"},
-    {"cache", cmd_cache, "read a chunk store offline (ls, stats, verify)"},
+    {"cache", cmd_cache, "inspect or rebuild a chunk store offline (ls, stats, verify, rebuild)"},
     {"bench", rk_bench_main, "run the RAG workload benchmark"},
 };
 

@@ -22,12 +22,14 @@ const char *rk_http_error_type(int status) {
     case 401: return "unauthorized";
     case 404: return "not_found";
     case 405: return "method_not_allowed";
+    case 408: return "request_timeout";
     case 409: return "conflict";
     case 413: return "request_too_large";
     case 422: return "unprocessable";
     case 429: return "rate_limited";
     case 501: return "not_implemented";
     case 503: return "overloaded";
+    case 505: return "http_version_not_supported";
     default: return status >= 500 ? "internal_error" : "invalid_request";
     }
 }

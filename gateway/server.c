@@ -7,8 +7,9 @@
  * job's reply channel. Cache commands are functions queued the same way, so
  * only the engine thread ever touches the arena, the radix tree and the chunk
  * index. The main thread waits for SIGINT/SIGTERM and shuts down: new
- * requests get 503, in-flight ones have a grace period, then are cancelled;
- * CivetWeb is stopped (joining its workers), then the engine. */
+ * requests get 503, in-flight ones have a grace period, then are cancelled
+ * and write their last answer (a stream's final event, a queued request's
+ * 503); CivetWeb is stopped (joining its workers), then the engine. */
 #include "gateway/server.h"
 
 #include <arpa/inet.h>
@@ -25,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
@@ -56,6 +58,7 @@ typedef struct serve_opts {
     int log_prompts;
     double grace_s;
     int http_threads;
+    double request_timeout_s;
     char log_level[16];
     double load_delay_s;
     double token_delay_s;
@@ -89,7 +92,12 @@ static const rk_setting k_serve_settings[] = {
     {"grace_s", "grace-s", RK_SET_DOUBLE, OFF(grace_s), 0, 0, 3600, 0, 0,
      "S  on SIGINT/SIGTERM, let requests finish this long (default: 5)"},
     {"http_threads", "http-threads", RK_SET_INT, OFF(http_threads), 0, 0, 4096, 0, 0,
-     "N  HTTP worker threads (default: 0 = queue + 16)"},
+     "N  requests handled at once, more get 503 (default: 0 = queue + 16); 5 N connections "
+     "are served"},
+    {"request_timeout_s", "request-timeout-s", RK_SET_DOUBLE, OFF(request_timeout_s), 0, 0.1, 3600,
+     0, 0,
+     "S  a client must send the headers, then the body, within this long, and read what is "
+     "written to it (default: 10)"},
     {"log_level", "log-level", RK_SET_STR, STR(log_level), 0, 0, 0, 0,
      "L  debug|info|warn|error (default: warn)"},
     {"load_delay_s", "load-delay-s", RK_SET_DOUBLE, OFF(load_delay_s), 0, 0, 3600, 0, 0,
@@ -116,6 +124,7 @@ static void opts_defaults(serve_opts *o) {
     o->timeout_s = 600;
     o->max_batch = 16;
     o->grace_s = 5;
+    o->request_timeout_s = 10;
     snprintf(o->log_level, sizeof o->log_level, "warn");
 }
 
@@ -134,7 +143,9 @@ typedef struct server {
     rk_scheduler *engine;
     rk_stats *stats;
     atomic_int stopping;
-    atomic_int in_flight;
+    atomic_int in_flight; /* requests being handled */
+    atomic_int admitted;  /* of those, the ones counted against request_slots */
+    int request_slots;    /* http_threads, resolved */
     atomic_ullong counter;
     double started_unix;
     /* Model facts computed once the engine is ready (under info_mu). */
@@ -148,7 +159,8 @@ typedef struct server {
 typedef struct req_ctx {
     server *S;
     struct mg_connection *conn;
-    const char *method, *path;
+    const char *method, *path; /* path: percent-decoded */
+    int head;                  /* a HEAD request: headers only */
     char id[40];
     double t0;
     int status;
@@ -187,13 +199,13 @@ static void send_headers(req_ctx *rc, int status, const char *type, long long le
     mg_response_header_add(c, "X-Request-Id", rc->id, -1);
     if (retry_after) mg_response_header_add(c, "Retry-After", retry_after, -1);
     if (status == 405) {
-        const char *allow = !strcmp(rc->path, "/v1/chunks")         ? "GET, POST"
-                            : !strncmp(rc->path, "/v1/chunks/", 11) ? "GET, DELETE"
+        const char *allow = !strcmp(rc->path, "/v1/chunks")         ? "GET, HEAD, POST"
+                            : !strncmp(rc->path, "/v1/chunks/", 11) ? "GET, HEAD, DELETE"
                             : !strcmp(rc->path, "/v1/completions") ||
                                     !strcmp(rc->path, "/v1/chat/completions") ||
                                     !strcmp(rc->path, "/v1/cache/flush")
                                 ? "POST"
-                                : "GET";
+                                : "GET, HEAD";
         mg_response_header_add(c, "Allow", allow, -1);
     }
     mg_response_header_send(c);
@@ -202,7 +214,7 @@ static void send_headers(req_ctx *rc, int status, const char *type, long long le
 static void send_text(req_ctx *rc, int status, const char *type, const char *body, size_t len,
                       const char *retry_after) {
     send_headers(rc, status, type, (long long)len, retry_after);
-    if (len) mg_write(rc->conn, body, len);
+    if (len && !rc->head) mg_write(rc->conn, body, len);
 }
 
 /* Send a JSON body (the reference is taken). */
@@ -255,12 +267,14 @@ static int http_status_of(rk_status st) {
 
 /* ---------------------------------------------------------------- request bodies */
 
-/* Read the body (at most max_body_bytes). Returns 0 and a malloc'ed buffer,
- * or -1 after sending 413. */
+/* Read the body (at most max_body_bytes), which must arrive within
+ * request_timeout_s. Returns 0 and a malloc'ed buffer, or -1 after sending
+ * 413, 408 (too slow) or 400 (the client ended it short). */
 static int read_body(req_ctx *rc, char **out, size_t *out_len) {
     server *S = rc->S;
     const struct mg_request_info *ri = mg_get_request_info(rc->conn);
     long long max = S->o.max_body_bytes, cl = ri->content_length;
+    double deadline = rk_time_now() + S->o.request_timeout_s;
     *out = NULL;
     *out_len = 0;
     if (cl > max) {
@@ -268,7 +282,7 @@ static int read_body(req_ctx *rc, char **out, size_t *out_len) {
         size_t sink_cap = 65536;
         char *sink = malloc(sink_cap);
         long long left = cl < 64LL << 20 ? cl : 0;
-        while (sink && left > 0) {
+        while (sink && left > 0 && rk_time_now() < deadline) {
             int n = mg_read(rc->conn, sink,
                             (size_t)(left < (long long)sink_cap ? left : (long long)sink_cap));
             if (n <= 0) break;
@@ -285,7 +299,15 @@ static int read_body(req_ctx *rc, char **out, size_t *out_len) {
         send_errorf(rc, 500, "out of memory");
         return -1;
     }
+    /* One mg_read waits at most request_timeout_ms for what it asks (CivetWeb's
+     * own limit); the deadline bounds the whole body, however it trickles in. */
+    int late = 0;
     for (;;) {
+        if (cl >= 0 && (long long)len >= cl) break;
+        if (rk_time_now() >= deadline) {
+            late = 1;
+            break;
+        }
         if (len + 1 >= cap) {
             if ((long long)len > max) break;
             cap *= 2;
@@ -302,10 +324,16 @@ static int read_body(req_ctx *rc, char **out, size_t *out_len) {
         len += (size_t)n;
         if ((long long)len > max) break;
     }
-    if ((long long)len > max) {
+    if ((long long)len > max || late || (cl >= 0 && (long long)len < cl)) {
         free(buf);
         mg_disable_connection_keep_alive(rc->conn);
-        send_errorf(rc, 413, "the body is larger than %lld bytes", max);
+        if ((long long)len > max)
+            send_errorf(rc, 413, "the body is larger than %lld bytes", max);
+        else if (late)
+            send_errorf(rc, 408, "the body did not arrive within %g s (%zu bytes came)",
+                        S->o.request_timeout_s, len);
+        else
+            send_errorf(rc, 400, "the body ended after %zu of %lld bytes", len, cl);
         return -1;
     }
     buf[len] = '\0';
@@ -643,6 +671,8 @@ static void respond_generation(gen *g) {
         if (g->timed_out && !j->ran)
             snprintf(msg, sizeof msg, "the request waited longer than the timeout (%g s)",
                      rc->S->o.timeout_s);
+        else if (!j->ran && atomic_load(&rc->S->stopping))
+            snprintf(msg, sizeof msg, "the server is shutting down");
         else if (j->status == RK_ERR_EXHAUSTED)
             snprintf(msg, sizeof msg, "out of KV memory, try again: %s", j->error);
         else
@@ -814,7 +844,10 @@ static rk_status run_command(req_ctx *rc, rk_scheduler_fn fn, void *ctx, int any
             rk_scheduler_cancel(S->engine, &job);
         }
     st = job.ran ? job.status : RK_ERR_EXHAUSTED;
-    snprintf(msg, cap, "%s", job.ran ? job.error : "the command was cancelled before it ran");
+    snprintf(msg, cap, "%s",
+             job.ran                     ? job.error
+             : atomic_load(&S->stopping) ? "the server is shutting down"
+                                         : "the command was cancelled before it ran");
     rk_job_destroy(&job);
     return st;
 }
@@ -1411,8 +1444,11 @@ static int authorize(req_ctx *rc, int admin) {
     const char *need1 = admin && o->admin_key[0] ? o->admin_key : o->api_key;
     const char *need2 = !admin && o->admin_key[0] ? o->admin_key : NULL;
     if (!need1[0]) return 0;
+    /* The scheme is case-insensitive and ends at white space (RFC 7235). */
     const char *h = mg_get_header(rc->conn, "Authorization");
-    const char *given = h && !strncmp(h, "Bearer ", 7) ? h + 7 : NULL;
+    const char *given = NULL;
+    if (h && !strncasecmp(h, "Bearer", 6) && (h[6] == ' ' || h[6] == '\t'))
+        for (given = h + 6; *given == ' ' || *given == '\t';) given++;
     if (given && (key_equal(given, need1) || (need2 && key_equal(given, need2)))) return 0;
     send_errorf(rc, 401, "%s",
                 !given                     ? "missing `Authorization: Bearer KEY`"
@@ -1455,7 +1491,7 @@ static route find_route(const char *path) {
 
 static int dispatch(req_ctx *rc) {
     const char *m = rc->method;
-    int get = !strcmp(m, "GET"), post = !strcmp(m, "POST");
+    int get = !strcmp(m, "GET") || rc->head, post = !strcmp(m, "POST");
     int del = !strcmp(m, "DELETE");
     route r = find_route(rc->path);
     if (r == R_NONE) return send_errorf(rc, 404, "no route %s %s", m, rc->path), 0;
@@ -1516,43 +1552,101 @@ static int run_big_stack(void (*fn)(void *), void *arg) {
     return 0;
 }
 
+/* An error answered before (or instead of) routing, on CivetWeb's own
+ * thread, in the JSON shape; the connection is closed after it. Kept small:
+ * that thread's stack is. */
+static void send_bare_error(struct mg_connection *conn, int status, const char *message) {
+    rk_http_error e = {.status = status, .type = rk_http_error_type(status)};
+    snprintf(e.message, sizeof e.message, "%s", message);
+    json_t *j = error_body(&e);
+    char *body = j ? json_dumps(j, JSON_COMPACT) : NULL;
+    json_decref(j);
+    const struct mg_request_info *ri = mg_get_request_info(conn);
+    int head = ri && ri->request_method && !strcmp(ri->request_method, "HEAD");
+    size_t len = body ? strlen(body) : 0;
+    char hdr[256];
+    int n = snprintf(hdr, sizeof hdr,
+                     "HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: "
+                     "%zu\r\n%sConnection: close\r\n\r\n",
+                     status, mg_get_response_code_text(conn, status), len,
+                     status == 503 ? "Retry-After: 1\r\n" : "");
+    mg_disable_connection_keep_alive(conn);
+    if (n > 0 && (size_t)n < sizeof hdr) mg_write(conn, hdr, (size_t)n);
+    if (len && !head) mg_write(conn, body, len);
+    free(body);
+}
+
 static void serve_one(void *arg) {
     struct mg_connection *conn = arg;
     server *S = mg_get_user_data(mg_get_context(conn));
     const struct mg_request_info *ri = mg_get_request_info(conn);
+    /* CivetWeb leaves the path encoded (decode_url no): decoded here, where
+     * an encoded NUL byte, which would cut the path short, is refused. */
+    const char *raw = ri->local_uri ? ri->local_uri : "/";
+    size_t raw_len = strlen(raw);
+    char *path = malloc(raw_len + 1);
+    if (!path) {
+        send_bare_error(conn, 500, "out of memory");
+        mg_set_user_connection_data(conn, (void *)(intptr_t)500);
+        return;
+    }
+    int path_len = mg_url_decode(raw, (int)raw_len, path, (int)raw_len + 1, 0);
     req_ctx rc = {.S = S,
                   .conn = conn,
                   .method = ri->request_method ? ri->request_method : "?",
-                  .path = ri->local_uri ? ri->local_uri : "/",
+                  .path = path,
                   .t0 = rk_time_now()};
+    rc.head = !strcmp(rc.method, "HEAD");
     uint64_t rnd = fresh_random(S);
     snprintf(rc.id, sizeof rc.id, "req-%016llx", (unsigned long long)rnd);
     atomic_fetch_add(&S->in_flight, 1);
     rk_stats_in_flight(S->stats, 1);
-    dispatch(&rc);
+    if (path_len < 0 || (size_t)path_len != strlen(path))
+        send_errorf(&rc, 400, "the path holds an encoded NUL byte (%%00)");
+    else
+        dispatch(&rc);
     rk_stats_in_flight(S->stats, -1);
     atomic_fetch_sub(&S->in_flight, 1);
     int quiet = !strcmp(rc.path, "/health") || !strcmp(rc.path, "/metrics");
     if (!quiet) rk_stats_record_status(S->stats, rc.status);
     rk_log(quiet ? RK_LOG_DEBUG : RK_LOG_INFO, "request", "id=%s %s %s status=%d ms=%.2f%s", rc.id,
            rc.method, rc.path, rc.status, (rk_time_now() - rc.t0) * 1e3, rc.detail);
+    free(path);
     mg_set_user_connection_data(conn, (void *)(intptr_t)(rc.status > 0 ? rc.status : 500));
 }
 
+/* CivetWeb runs more connection threads than requests may be handled at
+ * once (rk_serve_main), so that idle and slow clients, which hold a thread
+ * each until request_timeout_s, cannot take the ones requests need. A
+ * request beyond request_slots is refused at once; /health and /metrics are
+ * never counted, so probes answer under any load. */
 static int handle_request(struct mg_connection *conn) {
-    if (run_big_stack(serve_one, conn) == 0) {
-        intptr_t status = (intptr_t)mg_get_user_connection_data(conn);
-        mg_set_user_connection_data(conn, NULL);
-        return status > 0 ? (int)status : 500;
+    server *S = mg_get_user_data(mg_get_context(conn));
+    const struct mg_request_info *ri = mg_get_request_info(conn);
+    const char *uri = ri->local_uri ? ri->local_uri : "";
+    int counted = strcmp(uri, "/health") && strcmp(uri, "/metrics");
+    if (counted && atomic_fetch_add(&S->admitted, 1) >= S->request_slots) {
+        atomic_fetch_sub(&S->admitted, 1);
+        send_bare_error(conn, 503, "every request slot is busy (http_threads); try again");
+        return 503;
     }
-    static const char busy[] =
-        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-        "Retry-After: 1\r\nConnection: close\r\nContent-Length: 84\r\n\r\n"
-        "{\"error\":{\"code\":503,\"type\":\"overloaded\",\"message\":\"cannot start a "
-        "request thread\"}}";
-    mg_disable_connection_keep_alive(conn);
-    mg_write(conn, busy, sizeof busy - 1);
-    return 503;
+    int status = 503;
+    if (run_big_stack(serve_one, conn) == 0) {
+        intptr_t st = (intptr_t)mg_get_user_connection_data(conn);
+        status = st > 0 ? (int)st : 500;
+    } else {
+        send_bare_error(conn, 503, "cannot start a request thread");
+    }
+    mg_set_user_connection_data(conn, NULL);
+    if (counted) atomic_fetch_sub(&S->admitted, 1);
+    return status;
+}
+
+/* CivetWeb's own refusals (a malformed or oversized request, an unknown
+ * method, an unsupported HTTP version), in the service's JSON error shape. */
+static int civet_error(struct mg_connection *conn, int status, const char *message) {
+    send_bare_error(conn, status, message && *message ? message : "the request was refused");
+    return 0;
 }
 
 static int civet_log(const struct mg_connection *conn, const char *message) {
@@ -1713,6 +1807,16 @@ fail:
     free(bases);
     return -1;
 }
+
+/* Wait until no request is being handled, for at most seconds. */
+static void wait_requests_done(server *S, double seconds) {
+    double until = rk_time_now() + seconds;
+    while (atomic_load(&S->in_flight) > 0 && rk_time_now() < until) {
+        struct timespec ts = {0, 20 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+}
+
 /* The scheduler's statistics hooks, into the server's rk_stats. */
 static void publish_stats(void *ctx, const rk_cache_snapshot *snap) { rk_stats_publish(ctx, snap); }
 static void record_request(void *ctx, const rk_request *r) { rk_stats_record_request(ctx, r); }
@@ -1772,27 +1876,35 @@ int rk_serve_main(int argc, char **argv) {
         goto out;
     }
 
-    char ports[320], threads[16];
+    char ports[320], threads[16], request_ms[24], keep_alive_ms[24];
     int colon = strchr(o->host, ':') != NULL; /* IPv6 literal */
     snprintf(ports, sizeof ports, "%s%s%s:%d", colon ? "[" : "", o->host, colon ? "]" : "",
              o->port);
     int nt = o->http_threads > 0 ? o->http_threads : o->queue + 16;
-    snprintf(threads, sizeof threads, "%d", nt < 4 ? 4 : nt > 4096 ? 4096 : nt);
-    const char *mg_opts[] = {"listening_ports",
-                             ports,
-                             "num_threads",
-                             threads,
-                             "request_timeout_ms",
-                             "60000",
-                             "enable_keep_alive",
-                             "yes",
-                             "keep_alive_timeout_ms",
-                             "5000",
-                             NULL};
+    S->request_slots = nt < 4 ? 4 : nt > 4096 ? 4096 : nt;
+    /* CivetWeb serves each connection on one thread of its own, from the
+     * request line to the close, waiting or not. Four threads more per
+     * request slot let 4 x http_threads idle or slow connections be held
+     * while requests are still served; each is dropped after
+     * request_timeout_s, which bounds the headers, every read and every
+     * write, or after keep_alive_ms between two requests. */
+    snprintf(threads, sizeof threads, "%d", 5 * S->request_slots);
+    long rt_ms = (long)(o->request_timeout_s * 1000 + 0.5);
+    snprintf(request_ms, sizeof request_ms, "%ld", rt_ms);
+    snprintf(keep_alive_ms, sizeof keep_alive_ms, "%ld", rt_ms < 5000 ? rt_ms : 5000);
+    const char *mg_opts[] = {"listening_ports", ports, "num_threads", threads, "request_timeout_ms",
+                             request_ms, "enable_keep_alive", "yes", "keep_alive_timeout_ms",
+                             keep_alive_ms,
+                             /* serve_one decodes the path and refuses %00 */
+                             "decode_url", "no",
+                             /* an absolute URI naming this port is served, whatever host it
+                              * names (keys, not CivetWeb's domains, guard the routes) */
+                             "enable_auth_domain_check", "no", NULL};
     struct mg_callbacks cb;
     memset(&cb, 0, sizeof cb);
     cb.begin_request = handle_request;
     cb.log_message = civet_log;
+    cb.http_error = civet_error;
     mg_init_library(0);
     S->ctx = mg_start(&cb, S, mg_opts);
     if (!S->ctx) {
@@ -1827,22 +1939,23 @@ int rk_serve_main(int argc, char **argv) {
                         rk_chat_template_name(S->tmpl));
         }
         if (st == RK_SCHEDULER_FAILED) {
-            fprintf(stderr, "ragkv serve: cannot load the model: %s\n", msg);
+            fprintf(stderr, "ragkv serve: cannot start: %s\n", msg);
             rc = EXIT_FAILURE;
             break;
         }
         last = st;
     }
 
-    /* Shutdown: refuse new work, give in-flight requests the grace period,
-     * cancel the rest, stop the HTTP workers, then the engine. */
+    /* Shutdown: refuse new work (503), give in-flight requests the grace
+     * period, then cancel the rest: a running generation stops at its next
+     * step and its stream ends with a final event ("cancelled", with usage)
+     * and [DONE]; a queued one is answered 503. Their handlers write that
+     * before CivetWeb stops, as its stop flag ends every read and write; a
+     * client that does not read is given up after request_timeout_s. */
     atomic_store(&S->stopping, 1);
-    double until = rk_time_now() + o->grace_s;
-    while (atomic_load(&S->in_flight) > 0 && rk_time_now() < until) {
-        struct timespec ts = {0, 20 * 1000 * 1000};
-        nanosleep(&ts, NULL);
-    }
+    wait_requests_done(S, o->grace_s);
     rk_scheduler_cancel_all(S->engine);
+    wait_requests_done(S, o->request_timeout_s + 2);
     stop_civetweb(S->ctx, n_ports > 0 ? sp[0].port : o->port, o->host);
     rk_scheduler_free(S->engine);
     S->engine = NULL;

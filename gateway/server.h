@@ -29,7 +29,7 @@ int rk_serve_main(int argc, char **argv);
 
 /* An HTTP error as the JSON envelope {"error": {"code", "type", "message"}}. */
 typedef struct rk_http_error {
-    int status;       /* HTTP status: 400, 401, 404, 405, 409, 413, 422, 500, 501, 503 */
+    int status;       /* HTTP status: 400, 401, 404, 405, 408, 409, 413, 422, 500, 501, 503, 505 */
     const char *type; /* constant: "invalid_request", "not_found", ... */
     char message[320];
 } rk_http_error;

@@ -28,6 +28,7 @@ struct rk_stats {
     uint64_t prompt_tokens, cached_tokens, completion_tokens;
     int in_flight;
     rk_hist lookup, reindex, ttft, queue, total;
+    rk_hist tpot; /* decode time per output token after the first */
 };
 
 /* ---------------------------------------------------------------- histograms */
@@ -128,6 +129,7 @@ void rk_stats_record_request(rk_stats *s, const rk_request *r) {
     if (r->n_out > 0) rk_hist_add(&s->ttft, (r->t.queue_ms + r->t.ttft_ms) / 1e3);
     rk_hist_add(&s->queue, r->t.queue_ms / 1e3);
     rk_hist_add(&s->total, r->t.total_ms / 1e3);
+    if (r->n_out > 1) rk_hist_add(&s->tpot, r->t.decode_ms / 1e3 / (r->n_out - 1));
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -153,6 +155,14 @@ void rk_stats_snapshot(rk_stats *s, rk_cache_snapshot *out) {
 /* ---------------------------------------------------------------- JSON */
 
 static double ratio(uint64_t a, uint64_t b) { return b ? (double)a / (double)b : 0.0; }
+
+/* The share of the live pool (the KV of requests in flight) in use: what
+ * limits how many requests run at once. Cached chunks and prefixes have pools
+ * of their own and are reported per pool. */
+static double kv_usage(const rk_cache_snapshot *c) {
+    int total = c->pool_total[RK_POOL_LIVE];
+    return ratio((uint64_t)(total - c->pool_free[RK_POOL_LIVE]), (uint64_t)total);
+}
 
 static json_t *window_json(const rk_stats *s, int n_minutes) {
     int64_t now = now_minute();
@@ -194,9 +204,10 @@ static json_t *requests_json(const rk_stats *s) {
         json_object_set_new(by, code, json_integer((json_int_t)s->status_counts[i]));
         total += s->status_counts[i];
     }
-    return json_pack("{s:I, s:o, s:I, s:i, s:i}", "total", (json_int_t)total, "by_status", by,
-                     "completed_generations", (json_int_t)s->requests_done, "in_flight",
-                     s->in_flight, "queued", s->snap.queued);
+    return json_pack("{s:I, s:o, s:I, s:i, s:i, s:i, s:I}", "total", (json_int_t)total, "by_status",
+                     by, "completed_generations", (json_int_t)s->requests_done, "in_flight",
+                     s->in_flight, "queued", s->snap.queued, "running", s->snap.running,
+                     "preemptions", (json_int_t)s->snap.preemptions);
 }
 
 json_t *rk_stats_json(rk_stats *s) {
@@ -253,14 +264,15 @@ json_t *rk_stats_json(rk_stats *s) {
                                (json_int_t)(s->prompt_tokens - s->cached_tokens), "generated",
                                (json_int_t)s->completion_tokens, "reuse_rate",
                                ratio(s->cached_tokens, s->prompt_tokens));
-    json_t *latency =
-        json_pack("{s:o, s:o, s:o, s:o, s:o}", "lookup", latency_json(&s->lookup), "reindex",
-                  latency_json(&s->reindex), "ttft", latency_json(&s->ttft), "queue",
-                  latency_json(&s->queue), "total", latency_json(&s->total));
-    json_t *root = json_pack("{s:f, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:o}", "uptime_s",
+    json_t *latency = json_pack(
+        "{s:o, s:o, s:o, s:o, s:o, s:o}", "lookup", latency_json(&s->lookup), "reindex",
+        latency_json(&s->reindex), "ttft", latency_json(&s->ttft), "queue", latency_json(&s->queue),
+        "total", latency_json(&s->total), "time_per_output_token", latency_json(&s->tpot));
+    json_t *root = json_pack("{s:f, s:o, s:o, s:o, s:o, s:o, s:o, s:f, s:o, s:o, s:o}", "uptime_s",
                              rk_time_now() - s->started, "requests", requests_json(s), "tokens",
                              tokens, "chunks", chunks, "prefix", prefix, "tiers", tiers, "pools",
-                             pools_json(c), "latency", latency, "store", store, "top_chunks", top);
+                             pools_json(c), "kv_usage_ratio", kv_usage(c), "latency", latency,
+                             "store", store, "top_chunks", top);
     pthread_mutex_unlock(&s->mu);
     return root;
 }
@@ -304,6 +316,10 @@ static void put(text *t, const char *fmt, ...) {
 static void counter(text *t, const char *name, const char *help, uint64_t v) {
     put(t, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name,
         (unsigned long long)v);
+}
+
+static void gauge(text *t, const char *name, const char *help, double v) {
+    put(t, "# HELP %s %s\n# TYPE %s gauge\n%s %.9g\n", name, help, name, name, v);
 }
 
 static void histogram(text *t, const char *name, const char *help, const rk_hist *h) {
@@ -364,6 +380,23 @@ char *rk_stats_prometheus(rk_stats *s) {
     histogram(&t, "ragkv_ttft_seconds", "Time to first token, queueing included.", &s->ttft);
     histogram(&t, "ragkv_reindex_seconds", "Time to copy and rotate a request's cached chunks.",
               &s->reindex);
+
+    /* The serving set, named as vLLM names them. */
+    gauge(&t, "ragkv_requests_running", "Generations in progress.", c->running);
+    gauge(&t, "ragkv_requests_waiting", "Generations queued for the engine.", c->queued);
+    gauge(&t, "ragkv_kv_usage_ratio", "Share of the live KV pool in use (0..1).", kv_usage(c));
+    counter(&t, "ragkv_prompt_tokens_total", "Prompt tokens of completed generations.",
+            s->prompt_tokens);
+    counter(&t, "ragkv_generation_tokens_total", "Tokens generated by completed generations.",
+            s->completion_tokens);
+    counter(&t, "ragkv_preemptions_total",
+            "Generations taken off the live pool to make room, then resumed.", c->preemptions);
+    histogram(&t, "ragkv_time_per_output_token_seconds",
+              "Decode time per generated token after the first, per request.", &s->tpot);
+    histogram(&t, "ragkv_queue_time_seconds", "Time a generation waited for the engine.",
+              &s->queue);
+    histogram(&t, "ragkv_e2e_request_latency_seconds",
+              "Time from submission to the last token, queueing included.", &s->total);
     pthread_mutex_unlock(&s->mu);
     if (t.oom) {
         free(t.s);

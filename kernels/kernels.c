@@ -400,6 +400,56 @@ static int64_t blocks_needed(const rk_kv_cache *kv, int kv_len) {
     return ((int64_t)kv_len + kv->block_size - 1) / kv->block_size;
 }
 
+/* Table entries the kv range of sequence s takes: ceil(kv_len / block_size)
+ * without segments, the sum of its runs' blocks with them (runs already
+ * checked to increase). */
+static int64_t seq_blocks(const rk_kv_cache *kv, const rk_attn_batch *batch, int s) {
+    if (!batch->seg_start) return blocks_needed(kv, batch->kv_len[s]);
+    int64_t n = 0;
+    int32_t begin = 0;
+    for (int32_t k = batch->seg_start[s]; k < batch->seg_start[s + 1]; k++) {
+        n += blocks_needed(kv, batch->seg_end[k] - begin);
+        begin = batch->seg_end[k];
+    }
+    return n;
+}
+
+/* The runs of every sequence: see rk_attn_batch. */
+static rk_status check_segments(const rk_kv_cache *kv, const rk_attn_batch *batch) {
+    const int32_t *ss = batch->seg_start;
+    if (!batch->seg_end || !batch->seg_delta)
+        return rk_errorf(RK_ERR_INVALID, "attention: seg_start without seg_end and seg_delta");
+    if (batch->n_seqs > 0 && ss[0] != 0)
+        return rk_errorf(RK_ERR_INVALID, "attention: seg_start[0] = %d, not 0", ss[0]);
+    int rotates = 0;
+    for (int s = 0; s < batch->n_seqs; s++) {
+        if (ss[s + 1] < ss[s])
+            return rk_errorf(RK_ERR_INVALID, "attention: seg_start decreases at sequence %d", s);
+        int32_t begin = 0;
+        for (int32_t k = ss[s]; k < ss[s + 1]; k++) {
+            if (batch->seg_end[k] <= begin)
+                return rk_errorf(RK_ERR_INVALID,
+                                 "attention: sequence %d segment %d ends at %d, not after %d", s, k,
+                                 batch->seg_end[k], begin);
+            begin = batch->seg_end[k];
+            rotates |= batch->seg_delta[k] != 0;
+        }
+        if (begin != batch->kv_len[s])
+            return rk_errorf(RK_ERR_INVALID,
+                             "attention: sequence %d segments end at %d, kv_len is %d", s, begin,
+                             batch->kv_len[s]);
+    }
+    const rk_rope *r = batch->rope;
+    if (rotates && !r) return rk_errorf(RK_ERR_INVALID, "attention: segment deltas without a rope");
+    if (r) {
+        if (r->n_rot <= 0 || (r->n_rot & 1) || r->n_rot > kv->head_dim ||
+            r->n_rot > 2 * RK_ROPE_MAX_PAIRS)
+            return rk_errorf(RK_ERR_INVALID, "attention: rope n_rot %d does not fit head_dim %d",
+                             r->n_rot, kv->head_dim);
+    }
+    return RK_OK;
+}
+
 rk_status rk_attn_check_batch(const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
                               int n_heads) {
     if (!kv || !batch || kv->block_size <= 0 || kv->n_blocks <= 0 || !kv->k || !kv->v ||
@@ -411,8 +461,9 @@ rk_status rk_attn_check_batch(const rk_kv_cache *kv, int layer, const rk_attn_ba
     rk_status st = rk_attn_check_shape(batch->q_start, batch->kv_len, batch->n_seqs, n_heads,
                                        kv->n_kv_heads, kv->head_dim);
     if (st != RK_OK) return st;
+    if (batch->seg_start && (st = check_segments(kv, batch)) != RK_OK) return st;
     for (int s = 0; s < batch->n_seqs; s++) {
-        int64_t need = blocks_needed(kv, batch->kv_len[s]);
+        int64_t need = seq_blocks(kv, batch, s);
         if (need > batch->max_blocks)
             return rk_errorf(RK_ERR_INVALID,
                              "attention: sequence %d kv_len %d needs %lld blocks, table has %d", s,
@@ -425,7 +476,7 @@ rk_status rk_attn_check_block_ids(const rk_kv_cache *kv, const rk_attn_batch *ba
                                   const int32_t *table) {
     for (int s = 0; s < batch->n_seqs; s++) {
         const int32_t *row = table + (size_t)s * batch->max_blocks;
-        int64_t need = blocks_needed(kv, batch->kv_len[s]);
+        int64_t need = seq_blocks(kv, batch, s);
         for (int64_t b = 0; b < need; b++)
             if (row[b] < 0 || row[b] >= kv->n_blocks)
                 return rk_errorf(RK_ERR_INVALID,

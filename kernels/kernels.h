@@ -122,16 +122,44 @@ typedef struct rk_kv_cache {
 } rk_kv_cache;
 
 /* Attention over paged KV for a batch of sequences. Sequence s owns query rows
- * q_start[s] .. q_start[s+1]-1 (n_q of them) and attends over the first
- * kv_len[s] entries of its block table. Causal in table order: its query row j
- * (0-based) sees entries 0 .. kv_len[s] - n_q + j. The new tokens' K/V must
- * already be written (kv_write) before the call. */
+ * q_start[s] .. q_start[s+1]-1 (n_q of them) and attends over its first
+ * kv_len[s] KV entries. Causal in entry order: its query row j (0-based) sees
+ * entries 0 .. kv_len[s] - n_q + j. The new tokens' K/V must already be
+ * written (kv_write) before the call.
+ *
+ * Without segments (seg_start NULL) the i-th entry lives in block
+ * table[i / block_size] at offset i % block_size.
+ *
+ * Segments (position-shifted, "zero-copy" reuse): the entries of sequence s
+ * are cut into the runs k = seg_start[s] .. seg_start[s+1]-1; run k holds the
+ * entries [seg_end[k-1], seg_end[k]) (seg_end[k-1] read as 0 for the first run
+ * of a sequence), strictly increasing, the last ending at kv_len[s]. Each run
+ * starts at offset 0 of a block of its own: the table of s is the
+ * concatenation of the runs' blocks, run k taking ceil(len_k / block_size)
+ * table entries right after those of run k-1 (so a chunk's cached blocks can
+ * be put in the table as they are, its partial last block included; the
+ * unused tail of a partial block is never read).
+ * The keys of run k were rotated at positions that are seg_delta[k] lower than
+ * the live ones (delta = live offset - base): attention scores them as if
+ * they had been moved by rope_shift_copy with that delta, by rotating each
+ * query by -delta against that run, R(-d)q · K = q · R(d)K, with the angles
+ * (float)d * rope->freq[i] (no mscale) of rope_shift_copy. The softmax is over
+ * all runs together. A run with delta 0 costs nothing extra; one with
+ * delta != 0 costs one rotation per query vector (per KV partition it
+ * spans, in a split decode), no K is read twice or copied.
+ * Each query vector must already carry its live-position rotation (the rope
+ * op), as without segments. */
 typedef struct rk_attn_batch {
     int n_seqs;
     const int32_t *q_start;     /* (n_seqs + 1), host memory */
     const int32_t *kv_len;      /* (n_seqs), host memory */
     const int32_t *block_table; /* (n_seqs, max_blocks) block ids, -1 unused; backend memory */
     int max_blocks;
+    /* Optional segments; all NULL: none. Host memory. */
+    const int32_t *seg_start; /* (n_seqs + 1) runs of sequence s: [seg_start[s], seg_start[s+1]) */
+    const int32_t *seg_end;   /* (seg_start[n_seqs]) entry (exclusive) where run k ends */
+    const int32_t *seg_delta; /* (seg_start[n_seqs]) live - base position of run k's keys */
+    const rk_rope *rope;      /* the model's RoPE table; needed when some seg_delta != 0 */
 } rk_attn_batch;
 
 /* ---------------------------------------------------------------- backend */
@@ -217,11 +245,14 @@ rk_status rk_kv_check_shift_slots(const rk_kv_cache *kv, const int32_t *src_slot
 rk_status rk_attn_check_shape(const int32_t *q_start, const int32_t *kv_len, int n_seqs,
                               int n_heads, int n_kv_heads, int head_dim);
 /* attention over kv: a well-formed cache, layer in range, the shape above, and
- * every kv_len within the batch's max_blocks. */
+ * every kv_len within the batch's max_blocks; with segments, seg_start starts
+ * at 0 and does not decrease, each sequence's runs are non-empty, end in
+ * increasing order at kv_len (a sequence with kv_len 0 has none), their blocks
+ * fit max_blocks, and rope (required when some delta is not 0) fits head_dim. */
 rk_status rk_attn_check_batch(const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
                               int n_heads);
-/* every block id the kv range of a sequence uses is in [0, n_blocks); table is
- * a host copy of batch->block_table. */
+/* every block id the kv range of a sequence uses (with segments: the blocks of
+ * its runs) is in [0, n_blocks); table is a host copy of batch->block_table. */
 rk_status rk_attn_check_block_ids(const rk_kv_cache *kv, const rk_attn_batch *batch,
                                   const int32_t *table);
 

@@ -279,7 +279,9 @@ static int walk_entry(void *ctx, const rk_chunk_entry *en) {
     return 0;
 }
 
-void rk_scheduler_publish(rk_scheduler *e) {
+/* Publish a snapshot; n_finishing running generations are about to be
+ * answered and are not counted as running any more. */
+static void publish(rk_scheduler *e, int n_finishing) {
     rk_service *svc = e->svc;
     if (!svc || !e->p.publish) return;
     e->last_publish = rk_time_now();
@@ -314,9 +316,12 @@ void rk_scheduler_publish(rk_scheduler *e) {
     }
     pthread_mutex_lock(&e->mu);
     s.queued = e->n_queued;
+    s.running = e->n_running - n_finishing;
     pthread_mutex_unlock(&e->mu);
     e->p.publish(e->p.stats_ctx, &s);
 }
+
+void rk_scheduler_publish(rk_scheduler *e) { publish(e, 0); }
 
 /* ---------------------------------------------------------------- running requests */
 
@@ -442,7 +447,7 @@ static void run_generations(rk_scheduler *e, rk_job **batch, int n) {
                                              j->chunk_ids ? j->chunk_ids[k] : NULL);
         }
     }
-    rk_scheduler_publish(e); /* before answering: a client may ask for the stats right after */
+    publish(e, m); /* before answering: a client may ask for the stats right after */
     for (int i = 0; i < m; i++) {
         finish(e, jobs[i], 1, res[i].status, res[i].error);
     }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install ragkv's build dependencies from Debian packages, only what is missing.
 set -euo pipefail
-pkgs=(build-essential cmake pkg-config libcivetweb-dev libjansson-dev libxxhash-dev
-      libsqlite3-dev libcriterion-dev libopenblas-dev libpcre2-dev clang-format curl python3)
+pkgs=(build-essential cmake pkg-config libcivetweb-dev libjansson-dev libxxhash-dev libhiredis-dev redis-server
+      libsqlite3-dev libcriterion-dev libopenblas-dev libpcre2-dev clang-format curl python3
+      prometheus) # prometheus: for promtool, which checks the /metrics exposition in the tests
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -1,12 +1,14 @@
 /* store/payload.c — the KV payload file: format, durable write, checked read.
  *
- * A payload file is a fixed 160-byte header, the token ids, then the body.
- * All integers are little-endian.
+ * A payload file is a fixed header, the token ids, then the body. It describes
+ * itself completely, so the store's rows can be rebuilt from the files alone.
+ * All integers are little-endian. Version 2 (written now) has a 512-byte
+ * header:
  *
  *   offset size  field
  *        0    4  magic "RKKV"
- *        4    4  u32 format version (1)
- *        8    4  u32 header size (160)
+ *        4    4  u32 format version (2)
+ *        8    4  u32 header size (512)
  *       12    4  u32 flags (0)
  *       16   32  model fingerprint, 32 lowercase hex characters, no NUL
  *       48   32  key, 32 lowercase hex characters, no NUL
@@ -16,17 +18,30 @@
  *      112    8  u64 body size in bytes
  *      120   16  XXH3-128 of the bytes after the header (token ids then body),
  *                canonical form (big-endian high64 then low64)
- *      136   16  reserved (0)
- *      152    8  u64 XXH3-64 of header bytes [0, 152)
- *      160       i32 token ids (n_tokens of them)
- *  160+4*n       body (body size bytes)
+ *      136   24  reserved (0)
+ *      160   32  policy, 1..31 printable ASCII characters, NUL-padded
+ *      192    8  f64 creation time, unix seconds (IEEE 754 bits as a u64)
+ *      200    4  u32 document id length (0..255)
+ *      204  256  document id bytes, zero-padded
+ *      460   44  reserved (0)
+ *      504    8  u64 XXH3-64 of header bytes [0, 504)
+ *      512       i32 token ids (n_tokens of them)
+ *  512+4*n       body (body size bytes)
  *
- * The file size is therefore exactly 160 + 4 * n_tokens + body size, which the
- * row records as n_bytes. A reader checks, in order: the size against the
- * row, the magic, version, header size and flags, the header checksum, the
- * fingerprint, key, token count, body size and checksum against the row, and
- * finally the checksum over the rest of the file. Nothing read from the file
- * is used to size an allocation before the file size has confirmed it. */
+ * Version 1 (read, never written) is the first 160 bytes of that layout with
+ * the header checksum at offset 152 over [0, 152) and no policy, creation time
+ * or document id.
+ *
+ * The file size is therefore exactly header size + 4 * n_tokens + body size,
+ * which the row records as n_bytes. A reader checks, in order: the size
+ * against the row, the magic, version, header size and flags, the header
+ * checksum, the fingerprint, key, token count, body size and checksum against
+ * the row, and finally the checksum over the rest of the file. Nothing read
+ * from the file is used to size an allocation before the file size has
+ * confirmed it.
+ *
+ * Every open, read, write, fsync, rename and stat of a payload goes through
+ * rk_payload_io_fault(), the countdown armed by rk_store_fault_io() in tests. */
 #include "store/payload.h"
 
 #include <errno.h>
@@ -43,7 +58,7 @@
 #error "store/payload.c writes token ids in host order and assumes a little-endian host"
 #endif
 
-_Static_assert(RK_STORE_HEADER_BYTES == 160, "payload header is 160 bytes");
+_Static_assert(RK_STORE_HEADER_BYTES == 512, "payload header is 512 bytes");
 
 enum {
     OFF_MAGIC = 0,
@@ -56,12 +71,37 @@ enum {
     OFF_LAYOUT = 84,
     OFF_BODY_SIZE = 112,
     OFF_SUM = 120,
-    OFF_HSUM = 152,
-    FORMAT_VERSION = 1,
+    OFF_POLICY = 160,
+    OFF_CREATED = 192,
+    OFF_DOC_LEN = 200,
+    OFF_DOC = 204,
+    V1_HEADER_BYTES = 160,
+    FORMAT_VERSION = 2,
     READ_CHUNK = 1 << 20,
 };
 
 static const char k_magic[4] = {'R', 'K', 'K', 'V'};
+
+/* ---------------------------------------------------------------- fault injection */
+
+static int g_fault_countdown; /* the I/O call that fails, counted from arming; 0 = none */
+static int g_io_calls;        /* I/O calls since the last rk_store_fault_io() */
+
+int rk_store_fault_io(int nth) {
+    int n = g_io_calls;
+    g_io_calls = 0;
+    g_fault_countdown = nth > 0 ? nth : 0;
+    return n;
+}
+
+int rk_payload_io_fault(void) {
+    g_io_calls++;
+    if (g_fault_countdown > 0 && --g_fault_countdown == 0) {
+        errno = EIO;
+        return 1;
+    }
+    return 0;
+}
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -122,23 +162,32 @@ static void encode_header(const rk_payload_header *h, uint8_t b[RK_STORE_HEADER_
     for (int i = 0; i < 6; i++) put_u32(b + OFF_LAYOUT + 4 * i, (uint32_t)lay[i]);
     put_u64(b + OFF_BODY_SIZE, h->body_size);
     memcpy(b + OFF_SUM, h->checksum, 16);
-    put_u64(b + OFF_HSUM, XXH3_64bits(b, OFF_HSUM));
+    memcpy(b + OFF_POLICY, h->policy, strlen(h->policy));
+    uint64_t created;
+    memcpy(&created, &h->created, sizeof created);
+    put_u64(b + OFF_CREATED, created);
+    size_t nd = strlen(h->doc_id);
+    put_u32(b + OFF_DOC_LEN, (uint32_t)nd);
+    memcpy(b + OFF_DOC, h->doc_id, nd);
+    put_u64(b + RK_STORE_HEADER_BYTES - 8, XXH3_64bits(b, RK_STORE_HEADER_BYTES - 8));
 }
 
-/* Decode and check the header bytes of path against e. */
-static rk_status decode_header(const char *path, const uint8_t b[RK_STORE_HEADER_BYTES],
-                               const rk_payload_expect *e, rk_payload_header *h) {
-    if (memcmp(b + OFF_MAGIC, k_magic, 4) != 0)
-        return rk_errorf(RK_ERR_FORMAT, "%s: bad magic (not a ragkv payload)", path);
-    uint32_t version = get_u32(b + OFF_VERSION);
-    if (version != FORMAT_VERSION)
-        return rk_errorf(RK_ERR_FORMAT, "%s: payload format version %u, expected %d", path, version,
-                         FORMAT_VERSION);
-    if (get_u32(b + OFF_HSIZE) != RK_STORE_HEADER_BYTES || get_u32(b + OFF_FLAGS) != 0)
-        return rk_errorf(RK_ERR_FORMAT, "%s: bad header size or flags", path);
-    if (get_u64(b + OFF_HSUM) != XXH3_64bits(b, OFF_HSUM))
+static int all_printable(const uint8_t *p, size_t n) {
+    for (size_t i = 0; i < n; i++)
+        if (p[i] < 0x21 || p[i] > 0x7e) return 0;
+    return 1;
+}
+
+/* Decode the header bytes of path (hsize of them, as checked by
+ * header_size) into h, trusting nothing: every field is checked on its own
+ * before the caller compares it with a row. */
+static rk_status parse_header(const char *path, const uint8_t *b, uint32_t hsize,
+                              rk_payload_header *h) {
+    if (get_u32(b + OFF_FLAGS) != 0) return rk_errorf(RK_ERR_FORMAT, "%s: bad header flags", path);
+    if (get_u64(b + hsize - 8) != XXH3_64bits(b, hsize - 8))
         return rk_errorf(RK_ERR_FORMAT, "%s: header checksum mismatch", path);
     memset(h, 0, sizeof *h);
+    h->header_bytes = hsize;
     memcpy(h->fingerprint, b + OFF_FP, RK_STORE_KEY_LEN);
     memcpy(h->key, b + OFF_KEY, RK_STORE_KEY_LEN);
     h->n_tokens = get_u32(b + OFF_NTOK);
@@ -147,7 +196,22 @@ static rk_status decode_header(const char *path, const uint8_t b[RK_STORE_HEADER
     h->layout = (rk_store_layout){lay[0], lay[1], lay[2], lay[3], lay[4], lay[5]};
     h->body_size = get_u64(b + OFF_BODY_SIZE);
     memcpy(h->checksum, b + OFF_SUM, 16);
+    if (hsize == V1_HEADER_BYTES) return RK_OK; /* no policy, time or document id */
+    size_t np = strnlen((const char *)b + OFF_POLICY, RK_STORE_POLICY_MAX + 1);
+    uint32_t nd = get_u32(b + OFF_DOC_LEN);
+    if (np == 0 || np > RK_STORE_POLICY_MAX || !all_printable(b + OFF_POLICY, np) ||
+        nd > RK_STORE_DOC_ID_MAX || memchr(b + OFF_DOC, 0, nd))
+        return rk_errorf(RK_ERR_FORMAT, "%s: bad policy or document id in the header", path);
+    memcpy(h->policy, b + OFF_POLICY, np);
+    memcpy(h->doc_id, b + OFF_DOC, nd);
+    uint64_t created = get_u64(b + OFF_CREATED);
+    memcpy(&h->created, &created, sizeof h->created);
+    return RK_OK;
+}
 
+/* Check the header of path (decoded by parse_header) against e. */
+static rk_status header_matches(const char *path, const rk_payload_header *h,
+                                const rk_payload_expect *e) {
     if (strcmp(h->fingerprint, e->fingerprint) != 0)
         return rk_errorf(RK_ERR_FORMAT, "%s: written for another model than the row's %s", path,
                          e->fingerprint);
@@ -157,7 +221,7 @@ static rk_status decode_header(const char *path, const uint8_t b[RK_STORE_HEADER
         return rk_errorf(RK_ERR_FORMAT, "%s: header has %u tokens, row says %lld", path,
                          h->n_tokens, (long long)e->n_tokens);
     /* body_size comes from the file: compare without overflowing */
-    uint64_t fixed = rk_payload_file_bytes(h->n_tokens, 0);
+    uint64_t fixed = h->header_bytes + 4 * (uint64_t)h->n_tokens;
     if (e->n_bytes < fixed || h->body_size != e->n_bytes - fixed)
         return rk_errorf(RK_ERR_FORMAT, "%s: header body size %llu does not fit the file size %llu",
                          path, (unsigned long long)h->body_size, (unsigned long long)e->n_bytes);
@@ -173,7 +237,7 @@ static rk_status write_all(int fd, const void *buf, size_t n, const char *path) 
     const uint8_t *p = buf;
     while (n > 0) {
         size_t step = n > (1u << 30) ? (1u << 30) : n;
-        ssize_t w = write(fd, p, step);
+        ssize_t w = rk_payload_io_fault() ? -1 : write(fd, p, step);
         if (w < 0 && errno == EINTR) continue;
         if (w < 0) return rk_errorf(RK_ERR_IO, "%s: write: %s", path, strerror(errno));
         if (w == 0) return rk_errorf(RK_ERR_IO, "%s: write: no progress", path);
@@ -188,7 +252,7 @@ static rk_status read_all(int fd, void *buf, size_t n, const char *path) {
     uint8_t *p = buf;
     while (n > 0) {
         size_t step = n > (1u << 30) ? (1u << 30) : n;
-        ssize_t r = read(fd, p, step);
+        ssize_t r = rk_payload_io_fault() ? -1 : read(fd, p, step);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) return rk_errorf(RK_ERR_IO, "%s: read: %s", path, strerror(errno));
         if (r == 0) return rk_errorf(RK_ERR_FORMAT, "%s: truncated while reading", path);
@@ -199,9 +263,9 @@ static rk_status read_all(int fd, void *buf, size_t n, const char *path) {
 }
 
 static rk_status fsync_dir(const char *dir_path) {
-    int fd = open(dir_path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int fd = rk_payload_io_fault() ? -1 : open(dir_path, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return rk_errorf(RK_ERR_IO, "%s: open directory: %s", dir_path, strerror(errno));
-    int rc = fsync(fd);
+    int rc = rk_payload_io_fault() ? -1 : fsync(fd);
     int err = errno;
     close(fd);
     if (rc != 0) return rk_errorf(RK_ERR_IO, "%s: fsync directory: %s", dir_path, strerror(err));
@@ -214,12 +278,13 @@ rk_status rk_payload_write(const char *tmp_path, const char *final_path, const c
                            const rk_payload_header *h, const int32_t *tokens, const void *body) {
     uint8_t hdr[RK_STORE_HEADER_BYTES];
     encode_header(h, hdr);
-    int fd = open(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    int fd =
+        rk_payload_io_fault() ? -1 : open(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return rk_errorf(RK_ERR_IO, "%s: create: %s", tmp_path, strerror(errno));
     rk_status st = write_all(fd, hdr, sizeof hdr, tmp_path);
     if (st == RK_OK) st = write_all(fd, tokens, (size_t)h->n_tokens * sizeof(int32_t), tmp_path);
     if (st == RK_OK && h->body_size) st = write_all(fd, body, (size_t)h->body_size, tmp_path);
-    if (st == RK_OK && fsync(fd) != 0)
+    if (st == RK_OK && (rk_payload_io_fault() || fsync(fd) != 0))
         st = rk_errorf(RK_ERR_IO, "%s: fsync: %s", tmp_path, strerror(errno));
     if (close(fd) != 0 && st == RK_OK)
         st = rk_errorf(RK_ERR_IO, "%s: close: %s", tmp_path, strerror(errno));
@@ -227,7 +292,7 @@ rk_status rk_payload_write(const char *tmp_path, const char *final_path, const c
         unlink(tmp_path);
         return st;
     }
-    if (rename(tmp_path, final_path) != 0) {
+    if (rk_payload_io_fault() || rename(tmp_path, final_path) != 0) {
         st = rk_errorf(RK_ERR_IO, "%s: rename: %s", final_path, strerror(errno));
         unlink(tmp_path);
         return st;
@@ -239,11 +304,36 @@ rk_status rk_payload_write(const char *tmp_path, const char *final_path, const c
 
 /* ---------------------------------------------------------------- read */
 
-/* Open path and check its size and header against e. On RK_OK *out_fd is
- * positioned right after the header. */
+/* Read the header of the open file path (file_bytes long) into b and return
+ * its size in *out_hsize: 160 bytes for version 1, 512 for version 2. */
+static rk_status read_header(int fd, const char *path, uint64_t file_bytes,
+                             uint8_t b[RK_STORE_HEADER_BYTES], uint32_t *out_hsize) {
+    if (file_bytes < V1_HEADER_BYTES)
+        return rk_errorf(RK_ERR_FORMAT, "%s: shorter than a header", path);
+    rk_status st = read_all(fd, b, V1_HEADER_BYTES, path);
+    if (st != RK_OK) return st;
+    if (memcmp(b + OFF_MAGIC, k_magic, 4) != 0)
+        return rk_errorf(RK_ERR_FORMAT, "%s: bad magic (not a ragkv payload)", path);
+    uint32_t version = get_u32(b + OFF_VERSION), hsize = get_u32(b + OFF_HSIZE);
+    if (version != 1 && version != FORMAT_VERSION)
+        return rk_errorf(RK_ERR_FORMAT, "%s: payload format version %u, this ragkv reads 1 and %d",
+                         path, version, FORMAT_VERSION);
+    if (hsize != (version == 1 ? V1_HEADER_BYTES : RK_STORE_HEADER_BYTES))
+        return rk_errorf(RK_ERR_FORMAT, "%s: bad header size %u for version %u", path, hsize,
+                         version);
+    if (file_bytes < hsize) return rk_errorf(RK_ERR_FORMAT, "%s: shorter than a header", path);
+    if (hsize > V1_HEADER_BYTES)
+        st = read_all(fd, b + V1_HEADER_BYTES, hsize - V1_HEADER_BYTES, path);
+    *out_hsize = hsize;
+    return st;
+}
+
+/* Open path, stat it and read and parse its header. With e, the size and
+ * header must match e's row. On RK_OK *out_fd is positioned right after the
+ * header and *out_bytes holds the file size. */
 static rk_status open_checked(const char *path, const rk_payload_expect *e, rk_payload_header *h,
-                              int *out_fd) {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+                              int *out_fd, uint64_t *out_bytes) {
+    int fd = rk_payload_io_fault() ? -1 : open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
         if (errno == ENOENT || errno == ENOTDIR)
             return rk_errorf(RK_ERR_FORMAT, "%s: payload file missing", path);
@@ -251,24 +341,25 @@ static rk_status open_checked(const char *path, const rk_payload_expect *e, rk_p
     }
     struct stat sb;
     rk_status st = RK_OK;
-    if (fstat(fd, &sb) != 0)
+    if (rk_payload_io_fault() || fstat(fd, &sb) != 0)
         st = rk_errorf(RK_ERR_IO, "%s: stat: %s", path, strerror(errno));
     else if (!S_ISREG(sb.st_mode))
         st = rk_errorf(RK_ERR_FORMAT, "%s: not a regular file", path);
-    else if ((uint64_t)sb.st_size != e->n_bytes)
+    else if (e && (uint64_t)sb.st_size != e->n_bytes)
         st = rk_errorf(RK_ERR_FORMAT, "%s: %s (%lld bytes, row says %llu)", path,
                        (uint64_t)sb.st_size < e->n_bytes ? "truncated" : "too long",
                        (long long)sb.st_size, (unsigned long long)e->n_bytes);
-    else if (e->n_bytes < RK_STORE_HEADER_BYTES)
-        st = rk_errorf(RK_ERR_FORMAT, "%s: shorter than a header", path);
     uint8_t hdr[RK_STORE_HEADER_BYTES];
-    if (st == RK_OK) st = read_all(fd, hdr, sizeof hdr, path);
-    if (st == RK_OK) st = decode_header(path, hdr, e, h);
+    uint32_t hsize = 0;
+    if (st == RK_OK) st = read_header(fd, path, (uint64_t)sb.st_size, hdr, &hsize);
+    if (st == RK_OK) st = parse_header(path, hdr, hsize, h);
+    if (st == RK_OK && e) st = header_matches(path, h, e);
     if (st != RK_OK) {
         close(fd);
         return st;
     }
     *out_fd = fd;
+    *out_bytes = (uint64_t)sb.st_size;
     return RK_OK;
 }
 
@@ -278,22 +369,13 @@ static rk_status checksum_matches(const char *path, const rk_payload_header *h,
     return rk_errorf(RK_ERR_FORMAT, "%s: checksum mismatch (token ids or body corrupt)", path);
 }
 
-rk_status rk_payload_check(const char *path, const rk_payload_expect *e, int full) {
-    rk_payload_header h;
-    int fd = -1;
-    rk_status st = open_checked(path, e, &h, &fd);
-    if (st != RK_OK || !full) {
-        if (fd >= 0) close(fd);
-        return st;
-    }
+/* Hash the rest of the open file (left bytes) and compare with h's checksum. */
+static rk_status check_rest(int fd, const char *path, const rk_payload_header *h, uint64_t left) {
     uint8_t *buf = malloc(READ_CHUNK);
-    if (!buf) {
-        close(fd);
-        return rk_errorf(RK_ERR_NOMEM, "%s: no memory for a read buffer", path);
-    }
+    if (!buf) return rk_errorf(RK_ERR_NOMEM, "%s: no memory for a read buffer", path);
     XXH3_state_t xs;
     XXH3_128bits_reset(&xs);
-    uint64_t left = e->n_bytes - RK_STORE_HEADER_BYTES;
+    rk_status st = RK_OK;
     while (st == RK_OK && left > 0) {
         size_t n = left > READ_CHUNK ? READ_CHUNK : (size_t)left;
         st = read_all(fd, buf, n, path);
@@ -301,18 +383,51 @@ rk_status rk_payload_check(const char *path, const rk_payload_expect *e, int ful
         left -= n;
     }
     free(buf);
-    close(fd);
     if (st != RK_OK) return st;
     XXH128_canonical_t c;
     XXH128_canonicalFromHash(&c, XXH3_128bits_digest(&xs));
-    return checksum_matches(path, &h, c.digest);
+    return checksum_matches(path, h, c.digest);
+}
+
+rk_status rk_payload_check(const char *path, const rk_payload_expect *e, int full) {
+    rk_payload_header h;
+    int fd = -1;
+    uint64_t n_bytes = 0;
+    rk_status st = open_checked(path, e, &h, &fd, &n_bytes);
+    if (st == RK_OK && full) st = check_rest(fd, path, &h, n_bytes - h.header_bytes);
+    if (fd >= 0) close(fd);
+    return st;
+}
+
+rk_status rk_payload_inspect(const char *path, int full, rk_payload_header *out_h,
+                             uint64_t *out_bytes) {
+    rk_payload_header h;
+    int fd = -1;
+    uint64_t n_bytes = 0;
+    rk_status st = open_checked(path, NULL, &h, &fd, &n_bytes);
+    if (st != RK_OK) return st;
+    /* the sizes in the header must account for the whole file */
+    uint64_t fixed = h.header_bytes + 4 * (uint64_t)h.n_tokens;
+    if (h.n_tokens == 0 || n_bytes < fixed || h.body_size != n_bytes - fixed)
+        st = rk_errorf(RK_ERR_FORMAT,
+                       "%s: %llu bytes do not fit a header of %u tokens and %llu "
+                       "body bytes",
+                       path, (unsigned long long)n_bytes, h.n_tokens,
+                       (unsigned long long)h.body_size);
+    if (st == RK_OK && full) st = check_rest(fd, path, &h, n_bytes - h.header_bytes);
+    close(fd);
+    if (st != RK_OK) return st;
+    *out_h = h;
+    *out_bytes = n_bytes;
+    return RK_OK;
 }
 
 rk_status rk_payload_read(const char *path, const rk_payload_expect *e, rk_payload_header *out_h,
                           int32_t **out_tokens, void **out_body) {
     rk_payload_header h;
     int fd = -1;
-    rk_status st = open_checked(path, e, &h, &fd);
+    uint64_t n_bytes = 0;
+    rk_status st = open_checked(path, e, &h, &fd, &n_bytes);
     if (st != RK_OK) return st;
     /* Sizes are confirmed by the file size now. */
     size_t tok_bytes = (size_t)h.n_tokens * sizeof(int32_t);

@@ -11,12 +11,16 @@
 
 /* The fields of a payload header. */
 typedef struct rk_payload_header {
+    uint32_t header_bytes; /* as read: 160 (version 1) or 512; ignored by writes */
     char fingerprint[RK_STORE_KEY_LEN + 1];
     char key[RK_STORE_KEY_LEN + 1];
     uint32_t n_tokens;
     rk_store_layout layout;
     uint64_t body_size;
-    uint8_t checksum[16]; /* XXH3-128 of token ids + body, canonical (big-endian) */
+    uint8_t checksum[16];                 /* XXH3-128 of token ids + body, canonical (big-endian) */
+    char policy[RK_STORE_POLICY_MAX + 1]; /* "" in version 1 files */
+    char doc_id[RK_STORE_DOC_ID_MAX + 1]; /* "" when none (and in version 1 files) */
+    double created;                       /* unix seconds; 0 in version 1 files */
 } rk_payload_header;
 
 /* What a reader expects, from the row that names the file. */
@@ -50,6 +54,17 @@ rk_status rk_payload_write(const char *tmp_path, const char *final_path, const c
  * corrupt: the message says which), RK_ERR_IO when it cannot be read for
  * another reason, RK_ERR_NOMEM. */
 rk_status rk_payload_check(const char *path, const rk_payload_expect *e, int full);
+
+/* Read the file at path with no row to compare with: its header must be
+ * sound and, with full set, the checksum over the rest must match. Fills
+ * *out_h and the file size *out_bytes. Statuses as rk_payload_check. */
+rk_status rk_payload_inspect(const char *path, int full, rk_payload_header *out_h,
+                             uint64_t *out_bytes);
+
+/* Count one I/O call of the store and return 1 (errno set to EIO) when it is
+ * the one rk_store_fault_io() armed to fail, else 0. Every payload open, read,
+ * write, fsync, rename and stat calls it first. */
+int rk_payload_io_fault(void);
 
 /* Read and fully verify the file at path against e, returning the header and
  * malloc'ed token ids (e->n_tokens) and body (NULL when empty) that the caller

@@ -118,6 +118,7 @@ struct rk_store {
     char *kv_dir;                           /* dir/kv */
     char fingerprint[RK_STORE_KEY_LEN + 1]; /* "" on read-only handles */
     int readonly;
+    int db_corrupt; /* SQLite reported the database malformed or not a database */
     rk_store_options opts;
     int lock_fd; /* flock'ed DIR/LOCK; -1 on read-only handles */
     sqlite3 *db;
@@ -238,6 +239,41 @@ static void unlink_payload(rk_store *s, const char *key) {
                     strerror(errno));
 }
 
+/* Move the file at path (its name base) into DIR/quarantine/ under a unique
+ * name, never deleting it: a payload that failed a check is kept for
+ * inspection. Returns 1 when it was moved, 0 when it was not there or could
+ * not be moved (logged; it stays where it is). Callers count payloads. */
+static int quarantine_file(rk_store *s, const char *path, const char *base) {
+    char qdir[PATH_MAX], dst[PATH_MAX];
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    if (snprintf(qdir, sizeof qdir, "%s/quarantine", s->dir) >= (int)sizeof qdir ||
+        snprintf(dst, sizeof dst, "%s/%s.%lld%09ld", qdir, base, (long long)ts.tv_sec,
+                 ts.tv_nsec) >= (int)sizeof dst)
+        return 0;
+    if (mkdir(qdir, 0755) != 0 && errno != EEXIST) {
+        RK_LOG_WARN("store %s: cannot create %s: %s; %s stays in place", s->dir, qdir,
+                    strerror(errno), path);
+        return 0;
+    }
+    if (rename(path, dst) != 0) {
+        if (errno != ENOENT)
+            RK_LOG_WARN("store %s: cannot quarantine %s: %s; it stays in place", s->dir, path,
+                        strerror(errno));
+        return 0;
+    }
+    RK_LOG_WARN("store %s: moved %s to %s", s->dir, path, dst);
+    return 1;
+}
+
+/* Quarantine the payload file of key, whose row is gone. */
+static void quarantine_payload(rk_store *s, const char *key) {
+    char path[PATH_MAX], base[RK_STORE_KEY_LEN + 4];
+    if (key_paths(s, key, NULL, path, NULL, sizeof path) != RK_OK) return;
+    snprintf(base, sizeof base, "%s.kv", key);
+    s->c.quarantined += (uint64_t)quarantine_file(s, path, base);
+}
+
 /* ---------------------------------------------------------------- SQLite helpers */
 
 static rk_status sql_status(int rc) {
@@ -253,7 +289,12 @@ static rk_status sql_status(int rc) {
     }
 }
 
+static void note_corrupt(rk_store *s, int rc) {
+    if ((rc & 0xff) == SQLITE_CORRUPT || (rc & 0xff) == SQLITE_NOTADB) s->db_corrupt = 1;
+}
+
 static rk_status sql_error(rk_store *s, int rc, const char *what) {
+    note_corrupt(s, rc);
     return rk_errorf(sql_status(rc), "store %s: %s: %s", s->dir, what,
                      s->db ? sqlite3_errmsg(s->db) : sqlite3_errstr(rc));
 }
@@ -263,6 +304,7 @@ static rk_status sql_exec(rk_store *s, const char *sql, const char *what) {
     char *err = NULL;
     int rc = sqlite3_exec(s->db, sql, NULL, NULL, &err);
     if (rc == SQLITE_OK) return RK_OK;
+    note_corrupt(s, rc);
     rk_status st =
         rk_errorf(sql_status(rc), "store %s: %s: %s", s->dir, what, err ? err : sqlite3_errstr(rc));
     sqlite3_free(err);
@@ -444,8 +486,9 @@ rk_status rk_store_rollback(rk_store *s) {
 /* ---------------------------------------------------------------- removal */
 
 /* Delete key's row (n_bytes of payload) and then its file; inside a batch the
- * file goes when the batch commits. */
-static rk_status remove_entry(rk_store *s, const char *key, uint64_t n_bytes) {
+ * file goes when the batch commits. With bad set the payload failed a check:
+ * its file is quarantined at once instead. */
+static rk_status remove_entry(rk_store *s, const char *key, uint64_t n_bytes, int bad) {
     sqlite3_stmt *q = stmt(s, ST_DELETE);
     sqlite3_bind_text(q, 1, key, -1, SQLITE_STATIC);
     rk_status st = step_done(s, q, "delete a row");
@@ -455,7 +498,9 @@ static rk_status remove_entry(rk_store *s, const char *key, uint64_t n_bytes) {
     }
     if (s->rows) s->rows--;
     s->bytes = s->bytes >= n_bytes ? s->bytes - n_bytes : 0;
-    if (s->in_batch) {
+    if (bad) {
+        quarantine_payload(s, key);
+    } else if (s->in_batch) {
         if (key_list_push(&s->pending_unlink, key) != RK_OK)
             RK_LOG_WARN("store %s: no memory to defer a file removal (removed at next open)",
                         s->dir);
@@ -559,9 +604,31 @@ static rk_status check_put_args(const rk_store_put_args *a) {
     return RK_OK;
 }
 
+/* Insert the row of the payload whose header is h (n_bytes long): created
+ * and last access are its creation time, a missing policy (version 1 files)
+ * reads "unknown", an empty document id none. */
+static rk_status insert_row(rk_store *s, const rk_payload_header *h, uint64_t n_bytes) {
+    char sum_hex[RK_STORE_KEY_LEN + 1], rel[64];
+    rk_payload_checksum_hex(h->checksum, sum_hex);
+    snprintf(rel, sizeof rel, "kv/%.2s/%s.kv", h->key, h->key);
+    sqlite3_stmt *q = stmt(s, ST_INSERT);
+    sqlite3_bind_text(q, 1, h->key, -1, SQLITE_STATIC);
+    sqlite3_bind_text(q, 2, h->fingerprint, -1, SQLITE_STATIC);
+    sqlite3_bind_text(q, 3, h->policy[0] ? h->policy : "unknown", -1, SQLITE_STATIC);
+    sqlite3_bind_int64(q, 4, h->n_tokens);
+    sqlite3_bind_int64(q, 5, (sqlite3_int64)n_bytes);
+    sqlite3_bind_text(q, 6, sum_hex, -1, SQLITE_STATIC);
+    sqlite3_bind_double(q, 7, h->created);
+    if (h->doc_id[0]) sqlite3_bind_text(q, 8, h->doc_id, -1, SQLITE_STATIC);
+    sqlite3_bind_text(q, 9, rel, -1, SQLITE_STATIC);
+    rk_status st = step_done(s, q, "insert a row");
+    sqlite3_clear_bindings(q);
+    return st;
+}
+
 /* Create kv/ab when missing, making the new entry durable in kv/. */
 static rk_status ensure_subdir(rk_store *s, const char *sub) {
-    if (mkdir(sub, 0755) != 0) {
+    if (rk_payload_io_fault() || mkdir(sub, 0755) != 0) {
         if (errno == EEXIST) return RK_OK;
         return rk_errorf(RK_ERR_IO, "%s: mkdir: %s", sub, strerror(errno));
     }
@@ -621,27 +688,15 @@ rk_status rk_store_put(rk_store *s, const rk_store_put_args *a) {
     h.layout = a->layout;
     h.body_size = a->body_size;
     rk_payload_checksum(a->tokens, (size_t)a->n_tokens, a->body, a->body_size, h.checksum);
-    char sum_hex[RK_STORE_KEY_LEN + 1];
-    rk_payload_checksum_hex(h.checksum, sum_hex);
+    snprintf(h.policy, sizeof h.policy, "%s", a->policy);
+    snprintf(h.doc_id, sizeof h.doc_id, "%s", a->doc_id ? a->doc_id : "");
+    h.created = next_stamp(s);
 
     if ((st = rk_payload_write(tmp, file, sub, &h, a->tokens, a->body)) != RK_OK) return st;
     s->c.writes++;
     s->c.write_bytes += n_bytes;
 
-    char rel[64];
-    snprintf(rel, sizeof rel, "kv/%.2s/%s.kv", a->key, a->key);
-    sqlite3_stmt *q = stmt(s, ST_INSERT);
-    sqlite3_bind_text(q, 1, a->key, -1, SQLITE_STATIC);
-    sqlite3_bind_text(q, 2, s->fingerprint, -1, SQLITE_STATIC);
-    sqlite3_bind_text(q, 3, a->policy, -1, SQLITE_STATIC);
-    sqlite3_bind_int64(q, 4, a->n_tokens);
-    sqlite3_bind_int64(q, 5, (sqlite3_int64)n_bytes);
-    sqlite3_bind_text(q, 6, sum_hex, -1, SQLITE_STATIC);
-    sqlite3_bind_double(q, 7, next_stamp(s));
-    if (a->doc_id) sqlite3_bind_text(q, 8, a->doc_id, -1, SQLITE_STATIC);
-    sqlite3_bind_text(q, 9, rel, -1, SQLITE_STATIC);
-    st = step_done(s, q, "insert a row");
-    sqlite3_clear_bindings(q);
+    st = insert_row(s, &h, n_bytes);
     if (st != RK_OK) {
         if (unlink(file) != 0 && errno != ENOENT)
             RK_LOG_WARN("store %s: cannot remove %s: %s", s->dir, file, strerror(errno));
@@ -692,9 +747,10 @@ rk_status rk_store_get(rk_store *s, const char *key, rk_store_payload *out) {
         char why[512];
         snprintf(why, sizeof why, "%s", rk_error_message());
         RK_LOG_WARN("store %s: dropping a bad payload: %s", s->dir, why);
-        if (remove_entry(s, key, row.n_bytes) != RK_OK)
+        if (remove_entry(s, key, row.n_bytes, 1) != RK_OK)
             RK_LOG_WARN("store %s: %s", s->dir, rk_error_message());
         s->c.dropped_on_load++;
+        s->c.corrupt_after_open++;
         return rk_errorf(RK_ERR_NOT_FOUND, "store: %s failed verification and was dropped: %s", key,
                          why);
     }
@@ -752,7 +808,7 @@ rk_status rk_store_delete(rk_store *s, const char *key) {
     int found = 0;
     if ((st = find_own_row(s, key, &row, &found)) != RK_OK) return st;
     if (!found) return rk_errorf(RK_ERR_NOT_FOUND, "store: key %s not found", key);
-    if ((st = remove_entry(s, key, row.n_bytes)) != RK_OK) return st;
+    if ((st = remove_entry(s, key, row.n_bytes, 0)) != RK_OK) return st;
     s->c.deletes++;
     return RK_OK;
 }
@@ -783,8 +839,9 @@ static rk_status push_key(rk_store *s, const rk_store_entry *e, void *ctx) {
     return key_list_push(ctx, e->key);
 }
 
-/* Delete the rows of keys in one transaction, then their files. */
-static rk_status remove_keys(rk_store *s, const key_list *keys, const char *what) {
+/* Delete the rows of keys in one transaction, then their files (quarantined
+ * with bad set: they failed a check). */
+static rk_status remove_keys(rk_store *s, const key_list *keys, int bad, const char *what) {
     rk_status st = step_done(s, stmt(s, ST_BEGIN), what);
     for (size_t i = 0; st == RK_OK && i < keys->n; i++) {
         sqlite3_stmt *d = stmt(s, ST_DELETE);
@@ -796,7 +853,12 @@ static rk_status remove_keys(rk_store *s, const key_list *keys, const char *what
         if (!sqlite3_get_autocommit(s->db)) step_done(s, stmt(s, ST_ROLLBACK), "roll back");
         return st;
     }
-    for (size_t i = 0; i < keys->n; i++) unlink_payload(s, keys->v[i]);
+    for (size_t i = 0; i < keys->n; i++) {
+        if (bad)
+            quarantine_payload(s, keys->v[i]);
+        else
+            unlink_payload(s, keys->v[i]);
+    }
     return RK_OK;
 }
 
@@ -807,7 +869,7 @@ rk_status rk_store_flush(rk_store *s, uint64_t *out_removed) {
     if (s->in_batch) return rk_errorf(RK_ERR_INVALID, "store %s: flush inside a batch", s->dir);
     key_list keys = {0};
     st = for_each_row(s, push_key, &keys);
-    if (st == RK_OK) st = remove_keys(s, &keys, "flush");
+    if (st == RK_OK) st = remove_keys(s, &keys, 0, "flush");
     if (st == RK_OK && out_removed) *out_removed = keys.n;
     key_list_free(&keys);
     if (st == RK_OK) st = load_totals(s);
@@ -888,18 +950,55 @@ static rk_status all_keys(rk_store *s, key_list *out) {
 
 static int is_hex(char ch) { return (ch >= '0' && ch <= '9') || (ch >= 'a' && ch <= 'f'); }
 
-/* Walk kv/ab/ directories and find files without a row (keys: sorted keys
- * of every row) and temporary files. With remove set they are unlinked.
- * *out_n counts them. Files that are not ours are left alone. */
-static rk_status scan_orphans(rk_store *s, const key_list *keys, int remove, uint64_t *out_n) {
+/* Give the payload file at path (named for key) its row back when it passes
+ * the checks (the checksum too with full set); quarantine it when it fails
+ * them; leave it in place, counted, when it cannot be read. */
+static rk_status adopt_file(rk_store *s, const char *path, const char *key, int full) {
+    rk_payload_header h;
+    uint64_t n_bytes = 0;
+    rk_status st = rk_payload_inspect(path, full, &h, &n_bytes);
+    if (st == RK_OK && (strcmp(h.key, key) != 0 || !rk_store_key_valid(h.fingerprint)))
+        st = rk_errorf(RK_ERR_FORMAT, "%s: the header names another key or no model", path);
+    if (st == RK_ERR_NOMEM) return st;
+    if (st == RK_ERR_FORMAT) {
+        RK_LOG_WARN("store %s: payload without a row fails its checks: %s", s->dir,
+                    rk_error_message());
+        char base[RK_STORE_KEY_LEN + 4];
+        snprintf(base, sizeof base, "%s.kv", key);
+        s->c.quarantined += (uint64_t)quarantine_file(s, path, base);
+        return RK_OK;
+    }
+    if (st != RK_OK) {
+        RK_LOG_WARN("store %s: skipping an unreadable payload: %s", s->dir, rk_error_message());
+        s->c.unreadable++;
+        return RK_OK;
+    }
+    if ((st = insert_row(s, &h, n_bytes)) != RK_OK) return st;
+    if (h.created > s->last_stamp) s->last_stamp = h.created;
+    s->c.rows_rebuilt++;
+    return RK_OK;
+}
+
+/* Walk the kv/ab/ directories for files without a row (keys: sorted keys of
+ * every row) and temporary files. Without repair they are only counted in
+ * *out_n. With repair (recovery and rebuild, in one transaction) payload
+ * files get their row back or are quarantined (adopt_file), temporary files
+ * are removed, and unreadable directories are skipped and counted. Files
+ * that are not ours are left alone. */
+static rk_status scan_files(rk_store *s, const key_list *keys, int repair, int full,
+                            uint64_t *out_n) {
     *out_n = 0;
     DIR *top = opendir(s->kv_dir);
     if (!top) {
         if (errno == ENOENT) return RK_OK;
-        return rk_errorf(RK_ERR_IO, "%s: opendir: %s", s->kv_dir, strerror(errno));
+        if (!repair) return rk_errorf(RK_ERR_IO, "%s: opendir: %s", s->kv_dir, strerror(errno));
+        RK_LOG_WARN("store %s: cannot read %s: %s; payload files not checked", s->dir, s->kv_dir,
+                    strerror(errno));
+        s->c.unreadable++;
+        return RK_OK;
     }
+    rk_status st = repair ? step_done(s, stmt(s, ST_BEGIN), "begin recovery") : RK_OK;
     struct dirent *d;
-    rk_status st = RK_OK;
     while (st == RK_OK && (d = readdir(top)) != NULL) {
         const char *sub = d->d_name;
         if (strlen(sub) != 2 || !is_hex(sub[0]) || !is_hex(sub[1])) continue;
@@ -908,37 +1007,45 @@ static rk_status scan_orphans(rk_store *s, const key_list *keys, int remove, uin
             continue;
         DIR *dd = opendir(subpath);
         if (!dd) {
-            if (errno == ENOTDIR || errno == ENOENT) continue;
-            st = rk_errorf(RK_ERR_IO, "%s: opendir: %s", subpath, strerror(errno));
-            break;
+            if (errno == ENOTDIR || errno == ENOENT || !repair) continue;
+            RK_LOG_WARN("store %s: skipping unreadable directory %s: %s", s->dir, subpath,
+                        strerror(errno));
+            s->c.unreadable++;
+            continue;
         }
         struct dirent *f;
-        while ((f = readdir(dd)) != NULL) {
+        while (st == RK_OK && (f = readdir(dd)) != NULL) {
             const char *name = f->d_name;
             size_t len = strlen(name);
-            int orphan = 0;
-            if (len > 4 && strcmp(name + len - 4, ".tmp") == 0) {
-                orphan = 1;
-            } else if (len == RK_STORE_KEY_LEN + 3 && strcmp(name + RK_STORE_KEY_LEN, ".kv") == 0) {
-                key_buf key;
+            int tmp = len > 4 && strcmp(name + len - 4, ".tmp") == 0;
+            key_buf key;
+            if (!tmp) {
+                if (len != RK_STORE_KEY_LEN + 3 || strcmp(name + RK_STORE_KEY_LEN, ".kv") != 0)
+                    continue;
                 memcpy(key, name, RK_STORE_KEY_LEN);
                 key[RK_STORE_KEY_LEN] = '\0';
                 if (!rk_store_key_valid(key) || key[0] != sub[0] || key[1] != sub[1]) continue;
-                orphan = !bsearch(key, keys->v, keys->n, sizeof *keys->v, key_cmp);
+                if (keys->n && bsearch(key, keys->v, keys->n, sizeof *keys->v, key_cmp)) continue;
             }
-            if (!orphan) continue;
             (*out_n)++;
-            if (!remove) continue;
             char fpath[PATH_MAX];
-            if (snprintf(fpath, sizeof fpath, "%s/%s", subpath, name) >= (int)sizeof fpath)
+            if (!repair ||
+                snprintf(fpath, sizeof fpath, "%s/%s", subpath, name) >= (int)sizeof fpath)
                 continue;
-            if (unlink(fpath) != 0 && errno != ENOENT)
-                RK_LOG_WARN("store %s: cannot remove orphan %s: %s", s->dir, fpath,
-                            strerror(errno));
+            if (!tmp) {
+                st = adopt_file(s, fpath, key, full);
+            } else if (unlink(fpath) == 0) {
+                s->c.orphans_removed++;
+            } else if (errno != ENOENT) {
+                RK_LOG_WARN("store %s: cannot remove %s: %s", s->dir, fpath, strerror(errno));
+            }
         }
         closedir(dd);
     }
     closedir(top);
+    if (repair && st == RK_OK) st = step_done(s, stmt(s, ST_COMMIT), "commit recovery");
+    if (repair && st != RK_OK && !sqlite3_get_autocommit(s->db))
+        step_done(s, stmt(s, ST_ROLLBACK), "roll back");
     return st;
 }
 
@@ -987,13 +1094,15 @@ rk_status rk_store_verify(rk_store *s, int delete_bad, rk_store_bad_fn on_bad, v
         rk_store_entry e;
         int found = 0;
         st = find_own_row(s, v.bad.v[i], &e, &found);
-        if (st == RK_OK && found && (st = remove_entry(s, e.key, e.n_bytes)) == RK_OK)
+        if (st == RK_OK && found && (st = remove_entry(s, e.key, e.n_bytes, 1)) == RK_OK) {
             v.r.deleted++;
+            s->c.corrupt_after_open++;
+        }
     }
     key_list_free(&v.bad);
     key_list keys = {0};
     if (st == RK_OK) st = all_keys(s, &keys);
-    if (st == RK_OK) st = scan_orphans(s, &keys, 0, &v.r.orphans);
+    if (st == RK_OK) st = scan_files(s, &keys, 0, 0, &v.r.orphans);
     key_list_free(&keys);
     *out = v.r;
     return st;
@@ -1122,6 +1231,24 @@ static rk_status recover(rk_store *s) {
     if (st != RK_OK) return st;
     s->c.dropped_on_recovery += (uint64_t)sqlite3_changes(s->db);
 
+    /* this model's rows: check every payload (checksums with verify_on_open);
+     * unreadable ones (permissions, EIO) stay: every load checks again */
+    verify_ctx v = {
+        .full = s->opts.verify_on_open, .collect = 1, .on_bad = log_bad, .on_bad_ctx = s};
+    st = for_each_row(s, verify_row, &v);
+    if (st == RK_OK && v.bad.n) st = remove_keys(s, &v.bad, 1, "drop bad rows");
+    if (st == RK_OK) s->c.dropped_on_recovery += v.bad.n;
+    key_list_free(&v.bad);
+    if (st != RK_OK) return st;
+
+    /* files without a row (any model's row keeps its file) and *.tmp */
+    key_list keys = {0};
+    uint64_t found = 0;
+    st = all_keys(s, &keys);
+    if (st == RK_OK) st = scan_files(s, &keys, 1, s->opts.verify_on_open, &found);
+    key_list_free(&keys);
+    if (st != RK_OK) return st;
+
     /* rows of other models: kept, counted */
     int64_t other = 0;
     q = NULL;
@@ -1142,29 +1269,16 @@ static rk_status recover(rk_store *s) {
         RK_LOG_WARN("store %s: %lld rows belong to another model fingerprint; kept but not served "
                     "by model %s",
                     s->dir, (long long)other, s->fingerprint);
-
-    /* this model's rows: check every payload (checksums with verify_on_open);
-     * unreadable ones (permissions, EIO) stay: every load checks again */
-    verify_ctx v = {
-        .full = s->opts.verify_on_open, .collect = 1, .on_bad = log_bad, .on_bad_ctx = s};
-    st = for_each_row(s, verify_row, &v);
-    if (st == RK_OK && v.bad.n) st = remove_keys(s, &v.bad, "drop bad rows");
-    if (st == RK_OK) s->c.dropped_on_recovery += v.bad.n;
-    key_list_free(&v.bad);
-    if (st != RK_OK) return st;
-
-    /* files without a row (any model's row keeps its file) and *.tmp */
-    key_list keys = {0};
-    st = all_keys(s, &keys);
-    if (st == RK_OK) st = scan_orphans(s, &keys, 1, &s->c.orphans_removed);
-    key_list_free(&keys);
-    if (st == RK_OK && s->c.orphans_removed)
-        RK_LOG_INFO("store %s: removed %llu orphan payload or temporary files", s->dir,
+    if (s->c.orphans_removed)
+        RK_LOG_INFO("store %s: removed %llu temporary files of interrupted writes", s->dir,
                     (unsigned long long)s->c.orphans_removed);
-    if (st == RK_OK && s->c.dropped_on_recovery)
+    if (s->c.dropped_on_recovery)
         RK_LOG_WARN("store %s: dropped %llu bad rows at recovery", s->dir,
                     (unsigned long long)s->c.dropped_on_recovery);
-    return st;
+    if (s->c.unreadable)
+        RK_LOG_WARN("store %s: %llu unreadable directories or files skipped (left in place)",
+                    s->dir, (unsigned long long)s->c.unreadable);
+    return RK_OK;
 }
 
 static rk_status store_alloc(const char *dir, rk_store **out) {
@@ -1181,6 +1295,104 @@ static rk_status store_alloc(const char *dir, rk_store **out) {
     }
     *out = s;
     return RK_OK;
+}
+
+/* Close a store whose open failed with st and return st with the message.
+ * A corrupt database gets the way out, first and short (callers show the
+ * message in bounded buffers); SQLite's own words go to the log. */
+static rk_status open_failed(rk_store *s, rk_status st) {
+    char msg[768];
+    if (s->db_corrupt) {
+        RK_LOG_ERROR("%s", rk_error_message());
+        snprintf(msg, sizeof msg,
+                 "store %s: chunks.db is corrupt; with ragkv stopped, run `ragkv cache rebuild "
+                 "--store %s` to set it aside and rebuild it from the payload files",
+                 s->dir, s->dir);
+    } else {
+        snprintf(msg, sizeof msg, "%s", rk_error_message());
+    }
+    rk_store_close(s);
+    return rk_errorf(st, "%s", msg);
+}
+
+/* Take DIR/LOCK for writing: RK_ERR_BUSY when another process holds it. */
+static rk_status take_lock(rk_store *s) {
+    char *lock = path_join(s->dir, "LOCK");
+    if (!lock) return rk_errorf(RK_ERR_NOMEM, "store: no memory");
+    rk_status st = RK_OK;
+    if ((s->lock_fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0644)) < 0)
+        st = rk_errorf(RK_ERR_IO, "%s: open: %s", lock, strerror(errno));
+    else if (flock(s->lock_fd, LOCK_EX | LOCK_NB) != 0)
+        st = errno == EWOULDBLOCK
+                 ? rk_errorf(RK_ERR_BUSY, "store %s: in use by another process", s->dir)
+                 : rk_errorf(RK_ERR_IO, "%s: flock: %s", lock, strerror(errno));
+    free(lock);
+    return st;
+}
+
+/* Write the path DIR/name of a file of the store into buf. */
+static rk_status store_path(const rk_store *s, const char *name, char *buf, size_t cap) {
+    if (snprintf(buf, cap, "%s/%s", s->dir, name) >= (int)cap)
+        return rk_errorf(RK_ERR_LIMIT, "store %s: path too long", s->dir);
+    return RK_OK;
+}
+
+/* Set *out_missing when chunks.db does not exist or is empty: its rows are
+ * then rebuilt from the payload files. A write-ahead log left without its
+ * database cannot be applied to a new one: it goes to quarantine/. */
+static rk_status db_missing(rk_store *s, int *out_missing) {
+    char db[PATH_MAX], wal[PATH_MAX], shm[PATH_MAX];
+    rk_status st = store_path(s, "chunks.db", db, sizeof db);
+    if (st == RK_OK) st = store_path(s, "chunks.db-wal", wal, sizeof wal);
+    if (st == RK_OK) st = store_path(s, "chunks.db-shm", shm, sizeof shm);
+    if (st != RK_OK) return st;
+    struct stat sb;
+    *out_missing = 0;
+    if (stat(db, &sb) == 0) {
+        if (sb.st_size > 0) return RK_OK;
+    } else if (errno != ENOENT) {
+        return rk_errorf(RK_ERR_IO, "%s: stat: %s", db, strerror(errno));
+    }
+    *out_missing = 1;
+    if (stat(wal, &sb) == 0) {
+        if (sb.st_size == 0)
+            unlink(wal); /* holds nothing; an empty log is harmless if it stays */
+        else
+            quarantine_file(s, wal, "chunks.db-wal");
+    }
+    if (unlink(shm) != 0 && errno != ENOENT)
+        return rk_errorf(RK_ERR_IO, "%s: unlink: %s", shm, strerror(errno));
+    return RK_OK;
+}
+
+/* Create chunks.db whole: the schema is written to chunks.db.new, which is
+ * renamed into place only once it is complete, so a process killed while
+ * creating a store never leaves a database without its tables behind. */
+static rk_status create_db(rk_store *s) {
+    char db[PATH_MAX], tmp[PATH_MAX];
+    rk_status st = store_path(s, "chunks.db", db, sizeof db);
+    if (st == RK_OK) st = store_path(s, "chunks.db.new", tmp, sizeof tmp);
+    if (st != RK_OK) return st;
+    if (unlink(tmp) != 0 && errno != ENOENT)
+        return rk_errorf(RK_ERR_IO, "%s: unlink: %s", tmp, strerror(errno));
+    int rc = sqlite3_open_v2(tmp, &s->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, NULL);
+    st = rc == SQLITE_OK ? RK_OK : sql_error(s, rc, "create chunks.db");
+    if (st == RK_OK) st = sql_exec(s, "PRAGMA journal_mode = WAL", "set WAL mode");
+    if (st == RK_OK) st = migrate(s, 0);
+    /* Closing the only connection checkpoints the log into the file. */
+    if (s->db && sqlite3_close(s->db) != SQLITE_OK && st == RK_OK)
+        st = rk_errorf(RK_ERR_IO, "store %s: cannot close the new chunks.db", s->dir);
+    s->db = NULL;
+    if (st == RK_OK && rename(tmp, db) != 0)
+        st = rk_errorf(RK_ERR_IO, "%s: rename: %s", tmp, strerror(errno));
+    if (st == RK_OK) {
+        int fd = open(s->dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (fd < 0 || fsync(fd) != 0)
+            st = rk_errorf(RK_ERR_IO, "%s: fsync: %s", s->dir, strerror(errno));
+        if (fd >= 0) close(fd);
+    }
+    if (st != RK_OK) unlink(tmp);
+    return st;
 }
 
 rk_status rk_store_open(const char *dir, const char *model_fingerprint,
@@ -1202,17 +1414,10 @@ rk_status rk_store_open(const char *dir, const char *model_fingerprint,
     st = mkdir_p(dir);
     if (st == RK_OK && mkdir(s->kv_dir, 0755) != 0 && errno != EEXIST)
         st = rk_errorf(RK_ERR_IO, "%s: mkdir: %s", s->kv_dir, strerror(errno));
-    if (st == RK_OK) {
-        char *lock = path_join(dir, "LOCK");
-        if (!lock) st = rk_errorf(RK_ERR_NOMEM, "store: no memory");
-        if (st == RK_OK && (s->lock_fd = open(lock, O_RDWR | O_CREAT | O_CLOEXEC, 0644)) < 0)
-            st = rk_errorf(RK_ERR_IO, "%s: open: %s", lock, strerror(errno));
-        if (st == RK_OK && flock(s->lock_fd, LOCK_EX | LOCK_NB) != 0)
-            st = errno == EWOULDBLOCK
-                     ? rk_errorf(RK_ERR_BUSY, "store %s: in use by another process", dir)
-                     : rk_errorf(RK_ERR_IO, "%s: flock: %s", lock, strerror(errno));
-        free(lock);
-    }
+    if (st == RK_OK) st = take_lock(s);
+    int missing = 0;
+    if (st == RK_OK) st = db_missing(s, &missing);
+    if (st == RK_OK && missing) st = create_db(s);
     if (st == RK_OK) st = open_db(s);
     int64_t last = 0;
     if (st == RK_OK)
@@ -1224,15 +1429,101 @@ rk_status rk_store_open(const char *dir, const char *model_fingerprint,
     if (st == RK_OK) st = recover(s);
     if (st == RK_OK) st = load_totals(s);
     if (st == RK_OK) st = enforce_budget(s); /* the budget may have shrunk since */
+    if (st != RK_OK) return open_failed(s, st);
+    if (missing && (s->c.rows_rebuilt || s->c.quarantined))
+        RK_LOG_WARN("store %s: chunks.db was missing or empty: rebuilt %llu rows from the payload "
+                    "files (%llu quarantined, %llu unreadable)",
+                    dir, (unsigned long long)s->c.rows_rebuilt,
+                    (unsigned long long)s->c.quarantined, (unsigned long long)s->c.unreadable);
+    else if (s->c.rows_rebuilt)
+        RK_LOG_WARN("store %s: gave %llu payload files without a row their row back", dir,
+                    (unsigned long long)s->c.rows_rebuilt);
+    RK_LOG_INFO("store %s: %llu rows, %llu bytes for model %s", dir, (unsigned long long)s->rows,
+                (unsigned long long)s->bytes, s->fingerprint);
+    *out = s;
+    return RK_OK;
+}
+
+/* Return 1 when the database at path opens and passes SQLite's quick_check
+ * as a ragkv store, else 0. */
+static int db_sound(const char *path) {
+    sqlite3 *db = NULL;
+    sqlite3_stmt *q = NULL;
+    int ok = sqlite3_open_v2(path, &db, SQLITE_OPEN_READONLY, NULL) == SQLITE_OK &&
+             sqlite3_prepare_v2(db, "PRAGMA quick_check", -1, &q, NULL) == SQLITE_OK &&
+             sqlite3_step(q) == SQLITE_ROW && sqlite3_column_text(q, 0) &&
+             strcmp((const char *)sqlite3_column_text(q, 0), "ok") == 0;
+    sqlite3_finalize(q);
+    sqlite3_close(db);
+    return ok;
+}
+
+/* Move chunks.db and its write-ahead log aside (the shared-memory index is
+ * derived and removed), naming the new name in r->set_aside. */
+static rk_status set_db_aside(rk_store *s, rk_store_rebuild_result *r) {
+    char db[PATH_MAX], wal[PATH_MAX], shm[PATH_MAX], aside[PATH_MAX], wal_aside[PATH_MAX];
+    rk_status st = store_path(s, "chunks.db", db, sizeof db);
+    if (st == RK_OK) st = store_path(s, "chunks.db-wal", wal, sizeof wal);
+    if (st == RK_OK) st = store_path(s, "chunks.db-shm", shm, sizeof shm);
+    if (st != RK_OK) return st;
+    struct stat sb;
+    if (stat(db, &sb) != 0) return RK_OK; /* nothing to set aside */
+    r->db_was_corrupt = !db_sound(db);
+    time_t now = time(NULL);
+    struct tm tm;
+    char stamp[32];
+    gmtime_r(&now, &tm);
+    strftime(stamp, sizeof stamp, "%Y%m%dT%H%M%SZ", &tm);
+    snprintf(r->set_aside, sizeof r->set_aside, "chunks.db.%s-%s",
+             r->db_was_corrupt ? "corrupt" : "old", stamp);
+    if ((st = store_path(s, r->set_aside, aside, sizeof aside)) != RK_OK) return st;
+    if (snprintf(wal_aside, sizeof wal_aside, "%s-wal", aside) >= (int)sizeof wal_aside)
+        return rk_errorf(RK_ERR_LIMIT, "store %s: path too long", s->dir);
+    if (stat(aside, &sb) == 0)
+        return rk_errorf(RK_ERR_BUSY, "store %s: %s exists already; try again in a second", s->dir,
+                         r->set_aside);
+    if (rename(db, aside) != 0)
+        return rk_errorf(RK_ERR_IO, "%s: rename to %s: %s", db, aside, strerror(errno));
+    if (rename(wal, wal_aside) != 0 && errno != ENOENT)
+        return rk_errorf(RK_ERR_IO, "%s: rename to %s: %s", wal, wal_aside, strerror(errno));
+    if (unlink(shm) != 0 && errno != ENOENT)
+        return rk_errorf(RK_ERR_IO, "%s: unlink: %s", shm, strerror(errno));
+    return RK_OK;
+}
+
+rk_status rk_store_rebuild(const char *dir, rk_store_rebuild_result *out) {
+    if (!out) return rk_errorf(RK_ERR_INVALID, "store: NULL output");
+    memset(out, 0, sizeof *out);
+    rk_store *s = NULL;
+    rk_status st = store_alloc(dir, &s);
+    if (st != RK_OK) return st;
+    char db[PATH_MAX];
+    struct stat sb;
+    st = store_path(s, "chunks.db", db, sizeof db);
+    if (st == RK_OK && stat(db, &sb) != 0 && stat(s->kv_dir, &sb) != 0)
+        st = rk_errorf(RK_ERR_NOT_FOUND, "%s: no chunk store here (no chunks.db, no kv/)", dir);
+    if (st == RK_OK) st = take_lock(s);
+    if (st == RK_OK) st = set_db_aside(s, out);
+    if (st == RK_OK) st = open_db(s);
+    key_list none = {0};
+    uint64_t found = 0;
+    if (st == RK_OK) st = scan_files(s, &none, 1, 1, &found);
+    out->rows_rebuilt = s->c.rows_rebuilt;
+    out->quarantined = s->c.quarantined;
+    out->unreadable = s->c.unreadable;
+    out->tmp_removed = s->c.orphans_removed;
     if (st != RK_OK) {
         char msg[512];
         snprintf(msg, sizeof msg, "%s", rk_error_message());
         rk_store_close(s);
         return rk_errorf(st, "%s", msg);
     }
-    RK_LOG_INFO("store %s: %llu rows, %llu bytes for model %s", dir, (unsigned long long)s->rows,
-                (unsigned long long)s->bytes, s->fingerprint);
-    *out = s;
+    rk_store_close(s);
+    RK_LOG_WARN("store %s: rebuilt %llu rows from the payload files (%llu quarantined, %llu "
+                "unreadable)%s%s",
+                dir, (unsigned long long)out->rows_rebuilt, (unsigned long long)out->quarantined,
+                (unsigned long long)out->unreadable,
+                out->set_aside[0] ? "; old database kept as " : "", out->set_aside);
     return RK_OK;
 }
 
@@ -1247,17 +1538,17 @@ rk_status rk_store_open_readonly(const char *dir, rk_store **out) {
     struct stat sb;
     if (!db_path)
         st = rk_errorf(RK_ERR_NOMEM, "store: no memory");
+    else if (stat(db_path, &sb) != 0 && stat(s->kv_dir, &sb) == 0)
+        st = rk_errorf(RK_ERR_NOT_FOUND,
+                       "%s: chunks.db is missing; `ragkv cache rebuild --store %s` or the next "
+                       "start-up rebuilds it from the payload files",
+                       dir, dir);
     else if (stat(db_path, &sb) != 0)
         st = rk_errorf(RK_ERR_NOT_FOUND, "%s: no chunk store here (no chunks.db)", dir);
     free(db_path);
     if (st == RK_OK) st = open_db(s);
     if (st == RK_OK) st = load_totals(s);
-    if (st != RK_OK) {
-        char msg[512];
-        snprintf(msg, sizeof msg, "%s", rk_error_message());
-        rk_store_close(s);
-        return rk_errorf(st, "%s", msg);
-    }
+    if (st != RK_OK) return open_failed(s, st);
     *out = s;
     return RK_OK;
 }
@@ -1310,6 +1601,19 @@ rk_status rk_store_print_ls(rk_store *s, FILE *f, rk_store_sort sort, int limit)
     return RK_OK;
 }
 
+/* Count the files in DIR/quarantine/ (0 when there is none). */
+static int count_quarantine(const rk_store *s) {
+    char qdir[PATH_MAX];
+    if (store_path(s, "quarantine", qdir, sizeof qdir) != RK_OK) return 0;
+    DIR *d = opendir(qdir);
+    if (!d) return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) n += e->d_name[0] != '.';
+    closedir(d);
+    return n;
+}
+
 rk_status rk_store_print_stats(rk_store *s, FILE *f) {
     if (!s || !f) return rk_errorf(RK_ERR_INVALID, "store: NULL argument");
     rk_store_counters c;
@@ -1341,12 +1645,18 @@ rk_status rk_store_print_stats(rk_store *s, FILE *f) {
     }
     st = rc == SQLITE_DONE ? RK_OK : sql_error(s, rc, "per-model totals");
     sqlite3_finalize(q);
-    if (st != RK_OK || s->readonly) return st;
+    if (st != RK_OK) return st;
+    fprintf(f, "quarantine     %d files in %s/quarantine/\n", count_quarantine(s), s->dir);
+    if (s->readonly) return RK_OK;
     fprintf(f, "other_model_rows     %" PRIu64 "\n", c.other_model_rows);
     fprintf(f, "loads                %" PRIu64 " (%" PRIu64 " bytes)\n", c.loads, c.load_bytes);
     fprintf(f, "writes               %" PRIu64 " (%" PRIu64 " bytes)\n", c.writes, c.write_bytes);
     fprintf(f, "dropped_on_recovery  %" PRIu64 "\n", c.dropped_on_recovery);
     fprintf(f, "dropped_on_load      %" PRIu64 "\n", c.dropped_on_load);
+    fprintf(f, "corrupt_after_open   %" PRIu64 "\n", c.corrupt_after_open);
+    fprintf(f, "quarantined          %" PRIu64 "\n", c.quarantined);
+    fprintf(f, "rows_rebuilt         %" PRIu64 "\n", c.rows_rebuilt);
+    fprintf(f, "unreadable           %" PRIu64 "\n", c.unreadable);
     fprintf(f, "orphans_removed      %" PRIu64 "\n", c.orphans_removed);
     fprintf(f, "evictions            %" PRIu64 " (%" PRIu64 " bytes)\n", c.evictions,
             c.evicted_bytes);

@@ -5,6 +5,7 @@
  *   DIR/chunks.db          SQLite metadata (WAL, synchronous=NORMAL), a row per chunk
  *   DIR/LOCK               flock'ed by the one process that opens DIR for writing
  *   DIR/kv/ab/<key>.kv     one payload file per chunk, named from its key only
+ *   DIR/quarantine/        payload files that failed a check, kept for inspection
  *
  * A chunk is an opaque payload body (the caller's KV bytes) plus the token ids
  * it was computed from and a small layout record; the store knows nothing
@@ -15,15 +16,30 @@
  * checksummed (XXH3-128 over token ids and body), fsync'ed and renamed, the
  * directory is fsync'ed, and only then does the row commit. Deletes remove the
  * row first and the file after. So after a crash every row points at a
- * complete file; at worst a file without a row remains, and the next open
- * removes it.
+ * complete file; at worst a file without a row remains.
  *
- * Open runs recovery: rows of this model whose payload is missing, of the
- * wrong size, with a bad header or (with verify_on_open) a bad checksum are
- * dropped and counted; payload files without a row and leftover *.tmp files
- * are removed; rows of another model fingerprint are kept, never served, and
- * counted. Every load verifies header and checksum again and never serves a
- * bad payload: it is dropped and reported as not found.
+ * Payload files describe themselves (key, model fingerprint, tokens, layout,
+ * policy, document id, creation time, checksums), so the table can always be
+ * rebuilt from them, and the store never deletes a payload it cannot explain.
+ * Open runs recovery:
+ *   - chunks.db missing or empty: the rows are rebuilt from the payload files
+ *     (logged at warn level with the count);
+ *   - chunks.db corrupt (SQLite: malformed, not a database): the open fails
+ *     and names the way out, `ragkv cache rebuild --store DIR`
+ *     (rk_store_rebuild), which sets the database aside and rebuilds it;
+ *   - rows of this model whose payload is missing, of the wrong size, with a
+ *     bad header or (with verify_on_open) a bad checksum are dropped and
+ *     counted, their files moved to DIR/quarantine/;
+ *   - a payload file without a row (an interrupted delete or eviction, or a
+ *     lost table) that passes the same checks gets its row back, whatever its
+ *     model; one that fails them is moved to DIR/quarantine/; leftover *.tmp
+ *     files of interrupted writes are removed;
+ *   - a kv/ab directory or file that cannot be read is skipped, logged and
+ *     counted (`unreadable`), and open goes on;
+ *   - rows of another model fingerprint are kept, never served, and counted.
+ * Every load verifies header and checksum again and never serves a bad
+ * payload: its row is dropped, its file quarantined, and it is reported as
+ * not found.
  *
  * A store handle is used by one thread at a time (the engine thread); the
  * caller serialises. Only one process may open a directory for writing (the
@@ -41,9 +57,11 @@
 /* The schema version this code writes (PRAGMA user_version of chunks.db). */
 #define RK_STORE_SCHEMA_VERSION 1
 
-/* Bytes of the fixed header at the start of every payload file; the token ids
- * follow it, then the body (see store/payload.c for the layout). */
-#define RK_STORE_HEADER_BYTES 160
+/* Bytes of the fixed header at the start of every payload file this code
+ * writes (format version 2); the token ids follow it, then the body (see
+ * store/payload.c for the layout; version 1 files, with a 160-byte header,
+ * are still read). */
+#define RK_STORE_HEADER_BYTES 512
 
 #define RK_STORE_KEY_LEN    32  /* lowercase hex characters in a key or fingerprint */
 #define RK_STORE_POLICY_MAX 31  /* longest policy text */
@@ -100,13 +118,17 @@ typedef struct rk_store_payload {
 } rk_store_payload;
 
 typedef struct rk_store_counters {
-    uint64_t rows, bytes;              /* rows and payload bytes of this model (read-only: all) */
-    uint64_t other_model_rows;         /* rows of other fingerprints (kept, never served) */
-    uint64_t loads, load_bytes;        /* successful gets since open */
-    uint64_t writes, write_bytes;      /* payload files written since open */
-    uint64_t dropped_on_recovery;      /* bad rows dropped at open */
-    uint64_t dropped_on_load;          /* bad payloads dropped by a get */
-    uint64_t orphans_removed;          /* files without a row and *.tmp files removed at open */
+    uint64_t rows, bytes;         /* rows and payload bytes of this model (read-only: all) */
+    uint64_t other_model_rows;    /* rows of other fingerprints (kept, never served) */
+    uint64_t loads, load_bytes;   /* successful gets since open */
+    uint64_t writes, write_bytes; /* payload files written since open */
+    uint64_t dropped_on_recovery; /* bad rows dropped at open */
+    uint64_t dropped_on_load;     /* bad payloads dropped by a get (found corrupt after open) */
+    uint64_t corrupt_after_open;  /* bad payloads found by a get or a verify after open */
+    uint64_t quarantined;         /* payload files moved to DIR/quarantine/ since open */
+    uint64_t rows_rebuilt;        /* rows recreated from payload files without one */
+    uint64_t unreadable;          /* kv/ab directories or files skipped as unreadable */
+    uint64_t orphans_removed;     /* *.tmp files of interrupted writes removed at open */
     uint64_t evictions, evicted_bytes; /* rows removed to honour the disk budget */
     uint64_t deletes;                  /* rows removed by rk_store_delete */
 } rk_store_counters;
@@ -136,6 +158,30 @@ rk_status rk_store_open(const char *dir, const char *model_fingerprint,
  * rk_store_verify without deleting, and the rk_store_print_* reports; other
  * calls return RK_ERR_INVALID. RK_ERR_NOT_FOUND when dir holds no store. */
 rk_status rk_store_open_readonly(const char *dir, rk_store **out);
+
+typedef struct rk_store_rebuild_result {
+    char set_aside[64];    /* name chunks.db was moved to in DIR; "" when there was none */
+    int db_was_corrupt;    /* the old chunks.db failed SQLite's quick_check or could not open */
+    uint64_t rows_rebuilt; /* rows recreated from payload files (every model) */
+    uint64_t quarantined;  /* payload files that failed a check, moved to DIR/quarantine/ */
+    uint64_t unreadable;   /* directories or files that could not be read (left in place) */
+    uint64_t tmp_removed;  /* *.tmp files of interrupted writes removed */
+} rk_store_rebuild_result;
+
+/* Rebuild the table of the store in dir from its payload files, offline:
+ * take the LOCK (RK_ERR_BUSY when a server holds it), move chunks.db (and
+ * its -wal) aside as chunks.db.corrupt-<UTC time> (chunks.db.old-<time> when
+ * it was sound), create a fresh one and give every payload file that fully
+ * verifies its row back, whatever its model. Hits and access times start
+ * over. RK_ERR_NOT_FOUND when dir holds no store. */
+rk_status rk_store_rebuild(const char *dir, rk_store_rebuild_result *out);
+
+/* Test hook for I/O fault injection: make the nth store I/O call from now (a
+ * payload or directory open, read, write, fsync, rename, stat or mkdir) fail
+ * with EIO; nth <= 0 disarms. Returns the number of such calls made since the
+ * previous rk_store_fault_io() call, so a test can count the calls of an
+ * operation. Process-wide and not thread-safe: for single-threaded tests. */
+int rk_store_fault_io(int nth);
 
 /* Close the store (rolling back an open batch) and free it; accepts NULL. */
 void rk_store_close(rk_store *s);

@@ -608,14 +608,22 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
     float *want_lse = xmalloc((size_t)rows * n_heads * 4),
           *got_lse = xmalloc((size_t)rows * n_heads * 4);
     float scale = 1.0f / sqrtf((float)hd);
-    rk_attn_batch hb = {ac->n_seqs, q_start, ac->kv_len, table, max_blocks};
+    rk_attn_batch hb = {.n_seqs = ac->n_seqs,
+                        .q_start = q_start,
+                        .kv_len = ac->kv_len,
+                        .block_table = table,
+                        .max_blocks = max_blocks};
     cr_assert_eq(cpu->ops->attention(cpu, want, want_lse, q, &c.host, 1, &hb, n_heads, scale),
                  RK_OK, "%s", rk_error_message());
 
     float *dq = dev_copy(gpu, q, nq_elems * 4), *dout = dev_alloc(gpu, nq_elems * 4);
     float *dlse = dev_alloc(gpu, (size_t)rows * n_heads * 4);
     int32_t *dtable = dev_copy(gpu, table, (size_t)ac->n_seqs * max_blocks * 4);
-    rk_attn_batch db = {ac->n_seqs, q_start, ac->kv_len, dtable, max_blocks};
+    rk_attn_batch db = {.n_seqs = ac->n_seqs,
+                        .q_start = q_start,
+                        .kv_len = ac->kv_len,
+                        .block_table = dtable,
+                        .max_blocks = max_blocks};
     const int modes[4] = {0, -1, 32, 96};
     for (int mi = 0; mi < 4; mi++) {
 #ifdef RAGKV_CUDA
@@ -722,7 +730,8 @@ Test(cuda, attention_rejects_what_the_cpu_rejects_and_reports_bad_block_ids) {
     int32_t table[2] = {1, 9}; /* 9 is past the cache's 4 blocks */
     int32_t *dtable = dev_copy(gpu, table, sizeof table);
     int32_t q_start[2] = {0, 2}, kv_len[1] = {20}, short_len[1] = {1}, long_len[1] = {40};
-    rk_attn_batch b = {1, q_start, kv_len, dtable, 2};
+    rk_attn_batch b = {
+        .n_seqs = 1, .q_start = q_start, .kv_len = kv_len, .block_table = dtable, .max_blocks = 2};
     const rk_backend_ops *o = gpu->ops;
     /* host-checked: no launch */
     rk_attn_batch bad = b;

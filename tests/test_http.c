@@ -148,12 +148,9 @@ static int send_request(int port, const char *method, const char *path, const ch
     return fd;
 }
 
-/* A whole exchange. Returns 0 when a response was read. */
-static int http(const char *method, const char *path, const char *headers, const char *body,
-                struct resp *r) {
-    memset(r, 0, sizeof *r);
-    int fd = send_request(S.port, method, path, headers, body, body ? strlen(body) : 0);
-    if (fd < 0) return -1;
+/* Read until the peer closes (or the socket's receive timeout); returns the
+ * bytes (malloc'ed, NUL-terminated) and their count in *n. */
+static char *recv_all(int fd, size_t *n) {
     size_t cap = 65536, len = 0;
     char *buf = malloc(cap);
     for (;;) {
@@ -162,22 +159,56 @@ static int http(const char *method, const char *path, const char *headers, const
         if (k <= 0) break;
         len += (size_t)k;
     }
-    close(fd);
     buf[len] = '\0';
-    char *sep = strstr(buf, "\r\n\r\n");
-    if (!sep || sscanf(buf, "HTTP/1.%*d %d", &r->status) != 1) {
-        free(buf);
-        return -1;
-    }
+    *n = len;
+    return buf;
+}
+
+/* Split a whole response (status line, headers, the rest as the body) into r.
+ * Returns 0, or -1 when buf holds no response. */
+static int parse_response(const char *buf, size_t len, struct resp *r) {
+    memset(r, 0, sizeof *r);
+    const char *sep = strstr(buf, "\r\n\r\n");
+    if (!sep || sscanf(buf, "HTTP/1.%*d %d", &r->status) != 1) return -1;
     size_t hl = (size_t)(sep - buf);
     r->head = strndup(buf, hl);
     r->len = len - hl - 4;
     r->body = malloc(r->len + 1);
     memcpy(r->body, sep + 4, r->len);
     r->body[r->len] = '\0';
-    free(buf);
     r->json = json_loadb(r->body, r->len, 0, NULL);
     return 0;
+}
+
+/* A whole exchange. Returns 0 when a response was read. */
+static int http(const char *method, const char *path, const char *headers, const char *body,
+                struct resp *r) {
+    memset(r, 0, sizeof *r);
+    int fd = send_request(S.port, method, path, headers, body, body ? strlen(body) : 0);
+    if (fd < 0) return -1;
+    size_t len;
+    char *buf = recv_all(fd, &len);
+    close(fd);
+    int rc = parse_response(buf, len, r);
+    free(buf);
+    return rc;
+}
+
+/* Send raw bytes on a new connection and read the answer until the server
+ * closes, for at most timeout_s; *took gets the seconds that took. Returns
+ * the bytes read (malloc'ed). */
+static char *raw_exchange(const char *req, size_t n, double timeout_s, double *took) {
+    int fd = connect_port(S.port);
+    cr_assert(fd >= 0, "cannot connect");
+    struct timeval tv = {(time_t)timeout_s, (long)((timeout_s - (double)(time_t)timeout_s) * 1e6)};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    double t0 = now_s();
+    cr_assert_eq(send_all(fd, req, n), 0);
+    size_t len;
+    char *buf = recv_all(fd, &len);
+    if (took) *took = now_s() - t0;
+    close(fd);
+    return buf;
 }
 
 /* The value of a response header (copied into a static buffer), or NULL. */
@@ -373,6 +404,110 @@ Test(http, unknown_route_is_404_and_wrong_method_405) {
 
 /* ================================================================ completions */
 
+Test(http, head_answers_headers_only_and_keeps_the_connection) {
+    /* HEAD then GET on one keep-alive connection: the HEAD answer has the
+     * GET's status and Content-Length but no body, so the next bytes are the
+     * GET's answer. */
+    int fd = connect_port(S.port);
+    cr_assert(fd >= 0);
+    static const char head[] = "HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n";
+    static const char get_[] = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    cr_assert_eq(send_all(fd, head, sizeof head - 1), 0);
+    sleep_s(0.2);
+    cr_assert_eq(send_all(fd, get_, sizeof get_ - 1), 0);
+    size_t n;
+    char *a = recv_all(fd, &n);
+    close(fd);
+    const char *end = strstr(a, "\r\n\r\n");
+    cr_assert(end, "no answer: %s", a);
+    resp h, g;
+    char *first = strndup(a, (size_t)(end + 4 - a));
+    cr_assert_eq(parse_response(first, strlen(first), &h), 0);
+    free(first);
+    cr_assert_eq(h.status, 200, "%s", a);
+    cr_assert(!strncmp(end + 4, "HTTP/1.1 200", 12), "the HEAD answer has a body: %s", end + 4);
+    cr_assert_eq(parse_response(end + 4, n - (size_t)(end + 4 - a), &g), 0);
+    cr_assert_str_eq(jstr(g.json, "status"), "ok");
+    char cl[32];
+    snprintf(cl, sizeof cl, "%zu", g.len);
+    cr_assert_str_eq(header(&h, "Content-Length"), cl);
+    cr_assert_str_eq(header(&h, "Content-Type"), "application/json");
+    resp_free(&h);
+    resp_free(&g);
+    free(a);
+    /* Every GET route answers HEAD; a POST-only route answers 405, without a body too. */
+    static const char *paths[] = {"/v1/models", "/v1/stats", "/metrics", "/v1/chunks"};
+    for (size_t i = 0; i < 4; i++) {
+        resp r;
+        cr_assert_eq(http("HEAD", paths[i], NULL, NULL, &r), 0);
+        cr_assert_eq(r.status, 200, "HEAD %s: %d", paths[i], r.status);
+        cr_assert_eq(r.len, 0, "HEAD %s has a body", paths[i]);
+        cr_assert(atoi(header(&r, "Content-Length")) > 0);
+        resp_free(&r);
+    }
+    resp r;
+    cr_assert_eq(http("HEAD", "/v1/completions", NULL, NULL, &r), 0);
+    cr_assert_eq(r.status, 405);
+    cr_assert_eq(r.len, 0);
+    cr_assert_str_eq(header(&r, "Allow"), "POST");
+    resp_free(&r);
+    cr_assert_eq(http("POST", "/health", NULL, "", &r), 0);
+    expect_error(&r, 405);
+    cr_assert_str_eq(header(&r, "Allow"), "GET, HEAD");
+    resp_free(&r);
+}
+
+Test(http, a_nul_byte_in_the_path_is_400) {
+    static const char *paths[] = {"/v1/stats%00", "/health%00", "/v1/chunks/%00abc"};
+    for (size_t i = 0; i < 3; i++) {
+        resp r = get(paths[i]);
+        expect_error(&r, 400);
+        resp_free(&r);
+    }
+    resp r = get("/v1/st%61ts"); /* other escapes are decoded */
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+}
+
+/* What CivetWeb itself refuses is answered in the same JSON error shape. */
+Test(http, requests_refused_before_routing_get_the_json_error_shape) {
+    size_t big = 64 * 1024;
+    char *url = malloc(big + 128);
+    int k = snprintf(url, big + 128, "GET /");
+    memset(url + k, 'a', big);
+    snprintf(url + k + big, 64, " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    const char *reqs[] = {"TRACE / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                          "GET / HTTP/2.0\r\nHost: x\r\nConnection: close\r\n\r\n",
+                          "garbage\r\n\r\n", url};
+    for (size_t i = 0; i < 4; i++) {
+        double took;
+        char *a = raw_exchange(reqs[i], strlen(reqs[i]), 10, &took);
+        resp r;
+        cr_assert_eq(parse_response(a, strlen(a), &r), 0, "request %zu: no answer", i);
+        cr_assert(r.status >= 400, "request %zu: %d", i, r.status);
+        cr_assert(r.json, "request %zu: the body is not JSON: %s", i, r.body);
+        cr_assert_eq(jint(r.json, "error.code"), r.status);
+        cr_assert(strlen(jstr(r.json, "error.type")) > 0);
+        cr_assert(strlen(jstr(r.json, "error.message")) > 0);
+        cr_assert_str_eq(header(&r, "Content-Type"), "application/json");
+        resp_free(&r);
+        free(a);
+    }
+    free(url);
+    /* An absolute URI naming this server is served. */
+    char abs[160];
+    snprintf(abs, sizeof abs,
+             "GET http://127.0.0.1:%d/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+             S.port);
+    double took;
+    char *a = raw_exchange(abs, strlen(abs), 10, &took);
+    resp r;
+    cr_assert_eq(parse_response(a, strlen(a), &r), 0, "no answer to an absolute URI");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+    free(a);
+}
+
 Test(http, completion_report_keeps_the_token_invariants) {
     resp r = post("/v1/completions", "{\"prompt\": \"You are terse.##The cat sat.##The dog ran."
                                      "##Who ran?\", \"max_tokens\": 6, \"temperature\": 0}");
@@ -468,6 +603,48 @@ Test(http, metrics_have_help_type_and_every_listed_name) {
     cr_assert(strstr(r.body, "ragkv_reindex_seconds_bucket{le=\"+Inf\"} "));
     cr_assert(strstr(r.body, "ragkv_reindex_seconds_count "));
     cr_assert(strstr(r.body, "ragkv_evictions_total{pool=\"prefix\",reason=\"manual\"} "));
+    resp_free(&r);
+}
+
+/* The serving metrics operators know from vLLM, and the whole exposition
+ * accepted by Prometheus's own checker. */
+Test(http, serving_metrics_follow_a_generation_and_pass_promtool) {
+    resp r = post("/v1/completions",
+                  "{\"prompt\": \"Sys##A chunk.##Q\", \"max_tokens\": 4, \"temperature\": 0, "
+                  "\"ignore_eos\": true}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+    r = get("/metrics");
+    static const char *gauges[] = {"ragkv_requests_running", "ragkv_requests_waiting",
+                                   "ragkv_kv_usage_ratio"};
+    static const char *histograms[] = {"ragkv_time_per_output_token_seconds",
+                                       "ragkv_queue_time_seconds",
+                                       "ragkv_e2e_request_latency_seconds"};
+    char line[256];
+    for (size_t i = 0; i < 3; i++) {
+        snprintf(line, sizeof line, "# TYPE %s gauge\n", gauges[i]);
+        cr_assert(strstr(r.body, line), "missing %s", line);
+        snprintf(line, sizeof line, "# TYPE %s histogram\n", histograms[i]);
+        cr_assert(strstr(r.body, line), "missing %s", line);
+    }
+    cr_assert_eq(metric(r.body, "ragkv_requests_running"), 0);
+    cr_assert_eq(metric(r.body, "ragkv_kv_usage_ratio"), 0);
+    cr_assert_eq(metric(r.body, "ragkv_preemptions_total"), 0);
+    cr_assert_geq(metric(r.body, "ragkv_generation_tokens_total"), 4);
+    cr_assert_geq(metric(r.body, "ragkv_prompt_tokens_total"), 3);
+    cr_assert_geq(metric(r.body, "ragkv_time_per_output_token_seconds_count"), 1);
+
+    if (rk_test_run("command -v promtool >/dev/null", NULL) != 0) {
+        resp_free(&r);
+        cr_skip_test("promtool is not installed (make deps installs it)");
+    }
+    char *path = rk_test_write_tmp("promtool", "metrics.txt", r.body);
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd, "promtool check metrics < %s 2>&1", path);
+    int rc = rk_test_run(cmd, &out);
+    cr_assert_eq(rc, 0, "promtool: %s", out ? out : "");
+    free(out);
+    free(path);
     resp_free(&r);
 }
 
@@ -830,6 +1007,17 @@ Test(http_opts, api_key_protects_every_route_but_health, .fini = stop_server, .t
         cr_assert_eq(r.status, 200, "%s: %s", paths[i], r.body);
         resp_free(&r);
     }
+    /* The scheme is case-insensitive (RFC 7235), and may be followed by more than one space. */
+    static const char *schemes[] = {"authorization: bearer sesame\r\n",
+                                    "Authorization: BEARER  sesame\r\n"};
+    for (size_t i = 0; i < 2; i++) {
+        cr_assert_eq(http("GET", "/v1/models", schemes[i], NULL, &r), 0);
+        cr_assert_eq(r.status, 200, "%s: %s", schemes[i], r.body);
+        resp_free(&r);
+    }
+    cr_assert_eq(http("GET", "/v1/models", "Authorization: Basic sesame\r\n", NULL, &r), 0);
+    expect_error(&r, 401);
+    resp_free(&r);
     cr_assert_eq(http("POST", "/v1/completions", NULL, "{\"prompt\": \"x\"}", &r), 0);
     expect_error(&r, 401);
     resp_free(&r);
@@ -1106,19 +1294,6 @@ Test(http_opts, deleting_a_chunk_in_use_is_409, .fini = stop_server, .timeout = 
     close(fd);
 }
 
-/* Read a response to the end; returns it (malloc'ed). */
-static char *read_all(int fd) {
-    size_t cap = 65536, len = 0;
-    char *buf = malloc(cap);
-    ssize_t k;
-    while ((k = recv(fd, buf + len, cap - len - 1, 0)) > 0) {
-        len += (size_t)k;
-        if (len + 1 >= cap) buf = realloc(buf, cap *= 2);
-    }
-    buf[len] = '\0';
-    return buf;
-}
-
 Test(http_opts, a_full_queue_and_timeouts_give_503_or_cancel, .fini = stop_server, .timeout = 300) {
     const char *args[] = {"--token-delay-s", "0.02", "--queue", "1", "--max-batch", "1",
                           "--timeout-s",     "1.5",  NULL};
@@ -1139,13 +1314,14 @@ Test(http_opts, a_full_queue_and_timeouts_give_503_or_cancel, .fini = stop_serve
     cr_assert_str_eq(header(&r, "Retry-After"), "1");
     cr_assert(strstr(jstr(r.json, "error.message"), "queue"));
     resp_free(&r);
-    char *qr = read_all(q);
+    size_t n;
+    char *qr = recv_all(q, &n);
     cr_assert(!strncmp(qr, "HTTP/1.1 503", 12), "queued request: %.200s", qr);
     cr_assert(strstr(qr, "timeout"), "%s", qr);
     free(qr);
     close(q);
     /* R is cancelled at its deadline: the stream ends with finish_reason "cancelled". */
-    char *rr = read_all(r_fd);
+    char *rr = recv_all(r_fd, &n);
     cr_assert(strstr(rr, "\"finish_reason\":\"cancelled\""), "stream tail: %s",
               strlen(rr) > 600 ? rr + strlen(rr) - 600 : rr);
     cr_assert(strstr(rr, "data: [DONE]"));
@@ -1191,15 +1367,171 @@ Test(http_opts, sigterm_exits_cleanly_after_work, .timeout = 300) {
     cr_assert_eq(srv_stop(&S), 0, "ragkv serve did not exit with status 0 on SIGTERM");
 }
 
-Test(http_opts, sigterm_cancels_a_stream_after_the_grace_period, .timeout = 300) {
-    const char *args[] = {"--token-delay-s", "0.02", "--grace-s", "0.2", NULL};
+/* requests.queued of /v1/stats. */
+static long long queued_now(void) {
+    resp r = get("/v1/stats");
+    long long q = jint(r.json, "requests.queued");
+    resp_free(&r);
+    return q;
+}
+
+Test(http_opts, sigterm_ends_streams_with_a_final_event_and_answers_queued_requests_503,
+     .timeout = 300) {
+    const char *args[] = {"--token-delay-s", "0.02", "--grace-s", "0.3", "--max-batch", "1", NULL};
     cr_assert_eq(srv_start(&S, args), 0);
     int fd = stream_until_first_event("{\"prompt\": \"x\", \"max_tokens\": 2000, \"ignore_eos\": "
                                       "true, \"stream\": true}");
+    const char *q1body = "{\"prompt\": \"q\", \"max_tokens\": 5}";
+    const char *q2body = "{\"prompt\": \"r\", \"max_tokens\": 5, \"stream\": true}";
+    int q1 = send_request(S.port, "POST", "/v1/completions", NULL, q1body, strlen(q1body));
+    int q2 = send_request(S.port, "POST", "/v1/completions", NULL, q2body, strlen(q2body));
+    cr_assert(q1 >= 0 && q2 >= 0);
+    for (double until = now_s() + 20; queued_now() < 2 && now_s() < until;) sleep_s(0.02);
+    cr_assert_eq(queued_now(), 2, "the two requests are not queued behind the stream");
     double t = now_s();
-    cr_assert_eq(srv_stop(&S), 0);
+    cr_assert_eq(srv_stop(&S), 0, "ragkv serve did not exit with status 0 on SIGTERM");
     cr_assert(now_s() - t < 20, "shutdown took %.1f s", now_s() - t);
+    /* The stream that was cut ends with a final event (finish_reason
+     * "cancelled", usage) and [DONE]. */
+    size_t n;
+    char *rest = recv_all(fd, &n);
     close(fd);
+    const char *done = strstr(rest, "data: [DONE]\n\n");
+    cr_assert(done && done[14] == '\0', "the stream does not end with [DONE]; its tail: %s",
+              n > 400 ? rest + n - 400 : rest);
+    const char *last = NULL;
+    for (const char *p = strstr(rest, "data: {"); p && p < done; p = strstr(p + 1, "data: {"))
+        last = p;
+    cr_assert(last, "no event before [DONE]: %s", rest);
+    json_t *ev = json_loadb(last + 6, (size_t)(done - 2 - last - 6), 0, NULL);
+    cr_assert(ev, "the final event is not JSON: %.300s", last);
+    cr_assert_str_eq(jstr(ev, "choices.0.finish_reason"), "cancelled");
+    cr_assert(jint(ev, "usage.completion_tokens") > 0);
+    check_invariants(ev);
+    json_decref(ev);
+    free(rest);
+    /* The queued ones are answered 503 in the JSON error shape. */
+    int qs[2] = {q1, q2};
+    for (int i = 0; i < 2; i++) {
+        char *a = recv_all(qs[i], &n);
+        close(qs[i]);
+        resp r;
+        cr_assert_eq(parse_response(a, n, &r), 0, "queued request %d got no answer: %s", i, a);
+        expect_error(&r, 503);
+        cr_assert(strstr(jstr(r.json, "error.message"), "shutting down"), "%s", r.body);
+        resp_free(&r);
+        free(a);
+    }
+}
+
+/* ================================================================ slow and idle clients */
+
+Test(http_opts, idle_connections_do_not_starve_the_service, .fini = stop_server, .timeout = 300) {
+    cr_assert_eq(srv_start(&S, NULL), 0);
+    enum { N_IDLE = 4 * (64 + 16) }; /* 4 x the default http_threads (queue + 16) */
+    static int fds[N_IDLE];
+    for (int i = 0; i < N_IDLE; i++) {
+        fds[i] = connect_port(S.port);
+        cr_assert(fds[i] >= 0, "connection %d refused", i);
+    }
+    sleep_s(0.5); /* the server has taken them */
+    static const char health[] = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    double took;
+    char *a = raw_exchange(health, sizeof health - 1, 2.0, &took);
+    resp r;
+    cr_assert_eq(parse_response(a, strlen(a), &r), 0,
+                 "/health did not answer within 2 s with %d idle connections open", N_IDLE);
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert(took < 2, "/health took %.2f s", took);
+    resp_free(&r);
+    free(a);
+    r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 2}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+    for (int i = 0; i < N_IDLE; i++) close(fds[i]);
+}
+
+Test(http_opts, requests_beyond_http_threads_get_503_but_probes_answer, .fini = stop_server,
+     .timeout = 300) {
+    const char *args[] = {"--http-threads",  "4",    "--max-batch", "1",
+                          "--token-delay-s", "0.02", NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    const char *body = "{\"prompt\": \"x\", \"max_tokens\": 2000, \"ignore_eos\": true, "
+                       "\"stream\": true}";
+    int fds[4];
+    for (int i = 0; i < 4; i++) {
+        fds[i] = send_request(S.port, "POST", "/v1/completions", NULL, body, strlen(body));
+        cr_assert(fds[i] >= 0);
+    }
+    /* Once the four are being handled, a fifth request is refused at once. */
+    resp r = {0};
+    for (double until = now_s() + 20; now_s() < until; sleep_s(0.02)) {
+        r = get("/v1/models");
+        if (r.status == 503) break;
+        resp_free(&r);
+    }
+    expect_error(&r, 503);
+    cr_assert_str_eq(header(&r, "Retry-After"), "1");
+    cr_assert(strstr(jstr(r.json, "error.message"), "http_threads"), "%s", r.body);
+    resp_free(&r);
+    r = get("/health");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+    r = get("/metrics");
+    cr_assert_eq(r.status, 200);
+    resp_free(&r);
+    for (int i = 0; i < 4; i++) close(fds[i]);
+}
+
+Test(http_opts, idle_and_slow_header_connections_are_closed_after_the_request_timeout,
+     .fini = stop_server, .timeout = 300) {
+    const char *env[] = {"RAGKV_REQUEST_TIMEOUT_S=1", NULL};
+    cr_assert_eq(srv_start_ready(&S, env, NULL), 0);
+    double took;
+    /* Nothing sent: closed without an answer. */
+    char *a = raw_exchange("", 0, 6, &took);
+    cr_assert(took < 3, "an idle connection was kept %.2f s", took);
+    cr_assert_eq(a[0], '\0', "%s", a);
+    free(a);
+    /* Headers never finished: closed, with an error in the JSON shape if any. */
+    static const char part[] = "GET /health HTTP/1.1\r\nHost: x\r\n";
+    a = raw_exchange(part, sizeof part - 1, 6, &took);
+    cr_assert(took < 3, "unfinished headers kept the connection %.2f s", took);
+    if (a[0]) {
+        resp r;
+        cr_assert_eq(parse_response(a, strlen(a), &r), 0, "%s", a);
+        cr_assert(r.status >= 400 && r.json, "%s", a);
+        cr_assert_eq(jint(r.json, "error.code"), r.status);
+        resp_free(&r);
+    }
+    free(a);
+}
+
+Test(http_opts, a_slow_body_is_answered_408_within_the_request_timeout, .fini = stop_server,
+     .timeout = 300) {
+    const char *env[] = {"RAGKV_REQUEST_TIMEOUT_S=1", NULL};
+    cr_assert_eq(srv_start_ready(&S, env, NULL), 0);
+    int fd = send_request(S.port, "POST", "/v1/completions", NULL, NULL, 100);
+    cr_assert(fd >= 0);
+    double t0 = now_s();
+    cr_assert_eq(send_all(fd, "{", 1), 0);
+    struct timeval tv = {6, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    /* Meanwhile other requests are served. */
+    resp r = get("/health");
+    cr_assert_eq(r.status, 200);
+    cr_assert(now_s() - t0 < 0.5);
+    resp_free(&r);
+    size_t n;
+    char *a = recv_all(fd, &n);
+    double took = now_s() - t0;
+    close(fd);
+    cr_assert(took < 3, "a body 99 bytes short held the connection %.2f s", took);
+    cr_assert_eq(parse_response(a, n, &r), 0, "no answer: %s", a);
+    expect_error(&r, 408);
+    cr_assert_str_eq(header(&r, "Connection"), "close");
+    resp_free(&r);
+    free(a);
 }
 
 Test(http_opts, config_file_environment_and_flags_take_precedence_in_order, .timeout = 300) {
@@ -1221,7 +1553,18 @@ Test(http_opts, config_file_environment_and_flags_take_precedence_in_order, .tim
     cr_assert_eq(jint(j, "queue"), 3);         /* flag over both */
     cr_assert_eq(jint(j, "port"), 8080);       /* default */
     cr_assert_str_eq(jstr(j, "api_key"), "<set>");
+    cr_assert(json_real_value(jget(j, "request_timeout_s")) == 10);
     json_decref(j);
+    free(out);
+    snprintf(cmd, sizeof cmd, "RAGKV_REQUEST_TIMEOUT_S=2.5 %s serve --print-config", RK_BIN);
+    cr_assert_eq(rk_test_run(cmd, &out), 0);
+    j = json_loads(out, 0, NULL);
+    cr_assert(j && json_real_value(jget(j, "request_timeout_s")) == 2.5, "%s", out);
+    json_decref(j);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s serve --request-timeout-s 0 2>&1", RK_BIN);
+    cr_assert_eq(rk_test_run(cmd, &out), 2);
+    cr_assert(strstr(out, "request"), "%s", out);
     free(out);
     f = fopen(path, "w");
     fputs("{\"kv_memory_mb\": 64, \"no_such_setting\": 1}", f);
@@ -1236,7 +1579,8 @@ Test(http_opts, config_file_environment_and_flags_take_precedence_in_order, .tim
     snprintf(cmd, sizeof cmd, "%s serve --help", RK_BIN);
     cr_assert_eq(rk_test_run(cmd, &out), 0);
     cr_assert(strstr(out, "--api-key") && strstr(out, "--max-body-bytes") &&
-              strstr(out, "--timeout-s") && strstr(out, "--print-config"));
+              strstr(out, "--timeout-s") && strstr(out, "--request-timeout-s") &&
+              strstr(out, "--print-config"));
     free(out);
     free(dir);
 }

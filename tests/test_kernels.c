@@ -782,7 +782,11 @@ static void fixture_free(fixture *f) {
 }
 
 static rk_attn_batch fixture_batch(const fixture *f) {
-    return (rk_attn_batch){f->n_seqs, f->q_start, f->kv_len, f->table, f->max_blocks};
+    return (rk_attn_batch){.n_seqs = f->n_seqs,
+                           .q_start = f->q_start,
+                           .kv_len = f->kv_len,
+                           .block_table = f->table,
+                           .max_blocks = f->max_blocks};
 }
 
 static float fixture_scale(const fixture *f) { return 1.0f / sqrtf((float)f->head_dim); }
@@ -1027,7 +1031,8 @@ Test(attention, one_entry_returns_its_value_and_two_equal_scores_average) {
     cr_assert_eq(be->ops->kv_write(be, &kv, 0, k, v, slots, 2), RK_OK);
     float q[4] = {2, 0, 0, 0}, out[4], lse;
     int32_t qs[2] = {0, 1}, len = 1, table[1] = {0};
-    rk_attn_batch b = {1, qs, &len, table, 1};
+    rk_attn_batch b = {
+        .n_seqs = 1, .q_start = qs, .kv_len = &len, .block_table = table, .max_blocks = 1};
     cr_assert_eq(be->ops->attention(be, out, &lse, q, &kv, 0, &b, 1, 0.5f), RK_OK);
     float v0[4] = {1, 2, 3, 4};
     cr_assert_arr_eq(out, v0, sizeof out);
@@ -1345,5 +1350,489 @@ Test(rope_shift_copy, rejects_bad_slots_without_writing) {
     free(snap);
     free(k);
     shift_free(&f);
+    rk_backend_free(be);
+}
+
+/* ---------------------------------------------------------------- attention over shifted runs */
+
+/* Position-shifted ("zero-copy") attention against the copy path it replaces:
+ * cached runs stay in their own blocks with a delta per run, versus the same
+ * runs moved into packed blocks by rope_shift_copy and attended without
+ * segments. Every cache slot starts as NaN, so reading the unused tail of a
+ * run's partial last block would poison the output. */
+
+#define ZC_LIVE INT32_MIN /* a run written at its live positions (delta 0), never shared */
+
+/* A cached run: len keys rotated at base .. base + len - 1. */
+typedef struct zc_chunk {
+    int len, base;
+} zc_chunk;
+
+typedef struct zc_seq {
+    int n_runs;
+    const int *run; /* (n_runs) chunk ids; a chunk used twice shares its blocks */
+    int n_q;        /* query rows: the last n_q entries */
+    int pos_off;    /* live position of entry 0 */
+} zc_seq;
+
+typedef struct zc_case {
+    const zc_chunk *chunks;
+    int n_chunks;
+    const zc_seq *seqs;
+    int n_seqs;
+    int n_heads, n_kv, hd, bs;
+    rk_dtype dtype;
+    const rk_rope *rope;
+} zc_case;
+
+typedef struct zc_fixture {
+    rk_kv_cache kv;
+    void *kl[1], *vl[1];
+    int32_t *q_start, *kv_len, *seg_start, *seg_end, *seg_delta;
+    int32_t *run_table, *packed_table; /* (n_seqs, max_blocks) */
+    int max_blocks, rows;
+    float *q;
+} zc_fixture;
+
+static int zc_blocks(int len, int bs) { return (len + bs - 1) / bs; }
+
+/* Fill the cache: every distinct chunk (and every live run) once, at its
+ * positions, in shuffled blocks; then rope_shift_copy each sequence's runs
+ * into packed blocks of its own. */
+static void zc_build(zc_fixture *f, rk_backend *be, const zc_case *zc) {
+    memset(f, 0, sizeof *f);
+    int bs = zc->bs, row = zc->n_kv * zc->hd, n_seqs = zc->n_seqs;
+    int total_runs = 0, n_blocks = 0;
+    f->max_blocks = 1;
+    for (int s = 0; s < n_seqs; s++) {
+        int len = 0, blocks = 0;
+        for (int k = 0; k < zc->seqs[s].n_runs; k++) {
+            int l = zc->chunks[zc->seqs[s].run[k]].len;
+            len += l;
+            blocks += zc_blocks(l, bs);
+        }
+        int need = blocks > zc_blocks(len, bs) ? blocks : zc_blocks(len, bs);
+        f->max_blocks = need > f->max_blocks ? need : f->max_blocks;
+        n_blocks += blocks + zc_blocks(len, bs);
+        total_runs += zc->seqs[s].n_runs;
+    }
+    size_t layer = (size_t)n_blocks * bs * row * rk_dtype_size(zc->dtype);
+    f->kl[0] = malloc(layer);
+    f->vl[0] = malloc(layer);
+    cr_assert(f->kl[0] && f->vl[0]);
+    memset(f->kl[0], 0xff, layer); /* NaN in every dtype */
+    memset(f->vl[0], 0xff, layer);
+    f->kv = (rk_kv_cache){1, n_blocks, bs, zc->n_kv, zc->hd, zc->dtype, f->kl, f->vl};
+    int32_t *order = malloc((size_t)n_blocks * sizeof *order);
+    cr_assert(order);
+    for (int i = 0; i < n_blocks; i++) order[i] = i;
+    for (int i = n_blocks - 1; i > 0; i--) {
+        int j = irand(i + 1);
+        int32_t t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+    int next = 0;
+    int32_t *chunk_first = malloc((size_t)zc->n_chunks * sizeof *chunk_first);
+    f->q_start = calloc((size_t)n_seqs + 1, sizeof(int32_t));
+    f->kv_len = calloc((size_t)n_seqs, sizeof(int32_t));
+    f->seg_start = calloc((size_t)n_seqs + 1, sizeof(int32_t));
+    f->seg_end = calloc((size_t)total_runs, sizeof(int32_t));
+    f->seg_delta = calloc((size_t)total_runs, sizeof(int32_t));
+    f->run_table = malloc((size_t)n_seqs * f->max_blocks * sizeof(int32_t));
+    f->packed_table = malloc((size_t)n_seqs * f->max_blocks * sizeof(int32_t));
+    cr_assert(chunk_first && f->q_start && f->kv_len && f->seg_start && f->seg_end &&
+              f->seg_delta && f->run_table && f->packed_table);
+    for (int c = 0; c < zc->n_chunks; c++) chunk_first[c] = -1;
+    for (int i = 0; i < n_seqs * f->max_blocks; i++) f->run_table[i] = f->packed_table[i] = -1;
+
+    /* write len entries (keys rotated at pos0..) into blocks[] */
+    float *k = NULL, *v = NULL;
+    int32_t *pos = NULL, *slots = NULL;
+    int cap = 0;
+#define ZC_WRITE(blocks, len, pos0)                                                                \
+    do {                                                                                           \
+        if ((len) > cap) {                                                                         \
+            cap = (len);                                                                           \
+            free(k);                                                                               \
+            free(v);                                                                               \
+            free(pos);                                                                             \
+            free(slots);                                                                           \
+            k = malloc((size_t)cap * row * sizeof(float));                                         \
+            v = malloc((size_t)cap * row * sizeof(float));                                         \
+            pos = malloc((size_t)cap * sizeof(int32_t));                                           \
+            slots = malloc((size_t)cap * sizeof(int32_t));                                         \
+            cr_assert(k &&v &&pos &&slots);                                                        \
+        }                                                                                          \
+        for (int j = 0; j < (len); j++) {                                                          \
+            pos[j] = (pos0) + j;                                                                   \
+            slots[j] = (blocks)[j / bs] * bs + j % bs;                                             \
+        }                                                                                          \
+        for (size_t e = 0; e < (size_t)(len)*row; e++) {                                           \
+            k[e] = frand(-1, 1);                                                                   \
+            v[e] = frand(-1, 1);                                                                   \
+        }                                                                                          \
+        cr_assert_eq(be->ops->rope(be, k, pos, (len), zc->n_kv, zc->hd, zc->rope), RK_OK);         \
+        cr_assert_eq(be->ops->kv_write(be, &f->kv, 0, k, v, slots, (len)), RK_OK);                 \
+    } while (0)
+
+    int run_i = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        const zc_seq *sq = &zc->seqs[s];
+        int32_t *rt = f->run_table + (size_t)s * f->max_blocks;
+        int tb = 0, begin = 0;
+        f->seg_start[s] = run_i;
+        for (int r = 0; r < sq->n_runs; r++, run_i++) {
+            const zc_chunk *ch = &zc->chunks[sq->run[r]];
+            int live = sq->pos_off + begin, nb = zc_blocks(ch->len, bs);
+            if (ch->base == ZC_LIVE || chunk_first[sq->run[r]] < 0) {
+                int32_t *blocks = order + next;
+                next += nb;
+                ZC_WRITE(blocks, ch->len, ch->base == ZC_LIVE ? live : ch->base);
+                if (ch->base != ZC_LIVE) chunk_first[sq->run[r]] = (int32_t)(blocks - order);
+                memcpy(rt + tb, blocks, (size_t)nb * sizeof(int32_t));
+            } else {
+                memcpy(rt + tb, order + chunk_first[sq->run[r]], (size_t)nb * sizeof(int32_t));
+            }
+            tb += nb;
+            begin += ch->len;
+            f->seg_end[run_i] = begin;
+            f->seg_delta[run_i] = ch->base == ZC_LIVE ? 0 : live - ch->base;
+        }
+        f->kv_len[s] = begin;
+        f->q_start[s + 1] = f->q_start[s] + sq->n_q;
+        /* the copy path: every run into packed blocks, rotated by its delta */
+        int npk = zc_blocks(begin, bs);
+        memcpy(f->packed_table + (size_t)s * f->max_blocks, order + next,
+               (size_t)npk * sizeof(int32_t));
+        next += npk;
+        int32_t *src = malloc((size_t)begin * sizeof(int32_t)),
+                *dst = malloc((size_t)begin * sizeof(int32_t)),
+                *dl = malloc((size_t)begin * sizeof(int32_t));
+        cr_assert(src && dst && dl);
+        int e = 0, tbl = 0;
+        for (int r = f->seg_start[s]; r < run_i; r++) {
+            int b0 = r > f->seg_start[s] ? f->seg_end[r - 1] : 0;
+            for (int j = 0; j < f->seg_end[r] - b0; j++, e++) {
+                src[e] = rt[tbl + j / bs] * bs + j % bs;
+                dst[e] = f->packed_table[(size_t)s * f->max_blocks + e / bs] * bs + e % bs;
+                dl[e] = f->seg_delta[r];
+            }
+            tbl += zc_blocks(f->seg_end[r] - b0, bs);
+        }
+        cr_assert_eq(be->ops->rope_shift_copy(be, &f->kv, src, dst, dl, begin, zc->rope), RK_OK,
+                     "%s", rk_error_message());
+        free(src);
+        free(dst);
+        free(dl);
+    }
+#undef ZC_WRITE
+    f->seg_start[n_seqs] = run_i;
+    cr_assert(next <= n_blocks);
+    /* queries, rotated at their live positions */
+    f->rows = f->q_start[n_seqs];
+    f->q = rand_floats((size_t)f->rows * zc->n_heads * zc->hd, -4, 4);
+    for (int s = 0; s < n_seqs; s++) {
+        int n_q = zc->seqs[s].n_q;
+        for (int j = 0; j < n_q; j++) {
+            int32_t p = zc->seqs[s].pos_off + f->kv_len[s] - n_q + j;
+            cr_assert_eq(be->ops->rope(be,
+                                       f->q + (size_t)(f->q_start[s] + j) * zc->n_heads * zc->hd,
+                                       &p, 1, zc->n_heads, zc->hd, zc->rope),
+                         RK_OK);
+        }
+    }
+    free(order);
+    free(chunk_first);
+    free(k);
+    free(v);
+    free(pos);
+    free(slots);
+}
+
+static void zc_free(zc_fixture *f) {
+    free(f->kl[0]);
+    free(f->vl[0]);
+    free(f->q_start);
+    free(f->kv_len);
+    free(f->seg_start);
+    free(f->seg_end);
+    free(f->seg_delta);
+    free(f->run_table);
+    free(f->packed_table);
+    free(f->q);
+}
+
+static rk_attn_batch zc_packed_batch(const zc_fixture *f, int n_seqs) {
+    return (rk_attn_batch){.n_seqs = n_seqs,
+                           .q_start = f->q_start,
+                           .kv_len = f->kv_len,
+                           .block_table = f->packed_table,
+                           .max_blocks = f->max_blocks};
+}
+
+static rk_attn_batch zc_run_batch(const zc_fixture *f, int n_seqs, const rk_rope *rope) {
+    rk_attn_batch b = zc_packed_batch(f, n_seqs);
+    b.block_table = f->run_table;
+    b.seg_start = f->seg_start;
+    b.seg_end = f->seg_end;
+    b.seg_delta = f->seg_delta;
+    b.rope = rope;
+    return b;
+}
+
+static float max_abs_diff(const float *a, const float *b, size_t n) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        float d = fabsf(a[i] - b[i]);
+        if (!(d <= m)) m = d; /* NaN wins */
+    }
+    return m;
+}
+
+/* Run both paths and require outputs and lse within tol; unless every delta
+ * is 0, also require that dropping the deltas (no counter-rotation) moves the
+ * output by more than 10 tol, so the comparison can tell. Returns the
+ * largest output difference. */
+static float zc_compare(rk_backend *be, const zc_case *zc, float tol, const char *what) {
+    zc_fixture f;
+    zc_build(&f, be, zc);
+    size_t n_out = (size_t)f.rows * zc->n_heads * zc->hd, n_lse = (size_t)f.rows * zc->n_heads;
+    float *want = malloc(n_out * sizeof(float)), *got = malloc(n_out * sizeof(float));
+    float *want_lse = malloc(n_lse * sizeof(float)), *got_lse = malloc(n_lse * sizeof(float));
+    cr_assert(want && got && want_lse && got_lse);
+    float scale = 1.0f / sqrtf((float)zc->hd);
+    rk_attn_batch pb = zc_packed_batch(&f, zc->n_seqs), rb = zc_run_batch(&f, zc->n_seqs, zc->rope);
+    cr_assert_eq(be->ops->attention(be, want, want_lse, f.q, &f.kv, 0, &pb, zc->n_heads, scale),
+                 RK_OK, "%s: %s", what, rk_error_message());
+    cr_assert_eq(be->ops->attention(be, got, got_lse, f.q, &f.kv, 0, &rb, zc->n_heads, scale),
+                 RK_OK, "%s: %s", what, rk_error_message());
+    float d_out = max_abs_diff(got, want, n_out), d_lse = max_abs_diff(got_lse, want_lse, n_lse);
+    cr_assert(d_out <= tol && d_lse <= tol, "%s: output differs by %g, lse by %g (tolerance %g)",
+              what, d_out, d_lse, tol);
+    int rotates = 0;
+    for (int r = 0; r < f.seg_start[zc->n_seqs]; r++) rotates |= f.seg_delta[r] != 0;
+    if (rotates) {
+        memset(f.seg_delta, 0, (size_t)f.seg_start[zc->n_seqs] * sizeof(int32_t));
+        cr_assert_eq(be->ops->attention(be, got, NULL, f.q, &f.kv, 0, &rb, zc->n_heads, scale),
+                     RK_OK);
+        float d0 = max_abs_diff(got, want, n_out);
+        cr_assert(d0 > 10 * tol, "%s: without the rotation the output moves only %g", what, d0);
+    }
+    free(want);
+    free(got);
+    free(want_lse);
+    free(got_lse);
+    zc_free(&f);
+    return d_out;
+}
+
+/* Chunks 0..3 cached at base 0 (delta = live offset > 0), chunk 4 at base 900
+ * (delta < 0), chunk 5 a system prompt and 6..8 questions/generated tokens at
+ * their live positions. */
+static const zc_chunk zc_chunks[] = {
+    {37, 0},       {16, 0},      {70, 0},      {5, 0},        {23, 900},
+    {21, ZC_LIVE}, {9, ZC_LIVE}, {1, ZC_LIVE}, {17, ZC_LIVE},
+};
+static const int zc_prefill[] = {5, 0, 4, 2, 6};   /* system, 3 chunks, a 9-token question */
+static const int zc_decode[] = {5, 3, 0, 1, 4, 8}; /* ..., then 17 entries, the last the query */
+static const int zc_decode_shared[] = {0, 2, 7};   /* chunks 0 and 2 again, elsewhere */
+static const int zc_shifted_last[] = {5, 4, 2};    /* the query row in a shifted run */
+
+Test(attention_segments, prefill_and_decode_match_the_copy_path) {
+    rk_backend *be = make_backend(2);
+    const zc_seq seqs[] = {
+        {5, zc_prefill, 9, 0},
+        {6, zc_decode, 1, 0},
+        {3, zc_decode_shared, 1, 40},
+        {3, zc_shifted_last, 4, 3},
+    };
+    const int groups_[] = {1, 4};
+    for (int pr = 0; pr < 2; pr++)
+        for (int gi = 0; gi < 2; gi++)
+            for (int variant = 0; variant < 2; variant++) {
+                int hd = variant ? 80 : 64; /* 80: partial rotary dims and a scalar tail */
+                rk_rope_params p = {.n_rot = variant ? 48 : 64,
+                                    .theta = variant ? 1e6f : 10000.0f,
+                                    .pairing = (rk_rope_pairing)pr,
+                                    .scaling =
+                                        variant ? RK_ROPE_SCALING_YARN : RK_ROPE_SCALING_NONE,
+                                    .factor = 4.0f,
+                                    .orig_ctx = 256};
+                rk_rope r;
+                cr_assert_eq(rk_rope_init(&r, &p), RK_OK);
+                zc_case zc = {zc_chunks, 9, seqs, 4, 2 * groups_[gi], 2, hd, 16, RK_DTYPE_F32, &r};
+                char what[96];
+                snprintf(what, sizeof what, "pairing %d group %d variant %d", pr, groups_[gi],
+                         variant);
+                zc_compare(be, &zc, 1e-5f, what);
+                /* each sequence alone too: decode only, prefill only */
+                for (int s = 0; s < 4; s++) {
+                    zc_case one = zc;
+                    one.seqs = seqs + s;
+                    one.n_seqs = 1;
+                    zc_compare(be, &one, 1e-5f, what);
+                }
+            }
+    rk_backend_free(be);
+}
+
+Test(attention_segments, sixty_four_runs_over_several_partitions_match_the_copy_path) {
+    rk_backend *be = make_backend(2);
+    /* 64 runs: 60 cached chunks (every 7th at a base above its live offset),
+     * a system prompt, two live runs and the question; ~1700 entries, so
+     * runs straddle the 512-entry partitions of the split decode. */
+    zc_chunk chunks[64];
+    int run[64];
+    for (int c = 0; c < 60; c++) {
+        chunks[c] = (zc_chunk){1 + irand(48), c % 7 == 3 ? 1500 + irand(500) : 0};
+        run[c + 1] = c;
+    }
+    chunks[60] = (zc_chunk){13, ZC_LIVE};
+    chunks[61] = (zc_chunk){32, ZC_LIVE};
+    chunks[62] = (zc_chunk){7, ZC_LIVE};
+    chunks[63] = (zc_chunk){11, ZC_LIVE};
+    run[0] = 60;
+    run[61] = 61;
+    run[62] = 62;
+    run[63] = 63;
+    for (int pr = 0; pr < 2; pr++) {
+        rk_rope r = plain_rope(64, 10000.0f, (rk_rope_pairing)pr);
+        for (int nq = 1; nq <= 11; nq += 10) {
+            zc_seq seq = {64, run, nq, 0};
+            zc_case zc = {chunks, 64, &seq, 1, 8, 2, 64, 16, RK_DTYPE_F32, &r};
+            zc_compare(be, &zc, 1e-5f, nq == 1 ? "64 runs, decode" : "64 runs, prefill");
+        }
+    }
+    rk_backend_free(be);
+}
+
+Test(attention_segments, decode_across_block_and_partition_edges_inside_shared_runs) {
+    rk_backend *be1 = make_backend(1), *be2 = make_backend(2);
+    /* Two sequences share chunks 0 (600 entries: crosses the partition edge at
+     * 512 and many block edges) and 1 at different offsets; each decodes
+     * while its live tail grows across a block edge (15, 16, 17, 31, 32, 33
+     * entries with block size 16). */
+    rk_rope r = plain_rope(64, 10000.0f, RK_ROPE_NEOX);
+    const int tails[] = {15, 16, 17, 31, 32, 33};
+    for (int ti = 0; ti < 6; ti++) {
+        zc_chunk chunks[4] = {{600, 0}, {45, 7}, {tails[ti], ZC_LIVE}, {tails[ti] + 3, ZC_LIVE}};
+        const int a[] = {1, 0, 2}, b[] = {0, 1, 3};
+        zc_seq seqs[2] = {{3, a, 1, 0}, {3, b, 1, 100}};
+        zc_case zc = {chunks, 4, seqs, 2, 8, 2, 64, 16, RK_DTYPE_F32, &r};
+        zc_compare(be2, &zc, 1e-5f, "shared runs");
+        /* one thread (another split plan) and two: bit-identical */
+        zc_fixture f;
+        zc_build(&f, be1, &zc);
+        size_t n = (size_t)f.rows * 8 * 64;
+        float *o1 = malloc(n * sizeof(float)), *o2 = malloc(n * sizeof(float));
+        cr_assert(o1 && o2);
+        rk_attn_batch rb = zc_run_batch(&f, 2, &r);
+        cr_assert_eq(be1->ops->attention(be1, o1, NULL, f.q, &f.kv, 0, &rb, 8, 0.125f), RK_OK);
+        cr_assert_eq(be2->ops->attention(be2, o2, NULL, f.q, &f.kv, 0, &rb, 8, 0.125f), RK_OK);
+        cr_assert_arr_eq(o1, o2, n * sizeof(float));
+        free(o1);
+        free(o2);
+        zc_free(&f);
+    }
+    rk_backend_free(be1);
+    rk_backend_free(be2);
+}
+
+Test(attention_segments, half_precision_caches_match_the_copy_path_loosely) {
+    rk_backend *be = make_backend(2);
+    const zc_seq seqs[] = {{5, zc_prefill, 9, 0}, {6, zc_decode, 1, 0}};
+    /* The copy path rounds each rotated key to the cache dtype once more
+     * (2^-11 relative for f16, 2^-8 for bf16); the shifted path reads the
+     * keys as cached. */
+    const rk_dtype dts[] = {RK_DTYPE_F16, RK_DTYPE_BF16};
+    const float tols[] = {1e-3f, 1e-2f};
+    for (int di = 0; di < 2; di++)
+        for (int pr = 0; pr < 2; pr++) {
+            rk_rope r = plain_rope(64, 10000.0f, (rk_rope_pairing)pr);
+            zc_case zc = {zc_chunks, 9, seqs, 2, 4, 2, 64, 16, dts[di], &r};
+            float d = zc_compare(be, &zc, tols[di], rk_dtype_name(dts[di]));
+            cr_assert(d > 0.0f, "%s: the copy path's rounding should show", rk_dtype_name(dts[di]));
+        }
+    rk_backend_free(be);
+}
+
+Test(attention_segments, one_unshifted_run_is_bit_identical_to_no_segments) {
+    rk_backend *be = make_backend(2);
+    const int lens[] = {1, 17, 600};
+    for (int li = 0; li < 3; li++)
+        for (int nq = 1; nq <= 5; nq += 4) {
+            if (nq > lens[li]) continue;
+            zc_chunk chunks[1] = {{lens[li], ZC_LIVE}};
+            const int run[1] = {0};
+            zc_seq seq = {1, run, nq, 0};
+            rk_rope r = plain_rope(64, 10000.0f, RK_ROPE_NEOX);
+            zc_case zc = {chunks, 1, &seq, 1, 4, 2, 64, 16, RK_DTYPE_F32, &r};
+            zc_fixture f;
+            zc_build(&f, be, &zc);
+            size_t n = (size_t)nq * 4 * 64;
+            float *a = malloc(n * sizeof(float)), *b = malloc(n * sizeof(float));
+            cr_assert(a && b);
+            rk_attn_batch plain = zc_packed_batch(&f, 1);
+            plain.block_table = f.run_table;
+            rk_attn_batch seg = zc_run_batch(&f, 1, NULL); /* no rope needed for delta 0 */
+            cr_assert_eq(be->ops->attention(be, a, NULL, f.q, &f.kv, 0, &plain, 4, 0.125f), RK_OK);
+            cr_assert_eq(be->ops->attention(be, b, NULL, f.q, &f.kv, 0, &seg, 4, 0.125f), RK_OK,
+                         "%s", rk_error_message());
+            cr_assert_arr_eq(a, b, n * sizeof(float));
+            free(a);
+            free(b);
+            zc_free(&f);
+        }
+    rk_backend_free(be);
+}
+
+Test(attention_segments, rejects_bad_segments_without_writing) {
+    rk_backend *be = make_backend(2);
+    const int run[3] = {0, 1, 2};
+    zc_chunk chunks[3] = {{20, 0}, {9, 0}, {3, ZC_LIVE}}; /* blocks 2 + 1 + 1, max_blocks 4 */
+    zc_seq seq = {3, run, 2, 5};
+    rk_rope r = plain_rope(32, 10000.0f, RK_ROPE_NORMAL);
+    zc_case zc = {chunks, 3, &seq, 1, 2, 2, 32, 16, RK_DTYPE_F32, &r};
+    zc_fixture f;
+    zc_build(&f, be, &zc);
+    cr_assert_eq(f.max_blocks, 4);
+    float out[2 * 2 * 32], sentinel[2 * 2 * 32];
+    for (int i = 0; i < 2 * 2 * 32; i++) sentinel[i] = out[i] = -7.0f;
+    float scale = 1.0f / sqrtf(32.0f);
+    rk_attn_batch ok = zc_run_batch(&f, 1, &r);
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 0, &ok, 2, scale), RK_OK);
+    for (int i = 0; i < 2 * 2 * 32; i++) out[i] = -7.0f;
+#define BAD(stmt)                                                                                  \
+    do {                                                                                           \
+        rk_attn_batch b = ok;                                                                      \
+        int32_t ss[2] = {0, 3}, se[3] = {20, 29, 32}, sd[3] = {5, 20, 0}, kl = 32;                 \
+        int32_t table[4];                                                                          \
+        memcpy(table, f.run_table, sizeof table);                                                  \
+        rk_rope rr = r;                                                                            \
+        b.seg_start = ss;                                                                          \
+        b.seg_end = se;                                                                            \
+        b.seg_delta = sd;                                                                          \
+        b.kv_len = &kl;                                                                            \
+        b.block_table = table;                                                                     \
+        b.rope = &rr;                                                                              \
+        stmt;                                                                                      \
+        cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 0, &b, 2, scale),               \
+                     RK_ERR_INVALID, "accepted: %s", #stmt);                                       \
+        cr_assert_arr_eq(out, sentinel, sizeof out, "wrote on: %s", #stmt);                        \
+    } while (0)
+    BAD(ss[0] = 1);                /* does not start at 0 */
+    BAD(ss[1] = 2);                /* runs end at 29, kv_len is 32 */
+    BAD(se[2] = 33);               /* past kv_len */
+    BAD(se[1] = 20);               /* empty run */
+    BAD((se[0] = 25, se[1] = 24)); /* decreasing */
+    BAD(table[3] = -1);            /* a run's block unset */
+    BAD(table[2] = f.kv.n_blocks); /* out of range */
+    BAD(b.max_blocks = 3);         /* runs take 2 + 1 + 1 blocks (packed, 32 entries need 2) */
+    BAD(b.rope = NULL);            /* deltas without a rope */
+    BAD(rr.n_rot = 34);            /* rope wider than head_dim */
+    BAD(b.seg_delta = NULL);       /* half a description */
+#undef BAD
+    zc_free(&f);
     rk_backend_free(be);
 }

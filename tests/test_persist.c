@@ -189,6 +189,72 @@ Test(persist, prewarm_then_generate_hits_from_disk_then_from_the_arena) {
     free(dir);
 }
 
+/* Overwrite the first bytes of DIR/chunks.db, as a disk error would. */
+static void clobber_db(const char *store) {
+    char path[4200];
+    snprintf(path, sizeof path, "%s/chunks.db", store);
+    FILE *f = fopen(path, "r+b");
+    cr_assert_not_null(f, "%s", path);
+    for (int i = 0; i < 100; i++) fputc(0x5a, f);
+    cr_assert_eq(fclose(f), 0);
+}
+
+/* Prewarm 3 documents into DIR/store, damage or remove its chunks.db as
+ * told, and return the generate command that asks for documents 0 and 2. */
+static void lost_db_setup(char *dir, char *store, size_t cap, char *gen, size_t gen_cap) {
+    char *corpus = write_corpus(dir, 3, -1);
+    char cmd[8192], *out;
+    snprintf(store, cap, "%s/store", dir);
+    snprintf(cmd, sizeof cmd, "%s prewarm --input %s --store %s 2>&1", RK_BIN, corpus, store);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    free(out);
+    free(corpus);
+    snprintf(gen, gen_cap,
+             "%s generate --store %s --json -n 1 --temp 0 --prompt 'S##Document 0 says the answer "
+             "is 0 and that the sky over town 0 was clear on day 0.##Document 2 says the answer is "
+             "14 and that the sky over town 2 was clear on day 2.##Q' 2>&1",
+             RK_BIN, store);
+}
+
+Test(persist, removed_store_database_is_rebuilt_and_chunks_still_come_from_disk) {
+    char *dir = rk_test_tmpdir("lostdb");
+    char store[4096], gen[8192], path[4200], *out;
+    lost_db_setup(dir, store, sizeof store, gen, sizeof gen);
+    snprintf(path, sizeof path, "%s/chunks.db", store);
+    cr_assert_eq(unlink(path), 0);
+    cr_assert_eq(rk_test_run(gen, &out), 0, "%s", out);
+    cr_assert(strstr(out, "rebuilt 3 rows"), "start-up does not say it rebuilt: %s", out);
+    cr_assert(strstr(out, "\"source\":\"disk\"") && !strstr(out, "\"source\":\"computed\""),
+              "the chunks were not served from disk: %s", out);
+    free(out);
+    free(dir);
+}
+
+Test(persist, corrupt_store_database_names_the_way_out_and_cache_rebuild_takes_it) {
+    char *dir = rk_test_tmpdir("corruptdb");
+    char store[4096], gen[8192], cmd[8192], *out;
+    lost_db_setup(dir, store, sizeof store, gen, sizeof gen);
+    clobber_db(store);
+    cr_assert_neq(rk_test_run(gen, &out), 0, "started over a corrupt database: %s", out);
+    char want[4200];
+    snprintf(want, sizeof want, "ragkv cache rebuild --store %s", store);
+    cr_assert(strstr(out, want), "the error does not name the way out: %s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s cache rebuild --store %s 2>&1", RK_BIN, store);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "chunks.db.corrupt-") && strstr(out, "rebuilt 3 rows"), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s cache verify --store %s 2>&1", RK_BIN, store);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "checked 3 payloads: 0 bad, 0 orphan files"), "%s", out);
+    free(out);
+    cr_assert_eq(rk_test_run(gen, &out), 0, "%s", out);
+    cr_assert(strstr(out, "\"source\":\"disk\"") && !strstr(out, "\"source\":\"computed\""),
+              "the chunks were not served from disk after the rebuild: %s", out);
+    free(out);
+    free(dir);
+}
+
 Test(persist, malformed_input_lines_are_reported_and_skipped) {
     char *dir = rk_test_tmpdir("prewarm-bad");
     char *corpus = write_corpus(dir, 4, 2);
@@ -217,10 +283,17 @@ Test(persist, prewarm_killed_at_random_points_always_leaves_a_consistent_store, 
                   (char *)NULL);
             _exit(127);
         }
+        /* Kill at a random point once the store exists (a slow build,
+         * such as the sanitizer one, takes a while to get there). */
+        char db[4200];
+        snprintf(db, sizeof db, "%s/chunks.db", store);
+        for (int ms = 0; ms < 30000 && access(db, F_OK) != 0; ms += 5) usleep(5000);
         usleep((useconds_t)(20000 + rand() % 400000));
         kill(pid, SIGKILL);
         int status;
         waitpid(pid, &status, 0);
+        /* chunks.db appears only whole, so no kill leaves a half-made one. */
+        cr_assert_eq(access(db, F_OK), 0, "round %d: the store was never created", round);
         snprintf(cmd, sizeof cmd, "%s cache verify --store %s 2>&1", RK_BIN, store);
         cr_assert_eq(rk_test_run(cmd, &out), 0, "round %d: the store does not verify:\n%s", round,
                      out);

@@ -351,7 +351,12 @@ Test(quant, simd_kernels_agree_with_portable_ones) {
 static void forward_logits(rk_model *m, const int32_t *ids, int batched, float *logits) {
     const rk_hparams *hp = rk_model_hparams(m);
     enum { BS = 16, NB = (PF_TOKENS + BS - 1) / BS };
-    rk_kv_cache kv = {hp->n_layers, NB, BS, hp->n_kv_heads, hp->head_dim, RK_DTYPE_F32, NULL, NULL};
+    rk_kv_cache kv = {.n_layers = hp->n_layers,
+                      .n_blocks = NB,
+                      .block_size = BS,
+                      .n_kv_heads = hp->n_kv_heads,
+                      .head_dim = hp->head_dim,
+                      .dtype = RK_DTYPE_F32};
     kv.k = calloc((size_t)hp->n_layers, sizeof *kv.k);
     kv.v = calloc((size_t)hp->n_layers, sizeof *kv.v);
     cr_assert(kv.k && kv.v);
@@ -367,7 +372,17 @@ static void forward_logits(rk_model *m, const int32_t *ids, int batched, float *
     for (int t = 0; t < PF_TOKENS; t += batched ? PF_TOKENS : 1) {
         int n = batched ? PF_TOKENS : 1;
         int32_t q_start[2] = {0, n}, kv_len[1] = {t + n};
-        rk_batch b = {n, ids + t, pos + t, pos + t, {1, q_start, kv_len, table, NB}, n, rows, 0};
+        rk_batch b = {.n_tokens = n,
+                      .tokens = ids + t,
+                      .pos = pos + t,
+                      .slots = pos + t,
+                      .attn = {.n_seqs = 1,
+                               .q_start = q_start,
+                               .kv_len = kv_len,
+                               .block_table = table,
+                               .max_blocks = NB},
+                      .n_logits = n,
+                      .logit_rows = rows};
         cr_assert_eq(rk_model_forward(m, &kv, &b, logits + (size_t)t * hp->n_vocab), RK_OK, "%s",
                      rk_error_message());
     }

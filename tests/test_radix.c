@@ -385,3 +385,110 @@ Test(radix, randomized_operations_agree_with_the_model, .timeout = 300) {
     free(model);
     free(page_code);
 }
+
+/* ---------------------------------------------------------------- partial pages */
+
+/* Insert with a partial last page: pages are fresh ids, the last one partial. */
+static void insert_partial(rk_radix *r, const int32_t *t, int n, int32_t *out_pages) {
+    int32_t pages[64];
+    int n_pages = (n + 3) / 4, present;
+    for (int i = 0; i < n_pages; i++) pages[i] = next_page++;
+    cr_assert_eq(rk_radix_insert_partial(r, 0, t, n, pages, 0, &present, NULL), RK_OK);
+    on_release(NULL, pages, present / 4);
+    if (out_pages) memcpy(out_pages, pages, (size_t)n_pages * sizeof *pages);
+    check_counters(r);
+}
+
+static rk_radix_result match_partial(rk_radix *r, const int32_t *t, int n, int flags) {
+    int32_t pages[64];
+    rk_radix_result m;
+    cr_assert_eq(rk_radix_match(r, 0, t, n, flags | RK_RADIX_PARTIAL, pages, &m), RK_OK);
+    if (m.node) rk_radix_unlock(r, m.node);
+    check_counters(r);
+    return m;
+}
+
+Test(radix, a_sequence_shorter_than_a_page_is_matched_from_its_tail) {
+    rk_radix *r = make(4, RK_RADIX_LRU);
+    int32_t sys[] = {1, 2, 3}, q[] = {1, 2, 3, 9, 9}, pages[1];
+    insert_partial(r, sys, 3, pages);
+    rk_radix_result m = match_partial(r, q, 5, RK_RADIX_LEAVE_ONE);
+    cr_assert_eq(m.n_matched, 0);
+    cr_assert_null(m.node, "nothing whole is shared, so nothing is locked");
+    cr_assert_eq(m.n_partial, 3);
+    cr_assert_eq(m.partial_page, pages[0]);
+    /* The exact repeat leaves its last token to compute. */
+    m = match_partial(r, sys, 3, RK_RADIX_LEAVE_ONE);
+    cr_assert_eq(m.n_partial, 2);
+    /* Without the flag the match stays page-aligned. */
+    cr_assert_eq(match(r, q, 5, 0, NULL), 0);
+    rk_radix_stats s;
+    rk_radix_get_stats(r, &s);
+    cr_assert_eq(s.cached_tokens, 3);
+    rk_radix_flush(r);
+    cr_assert(released[pages[0]], "a flush releases a tail held by the root");
+    rk_radix_get_stats(r, &s);
+    cr_assert_eq(s.cached_tokens, 0);
+    rk_radix_free(r);
+}
+
+Test(radix, a_query_that_parts_inside_a_page_copies_that_page_up_to_the_difference) {
+    rk_radix *r = make(4, RK_RADIX_LRU);
+    int32_t a[] = {1, 2, 3, 4, 5, 6, 7, 8}, pages[2];
+    insert_partial(r, a, 8, pages);
+    int32_t q[] = {1, 2, 3, 4, 5, 6, 0, 0};
+    rk_radix_result m = match_partial(r, q, 8, 0);
+    cr_assert_eq(m.n_matched, 4);
+    cr_assert_eq(m.n_partial, 2, "the child's first page shares 5, 6");
+    cr_assert_eq(m.partial_page, pages[1]);
+    rk_radix_free(r);
+}
+
+Test(radix, the_longer_tail_is_kept_and_the_replaced_one_released) {
+    rk_radix *r = make(4, RK_RADIX_LRU);
+    int32_t t1[] = {1, 2, 3, 4, 5, 6}, t2[] = {1, 2, 3, 4, 5}, t3[] = {1, 2, 3, 4, 5, 7, 8};
+    int32_t p1[2], p2[2], p3[2];
+    insert_partial(r, t1, 6, p1);
+    insert_partial(r, t2, 5, p2);
+    cr_assert(released[p2[1]], "a tail that is a prefix of the held one is released");
+    cr_assert(!released[p1[1]]);
+    insert_partial(r, t3, 7, p3);
+    cr_assert(released[p1[1]], "a tail that differs replaces the held one");
+    rk_radix_result m = match_partial(r, t3, 7, 0);
+    cr_assert_eq(m.n_matched, 4);
+    cr_assert_eq(m.n_partial, 3);
+    cr_assert_eq(m.partial_page, p3[1]);
+    rk_radix_stats s;
+    rk_radix_get_stats(r, &s);
+    cr_assert_eq(s.cached_tokens, 7);
+    /* Eviction takes the leaf with its tail. */
+    int freed;
+    rk_radix_evict(r, 1, &freed);
+    cr_assert_eq(freed, 7);
+    cr_assert(released[p3[0]] && released[p3[1]]);
+    rk_radix_get_stats(r, &s);
+    cr_assert_eq(s.cached_tokens, 0);
+    rk_radix_free(r);
+}
+
+Test(radix, a_tail_on_a_locked_node_is_protected_and_counted) {
+    rk_radix *r = make(4, RK_RADIX_LRU);
+    int32_t t[] = {1, 2, 3, 4, 5, 6};
+    int32_t pages[4096];
+    insert_partial(r, t, 4, NULL);
+    rk_radix_result m;
+    cr_assert_eq(rk_radix_match(r, 0, t, 6, 0, pages, &m), RK_OK);
+    cr_assert_eq(m.n_matched, 4);
+    page_locks[pages[0]]++;
+    insert_partial(r, t, 6, NULL); /* the locked node gets a tail */
+    rk_radix_stats s;
+    rk_radix_get_stats(r, &s);
+    cr_assert_eq(s.protected_tokens, 6);
+    rk_radix_evict(r, 100, NULL);
+    rk_radix_get_stats(r, &s);
+    cr_assert_eq(s.cached_tokens, 6, "nothing locked is evicted");
+    page_locks[pages[0]]--;
+    cr_assert_eq(rk_radix_unlock(r, m.node), RK_OK);
+    check_counters(r);
+    rk_radix_free(r);
+}

@@ -1,8 +1,11 @@
 /* tests/test_store.c — the persistent chunk store on real files: round trips
  * across a restart, listing and counters, every kind of corruption (found at
  * open and at load, never served), other models' rows, hostile keys, write
- * failures (read-only directory, file size limit), SIGKILL in the middle of
- * writes, the disk budget, batches and schema versions. */
+ * failures (read-only directory, file size limit, an I/O error injected at
+ * every call of a put and a get), SIGKILL in the middle of writes, the disk
+ * budget, batches, schema versions, and recovery that loses nothing: a
+ * removed, emptied or corrupt database rebuilt from the payload files, bad
+ * payloads quarantined, unreadable directories skipped. */
 #include <criterion/criterion.h>
 
 #include <dirent.h>
@@ -19,12 +22,16 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include "store/store.h"
 #include "tests/testutil.h"
 
 #define FP_A "0123456789abcdef0123456789abcdef"
 #define FP_B "fedcba9876543210fedcba9876543210"
+
+/* Bytes of the payload header in front of the token ids. */
+#define H RK_STORE_HEADER_BYTES
 
 #define ASSERT_OK(expr)                                                                            \
     do {                                                                                           \
@@ -187,6 +194,29 @@ static int count_files(const char *dir, const char *suffix) {
     return n;
 }
 
+/* Count files in dir/quarantine whose names start with prefix. */
+static int count_quarantined(const char *dir, const char *prefix) {
+    char q[4096];
+    snprintf(q, sizeof q, "%s/quarantine", dir);
+    DIR *d = opendir(q);
+    if (!d) return 0;
+    int n = 0;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) n += strncmp(e->d_name, prefix, strlen(prefix)) == 0;
+    closedir(d);
+    return n;
+}
+
+/* Count the open file descriptors of this process. */
+static int count_fds(void) {
+    DIR *d = opendir("/proc/self/fd");
+    cr_assert_not_null(d);
+    int n = 0;
+    while (readdir(d) != NULL) n++;
+    closedir(d);
+    return n;
+}
+
 static int rm_one(const char *path, const struct stat *sb, int flag, struct FTW *ftw) {
     (void)sb;
     (void)flag;
@@ -261,8 +291,8 @@ Test(store, put_survives_a_restart_with_identical_bytes) {
     char *raw = rk_test_read_file(path, &len);
     cr_assert_not_null(raw);
     cr_assert_eq(memcmp(raw, "RKKV", 4), 0);
-    cr_assert_eq(len, 160 + 4 * 77 + 12345);
-    cr_assert_eq(memcmp(raw + 160, c[2].tokens, 4 * 77), 0);
+    cr_assert_eq(len, H + 4 * 77 + 12345);
+    cr_assert_eq(memcmp(raw + H, c[2].tokens, 4 * 77), 0);
     free(raw);
     char want_tail[80];
     snprintf(want_tail, sizeof want_tail, "/kv/%.2s/%s.kv", c[2].key, c[2].key);
@@ -321,7 +351,7 @@ Test(store, list_sorts_by_hits_and_by_recent_access) {
     cr_assert_str_eq(v[2].key, c[2].key);
     cr_assert_eq(v[2].hits, 0);
     cr_assert_str_eq(v[2].doc_id, c[2].doc_id);
-    cr_assert_eq(v[2].n_bytes, 160 + 32 + 100);
+    cr_assert_eq(v[2].n_bytes, H + 32 + 100);
     free(v);
 
     ASSERT_OK(rk_store_list(s, RK_STORE_SORT_RECENT, 0, 0, &v, &n));
@@ -379,9 +409,9 @@ Test(store, delete_removes_row_and_file) {
 Test(store, stats_counters_are_exact) {
     char *dir = rk_test_tmpdir("store-stats");
     chunk c[3];
-    chunk_make(&c[0], 40, 10, 1000); /* 160 + 40 + 1000 = 1200 bytes */
-    chunk_make(&c[1], 41, 20, 2000); /* 2240 */
-    chunk_make(&c[2], 42, 30, 3000); /* 3280 */
+    chunk_make(&c[0], 40, 10, 1000); /* H + 40 + 1000 bytes */
+    chunk_make(&c[1], 41, 20, 2000); /* H + 80 + 2000 */
+    chunk_make(&c[2], 42, 30, 3000); /* H + 120 + 3000 */
     rk_store *s = open_store(dir, FP_A, 1);
     for (int i = 0; i < 3; i++) ASSERT_OK(put_chunk(s, &c[i]));
     ASSERT_OK(put_chunk(s, &c[0])); /* idempotent: no write */
@@ -399,11 +429,11 @@ Test(store, stats_counters_are_exact) {
 
     rk_store_counters st = stats_of(s);
     cr_assert_eq(st.rows, 2);
-    cr_assert_eq(st.bytes, 2240 + 3280);
+    cr_assert_eq(st.bytes, (H + 2080) + (H + 3120));
     cr_assert_eq(st.writes, 3);
-    cr_assert_eq(st.write_bytes, 1200 + 2240 + 3280);
+    cr_assert_eq(st.write_bytes, (H + 1040) + (H + 2080) + (H + 3120));
     cr_assert_eq(st.loads, 3);
-    cr_assert_eq(st.load_bytes, 2240 * 2 + 3280);
+    cr_assert_eq(st.load_bytes, (H + 2080) * 2 + (H + 3120));
     cr_assert_eq(st.deletes, 1);
     cr_assert_eq(st.dropped_on_load, 0);
     cr_assert_eq(st.dropped_on_recovery, 0);
@@ -415,7 +445,7 @@ Test(store, stats_counters_are_exact) {
     s = open_store(dir, FP_A, 1);
     st = stats_of(s);
     cr_assert_eq(st.rows, 2);
-    cr_assert_eq(st.bytes, 2240 + 3280);
+    cr_assert_eq(st.bytes, (H + 2080) + (H + 3120));
     cr_assert_eq(st.writes, 0);
     cr_assert_eq(st.loads, 0);
     rk_store_close(s);
@@ -436,8 +466,8 @@ typedef enum damage {
 static void do_damage(const char *path, damage d, const chunk *c) {
     switch (d) {
     case TRUNCATE: cr_assert_eq(truncate(path, (off_t)chunk_file_bytes(c) - 100), 0); break;
-    case FLIP_BODY: flip_byte(path, 160 + 4 * c->n_tokens + (long)c->body_size / 2); break;
-    case FLIP_TOKEN: flip_byte(path, 160 + 4 * 3 + 1); break;
+    case FLIP_BODY: flip_byte(path, H + 4 * c->n_tokens + (long)c->body_size / 2); break;
+    case FLIP_TOKEN: flip_byte(path, H + 4 * 3 + 1); break;
     case FLIP_HEADER: flip_byte(path, 84); break; /* n_layers */
     case DELETE_FILE: cr_assert_eq(unlink(path), 0); break;
     }
@@ -493,6 +523,11 @@ static void corruption_case(damage d, int at_open) {
         cr_assert_eq(stats_of(s).dropped_on_load, 1); /* counted once */
     }
     cr_assert(!file_exists(path), "bad payload file left behind");
+    /* moved aside for inspection, never deleted */
+    int kept = d == DELETE_FILE ? 0 : 1;
+    cr_assert_eq(stats_of(s).quarantined, (uint64_t)kept);
+    cr_assert_eq(stats_of(s).corrupt_after_open, at_open ? 0u : 1u);
+    cr_assert_eq(count_quarantined(dir, c[1].key), kept);
     for (int i = 0; i < N_CORRUPT; i++)
         if (i != 1) expect_chunk(s, &c[i]);
     rk_store_close(s);
@@ -528,8 +563,8 @@ Test(store_corruption, open_without_verify_skips_checksums_and_load_catches_them
     snprintf(pa, sizeof pa, "%s", payload_path(s, a.key));
     snprintf(pb, sizeof pb, "%s", payload_path(s, b.key));
     rk_store_close(s);
-    flip_byte(pa, 160 + 4 * 64 + 100); /* body */
-    flip_byte(pb, 160 + 8);            /* token ids */
+    flip_byte(pa, H + 4 * 64 + 100); /* body */
+    flip_byte(pb, H + 8);            /* token ids */
 
     s = open_store(dir, FP_A, 0); /* sizes and headers only: both pass */
     rk_store_counters st = stats_of(s);
@@ -549,7 +584,7 @@ Test(store_corruption, open_without_verify_skips_checksums_and_load_catches_them
     rm_rf(dir);
 }
 
-Test(store_recovery, row_deleted_behind_our_back_leaves_an_orphan_that_open_removes) {
+Test(store_recovery, row_deleted_behind_our_back_is_rebuilt_from_its_payload_at_open) {
     char *dir = rk_test_tmpdir("store-orphan");
     chunk c[3];
     rk_store *s = open_store(dir, FP_A, 1);
@@ -567,13 +602,13 @@ Test(store_recovery, row_deleted_behind_our_back_leaves_an_orphan_that_open_remo
 
     s = open_store(dir, FP_A, 1);
     rk_store_counters st = stats_of(s);
-    cr_assert_eq(st.orphans_removed, 1);
+    cr_assert_eq(st.orphans_removed, 0);
+    cr_assert_eq(st.rows_rebuilt, 1);
+    cr_assert_eq(st.quarantined, 0);
     cr_assert_eq(st.dropped_on_recovery, 0);
-    cr_assert_eq(st.rows, 2);
-    cr_assert(!file_exists(path), "orphan payload left behind");
-    cr_assert_eq(count_files(dir, ".kv"), 2);
-    expect_chunk(s, &c[1]);
-    expect_chunk(s, &c[2]);
+    cr_assert_eq(st.rows, 3);
+    cr_assert(file_exists(path), "payload without a row was removed");
+    for (int i = 0; i < 3; i++) expect_chunk(s, &c[i]);
     rk_store_close(s);
     for (int i = 0; i < 3; i++) chunk_free(&c[i]);
     rm_rf(dir);
@@ -754,22 +789,29 @@ static void expect_failed_put(rk_store *s, const char *dir, const chunk *c, cons
     cr_assert(!file_exists(path));
 }
 
+/* Permissions only bind an unprivileged user: when running as root, become
+ * nobody for the rest of this test process, or skip the test (freeing dir,
+ * whose leak the sanitizer pass would report) when that user cannot reach dir. */
+static void drop_root_or_skip(char *dir) {
+    if (geteuid() != 0) return;
+    cr_assert_eq(chown(dir, 65534, 65534), 0);
+    if (setgid(65534) != 0 || setuid(65534) != 0) {
+        free(dir);
+        cr_skip_test("running as root and cannot drop privileges: %s", strerror(errno));
+    }
+    prctl(PR_SET_DUMPABLE, 1); /* keep LeakSanitizer able to inspect this process */
+    if (access(dir, R_OK | W_OK | X_OK) != 0) { /* e.g. the checkout is under a 0700 dir */
+        char why[4200];
+        snprintf(why, sizeof why, "%s is out of an unprivileged user's reach: %s", dir,
+                 strerror(errno));
+        free(dir);
+        cr_skip_test("%s", why);
+    }
+}
+
 Test(store_faults, read_only_directory_fails_the_put_cleanly) {
     char *dir = rk_test_tmpdir("store-rodir");
-    if (geteuid() == 0) {
-        /* root ignores permissions: drop to nobody for this test process */
-        cr_assert_eq(chown(dir, 65534, 65534), 0);
-        if (setgid(65534) != 0 || setuid(65534) != 0)
-            cr_skip_test("running as root and cannot drop privileges: %s", strerror(errno));
-        prctl(PR_SET_DUMPABLE, 1); /* keep LeakSanitizer able to inspect this process */
-        if (access(dir, R_OK | W_OK | X_OK) != 0) { /* e.g. the checkout is under a 0700 dir */
-            char why[4200];
-            snprintf(why, sizeof why, "%s is out of an unprivileged user's reach: %s", dir,
-                     strerror(errno));
-            free(dir); /* the sanitizer pass reports what a skipped test leaks */
-            cr_skip_test("%s", why);
-        }
-    }
+    drop_root_or_skip(dir);
     chunk ok[2], fail_same, fail_new;
     chunk_make(&ok[0], 110, 16, 1000);
     chunk_make(&ok[1], 111, 16, 1000);
@@ -1000,7 +1042,7 @@ Test(store_crash, sigkill_during_puts_leaves_every_row_verifiable, .timeout = 60
 
 Test(store, disk_budget_evicts_the_least_recently_used) {
     char *dir = rk_test_tmpdir("store-budget");
-    enum { N = 7, ENTRY = 160 + 64 + 4000 };
+    enum { N = 7, ENTRY = H + 64 + 4000 };
     chunk c[N];
     for (int i = 0; i < N; i++) chunk_make(&c[i], 130 + (uint64_t)i, 16, 4000);
     rk_store_options o;
@@ -1178,12 +1220,12 @@ Test(store_offline, read_only_handle_lists_counts_and_verifies_without_deleting)
     char pb[4096];
     snprintf(pb, sizeof pb, "%s", payload_path(s, b.key));
     rk_store_close(s);
-    flip_byte(pb, 160 + 4 * 32 + 10);
+    flip_byte(pb, H + 4 * 32 + 10);
 
     ASSERT_OK(rk_store_open_readonly(dir, &ro));
     rk_store_counters st = stats_of(ro);
     cr_assert_eq(st.rows, 3); /* every model */
-    cr_assert_eq(st.bytes, 3 * (160 + 128 + 1000));
+    cr_assert_eq(st.bytes, 3 * (H + 128 + 1000));
     char *ls = capture(print_ls_all, ro);
     for (int i = 0; i < 2; i++) cr_assert(strstr(ls, a[i].key), "%s", ls);
     cr_assert(strstr(ls, b.key));
@@ -1266,7 +1308,7 @@ Test(store, verify_can_delete_what_it_finds_bad) {
         chunk_make(&c[i], 200 + (uint64_t)i, 16, 3000);
         ASSERT_OK(put_chunk(s, &c[i]));
     }
-    flip_byte(payload_path(s, c[0].key), 160 + 64 + 5);
+    flip_byte(payload_path(s, c[0].key), H + 64 + 5);
     cr_assert_eq(truncate(payload_path(s, c[2].key), 100), 0);
     rk_store_verify_result vr;
     ASSERT_OK(rk_store_verify(s, 1, NULL, NULL, &vr));
@@ -1279,9 +1321,419 @@ Test(store, verify_can_delete_what_it_finds_bad) {
     cr_assert_eq(count_files(dir, ".kv"), 1);
     rk_store_counters st = stats_of(s);
     cr_assert_eq(st.rows, 1);
-    cr_assert_eq(st.bytes, 160 + 64 + 3000);
+    cr_assert_eq(st.bytes, H + 64 + 3000);
     expect_chunk(s, &c[1]);
     rk_store_close(s);
     for (int i = 0; i < 3; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
+
+/* ---------------------------------------------------------------- rebuild and quarantine */
+
+#define N_REBUILD 5
+
+/* Store N_REBUILD chunks (the last for model B) and close; c is filled. */
+static void store_for_rebuild(const char *dir, chunk c[N_REBUILD]) {
+    rk_store *s = open_store(dir, FP_A, 1);
+    for (int i = 0; i < N_REBUILD - 1; i++) {
+        chunk_make(&c[i], 300 + (uint64_t)i, 24 + i, 2000 + 100 * (size_t)i);
+        ASSERT_OK(put_chunk(s, &c[i]));
+    }
+    rk_store_close(s);
+    chunk_make(&c[N_REBUILD - 1], 399, 8, 500);
+    s = open_store(dir, FP_B, 1);
+    ASSERT_OK(put_chunk(s, &c[N_REBUILD - 1]));
+    rk_store_close(s);
+}
+
+/* Every chunk of c is on disk, has its row back, and model A's are served
+ * byte for byte with their policy and document id. */
+static void expect_rebuilt(const char *dir, chunk c[N_REBUILD]) {
+    cr_assert_eq(count_files(dir, ".kv"), N_REBUILD, "a payload file was lost");
+    rk_store *s = open_store(dir, FP_A, 1);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.rows, N_REBUILD - 1);
+    cr_assert_eq(st.other_model_rows, 1);
+    cr_assert_eq(st.quarantined, 0);
+    for (int i = 0; i < N_REBUILD - 1; i++) expect_chunk(s, &c[i]);
+    rk_store_verify_result vr;
+    ASSERT_OK(rk_store_verify(s, 0, NULL, NULL, &vr));
+    cr_assert_eq(vr.bad, 0);
+    cr_assert_eq(vr.orphans, 0);
+    rk_store_close(s);
+}
+
+static void remove_db(const char *dir, int truncate_it) {
+    const char *names[] = {"chunks.db", "chunks.db-wal", "chunks.db-shm"};
+    for (int i = 0; i < 3; i++) {
+        char path[4200];
+        PATHF(path, "%s/%s", dir, names[i]);
+        if (i == 0 && truncate_it)
+            cr_assert_eq(truncate(path, 0), 0, "%s: %s", path, strerror(errno));
+        else
+            cr_assert(unlink(path) == 0 || errno == ENOENT);
+    }
+}
+
+static void lost_database_case(int truncate_it) {
+    char *dir = rk_test_tmpdir("store-lostdb");
+    chunk c[N_REBUILD];
+    store_for_rebuild(dir, c);
+    remove_db(dir, truncate_it);
+
+    rk_store *s = open_store(dir, FP_A, 1);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(count_files(dir, ".kv"), N_REBUILD, "open removed payload files");
+    cr_assert_eq(st.rows_rebuilt, N_REBUILD);
+    cr_assert_eq(st.rows, N_REBUILD - 1);
+    cr_assert_eq(st.other_model_rows, 1);
+    cr_assert_eq(st.orphans_removed, 0);
+    for (int i = 0; i < N_REBUILD - 1; i++) expect_chunk(s, &c[i]);
+    rk_store_close(s);
+    expect_rebuilt(dir, c);
+    s = open_store(dir, FP_A, 1); /* rebuilt once: the next open finds every row */
+    cr_assert_eq(stats_of(s).rows_rebuilt, 0);
+    rk_store_close(s);
+    for (int i = 0; i < N_REBUILD; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
+
+Test(store_rebuild, removed_database_keeps_every_payload_and_rebuilds_the_rows) {
+    lost_database_case(0);
+}
+
+Test(store_rebuild, emptied_database_keeps_every_payload_and_rebuilds_the_rows) {
+    lost_database_case(1);
+}
+
+Test(store_rebuild, a_log_left_without_its_database_is_set_aside_not_applied) {
+    char *dir = rk_test_tmpdir("store-lostdb-wal");
+    chunk c[N_REBUILD];
+    store_for_rebuild(dir, c);
+    remove_db(dir, 0);
+    char wal[4200];
+    PATHF(wal, "%s/chunks.db-wal", dir);
+    FILE *f = fopen(wal, "wb");
+    cr_assert_not_null(f);
+    for (int i = 0; i < 4096; i++) fputc(i & 0xff, f);
+    cr_assert_eq(fclose(f), 0);
+
+    rk_store *s = open_store(dir, FP_A, 1);
+    cr_assert_eq(stats_of(s).rows_rebuilt, N_REBUILD);
+    cr_assert_eq(stats_of(s).quarantined, 0); /* counts payload files only */
+    rk_store_close(s);
+    cr_assert_eq(count_quarantined(dir, "chunks.db-wal."), 1, "the log was not kept aside");
+    expect_rebuilt(dir, c);
+    for (int i = 0; i < N_REBUILD; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
+
+/* Overwrite len bytes of chunks.db at offset with junk. */
+static void damage_db(const char *dir, long offset, int len) {
+    char path[4200];
+    PATHF(path, "%s/chunks.db", dir);
+    FILE *f = fopen(path, "r+b");
+    cr_assert_not_null(f);
+    cr_assert_eq(fseek(f, offset, SEEK_SET), 0);
+    for (int i = 0; i < len; i++) fputc(0xa5 ^ i, f);
+    cr_assert_eq(fclose(f), 0);
+}
+
+static void corrupt_database_case(long offset, int len) {
+    char *dir = rk_test_tmpdir("store-corruptdb");
+    chunk c[N_REBUILD];
+    store_for_rebuild(dir, c);
+    cr_assert_eq(sql_int_on(dir, "PRAGMA page_size"), 4096);
+    damage_db(dir, offset, len);
+
+    rk_store *s = NULL;
+    cr_assert_eq(rk_store_open(dir, FP_A, NULL, &s), RK_ERR_FORMAT);
+    cr_assert_null(s);
+    char want[4200];
+    PATHF(want, "ragkv cache rebuild --store %s", dir);
+    cr_assert(strstr(rk_error_message(), "chunks.db is corrupt"), "%s", rk_error_message());
+    cr_assert(strstr(rk_error_message(), want), "%s", rk_error_message());
+    cr_assert_eq(count_files(dir, ".kv"), N_REBUILD, "a failed open removed payload files");
+    cr_assert_eq(rk_store_open_readonly(dir, &s), RK_ERR_FORMAT); /* `ragkv cache ls` */
+    cr_assert(strstr(rk_error_message(), want), "%s", rk_error_message());
+
+    rk_store_rebuild_result r;
+    ASSERT_OK(rk_store_rebuild(dir, &r));
+    cr_assert_eq(r.db_was_corrupt, 1);
+    cr_assert_eq(strncmp(r.set_aside, "chunks.db.corrupt-", 18), 0, "%s", r.set_aside);
+    cr_assert_eq(r.rows_rebuilt, N_REBUILD);
+    cr_assert_eq(r.quarantined, 0);
+    char aside[4200];
+    PATHF(aside, "%s/%s", dir, r.set_aside);
+    cr_assert(file_exists(aside), "the corrupt database was not kept");
+    expect_rebuilt(dir, c);
+    for (int i = 0; i < N_REBUILD; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
+
+Test(store_rebuild, database_that_is_not_a_database_fails_open_and_rebuild_loses_nothing) {
+    corrupt_database_case(0, 100); /* the SQLite header */
+}
+
+Test(store_rebuild, malformed_database_fails_open_and_rebuild_loses_nothing) {
+    corrupt_database_case(4096 + 8, 64); /* the chunks table's first page */
+}
+
+Test(store_rebuild, rebuild_refuses_a_store_in_use_and_a_directory_without_one) {
+    char *dir = rk_test_tmpdir("store-rebuild-busy");
+    rk_store_rebuild_result r;
+    cr_assert_eq(rk_store_rebuild(dir, &r), RK_ERR_NOT_FOUND);
+    rk_store *s = open_store(dir, FP_A, 1);
+    cr_assert_eq(rk_store_rebuild(dir, &r), RK_ERR_BUSY);
+    rk_store_close(s);
+    ASSERT_OK(rk_store_rebuild(dir, &r)); /* sound and empty: kept as .old */
+    cr_assert_eq(r.db_was_corrupt, 0);
+    cr_assert_eq(strncmp(r.set_aside, "chunks.db.old-", 14), 0, "%s", r.set_aside);
+    cr_assert_eq(r.rows_rebuilt, 0);
+    rm_rf(dir);
+}
+
+Test(store_rebuild, corrupt_payload_without_a_row_is_quarantined_not_deleted) {
+    char *dir = rk_test_tmpdir("store-quarantine");
+    chunk c[N_REBUILD];
+    store_for_rebuild(dir, c);
+    rk_store *s = open_store(dir, FP_A, 1);
+    char path[4096];
+    snprintf(path, sizeof path, "%s", payload_path(s, c[0].key));
+    rk_store_close(s);
+    remove_db(dir, 0);
+    flip_byte(path, H + 4 * c[0].n_tokens + 7); /* body */
+
+    s = open_store(dir, FP_A, 1);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.rows_rebuilt, N_REBUILD - 1);
+    cr_assert_eq(st.quarantined, 1);
+    cr_assert_eq(present(s, c[0].key), 0);
+    cr_assert(!file_exists(path));
+    cr_assert_eq(count_quarantined(dir, c[0].key), 1, "the bad payload was not kept aside");
+    for (int i = 1; i < N_REBUILD - 1; i++) expect_chunk(s, &c[i]);
+    char *report = capture(rk_store_print_stats, s);
+    cr_assert(strstr(report, "quarantined          1"), "%s", report);
+    free(report);
+    rk_store_close(s);
+    ASSERT_OK(rk_store_open_readonly(dir, &s)); /* `ragkv cache stats` shows it offline */
+    report = capture(rk_store_print_stats, s);
+    cr_assert(strstr(report, "quarantine     1 files in "), "%s", report);
+    free(report);
+    rk_store_close(s);
+    for (int i = 0; i < N_REBUILD; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
+
+Test(store_rebuild, unreadable_directory_is_skipped_and_counted) {
+    char *dir = rk_test_tmpdir("store-unreadable");
+    drop_root_or_skip(dir);
+    chunk a, b;
+    chunk_make(&a, 500, 16, 1000);
+    chunk_make(&b, 501, 16, 1000);
+    cr_assert_neq(strncmp(a.key, b.key, 2), 0, "the two chunks must use two directories");
+    rk_store *s = open_store(dir, FP_A, 1);
+    ASSERT_OK(put_chunk(s, &a));
+    ASSERT_OK(put_chunk(s, &b));
+    rk_store_close(s);
+    char sub[4200];
+    PATHF(sub, "%s/kv/%.2s", dir, a.key);
+    cr_assert_eq(chmod(sub, 0), 0);
+    DIR *probe = opendir(sub);
+    if (probe) {
+        closedir(probe);
+        chmod(sub, 0755);
+        chunk_free(&a);
+        chunk_free(&b);
+        free(dir);
+        cr_skip_test("chmod 000 does not stop reads here (root or odd filesystem)");
+    }
+
+    s = open_store(dir, FP_A, 1);
+    rk_store_counters st = stats_of(s);
+    cr_assert_geq(st.unreadable, 1);
+    cr_assert_eq(st.rows, 2); /* a's row stays: its file may come back */
+    cr_assert_eq(st.dropped_on_recovery, 0);
+    cr_assert_eq(st.quarantined, 0);
+    expect_chunk(s, &b);
+    rk_store_payload p;
+    cr_assert_eq(rk_store_get(s, a.key, &p), RK_ERR_IO);
+    cr_assert_eq(present(s, a.key), 1);
+    rk_store_close(s);
+
+    /* the same with the table gone: a is neither rebuilt nor removed */
+    remove_db(dir, 0);
+    s = open_store(dir, FP_A, 1);
+    cr_assert_geq(stats_of(s).unreadable, 1);
+    cr_assert_eq(stats_of(s).rows_rebuilt, 1);
+    rk_store_close(s);
+    cr_assert_eq(chmod(sub, 0755), 0);
+    s = open_store(dir, FP_A, 1);
+    cr_assert_eq(stats_of(s).rows_rebuilt, 1);
+    expect_chunk(s, &a);
+    expect_chunk(s, &b);
+    rk_store_close(s);
+    chunk_free(&a);
+    chunk_free(&b);
+    rm_rf(dir);
+}
+
+/* Write c as a version 1 payload file (160-byte header, no policy, creation
+ * time or document id) for model fp at its place under dir/kv. */
+static void write_v1_payload(const char *dir, const chunk *c, const char *fp) {
+    uint8_t h[160] = {0};
+    memcpy(h, "RKKV", 4);
+    h[4] = 1;   /* version */
+    h[8] = 160; /* header size */
+    memcpy(h + 16, fp, 32);
+    memcpy(h + 48, c->key, 32);
+    memcpy(h + 80, &c->n_tokens, 4);
+    memcpy(h + 84, &c->layout, sizeof c->layout);
+    uint64_t body_size = c->body_size;
+    memcpy(h + 112, &body_size, 8);
+    XXH3_state_t *st = XXH3_createState();
+    cr_assert_not_null(st);
+    XXH3_128bits_reset(st);
+    XXH3_128bits_update(st, c->tokens, 4 * (size_t)c->n_tokens);
+    XXH3_128bits_update(st, c->body, c->body_size);
+    XXH128_canonical_t sum;
+    XXH128_canonicalFromHash(&sum, XXH3_128bits_digest(st));
+    XXH3_freeState(st);
+    memcpy(h + 120, sum.digest, 16);
+    uint64_t hsum = XXH3_64bits(h, 152);
+    memcpy(h + 152, &hsum, 8);
+    char sub[4200], path[4300];
+    PATHF(sub, "%s/kv/%.2s", dir, c->key);
+    mkdir(sub, 0755);
+    PATHF(path, "%s/%s.kv", sub, c->key);
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(h, 1, 160, f), 160);
+    cr_assert_eq(fwrite(c->tokens, 4, (size_t)c->n_tokens, f), (size_t)c->n_tokens);
+    cr_assert_eq(fwrite(c->body, 1, c->body_size, f), c->body_size);
+    cr_assert_eq(fclose(f), 0);
+}
+
+Test(store_rebuild, version_1_payloads_are_still_read_and_rebuilt) {
+    char *dir = rk_test_tmpdir("store-v1");
+    chunk c;
+    chunk_make(&c, 700, 20, 3000);
+    rk_store *s = open_store(dir, FP_A, 1);
+    rk_store_close(s);
+    write_v1_payload(dir, &c, FP_A);
+    s = open_store(dir, FP_A, 1);
+    cr_assert_eq(stats_of(s).rows_rebuilt, 1);
+    rk_store_payload p;
+    ASSERT_OK(rk_store_get(s, c.key, &p));
+    cr_assert_str_eq(p.meta.policy, "unknown");
+    cr_assert_str_eq(p.meta.doc_id, "");
+    cr_assert_eq(p.meta.n_bytes, 160 + 4 * 20 + 3000);
+    cr_assert_eq(memcmp(&p.layout, &c.layout, sizeof p.layout), 0);
+    cr_assert_eq(memcmp(p.tokens, c.tokens, 4 * 20), 0);
+    cr_assert_eq(memcmp(p.body, c.body, 3000), 0);
+    rk_store_payload_free(&p);
+    rk_store_close(s);
+    chunk_free(&c);
+    rm_rf(dir);
+}
+
+/* ---------------------------------------------------------------- I/O fault injection */
+
+/* Check the store holds exactly the chunks of ok (n of them), all verified. */
+static void expect_consistent(rk_store *s, const char *dir, chunk *ok, int n) {
+    rk_store_verify_result vr;
+    ASSERT_OK(rk_store_verify(s, 0, NULL, NULL, &vr));
+    cr_assert_eq(vr.checked, (uint64_t)n);
+    cr_assert_eq(vr.bad, 0);
+    cr_assert_eq(vr.orphans, 0, "a file without a row was left");
+    cr_assert_eq(count_files(dir, ".kv"), n);
+    for (int i = 0; i < n; i++) expect_chunk(s, &ok[i]);
+}
+
+Test(store_faults, every_failing_io_call_of_a_put_fails_it_cleanly) {
+    char *dir = rk_test_tmpdir("store-fault-put");
+    chunk base, c;
+    chunk_make(&base, 600, 32, 3000);
+    chunk_make(&c, 601, 48, 5000);
+    rk_store *s = open_store(dir, FP_A, 1);
+    ASSERT_OK(put_chunk(s, &base));
+    /* how many I/O calls a put of c makes */
+    rk_store_fault_io(0);
+    ASSERT_OK(put_chunk(s, &c));
+    int n_calls = rk_store_fault_io(0);
+    cr_assert_geq(n_calls, 8, "a put makes only %d I/O calls", n_calls);
+    ASSERT_OK(rk_store_delete(s, c.key));
+    int fds = count_fds();
+    for (int nth = 1; nth <= n_calls; nth++) {
+        rk_store_fault_io(nth);
+        rk_status st = put_chunk(s, &c);
+        rk_store_fault_io(0);
+        cr_assert_eq(st, RK_ERR_IO, "I/O call %d of %d failed but the put gave %s", nth, n_calls,
+                     rk_status_str(st));
+        cr_assert(strstr(rk_error_message(), strerror(EIO)), "%s", rk_error_message());
+        cr_assert_eq(present(s, c.key), 0);
+        cr_assert_eq(count_files(dir, ".tmp"), 0, "call %d: temporary file left", nth);
+        cr_assert_eq(count_fds(), fds, "call %d: a file descriptor leaked", nth);
+        expect_consistent(s, dir, &base, 1);
+    }
+    rk_store_fault_io(n_calls + 1); /* past the last call: never fires */
+    ASSERT_OK(put_chunk(s, &c));
+    rk_store_fault_io(0);
+    chunk both[2] = {base, c};
+    expect_consistent(s, dir, both, 2);
+    rk_store_close(s);
+    chunk_free(&base);
+    chunk_free(&c);
+    rm_rf(dir);
+}
+
+Test(store_faults, every_failing_io_call_of_a_get_fails_it_and_serves_nothing) {
+    char *dir = rk_test_tmpdir("store-fault-get");
+    chunk c;
+    chunk_make(&c, 610, 40, (1 << 20) + 4000); /* a body read in two pieces */
+    rk_store *s = open_store(dir, FP_A, 1);
+    ASSERT_OK(put_chunk(s, &c));
+    rk_store_payload p;
+    rk_store_fault_io(0);
+    ASSERT_OK(rk_store_get(s, c.key, &p));
+    int n_calls = rk_store_fault_io(0);
+    rk_store_payload_free(&p);
+    cr_assert_geq(n_calls, 5, "a get makes only %d I/O calls", n_calls);
+    int fds = count_fds();
+    for (int nth = 1; nth <= n_calls; nth++) {
+        rk_store_fault_io(nth);
+        rk_status st = rk_store_get(s, c.key, &p);
+        rk_store_fault_io(0);
+        cr_assert_eq(st, RK_ERR_IO, "I/O call %d of %d failed but the get gave %s", nth, n_calls,
+                     rk_status_str(st));
+        cr_assert(strstr(rk_error_message(), strerror(EIO)), "%s", rk_error_message());
+        cr_assert_null(p.tokens);
+        cr_assert_null(p.body);
+        cr_assert_eq(count_fds(), fds, "call %d: a file descriptor leaked", nth);
+        rk_store_counters st2 = stats_of(s);
+        cr_assert_eq(st2.dropped_on_load, 0, "an I/O error dropped a good payload");
+        cr_assert_eq(st2.quarantined, 0);
+        expect_consistent(s, dir, &c, 1);
+    }
+    rk_store_close(s);
+    chunk_free(&c);
+    rm_rf(dir);
+}
+
+Test(store_faults, io_errors_while_rebuilding_leave_the_files_for_the_next_open) {
+    char *dir = rk_test_tmpdir("store-fault-rebuild");
+    chunk c[N_REBUILD];
+    store_for_rebuild(dir, c);
+    remove_db(dir, 0);
+    rk_store_fault_io(1); /* the first payload read of the rebuild */
+    rk_store *s = open_store(dir, FP_A, 1);
+    rk_store_fault_io(0);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.unreadable, 1);
+    cr_assert_eq(st.rows_rebuilt, N_REBUILD - 1);
+    cr_assert_eq(st.quarantined, 0);
+    rk_store_close(s);
+    expect_rebuilt(dir, c); /* the next open finds the skipped one */
+    for (int i = 0; i < N_REBUILD; i++) chunk_free(&c[i]);
     rm_rf(dir);
 }

@@ -18,7 +18,16 @@
  * range of kv heads) -- whole kv entries stream from memory -- and a second
  * pass merges the partials (split-K). Every query vector's arithmetic is the
  * same whichever task, blocking or thread computes it, so the results do not
- * depend on the thread count, on the task split or on the block table. */
+ * depend on the thread count, on the task split or on the block table.
+ *
+ * Segments (rk_attn_batch): a sequence's kv range is a list of runs, each
+ * stored from a block of its own and carrying a position delta. A partition
+ * is walked run piece by run piece (tiles restart at a run's first entry);
+ * for a piece of a run with delta d != 0 the task's query vectors are
+ * replaced by copies rotated by -d, made when the walk enters the run (the
+ * cos/sin of each run are computed once per call). The online softmax state
+ * carries across pieces, so the softmax is over all runs. Without segments
+ * the walk is the single piece [p0, partition end) and nothing changes. */
 #include <math.h>
 #include <string.h>
 
@@ -46,7 +55,10 @@ typedef struct work {
     const float **kp, **vp; /* (TILE) f32 row segments of the current tile */
     float *kt, *vt;         /* (TILE, seg) widened segments for F16/BF16 caches */
     float *sc;              /* (nq, TILE + 8) scores, then probabilities */
-    const float **q;        /* (nq) query vectors */
+    const float **q;        /* (nq) query vectors the kernels read */
+    const float **q0;       /* (nq) the query vectors as given */
+    float *qr;              /* (nq, head_dim) q0 rotated for run qrun */
+    int qrun;               /* run whose rotation qr holds; -1: none */
     int *koff;              /* (nq) offset of the vector's kv head in a segment */
     int *lim;               /* (nq) visible entries per query vector */
     float *m, *l, *acc;     /* (nq), (nq), (nq, head_dim): partition state */
@@ -369,23 +381,24 @@ static void pv_vectors(work *w, int i, int j, int n, int hd) {
     }
 }
 
-/* Reduce the partition starting at p0 for the nq query vectors in w: vector i
- * sees entries [p0, min(p0 + PART, lim[i])). Sets w->m, w->l, w->acc (a vector
- * with an empty range is left at m = -inf, l = 0, acc = 0). */
-static void attn_partition(const kv_src *src, rk_dtype dt, int hd, float scale, int nq, int p0,
-                           work *w) {
-    int p_end = 0;
-    for (int i = 0; i < nq; i++) {
-        int e = w->lim[i] < p0 + PART ? w->lim[i] : p0 + PART;
-        if (e > p_end) p_end = e;
-        w->m[i] = -INFINITY;
-        w->l[i] = 0.0f;
-    }
-    memset(w->acc, 0, (size_t)nq * hd * sizeof(float));
-    for (int t0 = p0; t0 < p_end; t0 += TILE) {
-        int t1 = t0 + TILE < p_end ? t0 + TILE : p_end;
-        int n_next = p_end - t1 < TILE ? p_end - t1 : TILE;
-        gather(src, dt, t0, t1 - t0, n_next, w);
+/* The runs of one sequence (see rk_attn_batch), indexed from its first. */
+typedef struct seq_runs {
+    const int32_t *end;   /* (n) entry (exclusive) where run r ends */
+    const int32_t *delta; /* (n) */
+    const int32_t *block; /* (n) first table entry of run r */
+    const float *cs;      /* (n, n_rot): cos of the n_rot / 2 pairs, then sin, of -delta */
+    int n_rot;
+    rk_rope_pairing pairing;
+} seq_runs;
+
+/* Online-softmax pass of the nq query vectors over the entries [a, b) of the
+ * partition at p0, read from src with entry i at src's index i - base. */
+static void attn_tiles(const kv_src *src, rk_dtype dt, int hd, float scale, int nq, int p0, int a,
+                       int b, int base, work *w) {
+    for (int t0 = a; t0 < b; t0 += TILE) {
+        int t1 = t0 + TILE < b ? t0 + TILE : b;
+        int n_next = b - t1 < TILE ? b - t1 : TILE;
+        gather(src, dt, t0 - base, t1 - t0, n_next, w);
         /* scores, two vectors at a time where both see the tile and share a kv head */
         int pending = -1;
         for (int i = 0; i < nq; i++) {
@@ -421,6 +434,57 @@ static void attn_partition(const kv_src *src, rk_dtype dt, int hd, float scale, 
             pending = i;
         }
         if (pending >= 0) pv_vectors(w, pending, -1, tile_count(w, pending, p0, t0, t1), hd);
+    }
+}
+
+/* Point w->q at the query vectors to use against run r: the given ones for
+ * delta 0, else copies rotated by -delta (made once while the walk stays in
+ * the run). */
+static void use_run(const seq_runs *runs, int r, int nq, int hd, work *w) {
+    if (runs->delta[r] == 0) {
+        memcpy(w->q, w->q0, (size_t)nq * sizeof *w->q);
+        return;
+    }
+    if (w->qrun != r) {
+        const float *c = runs->cs + (size_t)r * runs->n_rot, *sn = c + runs->n_rot / 2;
+        for (int i = 0; i < nq; i++) {
+            float *x = w->qr + (size_t)i * hd;
+            memcpy(x, w->q0[i], (size_t)hd * sizeof(float));
+            rk_cpu_rotate_head(x, c, sn, runs->n_rot, runs->pairing);
+        }
+        w->qrun = r;
+    }
+    for (int i = 0; i < nq; i++) w->q[i] = w->qr + (size_t)i * hd;
+}
+
+/* Reduce the partition starting at p0 for the nq query vectors in w: vector i
+ * sees entries [p0, min(p0 + PART, lim[i])). Sets w->m, w->l, w->acc (a vector
+ * with an empty range is left at m = -inf, l = 0, acc = 0). runs NULL: the
+ * entries are packed in src's table; else walked run by run. */
+static void attn_partition(const kv_src *src, const seq_runs *runs, rk_dtype dt, int hd,
+                           float scale, int nq, int p0, work *w) {
+    int p_end = 0;
+    for (int i = 0; i < nq; i++) {
+        int e = w->lim[i] < p0 + PART ? w->lim[i] : p0 + PART;
+        if (e > p_end) p_end = e;
+        w->m[i] = -INFINITY;
+        w->l[i] = 0.0f;
+    }
+    memset(w->acc, 0, (size_t)nq * hd * sizeof(float));
+    if (!runs) {
+        attn_tiles(src, dt, hd, scale, nq, p0, p0, p_end, 0, w);
+        return;
+    }
+    int r = 0;
+    while (runs->end[r] <= p0) r++;
+    for (int a = p0; a < p_end; r++) {
+        int begin = r > 0 ? runs->end[r - 1] : 0;
+        int b = runs->end[r] < p_end ? runs->end[r] : p_end;
+        kv_src piece = *src;
+        piece.table = src->table + runs->block[r];
+        use_run(runs, r, nq, hd, w);
+        attn_tiles(&piece, dt, hd, scale, nq, p0, a, b, begin, w);
+        a = b;
     }
 }
 
@@ -472,7 +536,25 @@ typedef struct attn_ctx {
     const attn_task *tasks;
     const attn_task *merges;
     float *partials; /* per decode sequence: (n_kv_heads, n_parts, group, head_dim + 2) */
+    /* segments (paged only; seg_start NULL: none) */
+    const int32_t *seg_start, *seg_end, *seg_delta;
+    const rk_rope *rope;
+    int32_t *seg_block; /* (runs) first table entry of each run */
+    float *seg_cs;      /* (runs, n_rot) cos, sin of -delta per pair */
 } attn_ctx;
+
+/* The runs of sequence seq, or NULL when the batch has no segments. */
+static const seq_runs *make_runs(const attn_ctx *c, int seq, seq_runs *runs) {
+    if (!c->seg_start) return NULL;
+    int k0 = c->seg_start[seq];
+    runs->end = c->seg_end + k0;
+    runs->delta = c->seg_delta + k0;
+    runs->block = c->seg_block + k0;
+    runs->n_rot = c->rope ? c->rope->n_rot : 0;
+    runs->cs = c->seg_cs + (size_t)k0 * runs->n_rot;
+    runs->pairing = c->rope ? c->rope->pairing : RK_ROPE_NORMAL;
+    return runs;
+}
 
 static void make_src(const attn_ctx *c, int seq, int h0, int h1, kv_src *src) {
     size_t es = rk_dtype_size(c->dtype);
@@ -494,8 +576,8 @@ static void make_src(const attn_ctx *c, int seq, int h0, int h1, kv_src *src) {
 
 static size_t work_bytes(int nq, int seg, int hd) {
     size_t f =
-        2 * (size_t)TILE * seg + (size_t)nq * (TILE + 8) + 2 * (size_t)nq * hd + 4 * (size_t)nq;
-    return f * sizeof(float) + (2 * TILE + (size_t)nq) * sizeof(float *) +
+        2 * (size_t)TILE * seg + (size_t)nq * (TILE + 8) + 3 * (size_t)nq * hd + 4 * (size_t)nq;
+    return f * sizeof(float) + (2 * TILE + 2 * (size_t)nq) * sizeof(float *) +
            2 * (size_t)nq * sizeof(int) + 256;
 }
 
@@ -504,7 +586,9 @@ static void work_init(work *w, void *mem, int nq, int seg, int hd) {
     w->kp = pp;
     w->vp = pp + TILE;
     w->q = pp + 2 * TILE;
-    float *f = (float *)(pp + 2 * TILE + nq);
+    w->q0 = pp + 2 * TILE + nq;
+    w->qrun = -1;
+    float *f = (float *)(pp + 2 * TILE + 2 * nq);
     w->kt = f;
     f += (size_t)TILE * seg;
     w->vt = f;
@@ -523,6 +607,8 @@ static void work_init(work *w, void *mem, int nq, int seg, int hd) {
     f += (size_t)nq * hd;
     w->O = f;
     f += (size_t)nq * hd;
+    w->qr = f;
+    f += (size_t)nq * hd;
     w->lim = (int *)f;
     w->koff = w->lim + nq;
 }
@@ -538,6 +624,7 @@ static int setup_vectors(const attn_ctx *c, const attn_task *t, work *w) {
         for (int h = t->h0; h < t->h1; h++)
             for (int g = 0; g < c->group; g++) {
                 w->q[nq] = c->q + (row * c->n_heads + (size_t)h * c->group + g) * c->head_dim;
+                w->q0[nq] = w->q[nq];
                 w->koff[nq] = (h - t->h0) * c->head_dim;
                 w->lim[nq] = L - n_q + j + 1;
                 nq++;
@@ -554,9 +641,11 @@ static void task_run(void *p, int ti, int tid) {
     work_init(&w, rk_cpu_scratch(c->cpu, tid), c->nq_max, c->heads_max * hd, hd);
     kv_src src;
     make_src(c, t->seq, t->h0, t->h1, &src);
+    seq_runs runs_mem;
+    const seq_runs *runs = make_runs(c, t->seq, &runs_mem);
     int nq = setup_vectors(c, t, &w);
     if (t->part >= 0) { /* split-K: one partition, partials out */
-        attn_partition(&src, c->dtype, hd, c->scale, nq, t->part * PART, &w);
+        attn_partition(&src, runs, c->dtype, hd, c->scale, nq, t->part * PART, &w);
         int n_parts = (c->kv_len[t->seq] + PART - 1) / PART;
         for (int i = 0; i < nq; i++) {
             int h = t->h0 + i / G, g = i % G;
@@ -571,7 +660,7 @@ static void task_run(void *p, int ti, int tid) {
     int lmax = 0;
     for (int i = 0; i < nq; i++) lmax = w.lim[i] > lmax ? w.lim[i] : lmax;
     for (int p0 = 0; p0 < lmax; p0 += PART) {
-        attn_partition(&src, c->dtype, hd, c->scale, nq, p0, &w);
+        attn_partition(&src, runs, c->dtype, hd, c->scale, nq, p0, &w);
         for (int i = 0; i < nq; i++)
             if (p0 < w.lim[i])
                 merge_part(&w.M[i], &w.S[i], w.O + (size_t)i * hd, w.m[i], w.l[i],
@@ -606,6 +695,29 @@ static void merge_run(void *p, int ti, int tid) {
         size_t qi = row * c->n_heads + (size_t)t->h0 * G + g;
         finish(c->out + qi * hd, c->lse ? c->lse + qi : NULL, w.M[g], w.S[g], w.O + (size_t)g * hd,
                hd);
+    }
+}
+
+/* Fill seg_block (runs packed in the table, each from a block of its own) and
+ * seg_cs: per pair i the cos and sin of -(float)delta * freq[i], the inverse
+ * of the rotation rope_shift_copy applies for delta, built from the same
+ * angle. */
+static void plan_runs(attn_ctx *c, int n_seqs, int n_rot) {
+    int bs = c->kv->block_size, half = n_rot / 2;
+    for (int s = 0; s < n_seqs; s++) {
+        int32_t block = 0, begin = 0;
+        for (int32_t k = c->seg_start[s]; k < c->seg_start[s + 1]; k++) {
+            c->seg_block[k] = block;
+            block += (c->seg_end[k] - begin + bs - 1) / bs;
+            begin = c->seg_end[k];
+            if (c->seg_delta[k] == 0) continue;
+            float fd = (float)c->seg_delta[k], *cs = c->seg_cs + (size_t)k * n_rot;
+            for (int i = 0; i < half; i++) {
+                float a = fd * c->rope->freq[i];
+                cs[i] = cosf(a);
+                cs[half + i] = -sinf(a);
+            }
+        }
     }
 }
 
@@ -645,13 +757,22 @@ static rk_status attn_run(attn_ctx *c, int n_seqs) {
     c->nq_max = rows_per * G > c->heads_max * G ? rows_per * G : c->heads_max * G;
     size_t task_bytes = (n_tasks + n_merges) * sizeof(attn_task);
     task_bytes = (task_bytes + 63) / 64 * 64;
+    size_t n_runs = c->seg_start ? (size_t)c->seg_start[n_seqs] : 0;
+    int n_rot = c->rope ? c->rope->n_rot : 0;
+    size_t run_bytes = n_runs * (sizeof(int32_t) + (size_t)n_rot * sizeof(float));
     void *mem;
-    rk_status st = rk_cpu_reserve_shared(cpu, task_bytes + n_partials * sizeof(float), &mem);
+    rk_status st =
+        rk_cpu_reserve_shared(cpu, task_bytes + n_partials * sizeof(float) + run_bytes, &mem);
     if (st != RK_OK) return st;
     st = rk_cpu_reserve_scratch(cpu, work_bytes(c->nq_max, c->heads_max * hd, hd));
     if (st != RK_OK) return st;
     attn_task *tasks = mem, *merges = tasks + n_tasks;
     c->partials = (float *)((unsigned char *)mem + task_bytes);
+    if (n_runs) {
+        c->seg_cs = c->partials + n_partials;
+        c->seg_block = (int32_t *)(c->seg_cs + n_runs * n_rot);
+        plan_runs(c, n_seqs, n_rot);
+    }
 
     size_t ti = 0, mi = 0, off = 0;
     for (int s = 0; s < n_seqs; s++) {
@@ -706,6 +827,10 @@ rk_status rk_cpu_attention(rk_backend *be, float *out, float *lse, const float *
     c.n_heads = n_heads;
     c.group = n_heads / kv->n_kv_heads;
     c.scale = scale;
+    c.seg_start = batch->seg_start;
+    c.seg_end = batch->seg_end;
+    c.seg_delta = batch->seg_delta;
+    c.rope = batch->rope;
     return attn_run(&c, batch->n_seqs);
 }
 

@@ -578,6 +578,10 @@ static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const fl
     rk_cuda *cu = cu_of(be);
     rk_status st = rk_attn_check_batch(kv, layer, batch, n_heads);
     if (st != RK_OK) return st;
+    if (batch->seg_start)
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "attention: segmented block tables (position-shifted chunk reuse) are "
+                         "not supported on CUDA; reindex with rope_shift_copy instead");
     int max_kv = 0; /* the longest kv range: no block is read when it is 0 */
     for (int s = 0; s < batch->n_seqs; s++)
         if (batch->kv_len[s] > max_kv) max_kv = batch->kv_len[s];
