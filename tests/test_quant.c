@@ -310,6 +310,36 @@ Test(quant, the_prefill_path_matches_dequantized_f32_for_every_type) {
     }
 }
 
+/* Activations are quantized per block of 32 to d = max|x| / 127 and
+ * q = x / d rounded to nearest even, whatever instruction set does it. */
+Test(quant, activations_quantize_to_the_nearest_step_of_their_block) {
+    int k = 4096;
+    float *x = malloc((size_t)k * sizeof *x);
+    rk_q8_block *q = malloc((size_t)k / 32 * sizeof *q);
+    cr_assert(x && q);
+    for (int i = 0; i < k; i++) x[i] = frand() * (float)(1 + i / 512);
+    for (int i = 0; i < 32; i++) x[64 + i] = 0.0f; /* an all-zero block */
+    /* d = 1 here, so the others sit halfway between two steps: ties go to even */
+    for (int i = 0; i < 31; i++) x[128 + i] = (float)(i - 16) + 0.5f;
+    x[128 + 31] = 127.0f;
+    rk_cpu_quantize_act(q, x, k);
+    for (int b = 0; b < k / 32; b++) {
+        float amax = 0;
+        for (int l = 0; l < 32; l++) amax = fmaxf(amax, fabsf(x[32 * b + l]));
+        float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+        cr_assert_eq(q[b].d, d, "block %d: d %g, want %g", b, q[b].d, d);
+        int sum = 0;
+        for (int l = 0; l < 32; l++) {
+            int want = (int)lrintf(x[32 * b + l] * id);
+            cr_assert_eq(q[b].q[l], want, "block %d [%d]: %d, want %d", b, l, q[b].q[l], want);
+            sum += want;
+        }
+        cr_assert_eq(q[b].sum, sum, "block %d", b);
+    }
+    free(x);
+    free(q);
+}
+
 /* The SIMD kernels compute the same integer sums as the portable ones; only
  * the f32 accumulation order differs. */
 Test(quant, simd_kernels_agree_with_portable_ones) {

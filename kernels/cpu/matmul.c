@@ -25,8 +25,9 @@
 
 #include "kernels/cpu/cpu.h"
 
-#define BLAS_MIN_N    32 /* n from which sgemm beats the matvec kernel (measured: 24-32) */
-#define ROWS_PER_TASK 64 /* rows of w per matvec task (a multiple of 4) */
+#define BLAS_MIN_N       32 /* n from which sgemm beats the matvec kernel (measured: 24-32) */
+#define ROWS_PER_TASK    64 /* rows of w per matvec task (a multiple of 4) */
+#define QUANT_POOL_MIN_N 4  /* rows of x from which their int8 quantization runs on the pool */
 
 /* Return 1 when matmul takes the BLAS path for this shape (n alone decides). */
 int rk_cpu_matmul_uses_blas(int n, int k, int m, rk_dtype wtype) {
@@ -121,7 +122,7 @@ typedef struct mv_ctx {
     const void *w;
     rk_dtype wtype;
     int n, k, m;
-    const rk_q8_block *xq; /* quantized weights: x quantized, (n, k / 32) */
+    rk_q8_block *xq; /* quantized weights: x quantized, (n, k / 32) */
     rk_qdot_fn qdot;
 } mv_ctx;
 
@@ -151,6 +152,14 @@ static void mv_rows_quant(const mv_ctx *c, int r0, int r1) {
         for (int i = 0; i < c->n; i++)
             c->y[(size_t)i * c->m + r] = c->qdot(wr, c->xq + (size_t)i * nb, c->k);
     }
+}
+
+/* Task: quantize row i of x into c->xq. */
+static void quant_row(void *p, int i, int tid) {
+    (void)tid;
+    const mv_ctx *c = p;
+    size_t nb = (size_t)c->k / 32;
+    rk_cpu_quantize_act(c->xq + (size_t)i * nb, c->x + (size_t)i * c->k, c->k);
 }
 
 static void mv_task(void *p, int task, int tid) {
@@ -249,9 +258,12 @@ rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w,
         void *xq;
         rk_status st = rk_cpu_reserve_shared(cpu, (size_t)n * nb * sizeof(rk_q8_block), &xq);
         if (st != RK_OK) return st;
-        for (int i = 0; i < n; i++)
-            rk_cpu_quantize_act((rk_q8_block *)xq + (size_t)i * nb, x + (size_t)i * k, k);
         c.xq = xq;
+        /* A few rows are quicker quantized here than handed to the pool. */
+        if (n < QUANT_POOL_MIN_N)
+            for (int i = 0; i < n; i++) quant_row(&c, i, 0);
+        else
+            rk_threadpool_run(cpu->pool, n, quant_row, &c);
         c.qdot = rk_cpu_qdot_fn(wtype);
     }
     rk_threadpool_run(cpu->pool, (m + ROWS_PER_TASK - 1) / ROWS_PER_TASK, mv_task, &c);

@@ -265,8 +265,38 @@ void rk_quantize(void *dst, const float *src, rk_dtype t, size_t n) {
 
 /* ---------------------------------------------------------------- activations */
 
+/* The AVX2 loop computes the same bits as the scalar one: the same max,
+ * scale and products, and _mm256_cvtps_epi32 rounds to nearest even as
+ * lrintf does in the default rounding mode. */
 void rk_cpu_quantize_act(rk_q8_block *dst, const float *x, int k) {
     for (int b = 0; b < k / QK; b++, x += QK) {
+#ifdef __AVX2__
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int u = 0; u < 4; u++) {
+            v[u] = _mm256_loadu_ps(x + 8 * u);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[u]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float amax = _mm_cvtss_f32(m4);
+        float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+        __m256i q[4];
+        for (int u = 0; u < 4; u++)
+            q[u] = _mm256_cvtps_epi32(_mm256_mul_ps(v[u], _mm256_set1_ps(id)));
+        __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        /* packs work within 128-bit lanes: undo the interleave at the end */
+        __m256i p =
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)dst[b].q, p);
+        dst[b].d = d;
+        dst[b].sum = _mm_cvtsi128_si32(s4);
+#else
         float amax = 0;
         for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(x[l]));
         float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
@@ -278,6 +308,7 @@ void rk_cpu_quantize_act(rk_q8_block *dst, const float *x, int k) {
         }
         dst[b].d = d;
         dst[b].sum = sum;
+#endif
     }
 }
 
