@@ -1,4 +1,4 @@
-/* tests/bench_chunkcache.c — what the chunk cache buys on one RAG request:
+/* bench/bench_chunkcache.c — what the chunk cache buys on one RAG request:
  * TTFT of plain prefill, of the first request (every chunk a miss), of the
  * second (every chunk a hit) and of the oracle (chunks fresh at their live
  * positions), and the reindex time per 4K tokens.
@@ -130,7 +130,7 @@ int main(int argc, char **argv) {
     rag.max_tokens = 1;
     rag.sampling.temperature = 0;
     rk_req_options plain = rag, oracle = rag;
-    plain.mode_plain = 1;
+    plain.mode = RK_MODE_PLAIN;
     plain.prefix_cache = 0;
     oracle.chunk_cache = 0;
     rk_request r;
@@ -144,7 +144,7 @@ int main(int argc, char **argv) {
     int chunk_total = 0;
     for (int k = 0; k < r.n_chunks; k++) chunk_total += r.chunk_lens[k];
     int hits = 0;
-    for (int k = 0; k < r.n_chunks; k++) hits += !strcmp(r.chunk_reports[k].status, "hit");
+    for (int k = 0; k < r.n_chunks; k++) hits += r.chunk_reports[k].status == RK_CHUNK_STATUS_HIT;
     int computed = r.computed_tokens;
     rk_request_free(&r);
     double t_oracle = run(svc, prompt, oracle, &r);

@@ -1,4 +1,4 @@
-/* tests/bench_engine.c — CPU engine throughput against what the machine can
+/* bench/bench_engine.c — CPU engine throughput against what the machine can
  * do: prefill tokens/s on a 512-token prompt next to the GFLOP/s that
  * OpenBLAS sgemm alone reaches at a matching shape, and decode tokens/s next
  * to the bound set by memory bandwidth (weight bytes per token / GB/s).

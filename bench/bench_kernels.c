@@ -1,4 +1,4 @@
-/* tests/bench_kernels.c — throughput of the CPU backend's hot ops, printed as
+/* bench/bench_kernels.c — throughput of the CPU backend's hot ops, printed as
  * a table (a program, not a test):
  *   (a) GEMM: cblas_sgemm and our matmul (F32 and BF16 weights) at
  *       (512 x 1024) . (1024 x 3072);

@@ -1,4 +1,4 @@
-/* tests/bench_repair.c — how close each repair policy brings a cached RAG
+/* bench/bench_repair.c — how close each repair policy brings a cached RAG
  * request to the full-attention result, for the tokens it recomputes.
  *
  *   bench_repair [--model F.gguf] [--steps N] [--threads N]
@@ -117,7 +117,7 @@ int main(int argc, char **argv) {
     base.sampling.temperature = 0;
     base.stop_at_eog = 0;
     rk_req_options plain = base;
-    plain.mode_plain = 1;
+    plain.mode = RK_MODE_PLAIN;
     plain.prefix_cache = 0;
     run_out ref = {.steps = steps}, none = {.steps = steps};
     int rc = 0;

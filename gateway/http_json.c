@@ -16,6 +16,20 @@
 
 /* ---------------------------------------------------------------- errors */
 
+int rk_http_status_of(rk_status st) {
+    switch (st) {
+    case RK_OK: return 200;
+    case RK_ERR_INVALID:
+    case RK_ERR_UNSUPPORTED:
+    case RK_ERR_FORMAT: return 400;
+    case RK_ERR_NOT_FOUND: return 404;
+    case RK_ERR_LIMIT: return 422;
+    case RK_ERR_EXHAUSTED:
+    case RK_ERR_BUSY: return 503;
+    default: return 500;
+    }
+}
+
 const char *rk_http_error_type(int status) {
     switch (status) {
     case 400: return "invalid_request";
@@ -291,8 +305,8 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     o->sampling.top_k = (int)top_k;
     o->sampling.seed = (uint64_t)seed;
     o->stop_at_eog = !ignore_eos;
-    o->mode_plain = plain;
-    o->context_system = ctx;
+    o->mode = plain ? RK_MODE_PLAIN : RK_MODE_RAG;
+    o->chunk_context = ctx ? RK_CONTEXT_SYSTEM : RK_CONTEXT_ISOLATED;
     o->positions = pos ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
     /* Plain mode is the no-cache reference unless asked otherwise (as `ragkv generate`). */
     o->prefix_cache = prefix >= 0 ? prefix : !plain;

@@ -8,6 +8,33 @@
 #include "pipeline/pipeline.h"
 #include "gateway/report.h"
 
+const char *rk_finish_reason_name(rk_finish_reason f) {
+    switch (f) {
+    case RK_FINISH_STOP: return "stop";
+    case RK_FINISH_CANCELLED: return "cancelled";
+    case RK_FINISH_LENGTH: break;
+    }
+    return "length";
+}
+
+const char *rk_chunk_status_name(rk_chunk_status s) {
+    switch (s) {
+    case RK_CHUNK_STATUS_HIT: return "hit";
+    case RK_CHUNK_STATUS_MISS: return "miss";
+    case RK_CHUNK_STATUS_OFF: break;
+    }
+    return "off";
+}
+
+const char *rk_chunk_source_name(rk_chunk_source s) {
+    switch (s) {
+    case RK_CHUNK_SOURCE_ARENA: return "arena";
+    case RK_CHUNK_SOURCE_DISK: return "disk";
+    case RK_CHUNK_SOURCE_COMPUTED: break;
+    }
+    return "computed";
+}
+
 static json_t *timings_json(const rk_request *r) {
     const rk_req_timings *t = &r->t;
     /* Throughputs: prompt tokens computed per second of prefill work (chunk
@@ -29,8 +56,8 @@ json_t *rk_report_ragkv(const rk_request *r) {
         const rk_chunk_report *c = &r->chunk_reports[k];
         json_array_append_new(chunks, json_pack("{s:i, s:s, s:i, s:s, s:s, s:i, s:f, s:i}", "index",
                                                 k, "key", c->key, "tokens", c->tokens, "status",
-                                                c->status ? c->status : "off", "source",
-                                                c->source ? c->source : "computed", "live_offset",
+                                                rk_chunk_status_name(c->status), "source",
+                                                rk_chunk_source_name(c->source), "live_offset",
                                                 c->live_offset, "reindex_us", c->reindex_us,
                                                 "recomputed_tokens", c->repaired));
     }
@@ -90,8 +117,9 @@ json_t *rk_report_completion(const rk_tokenizer *tok, const rk_request *r, const
                              long created, const char *model) {
     char *text = NULL;
     if (rk_report_text(tok, r, &text)) return NULL;
-    json_t *choice = json_pack("{s:i, s:s, s:s, s:o}", "index", 0, "text", text, "finish_reason",
-                               r->finish_reason, "logprobs", logprobs_json(tok, r));
+    json_t *choice =
+        json_pack("{s:i, s:s, s:s, s:o}", "index", 0, "text", text, "finish_reason",
+                  rk_finish_reason_name(r->finish_reason), "logprobs", logprobs_json(tok, r));
     free(text);
     return json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o, s:o}", "id", id, "object", "text_completion",
                      "created", (json_int_t)created, "model", model, "choices", choice, "usage",

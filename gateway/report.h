@@ -7,6 +7,11 @@
 #include "gateway/gateway.h"
 #include "pipeline/pipeline.h"
 
+/* The API's names of the pipeline's enums. */
+const char *rk_finish_reason_name(rk_finish_reason f);
+const char *rk_chunk_status_name(rk_chunk_status s);
+const char *rk_chunk_source_name(rk_chunk_source s);
+
 /* The generated text, decoded and made valid UTF-8 (malloc'ed). */
 rk_status rk_report_text(const rk_tokenizer *tok, const rk_request *r, char **out);
 /* The `usage` object and the `ragkv` extension object (new references). */

@@ -36,6 +36,7 @@
 #include "pipeline/pipeline.h"
 #include "gateway/report.h"
 #include "gateway/stats.h"
+#include "engine/tokenizer.h"
 
 #define EXIT_USAGE 2
 
@@ -126,13 +127,6 @@ static void opts_defaults(serve_opts *o) {
     o->grace_s = 5;
     o->request_timeout_s = 10;
     snprintf(o->log_level, sizeof o->log_level, "warn");
-}
-
-static int parse_log_level(const char *s) {
-    static const char *names[] = {"debug", "info", "warn", "error"};
-    for (int i = 0; i < 4; i++)
-        if (!strcmp(s, names[i])) return i;
-    return -1;
 }
 
 /* ================================================================ the server */
@@ -249,20 +243,6 @@ static void send_errorf(req_ctx *rc, int status, const char *fmt, ...) {
     vsnprintf(e.message, sizeof e.message, fmt, ap);
     va_end(ap);
     send_error(rc, &e);
-}
-
-/* HTTP status for a failure of a lower layer. */
-static int http_status_of(rk_status st) {
-    switch (st) {
-    case RK_ERR_INVALID:
-    case RK_ERR_UNSUPPORTED:
-    case RK_ERR_FORMAT: return 400;
-    case RK_ERR_NOT_FOUND: return 404;
-    case RK_ERR_LIMIT: return 422;
-    case RK_ERR_EXHAUSTED:
-    case RK_ERR_BUSY: return 503;
-    default: return 500;
-    }
 }
 
 /* ---------------------------------------------------------------- request bodies */
@@ -466,29 +446,6 @@ static void gt_feed(gen_text *g, const int32_t *tokens, int n) {
     }
 }
 
-/* Length of the valid UTF-8 character at s (n bytes left): 0 when invalid;
- * -1 when the bytes are the start of a character cut short. */
-static int utf8_char(const unsigned char *s, size_t n) {
-    unsigned c = s[0], cp, min;
-    int len;
-    if (c < 0x80) return c ? 1 : 0;
-    if ((c & 0xE0) == 0xC0)
-        len = 2, min = 0x80, cp = c & 0x1F;
-    else if ((c & 0xF0) == 0xE0)
-        len = 3, min = 0x800, cp = c & 0x0F;
-    else if ((c & 0xF8) == 0xF0)
-        len = 4, min = 0x10000, cp = c & 0x07;
-    else
-        return 0;
-    for (int i = 1; i < len; i++) {
-        if ((size_t)i >= n) return -1;
-        if ((s[i] & 0xC0) != 0x80) return 0;
-        cp = (cp << 6) | (s[i] & 0x3F);
-    }
-    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
-    return len;
-}
-
 /* The next piece of text that is final (malloc'ed, valid UTF-8; NULL when
  * nothing new). final: the generation is over, send the rest. */
 static char *gt_take(gen_text *g, int final) {
@@ -501,7 +458,8 @@ static char *gt_take(gen_text *g, int final) {
     } else {
         const unsigned char *s = (const unsigned char *)g->raw;
         while (end < limit) {
-            int l = utf8_char(s + end, g->len - end);
+            uint32_t cp;
+            int l = rk_utf8_decode(s + end, g->len - end, &cp);
             if (l < 0) break;  /* wait for the rest of the character */
             if (l == 0) l = 1; /* an invalid byte: becomes U+FFFD on its own */
             if (end + (size_t)l > limit) break;
@@ -574,7 +532,7 @@ static json_t *chunk_event(gen *g, const char *text, int first) {
 
 static const char *finish_reason(gen *g) {
     if (g->text.stop_at >= 0) return "stop";
-    return g->job->req.finish_reason ? g->job->req.finish_reason : "length";
+    return rk_finish_reason_name(g->job->req.finish_reason);
 }
 
 /* The final object: a whole response, or the last streamed event (text is
@@ -650,9 +608,8 @@ static void log_generation(gen *g) {
     rk_request *r = &g->job->req;
     int hits = 0, misses = 0;
     for (int k = 0; k < r->n_chunks; k++) {
-        const char *s = r->chunk_reports[k].status;
-        hits += s && !strcmp(s, "hit");
-        misses += s && !strcmp(s, "miss");
+        hits += r->chunk_reports[k].status == RK_CHUNK_STATUS_HIT;
+        misses += r->chunk_reports[k].status == RK_CHUNK_STATUS_MISS;
     }
     snprintf(g->rc->detail, sizeof g->rc->detail,
              " prompt_tokens=%d cached_tokens=%d completion_tokens=%d chunks=%d hits=%d misses=%d "
@@ -666,7 +623,7 @@ static void respond_generation(gen *g) {
     rk_job *j = g->job;
     req_ctx *rc = g->rc;
     if (!j->ran || j->status) {
-        int status = !j->ran ? 503 : http_status_of(j->status);
+        int status = !j->ran ? 503 : rk_http_status_of(j->status);
         char msg[400];
         if (g->timed_out && !j->ran)
             snprintf(msg, sizeof msg, "the request waited longer than the timeout (%g s)",
@@ -755,7 +712,7 @@ static void prep_generation(void *arg) {
     rk_error_clear();
     rk_status st = rk_request_prepare(svc, &g->api.pieces, &g->job->req);
     if (st) {
-        rk_http_errorf(err, http_status_of(st), "%s", rk_error_message());
+        rk_http_errorf(err, rk_http_status_of(st), "%s", rk_error_message());
         return;
     }
     if (g->api.chunk_ids && g->job->req.n_chunks == g->api.pieces.n_chunks)
@@ -1092,7 +1049,7 @@ static rk_status prewarm_request(rk_service *svc, const int32_t *sys, int n_sys,
     }
     rk_req_options_default(&r->opt);
     r->opt.max_tokens = 0;
-    r->opt.context_system = context_system;
+    r->opt.chunk_context = context_system ? RK_CONTEXT_SYSTEM : RK_CONTEXT_ISOLATED;
     r->opt.prefix_cache = context_system;
     r->sys = malloc((size_t)(n_sys + 1) * sizeof *r->sys);
     r->chunks = calloc(1, sizeof *r->chunks);
@@ -1157,7 +1114,7 @@ static void prep_prewarm(void *arg) {
     rk_status st = RK_OK;
     if (p->pw.context_system && *p->pw.system &&
         (st = rk_tokenizer_encode(tok, p->pw.system, strlen(p->pw.system), 1, &ids, &n_ids))) {
-        rk_http_errorf(&p->err, http_status_of(st), "system: %s", rk_error_message());
+        rk_http_errorf(&p->err, rk_http_status_of(st), "system: %s", rk_error_message());
         return;
     }
     int32_t *sys = malloc((n_ids + 1) * sizeof *sys);
@@ -1208,7 +1165,7 @@ static int handle_prewarm(req_ctx *rc) {
     char msg[320];
     rk_status st = run_command(rc, prewarm_fn, &p.cmd, 0, msg, sizeof msg);
     if (st) {
-        send_errorf(rc, http_status_of(st), "%s", msg);
+        send_errorf(rc, rk_http_status_of(st), "%s", msg);
         goto done;
     }
     json_t *data = json_array();
@@ -1226,11 +1183,8 @@ static int handle_prewarm(req_ctx *rc) {
         } else { /* system context: one request per chunk */
             rk_request *r = p.cmd.reqs[i];
             if (p.cmd.res[i].status == RK_OK && r) {
-                const char *src = r->chunk_reports[0].source;
-                status = r->chunk_reports[0].status && !strcmp(r->chunk_reports[0].status, "hit")
-                             ? "cached"
-                             : "computed";
-                tier = src && !strcmp(src, "disk") ? "disk" : "arena";
+                status = r->chunk_reports[0].status == RK_CHUNK_STATUS_HIT ? "cached" : "computed";
+                tier = r->chunk_reports[0].source == RK_CHUNK_SOURCE_DISK ? "disk" : "arena";
             } else {
                 error = p.cmd.res[i].error;
             }
@@ -1315,7 +1269,7 @@ static int handle_list(req_ctx *rc) {
     free(l.v);
     if (st) {
         json_decref(l.out);
-        return send_errorf(rc, http_status_of(st), "%s", msg), 0;
+        return send_errorf(rc, rk_http_status_of(st), "%s", msg), 0;
     }
     send_json(rc, 200, l.out);
     return 0;
@@ -1331,7 +1285,7 @@ static int handle_chunk_key(req_ctx *rc, const char *hex, int del) {
     rk_status st = run_command(rc, del ? delete_fn : get_fn, &k, 1, msg, sizeof msg);
     if (st) {
         json_decref(k.out);
-        int status = st == RK_ERR_BUSY ? 409 : http_status_of(st);
+        int status = st == RK_ERR_BUSY ? 409 : rk_http_status_of(st);
         return send_errorf(rc, status, "%s", msg), 0;
     }
     if (del)
@@ -1360,7 +1314,7 @@ static int handle_flush(req_ctx *rc) {
     if (!ready_service(rc->S)) return send_not_ready(rc), 0;
     char msg[320];
     if ((st = run_command(rc, flush_fn, &f, 1, msg, sizeof msg)))
-        return send_errorf(rc, http_status_of(st), "%s", msg), 0;
+        return send_errorf(rc, rk_http_status_of(st), "%s", msg), 0;
     send_json(rc, 200,
               json_pack("{s:{s:i, s:I, s:I, s:I}}", "flushed", "chunks", f.chunks, "prefix_nodes",
                         (json_int_t)f.prefix_nodes, "prefix_tokens", (json_int_t)f.prefix_tokens,
@@ -1786,7 +1740,7 @@ static int parse_args(int argc, char **argv, serve_opts *o, int *print_config, i
             goto fail;
         }
     }
-    if (parse_log_level(o->log_level) < 0) {
+    if (rk_log_level_parse(o->log_level) < 0) {
         fprintf(stderr, "ragkv serve: log_level must be debug, info, warn or error, got '%s'\n",
                 o->log_level);
         goto fail;
@@ -1845,7 +1799,7 @@ int rk_serve_main(int argc, char **argv) {
         free(S);
         return s ? 0 : EXIT_FAILURE;
     }
-    rk_log_set_level((rk_log_level)parse_log_level(o->log_level));
+    rk_log_set_level((rk_log_level)rk_log_level_parse(o->log_level));
 
     /* Signals: every thread created from here on blocks them; main waits for them. */
     sigset_t sigs;

@@ -336,16 +336,28 @@ rk_status rk_kv_check_write_slots(const rk_kv_cache *kv, const int32_t *slots, i
     return RK_OK;
 }
 
+/* The rotated dimensions of rope fit a head of head_dim. */
+static rk_status check_n_rot(const rk_rope *rope, int head_dim, const char *op) {
+    if (rope->n_rot <= 0 || (rope->n_rot & 1) || rope->n_rot > head_dim ||
+        rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
+        return rk_errorf(RK_ERR_INVALID, "%s: n_rot %d does not fit head_dim %d", op, rope->n_rot,
+                         head_dim);
+    return RK_OK;
+}
+
+rk_status rk_rope_check(int n_tokens, int n_heads, int head_dim, const rk_rope *rope) {
+    if (n_tokens < 0 || n_heads <= 0 || head_dim <= 0)
+        return rk_errorf(RK_ERR_INVALID, "rope: bad shape %d x %d x %d", n_tokens, n_heads,
+                         head_dim);
+    return check_n_rot(rope, head_dim, "rope");
+}
+
 rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *rope) {
     rk_status st = check_cache(kv, "rope_shift_copy");
     if (st != RK_OK) return st;
     if (n_tokens < 0)
         return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_tokens %d < 0", n_tokens);
-    if (rope->n_rot <= 0 || (rope->n_rot & 1) || rope->n_rot > kv->head_dim ||
-        rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
-        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_rot %d does not fit head_dim %d",
-                         rope->n_rot, kv->head_dim);
-    return RK_OK;
+    return check_n_rot(rope, kv->head_dim, "rope_shift_copy");
 }
 
 rk_status rk_kv_check_shift_slots(const rk_kv_cache *kv, const int32_t *src_slots,

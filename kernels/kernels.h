@@ -234,6 +234,9 @@ rk_status rk_kv_check_write(const rk_kv_cache *kv, int layer, int n_tokens);
  * named twice; tmp (n_tokens). */
 rk_status rk_kv_check_write_slots(const rk_kv_cache *kv, const int32_t *slots, int n_tokens,
                                   int32_t *tmp);
+/* rope over (n_tokens, n_heads, head_dim): n_tokens >= 0, n_heads and
+ * head_dim > 0, n_rot even and within head_dim. */
+rk_status rk_rope_check(int n_tokens, int n_heads, int head_dim, const rk_rope *rope);
 /* rope_shift_copy: a well-formed cache, n_tokens >= 0, n_rot fits head_dim. */
 rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *rope);
 /* rope_shift_copy slots: all in range, no destination twice, no slot both a

@@ -1,6 +1,7 @@
 /* pipeline/pipeline.c — see pipeline.h.
  *
- * A batch goes through up to three prefill passes, then decoding:
+ * Requests admitted together go through up to three prefill passes (one
+ * function per stage, top to bottom under "admission stages"):
  *   pass 1: every system-prompt tail the prefix cache did not have; every
  *           missing chunk of the `isolated` context, alone at positions
  *           0..n-1 into its entry's chunk-pool blocks; every oracle chunk
@@ -9,8 +10,10 @@
  *           that shares the request's system KV, copied into their entries;
  *   copy:   one rope_shift_copy moves every chunk's KV into the request's
  *           live blocks (cached ones rotated by live offset - base);
- *   pass 3: the questions (the first decode step), with logits;
- * then one pass per generated token for every unfinished request. */
+ *   repair: chunk tokens recomputed over the merged cache (optional);
+ *   pass 3: the questions, with logits: each request's first token.
+ * Then they run: each rk_pipeline_step is one pass of one token for every
+ * running request, whenever it was admitted, and the finished leave. */
 #include "pipeline/pipeline.h"
 
 #include <math.h>
@@ -46,6 +49,7 @@ struct rk_req_state {
     int next_pos;       /* position of the next token to feed */
     rk_sampler sampler;
     int done;
+    int hook_index; /* the hooks' req: its rank in admission order */
     double t_start;
 };
 
@@ -390,7 +394,7 @@ static int by_score_desc(const void *a, const void *b) {
 }
 
 static int wants_deviation(const rk_request *r, const rk_hparams *hp) {
-    return r->opt.repair_ratio > 0 && !r->opt.mode_plain && r->n_chunks > 0 &&
+    return r->opt.repair_ratio > 0 && r->opt.mode == RK_MODE_RAG && r->n_chunks > 0 &&
            hp->n_layers > DEVIATION_LAYER;
 }
 
@@ -497,9 +501,9 @@ static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int 
 
 /* Write a freshly computed entry through to the disk tier. A failed write is
  * logged and counted by the store; serving goes on from the arena. */
-static void persist(rk_service *svc, const rk_chunk_entry *e, int context_system) {
+static void persist(rk_service *svc, const rk_chunk_entry *e, rk_chunk_context context) {
     if (!svc->store) return;
-    if (rk_persist_write(svc, e, context_system ? "system" : "isolated", NULL))
+    if (rk_persist_write(svc, e, context == RK_CONTEXT_SYSTEM ? "system" : "isolated", NULL))
         RK_LOG_WARN("chunk not persisted: %s", rk_error_message());
 }
 
@@ -547,14 +551,14 @@ static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_tabl
 static void chunk_policy(rk_service *svc, const rk_request *r, rk_chunk_policy *p) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
     *p = (rk_chunk_policy){.fingerprint = rk_model_fingerprint(svc->model),
-                           .context_system = r->opt.context_system,
+                           .context_system = r->opt.chunk_context == RK_CONTEXT_SYSTEM,
                            .kv_dtype = rk_arena_kv(svc->arena)->dtype,
                            .rope_theta = hp->rope.theta,
                            .rope_factor = hp->rope.factor,
                            .rope_n_rot = hp->rope.n_rot,
                            .rope_pairing = (int)hp->rope.pairing,
                            .rope_scaling = (int)hp->rope.scaling};
-    if (r->opt.context_system) p->system_key = rk_tokens_hash(r->sys, r->n_sys);
+    if (p->context_system) p->system_key = rk_tokens_hash(r->sys, r->n_sys);
 }
 
 /* Look up every chunk; queue the work each needs for pass 1. */
@@ -564,16 +568,17 @@ static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
     rk_chunk_policy policy;
     chunk_policy(svc, r, &policy);
     rk_status st;
+    int after_system = r->opt.chunk_context == RK_CONTEXT_SYSTEM;
     for (int k = 0; k < r->n_chunks; k++) {
         rk_chunk_report *rep = &r->chunk_reports[k];
         rep->tokens = r->chunk_lens[k];
         rep->live_offset = s->layout.pos[k];
         if (!r->opt.chunk_cache) {
             /* The oracle: fresh at the live position, seeing what a cached chunk sees. */
-            rep->status = "off";
-            rep->source = "computed";
+            rep->status = RK_CHUNK_STATUS_OFF;
+            rep->source = RK_CHUNK_SOURCE_COMPUTED;
             scratch *sc = &s->scratch[k];
-            int n_ctx = r->opt.context_system ? r->n_sys : 0;
+            int n_ctx = after_system ? r->n_sys : 0;
             int n = n_ctx + r->chunk_lens[k];
             const int32_t *toks = r->chunks[k];
             if (n_ctx) {
@@ -594,7 +599,7 @@ static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
         }
         rk_chunk_key key = rk_chunk_key_compute(&policy, r->chunks[k], r->chunk_lens[k]);
         rk_chunk_key_hex(key, rep->key);
-        int base = r->opt.context_system ? r->n_sys : 0;
+        int base = after_system ? r->n_sys : 0;
         if ((st = rk_chunk_index_acquire(svc->chunks, key, r->chunks[k], r->chunk_lens[k], base,
                                          &s->entries[k], &s->kinds[k])))
             return st;
@@ -605,15 +610,16 @@ static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
             if (loaded) {
                 rk_chunk_index_loaded(svc->chunks, e);
                 s->kinds[k] = RK_CHUNK_HIT;
-                rep->status = "hit";
-                rep->source = "disk";
+                rep->status = RK_CHUNK_STATUS_HIT;
+                rep->source = RK_CHUNK_SOURCE_DISK;
                 continue;
             }
         }
-        rep->status = s->kinds[k] == RK_CHUNK_HIT ? "hit" : "miss";
-        rep->source = s->kinds[k] == RK_CHUNK_HIT ? "arena" : "computed";
+        rep->status = s->kinds[k] == RK_CHUNK_HIT ? RK_CHUNK_STATUS_HIT : RK_CHUNK_STATUS_MISS;
+        rep->source =
+            s->kinds[k] == RK_CHUNK_HIT ? RK_CHUNK_SOURCE_ARENA : RK_CHUNK_SOURCE_COMPUTED;
         if (s->kinds[k] != RK_CHUNK_MISS) continue;
-        if (!r->opt.context_system) {
+        if (!after_system) {
             /* Alone at positions 0..n-1, straight into the entry's blocks. */
             scratch *sc = &s->scratch[k];
             sc->kv.blocks = e->blocks; /* borrowed: released with the entry, not the scratch */
@@ -701,13 +707,16 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
     if (!s->entries || !s->kinds || !s->scratch)
         return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
     r->n_out = 0;
-    r->finish_reason = "length";
+    r->finish_reason = RK_FINISH_LENGTH;
+    r->finished = 0;
     /* Nothing to generate: the prompt is still cached, but no step samples. */
     s->done = r->opt.max_tokens == 0;
+    double queue_ms = r->t.queue_ms; /* set by whoever queued it */
     memset(&r->t, 0, sizeof r->t);
+    r->t.queue_ms = queue_ms;
     rk_status st = rk_sampler_init(&s->sampler, &r->opt.sampling, hp->n_vocab);
     if (st) return st;
-    if (r->opt.mode_plain) {
+    if (r->opt.mode == RK_MODE_PLAIN) {
         /* One ordinary sequence: the chunks and the question follow the system. */
         int n = r->n_question;
         for (int k = 0; k < r->n_chunks; k++) n += r->chunk_lens[k];
@@ -723,8 +732,9 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
         s->n_qtok = n;
         s->q_index = s->q_pos = r->n_sys;
         for (int k = 0; k < r->n_chunks; k++) {
-            r->chunk_reports[k] = (rk_chunk_report){
-                .tokens = r->chunk_lens[k], .status = "off", .source = "computed"};
+            r->chunk_reports[k] = (rk_chunk_report){.tokens = r->chunk_lens[k],
+                                                    .status = RK_CHUNK_STATUS_OFF,
+                                                    .source = RK_CHUNK_SOURCE_COMPUTED};
         }
         return rk_layout_plan(RK_POSITIONS_SEQUENTIAL, r->n_sys, r->chunk_lens, r->n_chunks,
                               &s->layout);
@@ -741,9 +751,10 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
 }
 
 /* Sample request r's next token from its logits and decide whether it is done. */
-static void take_token(rk_service *svc, rk_request *r, int ri, const float *logits,
+static void take_token(rk_service *svc, rk_request *r, const float *logits,
                        const rk_pipeline_hooks *hooks) {
     rk_req_state *s = r->state;
+    int ri = s->hook_index;
     const rk_hparams *hp = rk_model_hparams(svc->model);
     if (hooks && hooks->on_logits) hooks->on_logits(hooks->ctx, ri, r->n_out, logits, hp->n_vocab);
     int32_t t = rk_sampler_sample(&s->sampler, logits);
@@ -761,7 +772,7 @@ static void take_token(rk_service *svc, rk_request *r, int ri, const float *logi
     r->out_tokens[r->n_out++] = t;
     if (hooks && hooks->on_token) hooks->on_token(hooks->ctx, ri, t);
     if (r->opt.stop_at_eog && rk_tokenizer_is_eog(rk_model_tokenizer(svc->model), t)) {
-        r->finish_reason = "stop";
+        r->finish_reason = RK_FINISH_STOP;
         s->done = 1;
     } else if (r->n_out >= r->opt.max_tokens) {
         s->done = 1;
@@ -772,7 +783,7 @@ static void finish_report(rk_request *r) {
     int chunk_tokens = 0, cached = r->sys_cached;
     for (int k = 0; k < r->n_chunks; k++) {
         chunk_tokens += r->chunk_lens[k];
-        if (r->chunk_reports[k].status && !strcmp(r->chunk_reports[k].status, "hit"))
+        if (r->chunk_reports[k].status == RK_CHUNK_STATUS_HIT)
             cached += r->chunk_lens[k] - r->chunk_reports[k].repaired; /* repaired: computed */
     }
     r->prompt_tokens = r->n_sys + chunk_tokens + r->n_question;
@@ -781,182 +792,335 @@ static void finish_report(rk_request *r) {
     r->t.total_ms = (rk_time_now() - r->state->t_start) * 1e3 + r->t.queue_ms;
 }
 
-rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
-                          const rk_pipeline_hooks *hooks) {
-    int bs = rk_arena_block_size(svc->arena);
-    const rk_hparams *hp = rk_model_hparams(svc->model);
-    batch b = {0};
-    rk_copy_plan copies = {0};
-    rk_status st = RK_OK;
-    int *act = malloc((size_t)(n_reqs ? n_reqs : 1) * sizeof *act); /* requests in a decode pass */
-    if (!act) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
-    for (int i = 0; i < n_reqs; i++) reqs[i]->state = NULL;
-    for (int i = 0; i < n_reqs && !st; i++) st = init_request(svc, reqs[i]);
-    if (st) goto done;
+/* ---------------------------------------------------------------- admission stages */
 
-    /* Stage 1: system prompts, chunk lookups; pass 1. */
+/* The requests admitted together and the buffers their passes share. */
+typedef struct admission {
+    rk_service *svc;
+    rk_request *const *reqs;
+    int n;
+    batch *b;
+    rk_copy_plan *copies;
+} admission;
+
+/* Stage 1: reserve each request's blocks and match its system prompt in the
+ * radix tree, look its chunks up, then pass 1: the system tails the tree did
+ * not have, the isolated chunk misses and the oracle chunks. The new system
+ * pages go into the tree. */
+static rk_status stage_system_and_chunks(admission *a) {
+    int bs = rk_arena_block_size(a->svc->arena);
+    rk_status st;
     double t = rk_time_now();
-    for (int i = 0; i < n_reqs; i++) {
-        rk_request *r = reqs[i];
+    batch_reset(a->b);
+    for (int i = 0; i < a->n; i++) {
+        rk_request *r = a->reqs[i];
         rk_req_state *s = r->state;
-        if ((st = start_request(svc, r, s->q_index + s->n_qtok))) goto done;
+        if ((st = start_request(a->svc, r, s->q_index + s->n_qtok))) return st;
         if (s->sys_first < r->n_sys &&
-            (st = batch_add(&b, bs, &s->kv, r->sys + s->sys_first, r->n_sys - s->sys_first,
+            (st = batch_add(a->b, bs, &s->kv, r->sys + s->sys_first, r->n_sys - s->sys_first,
                             s->sys_first, s->sys_first, 0)))
-            goto done;
+            return st;
     }
-    for (int i = 0; i < n_reqs; i++)
-        if (!reqs[i]->opt.mode_plain && (st = plan_chunks(svc, reqs[i], &b))) goto done;
+    for (int i = 0; i < a->n; i++)
+        if (a->reqs[i]->opt.mode == RK_MODE_RAG && (st = plan_chunks(a->svc, a->reqs[i], a->b)))
+            return st;
     double t_lookup = rk_time_now() - t;
     t = rk_time_now();
-    if ((st = batch_run(svc, &b))) goto done;
-    for (int i = 0; i < n_reqs; i++)
-        if (reqs[i]->state->n_insert && (st = insert_system(svc, reqs[i]))) goto done;
+    if ((st = batch_run(a->svc, a->b))) return st;
+    for (int i = 0; i < a->n; i++)
+        if (a->reqs[i]->state->n_insert && (st = insert_system(a->svc, a->reqs[i]))) return st;
+    double t_compute = rk_time_now() - t;
+    for (int i = 0; i < a->n; i++) {
+        a->reqs[i]->t.lookup_ms = t_lookup * 1e3;
+        a->reqs[i]->t.chunk_compute_ms = t_compute * 1e3;
+    }
+    return RK_OK;
+}
 
-    /* Stage 2: chunks computed after their system prompt. */
-    batch_reset(&b);
-    for (int i = 0; i < n_reqs; i++) {
-        rk_request *r = reqs[i];
+/* Stage 2: pass 2 computes the `system`-context misses after their system
+ * prompt; their KV is copied into their entries. Then every entry computed
+ * by this admission is ready (and written through to the disk tier). */
+static rk_status stage_system_chunks(admission *a) {
+    rk_service *svc = a->svc;
+    int bs = rk_arena_block_size(svc->arena);
+    rk_status st;
+    double t = rk_time_now();
+    batch_reset(a->b);
+    for (int i = 0; i < a->n; i++) {
+        rk_request *r = a->reqs[i];
         for (int k = 0; k < r->n_chunks; k++)
             if (r->state->scratch[k].pass2 && r->state->kinds[k] == RK_CHUNK_MISS &&
-                (st = plan_system_chunk(svc, r, k, &b, &copies)))
-                goto done;
+                (st = plan_system_chunk(svc, r, k, a->b, a->copies)))
+                return st;
     }
-    if ((st = rk_copy_plan_run(&copies, svc->be, svc->arena, rk_model_rope(svc->model))) ||
-        (st = batch_run(svc, &b)))
-        goto done;
-    /* Fresh entries: copy pass-2 results in, then mark every computed entry ready. */
-    for (int i = 0; i < n_reqs; i++) {
-        rk_request *r = reqs[i];
-        for (int k = 0; k < r->n_chunks; k++) {
-            rk_req_state *s = r->state;
-            if (s->kinds[k] != RK_CHUNK_MISS || !s->entries[k]) continue;
-            if (s->scratch[k].pass2) {
-                rk_seq dst = {.blocks = s->entries[k]->blocks, .n_blocks = s->entries[k]->n_blocks};
-                if ((st = rk_copy_plan_add(&copies, bs, s->scratch[k].kv.blocks, r->n_sys, &dst, 0,
-                                           r->chunk_lens[k], 0)))
-                    goto done;
-            }
-        }
-    }
-    if ((st = rk_copy_plan_run(&copies, svc->be, svc->arena, rk_model_rope(svc->model)))) goto done;
-    for (int i = 0; i < n_reqs; i++)
-        for (int k = 0; k < reqs[i]->n_chunks; k++) {
-            rk_chunk_entry *e = reqs[i]->state->entries[k];
-            if (reqs[i]->state->kinds[k] != RK_CHUNK_MISS || !e) continue;
-            rk_chunk_index_ready(svc->chunks, e);
-            persist(svc, e, reqs[i]->opt.context_system);
-        }
-    double t_compute = rk_time_now() - t;
-
-    /* Stage 3: every chunk's KV into its request's live blocks. */
-    t = rk_time_now();
-    int copied_tokens = 0;
-    for (int i = 0; i < n_reqs; i++) {
-        rk_request *r = reqs[i];
+    if ((st = rk_copy_plan_run(a->copies, svc->be, svc->arena, rk_model_rope(svc->model))) ||
+        (st = batch_run(svc, a->b)))
+        return st;
+    for (int i = 0; i < a->n; i++) {
+        rk_request *r = a->reqs[i];
         rk_req_state *s = r->state;
-        if (r->opt.mode_plain) continue;
+        for (int k = 0; k < r->n_chunks; k++) {
+            if (s->kinds[k] != RK_CHUNK_MISS || !s->entries[k] || !s->scratch[k].pass2) continue;
+            rk_seq dst = {.blocks = s->entries[k]->blocks, .n_blocks = s->entries[k]->n_blocks};
+            if ((st = rk_copy_plan_add(a->copies, bs, s->scratch[k].kv.blocks, r->n_sys, &dst, 0,
+                                       r->chunk_lens[k], 0)))
+                return st;
+        }
+    }
+    if ((st = rk_copy_plan_run(a->copies, svc->be, svc->arena, rk_model_rope(svc->model))))
+        return st;
+    for (int i = 0; i < a->n; i++) {
+        rk_request *r = a->reqs[i];
+        for (int k = 0; k < r->n_chunks; k++) {
+            rk_chunk_entry *e = r->state->entries[k];
+            if (r->state->kinds[k] != RK_CHUNK_MISS || !e) continue;
+            rk_chunk_index_ready(svc->chunks, e);
+            persist(svc, e, r->opt.chunk_context);
+        }
+    }
+    double dt = rk_time_now() - t;
+    for (int i = 0; i < a->n; i++) a->reqs[i]->t.chunk_compute_ms += dt * 1e3;
+    return RK_OK;
+}
+
+/* Stage 3: every chunk's KV into its request's live blocks, cached ones
+ * rotated from their base to their live offset, in one copy plan. */
+static rk_status stage_reindex(admission *a) {
+    rk_service *svc = a->svc;
+    int bs = rk_arena_block_size(svc->arena);
+    rk_status st;
+    double t = rk_time_now();
+    int copied_tokens = 0;
+    for (int i = 0; i < a->n; i++) {
+        rk_request *r = a->reqs[i];
+        rk_req_state *s = r->state;
+        if (r->opt.mode == RK_MODE_PLAIN) continue;
         for (int k = 0; k < r->n_chunks; k++) {
             rk_chunk_entry *e = s->entries[k];
             if (e) /* cached: rotate from its base to the live offset */
-                st = rk_copy_plan_add(&copies, bs, e->blocks, 0, &s->kv, s->layout.index[k],
+                st = rk_copy_plan_add(a->copies, bs, e->blocks, 0, &s->kv, s->layout.index[k],
                                       e->n_tokens, s->layout.pos[k] - e->base_pos);
             else /* oracle: computed in place already, delta 0 */
-                st = rk_copy_plan_add(&copies, bs, s->scratch[k].kv.blocks, s->scratch[k].src_first,
-                                      &s->kv, s->layout.index[k], r->chunk_lens[k], 0);
-            if (st) goto done;
+                st = rk_copy_plan_add(a->copies, bs, s->scratch[k].kv.blocks,
+                                      s->scratch[k].src_first, &s->kv, s->layout.index[k],
+                                      r->chunk_lens[k], 0);
+            if (st) return st;
             copied_tokens += r->chunk_lens[k];
         }
     }
-    if ((st = rk_copy_plan_run(&copies, svc->be, svc->arena, rk_model_rope(svc->model)))) goto done;
+    if ((st = rk_copy_plan_run(a->copies, svc->be, svc->arena, rk_model_rope(svc->model))))
+        return st;
     double t_reindex = rk_time_now() - t;
-    for (int i = 0; i < n_reqs; i++) {
-        rk_request *r = reqs[i];
-        r->t.lookup_ms = t_lookup * 1e3;
-        r->t.chunk_compute_ms = t_compute * 1e3;
+    for (int i = 0; i < a->n; i++) {
+        rk_request *r = a->reqs[i];
         r->t.reindex_ms = t_reindex * 1e3;
         for (int k = 0; k < r->n_chunks; k++)
             r->chunk_reports[k].reindex_us =
                 copied_tokens ? t_reindex * 1e6 * r->chunk_lens[k] / copied_tokens : 0;
     }
+    return RK_OK;
+}
 
-    /* Stage 4 (repair, optional): chunk tokens again, now attending to
-     * everything before them in the merged table: the deviation policy's
-     * choice, then the first repair_k tokens of every chunk. */
-    t = rk_time_now();
-    batch_reset(&b);
-    for (int i = 0; i < n_reqs; i++) reqs[i]->recomputed_tokens = 0;
-    if ((st = deviation_select(svc, reqs, n_reqs, &b))) goto done;
-    for (int i = 0; i < n_reqs; i++) {
-        rk_request *r = reqs[i];
+/* Stage 4 (repair, optional): chunk tokens again, now attending to
+ * everything before them in the merged table: the deviation policy's
+ * choice, then the first repair_k tokens of every chunk. */
+static rk_status stage_repair(admission *a) {
+    int bs = rk_arena_block_size(a->svc->arena);
+    rk_status st;
+    double t = rk_time_now();
+    batch_reset(a->b);
+    for (int i = 0; i < a->n; i++) a->reqs[i]->recomputed_tokens = 0;
+    if ((st = deviation_select(a->svc, a->reqs, a->n, a->b))) return st;
+    for (int i = 0; i < a->n; i++) {
+        rk_request *r = a->reqs[i];
         rk_req_state *s = r->state;
-        if (r->opt.mode_plain || r->opt.repair_k <= 0 || r->opt.repair_ratio > 0)
+        if (r->opt.mode == RK_MODE_PLAIN || r->opt.repair_k <= 0 || r->opt.repair_ratio > 0)
             continue; /* one policy a request: deviation's choice is queued already */
         for (int k = 0; k < r->n_chunks; k++) {
             int n = r->chunk_lens[k] < r->opt.repair_k ? r->chunk_lens[k] : r->opt.repair_k;
-            if ((st = batch_add(&b, bs, &s->kv, r->chunks[k], n, s->layout.pos[k],
+            if ((st = batch_add(a->b, bs, &s->kv, r->chunks[k], n, s->layout.pos[k],
                                 s->layout.index[k], 0)))
-                goto done;
+                return st;
             r->chunk_reports[k].repaired = n;
             r->recomputed_tokens += n;
         }
     }
-    if ((st = batch_run(svc, &b))) goto done;
-    double t_repair = rk_time_now() - t;
-    for (int i = 0; i < n_reqs; i++)
-        if (reqs[i]->recomputed_tokens) reqs[i]->t.repair_ms = t_repair * 1e3;
+    if ((st = batch_run(a->svc, a->b))) return st;
+    double dt = rk_time_now() - t;
+    for (int i = 0; i < a->n; i++)
+        if (a->reqs[i]->recomputed_tokens) a->reqs[i]->t.repair_ms = dt * 1e3;
+    return RK_OK;
+}
 
-    /* Stage 5: the questions (first token), then decoding. */
-    for (int step = 0;; step++) {
-        batch_reset(&b);
-        int n_act = 0;
-        for (int i = 0; i < n_reqs; i++) {
-            rk_request *r = reqs[i];
-            rk_req_state *s = r->state;
-            if (!s->done && r->cancel) {
-                r->finish_reason = "cancelled";
-                s->done = 1;
-            }
-            if (s->done) continue;
-            if (step == 0) {
-                if (s->n_qtok) {
-                    st = batch_add(&b, bs, &s->kv, s->qtok, s->n_qtok, s->q_pos, s->q_index, 1);
-                    s->next_pos = s->q_pos + s->n_qtok;
-                } else { /* the whole prompt is the system prompt: its last token gives logits */
-                    int last = r->n_sys - 1;
-                    st = batch_add(&b, bs, &s->kv, r->sys + last, 1, last, last, 1);
-                    s->next_pos = r->n_sys;
-                }
-            } else {
-                int idx = s->kv.n_tokens++;
-                st = batch_add(&b, bs, &s->kv, &r->out_tokens[r->n_out - 1], 1, s->next_pos++, idx,
-                               1);
-            }
-            if (st) goto done;
-            act[n_act++] = i;
+/* Stage 5: the questions in one pass, with logits: every request's first
+ * token (a request whose whole prompt is its system prompt feeds the last
+ * system token again for its logits). */
+static rk_status stage_question(admission *a, const rk_pipeline_hooks *hooks) {
+    int bs = rk_arena_block_size(a->svc->arena), n_vocab = rk_model_hparams(a->svc->model)->n_vocab;
+    rk_status st;
+    batch_reset(a->b);
+    for (int i = 0; i < a->n; i++) {
+        rk_request *r = a->reqs[i];
+        rk_req_state *s = r->state;
+        if (!s->done && r->cancel) {
+            r->finish_reason = RK_FINISH_CANCELLED;
+            s->done = 1;
         }
-        if (n_act == 0) break;
-        t = rk_time_now();
-        if ((st = batch_run(svc, &b))) goto done;
+        if (s->done) continue;
+        if (s->n_qtok) {
+            st = batch_add(a->b, bs, &s->kv, s->qtok, s->n_qtok, s->q_pos, s->q_index, 1);
+            s->next_pos = s->q_pos + s->n_qtok;
+        } else {
+            int last = r->n_sys - 1;
+            st = batch_add(a->b, bs, &s->kv, r->sys + last, 1, last, last, 1);
+            s->next_pos = r->n_sys;
+        }
+        if (st) return st;
+    }
+    double t = rk_time_now();
+    if ((st = batch_run(a->svc, a->b))) return st;
+    double dt = (rk_time_now() - t) * 1e3;
+    for (int i = 0, row = 0; i < a->n; i++) {
+        rk_request *r = a->reqs[i];
+        if (r->state->done) continue;
+        r->t.prefill_ms = dt;
+        take_token(a->svc, r, a->b->logits + (size_t)row++ * n_vocab, hooks);
+    }
+    return RK_OK;
+}
+
+/* ---------------------------------------------------------------- running requests */
+
+struct rk_pipeline {
+    rk_service *svc;
+    rk_request **running; /* (cap) admitted and unfinished, in admission order */
+    int n_running, cap;
+    int n_admitted; /* requests admitted so far: the next one's hook index */
+    int *act;       /* (cap) running[] indices in the current decode pass */
+    batch b;        /* reused by every pass */
+    rk_copy_plan copies;
+};
+
+rk_status rk_pipeline_create(rk_service *svc, rk_pipeline **out) {
+    *out = calloc(1, sizeof **out);
+    if (!*out) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    (*out)->svc = svc;
+    return RK_OK;
+}
+
+int rk_pipeline_n_running(const rk_pipeline *p) { return p->n_running; }
+
+/* A finished request leaves: its report is completed and all it holds released. */
+static void leave(rk_pipeline *p, rk_request *r) {
+    finish_report(r);
+    release_request(p->svc, r, 0);
+    r->finished = 1;
+}
+
+rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
+                            const rk_pipeline_hooks *hooks) {
+    rk_status st = RK_OK;
+    if (p->n_running + n_reqs > p->cap) {
+        int cap = (p->n_running + n_reqs) * 2;
+        rk_request **run = realloc(p->running, (size_t)cap * sizeof *run);
+        if (run) p->running = run;
+        int *act = realloc(p->act, (size_t)cap * sizeof *act);
+        if (act) p->act = act;
+        if (!run || !act) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        p->cap = cap;
+    }
+    for (int i = 0; i < n_reqs; i++) reqs[i]->state = NULL;
+    for (int i = 0; i < n_reqs && !st; i++) {
+        st = init_request(p->svc, reqs[i]);
+        if (reqs[i]->state) reqs[i]->state->hook_index = p->n_admitted + i;
+    }
+    admission a = {.svc = p->svc, .reqs = reqs, .n = n_reqs, .b = &p->b, .copies = &p->copies};
+    if (!st) st = stage_system_and_chunks(&a);
+    if (!st) st = stage_system_chunks(&a);
+    if (!st) st = stage_reindex(&a);
+    if (!st) st = stage_repair(&a);
+    if (!st) st = stage_question(&a, hooks);
+    if (st) {
+        for (int i = 0; i < n_reqs; i++) release_request(p->svc, reqs[i], 1);
+        rk_copy_plan_free(&p->copies);
+        return st;
+    }
+    p->n_admitted += n_reqs;
+    for (int i = 0; i < n_reqs; i++) {
+        if (reqs[i]->state->done)
+            leave(p, reqs[i]);
+        else
+            p->running[p->n_running++] = reqs[i];
+    }
+    return RK_OK;
+}
+
+rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
+    rk_service *svc = p->svc;
+    int bs = rk_arena_block_size(svc->arena), n_vocab = rk_model_hparams(svc->model)->n_vocab;
+    rk_status st;
+    int n_act = 0;
+    batch_reset(&p->b);
+    for (int i = 0; i < p->n_running; i++) {
+        rk_request *r = p->running[i];
+        rk_req_state *s = r->state;
+        if (!s->done && r->cancel) {
+            r->finish_reason = RK_FINISH_CANCELLED;
+            s->done = 1;
+        }
+        if (s->done) continue;
+        int idx = s->kv.n_tokens++;
+        if ((st = batch_add(&p->b, bs, &s->kv, &r->out_tokens[r->n_out - 1], 1, s->next_pos++, idx,
+                            1)))
+            return st;
+        p->act[n_act++] = i;
+    }
+    if (n_act) {
+        double t = rk_time_now();
+        if ((st = batch_run(svc, &p->b))) return st;
         double dt = (rk_time_now() - t) * 1e3;
         for (int a = 0; a < n_act; a++) {
-            rk_request *r = reqs[act[a]];
-            if (step == 0)
-                r->t.prefill_ms = dt;
-            else
-                r->t.decode_ms += dt;
-            take_token(svc, r, act[a], b.logits + (size_t)a * hp->n_vocab, hooks);
+            rk_request *r = p->running[p->act[a]];
+            r->t.decode_ms += dt;
+            take_token(svc, r, p->b.logits + (size_t)a * n_vocab, hooks);
         }
     }
-done:
-    for (int i = 0; i < n_reqs; i++) {
-        if (!reqs[i]->state) continue;
-        if (!st) finish_report(reqs[i]);
-        release_request(svc, reqs[i], st != RK_OK);
+    /* The finished leave now, in this step; the rest keep their order. */
+    int kept = 0;
+    for (int i = 0; i < p->n_running; i++) {
+        rk_request *r = p->running[i];
+        if (r->state->done)
+            leave(p, r);
+        else
+            p->running[kept++] = r;
     }
-    batch_free(&b);
-    rk_copy_plan_free(&copies);
-    free(act);
+    p->n_running = kept;
+    return RK_OK;
+}
+
+void rk_pipeline_abort(rk_pipeline *p) {
+    for (int i = 0; i < p->n_running; i++) release_request(p->svc, p->running[i], 1);
+    p->n_running = 0;
+}
+
+void rk_pipeline_free(rk_pipeline *p) {
+    if (!p) return;
+    rk_pipeline_abort(p);
+    batch_free(&p->b);
+    rk_copy_plan_free(&p->copies);
+    free(p->running);
+    free(p->act);
+    free(p);
+}
+
+rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
+                          const rk_pipeline_hooks *hooks) {
+    rk_pipeline *p;
+    rk_status st = rk_pipeline_create(svc, &p);
+    if (st) return st;
+    st = rk_pipeline_admit(p, reqs, n_reqs, hooks);
+    while (!st && p->n_running) st = rk_pipeline_step(p, hooks);
+    rk_pipeline_free(p); /* on failure: releases what still runs */
     return st;
 }
 
@@ -983,7 +1147,7 @@ static void persist_if_missing(rk_service *svc, const rk_chunk_entry *e, const c
 rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_items, int persist) {
     const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
     int bs = rk_arena_block_size(svc->arena);
-    rk_request policy_req = {.opt = {.context_system = 0}};
+    rk_request policy_req = {.opt = {.chunk_context = RK_CONTEXT_ISOLATED}};
     rk_chunk_policy policy;
     chunk_policy(svc, &policy_req, &policy);
     rk_chunk_entry **held = calloc((size_t)(n_items ? n_items : 1), sizeof *held);

@@ -2,12 +2,16 @@
  *
  *   split → tokenize → system prompt through the radix cache → chunks through
  *   the chunk index (compute misses once, at base positions) → reindex (copy
- *   and rotate cached KV into the request's live blocks) → question prefill
- *   → decode → release.
+ *   and rotate cached KV into the request's live blocks) → repair → question
+ *   prefill (first token) → decode steps → release.
  *
- * One call runs a batch of requests together: every stage's forward work for
- * all of them goes into one pass. Runs on the engine thread, which alone owns
- * the model, the arena and the caches. */
+ * The pipeline is incremental: rk_pipeline_admit runs the prompt stages of
+ * new requests together (every stage's forward work for all of them in one
+ * pass) and leaves them running; rk_pipeline_step decodes one token for every
+ * running request, and a request that finished or was cancelled leaves in the
+ * same step, releasing all it held. Requests admitted later join the next
+ * step. Runs on the engine thread, which alone owns the model, the arena and
+ * the caches. */
 #ifndef RK_PIPELINE_H
 #define RK_PIPELINE_H
 
@@ -42,11 +46,22 @@ typedef struct rk_service {
 rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_service **out);
 void rk_service_close(rk_service *svc);
 
+typedef enum rk_req_mode {
+    RK_MODE_RAG = 0,   /* chunks through the chunk cache, reindexed into place */
+    RK_MODE_PLAIN = 1, /* the pieces as one ordinary sequence, no chunk cache */
+} rk_req_mode;
+
+/* What a chunk's cached KV was computed after. */
+typedef enum rk_chunk_context {
+    RK_CONTEXT_ISOLATED = 0, /* alone, at positions 0..n-1 */
+    RK_CONTEXT_SYSTEM = 1,   /* after the request's system prompt */
+} rk_chunk_context;
+
 typedef struct rk_req_options {
-    int mode_plain;     /* 1 = the pieces as one ordinary sequence, no chunk cache */
-    int chunk_cache;    /* 0 = the oracle: chunks computed fresh at their live positions */
-    int prefix_cache;   /* match and insert the system prompt in the radix tree */
-    int context_system; /* chunks computed after the system prompt (not isolated) */
+    rk_req_mode mode;
+    int chunk_cache;  /* 0 = the oracle: chunks computed fresh at their live positions */
+    int prefix_cache; /* match and insert the system prompt in the radix tree */
+    rk_chunk_context chunk_context;
     rk_position_mode positions;
     int max_tokens;
     rk_sampler_params sampling;
@@ -67,12 +82,33 @@ typedef struct rk_req_options {
  * 128 tokens, temperature 1, stop at end of generation. */
 void rk_req_options_default(rk_req_options *o);
 
+/* How a chunk's KV was found. */
+typedef enum rk_chunk_status {
+    RK_CHUNK_STATUS_OFF = 0, /* the chunk cache was not used */
+    RK_CHUNK_STATUS_HIT,
+    RK_CHUNK_STATUS_MISS,
+} rk_chunk_status;
+
+/* Where a chunk's KV came from. */
+typedef enum rk_chunk_source {
+    RK_CHUNK_SOURCE_COMPUTED = 0,
+    RK_CHUNK_SOURCE_ARENA,
+    RK_CHUNK_SOURCE_DISK,
+} rk_chunk_source;
+
+/* Why a request stopped generating. */
+typedef enum rk_finish_reason {
+    RK_FINISH_LENGTH = 0, /* max_tokens reached */
+    RK_FINISH_STOP,       /* an end-of-generation token */
+    RK_FINISH_CANCELLED,  /* its cancel flag was set */
+} rk_finish_reason;
+
 typedef struct rk_chunk_report {
     char key[33]; /* "" when the cache is off */
     int tokens;
-    const char *status; /* "hit", "miss" or "off" */
-    const char *source; /* "arena", "disk" or "computed" */
-    int live_offset;    /* position of its first token in this request */
+    rk_chunk_status status;
+    rk_chunk_source source;
+    int live_offset; /* position of its first token in this request */
     double reindex_us;
     int repaired; /* its tokens the repair policy recomputed through every layer */
 } rk_chunk_report;
@@ -102,7 +138,8 @@ typedef struct rk_request {
     int32_t *top_ids;    /* (opt.max_tokens, opt.n_logprobs) when n_logprobs > 0 */
     float *top_logprobs; /* same shape */
     float *logprobs;     /* (opt.max_tokens) log-probability of each sampled token */
-    const char *finish_reason;
+    rk_finish_reason finish_reason;
+    int finished;                   /* it left the pipeline: everything it held is released */
     rk_chunk_report *chunk_reports; /* (n_chunks) */
     int sys_cached;                 /* system tokens reused from the prefix cache */
     int recomputed_tokens;          /* chunk tokens recomputed by the repair policy */
@@ -110,7 +147,7 @@ typedef struct rk_request {
     rk_req_timings t;
 
     /* Set from any thread (e.g. when the client disconnects): the request stops
-     * at its next decode step with finish_reason "cancelled" and releases all it holds. */
+     * at its next decode step with RK_FINISH_CANCELLED and releases all it holds. */
     _Atomic int cancel;
 
     rk_req_state *state;
@@ -128,14 +165,48 @@ rk_status rk_request_prepare_tokens(rk_service *svc, const int32_t *sys, int n_s
 
 void rk_request_free(rk_request *r);
 
+/* Called on the engine thread for every sampled token. req is the request's
+ * rank in the order its pipeline admitted requests (0 for the first; with
+ * rk_pipeline_run, its position in reqs); step is its number of tokens
+ * before this one. */
 typedef struct rk_pipeline_hooks {
     void *ctx;
     void (*on_token)(void *ctx, int req, int32_t token);
     void (*on_logits)(void *ctx, int req, int step, const float *logits, int n_vocab);
 } rk_pipeline_hooks;
 
-/* Run a batch of prepared requests to completion. Every block reference,
- * chunk reference and radix lock taken is released before returning, on
+typedef struct rk_pipeline rk_pipeline; /* the running requests; opaque */
+
+rk_status rk_pipeline_create(rk_service *svc, rk_pipeline **out);
+/* Abort what still runs (rk_pipeline_abort), then free. Accepts NULL. */
+void rk_pipeline_free(rk_pipeline *p);
+
+/* Requests admitted and not finished. */
+int rk_pipeline_n_running(const rk_pipeline *p);
+
+/* Admit prepared requests: run their prompt stages together (system prompt,
+ * chunks, reindex, repair, question prefill) and sample each one's first
+ * token. Those that finish with it (max_tokens 0 or 1, end of generation)
+ * leave at once; the others run. On failure none of reqs is admitted and
+ * each has released everything it took (finished stays 0); the running
+ * requests are untouched. RK_ERR_EXHAUSTED: the live pool cannot hold them
+ * now. hooks may be NULL. */
+rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
+                            const rk_pipeline_hooks *hooks);
+
+/* One decode step: a token for every running request in one forward pass.
+ * Cancelled requests stop first; every request that finished (cancelled,
+ * end of generation, max_tokens) leaves in this call: its report is complete,
+ * finished is 1 and every block reference, chunk reference and radix lock it
+ * held is released. On failure the running requests stay (see
+ * rk_pipeline_abort). hooks may be NULL. */
+rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks);
+
+/* Release every running request as failed (its report is incomplete). */
+void rk_pipeline_abort(rk_pipeline *p);
+
+/* Run prepared requests to completion: admit them all, then step until none
+ * runs. Every reference and lock taken is released before returning, on
  * success and on error. hooks may be NULL. */
 rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
                           const rk_pipeline_hooks *hooks);

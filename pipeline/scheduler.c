@@ -35,11 +35,10 @@ struct rk_scheduler {
     int n_queued;
     atomic_int n_anytime; /* queued jobs with anytime set */
     int stop;
-    rk_job **running; /* (max_batch) jobs of the batch in progress */
+    rk_job **running; /* (max_batch) generations in the pipeline, changed by the engine only */
     int n_running;
 
     /* Engine thread only. */
-    int live_total;
     meta **buckets; /* (n_buckets) chunk key -> id, last use */
     size_t n_buckets, n_meta;
     uint64_t chunk_removed, prefix_flushed;
@@ -139,8 +138,9 @@ static int estimate_blocks(const rk_request *r, int bs) {
     long tokens = (long)r->n_sys + r->n_question + r->opt.max_tokens, extra = 0;
     for (int k = 0; k < r->n_chunks; k++) {
         tokens += r->chunk_lens[k];
-        if (!r->opt.chunk_cache || r->opt.context_system)
-            extra += r->chunk_lens[k] + (r->opt.context_system ? r->n_sys : 0) + bs;
+        int after_system = r->opt.chunk_context == RK_CONTEXT_SYSTEM;
+        if (!r->opt.chunk_cache || after_system)
+            extra += r->chunk_lens[k] + (after_system ? r->n_sys : 0) + bs;
     }
     long blocks = (tokens + extra) / bs + 2;
     return blocks > 1 << 30 ? 1 << 30 : (int)blocks;
@@ -313,6 +313,10 @@ static void publish(rk_scheduler *e, int n_finishing) {
         s.store_loads = sc.loads;
         s.store_writes = sc.writes;
         s.store_dropped_at_recovery = sc.dropped_on_recovery;
+        s.store_corrupt_after_open = sc.corrupt_after_open;
+        s.store_quarantined = sc.quarantined;
+        s.store_rows_rebuilt = sc.rows_rebuilt;
+        s.store_unreadable = sc.unreadable;
     }
     pthread_mutex_lock(&e->mu);
     s.queued = e->n_queued;
@@ -323,15 +327,20 @@ static void publish(rk_scheduler *e, int n_finishing) {
 
 void rk_scheduler_publish(rk_scheduler *e) { publish(e, 0); }
 
-/* ---------------------------------------------------------------- running requests */
+/* ---------------------------------------------------------------- commands */
 
-typedef struct hook_ctx {
-    rk_scheduler *e;
-    rk_job **jobs; /* index in the pipeline call -> job (NULL entries: no job) */
-} hook_ctx;
+/* Run a command job on the engine thread, publish, and complete it. */
+static void run_command(rk_scheduler *e, rk_job *j) {
+    rk_error_clear();
+    rk_status st = j->fn(j->fn_ctx, e, e->svc);
+    char msg[320];
+    snprintf(msg, sizeof msg, "%s", rk_error_message());
+    rk_scheduler_publish(e);
+    complete(j, 1, st, msg);
+}
 
 /* Between decode steps: run the light commands waiting, publish statistics. */
-static void poll_during_batch(rk_scheduler *e) {
+static void poll_anytime(rk_scheduler *e) {
     while (atomic_load(&e->n_anytime) > 0) {
         pthread_mutex_lock(&e->mu);
         rk_job *j = e->head;
@@ -339,43 +348,15 @@ static void poll_during_batch(rk_scheduler *e) {
         if (j) unlink_job(e, j);
         pthread_mutex_unlock(&e->mu);
         if (!j) break;
-        rk_error_clear();
-        rk_status st = j->fn(j->fn_ctx, e, e->svc);
-        char msg[320];
-        snprintf(msg, sizeof msg, "%s", rk_error_message());
-        rk_scheduler_publish(e);
-        complete(j, 1, st, msg);
+        run_command(e, j);
     }
     if (rk_time_now() - e->last_publish > 0.1) rk_scheduler_publish(e);
 }
 
-static void on_token(void *ctx, int i, int32_t token) {
-    hook_ctx *h = ctx;
-    (void)token;
-    rk_job *j = h->jobs ? h->jobs[i] : NULL;
-    if (!j) return;
-    /* Its first token: the request now holds its blocks; show them before answering. */
-    if (j->req.n_out == 1) rk_scheduler_publish(h->e);
-    pthread_mutex_lock(&j->mu);
-    j->n_tokens = j->req.n_out;
-    if (j->notify_tokens) pthread_cond_broadcast(&j->cv);
-    pthread_mutex_unlock(&j->mu);
-    poll_during_batch(h->e);
-    if (h->e->p.token_delay_s > 0) {
-        double d = h->e->p.token_delay_s;
-        struct timespec ts = {(time_t)d, (long)((d - (double)(time_t)d) * 1e9)};
-        nanosleep(&ts, NULL);
-    }
-}
-
-/* One pipeline call; on failure, each request that has not streamed a token
- * yet is retried alone. */
-static void run_group(rk_scheduler *e, rk_request **reqs, rk_job **jobs, int n,
-                      rk_run_result *res) {
-    hook_ctx hc = {.e = e, .jobs = jobs};
-    rk_pipeline_hooks hooks = {.ctx = &hc, .on_token = on_token};
+/* One pipeline call; on failure, each request is retried alone. */
+static void run_group(rk_scheduler *e, rk_request **reqs, int n, rk_run_result *res) {
     rk_error_clear();
-    rk_status st = rk_pipeline_run(e->svc, reqs, n, &hooks);
+    rk_status st = rk_pipeline_run(e->svc, reqs, n, NULL);
     if (st == RK_OK) {
         for (int i = 0; i < n; i++) res[i] = (rk_run_result){.status = RK_OK};
         return;
@@ -388,18 +369,15 @@ static void run_group(rk_scheduler *e, rk_request **reqs, rk_job **jobs, int n,
     for (int i = 0; i < n; i++) {
         res[i].status = st;
         snprintf(res[i].error, sizeof res[i].error, "%s", msg);
-        if (n == 1 || (jobs && jobs[i] && jobs[i]->n_tokens > 0)) continue;
-        hook_ctx one = {.e = e, .jobs = jobs ? &jobs[i] : NULL};
-        rk_pipeline_hooks h1 = {.ctx = &one, .on_token = on_token};
+        if (n == 1) continue;
         rk_error_clear();
-        res[i].status = rk_pipeline_run(e->svc, &reqs[i], 1, &h1);
+        res[i].status = rk_pipeline_run(e->svc, &reqs[i], 1, NULL);
         snprintf(res[i].error, sizeof res[i].error, "%s", res[i].status ? rk_error_message() : "");
     }
     /* A request that ran alone holds nothing when it starts and the caches evict
      * what no request references: if its KV still does not fit, it never will. */
     for (int i = 0; i < n; i++)
-        if (res[i].status == RK_ERR_EXHAUSTED &&
-            (n == 1 || !jobs || !jobs[i] || jobs[i]->n_tokens == 0)) {
+        if (res[i].status == RK_ERR_EXHAUSTED) {
             char m[320];
             snprintf(m, sizeof m, "%s", res[i].error);
             res[i].status = RK_ERR_LIMIT;
@@ -408,25 +386,91 @@ static void run_group(rk_scheduler *e, rk_request **reqs, rk_job **jobs, int n,
         }
 }
 
-static void run_requests(rk_scheduler *e, rk_request **reqs, rk_job **jobs, int n,
-                         rk_run_result *out) {
-    int mb = e->p.max_batch > 0 ? e->p.max_batch : 1;
-    for (int s = 0; s < n; s += mb)
-        run_group(e, reqs + s, jobs ? jobs + s : NULL, n - s < mb ? n - s : mb, out + s);
-}
-
 void rk_scheduler_run(rk_scheduler *e, rk_request **reqs, int n, rk_run_result *out) {
-    run_requests(e, reqs, NULL, n, out);
+    int mb = e->p.max_batch > 0 ? e->p.max_batch : 1;
+    for (int s = 0; s < n; s += mb) run_group(e, reqs + s, n - s < mb ? n - s : mb, out + s);
 }
 
-static void run_generations(rk_scheduler *e, rk_job **batch, int n) {
-    rk_request *reqs[n > 0 ? n : 1];
+/* ---------------------------------------------------------------- generations */
+
+/* Show the job's waiter the tokens it has not seen yet. */
+static void publish_tokens(rk_job *j) {
+    pthread_mutex_lock(&j->mu);
+    if (j->n_tokens != j->req.n_out) {
+        j->n_tokens = j->req.n_out;
+        if (j->notify_tokens) pthread_cond_broadcast(&j->cv);
+    }
+    pthread_mutex_unlock(&j->mu);
+}
+
+/* Publish the new tokens of the running jobs; record the finished ones,
+ * publish statistics (before answering: a client may ask for them right
+ * after), then complete them. `admitted`: the statistics are published in
+ * any case, since the new requests now hold their blocks. */
+static void after_pass(rk_scheduler *e, int admitted) {
+    int n = e->n_running; /* only the engine thread changes the running list */
     rk_job *jobs[n > 0 ? n : 1];
-    rk_run_result res[n > 0 ? n : 1];
+    memcpy(jobs, e->running, (size_t)n * sizeof *jobs);
+    int n_done = 0;
+    for (int i = 0; i < n; i++) {
+        rk_job *j = jobs[i];
+        if (!j->req.finished) continue;
+        n_done++;
+        if (e->p.record_request) e->p.record_request(e->p.stats_ctx, &j->req);
+        for (int k = 0; k < j->req.n_chunks; k++)
+            if (j->req.chunk_reports[k].key[0])
+                rk_scheduler_chunk_touch(e, j->req.chunk_reports[k].key,
+                                         j->chunk_ids ? j->chunk_ids[k] : NULL);
+    }
+    if (admitted || n_done) publish(e, n_done);
+    for (int i = 0; i < n; i++) {
+        if (jobs[i]->req.finished)
+            finish(e, jobs[i], 1, RK_OK, "");
+        else
+            publish_tokens(jobs[i]);
+    }
+}
+
+/* Put jobs back at the head of the queue, in their order: they wait for
+ * running requests to release blocks. When the engine is stopping they are
+ * completed as cancelled instead. */
+static void requeue(rk_scheduler *e, rk_job **jobs, int n) {
+    pthread_mutex_lock(&e->mu);
+    int stop = e->stop;
+    for (int i = n - 1; i >= 0 && !stop; i--) {
+        rk_job *j = jobs[i];
+        for (int r = 0; r < e->n_running; r++)
+            if (e->running[r] == j) {
+                e->running[r] = e->running[--e->n_running];
+                break;
+            }
+        j->queued = 1;
+        j->prev = NULL;
+        j->next = e->head;
+        if (e->head)
+            e->head->prev = j;
+        else
+            e->tail = j;
+        e->head = j;
+        e->n_queued++;
+    }
+    pthread_mutex_unlock(&e->mu);
+    for (int i = 0; i < n && stop; i++)
+        finish(e, jobs[i], 0, RK_ERR_BUSY,
+               "the request was cancelled: the server is shutting down");
+}
+
+/* Admit new generations (their prompt stages and first token). When the
+ * live pool cannot hold them while others run, they wait in the queue; a
+ * group that fails otherwise is retried one by one, so a failure is its
+ * request's own; one that cannot fit even alone fails with RK_ERR_LIMIT. */
+static void admit_jobs(rk_scheduler *e, rk_pipeline *p, rk_job **fresh, int n) {
+    rk_request *reqs[n];
+    rk_job *jobs[n];
     int m = 0;
     double now = rk_time_now();
     for (int i = 0; i < n; i++) {
-        rk_job *j = batch[i];
+        rk_job *j = fresh[i];
         if (j->req.cancel) {
             finish(e, j, 0, RK_ERR_BUSY, "the request was cancelled before it ran");
             continue;
@@ -436,24 +480,115 @@ static void run_generations(rk_scheduler *e, rk_job **batch, int n) {
         jobs[m++] = j;
     }
     if (m == 0) return;
-    run_requests(e, reqs, jobs, m, res);
-    for (int i = 0; i < m; i++) {
-        if (res[i].status == RK_OK) {
-            rk_job *j = jobs[i];
-            if (e->p.record_request) e->p.record_request(e->p.stats_ctx, &j->req);
-            for (int k = 0; k < j->req.n_chunks; k++)
-                if (j->req.chunk_reports[k].key[0])
-                    rk_scheduler_chunk_touch(e, j->req.chunk_reports[k].key,
-                                             j->chunk_ids ? j->chunk_ids[k] : NULL);
-        }
+    rk_error_clear();
+    rk_status st = rk_pipeline_admit(p, reqs, m, NULL);
+    if (st == RK_OK) {
+        after_pass(e, 1);
+        return;
     }
-    publish(e, m); /* before answering: a client may ask for the stats right after */
-    for (int i = 0; i < m; i++) {
-        finish(e, jobs[i], 1, res[i].status, res[i].error);
+    if (st == RK_ERR_EXHAUSTED && rk_pipeline_n_running(p) > 0) {
+        requeue(e, jobs, m);
+        return;
+    }
+    char msg[320];
+    snprintf(msg, sizeof msg, "%s", rk_error_message());
+    if (m > 1) {
+        RK_LOG_INFO("admitting %d requests failed (%s: %s); admitting them one by one", m,
+                    rk_status_str(st), msg);
+        for (int i = 0; i < m; i++) admit_jobs(e, p, &jobs[i], 1);
+        return;
+    }
+    if (st == RK_ERR_EXHAUSTED) { /* alone, with nothing else running: it never fits */
+        char why[320];
+        snprintf(why, sizeof why, "the request needs more KV memory than the server has (%.200s)",
+                 msg);
+        finish(e, jobs[0], 1, RK_ERR_LIMIT, why);
+    } else {
+        finish(e, jobs[0], 1, st, msg);
     }
 }
 
+/* One decode step for every running generation. A failed step fails them all. */
+static void step_jobs(rk_scheduler *e, rk_pipeline *p) {
+    rk_error_clear();
+    rk_status st = rk_pipeline_step(p, NULL);
+    if (st == RK_OK) {
+        after_pass(e, 0);
+        return;
+    }
+    char msg[320];
+    snprintf(msg, sizeof msg, "%s", rk_error_message());
+    RK_LOG_WARN("a decode step failed (%s: %s)", rk_status_str(st), msg);
+    rk_pipeline_abort(p);
+    rk_scheduler_publish(e);
+    while (e->n_running > 0) finish(e, e->running[0], 1, st, msg);
+}
+
+/* With e->mu held: the work of the next iteration. A command at the head of
+ * the queue runs when it may (a light one at once, the others once no
+ * generation runs: they may run the pipeline themselves); otherwise queued
+ * generations join the running ones, up to max_batch, in queue order, while
+ * their estimated blocks fit in the free live pool (the first one when
+ * nothing runs, whatever its size). They go on the running list. */
+static void take_work(rk_scheduler *e, rk_job **out_cmd, rk_job **fresh, int *out_n) {
+    *out_cmd = NULL;
+    *out_n = 0;
+    rk_job *h = e->head;
+    if (!h) return;
+    if (h->fn) {
+        if (h->anytime || e->n_running == 0) {
+            unlink_job(e, h);
+            *out_cmd = h;
+        }
+        return;
+    }
+    int budget = rk_arena_pool_free(e->svc->arena, RK_POOL_LIVE), n = 0;
+    for (rk_job *j = h, *next; j && e->n_running < e->p.max_batch; j = next) {
+        next = j->next;
+        if (j->fn || (j->est_blocks > budget && e->n_running > 0)) break;
+        unlink_job(e, j);
+        fresh[n++] = j;
+        e->running[e->n_running++] = j;
+        budget -= j->est_blocks;
+    }
+    *out_n = n;
+}
+
+static void sleep_s(double d) {
+    struct timespec ts = {(time_t)d, (long)((d - (double)(time_t)d) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
 /* ---------------------------------------------------------------- the thread */
+
+/* Iteration-level scheduling: each iteration admits the generations that
+ * arrived (their prompt stages), then runs one decode step for every running
+ * one; a request leaves in the step it finishes. Light commands run between
+ * iterations. On stop, what runs was flagged cancelled and leaves at the next
+ * step. */
+static void engine_loop(rk_scheduler *e, rk_pipeline *p) {
+    rk_job *fresh[e->p.max_batch];
+    for (;;) {
+        rk_job *cmd;
+        int n_new = 0;
+        pthread_mutex_lock(&e->mu);
+        while (!e->stop && !e->head && e->n_running == 0) pthread_cond_wait(&e->cv, &e->mu);
+        if (e->stop && e->n_running == 0) {
+            pthread_mutex_unlock(&e->mu);
+            break;
+        }
+        take_work(e, &cmd, fresh, &n_new);
+        pthread_mutex_unlock(&e->mu);
+        if (cmd) {
+            run_command(e, cmd);
+            continue;
+        }
+        if (n_new) admit_jobs(e, p, fresh, n_new);
+        if (rk_pipeline_n_running(p) > 0) step_jobs(e, p);
+        if (e->p.token_delay_s > 0 && (n_new || e->n_running)) sleep_s(e->p.token_delay_s);
+        poll_anytime(e);
+    }
+}
 
 static void *engine_main(void *arg) {
     rk_scheduler *e = arg;
@@ -462,63 +597,29 @@ static void *engine_main(void *arg) {
         int stop = e->stop;
         pthread_mutex_unlock(&e->mu);
         if (stop) break;
-        struct timespec ts = {0, 10 * 1000 * 1000};
-        nanosleep(&ts, NULL);
+        sleep_s(0.01);
     }
     rk_service *svc = NULL;
+    rk_pipeline *p = NULL;
     rk_status st = rk_service_open(&e->p.cfg, e->model_path, &svc);
+    if (!st && (st = rk_pipeline_create(svc, &p))) {
+        rk_service_close(svc);
+        svc = NULL;
+    }
     pthread_mutex_lock(&e->mu);
     if (st) {
         e->state = RK_SCHEDULER_FAILED;
         snprintf(e->fail_msg, sizeof e->fail_msg, "%s", rk_error_message());
     } else {
         e->svc = svc;
-        e->live_total = rk_arena_pool_total(svc->arena, RK_POOL_LIVE);
         if (e->state == RK_SCHEDULER_LOADING) e->state = RK_SCHEDULER_READY;
     }
     pthread_cond_broadcast(&e->cv);
     pthread_mutex_unlock(&e->mu);
     if (st) return NULL;
     rk_scheduler_publish(e);
-
-    int cap = e->p.max_batch > 0 ? e->p.max_batch : 1;
-    rk_job *batch[cap];
-    for (;;) {
-        pthread_mutex_lock(&e->mu);
-        while (!e->stop && !e->head) pthread_cond_wait(&e->cv, &e->mu);
-        if (e->stop) {
-            pthread_mutex_unlock(&e->mu);
-            break;
-        }
-        int n = 0;
-        if (e->head->fn) {
-            batch[n++] = e->head;
-            unlink_job(e, e->head);
-        } else {
-            int used = 0;
-            for (rk_job *j = e->head, *next; j && n < cap; j = next) {
-                next = j->next;
-                if (j->fn || (n > 0 && used + j->est_blocks > e->live_total)) break;
-                unlink_job(e, j);
-                batch[n++] = j;
-                used += j->est_blocks;
-            }
-        }
-        for (int i = 0; i < n; i++) e->running[i] = batch[i];
-        e->n_running = n;
-        pthread_mutex_unlock(&e->mu);
-
-        if (batch[0]->fn) {
-            rk_error_clear();
-            rk_status cst = batch[0]->fn(batch[0]->fn_ctx, e, e->svc);
-            char msg[320];
-            snprintf(msg, sizeof msg, "%s", rk_error_message());
-            rk_scheduler_publish(e);
-            finish(e, batch[0], 1, cst, msg);
-        } else {
-            run_generations(e, batch, n);
-        }
-    }
+    engine_loop(e, p);
+    rk_pipeline_free(p);
     return NULL;
 }
 

@@ -3,16 +3,20 @@
  * One engine thread owns the rk_service (backend, model, KV arena, radix tree,
  * chunk index); nothing else touches them, so they need no locks. It loads
  * the model itself (the HTTP server listens meanwhile and answers /health
- * with 503), then loops: take every queued generation (up to max_batch, and
- * no more than the live pool can hold), run them together through
- * rk_pipeline_run (which batches their prefill and decode), publish each
- * generated token on its job's reply channel, complete the jobs, and publish a
- * statistics snapshot. Requests that arrive while a batch runs wait for the
- * next batch (no continuous batching yet). Cache commands (list, delete,
- * flush, pre-warm) are jobs too: functions run on the engine thread between
- * batches; the light ones (list, get, delete, flush) also between two decode
- * steps of a running batch, so they do not wait for long generations. While a
- * batch decodes, statistics are published every 100 ms.
+ * with 503), then schedules per decode step (continuous batching): each
+ * iteration admits the generations queued since the last one (up to
+ * max_batch running in all, while the live pool has room) by running their
+ * prompt stages, then runs one decode step for every running generation,
+ * publishes each new token on its job's reply channel, and completes the
+ * jobs that finished or were cancelled in that step. A request arriving
+ * while others generate joins them at the next step. When the live pool
+ * cannot hold a new request while others run, it waits at the head of the
+ * queue for them to release blocks; one that cannot fit even alone fails
+ * (RK_ERR_LIMIT). Cache commands (list, delete, flush, pre-warm) are jobs
+ * too: functions run on the engine thread between steps; the light ones
+ * (list, get, delete, flush) at once, the others (which may run the
+ * pipeline themselves) once no generation runs. Statistics are published
+ * after every admission, every completion and every 100 ms.
  *
  * A job belongs to its submitter (an HTTP worker thread), who must not free
  * it before rk_job_wait reported it done: until then the engine may write it. */
@@ -51,6 +55,7 @@ typedef struct rk_cache_snapshot {
     /* The chunk store (disk tier): zero while none is configured. */
     int have_store;
     uint64_t store_rows, store_bytes, store_loads, store_writes, store_dropped_at_recovery;
+    uint64_t store_corrupt_after_open, store_quarantined, store_rows_rebuilt, store_unreadable;
 } rk_cache_snapshot;
 
 typedef struct rk_scheduler rk_scheduler; /* opaque */
@@ -66,12 +71,13 @@ typedef struct rk_scheduler_params {
     rk_config cfg;
     const char *model_path; /* NULL = the embedded model; copied */
     int max_queue;          /* jobs waiting at most (submit fails beyond) */
-    int max_batch;          /* generations run together at most */
+    int max_batch;          /* generations running together at most */
     double load_delay_s;    /* testing aid: wait this long before loading */
-    double token_delay_s;   /* testing aid: sleep after every generated token */
+    double token_delay_s;   /* testing aid: sleep after every decode step */
     /* Where statistics go (both may be NULL), called on the engine thread:
-     * a snapshot of the caches after every batch or command (and every
-     * 100 ms while a batch decodes), and every request that completed. */
+     * a snapshot of the caches after every admission, completion or command
+     * (and every 100 ms while requests decode), and every request that
+     * completed. */
     void (*publish)(void *ctx, const rk_cache_snapshot *snap);
     void (*record_request)(void *ctx, const rk_request *r);
     void *stats_ctx;
@@ -86,8 +92,8 @@ typedef struct rk_job {
     rk_scheduler_fn fn; /* or a command */
     void *fn_ctx;
     int notify_tokens;      /* wake the waiter at every token (streaming, stop strings) */
-    int anytime;            /* a command that may also run between two decode steps of a
-                               batch (it must not run the pipeline itself) */
+    int anytime;            /* a command that may run between two decode steps while
+                               generations run (it must not run the pipeline itself) */
     char *const *chunk_ids; /* (req.n_chunks) document ids to remember, or NULL; not owned */
 
     /* The reply channel: under mu, read through rk_job_wait. */
@@ -157,9 +163,10 @@ typedef struct rk_run_result {
     char error[320];
 } rk_run_result;
 
-/* Run prepared requests through the pipeline in batches of max_batch. When a
- * batch fails (e.g. the live pool cannot hold all of it), each of its
- * requests is retried alone, so one request's failure is its own. */
+/* For commands: run prepared requests to completion through rk_pipeline_run
+ * in batches of max_batch (no generation runs meanwhile). When a batch fails
+ * (e.g. the live pool cannot hold all of it), each of its requests is
+ * retried alone, so one request's failure is its own. */
 void rk_scheduler_run(rk_scheduler *e, rk_request **reqs, int n, rk_run_result *out);
 
 /* Per-chunk metadata the engine keeps beside the chunk index: the document

@@ -104,16 +104,16 @@ static void check_modes(const char *model, const char *prompt) {
         for (int par = 0; par < 2; par++) {
             rk_chunk_index_flush(svc->chunks); /* isolated chunks would hit across modes */
             rk_req_options o = greedy_opts();
-            o.context_system = ctx;
+            o.chunk_context = ctx ? RK_CONTEXT_SYSTEM : RK_CONTEXT_ISOLATED;
             o.positions = par ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
             rk_request first, second, oracle;
             run_log lf = {0}, ls = {0}, lo = {0};
             run(svc, prompt, &o, &first, &lf);
             run(svc, prompt, &o, &second, &ls);
             for (int k = 0; k < second.n_chunks; k++) {
-                cr_assert_str_eq(first.chunk_reports[k].status, "miss");
-                cr_assert_str_eq(second.chunk_reports[k].status, "hit", "ctx %d par %d chunk %d",
-                                 ctx, par, k);
+                cr_assert_eq(first.chunk_reports[k].status, RK_CHUNK_STATUS_MISS);
+                cr_assert_eq(second.chunk_reports[k].status, RK_CHUNK_STATUS_HIT,
+                             "ctx %d par %d chunk %d", ctx, par, k);
             }
             rk_req_options off = o;
             off.chunk_cache = 0;
@@ -165,16 +165,16 @@ Test(chunkcache, one_chunk_after_its_system_prompt_equals_plain) {
     const char *p =
         "Once upon a time there was a girl.##Lily had a red ball in the garden.##One day";
     rk_req_options o = greedy_opts();
-    o.context_system = 1;
+    o.chunk_context = RK_CONTEXT_SYSTEM;
     rk_req_options plain = greedy_opts();
-    plain.mode_plain = 1;
+    plain.mode = RK_MODE_PLAIN;
     plain.prefix_cache = 0;
     rk_request a, b, c;
     run_log la = {0}, lb = {0}, lc = {0};
     run(svc, p, &o, &a, &la);
     run(svc, p, &o, &b, &lb); /* cached */
     run(svc, p, &plain, &c, &lc);
-    cr_assert_str_eq(b.chunk_reports[0].status, "hit");
+    cr_assert_eq(b.chunk_reports[0].status, RK_CHUNK_STATUS_HIT);
     cr_assert_eq(memcmp(b.out_tokens, c.out_tokens, STEPS * sizeof(int32_t)), 0);
     cr_assert_leq(max_diff(&lb, &lc), 1e-4);
     cr_assert_leq(max_diff(&la, &lc), 1e-4);
@@ -190,11 +190,11 @@ Test(chunkcache, one_chunk_after_its_system_prompt_equals_plain) {
 
 /* ---------------------------------------------------------------- reuse */
 
-static const char *status_of(rk_service *svc, const char *prompt, rk_req_options o, int k) {
+static rk_chunk_status status_of(rk_service *svc, const char *prompt, rk_req_options o, int k) {
     rk_request r;
     o.max_tokens = 1;
     run(svc, prompt, &o, &r, NULL);
-    const char *s = r.chunk_reports[k].status;
+    rk_chunk_status s = r.chunk_reports[k].status;
     rk_request_free(&r);
     return s;
 }
@@ -204,25 +204,26 @@ Test(chunkcache, a_chunk_moves_between_positions_and_system_prompts) {
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_service *svc = open_svc(model, 0);
     rk_req_options iso = greedy_opts(), sys = greedy_opts();
-    sys.context_system = 1;
+    sys.chunk_context = RK_CONTEXT_SYSTEM;
     const char *doc = "Max the dog ran to the park and found a stick.";
     char a[512], b[512], c[512];
     snprintf(a, sizeof a, "Sys A.##%s##Q", doc);
     snprintf(b, sizeof b, "A different system prompt.##Tom was sad.##The cat slept.##%s##Q", doc);
-    cr_assert_str_eq(status_of(svc, a, iso, 0), "miss");
-    cr_assert_str_eq(status_of(svc, b, iso, 2), "hit",
-                     "chunk 1 under A is a hit as chunk 3 under B");
-    cr_assert_str_eq(status_of(svc, a, sys, 0), "miss");
-    cr_assert_str_eq(status_of(svc, b, sys, 2), "miss", "the system context keys by system prompt");
+    cr_assert_eq(status_of(svc, a, iso, 0), RK_CHUNK_STATUS_MISS);
+    cr_assert_eq(status_of(svc, b, iso, 2), RK_CHUNK_STATUS_HIT,
+                 "chunk 1 under A is a hit as chunk 3 under B");
+    cr_assert_eq(status_of(svc, a, sys, 0), RK_CHUNK_STATUS_MISS);
+    cr_assert_eq(status_of(svc, b, sys, 2), RK_CHUNK_STATUS_MISS,
+                 "the system context keys by system prompt");
     /* Reordered: all hits. */
     snprintf(c, sizeof c, "Sys A.##The cat slept.##%s##Tom was sad.##Q", doc);
     rk_request r;
     run(svc, c, &iso, &r, NULL);
-    for (int k = 0; k < 3; k++) cr_assert_str_eq(r.chunk_reports[k].status, "hit");
+    for (int k = 0; k < 3; k++) cr_assert_eq(r.chunk_reports[k].status, RK_CHUNK_STATUS_HIT);
     rk_request_free(&r);
     /* One token different: a miss. */
-    cr_assert_str_eq(
-        status_of(svc, "Sys A.##Max the dog ran to the park and found a ball.##Q", iso, 0), "miss");
+    cr_assert_eq(status_of(svc, "Sys A.##Max the dog ran to the park and found a ball.##Q", iso, 0),
+                 RK_CHUNK_STATUS_MISS);
     rk_service_close(svc);
     free(model);
 }
@@ -282,7 +283,7 @@ Test(chunkcache, cached_entries_are_never_modified_by_reindexing) {
     snprintf(big + n, sizeof big - (size_t)n, "##The bird sang a song in the tree.##Q");
     run(svc, big, &o, &r, NULL);
     cr_assert_gt(r.chunk_reports[0].live_offset, 1000);
-    cr_assert_str_eq(r.chunk_reports[0].status, "hit");
+    cr_assert_eq(r.chunk_reports[0].status, RK_CHUNK_STATUS_HIT);
     rk_request_free(&r);
     p = before;
     for (int l = 0; l < kv->n_layers; l++)
@@ -321,7 +322,7 @@ Test(chunkcache, eight_requests_missing_one_chunk_compute_it_once) {
     cr_assert_eq(cs.lookups, 8);
     cr_assert_eq(cs.entries, 1);
     for (int i = 0; i < 8; i++) {
-        cr_assert_str_eq(reqs[i].chunk_reports[0].status, "miss");
+        cr_assert_eq(reqs[i].chunk_reports[0].status, RK_CHUNK_STATUS_MISS);
         cr_assert_str_eq(reqs[i].chunk_reports[0].key, reqs[0].chunk_reports[0].key);
     }
     for (int i = 0; i < 8; i++) rk_request_free(&reqs[i]);
@@ -353,9 +354,9 @@ Test(chunkcache, a_small_chunk_pool_evicts_lru_and_gives_every_block_back) {
     cr_assert_eq(cs.evictions, 1);
     cr_assert_eq(cs.entries, 2);
     snprintf(p, sizeof p, "S##%s##Q", docs[0]); /* the least recently used went */
-    cr_assert_str_eq(status_of(svc, p, o, 0), "miss");
+    cr_assert_eq(status_of(svc, p, o, 0), RK_CHUNK_STATUS_MISS);
     snprintf(p, sizeof p, "S##%s##Q", docs[2]);
-    cr_assert_str_eq(status_of(svc, p, o, 0), "hit");
+    cr_assert_eq(status_of(svc, p, o, 0), RK_CHUNK_STATUS_HIT);
     /* A request whose chunks alone need more than the pool: a clear error. */
     snprintf(p, sizeof p, "S##%s##%s##%s##Q", docs[0], docs[1], docs[2]);
     rk_request big;
@@ -448,7 +449,7 @@ static void check_full_repair(const rk_req_options *repair) {
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_service *svc = open_svc(model, 0);
     rk_req_options o = *repair, plain = greedy_opts();
-    plain.mode_plain = 1;
+    plain.mode = RK_MODE_PLAIN;
     plain.prefix_cache = 0;
     rk_request warm, a, b;
     run_log la = {0}, lb = {0};
@@ -457,7 +458,7 @@ static void check_full_repair(const rk_req_options *repair) {
     run(svc, STORY, &plain, &b, &lb);
     int total = 0;
     for (int k = 0; k < a.n_chunks; k++) {
-        cr_assert_str_eq(a.chunk_reports[k].status, "hit");
+        cr_assert_eq(a.chunk_reports[k].status, RK_CHUNK_STATUS_HIT);
         total += a.chunk_lens[k];
     }
     cr_assert_eq(a.recomputed_tokens, total);

@@ -520,6 +520,17 @@ Test(rope, init_plain_frequencies) {
     cr_assert_eq(rk_rope_init(&r, &bad), RK_ERR_INVALID);
 }
 
+Test(rope, check_accepts_a_fitting_shape_and_names_a_bad_one) {
+    rk_rope r = plain_rope(64, 10000.0f, RK_ROPE_NEOX);
+    cr_expect_eq(rk_rope_check(0, 1, 64, &r), RK_OK);
+    cr_expect_eq(rk_rope_check(5, 8, 128, &r), RK_OK);
+    cr_expect_eq(rk_rope_check(-1, 8, 64, &r), RK_ERR_INVALID);
+    cr_expect_eq(rk_rope_check(5, 0, 64, &r), RK_ERR_INVALID);
+    cr_expect_eq(rk_rope_check(5, 8, 32, &r), RK_ERR_INVALID);
+    cr_expect(strstr(rk_error_message(), "n_rot 64 does not fit head_dim 32") != NULL, "%s",
+              rk_error_message());
+}
+
 Test(rope, init_linear_divides_by_the_factor) {
     rk_rope_params p = {
         .n_rot = 64, .theta = 10000.0f, .scaling = RK_ROPE_SCALING_LINEAR, .factor = 4.0f};

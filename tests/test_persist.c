@@ -68,7 +68,7 @@ Test(persist, a_restart_serves_chunks_from_disk_with_identical_results) {
     rk_request a;
     first_logits la = {0};
     run(svc, PROMPT, &a, &la);
-    cr_assert_str_eq(a.chunk_reports[0].source, "computed");
+    cr_assert_eq(a.chunk_reports[0].source, RK_CHUNK_SOURCE_COMPUTED);
     rk_store_counters sc;
     rk_store_stats(svc->store, &sc);
     cr_assert_eq(sc.rows, 2, "both chunks were written through");
@@ -79,8 +79,8 @@ Test(persist, a_restart_serves_chunks_from_disk_with_identical_results) {
     first_logits lb = {0};
     run(svc, PROMPT, &b, &lb);
     for (int k = 0; k < 2; k++) {
-        cr_assert_str_eq(b.chunk_reports[k].status, "hit");
-        cr_assert_str_eq(b.chunk_reports[k].source, "disk");
+        cr_assert_eq(b.chunk_reports[k].status, RK_CHUNK_STATUS_HIT);
+        cr_assert_eq(b.chunk_reports[k].source, RK_CHUNK_SOURCE_DISK);
     }
     cr_assert_eq(b.cached_tokens,
                  b.chunk_reports[0].tokens + b.chunk_reports[1].tokens + b.sys_cached);
@@ -98,7 +98,8 @@ Test(persist, a_restart_serves_chunks_from_disk_with_identical_results) {
      * arena hit give bit-identical logits. */
     first_logits lc = {0};
     run(svc, PROMPT, &c, &lc);
-    cr_assert_str_eq(c.chunk_reports[0].source, "arena", "the next hit comes from memory");
+    cr_assert_eq(c.chunk_reports[0].source, RK_CHUNK_SOURCE_ARENA,
+                 "the next hit comes from memory");
     for (int i = 0; i < lb.n; i++) cr_assert_eq(lb.v[i], lc.v[i], "logit %d differs", i);
     free(lc.v);
     rk_chunk_stats cs;
@@ -126,13 +127,13 @@ Test(persist, failing_writes_leave_serving_untouched) {
     cr_assert_eq(setrlimit(RLIMIT_FSIZE, &rl), 0);
     rk_request a, b;
     run(svc, PROMPT, &a, NULL);
-    cr_assert_str_eq(a.chunk_reports[0].status, "miss");
+    cr_assert_eq(a.chunk_reports[0].status, RK_CHUNK_STATUS_MISS);
     cr_assert_eq(a.n_out, 8, "the request is served from the arena");
     rk_store_counters sc;
     rk_store_stats(svc->store, &sc);
     cr_assert_eq(sc.rows, 0, "nothing half-written is kept");
     run(svc, PROMPT, &b, NULL);
-    cr_assert_str_eq(b.chunk_reports[0].source, "arena");
+    cr_assert_eq(b.chunk_reports[0].source, RK_CHUNK_SOURCE_ARENA);
     cr_assert_eq(memcmp(a.out_tokens, b.out_tokens, 8 * sizeof(int32_t)), 0);
     rk_request_free(&a);
     rk_request_free(&b);

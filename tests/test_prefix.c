@@ -202,7 +202,7 @@ Test(prefix, a_max_tokens_zero_request_in_a_generating_batch_generates_nothing) 
     cr_assert_eq(rk_pipeline_run(svc, reqs, 3, NULL), RK_OK, "%s", rk_error_message());
     cr_assert_eq(reqs[0]->n_out, 6);
     cr_assert_eq(reqs[1]->n_out, 0);
-    cr_assert_str_eq(reqs[1]->finish_reason, "length");
+    cr_assert_eq(reqs[1]->finish_reason, RK_FINISH_LENGTH);
     cr_assert_eq(reqs[2]->n_out, 3);
     for (int i = 0; i < 3; i++) rk_test_request_free(reqs[i]);
     cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),

@@ -386,13 +386,8 @@ static void rope_task(void *p, int task, int tid) {
 
 static rk_status cpu_rope(rk_backend *be, float *x, const int32_t *pos, int n_tokens, int n_heads,
                           int head_dim, const rk_rope *rope) {
-    if (n_tokens < 0 || n_heads <= 0 || head_dim <= 0)
-        return rk_errorf(RK_ERR_INVALID, "rope: bad shape %d x %d x %d", n_tokens, n_heads,
-                         head_dim);
-    if (rope->n_rot <= 0 || rope->n_rot > head_dim || (rope->n_rot & 1) ||
-        rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
-        return rk_errorf(RK_ERR_INVALID, "rope: n_rot %d does not fit head_dim %d", rope->n_rot,
-                         head_dim);
+    rk_status st = rk_rope_check(n_tokens, n_heads, head_dim, rope);
+    if (st) return st;
     if (n_tokens == 0) return RK_OK;
     rope_ctx c = {x, pos, n_tokens, n_heads, head_dim, 0, rope};
     c.tokens_per = rows_per_task(n_tokens, (size_t)n_heads * head_dim);

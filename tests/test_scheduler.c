@@ -1,0 +1,352 @@
+/* tests/test_scheduler.c — continuous batching: a request admitted while
+ * others decode gets the tokens and logits it gets alone; a request that
+ * finishes or is cancelled releases everything in the step it leaves; the
+ * engine thread answers a short request while a long one generates, and a
+ * request the live pool cannot hold next to the running ones waits instead
+ * of failing. */
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "pipeline/pipeline.h"
+#include "pipeline/scheduler.h"
+#include "tests/testutil.h"
+
+#define MAX_STEPS 32
+
+/* Logits of every step of up to two requests, by hook index. */
+typedef struct logit_log {
+    int n_vocab;
+    float *logits[2][MAX_STEPS];
+} logit_log;
+
+static void keep_logits(void *ctx, int req, int step, const float *logits, int n_vocab) {
+    logit_log *l = ctx;
+    cr_assert(req >= 0 && req < 2 && step < MAX_STEPS);
+    l->n_vocab = n_vocab;
+    free(l->logits[req][step]);
+    l->logits[req][step] = malloc((size_t)n_vocab * sizeof(float));
+    memcpy(l->logits[req][step], logits, (size_t)n_vocab * sizeof(float));
+}
+
+static void log_free(logit_log *l) {
+    for (int r = 0; r < 2; r++)
+        for (int s = 0; s < MAX_STEPS; s++) free(l->logits[r][s]);
+}
+
+static rk_config small_config(void) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 2;
+    cfg.kv_memory_mb = 64;
+    return cfg;
+}
+
+static rk_service *open_svc(const char *model) {
+    rk_config cfg = small_config();
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
+    return svc;
+}
+
+static rk_request *prepare(rk_service *svc, const char *prompt, int max_tokens) {
+    rk_request *r = calloc(1, sizeof *r);
+    rk_req_options_default(&r->opt);
+    r->opt.max_tokens = max_tokens;
+    r->opt.sampling.temperature = 0;
+    r->opt.stop_at_eog = 0;
+    rk_split sp;
+    cr_assert_eq(rk_split_prompt(prompt, strlen(prompt), NULL, svc->cfg.max_chunks, &sp), RK_OK);
+    cr_assert_eq(rk_request_prepare(svc, &sp, r), RK_OK, "%s", rk_error_message());
+    rk_split_free(&sp);
+    return r;
+}
+
+static void request_free(rk_request *r) {
+    rk_request_free(r);
+    free(r);
+}
+
+static const char *LONG_PROMPT = "A system prompt long enough to fill a block of sixteen tokens "
+                                 "or more.##Tom had a red ball.##What did Tom have?";
+static const char *SHORT_PROMPT = "Another system prompt.##The cat slept on the mat all day "
+                                  "long.##Lily saw a bird.##Where did the cat sleep?";
+
+/* The largest difference between two steps' logits, relative to their scale. */
+static double rel_diff(const float *a, const float *b, int n) {
+    double worst = 0, scale = 0;
+    for (int i = 0; i < n; i++) {
+        worst = fmax(worst, fabs((double)a[i] - b[i]));
+        scale = fmax(scale, fabs((double)a[i]));
+    }
+    return worst / (scale > 0 ? scale : 1);
+}
+
+static void check_joining_matches_alone(const char *model) {
+    enum { LONG_TOKENS = 24, SHORT_TOKENS = 10, JOIN_AFTER = 5 };
+    /* Alone, each on its own pipeline call. */
+    rk_service *alone = open_svc(model);
+    logit_log la = {0}, lb = {0};
+    rk_request *a = prepare(alone, LONG_PROMPT, LONG_TOKENS);
+    rk_request *b = prepare(alone, SHORT_PROMPT, SHORT_TOKENS);
+    rk_pipeline_hooks ha = {.ctx = &la, .on_logits = keep_logits};
+    rk_pipeline_hooks hb = {.ctx = &lb, .on_logits = keep_logits};
+    cr_assert_eq(rk_pipeline_run(alone, &a, 1, &ha), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_run(alone, &b, 1, &hb), RK_OK, "%s", rk_error_message());
+
+    /* Together: b joins after a decoded JOIN_AFTER steps (fresh caches, so b's
+     * chunks are computed in both runs). */
+    rk_service *svc = open_svc(model);
+    logit_log lj = {0};
+    rk_request *ja = prepare(svc, LONG_PROMPT, LONG_TOKENS);
+    rk_request *jb = prepare(svc, SHORT_PROMPT, SHORT_TOKENS);
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_pipeline_hooks hj = {.ctx = &lj, .on_logits = keep_logits};
+    cr_assert_eq(rk_pipeline_admit(p, &ja, 1, &hj), RK_OK, "%s", rk_error_message());
+    for (int s = 0; s < JOIN_AFTER; s++) cr_assert_eq(rk_pipeline_step(p, &hj), RK_OK);
+    cr_assert_eq(ja->n_out, 1 + JOIN_AFTER);
+    cr_assert_eq(rk_pipeline_admit(p, &jb, 1, &hj), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_n_running(p), 2, "b joined the running batch");
+    cr_assert_eq(ja->n_out, 1 + JOIN_AFTER, "admitting b decoded nothing for a");
+    while (rk_pipeline_n_running(p) > 0) cr_assert_eq(rk_pipeline_step(p, &hj), RK_OK);
+    cr_assert(ja->finished && jb->finished);
+
+    cr_assert_eq(ja->n_out, LONG_TOKENS);
+    cr_assert_eq(jb->n_out, SHORT_TOKENS);
+    cr_assert_arr_eq(ja->out_tokens, a->out_tokens, LONG_TOKENS * sizeof(int32_t));
+    cr_assert_arr_eq(jb->out_tokens, b->out_tokens, SHORT_TOKENS * sizeof(int32_t),
+                     "the joining request's greedy tokens are its tokens alone");
+    int n = la.n_vocab;
+    for (int s = 0; s < LONG_TOKENS; s++)
+        cr_assert_leq(rel_diff(lj.logits[0][s], la.logits[0][s], n), 1e-4, "a, step %d", s);
+    for (int s = 0; s < SHORT_TOKENS; s++)
+        cr_assert_leq(rel_diff(lj.logits[1][s], lb.logits[0][s], n), 1e-4, "b, step %d", s);
+    cr_assert_eq(jb->chunk_reports[0].status, RK_CHUNK_STATUS_MISS);
+    cr_assert_eq(jb->t.prefill_ms > 0, 1);
+
+    rk_pipeline_free(p);
+    request_free(a);
+    request_free(b);
+    request_free(ja);
+    request_free(jb);
+    log_free(&la);
+    log_free(&lb);
+    log_free(&lj);
+    rk_service_close(alone);
+    rk_service_close(svc);
+}
+
+Test(pipeline, a_request_joining_a_running_batch_gets_its_tokens_alone) {
+    check_joining_matches_alone(NULL); /* the embedded model */
+}
+
+Test(pipeline, a_request_joining_a_running_batch_gets_its_tokens_alone_stories260k) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    check_joining_matches_alone(model);
+    free(model);
+}
+
+/* What requests hold: live blocks in use, referenced chunk entries, tokens
+ * under radix locks. */
+typedef struct held {
+    int live_used;
+    int chunk_refs;
+    uint64_t prefix_locked;
+} held;
+
+static int count_ref(void *ctx, const rk_chunk_entry *e) {
+    *(int *)ctx += e->refs > 0;
+    return 0;
+}
+
+static held held_now(rk_service *svc) {
+    held h = {.live_used = rk_arena_pool_total(svc->arena, RK_POOL_LIVE) -
+                           rk_arena_pool_free(svc->arena, RK_POOL_LIVE)};
+    rk_chunk_index_foreach(svc->chunks, count_ref, &h.chunk_refs);
+    rk_radix_stats rs;
+    rk_radix_get_stats(svc->prefix, &rs);
+    h.prefix_locked = rs.protected_tokens;
+    return h;
+}
+
+Test(pipeline, ending_or_cancelling_a_request_releases_everything_the_same_step) {
+    rk_service *svc = open_svc(NULL);
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_request *a = prepare(svc, LONG_PROMPT, 100);
+    rk_request *b = prepare(svc, SHORT_PROMPT, 3);
+    held base = held_now(svc);
+    cr_assert_eq(base.live_used, 0);
+
+    cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
+    held with_a = held_now(svc);
+    cr_assert_gt(with_a.live_used, 0);
+    cr_assert_eq(with_a.chunk_refs, 1);
+    cr_assert_gt(with_a.prefix_locked, 0);
+    cr_assert_eq(rk_pipeline_admit(p, &b, 1, NULL), RK_OK, "%s", rk_error_message());
+    held both = held_now(svc);
+    cr_assert_gt(both.live_used, with_a.live_used);
+    cr_assert_eq(both.chunk_refs, 3);
+
+    /* b ends at max_tokens in its second step and leaves in that step. */
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert(!b->finished);
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert(b->finished, "b reached max_tokens in this step");
+    cr_assert_eq(b->n_out, 3);
+    cr_assert_eq(b->finish_reason, RK_FINISH_LENGTH);
+    held after_b = held_now(svc);
+    cr_assert_eq(after_b.live_used, with_a.live_used, "b's live blocks came back");
+    cr_assert_eq(after_b.chunk_refs, with_a.chunk_refs, "b's chunk references came back");
+    cr_assert_eq(after_b.prefix_locked, with_a.prefix_locked, "b's radix lock came back");
+    cr_assert_eq(rk_pipeline_n_running(p), 1);
+
+    /* a is cancelled: it leaves in the next step without another token. */
+    int n_before = a->n_out;
+    a->cancel = 1;
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert(a->finished);
+    cr_assert_eq(a->n_out, n_before);
+    cr_assert_eq(a->finish_reason, RK_FINISH_CANCELLED);
+    held end = held_now(svc);
+    cr_assert_eq(end.live_used, 0);
+    cr_assert_eq(end.chunk_refs, 0);
+    cr_assert_eq(end.prefix_locked, 0);
+    cr_assert_eq(rk_pipeline_n_running(p), 0);
+
+    rk_pipeline_free(p);
+    request_free(a);
+    request_free(b);
+    rk_service_close(svc);
+}
+
+Test(pipeline, a_request_the_live_pool_cannot_hold_is_refused_and_the_running_ones_go_on) {
+    rk_config cfg = small_config();
+    cfg.live_blocks = 24;
+    rk_service *alone, *svc;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &alone), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    rk_request *ref = prepare(alone, LONG_PROMPT, 150);
+    cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
+
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_request *a = prepare(svc, LONG_PROMPT, 150);
+    cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
+    for (int s = 0; s < 3; s++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    held with_a = held_now(svc);
+    int bs = rk_arena_block_size(svc->arena);
+    int free_blocks = rk_arena_pool_free(svc->arena, RK_POOL_LIVE);
+    /* b's generated tokens alone need more blocks than are free. */
+    rk_request *b = prepare(svc, SHORT_PROMPT, (free_blocks + 1) * bs);
+    cr_assert_eq(rk_pipeline_admit(p, &b, 1, NULL), RK_ERR_EXHAUSTED);
+    cr_assert(!b->finished);
+    held after = held_now(svc);
+    cr_assert_eq(after.live_used, with_a.live_used, "b took nothing from the live pool");
+    cr_assert_eq(after.chunk_refs, with_a.chunk_refs);
+    cr_assert_eq(after.prefix_locked, with_a.prefix_locked);
+    cr_assert_eq(rk_pipeline_n_running(p), 1);
+
+    while (rk_pipeline_n_running(p) > 0) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(a->n_out, 150);
+    cr_assert_arr_eq(a->out_tokens, ref->out_tokens, 150 * sizeof(int32_t),
+                     "the running request went on as if alone");
+    /* With a gone, b fits. */
+    cr_assert_eq(rk_pipeline_admit(p, &b, 1, NULL), RK_OK, "%s", rk_error_message());
+    while (rk_pipeline_n_running(p) > 0) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert(b->finished);
+    cr_assert_eq(held_now(svc).live_used, 0);
+
+    rk_pipeline_free(p);
+    request_free(ref);
+    request_free(a);
+    request_free(b);
+    rk_service_close(alone);
+    rk_service_close(svc);
+}
+
+/* ---------------------------------------------------------------- the engine thread */
+
+static rk_scheduler *start(const rk_config *cfg, double token_delay_s, int max_batch) {
+    rk_scheduler_params sp = {
+        .cfg = *cfg, .max_queue = 16, .max_batch = max_batch, .token_delay_s = token_delay_s};
+    rk_scheduler *e;
+    cr_assert_eq(rk_scheduler_start(&sp, &e), RK_OK);
+    for (int i = 0; i < 3000 && rk_scheduler_get_state(e, NULL, 0) == RK_SCHEDULER_LOADING; i++) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    cr_assert_eq(rk_scheduler_get_state(e, NULL, 0), RK_SCHEDULER_READY);
+    return e;
+}
+
+static void submit(rk_scheduler *e, rk_job *j, const char *prompt, int max_tokens) {
+    cr_assert_eq(rk_job_init(j), RK_OK);
+    rk_service *svc = rk_scheduler_service(e);
+    rk_request *r = prepare(svc, prompt, max_tokens);
+    j->req = *r;
+    j->notify_tokens = 1; /* wake rk_job_wait at every token */
+    free(r);
+    cr_assert_eq(rk_scheduler_submit(e, j), RK_OK, "%s", rk_error_message());
+}
+
+static void wait_done(rk_job *j) {
+    int n = 0, done = 0;
+    while (!done) rk_job_wait(j, n, rk_time_now() + 60, &n, &done);
+}
+
+Test(scheduler, a_short_request_finishes_while_a_long_one_generates, .timeout = 120) {
+    rk_config cfg = small_config();
+    rk_scheduler *e = start(&cfg, 0.005, 8);
+    rk_job lj, sj;
+    submit(e, &lj, LONG_PROMPT, 400); /* 2 s of steps at 5 ms each */
+    int n = 0, done = 0;
+    rk_job_wait(&lj, 0, rk_time_now() + 60, &n, &done);
+    cr_assert(n >= 1 && !done, "the long request is generating");
+    submit(e, &sj, SHORT_PROMPT, 1);
+    wait_done(&sj);
+    cr_assert_eq(sj.status, RK_OK, "%s", sj.error);
+    cr_assert_eq(sj.req.n_out, 1);
+    pthread_mutex_lock(&lj.mu);
+    int long_done = lj.done, long_tokens = lj.n_tokens;
+    pthread_mutex_unlock(&lj.mu);
+    cr_assert(!long_done && long_tokens < 400,
+              "the short request waited for the long one (%d tokens)", long_tokens);
+    rk_scheduler_cancel(e, &lj);
+    wait_done(&lj);
+    cr_assert_eq(lj.req.finish_reason, RK_FINISH_CANCELLED);
+    rk_job_destroy(&lj);
+    rk_job_destroy(&sj);
+    rk_scheduler_free(e);
+}
+
+Test(scheduler, a_request_the_live_pool_cannot_hold_yet_waits_instead_of_failing, .timeout = 120) {
+    rk_config cfg = small_config();
+    /* Room for one request of 200 tokens at a time, not two. */
+    cfg.live_blocks = 20;
+    rk_scheduler *e = start(&cfg, 0.002, 8);
+    rk_job first, second, huge;
+    submit(e, &first, LONG_PROMPT, 200);
+    int n = 0, done = 0;
+    rk_job_wait(&first, 0, rk_time_now() + 60, &n, &done);
+    submit(e, &second, SHORT_PROMPT, 200);
+    wait_done(&second);
+    cr_assert_eq(second.status, RK_OK, "%s", second.error);
+    cr_assert_eq(second.req.n_out, 200);
+    pthread_mutex_lock(&first.mu);
+    cr_assert(first.done, "the second request ran after the first released its blocks");
+    pthread_mutex_unlock(&first.mu);
+    cr_assert_eq(first.status, RK_OK, "%s", first.error);
+    /* One that cannot fit even alone fails as too large. */
+    submit(e, &huge, SHORT_PROMPT, 400);
+    wait_done(&huge);
+    cr_assert_eq(huge.status, RK_ERR_LIMIT, "%s", huge.error);
+    rk_job_destroy(&first);
+    rk_job_destroy(&second);
+    rk_job_destroy(&huge);
+    rk_scheduler_free(e);
+}
