@@ -109,6 +109,10 @@ int64_t rk_gguf_n_tensors(const rk_gguf *g);
 const rk_gguf_tensor *rk_gguf_tensor_at(const rk_gguf *g, int64_t i);
 /* NULL when absent. */
 const rk_gguf_tensor *rk_gguf_find_tensor(const rk_gguf *g, const char *name);
+/* Index of the first NaN or infinite element of an F32, F16 or BF16 tensor
+ * (ne[0] fastest), or -1 when all are finite; other types are not examined
+ * (-1). Reads every element, in vectorised blocks. */
+int64_t rk_gguf_tensor_first_nonfinite(const rk_gguf_tensor *t);
 
 /* Name of a ggml type ("F32", "BF16", ...) or "?" ; bytes for n elements (0 if unknown). */
 const char *rk_ggml_type_name(uint32_t type);

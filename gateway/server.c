@@ -1653,113 +1653,54 @@ static const char *k_usage =
     "usage: ragkv serve [--model F.gguf] [--config F.json] [--host H] [--port P] [options]\n"
     "Serve the HTTP API (docs/api.md). Settings come from defaults, then the --config\n"
     "file (JSON, keys as named in --print-config), then RAGKV_<NAME> environment\n"
-    "variables, then flags.\n"
-    "  --config F.json       settings file; unknown keys are errors\n"
-    "  --print-config        print the effective settings as JSON and exit\n";
+    "variables, then flags.\n";
 
-static void print_help(void) {
-    serve_opts o;
-    rk_settings tabs[N_TABLES];
-    bind_settings(&o, tabs);
-    fputs(k_usage, stdout);
-    rk_settings_print_help(stdout, tabs, N_TABLES);
+/* The one option of `ragkv serve` that is not a setting. */
+enum { O_PRINT_CONFIG = 1 };
+
+static rk_status on_serve_option(void *ctx, int val, const char *arg) {
+    (void)arg;
+    if (val == O_PRINT_CONFIG) *(int *)ctx = 1;
+    return RK_OK;
 }
 
-/* Parse flags over defaults, config file and environment. Returns -1 to exit
- * with status *out_exit. */
+/* Parse flags over defaults, config file and environment (every table reads
+ * all three). Returns -1 to exit with status *out_exit. */
 static int parse_args(int argc, char **argv, serve_opts *o, int *print_config, int *out_exit) {
-    enum { O_CONFIG = 2000, O_PRINT, O_FIELD = 3000 };
+    static const struct option extra[] = {{"print-config", no_argument, 0, O_PRINT_CONFIG},
+                                          {0, 0, 0, 0}};
     rk_settings tabs[N_TABLES];
-    bind_settings(o, tabs);
-    size_t n_fields = 0;
-    for (int t = 0; t < N_TABLES; t++) n_fields += tabs[t].n;
-    struct option *longs = calloc(n_fields + 4, sizeof *longs);
-    const rk_setting **fields = calloc(n_fields, sizeof *fields);
-    void **bases = calloc(n_fields, sizeof *bases);
-    if (!longs || !fields || !bases) {
-        fprintf(stderr, "ragkv serve: out of memory\n");
-        *out_exit = EXIT_FAILURE;
-        goto fail;
-    }
-    size_t k = 0;
-    for (int t = 0; t < N_TABLES; t++)
-        for (size_t i = 0; i < tabs[t].n; i++, k++) {
-            fields[k] = &tabs[t].fields[i];
-            bases[k] = tabs[t].base;
-            longs[k] = (struct option){
-                fields[k]->flag, fields[k]->type == RK_SET_BOOL ? no_argument : required_argument,
-                0, O_FIELD + (int)k};
-        }
-    longs[k++] = (struct option){"config", required_argument, 0, O_CONFIG};
-    longs[k++] = (struct option){"print-config", no_argument, 0, O_PRINT};
-    longs[k++] = (struct option){"help", no_argument, 0, 'h'};
-    longs[k] = (struct option){0, 0, 0, 0};
-    const char *config = NULL;
-    int c;
-    /* Pass 1: --help, --config, and usage errors. */
-    optind = 1;
-    opterr = 0;
-    *out_exit = EXIT_USAGE;
-    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
-        if (c == 'h') {
-            print_help();
-            *out_exit = 0;
-            goto fail;
-        }
-        if (c == O_CONFIG) config = optarg;
-        if (c == '?' || c == ':') {
-            fprintf(stderr,
-                    "ragkv serve: unknown option or missing value: %s (see ragkv serve "
-                    "--help)\n",
-                    argv[optind - 1]);
-            goto fail;
-        }
-    }
-    if (optind < argc) {
-        fprintf(stderr, "ragkv serve: unexpected argument '%s' (see ragkv serve --help)\n",
-                argv[optind]);
-        goto fail;
-    }
     opts_defaults(o);
-    if ((config && rk_settings_load_file(tabs, N_TABLES, config)) ||
-        rk_settings_load_env(tabs, N_TABLES)) {
-        fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
-        goto fail;
-    }
-    /* Pass 2: flags override. */
-    optind = 1;
-    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
-        if (c == O_PRINT) *print_config = 1;
-        if (c < O_FIELD) continue;
-        const rk_setting *f = fields[c - O_FIELD];
-        if (f->type == RK_SET_BOOL) {
-            *(int *)((char *)bases[c - O_FIELD] + f->off) = !f->invert;
-        } else if (rk_setting_parse(bases[c - O_FIELD], f, optarg)) {
-            fprintf(stderr, "ragkv serve: --%s: %s (see ragkv serve --help)\n", f->flag,
-                    rk_error_message());
-            goto fail;
-        }
+    bind_settings(o, tabs);
+    rk_cmdline cl = {.cmd = "serve",
+                     .usage = k_usage,
+                     .tabs = tabs,
+                     .n_tabs = N_TABLES,
+                     .n_shared = N_TABLES,
+                     .extra = extra,
+                     .extra_help =
+                         "  --print-config        print the effective settings as JSON and exit\n",
+                     .on_extra = on_serve_option,
+                     .ctx = print_config,
+                     .first = 1};
+    int next = rk_cmdline_parse(&cl, argc, argv, out_exit);
+    if (next < 0) return -1;
+    *out_exit = EXIT_USAGE;
+    if (next < argc) {
+        fprintf(stderr, "ragkv serve: unexpected argument '%s' (see ragkv serve --help)\n",
+                argv[next]);
+        return -1;
     }
     if (rk_log_level_parse(o->log_level) < 0) {
         fprintf(stderr, "ragkv serve: log_level must be debug, info, warn or error, got '%s'\n",
                 o->log_level);
-        goto fail;
+        return -1;
     }
     if (rk_config_validate(&o->cfg)) {
         fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
-        goto fail;
+        return -1;
     }
-    opterr = 1;
-    free(longs);
-    free(fields);
-    free(bases);
     return 0;
-fail:
-    opterr = 1;
-    free(longs);
-    free(fields);
-    free(bases);
-    return -1;
 }
 
 /* Wait until no request is being handled, for at most seconds. */

@@ -676,7 +676,7 @@ static rk_status insert_system(rk_service *svc, rk_request *r) {
 static void release_request(rk_service *svc, rk_request *r, int failed) {
     rk_req_state *s = r->state;
     if (!s) return;
-    for (int k = 0; k < r->n_chunks; k++) {
+    for (int k = 0; s->entries && s->scratch && k < r->n_chunks; k++) {
         scratch *sc = &s->scratch[k];
         if (sc->used) rk_seq_release(&sc->kv, svc->arena);
         free(sc->tokens);
