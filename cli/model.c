@@ -37,7 +37,8 @@ int rk_cli_mkmodel(int argc, char **argv) {
     while ((c = getopt_long(argc, argv, "o:h", longs, NULL)) != -1) {
         switch (c) {
         case 'h':
-            fputs("usage: ragkv mkmodel --preset NAME -o F.gguf [--type f32|f16|bf16] "
+            fputs("usage: ragkv mkmodel --preset NAME -o F.gguf "
+                  "[--type f32|f16|bf16|q8_0|q4_0|q4_k_m|q5_k_m|q6_k] "
                   "[--vocab tokenizer.json] [--seed S]\n"
                   "Write a synthetic GGUF model: random weights, real shapes.\nPresets:\n",
                   stdout);
@@ -56,7 +57,10 @@ int rk_cli_mkmodel(int argc, char **argv) {
             break;
         case 't':
             if (rk_mkmodel_parse_wtype(optarg, &opts.wtype))
-                return usage_error("mkmodel", "bad --type '%s' (f32, f16 or bf16)", optarg);
+                return usage_error("mkmodel",
+                                   "bad --type '%s' (f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m "
+                                   "or q6_k)",
+                                   optarg);
             break;
         default: return usage_error("mkmodel", "%s", "unknown option");
         }

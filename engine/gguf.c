@@ -1145,7 +1145,8 @@ void rk_gguf_print_info(const rk_gguf *g, FILE *out) {
     }
 
     fprintf(out, "\ntensors (%" PRId64 "):\n", g->n_tensors);
-    fprintf(out, "  %-40s %-6s %-28s %14s\n", "name", "type", "shape (ne[0] first)", "bytes");
+    fprintf(out, "  %-40s %-6s %-28s %14s %6s\n", "name", "type", "shape (ne[0] first)", "bytes",
+            "bpw");
     uint64_t n_params = 0, n_bytes = 0;
     for (int64_t i = 0; i < g->n_tensors; i++) {
         const rk_gguf_tensor *t = &g->tensors[i];
@@ -1159,13 +1160,14 @@ void rk_gguf_print_info(const rk_gguf *g, FILE *out) {
         }
         n_params += ne;
         n_bytes += t->n_bytes;
-        fprintf(out, "  %-40s %-6s %-28s %14zu\n", t->name, rk_ggml_type_name(t->type), shape,
-                t->n_bytes);
+        fprintf(out, "  %-40s %-6s %-28s %14zu %6.2f\n", t->name, rk_ggml_type_name(t->type), shape,
+                t->n_bytes, (double)t->n_bytes * 8.0 / (double)ne);
     }
     fprintf(out,
             "\ntotal: %" PRIu64 " parameters (%.3f M), %" PRIu64
-            " bytes of tensor data (%.2f MiB)\n",
-            n_params, (double)n_params / 1e6, n_bytes, (double)n_bytes / (1024.0 * 1024.0));
+            " bytes of tensor data (%.2f MiB), %.2f bits per weight\n",
+            n_params, (double)n_params / 1e6, n_bytes, (double)n_bytes / (1024.0 * 1024.0),
+            n_params ? (double)n_bytes * 8.0 / (double)n_params : 0.0);
 }
 
 /* ================================================================ writer */

@@ -88,15 +88,30 @@ static rk_status be_alloc(rk_model *m, size_t bytes, void **out) {
 
 static int backend_is_host(const rk_backend *be) { return strcmp(be->name, "cpu") == 0; }
 
-static rk_status dtype_of(const rk_gguf_tensor *t, rk_dtype *out) {
+#define SUPPORTED_TYPES "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K"
+
+/* The compute dtype of a tensor. Quantized types are computed on the CPU
+ * backend only (other backends implement F32, F16 and BF16). */
+static rk_status dtype_of(const rk_model *m, const rk_gguf_tensor *t, rk_dtype *out) {
     switch (t->type) {
     case RK_GGML_F32: *out = RK_DTYPE_F32; return RK_OK;
     case RK_GGML_F16: *out = RK_DTYPE_F16; return RK_OK;
     case RK_GGML_BF16: *out = RK_DTYPE_BF16; return RK_OK;
+    case RK_GGML_Q8_0: *out = RK_DTYPE_Q8_0; break;
+    case RK_GGML_Q4_0: *out = RK_DTYPE_Q4_0; break;
+    case RK_GGML_Q4_K: *out = RK_DTYPE_Q4_K; break;
+    case RK_GGML_Q5_K: *out = RK_DTYPE_Q5_K; break;
+    case RK_GGML_Q6_K: *out = RK_DTYPE_Q6_K; break;
+    default:
+        return rk_errorf(RK_ERR_UNSUPPORTED, "tensor %s has type %s; ragkv computes with %s",
+                         t->name, rk_ggml_type_name(t->type), SUPPORTED_TYPES);
     }
-    return rk_errorf(RK_ERR_UNSUPPORTED,
-                     "tensor %s has type %s; ragkv computes with F32, F16, BF16", t->name,
-                     rk_ggml_type_name(t->type));
+    if (!backend_is_host(m->be))
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "tensor %s has type %s; the %s backend computes with F32, F16, BF16 "
+                         "(quantized types run on the cpu backend)",
+                         t->name, rk_ggml_type_name(t->type), m->be->name);
+    return RK_OK;
 }
 
 /* Find a tensor and check its shape (ne0 fastest; ne1 = 1 for vectors). */
@@ -118,7 +133,9 @@ static rk_status find(rk_model *m, const char *name, int64_t ne0, int64_t ne1, i
 }
 
 /* A NaN or infinite weight poisons every activation it touches, silently:
- * refuse the file instead. */
+ * refuse the file instead. Quantized tensors are not scanned (their scales
+ * would need decoding block by block; rk_gguf_tensor_first_nonfinite
+ * returns -1 for them). */
 static rk_status check_finite(const rk_gguf_tensor *t, rk_dtype dt) {
     int64_t i = rk_gguf_tensor_first_nonfinite(t);
     if (i < 0) return RK_OK;
@@ -149,7 +166,7 @@ static rk_status load_vec(rk_model *m, const char *name, int64_t n, int optional
     rk_status st = find(m, name, n, 1, optional, &t);
     if (st || !t) return st;
     rk_dtype dt;
-    if ((st = dtype_of(t, &dt)) || (st = check_finite(t, dt))) return st;
+    if ((st = dtype_of(m, t, &dt)) || (st = check_finite(t, dt))) return st;
     const void *src = t->data;
     if (dt != RK_DTYPE_F32) {
         float *f = malloc((size_t)n * sizeof *f);
@@ -177,7 +194,7 @@ static rk_status load_mat(rk_model *m, const char *name, int rows, int cols, rk_
     if (st) return st;
     out->rows = rows;
     out->cols = cols;
-    if ((st = dtype_of(t, &out->type)) || (st = check_finite(t, out->type))) return st;
+    if ((st = dtype_of(m, t, &out->type)) || (st = check_finite(t, out->type))) return st;
     m->weight_bytes += t->n_bytes;
     return place(m, t, &out->w);
 }
@@ -351,7 +368,7 @@ static rk_status load_weights(rk_model *m) {
         return rk_errorf(RK_ERR_FORMAT, "model: token_embd.weight has shape {%lld, %lld}",
                          (long long)t->ne[0], (long long)t->ne[1]);
     hp->n_vocab = (int)t->ne[1];
-    if ((st = dtype_of(t, &m->embd_type)) || (st = check_finite(t, m->embd_type)) ||
+    if ((st = dtype_of(m, t, &m->embd_type)) || (st = check_finite(t, m->embd_type)) ||
         (st = place(m, t, &m->embd)))
         return st;
 

@@ -19,8 +19,49 @@ size_t rk_dtype_size(rk_dtype t) {
     case RK_DTYPE_F32: return 4;
     case RK_DTYPE_F16: return 2;
     case RK_DTYPE_BF16: return 2;
+    case RK_DTYPE_Q8_0:
+    case RK_DTYPE_Q4_0:
+    case RK_DTYPE_Q4_K:
+    case RK_DTYPE_Q5_K:
+    case RK_DTYPE_Q6_K: return 0;
     }
     return 0;
+}
+
+int rk_dtype_is_quant(rk_dtype t) { return t >= RK_DTYPE_Q8_0 && t < RK_DTYPE_COUNT; }
+
+size_t rk_dtype_block(rk_dtype t) {
+    switch (t) {
+    case RK_DTYPE_F32:
+    case RK_DTYPE_F16:
+    case RK_DTYPE_BF16: return 1;
+    case RK_DTYPE_Q8_0:
+    case RK_DTYPE_Q4_0: return 32;
+    case RK_DTYPE_Q4_K:
+    case RK_DTYPE_Q5_K:
+    case RK_DTYPE_Q6_K: return 256;
+    }
+    return 0;
+}
+
+size_t rk_dtype_block_bytes(rk_dtype t) {
+    switch (t) {
+    case RK_DTYPE_F32: return 4;
+    case RK_DTYPE_F16:
+    case RK_DTYPE_BF16: return 2;
+    case RK_DTYPE_Q8_0: return 34;
+    case RK_DTYPE_Q4_0: return 18;
+    case RK_DTYPE_Q4_K: return 144;
+    case RK_DTYPE_Q5_K: return 176;
+    case RK_DTYPE_Q6_K: return 210;
+    }
+    return 0;
+}
+
+size_t rk_dtype_row_bytes(rk_dtype t, size_t n) {
+    size_t b = rk_dtype_block(t);
+    if (b == 0 || n % b) return 0;
+    return n / b * rk_dtype_block_bytes(t);
 }
 
 const char *rk_dtype_name(rk_dtype t) {
@@ -28,6 +69,11 @@ const char *rk_dtype_name(rk_dtype t) {
     case RK_DTYPE_F32: return "f32";
     case RK_DTYPE_F16: return "f16";
     case RK_DTYPE_BF16: return "bf16";
+    case RK_DTYPE_Q8_0: return "q8_0";
+    case RK_DTYPE_Q4_0: return "q4_0";
+    case RK_DTYPE_Q4_K: return "q4_k";
+    case RK_DTYPE_Q5_K: return "q5_k";
+    case RK_DTYPE_Q6_K: return "q6_k";
     }
     return "unknown";
 }
@@ -106,6 +152,11 @@ void rk_dtype_to_f32(float *dst, const void *src, rk_dtype t, size_t n) {
     case RK_DTYPE_BF16:
         for (size_t i = 0; i < n; i++) dst[i] = rk_bf16_to_f32(h[i]);
         return;
+    case RK_DTYPE_Q8_0:
+    case RK_DTYPE_Q4_0:
+    case RK_DTYPE_Q4_K:
+    case RK_DTYPE_Q5_K:
+    case RK_DTYPE_Q6_K: rk_dequantize(dst, src, t, n); return;
     }
 }
 

@@ -250,6 +250,9 @@ static rk_status cuda_matmul(rk_backend *be, float *y, const float *x, const voi
     rk_cuda *cu = cu_of(be);
     if (n < 0 || k < 0 || m < 0)
         return rk_errorf(RK_ERR_INVALID, "matmul: negative shape n=%d k=%d m=%d", n, k, m);
+    if (rk_dtype_is_quant(wtype))
+        return rk_errorf(RK_ERR_UNSUPPORTED, "matmul: %s weights are not supported on cuda",
+                         rk_dtype_name(wtype));
     if (rk_dtype_size(wtype) == 0)
         return rk_errorf(RK_ERR_INVALID, "matmul: bad weight dtype %d", (int)wtype);
     if (n == 0 || m == 0) return RK_OK;
@@ -312,6 +315,9 @@ static rk_status cuda_embed(rk_backend *be, float *out, const void *table, rk_dt
                             const int32_t *ids, int n, int dim) {
     rk_cuda *cu = cu_of(be);
     if (n < 0 || dim <= 0) return rk_errorf(RK_ERR_INVALID, "embed: bad shape %d x %d", n, dim);
+    if (rk_dtype_is_quant(dtype))
+        return rk_errorf(RK_ERR_UNSUPPORTED, "embed: %s tables are not supported on cuda",
+                         rk_dtype_name(dtype));
     if (rk_dtype_size(dtype) == 0) return rk_errorf(RK_ERR_INVALID, "embed: bad dtype %d", dtype);
     if (n == 0) return RK_OK;
     if (cu->check) {
