@@ -22,6 +22,7 @@
 #include "chunkcache/radix.h"
 #include "config/config.h"
 #include "engine/engine.h"
+#include "store/redis.h"
 #include "store/store.h"
 #include "pipeline/split.h"
 #include "reindex/reindex.h"
@@ -39,6 +40,9 @@ typedef struct rk_service {
     uint64_t prefix_ns;     /* its namespace: derived from the model fingerprint */
     rk_chunk_index *chunks; /* the chunk cache over chunk-pool blocks */
     rk_store *store;        /* the disk tier; NULL without --store */
+    rk_redis *redis;        /* the shared tier; NULL without --redis */
+    double prefill_tps;     /* measured prefill tokens per second (moving average; 0 = none yet):
+                               the Redis cost gate compares a load with recomputing */
 } rk_service;
 
 /* Create the backend, load the model (model_path NULL = build the embedded
@@ -94,6 +98,7 @@ typedef enum rk_chunk_source {
     RK_CHUNK_SOURCE_COMPUTED = 0,
     RK_CHUNK_SOURCE_ARENA,
     RK_CHUNK_SOURCE_DISK,
+    RK_CHUNK_SOURCE_REDIS, /* loaded from the shared tier (another replica computed it) */
 } rk_chunk_source;
 
 /* Why a request stopped generating. */
