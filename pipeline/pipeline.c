@@ -1239,7 +1239,7 @@ rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_ite
         int on_disk = 0;
         if (e) {
             it->status = "cached";
-            if (persist && svc->store) persist_if_missing(svc, e, it->doc_id);
+            if (persist) prewarm_write(svc, e, it->doc_id, persist);
         } else if (svc->store && rk_store_contains(svc->store, it->key, &on_disk) == RK_OK &&
                    on_disk) {
             it->status = "cached";

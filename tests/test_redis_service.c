@@ -10,11 +10,14 @@
  * services run the embedded tiny model. */
 #include <criterion/criterion.h>
 #include <hiredis/hiredis.h>
+#include <jansson.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "pipeline/pipeline.h"
@@ -325,5 +328,110 @@ Test(redis_service, an_abandoned_lock_is_waited_out_then_computed) {
     req_free(r);
     rk_service_close(plain);
     rk_service_close(a);
+    rk_test_redis_free(&s);
+}
+
+/* ---------------------------------------------------------------- the server */
+
+/* Run curl against the server; the reply's body as JSON (asserts it is) or,
+ * with text set, its raw text in *text. */
+static json_t *curl(int port, const char *method, const char *path, const char *body, char **text) {
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "curl -s -m 30 -X %s -H 'Content-Type: application/json' %s%s%s "
+             "http://127.0.0.1:%d%s",
+             method, body ? "--data '" : "", body ? body : "", body ? "'" : "", port, path);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "curl failed: %s", cmd);
+    if (text) {
+        *text = out;
+        return NULL;
+    }
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    cr_assert_not_null(j, "%s %s: not JSON: %s", method, path, out);
+    free(out);
+    return j;
+}
+
+static long long jint(json_t *j, const char *a, const char *b) {
+    json_t *v = json_object_get(j, a);
+    if (b) v = json_object_get(v, b);
+    cr_assert(json_is_integer(v), "no integer %s.%s", a, b ? b : "");
+    return (long long)json_integer_value(v);
+}
+
+Test(redis_service, the_server_prewarms_lists_reports_and_flushes_the_tier) {
+    char *where = NULL;
+    int no_curl = rk_test_run("command -v curl", &where) != 0 || !where || !where[0];
+    free(where);
+    if (no_curl) cr_skip_test("curl is not installed");
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    char *dir = rk_test_tmpdir("redis-serve");
+    char url[64], port_s[16], log[4200];
+    snprintf(url, sizeof url, "redis://127.0.0.1:%d", s.port);
+    int port = rk_test_free_port();
+    snprintf(port_s, sizeof port_s, "%d", port);
+    snprintf(log, sizeof log, "%s/server.log", dir);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a failed test */
+        FILE *f = freopen(log, "w", stderr);
+        (void)f;
+        execl(RK_BIN, RK_BIN, "serve", "--port", port_s, "--kv-memory-mb", "16", "--redis", url,
+              "--redis-min-tokens", "1", (char *)NULL);
+        _exit(127);
+    }
+    json_t *j = NULL;
+    for (int i = 0; i < 600 && !j; i++) { /* until the model is loaded */
+        char cmd[128], *out = NULL;
+        snprintf(cmd, sizeof cmd, "curl -s -m 5 http://127.0.0.1:%d/health", port);
+        /* Refused until the server listens; then 503 until the model is ready. */
+        if (rk_test_run(cmd, &out) == 0 && strstr(out, "ok"))
+            j = curl(port, "GET", "/v1/stats", NULL, NULL);
+        free(out);
+        if (!j) usleep(50 * 1000);
+    }
+    cr_assert_not_null(j, "the server did not start; see %s", log);
+    cr_assert(json_is_true(json_object_get(json_object_get(j, "redis"), "configured")));
+    json_decref(j);
+    j = curl(port, "POST", "/v1/chunks",
+             "{\"chunks\": [\"The harbour master rang the bell at noon.\", \"Gulls followed "
+             "the fishing boats home.\"]}",
+             NULL);
+    cr_assert_eq(jint(j, "computed", NULL), 2);
+    json_decref(j);
+    long long total = 0;
+    for (int i = 0; i < 250 && total < 2; i++) { /* the writes are asynchronous */
+        j = curl(port, "GET", "/v1/chunks?tier=redis", NULL, NULL);
+        total = jint(j, "total", NULL);
+        if (total == 2) {
+            json_t *e = json_array_get(json_object_get(j, "data"), 0);
+            cr_assert_str_eq(json_string_value(json_object_get(e, "tier")), "redis");
+            cr_assert_gt(json_integer_value(json_object_get(e, "tokens")), 0);
+        }
+        json_decref(j);
+        if (total < 2) usleep(20 * 1000);
+    }
+    cr_assert_eq(total, 2, "the tier did not list both chunks");
+    char *m;
+    curl(port, "GET", "/metrics", NULL, &m);
+    cr_assert(strstr(m, "ragkv_redis_writes_total 2"), "%s", m);
+    cr_assert(strstr(m, "ragkv_redis_bytes_total{direction=\"out\"}"), "%s", m);
+    cr_assert(strstr(m, "ragkv_redis_latency_seconds_count"), "%s", m);
+    cr_assert(strstr(m, "ragkv_redis_breaker_open 0"), "%s", m);
+    free(m);
+    j = curl(port, "POST", "/v1/cache/flush", "{\"redis\": true}", NULL);
+    cr_assert_eq(jint(j, "flushed", "redis_keys"), 2);
+    json_decref(j);
+    j = curl(port, "GET", "/v1/chunks?tier=redis", NULL, NULL);
+    cr_assert_eq(jint(j, "total", NULL), 0);
+    json_decref(j);
+    kill(pid, SIGTERM);
+    int status;
+    waitpid(pid, &status, 0);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "server exit status %d", status);
+    free(dir);
     rk_test_redis_free(&s);
 }
