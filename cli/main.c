@@ -645,7 +645,8 @@ static int cmd_prewarm(int argc, char **argv) {
         "stored are skipped, so an interrupted run can be rerun. Malformed lines are reported\n"
         "with their line number and skipped; the exit status is then 1.\n"
         "  --input F.jsonl       the chunks, one JSON object per line\n"
-        "  --batch N             chunks per engine call (default: 64)\n";
+        "  --batch N             chunks per engine call (default: 64)\n"
+        "  --redis URL           also share computed chunks in Redis (--store then optional)\n";
     common_opts o = {0};
     rk_config_defaults(&o.cfg);
     const char *input = NULL;
@@ -653,6 +654,7 @@ static int cmd_prewarm(int argc, char **argv) {
     struct option longs[] = {COMMON_LONG_OPTS,
                              {"input", required_argument, 0, 'i'},
                              {"batch", required_argument, 0, 'b'},
+                             {"redis", required_argument, 0, 'r'},
                              {0, 0, 0, 0}};
     int c, r;
     optind = 1;
@@ -662,6 +664,8 @@ static int cmd_prewarm(int argc, char **argv) {
         if (c == 'h') return fputs(help, stdout), fputs(COMMON_HELP, stdout), 0;
         if (c == 'i')
             input = optarg;
+        else if (c == 'r' && strlen(optarg) < sizeof o.cfg.redis_url)
+            snprintf(o.cfg.redis_url, sizeof o.cfg.redis_url, "%s", optarg);
         else if (c == 'b') {
             if (rk_parse_long(optarg, 1, 100000, &batch))
                 return usage_error("prewarm", "bad --batch '%s'", optarg);
@@ -669,7 +673,8 @@ static int cmd_prewarm(int argc, char **argv) {
             return usage_error("prewarm", "%s", "unknown option");
     }
     if (!input) return usage_error("prewarm", "%s", "--input is required");
-    if (!o.cfg.store_dir[0]) return usage_error("prewarm", "%s", "--store is required");
+    if (!o.cfg.store_dir[0] && !o.cfg.redis_url[0])
+        return usage_error("prewarm", "%s", "--store or --redis is required");
     if (optind < argc) return usage_error("prewarm", "unexpected argument '%s'", argv[optind]);
     FILE *f = fopen(input, "rb");
     if (!f) {
