@@ -435,3 +435,31 @@ Test(redis_service, the_server_prewarms_lists_reports_and_flushes_the_tier) {
     free(dir);
     rk_test_redis_free(&s);
 }
+
+Test(redis_service, offline_prewarm_shares_chunks_with_the_fleet) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    static const char *CHUNK =
+        "The lighthouse keeper wrote down every ship that passed the reef, its name, its flag, "
+        "the hour it rounded the point and the weather, through the whole of the long winter.";
+    char line[512];
+    snprintf(line, sizeof line, "{\"id\": \"log\", \"text\": \"%s\"}\n", CHUNK);
+    char *input = rk_test_write_tmp("redis-prewarm", "in.jsonl", line);
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "%s prewarm --input %s --kv-memory-mb 16 --redis redis://127.0.0.1:%d 2>&1", RK_BIN,
+             input, s.port);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "1 computed"), "%s", out);
+    free(out);
+    rk_service *a = open_svc(&s, NULL, 300);
+    char prompt[512];
+    snprintf(prompt, sizeof prompt, "Answer briefly.##%s##Who kept the log?", CHUNK);
+    rk_request *r = run(a, prompt);
+    cr_assert_eq(r->chunk_reports[0].source, RK_CHUNK_SOURCE_REDIS);
+    cr_assert_eq(computes(a), 0);
+    req_free(r);
+    rk_service_close(a);
+    free(input);
+    rk_test_redis_free(&s);
+}
