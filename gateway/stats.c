@@ -421,21 +421,14 @@ char *rk_stats_prometheus(rk_stats *s) {
         counter(&t, "ragkv_redis_errors_total",
                 "Failed Redis calls (connect, I/O, timeout, error reply).", rd->errors);
         counter(&t, "ragkv_redis_writes_total", "Chunks committed to the Redis tier.", rd->writes);
-        counter(&t, "ragkv_redis_write_drops_total",
-                "Redis writes dropped (queue full, breaker open, write failed).", rd->write_drops);
-        counter(&t, "ragkv_redis_corrupt_total", "Bad Redis values deleted and recomputed.",
-                rd->dropped_corrupt);
         put(&t,
             "# HELP ragkv_redis_bytes_total Chunk payload bytes moved to and from Redis.\n"
             "# TYPE ragkv_redis_bytes_total counter\n"
             "ragkv_redis_bytes_total{direction=\"in\"} %llu\n"
             "ragkv_redis_bytes_total{direction=\"out\"} %llu\n",
             (unsigned long long)rd->bytes_in, (unsigned long long)rd->bytes_out);
-        gauge(&t, "ragkv_redis_breaker_open",
-              "1 while the Redis breaker is open (calls skipped), else 0.",
-              rd->breaker == RK_REDIS_OPEN);
         histogram(&t, "ragkv_redis_latency_seconds",
-                  "Redis get round trips (each at the mean of its snapshot's round trips).",
+                  "Redis tier get round trips (each at the mean of those read together).",
                   &s->redis_latency);
     }
     put(&t, "# HELP ragkv_pool_blocks KV blocks per pool and state.\n"
