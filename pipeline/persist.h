@@ -5,8 +5,9 @@
 
 #include "pipeline/pipeline.h"
 
-/* Write a ready entry's KV to the store (no-op without a store). policy is
- * "isolated" or "system"; doc_id may be NULL. */
+/* Write a ready entry's KV to the store and the Redis tier, those there are
+ * (rk_persist_write_tiers with to_disk set, no lock). policy is "isolated"
+ * or "system"; doc_id may be NULL. */
 rk_status rk_persist_write(rk_service *svc, const rk_chunk_entry *e, const char *policy,
                            const char *doc_id);
 

@@ -234,8 +234,9 @@ typedef struct rk_prewarm_item {
 /* Make sure every chunk's KV (isolated context) is cached without generating
  * anything: chunks found in the arena or the disk tier are "cached", the rest
  * are computed together in forward passes of bounded size. With persist set
- * (and a store), every chunk ends up on disk too. A bad chunk (invalid UTF-8,
- * too long) fails alone. Returns an error only when the engine itself fails. */
+ * (and a store), every chunk ends up on disk too. With a Redis tier, computed
+ * chunks are written to it (with persist, those found in the arena too). A bad chunk (invalid
+ * UTF-8, too long) fails alone. Returns an error only when the engine itself fails. */
 rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_items, int persist);
 
 #endif
