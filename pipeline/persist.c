@@ -202,10 +202,11 @@ rk_status rk_persist_load_redis(rk_service *svc, rk_chunk_entry *e, int *out_loa
             (void)rk_redis_unlock(svc->redis, out_lock);
         } else {
             /* Another replica computes it: wait a bounded time for its value
-             * (this blocks the engine thread for at most redis_wait_ms), then
-             * compute it here if it has not come. */
+             * (this blocks the engine thread: all of an admission's waits
+             * share redis_wait_ms), then compute it here if it has not come. */
+            double left_ms = (svc->redis_wait_until - rk_time_now()) * 1e3;
             st = rk_redis_wait_for(svc->redis, key, e->tokens, e->n_tokens, &layout,
-                                   svc->cfg.redis_wait_ms, &p);
+                                   left_ms > 0 ? (int)left_ms : 0, &p);
             if (st == RK_ERR_NOT_FOUND) return RK_OK;
         }
     }
@@ -213,6 +214,10 @@ rk_status rk_persist_load_redis(rk_service *svc, rk_chunk_entry *e, int *out_loa
     st = take_redis_payload(svc, e, &p, out_loaded);
     rk_store_payload_free(&p);
     return st;
+}
+
+void rk_persist_begin_lookups(rk_service *svc) {
+    svc->redis_wait_until = rk_time_now() + svc->cfg.redis_wait_ms / 1e3;
 }
 
 void rk_persist_note_prefill(rk_service *svc, int n_tokens, double seconds) {

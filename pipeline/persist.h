@@ -30,10 +30,14 @@ rk_status rk_persist_load(rk_service *svc, rk_chunk_entry *e, int *out_loaded);
  * On a miss, take the fleet-wide compute lock: *out_locked says it is held
  * (*out_lock: pass it to rk_persist_write_tiers after computing, or to
  * rk_redis_unlock if computing fails). When another replica holds it, wait
- * for its value for at most cfg.redis_wait_ms (blocking this thread), then
+ * for its value until svc->redis_wait_until (blocking this thread), then
  * compute without a lock. Redis being down is not an error. */
 rk_status rk_persist_load_redis(rk_service *svc, rk_chunk_entry *e, int *out_loaded,
                                 rk_redis_lock *out_lock, int *out_locked);
+
+/* Start an admission's chunk lookups: together they wait at most
+ * cfg.redis_wait_ms for chunks other replicas compute. */
+void rk_persist_begin_lookups(rk_service *svc);
 
 /* Record a prefill pass of n_tokens that took seconds, for the cost gate. */
 void rk_persist_note_prefill(rk_service *svc, int n_tokens, double seconds);

@@ -846,6 +846,7 @@ static rk_status stage_system_and_chunks(admission *a) {
                             s->sys_first, s->sys_first, 0)))
             return st;
     }
+    rk_persist_begin_lookups(a->svc);
     for (int i = 0; i < a->n; i++)
         if (a->reqs[i]->opt.mode == RK_MODE_RAG && (st = plan_chunks(a->svc, a->reqs[i], a->b)))
             return st;

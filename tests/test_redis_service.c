@@ -470,3 +470,41 @@ Test(redis_service, offline_prewarm_shares_chunks_with_the_fleet) {
     free(input);
     rk_test_redis_free(&s);
 }
+
+Test(redis_service, an_admission_waits_for_other_replicas_once_not_per_chunk) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_svc(&s, NULL, 600);
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 1;
+    cfg.kv_memory_mb = 16;
+    rk_service *plain;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &plain), RK_OK);
+    rk_request *ref = run(plain, PROMPT);
+    /* Both chunks locked by replicas that will not finish in time. */
+    redisContext *c = redisConnect("127.0.0.1", s.port);
+    cr_assert(c && !c->err);
+    for (int k = 0; k < 2; k++) {
+        char lock[160];
+        snprintf(lock, sizeof lock, "ragkv:%s:%s:lock", rk_model_fingerprint(a->model),
+                 ref->chunk_reports[k].key);
+        redisReply *rep = redisCommand(c, "SET %s slow-holder NX PX 20000", lock);
+        cr_assert(rep && rep->type == REDIS_REPLY_STATUS);
+        freeReplyObject(rep);
+    }
+    double t0 = rk_time_now();
+    rk_request *r = run(a, PROMPT);
+    double dt = rk_time_now() - t0;
+    for (int k = 0; k < 2; k++) cr_assert_eq(r->chunk_reports[k].source, RK_CHUNK_SOURCE_COMPUTED);
+    cr_assert_geq(dt, 0.55, "it did not wait for the holders (%.2f s)", dt);
+    /* One 600 ms bound for the admission; a bound per chunk would be 1.2 s. */
+    cr_assert_lt(dt, 1.15, "the waits added up to %.2f s", dt);
+    cr_assert_eq(memcmp(ref->out_tokens, r->out_tokens, 8 * sizeof(int32_t)), 0);
+    redisFree(c);
+    req_free(ref);
+    req_free(r);
+    rk_service_close(plain);
+    rk_service_close(a);
+    rk_test_redis_free(&s);
+}
