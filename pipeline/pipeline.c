@@ -27,12 +27,14 @@
  * table, then copied into place. */
 typedef struct scratch {
     rk_seq kv;
-    int used;            /* kv holds references of its own */
-    int borrowed;        /* kv.blocks are a chunk entry's: never released through kv */
-    int src_first;       /* table index of the chunk's first token in kv */
-    int pass2;           /* computed in pass 2 (after the system prompt) */
-    int32_t *tokens;     /* oracle with system context: system + chunk tokens */
-    rk_redis_lock rlock; /* the fleet-wide compute lock on its chunk, when rlocked */
+    int used;        /* kv holds references of its own */
+    int borrowed;    /* kv.blocks are a chunk entry's: never released through kv */
+    int src_first;   /* table index of the chunk's first token in kv */
+    int pass2;       /* computed in pass 2 (after the system prompt) */
+    int32_t *tokens; /* oracle with system context: system + chunk tokens */
+
+    /* The fleet-wide compute lock on its chunk, held when rlocked. */
+    rk_redis_lock rlock;
     int rlocked;
 } scratch;
 

@@ -36,15 +36,19 @@ typedef struct rk_service {
     rk_backend *be;
     rk_model *model;
     rk_arena *arena;
-    rk_radix *prefix;        /* system-prompt cache over prefix-pool blocks; NULL when disabled */
-    uint64_t prefix_ns;      /* its namespace: derived from the model fingerprint */
-    rk_chunk_index *chunks;  /* the chunk cache over chunk-pool blocks */
-    rk_store *store;         /* the disk tier; NULL without --store */
-    rk_redis *redis;         /* the shared tier; NULL without --redis */
-    double prefill_tps;      /* measured prefill tokens per second (moving average; 0 = none yet):
-                                the Redis cost gate compares a load with recomputing */
-    double redis_wait_until; /* rk_time_now() after which an admission waits no more for
-                                chunks other replicas compute */
+    rk_radix *prefix;       /* system-prompt cache over prefix-pool blocks; NULL when disabled */
+    uint64_t prefix_ns;     /* its namespace: derived from the model fingerprint */
+    rk_chunk_index *chunks; /* the chunk cache over chunk-pool blocks */
+    rk_store *store;        /* the disk tier; NULL without --store */
+
+    /* The shared tier; NULL without --redis. */
+    rk_redis *redis;
+    /* Measured prefill tokens per second (a moving average; 0 = none yet): the
+     * Redis cost gate compares a load with recomputing. */
+    double prefill_tps;
+    /* rk_time_now() after which an admission waits no more for chunks other
+     * replicas compute. */
+    double redis_wait_until;
 } rk_service;
 
 /* Create the backend, load the model (model_path NULL = build the embedded
