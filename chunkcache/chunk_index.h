@@ -72,7 +72,7 @@ typedef struct rk_chunk_entry {
 typedef struct rk_chunk_stats {
     uint64_t lookups, hits, misses; /* a lookup of a PENDING key counts as a miss */
     uint64_t computes;              /* entries computed (reserved and not loaded) */
-    uint64_t disk_loads;            /* reserved entries filled from the disk tier */
+    uint64_t disk_loads;            /* reserved entries filled from the disk or Redis tier */
     uint64_t hit_tokens, computed_tokens;
     uint64_t evictions, evicted_tokens;
     uint64_t entries, tokens, blocks; /* current */
@@ -106,7 +106,8 @@ rk_status rk_chunk_index_acquire(rk_chunk_index *ix, rk_chunk_key key, const int
 void rk_chunk_index_ready(rk_chunk_index *ix, rk_chunk_entry *e);
 
 /* The reserved entry was filled from the disk tier instead of computed: mark
- * it READY and count its lookup as a hit (source "disk") rather than a miss. */
+ * it READY and count its lookup as a hit (source "disk") rather than a miss.
+ * The pipeline also calls it for the Redis tier, then sets source "redis". */
 void rk_chunk_index_loaded(rk_chunk_index *ix, rk_chunk_entry *e);
 
 /* Drop the caller's reference. A PENDING entry whose computation failed is

@@ -23,6 +23,7 @@ static void progress(size_t done, size_t total, double t0) {
 typedef struct prewarm_args {
     char input[4096];
     long long batch;
+    char redis[sizeof(((rk_config *)0)->redis_url)];
 } prewarm_args;
 
 static const rk_setting k_prewarm_settings[] = {
@@ -31,15 +32,20 @@ static const rk_setting k_prewarm_settings[] = {
      "F.jsonl  the chunks, one JSON object per line"},
     {"batch", "batch", RK_SET_LONG, offsetof(prewarm_args, batch), 0, 1, 100000, 0, 0,
      "N  chunks per engine call (default: 64)"},
+    {"redis", "redis", RK_SET_STR, offsetof(prewarm_args, redis),
+     sizeof(((prewarm_args *)0)->redis), 0, 0, 0, RK_SECRET_URL,
+     "URL  also share the chunks through this Redis (then --store is optional)"},
 };
 
 int rk_cli_prewarm(int argc, char **argv) {
     static const char *help =
-        "usage: ragkv prewarm --input F.jsonl --store DIR [--model F.gguf] [options]\n"
-        "Compute the KV of document chunks offline and write it to the store, without the\n"
-        "HTTP server. Input lines are {\"id\": \"...\", \"text\": \"...\"}. Chunks already\n"
-        "stored are skipped, so an interrupted run can be rerun. Malformed lines are reported\n"
-        "with their line number and skipped; the exit status is then 1.\n";
+        "usage: ragkv prewarm --input F.jsonl (--store DIR | --redis URL) [--model F.gguf]\n"
+        "                     [options]\n"
+        "Compute the KV of document chunks offline and write it to the store (and share it\n"
+        "through Redis with --redis), without the HTTP server. Input lines are\n"
+        "{\"id\": \"...\", \"text\": \"...\"}. Chunks already stored are skipped, so an\n"
+        "interrupted run can be rerun. Malformed lines are reported with their line number\n"
+        "and skipped; the exit status is then 1.\n";
     rk_run_opts o;
     rk_run_opts_defaults(&o);
     prewarm_args pa = {.batch = 64};
@@ -51,7 +57,9 @@ int rk_cli_prewarm(int argc, char **argv) {
     const char *input = pa.input;
     long batch = (long)pa.batch;
     if (!input[0]) return usage_error("prewarm", "%s", "--input is required");
-    if (!o.cfg.store_dir[0]) return usage_error("prewarm", "%s", "--store is required");
+    snprintf(o.cfg.redis_url, sizeof o.cfg.redis_url, "%s", pa.redis);
+    if (!o.cfg.store_dir[0] && !o.cfg.redis_url[0])
+        return usage_error("prewarm", "%s", "--store or --redis is required");
     FILE *f = fopen(input, "rb");
     if (!f) {
         rk_error_setf("%s: %s", input, strerror(errno));

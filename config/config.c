@@ -116,6 +116,10 @@ void rk_config_defaults(rk_config *cfg) {
     cfg->max_tokens = 4096;
     cfg->store_verify = 1;
     cfg->kv_poison = 0;
+    snprintf(cfg->redis_prefix, sizeof cfg->redis_prefix, "ragkv");
+    cfg->redis_timeout_ms = 200;
+    cfg->redis_min_tokens = 32;
+    cfg->redis_wait_ms = 300;
 }
 
 rk_status rk_config_validate(const rk_config *cfg) {

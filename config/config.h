@@ -114,6 +114,13 @@ typedef struct rk_config {
     char store_dir[1024]; /* "" = no store */
     int store_budget_mb;  /* payload bytes kept on disk; 0 = unlimited */
     int store_verify;     /* checksum every payload when the store opens; default 1 */
+
+    /* shared Redis tier (store/redis.h) */
+    char redis_url[640];   /* redis://[user:password@]HOST:PORT[/DB]; "" = no tier */
+    char redis_prefix[65]; /* first part of every key; default "ragkv" */
+    int redis_timeout_ms;  /* connect and per-command timeout; default 200 */
+    int redis_min_tokens;  /* shorter chunks are neither fetched nor written; default 32 */
+    int redis_wait_ms;     /* longest wait for a chunk another replica computes; default 300 */
 } rk_config;
 
 /* Fill cfg with the defaults (which work on a laptop). */

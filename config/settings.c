@@ -57,6 +57,16 @@ const rk_setting rk_config_settings[] = {
      "N  largest max_tokens a request may ask (default: 4096)"},
     {"store_verify", "no-store-verify", RK_SET_BOOL, CFG_OFF(store_verify), 0, 0, 1, 1, 0,
      "  check sizes and headers only when the store opens (no checksums)"},
+    {"redis", "redis", RK_SET_STR, CFG_STR(redis_url), 0, 0, 0, RK_SECRET_URL,
+     "URL  shared chunk tier redis://[user:password@]HOST:PORT[/DB] (default: none)"},
+    {"redis_prefix", "redis-prefix", RK_SET_STR, CFG_STR(redis_prefix), 0, 0, 0, 0,
+     "P  first part of every Redis key, [A-Za-z0-9_.-] (default: ragkv)"},
+    {"redis_timeout_ms", "redis-timeout-ms", RK_SET_INT, CFG_OFF(redis_timeout_ms), 0, 1, 60000, 0,
+     0, "MS  Redis connect and command timeout (default: 200)"},
+    {"redis_min_tokens", "redis-min-tokens", RK_SET_INT, CFG_OFF(redis_min_tokens), 0, 1, 1 << 30,
+     0, 0, "N  chunks shorter than this skip Redis (default: 32)"},
+    {"redis_wait_ms", "redis-wait-ms", RK_SET_INT, CFG_OFF(redis_wait_ms), 0, 0, 60000, 0, 0,
+     "MS  longest wait for a chunk another replica computes (default: 300)"},
 };
 const size_t rk_config_n_settings = sizeof rk_config_settings / sizeof rk_config_settings[0];
 
@@ -206,6 +216,19 @@ rk_status rk_settings_load_env(const rk_settings *tabs, int n_tabs) {
     return RK_OK;
 }
 
+/* A URL with its password (the part between "user:" and "@") shown as "***",
+ * so the endpoint can be read from --print-config without the secret. */
+static json_t *url_masked(const char *url) {
+    const char *scheme = strstr(url, "://");
+    const char *auth = scheme ? scheme + 3 : url;
+    const char *at = strrchr(auth, '@');
+    const char *colon = at ? memchr(auth, ':', (size_t)(at - auth)) : NULL;
+    if (!colon) return json_string(url);
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%.*s***%s", (int)(colon + 1 - url), url, at);
+    return json_string(buf);
+}
+
 json_t *rk_settings_json(const rk_settings *tabs, int n_tabs) {
     json_t *root = json_object();
     for (int t = 0; t < n_tabs && root; t++) {
@@ -219,7 +242,12 @@ json_t *rk_settings_json(const rk_settings *tabs, int n_tabs) {
             case RK_SET_FLOAT: v = json_real(*(const float *)p); break;
             case RK_SET_DOUBLE: v = json_real(*(const double *)p); break;
             case RK_SET_BOOL: v = json_boolean(*(const int *)p); break;
-            case RK_SET_STR: v = json_string(f->secret && *p ? "<set>" : p); break;
+            case RK_SET_STR:
+                if (f->secret == RK_SECRET_URL)
+                    v = url_masked(p);
+                else
+                    v = json_string(f->secret && *p ? "<set>" : p);
+                break;
             }
             if (!v || json_object_set_new(root, f->name, v)) {
                 json_decref(root);

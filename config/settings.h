@@ -34,9 +34,12 @@ typedef struct rk_setting {
     size_t size;      /* RK_SET_STR: buffer size */
     double lo, hi;    /* numeric range, inclusive */
     int invert;       /* RK_SET_BOOL: the flag sets 0 (--no-...) */
-    int secret;       /* redacted by rk_settings_json() */
+    int secret;       /* redacted by rk_settings_json() (RK_SECRET_URL: the password) */
     const char *help; /* "ARG  text" (a flag with a value) or "  text" */
 } rk_setting;
+
+/* rk_setting.secret for a URL whose password alone is secret. */
+#define RK_SECRET_URL 2
 
 /* A table bound to the struct its offsets point into. */
 typedef struct rk_settings {

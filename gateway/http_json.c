@@ -685,6 +685,7 @@ rk_status rk_flush_parse(const char *body, size_t len, rk_flush_request *out, rk
             st = rk_http_errorf(err, 400, "'what' must be \"chunks\", \"prefix\" or \"all\"");
     }
     if (!st && get_bool(root, "disk", &out->disk, err)) st = RK_ERR_INVALID;
+    if (!st && get_bool(root, "redis", &out->redis, err)) st = RK_ERR_INVALID;
     json_decref(root);
     return st;
 }

@@ -30,6 +30,7 @@ const char *rk_chunk_source_name(rk_chunk_source s) {
     switch (s) {
     case RK_CHUNK_SOURCE_ARENA: return "arena";
     case RK_CHUNK_SOURCE_DISK: return "disk";
+    case RK_CHUNK_SOURCE_REDIS: return "redis";
     case RK_CHUNK_SOURCE_COMPUTED: break;
     }
     return "computed";

@@ -1087,9 +1087,10 @@ static void prep_prewarm(void *arg) {
     prep_pw *p = arg;
     rk_service *svc = p->svc;
     if (rk_prewarm_parse(p->body, p->len, &p->pw, &p->err)) return;
-    if (p->pw.persist && !svc->store) {
+    if (p->pw.persist && !svc->store && !svc->redis) {
         rk_http_errorf(&p->err, 501,
-                       "persistence is not configured: start the server with --store DIR");
+                       "persistence is not configured: start the server with --store DIR "
+                       "or --redis URL");
         return;
     }
     p->cmd.n = p->pw.n;
@@ -1233,6 +1234,43 @@ static int query_int(const char *qs, const char *name, long lo, long hi, long de
     return 0;
 }
 
+/* The shared tier's entries, in SCAN order, listed on this thread: the tier
+ * opens a connection of its own, so the engine is never held up by a SCAN. */
+static void list_redis(req_ctx *rc, const list_cmd *l) {
+    if (!rc->S->o.cfg.redis_url[0]) {
+        send_errorf(rc, 501,
+                    "the shared tier is not configured: start the server with --redis URL");
+        return;
+    }
+    rk_service *svc = ready_service(rc->S);
+    if (!svc) {
+        send_not_ready(rc);
+        return;
+    }
+    if (l->by_hits) {
+        send_errorf(rc, 400, "the redis tier is listed in SCAN order: 'sort' must be recent");
+        return;
+    }
+    rk_redis_entry *v = NULL;
+    int n = 0;
+    if (rk_redis_list(svc->redis, l->offset + l->limit, &v, &n)) {
+        send_errorf(rc, 503, "%s", rk_error_message());
+        return;
+    }
+    json_t *data = json_array();
+    for (int i = l->offset; i < n && data; i++)
+        json_array_append_new(data,
+                              json_pack("{s:s, s:i, s:I, s:f, s:s}", "key", v[i].key, "tokens",
+                                        v[i].n_tokens, "bytes", (json_int_t)v[i].n_bytes, "created",
+                                        v[i].created, "tier", "redis"));
+    free(v);
+    /* SCAN has no count: total is what was seen, offset + limit at most. */
+    send_json(rc, 200,
+              json_pack("{s:s, s:o, s:i, s:i, s:i, s:s, s:s}", "object", "list", "data", data,
+                        "total", n, "offset", l->offset, "limit", l->limit, "sort", "scan", "tier",
+                        "redis"));
+}
+
 static int handle_list(req_ctx *rc) {
     const struct mg_request_info *ri = mg_get_request_info(rc->conn);
     const char *qs = ri->query_string;
@@ -1255,8 +1293,9 @@ static int handle_list(req_ctx *rc) {
     char tier[16] = "arena";
     int tn = qs ? mg_get_var(qs, strlen(qs), "tier", tier, sizeof tier) : -1;
     if (tn == -1) snprintf(tier, sizeof tier, "arena");
-    if (tn < -1 || (strcmp(tier, "arena") && strcmp(tier, "disk")))
-        return send_errorf(rc, 400, "'tier' must be arena or disk"), 0;
+    if (tn < -1 || (strcmp(tier, "arena") && strcmp(tier, "disk") && strcmp(tier, "redis")))
+        return send_errorf(rc, 400, "'tier' must be arena, disk or redis"), 0;
+    if (!strcmp(tier, "redis")) return list_redis(rc, &l), 0;
     l.disk = !strcmp(tier, "disk");
     if (l.disk && !rc->S->o.cfg.store_dir[0])
         return send_errorf(rc, 501,
@@ -1311,14 +1350,25 @@ static int handle_flush(req_ctx *rc) {
                            "persistence is not configured: start the server with "
                            "--store DIR"),
                0;
-    if (!ready_service(rc->S)) return send_not_ready(rc), 0;
+    if (f.req.redis && !rc->S->o.cfg.redis_url[0])
+        return send_errorf(rc, 501,
+                           "the shared tier is not configured: start the server with --redis URL"),
+               0;
+    rk_service *svc = ready_service(rc->S);
+    if (!svc) return send_not_ready(rc), 0;
     char msg[320];
     if ((st = run_command(rc, flush_fn, &f, 1, msg, sizeof msg)))
         return send_errorf(rc, rk_http_status_of(st), "%s", msg), 0;
+    /* The shared tier on this thread (its own connection): a SCAN over many
+     * keys must not hold the engine up. Other models' keys are kept. */
+    uint64_t redis_keys = 0;
+    if (f.req.redis && rk_redis_flush(svc->redis, &redis_keys))
+        return send_errorf(rc, 503, "%s", rk_error_message()), 0;
     send_json(rc, 200,
-              json_pack("{s:{s:i, s:I, s:I, s:I}}", "flushed", "chunks", f.chunks, "prefix_nodes",
-                        (json_int_t)f.prefix_nodes, "prefix_tokens", (json_int_t)f.prefix_tokens,
-                        "disk_rows", (json_int_t)f.disk_rows));
+              json_pack("{s:{s:i, s:I, s:I, s:I, s:I}}", "flushed", "chunks", f.chunks,
+                        "prefix_nodes", (json_int_t)f.prefix_nodes, "prefix_tokens",
+                        (json_int_t)f.prefix_tokens, "disk_rows", (json_int_t)f.disk_rows,
+                        "redis_keys", (json_int_t)redis_keys));
     return 0;
 }
 
@@ -1367,13 +1417,24 @@ static int handle_models(req_ctx *rc) {
     return 0;
 }
 
+/* The Redis tier's live counters into the stats about to be served. */
+static void refresh_redis_stats(server *S) {
+    rk_service *svc = ready_service(S);
+    if (!svc || !svc->redis) return;
+    rk_redis_counters c;
+    rk_redis_stats(svc->redis, &c);
+    rk_stats_publish_redis(S->stats, &c);
+}
+
 static int handle_stats(req_ctx *rc) {
     if (!ready_service(rc->S)) return send_not_ready(rc), 0;
+    refresh_redis_stats(rc->S);
     send_json(rc, 200, rk_stats_json(rc->S->stats));
     return 0;
 }
 
 static int handle_metrics(req_ctx *rc) {
+    refresh_redis_stats(rc->S);
     char *text = rk_stats_prometheus(rc->S->stats);
     if (!text) return send_errorf(rc, 500, "out of memory"), 0;
     send_text(rc, 200, "text/plain; version=0.0.4; charset=utf-8", text, strlen(text), NULL);

@@ -120,6 +120,7 @@ void rk_prewarm_request_free(rk_prewarm_request *p);
 typedef struct rk_flush_request {
     int chunks, prefix; /* flush the chunk cache, the prefix cache */
     int disk;           /* also the store */
+    int redis;          /* also this model's keys in the shared Redis tier */
 } rk_flush_request;
 
 /* Parse a flush body (an empty body means {"what": "all"}). */

@@ -29,6 +29,12 @@ struct rk_stats {
     int in_flight;
     rk_hist lookup, reindex, ttft, queue, total;
     rk_hist tpot; /* decode time per output token after the first */
+    /* The shared Redis tier, read live from its counters (thread-safe) when
+     * stats are served. Get round trips: the tier keeps a count and a total
+     * time, so each read adds its new round trips at their mean latency. */
+    int have_redis;
+    rk_redis_counters redis;
+    rk_hist redis_latency;
 };
 
 /* ---------------------------------------------------------------- histograms */
@@ -115,6 +121,19 @@ void rk_stats_publish(rk_stats *s, const rk_cache_snapshot *snap) {
     }
     s->snap = *snap;
     s->have_snap = 1;
+    pthread_mutex_unlock(&s->mu);
+}
+
+void rk_stats_publish_redis(rk_stats *s, const rk_redis_counters *c) {
+    pthread_mutex_lock(&s->mu);
+    const rk_redis_counters *old = &s->redis;
+    if (c->get_count > old->get_count) {
+        uint64_t n = c->get_count - old->get_count;
+        double mean = (c->get_seconds - old->get_seconds) / (double)n;
+        for (uint64_t i = 0; i < n; i++) rk_hist_add(&s->redis_latency, mean);
+    }
+    s->redis = *c;
+    s->have_redis = 1;
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -259,12 +278,35 @@ json_t *rk_stats_json(rk_stats *s) {
                         "rows", "bytes", "loads", 0, "writes", 0, "dropped_at_recovery", 0,
                         "corrupt_after_open", 0, "quarantined", 0, "rows_rebuilt", 0, "unreadable",
                         0);
-    json_t *tiers =
-        json_pack("{s:{s:I, s:I}, s:o?}", "arena", "entries", (json_int_t)ch->entries, "bytes",
-                  (json_int_t)c->chunk_bytes, "disk",
-                  c->have_store ? json_pack("{s:I, s:I}", "entries", (json_int_t)c->store_rows,
-                                            "bytes", (json_int_t)c->store_bytes)
-                                : NULL);
+    const rk_redis_counters *rd = &s->redis;
+    json_t *tiers = json_pack(
+        "{s:{s:I, s:I}, s:o?, s:o?}", "arena", "entries", (json_int_t)ch->entries, "bytes",
+        (json_int_t)c->chunk_bytes, "disk",
+        c->have_store ? json_pack("{s:I, s:I}", "entries", (json_int_t)c->store_rows, "bytes",
+                                  (json_int_t)c->store_bytes)
+                      : NULL,
+        "redis",
+        s->have_redis ? json_pack("{s:I, s:I, s:I, s:I}", "loads", (json_int_t)rd->hits, "writes",
+                                  (json_int_t)rd->writes, "bytes_in", (json_int_t)rd->bytes_in,
+                                  "bytes_out", (json_int_t)rd->bytes_out)
+                      : NULL);
+    json_t *redis =
+        s->have_redis
+            ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, "
+                        "s:f, s:f, s:s, s:I, s:o}",
+                        "configured", 1, "hits", (json_int_t)rd->hits, "misses",
+                        (json_int_t)rd->misses, "errors", (json_int_t)rd->errors, "skipped",
+                        (json_int_t)rd->skipped, "dropped_corrupt", (json_int_t)rd->dropped_corrupt,
+                        "layout_mismatch", (json_int_t)rd->layout_mismatch, "writes",
+                        (json_int_t)rd->writes, "write_drops", (json_int_t)rd->write_drops,
+                        "queued", (json_int_t)rd->queued, "bytes_in", (json_int_t)rd->bytes_in,
+                        "bytes_out", (json_int_t)rd->bytes_out, "locks_acquired",
+                        (json_int_t)rd->locks_acquired, "locks_busy", (json_int_t)rd->locks_busy,
+                        "mean_get_s", rd->get_count ? rd->get_seconds / (double)rd->get_count : 0.0,
+                        "load_bytes_per_s", rd->load_bytes_per_s, "breaker",
+                        rd->breaker == RK_REDIS_OPEN ? "open" : "closed", "breaker_opened",
+                        (json_int_t)rd->breaker_opened, "latency", latency_json(&s->redis_latency))
+            : json_pack("{s:b}", "configured", 0);
     json_t *tokens = json_pack("{s:I, s:I, s:I, s:I, s:f}", "prompt", (json_int_t)s->prompt_tokens,
                                "reused", (json_int_t)s->cached_tokens, "computed",
                                (json_int_t)(s->prompt_tokens - s->cached_tokens), "generated",
@@ -274,11 +316,11 @@ json_t *rk_stats_json(rk_stats *s) {
         "{s:o, s:o, s:o, s:o, s:o, s:o}", "lookup", latency_json(&s->lookup), "reindex",
         latency_json(&s->reindex), "ttft", latency_json(&s->ttft), "queue", latency_json(&s->queue),
         "total", latency_json(&s->total), "time_per_output_token", latency_json(&s->tpot));
-    json_t *root = json_pack("{s:f, s:o, s:o, s:o, s:o, s:o, s:o, s:f, s:o, s:o, s:o}", "uptime_s",
-                             rk_time_now() - s->started, "requests", requests_json(s), "tokens",
-                             tokens, "chunks", chunks, "prefix", prefix, "tiers", tiers, "pools",
-                             pools_json(c), "kv_usage_ratio", kv_usage(c), "latency", latency,
-                             "store", store, "top_chunks", top);
+    json_t *root = json_pack("{s:f, s:o, s:o, s:o, s:o, s:o, s:o, s:f, s:o, s:o, s:o, s:o}",
+                             "uptime_s", rk_time_now() - s->started, "requests", requests_json(s),
+                             "tokens", tokens, "chunks", chunks, "prefix", prefix, "tiers", tiers,
+                             "pools", pools_json(c), "kv_usage_ratio", kv_usage(c), "latency",
+                             latency, "store", store, "redis", redis, "top_chunks", top);
     pthread_mutex_unlock(&s->mu);
     return root;
 }
@@ -375,6 +417,26 @@ char *rk_stats_prometheus(rk_stats *s) {
             put(&t, "ragkv_requests_total{status=\"%d\"} %llu\n", i,
                 (unsigned long long)s->status_counts[i]);
     counter(&t, "ragkv_store_loads_total", "Chunks loaded from the disk store.", c->store_loads);
+    if (s->have_redis) {
+        const rk_redis_counters *rd = &s->redis;
+        counter(&t, "ragkv_redis_hits_total", "Chunks loaded from the shared Redis tier.",
+                rd->hits);
+        counter(&t, "ragkv_redis_misses_total",
+                "Redis tier lookups that found no usable value (skipped calls included).",
+                rd->misses);
+        counter(&t, "ragkv_redis_errors_total",
+                "Failed Redis calls (connect, I/O, timeout, error reply).", rd->errors);
+        counter(&t, "ragkv_redis_writes_total", "Chunks committed to the Redis tier.", rd->writes);
+        put(&t,
+            "# HELP ragkv_redis_bytes_total Chunk payload bytes moved to and from Redis.\n"
+            "# TYPE ragkv_redis_bytes_total counter\n"
+            "ragkv_redis_bytes_total{direction=\"in\"} %llu\n"
+            "ragkv_redis_bytes_total{direction=\"out\"} %llu\n",
+            (unsigned long long)rd->bytes_in, (unsigned long long)rd->bytes_out);
+        histogram(&t, "ragkv_redis_latency_seconds",
+                  "Redis tier get round trips (each at the mean of those read together).",
+                  &s->redis_latency);
+    }
     put(&t, "# HELP ragkv_pool_blocks KV blocks per pool and state.\n"
             "# TYPE ragkv_pool_blocks gauge\n");
     for (int p = 0; p < RK_POOL_COUNT; p++) {

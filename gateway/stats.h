@@ -39,6 +39,10 @@ void rk_stats_record_status(rk_stats *s, int http_status);
 /* Requests being served now (parsed and not yet answered): add +1 or -1. */
 void rk_stats_in_flight(rk_stats *s, int delta);
 
+/* The shared Redis tier's counters, read just before stats are served (its
+ * writes are asynchronous, so an engine snapshot would lag them). */
+void rk_stats_publish_redis(rk_stats *s, const rk_redis_counters *c);
+
 /* Read the latest published snapshot. */
 void rk_stats_snapshot(rk_stats *s, rk_cache_snapshot *out);
 

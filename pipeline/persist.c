@@ -1,4 +1,6 @@
-/* pipeline/persist.c — chunk KV between the arena and the store (the disk tier).
+/* pipeline/persist.c — chunk KV between the arena and the persistent tiers:
+ * the store (disk) and the shared Redis tier, whose values are byte for byte
+ * disk payloads.
  *
  * A payload body holds, for each layer, the chunk's K rows then its V rows,
  * one row (n_kv_heads * head_dim values of the KV dtype) per token, in token
@@ -14,47 +16,102 @@ static size_t row_bytes(const rk_kv_cache *kv) {
     return (size_t)kv->n_kv_heads * kv->head_dim * rk_dtype_size(kv->dtype);
 }
 
-rk_status rk_persist_write(rk_service *svc, const rk_chunk_entry *e, const char *policy,
-                           const char *doc_id) {
-    if (!svc->store) return RK_OK;
+/* Payload body size and layout record of an entry in the running arena. */
+static size_t body_bytes(const rk_kv_cache *kv, const rk_chunk_entry *e) {
+    return 2 * (size_t)e->n_tokens * row_bytes(kv) * (size_t)kv->n_layers;
+}
+
+static rk_store_layout entry_layout(const rk_kv_cache *kv, const rk_chunk_entry *e) {
+    return (rk_store_layout){.n_layers = kv->n_layers,
+                             .n_kv_heads = kv->n_kv_heads,
+                             .head_dim = kv->head_dim,
+                             .dtype = (int32_t)kv->dtype,
+                             .block_size = kv->block_size,
+                             .base_pos = e->base_pos};
+}
+
+/* Copy an entry's KV between its chunk-pool blocks and a payload body, in
+ * the body order above: to_body downloads, else uploads. */
+static rk_status copy_body(rk_service *svc, const rk_chunk_entry *e, char *body, int to_body) {
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
     rk_backend *be = svc->be;
     size_t rb = row_bytes(kv), per_layer = 2 * (size_t)e->n_tokens * rb;
-    size_t body_size = per_layer * (size_t)kv->n_layers;
-    char *body = malloc(body_size ? body_size : 1);
-    if (!body)
-        return rk_errorf(RK_ERR_NOMEM, "store: out of memory for a %zu-byte payload", body_size);
-    rk_status st = RK_OK;
     int bs = kv->block_size;
+    rk_status st = RK_OK;
     for (int l = 0; l < kv->n_layers && !st; l++)
         for (int kind = 0; kind < 2 && !st; kind++) {
-            const char *src = kind == 0 ? kv->k[l] : kv->v[l];
-            char *dst = body + (size_t)l * per_layer + (size_t)kind * e->n_tokens * rb;
+            char *blocks = kind == 0 ? kv->k[l] : kv->v[l];
+            char *part = body + (size_t)l * per_layer + (size_t)kind * e->n_tokens * rb;
             for (int t = 0; t < e->n_tokens && !st; t += bs) {
                 int n = e->n_tokens - t < bs ? e->n_tokens - t : bs;
                 size_t off = (size_t)e->blocks[t / bs] * bs * rb;
-                st = be->ops->download(be, dst + (size_t)t * rb, src + off, (size_t)n * rb);
+                st =
+                    to_body
+                        ? be->ops->download(be, part + (size_t)t * rb, blocks + off, (size_t)n * rb)
+                        : be->ops->upload(be, blocks + off, part + (size_t)t * rb, (size_t)n * rb);
             }
         }
-    if (!st) {
-        char key[33];
-        rk_chunk_key_hex(e->key, key);
+    return st;
+}
+
+rk_status rk_persist_write(rk_service *svc, const rk_chunk_entry *e, const char *policy,
+                           const char *doc_id) {
+    return rk_persist_write_tiers(svc, e, policy, doc_id, 1, NULL);
+}
+
+rk_status rk_persist_write_tiers(rk_service *svc, const rk_chunk_entry *e, const char *policy,
+                                 const char *doc_id, int to_disk, const rk_redis_lock *release) {
+    int disk = to_disk && svc->store;
+    /* Below min_tokens the tier neither fetches nor writes: no value to build. */
+    int redis = svc->redis && e->n_tokens >= svc->cfg.redis_min_tokens;
+    if (!disk && !redis) {
+        if (release) (void)rk_redis_unlock(svc->redis, release);
+        return RK_OK;
+    }
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    size_t body_size = body_bytes(kv, e);
+    rk_store_layout layout = entry_layout(kv, e);
+    char key[33];
+    rk_chunk_key_hex(e->key, key);
+    /* One download feeds both tiers: the Redis value's body when there is
+     * one (handed over without a copy), else a buffer of our own. */
+    rk_redis_value *v = NULL;
+    void *body = NULL;
+    rk_status st;
+    if (redis)
+        st = rk_redis_value_new(key, policy, doc_id, &layout, e->tokens, e->n_tokens, body_size, &v,
+                                &body);
+    else
+        st =
+            (body = malloc(body_size ? body_size : 1))
+                ? RK_OK
+                : rk_errorf(RK_ERR_NOMEM, "store: out of memory for a %zu-byte payload", body_size);
+    if (!st) st = copy_body(svc, e, body, 1);
+    int have_body = !st;
+    if (have_body && disk) {
         rk_store_put_args a = {.key = key,
                                .policy = policy,
                                .doc_id = doc_id,
-                               .layout = {.n_layers = kv->n_layers,
-                                          .n_kv_heads = kv->n_kv_heads,
-                                          .head_dim = kv->head_dim,
-                                          .dtype = (int32_t)kv->dtype,
-                                          .block_size = kv->block_size,
-                                          .base_pos = e->base_pos},
+                               .layout = layout,
                                .tokens = e->tokens,
                                .n_tokens = e->n_tokens,
                                .body = body,
                                .body_size = body_size};
         st = rk_store_put(svc->store, &a);
     }
-    free(body);
+    if (redis && have_body) {
+        /* A failed disk write does not keep the chunk from the fleet; a
+         * dropped Redis write (queue full, breaker open) is counted by the
+         * tier and is no error of the caller's. */
+        rk_status rs = rk_redis_put_value(svc->redis, v, release);
+        if (rs && rs != RK_ERR_LIMIT && !st) st = rs;
+        release = NULL;
+    } else if (redis) {
+        rk_redis_value_free(v);
+    } else {
+        free(body);
+    }
+    if (release) (void)rk_redis_unlock(svc->redis, release);
     return st;
 }
 
@@ -73,32 +130,99 @@ rk_status rk_persist_load(rk_service *svc, rk_chunk_entry *e, int *out_loaded) {
         return RK_OK;
     }
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
-    size_t rb = row_bytes(kv), per_layer = 2 * (size_t)e->n_tokens * rb;
     int ok = p.meta.n_tokens == e->n_tokens &&
              memcmp(p.tokens, e->tokens, (size_t)e->n_tokens * sizeof *e->tokens) == 0 &&
              p.layout.n_layers == kv->n_layers && p.layout.n_kv_heads == kv->n_kv_heads &&
              p.layout.head_dim == kv->head_dim && p.layout.dtype == (int32_t)kv->dtype &&
-             p.layout.base_pos == e->base_pos && p.body_size == per_layer * (size_t)kv->n_layers;
+             p.layout.base_pos == e->base_pos && p.body_size == body_bytes(kv, e);
     if (!ok) {
         RK_LOG_WARN(
             "chunk %s: the stored payload does not match this model or request; computing it", key);
         rk_store_payload_free(&p);
         return RK_OK;
     }
-    rk_backend *be = svc->be;
-    int bs = kv->block_size;
-    for (int l = 0; l < kv->n_layers && !st; l++)
-        for (int kind = 0; kind < 2 && !st; kind++) {
-            char *dst = kind == 0 ? kv->k[l] : kv->v[l];
-            const char *src =
-                (const char *)p.body + (size_t)l * per_layer + (size_t)kind * e->n_tokens * rb;
-            for (int t = 0; t < e->n_tokens && !st; t += bs) {
-                int n = e->n_tokens - t < bs ? e->n_tokens - t : bs;
-                size_t off = (size_t)e->blocks[t / bs] * bs * rb;
-                st = be->ops->upload(be, dst + off, src + (size_t)t * rb, (size_t)n * rb);
-            }
-        }
+    st = copy_body(svc, e, p.body, 0);
     rk_store_payload_free(&p);
     if (!st) *out_loaded = 1;
     return st;
+}
+
+/* Upload a verified Redis payload into the entry and copy it to the disk
+ * tier, whose payload files hold the same bytes. */
+static rk_status take_redis_payload(rk_service *svc, rk_chunk_entry *e, rk_store_payload *p,
+                                    int *out_loaded) {
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    if (p->body_size != body_bytes(kv, e)) return RK_OK; /* another layout: compute */
+    rk_status st = copy_body(svc, e, p->body, 0);
+    if (st) return st;
+    *out_loaded = 1;
+    if (svc->store) {
+        char key[33];
+        rk_chunk_key_hex(e->key, key);
+        rk_store_put_args a = {.key = key,
+                               .policy = p->meta.policy,
+                               .doc_id = p->meta.doc_id[0] ? p->meta.doc_id : NULL,
+                               .layout = p->layout,
+                               .tokens = p->tokens,
+                               .n_tokens = p->meta.n_tokens,
+                               .body = p->body,
+                               .body_size = p->body_size};
+        if (rk_store_put(svc->store, &a))
+            RK_LOG_WARN("chunk %s not persisted: %s", key, rk_error_message());
+    }
+    return RK_OK;
+}
+
+rk_status rk_persist_load_redis(rk_service *svc, rk_chunk_entry *e, int *out_loaded,
+                                rk_redis_lock *out_lock, int *out_locked) {
+    *out_loaded = *out_locked = 0;
+    if (!svc->redis) return RK_OK;
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    rk_store_layout layout = entry_layout(kv, e);
+    uint64_t n_bytes = rk_redis_value_bytes(e->n_tokens, body_bytes(kv, e));
+    /* Computing is cheaper (or Redis is down, or the chunk is short): no fetch
+     * and no lock; the computed chunk is still offered to the tier. */
+    if (!rk_redis_worth_fetching(svc->redis, e->n_tokens, n_bytes, svc->prefill_tps)) return RK_OK;
+    char key[33];
+    rk_chunk_key_hex(e->key, key);
+    rk_store_payload p;
+    rk_status st = rk_redis_get(svc->redis, key, e->tokens, e->n_tokens, &layout, &p);
+    if (st == RK_ERR_NOT_FOUND) {
+        rk_redis_lock_state ls;
+        if ((st = rk_redis_try_lock(svc->redis, key, out_lock, &ls))) return st;
+        if (ls == RK_REDIS_LOCK_UNAVAILABLE) return RK_OK;
+        if (ls == RK_REDIS_LOCK_ACQUIRED) {
+            /* A replica may have committed the value and released its lock
+             * between our get and our lock: look once more before computing. */
+            st = rk_redis_get(svc->redis, key, e->tokens, e->n_tokens, &layout, &p);
+            if (st == RK_ERR_NOT_FOUND) {
+                *out_locked = 1;
+                return RK_OK;
+            }
+            (void)rk_redis_unlock(svc->redis, out_lock);
+        } else {
+            /* Another replica computes it: wait a bounded time for its value
+             * (this blocks the engine thread: all of an admission's waits
+             * share redis_wait_ms), then compute it here if it has not come. */
+            double left_ms = (svc->redis_wait_until - rk_time_now()) * 1e3;
+            st = rk_redis_wait_for(svc->redis, key, e->tokens, e->n_tokens, &layout,
+                                   left_ms > 0 ? (int)left_ms : 0, &p);
+            if (st == RK_ERR_NOT_FOUND) return RK_OK;
+        }
+    }
+    if (st) return st;
+    st = take_redis_payload(svc, e, &p, out_loaded);
+    rk_store_payload_free(&p);
+    return st;
+}
+
+void rk_persist_begin_lookups(rk_service *svc) {
+    svc->redis_wait_until = rk_time_now() + svc->cfg.redis_wait_ms / 1e3;
+}
+
+void rk_persist_note_prefill(rk_service *svc, int n_tokens, double seconds) {
+    if (n_tokens <= 0 || !(seconds > 0)) return;
+    double tps = n_tokens / seconds;
+    /* A moving average: one pass of odd size moves the estimate a quarter. */
+    svc->prefill_tps = svc->prefill_tps > 0 ? 0.75 * svc->prefill_tps + 0.25 * tps : tps;
 }

@@ -1,17 +1,45 @@
-/* pipeline/persist.h — chunk KV to and from the persistent store. */
+/* pipeline/persist.h — chunk KV to and from the persistent tiers: the disk
+ * store and the shared Redis tier. */
 #ifndef RK_PERSIST_H
 #define RK_PERSIST_H
 
 #include "pipeline/pipeline.h"
 
-/* Write a ready entry's KV to the store (no-op without a store). policy is
- * "isolated" or "system"; doc_id may be NULL. */
+/* Write a ready entry's KV to the store and the Redis tier, those there are
+ * (rk_persist_write_tiers with to_disk set, no lock). policy is "isolated"
+ * or "system"; doc_id may be NULL. */
 rk_status rk_persist_write(rk_service *svc, const rk_chunk_entry *e, const char *policy,
                            const char *doc_id);
+
+/* Write a ready entry's KV through to the tiers: the store when to_disk is
+ * set (and there is one), the Redis tier when there is one (asynchronously;
+ * a dropped write is no error). One download of the KV feeds both. release
+ * (may be NULL) is the entry's Redis compute lock: freed by the write, or at
+ * once when nothing is written. */
+rk_status rk_persist_write_tiers(rk_service *svc, const rk_chunk_entry *e, const char *policy,
+                                 const char *doc_id, int to_disk, const rk_redis_lock *release);
 
 /* Fill a reserved (PENDING) entry from the store when it holds a verified
  * payload for the same tokens and layout; *out_loaded says whether it did. A
  * missing, bad or mismatched payload is not an error: the caller computes. */
 rk_status rk_persist_load(rk_service *svc, rk_chunk_entry *e, int *out_loaded);
+
+/* After the disk tier missed: fill a reserved entry from the Redis tier when
+ * the cost gate says a load beats computing and Redis holds a verified value
+ * for the same tokens and layout (then it is copied to the disk tier too).
+ * On a miss, take the fleet-wide compute lock: *out_locked says it is held
+ * (*out_lock: pass it to rk_persist_write_tiers after computing, or to
+ * rk_redis_unlock if computing fails). When another replica holds it, wait
+ * for its value until svc->redis_wait_until (blocking this thread), then
+ * compute without a lock. Redis being down is not an error. */
+rk_status rk_persist_load_redis(rk_service *svc, rk_chunk_entry *e, int *out_loaded,
+                                rk_redis_lock *out_lock, int *out_locked);
+
+/* Start an admission's chunk lookups: together they wait at most
+ * cfg.redis_wait_ms for chunks other replicas compute. */
+void rk_persist_begin_lookups(rk_service *svc);
+
+/* Record a prefill pass of n_tokens that took seconds, for the cost gate. */
+void rk_persist_note_prefill(rk_service *svc, int n_tokens, double seconds);
 
 #endif

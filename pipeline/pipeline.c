@@ -35,6 +35,10 @@ typedef struct scratch {
     int src_first;   /* table index of the chunk's first token in kv */
     int pass2;       /* computed in pass 2 (after the system prompt) */
     int32_t *tokens; /* oracle with system context: system + chunk tokens */
+
+    /* The fleet-wide compute lock on its chunk, held when rlocked. */
+    rk_redis_lock rlock;
+    int rlocked;
 } scratch;
 
 struct rk_req_state {
@@ -568,12 +572,32 @@ static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int 
 
 /* ---------------------------------------------------------------- stages */
 
-/* Write a freshly computed entry through to the disk tier. A failed write is
- * logged and counted by the store; serving goes on from the arena. */
-static void persist(rk_service *svc, const rk_chunk_entry *e, rk_chunk_context context) {
-    if (!svc->store) return;
-    if (rk_persist_write(svc, e, context == RK_CONTEXT_SYSTEM ? "system" : "isolated", NULL))
+/* Write a freshly computed entry through to the disk and Redis tiers; the
+ * Redis write releases the chunk's compute lock when sc holds it. A failed
+ * write is logged and counted by its tier; serving goes on from the arena. */
+static void persist(rk_service *svc, const rk_chunk_entry *e, rk_chunk_context context,
+                    scratch *sc) {
+    const rk_redis_lock *lk = sc->rlocked ? &sc->rlock : NULL;
+    sc->rlocked = 0;
+    if (rk_persist_write_tiers(svc, e, context == RK_CONTEXT_SYSTEM ? "system" : "isolated", NULL,
+                               1, lk))
         RK_LOG_WARN("chunk not persisted: %s", rk_error_message());
+}
+
+/* A chunk the disk tier missed: try the Redis tier (which also takes the
+ * fleet-wide compute lock on a miss). Reports the source on a load. */
+static rk_status load_shared(rk_service *svc, rk_request *r, int k, int *out_loaded) {
+    rk_req_state *s = r->state;
+    rk_chunk_entry *e = s->entries[k];
+    scratch *sc = &s->scratch[k];
+    rk_status st = rk_persist_load_redis(svc, e, out_loaded, &sc->rlock, &sc->rlocked);
+    if (st || !*out_loaded) return st;
+    rk_chunk_index_loaded(svc->chunks, e);
+    snprintf(e->source, sizeof e->source, "redis");
+    s->kinds[k] = RK_CHUNK_HIT;
+    r->chunk_reports[k].status = RK_CHUNK_STATUS_HIT;
+    r->chunk_reports[k].source = RK_CHUNK_SOURCE_REDIS;
+    return RK_OK;
 }
 
 /* Match the system prompt, share its cached pages, reserve blocks for the
@@ -717,6 +741,8 @@ static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
                 rep->source = RK_CHUNK_SOURCE_DISK;
                 continue;
             }
+            if ((st = load_shared(svc, r, k, &loaded))) return st;
+            if (loaded) continue;
         }
         rep->status = s->kinds[k] == RK_CHUNK_HIT ? RK_CHUNK_STATUS_HIT : RK_CHUNK_STATUS_MISS;
         rep->source =
@@ -782,6 +808,7 @@ static void release_request(rk_service *svc, rk_request *r, int failed) {
     for (int k = 0; s->entries && s->scratch && k < r->n_chunks; k++) {
         scratch *sc = &s->scratch[k];
         if (sc->used) rk_seq_release(&sc->kv, svc->arena);
+        if (sc->rlocked) (void)rk_redis_unlock(svc->redis, &sc->rlock); /* never computed */
         free(sc->tokens);
         if (s->entries[k]) rk_chunk_index_release(svc->chunks, s->entries[k], failed);
     }
@@ -928,12 +955,14 @@ static rk_status stage_system_and_chunks(admission *a) {
                             s->sys_first, s->sys_first, 0)))
             return st;
     }
+    rk_persist_begin_lookups(a->svc);
     for (int i = 0; i < a->n; i++)
         if (a->reqs[i]->opt.mode == RK_MODE_RAG && (st = plan_chunks(a->svc, a->reqs[i], a->b)))
             return st;
     double t_lookup = rk_time_now() - t;
     t = rk_time_now();
     if ((st = batch_run(a->svc, a->b))) return st;
+    rk_persist_note_prefill(a->svc, a->b->n_tok, rk_time_now() - t);
     for (int i = 0; i < a->n; i++)
         if (a->reqs[i]->state->n_insert && (st = insert_system(a->svc, a->reqs[i]))) return st;
     double t_compute = rk_time_now() - t;
@@ -982,7 +1011,7 @@ static rk_status stage_system_chunks(admission *a) {
             rk_chunk_entry *e = r->state->entries[k];
             if (r->state->kinds[k] != RK_CHUNK_MISS || !e) continue;
             rk_chunk_index_ready(svc->chunks, e);
-            persist(svc, e, r->opt.chunk_context);
+            persist(svc, e, r->opt.chunk_context, &r->state->scratch[k]);
         }
     }
     double dt = rk_time_now() - t;
@@ -1304,6 +1333,19 @@ static void persist_if_missing(rk_service *svc, const rk_chunk_entry *e, const c
         RK_LOG_WARN("chunk %s not persisted: %s", key, rk_error_message());
 }
 
+/* A chunk pre-warming computed: to the disk tier with persist (one KV
+ * download for both tiers) and to the Redis tier when there is one. */
+static void prewarm_write(rk_service *svc, const rk_chunk_entry *e, const char *doc_id,
+                          int persist) {
+    if (persist && svc->store) {
+        persist_if_missing(svc, e, doc_id); /* writes the Redis tier too */
+    } else if (svc->redis && rk_persist_write_tiers(svc, e, "isolated", doc_id, 0, NULL)) {
+        char key[33];
+        rk_chunk_key_hex(e->key, key);
+        RK_LOG_WARN("chunk %s not shared: %s", key, rk_error_message());
+    }
+}
+
 rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_items, int persist) {
     const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
     int bs = rk_arena_block_size(svc->arena);
@@ -1330,7 +1372,7 @@ rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_ite
                 if (!computing[j]) continue;
                 rk_chunk_index_ready(svc->chunks, held[j]);
                 items[j].status = "computed";
-                if (persist && svc->store) persist_if_missing(svc, held[j], items[j].doc_id);
+                prewarm_write(svc, held[j], items[j].doc_id, persist);
             }
             batch_reset(&b);
             first = i;
@@ -1360,7 +1402,7 @@ rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_ite
         int on_disk = 0;
         if (e) {
             it->status = "cached";
-            if (persist && svc->store) persist_if_missing(svc, e, it->doc_id);
+            if (persist) prewarm_write(svc, e, it->doc_id, persist);
         } else if (svc->store && rk_store_contains(svc->store, it->key, &on_disk) == RK_OK &&
                    on_disk) {
             it->status = "cached";

@@ -23,6 +23,7 @@
 #include "chunkcache/radix.h"
 #include "config/config.h"
 #include "engine/engine.h"
+#include "store/redis.h"
 #include "store/store.h"
 #include "pipeline/split.h"
 #include "reindex/reindex.h"
@@ -40,6 +41,15 @@ typedef struct rk_service {
     uint64_t prefix_ns;     /* its namespace: derived from the model fingerprint */
     rk_chunk_index *chunks; /* the chunk cache over chunk-pool blocks */
     rk_store *store;        /* the disk tier; NULL without --store */
+
+    /* The shared tier; NULL without --redis. */
+    rk_redis *redis;
+    /* Measured prefill tokens per second (a moving average; 0 = none yet): the
+     * Redis cost gate compares a load with recomputing. */
+    double prefill_tps;
+    /* rk_time_now() after which an admission waits no more for chunks other
+     * replicas compute. */
+    double redis_wait_until;
 } rk_service;
 
 /* Create the backend, load the model (model_path NULL = build the embedded
@@ -95,6 +105,7 @@ typedef enum rk_chunk_source {
     RK_CHUNK_SOURCE_COMPUTED = 0,
     RK_CHUNK_SOURCE_ARENA,
     RK_CHUNK_SOURCE_DISK,
+    RK_CHUNK_SOURCE_REDIS, /* loaded from the shared tier (another replica computed it) */
 } rk_chunk_source;
 
 /* Why a request stopped generating. */
@@ -239,8 +250,9 @@ typedef struct rk_prewarm_item {
 /* Make sure every chunk's KV (isolated context) is cached without generating
  * anything: chunks found in the arena or the disk tier are "cached", the rest
  * are computed together in forward passes of bounded size. With persist set
- * (and a store), every chunk ends up on disk too. A bad chunk (invalid UTF-8,
- * too long) fails alone. Returns an error only when the engine itself fails. */
+ * (and a store), every chunk ends up on disk too. With a Redis tier, computed
+ * chunks are written to it (with persist, those found in the arena too). A bad chunk (invalid
+ * UTF-8, too long) fails alone. Returns an error only when the engine itself fails. */
 rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_items, int persist);
 
 #endif

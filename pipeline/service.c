@@ -55,6 +55,21 @@ static rk_status open_prefix_cache(rk_service *svc) {
     return rk_radix_create(&p, &svc->prefix);
 }
 
+/* The shared tier, once the model fingerprint is known. An unreachable Redis
+ * is not an error (the tier's breaker recovers when it answers); a refused
+ * password or database, or a bad URL or prefix, is: the service must not run
+ * believing it shares when it cannot. */
+static rk_status open_redis(rk_service *svc) {
+    const rk_config *cfg = &svc->cfg;
+    rk_redis_config rc;
+    rk_redis_config_default(&rc);
+    rc.url = cfg->redis_url;
+    rc.prefix = cfg->redis_prefix;
+    rc.timeout_ms = cfg->redis_timeout_ms;
+    rc.min_tokens = cfg->redis_min_tokens;
+    return rk_redis_open(&rc, rk_model_fingerprint(svc->model), &svc->redis);
+}
+
 rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_service **out) {
     *out = NULL;
     rk_status st = rk_config_validate(cfg);
@@ -76,6 +91,7 @@ rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_servi
         so.verify_on_open = cfg->store_verify;
         st = rk_store_open(cfg->store_dir, rk_model_fingerprint(svc->model), &so, &svc->store);
     }
+    if (!st && cfg->redis_url[0]) st = open_redis(svc);
     if (st) {
         rk_service_close(svc);
         return st;
@@ -86,6 +102,7 @@ rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_servi
 
 void rk_service_close(rk_service *svc) {
     if (!svc) return;
+    rk_redis_close(svc->redis); /* writes what is queued first, bounded by the timeout */
     rk_store_close(svc->store);
     rk_chunk_index_free(svc->chunks);
     rk_radix_free(svc->prefix); /* gives its pages back to the arena first */

@@ -5,13 +5,10 @@
  * end; the tests skip visibly when redis-server is not installed. */
 #include <criterion/criterion.h>
 #include <hiredis/hiredis.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -25,86 +22,8 @@ static const char *FP_B = "fedcba9876543210fedcba9876543210";
 
 /* ---------------------------------------------------------------- server */
 
-typedef struct server {
-    pid_t pid;
-    int port;
-    char *dir;
-    const char *password; /* NULL: none */
-} server;
-
-static int free_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    cr_assert_geq(fd, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
-    socklen_t len = sizeof a;
-    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
-/* Start (or restart, when s->port is set) redis-server and wait until PING
- * answers. */
-static void server_start(server *s) {
-    char *where = NULL;
-    if (rk_test_run("command -v redis-server", &where) != 0 || !where || !where[0]) {
-        free(where);
-        cr_skip_test("redis-server is not installed (scripts/install-deps.sh installs it)");
-    }
-    free(where);
-    if (!s->port) s->port = free_port();
-    if (!s->dir) s->dir = rk_test_tmpdir("redis");
-    char port[16], log[4200];
-    snprintf(port, sizeof port, "%d", s->port);
-    snprintf(log, sizeof log, "%s/redis.log", s->dir);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a crashed test */
-        FILE *f = freopen(log, "a", stdout);
-        (void)f;
-        dup2(STDOUT_FILENO, STDERR_FILENO);
-        if (s->password)
-            execlp("redis-server", "redis-server", "--port", port, "--bind", "127.0.0.1", "--save",
-                   "", "--appendonly", "no", "--dir", s->dir, "--daemonize", "no", "--requirepass",
-                   s->password, (char *)NULL);
-        else
-            execlp("redis-server", "redis-server", "--port", port, "--bind", "127.0.0.1", "--save",
-                   "", "--appendonly", "no", "--dir", s->dir, "--daemonize", "no", (char *)NULL);
-        _exit(127);
-    }
-    s->pid = pid;
-    for (int i = 0; i < 500; i++) {
-        redisContext *c =
-            redisConnectWithTimeout("127.0.0.1", s->port, (struct timeval){0, 200000});
-        redisReply *rep = c && !c->err ? redisCommand(c, "PING") : NULL;
-        int up = rep != NULL; /* NOAUTH is an answer too */
-        if (rep) freeReplyObject(rep);
-        if (c) redisFree(c);
-        if (up) return;
-        int status;
-        cr_assert_eq(waitpid(pid, &status, WNOHANG), 0, "redis-server exited; see %s", log);
-        usleep(10000);
-    }
-    cr_assert_fail("redis-server did not answer PING within 5 s; see %s", log);
-}
-
-static void server_stop(server *s) {
-    if (s->pid > 0) {
-        kill(s->pid, SIGKILL);
-        waitpid(s->pid, NULL, 0);
-        s->pid = 0;
-    }
-}
-
-static void server_free(server *s) {
-    server_stop(s);
-    free(s->dir);
-    s->dir = NULL;
-}
-
 /* A raw hiredis connection for inspecting and damaging values. */
-static redisContext *raw(const server *s) {
+static redisContext *raw(const rk_test_redis *s) {
     redisContext *c = redisConnectWithTimeout("127.0.0.1", s->port, (struct timeval){1, 0});
     cr_assert(c && !c->err);
     return c;
@@ -122,7 +41,7 @@ static long long raw_int(redisContext *c, const char *fmt, const char *arg) {
 
 static char g_url[64];
 
-static rk_redis *open_tier(const server *s, const char *fp, rk_redis_config *cfg_in) {
+static rk_redis *open_tier(const rk_test_redis *s, const char *fp, rk_redis_config *cfg_in) {
     rk_redis_config cfg;
     if (cfg_in)
         cfg = *cfg_in;
@@ -223,8 +142,8 @@ Test(redis, url_parser_is_strict_and_names_the_bad_part) {
 }
 
 Test(redis, put_then_get_returns_identical_bytes_and_a_second_client_sees_it) {
-    server s = {0};
-    server_start(&s);
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
     rk_redis *a = open_tier(&s, FP_A, NULL), *b = open_tier(&s, FP_A, NULL);
     chunk c;
     chunk_make(&c, 1);
@@ -265,12 +184,12 @@ Test(redis, put_then_get_returns_identical_bytes_and_a_second_client_sees_it) {
     rk_store_payload_free(&p);
     rk_redis_close(a);
     rk_redis_close(b);
-    server_free(&s);
+    rk_test_redis_free(&s);
 }
 
 Test(redis, put_value_hands_over_a_buffer_the_caller_filled_in_place) {
-    server s = {0};
-    server_start(&s);
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
     rk_redis *a = open_tier(&s, FP_A, NULL);
     chunk c;
     chunk_make(&c, 9);
@@ -307,12 +226,12 @@ Test(redis, put_value_hands_over_a_buffer_the_caller_filled_in_place) {
     cr_assert_null(v);
     rk_redis_value_free(NULL);
     rk_redis_close(a);
-    server_free(&s);
+    rk_test_redis_free(&s);
 }
 
 Test(redis, value_is_byte_for_byte_a_disk_payload_file) {
-    server s = {0};
-    server_start(&s);
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
     rk_redis *a = open_tier(&s, FP_A, NULL);
     chunk c;
     chunk_make(&c, 2);
@@ -350,12 +269,12 @@ Test(redis, value_is_byte_for_byte_a_disk_payload_file) {
     freeReplyObject(rep);
     redisFree(rc);
     rk_redis_close(a);
-    server_free(&s);
+    rk_test_redis_free(&s);
 }
 
 Test(redis, corrupt_truncated_wrong_model_and_wrong_token_values_are_dropped_and_counted) {
-    server s = {0};
-    server_start(&s);
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
     rk_redis *a = open_tier(&s, FP_A, NULL), *other = open_tier(&s, FP_B, NULL);
     chunk c[4];
     for (int i = 0; i < 4; i++) {
@@ -416,12 +335,12 @@ Test(redis, corrupt_truncated_wrong_model_and_wrong_token_values_are_dropped_and
     redisFree(rc);
     rk_redis_close(a);
     rk_redis_close(other);
-    server_free(&s);
+    rk_test_redis_free(&s);
 }
 
 Test(redis, payload_without_its_marker_is_not_trusted) {
-    server s = {0};
-    server_start(&s);
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
     rk_redis *a = open_tier(&s, FP_A, NULL);
     chunk c;
     chunk_make(&c, 3);
@@ -445,12 +364,12 @@ Test(redis, payload_without_its_marker_is_not_trusted) {
     free(list);
     redisFree(rc);
     rk_redis_close(a);
-    server_free(&s);
+    rk_test_redis_free(&s);
 }
 
 Test(redis, killed_server_fails_fast_opens_the_breaker_and_sharing_resumes_after_restart) {
-    server s = {0};
-    server_start(&s);
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
     rk_redis_config cfg;
     rk_redis_config_default(&cfg);
     cfg.min_tokens = 1;
@@ -466,7 +385,7 @@ Test(redis, killed_server_fails_fast_opens_the_breaker_and_sharing_resumes_after
     cr_assert_eq(get_chunk(a, &c, &p), RK_OK);
     rk_store_payload_free(&p);
 
-    server_stop(&s); /* SIGKILL */
+    rk_test_redis_stop(&s); /* SIGKILL */
     for (int i = 0; i < 10; i++) {
         double t0 = rk_time_now();
         cr_assert_eq(get_chunk(a, &c, &p), RK_ERR_NOT_FOUND);
@@ -484,7 +403,7 @@ Test(redis, killed_server_fails_fast_opens_the_breaker_and_sharing_resumes_after
     cr_assert_gt(ct.skipped, 0);
     cr_assert_eq(rk_redis_worth_fetching(a, 1000, 1, 1.0), 0, "no fetch with the breaker open");
 
-    server_start(&s); /* same port, empty */
+    rk_test_redis_start(&s); /* same port, empty */
     int hit = 0;
     for (int i = 0; i < 100 && !hit; i++) { /* bounded: about 5 s */
         rk_store_put_args args = chunk_args(&c);
@@ -501,12 +420,12 @@ Test(redis, killed_server_fails_fast_opens_the_breaker_and_sharing_resumes_after
     rk_redis_stats(a, &ct);
     cr_assert_eq(ct.breaker, RK_REDIS_CLOSED);
     rk_redis_close(a);
-    server_free(&s);
+    rk_test_redis_free(&s);
 }
 
 Test(redis, stalled_server_costs_at_most_the_timeout_per_call_and_then_nothing) {
-    server s = {0};
-    server_start(&s);
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
     rk_redis_config cfg;
     rk_redis_config_default(&cfg);
     cfg.min_tokens = 1;
@@ -546,12 +465,12 @@ Test(redis, stalled_server_costs_at_most_the_timeout_per_call_and_then_nothing) 
     }
     cr_assert(hit, "sharing did not resume after the server woke up");
     rk_redis_close(a);
-    server_free(&s);
+    rk_test_redis_free(&s);
 }
 
 Test(redis, wrong_password_fails_open_with_a_clear_message) {
-    server s = {.password = "x"};
-    server_start(&s);
+    rk_test_redis s = {.password = "x"};
+    rk_test_redis_start(&s);
     rk_redis_config cfg;
     rk_redis_config_default(&cfg);
     char url[96];
@@ -593,12 +512,12 @@ Test(redis, wrong_password_fails_open_with_a_clear_message) {
     cr_assert_eq(rk_redis_open(&cfg, FP_A, &r), RK_ERR_INVALID);
     cr_assert(strstr(rk_error_message(), "refused the user name and password (AUTH)"), "%s",
               rk_error_message());
-    server_free(&s);
+    rk_test_redis_free(&s);
 }
 
 Test(redis, unreachable_server_at_open_is_not_an_error) {
-    server s = {0};
-    s.port = free_port(); /* nothing listens there */
+    rk_test_redis s = {0};
+    s.port = rk_test_free_port(); /* nothing listens there */
     rk_redis_config cfg;
     rk_redis_config_default(&cfg);
     char url[64];
@@ -616,8 +535,8 @@ Test(redis, unreachable_server_at_open_is_not_an_error) {
 }
 
 Test(redis, nx_lock_is_taken_once_and_freed_when_its_holder_dies) {
-    server s = {0};
-    server_start(&s);
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
     rk_redis_config cfg;
     rk_redis_config_default(&cfg);
     cfg.min_tokens = 1;
@@ -682,12 +601,12 @@ Test(redis, nx_lock_is_taken_once_and_freed_when_its_holder_dies) {
     redisFree(rc);
     rk_redis_close(a);
     rk_redis_close(b);
-    server_free(&s);
+    rk_test_redis_free(&s);
 }
 
 Test(redis, async_writer_lands_every_put_and_counts_queue_full_drops) {
-    server s = {0};
-    server_start(&s);
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
     rk_redis *a = open_tier(&s, FP_A, NULL);
     enum { N = 200 };
     static chunk c[N];
@@ -751,12 +670,12 @@ Test(redis, async_writer_lands_every_put_and_counts_queue_full_drops) {
         cr_assert_eq(ct.queued_bytes, 0);
         rk_redis_close(a);
     }
-    server_free(&s);
+    rk_test_redis_free(&s);
 }
 
 Test(redis, cost_gate_uses_min_tokens_and_measured_throughput) {
-    server s = {0};
-    server_start(&s);
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
     rk_redis_config cfg;
     rk_redis_config_default(&cfg);
     cfg.min_tokens = 32;
@@ -788,12 +707,12 @@ Test(redis, cost_gate_uses_min_tokens_and_measured_throughput) {
     rk_redis_stats(a, &ct);
     cr_assert_eq(ct.write_drops, 0, "a short chunk is not a dropped write");
     rk_redis_close(a);
-    server_free(&s);
+    rk_test_redis_free(&s);
 }
 
 Test(redis, list_and_flush_touch_only_this_models_keys) {
-    server s = {0};
-    server_start(&s);
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
     rk_redis *a = open_tier(&s, FP_A, NULL), *b = open_tier(&s, FP_B, NULL);
     chunk c;
     for (int i = 0; i < 5; i++) {
@@ -834,5 +753,5 @@ Test(redis, list_and_flush_touch_only_this_models_keys) {
     redisFree(rc);
     rk_redis_close(a);
     rk_redis_close(b);
-    server_free(&s);
+    rk_test_redis_free(&s);
 }

@@ -6,9 +6,14 @@
 #include "engine/mkmodel.h"
 #include "pipeline/pipeline.h"
 
+#include <hiredis/hiredis.h>
+#include <netinet/in.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -154,4 +159,73 @@ char *rk_test_write_tmp(const char *tag, const char *name, const char *text) {
     fputs(text, f);
     fclose(f);
     return path;
+}
+
+int rk_test_free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert_eq(bind(fd, (struct sockaddr *)&a, sizeof a), 0);
+    socklen_t len = sizeof a;
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&a, &len), 0);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+void rk_test_redis_start(rk_test_redis *s) {
+    char *where = NULL;
+    if (rk_test_run("command -v redis-server", &where) != 0 || !where || !where[0]) {
+        free(where);
+        cr_skip_test("redis-server is not installed (scripts/install-deps.sh installs it)");
+    }
+    free(where);
+    if (!s->port) s->port = rk_test_free_port();
+    if (!s->dir) s->dir = rk_test_tmpdir("redis");
+    char port[16], log[4200];
+    snprintf(port, sizeof port, "%d", s->port);
+    snprintf(log, sizeof log, "%s/redis.log", s->dir);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a crashed test */
+        FILE *f = freopen(log, "a", stdout);
+        (void)f;
+        dup2(STDOUT_FILENO, STDERR_FILENO);
+        if (s->password)
+            execlp("redis-server", "redis-server", "--port", port, "--bind", "127.0.0.1", "--save",
+                   "", "--appendonly", "no", "--dir", s->dir, "--daemonize", "no", "--requirepass",
+                   s->password, (char *)NULL);
+        else
+            execlp("redis-server", "redis-server", "--port", port, "--bind", "127.0.0.1", "--save",
+                   "", "--appendonly", "no", "--dir", s->dir, "--daemonize", "no", (char *)NULL);
+        _exit(127);
+    }
+    s->pid = pid;
+    for (int i = 0; i < 500; i++) {
+        redisContext *c =
+            redisConnectWithTimeout("127.0.0.1", s->port, (struct timeval){0, 200000});
+        redisReply *rep = c && !c->err ? redisCommand(c, "PING") : NULL;
+        int up = rep != NULL; /* NOAUTH is an answer too */
+        if (rep) freeReplyObject(rep);
+        if (c) redisFree(c);
+        if (up) return;
+        int status;
+        cr_assert_eq(waitpid(pid, &status, WNOHANG), 0, "redis-server exited; see %s", log);
+        usleep(10000);
+    }
+    cr_assert_fail("redis-server did not answer PING within 5 s; see %s", log);
+}
+
+void rk_test_redis_stop(rk_test_redis *s) {
+    if (s->pid > 0) {
+        kill(s->pid, SIGKILL);
+        waitpid(s->pid, NULL, 0);
+        s->pid = 0;
+    }
+}
+
+void rk_test_redis_free(rk_test_redis *s) {
+    rk_test_redis_stop(s);
+    free(s->dir);
+    s->dir = NULL;
 }

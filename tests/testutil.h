@@ -5,6 +5,7 @@
 #define RK_TESTUTIL_H
 
 #include <stddef.h>
+#include <sys/types.h>
 
 /* Absolute path of a file under ../shared, or NULL when it does not exist.
  * The returned string is static storage reused by the next call. */
@@ -71,5 +72,25 @@ char *rk_test_read_file(const char *path, size_t *out_len);
 /* Write text to NAME in a fresh scratch directory (rk_test_tmpdir(tag));
  * returns the malloc'ed path (asserts on failure). */
 char *rk_test_write_tmp(const char *tag, const char *name, const char *text);
+
+/* A free TCP port on 127.0.0.1 (asserts on failure). */
+int rk_test_free_port(void);
+
+/* A redis-server of a test's own: a free loopback port, a scratch directory,
+ * no persistence, requirepass when password is set. */
+typedef struct rk_test_redis {
+    pid_t pid;
+    int port;
+    char *dir;
+    const char *password; /* NULL: none */
+} rk_test_redis;
+
+/* Start (or restart on the same port, when s->port is set) redis-server and
+ * wait until PING answers; skips the test visibly when redis-server is not
+ * installed. rk_test_redis_stop kills it (SIGKILL); rk_test_redis_free also
+ * frees the directory name. */
+void rk_test_redis_start(rk_test_redis *s);
+void rk_test_redis_stop(rk_test_redis *s);
+void rk_test_redis_free(rk_test_redis *s);
 
 #endif

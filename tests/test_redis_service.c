@@ -1,0 +1,510 @@
+/* tests/test_redis_service.c — the shared Redis tier wired into the service:
+ * two in-process services on one redis-server (different arenas) share
+ * chunks, a corrupted value is recomputed, a dead or stalled Redis never
+ * holds a request up, sharing resumes after a restart, a refused password
+ * stops start-up, a fleet computes a chunk once, and an abandoned compute
+ * lock is waited out.
+ *
+ * Every test starts its own redis-server on a free loopback port in a scratch
+ * directory and stops it; the tests skip visibly without redis-server. The
+ * services run the embedded tiny model. */
+#include <criterion/criterion.h>
+#include <hiredis/hiredis.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "pipeline/pipeline.h"
+#include "tests/testutil.h"
+
+static rk_service *open_svc(const rk_test_redis *s, const char *password, int wait_ms) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 1;
+    cfg.kv_memory_mb = 16;
+    cfg.redis_min_tokens = 1;
+    cfg.redis_timeout_ms = 100;
+    cfg.redis_wait_ms = wait_ms;
+    if (password)
+        snprintf(cfg.redis_url, sizeof cfg.redis_url, "redis://:%s@127.0.0.1:%d", password,
+                 s->port);
+    else
+        snprintf(cfg.redis_url, sizeof cfg.redis_url, "redis://127.0.0.1:%d", s->port);
+    rk_service *svc = NULL;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    return svc;
+}
+
+/* A greedy request over "system##chunks...##question", prepared on svc. */
+static rk_request *make_req(rk_service *svc, const char *prompt, int max_tokens) {
+    rk_split sp;
+    cr_assert_eq(rk_split_prompt(prompt, strlen(prompt), NULL, 64, &sp), RK_OK);
+    rk_request *r = calloc(1, sizeof *r);
+    cr_assert_not_null(r);
+    rk_req_options_default(&r->opt);
+    r->opt.max_tokens = max_tokens;
+    r->opt.sampling.temperature = 0;
+    r->opt.stop_at_eog = 0;
+    cr_assert_eq(rk_request_prepare(svc, &sp, r), RK_OK, "%s", rk_error_message());
+    rk_split_free(&sp);
+    return r;
+}
+
+static rk_request *run(rk_service *svc, const char *prompt) {
+    rk_request *r = make_req(svc, prompt, 8);
+    cr_assert_eq(rk_pipeline_run(svc, &r, 1, NULL), RK_OK, "%s", rk_error_message());
+    return r;
+}
+
+static void req_free(rk_request *r) {
+    rk_request_free(r);
+    free(r);
+}
+
+/* Wait until the writer has committed what was queued. */
+static void drain(rk_service *svc) {
+    int idle = 0;
+    cr_assert_eq(rk_redis_wait_idle(svc->redis, 5000, &idle), RK_OK);
+    cr_assert(idle, "the Redis writer did not drain in 5 s");
+}
+
+static uint64_t computes(rk_service *svc) {
+    rk_chunk_stats cs;
+    rk_chunk_index_get_stats(svc->chunks, &cs);
+    return cs.computes;
+}
+
+static const char *PROMPT =
+    "You answer from the documents.##Lily found a shiny key under the old oak tree by the "
+    "river, where the water ran cold and clear over the stones.##The key opened a small "
+    "wooden box full of letters her grandmother had written long ago.##What was in the box?";
+
+Test(redis_service, two_services_share_chunks_with_identical_results) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_svc(&s, NULL, 300), *b = open_svc(&s, NULL, 300);
+    rk_request *ra = run(a, PROMPT);
+    cr_assert_eq(ra->n_chunks, 2);
+    for (int k = 0; k < 2; k++) cr_assert_eq(ra->chunk_reports[k].source, RK_CHUNK_SOURCE_COMPUTED);
+    drain(a);
+    rk_request *rb = run(b, PROMPT);
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(rb->chunk_reports[k].status, RK_CHUNK_STATUS_HIT);
+        cr_assert_eq(rb->chunk_reports[k].source, RK_CHUNK_SOURCE_REDIS, "chunk %d", k);
+    }
+    cr_assert_eq(computes(b), 0, "B computed nothing");
+    cr_assert_eq(rb->n_out, ra->n_out);
+    cr_assert_eq(memcmp(ra->out_tokens, rb->out_tokens, (size_t)ra->n_out * sizeof(int32_t)), 0,
+                 "B's greedy tokens differ from A's");
+    rk_redis_counters cb;
+    rk_redis_stats(b->redis, &cb);
+    cr_assert_eq(cb.hits, 2);
+    cr_assert_gt(cb.bytes_in, 0);
+    /* The next hit on B is its own arena's. */
+    rk_request *rb2 = run(b, PROMPT);
+    cr_assert_eq(rb2->chunk_reports[0].source, RK_CHUNK_SOURCE_ARENA);
+    req_free(ra);
+    req_free(rb);
+    req_free(rb2);
+    rk_service_close(a);
+    rk_service_close(b);
+    rk_test_redis_free(&s);
+}
+
+Test(redis_service, a_corrupted_value_is_recomputed_and_counted) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_svc(&s, NULL, 300), *b = open_svc(&s, NULL, 300);
+    rk_request *ra = run(a, PROMPT);
+    drain(a);
+    /* Flip one byte of the first chunk's KV, past the 512-byte header. */
+    char key[160];
+    snprintf(key, sizeof key, "ragkv:%s:%s", rk_model_fingerprint(a->model),
+             ra->chunk_reports[0].key);
+    redisContext *c = redisConnect("127.0.0.1", s.port);
+    cr_assert(c && !c->err);
+    redisReply *rep = redisCommand(c, "SETRANGE %s 4000 %b", key, "\x5a", (size_t)1);
+    cr_assert(rep && rep->type == REDIS_REPLY_INTEGER, "no value at %s", key);
+    freeReplyObject(rep);
+    rk_request *rb = run(b, PROMPT);
+    cr_assert_eq(rb->chunk_reports[0].source, RK_CHUNK_SOURCE_COMPUTED, "the bad value was used");
+    cr_assert_eq(rb->chunk_reports[1].source, RK_CHUNK_SOURCE_REDIS);
+    cr_assert_eq(computes(b), 1);
+    rk_redis_counters cb;
+    rk_redis_stats(b->redis, &cb);
+    cr_assert_eq(cb.dropped_corrupt, 1);
+    cr_assert_eq(memcmp(ra->out_tokens, rb->out_tokens, (size_t)ra->n_out * sizeof(int32_t)), 0);
+    /* B wrote its recomputed chunk back: a third replica loads both. */
+    drain(b);
+    rk_service *d = open_svc(&s, NULL, 300);
+    rk_request *rd = run(d, PROMPT);
+    for (int k = 0; k < 2; k++) cr_assert_eq(rd->chunk_reports[k].source, RK_CHUNK_SOURCE_REDIS);
+    redisFree(c);
+    req_free(ra);
+    req_free(rb);
+    req_free(rd);
+    rk_service_close(a);
+    rk_service_close(b);
+    rk_service_close(d);
+    rk_test_redis_free(&s);
+}
+
+/* A prompt whose chunks no earlier request had. */
+static void fresh_prompt(char *buf, size_t n, int i) {
+    snprintf(buf, n,
+             "Answer briefly.##Note %d: the ferry to the island leaves at %d and returns before "
+             "the tide turns in the late afternoon.##Item %d of the list is the blue lantern "
+             "that hangs by the door.##When does it leave?",
+             i, 7 + i % 5, i * 13);
+}
+
+Test(redis_service, a_stalled_then_killed_redis_never_holds_requests_up) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_svc(&s, NULL, 300);
+    char prompt[512];
+    for (int i = 0; i < 12; i++) {
+        if (i == 4) kill(s.pid, SIGSTOP); /* answers nothing: every call times out */
+        if (i == 8) rk_test_redis_stop(&s);
+        fresh_prompt(prompt, sizeof prompt, i);
+        double t0 = rk_time_now();
+        rk_request *r = run(a, prompt);
+        double dt = rk_time_now() - t0;
+        cr_assert_eq(r->n_out, 8, "request %d did not complete", i);
+        /* A get, a lock and a second get each end at the 100 ms timeout and
+         * the breaker opens after three: far below a TCP time-out or the
+         * 30 s lock TTL that a hang would take. */
+        cr_assert_lt(dt, 2.0, "request %d took %.2f s", i, dt);
+        req_free(r);
+    }
+    rk_redis_counters c;
+    rk_redis_stats(a->redis, &c);
+    cr_assert_gt(c.errors, 0);
+    cr_assert_gt(c.breaker_opened, 0);
+    rk_service_close(a);
+    rk_test_redis_free(&s);
+}
+
+Test(redis_service, sharing_resumes_after_redis_restarts) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_svc(&s, NULL, 300), *b = open_svc(&s, NULL, 300);
+    rk_test_redis_stop(&s);
+    char prompt[512];
+    fresh_prompt(prompt, sizeof prompt, 100);
+    req_free(run(a, prompt)); /* Redis is down: computed, the write dropped */
+    rk_test_redis_start(&s);  /* same port, empty */
+    int shared = 0;
+    for (int i = 101; i < 200 && !shared; i++) {
+        fresh_prompt(prompt, sizeof prompt, i);
+        req_free(run(a, prompt));
+        drain(a);
+        rk_request *r = run(b, prompt);
+        shared = r->chunk_reports[0].source == RK_CHUNK_SOURCE_REDIS;
+        req_free(r);
+        if (!shared) usleep(100 * 1000); /* the breakers' back-off */
+    }
+    cr_assert(shared, "sharing did not resume after the restart");
+    rk_service_close(a);
+    rk_service_close(b);
+    rk_test_redis_free(&s);
+}
+
+Test(redis_service, a_wrong_password_stops_start_up) {
+    rk_test_redis s = {.password = "right-one"};
+    rk_test_redis_start(&s);
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.kv_memory_mb = 16;
+    snprintf(cfg.redis_url, sizeof cfg.redis_url, "redis://:wrong@127.0.0.1:%d", s.port);
+    rk_service *svc = NULL;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_ERR_INVALID);
+    cr_assert_null(svc);
+    cr_assert(strstr(rk_error_message(), "password"), "message: %s", rk_error_message());
+    cr_assert_null(strstr(rk_error_message(), "wrong"), "the password leaked: %s",
+                   rk_error_message());
+    /* The right password opens. */
+    rk_service *ok = open_svc(&s, "right-one", 300);
+    rk_service_close(ok);
+    /* End to end: the server exits 1 with the message. */
+    char cmd[512], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "timeout 60 %s serve --port 0 --kv-memory-mb 16 --redis redis://:wrong@127.0.0.1:%d "
+             "2>&1",
+             RK_BIN, s.port);
+    int rc = rk_test_run(cmd, &out);
+    cr_assert_eq(rc, 1, "exit status %d: %s", rc, out);
+    cr_assert(strstr(out, "cannot start") && strstr(out, "password"), "output: %s", out);
+    cr_assert_null(strstr(out, "wrong"), "the password leaked: %s", out);
+    free(out);
+    rk_test_redis_free(&s);
+}
+
+typedef struct fleet_job {
+    rk_service *svc;
+    rk_request *reqs[4];
+    rk_status st;
+} fleet_job;
+
+static void *fleet_run(void *arg) {
+    fleet_job *j = arg;
+    j->st = rk_pipeline_run(j->svc, j->reqs, 4, NULL);
+    return NULL;
+}
+
+Test(redis_service, a_fleet_computes_a_shared_miss_once) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    /* A wait bound well above a compute on a loaded machine: the count below
+     * is then exact. */
+    fleet_job jobs[2] = {{.svc = open_svc(&s, NULL, 20000)}, {.svc = open_svc(&s, NULL, 20000)}};
+    static const char *QS[4] = {"Who found it?", "Where was it?", "What did it open?",
+                                "Who wrote the letters?"};
+    for (int j = 0; j < 2; j++)
+        for (int i = 0; i < 4; i++) {
+            char prompt[512];
+            snprintf(prompt, sizeof prompt,
+                     "You answer from the documents.##The lighthouse keeper kept a log of every "
+                     "ship that passed the reef during the long winter storms.##%s",
+                     QS[i]);
+            jobs[j].reqs[i] = make_req(jobs[j].svc, prompt, 2);
+        }
+    pthread_t t[2];
+    for (int j = 0; j < 2; j++) cr_assert_eq(pthread_create(&t[j], NULL, fleet_run, &jobs[j]), 0);
+    for (int j = 0; j < 2; j++) pthread_join(t[j], NULL);
+    uint64_t total = 0;
+    int from_redis = 0;
+    for (int j = 0; j < 2; j++) {
+        cr_assert_eq(jobs[j].st, RK_OK);
+        total += computes(jobs[j].svc);
+        for (int i = 0; i < 4; i++)
+            from_redis += jobs[j].reqs[i]->chunk_reports[0].source == RK_CHUNK_SOURCE_REDIS;
+    }
+    cr_assert_eq(total, 1, "the fleet computed the chunk %llu times", (unsigned long long)total);
+    cr_assert_geq(from_redis, 1, "the other replica loaded it");
+    for (int j = 0; j < 2; j++) {
+        for (int i = 0; i < 4; i++) req_free(jobs[j].reqs[i]);
+        rk_service_close(jobs[j].svc);
+    }
+    rk_test_redis_free(&s);
+}
+
+Test(redis_service, an_abandoned_lock_is_waited_out_then_computed) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_svc(&s, NULL, 10000);
+    /* The key of the first chunk: from a run on a replica without the tier. */
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 1;
+    cfg.kv_memory_mb = 16;
+    rk_service *plain;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &plain), RK_OK);
+    rk_request *ref = run(plain, PROMPT);
+    /* A holder that died while computing: its lock is left with 800 ms to live. */
+    char lock[160];
+    snprintf(lock, sizeof lock, "ragkv:%s:%s:lock", rk_model_fingerprint(a->model),
+             ref->chunk_reports[0].key);
+    redisContext *c = redisConnect("127.0.0.1", s.port);
+    cr_assert(c && !c->err);
+    redisReply *rep = redisCommand(c, "SET %s dead-holder NX PX 800", lock);
+    cr_assert(rep && rep->type == REDIS_REPLY_STATUS);
+    freeReplyObject(rep);
+    double t0 = rk_time_now();
+    rk_request *r = run(a, PROMPT);
+    double dt = rk_time_now() - t0;
+    cr_assert_eq(r->chunk_reports[0].source, RK_CHUNK_SOURCE_COMPUTED);
+    cr_assert_geq(dt, 0.5, "it did not wait for the lock (%.2f s)", dt);
+    cr_assert_lt(dt, 9.0, "it waited for the whole bound, not the lock (%.2f s)", dt);
+    cr_assert_eq(memcmp(ref->out_tokens, r->out_tokens, 8 * sizeof(int32_t)), 0);
+    redisFree(c);
+    req_free(ref);
+    req_free(r);
+    rk_service_close(plain);
+    rk_service_close(a);
+    rk_test_redis_free(&s);
+}
+
+/* ---------------------------------------------------------------- the server */
+
+/* Run curl against the server; the reply's body as JSON (asserts it is) or,
+ * with text set, its raw text in *text. */
+static json_t *curl(int port, const char *method, const char *path, const char *body, char **text) {
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "curl -s -m 30 -X %s -H 'Content-Type: application/json' %s%s%s "
+             "http://127.0.0.1:%d%s",
+             method, body ? "--data '" : "", body ? body : "", body ? "'" : "", port, path);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "curl failed: %s", cmd);
+    if (text) {
+        *text = out;
+        return NULL;
+    }
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    cr_assert_not_null(j, "%s %s: not JSON: %s", method, path, out);
+    free(out);
+    return j;
+}
+
+static long long jint(json_t *j, const char *a, const char *b) {
+    json_t *v = json_object_get(j, a);
+    if (b) v = json_object_get(v, b);
+    cr_assert(json_is_integer(v), "no integer %s.%s", a, b ? b : "");
+    return (long long)json_integer_value(v);
+}
+
+Test(redis_service, the_server_prewarms_lists_reports_and_flushes_the_tier) {
+    char *where = NULL;
+    int no_curl = rk_test_run("command -v curl", &where) != 0 || !where || !where[0];
+    free(where);
+    if (no_curl) cr_skip_test("curl is not installed");
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    char *dir = rk_test_tmpdir("redis-serve");
+    char url[64], port_s[16], log[4200];
+    snprintf(url, sizeof url, "redis://127.0.0.1:%d", s.port);
+    int port = rk_test_free_port();
+    snprintf(port_s, sizeof port_s, "%d", port);
+    snprintf(log, sizeof log, "%s/server.log", dir);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a failed test */
+        FILE *f = freopen(log, "w", stderr);
+        (void)f;
+        execl(RK_BIN, RK_BIN, "serve", "--port", port_s, "--kv-memory-mb", "16", "--redis", url,
+              "--redis-min-tokens", "1", (char *)NULL);
+        _exit(127);
+    }
+    json_t *j = NULL;
+    for (int i = 0; i < 600 && !j; i++) { /* until the model is loaded */
+        char cmd[128], *out = NULL;
+        snprintf(cmd, sizeof cmd, "curl -s -m 5 http://127.0.0.1:%d/health", port);
+        /* Refused until the server listens; then 503 until the model is ready. */
+        if (rk_test_run(cmd, &out) == 0 && strstr(out, "ok"))
+            j = curl(port, "GET", "/v1/stats", NULL, NULL);
+        free(out);
+        if (!j) usleep(50 * 1000);
+    }
+    cr_assert_not_null(j, "the server did not start; see %s", log);
+    cr_assert(json_is_true(json_object_get(json_object_get(j, "redis"), "configured")));
+    json_decref(j);
+    j = curl(port, "POST", "/v1/chunks",
+             "{\"chunks\": [\"The harbour master rang the bell at noon.\", \"Gulls followed "
+             "the fishing boats home.\"]}",
+             NULL);
+    cr_assert_eq(jint(j, "computed", NULL), 2);
+    json_decref(j);
+    long long total = 0;
+    for (int i = 0; i < 250 && total < 2; i++) { /* the writes are asynchronous */
+        j = curl(port, "GET", "/v1/chunks?tier=redis", NULL, NULL);
+        total = jint(j, "total", NULL);
+        if (total == 2) {
+            json_t *e = json_array_get(json_object_get(j, "data"), 0);
+            cr_assert_str_eq(json_string_value(json_object_get(e, "tier")), "redis");
+            cr_assert_gt(json_integer_value(json_object_get(e, "tokens")), 0);
+        }
+        json_decref(j);
+        if (total < 2) usleep(20 * 1000);
+    }
+    cr_assert_eq(total, 2, "the tier did not list both chunks");
+    char *m;
+    curl(port, "GET", "/metrics", NULL, &m);
+    cr_assert(strstr(m, "ragkv_redis_writes_total 2"), "%s", m);
+    cr_assert(strstr(m, "ragkv_redis_bytes_total{direction=\"out\"}"), "%s", m);
+    cr_assert(strstr(m, "ragkv_redis_latency_seconds_count"), "%s", m);
+    if (rk_test_run("command -v promtool >/dev/null", NULL) == 0) {
+        char *path = rk_test_write_tmp("redis-promtool", "metrics.txt", m), check[4200];
+        snprintf(check, sizeof check, "promtool check metrics < %s 2>&1", path);
+        char *lint = NULL;
+        cr_assert_eq(rk_test_run(check, &lint), 0, "promtool: %s", lint);
+        free(lint);
+        free(path);
+    }
+    free(m);
+    j = curl(port, "POST", "/v1/cache/flush", "{\"redis\": true}", NULL);
+    cr_assert_eq(jint(j, "flushed", "redis_keys"), 2);
+    json_decref(j);
+    j = curl(port, "GET", "/v1/chunks?tier=redis", NULL, NULL);
+    cr_assert_eq(jint(j, "total", NULL), 0);
+    json_decref(j);
+    kill(pid, SIGTERM);
+    int status;
+    waitpid(pid, &status, 0);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "server exit status %d", status);
+    free(dir);
+    rk_test_redis_free(&s);
+}
+
+Test(redis_service, offline_prewarm_shares_chunks_with_the_fleet) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    static const char *CHUNK =
+        "The lighthouse keeper wrote down every ship that passed the reef, its name, its flag, "
+        "the hour it rounded the point and the weather, through the whole of the long winter.";
+    char line[512];
+    snprintf(line, sizeof line, "{\"id\": \"log\", \"text\": \"%s\"}\n", CHUNK);
+    char *input = rk_test_write_tmp("redis-prewarm", "in.jsonl", line);
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "%s prewarm --input %s --kv-memory-mb 16 --redis redis://127.0.0.1:%d 2>&1", RK_BIN,
+             input, s.port);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "1 computed"), "%s", out);
+    free(out);
+    rk_service *a = open_svc(&s, NULL, 300);
+    char prompt[512];
+    snprintf(prompt, sizeof prompt, "Answer briefly.##%s##Who kept the log?", CHUNK);
+    rk_request *r = run(a, prompt);
+    cr_assert_eq(r->chunk_reports[0].source, RK_CHUNK_SOURCE_REDIS);
+    cr_assert_eq(computes(a), 0);
+    req_free(r);
+    rk_service_close(a);
+    free(input);
+    rk_test_redis_free(&s);
+}
+
+Test(redis_service, an_admission_waits_for_other_replicas_once_not_per_chunk) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_svc(&s, NULL, 600);
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 1;
+    cfg.kv_memory_mb = 16;
+    rk_service *plain;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &plain), RK_OK);
+    rk_request *ref = run(plain, PROMPT);
+    /* Both chunks locked by replicas that will not finish in time. */
+    redisContext *c = redisConnect("127.0.0.1", s.port);
+    cr_assert(c && !c->err);
+    for (int k = 0; k < 2; k++) {
+        char lock[160];
+        snprintf(lock, sizeof lock, "ragkv:%s:%s:lock", rk_model_fingerprint(a->model),
+                 ref->chunk_reports[k].key);
+        redisReply *rep = redisCommand(c, "SET %s slow-holder NX PX 20000", lock);
+        cr_assert(rep && rep->type == REDIS_REPLY_STATUS);
+        freeReplyObject(rep);
+    }
+    double t0 = rk_time_now();
+    rk_request *r = run(a, PROMPT);
+    double dt = rk_time_now() - t0;
+    for (int k = 0; k < 2; k++) cr_assert_eq(r->chunk_reports[k].source, RK_CHUNK_SOURCE_COMPUTED);
+    cr_assert_geq(dt, 0.55, "it did not wait for the holders (%.2f s)", dt);
+    /* One 600 ms bound for the admission; a bound per chunk would be 1.2 s. */
+    cr_assert_lt(dt, 1.15, "the waits added up to %.2f s", dt);
+    cr_assert_eq(memcmp(ref->out_tokens, r->out_tokens, 8 * sizeof(int32_t)), 0);
+    redisFree(c);
+    req_free(ref);
+    req_free(r);
+    rk_service_close(plain);
+    rk_service_close(a);
+    rk_test_redis_free(&s);
+}
