@@ -26,7 +26,7 @@ static void size_pools(const bench *b, int bs, int out[RK_POOL_COUNT]) {
     for (int i = 0; i < w->n_chunks; i++) chunk += (w->chunk_tok[i] + bs - 1) / bs;
     for (int i = 0; i < w->n_sys; i++) prefix += (w->sys_tok[i] + 1 + bs - 1) / bs + 1;
     for (int j = 0; j < w->n_req; j++) {
-        long toks = w->sys_tok[w->req_sys[j]] + 1 + w->q_tok[j] + b->o.max_tokens, scratch = 0;
+        long toks = w->sys_tok[w->req_sys[j]] + 1 + w->q_tok[j] + b->o.max_max, scratch = 0;
         for (int m = 0; m < w->k; m++) {
             int t = w->chunk_tok[w->req_chunks[(size_t)j * w->k + m]];
             toks += t;
@@ -197,6 +197,7 @@ rk_status rk_bench_run_inproc(bench *b, int mode) {
             rk_request *r = &reqs[n_prep];
             memset(r, 0, sizeof *r);
             r->opt = opt;
+            r->opt.max_tokens = w->max_out[j];
             st = rk_split_prompt(w->prompt[j], strlen(w->prompt[j]), "##", cfg.max_chunks, &pieces);
             if (!st) {
                 st = rk_request_prepare(svc, &pieces, r);
@@ -223,6 +224,9 @@ rk_status rk_bench_run_inproc(bench *b, int mode) {
                 /* TTFT as the API reports it (the pipeline's, tokenizing apart);
                  * the latency includes tokenizing the whole batch. */
                 x->ttft_ms = ptrs[q]->t.ttft_ms;
+                x->n_out = ptrs[q]->n_out;
+                x->tpot_ms =
+                    x->n_out > 1 ? (ptrs[q]->t.total_ms - x->ttft_ms) / (x->n_out - 1) : NAN;
                 x->e2e_ms = prep_ms + ptrs[q]->t.total_ms;
                 x->server_total_ms = x->e2e_ms;
             }
