@@ -322,15 +322,17 @@ rk_status rk_bench_workload_build(const bench_opts *o, const textgen *g, workloa
         st = gen_text(g, &r, o->question_tokens, &w->followup[i], &tok);
     }
     if (st) goto done;
-    /* Output lengths and arrival times from a stream of their own, for the
-     * same reason: uniform in [max_min, max_max], and a Poisson process
-     * (exponential gaps of mean 1/rate) starting at 0. */
-    rng r2 = {.s = o->seed * 0x9e3779b97f4a7c15ull + 101};
+    /* Output lengths and arrival times from streams of their own, for the
+     * same reason (and so that the lengths do not depend on the rate):
+     * uniform in [max_min, max_max], and a Poisson process (exponential gaps
+     * of mean 1/rate) starting at 0. */
+    rng r_len = {.s = o->seed * 0x9e3779b97f4a7c15ull + 101};
+    rng r_arr = {.s = o->seed * 0xd1b54a32d192ed03ull + 202};
     double t = 0;
     for (int j = 0; j < R; j++) {
-        w->max_out[j] = o->max_min + rng_below(&r2, o->max_max - o->max_min + 1);
+        w->max_out[j] = o->max_min + rng_below(&r_len, o->max_max - o->max_min + 1);
         w->arrival_s[j] = t;
-        if (o->arrival_rate > 0) t += -log(1 - rng_unit(&r2)) / o->arrival_rate;
+        if (o->arrival_rate > 0) t += -log(1 - rng_unit(&r_arr)) / o->arrival_rate;
     }
 
     /* The prediction (see the top of this file) and the ideal miss count:
