@@ -355,9 +355,11 @@ void rk_bench_print_table(bench *b, int http) {
         printf("(TTFT: the pipeline's, as the API reports it; e2e adds splitting and tokenizing, "
                "p50 per request:");
         for (int i = 0; i < o->n_modes; i++)
-            if (b->res[o->modes[i]].ran)
+            if (b->res[o->modes[i]].ran && o->modes[i] != MODE_PEER)
                 printf(" %s %.2f ms", k_mode_names[o->modes[i]], b->res[o->modes[i]].prep_p50);
         printf(")\n");
+        if (o->peer_url)
+            printf("(peer TTFT: from sending the request to the first streamed text)\n");
     } else {
         printf("(TTFT: from sending the request to the first streamed text; e2e: to the end of "
                "the stream)\n");

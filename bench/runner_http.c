@@ -272,7 +272,9 @@ static void *http_worker(void *arg) {
         if (b->o.arrival_rate > 0) {
             double due = job->t0 + w->arrival_s[j];
             while (t_ref < due) {
-                usleep((useconds_t)((due - t_ref) * 1e6));
+                /* usleep takes under a second portably. */
+                double wait = due - t_ref < 0.5 ? due - t_ref : 0.5;
+                usleep((useconds_t)(wait * 1e6));
                 t_ref = rk_time_now();
             }
             m->req[j].late_ms = (t_ref - due) * 1e3;
