@@ -39,7 +39,8 @@ static const rk_setting k_bench_settings[] = {
     {"concurrency", "concurrency", RK_SET_INT, B_OFF(concurrency), 0, 1, 4096, 0, 0,
      "C  in-process: requests per pipeline batch; HTTP: client threads (default: 1)"},
     {"arrival_rate", "arrival-rate", RK_SET_DOUBLE, B_OFF(arrival_rate), 0, 0.001, 1e6, 0, 0,
-     "R  open loop (with --url): Poisson arrivals at R requests/s, up to 64 in flight"},
+     "R  open loop: Poisson arrivals at R requests/s (HTTP: up to 64 in flight; in-process: "
+     "through the engine thread, batches of up to 16)"},
     {"turns", "turns", RK_SET_INT, B_OFF(turns), 0, 1, RK_BENCH_MAX_TURNS, 0, 0,
      "N  (with --url) each request is a conversation of N turns over /v1/chat/completions"},
     {"prewarm", "prewarm", RK_SET_BOOL, B_OFF(prewarm), 0, 0, 1, 0, 0,
@@ -110,7 +111,7 @@ static const char *k_help =
     "  --peer-url http://127.0.0.1:PORT   also run the workload against another OpenAI-\n"
     "                          compatible server (llama-server, vLLM): plain /v1/completions\n"
     "                          requests, pieces joined by newlines; its row is labelled peer\n"
-    "--arrival-rate and --turns need --url: in-process runs are closed-loop batches.\n";
+    "--turns needs --url: the chat template is the server's.\n";
 
 enum { O_CHUNK_TOKENS = 1, O_MODES, O_PLOT, O_URL, O_MAX_TOKENS, O_PEER_URL };
 
@@ -188,9 +189,6 @@ static int parse_args(int argc, char **argv, bench_opts *o, int *out_exit) {
     *out_exit = EXIT_USAGE;
     if (rk_run_opts_apply(&o->run)) return usage_error("%s", rk_error_message()), -1;
     if (o->k > o->corpus) return usage_error("%s", "--k is larger than --corpus"), -1;
-    if (o->arrival_rate > 0 && !o->url)
-        return usage_error("%s", "--arrival-rate needs --url (in-process runs are closed-loop)"),
-               -1;
     if (o->turns > 1 && !o->url) return usage_error("%s", "--turns needs --url"), -1;
     if (o->peer_url) o->modes[o->n_modes++] = MODE_PEER;
     return 0;

@@ -4,7 +4,9 @@
  *   bench.c          options, shared helpers, rk_bench_main
  *   workload.c       the seeded workload: text from the vocabulary, Zipf
  *                    requests, the hit-rate prediction
- *   runner_inproc.c  requests through the pipeline in this process
+ *   runner_inproc.c  requests through the pipeline in this process: in
+ *                    batches, or (--arrival-rate) through an engine thread: in
+ *                    batches, or (--arrival-rate) through an engine thread
  *   runner_http.c    requests against a running `ragkv serve` or, with
  *                    --peer-url, any OpenAI-compatible server: streamed,
  *                    closed-loop or open-loop (--arrival-rate), one turn or
@@ -32,8 +34,11 @@
 #define MAX_FAILURES       16
 #define RK_BENCH_MAX_TURNS 16
 #define PREWARM_GROUP      16 /* chunks per pre-warm request */
-#define MAX_IN_FLIGHT      64 /* open-loop sender threads (--arrival-rate) */
-#define LATE_MS            10 /* an open-loop request sent later than this after its arrival is late */
+#define MAX_IN_FLIGHT      64 /* open-loop sender threads (--arrival-rate over HTTP) */
+/* Generations the engine thread runs together in an in-process open loop:
+ * ragkv serve's default --max-batch. */
+#define OPEN_MAX_BATCH 16
+#define LATE_MS        10 /* an open-loop request sent later than this after its arrival is late */
 /* MODE_PEER is the other server of --peer-url: not a ragkv mode, so --modes
  * does not name it; it runs last, after the ragkv modes, when the URL is given. */
 enum { MODE_PLAIN, MODE_PREFIX, MODE_RAG, MODE_ORACLE, MODE_PEER, N_MODES };

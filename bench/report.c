@@ -306,10 +306,14 @@ void rk_bench_print_table(bench *b, int http) {
            w->n_chunks, o->chunk_min, o->chunk_max, mean_chunk, w->corpus_tokens, w->n_sys, w->k,
            o->zipf, o->question_tokens, w->n_req, o->concurrency, o->max_min, o->max_max,
            (unsigned long long)o->seed, o->prewarm ? ", rag pre-warmed" : "");
-    if (o->arrival_rate > 0)
+    if (o->arrival_rate > 0 && http)
         printf("open loop: Poisson arrivals at %.3g requests/s, up to %d in flight (TTFT counts "
                "from the arrival time)\n",
                o->arrival_rate, MAX_IN_FLIGHT);
+    else if (o->arrival_rate > 0)
+        printf("open loop: Poisson arrivals at %.3g requests/s into the engine thread, batches of "
+               "up to %d (TTFT counts from the arrival time)\n",
+               o->arrival_rate, OPEN_MAX_BATCH);
     if (o->turns > 1)
         printf("conversations of %d turns over /v1/chat/completions (the table: turn 1)\n",
                o->turns);
@@ -351,19 +355,22 @@ void rk_bench_print_table(bench *b, int http) {
     }
     printf("(times in ms; hit = chunk hit rate per lookup, >=1 hit = requests with at least one "
            "hit; pred = the Zipf model)\n");
-    if (!http) {
+    if (!http && o->arrival_rate > 0) {
+        printf("(TTFT: from the arrival time to the first token: tokenizing, the queue wait and "
+               "the engine's time; e2e: to the last token)\n");
+    } else if (!http) {
         printf("(TTFT: the pipeline's, as the API reports it; e2e adds splitting and tokenizing, "
                "p50 per request:");
         for (int i = 0; i < o->n_modes; i++)
             if (b->res[o->modes[i]].ran && o->modes[i] != MODE_PEER)
                 printf(" %s %.2f ms", k_mode_names[o->modes[i]], b->res[o->modes[i]].prep_p50);
         printf(")\n");
-        if (o->peer_url)
-            printf("(peer TTFT: from sending the request to the first streamed text)\n");
     } else {
         printf("(TTFT: from sending the request to the first streamed text; e2e: to the end of "
                "the stream)\n");
     }
+    if (!http && o->peer_url)
+        printf("(peer TTFT: from sending the request to the first streamed text)\n");
     printf("\n");
     printf("steady state %-14s %10s %10s %10s %8s %8s\n", "", "TTFT p50", "p90", "p99", "hit",
            "(pred)");

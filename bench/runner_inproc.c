@@ -10,6 +10,7 @@
 
 #include "bench/bench_internal.h"
 
+#include "pipeline/scheduler.h"
 #include "pipeline/split.h"
 
 /* ---------------------------------------------------------------- in-process runner */
@@ -45,7 +46,7 @@ static void size_pools(const bench *b, int bs, int out[RK_POOL_COUNT]) {
             cur = 0;
         }
     }
-    long live = live_req * b->o.concurrency;
+    long live = live_req * (b->o.arrival_rate > 0 ? OPEN_MAX_BATCH : b->o.concurrency);
     live = (live > warm ? live : warm) + 4;
     out[RK_POOL_LIVE] = (int)live;
     out[RK_POOL_PREFIX] = (int)(prefix * 2 + 4);
@@ -75,9 +76,36 @@ static void fill_from_request(const rk_request *r, req_result *x) {
     }
 }
 
+/* Wait for a submitted job to be done, up to timeout_s; its status. */
+static rk_status job_finish(rk_job *j, double timeout_s) {
+    int n = 0, done = 0;
+    double deadline = rk_time_now() + timeout_s;
+    while (!done)
+        if (rk_job_wait(j, n, deadline, &n, &done))
+            return rk_errorf(RK_ERR_IO, "bench: a request took longer than %g s", timeout_s);
+    if (!j->ran) return rk_errorf(RK_ERR_INTERNAL, "bench: a request was cancelled");
+    return j->status ? rk_errorf(j->status, "%s", j->error) : RK_OK;
+}
+
+/* Run one prepared request: through the pipeline, or, with an engine thread
+ * (e), as its job. */
+static rk_status run_one(rk_service *svc, rk_scheduler *e, double timeout_s, rk_request *r) {
+    if (!e) return rk_pipeline_run(svc, &r, 1, NULL);
+    rk_job j;
+    rk_status st = rk_job_init(&j);
+    if (st) return st;
+    j.req = *r;
+    memset(r, 0, sizeof *r);
+    if (!(st = rk_scheduler_submit(e, &j))) st = job_finish(&j, timeout_s);
+    *r = j.req; /* the request and its report go back to the caller */
+    memset(&j.req, 0, sizeof j.req);
+    rk_job_destroy(&j);
+    return st;
+}
+
 /* Compute every corpus chunk into the chunk cache: requests of up to
- * PREWARM_GROUP chunks that generate nothing. */
-static rk_status prewarm_inproc(bench *b, rk_service *svc, mode_result *m) {
+ * PREWARM_GROUP chunks that generate nothing (e: see run_one). */
+static rk_status prewarm_inproc(bench *b, rk_service *svc, rk_scheduler *e, mode_result *m) {
     const workload *w = &b->w;
     rk_req_options opt;
     rk_bench_mode_options(&b->o, MODE_RAG, &opt);
@@ -95,8 +123,7 @@ static rk_status prewarm_inproc(bench *b, rk_service *svc, mode_result *m) {
         st = rk_request_prepare(svc, &pieces, &r);
         rk_split_free(&pieces);
         if (st) break;
-        rk_request *one = &r;
-        if (!(st = rk_pipeline_run(svc, &one, 1, NULL))) {
+        if (!(st = run_one(svc, e, b->o.http_timeout_s, &r))) {
             for (int c = 0; c < r.n_chunks; c++)
                 if (r.chunk_reports[c].status == RK_CHUNK_STATUS_MISS) {
                     m->prewarm_chunks++;
@@ -110,8 +137,9 @@ static rk_status prewarm_inproc(bench *b, rk_service *svc, mode_result *m) {
     return st;
 }
 
-rk_status rk_bench_run_inproc(bench *b, int mode) {
-    mode_result *m = &b->res[mode];
+/* The service's configuration: the run's, with limits that admit the
+ * workload and, without --kv-memory-mb, pools sized to hold it. */
+static void service_config(const bench *b, rk_config *out) {
     const workload *w = &b->w;
     rk_config cfg = b->o.run.cfg;
     if (cfg.max_chunks < w->k) cfg.max_chunks = w->k;
@@ -126,10 +154,13 @@ rk_status rk_bench_run_inproc(bench *b, int mode) {
         cfg.prefix_blocks = pools[RK_POOL_PREFIX];
         cfg.chunk_blocks = pools[RK_POOL_CHUNK];
     }
-    m->hwm_reset = rk_bench_hwm_reset();
-    rk_service *svc = NULL;
-    rk_status st = rk_service_open(&cfg, b->o.model, &svc);
-    if (st) return st;
+    *out = cfg;
+}
+
+/* The model and the arena of the service into b and m, and warnings about
+ * pools too small for the workload (once). Reads only what is fixed once
+ * the service is open. */
+static void describe_service(bench *b, mode_result *m, rk_service *svc) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
     b->n_layers = hp->n_layers;
     b->n_kv_heads = hp->n_kv_heads;
@@ -166,7 +197,128 @@ rk_status rk_bench_run_inproc(bench *b, int mode) {
                 b, "the KV arena (%.0f MiB) is close to the available memory (%ld MiB)",
                 m->kv_arena_mib, avail / 1024);
     }
-    if (mode == MODE_RAG && b->o.prewarm && (st = prewarm_inproc(b, svc, m))) {
+}
+
+/* Open loop (--arrival-rate): each request is submitted at its Poisson
+ * arrival time to an engine thread (rk_scheduler, as `ragkv serve` runs
+ * them), whether earlier ones finished or not; the engine batches what is
+ * queued, up to OPEN_MAX_BATCH generations. TTFT and e2e count from the
+ * arrival time: tokenizing, the queue wait and the engine's own time. The
+ * chunk index is the engine thread's alone, so its counters are not read. */
+static rk_status run_open(bench *b, int mode) {
+    mode_result *m = &b->res[mode];
+    const workload *w = &b->w;
+    rk_scheduler_params p = {
+        .model_path = b->o.model, .max_queue = m->n_run + 1, .max_batch = OPEN_MAX_BATCH};
+    service_config(b, &p.cfg);
+    m->hwm_reset = rk_bench_hwm_reset();
+    rk_scheduler *e;
+    rk_status st = rk_scheduler_start(&p, &e);
+    if (st) return st;
+    char why[320];
+    while (rk_scheduler_get_state(e, why, sizeof why) == RK_SCHEDULER_LOADING) usleep(10000);
+    if (rk_scheduler_get_state(e, why, sizeof why) != RK_SCHEDULER_READY) {
+        rk_scheduler_free(e);
+        return rk_errorf(RK_ERR_IO, "bench: the engine did not start: %s", why);
+    }
+    rk_service *svc = rk_scheduler_service(e);
+    describe_service(b, m, svc);
+    if (mode == MODE_RAG && b->o.prewarm && (st = prewarm_inproc(b, svc, e, m))) {
+        rk_scheduler_free(e);
+        return st;
+    }
+    rk_req_options opt;
+    rk_bench_mode_options(&b->o, mode, &opt);
+    rk_job *jobs = calloc((size_t)m->n_run, sizeof *jobs);
+    double *sent = calloc((size_t)m->n_run, sizeof *sent);
+    unsigned char *queued = calloc((size_t)m->n_run, 1);
+    if (!jobs || !sent || !queued) {
+        free(jobs);
+        free(sent);
+        free(queued);
+        rk_scheduler_free(e);
+        return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
+    }
+    double t0 = rk_time_now();
+    for (int i = 0; i < m->n_run; i++) {
+        int j = m->run[i];
+        double due = t0 + w->arrival_s[j], now = rk_time_now();
+        while (now < due) {
+            double wait = due - now < 0.5 ? due - now : 0.5; /* usleep: under a second */
+            usleep((useconds_t)(wait * 1e6));
+            now = rk_time_now();
+        }
+        m->req[j].late_ms = (now - due) * 1e3;
+        rk_job *jb = &jobs[i];
+        if ((st = rk_job_init(jb))) {
+            if (!m->error[0])
+                snprintf(m->error, sizeof m->error, "request %d: %s", j, rk_error_message());
+            continue;
+        }
+        jb->req.opt = opt;
+        jb->req.opt.max_tokens = w->max_out[j];
+        rk_split pieces;
+        st =
+            rk_split_prompt(w->prompt[j], strlen(w->prompt[j]), "##", svc->cfg.max_chunks, &pieces);
+        if (!st) {
+            st = rk_request_prepare(svc, &pieces, &jb->req);
+            rk_split_free(&pieces);
+        }
+        sent[i] = rk_time_now();
+        if (!st) st = rk_scheduler_submit(e, jb);
+        if (st) {
+            if (!m->error[0])
+                snprintf(m->error, sizeof m->error, "request %d: %s", j, rk_error_message());
+            rk_job_destroy(jb);
+            continue;
+        }
+        queued[i] = 1;
+        rk_bench_maybe_progress(b, mode, i, i + 1, t0);
+    }
+    for (int i = 0; i < m->n_run; i++) {
+        if (!queued[i]) continue;
+        int j = m->run[i];
+        if ((st = job_finish(&jobs[i], b->o.http_timeout_s))) {
+            if (!m->error[0])
+                snprintf(m->error, sizeof m->error, "request %d: %s", j, rk_error_message());
+            continue;
+        }
+        const rk_request *r = &jobs[i].req;
+        req_result *x = &m->req[j];
+        double lead = (sent[i] - (t0 + w->arrival_s[j])) * 1e3; /* arrival to submit */
+        fill_from_request(r, x);
+        x->ttft_ms = lead + r->t.queue_ms + r->t.ttft_ms;
+        x->e2e_ms = lead + r->t.total_ms;
+        x->server_total_ms = x->e2e_ms;
+        x->n_out = r->n_out;
+        x->tpot_ms = x->n_out > 1 ? (x->e2e_ms - x->ttft_ms) / (x->n_out - 1) : NAN;
+    }
+    m->wall_s = rk_time_now() - t0;
+    m->vmhwm_kb = rk_bench_hwm_read();
+    /* Stopping the engine completes whatever a timeout left running; only
+     * then are the jobs the bench's to free. */
+    rk_scheduler_free(e);
+    for (int i = 0; i < m->n_run; i++)
+        if (queued[i]) rk_job_destroy(&jobs[i]);
+    free(jobs);
+    free(sent);
+    free(queued);
+    m->ran = 1;
+    return RK_OK;
+}
+
+rk_status rk_bench_run_inproc(bench *b, int mode) {
+    mode_result *m = &b->res[mode];
+    const workload *w = &b->w;
+    if (b->o.arrival_rate > 0) return run_open(b, mode);
+    rk_config cfg;
+    service_config(b, &cfg);
+    m->hwm_reset = rk_bench_hwm_reset();
+    rk_service *svc = NULL;
+    rk_status st = rk_service_open(&cfg, b->o.model, &svc);
+    if (st) return st;
+    describe_service(b, m, svc);
+    if (mode == MODE_RAG && b->o.prewarm && (st = prewarm_inproc(b, svc, NULL, m))) {
         rk_service_close(svc);
         return st;
     }

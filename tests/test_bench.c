@@ -252,6 +252,25 @@ Test(bench, max_tokens_range_draws_lengths_in_range_and_reports_tpot, .timeout =
     json_decref(root);
 }
 
+Test(bench, arrival_rate_in_process_submits_every_request_through_the_engine, .timeout = 120) {
+    json_t *root = run_bench(SMALL " --modes prefix,rag --max-tokens 2:4 --arrival-rate 50", 0);
+    cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
+    cr_expect_float_eq(getf(root, "workload", "arrival_rate"), 50.0, 1e-9);
+    json_t *modes = json_object_get(root, "modes");
+    for (int i = 0; i < 2; i++) {
+        json_t *m = json_object_get(modes, i ? "rag" : "prefix");
+        cr_expect_eq(geti(m, "ok", NULL), 30);
+        json_int_t late = geti(m, "open_loop", "late");
+        cr_expect(late >= 0 && late <= 30, "late %lld", (long long)late);
+        check_output_lengths(m, 2, 4);
+        cr_expect_gt(getf(m, "tpot_ms", "p50"), 0);
+    }
+    json_t *rag = json_object_get(modes, "rag");
+    cr_expect_eq(geti(rag, "chunks", "hits") + geti(rag, "chunks", "misses"), 90);
+    cr_expect_eq(geti(rag, "chunks", "lookups"), 90);
+    json_decref(root);
+}
+
 Test(bench, plot_is_a_complete_svg_with_one_curve_per_mode, .timeout = 120) {
     char *dir = rk_test_tmpdir("bench_plot");
     char path[512], args[1024];
@@ -287,7 +306,6 @@ Test(bench, rejects_bad_usage_with_status_2) {
                          "--max-tokens 2:x",
                          "--arrival-rate 0 --url http://127.0.0.1:9",
                          "--arrival-rate -1 --url http://127.0.0.1:9",
-                         "--arrival-rate 5",
                          "--turns 0 --url http://127.0.0.1:9",
                          "--turns 17 --url http://127.0.0.1:9",
                          "--turns 2",
