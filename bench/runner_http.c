@@ -94,7 +94,8 @@ static void note_first_text(void *ctx, const char *raw, size_t len) {
 }
 
 /* The events of an SSE body: the generated text, concatenated, and the last
- * event that carries usage (NULL when none did); an error event is an error. */
+ * event that carries a usage object (NULL when none did); an error event is
+ * an error. */
 static rk_status read_events(char *sse, char **out_text, json_t **out_final) {
     size_t cap = 256, len = 0;
     char *text = malloc(cap);
@@ -125,7 +126,8 @@ static rk_status read_events(char *sse, char **out_text, json_t **out_final) {
                 memcpy(text + len, piece, n + 1);
                 len += n;
             }
-            if (!st && json_object_get(ev, "usage")) {
+            /* OpenAI's streams send "usage": null in every event but the last. */
+            if (!st && json_is_object(json_object_get(ev, "usage"))) {
                 json_decref(final);
                 final = json_incref(ev);
             }
