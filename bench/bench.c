@@ -42,7 +42,7 @@ static const rk_setting k_bench_settings[] = {
      "R  open loop: Poisson arrivals at R requests/s (HTTP: up to 64 in flight; in-process: "
      "through the engine thread, batches of up to 16)"},
     {"turns", "turns", RK_SET_INT, B_OFF(turns), 0, 1, RK_BENCH_MAX_TURNS, 0, 0,
-     "N  (with --url) each request is a conversation of N turns over /v1/chat/completions"},
+     "N  each request is a conversation of N turns (HTTP: over /v1/chat/completions)"},
     {"prewarm", "prewarm", RK_SET_BOOL, B_OFF(prewarm), 0, 0, 1, 0, 0,
      "  compute every corpus chunk before the rag run (timed apart)"},
     {"steady", "steady", RK_SET_INT, B_OFF(steady_pct), 0, 0, 99, 0, 0,
@@ -111,7 +111,8 @@ static const char *k_help =
     "  --peer-url http://127.0.0.1:PORT   also run the workload against another OpenAI-\n"
     "                          compatible server (llama-server, vLLM): plain /v1/completions\n"
     "                          requests, pieces joined by newlines; its row is labelled peer\n"
-    "--turns needs --url: the chat template is the server's.\n";
+    "In-process, --turns appends each answer and the next question to the question piece\n"
+    "(the server renders its chat template instead), and does not go with --arrival-rate.\n";
 
 enum { O_CHUNK_TOKENS = 1, O_MODES, O_PLOT, O_URL, O_MAX_TOKENS, O_PEER_URL };
 
@@ -189,7 +190,8 @@ static int parse_args(int argc, char **argv, bench_opts *o, int *out_exit) {
     *out_exit = EXIT_USAGE;
     if (rk_run_opts_apply(&o->run)) return usage_error("%s", rk_error_message()), -1;
     if (o->k > o->corpus) return usage_error("%s", "--k is larger than --corpus"), -1;
-    if (o->turns > 1 && !o->url) return usage_error("%s", "--turns needs --url"), -1;
+    if (o->turns > 1 && o->arrival_rate > 0 && !o->url)
+        return usage_error("%s", "in-process, --turns and --arrival-rate do not go together"), -1;
     if (o->peer_url) o->modes[o->n_modes++] = MODE_PEER;
     return 0;
 }

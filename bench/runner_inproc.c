@@ -199,6 +199,31 @@ static void describe_service(bench *b, mode_result *m, rk_service *svc) {
     }
 }
 
+/* The text of a conversation's next turn (--turns): the turn's prompt, the
+ * model's answer and the next question, one per line; the chunks stay
+ * chunks and the question piece grows. The answer keeps the workload's
+ * alphabet, printable ASCII without '#': anything else becomes a space, so
+ * that it holds no separator and no broken UTF-8 (a byte token alone). *out
+ * replaces the previous text (freed). */
+static rk_status next_turn(rk_service *svc, const rk_request *r, const char *prompt,
+                           const char *question, char **out) {
+    char *answer;
+    size_t len;
+    rk_status st = rk_tokenizer_decode(rk_model_tokenizer(svc->model), r->out_tokens,
+                                       (size_t)r->n_out, 0, 0, &answer, &len);
+    if (st) return st;
+    for (size_t i = 0; i < len; i++)
+        if (answer[i] < 0x20 || answer[i] > 0x7e || answer[i] == '#') answer[i] = ' ';
+    size_t n = strlen(prompt) + len + strlen(question) + 3;
+    char *text = malloc(n);
+    if (text) snprintf(text, n, "%s%s\n%s", prompt, answer, question);
+    free(answer);
+    if (!text) return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
+    free(*out);
+    *out = text;
+    return RK_OK;
+}
+
 /* Open loop (--arrival-rate): each request is submitted at its Poisson
  * arrival time to an engine thread (rk_scheduler, as `ragkv serve` runs
  * them), whether earlier ones finished or not; the engine batches what is
@@ -331,61 +356,88 @@ rk_status rk_bench_run_inproc(bench *b, int mode) {
     rk_request *reqs = calloc((size_t)C, sizeof *reqs);
     rk_request **ptrs = calloc((size_t)C, sizeof *ptrs);
     int *idx = calloc((size_t)C, sizeof *idx);
-    if (!reqs || !ptrs || !idx) {
+    char **conv = calloc((size_t)C, sizeof *conv); /* each slot's conversation so far */
+    if (!reqs || !ptrs || !idx || !conv) {
         free(reqs);
         free(ptrs);
         free(idx);
+        free(conv);
         rk_service_close(svc);
         return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
     }
     double t0 = rk_time_now();
     for (int i0 = 0; i0 < m->n_run; i0 += C) {
-        int n = m->n_run - i0 < C ? m->n_run - i0 : C, n_prep = 0;
-        double tb = rk_time_now();
-        for (int i = i0; i < i0 + n; i++) {
-            int j = m->run[i];
-            double tr = rk_time_now();
-            rk_split pieces;
-            rk_request *r = &reqs[n_prep];
-            memset(r, 0, sizeof *r);
-            r->opt = opt;
-            r->opt.max_tokens = w->max_out[j];
-            st = rk_split_prompt(w->prompt[j], strlen(w->prompt[j]), "##", cfg.max_chunks, &pieces);
-            if (!st) {
-                st = rk_request_prepare(svc, &pieces, r);
-                rk_split_free(&pieces);
+        int n = m->n_run - i0 < C ? m->n_run - i0 : C;
+        /* Turn by turn, the batch's conversations together; a conversation
+         * whose turn failed has no text (conv[s] NULL) and stops. */
+        for (int turn = 0; turn < b->o.turns; turn++) {
+            int n_prep = 0;
+            double tb = rk_time_now();
+            for (int s = 0; s < n; s++) {
+                int j = m->run[i0 + s];
+                if (turn > 0 && !conv[s]) continue;
+                const char *text = turn ? conv[s] : w->prompt[j];
+                double tr = rk_time_now();
+                rk_split pieces;
+                rk_request *r = &reqs[n_prep];
+                memset(r, 0, sizeof *r);
+                r->opt = opt;
+                r->opt.max_tokens = w->max_out[j];
+                st = rk_split_prompt(text, strlen(text), "##", cfg.max_chunks, &pieces);
+                if (!st) {
+                    st = rk_request_prepare(svc, &pieces, r);
+                    rk_split_free(&pieces);
+                }
+                if (st) {
+                    if (!m->error[0])
+                        snprintf(m->error, sizeof m->error, "request %d turn %d: %s", j, turn + 1,
+                                 rk_error_message());
+                    continue;
+                }
+                if (turn == 0) m->req[j].prep_ms = (rk_time_now() - tr) * 1e3;
+                idx[n_prep] = s;
+                ptrs[n_prep++] = r;
             }
-            if (st) {
-                if (!m->error[0])
-                    snprintf(m->error, sizeof m->error, "request %d: %s", j, rk_error_message());
-                continue;
+            double prep_ms = (rk_time_now() - tb) * 1e3;
+            st = rk_pipeline_run(svc, ptrs, n_prep, NULL);
+            if (st && !m->error[0])
+                snprintf(m->error, sizeof m->error, "requests %d..%d turn %d: %s", m->run[i0],
+                         m->run[i0 + n - 1], turn + 1, rk_error_message());
+            for (int q = 0; q < n_prep; q++) {
+                int s = idx[q], j = m->run[i0 + s];
+                req_result *x = turn ? &m->turn[(size_t)(turn - 1) * w->n_req + j] : &m->req[j];
+                if (!st) {
+                    fill_from_request(ptrs[q], x);
+                    /* TTFT as the API reports it (the pipeline's, tokenizing apart);
+                     * the latency includes tokenizing the whole batch. */
+                    x->ttft_ms = ptrs[q]->t.ttft_ms;
+                    x->n_out = ptrs[q]->n_out;
+                    x->tpot_ms =
+                        x->n_out > 1 ? (ptrs[q]->t.total_ms - x->ttft_ms) / (x->n_out - 1) : NAN;
+                    x->e2e_ms = prep_ms + ptrs[q]->t.total_ms;
+                    x->server_total_ms = x->e2e_ms;
+                }
+                rk_status nt = RK_OK;
+                if (!st && turn + 1 < b->o.turns)
+                    nt = next_turn(svc, ptrs[q], turn ? conv[s] : w->prompt[j],
+                                   w->followup[(size_t)j * w->n_followups + turn], &conv[s]);
+                if (st || nt || turn + 1 == b->o.turns) {
+                    if (nt && !m->error[0])
+                        snprintf(m->error, sizeof m->error, "request %d turn %d: %s", j, turn + 2,
+                                 rk_error_message());
+                    free(conv[s]);
+                    conv[s] = NULL;
+                }
+                rk_request_free(ptrs[q]);
             }
-            m->req[j].prep_ms = (rk_time_now() - tr) * 1e3;
-            idx[n_prep] = j;
-            ptrs[n_prep++] = r;
         }
-        double prep_ms = (rk_time_now() - tb) * 1e3;
-        st = rk_pipeline_run(svc, ptrs, n_prep, NULL);
-        if (st && !m->error[0])
-            snprintf(m->error, sizeof m->error, "requests %d..%d: %s", m->run[i0],
-                     m->run[i0 + n - 1], rk_error_message());
-        for (int q = 0; q < n_prep; q++) {
-            req_result *x = &m->req[idx[q]];
-            if (!st) {
-                fill_from_request(ptrs[q], x);
-                /* TTFT as the API reports it (the pipeline's, tokenizing apart);
-                 * the latency includes tokenizing the whole batch. */
-                x->ttft_ms = ptrs[q]->t.ttft_ms;
-                x->n_out = ptrs[q]->n_out;
-                x->tpot_ms =
-                    x->n_out > 1 ? (ptrs[q]->t.total_ms - x->ttft_ms) / (x->n_out - 1) : NAN;
-                x->e2e_ms = prep_ms + ptrs[q]->t.total_ms;
-                x->server_total_ms = x->e2e_ms;
-            }
-            rk_request_free(ptrs[q]);
+        for (int s = 0; s < n; s++) {
+            free(conv[s]);
+            conv[s] = NULL;
         }
         rk_bench_maybe_progress(b, mode, i0, i0 + n, t0);
     }
+    free(conv);
     m->wall_s = rk_time_now() - t0;
     rk_chunk_index_get_stats(svc->chunks, &s1);
     m->have_index = 1;

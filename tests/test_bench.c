@@ -308,7 +308,7 @@ Test(bench, rejects_bad_usage_with_status_2) {
                          "--arrival-rate -1 --url http://127.0.0.1:9",
                          "--turns 0 --url http://127.0.0.1:9",
                          "--turns 17 --url http://127.0.0.1:9",
-                         "--turns 2",
+                         "--turns 2 --arrival-rate 5",
                          "--peer-url http://10.1.2.3:80",
                          "extra"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
@@ -529,5 +529,17 @@ Test(bench, serving_scenarios_over_http_with_a_peer_server, .timeout = 240) {
     }
     json_t *t2 = check_turn(json_object_get(modes, "rag"), 1, 8);
     cr_expect_gt(geti(t2, "cached_tokens", NULL), 0, "turn 2 reused nothing");
+    json_decref(root);
+}
+
+Test(bench, turns_in_process_continue_each_conversation_with_its_chunks_cached, .timeout = 120) {
+    json_t *root = run_bench(SMALL " --modes rag --turns 2 --max-tokens 2:3 --concurrency 3", 0);
+    cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
+    json_t *rag = json_object_get(json_object_get(root, "modes"), "rag");
+    json_t *t1 = check_turn(rag, 0, 30), *t2 = check_turn(rag, 1, 30);
+    /* Turn 2 holds turn 1's prompt, its answer and a new question. */
+    cr_expect_gt(geti(t2, "prompt_tokens", NULL), geti(t1, "prompt_tokens", NULL));
+    /* Its chunks were all computed in turn 1: they and the system prompts are reused. */
+    cr_expect_gt(geti(t2, "cached_tokens", NULL), geti(t1, "cached_tokens", NULL));
     json_decref(root);
 }
