@@ -28,6 +28,9 @@ static void size_pools(const bench *b, int bs, int out[RK_POOL_COUNT]) {
     for (int i = 0; i < w->n_sys; i++) prefix += (w->sys_tok[i] + 1 + bs - 1) / bs + 1;
     for (int j = 0; j < w->n_req; j++) {
         long toks = w->sys_tok[w->req_sys[j]] + 1 + w->q_tok[j] + b->o.max_max, scratch = 0;
+        /* Later turns add an answer and a question each; an answer may
+         * re-tokenize longer than it was generated (see next_turn). */
+        toks += (long)w->n_followups * (2L * b->o.max_max + b->o.question_tokens + 8);
         for (int m = 0; m < w->k; m++) {
             int t = w->chunk_tok[w->req_chunks[(size_t)j * w->k + m]];
             toks += t;

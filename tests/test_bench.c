@@ -542,4 +542,10 @@ Test(bench, turns_in_process_continue_each_conversation_with_its_chunks_cached, 
     /* Its chunks were all computed in turn 1: they and the system prompts are reused. */
     cr_expect_gt(geti(t2, "cached_tokens", NULL), geti(t1, "cached_tokens", NULL));
     json_decref(root);
+    /* Without --kv-memory-mb the live pool holds the longest conversation:
+     * plain, the whole prompt live, at its third turn. */
+    root = run_bench(SMALL " --modes plain --turns 3 --max-tokens 8:16", 0);
+    json_t *plain = json_object_get(json_object_get(root, "modes"), "plain");
+    check_turn(plain, 2, 30);
+    json_decref(root);
 }
