@@ -38,8 +38,11 @@ static const rk_setting k_bench_settings[] = {
      "N  requests per mode (default: 300)"},
     {"concurrency", "concurrency", RK_SET_INT, B_OFF(concurrency), 0, 1, 4096, 0, 0,
      "C  in-process: requests per pipeline batch; HTTP: client threads (default: 1)"},
-    {"max_tokens", "max-tokens", RK_SET_INT, B_OFF(max_tokens), 0, 1, 1 << 20, 0, 0,
-     "N  tokens generated per request (default: 1: TTFT is the target)"},
+    {"arrival_rate", "arrival-rate", RK_SET_DOUBLE, B_OFF(arrival_rate), 0, 0.001, 1e6, 0, 0,
+     "R  open loop: Poisson arrivals at R requests/s (HTTP: up to 64 in flight; in-process: "
+     "through the engine thread, batches of up to 16)"},
+    {"turns", "turns", RK_SET_INT, B_OFF(turns), 0, 1, RK_BENCH_MAX_TURNS, 0, 0,
+     "N  each request is a conversation of N turns (HTTP: over /v1/chat/completions)"},
     {"prewarm", "prewarm", RK_SET_BOOL, B_OFF(prewarm), 0, 0, 1, 0, 0,
      "  compute every corpus chunk before the rag run (timed apart)"},
     {"steady", "steady", RK_SET_INT, B_OFF(steady_pct), 0, 0, 99, 0, 0,
@@ -77,7 +80,7 @@ static int parse_modes(const char *s, bench_opts *o) {
         const char *comma = strchr(p, ',');
         size_t n = comma ? (size_t)(comma - p) : strlen(p);
         int found = -1;
-        for (int m = 0; m < N_MODES; m++)
+        for (int m = 0; m < N_RAGKV_MODES; m++)
             if (strlen(k_mode_names[m]) == n && !strncmp(p, k_mode_names[m], n)) found = m;
         if (found < 0) return -1;
         for (int i = 0; i < o->n_modes; i++)
@@ -98,19 +101,28 @@ static const char *k_help =
     "pools are sized so the whole working set fits. With --baseline-every K the baselines'\n"
     "TTFT, which depends on the request alone, is sampled in 1/K of the time.\n"
     "  --chunk-tokens MIN:MAX  chunk length in tokens, uniform (default: 256:512)\n"
+    "  --max-tokens N|MIN:MAX  tokens generated per request, uniform per request (default: 1:\n"
+    "                          TTFT is the target); with 2 or more, TPOT is reported\n"
     "  --modes LIST            comma-separated from plain,prefix,rag,oracle\n"
     "                          (default: plain,prefix,rag)\n"
     "  --plot FILE.svg         write the TTFT distributions and the rag hit rate as SVG\n"
     "  --url http://127.0.0.1:PORT   drive a running `ragkv serve` instead (loopback only;\n"
-    "                          --model then only gives the tokenizer that sizes the workload)\n";
+    "                          --model then only gives the tokenizer that sizes the workload)\n"
+    "  --peer-url http://127.0.0.1:PORT   also run the workload against another OpenAI-\n"
+    "                          compatible server (llama-server, vLLM): plain /v1/completions\n"
+    "                          requests, pieces joined by newlines; its row is labelled peer\n"
+    "In-process, --turns appends each answer and the next question to the question piece\n"
+    "(the server renders its chat template instead), and does not go with --arrival-rate.\n";
 
-enum { O_CHUNK_TOKENS = 1, O_MODES, O_PLOT, O_URL };
+enum { O_CHUNK_TOKENS = 1, O_MODES, O_PLOT, O_URL, O_MAX_TOKENS, O_PEER_URL };
 
 static const struct option k_bench_extra[] = {
     {"chunk-tokens", required_argument, 0, O_CHUNK_TOKENS},
     {"modes", required_argument, 0, O_MODES},
     {"plot", required_argument, 0, O_PLOT},
     {"url", required_argument, 0, O_URL},
+    {"max-tokens", required_argument, 0, O_MAX_TOKENS},
+    {"peer-url", required_argument, 0, O_PEER_URL},
     {0, 0, 0, 0}};
 
 /* The options a settings table does not express: a range, a list, free text. */
@@ -129,6 +141,18 @@ static rk_status bench_extra(void *ctx, int val, const char *arg) {
         return RK_OK;
     case O_PLOT: o->plot = arg; return RK_OK;
     case O_URL: o->url = arg; return RK_OK;
+    case O_PEER_URL: o->peer_url = arg; return RK_OK;
+    case O_MAX_TOKENS: {
+        long n;
+        if (!strchr(arg, ':') && !rk_parse_long(arg, 1, 1 << 20, &n)) {
+            o->max_min = o->max_max = (int)n;
+            return RK_OK;
+        }
+        if (parse_range(arg, &o->max_min, &o->max_max))
+            return rk_errorf(RK_ERR_INVALID,
+                             "bad --max-tokens '%s' (want N or MIN:MAX, e.g. 16:64)", arg);
+        return RK_OK;
+    }
     }
     return rk_errorf(RK_ERR_INVALID, "unknown option");
 }
@@ -149,7 +173,8 @@ static int parse_args(int argc, char **argv, bench_opts *o, int *out_exit) {
     o->n_systems = 3;
     o->requests = 300;
     o->concurrency = 1;
-    o->max_tokens = 1;
+    o->max_min = o->max_max = 1;
+    o->turns = 1;
     o->seed = 1;
     o->steady_pct = 20;
     o->baseline_every = 1;
@@ -165,6 +190,9 @@ static int parse_args(int argc, char **argv, bench_opts *o, int *out_exit) {
     *out_exit = EXIT_USAGE;
     if (rk_run_opts_apply(&o->run)) return usage_error("%s", rk_error_message()), -1;
     if (o->k > o->corpus) return usage_error("%s", "--k is larger than --corpus"), -1;
+    if (o->turns > 1 && o->arrival_rate > 0 && !o->url)
+        return usage_error("%s", "in-process, --turns and --arrival-rate do not go together"), -1;
+    if (o->peer_url) o->modes[o->n_modes++] = MODE_PEER;
     return 0;
 }
 
@@ -224,7 +252,7 @@ long rk_bench_mem_available_kb(void) {
 
 void rk_bench_mode_options(const bench_opts *o, int mode, rk_req_options *opt) {
     rk_req_options_default(opt);
-    opt->max_tokens = o->max_tokens;
+    opt->max_tokens = o->max_max;
     opt->sampling.temperature = 0; /* greedy: every mode does the same work */
     opt->sampling.seed = o->seed;
     opt->stop_at_eog = 0;
@@ -267,6 +295,23 @@ void rk_bench_maybe_progress(const bench *b, int mode, int before, int after, do
 
 /* ---------------------------------------------------------------- main */
 
+/* Wait while the server at t answers 503 (loading its model), up to the HTTP
+ * timeout; anything but a final 200 from /health is an error. */
+static rk_status wait_ready(const rk_http_target *t, const char *url, double timeout_s) {
+    int status = 0;
+    double t_wait = rk_time_now();
+    rk_status st;
+    for (;;) {
+        char *body = NULL;
+        st = rk_http_request(t, "GET", "/health", NULL, 0, &status, &body);
+        free(body);
+        if (st || status != 503 || rk_time_now() - t_wait > timeout_s) break;
+        usleep(100000);
+    }
+    if (!st && status != 200) st = rk_errorf(RK_ERR_IO, "%s/health answered %d", url, status);
+    return st;
+}
+
 int rk_bench_main(int argc, char **argv) {
     bench *b = calloc(1, sizeof *b);
     if (!b) {
@@ -280,14 +325,15 @@ int rk_bench_main(int argc, char **argv) {
     }
     bench_opts *o = &b->o;
     int http = o->url != NULL;
-    rk_http_target target;
+    rk_http_target target, peer;
     rk_status st = RK_OK;
     textgen g = {0};
     b->model_name = o->model ? o->model : "embedded";
     snprintf(b->model_desc, sizeof b->model_desc, "%s", o->model ? "" : "ragkv tiny");
     b->progress = o->progress || isatty(STDERR_FILENO);
     if (o->run.cfg.n_threads == 0) o->run.cfg.n_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
-    if (http && (st = rk_http_parse_url(o->url, o->http_timeout_s, &target))) {
+    if ((http && (st = rk_http_parse_url(o->url, o->http_timeout_s, &target))) ||
+        (o->peer_url && (st = rk_http_parse_url(o->peer_url, o->http_timeout_s, &peer)))) {
         fprintf(stderr, "ragkv bench: %s\n", rk_error_message());
         free(b);
         return EXIT_USAGE;
@@ -313,32 +359,22 @@ int rk_bench_main(int argc, char **argv) {
         m->vmhwm_kb = -1;
         m->req = calloc((size_t)b->w.n_req, sizeof *m->req);
         m->run = calloc((size_t)b->w.n_req, sizeof *m->run);
-        if (!m->req || !m->run) {
+        m->turn = calloc((size_t)b->w.n_req * (size_t)b->w.n_followups + 1, sizeof *m->turn);
+        if (!m->req || !m->run || !m->turn) {
             st = rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
             break;
         }
-        int every = i == MODE_RAG ? 1 : o->baseline_every;
+        int every = i == MODE_RAG || i == MODE_PEER ? 1 : o->baseline_every;
         for (int j = 0; j < b->w.n_req; j += every) m->run[m->n_run++] = j;
     }
-    if (!st && http) {
-        /* The server answers 503 while it loads its model: wait for it, up to
-         * the HTTP timeout. */
-        int status = 0;
-        double t_wait = rk_time_now();
-        for (;;) {
-            char *body = NULL;
-            st = rk_http_request(&target, "GET", "/health", NULL, 0, &status, &body);
-            free(body);
-            if (st || status != 503 || rk_time_now() - t_wait > o->http_timeout_s) break;
-            usleep(100000);
-        }
-        if (!st && status != 200)
-            st = rk_errorf(RK_ERR_IO, "%s/health answered %d", o->url, status);
-        if (!st) rk_bench_http_describe_model(b, &target);
-    }
+    if (!st && http && !(st = wait_ready(&target, o->url, o->http_timeout_s)))
+        rk_bench_http_describe_model(b, &target);
+    if (!st && o->peer_url) st = wait_ready(&peer, o->peer_url, o->http_timeout_s);
     for (int i = 0; i < o->n_modes && !st; i++) {
         int mode = o->modes[i];
-        st = http ? rk_bench_run_http(b, &target, mode) : rk_bench_run_inproc(b, mode);
+        st = mode == MODE_PEER ? rk_bench_run_http(b, &peer, mode)
+             : http            ? rk_bench_run_http(b, &target, mode)
+                               : rk_bench_run_inproc(b, mode);
         if (st) break;
         rk_bench_summarize(b, mode);
         rk_bench_check_invariants(b, mode, http);
@@ -382,6 +418,7 @@ int rk_bench_main(int argc, char **argv) {
     for (int i = 0; i < N_MODES; i++) {
         free(b->res[i].req);
         free(b->res[i].run);
+        free(b->res[i].turn);
     }
     rk_bench_workload_free(&b->w);
     free(b);

@@ -13,9 +13,15 @@
  *   oracle  the chunk cache off: chunks fresh at their live positions.
  *
  * Requests run in-process through the pipeline (batches of --concurrency
- * requests), or against a running `ragkv serve` (--url, loopback only) with
- * --concurrency client threads. The result is a table (or one JSON object
- * with --json), an optional SVG plot, and invariants checked at the end. */
+ * requests, or an engine thread fed at Poisson arrival times with
+ * --arrival-rate), or against a running `ragkv serve` (--url, loopback only),
+ * streamed, from --concurrency client threads or as an open loop; each is a
+ * single completion or a conversation of --turns turns (a chat over HTTP);
+ * --peer-url runs the same requests against another OpenAI-compatible
+ * server as one more row, `peer`. Output lengths may vary
+ * per request (--max-tokens MIN:MAX): TPOT and throughput are reported beside
+ * TTFT. The result is a table (or one JSON object with --json), an optional
+ * SVG plot, and invariants checked at the end. */
 #ifndef RK_BENCH_H
 #define RK_BENCH_H
 

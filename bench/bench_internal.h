@@ -4,8 +4,13 @@
  *   bench.c          options, shared helpers, rk_bench_main
  *   workload.c       the seeded workload: text from the vocabulary, Zipf
  *                    requests, the hit-rate prediction
- *   runner_inproc.c  requests through the pipeline in this process
- *   runner_http.c    requests against a running `ragkv serve`
+ *   runner_inproc.c  requests through the pipeline in this process: in
+ *                    batches, or (--arrival-rate) through an engine thread: in
+ *                    batches, or (--arrival-rate) through an engine thread
+ *   runner_http.c    requests against a running `ragkv serve` or, with
+ *                    --peer-url, any OpenAI-compatible server: streamed,
+ *                    closed-loop or open-loop (--arrival-rate), one turn or
+ *                    a conversation (--turns)
  *   httpclient.c     the loopback HTTP client (httpclient.h)
  *   report.c         summaries, invariants, the table and the JSON object
  *   svg.c            the SVG plot
@@ -25,11 +30,20 @@
 #include "engine/tokenizer.h"
 #include "pipeline/pipeline.h"
 
-#define EXIT_USAGE    2
-#define MAX_FAILURES  16
-#define PREWARM_GROUP 16 /* chunks per pre-warm request */
-enum { MODE_PLAIN, MODE_PREFIX, MODE_RAG, MODE_ORACLE, N_MODES };
-static const char *const k_mode_names[N_MODES] = {"plain", "prefix", "rag", "oracle"};
+#define EXIT_USAGE         2
+#define MAX_FAILURES       16
+#define RK_BENCH_MAX_TURNS 16
+#define PREWARM_GROUP      16 /* chunks per pre-warm request */
+#define MAX_IN_FLIGHT      64 /* open-loop sender threads (--arrival-rate over HTTP) */
+/* Generations the engine thread runs together in an in-process open loop:
+ * ragkv serve's default --max-batch. */
+#define OPEN_MAX_BATCH 16
+#define LATE_MS        10 /* an open-loop request sent later than this after its arrival is late */
+/* MODE_PEER is the other server of --peer-url: not a ragkv mode, so --modes
+ * does not name it; it runs last, after the ragkv modes, when the URL is given. */
+enum { MODE_PLAIN, MODE_PREFIX, MODE_RAG, MODE_ORACLE, MODE_PEER, N_MODES };
+#define N_RAGKV_MODES MODE_PEER
+static const char *const k_mode_names[N_MODES] = {"plain", "prefix", "rag", "oracle", "peer"};
 
 typedef struct bench_opts {
     rk_run_opts run;
@@ -39,7 +53,11 @@ typedef struct bench_opts {
     double zipf;
     int chunk_min, chunk_max;
     int question_tokens, system_tokens, n_systems;
-    int requests, concurrency, max_tokens;
+    int requests, concurrency;
+    int max_min, max_max; /* --max-tokens MIN:MAX: output tokens per request, uniform */
+    double arrival_rate;  /* requests/s, open loop; 0 = closed loop (--concurrency clients) */
+    int turns;            /* turns per conversation (--turns), 1 = single requests */
+    const char *peer_url;
     int modes[N_MODES], n_modes;
     int prewarm;
     long long seed;
@@ -75,10 +93,15 @@ typedef struct workload {
     int *req_chunks; /* (n_req, k) */
     char **question; /* (n_req) */
     int *q_tok;
-    char **prompt;  /* (n_req) system##chunk##...##question */
-    double *weight; /* (n_chunks) Zipf popularity */
-    double *incl;   /* (n_chunks) inclusion probability q_i */
-    double *p_hit;  /* (n_req) predicted per-lookup hit probability of request j */
+    char **prompt; /* (n_req) system##chunk##...##question */
+    int *max_out;  /* (n_req) output tokens of request j (--max-tokens) */
+    double
+        *arrival_s;  /* (n_req) open-loop send time of request j from the start (--arrival-rate) */
+    int n_followups; /* turns - 1 */
+    char **followup; /* (n_req, n_followups) the questions of turns 2.. of conversation j */
+    double *weight;  /* (n_chunks) Zipf popularity */
+    double *incl;    /* (n_chunks) inclusion probability q_i */
+    double *p_hit;   /* (n_req) predicted per-lookup hit probability of request j */
     long ideal_misses;
 } workload;
 
@@ -87,6 +110,9 @@ typedef struct req_result {
     double ttft_ms, e2e_ms;
     double server_total_ms; /* HTTP: the server's own total_ms */
     double prep_ms;         /* in-process: splitting and tokenizing the prompt */
+    double tpot_ms;         /* (e2e - TTFT) / (n_out - 1); NaN when n_out < 2 */
+    double late_ms;         /* open loop: how late it was sent after its arrival time */
+    int n_out;              /* tokens generated */
     int prompt, reused, computed;
     int sys_tokens, sys_cached, chunk_tokens, hit_tokens, q_tokens;
     int n_chunks, hits, misses, offs;
@@ -94,8 +120,9 @@ typedef struct req_result {
 
 typedef struct mode_result {
     int mode, ran;
-    req_result *req; /* (n_req) */
-    int *run, n_run; /* the requests this mode runs, in list order (see --baseline-every) */
+    req_result *req;  /* (n_req) */
+    int *run, n_run;  /* the requests this mode runs, in list order (see --baseline-every) */
+    req_result *turn; /* (n_followups, n_req): turns 2.. of each conversation, turn-major */
     double wall_s;
     long vmhwm_kb; /* -1 when unknown */
     int hwm_reset; /* the high-water mark was reset before the mode */
@@ -109,6 +136,15 @@ typedef struct mode_result {
     /* summaries */
     int n_ok;
     double ttft[3], ttft_steady[3], ttft_mean, e2e[2], rps, prep_p50;
+    double tpot[3];   /* over the requests with n_out >= 2 */
+    long out_tokens;  /* generated, every turn */
+    double out_tok_s; /* out_tokens / wall_s */
+    int n_late;       /* open loop: requests sent more than LATE_MS after their arrival */
+    double late_max_ms;
+    int turn_ok[RK_BENCH_MAX_TURNS];
+    double turn_ttft[RK_BENCH_MAX_TURNS][3];
+    long turn_prompt[RK_BENCH_MAX_TURNS], turn_reused[RK_BENCH_MAX_TURNS],
+        turn_computed[RK_BENCH_MAX_TURNS];
     int n_all_hit;           /* requests whose every chunk was a hit */
     double ttft_all_hit_p50; /* their TTFT p50 */
     double http_overhead_p50, http_overhead_mean;
@@ -165,6 +201,7 @@ void rk_bench_workload_free(workload *w);
 
 /* Run the request list once in mode, from empty caches, into b->res[mode]. */
 rk_status rk_bench_run_inproc(bench *b, int mode);
+/* mode MODE_PEER sends plain OpenAI requests to t (--peer-url). */
 rk_status rk_bench_run_http(bench *b, const rk_http_target *t, int mode);
 /* Fill b's model description from the server's /v1/models. */
 void rk_bench_http_describe_model(bench *b, const rk_http_target *t);

@@ -73,6 +73,12 @@ static long dechunk(char *s, size_t len) {
 rk_status rk_http_exchange(const rk_http_target *t, const char *method, const char *path,
                            const char *headers, const char *body, size_t body_len,
                            rk_http_response *out) {
+    return rk_http_exchange_stream(t, method, path, headers, body, body_len, NULL, NULL, out);
+}
+
+rk_status rk_http_exchange_stream(const rk_http_target *t, const char *method, const char *path,
+                                  const char *headers, const char *body, size_t body_len,
+                                  rk_http_on_recv on_recv, void *ctx, rk_http_response *out) {
     memset(out, 0, sizeof *out);
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0) return rk_errorf(RK_ERR_IO, "http: socket: %s", strerror(errno));
@@ -156,6 +162,7 @@ rk_status rk_http_exchange(const rk_http_target *t, const char *method, const ch
         memcpy(in.s + in.len, buf, (size_t)k);
         in.len += (size_t)k;
         in.s[in.len] = '\0';
+        if (on_recv) on_recv(ctx, in.s, in.len);
     }
     close(fd);
     int status;

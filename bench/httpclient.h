@@ -46,6 +46,16 @@ rk_status rk_http_exchange(const rk_http_target *t, const char *method, const ch
                            const char *headers, const char *body, size_t body_len,
                            rk_http_response *out);
 
+/* Called after every read of an answer with all its raw bytes so far (head
+ * included, before de-chunking), at the time they arrived: a streaming
+ * client notes when its first event came. */
+typedef void (*rk_http_on_recv)(void *ctx, const char *raw, size_t len);
+
+/* rk_http_exchange that calls on_recv(ctx, ...) as the answer arrives. */
+rk_status rk_http_exchange_stream(const rk_http_target *t, const char *method, const char *path,
+                                  const char *headers, const char *body, size_t body_len,
+                                  rk_http_on_recv on_recv, void *ctx, rk_http_response *out);
+
 /* Accepts NULL and an empty response. */
 void rk_http_response_free(rk_http_response *r);
 

@@ -67,53 +67,242 @@ static int fill_from_json(json_t *o, req_result *x) {
     return 0;
 }
 
+/* ---------------------------------------------------------------- one streamed request */
+
+/* When the first generated text arrived: the first event whose "text" (a
+ * completion) or "content" (a chat delta) is a non-empty string. Events
+ * are compact JSON, so the key and its opening quote are adjacent. */
+typedef struct first_text {
+    size_t scanned;
+    double t;
+} first_text;
+
+static void note_first_text(void *ctx, const char *raw, size_t len) {
+    first_text *f = ctx;
+    if (f->t > 0) return;
+    size_t from = f->scanned > 16 ? f->scanned - 16 : 0;
+    f->scanned = len;
+    static const char *const keys[2] = {"\"text\":\"", "\"content\":\""};
+    for (int k = 0; k < 2; k++) {
+        size_t kl = strlen(keys[k]);
+        for (const char *p = raw + from; (p = strstr(p, keys[k])); p++)
+            if ((size_t)(p - raw) + kl < len && p[kl] != '"') {
+                f->t = rk_time_now();
+                return;
+            }
+    }
+}
+
+/* The events of an SSE body: the generated text, concatenated, and the last
+ * event that carries a usage object (NULL when none did); an error event is
+ * an error. */
+static rk_status read_events(char *sse, char **out_text, json_t **out_final) {
+    size_t cap = 256, len = 0;
+    char *text = malloc(cap);
+    json_t *final = NULL;
+    rk_status st = text ? RK_OK : rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
+    if (text) text[0] = '\0';
+    for (char *line = sse; !st && line && *line;) {
+        char *nl = strchr(line, '\n');
+        if (nl) *nl = '\0';
+        if (!strncmp(line, "data: ", 6) && strncmp(line + 6, "[DONE]", 6)) {
+            json_t *ev = json_loads(line + 6, 0, NULL);
+            json_t *c0 = json_array_get(json_object_get(ev, "choices"), 0);
+            const char *piece = json_string_value(json_object_get(c0, "text"));
+            if (!piece)
+                piece = json_string_value(json_object_get(json_object_get(c0, "delta"), "content"));
+            size_t n = piece ? strlen(piece) : 0;
+            if (json_object_get(ev, "error")) {
+                st = rk_errorf(RK_ERR_IO, "error event: %.160s", line + 6);
+            } else if (len + n + 1 > cap) {
+                while (len + n + 1 > cap) cap *= 2;
+                char *g = realloc(text, cap);
+                if (!g)
+                    st = rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
+                else
+                    text = g;
+            }
+            if (!st && n) {
+                memcpy(text + len, piece, n + 1);
+                len += n;
+            }
+            /* OpenAI's streams send "usage": null in every event but the last. */
+            if (!st && json_is_object(json_object_get(ev, "usage"))) {
+                json_decref(final);
+                final = json_incref(ev);
+            }
+            json_decref(ev);
+        }
+        line = nl ? nl + 1 : NULL;
+    }
+    if (st) {
+        free(text);
+        json_decref(final);
+        return st;
+    }
+    *out_text = text;
+    *out_final = final;
+    return RK_OK;
+}
+
+/* Append the elements of more (a new reference, NULL when out of memory)
+ * to a; nonzero on failure. */
+static int extend_new(json_t *a, json_t *more) {
+    int rc = !more || json_array_extend(a, more);
+    json_decref(more);
+    return rc;
+}
+
+/* The request body of turn `turn` of conversation j. A single turn is a
+ * completion of the request's prompt; a conversation goes to the chat API:
+ * the system prompt, then the documents and the question in the first user
+ * turn (the part of the prompt after the system piece), then the turns so
+ * far (msgs). The peer gets plain OpenAI fields, its pieces joined by
+ * newlines (text never holds '#', so every "##" is a separator). */
+static json_t *request_body(const bench *b, int mode, int j, json_t *msgs, int turn) {
+    const workload *w = &b->w;
+    int peer = mode == MODE_PEER;
+    const char *sys = w->sys[w->req_sys[j]];
+    char *text = strdup(b->o.turns > 1 ? w->prompt[j] + strlen(sys) + 2 : w->prompt[j]);
+    if (!text) return NULL;
+    if (peer) {
+        char *o = text;
+        for (const char *p = text; *p; p++) {
+            int sep = p[0] == '#' && p[1] == '#';
+            *o++ = sep ? '\n' : *p;
+            p += sep;
+        }
+        *o = '\0';
+    }
+    json_t *body =
+        json_pack("{s:i, s:f, s:i, s:b, s:b}", "max_tokens", w->max_out[j], "temperature", 0.0,
+                  "seed", (int)(b->o.seed & 0x7fffffff), "ignore_eos", 1, "stream", 1);
+    int bad = !body;
+    if (body && b->o.turns > 1) {
+        if (turn == 0)
+            bad = extend_new(msgs, json_pack("[{s:s, s:s}, {s:s, s:s}]", "role", "system",
+                                             "content", sys, "role", "user", "content", text));
+        bad = bad || json_object_set(body, "messages", msgs);
+    } else if (body) {
+        bad = json_object_set_new(body, "prompt", json_string(text));
+    }
+    free(text);
+    if (bad) {
+        json_decref(body);
+        return NULL;
+    }
+    if (peer) {
+        json_object_set_new(body, "stream_options", json_pack("{s:b}", "include_usage", 1));
+        return body;
+    }
+    /* The same options as in-process (mode_options): greedy, no early stop. */
+    int plain = mode == MODE_PLAIN || mode == MODE_PREFIX;
+    json_object_set_new(body, "mode", json_string(plain ? "plain" : "rag"));
+    json_object_set_new(body, "chunk_cache", json_string(mode == MODE_ORACLE ? "off" : "on"));
+    json_object_set_new(body, "prefix_cache", json_boolean(mode != MODE_PLAIN));
+    return body;
+}
+
+/* Read a peer's final event into x: OpenAI usage only. */
+static int fill_from_usage(json_t *o, req_result *x) {
+    x->prompt = json_int_at(o, "usage", "prompt_tokens", NULL);
+    int cached = json_int_at(o, "usage", "prompt_tokens_details", "cached_tokens");
+    x->reused = cached > 0 ? cached : 0;
+    x->computed = x->prompt - x->reused;
+    return x->prompt < 0 ? -1 : 0;
+}
+
+/* One streamed request: its result in x, the generated text in *out_text
+ * (for the next turn), err set on failure. Times count from t_ref: the send,
+ * or the arrival time in an open loop. */
+static void one_request(http_job *job, int j, json_t *body, int turn, double t_ref, req_result *x,
+                        char **out_text, char *err, size_t err_n) {
+    int peer = job->mode == MODE_PEER;
+    const char *path = job->b->o.turns > 1 ? "/v1/chat/completions" : "/v1/completions";
+    char *s = json_dumps(body, JSON_COMPACT);
+    first_text ft = {0};
+    rk_http_response r = {0};
+    rk_status st = s ? rk_http_exchange_stream(job->t, "POST", path, NULL, s, strlen(s),
+                                               note_first_text, &ft, &r)
+                     : rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
+    double t_end = rk_time_now();
+    free(s);
+    json_t *final = NULL;
+    *out_text = NULL;
+    if (st) {
+        snprintf(err, err_n, "request %d turn %d: %s", j, turn + 1, rk_error_message());
+    } else if (r.status != 200) {
+        snprintf(err, err_n, "request %d turn %d: HTTP %d: %.160s", j, turn + 1, r.status, r.body);
+    } else if ((st = read_events(r.body, out_text, &final)) || !final) {
+        snprintf(err, err_n, "request %d turn %d: %s", j, turn + 1,
+                 st ? rk_error_message() : "the stream has no event with usage");
+    } else if (peer ? fill_from_usage(final, x) : fill_from_json(final, x)) {
+        snprintf(err, err_n, "request %d turn %d: the response lacks usage%s fields", j, turn + 1,
+                 peer ? "" : " or ragkv");
+    } else {
+        x->n_out = json_int_at(final, "usage", "completion_tokens", NULL);
+        x->e2e_ms = (t_end - t_ref) * 1e3;
+        /* No text event (nothing decodable yet when the stream ended): the
+         * first token came with the last event. */
+        x->ttft_ms = ((ft.t > 0 ? ft.t : t_end) - t_ref) * 1e3;
+        x->tpot_ms = x->n_out > 1 ? (x->e2e_ms - x->ttft_ms) / (x->n_out - 1) : NAN;
+        x->server_total_ms = peer ? NAN : json_num_at(final, "ragkv", "timings", "total_ms");
+        x->ok = x->n_out >= 0;
+        if (!x->ok) snprintf(err, err_n, "request %d turn %d: no completion_tokens", j, turn + 1);
+    }
+    if (err[0]) {
+        free(*out_text);
+        *out_text = NULL;
+    }
+    json_decref(final);
+    rk_http_response_free(&r);
+}
+
 static void *http_worker(void *arg) {
     http_job *job = arg;
     bench *b = job->b;
+    const workload *w = &b->w;
     mode_result *m = &b->res[job->mode];
     for (;;) {
         pthread_mutex_lock(&job->mu);
         int j = job->next < m->n_run ? m->run[job->next++] : -1;
         pthread_mutex_unlock(&job->mu);
         if (j < 0) break;
-        /* The same options as in-process (mode_options): greedy, no early stop. */
-        int plain = job->mode == MODE_PLAIN || job->mode == MODE_PREFIX;
-        json_t *body = json_pack(
-            "{s:s, s:i, s:f, s:i, s:b, s:s, s:s, s:b}", "prompt", b->w.prompt[j], "max_tokens",
-            b->o.max_tokens, "temperature", 0.0, "seed", (int)(b->o.seed & 0x7fffffff),
-            "ignore_eos", 1, "mode", plain ? "plain" : "rag", "chunk_cache",
-            job->mode == MODE_ORACLE ? "off" : "on", "prefix_cache", job->mode != MODE_PLAIN);
-        req_result *x = &m->req[j];
-        int status = 0;
-        json_t *resp = NULL;
-        char *raw = NULL;
-        double t0 = rk_time_now();
-        rk_status st =
-            body ? rk_http_post_json(job->t, "/v1/completions", body, &status, &resp, &raw)
-                 : rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
-        double e2e = (rk_time_now() - t0) * 1e3;
-        json_decref(body);
-        char err[256] = "";
-        if (st) {
-            snprintf(err, sizeof err, "request %d: %s", j, rk_error_message());
-        } else if (status != 200 || !resp) {
-            snprintf(err, sizeof err, "request %d: HTTP %d: %.180s", j, status, raw ? raw : "");
-        } else if (fill_from_json(resp, x)) {
-            snprintf(err, sizeof err, "request %d: the response lacks usage or ragkv fields", j);
-        } else {
-            double ttft = json_num_at(resp, "ragkv", "timings", "ttft_ms");
-            double total = json_num_at(resp, "ragkv", "timings", "total_ms");
-            double queue = json_num_at(resp, "ragkv", "timings", "queue_ms");
-            x->e2e_ms = e2e;
-            x->server_total_ms = total;
-            /* Client-side TTFT: the latency less what the server spent after its first
-             * token. The server's total_ms counts its queue wait, its ttft_ms does not. */
-            double after = total - (queue > 0 ? queue : 0) - ttft;
-            x->ttft_ms = ttft >= 0 && after >= 0 ? e2e - after : e2e;
-            x->ok = 1;
+        /* Open loop: wait for the arrival time; a request taken after it
+         * (every sender was busy) is late, and its wait counts in its TTFT. */
+        double t_ref = rk_time_now();
+        if (b->o.arrival_rate > 0) {
+            double due = job->t0 + w->arrival_s[j];
+            while (t_ref < due) {
+                /* usleep takes under a second portably. */
+                double wait = due - t_ref < 0.5 ? due - t_ref : 0.5;
+                usleep((useconds_t)(wait * 1e6));
+                t_ref = rk_time_now();
+            }
+            m->req[j].late_ms = (t_ref - due) * 1e3;
+            t_ref = due;
         }
-        json_decref(resp);
-        free(raw);
+        json_t *msgs = json_array();
+        char err[256] = "";
+        for (int turn = 0; turn < b->o.turns && !err[0]; turn++) {
+            req_result *x = turn ? &m->turn[(size_t)(turn - 1) * w->n_req + j] : &m->req[j];
+            json_t *body = msgs ? request_body(b, job->mode, j, msgs, turn) : NULL;
+            char *answer = NULL;
+            if (!body)
+                snprintf(err, sizeof err, "request %d: out of memory", j);
+            else
+                one_request(job, j, body, turn, turn ? rk_time_now() : t_ref, x, &answer, err,
+                            sizeof err);
+            json_decref(body);
+            /* The next turn: the model's answer, then the next question. */
+            if (!err[0] && turn + 1 < b->o.turns &&
+                extend_new(msgs, json_pack("[{s:s, s:s}, {s:s, s:s}]", "role", "assistant",
+                                           "content", answer, "role", "user", "content",
+                                           w->followup[(size_t)j * w->n_followups + turn])))
+                snprintf(err, sizeof err, "request %d: out of memory", j);
+            free(answer);
+        }
+        json_decref(msgs);
         pthread_mutex_lock(&job->mu);
         if (err[0] && !m->error[0]) snprintf(m->error, sizeof m->error, "%s", err);
         int before = job->done++;
@@ -198,9 +387,8 @@ void rk_bench_http_describe_model(bench *b, const rk_http_target *t) {
     json_decref(root);
 }
 
-rk_status rk_bench_run_http(bench *b, const rk_http_target *t, int mode) {
-    mode_result *m = &b->res[mode];
-    /* Empty caches: flush both (an admin endpoint; a refusal is reported, not fatal). */
+/* Empty caches: flush both (an admin endpoint; a refusal is reported, not fatal). */
+static rk_status flush_caches(bench *b, const rk_http_target *t, int mode) {
     json_t *body = json_pack("{s:s, s:b}", "what", "all", "disk", 0);
     int status = 0;
     json_t *resp = NULL;
@@ -212,9 +400,20 @@ rk_status rk_bench_run_http(bench *b, const rk_http_target *t, int mode) {
     if (status != 200)
         rk_bench_add_warning(b, "POST /v1/cache/flush answered %d before %s: caches carry over",
                              status, k_mode_names[mode]);
+    return RK_OK;
+}
+
+rk_status rk_bench_run_http(bench *b, const rk_http_target *t, int mode) {
+    mode_result *m = &b->res[mode];
+    rk_status st;
+    /* The peer is any OpenAI-compatible server: no cache endpoint to call. */
+    if (mode != MODE_PEER && (st = flush_caches(b, t, mode))) return st;
     m->vmhwm_kb = -1;
     if (mode == MODE_RAG && b->o.prewarm && (st = http_prewarm(b, t, m))) return st;
-    int C = b->o.concurrency;
+    /* Closed loop: --concurrency clients; open loop: enough senders that a
+     * request goes out at its arrival time, up to MAX_IN_FLIGHT. */
+    int C = b->o.arrival_rate > 0 ? (m->n_run < MAX_IN_FLIGHT ? m->n_run : MAX_IN_FLIGHT)
+                                  : b->o.concurrency;
     pthread_t *th = calloc((size_t)C, sizeof *th);
     if (!th) return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
     http_job job = {.b = b, .t = t, .mode = mode, .t0 = rk_time_now()};

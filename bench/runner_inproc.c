@@ -10,6 +10,7 @@
 
 #include "bench/bench_internal.h"
 
+#include "pipeline/scheduler.h"
 #include "pipeline/split.h"
 
 /* ---------------------------------------------------------------- in-process runner */
@@ -26,7 +27,10 @@ static void size_pools(const bench *b, int bs, int out[RK_POOL_COUNT]) {
     for (int i = 0; i < w->n_chunks; i++) chunk += (w->chunk_tok[i] + bs - 1) / bs;
     for (int i = 0; i < w->n_sys; i++) prefix += (w->sys_tok[i] + 1 + bs - 1) / bs + 1;
     for (int j = 0; j < w->n_req; j++) {
-        long toks = w->sys_tok[w->req_sys[j]] + 1 + w->q_tok[j] + b->o.max_tokens, scratch = 0;
+        long toks = w->sys_tok[w->req_sys[j]] + 1 + w->q_tok[j] + b->o.max_max, scratch = 0;
+        /* Later turns add an answer and a question each; an answer may
+         * re-tokenize longer than it was generated (see next_turn). */
+        toks += (long)w->n_followups * (2L * b->o.max_max + b->o.question_tokens + 8);
         for (int m = 0; m < w->k; m++) {
             int t = w->chunk_tok[w->req_chunks[(size_t)j * w->k + m]];
             toks += t;
@@ -45,7 +49,7 @@ static void size_pools(const bench *b, int bs, int out[RK_POOL_COUNT]) {
             cur = 0;
         }
     }
-    long live = live_req * b->o.concurrency;
+    long live = live_req * (b->o.arrival_rate > 0 ? OPEN_MAX_BATCH : b->o.concurrency);
     live = (live > warm ? live : warm) + 4;
     out[RK_POOL_LIVE] = (int)live;
     out[RK_POOL_PREFIX] = (int)(prefix * 2 + 4);
@@ -75,9 +79,36 @@ static void fill_from_request(const rk_request *r, req_result *x) {
     }
 }
 
+/* Wait for a submitted job to be done, up to timeout_s; its status. */
+static rk_status job_finish(rk_job *j, double timeout_s) {
+    int n = 0, done = 0;
+    double deadline = rk_time_now() + timeout_s;
+    while (!done)
+        if (rk_job_wait(j, n, deadline, &n, &done))
+            return rk_errorf(RK_ERR_IO, "bench: a request took longer than %g s", timeout_s);
+    if (!j->ran) return rk_errorf(RK_ERR_INTERNAL, "bench: a request was cancelled");
+    return j->status ? rk_errorf(j->status, "%s", j->error) : RK_OK;
+}
+
+/* Run one prepared request: through the pipeline, or, with an engine thread
+ * (e), as its job. */
+static rk_status run_one(rk_service *svc, rk_scheduler *e, double timeout_s, rk_request *r) {
+    if (!e) return rk_pipeline_run(svc, &r, 1, NULL);
+    rk_job j;
+    rk_status st = rk_job_init(&j);
+    if (st) return st;
+    j.req = *r;
+    memset(r, 0, sizeof *r);
+    if (!(st = rk_scheduler_submit(e, &j))) st = job_finish(&j, timeout_s);
+    *r = j.req; /* the request and its report go back to the caller */
+    memset(&j.req, 0, sizeof j.req);
+    rk_job_destroy(&j);
+    return st;
+}
+
 /* Compute every corpus chunk into the chunk cache: requests of up to
- * PREWARM_GROUP chunks that generate nothing. */
-static rk_status prewarm_inproc(bench *b, rk_service *svc, mode_result *m) {
+ * PREWARM_GROUP chunks that generate nothing (e: see run_one). */
+static rk_status prewarm_inproc(bench *b, rk_service *svc, rk_scheduler *e, mode_result *m) {
     const workload *w = &b->w;
     rk_req_options opt;
     rk_bench_mode_options(&b->o, MODE_RAG, &opt);
@@ -95,8 +126,7 @@ static rk_status prewarm_inproc(bench *b, rk_service *svc, mode_result *m) {
         st = rk_request_prepare(svc, &pieces, &r);
         rk_split_free(&pieces);
         if (st) break;
-        rk_request *one = &r;
-        if (!(st = rk_pipeline_run(svc, &one, 1, NULL))) {
+        if (!(st = run_one(svc, e, b->o.http_timeout_s, &r))) {
             for (int c = 0; c < r.n_chunks; c++)
                 if (r.chunk_reports[c].status == RK_CHUNK_STATUS_MISS) {
                     m->prewarm_chunks++;
@@ -110,8 +140,9 @@ static rk_status prewarm_inproc(bench *b, rk_service *svc, mode_result *m) {
     return st;
 }
 
-rk_status rk_bench_run_inproc(bench *b, int mode) {
-    mode_result *m = &b->res[mode];
+/* The service's configuration: the run's, with limits that admit the
+ * workload and, without --kv-memory-mb, pools sized to hold it. */
+static void service_config(const bench *b, rk_config *out) {
     const workload *w = &b->w;
     rk_config cfg = b->o.run.cfg;
     if (cfg.max_chunks < w->k) cfg.max_chunks = w->k;
@@ -126,10 +157,13 @@ rk_status rk_bench_run_inproc(bench *b, int mode) {
         cfg.prefix_blocks = pools[RK_POOL_PREFIX];
         cfg.chunk_blocks = pools[RK_POOL_CHUNK];
     }
-    m->hwm_reset = rk_bench_hwm_reset();
-    rk_service *svc = NULL;
-    rk_status st = rk_service_open(&cfg, b->o.model, &svc);
-    if (st) return st;
+    *out = cfg;
+}
+
+/* The model and the arena of the service into b and m, and warnings about
+ * pools too small for the workload (once). Reads only what is fixed once
+ * the service is open. */
+static void describe_service(bench *b, mode_result *m, rk_service *svc) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
     b->n_layers = hp->n_layers;
     b->n_kv_heads = hp->n_kv_heads;
@@ -166,7 +200,153 @@ rk_status rk_bench_run_inproc(bench *b, int mode) {
                 b, "the KV arena (%.0f MiB) is close to the available memory (%ld MiB)",
                 m->kv_arena_mib, avail / 1024);
     }
-    if (mode == MODE_RAG && b->o.prewarm && (st = prewarm_inproc(b, svc, m))) {
+}
+
+/* The text of a conversation's next turn (--turns): the turn's prompt, the
+ * model's answer and the next question, one per line; the chunks stay
+ * chunks and the question piece grows. The answer keeps the workload's
+ * alphabet, printable ASCII without '#': anything else becomes a space, so
+ * that it holds no separator and no broken UTF-8 (a byte token alone). *out
+ * replaces the previous text (freed). */
+static rk_status next_turn(rk_service *svc, const rk_request *r, const char *prompt,
+                           const char *question, char **out) {
+    char *answer;
+    size_t len;
+    rk_status st = rk_tokenizer_decode(rk_model_tokenizer(svc->model), r->out_tokens,
+                                       (size_t)r->n_out, 0, 0, &answer, &len);
+    if (st) return st;
+    for (size_t i = 0; i < len; i++)
+        if (answer[i] < 0x20 || answer[i] > 0x7e || answer[i] == '#') answer[i] = ' ';
+    size_t n = strlen(prompt) + len + strlen(question) + 3;
+    char *text = malloc(n);
+    if (text) snprintf(text, n, "%s%s\n%s", prompt, answer, question);
+    free(answer);
+    if (!text) return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
+    free(*out);
+    *out = text;
+    return RK_OK;
+}
+
+/* Open loop (--arrival-rate): each request is submitted at its Poisson
+ * arrival time to an engine thread (rk_scheduler, as `ragkv serve` runs
+ * them), whether earlier ones finished or not; the engine batches what is
+ * queued, up to OPEN_MAX_BATCH generations. TTFT and e2e count from the
+ * arrival time: tokenizing, the queue wait and the engine's own time. The
+ * chunk index is the engine thread's alone, so its counters are not read. */
+static rk_status run_open(bench *b, int mode) {
+    mode_result *m = &b->res[mode];
+    const workload *w = &b->w;
+    rk_scheduler_params p = {
+        .model_path = b->o.model, .max_queue = m->n_run + 1, .max_batch = OPEN_MAX_BATCH};
+    service_config(b, &p.cfg);
+    m->hwm_reset = rk_bench_hwm_reset();
+    rk_scheduler *e;
+    rk_status st = rk_scheduler_start(&p, &e);
+    if (st) return st;
+    char why[320];
+    while (rk_scheduler_get_state(e, why, sizeof why) == RK_SCHEDULER_LOADING) usleep(10000);
+    if (rk_scheduler_get_state(e, why, sizeof why) != RK_SCHEDULER_READY) {
+        rk_scheduler_free(e);
+        return rk_errorf(RK_ERR_IO, "bench: the engine did not start: %s", why);
+    }
+    rk_service *svc = rk_scheduler_service(e);
+    describe_service(b, m, svc);
+    if (mode == MODE_RAG && b->o.prewarm && (st = prewarm_inproc(b, svc, e, m))) {
+        rk_scheduler_free(e);
+        return st;
+    }
+    rk_req_options opt;
+    rk_bench_mode_options(&b->o, mode, &opt);
+    rk_job *jobs = calloc((size_t)m->n_run, sizeof *jobs);
+    double *sent = calloc((size_t)m->n_run, sizeof *sent);
+    unsigned char *queued = calloc((size_t)m->n_run, 1);
+    if (!jobs || !sent || !queued) {
+        free(jobs);
+        free(sent);
+        free(queued);
+        rk_scheduler_free(e);
+        return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
+    }
+    double t0 = rk_time_now();
+    for (int i = 0; i < m->n_run; i++) {
+        int j = m->run[i];
+        double due = t0 + w->arrival_s[j], now = rk_time_now();
+        while (now < due) {
+            double wait = due - now < 0.5 ? due - now : 0.5; /* usleep: under a second */
+            usleep((useconds_t)(wait * 1e6));
+            now = rk_time_now();
+        }
+        m->req[j].late_ms = (now - due) * 1e3;
+        rk_job *jb = &jobs[i];
+        if ((st = rk_job_init(jb))) {
+            if (!m->error[0])
+                snprintf(m->error, sizeof m->error, "request %d: %s", j, rk_error_message());
+            continue;
+        }
+        jb->req.opt = opt;
+        jb->req.opt.max_tokens = w->max_out[j];
+        rk_split pieces;
+        st =
+            rk_split_prompt(w->prompt[j], strlen(w->prompt[j]), "##", svc->cfg.max_chunks, &pieces);
+        if (!st) {
+            st = rk_request_prepare(svc, &pieces, &jb->req);
+            rk_split_free(&pieces);
+        }
+        sent[i] = rk_time_now();
+        if (!st) st = rk_scheduler_submit(e, jb);
+        if (st) {
+            if (!m->error[0])
+                snprintf(m->error, sizeof m->error, "request %d: %s", j, rk_error_message());
+            rk_job_destroy(jb);
+            continue;
+        }
+        queued[i] = 1;
+        rk_bench_maybe_progress(b, mode, i, i + 1, t0);
+    }
+    for (int i = 0; i < m->n_run; i++) {
+        if (!queued[i]) continue;
+        int j = m->run[i];
+        if ((st = job_finish(&jobs[i], b->o.http_timeout_s))) {
+            if (!m->error[0])
+                snprintf(m->error, sizeof m->error, "request %d: %s", j, rk_error_message());
+            continue;
+        }
+        const rk_request *r = &jobs[i].req;
+        req_result *x = &m->req[j];
+        double lead = (sent[i] - (t0 + w->arrival_s[j])) * 1e3; /* arrival to submit */
+        fill_from_request(r, x);
+        x->ttft_ms = lead + r->t.queue_ms + r->t.ttft_ms;
+        x->e2e_ms = lead + r->t.total_ms;
+        x->server_total_ms = x->e2e_ms;
+        x->n_out = r->n_out;
+        x->tpot_ms = x->n_out > 1 ? (x->e2e_ms - x->ttft_ms) / (x->n_out - 1) : NAN;
+    }
+    m->wall_s = rk_time_now() - t0;
+    m->vmhwm_kb = rk_bench_hwm_read();
+    /* Stopping the engine completes whatever a timeout left running; only
+     * then are the jobs the bench's to free. */
+    rk_scheduler_free(e);
+    for (int i = 0; i < m->n_run; i++)
+        if (queued[i]) rk_job_destroy(&jobs[i]);
+    free(jobs);
+    free(sent);
+    free(queued);
+    m->ran = 1;
+    return RK_OK;
+}
+
+rk_status rk_bench_run_inproc(bench *b, int mode) {
+    mode_result *m = &b->res[mode];
+    const workload *w = &b->w;
+    if (b->o.arrival_rate > 0) return run_open(b, mode);
+    rk_config cfg;
+    service_config(b, &cfg);
+    m->hwm_reset = rk_bench_hwm_reset();
+    rk_service *svc = NULL;
+    rk_status st = rk_service_open(&cfg, b->o.model, &svc);
+    if (st) return st;
+    describe_service(b, m, svc);
+    if (mode == MODE_RAG && b->o.prewarm && (st = prewarm_inproc(b, svc, NULL, m))) {
         rk_service_close(svc);
         return st;
     }
@@ -179,57 +359,88 @@ rk_status rk_bench_run_inproc(bench *b, int mode) {
     rk_request *reqs = calloc((size_t)C, sizeof *reqs);
     rk_request **ptrs = calloc((size_t)C, sizeof *ptrs);
     int *idx = calloc((size_t)C, sizeof *idx);
-    if (!reqs || !ptrs || !idx) {
+    char **conv = calloc((size_t)C, sizeof *conv); /* each slot's conversation so far */
+    if (!reqs || !ptrs || !idx || !conv) {
         free(reqs);
         free(ptrs);
         free(idx);
+        free(conv);
         rk_service_close(svc);
         return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
     }
     double t0 = rk_time_now();
     for (int i0 = 0; i0 < m->n_run; i0 += C) {
-        int n = m->n_run - i0 < C ? m->n_run - i0 : C, n_prep = 0;
-        double tb = rk_time_now();
-        for (int i = i0; i < i0 + n; i++) {
-            int j = m->run[i];
-            double tr = rk_time_now();
-            rk_split pieces;
-            rk_request *r = &reqs[n_prep];
-            memset(r, 0, sizeof *r);
-            r->opt = opt;
-            st = rk_split_prompt(w->prompt[j], strlen(w->prompt[j]), "##", cfg.max_chunks, &pieces);
-            if (!st) {
-                st = rk_request_prepare(svc, &pieces, r);
-                rk_split_free(&pieces);
+        int n = m->n_run - i0 < C ? m->n_run - i0 : C;
+        /* Turn by turn, the batch's conversations together; a conversation
+         * whose turn failed has no text (conv[s] NULL) and stops. */
+        for (int turn = 0; turn < b->o.turns; turn++) {
+            int n_prep = 0;
+            double tb = rk_time_now();
+            for (int s = 0; s < n; s++) {
+                int j = m->run[i0 + s];
+                if (turn > 0 && !conv[s]) continue;
+                const char *text = turn ? conv[s] : w->prompt[j];
+                double tr = rk_time_now();
+                rk_split pieces;
+                rk_request *r = &reqs[n_prep];
+                memset(r, 0, sizeof *r);
+                r->opt = opt;
+                r->opt.max_tokens = w->max_out[j];
+                st = rk_split_prompt(text, strlen(text), "##", cfg.max_chunks, &pieces);
+                if (!st) {
+                    st = rk_request_prepare(svc, &pieces, r);
+                    rk_split_free(&pieces);
+                }
+                if (st) {
+                    if (!m->error[0])
+                        snprintf(m->error, sizeof m->error, "request %d turn %d: %s", j, turn + 1,
+                                 rk_error_message());
+                    continue;
+                }
+                if (turn == 0) m->req[j].prep_ms = (rk_time_now() - tr) * 1e3;
+                idx[n_prep] = s;
+                ptrs[n_prep++] = r;
             }
-            if (st) {
-                if (!m->error[0])
-                    snprintf(m->error, sizeof m->error, "request %d: %s", j, rk_error_message());
-                continue;
+            double prep_ms = (rk_time_now() - tb) * 1e3;
+            st = rk_pipeline_run(svc, ptrs, n_prep, NULL);
+            if (st && !m->error[0])
+                snprintf(m->error, sizeof m->error, "requests %d..%d turn %d: %s", m->run[i0],
+                         m->run[i0 + n - 1], turn + 1, rk_error_message());
+            for (int q = 0; q < n_prep; q++) {
+                int s = idx[q], j = m->run[i0 + s];
+                req_result *x = turn ? &m->turn[(size_t)(turn - 1) * w->n_req + j] : &m->req[j];
+                if (!st) {
+                    fill_from_request(ptrs[q], x);
+                    /* TTFT as the API reports it (the pipeline's, tokenizing apart);
+                     * the latency includes tokenizing the whole batch. */
+                    x->ttft_ms = ptrs[q]->t.ttft_ms;
+                    x->n_out = ptrs[q]->n_out;
+                    x->tpot_ms =
+                        x->n_out > 1 ? (ptrs[q]->t.total_ms - x->ttft_ms) / (x->n_out - 1) : NAN;
+                    x->e2e_ms = prep_ms + ptrs[q]->t.total_ms;
+                    x->server_total_ms = x->e2e_ms;
+                }
+                rk_status nt = RK_OK;
+                if (!st && turn + 1 < b->o.turns)
+                    nt = next_turn(svc, ptrs[q], turn ? conv[s] : w->prompt[j],
+                                   w->followup[(size_t)j * w->n_followups + turn], &conv[s]);
+                if (st || nt || turn + 1 == b->o.turns) {
+                    if (nt && !m->error[0])
+                        snprintf(m->error, sizeof m->error, "request %d turn %d: %s", j, turn + 2,
+                                 rk_error_message());
+                    free(conv[s]);
+                    conv[s] = NULL;
+                }
+                rk_request_free(ptrs[q]);
             }
-            m->req[j].prep_ms = (rk_time_now() - tr) * 1e3;
-            idx[n_prep] = j;
-            ptrs[n_prep++] = r;
         }
-        double prep_ms = (rk_time_now() - tb) * 1e3;
-        st = rk_pipeline_run(svc, ptrs, n_prep, NULL);
-        if (st && !m->error[0])
-            snprintf(m->error, sizeof m->error, "requests %d..%d: %s", m->run[i0],
-                     m->run[i0 + n - 1], rk_error_message());
-        for (int q = 0; q < n_prep; q++) {
-            req_result *x = &m->req[idx[q]];
-            if (!st) {
-                fill_from_request(ptrs[q], x);
-                /* TTFT as the API reports it (the pipeline's, tokenizing apart);
-                 * the latency includes tokenizing the whole batch. */
-                x->ttft_ms = ptrs[q]->t.ttft_ms;
-                x->e2e_ms = prep_ms + ptrs[q]->t.total_ms;
-                x->server_total_ms = x->e2e_ms;
-            }
-            rk_request_free(ptrs[q]);
+        for (int s = 0; s < n; s++) {
+            free(conv[s]);
+            conv[s] = NULL;
         }
         rk_bench_maybe_progress(b, mode, i0, i0 + n, t0);
     }
+    free(conv);
     m->wall_s = rk_time_now() - t0;
     rk_chunk_index_get_stats(svc->chunks, &s1);
     m->have_index = 1;

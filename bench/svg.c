@@ -12,7 +12,8 @@
 
 /* ---------------------------------------------------------------- output: SVG */
 
-static const char *const k_colors[N_MODES] = {"#d62728", "#ff7f0e", "#2ca02c", "#1f77b4"};
+static const char *const k_colors[N_MODES] = {"#d62728", "#ff7f0e", "#2ca02c", "#1f77b4",
+                                              "#9467bd"};
 
 static void svg_text(FILE *f, double x, double y, const char *anchor, int size, const char *s) {
     fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"%s\" font-size=\"%d\">", x, y, anchor,

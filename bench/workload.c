@@ -185,6 +185,10 @@ void rk_bench_workload_free(workload *w) {
     for (int i = 0; i < w->n_sys && w->sys; i++) free(w->sys[i]);
     for (int i = 0; i < w->n_req && w->question; i++) free(w->question[i]);
     for (int i = 0; i < w->n_req && w->prompt; i++) free(w->prompt[i]);
+    for (int i = 0; i < w->n_req * w->n_followups && w->followup; i++) free(w->followup[i]);
+    free(w->followup);
+    free(w->max_out);
+    free(w->arrival_s);
     free(w->chunk);
     free(w->chunk_tok);
     free(w->sys);
@@ -245,12 +249,16 @@ rk_status rk_bench_workload_build(const bench_opts *o, const textgen *g, workloa
     w->weight = calloc((size_t)n, sizeof *w->weight);
     w->incl = calloc((size_t)n, sizeof *w->incl);
     w->p_hit = calloc((size_t)R, sizeof *w->p_hit);
+    w->max_out = calloc((size_t)R, sizeof *w->max_out);
+    w->arrival_s = calloc((size_t)R, sizeof *w->arrival_s);
+    w->n_followups = o->turns - 1;
+    w->followup = calloc((size_t)R * (size_t)w->n_followups + 1, sizeof *w->followup);
     double *cdf = calloc((size_t)n, sizeof *cdf);
     unsigned char *seen = calloc((size_t)n, 1);
     rk_status st = RK_OK;
     if (!w->chunk || !w->chunk_tok || !w->sys || !w->sys_tok || !w->req_sys || !w->req_chunks ||
         !w->question || !w->q_tok || !w->prompt || !w->weight || !w->incl || !w->p_hit || !cdf ||
-        !seen) {
+        !seen || !w->max_out || !w->arrival_s || !w->followup) {
         st = rk_errorf(RK_ERR_NOMEM, "bench: out of memory for the workload");
         goto done;
     }
@@ -308,7 +316,24 @@ rk_status rk_bench_workload_build(const bench_opts *o, const textgen *g, workloa
         }
         w->prompt[j] = b.s;
     }
+    /* Follow-up questions last, so that a workload without them is the same. */
+    for (int i = 0; i < R * w->n_followups && !st; i++) {
+        int tok;
+        st = gen_text(g, &r, o->question_tokens, &w->followup[i], &tok);
+    }
     if (st) goto done;
+    /* Output lengths and arrival times from streams of their own, for the
+     * same reason (and so that the lengths do not depend on the rate):
+     * uniform in [max_min, max_max], and a Poisson process (exponential gaps
+     * of mean 1/rate) starting at 0. */
+    rng r_len = {.s = o->seed * 0x9e3779b97f4a7c15ull + 101};
+    rng r_arr = {.s = o->seed * 0xd1b54a32d192ed03ull + 202};
+    double t = 0;
+    for (int j = 0; j < R; j++) {
+        w->max_out[j] = o->max_min + rng_below(&r_len, o->max_max - o->max_min + 1);
+        w->arrival_s[j] = t;
+        if (o->arrival_rate > 0) t += -log(1 - rng_unit(&r_arr)) / o->arrival_rate;
+    }
 
     /* The prediction (see the top of this file) and the ideal miss count:
      * first uses of a chunk, batch by batch (a chunk first used by two

@@ -205,6 +205,72 @@ Test(bench, baseline_every_samples_plain_and_prefix_over_the_same_list, .timeout
     json_decref(root);
 }
 
+/* The output lengths of a run: each in [lo, hi], their sum the mode's
+ * output_tokens; returns how many distinct lengths there were. */
+static int check_output_lengths(json_t *m, int lo, int hi) {
+    json_t *each = json_object_get(json_object_get(m, "each"), "output_tokens");
+    json_int_t sum = 0;
+    int seen[64] = {0}, distinct = 0;
+    cr_assert(json_array_size(each) > 0);
+    for (size_t j = 0; j < json_array_size(each); j++) {
+        json_t *v = json_array_get(each, j);
+        cr_assert(json_is_integer(v), "request %zu has no output length", j);
+        json_int_t n = json_integer_value(v);
+        cr_expect(n >= lo && n <= hi, "request %zu generated %lld tokens", j, (long long)n);
+        if (n >= 0 && n < 64 && !seen[n]++) distinct++;
+        sum += n;
+    }
+    cr_expect_eq(geti(m, "output_tokens", NULL), sum);
+    return distinct;
+}
+
+Test(bench, max_tokens_range_draws_lengths_in_range_and_reports_tpot, .timeout = 120) {
+    /* Not plain: the check that rag beats it needs longer prompts than these. */
+    json_t *root = run_bench(SMALL " --modes prefix,rag --max-tokens 2:5", 0);
+    cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
+    json_t *modes = json_object_get(root, "modes");
+    for (int i = 0; i < 2; i++) {
+        json_t *m = json_object_get(modes, i ? "rag" : "prefix");
+        cr_expect_gt(check_output_lengths(m, 2, 5), 1, "every request got the same length");
+        double p50 = getf(m, "tpot_ms", "p50"), p99 = getf(m, "tpot_ms", "p99");
+        cr_expect(p50 > 0 && p99 >= p50, "TPOT p50 %.3f p99 %.3f", p50, p99);
+        json_t *tps = json_object_get(m, "output_tokens_per_s");
+        cr_expect(json_is_number(tps) && json_number_value(tps) > 0, "no output tokens/s");
+    }
+    /* Both modes ran the same lengths: the draw is part of the seeded workload. */
+    cr_expect_eq(geti(json_object_get(modes, "prefix"), "output_tokens", NULL),
+                 geti(json_object_get(modes, "rag"), "output_tokens", NULL));
+    json_decref(root);
+    /* One length: every request generates it; with one token there is no TPOT. */
+    root = run_bench(SMALL " --modes rag --max-tokens 3", 0);
+    json_t *rag = json_object_get(json_object_get(root, "modes"), "rag");
+    cr_expect_eq(check_output_lengths(rag, 3, 3), 1);
+    json_decref(root);
+    root = run_bench(SMALL " --modes rag", 0);
+    rag = json_object_get(json_object_get(root, "modes"), "rag");
+    cr_expect(json_is_null(json_object_get(json_object_get(rag, "tpot_ms"), "p50")));
+    json_decref(root);
+}
+
+Test(bench, arrival_rate_in_process_submits_every_request_through_the_engine, .timeout = 120) {
+    json_t *root = run_bench(SMALL " --modes prefix,rag --max-tokens 2:4 --arrival-rate 50", 0);
+    cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
+    cr_expect_float_eq(getf(root, "workload", "arrival_rate"), 50.0, 1e-9);
+    json_t *modes = json_object_get(root, "modes");
+    for (int i = 0; i < 2; i++) {
+        json_t *m = json_object_get(modes, i ? "rag" : "prefix");
+        cr_expect_eq(geti(m, "ok", NULL), 30);
+        json_int_t late = geti(m, "open_loop", "late");
+        cr_expect(late >= 0 && late <= 30, "late %lld", (long long)late);
+        check_output_lengths(m, 2, 4);
+        cr_expect_gt(getf(m, "tpot_ms", "p50"), 0);
+    }
+    json_t *rag = json_object_get(modes, "rag");
+    cr_expect_eq(geti(rag, "chunks", "hits") + geti(rag, "chunks", "misses"), 90);
+    cr_expect_eq(geti(rag, "chunks", "lookups"), 90);
+    json_decref(root);
+}
+
 Test(bench, plot_is_a_complete_svg_with_one_curve_per_mode, .timeout = 120) {
     char *dir = rk_test_tmpdir("bench_plot");
     char path[512], args[1024];
@@ -235,6 +301,15 @@ Test(bench, rejects_bad_usage_with_status_2) {
                          "--requests 0",
                          "--baseline-every 0",
                          "--kv-dtype f8",
+                         "--max-tokens 5:2",
+                         "--max-tokens 0",
+                         "--max-tokens 2:x",
+                         "--arrival-rate 0 --url http://127.0.0.1:9",
+                         "--arrival-rate -1 --url http://127.0.0.1:9",
+                         "--turns 0 --url http://127.0.0.1:9",
+                         "--turns 17 --url http://127.0.0.1:9",
+                         "--turns 2 --arrival-rate 5",
+                         "--peer-url http://10.1.2.3:80",
                          "extra"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         char cmd[512];
@@ -350,4 +425,127 @@ Test(bench, http_mode_against_ragkv_serve_counts_what_in_process_counts, .timeou
     json_decref(http);
     json_decref(warm);
     json_decref(local);
+}
+
+/* A turn of a mode's "turns" list: computed + cached = prompt tokens. */
+static json_t *check_turn(json_t *m, int t, int requests) {
+    json_t *x = json_array_get(json_object_get(m, "turns"), (size_t)t);
+    cr_assert_not_null(x, "turn %d is missing", t + 1);
+    cr_expect_eq(geti(x, "turn", NULL), t + 1);
+    cr_expect_eq(geti(x, "ok", NULL), requests, "turn %d", t + 1);
+    cr_expect_eq(geti(x, "computed_tokens", NULL) + geti(x, "cached_tokens", NULL),
+                 geti(x, "prompt_tokens", NULL), "turn %d: computed + cached != prompt", t + 1);
+    cr_expect(json_is_number(json_object_get(json_object_get(x, "ttft_ms"), "p50")));
+    return x;
+}
+
+#define SCEN "--corpus 12 --k 2 --requests 8 --chunk-tokens 32:48 --question-tokens 8 --threads 2"
+
+Test(bench, serving_scenarios_over_http_with_a_peer_server, .timeout = 240) {
+    pid_t pid_a, pid_b;
+    FILE *fa, *fb;
+    int port_a = start_server(&pid_a, &fa), port_b = start_server(&pid_b, &fb);
+    char args[1024], *out[3] = {NULL, NULL, NULL}, *dir = rk_test_tmpdir("bench_peer"),
+                     svg_path[512];
+    int rc[3] = {-1, -1, -1};
+    snprintf(svg_path, sizeof svg_path, "%s/p.svg", dir);
+    if (port_a > 0 && port_b > 0) {
+        snprintf(args, sizeof args,
+                 SCEN " --modes rag --max-tokens 2:5 --url http://127.0.0.1:%d "
+                      "--peer-url http://127.0.0.1:%d --plot %s",
+                 port_a, port_b, svg_path);
+        rc[0] = run_bench_raw(args, &out[0]);
+        snprintf(args, sizeof args,
+                 SCEN " --modes rag --max-tokens 2:5 --arrival-rate 40 --url http://127.0.0.1:%d",
+                 port_a);
+        rc[1] = run_bench_raw(args, &out[1]);
+        snprintf(args, sizeof args,
+                 SCEN " --modes rag --max-tokens 2:4 --turns 2 --url http://127.0.0.1:%d "
+                      "--peer-url http://127.0.0.1:%d",
+                 port_a, port_b);
+        rc[2] = run_bench_raw(args, &out[2]);
+    }
+    stop_server(pid_a, fa);
+    stop_server(pid_b, fb);
+    cr_assert(port_a > 0 && port_b > 0, "ragkv serve printed no port");
+
+    /* The peer: its own row, the same request list and output lengths. */
+    json_t *root = parse_json("bench --peer-url", rc[0], out[0]);
+    cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
+    json_t *modes = json_object_get(root, "modes");
+    json_t *rag = json_object_get(modes, "rag"), *peer = json_object_get(modes, "peer");
+    cr_assert_not_null(peer, "no peer row");
+    cr_expect_eq(geti(peer, "requests", NULL), 8);
+    cr_expect_eq(geti(peer, "ok", NULL), 8);
+    check_output_lengths(peer, 2, 5);
+    check_output_lengths(rag, 2, 5);
+    json_t *pe = json_object_get(json_object_get(peer, "each"), "output_tokens"),
+           *re = json_incref(json_object_get(json_object_get(rag, "each"), "output_tokens"));
+    for (size_t j = 0; j < 8; j++)
+        cr_expect(json_equal(json_array_get(pe, j), json_array_get(re, j)), "request %zu", j);
+    json_int_t pp = geti(peer, "prompt_tokens", NULL);
+    cr_expect_eq(geti(peer, "computed_tokens", NULL) + geti(peer, "reused_tokens", NULL), pp);
+    /* Newlines instead of separators: about the same prompt as ragkv's. */
+    json_int_t rp = geti(rag, "prompt_tokens", NULL);
+    cr_expect(pp > 0 && llabs(pp - rp) * 10 <= rp, "peer %lld vs rag %lld prompt tokens",
+              (long long)pp, (long long)rp);
+    cr_expect_eq(geti(peer, "chunks", "lookups"), 0);
+    cr_expect_gt(getf(peer, "tpot_ms", "p50"), 0);
+    cr_expect_gt(getf(rag, "tpot_ms", "p50"), 0);
+    cr_expect_str_eq(json_string_value(json_array_get(json_object_get(root, "order"), 1)), "peer");
+    json_decref(root);
+    size_t len;
+    char *svg = rk_test_read_file(svg_path, &len);
+    cr_assert_not_null(svg);
+    cr_expect(strstr(svg, "peer (p50 ") != NULL, "the plot has no peer curve");
+    free(svg);
+    free(dir);
+
+    /* Open loop: every request ran; the late sends are counted. */
+    root = parse_json("bench --arrival-rate", rc[1], out[1]);
+    cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
+    rag = json_object_get(json_object_get(root, "modes"), "rag");
+    cr_expect_eq(geti(rag, "ok", NULL), 8);
+    /* The arrival times do not change the output lengths. */
+    cr_expect(json_equal(json_object_get(json_object_get(rag, "each"), "output_tokens"), re),
+              "the open loop drew other output lengths");
+    json_decref(re);
+    json_int_t late = geti(rag, "open_loop", "late");
+    cr_expect(late >= 0 && late <= 8, "late %lld", (long long)late);
+    cr_expect_float_eq(getf(root, "workload", "arrival_rate"), 40.0, 1e-9);
+    json_decref(root);
+
+    /* Two turns: the second prompt holds the first and the answer; the
+     * server's prefix cache reuses part of it. */
+    root = parse_json("bench --turns 2", rc[2], out[2]);
+    cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
+    modes = json_object_get(root, "modes");
+    for (int i = 0; i < 2; i++) {
+        json_t *m = json_object_get(modes, i ? "peer" : "rag");
+        cr_assert_not_null(m);
+        cr_expect_eq(json_array_size(json_object_get(m, "turns")), 2);
+        json_t *t1 = check_turn(m, 0, 8), *t2 = check_turn(m, 1, 8);
+        cr_expect_gt(geti(t2, "prompt_tokens", NULL), geti(t1, "prompt_tokens", NULL));
+    }
+    json_t *t2 = check_turn(json_object_get(modes, "rag"), 1, 8);
+    cr_expect_gt(geti(t2, "cached_tokens", NULL), 0, "turn 2 reused nothing");
+    json_decref(root);
+}
+
+Test(bench, turns_in_process_continue_each_conversation_with_its_chunks_cached, .timeout = 120) {
+    json_t *root = run_bench(SMALL " --modes rag --turns 2 --max-tokens 2:3 --concurrency 3", 0);
+    cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
+    json_t *rag = json_object_get(json_object_get(root, "modes"), "rag");
+    json_t *t1 = check_turn(rag, 0, 30), *t2 = check_turn(rag, 1, 30);
+    /* Turn 2 holds turn 1's prompt, its answer and a new question. */
+    cr_expect_gt(geti(t2, "prompt_tokens", NULL), geti(t1, "prompt_tokens", NULL));
+    /* Its chunks were all computed in turn 1: they and the system prompts are reused. */
+    cr_expect_gt(geti(t2, "cached_tokens", NULL), geti(t1, "cached_tokens", NULL));
+    json_decref(root);
+    /* Without --kv-memory-mb the live pool holds the longest conversation:
+     * plain, the whole prompt live, at its third turn. */
+    root = run_bench(SMALL " --modes plain --turns 3 --max-tokens 8:16", 0);
+    json_t *plain = json_object_get(json_object_get(root, "modes"), "plain");
+    check_turn(plain, 2, 30);
+    json_decref(root);
 }
