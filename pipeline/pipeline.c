@@ -39,6 +39,8 @@ struct rk_req_state {
     rk_radix_node *lock; /* radix path held for the request */
     int sys_first;       /* first system token to compute */
     int n_insert;        /* system tokens to insert into the radix tree after pass 1 */
+    int32_t partial_src; /* radix page the match continues into (referenced), -1 = none */
+    int n_partial;       /* its first rows to copy, at table index sys_first - n_partial */
     rk_layout layout;
     rk_chunk_entry **entries; /* (n_chunks) references held, NULL for oracle chunks */
     rk_chunk_lookup *kinds;   /* (n_chunks) */
@@ -507,9 +509,11 @@ static void persist(rk_service *svc, const rk_chunk_entry *e, rk_chunk_context c
         RK_LOG_WARN("chunk not persisted: %s", rk_error_message());
 }
 
-/* Match the system prompt, share its cached pages, reserve blocks for the
- * rest of the system (prefix pool for whole pages that will be inserted,
- * live pool after) and for the chunks, question and generated tokens. */
+/* Match the system prompt, share its cached pages, take a reference on the
+ * page that continues the match for less than a page (its rows are copied
+ * before pass 1), reserve blocks for the rest of the system (prefix pool for
+ * the pages that will be inserted, the partial last one included, live pool
+ * after) and for the chunks, question and generated tokens. */
 static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_table) {
     rk_req_state *s = r->state;
     int bs = rk_arena_block_size(svc->arena);
@@ -519,14 +523,19 @@ static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_tabl
         int32_t *pages = malloc((size_t)(r->n_sys / bs + 1) * sizeof *pages);
         if (!pages) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
         rk_radix_result m;
-        int flags = s->n_qtok == 0 ? RK_RADIX_LEAVE_ONE : 0;
+        int flags = RK_RADIX_PARTIAL | (s->n_qtok == 0 ? RK_RADIX_LEAVE_ONE : 0);
         st = rk_radix_match(svc->prefix, svc->prefix_ns, r->sys, r->n_sys, flags, pages, &m);
         s->lock = m.node;
+        /* The partial page is not locked: reference it before anything can evict it. */
+        if (!st && m.n_partial > 0 && !(st = rk_arena_ref(svc->arena, &m.partial_page, 1))) {
+            s->partial_src = m.partial_page;
+            s->n_partial = m.n_partial;
+        }
         if (!st) st = rk_seq_share(&s->kv, svc->arena, pages, m.n_matched / bs);
         free(pages);
         if (st) return st;
-        s->sys_first = m.n_matched;
-        int aligned = r->n_sys / bs * bs, n_new = aligned - m.n_matched;
+        s->sys_first = m.n_matched + m.n_partial;
+        int n_new = r->n_sys - m.n_matched;
         if (n_new > 0) {
             st = rk_seq_reserve(&s->kv, svc->arena, RK_POOL_PREFIX, n_new, NULL);
             if (st == RK_ERR_EXHAUSTED) {
@@ -535,7 +544,7 @@ static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_tabl
             }
             if (st == RK_OK) {
                 s->kv.n_tokens += n_new;
-                s->n_insert = aligned;
+                s->n_insert = r->n_sys;
             } else if (st != RK_ERR_EXHAUSTED) {
                 return st;
             } /* else the prefix pool is all locked: compute in live blocks, cache nothing */
@@ -546,6 +555,13 @@ static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_tabl
     if ((st = rk_seq_reserve(&s->kv, svc->arena, RK_POOL_LIVE, rest, NULL))) return st;
     s->kv.n_tokens = n_prompt_table;
     return RK_OK;
+}
+
+/* Drop the reference on the partial page a match continued into. */
+static void drop_partial(rk_service *svc, rk_req_state *s) {
+    if (s->n_partial) rk_arena_release(svc->arena, &s->partial_src, 1);
+    s->n_partial = 0;
+    s->partial_src = -1;
 }
 
 static void chunk_policy(rk_service *svc, const rk_request *r, rk_chunk_policy *p) {
@@ -656,16 +672,23 @@ static rk_status plan_system_chunk(rk_service *svc, rk_request *r, int k, batch 
     return batch_add(pass2, bs, &sc->kv, r->chunks[k], r->chunk_lens[k], r->n_sys, r->n_sys, 0);
 }
 
-/* After the radix-bound system pages are computed: insert them. The tree
- * takes a reference on the pages it keeps; its locked path replaces ours. */
+/* After the radix-bound system pages are computed: insert them, the partial
+ * last page as the tail it is (the request goes on writing its later rows,
+ * which a match never copies). The tree takes a reference on the pages it
+ * keeps; its locked path replaces ours. */
 static rk_status insert_system(rk_service *svc, rk_request *r) {
     rk_req_state *s = r->state;
     int bs = rk_arena_block_size(svc->arena), present;
     rk_radix_node *node;
-    rk_status st = rk_radix_insert(svc->prefix, svc->prefix_ns, r->sys, s->n_insert, s->kv.blocks,
-                                   0, &present, &node);
+    /* The tree owns the partial page from the call on, even when it fails. */
+    rk_status st =
+        s->n_insert % bs ? rk_arena_ref(svc->arena, &s->kv.blocks[s->n_insert / bs], 1) : RK_OK;
     if (st) return st;
-    st = rk_arena_ref(svc->arena, s->kv.blocks + present / bs, (s->n_insert - present) / bs);
+    st = rk_radix_insert_partial(svc->prefix, svc->prefix_ns, r->sys, s->n_insert, s->kv.blocks, 0,
+                                 &present, &node);
+    if (st) return st;
+    st = rk_arena_ref(svc->arena, s->kv.blocks + present / bs,
+                      (s->n_insert / bs * bs - present) / bs);
     if (st) return st;
     if (s->lock) rk_radix_unlock(svc->prefix, s->lock);
     s->lock = node;
@@ -683,6 +706,7 @@ static void release_request(rk_service *svc, rk_request *r, int failed) {
         if (s->entries[k]) rk_chunk_index_release(svc->chunks, s->entries[k], failed);
     }
     if (s->lock) rk_radix_unlock(svc->prefix, s->lock);
+    drop_partial(svc, s);
     rk_seq_release(&s->kv, svc->arena);
     rk_sampler_free(&s->sampler);
     rk_layout_free(&s->layout);
@@ -699,6 +723,7 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
     rk_req_state *s = calloc(1, sizeof *s);
     if (!s) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
     r->state = s;
+    s->partial_src = -1;
     s->t_start = rk_time_now();
     int nc = r->n_chunks ? r->n_chunks : 1;
     s->entries = calloc((size_t)nc, sizeof *s->entries);
@@ -816,6 +841,9 @@ static rk_status stage_system_and_chunks(admission *a) {
         rk_request *r = a->reqs[i];
         rk_req_state *s = r->state;
         if ((st = start_request(a->svc, r, s->q_index + s->n_qtok))) return st;
+        if (s->n_partial && (st = rk_copy_plan_add(a->copies, bs, &s->partial_src, 0, &s->kv,
+                                                   s->sys_first - s->n_partial, s->n_partial, 0)))
+            return st;
         if (s->sys_first < r->n_sys &&
             (st = batch_add(a->b, bs, &s->kv, r->sys + s->sys_first, r->n_sys - s->sys_first,
                             s->sys_first, s->sys_first, 0)))
@@ -826,6 +854,10 @@ static rk_status stage_system_and_chunks(admission *a) {
             return st;
     double t_lookup = rk_time_now() - t;
     t = rk_time_now();
+    /* The partial pages' rows first: the tails computed in pass 1 attend to them. */
+    if ((st = rk_copy_plan_run(a->copies, a->svc->be, a->svc->arena, rk_model_rope(a->svc->model))))
+        return st;
+    for (int i = 0; i < a->n; i++) drop_partial(a->svc, a->reqs[i]->state);
     if ((st = batch_run(a->svc, a->b))) return st;
     for (int i = 0; i < a->n; i++)
         if (a->reqs[i]->state->n_insert && (st = insert_system(a->svc, a->reqs[i]))) return st;
