@@ -30,6 +30,7 @@ const char *rk_chunk_source_name(rk_chunk_source s) {
     switch (s) {
     case RK_CHUNK_SOURCE_ARENA: return "arena";
     case RK_CHUNK_SOURCE_DISK: return "disk";
+    case RK_CHUNK_SOURCE_PREFIX: return "prefix";
     case RK_CHUNK_SOURCE_COMPUTED: break;
     }
     return "computed";
@@ -52,8 +53,11 @@ static json_t *timings_json(const rk_request *r) {
 
 json_t *rk_report_ragkv(const rk_request *r) {
     json_t *chunks = json_array();
+    int chunk_hits = 0; /* chunk-cache hits reindexed, less what repair recomputed */
     for (int k = 0; k < r->n_chunks; k++) {
         const rk_chunk_report *c = &r->chunk_reports[k];
+        if (c->status == RK_CHUNK_STATUS_HIT && c->source != RK_CHUNK_SOURCE_PREFIX)
+            chunk_hits += c->tokens - c->repaired;
         json_array_append_new(chunks, json_pack("{s:i, s:s, s:i, s:s, s:s, s:i, s:f, s:i}", "index",
                                                 k, "key", c->key, "tokens", c->tokens, "status",
                                                 rk_chunk_status_name(c->status), "source",
@@ -63,11 +67,14 @@ json_t *rk_report_ragkv(const rk_request *r) {
     }
     json_t *ids = json_array();
     for (int i = 0; i < r->n_out; i++) json_array_append_new(ids, json_integer(r->out_tokens[i]));
-    return json_pack("{s:{s:i, s:i}, s:o, s:i, s:{s:i}, s:i, s:o, s:o}", "system", "tokens",
+    /* Together they are usage.prompt_tokens_details.cached_tokens. */
+    json_t *reused = json_pack("{s:i, s:i, s:i}", "prefix", r->sys_cached, "chunks", chunk_hits,
+                               "conversation", r->conv_cached);
+    return json_pack("{s:{s:i, s:i}, s:o, s:i, s:{s:i}, s:i, s:o, s:o, s:o}", "system", "tokens",
                      r->n_sys, "cached_tokens", r->sys_cached, "chunks", chunks,
                      "empty_chunks_skipped", r->n_empty_chunks, "question", "tokens", r->n_question,
-                     "recomputed_tokens", r->recomputed_tokens, "completion_ids", ids, "timings",
-                     timings_json(r));
+                     "recomputed_tokens", r->recomputed_tokens, "reused", reused, "completion_ids",
+                     ids, "timings", timings_json(r));
 }
 
 json_t *rk_report_usage(const rk_request *r) {

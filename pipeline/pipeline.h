@@ -35,8 +35,8 @@ typedef struct rk_service {
     rk_backend *be;
     rk_model *model;
     rk_arena *arena;
-    rk_radix *prefix;       /* system-prompt cache over prefix-pool blocks; NULL when disabled */
-    uint64_t prefix_ns;     /* its namespace: derived from the model fingerprint */
+    rk_radix *prefix;       /* sequence cache over prefix-pool blocks; NULL when disabled */
+    uint64_t prefix_ns;     /* from the model fingerprint; requests derive theirs from it */
     rk_chunk_index *chunks; /* the chunk cache over chunk-pool blocks */
     rk_store *store;        /* the disk tier; NULL without --store */
 } rk_service;
@@ -59,8 +59,11 @@ typedef enum rk_chunk_context {
 
 typedef struct rk_req_options {
     rk_req_mode mode;
-    int chunk_cache;  /* 0 = the oracle: chunks computed fresh at their live positions */
-    int prefix_cache; /* match and insert the system prompt in the radix tree */
+    int chunk_cache; /* 0 = the oracle: chunks computed fresh at their live positions */
+    /* Match the request's sequence in the radix tree and insert it: the
+     * system prompt after pass 1, the whole sequence (prompt and generated
+     * tokens with KV) when the request finishes. */
+    int prefix_cache;
     rk_chunk_context chunk_context;
     rk_position_mode positions;
     int max_tokens;
@@ -94,6 +97,9 @@ typedef enum rk_chunk_source {
     RK_CHUNK_SOURCE_COMPUTED = 0,
     RK_CHUNK_SOURCE_ARENA,
     RK_CHUNK_SOURCE_DISK,
+    /* Inside the prefix an earlier request's sequence shared with this one:
+     * neither looked up nor reindexed (status RK_CHUNK_STATUS_HIT). */
+    RK_CHUNK_SOURCE_PREFIX,
 } rk_chunk_source;
 
 /* Why a request stopped generating. */
@@ -142,7 +148,8 @@ typedef struct rk_request {
     int finished;                   /* it left the pipeline: everything it held is released */
     rk_chunk_report *chunk_reports; /* (n_chunks) */
     int sys_cached;                 /* system tokens reused from the prefix cache */
-    int recomputed_tokens;          /* chunk tokens recomputed by the repair policy */
+    int conv_cached;       /* tokens past the system prompt reused from an earlier sequence */
+    int recomputed_tokens; /* chunk tokens recomputed by the repair policy */
     int prompt_tokens, cached_tokens, computed_tokens;
     rk_req_timings t;
 
