@@ -1,9 +1,11 @@
 /* pipeline/pipeline.h — the request pipeline:
  *
- *   split → tokenize → system prompt through the radix cache → chunks through
- *   the chunk index (compute misses once, at base positions) → reindex (copy
- *   and rotate cached KV into the request's live blocks) → repair → question
- *   prefill (first token) → decode steps → release.
+ *   split → tokenize → the longest cached prefix of the request's sequence
+ *   through the radix cache → chunks after it through the chunk index
+ *   (compute misses once, at base positions) → reindex (copy and rotate
+ *   cached KV into the request's live blocks) → repair → question prefill
+ *   (first token) → decode steps → release (the whole sequence into the
+ *   radix cache).
  *
  * The pipeline is incremental: rk_pipeline_admit runs the prompt stages of
  * new requests together (every stage's forward work for all of them in one
