@@ -801,7 +801,15 @@ static void insert_sequence(rk_service *svc, rk_request *r) {
     int bs = rk_arena_block_size(svc->arena), n = s->n_valid, present;
     if (!s->key || n < s->n_prompt) return; /* n_valid is 0 or covers the prompt */
     memcpy(s->key + s->n_prompt, r->out_tokens, (size_t)(n - s->n_prompt) * sizeof *s->key);
+    /* A chunk entry's block in the table stays the chunk cache's: the
+     * sequence is inserted up to it. */
+    for (int i = 0; i < (n + bs - 1) / bs; i++)
+        if (rk_arena_block_pool(svc->arena, s->kv.blocks[i]) == RK_POOL_CHUNK) {
+            n = i * bs;
+            break;
+        }
     int n_pages = (n + bs - 1) / bs, to_move = 0;
+    if (n == 0) return;
     for (int i = 0; i < n_pages; i++)
         to_move += rk_arena_block_pool(svc->arena, s->kv.blocks[i]) != RK_POOL_PREFIX;
     rk_status st = rk_arena_retag(svc->arena, s->kv.blocks, n_pages, RK_POOL_PREFIX);
