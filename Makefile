@@ -5,7 +5,7 @@ JOBS       ?= $(shell nproc)
 CMAKE_FLAGS ?=
 SHARED     ?= ../shared
 
-.PHONY: all deps build demo test test-fast test-asan bench fuzz clean format format-check
+.PHONY: all deps build demo test test-fast test-asan bench fuzz clean format format-check layers
 
 all: build
 
@@ -22,7 +22,7 @@ demo: build
 
 # Every test: the optimised build, then the sanitizer build on the suites that
 # do not run large models; finally the CUDA build compiles when nvcc exists.
-test: build format-check
+test: build format-check layers
 	@mkdir -p $(BUILD)/testtmp
 	@cd $(BUILD) && ctest --output-on-failure -j 1
 	@$(MAKE) --no-print-directory test-asan
@@ -51,6 +51,10 @@ bench: build
 
 format:
 	@clang-format -i $$(git ls-files '*.c' '*.h' '*.cu')
+
+# Fails when a folder includes a header of a folder above it (docs/architecture.md).
+layers:
+	@bash scripts/check-layers.sh
 
 # Fails on any file `make format` would change (.clang-format is the source of truth).
 format-check: deps

@@ -1,4 +1,4 @@
-/* tests/bench_chunkcache.c — what the chunk cache buys on one RAG request:
+/* bench/bench_chunkcache.c — what the chunk cache buys on one RAG request:
  * TTFT of plain prefill, of the first request (every chunk a miss), of the
  * second (every chunk a hit) and of the oracle (chunks fresh at their live
  * positions), and the reindex time per 4K tokens.

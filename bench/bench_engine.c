@@ -1,13 +1,14 @@
-/* tests/bench_engine.c — CPU engine throughput against what the machine can
+/* bench/bench_engine.c — CPU engine throughput against what the machine can
  * do: prefill tokens/s on a 512-token prompt next to the GFLOP/s that
  * OpenBLAS sgemm alone reaches at a matching shape, and decode tokens/s next
  * to the bound set by memory bandwidth (weight bytes per token / GB/s).
  *
- *   bench_engine [--model F.gguf | --preset NAME --type f32|bf16] [--threads N]
+ *   bench_engine [--model F.gguf | --preset NAME --type T] [--threads N]
  *                [--prompt-tokens N] [--decode-tokens N]
  *
- * Without --model it writes the preset (default qwen3-0.6b) to a temporary
- * file first. Not a test: it prints figures. */
+ * Without --model it writes the preset (default qwen3-0.6b) with weights
+ * of type T (any `ragkv mkmodel --type`: f32, bf16, q8_0, q4_k_m, ...) to a
+ * temporary file first. Not a test: it prints figures. */
 #include <cblas.h>
 #include <immintrin.h>
 #include <pthread.h>
@@ -109,7 +110,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--decode-tokens") && v)
             n_decode = atoi(v), i++;
         else {
-            fprintf(stderr, "usage: bench_engine [--model F | --preset NAME --type f32|bf16] "
+            fprintf(stderr, "usage: bench_engine [--model F | --preset NAME --type "
+                            "f32|f16|bf16|q8_0|q4_0|q4_k_m|q5_k_m|q6_k] "
                             "[--threads N] [--backend cpu|cuda] [--kv-dtype f32|f16|bf16] "
                             "[--prompt-tokens N] [--decode-tokens N]\n");
             return 2;

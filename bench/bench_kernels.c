@@ -1,4 +1,4 @@
-/* tests/bench_kernels.c — throughput of the CPU backend's hot ops, printed as
+/* bench/bench_kernels.c — throughput of the CPU backend's hot ops, printed as
  * a table (a program, not a test):
  *   (a) GEMM: cblas_sgemm and our matmul (F32 and BF16 weights) at
  *       (512 x 1024) . (1024 x 3072);
@@ -10,8 +10,11 @@
  *       plain memcpy of the same bytes;
  *   (e) attention at 4k context (decode, and a prefill of 512 queries) read
  *       as 8 position-shifted runs (chunks attended in place, queries
- *       counter-rotated) against the same entries as one run.
- * Usage: bench_kernels [--threads N] (default 2) [--only abcde] (sections). */
+ *       counter-rotated) against the same entries as one run;
+ *   (f) quantized weights (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) at k = 1024,
+ *       m = 3072: the decode matvec (n = 1) with each instruction set's
+ *       kernels, and matmul at n = 32, 128 and 512 (prefill sizes).
+ * Usage: bench_kernels [--threads N] (default 2) [--only abcdef] (sections). */
 #include <cblas.h>
 #include <math.h>
 #include <stdio.h>
@@ -479,9 +482,54 @@ static void bench_segments(rk_backend *be) {
     free(perm);
 }
 
+/* ---------------------------------------------------------------- (f) quantized */
+
+static void bench_quant(rk_backend *be) {
+    int k = 1024, m = 3072, n_max = 512;
+    static const rk_dtype types[] = {RK_DTYPE_Q8_0, RK_DTYPE_Q4_0, RK_DTYPE_Q4_K,
+                                     RK_DTYPE_Q5_K, RK_DTYPE_Q6_K, RK_DTYPE_BF16};
+    static const rk_cpu_isa isas[] = {RK_CPU_ISA_PORTABLE, RK_CPU_ISA_AVX2, RK_CPU_ISA_AVX512_VNNI};
+    float *w = rand_f32((size_t)m * k), *x = rand_f32((size_t)n_max * k);
+    float *y = rand_f32((size_t)n_max * m);
+    printf("\n(f) quantized weights, y(n,3072) = x(n,1024) . w(3072,1024)^T\n");
+    printf("  decode (n = 1), GB/s of weights per instruction set; matmul at n = 32, 128, 512 "
+           "in GMAC/s\n");
+    printf("  %-6s %8s %8s %8s %8s | %8s %8s %8s\n", "type", "bytes/w", "C", "AVX2", "VNNI", "n=32",
+           "n=128", "n=512");
+    for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
+        rk_dtype t = types[ti];
+        size_t bytes = rk_dtype_row_bytes(t, (size_t)k) * (size_t)m;
+        void *wq = be_alloc(be, bytes);
+        rk_quantize(wq, w, t, (size_t)m * k);
+        printf("  %-6s %8.4f", rk_dtype_name(t), (double)bytes / ((double)m * k));
+        for (size_t a = 0; a < sizeof isas / sizeof isas[0]; a++) {
+            double tt;
+            if (!rk_dtype_is_quant(t) || rk_cpu_force_isa(isas[a]) != RK_OK) {
+                printf(" %8s", "-");
+                continue;
+            }
+            TIME_BEST(20, tt, check(be->ops->matmul(be, y, x, wq, t, 1, k, m), "matmul"));
+            printf(" %8.1f", (double)bytes / tt * 1e-9);
+        }
+        check(rk_cpu_force_isa(RK_CPU_ISA_AUTO), "force_isa");
+        printf(" |");
+        static const int ns[] = {32, 128, 512};
+        for (int ni = 0; ni < 3; ni++) {
+            double tt;
+            TIME_BEST(3, tt, check(be->ops->matmul(be, y, x, wq, t, ns[ni], k, m), "matmul"));
+            printf(" %8.1f", (double)ns[ni] * k * m / tt * 1e-9);
+        }
+        printf("\n");
+        be->ops->free(be, wq);
+    }
+    free(w);
+    free(x);
+    free(y);
+}
+
 int main(int argc, char **argv) {
     int n_threads = 2;
-    const char *only = "abcde";
+    const char *only = "abcdef";
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
             n_threads = atoi(argv[++i]);
@@ -500,6 +548,7 @@ int main(int argc, char **argv) {
     if (strchr(only, 'c')) bench_attention(be);
     if (strchr(only, 'd')) bench_shift(be);
     if (strchr(only, 'e')) bench_segments(be);
+    if (strchr(only, 'f')) bench_quant(be);
     rk_backend_free(be);
     return 0;
 }

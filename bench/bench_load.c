@@ -1,4 +1,4 @@
-/* tests/bench_load.c — a bounded load test of `ragkv serve`.
+/* bench/bench_load.c — a bounded load test of `ragkv serve`.
  *
  *   bench_load [--seconds N] [--clients N] [--url http://127.0.0.1:PORT] [--max-tokens N]
  *
@@ -13,12 +13,9 @@
  * at the end, or when the server it started does not exit with status 0 on
  * SIGTERM (under the sanitizers: no leaks). Prints requests/s and latency
  * percentiles. */
-#include <arpa/inet.h>
-#include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
 #include <libgen.h>
-#include <netinet/in.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -27,10 +24,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+
+#include "bench/httpclient.h"
 
 static int g_port;
 static double g_seconds = 60;
@@ -50,80 +48,26 @@ static void sleep_s(double s) {
 
 /* ---------------------------------------------------------------- HTTP */
 
-typedef struct reply {
-    int status;
-    int retry_after; /* the header was present */
-    char *body;      /* malloc'ed */
-} reply;
+typedef rk_http_response reply;
 
-static int send_all(int fd, const char *p, size_t n) {
-    while (n) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-        if (k <= 0) return -1;
-        p += k;
-        n -= (size_t)k;
-    }
-    return 0;
-}
+/* The server: set once, before any client thread starts. */
+static rk_http_target g_target;
 
 /* One request over a fresh connection; returns 0 when a response came back. */
 static int request(const char *method, const char *path, const char *body, size_t len, reply *r) {
-    memset(r, 0, sizeof *r);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) return -1;
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)g_port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    struct timeval tv = {300, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    if (connect(fd, (struct sockaddr *)&a, sizeof a)) {
-        close(fd);
-        return -1;
-    }
-    char head[512];
-    int n = snprintf(head, sizeof head,
-                     "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\nContent-Type: "
-                     "application/json\r\nContent-Length: %zu\r\n\r\n",
-                     method, path, len);
-    /* A refused oversized body may close the connection before all of it is sent. */
-    if (send_all(fd, head, (size_t)n) ||
-        (len && send_all(fd, body, len) && errno != EPIPE && errno != ECONNRESET)) {
-        close(fd);
-        return -1;
-    }
-    size_t cap = 16384, got = 0;
-    char *buf = malloc(cap);
-    ssize_t k;
-    while (buf && (k = recv(fd, buf + got, cap - got - 1, 0)) > 0) {
-        got += (size_t)k;
-        if (got + 1 >= cap) {
-            char *nb = realloc(buf, cap *= 2);
-            if (!nb) break;
-            buf = nb;
-        }
-    }
-    close(fd);
-    if (!buf) return -1;
-    buf[got] = '\0';
-    char *sep = strstr(buf, "\r\n\r\n");
-    if (!sep || sscanf(buf, "HTTP/1.%*d %d", &r->status) != 1) {
-        free(buf);
-        return -1;
-    }
-    *sep = '\0';
-    r->retry_after = strstr(buf, "\r\nRetry-After:") != NULL;
-    r->body = strdup(sep + 4);
-    free(buf);
-    return 0;
+    return rk_http_exchange(&g_target, method, path, NULL, body, len, r) ? -1 : 0;
 }
+
+static int retry_after(const reply *r) { return rk_http_header(r, "Retry-After") != NULL; }
 
 static json_t *get_json(const char *path) {
     reply r;
     if (request("GET", path, NULL, 0, &r) || r.status != 200) {
-        free(r.body);
+        rk_http_response_free(&r);
         return NULL;
     }
     json_t *j = json_loads(r.body, 0, NULL);
-    free(r.body);
+    rk_http_response_free(&r);
     return j;
 }
 
@@ -194,12 +138,12 @@ static void generation(client *c, int kind, const char *body) {
             fail(c, "a 200 without a complete body", &r);
         else
             record(c, kind, ms);
-    } else if (r.status == 503 && r.retry_after) {
+    } else if (r.status == 503 && retry_after(&r)) {
         c->n_503++;
     } else {
         fail(c, k_names[kind], &r);
     }
-    free(r.body);
+    rk_http_response_free(&r);
 }
 
 /* A malformed request and the status it must get. */
@@ -251,11 +195,11 @@ static void malformed(client *c) {
     }
     if (r.status == cases[i].want)
         record(c, K_BAD, (now_s() - t) * 1e3);
-    else if (r.status == 503 && r.retry_after)
+    else if (r.status == 503 && retry_after(&r))
         c->n_503++;
     else
         fail(c, "a malformed request got the wrong status", &r);
-    free(r.body);
+    rk_http_response_free(&r);
 }
 
 static const char *k_fixed[8] = {
@@ -404,6 +348,13 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_load: cannot start %s (log: %s)\n", bin, log);
             return 1;
         }
+    }
+    char where[64];
+    snprintf(where, sizeof where, "http://127.0.0.1:%d", g_port);
+    if (rk_http_parse_url(where, 300, &g_target)) {
+        fprintf(stderr, "bench_load: %s\n", rk_error_message());
+        if (pid) stop_server(pid);
+        return 1;
     }
     /* Wait until the model is loaded. */
     json_t *h = NULL;

@@ -1,4 +1,4 @@
-/* tests/bench_radix.c — the prefix cache's costs and savings:
+/* bench/bench_radix.c — the prefix cache's costs and savings:
  *   1. match + lock + unlock latency of a 512-token prompt with 1k and 10k
  *      cached sequences (page size 16, prompts sharing nothing but a 64-token
  *      head, the worst case for child lookups);

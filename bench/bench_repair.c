@@ -1,4 +1,4 @@
-/* tests/bench_repair.c — how close each repair policy brings a cached RAG
+/* bench/bench_repair.c — how close each repair policy brings a cached RAG
  * request to the full-attention result, for the tokens it recomputes.
  *
  *   bench_repair [--model F.gguf] [--steps N] [--threads N]

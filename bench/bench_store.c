@@ -1,4 +1,4 @@
-/* tests/bench_store.c — chunk store throughput on the local disk: payload
+/* bench/bench_store.c — chunk store throughput on the local disk: payload
  * writes (fsync and rename included) and verified loads, warm (page cache)
  * and cold (the files' pages dropped with posix_fadvise), plus the checksum
  * pass a verify_on_open restart makes, for a 1 MiB payload (about a 512-token

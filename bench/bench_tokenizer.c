@@ -1,4 +1,4 @@
-/* tests/bench_tokenizer.c — tokenizer throughput: building the Qwen3
+/* bench/bench_tokenizer.c — tokenizer throughput: building the Qwen3
  * tokenizer, and encoding ~1 MB of English and of Chinese text with it (and
  * with the llama tokenizer of stories260K). Prints numbers; asserts nothing.
  * The text is made of sentences drawn at random (fixed seed) from a small

@@ -13,7 +13,14 @@
  * never take a cached chunk's block. Ids are global, so one block table can mix
  * pools. Every allocated block carries a reference count; a block returns to
  * its own pool's free list when its count drops to zero. Allocation is
- * all-or-nothing and reports exhaustion as RK_ERR_EXHAUSTED, never aborts. */
+ * all-or-nothing and reports exhaustion as RK_ERR_EXHAUSTED, never aborts.
+ *
+ * Thread-safety: none inside. An arena, its sequences and the caches built
+ * on it (radix.h, chunk_index.h) are used by one thread at a time; in
+ * `ragkv serve` that is the engine thread (pipeline/scheduler.h), and other
+ * threads read only the counters it publishes.
+ * Ownership: the creator owns the arena and frees it last, after every
+ * sequence, radix tree and chunk index holding its blocks has let them go. */
 #ifndef RK_ARENA_H
 #define RK_ARENA_H
 
@@ -51,8 +58,9 @@ rk_status rk_arena_params_from_budget(rk_arena_params *p, size_t budget_bytes,
                                       const float share[RK_POOL_COUNT]);
 
 /* Allocate the KV storage on the backend and build the pools. On failure
- * nothing is left allocated. Free with rk_arena_free(). */
+ * nothing is left allocated. be must outlive the arena. */
 rk_status rk_arena_create(rk_backend *be, const rk_arena_params *p, rk_arena **out);
+/* Free the storage and the arena; accepts NULL. */
 void rk_arena_free(rk_arena *a);
 
 /* The KV view every kernel takes; valid for the arena's lifetime. */
@@ -72,6 +80,7 @@ rk_status rk_arena_ref(rk_arena *a, const int32_t *ids, int n);
  * that block untouched. */
 rk_status rk_arena_release(rk_arena *a, const int32_t *ids, int n);
 
+/* Blocks in pool, and how many of them are free now. */
 int rk_arena_pool_total(const rk_arena *a, rk_pool_tag pool);
 int rk_arena_pool_free(const rk_arena *a, rk_pool_tag pool);
 /* Pool of a block id, or -1 when out of range. */
@@ -89,7 +98,8 @@ int rk_arena_refcount(const rk_arena *a, int32_t id);
 /* ---------------------------------------------------------------- sequences */
 
 /* A sequence's view of the arena: its block table and how many KV entries it
- * holds. The blocks it lists are references it owns (one each). */
+ * holds. The blocks it lists are references it owns (one each); blocks is
+ * malloc'ed by the rk_seq_* calls. A zeroed rk_seq is an empty sequence. */
 typedef struct rk_seq {
     int32_t *blocks; /* (cap) block ids; entry i lives in blocks[i / block_size] */
     int n_blocks;
@@ -108,7 +118,8 @@ rk_status rk_seq_reserve(rk_seq *s, rk_arena *a, rk_pool_tag pool, int n_new, in
  * on a block boundary. */
 rk_status rk_seq_share(rk_seq *s, rk_arena *a, const int32_t *ids, int n_blocks);
 
-/* Release every block reference and reset the sequence (keeps nothing). */
+/* Release every block reference, free the table and zero the sequence; s
+ * must not be NULL (a zeroed sequence is fine). */
 void rk_seq_release(rk_seq *s, rk_arena *a);
 
 #endif

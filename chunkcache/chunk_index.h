@@ -9,7 +9,13 @@
  * references; only unreferenced entries are evicted (LRU by a logical clock).
  * Single flight: a key being computed is PENDING, and later lookups of it
  * share the one computation instead of starting another. Cached entries are
- * never modified: requests copy (and rotate) their KV into live blocks. */
+ * never modified: requests copy (and rotate) their KV into live blocks.
+ *
+ * Thread-safety: none inside; one thread at a time (the engine thread in
+ * `ragkv serve`). An entry pointer stays valid while its holder keeps a
+ * reference, or until the next call that may evict when it holds none.
+ * Ownership: the index owns its entries, their token copies and their
+ * chunk-pool blocks; the arena must outlive the index. */
 #ifndef RK_CHUNK_INDEX_H
 #define RK_CHUNK_INDEX_H
 
@@ -74,8 +80,11 @@ typedef struct rk_chunk_stats {
 
 typedef struct rk_chunk_index rk_chunk_index; /* opaque */
 
+/* An empty index of at most max_entries entries over arena's chunk pool. The
+ * caller owns *out. */
 rk_status rk_chunk_index_create(rk_arena *arena, int max_entries, rk_chunk_index **out);
-/* Free every entry (referenced ones too: the caller has stopped) and its blocks. */
+/* Free every entry (referenced ones too: the caller has stopped) and its
+ * blocks; accepts NULL. */
 void rk_chunk_index_free(rk_chunk_index *ix);
 
 typedef enum rk_chunk_lookup {
@@ -117,9 +126,11 @@ int rk_chunk_index_evict(rk_chunk_index *ix, int n_blocks);
 /* Remove every unreferenced entry; returns how many. */
 int rk_chunk_index_flush(rk_chunk_index *ix);
 
+/* Counters since creation and the current sizes. */
 void rk_chunk_index_get_stats(const rk_chunk_index *ix, rk_chunk_stats *out);
 
-/* Visit ready entries from most to least recently used; stop when fn returns nonzero. */
+/* Visit ready entries from most to least recently used; stop when fn returns
+ * nonzero. fn must not change the index. */
 void rk_chunk_index_foreach(rk_chunk_index *ix, int (*fn)(void *ctx, const rk_chunk_entry *e),
                             void *ctx);
 

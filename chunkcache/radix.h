@@ -18,7 +18,12 @@
  * how much was already present, so the caller releases its duplicate pages.
  * Eviction takes unlocked leaves (with their tails) in policy order and
  * reconsiders the parent; tails on roots go last.
- * Pages leave the tree only through the release callback. */
+ * Pages leave the tree only through the release callback.
+ *
+ * Thread-safety: none inside; one thread at a time (the engine thread in
+ * `ragkv serve`), which also runs the release callback.
+ * Ownership: the tree owns the pages inserted into it until it hands them to
+ * release_pages; node handles stay valid while their path is locked. */
 #ifndef RK_RADIX_H
 #define RK_RADIX_H
 
@@ -53,8 +58,10 @@ typedef struct rk_radix_stats {
     uint64_t evictable_tokens, protected_tokens;
 } rk_radix_stats;
 
+/* An empty tree (p is copied). The caller owns *out. */
 rk_status rk_radix_create(const rk_radix_params *p, rk_radix **out);
-/* Release every page through the callback and free the tree; accepts NULL. */
+/* Release every page through the callback and free the tree; accepts NULL.
+ * Locked node handles are invalid afterwards. */
 void rk_radix_free(rk_radix *r);
 
 enum {
@@ -113,6 +120,7 @@ void rk_radix_evict(rk_radix *r, int n_tokens, int *out_evicted);
 /* Evict everything that is not locked. */
 void rk_radix_flush(rk_radix *r);
 
+/* Counters since creation and the current sizes. */
 void rk_radix_get_stats(const rk_radix *r, rk_radix_stats *out);
 
 /* Write the tree of namespace ns as nested text, children in key order, e.g.

@@ -4,6 +4,7 @@
 #include "config/settings.h"
 
 #include <errno.h>
+#include <getopt.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,6 +22,11 @@ const rk_setting rk_config_settings[] = {
      "T  KV storage type: f32, f16 or bf16 (default: f32)"},
     {"kv_memory_mb", "kv-memory-mb", RK_SET_INT, CFG_OFF(kv_memory_mb), 0, 1, 1 << 24, 0, 0,
      "N  KV cache budget in MiB (default: 1024)"},
+    {"store_dir", "store", RK_SET_STR, CFG_STR(store_dir), 0, 0, 0, 0,
+     "DIR  persistent chunk store: the disk tier (default: none)"},
+    {"store_budget_mb", "store-budget-mb", RK_SET_INT, CFG_OFF(store_budget_mb), 0, 0, 1 << 30, 0,
+     0, "N  payload MiB kept in the store (default: 0 = unlimited)"},
+    /* Above: the RK_CONFIG_N_RUN_SETTINGS every model-running command takes. */
     {"share_live", "share-live", RK_SET_FLOAT, CFG_OFF(share_live), 0, 0, 1, 0, 0,
      "F  budget share of requests in flight (default: 0.4)"},
     {"share_prefix", "share-prefix", RK_SET_FLOAT, CFG_OFF(share_prefix), 0, 0, 1, 0, 0,
@@ -47,14 +53,20 @@ const rk_setting rk_config_settings[] = {
      "N  tokens per request, prompt + max_tokens (default: 0 = the model's)"},
     {"max_tokens", "max-tokens", RK_SET_INT, CFG_OFF(max_tokens), 0, 1, 1 << 30, 0, 0,
      "N  largest max_tokens a request may ask (default: 4096)"},
-    {"store_dir", "store", RK_SET_STR, CFG_STR(store_dir), 0, 0, 0, 0,
-     "DIR  persistent chunk store: the disk tier (default: none)"},
-    {"store_budget_mb", "store-budget-mb", RK_SET_INT, CFG_OFF(store_budget_mb), 0, 0, 1 << 30, 0,
-     0, "N  payload MiB kept in the store (default: 0 = unlimited)"},
     {"store_verify", "no-store-verify", RK_SET_BOOL, CFG_OFF(store_verify), 0, 0, 1, 1, 0,
      "  check sizes and headers only when the store opens (no checksums)"},
 };
 const size_t rk_config_n_settings = sizeof rk_config_settings / sizeof rk_config_settings[0];
+
+#define RUN_OFF(m) offsetof(rk_run_opts, m)
+#define RUN_STR(m) RUN_OFF(m), sizeof(((rk_run_opts *)0)->m)
+
+static const rk_setting k_run_settings[] = {
+    {"model", "model", RK_SET_STR, RUN_STR(model), 0, 0, 0, 0,
+     "F.gguf  model file (default: the embedded tiny model)"},
+    {"log_level", "log-level", RK_SET_STR, RUN_STR(log_level), 0, 0, 0, 0,
+     "L  debug|info|warn|error (default: warn)"},
+};
 
 rk_status rk_setting_parse(void *base, const rk_setting *f, const char *s) {
     char *p = (char *)base + f->off, *end;
@@ -63,7 +75,8 @@ rk_status rk_setting_parse(void *base, const rk_setting *f, const char *s) {
     case RK_SET_INT:
     case RK_SET_LONG: {
         long long v = strtoll(s, &end, 10);
-        if (errno || end == s || *end || v < (long long)f->lo || v > (long long)f->hi)
+        /* Compared as doubles: a bound of 2^63 - 1 does not survive a cast back. */
+        if (errno || end == s || *end || (double)v < f->lo || (double)v > f->hi)
             return rk_errorf(RK_ERR_INVALID, "%s must be an integer from %.0f to %.0f, got '%s'",
                              f->name, f->lo, f->hi, s);
         if (f->type == RK_SET_INT)
@@ -229,4 +242,152 @@ void rk_settings_print_help(FILE *out, const rk_settings *tabs, int n_tabs) {
             fprintf(out, "  %-21s %s\n", left, text);
         }
     }
+}
+
+int rk_log_level_parse(const char *name) {
+    static const char *names[] = {"debug", "info", "warn", "error"};
+    for (int i = 0; i < 4; i++)
+        if (!strcmp(name, names[i])) return i;
+    return -1;
+}
+
+void rk_run_opts_defaults(rk_run_opts *o) {
+    memset(o, 0, sizeof *o);
+    rk_config_defaults(&o->cfg);
+    snprintf(o->log_level, sizeof o->log_level, "warn");
+}
+
+void rk_run_bind(rk_run_opts *o, rk_settings tabs[RK_RUN_N_TABLES]) {
+    tabs[0] = (rk_settings){k_run_settings, sizeof k_run_settings / sizeof k_run_settings[0], o};
+    tabs[1] = (rk_settings){rk_config_settings, RK_CONFIG_N_RUN_SETTINGS, &o->cfg};
+}
+
+rk_status rk_run_opts_apply(const rk_run_opts *o) {
+    int level = rk_log_level_parse(o->log_level);
+    if (level < 0)
+        return rk_errorf(RK_ERR_INVALID, "log_level must be debug, info, warn or error, got '%s'",
+                         o->log_level);
+    rk_status st = rk_config_validate(&o->cfg);
+    if (st) return st;
+    rk_log_set_level((rk_log_level)level);
+    return RK_OK;
+}
+
+/* ================================================================ the command line */
+
+enum { O_CONFIG = 2000, O_FIELD = 3000 };
+
+static void print_cmdline_help(const rk_cmdline *cl) {
+    fputs(cl->usage, stdout);
+    fputs(
+        "  --config F.json       settings file (keys as the RAGKV_<NAME> variables, lower case)\n",
+        stdout);
+    rk_settings_print_help(stdout, cl->tabs, cl->n_tabs);
+    if (cl->extra_help) fputs(cl->extra_help, stdout);
+}
+
+static int usage(const rk_cmdline *cl, int *out_exit, const char *what, const char *arg) {
+    fprintf(stderr, "ragkv %s: %s%s (see ragkv %s --help)\n", cl->cmd, what, arg, cl->cmd);
+    *out_exit = 2;
+    return -1;
+}
+
+/* Set a table field from its flag: a switch takes no value. */
+static rk_status set_flag(void *base, const rk_setting *f, const char *arg) {
+    if (f->type != RK_SET_BOOL) return rk_setting_parse(base, f, arg);
+    *(int *)((char *)base + f->off) = !f->invert;
+    return RK_OK;
+}
+
+int rk_cmdline_parse(const rk_cmdline *cl, int argc, char **argv, int *out_exit) {
+    size_t n_fields = 0, n_extra = 0;
+    for (int t = 0; t < cl->n_tabs; t++) n_fields += cl->tabs[t].n;
+    while (cl->extra && cl->extra[n_extra].name) n_extra++;
+    struct option *longs = calloc(n_fields + n_extra + 3, sizeof *longs);
+    const rk_setting **fields = calloc(n_fields + 1, sizeof *fields);
+    void **bases = calloc(n_fields + 1, sizeof *bases);
+    char shorts[32];
+    snprintf(shorts, sizeof shorts, "h%s", cl->shorts ? cl->shorts : "");
+    int rc = -1;
+    *out_exit = 2;
+    if (!longs || !fields || !bases) {
+        fprintf(stderr, "ragkv %s: out of memory\n", cl->cmd);
+        *out_exit = 1;
+        goto out;
+    }
+    size_t k = 0;
+    for (int t = 0; t < cl->n_tabs; t++)
+        for (size_t i = 0; i < cl->tabs[t].n; i++, k++) {
+            fields[k] = &cl->tabs[t].fields[i];
+            bases[k] = cl->tabs[t].base;
+            longs[k] = (struct option){
+                fields[k]->flag, fields[k]->type == RK_SET_BOOL ? no_argument : required_argument,
+                0, O_FIELD + (int)k};
+        }
+    for (size_t i = 0; i < n_extra; i++) longs[k++] = cl->extra[i];
+    longs[k++] = (struct option){"config", required_argument, 0, O_CONFIG};
+    longs[k++] = (struct option){"help", no_argument, 0, 'h'};
+    const char *config = NULL;
+    int c;
+    /* Pass 1: --help, --config and unknown options, before anything is set. */
+    optind = cl->first;
+    opterr = 0;
+    while ((c = getopt_long(argc, argv, shorts, longs, NULL)) != -1) {
+        if (c == 'h') {
+            print_cmdline_help(cl);
+            *out_exit = 0;
+            goto out;
+        }
+        if (c == O_CONFIG) config = optarg;
+        if (c == '?' || c == ':') {
+            usage(cl, out_exit, "unknown option or missing value: ", argv[optind - 1]);
+            goto out;
+        }
+    }
+    /* The shared tables from the file and the environment; then every flag. */
+    if ((config && rk_settings_load_file(cl->tabs, cl->n_shared, config)) ||
+        rk_settings_load_env(cl->tabs, cl->n_shared)) {
+        usage(cl, out_exit, rk_error_message(), "");
+        goto out;
+    }
+    optind = cl->first;
+    while ((c = getopt_long(argc, argv, shorts, longs, NULL)) != -1) {
+        if (c >= O_FIELD && set_flag(bases[c - O_FIELD], fields[c - O_FIELD], optarg)) {
+            char msg[256];
+            snprintf(msg, sizeof msg, "--%s: %s", fields[c - O_FIELD]->flag, rk_error_message());
+            usage(cl, out_exit, msg, "");
+            goto out;
+        }
+        if (c < O_FIELD && c != O_CONFIG && cl->on_extra(cl->ctx, c, optarg)) {
+            usage(cl, out_exit, rk_error_message(), "");
+            goto out;
+        }
+    }
+    rc = optind;
+out:
+    opterr = 1;
+    free(longs);
+    free(fields);
+    free(bases);
+    return rc;
+}
+
+int rk_run_parse(rk_cmdline *cl, rk_run_opts *run, const rk_settings *own, int n_own, int argc,
+                 char **argv, int *out_exit) {
+    rk_settings tabs[RK_RUN_N_TABLES + RK_RUN_MAX_OWN];
+    if (n_own > RK_RUN_MAX_OWN) n_own = RK_RUN_MAX_OWN;
+    rk_run_bind(run, tabs);
+    for (int i = 0; i < n_own; i++) tabs[RK_RUN_N_TABLES + i] = own[i];
+    cl->tabs = tabs;
+    cl->n_tabs = RK_RUN_N_TABLES + n_own;
+    cl->n_shared = RK_RUN_N_TABLES;
+    cl->first = 1;
+    int next = rk_cmdline_parse(cl, argc, argv, out_exit);
+    cl->tabs = NULL;
+    if (next < 0) return -1;
+    if (next < argc) {
+        usage(cl, out_exit, "unexpected argument: ", argv[next]);
+        return -1;
+    }
+    return 0;
 }

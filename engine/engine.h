@@ -1,7 +1,8 @@
 /* engine/engine.h — models and the transformer forward pass.
  *
  * A model is loaded from GGUF (architectures llama, qwen2, qwen3; weights
- * F32, F16 or BF16), with its tokenizer read from the same file. The forward
+ * F32, F16, BF16, or Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K kept quantized on the
+ * CPU backend), with its tokenizer read from the same file. The forward
  * pass computes a batch of tokens from one or more sequences at explicit
  * positions, writes their K/V into the paged cache through a slot mapping and
  * attends over each sequence's block table: the engine never owns KV memory

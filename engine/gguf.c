@@ -983,6 +983,46 @@ const rk_gguf_tensor *rk_gguf_find_tensor(const rk_gguf *g, const char *name) {
     return NULL;
 }
 
+/* Elements are tested a block at a time: the inner loop only ORs comparison
+ * results, which the compiler turns into vector code, and only a block with a
+ * hit is searched again element by element. Elements are read through memcpy
+ * because a file's alignment may be as small as 1. An all-ones exponent is NaN
+ * or infinity in each format. */
+#define NONFINITE_BLOCK 4096
+#define DEFINE_NONFINITE_SCAN(fn, T, mask)                                                         \
+    static int64_t fn(const unsigned char *p, int64_t n) {                                         \
+        for (int64_t b = 0; b < n; b += NONFINITE_BLOCK) {                                         \
+            int64_t end = n - b < NONFINITE_BLOCK ? n : b + NONFINITE_BLOCK;                       \
+            unsigned hit = 0;                                                                      \
+            for (int64_t j = b; j < end; j++) {                                                    \
+                T v;                                                                               \
+                memcpy(&v, p + (size_t)j * sizeof v, sizeof v);                                    \
+                hit |= (v & (mask)) == (mask);                                                     \
+            }                                                                                      \
+            if (!hit) continue;                                                                    \
+            for (int64_t j = b; j < end; j++) {                                                    \
+                T v;                                                                               \
+                memcpy(&v, p + (size_t)j * sizeof v, sizeof v);                                    \
+                if ((v & (mask)) == (mask)) return j;                                              \
+            }                                                                                      \
+        }                                                                                          \
+        return -1;                                                                                 \
+    }
+DEFINE_NONFINITE_SCAN(scan_f32, uint32_t, 0x7f800000u)
+DEFINE_NONFINITE_SCAN(scan_f16, uint16_t, 0x7c00u)
+DEFINE_NONFINITE_SCAN(scan_bf16, uint16_t, 0x7f80u)
+#undef DEFINE_NONFINITE_SCAN
+
+int64_t rk_gguf_tensor_first_nonfinite(const rk_gguf_tensor *t) {
+    const unsigned char *p = t->data;
+    switch (t->type) {
+    case RK_GGML_F32: return scan_f32(p, (int64_t)(t->n_bytes / 4));
+    case RK_GGML_F16: return scan_f16(p, (int64_t)(t->n_bytes / 2));
+    case RK_GGML_BF16: return scan_bf16(p, (int64_t)(t->n_bytes / 2));
+    }
+    return -1;
+}
+
 /* ================================================================ info printer */
 
 /* Print s (len bytes) quoted, escaping control bytes, cut after max bytes. */
@@ -1105,7 +1145,8 @@ void rk_gguf_print_info(const rk_gguf *g, FILE *out) {
     }
 
     fprintf(out, "\ntensors (%" PRId64 "):\n", g->n_tensors);
-    fprintf(out, "  %-40s %-6s %-28s %14s\n", "name", "type", "shape (ne[0] first)", "bytes");
+    fprintf(out, "  %-40s %-6s %-28s %14s %6s\n", "name", "type", "shape (ne[0] first)", "bytes",
+            "bpw");
     uint64_t n_params = 0, n_bytes = 0;
     for (int64_t i = 0; i < g->n_tensors; i++) {
         const rk_gguf_tensor *t = &g->tensors[i];
@@ -1119,13 +1160,14 @@ void rk_gguf_print_info(const rk_gguf *g, FILE *out) {
         }
         n_params += ne;
         n_bytes += t->n_bytes;
-        fprintf(out, "  %-40s %-6s %-28s %14zu\n", t->name, rk_ggml_type_name(t->type), shape,
-                t->n_bytes);
+        fprintf(out, "  %-40s %-6s %-28s %14zu %6.2f\n", t->name, rk_ggml_type_name(t->type), shape,
+                t->n_bytes, (double)t->n_bytes * 8.0 / (double)ne);
     }
     fprintf(out,
             "\ntotal: %" PRIu64 " parameters (%.3f M), %" PRIu64
-            " bytes of tensor data (%.2f MiB)\n",
-            n_params, (double)n_params / 1e6, n_bytes, (double)n_bytes / (1024.0 * 1024.0));
+            " bytes of tensor data (%.2f MiB), %.2f bits per weight\n",
+            n_params, (double)n_params / 1e6, n_bytes, (double)n_bytes / (1024.0 * 1024.0),
+            n_params ? (double)n_bytes * 8.0 / (double)n_params : 0.0);
 }
 
 /* ================================================================ writer */

@@ -37,7 +37,11 @@ typedef enum rk_gguf_type {
 typedef enum rk_ggml_type {
     RK_GGML_F32 = 0,
     RK_GGML_F16 = 1,
+    RK_GGML_Q4_0 = 2,
     RK_GGML_Q8_0 = 8,
+    RK_GGML_Q4_K = 12,
+    RK_GGML_Q5_K = 13,
+    RK_GGML_Q6_K = 14,
     RK_GGML_BF16 = 30,
 } rk_ggml_type;
 
@@ -105,6 +109,10 @@ int64_t rk_gguf_n_tensors(const rk_gguf *g);
 const rk_gguf_tensor *rk_gguf_tensor_at(const rk_gguf *g, int64_t i);
 /* NULL when absent. */
 const rk_gguf_tensor *rk_gguf_find_tensor(const rk_gguf *g, const char *name);
+/* Index of the first NaN or infinite element of an F32, F16 or BF16 tensor
+ * (ne[0] fastest), or -1 when all are finite; other types are not examined
+ * (-1). Reads every element, in vectorised blocks. */
+int64_t rk_gguf_tensor_first_nonfinite(const rk_gguf_tensor *t);
 
 /* Name of a ggml type ("F32", "BF16", ...) or "?" ; bytes for n elements (0 if unknown). */
 const char *rk_ggml_type_name(uint32_t type);
@@ -114,7 +122,8 @@ size_t rk_ggml_type_row_bytes(uint32_t type, int64_t n_elements);
  * alignment, architecture, every metadata pair (scalars with their value,
  * arrays as type, length and first elements), a tokenizer summary (model, pre,
  * vocabulary size, merges, special token ids and texts), the tensor table
- * (name, type, shape, bytes) and the parameter and byte totals. */
+ * (name, type, shape, bytes, bits per weight) and the parameter and byte
+ * totals with the bits per weight of the whole file. */
 void rk_gguf_print_info(const rk_gguf *g, FILE *out);
 
 /* ================================================================ writer

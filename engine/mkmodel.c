@@ -98,21 +98,45 @@ void rk_mkmodel_opts_default(rk_mkmodel_opts *opts) {
     opts->seed = 42;
 }
 
-/* Parse "f32" / "f16" / "bf16"; see mkmodel.h. */
+/* The weight type names, as `--type` takes them, and general.file_type
+ * (llama.cpp's LLAMA_FTYPE numbering) for each. */
+static const struct {
+    const char *name;
+    rk_ggml_type type;
+    uint32_t file_type;
+} k_wtypes[] = {{"f32", RK_GGML_F32, 0},      {"f16", RK_GGML_F16, 1},
+                {"bf16", RK_GGML_BF16, 32},   {"q8_0", RK_GGML_Q8_0, 7},
+                {"q4_0", RK_GGML_Q4_0, 2},    {"q4_k_m", RK_GGML_Q4_K, 15},
+                {"q5_k_m", RK_GGML_Q5_K, 17}, {"q6_k", RK_GGML_Q6_K, 18}};
+#define N_WTYPES (sizeof k_wtypes / sizeof k_wtypes[0])
+
+/* Parse a weight type name; see mkmodel.h. */
 rk_status rk_mkmodel_parse_wtype(const char *name, rk_ggml_type *out) {
-    static const struct {
-        const char *name;
-        rk_ggml_type type;
-    } k[] = {{"f32", RK_GGML_F32}, {"f16", RK_GGML_F16}, {"bf16", RK_GGML_BF16}};
     if (name) {
-        for (size_t i = 0; i < sizeof k / sizeof k[0]; i++)
-            if (strcasecmp(name, k[i].name) == 0) {
-                *out = k[i].type;
+        for (size_t i = 0; i < N_WTYPES; i++)
+            if (strcasecmp(name, k_wtypes[i].name) == 0) {
+                *out = k_wtypes[i].type;
                 return RK_OK;
             }
     }
-    return rk_errorf(RK_ERR_INVALID, "mkmodel: unknown weight type '%s' (f32, f16, bf16)",
+    return rk_errorf(RK_ERR_INVALID,
+                     "mkmodel: unknown weight type '%s' (f32, f16, bf16, q8_0, q4_0, q4_k_m, "
+                     "q5_k_m, q6_k)",
                      name ? name : "(null)");
+}
+
+/* The compute dtype of a tensor type the generator writes. */
+static rk_dtype mk_dtype(rk_ggml_type t) {
+    switch (t) {
+    case RK_GGML_F16: return RK_DTYPE_F16;
+    case RK_GGML_BF16: return RK_DTYPE_BF16;
+    case RK_GGML_Q8_0: return RK_DTYPE_Q8_0;
+    case RK_GGML_Q4_0: return RK_DTYPE_Q4_0;
+    case RK_GGML_Q4_K: return RK_DTYPE_Q4_K;
+    case RK_GGML_Q5_K: return RK_DTYPE_Q5_K;
+    case RK_GGML_Q6_K: return RK_DTYPE_Q6_K;
+    default: return RK_DTYPE_F32;
+    }
 }
 
 /* ================================================================ vocabulary */
@@ -252,10 +276,10 @@ static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
     const mk_fill_ctx *fc = ctx;
     const mk_tensor *t = &fc->tensors[index];
     size_t n = (size_t)t->ne[0] * (size_t)(t->n_dims > 1 ? t->ne[1] : 1);
-    size_t esize = t->type == RK_GGML_F32 ? 4 : 2;
-    if (n * esize != n_bytes)
+    rk_dtype dt = mk_dtype(t->type);
+    if (rk_dtype_row_bytes(dt, n) != n_bytes)
         return rk_errorf(RK_ERR_INTERNAL, "mkmodel: tensor %s: %zu bytes requested, %zu expected",
-                         t->name, n_bytes, n * esize);
+                         t->name, n_bytes, rk_dtype_row_bytes(dt, n));
     float scale, bias = 0.0f;
     switch (t->kind) {
     case INIT_MATRIX: scale = sqrtf(3.0f / (float)t->ne[0]); break;
@@ -269,7 +293,6 @@ static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
     xoshiro r;
     xo_seed(&r, fc->seed, t->name);
     float buf[FILL_CHUNK];
-    uint16_t half[FILL_CHUNK];
     uint8_t *out = dst;
     for (size_t i = 0; i < n; i += FILL_CHUNK) {
         size_t m = n - i < FILL_CHUNK ? n - i : FILL_CHUNK;
@@ -278,15 +301,9 @@ static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
             buf[j] = (float)(int32_t)(uint32_t)(x >> 32) * scale + bias;
             buf[j + 1] = (float)(int32_t)(uint32_t)x * scale + bias; /* j + 1 < FILL_CHUNK */
         }
-        if (t->type == RK_GGML_F32) {
-            memcpy(out + i * 4, buf, m * 4);
-        } else {
-            if (t->type == RK_GGML_F16)
-                for (size_t j = 0; j < m; j++) half[j] = rk_f32_to_f16(buf[j]);
-            else
-                for (size_t j = 0; j < m; j++) half[j] = rk_f32_to_bf16(buf[j]);
-            memcpy(out + i * 2, half, m * 2);
-        }
+        /* Chunks are whole blocks (FILL_CHUNK and every row length are
+         * multiples of the block), so a chunk converts on its own. */
+        rk_quantize(out + rk_dtype_row_bytes(dt, i), buf, dt, m);
     }
     return RK_OK;
 }
@@ -353,7 +370,9 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
     const char *a = p->arch;
     char name[96];
     snprintf(name, sizeof name, "ragkv synthetic %s", m->name);
-    uint32_t file_type = opts->wtype == RK_GGML_F32 ? 0 : opts->wtype == RK_GGML_F16 ? 1 : 32;
+    uint32_t file_type = 0;
+    for (size_t i = 0; i < N_WTYPES; i++)
+        if (k_wtypes[i].type == opts->wtype) file_type = k_wtypes[i].file_type;
     rk_status st;
     if ((st = rk_gguf_writer_set_str(w, "general.architecture", a)) ||
         (st = rk_gguf_writer_set_str(w, "general.name", name)) ||
@@ -403,17 +422,37 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
     return rk_gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", mv->v.add_bos);
 }
 
+/* The type of one matrix under a weight type (see mkmodel.h): the output
+ * projection, and in the K mixes attn_v and ffn_down, at Q6_K; a K type on
+ * rows that are not whole super-blocks falls back to Q8_0. */
+static rk_ggml_type mk_matrix_type(rk_ggml_type wt, int64_t ne0, int is_output, int is_sensitive) {
+    rk_ggml_type t = wt;
+    if (is_output && (wt == RK_GGML_Q4_0 || wt == RK_GGML_Q4_K || wt == RK_GGML_Q5_K))
+        t = RK_GGML_Q6_K;
+    else if (is_sensitive && (wt == RK_GGML_Q4_K || wt == RK_GGML_Q5_K))
+        t = RK_GGML_Q6_K;
+    if ((t == RK_GGML_Q4_K || t == RK_GGML_Q5_K || t == RK_GGML_Q6_K) && ne0 % 256)
+        t = RK_GGML_Q8_0;
+    return t;
+}
+
 static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
     const preset *p = m->p;
     const int64_t dim = p->dim, q_dim = (int64_t)p->n_heads * p->head_dim;
     const int64_t kv_dim = (int64_t)p->n_kv_heads * p->head_dim, ffn = p->ffn_dim;
     rk_status st;
-    if ((st = mk_add(m, INIT_MATRIX, wt, dim, m->vocab.n, "token_embd.weight", 0))) return st;
+    /* Tied: the embedding is the output projection too. */
+    if ((st = mk_add(m, INIT_MATRIX, mk_matrix_type(wt, dim, p->tied, 0), dim, m->vocab.n,
+                     "token_embd.weight", 0)))
+        return st;
+    const rk_ggml_type t_dim = mk_matrix_type(wt, dim, 0, 0), t_q = mk_matrix_type(wt, q_dim, 0, 0);
+    const rk_ggml_type t_v = mk_matrix_type(wt, dim, 0, 1), t_ffn = mk_matrix_type(wt, ffn, 0, 1);
+    const rk_ggml_type t_out = mk_matrix_type(wt, dim, 1, 0);
     for (int l = 0; l < p->n_layers; l++) {
         if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.attn_norm.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, wt, dim, q_dim, "blk.%d.attn_q.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, wt, dim, kv_dim, "blk.%d.attn_k.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, wt, dim, kv_dim, "blk.%d.attn_v.weight", l)))
+            (st = mk_add(m, INIT_MATRIX, t_dim, dim, q_dim, "blk.%d.attn_q.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, t_dim, dim, kv_dim, "blk.%d.attn_k.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, t_v, dim, kv_dim, "blk.%d.attn_v.weight", l)))
             return st;
         if (p->qkv_bias && ((st = mk_add(m, INIT_BIAS, wt, q_dim, 0, "blk.%d.attn_q.bias", l)) ||
                             (st = mk_add(m, INIT_BIAS, wt, kv_dim, 0, "blk.%d.attn_k.bias", l)) ||
@@ -423,15 +462,15 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
             ((st = mk_add(m, INIT_NORM, wt, p->head_dim, 0, "blk.%d.attn_q_norm.weight", l)) ||
              (st = mk_add(m, INIT_NORM, wt, p->head_dim, 0, "blk.%d.attn_k_norm.weight", l))))
             return st;
-        if ((st = mk_add(m, INIT_MATRIX, wt, q_dim, dim, "blk.%d.attn_output.weight", l)) ||
+        if ((st = mk_add(m, INIT_MATRIX, t_q, q_dim, dim, "blk.%d.attn_output.weight", l)) ||
             (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.ffn_norm.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, wt, dim, ffn, "blk.%d.ffn_gate.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, wt, dim, ffn, "blk.%d.ffn_up.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, wt, ffn, dim, "blk.%d.ffn_down.weight", l)))
+            (st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_gate.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_up.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, t_ffn, ffn, dim, "blk.%d.ffn_down.weight", l)))
             return st;
     }
     if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "output_norm.weight", 0))) return st;
-    if (!p->tied && (st = mk_add(m, INIT_MATRIX, wt, dim, m->vocab.n, "output.weight", 0)))
+    if (!p->tied && (st = mk_add(m, INIT_MATRIX, t_out, dim, m->vocab.n, "output.weight", 0)))
         return st;
     return RK_OK;
 }
@@ -442,8 +481,12 @@ static rk_status mk_prepare(const rk_mkmodel_opts *opts, mk_model *m) {
     if (!opts) return rk_errorf(RK_ERR_INVALID, "mkmodel: NULL options");
     rk_status st = find_preset(opts->preset, &m->p, &m->name);
     if (st) return st;
-    if (opts->wtype != RK_GGML_F32 && opts->wtype != RK_GGML_F16 && opts->wtype != RK_GGML_BF16)
-        return rk_errorf(RK_ERR_INVALID, "mkmodel: weight type %s not supported (F32, F16, BF16)",
+    int known = 0;
+    for (size_t i = 0; i < N_WTYPES; i++) known |= k_wtypes[i].type == opts->wtype;
+    if (!known)
+        return rk_errorf(RK_ERR_INVALID,
+                         "mkmodel: weight type %s not supported (F32, F16, BF16, Q8_0, Q4_0, "
+                         "Q4_K, Q5_K, Q6_K)",
                          rk_ggml_type_name((uint32_t)opts->wtype));
     if ((st = mk_vocab_load(m->p, m->name, opts->vocab_path, &m->vocab)) ||
         (st = rk_gguf_writer_create(&m->w)) || (st = mk_metadata(m, opts)) ||

@@ -10,7 +10,10 @@
  * Metadata written (what the model loader reads), <arch> = general.architecture:
  *   general.architecture                    string  "llama" | "qwen2" | "qwen3"
  *   general.name                            string  "ragkv synthetic <preset>"
- *   general.file_type                       u32     0 = all F32, 1 = mostly F16, 32 = mostly BF16
+ *   general.file_type                       u32     llama.cpp's numbering: 0 = all F32,
+ *                                                    1 = mostly F16, 32 = mostly BF16,
+ *                                                    7 = Q8_0, 2 = Q4_0, 15 = Q4_K_M,
+ *                                                    17 = Q5_K_M, 18 = Q6_K
  *   ragkv.synthetic.preset                  string  the preset name
  *   ragkv.synthetic.seed                    u64     the seed the weights came from
  *   <arch>.vocab_size                       u32     rows of token_embd.weight
@@ -56,6 +59,15 @@
  *   output.weight              {dim, n_vocab}             absent when embeddings are tied
  * 2-D tensors (matrices and the embedding) have the chosen weight type; 1-D
  * tensors (norm weights, biases) are always F32, as in llama.cpp's files.
+ * The quantized weight types are mixes, like the files llama-quantize writes:
+ *   q8_0, q6_k   every matrix Q8_0 / Q6_K;
+ *   q4_0         Q4_0, the output projection (output.weight, or token_embd.weight
+ *                when tied) Q6_K;
+ *   q4_k_m       Q4_K, the output projection, attn_v and ffn_down Q6_K;
+ *   q5_k_m       Q5_K, the same three at Q6_K;
+ * (llama-quantize gives attn_v and ffn_down the wider type in some layers
+ * only), and a K type on a matrix whose rows are not whole 256-element
+ * super-blocks (dim 128 in the tiny presets) falls back to Q8_0.
  *
  * Weights: tensor by tensor from xoshiro256** seeded with splitmix64(seed, tensor
  * name), uniform: matrices and the embedding with std 1/sqrt(in_dim) (so
@@ -78,7 +90,8 @@
 
 typedef struct rk_mkmodel_opts {
     const char *preset;     /* preset name (see rk_mkmodel_presets()); NULL = "tiny" */
-    rk_ggml_type wtype;     /* type of the 2-D weights: RK_GGML_F32, RK_GGML_F16 or RK_GGML_BF16 */
+    rk_ggml_type wtype;     /* the 2-D weights: RK_GGML_F32, F16, BF16, Q8_0, Q4_0, Q6_K, or
+                               Q4_K / Q5_K for the q4_k_m / q5_k_m mixes (see above) */
     const char *vocab_path; /* tokenizer.json of the Qwen3 vocabulary; NULL = the default path */
     uint64_t seed;          /* weights seed */
 } rk_mkmodel_opts;
@@ -117,8 +130,9 @@ typedef struct rk_mkmodel_hparams {
  * presets when the name is unknown. */
 rk_status rk_mkmodel_preset_hparams(const char *preset, rk_mkmodel_hparams *out);
 
-/* Parse a weight type name ("f32", "f16", "bf16", any case) into *out;
- * RK_ERR_INVALID with a message otherwise. */
+/* Parse a weight type name ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_k_m",
+ * "q5_k_m", "q6_k", any case) into *out; RK_ERR_INVALID with a message
+ * otherwise. */
 rk_status rk_mkmodel_parse_wtype(const char *name, rk_ggml_type *out);
 
 /* Write the model described by opts to path (through path.tmp, fsync'ed and

@@ -88,15 +88,30 @@ static rk_status be_alloc(rk_model *m, size_t bytes, void **out) {
 
 static int backend_is_host(const rk_backend *be) { return strcmp(be->name, "cpu") == 0; }
 
-static rk_status dtype_of(const rk_gguf_tensor *t, rk_dtype *out) {
+#define SUPPORTED_TYPES "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K"
+
+/* The compute dtype of a tensor. Quantized types are computed on the CPU
+ * backend only (other backends implement F32, F16 and BF16). */
+static rk_status dtype_of(const rk_model *m, const rk_gguf_tensor *t, rk_dtype *out) {
     switch (t->type) {
     case RK_GGML_F32: *out = RK_DTYPE_F32; return RK_OK;
     case RK_GGML_F16: *out = RK_DTYPE_F16; return RK_OK;
     case RK_GGML_BF16: *out = RK_DTYPE_BF16; return RK_OK;
+    case RK_GGML_Q8_0: *out = RK_DTYPE_Q8_0; break;
+    case RK_GGML_Q4_0: *out = RK_DTYPE_Q4_0; break;
+    case RK_GGML_Q4_K: *out = RK_DTYPE_Q4_K; break;
+    case RK_GGML_Q5_K: *out = RK_DTYPE_Q5_K; break;
+    case RK_GGML_Q6_K: *out = RK_DTYPE_Q6_K; break;
+    default:
+        return rk_errorf(RK_ERR_UNSUPPORTED, "tensor %s has type %s; ragkv computes with %s",
+                         t->name, rk_ggml_type_name(t->type), SUPPORTED_TYPES);
     }
-    return rk_errorf(RK_ERR_UNSUPPORTED,
-                     "tensor %s has type %s; ragkv computes with F32, F16, BF16", t->name,
-                     rk_ggml_type_name(t->type));
+    if (!backend_is_host(m->be))
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "tensor %s has type %s; the %s backend computes with F32, F16, BF16 "
+                         "(quantized types run on the cpu backend)",
+                         t->name, rk_ggml_type_name(t->type), m->be->name);
+    return RK_OK;
 }
 
 /* Find a tensor and check its shape (ne0 fastest; ne1 = 1 for vectors). */
@@ -115,6 +130,19 @@ static rk_status find(rk_model *m, const char *name, int64_t ne0, int64_t ne1, i
             (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2], (long long)t->ne[3],
             (long long)ne0, (long long)ne1);
     return RK_OK;
+}
+
+/* A NaN or infinite weight poisons every activation it touches, silently:
+ * refuse the file instead. Quantized tensors are not scanned (their scales
+ * would need decoding block by block; rk_gguf_tensor_first_nonfinite
+ * returns -1 for them). */
+static rk_status check_finite(const rk_gguf_tensor *t, rk_dtype dt) {
+    int64_t i = rk_gguf_tensor_first_nonfinite(t);
+    if (i < 0) return RK_OK;
+    float v;
+    rk_dtype_to_f32(&v, (const char *)t->data + (size_t)i * rk_dtype_size(dt), dt, 1);
+    return rk_errorf(RK_ERR_FORMAT, "model: tensor %s has %s at element %lld", t->name,
+                     isnan(v) ? "a NaN" : "an infinite value", (long long)i);
 }
 
 /* A weight as backend memory: the mapping itself on the CPU backend, an upload elsewhere. */
@@ -138,7 +166,7 @@ static rk_status load_vec(rk_model *m, const char *name, int64_t n, int optional
     rk_status st = find(m, name, n, 1, optional, &t);
     if (st || !t) return st;
     rk_dtype dt;
-    if ((st = dtype_of(t, &dt))) return st;
+    if ((st = dtype_of(m, t, &dt)) || (st = check_finite(t, dt))) return st;
     const void *src = t->data;
     if (dt != RK_DTYPE_F32) {
         float *f = malloc((size_t)n * sizeof *f);
@@ -166,7 +194,7 @@ static rk_status load_mat(rk_model *m, const char *name, int rows, int cols, rk_
     if (st) return st;
     out->rows = rows;
     out->cols = cols;
-    if ((st = dtype_of(t, &out->type))) return st;
+    if ((st = dtype_of(m, t, &out->type)) || (st = check_finite(t, out->type))) return st;
     m->weight_bytes += t->n_bytes;
     return place(m, t, &out->w);
 }
@@ -190,11 +218,20 @@ static rk_status get_u32_arch(rk_model *m, const char *suffix, uint32_t def, int
     return RK_OK;
 }
 
-static float get_f32_arch(rk_model *m, const char *suffix, float def) {
+/* An optional float key: def when absent, an error when stored with another type. */
+static rk_status get_f32_arch(rk_model *m, const char *suffix, float def, float *out) {
     char key[128];
     snprintf(key, sizeof key, "%s.%s", m->hp.arch_name, suffix);
-    float v;
-    return rk_gguf_get_f32(m->gguf, key, &v) == RK_OK ? v : def;
+    rk_status st = rk_gguf_get_f32(m->gguf, key, out);
+    if (st == RK_ERR_NOT_FOUND) *out = def;
+    return st == RK_ERR_NOT_FOUND ? RK_OK : st;
+}
+
+/* A float hyper-parameter that must be finite and > 0 (NaN fails the compare). */
+static rk_status check_positive(const rk_model *m, const char *suffix, float v) {
+    if (v > 0 && isfinite(v)) return RK_OK;
+    return rk_errorf(RK_ERR_FORMAT, "model: %s.%s = %g is invalid (must be finite and > 0)",
+                     m->hp.arch_name, suffix, v);
 }
 
 static rk_status read_hparams(rk_model *m) {
@@ -224,11 +261,26 @@ static rk_status read_hparams(rk_model *m) {
                            &hp->n_kv_heads)) ||
         (st = get_u32_arch(m, "context_length", 2048, 0, &hp->n_ctx)))
         return st;
-    if (hp->n_layers < 1 || hp->dim < 1 || hp->ffn_dim < 1 || hp->n_heads < 1 ||
-        hp->n_kv_heads < 1 || hp->n_heads % hp->n_kv_heads)
+    if (hp->n_layers < 1 || hp->dim < 1 || hp->ffn_dim < 1 || hp->n_heads < 1 || hp->n_kv_heads < 1)
         return rk_errorf(RK_ERR_FORMAT,
                          "model: inconsistent shape (%d layers, dim %d, ffn %d, %d heads, %d kv)",
                          hp->n_layers, hp->dim, hp->ffn_dim, hp->n_heads, hp->n_kv_heads);
+    if (hp->n_heads % hp->n_kv_heads)
+        return rk_errorf(RK_ERR_FORMAT,
+                         "model: %s.attention.head_count %d is not a multiple of "
+                         "%s.attention.head_count_kv %d",
+                         arch, hp->n_heads, arch, hp->n_kv_heads);
+    /* A position needs at least one earlier one to attend to: 0 or 1 is a broken file. */
+    if (hp->n_ctx < 2)
+        return rk_errorf(RK_ERR_FORMAT, "model: %s.context_length = %d is invalid (must be >= 2)",
+                         arch, hp->n_ctx);
+    char key[128];
+    snprintf(key, sizeof key, "%s.attention.key_length", arch);
+    if (rk_gguf_find_key(m->gguf, key) < 0 && hp->dim % hp->n_heads)
+        return rk_errorf(RK_ERR_FORMAT,
+                         "model: %s.embedding_length %d is not a multiple of "
+                         "%s.attention.head_count %d (and %s is absent)",
+                         arch, hp->dim, arch, hp->n_heads, key);
     if ((st = get_u32_arch(m, "attention.key_length", (uint32_t)(hp->dim / hp->n_heads), 0,
                            &hp->head_dim)))
         return st;
@@ -238,7 +290,9 @@ static rk_status read_hparams(rk_model *m) {
     if (vlen != hp->head_dim || hp->head_dim < 2 || hp->head_dim > 2 * RK_ROPE_MAX_PAIRS)
         return rk_errorf(RK_ERR_UNSUPPORTED, "model: head_dim %d / value_length %d not supported",
                          hp->head_dim, vlen);
-    hp->rms_eps = get_f32_arch(m, "attention.layer_norm_rms_epsilon", 1e-5f);
+    if ((st = get_f32_arch(m, "attention.layer_norm_rms_epsilon", 1e-5f, &hp->rms_eps)) ||
+        (st = check_positive(m, "attention.layer_norm_rms_epsilon", hp->rms_eps)))
+        return st;
     hp->has_qkv_bias = hp->arch == RK_ARCH_QWEN2;
     hp->has_qk_norm = hp->arch == RK_ARCH_QWEN3;
 
@@ -246,19 +300,25 @@ static rk_status read_hparams(rk_model *m) {
     memset(rp, 0, sizeof *rp);
     if ((st = get_u32_arch(m, "rope.dimension_count", (uint32_t)hp->head_dim, 0, &rp->n_rot)))
         return st;
-    rp->theta = get_f32_arch(m, "rope.freq_base", 10000.0f);
+    if (rp->n_rot < 2 || rp->n_rot > hp->head_dim || rp->n_rot % 2)
+        return rk_errorf(RK_ERR_FORMAT,
+                         "model: %s.rope.dimension_count = %d is invalid (even, 2..head_dim %d)",
+                         arch, rp->n_rot, hp->head_dim);
+    if ((st = get_f32_arch(m, "rope.freq_base", 10000.0f, &rp->theta)) ||
+        (st = check_positive(m, "rope.freq_base", rp->theta)))
+        return st;
     rp->pairing = hp->arch == RK_ARCH_LLAMA ? RK_ROPE_NORMAL : RK_ROPE_NEOX;
-    rp->factor = get_f32_arch(m, "rope.scaling.factor", 1.0f);
+    if ((st = get_f32_arch(m, "rope.scaling.factor", 1.0f, &rp->factor))) return st;
     int orig;
     if ((st = get_u32_arch(m, "rope.scaling.original_context_length", (uint32_t)hp->n_ctx, 0,
                            &orig)))
         return st;
     rp->orig_ctx = orig;
-    rp->beta_fast = get_f32_arch(m, "rope.scaling.yarn_beta_fast", 32.0f);
-    rp->beta_slow = get_f32_arch(m, "rope.scaling.yarn_beta_slow", 1.0f);
-    rp->low_freq_factor = get_f32_arch(m, "rope.scaling.low_freq_factor", 1.0f);
-    rp->high_freq_factor = get_f32_arch(m, "rope.scaling.high_freq_factor", 4.0f);
-    char key[128];
+    if ((st = get_f32_arch(m, "rope.scaling.yarn_beta_fast", 32.0f, &rp->beta_fast)) ||
+        (st = get_f32_arch(m, "rope.scaling.yarn_beta_slow", 1.0f, &rp->beta_slow)) ||
+        (st = get_f32_arch(m, "rope.scaling.low_freq_factor", 1.0f, &rp->low_freq_factor)) ||
+        (st = get_f32_arch(m, "rope.scaling.high_freq_factor", 4.0f, &rp->high_freq_factor)))
+        return st;
     const char *stype = "none";
     snprintf(key, sizeof key, "%s.rope.scaling.type", hp->arch_name);
     rk_gguf_get_str(m->gguf, key, &stype, NULL);
@@ -272,8 +332,9 @@ static rk_status read_hparams(rk_model *m) {
         rp->scaling = RK_ROPE_SCALING_LLAMA3;
     else
         return rk_errorf(RK_ERR_UNSUPPORTED, "model: rope scaling \"%s\" not supported", stype);
-    if (rp->scaling != RK_ROPE_SCALING_NONE && !(rp->factor > 0))
-        return rk_errorf(RK_ERR_FORMAT, "model: rope scaling factor %g is invalid", rp->factor);
+    if (rp->scaling != RK_ROPE_SCALING_NONE &&
+        (st = check_positive(m, "rope.scaling.factor", rp->factor)))
+        return st;
     if ((st = rk_rope_init(&m->rope, rp))) return st;
     return RK_OK;
 }
@@ -307,7 +368,9 @@ static rk_status load_weights(rk_model *m) {
         return rk_errorf(RK_ERR_FORMAT, "model: token_embd.weight has shape {%lld, %lld}",
                          (long long)t->ne[0], (long long)t->ne[1]);
     hp->n_vocab = (int)t->ne[1];
-    if ((st = dtype_of(t, &m->embd_type)) || (st = place(m, t, &m->embd))) return st;
+    if ((st = dtype_of(m, t, &m->embd_type)) || (st = check_finite(t, m->embd_type)) ||
+        (st = place(m, t, &m->embd)))
+        return st;
 
     int q_dim = hp->n_heads * hp->head_dim, kv_dim = hp->n_kv_heads * hp->head_dim;
     m->layers = calloc((size_t)hp->n_layers, sizeof *m->layers);

@@ -23,7 +23,7 @@ rk_status rk_tok_ids_push(rk_tok_ids *v, int32_t id) {
     return RK_OK;
 }
 
-int rk_tok_utf8_decode(const unsigned char *s, size_t n, uint32_t *cp) {
+int rk_utf8_decode(const unsigned char *s, size_t n, uint32_t *cp) {
     unsigned c = s[0];
     if (c < 0x80) {
         *cp = c;
@@ -40,9 +40,9 @@ int rk_tok_utf8_decode(const unsigned char *s, size_t n, uint32_t *cp) {
     } else {
         return 0;
     }
-    if (n < (size_t)len) return 0;
     uint32_t v = c;
     for (int i = 1; i < len; i++) {
+        if ((size_t)i >= n) return -1; /* so far so good, but cut short */
         if ((s[i] & 0xC0) != 0x80) return 0;
         v = v << 6 | (s[i] & 0x3F);
     }
@@ -86,7 +86,7 @@ static rk_status utf8_validate(const unsigned char *s, size_t n) {
             continue;
         }
         uint32_t cp;
-        int len = rk_tok_utf8_decode(s + i, n - i, &cp);
+        int len = rk_utf8_decode(s + i, n - i, &cp);
         if (len > 0) {
             i += (size_t)len;
             continue;
@@ -217,7 +217,7 @@ static rk_status build_decode(rk_tokenizer *t) {
             /* Byte-level BPE: every character stands for one byte. */
             for (uint32_t i = 0; i < n;) {
                 uint32_t cp;
-                int len = rk_tok_utf8_decode((const unsigned char *)s + i, n - i, &cp);
+                int len = rk_utf8_decode((const unsigned char *)s + i, n - i, &cp);
                 int b = len > 0 ? rk_tok_gpt2_unicode_to_byte(cp) : -1;
                 if (b >= 0) {
                     t->dec[pos++] = (char)b;

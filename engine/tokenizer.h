@@ -6,7 +6,13 @@
  *   - "gpt2": byte-level BPE driven by a ranked merge list, with a regex
  *     pre-tokenizer chosen by tokenizer.ggml.pre (e.g. "qwen2"), run with PCRE2.
  * Special tokens (control / user-defined) are recognised in the input text
- * only when the caller asks for it. Decoding returns the exact bytes. */
+ * only when the caller asks for it. Decoding returns the exact bytes.
+ *
+ * Thread-safety: a tokenizer is immutable once built, so any number of threads
+ * may encode and decode with one tokenizer at the same time; building and
+ * freeing it are the owner's alone. An rk_vocab is plain data with no locking.
+ * Ownership: every output array or string is malloc'ed for the caller, who
+ * frees it; inputs are never kept (they are copied or only read). */
 #ifndef RK_TOKENIZER_H
 #define RK_TOKENIZER_H
 
@@ -42,7 +48,7 @@ typedef struct rk_vocab {
     int add_bos;                            /* tokenizer.ggml.add_bos_token */
 } rk_vocab;
 
-/* Release the arrays and zero the struct; accepts a zeroed struct. */
+/* Release the arrays and zero the struct; accepts NULL and a zeroed struct. */
 void rk_vocab_free(rk_vocab *v);
 
 /* Read a Hugging Face tokenizer.json (byte-level BPE, e.g. Qwen3) into a gpt2
@@ -62,10 +68,12 @@ rk_status rk_vocab_from_gguf(const rk_gguf *g, rk_vocab *out);
 
 typedef struct rk_tokenizer rk_tokenizer; /* opaque */
 
-/* Build a tokenizer from a vocabulary (copied; v may be freed afterwards). */
+/* Build a tokenizer from a vocabulary (copied; v may be freed afterwards).
+ * The caller owns *out and releases it with rk_tokenizer_free. */
 rk_status rk_tokenizer_create(const rk_vocab *v, rk_tokenizer **out);
-/* Same, from a GGUF file's metadata. */
+/* Same, from a GGUF file's metadata (nothing of g is kept: g may be closed). */
 rk_status rk_tokenizer_from_gguf(const rk_gguf *g, rk_tokenizer **out);
+/* Accepts NULL. No encode or decode may still be running on t. */
 void rk_tokenizer_free(rk_tokenizer *t);
 
 int32_t rk_tokenizer_n_vocab(const rk_tokenizer *t);
@@ -74,7 +82,7 @@ int32_t rk_tokenizer_eos(const rk_tokenizer *t);
 int rk_tokenizer_add_bos(const rk_tokenizer *t); /* should callers prepend BOS? */
 /* True for end-of-generation tokens (eos, eot, <|im_end|>, <|endoftext|>, ...). */
 int rk_tokenizer_is_eog(const rk_tokenizer *t, int32_t id);
-/* Token text as stored (not decoded); NULL when out of range. */
+/* Token text as stored (not decoded), owned by t; NULL when out of range. */
 const char *rk_tokenizer_token_text(const rk_tokenizer *t, int32_t id);
 /* Id of a token whose stored text equals s exactly, or -1. */
 int32_t rk_tokenizer_find(const rk_tokenizer *t, const char *s);
@@ -100,5 +108,15 @@ rk_status rk_tokenizer_decode(const rk_tokenizer *t, const int32_t *ids, size_t 
  * returns the full length, or -1 for an invalid id. */
 int rk_tokenizer_token_bytes(const rk_tokenizer *t, int32_t id, int render_special, char *buf,
                              int cap);
+
+/* ---------------------------------------------------------------- UTF-8 */
+
+/* Decode the UTF-8 character at s (n >= 1 bytes left) into *cp and return its
+ * length (1..4). Returns 0 when the bytes there are not valid UTF-8
+ * (overlong forms, surrogates and code points above U+10FFFF included), and
+ * -1 when s[0..n) is a valid start of a character that the end cuts short, so
+ * a streaming caller can wait for more bytes. The one decoder of the code
+ * base: the tokenizer's validation and the gateway's text output use it. */
+int rk_utf8_decode(const unsigned char *s, size_t n, uint32_t *cp);
 
 #endif

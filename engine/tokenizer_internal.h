@@ -119,10 +119,6 @@ int rk_tok_gpt2_unicode_to_byte(uint32_t cp);
 /* The GPT-2 byte-to-unicode table: the code point byte b is spelled with. */
 uint32_t rk_tok_gpt2_byte_to_unicode(uint8_t b);
 
-/* Decode one UTF-8 character at s (n bytes left, n >= 1) into *cp; return its
- * length, or 0 when the bytes there are not a valid, complete character. */
-int rk_tok_utf8_decode(const unsigned char *s, size_t n, uint32_t *cp);
-
 /* Encode cp as UTF-8 into buf (at least 4 bytes); return the length. */
 int rk_tok_utf8_encode(uint32_t cp, char *buf);
 

@@ -162,11 +162,8 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
         st = rk_split_prompt(text, ls + lc, req->separator, max_chunks, &split);
         free(text);
         if (st) {
-            rk_http_errorf(err,
-                           st == RK_ERR_LIMIT   ? 422
-                           : st == RK_ERR_NOMEM ? 500
-                                                : 400,
-                           "bad last user message: %s", rk_error_message());
+            rk_http_errorf(err, rk_http_status_of(st), "bad last user message: %s",
+                           rk_error_message());
             goto done;
         }
         sb_add(&q, split.question.s);
@@ -198,11 +195,7 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     rk_split out;
     st = rk_split_structured(sys.s, list, kept, q.s, max_chunks, &out);
     if (st) {
-        rk_http_errorf(err,
-                       st == RK_ERR_LIMIT   ? 422
-                       : st == RK_ERR_NOMEM ? 500
-                                            : 400,
-                       "bad chat request: %s", rk_error_message());
+        rk_http_errorf(err, rk_http_status_of(st), "bad chat request: %s", rk_error_message());
         free(list);
         goto done;
     }

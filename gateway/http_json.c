@@ -16,6 +16,20 @@
 
 /* ---------------------------------------------------------------- errors */
 
+int rk_http_status_of(rk_status st) {
+    switch (st) {
+    case RK_OK: return 200;
+    case RK_ERR_INVALID:
+    case RK_ERR_UNSUPPORTED:
+    case RK_ERR_FORMAT: return 400;
+    case RK_ERR_NOT_FOUND: return 404;
+    case RK_ERR_LIMIT: return 422;
+    case RK_ERR_EXHAUSTED:
+    case RK_ERR_BUSY: return 503;
+    default: return 500;
+    }
+}
+
 const char *rk_http_error_type(int status) {
     switch (status) {
     case 400: return "invalid_request";

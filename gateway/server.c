@@ -36,6 +36,7 @@
 #include "pipeline/pipeline.h"
 #include "gateway/report.h"
 #include "gateway/stats.h"
+#include "engine/tokenizer.h"
 
 #define EXIT_USAGE 2
 
@@ -126,13 +127,6 @@ static void opts_defaults(serve_opts *o) {
     o->grace_s = 5;
     o->request_timeout_s = 10;
     snprintf(o->log_level, sizeof o->log_level, "warn");
-}
-
-static int parse_log_level(const char *s) {
-    static const char *names[] = {"debug", "info", "warn", "error"};
-    for (int i = 0; i < 4; i++)
-        if (!strcmp(s, names[i])) return i;
-    return -1;
 }
 
 /* ================================================================ the server */
@@ -249,20 +243,6 @@ static void send_errorf(req_ctx *rc, int status, const char *fmt, ...) {
     vsnprintf(e.message, sizeof e.message, fmt, ap);
     va_end(ap);
     send_error(rc, &e);
-}
-
-/* HTTP status for a failure of a lower layer. */
-static int http_status_of(rk_status st) {
-    switch (st) {
-    case RK_ERR_INVALID:
-    case RK_ERR_UNSUPPORTED:
-    case RK_ERR_FORMAT: return 400;
-    case RK_ERR_NOT_FOUND: return 404;
-    case RK_ERR_LIMIT: return 422;
-    case RK_ERR_EXHAUSTED:
-    case RK_ERR_BUSY: return 503;
-    default: return 500;
-    }
 }
 
 /* ---------------------------------------------------------------- request bodies */
@@ -466,29 +446,6 @@ static void gt_feed(gen_text *g, const int32_t *tokens, int n) {
     }
 }
 
-/* Length of the valid UTF-8 character at s (n bytes left): 0 when invalid;
- * -1 when the bytes are the start of a character cut short. */
-static int utf8_char(const unsigned char *s, size_t n) {
-    unsigned c = s[0], cp, min;
-    int len;
-    if (c < 0x80) return c ? 1 : 0;
-    if ((c & 0xE0) == 0xC0)
-        len = 2, min = 0x80, cp = c & 0x1F;
-    else if ((c & 0xF0) == 0xE0)
-        len = 3, min = 0x800, cp = c & 0x0F;
-    else if ((c & 0xF8) == 0xF0)
-        len = 4, min = 0x10000, cp = c & 0x07;
-    else
-        return 0;
-    for (int i = 1; i < len; i++) {
-        if ((size_t)i >= n) return -1;
-        if ((s[i] & 0xC0) != 0x80) return 0;
-        cp = (cp << 6) | (s[i] & 0x3F);
-    }
-    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
-    return len;
-}
-
 /* The next piece of text that is final (malloc'ed, valid UTF-8; NULL when
  * nothing new). final: the generation is over, send the rest. */
 static char *gt_take(gen_text *g, int final) {
@@ -501,7 +458,8 @@ static char *gt_take(gen_text *g, int final) {
     } else {
         const unsigned char *s = (const unsigned char *)g->raw;
         while (end < limit) {
-            int l = utf8_char(s + end, g->len - end);
+            uint32_t cp;
+            int l = rk_utf8_decode(s + end, g->len - end, &cp);
             if (l < 0) break;  /* wait for the rest of the character */
             if (l == 0) l = 1; /* an invalid byte: becomes U+FFFD on its own */
             if (end + (size_t)l > limit) break;
@@ -665,7 +623,7 @@ static void respond_generation(gen *g) {
     rk_job *j = g->job;
     req_ctx *rc = g->rc;
     if (!j->ran || j->status) {
-        int status = !j->ran ? 503 : http_status_of(j->status);
+        int status = !j->ran ? 503 : rk_http_status_of(j->status);
         char msg[400];
         if (g->timed_out && !j->ran)
             snprintf(msg, sizeof msg, "the request waited longer than the timeout (%g s)",
@@ -754,7 +712,7 @@ static void prep_generation(void *arg) {
     rk_error_clear();
     rk_status st = rk_request_prepare(svc, &g->api.pieces, &g->job->req);
     if (st) {
-        rk_http_errorf(err, http_status_of(st), "%s", rk_error_message());
+        rk_http_errorf(err, rk_http_status_of(st), "%s", rk_error_message());
         return;
     }
     if (g->api.chunk_ids && g->job->req.n_chunks == g->api.pieces.n_chunks)
@@ -1156,7 +1114,7 @@ static void prep_prewarm(void *arg) {
     rk_status st = RK_OK;
     if (p->pw.context_system && *p->pw.system &&
         (st = rk_tokenizer_encode(tok, p->pw.system, strlen(p->pw.system), 1, &ids, &n_ids))) {
-        rk_http_errorf(&p->err, http_status_of(st), "system: %s", rk_error_message());
+        rk_http_errorf(&p->err, rk_http_status_of(st), "system: %s", rk_error_message());
         return;
     }
     int32_t *sys = malloc((n_ids + 1) * sizeof *sys);
@@ -1207,7 +1165,7 @@ static int handle_prewarm(req_ctx *rc) {
     char msg[320];
     rk_status st = run_command(rc, prewarm_fn, &p.cmd, 0, msg, sizeof msg);
     if (st) {
-        send_errorf(rc, http_status_of(st), "%s", msg);
+        send_errorf(rc, rk_http_status_of(st), "%s", msg);
         goto done;
     }
     json_t *data = json_array();
@@ -1311,7 +1269,7 @@ static int handle_list(req_ctx *rc) {
     free(l.v);
     if (st) {
         json_decref(l.out);
-        return send_errorf(rc, http_status_of(st), "%s", msg), 0;
+        return send_errorf(rc, rk_http_status_of(st), "%s", msg), 0;
     }
     send_json(rc, 200, l.out);
     return 0;
@@ -1327,7 +1285,7 @@ static int handle_chunk_key(req_ctx *rc, const char *hex, int del) {
     rk_status st = run_command(rc, del ? delete_fn : get_fn, &k, 1, msg, sizeof msg);
     if (st) {
         json_decref(k.out);
-        int status = st == RK_ERR_BUSY ? 409 : http_status_of(st);
+        int status = st == RK_ERR_BUSY ? 409 : rk_http_status_of(st);
         return send_errorf(rc, status, "%s", msg), 0;
     }
     if (del)
@@ -1356,7 +1314,7 @@ static int handle_flush(req_ctx *rc) {
     if (!ready_service(rc->S)) return send_not_ready(rc), 0;
     char msg[320];
     if ((st = run_command(rc, flush_fn, &f, 1, msg, sizeof msg)))
-        return send_errorf(rc, http_status_of(st), "%s", msg), 0;
+        return send_errorf(rc, rk_http_status_of(st), "%s", msg), 0;
     send_json(rc, 200,
               json_pack("{s:{s:i, s:I, s:I, s:I}}", "flushed", "chunks", f.chunks, "prefix_nodes",
                         (json_int_t)f.prefix_nodes, "prefix_tokens", (json_int_t)f.prefix_tokens,
@@ -1695,113 +1653,54 @@ static const char *k_usage =
     "usage: ragkv serve [--model F.gguf] [--config F.json] [--host H] [--port P] [options]\n"
     "Serve the HTTP API (docs/api.md). Settings come from defaults, then the --config\n"
     "file (JSON, keys as named in --print-config), then RAGKV_<NAME> environment\n"
-    "variables, then flags.\n"
-    "  --config F.json       settings file; unknown keys are errors\n"
-    "  --print-config        print the effective settings as JSON and exit\n";
+    "variables, then flags.\n";
 
-static void print_help(void) {
-    serve_opts o;
-    rk_settings tabs[N_TABLES];
-    bind_settings(&o, tabs);
-    fputs(k_usage, stdout);
-    rk_settings_print_help(stdout, tabs, N_TABLES);
+/* The one option of `ragkv serve` that is not a setting. */
+enum { O_PRINT_CONFIG = 1 };
+
+static rk_status on_serve_option(void *ctx, int val, const char *arg) {
+    (void)arg;
+    if (val == O_PRINT_CONFIG) *(int *)ctx = 1;
+    return RK_OK;
 }
 
-/* Parse flags over defaults, config file and environment. Returns -1 to exit
- * with status *out_exit. */
+/* Parse flags over defaults, config file and environment (every table reads
+ * all three). Returns -1 to exit with status *out_exit. */
 static int parse_args(int argc, char **argv, serve_opts *o, int *print_config, int *out_exit) {
-    enum { O_CONFIG = 2000, O_PRINT, O_FIELD = 3000 };
+    static const struct option extra[] = {{"print-config", no_argument, 0, O_PRINT_CONFIG},
+                                          {0, 0, 0, 0}};
     rk_settings tabs[N_TABLES];
-    bind_settings(o, tabs);
-    size_t n_fields = 0;
-    for (int t = 0; t < N_TABLES; t++) n_fields += tabs[t].n;
-    struct option *longs = calloc(n_fields + 4, sizeof *longs);
-    const rk_setting **fields = calloc(n_fields, sizeof *fields);
-    void **bases = calloc(n_fields, sizeof *bases);
-    if (!longs || !fields || !bases) {
-        fprintf(stderr, "ragkv serve: out of memory\n");
-        *out_exit = EXIT_FAILURE;
-        goto fail;
-    }
-    size_t k = 0;
-    for (int t = 0; t < N_TABLES; t++)
-        for (size_t i = 0; i < tabs[t].n; i++, k++) {
-            fields[k] = &tabs[t].fields[i];
-            bases[k] = tabs[t].base;
-            longs[k] = (struct option){
-                fields[k]->flag, fields[k]->type == RK_SET_BOOL ? no_argument : required_argument,
-                0, O_FIELD + (int)k};
-        }
-    longs[k++] = (struct option){"config", required_argument, 0, O_CONFIG};
-    longs[k++] = (struct option){"print-config", no_argument, 0, O_PRINT};
-    longs[k++] = (struct option){"help", no_argument, 0, 'h'};
-    longs[k] = (struct option){0, 0, 0, 0};
-    const char *config = NULL;
-    int c;
-    /* Pass 1: --help, --config, and usage errors. */
-    optind = 1;
-    opterr = 0;
-    *out_exit = EXIT_USAGE;
-    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
-        if (c == 'h') {
-            print_help();
-            *out_exit = 0;
-            goto fail;
-        }
-        if (c == O_CONFIG) config = optarg;
-        if (c == '?' || c == ':') {
-            fprintf(stderr,
-                    "ragkv serve: unknown option or missing value: %s (see ragkv serve "
-                    "--help)\n",
-                    argv[optind - 1]);
-            goto fail;
-        }
-    }
-    if (optind < argc) {
-        fprintf(stderr, "ragkv serve: unexpected argument '%s' (see ragkv serve --help)\n",
-                argv[optind]);
-        goto fail;
-    }
     opts_defaults(o);
-    if ((config && rk_settings_load_file(tabs, N_TABLES, config)) ||
-        rk_settings_load_env(tabs, N_TABLES)) {
-        fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
-        goto fail;
+    bind_settings(o, tabs);
+    rk_cmdline cl = {.cmd = "serve",
+                     .usage = k_usage,
+                     .tabs = tabs,
+                     .n_tabs = N_TABLES,
+                     .n_shared = N_TABLES,
+                     .extra = extra,
+                     .extra_help =
+                         "  --print-config        print the effective settings as JSON and exit\n",
+                     .on_extra = on_serve_option,
+                     .ctx = print_config,
+                     .first = 1};
+    int next = rk_cmdline_parse(&cl, argc, argv, out_exit);
+    if (next < 0) return -1;
+    *out_exit = EXIT_USAGE;
+    if (next < argc) {
+        fprintf(stderr, "ragkv serve: unexpected argument '%s' (see ragkv serve --help)\n",
+                argv[next]);
+        return -1;
     }
-    /* Pass 2: flags override. */
-    optind = 1;
-    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
-        if (c == O_PRINT) *print_config = 1;
-        if (c < O_FIELD) continue;
-        const rk_setting *f = fields[c - O_FIELD];
-        if (f->type == RK_SET_BOOL) {
-            *(int *)((char *)bases[c - O_FIELD] + f->off) = !f->invert;
-        } else if (rk_setting_parse(bases[c - O_FIELD], f, optarg)) {
-            fprintf(stderr, "ragkv serve: --%s: %s (see ragkv serve --help)\n", f->flag,
-                    rk_error_message());
-            goto fail;
-        }
-    }
-    if (parse_log_level(o->log_level) < 0) {
+    if (rk_log_level_parse(o->log_level) < 0) {
         fprintf(stderr, "ragkv serve: log_level must be debug, info, warn or error, got '%s'\n",
                 o->log_level);
-        goto fail;
+        return -1;
     }
     if (rk_config_validate(&o->cfg)) {
         fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
-        goto fail;
+        return -1;
     }
-    opterr = 1;
-    free(longs);
-    free(fields);
-    free(bases);
     return 0;
-fail:
-    opterr = 1;
-    free(longs);
-    free(fields);
-    free(bases);
-    return -1;
 }
 
 /* Wait until no request is being handled, for at most seconds. */
@@ -1841,7 +1740,7 @@ int rk_serve_main(int argc, char **argv) {
         free(S);
         return s ? 0 : EXIT_FAILURE;
     }
-    rk_log_set_level((rk_log_level)parse_log_level(o->log_level));
+    rk_log_set_level((rk_log_level)rk_log_level_parse(o->log_level));
 
     /* Signals: every thread created from here on blocks them; main waits for them. */
     sigset_t sigs;

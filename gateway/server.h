@@ -39,6 +39,10 @@ typedef struct rk_http_error {
 rk_status rk_http_errorf(rk_http_error *err, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* The HTTP status for a failure of a lower layer: 400 for bad input, 404,
+ * 422 for a limit, 503 when busy or out of room, 500 otherwise. */
+int rk_http_status_of(rk_status st);
+
 /* The type name of an HTTP error status ("invalid_request" for 400). */
 const char *rk_http_error_type(int status);
 

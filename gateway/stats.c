@@ -247,12 +247,18 @@ json_t *rk_stats_json(rk_stats *s) {
             : json_pack("{s:b}", "enabled", 0);
     json_t *store =
         c->have_store
-            ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I}", "configured", 1, "rows",
-                        (json_int_t)c->store_rows, "bytes", (json_int_t)c->store_bytes, "loads",
-                        (json_int_t)c->store_loads, "writes", (json_int_t)c->store_writes,
-                        "dropped_at_recovery", (json_int_t)c->store_dropped_at_recovery)
-            : json_pack("{s:b, s:n, s:n, s:i, s:i, s:i}", "configured", 0, "rows", "bytes", "loads",
-                        0, "writes", 0, "dropped_at_recovery", 0);
+            ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "configured", 1,
+                        "rows", (json_int_t)c->store_rows, "bytes", (json_int_t)c->store_bytes,
+                        "loads", (json_int_t)c->store_loads, "writes", (json_int_t)c->store_writes,
+                        "dropped_at_recovery", (json_int_t)c->store_dropped_at_recovery,
+                        "corrupt_after_open", (json_int_t)c->store_corrupt_after_open,
+                        "quarantined", (json_int_t)c->store_quarantined, "rows_rebuilt",
+                        (json_int_t)c->store_rows_rebuilt, "unreadable",
+                        (json_int_t)c->store_unreadable)
+            : json_pack("{s:b, s:n, s:n, s:i, s:i, s:i, s:i, s:i, s:i, s:i}", "configured", 0,
+                        "rows", "bytes", "loads", 0, "writes", 0, "dropped_at_recovery", 0,
+                        "corrupt_after_open", 0, "quarantined", 0, "rows_rebuilt", 0, "unreadable",
+                        0);
     json_t *tiers =
         json_pack("{s:{s:I, s:I}, s:o?}", "arena", "entries", (json_int_t)ch->entries, "bytes",
                   (json_int_t)c->chunk_bytes, "disk",

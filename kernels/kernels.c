@@ -19,8 +19,49 @@ size_t rk_dtype_size(rk_dtype t) {
     case RK_DTYPE_F32: return 4;
     case RK_DTYPE_F16: return 2;
     case RK_DTYPE_BF16: return 2;
+    case RK_DTYPE_Q8_0:
+    case RK_DTYPE_Q4_0:
+    case RK_DTYPE_Q4_K:
+    case RK_DTYPE_Q5_K:
+    case RK_DTYPE_Q6_K: return 0;
     }
     return 0;
+}
+
+int rk_dtype_is_quant(rk_dtype t) { return t >= RK_DTYPE_Q8_0 && t < RK_DTYPE_COUNT; }
+
+size_t rk_dtype_block(rk_dtype t) {
+    switch (t) {
+    case RK_DTYPE_F32:
+    case RK_DTYPE_F16:
+    case RK_DTYPE_BF16: return 1;
+    case RK_DTYPE_Q8_0:
+    case RK_DTYPE_Q4_0: return 32;
+    case RK_DTYPE_Q4_K:
+    case RK_DTYPE_Q5_K:
+    case RK_DTYPE_Q6_K: return 256;
+    }
+    return 0;
+}
+
+size_t rk_dtype_block_bytes(rk_dtype t) {
+    switch (t) {
+    case RK_DTYPE_F32: return 4;
+    case RK_DTYPE_F16:
+    case RK_DTYPE_BF16: return 2;
+    case RK_DTYPE_Q8_0: return 34;
+    case RK_DTYPE_Q4_0: return 18;
+    case RK_DTYPE_Q4_K: return 144;
+    case RK_DTYPE_Q5_K: return 176;
+    case RK_DTYPE_Q6_K: return 210;
+    }
+    return 0;
+}
+
+size_t rk_dtype_row_bytes(rk_dtype t, size_t n) {
+    size_t b = rk_dtype_block(t);
+    if (b == 0 || n % b) return 0;
+    return n / b * rk_dtype_block_bytes(t);
 }
 
 const char *rk_dtype_name(rk_dtype t) {
@@ -28,6 +69,11 @@ const char *rk_dtype_name(rk_dtype t) {
     case RK_DTYPE_F32: return "f32";
     case RK_DTYPE_F16: return "f16";
     case RK_DTYPE_BF16: return "bf16";
+    case RK_DTYPE_Q8_0: return "q8_0";
+    case RK_DTYPE_Q4_0: return "q4_0";
+    case RK_DTYPE_Q4_K: return "q4_k";
+    case RK_DTYPE_Q5_K: return "q5_k";
+    case RK_DTYPE_Q6_K: return "q6_k";
     }
     return "unknown";
 }
@@ -106,6 +152,11 @@ void rk_dtype_to_f32(float *dst, const void *src, rk_dtype t, size_t n) {
     case RK_DTYPE_BF16:
         for (size_t i = 0; i < n; i++) dst[i] = rk_bf16_to_f32(h[i]);
         return;
+    case RK_DTYPE_Q8_0:
+    case RK_DTYPE_Q4_0:
+    case RK_DTYPE_Q4_K:
+    case RK_DTYPE_Q5_K:
+    case RK_DTYPE_Q6_K: rk_dequantize(dst, src, t, n); return;
     }
 }
 
@@ -285,16 +336,28 @@ rk_status rk_kv_check_write_slots(const rk_kv_cache *kv, const int32_t *slots, i
     return RK_OK;
 }
 
+/* The rotated dimensions of rope fit a head of head_dim. */
+static rk_status check_n_rot(const rk_rope *rope, int head_dim, const char *op) {
+    if (rope->n_rot <= 0 || (rope->n_rot & 1) || rope->n_rot > head_dim ||
+        rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
+        return rk_errorf(RK_ERR_INVALID, "%s: n_rot %d does not fit head_dim %d", op, rope->n_rot,
+                         head_dim);
+    return RK_OK;
+}
+
+rk_status rk_rope_check(int n_tokens, int n_heads, int head_dim, const rk_rope *rope) {
+    if (n_tokens < 0 || n_heads <= 0 || head_dim <= 0)
+        return rk_errorf(RK_ERR_INVALID, "rope: bad shape %d x %d x %d", n_tokens, n_heads,
+                         head_dim);
+    return check_n_rot(rope, head_dim, "rope");
+}
+
 rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *rope) {
     rk_status st = check_cache(kv, "rope_shift_copy");
     if (st != RK_OK) return st;
     if (n_tokens < 0)
         return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_tokens %d < 0", n_tokens);
-    if (rope->n_rot <= 0 || (rope->n_rot & 1) || rope->n_rot > kv->head_dim ||
-        rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
-        return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_rot %d does not fit head_dim %d",
-                         rope->n_rot, kv->head_dim);
-    return RK_OK;
+    return check_n_rot(rope, kv->head_dim, "rope_shift_copy");
 }
 
 rk_status rk_kv_check_shift_slots(const rk_kv_cache *kv, const int32_t *src_slots,

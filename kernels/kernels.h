@@ -4,8 +4,9 @@
  * (kernels/cpu/) is the reference: multithreaded, SIMD where it pays, OpenBLAS
  * for large GEMMs. The CUDA backend (kernels/cuda/) implements the same table.
  * Every pointer passed to an op is backend memory (host memory for the CPU
- * backend). Activations are f32; weights may be F32, F16 or BF16; KV storage
- * has the dtype of the cache.
+ * backend). Activations are f32; weights may be F32, F16, BF16 or one of the
+ * block-quantized GGML types below (matmul and embed only); KV storage has
+ * the dtype of the cache (F32, F16 or BF16).
  *
  * Paged KV: the cache of one layer is an array of blocks, shape
  *   (n_blocks, block_size, n_kv_heads, head_dim)
@@ -25,11 +26,39 @@ typedef enum rk_dtype {
     RK_DTYPE_F32 = 0,
     RK_DTYPE_F16 = 1,
     RK_DTYPE_BF16 = 2,
+    /* Block-quantized weights in GGML's layouts (weights only, never KV):
+     * a row of k elements is k / rk_dtype_block() blocks of
+     * rk_dtype_block_bytes() bytes each. */
+    RK_DTYPE_Q8_0 = 3, /* 32: f16 d, i8 q[32]; x = d q */
+    RK_DTYPE_Q4_0 = 4, /* 32: f16 d, u8 q[16] (two nibbles); x = d (q - 8) */
+    RK_DTYPE_Q4_K = 5, /* 256: f16 d, dmin, 8 x 6-bit scale and min, 4-bit q */
+    RK_DTYPE_Q5_K = 6, /* 256: as Q4_K plus a fifth bit per weight */
+    RK_DTYPE_Q6_K = 7, /* 256: 6-bit q, 16 x i8 scales, f16 d; x = d s (q - 32) */
 } rk_dtype;
 
-/* Bytes per element of a dtype. */
+#define RK_DTYPE_COUNT 8
+
+/* Bytes per element of an unquantized dtype; 0 for the quantized ones (and
+ * for values outside the enum). */
 size_t rk_dtype_size(rk_dtype t);
 const char *rk_dtype_name(rk_dtype t);
+/* 1 for the block-quantized dtypes. */
+int rk_dtype_is_quant(rk_dtype t);
+/* Elements per block (1 for F32/F16/BF16) and bytes per block; 0 for a value
+ * outside the enum. */
+size_t rk_dtype_block(rk_dtype t);
+size_t rk_dtype_block_bytes(rk_dtype t);
+/* Bytes of a row of n elements (n a multiple of the block size); 0 when n is
+ * not a multiple of the block or t is outside the enum. */
+size_t rk_dtype_row_bytes(rk_dtype t, size_t n);
+
+/* Reference (portable C) conversions of the quantized dtypes, n a multiple of
+ * the block size. dequantize writes dst(n) f32 from n elements of src;
+ * quantize writes n elements of dtype t to dst from src(n) f32 (round to
+ * nearest, scales chosen from each block's range; see kernels/cpu/quant.c).
+ * For F32/F16/BF16 they convert as rk_dtype_to_f32 and rounding does. */
+void rk_dequantize(float *dst, const void *src, rk_dtype t, size_t n);
+void rk_quantize(void *dst, const float *src, rk_dtype t, size_t n);
 
 /* Scalar conversions (round-to-nearest-even for the narrowing ones). */
 float rk_f16_to_f32(uint16_t h);
@@ -205,6 +234,9 @@ rk_status rk_kv_check_write(const rk_kv_cache *kv, int layer, int n_tokens);
  * named twice; tmp (n_tokens). */
 rk_status rk_kv_check_write_slots(const rk_kv_cache *kv, const int32_t *slots, int n_tokens,
                                   int32_t *tmp);
+/* rope over (n_tokens, n_heads, head_dim): n_tokens >= 0, n_heads and
+ * head_dim > 0, n_rot even and within head_dim. */
+rk_status rk_rope_check(int n_tokens, int n_heads, int head_dim, const rk_rope *rope);
 /* rope_shift_copy: a well-formed cache, n_tokens >= 0, n_rot fits head_dim. */
 rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *rope);
 /* rope_shift_copy slots: all in range, no destination twice, no slot both a

@@ -833,7 +833,7 @@ static void release_request(rk_service *svc, rk_request *r, int failed) {
     rk_req_state *s = r->state;
     if (!s) return;
     if (!failed) insert_sequence(svc, r);
-    for (int k = 0; k < r->n_chunks; k++) {
+    for (int k = 0; s->entries && s->scratch && k < r->n_chunks; k++) {
         scratch *sc = &s->scratch[k];
         if (sc->used) rk_seq_release(&sc->kv, svc->arena);
         free(sc->tokens);
@@ -910,14 +910,16 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
     return RK_OK;
 }
 
-/* Sample request r's next token from its logits and decide whether it is done. */
+/* Sample request r's next token from its logits (or take the forced one) and
+ * decide whether it is done. */
 static void take_token(rk_service *svc, rk_request *r, const float *logits,
                        const rk_pipeline_hooks *hooks) {
     rk_req_state *s = r->state;
     int ri = s->hook_index;
     const rk_hparams *hp = rk_model_hparams(svc->model);
     if (hooks && hooks->on_logits) hooks->on_logits(hooks->ctx, ri, r->n_out, logits, hp->n_vocab);
-    int32_t t = rk_sampler_sample(&s->sampler, logits);
+    int32_t t = hooks && hooks->force_token ? hooks->force_token(hooks->ctx, ri, r->n_out) : -1;
+    if (t < 0 || t >= hp->n_vocab) t = rk_sampler_sample(&s->sampler, logits);
     if (r->opt.n_logprobs > 0)
         rk_logprobs_top(logits, hp->n_vocab, r->opt.n_logprobs,
                         r->top_ids + (size_t)r->n_out * r->opt.n_logprobs,

@@ -177,11 +177,18 @@ void rk_request_free(rk_request *r);
 /* Called on the engine thread for every sampled token. req is the request's
  * rank in the order its pipeline admitted requests (0 for the first; with
  * rk_pipeline_run, its position in reqs); step is its number of tokens
- * before this one. */
+ * before this one.
+ *
+ * force_token (NULL = off) is teacher forcing: asked after on_logits, it
+ * returns the token to take at this step instead of sampling one, or -1 to
+ * sample (an id outside the vocabulary samples too). The forced token is the
+ * request's token from then on: it is reported (out_tokens, logprobs,
+ * on_token), fed to the next step and checked for end of generation. */
 typedef struct rk_pipeline_hooks {
     void *ctx;
     void (*on_token)(void *ctx, int req, int32_t token);
     void (*on_logits)(void *ctx, int req, int step, const float *logits, int n_vocab);
+    int32_t (*force_token)(void *ctx, int req, int step);
 } rk_pipeline_hooks;
 
 typedef struct rk_pipeline rk_pipeline; /* the running requests; opaque */

@@ -313,6 +313,10 @@ static void publish(rk_scheduler *e, int n_finishing) {
         s.store_loads = sc.loads;
         s.store_writes = sc.writes;
         s.store_dropped_at_recovery = sc.dropped_on_recovery;
+        s.store_corrupt_after_open = sc.corrupt_after_open;
+        s.store_quarantined = sc.quarantined;
+        s.store_rows_rebuilt = sc.rows_rebuilt;
+        s.store_unreadable = sc.unreadable;
     }
     pthread_mutex_lock(&e->mu);
     s.queued = e->n_queued;

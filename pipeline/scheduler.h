@@ -55,6 +55,7 @@ typedef struct rk_cache_snapshot {
     /* The chunk store (disk tier): zero while none is configured. */
     int have_store;
     uint64_t store_rows, store_bytes, store_loads, store_writes, store_dropped_at_recovery;
+    uint64_t store_corrupt_after_open, store_quarantined, store_rows_rebuilt, store_unreadable;
 } rk_cache_snapshot;
 
 typedef struct rk_scheduler rk_scheduler; /* opaque */

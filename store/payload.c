@@ -149,7 +149,7 @@ void rk_payload_checksum_hex(const uint8_t sum[16], char out[RK_STORE_KEY_LEN + 
     out[RK_STORE_KEY_LEN] = '\0';
 }
 
-static void encode_header(const rk_payload_header *h, uint8_t b[RK_STORE_HEADER_BYTES]) {
+void rk_payload_header_encode(const rk_payload_header *h, uint8_t b[RK_STORE_HEADER_BYTES]) {
     memset(b, 0, RK_STORE_HEADER_BYTES);
     memcpy(b + OFF_MAGIC, k_magic, 4);
     put_u32(b + OFF_VERSION, FORMAT_VERSION);
@@ -172,7 +172,7 @@ static void encode_header(const rk_payload_header *h, uint8_t b[RK_STORE_HEADER_
     put_u64(b + RK_STORE_HEADER_BYTES - 8, XXH3_64bits(b, RK_STORE_HEADER_BYTES - 8));
 }
 
-static int all_printable(const uint8_t *p, size_t n) {
+int rk_payload_printable(const uint8_t *p, size_t n) {
     for (size_t i = 0; i < n; i++)
         if (p[i] < 0x21 || p[i] > 0x7e) return 0;
     return 1;
@@ -199,7 +199,7 @@ static rk_status parse_header(const char *path, const uint8_t *b, uint32_t hsize
     if (hsize == V1_HEADER_BYTES) return RK_OK; /* no policy, time or document id */
     size_t np = strnlen((const char *)b + OFF_POLICY, RK_STORE_POLICY_MAX + 1);
     uint32_t nd = get_u32(b + OFF_DOC_LEN);
-    if (np == 0 || np > RK_STORE_POLICY_MAX || !all_printable(b + OFF_POLICY, np) ||
+    if (np == 0 || np > RK_STORE_POLICY_MAX || !rk_payload_printable(b + OFF_POLICY, np) ||
         nd > RK_STORE_DOC_ID_MAX || memchr(b + OFF_DOC, 0, nd))
         return rk_errorf(RK_ERR_FORMAT, "%s: bad policy or document id in the header", path);
     memcpy(h->policy, b + OFF_POLICY, np);
@@ -277,7 +277,7 @@ static rk_status fsync_dir(const char *dir_path) {
 rk_status rk_payload_write(const char *tmp_path, const char *final_path, const char *dir_path,
                            const rk_payload_header *h, const int32_t *tokens, const void *body) {
     uint8_t hdr[RK_STORE_HEADER_BYTES];
-    encode_header(h, hdr);
+    rk_payload_header_encode(h, hdr);
     int fd =
         rk_payload_io_fault() ? -1 : open(tmp_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     if (fd < 0) return rk_errorf(RK_ERR_IO, "%s: create: %s", tmp_path, strerror(errno));
@@ -302,6 +302,33 @@ rk_status rk_payload_write(const char *tmp_path, const char *final_path, const c
     return st;
 }
 
+/* Check the magic, version and header size at the start of a header (its
+ * first 160 bytes) and return the header's size: 160 for version 1, 512 for
+ * version 2. what names the source in the message. */
+static rk_status header_size(const char *what, const uint8_t *b, uint32_t *out_hsize) {
+    if (memcmp(b + OFF_MAGIC, k_magic, 4) != 0)
+        return rk_errorf(RK_ERR_FORMAT, "%s: bad magic (not a ragkv payload)", what);
+    uint32_t version = get_u32(b + OFF_VERSION), hsize = get_u32(b + OFF_HSIZE);
+    if (version != 1 && version != FORMAT_VERSION)
+        return rk_errorf(RK_ERR_FORMAT, "%s: payload format version %u, this ragkv reads 1 and %d",
+                         what, version, FORMAT_VERSION);
+    if (hsize != (version == 1 ? V1_HEADER_BYTES : RK_STORE_HEADER_BYTES))
+        return rk_errorf(RK_ERR_FORMAT, "%s: bad header size %u for version %u", what, hsize,
+                         version);
+    *out_hsize = hsize;
+    return RK_OK;
+}
+
+rk_status rk_payload_header_decode(const char *what, const uint8_t *b, size_t len,
+                                   rk_payload_header *h) {
+    uint32_t hsize;
+    if (len < V1_HEADER_BYTES) return rk_errorf(RK_ERR_FORMAT, "%s: shorter than a header", what);
+    rk_status st = header_size(what, b, &hsize);
+    if (st != RK_OK) return st;
+    if (len < hsize) return rk_errorf(RK_ERR_FORMAT, "%s: shorter than a header", what);
+    return parse_header(what, b, hsize, h);
+}
+
 /* ---------------------------------------------------------------- read */
 
 /* Read the header of the open file path (file_bytes long) into b and return
@@ -312,15 +339,8 @@ static rk_status read_header(int fd, const char *path, uint64_t file_bytes,
         return rk_errorf(RK_ERR_FORMAT, "%s: shorter than a header", path);
     rk_status st = read_all(fd, b, V1_HEADER_BYTES, path);
     if (st != RK_OK) return st;
-    if (memcmp(b + OFF_MAGIC, k_magic, 4) != 0)
-        return rk_errorf(RK_ERR_FORMAT, "%s: bad magic (not a ragkv payload)", path);
-    uint32_t version = get_u32(b + OFF_VERSION), hsize = get_u32(b + OFF_HSIZE);
-    if (version != 1 && version != FORMAT_VERSION)
-        return rk_errorf(RK_ERR_FORMAT, "%s: payload format version %u, this ragkv reads 1 and %d",
-                         path, version, FORMAT_VERSION);
-    if (hsize != (version == 1 ? V1_HEADER_BYTES : RK_STORE_HEADER_BYTES))
-        return rk_errorf(RK_ERR_FORMAT, "%s: bad header size %u for version %u", path, hsize,
-                         version);
+    uint32_t hsize;
+    if ((st = header_size(path, b, &hsize)) != RK_OK) return st;
     if (file_bytes < hsize) return rk_errorf(RK_ERR_FORMAT, "%s: shorter than a header", path);
     if (hsize > V1_HEADER_BYTES)
         st = read_all(fd, b + V1_HEADER_BYTES, hsize - V1_HEADER_BYTES, path);

@@ -42,6 +42,18 @@ void rk_payload_checksum(const int32_t *tokens, size_t n_tokens, const void *bod
 /* Write the 32-hex form of a checksum (and a NUL) into out. */
 void rk_payload_checksum_hex(const uint8_t sum[16], char out[RK_STORE_KEY_LEN + 1]);
 
+/* Write the header's bytes (the current version: RK_STORE_HEADER_BYTES). */
+void rk_payload_header_encode(const rk_payload_header *h, uint8_t b[RK_STORE_HEADER_BYTES]);
+
+/* Decode a header held in memory (len bytes available at b), trusting
+ * nothing: magic, version, size, header checksum and every field are
+ * checked. what names the source in the RK_ERR_FORMAT message. */
+rk_status rk_payload_header_decode(const char *what, const uint8_t *b, size_t len,
+                                   rk_payload_header *h);
+
+/* 1 when the n bytes at p are all printable ASCII without spaces. */
+int rk_payload_printable(const uint8_t *p, size_t n);
+
 /* Write header, tokens and body to tmp_path, fsync it, rename it to
  * final_path and fsync dir_path (the directory holding both). On failure no
  * file is left at either name and an RK_ERR_IO message says what failed. */

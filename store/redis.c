@@ -3,9 +3,8 @@
  *
  * The payload value is byte for byte a disk payload file (the format at the
  * top of store/payload.c), so a value can be written to a file and read by
- * the disk tier and the other way round. The header encoder and decoder of
- * payload.c work on files; the in-memory pair here writes and checks the same
- * version 2 header (512 bytes) and shares its checksum. */
+ * the disk tier and the other way round: its header is written and checked
+ * by payload.c's own encoder and decoder. */
 #include "store/redis.h"
 
 #include <errno.h>
@@ -23,30 +22,10 @@
 #include "store/payload.h"
 
 enum {
-    OFF_MAGIC = 0,
-    OFF_VERSION = 4,
-    OFF_HSIZE = 8,
-    OFF_FLAGS = 12,
-    OFF_FP = 16,
-    OFF_KEY = 48,
-    OFF_NTOK = 80,
-    OFF_LAYOUT = 84,
-    OFF_BODY_SIZE = 112,
-    OFF_SUM = 120,
-    OFF_POLICY = 160,
-    OFF_CREATED = 192,
-    OFF_DOC_LEN = 200,
-    OFF_DOC = 204,
-    OFF_HSUM = RK_STORE_HEADER_BYTES - 8,
-    FORMAT_VERSION = 2,
     META_VERSION = 1,
     KEY_CAP = RK_REDIS_PREFIX_MAX + 2 * RK_STORE_KEY_LEN + 16, /* PREFIX:FP:K:meta */
     SCAN_COUNT = 1000,
 };
-
-_Static_assert(RK_STORE_HEADER_BYTES == 512, "the value header is payload format version 2");
-
-static const char k_magic[4] = {'R', 'K', 'K', 'V'};
 
 /* Release a lock only if it still holds our token: atomic on the server. */
 static const char k_unlock_lua[] =
@@ -93,26 +72,6 @@ struct rk_redis {
 
 /* ---------------------------------------------------------------- helpers */
 
-static void put_u32(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static void put_u64(uint8_t *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint32_t get_u32(const uint8_t *p) {
-    uint32_t v = 0;
-    for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
-    return v;
-}
-
-static uint64_t get_u64(const uint8_t *p) {
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
-    return v;
-}
-
 static double wall_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -133,42 +92,23 @@ static void key_names(const rk_redis *r, const char *key, char *vkey, char *mkey
 
 /* Write the payload header for the value (tokens and body already in place
  * after it), computing the checksum over them. */
-static void encode_value(const char *fp, const rk_redis_value *j) {
-    uint8_t *b = j->value;
-    const uint8_t *rest = b + RK_STORE_HEADER_BYTES;
+/* Fill the value's header (its first RK_STORE_HEADER_BYTES) for its token
+ * ids and body, which follow it; out_sum gets the checksum. */
+static void encode_value(const char *fp, const rk_redis_value *j, uint8_t out_sum[16]) {
+    const uint8_t *rest = j->value + RK_STORE_HEADER_BYTES;
     size_t tok_bytes = (size_t)j->n_tokens * sizeof(int32_t);
-    uint64_t body_size = j->size - RK_STORE_HEADER_BYTES - tok_bytes;
-    uint8_t sum[16];
-    rk_payload_checksum((const int32_t *)(const void *)rest, j->n_tokens, rest + tok_bytes,
-                        (size_t)body_size, sum);
-    memset(b, 0, RK_STORE_HEADER_BYTES);
-    memcpy(b + OFF_MAGIC, k_magic, 4);
-    put_u32(b + OFF_VERSION, FORMAT_VERSION);
-    put_u32(b + OFF_HSIZE, RK_STORE_HEADER_BYTES);
-    memcpy(b + OFF_FP, fp, RK_STORE_KEY_LEN);
-    memcpy(b + OFF_KEY, j->key, RK_STORE_KEY_LEN);
-    put_u32(b + OFF_NTOK, j->n_tokens);
-    const rk_store_layout *l = &j->layout;
-    const int32_t lay[6] = {l->n_layers, l->n_kv_heads, l->head_dim,
-                            l->dtype,    l->block_size, l->base_pos};
-    for (int i = 0; i < 6; i++) put_u32(b + OFF_LAYOUT + 4 * i, (uint32_t)lay[i]);
-    put_u64(b + OFF_BODY_SIZE, body_size);
-    memcpy(b + OFF_SUM, sum, 16);
-    memcpy(b + OFF_POLICY, j->policy, strlen(j->policy));
-    double now = wall_now();
-    uint64_t created;
-    memcpy(&created, &now, sizeof created);
-    put_u64(b + OFF_CREATED, created);
-    size_t nd = strlen(j->doc_id);
-    put_u32(b + OFF_DOC_LEN, (uint32_t)nd);
-    memcpy(b + OFF_DOC, j->doc_id, nd);
-    put_u64(b + OFF_HSUM, XXH3_64bits(b, OFF_HSUM));
-}
-
-static int printable(const uint8_t *p, size_t n) {
-    for (size_t i = 0; i < n; i++)
-        if (p[i] < 0x21 || p[i] > 0x7e) return 0;
-    return 1;
+    rk_payload_header h = {.n_tokens = (uint32_t)j->n_tokens,
+                           .layout = j->layout,
+                           .body_size = j->size - RK_STORE_HEADER_BYTES - tok_bytes,
+                           .created = wall_now()};
+    memcpy(h.fingerprint, fp, RK_STORE_KEY_LEN);
+    memcpy(h.key, j->key, RK_STORE_KEY_LEN);
+    snprintf(h.policy, sizeof h.policy, "%s", j->policy);
+    snprintf(h.doc_id, sizeof h.doc_id, "%s", j->doc_id);
+    rk_payload_checksum((const int32_t *)(const void *)rest, (size_t)j->n_tokens, rest + tok_bytes,
+                        (size_t)h.body_size, h.checksum);
+    rk_payload_header_encode(&h, j->value);
+    memcpy(out_sum, h.checksum, 16);
 }
 
 /* What the commit marker says. */
@@ -204,42 +144,30 @@ static const char *check_value(const rk_redis *r, const char *key, const meta *m
                                size_t len, const int32_t *tokens, int32_t n_tokens,
                                rk_store_payload *out) {
     if (len != m->n_bytes) return len < m->n_bytes ? "truncated" : "longer than its marker says";
-    if (len < RK_STORE_HEADER_BYTES) return "shorter than a header";
-    if (memcmp(v + OFF_MAGIC, k_magic, 4) != 0) return "bad magic";
-    if (get_u32(v + OFF_VERSION) != FORMAT_VERSION ||
-        get_u32(v + OFF_HSIZE) != RK_STORE_HEADER_BYTES || get_u32(v + OFF_FLAGS) != 0)
-        return "unknown payload version, header size or flags";
-    if (get_u64(v + OFF_HSUM) != XXH3_64bits(v, OFF_HSUM)) return "header checksum mismatch";
-    size_t np = strnlen((const char *)v + OFF_POLICY, RK_STORE_POLICY_MAX + 1);
-    uint32_t nd = get_u32(v + OFF_DOC_LEN);
-    if (np == 0 || np > RK_STORE_POLICY_MAX || !printable(v + OFF_POLICY, np) ||
-        nd > RK_STORE_DOC_ID_MAX || memchr(v + OFF_DOC, 0, nd))
-        return "bad policy or document id in the header";
-    if (memcmp(v + OFF_FP, r->fp, RK_STORE_KEY_LEN) != 0) return "written for another model";
-    if (memcmp(v + OFF_KEY, key, RK_STORE_KEY_LEN) != 0) return "header key differs";
-    uint32_t nt = get_u32(v + OFF_NTOK);
-    if ((int64_t)nt != m->n_tokens) return "token count differs from its marker";
-    uint64_t fixed = rk_payload_file_bytes(nt, 0);
-    uint64_t body_size = get_u64(v + OFF_BODY_SIZE);
-    if (len < fixed || body_size != len - fixed) return "body size does not fit the value size";
+    rk_payload_header h;
+    if (len < RK_STORE_HEADER_BYTES || rk_payload_header_decode("redis value", v, len, &h) != RK_OK)
+        return "bad header (magic, version, size, checksum or fields)";
+    if (h.header_bytes != RK_STORE_HEADER_BYTES) return "old payload version";
+    if (strcmp(h.fingerprint, r->fp) != 0) return "written for another model";
+    if (memcmp(h.key, key, RK_STORE_KEY_LEN) != 0) return "header key differs";
+    if ((int64_t)h.n_tokens != m->n_tokens) return "token count differs from its marker";
+    uint64_t fixed = rk_payload_file_bytes(h.n_tokens, 0);
+    if (len < fixed || h.body_size != len - fixed) return "body size does not fit the value size";
     char hex[RK_STORE_KEY_LEN + 1];
-    rk_payload_checksum_hex(v + OFF_SUM, hex);
+    rk_payload_checksum_hex(h.checksum, hex);
     if (strcmp(hex, m->checksum) != 0) return "checksum differs from its marker";
     const uint8_t *toks = v + RK_STORE_HEADER_BYTES;
     uint8_t sum[16];
-    rk_payload_checksum((const int32_t *)(const void *)toks, nt, toks + 4 * (size_t)nt,
-                        (size_t)body_size, sum);
-    if (memcmp(sum, v + OFF_SUM, 16) != 0) return "checksum mismatch (token ids or body corrupt)";
-    if ((int64_t)nt != n_tokens || memcmp(toks, tokens, 4 * (size_t)nt) != 0)
+    rk_payload_checksum((const int32_t *)(const void *)toks, h.n_tokens,
+                        toks + 4 * (size_t)h.n_tokens, (size_t)h.body_size, sum);
+    if (memcmp(sum, h.checksum, 16) != 0) return "checksum mismatch (token ids or body corrupt)";
+    if ((int64_t)h.n_tokens != n_tokens || memcmp(toks, tokens, 4 * (size_t)h.n_tokens) != 0)
         return "token ids differ from the request's";
-    int32_t lay[6];
-    for (int i = 0; i < 6; i++) lay[i] = (int32_t)get_u32(v + OFF_LAYOUT + 4 * i);
     memset(out, 0, sizeof *out);
-    out->layout = (rk_store_layout){lay[0], lay[1], lay[2], lay[3], lay[4], lay[5]};
-    memcpy(out->meta.policy, v + OFF_POLICY, np);
-    memcpy(out->meta.doc_id, v + OFF_DOC, nd);
-    uint64_t created = get_u64(v + OFF_CREATED);
-    memcpy(&out->meta.created, &created, sizeof created);
+    out->layout = h.layout;
+    memcpy(out->meta.policy, h.policy, sizeof out->meta.policy);
+    memcpy(out->meta.doc_id, h.doc_id, sizeof out->meta.doc_id);
+    out->meta.created = h.created;
     return NULL;
 }
 
@@ -525,9 +453,10 @@ static void release_lock(rk_redis *r, redisContext **pc, const rk_redis_lock *lk
 static void write_job(rk_redis *r, rk_redis_value *j) {
     char vkey[KEY_CAP], mkey[KEY_CAP], meta_s[160], ttl[24];
     key_names(r, j->key, vkey, mkey, NULL);
-    encode_value(r->fp, j);
+    uint8_t sum[16];
+    encode_value(r->fp, j, sum);
     char hex[RK_STORE_KEY_LEN + 1];
-    rk_payload_checksum_hex(j->value + OFF_SUM, hex);
+    rk_payload_checksum_hex(sum, hex);
     snprintf(meta_s, sizeof meta_s, "%d %u %zu %s %.3f", META_VERSION, j->n_tokens, j->size, hex,
              wall_now());
     snprintf(ttl, sizeof ttl, "%d", r->cfg.ttl_s);
@@ -807,7 +736,7 @@ rk_status rk_redis_value_new(const char *key, const char *policy, const char *do
     if (!key || !rk_store_key_valid(key) || !layout || !tokens || n_tokens < 1)
         return rk_errorf(RK_ERR_INVALID, "redis: a value needs a key, a layout and token ids");
     size_t np = policy ? strlen(policy) : 0, nd = doc_id ? strlen(doc_id) : 0;
-    if (np == 0 || np > RK_STORE_POLICY_MAX || !printable((const uint8_t *)policy, np))
+    if (np == 0 || np > RK_STORE_POLICY_MAX || !rk_payload_printable((const uint8_t *)policy, np))
         return rk_errorf(RK_ERR_INVALID, "redis: policy must be 1..%d printable characters",
                          RK_STORE_POLICY_MAX);
     if (nd > RK_STORE_DOC_ID_MAX)

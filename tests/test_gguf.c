@@ -1,7 +1,10 @@
 /* tests/test_gguf.c — the GGUF reader and writer: round trips of every
  * metadata and tensor type, the real stories260K file, and hostile files
  * (bad magic and versions, every truncation, huge counts, bad shapes, offsets,
- * overlaps, duplicates), each of which must fail with a message, never crash. */
+ * overlaps, duplicates), each of which must fail with a message, never crash;
+ * and models whose hyper-parameters or weights are unusable (NaN or negative
+ * epsilon, context length 0, NaN weights, ...), which the loader must refuse
+ * naming the key or the tensor. */
 #include <criterion/criterion.h>
 
 #include <math.h>
@@ -11,7 +14,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "engine/engine.h"
 #include "engine/gguf.h"
+#include "engine/mkmodel.h"
 #include "tests/testutil.h"
 
 /* ---------------------------------------------------------------- helpers */
@@ -970,4 +975,316 @@ Test(gguf, a_truncated_file_on_disk_fails_cleanly) {
     cr_assert_eq(rk_gguf_open(dir, &g), RK_ERR_IO);
     cr_expect_eq(rmdir(dir), 0, "test left files in %s", dir);
     free(dir);
+}
+
+/* ---------------------------------------------------------------- model hyper-parameters */
+
+/* One change to a copy of a model: replace (or drop) a metadata key, or
+ * overwrite one element of a tensor with NaN or infinity. */
+typedef struct edit {
+    const char *key;   /* metadata key, or NULL */
+    int drop;          /* leave the key out */
+    rk_gguf_type type; /* of the new value: RK_GGUF_FLOAT32, RK_GGUF_UINT32 or RK_GGUF_STRING */
+    float f;
+    uint32_t u;
+    const char *s;
+    const char *tensor; /* tensor to poison, or NULL */
+    int64_t at;         /* element index (ne[0] fastest) */
+    int inf;            /* infinity instead of NaN */
+} edit;
+
+typedef struct copy_ctx {
+    const rk_gguf *src;
+    const edit *edits;
+    int n_edits;
+} copy_ctx;
+
+static const edit *edit_for_key(const copy_ctx *c, const char *key) {
+    for (int i = 0; i < c->n_edits; i++)
+        if (c->edits[i].key && !strcmp(c->edits[i].key, key)) return &c->edits[i];
+    return NULL;
+}
+
+/* Copy tensor i of the source, then poison the elements the edits name. */
+static rk_status fill_copy(void *ctx, int64_t i, void *dst, size_t n_bytes) {
+    const copy_ctx *c = ctx;
+    const rk_gguf_tensor *t = rk_gguf_tensor_at(c->src, i);
+    cr_assert_eq(t->n_bytes, n_bytes);
+    memcpy(dst, t->data, n_bytes);
+    for (int e = 0; e < c->n_edits; e++) {
+        const edit *ed = &c->edits[e];
+        if (!ed->tensor || strcmp(ed->tensor, t->name)) continue;
+        uint32_t f32 = ed->inf ? 0x7f800000u : 0x7fc00000u;
+        uint16_t f16 = ed->inf ? 0x7c00u : 0x7e00u, bf16 = ed->inf ? 0x7f80u : 0x7fc0u;
+        unsigned char *p = dst;
+        if (t->type == RK_GGML_F32)
+            memcpy(p + ed->at * 4, &f32, 4);
+        else
+            memcpy(p + ed->at * 2, t->type == RK_GGML_F16 ? &f16 : &bf16, 2);
+    }
+    return RK_OK;
+}
+
+/* Put key k of src into w unchanged (the value types synthetic models use). */
+static void copy_kv(rk_gguf_writer *w, const rk_gguf *src, int64_t k) {
+    const char *key = rk_gguf_kv_key(src, k);
+    rk_gguf_type type = rk_gguf_kv_type(src, k);
+    uint32_t u32;
+    int32_t i32;
+    uint64_t u64;
+    float f;
+    int b;
+    const char *s;
+    size_t n;
+    switch (type) {
+    case RK_GGUF_UINT32:
+        cr_assert_eq(rk_gguf_get_u32(src, key, &u32), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_u32(w, key, u32), RK_OK);
+        return;
+    case RK_GGUF_INT32:
+        cr_assert_eq(rk_gguf_get_i32(src, key, &i32), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_i32(w, key, i32), RK_OK);
+        return;
+    case RK_GGUF_UINT64:
+        cr_assert_eq(rk_gguf_get_u64(src, key, &u64), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_u64(w, key, u64), RK_OK);
+        return;
+    case RK_GGUF_FLOAT32:
+        cr_assert_eq(rk_gguf_get_f32(src, key, &f), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_f32(w, key, f), RK_OK);
+        return;
+    case RK_GGUF_BOOL:
+        cr_assert_eq(rk_gguf_get_bool(src, key, &b), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_bool(w, key, b), RK_OK);
+        return;
+    case RK_GGUF_STRING:
+        cr_assert_eq(rk_gguf_get_str(src, key, &s, &n), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_str_len(w, key, s, n), RK_OK);
+        return;
+    case RK_GGUF_ARRAY: break;
+    default: cr_assert_fail("key %s: type %d not copied", key, type);
+    }
+    switch (rk_gguf_kv_arr_type(src, k)) {
+    case RK_GGUF_STRING: {
+        const char *const *strs;
+        const uint32_t *lens;
+        cr_assert_eq(rk_gguf_get_arr_str(src, key, &strs, &lens, &n), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_arr_str(w, key, strs, lens, n), RK_OK);
+        return;
+    }
+    case RK_GGUF_FLOAT32: {
+        float *a;
+        cr_assert_eq(rk_gguf_get_arr_f32(src, key, &a, &n), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_arr_f32(w, key, a, n), RK_OK);
+        free(a);
+        return;
+    }
+    case RK_GGUF_INT32: {
+        int32_t *a;
+        cr_assert_eq(rk_gguf_get_arr_i32(src, key, &a, &n), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_arr_i32(w, key, a, n), RK_OK);
+        free(a);
+        return;
+    }
+    default: cr_assert_fail("key %s: array type not copied", key);
+    }
+}
+
+static void set_edit(rk_gguf_writer *w, const edit *e) {
+    rk_status st = e->type == RK_GGUF_FLOAT32  ? rk_gguf_writer_set_f32(w, e->key, e->f)
+                   : e->type == RK_GGUF_UINT32 ? rk_gguf_writer_set_u32(w, e->key, e->u)
+                                               : rk_gguf_writer_set_str(w, e->key, e->s);
+    cr_assert_eq(st, RK_OK, "%s", rk_error_message());
+}
+
+/* Write, with the GGUF writer, a copy of the synthetic `tiny` model (llama,
+ * 4 layers, dim 128, 4 heads / 2 KV, 2-D weights of type wtype) with the
+ * edits applied, and load it on the CPU backend. Returns the load status;
+ * the model, when one loaded, is freed. */
+static rk_status load_edited(rk_ggml_type wtype, const edit *edits, int n_edits) {
+    rk_mkmodel_opts opts;
+    rk_mkmodel_opts_default(&opts);
+    opts.wtype = wtype;
+    void *base;
+    size_t base_len;
+    cr_assert_eq(rk_mkmodel_build_memory(&opts, &base, &base_len), RK_OK, "%s", rk_error_message());
+    rk_gguf *src;
+    cr_assert_eq(rk_gguf_open_memory(base, base_len, &src), RK_OK, "%s", rk_error_message());
+    copy_ctx c = {src, edits, n_edits};
+    rk_gguf_writer *w;
+    cr_assert_eq(rk_gguf_writer_create(&w), RK_OK);
+    for (int64_t k = 0; k < rk_gguf_n_kv(src); k++) {
+        const char *key = rk_gguf_kv_key(src, k);
+        const edit *e = edit_for_key(&c, key);
+        if (!e)
+            copy_kv(w, src, k);
+        else if (!e->drop)
+            set_edit(w, e);
+    }
+    /* Edited keys the base model lacks are added. */
+    for (int i = 0; i < n_edits; i++)
+        if (edits[i].key && !edits[i].drop && rk_gguf_find_key(src, edits[i].key) < 0)
+            set_edit(w, &edits[i]);
+    for (int64_t i = 0; i < rk_gguf_n_tensors(src); i++) {
+        const rk_gguf_tensor *t = rk_gguf_tensor_at(src, i);
+        cr_assert_eq(rk_gguf_writer_add_tensor(w, t->name, (rk_ggml_type)t->type, t->n_dims, t->ne),
+                     RK_OK);
+    }
+    void *buf;
+    size_t len;
+    cr_assert_eq(rk_gguf_writer_write_memory(w, fill_copy, &c, &buf, &len), RK_OK, "%s",
+                 rk_error_message());
+    rk_gguf_writer_free(w);
+    rk_gguf_close(src);
+    free(base);
+
+    rk_backend *be;
+    cr_assert_eq(rk_backend_create("cpu", 1, &be), RK_OK);
+    rk_model *m = (rk_model *)0x1;
+    rk_error_clear();
+    rk_status st = rk_model_load_owned_buffer(buf, len, "edited", be, &m);
+    if (st) cr_assert_null(m);
+    rk_model_free(m);
+    rk_backend_free(be);
+    return st;
+}
+
+/* Load with one edit; expect RK_ERR_FORMAT and a message holding every needle. */
+static void expect_refused(rk_ggml_type wtype, edit e, const char *needle, const char *needle2) {
+    rk_status st = load_edited(wtype, &e, 1);
+    cr_assert_eq(st, RK_ERR_FORMAT, "status %d: %s", st, rk_error_message());
+    cr_assert_not_null(strstr(rk_error_message(), needle), "message '%s' lacks '%s'",
+                       rk_error_message(), needle);
+    if (needle2)
+        cr_assert_not_null(strstr(rk_error_message(), needle2), "message '%s' lacks '%s'",
+                           rk_error_message(), needle2);
+}
+
+static edit set_f32(const char *key, float v) {
+    return (edit){.key = key, .type = RK_GGUF_FLOAT32, .f = v};
+}
+static edit set_u32(const char *key, uint32_t v) {
+    return (edit){.key = key, .type = RK_GGUF_UINT32, .u = v};
+}
+
+Test(model_load, the_unedited_copy_loads) {
+    cr_assert_eq(load_edited(RK_GGML_F32, NULL, 0), RK_OK, "%s", rk_error_message());
+    /* The smallest values the checks allow. */
+    edit ok[] = {set_u32("llama.context_length", 2),
+                 set_f32("llama.attention.layer_norm_rms_epsilon", 1e-30f),
+                 set_u32("llama.rope.dimension_count", 2)};
+    cr_assert_eq(load_edited(RK_GGML_F32, ok, 3), RK_OK, "%s", rk_error_message());
+}
+
+Test(model_load, refuses_a_nan_negative_or_zero_rms_epsilon) {
+    const char *key = "llama.attention.layer_norm_rms_epsilon";
+    const float bad[] = {NAN, -1e-5f, 0.0f, INFINITY};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        expect_refused(RK_GGML_F32, set_f32(key, bad[i]), key, NULL);
+    expect_refused(RK_GGML_F32, (edit){.key = key, .type = RK_GGUF_STRING, .s = "1e-5"}, key,
+                   "has type string");
+}
+
+Test(model_load, refuses_a_context_length_of_0_or_1) {
+    expect_refused(RK_GGML_F32, set_u32("llama.context_length", 0), "llama.context_length", "= 0");
+    expect_refused(RK_GGML_F32, set_u32("llama.context_length", 1), "llama.context_length", "= 1");
+}
+
+Test(model_load, refuses_a_bad_rope_frequency_base) {
+    const float bad[] = {NAN, -10000.0f, 0.0f, INFINITY};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        expect_refused(RK_GGML_F32, set_f32("llama.rope.freq_base", bad[i]), "llama.rope.freq_base",
+                       NULL);
+}
+
+Test(model_load, refuses_a_bad_rope_dimension_count) {
+    /* tiny: head_dim 32 */
+    const uint32_t bad[] = {0, 3, 34, 64};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        expect_refused(RK_GGML_F32, set_u32("llama.rope.dimension_count", bad[i]),
+                       "llama.rope.dimension_count", NULL);
+}
+
+Test(model_load, refuses_a_bad_rope_scaling_factor_when_scaling) {
+    edit e[] = {{.key = "llama.rope.scaling.type", .type = RK_GGUF_STRING, .s = "linear"},
+                set_f32("llama.rope.scaling.factor", NAN)};
+    cr_assert_eq(load_edited(RK_GGML_F32, e, 2), RK_ERR_FORMAT);
+    cr_assert_not_null(strstr(rk_error_message(), "llama.rope.scaling.factor"), "%s",
+                       rk_error_message());
+    e[1].f = INFINITY;
+    cr_assert_eq(load_edited(RK_GGML_F32, e, 2), RK_ERR_FORMAT);
+    e[1].f = 2.0f;
+    cr_assert_eq(load_edited(RK_GGML_F32, e, 2), RK_OK, "%s", rk_error_message());
+}
+
+Test(model_load, refuses_head_counts_that_do_not_divide) {
+    expect_refused(RK_GGML_F32, set_u32("llama.attention.head_count_kv", 3),
+                   "llama.attention.head_count 4", "llama.attention.head_count_kv 3");
+    /* Without key_length, head_dim comes from embedding_length / head_count. */
+    edit e[] = {set_u32("llama.attention.head_count", 3),
+                set_u32("llama.attention.head_count_kv", 1),
+                {.key = "llama.attention.key_length", .drop = 1},
+                {.key = "llama.attention.value_length", .drop = 1}};
+    cr_assert_eq(load_edited(RK_GGML_F32, e, 4), RK_ERR_FORMAT);
+    cr_assert_not_null(strstr(rk_error_message(), "llama.embedding_length 128"), "%s",
+                       rk_error_message());
+}
+
+Test(model_load, refuses_nan_and_infinite_weights_naming_the_tensor) {
+    const rk_ggml_type types[] = {RK_GGML_F32, RK_GGML_F16, RK_GGML_BF16};
+    for (size_t i = 0; i < 3; i++) {
+        /* A matrix (of the weight type), past the first scan block. */
+        expect_refused(types[i], (edit){.tensor = "blk.2.ffn_down.weight", .at = 5000},
+                       "tensor blk.2.ffn_down.weight has a NaN", "element 5000");
+        expect_refused(types[i], (edit){.tensor = "token_embd.weight", .at = 0, .inf = 1},
+                       "tensor token_embd.weight has an infinite value", "element 0");
+    }
+    /* Norm weights are F32 in every file. */
+    expect_refused(RK_GGML_BF16, (edit){.tensor = "blk.3.attn_norm.weight", .at = 127},
+                   "tensor blk.3.attn_norm.weight has a NaN", "element 127");
+    expect_refused(RK_GGML_F32, (edit){.tensor = "output.weight", .at = 128 * 10 - 1},
+                   "tensor output.weight", "element 1279");
+}
+
+Test(gguf, nonfinite_scan_finds_the_first_nan_or_infinity_of_each_float_type) {
+    rk_gguf_writer *w;
+    cr_assert_eq(rk_gguf_writer_create(&w), RK_OK);
+    cr_assert_eq(rk_gguf_writer_add_tensor(w, "f32", RK_GGML_F32, 1, (int64_t[]){10000}), RK_OK);
+    cr_assert_eq(rk_gguf_writer_add_tensor(w, "f16", RK_GGML_F16, 1, (int64_t[]){10000}), RK_OK);
+    cr_assert_eq(rk_gguf_writer_add_tensor(w, "bf16", RK_GGML_BF16, 1, (int64_t[]){10000}), RK_OK);
+    cr_assert_eq(rk_gguf_writer_add_tensor(w, "q8", RK_GGML_Q8_0, 1, (int64_t[]){32}), RK_OK);
+    void *buf;
+    size_t len;
+    cr_assert_eq(rk_gguf_writer_write_memory(w, NULL, NULL, &buf, &len), RK_OK);
+    rk_gguf_writer_free(w);
+    rk_gguf *g;
+    cr_assert_eq(rk_gguf_open_memory(buf, len, &g), RK_OK, "%s", rk_error_message());
+    /* Zero-filled; the largest finite values and negative zero are finite too. */
+    const rk_gguf_tensor *t32 = rk_gguf_find_tensor(g, "f32"), *t16 = rk_gguf_find_tensor(g, "f16"),
+                         *tb = rk_gguf_find_tensor(g, "bf16");
+    uint32_t *p32 = (uint32_t *)t32->data;
+    uint16_t *p16 = (uint16_t *)t16->data, *pb = (uint16_t *)tb->data;
+    p32[1] = 0x7f7fffffu; /* FLT_MAX */
+    p32[2] = 0x80000000u;
+    p16[1] = 0x7bffu; /* 65504 */
+    pb[1] = 0xff7fu;  /* -max */
+    cr_assert_eq(rk_gguf_tensor_first_nonfinite(t32), -1);
+    cr_assert_eq(rk_gguf_tensor_first_nonfinite(t16), -1);
+    cr_assert_eq(rk_gguf_tensor_first_nonfinite(tb), -1);
+    /* The last element, then an earlier one in another block, then a negative NaN. */
+    p32[9999] = 0x7f800000u;
+    p16[9999] = 0x7c00u;
+    pb[9999] = 0x7f80u;
+    cr_assert_eq(rk_gguf_tensor_first_nonfinite(t32), 9999);
+    cr_assert_eq(rk_gguf_tensor_first_nonfinite(t16), 9999);
+    cr_assert_eq(rk_gguf_tensor_first_nonfinite(tb), 9999);
+    p32[4100] = 0xffc00001u;
+    p16[4096] = 0xfe00u;
+    pb[3] = 0xffc1u;
+    cr_assert_eq(rk_gguf_tensor_first_nonfinite(t32), 4100);
+    cr_assert_eq(rk_gguf_tensor_first_nonfinite(t16), 4096);
+    cr_assert_eq(rk_gguf_tensor_first_nonfinite(tb), 3);
+    cr_assert_eq(rk_gguf_tensor_first_nonfinite(rk_gguf_find_tensor(g, "q8")), -1);
+    rk_gguf_close(g);
+    free(buf);
 }

@@ -1216,6 +1216,34 @@ Test(http_opts, the_store_keeps_chunks_across_restarts, .fini = stop_server, .ti
     free(dir);
 }
 
+/* The server started over a store whose database was deleted keeps every
+ * payload file, rebuilds its row and serves the chunk from disk. */
+Test(http_opts, a_deleted_store_database_is_rebuilt_and_its_chunks_served, .fini = stop_server,
+     .timeout = 300) {
+    char *dir = rk_test_tmpdir("httpstore-rebuild");
+    const char *args[] = {"--store", dir, NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    resp r = post("/v1/chunks", "{\"chunks\": [\"A chunk kept on disk.\"], \"persist\": true}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    resp_free(&r);
+    cr_assert_eq(srv_stop(&S), 0);
+    char db[4200];
+    snprintf(db, sizeof db, "%s/chunks.db", dir);
+    cr_assert_eq(unlink(db), 0);
+
+    cr_assert_eq(srv_start(&S, args), 0);
+    r = get("/v1/stats");
+    cr_assert_eq(jint(r.json, "store.rows"), 1, "%s", r.body);
+    cr_assert_eq(jint(r.json, "store.rows_rebuilt"), 1, "%s", r.body);
+    cr_assert_eq(jint(r.json, "store.quarantined"), 0);
+    resp_free(&r);
+    r = post("/v1/completions", "{\"prompt\": \"S##A chunk kept on disk.##Q\", \"max_tokens\": 1}");
+    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.source"), "disk");
+    resp_free(&r);
+    free(dir);
+}
+
 /* Pool, reference and lock counts of /v1/stats. */
 typedef struct counts {
     long long live_used, chunk_refs, prefix_locked;

@@ -52,8 +52,8 @@ static float elem_f32(const void *p, rk_dtype t, size_t i) {
     case RK_DTYPE_F32: return ((const float *)p)[i];
     case RK_DTYPE_F16: return rk_f16_to_f32(((const uint16_t *)p)[i]);
     case RK_DTYPE_BF16: return rk_bf16_to_f32(((const uint16_t *)p)[i]);
+    default: return NAN; /* quantized types are tested in test_quant.c */
     }
-    return NAN;
 }
 
 /* f rounded to dtype t and back. */
@@ -62,8 +62,8 @@ static float round_to(float f, rk_dtype t) {
     case RK_DTYPE_F32: return f;
     case RK_DTYPE_F16: return rk_f16_to_f32(rk_f32_to_f16(f));
     case RK_DTYPE_BF16: return rk_bf16_to_f32(rk_f32_to_bf16(f));
+    default: return NAN; /* quantized types are tested in test_quant.c */
     }
-    return NAN;
 }
 
 /* A dtype copy of an f32 array (malloc'ed). */
@@ -518,6 +518,17 @@ Test(rope, init_plain_frequencies) {
     bad.n_rot = 64;
     bad.theta = 0.0f;
     cr_assert_eq(rk_rope_init(&r, &bad), RK_ERR_INVALID);
+}
+
+Test(rope, check_accepts_a_fitting_shape_and_names_a_bad_one) {
+    rk_rope r = plain_rope(64, 10000.0f, RK_ROPE_NEOX);
+    cr_expect_eq(rk_rope_check(0, 1, 64, &r), RK_OK);
+    cr_expect_eq(rk_rope_check(5, 8, 128, &r), RK_OK);
+    cr_expect_eq(rk_rope_check(-1, 8, 64, &r), RK_ERR_INVALID);
+    cr_expect_eq(rk_rope_check(5, 0, 64, &r), RK_ERR_INVALID);
+    cr_expect_eq(rk_rope_check(5, 8, 32, &r), RK_ERR_INVALID);
+    cr_expect(strstr(rk_error_message(), "n_rot 64 does not fit head_dim 32") != NULL, "%s",
+              rk_error_message());
 }
 
 Test(rope, init_linear_divides_by_the_factor) {

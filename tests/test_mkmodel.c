@@ -163,7 +163,20 @@ Test(mkmodel, parses_weight_type_names) {
     cr_assert_eq(t, RK_GGML_F16);
     cr_assert_eq(rk_mkmodel_parse_wtype("bf16", &t), RK_OK);
     cr_assert_eq(t, RK_GGML_BF16);
-    cr_assert_eq(rk_mkmodel_parse_wtype("q4_0", &t), RK_ERR_INVALID);
+    static const struct {
+        const char *name;
+        rk_ggml_type type;
+    } q[] = {{"q8_0", RK_GGML_Q8_0},
+             {"Q4_0", RK_GGML_Q4_0},
+             {"q4_k_m", RK_GGML_Q4_K},
+             {"q5_k_m", RK_GGML_Q5_K},
+             {"q6_k", RK_GGML_Q6_K}};
+    for (size_t i = 0; i < sizeof q / sizeof q[0]; i++) {
+        cr_assert_eq(rk_mkmodel_parse_wtype(q[i].name, &t), RK_OK, "%s", q[i].name);
+        cr_assert_eq(t, q[i].type, "%s", q[i].name);
+    }
+    cr_assert_eq(rk_mkmodel_parse_wtype("q4_k", &t), RK_ERR_INVALID); /* a tensor type, not a mix */
+    cr_assert_eq(rk_mkmodel_parse_wtype("q2_k", &t), RK_ERR_INVALID);
     cr_assert_eq(rk_mkmodel_parse_wtype(NULL, &t), RK_ERR_INVALID);
 }
 
@@ -176,9 +189,9 @@ Test(mkmodel, rejects_unknown_presets_weight_types_and_missing_vocabularies) {
     cr_assert_eq(rk_mkmodel_build_memory(&o, &buf, &len), RK_ERR_NOT_FOUND);
     cr_assert_not_null(strstr(rk_error_message(), "unknown preset 'nope'"));
     o.preset = "tiny";
-    o.wtype = RK_GGML_Q8_0;
+    o.wtype = (rk_ggml_type)10; /* Q2_K */
     cr_assert_eq(rk_mkmodel_build_memory(&o, &buf, &len), RK_ERR_INVALID);
-    cr_assert_not_null(strstr(rk_error_message(), "Q8_0"));
+    cr_assert_not_null(strstr(rk_error_message(), "Q2_K"));
     o.wtype = RK_GGML_F32;
     o.preset = "qwen3-tiny";
     o.vocab_path = "/nonexistent/tokenizer.json";
@@ -332,6 +345,82 @@ Test(mkmodel, f16_and_bf16_weights_are_the_f32_weights_rounded) {
     free(b32);
     free(b16);
     free(bbf);
+}
+
+/* The quantized types: each matrix holds exactly the f32 weights quantized
+ * by rk_quantize, in the type the mix gives it (tiny: dim 128 and FFN 384,
+ * so K types fall back to Q8_0 everywhere; Q4_0 keeps the untied output
+ * projection wide, at Q8_0 since Q6_K does not fit 128). */
+Test(mkmodel, quantized_weights_are_the_f32_weights_quantized) {
+    static const struct {
+        rk_ggml_type wt;
+        uint32_t file_type;
+        rk_ggml_type body, output;
+    } k[] = {{RK_GGML_Q8_0, 7, RK_GGML_Q8_0, RK_GGML_Q8_0},
+             {RK_GGML_Q4_0, 2, RK_GGML_Q4_0, RK_GGML_Q8_0},
+             {RK_GGML_Q4_K, 15, RK_GGML_Q8_0, RK_GGML_Q8_0},
+             {RK_GGML_Q5_K, 17, RK_GGML_Q8_0, RK_GGML_Q8_0},
+             {RK_GGML_Q6_K, 18, RK_GGML_Q8_0, RK_GGML_Q8_0}};
+    void *b32;
+    size_t l32;
+    build("tiny", RK_GGML_F32, 7, NULL, &b32, &l32);
+    rk_gguf *g32;
+    cr_assert_eq(rk_gguf_open_memory(b32, l32, &g32), RK_OK);
+    for (size_t w = 0; w < sizeof k / sizeof k[0]; w++) {
+        void *bq;
+        size_t lq;
+        build("tiny", k[w].wt, 7, NULL, &bq, &lq);
+        rk_gguf *gq;
+        cr_assert_eq(rk_gguf_open_memory(bq, lq, &gq), RK_OK, "%s", rk_error_message());
+        cr_assert_eq(get_u32(gq, "general.file_type"), k[w].file_type);
+        cr_assert_lt(lq, l32 / 3);
+        for (int64_t i = 0; i < rk_gguf_n_tensors(g32); i++) {
+            const rk_gguf_tensor *tf = rk_gguf_tensor_at(g32, i);
+            const rk_gguf_tensor *tq = rk_gguf_tensor_at(gq, i);
+            cr_assert_str_eq(tf->name, tq->name);
+            if (tf->n_dims == 1) {
+                cr_assert_eq(tq->type, RK_GGML_F32, "%s: 1-D tensors stay F32", tq->name);
+                continue;
+            }
+            rk_ggml_type want = strcmp(tq->name, "output.weight") ? k[w].body : k[w].output;
+            cr_assert_eq(tq->type, want, "%s: %s, want %s", tq->name, rk_ggml_type_name(tq->type),
+                         rk_ggml_type_name(want));
+            rk_dtype dt = want == RK_GGML_Q8_0 ? RK_DTYPE_Q8_0 : RK_DTYPE_Q4_0;
+            size_t n = (size_t)(tf->ne[0] * tf->ne[1]);
+            unsigned char *expect = malloc(tq->n_bytes);
+            cr_assert_not_null(expect);
+            rk_quantize(expect, tf->data, dt, n);
+            cr_assert_eq(memcmp(expect, tq->data, tq->n_bytes), 0, "%s differs from quantize(f32)",
+                         tq->name);
+            free(expect);
+        }
+        rk_gguf_close(gq);
+        free(bq);
+    }
+    rk_gguf_close(g32);
+    free(b32);
+}
+
+/* qwen3-tiny's FFN of 256 takes K types: ffn_down (rows of 256) is Q6_K in
+ * the K mixes and in q6_k, the rows of 128 fall back to Q8_0. */
+Test(mkmodel, k_mixes_put_q6_k_where_rows_are_whole_super_blocks) {
+    RK_SKIP_IF_LIGHT(); /* builds with the real vocabulary: slow under the sanitizer */
+    char *vocab;
+    RK_REQUIRE_SHARED(vocab, QWEN3_VOCAB);
+    static const rk_ggml_type mixes[] = {RK_GGML_Q4_K, RK_GGML_Q5_K, RK_GGML_Q6_K};
+    for (size_t w = 0; w < 3; w++) {
+        void *b;
+        size_t l;
+        build("qwen3-tiny", mixes[w], 3, vocab, &b, &l);
+        rk_gguf *g;
+        cr_assert_eq(rk_gguf_open_memory(b, l, &g), RK_OK);
+        cr_assert_eq(rk_gguf_find_tensor(g, "blk.1.ffn_down.weight")->type, RK_GGML_Q6_K);
+        cr_assert_eq(rk_gguf_find_tensor(g, "blk.1.ffn_up.weight")->type, RK_GGML_Q8_0);
+        cr_assert_eq(rk_gguf_find_tensor(g, "token_embd.weight")->type, RK_GGML_Q8_0);
+        rk_gguf_close(g);
+        free(b);
+    }
+    free(vocab);
 }
 
 /* ---------------------------------------------------------------- qwen */

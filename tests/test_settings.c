@@ -132,3 +132,43 @@ Test(settings, json_lists_every_setting_and_redacts_secrets) {
         }
     }
 }
+
+static rk_status take_name(void *ctx, int val, const char *arg) {
+    if (val != 'x') return rk_errorf(RK_ERR_INVALID, "unexpected option %d", val);
+    *(const char **)ctx = arg;
+    return RK_OK;
+}
+
+Test(settings, command_line_applies_file_then_environment_then_flags) {
+    rk_run_opts run;
+    rk_run_opts_defaults(&run);
+    own o = {0};
+    const char *name = NULL;
+    rk_settings own_tab = {k_own, 2, &o};
+    struct option extra[] = {{"name", required_argument, 0, 'x'}, {0, 0, 0, 0}};
+    rk_cmdline cl = {
+        .cmd = "test", .usage = "", .extra = extra, .on_extra = take_name, .ctx = &name};
+    char *cfg = rk_test_write_tmp("cmdline", "c.json", "{\"block_size\": 32, \"n_threads\": 3}");
+    char *argv[] = {"test",   "--config", cfg,      "--threads", "5",
+                    "--port", "81",       "--name", "n1",        NULL};
+    setenv("RAGKV_BLOCK_SIZE", "64", 1);
+    int exit_code = -7;
+    cr_assert_eq(rk_run_parse(&cl, &run, &own_tab, 1, 9, argv, &exit_code), 0);
+    unsetenv("RAGKV_BLOCK_SIZE");
+    cr_expect_eq(run.cfg.block_size, 64, "the environment overrides the file");
+    cr_expect_eq(run.cfg.n_threads, 5, "a flag overrides the file");
+    cr_expect_eq(o.port, 81);
+    cr_expect_str_eq(name, "n1");
+    cr_expect_eq(rk_run_opts_apply(&run), RK_OK);
+    /* A bad value names its flag and is a usage error; so is a positional argument. */
+    char *bad[] = {"test", "--threads", "2000", NULL};
+    cr_expect_eq(rk_run_parse(&cl, &run, &own_tab, 1, 3, bad, &exit_code), -1);
+    cr_expect_eq(exit_code, 2);
+    char *extra_arg[] = {"test", "stray", NULL};
+    cr_expect_eq(rk_run_parse(&cl, &run, &own_tab, 1, 2, extra_arg, &exit_code), -1);
+    cr_expect_eq(exit_code, 2);
+    snprintf(run.log_level, sizeof run.log_level, "loud");
+    cr_expect_eq(rk_run_opts_apply(&run), RK_ERR_INVALID);
+    cr_expect_eq(rk_log_level_parse("error"), RK_LOG_ERROR);
+    free(cfg);
+}

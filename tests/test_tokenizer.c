@@ -8,6 +8,7 @@
 
 #include "engine/gguf.h"
 #include "engine/tokenizer.h"
+#include "gateway/gateway.h"
 #include "tests/testutil.h"
 
 #define N_OF(a) (sizeof(a) / sizeof((a)[0]))
@@ -906,4 +907,36 @@ Test(tokenizer, vocab_from_hf_json_rejects_broken_files) {
     cr_assert_eq(rk_vocab_from_hf_json(p, 0, &v), RK_ERR_FORMAT);
     cr_assert(strstr(rk_error_message(), "twice") != NULL, "%s", rk_error_message());
     free(p);
+}
+
+Test(utf8, decode_tells_invalid_from_cut_short) {
+    uint32_t cp = 0;
+    cr_expect_eq(rk_utf8_decode((const unsigned char *)"A", 1, &cp), 1);
+    cr_expect_eq(cp, 0x41);
+    cr_expect_eq(rk_utf8_decode((const unsigned char *)"\xE2\x82\xAC", 3, &cp), 3);
+    cr_expect_eq(cp, 0x20AC);
+    cr_expect_eq(rk_utf8_decode((const unsigned char *)"\xF0\x9F\x98\x80", 4, &cp), 4);
+    cr_expect_eq(cp, 0x1F600);
+    /* The first two bytes of the euro sign: more may come. */
+    cr_expect_eq(rk_utf8_decode((const unsigned char *)"\xE2\x82", 2, &cp), -1);
+    /* Overlong, surrogate, above U+10FFFF, stray continuation, bad continuation. */
+    cr_expect_eq(rk_utf8_decode((const unsigned char *)"\xC0\xAF", 2, &cp), 0);
+    cr_expect_eq(rk_utf8_decode((const unsigned char *)"\xED\xA0\x80", 3, &cp), 0);
+    cr_expect_eq(rk_utf8_decode((const unsigned char *)"\xF4\x90\x80\x80", 4, &cp), 0);
+    cr_expect_eq(rk_utf8_decode((const unsigned char *)"\x80", 1, &cp), 0);
+    cr_expect_eq(rk_utf8_decode((const unsigned char *)"\xE2\x41\xAC", 3, &cp), 0);
+}
+
+Test(utf8, sanitize_replaces_each_bad_byte_and_nul_with_u_fffd) {
+    size_t n;
+    char *s = rk_utf8_sanitize("a\xE2\x82\xAC"
+                               "b\xFF\x00"
+                               "c\xE2\x82",
+                               10, &n);
+    cr_assert_not_null(s);
+    cr_expect_str_eq(s, "a\xE2\x82\xAC"
+                        "b\xEF\xBF\xBD\xEF\xBF\xBD"
+                        "c\xEF\xBF\xBD\xEF\xBF\xBD");
+    cr_expect_eq(n, strlen(s));
+    free(s);
 }

@@ -297,10 +297,10 @@ typedef struct embed_ctx {
 static void embed_task(void *p, int task, int tid) {
     (void)tid;
     embed_ctx *c = p;
-    size_t row_bytes = (size_t)c->dim * rk_dtype_size(c->dtype);
+    size_t row_bytes = rk_dtype_row_bytes(c->dtype, (size_t)c->dim);
     int r0 = task * c->rows_per, r1 = r0 + c->rows_per < c->n ? r0 + c->rows_per : c->n;
     for (int r = r0; r < r1; r++)
-        rk_cpu_to_f32(c->out + (size_t)r * c->dim, c->table + (size_t)c->ids[r] * row_bytes,
+        rk_dequantize(c->out + (size_t)r * c->dim, c->table + (size_t)c->ids[r] * row_bytes,
                       c->dtype, (size_t)c->dim);
 }
 
@@ -309,7 +309,8 @@ static void embed_task(void *p, int task, int tid) {
 static rk_status cpu_embed(rk_backend *be, float *out, const void *table, rk_dtype dtype,
                            const int32_t *ids, int n, int dim) {
     if (n < 0 || dim <= 0) return rk_errorf(RK_ERR_INVALID, "embed: bad shape %d x %d", n, dim);
-    if (rk_dtype_size(dtype) == 0) return rk_errorf(RK_ERR_INVALID, "embed: bad dtype %d", dtype);
+    if (rk_dtype_row_bytes(dtype, (size_t)dim) == 0)
+        return rk_errorf(RK_ERR_INVALID, "embed: bad dtype %d for rows of %d", dtype, dim);
     for (int i = 0; i < n; i++)
         if (ids[i] < 0) return rk_errorf(RK_ERR_INVALID, "embed: token id %d < 0", ids[i]);
     if (n == 0) return RK_OK;
@@ -385,13 +386,8 @@ static void rope_task(void *p, int task, int tid) {
 
 static rk_status cpu_rope(rk_backend *be, float *x, const int32_t *pos, int n_tokens, int n_heads,
                           int head_dim, const rk_rope *rope) {
-    if (n_tokens < 0 || n_heads <= 0 || head_dim <= 0)
-        return rk_errorf(RK_ERR_INVALID, "rope: bad shape %d x %d x %d", n_tokens, n_heads,
-                         head_dim);
-    if (rope->n_rot <= 0 || rope->n_rot > head_dim || (rope->n_rot & 1) ||
-        rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
-        return rk_errorf(RK_ERR_INVALID, "rope: n_rot %d does not fit head_dim %d", rope->n_rot,
-                         head_dim);
+    rk_status st = rk_rope_check(n_tokens, n_heads, head_dim, rope);
+    if (st) return st;
     if (n_tokens == 0) return RK_OK;
     rope_ctx c = {x, pos, n_tokens, n_heads, head_dim, 0, rope};
     c.tokens_per = rows_per_task(n_tokens, (size_t)n_heads * head_dim);

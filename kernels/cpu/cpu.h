@@ -141,6 +141,43 @@ static inline void rk_cpu_rotate_head(float *x, const float *c, const float *s, 
     }
 }
 
+/* ---------------------------------------------------------------- quantized weights */
+
+/* A block of 32 activations quantized to int8 for the integer dot products
+ * against block-quantized weights (kernels/cpu/quant.c): x[l] ~ d * q[l],
+ * d = max |x| / 127, sum = the sum of q. */
+typedef struct rk_q8_block {
+    float d;
+    int32_t sum;
+    int8_t q[32];
+} rk_q8_block;
+
+/* dst(k / 32) = the activations x(k) quantized; k a multiple of 32. */
+void rk_cpu_quantize_act(rk_q8_block *dst, const float *x, int k);
+
+/* The dot product of one row of quantized weights (k elements) with one
+ * quantized activation row. */
+typedef float (*rk_qdot_fn)(const void *w, const rk_q8_block *x, int k);
+
+/* Instruction sets the quantized kernels come in. AUTO picks the best one
+ * the CPU has (AVX-512 VNNI, then AVX2, then portable C). */
+typedef enum rk_cpu_isa {
+    RK_CPU_ISA_AUTO = 0,
+    RK_CPU_ISA_PORTABLE,
+    RK_CPU_ISA_AVX2,
+    RK_CPU_ISA_AVX512_VNNI,
+} rk_cpu_isa;
+
+/* Force the kernels of one instruction set (tests and benchmarks; not
+ * thread-safe: call it while no matmul runs). RK_ERR_UNSUPPORTED when the
+ * build or the CPU lacks it; AUTO restores the default. */
+rk_status rk_cpu_force_isa(rk_cpu_isa isa);
+/* The instruction set the quantized kernels use now. */
+rk_cpu_isa rk_cpu_isa_active(void);
+/* The dot kernel of quantized dtype t for the active instruction set (NULL
+ * for a dtype that is not quantized). */
+rk_qdot_fn rk_cpu_qdot_fn(rk_dtype t);
+
 /* ---------------------------------------------------------------- SIMD helpers */
 
 #ifdef __AVX2__

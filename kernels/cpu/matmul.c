@@ -1,5 +1,5 @@
-/* kernels/cpu/matmul.c — y(n, m) = x(n, k) · w(m, k)^T with F32, F16 or BF16
- * weights.
+/* kernels/cpu/matmul.c — y(n, m) = x(n, k) · w(m, k)^T with F32, F16, BF16
+ * or block-quantized (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) weights.
  *
  * Two paths, chosen from the shape alone (rk_cpu_matmul_uses_blas):
  *  - n >= BLAS_MIN_N (prefill): OpenBLAS cblas_sgemm, one call per panel of
@@ -13,6 +13,10 @@
  *    blocks of output rows (rows of w). Each row of w streams once from memory
  *    and meets every row of x (two at a time) while it is in L1; F16 rows are
  *    widened with F16C and BF16 rows by a 16-bit shift on the fly.
+ *    Quantized weights stay quantized: the rows of x are quantized to int8
+ *    blocks once (kernels/cpu/quant.c) and each row of w meets them in
+ *    integer dot products; on the BLAS path quantized panels are dequantized
+ *    into scratch like F16/BF16 ones.
  * Every element of y is one dot product with a fixed order (see dot kernels),
  * whichever block, task or thread computes it, and whatever n is on this
  * path: a row of x gets the same bits alone or in a batch. */
@@ -21,8 +25,9 @@
 
 #include "kernels/cpu/cpu.h"
 
-#define BLAS_MIN_N    32 /* n from which sgemm beats the matvec kernel (measured: 24-32) */
-#define ROWS_PER_TASK 64 /* rows of w per matvec task (a multiple of 4) */
+#define BLAS_MIN_N       32 /* n from which sgemm beats the matvec kernel (measured: 24-32) */
+#define ROWS_PER_TASK    64 /* rows of w per matvec task (a multiple of 4) */
+#define QUANT_POOL_MIN_N 4  /* rows of x from which their int8 quantization runs on the pool */
 
 /* Return 1 when matmul takes the BLAS path for this shape (n alone decides). */
 int rk_cpu_matmul_uses_blas(int n, int k, int m, rk_dtype wtype) {
@@ -117,6 +122,8 @@ typedef struct mv_ctx {
     const void *w;
     rk_dtype wtype;
     int n, k, m;
+    rk_q8_block *xq; /* quantized weights: x quantized, (n, k / 32) */
+    rk_qdot_fn qdot;
 } mv_ctx;
 
 /* Rows [r0, r1) of w against every row of x: y(n, m) columns r0..r1-1. */
@@ -137,6 +144,24 @@ DEF_MV_ROWS(mv_rows_f32, dot_f32, float)
 DEF_MV_ROWS(mv_rows_f16, dot_f16, uint16_t)
 DEF_MV_ROWS(mv_rows_bf16, dot_bf16, uint16_t)
 
+/* Quantized rows: each row of w against every quantized row of x. */
+static void mv_rows_quant(const mv_ctx *c, int r0, int r1) {
+    size_t row_bytes = rk_dtype_row_bytes(c->wtype, (size_t)c->k), nb = (size_t)c->k / 32;
+    for (int r = r0; r < r1; r++) {
+        const void *wr = (const unsigned char *)c->w + (size_t)r * row_bytes;
+        for (int i = 0; i < c->n; i++)
+            c->y[(size_t)i * c->m + r] = c->qdot(wr, c->xq + (size_t)i * nb, c->k);
+    }
+}
+
+/* Task: quantize row i of x into c->xq. */
+static void quant_row(void *p, int i, int tid) {
+    (void)tid;
+    const mv_ctx *c = p;
+    size_t nb = (size_t)c->k / 32;
+    rk_cpu_quantize_act(c->xq + (size_t)i * nb, c->x + (size_t)i * c->k, c->k);
+}
+
 static void mv_task(void *p, int task, int tid) {
     (void)tid;
     mv_ctx *c = p;
@@ -146,6 +171,11 @@ static void mv_task(void *p, int task, int tid) {
     case RK_DTYPE_F32: mv_rows_f32(c, r0, r1); break;
     case RK_DTYPE_F16: mv_rows_f16(c, r0, r1); break;
     case RK_DTYPE_BF16: mv_rows_bf16(c, r0, r1); break;
+    case RK_DTYPE_Q8_0:
+    case RK_DTYPE_Q4_0:
+    case RK_DTYPE_Q4_K:
+    case RK_DTYPE_Q5_K:
+    case RK_DTYPE_Q6_K: mv_rows_quant(c, r0, r1); break;
     }
 }
 
@@ -183,8 +213,8 @@ static void blas_task(void *p, int task, int tid) {
         wp = (const float *)c->w + (size_t)c0 * k;
     } else {
         float *scratch = rk_cpu_scratch(c->cpu, tid); // (panel, k)
-        rk_cpu_to_f32(scratch,
-                      (const unsigned char *)c->w + (size_t)c0 * k * rk_dtype_size(c->wtype),
+        rk_dequantize(scratch,
+                      (const unsigned char *)c->w + (size_t)c0 * rk_dtype_row_bytes(c->wtype, k),
                       c->wtype, (size_t)cols * k);
         wp = scratch;
     }
@@ -211,15 +241,31 @@ rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w,
     rk_cpu *cpu = be->impl;
     if (n < 0 || k < 0 || m < 0)
         return rk_errorf(RK_ERR_INVALID, "matmul: negative shape n=%d k=%d m=%d", n, k, m);
-    if (rk_dtype_size(wtype) == 0)
+    if (rk_dtype_block(wtype) == 0)
         return rk_errorf(RK_ERR_INVALID, "matmul: bad weight dtype %d", (int)wtype);
+    if (k % (int)rk_dtype_block(wtype))
+        return rk_errorf(RK_ERR_INVALID, "matmul: k=%d is not a multiple of the %s block of %zu", k,
+                         rk_dtype_name(wtype), rk_dtype_block(wtype));
     if (n == 0 || m == 0) return RK_OK;
     if (k == 0) {
         memset(y, 0, (size_t)n * m * sizeof(float));
         return RK_OK;
     }
     if (rk_cpu_matmul_uses_blas(n, k, m, wtype)) return matmul_blas(cpu, y, x, w, wtype, n, k, m);
-    mv_ctx c = {y, x, w, wtype, n, k, m};
+    mv_ctx c = {y, x, w, wtype, n, k, m, NULL, NULL};
+    if (rk_dtype_is_quant(wtype)) {
+        size_t nb = (size_t)k / 32;
+        void *xq;
+        rk_status st = rk_cpu_reserve_shared(cpu, (size_t)n * nb * sizeof(rk_q8_block), &xq);
+        if (st != RK_OK) return st;
+        c.xq = xq;
+        /* A few rows are quicker quantized here than handed to the pool. */
+        if (n < QUANT_POOL_MIN_N)
+            for (int i = 0; i < n; i++) quant_row(&c, i, 0);
+        else
+            rk_threadpool_run(cpu->pool, n, quant_row, &c);
+        c.qdot = rk_cpu_qdot_fn(wtype);
+    }
     rk_threadpool_run(cpu->pool, (m + ROWS_PER_TASK - 1) / ROWS_PER_TASK, mv_task, &c);
     return RK_OK;
 }

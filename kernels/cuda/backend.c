@@ -250,6 +250,9 @@ static rk_status cuda_matmul(rk_backend *be, float *y, const float *x, const voi
     rk_cuda *cu = cu_of(be);
     if (n < 0 || k < 0 || m < 0)
         return rk_errorf(RK_ERR_INVALID, "matmul: negative shape n=%d k=%d m=%d", n, k, m);
+    if (rk_dtype_is_quant(wtype))
+        return rk_errorf(RK_ERR_UNSUPPORTED, "matmul: %s weights are not supported on cuda",
+                         rk_dtype_name(wtype));
     if (rk_dtype_size(wtype) == 0)
         return rk_errorf(RK_ERR_INVALID, "matmul: bad weight dtype %d", (int)wtype);
     if (n == 0 || m == 0) return RK_OK;
@@ -312,6 +315,9 @@ static rk_status cuda_embed(rk_backend *be, float *out, const void *table, rk_dt
                             const int32_t *ids, int n, int dim) {
     rk_cuda *cu = cu_of(be);
     if (n < 0 || dim <= 0) return rk_errorf(RK_ERR_INVALID, "embed: bad shape %d x %d", n, dim);
+    if (rk_dtype_is_quant(dtype))
+        return rk_errorf(RK_ERR_UNSUPPORTED, "embed: %s tables are not supported on cuda",
+                         rk_dtype_name(dtype));
     if (rk_dtype_size(dtype) == 0) return rk_errorf(RK_ERR_INVALID, "embed: bad dtype %d", dtype);
     if (n == 0) return RK_OK;
     if (cu->check) {
@@ -328,13 +334,8 @@ static rk_status cuda_embed(rk_backend *be, float *out, const void *table, rk_dt
 
 static rk_status cuda_rope(rk_backend *be, float *x, const int32_t *pos, int n_tokens, int n_heads,
                            int head_dim, const rk_rope *rope) {
-    if (n_tokens < 0 || n_heads <= 0 || head_dim <= 0)
-        return rk_errorf(RK_ERR_INVALID, "rope: bad shape %d x %d x %d", n_tokens, n_heads,
-                         head_dim);
-    if (rope->n_rot <= 0 || rope->n_rot > head_dim || (rope->n_rot & 1) ||
-        rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
-        return rk_errorf(RK_ERR_INVALID, "rope: n_rot %d does not fit head_dim %d", rope->n_rot,
-                         head_dim);
+    rk_status st = rk_rope_check(n_tokens, n_heads, head_dim, rope);
+    if (st != RK_OK) return st;
     if (n_tokens == 0) return RK_OK;
     rk_cuda *cu = cu_of(be);
     return launched(cu, rk_cuda_launch_rope(x, pos, n_tokens, n_heads, head_dim, rope, cu->stream),

@@ -1,0 +1,217 @@
+/* cli/store.c — `ragkv prewarm` and `cache`: fill the chunk store offline,
+ * read it offline. */
+#include <errno.h>
+#include <jansson.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "cli/cli.h"
+
+/* ---------------------------------------------------------------- prewarm / cache */
+
+/* One progress line on a terminal: done/total, rate, ETA. */
+static void progress(size_t done, size_t total, double t0) {
+    double dt = rk_time_now() - t0, rate = dt > 0 ? done / dt : 0;
+    double eta = rate > 0 ? (total - done) / rate : 0;
+    int width = 30, fill = total ? (int)(width * done / total) : width;
+    fprintf(stderr, "\r[%.*s%*s] %zu/%zu chunks  %.1f chunks/s  ETA %d:%02d ", fill,
+            "==============================", width - fill, "", done, total, rate, (int)eta / 60,
+            (int)eta % 60);
+    fflush(stderr);
+}
+
+typedef struct prewarm_args {
+    char input[4096];
+    long long batch;
+} prewarm_args;
+
+static const rk_setting k_prewarm_settings[] = {
+    {"input", "input", RK_SET_STR, offsetof(prewarm_args, input),
+     sizeof(((prewarm_args *)0)->input), 0, 0, 0, 0,
+     "F.jsonl  the chunks, one JSON object per line"},
+    {"batch", "batch", RK_SET_LONG, offsetof(prewarm_args, batch), 0, 1, 100000, 0, 0,
+     "N  chunks per engine call (default: 64)"},
+};
+
+int rk_cli_prewarm(int argc, char **argv) {
+    static const char *help =
+        "usage: ragkv prewarm --input F.jsonl --store DIR [--model F.gguf] [options]\n"
+        "Compute the KV of document chunks offline and write it to the store, without the\n"
+        "HTTP server. Input lines are {\"id\": \"...\", \"text\": \"...\"}. Chunks already\n"
+        "stored are skipped, so an interrupted run can be rerun. Malformed lines are reported\n"
+        "with their line number and skipped; the exit status is then 1.\n";
+    rk_run_opts o;
+    rk_run_opts_defaults(&o);
+    prewarm_args pa = {.batch = 64};
+    rk_settings own = {k_prewarm_settings, sizeof k_prewarm_settings / sizeof k_prewarm_settings[0],
+                       &pa};
+    rk_cmdline cl = {.cmd = "prewarm", .usage = help};
+    int exit_code;
+    if (rk_cli_parse_run(&cl, &o, &own, 1, argc, argv, &exit_code)) return exit_code;
+    const char *input = pa.input;
+    long batch = (long)pa.batch;
+    if (!input[0]) return usage_error("prewarm", "%s", "--input is required");
+    if (!o.cfg.store_dir[0]) return usage_error("prewarm", "%s", "--store is required");
+    FILE *f = fopen(input, "rb");
+    if (!f) {
+        rk_error_setf("%s: %s", input, strerror(errno));
+        return fail("cannot read the input");
+    }
+    /* Count the lines first so progress can show a total. */
+    size_t total = 0;
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t len;
+    while ((len = getline(&line, &cap, f)) >= 0)
+        if (len > 1 || (len == 1 && line[0] != '\n')) total++;
+    rewind(f);
+    rk_service *svc;
+    if (open_service(&o, &svc)) {
+        free(line);
+        fclose(f);
+        return fail("cannot start");
+    }
+    rk_prewarm_item *items = calloc((size_t)batch, sizeof *items);
+    json_t **docs = calloc((size_t)batch, sizeof *docs);
+    size_t line_no = 0, done = 0, n_computed = 0, n_cached = 0, n_failed = 0, n_bad = 0;
+    int n = 0, rc = 0, tty = isatty(STDERR_FILENO);
+    double t0 = rk_time_now();
+    if (!items || !docs) {
+        rk_error_setf("out of memory");
+        rc = fail("prewarm");
+    }
+    for (int eof = 0; !eof && rc == 0;) {
+        len = getline(&line, &cap, f);
+        eof = len < 0;
+        if (!eof) {
+            line_no++;
+            while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = '\0';
+            if (len == 0) continue;
+            json_error_t jerr;
+            json_t *doc = json_loadb(line, (size_t)len, 0, &jerr);
+            json_t *text = doc ? json_object_get(doc, "text") : NULL;
+            json_t *id = doc ? json_object_get(doc, "id") : NULL;
+            if (!doc || !json_is_object(doc) || !json_is_string(text) ||
+                (id && !json_is_string(id))) {
+                fprintf(stderr, "%sragkv prewarm: %s:%zu: %s\n", tty ? "\n" : "", input, line_no,
+                        !doc ? jerr.text : "expected {\"id\": string, \"text\": string}");
+                json_decref(doc);
+                n_bad++;
+                done++;
+                continue;
+            }
+            docs[n] = doc;
+            items[n] = (rk_prewarm_item){.text = json_string_value(text),
+                                         .len = json_string_length(text),
+                                         .doc_id = id ? json_string_value(id) : NULL};
+            n++;
+        }
+        if (n == batch || (eof && n > 0)) {
+            if (rk_pipeline_prewarm(svc, items, n, 1)) rc = fail("prewarm failed");
+            for (int i = 0; i < n; i++) {
+                const char *stt = items[i].status;
+                if (!strcmp(stt, "computed"))
+                    n_computed++;
+                else if (!strcmp(stt, "cached"))
+                    n_cached++;
+                else {
+                    n_failed++;
+                    fprintf(stderr, "%sragkv prewarm: chunk %s: %s\n", tty ? "\n" : "",
+                            items[i].doc_id ? items[i].doc_id : "(no id)", items[i].error);
+                }
+                json_decref(docs[i]);
+            }
+            done += (size_t)n;
+            n = 0;
+            if (tty) progress(done, total, t0);
+        }
+    }
+    double dt = rk_time_now() - t0;
+    if (tty) fputc('\n', stderr);
+    rk_store_counters sc = {0};
+    rk_store_stats(svc->store, &sc);
+    fprintf(
+        stderr,
+        "ragkv prewarm: %zu chunks in %.1f s (%.1f chunks/s): %zu computed, %zu already cached, "
+        "%zu failed, %zu malformed lines; store: %llu rows, %.1f MB\n",
+        n_computed + n_cached + n_failed, dt, dt > 0 ? (n_computed + n_cached) / dt : 0.0,
+        n_computed, n_cached, n_failed, n_bad, (unsigned long long)sc.rows, sc.bytes / 1e6);
+    free(items);
+    free(docs);
+    free(line);
+    fclose(f);
+    rk_service_close(svc);
+    return rc ? rc : (n_bad || n_failed) ? EXIT_FAILURE : 0;
+}
+
+int rk_cli_cache(int argc, char **argv) {
+    static const char *help =
+        "usage: ragkv cache ls|stats|verify|rebuild --store DIR [--sort hits|recent] [--limit N]\n"
+        "Read a chunk store offline (ls, stats and verify change nothing).\n"
+        "  ls       one line per stored chunk (key, model, tokens, bytes, hits, last access)\n"
+        "  stats    rows and bytes, per model\n"
+        "  verify   re-check every payload's checksum; exit status 1 if any is bad\n"
+        "  rebuild  set chunks.db aside (chunks.db.corrupt-TIME or .old-TIME) and rebuild it\n"
+        "           from the payload files; bad payloads go to DIR/quarantine/. Only while\n"
+        "           no server has the store open.\n";
+    if (argc < 2 || !strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")) {
+        fputs(help, argc < 2 ? stderr : stdout);
+        return argc < 2 ? EXIT_USAGE : 0;
+    }
+    const char *sub = argv[1], *dir = NULL;
+    rk_store_sort sort = RK_STORE_SORT_RECENT;
+    long limit = 0;
+    struct option longs[] = {{"store", required_argument, 0, 'd'},
+                             {"sort", required_argument, 0, 's'},
+                             {"limit", required_argument, 0, 'l'},
+                             {"help", no_argument, 0, 'h'},
+                             {0, 0, 0, 0}};
+    int c;
+    optind = 2;
+    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
+        if (c == 'h') return fputs(help, stdout), 0;
+        if (c == 'd')
+            dir = optarg;
+        else if (c == 's') {
+            if (!strcmp(optarg, "hits"))
+                sort = RK_STORE_SORT_HITS;
+            else if (!strcmp(optarg, "recent"))
+                sort = RK_STORE_SORT_RECENT;
+            else
+                return usage_error("cache", "--sort is hits or recent, not '%s'", optarg);
+        } else if (c == 'l') {
+            if (rk_parse_long(optarg, 0, 1 << 30, &limit))
+                return usage_error("cache", "bad --limit '%s'", optarg);
+        } else
+            return usage_error("cache", "%s", "unknown option");
+    }
+    if (!dir) return usage_error("cache", "%s", "--store is required");
+    if (strcmp(sub, "ls") && strcmp(sub, "stats") && strcmp(sub, "verify") &&
+        strcmp(sub, "rebuild"))
+        return usage_error("cache", "unknown subcommand '%s' (ls, stats, verify, rebuild)", sub);
+    if (!strcmp(sub, "rebuild")) {
+        rk_store_rebuild_result r;
+        if (rk_store_rebuild(dir, &r)) return fail("cache rebuild");
+        if (r.set_aside[0])
+            printf("old database kept as %s/%s (%s)\n", dir, r.set_aside,
+                   r.db_was_corrupt ? "corrupt" : "sound");
+        printf("rebuilt %llu rows from the payload files; %llu quarantined, %llu unreadable, "
+               "%llu temporary files removed\n",
+               (unsigned long long)r.rows_rebuilt, (unsigned long long)r.quarantined,
+               (unsigned long long)r.unreadable, (unsigned long long)r.tmp_removed);
+        return 0;
+    }
+    rk_store *st;
+    if (rk_store_open_readonly(dir, &st)) return fail("cannot open the store");
+    int rc = 0;
+    uint64_t bad = 0;
+    rk_status s = !strcmp(sub, "ls")      ? rk_store_print_ls(st, stdout, sort, (int)limit)
+                  : !strcmp(sub, "stats") ? rk_store_print_stats(st, stdout)
+                                          : rk_store_print_verify(st, stdout, &bad);
+    if (s)
+        rc = fail("cache");
+    else if (bad)
+        rc = EXIT_FAILURE;
+    rk_store_close(st);
+    return rc;
+}

@@ -1,0 +1,581 @@
+/* kernels/cpu/quant.c — GGML block-quantized weights: the reference
+ * conversions to and from f32, and the integer dot products the matrix-vector
+ * path of matmul runs on them.
+ *
+ * Block layouts (little-endian, packed, as GGML writes them):
+ *   Q8_0  32 elements, 34 bytes:  f16 d | i8 q[32]                   x = d q
+ *   Q4_0  32 elements, 18 bytes:  f16 d | u8 q[16]                   x = d (q - 8)
+ *         byte i holds element i (low nibble) and element i + 16 (high nibble).
+ *   Q4_K 256 elements, 144 bytes: f16 d | f16 dmin | u8 scales[12] | u8 q[128]
+ *         eight sub-blocks of 32, each with a 6-bit scale sc and a 6-bit min m:
+ *         x = d sc q - dmin m. Sub-block j < 4: sc = scales[j] & 63,
+ *         m = scales[j + 4] & 63; j >= 4: sc = (scales[j + 4] & 15) |
+ *         (scales[j - 4] >> 6) << 4, m = (scales[j + 4] >> 4) | (scales[j] >> 6) << 4.
+ *         Bytes q[32c .. 32c + 31] hold sub-block 2c in their low nibbles and
+ *         sub-block 2c + 1 in their high nibbles.
+ *   Q5_K 256 elements, 176 bytes: as Q4_K with u8 qh[32] between scales and q:
+ *         bit j of qh[l] is the fifth (value 16) bit of element l of sub-block j.
+ *   Q6_K 256 elements, 210 bytes: u8 ql[128] | u8 qh[64] | i8 scales[16] | f16 d
+ *         x = d scales[e / 16] (q - 32) for element e. Each half h (128
+ *         elements) uses ql[64h ..], qh[32h ..]: for l < 32, elements
+ *         128h + l, + 32, + 64, + 96 take the low nibble of ql[l], of ql[l + 32],
+ *         the high nibble of ql[l], of ql[l + 32], and bits (0,1), (2,3), (4,5),
+ *         (6,7) of qh[l] as their two high bits.
+ *
+ * Dot products: a row of activations is quantized once per matmul to blocks
+ * of 32 int8 with an f32 scale (rk_q8_block), and each weight block meets its
+ * activation block as integer multiply-adds (one int32 sum per 32 elements,
+ * or per 16 for Q6_K's scales), scaled to f32 once per block. The portable C
+ * kernels, the AVX2 ones (_mm256_maddubs_epi16) and the AVX-512 VNNI ones
+ * (_mm256_dpbusd_epi32) compute the same integer sums; only the order of the
+ * f32 accumulation differs between them. */
+#include <math.h>
+#include <string.h>
+
+#include "kernels/cpu/cpu.h"
+
+#define QK  32  /* Q8_0, Q4_0 and activation block */
+#define QKK 256 /* K-quant super-block */
+
+static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (unsigned)p[1] << 8); }
+static void wr16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+static float rdh(const uint8_t *p) { return rk_f16_to_f32(rd16(p)); }
+
+static int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+/* Scale and min of sub-block j (0..7) from the 12 packed bytes of Q4_K/Q5_K. */
+static void kq_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
+/* ---------------------------------------------------------------- dequantize */
+
+static void deq_q8_0(float *y, const uint8_t *b, size_t nb) {
+    for (size_t i = 0; i < nb; i++, b += 34, y += QK) {
+        float d = rdh(b);
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (int l = 0; l < QK; l++) y[l] = d * (float)q[l];
+    }
+}
+
+static void deq_q4_0(float *y, const uint8_t *b, size_t nb) {
+    for (size_t i = 0; i < nb; i++, b += 18, y += QK) {
+        float d = rdh(b);
+        const uint8_t *q = b + 2;
+        for (int l = 0; l < 16; l++) {
+            y[l] = d * (float)((q[l] & 15) - 8);
+            y[l + 16] = d * (float)((q[l] >> 4) - 8);
+        }
+    }
+}
+
+/* Q4_K (qh NULL) and Q5_K: qs points at the 128 nibble bytes. */
+static void deq_kq(float *y, const uint8_t *b, const uint8_t *qh, const uint8_t *qs) {
+    float d = rdh(b), dmin = rdh(b + 2);
+    const uint8_t *sc = b + 4;
+    for (int j = 0; j < 8; j++) {
+        int s, m;
+        kq_scale_min(sc, j, &s, &m);
+        float ds = d * (float)s, dm = dmin * (float)m;
+        const uint8_t *q = qs + 32 * (j / 2);
+        int shift = (j & 1) * 4;
+        for (int l = 0; l < 32; l++) {
+            int v = (q[l] >> shift) & 15;
+            if (qh && (qh[l] >> j & 1)) v += 16;
+            y[32 * j + l] = ds * (float)v - dm;
+        }
+    }
+}
+
+static void deq_q6_k(float *y, const uint8_t *b) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = rdh(b + 208);
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *l0 = ql + 64 * h, *h0 = qh + 32 * h;
+        for (int l = 0; l < 32; l++) {
+            int q[4] = {(l0[l] & 15) | (h0[l] & 3) << 4, (l0[l + 32] & 15) | (h0[l] >> 2 & 3) << 4,
+                        (l0[l] >> 4) | (h0[l] >> 4 & 3) << 4,
+                        (l0[l + 32] >> 4) | (h0[l] >> 6) << 4};
+            for (int g = 0; g < 4; g++) {
+                int e = 128 * h + 32 * g + l;
+                y[e] = d * (float)sc[e / 16] * (float)(q[g] - 32);
+            }
+        }
+    }
+}
+
+void rk_dequantize(float *dst, const void *src, rk_dtype t, size_t n) {
+    const uint8_t *b = src;
+    switch (t) {
+    case RK_DTYPE_F32:
+    case RK_DTYPE_F16:
+    case RK_DTYPE_BF16: rk_cpu_to_f32(dst, src, t, n); return;
+    case RK_DTYPE_Q8_0: deq_q8_0(dst, b, n / QK); return;
+    case RK_DTYPE_Q4_0: deq_q4_0(dst, b, n / QK); return;
+    case RK_DTYPE_Q4_K:
+        for (size_t i = 0; i < n / QKK; i++)
+            deq_kq(dst + i * QKK, b + i * 144, NULL, b + i * 144 + 16);
+        return;
+    case RK_DTYPE_Q5_K:
+        for (size_t i = 0; i < n / QKK; i++)
+            deq_kq(dst + i * QKK, b + i * 176, b + i * 176 + 16, b + i * 176 + 48);
+        return;
+    case RK_DTYPE_Q6_K:
+        for (size_t i = 0; i < n / QKK; i++) deq_q6_k(dst + i * QKK, b + i * 210);
+        return;
+    }
+}
+
+/* ---------------------------------------------------------------- quantize */
+
+static void q_q8_0(uint8_t *b, const float *x, size_t nb) {
+    for (size_t i = 0; i < nb; i++, b += 34, x += QK) {
+        float amax = 0;
+        for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(x[l]));
+        uint16_t dh = rk_f32_to_f16(amax / 127.0f);
+        float d = rk_f16_to_f32(dh), id = d > 0 ? 1.0f / d : 0.0f;
+        wr16(b, dh);
+        for (int l = 0; l < QK; l++)
+            b[2 + l] = (uint8_t)(int8_t)clampi((int)lrintf(x[l] * id), -127, 127);
+    }
+}
+
+/* The element of largest magnitude is mapped to -8, so the grid's extra
+ * negative step is not wasted. */
+static void q_q4_0(uint8_t *b, const float *x, size_t nb) {
+    for (size_t i = 0; i < nb; i++, b += 18, x += QK) {
+        float mx = 0;
+        for (int l = 0; l < QK; l++)
+            if (fabsf(x[l]) > fabsf(mx)) mx = x[l];
+        uint16_t dh = rk_f32_to_f16(mx / -8.0f);
+        float d = rk_f16_to_f32(dh), id = d != 0 ? 1.0f / d : 0.0f;
+        wr16(b, dh);
+        for (int l = 0; l < 16; l++) {
+            int a = clampi((int)lrintf(x[l] * id) + 8, 0, 15);
+            int c = clampi((int)lrintf(x[l + 16] * id) + 8, 0, 15);
+            b[2 + l] = (uint8_t)(a | c << 4);
+        }
+    }
+}
+
+/* Q4_K (qmax 15, qh NULL) and Q5_K (qmax 31): each sub-block maps
+ * [min(0, lo), hi] onto 0..qmax; its scale and min are then quantized to 6
+ * bits against the super-block's largest, and the elements re-quantized with
+ * the scale and min as stored. */
+static void q_kq(uint8_t *b, const float *x, int qmax, uint8_t *qh, uint8_t *qs) {
+    float scale[8], mins[8], smax = 0, mmax = 0;
+    for (int j = 0; j < 8; j++) {
+        float lo = 0, hi = -INFINITY;
+        for (int l = 0; l < 32; l++) {
+            lo = fminf(lo, x[32 * j + l]);
+            hi = fmaxf(hi, x[32 * j + l]);
+        }
+        scale[j] = (hi - lo) / (float)qmax;
+        mins[j] = -lo;
+        smax = fmaxf(smax, scale[j]);
+        mmax = fmaxf(mmax, mins[j]);
+    }
+    uint16_t dh = rk_f32_to_f16(smax / 63.0f), mh = rk_f32_to_f16(mmax / 63.0f);
+    float d = rk_f16_to_f32(dh), dmin = rk_f16_to_f32(mh);
+    wr16(b, dh);
+    wr16(b + 2, mh);
+    uint8_t *sc = b + 4;
+    memset(sc, 0, 12);
+    if (qh) memset(qh, 0, 32);
+    memset(qs, 0, 128);
+    for (int j = 0; j < 8; j++) {
+        int s = d > 0 ? clampi((int)lrintf(scale[j] / d), 0, 63) : 0;
+        int m = dmin > 0 ? clampi((int)lrintf(mins[j] / dmin), 0, 63) : 0;
+        if (j < 4) {
+            sc[j] |= (uint8_t)s;
+            sc[j + 4] |= (uint8_t)m;
+        } else {
+            sc[j + 4] = (uint8_t)((s & 15) | (m & 15) << 4);
+            sc[j - 4] |= (uint8_t)((s >> 4) << 6);
+            sc[j] |= (uint8_t)((m >> 4) << 6);
+        }
+        float ds = d * (float)s, dm = dmin * (float)m;
+        for (int l = 0; l < 32; l++) {
+            int q = ds > 0 ? clampi((int)lrintf((x[32 * j + l] + dm) / ds), 0, qmax) : 0;
+            qs[32 * (j / 2) + l] |= (uint8_t)((q & 15) << ((j & 1) * 4));
+            if (qh) qh[l] |= (uint8_t)((q >> 4) << j);
+        }
+    }
+}
+
+/* Q6_K: each group of 16 gets the scale that maps its largest magnitude to
+ * 31, quantized to 8 bits against the super-block's largest. */
+static void q_q6_k(uint8_t *b, const float *x) {
+    float scale[16], smax = 0;
+    for (int g = 0; g < 16; g++) {
+        float amax = 0;
+        for (int l = 0; l < 16; l++) amax = fmaxf(amax, fabsf(x[16 * g + l]));
+        scale[g] = amax / 31.0f;
+        smax = fmaxf(smax, scale[g]);
+    }
+    uint16_t dh = rk_f32_to_f16(smax / 127.0f);
+    float d = rk_f16_to_f32(dh);
+    uint8_t *ql = b, *qh = b + 128;
+    int8_t *sc = (int8_t *)(b + 192);
+    memset(b, 0, 192);
+    wr16(b + 208, dh);
+    for (int g = 0; g < 16; g++)
+        sc[g] = (int8_t)(d > 0 ? clampi((int)lrintf(scale[g] / d), 0, 127) : 0);
+    for (int e = 0; e < QKK; e++) {
+        float ds = d * (float)sc[e / 16];
+        int q = (ds > 0 ? clampi((int)lrintf(x[e] / ds), -32, 31) : 0) + 32;
+        int h = e / 128, g = e % 128 / 32, l = e % 32;
+        uint8_t *lb = ql + 64 * h + l + (g & 1) * 32;
+        *lb |= (uint8_t)((q & 15) << (g >> 1) * 4);
+        qh[32 * h + l] |= (uint8_t)((q >> 4) << 2 * g);
+    }
+}
+
+void rk_quantize(void *dst, const float *src, rk_dtype t, size_t n) {
+    uint8_t *b = dst;
+    switch (t) {
+    case RK_DTYPE_F32:
+    case RK_DTYPE_F16:
+    case RK_DTYPE_BF16: rk_cpu_from_f32(dst, src, t, n); return;
+    case RK_DTYPE_Q8_0: q_q8_0(b, src, n / QK); return;
+    case RK_DTYPE_Q4_0: q_q4_0(b, src, n / QK); return;
+    case RK_DTYPE_Q4_K:
+        for (size_t i = 0; i < n / QKK; i++)
+            q_kq(b + i * 144, src + i * QKK, 15, NULL, b + i * 144 + 16);
+        return;
+    case RK_DTYPE_Q5_K:
+        for (size_t i = 0; i < n / QKK; i++)
+            q_kq(b + i * 176, src + i * QKK, 31, b + i * 176 + 16, b + i * 176 + 48);
+        return;
+    case RK_DTYPE_Q6_K:
+        for (size_t i = 0; i < n / QKK; i++) q_q6_k(b + i * 210, src + i * QKK);
+        return;
+    }
+}
+
+/* ---------------------------------------------------------------- activations */
+
+/* The AVX2 loop computes the same bits as the scalar one: the same max,
+ * scale and products, and _mm256_cvtps_epi32 rounds to nearest even as
+ * lrintf does in the default rounding mode. */
+void rk_cpu_quantize_act(rk_q8_block *dst, const float *x, int k) {
+    for (int b = 0; b < k / QK; b++, x += QK) {
+#ifdef __AVX2__
+        const __m256 sign = _mm256_set1_ps(-0.0f);
+        __m256 v[4], mx = _mm256_setzero_ps();
+        for (int u = 0; u < 4; u++) {
+            v[u] = _mm256_loadu_ps(x + 8 * u);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[u]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        float amax = _mm_cvtss_f32(m4);
+        float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+        __m256i q[4];
+        for (int u = 0; u < 4; u++)
+            q[u] = _mm256_cvtps_epi32(_mm256_mul_ps(v[u], _mm256_set1_ps(id)));
+        __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        /* packs work within 128-bit lanes: undo the interleave at the end */
+        __m256i p =
+            _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+        p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+        _mm256_storeu_si256((__m256i *)dst[b].q, p);
+        dst[b].d = d;
+        dst[b].sum = _mm_cvtsi128_si32(s4);
+#else
+        float amax = 0;
+        for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(x[l]));
+        float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+        int sum = 0;
+        for (int l = 0; l < QK; l++) {
+            int q = (int)lrintf(x[l] * id);
+            dst[b].q[l] = (int8_t)q;
+            sum += q;
+        }
+        dst[b].d = d;
+        dst[b].sum = sum;
+#endif
+    }
+}
+
+/* ---------------------------------------------------------------- portable dots */
+
+/* The portable kernels unpack a block's weights to int8 first, so the
+ * integer dot products are plain loops the compiler can vectorize. */
+static int dot_i8(const int8_t *a, const int8_t *b, int n) {
+    int s = 0;
+    for (int l = 0; l < n; l++) s += a[l] * b[l];
+    return s;
+}
+
+static float dot_q8_0_c(const void *w, const rk_q8_block *x, int k) {
+    const uint8_t *b = w;
+    float acc = 0;
+    for (int i = 0; i < k / QK; i++, b += 34)
+        acc += rdh(b) * x[i].d * (float)dot_i8((const int8_t *)(b + 2), x[i].q, QK);
+    return acc;
+}
+
+static float dot_q4_0_c(const void *w, const rk_q8_block *x, int k) {
+    const uint8_t *b = w;
+    float acc = 0;
+    for (int i = 0; i < k / QK; i++, b += 18) {
+        const uint8_t *q = b + 2;
+        int s = 0;
+        for (int l = 0; l < 16; l++)
+            s += ((q[l] & 15) - 8) * x[i].q[l] + ((q[l] >> 4) - 8) * x[i].q[l + 16];
+        acc += rdh(b) * x[i].d * (float)s;
+    }
+    return acc;
+}
+
+static float dot_kq_c(const uint8_t *b, size_t bytes, int has_qh, const rk_q8_block *x, int k) {
+    float acc = 0;
+    int8_t q[QKK];
+    for (int i = 0; i < k / QKK; i++, b += bytes, x += 8) {
+        float d = rdh(b), dmin = rdh(b + 2);
+        const uint8_t *qh = b + 16, *qs = b + (has_qh ? 48 : 16);
+        for (int j = 0; j < 8; j++)
+            for (int l = 0; l < 32; l++) {
+                int v = (qs[32 * (j / 2) + l] >> (j & 1) * 4) & 15;
+                if (has_qh) v |= (qh[l] >> j & 1) << 4;
+                q[32 * j + l] = (int8_t)v;
+            }
+        for (int j = 0; j < 8; j++) {
+            int sc, m;
+            kq_scale_min(b + 4, j, &sc, &m);
+            int s = dot_i8(q + 32 * j, x[j].q, 32);
+            acc += x[j].d * (d * (float)sc * (float)s - dmin * (float)m * (float)x[j].sum);
+        }
+    }
+    return acc;
+}
+
+static float dot_q4_k_c(const void *w, const rk_q8_block *x, int k) {
+    return dot_kq_c(w, 144, 0, x, k);
+}
+static float dot_q5_k_c(const void *w, const rk_q8_block *x, int k) {
+    return dot_kq_c(w, 176, 1, x, k);
+}
+
+static float dot_q6_k_c(const void *w, const rk_q8_block *x, int k) {
+    const uint8_t *b = w;
+    float acc = 0;
+    int8_t q[QKK];
+    for (int i = 0; i < k / QKK; i++, b += 210, x += 8) {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        float d = rdh(b + 208);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = b + 64 * h, *qh = b + 128 + 32 * h;
+            for (int l = 0; l < 32; l++) {
+                int8_t *o = q + 128 * h + l;
+                o[0] = (int8_t)(((ql[l] & 15) | (qh[l] & 3) << 4) - 32);
+                o[32] = (int8_t)(((ql[l + 32] & 15) | (qh[l] >> 2 & 3) << 4) - 32);
+                o[64] = (int8_t)(((ql[l] >> 4) | (qh[l] >> 4 & 3) << 4) - 32);
+                o[96] = (int8_t)(((ql[l + 32] >> 4) | (qh[l] >> 6) << 4) - 32);
+            }
+        }
+        for (int g = 0; g < 8; g++) {
+            int s0 = dot_i8(q + 32 * g, x[g].q, 16), s1 = dot_i8(q + 32 * g + 16, x[g].q + 16, 16);
+            acc += d * x[g].d * (float)(sc[2 * g] * s0 + sc[2 * g + 1] * s1);
+        }
+    }
+    return acc;
+}
+
+/* ---------------------------------------------------------------- SIMD dots */
+
+#ifdef __AVX2__
+/* Sums of four adjacent products of unsigned u (0..127 here) and signed s
+ * bytes, as eight int32 lanes (lane i covers bytes 4i .. 4i + 3). */
+static inline __m256i mul_sum_us_avx2(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __m256i mul_sum_us_vnni(__m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+#endif
+
+/* Products of two signed byte vectors: |a| times b with a's sign. */
+#define MUL_SUM_SS(MUL, a, b) MUL(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a))
+
+/* The kernels, instantiated once per multiply-add primitive. Activation
+ * sums of a K-quant super-block go through a scalar accumulator. */
+#define DEF_SIMD_DOTS(SUF, MUL)                                                                    \
+    static float dot_q8_0_##SUF(const void *w, const rk_q8_block *x, int k) {                      \
+        const uint8_t *b = w;                                                                      \
+        __m256 acc = _mm256_setzero_ps();                                                          \
+        for (int i = 0; i < k / QK; i++, b += 34) {                                                \
+            __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2));                              \
+            __m256i p = MUL_SUM_SS(MUL, q, _mm256_loadu_si256((const __m256i *)x[i].q));           \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),                                           \
+                                  _mm256_set1_ps(_cvtsh_ss(rd16(b)) * x[i].d), acc);               \
+        }                                                                                          \
+        return rk_hsum256(acc);                                                                    \
+    }                                                                                              \
+    static float dot_q4_0_##SUF(const void *w, const rk_q8_block *x, int k) {                      \
+        const uint8_t *b = w;                                                                      \
+        const __m256i m4 = _mm256_set1_epi8(15), eight = _mm256_set1_epi8(8);                      \
+        __m256 acc = _mm256_setzero_ps();                                                          \
+        for (int i = 0; i < k / QK; i++, b += 18) {                                                \
+            __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2));                               \
+            __m256i q = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);                             \
+            q = _mm256_sub_epi8(_mm256_and_si256(q, m4), eight);                                   \
+            __m256i p = MUL_SUM_SS(MUL, q, _mm256_loadu_si256((const __m256i *)x[i].q));           \
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),                                           \
+                                  _mm256_set1_ps(_cvtsh_ss(rd16(b)) * x[i].d), acc);               \
+        }                                                                                          \
+        return rk_hsum256(acc);                                                                    \
+    }                                                                                              \
+    static float dot_kq_##SUF(const uint8_t *b, size_t bytes, int has_qh, const rk_q8_block *x,    \
+                              int k) {                                                             \
+        const __m256i m4 = _mm256_set1_epi8(15), b16 = _mm256_set1_epi8(16);                       \
+        __m256 acc = _mm256_setzero_ps();                                                          \
+        float mins = 0;                                                                            \
+        for (int i = 0; i < k / QKK; i++, b += bytes, x += 8) {                                    \
+            float d = _cvtsh_ss(rd16(b)), dmin = _cvtsh_ss(rd16(b + 2));                           \
+            const uint8_t *qs = b + (has_qh ? 48 : 16);                                            \
+            __m256i hb =                                                                           \
+                has_qh ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();   \
+            for (int c = 0; c < 4; c++) {                                                          \
+                __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));                  \
+                __m256i q[2] = {_mm256_and_si256(raw, m4),                                         \
+                                _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4)};                  \
+                for (int u = 0; u < 2; u++) {                                                      \
+                    int j = 2 * c + u, sc, m;                                                      \
+                    kq_scale_min(b + 4, j, &sc, &m);                                               \
+                    if (has_qh) {                                                                  \
+                        __m256i bit = _mm256_set1_epi8((char)(1 << j));                            \
+                        __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit);           \
+                        q[u] = _mm256_or_si256(q[u], _mm256_and_si256(set, b16));                  \
+                    }                                                                              \
+                    __m256i p = MUL(q[u], _mm256_loadu_si256((const __m256i *)x[j].q));            \
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),                                   \
+                                          _mm256_set1_ps(d * (float)sc * x[j].d), acc);            \
+                    mins += dmin * (float)m * x[j].d * (float)x[j].sum;                            \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        return rk_hsum256(acc) - mins;                                                             \
+    }                                                                                              \
+    static float dot_q4_k_##SUF(const void *w, const rk_q8_block *x, int k) {                      \
+        return dot_kq_##SUF(w, 144, 0, x, k);                                                      \
+    }                                                                                              \
+    static float dot_q5_k_##SUF(const void *w, const rk_q8_block *x, int k) {                      \
+        return dot_kq_##SUF(w, 176, 1, x, k);                                                      \
+    }                                                                                              \
+    static float dot_q6_k_##SUF(const void *w, const rk_q8_block *x, int k) {                      \
+        const uint8_t *b = w;                                                                      \
+        const __m256i m4 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3);                         \
+        const __m256i b32 = _mm256_set1_epi8(32);                                                  \
+        __m256 acc = _mm256_setzero_ps();                                                          \
+        for (int i = 0; i < k / QKK; i++, b += 210, x += 8) {                                      \
+            const int8_t *sc = (const int8_t *)(b + 192);                                          \
+            float d = _cvtsh_ss(rd16(b + 208));                                                    \
+            for (int h = 0; h < 2; h++) {                                                          \
+                __m256i l0 = _mm256_loadu_si256((const __m256i *)(b + 64 * h));                    \
+                __m256i l1 = _mm256_loadu_si256((const __m256i *)(b + 64 * h + 32));               \
+                __m256i hh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * h));              \
+                __m256i lo[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),               \
+                                 _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),                   \
+                                 _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};                  \
+                for (int g = 0; g < 4; g++) {                                                      \
+                    __m256i hi = _mm256_and_si256(_mm256_srli_epi16(hh, 2 * g), m3);               \
+                    __m256i q =                                                                    \
+                        _mm256_sub_epi8(_mm256_or_si256(lo[g], _mm256_slli_epi16(hi, 4)), b32);    \
+                    const rk_q8_block *xb = &x[4 * h + g];                                         \
+                    __m256i p = MUL_SUM_SS(MUL, q, _mm256_loadu_si256((const __m256i *)xb->q));    \
+                    int e = 8 * h + 2 * g;                                                         \
+                    __m256i s = _mm256_setr_epi32(sc[e], sc[e], sc[e], sc[e], sc[e + 1],           \
+                                                  sc[e + 1], sc[e + 1], sc[e + 1]);                \
+                    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_mullo_epi32(p, s)),            \
+                                          _mm256_set1_ps(d * xb->d), acc);                         \
+                }                                                                                  \
+            }                                                                                      \
+        }                                                                                          \
+        return rk_hsum256(acc);                                                                    \
+    }
+
+DEF_SIMD_DOTS(avx2, mul_sum_us_avx2)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+DEF_SIMD_DOTS(vnni, mul_sum_us_vnni)
+#endif
+#endif
+
+/* ---------------------------------------------------------------- dispatch */
+
+static rk_cpu_isa g_forced = RK_CPU_ISA_AUTO;
+
+static int isa_available(rk_cpu_isa isa) {
+    switch (isa) {
+    case RK_CPU_ISA_AUTO:
+    case RK_CPU_ISA_PORTABLE: return 1;
+    case RK_CPU_ISA_AVX2:
+#ifdef __AVX2__
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+#else
+        return 0;
+#endif
+    case RK_CPU_ISA_AVX512_VNNI:
+#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+        return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+#else
+        return 0;
+#endif
+    }
+    return 0;
+}
+
+rk_status rk_cpu_force_isa(rk_cpu_isa isa) {
+    if (!isa_available(isa))
+        return rk_errorf(RK_ERR_UNSUPPORTED, "cpu: instruction set %d is not available here",
+                         (int)isa);
+    g_forced = isa;
+    return RK_OK;
+}
+
+rk_cpu_isa rk_cpu_isa_active(void) {
+    if (g_forced != RK_CPU_ISA_AUTO) return g_forced;
+    if (isa_available(RK_CPU_ISA_AVX512_VNNI)) return RK_CPU_ISA_AVX512_VNNI;
+    if (isa_available(RK_CPU_ISA_AVX2)) return RK_CPU_ISA_AVX2;
+    return RK_CPU_ISA_PORTABLE;
+}
+
+rk_qdot_fn rk_cpu_qdot_fn(rk_dtype t) {
+    static const rk_qdot_fn portable[] = {dot_q8_0_c, dot_q4_0_c, dot_q4_k_c, dot_q5_k_c,
+                                          dot_q6_k_c};
+    if (!rk_dtype_is_quant(t)) return NULL;
+    int i = (int)t - (int)RK_DTYPE_Q8_0;
+    switch (rk_cpu_isa_active()) {
+#if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    case RK_CPU_ISA_AVX512_VNNI: {
+        static const rk_qdot_fn f[] = {dot_q8_0_vnni, dot_q4_0_vnni, dot_q4_k_vnni, dot_q5_k_vnni,
+                                       dot_q6_k_vnni};
+        return f[i];
+    }
+#endif
+#ifdef __AVX2__
+    case RK_CPU_ISA_AVX2: {
+        static const rk_qdot_fn f[] = {dot_q8_0_avx2, dot_q4_0_avx2, dot_q4_k_avx2, dot_q5_k_avx2,
+                                       dot_q6_k_avx2};
+        return f[i];
+    }
+#endif
+    default: return portable[i];
+    }
+}

@@ -1,0 +1,141 @@
+/* tests/test_sampler.c — engine/sample.c: greedy, temperature, top-k and
+ * top-p sampling, seeded reproducibility, parameter checks, and the top-N
+ * log-probabilities. */
+#include <criterion/criterion.h>
+#include <math.h>
+
+#include "engine/engine.h"
+
+/* Logits whose softmax at temperature 1 is exactly p (p sums to 1). */
+static void logits_of(const double *p, int n, float *out) {
+    for (int i = 0; i < n; i++) out[i] = (float)log(p[i]);
+}
+
+/* How often each id comes out of draws samples. */
+static void histogram(rk_sampler *s, const float *logits, int n, int draws, int *counts) {
+    for (int i = 0; i < n; i++) counts[i] = 0;
+    for (int d = 0; d < draws; d++) {
+        int32_t id = rk_sampler_sample(s, logits);
+        cr_assert(id >= 0 && id < n, "id %d out of range", id);
+        counts[id]++;
+    }
+}
+
+Test(sampler, greedy_takes_the_largest_logit_and_the_first_on_ties) {
+    const float logits[] = {0.5f, 3.0f, -1.0f, 3.0f, 2.9f};
+    rk_sampler s;
+    rk_sampler_params p = {.temperature = 0, .top_p = 1, .seed = 1};
+    cr_assert_eq(rk_sampler_init(&s, &p, 5), RK_OK);
+    for (int i = 0; i < 10; i++) cr_expect_eq(rk_sampler_sample(&s, logits), 1);
+    rk_sampler_free(&s);
+}
+
+Test(sampler, temperature_one_follows_the_softmax) {
+    const double prob[] = {0.5, 0.3, 0.15, 0.05};
+    float logits[4];
+    logits_of(prob, 4, logits);
+    rk_sampler s;
+    rk_sampler_params p = {.temperature = 1, .top_p = 1, .seed = 42};
+    cr_assert_eq(rk_sampler_init(&s, &p, 4), RK_OK);
+    int counts[4];
+    enum { DRAWS = 20000 };
+    histogram(&s, logits, 4, DRAWS, counts);
+    /* The standard error of each frequency is below 0.004; allow five of them. */
+    for (int i = 0; i < 4; i++)
+        cr_expect(fabs((double)counts[i] / DRAWS - prob[i]) < 0.02, "id %d: %d of %d, want %.2f", i,
+                  counts[i], DRAWS, prob[i]);
+    rk_sampler_free(&s);
+}
+
+Test(sampler, top_k_keeps_only_the_k_most_likely) {
+    const double prob[] = {0.1, 0.4, 0.05, 0.25, 0.2};
+    float logits[5];
+    logits_of(prob, 5, logits);
+    rk_sampler s;
+    rk_sampler_params p = {.temperature = 1, .top_k = 2, .top_p = 1, .seed = 7};
+    cr_assert_eq(rk_sampler_init(&s, &p, 5), RK_OK);
+    int counts[5];
+    enum { DRAWS = 10000 };
+    histogram(&s, logits, 5, DRAWS, counts);
+    cr_expect_eq(counts[0] + counts[2] + counts[4], 0, "only ids 1 and 3 are kept");
+    /* Renormalised over the two: 0.4 / 0.65 and 0.25 / 0.65. */
+    cr_expect(fabs((double)counts[1] / DRAWS - 0.4 / 0.65) < 0.025, "id 1: %d", counts[1]);
+    rk_sampler_free(&s);
+    /* top_k 1 is greedy whatever the temperature and the seed. */
+    p.top_k = 1;
+    for (uint64_t seed = 0; seed < 20; seed++) {
+        p.seed = seed;
+        cr_assert_eq(rk_sampler_init(&s, &p, 5), RK_OK);
+        cr_expect_eq(rk_sampler_sample(&s, logits), 1, "seed %llu", (unsigned long long)seed);
+        rk_sampler_free(&s);
+    }
+}
+
+Test(sampler, top_p_keeps_the_smallest_set_that_reaches_p) {
+    const double prob[] = {0.15, 0.5, 0.05, 0.3};
+    float logits[4];
+    logits_of(prob, 4, logits);
+    rk_sampler s;
+    /* 0.5 < 0.7 <= 0.5 + 0.3: ids 1 and 3 are the nucleus. */
+    rk_sampler_params p = {.temperature = 1, .top_p = 0.7f, .seed = 3};
+    cr_assert_eq(rk_sampler_init(&s, &p, 4), RK_OK);
+    int counts[4];
+    enum { DRAWS = 10000 };
+    histogram(&s, logits, 4, DRAWS, counts);
+    cr_expect_eq(counts[0] + counts[2], 0, "ids 0 and 2 are outside the nucleus");
+    cr_expect(fabs((double)counts[1] / DRAWS - 0.5 / 0.8) < 0.025, "id 1: %d", counts[1]);
+    cr_expect_gt(counts[3], 0);
+    rk_sampler_free(&s);
+}
+
+Test(sampler, a_seed_gives_the_same_sequence_and_another_seed_does_not) {
+    float logits[64];
+    for (int i = 0; i < 64; i++) logits[i] = (float)((i * 37) % 11) * 0.3f;
+    rk_sampler_params p = {.temperature = 0.8f, .top_k = 40, .top_p = 0.95f, .seed = 1234};
+    int32_t a[200], b[200], c[200];
+    int32_t *runs[3] = {a, b, c};
+    uint64_t seeds[3] = {1234, 1234, 1235};
+    for (int r = 0; r < 3; r++) {
+        rk_sampler s;
+        p.seed = seeds[r];
+        cr_assert_eq(rk_sampler_init(&s, &p, 64), RK_OK);
+        for (int i = 0; i < 200; i++) runs[r][i] = rk_sampler_sample(&s, logits);
+        rk_sampler_free(&s);
+    }
+    int same_ab = 1, same_ac = 1;
+    for (int i = 0; i < 200; i++) {
+        same_ab &= a[i] == b[i];
+        same_ac &= a[i] == c[i];
+    }
+    cr_expect(same_ab, "one seed, one sequence");
+    cr_expect(!same_ac, "another seed, another sequence");
+}
+
+Test(sampler, bad_parameters_are_refused) {
+    rk_sampler s;
+    rk_sampler_params p = {.temperature = -1, .top_p = 1};
+    cr_expect_eq(rk_sampler_init(&s, &p, 8), RK_ERR_INVALID);
+    p = (rk_sampler_params){.temperature = 1, .top_p = 0};
+    cr_expect_eq(rk_sampler_init(&s, &p, 8), RK_ERR_INVALID);
+    p = (rk_sampler_params){.temperature = 1, .top_p = 1.5f};
+    cr_expect_eq(rk_sampler_init(&s, &p, 8), RK_ERR_INVALID);
+    p = (rk_sampler_params){.temperature = 1, .top_k = -2, .top_p = 1};
+    cr_expect_eq(rk_sampler_init(&s, &p, 8), RK_ERR_INVALID);
+    p = (rk_sampler_params){.temperature = 1, .top_p = 1};
+    cr_expect_eq(rk_sampler_init(&s, &p, 0), RK_ERR_INVALID);
+    rk_sampler_free(NULL);
+}
+
+Test(sampler, logprobs_are_the_top_log_softmax_most_likely_first) {
+    const double prob[] = {0.1, 0.6, 0.3};
+    float logits[3];
+    for (int i = 0; i < 3; i++) logits[i] = (float)log(prob[i]) + 5.0f; /* shift-invariant */
+    int32_t ids[3];
+    float lp[3];
+    cr_assert_eq(rk_logprobs_top(logits, 3, 2, ids, lp), 2);
+    cr_expect_eq(ids[0], 1);
+    cr_expect_eq(ids[1], 2);
+    cr_expect_float_eq(lp[0], (float)log(0.6), 1e-5);
+    cr_expect_float_eq(lp[1], (float)log(0.3), 1e-5);
+    cr_expect_eq(rk_logprobs_top(logits, 3, 0, ids, lp), 0);
+}
