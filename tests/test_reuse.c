@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gateway/report.h"
 #include "pipeline/pipeline.h"
 #include "tests/testutil.h"
 
@@ -131,12 +132,28 @@ static int chunk_hit_tokens(const rk_request *r) {
     return n;
 }
 
+/* Run r; check the usage invariants and that the report's ragkv.reused
+ * splits usage's cached_tokens. */
 static void run(rk_service *svc, rk_request *r, run_log *log) {
     rk_pipeline_hooks h = {.ctx = log, .on_logits = log ? keep_logits : NULL};
     cr_assert_eq(rk_pipeline_run(svc, &r, 1, &h), RK_OK, "%s", rk_error_message());
     cr_assert_eq(r->n_out, STEPS);
     cr_assert_eq(r->cached_tokens + r->computed_tokens, r->prompt_tokens);
-    cr_assert_eq(r->cached_tokens, r->sys_cached + r->conv_cached + chunk_hit_tokens(r));
+    json_t *usage = rk_report_usage(r), *rag = rk_report_ragkv(r);
+    cr_assert_not_null(usage);
+    cr_assert_not_null(rag);
+    json_t *reused = json_object_get(rag, "reused");
+    long long prefix = json_integer_value(json_object_get(reused, "prefix"));
+    long long chunks = json_integer_value(json_object_get(reused, "chunks"));
+    long long conv = json_integer_value(json_object_get(reused, "conversation"));
+    cr_assert_eq(prefix, r->sys_cached);
+    cr_assert_eq(chunks, chunk_hit_tokens(r));
+    cr_assert_eq(conv, r->conv_cached);
+    cr_assert_eq(prefix + chunks + conv,
+                 json_integer_value(json_object_get(json_object_get(usage, "prompt_tokens_details"),
+                                                    "cached_tokens")));
+    json_decref(usage);
+    json_decref(rag);
 }
 
 /* After a flush of both caches every block is back in its pool. */
