@@ -228,6 +228,7 @@ void rk_bench_mode_options(const bench_opts *o, int mode, rk_req_options *opt) {
     opt->sampling.temperature = 0; /* greedy: every mode does the same work */
     opt->sampling.seed = o->seed;
     opt->stop_at_eog = 0;
+    opt->reuse_sequences = 0; /* each mode measures its own cache; the prefix cache: system only */
     switch (mode) {
     case MODE_PLAIN:
         opt->mode = RK_MODE_PLAIN;

@@ -78,11 +78,12 @@ static void *http_worker(void *arg) {
         if (j < 0) break;
         /* The same options as in-process (mode_options): greedy, no early stop. */
         int plain = job->mode == MODE_PLAIN || job->mode == MODE_PREFIX;
-        json_t *body = json_pack(
-            "{s:s, s:i, s:f, s:i, s:b, s:s, s:s, s:b}", "prompt", b->w.prompt[j], "max_tokens",
-            b->o.max_tokens, "temperature", 0.0, "seed", (int)(b->o.seed & 0x7fffffff),
-            "ignore_eos", 1, "mode", plain ? "plain" : "rag", "chunk_cache",
-            job->mode == MODE_ORACLE ? "off" : "on", "prefix_cache", job->mode != MODE_PLAIN);
+        json_t *body = json_pack("{s:s, s:i, s:f, s:i, s:b, s:s, s:s, s:b, s:b}", "prompt",
+                                 b->w.prompt[j], "max_tokens", b->o.max_tokens, "temperature", 0.0,
+                                 "seed", (int)(b->o.seed & 0x7fffffff), "ignore_eos", 1, "mode",
+                                 plain ? "plain" : "rag", "chunk_cache",
+                                 job->mode == MODE_ORACLE ? "off" : "on", "prefix_cache",
+                                 job->mode != MODE_PLAIN, "reuse_sequences", 0);
         req_result *x = &m->req[j];
         int status = 0;
         json_t *resp = NULL;

@@ -67,6 +67,7 @@ void rk_req_options_default(rk_req_options *o) {
     memset(o, 0, sizeof *o);
     o->chunk_cache = 1;
     o->prefix_cache = 1;
+    o->reuse_sequences = 1;
     o->positions = RK_POSITIONS_SEQUENTIAL;
     o->max_tokens = 128;
     o->sampling = (rk_sampler_params){.temperature = 1.0f, .top_k = 0, .top_p = 1.0f, .seed = 0};
@@ -592,15 +593,19 @@ static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_tabl
     int bs = rk_arena_block_size(svc->arena);
     rk_status st;
     s->n_prompt = n_prompt_table;
-    int use_prefix = svc->prefix && r->opt.prefix_cache && n_prompt_table > 0;
+    /* The key: the whole prompt, or the system prompt alone (whose last token
+     * is left for its logits when nothing follows). */
+    int n_key = r->opt.reuse_sequences ? n_prompt_table : r->n_sys;
+    int leave_one = r->opt.reuse_sequences || s->n_qtok == 0;
+    int use_prefix = svc->prefix && r->opt.prefix_cache && n_key > 0;
     if (use_prefix) {
         if ((st = build_key(svc, r))) return st;
         s->ns = request_ns(svc, r);
-        int32_t *pages = malloc((size_t)(n_prompt_table / bs + 1) * sizeof *pages);
+        int32_t *pages = malloc((size_t)(n_key / bs + 1) * sizeof *pages);
         if (!pages) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
         rk_radix_result m;
-        st = rk_radix_match(svc->prefix, s->ns, s->key, n_prompt_table,
-                            RK_RADIX_PARTIAL | RK_RADIX_LEAVE_ONE, pages, &m);
+        st = rk_radix_match(svc->prefix, s->ns, s->key, n_key,
+                            RK_RADIX_PARTIAL | (leave_one ? RK_RADIX_LEAVE_ONE : 0), pages, &m);
         s->lock = m.node;
         int use = usable_prefix(r, m.n_matched + m.n_partial), whole = use / bs;
         int32_t src = use < m.n_matched ? pages[whole] : m.partial_page;
@@ -799,7 +804,8 @@ static rk_status insert_system(rk_service *svc, rk_request *r) {
 static void insert_sequence(rk_service *svc, rk_request *r) {
     rk_req_state *s = r->state;
     int bs = rk_arena_block_size(svc->arena), n = s->n_valid, present;
-    if (!s->key || n < s->n_prompt) return; /* n_valid is 0 or covers the prompt */
+    if (!r->opt.reuse_sequences || !s->key || n < s->n_prompt)
+        return; /* n_valid is 0 or covers the prompt */
     memcpy(s->key + s->n_prompt, r->out_tokens, (size_t)(n - s->n_prompt) * sizeof *s->key);
     /* A chunk entry's block in the table stays the chunk cache's: the
      * sequence is inserted up to it. */

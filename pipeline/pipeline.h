@@ -66,6 +66,9 @@ typedef struct rk_req_options {
      * system prompt after pass 1, the whole sequence (prompt and generated
      * tokens with KV) when the request finishes. */
     int prefix_cache;
+    /* With prefix_cache: whole sequences (the above); 0 = the system prompt
+     * only, matched and inserted alone (what the benchmark's modes measure). */
+    int reuse_sequences;
     rk_chunk_context chunk_context;
     rk_position_mode positions;
     int max_tokens;

@@ -369,3 +369,26 @@ Test(reuse, the_same_tokens_segmented_differently_never_match) {
     check_pools_back(svc);
     rk_service_close(svc);
 }
+
+/* With reuse_sequences off the prefix cache holds system prompts alone. */
+Test(reuse, without_sequence_reuse_only_the_system_prompt_is_reused) {
+    rk_service *svc = open_svc(NULL, 1);
+    rk_req_options o = greedy(RK_MODE_RAG);
+    o.reuse_sequences = 0;
+    rk_request a, b;
+    prepare(svc, STORY, &o, &a);
+    prepare(svc, STORY, &o, &b);
+    run(svc, &a, NULL);
+    run(svc, &b, NULL);
+    cr_assert_eq(b.sys_cached, b.n_sys);
+    cr_assert_eq(b.conv_cached, 0);
+    for (int k = 0; k < b.n_chunks; k++)
+        cr_assert_eq(b.chunk_reports[k].source, RK_CHUNK_SOURCE_ARENA);
+    rk_radix_stats st;
+    rk_radix_get_stats(svc->prefix, &st);
+    cr_assert_eq(st.cached_tokens, (uint64_t)a.n_sys);
+    rk_request_free(&a);
+    rk_request_free(&b);
+    check_pools_back(svc);
+    rk_service_close(svc);
+}
