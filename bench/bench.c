@@ -256,6 +256,9 @@ void rk_bench_mode_options(const bench_opts *o, int mode, rk_req_options *opt) {
     opt->sampling.temperature = 0; /* greedy: every mode does the same work */
     opt->sampling.seed = o->seed;
     opt->stop_at_eog = 0;
+    /* Each mode measures its own cache (the prefix cache: system prompts
+     * only); a conversation's later turns are meant to reuse earlier ones. */
+    opt->reuse_sequences = o->turns > 1;
     switch (mode) {
     case MODE_PLAIN:
         opt->mode = RK_MODE_PLAIN;

@@ -370,6 +370,9 @@ static void config_options(const eval_config *c, int n_tokens, rk_req_options *o
     opt->max_tokens = n_tokens;
     opt->sampling.temperature = 0;
     opt->stop_at_eog = 0; /* every run has N steps to compare */
+    /* Each configuration computes its own prompt: an earlier run's sequence
+     * (the reference's, forced tokens and all) is not reused. */
+    opt->reuse_sequences = 0;
     switch (c->fam) {
     case FAM_PLAIN:
         opt->mode = RK_MODE_PLAIN;

@@ -200,6 +200,9 @@ static json_t *request_body(const bench *b, int mode, int j, json_t *msgs, int t
     json_object_set_new(body, "mode", json_string(plain ? "plain" : "rag"));
     json_object_set_new(body, "chunk_cache", json_string(mode == MODE_ORACLE ? "off" : "on"));
     json_object_set_new(body, "prefix_cache", json_boolean(mode != MODE_PLAIN));
+    /* Each mode's invariants assume it reuses only its own caches; a
+     * conversation's later turns are meant to reuse the earlier ones. */
+    json_object_set_new(body, "reuse_sequences", json_boolean(b->o.turns > 1));
     return body;
 }
 

@@ -1,6 +1,7 @@
 /* chunkcache/arena.c — see arena.h. The free list of each pool is a LIFO
  * stack of ids: the most recently freed block is reused first (it is the most
- * likely to still be in cache). */
+ * likely to still be in cache). Pools start as contiguous id ranges; a retag
+ * swaps blocks between pools, so each block carries its pool. */
 #include "chunkcache/arena.h"
 
 #include <math.h>
@@ -16,6 +17,7 @@ struct rk_arena {
     int32_t *free_ids;         /* (n_blocks) pool i's stack at free_ids[first[i] ..] */
     int n_free[RK_POOL_COUNT]; /* stack depth per pool */
     int32_t *refs;             /* (n_blocks) reference counts */
+    uint8_t *tag;              /* (n_blocks) pool of each block (rk_arena_retag moves them) */
     void *poison_block;        /* one block of one layer filled with NaN (poison mode) */
 };
 
@@ -88,6 +90,7 @@ void rk_arena_free(rk_arena *a) {
     free(a->kv.v);
     free(a->free_ids);
     free(a->refs);
+    free(a->tag);
     free(a->poison_block);
     free(a);
 }
@@ -127,7 +130,8 @@ rk_status rk_arena_create(rk_backend *be, const rk_arena_params *p, rk_arena **o
     a->kv.v = calloc((size_t)p->n_layers, sizeof(void *));
     a->free_ids = malloc((size_t)n * sizeof(int32_t));
     a->refs = calloc((size_t)n, sizeof(int32_t));
-    if (!a->kv.k || !a->kv.v || !a->free_ids || !a->refs) {
+    a->tag = malloc((size_t)(n ? n : 1));
+    if (!a->kv.k || !a->kv.v || !a->free_ids || !a->refs || !a->tag) {
         rk_arena_free(a);
         return rk_errorf(RK_ERR_NOMEM, "arena: out of memory for %d block records", n);
     }
@@ -153,7 +157,10 @@ rk_status rk_arena_create(rk_backend *be, const rk_arena_params *p, rk_arena **o
     /* Stacks: the lowest id on top, so fresh pools hand out ids in order. */
     for (int i = 0; i < RK_POOL_COUNT; i++) {
         int cnt = p->pool_blocks[i];
-        for (int j = 0; j < cnt; j++) a->free_ids[a->first[i] + j] = a->first[i] + cnt - 1 - j;
+        for (int j = 0; j < cnt; j++) {
+            a->free_ids[a->first[i] + j] = a->first[i] + cnt - 1 - j;
+            a->tag[a->first[i] + j] = (uint8_t)i;
+        }
         a->n_free[i] = cnt;
     }
     *out = a;
@@ -222,10 +229,34 @@ int rk_arena_pool_free(const rk_arena *a, rk_pool_tag pool) {
 }
 
 int rk_arena_block_pool(const rk_arena *a, int32_t id) {
-    if (id < 0 || id >= a->n_blocks) return -1;
-    int pool = RK_POOL_COUNT - 1;
-    while (id < a->first[pool]) pool--;
-    return pool;
+    return id < 0 || id >= a->n_blocks ? -1 : a->tag[id];
+}
+
+rk_status rk_arena_retag(rk_arena *a, const int32_t *ids, int n, rk_pool_tag pool) {
+    if ((unsigned)pool >= RK_POOL_COUNT || n < 0)
+        return rk_errorf(RK_ERR_INVALID, "arena: bad retag request (pool %d, %d blocks)", (int)pool,
+                         n);
+    int moves = 0;
+    for (int i = 0; i < n; i++) {
+        if (ids[i] < 0 || ids[i] >= a->n_blocks || a->refs[ids[i]] <= 0)
+            return rk_errorf(RK_ERR_INTERNAL, "arena: retag of free or invalid block %d", ids[i]);
+        moves += a->tag[ids[i]] != pool;
+    }
+    if (moves > a->n_free[pool])
+        return rk_errorf(RK_ERR_EXHAUSTED, "arena: pool %s has %d free blocks, %d to move in",
+                         pool_names[pool], a->n_free[pool], moves);
+    /* Swap: a free block of pool takes each moved block's place in its old
+     * pool, so every pool keeps its size and its free list its capacity. */
+    for (int i = 0; i < n; i++) {
+        int32_t id = ids[i];
+        int from = a->tag[id];
+        if (from == (int)pool) continue;
+        int32_t spare = a->free_ids[a->first[pool] + --a->n_free[pool]];
+        a->tag[spare] = (uint8_t)from;
+        a->free_ids[a->first[from] + a->n_free[from]++] = spare;
+        a->tag[id] = (uint8_t)pool;
+    }
+    return RK_OK;
 }
 
 int rk_arena_refcount(const rk_arena *a, int32_t id) {

@@ -85,6 +85,13 @@ int rk_arena_pool_total(const rk_arena *a, rk_pool_tag pool);
 int rk_arena_pool_free(const rk_arena *a, rk_pool_tag pool);
 /* Pool of a block id, or -1 when out of range. */
 int rk_arena_block_pool(const rk_arena *a, int32_t id);
+
+/* Move allocated blocks (distinct ids) into pool, keeping their contents and
+ * references: each one not already there swaps places with a free block of
+ * pool, which joins the block's old pool, so no pool changes size. A block
+ * freed later returns to its new pool. All or nothing: RK_ERR_EXHAUSTED when
+ * pool has fewer free blocks than blocks to move. */
+rk_status rk_arena_retag(rk_arena *a, const int32_t *ids, int n, rk_pool_tag pool);
 /* Reference count of a block (0 = free), or -1 when out of range. */
 int rk_arena_refcount(const rk_arena *a, int32_t id);
 

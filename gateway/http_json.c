@@ -237,7 +237,7 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     rk_req_options *o = &out->opt;
     json_int_t max_tokens = o->max_tokens, top_k = 0, seed = 0, n = 1, best_of = 1;
     double temp = o->sampling.temperature, top_p = o->sampling.top_p;
-    int echo = 0, ignore_eos = 0, prefix = -1, plain = 0, ctx = 0, pos = 0;
+    int echo = 0, ignore_eos = 0, prefix = -1, plain = 0, ctx = 0, pos = 0, whole = 1;
     json_t *mct = json_object_get(root, "max_completion_tokens");
     const char *mt_name = mct && !json_is_null(mct) ? "max_completion_tokens" : "max_tokens";
     json_t *mt = json_object_get(root, mt_name);
@@ -259,6 +259,7 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
         get_bool(root, "stream", &out->stream, err) ||
         get_bool(root, "ignore_eos", &ignore_eos, err) ||
         get_bool(root, "prefix_cache", &prefix, err) ||
+        get_bool(root, "reuse_sequences", &whole, err) ||
         get_choice(root, "mode", "rag", "plain", &plain, err) ||
         get_choice(root, "chunk_context", "isolated", "system", &ctx, err) ||
         get_choice(root, "position_mode", "sequential", "parallel", &pos, err) ||
@@ -310,6 +311,7 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     o->positions = pos ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
     /* Plain mode is the no-cache reference unless asked otherwise (as `ragkv generate`). */
     o->prefix_cache = prefix >= 0 ? prefix : !plain;
+    o->reuse_sequences = whole;
     return 0;
 }
 

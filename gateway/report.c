@@ -31,6 +31,7 @@ const char *rk_chunk_source_name(rk_chunk_source s) {
     case RK_CHUNK_SOURCE_ARENA: return "arena";
     case RK_CHUNK_SOURCE_DISK: return "disk";
     case RK_CHUNK_SOURCE_REDIS: return "redis";
+    case RK_CHUNK_SOURCE_PREFIX: return "prefix";
     case RK_CHUNK_SOURCE_COMPUTED: break;
     }
     return "computed";
@@ -53,13 +54,18 @@ static json_t *timings_json(const rk_request *r) {
 
 json_t *rk_report_ragkv(const rk_request *r) {
     json_t *chunks = json_array();
+    int chunk_hits = 0; /* chunk-cache hits reindexed, less what repair recomputed */
     for (int k = 0; k < r->n_chunks; k++) {
         const rk_chunk_report *c = &r->chunk_reports[k];
+        if (c->status == RK_CHUNK_STATUS_HIT && c->source != RK_CHUNK_SOURCE_PREFIX)
+            chunk_hits += c->tokens - c->repaired;
         /* How its KV reached the request: attended in place, copied, or
-         * neither (plain mode computes the chunk text as prompt). */
-        const char *reindex = r->opt.mode == RK_MODE_PLAIN ? "none"
-                              : c->zero_copy               ? "zero-copy"
-                                                           : "copy";
+         * neither (plain mode computes the chunk text as prompt; a chunk
+         * inside a reused sequence was neither looked up nor moved). */
+        const char *reindex = r->opt.mode == RK_MODE_PLAIN || c->source == RK_CHUNK_SOURCE_PREFIX
+                                  ? "none"
+                              : c->zero_copy ? "zero-copy"
+                                             : "copy";
         json_array_append_new(chunks, json_pack("{s:i, s:s, s:i, s:s, s:s, s:i, s:s, s:f, s:i}",
                                                 "index", k, "key", c->key, "tokens", c->tokens,
                                                 "status", rk_chunk_status_name(c->status), "source",
@@ -69,11 +75,14 @@ json_t *rk_report_ragkv(const rk_request *r) {
     }
     json_t *ids = json_array();
     for (int i = 0; i < r->n_out; i++) json_array_append_new(ids, json_integer(r->out_tokens[i]));
-    return json_pack("{s:{s:i, s:i}, s:o, s:i, s:{s:i}, s:i, s:i, s:o, s:o}", "system", "tokens",
-                     r->n_sys, "cached_tokens", r->sys_cached, "chunks", chunks,
+    /* Together they are usage.prompt_tokens_details.cached_tokens. */
+    json_t *reused = json_pack("{s:i, s:i, s:i}", "prefix", r->sys_cached, "chunks", chunk_hits,
+                               "conversation", r->conv_cached);
+    return json_pack("{s:{s:i, s:i}, s:o, s:i, s:{s:i}, s:i, s:i, s:o, s:o, s:o}", "system",
+                     "tokens", r->n_sys, "cached_tokens", r->sys_cached, "chunks", chunks,
                      "empty_chunks_skipped", r->n_empty_chunks, "question", "tokens", r->n_question,
                      "recomputed_tokens", r->recomputed_tokens, "shared_blocks", r->shared_blocks,
-                     "completion_ids", ids, "timings", timings_json(r));
+                     "reused", reused, "completion_ids", ids, "timings", timings_json(r));
 }
 
 json_t *rk_report_usage(const rk_request *r) {

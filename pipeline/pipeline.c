@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 
 #include "chunkcache/chunk_index.h"
 #include "pipeline/persist.h"
@@ -49,6 +50,13 @@ struct rk_req_state {
     rk_radix_node *lock; /* radix path held for the request */
     int sys_first;       /* first system token to compute */
     int n_insert;        /* system tokens to insert into the radix tree after pass 1 */
+    int32_t partial_src; /* radix page the match continues into (referenced), -1 = none */
+    int n_partial;       /* its first rows to copy, at table index reused - n_partial */
+    uint64_t ns;         /* the request's radix namespace */
+    int32_t *key;        /* (n_prompt + max_tokens) radix key of the merged sequence */
+    int n_prompt;        /* table entries of the prompt */
+    int reused;          /* table entries taken from the radix tree */
+    int n_valid;         /* table entries whose KV is written */
     rk_layout layout;
     rk_chunk_entry **entries; /* (n_chunks) references held, NULL for oracle chunks */
     rk_chunk_lookup *kinds;   /* (n_chunks) */
@@ -63,10 +71,13 @@ struct rk_req_state {
     double t_start;
 };
 
+static int chunk_from_prefix(const rk_request *r, int k);
+
 void rk_req_options_default(rk_req_options *o) {
     memset(o, 0, sizeof *o);
     o->chunk_cache = 1;
     o->prefix_cache = 1;
+    o->reuse_sequences = 1;
     o->positions = RK_POSITIONS_SEQUENTIAL;
     o->max_tokens = 128;
     o->sampling = (rk_sampler_params){.temperature = 1.0f, .top_k = 0, .top_p = 1.0f, .seed = 0};
@@ -468,7 +479,7 @@ static int by_score_desc(const void *a, const void *b) {
 
 static int wants_deviation(const rk_request *r, const rk_hparams *hp) {
     return r->opt.repair_ratio > 0 && r->opt.mode == RK_MODE_RAG && r->n_chunks > 0 &&
-           hp->n_layers > DEVIATION_LAYER;
+           hp->n_layers > DEVIATION_LAYER && !chunk_from_prefix(r, 0);
 }
 
 /* The deviation policy, first half: recompute layers 0..DEVIATION_LAYER for
@@ -600,27 +611,113 @@ static rk_status load_shared(rk_service *svc, rk_request *r, int k, int *out_loa
     return RK_OK;
 }
 
-/* Match the system prompt, share its cached pages, reserve blocks for the
- * rest of the system (prefix pool for whole pages that will be inserted,
- * live pool after) and for the chunks, question and generated tokens. */
+/* Set on the first token of every chunk and of the question in a radix key,
+ * so the same tokens segmented differently never match (token ids are below
+ * 2^24, checked when the key is built). */
+#define SEGMENT_MARK (1 << 30)
+
+/* The radix namespace of a request: everything besides the key's tokens that
+ * changes the KV of its merged sequence. A plain sequence depends on its
+ * tokens alone. */
+static uint64_t request_ns(const rk_service *svc, const rk_request *r) {
+    int32_t v[8] = {(int32_t)r->opt.mode, (int32_t)rk_arena_kv(svc->arena)->dtype};
+    if (r->opt.mode == RK_MODE_RAG) {
+        v[2] = r->opt.chunk_cache;
+        v[3] = (int32_t)r->opt.chunk_context;
+        v[4] = (int32_t)r->opt.positions;
+        v[5] = r->opt.repair_k;
+        memcpy(&v[6], &r->opt.repair_ratio, sizeof(float));
+    }
+    return XXH3_64bits_withSeed(v, sizeof v, svc->prefix_ns);
+}
+
+/* The radix key of the prompt, 1:1 with its table entries (room for the
+ * generated tokens after it). */
+static rk_status build_key(rk_service *svc, rk_request *r) {
+    rk_req_state *s = r->state;
+    if (rk_model_hparams(svc->model)->n_vocab > SEGMENT_MARK >> 6)
+        return rk_errorf(RK_ERR_INTERNAL,
+                         "pipeline: a vocabulary of %d tokens leaves no room "
+                         "for segment marks in radix keys",
+                         rk_model_hparams(svc->model)->n_vocab);
+    /* The key follows the sequence's positions (a zero-copy table pads the
+     * system prompt to a block, so n_prompt can be shorter). */
+    int n_seq = s->q_index + s->n_qtok > s->n_prompt ? s->q_index + s->n_qtok : s->n_prompt;
+    s->key = malloc((size_t)(n_seq + r->opt.max_tokens + 1) * sizeof *s->key);
+    if (!s->key) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    if (r->n_sys) memcpy(s->key, r->sys, (size_t)r->n_sys * sizeof *s->key);
+    if (s->n_qtok) memcpy(s->key + s->q_index, s->qtok, (size_t)s->n_qtok * sizeof *s->key);
+    if (r->opt.mode != RK_MODE_RAG) return RK_OK;
+    for (int k = 0; k < r->n_chunks; k++) {
+        memcpy(s->key + s->layout.index[k], r->chunks[k],
+               (size_t)r->chunk_lens[k] * sizeof *s->key);
+        s->key[s->layout.index[k]] |= SEGMENT_MARK;
+    }
+    if (s->n_qtok) s->key[s->q_index] |= SEGMENT_MARK;
+    return RK_OK;
+}
+
+/* How much of a matched prefix of n tokens a RAG request may take: never part
+ * of a chunk (cut back to its start); with repair on, all chunks or none, so
+ * the repair policy sees the chunks it would have seen. */
+static int usable_prefix(const rk_request *r, int n) {
+    const rk_req_state *s = r->state;
+    if (r->opt.mode != RK_MODE_RAG) return n;
+    for (int k = 0; k < r->n_chunks; k++)
+        if (s->layout.index[k] < n && n < s->layout.index[k] + r->chunk_lens[k])
+            n = s->layout.index[k];
+    int repair = r->opt.repair_k > 0 || r->opt.repair_ratio > 0;
+    if (repair && r->n_chunks && n < s->layout.question_index && n > s->layout.index[0])
+        n = s->layout.index[0];
+    return n;
+}
+
+/* A RAG chunk that lies in the prefix taken from the tree. */
+static int chunk_from_prefix(const rk_request *r, int k) {
+    return r->state->layout.index[k] + r->chunk_lens[k] <= r->state->reused;
+}
+
+/* Match the request's prompt key (all but its last token) in the radix tree,
+ * share the whole pages of the usable prefix, take a reference on the page
+ * that continues it for less than a page (its rows are copied before pass 1),
+ * reserve blocks for the rest of the system (prefix pool for the pages that
+ * will be inserted, the partial last one included, live pool after) and for
+ * the chunks, question and generated tokens. The question tokens inside the
+ * prefix are dropped from those to feed. */
 static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_table) {
     rk_req_state *s = r->state;
     int bs = rk_arena_block_size(svc->arena);
     rk_status st;
-    int use_prefix = svc->prefix && r->opt.prefix_cache && r->n_sys > 0;
+    s->n_prompt = n_prompt_table;
+    /* The key: the whole prompt, or the system prompt alone (whose last token
+     * is left for its logits when nothing follows). */
+    int whole_seq = r->opt.reuse_sequences && !s->zc;
+    int n_key = whole_seq ? n_prompt_table : r->n_sys;
+    int leave_one = whole_seq || s->n_qtok == 0;
+    int use_prefix = svc->prefix && r->opt.prefix_cache && n_key > 0;
     if (use_prefix) {
-        int32_t *pages = malloc((size_t)(r->n_sys / bs + 1) * sizeof *pages);
+        if ((st = build_key(svc, r))) return st;
+        s->ns = request_ns(svc, r);
+        int32_t *pages = malloc((size_t)(n_key / bs + 1) * sizeof *pages);
         if (!pages) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
         rk_radix_result m;
-        int flags = s->n_qtok == 0 ? RK_RADIX_LEAVE_ONE : 0;
-        st = rk_radix_match(svc->prefix, svc->prefix_ns, r->sys, r->n_sys, flags, pages, &m);
+        st = rk_radix_match(svc->prefix, s->ns, s->key, n_key,
+                            RK_RADIX_PARTIAL | (leave_one ? RK_RADIX_LEAVE_ONE : 0), pages, &m);
         s->lock = m.node;
-        if (!st) st = rk_seq_share(&s->kv, svc->arena, pages, m.n_matched / bs);
+        int use = usable_prefix(r, m.n_matched + m.n_partial), whole = use / bs;
+        int32_t src = use < m.n_matched ? pages[whole] : m.partial_page;
+        /* The partial page is not locked: reference it before anything can evict it. */
+        if (!st && use % bs && !(st = rk_arena_ref(svc->arena, &src, 1))) {
+            s->partial_src = src;
+            s->n_partial = use % bs;
+        }
+        if (!st) st = rk_seq_share(&s->kv, svc->arena, pages, whole);
         free(pages);
         if (st) return st;
-        s->sys_first = m.n_matched;
-        int aligned = r->n_sys / bs * bs, n_new = aligned - m.n_matched;
-        if (n_new > 0) {
+        s->reused = use;
+        s->sys_first = use < r->n_sys ? use : r->n_sys;
+        int n_new = r->n_sys - whole * bs;
+        if (use < r->n_sys) {
             st = rk_seq_reserve(&s->kv, svc->arena, RK_POOL_PREFIX, n_new, NULL);
             if (st == RK_ERR_EXHAUSTED) {
                 rk_radix_evict(svc->prefix, n_new, NULL);
@@ -628,16 +725,24 @@ static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_tabl
             }
             if (st == RK_OK) {
                 s->kv.n_tokens += n_new;
-                s->n_insert = aligned;
+                s->n_insert = r->n_sys;
             } else if (st != RK_ERR_EXHAUSTED) {
                 return st;
             } /* else the prefix pool is all locked: compute in live blocks, cache nothing */
         }
     }
     r->sys_cached = s->sys_first;
+    r->conv_cached = s->reused - s->sys_first;
     int rest = n_prompt_table + r->opt.max_tokens - s->kv.n_tokens;
     if ((st = rk_seq_reserve(&s->kv, svc->arena, RK_POOL_LIVE, rest, NULL))) return st;
     s->kv.n_tokens = n_prompt_table;
+    int skip = s->reused - s->q_index;
+    if (skip > 0) { /* never all of them: the last prompt token is always computed */
+        memmove(s->qtok, s->qtok + skip, (size_t)(s->n_qtok - skip) * sizeof *s->qtok);
+        s->n_qtok -= skip;
+        s->q_index += skip;
+        s->q_pos += skip;
+    }
     return RK_OK;
 }
 
@@ -675,6 +780,13 @@ static rk_status start_request_reindexed(rk_service *svc, rk_request *r) {
     return st;
 }
 
+/* Drop the reference on the partial page a match continued into. */
+static void drop_partial(rk_service *svc, rk_req_state *s) {
+    if (s->n_partial) rk_arena_release(svc->arena, &s->partial_src, 1);
+    s->n_partial = 0;
+    s->partial_src = -1;
+}
+
 static void chunk_policy(rk_service *svc, const rk_request *r, rk_chunk_policy *p) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
     *p = (rk_chunk_policy){.fingerprint = rk_model_fingerprint(svc->model),
@@ -700,6 +812,14 @@ static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
         rk_chunk_report *rep = &r->chunk_reports[k];
         rep->tokens = r->chunk_lens[k];
         rep->live_offset = s->layout.pos[k];
+        if (chunk_from_prefix(r, k)) { /* in place already, as an earlier request left it */
+            rep->status = RK_CHUNK_STATUS_HIT;
+            rep->source = RK_CHUNK_SOURCE_PREFIX;
+            if (r->opt.chunk_cache)
+                rk_chunk_key_hex(rk_chunk_key_compute(&policy, r->chunks[k], r->chunk_lens[k]),
+                                 rep->key);
+            continue;
+        }
         if (!r->opt.chunk_cache) {
             /* The oracle: fresh at the live position, seeing what a cached chunk sees. */
             rep->status = RK_CHUNK_STATUS_OFF;
@@ -785,16 +905,23 @@ static rk_status plan_system_chunk(rk_service *svc, rk_request *r, int k, batch 
     return batch_add(pass2, bs, &sc->kv, r->chunks[k], r->chunk_lens[k], r->n_sys, r->n_sys, 0);
 }
 
-/* After the radix-bound system pages are computed: insert them. The tree
- * takes a reference on the pages it keeps; its locked path replaces ours. */
+/* After the radix-bound system pages are computed: insert them, the partial
+ * last page as the tail it is (the request goes on writing its later rows,
+ * which a match never copies). The tree takes a reference on the pages it
+ * keeps; its locked path replaces ours. */
 static rk_status insert_system(rk_service *svc, rk_request *r) {
     rk_req_state *s = r->state;
     int bs = rk_arena_block_size(svc->arena), present;
     rk_radix_node *node;
-    rk_status st = rk_radix_insert(svc->prefix, svc->prefix_ns, r->sys, s->n_insert, s->kv.blocks,
-                                   0, &present, &node);
+    /* The tree owns the partial page from the call on, even when it fails. */
+    rk_status st =
+        s->n_insert % bs ? rk_arena_ref(svc->arena, &s->kv.blocks[s->n_insert / bs], 1) : RK_OK;
     if (st) return st;
-    st = rk_arena_ref(svc->arena, s->kv.blocks + present / bs, (s->n_insert - present) / bs);
+    st = rk_radix_insert_partial(svc->prefix, s->ns, s->key, s->n_insert, s->kv.blocks, 0, &present,
+                                 &node);
+    if (st) return st;
+    st = rk_arena_ref(svc->arena, s->kv.blocks + present / bs,
+                      (s->n_insert / bs * bs - present) / bs);
     if (st) return st;
     if (s->lock) rk_radix_unlock(svc->prefix, s->lock);
     s->lock = node;
@@ -802,9 +929,51 @@ static rk_status insert_system(rk_service *svc, rk_request *r) {
     return RK_OK;
 }
 
+/* A finished request's whole sequence into the tree: its prompt key and the
+ * generated tokens that have KV. Its live blocks move to the prefix pool
+ * (evicting for room when needed; when there is none, nothing is inserted).
+ * The tree takes a reference on the pages it keeps. Failures only lose
+ * the caching. */
+static void insert_sequence(rk_service *svc, rk_request *r) {
+    rk_req_state *s = r->state;
+    int bs = rk_arena_block_size(svc->arena), n = s->n_valid, present;
+    /* A zero-copy table (system, chunk runs, live tail) is not 1:1 with the
+     * key: only its system prompt is cached, after pass 1. */
+    if (!r->opt.reuse_sequences || s->zc || !s->key || n < s->n_prompt)
+        return; /* n_valid is 0 or covers the prompt */
+    memcpy(s->key + s->n_prompt, r->out_tokens, (size_t)(n - s->n_prompt) * sizeof *s->key);
+    /* A chunk entry's block in the table stays the chunk cache's: the
+     * sequence is inserted up to it. */
+    for (int i = 0; i < (n + bs - 1) / bs; i++)
+        if (rk_arena_block_pool(svc->arena, s->kv.blocks[i]) == RK_POOL_CHUNK) {
+            n = i * bs;
+            break;
+        }
+    int n_pages = (n + bs - 1) / bs, to_move = 0;
+    if (n == 0) return;
+    for (int i = 0; i < n_pages; i++)
+        to_move += rk_arena_block_pool(svc->arena, s->kv.blocks[i]) != RK_POOL_PREFIX;
+    rk_status st = rk_arena_retag(svc->arena, s->kv.blocks, n_pages, RK_POOL_PREFIX);
+    if (st == RK_ERR_EXHAUSTED) {
+        rk_radix_evict(svc->prefix, (to_move - rk_arena_pool_free(svc->arena, RK_POOL_PREFIX)) * bs,
+                       NULL);
+        st = rk_arena_retag(svc->arena, s->kv.blocks, n_pages, RK_POOL_PREFIX);
+    }
+    if (st == RK_ERR_EXHAUSTED) return; /* the prefix pool is all locked */
+    /* The tree owns the partial page from the call on, even when it fails. */
+    if (!st && n % bs) st = rk_arena_ref(svc->arena, &s->kv.blocks[n / bs], 1);
+    if (!st)
+        st =
+            rk_radix_insert_partial(svc->prefix, s->ns, s->key, n, s->kv.blocks, 0, &present, NULL);
+    if (!st)
+        st = rk_arena_ref(svc->arena, s->kv.blocks + present / bs, (n / bs * bs - present) / bs);
+    if (st) RK_LOG_WARN("request sequence not cached: %s", rk_error_message());
+}
+
 static void release_request(rk_service *svc, rk_request *r, int failed) {
     rk_req_state *s = r->state;
     if (!s) return;
+    if (!failed) insert_sequence(svc, r);
     for (int k = 0; s->entries && s->scratch && k < r->n_chunks; k++) {
         scratch *sc = &s->scratch[k];
         if (sc->used) rk_seq_release(&sc->kv, svc->arena);
@@ -813,6 +982,7 @@ static void release_request(rk_service *svc, rk_request *r, int failed) {
         if (s->entries[k]) rk_chunk_index_release(svc->chunks, s->entries[k], failed);
     }
     if (s->lock) rk_radix_unlock(svc->prefix, s->lock);
+    drop_partial(svc, s);
     rk_seq_release(&s->kv, svc->arena);
     rk_runs_free(&s->runs);
     rk_seq_release(&s->own, svc->arena);
@@ -822,6 +992,7 @@ static void release_request(rk_service *svc, rk_request *r, int failed) {
     free(s->kinds);
     free(s->scratch);
     free(s->qtok);
+    free(s->key);
     free(s);
     r->state = NULL;
 }
@@ -831,6 +1002,7 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
     rk_req_state *s = calloc(1, sizeof *s);
     if (!s) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
     r->state = s;
+    s->partial_src = -1;
     s->t_start = rk_time_now();
     int nc = r->n_chunks ? r->n_chunks : 1;
     s->entries = calloc((size_t)nc, sizeof *s->entries);
@@ -914,10 +1086,11 @@ static void take_token(rk_service *svc, rk_request *r, const float *logits,
 }
 
 static void finish_report(rk_request *r) {
-    int chunk_tokens = 0, cached = r->sys_cached;
+    int chunk_tokens = 0, cached = r->sys_cached + r->conv_cached;
     for (int k = 0; k < r->n_chunks; k++) {
         chunk_tokens += r->chunk_lens[k];
-        if (r->chunk_reports[k].status == RK_CHUNK_STATUS_HIT)
+        if (r->chunk_reports[k].status == RK_CHUNK_STATUS_HIT &&
+            r->chunk_reports[k].source != RK_CHUNK_SOURCE_PREFIX)
             cached += r->chunk_lens[k] - r->chunk_reports[k].repaired; /* repaired: computed */
     }
     r->prompt_tokens = r->n_sys + chunk_tokens + r->n_question;
@@ -950,6 +1123,9 @@ static rk_status stage_system_and_chunks(admission *a) {
         rk_request *r = a->reqs[i];
         rk_req_state *s = r->state;
         if ((st = start_request_reindexed(a->svc, r))) return st;
+        if (s->n_partial && (st = rk_copy_plan_add(a->copies, bs, &s->partial_src, 0, &s->kv,
+                                                   s->reused - s->n_partial, s->n_partial, 0)))
+            return st;
         if (s->sys_first < r->n_sys &&
             (st = batch_add(a->b, bs, &s->kv, r->sys + s->sys_first, r->n_sys - s->sys_first,
                             s->sys_first, s->sys_first, 0)))
@@ -961,6 +1137,10 @@ static rk_status stage_system_and_chunks(admission *a) {
             return st;
     double t_lookup = rk_time_now() - t;
     t = rk_time_now();
+    /* The partial pages' rows first: the tails computed in pass 1 attend to them. */
+    if ((st = rk_copy_plan_run(a->copies, a->svc->be, a->svc->arena, rk_model_rope(a->svc->model))))
+        return st;
+    for (int i = 0; i < a->n; i++) drop_partial(a->svc, a->reqs[i]->state);
     if ((st = batch_run(a->svc, a->b))) return st;
     rk_persist_note_prefill(a->svc, a->b->n_tok, rk_time_now() - t);
     for (int i = 0; i < a->n; i++)
@@ -1084,6 +1264,7 @@ static rk_status stage_reindex(admission *a) {
         }
         for (int k = 0; k < r->n_chunks; k++) {
             rk_chunk_entry *e = s->entries[k];
+            if (chunk_from_prefix(r, k)) continue;
             if (e) /* cached: rotate from its base to the live offset */
                 st = rk_copy_plan_add(a->copies, bs, e->blocks, 0, &s->kv, s->layout.index[k],
                                       e->n_tokens, s->layout.pos[k] - e->base_pos);
@@ -1125,6 +1306,7 @@ static rk_status stage_repair(admission *a) {
         rk_req_state *s = r->state;
         if (r->opt.mode == RK_MODE_PLAIN || r->opt.repair_k <= 0 || r->opt.repair_ratio > 0)
             continue; /* one policy a request: deviation's choice is queued already */
+        if (r->n_chunks && chunk_from_prefix(r, 0)) continue; /* repaired when first computed */
         for (int k = 0; k < r->n_chunks; k++) {
             int n = r->chunk_lens[k] < r->opt.repair_k ? r->chunk_lens[k] : r->opt.repair_k;
             if ((st = batch_add_req(a->b, bs, s, r->chunks[k], n, s->layout.pos[k],
@@ -1172,6 +1354,7 @@ static rk_status stage_question(admission *a, const rk_pipeline_hooks *hooks) {
     for (int i = 0, row = 0; i < a->n; i++) {
         rk_request *r = a->reqs[i];
         if (r->state->done) continue;
+        r->state->n_valid = r->state->kv.n_tokens;
         r->t.prefill_ms = dt;
         take_token(a->svc, r, a->b->logits + (size_t)row++ * n_vocab, hooks);
     }
@@ -1270,6 +1453,7 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
         double dt = (rk_time_now() - t) * 1e3;
         for (int a = 0; a < n_act; a++) {
             rk_request *r = p->running[p->act[a]];
+            r->state->n_valid = r->state->kv.n_tokens;
             r->t.decode_ms += dt;
             take_token(svc, r, p->b.logits + (size_t)a * n_vocab, hooks);
         }

@@ -1,10 +1,11 @@
 /* pipeline/pipeline.h — the request pipeline:
  *
- *   split → tokenize → system prompt through the radix cache → chunks through
- *   the chunk index (compute misses once, at base positions) → reindex (the
- *   cached KV attended in place with a position shift, or copied and rotated
- *   into the request's live blocks) → repair → question prefill (first
- *   token) → decode steps → release.
+ *   split → tokenize → the longest cached prefix of the request's sequence
+ *   through the radix cache → chunks after it through the chunk index
+ *   (compute misses once, at base positions) → reindex (the cached KV
+ *   attended in place with a position shift, or copied and rotated into the
+ *   request's live blocks) → repair → question prefill (first token) → decode
+ *   steps → release (the whole sequence into the radix cache, copy path).
  *
  * The pipeline is incremental: rk_pipeline_admit runs the prompt stages of
  * new requests together (every stage's forward work for all of them in one
@@ -37,8 +38,8 @@ typedef struct rk_service {
     rk_backend *be;
     rk_model *model;
     rk_arena *arena;
-    rk_radix *prefix;       /* system-prompt cache over prefix-pool blocks; NULL when disabled */
-    uint64_t prefix_ns;     /* its namespace: derived from the model fingerprint */
+    rk_radix *prefix;       /* sequence cache over prefix-pool blocks; NULL when disabled */
+    uint64_t prefix_ns;     /* from the model fingerprint; requests derive theirs from it */
     rk_chunk_index *chunks; /* the chunk cache over chunk-pool blocks */
     rk_store *store;        /* the disk tier; NULL without --store */
 
@@ -70,8 +71,14 @@ typedef enum rk_chunk_context {
 
 typedef struct rk_req_options {
     rk_req_mode mode;
-    int chunk_cache;  /* 0 = the oracle: chunks computed fresh at their live positions */
-    int prefix_cache; /* match and insert the system prompt in the radix tree */
+    int chunk_cache; /* 0 = the oracle: chunks computed fresh at their live positions */
+    /* Match the request's sequence in the radix tree and insert it: the
+     * system prompt after pass 1, the whole sequence (prompt and generated
+     * tokens with KV) when the request finishes. */
+    int prefix_cache;
+    /* With prefix_cache: whole sequences (the above); 0 = the system prompt
+     * only, matched and inserted alone (what the benchmark's modes measure). */
+    int reuse_sequences;
     rk_chunk_context chunk_context;
     rk_position_mode positions;
     int max_tokens;
@@ -106,6 +113,9 @@ typedef enum rk_chunk_source {
     RK_CHUNK_SOURCE_ARENA,
     RK_CHUNK_SOURCE_DISK,
     RK_CHUNK_SOURCE_REDIS, /* loaded from the shared tier (another replica computed it) */
+    /* Inside the prefix an earlier request's sequence shared with this one:
+     * neither looked up nor reindexed (status RK_CHUNK_STATUS_HIT). */
+    RK_CHUNK_SOURCE_PREFIX,
 } rk_chunk_source;
 
 /* Why a request stopped generating. */
@@ -155,8 +165,9 @@ typedef struct rk_request {
     int finished;                   /* it left the pipeline: everything it held is released */
     rk_chunk_report *chunk_reports; /* (n_chunks) */
     int sys_cached;                 /* system tokens reused from the prefix cache */
-    int recomputed_tokens;          /* chunk tokens recomputed by the repair policy */
-    int shared_blocks;              /* chunk-pool blocks its table uses in place (zero-copy) */
+    int conv_cached;       /* tokens past the system prompt reused from an earlier sequence */
+    int recomputed_tokens; /* chunk tokens recomputed by the repair policy */
+    int shared_blocks;     /* chunk-pool blocks its table uses in place (zero-copy) */
     int prompt_tokens, cached_tokens, computed_tokens;
     rk_req_timings t;
 

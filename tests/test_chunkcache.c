@@ -47,6 +47,9 @@ static rk_req_options greedy_opts(void) {
     o.max_tokens = STEPS;
     o.sampling.temperature = 0;
     o.stop_at_eog = 0;
+    /* The chunk cache alone: with the prefix cache a repeated request would
+     * reuse its earlier sequence whole and never look its chunks up. */
+    o.prefix_cache = 0;
     return o;
 }
 

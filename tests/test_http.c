@@ -543,8 +543,13 @@ Test(http, miss_then_hit_shows_in_stats_and_metrics) {
     r = post("/v1/completions", body);
     cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "miss");
     resp_free(&r);
-    r = post("/v1/completions", body);
+    /* Without the prefix cache: a repeat would reuse the first sequence, chunk
+     * included, and never look the chunk up. */
+    r = post(
+        "/v1/completions",
+        "{\"prompt\": \"S##alpha beta gamma##Q?\", \"max_tokens\": 2, \"prefix_cache\": false}");
     cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.source"), "arena");
     resp_free(&r);
     r = get("/v1/stats");
     cr_assert_eq(jint(r.json, "chunks.lookups"), lookups0 + 2);
@@ -566,7 +571,7 @@ Test(http, miss_then_hit_shows_in_stats_and_metrics) {
     cr_assert(metric(r.body, "ragkv_chunk_hit_tokens_total") > 0);
     cr_assert_eq(metric(r.body, "ragkv_chunk_hit_tokens_total"),
                  metric(r.body, "ragkv_chunk_computed_tokens_total"));
-    cr_assert_eq(metric(r.body, "ragkv_prefix_queries_total"), 2);
+    cr_assert_eq(metric(r.body, "ragkv_prefix_queries_total"), 1);
     cr_assert_eq(metric(r.body, "ragkv_requests_total{status=\"200\"}"), 4);
     cr_assert_eq(metric(r.body, "ragkv_ttft_seconds_count"), 2);
     cr_assert_eq(metric(r.body, "ragkv_ttft_seconds_bucket{le=\"+Inf\"}"), 2);

@@ -49,6 +49,7 @@ static void run(rk_service *svc, const char *prompt, rk_request *r, first_logits
     r->opt.max_tokens = 8;
     r->opt.sampling.temperature = 0;
     r->opt.stop_at_eog = 0;
+    r->opt.prefix_cache = 0; /* a repeat would reuse its earlier sequence, chunks and all */
     cr_assert_eq(rk_request_prepare(svc, &sp, r), RK_OK, "%s", rk_error_message());
     rk_split_free(&sp);
     rk_pipeline_hooks h = {.ctx = fl, .on_logits = fl ? keep_first : NULL};
@@ -172,7 +173,8 @@ Test(persist, prewarm_then_generate_hits_from_disk_then_from_the_arena) {
     cr_assert(strstr(out, "0 computed, 5 already cached") != NULL, "%s", out);
     free(out);
     snprintf(cmd, sizeof cmd,
-             "%s generate --store %s/store --json --repeat 2 -n 2 --temp 0 --prompt "
+             "%s generate --store %s/store --no-prefix-cache --json --repeat 2 -n 2 --temp 0 "
+             "--prompt "
              "'S##Document 3 says the answer is 21 and that the sky over town 3 was clear on day "
              "3.##Document 1 says the answer is 7 and that the sky over town 1 was clear on day "
              "1.##Q'",

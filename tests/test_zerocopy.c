@@ -60,6 +60,9 @@ static rk_req_options greedy_opts(int max_tokens) {
     o.max_tokens = max_tokens;
     o.sampling.temperature = 0;
     o.stop_at_eog = 0;
+    /* Compare the reindex paths themselves: a repeat served whole from the
+     * radix tree would skip them. */
+    o.reuse_sequences = 0;
     return o;
 }
 
