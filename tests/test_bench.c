@@ -101,7 +101,7 @@ static void check_run_modes(json_t *root, int requests, int k, int in_process) {
 
 static void check_run(json_t *root, int requests, int k) { check_run_modes(root, requests, k, 1); }
 
-Test(bench, stories260k_run_holds_the_invariants_and_rag_beats_plain, .timeout = 120) {
+Test(bench, stories260k_run_holds_the_invariants_and_rag_beats_plain, .timeout = 300) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     char args[1024];
@@ -115,14 +115,14 @@ Test(bench, stories260k_run_holds_the_invariants_and_rag_beats_plain, .timeout =
     free(model);
 }
 
-Test(bench, embedded_model_run_holds_the_invariants_and_rag_beats_plain, .timeout = 120) {
+Test(bench, embedded_model_run_holds_the_invariants_and_rag_beats_plain, .timeout = 300) {
     json_t *root = run_bench(EMB " --modes plain,prefix,rag,oracle", 0);
     check_run(root, 30, 3);
     cr_expect_str_eq(json_string_value(json_object_get(root, "model")), "embedded");
     json_decref(root);
 }
 
-Test(bench, same_seed_gives_the_same_workload_and_another_seed_does_not, .timeout = 120) {
+Test(bench, same_seed_gives_the_same_workload_and_another_seed_does_not, .timeout = 300) {
     json_t *a = run_bench(SMALL " --modes rag --seed 7", 0);
     json_t *b = run_bench(SMALL " --modes rag --seed 7", 0);
     json_t *c = run_bench(SMALL " --modes rag --seed 8", 0);
@@ -142,7 +142,7 @@ Test(bench, same_seed_gives_the_same_workload_and_another_seed_does_not, .timeou
     json_decref(c);
 }
 
-Test(bench, prewarm_makes_every_rag_lookup_a_hit, .timeout = 120) {
+Test(bench, prewarm_makes_every_rag_lookup_a_hit, .timeout = 300) {
     json_t *root = run_bench(EMB " --modes plain,rag --prewarm", 0);
     json_t *rag = json_object_get(json_object_get(root, "modes"), "rag");
     cr_expect_eq(geti(rag, "chunks", "hits"), 90);
@@ -154,7 +154,7 @@ Test(bench, prewarm_makes_every_rag_lookup_a_hit, .timeout = 120) {
     json_decref(root);
 }
 
-Test(bench, batches_share_one_computation_of_a_chunk_and_count_it_as_a_miss, .timeout = 120) {
+Test(bench, batches_share_one_computation_of_a_chunk_and_count_it_as_a_miss, .timeout = 300) {
     json_t *root = run_bench(SMALL " --modes rag --concurrency 5", 0);
     json_t *rag = json_object_get(json_object_get(root, "modes"), "rag");
     cr_expect_eq(geti(rag, "chunks", "lookups"), 90);
@@ -164,7 +164,7 @@ Test(bench, batches_share_one_computation_of_a_chunk_and_count_it_as_a_miss, .ti
     json_decref(root);
 }
 
-Test(bench, a_small_chunk_pool_warns_and_evicts_but_keeps_the_invariants, .timeout = 120) {
+Test(bench, a_small_chunk_pool_warns_and_evicts_but_keeps_the_invariants, .timeout = 300) {
     char cmd[512];
     snprintf(cmd, sizeof cmd,
              "%s bench --corpus 60 --k 4 --requests 40 --chunk-tokens 48:64 --kv-memory-mb 4 "
@@ -184,7 +184,7 @@ Test(bench, a_small_chunk_pool_warns_and_evicts_but_keeps_the_invariants, .timeo
     json_decref(root);
 }
 
-Test(bench, baseline_every_samples_plain_and_prefix_over_the_same_list, .timeout = 120) {
+Test(bench, baseline_every_samples_plain_and_prefix_over_the_same_list, .timeout = 300) {
     json_t *root =
         run_bench(SMALL " --modes plain,prefix,rag --baseline-every 4 --kv-dtype bf16", 0);
     cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
@@ -224,7 +224,7 @@ static int check_output_lengths(json_t *m, int lo, int hi) {
     return distinct;
 }
 
-Test(bench, max_tokens_range_draws_lengths_in_range_and_reports_tpot, .timeout = 120) {
+Test(bench, max_tokens_range_draws_lengths_in_range_and_reports_tpot, .timeout = 300) {
     /* Not plain: the check that rag beats it needs longer prompts than these. */
     json_t *root = run_bench(SMALL " --modes prefix,rag --max-tokens 2:5", 0);
     cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
@@ -252,7 +252,7 @@ Test(bench, max_tokens_range_draws_lengths_in_range_and_reports_tpot, .timeout =
     json_decref(root);
 }
 
-Test(bench, arrival_rate_in_process_submits_every_request_through_the_engine, .timeout = 120) {
+Test(bench, arrival_rate_in_process_submits_every_request_through_the_engine, .timeout = 300) {
     json_t *root = run_bench(SMALL " --modes prefix,rag --max-tokens 2:4 --arrival-rate 50", 0);
     cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
     cr_expect_float_eq(getf(root, "workload", "arrival_rate"), 50.0, 1e-9);
@@ -271,7 +271,7 @@ Test(bench, arrival_rate_in_process_submits_every_request_through_the_engine, .t
     json_decref(root);
 }
 
-Test(bench, plot_is_a_complete_svg_with_one_curve_per_mode, .timeout = 120) {
+Test(bench, plot_is_a_complete_svg_with_one_curve_per_mode, .timeout = 300) {
     char *dir = rk_test_tmpdir("bench_plot");
     char path[512], args[1024];
     snprintf(path, sizeof path, "%s/b.svg", dir);
@@ -386,7 +386,7 @@ static json_t *parse_json(const char *what, int rc, char *out) {
     return root;
 }
 
-Test(bench, http_mode_against_ragkv_serve_counts_what_in_process_counts, .timeout = 120) {
+Test(bench, http_mode_against_ragkv_serve_counts_what_in_process_counts, .timeout = 300) {
     pid_t pid;
     FILE *f;
     int port = start_server(&pid, &f);
@@ -532,7 +532,7 @@ Test(bench, serving_scenarios_over_http_with_a_peer_server, .timeout = 240) {
     json_decref(root);
 }
 
-Test(bench, turns_in_process_continue_each_conversation_with_its_chunks_cached, .timeout = 120) {
+Test(bench, turns_in_process_continue_each_conversation_with_its_chunks_cached, .timeout = 300) {
     json_t *root = run_bench(SMALL " --modes rag --turns 2 --max-tokens 2:3 --concurrency 3", 0);
     cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
     json_t *rag = json_object_get(json_object_get(root, "modes"), "rag");
