@@ -185,8 +185,7 @@ Test(bench, a_small_chunk_pool_warns_and_evicts_but_keeps_the_invariants, .timeo
 }
 
 Test(bench, baseline_every_samples_plain_and_prefix_over_the_same_list, .timeout = 300) {
-    json_t *root =
-        run_bench(SMALL " --modes plain,prefix,rag --baseline-every 4 --kv-dtype bf16", 0);
+    json_t *root = run_bench(EMB " --modes plain,prefix,rag --baseline-every 4 --kv-dtype bf16", 0);
     cr_expect(json_is_true(json_object_get(root, "invariants_ok")));
     cr_expect_eq(geti(json_object_get(root, "workload"), "baseline_every", NULL), 4);
     json_t *modes = json_object_get(root, "modes");
