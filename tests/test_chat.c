@@ -245,3 +245,138 @@ Test(chat, limits_and_errors_follow_the_document_turn) {
     cr_assert_not_null(strstr(err.message, "messages[0]"), "%s", err.message);
     json_decref(msgs);
 }
+
+/* ---------------------------------------------------------------- on the pipeline */
+
+static rk_service *open_svc(const char *model, int prefix_cache) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 2;
+    cfg.kv_memory_mb = 64;
+    cfg.prefix_cache = prefix_cache;
+    /* Whole sequences are reused on the copy path (a zero-copy table caches
+     * its system prompt only). */
+    snprintf(cfg.reindex, sizeof cfg.reindex, "copy");
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
+    return svc;
+}
+
+/* Prepare and run the rendered request api on svc (greedy: the body says
+ * temperature 0). */
+static void run_turn(rk_service *svc, const rk_api_request *api, rk_request *r) {
+    memset(r, 0, sizeof *r);
+    r->opt = api->opt;
+    cr_assert_eq(rk_request_prepare(svc, &api->pieces, r), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_run(svc, &r, 1, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_gt(r->n_out, 1);
+    cr_assert_eq(r->cached_tokens + r->computed_tokens, r->prompt_tokens);
+}
+
+/* How many of earlier's answer tokens that have KV (all but the last, which
+ * was sampled and never fed) later's question repeats right after earlier's
+ * question. Asserts that later's system, chunks and question start are
+ * earlier's tokens. */
+static int answer_tokens_repeated(const rk_request *earlier, const rk_request *later) {
+    cr_assert_eq(later->n_sys, earlier->n_sys);
+    cr_assert_eq(memcmp(later->sys, earlier->sys, (size_t)later->n_sys * sizeof(int32_t)), 0);
+    cr_assert_eq(later->n_chunks, earlier->n_chunks);
+    for (int k = 0; k < later->n_chunks; k++) {
+        cr_assert_eq(later->chunk_lens[k], earlier->chunk_lens[k]);
+        cr_assert_eq(memcmp(later->chunks[k], earlier->chunks[k],
+                            (size_t)later->chunk_lens[k] * sizeof(int32_t)),
+                     0);
+    }
+    int nq = earlier->n_question;
+    cr_assert_gt(later->n_question, nq);
+    cr_assert_eq(memcmp(later->question, earlier->question, (size_t)nq * sizeof(int32_t)), 0);
+    int same = 0;
+    while (same < earlier->n_out - 1 && nq + same < later->n_question &&
+           later->question[nq + same] == earlier->out_tokens[same])
+        same++;
+    return same;
+}
+
+static const char *SYSTEM = "You are a storyteller.";
+static const char *DOCUMENTS =
+    "Lily had a red ball. She liked to play with it in the garden every day.##Tom had a big dog "
+    "named Max. Max liked to run and bark at the birds.##The sun was warm and the sky was "
+    "blue.##Tell me what Lily did one day";
+static const char *FOLLOW_UPS[] = {"What did Tom do?", "Where did the dog run?"};
+#define TURNS 3
+
+/* A conversation of TURNS turns, each the last one's messages, its answer as
+ * the service returns it and a new question: every turn after the first
+ * reuses all of the last one's sequence its prompt repeats (the last one's
+ * whole prompt, and its answer as far as the answer's text tokenizes to the
+ * tokens generated), so it computes the rest of the answer, the template and
+ * its question alone; and it generates what it generates on a service
+ * without the prefix cache. whole_answer (a bit per template): the answer is
+ * repeated whole. */
+static void check_conversation(const char *model, unsigned whole_answer) {
+    rk_service *svc = open_svc(model, 1), *off = open_svc(model, 0);
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    for (int t = 0; t < N_TEMPLATES; t++) {
+        json_t *msgs = json_array();
+        add_msg(msgs, "system", SYSTEM);
+        add_msg(msgs, "user", DOCUMENTS);
+        rk_request prev;
+        for (int n = 0; n < TURNS; n++) {
+            if (n > 0) {
+                char *answer;
+                cr_assert_eq(rk_report_text(tok, &prev, &answer), RK_OK);
+                add_msg(msgs, "assistant", answer);
+                add_msg(msgs, "user", FOLLOW_UPS[n - 1]);
+                free(answer);
+            }
+            rk_api_request api;
+            render_ok((rk_chat_template)t, msgs, NULL, &api);
+            rk_request r;
+            run_turn(svc, &api, &r);
+            cr_assert_eq(r.n_chunks, 3);
+            if (n > 0) {
+                int fed = prev.n_out - 1, same = answer_tokens_repeated(&prev, &r);
+                cr_assert_eq(r.cached_tokens, prev.prompt_tokens + same,
+                             "template %d turn %d: %d cached of %d, %d answer tokens repeated", t,
+                             n + 1, r.cached_tokens, r.prompt_tokens, same);
+                cr_assert_eq(r.computed_tokens, r.n_question - prev.n_question - same);
+                if (whole_answer & (1 << t))
+                    cr_assert_eq(same, fed, "template %d turn %d: %d of %d answer tokens", t, n + 1,
+                                 same, fed);
+                rk_request ref;
+                run_turn(off, &api, &ref);
+                cr_assert_eq(ref.sys_cached + ref.conv_cached, 0);
+                cr_assert_eq(r.n_out, ref.n_out);
+                cr_assert_eq(
+                    memcmp(r.out_tokens, ref.out_tokens, (size_t)r.n_out * sizeof(int32_t)), 0,
+                    "template %d turn %d: the output differs from the one without reuse", t, n + 1);
+                rk_request_free(&ref);
+                rk_request_free(&prev);
+            }
+            prev = r;
+            rk_api_request_free(&api);
+        }
+        rk_request_free(&prev);
+        json_decref(msgs);
+    }
+    rk_service_close(svc);
+    rk_service_close(off);
+}
+
+/* The embedded model's random weights emit byte tokens, some not valid
+ * UTF-8 (returned as U+FFFD) and some that tokenize otherwise as text: its
+ * answers come back as other tokens after the first few. */
+Test(chat, tiny_a_follow_up_turn_computes_only_what_follows_the_last) {
+    check_conversation(NULL, 0);
+}
+
+Test(chat, stories260k_a_follow_up_turn_computes_only_what_follows_the_last) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    /* Its answers are text that tokenizes back to the tokens generated. Under
+     * Llama-2 the template's space after [/INST] is not what the model
+     * generated there (it starts its answer without one), so the match ends
+     * where the answer begins. */
+    check_conversation(model, 1u << RK_CHAT_CHATML | 1u << RK_CHAT_LLAMA3);
+    free(model);
+}
