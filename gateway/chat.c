@@ -172,9 +172,9 @@ static void other_turn(rk_chat_template t, sbuf *b, const rk_chat_msg *m) {
         sb_add(b, m->content);
         sb_add(b, "<|eot_id|>");
     } else {
-        /* An answer returned by this service starts with the space its first
-         * token decodes to ("▁Once"): that space is the template's, so the
-         * answer's tokens come back as they were generated. */
+        /* An answer this service returns starts with the space its first
+         * token decodes to (a SentencePiece word start): that space is the
+         * template's, so the answer tokenizes as it was generated. */
         if (m->content[0] != ' ') sb_add(b, " ");
         sb_add(b, m->content);
         sb_add(b, " </s><s>");
