@@ -144,13 +144,13 @@ const char *rk_chat_template_name(rk_chat_template t);
 rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
                                          int has_llama3_tokens);
 
-/* Render a parsed chat request into req->pieces: the system piece is the
- * template's system part, the earlier turns and the opening of the last user
- * turn (so it is the same text from one question to the next and the radix
- * cache reuses it); the chunks are raw text; the question piece is the rest of
- * the user turn and the assistant prefix. The last user message is split on
- * req->separator into chunks + question unless the `chunks` extension gave the
- * chunks. */
+/* Render a parsed chat request into req->pieces around the document turn
+ * (the first user message with documents, else the last one): the system
+ * piece is the template's system part, the turns before it and its opening;
+ * the chunks are its documents, raw text; the question piece is the rest of
+ * it, every later turn and the assistant prefix, so a follow-up's layout
+ * extends the previous turn's. User messages are split on req->separator
+ * unless the `chunks` extension gave the first one's chunks. */
 rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks,
                          rk_http_error *err);
 
