@@ -248,15 +248,13 @@ Test(chat, limits_and_errors_follow_the_document_turn) {
 
 /* ---------------------------------------------------------------- on the pipeline */
 
-static rk_service *open_svc(const char *model, int prefix_cache) {
+static rk_service *open_svc(const char *model, int prefix_cache, const char *reindex) {
     rk_config cfg;
     rk_config_defaults(&cfg);
     cfg.n_threads = 2;
     cfg.kv_memory_mb = 64;
     cfg.prefix_cache = prefix_cache;
-    /* Whole sequences are reused on the copy path (a zero-copy table caches
-     * its system prompt only). */
-    snprintf(cfg.reindex, sizeof cfg.reindex, "copy");
+    snprintf(cfg.reindex, sizeof cfg.reindex, "%s", reindex);
     rk_service *svc;
     cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
     return svc;
@@ -313,8 +311,8 @@ static const char *FOLLOW_UPS[] = {"What did Tom do?", "Where did the dog run?"}
  * its question alone; and it generates what it generates on a service
  * without the prefix cache. whole_answer (a bit per template): the answer is
  * repeated whole. */
-static void check_conversation(const char *model, unsigned whole_answer) {
-    rk_service *svc = open_svc(model, 1), *off = open_svc(model, 0);
+static void check_conversation_on(const char *model, unsigned whole_answer, const char *reindex) {
+    rk_service *svc = open_svc(model, 1, reindex), *off = open_svc(model, 0, reindex);
     const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
     for (int t = 0; t < N_TEMPLATES; t++) {
         json_t *msgs = json_array();
@@ -337,8 +335,8 @@ static void check_conversation(const char *model, unsigned whole_answer) {
             if (n > 0) {
                 int fed = prev.n_out - 1, same = answer_tokens_repeated(&prev, &r);
                 cr_assert_eq(r.cached_tokens, prev.prompt_tokens + same,
-                             "template %d turn %d: %d cached of %d, %d answer tokens repeated", t,
-                             n + 1, r.cached_tokens, r.prompt_tokens, same);
+                             "%s, template %d turn %d: %d cached of %d, %d answer tokens repeated",
+                             reindex, t, n + 1, r.cached_tokens, r.prompt_tokens, same);
                 cr_assert_eq(r.computed_tokens, r.n_question - prev.n_question - same);
                 if (whole_answer & (1 << t))
                     cr_assert_eq(same, fed, "template %d turn %d: %d of %d answer tokens", t, n + 1,
@@ -361,6 +359,13 @@ static void check_conversation(const char *model, unsigned whole_answer) {
     }
     rk_service_close(svc);
     rk_service_close(off);
+}
+
+/* On both reindex paths: a zero-copy turn goes into the radix tree as a
+ * copy of its runs, and the next turn's match reaches past its chunks. */
+static void check_conversation(const char *model, unsigned whole_answer) {
+    check_conversation_on(model, whole_answer, "copy");
+    check_conversation_on(model, whole_answer, "zero-copy");
 }
 
 /* The embedded model's random weights emit byte tokens, some not valid
