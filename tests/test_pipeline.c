@@ -1,4 +1,4 @@
-/* tests/test_chunkcache.c — the position-independent chunk cache end to end:
+/* tests/test_pipeline.c — the request pipeline over the chunk cache:
  * content keys, exactness of the reindex against the oracle in every mode,
  * reuse under movement, single flight, pool pressure, bad input. */
 #include <criterion/criterion.h>
@@ -139,14 +139,14 @@ static void check_modes(const char *model, const char *prompt) {
     rk_service_close(svc);
 }
 
-Test(chunkcache, stories260k_cached_path_equals_the_oracle_in_every_mode) {
+Test(pipeline, stories260k_cached_path_equals_the_oracle_in_every_mode) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     check_modes(model, STORY);
     free(model);
 }
 
-Test(chunkcache, qwen3_tiny_cached_path_equals_the_oracle_in_every_mode) {
+Test(pipeline, qwen3_tiny_cached_path_equals_the_oracle_in_every_mode) {
     char *model = rk_test_model("qwen3-tiny", "f32", 1);
     check_modes(model, "<|im_start|>system\nAnswer from the documents.<|im_end|>\n##"
                        "文档一：缓存的键由内容决定。##Document two: the KV of a chunk is "
@@ -155,7 +155,7 @@ Test(chunkcache, qwen3_tiny_cached_path_equals_the_oracle_in_every_mode) {
     free(model);
 }
 
-Test(chunkcache, qwen3_0_6b_cached_path_equals_the_oracle_in_every_mode, .timeout = 1500) {
+Test(pipeline, qwen3_0_6b_cached_path_equals_the_oracle_in_every_mode, .timeout = 1500) {
     RK_SKIP_IF_LIGHT();
     char *model = rk_test_model("qwen3-0.6b", "f32", 3);
     check_modes(model, "You answer from documents.##The chunk cache keys KV by content.##"
@@ -163,7 +163,7 @@ Test(chunkcache, qwen3_0_6b_cached_path_equals_the_oracle_in_every_mode, .timeou
     free(model);
 }
 
-Test(chunkcache, one_chunk_after_its_system_prompt_equals_plain) {
+Test(pipeline, one_chunk_after_its_system_prompt_equals_plain) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_service *svc = open_svc(model, 0);
@@ -204,7 +204,7 @@ static rk_chunk_status status_of(rk_service *svc, const char *prompt, rk_req_opt
     return s;
 }
 
-Test(chunkcache, a_chunk_moves_between_positions_and_system_prompts) {
+Test(pipeline, a_chunk_moves_between_positions_and_system_prompts) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_service *svc = open_svc(model, 0);
@@ -233,7 +233,7 @@ Test(chunkcache, a_chunk_moves_between_positions_and_system_prompts) {
     free(model);
 }
 
-Test(chunkcache, keys_depend_on_every_token_and_the_policy) {
+Test(pipeline, keys_depend_on_every_token_and_the_policy) {
     int32_t t[6] = {5, 6, 7, 8, 9, 10}, u[6] = {5, 6, 7, 8, 9, 11};
     rk_chunk_policy p = {
         .fingerprint = "00112233445566778899aabbccddeeff", .rope_theta = 10000, .rope_n_rot = 64};
@@ -257,7 +257,7 @@ Test(chunkcache, keys_depend_on_every_token_and_the_policy) {
     cr_assert_eq(rk_chunk_key_parse("../../etc/passwd", &back), RK_ERR_INVALID);
 }
 
-Test(chunkcache, cached_entries_are_never_modified_by_reindexing) {
+Test(pipeline, cached_entries_are_never_modified_by_reindexing) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_service *svc = open_svc(model, 0);
@@ -307,7 +307,7 @@ Test(chunkcache, cached_entries_are_never_modified_by_reindexing) {
 
 /* ---------------------------------------------------------------- concurrency, pressure */
 
-Test(chunkcache, eight_requests_missing_one_chunk_compute_it_once) {
+Test(pipeline, eight_requests_missing_one_chunk_compute_it_once) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_service *svc = open_svc(model, 0);
@@ -336,7 +336,7 @@ Test(chunkcache, eight_requests_missing_one_chunk_compute_it_once) {
     free(model);
 }
 
-Test(chunkcache, a_small_chunk_pool_evicts_lru_and_gives_every_block_back) {
+Test(pipeline, a_small_chunk_pool_evicts_lru_and_gives_every_block_back) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_service *svc = open_svc(model, 4); /* 4 blocks of 16 tokens */
@@ -379,7 +379,7 @@ Test(chunkcache, a_small_chunk_pool_evicts_lru_and_gives_every_block_back) {
     free(model);
 }
 
-Test(chunkcache, referenced_entries_are_never_evicted) {
+Test(pipeline, referenced_entries_are_never_evicted) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_service *svc = open_svc(model, 4);
@@ -411,7 +411,7 @@ Test(chunkcache, referenced_entries_are_never_evicted) {
 
 /* ---------------------------------------------------------------- bad input */
 
-Test(chunkcache, bad_input_is_an_error_or_a_defined_result) {
+Test(pipeline, bad_input_is_an_error_or_a_defined_result) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_service *svc = open_svc(model, 0);
@@ -481,19 +481,19 @@ static void check_full_repair(const rk_req_options *repair) {
     free(model);
 }
 
-Test(chunkcache, repairing_every_chunk_token_gives_the_full_attention_result) {
+Test(pipeline, repairing_every_chunk_token_gives_the_full_attention_result) {
     rk_req_options o = greedy_opts();
     o.repair_k = 4096; /* longer than any chunk: every chunk token is recomputed */
     check_full_repair(&o);
 }
 
-Test(chunkcache, deviation_repair_of_every_token_gives_the_full_attention_result) {
+Test(pipeline, deviation_repair_of_every_token_gives_the_full_attention_result) {
     rk_req_options o = greedy_opts();
     o.repair_ratio = 1;
     check_full_repair(&o);
 }
 
-Test(chunkcache, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone) {
+Test(pipeline, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_service *svc = open_svc(model, 0);
@@ -530,7 +530,7 @@ Test(chunkcache, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alon
     free(model);
 }
 
-Test(chunkcache, first_k_repair_recomputes_k_tokens_per_chunk_and_leaves_the_cache_alone) {
+Test(pipeline, first_k_repair_recomputes_k_tokens_per_chunk_and_leaves_the_cache_alone) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_service *svc = open_svc(model, 0);
