@@ -1341,7 +1341,7 @@ Test(http_opts, a_full_queue_and_timeouts_give_503_or_cancel, .fini = stop_serve
     /* Q arrives first (its headers start its clock) but sends its body late,
      * so it waits in the queue behind R and times out there, before R does. */
     const char *qbody = "{\"prompt\": \"q\", \"max_tokens\": 5}";
-    char qlen[64];
+    char qlen[96];
     snprintf(qlen, sizeof qlen, "Content-Type: application/json\r\nContent-Length: %zu\r\n",
              strlen(qbody));
     rk_http_conn q, rc;
