@@ -134,6 +134,15 @@ Test(sampler, top_k_and_top_p_together_keep_the_smaller_set) {
     cr_expect_eq(counts[2] + counts[3] + counts[4], 0, "only the top 2 are kept");
     cr_expect(fabs((double)counts[1] / DRAWS - 0.25 / 0.55) < 0.025, "id 1: %d", counts[1]);
     rk_sampler_free(&s);
+    /* top_p applies to the top k renormalised: within ids 0 and 1, id 0 has
+     * 0.3 / 0.55 = 0.545 >= 0.5, so it is kept alone (of the whole
+     * vocabulary it has 0.3 < 0.5, which would keep id 1 too). */
+    p.top_k = 2;
+    p.top_p = 0.5f;
+    cr_assert_eq(rk_sampler_init(&s, &p, 5), RK_OK);
+    histogram(&s, logits, 5, DRAWS, counts);
+    cr_expect_eq(counts[0], DRAWS, "the nucleus of the top 2 is id 0 alone: %d", counts[0]);
+    rk_sampler_free(&s);
 }
 
 Test(sampler, a_seed_gives_the_same_sequence_and_another_seed_does_not) {
