@@ -107,7 +107,9 @@ static const char *k_help =
     "                          (default: plain,prefix,rag)\n"
     "  --plot FILE.svg         write the TTFT distributions and the rag hit rate as SVG\n"
     "  --url http://127.0.0.1:PORT   drive a running `ragkv serve` instead (loopback only;\n"
-    "                          --model then only gives the tokenizer that sizes the workload)\n"
+    "                          --model then only gives the tokenizer that sizes the workload);\n"
+    "                          a comma-separated list of up to 8 drives replicas, request j\n"
+    "                          (and its turns) going to the (j mod N)-th\n"
     "  --peer-url http://127.0.0.1:PORT   also run the workload against another OpenAI-\n"
     "                          compatible server (llama-server, vLLM): plain /v1/completions\n"
     "                          requests, pieces joined by newlines; its row is labelled peer\n"
@@ -298,6 +300,27 @@ void rk_bench_maybe_progress(const bench *b, int mode, int before, int after, do
 
 /* ---------------------------------------------------------------- main */
 
+/* --url's comma-separated list of replicas into t (RK_BENCH_MAX_REPLICAS at
+ * most). */
+static rk_status parse_urls(const char *list, double timeout_s, rk_http_target *t, int *out_n) {
+    char one[512];
+    *out_n = 0;
+    for (const char *p = list;; p++) {
+        size_t len = strcspn(p, ",");
+        if (*out_n == RK_BENCH_MAX_REPLICAS)
+            return rk_errorf(RK_ERR_INVALID, "--url names more than %d replicas",
+                             RK_BENCH_MAX_REPLICAS);
+        if (len == 0 || len >= sizeof one)
+            return rk_errorf(RK_ERR_INVALID, "bad --url list '%.200s'", list);
+        memcpy(one, p, len);
+        one[len] = '\0';
+        rk_status st = rk_http_parse_url(one, timeout_s, &t[(*out_n)++]);
+        if (st) return st;
+        p += len;
+        if (!*p) return RK_OK;
+    }
+}
+
 /* Wait while the server at t answers 503 (loading its model), up to the HTTP
  * timeout; anything but a final 200 from /health is an error. */
 static rk_status wait_ready(const rk_http_target *t, const char *url, double timeout_s) {
@@ -327,15 +350,15 @@ int rk_bench_main(int argc, char **argv) {
         return rc;
     }
     bench_opts *o = &b->o;
-    int http = o->url != NULL;
-    rk_http_target target, peer;
+    int http = o->url != NULL, n_targets = 0;
+    rk_http_target targets[RK_BENCH_MAX_REPLICAS], peer;
     rk_status st = RK_OK;
     textgen g = {0};
     b->model_name = o->model ? o->model : "embedded";
     snprintf(b->model_desc, sizeof b->model_desc, "%s", o->model ? "" : "ragkv tiny");
     b->progress = o->progress || isatty(STDERR_FILENO);
     if (o->run.cfg.n_threads == 0) o->run.cfg.n_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
-    if ((http && (st = rk_http_parse_url(o->url, o->http_timeout_s, &target))) ||
+    if ((http && (st = parse_urls(o->url, o->http_timeout_s, targets, &n_targets))) ||
         (o->peer_url && (st = rk_http_parse_url(o->peer_url, o->http_timeout_s, &peer)))) {
         fprintf(stderr, "ragkv bench: %s\n", rk_error_message());
         free(b);
@@ -370,13 +393,14 @@ int rk_bench_main(int argc, char **argv) {
         int every = i == MODE_RAG || i == MODE_PEER ? 1 : o->baseline_every;
         for (int j = 0; j < b->w.n_req; j += every) m->run[m->n_run++] = j;
     }
-    if (!st && http && !(st = wait_ready(&target, o->url, o->http_timeout_s)))
-        rk_bench_http_describe_model(b, &target);
+    for (int i = 0; i < n_targets && !st; i++)
+        st = wait_ready(&targets[i], o->url, o->http_timeout_s);
+    if (!st && http) rk_bench_http_describe_model(b, &targets[0]);
     if (!st && o->peer_url) st = wait_ready(&peer, o->peer_url, o->http_timeout_s);
     for (int i = 0; i < o->n_modes && !st; i++) {
         int mode = o->modes[i];
-        st = mode == MODE_PEER ? rk_bench_run_http(b, &peer, mode)
-             : http            ? rk_bench_run_http(b, &target, mode)
+        st = mode == MODE_PEER ? rk_bench_run_http(b, &peer, 1, mode)
+             : http            ? rk_bench_run_http(b, targets, n_targets, mode)
                                : rk_bench_run_inproc(b, mode);
         if (st) break;
         rk_bench_summarize(b, mode);

@@ -201,8 +201,13 @@ void rk_bench_workload_free(workload *w);
 
 /* Run the request list once in mode, from empty caches, into b->res[mode]. */
 rk_status rk_bench_run_inproc(bench *b, int mode);
-/* mode MODE_PEER sends plain OpenAI requests to t (--peer-url). */
-rk_status rk_bench_run_http(bench *b, const rk_http_target *t, int mode);
+/* Replicas --url names at most (requests go round-robin among them). */
+#define RK_BENCH_MAX_REPLICAS 8
+
+/* Run the request list against the n_t servers t: request j (all its turns)
+ * goes to t[j % n_t]; every one's caches are flushed first (and pre-warmed
+ * with --prewarm). Mode MODE_PEER sends plain OpenAI requests (--peer-url). */
+rk_status rk_bench_run_http(bench *b, const rk_http_target *t, int n_t, int mode);
 /* Fill b's model description from the server's /v1/models. */
 void rk_bench_http_describe_model(bench *b, const rk_http_target *t);
 
