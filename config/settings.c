@@ -309,15 +309,19 @@ enum { O_CONFIG = 2000, O_FIELD = 3000 };
 
 static void print_cmdline_help(const rk_cmdline *cl) {
     fputs(cl->usage, stdout);
-    fputs(
-        "  --config F.json       settings file (keys as the RAGKV_<NAME> variables, lower case)\n",
-        stdout);
+    if (cl->n_shared)
+        fputs("  --config F.json       settings file (keys as the RAGKV_<NAME> variables, lower "
+              "case)\n",
+              stdout);
     rk_settings_print_help(stdout, cl->tabs, cl->n_tabs);
     if (cl->extra_help) fputs(cl->extra_help, stdout);
 }
 
 static int usage(const rk_cmdline *cl, int *out_exit, const char *what, const char *arg) {
-    fprintf(stderr, "ragkv %s: %s%s (see ragkv %s --help)\n", cl->cmd, what, arg, cl->cmd);
+    if (cl->prog)
+        fprintf(stderr, "%s: %s%s (see %s --help)\n", cl->prog, what, arg, cl->prog);
+    else
+        fprintf(stderr, "ragkv %s: %s%s (see ragkv %s --help)\n", cl->cmd, what, arg, cl->cmd);
     *out_exit = 2;
     return -1;
 }
@@ -341,7 +345,8 @@ int rk_cmdline_parse(const rk_cmdline *cl, int argc, char **argv, int *out_exit)
     int rc = -1;
     *out_exit = 2;
     if (!longs || !fields || !bases) {
-        fprintf(stderr, "ragkv %s: out of memory\n", cl->cmd);
+        fprintf(stderr, "%s%s: out of memory\n", cl->prog ? "" : "ragkv ",
+                cl->prog ? cl->prog : cl->cmd);
         *out_exit = 1;
         goto out;
     }
@@ -355,7 +360,7 @@ int rk_cmdline_parse(const rk_cmdline *cl, int argc, char **argv, int *out_exit)
                 0, O_FIELD + (int)k};
         }
     for (size_t i = 0; i < n_extra; i++) longs[k++] = cl->extra[i];
-    longs[k++] = (struct option){"config", required_argument, 0, O_CONFIG};
+    if (cl->n_shared) longs[k++] = (struct option){"config", required_argument, 0, O_CONFIG};
     longs[k++] = (struct option){"help", no_argument, 0, 'h'};
     const char *config = NULL;
     int c;
