@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench/setup.h"
 #include "config/config.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
@@ -527,19 +528,35 @@ static void bench_quant(rk_backend *be) {
     free(y);
 }
 
+typedef struct opts {
+    int n_threads;
+    char only[8];
+} opts;
+
+static const rk_setting k_settings[] = {
+    {"threads", "threads", RK_SET_INT, offsetof(opts, n_threads), 0, 0, 1024, 0, 0,
+     "N  backend threads (default: 2; 0 = one per core)"},
+    {"only", "only", RK_SET_STR, offsetof(opts, only), sizeof(((opts *)0)->only), 0, 0, 0, 0,
+     "SECTIONS  the sections to run, letters from abcdef (default: all)"},
+};
+
 int main(int argc, char **argv) {
-    int n_threads = 2;
-    const char *only = "abcdef";
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
-            n_threads = atoi(argv[++i]);
-        } else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
-            only = argv[++i];
-        } else {
-            fprintf(stderr, "usage: %s [--threads N] [--only SECTIONS (e.g. ac)]\n", argv[0]);
-            return 2;
-        }
+    static const char *usage =
+        "usage: bench_kernels [--threads N] [--only SECTIONS]\n"
+        "Throughput of the CPU backend's hot ops: (a) GEMM, (b) bandwidth and the decode\n"
+        "matvec, (c) paged attention, (d) rope shift, (e) position-shifted segments,\n"
+        "(f) quantized weights.\n";
+    opts o = {.n_threads = 2, .only = "abcdef"};
+    rk_settings own = {k_settings, sizeof k_settings / sizeof k_settings[0], &o};
+    int exit_code;
+    if (rk_bench_parse("bench_kernels", usage, NULL, 0, &own, argc, argv, &exit_code))
+        return exit_code;
+    if (!o.only[0] || strspn(o.only, "abcdef") != strlen(o.only)) {
+        fprintf(stderr, "bench_kernels: --only takes letters from abcdef, got '%s'\n", o.only);
+        return 2;
     }
+    int n_threads = o.n_threads;
+    const char *only = o.only;
     rk_backend *be = NULL;
     check(rk_backend_create("cpu", n_threads, &be), "backend_create");
     printf("bench_kernels: CPU backend, %d threads\n", be->n_threads);

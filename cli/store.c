@@ -152,6 +152,20 @@ int rk_cli_prewarm(int argc, char **argv) {
     return rc ? rc : (n_bad || n_failed) ? EXIT_FAILURE : 0;
 }
 
+typedef struct cache_args {
+    char store[4096], sort[16];
+    int limit;
+} cache_args;
+
+static const rk_setting k_cache_settings[] = {
+    {"store", "store", RK_SET_STR, offsetof(cache_args, store), sizeof(((cache_args *)0)->store), 0,
+     0, 0, 0, "DIR  the chunk store (required)"},
+    {"sort", "sort", RK_SET_STR, offsetof(cache_args, sort), sizeof(((cache_args *)0)->sort), 0, 0,
+     0, 0, "hits|recent  ls order: most hits or most recent access first (default: recent)"},
+    {"limit", "limit", RK_SET_INT, offsetof(cache_args, limit), 0, 0, 1 << 30, 0, 0,
+     "N  ls lines at most (default: 0 = all)"},
+};
+
 int rk_cli_cache(int argc, char **argv) {
     static const char *help =
         "usage: ragkv cache ls|stats|verify|rebuild --store DIR [--sort hits|recent] [--limit N]\n"
@@ -166,33 +180,19 @@ int rk_cli_cache(int argc, char **argv) {
         fputs(help, argc < 2 ? stderr : stdout);
         return argc < 2 ? EXIT_USAGE : 0;
     }
-    const char *sub = argv[1], *dir = NULL;
+    const char *sub = argv[1];
+    cache_args ca = {.sort = "recent"};
+    rk_settings tab = {k_cache_settings, sizeof k_cache_settings / sizeof k_cache_settings[0], &ca};
+    rk_cmdline cl = {.cmd = "cache", .usage = help, .tabs = &tab, .n_tabs = 1, .first = 2};
+    int exit_code, next = rk_cmdline_parse(&cl, argc, argv, &exit_code);
+    if (next < 0) return exit_code;
+    if (next < argc) return usage_error("cache", "unexpected argument '%s'", argv[next]);
+    const char *dir = ca.store[0] ? ca.store : NULL;
     rk_store_sort sort = RK_STORE_SORT_RECENT;
-    long limit = 0;
-    struct option longs[] = {{"store", required_argument, 0, 'd'},
-                             {"sort", required_argument, 0, 's'},
-                             {"limit", required_argument, 0, 'l'},
-                             {"help", no_argument, 0, 'h'},
-                             {0, 0, 0, 0}};
-    int c;
-    optind = 2;
-    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
-        if (c == 'h') return fputs(help, stdout), 0;
-        if (c == 'd')
-            dir = optarg;
-        else if (c == 's') {
-            if (!strcmp(optarg, "hits"))
-                sort = RK_STORE_SORT_HITS;
-            else if (!strcmp(optarg, "recent"))
-                sort = RK_STORE_SORT_RECENT;
-            else
-                return usage_error("cache", "--sort is hits or recent, not '%s'", optarg);
-        } else if (c == 'l') {
-            if (rk_parse_long(optarg, 0, 1 << 30, &limit))
-                return usage_error("cache", "bad --limit '%s'", optarg);
-        } else
-            return usage_error("cache", "%s", "unknown option");
-    }
+    if (!strcmp(ca.sort, "hits"))
+        sort = RK_STORE_SORT_HITS;
+    else if (strcmp(ca.sort, "recent"))
+        return usage_error("cache", "--sort is hits or recent, not '%s'", ca.sort);
     if (!dir) return usage_error("cache", "%s", "--store is required");
     if (strcmp(sub, "ls") && strcmp(sub, "stats") && strcmp(sub, "verify") &&
         strcmp(sub, "rebuild"))
@@ -213,7 +213,7 @@ int rk_cli_cache(int argc, char **argv) {
     if (rk_store_open_readonly(dir, &st)) return fail("cannot open the store");
     int rc = 0;
     uint64_t bad = 0;
-    rk_status s = !strcmp(sub, "ls")      ? rk_store_print_ls(st, stdout, sort, (int)limit)
+    rk_status s = !strcmp(sub, "ls")      ? rk_store_print_ls(st, stdout, sort, ca.limit)
                   : !strcmp(sub, "stats") ? rk_store_print_stats(st, stdout)
                                           : rk_store_print_verify(st, stdout, &bad);
     if (s)

@@ -258,6 +258,27 @@ json_t *rk_settings_json(const rk_settings *tabs, int n_tabs) {
     return root;
 }
 
+/* text from column `indent` on, broken at spaces before column `width`;
+ * continuation lines indented to the same column. */
+static void print_wrapped(FILE *out, const char *text, int indent, int width) {
+    int col = indent;
+    while (*text) {
+        size_t word = strcspn(text, " ");
+        if (col > indent && col + 1 + (int)word > width) {
+            fprintf(out, "\n%*s", indent, "");
+            col = indent;
+        } else if (col > indent) {
+            fputc(' ', out);
+            col++;
+        }
+        fwrite(text, 1, word, out);
+        col += (int)word;
+        text += word;
+        while (*text == ' ') text++;
+    }
+    fputc('\n', out);
+}
+
 void rk_settings_print_help(FILE *out, const rk_settings *tabs, int n_tabs) {
     for (int t = 0; t < n_tabs; t++) {
         for (size_t i = 0; i < tabs[t].n; i++) {
@@ -269,7 +290,8 @@ void rk_settings_print_help(FILE *out, const rk_settings *tabs, int n_tabs) {
             snprintf(left, sizeof left, "--%s%s%.*s", f->flag, arglen ? " " : "", arglen, f->help);
             const char *text = sp ? sp : f->help;
             while (*text == ' ') text++;
-            fprintf(out, "  %-21s %s\n", left, text);
+            fprintf(out, "  %-21s ", left);
+            print_wrapped(out, text, 2 + 21 + 1, 80);
         }
     }
 }
