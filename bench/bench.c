@@ -12,10 +12,10 @@
 
 /* ---------------------------------------------------------------- options */
 
-static int usage_error(const char *fmt, const char *arg) {
-    fprintf(stderr, "ragkv bench: ");
+int rk_bench_usage_error(const char *cmd, const char *fmt, const char *arg) {
+    fprintf(stderr, "ragkv %s: ", cmd);
     fprintf(stderr, fmt, arg);
-    fprintf(stderr, " (see ragkv bench --help)\n");
+    fprintf(stderr, " (see ragkv %s --help)\n", cmd);
     return EXIT_USAGE;
 }
 
@@ -188,10 +188,14 @@ static int parse_args(int argc, char **argv, bench_opts *o, int *out_exit) {
     if (!o->kv_mb_given) o->run.cfg.kv_memory_mb = kv_mb_default;
     o->model = o->run.model[0] ? o->run.model : NULL;
     *out_exit = EXIT_USAGE;
-    if (rk_run_opts_apply(&o->run)) return usage_error("%s", rk_error_message()), -1;
-    if (o->k > o->corpus) return usage_error("%s", "--k is larger than --corpus"), -1;
+    if (rk_run_opts_apply(&o->run))
+        return rk_bench_usage_error("bench", "%s", rk_error_message()), -1;
+    if (o->k > o->corpus)
+        return rk_bench_usage_error("bench", "%s", "--k is larger than --corpus"), -1;
     if (o->turns > 1 && o->arrival_rate > 0 && !o->url)
-        return usage_error("%s", "in-process, --turns and --arrival-rate do not go together"), -1;
+        return rk_bench_usage_error("bench", "%s",
+                                    "in-process, --turns and --arrival-rate do not go together"),
+               -1;
     if (o->peer_url) o->modes[o->n_modes++] = MODE_PEER;
     return 0;
 }
@@ -225,28 +229,23 @@ int rk_bench_hwm_reset(void) {
     return ok;
 }
 
-/* VmHWM of this process in kB, or -1. */
-long rk_bench_hwm_read(void) {
-    FILE *f = fopen("/proc/self/status", "r");
+/* The number after "field:" in a /proc file (kB there), or -1. */
+static long proc_kb(const char *path, const char *field) {
+    FILE *f = fopen(path, "r");
     if (!f) return -1;
     char line[256];
+    size_t n = strlen(field);
     long kb = -1;
     while (fgets(line, sizeof line, f))
-        if (!strncmp(line, "VmHWM:", 6)) kb = strtol(line + 6, NULL, 10);
+        if (!strncmp(line, field, n) && line[n] == ':') kb = strtol(line + n + 1, NULL, 10);
     fclose(f);
     return kb;
 }
 
-long rk_bench_mem_available_kb(void) {
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f) return -1;
-    char line[256];
-    long kb = -1;
-    while (fgets(line, sizeof line, f))
-        if (!strncmp(line, "MemAvailable:", 13)) kb = strtol(line + 13, NULL, 10);
-    fclose(f);
-    return kb;
-}
+/* VmHWM of this process in kB, or -1. */
+long rk_bench_hwm_read(void) { return proc_kb("/proc/self/status", "VmHWM"); }
+
+long rk_bench_mem_available_kb(void) { return proc_kb("/proc/meminfo", "MemAvailable"); }
 
 /* ---------------------------------------------------------------- request options */
 

@@ -20,6 +20,7 @@ static const char *const WORDS[] = {
     "rotation",  "attention", "document",   "question", "answer", "layer",  "block",
     "system",    "prompt",    "value",      "key",      "the",    "of",     "and",
     "retrieval", "latency",   "throughput", "kernel",   "vector", "index"};
+#define N_WORDS ((int)(sizeof WORDS / sizeof *WORDS))
 
 typedef struct opts {
     int n_chunks, chunk_tokens, q_tokens;
@@ -42,25 +43,15 @@ static void *or_die(void *p) {
     return p;
 }
 
-static char *text(const rk_tokenizer *tok, int n, unsigned *seed) {
-    return or_die(rk_bench_make_text(tok, WORDS, (int)(sizeof WORDS / sizeof *WORDS), n, seed));
-}
-
 /* system##chunk##...##question: a 24-token system prompt, o's chunks and question. */
 static char *make_prompt(const rk_tokenizer *tok, const opts *o) {
     unsigned seed = 7;
-    size_t cap = (size_t)(o->n_chunks + 2) * ((size_t)o->chunk_tokens * 16 + 64), len = 0;
-    char *prompt = or_die(malloc(cap));
-    char *sys = text(tok, 24, &seed);
-    len += (size_t)snprintf(prompt + len, cap - len, "%s", sys);
-    free(sys);
-    for (int k = 0; k < o->n_chunks; k++) {
-        char *c = text(tok, o->chunk_tokens, &seed);
-        len += (size_t)snprintf(prompt + len, cap - len, "##%s", c);
-        free(c);
-    }
-    char *q = text(tok, o->q_tokens, &seed);
-    snprintf(prompt + len, cap - len, "##%s", q);
+    size_t extra = (size_t)o->q_tokens * 16 + 64;
+    char *prompt = or_die(
+        rk_bench_make_context(tok, WORDS, N_WORDS, 24, o->n_chunks, o->chunk_tokens, extra, &seed));
+    char *q = or_die(rk_bench_make_text(tok, WORDS, N_WORDS, o->q_tokens, &seed));
+    size_t len = strlen(prompt);
+    snprintf(prompt + len, extra, "##%s", q);
     free(q);
     return prompt;
 }

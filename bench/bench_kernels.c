@@ -44,6 +44,20 @@ static void *xmalloc(size_t n) {
     return p;
 }
 
+/* 0..n-1 in a random order (Fisher-Yates on the benchmark's generator). */
+static int32_t *shuffled(int n) {
+    int32_t *perm = xmalloc((size_t)n * 4);
+    for (int i = 0; i < n; i++) perm[i] = i;
+    for (int i = n - 1; i > 0; i--) {
+        (void)frand();
+        int j = (int)((rng >> 33) % (uint64_t)(i + 1));
+        int32_t tmp = perm[i];
+        perm[i] = perm[j];
+        perm[j] = tmp;
+    }
+    return perm;
+}
+
 static void check(rk_status st, const char *what) {
     if (st != RK_OK) {
         fprintf(stderr, "bench_kernels: %s failed: %s (%s)\n", what, rk_status_str(st),
@@ -243,16 +257,8 @@ static void bench_attention(rk_backend *be) {
               *vp = be_alloc(be, (size_t)n_blocks * bs * row * 4);
         /* blocks 0..nb-1 hold the sequence in order, blocks nb..2nb-1 hold it
          * again under a random permutation */
-        int32_t *table = xmalloc((size_t)nb * 4), *perm = xmalloc((size_t)nb * 4);
+        int32_t *table = xmalloc((size_t)nb * 4), *perm = shuffled(nb);
         int32_t *in_order = xmalloc((size_t)nb * 4);
-        for (int i = 0; i < nb; i++) perm[i] = i;
-        for (int i = nb - 1; i > 0; i--) {
-            (void)frand();
-            int j = (int)((rng >> 33) % (uint64_t)(i + 1));
-            int tmp = perm[i];
-            perm[i] = perm[j];
-            perm[j] = tmp;
-        }
         for (int b = 0; b < nb; b++) {
             table[b] = nb + perm[b];
             in_order[b] = b;
@@ -421,15 +427,7 @@ static void bench_segments(rk_backend *be) {
     int nb_one = (L + bs - 1) / bs, n_blocks = nb_one + nb_runs;
     float *kp = be_rand_f32(be, (size_t)n_blocks * bs * row),
           *vp = be_rand_f32(be, (size_t)n_blocks * bs * row);
-    int32_t *perm = xmalloc((size_t)n_blocks * 4);
-    for (int i = 0; i < n_blocks; i++) perm[i] = i;
-    for (int i = n_blocks - 1; i > 0; i--) {
-        (void)frand();
-        int j = (int)((rng >> 33) % (uint64_t)(i + 1));
-        int tmp = perm[i];
-        perm[i] = perm[j];
-        perm[j] = tmp;
-    }
+    int32_t *perm = shuffled(n_blocks);
     void *kl[1] = {kp}, *vl[1] = {vp};
     rk_kv_cache kv = {1, n_blocks, bs, n_kv, hd, RK_DTYPE_F32, kl, vl};
     float scale = 1.0f / sqrtf((float)hd);

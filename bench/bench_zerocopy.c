@@ -22,16 +22,11 @@
 static const char *const WORDS[] = {
     "Lily", "had",  "a",   "red",   "ball", "and",   "the", "dog",  "ran",   "to",   "park", "sun",
     "was",  "warm", "she", "liked", "play", "happy", "big", "tree", "birds", "sang", "day",  "Tom"};
+#define N_WORDS ((int)(sizeof WORDS / sizeof *WORDS))
 
 static void die(void) {
     fprintf(stderr, "bench_zerocopy: %s\n", rk_error_message());
     exit(1);
-}
-
-static char *text(const rk_tokenizer *tok, int n, unsigned *seed) {
-    char *s = rk_bench_make_text(tok, WORDS, (int)(sizeof WORDS / sizeof *WORDS), n, seed);
-    if (!s) die();
-    return s;
 }
 
 static void prepare(rk_service *svc, const char *prompt, rk_req_options o, rk_request *r) {
@@ -169,21 +164,14 @@ static const rk_setting k_settings[] = {
 /* One system prompt and the same chunks, then a question each: n_req prompts. */
 static char **make_prompts(const rk_tokenizer *tok, const opts *o) {
     unsigned seed = 11;
-    size_t cap = (size_t)(o->n_chunks + 2) * ((size_t)o->chunk_tokens * 16 + 64), len = 0;
-    char *shared = malloc(cap);
+    char *shared =
+        rk_bench_make_context(tok, WORDS, N_WORDS, 12, o->n_chunks, o->chunk_tokens, 0, &seed);
     char **prompts = calloc((size_t)o->n_req, sizeof *prompts);
     if (!shared || !prompts) die();
-    char *sys = text(tok, 12, &seed);
-    len += (size_t)snprintf(shared + len, cap - len, "%s", sys);
-    free(sys);
-    for (int k = 0; k < o->n_chunks; k++) {
-        char *c = text(tok, o->chunk_tokens, &seed);
-        len += (size_t)snprintf(shared + len, cap - len, "##%s", c);
-        free(c);
-    }
+    size_t len = strlen(shared);
     for (int i = 0; i < o->n_req; i++) {
-        char *q = text(tok, 8, &seed);
-        prompts[i] = malloc(len + strlen(q) + 3);
+        char *q = rk_bench_make_text(tok, WORDS, N_WORDS, 8, &seed);
+        prompts[i] = q ? malloc(len + strlen(q) + 3) : NULL;
         if (!prompts[i]) die();
         sprintf(prompts[i], "%s##%s", shared, q);
         free(q);

@@ -23,12 +23,11 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "config/settings.h"
+#include "bench/bench_internal.h"
 #include "engine/tokenizer.h"
 #include "pipeline/pipeline.h"
 #include "pipeline/split.h"
 
-#define EXIT_USAGE   2
 #define MAX_CONFIGS  32
 #define SPLIT_CHUNKS 4096 /* any number of chunks a prompt file line may hold */
 
@@ -80,13 +79,6 @@ static const char *k_extra_help =
     "                          deviation:R   recompute the share R (0 < R <= 1) of chunk tokens\n"
     "                                        whose layer-1 K/V deviate most\n"
     "  -n N                  tokens per request, 1 to 4096 (default: 24)\n";
-
-static int usage_error(const char *fmt, const char *arg) {
-    fprintf(stderr, "ragkv eval: ");
-    fprintf(stderr, fmt, arg);
-    fprintf(stderr, " (see ragkv eval --help)\n");
-    return EXIT_USAGE;
-}
 
 #define E_OFF(m) offsetof(eval_opts, m)
 #define E_STR(m) E_OFF(m), sizeof(((eval_opts *)0)->m)
@@ -206,14 +198,18 @@ static int parse_args(int argc, char **argv, eval_opts *o, int *out_exit) {
     int next = rk_cmdline_parse(&cl, argc, argv, out_exit);
     if (next < 0) return -1;
     *out_exit = EXIT_USAGE;
-    if (next < argc) return usage_error("unexpected argument '%s'", argv[next]), -1;
+    if (next < argc)
+        return rk_bench_usage_error("eval", "unexpected argument '%s'", argv[next]), -1;
     o->model = o->model_arg[0] ? o->model_arg : NULL;
     o->prompts = o->prompts_arg[0] ? o->prompts_arg : NULL;
     o->make_set = o->make_set_arg[0] ? o->make_set_arg : NULL;
     o->plot = o->plot_arg[0] ? o->plot_arg : NULL;
     if (o->make_set && !o->model)
-        return usage_error("%s", "--make-set needs --model (the set is the model's own text)"), -1;
-    if (!o->make_set && !o->prompts) return usage_error("%s", "--prompts FILE is required"), -1;
+        return rk_bench_usage_error("eval", "%s",
+                                    "--make-set needs --model (the set is the model's own text)"),
+               -1;
+    if (!o->make_set && !o->prompts)
+        return rk_bench_usage_error("eval", "%s", "--prompts FILE is required"), -1;
     return 0;
 }
 
@@ -726,22 +722,6 @@ fail:
     return NULL;
 }
 
-static void svg_text(FILE *f, double x, double y, const char *anchor, int size, const char *s) {
-    fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"%s\" font-size=\"%d\">", x, y, anchor,
-            size);
-    for (const char *p = s; *p; p++) {
-        if (*p == '<')
-            fputs("&lt;", f);
-        else if (*p == '>')
-            fputs("&gt;", f);
-        else if (*p == '&')
-            fputs("&amp;", f);
-        else
-            fputc(*p, f);
-    }
-    fputs("</text>\n", f);
-}
-
 static int by_share(const void *a, const void *b) {
     const double *x = a, *y = b;
     return (x[0] > y[0]) - (x[0] < y[0]);
@@ -773,7 +753,7 @@ static rk_status write_svg(const eval *e, const char *path) {
     char title[200];
     snprintf(title, sizeof title, "ragkv eval: %s, %d prompts, %d tokens", e->model_desc, e->ps.n,
              o->n_tokens);
-    svg_text(f, W / 2, 28, "middle", 15, title);
+    rk_bench_svg_text(f, W / 2, 28, "middle", 15, title);
     fprintf(f,
             "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
             "stroke=\"#444\"/>\n",
@@ -786,12 +766,12 @@ static rk_status write_svg(const eval *e, const char *path) {
         fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", l,
                 PY(yv), r, PY(yv));
         snprintf(lab, sizeof lab, "%.0f", 100 * xv);
-        svg_text(f, PX(xv), bottom + 18, "middle", 12, lab);
+        rk_bench_svg_text(f, PX(xv), bottom + 18, "middle", 12, lab);
         snprintf(lab, sizeof lab, "%.0f", 100 * yv);
-        svg_text(f, l - 6, PY(yv) + 4, "end", 12, lab);
+        rk_bench_svg_text(f, l - 6, PY(yv) + 4, "end", 12, lab);
     }
-    svg_text(f, (l + r) / 2, bottom + 40, "middle", 13,
-             "recomputed chunk tokens (% of prompt tokens)");
+    rk_bench_svg_text(f, (l + r) / 2, bottom + 40, "middle", 13,
+                      "recomputed chunk tokens (% of prompt tokens)");
     fprintf(f,
             "<text x=\"24\" y=\"%.1f\" font-size=\"13\" text-anchor=\"middle\" "
             "transform=\"rotate(-90 24 %.1f)\">agreement with full attention (%%)</text>\n",
@@ -828,7 +808,7 @@ static rk_status write_svg(const eval *e, const char *path) {
                     "stroke-width=\"2\"%s/>\n",
                     r - 230, ly - 4, r - 200, ly - 4, colors[fam],
                     m == 2 ? " stroke-dasharray=\"6,4\"" : "");
-            svg_text(f, r - 194, ly, "start", 12, lab);
+            rk_bench_svg_text(f, r - 194, ly, "start", 12, lab);
         }
     }
 #undef PX

@@ -132,3 +132,25 @@ char *rk_bench_make_text(const rk_tokenizer *tok, const char *const *words, int 
         if ((int)k >= n_tokens || len + 32 > cap) return s;
     }
 }
+
+char *rk_bench_make_context(const rk_tokenizer *tok, const char *const *words, int n_words,
+                            int sys_tokens, int n_chunks, int chunk_tokens, size_t extra,
+                            unsigned *seed) {
+    size_t cap = (size_t)(n_chunks + 1) * ((size_t)chunk_tokens * 16 + 64) +
+                 (size_t)sys_tokens * 16 + 64 + extra,
+           len = 0;
+    char *out = malloc(cap);
+    char *piece = out ? rk_bench_make_text(tok, words, n_words, sys_tokens, seed) : NULL;
+    if (piece) len += (size_t)snprintf(out + len, cap - len, "%s", piece);
+    for (int k = 0; k < n_chunks && piece; k++) {
+        free(piece);
+        piece = rk_bench_make_text(tok, words, n_words, chunk_tokens, seed);
+        if (piece) len += (size_t)snprintf(out + len, cap - len, "##%s", piece);
+    }
+    if (!piece) {
+        free(out);
+        return NULL;
+    }
+    free(piece);
+    return out;
+}

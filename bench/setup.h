@@ -64,4 +64,12 @@ void rk_bench_model_done(rk_bench_model *m);
 char *rk_bench_make_text(const rk_tokenizer *tok, const char *const *words, int n_words,
                          int n_tokens, unsigned *seed);
 
+/* "system##chunk##...##chunk": a system prompt of about sys_tokens and
+ * n_chunks chunks of about chunk_tokens, made as rk_bench_make_text makes
+ * text; room is left for a "##question" of up to extra bytes. NULL when out
+ * of memory. */
+char *rk_bench_make_context(const rk_tokenizer *tok, const char *const *words, int n_words,
+                            int sys_tokens, int n_chunks, int chunk_tokens, size_t extra,
+                            unsigned *seed);
+
 #endif

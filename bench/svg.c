@@ -15,7 +15,7 @@
 static const char *const k_colors[N_MODES] = {"#d62728", "#ff7f0e", "#2ca02c", "#1f77b4",
                                               "#9467bd"};
 
-static void svg_text(FILE *f, double x, double y, const char *anchor, int size, const char *s) {
+void rk_bench_svg_text(FILE *f, double x, double y, const char *anchor, int size, const char *s) {
     fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"%s\" font-size=\"%d\">", x, y, anchor,
             size);
     for (const char *p = s; *p; p++) {
@@ -29,6 +29,19 @@ static void svg_text(FILE *f, double x, double y, const char *anchor, int size, 
             fputc(*p, f);
     }
     fputs("</text>\n", f);
+}
+
+/* A [0, 1] y axis from bottom to top: grid lines from left to right at each
+ * quarter, labelled on the left. */
+static void unit_axis(FILE *f, double left, double right, double top, double bottom) {
+    for (int q = 0; q <= 4; q++) {
+        double y = bottom - q / 4.0 * (bottom - top);
+        char lab[16];
+        snprintf(lab, sizeof lab, "%.2f", q / 4.0);
+        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n",
+                left, y, right, y);
+        rk_bench_svg_text(f, left - 6, y + 4, "end", 12, lab);
+    }
 }
 
 rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
@@ -48,7 +61,7 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
              "ragkv bench: %s, %s, %d chunks of %d-%d tokens, k %d, Zipf %.2f, %d requests",
              b->model_desc, http ? "HTTP" : "in-process", w->n_chunks, o->chunk_min, o->chunk_max,
              w->k, o->zipf, w->n_req);
-    svg_text(f, W / 2, 28, "middle", 15, title);
+    rk_bench_svg_text(f, W / 2, 28, "middle", 15, title);
 
     /* Panel 1: TTFT CDF per mode on a log axis. */
     double lo = INFINITY, hi = -INFINITY;
@@ -65,7 +78,7 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
     if (dhi <= dlo) dhi = dlo + 1;
 #define X1(v) (l1 + (log10(v) - dlo) / (dhi - dlo) * (r1 - l1))
 #define Y(v)  (bottom - (v) * (bottom - top))
-    svg_text(f, (l1 + r1) / 2, top - 12, "middle", 13, "TTFT distribution (CDF)");
+    rk_bench_svg_text(f, (l1 + r1) / 2, top - 12, "middle", 13, "TTFT distribution (CDF)");
     fprintf(f,
             "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
             "stroke=\"#444\"/>\n",
@@ -85,17 +98,11 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
             snprintf(lab, sizeof lab, "%.0f", v);
         else
             snprintf(lab, sizeof lab, "%g", v);
-        svg_text(f, x, bottom + 18, "middle", 12, lab);
+        rk_bench_svg_text(f, x, bottom + 18, "middle", 12, lab);
     }
-    svg_text(f, (l1 + r1) / 2, bottom + 38, "middle", 13, "time to first token (ms, log scale)");
-    for (int q = 0; q <= 4; q++) {
-        double y = Y(q / 4.0);
-        char lab[16];
-        snprintf(lab, sizeof lab, "%.2f", q / 4.0);
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", l1,
-                y, r1, y);
-        svg_text(f, l1 - 6, y + 4, "end", 12, lab);
-    }
+    rk_bench_svg_text(f, (l1 + r1) / 2, bottom + 38, "middle", 13,
+                      "time to first token (ms, log scale)");
+    unit_axis(f, l1, r1, top, bottom);
     fprintf(f,
             "<text x=\"20\" y=\"%.1f\" font-size=\"13\" text-anchor=\"middle\" "
             "transform=\"rotate(-90 20 %.1f)\">fraction of requests</text>\n",
@@ -145,26 +152,19 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
             snprintf(lab, sizeof lab, "%s (p50 %s ms, n %d)", k_mode_names[mode], ms, m->n_run);
         else
             snprintf(lab, sizeof lab, "%s (p50 %s ms)", k_mode_names[mode], ms);
-        svg_text(f, lx + 36, ly, "start", 12, lab);
+        rk_bench_svg_text(f, lx + 36, ly, "start", 12, lab);
     }
 
     /* Panel 2: the rag hit rate over time, running mean, with the prediction. */
     const mode_result *rag = &b->res[MODE_RAG];
     int R = w->n_req;
 #define X2(j) (l2 + (double)(j) / (R > 1 ? R : 1) * (r2 - l2))
-    svg_text(f, (l2 + r2) / 2, top - 12, "middle", 13, "rag chunk hit rate over the run");
+    rk_bench_svg_text(f, (l2 + r2) / 2, top - 12, "middle", 13, "rag chunk hit rate over the run");
     fprintf(f,
             "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
             "stroke=\"#444\"/>\n",
             l2, top, r2 - l2, bottom - top);
-    for (int q = 0; q <= 4; q++) {
-        double y = Y(q / 4.0);
-        char lab[16];
-        snprintf(lab, sizeof lab, "%.2f", q / 4.0);
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", l2,
-                y, r2, y);
-        svg_text(f, l2 - 6, y + 4, "end", 12, lab);
-    }
+    unit_axis(f, l2, r2, top, bottom);
     double step = pow(10, floor(log10(R > 1 ? R : 2)));
     if (R / step < 3) step /= 2;
     for (double t = 0; t <= R + 1e-9; t += step) {
@@ -172,9 +172,9 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
                 X2(t), top, X2(t), bottom);
         char lab[16];
         snprintf(lab, sizeof lab, "%.0f", t);
-        svg_text(f, X2(t), bottom + 18, "middle", 12, lab);
+        rk_bench_svg_text(f, X2(t), bottom + 18, "middle", 12, lab);
     }
-    svg_text(f, (l2 + r2) / 2, bottom + 38, "middle", 13, "requests");
+    rk_bench_svg_text(f, (l2 + r2) / 2, bottom + 38, "middle", 13, "requests");
     fprintf(f,
             "<text x=\"%.1f\" y=\"%.1f\" font-size=\"13\" text-anchor=\"middle\" "
             "transform=\"rotate(-90 %.1f %.1f)\">hit rate</text>\n",
@@ -185,7 +185,7 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
                 "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#888\" "
                 "stroke-dasharray=\"2,3\"/>\n",
                 xs, top, xs, bottom);
-        svg_text(f, xs + 4, bottom - 6, "start", 11, "steady state");
+        rk_bench_svg_text(f, xs + 4, bottom - 6, "start", 11, "steady state");
         int win = R / 10 > 5 ? R / 10 : 5;
         /* windowed mean (thin), cumulative mean (thick), predicted cumulative mean (dashed) */
         for (int pass = 0; pass < 3; pass++) {
@@ -230,10 +230,10 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
             double ly = bottom - 60 + 18 * q;
             fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" %s/>\n", r2 - 250,
                     ly - 4, r2 - 226, ly - 4, styles[q]);
-            svg_text(f, r2 - 220, ly, "start", 12, labels[q]);
+            rk_bench_svg_text(f, r2 - 220, ly, "start", 12, labels[q]);
         }
     } else {
-        svg_text(f, (l2 + r2) / 2, (top + bottom) / 2, "middle", 13, "(no rag run)");
+        rk_bench_svg_text(f, (l2 + r2) / 2, (top + bottom) / 2, "middle", 13, "(no rag run)");
     }
 #undef X1
 #undef X2

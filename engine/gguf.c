@@ -155,6 +155,14 @@ typedef struct num_value {
     double f;
 } num_value;
 
+/* The n-byte unsigned integer at p (file and host are little-endian: see the
+ * check at the top). */
+static uint64_t load_u(const uint8_t *p, size_t n) {
+    uint64_t x = 0;
+    memcpy(&x, p, n);
+    return x;
+}
+
 /* Decode one little-endian value of fixed-size type t from p. */
 static num_value decode_num(uint32_t t, const uint8_t *p) {
     num_value v = {0};
@@ -162,32 +170,12 @@ static num_value decode_num(uint32_t t, const uint8_t *p) {
     case RK_GGUF_UINT8:
     case RK_GGUF_BOOL: v.u = p[0]; break;
     case RK_GGUF_INT8: v.i = (int8_t)p[0]; break;
-    case RK_GGUF_UINT16: {
-        uint16_t x;
-        memcpy(&x, p, 2);
-        v.u = x;
-        break;
-    }
-    case RK_GGUF_INT16: {
-        int16_t x;
-        memcpy(&x, p, 2);
-        v.i = x;
-        break;
-    }
-    case RK_GGUF_UINT32: {
-        uint32_t x;
-        memcpy(&x, p, 4);
-        v.u = x;
-        break;
-    }
-    case RK_GGUF_INT32: {
-        int32_t x;
-        memcpy(&x, p, 4);
-        v.i = x;
-        break;
-    }
-    case RK_GGUF_UINT64: memcpy(&v.u, p, 8); break;
-    case RK_GGUF_INT64: memcpy(&v.i, p, 8); break;
+    case RK_GGUF_UINT16: v.u = load_u(p, 2); break;
+    case RK_GGUF_INT16: v.i = (int16_t)load_u(p, 2); break;
+    case RK_GGUF_UINT32: v.u = load_u(p, 4); break;
+    case RK_GGUF_INT32: v.i = (int32_t)load_u(p, 4); break;
+    case RK_GGUF_UINT64: v.u = load_u(p, 8); break;
+    case RK_GGUF_INT64: v.i = (int64_t)load_u(p, 8); break;
     case RK_GGUF_FLOAT32: {
         float x;
         memcpy(&x, p, 4);
@@ -1243,23 +1231,32 @@ static char *dup_str(const char *s) {
     return p;
 }
 
+/* Room for entry n (zeroed) in a writer's array of *cap entries of size
+ * bytes, doubling from first. Returns the array, moved or not, or NULL when
+ * out of memory (the array is then unchanged). */
+static void *w_grow(void *items, int64_t n, int64_t *cap, size_t size, int64_t first) {
+    if (n == *cap) {
+        int64_t c = *cap ? *cap * 2 : first;
+        void *p = realloc(items, (size_t)c * size);
+        if (!p) return NULL;
+        items = p;
+        *cap = c;
+    }
+    memset((char *)items + (size_t)n * size, 0, size);
+    return items;
+}
+
 /* Append a new pair for key with type; checks the key and duplicates. */
 static rk_status w_new_kv(rk_gguf_writer *w, const char *key, uint32_t type, wkv **out) {
     if (!w || !key || !*key) return rk_errorf(RK_ERR_INVALID, "gguf writer: empty or NULL key");
     for (int64_t i = 0; i < w->n_kv; i++)
         if (strcmp(w->kvs[i].key, key) == 0)
             return rk_errorf(RK_ERR_INVALID, "gguf writer: duplicate key '%s'", key);
-    if (w->n_kv == w->cap_kv) {
-        int64_t cap = w->cap_kv ? w->cap_kv * 2 : 32;
-        wkv *p = realloc(w->kvs, (size_t)cap * sizeof *p);
-        if (!p) return rk_errorf(RK_ERR_NOMEM, "gguf writer: out of memory for key '%s'", key);
-        w->kvs = p;
-        w->cap_kv = cap;
-    }
-    wkv *kv = &w->kvs[w->n_kv];
-    memset(kv, 0, sizeof *kv);
-    kv->key = dup_str(key);
-    if (!kv->key) return rk_errorf(RK_ERR_NOMEM, "gguf writer: out of memory for key '%s'", key);
+    wkv *kvs = w_grow(w->kvs, w->n_kv, &w->cap_kv, sizeof *kvs, 32);
+    if (kvs) w->kvs = kvs;
+    wkv *kv = kvs ? &kvs[w->n_kv] : NULL;
+    if (!kv || !(kv->key = dup_str(key)))
+        return rk_errorf(RK_ERR_NOMEM, "gguf writer: out of memory for key '%s'", key);
     kv->type = type;
     w->n_kv++;
     *out = kv;
@@ -1435,17 +1432,10 @@ rk_status rk_gguf_writer_add_tensor(rk_gguf_writer *w, const char *name, rk_ggml
     for (int64_t i = 0; i < w->n_tensors; i++)
         if (strcmp(w->tensors[i].name, name) == 0)
             return rk_errorf(RK_ERR_INVALID, "gguf writer: duplicate tensor '%s'", name);
-    if (w->n_tensors == w->cap_tensors) {
-        int64_t cap = w->cap_tensors ? w->cap_tensors * 2 : 64;
-        wtensor *p = realloc(w->tensors, (size_t)cap * sizeof *p);
-        if (!p) return rk_errorf(RK_ERR_NOMEM, "gguf writer: out of memory for tensor '%s'", name);
-        w->tensors = p;
-        w->cap_tensors = cap;
-    }
-    wtensor *t = &w->tensors[w->n_tensors];
-    memset(t, 0, sizeof *t);
-    t->name = dup_str(name);
-    if (!t->name)
+    wtensor *ts = w_grow(w->tensors, w->n_tensors, &w->cap_tensors, sizeof *ts, 64);
+    if (ts) w->tensors = ts;
+    wtensor *t = ts ? &ts[w->n_tensors] : NULL;
+    if (!t || !(t->name = dup_str(name)))
         return rk_errorf(RK_ERR_NOMEM, "gguf writer: out of memory for tensor '%s'", name);
     t->type = (uint32_t)type;
     t->n_dims = n_dims;
