@@ -324,6 +324,109 @@ static const rk_setting k_settings[] = {
      "http://127.0.0.1:PORT  a running server (default: start `ragkv serve --port 0`)"},
 };
 
+/* The clients, run for --seconds; NULL when out of memory. */
+static client *run_clients(double *elapsed) {
+    client *cl = calloc((size_t)g_clients, sizeof *cl);
+    if (!cl) return NULL;
+    double t0 = now_s();
+    for (int i = 0; i < g_clients; i++) {
+        cl[i].rng = 0x1234567ull * (uint64_t)(i + 1) ^ (uint64_t)time(NULL);
+        pthread_create(&cl[i].t, NULL, client_main, &cl[i]);
+    }
+    while (now_s() - t0 < g_seconds) sleep_s(0.05);
+    atomic_store(&g_stop, 1);
+    for (int i = 0; i < g_clients; i++) pthread_join(cl[i].t, NULL);
+    *elapsed = now_s() - t0;
+    return cl;
+}
+
+/* The chunk cache line of /v1/stats. */
+static void print_chunk_stats(void) {
+    json_t *stats = get_json("/v1/stats");
+    json_t *ch = json_object_get(stats, "chunks");
+    if (ch)
+        printf("  chunk cache: %lld lookups, hit rate %.3f, %lld entries, %lld capacity "
+               "evictions\n",
+               (long long)json_integer_value(json_object_get(ch, "lookups")),
+               json_real_value(json_object_get(ch, "hit_rate")),
+               (long long)json_integer_value(json_object_get(ch, "entries")),
+               (long long)json_integer_value(
+                   json_object_get(json_object_get(ch, "evictions"), "capacity")));
+    json_decref(stats);
+}
+
+/* Start `ragkv serve` from next to this program, its stderr into log. */
+static pid_t start_own_server(char *log, size_t log_size) {
+    char exe[4096], bin[4200];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0) return -1;
+    exe[n] = '\0';
+    snprintf(bin, sizeof bin, "%s/ragkv", dirname(exe));
+    snprintf(log, log_size, "/tmp/bench_load-%d.log", (int)getpid());
+    pid_t pid = start_server(bin, log);
+    if (pid <= 0) fprintf(stderr, "bench_load: cannot start %s (log: %s)\n", bin, log);
+    return pid;
+}
+
+typedef struct totals {
+    int n[K_COUNT], n_503, n_fail, total;
+    const char *first; /* the first failure a client kept, or NULL */
+} totals;
+
+static void sum_clients(const client *cl, totals *t) {
+    memset(t, 0, sizeof *t);
+    for (int i = 0; i < g_clients; i++) {
+        for (int k = 0; k < K_COUNT; k++) t->n[k] += cl[i].n[k];
+        t->n_503 += cl[i].n_503;
+        t->n_fail += cl[i].n_fail;
+        if (!t->first && cl[i].first_failure[0]) t->first = cl[i].first_failure;
+    }
+    for (int k = 0; k < K_COUNT; k++) t->total += t->n[k];
+}
+
+/* Latency percentiles over every client: the generations together, then
+ * each kind of request. */
+static void print_latency(const client *cl) {
+    double *lat[K_COUNT], *all = NULL;
+    int n_lat[K_COUNT] = {0}, n_all = 0;
+    for (int k = 0; k < K_COUNT; k++) {
+        for (int i = 0; i < g_clients; i++) n_lat[k] += cl[i].n_lat[k];
+        lat[k] = malloc((size_t)(n_lat[k] + 1) * sizeof *lat[k]);
+    }
+    all = malloc((size_t)(n_lat[K_HIT] + n_lat[K_MISS] + n_lat[K_STREAM] + 1) * sizeof *all);
+    for (int k = 0; k < K_COUNT; k++) {
+        int o = 0;
+        for (int i = 0; i < g_clients; i++) {
+            memcpy(lat[k] + o, cl[i].lat[k], (size_t)cl[i].n_lat[k] * sizeof(double));
+            o += cl[i].n_lat[k];
+            if (k != K_BAD)
+                memcpy(all + n_all, cl[i].lat[k], (size_t)cl[i].n_lat[k] * sizeof(double)),
+                    n_all += cl[i].n_lat[k];
+        }
+        qsort(lat[k], (size_t)n_lat[k], sizeof(double), cmp_double);
+    }
+    qsort(all, (size_t)n_all, sizeof(double), cmp_double);
+    printf("  generation latency ms (%d answered 200): p50 %.2f  p99 %.2f\n", n_all,
+           pct(all, n_all, 0.5), pct(all, n_all, 0.99));
+    for (int k = 0; k < K_COUNT; k++)
+        printf("    %-9s p50 %8.2f  p99 %8.2f  (n %d)\n", k_names[k], pct(lat[k], n_lat[k], 0.5),
+               pct(lat[k], n_lat[k], 0.99), n_lat[k]);
+    for (int k = 0; k < K_COUNT; k++) free(lat[k]);
+    free(all);
+}
+
+/* Wait (up to a minute) for the queue to empty and the pools and locks to
+ * be back where they started; 1 when they are. */
+static int wait_settled(const counts *base, counts *end) {
+    for (double until = now_s() + 60; now_s() < until; sleep_s(0.05)) {
+        if (read_counts(end)) break;
+        if (end->queued == 0 && end->live_used == base->live_used &&
+            end->chunk_refs == base->chunk_refs && end->prefix_locked == base->prefix_locked)
+            return 1;
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     static const char *usage =
         "usage: bench_load [--seconds N] [--clients N] [--max-tokens N] [--url URL]\n"
@@ -347,17 +450,8 @@ int main(int argc, char **argv) {
             fprintf(stderr, "bench_load: --url must be http://127.0.0.1:PORT\n");
             return 2;
         }
-    } else {
-        char exe[4096], bin[4200];
-        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-        if (n <= 0) return 1;
-        exe[n] = '\0';
-        snprintf(bin, sizeof bin, "%s/ragkv", dirname(exe));
-        snprintf(log, sizeof log, "/tmp/bench_load-%d.log", (int)getpid());
-        if ((pid = start_server(bin, log)) <= 0) {
-            fprintf(stderr, "bench_load: cannot start %s (log: %s)\n", bin, log);
-            return 1;
-        }
+    } else if ((pid = start_own_server(log, sizeof log)) <= 0) {
+        return 1;
     }
     char where[64];
     snprintf(where, sizeof where, "http://127.0.0.1:%d", g_port);
@@ -377,86 +471,33 @@ int main(int argc, char **argv) {
         return 1;
     }
 
-    client *cl = calloc((size_t)g_clients, sizeof *cl);
-    double t0 = now_s();
-    for (int i = 0; i < g_clients; i++) {
-        cl[i].rng = 0x1234567ull * (uint64_t)(i + 1) ^ (uint64_t)time(NULL);
-        pthread_create(&cl[i].t, NULL, client_main, &cl[i]);
+    double elapsed;
+    client *cl = run_clients(&elapsed);
+    if (!cl) {
+        fprintf(stderr, "bench_load: out of memory\n");
+        if (pid) stop_server(pid);
+        return 1;
     }
-    while (now_s() - t0 < g_seconds) sleep_s(0.05);
-    atomic_store(&g_stop, 1);
-    for (int i = 0; i < g_clients; i++) pthread_join(cl[i].t, NULL);
-    double elapsed = now_s() - t0;
 
-    /* Totals. */
-    int n[K_COUNT] = {0}, n_503 = 0, n_fail = 0, total = 0;
-    double *lat[K_COUNT], *all = NULL;
-    int n_lat[K_COUNT] = {0}, n_all = 0;
-    const char *first = NULL;
-    for (int k = 0; k < K_COUNT; k++) {
-        for (int i = 0; i < g_clients; i++) n_lat[k] += cl[i].n_lat[k];
-        lat[k] = malloc((size_t)(n_lat[k] + 1) * sizeof *lat[k]);
-    }
-    all = malloc((size_t)(n_lat[K_HIT] + n_lat[K_MISS] + n_lat[K_STREAM] + 1) * sizeof *all);
-    for (int k = 0; k < K_COUNT; k++) {
-        int o = 0;
-        for (int i = 0; i < g_clients; i++) {
-            memcpy(lat[k] + o, cl[i].lat[k], (size_t)cl[i].n_lat[k] * sizeof(double));
-            o += cl[i].n_lat[k];
-            if (k != K_BAD)
-                memcpy(all + n_all, cl[i].lat[k], (size_t)cl[i].n_lat[k] * sizeof(double)),
-                    n_all += cl[i].n_lat[k];
-        }
-        qsort(lat[k], (size_t)n_lat[k], sizeof(double), cmp_double);
-    }
-    qsort(all, (size_t)n_all, sizeof(double), cmp_double);
-    for (int i = 0; i < g_clients; i++) {
-        for (int k = 0; k < K_COUNT; k++) n[k] += cl[i].n[k];
-        n_503 += cl[i].n_503;
-        n_fail += cl[i].n_fail;
-        if (!first && cl[i].first_failure[0]) first = cl[i].first_failure;
-    }
-    for (int k = 0; k < K_COUNT; k++) total += n[k];
-
+    totals t;
+    sum_clients(cl, &t);
     /* Pools and locks back where they started, once the queue is empty. */
     counts end = {0};
-    int settled = 0;
-    for (double until = now_s() + 60; now_s() < until; sleep_s(0.05)) {
-        if (read_counts(&end)) break;
-        if (end.queued == 0 && end.live_used == base.live_used &&
-            end.chunk_refs == base.chunk_refs && end.prefix_locked == base.prefix_locked) {
-            settled = 1;
-            break;
-        }
-    }
-    json_t *stats = get_json("/v1/stats");
-    json_t *ch = json_object_get(stats, "chunks");
+    int settled = wait_settled(&base, &end);
 
     printf("bench_load: %.1f s, %d clients: %d requests, %.1f requests/s\n", elapsed, g_clients,
-           total, total / elapsed);
+           t.total, t.total / elapsed);
     printf("  by kind: %d hit, %d miss, %d stream, %d malformed; 503 with Retry-After: %d; "
            "failures: %d\n",
-           n[K_HIT], n[K_MISS], n[K_STREAM], n[K_BAD], n_503, n_fail);
-    printf("  generation latency ms (%d answered 200): p50 %.2f  p99 %.2f\n", n_all,
-           pct(all, n_all, 0.5), pct(all, n_all, 0.99));
-    for (int k = 0; k < K_COUNT; k++)
-        printf("    %-9s p50 %8.2f  p99 %8.2f  (n %d)\n", k_names[k], pct(lat[k], n_lat[k], 0.5),
-               pct(lat[k], n_lat[k], 0.99), n_lat[k]);
-    if (ch)
-        printf("  chunk cache: %lld lookups, hit rate %.3f, %lld entries, %lld capacity "
-               "evictions\n",
-               (long long)json_integer_value(json_object_get(ch, "lookups")),
-               json_real_value(json_object_get(ch, "hit_rate")),
-               (long long)json_integer_value(json_object_get(ch, "entries")),
-               (long long)json_integer_value(
-                   json_object_get(json_object_get(ch, "evictions"), "capacity")));
+           t.n[K_HIT], t.n[K_MISS], t.n[K_STREAM], t.n[K_BAD], t.n_503, t.n_fail);
+    print_latency(cl);
+    print_chunk_stats();
     printf("  after: live blocks used %lld (start %lld), chunk refs %lld, prefix locked tokens "
            "%lld: %s\n",
            end.live_used, base.live_used, end.chunk_refs, end.prefix_locked,
            settled ? "back to baseline" : "NOT back to baseline");
-    json_decref(stats);
-    int ok = n_fail == 0 && settled && total > 0;
-    if (first) printf("  first failure: %s\n", first);
+    int ok = t.n_fail == 0 && settled && t.total > 0;
+    if (t.first) printf("  first failure: %s\n", t.first);
     if (pid) {
         int st = stop_server(pid);
         printf("  server exit status on SIGTERM: %d%s\n", st, st ? " (see the log)" : "");
@@ -467,11 +508,8 @@ int main(int argc, char **argv) {
             unlink(log);
         }
     }
-    for (int k = 0; k < K_COUNT; k++) {
-        free(lat[k]);
+    for (int k = 0; k < K_COUNT; k++)
         for (int i = 0; i < g_clients; i++) free(cl[i].lat[k]);
-    }
-    free(all);
     free(cl);
     printf("bench_load: %s\n", ok ? "PASS" : "FAIL");
     return ok ? 0 : 1;

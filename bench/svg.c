@@ -44,26 +44,40 @@ static void unit_axis(FILE *f, double left, double right, double top, double bot
     }
 }
 
-rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
+/* The legend of panel 1 in its lower right corner (after the curves, so its
+ * box covers them): a line per mode that ran. */
+static void ttft_legend(FILE *f, const bench *b, double r1, double bottom, int n_legend) {
     const bench_opts *o = &b->o;
     const workload *w = &b->w;
-    FILE *f = fopen(path, "w");
-    if (!f) return rk_errorf(RK_ERR_IO, "%s: %s", path, strerror(errno));
-    const double W = 1040, H = 470, top = 70, bottom = 400;
-    const double l1 = 70, r1 = 490, l2 = 590, r2 = 1010;
+    double lx = r1 - (o->baseline_every > 1 ? 225 : 200); /* wider for "n N" */
     fprintf(f,
-            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
-            "viewBox=\"0 0 %.0f %.0f\" font-family=\"Helvetica, Arial, sans-serif\">\n"
-            "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
-            W, H, W, H);
-    char title[256];
-    snprintf(title, sizeof title,
-             "ragkv bench: %s, %s, %d chunks of %d-%d tokens, k %d, Zipf %.2f, %d requests",
-             b->model_desc, http ? "HTTP" : "in-process", w->n_chunks, o->chunk_min, o->chunk_max,
-             w->k, o->zipf, w->n_req);
-    rk_bench_svg_text(f, W / 2, 28, "middle", 15, title);
+            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"white\" "
+            "fill-opacity=\"0.85\" stroke=\"#ccc\"/>\n",
+            lx, bottom - 28 - 18 * (n_legend - 1), (int)(r1 - lx - 10), 18 * n_legend + 8);
+    for (int i = 0, legend = 0; i < o->n_modes; i++) {
+        int mode = o->modes[i];
+        const mode_result *m = &b->res[mode];
+        if (!m->ran) continue;
+        double ly = bottom - 12 - 18 * (n_legend - 1 - legend++);
+        fprintf(f,
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
+                "stroke-width=\"3\"/>\n",
+                lx + 8, ly - 4, lx + 30, ly - 4, k_colors[mode]);
+        char lab[64], ms[32];
+        rk_bench_fmt_ms(ms, sizeof ms, m->ttft[0]);
+        if (m->n_run != w->n_req) /* a --baseline-every sample */
+            snprintf(lab, sizeof lab, "%s (p50 %s ms, n %d)", k_mode_names[mode], ms, m->n_run);
+        else
+            snprintf(lab, sizeof lab, "%s (p50 %s ms)", k_mode_names[mode], ms);
+        rk_bench_svg_text(f, lx + 36, ly, "start", 12, lab);
+    }
+}
 
-    /* Panel 1: TTFT CDF per mode on a log axis. */
+/* Panel 1: TTFT CDF per mode on a log axis, from l1 to r1. */
+static rk_status ttft_panel(FILE *f, const bench *b, double l1, double r1, double top,
+                            double bottom) {
+    const bench_opts *o = &b->o;
+    const workload *w = &b->w;
     double lo = INFINITY, hi = -INFINITY;
     for (int i = 0; i < o->n_modes; i++) {
         const mode_result *m = &b->res[o->modes[i]];
@@ -76,6 +90,8 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
     if (!(lo < INFINITY)) lo = 0.1, hi = 1;
     double dlo = floor(log10(lo)), dhi = ceil(log10(hi));
     if (dhi <= dlo) dhi = dlo + 1;
+#define X1(v) (l1 + (log10(v) - dlo) / (dhi - dlo) * (r1 - l1))
+#define Y(v)  (bottom - (v) * (bottom - top))
 #define X1(v) (l1 + (log10(v) - dlo) / (dhi - dlo) * (r1 - l1))
 #define Y(v)  (bottom - (v) * (bottom - top))
     rk_bench_svg_text(f, (l1 + r1) / 2, top - 12, "middle", 13, "TTFT distribution (CDF)");
@@ -109,7 +125,6 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
             (top + bottom) / 2, (top + bottom) / 2);
     double *v = malloc((size_t)w->n_req * sizeof *v);
     if (!v) {
-        fclose(f);
         return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
     }
     int n_legend = 0;
@@ -131,34 +146,21 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
                     Y((double)(j + 1) / n));
         fputs("\"/>\n", f);
     }
-    /* The legend after the curves, so its box covers them. */
-    double lx = r1 - (o->baseline_every > 1 ? 225 : 200); /* wider for "n N" */
-    fprintf(f,
-            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"white\" "
-            "fill-opacity=\"0.85\" stroke=\"#ccc\"/>\n",
-            lx, bottom - 28 - 18 * (n_legend - 1), (int)(r1 - lx - 10), 18 * n_legend + 8);
-    for (int i = 0, legend = 0; i < o->n_modes; i++) {
-        int mode = o->modes[i];
-        const mode_result *m = &b->res[mode];
-        if (!m->ran) continue;
-        double ly = bottom - 12 - 18 * (n_legend - 1 - legend++);
-        fprintf(f,
-                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
-                "stroke-width=\"3\"/>\n",
-                lx + 8, ly - 4, lx + 30, ly - 4, k_colors[mode]);
-        char lab[64], ms[32];
-        rk_bench_fmt_ms(ms, sizeof ms, m->ttft[0]);
-        if (m->n_run != w->n_req) /* a --baseline-every sample */
-            snprintf(lab, sizeof lab, "%s (p50 %s ms, n %d)", k_mode_names[mode], ms, m->n_run);
-        else
-            snprintf(lab, sizeof lab, "%s (p50 %s ms)", k_mode_names[mode], ms);
-        rk_bench_svg_text(f, lx + 36, ly, "start", 12, lab);
-    }
+    free(v);
+    ttft_legend(f, b, r1, bottom, n_legend);
+#undef X1
+#undef Y
+    return RK_OK;
+}
 
-    /* Panel 2: the rag hit rate over time, running mean, with the prediction. */
+/* Panel 2: the rag hit rate over time, running mean, with the prediction,
+ * from l2 to r2. */
+static void hit_panel(FILE *f, const bench *b, double l2, double r2, double top, double bottom) {
+    const workload *w = &b->w;
     const mode_result *rag = &b->res[MODE_RAG];
     int R = w->n_req;
 #define X2(j) (l2 + (double)(j) / (R > 1 ? R : 1) * (r2 - l2))
+#define Y(v)  (bottom - (v) * (bottom - top))
     rk_bench_svg_text(f, (l2 + r2) / 2, top - 12, "middle", 13, "rag chunk hit rate over the run");
     fprintf(f,
             "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
@@ -235,12 +237,32 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
     } else {
         rk_bench_svg_text(f, (l2 + r2) / 2, (top + bottom) / 2, "middle", 13, "(no rag run)");
     }
-#undef X1
 #undef X2
 #undef Y
+}
+
+rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
+    const bench_opts *o = &b->o;
+    const workload *w = &b->w;
+    FILE *f = fopen(path, "w");
+    if (!f) return rk_errorf(RK_ERR_IO, "%s: %s", path, strerror(errno));
+    const double W = 1040, H = 470, top = 70, bottom = 400;
+    fprintf(f,
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
+            "viewBox=\"0 0 %.0f %.0f\" font-family=\"Helvetica, Arial, sans-serif\">\n"
+            "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
+            W, H, W, H);
+    char title[256];
+    snprintf(title, sizeof title,
+             "ragkv bench: %s, %s, %d chunks of %d-%d tokens, k %d, Zipf %.2f, %d requests",
+             b->model_desc, http ? "HTTP" : "in-process", w->n_chunks, o->chunk_min, o->chunk_max,
+             w->k, o->zipf, w->n_req);
+    rk_bench_svg_text(f, W / 2, 28, "middle", 15, title);
+
+    rk_status st = ttft_panel(f, b, 70, 490, top, bottom);
+    if (!st) hit_panel(f, b, 590, 1010, top, bottom);
     fputs("</svg>\n", f);
-    free(v);
     int bad = ferror(f);
-    if (fclose(f) || bad) return rk_errorf(RK_ERR_IO, "%s: write failed", path);
-    return RK_OK;
+    if (fclose(f) || bad) return st ? st : rk_errorf(RK_ERR_IO, "%s: write failed", path);
+    return st;
 }
