@@ -314,6 +314,59 @@ static rk_status wait_ready(const rk_http_target *t, const char *url, double tim
     return st;
 }
 
+/* Each mode's results, and the requests it runs (see --baseline-every). */
+static rk_status alloc_results(bench *b) {
+    for (int i = 0; i < N_MODES; i++) {
+        mode_result *m = &b->res[i];
+        m->mode = i;
+        m->vmhwm_kb = -1;
+        m->req = calloc((size_t)b->w.n_req, sizeof *m->req);
+        m->run = calloc((size_t)b->w.n_req, sizeof *m->run);
+        m->turn = calloc((size_t)b->w.n_req * (size_t)b->w.n_followups + 1, sizeof *m->turn);
+        if (!m->req || !m->run || !m->turn) return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
+        int every = i == MODE_RAG || i == MODE_PEER ? 1 : b->o.baseline_every;
+        for (int j = 0; j < b->w.n_req; j += every) m->run[m->n_run++] = j;
+    }
+    return RK_OK;
+}
+
+/* The table or JSON object, and the plot, of a finished run; the exit status:
+ * 1 when an invariant failed. */
+static int report(bench *b, int http) {
+    const bench_opts *o = &b->o;
+    const mode_result *rag = &b->res[MODE_RAG], *plain = &b->res[MODE_PLAIN];
+    if (rag->ran && plain->ran && !(rk_bench_ratio(plain->ttft[0], rag->ttft[0]) > 1))
+        rk_bench_add_failure(&b->res[MODE_RAG],
+                             "rag is not faster than plain (TTFT p50 %.3f vs %.3f ms)",
+                             rag->ttft[0], plain->ttft[0]);
+    int all_ok = 1;
+    for (int i = 0; i < o->n_modes; i++) all_ok &= b->res[o->modes[i]].n_fail == 0;
+    if (o->json) {
+        json_t *root = rk_bench_json(b, http, all_ok);
+        char *s = root ? json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(6)) : NULL;
+        json_decref(root);
+        if (s) {
+            puts(s);
+            free(s);
+        } else {
+            fprintf(stderr, "ragkv bench: out of memory writing JSON\n");
+            all_ok = 0;
+        }
+    } else {
+        rk_bench_print_table(b, http);
+    }
+    if (o->plot && rk_bench_write_svg(b, o->plot, http)) {
+        fprintf(stderr, "ragkv bench: cannot write the plot: %s\n", rk_error_message());
+        all_ok = 0;
+    }
+    if (!all_ok && o->json)
+        for (int i = 0; i < o->n_modes; i++)
+            for (int f = 0; f < b->res[o->modes[i]].n_fail; f++)
+                fprintf(stderr, "ragkv bench: invariant failed (%s): %s\n",
+                        k_mode_names[o->modes[i]], b->res[o->modes[i]].fail[f]);
+    return all_ok ? 0 : EXIT_FAILURE;
+}
+
 int rk_bench_main(int argc, char **argv) {
     bench *b = calloc(1, sizeof *b);
     if (!b) {
@@ -355,20 +408,7 @@ int rk_bench_main(int argc, char **argv) {
                 b->w.n_req, b->w.n_chunks, b->w.corpus_tokens, rk_time_now() - t_gen);
     b->steady_from = (int)((long)b->w.n_req * o->steady_pct / 100);
     if (b->steady_from >= b->w.n_req) b->steady_from = 0;
-    for (int i = 0; i < N_MODES && !st; i++) {
-        mode_result *m = &b->res[i];
-        m->mode = i;
-        m->vmhwm_kb = -1;
-        m->req = calloc((size_t)b->w.n_req, sizeof *m->req);
-        m->run = calloc((size_t)b->w.n_req, sizeof *m->run);
-        m->turn = calloc((size_t)b->w.n_req * (size_t)b->w.n_followups + 1, sizeof *m->turn);
-        if (!m->req || !m->run || !m->turn) {
-            st = rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
-            break;
-        }
-        int every = i == MODE_RAG || i == MODE_PEER ? 1 : o->baseline_every;
-        for (int j = 0; j < b->w.n_req; j += every) m->run[m->n_run++] = j;
-    }
+    st = alloc_results(b);
     if (!st && http && !(st = wait_ready(&target, o->url, o->http_timeout_s)))
         rk_bench_http_describe_model(b, &target);
     if (!st && o->peer_url) st = wait_ready(&peer, o->peer_url, o->http_timeout_s);
@@ -385,37 +425,7 @@ int rk_bench_main(int argc, char **argv) {
         fprintf(stderr, "ragkv bench: %s\n", rk_error_message());
         rc = EXIT_FAILURE;
     } else {
-        const mode_result *rag = &b->res[MODE_RAG], *plain = &b->res[MODE_PLAIN];
-        if (rag->ran && plain->ran && !(rk_bench_ratio(plain->ttft[0], rag->ttft[0]) > 1))
-            rk_bench_add_failure(&b->res[MODE_RAG],
-                                 "rag is not faster than plain (TTFT p50 %.3f vs %.3f ms)",
-                                 rag->ttft[0], plain->ttft[0]);
-        int all_ok = 1;
-        for (int i = 0; i < o->n_modes; i++) all_ok &= b->res[o->modes[i]].n_fail == 0;
-        if (o->json) {
-            json_t *root = rk_bench_json(b, http, all_ok);
-            char *s = root ? json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(6)) : NULL;
-            json_decref(root);
-            if (s) {
-                puts(s);
-                free(s);
-            } else {
-                fprintf(stderr, "ragkv bench: out of memory writing JSON\n");
-                all_ok = 0;
-            }
-        } else {
-            rk_bench_print_table(b, http);
-        }
-        if (o->plot && (st = rk_bench_write_svg(b, o->plot, http))) {
-            fprintf(stderr, "ragkv bench: cannot write the plot: %s\n", rk_error_message());
-            all_ok = 0;
-        }
-        if (!all_ok && o->json)
-            for (int i = 0; i < o->n_modes; i++)
-                for (int f = 0; f < b->res[o->modes[i]].n_fail; f++)
-                    fprintf(stderr, "ragkv bench: invariant failed (%s): %s\n",
-                            k_mode_names[o->modes[i]], b->res[o->modes[i]].fail[f]);
-        rc = all_ok ? 0 : EXIT_FAILURE;
+        rc = report(b, http);
     }
     for (int i = 0; i < N_MODES; i++) {
         free(b->res[i].req);
