@@ -494,17 +494,16 @@ static void sort_idx(const rk_gguf *g, int64_t *idx, int64_t n,
     qsort(idx, (size_t)n, sizeof *idx, cmp);
 }
 
-/* Parse the file held in g->base / g->size. */
-static rk_status gguf_parse(rk_gguf *g) {
-    cursor c = {g->base, g->size, 0, g->name};
+/* The magic and a version this reader knows. */
+static rk_status read_header(rk_gguf *g, cursor *c) {
     uint32_t magic;
-    rk_status st = cur_u32(&c, &magic, "magic");
+    rk_status st = cur_u32(c, &magic, "magic");
     if (st) return st;
     if (magic != GGUF_MAGIC)
         return rk_errorf(RK_ERR_FORMAT,
                          "%s: not a GGUF file (magic 0x%08" PRIx32 ", expected \"GGUF\")", g->name,
                          magic);
-    st = cur_u32(&c, &g->version, "version");
+    st = cur_u32(c, &g->version, "version");
     if (st) return st;
     if (g->version == 1)
         return rk_errorf(RK_ERR_FORMAT,
@@ -520,26 +519,17 @@ static rk_status gguf_parse(rk_gguf *g) {
         return rk_errorf(RK_ERR_FORMAT, "%s: unsupported GGUF version %" PRIu32 " (only 2 and 3)",
                          g->name, g->version);
     }
-    uint64_t n_tensors, n_kv;
-    if ((st = cur_u64(&c, &n_tensors, "tensor count"))) return st;
-    if ((st = cur_u64(&c, &n_kv, "metadata count"))) return st;
-    /* A pair takes at least 8 (key length) + 1 (key) + 4 (type) + 1 (value) bytes,
-     * a tensor info at least 8 + 1 + 4 + 8 + 4 + 8. */
-    if (n_kv > cur_left(&c) / 14)
-        return rk_errorf(RK_ERR_FORMAT,
-                         "%s: metadata count %" PRIu64 " cannot fit in the %zu bytes of the file",
-                         g->name, n_kv, g->size);
-    if (n_tensors > cur_left(&c) / 33)
-        return rk_errorf(RK_ERR_FORMAT,
-                         "%s: tensor count %" PRIu64 " cannot fit in the %zu bytes of the file",
-                         g->name, n_tensors, g->size);
+    return RK_OK;
+}
 
+/* The metadata pairs, sorted by key for lookups; keys must be distinct. */
+static rk_status read_kvs(rk_gguf *g, cursor *c, uint64_t n_kv) {
     g->kvs = calloc(n_kv ? (size_t)n_kv : 1, sizeof *g->kvs);
     g->kv_sorted = malloc((n_kv ? (size_t)n_kv : 1) * sizeof *g->kv_sorted);
     if (!g->kvs || !g->kv_sorted) return rk_errorf(RK_ERR_NOMEM, "%s: out of memory", g->name);
     for (uint64_t i = 0; i < n_kv; i++) {
         g->n_kv = (int64_t)i + 1; /* so close() frees the partial pair */
-        st = read_kv(&c, (int64_t)i, &g->kvs[i]);
+        rk_status st = read_kv(c, (int64_t)i, &g->kvs[i]);
         if (st) return st;
     }
     g->n_kv = (int64_t)n_kv;
@@ -549,7 +539,11 @@ static rk_status gguf_parse(rk_gguf *g) {
         if (strcmp(a, b) == 0)
             return rk_errorf(RK_ERR_FORMAT, "%s: duplicate metadata key '%s'", g->name, a);
     }
+    return RK_OK;
+}
 
+/* general.alignment, when set: a u32 power of two. */
+static rk_status read_alignment(rk_gguf *g) {
     g->alignment = GGUF_DEFAULT_ALIGNMENT;
     int64_t ai = rk_gguf_find_key(g, "general.alignment");
     if (ai >= 0) {
@@ -565,7 +559,11 @@ static rk_status gguf_parse(rk_gguf *g) {
                              a);
         g->alignment = a;
     }
+    return RK_OK;
+}
 
+/* The tensor infos. */
+static rk_status read_tensors(rk_gguf *g, cursor *c, uint64_t n_tensors) {
     g->tensors = calloc(n_tensors ? (size_t)n_tensors : 1, sizeof *g->tensors);
     g->tensor_names = calloc(n_tensors ? (size_t)n_tensors : 1, sizeof *g->tensor_names);
     g->t_sorted = malloc((n_tensors ? (size_t)n_tensors : 1) * sizeof *g->t_sorted);
@@ -573,16 +571,20 @@ static rk_status gguf_parse(rk_gguf *g) {
         return rk_errorf(RK_ERR_NOMEM, "%s: out of memory", g->name);
     for (uint64_t i = 0; i < n_tensors; i++) {
         g->n_tensors = (int64_t)i + 1;
-        st = read_tensor_info(&c, (int64_t)i, &g->tensors[i], &g->tensor_names[i]);
+        rk_status st = read_tensor_info(c, (int64_t)i, &g->tensors[i], &g->tensor_names[i]);
         if (st) return st;
     }
     g->n_tensors = (int64_t)n_tensors;
+    return RK_OK;
+}
 
+/* The data section from the aligned offset after pos: every tensor aligned,
+ * inside it, not overlapping another, and named once. */
+static rk_status place_tensors(rk_gguf *g, size_t pos) {
     /* The data section starts at the next multiple of the alignment. */
-    size_t pad = (g->alignment - c.pos % g->alignment) % g->alignment;
-    if (pad > SIZE_MAX - c.pos)
-        return rk_errorf(RK_ERR_FORMAT, "%s: data offset overflows", g->name);
-    g->data_offset = c.pos + pad;
+    size_t pad = (g->alignment - pos % g->alignment) % g->alignment;
+    if (pad > SIZE_MAX - pos) return rk_errorf(RK_ERR_FORMAT, "%s: data offset overflows", g->name);
+    g->data_offset = pos + pad;
     if (g->n_tensors > 0 && g->data_offset > g->size)
         return rk_errorf(RK_ERR_FORMAT,
                          "%s: truncated: the data section would start at %zu, past the end of the "
@@ -620,6 +622,30 @@ static rk_status gguf_parse(rk_gguf *g) {
             return rk_errorf(RK_ERR_FORMAT, "%s: duplicate tensor name '%s'", g->name, a);
     }
     return RK_OK;
+}
+
+/* Parse the file held in g->base / g->size. */
+static rk_status gguf_parse(rk_gguf *g) {
+    cursor c = {g->base, g->size, 0, g->name};
+    rk_status st = read_header(g, &c);
+    if (st) return st;
+    uint64_t n_tensors, n_kv;
+    if ((st = cur_u64(&c, &n_tensors, "tensor count"))) return st;
+    if ((st = cur_u64(&c, &n_kv, "metadata count"))) return st;
+    /* A pair takes at least 8 (key length) + 1 (key) + 4 (type) + 1 (value) bytes,
+     * a tensor info at least 8 + 1 + 4 + 8 + 4 + 8. */
+    if (n_kv > cur_left(&c) / 14)
+        return rk_errorf(RK_ERR_FORMAT,
+                         "%s: metadata count %" PRIu64 " cannot fit in the %zu bytes of the file",
+                         g->name, n_kv, g->size);
+    if (n_tensors > cur_left(&c) / 33)
+        return rk_errorf(RK_ERR_FORMAT,
+                         "%s: tensor count %" PRIu64 " cannot fit in the %zu bytes of the file",
+                         g->name, n_tensors, g->size);
+    if ((st = read_kvs(g, &c, n_kv)) || (st = read_alignment(g)) ||
+        (st = read_tensors(g, &c, n_tensors)))
+        return st;
+    return place_tensors(g, c.pos);
 }
 
 static rk_status gguf_new(const char *name, rk_gguf **out) {
