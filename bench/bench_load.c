@@ -36,12 +36,6 @@ static double g_seconds = 60;
 static int g_clients = 16, g_max_tokens = 8;
 static atomic_int g_stop;
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
 static void sleep_s(double s) {
     struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
     nanosleep(&ts, NULL);
@@ -126,13 +120,13 @@ static void record(client *c, int kind, double ms) {
 /* A generation: 200, or 503 with Retry-After (overloaded). */
 static void generation(client *c, int kind, const char *body) {
     reply r;
-    double t = now_s();
+    double t = rk_time_now();
     if (request("POST", "/v1/completions", body, strlen(body), &r)) {
         c->n_conn_err++;
         fail(c, "no response to a generation", NULL);
         return;
     }
-    double ms = (now_s() - t) * 1e3;
+    double ms = (rk_time_now() - t) * 1e3;
     c->n[kind]++;
     if (r.status == 200) {
         if (kind == K_STREAM ? !strstr(r.body, "data: [DONE]") : !strstr(r.body, "\"usage\""))
@@ -185,7 +179,7 @@ static void malformed(client *c) {
         len = strlen(cases[i].body);
     }
     reply r;
-    double t = now_s();
+    double t = rk_time_now();
     int rc = request("POST", cases[i].path, body ? body : cases[i].body, len, &r);
     free(body);
     c->n[K_BAD]++;
@@ -195,7 +189,7 @@ static void malformed(client *c) {
         return;
     }
     if (r.status == cases[i].want)
-        record(c, K_BAD, (now_s() - t) * 1e3);
+        record(c, K_BAD, (rk_time_now() - t) * 1e3);
     else if (r.status == 503 && retry_after(&r))
         c->n_503++;
     else
@@ -252,7 +246,7 @@ static pid_t start_server(const char *bin, const char *log) {
         execl(bin, bin, "serve", "--port", "0", (char *)NULL);
         _exit(127);
     }
-    for (double until = now_s() + 60; now_s() < until; sleep_s(0.02)) {
+    for (double until = rk_time_now() + 60; rk_time_now() < until; sleep_s(0.02)) {
         FILE *f = fopen(log, "r");
         char line[512];
         while (f && fgets(line, sizeof line, f)) {
@@ -270,8 +264,8 @@ static pid_t start_server(const char *bin, const char *log) {
 static int stop_server(pid_t pid) {
     kill(pid, SIGTERM);
     int st = 0;
-    for (double until = now_s() + 120; waitpid(pid, &st, WNOHANG) != pid; sleep_s(0.02))
-        if (now_s() > until) {
+    for (double until = rk_time_now() + 120; waitpid(pid, &st, WNOHANG) != pid; sleep_s(0.02))
+        if (rk_time_now() > until) {
             kill(pid, SIGKILL);
             waitpid(pid, &st, 0);
             return -1;
@@ -328,15 +322,15 @@ static const rk_setting k_settings[] = {
 static client *run_clients(double *elapsed) {
     client *cl = calloc((size_t)g_clients, sizeof *cl);
     if (!cl) return NULL;
-    double t0 = now_s();
+    double t0 = rk_time_now();
     for (int i = 0; i < g_clients; i++) {
         cl[i].rng = 0x1234567ull * (uint64_t)(i + 1) ^ (uint64_t)time(NULL);
         pthread_create(&cl[i].t, NULL, client_main, &cl[i]);
     }
-    while (now_s() - t0 < g_seconds) sleep_s(0.05);
+    while (rk_time_now() - t0 < g_seconds) sleep_s(0.05);
     atomic_store(&g_stop, 1);
     for (int i = 0; i < g_clients; i++) pthread_join(cl[i].t, NULL);
-    *elapsed = now_s() - t0;
+    *elapsed = rk_time_now() - t0;
     return cl;
 }
 
@@ -418,7 +412,7 @@ static void print_latency(const client *cl) {
 /* Wait (up to a minute) for the queue to empty and the pools and locks to
  * be back where they started; 1 when they are. */
 static int wait_settled(const counts *base, counts *end) {
-    for (double until = now_s() + 60; now_s() < until; sleep_s(0.05)) {
+    for (double until = rk_time_now() + 60; rk_time_now() < until; sleep_s(0.05)) {
         if (read_counts(end)) break;
         if (end->queued == 0 && end->live_used == base->live_used &&
             end->chunk_refs == base->chunk_refs && end->prefix_locked == base->prefix_locked)
@@ -462,7 +456,8 @@ int main(int argc, char **argv) {
     }
     /* Wait until the model is loaded. */
     json_t *h = NULL;
-    for (double until = now_s() + 60; !(h = get_json("/health")) && now_s() < until;) sleep_s(0.02);
+    for (double until = rk_time_now() + 60; !(h = get_json("/health")) && rk_time_now() < until;)
+        sleep_s(0.02);
     json_decref(h);
     counts base;
     if (read_counts(&base)) {

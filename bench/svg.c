@@ -31,6 +31,16 @@ void rk_bench_svg_text(FILE *f, double x, double y, const char *anchor, int size
     fputs("</text>\n", f);
 }
 
+/* A panel's box, and its title above it. */
+static void frame(FILE *f, double left, double right, double top, double bottom,
+                  const char *title) {
+    rk_bench_svg_text(f, (left + right) / 2, top - 12, "middle", 13, title);
+    fprintf(f,
+            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
+            "stroke=\"#444\"/>\n",
+            left, top, right - left, bottom - top);
+}
+
 /* A [0, 1] y axis from bottom to top: grid lines from left to right at each
  * quarter, labelled on the left. */
 static void unit_axis(FILE *f, double left, double right, double top, double bottom) {
@@ -92,13 +102,7 @@ static rk_status ttft_panel(FILE *f, const bench *b, double l1, double r1, doubl
     if (dhi <= dlo) dhi = dlo + 1;
 #define X1(v) (l1 + (log10(v) - dlo) / (dhi - dlo) * (r1 - l1))
 #define Y(v)  (bottom - (v) * (bottom - top))
-#define X1(v) (l1 + (log10(v) - dlo) / (dhi - dlo) * (r1 - l1))
-#define Y(v)  (bottom - (v) * (bottom - top))
-    rk_bench_svg_text(f, (l1 + r1) / 2, top - 12, "middle", 13, "TTFT distribution (CDF)");
-    fprintf(f,
-            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
-            "stroke=\"#444\"/>\n",
-            l1, top, r1 - l1, bottom - top);
+    frame(f, l1, r1, top, bottom, "TTFT distribution (CDF)");
     for (double d = dlo; d <= dhi + 1e-9; d++) {
         double x = l1 + (d - dlo) / (dhi - dlo) * (r1 - l1);
         fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", x,
@@ -161,11 +165,7 @@ static void hit_panel(FILE *f, const bench *b, double l2, double r2, double top,
     int R = w->n_req;
 #define X2(j) (l2 + (double)(j) / (R > 1 ? R : 1) * (r2 - l2))
 #define Y(v)  (bottom - (v) * (bottom - top))
-    rk_bench_svg_text(f, (l2 + r2) / 2, top - 12, "middle", 13, "rag chunk hit rate over the run");
-    fprintf(f,
-            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
-            "stroke=\"#444\"/>\n",
-            l2, top, r2 - l2, bottom - top);
+    frame(f, l2, r2, top, bottom, "rag chunk hit rate over the run");
     unit_axis(f, l2, r2, top, bottom);
     double step = pow(10, floor(log10(R > 1 ? R : 2)));
     if (R / step < 3) step /= 2;

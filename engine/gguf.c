@@ -494,6 +494,19 @@ static void sort_idx(const rk_gguf *g, int64_t *idx, int64_t n,
     qsort(idx, (size_t)n, sizeof *idx, cmp);
 }
 
+static const char *kv_key_of(const rk_gguf *g, int64_t i) { return g->kvs[i].key; }
+static const char *tensor_name_of(const rk_gguf *g, int64_t i) { return g->tensors[i].name; }
+
+/* A name two of the n entries share, given their indices sorted by name;
+ * NULL when all differ. */
+static const char *shared_name(const rk_gguf *g, const int64_t *sorted, int64_t n,
+                               const char *(*name_of)(const rk_gguf *, int64_t)) {
+    for (int64_t i = 1; i < n; i++)
+        if (strcmp(name_of(g, sorted[i - 1]), name_of(g, sorted[i])) == 0)
+            return name_of(g, sorted[i]);
+    return NULL;
+}
+
 /* The magic and a version this reader knows. */
 static rk_status read_header(rk_gguf *g, cursor *c) {
     uint32_t magic;
@@ -534,11 +547,8 @@ static rk_status read_kvs(rk_gguf *g, cursor *c, uint64_t n_kv) {
     }
     g->n_kv = (int64_t)n_kv;
     sort_idx(g, g->kv_sorted, g->n_kv, cmp_kv_idx);
-    for (int64_t i = 1; i < g->n_kv; i++) {
-        const char *a = g->kvs[g->kv_sorted[i - 1]].key, *b = g->kvs[g->kv_sorted[i]].key;
-        if (strcmp(a, b) == 0)
-            return rk_errorf(RK_ERR_FORMAT, "%s: duplicate metadata key '%s'", g->name, a);
-    }
+    const char *dup = shared_name(g, g->kv_sorted, g->n_kv, kv_key_of);
+    if (dup) return rk_errorf(RK_ERR_FORMAT, "%s: duplicate metadata key '%s'", g->name, dup);
     return RK_OK;
 }
 
@@ -616,11 +626,8 @@ static rk_status place_tensors(rk_gguf *g, size_t pos) {
                              g->name, a->name, a->offset, a->n_bytes, b->name, b->offset);
     }
     sort_idx(g, g->t_sorted, g->n_tensors, cmp_tensor_name);
-    for (int64_t i = 1; i < g->n_tensors; i++) {
-        const char *a = g->tensors[g->t_sorted[i - 1]].name, *b = g->tensors[g->t_sorted[i]].name;
-        if (strcmp(a, b) == 0)
-            return rk_errorf(RK_ERR_FORMAT, "%s: duplicate tensor name '%s'", g->name, a);
-    }
+    const char *dup = shared_name(g, g->t_sorted, g->n_tensors, tensor_name_of);
+    if (dup) return rk_errorf(RK_ERR_FORMAT, "%s: duplicate tensor name '%s'", g->name, dup);
     return RK_OK;
 }
 
