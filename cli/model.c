@@ -1,6 +1,5 @@
 /* cli/model.c — `ragkv mkmodel` and `inspect`: write a synthetic GGUF model,
  * describe a GGUF file. */
-#include <string.h>
 
 #include "cli/cli.h"
 #include "engine/gguf.h"
@@ -9,15 +8,16 @@
 /* ---------------------------------------------------------------- inspect / mkmodel */
 
 int rk_cli_inspect(int argc, char **argv) {
-    if (argc != 2 || argv[1][0] == '-') {
-        int h = argc == 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"));
-        fputs("usage: ragkv inspect F.gguf\n"
-              "Print the architecture, hyper-parameters, tensors and tokenizer of a GGUF file.\n",
-              h ? stdout : stderr);
-        return h ? 0 : EXIT_USAGE;
-    }
+    rk_cmdline cl = {.cmd = "inspect",
+                     .usage = "usage: ragkv inspect F.gguf\n"
+                              "Print the architecture, hyper-parameters, tensors and tokenizer of "
+                              "a GGUF file.\n",
+                     .first = 1};
+    int exit_code, next = rk_cmdline_parse(&cl, argc, argv, &exit_code);
+    if (next < 0) return exit_code;
+    if (argc - next != 1) return usage_error("inspect", "%s", "one F.gguf is required");
     rk_gguf *g;
-    if (rk_gguf_open(argv[1], &g)) return fail("cannot read the model");
+    if (rk_gguf_open(argv[next], &g)) return fail("cannot read the model");
     rk_gguf_print_info(g, stdout);
     rk_gguf_close(g);
     return 0;
