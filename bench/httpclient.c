@@ -76,8 +76,6 @@ rk_status rk_http_exchange(const rk_http_target *t, const char *method, const ch
     return rk_http_exchange_stream(t, method, path, headers, body, body_len, NULL, NULL, out);
 }
 
-/* Whole on purpose: one connection's life (connect, send, read, parse) in order, each step's
- * failure closing the socket and freeing the buffer it holds at that point. */
 rk_status rk_http_exchange_stream(const rk_http_target *t, const char *method, const char *path,
                                   const char *headers, const char *body, size_t body_len,
                                   rk_http_on_recv on_recv, void *ctx, rk_http_response *out) {
