@@ -14,6 +14,8 @@
  *   httpclient.c     the loopback HTTP client (httpclient.h)
  *   report.c         summaries, invariants, the table and the JSON object
  *   svg.c            the SVG plot
+ *   eval.c           `ragkv eval` (eval.h), which shares the usage error and
+ *                    the SVG text
  *
  * Private to bench/. One `bench` lives for one run and is used by one thread,
  * except the HTTP runner's workers, which each write their own req_result. */
@@ -172,6 +174,8 @@ typedef struct bench {
 
 /* ---------------------------------------------------------------- bench.c */
 
+/* A usage error of `ragkv cmd`: one line on stderr; returns EXIT_USAGE. */
+int rk_bench_usage_error(const char *cmd, const char *fmt, const char *arg);
 void rk_bench_add_failure(mode_result *m, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 /* A warning: printed on stderr now, and kept (the first 8) for the report. */
@@ -230,5 +234,7 @@ json_t *rk_bench_json(const bench *b, int http, int all_ok);
 /* ---------------------------------------------------------------- svg.c */
 
 rk_status rk_bench_write_svg(const bench *b, const char *path, int http);
+/* One <text> element at (x, y), s escaped. */
+void rk_bench_svg_text(FILE *f, double x, double y, const char *anchor, int size, const char *s);
 
 #endif

@@ -258,6 +258,27 @@ json_t *rk_settings_json(const rk_settings *tabs, int n_tabs) {
     return root;
 }
 
+/* text from column `indent` on, broken at spaces before column `width`;
+ * continuation lines indented to the same column. */
+static void print_wrapped(FILE *out, const char *text, int indent, int width) {
+    int col = indent;
+    while (*text) {
+        size_t word = strcspn(text, " ");
+        if (col > indent && col + 1 + (int)word > width) {
+            fprintf(out, "\n%*s", indent, "");
+            col = indent;
+        } else if (col > indent) {
+            fputc(' ', out);
+            col++;
+        }
+        fwrite(text, 1, word, out);
+        col += (int)word;
+        text += word;
+        while (*text == ' ') text++;
+    }
+    fputc('\n', out);
+}
+
 void rk_settings_print_help(FILE *out, const rk_settings *tabs, int n_tabs) {
     for (int t = 0; t < n_tabs; t++) {
         for (size_t i = 0; i < tabs[t].n; i++) {
@@ -269,7 +290,8 @@ void rk_settings_print_help(FILE *out, const rk_settings *tabs, int n_tabs) {
             snprintf(left, sizeof left, "--%s%s%.*s", f->flag, arglen ? " " : "", arglen, f->help);
             const char *text = sp ? sp : f->help;
             while (*text == ' ') text++;
-            fprintf(out, "  %-21s %s\n", left, text);
+            fprintf(out, "  %-21s ", left);
+            print_wrapped(out, text, 2 + 21 + 1, 80);
         }
     }
 }
@@ -309,15 +331,19 @@ enum { O_CONFIG = 2000, O_FIELD = 3000 };
 
 static void print_cmdline_help(const rk_cmdline *cl) {
     fputs(cl->usage, stdout);
-    fputs(
-        "  --config F.json       settings file (keys as the RAGKV_<NAME> variables, lower case)\n",
-        stdout);
+    if (cl->n_shared)
+        fputs("  --config F.json       settings file (keys as the RAGKV_<NAME> variables, lower "
+              "case)\n",
+              stdout);
     rk_settings_print_help(stdout, cl->tabs, cl->n_tabs);
     if (cl->extra_help) fputs(cl->extra_help, stdout);
 }
 
 static int usage(const rk_cmdline *cl, int *out_exit, const char *what, const char *arg) {
-    fprintf(stderr, "ragkv %s: %s%s (see ragkv %s --help)\n", cl->cmd, what, arg, cl->cmd);
+    if (cl->prog)
+        fprintf(stderr, "%s: %s%s (see %s --help)\n", cl->prog, what, arg, cl->prog);
+    else
+        fprintf(stderr, "ragkv %s: %s%s (see ragkv %s --help)\n", cl->cmd, what, arg, cl->cmd);
     *out_exit = 2;
     return -1;
 }
@@ -341,7 +367,8 @@ int rk_cmdline_parse(const rk_cmdline *cl, int argc, char **argv, int *out_exit)
     int rc = -1;
     *out_exit = 2;
     if (!longs || !fields || !bases) {
-        fprintf(stderr, "ragkv %s: out of memory\n", cl->cmd);
+        fprintf(stderr, "%s%s: out of memory\n", cl->prog ? "" : "ragkv ",
+                cl->prog ? cl->prog : cl->cmd);
         *out_exit = 1;
         goto out;
     }
@@ -355,7 +382,7 @@ int rk_cmdline_parse(const rk_cmdline *cl, int argc, char **argv, int *out_exit)
                 0, O_FIELD + (int)k};
         }
     for (size_t i = 0; i < n_extra; i++) longs[k++] = cl->extra[i];
-    longs[k++] = (struct option){"config", required_argument, 0, O_CONFIG};
+    if (cl->n_shared) longs[k++] = (struct option){"config", required_argument, 0, O_CONFIG};
     longs[k++] = (struct option){"help", no_argument, 0, 'h'};
     const char *config = NULL;
     int c;

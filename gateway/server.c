@@ -15,7 +15,6 @@
 #include <arpa/inet.h>
 #include <civetweb.h>
 #include <errno.h>
-#include <getopt.h>
 #include <jansson.h>
 #include <netinet/in.h>
 #include <signal.h>
