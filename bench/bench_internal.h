@@ -118,6 +118,7 @@ typedef struct req_result {
     int prompt, reused, computed;
     int sys_tokens, sys_cached, chunk_tokens, hit_tokens, q_tokens;
     int n_chunks, hits, misses, offs;
+    int prefix_hits; /* of hits: inside an earlier request's sequence, never looked up */
 } req_result;
 
 typedef struct mode_result {

@@ -217,11 +217,13 @@ void rk_bench_check_invariants(bench *b, int mode, int http) {
         if (m->hits + m->misses != m->lookups || m->lookups != want)
             rk_bench_add_failure(m, "hits %ld + misses %ld, lookups %ld != requests x k = %ld",
                                  m->hits, m->misses, m->lookups, want);
-        /* The index counts every turn's lookups (in-process turns keep their chunks). */
+        /* The index counts every turn's lookups (in-process turns keep their
+         * chunks), not the hits inside an earlier turn's sequence. */
         long all_hits = m->hits, all_misses = m->misses;
+        for (int j = 0; j < w->n_req; j++) all_hits -= m->req[j].prefix_hits;
         for (size_t i = 0; i < (size_t)w->n_req * (size_t)w->n_followups; i++)
             if (m->turn[i].ok) {
-                all_hits += m->turn[i].hits;
+                all_hits += m->turn[i].hits - m->turn[i].prefix_hits;
                 all_misses += m->turn[i].misses;
             }
         if (m->have_index && ((long)m->ix.hits != all_hits || (long)m->ix.misses != all_misses ||

@@ -57,7 +57,9 @@ static int fill_from_json(json_t *o, req_result *x) {
         x->n_chunks++;
         x->chunk_tokens += tokens;
         if (!strcmp(status, "hit")) {
+            const char *source = json_string_value(json_object_get(c, "source"));
             x->hits++;
+            x->prefix_hits += source && !strcmp(source, "prefix");
             x->hit_tokens += tokens;
         } else if (!strcmp(status, "miss")) {
             x->misses++;

@@ -70,6 +70,7 @@ static void fill_from_request(const rk_request *r, req_result *x) {
         x->chunk_tokens += r->chunk_lens[c];
         if (rep->status == RK_CHUNK_STATUS_HIT) {
             x->hits++;
+            x->prefix_hits += rep->source == RK_CHUNK_SOURCE_PREFIX;
             x->hit_tokens += rep->tokens;
         } else if (rep->status == RK_CHUNK_STATUS_MISS) {
             x->misses++;
