@@ -114,21 +114,14 @@ static int parse_config(const char *s, size_t n, eval_config *c) {
     buf[n] = '\0';
     memset(c, 0, sizeof *c);
     snprintf(c->name, sizeof c->name, "%s", buf);
-    long k;
     if (!strcmp(buf, "plain")) {
         c->fam = FAM_PLAIN;
-    } else if (!strcmp(buf, "none")) {
-        c->fam = FAM_NONE;
-    } else if (!strncmp(buf, "first_k:", 8)) {
-        if (rk_parse_long(buf + 8, 1, 1 << 20, &k)) return -1;
-        c->fam = FAM_FIRST_K;
-        c->k = (int)k;
-    } else if (!strncmp(buf, "deviation:", 10)) {
-        if (rk_parse_double(buf + 10, 0, 1, &c->ratio) || !(c->ratio > 0)) return -1;
-        c->fam = FAM_DEVIATION;
-    } else {
-        return -1;
+        return 0;
     }
+    float ratio;
+    if (rk_repair_parse(buf, &c->k, &ratio)) return -1;
+    c->ratio = ratio;
+    c->fam = c->k ? FAM_FIRST_K : ratio > 0 ? FAM_DEVIATION : FAM_NONE;
     return 0;
 }
 

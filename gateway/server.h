@@ -58,6 +58,10 @@ const char *rk_http_error_type(int status);
 typedef struct rk_parse_limits {
     int max_chunks; /* chunks per request */
     int max_tokens; /* largest max_tokens accepted */
+    /* The service's repair policy (config `repair`), for a request that names
+     * none or "auto": as rk_req_options takes it. */
+    int repair_k;
+    float repair_ratio;
 } rk_parse_limits;
 
 typedef enum rk_chat_role {

@@ -2,6 +2,7 @@
  * config file (unknown keys, wrong types, bad JSON), the environment, the
  * effective settings as JSON with secrets redacted, and the help lines. */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -57,6 +58,32 @@ Test(settings, text_values_are_range_checked_and_named_in_errors) {
     cr_expect_eq(rk_setting_parse(base, f, "12345678"), RK_ERR_INVALID, "too long for char[8]");
     cr_expect_str_eq(o.key, "1234567");
     cr_expect_null(rk_settings_find(tabs, 2, "no_such", NULL));
+}
+
+Test(settings, a_repair_policy_is_parsed_and_validated) {
+    int k = -1;
+    float ratio = -1;
+    cr_expect_eq(rk_repair_parse("none", &k, &ratio), 0);
+    cr_expect(k == 0 && ratio == 0);
+    cr_expect_eq(rk_repair_parse("first_k:16", &k, &ratio), 0);
+    cr_expect(k == 16 && ratio == 0);
+    cr_expect_eq(rk_repair_parse("deviation:0.15", &k, &ratio), 0);
+    cr_expect(k == 0 && fabsf(ratio - 0.15f) < 1e-7f);
+    const char *bad[] = {"",           "auto",        "first_k:0",     "first_k:",
+                         "first_k:2x", "deviation:0", "deviation:1.5", "deviation:-0.1",
+                         "deviation",  "None"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        k = 7;
+        cr_expect_eq(rk_repair_parse(bad[i], &k, &ratio), -1, "'%s'", bad[i]);
+        cr_expect_eq(k, 7, "'%s' left the output", bad[i]);
+    }
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cr_expect_str_eq(cfg.repair, "none");
+    cr_expect_eq(rk_config_validate(&cfg), RK_OK);
+    snprintf(cfg.repair, sizeof cfg.repair, "first_k:0");
+    cr_expect_eq(rk_config_validate(&cfg), RK_ERR_INVALID);
+    cr_expect(strstr(rk_error_message(), "repair"), "%s", rk_error_message());
 }
 
 Test(settings, config_file_sets_both_tables_and_rejects_bad_files) {
