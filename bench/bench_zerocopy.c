@@ -4,7 +4,11 @@
  *      admitted together and decoded to the end: the peak of live-pool blocks
  *      in use;
  *   2. the TTFT of one request whose chunks all hit (best and median of
- *      --rounds, the two modes' rounds alternating).
+ *      --rounds, the two modes' rounds alternating);
+ *   3. with --live-blocks B: the same requests submitted at once to the
+ *      engine thread (rk_scheduler, as `ragkv serve` runs them) with a live
+ *      pool of B blocks, after one request warmed the chunks: the most
+ *      generations running together, and the wall time for all.
  *
  *   bench_zerocopy [--model F.gguf | --preset NAME --type f32|bf16] [--threads N]
  *                  [--requests N] [--chunks N] [--chunk-tokens N] [--answer N] [--rounds N]
@@ -13,11 +17,14 @@
  * Defaults: ../shared/models/stories260K.gguf, 8 requests over 4 chunks of
  * about 96 tokens, 40-token answers, 2 threads, 20 rounds, 256 MiB of KV. Not a test: it
  * prints a table. */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "bench/setup.h"
+#include "pipeline/scheduler.h"
 
 static const char *const WORDS[] = {
     "Lily", "had",  "a",   "red",   "ball", "and",   "the", "dog",  "ran",   "to",   "park", "sun",
@@ -60,9 +67,13 @@ static rk_service *open_mode(rk_bench_model *m, const char *reindex, int kv_mb) 
     return svc;
 }
 
+/* Greedy; the radix tree holds system prompts only, so that what is
+ * measured is how chunks reach requests (a repeated or extended sequence
+ * would share its chunks' pages through the tree on either path). */
 static rk_req_options greedy(int max_tokens) {
     rk_req_options o;
     rk_req_options_default(&o);
+    o.reuse_sequences = 0;
     o.sampling.temperature = 0;
     o.stop_at_eog = 0;
     o.max_tokens = max_tokens;
@@ -140,8 +151,98 @@ static void measure(rk_bench_model *model, int kv_mb, char **prompts, int n_req,
     free(ttft);
 }
 
+/* ---------------------------------------------------------------- 3. a fixed live pool */
+
+/* The most generations the engine thread ran at once (its snapshots). */
+typedef struct peak_running {
+    pthread_mutex_t mu;
+    int peak;
+} peak_running;
+
+static void on_snapshot(void *ctx, const rk_cache_snapshot *snap) {
+    peak_running *p = ctx;
+    pthread_mutex_lock(&p->mu);
+    if (snap->running > p->peak) p->peak = snap->running;
+    pthread_mutex_unlock(&p->mu);
+}
+
+static void submit_one(rk_scheduler *e, rk_job *j, const char *prompt, int answer) {
+    rk_service *svc = rk_scheduler_service(e);
+    if (rk_job_init(j)) die();
+    j->req.opt = greedy(answer);
+    rk_split sp;
+    if (rk_split_prompt(prompt, strlen(prompt), NULL, 1024, &sp)) die();
+    rk_status st = rk_request_prepare(svc, &sp, &j->req);
+    rk_split_free(&sp);
+    if (st || rk_scheduler_submit(e, j)) die();
+}
+
+static void wait_done(rk_job *j) {
+    int n = 0, done = 0;
+    while (!done)
+        if (rk_job_wait(j, n, rk_time_now() + 600, &n, &done)) {
+            fprintf(stderr, "bench_zerocopy: a request made no progress in 10 minutes\n");
+            exit(1);
+        }
+    if (j->status) {
+        fprintf(stderr, "bench_zerocopy: a request failed: %s\n", j->error);
+        exit(1);
+    }
+}
+
+/* All n_req prompts at once through an engine thread whose live pool has
+ * live_blocks blocks: the peak of generations running and the wall time. */
+static void fixed_pool(rk_bench_model *model, const char *reindex, int live_blocks, int kv_mb,
+                       char **prompts, int n_req, int answer, int *out_peak, double *out_ms) {
+    const char *path;
+    if (rk_bench_model_path(model, &path)) die();
+    peak_running peak = {.peak = 0};
+    pthread_mutex_init(&peak.mu, NULL);
+    rk_scheduler_params p = {.model_path = path,
+                             .max_queue = n_req + 1,
+                             .max_batch = n_req,
+                             .publish = on_snapshot,
+                             .stats_ctx = &peak};
+    rk_config_defaults(&p.cfg);
+    p.cfg.n_threads = model->threads;
+    p.cfg.kv_memory_mb = kv_mb;
+    p.cfg.live_blocks = live_blocks;
+    p.cfg.max_chunks = 1024;
+    snprintf(p.cfg.backend, sizeof p.cfg.backend, "%s", model->backend);
+    snprintf(p.cfg.kv_dtype, sizeof p.cfg.kv_dtype, "%s", model->kv_dtype);
+    snprintf(p.cfg.reindex, sizeof p.cfg.reindex, "%s", reindex);
+    rk_scheduler *e;
+    if (rk_scheduler_start(&p, &e)) die();
+    char why[320];
+    rk_scheduler_state state;
+    while ((state = rk_scheduler_get_state(e, why, sizeof why)) == RK_SCHEDULER_LOADING) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    if (state != RK_SCHEDULER_READY) {
+        fprintf(stderr, "bench_zerocopy: the engine did not start: %s\n", why);
+        exit(1);
+    }
+    rk_job *jobs = calloc((size_t)n_req + 1, sizeof *jobs);
+    if (!jobs) die();
+    submit_one(e, &jobs[n_req], prompts[0], 1); /* the chunks, computed once */
+    wait_done(&jobs[n_req]);
+    pthread_mutex_lock(&peak.mu);
+    peak.peak = 0;
+    pthread_mutex_unlock(&peak.mu);
+    double t0 = rk_time_now();
+    for (int i = 0; i < n_req; i++) submit_one(e, &jobs[i], prompts[i], answer);
+    for (int i = 0; i < n_req; i++) wait_done(&jobs[i]);
+    *out_ms = (rk_time_now() - t0) * 1e3;
+    for (int i = 0; i <= n_req; i++) rk_job_destroy(&jobs[i]);
+    free(jobs);
+    rk_scheduler_free(e);
+    *out_peak = peak.peak;
+    pthread_mutex_destroy(&peak.mu);
+}
+
 typedef struct opts {
-    int n_req, n_chunks, chunk_tokens, answer, rounds, kv_mb;
+    int n_req, n_chunks, chunk_tokens, answer, rounds, kv_mb, live_blocks;
 } opts;
 
 #define O_OFF(f) offsetof(opts, f)
@@ -159,6 +260,8 @@ static const rk_setting k_settings[] = {
      "N  all-hit TTFT rounds per mode (default: 20)"},
     {"kv_memory_mb", "kv-memory-mb", RK_SET_INT, O_OFF(kv_mb), 0, 1, 1 << 24, 0, 0,
      "N  KV budget in MiB per service (default: 256)"},
+    {"live_blocks", "live-blocks", RK_SET_INT, O_OFF(live_blocks), 0, 0, 1 << 30, 0, 0,
+     "B  also submit the requests at once with a live pool of B blocks (default: 0 = skip)"},
 };
 
 /* One system prompt and the same chunks, then a question each: n_req prompts. */
@@ -184,15 +287,20 @@ int main(int argc, char **argv) {
     static const char *usage =
         "usage: bench_zerocopy [--model F.gguf | --preset NAME --type f32|bf16] [--threads N]\n"
         "                      [--requests N] [--chunks N] [--chunk-tokens N] [--answer N]\n"
-        "                      [--rounds N] [--kv-memory-mb N]\n"
+        "                      [--rounds N] [--kv-memory-mb N] [--live-blocks B]\n"
         "Peak live blocks of concurrent requests over the same chunks, and all-hit TTFT, with\n"
         "cached chunks attended in place (zero-copy) and copied (copy). Defaults: the\n"
         "stories260K model, BF16 weights for a preset, 2 threads.\n";
     rk_bench_model m;
     rk_bench_model_defaults(&m);
     snprintf(m.type, sizeof m.type, "bf16");
-    opts o = {
-        .n_req = 8, .n_chunks = 4, .chunk_tokens = 96, .answer = 40, .rounds = 20, .kv_mb = 256};
+    opts o = {.n_req = 8,
+              .n_chunks = 4,
+              .chunk_tokens = 96,
+              .answer = 40,
+              .rounds = 20,
+              .kv_mb = 256,
+              .live_blocks = 0};
     rk_settings own = {k_settings, sizeof k_settings / sizeof k_settings[0], &o};
     int exit_code;
     if (rk_bench_parse("bench_zerocopy", usage, &m, RK_BENCH_MODEL_PRESET, &own, argc, argv,
@@ -225,6 +333,19 @@ int main(int argc, char **argv) {
                res[i].wall_ms);
     printf("  live blocks: zero-copy needs %.1f%% of copy's peak\n",
            100.0 * res[1].peak_live / (res[0].peak_live ? res[0].peak_live : 1));
+    if (o.live_blocks) {
+        int peak[2];
+        double ms[2];
+        const char *modes[2] = {"copy", "zero-copy"};
+        for (int i = 0; i < 2; i++)
+            fixed_pool(&m, modes[i], o.live_blocks, o.kv_mb, prompts, n_req, answer, &peak[i],
+                       &ms[i]);
+        printf("  live pool of %d blocks, %d requests submitted at once:\n", o.live_blocks, n_req);
+        for (int i = 0; i < 2; i++)
+            printf("  %-10s %3d running at most, all done in %.1f ms\n", modes[i], peak[i], ms[i]);
+        printf("  zero-copy runs %.1fx as many at once\n",
+               (double)peak[1] / (peak[0] ? peak[0] : 1));
+    }
     for (int i = 0; i < n_req; i++) free(prompts[i]);
     free(prompts);
     rk_bench_model_done(&m);
