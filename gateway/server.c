@@ -1777,61 +1777,23 @@ static void wait_requests_done(server *S, double seconds) {
 static void publish_stats(void *ctx, const rk_cache_snapshot *snap) { rk_stats_publish(ctx, snap); }
 static void record_request(void *ctx, const rk_request *r) { rk_stats_record_request(ctx, r); }
 
-int rk_serve_main(int argc, char **argv) {
-    server *S = calloc(1, sizeof *S);
-    if (!S) {
-        fprintf(stderr, "ragkv serve: out of memory\n");
-        return EXIT_FAILURE;
-    }
-    int print_config = 0, exit_code = 0;
-    if (parse_args(argc, argv, &S->o, &print_config, &exit_code)) {
-        free(S);
-        return exit_code;
-    }
-    serve_opts *o = &S->o;
-    if (print_config) {
-        rk_settings tabs[N_TABLES];
-        bind_settings(o, tabs);
-        json_t *j = rk_settings_json(tabs, N_TABLES);
-        char *s =
-            j ? json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(7)) : NULL;
-        json_decref(j);
-        if (s) puts(s);
-        free(s);
-        free(S);
-        return s ? 0 : EXIT_FAILURE;
-    }
-    rk_log_set_level((rk_log_level)rk_log_level_parse(o->log_level));
+/* --print-config: the effective settings as JSON on stdout; the exit code. */
+static int print_settings(serve_opts *o) {
+    rk_settings tabs[N_TABLES];
+    bind_settings(o, tabs);
+    json_t *j = rk_settings_json(tabs, N_TABLES);
+    char *s =
+        j ? json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(7)) : NULL;
+    json_decref(j);
+    if (s) puts(s);
+    free(s);
+    return s ? 0 : EXIT_FAILURE;
+}
 
-    /* Signals: every thread created from here on blocks them; main waits for them. */
-    sigset_t sigs;
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGINT);
-    sigaddset(&sigs, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
-    signal(SIGPIPE, SIG_IGN);
-
-    pthread_mutex_init(&S->info_mu, NULL);
-    S->started_unix = (double)time(NULL);
-    int rc = EXIT_FAILURE;
-    if (rk_stats_create(&S->stats)) {
-        fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
-        goto out;
-    }
-    rk_scheduler_params ep = {.cfg = o->cfg,
-                              .model_path = o->model[0] ? o->model : NULL,
-                              .max_queue = o->queue,
-                              .max_batch = o->max_batch,
-                              .load_delay_s = o->load_delay_s,
-                              .token_delay_s = o->token_delay_s,
-                              .publish = publish_stats,
-                              .record_request = record_request,
-                              .stats_ctx = S->stats};
-    if (rk_scheduler_start(&ep, &S->engine)) {
-        fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
-        goto out;
-    }
-
+/* Start CivetWeb on o's host and port and say where it listens; *out_port
+ * gets the port bound (o's, or the one chosen for port 0). */
+static rk_status start_http(server *S, int *out_port) {
+    const serve_opts *o = &S->o;
     char ports[320], threads[16], request_ms[24], keep_alive_ms[24];
     int colon = strchr(o->host, ':') != NULL; /* IPv6 literal */
     snprintf(ports, sizeof ports, "%s%s%s:%d", colon ? "[" : "", o->host, colon ? "]" : "",
@@ -1864,28 +1826,28 @@ int rk_serve_main(int argc, char **argv) {
     mg_init_library(0);
     S->ctx = mg_start(&cb, S, mg_opts);
     if (!S->ctx) {
-        fprintf(stderr, "ragkv serve: cannot listen on %s (in use, or not a local address?)\n",
-                ports);
-        rk_scheduler_free(S->engine);
-        S->engine = NULL;
         mg_exit_library();
-        goto out;
+        return rk_errorf(RK_ERR_IO, "cannot listen on %s (in use, or not a local address?)", ports);
     }
     struct mg_server_port sp[4];
     int n_ports = mg_get_server_ports(S->ctx, 4, sp);
+    *out_port = n_ports > 0 ? sp[0].port : o->port;
     fprintf(stderr, "ragkv: listening on http://%s%s%s:%d\n", colon ? "[" : "", o->host,
-            colon ? "]" : "", n_ports > 0 ? sp[0].port : o->port);
+            colon ? "]" : "", *out_port);
     fflush(stderr);
+    return RK_OK;
+}
 
-    /* Wait for a signal, watching the model load. */
-    rc = 0;
+/* Wait for SIGINT or SIGTERM, watching the model load: 0, or EXIT_FAILURE
+ * when the model could not be loaded. */
+static int wait_for_signal(server *S, sigset_t *sigs) {
     rk_scheduler_state last = RK_SCHEDULER_LOADING;
     for (;;) {
         struct timespec tick = {0, 100 * 1000 * 1000};
-        int sig = sigtimedwait(&sigs, NULL, &tick);
+        int sig = sigtimedwait(sigs, NULL, &tick);
         if (sig == SIGINT || sig == SIGTERM) {
             RK_LOG_INFO("signal %d: shutting down", sig);
-            break;
+            return 0;
         }
         char msg[320];
         rk_scheduler_state st = rk_scheduler_get_state(S->engine, msg, sizeof msg);
@@ -1896,28 +1858,78 @@ int rk_serve_main(int argc, char **argv) {
         }
         if (st == RK_SCHEDULER_FAILED) {
             fprintf(stderr, "ragkv serve: cannot start: %s\n", msg);
-            rc = EXIT_FAILURE;
-            break;
+            return EXIT_FAILURE;
         }
         last = st;
     }
+}
 
-    /* Shutdown: refuse new work (503), give in-flight requests the grace
-     * period, then cancel the rest: a running generation stops at its next
-     * step and its stream ends with a final event ("cancelled", with usage)
-     * and [DONE]; a queued one is answered 503. Their handlers write that
-     * before CivetWeb stops, as its stop flag ends every read and write; a
-     * client that does not read is given up after request_timeout_s. */
+/* Shutdown: refuse new work (503), give in-flight requests the grace
+ * period, then cancel the rest: a running generation stops at its next
+ * step and its stream ends with a final event ("cancelled", with usage)
+ * and [DONE]; a queued one is answered 503. Their handlers write that
+ * before CivetWeb stops, as its stop flag ends every read and write; a
+ * client that does not read is given up after request_timeout_s. */
+static void shut_down(server *S, int port) {
     atomic_store(&S->stopping, 1);
-    wait_requests_done(S, o->grace_s);
+    wait_requests_done(S, S->o.grace_s);
     rk_scheduler_cancel_all(S->engine);
-    wait_requests_done(S, o->request_timeout_s + 2);
-    stop_civetweb(S->ctx, n_ports > 0 ? sp[0].port : o->port, o->host);
+    wait_requests_done(S, S->o.request_timeout_s + 2);
+    stop_civetweb(S->ctx, port, S->o.host);
     rk_scheduler_free(S->engine);
     S->engine = NULL;
     mg_exit_library();
     RK_LOG_INFO("stopped");
-out:
+}
+
+int rk_serve_main(int argc, char **argv) {
+    server *S = calloc(1, sizeof *S);
+    if (!S) {
+        fprintf(stderr, "ragkv serve: out of memory\n");
+        return EXIT_FAILURE;
+    }
+    int print_config = 0, exit_code = 0;
+    if (parse_args(argc, argv, &S->o, &print_config, &exit_code)) {
+        free(S);
+        return exit_code;
+    }
+    serve_opts *o = &S->o;
+    if (print_config) {
+        exit_code = print_settings(o);
+        free(S);
+        return exit_code;
+    }
+    rk_log_set_level((rk_log_level)rk_log_level_parse(o->log_level));
+
+    /* Signals: every thread created from here on blocks them; main waits for them. */
+    sigset_t sigs;
+    sigemptyset(&sigs);
+    sigaddset(&sigs, SIGINT);
+    sigaddset(&sigs, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
+    signal(SIGPIPE, SIG_IGN);
+
+    pthread_mutex_init(&S->info_mu, NULL);
+    S->started_unix = (double)time(NULL);
+    int rc = EXIT_FAILURE, port;
+    rk_status st = rk_stats_create(&S->stats);
+    rk_scheduler_params ep = {.cfg = o->cfg,
+                              .model_path = o->model[0] ? o->model : NULL,
+                              .max_queue = o->queue,
+                              .max_batch = o->max_batch,
+                              .load_delay_s = o->load_delay_s,
+                              .token_delay_s = o->token_delay_s,
+                              .publish = publish_stats,
+                              .record_request = record_request,
+                              .stats_ctx = S->stats};
+    if (!st) st = rk_scheduler_start(&ep, &S->engine);
+    if (!st && (st = start_http(S, &port))) rk_scheduler_free(S->engine);
+    if (st) {
+        fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
+    } else {
+        rc = wait_for_signal(S, &sigs);
+        shut_down(S, port);
+    }
     rk_stats_free(S->stats);
     pthread_mutex_destroy(&S->info_mu);
     free(S);
