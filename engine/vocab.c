@@ -115,6 +115,77 @@ static rk_status gguf_short_str(const rk_gguf *g, const char *key, char *buf, si
     return RK_OK;
 }
 
+/* Copy n GGUF strings into fresh ones at *out (what names them, for errors). */
+static rk_status copy_strings(const char *const *strs, const uint32_t *lens, size_t n,
+                              const char *what, char **out) {
+    for (size_t i = 0; i < n; i++) {
+        if (strlen(strs[i]) != lens[i])
+            return rk_errorf(RK_ERR_FORMAT, "%s[%zu] contains a NUL byte", what, i);
+        if (!(out[i] = dup_n(strs[i], lens[i])))
+            return rk_errorf(RK_ERR_NOMEM, "vocabulary: out of memory copying %s", what);
+    }
+    return RK_OK;
+}
+
+/* The optional token types (0 = undefined = normal); without them, llama
+ * byte tokens are recognised by their spelling so that they decode to their
+ * byte. */
+static rk_status read_token_types(const rk_gguf *g, rk_vocab *v, size_t n, int gpt2) {
+    int32_t *types = NULL;
+    size_t n_arr;
+    rk_status st = rk_gguf_get_arr_i32(g, "tokenizer.ggml.token_type", &types, &n_arr);
+    if (st == RK_ERR_NOT_FOUND) {
+        for (size_t i = 0; !gpt2 && i < n; i++)
+            if (is_byte_token(v->tokens[i])) v->token_types[i] = RK_TOKEN_BYTE;
+        return RK_OK;
+    }
+    if (st != RK_OK) return st;
+    if (n_arr != n)
+        st = rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.token_type has %zu entries for %zu tokens",
+                       n_arr, n);
+    for (size_t i = 0; !st && i < n; i++) {
+        if (types[i] < 0 || types[i] > RK_TOKEN_BYTE)
+            st = rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.token_type[%zu] = %d is not a type", i,
+                           (int)types[i]);
+        else
+            v->token_types[i] = types[i] == 0 ? RK_TOKEN_NORMAL : types[i];
+    }
+    free(types);
+    return st;
+}
+
+/* A gpt2 vocabulary's merges, by rank. */
+static rk_status read_merges(const rk_gguf *g, rk_vocab *v) {
+    const char *const *strs;
+    const uint32_t *lens;
+    size_t n;
+    rk_status st = rk_gguf_get_arr_str(g, "tokenizer.ggml.merges", &strs, &lens, &n);
+    if (st == RK_ERR_NOT_FOUND)
+        return rk_errorf(RK_ERR_FORMAT, "gpt2 vocabulary without tokenizer.ggml.merges");
+    if (st != RK_OK) return st;
+    if (n > VOCAB_MAX_TOKENS)
+        return rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.merges has %zu entries", n);
+    if (!(v->merges = calloc(n ? n : 1, sizeof *v->merges)))
+        return rk_errorf(RK_ERR_NOMEM, "vocabulary: out of memory for merges");
+    v->n_merges = (int32_t)n;
+    return copy_strings(strs, lens, n, "tokenizer.ggml.merges", v->merges);
+}
+
+/* The special token ids and whether BOS is added. */
+static rk_status read_specials(const rk_gguf *g, rk_vocab *v, int32_t n, int gpt2) {
+    rk_status st;
+    if ((st = gguf_token_id(g, "tokenizer.ggml.bos_token_id", n, &v->bos_id)) != RK_OK ||
+        (st = gguf_token_id(g, "tokenizer.ggml.eos_token_id", n, &v->eos_id)) != RK_OK ||
+        (st = gguf_token_id(g, "tokenizer.ggml.unknown_token_id", n, &v->unk_id)) != RK_OK ||
+        (st = gguf_token_id(g, "tokenizer.ggml.padding_token_id", n, &v->pad_id)) != RK_OK)
+        return st;
+    v->add_bos = gpt2 ? 0 : 1;
+    int add_bos;
+    st = rk_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &add_bos);
+    if (st == RK_OK) v->add_bos = add_bos != 0;
+    return st == RK_ERR_NOT_FOUND ? RK_OK : st;
+}
+
 rk_status rk_vocab_from_gguf(const rk_gguf *g, rk_vocab *out) {
     memset(out, 0, sizeof *out);
     rk_vocab v;
@@ -138,118 +209,32 @@ rk_status rk_vocab_from_gguf(const rk_gguf *g, rk_vocab *out) {
     if (n == 0 || n > VOCAB_MAX_TOKENS)
         return rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.tokens has %zu entries (1..%d allowed)", n,
                          VOCAB_MAX_TOKENS);
-    st = vocab_init(&v, model, (int32_t)n);
-    if (st != RK_OK) return st;
+    if ((st = vocab_init(&v, model, (int32_t)n)) != RK_OK) return st;
 
     st = gguf_short_str(g, "tokenizer.ggml.pre", v.pre, sizeof v.pre);
-    if (st != RK_OK) goto fail;
     if (gpt2 && !v.pre[0]) snprintf(v.pre, sizeof v.pre, "default");
     if (!gpt2) v.pre[0] = '\0';
-
-    for (size_t i = 0; i < n; i++) {
-        if (strlen(strs[i]) != lens[i]) {
-            st = rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.tokens[%zu] contains a NUL byte", i);
-            goto fail;
-        }
-        v.tokens[i] = dup_n(strs[i], lens[i]);
-        if (!v.tokens[i]) {
-            st = rk_errorf(RK_ERR_NOMEM, "vocabulary: out of memory copying tokens");
-            goto fail;
-        }
-    }
-
-    size_t n_arr;
-    st = rk_gguf_get_arr_f32(g, "tokenizer.ggml.scores", &v.scores, &n_arr);
-    if (st == RK_ERR_NOT_FOUND) {
-        v.scores = NULL;
-    } else if (st != RK_OK) {
-        goto fail;
-    } else if (n_arr != n) {
-        st = rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.scores has %zu entries for %zu tokens", n_arr,
-                       n);
-        goto fail;
-    }
-
-    int32_t *types = NULL;
-    st = rk_gguf_get_arr_i32(g, "tokenizer.ggml.token_type", &types, &n_arr);
-    if (st == RK_ERR_NOT_FOUND) {
-        /* No types: everything is normal, except that llama byte tokens are
-         * recognised by their spelling so that they decode to their byte. */
-        if (!gpt2)
-            for (size_t i = 0; i < n; i++)
-                if (is_byte_token(v.tokens[i])) v.token_types[i] = RK_TOKEN_BYTE;
-    } else if (st != RK_OK) {
-        goto fail;
-    } else {
-        if (n_arr != n) {
-            free(types);
-            st = rk_errorf(RK_ERR_FORMAT,
-                           "tokenizer.ggml.token_type has %zu entries for %zu tokens", n_arr, n);
-            goto fail;
-        }
-        for (size_t i = 0; i < n; i++) {
-            if (types[i] < 0 || types[i] > RK_TOKEN_BYTE) {
-                st = rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.token_type[%zu] = %d is not a type",
-                               i, (int)types[i]);
-                free(types);
-                goto fail;
-            }
-            v.token_types[i] = types[i] == 0 ? RK_TOKEN_NORMAL : types[i]; /* 0 = undefined */
-        }
-        free(types);
-    }
-
-    if (gpt2) {
-        size_t n_merges;
-        st = rk_gguf_get_arr_str(g, "tokenizer.ggml.merges", &strs, &lens, &n_merges);
+    if (!st) st = copy_strings(strs, lens, n, "tokenizer.ggml.tokens", v.tokens);
+    size_t n_scores;
+    if (!st) {
+        st = rk_gguf_get_arr_f32(g, "tokenizer.ggml.scores", &v.scores, &n_scores);
         if (st == RK_ERR_NOT_FOUND) {
-            st = rk_errorf(RK_ERR_FORMAT, "gpt2 vocabulary without tokenizer.ggml.merges");
-            goto fail;
-        }
-        if (st != RK_OK) goto fail;
-        if (n_merges > VOCAB_MAX_TOKENS) {
-            st = rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.merges has %zu entries", n_merges);
-            goto fail;
-        }
-        v.merges = calloc(n_merges ? n_merges : 1, sizeof *v.merges);
-        if (!v.merges) {
-            st = rk_errorf(RK_ERR_NOMEM, "vocabulary: out of memory for merges");
-            goto fail;
-        }
-        v.n_merges = (int32_t)n_merges;
-        for (size_t i = 0; i < n_merges; i++) {
-            if (strlen(strs[i]) != lens[i]) {
-                st = rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.merges[%zu] contains a NUL byte", i);
-                goto fail;
-            }
-            v.merges[i] = dup_n(strs[i], lens[i]);
-            if (!v.merges[i]) {
-                st = rk_errorf(RK_ERR_NOMEM, "vocabulary: out of memory copying merges");
-                goto fail;
-            }
+            v.scores = NULL;
+            st = RK_OK;
+        } else if (st == RK_OK && n_scores != n) {
+            st = rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.scores has %zu entries for %zu tokens",
+                           n_scores, n);
         }
     }
-
-    int32_t nt = (int32_t)n;
-    if ((st = gguf_token_id(g, "tokenizer.ggml.bos_token_id", nt, &v.bos_id)) != RK_OK ||
-        (st = gguf_token_id(g, "tokenizer.ggml.eos_token_id", nt, &v.eos_id)) != RK_OK ||
-        (st = gguf_token_id(g, "tokenizer.ggml.unknown_token_id", nt, &v.unk_id)) != RK_OK ||
-        (st = gguf_token_id(g, "tokenizer.ggml.padding_token_id", nt, &v.pad_id)) != RK_OK)
-        goto fail;
-
-    v.add_bos = gpt2 ? 0 : 1;
-    int add_bos;
-    st = rk_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &add_bos);
-    if (st == RK_OK)
-        v.add_bos = add_bos != 0;
-    else if (st != RK_ERR_NOT_FOUND)
-        goto fail;
+    if (!st) st = read_token_types(g, &v, n, gpt2);
+    if (!st && gpt2) st = read_merges(g, &v);
+    if (!st) st = read_specials(g, &v, (int32_t)n, gpt2);
+    if (st) {
+        rk_vocab_free(&v);
+        return st;
+    }
     *out = v;
     return RK_OK;
-
-fail:
-    rk_vocab_free(&v);
-    return st;
 }
 
 /* ================================================================ Hugging Face tokenizer.json */
@@ -336,138 +321,141 @@ static rk_status hf_merge(const json_t *m, const char *path, size_t i, char **ou
     return RK_OK;
 }
 
-rk_status rk_vocab_from_hf_json(const char *path, int32_t n_pad_to, rk_vocab *out) {
-    memset(out, 0, sizeof *out);
-    json_error_t jerr;
-    json_t *root = json_load_file(path, JSON_ALLOW_NUL, &jerr);
-    if (!root) {
-        FILE *f = fopen(path, "rb");
-        if (!f) return rk_errorf(RK_ERR_IO, "%s: %s", path, strerror(errno));
-        fclose(f);
-        return rk_errorf(RK_ERR_FORMAT, "%s:%d: %s", path, jerr.line, jerr.text);
-    }
-    rk_vocab v;
-    memset(&v, 0, sizeof v);
-    rk_status st = RK_OK;
-    const json_t *model = json_object_get(root, "model");
-    const json_t *vmap = json_object_get(model, "vocab");
-    const json_t *merges = json_object_get(model, "merges");
-    const json_t *added = json_object_get(root, "added_tokens");
-    const char *mtype = json_string_value(json_object_get(model, "type"));
-    if (!mtype || strcmp(mtype, "BPE") != 0 || !json_is_object(vmap) || !json_is_array(merges)) {
-        st = rk_errorf(RK_ERR_UNSUPPORTED,
-                       "%s: not a BPE tokenizer with model.vocab and model.merges", path);
-        goto done;
-    }
-    if (added && !json_is_array(added)) {
-        st = rk_errorf(RK_ERR_FORMAT, "%s: added_tokens is not an array", path);
-        goto done;
-    }
-    const char *pre = hf_pre_name(json_object_get(root, "pre_tokenizer"));
-    if (!pre) {
-        st = rk_errorf(RK_ERR_UNSUPPORTED,
-                       "%s: pre-tokenizer not recognised (supported regexes: %s)", path,
-                       rk_tok_pre_names());
-        goto done;
-    }
-
-    /* Size: one past the largest id anywhere. */
+/* One past the largest id of the vocab and the added tokens (checking that
+ * every entry has an integer id), into *out_n. */
+static rk_status hf_size(const char *path, const json_t *vmap, const json_t *added,
+                         int32_t *out_n) {
     int64_t max_id = -1;
     const char *key;
     const json_t *val;
     json_object_foreach((json_t *)vmap, key, val) {
-        if (!json_is_integer(val)) {
-            st = rk_errorf(RK_ERR_FORMAT, "%s: vocab entry \"%s\" has no integer id", path, key);
-            goto done;
-        }
+        if (!json_is_integer(val))
+            return rk_errorf(RK_ERR_FORMAT, "%s: vocab entry \"%s\" has no integer id", path, key);
         if (json_integer_value(val) > max_id) max_id = json_integer_value(val);
     }
     size_t i;
     json_array_foreach(added, i, val) {
         const json_t *id = json_object_get(val, "id");
-        if (!json_is_integer(id) || !json_is_string(json_object_get(val, "content"))) {
-            st = rk_errorf(RK_ERR_FORMAT, "%s: added_tokens[%zu] lacks id or content", path, i);
-            goto done;
-        }
+        if (!json_is_integer(id) || !json_is_string(json_object_get(val, "content")))
+            return rk_errorf(RK_ERR_FORMAT, "%s: added_tokens[%zu] lacks id or content", path, i);
         if (json_integer_value(id) > max_id) max_id = json_integer_value(id);
     }
-    if (max_id < 0 || max_id >= VOCAB_MAX_TOKENS) {
-        st = rk_errorf(RK_ERR_FORMAT, "%s: vocabulary size %lld out of range", path,
-                       (long long)max_id + 1);
-        goto done;
-    }
-    int32_t n_base = (int32_t)max_id + 1;
-    int32_t n = n_pad_to > n_base ? n_pad_to : n_base;
-    if ((st = vocab_init(&v, "gpt2", n)) != RK_OK) goto done;
-    snprintf(v.pre, sizeof v.pre, "%s", pre);
-    v.n_tokens = n_base; /* ids >= n_base are padding, filled below */
+    if (max_id < 0 || max_id >= VOCAB_MAX_TOKENS)
+        return rk_errorf(RK_ERR_FORMAT, "%s: vocabulary size %lld out of range", path,
+                         (long long)max_id + 1);
+    *out_n = (int32_t)max_id + 1;
+    return RK_OK;
+}
 
+/* The vocab's and the added tokens' texts and types into ids 0..n_base-1
+ * (every id assigned), then padding tokens up to v->n_tokens. */
+static rk_status hf_tokens(rk_vocab *v, const char *path, const json_t *vmap, const json_t *added,
+                           int32_t n_base) {
+    int32_t n = v->n_tokens;
+    v->n_tokens = n_base; /* ids >= n_base are padding, filled below */
+    rk_status st;
+    const char *key;
+    const json_t *val;
     json_object_foreach((json_t *)vmap, key, val) {
-        st = hf_assign(&v, path, json_integer_value(val), key, strlen(key));
-        if (st != RK_OK) goto done;
+        if ((st = hf_assign(v, path, json_integer_value(val), key, strlen(key))) != RK_OK)
+            return st;
     }
+    size_t i;
     json_array_foreach(added, i, val) {
         int64_t id = json_integer_value(json_object_get(val, "id"));
         const json_t *content = json_object_get(val, "content");
         const char *text = json_string_value(content);
-        size_t len = json_string_length(content);
         int special = json_is_true(json_object_get(val, "special"));
-        if (id >= 0 && id < n_base && v.tokens[id] && v.token_types[id] == RK_TOKEN_NORMAL &&
-            strcmp(v.tokens[id], text) == 0) {
-            /* Listed in the vocab too, with the same text: only the type changes. */
-        } else if ((st = hf_assign(&v, path, id, text, len)) != RK_OK) {
-            goto done;
-        }
-        v.token_types[id] = special ? RK_TOKEN_CONTROL : RK_TOKEN_USER_DEFINED;
+        /* Listed in the vocab too, with the same text: only the type changes. */
+        int known = id >= 0 && id < n_base && v->tokens[id] &&
+                    v->token_types[id] == RK_TOKEN_NORMAL && strcmp(v->tokens[id], text) == 0;
+        if (!known && (st = hf_assign(v, path, id, text, json_string_length(content))) != RK_OK)
+            return st;
+        v->token_types[id] = special ? RK_TOKEN_CONTROL : RK_TOKEN_USER_DEFINED;
     }
     for (int32_t id = 0; id < n_base; id++)
-        if (!v.tokens[id]) {
-            st = rk_errorf(RK_ERR_FORMAT, "%s: token id %d is not assigned", path, (int)id);
-            goto done;
-        }
+        if (!v->tokens[id])
+            return rk_errorf(RK_ERR_FORMAT, "%s: token id %d is not assigned", path, (int)id);
     for (int32_t id = n_base; id < n; id++) {
         char buf[32];
         int len = snprintf(buf, sizeof buf, "[PAD%d]", (int)id);
-        v.n_tokens = id + 1;
-        v.tokens[id] = dup_n(buf, (size_t)len);
-        if (!v.tokens[id]) {
-            st = rk_errorf(RK_ERR_NOMEM, "%s: out of memory", path);
-            goto done;
-        }
-        v.token_types[id] = RK_TOKEN_UNUSED;
+        v->n_tokens = id + 1;
+        if (!(v->tokens[id] = dup_n(buf, (size_t)len)))
+            return rk_errorf(RK_ERR_NOMEM, "%s: out of memory", path);
+        v->token_types[id] = RK_TOKEN_UNUSED;
     }
-    v.n_tokens = n;
+    v->n_tokens = n;
+    return RK_OK;
+}
 
-    size_t n_merges = json_array_size(merges);
-    if (n_merges > VOCAB_MAX_TOKENS) {
-        st = rk_errorf(RK_ERR_FORMAT, "%s: %zu merges", path, n_merges);
-        goto done;
-    }
-    v.merges = calloc(n_merges ? n_merges : 1, sizeof *v.merges);
-    if (!v.merges) {
-        st = rk_errorf(RK_ERR_NOMEM, "%s: out of memory", path);
-        goto done;
-    }
+/* model.merges, by rank. */
+static rk_status hf_merges(rk_vocab *v, const char *path, const json_t *merges) {
+    size_t n = json_array_size(merges), i;
+    if (n > VOCAB_MAX_TOKENS) return rk_errorf(RK_ERR_FORMAT, "%s: %zu merges", path, n);
+    if (!(v->merges = calloc(n ? n : 1, sizeof *v->merges)))
+        return rk_errorf(RK_ERR_NOMEM, "%s: out of memory", path);
+    const json_t *val;
     json_array_foreach(merges, i, val) {
-        if ((st = hf_merge(val, path, i, &v.merges[i])) != RK_OK) goto done;
-        v.n_merges = (int32_t)i + 1;
+        rk_status st = hf_merge(val, path, i, &v->merges[i]);
+        if (st != RK_OK) return st;
+        v->n_merges = (int32_t)i + 1;
     }
+    return RK_OK;
+}
 
-    /* As llama.cpp sets it for Qwen: <|endoftext|> is bos, eos and padding;
-     * chat end markers (<|im_end|>) are end-of-generation tokens. */
-    for (int32_t id = 0; id < n; id++)
-        if (v.token_types[id] != RK_TOKEN_NORMAL && strcmp(v.tokens[id], "<|endoftext|>") == 0) {
-            v.bos_id = v.eos_id = v.pad_id = id;
-            break;
-        }
-    v.add_bos = 0;
+/* The tokenizer.json at path, parsed; its own error when it is not JSON. */
+static rk_status hf_load(const char *path, json_t **out) {
+    json_error_t jerr;
+    if ((*out = json_load_file(path, JSON_ALLOW_NUL, &jerr))) return RK_OK;
+    FILE *f = fopen(path, "rb");
+    if (!f) return rk_errorf(RK_ERR_IO, "%s: %s", path, strerror(errno));
+    fclose(f);
+    return rk_errorf(RK_ERR_FORMAT, "%s:%d: %s", path, jerr.line, jerr.text);
+}
 
-done:
+rk_status rk_vocab_from_hf_json(const char *path, int32_t n_pad_to, rk_vocab *out) {
+    memset(out, 0, sizeof *out);
+    json_t *root;
+    rk_status st = hf_load(path, &root);
+    if (st) return st;
+    rk_vocab v;
+    memset(&v, 0, sizeof v);
+    const json_t *model = json_object_get(root, "model");
+    const json_t *vmap = json_object_get(model, "vocab");
+    const json_t *merges = json_object_get(model, "merges");
+    const json_t *added = json_object_get(root, "added_tokens");
+    const char *mtype = json_string_value(json_object_get(model, "type"));
+    const char *pre = hf_pre_name(json_object_get(root, "pre_tokenizer"));
+    int32_t n_base = 0;
+    if (!mtype || strcmp(mtype, "BPE") != 0 || !json_is_object(vmap) || !json_is_array(merges))
+        st = rk_errorf(RK_ERR_UNSUPPORTED,
+                       "%s: not a BPE tokenizer with model.vocab and model.merges", path);
+    else if (added && !json_is_array(added))
+        st = rk_errorf(RK_ERR_FORMAT, "%s: added_tokens is not an array", path);
+    else if (!pre)
+        st = rk_errorf(RK_ERR_UNSUPPORTED,
+                       "%s: pre-tokenizer not recognised (supported regexes: %s)", path,
+                       rk_tok_pre_names());
+    if (!st) st = hf_size(path, vmap, added, &n_base);
+    if (!st) st = vocab_init(&v, "gpt2", n_pad_to > n_base ? n_pad_to : n_base);
+    if (!st) {
+        snprintf(v.pre, sizeof v.pre, "%s", pre);
+        st = hf_tokens(&v, path, vmap, added, n_base);
+    }
+    if (!st) st = hf_merges(&v, path, merges);
     json_decref(root);
     if (st != RK_OK) {
         rk_vocab_free(&v);
         return st;
     }
+    /* As llama.cpp sets it for Qwen: <|endoftext|> is bos, eos and padding;
+     * chat end markers (<|im_end|>) are end-of-generation tokens. */
+    for (int32_t id = 0; id < v.n_tokens; id++)
+        if (v.token_types[id] != RK_TOKEN_NORMAL && strcmp(v.tokens[id], "<|endoftext|>") == 0) {
+            v.bos_id = v.eos_id = v.pad_id = id;
+            break;
+        }
+    v.add_bos = 0;
     *out = v;
     return RK_OK;
 }
