@@ -234,6 +234,54 @@ static rk_status check_positive(const rk_model *m, const char *suffix, float v) 
                      m->hp.arch_name, suffix, v);
 }
 
+/* The RoPE parameters (hp's head_dim and context known), checked. */
+static rk_status read_rope(rk_model *m) {
+    rk_hparams *hp = &m->hp;
+    const char *arch = hp->arch_name;
+    rk_status st;
+    char key[128];
+    rk_rope_params *rp = &hp->rope;
+    memset(rp, 0, sizeof *rp);
+    if ((st = get_u32_arch(m, "rope.dimension_count", (uint32_t)hp->head_dim, 0, &rp->n_rot)))
+        return st;
+    if (rp->n_rot < 2 || rp->n_rot > hp->head_dim || rp->n_rot % 2)
+        return rk_errorf(RK_ERR_FORMAT,
+                         "model: %s.rope.dimension_count = %d is invalid (even, 2..head_dim %d)",
+                         arch, rp->n_rot, hp->head_dim);
+    if ((st = get_f32_arch(m, "rope.freq_base", 10000.0f, &rp->theta)) ||
+        (st = check_positive(m, "rope.freq_base", rp->theta)))
+        return st;
+    rp->pairing = hp->arch == RK_ARCH_LLAMA ? RK_ROPE_NORMAL : RK_ROPE_NEOX;
+    if ((st = get_f32_arch(m, "rope.scaling.factor", 1.0f, &rp->factor))) return st;
+    int orig;
+    if ((st = get_u32_arch(m, "rope.scaling.original_context_length", (uint32_t)hp->n_ctx, 0,
+                           &orig)))
+        return st;
+    rp->orig_ctx = orig;
+    if ((st = get_f32_arch(m, "rope.scaling.yarn_beta_fast", 32.0f, &rp->beta_fast)) ||
+        (st = get_f32_arch(m, "rope.scaling.yarn_beta_slow", 1.0f, &rp->beta_slow)) ||
+        (st = get_f32_arch(m, "rope.scaling.low_freq_factor", 1.0f, &rp->low_freq_factor)) ||
+        (st = get_f32_arch(m, "rope.scaling.high_freq_factor", 4.0f, &rp->high_freq_factor)))
+        return st;
+    const char *stype = "none";
+    snprintf(key, sizeof key, "%s.rope.scaling.type", hp->arch_name);
+    rk_gguf_get_str(m->gguf, key, &stype, NULL);
+    if (!strcmp(stype, "none"))
+        rp->scaling = RK_ROPE_SCALING_NONE;
+    else if (!strcmp(stype, "linear"))
+        rp->scaling = RK_ROPE_SCALING_LINEAR;
+    else if (!strcmp(stype, "yarn"))
+        rp->scaling = RK_ROPE_SCALING_YARN;
+    else if (!strcmp(stype, "llama3"))
+        rp->scaling = RK_ROPE_SCALING_LLAMA3;
+    else
+        return rk_errorf(RK_ERR_UNSUPPORTED, "model: rope scaling \"%s\" not supported", stype);
+    if (rp->scaling != RK_ROPE_SCALING_NONE &&
+        (st = check_positive(m, "rope.scaling.factor", rp->factor)))
+        return st;
+    return rk_rope_init(&m->rope, rp);
+}
+
 static rk_status read_hparams(rk_model *m) {
     rk_hparams *hp = &m->hp;
     const char *arch;
@@ -295,48 +343,7 @@ static rk_status read_hparams(rk_model *m) {
         return st;
     hp->has_qkv_bias = hp->arch == RK_ARCH_QWEN2;
     hp->has_qk_norm = hp->arch == RK_ARCH_QWEN3;
-
-    rk_rope_params *rp = &hp->rope;
-    memset(rp, 0, sizeof *rp);
-    if ((st = get_u32_arch(m, "rope.dimension_count", (uint32_t)hp->head_dim, 0, &rp->n_rot)))
-        return st;
-    if (rp->n_rot < 2 || rp->n_rot > hp->head_dim || rp->n_rot % 2)
-        return rk_errorf(RK_ERR_FORMAT,
-                         "model: %s.rope.dimension_count = %d is invalid (even, 2..head_dim %d)",
-                         arch, rp->n_rot, hp->head_dim);
-    if ((st = get_f32_arch(m, "rope.freq_base", 10000.0f, &rp->theta)) ||
-        (st = check_positive(m, "rope.freq_base", rp->theta)))
-        return st;
-    rp->pairing = hp->arch == RK_ARCH_LLAMA ? RK_ROPE_NORMAL : RK_ROPE_NEOX;
-    if ((st = get_f32_arch(m, "rope.scaling.factor", 1.0f, &rp->factor))) return st;
-    int orig;
-    if ((st = get_u32_arch(m, "rope.scaling.original_context_length", (uint32_t)hp->n_ctx, 0,
-                           &orig)))
-        return st;
-    rp->orig_ctx = orig;
-    if ((st = get_f32_arch(m, "rope.scaling.yarn_beta_fast", 32.0f, &rp->beta_fast)) ||
-        (st = get_f32_arch(m, "rope.scaling.yarn_beta_slow", 1.0f, &rp->beta_slow)) ||
-        (st = get_f32_arch(m, "rope.scaling.low_freq_factor", 1.0f, &rp->low_freq_factor)) ||
-        (st = get_f32_arch(m, "rope.scaling.high_freq_factor", 4.0f, &rp->high_freq_factor)))
-        return st;
-    const char *stype = "none";
-    snprintf(key, sizeof key, "%s.rope.scaling.type", hp->arch_name);
-    rk_gguf_get_str(m->gguf, key, &stype, NULL);
-    if (!strcmp(stype, "none"))
-        rp->scaling = RK_ROPE_SCALING_NONE;
-    else if (!strcmp(stype, "linear"))
-        rp->scaling = RK_ROPE_SCALING_LINEAR;
-    else if (!strcmp(stype, "yarn"))
-        rp->scaling = RK_ROPE_SCALING_YARN;
-    else if (!strcmp(stype, "llama3"))
-        rp->scaling = RK_ROPE_SCALING_LLAMA3;
-    else
-        return rk_errorf(RK_ERR_UNSUPPORTED, "model: rope scaling \"%s\" not supported", stype);
-    if (rp->scaling != RK_ROPE_SCALING_NONE &&
-        (st = check_positive(m, "rope.scaling.factor", rp->factor)))
-        return st;
-    if ((st = rk_rope_init(&m->rope, rp))) return st;
-    return RK_OK;
+    return read_rope(m);
 }
 
 /* llama 3 files carry precomputed per-frequency divisors in rope_freqs.weight. */
