@@ -234,6 +234,240 @@ static rk_status matmul_blas(rk_cpu *cpu, float *y, const float *x, const void *
     return RK_OK;
 }
 
+/* ---------------------------------------------------------------- BF16 path */
+
+#ifdef RK_CPU_BF16_KERNELS
+#include <immintrin.h>
+
+#define BF16_NR 64 /* columns of y (rows of w) per packed panel and micro-kernel tile */
+#define BF16_MR 6  /* rows of x per micro-kernel tile: 6 x 4 accumulators */
+
+/* With AVX-512 BF16, x is rounded to BF16 (round to nearest even) once per
+ * matmul, rows padded with zeros to xs elements, and each weight meets it in
+ * _mm512_dpbf16_ps: a lane accumulates two exact BF16 products into f32. The
+ * result is the product on the rounded activations, so it differs from the
+ * f32 one by at most 2^-8 of the sum of |x w| (a BF16 rounding is within
+ * 2^-8 relative), plus the f32 summation error; the instruction flushes
+ * subnormal inputs and results to zero.
+ *
+ * Decode (n < BLAS_MIN_N) streams each row of w once against every row of x,
+ * as the f32 matvec does: four 16-lane accumulators over 128-element steps,
+ * the remaining 32-element steps into accumulators 0, 1, 2 in turn, the last
+ * partial step with a masked load of w, then (a0 + a1) + (a2 + a3) and a
+ * fixed horizontal sum. bf16_dot_2 sums in the same order as bf16_dot_1.
+ *
+ * Prefill (n >= BLAS_MIN_N) packs BF16_NR rows of w at a time into
+ * per-thread scratch, pair-interleaved: for each pair p of k and each group
+ * of 16 rows, one vector holds (w[r][2p], w[r][2p + 1]) for the 16 rows, so
+ * a 32-bit broadcast of (x[i][2p], x[i][2p + 1]) times it adds 16 outputs'
+ * pair p at once. The micro-kernel keeps a 6 x 64 tile of y in 24 registers
+ * over the whole of k; the packed panel stays in L2 while every row of x
+ * passes. Every element of y is one lane summing the pairs in order, so it
+ * does not depend on n, on the tile it falls in or on the thread count. */
+
+/* Elements per row of the BF16 copy of x: k rounded up to 32. */
+static size_t bf16_row_elems(int k) { return ((size_t)k + 31) / 32 * 32; }
+
+typedef struct bf16_ctx {
+    rk_cpu *cpu;
+    float *y;
+    const float *x;
+    const uint16_t *w;
+    uint16_t *xb; /* (n, xs) BF16 copy of x */
+    size_t xs;
+    int n, k, m;
+} bf16_ctx;
+
+static void bf16_round_row(void *p, int i, int tid) {
+    (void)tid;
+    const bf16_ctx *c = p;
+    uint16_t *dst = c->xb + (size_t)i * c->xs;
+    rk_cpu_from_f32(dst, c->x + (size_t)i * c->k, RK_DTYPE_BF16, (size_t)c->k);
+    memset(dst + c->k, 0, (c->xs - (size_t)c->k) * sizeof(uint16_t));
+}
+
+#define BF16_LOAD(p)        ((__m512bh)_mm512_loadu_si512(p))
+#define BF16_LOADM(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16(mask, p))
+#define BF16_DP(acc, a, b)  _mm512_dpbf16_ps(acc, a, b)
+#define BF16_SUM4(a)                                                                               \
+    _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])))
+
+/* Mask of the last partial 32-element step of a row of k elements at j. */
+RK_CPU_BF16_TARGET static inline __mmask32 bf16_tail_mask(int k, int j) {
+    return (__mmask32)((1ull << (k - j)) - 1);
+}
+
+RK_CPU_BF16_TARGET static float bf16_dot_1(const uint16_t *x, const uint16_t *w, int k) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+    int j = 0, u = 0;
+    for (; j + 128 <= k; j += 128)
+        for (int v = 0; v < 4; v++)
+            a[v] = BF16_DP(a[v], BF16_LOAD(x + j + 32 * v), BF16_LOAD(w + j + 32 * v));
+    for (; j + 32 <= k; j += 32, u++) a[u] = BF16_DP(a[u], BF16_LOAD(x + j), BF16_LOAD(w + j));
+    if (j < k) a[u] = BF16_DP(a[u], BF16_LOAD(x + j), BF16_LOADM(bf16_tail_mask(k, j), w + j));
+    return BF16_SUM4(a);
+}
+
+RK_CPU_BF16_TARGET static void bf16_dot_2(const uint16_t *x0, const uint16_t *x1, const uint16_t *w,
+                                          int k, float *out0, float *out1) {
+    __m512 a[4], b[4];
+    for (int v = 0; v < 4; v++) a[v] = b[v] = _mm512_setzero_ps();
+    int j = 0, u = 0;
+    for (; j + 128 <= k; j += 128)
+        for (int v = 0; v < 4; v++) {
+            __m512bh wv = BF16_LOAD(w + j + 32 * v);
+            a[v] = BF16_DP(a[v], BF16_LOAD(x0 + j + 32 * v), wv);
+            b[v] = BF16_DP(b[v], BF16_LOAD(x1 + j + 32 * v), wv);
+        }
+    for (; j + 32 <= k; j += 32, u++) {
+        __m512bh wv = BF16_LOAD(w + j);
+        a[u] = BF16_DP(a[u], BF16_LOAD(x0 + j), wv);
+        b[u] = BF16_DP(b[u], BF16_LOAD(x1 + j), wv);
+    }
+    if (j < k) {
+        __m512bh wv = BF16_LOADM(bf16_tail_mask(k, j), w + j);
+        a[u] = BF16_DP(a[u], BF16_LOAD(x0 + j), wv);
+        b[u] = BF16_DP(b[u], BF16_LOAD(x1 + j), wv);
+    }
+    *out0 = BF16_SUM4(a);
+    *out1 = BF16_SUM4(b);
+}
+
+/* Decode task: rows [r0, r1) of w against every row of x. */
+RK_CPU_BF16_TARGET static void bf16_mv_task(void *p, int task, int tid) {
+    (void)tid;
+    const bf16_ctx *c = p;
+    int r0 = task * ROWS_PER_TASK;
+    int r1 = r0 + ROWS_PER_TASK < c->m ? r0 + ROWS_PER_TASK : c->m;
+    size_t k = (size_t)c->k, m = (size_t)c->m, xs = c->xs;
+    for (int r = r0; r < r1; r++) {
+        const uint16_t *wr = c->w + (size_t)r * k;
+        int i = 0;
+        for (; i + 2 <= c->n; i += 2)
+            bf16_dot_2(c->xb + i * xs, c->xb + (i + 1) * xs, wr, c->k, c->y + i * m + r,
+                       c->y + (i + 1) * m + r);
+        if (i < c->n) c->y[i * m + r] = bf16_dot_1(c->xb + i * xs, wr, c->k);
+    }
+}
+
+/* Pack rows [c0, c0 + cols) of w (cols <= BF16_NR) into dst: for pair p,
+ * group g, the 16 dwords (w[c0 + 16g + l][2p], w[c0 + 16g + l][2p + 1]) at
+ * dst + 16 (4p + g); rows past cols and the element past an odd k are 0. */
+RK_CPU_BF16_TARGET static void bf16_pack(uint32_t *dst, const uint16_t *w, int k, int cols) {
+    int pairs = k / 2, kp = (k + 1) / 2;
+    const uint16_t *base = w;
+    for (int g = 0; g < BF16_NR / 16; g++) {
+        int left = cols - 16 * g;
+        __mmask16 mask = left >= 16 ? (__mmask16)0xffff
+                         : left > 0 ? (__mmask16)((1u << left) - 1)
+                                    : 0;
+        /* in units of 2 bytes: element 2p of row 16g + l */
+        __m512i idx =
+            _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * g),
+                                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
+                                                                  11, 12, 13, 14, 15)),
+                               _mm512_set1_epi32(k));
+        const __m512i two = _mm512_set1_epi32(2);
+        for (int p = 0; p < pairs; p++) {
+            __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx, base, 2);
+            _mm512_storeu_si512(dst + 16 * (4 * p + g), v);
+            idx = _mm512_add_epi32(idx, two);
+        }
+        if (kp > pairs) { /* odd k: the last element alone, its partner 0 */
+            uint32_t *o = dst + 16 * (4 * pairs + g);
+            for (int l = 0; l < 16; l++)
+                o[l] = l < left ? base[(size_t)(16 * g + l) * k + (size_t)(k - 1)] : 0;
+        }
+    }
+}
+
+/* Two BF16 elements of x read as one dword (an alias of the uint16_t array). */
+typedef uint32_t __attribute__((may_alias)) bf16_pair;
+
+/* y rows [0, MR) x columns [0, cols) of the tile = x rows (xs elements
+ * apart) . packed panel, over kp pairs. MR is a constant at every call, so
+ * the row loops unroll and the accumulators stay in registers. */
+#define DEF_BF16_TILE(MR)                                                                          \
+    RK_CPU_BF16_TARGET static void bf16_tile_##MR(const uint16_t *x, size_t xs,                    \
+                                                  const uint32_t *wp, int kp, float *y,            \
+                                                  size_t ldy, int cols) {                          \
+        __m512 acc[MR][4];                                                                         \
+        for (int r = 0; r < MR; r++)                                                               \
+            for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();                           \
+        const bf16_pair *xr[MR];                                                                   \
+        for (int r = 0; r < MR; r++) xr[r] = (const bf16_pair *)(x + (size_t)r * xs);              \
+        for (int p = 0; p < kp; p++, wp += 64) {                                                   \
+            __m512bh w0 = BF16_LOAD(wp), w1 = BF16_LOAD(wp + 16), w2 = BF16_LOAD(wp + 32),         \
+                     w3 = BF16_LOAD(wp + 48);                                                      \
+            for (int r = 0; r < MR; r++) {                                                         \
+                __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[r][p]);                          \
+                acc[r][0] = BF16_DP(acc[r][0], xv, w0);                                            \
+                acc[r][1] = BF16_DP(acc[r][1], xv, w1);                                            \
+                acc[r][2] = BF16_DP(acc[r][2], xv, w2);                                            \
+                acc[r][3] = BF16_DP(acc[r][3], xv, w3);                                            \
+            }                                                                                      \
+        }                                                                                          \
+        for (int u = 0; u < 4; u++) {                                                              \
+            int left = cols - 16 * u;                                                              \
+            if (left <= 0) break;                                                                  \
+            __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);       \
+            for (int r = 0; r < MR; r++)                                                           \
+                _mm512_mask_storeu_ps(y + (size_t)r * ldy + 16 * u, mask, acc[r][u]);              \
+        }                                                                                          \
+    }
+DEF_BF16_TILE(1)
+DEF_BF16_TILE(2)
+DEF_BF16_TILE(3)
+DEF_BF16_TILE(4)
+DEF_BF16_TILE(5)
+DEF_BF16_TILE(6)
+
+/* Prefill task: columns [c0, c0 + BF16_NR) of y for every row of x. */
+RK_CPU_BF16_TARGET static void bf16_gemm_task(void *p, int task, int tid) {
+    const bf16_ctx *c = p;
+    int c0 = task * BF16_NR;
+    int cols = c->m - c0 < BF16_NR ? c->m - c0 : BF16_NR;
+    int kp = (c->k + 1) / 2;
+    uint32_t *wp = rk_cpu_scratch(c->cpu, tid); /* (kp, BF16_NR) dwords */
+    bf16_pack(wp, c->w + (size_t)c0 * c->k, c->k, cols);
+    size_t m = (size_t)c->m;
+    for (int i = 0; i < c->n; i += BF16_MR) {
+        const uint16_t *xi = c->xb + (size_t)i * c->xs;
+        float *yi = c->y + (size_t)i * m + c0;
+        switch (c->n - i < BF16_MR ? c->n - i : BF16_MR) {
+        case 1: bf16_tile_1(xi, c->xs, wp, kp, yi, m, cols); break;
+        case 2: bf16_tile_2(xi, c->xs, wp, kp, yi, m, cols); break;
+        case 3: bf16_tile_3(xi, c->xs, wp, kp, yi, m, cols); break;
+        case 4: bf16_tile_4(xi, c->xs, wp, kp, yi, m, cols); break;
+        case 5: bf16_tile_5(xi, c->xs, wp, kp, yi, m, cols); break;
+        default: bf16_tile_6(xi, c->xs, wp, kp, yi, m, cols); break;
+        }
+    }
+}
+
+static rk_status matmul_bf16(rk_cpu *cpu, float *y, const float *x, const uint16_t *w, int n, int k,
+                             int m) {
+    bf16_ctx c = {cpu, y, x, w, NULL, bf16_row_elems(k), n, k, m};
+    void *xb;
+    rk_status st = rk_cpu_reserve_shared(cpu, (size_t)n * c.xs * sizeof(uint16_t), &xb);
+    if (st != RK_OK) return st;
+    c.xb = xb;
+    if (n < QUANT_POOL_MIN_N)
+        for (int i = 0; i < n; i++) bf16_round_row(&c, i, 0);
+    else
+        rk_threadpool_run(cpu->pool, n, bf16_round_row, &c);
+    if (!rk_cpu_matmul_uses_blas(n, k, m, RK_DTYPE_BF16)) {
+        rk_threadpool_run(cpu->pool, (m + ROWS_PER_TASK - 1) / ROWS_PER_TASK, bf16_mv_task, &c);
+        return RK_OK;
+    }
+    st = rk_cpu_reserve_scratch(cpu, (size_t)(k + 1) / 2 * BF16_NR * sizeof(uint32_t));
+    if (st != RK_OK) return st;
+    rk_threadpool_run(cpu->pool, (m + BF16_NR - 1) / BF16_NR, bf16_gemm_task, &c);
+    return RK_OK;
+}
+#endif
+
 /* ---------------------------------------------------------------- entry */
 
 rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w, rk_dtype wtype,
@@ -251,6 +485,10 @@ rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w,
         memset(y, 0, (size_t)n * m * sizeof(float));
         return RK_OK;
     }
+#ifdef RK_CPU_BF16_KERNELS
+    if (wtype == RK_DTYPE_BF16 && rk_cpu_isa_active() == RK_CPU_ISA_AVX512_BF16)
+        return matmul_bf16(cpu, y, x, w, n, k, m);
+#endif
     if (rk_cpu_matmul_uses_blas(n, k, m, wtype)) return matmul_blas(cpu, y, x, w, wtype, n, k, m);
     mv_ctx c = {y, x, w, wtype, n, k, m, NULL, NULL};
     if (rk_dtype_is_quant(wtype)) {

@@ -537,6 +537,13 @@ static int isa_available(rk_cpu_isa isa) {
 #else
         return 0;
 #endif
+    case RK_CPU_ISA_AVX512_BF16:
+#ifdef RK_CPU_BF16_KERNELS
+        return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl");
+#else
+        return 0;
+#endif
     }
     return 0;
 }
@@ -551,6 +558,7 @@ rk_status rk_cpu_force_isa(rk_cpu_isa isa) {
 
 rk_cpu_isa rk_cpu_isa_active(void) {
     if (g_forced != RK_CPU_ISA_AUTO) return g_forced;
+    if (isa_available(RK_CPU_ISA_AVX512_BF16)) return RK_CPU_ISA_AVX512_BF16;
     if (isa_available(RK_CPU_ISA_AVX512_VNNI)) return RK_CPU_ISA_AVX512_VNNI;
     if (isa_available(RK_CPU_ISA_AVX2)) return RK_CPU_ISA_AVX2;
     return RK_CPU_ISA_PORTABLE;
@@ -561,7 +569,14 @@ rk_qdot_fn rk_cpu_qdot_fn(rk_dtype t) {
                                           dot_q6_k_c};
     if (!rk_dtype_is_quant(t)) return NULL;
     int i = (int)t - (int)RK_DTYPE_Q8_0;
-    switch (rk_cpu_isa_active()) {
+    rk_cpu_isa isa = rk_cpu_isa_active();
+    /* The BF16 level adds nothing for integer dots: the best level below it
+     * that this build and CPU have. */
+    if (isa == RK_CPU_ISA_AVX512_BF16)
+        isa = isa_available(RK_CPU_ISA_AVX512_VNNI) ? RK_CPU_ISA_AVX512_VNNI
+              : isa_available(RK_CPU_ISA_AVX2)      ? RK_CPU_ISA_AVX2
+                                                    : RK_CPU_ISA_PORTABLE;
+    switch (isa) {
 #if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
     case RK_CPU_ISA_AVX512_VNNI: {
         static const rk_qdot_fn f[] = {dot_q8_0_vnni, dot_q4_0_vnni, dot_q4_k_vnni, dot_q5_k_vnni,
