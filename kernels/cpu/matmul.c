@@ -17,6 +17,9 @@
  *    blocks once (kernels/cpu/quant.c) and each row of w meets them in
  *    integer dot products; on the BLAS path quantized panels are dequantized
  *    into scratch like F16/BF16 ones.
+ * Where the CPU has AVX-512 BF16 (rk_cpu_isa_active), BF16 weights take a
+ * path of their own on both sides of BLAS_MIN_N, and quantized weights on the
+ * prefill side, instead of the sgemm panels: see "BF16 path" below.
  * Every element of y is one dot product with a fixed order (see dot kernels),
  * whichever block, task or thread computes it, and whatever n is on this
  * path: a row of x gets the same bits alone or in a batch. */
@@ -263,7 +266,10 @@ static rk_status matmul_blas(rk_cpu *cpu, float *y, const float *x, const void *
  * pair p at once. The micro-kernel keeps a 6 x 64 tile of y in 24 registers
  * over the whole of k; the packed panel stays in L2 while every row of x
  * passes. Every element of y is one lane summing the pairs in order, so it
- * does not depend on n, on the tile it falls in or on the thread count. */
+ * does not depend on n, on the tile it falls in or on the thread count.
+ * Quantized weights are packed the same way from their rows dequantized and
+ * rounded to BF16 (one more 2^-8 relative rounding per weight, below any of
+ * the formats' own steps); their decode stays on the int8 kernels. */
 
 /* Elements per row of the BF16 copy of x: k rounded up to 32. */
 static size_t bf16_row_elems(int k) { return ((size_t)k + 31) / 32 * 32; }
@@ -272,8 +278,9 @@ typedef struct bf16_ctx {
     rk_cpu *cpu;
     float *y;
     const float *x;
-    const uint16_t *w;
-    uint16_t *xb; /* (n, xs) BF16 copy of x */
+    const void *w;
+    rk_dtype wtype; /* BF16, or quantized (prefill only) */
+    uint16_t *xb;   /* (n, xs) BF16 copy of x */
     size_t xs;
     int n, k, m;
 } bf16_ctx;
@@ -342,7 +349,7 @@ RK_CPU_BF16_TARGET static void bf16_mv_task(void *p, int task, int tid) {
     int r1 = r0 + ROWS_PER_TASK < c->m ? r0 + ROWS_PER_TASK : c->m;
     size_t k = (size_t)c->k, m = (size_t)c->m, xs = c->xs;
     for (int r = r0; r < r1; r++) {
-        const uint16_t *wr = c->w + (size_t)r * k;
+        const uint16_t *wr = (const uint16_t *)c->w + (size_t)r * k;
         int i = 0;
         for (; i + 2 <= c->n; i += 2)
             bf16_dot_2(c->xb + i * xs, c->xb + (i + 1) * xs, wr, c->k, c->y + i * m + r,
@@ -423,14 +430,40 @@ DEF_BF16_TILE(4)
 DEF_BF16_TILE(5)
 DEF_BF16_TILE(6)
 
+/* Pack rows [c0, c0 + cols) of quantized weights as bf16_pack does: each
+ * row dequantized to f32 in row, rounded to BF16 in rowb (xs elements, the
+ * tail zero), and its pairs stored at their places in dst. */
+static void bf16_pack_quant(uint32_t *dst, const void *w, rk_dtype t, int k, size_t xs, int c0,
+                            int cols, float *row, uint16_t *rowb) {
+    size_t row_bytes = rk_dtype_row_bytes(t, (size_t)k);
+    int kp = (k + 1) / 2;
+    memset(rowb, 0, xs * sizeof(uint16_t));
+    for (int r = 0; r < BF16_NR; r++) {
+        uint32_t *o = dst + 16 * (r / 16) + r % 16;
+        if (r >= cols) {
+            for (int q = 0; q < kp; q++) o[(size_t)64 * q] = 0;
+            continue;
+        }
+        rk_dequantize(row, (const unsigned char *)w + (size_t)(c0 + r) * row_bytes, t, (size_t)k);
+        rk_cpu_from_f32(rowb, row, RK_DTYPE_BF16, (size_t)k);
+        const bf16_pair *pairs = (const bf16_pair *)rowb;
+        for (int q = 0; q < kp; q++) o[(size_t)64 * q] = pairs[q];
+    }
+}
+
 /* Prefill task: columns [c0, c0 + BF16_NR) of y for every row of x. */
 RK_CPU_BF16_TARGET static void bf16_gemm_task(void *p, int task, int tid) {
     const bf16_ctx *c = p;
     int c0 = task * BF16_NR;
     int cols = c->m - c0 < BF16_NR ? c->m - c0 : BF16_NR;
     int kp = (c->k + 1) / 2;
-    uint32_t *wp = rk_cpu_scratch(c->cpu, tid); /* (kp, BF16_NR) dwords */
-    bf16_pack(wp, c->w + (size_t)c0 * c->k, c->k, cols);
+    uint32_t *wp = rk_cpu_scratch(c->cpu, tid); /* (kp, BF16_NR) dwords, then two rows */
+    if (c->wtype == RK_DTYPE_BF16) {
+        bf16_pack(wp, (const uint16_t *)c->w + (size_t)c0 * c->k, c->k, cols);
+    } else {
+        float *row = (float *)(wp + (size_t)kp * BF16_NR);
+        bf16_pack_quant(wp, c->w, c->wtype, c->k, c->xs, c0, cols, row, (uint16_t *)(row + c->k));
+    }
     size_t m = (size_t)c->m;
     for (int i = 0; i < c->n; i += BF16_MR) {
         const uint16_t *xi = c->xb + (size_t)i * c->xs;
@@ -446,9 +479,9 @@ RK_CPU_BF16_TARGET static void bf16_gemm_task(void *p, int task, int tid) {
     }
 }
 
-static rk_status matmul_bf16(rk_cpu *cpu, float *y, const float *x, const uint16_t *w, int n, int k,
-                             int m) {
-    bf16_ctx c = {cpu, y, x, w, NULL, bf16_row_elems(k), n, k, m};
+static rk_status matmul_bf16(rk_cpu *cpu, float *y, const float *x, const void *w, rk_dtype wtype,
+                             int n, int k, int m) {
+    bf16_ctx c = {cpu, y, x, w, wtype, NULL, bf16_row_elems(k), n, k, m};
     void *xb;
     rk_status st = rk_cpu_reserve_shared(cpu, (size_t)n * c.xs * sizeof(uint16_t), &xb);
     if (st != RK_OK) return st;
@@ -461,7 +494,10 @@ static rk_status matmul_bf16(rk_cpu *cpu, float *y, const float *x, const uint16
         rk_threadpool_run(cpu->pool, (m + ROWS_PER_TASK - 1) / ROWS_PER_TASK, bf16_mv_task, &c);
         return RK_OK;
     }
-    st = rk_cpu_reserve_scratch(cpu, (size_t)(k + 1) / 2 * BF16_NR * sizeof(uint32_t));
+    /* the packed panel, then (quantized weights) a row in f32 and in BF16 */
+    size_t panel = (size_t)(k + 1) / 2 * BF16_NR * sizeof(uint32_t);
+    if (wtype != RK_DTYPE_BF16) panel += (size_t)k * sizeof(float) + c.xs * sizeof(uint16_t);
+    st = rk_cpu_reserve_scratch(cpu, panel);
     if (st != RK_OK) return st;
     rk_threadpool_run(cpu->pool, (m + BF16_NR - 1) / BF16_NR, bf16_gemm_task, &c);
     return RK_OK;
@@ -486,8 +522,10 @@ rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w,
         return RK_OK;
     }
 #ifdef RK_CPU_BF16_KERNELS
-    if (wtype == RK_DTYPE_BF16 && rk_cpu_isa_active() == RK_CPU_ISA_AVX512_BF16)
-        return matmul_bf16(cpu, y, x, w, n, k, m);
+    if (rk_cpu_isa_active() == RK_CPU_ISA_AVX512_BF16 &&
+        (wtype == RK_DTYPE_BF16 ||
+         (rk_dtype_is_quant(wtype) && rk_cpu_matmul_uses_blas(n, k, m, wtype))))
+        return matmul_bf16(cpu, y, x, w, wtype, n, k, m);
 #endif
     if (rk_cpu_matmul_uses_blas(n, k, m, wtype)) return matmul_blas(cpu, y, x, w, wtype, n, k, m);
     mv_ctx c = {y, x, w, wtype, n, k, m, NULL, NULL};
