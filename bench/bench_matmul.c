@@ -4,7 +4,9 @@
  *   2048 x 1024 o, 1024 x 3072 gate and up, 3072 x 1024 down) and the output
  *   head (1024 x 151936), each at n = 1 (decode) and n = 512 (prefill; the
  *   head only at n = 1, as a prefill computes the last token's logits only).
- * Every case runs --reps times after a warm-up; the table gives the best and
+ * Every case runs --reps times after a warm-up (at n = 1 each call on another
+ * copy of the weights, 128 MiB of copies in all, so they stream from memory
+ * as in a model's decode); the table gives the best and
  * the median time, and GB/s of weights (n = 1) or GFLOP/s (n = 512) of the
  * best. The last lines add the shapes up as the model runs them (28 layers;
  * the head once per token in decode, once per prompt in prefill) into the
@@ -21,8 +23,9 @@
 #include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
 
-#define N_LAYERS 28
-#define N_SHAPES 6
+#define N_LAYERS   28
+#define MAX_COPIES 64
+#define N_SHAPES   6
 
 typedef struct shape {
     const char *name;
@@ -63,15 +66,16 @@ static int cmp_double(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-/* Time reps calls after one warm-up; best and median in seconds. */
-static void time_matmul(rk_backend *be, float *y, const float *x, const void *w, rk_dtype t, int n,
-                        int k, int m, int reps, double *best, double *median) {
+/* Time reps calls after one warm-up, call r on copy r % n_w of the weights;
+ * best and median in seconds. */
+static void time_matmul(rk_backend *be, float *y, const float *x, void *const *w, int n_w,
+                        rk_dtype t, int n, int k, int m, int reps, double *best, double *median) {
     double ts[64];
     if (reps > 64) reps = 64;
-    check(be->ops->matmul(be, y, x, w, t, n, k, m), "matmul");
+    check(be->ops->matmul(be, y, x, w[n_w - 1], t, n, k, m), "matmul");
     for (int r = 0; r < reps; r++) {
         double t0 = rk_time_now();
-        check(be->ops->matmul(be, y, x, w, t, n, k, m), "matmul");
+        check(be->ops->matmul(be, y, x, w[r % n_w], t, n, k, m), "matmul");
         ts[r] = rk_time_now() - t0;
     }
     qsort(ts, (size_t)reps, sizeof ts[0], cmp_double);
@@ -117,15 +121,24 @@ static void bench_type(rk_backend *be, rk_dtype t, int reps, int do_decode, int 
     for (int s = 0; s < N_SHAPES; s++) {
         const shape *sh = &SHAPES[s];
         size_t bytes = rk_dtype_row_bytes(t, (size_t)sh->k) * (size_t)sh->m;
-        void *w = be_alloc(be, bytes);
-        rk_quantize(w, wf, t, (size_t)sh->m * sh->k);
+        /* Decode reads each layer's weights from memory: enough copies to
+         * pass 128 MiB (four times the L3) keep them from staying in cache. */
+        int n_w = (int)(((size_t)128 << 20) / bytes) + 1;
+        if (n_w > MAX_COPIES) n_w = MAX_COPIES;
+        void *w[MAX_COPIES];
+        w[0] = be_alloc(be, bytes);
+        rk_quantize(w[0], wf, t, (size_t)sh->m * sh->k);
+        for (int i = 1; i < n_w; i++) {
+            w[i] = be_alloc(be, bytes);
+            memcpy(w[i], w[0], bytes);
+        }
         for (int pass = 0; pass < 2; pass++) {
             int n = pass == 0 ? 1 : n_max;
             if ((pass == 0 && !do_decode) || (pass == 1 && !do_prefill)) continue;
             /* the head of a prefill runs on the last token only */
             if (pass == 1 && s == HEAD) continue;
             double best, med;
-            time_matmul(be, y, x, w, t, n, sh->k, sh->m, reps, &best, &med);
+            time_matmul(be, y, x, w, pass == 0 ? n_w : 1, t, n, sh->k, sh->m, reps, &best, &med);
             if (pass == 0)
                 printf("  %-12s %6d %7d %4d %10.3f %10.3f %7.1f GB/s\n", sh->name, sh->k, sh->m, n,
                        best * 1e3, med * 1e3, (double)bytes / best * 1e-9);
@@ -141,7 +154,7 @@ static void bench_type(rk_backend *be, rk_dtype t, int reps, int do_decode, int 
                 sum_med[1] += med;
             }
         }
-        be->ops->free(be, w);
+        for (int i = 0; i < n_w; i++) be->ops->free(be, w[i]);
     }
     if (do_decode)
         printf("  matmul-only bound, decode: %.1f tok/s (best), %.1f (median)\n", 1.0 / sum_best[0],
