@@ -358,34 +358,27 @@ RK_CPU_BF16_TARGET static void bf16_mv_task(void *p, int task, int tid) {
     }
 }
 
-/* Pack rows [c0, c0 + cols) of w (cols <= BF16_NR) into dst: for pair p,
- * group g, the 16 dwords (w[c0 + 16g + l][2p], w[c0 + 16g + l][2p + 1]) at
- * dst + 16 (4p + g); rows past cols and the element past an odd k are 0. */
-RK_CPU_BF16_TARGET static void bf16_pack(uint32_t *dst, const uint16_t *w, int k, int cols) {
+/* Pack group g of a panel into dst: for pair p, the 16 dwords
+ * (w[l][2p], w[l][2p + 1]) of rows l = 0..15 of rows (ld elements apart) at
+ * dst + 16 (4p + g); rows from left on and the element past an odd k are 0.
+ * A panel is groups 0..3 of BF16_NR rows. */
+RK_CPU_BF16_TARGET static void bf16_pack_group(uint32_t *dst, const uint16_t *rows, size_t ld,
+                                               int k, int g, int left) {
     int pairs = k / 2, kp = (k + 1) / 2;
-    const uint16_t *base = w;
-    for (int g = 0; g < BF16_NR / 16; g++) {
-        int left = cols - 16 * g;
-        __mmask16 mask = left >= 16 ? (__mmask16)0xffff
-                         : left > 0 ? (__mmask16)((1u << left) - 1)
-                                    : 0;
-        /* in units of 2 bytes: element 2p of row 16g + l */
-        __m512i idx =
-            _mm512_mullo_epi32(_mm512_add_epi32(_mm512_set1_epi32(16 * g),
-                                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,
-                                                                  11, 12, 13, 14, 15)),
-                               _mm512_set1_epi32(k));
-        const __m512i two = _mm512_set1_epi32(2);
-        for (int p = 0; p < pairs; p++) {
-            __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx, base, 2);
-            _mm512_storeu_si512(dst + 16 * (4 * p + g), v);
-            idx = _mm512_add_epi32(idx, two);
-        }
-        if (kp > pairs) { /* odd k: the last element alone, its partner 0 */
-            uint32_t *o = dst + 16 * (4 * pairs + g);
-            for (int l = 0; l < 16; l++)
-                o[l] = l < left ? base[(size_t)(16 * g + l) * k + (size_t)(k - 1)] : 0;
-        }
+    __mmask16 mask = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
+    /* in units of 2 bytes: element 2p of row l */
+    __m512i idx =
+        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                           _mm512_set1_epi32((int)ld));
+    const __m512i two = _mm512_set1_epi32(2);
+    for (int p = 0; p < pairs; p++) {
+        __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx, rows, 2);
+        _mm512_storeu_si512(dst + 16 * (4 * p + g), v);
+        idx = _mm512_add_epi32(idx, two);
+    }
+    if (kp > pairs) { /* odd k: the last element alone, its partner 0 */
+        uint32_t *o = dst + 16 * (4 * pairs + g);
+        for (int l = 0; l < 16; l++) o[l] = l < left ? rows[(size_t)l * ld + (size_t)(k - 1)] : 0;
     }
 }
 
@@ -430,24 +423,21 @@ DEF_BF16_TILE(4)
 DEF_BF16_TILE(5)
 DEF_BF16_TILE(6)
 
-/* Pack rows [c0, c0 + cols) of quantized weights as bf16_pack does: each
- * row dequantized to f32 in row, rounded to BF16 in rowb (xs elements, the
- * tail zero), and its pairs stored at their places in dst. */
-static void bf16_pack_quant(uint32_t *dst, const void *w, rk_dtype t, int k, size_t xs, int c0,
-                            int cols, float *row, uint16_t *rowb) {
+/* Pack rows [c0, c0 + cols) of quantized weights, 16 at a time: each row
+ * dequantized to f32 in row and rounded to BF16 into rows16 (16 rows of k),
+ * then packed as BF16 weights are. */
+RK_CPU_BF16_TARGET static void bf16_pack_quant(uint32_t *dst, const void *w, rk_dtype t, int k,
+                                               int c0, int cols, float *row, uint16_t *rows16) {
     size_t row_bytes = rk_dtype_row_bytes(t, (size_t)k);
-    int kp = (k + 1) / 2;
-    memset(rowb, 0, xs * sizeof(uint16_t));
-    for (int r = 0; r < BF16_NR; r++) {
-        uint32_t *o = dst + 16 * (r / 16) + r % 16;
-        if (r >= cols) {
-            for (int q = 0; q < kp; q++) o[(size_t)64 * q] = 0;
-            continue;
+    for (int g = 0; g < BF16_NR / 16; g++) {
+        int left = cols - 16 * g;
+        for (int l = 0; l < 16 && l < left; l++) {
+            const unsigned char *src =
+                (const unsigned char *)w + (size_t)(c0 + 16 * g + l) * row_bytes;
+            rk_dequantize(row, src, t, (size_t)k);
+            rk_cpu_from_f32(rows16 + (size_t)l * k, row, RK_DTYPE_BF16, (size_t)k);
         }
-        rk_dequantize(row, (const unsigned char *)w + (size_t)(c0 + r) * row_bytes, t, (size_t)k);
-        rk_cpu_from_f32(rowb, row, RK_DTYPE_BF16, (size_t)k);
-        const bf16_pair *pairs = (const bf16_pair *)rowb;
-        for (int q = 0; q < kp; q++) o[(size_t)64 * q] = pairs[q];
+        bf16_pack_group(dst, rows16, (size_t)k, k, g, left);
     }
 }
 
@@ -457,12 +447,17 @@ RK_CPU_BF16_TARGET static void bf16_gemm_task(void *p, int task, int tid) {
     int c0 = task * BF16_NR;
     int cols = c->m - c0 < BF16_NR ? c->m - c0 : BF16_NR;
     int kp = (c->k + 1) / 2;
-    uint32_t *wp = rk_cpu_scratch(c->cpu, tid); /* (kp, BF16_NR) dwords, then two rows */
+    /* (kp, BF16_NR) dwords; for quantized weights then a row of f32 and
+     * 16 rows of BF16 */
+    uint32_t *wp = rk_cpu_scratch(c->cpu, tid);
     if (c->wtype == RK_DTYPE_BF16) {
-        bf16_pack(wp, (const uint16_t *)c->w + (size_t)c0 * c->k, c->k, cols);
+        const uint16_t *panel = (const uint16_t *)c->w + (size_t)c0 * c->k;
+        for (int g = 0; g < BF16_NR / 16; g++)
+            bf16_pack_group(wp, panel + (size_t)16 * g * c->k, (size_t)c->k, c->k, g,
+                            cols - 16 * g);
     } else {
         float *row = (float *)(wp + (size_t)kp * BF16_NR);
-        bf16_pack_quant(wp, c->w, c->wtype, c->k, c->xs, c0, cols, row, (uint16_t *)(row + c->k));
+        bf16_pack_quant(wp, c->w, c->wtype, c->k, c0, cols, row, (uint16_t *)(row + c->k));
     }
     size_t m = (size_t)c->m;
     for (int i = 0; i < c->n; i += BF16_MR) {
@@ -496,7 +491,8 @@ static rk_status matmul_bf16(rk_cpu *cpu, float *y, const float *x, const void *
     }
     /* the packed panel, then (quantized weights) a row in f32 and in BF16 */
     size_t panel = (size_t)(k + 1) / 2 * BF16_NR * sizeof(uint32_t);
-    if (wtype != RK_DTYPE_BF16) panel += (size_t)k * sizeof(float) + c.xs * sizeof(uint16_t);
+    if (wtype != RK_DTYPE_BF16)
+        panel += (size_t)k * sizeof(float) + (size_t)16 * k * sizeof(uint16_t);
     st = rk_cpu_reserve_scratch(cpu, panel);
     if (st != RK_OK) return st;
     rk_threadpool_run(cpu->pool, (m + BF16_NR - 1) / BF16_NR, bf16_gemm_task, &c);

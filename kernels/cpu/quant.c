@@ -96,22 +96,25 @@ static void deq_kq(float *y, const uint8_t *b, const uint8_t *qh, const uint8_t 
     }
 }
 
+/* One group of 16 elements per inner loop, whose scale is one: the compiler
+ * vectorizes it (the values are those of d sc (q - 32), left to right). */
 static void deq_q6_k(float *y, const uint8_t *b) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     float d = rdh(b + 208);
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *l0 = ql + 64 * h, *h0 = qh + 32 * h;
-        for (int l = 0; l < 32; l++) {
-            int q[4] = {(l0[l] & 15) | (h0[l] & 3) << 4, (l0[l + 32] & 15) | (h0[l] >> 2 & 3) << 4,
-                        (l0[l] >> 4) | (h0[l] >> 4 & 3) << 4,
-                        (l0[l + 32] >> 4) | (h0[l] >> 6) << 4};
-            for (int g = 0; g < 4; g++) {
-                int e = 128 * h + 32 * g + l;
-                y[e] = d * (float)sc[e / 16] * (float)(q[g] - 32);
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 4; g++) {
+            const uint8_t *lq = ql + 64 * h + 32 * (g & 1), *hq = qh + 32 * h;
+            int lshift = 4 * (g >> 1), hshift = 2 * g;
+            for (int half = 0; half < 2; half++) {
+                int e0 = 128 * h + 32 * g + 16 * half;
+                float s = d * (float)sc[e0 / 16];
+                for (int l = 16 * half; l < 16 * half + 16; l++) {
+                    int q = (lq[l] >> lshift & 15) | (hq[l] >> hshift & 3) << 4;
+                    y[128 * h + 32 * g + l] = s * (float)(q - 32);
+                }
             }
         }
-    }
 }
 
 void rk_dequantize(float *dst, const void *src, rk_dtype t, size_t n) {
