@@ -358,23 +358,50 @@ RK_CPU_BF16_TARGET static void bf16_mv_task(void *p, int task, int tid) {
     }
 }
 
+/* Transpose 16 x 16 dwords in place: r[l] element j becomes r[j] element l
+ * (pairs within 128-bit lanes, then quarters of lanes, then lanes). */
+RK_CPU_BF16_TARGET static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* u[4i + j]: column j of each 128-bit lane, rows 4i .. 4i + 3 */
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512i x0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
+        __m512i x1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
+        __m512i y0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        __m512i y1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
+        r[j] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+        r[8 + j] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+    }
+}
+
 /* Pack group g of a panel into dst: for pair p, the 16 dwords
  * (w[l][2p], w[l][2p + 1]) of rows l = 0..15 of rows (ld elements apart) at
  * dst + 16 (4p + g); rows from left on and the element past an odd k are 0.
- * A panel is groups 0..3 of BF16_NR rows. */
+ * A panel is groups 0..3 of BF16_NR rows. Each row is read in order, 16
+ * pairs at a time, and the 16 x 16 block transposed in registers. */
 RK_CPU_BF16_TARGET static void bf16_pack_group(uint32_t *dst, const uint16_t *rows, size_t ld,
                                                int k, int g, int left) {
     int pairs = k / 2, kp = (k + 1) / 2;
-    __mmask16 mask = left >= 16 ? (__mmask16)0xffff : left > 0 ? (__mmask16)((1u << left) - 1) : 0;
-    /* in units of 2 bytes: element 2p of row l */
-    __m512i idx =
-        _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                           _mm512_set1_epi32((int)ld));
-    const __m512i two = _mm512_set1_epi32(2);
-    for (int p = 0; p < pairs; p++) {
-        __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, idx, rows, 2);
-        _mm512_storeu_si512(dst + 16 * (4 * p + g), v);
-        idx = _mm512_add_epi32(idx, two);
+    for (int p0 = 0; p0 < pairs; p0 += 16) {
+        int np = pairs - p0 < 16 ? pairs - p0 : 16;
+        __mmask16 lm = np == 16 ? (__mmask16)0xffff : (__mmask16)((1u << np) - 1);
+        __m512i r[16];
+        for (int l = 0; l < 16; l++)
+            r[l] = l < left ? _mm512_maskz_loadu_epi32(lm, rows + (size_t)l * ld + 2 * (size_t)p0)
+                            : _mm512_setzero_si512();
+        transpose16_epi32(r);
+        for (int j = 0; j < np; j++) _mm512_storeu_si512(dst + 16 * (4 * (p0 + j) + g), r[j]);
     }
     if (kp > pairs) { /* odd k: the last element alone, its partner 0 */
         uint32_t *o = dst + 16 * (4 * pairs + g);
