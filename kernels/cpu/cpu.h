@@ -93,9 +93,11 @@ rk_status rk_cpu_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv, const in
                                  const int32_t *dst_slots, const int32_t *delta, int n_tokens,
                                  const rk_rope *rope);
 
-/* Smallest n (rows of x) for which matmul takes the BLAS path; below it the
- * hand-written matrix-vector kernel runs. The choice depends on (n, k, m,
- * wtype) only, never on the thread count. Returns 1 for the BLAS path. */
+/* Smallest n (rows of x) for which matmul takes the BLAS path (for BF16 and
+ * quantized weights at the AVX-512 BF16 level, the BF16 tile kernel instead);
+ * below it the hand-written matrix-vector kernels run. The choice depends on
+ * (n, k, m, wtype) only, never on the thread count. Returns 1 for the BLAS
+ * (or tile) path. */
 int rk_cpu_matmul_uses_blas(int n, int k, int m, rk_dtype wtype);
 
 /* The attention kernel over contiguous caches, for tests and benchmarks:
