@@ -132,6 +132,8 @@ int main(int argc, char **argv) {
     /* Prefill: best of 3 (one forward pass over the whole prompt, one logit row). */
     double best_prefill = 1e9;
     for (int r = 0; r < 3; r++) {
+        /* a first token of its own per run, so no run reuses another's prefix */
+        prompt[0] = (int32_t)(prompt[0] + 1) % 32000;
         rk_request req = {0};
         rk_req_options_default(&req.opt);
         req.opt.max_tokens = 1;

@@ -290,6 +290,16 @@ Test(matmul, both_paths_are_chosen_from_the_shape) {
     cr_assert_eq(rk_cpu_matmul_uses_blas(64, 67, 37, RK_DTYPE_F32), 1);
 }
 
+/* The activations matmul multiplies BF16 weights with: x itself, or x
+ * rounded to BF16 where the AVX-512 BF16 kernels run (malloc'ed copy). */
+static float *bf16_kernel_input(const float *x, size_t n) {
+    float *r = malloc(n * sizeof(float) + 1);
+    cr_assert(r);
+    int rounds = rk_cpu_isa_active() == RK_CPU_ISA_AVX512_BF16;
+    for (size_t i = 0; i < n; i++) r[i] = rounds ? round_to(x[i], RK_DTYPE_BF16) : x[i];
+    return r;
+}
+
 Test(matmul, matches_a_double_reference_and_is_thread_count_independent) {
     rk_backend *bes[4] = {make_backend(1), make_backend(2), make_backend(3), make_backend(4)};
     const int ns[] = {1, 3, 17, 64};
@@ -309,7 +319,9 @@ Test(matmul, matches_a_double_reference_and_is_thread_count_independent) {
                     double *abs_sum = malloc((size_t)n * m * sizeof(double));
                     float *y[4];
                     cr_assert(ref && abs_sum);
-                    matmul_ref(ref, abs_sum, x, w, t, n, k, m);
+                    float *xin = t == RK_DTYPE_BF16 ? bf16_kernel_input(x, (size_t)n * k) : x;
+                    matmul_ref(ref, abs_sum, xin, w, t, n, k, m);
+                    if (xin != x) free(xin);
                     for (int e = 0; e < 4; e++) {
                         y[e] = malloc((size_t)n * m * sizeof(float));
                         cr_assert(y[e]);
@@ -359,6 +371,88 @@ Test(matmul, matvec_rows_do_not_depend_on_n_or_on_each_other) {
         free(wf);
         free(w);
     }
+    rk_backend_free(be);
+}
+
+/* With AVX-512 BF16 the activations are rounded to BF16 (2^-8 relative at
+ * most) and the products summed in f32: the result is within 1e-5 of the sum
+ * of |x w| of the double product on the rounded x, and within 2^-8 of it
+ * (plus that 1e-5) of the double product on x itself and of the f32 path.
+ * Both paths (decode n < 32, tiled n >= 32), odd k, k below one 32-element
+ * step, and columns that leave partial tiles. */
+Test(matmul, bf16_kernels_round_the_activations_to_bf16) {
+    if (rk_cpu_force_isa(RK_CPU_ISA_AVX512_BF16) != RK_OK)
+        cr_skip_test("no AVX-512 BF16 in this build or CPU");
+    rk_backend *be = make_backend(2);
+    const int ns[] = {1, 2, 5, 31, 32, 33, 70};
+    const int ks[] = {7, 30, 91, 1029, 1024};
+    const int ms[] = {17, 64, 131};
+    for (int a = 0; a < 7; a++)
+        for (int b = 0; b < 5; b++)
+            for (int c = 0; c < 3; c++) {
+                int n = ns[a], k = ks[b], m = ms[c];
+                size_t nk = (size_t)n * k, nm = (size_t)n * m;
+                float *x = rand_floats(nk, -1.0f, 1.0f);
+                float *wf = rand_floats((size_t)m * k, -1.0f, 1.0f);
+                void *w = to_dtype(wf, (size_t)m * k, RK_DTYPE_BF16);
+                cr_assert_eq(rk_cpu_force_isa(RK_CPU_ISA_AVX512_BF16), RK_OK);
+                float *xr = bf16_kernel_input(x, nk);
+                double *ref = malloc(nm * sizeof(double)), *abs_sum = malloc(nm * sizeof(double));
+                double *ref_r = malloc(nm * sizeof(double)), *abs_r = malloc(nm * sizeof(double));
+                float *y = malloc(nm * sizeof(float)), *yf = malloc(nm * sizeof(float));
+                cr_assert(ref && abs_sum && ref_r && abs_r && y && yf);
+                matmul_ref(ref, abs_sum, x, w, RK_DTYPE_BF16, n, k, m);
+                matmul_ref(ref_r, abs_r, xr, w, RK_DTYPE_BF16, n, k, m);
+                cr_assert_eq(be->ops->matmul(be, y, x, w, RK_DTYPE_BF16, n, k, m), RK_OK);
+                cr_assert_eq(rk_cpu_force_isa(RK_CPU_ISA_PORTABLE), RK_OK);
+                cr_assert_eq(be->ops->matmul(be, yf, x, w, RK_DTYPE_BF16, n, k, m), RK_OK);
+                for (size_t i = 0; i < nm; i++) {
+                    cr_assert(fabs(y[i] - ref_r[i]) <= 1e-5 * abs_r[i] + 1e-30,
+                              "n=%d k=%d m=%d: y[%zu]=%.9g, rounded-x ref %.9g", n, k, m, i, y[i],
+                              ref_r[i]);
+                    double bound = (0x1p-8 + 1e-5) * abs_sum[i] + 1e-30;
+                    cr_assert(fabs(y[i] - ref[i]) <= bound, "n=%d k=%d m=%d: y[%zu]=%.9g ref=%.9g",
+                              n, k, m, i, y[i], ref[i]);
+                    cr_assert(fabs(y[i] - yf[i]) <= bound, "n=%d k=%d m=%d: y[%zu]=%.9g f32 %.9g",
+                              n, k, m, i, y[i], yf[i]);
+                }
+                free(x);
+                free(wf);
+                free(w);
+                free(xr);
+                free(ref);
+                free(abs_sum);
+                free(ref_r);
+                free(abs_r);
+                free(y);
+                free(yf);
+            }
+    cr_assert_eq(rk_cpu_force_isa(RK_CPU_ISA_AUTO), RK_OK);
+    rk_backend_free(be);
+}
+
+/* The tiled BF16 kernel gives a row of x the same bits whatever the other
+ * rows are and wherever the row falls in a 6-row tile. */
+Test(matmul, bf16_tiled_rows_do_not_depend_on_n) {
+    if (rk_cpu_force_isa(RK_CPU_ISA_AVX512_BF16) != RK_OK)
+        cr_skip_test("no AVX-512 BF16 in this build or CPU");
+    rk_backend *be = make_backend(2);
+    int n = 45, k = 333, m = 150, off = 7, n2 = 35;
+    float *x = rand_floats((size_t)n * k, -1.0f, 1.0f);
+    float *wf = rand_floats((size_t)m * k, -1.0f, 1.0f);
+    void *w = to_dtype(wf, (size_t)m * k, RK_DTYPE_BF16);
+    float *ya = malloc((size_t)n * m * sizeof(float)), *yb = malloc((size_t)n2 * m * sizeof(float));
+    cr_assert(ya && yb);
+    cr_assert(rk_cpu_matmul_uses_blas(n2, k, m, RK_DTYPE_BF16));
+    cr_assert_eq(be->ops->matmul(be, ya, x, w, RK_DTYPE_BF16, n, k, m), RK_OK);
+    cr_assert_eq(be->ops->matmul(be, yb, x + (size_t)off * k, w, RK_DTYPE_BF16, n2, k, m), RK_OK);
+    cr_assert_arr_eq(ya + (size_t)off * m, yb, (size_t)n2 * m * sizeof(float));
+    cr_assert_eq(rk_cpu_force_isa(RK_CPU_ISA_AUTO), RK_OK);
+    free(x);
+    free(wf);
+    free(w);
+    free(ya);
+    free(yb);
     rk_backend_free(be);
 }
 

@@ -93,9 +93,11 @@ rk_status rk_cpu_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv, const in
                                  const int32_t *dst_slots, const int32_t *delta, int n_tokens,
                                  const rk_rope *rope);
 
-/* Smallest n (rows of x) for which matmul takes the BLAS path; below it the
- * hand-written matrix-vector kernel runs. The choice depends on (n, k, m,
- * wtype) only, never on the thread count. Returns 1 for the BLAS path. */
+/* Smallest n (rows of x) for which matmul takes the BLAS path (for BF16 and
+ * quantized weights at the AVX-512 BF16 level, the BF16 tile kernel instead);
+ * below it the hand-written matrix-vector kernels run. The choice depends on
+ * (n, k, m, wtype) only, never on the thread count. Returns 1 for the BLAS
+ * (or tile) path. */
 int rk_cpu_matmul_uses_blas(int n, int k, int m, rk_dtype wtype);
 
 /* The attention kernel over contiguous caches, for tests and benchmarks:
@@ -159,14 +161,26 @@ void rk_cpu_quantize_act(rk_q8_block *dst, const float *x, int k);
  * quantized activation row. */
 typedef float (*rk_qdot_fn)(const void *w, const rk_q8_block *x, int k);
 
-/* Instruction sets the quantized kernels come in. AUTO picks the best one
- * the CPU has (AVX-512 VNNI, then AVX2, then portable C). */
+/* Instruction sets the quantized and BF16 kernels come in, each level
+ * including the ones before it. AUTO picks the best one the CPU has
+ * (AVX-512 BF16, then AVX-512 VNNI, then AVX2, then portable C). Only
+ * AVX512_BF16 changes how BF16 weights are multiplied: the activations are
+ * rounded to BF16 and meet the weights in _mm512_dpbf16_ps (see matmul.c);
+ * below it BF16 weights are widened to f32. */
 typedef enum rk_cpu_isa {
     RK_CPU_ISA_AUTO = 0,
     RK_CPU_ISA_PORTABLE,
     RK_CPU_ISA_AVX2,
     RK_CPU_ISA_AVX512_VNNI,
+    RK_CPU_ISA_AVX512_BF16,
 } rk_cpu_isa;
+
+/* The AVX-512 BF16 kernels are compiled with target attributes whatever
+ * -march says, and chosen at run time when the CPU has the instructions. */
+#if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 10)
+#define RK_CPU_BF16_KERNELS 1
+#define RK_CPU_BF16_TARGET  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+#endif
 
 /* Force the kernels of one instruction set (tests and benchmarks; not
  * thread-safe: call it while no matmul runs). RK_ERR_UNSUPPORTED when the

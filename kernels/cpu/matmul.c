@@ -17,6 +17,9 @@
  *    blocks once (kernels/cpu/quant.c) and each row of w meets them in
  *    integer dot products; on the BLAS path quantized panels are dequantized
  *    into scratch like F16/BF16 ones.
+ * Where the CPU has AVX-512 BF16 (rk_cpu_isa_active), BF16 weights take a
+ * path of their own on both sides of BLAS_MIN_N, and quantized weights on the
+ * prefill side, instead of the sgemm panels: see "BF16 path" below.
  * Every element of y is one dot product with a fixed order (see dot kernels),
  * whichever block, task or thread computes it, and whatever n is on this
  * path: a row of x gets the same bits alone or in a batch. */
@@ -234,6 +237,296 @@ static rk_status matmul_blas(rk_cpu *cpu, float *y, const float *x, const void *
     return RK_OK;
 }
 
+/* ---------------------------------------------------------------- BF16 path */
+
+#ifdef RK_CPU_BF16_KERNELS
+#include <immintrin.h>
+
+#define BF16_NR 64 /* columns of y (rows of w) per packed panel and micro-kernel tile */
+#define BF16_MR 6  /* rows of x per micro-kernel tile: 6 x 4 accumulators */
+
+/* With AVX-512 BF16, x is rounded to BF16 (round to nearest even) once per
+ * matmul, rows padded with zeros to xs elements, and each weight meets it in
+ * _mm512_dpbf16_ps: a lane accumulates two exact BF16 products into f32. The
+ * result is the product on the rounded activations, so it differs from the
+ * f32 one by at most 2^-8 of the sum of |x w| (a BF16 rounding is within
+ * 2^-8 relative), plus the f32 summation error; the instruction flushes
+ * subnormal inputs and results to zero.
+ *
+ * Decode (n < BLAS_MIN_N) streams each row of w once against every row of x,
+ * as the f32 matvec does: four 16-lane accumulators over 128-element steps,
+ * the remaining 32-element steps into accumulators 0, 1, 2 in turn, the last
+ * partial step with a masked load of w, then (a0 + a1) + (a2 + a3) and a
+ * fixed horizontal sum. bf16_dot_2 sums in the same order as bf16_dot_1.
+ *
+ * Prefill (n >= BLAS_MIN_N) packs BF16_NR rows of w at a time into
+ * per-thread scratch, pair-interleaved: for each pair p of k and each group
+ * of 16 rows, one vector holds (w[r][2p], w[r][2p + 1]) for the 16 rows, so
+ * a 32-bit broadcast of (x[i][2p], x[i][2p + 1]) times it adds 16 outputs'
+ * pair p at once. The micro-kernel keeps a 6 x 64 tile of y in 24 registers
+ * over the whole of k; the packed panel stays in L2 while every row of x
+ * passes. Every element of y is one lane summing the pairs in order, so it
+ * does not depend on n, on the tile it falls in or on the thread count.
+ * Quantized weights are packed the same way from their rows dequantized and
+ * rounded to BF16 (one more 2^-8 relative rounding per weight, below any of
+ * the formats' own steps); their decode stays on the int8 kernels. */
+
+/* Elements per row of the BF16 copy of x: k rounded up to 32. */
+static size_t bf16_row_elems(int k) { return ((size_t)k + 31) / 32 * 32; }
+
+typedef struct bf16_ctx {
+    rk_cpu *cpu;
+    float *y;
+    const float *x;
+    const void *w;
+    rk_dtype wtype; /* BF16, or quantized (prefill only) */
+    uint16_t *xb;   /* (n, xs) BF16 copy of x */
+    size_t xs;
+    int n, k, m;
+} bf16_ctx;
+
+static void bf16_round_row(void *p, int i, int tid) {
+    (void)tid;
+    const bf16_ctx *c = p;
+    uint16_t *dst = c->xb + (size_t)i * c->xs;
+    rk_cpu_from_f32(dst, c->x + (size_t)i * c->k, RK_DTYPE_BF16, (size_t)c->k);
+    memset(dst + c->k, 0, (c->xs - (size_t)c->k) * sizeof(uint16_t));
+}
+
+#define BF16_LOAD(p)        ((__m512bh)_mm512_loadu_si512(p))
+#define BF16_LOADM(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16(mask, p))
+#define BF16_DP(acc, a, b)  _mm512_dpbf16_ps(acc, a, b)
+#define BF16_SUM4(a)                                                                               \
+    _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])))
+
+/* Mask of the last partial 32-element step of a row of k elements at j. */
+RK_CPU_BF16_TARGET static inline __mmask32 bf16_tail_mask(int k, int j) {
+    return (__mmask32)((1ull << (k - j)) - 1);
+}
+
+RK_CPU_BF16_TARGET static float bf16_dot_1(const uint16_t *x, const uint16_t *w, int k) {
+    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                   _mm512_setzero_ps()};
+    int j = 0, u = 0;
+    for (; j + 128 <= k; j += 128)
+        for (int v = 0; v < 4; v++)
+            a[v] = BF16_DP(a[v], BF16_LOAD(x + j + 32 * v), BF16_LOAD(w + j + 32 * v));
+    for (; j + 32 <= k; j += 32, u++) a[u] = BF16_DP(a[u], BF16_LOAD(x + j), BF16_LOAD(w + j));
+    if (j < k) a[u] = BF16_DP(a[u], BF16_LOAD(x + j), BF16_LOADM(bf16_tail_mask(k, j), w + j));
+    return BF16_SUM4(a);
+}
+
+RK_CPU_BF16_TARGET static void bf16_dot_2(const uint16_t *x0, const uint16_t *x1, const uint16_t *w,
+                                          int k, float *out0, float *out1) {
+    __m512 a[4], b[4];
+    for (int v = 0; v < 4; v++) a[v] = b[v] = _mm512_setzero_ps();
+    int j = 0, u = 0;
+    for (; j + 128 <= k; j += 128)
+        for (int v = 0; v < 4; v++) {
+            __m512bh wv = BF16_LOAD(w + j + 32 * v);
+            a[v] = BF16_DP(a[v], BF16_LOAD(x0 + j + 32 * v), wv);
+            b[v] = BF16_DP(b[v], BF16_LOAD(x1 + j + 32 * v), wv);
+        }
+    for (; j + 32 <= k; j += 32, u++) {
+        __m512bh wv = BF16_LOAD(w + j);
+        a[u] = BF16_DP(a[u], BF16_LOAD(x0 + j), wv);
+        b[u] = BF16_DP(b[u], BF16_LOAD(x1 + j), wv);
+    }
+    if (j < k) {
+        __m512bh wv = BF16_LOADM(bf16_tail_mask(k, j), w + j);
+        a[u] = BF16_DP(a[u], BF16_LOAD(x0 + j), wv);
+        b[u] = BF16_DP(b[u], BF16_LOAD(x1 + j), wv);
+    }
+    *out0 = BF16_SUM4(a);
+    *out1 = BF16_SUM4(b);
+}
+
+/* Decode task: rows [r0, r1) of w against every row of x. */
+RK_CPU_BF16_TARGET static void bf16_mv_task(void *p, int task, int tid) {
+    (void)tid;
+    const bf16_ctx *c = p;
+    int r0 = task * ROWS_PER_TASK;
+    int r1 = r0 + ROWS_PER_TASK < c->m ? r0 + ROWS_PER_TASK : c->m;
+    size_t k = (size_t)c->k, m = (size_t)c->m, xs = c->xs;
+    for (int r = r0; r < r1; r++) {
+        const uint16_t *wr = (const uint16_t *)c->w + (size_t)r * k;
+        int i = 0;
+        for (; i + 2 <= c->n; i += 2)
+            bf16_dot_2(c->xb + i * xs, c->xb + (i + 1) * xs, wr, c->k, c->y + i * m + r,
+                       c->y + (i + 1) * m + r);
+        if (i < c->n) c->y[i * m + r] = bf16_dot_1(c->xb + i * xs, wr, c->k);
+    }
+}
+
+/* Transpose 16 x 16 dwords in place: r[l] element j becomes r[j] element l
+ * (pairs within 128-bit lanes, then quarters of lanes, then lanes). */
+RK_CPU_BF16_TARGET static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    /* u[4i + j]: column j of each 128-bit lane, rows 4i .. 4i + 3 */
+    for (int i = 0; i < 4; i++) {
+        u[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int j = 0; j < 4; j++) {
+        __m512i x0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
+        __m512i x1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xee);
+        __m512i y0 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+        __m512i y1 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xee);
+        r[j] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+        r[4 + j] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+        r[8 + j] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+        r[12 + j] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+    }
+}
+
+/* Pack group g of a panel into dst: for pair p, the 16 dwords
+ * (w[l][2p], w[l][2p + 1]) of rows l = 0..15 of rows (ld elements apart) at
+ * dst + 16 (4p + g); rows from left on and the element past an odd k are 0.
+ * A panel is groups 0..3 of BF16_NR rows. Each row is read in order, 16
+ * pairs at a time, and the 16 x 16 block transposed in registers. */
+RK_CPU_BF16_TARGET static void bf16_pack_group(uint32_t *dst, const uint16_t *rows, size_t ld,
+                                               int k, int g, int left) {
+    int pairs = k / 2, kp = (k + 1) / 2;
+    for (int p0 = 0; p0 < pairs; p0 += 16) {
+        int np = pairs - p0 < 16 ? pairs - p0 : 16;
+        __mmask16 lm = np == 16 ? (__mmask16)0xffff : (__mmask16)((1u << np) - 1);
+        __m512i r[16];
+        for (int l = 0; l < 16; l++)
+            r[l] = l < left ? _mm512_maskz_loadu_epi32(lm, rows + (size_t)l * ld + 2 * (size_t)p0)
+                            : _mm512_setzero_si512();
+        transpose16_epi32(r);
+        for (int j = 0; j < np; j++) _mm512_storeu_si512(dst + 16 * (4 * (p0 + j) + g), r[j]);
+    }
+    if (kp > pairs) { /* odd k: the last element alone, its partner 0 */
+        uint32_t *o = dst + 16 * (4 * pairs + g);
+        for (int l = 0; l < 16; l++) o[l] = l < left ? rows[(size_t)l * ld + (size_t)(k - 1)] : 0;
+    }
+}
+
+/* Two BF16 elements of x read as one dword (an alias of the uint16_t array). */
+typedef uint32_t __attribute__((may_alias)) bf16_pair;
+
+/* y rows [0, MR) x columns [0, cols) of the tile = x rows (xs elements
+ * apart) . packed panel, over kp pairs. MR is a constant at every call, so
+ * the row loops unroll and the accumulators stay in registers. */
+#define DEF_BF16_TILE(MR)                                                                          \
+    RK_CPU_BF16_TARGET static void bf16_tile_##MR(const uint16_t *x, size_t xs,                    \
+                                                  const uint32_t *wp, int kp, float *y,            \
+                                                  size_t ldy, int cols) {                          \
+        __m512 acc[MR][4];                                                                         \
+        for (int r = 0; r < MR; r++)                                                               \
+            for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();                           \
+        const bf16_pair *xr[MR];                                                                   \
+        for (int r = 0; r < MR; r++) xr[r] = (const bf16_pair *)(x + (size_t)r * xs);              \
+        for (int p = 0; p < kp; p++, wp += 64) {                                                   \
+            __m512bh w0 = BF16_LOAD(wp), w1 = BF16_LOAD(wp + 16), w2 = BF16_LOAD(wp + 32),         \
+                     w3 = BF16_LOAD(wp + 48);                                                      \
+            for (int r = 0; r < MR; r++) {                                                         \
+                __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xr[r][p]);                          \
+                acc[r][0] = BF16_DP(acc[r][0], xv, w0);                                            \
+                acc[r][1] = BF16_DP(acc[r][1], xv, w1);                                            \
+                acc[r][2] = BF16_DP(acc[r][2], xv, w2);                                            \
+                acc[r][3] = BF16_DP(acc[r][3], xv, w3);                                            \
+            }                                                                                      \
+        }                                                                                          \
+        for (int u = 0; u < 4; u++) {                                                              \
+            int left = cols - 16 * u;                                                              \
+            if (left <= 0) break;                                                                  \
+            __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);       \
+            for (int r = 0; r < MR; r++)                                                           \
+                _mm512_mask_storeu_ps(y + (size_t)r * ldy + 16 * u, mask, acc[r][u]);              \
+        }                                                                                          \
+    }
+DEF_BF16_TILE(1)
+DEF_BF16_TILE(2)
+DEF_BF16_TILE(3)
+DEF_BF16_TILE(4)
+DEF_BF16_TILE(5)
+DEF_BF16_TILE(6)
+
+/* Pack rows [c0, c0 + cols) of quantized weights, 16 at a time: each row
+ * dequantized to f32 in row and rounded to BF16 into rows16 (16 rows of k),
+ * then packed as BF16 weights are. */
+RK_CPU_BF16_TARGET static void bf16_pack_quant(uint32_t *dst, const void *w, rk_dtype t, int k,
+                                               int c0, int cols, float *row, uint16_t *rows16) {
+    size_t row_bytes = rk_dtype_row_bytes(t, (size_t)k);
+    for (int g = 0; g < BF16_NR / 16; g++) {
+        int left = cols - 16 * g;
+        for (int l = 0; l < 16 && l < left; l++) {
+            const unsigned char *src =
+                (const unsigned char *)w + (size_t)(c0 + 16 * g + l) * row_bytes;
+            rk_dequantize(row, src, t, (size_t)k);
+            rk_cpu_from_f32(rows16 + (size_t)l * k, row, RK_DTYPE_BF16, (size_t)k);
+        }
+        bf16_pack_group(dst, rows16, (size_t)k, k, g, left);
+    }
+}
+
+/* Prefill task: columns [c0, c0 + BF16_NR) of y for every row of x. */
+RK_CPU_BF16_TARGET static void bf16_gemm_task(void *p, int task, int tid) {
+    const bf16_ctx *c = p;
+    int c0 = task * BF16_NR;
+    int cols = c->m - c0 < BF16_NR ? c->m - c0 : BF16_NR;
+    int kp = (c->k + 1) / 2;
+    /* (kp, BF16_NR) dwords; for quantized weights then a row of f32 and
+     * 16 rows of BF16 */
+    uint32_t *wp = rk_cpu_scratch(c->cpu, tid);
+    if (c->wtype == RK_DTYPE_BF16) {
+        const uint16_t *panel = (const uint16_t *)c->w + (size_t)c0 * c->k;
+        for (int g = 0; g < BF16_NR / 16; g++)
+            bf16_pack_group(wp, panel + (size_t)16 * g * c->k, (size_t)c->k, c->k, g,
+                            cols - 16 * g);
+    } else {
+        float *row = (float *)(wp + (size_t)kp * BF16_NR);
+        bf16_pack_quant(wp, c->w, c->wtype, c->k, c0, cols, row, (uint16_t *)(row + c->k));
+    }
+    size_t m = (size_t)c->m;
+    for (int i = 0; i < c->n; i += BF16_MR) {
+        const uint16_t *xi = c->xb + (size_t)i * c->xs;
+        float *yi = c->y + (size_t)i * m + c0;
+        switch (c->n - i < BF16_MR ? c->n - i : BF16_MR) {
+        case 1: bf16_tile_1(xi, c->xs, wp, kp, yi, m, cols); break;
+        case 2: bf16_tile_2(xi, c->xs, wp, kp, yi, m, cols); break;
+        case 3: bf16_tile_3(xi, c->xs, wp, kp, yi, m, cols); break;
+        case 4: bf16_tile_4(xi, c->xs, wp, kp, yi, m, cols); break;
+        case 5: bf16_tile_5(xi, c->xs, wp, kp, yi, m, cols); break;
+        default: bf16_tile_6(xi, c->xs, wp, kp, yi, m, cols); break;
+        }
+    }
+}
+
+static rk_status matmul_bf16(rk_cpu *cpu, float *y, const float *x, const void *w, rk_dtype wtype,
+                             int n, int k, int m) {
+    bf16_ctx c = {cpu, y, x, w, wtype, NULL, bf16_row_elems(k), n, k, m};
+    void *xb;
+    rk_status st = rk_cpu_reserve_shared(cpu, (size_t)n * c.xs * sizeof(uint16_t), &xb);
+    if (st != RK_OK) return st;
+    c.xb = xb;
+    if (n < QUANT_POOL_MIN_N)
+        for (int i = 0; i < n; i++) bf16_round_row(&c, i, 0);
+    else
+        rk_threadpool_run(cpu->pool, n, bf16_round_row, &c);
+    if (!rk_cpu_matmul_uses_blas(n, k, m, RK_DTYPE_BF16)) {
+        rk_threadpool_run(cpu->pool, (m + ROWS_PER_TASK - 1) / ROWS_PER_TASK, bf16_mv_task, &c);
+        return RK_OK;
+    }
+    /* the packed panel, then (quantized weights) a row in f32 and in BF16 */
+    size_t panel = (size_t)(k + 1) / 2 * BF16_NR * sizeof(uint32_t);
+    if (wtype != RK_DTYPE_BF16)
+        panel += (size_t)k * sizeof(float) + (size_t)16 * k * sizeof(uint16_t);
+    st = rk_cpu_reserve_scratch(cpu, panel);
+    if (st != RK_OK) return st;
+    rk_threadpool_run(cpu->pool, (m + BF16_NR - 1) / BF16_NR, bf16_gemm_task, &c);
+    return RK_OK;
+}
+#endif
+
 /* ---------------------------------------------------------------- entry */
 
 rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w, rk_dtype wtype,
@@ -251,6 +544,12 @@ rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w,
         memset(y, 0, (size_t)n * m * sizeof(float));
         return RK_OK;
     }
+#ifdef RK_CPU_BF16_KERNELS
+    if (rk_cpu_isa_active() == RK_CPU_ISA_AVX512_BF16 &&
+        (wtype == RK_DTYPE_BF16 ||
+         (rk_dtype_is_quant(wtype) && rk_cpu_matmul_uses_blas(n, k, m, wtype))))
+        return matmul_bf16(cpu, y, x, w, wtype, n, k, m);
+#endif
     if (rk_cpu_matmul_uses_blas(n, k, m, wtype)) return matmul_blas(cpu, y, x, w, wtype, n, k, m);
     mv_ctx c = {y, x, w, wtype, n, k, m, NULL, NULL};
     if (rk_dtype_is_quant(wtype)) {

@@ -96,22 +96,25 @@ static void deq_kq(float *y, const uint8_t *b, const uint8_t *qh, const uint8_t 
     }
 }
 
+/* One group of 16 elements per inner loop, whose scale is one: the compiler
+ * vectorizes it (the values are those of d sc (q - 32), left to right). */
 static void deq_q6_k(float *y, const uint8_t *b) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     float d = rdh(b + 208);
-    for (int h = 0; h < 2; h++) {
-        const uint8_t *l0 = ql + 64 * h, *h0 = qh + 32 * h;
-        for (int l = 0; l < 32; l++) {
-            int q[4] = {(l0[l] & 15) | (h0[l] & 3) << 4, (l0[l + 32] & 15) | (h0[l] >> 2 & 3) << 4,
-                        (l0[l] >> 4) | (h0[l] >> 4 & 3) << 4,
-                        (l0[l + 32] >> 4) | (h0[l] >> 6) << 4};
-            for (int g = 0; g < 4; g++) {
-                int e = 128 * h + 32 * g + l;
-                y[e] = d * (float)sc[e / 16] * (float)(q[g] - 32);
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 4; g++) {
+            const uint8_t *lq = ql + 64 * h + 32 * (g & 1), *hq = qh + 32 * h;
+            int lshift = 4 * (g >> 1), hshift = 2 * g;
+            for (int half = 0; half < 2; half++) {
+                int e0 = 128 * h + 32 * g + 16 * half;
+                float s = d * (float)sc[e0 / 16];
+                for (int l = 16 * half; l < 16 * half + 16; l++) {
+                    int q = (lq[l] >> lshift & 15) | (hq[l] >> hshift & 3) << 4;
+                    y[128 * h + 32 * g + l] = s * (float)(q - 32);
+                }
             }
         }
-    }
 }
 
 void rk_dequantize(float *dst, const void *src, rk_dtype t, size_t n) {
@@ -473,7 +476,8 @@ static inline __m256i mul_sum_us_vnni(__m256i u, __m256i s) {
         }                                                                                          \
         return rk_hsum256(acc) - mins;                                                             \
     }                                                                                              \
-    static float dot_q4_k_##SUF(const void *w, const rk_q8_block *x, int k) {                      \
+    /* inline: the VNNI table takes the 512-bit Q4_K kernel where it exists */                     \
+    static inline float dot_q4_k_##SUF(const void *w, const rk_q8_block *x, int k) {               \
         return dot_kq_##SUF(w, 144, 0, x, k);                                                      \
     }                                                                                              \
     static float dot_q5_k_##SUF(const void *w, const rk_q8_block *x, int k) {                      \
@@ -517,6 +521,70 @@ DEF_SIMD_DOTS(vnni, mul_sum_us_vnni)
 #endif
 #endif
 
+/* Q4_K with 512-bit VNNI, a super-block at a time: one _mm512_dpbusd_epi32
+ * multiplies a byte row of nibbles (sub-blocks 2c and 2c + 1 in the low and
+ * high 256 bits) with the two activation blocks, and each half of its 16
+ * lanes is scaled by its own sub-block's d sc x.d in one FMA. The eight
+ * scales and mins are unpacked together (the 12 bytes as three words), and
+ * the mins term dmin m x.d x.sum is a vector over the eight sub-blocks. The
+ * integer sums are those of the other kernels; the f32 order differs. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define RK_Q4K_VNNI512 1
+static float dot_q4_k_vnni512(const void *w, const rk_q8_block *x, int k) {
+    const uint8_t *b = w;
+    const __m512i m4 = _mm512_set1_epi8(15);
+    const __m512i deint = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    __m512 acc[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}; /* two FMA chains */
+    __m256 mins = _mm256_setzero_ps();
+    for (int i = 0; i < k / QKK; i++, b += 144, x += 8) {
+        uint32_t u[4];
+        memcpy(u, b + 4, 12);
+        /* bytes 0..7: the scales of sub-blocks 0..7, bytes 8..15 their mins */
+        u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+        uint32_t m03 = u[1] & 0x3f3f3f3fu;
+        u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+        u[2] = m03;
+        u[0] &= 0x3f3f3f3fu;
+        /* from registers: a 128-bit load of four 32-bit stores would stall */
+        __m128i sm = _mm_setr_epi32((int)u[0], (int)u[1], (int)u[2], (int)u[3]);
+        __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm));
+        __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8)));
+        /* (d, sum) of the eight blocks as four 128-bit pairs of pairs, then
+         * d0..d7 in the low half and sum0..sum7 in the high half */
+        __m128i pr[4];
+        for (int j = 0; j < 4; j++)
+            pr[j] = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)&x[2 * j]),
+                                       _mm_loadl_epi64((const __m128i *)&x[2 * j + 1]));
+        __m512i ds = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(pr[1], pr[0])),
+                                        _mm256_set_m128i(pr[3], pr[2]), 1);
+        ds = _mm512_permutexvar_epi32(deint, ds);
+        __m256 xd = _mm256_castsi256_ps(_mm512_castsi512_si256(ds));
+        __m256 xs = _mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(ds, 1));
+        __m256 dmin = _mm256_set1_ps(_cvtsh_ss(rd16(b + 2)));
+        mins = _mm256_fmadd_ps(_mm256_mul_ps(mn, dmin), _mm256_mul_ps(xd, xs), mins);
+        __m512 f = _mm512_castps256_ps512(
+            _mm256_mul_ps(_mm256_mul_ps(sc, xd), _mm256_set1_ps(_cvtsh_ss(rd16(b)))));
+        const uint8_t *qs = b + 16;
+        for (int c = 0; c < 4; c++) {
+            __m256i raw = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m512i q =
+                _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+            q = _mm512_and_si512(q, m4);
+            __m512i xq = _mm512_inserti64x4(
+                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)x[2 * c].q)),
+                _mm256_loadu_si256((const __m256i *)x[2 * c + 1].q), 1);
+            __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xq);
+            __m512 fc = _mm512_permutexvar_ps(_mm512_add_epi32(half, _mm512_set1_epi32(2 * c)), f);
+            acc[c & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), fc, acc[c & 1]);
+        }
+    }
+    /* one horizontal sum: the mins ride in the low half */
+    return _mm512_reduce_add_ps(
+        _mm512_sub_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_zextps256_ps512(mins)));
+}
+#endif
+
 /* ---------------------------------------------------------------- dispatch */
 
 static rk_cpu_isa g_forced = RK_CPU_ISA_AUTO;
@@ -537,6 +605,13 @@ static int isa_available(rk_cpu_isa isa) {
 #else
         return 0;
 #endif
+    case RK_CPU_ISA_AVX512_BF16:
+#ifdef RK_CPU_BF16_KERNELS
+        return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512vl");
+#else
+        return 0;
+#endif
     }
     return 0;
 }
@@ -551,6 +626,7 @@ rk_status rk_cpu_force_isa(rk_cpu_isa isa) {
 
 rk_cpu_isa rk_cpu_isa_active(void) {
     if (g_forced != RK_CPU_ISA_AUTO) return g_forced;
+    if (isa_available(RK_CPU_ISA_AVX512_BF16)) return RK_CPU_ISA_AVX512_BF16;
     if (isa_available(RK_CPU_ISA_AVX512_VNNI)) return RK_CPU_ISA_AVX512_VNNI;
     if (isa_available(RK_CPU_ISA_AVX2)) return RK_CPU_ISA_AVX2;
     return RK_CPU_ISA_PORTABLE;
@@ -561,11 +637,23 @@ rk_qdot_fn rk_cpu_qdot_fn(rk_dtype t) {
                                           dot_q6_k_c};
     if (!rk_dtype_is_quant(t)) return NULL;
     int i = (int)t - (int)RK_DTYPE_Q8_0;
-    switch (rk_cpu_isa_active()) {
+    rk_cpu_isa isa = rk_cpu_isa_active();
+    /* The BF16 level adds nothing for integer dots: the best level below it
+     * that this build and CPU have. */
+    if (isa == RK_CPU_ISA_AVX512_BF16)
+        isa = isa_available(RK_CPU_ISA_AVX512_VNNI) ? RK_CPU_ISA_AVX512_VNNI
+              : isa_available(RK_CPU_ISA_AVX2)      ? RK_CPU_ISA_AVX2
+                                                    : RK_CPU_ISA_PORTABLE;
+    switch (isa) {
 #if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
     case RK_CPU_ISA_AVX512_VNNI: {
+#ifdef RK_Q4K_VNNI512
+        static const rk_qdot_fn f[] = {dot_q8_0_vnni, dot_q4_0_vnni, dot_q4_k_vnni512,
+                                       dot_q5_k_vnni, dot_q6_k_vnni};
+#else
         static const rk_qdot_fn f[] = {dot_q8_0_vnni, dot_q4_0_vnni, dot_q4_k_vnni, dot_q5_k_vnni,
                                        dot_q6_k_vnni};
+#endif
         return f[i];
     }
 #endif
