@@ -61,8 +61,13 @@ struct rk_req_state {
     rk_chunk_entry **entries; /* (n_chunks) references held, NULL for oracle chunks */
     rk_chunk_lookup *kinds;   /* (n_chunks) */
     scratch *scratch;         /* (n_chunks) used ones have kv.n_blocks > 0 */
-    int32_t *qtok;            /* tokens fed in pass 3: the question (plain: chunks + question) */
+    int32_t *qtok;            /* tokens fed in pass 3: the question (plain: chunks + question),
+                                 then, resuming, the tokens generated before but the last */
     int n_qtok;
+    int n_gen; /* those generated tokens */
+    /* Resuming: the report of its first admission, put back once admitted
+     * (the resumed prompt finds its chunks cached, and so on). */
+    rk_request *first_report;
     int q_index, q_pos; /* table index and position of the first of them */
     int next_pos;       /* position of the next token to feed */
     rk_sampler sampler;
@@ -72,6 +77,7 @@ struct rk_req_state {
 };
 
 static int chunk_from_prefix(const rk_request *r, int k);
+static int private_tokens(const rk_request *r, int n, int bs);
 
 void rk_req_options_default(rk_req_options *o) {
     memset(o, 0, sizeof *o);
@@ -653,7 +659,8 @@ static rk_status build_key(rk_service *svc, rk_request *r) {
                (size_t)r->chunk_lens[k] * sizeof *s->key);
         s->key[s->layout.index[k]] |= SEGMENT_MARK;
     }
-    if (s->n_qtok) s->key[s->q_index] |= SEGMENT_MARK;
+    /* Generated tokens resumed as prompt carry no mark, as when inserted. */
+    if (s->n_qtok > s->n_gen) s->key[s->q_index] |= SEGMENT_MARK;
     return RK_OK;
 }
 
@@ -733,7 +740,19 @@ static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_tabl
     }
     r->sys_cached = s->sys_first;
     r->conv_cached = s->reused - s->sys_first;
-    int rest = n_prompt_table + r->opt.max_tokens - s->kv.n_tokens;
+    /* Blocks come as decoding needs them; the whole generation must fit
+     * the live pool alone, or waiting never helps. */
+    long life =
+        (n_prompt_table + (long)r->opt.max_tokens - s->n_gen + bs - 1) / bs - s->kv.n_blocks;
+    for (int k = 0; s->zc && k < r->n_chunks; k++)
+        life += (private_tokens(r, r->chunk_lens[k], bs) + bs - 1) / bs;
+    if (life > rk_arena_pool_total(svc->arena, RK_POOL_LIVE))
+        return rk_errorf(RK_ERR_LIMIT,
+                         "the request needs more KV memory than the server has: %ld live "
+                         "blocks for its prompt and max_tokens, the live pool has %d",
+                         life, rk_arena_pool_total(svc->arena, RK_POOL_LIVE));
+    /* The prompt and the first token a decode step feeds. */
+    int rest = n_prompt_table + (r->opt.max_tokens > 0) - s->kv.n_tokens;
     if ((st = rk_seq_reserve(&s->kv, svc->arena, RK_POOL_LIVE, rest, NULL))) return st;
     s->kv.n_tokens = n_prompt_table;
     int skip = s->reused - s->q_index;
@@ -752,13 +771,13 @@ static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_tabl
  * every chunk token, so its requests copy whole chunks (the copy path), as do
  * the oracle and plain modes and every request on a backend without
  * position-shifted attention. */
-static int zero_copy_for(const rk_service *svc, const rk_request *r) {
+static int zero_copy_for(const rk_service *svc, const rk_request *r, int tell) {
     static _Atomic int told; /* the fallback is logged once */
     if (r->opt.mode != RK_MODE_RAG || !r->opt.chunk_cache || r->n_chunks == 0 ||
         r->opt.repair_ratio > 0 || strcmp(svc->cfg.reindex, "copy") == 0)
         return 0;
     if (strcmp(svc->be->name, "cpu") != 0) {
-        if (!told++)
+        if (tell && !told++)
             RK_LOG_WARN("zero-copy reindex is not available on the %s backend: chunks are copied",
                         svc->be->name);
         return 0;
@@ -772,7 +791,7 @@ static int zero_copy_for(const rk_service *svc, const rk_request *r) {
  * the cache entries'. kv.n_tokens then counts table entries of the run table. */
 static rk_status start_request_reindexed(rk_service *svc, rk_request *r) {
     rk_req_state *s = r->state;
-    s->zc = zero_copy_for(svc, r);
+    s->zc = zero_copy_for(svc, r, 1);
     if (!s->zc) return start_request(svc, r, s->q_index + s->n_qtok);
     int bs = rk_arena_block_size(svc->arena);
     rk_status st = start_request(svc, r, (r->n_sys + bs - 1) / bs * bs + s->n_qtok);
@@ -941,7 +960,8 @@ static void insert_sequence(rk_service *svc, rk_request *r) {
      * key: only its system prompt is cached, after pass 1. */
     if (!r->opt.reuse_sequences || s->zc || !s->key || n < s->n_prompt)
         return; /* n_valid is 0 or covers the prompt */
-    memcpy(s->key + s->n_prompt, r->out_tokens, (size_t)(n - s->n_prompt) * sizeof *s->key);
+    memcpy(s->key + s->n_prompt, r->out_tokens + s->n_gen,
+           (size_t)(n - s->n_prompt) * sizeof *s->key);
     /* A chunk entry's block in the table stays the chunk cache's: the
      * sequence is inserted up to it. */
     for (int i = 0; i < (n + bs - 1) / bs; i++)
@@ -970,9 +990,51 @@ static void insert_sequence(rk_service *svc, rk_request *r) {
     if (st) RK_LOG_WARN("request sequence not cached: %s", rk_error_message());
 }
 
+/* Keep what a resumed request's first admission reported. */
+static rk_status save_report(rk_request *r) {
+    rk_req_state *s = r->state;
+    int nc = r->n_chunks ? r->n_chunks : 1;
+    s->first_report = malloc(sizeof *s->first_report);
+    rk_chunk_report *c = malloc((size_t)nc * sizeof *c);
+    if (!s->first_report || !c) {
+        free(s->first_report);
+        free(c);
+        s->first_report = NULL;
+        return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    }
+    memcpy(c, r->chunk_reports, (size_t)nc * sizeof *c);
+    *s->first_report = (rk_request){.chunk_reports = c,
+                                    .sys_cached = r->sys_cached,
+                                    .conv_cached = r->conv_cached,
+                                    .recomputed_tokens = r->recomputed_tokens,
+                                    .shared_blocks = r->shared_blocks,
+                                    .t = r->t};
+    return RK_OK;
+}
+
+/* Put it back; the prefill time of the resumed prompt counts. */
+static void restore_report(rk_request *r) {
+    rk_req_state *s = r->state;
+    rk_request *f = s->first_report;
+    if (!f) return;
+    memcpy(r->chunk_reports, f->chunk_reports,
+           (size_t)(r->n_chunks ? r->n_chunks : 1) * sizeof *f->chunk_reports);
+    r->sys_cached = f->sys_cached;
+    r->conv_cached = f->conv_cached;
+    r->recomputed_tokens = f->recomputed_tokens;
+    r->shared_blocks = f->shared_blocks;
+    double prefill_ms = r->t.prefill_ms;
+    r->t = f->t;
+    r->t.prefill_ms = prefill_ms;
+    free(f->chunk_reports);
+    free(f);
+    s->first_report = NULL;
+}
+
 static void release_request(rk_service *svc, rk_request *r, int failed) {
     rk_req_state *s = r->state;
     if (!s) return;
+    restore_report(r);
     if (!failed) insert_sequence(svc, r);
     for (int k = 0; s->entries && s->scratch && k < r->n_chunks; k++) {
         scratch *sc = &s->scratch[k];
@@ -997,34 +1059,53 @@ static void release_request(rk_service *svc, rk_request *r, int failed) {
     r->state = NULL;
 }
 
+/* A resumed request's prompt goes on with the tokens it generated but the
+ * last, which its next decode step feeds. */
+static void append_generated(rk_request *r) {
+    rk_req_state *s = r->state;
+    if (s->n_gen > 0)
+        memcpy(s->qtok + s->n_qtok, r->out_tokens, (size_t)s->n_gen * sizeof *s->qtok);
+    s->n_qtok += s->n_gen;
+}
+
 static rk_status init_request(rk_service *svc, rk_request *r) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
     rk_req_state *s = calloc(1, sizeof *s);
     if (!s) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
     r->state = s;
     s->partial_src = -1;
-    s->t_start = rk_time_now();
     int nc = r->n_chunks ? r->n_chunks : 1;
     s->entries = calloc((size_t)nc, sizeof *s->entries);
     s->kinds = calloc((size_t)nc, sizeof *s->kinds);
     s->scratch = calloc((size_t)nc, sizeof *s->scratch);
     if (!s->entries || !s->kinds || !s->scratch)
         return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
-    r->n_out = 0;
-    r->finish_reason = RK_FINISH_LENGTH;
     r->finished = 0;
+    if (r->resume) { /* preempted: its tokens, timings and clock go on */
+        s->t_start = r->t_admitted;
+        s->n_gen = r->n_out - 1;
+    } else {
+        s->t_start = r->t_admitted = rk_time_now();
+        r->n_out = 0;
+        r->preemptions = 0;
+        r->finish_reason = RK_FINISH_LENGTH;
+        double queue_ms = r->t.queue_ms; /* set by whoever queued it */
+        memset(&r->t, 0, sizeof r->t);
+        r->t.queue_ms = queue_ms;
+    }
     /* Nothing to generate: the prompt is still cached, but no step samples. */
     s->done = r->opt.max_tokens == 0;
-    double queue_ms = r->t.queue_ms; /* set by whoever queued it */
-    memset(&r->t, 0, sizeof r->t);
-    r->t.queue_ms = queue_ms;
     rk_status st = rk_sampler_init(&s->sampler, &r->opt.sampling, hp->n_vocab);
     if (st) return st;
+    if (r->resume) {
+        memcpy(s->sampler.rng, r->rng, sizeof r->rng);
+        if ((st = save_report(r))) return st;
+    }
     if (r->opt.mode == RK_MODE_PLAIN) {
         /* One ordinary sequence: the chunks and the question follow the system. */
         int n = r->n_question;
         for (int k = 0; k < r->n_chunks; k++) n += r->chunk_lens[k];
-        s->qtok = malloc((size_t)(n ? n : 1) * sizeof *s->qtok);
+        s->qtok = malloc((size_t)(n + s->n_gen + 1) * sizeof *s->qtok);
         if (!s->qtok) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
         int o = 0;
         for (int k = 0; k < r->n_chunks; k++) {
@@ -1034,6 +1115,7 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
         if (r->n_question)
             memcpy(s->qtok + o, r->question, (size_t)r->n_question * sizeof *s->qtok);
         s->n_qtok = n;
+        append_generated(r);
         s->q_index = s->q_pos = r->n_sys;
         for (int k = 0; k < r->n_chunks; k++) {
             r->chunk_reports[k] = (rk_chunk_report){.tokens = r->chunk_lens[k],
@@ -1045,10 +1127,11 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
     }
     if ((st = rk_layout_plan(r->opt.positions, r->n_sys, r->chunk_lens, r->n_chunks, &s->layout)))
         return st;
-    s->qtok = malloc((size_t)(r->n_question ? r->n_question : 1) * sizeof *s->qtok);
+    s->qtok = malloc((size_t)(r->n_question + s->n_gen + 1) * sizeof *s->qtok);
     if (!s->qtok) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
     if (r->n_question) memcpy(s->qtok, r->question, (size_t)r->n_question * sizeof *s->qtok);
     s->n_qtok = r->n_question;
+    append_generated(r);
     s->q_index = s->layout.question_index;
     s->q_pos = s->layout.question_pos;
     return RK_OK;
@@ -1278,6 +1361,14 @@ static rk_status stage_reindex(admission *a) {
     }
     if ((st = rk_copy_plan_run(a->copies, svc->be, svc->arena, rk_model_rope(svc->model))))
         return st;
+    /* The scratch sequences' KV is in place now: their live blocks go back
+     * before decoding needs them. */
+    for (int i = 0; i < a->n; i++)
+        for (int k = 0; k < a->reqs[i]->n_chunks; k++) {
+            scratch *sc = &a->reqs[i]->state->scratch[k];
+            if (sc->used) rk_seq_release(&sc->kv, svc->arena);
+            sc->used = 0;
+        }
     double t_reindex = rk_time_now() - t;
     for (int i = 0; i < a->n; i++) {
         rk_request *r = a->reqs[i];
@@ -1338,12 +1429,15 @@ static rk_status stage_question(admission *a, const rk_pipeline_hooks *hooks) {
             s->done = 1;
         }
         if (s->done) continue;
+        /* A resumed request has its next token: its logits are not needed. */
         if (s->n_qtok) {
-            st = batch_add_req(a->b, bs, s, s->qtok, s->n_qtok, s->q_pos, s->q_index, 1);
+            st = batch_add_req(a->b, bs, s, s->qtok, s->n_qtok, s->q_pos, s->q_index, !r->resume);
             s->next_pos = s->q_pos + s->n_qtok;
-        } else {
+        } else if (!r->resume) {
             int last = r->n_sys - 1;
             st = batch_add(a->b, bs, &s->kv, r->sys + last, 1, last, last, 1);
+            s->next_pos = r->n_sys;
+        } else {
             s->next_pos = r->n_sys;
         }
         if (st) return st;
@@ -1355,8 +1449,8 @@ static rk_status stage_question(admission *a, const rk_pipeline_hooks *hooks) {
         rk_request *r = a->reqs[i];
         if (r->state->done) continue;
         r->state->n_valid = r->state->kv.n_tokens;
-        r->t.prefill_ms = dt;
-        take_token(a->svc, r, a->b->logits + (size_t)row++ * n_vocab, hooks);
+        r->t.prefill_ms += dt;
+        if (!r->resume) take_token(a->svc, r, a->b->logits + (size_t)row++ * n_vocab, hooks);
     }
     return RK_OK;
 }
@@ -1365,11 +1459,13 @@ static rk_status stage_question(admission *a, const rk_pipeline_hooks *hooks) {
 
 struct rk_pipeline {
     rk_service *svc;
-    rk_request **running; /* (cap) admitted and unfinished, in admission order */
+    rk_request **running; /* (cap) admitted and unfinished, by rank (first admission) */
     int n_running, cap;
-    int n_admitted; /* requests admitted so far: the next one's hook index */
-    int *act;       /* (cap) running[] indices in the current decode pass */
-    batch b;        /* reused by every pass */
+    int n_admitted;         /* requests admitted so far: the next one's rank */
+    rk_request **preempted; /* (cap_preempted) waiting to resume, by rank */
+    int n_preempted, cap_preempted;
+    uint64_t n_preemptions;
+    batch b; /* reused by every pass */
     rk_copy_plan copies;
 };
 
@@ -1382,11 +1478,114 @@ rk_status rk_pipeline_create(rk_service *svc, rk_pipeline **out) {
 
 int rk_pipeline_n_running(const rk_pipeline *p) { return p->n_running; }
 
+uint64_t rk_pipeline_preemptions(const rk_pipeline *p) { return p->n_preemptions; }
+
+int rk_request_live_blocks(const rk_service *svc, const rk_request *r) {
+    int bs = rk_arena_block_size(svc->arena), zc = zero_copy_for(svc, r, 0);
+    long tokens = (long)r->n_sys + r->n_question + 1 + (r->resume ? r->n_out - 1 : 0), extra = 0;
+    for (int k = 0; k < r->n_chunks; k++) {
+        tokens += zc ? private_tokens(r, r->chunk_lens[k], bs) : r->chunk_lens[k];
+        int after_system = r->opt.chunk_context == RK_CONTEXT_SYSTEM;
+        if (!r->opt.chunk_cache || after_system)
+            extra += r->chunk_lens[k] + (after_system ? r->n_sys : 0) + bs;
+    }
+    long blocks = (tokens + extra) / bs + 2;
+    return blocks > 1 << 30 ? 1 << 30 : (int)blocks;
+}
+
+/* Insert r into list (n entries, room for one more) by rank. */
+static void insert_by_rank(rk_request **list, int *n, rk_request *r) {
+    int i = *n;
+    while (i > 0 && list[i - 1]->rank > r->rank) {
+        list[i] = list[i - 1];
+        i--;
+    }
+    list[i] = r;
+    (*n)++;
+}
+
 /* A finished request leaves: its report is completed and all it holds released. */
 static void leave(rk_pipeline *p, rk_request *r) {
     finish_report(r);
     release_request(p->svc, r, 0);
     r->finished = 1;
+}
+
+/* The finished leave now; the rest keep their order. */
+static void leave_finished(rk_pipeline *p) {
+    int kept = 0;
+    for (int i = 0; i < p->n_running; i++) {
+        rk_request *r = p->running[i];
+        if (r->state->done)
+            leave(p, r);
+        else
+            p->running[kept++] = r;
+    }
+    p->n_running = kept;
+}
+
+/* Take running[i] off the live pool: what it computed goes into the radix
+ * tree, everything it holds is released, its tokens and its sampler's state
+ * stay with it, and it waits among the preempted. */
+static rk_status preempt(rk_pipeline *p, int i) {
+    rk_request *r = p->running[i];
+    if (p->n_preempted == p->cap_preempted) {
+        int cap = p->cap_preempted ? p->cap_preempted * 2 : 8;
+        rk_request **q = realloc(p->preempted, (size_t)cap * sizeof *q);
+        if (!q) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        p->preempted = q;
+        p->cap_preempted = cap;
+    }
+    memcpy(r->rng, r->state->sampler.rng, sizeof r->rng);
+    finish_report(r);
+    release_request(p->svc, r, 0);
+    r->resume = 1;
+    r->preemptions++;
+    p->n_preemptions++;
+    memmove(p->running + i, p->running + i + 1,
+            (size_t)(p->n_running - i - 1) * sizeof *p->running);
+    p->n_running--;
+    insert_by_rank(p->preempted, &p->n_preempted, r);
+    return RK_OK;
+}
+
+/* The table entries request s can hold now. */
+static int table_room(const rk_req_state *s, int bs) {
+    return s->zc ? s->runs.end[s->runs.n_runs - 1] : s->kv.n_blocks * bs;
+}
+
+/* One more live block at the end of the request's table (of its live run
+ * when it has a run table). */
+static rk_status grow_live(rk_service *svc, rk_req_state *s) {
+    int bs = rk_arena_block_size(svc->arena), n = s->kv.n_tokens;
+    s->kv.n_tokens = s->kv.n_blocks * bs; /* a zero-copy table counts other entries */
+    rk_status st = rk_seq_reserve(&s->kv, svc->arena, RK_POOL_LIVE, 1, NULL);
+    s->kv.n_tokens = n;
+    if (!st && s->zc) st = rk_runs_add(&s->runs, bs, &s->kv.blocks[s->kv.n_blocks - 1], bs, 0);
+    return st;
+}
+
+/* Room for every running request's next token, the oldest first: a full
+ * table takes a live block; when the pool has none, the youngest running
+ * request is preempted (the one asking, when it is the youngest). */
+static rk_status make_room(rk_pipeline *p) {
+    int bs = rk_arena_block_size(p->svc->arena);
+    rk_status st;
+    for (int i = 0; i < p->n_running; i++) {
+        rk_req_state *s = p->running[i]->state;
+        while (s->kv.n_tokens >= table_room(s, bs)) {
+            st = grow_live(p->svc, s);
+            if (st != RK_ERR_EXHAUSTED) {
+                if (st) return st;
+                continue;
+            }
+            if (p->n_running == 1) /* admission checked that it fits alone */
+                return rk_errorf(RK_ERR_LIMIT, "the live pool cannot hold the request alone");
+            if ((st = preempt(p, p->n_running - 1))) return st;
+            if (i >= p->n_running) return RK_OK; /* it was the youngest */
+        }
+    }
+    return RK_OK;
 }
 
 rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
@@ -1395,16 +1594,18 @@ rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
     if (p->n_running + n_reqs > p->cap) {
         int cap = (p->n_running + n_reqs) * 2;
         rk_request **run = realloc(p->running, (size_t)cap * sizeof *run);
-        if (run) p->running = run;
-        int *act = realloc(p->act, (size_t)cap * sizeof *act);
-        if (act) p->act = act;
-        if (!run || !act) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        if (!run) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        p->running = run;
         p->cap = cap;
     }
-    for (int i = 0; i < n_reqs; i++) reqs[i]->state = NULL;
+    int n_fresh = 0;
+    for (int i = 0; i < n_reqs; i++) {
+        reqs[i]->state = NULL;
+        if (!reqs[i]->resume) reqs[i]->rank = p->n_admitted + n_fresh++;
+    }
     for (int i = 0; i < n_reqs && !st; i++) {
         st = init_request(p->svc, reqs[i]);
-        if (reqs[i]->state) reqs[i]->state->hook_index = p->n_admitted + i;
+        if (reqs[i]->state) reqs[i]->state->hook_index = reqs[i]->rank;
     }
     admission a = {.svc = p->svc, .reqs = reqs, .n = n_reqs, .b = &p->b, .copies = &p->copies};
     if (!st) st = stage_system_and_chunks(&a);
@@ -1417,12 +1618,14 @@ rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
         rk_copy_plan_free(&p->copies);
         return st;
     }
-    p->n_admitted += n_reqs;
+    p->n_admitted += n_fresh;
     for (int i = 0; i < n_reqs; i++) {
+        restore_report(reqs[i]);
+        reqs[i]->resume = 0;
         if (reqs[i]->state->done)
             leave(p, reqs[i]);
         else
-            p->running[p->n_running++] = reqs[i];
+            insert_by_rank(p->running, &p->n_running, reqs[i]);
     }
     return RK_OK;
 }
@@ -1431,49 +1634,53 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
     rk_service *svc = p->svc;
     int bs = rk_arena_block_size(svc->arena), n_vocab = rk_model_hparams(svc->model)->n_vocab;
     rk_status st;
-    int n_act = 0;
+    /* Cancelled requests leave first: their blocks are free for the others. */
+    for (int i = 0; i < p->n_running; i++) {
+        rk_request *r = p->running[i];
+        if (!r->state->done && r->cancel) {
+            r->finish_reason = RK_FINISH_CANCELLED;
+            r->state->done = 1;
+        }
+    }
+    leave_finished(p);
+    if ((st = make_room(p))) return st;
     batch_reset(&p->b);
     for (int i = 0; i < p->n_running; i++) {
         rk_request *r = p->running[i];
         rk_req_state *s = r->state;
-        if (!s->done && r->cancel) {
-            r->finish_reason = RK_FINISH_CANCELLED;
-            s->done = 1;
-        }
-        if (s->done) continue;
         int idx = s->kv.n_tokens++;
         if ((st = batch_add_req(&p->b, bs, s, &r->out_tokens[r->n_out - 1], 1, s->next_pos++, idx,
                                 1)))
             return st;
-        p->act[n_act++] = i;
     }
-    if (n_act) {
+    if (p->n_running) {
         double t = rk_time_now();
         if ((st = batch_run(svc, &p->b))) return st;
         double dt = (rk_time_now() - t) * 1e3;
-        for (int a = 0; a < n_act; a++) {
-            rk_request *r = p->running[p->act[a]];
+        for (int i = 0; i < p->n_running; i++) {
+            rk_request *r = p->running[i];
             r->state->n_valid = r->state->kv.n_tokens;
             r->t.decode_ms += dt;
-            take_token(svc, r, p->b.logits + (size_t)a * n_vocab, hooks);
+            take_token(svc, r, p->b.logits + (size_t)i * n_vocab, hooks);
         }
     }
-    /* The finished leave now, in this step; the rest keep their order. */
-    int kept = 0;
-    for (int i = 0; i < p->n_running; i++) {
-        rk_request *r = p->running[i];
-        if (r->state->done)
-            leave(p, r);
-        else
-            p->running[kept++] = r;
-    }
-    p->n_running = kept;
+    leave_finished(p);
     return RK_OK;
+}
+
+int rk_pipeline_take_preempted(rk_pipeline *p, rk_request **out, int cap) {
+    int n = p->n_preempted < cap ? p->n_preempted : cap;
+    if (n == 0) return 0;
+    memcpy(out, p->preempted, (size_t)n * sizeof *out);
+    memmove(p->preempted, p->preempted + n, (size_t)(p->n_preempted - n) * sizeof *out);
+    p->n_preempted -= n;
+    return n;
 }
 
 void rk_pipeline_abort(rk_pipeline *p) {
     for (int i = 0; i < p->n_running; i++) release_request(p->svc, p->running[i], 1);
     p->n_running = 0;
+    p->n_preempted = 0; /* they hold nothing */
 }
 
 void rk_pipeline_free(rk_pipeline *p) {
@@ -1482,8 +1689,21 @@ void rk_pipeline_free(rk_pipeline *p) {
     batch_free(&p->b);
     rk_copy_plan_free(&p->copies);
     free(p->running);
-    free(p->act);
+    free(p->preempted);
     free(p);
+}
+
+/* Admit the oldest preempted request again when the live pool has room for
+ * it (or nothing runs); RK_OK while it waits. */
+static rk_status resume_one(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
+    rk_request *r = p->preempted[0];
+    if (p->n_running > 0 &&
+        rk_arena_pool_free(p->svc->arena, RK_POOL_LIVE) < rk_request_live_blocks(p->svc, r))
+        return RK_OK;
+    rk_status st = rk_pipeline_admit(p, &r, 1, hooks);
+    if (st == RK_ERR_EXHAUSTED && p->n_running > 0) return RK_OK;
+    if (!st) rk_pipeline_take_preempted(p, &r, 1);
+    return st;
 }
 
 rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
@@ -1492,7 +1712,10 @@ rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
     rk_status st = rk_pipeline_create(svc, &p);
     if (st) return st;
     st = rk_pipeline_admit(p, reqs, n_reqs, hooks);
-    while (!st && p->n_running) st = rk_pipeline_step(p, hooks);
+    while (!st && (p->n_running || p->n_preempted)) {
+        if (p->n_preempted) st = resume_one(p, hooks);
+        if (!st && p->n_running) st = rk_pipeline_step(p, hooks);
+    }
     rk_pipeline_free(p); /* on failure: releases what still runs */
     return st;
 }

@@ -224,7 +224,7 @@ Test(pipeline, ending_or_cancelling_a_request_releases_everything_the_same_step)
     rk_service_close(svc);
 }
 
-Test(pipeline, a_request_the_live_pool_cannot_hold_is_refused_and_the_running_ones_go_on) {
+Test(pipeline, a_prompt_the_live_pool_cannot_hold_is_refused_and_the_running_ones_go_on) {
     rk_config cfg = small_config();
     cfg.live_blocks = 24;
     rk_service *alone, *svc;
@@ -237,13 +237,23 @@ Test(pipeline, a_request_the_live_pool_cannot_hold_is_refused_and_the_running_on
     cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
     rk_request *a = prepare(svc, LONG_PROMPT, 150);
     cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
-    for (int s = 0; s < 3; s++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    /* a takes live blocks as it decodes. */
+    for (int s = 0; s < 100; s++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
     held with_a = held_now(svc);
     int bs = rk_arena_block_size(svc->arena);
     int free_blocks = rk_arena_pool_free(svc->arena, RK_POOL_LIVE);
-    /* b's generated tokens alone need more blocks than are free. */
-    rk_request *b = prepare(svc, SHORT_PROMPT, (free_blocks + 1) * bs);
-    cr_assert_eq(rk_pipeline_admit(p, &b, 1, NULL), RK_ERR_EXHAUSTED);
+    /* b's prompt alone needs more blocks than are free (but fits the pool). */
+    int n_q = (free_blocks + 1) * bs;
+    int32_t *q = malloc((size_t)n_q * sizeof *q);
+    for (int i = 0; i < n_q; i++) q[i] = 3 + i % 200;
+    rk_request *b = calloc(1, sizeof *b);
+    rk_req_options_default(&b->opt);
+    b->opt.max_tokens = 4;
+    b->opt.sampling.temperature = 0;
+    cr_assert_eq(rk_request_prepare_tokens(svc, NULL, 0, q, n_q, b), RK_OK, "%s",
+                 rk_error_message());
+    free(q);
+    cr_assert_eq(rk_pipeline_admit(p, &b, 1, NULL), RK_ERR_EXHAUSTED, "%s", rk_error_message());
     cr_assert(!b->finished);
     held after = held_now(svc);
     cr_assert_eq(after.live_used, with_a.live_used, "b took nothing from the live pool");
