@@ -102,6 +102,9 @@ typedef struct rk_config {
      * place, position-shifted, where the backend can) or "copy" (rotated into
      * the request's live blocks). */
     char reindex[12];
+    /* Prompt tokens one engine step computes at most next to the decode
+     * tokens (the rest goes on in the next steps); 0 = unlimited. Default 512. */
+    int step_tokens;
 
     /* chunk cache and request limits */
     int chunk_entries;    /* most chunks the index holds; default 100000 */

@@ -45,6 +45,8 @@ const rk_setting rk_config_settings[] = {
      "  do not cache system prompts in the radix tree"},
     {"reindex", "reindex", RK_SET_STR, CFG_STR(reindex), 0, 0, 0, 0,
      "MODE  cached chunks: zero-copy (attended in place; default) or copy"},
+    {"step_tokens", "step-tokens", RK_SET_INT, CFG_OFF(step_tokens), 0, 0, 1 << 30, 0, 0,
+     "N  prompt tokens per engine step next to decoding (default: 512; 0 = unlimited)"},
     {"chunk_entries", "chunk-entries", RK_SET_INT, CFG_OFF(chunk_entries), 0, 1, 1 << 30, 0, 0,
      "N  chunks the index holds at most (default: 100000)"},
     {"max_chunks", "max-chunks", RK_SET_INT, CFG_OFF(max_chunks), 0, 0, 1 << 20, 0, 0,

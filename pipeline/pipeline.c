@@ -70,6 +70,15 @@ struct rk_req_state {
     rk_request *first_report;
     int q_index, q_pos; /* table index and position of the first of them */
     int next_pos;       /* position of the next token to feed */
+    /* The prompt work left to the question pass (its last pass, merged with
+     * decode steps, see run_pass): the system tail from sys_next (== n_sys
+     * when pass 1 computed it), then ptok[p_next .. n_ptok) at table index
+     * p_idx and position p_pos on; the last of it gives the first token. */
+    int prefilling;
+    int sys_next;
+    const int32_t *ptok;
+    int n_ptok, p_idx, p_pos, p_next;
+    int row, fed_sys, fed_p; /* in the current pass: its logits row (-1: none), tokens fed */
     rk_sampler sampler;
     int done;
     int hook_index; /* the hooks' req: its rank in admission order */
@@ -1083,7 +1092,7 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
     r->finished = 0;
     if (r->resume) { /* preempted: its tokens, timings and clock go on */
         s->t_start = r->t_admitted;
-        s->n_gen = r->n_out - 1;
+        s->n_gen = r->n_out > 0 ? r->n_out - 1 : 0; /* none when preempted before its first */
     } else {
         s->t_start = r->t_admitted = rk_time_now();
         r->n_out = 0;
@@ -1193,6 +1202,16 @@ typedef struct admission {
     rk_copy_plan *copies;
 } admission;
 
+/* Whether something before the question pass attends to r's system KV: a
+ * `system`-context chunk computed after it (pass 2), or a repair. */
+static int needs_system_first(const rk_request *r) {
+    if (r->opt.mode != RK_MODE_RAG) return 0;
+    if (r->opt.repair_k > 0 || r->opt.repair_ratio > 0) return 1;
+    for (int k = 0; k < r->n_chunks; k++)
+        if (r->state->scratch[k].pass2) return 1;
+    return 0;
+}
+
 /* Stage 1: reserve each request's blocks and match its system prompt in the
  * radix tree, look its chunks up, then pass 1: the system tails the tree did
  * not have, the isolated chunk misses and the oracle chunks. The new system
@@ -1209,15 +1228,26 @@ static rk_status stage_system_and_chunks(admission *a) {
         if (s->n_partial && (st = rk_copy_plan_add(a->copies, bs, &s->partial_src, 0, &s->kv,
                                                    s->reused - s->n_partial, s->n_partial, 0)))
             return st;
-        if (s->sys_first < r->n_sys &&
-            (st = batch_add(a->b, bs, &s->kv, r->sys + s->sys_first, r->n_sys - s->sys_first,
-                            s->sys_first, s->sys_first, 0)))
-            return st;
     }
     rk_persist_begin_lookups(a->svc);
     for (int i = 0; i < a->n; i++)
         if (a->reqs[i]->opt.mode == RK_MODE_RAG && (st = plan_chunks(a->svc, a->reqs[i], a->b)))
             return st;
+    /* A system tail nothing before the question pass attends to goes into
+     * that pass, with the question. */
+    for (int i = 0; i < a->n; i++) {
+        rk_request *r = a->reqs[i];
+        rk_req_state *s = r->state;
+        s->sys_next = r->n_sys;
+        if (s->sys_first == r->n_sys) continue;
+        if (!needs_system_first(r)) {
+            s->sys_next = s->sys_first;
+            continue;
+        }
+        if ((st = batch_add(a->b, bs, &s->kv, r->sys + s->sys_first, r->n_sys - s->sys_first,
+                            s->sys_first, s->sys_first, 0)))
+            return st;
+    }
     double t_lookup = rk_time_now() - t;
     t = rk_time_now();
     /* The partial pages' rows first: the tails computed in pass 1 attend to them. */
@@ -1226,8 +1256,12 @@ static rk_status stage_system_and_chunks(admission *a) {
     for (int i = 0; i < a->n; i++) drop_partial(a->svc, a->reqs[i]->state);
     if ((st = batch_run(a->svc, a->b))) return st;
     rk_persist_note_prefill(a->svc, a->b->n_tok, rk_time_now() - t);
-    for (int i = 0; i < a->n; i++)
-        if (a->reqs[i]->state->n_insert && (st = insert_system(a->svc, a->reqs[i]))) return st;
+    for (int i = 0; i < a->n; i++) {
+        rk_req_state *s = a->reqs[i]->state;
+        if (s->n_insert && s->sys_next == a->reqs[i]->n_sys &&
+            (st = insert_system(a->svc, a->reqs[i])))
+            return st;
+    }
     double t_compute = rk_time_now() - t;
     for (int i = 0; i < a->n; i++) {
         a->reqs[i]->t.lookup_ms = t_lookup * 1e3;
@@ -1414,13 +1448,12 @@ static rk_status stage_repair(admission *a) {
     return RK_OK;
 }
 
-/* Stage 5: the questions in one pass, with logits: every request's first
- * token (a request whose whole prompt is its system prompt feeds the last
- * system token again for its logits). */
-static rk_status stage_question(admission *a, const rk_pipeline_hooks *hooks) {
-    int bs = rk_arena_block_size(a->svc->arena), n_vocab = rk_model_hparams(a->svc->model)->n_vocab;
-    rk_status st;
-    batch_reset(a->b);
+/* Stage 5: what is left of each request's prompt for the question pass:
+ * its deferred system tail and its question (plain: chunks and question;
+ * resuming: and its generated tokens but the last). A request whose whole
+ * prompt is its computed system prompt feeds the last system token again
+ * for its logits. A cancelled request is done. */
+static void queue_prompt(admission *a) {
     for (int i = 0; i < a->n; i++) {
         rk_request *r = a->reqs[i];
         rk_req_state *s = r->state;
@@ -1429,30 +1462,20 @@ static rk_status stage_question(admission *a, const rk_pipeline_hooks *hooks) {
             s->done = 1;
         }
         if (s->done) continue;
-        /* A resumed request has its next token: its logits are not needed. */
-        if (s->n_qtok) {
-            st = batch_add_req(a->b, bs, s, s->qtok, s->n_qtok, s->q_pos, s->q_index, !r->resume);
-            s->next_pos = s->q_pos + s->n_qtok;
-        } else if (!r->resume) {
-            int last = r->n_sys - 1;
-            st = batch_add(a->b, bs, &s->kv, r->sys + last, 1, last, last, 1);
-            s->next_pos = r->n_sys;
-        } else {
-            s->next_pos = r->n_sys;
+        s->ptok = s->qtok;
+        s->n_ptok = s->n_qtok;
+        s->p_idx = s->q_index;
+        s->p_pos = s->q_pos;
+        s->p_next = 0;
+        s->next_pos = s->n_qtok ? s->q_pos + s->n_qtok : r->n_sys;
+        if (s->n_qtok == 0 && s->sys_next == r->n_sys && r->n_out == 0) {
+            s->ptok = r->sys + r->n_sys - 1;
+            s->n_ptok = 1;
+            s->p_idx = s->p_pos = r->n_sys - 1;
         }
-        if (st) return st;
+        s->prefilling = s->sys_next < r->n_sys || s->n_ptok > 0;
+        if (!s->prefilling) s->n_valid = s->kv.n_tokens; /* resumed, nothing to feed */
     }
-    double t = rk_time_now();
-    if ((st = batch_run(a->svc, a->b))) return st;
-    double dt = (rk_time_now() - t) * 1e3;
-    for (int i = 0, row = 0; i < a->n; i++) {
-        rk_request *r = a->reqs[i];
-        if (r->state->done) continue;
-        r->state->n_valid = r->state->kv.n_tokens;
-        r->t.prefill_ms += dt;
-        if (!r->resume) take_token(a->svc, r, a->b->logits + (size_t)row++ * n_vocab, hooks);
-    }
-    return RK_OK;
 }
 
 /* ---------------------------------------------------------------- running requests */
@@ -1462,6 +1485,7 @@ struct rk_pipeline {
     rk_request **running; /* (cap) admitted and unfinished, by rank (first admission) */
     int n_running, cap;
     int n_admitted;         /* requests admitted so far: the next one's rank */
+    rk_request **work;      /* (2 cap) the current pass's decoding and prefilling requests */
     rk_request **preempted; /* (cap_preempted) waiting to resume, by rank */
     int n_preempted, cap_preempted;
     uint64_t n_preemptions;
@@ -1573,7 +1597,7 @@ static rk_status make_room(rk_pipeline *p) {
     rk_status st;
     for (int i = 0; i < p->n_running; i++) {
         rk_req_state *s = p->running[i]->state;
-        while (s->kv.n_tokens >= table_room(s, bs)) {
+        while (!s->prefilling && s->kv.n_tokens >= table_room(s, bs)) {
             st = grow_live(p->svc, s);
             if (st != RK_ERR_EXHAUSTED) {
                 if (st) return st;
@@ -1588,20 +1612,105 @@ static rk_status make_room(rk_pipeline *p) {
     return RK_OK;
 }
 
-rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
-                            const rk_pipeline_hooks *hooks) {
+/* Feed what is left of r's prompt into b, at most *left tokens: its
+ * system tail, then the rest; logits for the last token when it has no
+ * token yet. */
+static rk_status feed_prompt(batch *b, int bs, rk_request *r, int *left) {
+    rk_req_state *s = r->state;
+    rk_status st;
+    int n = r->n_sys - s->sys_next < *left ? r->n_sys - s->sys_next : *left;
+    if (n > 0) {
+        int last = s->sys_next + n == r->n_sys && s->n_ptok == 0 && r->n_out == 0;
+        if ((st = batch_add_req(b, bs, s, r->sys + s->sys_next, n, s->sys_next, s->sys_next, last)))
+            return st;
+        if (last) s->row = b->n_logits - 1;
+        s->fed_sys = n;
+        *left -= n;
+    }
+    if (s->sys_next + s->fed_sys < r->n_sys) return RK_OK;
+    int m = s->n_ptok - s->p_next < *left ? s->n_ptok - s->p_next : *left;
+    if (m <= 0) return RK_OK;
+    int last = s->p_next + m == s->n_ptok && r->n_out == 0;
+    if ((st = batch_add_req(b, bs, s, s->ptok + s->p_next, m, s->p_pos + s->p_next,
+                            s->p_idx + s->p_next, last)))
+        return st;
+    if (last) s->row = b->n_logits - 1;
+    s->fed_p = m;
+    *left -= m;
+    return RK_OK;
+}
+
+/* One forward pass: the next token of every request in dec (their tables
+ * have room for it), then the prompt work of the requests in pre, in their
+ * order, at most budget tokens of it (<= 0: all of it). A request whose
+ * prompt ends in the pass takes its first token from it (a resumed one has
+ * its next token already) and decodes from the next pass on; its system
+ * prompt goes into the radix tree once computed. */
+static rk_status run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_request *const *pre,
+                          int n_pre, int budget, const rk_pipeline_hooks *hooks) {
+    rk_service *svc = p->svc;
+    int bs = rk_arena_block_size(svc->arena), n_vocab = rk_model_hparams(svc->model)->n_vocab;
+    rk_status st;
+    batch_reset(&p->b);
+    for (int i = 0; i < n_dec; i++) {
+        rk_request *r = dec[i];
+        rk_req_state *s = r->state;
+        int idx = s->kv.n_tokens++;
+        if ((st = batch_add_req(&p->b, bs, s, &r->out_tokens[r->n_out - 1], 1, s->next_pos++, idx,
+                                1)))
+            return st;
+    }
+    int left = budget > 0 ? budget : 1 << 30;
+    for (int i = 0; i < n_pre; i++) {
+        rk_req_state *s = pre[i]->state;
+        s->row = -1;
+        s->fed_sys = s->fed_p = 0;
+        if ((st = feed_prompt(&p->b, bs, pre[i], &left))) return st;
+    }
+    if (p->b.n_seq == 0) return RK_OK;
+    double t = rk_time_now();
+    if ((st = batch_run(svc, &p->b))) return st;
+    double dt = (rk_time_now() - t) * 1e3;
+    for (int i = 0; i < n_dec; i++) {
+        rk_request *r = dec[i];
+        r->state->n_valid = r->state->kv.n_tokens;
+        r->t.decode_ms += dt;
+        take_token(svc, r, p->b.logits + (size_t)i * n_vocab, hooks);
+    }
+    for (int i = 0; i < n_pre; i++) {
+        rk_request *r = pre[i];
+        rk_req_state *s = r->state;
+        if (!s->fed_sys && !s->fed_p) continue;
+        r->t.prefill_ms += dt;
+        s->sys_next += s->fed_sys;
+        s->p_next += s->fed_p;
+        if (s->fed_sys && s->sys_next == r->n_sys && s->n_insert && (st = insert_system(svc, r)))
+            return st;
+        if (s->sys_next < r->n_sys || s->p_next < s->n_ptok) continue;
+        s->prefilling = 0;
+        s->n_valid = s->kv.n_tokens;
+        if (s->row >= 0) take_token(svc, r, p->b.logits + (size_t)s->row * n_vocab, hooks);
+    }
+    return RK_OK;
+}
+
+/* The prompt stages of an admission up to the question pass; on failure
+ * every one of reqs has released what it took. */
+static rk_status admit_stages(rk_pipeline *p, rk_request *const *reqs, int n_reqs, int *n_fresh) {
     rk_status st = RK_OK;
     if (p->n_running + n_reqs > p->cap) {
         int cap = (p->n_running + n_reqs) * 2;
         rk_request **run = realloc(p->running, (size_t)cap * sizeof *run);
-        if (!run) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
-        p->running = run;
+        if (run) p->running = run;
+        rk_request **work = realloc(p->work, (size_t)cap * 2 * sizeof *work);
+        if (work) p->work = work;
+        if (!run || !work) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
         p->cap = cap;
     }
-    int n_fresh = 0;
+    *n_fresh = 0;
     for (int i = 0; i < n_reqs; i++) {
         reqs[i]->state = NULL;
-        if (!reqs[i]->resume) reqs[i]->rank = p->n_admitted + n_fresh++;
+        if (!reqs[i]->resume) reqs[i]->rank = p->n_admitted + (*n_fresh)++;
     }
     for (int i = 0; i < n_reqs && !st; i++) {
         st = init_request(p->svc, reqs[i]);
@@ -1612,12 +1721,16 @@ rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
     if (!st) st = stage_system_chunks(&a);
     if (!st) st = stage_reindex(&a);
     if (!st) st = stage_repair(&a);
-    if (!st) st = stage_question(&a, hooks);
+    if (!st) queue_prompt(&a);
     if (st) {
         for (int i = 0; i < n_reqs; i++) release_request(p->svc, reqs[i], 1);
         rk_copy_plan_free(&p->copies);
-        return st;
     }
+    return st;
+}
+
+/* Admitted: done ones leave, the others run. */
+static void admitted(rk_pipeline *p, rk_request *const *reqs, int n_reqs, int n_fresh) {
     p->n_admitted += n_fresh;
     for (int i = 0; i < n_reqs; i++) {
         restore_report(reqs[i]);
@@ -1627,12 +1740,31 @@ rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
         else
             insert_by_rank(p->running, &p->n_running, reqs[i]);
     }
+}
+
+rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
+                            const rk_pipeline_hooks *hooks) {
+    int n_fresh, n_pre = 0;
+    rk_status st = admit_stages(p, reqs, n_reqs, &n_fresh);
+    if (st) return st;
+    for (int i = 0; i < n_reqs; i++)
+        if (reqs[i]->state->prefilling) p->work[n_pre++] = reqs[i];
+    if ((st = run_pass(p, NULL, 0, p->work, n_pre, 0, hooks))) {
+        for (int i = 0; i < n_reqs; i++) release_request(p->svc, reqs[i], 1);
+        return st;
+    }
+    admitted(p, reqs, n_reqs, n_fresh);
     return RK_OK;
 }
 
+rk_status rk_pipeline_join(rk_pipeline *p, rk_request *const *reqs, int n_reqs) {
+    int n_fresh;
+    rk_status st = admit_stages(p, reqs, n_reqs, &n_fresh);
+    if (!st) admitted(p, reqs, n_reqs, n_fresh);
+    return st;
+}
+
 rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
-    rk_service *svc = p->svc;
-    int bs = rk_arena_block_size(svc->arena), n_vocab = rk_model_hparams(svc->model)->n_vocab;
     rk_status st;
     /* Cancelled requests leave first: their blocks are free for the others. */
     for (int i = 0; i < p->n_running; i++) {
@@ -1644,26 +1776,14 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
     }
     leave_finished(p);
     if ((st = make_room(p))) return st;
-    batch_reset(&p->b);
-    for (int i = 0; i < p->n_running; i++) {
-        rk_request *r = p->running[i];
-        rk_req_state *s = r->state;
-        int idx = s->kv.n_tokens++;
-        if ((st = batch_add_req(&p->b, bs, s, &r->out_tokens[r->n_out - 1], 1, s->next_pos++, idx,
-                                1)))
-            return st;
-    }
-    if (p->n_running) {
-        double t = rk_time_now();
-        if ((st = batch_run(svc, &p->b))) return st;
-        double dt = (rk_time_now() - t) * 1e3;
-        for (int i = 0; i < p->n_running; i++) {
-            rk_request *r = p->running[i];
-            r->state->n_valid = r->state->kv.n_tokens;
-            r->t.decode_ms += dt;
-            take_token(svc, r, p->b.logits + (size_t)i * n_vocab, hooks);
-        }
-    }
+    /* Decode tokens first, then prompt work in arrival order. */
+    int n_dec = 0, n_pre = 0;
+    for (int i = 0; i < p->n_running; i++)
+        if (!p->running[i]->state->prefilling) p->work[n_dec++] = p->running[i];
+    for (int i = 0; i < p->n_running; i++)
+        if (p->running[i]->state->prefilling) p->work[n_dec + n_pre++] = p->running[i];
+    if ((st = run_pass(p, p->work, n_dec, p->work + n_dec, n_pre, p->svc->cfg.step_tokens, hooks)))
+        return st;
     leave_finished(p);
     return RK_OK;
 }
@@ -1689,6 +1809,7 @@ void rk_pipeline_free(rk_pipeline *p) {
     batch_free(&p->b);
     rk_copy_plan_free(&p->copies);
     free(p->running);
+    free(p->work);
     free(p->preempted);
     free(p);
 }

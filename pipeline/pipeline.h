@@ -12,7 +12,10 @@
  * pass) and leaves them running; rk_pipeline_step decodes one token for every
  * running request, and a request that finished or was cancelled leaves in the
  * same step, releasing all it held. Requests admitted later join the next
- * step. Runs on the engine thread, which alone owns the model, the arena and
+ * step; with rk_pipeline_join their question pass is part of the steps'
+ * forward passes (chunked by step_tokens). Blocks come as decoding needs
+ * them; when the live pool runs dry the youngest request is preempted and
+ * resumes later. Runs on the engine thread, which alone owns the model, the arena and
  * the caches. */
 #ifndef RK_PIPELINE_H
 #define RK_PIPELINE_H
@@ -243,7 +246,18 @@ int rk_pipeline_n_running(const rk_pipeline *p);
 rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
                             const rk_pipeline_hooks *hooks);
 
-/* One decode step: a token for every running request in one forward pass.
+/* Admit prepared requests like rk_pipeline_admit, up to the question pass:
+ * what is left of their prompts (the question, a system tail nothing else
+ * needed first, a resumed request's generated tokens) runs in the next
+ * rk_pipeline_step calls, in the same forward pass as the running requests'
+ * decode tokens, and the last of it samples the first token. hooks are
+ * those of the steps. Fails as rk_pipeline_admit does. */
+rk_status rk_pipeline_join(rk_pipeline *p, rk_request *const *reqs, int n_reqs);
+
+/* One step: a token for every running request in one forward pass, which
+ * also feeds the prompt work of joined requests, in the order they were
+ * admitted, at most the service's step_tokens of it (0 = all; the rest in
+ * the next steps).
  * Cancelled requests stop and leave first; every request that finished
  * (cancelled, end of generation, max_tokens) leaves in this call: its report
  * is complete, finished is 1 and every block reference, chunk reference and

@@ -402,7 +402,8 @@ static void publish_tokens(rk_job *j) {
 /* Publish the new tokens of the running jobs; record the finished ones,
  * publish statistics (before answering: a client may ask for them right
  * after), then complete them. `admitted`: the statistics are published in
- * any case, since the new requests now hold their blocks. */
+ * any case, since the new requests now hold their blocks; so they are when a
+ * request got its first token (its prompt is cached by then). */
 static void after_pass(rk_scheduler *e, int admitted) {
     int n = e->n_running; /* only the engine thread changes the running list */
     rk_job *jobs[n > 0 ? n : 1];
@@ -410,6 +411,7 @@ static void after_pass(rk_scheduler *e, int admitted) {
     int n_done = 0;
     for (int i = 0; i < n; i++) {
         rk_job *j = jobs[i];
+        admitted |= j->n_tokens == 0 && j->req.n_out > 0; /* only the engine writes n_tokens */
         if (!j->req.finished) continue;
         n_done++;
         if (e->p.record_request) e->p.record_request(e->p.stats_ctx, &j->req);
@@ -456,7 +458,8 @@ static void requeue(rk_scheduler *e, rk_job **jobs, int n) {
                "the request was cancelled: the server is shutting down");
 }
 
-/* Admit new generations (their prompt stages and first token). When the
+/* Admit new generations: their prompt stages up to the question pass,
+ * which the next step runs with the decode tokens. When the
  * live pool cannot hold them while others run, they wait in the queue; a
  * group that fails otherwise is retried one by one, so a failure is its
  * request's own; one that cannot fit even alone fails with RK_ERR_LIMIT. */
@@ -483,7 +486,7 @@ static void admit_jobs(rk_scheduler *e, rk_pipeline *p, rk_job **fresh, int n) {
     }
     if (m == 0) return;
     rk_error_clear();
-    rk_status st = rk_pipeline_admit(p, reqs, m, NULL);
+    rk_status st = rk_pipeline_join(p, reqs, m);
     if (st == RK_OK) {
         after_pass(e, 1);
         return;
@@ -575,8 +578,10 @@ static void sleep_s(double d) {
 /* ---------------------------------------------------------------- the thread */
 
 /* Iteration-level scheduling: each iteration admits the generations that
- * arrived (their prompt stages), then runs one decode step for every running
- * one; a request leaves in the step it finishes. Light commands run between
+ * arrived (their prompt stages but the last pass), then runs one step: a
+ * forward pass of the next token of every running generation and of the
+ * joined ones' prompt work (within step_tokens); a request leaves in the
+ * step it finishes. Light commands run between
  * iterations. On stop, what runs was flagged cancelled and leaves at the next
  * step. */
 static void engine_loop(rk_scheduler *e, rk_pipeline *p) {

@@ -215,7 +215,8 @@ static void keep_snapshot(void *ctx, const rk_cache_snapshot *s) {
     pthread_mutex_unlock(&l->mu);
 }
 
-Test(preempt, the_scheduler_requeues_preempted_jobs_and_streams_each_token_once, .timeout = 300) {
+/* Through the engine thread, step_tokens prompt tokens a step (0 = all). */
+static void check_scheduler_preempts(int step_tokens) {
     rk_service *alone = open_svc(NULL, 0);
     rk_request *ref[N_REQS];
     for (int i = 0; i < N_REQS; i++) {
@@ -223,11 +224,10 @@ Test(preempt, the_scheduler_requeues_preempted_jobs_and_streams_each_token_once,
         cr_assert_eq(rk_pipeline_run(alone, &ref[i], 1, NULL), RK_OK, "%s", rk_error_message());
     }
     snap_log sl = {.mu = PTHREAD_MUTEX_INITIALIZER};
-    rk_scheduler_params sp = {.cfg = config(10),
-                              .max_queue = 16,
-                              .max_batch = 8,
-                              .publish = keep_snapshot,
-                              .stats_ctx = &sl};
+    rk_config cfg = config(10);
+    cfg.step_tokens = step_tokens;
+    rk_scheduler_params sp = {
+        .cfg = cfg, .max_queue = 16, .max_batch = 8, .publish = keep_snapshot, .stats_ctx = &sl};
     rk_scheduler *e;
     cr_assert_eq(rk_scheduler_start(&sp, &e), RK_OK);
     for (int i = 0; i < 3000 && rk_scheduler_get_state(e, NULL, 0) == RK_SCHEDULER_LOADING; i++) {
@@ -275,4 +275,12 @@ Test(preempt, the_scheduler_requeues_preempted_jobs_and_streams_each_token_once,
     }
     rk_scheduler_free(e);
     rk_service_close(alone);
+}
+
+Test(preempt, the_scheduler_requeues_preempted_jobs_and_streams_each_token_once, .timeout = 300) {
+    check_scheduler_preempts(0);
+}
+
+Test(preempt, preempted_jobs_resume_with_prompts_fed_a_few_tokens_a_step, .timeout = 300) {
+    check_scheduler_preempts(5);
 }
