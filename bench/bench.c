@@ -12,10 +12,10 @@
 
 /* ---------------------------------------------------------------- options */
 
-static int usage_error(const char *fmt, const char *arg) {
-    fprintf(stderr, "ragkv bench: ");
+int rk_bench_usage_error(const char *cmd, const char *fmt, const char *arg) {
+    fprintf(stderr, "ragkv %s: ", cmd);
     fprintf(stderr, fmt, arg);
-    fprintf(stderr, " (see ragkv bench --help)\n");
+    fprintf(stderr, " (see ragkv %s --help)\n", cmd);
     return EXIT_USAGE;
 }
 
@@ -107,7 +107,9 @@ static const char *k_help =
     "                          (default: plain,prefix,rag)\n"
     "  --plot FILE.svg         write the TTFT distributions and the rag hit rate as SVG\n"
     "  --url http://127.0.0.1:PORT   drive a running `ragkv serve` instead (loopback only;\n"
-    "                          --model then only gives the tokenizer that sizes the workload)\n"
+    "                          --model then only gives the tokenizer that sizes the workload);\n"
+    "                          a comma-separated list of up to 8 drives replicas, request j\n"
+    "                          (and its turns) going to the (j mod N)-th\n"
     "  --peer-url http://127.0.0.1:PORT   also run the workload against another OpenAI-\n"
     "                          compatible server (llama-server, vLLM): plain /v1/completions\n"
     "                          requests, pieces joined by newlines; its row is labelled peer\n"
@@ -188,10 +190,14 @@ static int parse_args(int argc, char **argv, bench_opts *o, int *out_exit) {
     if (!o->kv_mb_given) o->run.cfg.kv_memory_mb = kv_mb_default;
     o->model = o->run.model[0] ? o->run.model : NULL;
     *out_exit = EXIT_USAGE;
-    if (rk_run_opts_apply(&o->run)) return usage_error("%s", rk_error_message()), -1;
-    if (o->k > o->corpus) return usage_error("%s", "--k is larger than --corpus"), -1;
+    if (rk_run_opts_apply(&o->run))
+        return rk_bench_usage_error("bench", "%s", rk_error_message()), -1;
+    if (o->k > o->corpus)
+        return rk_bench_usage_error("bench", "%s", "--k is larger than --corpus"), -1;
     if (o->turns > 1 && o->arrival_rate > 0 && !o->url)
-        return usage_error("%s", "in-process, --turns and --arrival-rate do not go together"), -1;
+        return rk_bench_usage_error("bench", "%s",
+                                    "in-process, --turns and --arrival-rate do not go together"),
+               -1;
     if (o->peer_url) o->modes[o->n_modes++] = MODE_PEER;
     return 0;
 }
@@ -225,28 +231,23 @@ int rk_bench_hwm_reset(void) {
     return ok;
 }
 
-/* VmHWM of this process in kB, or -1. */
-long rk_bench_hwm_read(void) {
-    FILE *f = fopen("/proc/self/status", "r");
+/* The number after "field:" in a /proc file (kB there), or -1. */
+static long proc_kb(const char *path, const char *field) {
+    FILE *f = fopen(path, "r");
     if (!f) return -1;
     char line[256];
+    size_t n = strlen(field);
     long kb = -1;
     while (fgets(line, sizeof line, f))
-        if (!strncmp(line, "VmHWM:", 6)) kb = strtol(line + 6, NULL, 10);
+        if (!strncmp(line, field, n) && line[n] == ':') kb = strtol(line + n + 1, NULL, 10);
     fclose(f);
     return kb;
 }
 
-long rk_bench_mem_available_kb(void) {
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f) return -1;
-    char line[256];
-    long kb = -1;
-    while (fgets(line, sizeof line, f))
-        if (!strncmp(line, "MemAvailable:", 13)) kb = strtol(line + 13, NULL, 10);
-    fclose(f);
-    return kb;
-}
+/* VmHWM of this process in kB, or -1. */
+long rk_bench_hwm_read(void) { return proc_kb("/proc/self/status", "VmHWM"); }
+
+long rk_bench_mem_available_kb(void) { return proc_kb("/proc/meminfo", "MemAvailable"); }
 
 /* ---------------------------------------------------------------- request options */
 
@@ -298,6 +299,27 @@ void rk_bench_maybe_progress(const bench *b, int mode, int before, int after, do
 
 /* ---------------------------------------------------------------- main */
 
+/* --url's comma-separated list of replicas into t (RK_BENCH_MAX_REPLICAS at
+ * most). */
+static rk_status parse_urls(const char *list, double timeout_s, rk_http_target *t, int *out_n) {
+    char one[512];
+    *out_n = 0;
+    for (const char *p = list;; p++) {
+        size_t len = strcspn(p, ",");
+        if (*out_n == RK_BENCH_MAX_REPLICAS)
+            return rk_errorf(RK_ERR_INVALID, "--url names more than %d replicas",
+                             RK_BENCH_MAX_REPLICAS);
+        if (len == 0 || len >= sizeof one)
+            return rk_errorf(RK_ERR_INVALID, "bad --url list '%.200s'", list);
+        memcpy(one, p, len);
+        one[len] = '\0';
+        rk_status st = rk_http_parse_url(one, timeout_s, &t[(*out_n)++]);
+        if (st) return st;
+        p += len;
+        if (!*p) return RK_OK;
+    }
+}
+
 /* Wait while the server at t answers 503 (loading its model), up to the HTTP
  * timeout; anything but a final 200 from /health is an error. */
 static rk_status wait_ready(const rk_http_target *t, const char *url, double timeout_s) {
@@ -315,6 +337,59 @@ static rk_status wait_ready(const rk_http_target *t, const char *url, double tim
     return st;
 }
 
+/* Each mode's results, and the requests it runs (see --baseline-every). */
+static rk_status alloc_results(bench *b) {
+    for (int i = 0; i < N_MODES; i++) {
+        mode_result *m = &b->res[i];
+        m->mode = i;
+        m->vmhwm_kb = -1;
+        m->req = calloc((size_t)b->w.n_req, sizeof *m->req);
+        m->run = calloc((size_t)b->w.n_req, sizeof *m->run);
+        m->turn = calloc((size_t)b->w.n_req * (size_t)b->w.n_followups + 1, sizeof *m->turn);
+        if (!m->req || !m->run || !m->turn) return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
+        int every = i == MODE_RAG || i == MODE_PEER ? 1 : b->o.baseline_every;
+        for (int j = 0; j < b->w.n_req; j += every) m->run[m->n_run++] = j;
+    }
+    return RK_OK;
+}
+
+/* The table or JSON object, and the plot, of a finished run; the exit status:
+ * 1 when an invariant failed. */
+static int report(bench *b, int http) {
+    const bench_opts *o = &b->o;
+    const mode_result *rag = &b->res[MODE_RAG], *plain = &b->res[MODE_PLAIN];
+    if (rag->ran && plain->ran && !(rk_bench_ratio(plain->ttft[0], rag->ttft[0]) > 1))
+        rk_bench_add_failure(&b->res[MODE_RAG],
+                             "rag is not faster than plain (TTFT p50 %.3f vs %.3f ms)",
+                             rag->ttft[0], plain->ttft[0]);
+    int all_ok = 1;
+    for (int i = 0; i < o->n_modes; i++) all_ok &= b->res[o->modes[i]].n_fail == 0;
+    if (o->json) {
+        json_t *root = rk_bench_json(b, http, all_ok);
+        char *s = root ? json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(6)) : NULL;
+        json_decref(root);
+        if (s) {
+            puts(s);
+            free(s);
+        } else {
+            fprintf(stderr, "ragkv bench: out of memory writing JSON\n");
+            all_ok = 0;
+        }
+    } else {
+        rk_bench_print_table(b, http);
+    }
+    if (o->plot && rk_bench_write_svg(b, o->plot, http)) {
+        fprintf(stderr, "ragkv bench: cannot write the plot: %s\n", rk_error_message());
+        all_ok = 0;
+    }
+    if (!all_ok && o->json)
+        for (int i = 0; i < o->n_modes; i++)
+            for (int f = 0; f < b->res[o->modes[i]].n_fail; f++)
+                fprintf(stderr, "ragkv bench: invariant failed (%s): %s\n",
+                        k_mode_names[o->modes[i]], b->res[o->modes[i]].fail[f]);
+    return all_ok ? 0 : EXIT_FAILURE;
+}
+
 int rk_bench_main(int argc, char **argv) {
     bench *b = calloc(1, sizeof *b);
     if (!b) {
@@ -327,15 +402,15 @@ int rk_bench_main(int argc, char **argv) {
         return rc;
     }
     bench_opts *o = &b->o;
-    int http = o->url != NULL;
-    rk_http_target target, peer;
+    int http = o->url != NULL, n_targets = 0;
+    rk_http_target targets[RK_BENCH_MAX_REPLICAS], peer;
     rk_status st = RK_OK;
     textgen g = {0};
     b->model_name = o->model ? o->model : "embedded";
     snprintf(b->model_desc, sizeof b->model_desc, "%s", o->model ? "" : "ragkv tiny");
     b->progress = o->progress || isatty(STDERR_FILENO);
     if (o->run.cfg.n_threads == 0) o->run.cfg.n_threads = (int)sysconf(_SC_NPROCESSORS_ONLN);
-    if ((http && (st = rk_http_parse_url(o->url, o->http_timeout_s, &target))) ||
+    if ((http && (st = parse_urls(o->url, o->http_timeout_s, targets, &n_targets))) ||
         (o->peer_url && (st = rk_http_parse_url(o->peer_url, o->http_timeout_s, &peer)))) {
         fprintf(stderr, "ragkv bench: %s\n", rk_error_message());
         free(b);
@@ -356,27 +431,15 @@ int rk_bench_main(int argc, char **argv) {
                 b->w.n_req, b->w.n_chunks, b->w.corpus_tokens, rk_time_now() - t_gen);
     b->steady_from = (int)((long)b->w.n_req * o->steady_pct / 100);
     if (b->steady_from >= b->w.n_req) b->steady_from = 0;
-    for (int i = 0; i < N_MODES && !st; i++) {
-        mode_result *m = &b->res[i];
-        m->mode = i;
-        m->vmhwm_kb = -1;
-        m->req = calloc((size_t)b->w.n_req, sizeof *m->req);
-        m->run = calloc((size_t)b->w.n_req, sizeof *m->run);
-        m->turn = calloc((size_t)b->w.n_req * (size_t)b->w.n_followups + 1, sizeof *m->turn);
-        if (!m->req || !m->run || !m->turn) {
-            st = rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
-            break;
-        }
-        int every = i == MODE_RAG || i == MODE_PEER ? 1 : o->baseline_every;
-        for (int j = 0; j < b->w.n_req; j += every) m->run[m->n_run++] = j;
-    }
-    if (!st && http && !(st = wait_ready(&target, o->url, o->http_timeout_s)))
-        rk_bench_http_describe_model(b, &target);
+    st = alloc_results(b);
+    for (int i = 0; i < n_targets && !st; i++)
+        st = wait_ready(&targets[i], o->url, o->http_timeout_s);
+    if (!st && http) rk_bench_http_describe_model(b, &targets[0]);
     if (!st && o->peer_url) st = wait_ready(&peer, o->peer_url, o->http_timeout_s);
     for (int i = 0; i < o->n_modes && !st; i++) {
         int mode = o->modes[i];
-        st = mode == MODE_PEER ? rk_bench_run_http(b, &peer, mode)
-             : http            ? rk_bench_run_http(b, &target, mode)
+        st = mode == MODE_PEER ? rk_bench_run_http(b, &peer, 1, mode)
+             : http            ? rk_bench_run_http(b, targets, n_targets, mode)
                                : rk_bench_run_inproc(b, mode);
         if (st) break;
         rk_bench_summarize(b, mode);
@@ -386,37 +449,7 @@ int rk_bench_main(int argc, char **argv) {
         fprintf(stderr, "ragkv bench: %s\n", rk_error_message());
         rc = EXIT_FAILURE;
     } else {
-        const mode_result *rag = &b->res[MODE_RAG], *plain = &b->res[MODE_PLAIN];
-        if (rag->ran && plain->ran && !(rk_bench_ratio(plain->ttft[0], rag->ttft[0]) > 1))
-            rk_bench_add_failure(&b->res[MODE_RAG],
-                                 "rag is not faster than plain (TTFT p50 %.3f vs %.3f ms)",
-                                 rag->ttft[0], plain->ttft[0]);
-        int all_ok = 1;
-        for (int i = 0; i < o->n_modes; i++) all_ok &= b->res[o->modes[i]].n_fail == 0;
-        if (o->json) {
-            json_t *root = rk_bench_json(b, http, all_ok);
-            char *s = root ? json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(6)) : NULL;
-            json_decref(root);
-            if (s) {
-                puts(s);
-                free(s);
-            } else {
-                fprintf(stderr, "ragkv bench: out of memory writing JSON\n");
-                all_ok = 0;
-            }
-        } else {
-            rk_bench_print_table(b, http);
-        }
-        if (o->plot && (st = rk_bench_write_svg(b, o->plot, http))) {
-            fprintf(stderr, "ragkv bench: cannot write the plot: %s\n", rk_error_message());
-            all_ok = 0;
-        }
-        if (!all_ok && o->json)
-            for (int i = 0; i < o->n_modes; i++)
-                for (int f = 0; f < b->res[o->modes[i]].n_fail; f++)
-                    fprintf(stderr, "ragkv bench: invariant failed (%s): %s\n",
-                            k_mode_names[o->modes[i]], b->res[o->modes[i]].fail[f]);
-        rc = all_ok ? 0 : EXIT_FAILURE;
+        rc = report(b, http);
     }
     for (int i = 0; i < N_MODES; i++) {
         free(b->res[i].req);

@@ -19,6 +19,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "bench/setup.h"
 #include "pipeline/scheduler.h"
 
 static const char *LONG_PROMPT =
@@ -95,23 +96,32 @@ done:
     return st;
 }
 
+typedef struct opts {
+    int long_tokens, reps;
+} opts;
+
+static const rk_setting k_settings[] = {
+    {"long_tokens", "long-tokens", RK_SET_INT, offsetof(opts, long_tokens), 0, 2, 1 << 20, 0, 0,
+     "N  tokens the long request generates (default: 128)"},
+    {"reps", "reps", RK_SET_INT, offsetof(opts, reps), 0, 1, 100, 0, 0,
+     "N  measured repetitions of each case (default: 5)"},
+};
+
 int main(int argc, char **argv) {
-    const char *model = NULL;
-    int threads = 2, long_tokens = 128, reps = 5;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--model"))
-            model = argv[i + 1];
-        else if (!strcmp(argv[i], "--threads"))
-            threads = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--long-tokens"))
-            long_tokens = atoi(argv[i + 1]);
-        else if (!strcmp(argv[i], "--reps"))
-            reps = atoi(argv[i + 1]);
-    }
-    if (reps < 1 || reps > 100 || long_tokens < 2) {
-        fprintf(stderr, "bench_batching: --reps 1..100, --long-tokens >= 2\n");
-        return 2;
-    }
+    static const char *usage =
+        "usage: bench_batching [--model F.gguf] [--threads N] [--long-tokens N] [--reps N]\n"
+        "A short request's latency alone and while a long generation runs, through the engine\n"
+        "thread. Defaults: the embedded model, 2 threads.\n";
+    rk_bench_model m;
+    rk_bench_model_defaults(&m);
+    opts o = {.long_tokens = 128, .reps = 5};
+    rk_settings own = {k_settings, sizeof k_settings / sizeof k_settings[0], &o};
+    int exit_code;
+    if (rk_bench_parse("bench_batching", usage, &m, RK_BENCH_MODEL_FILE, &own, argc, argv,
+                       &exit_code))
+        return exit_code;
+    const char *model = m.model[0] ? m.model : NULL;
+    int threads = m.threads, long_tokens = o.long_tokens, reps = o.reps;
     rk_scheduler_params p = {.model_path = model, .max_queue = 16, .max_batch = 8};
     rk_config_defaults(&p.cfg);
     p.cfg.n_threads = threads;

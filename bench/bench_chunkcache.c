@@ -5,39 +5,55 @@
  *
  *   bench_chunkcache [--model F.gguf | --preset NAME --type f32|bf16] [--threads N]
  *                    [--chunks N] [--chunk-tokens N] [--question-tokens N]
- *                    [--reindex zero-copy|copy]
+ *                    [--backend cpu|cuda] [--kv-dtype T] [--reindex zero-copy|copy]
  *
  * Defaults: qwen3-0.6b in BF16 (written to /tmp first), 8 chunks of about 256
  * tokens, a 32-token question, 2 threads. Not a test: it prints a table. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
 
-#include "engine/mkmodel.h"
-#include "pipeline/pipeline.h"
+#include "bench/setup.h"
 
-static const char *WORDS[] = {
+static const char *const WORDS[] = {
     "cache",     "model",     "token",      "chunk",    "server", "memory", "position",
     "rotation",  "attention", "document",   "question", "answer", "layer",  "block",
     "system",    "prompt",    "value",      "key",      "the",    "of",     "and",
     "retrieval", "latency",   "throughput", "kernel",   "vector", "index"};
+#define N_WORDS ((int)(sizeof WORDS / sizeof *WORDS))
 
-/* Append words until the text tokenizes to about n tokens. */
-static char *make_text(const rk_tokenizer *tok, int n, unsigned *seed) {
-    size_t cap = (size_t)n * 16 + 64, len = 0;
-    char *s = malloc(cap);
-    s[0] = '\0';
-    for (;;) {
-        *seed = *seed * 1103515245u + 12345u;
-        const char *w = WORDS[(*seed >> 16) % (sizeof WORDS / sizeof *WORDS)];
-        len += (size_t)snprintf(s + len, cap - len, "%s%s", len ? " " : "", w);
-        int32_t *ids;
-        size_t k;
-        if (rk_tokenizer_encode(tok, s, len, 0, &ids, &k)) return s;
-        free(ids);
-        if ((int)k >= n || len + 32 > cap) return s;
+typedef struct opts {
+    int n_chunks, chunk_tokens, q_tokens;
+} opts;
+
+static const rk_setting k_settings[] = {
+    {"chunks", "chunks", RK_SET_INT, offsetof(opts, n_chunks), 0, 1, 1024, 0, 0,
+     "N  chunks in the prompt (default: 8)"},
+    {"chunk_tokens", "chunk-tokens", RK_SET_INT, offsetof(opts, chunk_tokens), 0, 1, 1 << 20, 0, 0,
+     "N  tokens per chunk, about (default: 256)"},
+    {"question_tokens", "question-tokens", RK_SET_INT, offsetof(opts, q_tokens), 0, 1, 1 << 20, 0,
+     0, "N  question length in tokens, about (default: 32)"},
+};
+
+static void *or_die(void *p) {
+    if (!p) {
+        fprintf(stderr, "bench_chunkcache: out of memory\n");
+        exit(1);
     }
+    return p;
+}
+
+/* system##chunk##...##question: a 24-token system prompt, o's chunks and question. */
+static char *make_prompt(const rk_tokenizer *tok, const opts *o) {
+    unsigned seed = 7;
+    size_t extra = (size_t)o->q_tokens * 16 + 64;
+    char *prompt = or_die(
+        rk_bench_make_context(tok, WORDS, N_WORDS, 24, o->n_chunks, o->chunk_tokens, extra, &seed));
+    char *q = or_die(rk_bench_make_text(tok, WORDS, N_WORDS, o->q_tokens, &seed));
+    size_t len = strlen(prompt);
+    snprintf(prompt + len, extra, "##%s", q);
+    free(q);
+    return prompt;
 }
 
 static double run(rk_service *svc, const char *prompt, rk_req_options o, rk_request *out) {
@@ -56,78 +72,34 @@ static double run(rk_service *svc, const char *prompt, rk_req_options o, rk_requ
 }
 
 int main(int argc, char **argv) {
-    const char *model = NULL, *preset = "qwen3-0.6b", *type = "bf16", *backend = "cpu",
-               *kv_dtype = "f32", *reindex = "zero-copy";
-    int threads = 2, n_chunks = 8, chunk_tokens = 256, q_tokens = 32;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        const char *a = argv[i], *v = argv[i + 1];
-        if (!strcmp(a, "--model"))
-            model = v;
-        else if (!strcmp(a, "--preset"))
-            preset = v;
-        else if (!strcmp(a, "--type"))
-            type = v;
-        else if (!strcmp(a, "--threads"))
-            threads = atoi(v);
-        else if (!strcmp(a, "--backend"))
-            backend = v;
-        else if (!strcmp(a, "--kv-dtype"))
-            kv_dtype = v;
-        else if (!strcmp(a, "--chunks"))
-            n_chunks = atoi(v);
-        else if (!strcmp(a, "--chunk-tokens"))
-            chunk_tokens = atoi(v);
-        else if (!strcmp(a, "--question-tokens"))
-            q_tokens = atoi(v);
-        else if (!strcmp(a, "--reindex"))
-            reindex = v;
-        else {
-            fprintf(stderr, "bench_chunkcache: unknown option %s\n", a);
-            return 2;
-        }
-    }
-    char tmp[256] = "";
-    if (!model) {
-        snprintf(tmp, sizeof tmp, "/tmp/ragkv-bench-cc-%s-%s-%d.gguf", preset, type, (int)getpid());
-        rk_mkmodel_opts o;
-        rk_mkmodel_opts_default(&o);
-        o.preset = preset;
-        o.vocab_path = RK_SHARED_DIR "/tokenizers/qwen3/tokenizer.json";
-        if (rk_mkmodel_parse_wtype(type, &o.wtype) || rk_mkmodel_write(tmp, &o)) {
-            fprintf(stderr, "bench_chunkcache: %s\n", rk_error_message());
-            return 1;
-        }
-        model = tmp;
-    }
+    static const char *usage =
+        "usage: bench_chunkcache [--model F.gguf | --preset NAME --type f32|bf16] [--threads N]\n"
+        "                        [--chunks N] [--chunk-tokens N] [--question-tokens N]\n"
+        "                        [--backend cpu|cuda] [--kv-dtype T] [--reindex zero-copy|copy]\n"
+        "TTFT of one RAG request: plain prefill, every chunk missed, every chunk hit, the\n"
+        "oracle; and the reindex time. Defaults: the qwen3-0.6b preset in BF16, 2 threads.\n";
+    rk_bench_model m;
+    rk_bench_model_defaults(&m);
+    snprintf(m.preset, sizeof m.preset, "qwen3-0.6b");
+    snprintf(m.type, sizeof m.type, "bf16");
+    opts o = {.n_chunks = 8, .chunk_tokens = 256, .q_tokens = 32};
+    rk_settings own = {k_settings, sizeof k_settings / sizeof k_settings[0], &o};
+    int exit_code;
+    if (rk_bench_parse("bench_chunkcache", usage, &m, RK_BENCH_MODEL_ALL, &own, argc, argv,
+                       &exit_code))
+        return exit_code;
     rk_config cfg;
     rk_config_defaults(&cfg);
-    cfg.n_threads = threads;
-    snprintf(cfg.backend, sizeof cfg.backend, "%s", backend);
-    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "%s", kv_dtype);
-    snprintf(cfg.reindex, sizeof cfg.reindex, "%s", reindex);
     cfg.kv_memory_mb = 8192;
     cfg.max_chunks = 1024;
     rk_service *svc;
-    if (rk_service_open(&cfg, model, &svc)) {
+    if (rk_bench_model_open(&m, &cfg, &svc)) {
         fprintf(stderr, "bench_chunkcache: %s\n", rk_error_message());
-        if (*tmp) remove(tmp);
+        rk_bench_model_done(&m);
         return 1;
     }
-    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
-    unsigned seed = 7;
-    size_t cap = (size_t)(n_chunks + 2) * ((size_t)chunk_tokens * 16 + 64), len = 0;
-    char *prompt = malloc(cap);
-    char *sys = make_text(tok, 24, &seed);
-    len += (size_t)snprintf(prompt + len, cap - len, "%s", sys);
-    free(sys);
-    for (int k = 0; k < n_chunks; k++) {
-        char *c = make_text(tok, chunk_tokens, &seed);
-        len += (size_t)snprintf(prompt + len, cap - len, "##%s", c);
-        free(c);
-    }
-    char *q = make_text(tok, q_tokens, &seed);
-    snprintf(prompt + len, cap - len, "##%s", q);
-    free(q);
+    int n_chunks = o.n_chunks, q_tokens = o.q_tokens, threads = m.threads;
+    char *prompt = make_prompt(rk_model_tokenizer(svc->model), &o);
 
     rk_req_options rag;
     rk_req_options_default(&rag);
@@ -165,10 +137,10 @@ int main(int argc, char **argv) {
            "second request (every chunk hit)", t_hit, hits, n_chunks, computed);
     printf("  %-34s %10.1f ms\n", "oracle (chunks fresh, no cache)", t_oracle);
     printf("  all-hit TTFT = 1/%.1f of plain prefill\n", t_plain / t_hit);
-    printf("  reindex (%s): %.2f ms for %d tokens = %.2f ms per 4K tokens\n", reindex, reindex_ms,
+    printf("  reindex (%s): %.2f ms for %d tokens = %.2f ms per 4K tokens\n", m.reindex, reindex_ms,
            chunk_total, reindex_ms * 4096.0 / chunk_total);
     free(prompt);
     rk_service_close(svc);
-    if (*tmp) remove(tmp);
+    rk_bench_model_done(&m);
     return 0;
 }

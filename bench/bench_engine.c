@@ -15,12 +15,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <unistd.h>
-
-#include "engine/mkmodel.h"
 #include <math.h>
 
-#include "pipeline/pipeline.h"
+#include "bench/setup.h"
 
 static double sgemm_gflops(int n, int k, int m) {
     float *a = malloc((size_t)n * k * 4), *b = malloc((size_t)m * k * 4),
@@ -87,65 +84,42 @@ static double read_bandwidth(int n_threads) {
     return (double)n * 4 / best / 1e9;
 }
 
+typedef struct opts {
+    int n_prompt, n_decode;
+} opts;
+
+static const rk_setting k_settings[] = {
+    {"prompt_tokens", "prompt-tokens", RK_SET_INT, offsetof(opts, n_prompt), 0, 16, 1 << 20, 0, 0,
+     "N  prefill prompt length (default: 512)"},
+    {"decode_tokens", "decode-tokens", RK_SET_INT, offsetof(opts, n_decode), 0, 1, 1 << 20, 0, 0,
+     "N  tokens decoded after a 16-token prompt (default: 16)"},
+};
+
 int main(int argc, char **argv) {
-    const char *model = NULL, *preset = "qwen3-0.6b", *type = "f32", *backend = "cpu",
-               *kv_dtype = "f32";
-    int threads = 2, n_prompt = 512, n_decode = 16;
-    for (int i = 1; i < argc; i++) {
-        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--model") && v)
-            model = v, i++;
-        else if (!strcmp(a, "--preset") && v)
-            preset = v, i++;
-        else if (!strcmp(a, "--type") && v)
-            type = v, i++;
-        else if (!strcmp(a, "--threads") && v)
-            threads = atoi(v), i++;
-        else if (!strcmp(a, "--backend") && v)
-            backend = v, i++;
-        else if (!strcmp(a, "--kv-dtype") && v)
-            kv_dtype = v, i++;
-        else if (!strcmp(a, "--prompt-tokens") && v)
-            n_prompt = atoi(v), i++;
-        else if (!strcmp(a, "--decode-tokens") && v)
-            n_decode = atoi(v), i++;
-        else {
-            fprintf(stderr, "usage: bench_engine [--model F | --preset NAME --type "
-                            "f32|f16|bf16|q8_0|q4_0|q4_k_m|q5_k_m|q6_k] "
-                            "[--threads N] [--backend cpu|cuda] [--kv-dtype f32|f16|bf16] "
-                            "[--prompt-tokens N] [--decode-tokens N]\n");
-            return 2;
-        }
-    }
-    char tmp[256] = "";
-    if (!model) {
-        snprintf(tmp, sizeof tmp, "/tmp/ragkv-bench-%s-%s-%d.gguf", preset, type, (int)getpid());
-        rk_mkmodel_opts o;
-        rk_mkmodel_opts_default(&o);
-        o.preset = preset;
-        if (rk_mkmodel_parse_wtype(type, &o.wtype)) {
-            fprintf(stderr, "bench_engine: %s\n", rk_error_message());
-            return 2;
-        }
-        o.vocab_path = RK_SHARED_DIR "/tokenizers/qwen3/tokenizer.json";
-        fprintf(stderr, "writing %s ...\n", tmp);
-        if (rk_mkmodel_write(tmp, &o)) {
-            fprintf(stderr, "bench_engine: %s\n", rk_error_message());
-            return 1;
-        }
-        model = tmp;
-    }
+    static const char *usage =
+        "usage: bench_engine [--model F.gguf | --preset NAME --type T] [--threads N]\n"
+        "                    [--backend cpu|cuda] [--kv-dtype T] [--prompt-tokens N]\n"
+        "                    [--decode-tokens N]\n"
+        "Prefill and decode throughput next to what sgemm and memory bandwidth allow.\n"
+        "Defaults: the qwen3-0.6b preset in F32, 2 threads.\n";
+    rk_bench_model m;
+    rk_bench_model_defaults(&m);
+    snprintf(m.preset, sizeof m.preset, "qwen3-0.6b");
+    opts o = {.n_prompt = 512, .n_decode = 16};
+    rk_settings own = {k_settings, sizeof k_settings / sizeof k_settings[0], &o};
+    int exit_code;
+    if (rk_bench_parse("bench_engine", usage, &m, RK_BENCH_MODEL_BACKEND, &own, argc, argv,
+                       &exit_code))
+        return exit_code;
+    int threads = m.threads, n_prompt = o.n_prompt, n_decode = o.n_decode;
     rk_config cfg;
     rk_config_defaults(&cfg);
-    cfg.n_threads = threads;
-    snprintf(cfg.backend, sizeof cfg.backend, "%s", backend);
-    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "%s", kv_dtype);
     /* Room for the prompt in the live pool (40% of the budget) at f32 KV. */
     cfg.kv_memory_mb = 8192;
     rk_service *svc;
-    if (rk_service_open(&cfg, model, &svc)) {
+    if (rk_bench_model_open(&m, &cfg, &svc)) {
         fprintf(stderr, "bench_engine: %s\n", rk_error_message());
-        if (*tmp) remove(tmp);
+        rk_bench_model_done(&m);
         return 1;
     }
     const rk_hparams *hp = rk_model_hparams(svc->model);
@@ -213,6 +187,6 @@ int main(int argc, char **argv) {
            "memory read bandwidth", bw, bound_tps, 100 * dec_tps / bound_tps);
     free(prompt);
     rk_service_close(svc);
-    if (*tmp) remove(tmp);
+    rk_bench_model_done(&m);
     return 0;
 }

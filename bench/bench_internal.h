@@ -14,6 +14,8 @@
  *   httpclient.c     the loopback HTTP client (httpclient.h)
  *   report.c         summaries, invariants, the table and the JSON object
  *   svg.c            the SVG plot
+ *   eval.c           `ragkv eval` (eval.h), which shares the usage error and
+ *                    the SVG text
  *
  * Private to bench/. One `bench` lives for one run and is used by one thread,
  * except the HTTP runner's workers, which each write their own req_result. */
@@ -116,6 +118,7 @@ typedef struct req_result {
     int prompt, reused, computed;
     int sys_tokens, sys_cached, chunk_tokens, hit_tokens, q_tokens;
     int n_chunks, hits, misses, offs;
+    int prefix_hits; /* of hits: inside an earlier request's sequence, never looked up */
 } req_result;
 
 typedef struct mode_result {
@@ -172,6 +175,8 @@ typedef struct bench {
 
 /* ---------------------------------------------------------------- bench.c */
 
+/* A usage error of `ragkv cmd`: one line on stderr; returns EXIT_USAGE. */
+int rk_bench_usage_error(const char *cmd, const char *fmt, const char *arg);
 void rk_bench_add_failure(mode_result *m, const char *fmt, ...)
     __attribute__((format(printf, 2, 3)));
 /* A warning: printed on stderr now, and kept (the first 8) for the report. */
@@ -201,8 +206,13 @@ void rk_bench_workload_free(workload *w);
 
 /* Run the request list once in mode, from empty caches, into b->res[mode]. */
 rk_status rk_bench_run_inproc(bench *b, int mode);
-/* mode MODE_PEER sends plain OpenAI requests to t (--peer-url). */
-rk_status rk_bench_run_http(bench *b, const rk_http_target *t, int mode);
+/* Replicas --url names at most (requests go round-robin among them). */
+#define RK_BENCH_MAX_REPLICAS 8
+
+/* Run the request list against the n_t servers t: request j (all its turns)
+ * goes to t[j % n_t]; every one's caches are flushed first (and pre-warmed
+ * with --prewarm). Mode MODE_PEER sends plain OpenAI requests (--peer-url). */
+rk_status rk_bench_run_http(bench *b, const rk_http_target *t, int n_t, int mode);
 /* Fill b's model description from the server's /v1/models. */
 void rk_bench_http_describe_model(bench *b, const rk_http_target *t);
 
@@ -225,5 +235,7 @@ json_t *rk_bench_json(const bench *b, int http, int all_ok);
 /* ---------------------------------------------------------------- svg.c */
 
 rk_status rk_bench_write_svg(const bench *b, const char *path, int http);
+/* One <text> element at (x, y), s escaped. */
+void rk_bench_svg_text(FILE *f, double x, double y, const char *anchor, int size, const char *s);
 
 #endif

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench/setup.h"
 #include "config/config.h"
 #include "kernels/cpu/cpu.h"
 #include "kernels/kernels.h"
@@ -41,6 +42,20 @@ static void *xmalloc(size_t n) {
         exit(1);
     }
     return p;
+}
+
+/* 0..n-1 in a random order (Fisher-Yates on the benchmark's generator). */
+static int32_t *shuffled(int n) {
+    int32_t *perm = xmalloc((size_t)n * 4);
+    for (int i = 0; i < n; i++) perm[i] = i;
+    for (int i = n - 1; i > 0; i--) {
+        (void)frand();
+        int j = (int)((rng >> 33) % (uint64_t)(i + 1));
+        int32_t tmp = perm[i];
+        perm[i] = perm[j];
+        perm[j] = tmp;
+    }
+    return perm;
 }
 
 static void check(rk_status st, const char *what) {
@@ -242,16 +257,8 @@ static void bench_attention(rk_backend *be) {
               *vp = be_alloc(be, (size_t)n_blocks * bs * row * 4);
         /* blocks 0..nb-1 hold the sequence in order, blocks nb..2nb-1 hold it
          * again under a random permutation */
-        int32_t *table = xmalloc((size_t)nb * 4), *perm = xmalloc((size_t)nb * 4);
+        int32_t *table = xmalloc((size_t)nb * 4), *perm = shuffled(nb);
         int32_t *in_order = xmalloc((size_t)nb * 4);
-        for (int i = 0; i < nb; i++) perm[i] = i;
-        for (int i = nb - 1; i > 0; i--) {
-            (void)frand();
-            int j = (int)((rng >> 33) % (uint64_t)(i + 1));
-            int tmp = perm[i];
-            perm[i] = perm[j];
-            perm[j] = tmp;
-        }
         for (int b = 0; b < nb; b++) {
             table[b] = nb + perm[b];
             in_order[b] = b;
@@ -420,15 +427,7 @@ static void bench_segments(rk_backend *be) {
     int nb_one = (L + bs - 1) / bs, n_blocks = nb_one + nb_runs;
     float *kp = be_rand_f32(be, (size_t)n_blocks * bs * row),
           *vp = be_rand_f32(be, (size_t)n_blocks * bs * row);
-    int32_t *perm = xmalloc((size_t)n_blocks * 4);
-    for (int i = 0; i < n_blocks; i++) perm[i] = i;
-    for (int i = n_blocks - 1; i > 0; i--) {
-        (void)frand();
-        int j = (int)((rng >> 33) % (uint64_t)(i + 1));
-        int tmp = perm[i];
-        perm[i] = perm[j];
-        perm[j] = tmp;
-    }
+    int32_t *perm = shuffled(n_blocks);
     void *kl[1] = {kp}, *vl[1] = {vp};
     rk_kv_cache kv = {1, n_blocks, bs, n_kv, hd, RK_DTYPE_F32, kl, vl};
     float scale = 1.0f / sqrtf((float)hd);
@@ -527,19 +526,35 @@ static void bench_quant(rk_backend *be) {
     free(y);
 }
 
+typedef struct opts {
+    int n_threads;
+    char only[8];
+} opts;
+
+static const rk_setting k_settings[] = {
+    {"threads", "threads", RK_SET_INT, offsetof(opts, n_threads), 0, 0, 1024, 0, 0,
+     "N  backend threads (default: 2; 0 = one per core)"},
+    {"only", "only", RK_SET_STR, offsetof(opts, only), sizeof(((opts *)0)->only), 0, 0, 0, 0,
+     "SECTIONS  the sections to run, letters from abcdef (default: all)"},
+};
+
 int main(int argc, char **argv) {
-    int n_threads = 2;
-    const char *only = "abcdef";
-    for (int i = 1; i < argc; i++) {
-        if (strcmp(argv[i], "--threads") == 0 && i + 1 < argc) {
-            n_threads = atoi(argv[++i]);
-        } else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) {
-            only = argv[++i];
-        } else {
-            fprintf(stderr, "usage: %s [--threads N] [--only SECTIONS (e.g. ac)]\n", argv[0]);
-            return 2;
-        }
+    static const char *usage =
+        "usage: bench_kernels [--threads N] [--only SECTIONS]\n"
+        "Throughput of the CPU backend's hot ops: (a) GEMM, (b) bandwidth and the decode\n"
+        "matvec, (c) paged attention, (d) rope shift, (e) position-shifted segments,\n"
+        "(f) quantized weights.\n";
+    opts o = {.n_threads = 2, .only = "abcdef"};
+    rk_settings own = {k_settings, sizeof k_settings / sizeof k_settings[0], &o};
+    int exit_code;
+    if (rk_bench_parse("bench_kernels", usage, NULL, 0, &own, argc, argv, &exit_code))
+        return exit_code;
+    if (!o.only[0] || strspn(o.only, "abcdef") != strlen(o.only)) {
+        fprintf(stderr, "bench_kernels: --only takes letters from abcdef, got '%s'\n", o.only);
+        return 2;
     }
+    int n_threads = o.n_threads;
+    const char *only = o.only;
     rk_backend *be = NULL;
     check(rk_backend_create("cpu", n_threads, &be), "backend_create");
     printf("bench_kernels: CPU backend, %d threads\n", be->n_threads);

@@ -29,17 +29,12 @@
 #include <unistd.h>
 
 #include "bench/httpclient.h"
+#include "bench/setup.h"
 
 static int g_port;
 static double g_seconds = 60;
 static int g_clients = 16, g_max_tokens = 8;
 static atomic_int g_stop;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 static void sleep_s(double s) {
     struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
@@ -125,13 +120,13 @@ static void record(client *c, int kind, double ms) {
 /* A generation: 200, or 503 with Retry-After (overloaded). */
 static void generation(client *c, int kind, const char *body) {
     reply r;
-    double t = now_s();
+    double t = rk_time_now();
     if (request("POST", "/v1/completions", body, strlen(body), &r)) {
         c->n_conn_err++;
         fail(c, "no response to a generation", NULL);
         return;
     }
-    double ms = (now_s() - t) * 1e3;
+    double ms = (rk_time_now() - t) * 1e3;
     c->n[kind]++;
     if (r.status == 200) {
         if (kind == K_STREAM ? !strstr(r.body, "data: [DONE]") : !strstr(r.body, "\"usage\""))
@@ -184,7 +179,7 @@ static void malformed(client *c) {
         len = strlen(cases[i].body);
     }
     reply r;
-    double t = now_s();
+    double t = rk_time_now();
     int rc = request("POST", cases[i].path, body ? body : cases[i].body, len, &r);
     free(body);
     c->n[K_BAD]++;
@@ -194,7 +189,7 @@ static void malformed(client *c) {
         return;
     }
     if (r.status == cases[i].want)
-        record(c, K_BAD, (now_s() - t) * 1e3);
+        record(c, K_BAD, (rk_time_now() - t) * 1e3);
     else if (r.status == 503 && retry_after(&r))
         c->n_503++;
     else
@@ -251,12 +246,12 @@ static pid_t start_server(const char *bin, const char *log) {
         execl(bin, bin, "serve", "--port", "0", (char *)NULL);
         _exit(127);
     }
-    for (double until = now_s() + 60; now_s() < until; sleep_s(0.02)) {
+    for (double until = rk_time_now() + 60; rk_time_now() < until; sleep_s(0.02)) {
         FILE *f = fopen(log, "r");
         char line[512];
         while (f && fgets(line, sizeof line, f)) {
             const char *p = strstr(line, "listening on http://127.0.0.1:");
-            if (p) g_port = atoi(p + strlen("listening on http://127.0.0.1:"));
+            if (p) g_port = (int)strtol(p + strlen("listening on http://127.0.0.1:"), NULL, 10);
         }
         if (f) fclose(f);
         if (g_port > 0) break;
@@ -269,8 +264,8 @@ static pid_t start_server(const char *bin, const char *log) {
 static int stop_server(pid_t pid) {
     kill(pid, SIGTERM);
     int st = 0;
-    for (double until = now_s() + 120; waitpid(pid, &st, WNOHANG) != pid; sleep_s(0.02))
-        if (now_s() > until) {
+    for (double until = rk_time_now() + 120; waitpid(pid, &st, WNOHANG) != pid; sleep_s(0.02))
+        if (rk_time_now() > until) {
             kill(pid, SIGKILL);
             waitpid(pid, &st, 0);
             return -1;
@@ -306,83 +301,88 @@ static double pct(const double *v, int n, double q) {
     return v[i];
 }
 
-int main(int argc, char **argv) {
-    const char *url = NULL;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--seconds") && i + 1 < argc)
-            g_seconds = atof(argv[++i]);
-        else if (!strcmp(argv[i], "--clients") && i + 1 < argc)
-            g_clients = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--max-tokens") && i + 1 < argc)
-            g_max_tokens = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--url") && i + 1 < argc)
-            url = argv[++i];
-        else {
-            fprintf(stderr,
-                    "usage: %s [--seconds N] [--clients N] [--max-tokens N] [--url "
-                    "http://127.0.0.1:PORT]\n",
-                    argv[0]);
-            return 2;
-        }
-    }
-    if (g_seconds <= 0 || g_clients < 1 || g_clients > 1024 || g_max_tokens < 0) {
-        fprintf(stderr, "bench_load: bad arguments\n");
-        return 2;
-    }
-    signal(SIGPIPE, SIG_IGN);
-    pid_t pid = 0;
-    char log[4200] = "";
-    if (url) {
-        if (sscanf(url, "http://127.0.0.1:%d", &g_port) != 1 || g_port <= 0) {
-            fprintf(stderr, "bench_load: --url must be http://127.0.0.1:PORT\n");
-            return 2;
-        }
-    } else {
-        char exe[4096], bin[4200];
-        ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-        if (n <= 0) return 1;
-        exe[n] = '\0';
-        snprintf(bin, sizeof bin, "%s/ragkv", dirname(exe));
-        snprintf(log, sizeof log, "/tmp/bench_load-%d.log", (int)getpid());
-        if ((pid = start_server(bin, log)) <= 0) {
-            fprintf(stderr, "bench_load: cannot start %s (log: %s)\n", bin, log);
-            return 1;
-        }
-    }
-    char where[64];
-    snprintf(where, sizeof where, "http://127.0.0.1:%d", g_port);
-    if (rk_http_parse_url(where, 300, &g_target)) {
-        fprintf(stderr, "bench_load: %s\n", rk_error_message());
-        if (pid) stop_server(pid);
-        return 1;
-    }
-    /* Wait until the model is loaded. */
-    json_t *h = NULL;
-    for (double until = now_s() + 60; !(h = get_json("/health")) && now_s() < until;) sleep_s(0.02);
-    json_decref(h);
-    counts base;
-    if (read_counts(&base)) {
-        fprintf(stderr, "bench_load: /v1/stats did not answer\n");
-        if (pid) stop_server(pid);
-        return 1;
-    }
+typedef struct opts {
+    double seconds;
+    int clients, max_tokens;
+    char url[256];
+} opts;
 
+static const rk_setting k_settings[] = {
+    {"seconds", "seconds", RK_SET_DOUBLE, offsetof(opts, seconds), 0, 0.001, 86400, 0, 0,
+     "N  how long the clients run (default: 60)"},
+    {"clients", "clients", RK_SET_INT, offsetof(opts, clients), 0, 1, 1024, 0, 0,
+     "N  client threads (default: 16)"},
+    {"max_tokens", "max-tokens", RK_SET_INT, offsetof(opts, max_tokens), 0, 0, 1 << 20, 0, 0,
+     "N  max_tokens of each completion (default: 8)"},
+    {"url", "url", RK_SET_STR, offsetof(opts, url), sizeof(((opts *)0)->url), 0, 0, 0, 0,
+     "http://127.0.0.1:PORT  a running server (default: start `ragkv serve --port 0`)"},
+};
+
+/* The clients, run for --seconds; NULL when out of memory. */
+static client *run_clients(double *elapsed) {
     client *cl = calloc((size_t)g_clients, sizeof *cl);
-    double t0 = now_s();
+    if (!cl) return NULL;
+    double t0 = rk_time_now();
     for (int i = 0; i < g_clients; i++) {
         cl[i].rng = 0x1234567ull * (uint64_t)(i + 1) ^ (uint64_t)time(NULL);
         pthread_create(&cl[i].t, NULL, client_main, &cl[i]);
     }
-    while (now_s() - t0 < g_seconds) sleep_s(0.05);
+    while (rk_time_now() - t0 < g_seconds) sleep_s(0.05);
     atomic_store(&g_stop, 1);
     for (int i = 0; i < g_clients; i++) pthread_join(cl[i].t, NULL);
-    double elapsed = now_s() - t0;
+    *elapsed = rk_time_now() - t0;
+    return cl;
+}
 
-    /* Totals. */
-    int n[K_COUNT] = {0}, n_503 = 0, n_fail = 0, total = 0;
+/* The chunk cache line of /v1/stats. */
+static void print_chunk_stats(void) {
+    json_t *stats = get_json("/v1/stats");
+    json_t *ch = json_object_get(stats, "chunks");
+    if (ch)
+        printf("  chunk cache: %lld lookups, hit rate %.3f, %lld entries, %lld capacity "
+               "evictions\n",
+               (long long)json_integer_value(json_object_get(ch, "lookups")),
+               json_real_value(json_object_get(ch, "hit_rate")),
+               (long long)json_integer_value(json_object_get(ch, "entries")),
+               (long long)json_integer_value(
+                   json_object_get(json_object_get(ch, "evictions"), "capacity")));
+    json_decref(stats);
+}
+
+/* Start `ragkv serve` from next to this program, its stderr into log. */
+static pid_t start_own_server(char *log, size_t log_size) {
+    char exe[4096], bin[4200];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    if (n <= 0) return -1;
+    exe[n] = '\0';
+    snprintf(bin, sizeof bin, "%s/ragkv", dirname(exe));
+    snprintf(log, log_size, "/tmp/bench_load-%d.log", (int)getpid());
+    pid_t pid = start_server(bin, log);
+    if (pid <= 0) fprintf(stderr, "bench_load: cannot start %s (log: %s)\n", bin, log);
+    return pid;
+}
+
+typedef struct totals {
+    int n[K_COUNT], n_503, n_fail, total;
+    const char *first; /* the first failure a client kept, or NULL */
+} totals;
+
+static void sum_clients(const client *cl, totals *t) {
+    memset(t, 0, sizeof *t);
+    for (int i = 0; i < g_clients; i++) {
+        for (int k = 0; k < K_COUNT; k++) t->n[k] += cl[i].n[k];
+        t->n_503 += cl[i].n_503;
+        t->n_fail += cl[i].n_fail;
+        if (!t->first && cl[i].first_failure[0]) t->first = cl[i].first_failure;
+    }
+    for (int k = 0; k < K_COUNT; k++) t->total += t->n[k];
+}
+
+/* Latency percentiles over every client: the generations together, then
+ * each kind of request. */
+static void print_latency(const client *cl) {
     double *lat[K_COUNT], *all = NULL;
     int n_lat[K_COUNT] = {0}, n_all = 0;
-    const char *first = NULL;
     for (int k = 0; k < K_COUNT; k++) {
         for (int i = 0; i < g_clients; i++) n_lat[k] += cl[i].n_lat[k];
         lat[k] = malloc((size_t)(n_lat[k] + 1) * sizeof *lat[k]);
@@ -400,53 +400,99 @@ int main(int argc, char **argv) {
         qsort(lat[k], (size_t)n_lat[k], sizeof(double), cmp_double);
     }
     qsort(all, (size_t)n_all, sizeof(double), cmp_double);
-    for (int i = 0; i < g_clients; i++) {
-        for (int k = 0; k < K_COUNT; k++) n[k] += cl[i].n[k];
-        n_503 += cl[i].n_503;
-        n_fail += cl[i].n_fail;
-        if (!first && cl[i].first_failure[0]) first = cl[i].first_failure;
-    }
-    for (int k = 0; k < K_COUNT; k++) total += n[k];
-
-    /* Pools and locks back where they started, once the queue is empty. */
-    counts end = {0};
-    int settled = 0;
-    for (double until = now_s() + 60; now_s() < until; sleep_s(0.05)) {
-        if (read_counts(&end)) break;
-        if (end.queued == 0 && end.live_used == base.live_used &&
-            end.chunk_refs == base.chunk_refs && end.prefix_locked == base.prefix_locked) {
-            settled = 1;
-            break;
-        }
-    }
-    json_t *stats = get_json("/v1/stats");
-    json_t *ch = json_object_get(stats, "chunks");
-
-    printf("bench_load: %.1f s, %d clients: %d requests, %.1f requests/s\n", elapsed, g_clients,
-           total, total / elapsed);
-    printf("  by kind: %d hit, %d miss, %d stream, %d malformed; 503 with Retry-After: %d; "
-           "failures: %d\n",
-           n[K_HIT], n[K_MISS], n[K_STREAM], n[K_BAD], n_503, n_fail);
     printf("  generation latency ms (%d answered 200): p50 %.2f  p99 %.2f\n", n_all,
            pct(all, n_all, 0.5), pct(all, n_all, 0.99));
     for (int k = 0; k < K_COUNT; k++)
         printf("    %-9s p50 %8.2f  p99 %8.2f  (n %d)\n", k_names[k], pct(lat[k], n_lat[k], 0.5),
                pct(lat[k], n_lat[k], 0.99), n_lat[k]);
-    if (ch)
-        printf("  chunk cache: %lld lookups, hit rate %.3f, %lld entries, %lld capacity "
-               "evictions\n",
-               (long long)json_integer_value(json_object_get(ch, "lookups")),
-               json_real_value(json_object_get(ch, "hit_rate")),
-               (long long)json_integer_value(json_object_get(ch, "entries")),
-               (long long)json_integer_value(
-                   json_object_get(json_object_get(ch, "evictions"), "capacity")));
+    for (int k = 0; k < K_COUNT; k++) free(lat[k]);
+    free(all);
+}
+
+/* Wait (up to a minute) for the queue to empty and the pools and locks to
+ * be back where they started; 1 when they are. */
+static int wait_settled(const counts *base, counts *end) {
+    for (double until = rk_time_now() + 60; rk_time_now() < until; sleep_s(0.05)) {
+        if (read_counts(end)) break;
+        if (end->queued == 0 && end->live_used == base->live_used &&
+            end->chunk_refs == base->chunk_refs && end->prefix_locked == base->prefix_locked)
+            return 1;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    static const char *usage =
+        "usage: bench_load [--seconds N] [--clients N] [--max-tokens N] [--url URL]\n"
+        "A bounded load test of `ragkv serve`: hits, misses, streams and malformed requests\n"
+        "from N clients; exit status 1 on a server error, a wrong answer to a bad request,\n"
+        "pool or lock counts not back at the end, or an unclean shutdown.\n";
+    opts a = {.seconds = g_seconds, .clients = g_clients, .max_tokens = g_max_tokens};
+    rk_settings own = {k_settings, sizeof k_settings / sizeof k_settings[0], &a};
+    int exit_code;
+    if (rk_bench_parse("bench_load", usage, NULL, 0, &own, argc, argv, &exit_code))
+        return exit_code;
+    g_seconds = a.seconds;
+    g_clients = a.clients;
+    g_max_tokens = a.max_tokens;
+    const char *url = a.url[0] ? a.url : NULL;
+    signal(SIGPIPE, SIG_IGN);
+    pid_t pid = 0;
+    char log[4200] = "";
+    if (url) {
+        if (sscanf(url, "http://127.0.0.1:%d", &g_port) != 1 || g_port <= 0) {
+            fprintf(stderr, "bench_load: --url must be http://127.0.0.1:PORT\n");
+            return 2;
+        }
+    } else if ((pid = start_own_server(log, sizeof log)) <= 0) {
+        return 1;
+    }
+    char where[64];
+    snprintf(where, sizeof where, "http://127.0.0.1:%d", g_port);
+    if (rk_http_parse_url(where, 300, &g_target)) {
+        fprintf(stderr, "bench_load: %s\n", rk_error_message());
+        if (pid) stop_server(pid);
+        return 1;
+    }
+    /* Wait until the model is loaded. */
+    json_t *h = NULL;
+    for (double until = rk_time_now() + 60; !(h = get_json("/health")) && rk_time_now() < until;)
+        sleep_s(0.02);
+    json_decref(h);
+    counts base;
+    if (read_counts(&base)) {
+        fprintf(stderr, "bench_load: /v1/stats did not answer\n");
+        if (pid) stop_server(pid);
+        return 1;
+    }
+
+    double elapsed;
+    client *cl = run_clients(&elapsed);
+    if (!cl) {
+        fprintf(stderr, "bench_load: out of memory\n");
+        if (pid) stop_server(pid);
+        return 1;
+    }
+
+    totals t;
+    sum_clients(cl, &t);
+    /* Pools and locks back where they started, once the queue is empty. */
+    counts end = {0};
+    int settled = wait_settled(&base, &end);
+
+    printf("bench_load: %.1f s, %d clients: %d requests, %.1f requests/s\n", elapsed, g_clients,
+           t.total, t.total / elapsed);
+    printf("  by kind: %d hit, %d miss, %d stream, %d malformed; 503 with Retry-After: %d; "
+           "failures: %d\n",
+           t.n[K_HIT], t.n[K_MISS], t.n[K_STREAM], t.n[K_BAD], t.n_503, t.n_fail);
+    print_latency(cl);
+    print_chunk_stats();
     printf("  after: live blocks used %lld (start %lld), chunk refs %lld, prefix locked tokens "
            "%lld: %s\n",
            end.live_used, base.live_used, end.chunk_refs, end.prefix_locked,
            settled ? "back to baseline" : "NOT back to baseline");
-    json_decref(stats);
-    int ok = n_fail == 0 && settled && total > 0;
-    if (first) printf("  first failure: %s\n", first);
+    int ok = t.n_fail == 0 && settled && t.total > 0;
+    if (t.first) printf("  first failure: %s\n", t.first);
     if (pid) {
         int st = stop_server(pid);
         printf("  server exit status on SIGTERM: %d%s\n", st, st ? " (see the log)" : "");
@@ -457,11 +503,8 @@ int main(int argc, char **argv) {
             unlink(log);
         }
     }
-    for (int k = 0; k < K_COUNT; k++) {
-        free(lat[k]);
+    for (int k = 0; k < K_COUNT; k++)
         for (int i = 0; i < g_clients; i++) free(cl[i].lat[k]);
-    }
-    free(all);
     free(cl);
     printf("bench_load: %s\n", ok ? "PASS" : "FAIL");
     return ok ? 0 : 1;

@@ -5,12 +5,12 @@
  *   2. prefill time saved on a 1000-token system prompt, on a real model:
  *      the first request computes it, the second reuses it.
  *
- *   bench_radix [--model F.gguf] [--threads N]   (default: the stories260K model) */
+ *   bench_radix [--model F.gguf] [--threads N]   (default: the stories260K model, 2 threads) */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "pipeline/pipeline.h"
+#include "bench/setup.h"
 
 static void no_release(void *ctx, const int32_t *pages, int n) { (void)ctx, (void)pages, (void)n; }
 
@@ -49,23 +49,24 @@ static void bench_match(int n_seqs) {
 }
 
 int main(int argc, char **argv) {
-    const char *model = RK_SHARED_DIR "/models/stories260K.gguf";
-    int threads = 2;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        if (!strcmp(argv[i], "--model"))
-            model = argv[i + 1];
-        else if (!strcmp(argv[i], "--threads"))
-            threads = atoi(argv[i + 1]);
-    }
+    static const char *usage =
+        "usage: bench_radix [--model F.gguf] [--threads N]\n"
+        "The prefix cache's match cost at 1k and 10k cached sequences, and the prefill a cached\n"
+        "1000-token system prompt saves. Defaults: the stories260K model, 2 threads.\n";
+    rk_bench_model m;
+    rk_bench_model_defaults(&m);
+    snprintf(m.model, sizeof m.model, "%s", RK_SHARED_DIR "/models/stories260K.gguf");
+    int exit_code;
+    if (rk_bench_parse("bench_radix", usage, &m, RK_BENCH_MODEL_FILE, NULL, argc, argv, &exit_code))
+        return exit_code;
     bench_match(1000);
     bench_match(10000);
 
     rk_config cfg;
     rk_config_defaults(&cfg);
-    cfg.n_threads = threads;
     cfg.kv_memory_mb = 4096;
     rk_service *svc;
-    if (rk_service_open(&cfg, model, &svc)) {
+    if (rk_bench_model_open(&m, &cfg, &svc)) {
         fprintf(stderr, "bench_radix: %s\n", rk_error_message());
         return 1;
     }
@@ -90,7 +91,7 @@ int main(int argc, char **argv) {
         rk_request_free(&r);
     }
     printf("%s, 1000-token system prompt + 24-token question, %d threads:\n",
-           rk_model_hparams(svc->model)->name, threads);
+           rk_model_hparams(svc->model)->name, m.threads);
     printf("  cold (computes all):   TTFT %8.2f ms, cached tokens %d\n", ttft[0] * 1e3, cached[0]);
     printf("  warm (reuses system):  TTFT %8.2f ms, cached tokens %d  -> %.1fx faster, %.2f ms "
            "saved\n",

@@ -18,9 +18,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pipeline/pipeline.h"
+#include "bench/setup.h"
 
-static const char *WORDS[] = {
+static const char *const WORDS[] = {
     "cache",     "model",     "token",      "chunk",    "server", "memory", "position",
     "rotation",  "attention", "document",   "question", "answer", "layer",  "block",
     "system",    "prompt",    "value",      "key",      "the",    "of",     "and",
@@ -31,37 +31,38 @@ static unsigned next(unsigned *seed) {
     return *seed >> 16;
 }
 
-/* Words until the text tokenizes to about n tokens. */
-static char *make_text(const rk_tokenizer *tok, int n, unsigned *seed) {
-    size_t cap = (size_t)n * 16 + 64, len = 0;
-    char *s = malloc(cap);
-    if (!s) return NULL;
-    s[0] = '\0';
-    for (;;) {
-        const char *w = WORDS[next(seed) % (sizeof WORDS / sizeof *WORDS)];
-        len += (size_t)snprintf(s + len, cap - len, "%s%s", len ? " " : "", w);
-        int32_t *ids;
-        size_t k;
-        if (rk_tokenizer_encode(tok, s, len, 0, &ids, &k)) return s;
-        free(ids);
-        if ((int)k >= n || len + 32 > cap) return s;
-    }
-}
-
 typedef struct opts {
-    const char *redis, *model;
-    int threads, requests, corpus, k, chunk_tokens, kv_mb;
+    rk_bench_model m;
+    char redis[sizeof(((rk_config *)0)->redis_url)];
+    int requests, corpus, k, chunk_tokens, kv_mb;
     double zipf;
 } opts;
 
-static rk_service *open_svc(const opts *o, int shared) {
+#define O_OFF(f) offsetof(opts, f)
+
+static const rk_setting k_settings[] = {
+    {"redis", "redis", RK_SET_STR, O_OFF(redis), sizeof(((opts *)0)->redis), 0, 0, 0, RK_SECRET_URL,
+     "URL  the shared tier, redis://[user:password@]HOST:PORT[/DB] (required)"},
+    {"requests", "requests", RK_SET_INT, O_OFF(requests), 0, 1, 10000000, 0, 0,
+     "N  requests per fleet (default: 200)"},
+    {"corpus", "corpus", RK_SET_INT, O_OFF(corpus), 0, 1, 1000000, 0, 0,
+     "N  chunks in the corpus (default: 64)"},
+    {"k", "k", RK_SET_INT, O_OFF(k), 0, 1, 4096, 0, 0, "K  chunks per request (default: 4)"},
+    {"chunk_tokens", "chunk-tokens", RK_SET_INT, O_OFF(chunk_tokens), 0, 1, 1 << 20, 0, 0,
+     "N  tokens per chunk, about (default: 128)"},
+    {"kv_memory_mb", "kv-memory-mb", RK_SET_INT, O_OFF(kv_mb), 0, 1, 1 << 24, 0, 0,
+     "N  KV budget in MiB per service (default: 256)"},
+    {"zipf", "zipf", RK_SET_DOUBLE, O_OFF(zipf), 0, 0, 10, 0, 0,
+     "S  Zipf exponent of chunk popularity (default: 1.1)"},
+};
+
+static rk_service *open_svc(opts *o, int shared) {
     rk_config cfg;
     rk_config_defaults(&cfg);
-    cfg.n_threads = o->threads;
     cfg.kv_memory_mb = o->kv_mb;
     if (shared) snprintf(cfg.redis_url, sizeof cfg.redis_url, "%s", o->redis);
     rk_service *svc = NULL;
-    if (rk_service_open(&cfg, o->model, &svc)) {
+    if (rk_bench_model_open(&o->m, &cfg, &svc)) {
         fprintf(stderr, "bench_redis: %s\n", rk_error_message());
         exit(1);
     }
@@ -152,53 +153,39 @@ static void print_row(const char *name, const result *r) {
 }
 
 int main(int argc, char **argv) {
-    opts o = {.threads = 1,
-              .requests = 200,
-              .corpus = 64,
-              .k = 4,
-              .chunk_tokens = 128,
-              .kv_mb = 256,
-              .zipf = 1.1};
-    for (int i = 1; i + 1 < argc; i += 2) {
-        const char *f = argv[i], *v = argv[i + 1];
-        if (!strcmp(f, "--redis"))
-            o.redis = v;
-        else if (!strcmp(f, "--model"))
-            o.model = v;
-        else if (!strcmp(f, "--threads"))
-            o.threads = atoi(v);
-        else if (!strcmp(f, "--requests"))
-            o.requests = atoi(v);
-        else if (!strcmp(f, "--corpus"))
-            o.corpus = atoi(v);
-        else if (!strcmp(f, "--k"))
-            o.k = atoi(v);
-        else if (!strcmp(f, "--chunk-tokens"))
-            o.chunk_tokens = atoi(v);
-        else if (!strcmp(f, "--kv-memory-mb"))
-            o.kv_mb = atoi(v);
-        else if (!strcmp(f, "--zipf"))
-            o.zipf = atof(v);
-        else {
-            fprintf(stderr, "bench_redis: unknown flag %s\n", f);
-            return 2;
-        }
-    }
-    if (!o.redis || o.k < 1 || o.k > o.corpus || o.requests < 1) {
-        fprintf(stderr, "usage: bench_redis --redis URL [--model F.gguf] [--threads N] "
-                        "[--requests N] [--corpus N] [--k N] [--chunk-tokens N] [--zipf S] "
-                        "[--kv-memory-mb N]\n");
+    static const char *usage =
+        "usage: bench_redis --redis URL [--model F.gguf] [--threads N] [--requests N]\n"
+        "                   [--corpus N] [--k N] [--chunk-tokens N] [--zipf S] [--kv-memory-mb N]\n"
+        "One service, two replicas without the tier and two sharing chunks through Redis, on\n"
+        "the same Zipf RAG workload. Defaults: the embedded model, 1 thread.\n";
+    opts o = {
+        .requests = 200, .corpus = 64, .k = 4, .chunk_tokens = 128, .kv_mb = 256, .zipf = 1.1};
+    rk_bench_model_defaults(&o.m);
+    o.m.threads = 1;
+    rk_settings own = {k_settings, sizeof k_settings / sizeof k_settings[0], &o};
+    int exit_code;
+    if (rk_bench_parse("bench_redis", usage, &o.m, RK_BENCH_MODEL_FILE, &own, argc, argv,
+                       &exit_code))
+        return exit_code;
+    if (!o.redis[0] || o.k > o.corpus) {
+        fprintf(stderr, "bench_redis: %s (see bench_redis --help)\n",
+                o.redis[0] ? "--k is larger than --corpus" : "--redis is required");
         return 2;
     }
     int *plan = make_plan(&o);
     rk_service *one = open_svc(&o, 0);
     const rk_tokenizer *tok = rk_model_tokenizer(one->model);
     char **corpus = malloc((size_t)o.corpus * sizeof *corpus);
+    if (!corpus) exit(1);
     unsigned seed = 1;
-    for (int i = 0; i < o.corpus; i++) corpus[i] = make_text(tok, o.chunk_tokens, &seed);
+    for (int i = 0; i < o.corpus; i++) {
+        corpus[i] = rk_bench_make_text(tok, WORDS, (int)(sizeof WORDS / sizeof *WORDS),
+                                       o.chunk_tokens, &seed);
+        if (!corpus[i]) exit(1);
+    }
 
     printf("%d requests of %d chunks (~%d tokens) from %d, Zipf %.2f, %d thread(s)\n\n", o.requests,
-           o.k, o.chunk_tokens, o.corpus, o.zipf, o.threads);
+           o.k, o.chunk_tokens, o.corpus, o.zipf, o.m.threads);
     printf("| fleet | chunk hit rate | chunks computed | loaded from Redis | seconds |\n"
            "|---|---|---|---|---|\n");
     result r1, r2, r3;

@@ -16,7 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "pipeline/pipeline.h"
+#include "bench/setup.h"
 #include "pipeline/split.h"
 
 #define MAX_STEPS 64
@@ -79,35 +79,34 @@ static void report(const char *name, const run_out *ref, const run_out *o) {
            o->steps, o->repair_ms);
 }
 
+static const rk_setting k_steps_setting = {
+    "steps", "steps",   RK_SET_INT, 0, 0,
+    1,       MAX_STEPS, 0,          0, "N  greedy steps per run (default: 16)"};
+
 int main(int argc, char **argv) {
-    const char *model = RK_SHARED_DIR "/models/stories260K.gguf";
-    int steps = 16, threads = 2;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--model") && i + 1 < argc)
-            model = argv[++i];
-        else if (!strcmp(argv[i], "--steps") && i + 1 < argc)
-            steps = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--threads") && i + 1 < argc)
-            threads = atoi(argv[++i]);
-        else {
-            fprintf(stderr, "usage: bench_repair [--model F.gguf] [--steps N] [--threads N]\n");
-            return 2;
-        }
-    }
-    if (steps < 1 || steps > MAX_STEPS) {
-        fprintf(stderr, "bench_repair: --steps must be 1..%d\n", MAX_STEPS);
-        return 2;
-    }
+    static const char *usage =
+        "usage: bench_repair [--model F.gguf] [--steps N] [--threads N]\n"
+        "How close each repair policy brings a cached RAG request to full attention.\n"
+        "Defaults: the stories260K model (skipped when absent), 2 threads.\n";
+    rk_bench_model m;
+    rk_bench_model_defaults(&m);
+    snprintf(m.model, sizeof m.model, "%s", RK_SHARED_DIR "/models/stories260K.gguf");
+    int steps = 16;
+    rk_settings own = {&k_steps_setting, 1, &steps};
+    int exit_code;
+    if (rk_bench_parse("bench_repair", usage, &m, RK_BENCH_MODEL_FILE, &own, argc, argv,
+                       &exit_code))
+        return exit_code;
+    const char *model = m.model;
     if (access(model, R_OK) != 0) {
         printf("bench_repair: skipped (%s is not there)\n", model);
         return 0;
     }
     rk_config cfg;
     rk_config_defaults(&cfg);
-    cfg.n_threads = threads;
     cfg.kv_memory_mb = 256;
     rk_service *svc;
-    if (rk_service_open(&cfg, model, &svc)) {
+    if (rk_bench_model_open(&m, &cfg, &svc)) {
         fprintf(stderr, "bench_repair: %s\n", rk_error_message());
         return 1;
     }

@@ -15,6 +15,7 @@
 #include <sys/statfs.h>
 #include <unistd.h>
 
+#include "config/settings.h"
 #include "store/store.h"
 
 #define FP "0123456789abcdef0123456789abcdef"
@@ -73,8 +74,19 @@ static double load_all(rk_store *s, int c, int n, const bench_case *bc) {
 }
 
 int main(int argc, char **argv) {
+    rk_cmdline cl = {.prog = "bench_store",
+                     .usage = "usage: bench_store [DIR]\n"
+                              "Chunk store write, load and verify throughput in DIR (default: a "
+                              "fresh directory\nunder /var/tmp, removed afterwards).\n",
+                     .first = 1};
+    int exit_code, next = rk_cmdline_parse(&cl, argc, argv, &exit_code);
+    if (next < 0) return exit_code;
+    if (argc - next > 1) {
+        fprintf(stderr, "bench_store: one DIR at most (see bench_store --help)\n");
+        return 2;
+    }
     char dir[4096];
-    int own_dir = argc < 2;
+    int own_dir = next == argc;
     if (own_dir) {
         snprintf(dir, sizeof dir, "/var/tmp/ragkv-bench-store-XXXXXX");
         if (!mkdtemp(dir)) {
@@ -82,7 +94,7 @@ int main(int argc, char **argv) {
             return 1;
         }
     } else {
-        snprintf(dir, sizeof dir, "%s", argv[1]);
+        snprintf(dir, sizeof dir, "%s", argv[next]);
     }
     struct statfs fs;
     int tmpfs = statfs(dir, &fs) == 0 && fs.f_type == 0x01021994;

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench/setup.h"
 #include "config/config.h"
 #include "engine/gguf.h"
 #include "engine/tokenizer.h"
@@ -81,7 +82,13 @@ static void bench_encode(const rk_tokenizer *t, const char *name, const char *te
     }
 }
 
-int main(void) {
+int main(int argc, char **argv) {
+    static const char *usage = "usage: bench_tokenizer\n"
+                               "Qwen3 tokenizer build time, and encoding throughput on ~1 MB of "
+                               "English and of Chinese.\n";
+    int exit_code;
+    if (rk_bench_parse("bench_tokenizer", usage, NULL, 0, NULL, argc, argv, &exit_code))
+        return exit_code;
     size_t en_len, zh_len;
     char *en = make_text(k_english, sizeof k_english / sizeof *k_english, 1 << 20, &en_len);
     char *zh = make_text(k_chinese, sizeof k_chinese / sizeof *k_chinese, 1 << 20, &zh_len);

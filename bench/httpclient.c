@@ -80,103 +80,150 @@ rk_status rk_http_exchange_stream(const rk_http_target *t, const char *method, c
                                   const char *headers, const char *body, size_t body_len,
                                   rk_http_on_recv on_recv, void *ctx, rk_http_response *out) {
     memset(out, 0, sizeof *out);
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) return rk_errorf(RK_ERR_IO, "http: socket: %s", strerror(errno));
+    rk_http_conn c;
+    rk_status st = rk_http_open(t, method, path, headers, body, body_len, &c);
+    return st ? st : rk_http_finish(&c, on_recv, ctx, out);
+}
+
+/* Send all of p[0..n); a server refusing a body (413) may close before
+ * reading all of it, and its answer is still there to read, so a reset is
+ * no failure when may_reset is set. */
+static rk_status send_all(const rk_http_target *t, int fd, const char *p, size_t n, int may_reset) {
+    for (size_t off = 0; off < n;) {
+        ssize_t k = send(fd, p + off, n - off, MSG_NOSIGNAL);
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0 && may_reset && (errno == EPIPE || errno == ECONNRESET)) return RK_OK;
+        if (k <= 0)
+            return rk_errorf(RK_ERR_IO, "http: send to %s:%d: %s", t->host, t->port,
+                             strerror(errno));
+        off += (size_t)k;
+    }
+    return RK_OK;
+}
+
+rk_status rk_http_open(const rk_http_target *t, const char *method, const char *path,
+                       const char *headers, const char *body, size_t body_len, rk_http_conn *c) {
+    memset(c, 0, sizeof *c);
+    c->t = t;
+    c->fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (c->fd < 0) return rk_errorf(RK_ERR_IO, "http: socket: %s", strerror(errno));
     struct timeval tv = {.tv_sec = (time_t)t->timeout_s,
                          .tv_usec =
                              (suseconds_t)((t->timeout_s - (double)(time_t)t->timeout_s) * 1e6)};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    setsockopt(c->fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(c->fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
     int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    if (connect(fd, (const struct sockaddr *)&t->addr, sizeof t->addr)) {
+    setsockopt(c->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    if (connect(c->fd, (const struct sockaddr *)&t->addr, sizeof t->addr)) {
         int e = errno;
-        close(fd);
+        rk_http_close(c);
         return rk_errorf(RK_ERR_IO, "http: cannot connect to %s:%d: %s", t->host, t->port,
                          strerror(e));
     }
-    size_t extra = headers ? strlen(headers) : 0;
-    char *head = malloc(512 + extra);
+    static const char fmt[] = "%s %s HTTP/1.1\r\nHost: %s:%d\r\nUser-Agent: ragkv\r\n"
+                              "Accept: application/json\r\nConnection: close\r\n%s%s%s\r\n";
+    char length[96] = "";
+    if (body)
+        snprintf(length, sizeof length, "Content-Type: application/json\r\nContent-Length: %zu\r\n",
+                 body_len);
+    const char *extra = headers ? headers : "";
+    /* Sized from the parts: a path may be any length (a test sends 64 KiB). */
+    int hn = snprintf(NULL, 0, fmt, method, path, t->host, t->port, length, extra, "");
+    char *head = hn < 0 ? NULL : malloc((size_t)hn + 1);
     if (!head) {
-        close(fd);
+        rk_http_close(c);
         return rk_errorf(RK_ERR_NOMEM, "http: out of memory");
     }
-    int hn = snprintf(head, 512,
-                      "%s %s HTTP/1.1\r\nHost: %s:%d\r\nUser-Agent: ragkv\r\n"
-                      "Accept: application/json\r\nConnection: close\r\n",
-                      method, path, t->host, t->port);
-    if (body)
-        hn += snprintf(head + hn, 512 - (size_t)hn,
-                       "Content-Type: application/json\r\nContent-Length: %zu\r\n", body_len);
-    memcpy(head + hn, headers ? headers : "", extra);
-    hn += (int)extra;
-    memcpy(head + hn, "\r\n", 2);
-    hn += 2;
-    const char *parts[2] = {head, body};
-    size_t lens[2] = {(size_t)hn, body ? body_len : 0};
-    for (int p = 0; p < 2; p++)
-        for (size_t off = 0; off < lens[p];) {
-            ssize_t k = send(fd, parts[p] + off, lens[p] - off, MSG_NOSIGNAL);
-            if (k < 0 && errno == EINTR) continue;
-            /* A server refusing a body (413) may close before reading all of
-             * it: its answer is still there to read. */
-            if (k < 0 && p == 1 && (errno == EPIPE || errno == ECONNRESET)) break;
-            if (k <= 0) {
-                int e = errno;
-                close(fd);
-                free(head);
-                return rk_errorf(RK_ERR_IO, "http: send to %s:%d: %s", t->host, t->port,
-                                 strerror(e));
-            }
-            off += (size_t)k;
-        }
+    snprintf(head, (size_t)hn + 1, fmt, method, path, t->host, t->port, length, extra, "");
+    rk_status st = send_all(t, c->fd, head, (size_t)hn, 0);
     free(head);
-    struct {
-        char *s;
-        size_t len, cap;
-    } in = {0};
+    if (!st && body) st = send_all(t, c->fd, body, body_len, 1);
+    if (st) rk_http_close(c);
+    return st;
+}
+
+/* Read what arrived next onto c->raw; *out_n is the bytes read, 0 when the
+ * server closed. */
+static rk_status recv_more(rk_http_conn *c, size_t *out_n) {
     char buf[16384];
-    for (;;) {
-        ssize_t k = recv(fd, buf, sizeof buf, 0);
-        if (k < 0 && errno == EINTR) continue;
-        if (k < 0) {
-            int e = errno;
-            close(fd);
-            free(in.s);
-            return rk_errorf(RK_ERR_IO, "http: no answer from %s:%d: %s", t->host, t->port,
-                             e == EAGAIN || e == EWOULDBLOCK ? "timed out" : strerror(e));
-        }
-        if (k == 0) break;
-        char *grown = in.s;
-        if (in.len + (size_t)k + 1 > in.cap && in.len + (size_t)k <= (64u << 20)) {
-            in.cap = (in.len + (size_t)k + 1) * 2;
-            grown = realloc(in.s, in.cap);
-        }
-        if (in.len + (size_t)k > (64u << 20) || !grown) {
-            close(fd);
-            free(in.s);
-            return rk_errorf(RK_ERR_LIMIT, "http: response from %s:%d is too large", t->host,
-                             t->port);
-        }
-        in.s = grown;
-        memcpy(in.s + in.len, buf, (size_t)k);
-        in.len += (size_t)k;
-        in.s[in.len] = '\0';
-        if (on_recv) on_recv(ctx, in.s, in.len);
+    ssize_t k;
+    *out_n = 0;
+    do k = recv(c->fd, buf, sizeof buf, 0);
+    while (k < 0 && errno == EINTR);
+    if (k < 0) {
+        int e = errno;
+        return rk_errorf(RK_ERR_IO, "http: no answer from %s:%d: %s", c->t->host, c->t->port,
+                         e == EAGAIN || e == EWOULDBLOCK ? "timed out" : strerror(e));
     }
-    close(fd);
+    char *grown = c->raw;
+    if (c->len + (size_t)k + 1 > c->cap && c->len + (size_t)k <= (64u << 20)) {
+        c->cap = (c->len + (size_t)k + 1) * 2;
+        grown = realloc(c->raw, c->cap);
+    }
+    if (c->len + (size_t)k > (64u << 20) || !grown)
+        return rk_errorf(RK_ERR_LIMIT, "http: response from %s:%d is too large", c->t->host,
+                         c->t->port);
+    c->raw = grown;
+    memcpy(c->raw + c->len, buf, (size_t)k);
+    c->len += (size_t)k;
+    c->raw[c->len] = '\0';
+    *out_n = (size_t)k;
+    return RK_OK;
+}
+
+rk_status rk_http_wait_for(rk_http_conn *c, const char *needle) {
+    while (!c->raw || !strstr(c->raw, needle)) {
+        size_t n;
+        rk_status st = recv_more(c, &n);
+        if (st) return st;
+        if (n == 0)
+            return rk_errorf(RK_ERR_IO, "http: %s:%d closed before sending '%s'", c->t->host,
+                             c->t->port, needle);
+    }
+    return RK_OK;
+}
+
+rk_status rk_http_finish(rk_http_conn *c, rk_http_on_recv on_recv, void *ctx,
+                         rk_http_response *out) {
+    memset(out, 0, sizeof *out);
+    for (;;) {
+        size_t n;
+        rk_status st = recv_more(c, &n);
+        if (st) {
+            rk_http_close(c);
+            return st;
+        }
+        if (n == 0) break;
+        if (on_recv) on_recv(ctx, c->raw, c->len);
+    }
+    char *raw = c->raw;
+    size_t len = c->len;
+    c->raw = NULL;
+    rk_http_close(c);
+    return rk_http_parse(raw, len, out);
+}
+
+void rk_http_close(rk_http_conn *c) {
+    if (c->fd >= 0) close(c->fd);
+    free(c->raw);
+    memset(c, 0, sizeof *c);
+    c->fd = -1;
+}
+
+rk_status rk_http_parse(char *raw, size_t len, rk_http_response *out) {
+    memset(out, 0, sizeof *out);
     int status;
-    char *hend = in.s ? strstr(in.s, "\r\n\r\n") : NULL;
-    if (!hend || sscanf(in.s, "HTTP/1.%*d %d", &status) != 1) {
-        free(in.s);
-        return rk_errorf(RK_ERR_FORMAT, "http: malformed response from %s:%d", t->host, t->port);
+    char *hend = raw ? strstr(raw, "\r\n\r\n") : NULL;
+    if (!hend || sscanf(raw, "HTTP/1.%*d %d", &status) != 1) {
+        free(raw);
+        return rk_errorf(RK_ERR_FORMAT, "http: malformed response");
     }
     *hend = '\0';
     char *bstart = hend + 4;
-    size_t blen = in.len - (size_t)(bstart - in.s);
+    size_t blen = len - (size_t)(bstart - raw);
     int chunked = 0;
     long clen = -1;
-    for (char *line = strstr(in.s, "\r\n"); line; line = strstr(line + 2, "\r\n")) {
+    for (char *line = strstr(raw, "\r\n"); line; line = strstr(line + 2, "\r\n")) {
         const char *h = line + 2;
         if (!strncasecmp(h, "Transfer-Encoding:", 18) && strstr(h, "chunked")) chunked = 1;
         if (!strncasecmp(h, "Content-Length:", 15)) clen = strtol(h + 15, NULL, 10);
@@ -184,8 +231,8 @@ rk_status rk_http_exchange_stream(const rk_http_target *t, const char *method, c
     if (chunked) {
         long n = dechunk(bstart, blen);
         if (n < 0) {
-            free(in.s);
-            return rk_errorf(RK_ERR_FORMAT, "http: bad chunked body from %s:%d", t->host, t->port);
+            free(raw);
+            return rk_errorf(RK_ERR_FORMAT, "http: bad chunked body");
         }
         blen = (size_t)n;
     } else if (clen >= 0 && (size_t)clen < blen) {
@@ -196,7 +243,7 @@ rk_status rk_http_exchange_stream(const rk_http_target *t, const char *method, c
     memmove(hend + 1, bstart, blen);
     hend[1 + blen] = '\0';
     out->status = status;
-    out->head = in.s;
+    out->head = raw;
     out->body = hend + 1;
     out->body_len = blen;
     return RK_OK;

@@ -1,7 +1,8 @@
 /* bench/httpclient.h — a small blocking HTTP/1.1 client for a `ragkv serve`
  * on the loopback interface: one request per connection (Connection:
  * close), fixed-length or chunked bodies, a timeout per exchange. Used by
- * `ragkv bench --url` and the load program bench/bench_load.c.
+ * `ragkv bench --url`, the load program bench/bench_load.c and the HTTP
+ * tests (tests/test_http.c).
  *
  * Thread-safety: a target is read-only after rk_http_parse_url, so any
  * number of threads may send requests to one target at the same time. */
@@ -55,6 +56,42 @@ typedef void (*rk_http_on_recv)(void *ctx, const char *raw, size_t len);
 rk_status rk_http_exchange_stream(const rk_http_target *t, const char *method, const char *path,
                                   const char *headers, const char *body, size_t body_len,
                                   rk_http_on_recv on_recv, void *ctx, rk_http_response *out);
+
+/* An exchange taken in steps, for a caller that acts while the answer is
+ * still coming (reads a stream's first event, then drops the connection or
+ * makes other requests before reading the rest). */
+typedef struct rk_http_conn {
+    const rk_http_target *t; /* must outlive the connection */
+    int fd;
+    char *raw; /* the answer's bytes so far, NUL-terminated; NULL before any */
+    size_t len, cap;
+} rk_http_conn;
+
+/* Connect and send the request, as rk_http_exchange does: with body NULL no
+ * Content-Length is sent, so a caller that sends its body itself later (on
+ * c->fd) names it in headers. On success the caller ends c with
+ * rk_http_finish or rk_http_close; on failure c holds nothing. */
+rk_status rk_http_open(const rk_http_target *t, const char *method, const char *path,
+                       const char *headers, const char *body, size_t body_len, rk_http_conn *c);
+
+/* Read until needle appears in the answer's raw bytes (head included).
+ * RK_ERR_IO when the server closes or the timeout passes first; c stays open
+ * either way. */
+rk_status rk_http_wait_for(rk_http_conn *c, const char *needle);
+
+/* Read the rest of the answer until the server closes (on_recv as in
+ * rk_http_exchange_stream; may be NULL) and parse it into *out. c is closed
+ * whatever the outcome. */
+rk_status rk_http_finish(rk_http_conn *c, rk_http_on_recv on_recv, void *ctx,
+                         rk_http_response *out);
+
+/* Abandon the exchange: close the connection, free what was read. */
+void rk_http_close(rk_http_conn *c);
+
+/* Parse a whole answer held in raw (malloc'ed, NUL-terminated, len bytes;
+ * taken over: it becomes out->head, or is freed on failure). For bytes a
+ * caller read itself; RK_ERR_FORMAT when they are no HTTP answer. */
+rk_status rk_http_parse(char *raw, size_t len, rk_http_response *out);
 
 /* Accepts NULL and an empty response. */
 void rk_http_response_free(rk_http_response *r);

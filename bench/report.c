@@ -217,11 +217,13 @@ void rk_bench_check_invariants(bench *b, int mode, int http) {
         if (m->hits + m->misses != m->lookups || m->lookups != want)
             rk_bench_add_failure(m, "hits %ld + misses %ld, lookups %ld != requests x k = %ld",
                                  m->hits, m->misses, m->lookups, want);
-        /* The index counts every turn's lookups (in-process turns keep their chunks). */
+        /* The index counts every turn's lookups (in-process turns keep their
+         * chunks), not the hits inside an earlier turn's sequence. */
         long all_hits = m->hits, all_misses = m->misses;
+        for (int j = 0; j < w->n_req; j++) all_hits -= m->req[j].prefix_hits;
         for (size_t i = 0; i < (size_t)w->n_req * (size_t)w->n_followups; i++)
             if (m->turn[i].ok) {
-                all_hits += m->turn[i].hits;
+                all_hits += m->turn[i].hits - m->turn[i].prefix_hits;
                 all_misses += m->turn[i].misses;
             }
         if (m->have_index && ((long)m->ix.hits != all_hits || (long)m->ix.misses != all_misses ||
@@ -300,7 +302,8 @@ static void print_generation(const bench *b) {
     }
 }
 
-void rk_bench_print_table(bench *b, int http) {
+/* What ran: the model, the workload, the loop, the steady state. */
+static void print_header(const bench *b, int http) {
     const workload *w = &b->w;
     const bench_opts *o = &b->o;
     printf("ragkv bench: %s (%s), %s, %d threads\n", b->model_name, b->model_desc,
@@ -334,6 +337,11 @@ void rk_bench_print_table(bench *b, int http) {
                    o->baseline_every, o->baseline_every == 2 ? "nd" : "th", m->n_run, w->n_req);
     }
     printf("\n");
+}
+
+/* The table of every mode over all requests, and what its times count. */
+static void print_modes(const bench *b, int http) {
+    const bench_opts *o = &b->o;
     printf("%-7s %10s %10s %10s %10s %10s %8s %10s %10s %10s %8s %8s %8s %8s %9s\n", "mode",
            "TTFT p50", "p90", "p99", "e2e p50", "p99", "req/s", "prompt", "computed", "reused",
            "hit", "(pred)", ">=1 hit", "(pred)", "peak MiB");
@@ -378,6 +386,11 @@ void rk_bench_print_table(bench *b, int http) {
     if (!http && o->peer_url)
         printf("(peer TTFT: from sending the request to the first streamed text)\n");
     printf("\n");
+}
+
+/* The table of every mode over the steady state. */
+static void print_steady(const bench *b) {
+    const bench_opts *o = &b->o;
     printf("steady state %-14s %10s %10s %10s %8s %8s\n", "", "TTFT p50", "p90", "p99", "hit",
            "(pred)");
     for (int i = 0; i < o->n_modes; i++) {
@@ -392,7 +405,11 @@ void rk_bench_print_table(bench *b, int http) {
         printf("  %-25s %10s %10s %10s %8s %8s\n", k_mode_names[o->modes[i]], t[0], t[1], t[2],
                hit[0], hit[1]);
     }
-    print_generation(b);
+}
+
+/* What rag saved against the other modes, and its cache. */
+static void print_rag(const bench *b) {
+    const workload *w = &b->w;
     const mode_result *rag = &b->res[MODE_RAG];
     if (rag->ran) {
         printf("\nspeedup of rag (TTFT p50 ratio)       all   steady  all-hit\n");
@@ -418,6 +435,11 @@ void rk_bench_print_table(bench *b, int http) {
                    rag->prewarm_chunks, rag->prewarm_tokens, rag->prewarm_s,
                    rag->prewarm_s > 0 ? rag->prewarm_tokens / rag->prewarm_s : 0);
     }
+}
+
+/* HTTP overhead or the KV arena, and the invariants. */
+static void print_footer(const bench *b, int http) {
+    const bench_opts *o = &b->o;
     if (http) {
         printf("HTTP overhead (client latency - server total_ms), p50 / mean ms:");
         for (int i = 0; i < o->n_modes; i++) {
@@ -443,6 +465,15 @@ void rk_bench_print_table(bench *b, int http) {
         }
     }
     if (ok) printf("invariants: ok\n");
+}
+
+void rk_bench_print_table(bench *b, int http) {
+    print_header(b, http);
+    print_modes(b, http);
+    print_steady(b);
+    print_generation(b);
+    print_rag(b);
+    print_footer(b, http);
 }
 
 /* ---------------------------------------------------------------- output: JSON */

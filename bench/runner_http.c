@@ -14,7 +14,8 @@
 
 typedef struct http_job {
     bench *b;
-    const rk_http_target *t;
+    const rk_http_target *t; /* (n_t) replicas, round-robin by request */
+    int n_t;
     int mode;
     pthread_mutex_t mu;
     int next, done;
@@ -56,7 +57,9 @@ static int fill_from_json(json_t *o, req_result *x) {
         x->n_chunks++;
         x->chunk_tokens += tokens;
         if (!strcmp(status, "hit")) {
+            const char *source = json_string_value(json_object_get(c, "source"));
             x->hits++;
+            x->prefix_hits += source && !strcmp(source, "prefix");
             x->hit_tokens += tokens;
         } else if (!strcmp(status, "miss")) {
             x->misses++;
@@ -225,8 +228,8 @@ static void one_request(http_job *job, int j, json_t *body, int turn, double t_r
     char *s = json_dumps(body, JSON_COMPACT);
     first_text ft = {0};
     rk_http_response r = {0};
-    rk_status st = s ? rk_http_exchange_stream(job->t, "POST", path, NULL, s, strlen(s),
-                                               note_first_text, &ft, &r)
+    rk_status st = s ? rk_http_exchange_stream(&job->t[j % job->n_t], "POST", path, NULL, s,
+                                               strlen(s), note_first_text, &ft, &r)
                      : rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
     double t_end = rk_time_now();
     free(s);
@@ -359,7 +362,7 @@ static rk_status http_prewarm(bench *b, const rk_http_target *t, mode_result *m)
         json_decref(resp);
         free(raw);
     }
-    m->prewarm_s = rk_time_now() - t0;
+    m->prewarm_s += rk_time_now() - t0; /* over the replicas */
     m->prewarmed = 1;
     return RK_OK;
 }
@@ -406,20 +409,22 @@ static rk_status flush_caches(bench *b, const rk_http_target *t, int mode) {
     return RK_OK;
 }
 
-rk_status rk_bench_run_http(bench *b, const rk_http_target *t, int mode) {
+rk_status rk_bench_run_http(bench *b, const rk_http_target *t, int n_t, int mode) {
     mode_result *m = &b->res[mode];
     rk_status st;
     /* The peer is any OpenAI-compatible server: no cache endpoint to call. */
-    if (mode != MODE_PEER && (st = flush_caches(b, t, mode))) return st;
+    for (int i = 0; i < n_t && mode != MODE_PEER; i++)
+        if ((st = flush_caches(b, &t[i], mode))) return st;
     m->vmhwm_kb = -1;
-    if (mode == MODE_RAG && b->o.prewarm && (st = http_prewarm(b, t, m))) return st;
+    for (int i = 0; i < n_t && mode == MODE_RAG && b->o.prewarm; i++)
+        if ((st = http_prewarm(b, &t[i], m))) return st;
     /* Closed loop: --concurrency clients; open loop: enough senders that a
      * request goes out at its arrival time, up to MAX_IN_FLIGHT. */
     int C = b->o.arrival_rate > 0 ? (m->n_run < MAX_IN_FLIGHT ? m->n_run : MAX_IN_FLIGHT)
                                   : b->o.concurrency;
     pthread_t *th = calloc((size_t)C, sizeof *th);
     if (!th) return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
-    http_job job = {.b = b, .t = t, .mode = mode, .t0 = rk_time_now()};
+    http_job job = {.b = b, .t = t, .n_t = n_t, .mode = mode, .t0 = rk_time_now()};
     pthread_mutex_init(&job.mu, NULL);
     int started = 0;
     for (int i = 0; i < C; i++) {

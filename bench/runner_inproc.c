@@ -70,6 +70,7 @@ static void fill_from_request(const rk_request *r, req_result *x) {
         x->chunk_tokens += r->chunk_lens[c];
         if (rep->status == RK_CHUNK_STATUS_HIT) {
             x->hits++;
+            x->prefix_hits += rep->source == RK_CHUNK_SOURCE_PREFIX;
             x->hit_tokens += rep->tokens;
         } else if (rep->status == RK_CHUNK_STATUS_MISS) {
             x->misses++;
@@ -233,9 +234,8 @@ static rk_status next_turn(rk_service *svc, const rk_request *r, const char *pro
  * queued, up to OPEN_MAX_BATCH generations. TTFT and e2e count from the
  * arrival time: tokenizing, the queue wait and the engine's own time. The
  * chunk index is the engine thread's alone, so its counters are not read. */
-static rk_status run_open(bench *b, int mode) {
-    mode_result *m = &b->res[mode];
-    const workload *w = &b->w;
+/* The engine thread of an open-loop mode, once its model is loaded. */
+static rk_status start_engine(bench *b, mode_result *m, rk_scheduler **out) {
     rk_scheduler_params p = {
         .model_path = b->o.model, .max_queue = m->n_run + 1, .max_batch = OPEN_MAX_BATCH};
     service_config(b, &p.cfg);
@@ -249,6 +249,37 @@ static rk_status run_open(bench *b, int mode) {
         rk_scheduler_free(e);
         return rk_errorf(RK_ERR_IO, "bench: the engine did not start: %s", why);
     }
+    *out = e;
+    return RK_OK;
+}
+
+/* Prepare request j in jb and queue it, noting when in *sent; jb holds
+ * nothing after a failure. */
+static rk_status submit_open(rk_scheduler *e, const workload *w, int j, const rk_req_options *opt,
+                             rk_job *jb, double *sent) {
+    rk_status st = rk_job_init(jb);
+    if (st) return st;
+    rk_service *svc = rk_scheduler_service(e);
+    jb->req.opt = *opt;
+    jb->req.opt.max_tokens = w->max_out[j];
+    rk_split pieces;
+    st = rk_split_prompt(w->prompt[j], strlen(w->prompt[j]), "##", svc->cfg.max_chunks, &pieces);
+    if (!st) {
+        st = rk_request_prepare(svc, &pieces, &jb->req);
+        rk_split_free(&pieces);
+    }
+    *sent = rk_time_now();
+    if (!st) st = rk_scheduler_submit(e, jb);
+    if (st) rk_job_destroy(jb);
+    return st;
+}
+
+static rk_status run_open(bench *b, int mode) {
+    mode_result *m = &b->res[mode];
+    const workload *w = &b->w;
+    rk_scheduler *e;
+    rk_status st = start_engine(b, m, &e);
+    if (st) return st;
     rk_service *svc = rk_scheduler_service(e);
     describe_service(b, m, svc);
     if (mode == MODE_RAG && b->o.prewarm && (st = prewarm_inproc(b, svc, e, m))) {
@@ -277,27 +308,9 @@ static rk_status run_open(bench *b, int mode) {
             now = rk_time_now();
         }
         m->req[j].late_ms = (now - due) * 1e3;
-        rk_job *jb = &jobs[i];
-        if ((st = rk_job_init(jb))) {
+        if ((st = submit_open(e, w, j, &opt, &jobs[i], &sent[i]))) {
             if (!m->error[0])
                 snprintf(m->error, sizeof m->error, "request %d: %s", j, rk_error_message());
-            continue;
-        }
-        jb->req.opt = opt;
-        jb->req.opt.max_tokens = w->max_out[j];
-        rk_split pieces;
-        st =
-            rk_split_prompt(w->prompt[j], strlen(w->prompt[j]), "##", svc->cfg.max_chunks, &pieces);
-        if (!st) {
-            st = rk_request_prepare(svc, &pieces, &jb->req);
-            rk_split_free(&pieces);
-        }
-        sent[i] = rk_time_now();
-        if (!st) st = rk_scheduler_submit(e, jb);
-        if (st) {
-            if (!m->error[0])
-                snprintf(m->error, sizeof m->error, "request %d: %s", j, rk_error_message());
-            rk_job_destroy(jb);
             continue;
         }
         queued[i] = 1;
@@ -335,9 +348,95 @@ static rk_status run_open(bench *b, int mode) {
     return RK_OK;
 }
 
+/* A closed-loop run's batch: up to --concurrency requests at a time. */
+typedef struct batch_run {
+    bench *b;
+    mode_result *m;
+    rk_service *svc;
+    rk_req_options opt;
+    rk_request *reqs, **ptrs; /* (C) */
+    int *idx;                 /* (C) the slot of each prepared request */
+    char **conv;              /* (C) each slot's conversation so far */
+} batch_run;
+
+/* Prepare turn `turn` of the n conversations from list position i0 into
+ * br->ptrs; returns how many were prepared. */
+static int prepare_turn(batch_run *br, int i0, int n, int turn) {
+    mode_result *m = br->m;
+    const workload *w = &br->b->w;
+    int n_prep = 0;
+    for (int s = 0; s < n; s++) {
+        int j = m->run[i0 + s];
+        if (turn > 0 && !br->conv[s]) continue;
+        const char *text = turn ? br->conv[s] : w->prompt[j];
+        double tr = rk_time_now();
+        rk_split pieces;
+        rk_request *r = &br->reqs[n_prep];
+        memset(r, 0, sizeof *r);
+        r->opt = br->opt;
+        r->opt.max_tokens = w->max_out[j];
+        rk_status st = rk_split_prompt(text, strlen(text), "##", br->svc->cfg.max_chunks, &pieces);
+        if (!st) {
+            st = rk_request_prepare(br->svc, &pieces, r);
+            rk_split_free(&pieces);
+        }
+        if (st) {
+            if (!m->error[0])
+                snprintf(m->error, sizeof m->error, "request %d turn %d: %s", j, turn + 1,
+                         rk_error_message());
+            continue;
+        }
+        if (turn == 0) m->req[j].prep_ms = (rk_time_now() - tr) * 1e3;
+        br->idx[n_prep] = s;
+        br->ptrs[n_prep++] = r;
+    }
+    return n_prep;
+}
+
+/* Turn `turn` of the n conversations from list position i0, together; a
+ * conversation whose turn failed has no text (conv[s] NULL) and stops. */
+static void run_turn(batch_run *br, int i0, int n, int turn) {
+    mode_result *m = br->m;
+    const workload *w = &br->b->w;
+    int turns = br->b->o.turns;
+    double tb = rk_time_now();
+    int n_prep = prepare_turn(br, i0, n, turn);
+    double prep_ms = (rk_time_now() - tb) * 1e3;
+    rk_status st = rk_pipeline_run(br->svc, br->ptrs, n_prep, NULL);
+    if (st && !m->error[0])
+        snprintf(m->error, sizeof m->error, "requests %d..%d turn %d: %s", m->run[i0],
+                 m->run[i0 + n - 1], turn + 1, rk_error_message());
+    for (int q = 0; q < n_prep; q++) {
+        rk_request *r = br->ptrs[q];
+        int s = br->idx[q], j = m->run[i0 + s];
+        req_result *x = turn ? &m->turn[(size_t)(turn - 1) * w->n_req + j] : &m->req[j];
+        if (!st) {
+            fill_from_request(r, x);
+            /* TTFT as the API reports it (the pipeline's, tokenizing apart);
+             * the latency includes tokenizing the whole batch. */
+            x->ttft_ms = r->t.ttft_ms;
+            x->n_out = r->n_out;
+            x->tpot_ms = x->n_out > 1 ? (r->t.total_ms - x->ttft_ms) / (x->n_out - 1) : NAN;
+            x->e2e_ms = prep_ms + r->t.total_ms;
+            x->server_total_ms = x->e2e_ms;
+        }
+        rk_status nt = RK_OK;
+        if (!st && turn + 1 < turns)
+            nt = next_turn(br->svc, r, turn ? br->conv[s] : w->prompt[j],
+                           w->followup[(size_t)j * w->n_followups + turn], &br->conv[s]);
+        if (st || nt || turn + 1 == turns) {
+            if (nt && !m->error[0])
+                snprintf(m->error, sizeof m->error, "request %d turn %d: %s", j, turn + 2,
+                         rk_error_message());
+            free(br->conv[s]);
+            br->conv[s] = NULL;
+        }
+        rk_request_free(r);
+    }
+}
+
 rk_status rk_bench_run_inproc(bench *b, int mode) {
     mode_result *m = &b->res[mode];
-    const workload *w = &b->w;
     if (b->o.arrival_rate > 0) return run_open(b, mode);
     rk_config cfg;
     service_config(b, &cfg);
@@ -353,94 +452,27 @@ rk_status rk_bench_run_inproc(bench *b, int mode) {
     rk_chunk_stats s0, s1;
     rk_chunk_index_get_stats(svc->chunks, &s0);
 
-    rk_req_options opt;
-    rk_bench_mode_options(&b->o, mode, &opt);
     int C = b->o.concurrency;
-    rk_request *reqs = calloc((size_t)C, sizeof *reqs);
-    rk_request **ptrs = calloc((size_t)C, sizeof *ptrs);
-    int *idx = calloc((size_t)C, sizeof *idx);
-    char **conv = calloc((size_t)C, sizeof *conv); /* each slot's conversation so far */
-    if (!reqs || !ptrs || !idx || !conv) {
-        free(reqs);
-        free(ptrs);
-        free(idx);
-        free(conv);
-        rk_service_close(svc);
-        return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
+    batch_run br = {.b = b, .m = m, .svc = svc};
+    rk_bench_mode_options(&b->o, mode, &br.opt);
+    br.reqs = calloc((size_t)C, sizeof *br.reqs);
+    br.ptrs = calloc((size_t)C, sizeof *br.ptrs);
+    br.idx = calloc((size_t)C, sizeof *br.idx);
+    br.conv = calloc((size_t)C, sizeof *br.conv);
+    if (!br.reqs || !br.ptrs || !br.idx || !br.conv) {
+        st = rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
+        goto out;
     }
     double t0 = rk_time_now();
     for (int i0 = 0; i0 < m->n_run; i0 += C) {
         int n = m->n_run - i0 < C ? m->n_run - i0 : C;
-        /* Turn by turn, the batch's conversations together; a conversation
-         * whose turn failed has no text (conv[s] NULL) and stops. */
-        for (int turn = 0; turn < b->o.turns; turn++) {
-            int n_prep = 0;
-            double tb = rk_time_now();
-            for (int s = 0; s < n; s++) {
-                int j = m->run[i0 + s];
-                if (turn > 0 && !conv[s]) continue;
-                const char *text = turn ? conv[s] : w->prompt[j];
-                double tr = rk_time_now();
-                rk_split pieces;
-                rk_request *r = &reqs[n_prep];
-                memset(r, 0, sizeof *r);
-                r->opt = opt;
-                r->opt.max_tokens = w->max_out[j];
-                st = rk_split_prompt(text, strlen(text), "##", cfg.max_chunks, &pieces);
-                if (!st) {
-                    st = rk_request_prepare(svc, &pieces, r);
-                    rk_split_free(&pieces);
-                }
-                if (st) {
-                    if (!m->error[0])
-                        snprintf(m->error, sizeof m->error, "request %d turn %d: %s", j, turn + 1,
-                                 rk_error_message());
-                    continue;
-                }
-                if (turn == 0) m->req[j].prep_ms = (rk_time_now() - tr) * 1e3;
-                idx[n_prep] = s;
-                ptrs[n_prep++] = r;
-            }
-            double prep_ms = (rk_time_now() - tb) * 1e3;
-            st = rk_pipeline_run(svc, ptrs, n_prep, NULL);
-            if (st && !m->error[0])
-                snprintf(m->error, sizeof m->error, "requests %d..%d turn %d: %s", m->run[i0],
-                         m->run[i0 + n - 1], turn + 1, rk_error_message());
-            for (int q = 0; q < n_prep; q++) {
-                int s = idx[q], j = m->run[i0 + s];
-                req_result *x = turn ? &m->turn[(size_t)(turn - 1) * w->n_req + j] : &m->req[j];
-                if (!st) {
-                    fill_from_request(ptrs[q], x);
-                    /* TTFT as the API reports it (the pipeline's, tokenizing apart);
-                     * the latency includes tokenizing the whole batch. */
-                    x->ttft_ms = ptrs[q]->t.ttft_ms;
-                    x->n_out = ptrs[q]->n_out;
-                    x->tpot_ms =
-                        x->n_out > 1 ? (ptrs[q]->t.total_ms - x->ttft_ms) / (x->n_out - 1) : NAN;
-                    x->e2e_ms = prep_ms + ptrs[q]->t.total_ms;
-                    x->server_total_ms = x->e2e_ms;
-                }
-                rk_status nt = RK_OK;
-                if (!st && turn + 1 < b->o.turns)
-                    nt = next_turn(svc, ptrs[q], turn ? conv[s] : w->prompt[j],
-                                   w->followup[(size_t)j * w->n_followups + turn], &conv[s]);
-                if (st || nt || turn + 1 == b->o.turns) {
-                    if (nt && !m->error[0])
-                        snprintf(m->error, sizeof m->error, "request %d turn %d: %s", j, turn + 2,
-                                 rk_error_message());
-                    free(conv[s]);
-                    conv[s] = NULL;
-                }
-                rk_request_free(ptrs[q]);
-            }
-        }
+        for (int turn = 0; turn < b->o.turns; turn++) run_turn(&br, i0, n, turn);
         for (int s = 0; s < n; s++) {
-            free(conv[s]);
-            conv[s] = NULL;
+            free(br.conv[s]);
+            br.conv[s] = NULL;
         }
         rk_bench_maybe_progress(b, mode, i0, i0 + n, t0);
     }
-    free(conv);
     m->wall_s = rk_time_now() - t0;
     rk_chunk_index_get_stats(svc->chunks, &s1);
     m->have_index = 1;
@@ -451,10 +483,12 @@ rk_status rk_bench_run_inproc(bench *b, int mode) {
     m->ix.computed_tokens = s1.computed_tokens - s0.computed_tokens;
     m->ix.hit_tokens = s1.hit_tokens - s0.hit_tokens;
     m->vmhwm_kb = rk_bench_hwm_read();
-    free(reqs);
-    free(ptrs);
-    free(idx);
-    rk_service_close(svc);
     m->ran = 1;
-    return RK_OK;
+out:
+    free(br.reqs);
+    free(br.ptrs);
+    free(br.idx);
+    free(br.conv);
+    rk_service_close(svc);
+    return st;
 }

@@ -15,7 +15,7 @@
 static const char *const k_colors[N_MODES] = {"#d62728", "#ff7f0e", "#2ca02c", "#1f77b4",
                                               "#9467bd"};
 
-static void svg_text(FILE *f, double x, double y, const char *anchor, int size, const char *s) {
+void rk_bench_svg_text(FILE *f, double x, double y, const char *anchor, int size, const char *s) {
     fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"%s\" font-size=\"%d\">", x, y, anchor,
             size);
     for (const char *p = s; *p; p++) {
@@ -31,26 +31,63 @@ static void svg_text(FILE *f, double x, double y, const char *anchor, int size, 
     fputs("</text>\n", f);
 }
 
-rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
+/* A panel's box, and its title above it. */
+static void frame(FILE *f, double left, double right, double top, double bottom,
+                  const char *title) {
+    rk_bench_svg_text(f, (left + right) / 2, top - 12, "middle", 13, title);
+    fprintf(f,
+            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
+            "stroke=\"#444\"/>\n",
+            left, top, right - left, bottom - top);
+}
+
+/* A [0, 1] y axis from bottom to top: grid lines from left to right at each
+ * quarter, labelled on the left. */
+static void unit_axis(FILE *f, double left, double right, double top, double bottom) {
+    for (int q = 0; q <= 4; q++) {
+        double y = bottom - q / 4.0 * (bottom - top);
+        char lab[16];
+        snprintf(lab, sizeof lab, "%.2f", q / 4.0);
+        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n",
+                left, y, right, y);
+        rk_bench_svg_text(f, left - 6, y + 4, "end", 12, lab);
+    }
+}
+
+/* The legend of panel 1 in its lower right corner (after the curves, so its
+ * box covers them): a line per mode that ran. */
+static void ttft_legend(FILE *f, const bench *b, double r1, double bottom, int n_legend) {
     const bench_opts *o = &b->o;
     const workload *w = &b->w;
-    FILE *f = fopen(path, "w");
-    if (!f) return rk_errorf(RK_ERR_IO, "%s: %s", path, strerror(errno));
-    const double W = 1040, H = 470, top = 70, bottom = 400;
-    const double l1 = 70, r1 = 490, l2 = 590, r2 = 1010;
+    double lx = r1 - (o->baseline_every > 1 ? 225 : 200); /* wider for "n N" */
     fprintf(f,
-            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
-            "viewBox=\"0 0 %.0f %.0f\" font-family=\"Helvetica, Arial, sans-serif\">\n"
-            "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
-            W, H, W, H);
-    char title[256];
-    snprintf(title, sizeof title,
-             "ragkv bench: %s, %s, %d chunks of %d-%d tokens, k %d, Zipf %.2f, %d requests",
-             b->model_desc, http ? "HTTP" : "in-process", w->n_chunks, o->chunk_min, o->chunk_max,
-             w->k, o->zipf, w->n_req);
-    svg_text(f, W / 2, 28, "middle", 15, title);
+            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"white\" "
+            "fill-opacity=\"0.85\" stroke=\"#ccc\"/>\n",
+            lx, bottom - 28 - 18 * (n_legend - 1), (int)(r1 - lx - 10), 18 * n_legend + 8);
+    for (int i = 0, legend = 0; i < o->n_modes; i++) {
+        int mode = o->modes[i];
+        const mode_result *m = &b->res[mode];
+        if (!m->ran) continue;
+        double ly = bottom - 12 - 18 * (n_legend - 1 - legend++);
+        fprintf(f,
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
+                "stroke-width=\"3\"/>\n",
+                lx + 8, ly - 4, lx + 30, ly - 4, k_colors[mode]);
+        char lab[64], ms[32];
+        rk_bench_fmt_ms(ms, sizeof ms, m->ttft[0]);
+        if (m->n_run != w->n_req) /* a --baseline-every sample */
+            snprintf(lab, sizeof lab, "%s (p50 %s ms, n %d)", k_mode_names[mode], ms, m->n_run);
+        else
+            snprintf(lab, sizeof lab, "%s (p50 %s ms)", k_mode_names[mode], ms);
+        rk_bench_svg_text(f, lx + 36, ly, "start", 12, lab);
+    }
+}
 
-    /* Panel 1: TTFT CDF per mode on a log axis. */
+/* Panel 1: TTFT CDF per mode on a log axis, from l1 to r1. */
+static rk_status ttft_panel(FILE *f, const bench *b, double l1, double r1, double top,
+                            double bottom) {
+    const bench_opts *o = &b->o;
+    const workload *w = &b->w;
     double lo = INFINITY, hi = -INFINITY;
     for (int i = 0; i < o->n_modes; i++) {
         const mode_result *m = &b->res[o->modes[i]];
@@ -65,11 +102,7 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
     if (dhi <= dlo) dhi = dlo + 1;
 #define X1(v) (l1 + (log10(v) - dlo) / (dhi - dlo) * (r1 - l1))
 #define Y(v)  (bottom - (v) * (bottom - top))
-    svg_text(f, (l1 + r1) / 2, top - 12, "middle", 13, "TTFT distribution (CDF)");
-    fprintf(f,
-            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
-            "stroke=\"#444\"/>\n",
-            l1, top, r1 - l1, bottom - top);
+    frame(f, l1, r1, top, bottom, "TTFT distribution (CDF)");
     for (double d = dlo; d <= dhi + 1e-9; d++) {
         double x = l1 + (d - dlo) / (dhi - dlo) * (r1 - l1);
         fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", x,
@@ -85,24 +118,17 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
             snprintf(lab, sizeof lab, "%.0f", v);
         else
             snprintf(lab, sizeof lab, "%g", v);
-        svg_text(f, x, bottom + 18, "middle", 12, lab);
+        rk_bench_svg_text(f, x, bottom + 18, "middle", 12, lab);
     }
-    svg_text(f, (l1 + r1) / 2, bottom + 38, "middle", 13, "time to first token (ms, log scale)");
-    for (int q = 0; q <= 4; q++) {
-        double y = Y(q / 4.0);
-        char lab[16];
-        snprintf(lab, sizeof lab, "%.2f", q / 4.0);
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", l1,
-                y, r1, y);
-        svg_text(f, l1 - 6, y + 4, "end", 12, lab);
-    }
+    rk_bench_svg_text(f, (l1 + r1) / 2, bottom + 38, "middle", 13,
+                      "time to first token (ms, log scale)");
+    unit_axis(f, l1, r1, top, bottom);
     fprintf(f,
             "<text x=\"20\" y=\"%.1f\" font-size=\"13\" text-anchor=\"middle\" "
             "transform=\"rotate(-90 20 %.1f)\">fraction of requests</text>\n",
             (top + bottom) / 2, (top + bottom) / 2);
     double *v = malloc((size_t)w->n_req * sizeof *v);
     if (!v) {
-        fclose(f);
         return rk_errorf(RK_ERR_NOMEM, "bench: out of memory");
     }
     int n_legend = 0;
@@ -124,47 +150,23 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
                     Y((double)(j + 1) / n));
         fputs("\"/>\n", f);
     }
-    /* The legend after the curves, so its box covers them. */
-    double lx = r1 - (o->baseline_every > 1 ? 225 : 200); /* wider for "n N" */
-    fprintf(f,
-            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%d\" height=\"%d\" fill=\"white\" "
-            "fill-opacity=\"0.85\" stroke=\"#ccc\"/>\n",
-            lx, bottom - 28 - 18 * (n_legend - 1), (int)(r1 - lx - 10), 18 * n_legend + 8);
-    for (int i = 0, legend = 0; i < o->n_modes; i++) {
-        int mode = o->modes[i];
-        const mode_result *m = &b->res[mode];
-        if (!m->ran) continue;
-        double ly = bottom - 12 - 18 * (n_legend - 1 - legend++);
-        fprintf(f,
-                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
-                "stroke-width=\"3\"/>\n",
-                lx + 8, ly - 4, lx + 30, ly - 4, k_colors[mode]);
-        char lab[64], ms[32];
-        rk_bench_fmt_ms(ms, sizeof ms, m->ttft[0]);
-        if (m->n_run != w->n_req) /* a --baseline-every sample */
-            snprintf(lab, sizeof lab, "%s (p50 %s ms, n %d)", k_mode_names[mode], ms, m->n_run);
-        else
-            snprintf(lab, sizeof lab, "%s (p50 %s ms)", k_mode_names[mode], ms);
-        svg_text(f, lx + 36, ly, "start", 12, lab);
-    }
+    free(v);
+    ttft_legend(f, b, r1, bottom, n_legend);
+#undef X1
+#undef Y
+    return RK_OK;
+}
 
-    /* Panel 2: the rag hit rate over time, running mean, with the prediction. */
+/* Panel 2: the rag hit rate over time, running mean, with the prediction,
+ * from l2 to r2. */
+static void hit_panel(FILE *f, const bench *b, double l2, double r2, double top, double bottom) {
+    const workload *w = &b->w;
     const mode_result *rag = &b->res[MODE_RAG];
     int R = w->n_req;
 #define X2(j) (l2 + (double)(j) / (R > 1 ? R : 1) * (r2 - l2))
-    svg_text(f, (l2 + r2) / 2, top - 12, "middle", 13, "rag chunk hit rate over the run");
-    fprintf(f,
-            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
-            "stroke=\"#444\"/>\n",
-            l2, top, r2 - l2, bottom - top);
-    for (int q = 0; q <= 4; q++) {
-        double y = Y(q / 4.0);
-        char lab[16];
-        snprintf(lab, sizeof lab, "%.2f", q / 4.0);
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", l2,
-                y, r2, y);
-        svg_text(f, l2 - 6, y + 4, "end", 12, lab);
-    }
+#define Y(v)  (bottom - (v) * (bottom - top))
+    frame(f, l2, r2, top, bottom, "rag chunk hit rate over the run");
+    unit_axis(f, l2, r2, top, bottom);
     double step = pow(10, floor(log10(R > 1 ? R : 2)));
     if (R / step < 3) step /= 2;
     for (double t = 0; t <= R + 1e-9; t += step) {
@@ -172,9 +174,9 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
                 X2(t), top, X2(t), bottom);
         char lab[16];
         snprintf(lab, sizeof lab, "%.0f", t);
-        svg_text(f, X2(t), bottom + 18, "middle", 12, lab);
+        rk_bench_svg_text(f, X2(t), bottom + 18, "middle", 12, lab);
     }
-    svg_text(f, (l2 + r2) / 2, bottom + 38, "middle", 13, "requests");
+    rk_bench_svg_text(f, (l2 + r2) / 2, bottom + 38, "middle", 13, "requests");
     fprintf(f,
             "<text x=\"%.1f\" y=\"%.1f\" font-size=\"13\" text-anchor=\"middle\" "
             "transform=\"rotate(-90 %.1f %.1f)\">hit rate</text>\n",
@@ -185,7 +187,7 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
                 "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#888\" "
                 "stroke-dasharray=\"2,3\"/>\n",
                 xs, top, xs, bottom);
-        svg_text(f, xs + 4, bottom - 6, "start", 11, "steady state");
+        rk_bench_svg_text(f, xs + 4, bottom - 6, "start", 11, "steady state");
         int win = R / 10 > 5 ? R / 10 : 5;
         /* windowed mean (thin), cumulative mean (thick), predicted cumulative mean (dashed) */
         for (int pass = 0; pass < 3; pass++) {
@@ -230,17 +232,37 @@ rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
             double ly = bottom - 60 + 18 * q;
             fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" %s/>\n", r2 - 250,
                     ly - 4, r2 - 226, ly - 4, styles[q]);
-            svg_text(f, r2 - 220, ly, "start", 12, labels[q]);
+            rk_bench_svg_text(f, r2 - 220, ly, "start", 12, labels[q]);
         }
     } else {
-        svg_text(f, (l2 + r2) / 2, (top + bottom) / 2, "middle", 13, "(no rag run)");
+        rk_bench_svg_text(f, (l2 + r2) / 2, (top + bottom) / 2, "middle", 13, "(no rag run)");
     }
-#undef X1
 #undef X2
 #undef Y
+}
+
+rk_status rk_bench_write_svg(const bench *b, const char *path, int http) {
+    const bench_opts *o = &b->o;
+    const workload *w = &b->w;
+    FILE *f = fopen(path, "w");
+    if (!f) return rk_errorf(RK_ERR_IO, "%s: %s", path, strerror(errno));
+    const double W = 1040, H = 470, top = 70, bottom = 400;
+    fprintf(f,
+            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
+            "viewBox=\"0 0 %.0f %.0f\" font-family=\"Helvetica, Arial, sans-serif\">\n"
+            "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
+            W, H, W, H);
+    char title[256];
+    snprintf(title, sizeof title,
+             "ragkv bench: %s, %s, %d chunks of %d-%d tokens, k %d, Zipf %.2f, %d requests",
+             b->model_desc, http ? "HTTP" : "in-process", w->n_chunks, o->chunk_min, o->chunk_max,
+             w->k, o->zipf, w->n_req);
+    rk_bench_svg_text(f, W / 2, 28, "middle", 15, title);
+
+    rk_status st = ttft_panel(f, b, 70, 490, top, bottom);
+    if (!st) hit_panel(f, b, 590, 1010, top, bottom);
     fputs("</svg>\n", f);
-    free(v);
     int bad = ferror(f);
-    if (fclose(f) || bad) return rk_errorf(RK_ERR_IO, "%s: write failed", path);
-    return RK_OK;
+    if (fclose(f) || bad) return st ? st : rk_errorf(RK_ERR_IO, "%s: write failed", path);
+    return st;
 }

@@ -229,6 +229,71 @@ static void inclusion_probabilities(const double *w, int n, int k, double *q) {
     for (int i = 0; i < n; i++) q[i] = 1 - exp(-hi * w[i]);
 }
 
+/* k distinct chunks of n drawn by popularity (cdf, by successive sampling),
+ * then put in a random order. */
+static void pick_chunks(rng *r, const double *cdf, int n, int k, int *ch) {
+    for (int m = 0; m < k;) {
+        double u = rng_unit(r) * cdf[n - 1];
+        int lo = 0, hi = n - 1;
+        while (lo < hi) {
+            int mid = (lo + hi) / 2;
+            if (cdf[mid] > u)
+                hi = mid;
+            else
+                lo = mid + 1;
+        }
+        int dup = 0;
+        for (int q = 0; q < m; q++) dup |= ch[q] == lo;
+        if (!dup) ch[m++] = lo;
+    }
+    for (int m = k - 1; m > 0; m--) {
+        int q = rng_below(r, m + 1), t = ch[m];
+        ch[m] = ch[q];
+        ch[q] = t;
+    }
+}
+
+/* Request j's prompt: system##chunk##...##question. */
+static rk_status join_prompt(workload *w, int j) {
+    const int *ch = w->req_chunks + (size_t)j * w->k;
+    strbuf b = {0};
+    rk_status st = sb_append(&b, w->sys[w->req_sys[j]], strlen(w->sys[w->req_sys[j]]));
+    for (int m = 0; m < w->k && !st; m++) {
+        if (!(st = sb_append(&b, "##", 2)))
+            st = sb_append(&b, w->chunk[ch[m]], strlen(w->chunk[ch[m]]));
+    }
+    if (!st && !(st = sb_append(&b, "##", 2)))
+        st = sb_append(&b, w->question[j], strlen(w->question[j]));
+    if (st) {
+        free(b.s);
+        return st;
+    }
+    w->prompt[j] = b.s;
+    return RK_OK;
+}
+
+/* The prediction (see the top of this file) and the ideal miss count: first
+ * uses of a chunk, batch by batch (a chunk first used by two requests of one
+ * batch misses in both). seen: n_chunks zeroed bytes. */
+static void predict(const bench_opts *o, workload *w, unsigned char *seen) {
+    int n = w->n_chunks, k = w->k, R = w->n_req, C = o->concurrency;
+    inclusion_probabilities(w->weight, n, k, w->incl);
+    for (int j = 0; j < R; j++) {
+        int before = j / C * C;
+        double p = 0;
+        for (int i = 0; i < n; i++) p += w->incl[i] / k * (1 - pow(1 - w->incl[i], before));
+        w->p_hit[j] = o->prewarm ? 1.0 : p;
+    }
+    for (int j0 = 0; j0 < R; j0 += C) {
+        int j1 = j0 + C < R ? j0 + C : R;
+        for (int j = j0; j < j1; j++)
+            for (int m = 0; m < k; m++) w->ideal_misses += !seen[w->req_chunks[(size_t)j * k + m]];
+        for (int j = j0; j < j1; j++)
+            for (int m = 0; m < k; m++) seen[w->req_chunks[(size_t)j * k + m]] = 1;
+    }
+    if (o->prewarm) w->ideal_misses = 0;
+}
+
 rk_status rk_bench_workload_build(const bench_opts *o, const textgen *g, workload *w) {
     memset(w, 0, sizeof *w);
     rng r = {.s = o->seed * 0x2545f4914f6cdd1dull + 17};
@@ -281,40 +346,10 @@ rk_status rk_bench_workload_build(const bench_opts *o, const textgen *g, workloa
     for (int j = 0; j < R && !st; j++) {
         int *ch = w->req_chunks + (size_t)j * k;
         w->req_sys[j] = rng_below(&r, w->n_sys);
-        /* k distinct chunks by successive sampling, then a random order. */
-        for (int m = 0; m < k;) {
-            double u = rng_unit(&r) * cdf[n - 1];
-            int lo = 0, hi = n - 1;
-            while (lo < hi) {
-                int mid = (lo + hi) / 2;
-                if (cdf[mid] > u)
-                    hi = mid;
-                else
-                    lo = mid + 1;
-            }
-            int dup = 0;
-            for (int q = 0; q < m; q++) dup |= ch[q] == lo;
-            if (!dup) ch[m++] = lo;
-        }
-        for (int m = k - 1; m > 0; m--) {
-            int q = rng_below(&r, m + 1), t = ch[m];
-            ch[m] = ch[q];
-            ch[q] = t;
-        }
-        if ((st = gen_text(g, &r, o->question_tokens, &w->question[j], &w->q_tok[j]))) break;
-        strbuf b = {0};
-        st = sb_append(&b, w->sys[w->req_sys[j]], strlen(w->sys[w->req_sys[j]]));
-        for (int m = 0; m < k && !st; m++) {
-            if (!(st = sb_append(&b, "##", 2)))
-                st = sb_append(&b, w->chunk[ch[m]], strlen(w->chunk[ch[m]]));
-        }
-        if (!st && !(st = sb_append(&b, "##", 2)))
-            st = sb_append(&b, w->question[j], strlen(w->question[j]));
-        if (st) {
-            free(b.s);
+        pick_chunks(&r, cdf, n, k, ch);
+        if ((st = gen_text(g, &r, o->question_tokens, &w->question[j], &w->q_tok[j])) ||
+            (st = join_prompt(w, j)))
             break;
-        }
-        w->prompt[j] = b.s;
     }
     /* Follow-up questions last, so that a workload without them is the same. */
     for (int i = 0; i < R * w->n_followups && !st; i++) {
@@ -335,25 +370,7 @@ rk_status rk_bench_workload_build(const bench_opts *o, const textgen *g, workloa
         if (o->arrival_rate > 0) t += -log(1 - rng_unit(&r_arr)) / o->arrival_rate;
     }
 
-    /* The prediction (see the top of this file) and the ideal miss count:
-     * first uses of a chunk, batch by batch (a chunk first used by two
-     * requests of one batch misses in both). */
-    inclusion_probabilities(w->weight, n, k, w->incl);
-    int C = o->concurrency;
-    for (int j = 0; j < R; j++) {
-        int before = j / C * C;
-        double p = 0;
-        for (int i = 0; i < n; i++) p += w->incl[i] / k * (1 - pow(1 - w->incl[i], before));
-        w->p_hit[j] = o->prewarm ? 1.0 : p;
-    }
-    for (int j0 = 0; j0 < R; j0 += C) {
-        int j1 = j0 + C < R ? j0 + C : R;
-        for (int j = j0; j < j1; j++)
-            for (int m = 0; m < k; m++) w->ideal_misses += !seen[w->req_chunks[(size_t)j * k + m]];
-        for (int j = j0; j < j1; j++)
-            for (int m = 0; m < k; m++) seen[w->req_chunks[(size_t)j * k + m]] = 1;
-    }
-    if (o->prewarm) w->ideal_misses = 0;
+    predict(o, w, seen);
 done:
     free(cdf);
     free(seen);

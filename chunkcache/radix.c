@@ -308,12 +308,14 @@ rk_status rk_radix_match(rk_radix *r, uint64_t ns, const int32_t *tokens, int n,
         if (owner) owner->clock = now;
     }
     int reused = pos + out->n_partial;
-    r->st.queries++;
-    r->st.tokens_processed += (uint64_t)n;
-    r->st.tokens_reused += (uint64_t)reused;
-    r->st.tokens_computed += (uint64_t)(n - reused);
-    if (reused == 0) r->st.misses++;
-    if (reused > 0) r->st.hits++;
+    if (!(flags & RK_RADIX_UNCOUNTED)) {
+        r->st.queries++;
+        r->st.tokens_processed += (uint64_t)n;
+        r->st.tokens_reused += (uint64_t)reused;
+        r->st.tokens_computed += (uint64_t)(n - reused);
+        if (reused == 0) r->st.misses++;
+        if (reused > 0) r->st.hits++;
+    }
     if (pos > 0) {
         lock_path(r, node);
         out->node = node;

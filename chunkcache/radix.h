@@ -71,6 +71,9 @@ enum {
     /* Also report the page that continues the match for fewer than
      * page_size tokens (n_partial, partial_page). */
     RK_RADIX_PARTIAL = 2,
+    /* Not a query of the cache (e.g. what is present before an insert): the
+     * stats do not count it. */
+    RK_RADIX_UNCOUNTED = 4,
 };
 
 typedef struct rk_radix_result {
@@ -86,7 +89,7 @@ typedef struct rk_radix_result {
 
 /* Match tokens(n) in namespace ns. Writes the pages of the matched prefix to
  * out_pages (room for n / page_size entries) and locks the path. Counts a
- * query in the stats (a hit when n_matched > 0). */
+ * query in the stats (a hit when n_matched > 0) unless RK_RADIX_UNCOUNTED. */
 rk_status rk_radix_match(rk_radix *r, uint64_t ns, const int32_t *tokens, int n, int flags,
                          int32_t *out_pages, rk_radix_result *out);
 

@@ -5,7 +5,6 @@
 #ifndef RK_CLI_H
 #define RK_CLI_H
 
-#include <getopt.h>
 #include <stdio.h>
 #include <stdlib.h>
 

@@ -37,6 +37,57 @@ static const rk_setting k_prewarm_settings[] = {
      "URL  also share the chunks through this Redis (then --store is optional)"},
 };
 
+typedef struct prewarm_counts {
+    size_t computed, cached, failed;
+} prewarm_counts;
+
+/* Count a batch's outcomes (saying why for each failed chunk) and free its
+ * documents. */
+static void count_batch(const rk_prewarm_item *items, json_t **docs, int n, int tty,
+                        prewarm_counts *cnt) {
+    for (int i = 0; i < n; i++) {
+        const char *stt = items[i].status;
+        if (!strcmp(stt, "computed"))
+            cnt->computed++;
+        else if (!strcmp(stt, "cached"))
+            cnt->cached++;
+        else {
+            cnt->failed++;
+            fprintf(stderr, "%sragkv prewarm: chunk %s: %s\n", tty ? "\n" : "",
+                    items[i].doc_id ? items[i].doc_id : "(no id)", items[i].error);
+        }
+        json_decref(docs[i]);
+    }
+}
+
+/* One input line as an item that points into the returned document; NULL
+ * when the line is malformed, with why in jerr->text. */
+static json_t *parse_item(const char *line, size_t len, rk_prewarm_item *item, json_error_t *jerr) {
+    json_t *doc = json_loadb(line, len, 0, jerr);
+    json_t *text = doc ? json_object_get(doc, "text") : NULL;
+    json_t *id = doc ? json_object_get(doc, "id") : NULL;
+    if (!doc || !json_is_object(doc) || !json_is_string(text) || (id && !json_is_string(id))) {
+        if (doc)
+            snprintf(jerr->text, sizeof jerr->text, "expected {\"id\": string, \"text\": string}");
+        json_decref(doc);
+        return NULL;
+    }
+    *item = (rk_prewarm_item){.text = json_string_value(text),
+                              .len = json_string_length(text),
+                              .doc_id = id ? json_string_value(id) : NULL};
+    return doc;
+}
+
+/* The non-empty lines of f, which is rewound. */
+static size_t count_lines(FILE *f, char **line, size_t *cap) {
+    size_t total = 0;
+    ssize_t len;
+    while ((len = getline(line, cap, f)) >= 0)
+        if (len > 1 || (len == 1 && (*line)[0] != '\n')) total++;
+    rewind(f);
+    return total;
+}
+
 int rk_cli_prewarm(int argc, char **argv) {
     static const char *help =
         "usage: ragkv prewarm --input F.jsonl (--store DIR | --redis URL) [--model F.gguf]\n"
@@ -66,13 +117,10 @@ int rk_cli_prewarm(int argc, char **argv) {
         return fail("cannot read the input");
     }
     /* Count the lines first so progress can show a total. */
-    size_t total = 0;
     char *line = NULL;
     size_t cap = 0;
+    size_t total = count_lines(f, &line, &cap);
     ssize_t len;
-    while ((len = getline(&line, &cap, f)) >= 0)
-        if (len > 1 || (len == 1 && line[0] != '\n')) total++;
-    rewind(f);
     rk_service *svc;
     if (open_service(&o, &svc)) {
         free(line);
@@ -81,7 +129,8 @@ int rk_cli_prewarm(int argc, char **argv) {
     }
     rk_prewarm_item *items = calloc((size_t)batch, sizeof *items);
     json_t **docs = calloc((size_t)batch, sizeof *docs);
-    size_t line_no = 0, done = 0, n_computed = 0, n_cached = 0, n_failed = 0, n_bad = 0;
+    size_t line_no = 0, done = 0, n_bad = 0;
+    prewarm_counts cnt = {0};
     int n = 0, rc = 0, tty = isatty(STDERR_FILENO);
     double t0 = rk_time_now();
     if (!items || !docs) {
@@ -96,39 +145,18 @@ int rk_cli_prewarm(int argc, char **argv) {
             while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = '\0';
             if (len == 0) continue;
             json_error_t jerr;
-            json_t *doc = json_loadb(line, (size_t)len, 0, &jerr);
-            json_t *text = doc ? json_object_get(doc, "text") : NULL;
-            json_t *id = doc ? json_object_get(doc, "id") : NULL;
-            if (!doc || !json_is_object(doc) || !json_is_string(text) ||
-                (id && !json_is_string(id))) {
+            if (!(docs[n] = parse_item(line, (size_t)len, &items[n], &jerr))) {
                 fprintf(stderr, "%sragkv prewarm: %s:%zu: %s\n", tty ? "\n" : "", input, line_no,
-                        !doc ? jerr.text : "expected {\"id\": string, \"text\": string}");
-                json_decref(doc);
+                        jerr.text);
                 n_bad++;
                 done++;
                 continue;
             }
-            docs[n] = doc;
-            items[n] = (rk_prewarm_item){.text = json_string_value(text),
-                                         .len = json_string_length(text),
-                                         .doc_id = id ? json_string_value(id) : NULL};
             n++;
         }
         if (n == batch || (eof && n > 0)) {
             if (rk_pipeline_prewarm(svc, items, n, 1)) rc = fail("prewarm failed");
-            for (int i = 0; i < n; i++) {
-                const char *stt = items[i].status;
-                if (!strcmp(stt, "computed"))
-                    n_computed++;
-                else if (!strcmp(stt, "cached"))
-                    n_cached++;
-                else {
-                    n_failed++;
-                    fprintf(stderr, "%sragkv prewarm: chunk %s: %s\n", tty ? "\n" : "",
-                            items[i].doc_id ? items[i].doc_id : "(no id)", items[i].error);
-                }
-                json_decref(docs[i]);
-            }
+            count_batch(items, docs, n, tty, &cnt);
             done += (size_t)n;
             n = 0;
             if (tty) progress(done, total, t0);
@@ -142,15 +170,29 @@ int rk_cli_prewarm(int argc, char **argv) {
         stderr,
         "ragkv prewarm: %zu chunks in %.1f s (%.1f chunks/s): %zu computed, %zu already cached, "
         "%zu failed, %zu malformed lines; store: %llu rows, %.1f MB\n",
-        n_computed + n_cached + n_failed, dt, dt > 0 ? (n_computed + n_cached) / dt : 0.0,
-        n_computed, n_cached, n_failed, n_bad, (unsigned long long)sc.rows, sc.bytes / 1e6);
+        cnt.computed + cnt.cached + cnt.failed, dt, dt > 0 ? (cnt.computed + cnt.cached) / dt : 0.0,
+        cnt.computed, cnt.cached, cnt.failed, n_bad, (unsigned long long)sc.rows, sc.bytes / 1e6);
     free(items);
     free(docs);
     free(line);
     fclose(f);
     rk_service_close(svc);
-    return rc ? rc : (n_bad || n_failed) ? EXIT_FAILURE : 0;
+    return rc ? rc : (n_bad || cnt.failed) ? EXIT_FAILURE : 0;
 }
+
+typedef struct cache_args {
+    char store[4096], sort[16];
+    int limit;
+} cache_args;
+
+static const rk_setting k_cache_settings[] = {
+    {"store", "store", RK_SET_STR, offsetof(cache_args, store), sizeof(((cache_args *)0)->store), 0,
+     0, 0, 0, "DIR  the chunk store (required)"},
+    {"sort", "sort", RK_SET_STR, offsetof(cache_args, sort), sizeof(((cache_args *)0)->sort), 0, 0,
+     0, 0, "hits|recent  ls order: most hits or most recent access first (default: recent)"},
+    {"limit", "limit", RK_SET_INT, offsetof(cache_args, limit), 0, 0, 1 << 30, 0, 0,
+     "N  ls lines at most (default: 0 = all)"},
+};
 
 int rk_cli_cache(int argc, char **argv) {
     static const char *help =
@@ -166,33 +208,19 @@ int rk_cli_cache(int argc, char **argv) {
         fputs(help, argc < 2 ? stderr : stdout);
         return argc < 2 ? EXIT_USAGE : 0;
     }
-    const char *sub = argv[1], *dir = NULL;
+    const char *sub = argv[1];
+    cache_args ca = {.sort = "recent"};
+    rk_settings tab = {k_cache_settings, sizeof k_cache_settings / sizeof k_cache_settings[0], &ca};
+    rk_cmdline cl = {.cmd = "cache", .usage = help, .tabs = &tab, .n_tabs = 1, .first = 2};
+    int exit_code, next = rk_cmdline_parse(&cl, argc, argv, &exit_code);
+    if (next < 0) return exit_code;
+    if (next < argc) return usage_error("cache", "unexpected argument '%s'", argv[next]);
+    const char *dir = ca.store[0] ? ca.store : NULL;
     rk_store_sort sort = RK_STORE_SORT_RECENT;
-    long limit = 0;
-    struct option longs[] = {{"store", required_argument, 0, 'd'},
-                             {"sort", required_argument, 0, 's'},
-                             {"limit", required_argument, 0, 'l'},
-                             {"help", no_argument, 0, 'h'},
-                             {0, 0, 0, 0}};
-    int c;
-    optind = 2;
-    while ((c = getopt_long(argc, argv, "h", longs, NULL)) != -1) {
-        if (c == 'h') return fputs(help, stdout), 0;
-        if (c == 'd')
-            dir = optarg;
-        else if (c == 's') {
-            if (!strcmp(optarg, "hits"))
-                sort = RK_STORE_SORT_HITS;
-            else if (!strcmp(optarg, "recent"))
-                sort = RK_STORE_SORT_RECENT;
-            else
-                return usage_error("cache", "--sort is hits or recent, not '%s'", optarg);
-        } else if (c == 'l') {
-            if (rk_parse_long(optarg, 0, 1 << 30, &limit))
-                return usage_error("cache", "bad --limit '%s'", optarg);
-        } else
-            return usage_error("cache", "%s", "unknown option");
-    }
+    if (!strcmp(ca.sort, "hits"))
+        sort = RK_STORE_SORT_HITS;
+    else if (strcmp(ca.sort, "recent"))
+        return usage_error("cache", "--sort is hits or recent, not '%s'", ca.sort);
     if (!dir) return usage_error("cache", "%s", "--store is required");
     if (strcmp(sub, "ls") && strcmp(sub, "stats") && strcmp(sub, "verify") &&
         strcmp(sub, "rebuild"))
@@ -213,7 +241,7 @@ int rk_cli_cache(int argc, char **argv) {
     if (rk_store_open_readonly(dir, &st)) return fail("cannot open the store");
     int rc = 0;
     uint64_t bad = 0;
-    rk_status s = !strcmp(sub, "ls")      ? rk_store_print_ls(st, stdout, sort, (int)limit)
+    rk_status s = !strcmp(sub, "ls")      ? rk_store_print_ls(st, stdout, sort, ca.limit)
                   : !strcmp(sub, "stats") ? rk_store_print_stats(st, stdout)
                                           : rk_store_print_verify(st, stdout, &bad);
     if (s)

@@ -78,6 +78,11 @@ double rk_time_now(void);
 int rk_parse_long(const char *s, long lo, long hi, long *out);
 int rk_parse_double(const char *s, double lo, double hi, double *out);
 
+/* A repair policy written "none", "first_k:K" (1 <= K <= 2^20) or
+ * "deviation:R" (0 < R <= 1): *out_k and *out_ratio as the request options
+ * take them (0 when off). 0 on success, -1 otherwise (outputs untouched). */
+int rk_repair_parse(const char *s, int *out_k, float *out_ratio);
+
 /* ---------------------------------------------------------------- config */
 
 typedef struct rk_config {
@@ -105,6 +110,9 @@ typedef struct rk_config {
     /* Prompt tokens one engine step computes at most next to the decode
      * tokens (the rest goes on in the next steps); 0 = unlimited. Default 512. */
     int step_tokens;
+    /* The repair policy of a request that names none (or names "auto"):
+     * "none" (default), "first_k:K" or "deviation:R" (rk_repair_parse). */
+    char repair[24];
 
     /* chunk cache and request limits */
     int chunk_entries;    /* most chunks the index holds; default 100000 */

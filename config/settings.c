@@ -47,6 +47,9 @@ const rk_setting rk_config_settings[] = {
      "MODE  cached chunks: zero-copy (attended in place; default) or copy"},
     {"step_tokens", "step-tokens", RK_SET_INT, CFG_OFF(step_tokens), 0, 0, 1 << 30, 0, 0,
      "N  prompt tokens per engine step next to decoding (default: 512; 0 = unlimited)"},
+    {"repair", "repair", RK_SET_STR, CFG_STR(repair), 0, 0, 0, 0,
+     "POLICY  repair of a request that names none or \"auto\": none (default), first_k:K or "
+     "deviation:R"},
     {"chunk_entries", "chunk-entries", RK_SET_INT, CFG_OFF(chunk_entries), 0, 1, 1 << 30, 0, 0,
      "N  chunks the index holds at most (default: 100000)"},
     {"max_chunks", "max-chunks", RK_SET_INT, CFG_OFF(max_chunks), 0, 0, 1 << 20, 0, 0,
@@ -260,6 +263,27 @@ json_t *rk_settings_json(const rk_settings *tabs, int n_tabs) {
     return root;
 }
 
+/* text from column `indent` on, broken at spaces before column `width`;
+ * continuation lines indented to the same column. */
+static void print_wrapped(FILE *out, const char *text, int indent, int width) {
+    int col = indent;
+    while (*text) {
+        size_t word = strcspn(text, " ");
+        if (col > indent && col + 1 + (int)word > width) {
+            fprintf(out, "\n%*s", indent, "");
+            col = indent;
+        } else if (col > indent) {
+            fputc(' ', out);
+            col++;
+        }
+        fwrite(text, 1, word, out);
+        col += (int)word;
+        text += word;
+        while (*text == ' ') text++;
+    }
+    fputc('\n', out);
+}
+
 void rk_settings_print_help(FILE *out, const rk_settings *tabs, int n_tabs) {
     for (int t = 0; t < n_tabs; t++) {
         for (size_t i = 0; i < tabs[t].n; i++) {
@@ -271,7 +295,8 @@ void rk_settings_print_help(FILE *out, const rk_settings *tabs, int n_tabs) {
             snprintf(left, sizeof left, "--%s%s%.*s", f->flag, arglen ? " " : "", arglen, f->help);
             const char *text = sp ? sp : f->help;
             while (*text == ' ') text++;
-            fprintf(out, "  %-21s %s\n", left, text);
+            fprintf(out, "  %-21s ", left);
+            print_wrapped(out, text, 2 + 21 + 1, 80);
         }
     }
 }
@@ -311,15 +336,19 @@ enum { O_CONFIG = 2000, O_FIELD = 3000 };
 
 static void print_cmdline_help(const rk_cmdline *cl) {
     fputs(cl->usage, stdout);
-    fputs(
-        "  --config F.json       settings file (keys as the RAGKV_<NAME> variables, lower case)\n",
-        stdout);
+    if (cl->n_shared)
+        fputs("  --config F.json       settings file (keys as the RAGKV_<NAME> variables, lower "
+              "case)\n",
+              stdout);
     rk_settings_print_help(stdout, cl->tabs, cl->n_tabs);
     if (cl->extra_help) fputs(cl->extra_help, stdout);
 }
 
 static int usage(const rk_cmdline *cl, int *out_exit, const char *what, const char *arg) {
-    fprintf(stderr, "ragkv %s: %s%s (see ragkv %s --help)\n", cl->cmd, what, arg, cl->cmd);
+    if (cl->prog)
+        fprintf(stderr, "%s: %s%s (see %s --help)\n", cl->prog, what, arg, cl->prog);
+    else
+        fprintf(stderr, "ragkv %s: %s%s (see ragkv %s --help)\n", cl->cmd, what, arg, cl->cmd);
     *out_exit = 2;
     return -1;
 }
@@ -343,7 +372,8 @@ int rk_cmdline_parse(const rk_cmdline *cl, int argc, char **argv, int *out_exit)
     int rc = -1;
     *out_exit = 2;
     if (!longs || !fields || !bases) {
-        fprintf(stderr, "ragkv %s: out of memory\n", cl->cmd);
+        fprintf(stderr, "%s%s: out of memory\n", cl->prog ? "" : "ragkv ",
+                cl->prog ? cl->prog : cl->cmd);
         *out_exit = 1;
         goto out;
     }
@@ -357,7 +387,7 @@ int rk_cmdline_parse(const rk_cmdline *cl, int argc, char **argv, int *out_exit)
                 0, O_FIELD + (int)k};
         }
     for (size_t i = 0; i < n_extra; i++) longs[k++] = cl->extra[i];
-    longs[k++] = (struct option){"config", required_argument, 0, O_CONFIG};
+    if (cl->n_shared) longs[k++] = (struct option){"config", required_argument, 0, O_CONFIG};
     longs[k++] = (struct option){"help", no_argument, 0, 'h'};
     const char *config = NULL;
     int c;

@@ -109,10 +109,12 @@ rk_status rk_run_opts_apply(const rk_run_opts *o);
  * own that are not settings (free text, choices, short aliases). */
 typedef struct rk_cmdline {
     const char *cmd;         /* "generate": names the command in messages */
+    const char *prog;        /* a program of its own ("bench_radix"): messages name it instead */
     const char *usage;       /* --help prints this, the table flags, then extra_help */
     const rk_settings *tabs; /* every table's flag is accepted */
     int n_tabs;
-    int n_shared;               /* the first n_shared tables also read --config and RAGKV_<NAME> */
+    int n_shared; /* the first n_shared tables also read --config and RAGKV_<NAME>; with none,
+                   * there is no --config */
     const struct option *extra; /* the command's own options ({0}-terminated) or NULL; */
     const char *shorts;         /* their short letters for getopt ("n:"), or NULL */
     const char *extra_help;     /* help lines of the extra options, or NULL */

@@ -155,6 +155,14 @@ typedef struct num_value {
     double f;
 } num_value;
 
+/* The n-byte unsigned integer at p (file and host are little-endian: see the
+ * check at the top). */
+static uint64_t load_u(const uint8_t *p, size_t n) {
+    uint64_t x = 0;
+    memcpy(&x, p, n);
+    return x;
+}
+
 /* Decode one little-endian value of fixed-size type t from p. */
 static num_value decode_num(uint32_t t, const uint8_t *p) {
     num_value v = {0};
@@ -162,32 +170,12 @@ static num_value decode_num(uint32_t t, const uint8_t *p) {
     case RK_GGUF_UINT8:
     case RK_GGUF_BOOL: v.u = p[0]; break;
     case RK_GGUF_INT8: v.i = (int8_t)p[0]; break;
-    case RK_GGUF_UINT16: {
-        uint16_t x;
-        memcpy(&x, p, 2);
-        v.u = x;
-        break;
-    }
-    case RK_GGUF_INT16: {
-        int16_t x;
-        memcpy(&x, p, 2);
-        v.i = x;
-        break;
-    }
-    case RK_GGUF_UINT32: {
-        uint32_t x;
-        memcpy(&x, p, 4);
-        v.u = x;
-        break;
-    }
-    case RK_GGUF_INT32: {
-        int32_t x;
-        memcpy(&x, p, 4);
-        v.i = x;
-        break;
-    }
-    case RK_GGUF_UINT64: memcpy(&v.u, p, 8); break;
-    case RK_GGUF_INT64: memcpy(&v.i, p, 8); break;
+    case RK_GGUF_UINT16: v.u = load_u(p, 2); break;
+    case RK_GGUF_INT16: v.i = (int16_t)load_u(p, 2); break;
+    case RK_GGUF_UINT32: v.u = load_u(p, 4); break;
+    case RK_GGUF_INT32: v.i = (int32_t)load_u(p, 4); break;
+    case RK_GGUF_UINT64: v.u = load_u(p, 8); break;
+    case RK_GGUF_INT64: v.i = (int64_t)load_u(p, 8); break;
     case RK_GGUF_FLOAT32: {
         float x;
         memcpy(&x, p, 4);
@@ -506,17 +494,29 @@ static void sort_idx(const rk_gguf *g, int64_t *idx, int64_t n,
     qsort(idx, (size_t)n, sizeof *idx, cmp);
 }
 
-/* Parse the file held in g->base / g->size. */
-static rk_status gguf_parse(rk_gguf *g) {
-    cursor c = {g->base, g->size, 0, g->name};
+static const char *kv_key_of(const rk_gguf *g, int64_t i) { return g->kvs[i].key; }
+static const char *tensor_name_of(const rk_gguf *g, int64_t i) { return g->tensors[i].name; }
+
+/* A name two of the n entries share, given their indices sorted by name;
+ * NULL when all differ. */
+static const char *shared_name(const rk_gguf *g, const int64_t *sorted, int64_t n,
+                               const char *(*name_of)(const rk_gguf *, int64_t)) {
+    for (int64_t i = 1; i < n; i++)
+        if (strcmp(name_of(g, sorted[i - 1]), name_of(g, sorted[i])) == 0)
+            return name_of(g, sorted[i]);
+    return NULL;
+}
+
+/* The magic and a version this reader knows. */
+static rk_status read_header(rk_gguf *g, cursor *c) {
     uint32_t magic;
-    rk_status st = cur_u32(&c, &magic, "magic");
+    rk_status st = cur_u32(c, &magic, "magic");
     if (st) return st;
     if (magic != GGUF_MAGIC)
         return rk_errorf(RK_ERR_FORMAT,
                          "%s: not a GGUF file (magic 0x%08" PRIx32 ", expected \"GGUF\")", g->name,
                          magic);
-    st = cur_u32(&c, &g->version, "version");
+    st = cur_u32(c, &g->version, "version");
     if (st) return st;
     if (g->version == 1)
         return rk_errorf(RK_ERR_FORMAT,
@@ -532,36 +532,28 @@ static rk_status gguf_parse(rk_gguf *g) {
         return rk_errorf(RK_ERR_FORMAT, "%s: unsupported GGUF version %" PRIu32 " (only 2 and 3)",
                          g->name, g->version);
     }
-    uint64_t n_tensors, n_kv;
-    if ((st = cur_u64(&c, &n_tensors, "tensor count"))) return st;
-    if ((st = cur_u64(&c, &n_kv, "metadata count"))) return st;
-    /* A pair takes at least 8 (key length) + 1 (key) + 4 (type) + 1 (value) bytes,
-     * a tensor info at least 8 + 1 + 4 + 8 + 4 + 8. */
-    if (n_kv > cur_left(&c) / 14)
-        return rk_errorf(RK_ERR_FORMAT,
-                         "%s: metadata count %" PRIu64 " cannot fit in the %zu bytes of the file",
-                         g->name, n_kv, g->size);
-    if (n_tensors > cur_left(&c) / 33)
-        return rk_errorf(RK_ERR_FORMAT,
-                         "%s: tensor count %" PRIu64 " cannot fit in the %zu bytes of the file",
-                         g->name, n_tensors, g->size);
+    return RK_OK;
+}
 
+/* The metadata pairs, sorted by key for lookups; keys must be distinct. */
+static rk_status read_kvs(rk_gguf *g, cursor *c, uint64_t n_kv) {
     g->kvs = calloc(n_kv ? (size_t)n_kv : 1, sizeof *g->kvs);
     g->kv_sorted = malloc((n_kv ? (size_t)n_kv : 1) * sizeof *g->kv_sorted);
     if (!g->kvs || !g->kv_sorted) return rk_errorf(RK_ERR_NOMEM, "%s: out of memory", g->name);
     for (uint64_t i = 0; i < n_kv; i++) {
         g->n_kv = (int64_t)i + 1; /* so close() frees the partial pair */
-        st = read_kv(&c, (int64_t)i, &g->kvs[i]);
+        rk_status st = read_kv(c, (int64_t)i, &g->kvs[i]);
         if (st) return st;
     }
     g->n_kv = (int64_t)n_kv;
     sort_idx(g, g->kv_sorted, g->n_kv, cmp_kv_idx);
-    for (int64_t i = 1; i < g->n_kv; i++) {
-        const char *a = g->kvs[g->kv_sorted[i - 1]].key, *b = g->kvs[g->kv_sorted[i]].key;
-        if (strcmp(a, b) == 0)
-            return rk_errorf(RK_ERR_FORMAT, "%s: duplicate metadata key '%s'", g->name, a);
-    }
+    const char *dup = shared_name(g, g->kv_sorted, g->n_kv, kv_key_of);
+    if (dup) return rk_errorf(RK_ERR_FORMAT, "%s: duplicate metadata key '%s'", g->name, dup);
+    return RK_OK;
+}
 
+/* general.alignment, when set: a u32 power of two. */
+static rk_status read_alignment(rk_gguf *g) {
     g->alignment = GGUF_DEFAULT_ALIGNMENT;
     int64_t ai = rk_gguf_find_key(g, "general.alignment");
     if (ai >= 0) {
@@ -577,7 +569,11 @@ static rk_status gguf_parse(rk_gguf *g) {
                              a);
         g->alignment = a;
     }
+    return RK_OK;
+}
 
+/* The tensor infos. */
+static rk_status read_tensors(rk_gguf *g, cursor *c, uint64_t n_tensors) {
     g->tensors = calloc(n_tensors ? (size_t)n_tensors : 1, sizeof *g->tensors);
     g->tensor_names = calloc(n_tensors ? (size_t)n_tensors : 1, sizeof *g->tensor_names);
     g->t_sorted = malloc((n_tensors ? (size_t)n_tensors : 1) * sizeof *g->t_sorted);
@@ -585,16 +581,20 @@ static rk_status gguf_parse(rk_gguf *g) {
         return rk_errorf(RK_ERR_NOMEM, "%s: out of memory", g->name);
     for (uint64_t i = 0; i < n_tensors; i++) {
         g->n_tensors = (int64_t)i + 1;
-        st = read_tensor_info(&c, (int64_t)i, &g->tensors[i], &g->tensor_names[i]);
+        rk_status st = read_tensor_info(c, (int64_t)i, &g->tensors[i], &g->tensor_names[i]);
         if (st) return st;
     }
     g->n_tensors = (int64_t)n_tensors;
+    return RK_OK;
+}
 
+/* The data section from the aligned offset after pos: every tensor aligned,
+ * inside it, not overlapping another, and named once. */
+static rk_status place_tensors(rk_gguf *g, size_t pos) {
     /* The data section starts at the next multiple of the alignment. */
-    size_t pad = (g->alignment - c.pos % g->alignment) % g->alignment;
-    if (pad > SIZE_MAX - c.pos)
-        return rk_errorf(RK_ERR_FORMAT, "%s: data offset overflows", g->name);
-    g->data_offset = c.pos + pad;
+    size_t pad = (g->alignment - pos % g->alignment) % g->alignment;
+    if (pad > SIZE_MAX - pos) return rk_errorf(RK_ERR_FORMAT, "%s: data offset overflows", g->name);
+    g->data_offset = pos + pad;
     if (g->n_tensors > 0 && g->data_offset > g->size)
         return rk_errorf(RK_ERR_FORMAT,
                          "%s: truncated: the data section would start at %zu, past the end of the "
@@ -626,12 +626,33 @@ static rk_status gguf_parse(rk_gguf *g) {
                              g->name, a->name, a->offset, a->n_bytes, b->name, b->offset);
     }
     sort_idx(g, g->t_sorted, g->n_tensors, cmp_tensor_name);
-    for (int64_t i = 1; i < g->n_tensors; i++) {
-        const char *a = g->tensors[g->t_sorted[i - 1]].name, *b = g->tensors[g->t_sorted[i]].name;
-        if (strcmp(a, b) == 0)
-            return rk_errorf(RK_ERR_FORMAT, "%s: duplicate tensor name '%s'", g->name, a);
-    }
+    const char *dup = shared_name(g, g->t_sorted, g->n_tensors, tensor_name_of);
+    if (dup) return rk_errorf(RK_ERR_FORMAT, "%s: duplicate tensor name '%s'", g->name, dup);
     return RK_OK;
+}
+
+/* Parse the file held in g->base / g->size. */
+static rk_status gguf_parse(rk_gguf *g) {
+    cursor c = {g->base, g->size, 0, g->name};
+    rk_status st = read_header(g, &c);
+    if (st) return st;
+    uint64_t n_tensors, n_kv;
+    if ((st = cur_u64(&c, &n_tensors, "tensor count"))) return st;
+    if ((st = cur_u64(&c, &n_kv, "metadata count"))) return st;
+    /* A pair takes at least 8 (key length) + 1 (key) + 4 (type) + 1 (value) bytes,
+     * a tensor info at least 8 + 1 + 4 + 8 + 4 + 8. */
+    if (n_kv > cur_left(&c) / 14)
+        return rk_errorf(RK_ERR_FORMAT,
+                         "%s: metadata count %" PRIu64 " cannot fit in the %zu bytes of the file",
+                         g->name, n_kv, g->size);
+    if (n_tensors > cur_left(&c) / 33)
+        return rk_errorf(RK_ERR_FORMAT,
+                         "%s: tensor count %" PRIu64 " cannot fit in the %zu bytes of the file",
+                         g->name, n_tensors, g->size);
+    if ((st = read_kvs(g, &c, n_kv)) || (st = read_alignment(g)) ||
+        (st = read_tensors(g, &c, n_tensors)))
+        return st;
+    return place_tensors(g, c.pos);
 }
 
 static rk_status gguf_new(const char *name, rk_gguf **out) {
@@ -1243,23 +1264,32 @@ static char *dup_str(const char *s) {
     return p;
 }
 
+/* Room for entry n (zeroed) in a writer's array of *cap entries of size
+ * bytes, doubling from first. Returns the array, moved or not, or NULL when
+ * out of memory (the array is then unchanged). */
+static void *w_grow(void *items, int64_t n, int64_t *cap, size_t size, int64_t first) {
+    if (n == *cap) {
+        int64_t c = *cap ? *cap * 2 : first;
+        void *p = realloc(items, (size_t)c * size);
+        if (!p) return NULL;
+        items = p;
+        *cap = c;
+    }
+    memset((char *)items + (size_t)n * size, 0, size);
+    return items;
+}
+
 /* Append a new pair for key with type; checks the key and duplicates. */
 static rk_status w_new_kv(rk_gguf_writer *w, const char *key, uint32_t type, wkv **out) {
     if (!w || !key || !*key) return rk_errorf(RK_ERR_INVALID, "gguf writer: empty or NULL key");
     for (int64_t i = 0; i < w->n_kv; i++)
         if (strcmp(w->kvs[i].key, key) == 0)
             return rk_errorf(RK_ERR_INVALID, "gguf writer: duplicate key '%s'", key);
-    if (w->n_kv == w->cap_kv) {
-        int64_t cap = w->cap_kv ? w->cap_kv * 2 : 32;
-        wkv *p = realloc(w->kvs, (size_t)cap * sizeof *p);
-        if (!p) return rk_errorf(RK_ERR_NOMEM, "gguf writer: out of memory for key '%s'", key);
-        w->kvs = p;
-        w->cap_kv = cap;
-    }
-    wkv *kv = &w->kvs[w->n_kv];
-    memset(kv, 0, sizeof *kv);
-    kv->key = dup_str(key);
-    if (!kv->key) return rk_errorf(RK_ERR_NOMEM, "gguf writer: out of memory for key '%s'", key);
+    wkv *kvs = w_grow(w->kvs, w->n_kv, &w->cap_kv, sizeof *kvs, 32);
+    if (kvs) w->kvs = kvs;
+    wkv *kv = kvs ? &kvs[w->n_kv] : NULL;
+    if (!kv || !(kv->key = dup_str(key)))
+        return rk_errorf(RK_ERR_NOMEM, "gguf writer: out of memory for key '%s'", key);
     kv->type = type;
     w->n_kv++;
     *out = kv;
@@ -1435,17 +1465,10 @@ rk_status rk_gguf_writer_add_tensor(rk_gguf_writer *w, const char *name, rk_ggml
     for (int64_t i = 0; i < w->n_tensors; i++)
         if (strcmp(w->tensors[i].name, name) == 0)
             return rk_errorf(RK_ERR_INVALID, "gguf writer: duplicate tensor '%s'", name);
-    if (w->n_tensors == w->cap_tensors) {
-        int64_t cap = w->cap_tensors ? w->cap_tensors * 2 : 64;
-        wtensor *p = realloc(w->tensors, (size_t)cap * sizeof *p);
-        if (!p) return rk_errorf(RK_ERR_NOMEM, "gguf writer: out of memory for tensor '%s'", name);
-        w->tensors = p;
-        w->cap_tensors = cap;
-    }
-    wtensor *t = &w->tensors[w->n_tensors];
-    memset(t, 0, sizeof *t);
-    t->name = dup_str(name);
-    if (!t->name)
+    wtensor *ts = w_grow(w->tensors, w->n_tensors, &w->cap_tensors, sizeof *ts, 64);
+    if (ts) w->tensors = ts;
+    wtensor *t = ts ? &ts[w->n_tensors] : NULL;
+    if (!t || !(t->name = dup_str(name)))
         return rk_errorf(RK_ERR_NOMEM, "gguf writer: out of memory for tensor '%s'", name);
     t->type = (uint32_t)type;
     t->n_dims = n_dims;

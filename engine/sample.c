@@ -83,9 +83,12 @@ int32_t rk_sampler_sample(rk_sampler *s, const float *logits) {
         qsort(s->idx, (size_t)n, sizeof *s->idx, by_prob_desc);
         if (s->p.top_k > 0 && s->p.top_k < n_keep) n_keep = s->p.top_k;
         if (s->p.top_p < 1) {
-            double cum = 0;
+            /* The nucleus of what top_k kept, renormalised (as the Hugging
+             * Face and llama.cpp samplers do), not of the whole vocabulary. */
+            double kept = 0, cum = 0;
+            for (int i = 0; i < n_keep; i++) kept += s->probs[s->idx[i]];
             for (int i = 0; i < n_keep; i++) {
-                cum += s->probs[s->idx[i]] / sum;
+                cum += s->probs[s->idx[i]] / kept;
                 if (cum >= s->p.top_p) {
                     n_keep = i + 1;
                     break;

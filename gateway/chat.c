@@ -1,21 +1,35 @@
 /* gateway/chat.c — chat templates: a chat request rendered into the three
  * kinds of pieces the pipeline tokenizes separately.
  *
- *   system piece   the template's system part, every earlier turn, and the
- *                  opening of the last user turn — text that stays the same
- *                  from one question to the next, so the radix cache reuses it;
- *   chunks         raw document text (never templated, so a chunk's tokens and
- *                  its cache key do not depend on the conversation);
- *   question       the rest of the last user turn and the assistant prefix.
+ *   system piece   the template's system part, the turns before the document
+ *                  turn and that turn's opening;
+ *   chunks         the document turn's documents, raw text (never templated,
+ *                  so a chunk's tokens and its cache key do not depend on the
+ *                  conversation);
+ *   question       the rest of the document turn, every later turn (answers
+ *                  and questions) and the assistant's opening.
  *
- * For ChatML (Qwen2/Qwen3), with system S, chunks C1 C2 and question Q:
+ * The document turn is the first user message that carries documents (split
+ * from its text on the separator, or the `chunks` extension, which belongs to
+ * the first user message); without one, the last user message. Everything
+ * before the assistant's opening therefore stays in place from one turn to
+ * the next: turn N+1's system piece and chunks are turn N's, and its question
+ * starts with turn N's question. Its layout extends turn N's sequence (prompt
+ * and answer) in the radix cache, so only the new turns are computed. A later
+ * user message's own documents are text inside the question piece, computed
+ * with it.
+ *
+ * For ChatML (Qwen2/Qwen3), with system S, chunks C1 C2, question Q, answer
+ * A and a follow-up F:
  *
  *   "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n" | C1 | C2 |
- *   "Q<|im_end|>\n<|im_start|>assistant\n"
+ *   "Q<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n<|im_start|>user\nF<|im_end|>\n"
+ *   "<|im_start|>assistant\n"
  *
  * Llama-3 uses <|start_header_id|>role<|end_header_id|>\n\n ... <|eot_id|>;
  * Llama-2 puts the system prompt in <<SYS>> inside the first [INST]. BOS is
  * added by the tokenizer step, never written here. */
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -68,159 +82,229 @@ static void sb_add(sbuf *b, const char *s) {
     b->len += n;
 }
 
+static void sb_clear(sbuf *b) {
+    b->len = 0;
+    if (b->s) b->s[0] = '\0';
+}
+
 /* ---------------------------------------------------------------- templates */
 
 static const char *role_name(rk_chat_role r) {
     return r == RK_ROLE_SYSTEM ? "system" : r == RK_ROLE_USER ? "user" : "assistant";
 }
 
-/* One complete earlier turn. */
-static void turn(rk_chat_template t, sbuf *b, const rk_chat_msg *m) {
+/* A user message as the pieces see it: the documents (chunks) and the text
+ * after them. Without the `chunks` extension the content is split on the
+ * separator as a prompt with an empty system piece in front; with it, no
+ * message is split and the whole content is its question. */
+typedef struct user_msg {
+    rk_split split; /* the split content (zeroed when not split) */
+    const char *question;
+} user_msg;
+
+static rk_status split_user(const rk_api_request *req, int i, user_msg *u, rk_http_error *err) {
+    const char *content = req->msgs[i].content;
+    u->question = content;
+    if (req->chat_chunks_given || !*content) return RK_OK;
+    size_t ls = strlen(req->separator), lc = strlen(content);
+    char *text = malloc(ls + lc + 1);
+    if (!text) return rk_http_errorf(err, 500, "out of memory");
+    memcpy(text, req->separator, ls);
+    memcpy(text + ls, content, lc + 1);
+    /* Only the document turn's chunks are counted against max_chunks (by
+     * rk_split_structured); the others become text. */
+    rk_status st = rk_split_prompt(text, ls + lc, req->separator, INT_MAX, &u->split);
+    free(text);
+    if (st)
+        return rk_http_errorf(err, rk_http_status_of(st), "bad messages[%d]: %s", i,
+                              rk_error_message());
+    u->question = u->split.question.s;
+    return RK_OK;
+}
+
+/* The text of a user message that is not the document turn: its documents,
+ * if any, as plain text before its question (computed with the turn, never
+ * through the chunk cache). */
+static void user_text(sbuf *b, const user_msg *u) {
+    for (int k = 0; k < u->split.n_chunks; k++) {
+        sb_add(b, u->split.chunks[k].s);
+        sb_add(b, "\n\n");
+    }
+    sb_add(b, u->question);
+}
+
+/* The opening of a user turn; for Llama-2, the <<SYS>> block (sys_block:
+ * joined system messages, may be empty) goes inside it. */
+static void user_open(rk_chat_template t, sbuf *b, const sbuf *sys_block) {
+    if (t == RK_CHAT_CHATML) {
+        sb_add(b, "<|im_start|>user\n");
+    } else if (t == RK_CHAT_LLAMA3) {
+        sb_add(b, "<|start_header_id|>user<|end_header_id|>\n\n");
+    } else {
+        sb_add(b, "[INST] ");
+        if (sys_block->len) {
+            sb_add(b, "<<SYS>>\n");
+            sb_add(b, sys_block->s);
+            sb_add(b, "\n<</SYS>>\n\n");
+        }
+    }
+}
+
+static void user_close(rk_chat_template t, sbuf *b) {
+    sb_add(b, t == RK_CHAT_CHATML   ? "<|im_end|>\n"
+              : t == RK_CHAT_LLAMA3 ? "<|eot_id|>"
+                                    : " [/INST]");
+}
+
+/* A complete system or assistant turn (Llama-2: assistant only; its system
+ * messages join the <<SYS>> block of the next user turn). */
+static void other_turn(rk_chat_template t, sbuf *b, const rk_chat_msg *m) {
     if (t == RK_CHAT_CHATML) {
         sb_add(b, "<|im_start|>");
         sb_add(b, role_name(m->role));
         sb_add(b, "\n");
         sb_add(b, m->content);
         sb_add(b, "<|im_end|>\n");
-    } else {
+    } else if (t == RK_CHAT_LLAMA3) {
         sb_add(b, "<|start_header_id|>");
         sb_add(b, role_name(m->role));
         sb_add(b, "<|end_header_id|>\n\n");
         sb_add(b, m->content);
         sb_add(b, "<|eot_id|>");
+    } else {
+        /* An answer this service returns starts with the space its first
+         * token decodes to (a SentencePiece word start): that space is the
+         * template's, so the answer tokenizes as it was generated. */
+        if (m->content[0] != ' ') sb_add(b, " ");
+        sb_add(b, m->content);
+        sb_add(b, " </s><s>");
     }
 }
 
-/* Llama-2: system messages join into a <<SYS>> block of the first [INST]. */
-static void llama2_system(const rk_api_request *req, sbuf *b, int n_before) {
-    sbuf sys = {0};
-    for (int i = 0; i < n_before; i++) {
-        if (req->msgs[i].role != RK_ROLE_SYSTEM) continue;
-        if (sys.len) sb_add(&sys, "\n\n");
-        sb_add(&sys, req->msgs[i].content);
-    }
-    if (sys.oom) b->oom = 1;
-    int first_user = 1;
-    for (int i = 0; i <= n_before; i++) {
+/* Llama-2: a system message joins the <<SYS>> block of a user turn. */
+static void add_system(sbuf *sys_block, const rk_chat_msg *m) {
+    if (sys_block->len) sb_add(sys_block, "\n\n");
+    sb_add(sys_block, m->content);
+}
+
+/* Render messages [from, to) into b as complete turns, the user ones as
+ * text. Llama-2 system messages wait in *sys_block for the next user turn
+ * (system messages the caller already put there are skipped when
+ * skip_system is set). */
+static void render_turns(rk_chat_template t, const rk_api_request *req, const user_msg *users,
+                         int from, int to, int skip_system, sbuf *b, sbuf *sys_block) {
+    for (int i = from; i < to; i++) {
         const rk_chat_msg *m = &req->msgs[i];
-        if (m->role == RK_ROLE_SYSTEM) continue;
-        if (m->role == RK_ROLE_ASSISTANT) {
-            sb_add(b, " ");
-            sb_add(b, m->content);
-            sb_add(b, " </s><s>");
+        if (m->role == RK_ROLE_USER) {
+            user_open(t, b, sys_block);
+            sb_clear(sys_block);
+            user_text(b, &users[i]);
+            user_close(t, b);
+        } else if (t == RK_CHAT_LLAMA2 && m->role == RK_ROLE_SYSTEM) {
+            if (!skip_system) add_system(sys_block, m);
+        } else {
+            other_turn(t, b, m);
+        }
+    }
+}
+
+static const char *assistant_open(rk_chat_template t) {
+    return t == RK_CHAT_CHATML   ? "<|im_start|>assistant\n"
+           : t == RK_CHAT_LLAMA3 ? "<|start_header_id|>assistant<|end_header_id|>\n\n"
+                                 : "";
+}
+
+/* The document turn: the first user message with a non-empty chunk (with the
+ * `chunks` extension, the first user message when the extension has one),
+ * else the last message, as when no turn carries documents. */
+static int document_turn(const rk_api_request *req, const user_msg *users) {
+    int first_user = -1;
+    for (int i = 0; i < req->n_msgs; i++) {
+        if (req->msgs[i].role != RK_ROLE_USER) continue;
+        if (first_user < 0) first_user = i;
+        if (users[i].split.n_chunks > 0) return i;
+    }
+    for (int k = 0; req->chat_chunks_given && k < req->n_chat_chunks; k++)
+        if (*req->chat_chunks[k]) return first_user;
+    return req->n_msgs - 1;
+}
+
+/* The request's chunks: the `chunks` extension's non-empty ones with their
+ * ids, or the document turn's. */
+static rk_status take_chunks(rk_api_request *req, const rk_split *doc, const char *sys,
+                             const char *question, int max_chunks, rk_split *out, char ***out_ids,
+                             rk_http_error *err) {
+    int given = req->chat_chunks_given, n_in = given ? req->n_chat_chunks : doc->n_chunks;
+    int kept = 0, empty = 0;
+    *out_ids = NULL;
+    const char **list = calloc((size_t)(n_in ? n_in : 1), sizeof *list);
+    char **ids = given ? calloc((size_t)(n_in ? n_in : 1), sizeof *ids) : NULL;
+    if (!list || (given && !ids)) {
+        free(list);
+        free(ids);
+        return rk_http_errorf(err, 500, "out of memory");
+    }
+    rk_status st = RK_OK;
+    for (int i = 0; i < n_in && !st; i++) {
+        const char *c = given ? req->chat_chunks[i] : doc->chunks[i].s;
+        if (!*c) {
+            empty++;
             continue;
         }
-        sb_add(b, "[INST] ");
-        if (first_user && sys.len) {
-            sb_add(b, "<<SYS>>\n");
-            sb_add(b, sys.s);
-            sb_add(b, "\n<</SYS>>\n\n");
-        }
-        first_user = 0;
-        if (i == n_before) break; /* the last user turn: its content goes after the chunks */
-        sb_add(b, m->content);
-        sb_add(b, " [/INST]");
+        const char *id = given ? req->chat_chunk_ids[i] : NULL;
+        if (id && !(ids[kept] = strdup(id))) st = rk_http_errorf(err, 500, "out of memory");
+        list[kept++] = c;
     }
-    free(sys.s);
+    if (!st && (st = rk_split_structured(sys, list, kept, question, max_chunks, out)))
+        rk_http_errorf(err, rk_http_status_of(st), "bad chat request: %s", rk_error_message());
+    free(list);
+    if (st || kept == 0) {
+        for (int i = 0; ids && i < kept; i++) free(ids[i]);
+        free(ids);
+        return st;
+    }
+    out->n_empty_chunks += empty;
+    *out_ids = ids;
+    return RK_OK;
 }
 
 rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks,
                          rk_http_error *err) {
     if (req->n_msgs < 1 || req->msgs[req->n_msgs - 1].role != RK_ROLE_USER)
         return rk_http_errorf(err, 400, "the last message must be the user's");
-    int last = req->n_msgs - 1;
-    sbuf sys = {0}, q = {0};
-    if (t == RK_CHAT_LLAMA2) {
-        llama2_system(req, &sys, last);
-    } else {
-        for (int i = 0; i < last; i++) turn(t, &sys, &req->msgs[i]);
-        sb_add(&sys, t == RK_CHAT_CHATML ? "<|im_start|>user\n"
-                                         : "<|start_header_id|>user<|end_header_id|>\n\n");
-    }
-
-    /* The last user message: chunks + question. */
-    rk_split split = {0};
+    int n = req->n_msgs, empty = 0;
+    user_msg *users = calloc((size_t)n, sizeof *users);
+    if (!users) return rk_http_errorf(err, 500, "out of memory");
+    sbuf sys = {0}, q = {0}, block = {0};
     rk_status st = RK_OK;
-    const char *content = req->msgs[last].content;
-    const char *const *chunks = NULL;
-    char **ids = NULL;
-    int n_chunks = 0;
-    if (req->chat_chunks_given) {
-        chunks = (const char *const *)req->chat_chunks;
-        n_chunks = req->n_chat_chunks;
-        sb_add(&q, content);
-    } else if (*content) {
-        /* Split as a prompt with an empty system piece in front. */
-        size_t ls = strlen(req->separator), lc = strlen(content);
-        char *text = malloc(ls + lc + 1);
-        if (!text) {
-            st = rk_http_errorf(err, 500, "out of memory");
-            goto done;
-        }
-        memcpy(text, req->separator, ls);
-        memcpy(text + ls, content, lc + 1);
-        st = rk_split_prompt(text, ls + lc, req->separator, max_chunks, &split);
-        free(text);
-        if (st) {
-            rk_http_errorf(err, rk_http_status_of(st), "bad last user message: %s",
-                           rk_error_message());
-            goto done;
-        }
-        sb_add(&q, split.question.s);
-    }
-    const char *end = t == RK_CHAT_CHATML   ? "<|im_end|>\n<|im_start|>assistant\n"
-                      : t == RK_CHAT_LLAMA3 ? "<|eot_id|><|start_header_id|>assistant<|end_header_"
-                                              "id|>\n\n"
-                                            : " [/INST]";
-    sb_add(&q, end);
-    if (sys.oom || q.oom) {
-        st = rk_http_errorf(err, 500, "out of memory");
-        goto done;
-    }
+    for (int i = 0; i < n && !st; i++)
+        if (req->msgs[i].role == RK_ROLE_USER && !(st = split_user(req, i, &users[i], err)))
+            empty += users[i].split.n_empty_chunks;
+    if (st) goto done;
+    int doc = document_turn(req, users);
 
-    /* Non-empty chunks in order (empty ones are skipped and counted), with their ids. */
-    int n_in = req->chat_chunks_given ? n_chunks : split.n_chunks, kept = 0, empty = 0;
-    const char **list = calloc((size_t)(n_in ? n_in : 1), sizeof *list);
-    if (!list) {
+    /* System piece: the turns before the document turn and its opening
+     * (Llama-2: every system message before it in the first user turn). */
+    for (int i = 0; t == RK_CHAT_LLAMA2 && i < doc; i++)
+        if (req->msgs[i].role == RK_ROLE_SYSTEM) add_system(&block, &req->msgs[i]);
+    render_turns(t, req, users, 0, doc, 1, &sys, &block);
+    user_open(t, &sys, &block);
+    sb_clear(&block);
+    /* Question piece: the rest of the document turn, every later turn, the
+     * assistant's opening. */
+    sb_add(&q, users[doc].question);
+    user_close(t, &q);
+    render_turns(t, req, users, doc + 1, n, 0, &q, &block);
+    sb_add(&q, assistant_open(t));
+    if (sys.oom || q.oom || block.oom) {
         st = rk_http_errorf(err, 500, "out of memory");
         goto done;
-    }
-    for (int i = 0; i < n_in; i++) {
-        const char *c = req->chat_chunks_given ? chunks[i] : split.chunks[i].s;
-        if (*c)
-            list[kept++] = c;
-        else
-            empty++;
     }
     rk_split out;
-    st = rk_split_structured(sys.s, list, kept, q.s, max_chunks, &out);
-    if (st) {
-        rk_http_errorf(err, rk_http_status_of(st), "bad chat request: %s", rk_error_message());
-        free(list);
+    char **ids;
+    if ((st = take_chunks(req, &users[doc].split, sys.s, q.s, max_chunks, &out, &ids, err)))
         goto done;
-    }
-    out.n_empty_chunks += empty + split.n_empty_chunks;
-    if (req->chat_chunks_given && kept > 0) {
-        ids = calloc((size_t)kept, sizeof *ids);
-        for (int i = 0, k = 0; ids && i < n_chunks; i++) {
-            if (!*chunks[i]) continue;
-            const char *id = req->chat_chunk_ids[i];
-            if (id && !(ids[k] = strdup(id))) {
-                for (int j = 0; j < k; j++) free(ids[j]);
-                free(ids);
-                ids = NULL;
-                break;
-            }
-            k++;
-        }
-        if (!ids) {
-            rk_split_free(&out);
-            free(list);
-            st = rk_http_errorf(err, 500, "out of memory");
-            goto done;
-        }
-    }
-    free(list);
+    out.n_empty_chunks += empty;
     if (req->have_pieces) {
         if (req->chunk_ids)
             for (int i = 0; i < req->pieces.n_chunks; i++) free(req->chunk_ids[i]);
@@ -231,8 +315,10 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     req->have_pieces = 1;
     req->chunk_ids = ids;
 done:
-    rk_split_free(&split);
+    for (int i = 0; i < n; i++) rk_split_free(&users[i].split);
+    free(users);
     free(sys.s);
     free(q.s);
+    free(block.s);
     return st;
 }

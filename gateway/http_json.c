@@ -202,9 +202,13 @@ static int parse_stop(json_t *root, rk_api_request *out, rk_http_error *err) {
     return 0;
 }
 
-/* repair: {"policy": "none" | "first_k" | "deviation", "k": 16, "ratio": 0.15}. */
-static int parse_repair(json_t *root, rk_req_options *o, rk_http_error *err) {
+/* repair: {"policy": "auto" | "none" | "first_k" | "deviation", "k": 16,
+ * "ratio": 0.15}; no repair, or "auto", is the service's policy (lim). */
+static int parse_repair(json_t *root, const rk_parse_limits *lim, rk_req_options *o,
+                        rk_http_error *err) {
     json_t *v = json_object_get(root, "repair");
+    o->repair_k = lim->repair_k;
+    o->repair_ratio = lim->repair_ratio;
     if (!v || json_is_null(v)) return 0;
     if (!json_is_object(v))
         return rk_http_errorf(err, 400,
@@ -214,8 +218,11 @@ static int parse_repair(json_t *root, rk_req_options *o, rk_http_error *err) {
     double ratio = 0.15;
     if (get_int(v, "k", 0, 1 << 20, &k, err) || get_num(v, "ratio", 0, 1, 0, &ratio, err)) return 1;
     json_t *p = json_object_get(v, "policy");
-    const char *policy = p && !json_is_null(p) ? json_string_value(p) : "none";
+    const char *policy = p && !json_is_null(p) ? json_string_value(p) : "auto";
     if (!policy) return rk_http_errorf(err, 400, "'repair.policy' must be a string"), 1;
+    if (!strcmp(policy, "auto")) return 0;
+    o->repair_k = 0;
+    o->repair_ratio = 0;
     if (!strcmp(policy, "none")) return 0;
     if (!strcmp(policy, "first_k")) {
         o->repair_k = (int)k;
@@ -226,7 +233,7 @@ static int parse_repair(json_t *root, rk_req_options *o, rk_http_error *err) {
         return 0;
     }
     return rk_http_errorf(err, 400,
-                          "'repair.policy' must be \"none\", \"first_k\" or "
+                          "'repair.policy' must be \"auto\", \"none\", \"first_k\" or "
                           "\"deviation\""),
            1;
 }
@@ -263,7 +270,7 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
         get_choice(root, "mode", "rag", "plain", &plain, err) ||
         get_choice(root, "chunk_context", "isolated", "system", &ctx, err) ||
         get_choice(root, "position_mode", "sequential", "parallel", &pos, err) ||
-        parse_stop(root, out, err) || parse_repair(root, o, err))
+        parse_stop(root, out, err) || parse_repair(root, lim, o, err))
         return 1;
     if (n != 1 || best_of != 1)
         return rk_http_errorf(err, 400, "'n' and 'best_of' must be 1: one completion per request"),

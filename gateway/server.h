@@ -58,6 +58,10 @@ const char *rk_http_error_type(int status);
 typedef struct rk_parse_limits {
     int max_chunks; /* chunks per request */
     int max_tokens; /* largest max_tokens accepted */
+    /* The service's repair policy (config `repair`), for a request that names
+     * none or "auto": as rk_req_options takes it. */
+    int repair_k;
+    float repair_ratio;
 } rk_parse_limits;
 
 typedef enum rk_chat_role {
@@ -144,13 +148,13 @@ const char *rk_chat_template_name(rk_chat_template t);
 rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
                                          int has_llama3_tokens);
 
-/* Render a parsed chat request into req->pieces: the system piece is the
- * template's system part, the earlier turns and the opening of the last user
- * turn (so it is the same text from one question to the next and the radix
- * cache reuses it); the chunks are raw text; the question piece is the rest of
- * the user turn and the assistant prefix. The last user message is split on
- * req->separator into chunks + question unless the `chunks` extension gave the
- * chunks. */
+/* Render a parsed chat request into req->pieces around the document turn
+ * (the first user message with documents, else the last one): the system
+ * piece is the template's system part, the turns before it and its opening;
+ * the chunks are its documents, raw text; the question piece is the rest of
+ * it, every later turn and the assistant prefix, so a follow-up's layout
+ * extends the previous turn's. User messages are split on req->separator
+ * unless the `chunks` extension gave the first one's chunks. */
 rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks,
                          rk_http_error *err);
 

@@ -53,7 +53,7 @@ struct rk_req_state {
     int32_t partial_src; /* radix page the match continues into (referenced), -1 = none */
     int n_partial;       /* its first rows to copy, at table index reused - n_partial */
     uint64_t ns;         /* the request's radix namespace */
-    int32_t *key;        /* (n_prompt + max_tokens) radix key of the merged sequence */
+    int32_t *key;        /* (layout + max_tokens) radix key of the merged sequence */
     int n_prompt;        /* table entries of the prompt */
     int reused;          /* table entries taken from the radix tree */
     int n_valid;         /* table entries whose KV is written */
@@ -646,8 +646,8 @@ static uint64_t request_ns(const rk_service *svc, const rk_request *r) {
     return XXH3_64bits_withSeed(v, sizeof v, svc->prefix_ns);
 }
 
-/* The radix key of the prompt, 1:1 with its table entries (room for the
- * generated tokens after it). */
+/* The radix key of the prompt's layout (room for the generated tokens
+ * after it). */
 static rk_status build_key(rk_service *svc, rk_request *r) {
     rk_req_state *s = r->state;
     if (rk_model_hparams(svc->model)->n_vocab > SEGMENT_MARK >> 6)
@@ -655,9 +655,9 @@ static rk_status build_key(rk_service *svc, rk_request *r) {
                          "pipeline: a vocabulary of %d tokens leaves no room "
                          "for segment marks in radix keys",
                          rk_model_hparams(svc->model)->n_vocab);
-    /* The key follows the sequence's positions (a zero-copy table pads the
-     * system prompt to a block, so n_prompt can be shorter). */
-    int n_seq = s->q_index + s->n_qtok > s->n_prompt ? s->q_index + s->n_qtok : s->n_prompt;
+    /* The key follows the layout (a zero-copy table maps the same entries to
+     * blocks through its runs). */
+    int n_seq = s->q_index + s->n_qtok;
     s->key = malloc((size_t)(n_seq + r->opt.max_tokens + 1) * sizeof *s->key);
     if (!s->key) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
     if (r->n_sys) memcpy(s->key, r->sys, (size_t)r->n_sys * sizeof *s->key);
@@ -693,22 +693,34 @@ static int chunk_from_prefix(const rk_request *r, int k) {
     return r->state->layout.index[k] + r->chunk_lens[k] <= r->state->reused;
 }
 
+/* Table entries of the prompt: the layout's, or for a zero-copy table the
+ * system prompt padded to a block and the question (the chunks are runs of
+ * the chunk pool's blocks). */
+static int prompt_table_entries(const rk_request *r, int bs) {
+    const rk_req_state *s = r->state;
+    if (!s->zc) return s->q_index + s->n_qtok;
+    return (r->n_sys + bs - 1) / bs * bs + s->n_qtok;
+}
+
 /* Match the request's prompt key (all but its last token) in the radix tree,
  * share the whole pages of the usable prefix, take a reference on the page
  * that continues it for less than a page (its rows are copied before pass 1),
  * reserve blocks for the rest of the system (prefix pool for the pages that
  * will be inserted, the partial last one included, live pool after) and for
  * the chunks, question and generated tokens. The question tokens inside the
- * prefix are dropped from those to feed. */
-static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_table) {
+ * prefix are dropped from those to feed.
+ *
+ * A zero-copy request whose match reaches its question has every chunk in
+ * the prefix: it takes the copy path, with nothing left to copy. Otherwise
+ * it takes the system prompt alone from the match. */
+static rk_status start_request(rk_service *svc, rk_request *r) {
     rk_req_state *s = r->state;
     int bs = rk_arena_block_size(svc->arena);
     rk_status st;
-    s->n_prompt = n_prompt_table;
     /* The key: the whole prompt, or the system prompt alone (whose last token
      * is left for its logits when nothing follows). */
-    int whole_seq = r->opt.reuse_sequences && !s->zc;
-    int n_key = whole_seq ? n_prompt_table : r->n_sys;
+    int whole_seq = r->opt.reuse_sequences;
+    int n_key = whole_seq ? s->q_index + s->n_qtok : r->n_sys;
     int leave_one = whole_seq || s->n_qtok == 0;
     int use_prefix = svc->prefix && r->opt.prefix_cache && n_key > 0;
     if (use_prefix) {
@@ -720,7 +732,12 @@ static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_tabl
         st = rk_radix_match(svc->prefix, s->ns, s->key, n_key,
                             RK_RADIX_PARTIAL | (leave_one ? RK_RADIX_LEAVE_ONE : 0), pages, &m);
         s->lock = m.node;
-        int use = usable_prefix(r, m.n_matched + m.n_partial), whole = use / bs;
+        int use = usable_prefix(r, m.n_matched + m.n_partial);
+        if (s->zc && use >= s->q_index)
+            s->zc = 0;
+        else if (s->zc && use > r->n_sys)
+            use = r->n_sys;
+        int whole = use / bs;
         int32_t src = use < m.n_matched ? pages[whole] : m.partial_page;
         /* The partial page is not locked: reference it before anything can evict it. */
         if (!st && use % bs && !(st = rk_arena_ref(svc->arena, &src, 1))) {
@@ -749,10 +766,10 @@ static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_tabl
     }
     r->sys_cached = s->sys_first;
     r->conv_cached = s->reused - s->sys_first;
+    s->n_prompt = prompt_table_entries(r, bs);
     /* Blocks come as decoding needs them; the whole generation must fit
      * the live pool alone, or waiting never helps. */
-    long life =
-        (n_prompt_table + (long)r->opt.max_tokens - s->n_gen + bs - 1) / bs - s->kv.n_blocks;
+    long life = (s->n_prompt + (long)r->opt.max_tokens - s->n_gen + bs - 1) / bs - s->kv.n_blocks;
     for (int k = 0; s->zc && k < r->n_chunks; k++)
         life += (private_tokens(r, r->chunk_lens[k], bs) + bs - 1) / bs;
     if (life > rk_arena_pool_total(svc->arena, RK_POOL_LIVE))
@@ -761,9 +778,11 @@ static rk_status start_request(rk_service *svc, rk_request *r, int n_prompt_tabl
                          "blocks for its prompt and max_tokens, the live pool has %d",
                          life, rk_arena_pool_total(svc->arena, RK_POOL_LIVE));
     /* The prompt and the first token a decode step feeds. */
-    int rest = n_prompt_table + (r->opt.max_tokens > 0) - s->kv.n_tokens;
+    int rest = s->n_prompt + (r->opt.max_tokens > 0) - s->kv.n_tokens;
     if ((st = rk_seq_reserve(&s->kv, svc->arena, RK_POOL_LIVE, rest, NULL))) return st;
-    s->kv.n_tokens = n_prompt_table;
+    /* A zero-copy table's entries count in the layout's terms: the runs map
+     * them to blocks. */
+    s->kv.n_tokens = s->zc ? s->q_index + s->n_qtok : s->n_prompt;
     int skip = s->reused - s->q_index;
     if (skip > 0) { /* never all of them: the last prompt token is always computed */
         memmove(s->qtok, s->qtok + skip, (size_t)(s->n_qtok - skip) * sizeof *s->qtok);
@@ -799,13 +818,8 @@ static int zero_copy_for(const rk_service *svc, const rk_request *r, int tell) {
  * the live ones for the question and generated tokens; the chunks' blocks are
  * the cache entries'. kv.n_tokens then counts table entries of the run table. */
 static rk_status start_request_reindexed(rk_service *svc, rk_request *r) {
-    rk_req_state *s = r->state;
-    s->zc = zero_copy_for(svc, r, 1);
-    if (!s->zc) return start_request(svc, r, s->q_index + s->n_qtok);
-    int bs = rk_arena_block_size(svc->arena);
-    rk_status st = start_request(svc, r, (r->n_sys + bs - 1) / bs * bs + s->n_qtok);
-    s->kv.n_tokens = s->q_index + s->n_qtok;
-    return st;
+    r->state->zc = zero_copy_for(svc, r, 1);
+    return start_request(svc, r);
 }
 
 /* Drop the reference on the partial page a match continued into. */
@@ -957,45 +971,93 @@ static rk_status insert_system(rk_service *svc, rk_request *r) {
     return RK_OK;
 }
 
+/* Pages blocks[0 .. ceil(n / bs)) of the sequence keyed s->key[0 .. n) into
+ * the tree, which takes a reference on the pages it keeps. */
+static rk_status insert_pages(rk_service *svc, rk_req_state *s, int n, int32_t *blocks) {
+    int bs = rk_arena_block_size(svc->arena), present;
+    /* The tree owns the partial page from the call on, even when it fails. */
+    rk_status st = n % bs ? rk_arena_ref(svc->arena, &blocks[n / bs], 1) : RK_OK;
+    if (!st) st = rk_radix_insert_partial(svc->prefix, s->ns, s->key, n, blocks, 0, &present, NULL);
+    if (!st) st = rk_arena_ref(svc->arena, blocks + present / bs, (n / bs * bs - present) / bs);
+    return st;
+}
+
+/* A zero-copy request's sequence into the tree. Its table is not 1:1 with
+ * the key (each chunk is a shifted run of the chunk pool's blocks), so the
+ * tree gets a copy: the pages it has already are shared, the rest is copied
+ * from the runs, rotated to their live positions, into prefix-pool blocks.
+ * That copy is what the copy path pays at admission; here it is paid once,
+ * when the request leaves, and only for what the tree did not have. */
+static rk_status insert_runs(rk_service *svc, rk_req_state *s, int n) {
+    int bs = rk_arena_block_size(svc->arena);
+    rk_seq seq = {0};
+    rk_copy_plan copies = {0};
+    rk_radix_result m = {0};
+    int32_t *pages = malloc((size_t)(n / bs + 1) * sizeof *pages);
+    rk_status st =
+        pages ? rk_radix_match(svc->prefix, s->ns, s->key, n, RK_RADIX_UNCOUNTED, pages, &m)
+              : rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    if (!st && m.n_matched < n) {
+        int fresh = n - m.n_matched;
+        st = rk_seq_share(&seq, svc->arena, pages, m.n_matched / bs);
+        if (!st) st = rk_seq_reserve(&seq, svc->arena, RK_POOL_PREFIX, fresh, NULL);
+        if (st == RK_ERR_EXHAUSTED) {
+            rk_radix_evict(svc->prefix, fresh, NULL);
+            st = rk_seq_reserve(&seq, svc->arena, RK_POOL_PREFIX, fresh, NULL);
+        }
+        for (int i = 0, start = 0; !st && i < s->runs.n_runs && start < n; i++) {
+            int end = s->runs.end[i] < n ? s->runs.end[i] : n;
+            int from = start > m.n_matched ? start : m.n_matched;
+            if (from < end)
+                st = rk_copy_plan_add(&copies, bs, s->runs.blocks + s->runs.first[i], from - start,
+                                      &seq, from, end - from, s->runs.delta[i]);
+            start = s->runs.end[i];
+        }
+        if (!st) st = rk_copy_plan_run(&copies, svc->be, svc->arena, rk_model_rope(svc->model));
+        if (!st) st = insert_pages(svc, s, n, seq.blocks);
+    }
+    if (m.node) rk_radix_unlock(svc->prefix, m.node);
+    rk_seq_release(&seq, svc->arena);
+    rk_copy_plan_free(&copies);
+    free(pages);
+    return st;
+}
+
 /* A finished request's whole sequence into the tree: its prompt key and the
  * generated tokens that have KV. Its live blocks move to the prefix pool
- * (evicting for room when needed; when there is none, nothing is inserted).
- * The tree takes a reference on the pages it keeps. Failures only lose
- * the caching. */
+ * (evicting for room when needed; when there is none, nothing is inserted),
+ * or for a zero-copy table a copy of them (insert_runs). The tree takes a
+ * reference on the pages it keeps. Failures only lose the caching. */
 static void insert_sequence(rk_service *svc, rk_request *r) {
     rk_req_state *s = r->state;
-    int bs = rk_arena_block_size(svc->arena), n = s->n_valid, present;
-    /* A zero-copy table (system, chunk runs, live tail) is not 1:1 with the
-     * key: only its system prompt is cached, after pass 1. */
-    if (!r->opt.reuse_sequences || s->zc || !s->key || n < s->n_prompt)
+    int bs = rk_arena_block_size(svc->arena), n = s->n_valid, n_layout = s->q_index + s->n_qtok;
+    if (!r->opt.reuse_sequences || !s->key || n < n_layout)
         return; /* n_valid is 0 or covers the prompt */
-    memcpy(s->key + s->n_prompt, r->out_tokens + s->n_gen,
-           (size_t)(n - s->n_prompt) * sizeof *s->key);
-    /* A chunk entry's block in the table stays the chunk cache's: the
-     * sequence is inserted up to it. */
-    for (int i = 0; i < (n + bs - 1) / bs; i++)
-        if (rk_arena_block_pool(svc->arena, s->kv.blocks[i]) == RK_POOL_CHUNK) {
-            n = i * bs;
-            break;
-        }
-    int n_pages = (n + bs - 1) / bs, to_move = 0;
-    if (n == 0) return;
-    for (int i = 0; i < n_pages; i++)
-        to_move += rk_arena_block_pool(svc->arena, s->kv.blocks[i]) != RK_POOL_PREFIX;
-    rk_status st = rk_arena_retag(svc->arena, s->kv.blocks, n_pages, RK_POOL_PREFIX);
-    if (st == RK_ERR_EXHAUSTED) {
-        rk_radix_evict(svc->prefix, (to_move - rk_arena_pool_free(svc->arena, RK_POOL_PREFIX)) * bs,
-                       NULL);
+    memcpy(s->key + n_layout, r->out_tokens + s->n_gen, (size_t)(n - n_layout) * sizeof *s->key);
+    rk_status st;
+    if (s->zc) {
+        st = insert_runs(svc, s, n);
+    } else {
+        /* A chunk entry's block in the table stays the chunk cache's: the
+         * sequence is inserted up to it. */
+        for (int i = 0; i < (n + bs - 1) / bs; i++)
+            if (rk_arena_block_pool(svc->arena, s->kv.blocks[i]) == RK_POOL_CHUNK) {
+                n = i * bs;
+                break;
+            }
+        if (n == 0) return;
+        int n_pages = (n + bs - 1) / bs, to_move = 0;
+        for (int i = 0; i < n_pages; i++)
+            to_move += rk_arena_block_pool(svc->arena, s->kv.blocks[i]) != RK_POOL_PREFIX;
         st = rk_arena_retag(svc->arena, s->kv.blocks, n_pages, RK_POOL_PREFIX);
+        if (st == RK_ERR_EXHAUSTED) {
+            rk_radix_evict(svc->prefix,
+                           (to_move - rk_arena_pool_free(svc->arena, RK_POOL_PREFIX)) * bs, NULL);
+            st = rk_arena_retag(svc->arena, s->kv.blocks, n_pages, RK_POOL_PREFIX);
+        }
+        if (!st) st = insert_pages(svc, s, n, s->kv.blocks);
     }
     if (st == RK_ERR_EXHAUSTED) return; /* the prefix pool is all locked */
-    /* The tree owns the partial page from the call on, even when it fails. */
-    if (!st && n % bs) st = rk_arena_ref(svc->arena, &s->kv.blocks[n / bs], 1);
-    if (!st)
-        st =
-            rk_radix_insert_partial(svc->prefix, s->ns, s->key, n, s->kv.blocks, 0, &present, NULL);
-    if (!st)
-        st = rk_arena_ref(svc->arena, s->kv.blocks + present / bs, (n / bs * bs - present) / bs);
     if (st) RK_LOG_WARN("request sequence not cached: %s", rk_error_message());
 }
 

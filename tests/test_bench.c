@@ -14,6 +14,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "bench/httpclient.h"
 #include "tests/testutil.h"
 
 #define SMALL "--corpus 20 --k 3 --requests 30 --chunk-tokens 32:64 --threads 2"
@@ -424,6 +425,55 @@ Test(bench, http_mode_against_ragkv_serve_counts_what_in_process_counts, .timeou
     json_decref(http);
     json_decref(warm);
     json_decref(local);
+}
+
+/* Chunk lookups the server at port counted (from /v1/stats), -1 on failure. */
+static long server_lookups(int port) {
+    char url[64];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d", port);
+    rk_http_target t;
+    int status = 0;
+    char *body = NULL;
+    long n = -1;
+    if (!rk_http_parse_url(url, 30, &t) &&
+        !rk_http_request(&t, "GET", "/v1/stats", NULL, 0, &status, &body) && status == 200) {
+        json_t *root = json_loads(body, 0, NULL);
+        json_t *v = json_object_get(json_object_get(root, "chunks"), "lookups");
+        if (json_is_integer(v)) n = (long)json_integer_value(v);
+        json_decref(root);
+    }
+    free(body);
+    return n;
+}
+
+Test(bench, a_url_list_sends_requests_round_robin_to_its_replicas, .timeout = 300) {
+    pid_t pid_a, pid_b;
+    FILE *fa, *fb;
+    int port_a = start_server(&pid_a, &fa), port_b = start_server(&pid_b, &fb);
+    char args[512], *out = NULL;
+    int rc = -1;
+    long lookups_a = -1, lookups_b = -1;
+    if (port_a > 0 && port_b > 0) {
+        snprintf(args, sizeof args,
+                 EMB " --modes rag --prewarm --url http://127.0.0.1:%d,http://127.0.0.1:%d", port_a,
+                 port_b);
+        rc = run_bench_raw(args, &out);
+        lookups_a = server_lookups(port_a);
+        lookups_b = server_lookups(port_b);
+    }
+    stop_server(pid_a, fa);
+    stop_server(pid_b, fb);
+    cr_assert(port_a > 0 && port_b > 0, "ragkv serve printed no port");
+    json_t *root = parse_json("bench --url A,B", rc, out);
+    json_t *rag = json_object_get(json_object_get(root, "modes"), "rag");
+    /* Each replica was pre-warmed with the whole corpus, so every lookup hits. */
+    cr_expect_eq(geti(rag, "prewarm", "chunks"), 2 * 20);
+    cr_expect_eq(geti(rag, "chunks", "hits"), 90);
+    /* Each looked up the 20 chunks it pre-warmed, then 15 of the 30 requests
+     * of k = 3. */
+    cr_expect_eq(lookups_a, 20 + 15 * 3, "replica A counted %ld lookups", lookups_a);
+    cr_expect_eq(lookups_b, 20 + 15 * 3, "replica B counted %ld lookups", lookups_b);
+    json_decref(root);
 }
 
 /* A turn of a mode's "turns" list: computed + cached = prompt tokens. */

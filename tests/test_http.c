@@ -1,7 +1,8 @@
 /* tests/test_http.c — the HTTP service end to end: the real `ragkv serve`
- * binary started on a free loopback port (--port 0), spoken to with a small
- * socket client, stopped with SIGTERM at the end of every test (and killed
- * with its parent if a test crashes). Most tests use the embedded model. */
+ * binary started on a free loopback port (--port 0), spoken to with the
+ * loopback client of bench/httpclient.h, stopped with SIGTERM at the end of
+ * every test (and killed with its parent if a test crashes). Most tests use
+ * the embedded model. */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <errno.h>
@@ -21,6 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "bench/httpclient.h"
 #include "tests/testutil.h"
 
 /* ================================================================ the server process */
@@ -28,6 +30,7 @@
 typedef struct srv {
     pid_t pid;
     int port;
+    rk_http_target t; /* http://127.0.0.1:port, a 120 s timeout per exchange */
     char log[4096];
 } srv;
 
@@ -76,7 +79,9 @@ static int srv_start_env(srv *s, const char *const *env, const char *const *args
         if (p) {
             s->port = atoi(p + strlen("listening on http://127.0.0.1:"));
             free(text);
-            return s->port > 0 ? 0 : -1;
+            char url[64];
+            snprintf(url, sizeof url, "http://127.0.0.1:%d", s->port);
+            return s->port > 0 && rk_http_parse_url(url, 120, &s->t) == RK_OK ? 0 : -1;
         }
         free(text);
         int status;
@@ -89,28 +94,75 @@ static int srv_start_env(srv *s, const char *const *env, const char *const *args
     return -1;
 }
 
-/* ================================================================ a small HTTP client */
+/* ================================================================ the client */
 
-struct resp {
-    int status;
-    char *head; /* status line and headers */
-    char *body;
-    size_t len;
+/* Requests go through the service's own loopback client (bench/httpclient.h),
+ * the one `ragkv bench --url` uses. */
+
+typedef struct resp {
+    rk_http_response http;
     json_t *json; /* the body parsed, when it is JSON */
-};
-typedef struct resp resp;
+} resp;
 
-static void resp_free(struct resp *r) {
-    free(r->head);
-    free(r->body);
+static void resp_free(resp *r) {
+    rk_http_response_free(&r->http);
     json_decref(r->json);
-    memset(r, 0, sizeof *r);
+    r->json = NULL;
 }
 
-static int connect_port(int port) {
+static void resp_parse_json(resp *r) {
+    r->json = json_loadb(r->http.body, r->http.body_len, 0, NULL);
+}
+
+/* A whole exchange with target t. Returns 0 when an answer was read. */
+static int http_to(const rk_http_target *t, const char *method, const char *path,
+                   const char *headers, const char *body, resp *r) {
+    memset(r, 0, sizeof *r);
+    if (rk_http_exchange(t, method, path, headers, body, body ? strlen(body) : 0, &r->http))
+        return -1;
+    resp_parse_json(r);
+    return 0;
+}
+
+static int http(const char *method, const char *path, const char *headers, const char *body,
+                resp *r) {
+    return http_to(&S.t, method, path, headers, body, r);
+}
+
+/* The value of a response header (copied into a static buffer), or NULL. */
+static const char *header(const resp *r, const char *name) {
+    static char value[512];
+    const char *v = rk_http_header(&r->http, name);
+    if (!v) return NULL;
+    snprintf(value, sizeof value, "%.*s", (int)strcspn(v, "\r"), v);
+    return value;
+}
+
+/* Start a POST /v1/completions on c without waiting for its answer. */
+static void open_completion(const char *body, rk_http_conn *c) {
+    cr_assert_eq(rk_http_open(&S.t, "POST", "/v1/completions", NULL, body, strlen(body), c), RK_OK,
+                 "%s", rk_error_message());
+}
+
+/* Read the rest of c's answer. */
+static resp finish(rk_http_conn *c) {
+    resp r = {0};
+    cr_assert_eq(rk_http_finish(c, NULL, NULL, &r.http), RK_OK, "no answer: %s",
+                 rk_error_message());
+    resp_parse_json(&r);
+    return r;
+}
+
+/* ---------------------------------------------------------------- raw bytes
+ * What no client sends on purpose (a request line with a bad version,
+ * garbage, headers that never end, a connection that never sends anything,
+ * two requests on one keep-alive connection read as bytes) goes over a plain
+ * socket; the answer is parsed by the client's own parser. */
+
+static int connect_port(void) {
     int fd = socket(AF_INET, SOCK_STREAM, 0);
     if (fd < 0) return -1;
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)S.port)};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
     struct timeval tv = {120, 0};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
@@ -131,30 +183,17 @@ static int send_all(int fd, const char *p, size_t n) {
     return 0;
 }
 
-/* Send a request (Connection: close) and return the socket. */
-static int send_request(int port, const char *method, const char *path, const char *headers,
-                        const char *body, size_t body_len) {
-    int fd = connect_port(port);
-    if (fd < 0) return -1;
-    char head[2048];
-    int n = snprintf(head, sizeof head,
-                     "%s %s HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n%sContent-Length: "
-                     "%zu\r\n\r\n",
-                     method, path, headers ? headers : "", body_len);
-    if (send_all(fd, head, (size_t)n) || (body && body_len && send_all(fd, body, body_len))) {
-        close(fd);
-        return -1;
-    }
-    return fd;
-}
-
 /* Read until the peer closes (or the socket's receive timeout); returns the
  * bytes (malloc'ed, NUL-terminated) and their count in *n. */
 static char *recv_all(int fd, size_t *n) {
     size_t cap = 65536, len = 0;
     char *buf = malloc(cap);
+    cr_assert(buf);
     for (;;) {
-        if (len + 1 >= cap) buf = realloc(buf, cap *= 2);
+        if (len + 1 >= cap) {
+            buf = realloc(buf, cap *= 2);
+            cr_assert(buf);
+        }
         ssize_t k = recv(fd, buf + len, cap - len - 1, 0);
         if (k <= 0) break;
         len += (size_t)k;
@@ -164,41 +203,24 @@ static char *recv_all(int fd, size_t *n) {
     return buf;
 }
 
-/* Split a whole response (status line, headers, the rest as the body) into r.
- * Returns 0, or -1 when buf holds no response. */
-static int parse_response(const char *buf, size_t len, struct resp *r) {
+/* Parse a whole answer read as bytes (copied). Returns 0, or -1 when buf
+ * holds no answer. */
+static int parse_response(const char *buf, size_t len, resp *r) {
     memset(r, 0, sizeof *r);
-    const char *sep = strstr(buf, "\r\n\r\n");
-    if (!sep || sscanf(buf, "HTTP/1.%*d %d", &r->status) != 1) return -1;
-    size_t hl = (size_t)(sep - buf);
-    r->head = strndup(buf, hl);
-    r->len = len - hl - 4;
-    r->body = malloc(r->len + 1);
-    memcpy(r->body, sep + 4, r->len);
-    r->body[r->len] = '\0';
-    r->json = json_loadb(r->body, r->len, 0, NULL);
+    char *copy = malloc(len + 1);
+    cr_assert(copy);
+    memcpy(copy, buf, len);
+    copy[len] = '\0';
+    if (rk_http_parse(copy, len, &r->http)) return -1;
+    resp_parse_json(r);
     return 0;
-}
-
-/* A whole exchange. Returns 0 when a response was read. */
-static int http(const char *method, const char *path, const char *headers, const char *body,
-                struct resp *r) {
-    memset(r, 0, sizeof *r);
-    int fd = send_request(S.port, method, path, headers, body, body ? strlen(body) : 0);
-    if (fd < 0) return -1;
-    size_t len;
-    char *buf = recv_all(fd, &len);
-    close(fd);
-    int rc = parse_response(buf, len, r);
-    free(buf);
-    return rc;
 }
 
 /* Send raw bytes on a new connection and read the answer until the server
  * closes, for at most timeout_s; *took gets the seconds that took. Returns
  * the bytes read (malloc'ed). */
 static char *raw_exchange(const char *req, size_t n, double timeout_s, double *took) {
-    int fd = connect_port(S.port);
+    int fd = connect_port();
     cr_assert(fd >= 0, "cannot connect");
     struct timeval tv = {(time_t)timeout_s, (long)((timeout_s - (double)(time_t)timeout_s) * 1e6)};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
@@ -211,29 +233,13 @@ static char *raw_exchange(const char *req, size_t n, double timeout_s, double *t
     return buf;
 }
 
-/* The value of a response header (copied into a static buffer), or NULL. */
-static const char *header(const resp *r, const char *name) {
-    static char value[512];
-    size_t nl = strlen(name);
-    for (const char *p = strstr(r->head, "\r\n"); p; p = strstr(p + 2, "\r\n")) {
-        if (strncasecmp(p + 2, name, nl) == 0 && p[2 + nl] == ':') {
-            const char *v = p + 3 + nl;
-            while (*v == ' ') v++;
-            size_t k = strcspn(v, "\r");
-            snprintf(value, sizeof value, "%.*s", (int)k, v);
-            return value;
-        }
-    }
-    return NULL;
-}
-
 /* Start and wait until /health answers 200 (the model is loaded). */
 static int srv_start_ready(srv *s, const char *const *env, const char *const *args) {
     if (srv_start_env(s, env, args)) return -1;
     double until = now_s() + 60;
     while (now_s() < until) {
         struct resp r;
-        int ok = http("GET", "/health", NULL, NULL, &r) == 0 && r.status == 200;
+        int ok = http("GET", "/health", NULL, NULL, &r) == 0 && r.http.status == 200;
         resp_free(&r);
         if (ok) return 0;
         int status;
@@ -337,8 +343,9 @@ static const char *jstr(json_t *j, const char *path) {
 
 /* An error response: status, the JSON envelope with the same code and a message. */
 static void expect_error(resp *r, int status) {
-    cr_assert_eq(r->status, status, "want %d, got %d: %s", status, r->status, r->body);
-    cr_assert(r->json, "error body is not JSON: %s", r->body);
+    cr_assert_eq(r->http.status, status, "want %d, got %d: %s", status, r->http.status,
+                 r->http.body);
+    cr_assert(r->json, "error body is not JSON: %s", r->http.body);
     cr_assert_eq(jint(r->json, "error.code"), status);
     cr_assert(strlen(jstr(r->json, "error.type")) > 0);
     cr_assert(strlen(jstr(r->json, "error.message")) > 0);
@@ -372,14 +379,14 @@ TestSuite(http, .init = start_default, .fini = stop_server, .timeout = 300);
 
 Test(http, health_is_ok_without_a_key) {
     resp r = get("/health");
-    cr_assert_eq(r.status, 200);
+    cr_assert_eq(r.http.status, 200);
     cr_assert_str_eq(jstr(r.json, "status"), "ok");
     resp_free(&r);
 }
 
 Test(http, models_describe_the_served_model) {
     resp r = get("/v1/models");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "object"), "list");
     cr_assert_str_eq(jstr(r.json, "data.0.id"), "ragkv synthetic tiny");
     cr_assert_eq(strlen(jstr(r.json, "data.0.ragkv.fingerprint")), 32);
@@ -408,7 +415,7 @@ Test(http, head_answers_headers_only_and_keeps_the_connection) {
     /* HEAD then GET on one keep-alive connection: the HEAD answer has the
      * GET's status and Content-Length but no body, so the next bytes are the
      * GET's answer. */
-    int fd = connect_port(S.port);
+    int fd = connect_port();
     cr_assert(fd >= 0);
     static const char head[] = "HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n";
     static const char get_[] = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
@@ -421,15 +428,13 @@ Test(http, head_answers_headers_only_and_keeps_the_connection) {
     const char *end = strstr(a, "\r\n\r\n");
     cr_assert(end, "no answer: %s", a);
     resp h, g;
-    char *first = strndup(a, (size_t)(end + 4 - a));
-    cr_assert_eq(parse_response(first, strlen(first), &h), 0);
-    free(first);
-    cr_assert_eq(h.status, 200, "%s", a);
+    cr_assert_eq(parse_response(a, (size_t)(end + 4 - a), &h), 0);
+    cr_assert_eq(h.http.status, 200, "%s", a);
     cr_assert(!strncmp(end + 4, "HTTP/1.1 200", 12), "the HEAD answer has a body: %s", end + 4);
     cr_assert_eq(parse_response(end + 4, n - (size_t)(end + 4 - a), &g), 0);
     cr_assert_str_eq(jstr(g.json, "status"), "ok");
     char cl[32];
-    snprintf(cl, sizeof cl, "%zu", g.len);
+    snprintf(cl, sizeof cl, "%zu", g.http.body_len);
     cr_assert_str_eq(header(&h, "Content-Length"), cl);
     cr_assert_str_eq(header(&h, "Content-Type"), "application/json");
     resp_free(&h);
@@ -440,15 +445,15 @@ Test(http, head_answers_headers_only_and_keeps_the_connection) {
     for (size_t i = 0; i < 4; i++) {
         resp r;
         cr_assert_eq(http("HEAD", paths[i], NULL, NULL, &r), 0);
-        cr_assert_eq(r.status, 200, "HEAD %s: %d", paths[i], r.status);
-        cr_assert_eq(r.len, 0, "HEAD %s has a body", paths[i]);
+        cr_assert_eq(r.http.status, 200, "HEAD %s: %d", paths[i], r.http.status);
+        cr_assert_eq(r.http.body_len, 0, "HEAD %s has a body", paths[i]);
         cr_assert(atoi(header(&r, "Content-Length")) > 0);
         resp_free(&r);
     }
     resp r;
     cr_assert_eq(http("HEAD", "/v1/completions", NULL, NULL, &r), 0);
-    cr_assert_eq(r.status, 405);
-    cr_assert_eq(r.len, 0);
+    cr_assert_eq(r.http.status, 405);
+    cr_assert_eq(r.http.body_len, 0);
     cr_assert_str_eq(header(&r, "Allow"), "POST");
     resp_free(&r);
     cr_assert_eq(http("POST", "/health", NULL, "", &r), 0);
@@ -465,53 +470,60 @@ Test(http, a_nul_byte_in_the_path_is_400) {
         resp_free(&r);
     }
     resp r = get("/v1/st%61ts"); /* other escapes are decoded */
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     resp_free(&r);
+}
+
+/* An error answer from before routing: any status from 400 up, in the JSON
+ * error shape. */
+static void expect_refused(resp *r, const char *what) {
+    cr_assert(r->http.status >= 400, "%s: %d", what, r->http.status);
+    cr_assert(r->json, "%s: the body is not JSON: %s", what, r->http.body);
+    cr_assert_eq(jint(r->json, "error.code"), r->http.status);
+    cr_assert(strlen(jstr(r->json, "error.type")) > 0);
+    cr_assert(strlen(jstr(r->json, "error.message")) > 0);
+    cr_assert_str_eq(header(r, "Content-Type"), "application/json");
 }
 
 /* What CivetWeb itself refuses is answered in the same JSON error shape. */
 Test(http, requests_refused_before_routing_get_the_json_error_shape) {
+    resp r;
+    cr_assert_eq(http("TRACE", "/", NULL, NULL, &r), 0, "TRACE: %s", rk_error_message());
+    expect_refused(&r, "TRACE");
+    resp_free(&r);
     size_t big = 64 * 1024;
-    char *url = malloc(big + 128);
-    int k = snprintf(url, big + 128, "GET /");
-    memset(url + k, 'a', big);
-    snprintf(url + k + big, 64, " HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
-    const char *reqs[] = {"TRACE / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-                          "GET / HTTP/2.0\r\nHost: x\r\nConnection: close\r\n\r\n",
-                          "garbage\r\n\r\n", url};
-    for (size_t i = 0; i < 4; i++) {
+    char *path = malloc(big + 2);
+    cr_assert(path);
+    path[0] = '/';
+    memset(path + 1, 'a', big);
+    path[big + 1] = '\0';
+    cr_assert_eq(http("GET", path, NULL, NULL, &r), 0, "a 64 KiB path: %s", rk_error_message());
+    expect_refused(&r, "a 64 KiB path");
+    resp_free(&r);
+    free(path);
+    /* Request lines no client sends. */
+    const char *reqs[] = {"GET / HTTP/2.0\r\nHost: x\r\nConnection: close\r\n\r\n",
+                          "garbage\r\n\r\n"};
+    for (size_t i = 0; i < 2; i++) {
         double took;
         char *a = raw_exchange(reqs[i], strlen(reqs[i]), 10, &took);
-        resp r;
-        cr_assert_eq(parse_response(a, strlen(a), &r), 0, "request %zu: no answer", i);
-        cr_assert(r.status >= 400, "request %zu: %d", i, r.status);
-        cr_assert(r.json, "request %zu: the body is not JSON: %s", i, r.body);
-        cr_assert_eq(jint(r.json, "error.code"), r.status);
-        cr_assert(strlen(jstr(r.json, "error.type")) > 0);
-        cr_assert(strlen(jstr(r.json, "error.message")) > 0);
-        cr_assert_str_eq(header(&r, "Content-Type"), "application/json");
+        cr_assert_eq(parse_response(a, strlen(a), &r), 0, "%s: no answer", reqs[i]);
+        expect_refused(&r, reqs[i]);
         resp_free(&r);
         free(a);
     }
-    free(url);
     /* An absolute URI naming this server is served. */
-    char abs[160];
-    snprintf(abs, sizeof abs,
-             "GET http://127.0.0.1:%d/health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
-             S.port);
-    double took;
-    char *a = raw_exchange(abs, strlen(abs), 10, &took);
-    resp r;
-    cr_assert_eq(parse_response(a, strlen(a), &r), 0, "no answer to an absolute URI");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    char abs[64];
+    snprintf(abs, sizeof abs, "http://127.0.0.1:%d/health", S.port);
+    cr_assert_eq(http("GET", abs, NULL, NULL, &r), 0, "no answer to an absolute URI");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     resp_free(&r);
-    free(a);
 }
 
 Test(http, completion_report_keeps_the_token_invariants) {
     resp r = post("/v1/completions", "{\"prompt\": \"You are terse.##The cat sat.##The dog ran."
                                      "##Who ran?\", \"max_tokens\": 6, \"temperature\": 0}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "object"), "text_completion");
     cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2);
     cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "miss");
@@ -524,7 +536,7 @@ Test(http, completion_report_keeps_the_token_invariants) {
     /* The same chunks in another order, under another system prompt: both hits. */
     r = post("/v1/completions", "{\"system\": \"Be kind.\", \"chunks\": [\"The dog ran.\", \"The "
                                 "cat sat.\"], \"question\": \"Who sat?\", \"max_tokens\": 4}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
     cr_assert_str_eq(jstr(r.json, "ragkv.chunks.1.status"), "hit");
     cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.source"), "arena");
@@ -536,7 +548,7 @@ Test(http, completion_report_keeps_the_token_invariants) {
 
 Test(http, miss_then_hit_shows_in_stats_and_metrics) {
     resp r = get("/v1/stats");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     long long lookups0 = jint(r.json, "chunks.lookups"), hits0 = jint(r.json, "chunks.hits");
     resp_free(&r);
     const char *body = "{\"prompt\": \"S##alpha beta gamma##Q?\", \"max_tokens\": 2}";
@@ -563,23 +575,24 @@ Test(http, miss_then_hit_shows_in_stats_and_metrics) {
     cr_assert_eq(jint(r.json, "requests.by_status.200"), 3); /* two completions, one stats */
     resp_free(&r);
     r = get("/metrics");
-    cr_assert_eq(r.status, 200);
+    cr_assert_eq(r.http.status, 200);
     cr_assert(strstr(header(&r, "Content-Type"), "text/plain"));
-    cr_assert_eq(metric(r.body, "ragkv_chunk_lookups_total"), 2);
-    cr_assert_eq(metric(r.body, "ragkv_chunk_hits_total"), 1);
-    cr_assert_eq(metric(r.body, "ragkv_chunk_misses_total"), 1);
-    cr_assert(metric(r.body, "ragkv_chunk_hit_tokens_total") > 0);
-    cr_assert_eq(metric(r.body, "ragkv_chunk_hit_tokens_total"),
-                 metric(r.body, "ragkv_chunk_computed_tokens_total"));
-    cr_assert_eq(metric(r.body, "ragkv_prefix_queries_total"), 1);
-    cr_assert_eq(metric(r.body, "ragkv_requests_total{status=\"200\"}"), 4);
-    cr_assert_eq(metric(r.body, "ragkv_ttft_seconds_count"), 2);
-    cr_assert_eq(metric(r.body, "ragkv_ttft_seconds_bucket{le=\"+Inf\"}"), 2);
-    cr_assert(metric(r.body, "ragkv_reindex_seconds_sum") >= 0);
-    cr_assert(metric(r.body, "ragkv_pool_blocks{pool=\"chunk\",state=\"used\"}") >= 1);
-    cr_assert_eq(metric(r.body, "ragkv_pool_blocks{pool=\"live\",state=\"used\"}"), 0);
-    cr_assert_eq(metric(r.body, "ragkv_store_loads_total"), 0);
-    cr_assert_eq(metric(r.body, "ragkv_evictions_total{pool=\"chunk\",reason=\"capacity\"}"), 0);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_lookups_total"), 2);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total"), 1);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_misses_total"), 1);
+    cr_assert(metric(r.http.body, "ragkv_chunk_hit_tokens_total") > 0);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hit_tokens_total"),
+                 metric(r.http.body, "ragkv_chunk_computed_tokens_total"));
+    cr_assert_eq(metric(r.http.body, "ragkv_prefix_queries_total"), 1);
+    cr_assert_eq(metric(r.http.body, "ragkv_requests_total{status=\"200\"}"), 4);
+    cr_assert_eq(metric(r.http.body, "ragkv_ttft_seconds_count"), 2);
+    cr_assert_eq(metric(r.http.body, "ragkv_ttft_seconds_bucket{le=\"+Inf\"}"), 2);
+    cr_assert(metric(r.http.body, "ragkv_reindex_seconds_sum") >= 0);
+    cr_assert(metric(r.http.body, "ragkv_pool_blocks{pool=\"chunk\",state=\"used\"}") >= 1);
+    cr_assert_eq(metric(r.http.body, "ragkv_pool_blocks{pool=\"live\",state=\"used\"}"), 0);
+    cr_assert_eq(metric(r.http.body, "ragkv_store_loads_total"), 0);
+    cr_assert_eq(metric(r.http.body, "ragkv_evictions_total{pool=\"chunk\",reason=\"capacity\"}"),
+                 0);
     resp_free(&r);
 }
 
@@ -598,16 +611,16 @@ Test(http, metrics_have_help_type_and_every_listed_name) {
     char line[256];
     for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++) {
         snprintf(line, sizeof line, "# TYPE %s counter\n", counters[i]);
-        cr_assert(strstr(r.body, line), "missing %s", line);
+        cr_assert(strstr(r.http.body, line), "missing %s", line);
         snprintf(line, sizeof line, "# HELP %s ", counters[i]);
-        cr_assert(strstr(r.body, line), "missing %s", line);
+        cr_assert(strstr(r.http.body, line), "missing %s", line);
     }
-    cr_assert(strstr(r.body, "# TYPE ragkv_pool_blocks gauge\n"));
-    cr_assert(strstr(r.body, "# TYPE ragkv_ttft_seconds histogram\n"));
-    cr_assert(strstr(r.body, "# TYPE ragkv_reindex_seconds histogram\n"));
-    cr_assert(strstr(r.body, "ragkv_reindex_seconds_bucket{le=\"+Inf\"} "));
-    cr_assert(strstr(r.body, "ragkv_reindex_seconds_count "));
-    cr_assert(strstr(r.body, "ragkv_evictions_total{pool=\"prefix\",reason=\"manual\"} "));
+    cr_assert(strstr(r.http.body, "# TYPE ragkv_pool_blocks gauge\n"));
+    cr_assert(strstr(r.http.body, "# TYPE ragkv_ttft_seconds histogram\n"));
+    cr_assert(strstr(r.http.body, "# TYPE ragkv_reindex_seconds histogram\n"));
+    cr_assert(strstr(r.http.body, "ragkv_reindex_seconds_bucket{le=\"+Inf\"} "));
+    cr_assert(strstr(r.http.body, "ragkv_reindex_seconds_count "));
+    cr_assert(strstr(r.http.body, "ragkv_evictions_total{pool=\"prefix\",reason=\"manual\"} "));
     resp_free(&r);
 }
 
@@ -617,7 +630,7 @@ Test(http, serving_metrics_follow_a_generation_and_pass_promtool) {
     resp r = post("/v1/completions",
                   "{\"prompt\": \"Sys##A chunk.##Q\", \"max_tokens\": 4, \"temperature\": 0, "
                   "\"ignore_eos\": true}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     resp_free(&r);
     r = get("/metrics");
     static const char *gauges[] = {"ragkv_requests_running", "ragkv_requests_waiting",
@@ -628,22 +641,22 @@ Test(http, serving_metrics_follow_a_generation_and_pass_promtool) {
     char line[256];
     for (size_t i = 0; i < 3; i++) {
         snprintf(line, sizeof line, "# TYPE %s gauge\n", gauges[i]);
-        cr_assert(strstr(r.body, line), "missing %s", line);
+        cr_assert(strstr(r.http.body, line), "missing %s", line);
         snprintf(line, sizeof line, "# TYPE %s histogram\n", histograms[i]);
-        cr_assert(strstr(r.body, line), "missing %s", line);
+        cr_assert(strstr(r.http.body, line), "missing %s", line);
     }
-    cr_assert_eq(metric(r.body, "ragkv_requests_running"), 0);
-    cr_assert_eq(metric(r.body, "ragkv_kv_usage_ratio"), 0);
-    cr_assert_eq(metric(r.body, "ragkv_preemptions_total"), 0);
-    cr_assert_geq(metric(r.body, "ragkv_generation_tokens_total"), 4);
-    cr_assert_geq(metric(r.body, "ragkv_prompt_tokens_total"), 3);
-    cr_assert_geq(metric(r.body, "ragkv_time_per_output_token_seconds_count"), 1);
+    cr_assert_eq(metric(r.http.body, "ragkv_requests_running"), 0);
+    cr_assert_eq(metric(r.http.body, "ragkv_kv_usage_ratio"), 0);
+    cr_assert_eq(metric(r.http.body, "ragkv_preemptions_total"), 0);
+    cr_assert_geq(metric(r.http.body, "ragkv_generation_tokens_total"), 4);
+    cr_assert_geq(metric(r.http.body, "ragkv_prompt_tokens_total"), 3);
+    cr_assert_geq(metric(r.http.body, "ragkv_time_per_output_token_seconds_count"), 1);
 
     if (rk_test_run("command -v promtool >/dev/null", NULL) != 0) {
         resp_free(&r);
         cr_skip_test("promtool is not installed (make deps installs it)");
     }
-    char *path = rk_test_write_tmp("promtool", "metrics.txt", r.body);
+    char *path = rk_test_write_tmp("promtool", "metrics.txt", r.http.body);
     char cmd[1024], *out = NULL;
     snprintf(cmd, sizeof cmd, "promtool check metrics < %s 2>&1", path);
     int rc = rk_test_run(cmd, &out);
@@ -670,7 +683,7 @@ static void expect_same_as_generate(const char *model_flag, const char *prompt, 
     json_t *req = json_pack("{s:s, s:i, s:i}", "prompt", prompt, "max_tokens", n, "temperature", 0);
     char *body = json_dumps(req, 0);
     resp r = post("/v1/completions", body);
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "choices.0.text"), jstr(want, "choices.0.text"));
     cr_assert(json_equal(jget(r.json, "ragkv.completion_ids"), jget(want, "ragkv.completion_ids")),
               "completion ids differ");
@@ -707,7 +720,7 @@ Test(http, logprobs_give_top_alternatives) {
     resp r =
         post("/v1/completions",
              "{\"prompt\": \"Hello\", \"max_tokens\": 3, \"temperature\": 0, \"logprobs\": 2}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     json_t *lp = jget(r.json, "choices.0.logprobs");
     cr_assert_eq(json_array_size(json_object_get(lp, "tokens")), 3);
     cr_assert_eq(json_array_size(json_object_get(lp, "token_logprobs")), 3);
@@ -720,7 +733,7 @@ Test(http, stop_string_cuts_the_text) {
     const char *req =
         "{\"prompt\": \"Once upon a time\", \"max_tokens\": 40, \"temperature\": 0%s}";
     resp full = postf("/v1/completions", req, "");
-    cr_assert_eq(full.status, 200, "%s", full.body);
+    cr_assert_eq(full.http.status, 200, "%s", full.http.body);
     const char *text = jstr(full.json, "choices.0.text");
     cr_assert(strlen(text) > 12, "text too short: %s", text);
     /* A stop string from the middle of the greedy text: the first run of 4
@@ -742,7 +755,7 @@ Test(http, stop_string_cuts_the_text) {
     char *stop_json = json_dumps(s, JSON_ENCODE_ANY);
     snprintf(extra, sizeof extra, ", \"stop\": [%s]", stop_json);
     resp cut = postf("/v1/completions", req, extra);
-    cr_assert_eq(cut.status, 200, "%s", cut.body);
+    cr_assert_eq(cut.http.status, 200, "%s", cut.http.body);
     cr_assert_str_eq(jstr(cut.json, "choices.0.finish_reason"), "stop");
     cr_assert_eq(strlen(jstr(cut.json, "choices.0.text")), at);
     cr_assert(!strncmp(jstr(cut.json, "choices.0.text"), text, at));
@@ -752,7 +765,7 @@ Test(http, stop_string_cuts_the_text) {
     resp_free(&cut);
     snprintf(extra, sizeof extra, ", \"stop\": [%s], \"logprobs\": 1", stop_json);
     cut = postf("/v1/completions", req, extra);
-    cr_assert_eq(cut.status, 200, "%s", cut.body);
+    cr_assert_eq(cut.http.status, 200, "%s", cut.http.body);
     json_t *ids = jget(cut.json, "ragkv.completion_ids"),
            *all = jget(full.json, "ragkv.completion_ids");
     json_t *pieces = jget(cut.json, "choices.0.logprobs.tokens");
@@ -772,8 +785,8 @@ Test(http, stop_string_cuts_the_text) {
     /* The same through the stream. */
     snprintf(extra, sizeof extra, ", \"stop\": %s, \"stream\": true", stop_json);
     resp st = postf("/v1/completions", req, extra);
-    cr_assert_eq(st.status, 200);
-    cr_assert(strstr(st.body, "\"finish_reason\":\"stop\""));
+    cr_assert_eq(st.http.status, 200);
+    cr_assert(strstr(st.http.body, "\"finish_reason\":\"stop\""));
     free(stop_json);
     json_decref(s);
     resp_free(&full);
@@ -826,9 +839,9 @@ Test(http, stream_frames_events_and_matches_the_whole_text) {
                       "\"temperature\": 0%s}";
     resp whole = postf("/v1/completions", req, "");
     resp st = postf("/v1/completions", req, ", \"stream\": true");
-    cr_assert_eq(st.status, 200);
+    cr_assert_eq(st.http.status, 200);
     cr_assert(strstr(header(&st, "Content-Type"), "text/event-stream"));
-    check_stream(st.body, 0, jstr(whole.json, "choices.0.text"));
+    check_stream(st.http.body, 0, jstr(whole.json, "choices.0.text"));
     resp_free(&whole);
     resp_free(&st);
 }
@@ -837,7 +850,7 @@ Test(http, chat_completion_with_chunks_in_the_message_and_as_extension) {
     const char *msgs = "\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, "
                        "{\"role\": \"user\", \"content\": \"Doc A.##Doc B.##What?\"}]";
     resp r = postf("/v1/chat/completions", "{%s, \"max_tokens\": 5, \"temperature\": 0}", msgs);
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "object"), "chat.completion");
     cr_assert_str_eq(jstr(r.json, "choices.0.message.role"), "assistant");
     cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2);
@@ -848,7 +861,7 @@ Test(http, chat_completion_with_chunks_in_the_message_and_as_extension) {
                   "{\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, {\"role\": "
                   "\"user\", \"content\": \"What?\"}], \"chunks\": [\"Doc A.\", {\"id\": \"b\", "
                   "\"text\": \"Doc B.\"}], \"max_tokens\": 5, \"temperature\": 0}");
-    cr_assert_eq(e.status, 200, "%s", e.body);
+    cr_assert_eq(e.http.status, 200, "%s", e.http.body);
     cr_assert_str_eq(jstr(e.json, "ragkv.chunks.1.status"), "hit");
     cr_assert_str_eq(jstr(e.json, "ragkv.chunks.1.key"), jstr(r.json, "ragkv.chunks.1.key"));
     cr_assert_str_eq(jstr(e.json, "choices.0.message.content"), text);
@@ -856,7 +869,7 @@ Test(http, chat_completion_with_chunks_in_the_message_and_as_extension) {
                     "{%s, \"max_tokens\": 5, \"temperature\": 0, "
                     "\"stream\": true}",
                     msgs);
-    check_stream(st.body, 1, text);
+    check_stream(st.http.body, 1, text);
     resp_free(&r);
     resp_free(&e);
     resp_free(&st);
@@ -896,7 +909,7 @@ Test(http, malformed_input_is_400) {
     };
     for (size_t i = 0; i < sizeof bodies / sizeof bodies[0]; i++) {
         resp r = post("/v1/completions", bodies[i]);
-        cr_assert_eq(r.status, 400, "%s -> %d %s", bodies[i], r.status, r.body);
+        cr_assert_eq(r.http.status, 400, "%s -> %d %s", bodies[i], r.http.status, r.http.body);
         expect_error(&r, 400);
         resp_free(&r);
     }
@@ -904,26 +917,26 @@ Test(http, malformed_input_is_400) {
     resp r = post("/v1/completions",
                   "{\"prompt\": \"S##a first chunk of text##a second chunk##Q\", "
                   "\"repair\": {\"policy\": \"first_k\", \"k\": 2}, \"max_tokens\": 1}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
-    cr_assert(strstr(r.body, "\"recomputed_tokens\":4") != NULL, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert(strstr(r.http.body, "\"recomputed_tokens\":4") != NULL, "%s", r.http.body);
     resp_free(&r);
     /* deviation: a ratio of all the chunk tokens, rounded up. */
     r = post("/v1/completions",
              "{\"prompt\": \"S##a first chunk of text##a second chunk##Q\", "
              "\"repair\": {\"policy\": \"deviation\", \"ratio\": 1}, \"max_tokens\": 1}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     json_int_t all = jint(r.json, "ragkv.recomputed_tokens");
-    cr_assert_gt(all, 4, "%s", r.body);
+    cr_assert_gt(all, 4, "%s", r.http.body);
     resp_free(&r);
     r = post("/v1/completions",
              "{\"prompt\": \"S##a first chunk of text##a second chunk##Q\", "
              "\"repair\": {\"policy\": \"deviation\", \"ratio\": 0.5}, \"max_tokens\": 1}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
-    cr_assert_eq(jint(r.json, "ragkv.recomputed_tokens"), (all + 1) / 2, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(jint(r.json, "ragkv.recomputed_tokens"), (all + 1) / 2, "%s", r.http.body);
     resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"none\"}, "
                                 "\"max_tokens\": 1}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     resp_free(&r);
 }
 
@@ -933,7 +946,7 @@ Test(http, unknown_model_is_404) {
     resp_free(&r);
     r = post("/v1/completions",
              "{\"prompt\": \"x\", \"model\": \"ragkv synthetic tiny\", \"max_tokens\": 1}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     resp_free(&r);
 }
 
@@ -966,7 +979,7 @@ Test(http_opts, limits_give_413_and_422, .fini = stop_server, .timeout = 300) {
     expect_error(&r, 422);
     resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"S##a##b##Q\", \"max_tokens\": 2}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 101}");
     expect_error(&r, 422);
@@ -987,10 +1000,10 @@ Test(http_opts, a_request_larger_than_the_kv_memory_is_422, .fini = stop_server,
     cr_assert_eq(srv_start(&S, args), 0);
     resp r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1000}");
     expect_error(&r, 422);
-    cr_assert(strstr(jstr(r.json, "error.message"), "KV memory"), "%s", r.body);
+    cr_assert(strstr(jstr(r.json, "error.message"), "KV memory"), "%s", r.http.body);
     resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 4}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     resp_free(&r);
 }
 
@@ -1009,7 +1022,7 @@ Test(http_opts, api_key_protects_every_route_but_health, .fini = stop_server, .t
         expect_error(&r, 401);
         resp_free(&r);
         cr_assert_eq(http("GET", paths[i], "Authorization: Bearer sesame\r\n", NULL, &r), 0);
-        cr_assert_eq(r.status, 200, "%s: %s", paths[i], r.body);
+        cr_assert_eq(r.http.status, 200, "%s: %s", paths[i], r.http.body);
         resp_free(&r);
     }
     /* The scheme is case-insensitive (RFC 7235), and may be followed by more than one space. */
@@ -1017,7 +1030,7 @@ Test(http_opts, api_key_protects_every_route_but_health, .fini = stop_server, .t
                                     "Authorization: BEARER  sesame\r\n"};
     for (size_t i = 0; i < 2; i++) {
         cr_assert_eq(http("GET", "/v1/models", schemes[i], NULL, &r), 0);
-        cr_assert_eq(r.status, 200, "%s: %s", schemes[i], r.body);
+        cr_assert_eq(r.http.status, 200, "%s: %s", schemes[i], r.http.body);
         resp_free(&r);
     }
     cr_assert_eq(http("GET", "/v1/models", "Authorization: Basic sesame\r\n", NULL, &r), 0);
@@ -1029,10 +1042,10 @@ Test(http_opts, api_key_protects_every_route_but_health, .fini = stop_server, .t
     cr_assert_eq(http("POST", "/v1/completions", "Authorization: Bearer sesame\r\n",
                       "{\"prompt\": \"x\", \"max_tokens\": 1}", &r),
                  0);
-    cr_assert_eq(r.status, 200);
+    cr_assert_eq(r.http.status, 200);
     resp_free(&r);
     r = get("/health");
-    cr_assert_eq(r.status, 200);
+    cr_assert_eq(r.http.status, 200);
     resp_free(&r);
 }
 
@@ -1051,11 +1064,11 @@ Test(http_opts, admin_key_guards_flush_and_delete, .fini = stop_server, .timeout
     cr_assert_eq(http("POST", "/v1/cache/flush", "Authorization: Bearer root\r\n",
                       "{\"what\": \"all\"}", &r),
                  0);
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     resp_free(&r);
     /* The admin key opens the ordinary routes too. */
     cr_assert_eq(http("GET", "/v1/stats", "Authorization: Bearer root\r\n", NULL, &r), 0);
-    cr_assert_eq(r.status, 200);
+    cr_assert_eq(r.http.status, 200);
     resp_free(&r);
 }
 
@@ -1064,7 +1077,7 @@ Test(http_opts, admin_key_guards_flush_and_delete, .fini = stop_server, .timeout
 Test(http, prewarm_list_get_delete_and_flush_chunks) {
     resp r = post("/v1/chunks", "{\"chunks\": [\"The sky is blue.\", {\"id\": \"doc-7#3\", "
                                 "\"text\": \"Grass is green.\"}]}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "data.0.status"), "computed");
     cr_assert_str_eq(jstr(r.json, "data.1.id"), "doc-7#3");
     cr_assert(jint(r.json, "data.1.tokens") > 0);
@@ -1082,14 +1095,14 @@ Test(http, prewarm_list_get_delete_and_flush_chunks) {
     resp_free(&r);
 
     r = get("/v1/chunks?sort=hits&limit=10");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_eq(jint(r.json, "total"), 2);
     cr_assert_str_eq(jstr(r.json, "data.0.key"), key); /* most hits first */
     cr_assert_str_eq(jstr(r.json, "data.0.id"), "doc-7#3");
     cr_assert_str_eq(jstr(r.json, "data.0.tier"), "arena");
     cr_assert_eq(jint(r.json, "data.0.hits"), 1); /* the completion; a pre-warm is no hit */
     cr_assert(jint(r.json, "data.0.bytes") > 0);
-    cr_assert(!strstr(r.body, "Grass"), "chunk text leaked into the listing");
+    cr_assert(!strstr(r.http.body, "Grass"), "chunk text leaked into the listing");
     resp_free(&r);
     r = get("/v1/chunks?limit=1&offset=1");
     cr_assert_eq(json_array_size(jget(r.json, "data")), 1);
@@ -1101,7 +1114,7 @@ Test(http, prewarm_list_get_delete_and_flush_chunks) {
     char path[128];
     snprintf(path, sizeof path, "/v1/chunks/%s", key);
     r = get(path);
-    cr_assert_eq(r.status, 200);
+    cr_assert_eq(r.http.status, 200);
     cr_assert_eq(jint(r.json, "refs"), 0);
     resp_free(&r);
     r = get("/v1/chunks/xyz");
@@ -1111,14 +1124,14 @@ Test(http, prewarm_list_get_delete_and_flush_chunks) {
     expect_error(&r, 404);
     resp_free(&r);
     cr_assert_eq(http("DELETE", path, NULL, NULL, &r), 0);
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     resp_free(&r);
     cr_assert_eq(http("DELETE", path, NULL, NULL, &r), 0);
     expect_error(&r, 404);
     resp_free(&r);
 
     r = post("/v1/cache/flush", "{\"what\": \"chunks\"}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_eq(jint(r.json, "flushed.chunks"), 1);
     resp_free(&r);
     r = get("/v1/stats");
@@ -1140,14 +1153,14 @@ Test(http, prewarm_list_get_delete_and_flush_chunks) {
 Test(http, prewarm_in_the_system_context_is_reused_under_that_system_prompt) {
     resp r = post("/v1/chunks", "{\"chunks\": [\"A chunk after the system.\"], "
                                 "\"chunk_context\": \"system\", \"system\": \"Be terse.\"}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "data.0.status"), "computed");
     char key[33];
     snprintf(key, sizeof key, "%s", jstr(r.json, "data.0.key"));
     resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"Be terse.##A chunk after the system.##Q\", "
                                 "\"chunk_context\": \"system\", \"max_tokens\": 1}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
     cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.key"), key);
     resp_free(&r);
@@ -1164,7 +1177,7 @@ Test(http_opts, the_store_keeps_chunks_across_restarts, .fini = stop_server, .ti
     cr_assert_eq(srv_start(&S, args), 0);
     resp r = post("/v1/chunks", "{\"chunks\": [{\"id\": \"doc-1\", \"text\": \"Stored chunk "
                                 "text.\"}], \"persist\": true}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "data.0.status"), "computed");
     char key[33], path[128];
     snprintf(key, sizeof key, "%s", jstr(r.json, "data.0.key"));
@@ -1176,7 +1189,7 @@ Test(http_opts, the_store_keeps_chunks_across_restarts, .fini = stop_server, .ti
     cr_assert(jint(r.json, "store.writes") >= 1);
     resp_free(&r);
     r = get("/v1/chunks?tier=disk");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_eq(jint(r.json, "total"), 1);
     cr_assert_str_eq(jstr(r.json, "data.0.key"), key);
     cr_assert_str_eq(jstr(r.json, "data.0.id"), "doc-1");
@@ -1191,23 +1204,23 @@ Test(http_opts, the_store_keeps_chunks_across_restarts, .fini = stop_server, .ti
     cr_assert_str_eq(jstr(r.json, "data.0.tier"), "disk");
     resp_free(&r);
     r = get(path);
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "tier"), "disk");
     resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"S##Stored chunk text.##Q\", \"max_tokens\": 1}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
     cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.source"), "disk");
     resp_free(&r);
     r = get("/metrics");
-    cr_assert_eq(metric(r.body, "ragkv_store_loads_total"), 1);
+    cr_assert_eq(metric(r.http.body, "ragkv_store_loads_total"), 1);
     resp_free(&r);
     cr_assert_eq(http("DELETE", path, NULL, NULL, &r), 0);
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert(json_is_true(jget(r.json, "arena")) && json_is_true(jget(r.json, "disk")));
     resp_free(&r);
     r = post("/v1/cache/flush", "{\"what\": \"all\", \"disk\": true}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_eq(jint(r.json, "flushed.disk_rows"), 0);
     resp_free(&r);
     r = get("/v1/stats");
@@ -1224,7 +1237,7 @@ Test(http_opts, a_deleted_store_database_is_rebuilt_and_its_chunks_served, .fini
     const char *args[] = {"--store", dir, NULL};
     cr_assert_eq(srv_start(&S, args), 0);
     resp r = post("/v1/chunks", "{\"chunks\": [\"A chunk kept on disk.\"], \"persist\": true}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     resp_free(&r);
     cr_assert_eq(srv_stop(&S), 0);
     char db[4200];
@@ -1233,12 +1246,12 @@ Test(http_opts, a_deleted_store_database_is_rebuilt_and_its_chunks_served, .fini
 
     cr_assert_eq(srv_start(&S, args), 0);
     r = get("/v1/stats");
-    cr_assert_eq(jint(r.json, "store.rows"), 1, "%s", r.body);
-    cr_assert_eq(jint(r.json, "store.rows_rebuilt"), 1, "%s", r.body);
+    cr_assert_eq(jint(r.json, "store.rows"), 1, "%s", r.http.body);
+    cr_assert_eq(jint(r.json, "store.rows_rebuilt"), 1, "%s", r.http.body);
     cr_assert_eq(jint(r.json, "store.quarantined"), 0);
     resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"S##A chunk kept on disk.##Q\", \"max_tokens\": 1}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.source"), "disk");
     resp_free(&r);
     free(dir);
@@ -1251,7 +1264,7 @@ typedef struct counts {
 
 static counts stats_counts(void) {
     resp r = get("/v1/stats");
-    cr_assert_eq(r.status, 200);
+    cr_assert_eq(r.http.status, 200);
     counts c = {jint(r.json, "pools.live.used"), jint(r.json, "chunks.referenced"),
                 jint(r.json, "prefix.locked_tokens")};
     resp_free(&r);
@@ -1263,20 +1276,11 @@ static int counts_equal(counts a, counts b) {
            a.prefix_locked == b.prefix_locked;
 }
 
-/* Start a stream and return its socket once the first event arrived. */
-static int stream_until_first_event(const char *body) {
-    int fd = send_request(S.port, "POST", "/v1/completions", NULL, body, strlen(body));
-    cr_assert(fd >= 0);
-    char buf[4096];
-    size_t len = 0;
-    while (len < sizeof buf - 1) {
-        ssize_t k = recv(fd, buf + len, sizeof buf - 1 - len, 0);
-        cr_assert(k > 0, "the stream ended before its first event");
-        len += (size_t)k;
-        buf[len] = '\0';
-        if (strstr(buf, "data: ")) break;
-    }
-    return fd;
+/* Start a stream on c and return once its first event arrived. */
+static void stream_until_first_event(const char *body, rk_http_conn *c) {
+    open_completion(body, c);
+    cr_assert_eq(rk_http_wait_for(c, "data: "), RK_OK,
+                 "the stream ended before its first event: %s", rk_error_message());
 }
 
 Test(http_opts, a_client_that_disconnects_mid_stream_releases_everything, .fini = stop_server,
@@ -1287,7 +1291,8 @@ Test(http_opts, a_client_that_disconnects_mid_stream_releases_everything, .fini 
     const char *body = "{\"prompt\": \"A long system prompt for the prefix cache, long enough to "
                        "fill a block or two of sixteen tokens.##Chunk text here.##Go on\", "
                        "\"max_tokens\": 400, \"ignore_eos\": true, \"stream\": true}";
-    int fd = stream_until_first_event(body);
+    rk_http_conn c;
+    stream_until_first_event(body, &c);
     counts during = stats_counts();
     for (double t_end = now_s() + 2; during.live_used == base.live_used && now_s() < t_end;) {
         sleep_s(0.01);
@@ -1295,7 +1300,7 @@ Test(http_opts, a_client_that_disconnects_mid_stream_releases_everything, .fini 
     }
     cr_assert(during.live_used > base.live_used, "the request holds no live blocks");
     cr_assert(during.chunk_refs > 0 && during.prefix_locked > 0);
-    close(fd);
+    rk_http_close(&c);
     double until = now_s() + 30;
     counts after = stats_counts();
     while (!counts_equal(after, base) && now_s() < until) {
@@ -1319,12 +1324,14 @@ Test(http_opts, deleting_a_chunk_in_use_is_409, .fini = stop_server, .timeout = 
     char path[128];
     snprintf(path, sizeof path, "/v1/chunks/%s", jstr(r.json, "data.0.key"));
     resp_free(&r);
-    int fd = stream_until_first_event("{\"prompt\": \"S##Busy chunk.##Q\", \"max_tokens\": 300, "
-                                      "\"ignore_eos\": true, \"stream\": true}");
+    rk_http_conn c;
+    stream_until_first_event("{\"prompt\": \"S##Busy chunk.##Q\", \"max_tokens\": 300, "
+                             "\"ignore_eos\": true, \"stream\": true}",
+                             &c);
     cr_assert_eq(http("DELETE", path, NULL, NULL, &r), 0);
     expect_error(&r, 409);
     resp_free(&r);
-    close(fd);
+    rk_http_close(&c);
 }
 
 Test(http_opts, a_full_queue_and_timeouts_give_503_or_cancel, .fini = stop_server, .timeout = 300) {
@@ -1334,12 +1341,16 @@ Test(http_opts, a_full_queue_and_timeouts_give_503_or_cancel, .fini = stop_serve
     /* Q arrives first (its headers start its clock) but sends its body late,
      * so it waits in the queue behind R and times out there, before R does. */
     const char *qbody = "{\"prompt\": \"q\", \"max_tokens\": 5}";
-    int q = send_request(S.port, "POST", "/v1/completions", NULL, NULL, strlen(qbody));
-    cr_assert(q >= 0);
+    char qlen[96];
+    snprintf(qlen, sizeof qlen, "Content-Type: application/json\r\nContent-Length: %zu\r\n",
+             strlen(qbody));
+    rk_http_conn q, rc;
+    cr_assert_eq(rk_http_open(&S.t, "POST", "/v1/completions", qlen, NULL, 0, &q), RK_OK);
     sleep_s(0.2);
-    int r_fd = stream_until_first_event("{\"prompt\": \"x\", \"max_tokens\": 500, \"ignore_eos\": "
-                                        "true, \"stream\": true}");
-    cr_assert_eq(send_all(q, qbody, strlen(qbody)), 0);
+    stream_until_first_event("{\"prompt\": \"x\", \"max_tokens\": 500, \"ignore_eos\": "
+                             "true, \"stream\": true}",
+                             &rc);
+    cr_assert_eq(send_all(q.fd, qbody, strlen(qbody)), 0);
     sleep_s(0.3);
     /* The queue (one place) is full now. */
     resp r = post("/v1/completions", "{\"prompt\": \"y\", \"max_tokens\": 1}");
@@ -1347,19 +1358,17 @@ Test(http_opts, a_full_queue_and_timeouts_give_503_or_cancel, .fini = stop_serve
     cr_assert_str_eq(header(&r, "Retry-After"), "1");
     cr_assert(strstr(jstr(r.json, "error.message"), "queue"));
     resp_free(&r);
-    size_t n;
-    char *qr = recv_all(q, &n);
-    cr_assert(!strncmp(qr, "HTTP/1.1 503", 12), "queued request: %.200s", qr);
-    cr_assert(strstr(qr, "timeout"), "%s", qr);
-    free(qr);
-    close(q);
+    r = finish(&q);
+    expect_error(&r, 503);
+    cr_assert(strstr(jstr(r.json, "error.message"), "timeout"), "%s", r.http.body);
+    resp_free(&r);
     /* R is cancelled at its deadline: the stream ends with finish_reason "cancelled". */
-    char *rr = recv_all(r_fd, &n);
+    r = finish(&rc);
+    const char *rr = r.http.body;
     cr_assert(strstr(rr, "\"finish_reason\":\"cancelled\""), "stream tail: %s",
               strlen(rr) > 600 ? rr + strlen(rr) - 600 : rr);
     cr_assert(strstr(rr, "data: [DONE]"));
-    free(rr);
-    close(r_fd);
+    resp_free(&r);
     /* A non-streaming request that runs past the timeout is answered 503. */
     r = post("/v1/completions", "{\"prompt\": \"z\", \"max_tokens\": 500, \"ignore_eos\": true}");
     expect_error(&r, 503);
@@ -1373,7 +1382,7 @@ Test(http_opts, health_is_503_while_loading, .fini = stop_server, .timeout = 300
     const char *args[] = {"--load-delay-s", "1.5", NULL};
     cr_assert_eq(srv_start_env(&S, NULL, args), 0);
     resp r = get("/health");
-    cr_assert_eq(r.status, 503, "%s", r.body);
+    cr_assert_eq(r.http.status, 503, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "status"), "loading");
     cr_assert_eq(jint(r.json, "error.code"), 503);
     resp_free(&r);
@@ -1384,7 +1393,7 @@ Test(http_opts, health_is_503_while_loading, .fini = stop_server, .timeout = 300
     int status = 0;
     while (now_s() < until) {
         r = get("/health");
-        status = r.status;
+        status = r.http.status;
         resp_free(&r);
         if (status == 200) break;
         sleep_s(0.05);
@@ -1395,7 +1404,7 @@ Test(http_opts, health_is_503_while_loading, .fini = stop_server, .timeout = 300
 Test(http_opts, sigterm_exits_cleanly_after_work, .timeout = 300) {
     cr_assert_eq(srv_start(&S, NULL), 0);
     resp r = post("/v1/completions", "{\"prompt\": \"S##c##Q\", \"max_tokens\": 3}");
-    cr_assert_eq(r.status, 200);
+    cr_assert_eq(r.http.status, 200);
     resp_free(&r);
     cr_assert_eq(srv_stop(&S), 0, "ragkv serve did not exit with status 0 on SIGTERM");
 }
@@ -1412,13 +1421,12 @@ Test(http_opts, sigterm_ends_streams_with_a_final_event_and_answers_queued_reque
      .timeout = 300) {
     const char *args[] = {"--token-delay-s", "0.02", "--grace-s", "0.3", "--max-batch", "1", NULL};
     cr_assert_eq(srv_start(&S, args), 0);
-    int fd = stream_until_first_event("{\"prompt\": \"x\", \"max_tokens\": 2000, \"ignore_eos\": "
-                                      "true, \"stream\": true}");
-    const char *q1body = "{\"prompt\": \"q\", \"max_tokens\": 5}";
-    const char *q2body = "{\"prompt\": \"r\", \"max_tokens\": 5, \"stream\": true}";
-    int q1 = send_request(S.port, "POST", "/v1/completions", NULL, q1body, strlen(q1body));
-    int q2 = send_request(S.port, "POST", "/v1/completions", NULL, q2body, strlen(q2body));
-    cr_assert(q1 >= 0 && q2 >= 0);
+    rk_http_conn c, qs[2];
+    stream_until_first_event("{\"prompt\": \"x\", \"max_tokens\": 2000, \"ignore_eos\": "
+                             "true, \"stream\": true}",
+                             &c);
+    open_completion("{\"prompt\": \"q\", \"max_tokens\": 5}", &qs[0]);
+    open_completion("{\"prompt\": \"r\", \"max_tokens\": 5, \"stream\": true}", &qs[1]);
     for (double until = now_s() + 20; queued_now() < 2 && now_s() < until;) sleep_s(0.02);
     cr_assert_eq(queued_now(), 2, "the two requests are not queued behind the stream");
     double t = now_s();
@@ -1426,9 +1434,9 @@ Test(http_opts, sigterm_ends_streams_with_a_final_event_and_answers_queued_reque
     cr_assert(now_s() - t < 20, "shutdown took %.1f s", now_s() - t);
     /* The stream that was cut ends with a final event (finish_reason
      * "cancelled", usage) and [DONE]. */
-    size_t n;
-    char *rest = recv_all(fd, &n);
-    close(fd);
+    resp cut = finish(&c);
+    const char *rest = cut.http.body;
+    size_t n = cut.http.body_len;
     const char *done = strstr(rest, "data: [DONE]\n\n");
     cr_assert(done && done[14] == '\0', "the stream does not end with [DONE]; its tail: %s",
               n > 400 ? rest + n - 400 : rest);
@@ -1442,18 +1450,13 @@ Test(http_opts, sigterm_ends_streams_with_a_final_event_and_answers_queued_reque
     cr_assert(jint(ev, "usage.completion_tokens") > 0);
     check_invariants(ev);
     json_decref(ev);
-    free(rest);
+    resp_free(&cut);
     /* The queued ones are answered 503 in the JSON error shape. */
-    int qs[2] = {q1, q2};
     for (int i = 0; i < 2; i++) {
-        char *a = recv_all(qs[i], &n);
-        close(qs[i]);
-        resp r;
-        cr_assert_eq(parse_response(a, n, &r), 0, "queued request %d got no answer: %s", i, a);
+        resp r = finish(&qs[i]);
         expect_error(&r, 503);
-        cr_assert(strstr(jstr(r.json, "error.message"), "shutting down"), "%s", r.body);
+        cr_assert(strstr(jstr(r.json, "error.message"), "shutting down"), "%s", r.http.body);
         resp_free(&r);
-        free(a);
     }
 }
 
@@ -1464,22 +1467,23 @@ Test(http_opts, idle_connections_do_not_starve_the_service, .fini = stop_server,
     enum { N_IDLE = 4 * (64 + 16) }; /* 4 x the default http_threads (queue + 16) */
     static int fds[N_IDLE];
     for (int i = 0; i < N_IDLE; i++) {
-        fds[i] = connect_port(S.port);
+        fds[i] = connect_port();
         cr_assert(fds[i] >= 0, "connection %d refused", i);
     }
     sleep_s(0.5); /* the server has taken them */
-    static const char health[] = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
-    double took;
-    char *a = raw_exchange(health, sizeof health - 1, 2.0, &took);
+    rk_http_target within_2s = S.t;
+    within_2s.timeout_s = 2.0;
+    double t0 = now_s();
     resp r;
-    cr_assert_eq(parse_response(a, strlen(a), &r), 0,
-                 "/health did not answer within 2 s with %d idle connections open", N_IDLE);
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(http_to(&within_2s, "GET", "/health", NULL, NULL, &r), 0,
+                 "/health did not answer within 2 s with %d idle connections open: %s", N_IDLE,
+                 rk_error_message());
+    double took = now_s() - t0;
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert(took < 2, "/health took %.2f s", took);
     resp_free(&r);
-    free(a);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 2}");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     resp_free(&r);
     for (int i = 0; i < N_IDLE; i++) close(fds[i]);
 }
@@ -1491,29 +1495,26 @@ Test(http_opts, requests_beyond_http_threads_get_503_but_probes_answer, .fini = 
     cr_assert_eq(srv_start(&S, args), 0);
     const char *body = "{\"prompt\": \"x\", \"max_tokens\": 2000, \"ignore_eos\": true, "
                        "\"stream\": true}";
-    int fds[4];
-    for (int i = 0; i < 4; i++) {
-        fds[i] = send_request(S.port, "POST", "/v1/completions", NULL, body, strlen(body));
-        cr_assert(fds[i] >= 0);
-    }
+    rk_http_conn streams[4];
+    for (int i = 0; i < 4; i++) open_completion(body, &streams[i]);
     /* Once the four are being handled, a fifth request is refused at once. */
     resp r = {0};
     for (double until = now_s() + 20; now_s() < until; sleep_s(0.02)) {
         r = get("/v1/models");
-        if (r.status == 503) break;
+        if (r.http.status == 503) break;
         resp_free(&r);
     }
     expect_error(&r, 503);
     cr_assert_str_eq(header(&r, "Retry-After"), "1");
-    cr_assert(strstr(jstr(r.json, "error.message"), "http_threads"), "%s", r.body);
+    cr_assert(strstr(jstr(r.json, "error.message"), "http_threads"), "%s", r.http.body);
     resp_free(&r);
     r = get("/health");
-    cr_assert_eq(r.status, 200, "%s", r.body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     resp_free(&r);
     r = get("/metrics");
-    cr_assert_eq(r.status, 200);
+    cr_assert_eq(r.http.status, 200);
     resp_free(&r);
-    for (int i = 0; i < 4; i++) close(fds[i]);
+    for (int i = 0; i < 4; i++) rk_http_close(&streams[i]);
 }
 
 Test(http_opts, idle_and_slow_header_connections_are_closed_after_the_request_timeout,
@@ -1533,8 +1534,8 @@ Test(http_opts, idle_and_slow_header_connections_are_closed_after_the_request_ti
     if (a[0]) {
         resp r;
         cr_assert_eq(parse_response(a, strlen(a), &r), 0, "%s", a);
-        cr_assert(r.status >= 400 && r.json, "%s", a);
-        cr_assert_eq(jint(r.json, "error.code"), r.status);
+        cr_assert(r.http.status >= 400 && r.json, "%s", a);
+        cr_assert_eq(jint(r.json, "error.code"), r.http.status);
         resp_free(&r);
     }
     free(a);
@@ -1544,27 +1545,27 @@ Test(http_opts, a_slow_body_is_answered_408_within_the_request_timeout, .fini = 
      .timeout = 300) {
     const char *env[] = {"RAGKV_REQUEST_TIMEOUT_S=1", NULL};
     cr_assert_eq(srv_start_ready(&S, env, NULL), 0);
-    int fd = send_request(S.port, "POST", "/v1/completions", NULL, NULL, 100);
-    cr_assert(fd >= 0);
+    /* A body announced as 100 bytes of which one ever comes. */
+    rk_http_target within_6s = S.t;
+    within_6s.timeout_s = 6;
+    rk_http_conn c;
+    cr_assert_eq(rk_http_open(&within_6s, "POST", "/v1/completions",
+                              "Content-Type: application/json\r\nContent-Length: 100\r\n", NULL, 0,
+                              &c),
+                 RK_OK);
     double t0 = now_s();
-    cr_assert_eq(send_all(fd, "{", 1), 0);
-    struct timeval tv = {6, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    cr_assert_eq(send_all(c.fd, "{", 1), 0);
     /* Meanwhile other requests are served. */
     resp r = get("/health");
-    cr_assert_eq(r.status, 200);
+    cr_assert_eq(r.http.status, 200);
     cr_assert(now_s() - t0 < 0.5);
     resp_free(&r);
-    size_t n;
-    char *a = recv_all(fd, &n);
+    r = finish(&c);
     double took = now_s() - t0;
-    close(fd);
     cr_assert(took < 3, "a body 99 bytes short held the connection %.2f s", took);
-    cr_assert_eq(parse_response(a, n, &r), 0, "no answer: %s", a);
     expect_error(&r, 408);
     cr_assert_str_eq(header(&r, "Connection"), "close");
     resp_free(&r);
-    free(a);
 }
 
 Test(http_opts, config_file_environment_and_flags_take_precedence_in_order, .timeout = 300) {

@@ -102,6 +102,25 @@ Test(radix, second_turn_matches_the_first_and_computes_the_rest) {
     rk_radix_free(r);
 }
 
+Test(radix, an_uncounted_match_locks_like_a_query_but_leaves_the_stats) {
+    rk_radix *r = make(1, RK_RADIX_LRU);
+    int32_t t[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    insert(r, t, 8);
+    rk_radix_node *node;
+    cr_assert_eq(match(r, t, 8, RK_RADIX_UNCOUNTED, &node), 8);
+    rk_radix_stats s;
+    rk_radix_get_stats(r, &s);
+    cr_assert_eq(s.queries, 0);
+    cr_assert_eq(s.hits + s.misses + s.tokens_processed, 0);
+    cr_assert_eq(s.protected_tokens, 8, "the path is locked all the same");
+    cr_assert_eq(rk_radix_unlock(r, node), RK_OK);
+    cr_assert_eq(match(r, t, 8, 0, NULL), 8);
+    rk_radix_get_stats(r, &s);
+    cr_assert_eq(s.queries, 1);
+    cr_assert_eq(s.hits, 1);
+    rk_radix_free(r);
+}
+
 Test(radix, hit_rate_and_reuse_of_the_8_14_14_example) {
     rk_radix *r = make(1, RK_RADIX_LRU);
     int32_t q1[] = {1, 2, 3, 4, 5, 10, 11, 12};

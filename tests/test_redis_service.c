@@ -3,7 +3,7 @@
  * chunks, a corrupted value is recomputed, a dead or stalled Redis never
  * holds a request up, sharing resumes after a restart, a refused password
  * stops start-up, a fleet computes a chunk once, and an abandoned compute
- * lock is waited out.
+ * lock (a dead holder's, a replica killed with SIGKILL) is waited out.
  *
  * Every test starts its own redis-server on a free loopback port in a scratch
  * directory and stops it; the tests skip visibly without redis-server. The
@@ -328,6 +328,75 @@ Test(redis_service, an_abandoned_lock_is_waited_out_then_computed) {
     req_free(r);
     rk_service_close(plain);
     rk_service_close(a);
+    rk_test_redis_free(&s);
+}
+
+/* A replica killed with SIGKILL while it holds a compute lock: the lock is
+ * taken through the tier's own client in a separate process, which is then
+ * killed before it can release or fill it. The surviving replica waits out
+ * the lock's TTL, computes the chunk itself and gets the reference tokens. */
+Test(redis_service, sigkill_of_the_lock_holder_lets_the_others_compute_after_it_expires) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 1;
+    cfg.kv_memory_mb = 16;
+    rk_service *plain;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &plain), RK_OK);
+    rk_request *ref = run(plain, PROMPT);
+    const char *key = ref->chunk_reports[0].key;
+    char fp[128];
+    snprintf(fp, sizeof fp, "%s", rk_model_fingerprint(plain->model));
+
+    int sync[2];
+    cr_assert_eq(pipe(sync), 0);
+    pid_t holder = fork();
+    cr_assert_geq(holder, 0);
+    if (holder == 0) { /* the replica that dies: no Criterion calls from here on */
+        close(sync[0]);
+        char url[64];
+        snprintf(url, sizeof url, "redis://127.0.0.1:%d", s.port);
+        rk_redis_config rc;
+        rk_redis_config_default(&rc);
+        rc.url = url;
+        rc.lock_ttl_ms = 1500;
+        rk_redis *r;
+        rk_redis_lock lk;
+        rk_redis_lock_state ls;
+        if (rk_redis_open(&rc, fp, &r) || rk_redis_try_lock(r, key, &lk, &ls) ||
+            ls != RK_REDIS_LOCK_ACQUIRED)
+            _exit(1);
+        char one = 1;
+        if (write(sync[1], &one, 1) != 1) _exit(1);
+        for (;;) pause(); /* "computing" until killed */
+    }
+    close(sync[1]);
+    char got = 0;
+    cr_assert_eq(read(sync[0], &got, 1), 1, "the holder did not take the lock");
+    close(sync[0]);
+    double t_lock = rk_time_now();
+    cr_assert_eq(kill(holder, SIGKILL), 0);
+    int wst = 0;
+    cr_assert_eq(waitpid(holder, &wst, 0), holder);
+    cr_assert(WIFSIGNALED(wst) && WTERMSIG(wst) == SIGKILL);
+
+    rk_service *b = open_svc(&s, NULL, 10000);
+    rk_request *r = run(b, PROMPT);
+    double dt = rk_time_now() - t_lock;
+    cr_assert_eq(r->chunk_reports[0].source, RK_CHUNK_SOURCE_COMPUTED);
+    cr_assert_geq(dt, 1.2, "it did not wait for the dead holder's lock (%.2f s)", dt);
+    cr_assert_lt(dt, 9.0, "it waited for the whole bound, not the lock (%.2f s)", dt);
+    cr_assert_eq(memcmp(ref->out_tokens, r->out_tokens, 8 * sizeof(int32_t)), 0);
+    /* What it computed reaches the fleet. */
+    drain(b);
+    rk_redis_counters c;
+    rk_redis_stats(b->redis, &c);
+    cr_assert_geq(c.writes, 1);
+    req_free(ref);
+    req_free(r);
+    rk_service_close(b);
+    rk_service_close(plain);
     rk_test_redis_free(&s);
 }
 

@@ -1,8 +1,10 @@
 /* tests/test_reindex.c — reindex/: where a request's chunks go (sequential
- * and parallel position modes) and the token copies that move cached chunk
- * KV into a request's live blocks. */
+ * and parallel position modes), the token copies that move cached chunk KV
+ * into a request's live blocks, and the run tables that let attention read
+ * cached blocks in place. */
 #include <criterion/criterion.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "reindex/reindex.h"
 
@@ -93,4 +95,87 @@ Test(reindex, copy_plan_grows_past_its_first_capacity_and_keeps_earlier_entries)
     }
     rk_copy_plan_free(&p);
     free(blocks);
+}
+
+/* Three runs over 4-token blocks: the system prompt where it was computed
+ * (delta 0), a cached chunk 10 positions below its live place, a short one
+ * 2 above. Each run starts at offset 0 of its own first block. */
+static void three_runs(rk_runs *t) {
+    const int32_t sys[] = {9, 3}, chunk[] = {7, 1}, tail[] = {4};
+    memset(t, 0, sizeof *t);
+    cr_assert_eq(rk_runs_add(t, 4, sys, 6, 0), RK_OK);
+    cr_assert_eq(rk_runs_add(t, 4, chunk, 5, 10), RK_OK);
+    cr_assert_eq(rk_runs_add(t, 4, tail, 3, -2), RK_OK);
+}
+
+Test(reindex, run_table_slots_restart_at_each_runs_first_block) {
+    rk_runs t;
+    three_runs(&t);
+    cr_assert_eq(t.n_runs, 3);
+    cr_assert_eq(t.n_blocks, 5);
+    const int32_t want_end[] = {6, 11, 14}, want_first[] = {0, 2, 4};
+    for (int k = 0; k < 3; k++) {
+        cr_expect_eq(t.end[k], want_end[k], "run %d end", k);
+        cr_expect_eq(t.first[k], want_first[k], "run %d first table entry", k);
+    }
+    /* Entry 5 is the system's sixth token (block 3, offset 1); entry 6 opens
+     * the chunk's block 7 although the system's block has room left. */
+    const int entries[] = {0, 3, 4, 5, 6, 9, 10, 11, 13};
+    const int32_t want_slot[] = {36, 39, 12, 13, 28, 31, 4, 16, 18};
+    for (int i = 0; i < 9; i++)
+        cr_expect_eq(rk_runs_slot(&t, 4, entries[i]), want_slot[i], "entry %d", entries[i]);
+    rk_runs_free(&t);
+    cr_expect_null(t.blocks);
+    cr_expect_eq(t.n_runs, 0);
+}
+
+Test(reindex, run_table_cover_cuts_the_last_run_at_the_kv_length) {
+    rk_runs t;
+    three_runs(&t);
+    int32_t end[3], delta[3];
+    int n_table = -1;
+    /* Into the chunk: two runs, the second cut at 8, three table entries. */
+    cr_assert_eq(rk_runs_cover(&t, 4, 8, end, delta, &n_table), 2);
+    cr_expect_eq(end[0], 6);
+    cr_expect_eq(end[1], 8);
+    cr_expect_eq(delta[0], 0);
+    cr_expect_eq(delta[1], 10);
+    cr_expect_eq(n_table, 3);
+    /* Exactly the system prompt: one run, its two blocks. */
+    cr_assert_eq(rk_runs_cover(&t, 4, 6, end, delta, &n_table), 1);
+    cr_expect_eq(end[0], 6);
+    cr_expect_eq(n_table, 2);
+    /* Everything: every run and block. */
+    cr_assert_eq(rk_runs_cover(&t, 4, 14, end, delta, &n_table), 3);
+    cr_expect_eq(end[2], 14);
+    cr_expect_eq(delta[2], -2);
+    cr_expect_eq(n_table, 5);
+    /* The table size alone, and nothing at all. */
+    cr_assert_eq(rk_runs_cover(&t, 4, 12, NULL, NULL, &n_table), 3);
+    cr_expect_eq(n_table, 5);
+    cr_assert_eq(rk_runs_cover(&t, 4, 0, end, delta, &n_table), 0);
+    cr_expect_eq(n_table, 0);
+    rk_runs_free(&t);
+}
+
+Test(reindex, run_table_grows_past_its_first_capacity_and_keeps_earlier_runs) {
+    enum { BS = 16, RUNS = 40 };
+    rk_runs t = {0};
+    /* Each run is one block and one token long: two blocks, ids 2k and 2k + 1. */
+    for (int k = 0; k < RUNS; k++) {
+        const int32_t blocks[] = {2 * k, 2 * k + 1};
+        cr_assert_eq(rk_runs_add(&t, BS, blocks, BS + 1, k), RK_OK);
+    }
+    cr_assert_eq(t.n_runs, RUNS);
+    cr_assert_eq(t.n_blocks, 2 * RUNS);
+    for (int k = 0; k < RUNS; k++) {
+        int start = k * (BS + 1);
+        cr_expect_eq(rk_runs_slot(&t, BS, start), 2 * k * BS, "run %d first entry", k);
+        cr_expect_eq(rk_runs_slot(&t, BS, start + BS), (2 * k + 1) * BS, "run %d last entry", k);
+        cr_expect_eq(t.delta[k], k);
+    }
+    int n_table;
+    cr_expect_eq(rk_runs_cover(&t, BS, RUNS * (BS + 1), NULL, NULL, &n_table), RUNS);
+    cr_expect_eq(n_table, 2 * RUNS);
+    rk_runs_free(&t);
 }

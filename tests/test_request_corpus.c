@@ -5,6 +5,7 @@
  * body, prewarm-ok-* and flush-ok-* as those bodies, badNNN-* fail with HTTP
  * status NNN as a completion body. */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <dirent.h>
 #include <libgen.h>
 #include <stdio.h>
@@ -106,6 +107,39 @@ Test(request_corpus, named_seeds_give_their_promised_outcome) {
     }
     cr_assert(checked >= 20, "only %d named seeds", checked);
     free_corpus(v, n);
+}
+
+/* A request without repair, or with "policy": "auto", takes the service's
+ * policy; one that names a policy takes it, "none" included. */
+Test(request_corpus, repair_defaults_to_the_service_policy_and_auto_names_it) {
+    rk_parse_limits lim = {.max_chunks = 8, .max_tokens = 64, .repair_k = 2};
+    static const struct {
+        const char *body;
+        int k;
+        float ratio;
+    } cases[] = {
+        {"{\"prompt\": \"S##c##Q\"}", 2, 0},
+        {"{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"auto\"}}", 2, 0},
+        {"{\"prompt\": \"S##c##Q\", \"repair\": {}}", 2, 0},
+        {"{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"none\"}}", 0, 0},
+        {"{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"first_k\", \"k\": 5}}", 5, 0},
+        {"{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"deviation\", \"ratio\": 0.1}}", 0,
+         0.1f},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        rk_api_request r;
+        rk_http_error err = {0};
+        cr_assert_eq(rk_api_parse(cases[i].body, strlen(cases[i].body), 0, &lim, &r, &err), RK_OK,
+                     "%s: %s", cases[i].body, err.message);
+        cr_expect_eq(r.opt.repair_k, cases[i].k, "%s", cases[i].body);
+        cr_expect(fabsf(r.opt.repair_ratio - cases[i].ratio) < 1e-7f, "%s", cases[i].body);
+        rk_api_request_free(&r);
+    }
+    const char *bad = "{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"best\"}}";
+    rk_api_request r;
+    rk_http_error err = {0};
+    cr_expect_neq(rk_api_parse(bad, strlen(bad), 0, &lim, &r, &err), RK_OK);
+    cr_expect_eq(err.status, 400);
 }
 
 Test(request_corpus, chat_templates_put_chunks_between_system_and_question) {

@@ -92,15 +92,16 @@ static double logit_error(const run_log *a, const run_log *b) {
     return worst;
 }
 
-static rk_service *open_svc(const char *model, int prefix_cache) {
+/* reindex: "copy" or "zero-copy" (a zero-copy sequence goes into the tree
+ * as a copy of its runs, and a match that reaches the question takes the
+ * copy path with every chunk in the prefix). */
+static rk_service *open_svc(const char *model, int prefix_cache, const char *reindex) {
     rk_config cfg;
     rk_config_defaults(&cfg);
     cfg.n_threads = 2;
     cfg.kv_memory_mb = 64;
     cfg.prefix_cache = prefix_cache;
-    /* Whole sequences are reused on the copy path (a zero-copy table is not
-     * 1:1 with the key and caches its system prompt only). */
-    snprintf(cfg.reindex, sizeof cfg.reindex, "copy");
+    snprintf(cfg.reindex, sizeof cfg.reindex, "%s", reindex);
     rk_service *svc;
     cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
     return svc;
@@ -192,10 +193,17 @@ static rk_req_options config(int i) {
 }
 #define N_CONFIGS 5
 
+/* Run a check on the copy path and on the zero-copy path. */
+static void on_both_paths(void (*check)(const char *model, const char *reindex),
+                          const char *model) {
+    check(model, "copy");
+    check(model, "zero-copy");
+}
+
 /* An exact repeat computes its last prompt token only, and gives what a
  * service without the prefix cache gives. */
-static void check_exact_repeat(const char *model) {
-    rk_service *svc = open_svc(model, 1), *off = open_svc(model, 0);
+static void check_exact_repeat(const char *model, const char *reindex) {
+    rk_service *svc = open_svc(model, 1, reindex), *off = open_svc(model, 0, reindex);
     for (int c = 0; c < N_CONFIGS; c++) {
         rk_req_options o = config(c);
         rk_request ref, first, second;
@@ -232,19 +240,19 @@ static void check_exact_repeat(const char *model) {
     rk_service_close(off);
 }
 
-Test(reuse, tiny_an_exact_repeat_computes_one_token) { check_exact_repeat(NULL); }
+Test(reuse, tiny_an_exact_repeat_computes_one_token) { on_both_paths(check_exact_repeat, NULL); }
 
 Test(reuse, stories260k_an_exact_repeat_computes_one_token) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    check_exact_repeat(model);
+    on_both_paths(check_exact_repeat, model);
     free(model);
 }
 
 /* Two questions that differ only in their last word: the second reuses
  * everything before the first token where they differ. */
-static void check_last_word(const char *model) {
-    rk_service *svc = open_svc(model, 1), *off = open_svc(model, 0);
+static void check_last_word(const char *model, const char *reindex) {
+    rk_service *svc = open_svc(model, 1, reindex), *off = open_svc(model, 0, reindex);
     const char *other = "You are a storyteller.##Lily had a red ball. She liked to play with it "
                         "in the garden every day.##Tom had a big dog named Max. Max liked to run "
                         "and bark at the birds.##The sun was warm and the sky was blue.##Tell me "
@@ -281,12 +289,14 @@ static void check_last_word(const char *model) {
     rk_service_close(off);
 }
 
-Test(reuse, tiny_a_question_differing_in_its_last_word_reuses_the_rest) { check_last_word(NULL); }
+Test(reuse, tiny_a_question_differing_in_its_last_word_reuses_the_rest) {
+    on_both_paths(check_last_word, NULL);
+}
 
 Test(reuse, stories260k_a_question_differing_in_its_last_word_reuses_the_rest) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    check_last_word(model);
+    on_both_paths(check_last_word, model);
     free(model);
 }
 
@@ -307,8 +317,8 @@ static void extend_question(rk_request *r, const rk_request *earlier, const int3
 /* A follow-up whose prompt is the first request's prompt, its answer and new
  * tokens computes only the new tokens (and the answer's last one, which the
  * first request sampled but never fed). */
-static void check_follow_up(const char *model) {
-    rk_service *svc = open_svc(model, 1), *off = open_svc(model, 0);
+static void check_follow_up(const char *model, const char *reindex) {
+    rk_service *svc = open_svc(model, 1, reindex), *off = open_svc(model, 0, reindex);
     const int32_t extra[3] = {5, 9, 14};
     for (int c = 0; c < N_CONFIGS; c++) {
         rk_req_options o = config(c);
@@ -341,12 +351,12 @@ static void check_follow_up(const char *model) {
     rk_service_close(off);
 }
 
-Test(reuse, tiny_a_follow_up_computes_only_its_new_tokens) { check_follow_up(NULL); }
+Test(reuse, tiny_a_follow_up_computes_only_its_new_tokens) { on_both_paths(check_follow_up, NULL); }
 
 Test(reuse, stories260k_a_follow_up_computes_only_its_new_tokens) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    check_follow_up(model);
+    on_both_paths(check_follow_up, model);
     free(model);
 }
 
@@ -354,7 +364,7 @@ Test(reuse, stories260k_a_follow_up_computes_only_its_new_tokens) {
  * same text as plain, or with its chunks split differently, shares only the
  * system prompt (plain: nothing, another namespace). */
 Test(reuse, the_same_tokens_segmented_differently_never_match) {
-    rk_service *svc = open_svc(NULL, 1);
+    rk_service *svc = open_svc(NULL, 1, "copy");
     rk_req_options rag = greedy(RK_MODE_RAG), plain = greedy(RK_MODE_PLAIN);
     rk_request a, b, p;
     prepare(svc, "A story.##Lily had a ball.##Tom had a dog.##What now", &rag, &a);
@@ -375,7 +385,7 @@ Test(reuse, the_same_tokens_segmented_differently_never_match) {
 
 /* With reuse_sequences off the prefix cache holds system prompts alone. */
 Test(reuse, without_sequence_reuse_only_the_system_prompt_is_reused) {
-    rk_service *svc = open_svc(NULL, 1);
+    rk_service *svc = open_svc(NULL, 1, "copy");
     rk_req_options o = greedy(RK_MODE_RAG);
     o.reuse_sequences = 0;
     rk_request a, b;

@@ -1,6 +1,6 @@
 /* tests/test_sampler.c — engine/sample.c: greedy, temperature, top-k and
- * top-p sampling, seeded reproducibility, parameter checks, and the top-N
- * log-probabilities. */
+ * top-p sampling (alone and together), seeded reproducibility, parameter
+ * checks, and the top-N log-probabilities. */
 #include <criterion/criterion.h>
 #include <math.h>
 
@@ -47,6 +47,30 @@ Test(sampler, temperature_one_follows_the_softmax) {
     rk_sampler_free(&s);
 }
 
+Test(sampler, temperature_divides_the_logits_before_the_softmax) {
+    const double prob[] = {0.5, 0.3, 0.2};
+    float logits[3];
+    logits_of(prob, 3, logits);
+    /* At temperature 0.5 each probability is squared and renormalised; at 2
+     * its square root is. */
+    const double temps[] = {0.5, 2};
+    for (int t = 0; t < 2; t++) {
+        double want[3], sum = 0;
+        for (int i = 0; i < 3; i++) sum += want[i] = pow(prob[i], 1 / temps[t]);
+        rk_sampler s;
+        rk_sampler_params p = {.temperature = (float)temps[t], .top_p = 1, .seed = 5};
+        cr_assert_eq(rk_sampler_init(&s, &p, 3), RK_OK);
+        int counts[3];
+        enum { DRAWS = 20000 };
+        histogram(&s, logits, 3, DRAWS, counts);
+        for (int i = 0; i < 3; i++)
+            cr_expect(fabs((double)counts[i] / DRAWS - want[i] / sum) < 0.02,
+                      "temperature %g, id %d: %d of %d, want %.3f", temps[t], i, counts[i], DRAWS,
+                      want[i] / sum);
+        rk_sampler_free(&s);
+    }
+}
+
 Test(sampler, top_k_keeps_only_the_k_most_likely) {
     const double prob[] = {0.1, 0.4, 0.05, 0.25, 0.2};
     float logits[5];
@@ -85,6 +109,39 @@ Test(sampler, top_p_keeps_the_smallest_set_that_reaches_p) {
     cr_expect_eq(counts[0] + counts[2], 0, "ids 0 and 2 are outside the nucleus");
     cr_expect(fabs((double)counts[1] / DRAWS - 0.5 / 0.8) < 0.025, "id 1: %d", counts[1]);
     cr_expect_gt(counts[3], 0);
+    rk_sampler_free(&s);
+}
+
+Test(sampler, top_k_and_top_p_together_keep_the_smaller_set) {
+    const double prob[] = {0.3, 0.25, 0.2, 0.15, 0.1};
+    float logits[5];
+    logits_of(prob, 5, logits);
+    rk_sampler s;
+    int counts[5];
+    enum { DRAWS = 10000 };
+    /* top_p cuts inside the top k: ids 0 and 1 (0.3 + 0.25) reach p 0.5. */
+    rk_sampler_params p = {.temperature = 1, .top_k = 3, .top_p = 0.5f, .seed = 11};
+    cr_assert_eq(rk_sampler_init(&s, &p, 5), RK_OK);
+    histogram(&s, logits, 5, DRAWS, counts);
+    cr_expect_eq(counts[2] + counts[3] + counts[4], 0, "only ids 0 and 1 reach p 0.5");
+    cr_expect(fabs((double)counts[0] / DRAWS - 0.3 / 0.55) < 0.025, "id 0: %d", counts[0]);
+    rk_sampler_free(&s);
+    /* top_k cuts inside the nucleus: p 0.9 would keep four ids, k 2 keeps two. */
+    p.top_k = 2;
+    p.top_p = 0.9f;
+    cr_assert_eq(rk_sampler_init(&s, &p, 5), RK_OK);
+    histogram(&s, logits, 5, DRAWS, counts);
+    cr_expect_eq(counts[2] + counts[3] + counts[4], 0, "only the top 2 are kept");
+    cr_expect(fabs((double)counts[1] / DRAWS - 0.25 / 0.55) < 0.025, "id 1: %d", counts[1]);
+    rk_sampler_free(&s);
+    /* top_p applies to the top k renormalised: within ids 0 and 1, id 0 has
+     * 0.3 / 0.55 = 0.545 >= 0.5, so it is kept alone (of the whole
+     * vocabulary it has 0.3 < 0.5, which would keep id 1 too). */
+    p.top_k = 2;
+    p.top_p = 0.5f;
+    cr_assert_eq(rk_sampler_init(&s, &p, 5), RK_OK);
+    histogram(&s, logits, 5, DRAWS, counts);
+    cr_expect_eq(counts[0], DRAWS, "the nucleus of the top 2 is id 0 alone: %d", counts[0]);
     rk_sampler_free(&s);
 }
 

@@ -2,6 +2,7 @@
  * config file (unknown keys, wrong types, bad JSON), the environment, the
  * effective settings as JSON with secrets redacted, and the help lines. */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -57,6 +58,32 @@ Test(settings, text_values_are_range_checked_and_named_in_errors) {
     cr_expect_eq(rk_setting_parse(base, f, "12345678"), RK_ERR_INVALID, "too long for char[8]");
     cr_expect_str_eq(o.key, "1234567");
     cr_expect_null(rk_settings_find(tabs, 2, "no_such", NULL));
+}
+
+Test(settings, a_repair_policy_is_parsed_and_validated) {
+    int k = -1;
+    float ratio = -1;
+    cr_expect_eq(rk_repair_parse("none", &k, &ratio), 0);
+    cr_expect(k == 0 && ratio == 0);
+    cr_expect_eq(rk_repair_parse("first_k:16", &k, &ratio), 0);
+    cr_expect(k == 16 && ratio == 0);
+    cr_expect_eq(rk_repair_parse("deviation:0.15", &k, &ratio), 0);
+    cr_expect(k == 0 && fabsf(ratio - 0.15f) < 1e-7f);
+    const char *bad[] = {"",           "auto",        "first_k:0",     "first_k:",
+                         "first_k:2x", "deviation:0", "deviation:1.5", "deviation:-0.1",
+                         "deviation",  "None"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        k = 7;
+        cr_expect_eq(rk_repair_parse(bad[i], &k, &ratio), -1, "'%s'", bad[i]);
+        cr_expect_eq(k, 7, "'%s' left the output", bad[i]);
+    }
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cr_expect_str_eq(cfg.repair, "none");
+    cr_expect_eq(rk_config_validate(&cfg), RK_OK);
+    snprintf(cfg.repair, sizeof cfg.repair, "first_k:0");
+    cr_expect_eq(rk_config_validate(&cfg), RK_ERR_INVALID);
+    cr_expect(strstr(rk_error_message(), "repair"), "%s", rk_error_message());
 }
 
 Test(settings, config_file_sets_both_tables_and_rejects_bad_files) {
@@ -171,4 +198,52 @@ Test(settings, command_line_applies_file_then_environment_then_flags) {
     cr_expect_eq(rk_run_opts_apply(&run), RK_ERR_INVALID);
     cr_expect_eq(rk_log_level_parse("error"), RK_LOG_ERROR);
     free(cfg);
+}
+
+Test(settings, a_flags_only_command_line_takes_no_config_file) {
+    own o = {0};
+    rk_settings tab = {k_own, 2, &o};
+    rk_cmdline cl = {.prog = "bench_x", .usage = "", .tabs = &tab, .n_tabs = 1, .first = 1};
+    char *cfg = rk_test_write_tmp("cmdline-flags", "c.json", "{}");
+    char *argv[] = {"bench_x", "--port", "7", "--config", cfg, NULL};
+    int exit_code = -7;
+    cr_expect_eq(rk_cmdline_parse(&cl, 5, argv, &exit_code), -1,
+                 "--config is no flag of a command without shared tables");
+    cr_expect_eq(exit_code, 2);
+    cr_expect_eq(rk_cmdline_parse(&cl, 3, argv, &exit_code), 3);
+    cr_expect_eq(o.port, 7);
+    char *bad[] = {"bench_x", "--port", "65536", NULL};
+    cr_expect_eq(rk_cmdline_parse(&cl, 3, bad, &exit_code), -1);
+    cr_expect_eq(exit_code, 2);
+    free(cfg);
+}
+
+Test(settings, help_lines_wrap_at_80_columns) {
+    static const rk_setting k_long[] = {
+        {"long", "long", RK_SET_INT, 0, 0, 0, 1, 0, 0,
+         "N  a help text long enough to need three lines at eighty columns, so that the words "
+         "after the first break are indented under the text and none of them is lost or cut"},
+    };
+    int v = 0;
+    rk_settings tab = {k_long, 1, &v};
+    FILE *f = tmpfile();
+    cr_assert_not_null(f);
+    rk_settings_print_help(f, &tab, 1);
+    rewind(f);
+    char line[256], all[1024] = "";
+    int n = 0;
+    while (fgets(line, sizeof line, f)) {
+        size_t len = strcspn(line, "\n");
+        cr_expect_leq(len, 80, "line %d is %zu columns: %s", n, len, line);
+        if (n > 0) cr_expect(!strncmp(line, "                        ", 24), "indent: %s", line);
+        line[len] = '\0';
+        const char *text = n == 0 ? strstr(line, "a help") : line + strspn(line, " ");
+        cr_assert_not_null(text, "%s", line);
+        strcat(all, n ? " " : "");
+        strcat(all, text);
+        n++;
+    }
+    fclose(f);
+    cr_expect_geq(n, 3);
+    cr_expect_str_eq(all, k_long[0].help + 3);
 }

@@ -801,6 +801,25 @@ static rk_status attn_run(attn_ctx *c, int n_seqs) {
     return RK_OK;
 }
 
+/* What both entry points set: the backend, the output, the queries and the
+ * shape; the caller adds where the keys and values are. */
+static attn_ctx attn_ctx_of(rk_backend *be, float *out, float *lse, const float *q, rk_dtype dtype,
+                            int n_kv_heads, int head_dim, const int32_t *q_start,
+                            const int32_t *kv_len, int n_heads, float scale) {
+    return (attn_ctx){.cpu = be->impl,
+                      .out = out,
+                      .lse = lse,
+                      .q = q,
+                      .n_kv_heads = n_kv_heads,
+                      .head_dim = head_dim,
+                      .dtype = dtype,
+                      .q_start = q_start,
+                      .kv_len = kv_len,
+                      .n_heads = n_heads,
+                      .group = n_heads / n_kv_heads,
+                      .scale = scale};
+}
+
 /* Paged attention (the attention op of the table). Validates the batch: every
  * block id the kv range of a sequence uses must lie in [0, n_blocks), and
  * kv_len must fit the table and be >= the number of query rows. */
@@ -810,23 +829,12 @@ rk_status rk_cpu_attention(rk_backend *be, float *out, float *lse, const float *
     rk_status st = rk_attn_check_batch(kv, layer, batch, n_heads);
     if (st == RK_OK) st = rk_attn_check_block_ids(kv, batch, batch->block_table);
     if (st != RK_OK) return st;
-    attn_ctx c = {0};
-    c.cpu = be->impl;
-    c.out = out;
-    c.lse = lse;
-    c.q = q;
+    attn_ctx c = attn_ctx_of(be, out, lse, q, kv->dtype, kv->n_kv_heads, kv->head_dim,
+                             batch->q_start, batch->kv_len, n_heads, scale);
     c.kv = kv;
     c.layer = layer;
     c.table = batch->block_table;
     c.max_blocks = batch->max_blocks;
-    c.n_kv_heads = kv->n_kv_heads;
-    c.head_dim = kv->head_dim;
-    c.dtype = kv->dtype;
-    c.q_start = batch->q_start;
-    c.kv_len = batch->kv_len;
-    c.n_heads = n_heads;
-    c.group = n_heads / kv->n_kv_heads;
-    c.scale = scale;
     c.seg_start = batch->seg_start;
     c.seg_end = batch->seg_end;
     c.seg_delta = batch->seg_delta;
@@ -844,20 +852,9 @@ rk_status rk_cpu_attention_contig(rk_backend *be, float *out, float *lse, const 
         return rk_errorf(RK_ERR_INVALID, "attention: bad dtype %d", (int)dtype);
     rk_status st = rk_attn_check_shape(q_start, kv_len, n_seqs, n_heads, n_kv_heads, head_dim);
     if (st != RK_OK) return st;
-    attn_ctx c = {0};
-    c.cpu = be->impl;
-    c.out = out;
-    c.lse = lse;
-    c.q = q;
+    attn_ctx c =
+        attn_ctx_of(be, out, lse, q, dtype, n_kv_heads, head_dim, q_start, kv_len, n_heads, scale);
     c.ck = k;
     c.cv = v;
-    c.n_kv_heads = n_kv_heads;
-    c.head_dim = head_dim;
-    c.dtype = dtype;
-    c.q_start = q_start;
-    c.kv_len = kv_len;
-    c.n_heads = n_heads;
-    c.group = n_heads / n_kv_heads;
-    c.scale = scale;
     return attn_run(&c, n_seqs);
 }

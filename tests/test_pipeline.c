@@ -1,6 +1,9 @@
-/* tests/test_chunkcache.c — the position-independent chunk cache end to end:
- * content keys, exactness of the reindex against the oracle in every mode,
- * reuse under movement, single flight, pool pressure, bad input. */
+/* tests/test_pipeline.c — the request pipeline over the position-independent
+ * chunk cache: content keys, exactness of the reindex against the oracle in
+ * every mode, reuse under movement, single flight, pool pressure, bad input,
+ * repair. Every test runs on the embedded model, so in every checkout; the
+ * exactness invariants run again on stories260K and the synthetic Qwen3
+ * models when ../shared has them. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdlib.h>
@@ -30,6 +33,7 @@ static void log_free(run_log *l) {
     memset(l, 0, sizeof *l);
 }
 
+/* model NULL: the embedded tiny model. */
 static rk_service *open_svc(const char *model, int chunk_blocks) {
     rk_config cfg;
     rk_config_defaults(&cfg);
@@ -139,14 +143,16 @@ static void check_modes(const char *model, const char *prompt) {
     rk_service_close(svc);
 }
 
-Test(chunkcache, stories260k_cached_path_equals_the_oracle_in_every_mode) {
+Test(pipeline, cached_path_equals_the_oracle_in_every_mode) { check_modes(NULL, STORY); }
+
+Test(pipeline, stories260k_cached_path_equals_the_oracle_in_every_mode) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     check_modes(model, STORY);
     free(model);
 }
 
-Test(chunkcache, qwen3_tiny_cached_path_equals_the_oracle_in_every_mode) {
+Test(pipeline, qwen3_tiny_cached_path_equals_the_oracle_in_every_mode) {
     char *model = rk_test_model("qwen3-tiny", "f32", 1);
     check_modes(model, "<|im_start|>system\nAnswer from the documents.<|im_end|>\n##"
                        "文档一：缓存的键由内容决定。##Document two: the KV of a chunk is "
@@ -155,7 +161,7 @@ Test(chunkcache, qwen3_tiny_cached_path_equals_the_oracle_in_every_mode) {
     free(model);
 }
 
-Test(chunkcache, qwen3_0_6b_cached_path_equals_the_oracle_in_every_mode, .timeout = 1500) {
+Test(pipeline, qwen3_0_6b_cached_path_equals_the_oracle_in_every_mode, .timeout = 1500) {
     RK_SKIP_IF_LIGHT();
     char *model = rk_test_model("qwen3-0.6b", "f32", 3);
     check_modes(model, "You answer from documents.##The chunk cache keys KV by content.##"
@@ -163,9 +169,10 @@ Test(chunkcache, qwen3_0_6b_cached_path_equals_the_oracle_in_every_mode, .timeou
     free(model);
 }
 
-Test(chunkcache, one_chunk_after_its_system_prompt_equals_plain) {
-    char *model;
-    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+/* One chunk right after the system prompt, in the system context, is
+ * computed exactly where plain attention puts it: cached or not, the same
+ * logits as mode plain. */
+static void check_one_chunk_equals_plain(const char *model) {
     rk_service *svc = open_svc(model, 0);
     const char *p =
         "Once upon a time there was a girl.##Lily had a red ball in the garden.##One day";
@@ -190,6 +197,16 @@ Test(chunkcache, one_chunk_after_its_system_prompt_equals_plain) {
     log_free(&lb);
     log_free(&lc);
     rk_service_close(svc);
+}
+
+Test(pipeline, one_chunk_after_its_system_prompt_equals_plain) {
+    check_one_chunk_equals_plain(NULL);
+}
+
+Test(pipeline, stories260k_one_chunk_after_its_system_prompt_equals_plain) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    check_one_chunk_equals_plain(model);
     free(model);
 }
 
@@ -204,10 +221,8 @@ static rk_chunk_status status_of(rk_service *svc, const char *prompt, rk_req_opt
     return s;
 }
 
-Test(chunkcache, a_chunk_moves_between_positions_and_system_prompts) {
-    char *model;
-    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    rk_service *svc = open_svc(model, 0);
+Test(pipeline, a_chunk_moves_between_positions_and_system_prompts) {
+    rk_service *svc = open_svc(NULL, 0);
     rk_req_options iso = greedy_opts(), sys = greedy_opts();
     sys.chunk_context = RK_CONTEXT_SYSTEM;
     const char *doc = "Max the dog ran to the park and found a stick.";
@@ -230,10 +245,9 @@ Test(chunkcache, a_chunk_moves_between_positions_and_system_prompts) {
     cr_assert_eq(status_of(svc, "Sys A.##Max the dog ran to the park and found a ball.##Q", iso, 0),
                  RK_CHUNK_STATUS_MISS);
     rk_service_close(svc);
-    free(model);
 }
 
-Test(chunkcache, keys_depend_on_every_token_and_the_policy) {
+Test(pipeline, keys_depend_on_every_token_and_the_policy) {
     int32_t t[6] = {5, 6, 7, 8, 9, 10}, u[6] = {5, 6, 7, 8, 9, 11};
     rk_chunk_policy p = {
         .fingerprint = "00112233445566778899aabbccddeeff", .rope_theta = 10000, .rope_n_rot = 64};
@@ -257,10 +271,8 @@ Test(chunkcache, keys_depend_on_every_token_and_the_policy) {
     cr_assert_eq(rk_chunk_key_parse("../../etc/passwd", &back), RK_ERR_INVALID);
 }
 
-Test(chunkcache, cached_entries_are_never_modified_by_reindexing) {
-    char *model;
-    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    rk_service *svc = open_svc(model, 0);
+Test(pipeline, cached_entries_are_never_modified_by_reindexing) {
+    rk_service *svc = open_svc(NULL, 0);
     rk_req_options o = greedy_opts();
     rk_request r;
     run(svc, "S##The bird sang a song in the tree.##Q", &o, &r, NULL);
@@ -302,15 +314,12 @@ Test(chunkcache, cached_entries_are_never_modified_by_reindexing) {
         }
     free(before);
     rk_service_close(svc);
-    free(model);
 }
 
 /* ---------------------------------------------------------------- concurrency, pressure */
 
-Test(chunkcache, eight_requests_missing_one_chunk_compute_it_once) {
-    char *model;
-    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    rk_service *svc = open_svc(model, 0);
+Test(pipeline, eight_requests_missing_one_chunk_compute_it_once) {
+    rk_service *svc = open_svc(NULL, 0);
     rk_req_options o = greedy_opts();
     rk_request reqs[8], *ptrs[8];
     char p[256];
@@ -333,13 +342,10 @@ Test(chunkcache, eight_requests_missing_one_chunk_compute_it_once) {
     for (int i = 0; i < 8; i++) rk_request_free(&reqs[i]);
     check_pools_back(svc);
     rk_service_close(svc);
-    free(model);
 }
 
-Test(chunkcache, a_small_chunk_pool_evicts_lru_and_gives_every_block_back) {
-    char *model;
-    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    rk_service *svc = open_svc(model, 4); /* 4 blocks of 16 tokens */
+Test(pipeline, a_small_chunk_pool_evicts_lru_and_gives_every_block_back) {
+    rk_service *svc = open_svc(NULL, 4); /* 4 blocks of 16 tokens */
     rk_req_options o = greedy_opts();
     o.max_tokens = 1;
     rk_request r;
@@ -376,13 +382,10 @@ Test(chunkcache, a_small_chunk_pool_evicts_lru_and_gives_every_block_back) {
     cr_assert_eq(rk_chunk_index_flush(svc->chunks), (int)cs.entries);
     cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_CHUNK), 4, "every chunk block came back");
     rk_service_close(svc);
-    free(model);
 }
 
-Test(chunkcache, referenced_entries_are_never_evicted) {
-    char *model;
-    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    rk_service *svc = open_svc(model, 4);
+Test(pipeline, referenced_entries_are_never_evicted) {
+    rk_service *svc = open_svc(NULL, 4);
     int32_t toks[20];
     for (int i = 0; i < 20; i++) toks[i] = 10 + i;
     rk_chunk_entry *e1, *e2;
@@ -406,15 +409,12 @@ Test(chunkcache, referenced_entries_are_never_evicted) {
     cr_assert_null(rk_chunk_index_find(svc->chunks, k3));
     rk_chunk_index_release(svc->chunks, e2, 0);
     rk_service_close(svc);
-    free(model);
 }
 
 /* ---------------------------------------------------------------- bad input */
 
-Test(chunkcache, bad_input_is_an_error_or_a_defined_result) {
-    char *model;
-    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    rk_service *svc = open_svc(model, 0);
+Test(pipeline, bad_input_is_an_error_or_a_defined_result) {
+    rk_service *svc = open_svc(NULL, 0);
     rk_req_options o = greedy_opts();
     o.max_tokens = 2;
     rk_request r;
@@ -442,16 +442,13 @@ Test(chunkcache, bad_input_is_an_error_or_a_defined_result) {
                  RK_ERR_LIMIT);
     check_pools_back(svc);
     rk_service_close(svc);
-    free(model);
 }
 
 /* ---------------------------------------------------------------- repair */
 
 /* A repair that recomputes every chunk token must give the full-attention
  * result: the cached run, repaired, against mode plain. */
-static void check_full_repair(const rk_req_options *repair) {
-    char *model;
-    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+static void check_full_repair(const char *model, const rk_req_options *repair) {
     rk_service *svc = open_svc(model, 0);
     rk_req_options o = *repair, plain = greedy_opts();
     plain.mode = RK_MODE_PLAIN;
@@ -478,25 +475,41 @@ static void check_full_repair(const rk_req_options *repair) {
     log_free(&lb);
     check_pools_back(svc);
     rk_service_close(svc);
+}
+
+/* Repair options that recompute every chunk token: first_k with k longer
+ * than any chunk, or deviation at ratio 1. */
+static rk_req_options repair_all(int deviation) {
+    rk_req_options o = greedy_opts();
+    if (deviation)
+        o.repair_ratio = 1;
+    else
+        o.repair_k = 4096;
+    return o;
+}
+
+Test(pipeline, repairing_every_chunk_token_gives_the_full_attention_result) {
+    rk_req_options o = repair_all(0);
+    check_full_repair(NULL, &o);
+}
+
+Test(pipeline, deviation_repair_of_every_token_gives_the_full_attention_result) {
+    rk_req_options o = repair_all(1);
+    check_full_repair(NULL, &o);
+}
+
+Test(pipeline, stories260k_full_repairs_give_the_full_attention_result) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    for (int deviation = 0; deviation < 2; deviation++) {
+        rk_req_options o = repair_all(deviation);
+        check_full_repair(model, &o);
+    }
     free(model);
 }
 
-Test(chunkcache, repairing_every_chunk_token_gives_the_full_attention_result) {
-    rk_req_options o = greedy_opts();
-    o.repair_k = 4096; /* longer than any chunk: every chunk token is recomputed */
-    check_full_repair(&o);
-}
-
-Test(chunkcache, deviation_repair_of_every_token_gives_the_full_attention_result) {
-    rk_req_options o = greedy_opts();
-    o.repair_ratio = 1;
-    check_full_repair(&o);
-}
-
-Test(chunkcache, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone) {
-    char *model;
-    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    rk_service *svc = open_svc(model, 0);
+Test(pipeline, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone) {
+    rk_service *svc = open_svc(NULL, 0);
     rk_req_options o = greedy_opts(), none = greedy_opts();
     o.repair_ratio = 0.25f;
     rk_request a, b, c;
@@ -527,13 +540,10 @@ Test(chunkcache, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alon
     log_free(&lb);
     check_pools_back(svc);
     rk_service_close(svc);
-    free(model);
 }
 
-Test(chunkcache, first_k_repair_recomputes_k_tokens_per_chunk_and_leaves_the_cache_alone) {
-    char *model;
-    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    rk_service *svc = open_svc(model, 0);
+Test(pipeline, first_k_repair_recomputes_k_tokens_per_chunk_and_leaves_the_cache_alone) {
+    rk_service *svc = open_svc(NULL, 0);
     rk_req_options o = greedy_opts(), none = greedy_opts();
     o.repair_k = 4;
     rk_request a, b, c;
@@ -551,5 +561,4 @@ Test(chunkcache, first_k_repair_recomputes_k_tokens_per_chunk_and_leaves_the_cac
     rk_request_free(&c);
     check_pools_back(svc);
     rk_service_close(svc);
-    free(model);
 }
