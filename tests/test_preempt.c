@@ -283,3 +283,51 @@ Test(preempt, the_scheduler_requeues_preempted_jobs_and_streams_each_token_once,
 Test(preempt, preempted_jobs_resume_with_prompts_fed_a_few_tokens_a_step, .timeout = 300) {
     check_scheduler_preempts(5);
 }
+
+Test(preempt, cancelling_preempted_jobs_ends_them_with_the_tokens_they_had, .timeout = 300) {
+    snap_log sl = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    rk_scheduler_params sp = {.cfg = config(10),
+                              .max_queue = 16,
+                              .max_batch = 8,
+                              .token_delay_s = 0.002,
+                              .publish = keep_snapshot,
+                              .stats_ctx = &sl};
+    rk_scheduler *e;
+    cr_assert_eq(rk_scheduler_start(&sp, &e), RK_OK);
+    for (int i = 0; i < 3000 && rk_scheduler_get_state(e, NULL, 0) == RK_SCHEDULER_LOADING; i++) {
+        struct timespec ts = {0, 10 * 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    cr_assert_eq(rk_scheduler_get_state(e, NULL, 0), RK_SCHEDULER_READY);
+    rk_job jobs[N_REQS];
+    for (int i = 0; i < N_REQS; i++) {
+        cr_assert_eq(rk_job_init(&jobs[i]), RK_OK);
+        prepare_into(rk_scheduler_service(e), PROMPTS[i], MAX_TOKENS, RK_MODE_RAG, &jobs[i].req);
+        cr_assert_eq(rk_scheduler_submit(e, &jobs[i]), RK_OK, "%s", rk_error_message());
+    }
+    /* Once something was preempted, cancel them all, wherever they are. */
+    for (int waited = 0;; waited++) {
+        pthread_mutex_lock(&sl.mu);
+        uint64_t n = sl.preemptions;
+        pthread_mutex_unlock(&sl.mu);
+        if (n > 0) break;
+        cr_assert_lt(waited, 60000, "no preemption");
+        struct timespec ts = {0, 1000 * 1000};
+        nanosleep(&ts, NULL);
+    }
+    for (int i = 0; i < N_REQS; i++) rk_scheduler_cancel(e, &jobs[i]);
+    for (int i = 0; i < N_REQS; i++) {
+        int n = 0, done = 0;
+        while (!done) rk_job_wait(&jobs[i], n, rk_time_now() + 60, &n, &done);
+        cr_assert_eq(n, jobs[i].ran ? jobs[i].req.n_out : 0, "what was published is the answer");
+        if (jobs[i].status != RK_OK) { /* cancelled before it ever ran */
+            cr_assert_eq(jobs[i].ran, 0);
+            continue;
+        }
+        cr_assert(jobs[i].req.finish_reason == RK_FINISH_CANCELLED ||
+                      jobs[i].req.n_out == MAX_TOKENS,
+                  "job %d: %d tokens", i, jobs[i].req.n_out);
+    }
+    rk_scheduler_free(e);
+    for (int i = 0; i < N_REQS; i++) rk_job_destroy(&jobs[i]);
+}
