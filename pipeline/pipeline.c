@@ -1550,7 +1550,6 @@ struct rk_pipeline {
     rk_request **work;      /* (2 cap) the current pass's decoding and prefilling requests */
     rk_request **preempted; /* (cap_preempted) waiting to resume, by rank */
     int n_preempted, cap_preempted;
-    uint64_t n_preemptions;
     batch b; /* reused by every pass */
     rk_copy_plan copies;
 };
@@ -1564,11 +1563,10 @@ rk_status rk_pipeline_create(rk_service *svc, rk_pipeline **out) {
 
 int rk_pipeline_n_running(const rk_pipeline *p) { return p->n_running; }
 
-uint64_t rk_pipeline_preemptions(const rk_pipeline *p) { return p->n_preemptions; }
-
 int rk_request_live_blocks(const rk_service *svc, const rk_request *r) {
     int bs = rk_arena_block_size(svc->arena), zc = zero_copy_for(svc, r, 0);
-    long tokens = (long)r->n_sys + r->n_question + 1 + (r->resume ? r->n_out - 1 : 0), extra = 0;
+    long tokens = (long)r->n_sys + r->n_question + 1 + (r->resume && r->n_out ? r->n_out - 1 : 0);
+    long extra = 0;
     for (int k = 0; k < r->n_chunks; k++) {
         tokens += zc ? private_tokens(r, r->chunk_lens[k], bs) : r->chunk_lens[k];
         int after_system = r->opt.chunk_context == RK_CONTEXT_SYSTEM;
@@ -1627,7 +1625,6 @@ static rk_status preempt(rk_pipeline *p, int i) {
     release_request(p->svc, r, 0);
     r->resume = 1;
     r->preemptions++;
-    p->n_preemptions++;
     memmove(p->running + i, p->running + i + 1,
             (size_t)(p->n_running - i - 1) * sizeof *p->running);
     p->n_running--;

@@ -275,9 +275,6 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks);
  * oldest first; returns how many. */
 int rk_pipeline_take_preempted(rk_pipeline *p, rk_request **out, int cap);
 
-/* Preemptions since the pipeline was created. */
-uint64_t rk_pipeline_preemptions(const rk_pipeline *p);
-
 /* Live blocks request r needs to be admitted: its prompt (for a zero-copy
  * request, not the chunk tokens attended in place; for a preempted one, its
  * generated tokens too), its first generated token, and the scratch of
