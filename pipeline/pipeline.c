@@ -2,8 +2,9 @@
  *
  * Requests admitted together go through up to three prefill passes (one
  * function per stage, top to bottom under "admission stages"):
- *   pass 1: every system-prompt tail the prefix cache did not have; every
- *           missing chunk of the `isolated` context, alone at positions
+ *   pass 1: every system-prompt tail the prefix cache did not have that
+ *           pass 2 or a repair attends to (the others wait for pass 3);
+ *           every missing chunk of the `isolated` context, alone at positions
  *           0..n-1 into its entry's chunk-pool blocks; every oracle chunk
  *           (cache off), fresh at its live positions in a scratch sequence;
  *   pass 2: missing chunks of the `system` context, in a scratch sequence
@@ -14,9 +15,14 @@
  *           copy: one rope_shift_copy moves every chunk's KV into the
  *           request's live blocks (cached ones rotated by that shift);
  *   repair: chunk tokens recomputed over the merged cache (optional);
- *   pass 3: the questions, with logits: each request's first token.
+ *   pass 3: the rest of each prompt (deferred system tail, question), with
+ *           logits for the last token: each request's first token. With
+ *           rk_pipeline_join it is part of the steps' passes (run_pass).
  * Then they run: each rk_pipeline_step is one pass of one token for every
- * running request, whenever it was admitted, and the finished leave. */
+ * running request, whenever it was admitted, plus the joined requests'
+ * pass-3 tokens within step_tokens, and the finished leave. A request takes
+ * live blocks as it decodes (make_room); when none is left the youngest is
+ * preempted (preempt) and resumes through a later admission. */
 #include "pipeline/pipeline.h"
 
 #include <math.h>
