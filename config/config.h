@@ -107,6 +107,9 @@ typedef struct rk_config {
      * place, position-shifted, where the backend can) or "copy" (rotated into
      * the request's live blocks). */
     char reindex[12];
+    /* Prompt tokens one engine step computes at most next to the decode
+     * tokens (the rest goes on in the next steps); 0 = unlimited. Default 512. */
+    int step_tokens;
     /* The repair policy of a request that names none (or names "auto"):
      * "none" (default), "first_k:K" or "deviation:R" (rk_repair_parse). */
     char repair[24];

@@ -2,8 +2,9 @@
  *
  * Requests admitted together go through up to three prefill passes (one
  * function per stage, top to bottom under "admission stages"):
- *   pass 1: every system-prompt tail the prefix cache did not have; every
- *           missing chunk of the `isolated` context, alone at positions
+ *   pass 1: every system-prompt tail the prefix cache did not have that
+ *           pass 2 or a repair attends to (the others wait for pass 3);
+ *           every missing chunk of the `isolated` context, alone at positions
  *           0..n-1 into its entry's chunk-pool blocks; every oracle chunk
  *           (cache off), fresh at its live positions in a scratch sequence;
  *   pass 2: missing chunks of the `system` context, in a scratch sequence
@@ -14,9 +15,14 @@
  *           copy: one rope_shift_copy moves every chunk's KV into the
  *           request's live blocks (cached ones rotated by that shift);
  *   repair: chunk tokens recomputed over the merged cache (optional);
- *   pass 3: the questions, with logits: each request's first token.
+ *   pass 3: the rest of each prompt (deferred system tail, question), with
+ *           logits for the last token: each request's first token. With
+ *           rk_pipeline_join it is part of the steps' passes (run_pass).
  * Then they run: each rk_pipeline_step is one pass of one token for every
- * running request, whenever it was admitted, and the finished leave. */
+ * running request, whenever it was admitted, plus the joined requests'
+ * pass-3 tokens within step_tokens, and the finished leave. A request takes
+ * live blocks as it decodes (make_room); when none is left the youngest is
+ * preempted (preempt) and resumes through a later admission. */
 #include "pipeline/pipeline.h"
 
 #include <math.h>
@@ -61,10 +67,24 @@ struct rk_req_state {
     rk_chunk_entry **entries; /* (n_chunks) references held, NULL for oracle chunks */
     rk_chunk_lookup *kinds;   /* (n_chunks) */
     scratch *scratch;         /* (n_chunks) used ones have kv.n_blocks > 0 */
-    int32_t *qtok;            /* tokens fed in pass 3: the question (plain: chunks + question) */
+    int32_t *qtok;            /* tokens fed in pass 3: the question (plain: chunks + question),
+                                 then, resuming, the tokens generated before but the last */
     int n_qtok;
+    int n_gen; /* those generated tokens */
+    /* Resuming: the report of its first admission, put back once admitted
+     * (the resumed prompt finds its chunks cached, and so on). */
+    rk_request *first_report;
     int q_index, q_pos; /* table index and position of the first of them */
     int next_pos;       /* position of the next token to feed */
+    /* The prompt work left to the question pass (its last pass, merged with
+     * decode steps, see run_pass): the system tail from sys_next (== n_sys
+     * when pass 1 computed it), then ptok[p_next .. n_ptok) at table index
+     * p_idx and position p_pos on; the last of it gives the first token. */
+    int prefilling;
+    int sys_next;
+    const int32_t *ptok;
+    int n_ptok, p_idx, p_pos, p_next;
+    int row, fed_sys, fed_p; /* in the current pass: its logits row (-1: none), tokens fed */
     rk_sampler sampler;
     int done;
     int hook_index; /* the hooks' req: its rank in admission order */
@@ -72,6 +92,7 @@ struct rk_req_state {
 };
 
 static int chunk_from_prefix(const rk_request *r, int k);
+static int private_tokens(const rk_request *r, int n, int bs);
 
 void rk_req_options_default(rk_req_options *o) {
     memset(o, 0, sizeof *o);
@@ -653,7 +674,8 @@ static rk_status build_key(rk_service *svc, rk_request *r) {
                (size_t)r->chunk_lens[k] * sizeof *s->key);
         s->key[s->layout.index[k]] |= SEGMENT_MARK;
     }
-    if (s->n_qtok) s->key[s->q_index] |= SEGMENT_MARK;
+    /* Generated tokens resumed as prompt carry no mark, as when inserted. */
+    if (s->n_qtok > s->n_gen) s->key[s->q_index] |= SEGMENT_MARK;
     return RK_OK;
 }
 
@@ -751,7 +773,18 @@ static rk_status start_request(rk_service *svc, rk_request *r) {
     r->sys_cached = s->sys_first;
     r->conv_cached = s->reused - s->sys_first;
     s->n_prompt = prompt_table_entries(r, bs);
-    int rest = s->n_prompt + r->opt.max_tokens - s->kv.n_tokens;
+    /* Blocks come as decoding needs them; the whole generation must fit
+     * the live pool alone, or waiting never helps. */
+    long life = (s->n_prompt + (long)r->opt.max_tokens - s->n_gen + bs - 1) / bs - s->kv.n_blocks;
+    for (int k = 0; s->zc && k < r->n_chunks; k++)
+        life += (private_tokens(r, r->chunk_lens[k], bs) + bs - 1) / bs;
+    if (life > rk_arena_pool_total(svc->arena, RK_POOL_LIVE))
+        return rk_errorf(RK_ERR_LIMIT,
+                         "the request needs more KV memory than the server has: %ld live "
+                         "blocks for its prompt and max_tokens, the live pool has %d",
+                         life, rk_arena_pool_total(svc->arena, RK_POOL_LIVE));
+    /* The prompt and the first token a decode step feeds. */
+    int rest = s->n_prompt + (r->opt.max_tokens > 0) - s->kv.n_tokens;
     if ((st = rk_seq_reserve(&s->kv, svc->arena, RK_POOL_LIVE, rest, NULL))) return st;
     /* A zero-copy table's entries count in the layout's terms: the runs map
      * them to blocks. */
@@ -772,13 +805,13 @@ static rk_status start_request(rk_service *svc, rk_request *r) {
  * every chunk token, so its requests copy whole chunks (the copy path), as do
  * the oracle and plain modes and every request on a backend without
  * position-shifted attention. */
-static int zero_copy_for(const rk_service *svc, const rk_request *r) {
+static int zero_copy_for(const rk_service *svc, const rk_request *r, int tell) {
     static _Atomic int told; /* the fallback is logged once */
     if (r->opt.mode != RK_MODE_RAG || !r->opt.chunk_cache || r->n_chunks == 0 ||
         r->opt.repair_ratio > 0 || strcmp(svc->cfg.reindex, "copy") == 0)
         return 0;
     if (strcmp(svc->be->name, "cpu") != 0) {
-        if (!told++)
+        if (tell && !told++)
             RK_LOG_WARN("zero-copy reindex is not available on the %s backend: chunks are copied",
                         svc->be->name);
         return 0;
@@ -791,7 +824,7 @@ static int zero_copy_for(const rk_service *svc, const rk_request *r) {
  * the live ones for the question and generated tokens; the chunks' blocks are
  * the cache entries'. kv.n_tokens then counts table entries of the run table. */
 static rk_status start_request_reindexed(rk_service *svc, rk_request *r) {
-    r->state->zc = zero_copy_for(svc, r);
+    r->state->zc = zero_copy_for(svc, r, 1);
     return start_request(svc, r);
 }
 
@@ -1006,7 +1039,7 @@ static void insert_sequence(rk_service *svc, rk_request *r) {
     int bs = rk_arena_block_size(svc->arena), n = s->n_valid, n_layout = s->q_index + s->n_qtok;
     if (!r->opt.reuse_sequences || !s->key || n < n_layout)
         return; /* n_valid is 0 or covers the prompt */
-    memcpy(s->key + n_layout, r->out_tokens, (size_t)(n - n_layout) * sizeof *s->key);
+    memcpy(s->key + n_layout, r->out_tokens + s->n_gen, (size_t)(n - n_layout) * sizeof *s->key);
     rk_status st;
     if (s->zc) {
         st = insert_runs(svc, s, n);
@@ -1034,9 +1067,51 @@ static void insert_sequence(rk_service *svc, rk_request *r) {
     if (st) RK_LOG_WARN("request sequence not cached: %s", rk_error_message());
 }
 
+/* Keep what a resumed request's first admission reported. */
+static rk_status save_report(rk_request *r) {
+    rk_req_state *s = r->state;
+    int nc = r->n_chunks ? r->n_chunks : 1;
+    s->first_report = malloc(sizeof *s->first_report);
+    rk_chunk_report *c = malloc((size_t)nc * sizeof *c);
+    if (!s->first_report || !c) {
+        free(s->first_report);
+        free(c);
+        s->first_report = NULL;
+        return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    }
+    memcpy(c, r->chunk_reports, (size_t)nc * sizeof *c);
+    *s->first_report = (rk_request){.chunk_reports = c,
+                                    .sys_cached = r->sys_cached,
+                                    .conv_cached = r->conv_cached,
+                                    .recomputed_tokens = r->recomputed_tokens,
+                                    .shared_blocks = r->shared_blocks,
+                                    .t = r->t};
+    return RK_OK;
+}
+
+/* Put it back; the prefill time of the resumed prompt counts. */
+static void restore_report(rk_request *r) {
+    rk_req_state *s = r->state;
+    rk_request *f = s->first_report;
+    if (!f) return;
+    memcpy(r->chunk_reports, f->chunk_reports,
+           (size_t)(r->n_chunks ? r->n_chunks : 1) * sizeof *f->chunk_reports);
+    r->sys_cached = f->sys_cached;
+    r->conv_cached = f->conv_cached;
+    r->recomputed_tokens = f->recomputed_tokens;
+    r->shared_blocks = f->shared_blocks;
+    double prefill_ms = r->t.prefill_ms;
+    r->t = f->t;
+    r->t.prefill_ms = prefill_ms;
+    free(f->chunk_reports);
+    free(f);
+    s->first_report = NULL;
+}
+
 static void release_request(rk_service *svc, rk_request *r, int failed) {
     rk_req_state *s = r->state;
     if (!s) return;
+    restore_report(r);
     if (!failed) insert_sequence(svc, r);
     for (int k = 0; s->entries && s->scratch && k < r->n_chunks; k++) {
         scratch *sc = &s->scratch[k];
@@ -1061,34 +1136,53 @@ static void release_request(rk_service *svc, rk_request *r, int failed) {
     r->state = NULL;
 }
 
+/* A resumed request's prompt goes on with the tokens it generated but the
+ * last, which its next decode step feeds. */
+static void append_generated(rk_request *r) {
+    rk_req_state *s = r->state;
+    if (s->n_gen > 0)
+        memcpy(s->qtok + s->n_qtok, r->out_tokens, (size_t)s->n_gen * sizeof *s->qtok);
+    s->n_qtok += s->n_gen;
+}
+
 static rk_status init_request(rk_service *svc, rk_request *r) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
     rk_req_state *s = calloc(1, sizeof *s);
     if (!s) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
     r->state = s;
     s->partial_src = -1;
-    s->t_start = rk_time_now();
     int nc = r->n_chunks ? r->n_chunks : 1;
     s->entries = calloc((size_t)nc, sizeof *s->entries);
     s->kinds = calloc((size_t)nc, sizeof *s->kinds);
     s->scratch = calloc((size_t)nc, sizeof *s->scratch);
     if (!s->entries || !s->kinds || !s->scratch)
         return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
-    r->n_out = 0;
-    r->finish_reason = RK_FINISH_LENGTH;
     r->finished = 0;
+    if (r->resume) { /* preempted: its tokens, timings and clock go on */
+        s->t_start = r->t_admitted;
+        s->n_gen = r->n_out > 0 ? r->n_out - 1 : 0; /* none when preempted before its first */
+    } else {
+        s->t_start = r->t_admitted = rk_time_now();
+        r->n_out = 0;
+        r->preemptions = 0;
+        r->finish_reason = RK_FINISH_LENGTH;
+        double queue_ms = r->t.queue_ms; /* set by whoever queued it */
+        memset(&r->t, 0, sizeof r->t);
+        r->t.queue_ms = queue_ms;
+    }
     /* Nothing to generate: the prompt is still cached, but no step samples. */
     s->done = r->opt.max_tokens == 0;
-    double queue_ms = r->t.queue_ms; /* set by whoever queued it */
-    memset(&r->t, 0, sizeof r->t);
-    r->t.queue_ms = queue_ms;
     rk_status st = rk_sampler_init(&s->sampler, &r->opt.sampling, hp->n_vocab);
     if (st) return st;
+    if (r->resume) {
+        memcpy(s->sampler.rng, r->rng, sizeof r->rng);
+        if ((st = save_report(r))) return st;
+    }
     if (r->opt.mode == RK_MODE_PLAIN) {
         /* One ordinary sequence: the chunks and the question follow the system. */
         int n = r->n_question;
         for (int k = 0; k < r->n_chunks; k++) n += r->chunk_lens[k];
-        s->qtok = malloc((size_t)(n ? n : 1) * sizeof *s->qtok);
+        s->qtok = malloc((size_t)(n + s->n_gen + 1) * sizeof *s->qtok);
         if (!s->qtok) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
         int o = 0;
         for (int k = 0; k < r->n_chunks; k++) {
@@ -1098,6 +1192,7 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
         if (r->n_question)
             memcpy(s->qtok + o, r->question, (size_t)r->n_question * sizeof *s->qtok);
         s->n_qtok = n;
+        append_generated(r);
         s->q_index = s->q_pos = r->n_sys;
         for (int k = 0; k < r->n_chunks; k++) {
             r->chunk_reports[k] = (rk_chunk_report){.tokens = r->chunk_lens[k],
@@ -1109,10 +1204,11 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
     }
     if ((st = rk_layout_plan(r->opt.positions, r->n_sys, r->chunk_lens, r->n_chunks, &s->layout)))
         return st;
-    s->qtok = malloc((size_t)(r->n_question ? r->n_question : 1) * sizeof *s->qtok);
+    s->qtok = malloc((size_t)(r->n_question + s->n_gen + 1) * sizeof *s->qtok);
     if (!s->qtok) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
     if (r->n_question) memcpy(s->qtok, r->question, (size_t)r->n_question * sizeof *s->qtok);
     s->n_qtok = r->n_question;
+    append_generated(r);
     s->q_index = s->layout.question_index;
     s->q_pos = s->layout.question_pos;
     return RK_OK;
@@ -1174,6 +1270,16 @@ typedef struct admission {
     rk_copy_plan *copies;
 } admission;
 
+/* Whether something before the question pass attends to r's system KV: a
+ * `system`-context chunk computed after it (pass 2), or a repair. */
+static int needs_system_first(const rk_request *r) {
+    if (r->opt.mode != RK_MODE_RAG) return 0;
+    if (r->opt.repair_k > 0 || r->opt.repair_ratio > 0) return 1;
+    for (int k = 0; k < r->n_chunks; k++)
+        if (r->state->scratch[k].pass2) return 1;
+    return 0;
+}
+
 /* Stage 1: reserve each request's blocks and match its system prompt in the
  * radix tree, look its chunks up, then pass 1: the system tails the tree did
  * not have, the isolated chunk misses and the oracle chunks. The new system
@@ -1190,15 +1296,26 @@ static rk_status stage_system_and_chunks(admission *a) {
         if (s->n_partial && (st = rk_copy_plan_add(a->copies, bs, &s->partial_src, 0, &s->kv,
                                                    s->reused - s->n_partial, s->n_partial, 0)))
             return st;
-        if (s->sys_first < r->n_sys &&
-            (st = batch_add(a->b, bs, &s->kv, r->sys + s->sys_first, r->n_sys - s->sys_first,
-                            s->sys_first, s->sys_first, 0)))
-            return st;
     }
     rk_persist_begin_lookups(a->svc);
     for (int i = 0; i < a->n; i++)
         if (a->reqs[i]->opt.mode == RK_MODE_RAG && (st = plan_chunks(a->svc, a->reqs[i], a->b)))
             return st;
+    /* A system tail nothing before the question pass attends to goes into
+     * that pass, with the question. */
+    for (int i = 0; i < a->n; i++) {
+        rk_request *r = a->reqs[i];
+        rk_req_state *s = r->state;
+        s->sys_next = r->n_sys;
+        if (s->sys_first == r->n_sys) continue;
+        if (!needs_system_first(r)) {
+            s->sys_next = s->sys_first;
+            continue;
+        }
+        if ((st = batch_add(a->b, bs, &s->kv, r->sys + s->sys_first, r->n_sys - s->sys_first,
+                            s->sys_first, s->sys_first, 0)))
+            return st;
+    }
     double t_lookup = rk_time_now() - t;
     t = rk_time_now();
     /* The partial pages' rows first: the tails computed in pass 1 attend to them. */
@@ -1207,8 +1324,12 @@ static rk_status stage_system_and_chunks(admission *a) {
     for (int i = 0; i < a->n; i++) drop_partial(a->svc, a->reqs[i]->state);
     if ((st = batch_run(a->svc, a->b))) return st;
     rk_persist_note_prefill(a->svc, a->b->n_tok, rk_time_now() - t);
-    for (int i = 0; i < a->n; i++)
-        if (a->reqs[i]->state->n_insert && (st = insert_system(a->svc, a->reqs[i]))) return st;
+    for (int i = 0; i < a->n; i++) {
+        rk_req_state *s = a->reqs[i]->state;
+        if (s->n_insert && s->sys_next == a->reqs[i]->n_sys &&
+            (st = insert_system(a->svc, a->reqs[i])))
+            return st;
+    }
     double t_compute = rk_time_now() - t;
     for (int i = 0; i < a->n; i++) {
         a->reqs[i]->t.lookup_ms = t_lookup * 1e3;
@@ -1342,6 +1463,14 @@ static rk_status stage_reindex(admission *a) {
     }
     if ((st = rk_copy_plan_run(a->copies, svc->be, svc->arena, rk_model_rope(svc->model))))
         return st;
+    /* The scratch sequences' KV is in place now: their live blocks go back
+     * before decoding needs them. */
+    for (int i = 0; i < a->n; i++)
+        for (int k = 0; k < a->reqs[i]->n_chunks; k++) {
+            scratch *sc = &a->reqs[i]->state->scratch[k];
+            if (sc->used) rk_seq_release(&sc->kv, svc->arena);
+            sc->used = 0;
+        }
     double t_reindex = rk_time_now() - t;
     for (int i = 0; i < a->n; i++) {
         rk_request *r = a->reqs[i];
@@ -1387,13 +1516,12 @@ static rk_status stage_repair(admission *a) {
     return RK_OK;
 }
 
-/* Stage 5: the questions in one pass, with logits: every request's first
- * token (a request whose whole prompt is its system prompt feeds the last
- * system token again for its logits). */
-static rk_status stage_question(admission *a, const rk_pipeline_hooks *hooks) {
-    int bs = rk_arena_block_size(a->svc->arena), n_vocab = rk_model_hparams(a->svc->model)->n_vocab;
-    rk_status st;
-    batch_reset(a->b);
+/* Stage 5: what is left of each request's prompt for the question pass:
+ * its deferred system tail and its question (plain: chunks and question;
+ * resuming: and its generated tokens but the last). A request whose whole
+ * prompt is its computed system prompt feeds the last system token again
+ * for its logits. A cancelled request is done. */
+static void queue_prompt(admission *a) {
     for (int i = 0; i < a->n; i++) {
         rk_request *r = a->reqs[i];
         rk_req_state *s = r->state;
@@ -1402,38 +1530,33 @@ static rk_status stage_question(admission *a, const rk_pipeline_hooks *hooks) {
             s->done = 1;
         }
         if (s->done) continue;
-        if (s->n_qtok) {
-            st = batch_add_req(a->b, bs, s, s->qtok, s->n_qtok, s->q_pos, s->q_index, 1);
-            s->next_pos = s->q_pos + s->n_qtok;
-        } else {
-            int last = r->n_sys - 1;
-            st = batch_add(a->b, bs, &s->kv, r->sys + last, 1, last, last, 1);
-            s->next_pos = r->n_sys;
+        s->ptok = s->qtok;
+        s->n_ptok = s->n_qtok;
+        s->p_idx = s->q_index;
+        s->p_pos = s->q_pos;
+        s->p_next = 0;
+        s->next_pos = s->n_qtok ? s->q_pos + s->n_qtok : r->n_sys;
+        if (s->n_qtok == 0 && s->sys_next == r->n_sys && r->n_out == 0) {
+            s->ptok = r->sys + r->n_sys - 1;
+            s->n_ptok = 1;
+            s->p_idx = s->p_pos = r->n_sys - 1;
         }
-        if (st) return st;
+        s->prefilling = s->sys_next < r->n_sys || s->n_ptok > 0;
+        if (!s->prefilling) s->n_valid = s->kv.n_tokens; /* resumed, nothing to feed */
     }
-    double t = rk_time_now();
-    if ((st = batch_run(a->svc, a->b))) return st;
-    double dt = (rk_time_now() - t) * 1e3;
-    for (int i = 0, row = 0; i < a->n; i++) {
-        rk_request *r = a->reqs[i];
-        if (r->state->done) continue;
-        r->state->n_valid = r->state->kv.n_tokens;
-        r->t.prefill_ms = dt;
-        take_token(a->svc, r, a->b->logits + (size_t)row++ * n_vocab, hooks);
-    }
-    return RK_OK;
 }
 
 /* ---------------------------------------------------------------- running requests */
 
 struct rk_pipeline {
     rk_service *svc;
-    rk_request **running; /* (cap) admitted and unfinished, in admission order */
+    rk_request **running; /* (cap) admitted and unfinished, by rank (first admission) */
     int n_running, cap;
-    int n_admitted; /* requests admitted so far: the next one's hook index */
-    int *act;       /* (cap) running[] indices in the current decode pass */
-    batch b;        /* reused by every pass */
+    int n_admitted;         /* requests admitted so far: the next one's rank */
+    rk_request **work;      /* (2 cap) the current pass's decoding and prefilling requests */
+    rk_request **preempted; /* (cap_preempted) waiting to resume, by rank */
+    int n_preempted, cap_preempted;
+    batch b; /* reused by every pass */
     rk_copy_plan copies;
 };
 
@@ -1446,6 +1569,31 @@ rk_status rk_pipeline_create(rk_service *svc, rk_pipeline **out) {
 
 int rk_pipeline_n_running(const rk_pipeline *p) { return p->n_running; }
 
+int rk_request_live_blocks(const rk_service *svc, const rk_request *r) {
+    int bs = rk_arena_block_size(svc->arena), zc = zero_copy_for(svc, r, 0);
+    long tokens = (long)r->n_sys + r->n_question + 1 + (r->resume && r->n_out ? r->n_out - 1 : 0);
+    long extra = 0;
+    for (int k = 0; k < r->n_chunks; k++) {
+        tokens += zc ? private_tokens(r, r->chunk_lens[k], bs) : r->chunk_lens[k];
+        int after_system = r->opt.chunk_context == RK_CONTEXT_SYSTEM;
+        if (!r->opt.chunk_cache || after_system)
+            extra += r->chunk_lens[k] + (after_system ? r->n_sys : 0) + bs;
+    }
+    long blocks = (tokens + extra) / bs + 2;
+    return blocks > 1 << 30 ? 1 << 30 : (int)blocks;
+}
+
+/* Insert r into list (n entries, room for one more) by rank. */
+static void insert_by_rank(rk_request **list, int *n, rk_request *r) {
+    int i = *n;
+    while (i > 0 && list[i - 1]->rank > r->rank) {
+        list[i] = list[i - 1];
+        i--;
+    }
+    list[i] = r;
+    (*n)++;
+}
+
 /* A finished request leaves: its report is completed and all it holds released. */
 static void leave(rk_pipeline *p, rk_request *r) {
     finish_report(r);
@@ -1453,76 +1601,8 @@ static void leave(rk_pipeline *p, rk_request *r) {
     r->finished = 1;
 }
 
-rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
-                            const rk_pipeline_hooks *hooks) {
-    rk_status st = RK_OK;
-    if (p->n_running + n_reqs > p->cap) {
-        int cap = (p->n_running + n_reqs) * 2;
-        rk_request **run = realloc(p->running, (size_t)cap * sizeof *run);
-        if (run) p->running = run;
-        int *act = realloc(p->act, (size_t)cap * sizeof *act);
-        if (act) p->act = act;
-        if (!run || !act) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
-        p->cap = cap;
-    }
-    for (int i = 0; i < n_reqs; i++) reqs[i]->state = NULL;
-    for (int i = 0; i < n_reqs && !st; i++) {
-        st = init_request(p->svc, reqs[i]);
-        if (reqs[i]->state) reqs[i]->state->hook_index = p->n_admitted + i;
-    }
-    admission a = {.svc = p->svc, .reqs = reqs, .n = n_reqs, .b = &p->b, .copies = &p->copies};
-    if (!st) st = stage_system_and_chunks(&a);
-    if (!st) st = stage_system_chunks(&a);
-    if (!st) st = stage_reindex(&a);
-    if (!st) st = stage_repair(&a);
-    if (!st) st = stage_question(&a, hooks);
-    if (st) {
-        for (int i = 0; i < n_reqs; i++) release_request(p->svc, reqs[i], 1);
-        rk_copy_plan_free(&p->copies);
-        return st;
-    }
-    p->n_admitted += n_reqs;
-    for (int i = 0; i < n_reqs; i++) {
-        if (reqs[i]->state->done)
-            leave(p, reqs[i]);
-        else
-            p->running[p->n_running++] = reqs[i];
-    }
-    return RK_OK;
-}
-
-rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
-    rk_service *svc = p->svc;
-    int bs = rk_arena_block_size(svc->arena), n_vocab = rk_model_hparams(svc->model)->n_vocab;
-    rk_status st;
-    int n_act = 0;
-    batch_reset(&p->b);
-    for (int i = 0; i < p->n_running; i++) {
-        rk_request *r = p->running[i];
-        rk_req_state *s = r->state;
-        if (!s->done && r->cancel) {
-            r->finish_reason = RK_FINISH_CANCELLED;
-            s->done = 1;
-        }
-        if (s->done) continue;
-        int idx = s->kv.n_tokens++;
-        if ((st = batch_add_req(&p->b, bs, s, &r->out_tokens[r->n_out - 1], 1, s->next_pos++, idx,
-                                1)))
-            return st;
-        p->act[n_act++] = i;
-    }
-    if (n_act) {
-        double t = rk_time_now();
-        if ((st = batch_run(svc, &p->b))) return st;
-        double dt = (rk_time_now() - t) * 1e3;
-        for (int a = 0; a < n_act; a++) {
-            rk_request *r = p->running[p->act[a]];
-            r->state->n_valid = r->state->kv.n_tokens;
-            r->t.decode_ms += dt;
-            take_token(svc, r, p->b.logits + (size_t)a * n_vocab, hooks);
-        }
-    }
-    /* The finished leave now, in this step; the rest keep their order. */
+/* The finished leave now; the rest keep their order. */
+static void leave_finished(rk_pipeline *p) {
     int kept = 0;
     for (int i = 0; i < p->n_running; i++) {
         rk_request *r = p->running[i];
@@ -1532,12 +1612,260 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
             p->running[kept++] = r;
     }
     p->n_running = kept;
+}
+
+/* Take running[i] off the live pool: what it computed goes into the radix
+ * tree, everything it holds is released, its tokens and its sampler's state
+ * stay with it, and it waits among the preempted. */
+static rk_status preempt(rk_pipeline *p, int i) {
+    rk_request *r = p->running[i];
+    if (p->n_preempted == p->cap_preempted) {
+        int cap = p->cap_preempted ? p->cap_preempted * 2 : 8;
+        rk_request **q = realloc(p->preempted, (size_t)cap * sizeof *q);
+        if (!q) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        p->preempted = q;
+        p->cap_preempted = cap;
+    }
+    memcpy(r->rng, r->state->sampler.rng, sizeof r->rng);
+    finish_report(r);
+    release_request(p->svc, r, 0);
+    r->resume = 1;
+    r->preemptions++;
+    memmove(p->running + i, p->running + i + 1,
+            (size_t)(p->n_running - i - 1) * sizeof *p->running);
+    p->n_running--;
+    insert_by_rank(p->preempted, &p->n_preempted, r);
     return RK_OK;
+}
+
+/* The table entries request s can hold now. */
+static int table_room(const rk_req_state *s, int bs) {
+    return s->zc ? s->runs.end[s->runs.n_runs - 1] : s->kv.n_blocks * bs;
+}
+
+/* One more live block at the end of the request's table (of its live run
+ * when it has a run table). */
+static rk_status grow_live(rk_service *svc, rk_req_state *s) {
+    int bs = rk_arena_block_size(svc->arena), n = s->kv.n_tokens;
+    s->kv.n_tokens = s->kv.n_blocks * bs; /* a zero-copy table counts other entries */
+    rk_status st = rk_seq_reserve(&s->kv, svc->arena, RK_POOL_LIVE, 1, NULL);
+    s->kv.n_tokens = n;
+    if (!st && s->zc) st = rk_runs_add(&s->runs, bs, &s->kv.blocks[s->kv.n_blocks - 1], bs, 0);
+    return st;
+}
+
+/* Room for every running request's next token, the oldest first: a full
+ * table takes a live block; when the pool has none, the youngest running
+ * request is preempted (the one asking, when it is the youngest). */
+static rk_status make_room(rk_pipeline *p) {
+    int bs = rk_arena_block_size(p->svc->arena);
+    rk_status st;
+    for (int i = 0; i < p->n_running; i++) {
+        rk_req_state *s = p->running[i]->state;
+        while (!s->prefilling && s->kv.n_tokens >= table_room(s, bs)) {
+            st = grow_live(p->svc, s);
+            if (st != RK_ERR_EXHAUSTED) {
+                if (st) return st;
+                continue;
+            }
+            if (p->n_running == 1) /* admission checked that it fits alone */
+                return rk_errorf(RK_ERR_LIMIT, "the live pool cannot hold the request alone");
+            if ((st = preempt(p, p->n_running - 1))) return st;
+            if (i >= p->n_running) return RK_OK; /* it was the youngest */
+        }
+    }
+    return RK_OK;
+}
+
+/* Feed what is left of r's prompt into b, at most *left tokens: its
+ * system tail, then the rest; logits for the last token when it has no
+ * token yet. */
+static rk_status feed_prompt(batch *b, int bs, rk_request *r, int *left) {
+    rk_req_state *s = r->state;
+    rk_status st;
+    int n = r->n_sys - s->sys_next < *left ? r->n_sys - s->sys_next : *left;
+    if (n > 0) {
+        int last = s->sys_next + n == r->n_sys && s->n_ptok == 0 && r->n_out == 0;
+        if ((st = batch_add_req(b, bs, s, r->sys + s->sys_next, n, s->sys_next, s->sys_next, last)))
+            return st;
+        if (last) s->row = b->n_logits - 1;
+        s->fed_sys = n;
+        *left -= n;
+    }
+    if (s->sys_next + s->fed_sys < r->n_sys) return RK_OK;
+    int m = s->n_ptok - s->p_next < *left ? s->n_ptok - s->p_next : *left;
+    if (m <= 0) return RK_OK;
+    int last = s->p_next + m == s->n_ptok && r->n_out == 0;
+    if ((st = batch_add_req(b, bs, s, s->ptok + s->p_next, m, s->p_pos + s->p_next,
+                            s->p_idx + s->p_next, last)))
+        return st;
+    if (last) s->row = b->n_logits - 1;
+    s->fed_p = m;
+    *left -= m;
+    return RK_OK;
+}
+
+/* One forward pass: the next token of every request in dec (their tables
+ * have room for it), then the prompt work of the requests in pre, in their
+ * order, at most budget tokens of it (<= 0: all of it). A request whose
+ * prompt ends in the pass takes its first token from it (a resumed one has
+ * its next token already) and decodes from the next pass on; its system
+ * prompt goes into the radix tree once computed. */
+static rk_status run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_request *const *pre,
+                          int n_pre, int budget, const rk_pipeline_hooks *hooks) {
+    rk_service *svc = p->svc;
+    int bs = rk_arena_block_size(svc->arena), n_vocab = rk_model_hparams(svc->model)->n_vocab;
+    rk_status st;
+    batch_reset(&p->b);
+    for (int i = 0; i < n_dec; i++) {
+        rk_request *r = dec[i];
+        rk_req_state *s = r->state;
+        int idx = s->kv.n_tokens++;
+        if ((st = batch_add_req(&p->b, bs, s, &r->out_tokens[r->n_out - 1], 1, s->next_pos++, idx,
+                                1)))
+            return st;
+    }
+    int left = budget > 0 ? budget : 1 << 30;
+    for (int i = 0; i < n_pre; i++) {
+        rk_req_state *s = pre[i]->state;
+        s->row = -1;
+        s->fed_sys = s->fed_p = 0;
+        if ((st = feed_prompt(&p->b, bs, pre[i], &left))) return st;
+    }
+    if (p->b.n_seq == 0) return RK_OK;
+    double t = rk_time_now();
+    if ((st = batch_run(svc, &p->b))) return st;
+    double dt = (rk_time_now() - t) * 1e3;
+    for (int i = 0; i < n_dec; i++) {
+        rk_request *r = dec[i];
+        r->state->n_valid = r->state->kv.n_tokens;
+        r->t.decode_ms += dt;
+        take_token(svc, r, p->b.logits + (size_t)i * n_vocab, hooks);
+    }
+    for (int i = 0; i < n_pre; i++) {
+        rk_request *r = pre[i];
+        rk_req_state *s = r->state;
+        if (!s->fed_sys && !s->fed_p) continue;
+        r->t.prefill_ms += dt;
+        s->sys_next += s->fed_sys;
+        s->p_next += s->fed_p;
+        if (s->fed_sys && s->sys_next == r->n_sys && s->n_insert && (st = insert_system(svc, r)))
+            return st;
+        if (s->sys_next < r->n_sys || s->p_next < s->n_ptok) continue;
+        s->prefilling = 0;
+        s->n_valid = s->kv.n_tokens;
+        if (s->row >= 0) take_token(svc, r, p->b.logits + (size_t)s->row * n_vocab, hooks);
+    }
+    return RK_OK;
+}
+
+/* The prompt stages of an admission up to the question pass; on failure
+ * every one of reqs has released what it took. */
+static rk_status admit_stages(rk_pipeline *p, rk_request *const *reqs, int n_reqs, int *n_fresh) {
+    rk_status st = RK_OK;
+    if (p->n_running + n_reqs > p->cap) {
+        int cap = (p->n_running + n_reqs) * 2;
+        rk_request **run = realloc(p->running, (size_t)cap * sizeof *run);
+        if (run) p->running = run;
+        rk_request **work = realloc(p->work, (size_t)cap * 2 * sizeof *work);
+        if (work) p->work = work;
+        if (!run || !work) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        p->cap = cap;
+    }
+    *n_fresh = 0;
+    for (int i = 0; i < n_reqs; i++) {
+        reqs[i]->state = NULL;
+        if (!reqs[i]->resume) reqs[i]->rank = p->n_admitted + (*n_fresh)++;
+    }
+    for (int i = 0; i < n_reqs && !st; i++) {
+        st = init_request(p->svc, reqs[i]);
+        if (reqs[i]->state) reqs[i]->state->hook_index = reqs[i]->rank;
+    }
+    admission a = {.svc = p->svc, .reqs = reqs, .n = n_reqs, .b = &p->b, .copies = &p->copies};
+    if (!st) st = stage_system_and_chunks(&a);
+    if (!st) st = stage_system_chunks(&a);
+    if (!st) st = stage_reindex(&a);
+    if (!st) st = stage_repair(&a);
+    if (!st) queue_prompt(&a);
+    if (st) {
+        for (int i = 0; i < n_reqs; i++) release_request(p->svc, reqs[i], 1);
+        rk_copy_plan_free(&p->copies);
+    }
+    return st;
+}
+
+/* Admitted: done ones leave, the others run. */
+static void admitted(rk_pipeline *p, rk_request *const *reqs, int n_reqs, int n_fresh) {
+    p->n_admitted += n_fresh;
+    for (int i = 0; i < n_reqs; i++) {
+        restore_report(reqs[i]);
+        reqs[i]->resume = 0;
+        if (reqs[i]->state->done)
+            leave(p, reqs[i]);
+        else
+            insert_by_rank(p->running, &p->n_running, reqs[i]);
+    }
+}
+
+rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
+                            const rk_pipeline_hooks *hooks) {
+    int n_fresh, n_pre = 0;
+    rk_status st = admit_stages(p, reqs, n_reqs, &n_fresh);
+    if (st) return st;
+    for (int i = 0; i < n_reqs; i++)
+        if (reqs[i]->state->prefilling) p->work[n_pre++] = reqs[i];
+    if ((st = run_pass(p, NULL, 0, p->work, n_pre, 0, hooks))) {
+        for (int i = 0; i < n_reqs; i++) release_request(p->svc, reqs[i], 1);
+        return st;
+    }
+    admitted(p, reqs, n_reqs, n_fresh);
+    return RK_OK;
+}
+
+rk_status rk_pipeline_join(rk_pipeline *p, rk_request *const *reqs, int n_reqs) {
+    int n_fresh;
+    rk_status st = admit_stages(p, reqs, n_reqs, &n_fresh);
+    if (!st) admitted(p, reqs, n_reqs, n_fresh);
+    return st;
+}
+
+rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
+    rk_status st;
+    /* Cancelled requests leave first: their blocks are free for the others. */
+    for (int i = 0; i < p->n_running; i++) {
+        rk_request *r = p->running[i];
+        if (!r->state->done && r->cancel) {
+            r->finish_reason = RK_FINISH_CANCELLED;
+            r->state->done = 1;
+        }
+    }
+    leave_finished(p);
+    if ((st = make_room(p))) return st;
+    /* Decode tokens first, then prompt work in arrival order. */
+    int n_dec = 0, n_pre = 0;
+    for (int i = 0; i < p->n_running; i++)
+        if (!p->running[i]->state->prefilling) p->work[n_dec++] = p->running[i];
+    for (int i = 0; i < p->n_running; i++)
+        if (p->running[i]->state->prefilling) p->work[n_dec + n_pre++] = p->running[i];
+    if ((st = run_pass(p, p->work, n_dec, p->work + n_dec, n_pre, p->svc->cfg.step_tokens, hooks)))
+        return st;
+    leave_finished(p);
+    return RK_OK;
+}
+
+int rk_pipeline_take_preempted(rk_pipeline *p, rk_request **out, int cap) {
+    int n = p->n_preempted < cap ? p->n_preempted : cap;
+    if (n == 0) return 0;
+    memcpy(out, p->preempted, (size_t)n * sizeof *out);
+    memmove(p->preempted, p->preempted + n, (size_t)(p->n_preempted - n) * sizeof *out);
+    p->n_preempted -= n;
+    return n;
 }
 
 void rk_pipeline_abort(rk_pipeline *p) {
     for (int i = 0; i < p->n_running; i++) release_request(p->svc, p->running[i], 1);
     p->n_running = 0;
+    p->n_preempted = 0; /* they hold nothing */
 }
 
 void rk_pipeline_free(rk_pipeline *p) {
@@ -1546,8 +1874,22 @@ void rk_pipeline_free(rk_pipeline *p) {
     batch_free(&p->b);
     rk_copy_plan_free(&p->copies);
     free(p->running);
-    free(p->act);
+    free(p->work);
+    free(p->preempted);
     free(p);
+}
+
+/* Admit the oldest preempted request again when the live pool has room for
+ * it (or nothing runs); RK_OK while it waits. */
+static rk_status resume_one(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
+    rk_request *r = p->preempted[0];
+    if (p->n_running > 0 &&
+        rk_arena_pool_free(p->svc->arena, RK_POOL_LIVE) < rk_request_live_blocks(p->svc, r))
+        return RK_OK;
+    rk_status st = rk_pipeline_admit(p, &r, 1, hooks);
+    if (st == RK_ERR_EXHAUSTED && p->n_running > 0) return RK_OK;
+    if (!st) rk_pipeline_take_preempted(p, &r, 1);
+    return st;
 }
 
 rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
@@ -1556,7 +1898,10 @@ rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
     rk_status st = rk_pipeline_create(svc, &p);
     if (st) return st;
     st = rk_pipeline_admit(p, reqs, n_reqs, hooks);
-    while (!st && p->n_running) st = rk_pipeline_step(p, hooks);
+    while (!st && (p->n_running || p->n_preempted)) {
+        if (p->n_preempted) st = resume_one(p, hooks);
+        if (!st && p->n_running) st = rk_pipeline_step(p, hooks);
+    }
     rk_pipeline_free(p); /* on failure: releases what still runs */
     return st;
 }

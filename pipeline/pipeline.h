@@ -12,7 +12,10 @@
  * pass) and leaves them running; rk_pipeline_step decodes one token for every
  * running request, and a request that finished or was cancelled leaves in the
  * same step, releasing all it held. Requests admitted later join the next
- * step. Runs on the engine thread, which alone owns the model, the arena and
+ * step; with rk_pipeline_join their question pass is part of the steps'
+ * forward passes (chunked by step_tokens). Blocks come as decoding needs
+ * them; when the live pool runs dry the youngest request is preempted and
+ * resumes later. Runs on the engine thread, which alone owns the model, the arena and
  * the caches. */
 #ifndef RK_PIPELINE_H
 #define RK_PIPELINE_H
@@ -175,6 +178,17 @@ typedef struct rk_request {
      * at its next decode step with RK_FINISH_CANCELLED and releases all it holds. */
     _Atomic int cancel;
 
+    /* Times the live pool ran out while it ran and it was preempted: taken
+     * off with everything it held released, its tokens kept, to resume. */
+    int preemptions;
+    /* Private to the pipeline, kept across preemption: set while it waits
+     * to resume, its hooks' index, when it was first admitted, and its
+     * sampler's random state. */
+    int resume;
+    int rank;
+    double t_admitted;
+    uint64_t rng[2];
+
     rk_req_state *state;
 } rk_request;
 
@@ -219,27 +233,60 @@ int rk_pipeline_n_running(const rk_pipeline *p);
 /* Admit prepared requests: run their prompt stages together (system prompt,
  * chunks, reindex, repair, question prefill) and sample each one's first
  * token. Those that finish with it (max_tokens 0 or 1, end of generation)
- * leave at once; the others run. On failure none of reqs is admitted and
- * each has released everything it took (finished stays 0); the running
- * requests are untouched. RK_ERR_EXHAUSTED: the live pool cannot hold them
- * now. hooks may be NULL. */
+ * leave at once; the others run. A request takes the live blocks of its
+ * prompt and of its first generated token; decoding takes more a block at
+ * a time. A preempted request (see rk_pipeline_step) is admitted again to
+ * resume: its prompt is then its prompt and the tokens it generated but the
+ * last, and it samples nothing (its next decode step feeds that last token).
+ * On failure none of reqs is admitted and each has released everything it
+ * took (finished stays 0); the running requests are untouched.
+ * RK_ERR_EXHAUSTED: the live pool cannot hold them now; RK_ERR_LIMIT: the
+ * prompt and max_tokens of one of them need more live blocks than the pool
+ * has. hooks may be NULL. */
 rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
                             const rk_pipeline_hooks *hooks);
 
-/* One decode step: a token for every running request in one forward pass.
- * Cancelled requests stop first; every request that finished (cancelled,
- * end of generation, max_tokens) leaves in this call: its report is complete,
- * finished is 1 and every block reference, chunk reference and radix lock it
- * held is released. On failure the running requests stay (see
- * rk_pipeline_abort). hooks may be NULL. */
+/* Admit prepared requests like rk_pipeline_admit, up to the question pass:
+ * what is left of their prompts (the question, a system tail nothing else
+ * needed first, a resumed request's generated tokens) runs in the next
+ * rk_pipeline_step calls, in the same forward pass as the running requests'
+ * decode tokens, and the last of it samples the first token. hooks are
+ * those of the steps. Fails as rk_pipeline_admit does. */
+rk_status rk_pipeline_join(rk_pipeline *p, rk_request *const *reqs, int n_reqs);
+
+/* One step: a token for every running request in one forward pass, which
+ * also feeds the prompt work of joined requests, in the order they were
+ * admitted, at most the service's step_tokens of it (0 = all; the rest in
+ * the next steps).
+ * Cancelled requests stop and leave first; every request that finished
+ * (cancelled, end of generation, max_tokens) leaves in this call: its report
+ * is complete, finished is 1 and every block reference, chunk reference and
+ * radix lock it held is released. A request whose block table is full takes
+ * one more live block, oldest request first; when the live pool has none,
+ * the request admitted last is preempted: its sequence goes into the radix
+ * tree (whole-sequence reuse), it releases all it holds like a finished one
+ * but keeps its tokens (out_tokens, logprobs: nothing is reported twice),
+ * and waits in rk_pipeline_take_preempted for the caller to admit it again.
+ * On failure the running requests stay (see rk_pipeline_abort). hooks may
+ * be NULL. */
 rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks);
+
+/* Move up to cap of the requests preempted since the last call into out,
+ * oldest first; returns how many. */
+int rk_pipeline_take_preempted(rk_pipeline *p, rk_request **out, int cap);
+
+/* Live blocks request r needs to be admitted: its prompt (for a zero-copy
+ * request, not the chunk tokens attended in place; for a preempted one, its
+ * generated tokens too), its first generated token, and the scratch of
+ * chunks computed at their live position or after the system prompt. */
+int rk_request_live_blocks(const rk_service *svc, const rk_request *r);
 
 /* Release every running request as failed (its report is incomplete). */
 void rk_pipeline_abort(rk_pipeline *p);
 
 /* Run prepared requests to completion: admit them all, then step until none
- * runs. Every reference and lock taken is released before returning, on
- * success and on error. hooks may be NULL. */
+ * runs, admitting preempted ones again as the live pool has room. Every reference and lock taken is
+ * released before returning, on success and on error. hooks may be NULL. */
 rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
                           const rk_pipeline_hooks *hooks);
 

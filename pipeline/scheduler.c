@@ -42,6 +42,7 @@ struct rk_scheduler {
     meta **buckets; /* (n_buckets) chunk key -> id, last use */
     size_t n_buckets, n_meta;
     uint64_t chunk_removed, prefix_flushed;
+    uint64_t preemptions;
     double last_publish;
 };
 
@@ -105,6 +106,14 @@ static void complete(rk_job *j, int ran, rk_status st, const char *msg) {
     pthread_mutex_unlock(&j->mu);
 }
 
+/* A preempted generation cancelled while it waited to resume: it ends with
+ * the tokens it had (its report was completed when it was preempted). */
+static void cancel_preempted(rk_job *j) {
+    j->req.finish_reason = RK_FINISH_CANCELLED;
+    j->req.resume = 0;
+    j->req.finished = 1;
+}
+
 /* Take j off the running list, then complete it. */
 static void finish(rk_scheduler *e, rk_job *j, int ran, rk_status st, const char *msg) {
     pthread_mutex_lock(&e->mu);
@@ -130,20 +139,6 @@ static void unlink_job(rk_scheduler *e, rk_job *j) {
     j->queued = 0;
     e->n_queued--;
     if (j->anytime) atomic_fetch_sub(&e->n_anytime, 1);
-}
-
-/* Blocks of the live pool a request may take: its whole table plus scratch
- * for chunks computed at their live position or after the system prompt. */
-static int estimate_blocks(const rk_request *r, int bs) {
-    long tokens = (long)r->n_sys + r->n_question + r->opt.max_tokens, extra = 0;
-    for (int k = 0; k < r->n_chunks; k++) {
-        tokens += r->chunk_lens[k];
-        int after_system = r->opt.chunk_context == RK_CONTEXT_SYSTEM;
-        if (!r->opt.chunk_cache || after_system)
-            extra += r->chunk_lens[k] + (after_system ? r->n_sys : 0) + bs;
-    }
-    long blocks = (tokens + extra) / bs + 2;
-    return blocks > 1 << 30 ? 1 << 30 : (int)blocks;
 }
 
 /* ---------------------------------------------------------------- chunk metadata */
@@ -304,6 +299,7 @@ static void publish(rk_scheduler *e, int n_finishing) {
                                  rk_dtype_size(kv->dtype)};
     rk_chunk_index_foreach(svc->chunks, walk_entry, &w);
     s.chunk_removed = e->chunk_removed;
+    s.preemptions = e->preemptions;
     s.prefix_flushed = e->prefix_flushed;
     rk_store_counters sc;
     if (svc->store && rk_store_stats(svc->store, &sc) == RK_OK) {
@@ -406,7 +402,8 @@ static void publish_tokens(rk_job *j) {
 /* Publish the new tokens of the running jobs; record the finished ones,
  * publish statistics (before answering: a client may ask for them right
  * after), then complete them. `admitted`: the statistics are published in
- * any case, since the new requests now hold their blocks. */
+ * any case, since the new requests now hold their blocks; so they are when a
+ * request got its first token (its prompt is cached by then). */
 static void after_pass(rk_scheduler *e, int admitted) {
     int n = e->n_running; /* only the engine thread changes the running list */
     rk_job *jobs[n > 0 ? n : 1];
@@ -414,6 +411,7 @@ static void after_pass(rk_scheduler *e, int admitted) {
     int n_done = 0;
     for (int i = 0; i < n; i++) {
         rk_job *j = jobs[i];
+        admitted |= j->n_tokens == 0 && j->req.n_out > 0; /* only the engine writes n_tokens */
         if (!j->req.finished) continue;
         n_done++;
         if (e->p.record_request) e->p.record_request(e->p.stats_ctx, &j->req);
@@ -460,7 +458,8 @@ static void requeue(rk_scheduler *e, rk_job **jobs, int n) {
                "the request was cancelled: the server is shutting down");
 }
 
-/* Admit new generations (their prompt stages and first token). When the
+/* Admit new generations: their prompt stages up to the question pass,
+ * which the next step runs with the decode tokens. When the
  * live pool cannot hold them while others run, they wait in the queue; a
  * group that fails otherwise is retried one by one, so a failure is its
  * request's own; one that cannot fit even alone fails with RK_ERR_LIMIT. */
@@ -471,17 +470,23 @@ static void admit_jobs(rk_scheduler *e, rk_pipeline *p, rk_job **fresh, int n) {
     double now = rk_time_now();
     for (int i = 0; i < n; i++) {
         rk_job *j = fresh[i];
+        if (j->req.cancel && j->req.resume) { /* preempted, then cancelled */
+            cancel_preempted(j);
+            if (e->p.record_request) e->p.record_request(e->p.stats_ctx, &j->req);
+            finish(e, j, 1, RK_OK, "");
+            continue;
+        }
         if (j->req.cancel) {
             finish(e, j, 0, RK_ERR_BUSY, "the request was cancelled before it ran");
             continue;
         }
-        j->req.t.queue_ms = (now - j->t_submit) * 1e3;
+        if (!j->req.resume) j->req.t.queue_ms = (now - j->t_submit) * 1e3;
         reqs[m] = &j->req;
         jobs[m++] = j;
     }
     if (m == 0) return;
     rk_error_clear();
-    rk_status st = rk_pipeline_admit(p, reqs, m, NULL);
+    rk_status st = rk_pipeline_join(p, reqs, m);
     if (st == RK_OK) {
         after_pass(e, 1);
         return;
@@ -508,12 +513,23 @@ static void admit_jobs(rk_scheduler *e, rk_pipeline *p, rk_job **fresh, int n) {
     }
 }
 
-/* One decode step for every running generation. A failed step fails them all. */
+/* One decode step for every running generation. The ones it preempted go
+ * back to the head of the queue, oldest first, to resume when the live pool
+ * has room for them again. A failed step fails them all. */
 static void step_jobs(rk_scheduler *e, rk_pipeline *p) {
     rk_error_clear();
     rk_status st = rk_pipeline_step(p, NULL);
     if (st == RK_OK) {
-        after_pass(e, 0);
+        rk_request *out[e->p.max_batch];
+        rk_job *jobs[e->p.max_batch];
+        int n = rk_pipeline_take_preempted(p, out, e->p.max_batch);
+        for (int i = 0; i < n; i++) {
+            jobs[i] = (rk_job *)(void *)((char *)out[i] - offsetof(rk_job, req));
+            jobs[i]->est_blocks = rk_request_live_blocks(e->svc, out[i]);
+        }
+        e->preemptions += (uint64_t)n;
+        if (n) requeue(e, jobs, n);
+        after_pass(e, n > 0);
         return;
     }
     char msg[320];
@@ -562,8 +578,10 @@ static void sleep_s(double d) {
 /* ---------------------------------------------------------------- the thread */
 
 /* Iteration-level scheduling: each iteration admits the generations that
- * arrived (their prompt stages), then runs one decode step for every running
- * one; a request leaves in the step it finishes. Light commands run between
+ * arrived (their prompt stages but the last pass), then runs one step: a
+ * forward pass of the next token of every running generation and of the
+ * joined ones' prompt work (within step_tokens); a request leaves in the
+ * step it finishes. Light commands run between
  * iterations. On stop, what runs was flagged cancelled and leaves at the next
  * step. */
 static void engine_loop(rk_scheduler *e, rk_pipeline *p) {
@@ -689,7 +707,7 @@ rk_status rk_scheduler_submit(rk_scheduler *e, rk_job *j) {
         st = rk_errorf(RK_ERR_BUSY, "the queue is full (%d requests waiting)", e->n_queued);
     } else {
         j->t_submit = rk_time_now();
-        j->est_blocks = j->fn ? 0 : estimate_blocks(&j->req, e->svc->cfg.block_size);
+        j->est_blocks = j->fn ? 0 : rk_request_live_blocks(e->svc, &j->req);
         j->done = j->ran = 0;
         j->n_tokens = 0;
         j->queued = 1;
@@ -713,9 +731,12 @@ void rk_scheduler_cancel(rk_scheduler *e, rk_job *j) {
     int was_queued = j->queued;
     if (was_queued) unlink_job(e, j);
     pthread_mutex_unlock(&e->mu);
-    if (was_queued)
+    if (was_queued && !j->fn && j->req.resume) {
+        cancel_preempted(j);
+        complete(j, 1, RK_OK, "");
+    } else if (was_queued) {
         complete(j, 0, RK_ERR_BUSY, "the request was cancelled before it ran");
-    else if (!j->fn)
+    } else if (!j->fn)
         j->req.cancel = 1;
 }
 

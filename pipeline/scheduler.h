@@ -9,14 +9,18 @@
  * prompt stages, then runs one decode step for every running generation,
  * publishes each new token on its job's reply channel, and completes the
  * jobs that finished or were cancelled in that step. A request arriving
- * while others generate joins them at the next step. When the live pool
- * cannot hold a new request while others run, it waits at the head of the
- * queue for them to release blocks; one that cannot fit even alone fails
- * (RK_ERR_LIMIT). Cache commands (list, delete, flush, pre-warm) are jobs
- * too: functions run on the engine thread between steps; the light ones
- * (list, get, delete, flush) at once, the others (which may run the
- * pipeline themselves) once no generation runs. Statistics are published
- * after every admission, every completion and every 100 ms.
+ * while others generate joins them at the next step. A request is admitted
+ * when the live blocks of its prompt fit; it takes more as it decodes. When
+ * the pool runs dry, the youngest running generation is preempted: it
+ * releases its blocks, keeps its tokens and goes back to the head of the
+ * queue, to resume where it stopped once there is room (counted in the
+ * snapshot's preemptions). A new request whose prompt does not fit while
+ * others run waits at the head of the queue; one whose prompt and
+ * max_tokens cannot fit even alone fails (RK_ERR_LIMIT). Cache commands (list, delete, flush,
+ * pre-warm) are jobs too: functions run on the engine thread between steps; the light ones (list,
+ * get, delete, flush) at once, the others (which may run the pipeline themselves) once no
+ * generation runs. Statistics are published after every admission, every completion and every 100
+ * ms.
  *
  * A job belongs to its submitter (an HTTP worker thread), who must not free
  * it before rk_job_wait reported it done: until then the engine may write it. */

@@ -44,12 +44,15 @@ static rk_config small_config(void) {
     return cfg;
 }
 
-static rk_service *open_svc(const char *model) {
+static rk_service *open_svc_steps(const char *model, int step_tokens) {
     rk_config cfg = small_config();
+    cfg.step_tokens = step_tokens;
     rk_service *svc;
     cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
     return svc;
 }
+
+static rk_service *open_svc(const char *model) { return open_svc_steps(model, 0); }
 
 static rk_request *prepare(rk_service *svc, const char *prompt, int max_tokens) {
     rk_request *r = calloc(1, sizeof *r);
@@ -84,7 +87,10 @@ static double rel_diff(const float *a, const float *b, int n) {
     return worst / (scale > 0 ? scale : 1);
 }
 
-static void check_joining_matches_alone(const char *model) {
+/* join: b joins through rk_pipeline_join, its question pass merged with a's
+ * decode steps (step_tokens prompt tokens a step; 0 = all); else through
+ * rk_pipeline_admit, its question pass alone. */
+static void check_joining_matches_alone(const char *model, int join, int step_tokens) {
     enum { LONG_TOKENS = 24, SHORT_TOKENS = 10, JOIN_AFTER = 5 };
     /* Alone, each on its own pipeline call. */
     rk_service *alone = open_svc(model);
@@ -98,7 +104,7 @@ static void check_joining_matches_alone(const char *model) {
 
     /* Together: b joins after a decoded JOIN_AFTER steps (fresh caches, so b's
      * chunks are computed in both runs). */
-    rk_service *svc = open_svc(model);
+    rk_service *svc = open_svc_steps(model, step_tokens);
     logit_log lj = {0};
     rk_request *ja = prepare(svc, LONG_PROMPT, LONG_TOKENS);
     rk_request *jb = prepare(svc, SHORT_PROMPT, SHORT_TOKENS);
@@ -108,9 +114,27 @@ static void check_joining_matches_alone(const char *model) {
     cr_assert_eq(rk_pipeline_admit(p, &ja, 1, &hj), RK_OK, "%s", rk_error_message());
     for (int s = 0; s < JOIN_AFTER; s++) cr_assert_eq(rk_pipeline_step(p, &hj), RK_OK);
     cr_assert_eq(ja->n_out, 1 + JOIN_AFTER);
-    cr_assert_eq(rk_pipeline_admit(p, &jb, 1, &hj), RK_OK, "%s", rk_error_message());
+    if (join) {
+        cr_assert_eq(rk_pipeline_join(p, &jb, 1), RK_OK, "%s", rk_error_message());
+        cr_assert_eq(jb->n_out, 0, "b's question waits for the step");
+    } else {
+        cr_assert_eq(rk_pipeline_admit(p, &jb, 1, &hj), RK_OK, "%s", rk_error_message());
+    }
     cr_assert_eq(rk_pipeline_n_running(p), 2, "b joined the running batch");
     cr_assert_eq(ja->n_out, 1 + JOIN_AFTER, "admitting b decoded nothing for a");
+    /* With the question pass merged: every step decodes a token for a and
+     * feeds at most step_tokens of b's prompt; b's first token comes with
+     * the step that feeds the last of it. */
+    int left = jb->n_question, steps = 0;
+    while (join && jb->n_out == 0) {
+        cr_assert_eq(rk_pipeline_step(p, &hj), RK_OK);
+        steps++;
+        cr_assert_eq(ja->n_out, 1 + JOIN_AFTER + steps, "a decoded in the same step");
+    }
+    if (join && step_tokens > 0)
+        cr_assert_geq(steps, (left + step_tokens - 1) / step_tokens, "b's prompt took %d steps",
+                      steps);
+    if (join && step_tokens == 0) cr_assert_eq(steps, 1, "b's prompt went in one step");
     while (rk_pipeline_n_running(p) > 0) cr_assert_eq(rk_pipeline_step(p, &hj), RK_OK);
     cr_assert(ja->finished && jb->finished);
 
@@ -140,14 +164,72 @@ static void check_joining_matches_alone(const char *model) {
 }
 
 Test(pipeline, a_request_joining_a_running_batch_gets_its_tokens_alone) {
-    check_joining_matches_alone(NULL); /* the embedded model */
+    check_joining_matches_alone(NULL, 0, 0); /* the embedded model */
 }
 
 Test(pipeline, a_request_joining_a_running_batch_gets_its_tokens_alone_stories260k) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    check_joining_matches_alone(model);
+    check_joining_matches_alone(model, 0, 0);
     free(model);
+}
+
+Test(pipeline, a_question_pass_merged_with_decode_steps_gets_the_tokens_alone) {
+    check_joining_matches_alone(NULL, 1, 0);
+}
+
+Test(pipeline, a_question_fed_a_few_tokens_a_step_gets_the_tokens_alone) {
+    check_joining_matches_alone(NULL, 1, 3);
+}
+
+Test(pipeline, a_question_pass_merged_with_decode_steps_gets_the_tokens_alone_stories260k) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    check_joining_matches_alone(model, 1, 3);
+    free(model);
+}
+
+/* A request whose chunks are all cached: its system tail waits for the
+ * question pass, and both go in the one forward pass of the next step. */
+static void all_hit_request(rk_service *svc, int join, rk_request **out) {
+    rk_request *warm = prepare(svc, "First system prompt.##The cat slept on the mat.##Q?", 2);
+    cr_assert_eq(rk_pipeline_run(svc, &warm, 1, NULL), RK_OK, "%s", rk_error_message());
+    request_free(warm);
+    rk_request *r =
+        prepare(svc, "A different system prompt.##The cat slept on the mat.##Where?", 6);
+    rk_radix_stats before, after;
+    rk_radix_get_stats(svc->prefix, &before);
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    if (join) {
+        cr_assert_eq(rk_pipeline_join(p, &r, 1), RK_OK, "%s", rk_error_message());
+        cr_assert_eq(r->chunk_reports[0].status, RK_CHUNK_STATUS_HIT);
+        rk_radix_get_stats(svc->prefix, &after);
+        cr_assert_eq(after.cached_tokens, before.cached_tokens, "no system token computed yet");
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+        cr_assert_eq(r->n_out, 1, "the first token came from the step");
+        rk_radix_get_stats(svc->prefix, &after);
+        cr_assert_gt(after.cached_tokens, before.cached_tokens,
+                     "the same step computed the system");
+    } else {
+        cr_assert_eq(rk_pipeline_admit(p, &r, 1, NULL), RK_OK, "%s", rk_error_message());
+    }
+    while (rk_pipeline_n_running(p) > 0) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    rk_pipeline_free(p);
+    *out = r;
+}
+
+Test(pipeline, an_all_hit_request_computes_its_system_tail_and_question_in_one_pass) {
+    rk_service *alone = open_svc(NULL), *svc = open_svc(NULL);
+    rk_request *ref, *r;
+    all_hit_request(alone, 0, &ref);
+    all_hit_request(svc, 1, &r);
+    cr_assert_eq(r->n_out, 6);
+    cr_assert_arr_eq(r->out_tokens, ref->out_tokens, 6 * sizeof(int32_t));
+    request_free(ref);
+    request_free(r);
+    rk_service_close(alone);
+    rk_service_close(svc);
 }
 
 /* What requests hold: live blocks in use, referenced chunk entries, tokens
@@ -224,7 +306,7 @@ Test(pipeline, ending_or_cancelling_a_request_releases_everything_the_same_step)
     rk_service_close(svc);
 }
 
-Test(pipeline, a_request_the_live_pool_cannot_hold_is_refused_and_the_running_ones_go_on) {
+Test(pipeline, a_prompt_the_live_pool_cannot_hold_is_refused_and_the_running_ones_go_on) {
     rk_config cfg = small_config();
     cfg.live_blocks = 24;
     rk_service *alone, *svc;
@@ -237,13 +319,23 @@ Test(pipeline, a_request_the_live_pool_cannot_hold_is_refused_and_the_running_on
     cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
     rk_request *a = prepare(svc, LONG_PROMPT, 150);
     cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
-    for (int s = 0; s < 3; s++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    /* a takes live blocks as it decodes. */
+    for (int s = 0; s < 100; s++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
     held with_a = held_now(svc);
     int bs = rk_arena_block_size(svc->arena);
     int free_blocks = rk_arena_pool_free(svc->arena, RK_POOL_LIVE);
-    /* b's generated tokens alone need more blocks than are free. */
-    rk_request *b = prepare(svc, SHORT_PROMPT, (free_blocks + 1) * bs);
-    cr_assert_eq(rk_pipeline_admit(p, &b, 1, NULL), RK_ERR_EXHAUSTED);
+    /* b's prompt alone needs more blocks than are free (but fits the pool). */
+    int n_q = (free_blocks + 1) * bs;
+    int32_t *q = malloc((size_t)n_q * sizeof *q);
+    for (int i = 0; i < n_q; i++) q[i] = 3 + i % 200;
+    rk_request *b = calloc(1, sizeof *b);
+    rk_req_options_default(&b->opt);
+    b->opt.max_tokens = 4;
+    b->opt.sampling.temperature = 0;
+    cr_assert_eq(rk_request_prepare_tokens(svc, NULL, 0, q, n_q, b), RK_OK, "%s",
+                 rk_error_message());
+    free(q);
+    cr_assert_eq(rk_pipeline_admit(p, &b, 1, NULL), RK_ERR_EXHAUSTED, "%s", rk_error_message());
     cr_assert(!b->finished);
     held after = held_now(svc);
     cr_assert_eq(after.live_used, with_a.live_used, "b took nothing from the live pool");
