@@ -53,6 +53,8 @@ typedef struct eval_opts {
     const char *make_set;
     const char *plot;
     char model_arg[1024], prompts_arg[4096], make_set_arg[4096], plot_arg[4096]; /* "" = none */
+    char context_arg[16]; /* what the cached chunks are computed after */
+    rk_chunk_context context;
     int set_size;
     long long seed;
     rk_config cfg;
@@ -91,6 +93,9 @@ static const rk_setting k_eval_settings[] = {
      "{\"prompt\": \"system##chunk##...##question\"}"},
     {"json", "json", RK_SET_BOOL, E_OFF(json), 0, 0, 1, 0, 0,
      "  print one JSON object instead of the table"},
+    {"chunk_context", "chunk-context", RK_SET_STR, E_STR(context_arg), 0, 0, 0, 0,
+     "CTX  what the cached chunks are computed after: isolated (default), system or "
+     "anchor"},
     {"plot", "plot", RK_SET_STR, E_STR(plot_arg), 0, 0, 0, 0,
      "FILE.svg  write quality against recomputed share as SVG"},
     {"n_threads", "threads", RK_SET_INT, E_OFF(cfg.n_threads), 0, 0, 1024, 0, 0,
@@ -203,6 +208,15 @@ static int parse_args(int argc, char **argv, eval_opts *o, int *out_exit) {
                -1;
     if (!o->make_set && !o->prompts)
         return rk_bench_usage_error("eval", "%s", "--prompts FILE is required"), -1;
+    static const char *const contexts[] = {"isolated", "system", "anchor"};
+    int c = 0;
+    while (c < 3 && strcmp(o->context_arg[0] ? o->context_arg : "isolated", contexts[c])) c++;
+    if (c == 3)
+        return rk_bench_usage_error("eval",
+                                    "--chunk-context is isolated, system or anchor, not '%s'",
+                                    o->context_arg),
+               -1;
+    o->context = (rk_chunk_context)c;
     return 0;
 }
 
@@ -338,8 +352,10 @@ static void run_out_free(run_out *o) {
     memset(o, 0, sizeof *o);
 }
 
-static void config_options(const eval_config *c, int n_tokens, rk_req_options *opt) {
+static void config_options(const eval_config *c, int n_tokens, rk_chunk_context context,
+                           rk_req_options *opt) {
     rk_req_options_default(opt);
+    opt->chunk_context = context;
     opt->max_tokens = n_tokens;
     opt->sampling.temperature = 0;
     opt->stop_at_eog = 0; /* every run has N steps to compare */
@@ -496,7 +512,7 @@ static rk_status run_reference(eval *e) {
     if (!e->ref_logp || !e->ref) st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
     eval_config plain = {.fam = FAM_PLAIN};
     rk_req_options opt;
-    config_options(&plain, N, &opt);
+    config_options(&plain, N, e->o.context, &opt);
     double ms = 0;
     for (int j = 0; j < P && !st; j++) {
         run_ctx ctx = {
@@ -528,7 +544,7 @@ static rk_status run_config(eval *e, int ci) {
         return st;
     }
     rk_req_options opt;
-    config_options(&e->o.configs[ci], N, &opt);
+    config_options(&e->o.configs[ci], N, e->o.context, &opt);
     for (int j = 0; j < P && !st; j++) {
         prompt_result *pr = &cr->pr[j];
         const int32_t *ref_tok = e->ref[j].tokens;

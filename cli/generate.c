@@ -156,9 +156,13 @@ static rk_status generate_extra(void *ctx, int val, const char *arg) {
         g->opt.mode = r ? RK_MODE_PLAIN : RK_MODE_RAG;
         return RK_OK;
     case O_CTX:
+        if (!strcmp(arg, "anchor")) {
+            g->opt.chunk_context = RK_CONTEXT_ANCHOR;
+            return RK_OK;
+        }
         if ((r = choice(arg, "isolated", "system")) < 0)
-            return rk_errorf(RK_ERR_INVALID, "--chunk-context is isolated or system, not '%s'",
-                             arg);
+            return rk_errorf(RK_ERR_INVALID,
+                             "--chunk-context is isolated, system or anchor, not '%s'", arg);
         g->opt.chunk_context = r ? RK_CONTEXT_SYSTEM : RK_CONTEXT_ISOLATED;
         return RK_OK;
     case O_POS:
@@ -180,7 +184,7 @@ int rk_cli_generate(int argc, char **argv) {
         "  --separator S         piece separator (default: ##; \\#\\# is a literal ##)\n"
         "  --chunk-cache on|off  off = the oracle: chunks computed fresh at their position\n"
         "  --mode rag|plain      plain = the pieces as one ordinary sequence, no caches\n"
-        "  --chunk-context isolated|system   what a chunk's KV is computed after\n"
+        "  --chunk-context isolated|system|anchor   what a chunk's KV is computed after\n"
         "  --position-mode sequential|parallel   where chunks go in the sequence\n";
     rk_run_opts o;
     rk_run_opts_defaults(&o);

@@ -136,6 +136,22 @@ static int get_choice(json_t *o, const char *name, const char *a, const char *b,
     return 0;
 }
 
+/* chunk_context: "isolated" (0), "system" (1) or "anchor" (2). */
+static int get_context(json_t *o, int *out, rk_http_error *err) {
+    static const char *const names[] = {"isolated", "system", "anchor"};
+    json_t *v = json_object_get(o, "chunk_context");
+    if (!v || json_is_null(v)) return 0;
+    const char *s = json_string_value(v);
+    for (int i = 0; s && i < 3; i++)
+        if (!strcmp(s, names[i])) {
+            *out = i;
+            return 0;
+        }
+    return rk_http_errorf(err, 400,
+                          "'chunk_context' must be \"isolated\", \"system\" or \"anchor\""),
+           1;
+}
+
 static char *dup_str(const char *s) {
     size_t n = strlen(s);
     char *d = malloc(n + 1);
@@ -267,8 +283,7 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
         get_bool(root, "ignore_eos", &ignore_eos, err) ||
         get_bool(root, "prefix_cache", &prefix, err) ||
         get_bool(root, "reuse_sequences", &whole, err) ||
-        get_choice(root, "mode", "rag", "plain", &plain, err) ||
-        get_choice(root, "chunk_context", "isolated", "system", &ctx, err) ||
+        get_choice(root, "mode", "rag", "plain", &plain, err) || get_context(root, &ctx, err) ||
         get_choice(root, "position_mode", "sequential", "parallel", &pos, err) ||
         parse_stop(root, out, err) || parse_repair(root, lim, o, err))
         return 1;
@@ -314,7 +329,7 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     o->sampling.seed = (uint64_t)seed;
     o->stop_at_eog = !ignore_eos;
     o->mode = plain ? RK_MODE_PLAIN : RK_MODE_RAG;
-    o->chunk_context = ctx ? RK_CONTEXT_SYSTEM : RK_CONTEXT_ISOLATED;
+    o->chunk_context = (rk_chunk_context)ctx;
     o->positions = pos ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
     /* Plain mode is the no-cache reference unless asked otherwise (as `ragkv generate`). */
     o->prefix_cache = prefix >= 0 ? prefix : !plain;

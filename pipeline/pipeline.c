@@ -41,6 +41,7 @@ typedef struct scratch {
     int borrowed;    /* kv.blocks are a chunk entry's: never released through kv */
     int src_first;   /* table index of the chunk's first token in kv */
     int pass2;       /* computed in pass 2 (after the system prompt) */
+    int anchored;    /* computed in pass 1 after the anchor, then copied into its entry */
     int32_t *tokens; /* oracle with system context: system + chunk tokens */
 
     /* The fleet-wide compute lock on its chunk, held when rlocked. */
@@ -611,8 +612,8 @@ static void persist(rk_service *svc, const rk_chunk_entry *e, rk_chunk_context c
                     scratch *sc) {
     const rk_redis_lock *lk = sc->rlocked ? &sc->rlock : NULL;
     sc->rlocked = 0;
-    if (rk_persist_write_tiers(svc, e, context == RK_CONTEXT_SYSTEM ? "system" : "isolated", NULL,
-                               1, lk))
+    static const char *const names[] = {"isolated", "system", "anchor"};
+    if (rk_persist_write_tiers(svc, e, names[context], NULL, 1, lk))
         RK_LOG_WARN("chunk not persisted: %s", rk_error_message());
 }
 
@@ -835,17 +836,58 @@ static void drop_partial(rk_service *svc, rk_req_state *s) {
     s->partial_src = -1;
 }
 
+/* The tokens a chunk's cached KV is computed after: none (isolated), the
+ * system prompt, or the anchor (*anchor receives the BOS token). Their count. */
+static int chunk_context_tokens(const rk_service *svc, const rk_request *r, int32_t *anchor,
+                                const int32_t **out) {
+    *out = NULL;
+    if (r->opt.chunk_context == RK_CONTEXT_SYSTEM) {
+        *out = r->sys;
+        return r->n_sys;
+    }
+    if (r->opt.chunk_context != RK_CONTEXT_ANCHOR) return 0;
+    *anchor = rk_tokenizer_bos(rk_model_tokenizer(svc->model));
+    *out = anchor;
+    return 1;
+}
+
 static void chunk_policy(rk_service *svc, const rk_request *r, rk_chunk_policy *p) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
     *p = (rk_chunk_policy){.fingerprint = rk_model_fingerprint(svc->model),
-                           .context_system = r->opt.chunk_context == RK_CONTEXT_SYSTEM,
+                           .context_system = (int)r->opt.chunk_context,
                            .kv_dtype = rk_arena_kv(svc->arena)->dtype,
                            .rope_theta = hp->rope.theta,
                            .rope_factor = hp->rope.factor,
                            .rope_n_rot = hp->rope.n_rot,
                            .rope_pairing = (int)hp->rope.pairing,
                            .rope_scaling = (int)hp->rope.scaling};
-    if (p->context_system) p->system_key = rk_tokens_hash(r->sys, r->n_sys);
+    int32_t anchor;
+    const int32_t *ctx;
+    int n_ctx = chunk_context_tokens(svc, r, &anchor, &ctx);
+    if (p->context_system) p->system_key = rk_tokens_hash(ctx, n_ctx);
+}
+
+/* Chunk k computed after its n_ctx context tokens ctx in a scratch sequence
+ * of its own, the context's first token at position pos0: the oracle (at
+ * the live position) or an anchored miss (at 0). */
+static rk_status plan_after_context(rk_service *svc, rk_request *r, int k, const int32_t *ctx,
+                                    int n_ctx, int pos0, batch *pass1) {
+    scratch *sc = &r->state->scratch[k];
+    int bs = rk_arena_block_size(svc->arena), n = n_ctx + r->chunk_lens[k];
+    const int32_t *toks = r->chunks[k];
+    rk_status st;
+    if (n_ctx) {
+        if (!(sc->tokens = malloc((size_t)n * sizeof *sc->tokens)))
+            return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        memcpy(sc->tokens, ctx, (size_t)n_ctx * sizeof *sc->tokens);
+        memcpy(sc->tokens + n_ctx, r->chunks[k], (size_t)r->chunk_lens[k] * sizeof *sc->tokens);
+        toks = sc->tokens;
+    }
+    sc->used = 1;
+    if ((st = rk_seq_reserve(&sc->kv, svc->arena, RK_POOL_LIVE, n, NULL))) return st;
+    sc->kv.n_tokens = n;
+    sc->src_first = n_ctx;
+    return batch_add(pass1, bs, &sc->kv, toks, n, pos0, 0, 0);
 }
 
 /* Look up every chunk; queue the work each needs for pass 1. */
@@ -856,6 +898,9 @@ static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
     chunk_policy(svc, r, &policy);
     rk_status st;
     int after_system = r->opt.chunk_context == RK_CONTEXT_SYSTEM;
+    int32_t anchor;
+    const int32_t *ctx;
+    int n_ctx = chunk_context_tokens(svc, r, &anchor, &ctx);
     for (int k = 0; k < r->n_chunks; k++) {
         rk_chunk_report *rep = &r->chunk_reports[k];
         rep->tokens = r->chunk_lens[k];
@@ -872,29 +917,13 @@ static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
             /* The oracle: fresh at the live position, seeing what a cached chunk sees. */
             rep->status = RK_CHUNK_STATUS_OFF;
             rep->source = RK_CHUNK_SOURCE_COMPUTED;
-            scratch *sc = &s->scratch[k];
-            int n_ctx = after_system ? r->n_sys : 0;
-            int n = n_ctx + r->chunk_lens[k];
-            const int32_t *toks = r->chunks[k];
-            if (n_ctx) {
-                if (!(sc->tokens = malloc((size_t)n * sizeof *sc->tokens)))
-                    return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
-                memcpy(sc->tokens, r->sys, (size_t)n_ctx * sizeof *sc->tokens);
-                memcpy(sc->tokens + n_ctx, r->chunks[k],
-                       (size_t)r->chunk_lens[k] * sizeof *sc->tokens);
-                toks = sc->tokens;
-            }
-            sc->used = 1;
-            if ((st = rk_seq_reserve(&sc->kv, svc->arena, RK_POOL_LIVE, n, NULL))) return st;
-            sc->kv.n_tokens = n;
-            sc->src_first = n_ctx;
-            if ((st = batch_add(pass1, bs, &sc->kv, toks, n, s->layout.pos[k] - n_ctx, 0, 0)))
+            if ((st = plan_after_context(svc, r, k, ctx, n_ctx, s->layout.pos[k] - n_ctx, pass1)))
                 return st;
             continue;
         }
         rk_chunk_key key = rk_chunk_key_compute(&policy, r->chunks[k], r->chunk_lens[k]);
         rk_chunk_key_hex(key, rep->key);
-        int base = after_system ? r->n_sys : 0;
+        int base = n_ctx;
         if ((st = rk_chunk_index_acquire(svc->chunks, key, r->chunks[k], r->chunk_lens[k], base,
                                          &s->entries[k], &s->kinds[k])))
             return st;
@@ -916,7 +945,12 @@ static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
         rep->source =
             s->kinds[k] == RK_CHUNK_HIT ? RK_CHUNK_SOURCE_ARENA : RK_CHUNK_SOURCE_COMPUTED;
         if (s->kinds[k] != RK_CHUNK_MISS) continue;
-        if (!after_system) {
+        if (n_ctx && !after_system) {
+            /* After the anchor in a scratch sequence; copied into the entry
+             * after pass 1. */
+            if ((st = plan_after_context(svc, r, k, ctx, n_ctx, 0, pass1))) return st;
+            s->scratch[k].anchored = 1;
+        } else if (!after_system) {
             /* Alone at positions 0..n-1, straight into the entry's blocks. */
             scratch *sc = &s->scratch[k];
             sc->kv.blocks = e->blocks; /* borrowed: released with the entry, not the scratch */
@@ -1202,6 +1236,10 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
         return rk_layout_plan(RK_POSITIONS_SEQUENTIAL, r->n_sys, r->chunk_lens, r->n_chunks,
                               &s->layout);
     }
+    if (r->opt.chunk_context == RK_CONTEXT_ANCHOR &&
+        rk_tokenizer_bos(rk_model_tokenizer(svc->model)) < 0)
+        return rk_errorf(RK_ERR_INVALID,
+                         "chunk_context anchor needs a model with a BOS token (the anchor)");
     if ((st = rk_layout_plan(r->opt.positions, r->n_sys, r->chunk_lens, r->n_chunks, &s->layout)))
         return st;
     s->qtok = malloc((size_t)(r->n_question + s->n_gen + 1) * sizeof *s->qtok);
@@ -1339,8 +1377,9 @@ static rk_status stage_system_and_chunks(admission *a) {
 }
 
 /* Stage 2: pass 2 computes the `system`-context misses after their system
- * prompt; their KV is copied into their entries. Then every entry computed
- * by this admission is ready (and written through to the disk tier). */
+ * prompt; their KV, and that of the anchored misses of pass 1, is copied
+ * into their entries. Then every entry computed by this admission is ready
+ * (and written through to the disk tier). */
 static rk_status stage_system_chunks(admission *a) {
     rk_service *svc = a->svc;
     int bs = rk_arena_block_size(svc->arena);
@@ -1361,9 +1400,11 @@ static rk_status stage_system_chunks(admission *a) {
         rk_request *r = a->reqs[i];
         rk_req_state *s = r->state;
         for (int k = 0; k < r->n_chunks; k++) {
-            if (s->kinds[k] != RK_CHUNK_MISS || !s->entries[k] || !s->scratch[k].pass2) continue;
+            scratch *sc = &s->scratch[k];
+            if (s->kinds[k] != RK_CHUNK_MISS || !s->entries[k] || !(sc->pass2 || sc->anchored))
+                continue;
             rk_seq dst = {.blocks = s->entries[k]->blocks, .n_blocks = s->entries[k]->n_blocks};
-            if ((st = rk_copy_plan_add(a->copies, bs, s->scratch[k].kv.blocks, r->n_sys, &dst, 0,
+            if ((st = rk_copy_plan_add(a->copies, bs, sc->kv.blocks, sc->src_first, &dst, 0,
                                        r->chunk_lens[k], 0)))
                 return st;
         }
@@ -1576,8 +1617,9 @@ int rk_request_live_blocks(const rk_service *svc, const rk_request *r) {
     for (int k = 0; k < r->n_chunks; k++) {
         tokens += zc ? private_tokens(r, r->chunk_lens[k], bs) : r->chunk_lens[k];
         int after_system = r->opt.chunk_context == RK_CONTEXT_SYSTEM;
-        if (!r->opt.chunk_cache || after_system)
-            extra += r->chunk_lens[k] + (after_system ? r->n_sys : 0) + bs;
+        int anchored = r->opt.chunk_context == RK_CONTEXT_ANCHOR;
+        if (!r->opt.chunk_cache || after_system || anchored)
+            extra += r->chunk_lens[k] + (after_system ? r->n_sys : anchored) + bs;
     }
     long blocks = (tokens + extra) / bs + 2;
     return blocks > 1 << 30 ? 1 << 30 : (int)blocks;

@@ -70,6 +70,10 @@ typedef enum rk_req_mode {
 typedef enum rk_chunk_context {
     RK_CONTEXT_ISOLATED = 0, /* alone, at positions 0..n-1 */
     RK_CONTEXT_SYSTEM = 1,   /* after the request's system prompt */
+    /* After a fixed anchor, the model's BOS token, at positions 1..n (the
+     * anchor's KV is not kept): the chunk's first token is no longer its
+     * own attention sink. Shared by every request, like isolated. */
+    RK_CONTEXT_ANCHOR = 2,
 } rk_chunk_context;
 
 typedef struct rk_req_options {

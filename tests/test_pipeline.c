@@ -107,11 +107,11 @@ static const char *STORY =
 
 static void check_modes(const char *model, const char *prompt) {
     rk_service *svc = open_svc(model, 0);
-    for (int ctx = 0; ctx < 2; ctx++)
+    for (int ctx = 0; ctx < 3; ctx++)
         for (int par = 0; par < 2; par++) {
             rk_chunk_index_flush(svc->chunks); /* isolated chunks would hit across modes */
             rk_req_options o = greedy_opts();
-            o.chunk_context = ctx ? RK_CONTEXT_SYSTEM : RK_CONTEXT_ISOLATED;
+            o.chunk_context = (rk_chunk_context)ctx /* isolated, system, anchor */;
             o.positions = par ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
             rk_request first, second, oracle;
             run_log lf = {0}, ls = {0}, lo = {0};

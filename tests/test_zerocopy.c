@@ -171,13 +171,13 @@ static const char *STORY =
     "day.##Tom had a big dog named Max. Max liked to run and bark at the birds.##The sun was warm "
     "and the sky was blue. The children sang a happy song.##One day";
 
-/* Every chunk context x position mode x repair policy. */
+/* Every chunk context (isolated, system, anchor) x position mode x repair policy. */
 static void check_every_mode(const char *model) {
-    for (int ctx = 0; ctx < 2; ctx++)
+    for (int ctx = 0; ctx < 3; ctx++)
         for (int par = 0; par < 2; par++)
             for (int rep = 0; rep < 3; rep++) {
                 rk_req_options o = greedy_opts(12);
-                o.chunk_context = ctx ? RK_CONTEXT_SYSTEM : RK_CONTEXT_ISOLATED;
+                o.chunk_context = (rk_chunk_context)ctx /* isolated, system, anchor */;
                 o.positions = par ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
                 if (rep == 1) o.repair_k = 3;
                 if (rep == 2) o.repair_ratio = 0.25f;
