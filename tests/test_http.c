@@ -1497,13 +1497,19 @@ Test(http_opts, requests_beyond_http_threads_get_503_but_probes_answer, .fini = 
                        "\"stream\": true}";
     rk_http_conn streams[4];
     for (int i = 0; i < 4; i++) open_completion(body, &streams[i]);
+    /* The first one generates (the others wait in the engine's queue). */
+    cr_assert_eq(rk_http_wait_for(&streams[0], "data: "), RK_OK, "the first stream: %s",
+                 rk_error_message());
     /* Once the four are being handled, a fifth request is refused at once. */
     resp r = {0};
-    for (double until = now_s() + 20; now_s() < until; sleep_s(0.02)) {
+    int last = -1, tries = 0;
+    for (double until = now_s() + 20; now_s() < until; sleep_s(0.02), tries++) {
         r = get("/v1/models");
         if (r.http.status == 503) break;
+        last = r.http.status;
         resp_free(&r);
     }
+    cr_assert_eq(r.http.status, 503, "%d requests answered, the last %d", tries, last);
     expect_error(&r, 503);
     cr_assert_str_eq(header(&r, "Retry-After"), "1");
     cr_assert(strstr(jstr(r.json, "error.message"), "http_threads"), "%s", r.http.body);
