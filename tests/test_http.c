@@ -1495,11 +1495,13 @@ Test(http_opts, requests_beyond_http_threads_get_503_but_probes_answer, .fini = 
     cr_assert_eq(srv_start(&S, args), 0);
     const char *body = "{\"prompt\": \"x\", \"max_tokens\": 2000, \"ignore_eos\": true, "
                        "\"stream\": true}";
+    /* The first one generates; only then are the others opened, so it is the one the
+     * engine runs and the other three wait in its queue, each holding an HTTP thread. */
     rk_http_conn streams[4];
-    for (int i = 0; i < 4; i++) open_completion(body, &streams[i]);
-    /* The first one generates (the others wait in the engine's queue). */
+    open_completion(body, &streams[0]);
     cr_assert_eq(rk_http_wait_for(&streams[0], "data: "), RK_OK, "the first stream: %s",
                  rk_error_message());
+    for (int i = 1; i < 4; i++) open_completion(body, &streams[i]);
     /* Once the four are being handled, a fifth request is refused at once. */
     resp r = {0};
     int last = -1, tries = 0;
