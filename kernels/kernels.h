@@ -178,6 +178,15 @@ typedef struct rk_backend_ops {
     /* y(n, m) = x(n, k) · w(m, k)^T ; w of dtype wtype, row-major with k contiguous */
     rk_status (*matmul)(rk_backend *be, float *y, const float *x, const void *w, rk_dtype wtype,
                         int n, int k, int m);
+    /* Optional (NULL: every weight is computed as stored). A weight w(m, k)
+     * of wtype rewritten once, at load, into the layout matmul_packed reads:
+     * packed_bytes is its size, 0 for a wtype (or shape) this backend keeps
+     * as stored; pack writes it to dst (backend memory of that size).
+     * matmul_packed(packed) gives the bits matmul(w) gives, for every n. */
+    size_t (*packed_bytes)(rk_backend *be, rk_dtype wtype, int k, int m);
+    rk_status (*pack)(rk_backend *be, void *dst, const void *w, rk_dtype wtype, int k, int m);
+    rk_status (*matmul_packed)(rk_backend *be, float *y, const float *x, const void *packed, int n,
+                               int k, int m);
     /* y(n, m) += b(m) broadcast over rows */
     rk_status (*add_bias)(rk_backend *be, float *y, const float *b, int n, int m);
     /* y(n) += x(n) */

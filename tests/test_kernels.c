@@ -378,8 +378,8 @@ Test(matmul, matvec_rows_do_not_depend_on_n_or_on_each_other) {
  * most) and the products summed in f32: the result is within 1e-5 of the sum
  * of |x w| of the double product on the rounded x, and within 2^-8 of it
  * (plus that 1e-5) of the double product on x itself and of the f32 path.
- * Both paths (decode n < 32, tiled n >= 32), odd k, k below one 32-element
- * step, and columns that leave partial tiles. */
+ * Decode and prefill sizes of n, odd k, k below one 32-element step, and
+ * columns that leave partial tiles. */
 Test(matmul, bf16_kernels_round_the_activations_to_bf16) {
     if (rk_cpu_force_isa(RK_CPU_ISA_AVX512_BF16) != RK_OK)
         cr_skip_test("no AVX-512 BF16 in this build or CPU");
@@ -431,28 +431,57 @@ Test(matmul, bf16_kernels_round_the_activations_to_bf16) {
     rk_backend_free(be);
 }
 
-/* The tiled BF16 kernel gives a row of x the same bits whatever the other
- * rows are and wherever the row falls in a 6-row tile. */
-Test(matmul, bf16_tiled_rows_do_not_depend_on_n) {
+/* The BF16 tile gives a row of x the same bits whatever the other rows are,
+ * however many there are (one, as in decode, or a prefill's worth) and
+ * wherever the row falls in a 6-row tile; weights packed once at load give
+ * the same bits as weights packed per call. */
+Test(matmul, bf16_rows_do_not_depend_on_n_and_packed_weights_match) {
     if (rk_cpu_force_isa(RK_CPU_ISA_AVX512_BF16) != RK_OK)
         cr_skip_test("no AVX-512 BF16 in this build or CPU");
     rk_backend *be = make_backend(2);
-    int n = 45, k = 333, m = 150, off = 7, n2 = 35;
-    float *x = rand_floats((size_t)n * k, -1.0f, 1.0f);
-    float *wf = rand_floats((size_t)m * k, -1.0f, 1.0f);
-    void *w = to_dtype(wf, (size_t)m * k, RK_DTYPE_BF16);
-    float *ya = malloc((size_t)n * m * sizeof(float)), *yb = malloc((size_t)n2 * m * sizeof(float));
-    cr_assert(ya && yb);
-    cr_assert(rk_cpu_matmul_uses_blas(n2, k, m, RK_DTYPE_BF16));
-    cr_assert_eq(be->ops->matmul(be, ya, x, w, RK_DTYPE_BF16, n, k, m), RK_OK);
-    cr_assert_eq(be->ops->matmul(be, yb, x + (size_t)off * k, w, RK_DTYPE_BF16, n2, k, m), RK_OK);
-    cr_assert_arr_eq(ya + (size_t)off * m, yb, (size_t)n2 * m * sizeof(float));
+    const int n = 45, ks[] = {333, 1024, 7}, ms[] = {150, 64, 1};
+    for (int s = 0; s < 3; s++) {
+        int k = ks[s], m = ms[s];
+        float *x = rand_floats((size_t)n * k, -1.0f, 1.0f);
+        float *wf = rand_floats((size_t)m * k, -1.0f, 1.0f);
+        void *w = to_dtype(wf, (size_t)m * k, RK_DTYPE_BF16);
+        size_t bytes = be->ops->packed_bytes(be, RK_DTYPE_BF16, k, m);
+        cr_assert_geq(bytes, (size_t)m * k * 2);
+        void *packed;
+        cr_assert_eq(be->ops->alloc(be, bytes, &packed), RK_OK);
+        cr_assert_eq(be->ops->pack(be, packed, w, RK_DTYPE_BF16, k, m), RK_OK);
+        float *ya = malloc((size_t)n * m * sizeof(float)),
+              *yb = malloc((size_t)n * m * sizeof(float));
+        cr_assert(ya && yb);
+        cr_assert_eq(be->ops->matmul(be, ya, x, w, RK_DTYPE_BF16, n, k, m), RK_OK);
+        cr_assert_eq(be->ops->matmul_packed(be, yb, x, packed, n, k, m), RK_OK);
+        cr_assert_arr_eq(ya, yb, (size_t)n * m * sizeof(float), "k=%d m=%d: packed differs", k, m);
+        /* Sub-batches at every offset and size class: 1 (decode), 2, 5, 6, 13, 35. */
+        const int subs[][2] = {{0, 1}, {44, 1}, {9, 2}, {3, 5}, {12, 6}, {1, 13}, {7, 35}};
+        for (size_t b = 0; b < sizeof subs / sizeof subs[0]; b++) {
+            int off = subs[b][0], n2 = subs[b][1];
+            cr_assert_eq(be->ops->matmul_packed(be, yb, x + (size_t)off * k, packed, n2, k, m),
+                         RK_OK);
+            cr_assert_arr_eq(ya + (size_t)off * m, yb, (size_t)n2 * m * sizeof(float),
+                             "k=%d m=%d: rows %d..%d alone differ from the batch", k, m, off,
+                             off + n2);
+            cr_assert_eq(be->ops->matmul(be, yb, x + (size_t)off * k, w, RK_DTYPE_BF16, n2, k, m),
+                         RK_OK);
+            cr_assert_arr_eq(ya + (size_t)off * m, yb, (size_t)n2 * m * sizeof(float));
+        }
+        be->ops->free(be, packed);
+        free(x);
+        free(wf);
+        free(w);
+        free(ya);
+        free(yb);
+    }
+    /* Only BF16 is packed. */
+    cr_assert_eq(be->ops->packed_bytes(be, RK_DTYPE_F32, 64, 64), 0);
+    cr_assert_eq(be->ops->packed_bytes(be, RK_DTYPE_Q8_0, 64, 64), 0);
+    cr_assert_eq(rk_cpu_force_isa(RK_CPU_ISA_PORTABLE), RK_OK);
+    cr_assert_eq(be->ops->packed_bytes(be, RK_DTYPE_BF16, 64, 64), 0, "packed without the kernels");
     cr_assert_eq(rk_cpu_force_isa(RK_CPU_ISA_AUTO), RK_OK);
-    free(x);
-    free(wf);
-    free(w);
-    free(ya);
-    free(yb);
     rk_backend_free(be);
 }
 

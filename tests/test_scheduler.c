@@ -189,6 +189,15 @@ Test(pipeline, a_question_pass_merged_with_decode_steps_gets_the_tokens_alone_st
     free(model);
 }
 
+/* BF16 weights: decode rows and question rows share passes of every size,
+ * all on the BF16 tile (the weights packed at load). */
+Test(pipeline, a_question_pass_merged_with_decode_steps_gets_the_tokens_alone_bf16) {
+    char *model = rk_test_model("qwen2-tiny", "bf16", 2);
+    check_joining_matches_alone(model, 1, 3);
+    check_joining_matches_alone(model, 1, 0);
+    free(model);
+}
+
 /* A request whose chunks are all cached: its system tail waits for the
  * question pass, and both go in the one forward pass of the next step. */
 static void all_hit_request(rk_service *svc, int join, rk_request **out) {

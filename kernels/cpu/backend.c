@@ -31,12 +31,10 @@ static rk_status cpu_alloc(rk_backend *be, size_t n_bytes, void **out) {
     if (n_bytes >= HUGE_MIN && n_bytes <= SIZE_MAX - HUGE_ALIGN) {
         size_t n = (n_bytes + HUGE_ALIGN - 1) / HUGE_ALIGN * HUGE_ALIGN;
         *out = aligned_alloc(HUGE_ALIGN, n);
-        if (*out) {
-            (void)madvise(*out, n, MADV_HUGEPAGE); /* advice only: failure is harmless */
-            return RK_OK;
-        }
+        if (*out) (void)madvise(*out, n, MADV_HUGEPAGE); /* advice only: failure is harmless */
+    } else {
+        *out = aligned_bytes(n_bytes);
     }
-    *out = aligned_bytes(n_bytes);
     if (!*out) return rk_errorf(RK_ERR_NOMEM, "cpu: cannot allocate %zu bytes", n_bytes);
     return RK_OK;
 }
@@ -406,6 +404,9 @@ static const rk_backend_ops cpu_ops = {
     .memset = cpu_memset,
     .sync = cpu_sync,
     .matmul = rk_cpu_matmul,
+    .packed_bytes = rk_cpu_packed_bytes,
+    .pack = rk_cpu_pack,
+    .matmul_packed = rk_cpu_matmul_packed,
     .add_bias = cpu_add_bias,
     .add = cpu_add,
     .rmsnorm = cpu_rmsnorm,

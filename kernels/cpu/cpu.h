@@ -84,6 +84,10 @@ rk_status rk_cpu_reserve_shared(rk_cpu *cpu, size_t n_bytes, void **out);
  * scratch cannot grow. */
 rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w, rk_dtype wtype,
                         int n, int k, int m);
+size_t rk_cpu_packed_bytes(rk_backend *be, rk_dtype wtype, int k, int m);
+rk_status rk_cpu_pack(rk_backend *be, void *dst, const void *w, rk_dtype wtype, int k, int m);
+rk_status rk_cpu_matmul_packed(rk_backend *be, float *y, const float *x, const void *packed, int n,
+                               int k, int m);
 rk_status rk_cpu_kv_write(rk_backend *be, const rk_kv_cache *kv, int layer, const float *k,
                           const float *v, const int32_t *slots, int n_tokens);
 rk_status rk_cpu_attention(rk_backend *be, float *out, float *lse, const float *q,
@@ -93,9 +97,10 @@ rk_status rk_cpu_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv, const in
                                  const int32_t *dst_slots, const int32_t *delta, int n_tokens,
                                  const rk_rope *rope);
 
-/* Smallest n (rows of x) for which matmul takes the BLAS path (for BF16 and
- * quantized weights at the AVX-512 BF16 level, the BF16 tile kernel instead);
- * below it the hand-written matrix-vector kernels run. The choice depends on
+/* Smallest n (rows of x) for which matmul takes the BLAS path (for quantized
+ * weights at the AVX-512 BF16 level, the BF16 tile kernel instead; BF16
+ * weights there take the tile for every n); below it the hand-written
+ * matrix-vector kernels run. The choice depends on
  * (n, k, m, wtype) only, never on the thread count. Returns 1 for the BLAS
  * (or tile) path. */
 int rk_cpu_matmul_uses_blas(int n, int k, int m, rk_dtype wtype);

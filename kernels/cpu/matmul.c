@@ -18,11 +18,13 @@
  *    integer dot products; on the BLAS path quantized panels are dequantized
  *    into scratch like F16/BF16 ones.
  * Where the CPU has AVX-512 BF16 (rk_cpu_isa_active), BF16 weights take a
- * path of their own on both sides of BLAS_MIN_N, and quantized weights on the
+ * tile kernel of their own for every n, and quantized weights take it on the
  * prefill side, instead of the sgemm panels: see "BF16 path" below.
  * Every element of y is one dot product with a fixed order (see dot kernels),
  * whichever block, task or thread computes it, and whatever n is on this
- * path: a row of x gets the same bits alone or in a batch. */
+ * path: a row of x gets the same bits alone or in a batch. (F32, F16 and
+ * quantized rows get other bits on the two sides of BLAS_MIN_N; BF16 rows
+ * on the tile get the same bits for every n.) */
 #include <cblas.h>
 #include <string.h>
 
@@ -253,23 +255,20 @@ static rk_status matmul_blas(rk_cpu *cpu, float *y, const float *x, const void *
  * 2^-8 relative), plus the f32 summation error; the instruction flushes
  * subnormal inputs and results to zero.
  *
- * Decode (n < BLAS_MIN_N) streams each row of w once against every row of x,
- * as the f32 matvec does: four 16-lane accumulators over 128-element steps,
- * the remaining 32-element steps into accumulators 0, 1, 2 in turn, the last
- * partial step with a masked load of w, then (a0 + a1) + (a2 + a3) and a
- * fixed horizontal sum. bf16_dot_2 sums in the same order as bf16_dot_1.
- *
- * Prefill (n >= BLAS_MIN_N) packs BF16_NR rows of w at a time into
- * per-thread scratch, pair-interleaved: for each pair p of k and each group
- * of 16 rows, one vector holds (w[r][2p], w[r][2p + 1]) for the 16 rows, so
- * a 32-bit broadcast of (x[i][2p], x[i][2p + 1]) times it adds 16 outputs'
- * pair p at once. The micro-kernel keeps a 6 x 64 tile of y in 24 registers
- * over the whole of k; the packed panel stays in L2 while every row of x
- * passes. Every element of y is one lane summing the pairs in order, so it
- * does not depend on n, on the tile it falls in or on the thread count.
- * Quantized weights are packed the same way from their rows dequantized and
- * rounded to BF16 (one more 2^-8 relative rounding per weight, below any of
- * the formats' own steps); their decode stays on the int8 kernels. */
+ * The weights are packed BF16_NR rows at a time, pair-interleaved: for each
+ * pair p of k and each group of 16 rows, one vector holds (w[r][2p],
+ * w[r][2p + 1]) for the 16 rows, so a 32-bit broadcast of (x[i][2p],
+ * x[i][2p + 1]) times it adds 16 outputs' pair p at once. The micro-kernel
+ * keeps a 6 x 64 tile of y in 24 registers over the whole of k; the packed
+ * panel stays in L2 while every row of x passes. Every element of y is one
+ * lane summing the pairs in order, so it does not depend on n, on the tile
+ * it falls in or on the thread count. A model's BF16 weights are packed once
+ * at load (rk_cpu_pack), so decode streams the packed panels from memory as
+ * a matrix-vector kernel would stream the rows; weights given as stored are
+ * packed a panel per task into scratch, with the same bits. Quantized
+ * weights are packed per task from their rows dequantized and rounded to
+ * BF16 (one more 2^-8 relative rounding per weight, below any of the
+ * formats' own steps); their decode stays on the int8 kernels. */
 
 /* Elements per row of the BF16 copy of x: k rounded up to 32. */
 static size_t bf16_row_elems(int k) { return ((size_t)k + 31) / 32 * 32; }
@@ -279,8 +278,9 @@ typedef struct bf16_ctx {
     float *y;
     const float *x;
     const void *w;
-    rk_dtype wtype; /* BF16, or quantized (prefill only) */
-    uint16_t *xb;   /* (n, xs) BF16 copy of x */
+    rk_dtype wtype;         /* BF16, or quantized (prefill only) */
+    const uint32_t *packed; /* the whole of w packed (rk_cpu_pack), or NULL: packed per task */
+    uint16_t *xb;           /* (n, xs) BF16 copy of x */
     size_t xs;
     int n, k, m;
 } bf16_ctx;
@@ -293,71 +293,8 @@ static void bf16_round_row(void *p, int i, int tid) {
     memset(dst + c->k, 0, (c->xs - (size_t)c->k) * sizeof(uint16_t));
 }
 
-#define BF16_LOAD(p)        ((__m512bh)_mm512_loadu_si512(p))
-#define BF16_LOADM(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16(mask, p))
-#define BF16_DP(acc, a, b)  _mm512_dpbf16_ps(acc, a, b)
-#define BF16_SUM4(a)                                                                               \
-    _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])))
-
-/* Mask of the last partial 32-element step of a row of k elements at j. */
-RK_CPU_BF16_TARGET static inline __mmask32 bf16_tail_mask(int k, int j) {
-    return (__mmask32)((1ull << (k - j)) - 1);
-}
-
-RK_CPU_BF16_TARGET static float bf16_dot_1(const uint16_t *x, const uint16_t *w, int k) {
-    __m512 a[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                   _mm512_setzero_ps()};
-    int j = 0, u = 0;
-    for (; j + 128 <= k; j += 128)
-        for (int v = 0; v < 4; v++)
-            a[v] = BF16_DP(a[v], BF16_LOAD(x + j + 32 * v), BF16_LOAD(w + j + 32 * v));
-    for (; j + 32 <= k; j += 32, u++) a[u] = BF16_DP(a[u], BF16_LOAD(x + j), BF16_LOAD(w + j));
-    if (j < k) a[u] = BF16_DP(a[u], BF16_LOAD(x + j), BF16_LOADM(bf16_tail_mask(k, j), w + j));
-    return BF16_SUM4(a);
-}
-
-RK_CPU_BF16_TARGET static void bf16_dot_2(const uint16_t *x0, const uint16_t *x1, const uint16_t *w,
-                                          int k, float *out0, float *out1) {
-    __m512 a[4], b[4];
-    for (int v = 0; v < 4; v++) a[v] = b[v] = _mm512_setzero_ps();
-    int j = 0, u = 0;
-    for (; j + 128 <= k; j += 128)
-        for (int v = 0; v < 4; v++) {
-            __m512bh wv = BF16_LOAD(w + j + 32 * v);
-            a[v] = BF16_DP(a[v], BF16_LOAD(x0 + j + 32 * v), wv);
-            b[v] = BF16_DP(b[v], BF16_LOAD(x1 + j + 32 * v), wv);
-        }
-    for (; j + 32 <= k; j += 32, u++) {
-        __m512bh wv = BF16_LOAD(w + j);
-        a[u] = BF16_DP(a[u], BF16_LOAD(x0 + j), wv);
-        b[u] = BF16_DP(b[u], BF16_LOAD(x1 + j), wv);
-    }
-    if (j < k) {
-        __m512bh wv = BF16_LOADM(bf16_tail_mask(k, j), w + j);
-        a[u] = BF16_DP(a[u], BF16_LOAD(x0 + j), wv);
-        b[u] = BF16_DP(b[u], BF16_LOAD(x1 + j), wv);
-    }
-    *out0 = BF16_SUM4(a);
-    *out1 = BF16_SUM4(b);
-}
-
-/* Decode task: rows [r0, r1) of w against every row of x. */
-RK_CPU_BF16_TARGET static void bf16_mv_task(void *p, int task, int tid) {
-    (void)tid;
-    const bf16_ctx *c = p;
-    int r0 = task * ROWS_PER_TASK;
-    int r1 = r0 + ROWS_PER_TASK < c->m ? r0 + ROWS_PER_TASK : c->m;
-    size_t k = (size_t)c->k, m = (size_t)c->m, xs = c->xs;
-    for (int r = r0; r < r1; r++) {
-        const uint16_t *wr = (const uint16_t *)c->w + (size_t)r * k;
-        int i = 0;
-        for (; i + 2 <= c->n; i += 2)
-            bf16_dot_2(c->xb + i * xs, c->xb + (i + 1) * xs, wr, c->k, c->y + i * m + r,
-                       c->y + (i + 1) * m + r);
-        if (i < c->n) c->y[i * m + r] = bf16_dot_1(c->xb + i * xs, wr, c->k);
-    }
-}
-
+#define BF16_LOAD(p)       ((__m512bh)_mm512_loadu_si512(p))
+#define BF16_DP(acc, a, b) _mm512_dpbf16_ps(acc, a, b)
 /* Transpose 16 x 16 dwords in place: r[l] element j becomes r[j] element l
  * (pairs within 128-bit lanes, then quarters of lanes, then lanes). */
 RK_CPU_BF16_TARGET static inline void transpose16_epi32(__m512i r[16]) {
@@ -468,24 +405,9 @@ RK_CPU_BF16_TARGET static void bf16_pack_quant(uint32_t *dst, const void *w, rk_
     }
 }
 
-/* Prefill task: columns [c0, c0 + BF16_NR) of y for every row of x. */
-RK_CPU_BF16_TARGET static void bf16_gemm_task(void *p, int task, int tid) {
-    const bf16_ctx *c = p;
-    int c0 = task * BF16_NR;
-    int cols = c->m - c0 < BF16_NR ? c->m - c0 : BF16_NR;
+/* Columns [c0, c0 + cols) of y for every row of x, from the packed panel wp. */
+RK_CPU_BF16_TARGET static void bf16_tiles(const bf16_ctx *c, const uint32_t *wp, int c0, int cols) {
     int kp = (c->k + 1) / 2;
-    /* (kp, BF16_NR) dwords; for quantized weights then a row of f32 and
-     * 16 rows of BF16 */
-    uint32_t *wp = rk_cpu_scratch(c->cpu, tid);
-    if (c->wtype == RK_DTYPE_BF16) {
-        const uint16_t *panel = (const uint16_t *)c->w + (size_t)c0 * c->k;
-        for (int g = 0; g < BF16_NR / 16; g++)
-            bf16_pack_group(wp, panel + (size_t)16 * g * c->k, (size_t)c->k, c->k, g,
-                            cols - 16 * g);
-    } else {
-        float *row = (float *)(wp + (size_t)kp * BF16_NR);
-        bf16_pack_quant(wp, c->w, c->wtype, c->k, c0, cols, row, (uint16_t *)(row + c->k));
-    }
     size_t m = (size_t)c->m;
     for (int i = 0; i < c->n; i += BF16_MR) {
         const uint16_t *xi = c->xb + (size_t)i * c->xs;
@@ -501,9 +423,35 @@ RK_CPU_BF16_TARGET static void bf16_gemm_task(void *p, int task, int tid) {
     }
 }
 
-static rk_status matmul_bf16(rk_cpu *cpu, float *y, const float *x, const void *w, rk_dtype wtype,
-                             int n, int k, int m) {
-    bf16_ctx c = {cpu, y, x, w, wtype, NULL, bf16_row_elems(k), n, k, m};
+/* Task: columns [c0, c0 + BF16_NR) of y for every row of x. */
+RK_CPU_BF16_TARGET static void bf16_gemm_task(void *p, int task, int tid) {
+    const bf16_ctx *c = p;
+    int c0 = task * BF16_NR;
+    int cols = c->m - c0 < BF16_NR ? c->m - c0 : BF16_NR;
+    int kp = (c->k + 1) / 2;
+    if (c->packed) {
+        bf16_tiles(c, c->packed + (size_t)task * kp * BF16_NR, c0, cols);
+        return;
+    }
+    /* (kp, BF16_NR) dwords; for quantized weights then a row of f32 and
+     * 16 rows of BF16 */
+    uint32_t *wp = rk_cpu_scratch(c->cpu, tid);
+    if (c->wtype == RK_DTYPE_BF16) {
+        const uint16_t *panel = (const uint16_t *)c->w + (size_t)c0 * c->k;
+        for (int g = 0; g < BF16_NR / 16; g++)
+            bf16_pack_group(wp, panel + (size_t)16 * g * c->k, (size_t)c->k, c->k, g,
+                            cols - 16 * g);
+    } else {
+        float *row = (float *)(wp + (size_t)kp * BF16_NR);
+        bf16_pack_quant(wp, c->w, c->wtype, c->k, c0, cols, row, (uint16_t *)(row + c->k));
+    }
+    bf16_tiles(c, wp, c0, cols);
+}
+
+/* y = x . w^T on the tile: w packed whole (packed), or packed a panel per task. */
+static rk_status matmul_bf16(rk_cpu *cpu, float *y, const float *x, const void *w,
+                             const uint32_t *packed, rk_dtype wtype, int n, int k, int m) {
+    bf16_ctx c = {cpu, y, x, w, wtype, packed, NULL, bf16_row_elems(k), n, k, m};
     void *xb;
     rk_status st = rk_cpu_reserve_shared(cpu, (size_t)n * c.xs * sizeof(uint16_t), &xb);
     if (st != RK_OK) return st;
@@ -512,18 +460,33 @@ static rk_status matmul_bf16(rk_cpu *cpu, float *y, const float *x, const void *
         for (int i = 0; i < n; i++) bf16_round_row(&c, i, 0);
     else
         rk_threadpool_run(cpu->pool, n, bf16_round_row, &c);
-    if (!rk_cpu_matmul_uses_blas(n, k, m, RK_DTYPE_BF16)) {
-        rk_threadpool_run(cpu->pool, (m + ROWS_PER_TASK - 1) / ROWS_PER_TASK, bf16_mv_task, &c);
-        return RK_OK;
+    if (!packed) {
+        /* the packed panel, then (quantized weights) a row in f32 and in BF16 */
+        size_t panel = (size_t)(k + 1) / 2 * BF16_NR * sizeof(uint32_t);
+        if (wtype != RK_DTYPE_BF16)
+            panel += (size_t)k * sizeof(float) + (size_t)16 * k * sizeof(uint16_t);
+        st = rk_cpu_reserve_scratch(cpu, panel);
+        if (st != RK_OK) return st;
     }
-    /* the packed panel, then (quantized weights) a row in f32 and in BF16 */
-    size_t panel = (size_t)(k + 1) / 2 * BF16_NR * sizeof(uint32_t);
-    if (wtype != RK_DTYPE_BF16)
-        panel += (size_t)k * sizeof(float) + (size_t)16 * k * sizeof(uint16_t);
-    st = rk_cpu_reserve_scratch(cpu, panel);
-    if (st != RK_OK) return st;
     rk_threadpool_run(cpu->pool, (m + BF16_NR - 1) / BF16_NR, bf16_gemm_task, &c);
     return RK_OK;
+}
+
+typedef struct bf16_pack_ctx {
+    uint32_t *dst;
+    const uint16_t *w;
+    int k, m;
+} bf16_pack_ctx;
+
+/* Task: panel `task` of w(m, k) packed into its place in dst. */
+RK_CPU_BF16_TARGET static void bf16_pack_task(void *p, int task, int tid) {
+    (void)tid;
+    const bf16_pack_ctx *c = p;
+    int c0 = task * BF16_NR, cols = c->m - c0 < BF16_NR ? c->m - c0 : BF16_NR;
+    uint32_t *dst = c->dst + (size_t)task * ((size_t)(c->k + 1) / 2 * BF16_NR);
+    const uint16_t *panel = c->w + (size_t)c0 * c->k;
+    for (int g = 0; g < BF16_NR / 16; g++)
+        bf16_pack_group(dst, panel + (size_t)16 * g * c->k, (size_t)c->k, c->k, g, cols - 16 * g);
 }
 #endif
 
@@ -548,7 +511,7 @@ rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w,
     if (rk_cpu_isa_active() == RK_CPU_ISA_AVX512_BF16 &&
         (wtype == RK_DTYPE_BF16 ||
          (rk_dtype_is_quant(wtype) && rk_cpu_matmul_uses_blas(n, k, m, wtype))))
-        return matmul_bf16(cpu, y, x, w, wtype, n, k, m);
+        return matmul_bf16(cpu, y, x, w, NULL, wtype, n, k, m);
 #endif
     if (rk_cpu_matmul_uses_blas(n, k, m, wtype)) return matmul_blas(cpu, y, x, w, wtype, n, k, m);
     mv_ctx c = {y, x, w, wtype, n, k, m, NULL, NULL};
@@ -567,4 +530,50 @@ rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w,
     }
     rk_threadpool_run(cpu->pool, (m + ROWS_PER_TASK - 1) / ROWS_PER_TASK, mv_task, &c);
     return RK_OK;
+}
+
+/* ---------------------------------------------------------------- packed weights */
+
+size_t rk_cpu_packed_bytes(rk_backend *be, rk_dtype wtype, int k, int m) {
+    (void)be;
+#ifdef RK_CPU_BF16_KERNELS
+    if (wtype == RK_DTYPE_BF16 && k > 0 && m > 0 && rk_cpu_isa_active() == RK_CPU_ISA_AVX512_BF16)
+        return (size_t)(m + BF16_NR - 1) / BF16_NR * ((size_t)(k + 1) / 2) * BF16_NR *
+               sizeof(uint32_t);
+#else
+    (void)wtype;
+    (void)k;
+    (void)m;
+#endif
+    return 0;
+}
+
+rk_status rk_cpu_pack(rk_backend *be, void *dst, const void *w, rk_dtype wtype, int k, int m) {
+    if (rk_cpu_packed_bytes(be, wtype, k, m) == 0)
+        return rk_errorf(RK_ERR_INVALID, "pack: %s weights of %d x %d are not packed here",
+                         rk_dtype_name(wtype), m, k);
+#ifdef RK_CPU_BF16_KERNELS
+    rk_cpu *cpu = be->impl;
+    bf16_pack_ctx c = {dst, w, k, m};
+    rk_threadpool_run(cpu->pool, (m + BF16_NR - 1) / BF16_NR, bf16_pack_task, &c);
+#else
+    (void)dst;
+    (void)w;
+#endif
+    return RK_OK;
+}
+
+rk_status rk_cpu_matmul_packed(rk_backend *be, float *y, const float *x, const void *packed, int n,
+                               int k, int m) {
+    if (n < 0 || k <= 0 || m <= 0)
+        return rk_errorf(RK_ERR_INVALID, "matmul_packed: bad shape n=%d k=%d m=%d", n, k, m);
+    if (n == 0) return RK_OK;
+#ifdef RK_CPU_BF16_KERNELS
+    return matmul_bf16(be->impl, y, x, NULL, packed, RK_DTYPE_BF16, n, k, m);
+#else
+    (void)y;
+    (void)x;
+    (void)packed;
+    return rk_errorf(RK_ERR_UNSUPPORTED, "matmul_packed: built without the BF16 kernels");
+#endif
 }
