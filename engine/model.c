@@ -91,28 +91,21 @@ static int backend_is_host(const rk_backend *be) { return strcmp(be->name, "cpu"
 
 #define SUPPORTED_TYPES "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K"
 
-/* The compute dtype of a tensor. Quantized types are computed on the CPU
- * backend only (other backends implement F32, F16 and BF16). */
-static rk_status dtype_of(const rk_model *m, const rk_gguf_tensor *t, rk_dtype *out) {
+/* The compute dtype of a tensor (every backend computes all of them). */
+static rk_status dtype_of(const rk_gguf_tensor *t, rk_dtype *out) {
     switch (t->type) {
     case RK_GGML_F32: *out = RK_DTYPE_F32; return RK_OK;
     case RK_GGML_F16: *out = RK_DTYPE_F16; return RK_OK;
     case RK_GGML_BF16: *out = RK_DTYPE_BF16; return RK_OK;
-    case RK_GGML_Q8_0: *out = RK_DTYPE_Q8_0; break;
-    case RK_GGML_Q4_0: *out = RK_DTYPE_Q4_0; break;
-    case RK_GGML_Q4_K: *out = RK_DTYPE_Q4_K; break;
-    case RK_GGML_Q5_K: *out = RK_DTYPE_Q5_K; break;
-    case RK_GGML_Q6_K: *out = RK_DTYPE_Q6_K; break;
+    case RK_GGML_Q8_0: *out = RK_DTYPE_Q8_0; return RK_OK;
+    case RK_GGML_Q4_0: *out = RK_DTYPE_Q4_0; return RK_OK;
+    case RK_GGML_Q4_K: *out = RK_DTYPE_Q4_K; return RK_OK;
+    case RK_GGML_Q5_K: *out = RK_DTYPE_Q5_K; return RK_OK;
+    case RK_GGML_Q6_K: *out = RK_DTYPE_Q6_K; return RK_OK;
     default:
         return rk_errorf(RK_ERR_UNSUPPORTED, "tensor %s has type %s; ragkv computes with %s",
                          t->name, rk_ggml_type_name(t->type), SUPPORTED_TYPES);
     }
-    if (!backend_is_host(m->be))
-        return rk_errorf(RK_ERR_UNSUPPORTED,
-                         "tensor %s has type %s; the %s backend computes with F32, F16, BF16 "
-                         "(quantized types run on the cpu backend)",
-                         t->name, rk_ggml_type_name(t->type), m->be->name);
-    return RK_OK;
 }
 
 /* Find a tensor and check its shape (ne0 fastest; ne1 = 1 for vectors). */
@@ -167,7 +160,7 @@ static rk_status load_vec(rk_model *m, const char *name, int64_t n, int optional
     rk_status st = find(m, name, n, 1, optional, &t);
     if (st || !t) return st;
     rk_dtype dt;
-    if ((st = dtype_of(m, t, &dt)) || (st = check_finite(t, dt))) return st;
+    if ((st = dtype_of(t, &dt)) || (st = check_finite(t, dt))) return st;
     const void *src = t->data;
     if (dt != RK_DTYPE_F32) {
         float *f = malloc((size_t)n * sizeof *f);
@@ -211,7 +204,7 @@ static rk_status load_mat(rk_model *m, const char *name, int rows, int cols, rk_
     if (st) return st;
     out->rows = rows;
     out->cols = cols;
-    if ((st = dtype_of(m, t, &out->type)) || (st = check_finite(t, out->type))) return st;
+    if ((st = dtype_of(t, &out->type)) || (st = check_finite(t, out->type))) return st;
     m->weight_bytes += t->n_bytes;
     if ((st = place(m, t, &out->w))) return st;
     return pack_mat(m, out);
@@ -393,7 +386,7 @@ static rk_status load_weights(rk_model *m) {
         return rk_errorf(RK_ERR_FORMAT, "model: token_embd.weight has shape {%lld, %lld}",
                          (long long)t->ne[0], (long long)t->ne[1]);
     hp->n_vocab = (int)t->ne[1];
-    if ((st = dtype_of(m, t, &m->embd_type)) || (st = check_finite(t, m->embd_type)) ||
+    if ((st = dtype_of(t, &m->embd_type)) || (st = check_finite(t, m->embd_type)) ||
         (st = place(m, t, &m->embd)))
         return st;
 

@@ -212,6 +212,59 @@ Test(cuda, matmul_matches_cpu_for_every_weight_type_and_batch_size, .timeout = 6
     rk_backend_free(cpu);
 }
 
+/* Quantized weights: the GPU multiplies the dequantized weights in f32 (its
+ * matrix-vector kernel for n <= 8, dequantized panels and FP32 cuBLAS above),
+ * so it is held to the f32 product with the weights rk_dequantize gives,
+ * within 1e-5 of sum |x_i w_i| (the CPU's own quantized paths round the
+ * activations, to int8 or BF16, and are not the reference here). */
+static void check_matmul_quant(rk_backend *gpu, rk_backend *cpu, rk_dtype wt, int n, int k, int m) {
+    float *x = rand_floats((size_t)n * k, -1, 1), *wf = rand_floats((size_t)m * k, -1, 1);
+    size_t wbytes = (size_t)m * rk_dtype_row_bytes(wt, (size_t)k);
+    void *w = xmalloc(wbytes);
+    rk_quantize(w, wf, wt, (size_t)m * k);
+    rk_dequantize(wf, w, wt, (size_t)m * k); /* the weights the GPU must multiply by */
+    float *want = xmalloc((size_t)n * m * sizeof(float)), *got = xmalloc((size_t)n * m * 4);
+    cr_assert_eq(cpu->ops->matmul(cpu, want, x, wf, RK_DTYPE_F32, n, k, m), RK_OK);
+    float *dx = dev_copy(gpu, x, (size_t)n * k * 4), *dy = dev_alloc(gpu, (size_t)n * m * 4);
+    void *dw = dev_copy(gpu, w, wbytes);
+    cr_assert_eq(gpu->ops->matmul(gpu, dy, dx, dw, wt, n, k, m), RK_OK, "%s", rk_error_message());
+    dev_read(gpu, got, dy, (size_t)n * m * 4);
+    for (int r = 0; r < n; r++)
+        for (int j = 0; j < m; j++) {
+            double mag = 0;
+            for (int c = 0; c < k; c++)
+                mag += fabs((double)x[(size_t)r * k + c] * wf[(size_t)j * k + c]);
+            double d = fabs((double)got[(size_t)r * m + j] - want[(size_t)r * m + j]);
+            cr_assert(d <= 1e-5 * mag + 1e-6,
+                      "%s n=%d k=%d m=%d: y[%d][%d] = %.9g, f32 product %.9g (|diff| %.3g)",
+                      rk_dtype_name(wt), n, k, m, r, j, got[(size_t)r * m + j],
+                      want[(size_t)r * m + j], d);
+        }
+    gpu->ops->free(gpu, dx);
+    gpu->ops->free(gpu, dy);
+    gpu->ops->free(gpu, dw);
+    free(x);
+    free(wf);
+    free(w);
+    free(want);
+    free(got);
+}
+
+static const rk_dtype QUANT_TYPES[5] = {RK_DTYPE_Q8_0, RK_DTYPE_Q4_0, RK_DTYPE_Q4_K, RK_DTYPE_Q5_K,
+                                        RK_DTYPE_Q6_K};
+
+Test(cuda, matmul_on_quantized_weights_matches_the_dequantized_f32_product, .timeout = 600) {
+    rk_backend *gpu = gpu_or_skip(), *cpu = cpu_backend();
+    const int ns[5] = {1, 3, 8, 9, 70};
+    const int shapes[2][2] = {{256, 96}, {768, 33}}; /* (k, m), k a multiple of 256 */
+    for (int t = 0; t < 5; t++)
+        for (int i = 0; i < 5; i++)
+            for (int s = 0; s < 2; s++)
+                check_matmul_quant(gpu, cpu, QUANT_TYPES[t], ns[i], shapes[s][0], shapes[s][1]);
+    rk_backend_free(gpu);
+    rk_backend_free(cpu);
+}
+
 Test(cuda, matmul_degenerate_shapes) {
     rk_backend *gpu = gpu_or_skip();
     float y[4] = {9, 9, 9, 9};
@@ -220,7 +273,9 @@ Test(cuda, matmul_degenerate_shapes) {
     dev_read(gpu, y, dy, sizeof y);
     for (int i = 0; i < 4; i++) cr_assert_eq(y[i], 0.0f);
     cr_assert_eq(gpu->ops->matmul(gpu, dy, dx, dw, RK_DTYPE_F32, -1, 3, 2), RK_ERR_INVALID);
-    cr_assert_eq(gpu->ops->matmul(gpu, dy, dx, dw, (rk_dtype)7, 1, 3, 2), RK_ERR_INVALID);
+    cr_assert_eq(gpu->ops->matmul(gpu, dy, dx, dw, (rk_dtype)99, 1, 3, 2), RK_ERR_INVALID);
+    /* k not a whole number of blocks */
+    cr_assert_eq(gpu->ops->matmul(gpu, dy, dx, dw, RK_DTYPE_Q6_K, 1, 3, 2), RK_ERR_INVALID);
     cr_assert_eq(gpu->ops->matmul(gpu, dy, dx, dw, RK_DTYPE_F32, 0, 3, 2), RK_OK);
     gpu->ops->free(gpu, dy);
     gpu->ops->free(gpu, dx);
@@ -331,6 +386,41 @@ Test(cuda, embed_gathers_rows_of_every_dtype_exactly) {
         }
     rk_backend_free(gpu);
     rk_backend_free(cpu);
+}
+
+/* Rows of a quantized table come out as rk_dequantize writes them (the GPU
+ * uses the same operations in the same order; 1e-6 relative leaves room for
+ * a compiler that contracts the CPU's multiply-subtract of the K-quants). */
+Test(cuda, embed_dequantizes_rows_of_every_quantized_dtype) {
+    rk_backend *gpu = gpu_or_skip();
+    const int32_t ids[7] = {0, 9, 3, 3, 7, 8, 1};
+    const int vocab = 10, dim = 512;
+    for (int t = 0; t < 5; t++) {
+        rk_dtype dt = QUANT_TYPES[t];
+        size_t row = rk_dtype_row_bytes(dt, dim), n = 7 * (size_t)dim;
+        float *tf = rand_floats((size_t)vocab * dim, -1, 1);
+        void *table = xmalloc((size_t)vocab * row);
+        rk_quantize(table, tf, dt, (size_t)vocab * dim);
+        float *want = xmalloc(n * 4), *got = xmalloc(n * 4);
+        for (int i = 0; i < 7; i++)
+            rk_dequantize(want + (size_t)i * dim, (const char *)table + (size_t)ids[i] * row, dt,
+                          dim);
+        void *dtab = dev_copy(gpu, table, (size_t)vocab * row);
+        int32_t *dids = dev_copy(gpu, ids, sizeof ids);
+        float *dout = dev_alloc(gpu, n * 4);
+        cr_assert_eq(gpu->ops->embed(gpu, dout, dtab, dt, dids, 7, dim), RK_OK, "%s",
+                     rk_error_message());
+        dev_read(gpu, got, dout, n * 4);
+        assert_close(got, want, n, 1e-7f, 1e-6f, rk_dtype_name(dt));
+        gpu->ops->free(gpu, dtab);
+        gpu->ops->free(gpu, dids);
+        gpu->ops->free(gpu, dout);
+        free(tf);
+        free(table);
+        free(want);
+        free(got);
+    }
+    rk_backend_free(gpu);
 }
 
 Test(cuda, embed_reports_a_negative_id_found_on_the_device) {
@@ -897,6 +987,39 @@ Test(cuda, stories260k_greedy_text_on_the_gpu_equals_the_golden_text, .timeout =
     free(text);
     free(golden);
     rk_service_close(svc);
+}
+
+/* The shared quantized files (real trained weights, made by the reference
+ * quantizer) on the GPU: greedy text from BOS keeps at least the first 150
+ * characters of the reference engine's text, as on the CPU (test_quant). */
+Test(cuda, quantized_models_generate_the_reference_text_on_the_gpu, .timeout = 600) {
+    rk_backend *probe = gpu_or_skip();
+    rk_backend_free(probe);
+    const char *stems[5] = {"Q8_0", "Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K"};
+    for (int i = 0; i < 5; i++) {
+        char rel[256], *model, *ref_path;
+        snprintf(rel, sizeof rel, "models/quantized/stories260K-wide-%s.gguf", stems[i]);
+        RK_REQUIRE_SHARED(model, rel);
+        snprintf(rel, sizeof rel, "models/quantized/stories260K-wide-%s.llamacpp200.txt", stems[i]);
+        RK_REQUIRE_SHARED(ref_path, rel);
+        char *ref = rk_test_read_file(ref_path, NULL);
+        cr_assert_not_null(ref);
+        rk_service *svc = open_service("cuda", model);
+        const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+        int32_t bos = rk_tokenizer_bos(tok), out[200];
+        int n = rk_test_greedy(svc, &bos, 1, 0, 200, out);
+        char *text;
+        size_t len, same = 0;
+        cr_assert_eq(rk_tokenizer_decode(tok, out, n, 0, 1, &text, &len), RK_OK);
+        while (text[same] && text[same] == ref[same]) same++;
+        cr_assert_geq(same, 150, "%s: the texts part after %zu characters:\nours: %s\nref:  %s",
+                      stems[i], same, text, ref);
+        free(text);
+        free(ref);
+        free(model);
+        free(ref_path);
+        rk_service_close(svc);
+    }
 }
 
 /* Logits of every step of one greedy request, kept by the on_logits hook. */

@@ -38,6 +38,7 @@ typedef struct rk_cuda {
     unsigned kv_gen;
     dbuf bits;     /* kv_write: one bit per cache slot, all zero between calls */
     dbuf xconv;    /* matmul: x split into hi and lo of the weight type, (2, n, k) */
+    dbuf wpanel;   /* matmul: a panel of quantized weight rows dequantized to f32 */
     dbuf shift;    /* rope_shift_copy: (2 * n_layers) layer pointers, then (3, n_tokens) ints */
     dbuf plan;     /* attention: sequences, units, merges */
     dbuf partials; /* attention: split-K partial results */
@@ -245,14 +246,54 @@ static rk_status cuda_sync(rk_backend *be) { return sync_and_check(cu_of(be), "s
  * about 16 (bf16) or 22 (f16) mantissa bits instead of 8 or 11, so results
  * stay within f32 rounding of the CPU's and do not depend on whether a row
  * was multiplied alone (matrix-vector kernel) or in a batch. */
+/* Quantized weights: n <= RK_CUDA_MATVEC_MAX_N, the quantized matvec;
+ * otherwise panels of rows dequantized to f32 (at most QUANT_PANEL_BYTES)
+ * and cublasSgemm with FP32 math on each, into its rows of y^T. */
+#define QUANT_PANEL_BYTES ((size_t)64 << 20)
+
+static rk_status matmul_quant(rk_cuda *cu, float *y, const float *x, const void *w, rk_dtype wtype,
+                              int n, int k, int m) {
+    size_t row_bytes = rk_dtype_row_bytes(wtype, (size_t)k);
+    if (n <= RK_CUDA_MATVEC_MAX_N)
+        return launched(cu,
+                        rk_cuda_launch_matvec_quant(y, x, w, wtype, row_bytes, n, k, m, cu->stream),
+                        "matmul");
+    size_t per_row = (size_t)k * sizeof(float);
+    int panel = QUANT_PANEL_BYTES / per_row > (size_t)m ? m : (int)(QUANT_PANEL_BYTES / per_row);
+    if (panel < 1) panel = 1;
+    rk_status st = dbuf_reserve(cu, &cu->wpanel, (size_t)panel * per_row, 0, "matmul scratch");
+    if (st != RK_OK) return st;
+    const float one = 1.0f, zero = 0.0f;
+    for (int r0 = 0; r0 < m; r0 += panel) {
+        int rows = m - r0 < panel ? m - r0 : panel;
+        cudaError_t e = rk_cuda_launch_dequant_rows(
+            cu->wpanel.p, (const unsigned char *)w + (size_t)r0 * row_bytes, wtype, row_bytes, rows,
+            k, cu->stream);
+        if (e != cudaSuccess) return cu_fail(e, "matmul: dequantizing weights");
+        cublasStatus_t bs = cublasSgemm(cu->blas, CUBLAS_OP_T, CUBLAS_OP_N, rows, n, k, &one,
+                                        cu->wpanel.p, k, x, k, &zero, y + r0, m);
+        if (bs != CUBLAS_STATUS_SUCCESS) return blas_fail(bs, "matmul");
+    }
+    return launched(cu, cudaGetLastError(), "matmul");
+}
+
 static rk_status cuda_matmul(rk_backend *be, float *y, const float *x, const void *w,
                              rk_dtype wtype, int n, int k, int m) {
     rk_cuda *cu = cu_of(be);
     if (n < 0 || k < 0 || m < 0)
         return rk_errorf(RK_ERR_INVALID, "matmul: negative shape n=%d k=%d m=%d", n, k, m);
-    if (rk_dtype_is_quant(wtype))
-        return rk_errorf(RK_ERR_UNSUPPORTED, "matmul: %s weights are not supported on cuda",
-                         rk_dtype_name(wtype));
+    if (rk_dtype_block(wtype) == 0)
+        return rk_errorf(RK_ERR_INVALID, "matmul: bad weight dtype %d", (int)wtype);
+    if (k % (int)rk_dtype_block(wtype))
+        return rk_errorf(RK_ERR_INVALID, "matmul: k=%d is not a multiple of the %s block of %zu", k,
+                         rk_dtype_name(wtype), rk_dtype_block(wtype));
+    if (rk_dtype_is_quant(wtype)) {
+        if (n == 0 || m == 0) return RK_OK;
+        if (k == 0)
+            return launched(cu, cudaMemsetAsync(y, 0, (size_t)n * m * sizeof(float), cu->stream),
+                            "matmul");
+        return matmul_quant(cu, y, x, w, wtype, n, k, m);
+    }
     if (rk_dtype_size(wtype) == 0)
         return rk_errorf(RK_ERR_INVALID, "matmul: bad weight dtype %d", (int)wtype);
     if (n == 0 || m == 0) return RK_OK;
@@ -315,10 +356,10 @@ static rk_status cuda_embed(rk_backend *be, float *out, const void *table, rk_dt
                             const int32_t *ids, int n, int dim) {
     rk_cuda *cu = cu_of(be);
     if (n < 0 || dim <= 0) return rk_errorf(RK_ERR_INVALID, "embed: bad shape %d x %d", n, dim);
-    if (rk_dtype_is_quant(dtype))
-        return rk_errorf(RK_ERR_UNSUPPORTED, "embed: %s tables are not supported on cuda",
-                         rk_dtype_name(dtype));
-    if (rk_dtype_size(dtype) == 0) return rk_errorf(RK_ERR_INVALID, "embed: bad dtype %d", dtype);
+    if (rk_dtype_block(dtype) == 0) return rk_errorf(RK_ERR_INVALID, "embed: bad dtype %d", dtype);
+    if (dim % (int)rk_dtype_block(dtype))
+        return rk_errorf(RK_ERR_INVALID, "embed: dim %d is not a multiple of the %s block of %zu",
+                         dim, rk_dtype_name(dtype), rk_dtype_block(dtype));
     if (n == 0) return RK_OK;
     if (cu->check) {
         rk_status st = host_reserve(cu, (size_t)n * sizeof(int32_t), "embed");
@@ -328,6 +369,12 @@ static rk_status cuda_embed(rk_backend *be, float *out, const void *table, rk_dt
         for (int i = 0; i < n; i++)
             if (h[i] < 0) return rk_errorf(RK_ERR_INVALID, "embed: token id %d < 0", h[i]);
     }
+    if (rk_dtype_is_quant(dtype))
+        return launched(cu,
+                        rk_cuda_launch_embed_quant(out, table, dtype,
+                                                   rk_dtype_row_bytes(dtype, (size_t)dim), ids, n,
+                                                   dim, cu->err_dev, cu->stream),
+                        "embed");
     return launched(
         cu, rk_cuda_launch_embed(out, table, dtype, ids, n, dim, cu->err_dev, cu->stream), "embed");
 }
@@ -661,6 +708,7 @@ static void cuda_destroy(rk_cuda *cu) {
     if (cu->stream && cudaStreamSynchronize(cu->stream) != cudaSuccess) (void)cudaGetLastError();
     dbuf_free(&cu->bits);
     dbuf_free(&cu->xconv);
+    dbuf_free(&cu->wpanel);
     dbuf_free(&cu->shift);
     dbuf_free(&cu->plan);
     dbuf_free(&cu->partials);

@@ -136,6 +136,16 @@ cudaError_t rk_cuda_launch_split(void *hi, void *lo, rk_dtype dtype, const float
 /* y(n, m) = x(n, k) · w(m, k)^T for 1 <= n <= RK_CUDA_MATVEC_MAX_N, f32 math. */
 cudaError_t rk_cuda_launch_matvec(float *y, const float *x, const void *w, rk_dtype wtype, int n,
                                   int k, int m, cudaStream_t s);
+/* Block-quantized weights (kernels/cuda/quant.cu), rows of row_bytes bytes:
+ * the same matvec; dst(n_rows, k) f32 = the first n_rows rows dequantized;
+ * embed rows of a quantized table (negative ids as rk_cuda_launch_embed). */
+cudaError_t rk_cuda_launch_matvec_quant(float *y, const float *x, const void *w, rk_dtype wtype,
+                                        size_t row_bytes, int n, int k, int m, cudaStream_t s);
+cudaError_t rk_cuda_launch_dequant_rows(float *dst, const void *w, rk_dtype wtype, size_t row_bytes,
+                                        int n_rows, int k, cudaStream_t s);
+cudaError_t rk_cuda_launch_embed_quant(float *out, const void *table, rk_dtype dtype,
+                                       size_t row_bytes, const int32_t *ids, int n, int dim,
+                                       int *err, cudaStream_t s);
 
 /* kv_write, first pass: check every slot < total and mark it in the bitmap
  * bits (one bit per cache slot, all zero between calls); a bad or repeated
