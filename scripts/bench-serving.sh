@@ -40,18 +40,19 @@ words=(river valley town market farmer bridge winter harvest council record libr
     baker bread wheat mill water stone tower church bell lantern night morning train
     station letter journey north south painter garden flower apple orchard season rain
     cloud wind fisherman boat harbor lighthouse island map captain sailor merchant)
+# Drawn in this shell (a command substitution's subshell reseeds RANDOM), so
+# every run sends the same documents.
 RANDOM=2026
-doc() {
-    local out="Document $1." n=0
+docs=()
+for i in 1 2 3 4 5 6 7 8; do
+    out="Document $i." n=0
     while [ $n -lt 170 ]; do
         out+=" ${words[RANDOM % ${#words[@]}]}"
         n=$((n + 1))
         [ $((n % 12)) -eq 0 ] && out+="."
     done
-    printf '%s.' "$out"
-}
-docs=()
-for i in 1 2 3 4 5 6 7 8; do docs+=("$(doc $i)"); done
+    docs+=("$out.")
+done
 system="You are a helpful assistant. Answer from the documents."
 question="Based on the documents above, which town had the oldest library and who kept it?"
 joined() { # joined ORDER...: the prompt with the documents in that order
