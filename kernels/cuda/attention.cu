@@ -83,24 +83,20 @@ template <typename T, int N> static __device__ __forceinline__ void load_vec(con
     }
 }
 
-/* The unit's query vectors into sQ (QV rows of hd4 floats; zero past head_dim
- * and in the slots past nv): as given when cs is NULL, else rotated with the
- * angles of cs (cos of pair i at cs[i], sin at cs[n_rot / 2 + i]) exactly as
- * rk_cpu_rotate_head does, uncontracted so the rounding is the CPU's. Each
- * lane writes its own dims from the global query, so no barrier is needed
- * between the reads and the writes. */
+/* Segments: the unit's nv query vectors into sQ (rows of hd4 floats, zero
+ * past head_dim; the slots past nv stay as the kernel's start zeroed them):
+ * as given when cs is NULL, else rotated with the angles of cs (cos of pair i
+ * at cs[i], sin at cs[n_rot / 2 + i]) exactly as rk_cpu_rotate_head does,
+ * uncontracted so the rounding is the CPU's. Each lane computes its own dims
+ * from the query in global memory, which is never written, so rotations do
+ * not compound and no barrier is needed between reads and writes. */
 static __device__ __forceinline__ void load_query(float *sQ, const rk_cuda_attn_args &a,
                                                   const rk_cuda_attn_seq &sq,
                                                   const rk_cuda_attn_unit &u, int nv,
                                                   const float *cs, int lane) {
     const int hd = a.head_dim, hd4 = (hd + 3) & ~3, half = a.n_rot / 2;
-#pragma unroll
-    for (int v = 0; v < QV; v++) {
+    for (int v = 0; v < nv; v++) {
         float *dst = sQ + v * hd4;
-        if (v >= nv) {
-            for (int d = lane; d < hd4; d += 32) dst[d] = 0.0f;
-            continue;
-        }
         int j = u.j0 + v / u.n_g, hq = u.kv_head * a.group + u.g0 + v % u.n_g;
         const float *src = a.q + ((size_t)(sq.q_start + j) * a.n_heads + hq) * hd;
         for (int d = lane; d < hd4; d += 32) {
@@ -138,8 +134,18 @@ __global__ void __launch_bounds__(128) attn_kernel(const rk_cuda_attn_args a, in
 
     int lim[QV]; /* visible entries of each vector (0 for an empty slot) */
 #pragma unroll
-    for (int v = 0; v < QV; v++) lim[v] = v < nv ? sq.kv_len - sq.n_q + u.j0 + v / u.n_g + 1 : 0;
-    load_query(sQ, a, sq, u, nv, nullptr, lane);
+    for (int v = 0; v < QV; v++) {
+        float *dst = sQ + v * hd4;
+        if (v < nv) {
+            int j = u.j0 + v / u.n_g, hq = u.kv_head * a.group + u.g0 + v % u.n_g;
+            const float *src = a.q + ((size_t)(sq.q_start + j) * a.n_heads + hq) * hd;
+            for (int d = lane; d < hd4; d += 32) dst[d] = d < hd ? src[d] : 0.0f;
+            lim[v] = sq.kv_len - sq.n_q + j + 1;
+        } else {
+            for (int d = lane; d < hd4; d += 32) dst[d] = 0.0f;
+            lim[v] = 0;
+        }
+    }
     const int lim_max = sq.kv_len - sq.n_q + u.j0 + u.n_rows;
     const int p0 = u.part * a.part_len;
     const int p1 = lim_max - p0 > a.part_len ? p0 + a.part_len : lim_max;
