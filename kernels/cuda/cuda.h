@@ -8,8 +8,9 @@
  * returns the cudaError_t of the launch (cudaGetLastError right after it).
  *
  * Pointer kinds (see docs/cuda.md): every tensor an op takes is device
- * memory; rk_attn_batch.q_start and kv_len and the three index arrays of
- * rope_shift_copy are host memory; slots (kv_write), ids (embed), pos (rope)
+ * memory; rk_attn_batch.q_start, kv_len and its segments (seg_start,
+ * seg_end, seg_delta, rope) and the three index arrays of rope_shift_copy
+ * are host memory; slots (kv_write), ids (embed), pos (rope)
  * and the attention block table are device memory (the engine uploads them).
  *
  * Device-side checks: index arrays that live on the device cannot be checked
