@@ -925,6 +925,59 @@ Test(cuda, attention_with_segments_matches_cpu_for_prefill_and_split_decode, .ti
     rk_backend_free(cpu);
 }
 
+/* One run with delta 0 covering the whole range takes the segmented kernel
+ * over the same tiles and table entries as no segments: the same bits. */
+Test(cuda, attention_with_one_unshifted_run_gives_the_bits_of_no_segments) {
+    rk_backend *gpu = gpu_or_skip();
+    test_cache c;
+    cache_make(gpu, &c, 1, 8, 16, 2, 64, RK_DTYPE_F32, 0);
+    size_t elems = c.layer_bytes / sizeof(float);
+    for (size_t i = 0; i < elems; i++) {
+        ((float *)c.host.k[0])[i] = frand(-1, 1);
+        ((float *)c.host.v[0])[i] = frand(-1, 1);
+    }
+    cache_push(gpu, &c);
+    const int32_t table[8] = {3, 1, 4, 0, 6, 2, 5, -1}; /* 100 entries: 7 blocks */
+    int32_t q_start[2] = {0, 5}, kv_len[1] = {100};
+    int32_t seg_start[2] = {0, 1}, seg_end[1] = {100}, seg_delta[1] = {0};
+    size_t n = 5 * 4 * 64;
+    float *q = rand_floats(n, -4, 4), *plain = xmalloc(n * 4), *seg = xmalloc(n * 4);
+    float *dq = dev_copy(gpu, q, n * 4), *dout = dev_alloc(gpu, n * 4);
+    int32_t *dtable = dev_copy(gpu, table, sizeof table);
+    rk_attn_batch b = {
+        .n_seqs = 1, .q_start = q_start, .kv_len = kv_len, .block_table = dtable, .max_blocks = 8};
+    rk_attn_batch bs = b;
+    bs.seg_start = seg_start;
+    bs.seg_end = seg_end;
+    bs.seg_delta = seg_delta; /* no rope: no delta needs one */
+    const int modes[3] = {0, -1, 32};
+    for (int mi = 0; mi < 3; mi++) {
+#ifdef RAGKV_CUDA
+        rk_cuda_set_attn_partition(gpu, modes[mi]);
+#endif
+        cr_assert_eq(gpu->ops->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 4, 0.125f), RK_OK,
+                     "%s", rk_error_message());
+        dev_read(gpu, plain, dout, n * 4);
+        cr_assert_eq(gpu->ops->attention(gpu, dout, NULL, dq, &c.dev, 0, &bs, 4, 0.125f), RK_OK,
+                     "%s", rk_error_message());
+        dev_read(gpu, seg, dout, n * 4);
+        char what[64];
+        snprintf(what, sizeof what, "one unshifted run, partition %d", modes[mi]);
+        assert_equal_f32(seg, plain, n, what);
+    }
+#ifdef RAGKV_CUDA
+    rk_cuda_set_attn_partition(gpu, 0);
+#endif
+    gpu->ops->free(gpu, dq);
+    gpu->ops->free(gpu, dout);
+    gpu->ops->free(gpu, dtable);
+    cache_free(gpu, &c);
+    free(q);
+    free(plain);
+    free(seg);
+    rk_backend_free(gpu);
+}
+
 Test(cuda, attention_rejects_what_the_cpu_rejects_and_reports_bad_block_ids) {
     rk_backend *gpu = gpu_or_skip();
     test_cache c;
