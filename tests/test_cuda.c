@@ -651,6 +651,40 @@ typedef struct attn_case {
     rk_dtype dtype;
 } attn_case;
 
+/* Segments of an attention batch (see rk_attn_batch): the runs of each
+ * sequence, their lengths summing to its kv_len, and their deltas. */
+typedef struct attn_segs {
+    int n_runs[3];
+    int32_t len[3][6], delta[3][6];
+    const rk_rope *rope;
+} attn_segs;
+
+/* Table entries sequence s uses: a block per block_size entries, with
+ * segments a run's own ceil(len / block_size). */
+static int seq_blocks_of(const attn_case *ac, const attn_segs *sg, int s) {
+    int bs = ac->block_size;
+    if (!sg) return (ac->kv_len[s] + bs - 1) / bs;
+    int n = 0, sum = 0;
+    for (int r = 0; r < sg->n_runs[s]; r++) {
+        n += (sg->len[s][r] + bs - 1) / bs;
+        sum += sg->len[s][r];
+    }
+    cr_assert_eq(sum, ac->kv_len[s], "the runs of sequence %d cover its kv range", s);
+    return n;
+}
+
+/* The cache slot of entry i of a sequence whose table row is trow: entry
+ * i - begin of the run holding it, in that run's own blocks. */
+static size_t entry_slot(const int32_t *trow, int bs, const attn_segs *sg, int s, int i) {
+    int tb = 0, begin = 0; /* the run's first table entry and first kv entry */
+    for (int r = 0; sg && r < sg->n_runs[s] && i >= begin + sg->len[s][r]; r++) {
+        tb += (sg->len[s][r] + bs - 1) / bs;
+        begin += sg->len[s][r];
+    }
+    int e = i - begin;
+    return (size_t)trow[tb + e / bs] * bs + e % bs;
+}
+
 static void fill_dtype(void *dst, size_t i, rk_dtype dt, float f) {
     if (dt == RK_DTYPE_F32)
         ((float *)dst)[i] = f;
@@ -659,14 +693,19 @@ static void fill_dtype(void *dst, size_t i, rk_dtype dt, float f) {
 }
 
 /* Run one batch on both backends (the GPU with every partition mode) and
- * compare. Layer 1 of a two-layer cache; every byte no sequence uses, and all
- * of layer 0, is NaN, so a read outside the visible entries would show. */
-static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac) {
+ * compare. Layer 1 of a two-layer cache; every byte no sequence uses (with
+ * segments, the tail of a run's partial last block included), and all of
+ * layer 0, is NaN, so a read outside the visible entries would show. With
+ * segments (sg not NULL) the batch is run once more with every delta negated
+ * and the plan left as it is, so a plan reused across different runs would
+ * show too. */
+static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac,
+                           const attn_segs *sg) {
     int H = ac->n_kv_heads, n_heads = H * ac->group, hd = ac->head_dim, bs = ac->block_size;
     int need[3], max_blocks = 1, n_blocks = 3, rows = 0;
     int32_t q_start[4] = {0};
     for (int s = 0; s < ac->n_seqs; s++) {
-        need[s] = (ac->kv_len[s] + bs - 1) / bs;
+        need[s] = seq_blocks_of(ac, sg, s);
         max_blocks = need[s] + 1 > max_blocks ? need[s] + 1 : max_blocks;
         n_blocks += need[s];
         q_start[s + 1] = q_start[s] + ac->n_q[s];
@@ -691,7 +730,7 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
     size_t row = (size_t)H * hd;
     for (int s = 0; s < ac->n_seqs; s++)
         for (int i = 0; i < ac->kv_len[s]; i++) {
-            size_t slot = (size_t)table[s * max_blocks + i / bs] * bs + i % bs;
+            size_t slot = entry_slot(table + s * max_blocks, bs, sg, s, i);
             for (size_t e = 0; e < row; e++) {
                 fill_dtype(c.host.k[1], slot * row + e, ac->dtype, frand(-1, 1));
                 fill_dtype(c.host.v[1], slot * row + e, ac->dtype, frand(-1, 1));
@@ -704,29 +743,49 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
     float *want_lse = xmalloc((size_t)rows * n_heads * 4),
           *got_lse = xmalloc((size_t)rows * n_heads * 4);
     float scale = 1.0f / sqrtf((float)hd);
+    int32_t seg_start[4] = {0}, seg_end[18], seg_delta[18];
+    if (sg)
+        for (int s = 0; s < ac->n_seqs; s++) {
+            int k = seg_start[s], end = 0;
+            for (int r = 0; r < sg->n_runs[s]; r++, k++) {
+                end += sg->len[s][r];
+                seg_end[k] = end;
+                seg_delta[k] = sg->delta[s][r];
+            }
+            seg_start[s + 1] = k;
+        }
     rk_attn_batch hb = {.n_seqs = ac->n_seqs,
                         .q_start = q_start,
                         .kv_len = ac->kv_len,
                         .block_table = table,
-                        .max_blocks = max_blocks};
+                        .max_blocks = max_blocks,
+                        .seg_start = sg ? seg_start : NULL,
+                        .seg_end = sg ? seg_end : NULL,
+                        .seg_delta = sg ? seg_delta : NULL,
+                        .rope = sg ? sg->rope : NULL};
     cr_assert_eq(cpu->ops->attention(cpu, want, want_lse, q, &c.host, 1, &hb, n_heads, scale),
                  RK_OK, "%s", rk_error_message());
 
     float *dq = dev_copy(gpu, q, nq_elems * 4), *dout = dev_alloc(gpu, nq_elems * 4);
     float *dlse = dev_alloc(gpu, (size_t)rows * n_heads * 4);
     int32_t *dtable = dev_copy(gpu, table, (size_t)ac->n_seqs * max_blocks * 4);
-    rk_attn_batch db = {.n_seqs = ac->n_seqs,
-                        .q_start = q_start,
-                        .kv_len = ac->kv_len,
-                        .block_table = dtable,
-                        .max_blocks = max_blocks};
-    const int modes[4] = {0, -1, 32, 96};
-    for (int mi = 0; mi < 4; mi++) {
+    rk_attn_batch db = hb;
+    db.block_table = dtable;
+    const int modes[5] = {0, -1, 32, 96, 96};
+    for (int mi = 0; mi < 5; mi++) {
+        if (mi == 4) { /* segments: the same batch with every delta negated, plan kept */
+            if (!sg) break;
+            for (int k = 0; k < seg_start[ac->n_seqs]; k++) seg_delta[k] = -seg_delta[k];
+            cr_assert_eq(
+                cpu->ops->attention(cpu, want, want_lse, q, &c.host, 1, &hb, n_heads, scale), RK_OK,
+                "%s", rk_error_message());
+        } else {
 #ifdef RAGKV_CUDA
-        rk_cuda_set_attn_partition(gpu, modes[mi]);
+            rk_cuda_set_attn_partition(gpu, modes[mi]);
 #else
-        if (mi > 0) break;
+            if (mi > 0) break;
 #endif
+        }
         cr_assert_eq(gpu->ops->memset(gpu, dout, 0xff, nq_elems * 4), RK_OK);
         cr_assert_eq(gpu->ops->memset(gpu, dlse, 0xff, (size_t)rows * n_heads * 4), RK_OK);
         int with_lse = mi != 1; /* and once without */
@@ -734,11 +793,16 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
                                          n_heads, scale),
                      RK_OK, "%s", rk_error_message());
         dev_read(gpu, got, dout, nq_elems * 4);
-        char what[200];
+        char what[256];
         snprintf(what, sizeof what,
-                 "attention %s G=%d hd=%d bs=%d seqs=%d (n_q %d/%d/%d, kv %d/%d/%d) partition %d",
+                 "attention %s G=%d hd=%d bs=%d seqs=%d (n_q %d/%d/%d, kv %d/%d/%d) partition "
+                 "%d%s%s",
                  rk_dtype_name(ac->dtype), ac->group, hd, bs, ac->n_seqs, ac->n_q[0], ac->n_q[1],
-                 ac->n_q[2], ac->kv_len[0], ac->kv_len[1], ac->kv_len[2], modes[mi]);
+                 ac->n_q[2], ac->kv_len[0], ac->kv_len[1], ac->kv_len[2], modes[mi],
+                 sg ? (sg->rope && sg->rope->pairing == RK_ROPE_NEOX ? " segments neox"
+                                                                     : " segments normal")
+                    : "",
+                 mi == 4 ? " deltas negated" : "");
         assert_close(got, want, nq_elems, 2e-5f, 1e-4f, what);
         if (with_lse) {
             dev_read(gpu, got_lse, dlse, (size_t)rows * n_heads * 4);
@@ -784,10 +848,10 @@ Test(cuda, attention_prefill_and_decode_match_cpu_over_permuted_tables, .timeout
                                            {L, L, 3},  2,
                                            groups[gi], dims[di],
                                            sizes[bi],  types[ti]};
-                        attention_case(gpu, cpu, &mixed);
+                        attention_case(gpu, cpu, &mixed, NULL);
                         attn_case decode = {1,          {1},      {L},       2,
                                             groups[gi], dims[di], sizes[bi], types[ti]};
-                        attention_case(gpu, cpu, &decode);
+                        attention_case(gpu, cpu, &decode, NULL);
                     }
     rk_backend_free(gpu);
     rk_backend_free(cpu);
@@ -798,11 +862,11 @@ Test(cuda, attention_full_prefills_odd_head_dims_and_wide_groups_match_cpu, .tim
     rk_backend *gpu = gpu_or_skip(), *cpu = cpu_backend();
     /* whole causal prefills */
     attn_case full257 = {1, {257}, {257}, 2, 2, 128, 16, RK_DTYPE_F32};
-    attention_case(gpu, cpu, &full257);
+    attention_case(gpu, cpu, &full257, NULL);
     attn_case full4095 = {1, {4095}, {4095}, 2, 2, 128, 16, RK_DTYPE_BF16};
-    attention_case(gpu, cpu, &full4095);
+    attention_case(gpu, cpu, &full4095, NULL);
     attn_case two = {2, {100, 60}, {300, 60}, 4, 1, 64, 32, RK_DTYPE_F16};
-    attention_case(gpu, cpu, &two);
+    attention_case(gpu, cpu, &two, NULL);
     /* head dims that are not 32 * 2^k, up to 512, and groups wider than a warp's vectors */
     const int dims[6] = {32, 80, 96, 200, 256, 512};
     const int groups[4] = {1, 3, 6, 8};
@@ -811,10 +875,107 @@ Test(cuda, attention_full_prefills_odd_head_dims_and_wide_groups_match_cpu, .tim
             for (int t = 0; t < 2; t++) {
                 rk_dtype dt = t ? RK_DTYPE_BF16 : RK_DTYPE_F32;
                 attn_case c = {2, {33, 1, 0}, {300, 300, 0}, 2, groups[gi], dims[di], 16, dt};
-                attention_case(gpu, cpu, &c);
+                attention_case(gpu, cpu, &c, NULL);
             }
     rk_backend_free(gpu);
     rk_backend_free(cpu);
+}
+
+/* Segmented tables: runs with deltas 0, positive and negative, lengths that
+ * are not multiples of the block size (so partial last blocks whose NaN tail
+ * must not be read), both pairings with n_rot the whole head or half of it,
+ * GQA groups of 2 and 4, every KV dtype; a batch of a 40-row prefill, a decode
+ * and a sequence without rows, a whole causal prefill across runs, and a
+ * decode over 4095 entries whose partitions span up to five runs. */
+Test(cuda, attention_with_segments_matches_cpu_for_prefill_and_split_decode, .timeout = 1200) {
+    rk_backend *gpu = gpu_or_skip(), *cpu = cpu_backend();
+    const rk_dtype types[3] = {RK_DTYPE_F32, RK_DTYPE_F16, RK_DTYPE_BF16};
+    int n_types = rk_test_light() ? 1 : 3;
+    for (int pi = 0; pi < 2; pi++)
+        for (int gi = 0; gi < 2; gi++)
+            for (int ti = 0; ti < n_types; ti++) {
+                int hd = gi ? 128 : 64, bs = ti == 1 ? 32 : 16;
+                rk_rope_params p = {.n_rot = ti == 2 ? hd / 2 : hd,
+                                    .theta = pi ? 1e6f : 1e4f,
+                                    .pairing = pi ? RK_ROPE_NEOX : RK_ROPE_NORMAL};
+                rk_rope rope;
+                cr_assert_eq(rk_rope_init(&rope, &p), RK_OK);
+                int G = 2 + 2 * gi;
+                attn_case mixed = {3, {40, 1, 0}, {300, 1000, 20}, 2, G, hd, bs, types[ti]};
+                attn_segs mixed_sg = {
+                    .n_runs = {4, 4, 1},
+                    .len = {{37, 64, 100, 99}, {129, 1, 500, 370}, {20}},
+                    .delta = {{0, 1234, -517, 0}, {77, -3, 0, 100000}, {5}},
+                    .rope = &rope,
+                };
+                attention_case(gpu, cpu, &mixed, &mixed_sg);
+                attn_case full = {1, {150}, {150}, 2, G, hd, bs, types[ti]};
+                attn_segs full_sg = {
+                    .n_runs = {3}, .len = {{40, 50, 60}}, .delta = {{9, -9, 0}}, .rope = &rope};
+                attention_case(gpu, cpu, &full, &full_sg);
+                if (rk_test_light()) continue;
+                attn_case decode = {1, {1}, {4095}, 2, G, hd, bs, types[ti]};
+                attn_segs decode_sg = {.n_runs = {6},
+                                       .len = {{700, 1, 1000, 1333, 31, 1030}},
+                                       .delta = {{-20000, 1, 0, 4096, -1, 0}},
+                                       .rope = &rope};
+                attention_case(gpu, cpu, &decode, &decode_sg);
+            }
+    rk_backend_free(gpu);
+    rk_backend_free(cpu);
+}
+
+/* One run with delta 0 covering the whole range takes the segmented kernel
+ * over the same tiles and table entries as no segments: the same bits. */
+Test(cuda, attention_with_one_unshifted_run_gives_the_bits_of_no_segments) {
+    rk_backend *gpu = gpu_or_skip();
+    test_cache c;
+    cache_make(gpu, &c, 1, 8, 16, 2, 64, RK_DTYPE_F32, 0);
+    size_t elems = c.layer_bytes / sizeof(float);
+    for (size_t i = 0; i < elems; i++) {
+        ((float *)c.host.k[0])[i] = frand(-1, 1);
+        ((float *)c.host.v[0])[i] = frand(-1, 1);
+    }
+    cache_push(gpu, &c);
+    const int32_t table[8] = {3, 1, 4, 0, 6, 2, 5, -1}; /* 100 entries: 7 blocks */
+    int32_t q_start[2] = {0, 5}, kv_len[1] = {100};
+    int32_t seg_start[2] = {0, 1}, seg_end[1] = {100}, seg_delta[1] = {0};
+    size_t n = 5 * 4 * 64;
+    float *q = rand_floats(n, -4, 4), *plain = xmalloc(n * 4), *seg = xmalloc(n * 4);
+    float *dq = dev_copy(gpu, q, n * 4), *dout = dev_alloc(gpu, n * 4);
+    int32_t *dtable = dev_copy(gpu, table, sizeof table);
+    rk_attn_batch b = {
+        .n_seqs = 1, .q_start = q_start, .kv_len = kv_len, .block_table = dtable, .max_blocks = 8};
+    rk_attn_batch bs = b;
+    bs.seg_start = seg_start;
+    bs.seg_end = seg_end;
+    bs.seg_delta = seg_delta; /* no rope: no delta needs one */
+    const int modes[3] = {0, -1, 32};
+    for (int mi = 0; mi < 3; mi++) {
+#ifdef RAGKV_CUDA
+        rk_cuda_set_attn_partition(gpu, modes[mi]);
+#endif
+        cr_assert_eq(gpu->ops->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 4, 0.125f), RK_OK,
+                     "%s", rk_error_message());
+        dev_read(gpu, plain, dout, n * 4);
+        cr_assert_eq(gpu->ops->attention(gpu, dout, NULL, dq, &c.dev, 0, &bs, 4, 0.125f), RK_OK,
+                     "%s", rk_error_message());
+        dev_read(gpu, seg, dout, n * 4);
+        char what[64];
+        snprintf(what, sizeof what, "one unshifted run, partition %d", modes[mi]);
+        assert_equal_f32(seg, plain, n, what);
+    }
+#ifdef RAGKV_CUDA
+    rk_cuda_set_attn_partition(gpu, 0);
+#endif
+    gpu->ops->free(gpu, dq);
+    gpu->ops->free(gpu, dout);
+    gpu->ops->free(gpu, dtable);
+    cache_free(gpu, &c);
+    free(q);
+    free(plain);
+    free(seg);
+    rk_backend_free(gpu);
 }
 
 Test(cuda, attention_rejects_what_the_cpu_rejects_and_reports_bad_block_ids) {

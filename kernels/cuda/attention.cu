@@ -21,7 +21,19 @@
  *  - P·V: lane i owns head dims [i * DPL, (i + 1) * DPL) and reads them of
  *    every entry's V row (one coalesced row per entry, vector loads).
  * Entries past a vector's causal limit contribute exactly zero, and entries
- * past the last visible one are never read. */
+ * past the last visible one are never read.
+ *
+ * Segments (a sequence cut into runs, each from a block of its own and with a
+ * position delta; see rk_attn_batch): the kernel's SEG instance walks a
+ * unit's kv range run piece by run piece. Tiles restart at a run's first
+ * entry, whose slot is looked up from the run's own table entries; entering a
+ * run with delta d != 0 the unit's query vectors in shared memory are
+ * replaced by the given ones rotated by -d (the run's cos/sin table, made on
+ * the host like the CPU's), re-read from global memory each time so
+ * rotations never compound; a run with delta 0 uses them as given. The
+ * online softmax state carries across pieces and the causal limits stay in
+ * table order, so a partition may span any number of runs. Batches without
+ * segments run the other instance, whose single piece is the whole range. */
 #include <string.h>
 
 #include "kernels/cuda/cuda.h"
@@ -71,9 +83,41 @@ template <typename T, int N> static __device__ __forceinline__ void load_vec(con
     }
 }
 
+/* Segments: the unit's nv query vectors into sQ (rows of hd4 floats, zero
+ * past head_dim; the slots past nv stay as the kernel's start zeroed them):
+ * as given when cs is NULL, else rotated with the angles of cs (cos of pair i
+ * at cs[i], sin at cs[n_rot / 2 + i]) exactly as rk_cpu_rotate_head does,
+ * uncontracted so the rounding is the CPU's. Each lane computes its own dims
+ * from the query in global memory, which is never written, so rotations do
+ * not compound and no barrier is needed between reads and writes. */
+static __device__ __forceinline__ void load_query(float *sQ, const rk_cuda_attn_args &a,
+                                                  const rk_cuda_attn_seq &sq,
+                                                  const rk_cuda_attn_unit &u, int nv,
+                                                  const float *cs, int lane) {
+    const int hd = a.head_dim, hd4 = (hd + 3) & ~3, half = a.n_rot / 2;
+    for (int v = 0; v < nv; v++) {
+        float *dst = sQ + v * hd4;
+        int j = u.j0 + v / u.n_g, hq = u.kv_head * a.group + u.g0 + v % u.n_g;
+        const float *src = a.q + ((size_t)(sq.q_start + j) * a.n_heads + hq) * hd;
+        for (int d = lane; d < hd4; d += 32) {
+            float x = d < hd ? src[d] : 0.0f;
+            if (cs && d < a.n_rot) {
+                /* pair i rotates (i0, i1): (x0 c - x1 s, x0 s + x1 c) */
+                int i = a.neox ? (d < half ? d : d - half) : d >> 1;
+                int i0 = a.neox ? i : 2 * i, i1 = a.neox ? i + half : 2 * i + 1;
+                float x0 = src[i0], x1 = src[i1], c = cs[i], sn = cs[half + i];
+                x = d == i0 ? __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn))
+                            : __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+            }
+            dst[d] = x;
+        }
+    }
+}
+
 /* DPL: head dims per lane (a power of two, 32 * DPL >= head_dim). exact: head_dim
- * == 32 * DPL and the cache 16-byte aligned, so V rows load as vectors. */
-template <typename T, int DPL>
+ * == 32 * DPL and the cache 16-byte aligned, so V rows load as vectors. SEG:
+ * the batch has segments (a.runs), walked run piece by run piece. */
+template <typename T, int DPL, bool SEG>
 __global__ void __launch_bounds__(128) attn_kernel(const rk_cuda_attn_args a, int exact) {
     extern __shared__ float4 smem4[];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -119,94 +163,125 @@ __global__ void __launch_bounds__(128) attn_kernel(const rk_cuda_attn_args a, in
     const T *kbase = (const T *)a.k + head_off, *vbase = (const T *)a.v + head_off;
     __syncwarp();
 
-    for (int t0 = p0; t0 < p1; t0 += TILE) {
-        const int nt = p1 - t0 < TILE ? p1 - t0 : TILE;
-        long long slot = 0;
-        if (lane < nt) {
-            int key = t0 + lane, b = key / a.block_size;
-            int id = trow[b];
-            if (id < 0 || id >= a.n_blocks) {
-                rk_cu_report(a.err, RK_CUDA_ERR_ATTN_BLOCK, u.seq, b, id);
-                id = 0;
+    /* SEG: the run the walk enters next (the first ending past p0) and
+     * whether sQ holds rotated vectors */
+    int run = 0, rotated = 0;
+    if constexpr (SEG) {
+        int hi = sq.n_runs - 1; /* the last run ends at kv_len >= p1 > p0 */
+        while (run < hi) {
+            int mid = (run + hi) >> 1;
+            if (a.runs[sq.run0 + mid].end > p0)
+                hi = mid;
+            else
+                run = mid + 1;
+        }
+    }
+    for (int pa = p0; pa < p1;) {
+        /* the piece [pa, pe): entry e at table entry tb + (e - rb) / block_size */
+        int pe = p1, rb = 0;
+        const int32_t *tb = trow;
+        if constexpr (SEG) {
+            const rk_cuda_attn_run r = a.runs[sq.run0 + run];
+            rb = run > 0 ? a.runs[sq.run0 + run - 1].end : 0;
+            pe = r.end < p1 ? r.end : p1;
+            tb = trow + r.block;
+            if (r.delta != 0 || rotated) { /* the last tile's reads of sQ are behind a barrier */
+                const float *cs = r.delta ? a.run_cs + (size_t)(sq.run0 + run) * a.n_rot : nullptr;
+                load_query(sQ, a, sq, u, nv, cs, lane);
+                rotated = r.delta != 0;
             }
-            slot = (long long)id * a.block_size + (key - b * a.block_size);
+            run++;
         }
-        /* K tile -> shared memory, f32 */
-        for (int r = 0; r < nt; r++) {
-            long long sr = __shfl_sync(RK_CUDA_FULL_MASK, slot, r);
-            const T *kr = kbase + (size_t)sr * row_elems;
-            for (int d = lane; d < hd; d += 32) sK[r * ks + d] = rk_cu_f32(kr[d]);
-        }
-        __syncwarp();
-
-        /* scores of entry t0 + lane */
-        float s[QV];
-#pragma unroll
-        for (int v = 0; v < QV; v++) s[v] = 0.0f;
-        const float *kk = sK + lane * ks;
-        if ((hd & 3) == 0) {
-            for (int d = 0; d < hd; d += 4) {
-                float k0 = kk[d], k1 = kk[d + 1], k2 = kk[d + 2], k3 = kk[d + 3];
-#pragma unroll
-                for (int v = 0; v < QV; v++) {
-                    float4 q4 = *(const float4 *)(sQ + v * hd4 + d);
-                    float t = s[v];
-                    t = fmaf(q4.x, k0, t);
-                    t = fmaf(q4.y, k1, t);
-                    t = fmaf(q4.z, k2, t);
-                    t = fmaf(q4.w, k3, t);
-                    s[v] = t;
+        for (int t0 = pa; t0 < pe; t0 += TILE) {
+            const int nt = pe - t0 < TILE ? pe - t0 : TILE;
+            long long slot = 0;
+            if (lane < nt) {
+                int key = t0 + lane - rb, b = key / a.block_size;
+                int id = tb[b];
+                if (id < 0 || id >= a.n_blocks) {
+                    rk_cu_report(a.err, RK_CUDA_ERR_ATTN_BLOCK, u.seq, (int)(tb - trow) + b, id);
+                    id = 0;
                 }
+                slot = (long long)id * a.block_size + (key - b * a.block_size);
             }
-        } else {
-            for (int d = 0; d < hd; d++) {
-                float kd = kk[d];
-#pragma unroll
-                for (int v = 0; v < QV; v++) s[v] = fmaf(sQ[v * hd4 + d], kd, s[v]);
+            /* K tile -> shared memory, f32 */
+            for (int r = 0; r < nt; r++) {
+                long long sr = __shfl_sync(RK_CUDA_FULL_MASK, slot, r);
+                const T *kr = kbase + (size_t)sr * row_elems;
+                for (int d = lane; d < hd; d += 32) sK[r * ks + d] = rk_cu_f32(kr[d]);
             }
-        }
+            __syncwarp();
 
-        /* online softmax */
+            /* scores of entry t0 + lane */
+            float s[QV];
 #pragma unroll
-        for (int v = 0; v < QV; v++) {
-            float sv = s[v] * a.scale;
-            if (!(lane < nt && t0 + lane < lim[v])) sv = -INFINITY;
-            float m_new = fmaxf(m[v], rk_cu_warp_max(sv));
-            float alpha = 1.0f, p = 0.0f;
-            if (m_new != -INFINITY) {
-                alpha = expf(m[v] - m_new); /* 0 on the first visible tile */
-                p = expf(sv - m_new);
-            }
-            l[v] = l[v] * alpha + rk_cu_warp_sum(p);
-            m[v] = m_new;
+            for (int v = 0; v < QV; v++) s[v] = 0.0f;
+            const float *kk = sK + lane * ks;
+            if ((hd & 3) == 0) {
+                for (int d = 0; d < hd; d += 4) {
+                    float k0 = kk[d], k1 = kk[d + 1], k2 = kk[d + 2], k3 = kk[d + 3];
 #pragma unroll
-            for (int i = 0; i < DPL; i++) acc[v][i] *= alpha;
-            sP[v * TILE + lane] = p;
-        }
-        __syncwarp();
-
-        /* P·V */
-        for (int r = 0; r < nt; r++) {
-            long long sr = __shfl_sync(RK_CUDA_FULL_MASK, slot, r);
-            const T *vr = vbase + (size_t)sr * row_elems;
-            float vv[DPL];
-            if (exact) {
-                load_vec<T, DPL>(vr + lane * DPL, vv);
+                    for (int v = 0; v < QV; v++) {
+                        float4 q4 = *(const float4 *)(sQ + v * hd4 + d);
+                        float t = s[v];
+                        t = fmaf(q4.x, k0, t);
+                        t = fmaf(q4.y, k1, t);
+                        t = fmaf(q4.z, k2, t);
+                        t = fmaf(q4.w, k3, t);
+                        s[v] = t;
+                    }
+                }
             } else {
+                for (int d = 0; d < hd; d++) {
+                    float kd = kk[d];
 #pragma unroll
-                for (int i = 0; i < DPL; i++) {
-                    int d = lane * DPL + i;
-                    vv[i] = d < hd ? rk_cu_f32(vr[d]) : 0.0f;
+                    for (int v = 0; v < QV; v++) s[v] = fmaf(sQ[v * hd4 + d], kd, s[v]);
                 }
             }
+
+            /* online softmax */
 #pragma unroll
             for (int v = 0; v < QV; v++) {
-                float p = sP[v * TILE + r];
+                float sv = s[v] * a.scale;
+                if (!(lane < nt && t0 + lane < lim[v])) sv = -INFINITY;
+                float m_new = fmaxf(m[v], rk_cu_warp_max(sv));
+                float alpha = 1.0f, p = 0.0f;
+                if (m_new != -INFINITY) {
+                    alpha = expf(m[v] - m_new); /* 0 on the first visible tile */
+                    p = expf(sv - m_new);
+                }
+                l[v] = l[v] * alpha + rk_cu_warp_sum(p);
+                m[v] = m_new;
 #pragma unroll
-                for (int i = 0; i < DPL; i++) acc[v][i] = fmaf(p, vv[i], acc[v][i]);
+                for (int i = 0; i < DPL; i++) acc[v][i] *= alpha;
+                sP[v * TILE + lane] = p;
             }
+            __syncwarp();
+
+            /* P·V */
+            for (int r = 0; r < nt; r++) {
+                long long sr = __shfl_sync(RK_CUDA_FULL_MASK, slot, r);
+                const T *vr = vbase + (size_t)sr * row_elems;
+                float vv[DPL];
+                if (exact) {
+                    load_vec<T, DPL>(vr + lane * DPL, vv);
+                } else {
+#pragma unroll
+                    for (int i = 0; i < DPL; i++) {
+                        int d = lane * DPL + i;
+                        vv[i] = d < hd ? rk_cu_f32(vr[d]) : 0.0f;
+                    }
+                }
+#pragma unroll
+                for (int v = 0; v < QV; v++) {
+                    float p = sP[v * TILE + r];
+#pragma unroll
+                    for (int i = 0; i < DPL; i++) acc[v][i] = fmaf(p, vv[i], acc[v][i]);
+                }
+            }
+            __syncwarp(); /* the next tile overwrites sK and sP (and a run entry sQ) */
         }
-        __syncwarp(); /* the next tile overwrites sK and sP */
+        pa = pe;
     }
 
     /* results: final output when the vector's range is one partition,
@@ -240,23 +315,36 @@ __global__ void __launch_bounds__(128) attn_kernel(const rk_cuda_attn_args a, in
 }
 
 /* Raise a kernel's dynamic shared memory limit once, to the largest asked. */
-template <typename T, int DPL> static cudaError_t ensure_smem(size_t bytes) {
+template <typename T, int DPL, bool SEG> static cudaError_t ensure_smem(size_t bytes) {
     static size_t set = 48 * 1024;
     if (bytes <= set) return cudaSuccess;
-    cudaError_t e = cudaFuncSetAttribute(attn_kernel<T, DPL>,
+    cudaError_t e = cudaFuncSetAttribute(attn_kernel<T, DPL, SEG>,
                                          cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
     if (e == cudaSuccess) set = bytes;
     return e;
 }
 
-template <typename T, int DPL>
+template <typename T, int DPL, bool SEG>
 static cudaError_t attn_launch(const rk_cuda_attn_args *a, int wpc, int exact, cudaStream_t s) {
     size_t smem = (size_t)wpc * rk_cuda_attn_warp_smem(a->head_dim);
-    cudaError_t e = ensure_smem<T, DPL>(smem);
+    cudaError_t e = ensure_smem<T, DPL, SEG>(smem);
     if (e != cudaSuccess) return e;
     unsigned blocks = (unsigned)((a->n_units + wpc - 1) / wpc);
-    attn_kernel<T, DPL><<<blocks, wpc * 32, smem, s>>>(*a, exact);
+    attn_kernel<T, DPL, SEG><<<blocks, wpc * 32, smem, s>>>(*a, exact);
     return cudaGetLastError();
+}
+
+template <typename T, bool SEG>
+static cudaError_t attn_dispatch_dpl(const rk_cuda_attn_args *a, int wpc, int dpl, int exact,
+                                     cudaStream_t s) {
+    switch (dpl) {
+    case 1: return attn_launch<T, 1, SEG>(a, wpc, exact, s);
+    case 2: return attn_launch<T, 2, SEG>(a, wpc, exact, s);
+    case 4: return attn_launch<T, 4, SEG>(a, wpc, exact, s);
+    case 8: return attn_launch<T, 8, SEG>(a, wpc, exact, s);
+    case 16: return attn_launch<T, 16, SEG>(a, wpc, exact, s);
+    default: return cudaErrorInvalidValue; /* head_dim > 512 */
+    }
 }
 
 template <typename T>
@@ -264,14 +352,8 @@ static cudaError_t attn_dispatch(const rk_cuda_attn_args *a, int wpc, cudaStream
     int hd = a->head_dim, dpl = 1;
     while (dpl * 32 < hd) dpl *= 2;
     int exact = hd == 32 * dpl && ((uintptr_t)a->k & 15) == 0 && ((uintptr_t)a->v & 15) == 0;
-    switch (dpl) {
-    case 1: return attn_launch<T, 1>(a, wpc, exact, s);
-    case 2: return attn_launch<T, 2>(a, wpc, exact, s);
-    case 4: return attn_launch<T, 4>(a, wpc, exact, s);
-    case 8: return attn_launch<T, 8>(a, wpc, exact, s);
-    case 16: return attn_launch<T, 16>(a, wpc, exact, s);
-    default: return cudaErrorInvalidValue; /* head_dim > 512 */
-    }
+    if (a->runs) return attn_dispatch_dpl<T, true>(a, wpc, dpl, exact, s);
+    return attn_dispatch_dpl<T, false>(a, wpc, dpl, exact, s);
 }
 
 extern "C" cudaError_t rk_cuda_launch_attention(const rk_cuda_attn_args *a, rk_dtype dtype,

@@ -6,12 +6,13 @@
  * Ordering: every op is enqueued on the backend's one stream, so ops run in
  * call order; only download() and sync() wait for the GPU (and check mode,
  * which waits after every launch). Host arrays an op takes (attention's
- * q_start and kv_len, rope_shift_copy's slot arrays) are read before the op
- * returns; uploads from pageable memory are staged before cudaMemcpyAsync
- * returns, and uploads from pinned memory are waited for, so the caller may
- * reuse any host buffer as soon as an op returns. */
+ * q_start, kv_len and segments, rope_shift_copy's slot arrays) are read
+ * before the op returns; uploads from pageable memory are staged before
+ * cudaMemcpyAsync returns, and uploads from pinned memory are waited for, so
+ * the caller may reuse any host buffer as soon as an op returns. */
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,8 +47,11 @@ typedef struct rk_cuda {
      * (every layer of a forward pass has the same batch). */
     int32_t *plan_key; /* (plan_key_len) the inputs the plan was built from */
     size_t plan_key_len, plan_key_cap;
+    int32_t *plan_next; /* the key of the current call, compared with plan_key */
+    size_t plan_next_cap;
     int plan_ok, plan_units, plan_merges, plan_part_len, plan_wpc;
-    size_t plan_units_off, plan_merges_off, plan_partials;
+    int plan_runs, plan_n_rot, plan_neox; /* segments: runs in all (0: none), the rope's */
+    size_t plan_units_off, plan_merges_off, plan_runs_off, plan_cs_off, plan_partials;
     unsigned char *host; /* host scratch: checks and staging */
     size_t host_cap;
 } rk_cuda;
@@ -480,21 +484,94 @@ static size_t align16(size_t n) { return (n + 15) & ~(size_t)15; }
 
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-/* Build the work units of a batch (see cuda.h) and upload them, unless the
- * last plan was built from the same inputs. The partition length is chosen so
- * that the GPU gets about four warps per SM slot: when the unsplit units are
- * fewer, long kv ranges are cut into partitions of at least 64 entries. */
-static rk_status attn_plan(rk_cuda *cu, const rk_attn_batch *b, int n_heads, int n_kv_heads,
-                           int head_dim) {
+/* The inputs an attention plan is built from, as words in cu->plan_next:
+ * the shape, the block size, q_start and kv_len and, with segments, the runs
+ * and the rope angles they rotate by. Sets *len to the words written. */
+static rk_status plan_key_make(rk_cuda *cu, const rk_attn_batch *b, int n_heads, int n_kv_heads,
+                               int head_dim, int block_size, size_t *len) {
     int n_seqs = b->n_seqs;
-    size_t key_len = 4 + (size_t)n_seqs + 1 + (size_t)n_seqs;
-    if (cu->plan_ok && cu->plan_key_len == key_len && cu->plan_key[0] == n_seqs &&
-        cu->plan_key[1] == n_heads && cu->plan_key[2] == n_kv_heads &&
-        cu->plan_key[3] == head_dim &&
-        memcmp(cu->plan_key + 4, b->q_start, ((size_t)n_seqs + 1) * sizeof(int32_t)) == 0 &&
-        memcmp(cu->plan_key + 5 + n_seqs, b->kv_len, (size_t)n_seqs * sizeof(int32_t)) == 0)
+    size_t n_runs = b->seg_start ? (size_t)b->seg_start[n_seqs] : 0;
+    int n_rot = n_runs && b->rope ? b->rope->n_rot : 0;
+    size_t n = 8 + 2 * (size_t)n_seqs + 1;
+    if (n_runs) n += (size_t)n_seqs + 1 + 2 * n_runs + (size_t)n_rot / 2;
+    if (n > cu->plan_next_cap) {
+        int32_t *k = realloc(cu->plan_next, n * sizeof(int32_t));
+        if (!k) return rk_errorf(RK_ERR_NOMEM, "attention: out of memory");
+        cu->plan_next = k;
+        cu->plan_next_cap = n;
+    }
+    int32_t *k = cu->plan_next;
+    k[0] = n_seqs;
+    k[1] = n_heads;
+    k[2] = n_kv_heads;
+    k[3] = head_dim;
+    k[4] = block_size;
+    k[5] = (int32_t)n_runs;
+    k[6] = n_rot;
+    k[7] = n_rot ? (int32_t)b->rope->pairing : 0;
+    size_t o = 8;
+    memcpy(k + o, b->q_start, ((size_t)n_seqs + 1) * sizeof(int32_t));
+    o += (size_t)n_seqs + 1;
+    memcpy(k + o, b->kv_len, (size_t)n_seqs * sizeof(int32_t));
+    o += (size_t)n_seqs;
+    if (n_runs) {
+        memcpy(k + o, b->seg_start, ((size_t)n_seqs + 1) * sizeof(int32_t));
+        o += (size_t)n_seqs + 1;
+        memcpy(k + o, b->seg_end, n_runs * sizeof(int32_t));
+        o += n_runs;
+        memcpy(k + o, b->seg_delta, n_runs * sizeof(int32_t));
+        o += n_runs;
+        if (n_rot) memcpy(k + o, b->rope->freq, (size_t)n_rot / 2 * sizeof(float));
+        o += (size_t)n_rot / 2;
+    }
+    *len = o;
+    return RK_OK;
+}
+
+/* The runs of every sequence (see rk_cuda_attn_run) and their cos/sin tables,
+ * as the CPU's plan_runs builds them: a run's blocks follow those of the run
+ * before it in the table; cos and -sin of (float)delta * freq[i], no mscale. */
+static void plan_runs(const rk_attn_batch *b, int block_size, int n_rot, rk_cuda_attn_run *runs,
+                      float *cs_all) {
+    int half = n_rot / 2;
+    for (int s = 0; s < b->n_seqs; s++) {
+        int32_t block = 0, begin = 0;
+        for (int32_t k = b->seg_start[s]; k < b->seg_start[s + 1]; k++) {
+            runs[k] = (rk_cuda_attn_run){b->seg_end[k], block, b->seg_delta[k], 0};
+            block += (b->seg_end[k] - begin + block_size - 1) / block_size;
+            begin = b->seg_end[k];
+            float *cs = cs_all + (size_t)k * n_rot;
+            if (b->seg_delta[k] == 0) {
+                memset(cs, 0, (size_t)n_rot * sizeof(float));
+                continue;
+            }
+            float fd = (float)b->seg_delta[k];
+            for (int i = 0; i < half; i++) {
+                float a = fd * b->rope->freq[i];
+                cs[i] = cosf(a);
+                cs[half + i] = -sinf(a);
+            }
+        }
+    }
+}
+
+/* Build the work units of a batch (see cuda.h), with its runs when it has
+ * segments, and upload them, unless the last plan was built from the same
+ * inputs. The partition length is chosen so that the GPU gets about four
+ * warps per SM slot: when the unsplit units are fewer, long kv ranges are cut
+ * into partitions of at least 64 entries. */
+static rk_status attn_plan(rk_cuda *cu, const rk_attn_batch *b, int n_heads, int n_kv_heads,
+                           int head_dim, int block_size) {
+    int n_seqs = b->n_seqs;
+    size_t key_len;
+    rk_status st = plan_key_make(cu, b, n_heads, n_kv_heads, head_dim, block_size, &key_len);
+    if (st != RK_OK) return st;
+    if (cu->plan_ok && cu->plan_key_len == key_len &&
+        memcmp(cu->plan_key, cu->plan_next, key_len * sizeof(int32_t)) == 0)
         return RK_OK;
     cu->plan_ok = 0;
+    int n_runs = b->seg_start ? b->seg_start[n_seqs] : 0;
+    int n_rot = n_runs && b->rope ? b->rope->n_rot : 0;
 
     int group = n_heads / n_kv_heads;
     int n_g = group < RK_CUDA_ATTN_QV ? group : RK_CUDA_ATTN_QV;
@@ -542,19 +619,27 @@ static rk_status attn_plan(rk_cuda *cu, const rk_attn_batch *b, int n_heads, int
     size_t seq_bytes = align16((size_t)n_seqs * sizeof(rk_cuda_attn_seq));
     size_t unit_bytes = align16((size_t)n_units * sizeof(rk_cuda_attn_unit));
     size_t merge_bytes = align16((size_t)n_merges * sizeof(rk_cuda_attn_merge));
-    size_t total = seq_bytes + unit_bytes + merge_bytes;
-    rk_status st = host_reserve(cu, total, "attention plan");
-    if (st != RK_OK) return st;
+    size_t run_bytes = align16((size_t)n_runs * sizeof(rk_cuda_attn_run));
+    size_t cs_bytes = align16((size_t)n_runs * n_rot * sizeof(float));
+    size_t runs_off = seq_bytes + unit_bytes + merge_bytes, cs_off = runs_off + run_bytes;
+    size_t total = cs_off + cs_bytes;
+    if ((st = host_reserve(cu, total, "attention plan")) != RK_OK) return st;
     rk_cuda_attn_seq *seqs = (rk_cuda_attn_seq *)cu->host;
     rk_cuda_attn_unit *units = (rk_cuda_attn_unit *)(cu->host + seq_bytes);
     rk_cuda_attn_merge *merges = (rk_cuda_attn_merge *)(cu->host + seq_bytes + unit_bytes);
+    if (n_runs > 0)
+        plan_runs(b, block_size, n_rot, (rk_cuda_attn_run *)(cu->host + runs_off),
+                  (float *)(cu->host + cs_off));
 
     int64_t pbase = 0;
     size_t ui = 0, mi = 0;
     for (int s = 0; s < n_seqs; s++) {
         int n_q = b->q_start[s + 1] - b->q_start[s], L = b->kv_len[s];
         int64_t n_parts = n_q ? ceil_div(L, part_len) : 1;
-        seqs[s] = (rk_cuda_attn_seq){b->q_start[s], n_q, L, (int32_t)n_parts, pbase};
+        int32_t run0 = n_runs ? b->seg_start[s] : 0;
+        int32_t seq_runs = n_runs ? b->seg_start[s + 1] - run0 : 0;
+        seqs[s] =
+            (rk_cuda_attn_seq){b->q_start[s], n_q, L, (int32_t)n_parts, pbase, run0, seq_runs};
         if (n_q == 0) continue;
         /* units of one (sequence, kv head) are adjacent: neighbouring warps
          * read the same K/V tiles */
@@ -587,43 +672,40 @@ static rk_status attn_plan(rk_cuda *cu, const rk_attn_batch *b, int n_heads, int
                                              0, "attention partials")) != RK_OK)
         return st;
 
-    if (key_len > cu->plan_key_cap) {
-        int32_t *k = realloc(cu->plan_key, key_len * sizeof(int32_t));
-        if (!k) return rk_errorf(RK_ERR_NOMEM, "attention: out of memory");
-        cu->plan_key = k;
-        cu->plan_key_cap = key_len;
-    }
-    cu->plan_key[0] = n_seqs;
-    cu->plan_key[1] = n_heads;
-    cu->plan_key[2] = n_kv_heads;
-    cu->plan_key[3] = head_dim;
-    memcpy(cu->plan_key + 4, b->q_start, ((size_t)n_seqs + 1) * sizeof(int32_t));
-    memcpy(cu->plan_key + 5 + n_seqs, b->kv_len, (size_t)n_seqs * sizeof(int32_t));
+    /* the key of this call becomes the plan's */
+    int32_t *k = cu->plan_key;
+    size_t k_cap = cu->plan_key_cap;
+    cu->plan_key = cu->plan_next;
+    cu->plan_key_cap = cu->plan_next_cap;
+    cu->plan_next = k;
+    cu->plan_next_cap = k_cap;
     cu->plan_key_len = key_len;
     cu->plan_units = (int)n_units;
     cu->plan_merges = (int)n_merges;
     cu->plan_part_len = (int)part_len;
     cu->plan_units_off = seq_bytes;
     cu->plan_merges_off = seq_bytes + unit_bytes;
+    cu->plan_runs = n_runs;
+    cu->plan_n_rot = n_rot;
+    cu->plan_neox = n_rot && b->rope->pairing == RK_ROPE_NEOX;
+    cu->plan_runs_off = runs_off;
+    cu->plan_cs_off = cs_off;
     cu->plan_partials = (size_t)n_partials;
     cu->plan_ok = 1;
     return RK_OK;
 }
 
-/* Paged attention. q_start and kv_len are host memory and checked here like
- * the CPU op; the block table is device memory: its ids are checked by the
- * kernel (reported at the next sync) or, in check mode, copied back and
- * checked here. */
+/* Paged attention. q_start, kv_len and the segments are host memory and
+ * checked here like the CPU op (the runs and their rotations go up with the
+ * plan); the block table is device memory: its ids are checked by the kernel
+ * (reported at the next sync) or, in check mode, copied back and checked
+ * here. */
 static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const float *q,
                                 const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
                                 int n_heads, float scale) {
     rk_cuda *cu = cu_of(be);
     rk_status st = rk_attn_check_batch(kv, layer, batch, n_heads);
     if (st != RK_OK) return st;
-    if (batch->seg_start)
-        return rk_errorf(RK_ERR_UNSUPPORTED,
-                         "attention: segmented block tables (position-shifted chunk reuse) are "
-                         "not supported on CUDA; reindex with rope_shift_copy instead");
     int max_kv = 0; /* the longest kv range: no block is read when it is 0 */
     for (int s = 0; s < batch->n_seqs; s++)
         if (batch->kv_len[s] > max_kv) max_kv = batch->kv_len[s];
@@ -646,7 +728,8 @@ static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const fl
         if ((st = rk_attn_check_block_ids(kv, batch, (const int32_t *)cu->host)) != RK_OK)
             return st;
     }
-    if ((st = attn_plan(cu, batch, n_heads, kv->n_kv_heads, kv->head_dim)) != RK_OK) return st;
+    if ((st = attn_plan(cu, batch, n_heads, kv->n_kv_heads, kv->head_dim, kv->block_size)) != RK_OK)
+        return st;
     if (cu->plan_units == 0) return RK_OK;
     const unsigned char *plan = cu->plan.p;
     rk_cuda_attn_args a = {
@@ -670,6 +753,10 @@ static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const fl
         .n_units = cu->plan_units,
         .partials = cu->plan_partials ? (float *)cu->partials.p : NULL,
         .err = cu->err_dev,
+        .runs = cu->plan_runs ? (const rk_cuda_attn_run *)(plan + cu->plan_runs_off) : NULL,
+        .run_cs = cu->plan_runs ? (const float *)(plan + cu->plan_cs_off) : NULL,
+        .n_rot = cu->plan_n_rot,
+        .neox = cu->plan_neox,
     };
     cudaError_t e = rk_cuda_launch_attention(&a, kv->dtype, wpc, cu->stream);
     if (e != cudaSuccess) return cu_fail(e, "attention");
@@ -718,6 +805,7 @@ static void cuda_destroy(rk_cuda *cu) {
     if (cu->err_host) (void)cudaFreeHost(cu->err_host);
     (void)cudaGetLastError();
     free(cu->plan_key);
+    free(cu->plan_next);
     free(cu->host);
     free(cu);
 }

@@ -8,8 +8,9 @@
  * returns the cudaError_t of the launch (cudaGetLastError right after it).
  *
  * Pointer kinds (see docs/cuda.md): every tensor an op takes is device
- * memory; rk_attn_batch.q_start and kv_len and the three index arrays of
- * rope_shift_copy are host memory; slots (kv_write), ids (embed), pos (rope)
+ * memory; rk_attn_batch.q_start, kv_len and its segments (seg_start,
+ * seg_end, seg_delta, rope) and the three index arrays of rope_shift_copy
+ * are host memory; slots (kv_write), ids (embed), pos (rope)
  * and the attention block table are device memory (the engine uploads them).
  *
  * Device-side checks: index arrays that live on the device cannot be checked
@@ -82,7 +83,19 @@ enum {
 typedef struct rk_cuda_attn_seq {
     int32_t q_start, n_q, kv_len, n_parts; /* n_parts: partitions of the whole kv range */
     int64_t pbase;                         /* float offset of its partials (n_parts > 1) */
+    int32_t run0, n_runs; /* its runs (segments) in rk_cuda_attn_args.runs; n_runs 0: none */
 } rk_cuda_attn_seq;
+
+/* One run of a segmented sequence (see rk_attn_batch): the entries
+ * [end of the previous run (0 for the first), end), entry e of it in block
+ * table[block + (e - begin) / block_size] at offset (e - begin) % block_size;
+ * its keys are scored against the query rotated by -delta. */
+typedef struct rk_cuda_attn_run {
+    int32_t end;   /* entry (exclusive) where the run ends */
+    int32_t block; /* first table entry of the run */
+    int32_t delta; /* live - base position of its keys */
+    int32_t pad;
+} rk_cuda_attn_run;
 
 typedef struct rk_cuda_attn_unit {
     int32_t seq, j0, n_rows;  /* query rows j0 .. j0 + n_rows - 1 of the sequence */
@@ -108,6 +121,12 @@ typedef struct rk_cuda_attn_args {
     const rk_cuda_attn_seq *seqs;   /* device */
     const rk_cuda_attn_unit *units; /* device */
     int n_units;
+    /* Segments; runs NULL: no sequence has any. run_cs (n_runs, n_rot): per
+     * run the cos of its n_rot / 2 angles (float)delta * freq[i], then their
+     * -sin (zeros for delta 0); n_rot and neox from the batch's rope. */
+    const rk_cuda_attn_run *runs; /* device */
+    const float *run_cs;          /* device */
+    int n_rot, neox;
     float *partials; /* device, may be NULL when no unit writes partials */
     int *err;        /* device error word */
 } rk_cuda_attn_args;
