@@ -483,40 +483,79 @@ static void bench_segments(rk_backend *be) {
 
 /* ---------------------------------------------------------------- (f) quantized */
 
+/* Decode (n = 1) seconds of y = x . w^T for w(m, k) as stored and, where the
+ * backend packs type t, packed (-1 when not). */
+static void time_decode(rk_backend *be, const void *wq, rk_dtype t, const float *x, float *y, int k,
+                        int m, int reps, double *stored, double *packed) {
+    TIME_BEST(reps, *stored, check(be->ops->matmul(be, y, x, wq, t, 1, k, m), "matmul"));
+    *packed = -1;
+    size_t pb = be->ops->packed_bytes(be, t, k, m);
+    if (!pb) return;
+    void *p = be_alloc(be, pb);
+    check(be->ops->pack(be, p, wq, t, k, m), "pack");
+    TIME_BEST(reps, *packed, check(be->ops->matmul_packed(be, y, x, p, t, 1, k, m), "matmul"));
+    be->ops->free(be, p);
+}
+
+static void print_gbs(double bytes, double seconds) {
+    if (seconds > 0)
+        printf(" %6.1f", bytes / seconds * 1e-9);
+    else
+        printf(" %6s", "-");
+}
+
 static void bench_quant(rk_backend *be) {
-    int k = 1024, m = 3072, n_max = 512;
+    int k = 1024, m = 3072, n_max = 512, m_big = 151936;
     static const rk_dtype types[] = {RK_DTYPE_Q8_0, RK_DTYPE_Q4_0, RK_DTYPE_Q4_K,
                                      RK_DTYPE_Q5_K, RK_DTYPE_Q6_K, RK_DTYPE_BF16};
     static const rk_cpu_isa isas[] = {RK_CPU_ISA_PORTABLE, RK_CPU_ISA_AVX2, RK_CPU_ISA_AVX512_VNNI};
     float *w = rand_f32((size_t)m * k), *x = rand_f32((size_t)n_max * k);
-    float *y = rand_f32((size_t)n_max * m);
+    float *y = rand_f32((size_t)n_max * m_big);
     printf("\n(f) quantized weights, y(n,3072) = x(n,1024) . w(3072,1024)^T\n");
-    printf("  decode (n = 1), GB/s of weights per instruction set; matmul at n = 32, 128, 512 "
-           "in GMAC/s\n");
-    printf("  %-6s %8s %8s %8s %8s | %8s %8s %8s\n", "type", "bytes/w", "C", "AVX2", "VNNI", "n=32",
-           "n=128", "n=512");
+    printf("  decode (n = 1), GB/s of weights per instruction set and packed (AVX-512 VNNI);\n"
+           "  the same from memory (w 151936 x 1024, the qwen3 output matrix), as stored and "
+           "packed;\n  matmul at n = 32, 128, 512 in GMAC/s\n");
+    printf("  %-6s %7s %6s %6s %6s %6s | %6s %6s | %7s %7s %7s\n", "type", "bytes/w", "C", "AVX2",
+           "VNNI", "packed", "mem", "packed", "n=32", "n=128", "n=512");
     for (size_t ti = 0; ti < sizeof types / sizeof types[0]; ti++) {
         rk_dtype t = types[ti];
-        size_t bytes = rk_dtype_row_bytes(t, (size_t)k) * (size_t)m;
+        size_t row = rk_dtype_row_bytes(t, (size_t)k), bytes = row * (size_t)m;
         void *wq = be_alloc(be, bytes);
         rk_quantize(wq, w, t, (size_t)m * k);
-        printf("  %-6s %8.4f", rk_dtype_name(t), (double)bytes / ((double)m * k));
+        printf("  %-6s %7.4f", rk_dtype_name(t), (double)bytes / ((double)m * k));
         for (size_t a = 0; a < sizeof isas / sizeof isas[0]; a++) {
             double tt;
             if (!rk_dtype_is_quant(t) || rk_cpu_force_isa(isas[a]) != RK_OK) {
-                printf(" %8s", "-");
+                printf(" %6s", "-");
                 continue;
             }
             TIME_BEST(20, tt, check(be->ops->matmul(be, y, x, wq, t, 1, k, m), "matmul"));
-            printf(" %8.1f", (double)bytes / tt * 1e-9);
+            printf(" %6.1f", (double)bytes / tt * 1e-9);
         }
         check(rk_cpu_force_isa(RK_CPU_ISA_AUTO), "force_isa");
+        double ts, tp;
+        if (rk_dtype_is_quant(t)) {
+            time_decode(be, wq, t, x, y, k, m, 20, &ts, &tp);
+            print_gbs((double)bytes, tp);
+            /* the big matrix: the small one's rows over and over */
+            size_t big = row * (size_t)m_big;
+            unsigned char *wb = be_alloc(be, big);
+            for (size_t off = 0; off < big; off += bytes)
+                memcpy(wb + off, wq, big - off < bytes ? big - off : bytes);
+            time_decode(be, wb, t, x, y, k, m_big, 5, &ts, &tp);
+            printf(" |");
+            print_gbs((double)big, ts);
+            print_gbs((double)big, tp);
+            be->ops->free(be, wb);
+        } else {
+            printf(" %6s | %6s %6s", "-", "-", "-");
+        }
         printf(" |");
         static const int ns[] = {32, 128, 512};
         for (int ni = 0; ni < 3; ni++) {
             double tt;
             TIME_BEST(3, tt, check(be->ops->matmul(be, y, x, wq, t, ns[ni], k, m), "matmul"));
-            printf(" %8.1f", (double)ns[ni] * k * m / tt * 1e-9);
+            printf(" %7.1f", (double)ns[ni] * k * m / tt * 1e-9);
         }
         printf("\n");
         be->ops->free(be, wq);

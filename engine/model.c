@@ -609,7 +609,8 @@ static rk_status check_batch(const rk_model *m, const rk_kv_cache *kv, const rk_
 }
 
 static rk_status matmul(rk_model *m, float *y, const float *x, const rk_matrix *w, int n) {
-    if (w->packed) return m->be->ops->matmul_packed(m->be, y, x, w->packed, n, w->cols, w->rows);
+    if (w->packed)
+        return m->be->ops->matmul_packed(m->be, y, x, w->packed, w->type, n, w->cols, w->rows);
     return m->be->ops->matmul(m->be, y, x, w->w, w->type, n, w->cols, w->rows);
 }
 

@@ -182,11 +182,13 @@ typedef struct rk_backend_ops {
      * of wtype rewritten once, at load, into the layout matmul_packed reads:
      * packed_bytes is its size, 0 for a wtype (or shape) this backend keeps
      * as stored; pack writes it to dst (backend memory of that size).
-     * matmul_packed(packed) gives the bits matmul(w) gives, for every n. */
+     * matmul_packed(packed) computes matmul(w): with the same bits on the
+     * prefill side, within the type's rounding on the decode side, and a
+     * row of x gets the same bits alone or in a batch of either side. */
     size_t (*packed_bytes)(rk_backend *be, rk_dtype wtype, int k, int m);
     rk_status (*pack)(rk_backend *be, void *dst, const void *w, rk_dtype wtype, int k, int m);
-    rk_status (*matmul_packed)(rk_backend *be, float *y, const float *x, const void *packed, int n,
-                               int k, int m);
+    rk_status (*matmul_packed)(rk_backend *be, float *y, const float *x, const void *packed,
+                               rk_dtype wtype, int n, int k, int m);
     /* y(n, m) += b(m) broadcast over rows */
     rk_status (*add_bias)(rk_backend *be, float *y, const float *b, int n, int m);
     /* y(n) += x(n) */

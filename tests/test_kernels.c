@@ -454,13 +454,14 @@ Test(matmul, bf16_rows_do_not_depend_on_n_and_packed_weights_match) {
               *yb = malloc((size_t)n * m * sizeof(float));
         cr_assert(ya && yb);
         cr_assert_eq(be->ops->matmul(be, ya, x, w, RK_DTYPE_BF16, n, k, m), RK_OK);
-        cr_assert_eq(be->ops->matmul_packed(be, yb, x, packed, n, k, m), RK_OK);
+        cr_assert_eq(be->ops->matmul_packed(be, yb, x, packed, RK_DTYPE_BF16, n, k, m), RK_OK);
         cr_assert_arr_eq(ya, yb, (size_t)n * m * sizeof(float), "k=%d m=%d: packed differs", k, m);
         /* Sub-batches at every offset and size class: 1 (decode), 2, 5, 6, 13, 35. */
         const int subs[][2] = {{0, 1}, {44, 1}, {9, 2}, {3, 5}, {12, 6}, {1, 13}, {7, 35}};
         for (size_t b = 0; b < sizeof subs / sizeof subs[0]; b++) {
             int off = subs[b][0], n2 = subs[b][1];
-            cr_assert_eq(be->ops->matmul_packed(be, yb, x + (size_t)off * k, packed, n2, k, m),
+            cr_assert_eq(be->ops->matmul_packed(be, yb, x + (size_t)off * k, packed, RK_DTYPE_BF16,
+                                                n2, k, m),
                          RK_OK);
             cr_assert_arr_eq(ya + (size_t)off * m, yb, (size_t)n2 * m * sizeof(float),
                              "k=%d m=%d: rows %d..%d alone differ from the batch", k, m, off,
@@ -476,9 +477,9 @@ Test(matmul, bf16_rows_do_not_depend_on_n_and_packed_weights_match) {
         free(ya);
         free(yb);
     }
-    /* Only BF16 is packed. */
+    /* BF16 is packed for the tile, quantized types for their own kernels. */
     cr_assert_eq(be->ops->packed_bytes(be, RK_DTYPE_F32, 64, 64), 0);
-    cr_assert_eq(be->ops->packed_bytes(be, RK_DTYPE_Q8_0, 64, 64), 0);
+    cr_assert_eq(be->ops->packed_bytes(be, RK_DTYPE_F16, 64, 64), 0);
     cr_assert_eq(rk_cpu_force_isa(RK_CPU_ISA_PORTABLE), RK_OK);
     cr_assert_eq(be->ops->packed_bytes(be, RK_DTYPE_BF16, 64, 64), 0, "packed without the kernels");
     cr_assert_eq(rk_cpu_force_isa(RK_CPU_ISA_AUTO), RK_OK);

@@ -251,12 +251,38 @@ Test(quant, quantize_then_dequantize_stays_within_bound) {
  * bound sums max|x_block| / 254 * |w| over the row, plus f32 rounding. With
  * AVX-512 BF16 the prefill path rounds x and the dequantized W to BF16
  * (2^-8 relative each), so each product may move by 2^-7 of |x w|. */
+static void check_product(const float *y, const float *x, const float *wf, rk_dtype t, int n, int k,
+                          int m, int blas, rk_cpu_isa isa, const char *what) {
+    double rel = blas && isa == RK_CPU_ISA_AVX512_BF16 ? 0x1p-7 + 1e-5 : 1e-5;
+    for (int i = 0; i < n; i++)
+        for (int r = 0; r < m; r++) {
+            const float *xi = x + (size_t)i * k, *wr = wf + (size_t)r * k;
+            double ref = 0, tol = 1e-5;
+            for (int b = 0; b < k; b += 32) {
+                double amax = 0, sw = 0;
+                for (int l = b; l < b + 32; l++) {
+                    ref += (double)xi[l] * wr[l];
+                    amax = fmax(amax, fabs(xi[l]));
+                    sw += fabs(wr[l]);
+                    tol += rel * fabs((double)xi[l] * wr[l]);
+                }
+                if (!blas) tol += amax / 254.0 * sw;
+            }
+            cr_assert_leq(fabs(y[(size_t)i * m + r] - ref), tol,
+                          "%s %s isa %d n=%d: y[%d][%d] = %g, want %g +- %g", what,
+                          rk_dtype_name(t), (int)isa, n, i, r, y[(size_t)i * m + r], ref, tol);
+        }
+}
+
+/* Every instruction set this build and CPU have, and the packed weights
+ * where the backend packs them (Q8_0, Q4_K, Q6_K with AVX-512 VNNI): the
+ * same bound, and on the prefill side the bits of the weights as stored. */
 static void check_paths(rk_dtype t, int n, int k, int m) {
     size_t rb = rk_dtype_row_bytes(t, (size_t)k);
     unsigned char *wq = malloc(rb * (size_t)m);
     float *wf = malloc((size_t)m * k * sizeof *wf), *x = malloc((size_t)n * k * sizeof *x);
-    float *y = malloc((size_t)n * m * sizeof *y);
-    cr_assert(wq && wf && x && y);
+    float *y = malloc((size_t)n * m * sizeof *y), *yp = malloc((size_t)n * m * sizeof *yp);
+    cr_assert(wq && wf && x && y && yp);
     for (size_t i = 0; i < (size_t)m * k; i++) wf[i] = frand();
     for (int r = 0; r < m; r++) rk_quantize(wq + r * rb, wf + (size_t)r * k, t, (size_t)k);
     rk_dequantize(wf, wq, t, (size_t)m * k);
@@ -271,25 +297,21 @@ static void check_paths(rk_dtype t, int n, int k, int m) {
         if (rk_cpu_force_isa(isas[a]) != RK_OK) continue; /* not in this build or CPU */
         n_run++;
         cr_assert_eq(be->ops->matmul(be, y, x, wq, t, n, k, m), RK_OK, "%s", rk_error_message());
-        double rel = blas && isas[a] == RK_CPU_ISA_AVX512_BF16 ? 0x1p-7 + 1e-5 : 1e-5;
-        for (int i = 0; i < n; i++)
-            for (int r = 0; r < m; r++) {
-                const float *xi = x + (size_t)i * k, *wr = wf + (size_t)r * k;
-                double ref = 0, tol = 1e-5;
-                for (int b = 0; b < k; b += 32) {
-                    double amax = 0, sw = 0;
-                    for (int l = b; l < b + 32; l++) {
-                        ref += (double)xi[l] * wr[l];
-                        amax = fmax(amax, fabs(xi[l]));
-                        sw += fabs(wr[l]);
-                        tol += rel * fabs((double)xi[l] * wr[l]);
-                    }
-                    if (!blas) tol += amax / 254.0 * sw;
-                }
-                cr_assert_leq(fabs(y[(size_t)i * m + r] - ref), tol,
-                              "%s isa %d n=%d: y[%d][%d] = %g, want %g +- %g", rk_dtype_name(t),
-                              (int)isas[a], n, i, r, y[(size_t)i * m + r], ref, tol);
-            }
+        check_product(y, x, wf, t, n, k, m, blas, isas[a], "stored");
+        size_t bytes = be->ops->packed_bytes(be, t, k, m);
+        cr_assert_eq(bytes > 0, rk_cpu_qpack_supported(t));
+        if (!bytes) continue;
+        void *packed;
+        cr_assert_eq(be->ops->alloc(be, bytes, &packed), RK_OK);
+        cr_assert_eq(be->ops->pack(be, packed, wq, t, k, m), RK_OK);
+        cr_assert_eq(be->ops->matmul_packed(be, yp, x, packed, t, n, k, m), RK_OK, "%s",
+                     rk_error_message());
+        check_product(yp, x, wf, t, n, k, m, blas, isas[a], "packed");
+        if (blas)
+            cr_assert_arr_eq(y, yp, (size_t)n * m * sizeof(float),
+                             "%s: packed prefill differs from the stored weights' bits",
+                             rk_dtype_name(t));
+        be->ops->free(be, packed);
     }
     cr_assert_eq(rk_cpu_force_isa(RK_CPU_ISA_AUTO), RK_OK);
     cr_assert_geq(n_run, 1);
@@ -298,6 +320,7 @@ static void check_paths(rk_dtype t, int n, int k, int m) {
     free(wf);
     free(x);
     free(y);
+    free(yp);
 }
 
 Test(quant, every_matvec_path_matches_dequantized_f32_for_every_type) {
@@ -306,6 +329,50 @@ Test(quant, every_matvec_path_matches_dequantized_f32_for_every_type) {
         check_paths(k_qtypes[t], 1, 512, 70);
         check_paths(k_qtypes[t], 3, 768, 130);
     }
+}
+
+/* The packed decode kernels give a row of x the same bits alone as in any
+ * batch, and cover a last group of fewer than eight rows. */
+Test(quant, packed_rows_do_not_depend_on_the_batch) {
+    rk_backend *be;
+    cr_assert_eq(rk_backend_create("cpu", 2, &be), RK_OK);
+    const int n = 9, k = 768, m = 75;
+    int n_packed = 0;
+    for (size_t t = 0; t < N_QTYPES; t++) {
+        size_t bytes = be->ops->packed_bytes(be, k_qtypes[t], k, m);
+        if (!bytes) continue;
+        n_packed++;
+        size_t rb = rk_dtype_row_bytes(k_qtypes[t], (size_t)k);
+        float *wf = malloc((size_t)m * k * sizeof *wf), *x = malloc((size_t)n * k * sizeof *x);
+        float *ya = malloc((size_t)n * m * sizeof *ya), *yb = malloc((size_t)n * m * sizeof *yb);
+        unsigned char *wq = malloc(rb * (size_t)m);
+        void *packed;
+        cr_assert(wf && x && ya && yb && wq);
+        for (size_t i = 0; i < (size_t)m * k; i++) wf[i] = frand();
+        for (size_t i = 0; i < (size_t)n * k; i++) x[i] = frand();
+        rk_quantize(wq, wf, k_qtypes[t], (size_t)m * k);
+        cr_assert_eq(be->ops->alloc(be, bytes, &packed), RK_OK);
+        cr_assert_eq(be->ops->pack(be, packed, wq, k_qtypes[t], k, m), RK_OK);
+        cr_assert_eq(be->ops->matmul_packed(be, ya, x, packed, k_qtypes[t], n, k, m), RK_OK);
+        const int subs[][2] = {{0, 1}, {8, 1}, {2, 2}, {3, 5}};
+        for (size_t b = 0; b < sizeof subs / sizeof subs[0]; b++) {
+            int off = subs[b][0], n2 = subs[b][1];
+            cr_assert_eq(
+                be->ops->matmul_packed(be, yb, x + (size_t)off * k, packed, k_qtypes[t], n2, k, m),
+                RK_OK);
+            cr_assert_arr_eq(ya + (size_t)off * m, yb, (size_t)n2 * m * sizeof(float),
+                             "%s: rows %d..%d alone differ from the batch",
+                             rk_dtype_name(k_qtypes[t]), off, off + n2);
+        }
+        be->ops->free(be, packed);
+        free(wf);
+        free(x);
+        free(ya);
+        free(yb);
+        free(wq);
+    }
+    rk_backend_free(be);
+    if (!n_packed) cr_skip_test("no AVX-512 VNNI in this build or CPU: nothing is packed");
 }
 
 Test(quant, the_prefill_path_matches_dequantized_f32_for_every_type) {

@@ -86,8 +86,8 @@ rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w,
                         int n, int k, int m);
 size_t rk_cpu_packed_bytes(rk_backend *be, rk_dtype wtype, int k, int m);
 rk_status rk_cpu_pack(rk_backend *be, void *dst, const void *w, rk_dtype wtype, int k, int m);
-rk_status rk_cpu_matmul_packed(rk_backend *be, float *y, const float *x, const void *packed, int n,
-                               int k, int m);
+rk_status rk_cpu_matmul_packed(rk_backend *be, float *y, const float *x, const void *packed,
+                               rk_dtype wtype, int n, int k, int m);
 rk_status rk_cpu_kv_write(rk_backend *be, const rk_kv_cache *kv, int layer, const float *k,
                           const float *v, const int32_t *slots, int n_tokens);
 rk_status rk_cpu_attention(rk_backend *be, float *out, float *lse, const float *q,
@@ -187,6 +187,13 @@ typedef enum rk_cpu_isa {
 #define RK_CPU_BF16_TARGET  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 #endif
 
+/* The AVX-512 VNNI kernels of packed quantized weights (qpack.c), likewise. */
+#if defined(__x86_64__) && (defined(__clang__) || __GNUC__ >= 10)
+#define RK_CPU_VNNI_KERNELS 1
+#define RK_CPU_VNNI_TARGET                                                                         \
+    __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#endif
+
 /* Force the kernels of one instruction set (tests and benchmarks; not
  * thread-safe: call it while no matmul runs). RK_ERR_UNSUPPORTED when the
  * build or the CPU lacks it; AUTO restores the default. */
@@ -196,6 +203,37 @@ rk_cpu_isa rk_cpu_isa_active(void);
 /* The dot kernel of quantized dtype t for the active instruction set (NULL
  * for a dtype that is not quantized). */
 rk_qdot_fn rk_cpu_qdot_fn(rk_dtype t);
+
+/* Scale and min of sub-block j (0..7) from the 12 packed bytes of Q4_K/Q5_K. */
+static inline void rk_cpu_kq_scale_min(const uint8_t *s, int j, int *sc, int *m) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *m = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
+        *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
+    }
+}
+
+/* Q8_0, Q4_K and Q6_K weights packed for the AVX-512 VNNI decode kernels,
+ * eight rows to a group (kernels/cpu/qpack.c has the layout). */
+/* 1 when weights of type t are packed here: the type has a packed layout and
+ * the active instruction set is AVX-512 VNNI or above. */
+int rk_cpu_qpack_supported(rk_dtype t);
+/* Bytes of w(m, k) packed; 0 for a type without a packed layout. */
+size_t rk_cpu_qpack_bytes(rk_dtype t, int k, int m);
+/* Pack group g (rows 8g .. 8g + 7) of w(m, k) into its place in dst. */
+void rk_cpu_qpack_group(void *dst, const void *w, rk_dtype t, int k, int m, int g);
+/* dst(rows, k) = rows r0 .. r0 + rows - 1 of packed weights in f32, with the
+ * bits rk_dequantize gives for the stored rows. */
+void rk_cpu_qpack_dequant_rows(float *dst, const void *packed, rk_dtype t, int k, int r0, int rows);
+#ifdef RK_CPU_VNNI_KERNELS
+/* y(n, m) columns 8 g0 .. 8 g1 - 1 = the quantized rows of x (n, k / 32 blocks)
+ * . packed weights; xs16 (n, k / 16): 32 times each 16 activations' sum
+ * (Q6_K only, else unused). */
+void rk_cpu_qpack_matvec(float *y, const void *packed, rk_dtype t, const rk_q8_block *xq,
+                         const int32_t *xs16, int n, int k, int m, int g0, int g1);
+#endif
 
 /* ---------------------------------------------------------------- SIMD helpers */
 

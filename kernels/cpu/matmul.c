@@ -128,7 +128,9 @@ typedef struct mv_ctx {
     rk_dtype wtype;
     int n, k, m;
     rk_q8_block *xq; /* quantized weights: x quantized, (n, k / 32) */
+    int32_t *xs16;   /* packed Q6_K: 32 times each 16 quantized activations' sum, (n, k / 16) */
     rk_qdot_fn qdot;
+    int qpacked; /* w packed by rk_cpu_qpack_group */
 } mv_ctx;
 
 /* Rows [r0, r1) of w against every row of x: y(n, m) columns r0..r1-1. */
@@ -164,7 +166,16 @@ static void quant_row(void *p, int i, int tid) {
     (void)tid;
     const mv_ctx *c = p;
     size_t nb = (size_t)c->k / 32;
-    rk_cpu_quantize_act(c->xq + (size_t)i * nb, c->x + (size_t)i * c->k, c->k);
+    rk_q8_block *xq = c->xq + (size_t)i * nb;
+    rk_cpu_quantize_act(xq, c->x + (size_t)i * c->k, c->k);
+    if (!c->xs16) return;
+    int32_t *s = c->xs16 + (size_t)i * 2 * nb;
+    for (size_t b = 0; b < nb; b++)
+        for (int h = 0; h < 2; h++) {
+            int sum = 0;
+            for (int l = 0; l < 16; l++) sum += xq[b].q[16 * h + l];
+            s[2 * b + h] = 32 * sum;
+        }
 }
 
 static void mv_task(void *p, int task, int tid) {
@@ -172,6 +183,13 @@ static void mv_task(void *p, int task, int tid) {
     mv_ctx *c = p;
     int r0 = task * ROWS_PER_TASK;
     int r1 = r0 + ROWS_PER_TASK < c->m ? r0 + ROWS_PER_TASK : c->m;
+#ifdef RK_CPU_VNNI_KERNELS
+    if (c->qpacked) {
+        rk_cpu_qpack_matvec(c->y, c->w, c->wtype, c->xq, c->xs16, c->n, c->k, c->m, r0 / 8,
+                            (r1 + 7) / 8);
+        return;
+    }
+#endif
     switch (c->wtype) {
     case RK_DTYPE_F32: mv_rows_f32(c, r0, r1); break;
     case RK_DTYPE_F16: mv_rows_f16(c, r0, r1); break;
@@ -203,6 +221,7 @@ typedef struct blas_ctx {
     const float *x;
     const void *w;
     rk_dtype wtype;
+    int qpacked; /* w packed by rk_cpu_qpack_group */
     int n, k, m, panel;
 } blas_ctx;
 
@@ -218,9 +237,12 @@ static void blas_task(void *p, int task, int tid) {
         wp = (const float *)c->w + (size_t)c0 * k;
     } else {
         float *scratch = rk_cpu_scratch(c->cpu, tid); // (panel, k)
-        rk_dequantize(scratch,
-                      (const unsigned char *)c->w + (size_t)c0 * rk_dtype_row_bytes(c->wtype, k),
-                      c->wtype, (size_t)cols * k);
+        if (c->qpacked)
+            rk_cpu_qpack_dequant_rows(scratch, c->w, c->wtype, c->k, c0, cols);
+        else
+            rk_dequantize(
+                scratch, (const unsigned char *)c->w + (size_t)c0 * rk_dtype_row_bytes(c->wtype, k),
+                c->wtype, (size_t)cols * k);
         wp = scratch;
     }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, c->n, cols, c->k, 1.0f, c->x, c->k, wp,
@@ -228,13 +250,13 @@ static void blas_task(void *p, int task, int tid) {
 }
 
 static rk_status matmul_blas(rk_cpu *cpu, float *y, const float *x, const void *w, rk_dtype wtype,
-                             int n, int k, int m) {
+                             int qpacked, int n, int k, int m) {
     int panel = blas_panel_rows(k);
     if (wtype != RK_DTYPE_F32) {
         rk_status st = rk_cpu_reserve_scratch(cpu, (size_t)panel * k * sizeof(float));
         if (st != RK_OK) return st;
     }
-    blas_ctx c = {cpu, y, x, w, wtype, n, k, m, panel};
+    blas_ctx c = {cpu, y, x, w, wtype, qpacked, n, k, m, panel};
     rk_threadpool_run(cpu->pool, (m + panel - 1) / panel, blas_task, &c);
     return RK_OK;
 }
@@ -279,6 +301,7 @@ typedef struct bf16_ctx {
     const float *x;
     const void *w;
     rk_dtype wtype;         /* BF16, or quantized (prefill only) */
+    int qpacked;            /* quantized w packed by rk_cpu_qpack_group */
     const uint32_t *packed; /* the whole of w packed (rk_cpu_pack), or NULL: packed per task */
     uint16_t *xb;           /* (n, xs) BF16 copy of x */
     size_t xs;
@@ -390,15 +413,18 @@ DEF_BF16_TILE(6)
 /* Pack rows [c0, c0 + cols) of quantized weights, 16 at a time: each row
  * dequantized to f32 in row and rounded to BF16 into rows16 (16 rows of k),
  * then packed as BF16 weights are. */
-RK_CPU_BF16_TARGET static void bf16_pack_quant(uint32_t *dst, const void *w, rk_dtype t, int k,
-                                               int c0, int cols, float *row, uint16_t *rows16) {
+RK_CPU_BF16_TARGET static void bf16_pack_quant(uint32_t *dst, const void *w, rk_dtype t,
+                                               int qpacked, int k, int c0, int cols, float *row,
+                                               uint16_t *rows16) {
     size_t row_bytes = rk_dtype_row_bytes(t, (size_t)k);
     for (int g = 0; g < BF16_NR / 16; g++) {
         int left = cols - 16 * g;
         for (int l = 0; l < 16 && l < left; l++) {
-            const unsigned char *src =
-                (const unsigned char *)w + (size_t)(c0 + 16 * g + l) * row_bytes;
-            rk_dequantize(row, src, t, (size_t)k);
+            int r = c0 + 16 * g + l;
+            if (qpacked)
+                rk_cpu_qpack_dequant_rows(row, w, t, k, r, 1);
+            else
+                rk_dequantize(row, (const unsigned char *)w + (size_t)r * row_bytes, t, (size_t)k);
             rk_cpu_from_f32(rows16 + (size_t)l * k, row, RK_DTYPE_BF16, (size_t)k);
         }
         bf16_pack_group(dst, rows16, (size_t)k, k, g, left);
@@ -443,15 +469,17 @@ RK_CPU_BF16_TARGET static void bf16_gemm_task(void *p, int task, int tid) {
                             cols - 16 * g);
     } else {
         float *row = (float *)(wp + (size_t)kp * BF16_NR);
-        bf16_pack_quant(wp, c->w, c->wtype, c->k, c0, cols, row, (uint16_t *)(row + c->k));
+        bf16_pack_quant(wp, c->w, c->wtype, c->qpacked, c->k, c0, cols, row,
+                        (uint16_t *)(row + c->k));
     }
     bf16_tiles(c, wp, c0, cols);
 }
 
 /* y = x . w^T on the tile: w packed whole (packed), or packed a panel per task. */
 static rk_status matmul_bf16(rk_cpu *cpu, float *y, const float *x, const void *w,
-                             const uint32_t *packed, rk_dtype wtype, int n, int k, int m) {
-    bf16_ctx c = {cpu, y, x, w, wtype, packed, NULL, bf16_row_elems(k), n, k, m};
+                             const uint32_t *packed, rk_dtype wtype, int qpacked, int n, int k,
+                             int m) {
+    bf16_ctx c = {cpu, y, x, w, wtype, qpacked, packed, NULL, bf16_row_elems(k), n, k, m};
     void *xb;
     rk_status st = rk_cpu_reserve_shared(cpu, (size_t)n * c.xs * sizeof(uint16_t), &xb);
     if (st != RK_OK) return st;
@@ -492,9 +520,41 @@ RK_CPU_BF16_TARGET static void bf16_pack_task(void *p, int task, int tid) {
 
 /* ---------------------------------------------------------------- entry */
 
+/* y = x . w^T with w as stored, or (qpacked) quantized w packed by
+ * rk_cpu_qpack_group. */
+static rk_status matmul_any(rk_cpu *cpu, float *y, const float *x, const void *w, rk_dtype wtype,
+                            int qpacked, int n, int k, int m) {
+#ifdef RK_CPU_BF16_KERNELS
+    if (rk_cpu_isa_active() == RK_CPU_ISA_AVX512_BF16 &&
+        (wtype == RK_DTYPE_BF16 ||
+         (rk_dtype_is_quant(wtype) && rk_cpu_matmul_uses_blas(n, k, m, wtype))))
+        return matmul_bf16(cpu, y, x, w, NULL, wtype, qpacked, n, k, m);
+#endif
+    if (rk_cpu_matmul_uses_blas(n, k, m, wtype))
+        return matmul_blas(cpu, y, x, w, wtype, qpacked, n, k, m);
+    mv_ctx c = {y, x, w, wtype, n, k, m, NULL, NULL, NULL, qpacked};
+    if (rk_dtype_is_quant(wtype)) {
+        size_t nb = (size_t)k / 32, bytes = (size_t)n * nb * sizeof(rk_q8_block);
+        int sums = qpacked && wtype == RK_DTYPE_Q6_K;
+        void *xq;
+        rk_status st = rk_cpu_reserve_shared(
+            cpu, bytes + (sums ? (size_t)n * 2 * nb * sizeof(int32_t) : 0), &xq);
+        if (st != RK_OK) return st;
+        c.xq = xq;
+        if (sums) c.xs16 = (int32_t *)((unsigned char *)xq + bytes);
+        /* A few rows are quicker quantized here than handed to the pool. */
+        if (n < QUANT_POOL_MIN_N)
+            for (int i = 0; i < n; i++) quant_row(&c, i, 0);
+        else
+            rk_threadpool_run(cpu->pool, n, quant_row, &c);
+        c.qdot = rk_cpu_qdot_fn(wtype);
+    }
+    rk_threadpool_run(cpu->pool, (m + ROWS_PER_TASK - 1) / ROWS_PER_TASK, mv_task, &c);
+    return RK_OK;
+}
+
 rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w, rk_dtype wtype,
                         int n, int k, int m) {
-    rk_cpu *cpu = be->impl;
     if (n < 0 || k < 0 || m < 0)
         return rk_errorf(RK_ERR_INVALID, "matmul: negative shape n=%d k=%d m=%d", n, k, m);
     if (rk_dtype_block(wtype) == 0)
@@ -507,73 +567,69 @@ rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w,
         memset(y, 0, (size_t)n * m * sizeof(float));
         return RK_OK;
     }
-#ifdef RK_CPU_BF16_KERNELS
-    if (rk_cpu_isa_active() == RK_CPU_ISA_AVX512_BF16 &&
-        (wtype == RK_DTYPE_BF16 ||
-         (rk_dtype_is_quant(wtype) && rk_cpu_matmul_uses_blas(n, k, m, wtype))))
-        return matmul_bf16(cpu, y, x, w, NULL, wtype, n, k, m);
-#endif
-    if (rk_cpu_matmul_uses_blas(n, k, m, wtype)) return matmul_blas(cpu, y, x, w, wtype, n, k, m);
-    mv_ctx c = {y, x, w, wtype, n, k, m, NULL, NULL};
-    if (rk_dtype_is_quant(wtype)) {
-        size_t nb = (size_t)k / 32;
-        void *xq;
-        rk_status st = rk_cpu_reserve_shared(cpu, (size_t)n * nb * sizeof(rk_q8_block), &xq);
-        if (st != RK_OK) return st;
-        c.xq = xq;
-        /* A few rows are quicker quantized here than handed to the pool. */
-        if (n < QUANT_POOL_MIN_N)
-            for (int i = 0; i < n; i++) quant_row(&c, i, 0);
-        else
-            rk_threadpool_run(cpu->pool, n, quant_row, &c);
-        c.qdot = rk_cpu_qdot_fn(wtype);
-    }
-    rk_threadpool_run(cpu->pool, (m + ROWS_PER_TASK - 1) / ROWS_PER_TASK, mv_task, &c);
-    return RK_OK;
+    return matmul_any(be->impl, y, x, w, wtype, 0, n, k, m);
 }
 
 /* ---------------------------------------------------------------- packed weights */
 
+/* BF16 weights are packed for the tile kernel (AVX-512 BF16); Q8_0, Q4_K and
+ * Q6_K ones for the VNNI decode kernels (qpack.c). */
 size_t rk_cpu_packed_bytes(rk_backend *be, rk_dtype wtype, int k, int m) {
     (void)be;
+    if (k <= 0 || m <= 0) return 0;
+    if (rk_dtype_is_quant(wtype))
+        return rk_cpu_qpack_supported(wtype) ? rk_cpu_qpack_bytes(wtype, k, m) : 0;
 #ifdef RK_CPU_BF16_KERNELS
-    if (wtype == RK_DTYPE_BF16 && k > 0 && m > 0 && rk_cpu_isa_active() == RK_CPU_ISA_AVX512_BF16)
+    if (wtype == RK_DTYPE_BF16 && rk_cpu_isa_active() == RK_CPU_ISA_AVX512_BF16)
         return (size_t)(m + BF16_NR - 1) / BF16_NR * ((size_t)(k + 1) / 2) * BF16_NR *
                sizeof(uint32_t);
-#else
-    (void)wtype;
-    (void)k;
-    (void)m;
 #endif
     return 0;
+}
+
+typedef struct qpack_ctx {
+    void *dst;
+    const void *w;
+    rk_dtype t;
+    int k, m;
+} qpack_ctx;
+
+static void qpack_task(void *p, int task, int tid) {
+    (void)tid;
+    const qpack_ctx *c = p;
+    rk_cpu_qpack_group(c->dst, c->w, c->t, c->k, c->m, task);
 }
 
 rk_status rk_cpu_pack(rk_backend *be, void *dst, const void *w, rk_dtype wtype, int k, int m) {
     if (rk_cpu_packed_bytes(be, wtype, k, m) == 0)
         return rk_errorf(RK_ERR_INVALID, "pack: %s weights of %d x %d are not packed here",
                          rk_dtype_name(wtype), m, k);
-#ifdef RK_CPU_BF16_KERNELS
     rk_cpu *cpu = be->impl;
+    if (rk_dtype_is_quant(wtype)) {
+        qpack_ctx c = {dst, w, wtype, k, m};
+        rk_threadpool_run(cpu->pool, (m + 7) / 8, qpack_task, &c);
+        return RK_OK;
+    }
+#ifdef RK_CPU_BF16_KERNELS
     bf16_pack_ctx c = {dst, w, k, m};
     rk_threadpool_run(cpu->pool, (m + BF16_NR - 1) / BF16_NR, bf16_pack_task, &c);
-#else
-    (void)dst;
-    (void)w;
 #endif
     return RK_OK;
 }
 
-rk_status rk_cpu_matmul_packed(rk_backend *be, float *y, const float *x, const void *packed, int n,
-                               int k, int m) {
+rk_status rk_cpu_matmul_packed(rk_backend *be, float *y, const float *x, const void *packed,
+                               rk_dtype wtype, int n, int k, int m) {
     if (n < 0 || k <= 0 || m <= 0)
         return rk_errorf(RK_ERR_INVALID, "matmul_packed: bad shape n=%d k=%d m=%d", n, k, m);
     if (n == 0) return RK_OK;
+    if (rk_dtype_is_quant(wtype)) return matmul_any(be->impl, y, x, packed, wtype, 1, n, k, m);
 #ifdef RK_CPU_BF16_KERNELS
-    return matmul_bf16(be->impl, y, x, NULL, packed, RK_DTYPE_BF16, n, k, m);
-#else
+    if (wtype == RK_DTYPE_BF16)
+        return matmul_bf16(be->impl, y, x, NULL, packed, RK_DTYPE_BF16, 0, n, k, m);
+#endif
     (void)y;
     (void)x;
     (void)packed;
-    return rk_errorf(RK_ERR_UNSUPPORTED, "matmul_packed: built without the BF16 kernels");
-#endif
+    return rk_errorf(RK_ERR_UNSUPPORTED, "matmul_packed: no packed layout for %s here",
+                     rk_dtype_name(wtype));
 }

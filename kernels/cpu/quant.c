@@ -46,17 +46,6 @@ static float rdh(const uint8_t *p) { return rk_f16_to_f32(rd16(p)); }
 
 static int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
 
-/* Scale and min of sub-block j (0..7) from the 12 packed bytes of Q4_K/Q5_K. */
-static void kq_scale_min(const uint8_t *s, int j, int *sc, int *m) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *m = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4;
-        *m = (s[j + 4] >> 4) | (s[j] >> 6) << 4;
-    }
-}
-
 /* ---------------------------------------------------------------- dequantize */
 
 static void deq_q8_0(float *y, const uint8_t *b, size_t nb) {
@@ -84,7 +73,7 @@ static void deq_kq(float *y, const uint8_t *b, const uint8_t *qh, const uint8_t 
     const uint8_t *sc = b + 4;
     for (int j = 0; j < 8; j++) {
         int s, m;
-        kq_scale_min(sc, j, &s, &m);
+        rk_cpu_kq_scale_min(sc, j, &s, &m);
         float ds = d * (float)s, dm = dmin * (float)m;
         const uint8_t *q = qs + 32 * (j / 2);
         int shift = (j & 1) * 4;
@@ -360,7 +349,7 @@ static float dot_kq_c(const uint8_t *b, size_t bytes, int has_qh, const rk_q8_bl
             }
         for (int j = 0; j < 8; j++) {
             int sc, m;
-            kq_scale_min(b + 4, j, &sc, &m);
+            rk_cpu_kq_scale_min(b + 4, j, &sc, &m);
             int s = dot_i8(q + 32 * j, x[j].q, 32);
             acc += x[j].d * (d * (float)sc * (float)s - dmin * (float)m * (float)x[j].sum);
         }
@@ -461,7 +450,7 @@ static inline __m256i mul_sum_us_vnni(__m256i u, __m256i s) {
                                 _mm256_and_si256(_mm256_srli_epi16(raw, 4), m4)};                  \
                 for (int u = 0; u < 2; u++) {                                                      \
                     int j = 2 * c + u, sc, m;                                                      \
-                    kq_scale_min(b + 4, j, &sc, &m);                                               \
+                    rk_cpu_kq_scale_min(b + 4, j, &sc, &m);                                        \
                     if (has_qh) {                                                                  \
                         __m256i bit = _mm256_set1_epi8((char)(1 << j));                            \
                         __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(hb, bit), bit);           \

@@ -1,0 +1,328 @@
+/* kernels/cpu/qpack.c — Q8_0, Q4_K and Q6_K weights repacked once, at load,
+ * for the decode kernels of CPUs with AVX-512 VNNI.
+ *
+ * The stored layout (kernels/cpu/quant.c) puts a row's blocks one after the
+ * other, so a dot kernel meets one row at a time and spends a horizontal sum
+ * and a scale per block and row. Here eight rows form a group and, within
+ * each block column of the group, the quants are interleaved four elements
+ * at a time: one 32-byte load holds elements 4c .. 4c + 3 of each of the
+ * eight rows (row r in bytes 4r .. 4r + 3), so _mm256_dpbusd_epi32 against
+ * a broadcast of the four matching activations adds them into eight lanes,
+ * one per row, with no horizontal sum. Scales sit beside the quants as
+ * vectors over the group's rows. Rows past m in the last group are zero.
+ *
+ * A block column of a group (little-endian; r = row in the group, 0..7):
+ *   Q8_0 (32 elements, 272 bytes = 8 x 34):
+ *     f16 d[8] | 8 chunks of 32 bytes: chunk c, byte 4r + e = q_r[4c + e] + 128
+ *   Q4_K (256 elements, 1184 bytes; 8 x 144 plus 32: the 6-bit scales and
+ *   mins are unpacked to bytes):
+ *     f16 d[8] | f16 dmin[8] | u8 sc[8 sub-blocks][8] | u8 m[8][8] |
+ *     per sub-block j, 4 chunks of 32 bytes: chunk t, byte 4r + e holds
+ *     element 4t + e of sub-block j in its low nibble, 16 + 4t + e in its high
+ *   Q6_K (256 elements, 1680 bytes = 8 x 210):
+ *     per sub-block j: the low 4 bits in 4 chunks of 32 bytes as Q4_K's,
+ *     then the high 2 bits in 2 chunks of 32 bytes: chunk u, byte 4r + e,
+ *     bits 2p .. 2p + 1 hold those of element 16u + 4p + e |
+ *     f16 d[8] | i8 sc[16 groups of 16][8]
+ *
+ * The unsigned operand of dpbusd is the weight: Q8_0 quants are stored plus
+ * 128 (the kernel takes 128 times the activation block's sum back off), Q6_K
+ * quants as 0..63 (32 times each 16-element activation sum is taken back
+ * off before the group's scale). Integer sums are exact; the f32 order is
+ * fixed per output (block after block, in k order), so a row of x gets the
+ * same bits alone or with others, on any thread. The prefill side reads
+ * rows back (rk_cpu_qpack_dequant_rows) with the arithmetic of
+ * rk_dequantize, so it gets the bits of the stored weights. */
+#include <string.h>
+
+#include "kernels/cpu/cpu.h"
+
+#define QR 8 /* rows of w per group */
+
+static uint16_t rd16(const uint8_t *p) { return (uint16_t)(p[0] | (unsigned)p[1] << 8); }
+
+/* Bytes of one block column of a group; 0 for a type not packed. */
+static size_t col_bytes(rk_dtype t) {
+    switch (t) {
+    case RK_DTYPE_Q8_0: return 272;
+    case RK_DTYPE_Q4_K: return 1184;
+    case RK_DTYPE_Q6_K: return 1680;
+    default: return 0;
+    }
+}
+
+static size_t group_bytes(rk_dtype t, int k) {
+    return (size_t)k / rk_dtype_block(t) * col_bytes(t);
+}
+
+int rk_cpu_qpack_supported(rk_dtype t) {
+#ifdef RK_CPU_VNNI_KERNELS
+    rk_cpu_isa isa = rk_cpu_isa_active();
+    return col_bytes(t) > 0 && (isa == RK_CPU_ISA_AVX512_VNNI || isa == RK_CPU_ISA_AVX512_BF16) &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw");
+#else
+    (void)t;
+    return 0;
+#endif
+}
+
+size_t rk_cpu_qpack_bytes(rk_dtype t, int k, int m) {
+    if (k <= 0 || m <= 0 || col_bytes(t) == 0 || k % (int)rk_dtype_block(t)) return 0;
+    return (size_t)(m + QR - 1) / QR * group_bytes(t, k);
+}
+
+/* ---------------------------------------------------------------- packing */
+
+/* Quant values 0..15 (Q4_K) or 0..63 (Q6_K) of one row's super-block. */
+static void kq_values(uint8_t q[256], const uint8_t *b, rk_dtype t) {
+    if (t == RK_DTYPE_Q4_K) {
+        const uint8_t *qs = b + 16;
+        for (int e = 0; e < 256; e++) q[e] = (qs[32 * (e / 64) + e % 32] >> 4 * (e / 32 % 2)) & 15;
+        return;
+    }
+    const uint8_t *ql = b, *qh = b + 128;
+    for (int e = 0; e < 256; e++) {
+        int h = e / 128, g = e % 128 / 32, l = e % 32;
+        int lo = ql[64 * h + 32 * (g & 1) + l] >> 4 * (g >> 1) & 15;
+        q[e] = (uint8_t)(lo | (qh[32 * h + l] >> 2 * g & 3) << 4);
+    }
+}
+
+/* Within a sub-block's chunks, the nibble and high-bit places of element e
+ * (0..31) of row r. */
+static int lo_at(int r, int e) { return 32 * (e % 16 / 4) + 4 * r + e % 4; }
+static int hi_at(int r, int e) { return 32 * (e / 16) + 4 * r + e % 4; }
+
+/* Offsets in a block column: Q4_K sub-block j's nibbles; Q6_K sub-block j's
+ * nibbles and high bits (side by side, so the kernel reads one stream), its
+ * d and its scales. */
+#define Q4K_Q(j)  (160 + 128 * (j))
+#define Q6K_LO(j) (192 * (j))
+#define Q6K_HI(j) (192 * (j) + 128)
+#define Q6K_D     1536
+#define Q6K_SC    1552
+
+static void pack_col(uint8_t *dst, const uint8_t *const src[QR], rk_dtype t) {
+    memset(dst, 0, col_bytes(t));
+    for (int r = 0; r < QR; r++) {
+        const uint8_t *b = src[r];
+        if (!b) continue;
+        if (t == RK_DTYPE_Q8_0) {
+            memcpy(dst + 2 * r, b, 2);
+            for (int l = 0; l < 32; l++) dst[16 + 32 * (l / 4) + 4 * r + l % 4] = b[2 + l] ^ 0x80;
+            continue;
+        }
+        uint8_t q[256];
+        kq_values(q, b, t);
+        if (t == RK_DTYPE_Q4_K) {
+            memcpy(dst + 2 * r, b, 2);
+            memcpy(dst + 16 + 2 * r, b + 2, 2);
+            for (int j = 0; j < 8; j++) {
+                int sc, m;
+                rk_cpu_kq_scale_min(b + 4, j, &sc, &m);
+                dst[32 + 8 * j + r] = (uint8_t)sc;
+                dst[96 + 8 * j + r] = (uint8_t)m;
+            }
+            for (int e = 0; e < 256; e++)
+                dst[Q4K_Q(e / 32) + lo_at(r, e % 32)] |= (uint8_t)(q[e] << 4 * (e % 32 / 16));
+        } else {
+            memcpy(dst + Q6K_D + 2 * r, b + 208, 2);
+            for (int g = 0; g < 16; g++) dst[Q6K_SC + 8 * g + r] = b[192 + g];
+            for (int e = 0; e < 256; e++) {
+                int j = e / 32, l = e % 32;
+                dst[Q6K_LO(j) + lo_at(r, l)] |= (uint8_t)((q[e] & 15) << 4 * (l / 16));
+                dst[Q6K_HI(j) + hi_at(r, l)] |= (uint8_t)((q[e] >> 4) << 2 * (l % 16 / 4));
+            }
+        }
+    }
+}
+
+void rk_cpu_qpack_group(void *dst, const void *w, rk_dtype t, int k, int m, int g) {
+    size_t row_bytes = rk_dtype_row_bytes(t, (size_t)k),
+           blk = rk_dtype_row_bytes(t, rk_dtype_block(t));
+    int nb = k / (int)rk_dtype_block(t);
+    uint8_t *out = (uint8_t *)dst + (size_t)g * group_bytes(t, k);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *src[QR];
+        for (int r = 0; r < QR; r++) {
+            int row = QR * g + r;
+            src[r] =
+                row < m ? (const uint8_t *)w + (size_t)row * row_bytes + (size_t)b * blk : NULL;
+        }
+        pack_col(out + (size_t)b * col_bytes(t), src, t);
+    }
+}
+
+/* ---------------------------------------------------------------- rows back */
+
+/* Each value is computed as rk_dequantize computes it, so the bits agree. */
+void rk_cpu_qpack_dequant_rows(float *dst, const void *packed, rk_dtype t, int k, int r0,
+                               int rows) {
+    size_t cb = col_bytes(t), qb = rk_dtype_block(t);
+    int nb = k / (int)qb;
+    for (int i = 0; i < rows; i++) {
+        int row = r0 + i, r = row % QR;
+        const uint8_t *col = (const uint8_t *)packed + (size_t)(row / QR) * group_bytes(t, k);
+        float *y = dst + (size_t)i * k;
+        for (int b = 0; b < nb; b++, col += cb, y += qb) {
+            float d = rk_f16_to_f32(rd16(col + (t == RK_DTYPE_Q6_K ? Q6K_D : 0) + 2 * r));
+            if (t == RK_DTYPE_Q8_0) {
+                for (int l = 0; l < 32; l++)
+                    y[l] = d * (float)(int8_t)(col[16 + 32 * (l / 4) + 4 * r + l % 4] ^ 0x80);
+            } else if (t == RK_DTYPE_Q4_K) {
+                float dmin = rk_f16_to_f32(rd16(col + 16 + 2 * r));
+                for (int j = 0; j < 8; j++) {
+                    float ds = d * (float)col[32 + 8 * j + r],
+                          dm = dmin * (float)col[96 + 8 * j + r];
+                    for (int l = 0; l < 32; l++) {
+                        int v = col[Q4K_Q(j) + lo_at(r, l)] >> 4 * (l / 16) & 15;
+                        y[32 * j + l] = ds * (float)v - dm;
+                    }
+                }
+            } else {
+                for (int j = 0; j < 8; j++)
+                    for (int l = 0; l < 32; l++) {
+                        float s = d * (float)(int8_t)col[Q6K_SC + 8 * (2 * j + l / 16) + r];
+                        int q = (col[Q6K_LO(j) + lo_at(r, l)] >> 4 * (l / 16) & 15) |
+                                (col[Q6K_HI(j) + hi_at(r, l)] >> 2 * (l % 16 / 4) & 3) << 4;
+                        y[32 * j + l] = s * (float)(q - 32);
+                    }
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- decode kernels */
+
+#ifdef RK_CPU_VNNI_KERNELS
+#include <immintrin.h>
+
+#define DP(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+
+/* The four activations x[0..3] in every lane. */
+RK_CPU_VNNI_TARGET static inline __m256i bcast4(const int8_t *x) {
+    int32_t v;
+    memcpy(&v, x, 4);
+    return _mm256_set1_epi32(v);
+}
+
+RK_CPU_VNNI_TARGET static inline __m256 f16x8(const uint8_t *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* One row of x against the group at col: eight outputs. */
+RK_CPU_VNNI_TARGET static __m256 group_q8_0(const uint8_t *col, const rk_q8_block *x, int nb) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, col += 272) {
+        const uint8_t *q = col + 16;
+        __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+        for (int c = 0; c < 8; c += 2) {
+            s0 = DP(s0, _mm256_loadu_si256((const __m256i *)(q + 32 * c)), bcast4(x[b].q + 4 * c));
+            s1 = DP(s1, _mm256_loadu_si256((const __m256i *)(q + 32 * c + 32)),
+                    bcast4(x[b].q + 4 * c + 4));
+        }
+        __m256i s = _mm256_sub_epi32(_mm256_add_epi32(s0, s1), _mm256_set1_epi32(128 * x[b].sum));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                              _mm256_mul_ps(f16x8(col), _mm256_set1_ps(x[b].d)), acc);
+    }
+    return acc;
+}
+
+RK_CPU_VNNI_TARGET static __m256 group_q4_k(const uint8_t *col, const rk_q8_block *x, int nb) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, col += 1184, x += 8) {
+        __m256 sacc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *q = col + Q4K_Q(j);
+            __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+            for (int t = 0; t < 4; t++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * t));
+                s0 = DP(s0, _mm256_and_si256(v, m4), bcast4(x[j].q + 4 * t));
+                s1 = DP(s1, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4),
+                        bcast4(x[j].q + 16 + 4 * t));
+            }
+            __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(col + 32 + 8 * j)));
+            __m256i mn = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(col + 96 + 8 * j)));
+            __m256i s = _mm256_mullo_epi32(_mm256_add_epi32(s0, s1), sc);
+            sacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(x[j].d), sacc);
+            macc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mn), _mm256_set1_ps(x[j].d * (float)x[j].sum),
+                                   macc);
+        }
+        acc = _mm256_fmadd_ps(sacc, f16x8(col), acc);
+        acc = _mm256_fnmadd_ps(macc, f16x8(col + 16), acc);
+    }
+    return acc;
+}
+
+/* The two high bits of chunk p (0..3) of a high-bit chunk, moved to bits 4, 5. */
+RK_CPU_VNNI_TARGET static inline __m256i hi2(__m256i h, int p) {
+    const __m256i m = _mm256_set1_epi8(0x30);
+    switch (p) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(h, 4), m);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(h, 2), m);
+    case 2: return _mm256_and_si256(h, m);
+    default: return _mm256_and_si256(_mm256_srli_epi16(h, 2), m);
+    }
+}
+
+/* xs16: 32 times the sum of each 16 activations of the row. */
+RK_CPU_VNNI_TARGET static __m256 group_q6_k(const uint8_t *col, const rk_q8_block *x,
+                                            const int32_t *xs16, int nb) {
+    const __m256i m4 = _mm256_set1_epi8(15);
+    __m256 acc = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, col += 1680, x += 8, xs16 += 16) {
+        __m256 sacc = _mm256_setzero_ps();
+        for (int j = 0; j < 8; j++) {
+            const uint8_t *ql = col + Q6K_LO(j), *qh = col + Q6K_HI(j);
+            __m256i h0 = _mm256_loadu_si256((const __m256i *)qh);
+            __m256i h1 = _mm256_loadu_si256((const __m256i *)(qh + 32));
+            __m256i sa = _mm256_setzero_si256(), sb = sa;
+            for (int t = 0; t < 4; t++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(ql + 32 * t));
+                __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m4), hi2(h0, t));
+                __m256i hi =
+                    _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), hi2(h1, t));
+                sa = DP(sa, lo, bcast4(x[j].q + 4 * t));
+                sb = DP(sb, hi, bcast4(x[j].q + 16 + 4 * t));
+            }
+            sa = _mm256_sub_epi32(sa, _mm256_set1_epi32(xs16[2 * j]));
+            sb = _mm256_sub_epi32(sb, _mm256_set1_epi32(xs16[2 * j + 1]));
+            const uint8_t *sc = col + Q6K_SC + 16 * j;
+            __m256i s = _mm256_add_epi32(
+                _mm256_mullo_epi32(sa, _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc))),
+                _mm256_mullo_epi32(
+                    sb, _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)))));
+            sacc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(x[j].d), sacc);
+        }
+        acc = _mm256_fmadd_ps(sacc, f16x8(col + Q6K_D), acc);
+    }
+    return acc;
+}
+
+RK_CPU_VNNI_TARGET void rk_cpu_qpack_matvec(float *y, const void *packed, rk_dtype t,
+                                            const rk_q8_block *xq, const int32_t *xs16, int n,
+                                            int k, int m, int g0, int g1) {
+    int nb = k / (int)rk_dtype_block(t), nx = k / 32;
+    size_t gb = group_bytes(t, k);
+    for (int g = g0; g < g1; g++) {
+        const uint8_t *col = (const uint8_t *)packed + (size_t)g * gb;
+        int left = m - QR * g < QR ? m - QR * g : QR;
+        for (int i = 0; i < n; i++) {
+            const rk_q8_block *x = xq + (size_t)i * nx;
+            __m256 v;
+            switch (t) {
+            case RK_DTYPE_Q8_0: v = group_q8_0(col, x, nb); break;
+            case RK_DTYPE_Q4_K: v = group_q4_k(col, x, nb); break;
+            default: v = group_q6_k(col, x, xs16 + (size_t)i * (k / 16), nb); break;
+            }
+            float *yi = y + (size_t)i * m + QR * g;
+            if (left == QR)
+                _mm256_storeu_ps(yi, v);
+            else
+                _mm256_mask_storeu_ps(yi, (__mmask8)((1u << left) - 1), v);
+        }
+    }
+}
+#endif
