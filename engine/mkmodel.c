@@ -422,9 +422,17 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
     return rk_gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", mv->v.add_bos);
 }
 
+/* The layers whose attn_v and ffn_down the K mixes keep at Q6_K, as the
+ * common Q4_K_M / Q5_K_M files do: the first and the last eighth of the
+ * layers, and every third layer between them. */
+static int mk_more_bits_layer(int l, int n_layers) {
+    return l < n_layers / 8 || l >= 7 * n_layers / 8 || (l - n_layers / 8) % 3 == 2;
+}
+
 /* The type of one matrix under a weight type (see mkmodel.h): the output
- * projection, and in the K mixes attn_v and ffn_down, at Q6_K; a K type on
- * rows that are not whole super-blocks falls back to Q8_0. */
+ * projection, and in the K mixes attn_v and ffn_down of the layers
+ * mk_more_bits_layer names, at Q6_K; a K type on rows that are not whole
+ * super-blocks falls back to Q8_0. */
 static rk_ggml_type mk_matrix_type(rk_ggml_type wt, int64_t ne0, int is_output, int is_sensitive) {
     rk_ggml_type t = wt;
     if (is_output && (wt == RK_GGML_Q4_0 || wt == RK_GGML_Q4_K || wt == RK_GGML_Q5_K))
@@ -446,9 +454,11 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
                      "token_embd.weight", 0)))
         return st;
     const rk_ggml_type t_dim = mk_matrix_type(wt, dim, 0, 0), t_q = mk_matrix_type(wt, q_dim, 0, 0);
-    const rk_ggml_type t_v = mk_matrix_type(wt, dim, 0, 1), t_ffn = mk_matrix_type(wt, ffn, 0, 1);
     const rk_ggml_type t_out = mk_matrix_type(wt, dim, 1, 0);
     for (int l = 0; l < p->n_layers; l++) {
+        int more = mk_more_bits_layer(l, p->n_layers);
+        const rk_ggml_type t_v = mk_matrix_type(wt, dim, 0, more);
+        const rk_ggml_type t_ffn = mk_matrix_type(wt, ffn, 0, more);
         if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.attn_norm.weight", l)) ||
             (st = mk_add(m, INIT_MATRIX, t_dim, dim, q_dim, "blk.%d.attn_q.weight", l)) ||
             (st = mk_add(m, INIT_MATRIX, t_dim, dim, kv_dim, "blk.%d.attn_k.weight", l)) ||

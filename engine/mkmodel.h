@@ -63,10 +63,11 @@
  *   q8_0, q6_k   every matrix Q8_0 / Q6_K;
  *   q4_0         Q4_0, the output projection (output.weight, or token_embd.weight
  *                when tied) Q6_K;
- *   q4_k_m       Q4_K, the output projection, attn_v and ffn_down Q6_K;
- *   q5_k_m       Q5_K, the same three at Q6_K;
- * (llama-quantize gives attn_v and ffn_down the wider type in some layers
- * only), and a K type on a matrix whose rows are not whole 256-element
+ *   q4_k_m       Q4_K, the output projection Q6_K, and attn_v and ffn_down
+ *                Q6_K in the first and last eighth of the layers and every
+ *                third layer between (as llama-quantize's mixes have them);
+ *   q5_k_m       Q5_K, the same at Q6_K;
+ * and a K type on a matrix whose rows are not whole 256-element
  * super-blocks (dim 128 in the tiny presets) falls back to Q8_0.
  *
  * Weights: tensor by tensor from xoshiro256** seeded with splitmix64(seed, tensor

@@ -402,7 +402,8 @@ Test(mkmodel, quantized_weights_are_the_f32_weights_quantized) {
 }
 
 /* qwen3-tiny's FFN of 256 takes K types: ffn_down (rows of 256) is Q6_K in
- * the K mixes and in q6_k, the rows of 128 fall back to Q8_0. */
+ * the K mixes' wider layers (of two layers, the second) and in q6_k, the
+ * mix's own type in the other layer; the rows of 128 fall back to Q8_0. */
 Test(mkmodel, k_mixes_put_q6_k_where_rows_are_whole_super_blocks) {
     RK_SKIP_IF_LIGHT(); /* builds with the real vocabulary: slow under the sanitizer */
     char *vocab;
@@ -415,6 +416,7 @@ Test(mkmodel, k_mixes_put_q6_k_where_rows_are_whole_super_blocks) {
         rk_gguf *g;
         cr_assert_eq(rk_gguf_open_memory(b, l, &g), RK_OK);
         cr_assert_eq(rk_gguf_find_tensor(g, "blk.1.ffn_down.weight")->type, RK_GGML_Q6_K);
+        cr_assert_eq(rk_gguf_find_tensor(g, "blk.0.ffn_down.weight")->type, mixes[w]);
         cr_assert_eq(rk_gguf_find_tensor(g, "blk.1.ffn_up.weight")->type, RK_GGML_Q8_0);
         cr_assert_eq(rk_gguf_find_tensor(g, "token_embd.weight")->type, RK_GGML_Q8_0);
         rk_gguf_close(g);
