@@ -30,9 +30,9 @@
 
 #include "kernels/cpu/cpu.h"
 
-#define BLAS_MIN_N       32 /* n from which sgemm beats the matvec kernel (measured: 24-32) */
-#define ROWS_PER_TASK    64 /* rows of w per matvec task (a multiple of 4) */
-#define QUANT_POOL_MIN_N 4  /* rows of x from which their int8 quantization runs on the pool */
+#define BLAS_MIN_N       32  /* n from which sgemm beats the matvec kernel (measured: 24-32) */
+#define MV_MAX_ROWS      512 /* rows of w per matvec task at most */
+#define QUANT_POOL_MIN_N 4   /* rows of x from which their int8 quantization runs on the pool */
 
 /* Return 1 when matmul takes the BLAS path for this shape (n alone decides). */
 int rk_cpu_matmul_uses_blas(int n, int k, int m, rk_dtype wtype) {
@@ -130,8 +130,19 @@ typedef struct mv_ctx {
     rk_q8_block *xq; /* quantized weights: x quantized, (n, k / 32) */
     int32_t *xs16;   /* packed Q6_K: 32 times each 16 quantized activations' sum, (n, k / 16) */
     rk_qdot_fn qdot;
-    int qpacked; /* w packed by rk_cpu_qpack_group */
+    int qpacked;   /* w packed by rk_cpu_qpack_group */
+    int task_rows; /* rows of w per task (mv_task_rows) */
 } mv_ctx;
+
+/* Rows of w per matvec task: two tasks a thread, at most MV_MAX_ROWS, a
+ * multiple of 8 (a packed group). Each thread then streams long contiguous
+ * runs of the weights: 64-row tasks, which the two threads took in turn,
+ * decoded Q4_K_M at 54-56 tok/s where this gets 63-72 (docs/benchmarks.md).
+ * Every row's dot product is the same whatever task computes it. */
+static int mv_task_rows(int m, int n_threads) {
+    int tasks = 2 * n_threads, rows = ((m + tasks - 1) / tasks + 7) / 8 * 8;
+    return rows < MV_MAX_ROWS ? rows : MV_MAX_ROWS;
+}
 
 /* Rows [r0, r1) of w against every row of x: y(n, m) columns r0..r1-1. */
 #define DEF_MV_ROWS(NAME, DOT, T)                                                                  \
@@ -181,8 +192,8 @@ static void quant_row(void *p, int i, int tid) {
 static void mv_task(void *p, int task, int tid) {
     (void)tid;
     mv_ctx *c = p;
-    int r0 = task * ROWS_PER_TASK;
-    int r1 = r0 + ROWS_PER_TASK < c->m ? r0 + ROWS_PER_TASK : c->m;
+    int r0 = task * c->task_rows;
+    int r1 = r0 + c->task_rows < c->m ? r0 + c->task_rows : c->m;
 #ifdef RK_CPU_VNNI_KERNELS
     if (c->qpacked) {
         rk_cpu_qpack_matvec(c->y, c->w, c->wtype, c->xq, c->xs16, c->n, c->k, c->m, r0 / 8,
@@ -532,7 +543,8 @@ static rk_status matmul_any(rk_cpu *cpu, float *y, const float *x, const void *w
 #endif
     if (rk_cpu_matmul_uses_blas(n, k, m, wtype))
         return matmul_blas(cpu, y, x, w, wtype, qpacked, n, k, m);
-    mv_ctx c = {y, x, w, wtype, n, k, m, NULL, NULL, NULL, qpacked};
+    mv_ctx c = {y, x,    w,    wtype, n,       k,
+                m, NULL, NULL, NULL,  qpacked, mv_task_rows(m, rk_threadpool_size(cpu->pool))};
     if (rk_dtype_is_quant(wtype)) {
         size_t nb = (size_t)k / 32, bytes = (size_t)n * nb * sizeof(rk_q8_block);
         int sums = qpacked && wtype == RK_DTYPE_Q6_K;
@@ -549,7 +561,7 @@ static rk_status matmul_any(rk_cpu *cpu, float *y, const float *x, const void *w
             rk_threadpool_run(cpu->pool, n, quant_row, &c);
         c.qdot = rk_cpu_qdot_fn(wtype);
     }
-    rk_threadpool_run(cpu->pool, (m + ROWS_PER_TASK - 1) / ROWS_PER_TASK, mv_task, &c);
+    rk_threadpool_run(cpu->pool, (m + c.task_rows - 1) / c.task_rows, mv_task, &c);
     return RK_OK;
 }
 
