@@ -89,10 +89,14 @@ static void kq_values(uint8_t q[256], const uint8_t *b, rk_dtype t) {
     }
 }
 
-/* Within a sub-block's chunks, the nibble and high-bit places of element e
- * (0..31) of row r. */
-static int lo_at(int r, int e) { return 32 * (e % 16 / 4) + 4 * r + e % 4; }
-static int hi_at(int r, int e) { return 32 * (e / 16) + 4 * r + e % 4; }
+/* Row r's bytes in (element order) into the four-element chunks at p
+ * (chunk c at p + 32 c), and back out. */
+static void scatter_row(uint8_t *p, int r, const uint8_t *in, int chunks) {
+    for (int c = 0; c < chunks; c++) memcpy(p + 32 * c + 4 * r, in + 4 * c, 4);
+}
+static void gather_row(uint8_t *out, const uint8_t *p, int r, int chunks) {
+    for (int c = 0; c < chunks; c++) memcpy(out + 4 * c, p + 32 * c + 4 * r, 4);
+}
 
 /* Offsets in a block column: Q4_K sub-block j's nibbles; Q6_K sub-block j's
  * nibbles and high bits (side by side, so the kernel reads one stream), its
@@ -108,9 +112,11 @@ static void pack_col(uint8_t *dst, const uint8_t *const src[QR], rk_dtype t) {
     for (int r = 0; r < QR; r++) {
         const uint8_t *b = src[r];
         if (!b) continue;
+        uint8_t lo[32], hi[8];
         if (t == RK_DTYPE_Q8_0) {
             memcpy(dst + 2 * r, b, 2);
-            for (int l = 0; l < 32; l++) dst[16 + 32 * (l / 4) + 4 * r + l % 4] = b[2 + l] ^ 0x80;
+            for (int l = 0; l < 32; l++) lo[l] = b[2 + l] ^ 0x80;
+            scatter_row(dst + 16, r, lo, 8);
             continue;
         }
         uint8_t q[256];
@@ -124,15 +130,24 @@ static void pack_col(uint8_t *dst, const uint8_t *const src[QR], rk_dtype t) {
                 dst[32 + 8 * j + r] = (uint8_t)sc;
                 dst[96 + 8 * j + r] = (uint8_t)m;
             }
-            for (int e = 0; e < 256; e++)
-                dst[Q4K_Q(e / 32) + lo_at(r, e % 32)] |= (uint8_t)(q[e] << 4 * (e % 32 / 16));
+            for (int j = 0; j < 8; j++) {
+                for (int l = 0; l < 16; l++)
+                    lo[l] = (uint8_t)(q[32 * j + l] | q[32 * j + 16 + l] << 4);
+                scatter_row(dst + Q4K_Q(j), r, lo, 4);
+            }
         } else {
             memcpy(dst + Q6K_D + 2 * r, b + 208, 2);
             for (int g = 0; g < 16; g++) dst[Q6K_SC + 8 * g + r] = b[192 + g];
-            for (int e = 0; e < 256; e++) {
-                int j = e / 32, l = e % 32;
-                dst[Q6K_LO(j) + lo_at(r, l)] |= (uint8_t)((q[e] & 15) << 4 * (l / 16));
-                dst[Q6K_HI(j) + hi_at(r, l)] |= (uint8_t)((q[e] >> 4) << 2 * (l % 16 / 4));
+            for (int j = 0; j < 8; j++) {
+                const uint8_t *qj = q + 32 * j;
+                memset(hi, 0, sizeof hi);
+                for (int l = 0; l < 16; l++) {
+                    lo[l] = (uint8_t)((qj[l] & 15) | (qj[16 + l] & 15) << 4);
+                    hi[l % 4] |= (uint8_t)((qj[l] >> 4) << 2 * (l / 4));
+                    hi[4 + l % 4] |= (uint8_t)((qj[16 + l] >> 4) << 2 * (l / 4));
+                }
+                scatter_row(dst + Q6K_LO(j), r, lo, 4);
+                scatter_row(dst + Q6K_HI(j), r, hi, 2);
             }
         }
     }
@@ -156,7 +171,8 @@ void rk_cpu_qpack_group(void *dst, const void *w, rk_dtype t, int k, int m, int 
 
 /* ---------------------------------------------------------------- rows back */
 
-/* Each value is computed as rk_dequantize computes it, so the bits agree. */
+/* Each value is computed as rk_dequantize computes it, so the bits agree:
+ * the row's bytes are gathered first, and the loops over them vectorize. */
 void rk_cpu_qpack_dequant_rows(float *dst, const void *packed, rk_dtype t, int k, int r0,
                                int rows) {
     size_t cb = col_bytes(t), qb = rk_dtype_block(t);
@@ -166,28 +182,41 @@ void rk_cpu_qpack_dequant_rows(float *dst, const void *packed, rk_dtype t, int k
         const uint8_t *col = (const uint8_t *)packed + (size_t)(row / QR) * group_bytes(t, k);
         float *y = dst + (size_t)i * k;
         for (int b = 0; b < nb; b++, col += cb, y += qb) {
-            float d = rk_f16_to_f32(rd16(col + (t == RK_DTYPE_Q6_K ? Q6K_D : 0) + 2 * r));
+            uint8_t q[32], h[16];
             if (t == RK_DTYPE_Q8_0) {
-                for (int l = 0; l < 32; l++)
-                    y[l] = d * (float)(int8_t)(col[16 + 32 * (l / 4) + 4 * r + l % 4] ^ 0x80);
+                float d = rk_f16_to_f32(rd16(col + 2 * r));
+                gather_row(q, col + 16, r, 8);
+                for (int l = 0; l < 32; l++) y[l] = d * (float)(int8_t)(q[l] ^ 0x80);
             } else if (t == RK_DTYPE_Q4_K) {
-                float dmin = rk_f16_to_f32(rd16(col + 16 + 2 * r));
+                float d = rk_f16_to_f32(rd16(col + 2 * r)),
+                      dmin = rk_f16_to_f32(rd16(col + 16 + 2 * r));
                 for (int j = 0; j < 8; j++) {
                     float ds = d * (float)col[32 + 8 * j + r],
                           dm = dmin * (float)col[96 + 8 * j + r];
-                    for (int l = 0; l < 32; l++) {
-                        int v = col[Q4K_Q(j) + lo_at(r, l)] >> 4 * (l / 16) & 15;
-                        y[32 * j + l] = ds * (float)v - dm;
+                    gather_row(q, col + Q4K_Q(j), r, 4);
+                    float *yj = y + 32 * j;
+                    for (int l = 0; l < 16; l++) {
+                        yj[l] = ds * (float)(q[l] & 15) - dm;
+                        yj[l + 16] = ds * (float)(q[l] >> 4) - dm;
                     }
                 }
             } else {
-                for (int j = 0; j < 8; j++)
-                    for (int l = 0; l < 32; l++) {
-                        float s = d * (float)(int8_t)col[Q6K_SC + 8 * (2 * j + l / 16) + r];
-                        int q = (col[Q6K_LO(j) + lo_at(r, l)] >> 4 * (l / 16) & 15) |
-                                (col[Q6K_HI(j) + hi_at(r, l)] >> 2 * (l % 16 / 4) & 3) << 4;
-                        y[32 * j + l] = s * (float)(q - 32);
+                float d = rk_f16_to_f32(rd16(col + Q6K_D + 2 * r));
+                for (int j = 0; j < 8; j++) {
+                    gather_row(q, col + Q6K_LO(j), r, 4);
+                    gather_row(h, col + Q6K_HI(j), r, 2);
+                    float s0 = d * (float)(int8_t)col[Q6K_SC + 16 * j + r];
+                    float s1 = d * (float)(int8_t)col[Q6K_SC + 16 * j + 8 + r];
+                    float *yj = y + 32 * j;
+                    /* element 4p + e of each half: its high bits at 2p of h[4u + e] */
+                    for (int l = 0; l < 16; l++) {
+                        int sh = 2 * (l / 4);
+                        int a = (q[l] & 15) | (h[l % 4] >> sh & 3) << 4;
+                        int c = (q[l] >> 4) | (h[4 + l % 4] >> sh & 3) << 4;
+                        yj[l] = s0 * (float)(a - 32);
+                        yj[l + 16] = s1 * (float)(c - 32);
                     }
+                }
             }
         }
     }
