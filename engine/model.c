@@ -29,6 +29,9 @@ typedef struct rk_layer {
     const float *q_norm, *k_norm;      /* (head_dim), qwen3 */
     const float *bq, *bk, *bv;         /* (n_heads*head_dim), (kv_dim), (kv_dim); qwen2 */
     rk_matrix wq, wk, wv, wo, gate, up, down;
+    /* [wq; wk; wv] and [gate; up] packed as one matrix each where the
+     * backend packs them (see fuse_mats), else rows 0 */
+    rk_matrix qkv, gate_up;
 } rk_layer;
 
 /* Activation buffers, sized for cap tokens and cap_logits logit rows. */
@@ -38,6 +41,7 @@ typedef struct rk_scratch {
     float *q, *att;                /* (cap, n_heads*head_dim) */
     float *k, *v;                  /* (cap, kv_dim) */
     float *hb, *hb2;               /* (cap, ffn_dim) */
+    float *fused;                  /* (cap, max(q + 2 kv, 2 ffn_dim)): fused matmul outputs */
     float *xl;                     /* (cap_logits, dim) */
     float *logits;                 /* (cap_logits, n_vocab) */
     int32_t *tokens, *pos, *slots; /* (cap) */
@@ -198,7 +202,8 @@ static rk_status pack_mat(rk_model *m, rk_matrix *w) {
     return RK_OK;
 }
 
-static rk_status load_mat(rk_model *m, const char *name, int rows, int cols, rk_matrix *out) {
+/* Find, check and place a matrix as stored; the caller packs it. */
+static rk_status load_stored(rk_model *m, const char *name, int rows, int cols, rk_matrix *out) {
     const rk_gguf_tensor *t;
     rk_status st = find(m, name, cols, rows, 0, &t);
     if (st) return st;
@@ -206,8 +211,49 @@ static rk_status load_mat(rk_model *m, const char *name, int rows, int cols, rk_
     out->cols = cols;
     if ((st = dtype_of(t, &out->type)) || (st = check_finite(t, out->type))) return st;
     m->weight_bytes += t->n_bytes;
-    if ((st = place(m, t, &out->w))) return st;
-    return pack_mat(m, out);
+    return place(m, t, &out->w);
+}
+
+static rk_status load_mat(rk_model *m, const char *name, int rows, int cols, rk_matrix *out) {
+    rk_status st = load_stored(m, name, rows, cols, out);
+    return st ? st : pack_mat(m, out);
+}
+
+/* Matrices that multiply the same input (q, k and v; gate and up) packed as
+ * one, their rows one after the other, where the backend packs them: decode
+ * then streams one long matrix in one pass of the thread pool instead of
+ * two or three short ones (the per-call start and the wait for the last
+ * task are paid once), and each output gets the bits it gets unfused. Only
+ * on the host backend, whose stored weights are host memory; otherwise, or
+ * with types that differ, each part is packed alone and out->rows stays 0. */
+static rk_status fuse_mats(rk_model *m, rk_matrix *parts[], int n_parts, rk_matrix *out) {
+    const rk_backend_ops *ops = m->be->ops;
+    rk_dtype t = parts[0]->type;
+    int rows = 0, cols = parts[0]->cols;
+    for (int i = 0; i < n_parts; i++) {
+        if (parts[i]->type != t || parts[i]->cols != cols) rows = -1;
+        if (rows >= 0) rows += parts[i]->rows;
+    }
+    size_t bytes = rows > 0 && backend_is_host(m->be) && ops->packed_bytes
+                       ? ops->packed_bytes(m->be, t, cols, rows)
+                       : 0;
+    if (bytes == 0) {
+        rk_status st = RK_OK;
+        for (int i = 0; i < n_parts && !st; i++) st = pack_mat(m, parts[i]);
+        return st;
+    }
+    size_t row_bytes = rk_dtype_row_bytes(t, (size_t)cols);
+    unsigned char *stored = malloc((size_t)rows * row_bytes);
+    if (!stored) return rk_errorf(RK_ERR_NOMEM, "model: out of memory fusing %d matrices", n_parts);
+    for (int i = 0, r = 0; i < n_parts; r += parts[i]->rows, i++)
+        memcpy(stored + (size_t)r * row_bytes, parts[i]->w, (size_t)parts[i]->rows * row_bytes);
+    void *p;
+    rk_status st = be_alloc(m, bytes, &p);
+    if (!st) st = ops->pack(m->be, p, stored, t, cols, rows);
+    free(stored);
+    if (st) return st;
+    *out = (rk_matrix){NULL, p, t, rows, cols};
+    return RK_OK;
 }
 
 /* ---------------------------------------------------------------- hparams */
@@ -399,13 +445,16 @@ static rk_status load_weights(rk_model *m) {
         rk_layer *L = &m->layers[l];
         if ((st = load_vec(m, N("attn_norm.weight"), hp->dim, 0, &L->attn_norm)) ||
             (st = load_vec(m, N("ffn_norm.weight"), hp->dim, 0, &L->ffn_norm)) ||
-            (st = load_mat(m, N("attn_q.weight"), q_dim, hp->dim, &L->wq)) ||
-            (st = load_mat(m, N("attn_k.weight"), kv_dim, hp->dim, &L->wk)) ||
-            (st = load_mat(m, N("attn_v.weight"), kv_dim, hp->dim, &L->wv)) ||
+            (st = load_stored(m, N("attn_q.weight"), q_dim, hp->dim, &L->wq)) ||
+            (st = load_stored(m, N("attn_k.weight"), kv_dim, hp->dim, &L->wk)) ||
+            (st = load_stored(m, N("attn_v.weight"), kv_dim, hp->dim, &L->wv)) ||
             (st = load_mat(m, N("attn_output.weight"), hp->dim, q_dim, &L->wo)) ||
-            (st = load_mat(m, N("ffn_gate.weight"), hp->ffn_dim, hp->dim, &L->gate)) ||
-            (st = load_mat(m, N("ffn_up.weight"), hp->ffn_dim, hp->dim, &L->up)) ||
+            (st = load_stored(m, N("ffn_gate.weight"), hp->ffn_dim, hp->dim, &L->gate)) ||
+            (st = load_stored(m, N("ffn_up.weight"), hp->ffn_dim, hp->dim, &L->up)) ||
             (st = load_mat(m, N("ffn_down.weight"), hp->dim, hp->ffn_dim, &L->down)))
+            return st;
+        rk_matrix *qkv[] = {&L->wq, &L->wk, &L->wv}, *gate_up[] = {&L->gate, &L->up};
+        if ((st = fuse_mats(m, qkv, 3, &L->qkv)) || (st = fuse_mats(m, gate_up, 2, &L->gate_up)))
             return st;
         if (hp->has_qk_norm &&
             ((st = load_vec(m, N("attn_q_norm.weight"), hp->head_dim, 0, &L->q_norm)) ||
@@ -509,8 +558,8 @@ rk_status rk_model_load_owned_buffer(void *buf, size_t len, const char *name, rk
 
 static void scratch_free(rk_model *m) {
     rk_scratch *s = &m->s;
-    void *bufs[] = {s->x,   s->xb, s->q,      s->att,    s->k,   s->v,     s->hb,
-                    s->hb2, s->xl, s->logits, s->tokens, s->pos, s->slots, s->table};
+    void *bufs[] = {s->x,     s->xb, s->q,      s->att,    s->k,   s->v,     s->hb,   s->hb2,
+                    s->fused, s->xl, s->logits, s->tokens, s->pos, s->slots, s->table};
     for (size_t i = 0; i < sizeof bufs / sizeof bufs[0]; i++)
         if (bufs[i]) m->be->ops->free(m->be, bufs[i]);
     memset(s, 0, sizeof *s);
@@ -562,6 +611,11 @@ static rk_status scratch_reserve(rk_model *m, int n, int n_logits, int n_table) 
         {(void **)&s->v, (size_t)cap * kv_dim * 4},
         {(void **)&s->hb, (size_t)cap * hp->ffn_dim * 4},
         {(void **)&s->hb2, (size_t)cap * hp->ffn_dim * 4},
+        {(void **)&s->fused,
+         (m->layers[0].qkv.rows || m->layers[0].gate_up.rows ? (size_t)cap : 1) *
+             (q_dim + 2 * kv_dim > 2 * (size_t)hp->ffn_dim ? q_dim + 2 * kv_dim
+                                                           : 2 * (size_t)hp->ffn_dim) *
+             4},
         {(void **)&s->xl, (size_t)(cap_l ? cap_l : 1) * hp->dim * 4},
         {(void **)&s->logits, (size_t)(cap_l ? cap_l : 1) * hp->n_vocab * 4},
         {(void **)&s->tokens, (size_t)cap * 4},
@@ -608,6 +662,17 @@ static rk_status check_batch(const rk_model *m, const rk_kv_cache *kv, const rk_
     return RK_OK;
 }
 
+/* out[i](n, widths[i]) = the column ranges of y(n, sum of widths), on host
+ * memory (fused matrices exist only there). */
+static void split_cols(const float *y, int n, float *out[], const int widths[], int n_out) {
+    int total = 0;
+    for (int i = 0; i < n_out; i++) total += widths[i];
+    for (int r = 0; r < n; r++)
+        for (int i = 0, c = 0; i < n_out; c += widths[i], i++)
+            memcpy(out[i] + (size_t)r * widths[i], y + (size_t)r * total + c,
+                   (size_t)widths[i] * sizeof(float));
+}
+
 static rk_status matmul(rk_model *m, float *y, const float *x, const rk_matrix *w, int n) {
     if (w->packed)
         return m->be->ops->matmul_packed(m->be, y, x, w->packed, w->type, n, w->cols, w->rows);
@@ -643,9 +708,16 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
     for (int l = 0; l < n_layers; l++) {
         const rk_layer *L = &m->layers[l];
         CK(ops->rmsnorm(be, s->xb, s->x, L->attn_norm, n, hp->dim, hp->rms_eps));
-        CK(matmul(m, s->q, s->xb, &L->wq, n));
-        CK(matmul(m, s->k, s->xb, &L->wk, n));
-        CK(matmul(m, s->v, s->xb, &L->wv, n));
+        if (L->qkv.rows) {
+            CK(matmul(m, s->fused, s->xb, &L->qkv, n));
+            float *out[] = {s->q, s->k, s->v};
+            const int widths[] = {q_dim, kv_dim, kv_dim};
+            split_cols(s->fused, n, out, widths, 3);
+        } else {
+            CK(matmul(m, s->q, s->xb, &L->wq, n));
+            CK(matmul(m, s->k, s->xb, &L->wk, n));
+            CK(matmul(m, s->v, s->xb, &L->wv, n));
+        }
         if (L->bq) CK(ops->add_bias(be, s->q, L->bq, n, q_dim));
         if (L->bk) CK(ops->add_bias(be, s->k, L->bk, n, kv_dim));
         if (L->bv) CK(ops->add_bias(be, s->v, L->bv, n, kv_dim));
@@ -661,8 +733,15 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         CK(matmul(m, s->xb, s->att, &L->wo, n));
         CK(ops->add(be, s->x, s->xb, (size_t)n * hp->dim));
         CK(ops->rmsnorm(be, s->xb, s->x, L->ffn_norm, n, hp->dim, hp->rms_eps));
-        CK(matmul(m, s->hb, s->xb, &L->gate, n));
-        CK(matmul(m, s->hb2, s->xb, &L->up, n));
+        if (L->gate_up.rows) {
+            CK(matmul(m, s->fused, s->xb, &L->gate_up, n));
+            float *out[] = {s->hb, s->hb2};
+            const int widths[] = {hp->ffn_dim, hp->ffn_dim};
+            split_cols(s->fused, n, out, widths, 2);
+        } else {
+            CK(matmul(m, s->hb, s->xb, &L->gate, n));
+            CK(matmul(m, s->hb2, s->xb, &L->up, n));
+        }
         CK(ops->swiglu(be, s->hb, s->hb, s->hb2, (size_t)n * hp->ffn_dim));
         CK(matmul(m, s->xb, s->hb, &L->down, n));
         CK(ops->add(be, s->x, s->xb, (size_t)n * hp->dim));
