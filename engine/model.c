@@ -12,6 +12,7 @@
 #include "engine/engine.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -662,21 +663,40 @@ static rk_status check_batch(const rk_model *m, const rk_kv_cache *kv, const rk_
     return RK_OK;
 }
 
-/* out[i](n, widths[i]) = the column ranges of y(n, sum of widths), on host
- * memory (fused matrices exist only there). */
-static void split_cols(const float *y, int n, float *out[], const int widths[], int n_out) {
-    int total = 0;
-    for (int i = 0; i < n_out; i++) total += widths[i];
-    for (int r = 0; r < n; r++)
-        for (int i = 0, c = 0; i < n_out; c += widths[i], i++)
-            memcpy(out[i] + (size_t)r * widths[i], y + (size_t)r * total + c,
-                   (size_t)widths[i] * sizeof(float));
-}
-
 static rk_status matmul(rk_model *m, float *y, const float *x, const rk_matrix *w, int n) {
     if (w->packed)
         return m->be->ops->matmul_packed(m->be, y, x, w->packed, w->type, n, w->cols, w->rows);
     return m->be->ops->matmul(m->be, y, x, w->w, w->type, n, w->cols, w->rows);
+}
+
+/* Rows of x up to which a fused matrix is multiplied whole and its output
+ * split by copying; above, each part's rows are multiplied on their own
+ * (the split would copy more than a compute-bound pass gains). */
+#define FUSED_WHOLE_MAX_N 16
+
+/* out[i](n, widths[i]) = x . the parts of the fused matrix w (fuse_mats). */
+static rk_status matmul_fused(rk_model *m, const rk_matrix *w, const float *x, int n, float *out[],
+                              const int widths[], int n_out) {
+    const rk_backend_ops *ops = m->be->ops;
+    size_t off[3];
+    int apart = n > FUSED_WHOLE_MAX_N && ops->packed_offset && n_out <= 3;
+    for (int i = 0, r = 0; apart && i < n_out; r += widths[i], i++)
+        apart = (off[i] = ops->packed_offset(m->be, w->type, w->cols, r)) != SIZE_MAX;
+    if (apart) {
+        for (int i = 0; i < n_out; i++) {
+            rk_status st = ops->matmul_packed(m->be, out[i], x, (const char *)w->packed + off[i],
+                                              w->type, n, w->cols, widths[i]);
+            if (st) return st;
+        }
+        return RK_OK;
+    }
+    rk_status st = matmul(m, m->s.fused, x, w, n);
+    if (st) return st;
+    for (int r = 0; r < n; r++)
+        for (int i = 0, c = 0; i < n_out; c += widths[i], i++)
+            memcpy(out[i] + (size_t)r * widths[i], m->s.fused + (size_t)r * w->rows + c,
+                   (size_t)widths[i] * sizeof(float));
+    return RK_OK;
 }
 
 rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b,
@@ -709,10 +729,9 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         const rk_layer *L = &m->layers[l];
         CK(ops->rmsnorm(be, s->xb, s->x, L->attn_norm, n, hp->dim, hp->rms_eps));
         if (L->qkv.rows) {
-            CK(matmul(m, s->fused, s->xb, &L->qkv, n));
             float *out[] = {s->q, s->k, s->v};
             const int widths[] = {q_dim, kv_dim, kv_dim};
-            split_cols(s->fused, n, out, widths, 3);
+            CK(matmul_fused(m, &L->qkv, s->xb, n, out, widths, 3));
         } else {
             CK(matmul(m, s->q, s->xb, &L->wq, n));
             CK(matmul(m, s->k, s->xb, &L->wk, n));
@@ -734,10 +753,9 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         CK(ops->add(be, s->x, s->xb, (size_t)n * hp->dim));
         CK(ops->rmsnorm(be, s->xb, s->x, L->ffn_norm, n, hp->dim, hp->rms_eps));
         if (L->gate_up.rows) {
-            CK(matmul(m, s->fused, s->xb, &L->gate_up, n));
             float *out[] = {s->hb, s->hb2};
             const int widths[] = {hp->ffn_dim, hp->ffn_dim};
-            split_cols(s->fused, n, out, widths, 2);
+            CK(matmul_fused(m, &L->gate_up, s->xb, n, out, widths, 2));
         } else {
             CK(matmul(m, s->hb, s->xb, &L->gate, n));
             CK(matmul(m, s->hb2, s->xb, &L->up, n));

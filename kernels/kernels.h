@@ -189,6 +189,10 @@ typedef struct rk_backend_ops {
     rk_status (*pack)(rk_backend *be, void *dst, const void *w, rk_dtype wtype, int k, int m);
     rk_status (*matmul_packed)(rk_backend *be, float *y, const float *x, const void *packed,
                                rk_dtype wtype, int n, int k, int m);
+    /* Where rows r0.. of a packed weight start, in bytes from its start, so
+     * they can be multiplied alone as a packed weight of their own; SIZE_MAX
+     * when r0 does not start a unit of the layout. */
+    size_t (*packed_offset)(rk_backend *be, rk_dtype wtype, int k, int r0);
     /* y(n, m) += b(m) broadcast over rows */
     rk_status (*add_bias)(rk_backend *be, float *y, const float *b, int n, int m);
     /* y(n) += x(n) */

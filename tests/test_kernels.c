@@ -6,6 +6,7 @@
  * kv_write and rope_shift_copy. */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -469,6 +470,18 @@ Test(matmul, bf16_rows_do_not_depend_on_n_and_packed_weights_match) {
             cr_assert_eq(be->ops->matmul(be, yb, x + (size_t)off * k, w, RK_DTYPE_BF16, n2, k, m),
                          RK_OK);
             cr_assert_arr_eq(ya + (size_t)off * m, yb, (size_t)n2 * m * sizeof(float));
+        }
+        /* Rows from a panel's start are a packed weight of their own. */
+        if (m > 64) {
+            size_t off = be->ops->packed_offset(be, RK_DTYPE_BF16, k, 64);
+            cr_assert_neq(off, SIZE_MAX);
+            cr_assert_eq(be->ops->packed_offset(be, RK_DTYPE_BF16, k, 8), SIZE_MAX);
+            cr_assert_eq(be->ops->matmul_packed(be, yb, x, (const char *)packed + off,
+                                                RK_DTYPE_BF16, n, k, m - 64),
+                         RK_OK);
+            for (int i = 0; i < n; i++)
+                cr_assert_arr_eq(ya + (size_t)i * m + 64, yb + (size_t)i * (m - 64),
+                                 (size_t)(m - 64) * sizeof(float));
         }
         be->ops->free(be, packed);
         free(x);

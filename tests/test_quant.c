@@ -5,6 +5,7 @@
  * dequantize-then-f32, and greedy text from the real quantized models. */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -332,7 +333,8 @@ Test(quant, every_matvec_path_matches_dequantized_f32_for_every_type) {
 }
 
 /* The packed decode kernels give a row of x the same bits alone as in any
- * batch, and cover a last group of fewer than eight rows. */
+ * batch, cover a last group of fewer than eight rows, and rows from a
+ * group's start multiply alone as their own packed weight. */
 Test(quant, packed_rows_do_not_depend_on_the_batch) {
     rk_backend *be;
     cr_assert_eq(rk_backend_create("cpu", 2, &be), RK_OK);
@@ -364,6 +366,17 @@ Test(quant, packed_rows_do_not_depend_on_the_batch) {
                              "%s: rows %d..%d alone differ from the batch",
                              rk_dtype_name(k_qtypes[t]), off, off + n2);
         }
+        /* Rows from a group's start are a packed weight of their own. */
+        size_t off = be->ops->packed_offset(be, k_qtypes[t], k, 16);
+        cr_assert_neq(off, SIZE_MAX);
+        cr_assert_eq(be->ops->packed_offset(be, k_qtypes[t], k, 5), SIZE_MAX);
+        cr_assert_eq(be->ops->matmul_packed(be, yb, x, (const char *)packed + off, k_qtypes[t], n,
+                                            k, m - 16),
+                     RK_OK);
+        for (int i = 0; i < n; i++)
+            cr_assert_arr_eq(ya + (size_t)i * m + 16, yb + (size_t)i * (m - 16),
+                             (size_t)(m - 16) * sizeof(float), "%s: rows from 16 differ",
+                             rk_dtype_name(k_qtypes[t]));
         be->ops->free(be, packed);
         free(wf);
         free(x);

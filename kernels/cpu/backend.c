@@ -407,6 +407,7 @@ static const rk_backend_ops cpu_ops = {
     .packed_bytes = rk_cpu_packed_bytes,
     .pack = rk_cpu_pack,
     .matmul_packed = rk_cpu_matmul_packed,
+    .packed_offset = rk_cpu_packed_offset,
     .add_bias = cpu_add_bias,
     .add = cpu_add,
     .rmsnorm = cpu_rmsnorm,

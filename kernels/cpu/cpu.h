@@ -88,6 +88,7 @@ size_t rk_cpu_packed_bytes(rk_backend *be, rk_dtype wtype, int k, int m);
 rk_status rk_cpu_pack(rk_backend *be, void *dst, const void *w, rk_dtype wtype, int k, int m);
 rk_status rk_cpu_matmul_packed(rk_backend *be, float *y, const float *x, const void *packed,
                                rk_dtype wtype, int n, int k, int m);
+size_t rk_cpu_packed_offset(rk_backend *be, rk_dtype wtype, int k, int r0);
 rk_status rk_cpu_kv_write(rk_backend *be, const rk_kv_cache *kv, int layer, const float *k,
                           const float *v, const int32_t *slots, int n_tokens);
 rk_status rk_cpu_attention(rk_backend *be, float *out, float *lse, const float *q,

@@ -26,6 +26,7 @@
  * quantized rows get other bits on the two sides of BLAS_MIN_N; BF16 rows
  * on the tile get the same bits for every n.) */
 #include <cblas.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "kernels/cpu/cpu.h"
@@ -597,6 +598,20 @@ size_t rk_cpu_packed_bytes(rk_backend *be, rk_dtype wtype, int k, int m) {
                sizeof(uint32_t);
 #endif
     return 0;
+}
+
+/* Rows r0.. start a unit of the layout at a multiple of its rows: 8 for the
+ * quantized groups, BF16_NR for the BF16 panels; each unit's bytes do not
+ * depend on m, so the offset is the size of r0 rows packed. */
+size_t rk_cpu_packed_offset(rk_backend *be, rk_dtype wtype, int k, int r0) {
+    if (r0 == 0) return 0;
+    int unit = rk_dtype_is_quant(wtype) ? 8 : 0;
+#ifdef RK_CPU_BF16_KERNELS
+    if (wtype == RK_DTYPE_BF16) unit = BF16_NR;
+#endif
+    if (r0 < 0 || !unit || r0 % unit) return SIZE_MAX;
+    size_t bytes = rk_cpu_packed_bytes(be, wtype, k, r0);
+    return bytes ? bytes : SIZE_MAX;
 }
 
 typedef struct qpack_ctx {
