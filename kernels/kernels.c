@@ -345,6 +345,17 @@ static rk_status check_n_rot(const rk_rope *rope, int head_dim, const char *op) 
     return RK_OK;
 }
 
+rk_status rk_matmul_check(rk_dtype wtype, int n, int k, int m) {
+    if (n < 0 || k < 0 || m < 0)
+        return rk_errorf(RK_ERR_INVALID, "matmul: negative shape n=%d k=%d m=%d", n, k, m);
+    if (rk_dtype_block(wtype) == 0)
+        return rk_errorf(RK_ERR_INVALID, "matmul: bad weight dtype %d", (int)wtype);
+    if (k % (int)rk_dtype_block(wtype))
+        return rk_errorf(RK_ERR_INVALID, "matmul: k=%d is not a multiple of the %s block of %zu", k,
+                         rk_dtype_name(wtype), rk_dtype_block(wtype));
+    return RK_OK;
+}
+
 rk_status rk_rope_check(int n_tokens, int n_heads, int head_dim, const rk_rope *rope) {
     if (n_tokens < 0 || n_heads <= 0 || head_dim <= 0)
         return rk_errorf(RK_ERR_INVALID, "rope: bad shape %d x %d x %d", n_tokens, n_heads,

@@ -242,6 +242,9 @@ void rk_backend_free(rk_backend *be);
  * fails with RK_ERR_INVALID (the op's name in the message) and writes nothing.
  * Index arrays here are host memory; tmp is caller scratch of the size given. */
 
+/* matmul: a shape of no negative size, a weight type, k whole blocks of it. */
+rk_status rk_matmul_check(rk_dtype wtype, int n, int k, int m);
+
 int64_t rk_kv_slots(const rk_kv_cache *kv); /* n_blocks * block_size */
 /* kv_write: a well-formed cache, layer in range, n_tokens >= 0. */
 rk_status rk_kv_check_write(const rk_kv_cache *kv, int layer, int n_tokens);

@@ -568,13 +568,8 @@ static rk_status matmul_any(rk_cpu *cpu, float *y, const float *x, const void *w
 
 rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w, rk_dtype wtype,
                         int n, int k, int m) {
-    if (n < 0 || k < 0 || m < 0)
-        return rk_errorf(RK_ERR_INVALID, "matmul: negative shape n=%d k=%d m=%d", n, k, m);
-    if (rk_dtype_block(wtype) == 0)
-        return rk_errorf(RK_ERR_INVALID, "matmul: bad weight dtype %d", (int)wtype);
-    if (k % (int)rk_dtype_block(wtype))
-        return rk_errorf(RK_ERR_INVALID, "matmul: k=%d is not a multiple of the %s block of %zu", k,
-                         rk_dtype_name(wtype), rk_dtype_block(wtype));
+    rk_status st = rk_matmul_check(wtype, n, k, m);
+    if (st) return st;
     if (n == 0 || m == 0) return RK_OK;
     if (k == 0) {
         memset(y, 0, (size_t)n * m * sizeof(float));

@@ -284,13 +284,8 @@ static rk_status matmul_quant(rk_cuda *cu, float *y, const float *x, const void 
 static rk_status cuda_matmul(rk_backend *be, float *y, const float *x, const void *w,
                              rk_dtype wtype, int n, int k, int m) {
     rk_cuda *cu = cu_of(be);
-    if (n < 0 || k < 0 || m < 0)
-        return rk_errorf(RK_ERR_INVALID, "matmul: negative shape n=%d k=%d m=%d", n, k, m);
-    if (rk_dtype_block(wtype) == 0)
-        return rk_errorf(RK_ERR_INVALID, "matmul: bad weight dtype %d", (int)wtype);
-    if (k % (int)rk_dtype_block(wtype))
-        return rk_errorf(RK_ERR_INVALID, "matmul: k=%d is not a multiple of the %s block of %zu", k,
-                         rk_dtype_name(wtype), rk_dtype_block(wtype));
+    rk_status st = rk_matmul_check(wtype, n, k, m);
+    if (st) return st;
     if (rk_dtype_is_quant(wtype)) {
         if (n == 0 || m == 0) return RK_OK;
         if (k == 0)
@@ -313,7 +308,7 @@ static rk_status cuda_matmul(rk_backend *be, float *y, const float *x, const voi
                          k, &zero, y, m);
     } else {
         size_t elems = (size_t)n * (size_t)k;
-        rk_status st = dbuf_reserve(cu, &cu->xconv, elems * 4, 0, "matmul scratch");
+        st = dbuf_reserve(cu, &cu->xconv, elems * 4, 0, "matmul scratch");
         if (st != RK_OK) return st;
         unsigned char *hi = cu->xconv.p, *lo = hi + elems * 2;
         cudaError_t e = rk_cuda_launch_split(hi, lo, wtype, x, elems, cu->stream);
