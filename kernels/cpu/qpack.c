@@ -171,6 +171,60 @@ void rk_cpu_qpack_group(void *dst, const void *w, rk_dtype t, int k, int m, int 
 
 /* ---------------------------------------------------------------- rows back */
 
+#ifdef RK_CPU_VNNI_KERNELS
+#include <immintrin.h>
+
+/* Row r's 16 bytes of the four chunks at p. */
+RK_CPU_VNNI_TARGET static inline __m128i gather16(const uint8_t *p, int r) {
+    int32_t v[4];
+    for (int c = 0; c < 4; c++) memcpy(&v[c], p + 32 * c + 4 * r, 4);
+    return _mm_loadu_si128((const __m128i *)v);
+}
+
+/* y[0..16) = s * u - o for the 16 unsigned bytes of u. */
+RK_CPU_VNNI_TARGET static inline void deq16(float *y, __m128i u, __m256 s, __m256 o) {
+    for (int h = 0; h < 2; h++) {
+        __m128i q = h ? _mm_srli_si128(u, 8) : u;
+        _mm256_storeu_ps(
+            y + 8 * h,
+            _mm256_sub_ps(_mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q))), o));
+    }
+}
+
+/* Q8_0 and Q4_K rows with the operations of the scalar loops below (a
+ * product, then a difference; no fused multiply-add), so the same bits.
+ * Returns 0 for the other types. */
+RK_CPU_VNNI_TARGET static int dequant_row_simd(float *y, const uint8_t *col, rk_dtype t, int r,
+                                               int nb) {
+    const __m128i m4 = _mm_set1_epi8(15);
+    if (t == RK_DTYPE_Q8_0) {
+        for (int b = 0; b < nb; b++, col += 272, y += 32) {
+            __m256 d = _mm256_set1_ps(rk_f16_to_f32(rd16(col + 2 * r)));
+            for (int u = 0; u < 2; u++) {
+                __m128i q = _mm_xor_si128(gather16(col + 16 + 128 * u, r), _mm_set1_epi8(-128));
+                for (int h = 0; h < 2; h++)
+                    _mm256_storeu_ps(y + 16 * u + 8 * h,
+                                     _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                                          h ? _mm_srli_si128(q, 8) : q))));
+            }
+        }
+        return 1;
+    }
+    if (t != RK_DTYPE_Q4_K) return 0;
+    for (int b = 0; b < nb; b++, col += 1184, y += 256) {
+        float d = rk_f16_to_f32(rd16(col + 2 * r)), dmin = rk_f16_to_f32(rd16(col + 16 + 2 * r));
+        for (int j = 0; j < 8; j++) {
+            __m256 ds = _mm256_set1_ps(d * (float)col[32 + 8 * j + r]);
+            __m256 dm = _mm256_set1_ps(dmin * (float)col[96 + 8 * j + r]);
+            __m128i v = gather16(col + Q4K_Q(j), r);
+            deq16(y + 32 * j, _mm_and_si128(v, m4), ds, dm);
+            deq16(y + 32 * j + 16, _mm_and_si128(_mm_srli_epi16(v, 4), m4), ds, dm);
+        }
+    }
+    return 1;
+}
+#endif
+
 /* Each value is computed as rk_dequantize computes it, so the bits agree:
  * the row's bytes are gathered first, and the loops over them vectorize. */
 void rk_cpu_qpack_dequant_rows(float *dst, const void *packed, rk_dtype t, int k, int r0,
@@ -181,6 +235,9 @@ void rk_cpu_qpack_dequant_rows(float *dst, const void *packed, rk_dtype t, int k
         int row = r0 + i, r = row % QR;
         const uint8_t *col = (const uint8_t *)packed + (size_t)(row / QR) * group_bytes(t, k);
         float *y = dst + (size_t)i * k;
+#ifdef RK_CPU_VNNI_KERNELS
+        if (dequant_row_simd(y, col, t, r, nb)) continue;
+#endif
         for (int b = 0; b < nb; b++, col += cb, y += qb) {
             uint8_t q[32], h[16];
             if (t == RK_DTYPE_Q8_0) {
