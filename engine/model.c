@@ -187,10 +187,11 @@ static rk_status load_vec(rk_model *m, const char *name, int64_t n, int optional
     return m->be->ops->upload(m->be, p, src, (size_t)n * sizeof(float));
 }
 
-/* Give w a packed copy where the backend reads one faster (BF16 on a CPU
- * with AVX-512 BF16: every matmul then runs the tile kernel, whatever n is,
- * with no packing per call). The stored weights stay mapped for the embedding
- * rows; the packed copy is the memory the matmuls read. */
+/* Give w a packed copy where the backend reads one faster (on the CPU: BF16
+ * with AVX-512 BF16, for the tile kernel whatever n is; Q8_0, Q4_K and Q6_K
+ * with AVX-512 VNNI, for the interleaved decode kernels). The stored weights
+ * stay mapped for the embedding rows; the packed copy is the memory the
+ * matmuls read. */
 static rk_status pack_mat(rk_model *m, rk_matrix *w) {
     const rk_backend_ops *ops = m->be->ops;
     size_t bytes = ops->packed_bytes ? ops->packed_bytes(m->be, w->type, w->cols, w->rows) : 0;
