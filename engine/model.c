@@ -66,6 +66,7 @@ struct rk_model {
     void **host_allocs; /* host buffers (converted small tensors) */
     int n_host, cap_host;
     size_t weight_bytes;
+    int has_fused; /* some layer has a fused matrix (fuse_mats) */
     char fingerprint[33];
     rk_scratch s;
 };
@@ -255,6 +256,7 @@ static rk_status fuse_mats(rk_model *m, rk_matrix *parts[], int n_parts, rk_matr
     free(stored);
     if (st) return st;
     *out = (rk_matrix){NULL, p, t, rows, cols};
+    m->has_fused = 1;
     return RK_OK;
 }
 
@@ -601,6 +603,10 @@ static rk_status scratch_reserve(rk_model *m, int n, int n_logits, int n_table) 
     const rk_hparams *hp = &m->hp;
     size_t q_dim = (size_t)hp->n_heads * hp->head_dim,
            kv_dim = (size_t)hp->n_kv_heads * hp->head_dim;
+    /* the widest fused output, for as many rows as a fused matrix is used whole */
+    size_t fused_cols =
+        q_dim + 2 * kv_dim > 2 * (size_t)hp->ffn_dim ? q_dim + 2 * kv_dim : 2 * (size_t)hp->ffn_dim;
+    size_t fused_rows = m->has_fused ? (size_t)cap : 1;
     struct {
         void **p;
         size_t bytes;
@@ -613,11 +619,7 @@ static rk_status scratch_reserve(rk_model *m, int n, int n_logits, int n_table) 
         {(void **)&s->v, (size_t)cap * kv_dim * 4},
         {(void **)&s->hb, (size_t)cap * hp->ffn_dim * 4},
         {(void **)&s->hb2, (size_t)cap * hp->ffn_dim * 4},
-        {(void **)&s->fused,
-         (m->layers[0].qkv.rows || m->layers[0].gate_up.rows ? (size_t)cap : 1) *
-             (q_dim + 2 * kv_dim > 2 * (size_t)hp->ffn_dim ? q_dim + 2 * kv_dim
-                                                           : 2 * (size_t)hp->ffn_dim) *
-             4},
+        {(void **)&s->fused, fused_rows * fused_cols * 4},
         {(void **)&s->xl, (size_t)(cap_l ? cap_l : 1) * hp->dim * 4},
         {(void **)&s->logits, (size_t)(cap_l ? cap_l : 1) * hp->n_vocab * 4},
         {(void **)&s->tokens, (size_t)cap * 4},

@@ -227,6 +227,17 @@ static int blas_panel_rows(int k) {
     return (int)rows;
 }
 
+/* dst(rows, k) = rows r0.. of w in f32: as stored, or (qpacked) packed by
+ * rk_cpu_qpack_group; the same bits either way. */
+static void dequant_rows(float *dst, const void *w, rk_dtype t, int qpacked, int k, int r0,
+                         int rows) {
+    if (qpacked)
+        rk_cpu_qpack_dequant_rows(dst, w, t, k, r0, rows);
+    else
+        rk_dequantize(dst, (const unsigned char *)w + (size_t)r0 * rk_dtype_row_bytes(t, (size_t)k),
+                      t, (size_t)rows * k);
+}
+
 typedef struct blas_ctx {
     rk_cpu *cpu;
     float *y;
@@ -249,12 +260,7 @@ static void blas_task(void *p, int task, int tid) {
         wp = (const float *)c->w + (size_t)c0 * k;
     } else {
         float *scratch = rk_cpu_scratch(c->cpu, tid); // (panel, k)
-        if (c->qpacked)
-            rk_cpu_qpack_dequant_rows(scratch, c->w, c->wtype, c->k, c0, cols);
-        else
-            rk_dequantize(
-                scratch, (const unsigned char *)c->w + (size_t)c0 * rk_dtype_row_bytes(c->wtype, k),
-                c->wtype, (size_t)cols * k);
+        dequant_rows(scratch, c->w, c->wtype, c->qpacked, c->k, c0, cols);
         wp = scratch;
     }
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, c->n, cols, c->k, 1.0f, c->x, c->k, wp,
@@ -428,15 +434,10 @@ DEF_BF16_TILE(6)
 RK_CPU_BF16_TARGET static void bf16_pack_quant(uint32_t *dst, const void *w, rk_dtype t,
                                                int qpacked, int k, int c0, int cols, float *row,
                                                uint16_t *rows16) {
-    size_t row_bytes = rk_dtype_row_bytes(t, (size_t)k);
     for (int g = 0; g < BF16_NR / 16; g++) {
         int left = cols - 16 * g;
         for (int l = 0; l < 16 && l < left; l++) {
-            int r = c0 + 16 * g + l;
-            if (qpacked)
-                rk_cpu_qpack_dequant_rows(row, w, t, k, r, 1);
-            else
-                rk_dequantize(row, (const unsigned char *)w + (size_t)r * row_bytes, t, (size_t)k);
+            dequant_rows(row, w, t, qpacked, k, c0 + 16 * g + l, 1);
             rk_cpu_from_f32(rows16 + (size_t)l * k, row, RK_DTYPE_BF16, (size_t)k);
         }
         bf16_pack_group(dst, rows16, (size_t)k, k, g, left);
