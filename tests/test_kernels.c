@@ -1118,22 +1118,34 @@ Test(attention, results_do_not_depend_on_the_thread_count) {
 
 Test(attention, decode_and_prefill_rows_agree_bit_for_bit) {
     /* The last row of a prefill sees the same range as a decode step over the
-     * same cache: split-K and the sequential walk give the same bits. */
+     * same cache: split-K and the sequential walk give the same bits, whether
+     * the prefill's kernels take its vectors one, two or four at a time and
+     * whatever the head_dim's tail. */
     rk_backend *be = make_backend(2);
-    seq_spec specs[2] = {{3, 1500}, {1, 1500}};
-    fixture f;
-    fixture_build(&f, be, specs, 2, 2, 2, 64, 16, RK_DTYPE_F32);
-    /* make sequence 1 a copy of sequence 0 in the cache: same table, same q */
-    memcpy(f.table + f.max_blocks, f.table, (size_t)f.max_blocks * sizeof(int32_t));
-    size_t qrow = (size_t)f.n_heads * f.head_dim;
-    memcpy(f.q + 3 * qrow, f.q + 2 * qrow, qrow * sizeof(float));
-    float *out = malloc(4 * qrow * sizeof(float)), lse[4 * 4];
-    cr_assert(out);
-    cr_assert_eq(run_paged(be, &f, out, lse), RK_OK);
-    cr_assert_arr_eq(out + 2 * qrow, out + 3 * qrow, qrow * sizeof(float));
-    cr_assert_arr_eq(lse + 2 * f.n_heads, lse + 3 * f.n_heads, (size_t)f.n_heads * sizeof(float));
-    free(out);
-    fixture_free(&f);
+    static const struct {
+        int rows, kv_len, group, head_dim;
+    } cases[] = {{3, 1500, 2, 64}, {40, 700, 2, 44}, {130, 1100, 4, 128}, {9, 530, 7, 20}};
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        int rows = cases[c].rows;
+        seq_spec specs[2] = {{rows, cases[c].kv_len}, {1, cases[c].kv_len}};
+        fixture f;
+        fixture_build(&f, be, specs, 2, 2, cases[c].group, cases[c].head_dim, 16, RK_DTYPE_F32);
+        /* make sequence 1 a copy of sequence 0 in the cache: same table, same q */
+        memcpy(f.table + f.max_blocks, f.table, (size_t)f.max_blocks * sizeof(int32_t));
+        size_t qrow = (size_t)f.n_heads * f.head_dim;
+        memcpy(f.q + rows * qrow, f.q + (rows - 1) * qrow, qrow * sizeof(float));
+        float *out = malloc((size_t)(rows + 1) * qrow * sizeof(float)),
+              *lse = malloc((size_t)(rows + 1) * f.n_heads * sizeof(float));
+        cr_assert(out && lse);
+        cr_assert_eq(run_paged(be, &f, out, lse), RK_OK);
+        cr_assert_arr_eq(out + (rows - 1) * qrow, out + rows * qrow, qrow * sizeof(float),
+                         "case %zu", c);
+        cr_assert_arr_eq(lse + (size_t)(rows - 1) * f.n_heads, lse + (size_t)rows * f.n_heads,
+                         (size_t)f.n_heads * sizeof(float), "case %zu", c);
+        free(out);
+        free(lse);
+        fixture_free(&f);
+    }
     rk_backend_free(be);
 }
 

@@ -33,9 +33,20 @@
 
 #include "kernels/cpu/cpu.h"
 
-#define TILE      32
-#define PART      RK_CPU_ATTN_PARTITION
-#define ROW_QVECS 16 /* query vectors per prefill task: rows * group >= this */
+#define TILE 32
+#define PART RK_CPU_ATTN_PARTITION
+/* Query vectors per prefill task: up to ROW_QVECS_MAX (rows * group), so each
+ * K/V tile a task widens to f32 serves many queries, halved down to
+ * ROW_QVECS_MIN while that leaves fewer than four tasks a thread. */
+#define ROW_QVECS_MAX 128
+#define ROW_QVECS_MIN 16
+/* Query vectors the score and P·V kernels take at once: four needs 21 vector
+ * registers, which AVX-512 provides; with 16, two. */
+#ifdef __AVX512VL__
+#define GROUP 4
+#else
+#define GROUP 2
+#endif
 
 /* ---------------------------------------------------------------- kv addressing */
 
@@ -125,6 +136,10 @@ static void gather(const kv_src *src, rk_dtype dt, int t0, int n, int n_next, wo
  * entries, or one x eight); a lane's arithmetic never depends on the others,
  * so a score has the same bits in every blocking. */
 #ifdef __AVX2__
+/* Keep a loaded vector in a register: the compiler would otherwise fold the
+ * load into each of the FMAs that use it, four loads instead of one. */
+#define KEEP_IN_REGISTER(x) __asm__("" : "+v"(x))
+
 static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
                              __m256 a6, __m256 a7) {
     __m256 t0 = _mm256_hadd_ps(a0, a1), t1 = _mm256_hadd_ps(a2, a3);
@@ -227,25 +242,81 @@ static void dot8_1x8(const float *q, const float *const *k, int hd, float scale,
     finish8(sum, qs, k, hd8, hd, scale, out);
 }
 
-/* Scores of query vectors i0 (and i1 when >= 0, of the same kv head) against
- * the n keys of the tile; rows of sc are TILE + 8 long. Keys past n are padded with the last
- * one (their scores are computed and ignored). */
-static void qk_tile(work *w, int i0, int i1, int n, int hd, float scale) {
+/* out[4a + b] = scale * q[a]·k[b] for four query vectors x four keys: 16
+ * chains, so every key row loaded meets four queries (the prefill case). */
+static void dot16_4x4(const float *const *q, const float *const *k, int hd, float scale,
+                      float *out) {
+#ifdef __AVX2__
+    int hd8 = hd & ~7;
+    __m256 a[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) a[i][j] = _mm256_setzero_ps();
+    for (int e = 0; e < hd8; e += 8) {
+        __m256 kv[4];
+        for (int j = 0; j < 4; j++) {
+            kv[j] = _mm256_loadu_ps(k[j] + e);
+            KEEP_IN_REGISTER(kv[j]);
+        }
+        for (int i = 0; i < 4; i++) {
+            __m256 x = _mm256_loadu_ps(q[i] + e);
+            KEEP_IN_REGISTER(x);
+            for (int j = 0; j < 4; j++) a[i][j] = _mm256_fmadd_ps(x, kv[j], a[i][j]);
+        }
+    }
+    for (int h = 0; h < 2; h++) {
+        const float *const *qh = q + 2 * h;
+        __m256 r = reduce8(a[2 * h][0], a[2 * h][1], a[2 * h][2], a[2 * h][3], a[2 * h + 1][0],
+                           a[2 * h + 1][1], a[2 * h + 1][2], a[2 * h + 1][3]);
+        if (hd8 == hd) {
+            _mm256_storeu_ps(out + 8 * h, _mm256_mul_ps(r, _mm256_set1_ps(scale)));
+            continue;
+        }
+        float sum[8];
+        _mm256_storeu_ps(sum, r);
+        const float *qs[8] = {qh[0], qh[0], qh[0], qh[0], qh[1], qh[1], qh[1], qh[1]};
+        const float *ks[8] = {k[0], k[1], k[2], k[3], k[0], k[1], k[2], k[3]};
+        finish8(sum, qs, ks, hd8, hd, scale, out + 8 * h);
+    }
+#else
+    dot8_2x4(q[0], q[1], k, hd, scale, out);
+    dot8_2x4(q[2], q[3], k, hd, scale, out + 8);
+#endif
+}
+
+/* Scores of the nv query vectors v[0..nv) (at most four, of one kv head)
+ * against the first n keys of the tile; rows of sc are TILE + 8 long. Keys
+ * past n are padded with the last one (their scores are computed and
+ * ignored). */
+static void qk_group(work *w, const int *v, int nv, int n, int hd, float scale) {
     const float *kp[TILE + 8];
-    int off = w->koff[i0]; /* i1 shares the kv head */
+    int off = w->koff[v[0]];
     for (int t = 0; t < n; t++) kp[t] = w->kp[t] + off;
     for (int t = n; t < TILE + 8; t++) kp[t] = kp[n - 1];
-    float *s0 = w->sc + (size_t)i0 * (TILE + 8);
-    if (i1 >= 0) {
-        float *s1 = w->sc + (size_t)i1 * (TILE + 8), out[8];
-        for (int t = 0; t < n; t += 4) {
-            dot8_2x4(w->q[i0], w->q[i1], kp + t, hd, scale, out);
-            memcpy(s0 + t, out, 4 * sizeof(float));
-            memcpy(s1 + t, out + 4, 4 * sizeof(float));
-        }
-    } else {
-        for (int t = 0; t < n; t += 8) dot8_1x8(w->q[i0], kp + t, hd, scale, s0 + t);
+    float *s[4];
+    const float *q[4];
+    for (int i = 0; i < nv; i++) {
+        s[i] = w->sc + (size_t)v[i] * (TILE + 8);
+        q[i] = w->q[v[i]];
     }
+    float out[16];
+    if (nv == 4) {
+        for (int t = 0; t < n; t += 4) {
+            dot16_4x4(q, kp + t, hd, scale, out);
+            for (int i = 0; i < 4; i++) memcpy(s[i] + t, out + 4 * i, 4 * sizeof(float));
+        }
+        return;
+    }
+    int i = 0;
+    if (nv >= 2) {
+        for (int t = 0; t < n; t += 4) {
+            dot8_2x4(q[0], q[1], kp + t, hd, scale, out);
+            memcpy(s[0] + t, out, 4 * sizeof(float));
+            memcpy(s[1] + t, out + 4, 4 * sizeof(float));
+        }
+        i = 2;
+    }
+    if (i < nv)
+        for (int t = 0; t < n; t += 8) dot8_1x8(q[i], kp + t, hd, scale, s[i] + t);
 }
 
 /* acc(hd) += sum over t < n of p[t] * v[t]: for every element an FMA chain in
@@ -321,6 +392,37 @@ static void pv_2(float *acc0, float *acc1, const float *p0, const float *p1, con
 #endif
 }
 
+/* pv_1 for four query vectors over the same n entries: every V element
+ * loaded meets four probabilities. */
+static void pv_4(float *const *acc, const float *const *p, const float *const *vp, int n, int hd) {
+    int d = 0;
+#ifdef __AVX2__
+    for (; d + 32 <= hd; d += 32) {
+        __m256 a[4][4];
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 4; j++) a[i][j] = _mm256_loadu_ps(acc[i] + d + 8 * j);
+        for (int t = 0; t < n; t++) {
+            __m256 v[4];
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(vp[t] + d + 8 * j);
+                KEEP_IN_REGISTER(v[j]);
+            }
+            for (int i = 0; i < 4; i++) {
+                __m256 pb = _mm256_set1_ps(p[i][t]);
+                for (int j = 0; j < 4; j++) a[i][j] = _mm256_fmadd_ps(pb, v[j], a[i][j]);
+            }
+        }
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 4; j++) _mm256_storeu_ps(acc[i] + d + 8 * j, a[i][j]);
+    }
+#endif
+    if (d < hd) {
+        const float *vt[TILE];
+        for (int t = 0; t < n; t++) vt[t] = vp[t] + d;
+        for (int i = 0; i < 4; i++) pv_1(acc[i] + d, p[i], vt, n, hd - d);
+    }
+}
+
 /* Visible entries of vector i in the tile [t0, t1) of the partition at p0. */
 static inline int tile_count(const work *w, int i, int p0, int t0, int t1) {
     int e = w->lim[i] < p0 + PART ? w->lim[i] : p0 + PART;
@@ -367,18 +469,28 @@ static float softmax_update(work *w, int i, int n) {
     return alpha;
 }
 
-/* pv for vector i (or i and j, same kv head and count) over n entries. */
-static void pv_vectors(work *w, int i, int j, int n, int hd) {
+/* P·V for the nv vectors v[0..nv) (at most four, of one kv head and the
+ * same count) over the first n entries of the tile. */
+static void pv_group(work *w, const int *v, int nv, int n, int hd) {
     const float *vp[TILE];
-    int off = w->koff[i];
+    int off = w->koff[v[0]];
     for (int t = 0; t < n; t++) vp[t] = w->vp[t] + off;
-    float *pi = w->sc + (size_t)i * (TILE + 8);
-    if (j < 0) {
-        pv_1(w->acc + (size_t)i * hd, pi, vp, n, hd);
-    } else {
-        pv_2(w->acc + (size_t)i * hd, w->acc + (size_t)j * hd, pi, w->sc + (size_t)j * (TILE + 8),
-             vp, n, hd);
+    float *acc[4];
+    const float *p[4];
+    for (int i = 0; i < nv; i++) {
+        acc[i] = w->acc + (size_t)v[i] * hd;
+        p[i] = w->sc + (size_t)v[i] * (TILE + 8);
     }
+    if (nv == 4) {
+        pv_4(acc, p, vp, n, hd);
+        return;
+    }
+    int i = 0;
+    if (nv >= 2) {
+        pv_2(acc[0], acc[1], p[0], p[1], vp, n, hd);
+        i = 2;
+    }
+    if (i < nv) pv_1(acc[i], p[i], vp, n, hd);
 }
 
 /* The runs of one sequence (see rk_attn_batch), indexed from its first. */
@@ -399,24 +511,24 @@ static void attn_tiles(const kv_src *src, rk_dtype dt, int hd, float scale, int 
         int t1 = t0 + TILE < b ? t0 + TILE : b;
         int n_next = b - t1 < TILE ? b - t1 : TILE;
         gather(src, dt, t0 - base, t1 - t0, n_next, w);
-        /* scores, two vectors at a time where both see the tile and share a kv head */
-        int pending = -1;
+        /* scores, up to GROUP vectors at a time that see the tile and share a
+         * kv head */
+        int v[4], nv = 0, nmax = 0;
         for (int i = 0; i < nq; i++) {
             int n = tile_count(w, i, p0, t0, t1);
             if (n <= 0) continue;
-            if (pending >= 0 && w->koff[pending] == w->koff[i]) {
-                int np = tile_count(w, pending, p0, t0, t1);
-                qk_tile(w, pending, i, n > np ? n : np, hd, scale);
-                pending = -1;
-                continue;
+            if (nv == GROUP || (nv > 0 && w->koff[v[0]] != w->koff[i])) {
+                qk_group(w, v, nv, nmax, hd, scale);
+                nv = nmax = 0;
             }
-            if (pending >= 0)
-                qk_tile(w, pending, -1, tile_count(w, pending, p0, t0, t1), hd, scale);
-            pending = i;
+            v[nv++] = i;
+            nmax = n > nmax ? n : nmax;
         }
-        if (pending >= 0) qk_tile(w, pending, -1, tile_count(w, pending, p0, t0, t1), hd, scale);
-        /* softmax and P·V, two vectors at a time where they also see the same entries */
-        pending = -1;
+        if (nv > 0) qk_group(w, v, nv, nmax, hd, scale);
+        /* softmax, then P·V up to GROUP vectors at a time that also see the
+         * same entries */
+        int ncount = 0;
+        nv = 0;
         for (int i = 0; i < nq; i++) {
             int n = tile_count(w, i, p0, t0, t1);
             if (n <= 0) continue;
@@ -424,16 +536,14 @@ static void attn_tiles(const kv_src *src, rk_dtype dt, int hd, float scale, int 
             float *acc = w->acc + (size_t)i * hd;
             if (alpha != 1.0f)
                 for (int d = 0; d < hd; d++) acc[d] *= alpha;
-            if (pending >= 0 && w->koff[pending] == w->koff[i] &&
-                tile_count(w, pending, p0, t0, t1) == n) {
-                pv_vectors(w, pending, i, n, hd);
-                pending = -1;
-                continue;
+            if (nv == GROUP || (nv > 0 && (w->koff[v[0]] != w->koff[i] || ncount != n))) {
+                pv_group(w, v, nv, ncount, hd);
+                nv = 0;
             }
-            if (pending >= 0) pv_vectors(w, pending, -1, tile_count(w, pending, p0, t0, t1), hd);
-            pending = i;
+            v[nv++] = i;
+            ncount = n;
         }
-        if (pending >= 0) pv_vectors(w, pending, -1, tile_count(w, pending, p0, t0, t1), hd);
+        if (nv > 0) pv_group(w, v, nv, ncount, hd);
     }
 }
 
@@ -727,20 +837,24 @@ static void plan_runs(attn_ctx *c, int n_seqs, int n_rot) {
 static rk_status attn_run(attn_ctx *c, int n_seqs) {
     rk_cpu *cpu = c->cpu;
     int G = c->group, hd = c->head_dim, H = c->n_kv_heads;
-    int rows_per = ROW_QVECS / G > 1 ? ROW_QVECS / G : 1;
-
-    size_t n_prefill = 0, n_parts_total = 0, n_decode = 0, n_partials = 0;
-    for (int s = 0; s < n_seqs; s++) {
-        int n_q = c->q_start[s + 1] - c->q_start[s];
-        if (n_q == 0) continue;
-        if (n_q == 1) {
-            size_t parts = (size_t)(c->kv_len[s] + PART - 1) / PART;
-            n_parts_total += parts;
-            n_decode++;
-            n_partials += parts * H * G * (size_t)(hd + 2);
-        } else {
-            n_prefill += (size_t)((n_q + rows_per - 1) / rows_per) * H;
+    int rows_per = 1;
+    size_t n_prefill = 0;
+    for (int vecs = ROW_QVECS_MAX; vecs >= ROW_QVECS_MIN; vecs /= 2) {
+        rows_per = vecs / G > 1 ? vecs / G : 1;
+        n_prefill = 0;
+        for (int s = 0; s < n_seqs; s++) {
+            int n_q = c->q_start[s + 1] - c->q_start[s];
+            if (n_q > 1) n_prefill += (size_t)((n_q + rows_per - 1) / rows_per) * H;
         }
+        if (n_prefill >= 4 * (size_t)cpu->n_threads) break;
+    }
+    size_t n_parts_total = 0, n_decode = 0, n_partials = 0;
+    for (int s = 0; s < n_seqs; s++) {
+        if (c->q_start[s + 1] - c->q_start[s] != 1) continue;
+        size_t parts = (size_t)(c->kv_len[s] + PART - 1) / PART;
+        n_parts_total += parts;
+        n_decode++;
+        n_partials += parts * H * G * (size_t)(hd + 2);
     }
     /* decode: whole kv entries per task unless that leaves threads idle */
     int n_groups = 1;
@@ -788,7 +902,9 @@ static rk_status attn_run(attn_ctx *c, int n_seqs) {
             for (int h = 0; h < H; h++) merges[mi++] = (attn_task){s, 0, 1, h, h + 1, 0, off};
             off += (size_t)parts * H * G * (hd + 2);
         } else {
-            for (int j0 = 0; j0 < n_q; j0 += rows_per) {
+            /* last rows first: they see the most entries, and the pool
+             * ends better balanced when its longest tasks come first */
+            for (int j0 = (n_q - 1) / rows_per * rows_per; j0 >= 0; j0 -= rows_per) {
                 int j1 = j0 + rows_per < n_q ? j0 + rows_per : n_q;
                 for (int h = 0; h < H; h++) tasks[ti++] = (attn_task){s, j0, j1, h, h + 1, -1, 0};
             }
