@@ -111,6 +111,10 @@ void rk_sampler_free(rk_sampler *s);
 /* Choose the next token from logits(n_vocab). Reproducible for a given seed. */
 int32_t rk_sampler_sample(rk_sampler *s, const float *logits);
 
+/* log(sum of exp(logits[i])) over logits(n), n >= 1, summed in double after
+ * taking out the largest logit. */
+float rk_log_sum_exp(const float *logits, int n);
+
 /* The k most likely tokens of logits(n) with their natural-log probabilities
  * (log-softmax of the raw logits), most likely first. Returns how many were written. */
 int rk_logprobs_top(const float *logits, int n, int k, int32_t *out_ids, float *out_logprobs);

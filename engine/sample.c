@@ -108,14 +108,18 @@ int32_t rk_sampler_sample(rk_sampler *s, const float *logits) {
     return filter ? s->idx[n_keep - 1] : n - 1; /* rounding left r at the very end */
 }
 
-int rk_logprobs_top(const float *logits, int n, int k, int32_t *out_ids, float *out_logprobs) {
-    if (k > n) k = n;
-    if (k <= 0) return 0;
+float rk_log_sum_exp(const float *logits, int n) {
     float mx = logits[0];
     for (int i = 1; i < n; i++) mx = logits[i] > mx ? logits[i] : mx;
     double sum = 0;
     for (int i = 0; i < n; i++) sum += exp((double)(logits[i] - mx));
-    float lse = mx + (float)log(sum);
+    return mx + (float)log(sum);
+}
+
+int rk_logprobs_top(const float *logits, int n, int k, int32_t *out_ids, float *out_logprobs) {
+    if (k > n) k = n;
+    if (k <= 0) return 0;
+    float lse = rk_log_sum_exp(logits, n);
     /* Insertion into a k-sized descending list; k is small (<= 20). */
     int have = 0;
     for (int i = 0; i < n; i++) {

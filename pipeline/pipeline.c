@@ -1262,16 +1262,14 @@ static void take_token(rk_service *svc, rk_request *r, const float *logits,
     if (hooks && hooks->on_logits) hooks->on_logits(hooks->ctx, ri, r->n_out, logits, hp->n_vocab);
     int32_t t = hooks && hooks->force_token ? hooks->force_token(hooks->ctx, ri, r->n_out) : -1;
     if (t < 0 || t >= hp->n_vocab) t = rk_sampler_sample(&s->sampler, logits);
-    if (r->opt.n_logprobs > 0)
+    /* Log-probabilities only where the request asks for them: each is a pass
+     * of exp over the whole vocabulary. */
+    if (r->opt.n_logprobs > 0) {
         rk_logprobs_top(logits, hp->n_vocab, r->opt.n_logprobs,
                         r->top_ids + (size_t)r->n_out * r->opt.n_logprobs,
                         r->top_logprobs + (size_t)r->n_out * r->opt.n_logprobs);
-    /* Log-probability of the sampled token under the raw logits. */
-    float mx = logits[0];
-    for (int i = 1; i < hp->n_vocab; i++) mx = logits[i] > mx ? logits[i] : mx;
-    double sum = 0;
-    for (int i = 0; i < hp->n_vocab; i++) sum += exp((double)(logits[i] - mx));
-    r->logprobs[r->n_out] = logits[t] - mx - (float)log(sum);
+        r->logprobs[r->n_out] = logits[t] - rk_log_sum_exp(logits, hp->n_vocab);
+    }
     if (r->n_out == 0) r->t.ttft_ms = (rk_time_now() - s->t_start) * 1e3;
     r->out_tokens[r->n_out++] = t;
     if (hooks && hooks->on_token) hooks->on_token(hooks->ctx, ri, t);

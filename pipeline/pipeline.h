@@ -167,7 +167,8 @@ typedef struct rk_request {
     int n_out;
     int32_t *top_ids;    /* (opt.max_tokens, opt.n_logprobs) when n_logprobs > 0 */
     float *top_logprobs; /* same shape */
-    float *logprobs;     /* (opt.max_tokens) log-probability of each sampled token */
+    float *logprobs;     /* (opt.max_tokens) log-probability of each sampled token, set
+                          * where opt.n_logprobs > 0 */
     rk_finish_reason finish_reason;
     int finished;                   /* it left the pipeline: everything it held is released */
     rk_chunk_report *chunk_reports; /* (n_chunks) */

@@ -196,3 +196,9 @@ Test(sampler, logprobs_are_the_top_log_softmax_most_likely_first) {
     cr_expect_float_eq(lp[1], (float)log(0.3), 1e-5);
     cr_expect_eq(rk_logprobs_top(logits, 3, 0, ids, lp), 0);
 }
+
+Test(sampler, log_sum_exp_is_stable_for_large_logits) {
+    const float logits[3] = {1000.0f, 1000.0f, -1000.0f}; /* exp overflows without the shift */
+    cr_expect_float_eq(rk_log_sum_exp(logits, 3), 1000.0f + (float)log(2.0), 1e-3);
+    cr_expect_float_eq(rk_log_sum_exp(logits + 2, 1), -1000.0f, 1e-3);
+}
