@@ -5,8 +5,8 @@
  *   (b) memory bandwidth (memcpy, and a read loop over the pool) against the
  *       decode matvec (n = 1) at k = 1024, m = 3072 and m = 151936;
  *   (c) paged vs contiguous attention (16 heads, 8 KV heads, head_dim 128):
- *       decode at 1k, 4k, 8k context, prefill of 512 queries at 4k, and
- *       the causal 512-token prefill from an empty F16 cache (GFLOP/s);
+ *       decode at 1k, 4k, 8k context, prefill of 512 queries at 4k; and
+ *       over an F16 cache, a 512-token prefill from empty and a decode at 4k;
  *   (d) rope_shift_copy of 4096 tokens x 28 layers x (8 x 128) against a
  *       plain memcpy of the same bytes;
  *   (e) attention at 4k context (decode, and a prefill of 512 queries) read
@@ -320,34 +320,46 @@ static void bench_attention(rk_backend *be) {
     }
 }
 
-/* The attention of a 512-token prefill from an empty cache, as the engine runs
- * it (F16 KV, query i sees entries 0..i): ms and GFLOP/s of the causal QK and
- * PV products. */
-static void bench_prefill_attention(rk_backend *be) {
-    const int n_heads = 16, n_kv = 8, hd = 128, n_q = 512;
+/* Attention over an F16 cache as the engine runs it (contiguous here): the
+ * causal prefill of 512 tokens from an empty cache (query i sees entries
+ * 0..i) and one decode query over 4096 entries; ms, and GFLOP/s of the QK
+ * and PV products. */
+static void bench_f16_attention(rk_backend *be) {
+    const int n_heads = 16, n_kv = 8, hd = 128;
     const size_t row = (size_t)n_kv * hd;
-    uint16_t *kc = xmalloc((size_t)n_q * row * 2), *vc = xmalloc((size_t)n_q * row * 2);
-    float *tmp = rand_f32((size_t)n_q * row);
-    rk_cpu_from_f32(kc, tmp, RK_DTYPE_F16, (size_t)n_q * row);
-    free(tmp);
-    tmp = rand_f32((size_t)n_q * row);
-    rk_cpu_from_f32(vc, tmp, RK_DTYPE_F16, (size_t)n_q * row);
-    free(tmp);
-    float *q = rand_f32((size_t)n_q * n_heads * hd), *out = rand_f32((size_t)n_q * n_heads * hd);
-    int32_t qs[2] = {0, n_q}, len = n_q;
-    const void *ck[1] = {kc}, *cv[1] = {vc};
-    double t;
-    TIME_BEST(8, t,
-              check(rk_cpu_attention_contig(be, out, NULL, q, ck, cv, RK_DTYPE_F16, n_kv, hd, qs,
-                                            &len, 1, n_heads, 1.0f / sqrtf((float)hd)),
-                    "attention_contig"));
-    double flops = 4.0 * n_heads * hd * ((double)n_q * (n_q + 1) / 2);
-    printf("  %-22s %10.3f ms  %6.1f GFLOP/s  (causal, F16 KV, contiguous)\n", "prefill 512 q @ 0",
-           t * 1e3, flops / t * 1e-9);
-    free(kc);
-    free(vc);
-    free(q);
-    free(out);
+    struct {
+        int n_q, kv_len;
+    } cases[2] = {{512, 512}, {1, 4096}};
+    for (int c = 0; c < 2; c++) {
+        int n_q = cases[c].n_q, L = cases[c].kv_len;
+        uint16_t *kc = xmalloc((size_t)L * row * 2), *vc = xmalloc((size_t)L * row * 2);
+        float *tmp = rand_f32((size_t)L * row);
+        rk_cpu_from_f32(kc, tmp, RK_DTYPE_F16, (size_t)L * row);
+        free(tmp);
+        tmp = rand_f32((size_t)L * row);
+        rk_cpu_from_f32(vc, tmp, RK_DTYPE_F16, (size_t)L * row);
+        free(tmp);
+        float *q = rand_f32((size_t)n_q * n_heads * hd),
+              *out = rand_f32((size_t)n_q * n_heads * hd);
+        int32_t qs[2] = {0, n_q}, len = L;
+        const void *ck[1] = {kc}, *cv[1] = {vc};
+        double t;
+        TIME_BEST(n_q > 1 ? 8 : 60, t,
+                  check(rk_cpu_attention_contig(be, out, NULL, q, ck, cv, RK_DTYPE_F16, n_kv, hd,
+                                                qs, &len, 1, n_heads, 1.0f / sqrtf((float)hd)),
+                        "attention_contig"));
+        /* scores per head: query i sees L - n_q + i + 1 entries */
+        double scores = (double)n_q * (L - n_q) + (double)n_q * (n_q + 1) / 2;
+        char name[64];
+        snprintf(name, sizeof name, "%s %d q @ %d", n_q > 1 ? "prefill" : "decode", n_q,
+                 n_q > 1 ? 0 : L);
+        printf("  %-22s %10.3f ms  %6.1f GFLOP/s  (causal, F16 KV, contiguous)\n", name, t * 1e3,
+               4.0 * n_heads * hd * scores / t * 1e-9);
+        free(kc);
+        free(vc);
+        free(q);
+        free(out);
+    }
 }
 
 /* ---------------------------------------------------------------- (d) rope shift */
@@ -632,7 +644,7 @@ int main(int argc, char **argv) {
     if (strchr(only, 'b')) bench_bandwidth(be);
     if (strchr(only, 'c')) {
         bench_attention(be);
-        bench_prefill_attention(be);
+        bench_f16_attention(be);
     }
     if (strchr(only, 'd')) bench_shift(be);
     if (strchr(only, 'e')) bench_segments(be);

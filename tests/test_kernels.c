@@ -1119,17 +1119,21 @@ Test(attention, results_do_not_depend_on_the_thread_count) {
 Test(attention, decode_and_prefill_rows_agree_bit_for_bit) {
     /* The last row of a prefill sees the same range as a decode step over the
      * same cache: split-K and the sequential walk give the same bits, whether
-     * the prefill's kernels take its vectors one, two or four at a time and
-     * whatever the head_dim's tail. */
+     * the prefill's kernels take its vectors one, two or four at a time,
+     * whatever the head_dim's tail and for every cache type. */
     rk_backend *be = make_backend(2);
     static const struct {
         int rows, kv_len, group, head_dim;
-    } cases[] = {{3, 1500, 2, 64}, {40, 700, 2, 44}, {130, 1100, 4, 128}, {9, 530, 7, 20}};
+        rk_dtype dtype;
+    } cases[] = {{3, 1500, 2, 64, RK_DTYPE_F32},    {40, 700, 2, 44, RK_DTYPE_F32},
+                 {130, 1100, 4, 128, RK_DTYPE_F32}, {9, 530, 7, 20, RK_DTYPE_F32},
+                 {40, 700, 2, 44, RK_DTYPE_F16},    {130, 1100, 4, 128, RK_DTYPE_F16},
+                 {40, 700, 2, 44, RK_DTYPE_BF16},   {130, 1100, 4, 128, RK_DTYPE_BF16}};
     for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
         int rows = cases[c].rows;
         seq_spec specs[2] = {{rows, cases[c].kv_len}, {1, cases[c].kv_len}};
         fixture f;
-        fixture_build(&f, be, specs, 2, 2, cases[c].group, cases[c].head_dim, 16, RK_DTYPE_F32);
+        fixture_build(&f, be, specs, 2, 2, cases[c].group, cases[c].head_dim, 16, cases[c].dtype);
         /* make sequence 1 a copy of sequence 0 in the cache: same table, same q */
         memcpy(f.table + f.max_blocks, f.table, (size_t)f.max_blocks * sizeof(int32_t));
         size_t qrow = (size_t)f.n_heads * f.head_dim;

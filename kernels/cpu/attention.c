@@ -36,7 +36,7 @@
 #define TILE 32
 #define PART RK_CPU_ATTN_PARTITION
 /* Query vectors per prefill task: up to ROW_QVECS_MAX (rows * group), so each
- * K/V tile a task widens to f32 serves many queries, halved down to
+ * K/V tile a task brings into L1 serves many queries, halved down to
  * ROW_QVECS_MIN while that leaves fewer than four tasks a thread. */
 #define ROW_QVECS_MAX 128
 #define ROW_QVECS_MIN 16
@@ -63,22 +63,23 @@ typedef struct kv_src {
 
 /* Per-thread working memory of one task. */
 typedef struct work {
-    const float **kp, **vp; /* (TILE) f32 row segments of the current tile */
-    float *kt, *vt;         /* (TILE, seg) widened segments for F16/BF16 caches */
-    float *sc;              /* (nq, TILE + 8) scores, then probabilities */
-    const float **q;        /* (nq) query vectors the kernels read */
-    const float **q0;       /* (nq) the query vectors as given */
-    float *qr;              /* (nq, head_dim) q0 rotated for run qrun */
-    int qrun;               /* run whose rotation qr holds; -1: none */
-    int *koff;              /* (nq) offset of the vector's kv head in a segment */
-    int *lim;               /* (nq) visible entries per query vector */
-    float *m, *l, *acc;     /* (nq), (nq), (nq, head_dim): partition state */
-    float *M, *S, *O;       /* (nq), (nq), (nq, head_dim): merged state */
+    const void **kp, **vp; /* (TILE) row segments of the current tile in the cache */
+    rk_dtype ty;           /* the cache's type */
+    float *sc;             /* (nq, TILE + 8) scores, then probabilities */
+    const float **q;       /* (nq) query vectors the kernels read */
+    const float **q0;      /* (nq) the query vectors as given */
+    float *qr;             /* (nq, head_dim) q0 rotated for run qrun */
+    int qrun;              /* run whose rotation qr holds; -1: none */
+    int *koff;             /* (nq) offset of the vector's kv head in a segment */
+    int *lim;              /* (nq) visible entries per query vector */
+    float *m, *l, *acc;    /* (nq), (nq), (nq, head_dim): partition state */
+    float *M, *S, *O;      /* (nq), (nq), (nq, head_dim): merged state */
 } work;
 
-/* Point kp/vp at the f32 segments of entries [t0, t0 + n), widening them
- * into kt/vt when the cache is not f32, and prefetch the next n_next. */
+/* Point kp/vp at the cache's segments of entries [t0, t0 + n) and prefetch
+ * the next n_next. */
 static void gather(const kv_src *src, rk_dtype dt, int t0, int n, int n_next, work *w) {
+    w->ty = dt;
     int seg = src->seg;
     size_t slot = (size_t)t0, blk_left = SIZE_MAX;
     int b = 0;
@@ -95,16 +96,8 @@ static void gather(const kv_src *src, rk_dtype dt, int t0, int n, int n_next, wo
             blk_left = (size_t)src->block_size;
         }
         size_t off = slot * src->row_bytes + src->head_off;
-        if (dt == RK_DTYPE_F32) {
-            w->kp[i] = (const float *)(src->k + off);
-            w->vp[i] = (const float *)(src->v + off);
-        } else {
-            float *kd = w->kt + (size_t)i * seg, *vd = w->vt + (size_t)i * seg;
-            rk_cpu_to_f32(kd, src->k + off, dt, (size_t)seg);
-            rk_cpu_to_f32(vd, src->v + off, dt, (size_t)seg);
-            w->kp[i] = kd;
-            w->vp[i] = vd;
-        }
+        w->kp[i] = src->k + off;
+        w->vp[i] = src->v + off;
         slot++;
         blk_left--;
     }
@@ -129,13 +122,42 @@ static void gather(const kv_src *src, rk_dtype dt, int t0, int n, int n_next, wo
 
 /* ---------------------------------------------------------------- inner kernels */
 
+/* The kernels read K and V as the cache stores them, F32, F16 or BF16 (type
+ * ty), widening each load to f32 in registers, which is exact: a copy widened
+ * ahead into f32 tiles measured slower (its stores and reloads cost more than
+ * the widening), by about half for a decode query over 4k F16 entries. Each
+ * kernel is written once as an always-inline body over ty and instantiated
+ * per type by qk_group and pv_group, so every instance compiles to its type's
+ * own loads. */
+#define KV_INLINE static inline __attribute__((always_inline))
+
+/* Element e of a row of type ty, in f32. */
+KV_INLINE float kv_at(const void *row, int e, rk_dtype ty) {
+    if (ty == RK_DTYPE_F16) return rk_f16_to_f32(((const uint16_t *)row)[e]);
+    if (ty == RK_DTYPE_BF16) return rk_bf16_to_f32(((const uint16_t *)row)[e]);
+    return ((const float *)row)[e];
+}
+
+/* A row of type ty advanced by off elements. */
+KV_INLINE const void *kv_skip(const void *row, int off, rk_dtype ty) {
+    return (const char *)row + (size_t)off * (ty == RK_DTYPE_F32 ? 4 : 2);
+}
+
 /* Every score is one dot product with a fixed order: an 8-lane FMA chain over
  * the head dims in steps of 8, the lanes summed as
  * ((x0+x1)+(x2+x3))+((x4+x5)+(x6+x7)), then the scalar tail, then * scale.
- * The kernels compute eight dots at a time (two query vectors x four kv
- * entries, or one x eight); a lane's arithmetic never depends on the others,
- * so a score has the same bits in every blocking. */
+ * The kernels compute eight or sixteen dots at a time (two query vectors x
+ * four keys, one x eight, four x four); a lane's arithmetic never depends on
+ * the others, so a score has the same bits in every blocking. */
 #ifdef __AVX2__
+/* Elements e..e+7 of a row of type ty, in f32. */
+KV_INLINE __m256 kv_load8(const void *row, int e, rk_dtype ty) {
+    if (ty == RK_DTYPE_F32) return _mm256_loadu_ps((const float *)row + e);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + e));
+    if (ty == RK_DTYPE_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 /* Keep a loaded vector in a register: the compiler would otherwise fold the
  * load into each of the FMAs that use it, four loads instead of one. */
 #define KEEP_IN_REGISTER(x) __asm__("" : "+v"(x))
@@ -150,102 +172,90 @@ static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
 }
 #endif
 
-/* Finish eight dots: add the scalar tail of dims [hd8, hd) and scale. */
-static inline void finish8(float *sum, const float *const *qs, const float *const *ks, int hd8,
-                           int hd, float scale, float *out) {
+/* out[j] = scale * (sum[j] + the scalar tail of qs[j]·ks[j] over dims
+ * [hd8, hd)) for eight dots whose 8-lane part is summed in sum. */
+KV_INLINE void finish8(const float *sum, const float *const *qs, const void *const *ks, int hd8,
+                       int hd, float scale, float *out, rk_dtype ty) {
     for (int j = 0; j < 8; j++) {
         float a = sum[j];
-        for (int e = hd8; e < hd; e++) a += qs[j][e] * ks[j][e];
+        for (int e = hd8; e < hd; e++) a += qs[j][e] * kv_at(ks[j], e, ty);
         out[j] = a * scale;
+    }
+}
+
+/* The 8-lane parts of eight dots qs[j]·ks[j] without intrinsics (the
+ * portable build): the same lanes and the same sum. */
+KV_INLINE void sum8_portable(float *sum, const float *const *qs, const void *const *ks, int hd8,
+                             rk_dtype ty) {
+    for (int j = 0; j < 8; j++) {
+        float lane[8] = {0};
+        for (int e = 0; e < hd8; e += 8)
+            for (int l = 0; l < 8; l++) lane[l] += qs[j][e + l] * kv_at(ks[j], e + l, ty);
+        sum[j] = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
+                 ((lane[4] + lane[5]) + (lane[6] + lane[7]));
     }
 }
 
 /* out[j] = scale * qs[j]·ks[j] for eight (query, key) pairs where the queries
  * come as two vectors x four keys (q0 q0 q0 q0 q1 q1 q1 q1). */
-static void dot8_2x4(const float *q0, const float *q1, const float *const *k, int hd, float scale,
-                     float *out) {
+KV_INLINE void dot8_2x4(const float *q0, const float *q1, const void *const *k, int hd, float scale,
+                        float *out, rk_dtype ty) {
     int hd8 = hd & ~7;
+    const float *qs[8] = {q0, q0, q0, q0, q1, q1, q1, q1};
+    const void *ks[8] = {k[0], k[1], k[2], k[3], k[0], k[1], k[2], k[3]};
     float sum[8];
 #ifdef __AVX2__
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-           a3 = _mm256_setzero_ps(), b0 = _mm256_setzero_ps(), b1 = _mm256_setzero_ps(),
-           b2 = _mm256_setzero_ps(), b3 = _mm256_setzero_ps();
+    __m256 a[4], b[4];
+    for (int j = 0; j < 4; j++) a[j] = b[j] = _mm256_setzero_ps();
     for (int e = 0; e < hd8; e += 8) {
         __m256 x0 = _mm256_loadu_ps(q0 + e), x1 = _mm256_loadu_ps(q1 + e);
-        __m256 k0 = _mm256_loadu_ps(k[0] + e), k1 = _mm256_loadu_ps(k[1] + e);
-        __m256 k2 = _mm256_loadu_ps(k[2] + e), k3 = _mm256_loadu_ps(k[3] + e);
-        a0 = _mm256_fmadd_ps(x0, k0, a0);
-        a1 = _mm256_fmadd_ps(x0, k1, a1);
-        a2 = _mm256_fmadd_ps(x0, k2, a2);
-        a3 = _mm256_fmadd_ps(x0, k3, a3);
-        b0 = _mm256_fmadd_ps(x1, k0, b0);
-        b1 = _mm256_fmadd_ps(x1, k1, b1);
-        b2 = _mm256_fmadd_ps(x1, k2, b2);
-        b3 = _mm256_fmadd_ps(x1, k3, b3);
+        for (int j = 0; j < 4; j++) {
+            __m256 kv = kv_load8(k[j], e, ty);
+            a[j] = _mm256_fmadd_ps(x0, kv, a[j]);
+            b[j] = _mm256_fmadd_ps(x1, kv, b[j]);
+        }
     }
-    __m256 r = reduce8(a0, a1, a2, a3, b0, b1, b2, b3);
+    __m256 r = reduce8(a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]);
     if (hd8 == hd) { /* no tail: the same bits as finish8 */
         _mm256_storeu_ps(out, _mm256_mul_ps(r, _mm256_set1_ps(scale)));
         return;
     }
     _mm256_storeu_ps(sum, r);
 #else
-    for (int j = 0; j < 8; j++) {
-        const float *q = j < 4 ? q0 : q1, *kk = k[j & 3];
-        float lane[8] = {0};
-        for (int e = 0; e < hd8; e += 8)
-            for (int l = 0; l < 8; l++) lane[l] += q[e + l] * kk[e + l];
-        sum[j] = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
-                 ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-    }
+    sum8_portable(sum, qs, ks, hd8, ty);
 #endif
-    const float *qs[8] = {q0, q0, q0, q0, q1, q1, q1, q1};
-    const float *ks[8] = {k[0], k[1], k[2], k[3], k[0], k[1], k[2], k[3]};
-    finish8(sum, qs, ks, hd8, hd, scale, out);
+    finish8(sum, qs, ks, hd8, hd, scale, out, ty);
 }
 
 /* out[j] = scale * q·k[j] for eight keys. */
-static void dot8_1x8(const float *q, const float *const *k, int hd, float scale, float *out) {
+KV_INLINE void dot8_1x8(const float *q, const void *const *k, int hd, float scale, float *out,
+                        rk_dtype ty) {
     int hd8 = hd & ~7;
+    const float *qs[8] = {q, q, q, q, q, q, q, q};
     float sum[8];
 #ifdef __AVX2__
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(),
-           a3 = _mm256_setzero_ps(), a4 = _mm256_setzero_ps(), a5 = _mm256_setzero_ps(),
-           a6 = _mm256_setzero_ps(), a7 = _mm256_setzero_ps();
+    __m256 a[8];
+    for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
     for (int e = 0; e < hd8; e += 8) {
         __m256 x = _mm256_loadu_ps(q + e);
-        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[0] + e), a0);
-        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[1] + e), a1);
-        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[2] + e), a2);
-        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[3] + e), a3);
-        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[4] + e), a4);
-        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[5] + e), a5);
-        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[6] + e), a6);
-        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k[7] + e), a7);
+        for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(x, kv_load8(k[j], e, ty), a[j]);
     }
-    __m256 r = reduce8(a0, a1, a2, a3, a4, a5, a6, a7);
+    __m256 r = reduce8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]);
     if (hd8 == hd) {
         _mm256_storeu_ps(out, _mm256_mul_ps(r, _mm256_set1_ps(scale)));
         return;
     }
     _mm256_storeu_ps(sum, r);
 #else
-    for (int j = 0; j < 8; j++) {
-        float lane[8] = {0};
-        for (int e = 0; e < hd8; e += 8)
-            for (int l = 0; l < 8; l++) lane[l] += q[e + l] * k[j][e + l];
-        sum[j] = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
-                 ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-    }
+    sum8_portable(sum, qs, k, hd8, ty);
 #endif
-    const float *qs[8] = {q, q, q, q, q, q, q, q};
-    finish8(sum, qs, k, hd8, hd, scale, out);
+    finish8(sum, qs, k, hd8, hd, scale, out, ty);
 }
 
 /* out[4a + b] = scale * q[a]·k[b] for four query vectors x four keys: 16
  * chains, so every key row loaded meets four queries (the prefill case). */
-static void dot16_4x4(const float *const *q, const float *const *k, int hd, float scale,
-                      float *out) {
+KV_INLINE void dot16_4x4(const float *const *q, const void *const *k, int hd, float scale,
+                         float *out, rk_dtype ty) {
 #ifdef __AVX2__
     int hd8 = hd & ~7;
     __m256 a[4][4];
@@ -254,7 +264,7 @@ static void dot16_4x4(const float *const *q, const float *const *k, int hd, floa
     for (int e = 0; e < hd8; e += 8) {
         __m256 kv[4];
         for (int j = 0; j < 4; j++) {
-            kv[j] = _mm256_loadu_ps(k[j] + e);
+            kv[j] = kv_load8(k[j], e, ty);
             KEEP_IN_REGISTER(kv[j]);
         }
         for (int i = 0; i < 4; i++) {
@@ -274,12 +284,12 @@ static void dot16_4x4(const float *const *q, const float *const *k, int hd, floa
         float sum[8];
         _mm256_storeu_ps(sum, r);
         const float *qs[8] = {qh[0], qh[0], qh[0], qh[0], qh[1], qh[1], qh[1], qh[1]};
-        const float *ks[8] = {k[0], k[1], k[2], k[3], k[0], k[1], k[2], k[3]};
-        finish8(sum, qs, ks, hd8, hd, scale, out + 8 * h);
+        const void *ks[8] = {k[0], k[1], k[2], k[3], k[0], k[1], k[2], k[3]};
+        finish8(sum, qs, ks, hd8, hd, scale, out + 8 * h, ty);
     }
 #else
-    dot8_2x4(q[0], q[1], k, hd, scale, out);
-    dot8_2x4(q[2], q[3], k, hd, scale, out + 8);
+    dot8_2x4(q[0], q[1], k, hd, scale, out, ty);
+    dot8_2x4(q[2], q[3], k, hd, scale, out + 8, ty);
 #endif
 }
 
@@ -287,10 +297,10 @@ static void dot16_4x4(const float *const *q, const float *const *k, int hd, floa
  * against the first n keys of the tile; rows of sc are TILE + 8 long. Keys
  * past n are padded with the last one (their scores are computed and
  * ignored). */
-static void qk_group(work *w, const int *v, int nv, int n, int hd, float scale) {
-    const float *kp[TILE + 8];
+KV_INLINE void qk_group_of(work *w, const int *v, int nv, int n, int hd, float scale, rk_dtype ty) {
+    const void *kp[TILE + 8];
     int off = w->koff[v[0]];
-    for (int t = 0; t < n; t++) kp[t] = w->kp[t] + off;
+    for (int t = 0; t < n; t++) kp[t] = kv_skip(w->kp[t], off, ty);
     for (int t = n; t < TILE + 8; t++) kp[t] = kp[n - 1];
     float *s[4];
     const float *q[4];
@@ -301,7 +311,7 @@ static void qk_group(work *w, const int *v, int nv, int n, int hd, float scale) 
     float out[16];
     if (nv == 4) {
         for (int t = 0; t < n; t += 4) {
-            dot16_4x4(q, kp + t, hd, scale, out);
+            dot16_4x4(q, kp + t, hd, scale, out, ty);
             for (int i = 0; i < 4; i++) memcpy(s[i] + t, out + 4 * i, 4 * sizeof(float));
         }
         return;
@@ -309,19 +319,19 @@ static void qk_group(work *w, const int *v, int nv, int n, int hd, float scale) 
     int i = 0;
     if (nv >= 2) {
         for (int t = 0; t < n; t += 4) {
-            dot8_2x4(q[0], q[1], kp + t, hd, scale, out);
+            dot8_2x4(q[0], q[1], kp + t, hd, scale, out, ty);
             memcpy(s[0] + t, out, 4 * sizeof(float));
             memcpy(s[1] + t, out + 4, 4 * sizeof(float));
         }
         i = 2;
     }
     if (i < nv)
-        for (int t = 0; t < n; t += 8) dot8_1x8(q[i], kp + t, hd, scale, s[i] + t);
+        for (int t = 0; t < n; t += 8) dot8_1x8(q[i], kp + t, hd, scale, s[i] + t, ty);
 }
 
 /* acc(hd) += sum over t < n of p[t] * v[t]: for every element an FMA chain in
- * t order (the same in pv_1 and pv_2). */
-static void pv_1(float *acc, const float *p, const float *const *vp, int n, int hd) {
+ * t order (the same in pv_1, pv_2 and pv_4). */
+KV_INLINE void pv_1(float *acc, const float *p, const void *const *vp, int n, int hd, rk_dtype ty) {
     int d = 0;
 #ifdef __AVX2__
     for (; d + 64 <= hd; d += 64) {
@@ -329,37 +339,36 @@ static void pv_1(float *acc, const float *p, const float *const *vp, int n, int 
         for (int j = 0; j < 8; j++) a[j] = _mm256_loadu_ps(acc + d + 8 * j);
         for (int t = 0; t < n; t++) {
             __m256 pb = _mm256_set1_ps(p[t]);
-            const float *v = vp[t] + d;
             for (int j = 0; j < 8; j++)
-                a[j] = _mm256_fmadd_ps(pb, _mm256_loadu_ps(v + 8 * j), a[j]);
+                a[j] = _mm256_fmadd_ps(pb, kv_load8(vp[t], d + 8 * j, ty), a[j]);
         }
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(acc + d + 8 * j, a[j]);
     }
     for (; d + 8 <= hd; d += 8) {
         __m256 a0 = _mm256_loadu_ps(acc + d);
         for (int t = 0; t < n; t++)
-            a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(vp[t] + d), a0);
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), kv_load8(vp[t], d, ty), a0);
         _mm256_storeu_ps(acc + d, a0);
     }
     for (; d < hd; d++) {
         float a = acc[d];
-        for (int t = 0; t < n; t++) a = fmaf(p[t], vp[t][d], a);
+        for (int t = 0; t < n; t++) a = fmaf(p[t], kv_at(vp[t], d, ty), a);
         acc[d] = a;
     }
 #else
     for (; d < hd; d++) {
         float a = acc[d];
-        for (int t = 0; t < n; t++) a += p[t] * vp[t][d];
+        for (int t = 0; t < n; t++) a += p[t] * kv_at(vp[t], d, ty);
         acc[d] = a;
     }
 #endif
 }
 
 /* pv_1 for two query vectors over the same n entries, sharing the V loads. */
-static void pv_2(float *acc0, float *acc1, const float *p0, const float *p1, const float *const *vp,
-                 int n, int hd) {
-#ifdef __AVX2__
+KV_INLINE void pv_2(float *acc0, float *acc1, const float *p0, const float *p1,
+                    const void *const *vp, int n, int hd, rk_dtype ty) {
     int d = 0;
+#ifdef __AVX2__
     for (; d + 32 <= hd; d += 32) {
         __m256 a[4], b[4];
         for (int j = 0; j < 4; j++) {
@@ -368,9 +377,8 @@ static void pv_2(float *acc0, float *acc1, const float *p0, const float *p1, con
         }
         for (int t = 0; t < n; t++) {
             __m256 pa = _mm256_set1_ps(p0[t]), pb = _mm256_set1_ps(p1[t]);
-            const float *v = vp[t] + d;
             for (int j = 0; j < 4; j++) {
-                __m256 x = _mm256_loadu_ps(v + 8 * j);
+                __m256 x = kv_load8(vp[t], d + 8 * j, ty);
                 a[j] = _mm256_fmadd_ps(pa, x, a[j]);
                 b[j] = _mm256_fmadd_ps(pb, x, b[j]);
             }
@@ -380,21 +388,19 @@ static void pv_2(float *acc0, float *acc1, const float *p0, const float *p1, con
             _mm256_storeu_ps(acc1 + d + 8 * j, b[j]);
         }
     }
-    if (d < hd) {
-        const float *vt[TILE];
-        for (int t = 0; t < n; t++) vt[t] = vp[t] + d;
-        pv_1(acc0 + d, p0, vt, n, hd - d);
-        pv_1(acc1 + d, p1, vt, n, hd - d);
-    }
-#else
-    pv_1(acc0, p0, vp, n, hd);
-    pv_1(acc1, p1, vp, n, hd);
 #endif
+    if (d < hd) {
+        const void *vt[TILE];
+        for (int t = 0; t < n; t++) vt[t] = kv_skip(vp[t], d, ty);
+        pv_1(acc0 + d, p0, vt, n, hd - d, ty);
+        pv_1(acc1 + d, p1, vt, n, hd - d, ty);
+    }
 }
 
 /* pv_1 for four query vectors over the same n entries: every V element
  * loaded meets four probabilities. */
-static void pv_4(float *const *acc, const float *const *p, const float *const *vp, int n, int hd) {
+KV_INLINE void pv_4(float *const *acc, const float *const *p, const void *const *vp, int n, int hd,
+                    rk_dtype ty) {
     int d = 0;
 #ifdef __AVX2__
     for (; d + 32 <= hd; d += 32) {
@@ -404,7 +410,7 @@ static void pv_4(float *const *acc, const float *const *p, const float *const *v
         for (int t = 0; t < n; t++) {
             __m256 v[4];
             for (int j = 0; j < 4; j++) {
-                v[j] = _mm256_loadu_ps(vp[t] + d + 8 * j);
+                v[j] = kv_load8(vp[t], d + 8 * j, ty);
                 KEEP_IN_REGISTER(v[j]);
             }
             for (int i = 0; i < 4; i++) {
@@ -417,9 +423,50 @@ static void pv_4(float *const *acc, const float *const *p, const float *const *v
     }
 #endif
     if (d < hd) {
-        const float *vt[TILE];
-        for (int t = 0; t < n; t++) vt[t] = vp[t] + d;
-        for (int i = 0; i < 4; i++) pv_1(acc[i] + d, p[i], vt, n, hd - d);
+        const void *vt[TILE];
+        for (int t = 0; t < n; t++) vt[t] = kv_skip(vp[t], d, ty);
+        for (int i = 0; i < 4; i++) pv_1(acc[i] + d, p[i], vt, n, hd - d, ty);
+    }
+}
+
+/* P·V for the nv vectors v[0..nv) (at most four, of one kv head and the
+ * same count) over the first n entries of the tile. */
+KV_INLINE void pv_group_of(work *w, const int *v, int nv, int n, int hd, rk_dtype ty) {
+    const void *vp[TILE];
+    int off = w->koff[v[0]];
+    for (int t = 0; t < n; t++) vp[t] = kv_skip(w->vp[t], off, ty);
+    float *acc[4];
+    const float *p[4];
+    for (int i = 0; i < nv; i++) {
+        acc[i] = w->acc + (size_t)v[i] * hd;
+        p[i] = w->sc + (size_t)v[i] * (TILE + 8);
+    }
+    if (nv == 4) {
+        pv_4(acc, p, vp, n, hd, ty);
+        return;
+    }
+    int i = 0;
+    if (nv >= 2) {
+        pv_2(acc[0], acc[1], p[0], p[1], vp, n, hd, ty);
+        i = 2;
+    }
+    if (i < nv) pv_1(acc[i], p[i], vp, n, hd, ty);
+}
+
+/* The instances, one per type the tile's rows can have. */
+static void qk_group(work *w, const int *v, int nv, int n, int hd, float scale) {
+    switch (w->ty) {
+    case RK_DTYPE_F16: qk_group_of(w, v, nv, n, hd, scale, RK_DTYPE_F16); break;
+    case RK_DTYPE_BF16: qk_group_of(w, v, nv, n, hd, scale, RK_DTYPE_BF16); break;
+    default: qk_group_of(w, v, nv, n, hd, scale, RK_DTYPE_F32); break;
+    }
+}
+
+static void pv_group(work *w, const int *v, int nv, int n, int hd) {
+    switch (w->ty) {
+    case RK_DTYPE_F16: pv_group_of(w, v, nv, n, hd, RK_DTYPE_F16); break;
+    case RK_DTYPE_BF16: pv_group_of(w, v, nv, n, hd, RK_DTYPE_BF16); break;
+    default: pv_group_of(w, v, nv, n, hd, RK_DTYPE_F32); break;
     }
 }
 
@@ -467,30 +514,6 @@ static float softmax_update(work *w, int i, int n) {
     w->l[i] = w->l[i] * alpha + ls;
     w->m[i] = m_new;
     return alpha;
-}
-
-/* P·V for the nv vectors v[0..nv) (at most four, of one kv head and the
- * same count) over the first n entries of the tile. */
-static void pv_group(work *w, const int *v, int nv, int n, int hd) {
-    const float *vp[TILE];
-    int off = w->koff[v[0]];
-    for (int t = 0; t < n; t++) vp[t] = w->vp[t] + off;
-    float *acc[4];
-    const float *p[4];
-    for (int i = 0; i < nv; i++) {
-        acc[i] = w->acc + (size_t)v[i] * hd;
-        p[i] = w->sc + (size_t)v[i] * (TILE + 8);
-    }
-    if (nv == 4) {
-        pv_4(acc, p, vp, n, hd);
-        return;
-    }
-    int i = 0;
-    if (nv >= 2) {
-        pv_2(acc[0], acc[1], p[0], p[1], vp, n, hd);
-        i = 2;
-    }
-    if (i < nv) pv_1(acc[i], p[i], vp, n, hd);
 }
 
 /* The runs of one sequence (see rk_attn_batch), indexed from its first. */
@@ -684,25 +707,21 @@ static void make_src(const attn_ctx *c, int seq, int h0, int h1, kv_src *src) {
     }
 }
 
-static size_t work_bytes(int nq, int seg, int hd) {
-    size_t f =
-        2 * (size_t)TILE * seg + (size_t)nq * (TILE + 8) + 3 * (size_t)nq * hd + 4 * (size_t)nq;
+static size_t work_bytes(int nq, int hd) {
+    size_t f = (size_t)nq * (TILE + 8) + 3 * (size_t)nq * hd + 4 * (size_t)nq;
     return f * sizeof(float) + (2 * TILE + 2 * (size_t)nq) * sizeof(float *) +
            2 * (size_t)nq * sizeof(int) + 256;
 }
 
-static void work_init(work *w, void *mem, int nq, int seg, int hd) {
-    const float **pp = mem;
-    w->kp = pp;
-    w->vp = pp + TILE;
-    w->q = pp + 2 * TILE;
-    w->q0 = pp + 2 * TILE + nq;
+static void work_init(work *w, void *mem, int nq, int hd) {
+    const void **rows = mem;
+    w->kp = rows;
+    w->vp = rows + TILE;
+    const float **pp = (const float **)(rows + 2 * TILE);
+    w->q = pp;
+    w->q0 = pp + nq;
     w->qrun = -1;
-    float *f = (float *)(pp + 2 * TILE + 2 * nq);
-    w->kt = f;
-    f += (size_t)TILE * seg;
-    w->vt = f;
-    f += (size_t)TILE * seg;
+    float *f = (float *)(pp + 2 * nq);
     w->sc = f;
     f += (size_t)nq * (TILE + 8);
     w->m = f;
@@ -748,7 +767,7 @@ static void task_run(void *p, int ti, int tid) {
     const attn_task *t = &c->tasks[ti];
     int hd = c->head_dim, G = c->group;
     work w;
-    work_init(&w, rk_cpu_scratch(c->cpu, tid), c->nq_max, c->heads_max * hd, hd);
+    work_init(&w, rk_cpu_scratch(c->cpu, tid), c->nq_max, hd);
     kv_src src;
     make_src(c, t->seq, t->h0, t->h1, &src);
     seq_runs runs_mem;
@@ -791,7 +810,7 @@ static void merge_run(void *p, int ti, int tid) {
     const attn_task *t = &c->merges[ti];
     int hd = c->head_dim, G = c->group;
     work w;
-    work_init(&w, rk_cpu_scratch(c->cpu, tid), c->nq_max, c->heads_max * hd, hd);
+    work_init(&w, rk_cpu_scratch(c->cpu, tid), c->nq_max, hd);
     int n_parts = (c->kv_len[t->seq] + PART - 1) / PART;
     const float *base = c->partials + t->partial + (size_t)t->h0 * n_parts * G * (hd + 2);
     for (int pi = 0; pi < n_parts; pi++) {
@@ -878,7 +897,7 @@ static rk_status attn_run(attn_ctx *c, int n_seqs) {
     rk_status st =
         rk_cpu_reserve_shared(cpu, task_bytes + n_partials * sizeof(float) + run_bytes, &mem);
     if (st != RK_OK) return st;
-    st = rk_cpu_reserve_scratch(cpu, work_bytes(c->nq_max, c->heads_max * hd, hd));
+    st = rk_cpu_reserve_scratch(cpu, work_bytes(c->nq_max, hd));
     if (st != RK_OK) return st;
     attn_task *tasks = mem, *merges = tasks + n_tasks;
     c->partials = (float *)((unsigned char *)mem + task_bytes);
