@@ -326,25 +326,29 @@ typedef struct bf16_ctx {
     int n, k, m;
 } bf16_ctx;
 
-/* Row i of x rounded to BF16 by the instruction (16 at a time): the bits of
- * rk_cpu_from_f32 for every normal, zero, infinite or NaN value, and 0 of
+/* dst(n) = src(n) rounded to BF16 by the instruction, 16 at a time: the bits
+ * of rk_cpu_from_f32 for every normal, zero, infinite or NaN value, and 0 of
  * the same sign for a subnormal one, which is what _mm512_dpbf16_ps reads
  * the software's BF16 subnormal as. */
-RK_CPU_BF16_TARGET static void bf16_round_row(void *p, int i, int tid) {
-    (void)tid;
-    const bf16_ctx *c = p;
-    uint16_t *dst = c->xb + (size_t)i * c->xs;
-    const float *src = c->x + (size_t)i * c->k;
-    size_t j = 0, k = (size_t)c->k;
-    for (; j + 16 <= k; j += 16)
+RK_CPU_BF16_TARGET static void bf16_round(uint16_t *dst, const float *src, size_t n) {
+    size_t j = 0;
+    for (; j + 16 <= n; j += 16)
         _mm256_storeu_si256((__m256i *)(dst + j),
                             (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + j)));
-    if (j < k) {
-        __mmask16 m = (__mmask16)((1u << (k - j)) - 1);
+    if (j < n) {
+        __mmask16 m = (__mmask16)((1u << (n - j)) - 1);
         __m256i r = (__m256i)_mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + j));
         _mm256_mask_storeu_epi16(dst + j, m, r);
     }
-    memset(dst + k, 0, (c->xs - k) * sizeof(uint16_t));
+}
+
+/* Row i of x rounded to BF16, zero-padded to xs elements. */
+static void bf16_round_row(void *p, int i, int tid) {
+    (void)tid;
+    const bf16_ctx *c = p;
+    uint16_t *dst = c->xb + (size_t)i * c->xs;
+    bf16_round(dst, c->x + (size_t)i * c->k, (size_t)c->k);
+    memset(dst + c->k, 0, (c->xs - (size_t)c->k) * sizeof(uint16_t));
 }
 
 #define BF16_LOAD(p)       ((__m512bh)_mm512_loadu_si512(p))
@@ -451,7 +455,7 @@ RK_CPU_BF16_TARGET static void bf16_pack_quant(uint32_t *dst, const void *w, rk_
         int left = cols - 16 * g;
         for (int l = 0; l < 16 && l < left; l++) {
             dequant_rows(row, w, t, qpacked, k, c0 + 16 * g + l, 1);
-            rk_cpu_from_f32(rows16 + (size_t)l * k, row, RK_DTYPE_BF16, (size_t)k);
+            bf16_round(rows16 + (size_t)l * k, row, (size_t)k);
         }
         bf16_pack_group(dst, rows16, (size_t)k, k, g, left);
     }
