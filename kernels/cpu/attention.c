@@ -129,17 +129,17 @@ static void gather(const kv_src *src, rk_dtype dt, int t0, int n, int n_next, wo
  * kernel is written once as an always-inline body over ty and instantiated
  * per type by qk_group and pv_group, so every instance compiles to its type's
  * own loads. */
-#define KV_INLINE static inline __attribute__((always_inline))
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* Element e of a row of type ty, in f32. */
-KV_INLINE float kv_at(const void *row, int e, rk_dtype ty) {
+ALWAYS_INLINE float kv_at(const void *row, int e, rk_dtype ty) {
     if (ty == RK_DTYPE_F16) return rk_f16_to_f32(((const uint16_t *)row)[e]);
     if (ty == RK_DTYPE_BF16) return rk_bf16_to_f32(((const uint16_t *)row)[e]);
     return ((const float *)row)[e];
 }
 
 /* A row of type ty advanced by off elements. */
-KV_INLINE const void *kv_skip(const void *row, int off, rk_dtype ty) {
+ALWAYS_INLINE const void *kv_skip(const void *row, int off, rk_dtype ty) {
     return (const char *)row + (size_t)off * (ty == RK_DTYPE_F32 ? 4 : 2);
 }
 
@@ -151,7 +151,7 @@ KV_INLINE const void *kv_skip(const void *row, int off, rk_dtype ty) {
  * the others, so a score has the same bits in every blocking. */
 #ifdef __AVX2__
 /* Elements e..e+7 of a row of type ty, in f32. */
-KV_INLINE __m256 kv_load8(const void *row, int e, rk_dtype ty) {
+ALWAYS_INLINE __m256 kv_load8(const void *row, int e, rk_dtype ty) {
     if (ty == RK_DTYPE_F32) return _mm256_loadu_ps((const float *)row + e);
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + e));
     if (ty == RK_DTYPE_F16) return _mm256_cvtph_ps(h);
@@ -174,8 +174,8 @@ static inline __m256 reduce8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
 
 /* out[j] = scale * (sum[j] + the scalar tail of qs[j]·ks[j] over dims
  * [hd8, hd)) for eight dots whose 8-lane part is summed in sum. */
-KV_INLINE void finish8(const float *sum, const float *const *qs, const void *const *ks, int hd8,
-                       int hd, float scale, float *out, rk_dtype ty) {
+ALWAYS_INLINE void finish8(const float *sum, const float *const *qs, const void *const *ks, int hd8,
+                           int hd, float scale, float *out, rk_dtype ty) {
     for (int j = 0; j < 8; j++) {
         float a = sum[j];
         for (int e = hd8; e < hd; e++) a += qs[j][e] * kv_at(ks[j], e, ty);
@@ -185,8 +185,8 @@ KV_INLINE void finish8(const float *sum, const float *const *qs, const void *con
 
 /* The 8-lane parts of eight dots qs[j]·ks[j] without intrinsics (the
  * portable build): the same lanes and the same sum. */
-KV_INLINE void sum8_portable(float *sum, const float *const *qs, const void *const *ks, int hd8,
-                             rk_dtype ty) {
+ALWAYS_INLINE void sum8_portable(float *sum, const float *const *qs, const void *const *ks, int hd8,
+                                 rk_dtype ty) {
     for (int j = 0; j < 8; j++) {
         float lane[8] = {0};
         for (int e = 0; e < hd8; e += 8)
@@ -198,8 +198,8 @@ KV_INLINE void sum8_portable(float *sum, const float *const *qs, const void *con
 
 /* out[j] = scale * qs[j]·ks[j] for eight (query, key) pairs where the queries
  * come as two vectors x four keys (q0 q0 q0 q0 q1 q1 q1 q1). */
-KV_INLINE void dot8_2x4(const float *q0, const float *q1, const void *const *k, int hd, float scale,
-                        float *out, rk_dtype ty) {
+ALWAYS_INLINE void dot8_2x4(const float *q0, const float *q1, const void *const *k, int hd,
+                            float scale, float *out, rk_dtype ty) {
     int hd8 = hd & ~7;
     const float *qs[8] = {q0, q0, q0, q0, q1, q1, q1, q1};
     const void *ks[8] = {k[0], k[1], k[2], k[3], k[0], k[1], k[2], k[3]};
@@ -228,8 +228,8 @@ KV_INLINE void dot8_2x4(const float *q0, const float *q1, const void *const *k, 
 }
 
 /* out[j] = scale * q·k[j] for eight keys. */
-KV_INLINE void dot8_1x8(const float *q, const void *const *k, int hd, float scale, float *out,
-                        rk_dtype ty) {
+ALWAYS_INLINE void dot8_1x8(const float *q, const void *const *k, int hd, float scale, float *out,
+                            rk_dtype ty) {
     int hd8 = hd & ~7;
     const float *qs[8] = {q, q, q, q, q, q, q, q};
     float sum[8];
@@ -254,8 +254,8 @@ KV_INLINE void dot8_1x8(const float *q, const void *const *k, int hd, float scal
 
 /* out[4a + b] = scale * q[a]·k[b] for four query vectors x four keys: 16
  * chains, so every key row loaded meets four queries (the prefill case). */
-KV_INLINE void dot16_4x4(const float *const *q, const void *const *k, int hd, float scale,
-                         float *out, rk_dtype ty) {
+ALWAYS_INLINE void dot16_4x4(const float *const *q, const void *const *k, int hd, float scale,
+                             float *out, rk_dtype ty) {
 #ifdef __AVX2__
     int hd8 = hd & ~7;
     __m256 a[4][4];
@@ -297,7 +297,8 @@ KV_INLINE void dot16_4x4(const float *const *q, const void *const *k, int hd, fl
  * against the first n keys of the tile; rows of sc are TILE + 8 long. Keys
  * past n are padded with the last one (their scores are computed and
  * ignored). */
-KV_INLINE void qk_group_of(work *w, const int *v, int nv, int n, int hd, float scale, rk_dtype ty) {
+ALWAYS_INLINE void qk_group_of(work *w, const int *v, int nv, int n, int hd, float scale,
+                               rk_dtype ty) {
     const void *kp[TILE + 8];
     int off = w->koff[v[0]];
     for (int t = 0; t < n; t++) kp[t] = kv_skip(w->kp[t], off, ty);
@@ -331,7 +332,8 @@ KV_INLINE void qk_group_of(work *w, const int *v, int nv, int n, int hd, float s
 
 /* acc(hd) += sum over t < n of p[t] * v[t]: for every element an FMA chain in
  * t order (the same in pv_1, pv_2 and pv_4). */
-KV_INLINE void pv_1(float *acc, const float *p, const void *const *vp, int n, int hd, rk_dtype ty) {
+ALWAYS_INLINE void pv_1(float *acc, const float *p, const void *const *vp, int n, int hd,
+                        rk_dtype ty) {
     int d = 0;
 #ifdef __AVX2__
     for (; d + 64 <= hd; d += 64) {
@@ -365,8 +367,8 @@ KV_INLINE void pv_1(float *acc, const float *p, const void *const *vp, int n, in
 }
 
 /* pv_1 for two query vectors over the same n entries, sharing the V loads. */
-KV_INLINE void pv_2(float *acc0, float *acc1, const float *p0, const float *p1,
-                    const void *const *vp, int n, int hd, rk_dtype ty) {
+ALWAYS_INLINE void pv_2(float *acc0, float *acc1, const float *p0, const float *p1,
+                        const void *const *vp, int n, int hd, rk_dtype ty) {
     int d = 0;
 #ifdef __AVX2__
     for (; d + 32 <= hd; d += 32) {
@@ -399,8 +401,8 @@ KV_INLINE void pv_2(float *acc0, float *acc1, const float *p0, const float *p1,
 
 /* pv_1 for four query vectors over the same n entries: every V element
  * loaded meets four probabilities. */
-KV_INLINE void pv_4(float *const *acc, const float *const *p, const void *const *vp, int n, int hd,
-                    rk_dtype ty) {
+ALWAYS_INLINE void pv_4(float *const *acc, const float *const *p, const void *const *vp, int n,
+                        int hd, rk_dtype ty) {
     int d = 0;
 #ifdef __AVX2__
     for (; d + 32 <= hd; d += 32) {
@@ -431,7 +433,7 @@ KV_INLINE void pv_4(float *const *acc, const float *const *p, const void *const 
 
 /* P·V for the nv vectors v[0..nv) (at most four, of one kv head and the
  * same count) over the first n entries of the tile. */
-KV_INLINE void pv_group_of(work *w, const int *v, int nv, int n, int hd, rk_dtype ty) {
+ALWAYS_INLINE void pv_group_of(work *w, const int *v, int nv, int n, int hd, rk_dtype ty) {
     const void *vp[TILE];
     int off = w->koff[v[0]];
     for (int t = 0; t < n; t++) vp[t] = kv_skip(w->vp[t], off, ty);
