@@ -277,7 +277,9 @@ static void check_product(const float *y, const float *x, const float *wf, rk_dt
 
 /* Every instruction set this build and CPU have, and the packed weights
  * where the backend packs them (Q8_0, Q4_K, Q6_K with AVX-512 VNNI): the
- * same bound, and on the prefill side the bits of the weights as stored. */
+ * same bound, and on the prefill side the bits of the weights as stored.
+ * Packed weights take the integer kernels below RK_CPU_QPACK_MV_MAX_N rows,
+ * so their prefill side starts there. */
 static void check_paths(rk_dtype t, int n, int k, int m) {
     size_t rb = rk_dtype_row_bytes(t, (size_t)k);
     unsigned char *wq = malloc(rb * (size_t)m);
@@ -290,7 +292,7 @@ static void check_paths(rk_dtype t, int n, int k, int m) {
     for (size_t i = 0; i < (size_t)n * k; i++) x[i] = frand() * (i % 97 == 0 ? 8.0f : 1.0f);
     static const rk_cpu_isa isas[] = {RK_CPU_ISA_PORTABLE, RK_CPU_ISA_AVX2, RK_CPU_ISA_AVX512_VNNI,
                                       RK_CPU_ISA_AVX512_BF16};
-    int blas = rk_cpu_matmul_uses_blas(n, k, m, t);
+    int blas = rk_cpu_matmul_uses_blas(n, k, m, t), packed_blas = n >= RK_CPU_QPACK_MV_MAX_N;
     rk_backend *be;
     cr_assert_eq(rk_backend_create("cpu", 2, &be), RK_OK);
     int n_run = 0;
@@ -307,8 +309,8 @@ static void check_paths(rk_dtype t, int n, int k, int m) {
         cr_assert_eq(be->ops->pack(be, packed, wq, t, k, m), RK_OK);
         cr_assert_eq(be->ops->matmul_packed(be, yp, x, packed, t, n, k, m), RK_OK, "%s",
                      rk_error_message());
-        check_product(yp, x, wf, t, n, k, m, blas, isas[a], "packed");
-        if (blas)
+        check_product(yp, x, wf, t, n, k, m, packed_blas, isas[a], "packed");
+        if (packed_blas)
             cr_assert_arr_eq(y, yp, (size_t)n * m * sizeof(float),
                              "%s: packed prefill differs from the stored weights' bits",
                              rk_dtype_name(t));
@@ -338,7 +340,7 @@ Test(quant, every_matvec_path_matches_dequantized_f32_for_every_type) {
 Test(quant, packed_rows_do_not_depend_on_the_batch) {
     rk_backend *be;
     cr_assert_eq(rk_backend_create("cpu", 2, &be), RK_OK);
-    const int n = 9, k = 768, m = 75;
+    const int n = 41, k = 768, m = 75; /* all on the integer kernels: n < RK_CPU_QPACK_MV_MAX_N */
     int n_packed = 0;
     for (size_t t = 0; t < N_QTYPES; t++) {
         size_t bytes = be->ops->packed_bytes(be, k_qtypes[t], k, m);
@@ -356,7 +358,8 @@ Test(quant, packed_rows_do_not_depend_on_the_batch) {
         cr_assert_eq(be->ops->alloc(be, bytes, &packed), RK_OK);
         cr_assert_eq(be->ops->pack(be, packed, wq, k_qtypes[t], k, m), RK_OK);
         cr_assert_eq(be->ops->matmul_packed(be, ya, x, packed, k_qtypes[t], n, k, m), RK_OK);
-        const int subs[][2] = {{0, 1}, {8, 1}, {2, 2}, {3, 5}};
+        /* alone and in batches that the kernels take 1, 2, 3 and 4 rows at a time */
+        const int subs[][2] = {{0, 1}, {8, 1}, {2, 2}, {3, 5}, {4, 3}, {1, 7}};
         for (size_t b = 0; b < sizeof subs / sizeof subs[0]; b++) {
             int off = subs[b][0], n2 = subs[b][1];
             cr_assert_eq(
@@ -392,6 +395,7 @@ Test(quant, the_prefill_path_matches_dequantized_f32_for_every_type) {
     for (size_t t = 0; t < N_QTYPES; t++) {
         cr_assert(rk_cpu_matmul_uses_blas(40, 512, 70, k_qtypes[t]));
         check_paths(k_qtypes[t], 40, 512, 70);
+        check_paths(k_qtypes[t], RK_CPU_QPACK_MV_MAX_N, 512, 70);
     }
 }
 

@@ -221,6 +221,11 @@ static inline void rk_cpu_kq_scale_min(const uint8_t *s, int j, int *sc, int *m)
 /* 1 when weights of type t are packed here: the type has a packed layout and
  * the active instruction set is AVX-512 VNNI or above. */
 int rk_cpu_qpack_supported(rk_dtype t);
+/* Packed weights meet fewer rows of x than this in the integer kernels, which
+ * take four rows a pass (measured faster than dequantizing panels for the
+ * BF16 tile below about 128 rows), and this many or more on the prefill path;
+ * rk_cpu_matmul_uses_blas does not apply to them. */
+#define RK_CPU_QPACK_MV_MAX_N 128
 /* Bytes of w(m, k) packed; 0 for a type without a packed layout. */
 size_t rk_cpu_qpack_bytes(rk_dtype t, int k, int m);
 /* Pack group g (rows 8g .. 8g + 7) of w(m, k) into its place in dst. */

@@ -20,6 +20,8 @@
  * Where the CPU has AVX-512 BF16 (rk_cpu_isa_active), BF16 weights take a
  * tile kernel of their own for every n, and quantized weights take it on the
  * prefill side, instead of the sgemm panels: see "BF16 path" below.
+ * Quantized weights packed at load (matmul_packed, qpack.c) stay on their
+ * integer kernels up to RK_CPU_QPACK_MV_MAX_N rows instead of BLAS_MIN_N.
  * Every element of y is one dot product with a fixed order (see dot kernels),
  * whichever block, task or thread computes it, and whatever n is on this
  * path: a row of x gets the same bits alone or in a batch. (F32, F16 and
@@ -554,14 +556,13 @@ RK_CPU_BF16_TARGET static void bf16_pack_task(void *p, int task, int tid) {
  * rk_cpu_qpack_group. */
 static rk_status matmul_any(rk_cpu *cpu, float *y, const float *x, const void *w, rk_dtype wtype,
                             int qpacked, int n, int k, int m) {
+    int blas = qpacked ? n >= RK_CPU_QPACK_MV_MAX_N : rk_cpu_matmul_uses_blas(n, k, m, wtype);
 #ifdef RK_CPU_BF16_KERNELS
     if (rk_cpu_isa_active() == RK_CPU_ISA_AVX512_BF16 &&
-        (wtype == RK_DTYPE_BF16 ||
-         (rk_dtype_is_quant(wtype) && rk_cpu_matmul_uses_blas(n, k, m, wtype))))
+        (wtype == RK_DTYPE_BF16 || (rk_dtype_is_quant(wtype) && blas)))
         return matmul_bf16(cpu, y, x, w, NULL, wtype, qpacked, n, k, m);
 #endif
-    if (rk_cpu_matmul_uses_blas(n, k, m, wtype))
-        return matmul_blas(cpu, y, x, w, wtype, qpacked, n, k, m);
+    if (blas) return matmul_blas(cpu, y, x, w, wtype, qpacked, n, k, m);
     mv_ctx c = {y, x,    w,    wtype, n,       k,
                 m, NULL, NULL, NULL,  qpacked, mv_task_rows(m, rk_threadpool_size(cpu->pool))};
     if (rk_dtype_is_quant(wtype)) {
