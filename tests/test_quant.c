@@ -515,7 +515,7 @@ static void forward_logits(rk_model *m, const int32_t *ids, int batched, float *
     free(kv.v);
 }
 
-/* The prompt's logits from the prefill path (weights dequantized for the tile)
+/* The prompt's logits from the prefill path (weights dequantized by panels)
  * and from token-by-token decode (int8 activations) agree: both compute the
  * same products, up to the activations' 8-bit rounding in decode, which
  * compounds through the layers. Bounds, relative to the logits' RMS: the RMS
