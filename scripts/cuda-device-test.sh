@@ -52,6 +52,10 @@ PKGS=(libjansson-dev libjansson4 libcivetweb-dev libcivetweb1 libpcre2-dev libpc
       pkgconf pkgconf-bin libpkgconf3)
 SHARED_FILES=(models/stories260K.gguf models/stories260K.greedy200.txt
               tokenizers/qwen3/tokenizer.json)
+for q in Q8_0 Q4_0 Q4_K_M Q5_K_M Q6_K; do # the quantized reference-text test
+    SHARED_FILES+=("models/quantized/stories260K-wide-$q.gguf"
+                   "models/quantized/stories260K-wide-$q.llamacpp200.txt")
+done
 
 step() { printf '\n==== %s [%s]\n' "$*" "$(date +%T)"; }
 
