@@ -49,7 +49,7 @@ PKGS=(libjansson-dev libjansson4 libcivetweb-dev libcivetweb1 libpcre2-dev libpc
       libmbedcrypto7 libssh2-1 libopenblas-dev libopenblas0 libopenblas0-pthread
       libopenblas-pthread-dev libgfortran5 libquadmath0 libffi8 libssl3 libgssapi-krb5-2
       libkrb5-3 libk5crypto3 libkrb5support0 libcom-err2 libkeyutils1 zlib1g
-      pkgconf pkgconf-bin libpkgconf3)
+      libhiredis-dev libhiredis0.14 pkgconf pkgconf-bin libpkgconf3)
 SHARED_FILES=(models/stories260K.gguf models/stories260K.greedy200.txt
               tokenizers/qwen3/tokenizer.json)
 for q in Q8_0 Q4_0 Q4_K_M Q5_K_M Q6_K; do # the quantized reference-text test
