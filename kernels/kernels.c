@@ -330,7 +330,7 @@ rk_status rk_kv_check_write_slots(const rk_kv_cache *kv, const int32_t *slots, i
         if (slots[t] >= total)
             return rk_errorf(RK_ERR_INVALID, "kv_write: token %d slot %d out of range [0, %lld)", t,
                              slots[t], (long long)total);
-    int32_t dup;
+    int32_t dup = 0; /* set by sort_unique where it fails */
     if (sort_unique(slots, n_tokens, tmp, &dup) < 0)
         return rk_errorf(RK_ERR_INVALID, "kv_write: slot %d is written twice", dup);
     return RK_OK;
@@ -380,7 +380,7 @@ rk_status rk_kv_check_shift_slots(const rk_kv_cache *kv, const int32_t *src_slot
                              "rope_shift_copy: token %d slots %d -> %d out of range [0, %lld)", t,
                              src_slots[t], dst_slots[t], (long long)total);
     }
-    int32_t *ds = tmp, *ss = tmp + n_tokens, dup;
+    int32_t *ds = tmp, *ss = tmp + n_tokens, dup = 0; /* dup: set where sort_unique fails */
     if (sort_unique(dst_slots, n_tokens, ds, &dup) < 0)
         return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: destination slot %d is written twice",
                          dup);

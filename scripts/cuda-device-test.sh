@@ -27,6 +27,8 @@
 #       -DRAGKV_CUDA=ON, builds, tests and sanitizes, all within
 #       RAGKV_DEVICE_BUDGET_S seconds (default 480; each step is cut to what
 #       is left). RAGKV_DEVICE_QUICK=1: build and test_cuda only.
+#       RAGKV_DEVICE_CMAKE_ARGS: more configure arguments (say
+#       -DRAGKV_WERROR=OFF where that machine's newer compiler warns).
 #
 # Exit status: 0 when every step passed; otherwise the number of failed
 # steps (each step's status is in summary.txt).
@@ -289,7 +291,8 @@ EOF
     {
         cmake -S "$ROOT" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DRAGKV_CUDA=ON \
             -DCMAKE_CUDA_COMPILER="$cuda_compiler" -DCMAKE_CUDA_ARCHITECTURES="$cc" \
-            -DCMAKE_PREFIX_PATH="$prefix/usr" -DPKG_CONFIG_EXECUTABLE="$PKGCONF" &&
+            -DCMAKE_PREFIX_PATH="$prefix/usr" -DPKG_CONFIG_EXECUTABLE="$PKGCONF" \
+            ${RAGKV_DEVICE_CMAKE_ARGS:-} &&
             cmake --build "$build" -j "$(nproc)" --target test_cuda test_kernels
     } >>"$build_log" 2>&1 || rc=$?
     record "configure + build" "$rc" $((SECONDS - t0))
