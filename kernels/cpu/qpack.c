@@ -1,5 +1,6 @@
 /* kernels/cpu/qpack.c — Q8_0, Q4_K and Q6_K weights repacked once, at load,
- * for the decode kernels of CPUs with AVX-512 VNNI.
+ * for the integer kernels of CPUs with AVX-512 VNNI (decode, and every
+ * matmul below RK_CPU_QPACK_MV_MAX_N rows).
  *
  * The stored layout (kernels/cpu/quant.c) puts a row's blocks one after the
  * other, so a dot kernel meets one row at a time and spends a horizontal sum
@@ -279,7 +280,7 @@ void rk_cpu_qpack_dequant_rows(float *dst, const void *packed, rk_dtype t, int k
     }
 }
 
-/* ---------------------------------------------------------------- decode kernels */
+/* ---------------------------------------------------------------- integer kernels */
 
 #ifdef RK_CPU_VNNI_KERNELS
 #include <immintrin.h>
@@ -297,59 +298,59 @@ RK_CPU_VNNI_TARGET static inline __m256 f16x8(const uint8_t *p) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
 }
 
-/* The group at col against XR rows of x at once (XR = 1..4, a constant at
+/* The group at col against nr rows of x at once (nr = 1..4, a constant at
  * every call: the kernels are always inlined, so the row loops unroll and
  * their accumulators stay in registers). Each weight vector is loaded and
  * unpacked once and meets every row; a row's arithmetic -- its integer dot
  * products, then its float accumulations in block order -- is the same for
- * every XR, so a row of x gets the same bits alone or in any batch. */
+ * every nr, so a row of x gets the same bits alone or in any batch. */
 #define QPACK_INLINE static inline __attribute__((always_inline))
 #define XR_MAX       4
 
 RK_CPU_VNNI_TARGET QPACK_INLINE void rows_q8_0(const uint8_t *col, const rk_q8_block *const *x,
-                                               int XR, int nb, __m256 *out) {
+                                               int nr, int nb, __m256 *out) {
     __m256 acc[XR_MAX];
-    for (int r = 0; r < XR; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, col += 272) {
         const uint8_t *q = col + 16;
         __m256i s0[XR_MAX], s1[XR_MAX];
-        for (int r = 0; r < XR; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+        for (int r = 0; r < nr; r++) s0[r] = s1[r] = _mm256_setzero_si256();
         for (int c = 0; c < 8; c += 2) {
             __m256i w0 = _mm256_loadu_si256((const __m256i *)(q + 32 * c));
             __m256i w1 = _mm256_loadu_si256((const __m256i *)(q + 32 * c + 32));
-            for (int r = 0; r < XR; r++) {
+            for (int r = 0; r < nr; r++) {
                 s0[r] = DP(s0[r], w0, bcast4(x[r][b].q + 4 * c));
                 s1[r] = DP(s1[r], w1, bcast4(x[r][b].q + 4 * c + 4));
             }
         }
         __m256 d = f16x8(col);
-        for (int r = 0; r < XR; r++) {
+        for (int r = 0; r < nr; r++) {
             __m256i s = _mm256_sub_epi32(_mm256_add_epi32(s0[r], s1[r]),
                                          _mm256_set1_epi32(128 * x[r][b].sum));
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
                                      _mm256_mul_ps(d, _mm256_set1_ps(x[r][b].d)), acc[r]);
         }
     }
-    for (int r = 0; r < XR; r++) out[r] = acc[r];
+    for (int r = 0; r < nr; r++) out[r] = acc[r];
 }
 
 RK_CPU_VNNI_TARGET QPACK_INLINE void rows_q4_k(const uint8_t *col, const rk_q8_block *const *x,
-                                               int XR, int nb, __m256 *out) {
+                                               int nr, int nb, __m256 *out) {
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc[XR_MAX];
-    for (int r = 0; r < XR; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, col += 1184) {
         __m256 sacc[XR_MAX], macc[XR_MAX];
-        for (int r = 0; r < XR; r++) sacc[r] = macc[r] = _mm256_setzero_ps();
+        for (int r = 0; r < nr; r++) sacc[r] = macc[r] = _mm256_setzero_ps();
         for (int j = 0; j < 8; j++) {
             const uint8_t *q = col + Q4K_Q(j);
             __m256i s0[XR_MAX], s1[XR_MAX];
-            for (int r = 0; r < XR; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+            for (int r = 0; r < nr; r++) s0[r] = s1[r] = _mm256_setzero_si256();
             for (int t = 0; t < 4; t++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * t));
                 __m256i lo = _mm256_and_si256(v, m4),
                         hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                for (int r = 0; r < XR; r++) {
+                for (int r = 0; r < nr; r++) {
                     const rk_q8_block *xj = &x[r][8 * b + j];
                     s0[r] = DP(s0[r], lo, bcast4(xj->q + 4 * t));
                     s1[r] = DP(s1[r], hi, bcast4(xj->q + 16 + 4 * t));
@@ -358,7 +359,7 @@ RK_CPU_VNNI_TARGET QPACK_INLINE void rows_q4_k(const uint8_t *col, const rk_q8_b
             __m256i sc = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(col + 32 + 8 * j)));
             __m256 mn = _mm256_cvtepi32_ps(
                 _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(col + 96 + 8 * j))));
-            for (int r = 0; r < XR; r++) {
+            for (int r = 0; r < nr; r++) {
                 const rk_q8_block *xj = &x[r][8 * b + j];
                 __m256i s = _mm256_mullo_epi32(_mm256_add_epi32(s0[r], s1[r]), sc);
                 sacc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(xj->d), sacc[r]);
@@ -366,12 +367,12 @@ RK_CPU_VNNI_TARGET QPACK_INLINE void rows_q4_k(const uint8_t *col, const rk_q8_b
             }
         }
         __m256 d = f16x8(col), dmin = f16x8(col + 16);
-        for (int r = 0; r < XR; r++) {
+        for (int r = 0; r < nr; r++) {
             acc[r] = _mm256_fmadd_ps(sacc[r], d, acc[r]);
             acc[r] = _mm256_fnmadd_ps(macc[r], dmin, acc[r]);
         }
     }
-    for (int r = 0; r < XR; r++) out[r] = acc[r];
+    for (int r = 0; r < nr; r++) out[r] = acc[r];
 }
 
 /* The two high bits of chunk p (0..3) of a high-bit chunk, moved to bits 4, 5. */
@@ -387,26 +388,26 @@ RK_CPU_VNNI_TARGET static inline __m256i hi2(__m256i h, int p) {
 
 /* xs16[r]: 32 times the sum of each 16 activations of row r. */
 RK_CPU_VNNI_TARGET QPACK_INLINE void rows_q6_k(const uint8_t *col, const rk_q8_block *const *x,
-                                               const int32_t *const *xs16, int XR, int nb,
+                                               const int32_t *const *xs16, int nr, int nb,
                                                __m256 *out) {
     const __m256i m4 = _mm256_set1_epi8(15);
     __m256 acc[XR_MAX];
-    for (int r = 0; r < XR; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
     for (int b = 0; b < nb; b++, col += 1680) {
         __m256 sacc[XR_MAX];
-        for (int r = 0; r < XR; r++) sacc[r] = _mm256_setzero_ps();
+        for (int r = 0; r < nr; r++) sacc[r] = _mm256_setzero_ps();
         for (int j = 0; j < 8; j++) {
             const uint8_t *ql = col + Q6K_LO(j), *qh = col + Q6K_HI(j);
             __m256i h0 = _mm256_loadu_si256((const __m256i *)qh);
             __m256i h1 = _mm256_loadu_si256((const __m256i *)(qh + 32));
             __m256i sa[XR_MAX], sb[XR_MAX];
-            for (int r = 0; r < XR; r++) sa[r] = sb[r] = _mm256_setzero_si256();
+            for (int r = 0; r < nr; r++) sa[r] = sb[r] = _mm256_setzero_si256();
             for (int t = 0; t < 4; t++) {
                 __m256i v = _mm256_loadu_si256((const __m256i *)(ql + 32 * t));
                 __m256i lo = _mm256_or_si256(_mm256_and_si256(v, m4), hi2(h0, t));
                 __m256i hi =
                     _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(v, 4), m4), hi2(h1, t));
-                for (int r = 0; r < XR; r++) {
+                for (int r = 0; r < nr; r++) {
                     const rk_q8_block *xj = &x[r][8 * b + j];
                     sa[r] = DP(sa[r], lo, bcast4(xj->q + 4 * t));
                     sb[r] = DP(sb[r], hi, bcast4(xj->q + 16 + 4 * t));
@@ -415,7 +416,7 @@ RK_CPU_VNNI_TARGET QPACK_INLINE void rows_q6_k(const uint8_t *col, const rk_q8_b
             const uint8_t *sc = col + Q6K_SC + 16 * j;
             __m256i sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)sc));
             __m256i sc1 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 8)));
-            for (int r = 0; r < XR; r++) {
+            for (int r = 0; r < nr; r++) {
                 const int32_t *s16 = xs16[r] + 16 * b + 2 * j;
                 __m256i a = _mm256_sub_epi32(sa[r], _mm256_set1_epi32(s16[0]));
                 __m256i c = _mm256_sub_epi32(sb[r], _mm256_set1_epi32(s16[1]));
@@ -426,30 +427,30 @@ RK_CPU_VNNI_TARGET QPACK_INLINE void rows_q6_k(const uint8_t *col, const rk_q8_b
             }
         }
         __m256 d = f16x8(col + Q6K_D);
-        for (int r = 0; r < XR; r++) acc[r] = _mm256_fmadd_ps(sacc[r], d, acc[r]);
+        for (int r = 0; r < nr; r++) acc[r] = _mm256_fmadd_ps(sacc[r], d, acc[r]);
     }
-    for (int r = 0; r < XR; r++) out[r] = acc[r];
+    for (int r = 0; r < nr; r++) out[r] = acc[r];
 }
 
-/* y(XR rows from i0, columns 8 g ..) = rows i0 .. i0 + XR - 1 of x . the
+/* y(nr rows from i0, columns 8 g ..) = rows i0 .. i0 + nr - 1 of x . the
  * group at col (left of its 8 rows exist). */
 RK_CPU_VNNI_TARGET QPACK_INLINE void group_rows(float *y, const uint8_t *col, rk_dtype t,
                                                 const rk_q8_block *xq, const int32_t *xs16, int i0,
-                                                int XR, int k, int m, int g, int left) {
+                                                int nr, int k, int m, int g, int left) {
     int nb = k / (int)rk_dtype_block(t), nx = k / 32;
     const rk_q8_block *x[XR_MAX];
     const int32_t *s16[XR_MAX];
-    for (int r = 0; r < XR; r++) {
+    for (int r = 0; r < nr; r++) {
         x[r] = xq + (size_t)(i0 + r) * nx;
         s16[r] = xs16 ? xs16 + (size_t)(i0 + r) * (k / 16) : NULL; /* Q6_K only */
     }
     __m256 v[XR_MAX];
     switch (t) {
-    case RK_DTYPE_Q8_0: rows_q8_0(col, x, XR, nb, v); break;
-    case RK_DTYPE_Q4_K: rows_q4_k(col, x, XR, nb, v); break;
-    default: rows_q6_k(col, x, s16, XR, nb, v); break;
+    case RK_DTYPE_Q8_0: rows_q8_0(col, x, nr, nb, v); break;
+    case RK_DTYPE_Q4_K: rows_q4_k(col, x, nr, nb, v); break;
+    default: rows_q6_k(col, x, s16, nr, nb, v); break;
     }
-    for (int r = 0; r < XR; r++) {
+    for (int r = 0; r < nr; r++) {
         float *yi = y + (size_t)(i0 + r) * m + QR * g;
         if (left == QR)
             _mm256_storeu_ps(yi, v[r]);
