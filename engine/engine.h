@@ -116,7 +116,9 @@ int32_t rk_sampler_sample(rk_sampler *s, const float *logits);
 float rk_log_sum_exp(const float *logits, int n);
 
 /* The k most likely tokens of logits(n) with their natural-log probabilities
- * (log-softmax of the raw logits), most likely first. Returns how many were written. */
-int rk_logprobs_top(const float *logits, int n, int k, int32_t *out_ids, float *out_logprobs);
+ * (log-softmax of the raw logits: logit - lse, lse = rk_log_sum_exp(logits,
+ * n)), most likely first. Returns how many were written. */
+int rk_logprobs_top(const float *logits, int n, float lse, int k, int32_t *out_ids,
+                    float *out_logprobs);
 
 #endif

@@ -116,10 +116,10 @@ float rk_log_sum_exp(const float *logits, int n) {
     return mx + (float)log(sum);
 }
 
-int rk_logprobs_top(const float *logits, int n, int k, int32_t *out_ids, float *out_logprobs) {
+int rk_logprobs_top(const float *logits, int n, float lse, int k, int32_t *out_ids,
+                    float *out_logprobs) {
     if (k > n) k = n;
     if (k <= 0) return 0;
-    float lse = rk_log_sum_exp(logits, n);
     /* Insertion into a k-sized descending list; k is small (<= 20). */
     int have = 0;
     for (int i = 0; i < n; i++) {

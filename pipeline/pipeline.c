@@ -1262,13 +1262,14 @@ static void take_token(rk_service *svc, rk_request *r, const float *logits,
     if (hooks && hooks->on_logits) hooks->on_logits(hooks->ctx, ri, r->n_out, logits, hp->n_vocab);
     int32_t t = hooks && hooks->force_token ? hooks->force_token(hooks->ctx, ri, r->n_out) : -1;
     if (t < 0 || t >= hp->n_vocab) t = rk_sampler_sample(&s->sampler, logits);
-    /* Log-probabilities only where the request asks for them: each is a pass
-     * of exp over the whole vocabulary. */
+    /* Log-probabilities only where the request asks for them: the sum is a
+     * pass of exp over the whole vocabulary, taken once for both. */
     if (r->opt.n_logprobs > 0) {
-        rk_logprobs_top(logits, hp->n_vocab, r->opt.n_logprobs,
+        float lse = rk_log_sum_exp(logits, hp->n_vocab);
+        rk_logprobs_top(logits, hp->n_vocab, lse, r->opt.n_logprobs,
                         r->top_ids + (size_t)r->n_out * r->opt.n_logprobs,
                         r->top_logprobs + (size_t)r->n_out * r->opt.n_logprobs);
-        r->logprobs[r->n_out] = logits[t] - rk_log_sum_exp(logits, hp->n_vocab);
+        r->logprobs[r->n_out] = logits[t] - lse;
     }
     if (r->n_out == 0) r->t.ttft_ms = (rk_time_now() - s->t_start) * 1e3;
     r->out_tokens[r->n_out++] = t;
