@@ -49,5 +49,7 @@ int rk_cli_inspect(int argc, char **argv);
 int rk_cli_mkmodel(int argc, char **argv);
 int rk_cli_prewarm(int argc, char **argv);
 int rk_cli_cache(int argc, char **argv);
+/* `ragkv serve` (cli/serve.c). */
+int rk_serve_main(int argc, char **argv);
 
 #endif

@@ -8,7 +8,6 @@
 #include "bench/bench.h"
 #include "bench/eval.h"
 #include "cli/cli.h"
-#include "gateway/server.h"
 
 int rk_cli_parse_run(rk_cmdline *cl, rk_run_opts *run, const rk_settings *own, int n_own, int argc,
                      char **argv, int *out_exit) {

@@ -11,7 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gateway/server.h"
+#include "gateway/chat.h"
 
 #define FUZZ_MAX_CHUNKS 8
 #define FUZZ_MAX_TOKENS 4096

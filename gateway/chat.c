@@ -33,7 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gateway/server.h"
+#include "gateway/chat.h"
 
 const char *rk_chat_template_name(rk_chat_template t) {
     switch (t) {

@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "gateway/server.h"
+#include "gateway/api.h"
 
 /* ---------------------------------------------------------------- errors */
 

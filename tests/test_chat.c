@@ -10,7 +10,7 @@
 #include <string.h>
 
 #include "gateway/report.h"
-#include "gateway/server.h"
+#include "gateway/chat.h"
 #include "pipeline/pipeline.h"
 #include "tests/testutil.h"
 

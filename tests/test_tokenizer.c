@@ -8,7 +8,7 @@
 
 #include "engine/gguf.h"
 #include "engine/tokenizer.h"
-#include "gateway/gateway.h"
+#include "gateway/report.h"
 #include "tests/testutil.h"
 
 #define N_OF(a) (sizeof(a) / sizeof((a)[0]))

@@ -1,0 +1,37 @@
+/* gateway/chat.h — chat templates: a parsed chat request rendered into the
+ * three kinds of pieces the pipeline tokenizes separately (gateway/chat.c
+ * describes the layout). Pure functions, safe from any thread. */
+#ifndef RK_CHAT_H
+#define RK_CHAT_H
+
+#include "gateway/api.h"
+
+/* ---------------------------------------------------------------- chat templates */
+
+typedef enum rk_chat_template {
+    RK_CHAT_CHATML = 0, /* <|im_start|>role\n...<|im_end|> (Qwen2, Qwen3) */
+    RK_CHAT_LLAMA3 = 1, /* <|start_header_id|>role<|end_header_id|>\n\n...<|eot_id|> */
+    RK_CHAT_LLAMA2 = 2, /* [INST] <<SYS>>...<</SYS>> ... [/INST] */
+} rk_chat_template;
+
+/* Name of a template: "chatml", "llama3", "llama2". */
+const char *rk_chat_template_name(rk_chat_template t);
+
+/* Choose a template: from the GGUF tokenizer.chat_template text when given
+ * (NULL when absent), else from the architecture name ("qwen2", "qwen3":
+ * ChatML) and the vocabulary (has_llama3_tokens: <|start_header_id|> exists),
+ * else Llama-2. */
+rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
+                                         int has_llama3_tokens);
+
+/* Render a parsed chat request into req->pieces around the document turn
+ * (the first user message with documents, else the last one): the system
+ * piece is the template's system part, the turns before it and its opening;
+ * the chunks are its documents, raw text; the question piece is the rest of
+ * it, every later turn and the assistant prefix, so a follow-up's layout
+ * extends the previous turn's. User messages are split on req->separator
+ * unless the `chunks` extension gave the first one's chunks. */
+rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks,
+                         rk_http_error *err);
+
+#endif

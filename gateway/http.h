@@ -1,0 +1,95 @@
+/* gateway/http.h — private to gateway/: the server object and the HTTP
+ * plumbing the route files share (server.c, generate.c, chunks.c).
+ *
+ * A req_ctx is one HTTP request on one thread; every send_* function writes
+ * its whole response (status, headers, body) on rc's connection and records
+ * the status for the log line. */
+#ifndef RK_GATEWAY_HTTP_H
+#define RK_GATEWAY_HTTP_H
+
+#include <civetweb.h>
+#include <jansson.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gateway/api.h"
+#include "gateway/chat.h"
+#include "gateway/server.h"
+#include "gateway/stats.h"
+#include "pipeline/scheduler.h"
+
+struct rk_server {
+    rk_server_options o;
+    struct mg_context *ctx;
+    rk_scheduler *engine;
+    rk_stats *stats;
+    int port;
+    atomic_int stopping;
+    atomic_int in_flight; /* requests being handled */
+    atomic_int admitted;  /* of those, the ones counted against request_slots */
+    int request_slots;    /* http_threads, resolved */
+    atomic_ullong counter;
+    double started_unix;
+    rk_scheduler_state last_state; /* as rk_server_poll last saw it */
+    /* Model facts computed once the engine is ready (under info_mu). */
+    pthread_mutex_t info_mu;
+    int have_info;
+    char model_name[256];
+    rk_chat_template tmpl;
+};
+typedef struct rk_server server;
+
+/* What one HTTP request is: for the log line. */
+typedef struct req_ctx {
+    server *S;
+    struct mg_connection *conn;
+    const char *method, *path; /* path: percent-decoded */
+    int head;                  /* a HEAD request: headers only */
+    char id[40];
+    double t0;
+    int status;
+    char detail[512]; /* extra log fields */
+} req_ctx;
+
+/* A fresh 64-bit random number (ids, seeds). Any thread. */
+uint64_t rk_gw_random(server *S);
+
+/* Responses: headers (length -1: none, the body is streamed), a text body,
+ * a JSON body (the reference is taken; 503 adds Retry-After), errors in the
+ * API's envelope. */
+void rk_gw_send_headers(req_ctx *rc, int status, const char *type, long long length,
+                        const char *retry_after);
+void rk_gw_send_text(req_ctx *rc, int status, const char *type, const char *body, size_t len,
+                     const char *retry_after);
+void rk_gw_send_json(req_ctx *rc, int status, json_t *body);
+json_t *rk_gw_error_body(const rk_http_error *e); /* new reference */
+void rk_gw_send_error(req_ctx *rc, const rk_http_error *e);
+void rk_gw_send_errorf(req_ctx *rc, int status, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Read the body (at most max_body_bytes), which must arrive within
+ * request_timeout_s. Returns 0 and a malloc'ed NUL-terminated buffer, or -1
+ * after sending 413, 408 (too slow) or 400 (the client ended it short). */
+int rk_gw_read_body(req_ctx *rc, char **out, size_t *out_len);
+
+/* The service when the model is ready (NULL otherwise), with the served
+ * name and chat template computed on first use. */
+rk_service *rk_gw_ready_service(server *S);
+
+/* 503: loading, failed to load, or shutting down. */
+void rk_gw_send_not_ready(req_ctx *rc);
+
+/* Run fn(arg) on a thread with a 4 MiB stack and wait: CivetWeb's workers
+ * have small stacks. Returns -1 when no thread could be started. */
+int rk_gw_run_big_stack(void (*fn)(void *), void *arg);
+
+/* The routes of generate.c and chunks.c; each answers and returns 0. */
+int rk_gw_handle_generate(req_ctx *rc, int chat);
+int rk_gw_handle_prewarm(req_ctx *rc);
+int rk_gw_handle_list(req_ctx *rc);
+int rk_gw_handle_chunk_key(req_ctx *rc, const char *hex, int del);
+int rk_gw_handle_flush(req_ctx *rc);
+
+#endif
