@@ -51,6 +51,10 @@ typedef struct rk_parse_limits {
      * none or "auto": as rk_req_options takes it. */
     int repair_k;
     float repair_ratio;
+    /* The separator a chat body's user messages are split on when the body
+     * names none (`--chat-separator`); NULL or "" = chat messages are not
+     * split unless the body sets "separator". */
+    const char *chat_separator;
 } rk_parse_limits;
 
 typedef enum rk_chat_role {
@@ -62,6 +66,10 @@ typedef enum rk_chat_role {
 typedef struct rk_chat_msg {
     rk_chat_role role;
     char *content; /* malloc'ed, NUL-terminated (text parts joined) */
+    /* Its documents: content parts marked "ragkv_chunk": true, in order
+     * (malloc'ed, as the array); ids are all NULL (parts carry none). */
+    char **docs;
+    int n_docs;
 } rk_chat_msg;
 
 /* A validated POST /v1/completions or /v1/chat/completions body. */
@@ -74,12 +82,17 @@ typedef struct rk_api_request {
     int n_stop;
     char *model;                          /* NULL when absent */
     char separator[RK_SEPARATOR_MAX + 1]; /* "##" unless given */
-    rk_split pieces;                      /* completion: filled by the parser; chat: by render */
-    int have_pieces;                      /* pieces holds strings (free them) */
+    /* Chat: user messages are split on separator (the body set "separator",
+     * or the server has a chat separator); completions always split. */
+    int split_chat;
+    rk_split pieces;   /* completion: filled by the parser; chat: by render */
+    int have_pieces;   /* pieces holds strings (free them) */
     char **chunk_ids;  /* (pieces.n_chunks) ids given as {"id", "text"}, or NULL */
     rk_chat_msg *msgs; /* (n_msgs) chat only */
     int n_msgs;
-    char **chat_chunks; /* (n_chat_chunks) the `chunks` extension of a chat body */
+    /* (n_chat_chunks) a chat body's documents: the `chunks` extension or the
+     * top-level `documents` array (vLLM's), both the first user message's. */
+    char **chat_chunks;
     char **chat_chunk_ids;
     int n_chat_chunks;
     int chat_chunks_given;

@@ -338,7 +338,9 @@ static void prep_generation(void *arg) {
     server *S = p->S;
     gen *g = p->g;
     rk_http_error *err = &p->err;
-    rk_parse_limits lim = {.max_chunks = S->o.cfg.max_chunks, .max_tokens = S->o.cfg.max_tokens};
+    rk_parse_limits lim = {.max_chunks = S->o.cfg.max_chunks,
+                           .max_tokens = S->o.cfg.max_tokens,
+                           .chat_separator = S->o.chat_separator};
     (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio); /* validated */
     if (rk_api_parse(p->body, p->len, p->chat, &lim, &g->api, err)) return;
     rk_service *svc = g->svc;
@@ -347,6 +349,14 @@ static void prep_generation(void *arg) {
                        g->api.model, S->model_name);
         return;
     }
+    const rk_sampler_params *sp = &g->api.opt.sampling;
+    int n_vocab = rk_model_hparams(svc->model)->n_vocab;
+    for (int i = 0; i < sp->n_logit_bias; i++)
+        if (sp->logit_bias[i].token >= n_vocab) {
+            rk_http_errorf(err, 400, "'logit_bias': token %d is not in the vocabulary (0 to %d)",
+                           sp->logit_bias[i].token, n_vocab - 1);
+            return;
+        }
     if (p->chat && rk_chat_render(S->tmpl, &g->api, S->o.cfg.max_chunks, err)) return;
     if (!g->api.seed_given) g->api.opt.sampling.seed = rk_gw_random(S);
     g->job = malloc(sizeof *g->job);
