@@ -579,7 +579,8 @@ Test(http, miss_then_hit_shows_in_stats_and_metrics) {
     cr_assert_eq(r.http.status, 200);
     cr_assert(strstr(header(&r, "Content-Type"), "text/plain"));
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_lookups_total"), 2);
-    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total"), 1);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"arena\"}"), 1);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"prefix\"}"), 0);
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_misses_total"), 1);
     cr_assert(metric(r.http.body, "ragkv_chunk_hit_tokens_total") > 0);
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_hit_tokens_total"),
@@ -849,7 +850,8 @@ Test(http, stream_frames_events_and_matches_the_whole_text) {
 
 Test(http, chat_completion_with_chunks_in_the_message_and_as_extension) {
     const char *msgs = "\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, "
-                       "{\"role\": \"user\", \"content\": \"Doc A.##Doc B.##What?\"}]";
+                       "{\"role\": \"user\", \"content\": \"Doc A.##Doc B.##What?\"}], "
+                       "\"separator\": \"##\"";
     resp r = postf("/v1/chat/completions", "{%s, \"max_tokens\": 5, \"temperature\": 0}", msgs);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "object"), "chat.completion");
@@ -875,8 +877,7 @@ Test(http, chat_completion_with_chunks_in_the_message_and_as_extension) {
     resp_free(&e);
     resp_free(&st);
     resp bad = post("/v1/chat/completions",
-                    "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": "
-                    "\"assistant\", \"content\": \"yo\"}]}");
+                    "{\"messages\": [{\"role\": \"assistant\", \"content\": \"yo\"}]}");
     expect_error(&bad, 400);
     resp_free(&bad);
 }
@@ -1661,4 +1662,273 @@ Test(http_opts, config_file_environment_and_flags_take_precedence_in_order, .tim
               strstr(out, "--print-config"));
     free(out);
     free(dir);
+}
+
+/* ================================================================ OpenAI request fields */
+
+/* The ids a completion generated (ragkv.completion_ids), into out; returns how many. */
+static int completion_ids(json_t *j, int32_t *out, int cap) {
+    json_t *ids = jget(j, "ragkv.completion_ids");
+    cr_assert(json_is_array(ids), "no completion_ids");
+    int n = (int)json_array_size(ids);
+    for (int i = 0; i < n && i < cap; i++)
+        out[i] = (int32_t)json_integer_value(json_array_get(ids, i));
+    return n < cap ? n : cap;
+}
+
+/* A completion of "x" with extra fields (a JSON fragment starting with a
+ * comma, or ""), 10 tokens without stopping; its generated ids into out. */
+static int complete_ids(const char *extra, int32_t *out) {
+    resp r = postf("/v1/completions",
+                   "{\"prompt\": \"The cat\", \"max_tokens\": 10, \"ignore_eos\": true%s}", extra);
+    cr_assert_eq(r.http.status, 200, "%s -> %s", extra, r.http.body);
+    int n = completion_ids(r.json, out, 10);
+    resp_free(&r);
+    cr_assert_eq(n, 10);
+    return n;
+}
+
+/* logit_bias -100 bans a token; a +100 bias makes greedy repeat a token, and
+ * penalties over the generated tokens move it off; one seed, one output. */
+Test(http, logit_bias_and_penalties_act_on_the_generated_tokens) {
+    int32_t base[10], out[10], again[10];
+    char extra[256];
+    complete_ids(", \"temperature\": 0", base);
+    snprintf(extra, sizeof extra, ", \"temperature\": 0, \"logit_bias\": {\"%d\": -100}", base[0]);
+    complete_ids(extra, out);
+    for (int i = 0; i < 10; i++)
+        cr_expect_neq(out[i], base[0], "banned token %d at %d", base[0], i);
+    /* Bias +100 on one token: greedy gives it every time. */
+    int32_t a = base[1] != base[0] ? base[1] : (base[0] + 1) % 256;
+    snprintf(extra, sizeof extra, ", \"temperature\": 0, \"logit_bias\": {\"%d\": 100}", a);
+    complete_ids(extra, out);
+    for (int i = 0; i < 10; i++) cr_assert_eq(out[i], a, "step %d: %d", i, out[i]);
+    /* With the penalties, the first token (no history) is still it; the
+     * second is not: (100 + l) / 100 - 2 - 2 is below every other logit the
+     * model gives here. */
+    snprintf(extra, sizeof extra,
+             ", \"temperature\": 0, \"logit_bias\": {\"%d\": 100}, \"presence_penalty\": 2, "
+             "\"frequency_penalty\": 2, \"repetition_penalty\": 100",
+             a);
+    complete_ids(extra, out);
+    cr_expect_eq(out[0], a);
+    cr_expect_neq(out[1], a);
+    /* Sampled with every adjustment: the same seed gives the same tokens. */
+    snprintf(extra, sizeof extra,
+             ", \"temperature\": 0.9, \"seed\": 42, \"logit_bias\": {\"%d\": -100}, "
+             "\"presence_penalty\": 0.5, \"frequency_penalty\": 0.7, \"repetition_penalty\": 1.2",
+             base[0]);
+    complete_ids(extra, out);
+    complete_ids(extra, again);
+    cr_expect_eq(memcmp(out, again, sizeof out), 0, "one seed, two outputs");
+    for (int i = 0; i < 10; i++) cr_expect_neq(out[i], base[0]);
+    /* The chat route takes them too. */
+    snprintf(extra, sizeof extra,
+             "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 6, "
+             "\"temperature\": 0, \"ignore_eos\": true, \"logit_bias\": {\"%d\": 100}}",
+             a);
+    resp r = post("/v1/chat/completions", extra);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(completion_ids(r.json, out, 10), 6);
+    for (int i = 0; i < 6; i++) cr_expect_eq(out[i], a);
+    resp_free(&r);
+}
+
+/* A value out of range, or a field ragkv does not implement asked to do
+ * something, is a 400 whose message names the field; the values that ask for
+ * nothing, and `user`, are accepted. */
+Test(http, unsupported_and_out_of_range_fields_are_400_naming_the_field) {
+    static const char *bad[][2] = {
+        {"\"presence_penalty\": 2.5", "presence_penalty"},
+        {"\"frequency_penalty\": -3", "frequency_penalty"},
+        {"\"repetition_penalty\": 0", "repetition_penalty"},
+        {"\"logit_bias\": {\"abc\": 1}", "logit_bias"},
+        {"\"logit_bias\": {\"5\": 101}", "logit_bias"},
+        {"\"logit_bias\": {\"16777215\": -100}", "logit_bias"},
+        {"\"logit_bias\": [1]", "logit_bias"},
+        {"\"n\": 2", "'n'"},
+        {"\"best_of\": 3", "best_of"},
+        {"\"suffix\": \"end\"", "suffix"},
+        {"\"echo\": true", "echo"},
+        {"\"store\": true", "store"},
+        {"\"metadata\": {\"k\": \"v\"}", "metadata"},
+        {"\"service_tier\": \"flex\"", "service_tier"},
+        {"\"modalities\": [\"text\", \"audio\"]", "modalities"},
+        {"\"audio\": {\"voice\": \"alloy\", \"format\": \"wav\"}", "audio"},
+        {"\"prediction\": {\"type\": \"content\", \"content\": \"x\"}", "prediction"},
+        {"\"reasoning_effort\": \"low\"", "reasoning_effort"},
+        {"\"functions\": [{\"name\": \"f\"}]", "functions"},
+        {"\"function_call\": \"auto\"", "function_call"},
+        {"\"parallel_tool_calls\": true", "parallel_tool_calls"},
+        {"\"web_search_options\": {}", "web_search_options"},
+        {"\"verbosity\": \"low\"", "verbosity"},
+        {"\"user\": 5", "user"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        for (int chat = 0; chat < 2; chat++) {
+            resp r = chat ? postf("/v1/chat/completions",
+                                  "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+                                  "\"max_tokens\": 1, %s}",
+                                  bad[i][0])
+                          : postf("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1, %s}",
+                                  bad[i][0]);
+            expect_error(&r, 400);
+            cr_expect_not_null(strstr(jstr(r.json, "error.message"), bad[i][1]), "%s: %s",
+                               bad[i][0], jstr(r.json, "error.message"));
+            resp_free(&r);
+        }
+    }
+    resp r = post("/v1/chat/completions",
+                  "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_tokens\": 1, "
+                  "\"n\": 1, \"best_of\": 1, \"user\": \"u-1\", \"store\": false, \"metadata\": "
+                  "{}, \"service_tier\": \"auto\", \"modalities\": [\"text\"], \"suffix\": null, "
+                  "\"echo\": false, \"parallel_tool_calls\": false, \"safety_identifier\": \"s\", "
+                  "\"prompt_cache_key\": \"k\", \"presence_penalty\": -2, \"frequency_penalty\": "
+                  "2, \"repetition_penalty\": 1, \"logit_bias\": {}}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    resp_free(&r);
+}
+
+/* Chat documents: "##" in a message is text unless the body names a
+ * separator; the `documents` array and ragkv_chunk parts are chunks, cached
+ * by content like the `chunks` extension's. */
+Test(http, chat_documents_come_as_documents_parts_or_an_asked_separator) {
+    resp r = post("/v1/chat/completions",
+                  "{\"messages\": [{\"role\": \"user\", \"content\": \"## Summary\\nThe cat "
+                  "sat.\\n## Details\\nOn the mat.\"}], \"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 0, "%s", r.http.body);
+    check_invariants(r.json);
+    resp_free(&r);
+    r = post("/v1/chat/completions",
+             "{\"messages\": [{\"role\": \"user\", \"content\": \"Doc one.##Doc two.##Q?\"}], "
+             "\"separator\": \"##\", \"max_tokens\": 2}");
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
+    char key[2][40];
+    snprintf(key[0], sizeof key[0], "%s", jstr(r.json, "ragkv.chunks.0.key"));
+    snprintf(key[1], sizeof key[1], "%s", jstr(r.json, "ragkv.chunks.1.key"));
+    resp_free(&r);
+    /* The same documents as `documents`, then as ragkv_chunk parts: the same
+     * keys, found in the cache. */
+    r = post("/v1/chat/completions",
+             "{\"messages\": [{\"role\": \"user\", \"content\": \"Other?\"}], \"documents\": "
+             "[{\"id\": \"d1\", \"text\": \"Doc one.\"}, {\"content\": \"Doc two.\"}], "
+             "\"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
+    for (int k = 0; k < 2; k++) {
+        char path[32];
+        snprintf(path, sizeof path, "ragkv.chunks.%d.key", k);
+        cr_expect_str_eq(jstr(r.json, path), key[k]);
+        snprintf(path, sizeof path, "ragkv.chunks.%d.status", k);
+        cr_expect_str_eq(jstr(r.json, path), "hit");
+    }
+    resp_free(&r);
+    r = post(
+        "/v1/chat/completions",
+        "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": "
+        "\"Doc two.\", \"ragkv_chunk\": true}, {\"type\": \"text\", \"text\": \"## Third?\"}]}], "
+        "\"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 1, "%s", r.http.body);
+    cr_expect_str_eq(jstr(r.json, "ragkv.chunks.0.key"), key[1]);
+    cr_expect_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    resp_free(&r);
+}
+
+/* A chat whose last message is the assistant's continues it: the pieces are
+ * the template's turns with that message left open, so the greedy answer is
+ * the one /v1/completions gives for the same system and question pieces. */
+Test(http, a_last_assistant_message_is_continued) {
+    resp m = get("/v1/models");
+    const char *tmpl = jstr(m.json, "data.0.ragkv.chat_template");
+    const char *sys, *question;
+    if (!strcmp(tmpl, "chatml")) {
+        sys = "<|im_start|>user\\n";
+        question = "Tell me a story<|im_end|>\\n<|im_start|>assistant\\nOnce upon";
+    } else if (!strcmp(tmpl, "llama3")) {
+        sys = "<|start_header_id|>user<|end_header_id|>\\n\\n";
+        question = "Tell me a story<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n"
+                   "Once upon";
+    } else {
+        sys = "[INST] ";
+        question = "Tell me a story [/INST] Once upon";
+    }
+    resp chat = post("/v1/chat/completions",
+                     "{\"messages\": [{\"role\": \"user\", \"content\": \"Tell me a story\"}, "
+                     "{\"role\": \"assistant\", \"content\": \"Once upon\"}], \"max_tokens\": 8, "
+                     "\"temperature\": 0, \"ignore_eos\": true}");
+    cr_assert_eq(chat.http.status, 200, "%s", chat.http.body);
+    resp comp = postf("/v1/completions",
+                      "{\"system\": \"%s\", \"question\": \"%s\", \"max_tokens\": 8, "
+                      "\"temperature\": 0, \"ignore_eos\": true}",
+                      sys, question);
+    cr_assert_eq(comp.http.status, 200, "%s", comp.http.body);
+    cr_assert_eq(jint(chat.json, "usage.prompt_tokens"), jint(comp.json, "usage.prompt_tokens"));
+    cr_assert(json_equal(jget(chat.json, "ragkv.completion_ids"),
+                         jget(comp.json, "ragkv.completion_ids")),
+              "%s\n%s", chat.http.body, comp.http.body);
+    resp_free(&m);
+    resp_free(&chat);
+    resp_free(&comp);
+}
+
+/* An exact repeat served from the whole-sequence cache counts its chunks as
+ * hits from the prefix: /v1/stats and /metrics agree with the responses. */
+Test(http, chunks_reused_with_a_sequence_count_as_prefix_hits) {
+    const char *body = "{\"prompt\": \"S##alpha beta##gamma delta##Q?\", \"max_tokens\": 3, "
+                       "\"temperature\": 0}";
+    int hits = 0, misses = 0, prefix = 0;
+    for (int i = 0; i < 2; i++) {
+        resp r = post("/v1/completions", body);
+        cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+        json_t *chunks = jget(r.json, "ragkv.chunks");
+        for (size_t k = 0; k < json_array_size(chunks); k++) {
+            json_t *c = json_array_get(chunks, k);
+            const char *st = json_string_value(json_object_get(c, "status"));
+            const char *src = json_string_value(json_object_get(c, "source"));
+            hits += !strcmp(st, "hit");
+            misses += !strcmp(st, "miss");
+            prefix += !strcmp(src, "prefix");
+        }
+        resp_free(&r);
+    }
+    cr_assert_eq(misses, 2);
+    cr_assert_eq(hits, 2);
+    cr_assert_eq(prefix, 2, "the repeat reuses the first sequence, chunks included");
+    resp r = get("/v1/stats");
+    cr_assert_eq(jint(r.json, "chunks.lookups"), 4);
+    cr_assert_eq(jint(r.json, "chunks.hits"), 2);
+    cr_assert_eq(jint(r.json, "chunks.misses"), 2);
+    cr_assert_eq(jint(r.json, "chunks.hits_by_source.prefix"), 2);
+    cr_assert_eq(jint(r.json, "chunks.hits_by_source.arena"), 0);
+    cr_assert_eq(json_real_value(jget(r.json, "chunks.hit_rate")), 0.5);
+    cr_assert_eq(jint(r.json, "chunks.windows.1m.hits"), 2);
+    resp_free(&r);
+    r = get("/metrics");
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_lookups_total"), 4);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"prefix\"}"), 2);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"arena\"}"), 0);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"disk\"}"), 0);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_misses_total"), 2);
+    resp_free(&r);
+}
+
+/* --chat-separator splits chat messages for every request that names no
+ * separator; an invalid one stops the server from starting. */
+Test(http_opts, a_server_chat_separator_splits_chat_messages, .fini = stop_server, .timeout = 300) {
+    const char *args[] = {"--chat-separator", "##", NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    resp r = post("/v1/chat/completions",
+                  "{\"messages\": [{\"role\": \"user\", \"content\": \"Doc one.##Q?\"}], "
+                  "\"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 1, "%s", r.http.body);
+    resp_free(&r);
+    char *out;
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "%s serve --port 0 --chat-separator 'a\\b' 2>&1", RK_BIN);
+    cr_assert_neq(rk_test_run(cmd, &out), 0);
+    cr_assert(strstr(out, "chat_separator"), "%s", out);
+    free(out);
 }
