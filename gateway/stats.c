@@ -34,8 +34,9 @@ struct rk_stats {
     minute_bucket minutes[N_MINUTES];
     uint64_t chunk_hits[RK_CHUNK_SOURCE_PREFIX + 1]; /* per rk_chunk_source (COMPUTED unused) */
     uint64_t chunk_misses;
-    uint64_t status_counts[600]; /* per HTTP status */
-    uint64_t requests_done;      /* finished generations */
+    uint64_t chunk_hit_tokens, chunk_computed_tokens; /* the tokens of those chunks */
+    uint64_t status_counts[600];                      /* per HTTP status */
+    uint64_t requests_done;                           /* finished generations */
     uint64_t prompt_tokens, cached_tokens, completion_tokens;
     int in_flight;
     rk_hist lookup, reindex, ttft, queue, total;
@@ -154,10 +155,12 @@ void rk_stats_record_request(rk_stats *s, const rk_request *r) {
         if (c->status == RK_CHUNK_STATUS_HIT && c->source > RK_CHUNK_SOURCE_COMPUTED &&
             c->source <= RK_CHUNK_SOURCE_PREFIX) {
             s->chunk_hits[c->source]++;
+            s->chunk_hit_tokens += (uint64_t)c->tokens;
             b->hits++;
         } else if (c->status == RK_CHUNK_STATUS_MISS ||
                    (c->status == RK_CHUNK_STATUS_HIT && c->source == RK_CHUNK_SOURCE_COMPUTED)) {
             s->chunk_misses++;
+            s->chunk_computed_tokens += (uint64_t)c->tokens;
             b->misses++;
         } else {
             continue; /* the chunk cache was off */
@@ -275,12 +278,12 @@ json_t *rk_stats_json(rk_stats *s) {
         "lookups", (json_int_t)lookups, "hits", (json_int_t)hits, "hits_by_source",
         hits_by_source_json(s), "misses", (json_int_t)s->chunk_misses, "hit_rate",
         ratio(hits, lookups), "windows", "1m", window_json(s, 1), "5m", window_json(s, 5), "60m",
-        window_json(s, 60), "hit_tokens", (json_int_t)ch->hit_tokens, "computed_tokens",
-        (json_int_t)ch->computed_tokens, "token_hit_rate",
-        ratio(ch->hit_tokens, ch->hit_tokens + ch->computed_tokens), "evictions", "capacity",
-        (json_int_t)ch->evictions, "manual", (json_int_t)c->chunk_removed, "evicted_tokens",
-        (json_int_t)ch->evicted_tokens, "entries", (json_int_t)ch->entries, "tokens",
-        (json_int_t)ch->tokens, "blocks", (json_int_t)ch->blocks, "bytes",
+        window_json(s, 60), "hit_tokens", (json_int_t)s->chunk_hit_tokens, "computed_tokens",
+        (json_int_t)s->chunk_computed_tokens, "token_hit_rate",
+        ratio(s->chunk_hit_tokens, s->chunk_hit_tokens + s->chunk_computed_tokens), "evictions",
+        "capacity", (json_int_t)ch->evictions, "manual", (json_int_t)c->chunk_removed,
+        "evicted_tokens", (json_int_t)ch->evicted_tokens, "entries", (json_int_t)ch->entries,
+        "tokens", (json_int_t)ch->tokens, "blocks", (json_int_t)ch->blocks, "bytes",
         (json_int_t)c->chunk_bytes, "referenced", (json_int_t)c->chunk_referenced);
     const rk_radix_stats *px = &c->prefix;
     uint64_t px_manual = c->prefix_flushed <= px->evictions ? c->prefix_flushed : px->evictions;
@@ -429,10 +432,12 @@ char *rk_stats_prometheus(rk_stats *s) {
             rk_chunk_source_name((rk_chunk_source)i), (unsigned long long)s->chunk_hits[i]);
     counter(&t, "ragkv_chunk_misses_total",
             "Chunks in finished requests that were computed (cache misses).", s->chunk_misses);
-    counter(&t, "ragkv_chunk_hit_tokens_total", "Prompt tokens served from cached chunks.",
-            c->chunk.hit_tokens);
-    counter(&t, "ragkv_chunk_computed_tokens_total", "Chunk tokens computed into the cache.",
-            c->chunk.computed_tokens);
+    counter(&t, "ragkv_chunk_hit_tokens_total",
+            "Tokens of the chunks counted in ragkv_chunk_hits_total (not computed).",
+            s->chunk_hit_tokens);
+    counter(&t, "ragkv_chunk_computed_tokens_total",
+            "Tokens of the chunks counted in ragkv_chunk_misses_total (computed).",
+            s->chunk_computed_tokens);
     counter(&t, "ragkv_prefix_queries_total", "System prompts matched against the prefix cache.",
             c->prefix.queries);
     counter(&t, "ragkv_prefix_hit_tokens_total",

@@ -1904,6 +1904,8 @@ Test(http, chunks_reused_with_a_sequence_count_as_prefix_hits) {
     cr_assert_eq(jint(r.json, "chunks.hits_by_source.arena"), 0);
     cr_assert_eq(json_real_value(jget(r.json, "chunks.hit_rate")), 0.5);
     cr_assert_eq(jint(r.json, "chunks.windows.1m.hits"), 2);
+    cr_assert_eq(jint(r.json, "chunks.hit_tokens"), jint(r.json, "chunks.computed_tokens"));
+    cr_assert_eq(json_real_value(jget(r.json, "chunks.token_hit_rate")), 0.5);
     resp_free(&r);
     r = get("/metrics");
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_lookups_total"), 4);
