@@ -41,6 +41,7 @@ const char *rk_http_error_type(int status);
 #define RK_STOP_MAX_BYTES 256  /* bytes per stop string */
 #define RK_MAX_MESSAGES   512  /* chat messages per request */
 #define RK_MAX_PREWARM    4096 /* chunks per POST /v1/chunks */
+#define RK_MAX_CHOICES    32   /* choices per request: n × prompts in a batch */
 
 /* Limits the parser enforces (the service's own limits on tokens are checked
  * later, when the pieces are tokenized). */
@@ -94,6 +95,17 @@ typedef struct rk_api_request {
      * top-level `documents` array (vLLM's), both the first user message's. */
     char **chat_chunks;
     char **chat_chunk_ids;
+    /* `n`: choices per prompt (1 unless given); each has its own index and
+     * seed (the request's + its number among its prompt's choices). */
+    int n_choices;
+    /* A completion's `prompt` as an array: a batch of n_prompts prompts, one
+     * choice (n_choices) each. Strings are split (batch); token-id lists are
+     * taken as written (batch_tokens, batch_lens). 0: the one prompt is in
+     * pieces. */
+    int n_prompts;
+    rk_split *batch;
+    int32_t **batch_tokens;
+    int *batch_lens;
     int n_chat_chunks;
     int chat_chunks_given;
 } rk_api_request;

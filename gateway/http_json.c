@@ -399,10 +399,15 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
         get_choice(root, "position_mode", "sequential", "parallel", &pos, err) ||
         parse_stop(root, out, err) || parse_repair(root, lim, o, err))
         return 1;
-    if (n != 1)
-        return rk_http_errorf(err, 400, "'n' must be 1: one choice per request is supported"), 1;
-    if (best_of != 1)
-        return rk_http_errorf(err, 400, "'best_of' must be 1: one completion per request"), 1;
+    if (n > RK_MAX_CHOICES)
+        return rk_http_errorf(err, 422, "'n' is %lld; at most %d choices per request", (long long)n,
+                              RK_MAX_CHOICES),
+               1;
+    if (best_of != 1 && best_of != n)
+        return rk_http_errorf(err, 400,
+                              "'best_of' must be 1 or equal to 'n': every completion is returned"),
+               1;
+    out->n_choices = (int)n;
     if (echo) return rk_http_errorf(err, 400, "'echo' is not supported"), 1;
     if (refuse_unsupported(root, err) || parse_penalties(root, &o->sampling, err)) return 1;
     json_t *cc = json_object_get(root, "chunk_cache");
@@ -519,6 +524,82 @@ static int parse_structured(json_t *root, const rk_parse_limits *lim, rk_api_req
     return failed;
 }
 
+/* A token-id list: *out (malloc'ed) and *n; ids are checked against the
+ * vocabulary when the request is prepared. */
+static int token_list(json_t *a, const char *what, int32_t **out, int *n, rk_http_error *err) {
+    size_t len = json_array_size(a);
+    if (len == 0) return rk_http_errorf(err, 400, "%s is an empty token list", what), 1;
+    if (len > (size_t)1 << 24) return rk_http_errorf(err, 422, "%s is too long", what), 1;
+    *out = malloc(len * sizeof **out);
+    if (!*out) return rk_http_errorf(err, 500, "out of memory"), 1;
+    *n = (int)len;
+    for (size_t i = 0; i < len; i++) {
+        json_t *v = json_array_get(a, i);
+        json_int_t id = json_is_integer(v) ? json_integer_value(v) : -1;
+        if (id < 0 || id >= (json_int_t)1 << 24)
+            return rk_http_errorf(err, 400, "%s[%zu] must be a token id (a non-negative integer)",
+                                  what, i),
+                   1;
+        (*out)[i] = (int32_t)id;
+    }
+    return 0;
+}
+
+/* `prompt` as an array: strings (each split like a prompt), one token-id
+ * list, or token-id lists; a batch of one choice per prompt (times n). */
+static int parse_prompt_batch(json_t *prompt, const rk_parse_limits *lim, rk_api_request *out,
+                              rk_http_error *err) {
+    size_t n = json_array_size(prompt);
+    if (n == 0) return rk_http_errorf(err, 400, "'prompt' is an empty array"), 1;
+    json_t *first = json_array_get(prompt, 0);
+    int one_list = json_is_integer(first);
+    size_t n_prompts = one_list ? 1 : n;
+    if (n_prompts * (size_t)out->n_choices > RK_MAX_CHOICES)
+        return rk_http_errorf(err, 422,
+                              "the request asks for %zu choices (prompts × n); at most %d are "
+                              "allowed",
+                              n_prompts * (size_t)out->n_choices, RK_MAX_CHOICES),
+               1;
+    if (one_list || json_is_array(first)) {
+        out->batch_tokens = calloc(n_prompts, sizeof *out->batch_tokens);
+        out->batch_lens = calloc(n_prompts, sizeof *out->batch_lens);
+        if (!out->batch_tokens || !out->batch_lens)
+            return rk_http_errorf(err, 500, "out of memory"), 1;
+        out->n_prompts = (int)n_prompts;
+        if (one_list)
+            return token_list(prompt, "'prompt'", &out->batch_tokens[0], &out->batch_lens[0], err);
+        for (size_t i = 0; i < n; i++) {
+            char what[48];
+            snprintf(what, sizeof what, "prompt[%zu]", i);
+            json_t *a = json_array_get(prompt, i);
+            if (!json_is_array(a))
+                return rk_http_errorf(err, 400, "prompt[%zu] must be an array of token ids", i), 1;
+            if (token_list(a, what, &out->batch_tokens[i], &out->batch_lens[i], err)) return 1;
+        }
+        return 0;
+    }
+    out->batch = calloc(n, sizeof *out->batch);
+    if (!out->batch) return rk_http_errorf(err, 500, "out of memory"), 1;
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_array_get(prompt, i);
+        if (!json_is_string(v))
+            return rk_http_errorf(err, 400,
+                                  "prompt[%zu] must be a string (a batch of strings or of token "
+                                  "lists)",
+                                  i),
+                   1;
+        rk_status st = rk_split_prompt(json_string_value(v), json_string_length(v), out->separator,
+                                       lim->max_chunks, &out->batch[i]);
+        if (st) {
+            char what[48];
+            snprintf(what, sizeof what, "bad prompt[%zu]", i);
+            return from_status(err, st, what), 1;
+        }
+        out->n_prompts = (int)i + 1;
+    }
+    return 0;
+}
+
 static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
                             rk_http_error *err) {
     json_t *prompt = json_object_get(root, "prompt");
@@ -535,8 +616,12 @@ static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_req
                                   "give either 'prompt' or 'system'/'chunks'/'question', "
                                   "not both"),
                    1;
+        if (json_is_array(prompt)) return parse_prompt_batch(prompt, lim, out, err);
         if (!json_is_string(prompt))
-            return rk_http_errorf(err, 400, "'prompt' must be a string"), 1;
+            return rk_http_errorf(err, 400,
+                                  "'prompt' must be a string, an array of strings, an array of "
+                                  "token ids or an array of token-id arrays"),
+                   1;
         rk_status st = rk_split_prompt(json_string_value(prompt), json_string_length(prompt),
                                        out->separator, lim->max_chunks, &out->pieces);
         if (st) return from_status(err, st, "bad prompt"), 1;
@@ -808,6 +893,13 @@ void rk_api_request_free(rk_api_request *r) {
     }
     free(r->chat_chunks);
     free(r->chat_chunk_ids);
+    for (int i = 0; i < r->n_prompts; i++) {
+        if (r->batch) rk_split_free(&r->batch[i]);
+        if (r->batch_tokens) free(r->batch_tokens[i]);
+    }
+    free(r->batch);
+    free(r->batch_tokens);
+    free(r->batch_lens);
     memset(r, 0, sizeof *r);
 }
 

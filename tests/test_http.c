@@ -900,7 +900,7 @@ Test(http, malformed_input_is_400) {
         "{\"prompt\": \"x\", \"repair\": {\"policy\": \"first_k\", \"k\": -1}}",
         "{\"prompt\": \"x\", \"repair\": {\"policy\": \"deviation\", \"ratio\": 1.5}}",
         "{\"prompt\": \"x\", \"repair\": {\"policy\": \"best\"}}",
-        "{\"prompt\": \"x\", \"n\": 2}",
+        "{\"prompt\": \"x\", \"n\": 0}",
         "{\"prompt\": \"S##A##\"}",
         "{\"prompt\": \"x\", \"question\": \"y\"}",
         "{\"chunks\": [\"a\"]}",
@@ -1746,8 +1746,7 @@ Test(http, unsupported_and_out_of_range_fields_are_400_naming_the_field) {
         {"\"logit_bias\": {\"5\": 101}", "logit_bias"},
         {"\"logit_bias\": {\"16777215\": -100}", "logit_bias"},
         {"\"logit_bias\": [1]", "logit_bias"},
-        {"\"n\": 2", "'n'"},
-        {"\"best_of\": 3", "best_of"},
+        {"\"n\": 2, \"best_of\": 3", "best_of"},
         {"\"suffix\": \"end\"", "suffix"},
         {"\"echo\": true", "echo"},
         {"\"store\": true", "store"},
@@ -1933,4 +1932,134 @@ Test(http_opts, a_server_chat_separator_splits_chat_messages, .fini = stop_serve
     cr_assert_neq(rk_test_run(cmd, &out), 0);
     cr_assert(strstr(out, "chat_separator"), "%s", out);
     free(out);
+}
+
+/* n > 1: one choice per index, each the request alone with seed + index. */
+Test(http, n_choices_have_their_own_index_and_seed) {
+    resp r = post("/v1/completions", "{\"prompt\": \"The cat\", \"n\": 3, \"seed\": 7, "
+                                     "\"temperature\": 0.9, \"max_tokens\": 6, \"ignore_eos\": "
+                                     "true}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    json_t *choices = jget(r.json, "choices");
+    cr_assert_eq(json_array_size(choices), 3, "%s", r.http.body);
+    long long prompt = 0;
+    for (int i = 0; i < 3; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "choices.%d.index", i);
+        cr_assert_eq(jint(r.json, path), i);
+        resp one = postf("/v1/completions",
+                         "{\"prompt\": \"The cat\", \"seed\": %d, \"temperature\": 0.9, "
+                         "\"max_tokens\": 6, \"ignore_eos\": true}",
+                         7 + i);
+        snprintf(path, sizeof path, "choices.%d.ragkv.completion_ids", i);
+        cr_assert(json_equal(jget(r.json, path), jget(one.json, "ragkv.completion_ids")),
+                  "choice %d differs from seed %d alone", i, 7 + i);
+        snprintf(path, sizeof path, "choices.%d.text", i);
+        cr_assert_str_eq(jstr(r.json, path), jstr(one.json, "choices.0.text"));
+        prompt = jint(one.json, "usage.prompt_tokens");
+        resp_free(&one);
+    }
+    cr_assert_eq(jint(r.json, "usage.completion_tokens"), 18);
+    cr_assert_eq(jint(r.json, "usage.prompt_tokens"), prompt, "the prompt counts once");
+    resp_free(&r);
+    /* Streamed: every event names its choice; each choice's text is the whole one's. */
+    resp whole = post("/v1/chat/completions",
+                      "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"n\": 2, "
+                      "\"seed\": 3, \"max_tokens\": 5, \"ignore_eos\": true}");
+    cr_assert_eq(whole.http.status, 200, "%s", whole.http.body);
+    resp st = post("/v1/chat/completions",
+                   "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"n\": 2, "
+                   "\"seed\": 3, \"max_tokens\": 5, \"ignore_eos\": true, \"stream\": true}");
+    cr_assert_eq(st.http.status, 200, "%s", st.http.body);
+    char *events[256];
+    int n = sse_events(st.http.body, events, 256);
+    cr_assert_gt(n, 2);
+    cr_assert_str_eq(events[n - 1], "[DONE]");
+    char text[2][512] = {"", ""};
+    int finished[2] = {0, 0};
+    for (int e = 0; e < n - 1; e++) {
+        json_t *ev = json_loads(events[e], 0, NULL);
+        cr_assert(ev, "%s", events[e]);
+        long long idx = jint(ev, "choices.0.index");
+        cr_assert(idx == 0 || idx == 1);
+        json_t *c = jget(ev, "choices.0.delta.content");
+        if (json_is_string(c)) strncat(text[idx], json_string_value(c), 511 - strlen(text[idx]));
+        finished[idx] += json_is_string(jget(ev, "choices.0.finish_reason"));
+        json_decref(ev);
+    }
+    for (int i = 0; i < 2; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "choices.%d.message.content", i);
+        cr_assert_str_eq(text[i], jstr(whole.json, path), "choice %d", i);
+        cr_assert_eq(finished[i], 1);
+    }
+    for (int e = 0; e < n; e++) free(events[e]);
+    resp_free(&whole);
+    resp_free(&st);
+}
+
+/* prompt as an array: strings, one token list, or token lists; one choice
+ * per prompt with its index, each what the prompt gives alone; usage summed. */
+Test(http, prompt_arrays_are_batches) {
+    static const char *prompts[2] = {"The cat", "S##a chunk of text##Q?"};
+    resp one[2];
+    for (int i = 0; i < 2; i++) {
+        one[i] = postf("/v1/completions",
+                       "{\"prompt\": \"%s\", \"temperature\": 0, \"max_tokens\": 4, "
+                       "\"ignore_eos\": true}",
+                       prompts[i]);
+        cr_assert_eq(one[i].http.status, 200, "%s", one[i].http.body);
+    }
+    resp r = postf("/v1/completions",
+                   "{\"prompt\": [\"%s\", \"%s\"], \"temperature\": 0, \"max_tokens\": 4, "
+                   "\"ignore_eos\": true}",
+                   prompts[0], prompts[1]);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(jget(r.json, "choices")), 2);
+    for (int i = 0; i < 2; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "choices.%d.index", i);
+        cr_assert_eq(jint(r.json, path), i);
+        snprintf(path, sizeof path, "choices.%d.ragkv.completion_ids", i);
+        cr_assert(json_equal(jget(r.json, path), jget(one[i].json, "ragkv.completion_ids")),
+                  "prompt %d", i);
+    }
+    cr_assert_eq(json_array_size(jget(r.json, "choices.1.ragkv.chunks")), 1);
+    cr_assert_eq(jint(r.json, "usage.prompt_tokens"), jint(one[0].json, "usage.prompt_tokens") +
+                                                          jint(one[1].json, "usage.prompt_tokens"));
+    cr_assert_eq(jint(r.json, "usage.completion_tokens"), 8);
+    resp_free(&r);
+    /* Token ids: one list, then a batch of lists; BOS goes first, as for text. */
+    resp t1 = post("/v1/completions", "{\"prompt\": [5, 6, 7], \"temperature\": 0, "
+                                      "\"max_tokens\": 3, \"ignore_eos\": true}");
+    cr_assert_eq(t1.http.status, 200, "%s", t1.http.body);
+    cr_assert_eq(json_array_size(jget(t1.json, "choices")), 1);
+    long long bos = jint(t1.json, "ragkv.system.tokens");
+    cr_assert_eq(jint(t1.json, "usage.prompt_tokens"), 3 + bos);
+    resp t2 = post("/v1/completions", "{\"prompt\": [[9, 10], [5, 6, 7]], \"temperature\": 0, "
+                                      "\"max_tokens\": 3, \"ignore_eos\": true}");
+    cr_assert_eq(t2.http.status, 200, "%s", t2.http.body);
+    cr_assert(json_equal(jget(t2.json, "choices.1.ragkv.completion_ids"),
+                         jget(t1.json, "ragkv.completion_ids")));
+    cr_assert_eq(jint(t2.json, "usage.prompt_tokens"), 5 + 2 * bos);
+    resp_free(&t1);
+    resp_free(&t2);
+    resp_free(&one[0]);
+    resp_free(&one[1]);
+    static const char *bad[][2] = {
+        {"{\"prompt\": []}", "400"},
+        {"{\"prompt\": [[]]}", "400"},
+        {"{\"prompt\": [1, \"a\"]}", "400"},
+        {"{\"prompt\": [\"a\", 1]}", "400"},
+        {"{\"prompt\": [[1], 2]}", "400"},
+        {"{\"prompt\": [-1]}", "400"},
+        {"{\"prompt\": [16000000]}", "400"},
+        {"{\"prompt\": \"x\", \"n\": 33}", "422"},
+        {"{\"prompt\": [\"a\", \"b\", \"c\"], \"n\": 11}", "422"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        resp b = post("/v1/completions", bad[i][0]);
+        expect_error(&b, atoi(bad[i][1]));
+        resp_free(&b);
+    }
 }
