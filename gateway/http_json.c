@@ -343,10 +343,9 @@ static int parse_penalties(json_t *root, rk_sampler_params *p, rk_http_error *er
     json_t *v;
     int n = 0;
     json_object_foreach(lb, key, v) {
-        char *end;
-        long id = strtol(key, &end, 10);
-        if (!*key || *end || id < 0 || id >= (1L << 24) || key[0] == '-' || key[0] == '+' ||
-            key[0] == ' ')
+        size_t digits = strspn(key, "0123456789");
+        long id = digits && digits < 9 && !key[digits] ? strtol(key, NULL, 10) : -1;
+        if (id < 0 || id >= (1L << 24))
             return rk_http_errorf(err, 400, "'logit_bias' keys must be token ids, got \"%.40s\"",
                                   key),
                    1;
