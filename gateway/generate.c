@@ -408,6 +408,7 @@ typedef struct choices {
     gen **gs; /* (n) gs[0] is the request's own gen; the others share its api */
     int n, per_prompt;
     int headers_sent, client_gone;
+    int *opened; /* (n) a streamed chat choice's role was sent */
 } choices;
 
 static void lend(choices *cs, gen *g) {
@@ -422,6 +423,18 @@ static void take_back(choices *cs, gen *g) {
         for (int c = 0; c < cs->n; c++)
             if (cs->gs[c]->job) rk_scheduler_cancel(g->rc->S->engine, cs->gs[c]->job);
     cs->client_gone |= g->client_gone;
+}
+
+/* Before a streamed choice's first event: the stream's headers, and for a
+ * chat the choice's role (an event of its own, so every choice gets one). */
+static void open_choice(choices *cs, int c) {
+    gen *g = cs->gs[c];
+    if (cs->opened[c] || cs->client_gone) return;
+    cs->opened[c] = 1;
+    lend(cs, g);
+    sse_start(g);
+    if (g->api.chat) sse_event(g, chunk_event(g, "", 1));
+    take_back(cs, g);
 }
 
 /* Choice c of the request of g0: its own job (prompt c / per_prompt, seed
@@ -487,6 +500,7 @@ static void wait_choices(choices *cs, double deadline) {
                 seen[c] = n;
                 if (g->text.stop_at >= 0) rk_scheduler_cancel(S->engine, g->job);
                 if (g->api.stream && !cs->client_gone) {
+                    open_choice(cs, c);
                     lend(cs, g);
                     stream_progress(g);
                     take_back(cs, g);
@@ -546,6 +560,7 @@ static void respond_choices(choices *cs) {
         completion += j->req.n_out;
         json_t *choice = json_array_get(json_object_get(obj, "choices"), 0);
         if (g->api.stream) { /* the choice's last event, its own usage and report */
+            open_choice(cs, c);
             lend(cs, g);
             sse_event(g, obj);
             take_back(cs, g);
@@ -591,9 +606,10 @@ static void handle_choices(gen *g0, double deadline) {
     int per = g0->api.n_choices, n = per * (g0->api.n_prompts ? g0->api.n_prompts : 1);
     choices cs = {.n = n, .per_prompt = per};
     cs.gs = calloc((size_t)n, sizeof *cs.gs);
+    cs.opened = calloc((size_t)n, sizeof *cs.opened);
     int *submitted = calloc((size_t)n, sizeof *submitted);
     rk_http_error err = {0};
-    if (!cs.gs || !submitted) rk_http_errorf(&err, 500, "out of memory");
+    if (!cs.gs || !cs.opened || !submitted) rk_http_errorf(&err, 500, "out of memory");
     if (cs.gs) cs.gs[0] = g0;
     if (per > 1) g0->job->notify_tokens = 1;
     for (int c = 1; c < n && !err.status; c++) cs.gs[c] = make_choice(g0, c, per, &err);
@@ -637,6 +653,7 @@ static void handle_choices(gen *g0, double deadline) {
         free(g);
     }
     free(cs.gs);
+    free(cs.opened);
     free(submitted);
 }
 

@@ -1976,7 +1976,7 @@ Test(http, n_choices_have_their_own_index_and_seed) {
     cr_assert_gt(n, 2);
     cr_assert_str_eq(events[n - 1], "[DONE]");
     char text[2][512] = {"", ""};
-    int finished[2] = {0, 0};
+    int finished[2] = {0, 0}, roles[2] = {0, 0};
     for (int e = 0; e < n - 1; e++) {
         json_t *ev = json_loads(events[e], 0, NULL);
         cr_assert(ev, "%s", events[e]);
@@ -1985,6 +1985,7 @@ Test(http, n_choices_have_their_own_index_and_seed) {
         json_t *c = jget(ev, "choices.0.delta.content");
         if (json_is_string(c)) strncat(text[idx], json_string_value(c), 511 - strlen(text[idx]));
         finished[idx] += json_is_string(jget(ev, "choices.0.finish_reason"));
+        roles[idx] += json_is_string(jget(ev, "choices.0.delta.role"));
         json_decref(ev);
     }
     for (int i = 0; i < 2; i++) {
@@ -1992,6 +1993,7 @@ Test(http, n_choices_have_their_own_index_and_seed) {
         snprintf(path, sizeof path, "choices.%d.message.content", i);
         cr_assert_str_eq(text[i], jstr(whole.json, path), "choice %d", i);
         cr_assert_eq(finished[i], 1);
+        cr_assert_eq(roles[i], 1, "choice %d: its first event carries the role", i);
     }
     for (int e = 0; e < n; e++) free(events[e]);
     resp_free(&whole);
