@@ -2065,3 +2065,31 @@ Test(http, prompt_arrays_are_batches) {
         resp_free(&b);
     }
 }
+
+/* A client that leaves a stream of several choices cancels every one: they
+ * all release what they hold and stop early. */
+Test(http_opts, a_client_that_disconnects_from_n_choices_cancels_them_all, .fini = stop_server,
+     .timeout = 300) {
+    const char *args[] = {"--token-delay-s", "0.01", NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    counts base = stats_counts();
+    rk_http_conn c;
+    stream_until_first_event("{\"prompt\": \"A system prompt.##A chunk.##Go on\", \"n\": 3, "
+                             "\"max_tokens\": 400, \"ignore_eos\": true, \"stream\": true}",
+                             &c);
+    rk_http_close(&c);
+    double until = now_s() + 30;
+    counts after = stats_counts();
+    while (!counts_equal(after, base) && now_s() < until) {
+        sleep_s(0.05);
+        after = stats_counts();
+    }
+    cr_assert(counts_equal(after, base), "live %lld refs %lld locked %lld, want %lld %lld %lld",
+              after.live_used, after.chunk_refs, after.prefix_locked, base.live_used,
+              base.chunk_refs, base.prefix_locked);
+    resp r = get("/v1/stats");
+    cr_assert(jint(r.json, "tokens.generated") < 3 * 390, "generated %lld",
+              jint(r.json, "tokens.generated"));
+    cr_assert_eq(jint(r.json, "requests.in_flight"), 1, "only this stats request is in flight");
+    resp_free(&r);
+}
