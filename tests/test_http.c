@@ -1962,6 +1962,15 @@ Test(http, n_choices_have_their_own_index_and_seed) {
     cr_assert_eq(jint(r.json, "usage.completion_tokens"), 18);
     cr_assert_eq(jint(r.json, "usage.prompt_tokens"), prompt, "the prompt counts once");
     resp_free(&r);
+    /* The later choices start after the first one's first token: its system
+     * prompt and chunks are cached for them. */
+    r = post("/v1/completions", "{\"prompt\": \"Shared system.##A shared chunk of text.##Q?\", "
+                                "\"n\": 2, \"max_tokens\": 3}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_str_eq(jstr(r.json, "choices.0.ragkv.chunks.0.status"), "miss");
+    cr_assert_str_eq(jstr(r.json, "choices.1.ragkv.chunks.0.status"), "hit");
+    cr_assert_gt(jint(r.json, "choices.1.ragkv.system.cached_tokens"), 0);
+    resp_free(&r);
     /* Streamed: every event names its choice; each choice's text is the whole one's. */
     resp whole = post("/v1/chat/completions",
                       "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"n\": 2, "
