@@ -29,6 +29,8 @@ typedef struct gen_text {
     char *const *stop;
     int n_stop;
     int oom;
+    size_t *tok_end; /* (decoded) raw length after each token */
+    int tok_cap;
 } gen_text;
 
 static void gt_append(gen_text *g, const char *s, size_t n) {
@@ -63,7 +65,16 @@ static void gt_find_stop(gen_text *g, size_t before) {
  * string: the generation ends with that token (the engine may have sampled
  * more before it heard; they are not part of the answer). */
 static void gt_feed(gen_text *g, const int32_t *tokens, int n) {
-    for (; g->decoded < n && g->stop_at < 0; g->decoded++) {
+    if (n > g->tok_cap) {
+        size_t *p = realloc(g->tok_end, (size_t)n * 2 * sizeof *p);
+        if (!p) {
+            g->oom = 1;
+            return;
+        }
+        g->tok_end = p;
+        g->tok_cap = n * 2;
+    }
+    for (; g->decoded < n && g->stop_at < 0; g->tok_end[g->decoded++] = g->len) {
         int32_t id = tokens[g->decoded];
         char *t;
         size_t tl, before = g->len;
@@ -110,9 +121,12 @@ typedef struct gen {
     rk_job *job;
     rk_service *svc;
     gen_text text;
-    char id[40];
+    char id[48]; /* "cmpl-..." or "chatcmpl-..." */
     long created;
     int headers_sent, client_gone, timed_out;
+    int events;  /* content events sent */
+    int lp_sent; /* tokens whose log-probabilities went out in an event */
+    int fd;      /* the connection's socket (watched for a client gone), or -1 */
 } gen;
 
 static int write_all(gen *g, const char *s, size_t n) {
@@ -144,22 +158,58 @@ static void sse_start(gen *g) {
     mg_response_header_add(c, "Content-Type", "text/event-stream", -1);
     mg_response_header_add(c, "Cache-Control", "no-cache", -1);
     mg_response_header_add(c, "X-Request-Id", g->rc->id, -1);
+    rk_gw_add_cors_headers(g->rc);
     mg_response_header_send(c);
 }
 
-/* One streamed piece in OpenAI's chunk shape. */
-static json_t *chunk_event(gen *g, const char *text, int first) {
-    const char *model = g->rc->S->model_name;
-    if (g->api.chat) {
-        json_t *delta = first ? json_pack("{s:s, s:s}", "role", "assistant", "content", text)
-                              : json_pack("{s:s}", "content", text);
-        return json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:o, s:n}]}", "id", g->id, "object",
-                         "chat.completion.chunk", "created", (json_int_t)g->created, "model", model,
-                         "choices", "index", 0, "delta", delta, "finish_reason");
+/* The fields every response object and stream event starts with. */
+static json_t *object_head(gen *g, const char *object) {
+    json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:s}", "id", g->id, "object", object, "created",
+                          (json_int_t)g->created, "model", g->rc->S->model_name,
+                          "system_fingerprint", rk_model_fingerprint(g->svc->model));
+    if (o && g->api.stream && g->api.include_usage) json_object_set_new(o, "usage", json_null());
+    return o;
+}
+
+/* Tokens whose text has gone out entirely (the stream's text lags the
+ * tokens while a stop string may still begin). */
+static int tokens_sent(gen *g) {
+    int k = g->lp_sent;
+    while (k < g->text.decoded && g->text.tok_end[k] <= g->text.sent) k++;
+    return k;
+}
+
+/* One streamed event in OpenAI's chunk shape: a piece of text (delta or
+ * text) with the log-probabilities of the tokens it completes, and
+ * finish_reason null; or, with fr set, the last event of the choice: no
+ * text, the finish_reason. */
+static json_t *chunk_event(gen *g, const char *text, const char *fr) {
+    int chat = g->api.chat, upto = fr ? g->job->req.n_out : tokens_sent(g);
+    json_t *lp = json_null();
+    if (!fr && g->api.opt.n_logprobs > 0) {
+        json_decref(lp);
+        lp = rk_report_logprobs(rk_model_tokenizer(g->svc->model), &g->job->req, g->lp_sent, upto,
+                                chat);
+        g->lp_sent = upto;
     }
-    return json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:s, s:n, s:n}]}", "id", g->id, "object",
-                     "text_completion", "created", (json_int_t)g->created, "model", model,
-                     "choices", "index", 0, "text", text, "finish_reason", "logprobs");
+    json_t *choice;
+    if (chat) {
+        json_t *delta = json_object();
+        if (!g->events) json_object_set_new(delta, "role", json_string("assistant"));
+        if (!fr) json_object_set_new(delta, "content", json_string(text));
+        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", 0, "delta", delta, "logprobs", lp,
+                           "finish_reason", fr ? json_string(fr) : json_null());
+    } else {
+        choice = json_pack("{s:i, s:s, s:o, s:o}", "index", 0, "text", fr ? "" : text, "logprobs",
+                           lp, "finish_reason", fr ? json_string(fr) : json_null());
+    }
+    g->events++;
+    json_t *ev = object_head(g, chat ? "chat.completion.chunk" : "text_completion");
+    if (!ev || !choice || json_object_set_new(ev, "choices", json_pack("[o]", choice))) {
+        json_decref(ev);
+        return NULL;
+    }
+    return ev;
 }
 
 static const char *finish_reason(gen *g) {
@@ -167,60 +217,73 @@ static const char *finish_reason(gen *g) {
     return rk_finish_reason_name(g->job->req.finish_reason);
 }
 
-/* The final object: a whole response, or the last streamed event (text is
- * the remainder then). usage and ragkv come from the report. */
-static json_t *final_object(gen *g, const char *text, int streamed) {
+/* The whole response of a request that was not streamed. */
+static json_t *final_object(gen *g, const char *text) {
     rk_request *r = &g->job->req;
     const rk_tokenizer *tok = rk_model_tokenizer(g->svc->model);
-    json_t *full = rk_report_completion(tok, r, g->id, g->created, g->rc->S->model_name);
-    if (!full) return NULL;
-    json_t *choice0 = json_array_get(json_object_get(full, "choices"), 0);
-    json_t *logprobs = json_incref(json_object_get(choice0, "logprobs"));
-    json_t *usage = json_incref(json_object_get(full, "usage"));
-    json_t *ragkv = json_incref(json_object_get(full, "ragkv"));
-    json_decref(full);
-    if (!logprobs || !usage || !ragkv) {
-        json_decref(logprobs);
-        json_decref(usage);
-        json_decref(ragkv);
+    const char *fr = finish_reason(g);
+    json_t *lp = rk_report_logprobs(tok, r, 0, r->n_out, g->api.chat);
+    json_t *choice = g->api.chat ? json_pack("{s:i, s:{s:s, s:s, s:n}, s:o, s:s}", "index", 0,
+                                             "message", "role", "assistant", "content", text,
+                                             "refusal", "logprobs", lp, "finish_reason", fr)
+                                 : json_pack("{s:i, s:s, s:o, s:s}", "index", 0, "text", text,
+                                             "logprobs", lp, "finish_reason", fr);
+    json_t *o = object_head(g, g->api.chat ? "chat.completion" : "text_completion");
+    if (!o || !choice || json_object_set_new(o, "choices", json_pack("[o]", choice)) ||
+        json_object_set_new(o, "usage", rk_report_usage(r)) ||
+        json_object_set_new(o, "ragkv", rk_report_ragkv(r))) {
+        json_decref(o);
         return NULL;
     }
-    const char *fr = finish_reason(g);
-    json_t *choice;
-    const char *object;
-    if (g->api.chat) {
-        object = streamed ? "chat.completion.chunk" : "chat.completion";
-        choice = streamed ? json_pack("{s:i, s:{s:s}, s:s, s:o}", "index", 0, "delta", "content",
-                                      text, "finish_reason", fr, "logprobs", logprobs)
-                          : json_pack("{s:i, s:{s:s, s:s}, s:s, s:o}", "index", 0, "message",
-                                      "role", "assistant", "content", text, "finish_reason", fr,
-                                      "logprobs", logprobs);
-    } else {
-        object = "text_completion";
-        choice = json_pack("{s:i, s:s, s:s, s:o}", "index", 0, "text", text, "finish_reason", fr,
-                           "logprobs", logprobs);
+    return o;
+}
+
+/* A stream's event after the last choice event (choices []): usage when
+ * stream_options.include_usage asked for it, and the ragkv report. */
+static json_t *report_event(gen *g) {
+    rk_request *r = &g->job->req;
+    json_t *o = object_head(g, g->api.chat ? "chat.completion.chunk" : "text_completion");
+    if (!o || json_object_set_new(o, "choices", json_array()) ||
+        (g->api.include_usage && json_object_set_new(o, "usage", rk_report_usage(r))) ||
+        json_object_set_new(o, "ragkv", rk_report_ragkv(r))) {
+        json_decref(o);
+        return NULL;
     }
-    return json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o, s:o}", "id", g->id, "object", object,
-                     "created", (json_int_t)g->created, "model", g->rc->S->model_name, "choices",
-                     choice, "usage", usage, "ragkv", ragkv);
+    return o;
 }
 
 /* Stream the new text, if any. */
 static void stream_progress(gen *g) {
     char *t = gt_take(&g->text, 0);
     if (!t) return;
-    int first = !g->headers_sent;
     sse_start(g);
-    if (*t) sse_event(g, chunk_event(g, t, first));
+    if (*t) sse_event(g, chunk_event(g, t, NULL));
     free(t);
 }
 
-/* Wait for the job, streaming as it goes; sets g->timed_out. */
+/* Has the client gone (closed or reset its connection)? Checked every
+ * 100 ms while waiting; cancels the job when so. */
+static void check_client(gen *g) {
+    if (g->client_gone || !rk_gw_peer_gone(g->fd)) return;
+    g->client_gone = 1;
+    rk_scheduler_cancel(g->rc->S->engine, g->job);
+}
+
+/* Wait for the job, streaming as it goes, and watching the connection so
+ * that a client gone stops its generation at the next step; sets
+ * g->timed_out. */
 static void wait_job(gen *g, double deadline) {
     server *S = g->rc->S;
     int seen = 0, done = 0, n;
     while (!done) {
-        int to = rk_job_wait(g->job, seen, g->timed_out ? 0 : deadline, &n, &done);
+        double until = g->timed_out || g->client_gone ? 0 : deadline, now = rk_time_now();
+        int polling = until > 0 && g->fd >= 0 && now + 0.1 < until;
+        if (polling) until = now + 0.1;
+        int to = rk_job_wait(g->job, seen, until, &n, &done);
+        if (to && polling) {
+            check_client(g);
+            continue;
+        }
         if (to) {
             g->timed_out = 1;
             rk_scheduler_cancel(S->engine, g->job);
@@ -280,45 +343,28 @@ static void respond_generation(gen *g) {
     if (g->text.stop_at >= 0 && g->text.stop_tokens < j->req.n_out)
         j->req.n_out = g->text.stop_tokens; /* usage, ids and logprobs end at the stop */
     log_generation(g);
+    if (g->client_gone) return;
     if (g->timed_out && !g->api.stream) {
-        rk_gw_send_errorf(rc, 503, "the request ran longer than the timeout (%g s) and was cancelled",
-                    rc->S->o.timeout_s);
+        rk_gw_send_errorf(rc, 503,
+                          "the request ran longer than the timeout (%g s) and was cancelled",
+                          rc->S->o.timeout_s);
         return;
     }
     if (g->api.stream) {
-        if (g->client_gone) return;
-        int first = !g->headers_sent;
         sse_start(g);
         char *rest = gt_take(&g->text, 1);
-        if (first && g->api.chat && rest && *rest) { /* the role goes with the first piece */
-            sse_event(g, chunk_event(g, rest, 1));
-            free(rest);
-            rest = NULL;
-        }
-        sse_event(g, final_object(g, rest ? rest : "", 1));
+        if ((rest && *rest) || (g->api.chat && !g->events)) /* the role goes with the first */
+            sse_event(g, chunk_event(g, rest ? rest : "", NULL));
         free(rest);
+        sse_event(g, chunk_event(g, NULL, finish_reason(g)));
+        sse_event(g, report_event(g));
         write_all(g, "data: [DONE]\n\n", 14);
         return;
     }
     char *text = gt_take(&g->text, 1);
-    json_t *obj = final_object(g, text ? text : "", 0);
+    json_t *obj = final_object(g, text ? text : "");
     free(text);
     rk_gw_send_json(rc, 200, obj);
-}
-
-/* Does the `model` a client named match the served one? */
-static int model_matches(server *S, rk_service *svc, const char *name) {
-    if (!strcmp(name, S->model_name) || !strcmp(name, rk_model_fingerprint(svc->model))) return 1;
-    if (S->o.model[0]) {
-        const char *b = strrchr(S->o.model, '/');
-        b = b ? b + 1 : S->o.model;
-        size_t n = strlen(b);
-        if (!strcmp(name, b) || !strcmp(name, S->o.model)) return 1;
-        if (n > 5 && !strcmp(b + n - 5, ".gguf") && strlen(name) == n - 5 &&
-            !strncmp(name, b, n - 5))
-            return 1;
-    }
-    return 0;
 }
 
 /* ---------------------------------------------------------------- preparing a generation */
@@ -342,11 +388,7 @@ static void prep_generation(void *arg) {
     (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio); /* validated */
     if (rk_api_parse(p->body, p->len, p->chat, &lim, &g->api, err)) return;
     rk_service *svc = g->svc;
-    if (g->api.model && !model_matches(S, svc, g->api.model)) {
-        rk_http_errorf(err, 404, "model \"%s\" is not served here; this server serves \"%s\"",
-                       g->api.model, S->model_name);
-        return;
-    }
+    if (rk_gw_check_model(S, svc, g->api.model, err)) return;
     if (p->chat && rk_chat_render(S->tmpl, &g->api, S->o.cfg.max_chunks, err)) return;
     if (!g->api.seed_given) g->api.opt.sampling.seed = rk_gw_random(S);
     g->job = malloc(sizeof *g->job);
@@ -359,6 +401,12 @@ static void prep_generation(void *arg) {
     g->job->req.opt = g->api.opt;
     rk_error_clear();
     rk_status st = rk_request_prepare(svc, &g->api.pieces, &g->job->req);
+    if (st && g->job->req.context_exceeded) { /* OpenAI's answer to a prompt too long */
+        rk_http_errorf(err, 400, "%s", rk_error_message());
+        err->code = RK_CODE_CONTEXT_LENGTH;
+        err->param = p->chat ? "messages" : "prompt";
+        return;
+    }
     if (st) {
         rk_http_errorf(err, rk_http_status_of(st), "%s", rk_error_message());
         return;
@@ -376,6 +424,7 @@ int rk_gw_handle_generate(req_ctx *rc, int chat) {
     gen g;
     memset(&g, 0, sizeof g);
     g.rc = rc;
+    g.fd = -1;
     g.text.stop_at = -1;
     g.svc = rk_gw_ready_service(S);
     if (S->o.log_prompts) /* the only place prompt text may reach the log */
@@ -401,7 +450,8 @@ int rk_gw_handle_generate(req_ctx *rc, int chat) {
         size_t l = strlen(g.api.stop[k]);
         if (l > g.text.max_stop) g.text.max_stop = l;
     }
-    snprintf(g.id, sizeof g.id, "%s", rc->id);
+    snprintf(g.id, sizeof g.id, "%s-%s", chat ? "chatcmpl" : "cmpl", rc->id + 4);
+    g.fd = rk_gw_conn_fd(mg_get_request_info(rc->conn));
     g.created = (long)time(NULL);
     rk_status st = rk_scheduler_submit(S->engine, g.job);
     if (st) {
@@ -419,7 +469,7 @@ done:
         free(g.job);
     }
     free(g.text.raw);
+    free(g.text.tok_end);
     rk_api_request_free(&g.api);
     return 0;
 }
-
