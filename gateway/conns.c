@@ -84,7 +84,7 @@ struct rk_gw_conn_table {
     struct addr_count {
         char addr[48];
         int n;
-    } *e; /* (n_e) the addresses with open connections */
+    } * e; /* (n_e) the addresses with open connections */
     int n_e, cap;
 };
 

@@ -275,14 +275,17 @@ static void check_client(gen *g) {
 static void wait_job(gen *g, double deadline) {
     server *S = g->rc->S;
     int seen = 0, done = 0, n;
+    double next_check = rk_time_now() + 0.1;
     while (!done) {
-        double until = g->timed_out || g->client_gone ? 0 : deadline, now = rk_time_now();
-        int polling = until > 0 && g->fd >= 0 && now + 0.1 < until;
-        if (polling) until = now + 0.1;
+        double until = g->timed_out || g->client_gone ? 0 : deadline;
+        int polling = until > 0 && g->fd >= 0 && next_check < until;
+        if (polling) until = next_check;
         int to = rk_job_wait(g->job, seen, until, &n, &done);
-        if (to && polling) {
+        if (polling && rk_time_now() >= next_check) {
+            /* Tokens may have been published meanwhile without waking us. */
             check_client(g);
-            continue;
+            next_check = rk_time_now() + 0.1;
+            if (to) continue;
         }
         if (to) {
             g->timed_out = 1;

@@ -57,7 +57,8 @@ static json_t *piece_json(const rk_tokenizer *tok, int32_t id) {
         piece = json_stringn(buf, (size_t)n);
     } else {
         piece = json_array();
-        for (int i = 0; i < n; i++) json_array_append_new(piece, json_integer((unsigned char)buf[i]));
+        for (int i = 0; i < n; i++)
+            json_array_append_new(piece, json_integer((unsigned char)buf[i]));
     }
     return json_pack("{s:i, s:o}", "id", id, "piece", piece);
 }
