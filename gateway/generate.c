@@ -124,9 +124,10 @@ typedef struct gen {
     char id[48]; /* "cmpl-..." or "chatcmpl-..." */
     long created;
     int headers_sent, client_gone, timed_out;
-    int events;  /* content events sent */
-    int lp_sent; /* tokens whose log-probabilities went out in an event */
-    int fd;      /* the connection's socket (watched for a client gone), or -1 */
+    int events;    /* content events sent */
+    int text_done; /* the last text was taken: every token's text has gone out */
+    int lp_sent;   /* tokens whose log-probabilities went out in an event */
+    int fd;        /* the connection's socket (watched for a client gone), or -1 */
 } gen;
 
 static int write_all(gen *g, const char *s, size_t n) {
@@ -174,6 +175,7 @@ static json_t *object_head(gen *g, const char *object) {
 /* Tokens whose text has gone out entirely (the stream's text lags the
  * tokens while a stop string may still begin). */
 static int tokens_sent(gen *g) {
+    if (g->text_done) return g->job->req.n_out;
     int k = g->lp_sent;
     while (k < g->text.decoded && g->text.tok_end[k] <= g->text.sent) k++;
     return k;
@@ -356,7 +358,12 @@ static void respond_generation(gen *g) {
     if (g->api.stream) {
         sse_start(g);
         char *rest = gt_take(&g->text, 1);
-        if ((rest && *rest) || (g->api.chat && !g->events)) /* the role goes with the first */
+        g->text_done = 1;
+        /* The rest, if any; the role goes with the first event; log-probabilities
+         * of tokens that brought no text of their own (the one that completed a
+         * stop string) go in an event with empty text. */
+        if ((rest && *rest) || (g->api.chat && !g->events) ||
+            (g->api.opt.n_logprobs > 0 && g->lp_sent < j->req.n_out))
             sse_event(g, chunk_event(g, rest ? rest : "", NULL));
         free(rest);
         sse_event(g, chunk_event(g, NULL, finish_reason(g)));

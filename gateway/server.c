@@ -100,7 +100,8 @@ void rk_gw_send_json(req_ctx *rc, int status, json_t *body) {
     json_decref(body);
     if (!s) {
         static const char oom[] =
-            "{\"error\":{\"code\":500,\"type\":\"internal_error\",\"message\":\"out of memory\"}}";
+            "{\"error\":{\"message\":\"out of memory\",\"type\":\"internal_error\",\"param\":"
+            "null,\"code\":500,\"status\":500}}";
         rk_gw_send_text(rc, 500, "application/json", oom, sizeof oom - 1, NULL);
         return;
     }
@@ -331,9 +332,11 @@ static int handle_health(req_ctx *rc) {
              : !strcmp(what, "stopping") ? "the server is shutting down"
                                          : "the model failed to load",
              st == RK_SCHEDULER_FAILED ? ": " : "", st == RK_SCHEDULER_FAILED ? msg : "");
-    rk_gw_send_json(rc, 503,
-                    json_pack("{s:s, s:{s:i, s:s, s:s}}", "status", what, "error", "code", 503,
-                              "type", "overloaded", "message", m));
+    rk_http_error e = {.status = 503, .type = rk_http_error_type(503)};
+    snprintf(e.message, sizeof e.message, "%.319s", m);
+    json_t *body = rk_gw_error_body(&e);
+    json_object_set_new(body, "status", json_string(what));
+    rk_gw_send_json(rc, 503, body);
     return 0;
 }
 

@@ -60,9 +60,9 @@ static void resp_free(resp *r) {
 static resp request(const char *method, const char *path, const char *headers, const char *body) {
     resp r;
     memset(&r, 0, sizeof r);
-    cr_assert_eq(rk_http_exchange(&S.t, method, path, headers, body, body ? strlen(body) : 0,
-                                  &r.http),
-                 RK_OK, "%s %s: no answer: %s", method, path, rk_error_message());
+    cr_assert_eq(
+        rk_http_exchange(&S.t, method, path, headers, body, body ? strlen(body) : 0, &r.http),
+        RK_OK, "%s %s: no answer: %s", method, path, rk_error_message());
     r.json = json_loadb(r.http.body, r.http.body_len, 0, NULL);
     return r;
 }
@@ -448,8 +448,8 @@ Test(openai, chat_logprobs_have_the_chat_shape_whole_and_streamed) {
             text[l + 1] = '\0';
         }
     }
-    cr_assert(strstr(text, jstr(r.json, "choices.0.message.content")), "bytes \"%s\" vs text \"%s\"",
-              text, jstr(r.json, "choices.0.message.content"));
+    cr_assert(strstr(text, jstr(r.json, "choices.0.message.content")),
+              "bytes \"%s\" vs text \"%s\"", text, jstr(r.json, "choices.0.message.content"));
     /* Streamed: each content event carries its own tokens' log-probabilities. */
     resp st = postf("/v1/chat/completions", body, ", \"stream\": true");
     cr_assert_eq(st.http.status, 200);
@@ -489,6 +489,41 @@ Test(openai, completion_logprobs_keep_the_completions_shape_with_text_offset) {
         cr_assert(json_integer_value(json_array_get(off, i)) >=
                   json_integer_value(json_array_get(off, i - 1)));
     resp_free(&r);
+}
+
+/* Streamed with a stop string: the log-probabilities of every token counted
+ * in usage come out, the one that completed the stop string included. */
+Test(openai, streamed_logprobs_cover_every_token_up_to_a_stop_string) {
+    const char *req = "{\"prompt\": \"Once upon a time\", \"max_tokens\": 24, \"temperature\": 0, "
+                      "\"ignore_eos\": true, \"logprobs\": 1%s}";
+    resp whole = postf("/v1/completions", req, "");
+    cr_assert_eq(whole.http.status, 200, "%s", whole.http.body);
+    const char *text = jstr(whole.json, "choices.0.text");
+    size_t len = strlen(text);
+    cr_assert(len >= 12, "the greedy text is too short: \"%s\"", text);
+    char stop[8], extra[128];
+    snprintf(stop, sizeof stop, "%.3s", text + len / 2); /* a piece from the middle */
+    cr_assert_null(strpbrk(stop, "\"\\"), "pick another prompt: %s", stop);
+    snprintf(extra, sizeof extra,
+             ", \"stop\": \"%s\", \"stream\": true, \"stream_options\": {\"include_usage\": true}",
+             stop);
+    resp st = postf("/v1/completions", req, extra);
+    cr_assert_eq(st.http.status, 200);
+    size_t entries = 0;
+    long long usage = -1;
+    for (const char *p = strstr(st.http.body, "data: {"); p; p = strstr(p + 1, "data: {")) {
+        json_t *ev = json_loadb(p + 6, strcspn(p + 6, "\n"), 0, NULL);
+        cr_assert(ev);
+        entries += json_array_size(jget(ev, "choices.0.logprobs.token_logprobs"));
+        if (json_is_object(json_object_get(ev, "usage")))
+            usage = jint(ev, "usage.completion_tokens");
+        json_decref(ev);
+    }
+    cr_assert(strstr(st.http.body, "\"finish_reason\":\"stop\""), "%s", st.http.body);
+    cr_assert_eq((long long)entries, usage, "logprobs for %zu tokens, usage counts %lld", entries,
+                 usage);
+    resp_free(&st);
+    resp_free(&whole);
 }
 
 /* ================================================================ model names */
@@ -544,8 +579,7 @@ Test(openai_opts, connections_beyond_the_per_address_limit_are_refused_at_once) 
             with_503 += !strncmp(buf, "HTTP/1.1 503", 12);
         }
     }
-    cr_assert_eq(refused, N - 20, "%d of %d connections were refused, want %d", refused, N,
-                 N - 20);
+    cr_assert_eq(refused, N - 20, "%d of %d connections were refused, want %d", refused, N, N - 20);
     cr_assert_eq(with_503, refused, "only %d of the refused were answered 503", with_503);
     int other = connect_from("127.0.0.2");
     double t0 = now_s();
