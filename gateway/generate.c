@@ -341,6 +341,8 @@ static void respond_generation(gen *g) {
             write_all(g, "data: [DONE]\n\n", 14);
         } else if (!g->client_gone) {
             rk_gw_send_errorf(rc, status, "%s", msg);
+        } else {
+            rc->status = 499; /* nothing was answered: the client closed the request */
         }
         return;
     }
@@ -348,7 +350,10 @@ static void respond_generation(gen *g) {
     if (g->text.stop_at >= 0 && g->text.stop_tokens < j->req.n_out)
         j->req.n_out = g->text.stop_tokens; /* usage, ids and logprobs end at the stop */
     log_generation(g);
-    if (g->client_gone) return;
+    if (g->client_gone) {
+        if (!g->headers_sent) rc->status = 499; /* nothing was answered */
+        return;
+    }
     if (g->timed_out && !g->api.stream) {
         rk_gw_send_errorf(rc, 503,
                           "the request ran longer than the timeout (%g s) and was cancelled",

@@ -340,6 +340,7 @@ Test(openai_opts, a_client_that_leaves_a_request_not_streamed_stops_it) {
     resp r = request("GET", "/v1/stats", NULL, NULL);
     cr_assert(jint(r.json, "tokens.generated") < 900, "generated %lld",
               jint(r.json, "tokens.generated"));
+    cr_assert_eq(jint(r.json, "requests.by_status.499"), 1, "%s", r.http.body);
     resp_free(&r);
 }
 
