@@ -63,7 +63,7 @@ static const rk_setting k_serve_settings[] = {
     {"max_connections_per_ip", "max-connections-per-ip", RK_SET_INT,
      OFF(srv.max_connections_per_ip), 0, 0, 1 << 20, 0, 0,
      "N  connections one client address may hold open; more are answered 503 and closed "
-     "(default: 0 = 4 x http_threads)"},
+     "(default: 0 = 4 x http_threads, at least 64)"},
     {"served_model_name", "served-model-name", RK_SET_STR, STR(srv.served_model_name), 0, 0, 0, 0,
      "NAME[,ALIAS...]  the model name reported and accepted (default: the model's own)"},
     {"model_name_policy", "model-name-policy", RK_SET_STR, STR(model_name_policy), 0, 0, 0, 0,

@@ -870,9 +870,11 @@ static rk_status start_http(server *S, int *out_port) {
      * write, or after keep_alive_ms between two requests. */
     snprintf(threads, sizeof threads, "%d", 5 * S->request_slots);
     /* One address may hold four fifths of the threads: the other fifth, one
-     * per request slot, stays for everyone else. */
-    S->conns_per_ip =
-        o->max_connections_per_ip > 0 ? o->max_connections_per_ip : 4 * S->request_slots;
+     * per request slot, stays for everyone else. At least 64, so that a
+     * small server (a few request slots) still takes a burst of short
+     * connections from one client whose closes CivetWeb has not yet seen. */
+    int per_ip = 4 * S->request_slots < 64 ? 64 : 4 * S->request_slots;
+    S->conns_per_ip = o->max_connections_per_ip > 0 ? o->max_connections_per_ip : per_ip;
     if (rk_gw_conns_create(5 * S->request_slots, &S->conns)) return RK_ERR_NOMEM;
     long rt_ms = (long)(o->request_timeout_s * 1000 + 0.5);
     snprintf(request_ms, sizeof request_ms, "%ld", rt_ms);

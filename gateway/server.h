@@ -43,7 +43,7 @@ typedef struct rk_server_options {
     int http_threads; /* requests handled at once; 0 = queue + 16 */
     double request_timeout_s;
     /* Connections one client address may hold open at once; beyond, a new
-     * one is answered 503 and closed. 0 = 4 x http_threads (resolved). */
+     * one is answered 503 and closed. 0 = 4 x http_threads, at least 64. */
     int max_connections_per_ip;
     /* NAME[,ALIAS...]: the model name reported (the first) and the names
      * requests may give; "" = the model's own name. */
