@@ -127,7 +127,8 @@ typedef struct gen {
     int events;    /* content events sent */
     int text_done; /* the last text was taken: every token's text has gone out */
     int lp_sent;   /* tokens whose log-probabilities went out in an event */
-    int fd;        /* the connection's socket (watched for a client gone), or -1 */
+    int fd;        /* the connection's socket (watched for a client gone), -1 if not found,
+                    * -2 not looked for yet */
 } gen;
 
 static int write_all(gen *g, const char *s, size_t n) {
@@ -266,6 +267,8 @@ static void stream_progress(gen *g) {
 /* Has the client gone (closed or reset its connection)? Checked every
  * 100 ms while waiting; cancels the job when so. */
 static void check_client(gen *g) {
+    if (g->fd == -2) /* looked for only by requests that last: it costs a scan */
+        g->fd = rk_gw_conn_fd(mg_get_request_info(g->rc->conn));
     if (g->client_gone || !rk_gw_peer_gone(g->fd)) return;
     g->client_gone = 1;
     rk_scheduler_cancel(g->rc->S->engine, g->job);
@@ -280,7 +283,7 @@ static void wait_job(gen *g, double deadline) {
     double next_check = rk_time_now() + 0.1;
     while (!done) {
         double until = g->timed_out || g->client_gone ? 0 : deadline;
-        int polling = until > 0 && g->fd >= 0 && next_check < until;
+        int polling = until > 0 && g->fd != -1 && next_check < until;
         if (polling) until = next_check;
         int to = rk_job_wait(g->job, seen, until, &n, &done);
         if (polling && rk_time_now() >= next_check) {
@@ -466,7 +469,7 @@ int rk_gw_handle_generate(req_ctx *rc, int chat) {
         if (l > g.text.max_stop) g.text.max_stop = l;
     }
     snprintf(g.id, sizeof g.id, "%s-%s", chat ? "chatcmpl" : "cmpl", rc->id + 4);
-    g.fd = rk_gw_conn_fd(mg_get_request_info(rc->conn));
+    g.fd = -2;
     g.created = (long)time(NULL);
     rk_status st = rk_scheduler_submit(S->engine, g.job);
     if (st) {
