@@ -16,12 +16,19 @@
 
 /* ---------------------------------------------------------------- errors */
 
-/* An HTTP error as the JSON envelope {"error": {"code", "type", "message"}}. */
+/* An HTTP error as the JSON envelope {"error": {"message", "type", "param",
+ * "code", "status"}} (docs/api.md): code is OpenAI's string code where it
+ * has one for the case (code set), the numeric status otherwise. */
 typedef struct rk_http_error {
     int status;       /* HTTP status: 400, 401, 404, 405, 408, 409, 413, 422, 500, 501, 503, 505 */
     const char *type; /* constant: "invalid_request", "not_found", ... */
     char message[320];
+    const char *code;  /* constant OpenAI code ("context_length_exceeded"), or NULL */
+    const char *param; /* constant: the request field at fault, or NULL */
 } rk_http_error;
+
+/* OpenAI's error code for a prompt and max_tokens beyond the context. */
+#define RK_CODE_CONTEXT_LENGTH "context_length_exceeded"
 
 /* Fill err with status, its type name and a formatted message; returns the
  * rk_status that goes with the HTTP status (RK_ERR_INVALID for 4xx, ...). */
@@ -79,6 +86,7 @@ typedef struct rk_api_request {
     rk_req_options opt; /* sampling, limits and the ragkv extensions */
     int seed_given;     /* opt.sampling.seed came from the body */
     int stream;
+    int include_usage;       /* stream_options.include_usage: a usage event before [DONE] */
     char *stop[RK_MAX_STOP]; /* malloc'ed stop strings */
     int n_stop;
     char *model;                          /* NULL when absent */

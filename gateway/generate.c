@@ -29,6 +29,8 @@ typedef struct gen_text {
     char *const *stop;
     int n_stop;
     int oom;
+    size_t *tok_end; /* (decoded) raw length after each token */
+    int tok_cap;
 } gen_text;
 
 static void gt_append(gen_text *g, const char *s, size_t n) {
@@ -63,7 +65,16 @@ static void gt_find_stop(gen_text *g, size_t before) {
  * string: the generation ends with that token (the engine may have sampled
  * more before it heard; they are not part of the answer). */
 static void gt_feed(gen_text *g, const int32_t *tokens, int n) {
-    for (; g->decoded < n && g->stop_at < 0; g->decoded++) {
+    if (n > g->tok_cap) {
+        size_t *p = realloc(g->tok_end, (size_t)n * 2 * sizeof *p);
+        if (!p) {
+            g->oom = 1;
+            return;
+        }
+        g->tok_end = p;
+        g->tok_cap = n * 2;
+    }
+    for (; g->decoded < n && g->stop_at < 0; g->tok_end[g->decoded++] = g->len) {
         int32_t id = tokens[g->decoded];
         char *t;
         size_t tl, before = g->len;
@@ -110,10 +121,15 @@ typedef struct gen {
     rk_job *job;
     rk_service *svc;
     gen_text text;
-    char id[40];
+    char id[48]; /* "cmpl-..." or "chatcmpl-..." */
     long created;
     int headers_sent, client_gone, timed_out;
-    int index; /* its choice's index (n > 1, a batch of prompts) */
+    int events;    /* content events sent */
+    int text_done; /* the last text was taken: every token's text has gone out */
+    int lp_sent;   /* tokens whose log-probabilities went out in an event */
+    int fd;        /* the connection's socket (watched for a client gone), -1 if not found,
+                    * -2 not looked for yet */
+    int index;     /* its choice's index (n > 1, a batch of prompts) */
 } gen;
 
 static int write_all(gen *g, const char *s, size_t n) {
@@ -145,22 +161,59 @@ static void sse_start(gen *g) {
     mg_response_header_add(c, "Content-Type", "text/event-stream", -1);
     mg_response_header_add(c, "Cache-Control", "no-cache", -1);
     mg_response_header_add(c, "X-Request-Id", g->rc->id, -1);
+    rk_gw_add_cors_headers(g->rc);
     mg_response_header_send(c);
 }
 
-/* One streamed piece in OpenAI's chunk shape. */
-static json_t *chunk_event(gen *g, const char *text, int first) {
-    const char *model = g->rc->S->model_name;
-    if (g->api.chat) {
-        json_t *delta = first ? json_pack("{s:s, s:s}", "role", "assistant", "content", text)
-                              : json_pack("{s:s}", "content", text);
-        return json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:o, s:n}]}", "id", g->id, "object",
-                         "chat.completion.chunk", "created", (json_int_t)g->created, "model", model,
-                         "choices", "index", g->index, "delta", delta, "finish_reason");
+/* The fields every response object and stream event starts with. */
+static json_t *object_head(gen *g, const char *object) {
+    json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:s}", "id", g->id, "object", object, "created",
+                          (json_int_t)g->created, "model", g->rc->S->model_name,
+                          "system_fingerprint", rk_model_fingerprint(g->svc->model));
+    if (o && g->api.stream && g->api.include_usage) json_object_set_new(o, "usage", json_null());
+    return o;
+}
+
+/* Tokens whose text has gone out entirely (the stream's text lags the
+ * tokens while a stop string may still begin). */
+static int tokens_sent(gen *g) {
+    if (g->text_done) return g->job->req.n_out;
+    int k = g->lp_sent;
+    while (k < g->text.decoded && g->text.tok_end[k] <= g->text.sent) k++;
+    return k;
+}
+
+/* One streamed event in OpenAI's chunk shape: a piece of text (delta or
+ * text) with the log-probabilities of the tokens it completes, and
+ * finish_reason null; or, with fr set, the last event of the choice: no
+ * text, the finish_reason. */
+static json_t *chunk_event(gen *g, const char *text, const char *fr) {
+    int chat = g->api.chat, upto = fr ? g->job->req.n_out : tokens_sent(g);
+    json_t *lp = json_null();
+    if (!fr && g->api.opt.n_logprobs > 0) {
+        json_decref(lp);
+        lp = rk_report_logprobs(rk_model_tokenizer(g->svc->model), &g->job->req, g->lp_sent, upto,
+                                chat);
+        g->lp_sent = upto;
     }
-    return json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:s, s:n, s:n}]}", "id", g->id, "object",
-                     "text_completion", "created", (json_int_t)g->created, "model", model,
-                     "choices", "index", g->index, "text", text, "finish_reason", "logprobs");
+    json_t *choice;
+    if (chat) {
+        json_t *delta = json_object();
+        if (!g->events) json_object_set_new(delta, "role", json_string("assistant"));
+        if (!fr) json_object_set_new(delta, "content", json_string(text));
+        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", g->index, "delta", delta, "logprobs",
+                           lp, "finish_reason", fr ? json_string(fr) : json_null());
+    } else {
+        choice = json_pack("{s:i, s:s, s:o, s:o}", "index", g->index, "text", fr ? "" : text,
+                           "logprobs", lp, "finish_reason", fr ? json_string(fr) : json_null());
+    }
+    g->events++;
+    json_t *ev = object_head(g, chat ? "chat.completion.chunk" : "text_completion");
+    if (!ev || !choice || json_object_set_new(ev, "choices", json_pack("[o]", choice))) {
+        json_decref(ev);
+        return NULL;
+    }
+    return ev;
 }
 
 static const char *finish_reason(gen *g) {
@@ -168,60 +221,78 @@ static const char *finish_reason(gen *g) {
     return rk_finish_reason_name(g->job->req.finish_reason);
 }
 
-/* The final object: a whole response, or the last streamed event (text is
- * the remainder then). usage and ragkv come from the report. */
-static json_t *final_object(gen *g, const char *text, int streamed) {
+/* The whole response of a request that was not streamed. */
+static json_t *final_object(gen *g, const char *text) {
     rk_request *r = &g->job->req;
     const rk_tokenizer *tok = rk_model_tokenizer(g->svc->model);
-    json_t *full = rk_report_completion(tok, r, g->id, g->created, g->rc->S->model_name);
-    if (!full) return NULL;
-    json_t *choice0 = json_array_get(json_object_get(full, "choices"), 0);
-    json_t *logprobs = json_incref(json_object_get(choice0, "logprobs"));
-    json_t *usage = json_incref(json_object_get(full, "usage"));
-    json_t *ragkv = json_incref(json_object_get(full, "ragkv"));
-    json_decref(full);
-    if (!logprobs || !usage || !ragkv) {
-        json_decref(logprobs);
-        json_decref(usage);
-        json_decref(ragkv);
+    const char *fr = finish_reason(g);
+    json_t *lp = rk_report_logprobs(tok, r, 0, r->n_out, g->api.chat);
+    json_t *choice = g->api.chat ? json_pack("{s:i, s:{s:s, s:s, s:n}, s:o, s:s}", "index",
+                                             g->index, "message", "role", "assistant", "content",
+                                             text, "refusal", "logprobs", lp, "finish_reason", fr)
+                                 : json_pack("{s:i, s:s, s:o, s:s}", "index", g->index, "text",
+                                             text, "logprobs", lp, "finish_reason", fr);
+    json_t *o = object_head(g, g->api.chat ? "chat.completion" : "text_completion");
+    if (!o || !choice || json_object_set_new(o, "choices", json_pack("[o]", choice)) ||
+        json_object_set_new(o, "usage", rk_report_usage(r)) ||
+        json_object_set_new(o, "ragkv", rk_report_ragkv(r))) {
+        json_decref(o);
         return NULL;
     }
-    const char *fr = finish_reason(g);
-    json_t *choice;
-    const char *object;
-    if (g->api.chat) {
-        object = streamed ? "chat.completion.chunk" : "chat.completion";
-        choice = streamed ? json_pack("{s:i, s:{s:s}, s:s, s:o}", "index", g->index, "delta",
-                                      "content", text, "finish_reason", fr, "logprobs", logprobs)
-                          : json_pack("{s:i, s:{s:s, s:s}, s:s, s:o}", "index", g->index, "message",
-                                      "role", "assistant", "content", text, "finish_reason", fr,
-                                      "logprobs", logprobs);
-    } else {
-        object = "text_completion";
-        choice = json_pack("{s:i, s:s, s:s, s:o}", "index", g->index, "text", text, "finish_reason",
-                           fr, "logprobs", logprobs);
+    return o;
+}
+
+/* A stream's event after the last choice event (choices []): usage when
+ * stream_options.include_usage asked for it, and the ragkv report. */
+static json_t *report_event(gen *g) {
+    rk_request *r = &g->job->req;
+    json_t *o = object_head(g, g->api.chat ? "chat.completion.chunk" : "text_completion");
+    if (!o || json_object_set_new(o, "choices", json_array()) ||
+        (g->api.include_usage && json_object_set_new(o, "usage", rk_report_usage(r))) ||
+        json_object_set_new(o, "ragkv", rk_report_ragkv(r))) {
+        json_decref(o);
+        return NULL;
     }
-    return json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o, s:o}", "id", g->id, "object", object,
-                     "created", (json_int_t)g->created, "model", g->rc->S->model_name, "choices",
-                     choice, "usage", usage, "ragkv", ragkv);
+    return o;
 }
 
 /* Stream the new text, if any. */
 static void stream_progress(gen *g) {
     char *t = gt_take(&g->text, 0);
     if (!t) return;
-    int first = !g->headers_sent;
     sse_start(g);
-    if (*t) sse_event(g, chunk_event(g, t, first));
+    if (*t) sse_event(g, chunk_event(g, t, NULL));
     free(t);
 }
 
-/* Wait for the job, streaming as it goes; sets g->timed_out. */
+/* Has the client gone (closed or reset its connection)? Checked every
+ * 100 ms while waiting; cancels the job when so. */
+static void check_client(gen *g) {
+    if (g->fd == -2) /* looked for only by requests that last: it costs a scan */
+        g->fd = rk_gw_conn_fd(mg_get_request_info(g->rc->conn));
+    if (g->client_gone || !rk_gw_peer_gone(g->fd)) return;
+    g->client_gone = 1;
+    rk_scheduler_cancel(g->rc->S->engine, g->job);
+}
+
+/* Wait for the job, streaming as it goes, and watching the connection so
+ * that a client gone stops its generation at the next step; sets
+ * g->timed_out. */
 static void wait_job(gen *g, double deadline) {
     server *S = g->rc->S;
     int seen = 0, done = 0, n;
+    double next_check = rk_time_now() + 0.1;
     while (!done) {
-        int to = rk_job_wait(g->job, seen, g->timed_out ? 0 : deadline, &n, &done);
+        double until = g->timed_out || g->client_gone ? 0 : deadline;
+        int polling = until > 0 && g->fd != -1 && next_check < until;
+        if (polling) until = next_check;
+        int to = rk_job_wait(g->job, seen, until, &n, &done);
+        if (polling && rk_time_now() >= next_check) {
+            /* Tokens may have been published meanwhile without waking us. */
+            check_client(g);
+            next_check = rk_time_now() + 0.1;
+            if (to) continue;
+        }
         if (to) {
             g->timed_out = 1;
             rk_scheduler_cancel(S->engine, g->job);
@@ -274,6 +345,8 @@ static void respond_generation(gen *g) {
             write_all(g, "data: [DONE]\n\n", 14);
         } else if (!g->client_gone) {
             rk_gw_send_errorf(rc, status, "%s", msg);
+        } else {
+            rc->status = 499; /* nothing was answered: the client closed the request */
         }
         return;
     }
@@ -281,45 +354,36 @@ static void respond_generation(gen *g) {
     if (g->text.stop_at >= 0 && g->text.stop_tokens < j->req.n_out)
         j->req.n_out = g->text.stop_tokens; /* usage, ids and logprobs end at the stop */
     log_generation(g);
+    if (g->client_gone) {
+        if (!g->headers_sent) rc->status = 499; /* nothing was answered */
+        return;
+    }
     if (g->timed_out && !g->api.stream) {
-        rk_gw_send_errorf(rc, 503, "the request ran longer than the timeout (%g s) and was cancelled",
-                    rc->S->o.timeout_s);
+        rk_gw_send_errorf(rc, 503,
+                          "the request ran longer than the timeout (%g s) and was cancelled",
+                          rc->S->o.timeout_s);
         return;
     }
     if (g->api.stream) {
-        if (g->client_gone) return;
-        int first = !g->headers_sent;
         sse_start(g);
         char *rest = gt_take(&g->text, 1);
-        if (first && g->api.chat && rest && *rest) { /* the role goes with the first piece */
-            sse_event(g, chunk_event(g, rest, 1));
-            free(rest);
-            rest = NULL;
-        }
-        sse_event(g, final_object(g, rest ? rest : "", 1));
+        g->text_done = 1;
+        /* The rest, if any; the role goes with the first event; log-probabilities
+         * of tokens that brought no text of their own (the one that completed a
+         * stop string) go in an event with empty text. */
+        if ((rest && *rest) || (g->api.chat && !g->events) ||
+            (g->api.opt.n_logprobs > 0 && g->lp_sent < j->req.n_out))
+            sse_event(g, chunk_event(g, rest ? rest : "", NULL));
         free(rest);
+        sse_event(g, chunk_event(g, NULL, finish_reason(g)));
+        sse_event(g, report_event(g));
         write_all(g, "data: [DONE]\n\n", 14);
         return;
     }
     char *text = gt_take(&g->text, 1);
-    json_t *obj = final_object(g, text ? text : "", 0);
+    json_t *obj = final_object(g, text ? text : "");
     free(text);
     rk_gw_send_json(rc, 200, obj);
-}
-
-/* Does the `model` a client named match the served one? */
-static int model_matches(server *S, rk_service *svc, const char *name) {
-    if (!strcmp(name, S->model_name) || !strcmp(name, rk_model_fingerprint(svc->model))) return 1;
-    if (S->o.model[0]) {
-        const char *b = strrchr(S->o.model, '/');
-        b = b ? b + 1 : S->o.model;
-        size_t n = strlen(b);
-        if (!strcmp(name, b) || !strcmp(name, S->o.model)) return 1;
-        if (n > 5 && !strcmp(b + n - 5, ".gguf") && strlen(name) == n - 5 &&
-            !strncmp(name, b, n - 5))
-            return 1;
-    }
-    return 0;
 }
 
 /* ---------------------------------------------------------------- preparing a generation */
@@ -357,6 +421,12 @@ static void prepare_job(gen *g, int prompt, uint64_t seed, rk_http_error *err) {
         st = rk_request_prepare_tokens(svc, &bos, bos >= 0, g->api.batch_tokens[prompt],
                                        g->api.batch_lens[prompt], &g->job->req);
     }
+    if (st && g->job->req.context_exceeded) { /* OpenAI's answer to a prompt too long */
+        rk_http_errorf(err, 400, "%s", rk_error_message());
+        err->code = RK_CODE_CONTEXT_LENGTH;
+        err->param = g->api.chat ? "messages" : "prompt";
+        return;
+    }
     if (st) {
         if (prompt >= 0)
             rk_http_errorf(err, rk_http_status_of(st), "prompt[%d]: %s", prompt,
@@ -381,11 +451,7 @@ static void prep_generation(void *arg) {
     (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio); /* validated */
     if (rk_api_parse(p->body, p->len, p->chat, &lim, &g->api, err)) return;
     rk_service *svc = g->svc;
-    if (g->api.model && !model_matches(S, svc, g->api.model)) {
-        rk_http_errorf(err, 404, "model \"%s\" is not served here; this server serves \"%s\"",
-                       g->api.model, S->model_name);
-        return;
-    }
+    if (rk_gw_check_model(S, svc, g->api.model, err)) return;
     const rk_sampler_params *sp = &g->api.opt.sampling;
     int n_vocab = rk_model_hparams(svc->model)->n_vocab;
     for (int i = 0; i < sp->n_logit_bias; i++)
@@ -433,7 +499,7 @@ static void open_choice(choices *cs, int c) {
     cs->opened[c] = 1;
     lend(cs, g);
     sse_start(g);
-    if (g->api.chat) sse_event(g, chunk_event(g, "", 1));
+    if (g->api.chat) sse_event(g, chunk_event(g, "", NULL)); /* the role, no text */
     take_back(cs, g);
 }
 
@@ -448,6 +514,8 @@ static gen *make_choice(gen *g0, int c, int per_prompt, rk_http_error *err) {
     *g = *g0; /* api: a shallow copy, freed with g0's */
     g->job = NULL;
     g->index = c;
+    g->events = g->text_done = g->lp_sent = 0;
+    g->fd = -1; /* choice 0 watches the connection */
     g->text = (gen_text){.tok = g0->text.tok,
                          .stop_at = -1,
                          .max_stop = g0->text.max_stop,
@@ -546,26 +614,34 @@ static void respond_choices(choices *cs) {
         if (g->text.stop_at >= 0 && g->text.stop_tokens < j->req.n_out)
             j->req.n_out = g->text.stop_tokens;
         log_generation(g);
-        char *text = gt_take(&g->text, 1);
-        json_t *obj = final_object(g, text ? text : "", g->api.stream);
-        free(text);
-        if (!obj) continue;
+        json_t *usage = rk_report_usage(&j->req);
         if (c % cs->per_prompt == 0) {
-            prompt +=
-                json_integer_value(json_object_get(json_object_get(obj, "usage"), "prompt_tokens"));
-            cached += json_integer_value(json_object_get(
-                json_object_get(json_object_get(obj, "usage"), "prompt_tokens_details"),
-                "cached_tokens"));
+            prompt += json_integer_value(json_object_get(usage, "prompt_tokens"));
+            cached += json_integer_value(
+                json_object_get(json_object_get(usage, "prompt_tokens_details"), "cached_tokens"));
         }
+        json_decref(usage);
         completion += j->req.n_out;
-        json_t *choice = json_array_get(json_object_get(obj, "choices"), 0);
-        if (g->api.stream) { /* the choice's last event, its own usage and report */
+        if (g->api.stream) { /* the rest of the choice's text, then its finish event */
             open_choice(cs, c);
             lend(cs, g);
-            sse_event(g, obj);
+            char *rest = gt_take(&g->text, 1);
+            g->text_done = 1;
+            if ((rest && *rest) || (g->api.opt.n_logprobs > 0 && g->lp_sent < j->req.n_out))
+                sse_event(g, chunk_event(g, rest ? rest : "", NULL));
+            free(rest);
+            json_t *ev = chunk_event(g, NULL, finish_reason(g));
+            json_t *choice = json_array_get(json_object_get(ev, "choices"), 0);
+            if (choice) json_object_set_new(choice, "ragkv", rk_report_ragkv(&j->req));
+            sse_event(g, ev);
             take_back(cs, g);
             continue;
         }
+        char *text = gt_take(&g->text, 1);
+        json_t *obj = final_object(g, text ? text : "");
+        free(text);
+        if (!obj) continue;
+        json_t *choice = json_array_get(json_object_get(obj, "choices"), 0);
         json_object_set(choice, "ragkv", json_object_get(obj, "ragkv"));
         json_array_append(list, choice);
         if (!first)
@@ -573,10 +649,23 @@ static void respond_choices(choices *cs) {
         else
             json_decref(obj);
     }
-    if (cs->gs[0]->api.stream) {
+    if (cs->gs[0]->api.stream) { /* usage, summed, in an event of its own when asked */
         json_decref(list);
         gen *g0 = cs->gs[0];
         lend(cs, g0);
+        if (g0->api.include_usage) {
+            json_t *ev =
+                object_head(g0, g0->api.chat ? "chat.completion.chunk" : "text_completion");
+            if (ev) {
+                json_object_set_new(ev, "choices", json_array());
+                json_object_set_new(ev, "usage",
+                                    json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", prompt,
+                                              "completion_tokens", completion, "total_tokens",
+                                              prompt + completion, "prompt_tokens_details",
+                                              "cached_tokens", cached));
+            }
+            sse_event(g0, ev);
+        }
         write_all(g0, "data: [DONE]\n\n", 14);
         take_back(cs, g0);
         return;
@@ -650,6 +739,7 @@ static void handle_choices(gen *g0, double deadline) {
             free(g->job);
         }
         free(g->text.raw);
+        free(g->text.tok_end);
         free(g);
     }
     free(cs.gs);
@@ -666,6 +756,7 @@ int rk_gw_handle_generate(req_ctx *rc, int chat) {
     gen g;
     memset(&g, 0, sizeof g);
     g.rc = rc;
+    g.fd = -1;
     g.text.stop_at = -1;
     g.svc = rk_gw_ready_service(S);
     if (S->o.log_prompts) /* the only place prompt text may reach the log */
@@ -691,7 +782,8 @@ int rk_gw_handle_generate(req_ctx *rc, int chat) {
         size_t l = strlen(g.api.stop[k]);
         if (l > g.text.max_stop) g.text.max_stop = l;
     }
-    snprintf(g.id, sizeof g.id, "%s", rc->id);
+    snprintf(g.id, sizeof g.id, "%s-%s", chat ? "chatcmpl" : "cmpl", rc->id + 4);
+    g.fd = -2;
     g.created = (long)time(NULL);
     if (g.api.n_choices * (g.api.n_prompts ? g.api.n_prompts : 1) > 1) {
         handle_choices(&g, deadline);
@@ -713,7 +805,7 @@ done:
         free(g.job);
     }
     free(g.text.raw);
+    free(g.text.tok_end);
     rk_api_request_free(&g.api);
     return 0;
 }
-

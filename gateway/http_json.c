@@ -65,6 +65,7 @@ static rk_status status_of_http(int status) {
 rk_status rk_http_errorf(rk_http_error *err, int status, const char *fmt, ...) {
     err->status = status;
     err->type = rk_http_error_type(status);
+    err->code = err->param = NULL;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(err->message, sizeof err->message, fmt, ap);
@@ -375,8 +376,9 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     json_t *mct = json_object_get(root, "max_completion_tokens");
     const char *mt_name = mct && !json_is_null(mct) ? "max_completion_tokens" : "max_tokens";
     json_t *mt = json_object_get(root, mt_name);
-    if (!mt || json_is_null(mt)) { /* the default, within the server's limit */
+    if (!mt || json_is_null(mt)) { /* the default, within the server's limit and the context */
         if (max_tokens > lim->max_tokens) max_tokens = lim->max_tokens;
+        o->max_tokens_fit = 1;
     } else if (get_int(root, mt_name, 0, (json_int_t)1 << 40, &max_tokens, err)) {
         return 1;
     }
@@ -398,6 +400,12 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
         get_choice(root, "position_mode", "sequential", "parallel", &pos, err) ||
         parse_stop(root, out, err) || parse_repair(root, lim, o, err))
         return 1;
+    json_t *so = json_object_get(root, "stream_options");
+    if (so && !json_is_null(so)) {
+        if (!json_is_object(so))
+            return rk_http_errorf(err, 400, "'stream_options' must be an object"), 1;
+        if (get_bool(so, "include_usage", &out->include_usage, err)) return 1;
+    }
     if (n > RK_MAX_CHOICES)
         return rk_http_errorf(err, 422, "'n' is %lld; at most %d choices per request", (long long)n,
                               RK_MAX_CHOICES),
@@ -633,7 +641,7 @@ static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_req
 /* ---------------------------------------------------------------- chat */
 
 /* Message content: a string, null (empty) or an array of text parts
- * {"type": "text", "text"}; a part marked "ragkv_chunk": true is one of the
+ * {"type": "text", "text"}, joined with "\n"; a part marked "ragkv_chunk": true is one of the
  * message's documents (m->docs), the others are joined into m->content. */
 static int message_content(json_t *c, int i, rk_chat_msg *m, rk_http_error *err) {
     char **out = &m->content;
@@ -661,13 +669,13 @@ static int message_content(json_t *c, int i, rk_chat_msg *m, rk_http_error *err)
             if (json_is_true(rc))
                 n_docs++;
             else
-                total += json_string_length(tx);
+                total += json_string_length(tx) + 1;
         }
         if (n_docs && !(m->docs = calloc(n_docs, sizeof *m->docs)))
             return rk_http_errorf(err, 500, "out of memory"), 1;
         *out = malloc(total + 1);
-        if (*out) {
-            size_t o = 0;
+        if (*out) { /* parts joined with newlines, as separate paragraphs */
+            size_t o = 0, n_text = 0;
             for (size_t k = 0; k < json_array_size(c); k++) {
                 json_t *part = json_array_get(c, k), *tx = json_object_get(part, "text");
                 if (json_is_true(json_object_get(part, "ragkv_chunk"))) {
@@ -675,6 +683,7 @@ static int message_content(json_t *c, int i, rk_chat_msg *m, rk_http_error *err)
                         return rk_http_errorf(err, 500, "out of memory"), 1;
                     continue;
                 }
+                if (n_text++) (*out)[o++] = '\n';
                 memcpy(*out + o, json_string_value(tx), json_string_length(tx));
                 o += json_string_length(tx);
             }

@@ -149,14 +149,21 @@ static rk_status alloc_results(rk_service *svc, rk_request *r) {
 
 static rk_status check_context(rk_service *svc, rk_request *r) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
-    long total = r->n_sys + r->n_question + (long)r->opt.max_tokens;
-    for (int i = 0; i < r->n_chunks; i++) total += r->chunk_lens[i];
+    long prompt = r->n_sys + r->n_question;
+    for (int i = 0; i < r->n_chunks; i++) prompt += r->chunk_lens[i];
     long limit = svc->cfg.max_context > 0 ? svc->cfg.max_context : hp->n_ctx;
-    if (total > limit)
+    /* A default max_tokens shrinks to the room left; the prompt must leave
+     * room for one token. */
+    if (r->opt.max_tokens_fit && prompt < limit && prompt + r->opt.max_tokens > limit)
+        r->opt.max_tokens = (int)(limit - prompt);
+    long total = prompt + (long)r->opt.max_tokens;
+    if (total > limit || (r->opt.max_tokens_fit && prompt >= limit)) {
+        r->context_exceeded = 1;
         return rk_errorf(RK_ERR_LIMIT,
-                         "the request needs %ld tokens of context (prompt + max_tokens); the "
-                         "limit is %ld",
-                         total, limit);
+                         "the request needs %ld tokens of context (a %ld-token prompt + "
+                         "max_tokens %d); the limit is %ld",
+                         total, prompt, r->opt.max_tokens, limit);
+    }
     if (r->n_sys + r->n_question == 0)
         return rk_errorf(RK_ERR_INVALID, "the prompt is empty and the model has no BOS token");
     return RK_OK;

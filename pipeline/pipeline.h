@@ -89,6 +89,9 @@ typedef struct rk_req_options {
     rk_chunk_context chunk_context;
     rk_position_mode positions;
     int max_tokens;
+    /* 1: max_tokens is a default, not the client's: lowered to the context
+     * the prompt leaves instead of failing the context check. */
+    int max_tokens_fit;
     rk_sampler_params sampling;
     int stop_at_eog;
     int n_logprobs; /* 0..20 top log-probabilities per generated token */
@@ -178,6 +181,10 @@ typedef struct rk_request {
     int shared_blocks;     /* chunk-pool blocks its table uses in place (zero-copy) */
     int prompt_tokens, cached_tokens, computed_tokens;
     rk_req_timings t;
+    /* Set when preparing failed because the prompt and max_tokens need more
+     * context than the model (or max_context) has: the API's
+     * context_length_exceeded. */
+    int context_exceeded;
 
     /* Set from any thread (e.g. when the client disconnects): the request stops
      * at its next decode step with RK_FINISH_CANCELLED and releases all it holds. */
