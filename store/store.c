@@ -743,6 +743,13 @@ rk_status rk_store_get(rk_store *s, const char *key, rk_store_payload *out) {
     int32_t *tokens = NULL;
     void *body = NULL;
     st = rk_payload_read(path, &x, &h, &tokens, &body);
+    char bad_body[256];
+    if (st == RK_OK && s->opts.body_check &&
+        s->opts.body_check(&h.layout, body, (size_t)h.body_size, bad_body, sizeof bad_body)) {
+        free(tokens);
+        free(body);
+        st = rk_errorf(RK_ERR_FORMAT, "%s: %s", path, bad_body);
+    }
     if (st == RK_ERR_FORMAT) {
         char why[512];
         snprintf(why, sizeof why, "%s", rk_error_message());

@@ -69,12 +69,6 @@
 
 typedef struct rk_store rk_store; /* opaque */
 
-typedef struct rk_store_options {
-    uint64_t disk_budget_bytes; /* payload bytes of this model kept on disk; 0 = unlimited */
-    int verify_on_open;         /* checksum every payload at open (default 1); 0 = sizes
-                                   and headers only (loads always verify) */
-} rk_store_options;
-
 /* The layout record stored with a payload, opaque to the store. */
 typedef struct rk_store_layout {
     int32_t n_layers, n_kv_heads, head_dim;
@@ -82,6 +76,21 @@ typedef struct rk_store_layout {
     int32_t block_size; /* tokens per KV block the body was laid out for */
     int32_t base_pos;   /* position of the chunk's first token when it was computed */
 } rk_store_layout;
+
+/* A check of a loaded body beyond its checksum, supplied by the caller, who
+ * knows what the layout's dtype code means (the service checks that every KV
+ * value is finite). Returns 0 when the body is usable; otherwise nonzero with
+ * a short reason written into why (why_cap bytes). The store and the Redis
+ * tier treat a body that fails it as corrupt. */
+typedef int (*rk_store_body_check)(const rk_store_layout *layout, const void *body,
+                                   size_t body_size, char *why, size_t why_cap);
+
+typedef struct rk_store_options {
+    uint64_t disk_budget_bytes;     /* payload bytes of this model kept on disk; 0 = unlimited */
+    int verify_on_open;             /* checksum every payload at open (default 1); 0 = sizes
+                                       and headers only (loads always verify) */
+    rk_store_body_check body_check; /* run on every rk_store_get; NULL (default) = none */
+} rk_store_options;
 
 /* Metadata of one row: what listing shows. Never any text of the chunk. */
 typedef struct rk_store_entry {
@@ -208,7 +217,8 @@ rk_status rk_store_commit(rk_store *s);
 rk_status rk_store_rollback(rk_store *s);
 
 /* Load a chunk of this model: read its payload file, check the header
- * against the row and the checksum, and fill *out (release with
+ * against the row and the checksum (and the body with opts.body_check), and
+ * fill *out (release with
  * rk_store_payload_free). Counts a hit and updates the last access. A payload
  * that fails any check is deleted (row and file), counted in
  * dropped_on_load and reported as RK_ERR_NOT_FOUND with the reason; it is
