@@ -1,6 +1,7 @@
 /* gateway/report.c — a finished request as the JSON object POST
  * /v1/completions returns (API.md), shared by the HTTP service and
  * `ragkv generate --json`. */
+#include <math.h>
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,6 +92,11 @@ json_t *rk_report_usage(const rk_request *r) {
                      "prompt_tokens_details", "cached_tokens", r->cached_tokens);
 }
 
+/* A log-probability as JSON: null for one JSON cannot hold (NaN or
+ * infinite; jansson has no value for them), so that token_logprobs always
+ * has one entry per token. */
+static json_t *logprob_json(double v) { return isfinite(v) ? json_real(v) : json_null(); }
+
 /* OpenAI-style logprobs: tokens, token_logprobs, top_logprobs (list of {text: lp}). */
 static json_t *logprobs_json(const rk_tokenizer *tok, const rk_request *r) {
     if (r->opt.n_logprobs <= 0) return json_null();
@@ -101,14 +107,14 @@ static json_t *logprobs_json(const rk_tokenizer *tok, const rk_request *r) {
         char *s = rk_utf8_sanitize(buf, n < 0 ? 0 : (size_t)(n < 255 ? n : 255), NULL);
         json_array_append_new(tokens, json_string(s ? s : ""));
         free(s);
-        json_array_append_new(lps, json_real(r->logprobs[i]));
+        json_array_append_new(lps, logprob_json(r->logprobs[i]));
         json_t *top = json_object();
         for (int k = 0; k < r->opt.n_logprobs; k++) {
             int32_t id = r->top_ids[(size_t)i * r->opt.n_logprobs + k];
             n = rk_tokenizer_token_bytes(tok, id, 1, buf, sizeof buf - 1);
             s = rk_utf8_sanitize(buf, n < 0 ? 0 : (size_t)(n < 255 ? n : 255), NULL);
             json_object_set_new(top, s ? s : "",
-                                json_real(r->top_logprobs[(size_t)i * r->opt.n_logprobs + k]));
+                                logprob_json(r->top_logprobs[(size_t)i * r->opt.n_logprobs + k]));
             free(s);
         }
         json_array_append_new(tops, top);
