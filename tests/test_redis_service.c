@@ -11,6 +11,7 @@
 #include <criterion/criterion.h>
 #include <hiredis/hiredis.h>
 #include <jansson.h>
+#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -20,7 +21,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "chunkcache/chunk_index.h"
 #include "pipeline/pipeline.h"
+#include "store/payload.h"
 #include "tests/testutil.h"
 
 static rk_service *open_svc(const rk_test_redis *s, const char *password, int wait_ms) {
@@ -490,6 +493,8 @@ Test(redis_service, the_server_prewarms_lists_reports_and_flushes_the_tier) {
     char *m;
     curl(port, "GET", "/metrics", NULL, &m);
     cr_assert(strstr(m, "ragkv_redis_writes_total 2"), "%s", m);
+    cr_assert(strstr(m, "ragkv_redis_auth_failures_total 0"), "%s", m);
+    cr_assert(strstr(m, "ragkv_nonfinite_logits_total 0"), "%s", m);
     cr_assert(strstr(m, "ragkv_redis_bytes_total{direction=\"out\"}"), "%s", m);
     cr_assert(strstr(m, "ragkv_redis_latency_seconds_count"), "%s", m);
     if (rk_test_run("command -v promtool >/dev/null", NULL) == 0) {
@@ -507,12 +512,42 @@ Test(redis_service, the_server_prewarms_lists_reports_and_flushes_the_tier) {
     j = curl(port, "GET", "/v1/chunks?tier=redis", NULL, NULL);
     cr_assert_eq(jint(j, "total", NULL), 0);
     json_decref(j);
+    j = curl(port, "GET", "/v1/stats", NULL, NULL);
+    cr_assert_eq(jint(j, "redis", "auth_failures"), 0);
+    cr_assert_eq(jint(j, "requests", "nonfinite_logits"), 0);
+    json_decref(j);
     kill(pid, SIGTERM);
     int status;
     waitpid(pid, &status, 0);
     cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "server exit status %d", status);
+    /* Without a secret the server said once that Redis must be trusted. */
+    char *text = rk_test_read_file(log, NULL);
+    cr_assert_not_null(text);
+    int warnings = 0;
+    for (const char *p = text; (p = strstr(p, "no shared-tier secret")); p++) warnings++;
+    cr_assert_eq(warnings, 1, "%d trust warnings in:\n%s", warnings, text);
+    free(text);
     free(dir);
     rk_test_redis_free(&s);
+}
+
+Test(redis_service, print_config_shows_whether_a_secret_is_set_never_the_secret) {
+    char *path = rk_test_write_tmp("redis-secret-file", "secret", "file secret 0123456789abcdef\n");
+    char cmd[4400], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "RAGKV_REDIS_SECRET='env secret 0123456789abcdef' %s serve --print-config "
+             "--redis-secret-file %s",
+             RK_BIN, path);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", cmd);
+    cr_assert_null(strstr(out, "0123456789abcdef"), "a secret was printed: %s", out);
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    cr_assert_not_null(j, "%s", out);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "redis_secret")), "<set>");
+    cr_assert_str_eq(json_string_value(json_object_get(j, "redis_secret_file")), path);
+    json_decref(j);
+    free(out);
+    free(path);
 }
 
 Test(redis_service, offline_prewarm_shares_chunks_with_the_fleet) {
@@ -579,4 +614,172 @@ Test(redis_service, an_admission_waits_for_other_replicas_once_not_per_chunk) {
     rk_service_close(plain);
     rk_service_close(a);
     rk_test_redis_free(&s);
+}
+
+/* ---------------------------------------------------------------- trust */
+
+static const char SECRET[] = "a fleet secret of more than sixteen bytes";
+
+/* A service on s with the given secret (NULL: none) and disk store (NULL:
+ * none); s NULL: no Redis tier. */
+static rk_service *open_tiers(const rk_test_redis *s, const char *secret, const char *store) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 1;
+    cfg.kv_memory_mb = 16;
+    cfg.redis_min_tokens = 1;
+    cfg.redis_timeout_ms = 100;
+    if (s) snprintf(cfg.redis_url, sizeof cfg.redis_url, "redis://127.0.0.1:%d", s->port);
+    if (secret) snprintf(cfg.redis_secret, sizeof cfg.redis_secret, "%s", secret);
+    if (store) snprintf(cfg.store_dir, sizeof cfg.store_dir, "%s", store);
+    rk_service *svc = NULL;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    return svc;
+}
+
+typedef enum forgery { NEGATE, ONE_NAN } forgery;
+
+/* Rewrite the f32 KV of chunk key's value as someone with write access to
+ * Redis but without the secret can: the KV changed (negated, or one value
+ * made NaN), the checksum, header and commit marker recomputed to agree; a
+ * tag, when there was one, kept as it was (nobody can recompute it without
+ * the secret). */
+static void forge_value(const rk_test_redis *s, const char *fp, const char *key, forgery how) {
+    redisContext *c = redisConnect("127.0.0.1", s->port);
+    cr_assert(c && !c->err);
+    redisReply *m = redisCommand(c, "GET ragkv:%s:%s:meta", fp, key);
+    redisReply *v = redisCommand(c, "GET ragkv:%s:%s", fp, key);
+    cr_assert(m && m->type == REDIS_REPLY_STRING && v && v->type == REDIS_REPLY_STRING);
+    int version = m->str[0] - '0';
+    size_t tag = version == 2 ? 32 : 0, len = v->len;
+    uint8_t *b = malloc(len);
+    cr_assert_not_null(b);
+    memcpy(b, v->str, len);
+    rk_payload_header h;
+    cr_assert_eq(rk_payload_header_decode("value", b, len - tag, &h), RK_OK);
+    cr_assert_eq(h.layout.dtype, 0, "the test forges f32 KV");
+    int32_t *toks = (int32_t *)(void *)(b + RK_STORE_HEADER_BYTES);
+    float *kv = (float *)(void *)(b + RK_STORE_HEADER_BYTES + 4 * (size_t)h.n_tokens);
+    size_t n = (size_t)h.body_size / 4;
+    if (how == NEGATE)
+        for (size_t i = 0; i < n; i++) kv[i] = -kv[i];
+    else
+        kv[n / 3] = NAN;
+    rk_payload_checksum(toks, h.n_tokens, kv, (size_t)h.body_size, h.checksum);
+    rk_payload_header_encode(&h, b);
+    char hex[33], marker[160];
+    rk_payload_checksum_hex(h.checksum, hex);
+    snprintf(marker, sizeof marker, "%d %u %zu %s 1000000000.000", version, h.n_tokens, len, hex);
+    redisReply *r1 = redisCommand(c, "SET ragkv:%s:%s %b", fp, key, b, len);
+    redisReply *r2 = redisCommand(c, "SET ragkv:%s:%s:meta %s", fp, key, marker);
+    cr_assert(r1 && r2 && r1->type == REDIS_REPLY_STATUS && r2->type == REDIS_REPLY_STATUS);
+    freeReplyObject(r1);
+    freeReplyObject(r2);
+    freeReplyObject(m);
+    freeReplyObject(v);
+    free(b);
+    redisFree(c);
+}
+
+static void expect_tokens(const rk_request *a, const rk_request *b) {
+    cr_assert_eq(a->n_out, b->n_out);
+    cr_assert_eq(memcmp(a->out_tokens, b->out_tokens, (size_t)a->n_out * sizeof(int32_t)), 0,
+                 "the answer differs from the oracle's");
+}
+
+Test(redis_service, with_a_secret_a_forged_value_is_recomputed_and_never_reaches_the_disk) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_tiers(&s, SECRET, NULL);
+    rk_request *oracle = run(a, PROMPT); /* computed alone: the right answer */
+    drain(a);
+    const char *fp = rk_model_fingerprint(a->model);
+    forge_value(&s, fp, oracle->chunk_reports[0].key, NEGATE);
+    char *dir = rk_test_tmpdir("redis-forged-store");
+    rk_service *b = open_tiers(&s, SECRET, dir);
+    rk_request *rb = run(b, PROMPT);
+    cr_assert_eq(rb->chunk_reports[0].source, RK_CHUNK_SOURCE_COMPUTED,
+                 "the forged value was used");
+    cr_assert_eq(rb->chunk_reports[1].source, RK_CHUNK_SOURCE_REDIS);
+    expect_tokens(oracle, rb);
+    rk_redis_counters cb;
+    rk_redis_stats(b->redis, &cb);
+    cr_assert_eq(cb.auth_failures, 1);
+    cr_assert_eq(cb.hits, 1);
+    rk_service_close(b);
+    /* Redis flushed, a restart with the store alone: what B kept is right. */
+    redisContext *c = redisConnect("127.0.0.1", s.port);
+    cr_assert(c && !c->err);
+    freeReplyObject(redisCommand(c, "FLUSHALL"));
+    redisFree(c);
+    rk_service *d = open_tiers(NULL, NULL, dir);
+    rk_request *rd = run(d, PROMPT);
+    for (int k = 0; k < 2; k++)
+        cr_assert_eq(rd->chunk_reports[k].source, RK_CHUNK_SOURCE_DISK, "chunk %d", k);
+    expect_tokens(oracle, rd);
+    req_free(oracle);
+    req_free(rb);
+    req_free(rd);
+    rk_service_close(a);
+    rk_service_close(d);
+    free(dir);
+    rk_test_redis_free(&s);
+}
+
+Test(redis_service, nan_kv_in_redis_is_dropped_and_the_answer_is_the_oracles) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_tiers(&s, NULL, NULL);
+    rk_request *oracle = run(a, PROMPT);
+    drain(a);
+    forge_value(&s, rk_model_fingerprint(a->model), oracle->chunk_reports[1].key, ONE_NAN);
+    char *dir = rk_test_tmpdir("redis-nan-store");
+    rk_service *b = open_tiers(&s, NULL, dir);
+    rk_request *rb = run(b, PROMPT);
+    cr_assert_eq(rb->chunk_reports[0].source, RK_CHUNK_SOURCE_REDIS);
+    cr_assert_eq(rb->chunk_reports[1].source, RK_CHUNK_SOURCE_COMPUTED, "the NaN value was used");
+    expect_tokens(oracle, rb);
+    rk_redis_counters cb;
+    rk_redis_stats(b->redis, &cb);
+    cr_assert_eq(cb.dropped_corrupt, 1);
+    req_free(oracle);
+    req_free(rb);
+    rk_service_close(a);
+    rk_service_close(b);
+    free(dir);
+    rk_test_redis_free(&s);
+}
+
+Test(redis_service, non_finite_kv_in_the_arena_fails_the_request_instead_of_answering_garbage) {
+    rk_service *a = open_tiers(NULL, NULL, NULL);
+    rk_request *first = run(a, PROMPT);
+    /* Poison the cached chunk's keys in the arena, as a bad payload that
+     * slipped through or an overflow would. */
+    rk_chunk_key k;
+    cr_assert_eq(rk_chunk_key_parse(first->chunk_reports[0].key, &k), RK_OK);
+    rk_chunk_entry *e = rk_chunk_index_find(a->chunks, k);
+    cr_assert_not_null(e);
+    const rk_kv_cache *kv = rk_arena_kv(a->arena);
+    cr_assert_eq(kv->dtype, RK_DTYPE_F32);
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
+    for (int l = 0; l < kv->n_layers; l++)
+        for (int t = 0; t < e->n_tokens; t++) {
+            float *kr = (float *)(void *)kv->k[l] +
+                        ((size_t)e->blocks[t / kv->block_size] * kv->block_size +
+                         (size_t)(t % kv->block_size)) *
+                            row;
+            for (size_t i = 0; i < row; i++) kr[i] = NAN;
+        }
+    rk_request *r = make_req(a, PROMPT, 8);
+    r->opt.reuse_sequences = 0;
+    r->opt.n_logprobs = 2;
+    rk_status st = rk_pipeline_run(a, &r, 1, NULL);
+    cr_assert_eq(st, RK_ERR_INTERNAL, "a request over NaN KV answered (%s)", rk_status_str(st));
+    cr_assert(strstr(rk_error_message(), "non-finite logit"), "%s", rk_error_message());
+    cr_assert_eq(r->chunk_reports[0].source, RK_CHUNK_SOURCE_ARENA);
+    cr_assert_eq(r->failure, RK_ERR_INTERNAL);
+    cr_assert_eq(a->nonfinite_logits, 1);
+    req_free(first);
+    req_free(r);
+    rk_service_close(a);
 }
