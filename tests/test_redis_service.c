@@ -22,6 +22,8 @@
 #include <unistd.h>
 
 #include "chunkcache/chunk_index.h"
+#include "gateway/report.h"
+#include "gateway/server.h"
 #include "pipeline/pipeline.h"
 #include "store/payload.h"
 #include "tests/testutil.h"
@@ -772,14 +774,53 @@ Test(redis_service, non_finite_kv_in_the_arena_fails_the_request_instead_of_answ
         }
     rk_request *r = make_req(a, PROMPT, 8);
     r->opt.reuse_sequences = 0;
-    r->opt.n_logprobs = 2;
     rk_status st = rk_pipeline_run(a, &r, 1, NULL);
     cr_assert_eq(st, RK_ERR_INTERNAL, "a request over NaN KV answered (%s)", rk_status_str(st));
     cr_assert(strstr(rk_error_message(), "non-finite logit"), "%s", rk_error_message());
     cr_assert_eq(r->chunk_reports[0].source, RK_CHUNK_SOURCE_ARENA);
     cr_assert_eq(r->failure, RK_ERR_INTERNAL);
     cr_assert_eq(a->nonfinite_logits, 1);
+    cr_assert_eq(rk_http_status_of(r->failure), 500, "the server answers it with a 500");
     req_free(first);
+    req_free(r);
+    rk_service_close(a);
+}
+
+Test(redis_service, a_logprob_json_cannot_hold_is_written_as_null_never_dropped) {
+    rk_service *a = open_tiers(NULL, NULL, NULL);
+    rk_split sp;
+    cr_assert_eq(rk_split_prompt(PROMPT, strlen(PROMPT), NULL, 64, &sp), RK_OK);
+    rk_request *r = calloc(1, sizeof *r);
+    cr_assert_not_null(r);
+    rk_req_options_default(&r->opt);
+    r->opt.max_tokens = 3;
+    r->opt.sampling.temperature = 0;
+    r->opt.stop_at_eog = 0;
+    r->opt.n_logprobs = 1;
+    cr_assert_eq(rk_request_prepare(a, &sp, r), RK_OK, "%s", rk_error_message());
+    rk_split_free(&sp);
+    cr_assert_eq(rk_pipeline_run(a, &r, 1, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(r->n_out, 3);
+    r->logprobs[1] = -INFINITY; /* a token of probability 0 */
+    r->logprobs[2] = NAN;
+    r->top_logprobs[2] = NAN;
+    json_t *j = rk_report_completion(rk_model_tokenizer(a->model), r, "cmpl-1", 0, "tiny");
+    cr_assert_not_null(j);
+    json_t *lp = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "logprobs");
+    json_t *tl = json_object_get(lp, "token_logprobs");
+    cr_assert_eq(json_array_size(tl), 3, "a log-probability was dropped");
+    cr_assert(json_is_real(json_array_get(tl, 0)));
+    cr_assert(json_is_null(json_array_get(tl, 1)));
+    cr_assert(json_is_null(json_array_get(tl, 2)));
+    json_t *top = json_array_get(json_object_get(lp, "top_logprobs"), 2);
+    cr_assert_eq(json_object_size(top), 1);
+    const char *k;
+    json_t *v;
+    json_object_foreach(top, k, v) cr_assert(json_is_null(v), "top logprob %s", k);
+    char *text = json_dumps(j, 0);
+    cr_assert_not_null(text, "the completion does not serialise");
+    free(text);
+    json_decref(j);
     req_free(r);
     rk_service_close(a);
 }
