@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "pipeline/persist.h"
 
 /* ---------------------------------------------------------------- prewarm / cache */
 
@@ -250,6 +251,7 @@ int rk_cli_cache(int argc, char **argv) {
     }
     rk_store *st;
     if (rk_store_open_readonly(dir, &st)) return fail("cannot open the store");
+    rk_store_set_body_check(st, rk_persist_body_check); /* verify: finite KV too */
     int rc = 0;
     uint64_t bad = 0;
     rk_status s = !strcmp(sub, "ls")      ? rk_store_print_ls(st, stdout, sort, ca.limit)

@@ -89,7 +89,9 @@ typedef struct rk_store_options {
     uint64_t disk_budget_bytes;     /* payload bytes of this model kept on disk; 0 = unlimited */
     int verify_on_open;             /* checksum every payload at open (default 1); 0 = sizes
                                        and headers only (loads always verify) */
-    rk_store_body_check body_check; /* run on every rk_store_get; NULL (default) = none */
+    rk_store_body_check body_check; /* run on every rk_store_get, and on every payload a
+                                       full verify reads (at open with verify_on_open);
+                                       NULL (default) = none */
 } rk_store_options;
 
 /* Metadata of one row: what listing shows. Never any text of the chunk. */
@@ -264,9 +266,13 @@ typedef struct rk_store_verify_result {
     uint64_t orphans; /* payload or *.tmp files without a row (never removed here) */
 } rk_store_verify_result;
 
+/* Set the body check of s (a read-only handle has none from its open);
+ * rk_store_verify and loads run it from now on. */
+void rk_store_set_body_check(rk_store *s, rk_store_body_check check);
+
 /* Re-read every payload of this model (read-only handles: of every model) and
- * check its size, header and checksum. Each bad one is reported through
- * on_bad (may be NULL); with delete_bad set it is also removed (not allowed on
+ * check its size, header and checksum (and the body check, when s has one). Each bad one is
+ * reported through on_bad (may be NULL); with delete_bad set it is also removed (not allowed on
  * read-only handles). RK_OK even when payloads are bad: see *out. */
 rk_status rk_store_verify(rk_store *s, int delete_bad, rk_store_bad_fn on_bad, void *ctx,
                           rk_store_verify_result *out);
