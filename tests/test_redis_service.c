@@ -824,3 +824,152 @@ Test(redis_service, a_logprob_json_cannot_hold_is_written_as_null_never_dropped)
     req_free(r);
     rk_service_close(a);
 }
+
+/* ---------------------------------------------------------------- the server, forged */
+
+/* Start `ragkv serve` on a free port with the given extra arguments (NULL
+ * terminated, at most 12), its stderr in log; wait until it is ready. */
+static pid_t serve(int *out_port, const char *log, const char *const *args) {
+    int port = rk_test_free_port();
+    char port_s[16];
+    snprintf(port_s, sizeof port_s, "%d", port);
+    const char *argv[20] = {RK_BIN, "serve", "--port", port_s, "--kv-memory-mb", "16"};
+    int n = 6;
+    for (int i = 0; args[i] && n < 19; i++) argv[n++] = args[i];
+    argv[n] = NULL;
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        FILE *f = freopen(log, "w", stderr);
+        (void)f;
+        execv(RK_BIN, (char *const *)argv);
+        _exit(127);
+    }
+    int up = 0;
+    for (int i = 0; i < 600 && !up; i++) {
+        char cmd[128], *out = NULL;
+        snprintf(cmd, sizeof cmd, "curl -s -m 5 http://127.0.0.1:%d/health", port);
+        up = rk_test_run(cmd, &out) == 0 && strstr(out, "ok");
+        free(out);
+        if (!up) usleep(50 * 1000);
+    }
+    cr_assert(up, "the server did not start; see %s", log);
+    *out_port = port;
+    return pid;
+}
+
+/* Stop the server and check that its log never shows the secret. */
+static void stop(pid_t pid, const char *log) {
+    kill(pid, SIGTERM);
+    int status;
+    waitpid(pid, &status, 0);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "server exit status %d", status);
+    char *text = rk_test_read_file(log, NULL);
+    cr_assert_not_null(text);
+    cr_assert_null(strstr(text, SECRET), "the log shows the secret");
+    free(text);
+}
+
+static const char *COMPLETION =
+    "{\"prompt\": \"You answer from the documents.##Lily found a shiny key under the old oak "
+    "tree by the river, where the water ran cold and clear over the stones.##The key opened a "
+    "small wooden box full of letters her grandmother had written long ago.##What was in the "
+    "box?\", \"max_tokens\": 8, \"temperature\": 0}";
+
+/* POST the completion; its text (malloc'ed) and the chunks' sources. */
+static char *complete(int port, char src[2][16], char key[2][33]) {
+    json_t *j = curl(port, "POST", "/v1/completions", COMPLETION, NULL);
+    json_t *choice = json_array_get(json_object_get(j, "choices"), 0);
+    cr_assert(json_is_string(json_object_get(choice, "text")), "no completion");
+    char *text = rk_test_strdup(json_string_value(json_object_get(choice, "text")));
+    json_t *chunks = json_object_get(json_object_get(j, "ragkv"), "chunks");
+    cr_assert_eq(json_array_size(chunks), 2);
+    for (int k = 0; k < 2; k++) {
+        json_t *c = json_array_get(chunks, (size_t)k);
+        snprintf(src[k], 16, "%s", json_string_value(json_object_get(c, "source")));
+        if (key) snprintf(key[k], 33, "%s", json_string_value(json_object_get(c, "key")));
+    }
+    json_decref(j);
+    return text;
+}
+
+Test(redis_service, the_server_with_a_secret_recomputes_a_forged_value_and_keeps_it_off_disk) {
+    char *where = NULL;
+    int no_curl = rk_test_run("command -v curl", &where) != 0 || !where || !where[0];
+    free(where);
+    if (no_curl) cr_skip_test("curl is not installed");
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    char *dir = rk_test_tmpdir("redis-forged-serve");
+    char url[64], log[4200], store[4200], src[2][16], key[2][33];
+    snprintf(url, sizeof url, "redis://127.0.0.1:%d", s.port);
+    snprintf(log, sizeof log, "%s/server.log", dir);
+    snprintf(store, sizeof store, "%s/store", dir);
+    char *secret = rk_test_write_tmp("redis-forged-secret", "secret", SECRET);
+    const char *tier[] = {"--redis", url, "--redis-min-tokens", "1", "--redis-secret-file",
+                          secret,    NULL};
+    int port;
+    /* The oracle: computed alone by a replica with the secret. */
+    pid_t pid = serve(&port, log, tier);
+    char *oracle = complete(port, src, key);
+    cr_assert_str_eq(src[0], "computed");
+    long long total = 0;
+    for (int i = 0; i < 250 && total < 2; i++) { /* the writes are asynchronous */
+        json_t *j = curl(port, "GET", "/v1/chunks?tier=redis", NULL, NULL);
+        total = jint(j, "total", NULL);
+        json_decref(j);
+        if (total < 2) usleep(20 * 1000);
+    }
+    cr_assert_eq(total, 2);
+    stop(pid, log);
+    /* Someone with write access to Redis, without the secret, negates the
+     * first chunk's KV and recomputes its checksums and marker. */
+    char fp[33];
+    {
+        rk_service *svc = open_tiers(NULL, NULL, NULL); /* the same embedded model */
+        snprintf(fp, sizeof fp, "%s", rk_model_fingerprint(svc->model));
+        rk_service_close(svc);
+    }
+    forge_value(&s, fp, key[0], NEGATE);
+    const char *tier_store[] = {
+        "--redis", url, "--redis-min-tokens", "1", "--redis-secret-file", secret, "--store",
+        store,     NULL};
+    pid = serve(&port, log, tier_store);
+    char *text = complete(port, src, NULL);
+    cr_assert_str_eq(src[0], "computed", "the forged value was served");
+    cr_assert_str_eq(src[1], "redis");
+    cr_assert_str_eq(text, oracle);
+    free(text);
+    json_t *j = curl(port, "GET", "/v1/stats", NULL, NULL);
+    cr_assert_eq(jint(j, "redis", "auth_failures"), 1);
+    json_decref(j);
+    char *m;
+    curl(port, "GET", "/metrics", NULL, &m);
+    cr_assert(strstr(m, "ragkv_redis_auth_failures_total 1"), "%s", m);
+    free(m);
+    stop(pid, log);
+    /* Redis flushed: the store verifies and a restart with it alone answers
+     * as the oracle did, from disk. */
+    redisContext *c = redisConnect("127.0.0.1", s.port);
+    cr_assert(c && !c->err);
+    freeReplyObject(redisCommand(c, "FLUSHALL"));
+    redisFree(c);
+    char cmd[8600], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s cache verify --store %s 2>&1", RK_BIN, store);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "checked 2 payloads: 0 bad"), "%s", out);
+    free(out);
+    const char *disk[] = {"--store", store, NULL};
+    pid = serve(&port, log, disk);
+    text = complete(port, src, NULL);
+    cr_assert_str_eq(src[0], "disk");
+    cr_assert_str_eq(src[1], "disk");
+    cr_assert_str_eq(text, oracle, "the disk store kept a wrong answer");
+    free(text);
+    stop(pid, log);
+    free(oracle);
+    free(secret);
+    free(dir);
+    rk_test_redis_free(&s);
+}
