@@ -76,7 +76,7 @@
  *
  *   if (rk_redis_worth_fetching(r, n_tokens, rk_redis_value_bytes(n_tokens,
  *                               kv_bytes), prefill_tokens_per_s) &&
- *       rk_redis_get(r, KEY, tokens, n_tokens, &LAYOUT, &p) == RK_OK)
+ *       rk_redis_get(r, KEY, tokens, n_tokens, &LAYOUT, kv_bytes, &p) == RK_OK)
  *       -> upload p.body into the entry's blocks as rk_persist_load does,
  *          source "redis" (and write it to the disk store if there is one)
  *   else switch (rk_redis_try_lock(r, KEY, &lk, &state), state):

@@ -973,3 +973,45 @@ Test(redis_service, the_server_with_a_secret_recomputes_a_forged_value_and_keeps
     free(dir);
     rk_test_redis_free(&s);
 }
+
+Test(redis_service, offline_prewarm_with_the_secret_writes_values_the_fleet_accepts) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    static const char *CHUNK =
+        "The ferry left the island at dawn with the mail, three goats, a crate of lemons and the "
+        "schoolteacher, who read the whole crossing and never once looked at the sea.";
+    char line[512];
+    snprintf(line, sizeof line, "{\"id\": \"ferry\", \"text\": \"%s\"}\n", CHUNK);
+    char *input = rk_test_write_tmp("redis-prewarm-secret", "in.jsonl", line);
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "RAGKV_REDIS_SECRET='%s' %s prewarm --input %s --kv-memory-mb 16 --redis "
+             "redis://127.0.0.1:%d 2>&1",
+             SECRET, RK_BIN, input, s.port);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "1 computed"), "%s", out);
+    cr_assert_null(strstr(out, "no shared-tier secret"), "prewarm ignored the secret: %s", out);
+    free(out);
+    char prompt[512];
+    snprintf(prompt, sizeof prompt, "Answer briefly.##%s##Who read?", CHUNK);
+    /* A replica with the secret loads it; one with another secret cannot. */
+    rk_service *other = open_tiers(&s, "not the fleet's secret at all", NULL);
+    rk_request *r = run(other, prompt);
+    cr_assert_eq(r->chunk_reports[0].source, RK_CHUNK_SOURCE_COMPUTED);
+    rk_redis_counters c;
+    rk_redis_stats(other->redis, &c);
+    cr_assert_eq(c.auth_failures, 1);
+    req_free(r);
+    rk_service_close(other); /* writes its own value back under its secret */
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out); /* and the fleet's again */
+    free(out);
+    rk_service *a = open_tiers(&s, SECRET, NULL);
+    r = run(a, prompt);
+    cr_assert_eq(r->chunk_reports[0].source, RK_CHUNK_SOURCE_REDIS);
+    rk_redis_stats(a->redis, &c);
+    cr_assert_eq(c.auth_failures, 0);
+    req_free(r);
+    rk_service_close(a);
+    free(input);
+    rk_test_redis_free(&s);
+}
