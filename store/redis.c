@@ -928,6 +928,9 @@ static rk_status load(rk_redis *r, const char *key, const int32_t *tokens, int32
     out->body = body;
     out->body_size = body_bytes;
     size_t len = vr->len;
+    /* The cost gate weighs the whole load: the round trip and the checks
+     * (the tag's HMAC-SHA-256 is the costly one). */
+    dt = rk_time_now() - t0;
     pthread_mutex_lock(&r->mu);
     r->c.bytes_in += len;
     /* Moving averages of size and time, so that the ratio is a throughput
