@@ -1,4 +1,8 @@
-/* tests/test_redis.c — the shared Redis tier against a real redis-server.
+/* tests/test_redis.c — the shared Redis tier against a real redis-server:
+ * values, markers, corruption, breaker, locks, the writer queue, the cost
+ * gate, listing and flushing; and trust: HMAC-tagged values with a secret
+ * (forged, untagged and other-secret values deleted and counted), the body
+ * check, values too large refused unread, reconnecting after a restart.
  *
  * Every test that needs a server starts its own redis-server on a free
  * loopback port in a scratch directory (no persistence) and stops it at the

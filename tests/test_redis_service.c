@@ -3,7 +3,12 @@
  * chunks, a corrupted value is recomputed, a dead or stalled Redis never
  * holds a request up, sharing resumes after a restart, a refused password
  * stops start-up, a fleet computes a chunk once, and an abandoned compute
- * lock (a dead holder's, a replica killed with SIGKILL) is waited out.
+ * lock (a dead holder's, a replica killed with SIGKILL) is waited out. Trust:
+ * with a secret a forged value is recomputed to the oracle's answer and never
+ * reaches the disk store (in-process and through three real servers), NaN KV
+ * from Redis is dropped and NaN KV in the arena fails the request, a logprob
+ * JSON cannot hold is null, the secret is never printed or logged and the
+ * server without one warns once.
  *
  * Every test starts its own redis-server on a free loopback port in a scratch
  * directory and stops it; the tests skip visibly without redis-server. The
