@@ -595,7 +595,9 @@ Test(redis_service, an_admission_waits_for_other_replicas_once_not_per_chunk) {
     cfg.kv_memory_mb = 16;
     rk_service *plain;
     cr_assert_eq(rk_service_open(&cfg, NULL, &plain), RK_OK);
+    double tc = rk_time_now();
     rk_request *ref = run(plain, PROMPT);
+    tc = rk_time_now() - tc; /* computing both chunks, as a below will */
     /* Both chunks locked by replicas that will not finish in time. */
     redisContext *c = redisConnect("127.0.0.1", s.port);
     cr_assert(c && !c->err);
@@ -612,8 +614,11 @@ Test(redis_service, an_admission_waits_for_other_replicas_once_not_per_chunk) {
     double dt = rk_time_now() - t0;
     for (int k = 0; k < 2; k++) cr_assert_eq(r->chunk_reports[k].source, RK_CHUNK_SOURCE_COMPUTED);
     cr_assert_geq(dt, 0.55, "it did not wait for the holders (%.2f s)", dt);
-    /* One 600 ms bound for the admission; a bound per chunk would be 1.2 s. */
-    cr_assert_lt(dt, 1.15, "the waits added up to %.2f s", dt);
+    /* One 600 ms bound for the admission; a bound per chunk would be 1.2 s.
+     * The computing after the waits is taken off (it is slow in the
+     * sanitizer build on a busy machine). */
+    cr_assert_lt(dt - tc, 1.0, "the waits added up to %.2f s (%.2f s in all, %.2f s computing)",
+                 dt - tc, dt, tc);
     cr_assert_eq(memcmp(ref->out_tokens, r->out_tokens, 8 * sizeof(int32_t)), 0);
     redisFree(c);
     req_free(ref);
