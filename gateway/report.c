@@ -1,6 +1,7 @@
 /* gateway/report.c — a finished request as the JSON object POST
  * /v1/completions returns (API.md), shared by the HTTP service and
  * `ragkv generate --json`. */
+#include <math.h>
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
@@ -91,6 +92,11 @@ json_t *rk_report_usage(const rk_request *r) {
                      "prompt_tokens_details", "cached_tokens", r->cached_tokens);
 }
 
+/* A log-probability as JSON: null for one JSON cannot hold (NaN or
+ * infinite; jansson has no value for them), so that every token keeps its
+ * entry. */
+static json_t *logprob_json(double v) { return isfinite(v) ? json_real(v) : json_null(); }
+
 /* A token's bytes (at most 255, *n their count) and its text made valid UTF-8
  * (malloc'ed; NULL when out of memory). */
 static char *token_text(const rk_tokenizer *tok, int32_t id, char buf[256], int *n) {
@@ -110,8 +116,8 @@ static json_t *chat_entry(const rk_tokenizer *tok, int32_t id, float lp) {
     char buf[256];
     int n;
     char *s = token_text(tok, id, buf, &n);
-    json_t *e = json_pack("{s:s, s:f, s:o}", "token", s ? s : "", "logprob", (double)lp, "bytes",
-                          bytes_json(buf, n));
+    json_t *e = json_pack("{s:s, s:o, s:o}", "token", s ? s : "", "logprob", logprob_json(lp),
+                          "bytes", bytes_json(buf, n));
     free(s);
     return e;
 }
@@ -143,14 +149,15 @@ json_t *rk_report_logprobs(const rk_tokenizer *tok, const rk_request *r, int fro
         char *s = token_text(tok, r->out_tokens[i], buf, &n);
         if (i >= from) {
             json_array_append_new(tokens, json_string(s ? s : ""));
-            json_array_append_new(lps, json_real(r->logprobs[i]));
+            json_array_append_new(lps, logprob_json(r->logprobs[i]));
             json_array_append_new(offsets, json_integer(offset));
             json_t *top = json_object();
             for (int j = 0; j < k; j++) {
                 int m;
                 char tb[256];
                 char *t = token_text(tok, r->top_ids[(size_t)i * k + j], tb, &m);
-                json_object_set_new(top, t ? t : "", json_real(r->top_logprobs[(size_t)i * k + j]));
+                json_object_set_new(top, t ? t : "",
+                                    logprob_json(r->top_logprobs[(size_t)i * k + j]));
                 free(t);
             }
             json_array_append_new(tops, top);

@@ -256,10 +256,11 @@ static json_t *requests_json(const rk_stats *s) {
         json_object_set_new(by, code, json_integer((json_int_t)s->status_counts[i]));
         total += s->status_counts[i];
     }
-    return json_pack("{s:I, s:o, s:I, s:i, s:i, s:i, s:I}", "total", (json_int_t)total, "by_status",
-                     by, "completed_generations", (json_int_t)s->requests_done, "in_flight",
-                     s->in_flight, "queued", s->snap.queued, "running", s->snap.running,
-                     "preemptions", (json_int_t)s->snap.preemptions);
+    return json_pack("{s:I, s:o, s:I, s:i, s:i, s:i, s:I, s:I}", "total", (json_int_t)total,
+                     "by_status", by, "completed_generations", (json_int_t)s->requests_done,
+                     "in_flight", s->in_flight, "queued", s->snap.queued, "running",
+                     s->snap.running, "preemptions", (json_int_t)s->snap.preemptions,
+                     "nonfinite_logits", (json_int_t)s->snap.nonfinite_logits);
 }
 
 json_t *rk_stats_json(rk_stats *s) {
@@ -328,16 +329,18 @@ json_t *rk_stats_json(rk_stats *s) {
     json_t *redis =
         s->have_redis
             ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, "
-                        "s:f, s:f, s:s, s:I, s:o}",
+                        "s:I, s:I, s:f, s:f, s:s, s:I, s:o}",
                         "configured", 1, "hits", (json_int_t)rd->hits, "misses",
                         (json_int_t)rd->misses, "errors", (json_int_t)rd->errors, "skipped",
                         (json_int_t)rd->skipped, "dropped_corrupt", (json_int_t)rd->dropped_corrupt,
-                        "layout_mismatch", (json_int_t)rd->layout_mismatch, "writes",
-                        (json_int_t)rd->writes, "write_drops", (json_int_t)rd->write_drops,
-                        "queued", (json_int_t)rd->queued, "bytes_in", (json_int_t)rd->bytes_in,
-                        "bytes_out", (json_int_t)rd->bytes_out, "locks_acquired",
-                        (json_int_t)rd->locks_acquired, "locks_busy", (json_int_t)rd->locks_busy,
-                        "mean_get_s", rd->get_count ? rd->get_seconds / (double)rd->get_count : 0.0,
+                        "size_refused", (json_int_t)rd->size_refused, "auth_failures",
+                        (json_int_t)rd->auth_failures, "layout_mismatch",
+                        (json_int_t)rd->layout_mismatch, "writes", (json_int_t)rd->writes,
+                        "write_drops", (json_int_t)rd->write_drops, "queued",
+                        (json_int_t)rd->queued, "bytes_in", (json_int_t)rd->bytes_in, "bytes_out",
+                        (json_int_t)rd->bytes_out, "locks_acquired", (json_int_t)rd->locks_acquired,
+                        "locks_busy", (json_int_t)rd->locks_busy, "mean_get_s",
+                        rd->get_count ? rd->get_seconds / (double)rd->get_count : 0.0,
                         "load_bytes_per_s", rd->load_bytes_per_s, "breaker",
                         rd->breaker == RK_REDIS_OPEN ? "open" : "closed", "breaker_opened",
                         (json_int_t)rd->breaker_opened, "latency", latency_json(&s->redis_latency))
@@ -471,6 +474,9 @@ char *rk_stats_prometheus(rk_stats *s) {
         counter(&t, "ragkv_redis_errors_total",
                 "Failed Redis calls (connect, I/O, timeout, error reply).", rd->errors);
         counter(&t, "ragkv_redis_writes_total", "Chunks committed to the Redis tier.", rd->writes);
+        counter(&t, "ragkv_redis_auth_failures_total",
+                "Redis values deleted because their HMAC tag did not verify under the secret.",
+                rd->auth_failures);
         put(&t,
             "# HELP ragkv_redis_bytes_total Chunk payload bytes moved to and from Redis.\n"
             "# TYPE ragkv_redis_bytes_total counter\n"
@@ -503,6 +509,9 @@ char *rk_stats_prometheus(rk_stats *s) {
             s->completion_tokens);
     counter(&t, "ragkv_preemptions_total",
             "Generations taken off the live pool to make room, then resumed.", c->preemptions);
+    counter(&t, "ragkv_nonfinite_logits_total",
+            "Requests failed because the model produced a NaN or infinite logit.",
+            c->nonfinite_logits);
     histogram(&t, "ragkv_time_per_output_token_seconds",
               "Decode time per generated token after the first, per request.", &s->tpot);
     histogram(&t, "ragkv_queue_time_seconds", "Time a generation waited for the engine.",

@@ -1261,12 +1261,26 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
 }
 
 /* Sample request r's next token from its logits (or take the forced one) and
- * decide whether it is done. */
+ * decide whether it is done. A row with a NaN or infinite logit (KV that is
+ * not finite, from a bad payload or an overflow) fails the request instead:
+ * sampling it would answer garbage. Only the sampled rows are checked. */
 static void take_token(rk_service *svc, rk_request *r, const float *logits,
                        const rk_pipeline_hooks *hooks) {
     rk_req_state *s = r->state;
     int ri = s->hook_index;
     const rk_hparams *hp = rk_model_hparams(svc->model);
+    int64_t bad = rk_dtype_first_nonfinite(RK_DTYPE_F32, logits, (size_t)hp->n_vocab);
+    if (bad >= 0) {
+        r->failure = RK_ERR_INTERNAL;
+        snprintf(r->failure_msg, sizeof r->failure_msg,
+                 "the model produced a non-finite logit (token id %lld is %s) at output token "
+                 "%d: the KV it attended to is not finite (a corrupt cached chunk or an overflow)",
+                 (long long)bad, isnan(logits[bad]) ? "NaN" : "infinite", r->n_out);
+        RK_LOG_ERROR("request failed: %s", r->failure_msg);
+        svc->nonfinite_logits++;
+        s->done = 1;
+        return;
+    }
     if (hooks && hooks->on_logits) hooks->on_logits(hooks->ctx, ri, r->n_out, logits, hp->n_vocab);
     int32_t t = hooks && hooks->force_token ? hooks->force_token(hooks->ctx, ri, r->n_out) : -1;
     if (t < 0 || t >= hp->n_vocab) t = rk_sampler_sample(&s->sampler, logits);
@@ -1952,6 +1966,8 @@ rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
         if (p->n_preempted) st = resume_one(p, hooks);
         if (!st && p->n_running) st = rk_pipeline_step(p, hooks);
     }
+    for (int i = 0; !st && i < n_reqs; i++)
+        if (reqs[i]->failure) st = rk_errorf(reqs[i]->failure, "%s", reqs[i]->failure_msg);
     rk_pipeline_free(p); /* on failure: releases what still runs */
     return st;
 }

@@ -54,6 +54,9 @@ typedef struct rk_service {
     /* rk_time_now() after which an admission waits no more for chunks other
      * replicas compute. */
     double redis_wait_until;
+    /* Requests failed because a forward pass gave them a NaN or infinite
+     * logit (engine thread; read by the statistics snapshot). */
+    uint64_t nonfinite_logits;
 } rk_service;
 
 /* Create the backend, load the model (model_path NULL = build the embedded
@@ -173,7 +176,12 @@ typedef struct rk_request {
     float *logprobs;     /* (opt.max_tokens) log-probability of each sampled token, set
                           * where opt.n_logprobs > 0 */
     rk_finish_reason finish_reason;
-    int finished;                   /* it left the pipeline: everything it held is released */
+    int finished; /* it left the pipeline: everything it held is released */
+    /* Set when the pipeline failed this request alone (a forward pass gave
+     * it a NaN or infinite logit): it is finished and its tokens must not be
+     * served; failure_msg says what happened. RK_OK otherwise. */
+    rk_status failure;
+    char failure_msg[200];
     rk_chunk_report *chunk_reports; /* (n_chunks) */
     int sys_cached;                 /* system tokens reused from the prefix cache */
     int conv_cached;       /* tokens past the system prompt reused from an earlier sequence */

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install ragkv's build dependencies from Debian packages, only what is missing.
 set -euo pipefail
-pkgs=(build-essential cmake pkg-config libcivetweb-dev libjansson-dev libxxhash-dev libhiredis-dev redis-server
+pkgs=(build-essential cmake pkg-config libcivetweb-dev libjansson-dev libxxhash-dev libhiredis-dev libssl-dev redis-server
       libsqlite3-dev libcriterion-dev libopenblas-dev libpcre2-dev clang-format curl python3
       prometheus) # prometheus: for promtool, which checks the /metrics exposition in the tests
 # Node.js and npm: tests/test_openai.c installs the official openai npm SDK into build/npm

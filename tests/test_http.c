@@ -609,7 +609,8 @@ Test(http, metrics_have_help_type_and_every_listed_name) {
                                      "ragkv_prefix_hit_tokens_total",
                                      "ragkv_evictions_total",
                                      "ragkv_requests_total",
-                                     "ragkv_store_loads_total"};
+                                     "ragkv_store_loads_total",
+                                     "ragkv_nonfinite_logits_total"};
     char line[256];
     for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++) {
         snprintf(line, sizeof line, "# TYPE %s counter\n", counters[i]);
