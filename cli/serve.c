@@ -40,8 +40,11 @@ static const rk_setting k_serve_settings[] = {
      "KEY  require `Authorization: Bearer KEY` on every route but /health"},
     {"admin_key", "admin-key", RK_SET_STR, STR(srv.admin_key), 0, 0, 0, 1,
      "KEY  require this key for cache flush and chunk delete"},
-    {"max_body_bytes", "max-body-bytes", RK_SET_LONG, OFF(srv.max_body_bytes), 0, 1, 1LL << 34, 0, 0,
-     "N  largest request body (default: 1048576; larger: 413)"},
+    {"api_keys_file", "api-keys-file", RK_SET_STR, STR(srv.api_keys_file), 0, 0, 0, 0,
+     "F  JSON keys that name tenants, each with its own cache: {\"keys\": [{\"key\", "
+     "\"tenant\", \"salt\"}]} (docs/operations.md)"},
+    {"max_body_bytes", "max-body-bytes", RK_SET_LONG, OFF(srv.max_body_bytes), 0, 1, 1LL << 34, 0,
+     0, "N  largest request body (default: 1048576; larger: 413)"},
     {"queue", "queue", RK_SET_INT, OFF(srv.queue), 0, 1, 1 << 20, 0, 0,
      "N  requests waiting for the engine at most (default: 64; more: 503)"},
     {"timeout_s", "timeout-s", RK_SET_DOUBLE, OFF(srv.timeout_s), 0, 0.001, 1e7, 0, 0,
@@ -55,8 +58,8 @@ static const rk_setting k_serve_settings[] = {
     {"http_threads", "http-threads", RK_SET_INT, OFF(srv.http_threads), 0, 0, 4096, 0, 0,
      "N  requests handled at once, more get 503 (default: 0 = queue + 16); 5 N connections "
      "are served"},
-    {"request_timeout_s", "request-timeout-s", RK_SET_DOUBLE, OFF(srv.request_timeout_s), 0, 0.1, 3600,
-     0, 0,
+    {"request_timeout_s", "request-timeout-s", RK_SET_DOUBLE, OFF(srv.request_timeout_s), 0, 0.1,
+     3600, 0, 0,
      "S  a client must send the headers, then the body, within this long, and read what is "
      "written to it (default: 10)"},
     {"log_level", "log-level", RK_SET_STR, STR(log_level), 0, 0, 0, 0,

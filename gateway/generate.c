@@ -281,8 +281,9 @@ static void respond_generation(gen *g) {
         j->req.n_out = g->text.stop_tokens; /* usage, ids and logprobs end at the stop */
     log_generation(g);
     if (g->timed_out && !g->api.stream) {
-        rk_gw_send_errorf(rc, 503, "the request ran longer than the timeout (%g s) and was cancelled",
-                    rc->S->o.timeout_s);
+        rk_gw_send_errorf(rc, 503,
+                          "the request ran longer than the timeout (%g s) and was cancelled",
+                          rc->S->o.timeout_s);
         return;
     }
     if (g->api.stream) {
@@ -349,6 +350,10 @@ static void prep_generation(void *arg) {
     }
     if (p->chat && rk_chat_render(S->tmpl, &g->api, S->o.cfg.max_chunks, err)) return;
     if (!g->api.seed_given) g->api.opt.sampling.seed = rk_gw_random(S);
+    /* The caller's tenant owns what the request caches, under its salt (and
+     * the request's cache_salt inside it). */
+    g->api.opt.owner = g->rc->tenant;
+    g->api.opt.salt = rk_cache_scope(rk_tenants_salt(S->tenants, g->rc->tenant), g->api.cache_salt);
     g->job = malloc(sizeof *g->job);
     if (!g->job || rk_job_init(g->job)) {
         free(g->job);
@@ -422,4 +427,3 @@ done:
     rk_api_request_free(&g.api);
     return 0;
 }
-

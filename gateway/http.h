@@ -18,6 +18,7 @@
 #include "gateway/chat.h"
 #include "gateway/server.h"
 #include "gateway/stats.h"
+#include "gateway/tenants.h"
 #include "pipeline/scheduler.h"
 
 struct rk_server {
@@ -25,6 +26,7 @@ struct rk_server {
     struct mg_context *ctx;
     rk_scheduler *engine;
     rk_stats *stats;
+    rk_tenants *tenants; /* from api_keys_file; NULL without one */
     int port;
     atomic_int stopping;
     atomic_int in_flight; /* requests being handled */
@@ -51,7 +53,17 @@ typedef struct req_ctx {
     double t0;
     int status;
     char detail[512]; /* extra log fields */
+    /* Who is asking (set by authorization): the tenant of a tenant key (0:
+     * none), and whether the caller sees every tenant's chunks (the admin
+     * key; any caller while no keys file names tenants). */
+    int tenant;
+    int sees_all;
 } req_ctx;
+
+/* The chunks rc's caller may see. */
+static inline rk_cache_viewer rk_gw_viewer(const req_ctx *rc) {
+    return (rk_cache_viewer){.all = rc->sees_all, .owner = rc->tenant};
+}
 
 /* A fresh 64-bit random number (ids, seeds). Any thread. */
 uint64_t rk_gw_random(server *S);
