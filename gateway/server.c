@@ -305,9 +305,10 @@ static int handle_metrics(req_ctx *rc) {
 
 /* Which keys may call a route. */
 typedef enum route_access {
-    ACCESS_USER = 0,   /* the user key, a tenant key or the admin key */
-    ACCESS_ADMIN = 1,  /* the admin key (the user key while none is set) */
-    ACCESS_DELETE = 2, /* as ACCESS_ADMIN, or a tenant key (its own chunks) */
+    ACCESS_USER = 0,     /* the user key, a tenant key or the admin key */
+    ACCESS_ADMIN = 1,    /* the admin key (the user key while none is set) */
+    ACCESS_DELETE = 2,   /* as ACCESS_ADMIN, or a tenant key (its own chunks) */
+    ACCESS_OPERATOR = 3, /* as ACCESS_USER but no tenant key (/metrics: every tenant's counters) */
 } route_access;
 
 /* 0 when the request may go on, with rc->tenant and rc->sees_all set;
@@ -329,15 +330,18 @@ static int authorize(req_ctx *rc, route_access need) {
     rc->tenant = tenant;
     const char *admin_need = o->admin_key[0] ? o->admin_key : o->api_key;
     int admin_ok = admin_need[0] ? (o->admin_key[0] ? is_admin : is_user) : !tn;
-    int ok = need == ACCESS_USER    ? is_admin || is_user || tenant || (!o->api_key[0] && !tn)
-             : need == ACCESS_ADMIN ? admin_ok
-                                    : admin_ok || tenant;
+    int user_ok = is_admin || is_user || (!o->api_key[0] && !tn);
+    int ok = need == ACCESS_USER       ? user_ok || tenant
+             : need == ACCESS_OPERATOR ? user_ok
+             : need == ACCESS_ADMIN    ? admin_ok
+                                       : admin_ok || tenant;
     if (ok) return 0;
-    rk_gw_send_errorf(rc, 401, "%s",
-                      !given ? "missing `Authorization: Bearer KEY`"
-                      : need != ACCESS_USER && (o->admin_key[0] || tenant)
-                          ? "this route needs the admin key"
-                          : "wrong API key");
+    rk_gw_send_errorf(
+        rc, 401, "%s",
+        !given                              ? "missing `Authorization: Bearer KEY`"
+        : need == ACCESS_OPERATOR && tenant ? "this route needs the user or the admin key"
+        : need != ACCESS_USER && (o->admin_key[0] || tenant) ? "this route needs the admin key"
+                                                             : "wrong API key");
     return -1;
 }
 
@@ -387,6 +391,7 @@ static int dispatch(req_ctx *rc) {
     if (r == R_HEALTH) return handle_health(rc);
     route_access need = r == R_FLUSH              ? ACCESS_ADMIN
                         : r == R_CHUNK_KEY && del ? ACCESS_DELETE
+                        : r == R_METRICS          ? ACCESS_OPERATOR
                                                   : ACCESS_USER;
     if (authorize(rc, need)) return 0;
     if (atomic_load(&rc->S->stopping) && r != R_METRICS && r != R_STATS)

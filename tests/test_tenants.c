@@ -20,12 +20,12 @@
 #include "gateway/tenants.h"
 #include "tests/testutil.h"
 
-#define KEY_A     "key-a-7f3c1e"
-#define KEY_B     "key-b-90d2aa"
-#define KEY_ADMIN "admin-55e1"
-#define DOC_ID    "tenantA/merger-memo.pdf#1"
-#define DOC_A     "The merger memo puts the price at ten dollars a share, payable in cash on closing."
-#define DOC_FRESH "The quarterly report shows revenue flat and costs down by a tenth."
+#define KEY_A      "key-a-7f3c1e"
+#define KEY_B      "key-b-90d2aa"
+#define KEY_ADMIN  "admin-55e1"
+#define DOC_ID     "tenantA/merger-memo.pdf#1"
+#define DOC_A      "The merger memo puts the price at ten dollars a share, payable in cash on closing."
+#define DOC_FRESH  "The quarterly report shows revenue flat and costs down by a tenth."
 #define DOC_FRESH2 "The board meets on Tuesday to approve the budget for the new plant."
 
 typedef struct srv {
@@ -103,8 +103,8 @@ static void srv_stop(void) {
 static json_t *call(const char *key, const char *method, const char *path, const char *body,
                     int *status) {
     char headers[256];
-    snprintf(headers, sizeof headers, "Authorization: Bearer %s\r\nContent-Type: application/json\r\n",
-             key);
+    snprintf(headers, sizeof headers,
+             "Authorization: Bearer %s\r\nContent-Type: application/json\r\n", key);
     rk_http_response r;
     cr_assert_eq(rk_http_exchange(&S.t, method, path, headers, body, body ? strlen(body) : 0, &r),
                  RK_OK, "%s %s", method, path);
@@ -129,15 +129,13 @@ static json_t *complete(const char *key, const char *id, const char *doc, const 
 }
 
 static const char *chunk_status(json_t *resp) {
-    return json_string_value(
-        json_object_get(json_array_get(json_object_get(json_object_get(resp, "ragkv"), "chunks"), 0),
-                        "status"));
+    return json_string_value(json_object_get(
+        json_array_get(json_object_get(json_object_get(resp, "ragkv"), "chunks"), 0), "status"));
 }
 
 static const char *chunk_key(json_t *resp) {
-    return json_string_value(
-        json_object_get(json_array_get(json_object_get(json_object_get(resp, "ragkv"), "chunks"), 0),
-                        "key"));
+    return json_string_value(json_object_get(
+        json_array_get(json_object_get(json_object_get(resp, "ragkv"), "chunks"), 0), "key"));
 }
 
 static int cached_tokens(json_t *resp) {
@@ -239,11 +237,16 @@ Test(tenants, tenant_b_never_sees_or_hits_a_chunk_only_a_sent) {
 
     /* Prometheus: the tenant label. */
     rk_http_response m;
-    cr_assert_eq(rk_http_exchange(&S.t, "GET", "/metrics", "Authorization: Bearer " KEY_ADMIN "\r\n",
-                                  NULL, 0, &m),
+    cr_assert_eq(rk_http_exchange(&S.t, "GET", "/metrics",
+                                  "Authorization: Bearer " KEY_ADMIN "\r\n", NULL, 0, &m),
                  RK_OK);
     cr_assert(strstr(m.body, "ragkv_tenant_requests_total{tenant=\"A\"} 2"), "%s", m.body);
     cr_assert(strstr(m.body, "ragkv_tenant_chunk_misses_total{tenant=\"B\"} 4"));
+    rk_http_response_free(&m);
+    cr_assert_eq(rk_http_exchange(&S.t, "GET", "/metrics", "Authorization: Bearer " KEY_B "\r\n",
+                                  NULL, 0, &m),
+                 RK_OK);
+    cr_assert_eq(m.status, 401, "every tenant's counters are not for a tenant key");
     rk_http_response_free(&m);
 
     /* Keys never reach the log. */
@@ -258,9 +261,9 @@ Test(tenants, tenant_b_never_sees_or_hits_a_chunk_only_a_sent) {
 Test(tenants, prewarm_names_a_tenant_only_with_the_admin_key) {
     start_two_tenants(NULL, NULL);
     int st;
-    json_t *j = call(KEY_B, "POST", "/v1/chunks",
-                     "{\"chunks\": [{\"id\": \"x\", \"text\": \"" DOC_A "\"}], \"tenant\": \"A\"}",
-                     &st);
+    json_t *j =
+        call(KEY_B, "POST", "/v1/chunks",
+             "{\"chunks\": [{\"id\": \"x\", \"text\": \"" DOC_A "\"}], \"tenant\": \"A\"}", &st);
     cr_assert_eq(st, 403);
     json_decref(j);
     j = call(KEY_ADMIN, "POST", "/v1/chunks",
@@ -350,8 +353,9 @@ Test(tenants, a_malformed_keys_file_stops_the_server_naming_the_entry_not_the_ke
 
 Test(tenants, the_parser_numbers_tenants_and_finds_each_key) {
     rk_tenants *t;
-    const char *text = "{\"keys\": [{\"key\": \"k1\", \"tenant\": \"A\"}, {\"key\": \"k2\", "
-                       "\"tenant\": \"B\", \"salt\": \"s\"}, {\"key\": \"k3\", \"tenant\": \"A\"}]}";
+    const char *text =
+        "{\"keys\": [{\"key\": \"k1\", \"tenant\": \"A\"}, {\"key\": \"k2\", "
+        "\"tenant\": \"B\", \"salt\": \"s\"}, {\"key\": \"k3\", \"tenant\": \"A\"}]}";
     cr_assert_eq(rk_tenants_parse(text, strlen(text), &t), RK_OK, "%s", rk_error_message());
     cr_assert_eq(rk_tenants_count(t), 2, "two tenants, A with two keys");
     cr_assert_eq(rk_tenants_find(t, "k1"), 1);
