@@ -500,8 +500,10 @@ static void serve_one(void *arg) {
     atomic_fetch_sub(&S->in_flight, 1);
     int quiet = !strcmp(rc.path, "/health") || !strcmp(rc.path, "/metrics");
     if (!quiet) rk_stats_record_status(S->stats, rc.status);
-    rk_log(quiet ? RK_LOG_DEBUG : RK_LOG_INFO, "request", "id=%s %s %s status=%d ms=%.2f%s", rc.id,
-           rc.method, rc.path, rc.status, (rk_time_now() - rc.t0) * 1e3, rc.detail);
+    const char *tenant = rk_tenants_name(S->tenants, rc.tenant); /* the name, never the key */
+    rk_log(quiet ? RK_LOG_DEBUG : RK_LOG_INFO, "request", "id=%s %s %s status=%d ms=%.2f%s%s%s",
+           rc.id, rc.method, rc.path, rc.status, (rk_time_now() - rc.t0) * 1e3, rc.detail,
+           tenant ? " tenant=" : "", tenant ? tenant : "");
     free(path);
     mg_set_user_connection_data(conn, (void *)(intptr_t)(rc.status > 0 ? rc.status : 500));
 }
