@@ -116,6 +116,12 @@ static rk_status add_entry(rk_tenants *t, json_t *e, int i) {
         return rk_errorf(RK_ERR_INVALID,
                          "keys[%d].salt: differs from the salt an earlier key gave tenant %s", i,
                          name);
+    for (int k = 0; !id && k < t->n_tenants; k++)
+        if (!strcmp(t->salts[k], salt))
+            return rk_errorf(
+                RK_ERR_INVALID,
+                "keys[%d].salt: tenant %s has it already (tenants would share a cache)", i,
+                t->names[k]);
     if (!id) {
         char *nm = dup_str(name), *sl = dup_str(salt);
         if (!nm || !sl) {

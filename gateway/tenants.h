@@ -5,7 +5,8 @@
  * key belongs to one tenant; a tenant's salt (its name unless given) is the
  * cache scope of its requests, so tenants share no cached chunk, prefix or
  * sequence (pipeline.h, rk_cache_scope). Several keys may name one tenant
- * (key rotation); they must then agree on the salt.
+ * (key rotation); they must then agree on the salt. No two tenants may have
+ * one salt (they would share a cache).
  *
  * Tenants are numbered from 1 in the order the file first names them: that
  * number is the owner of the chunk entries their requests create, and the

@@ -374,4 +374,9 @@ Test(tenants, the_parser_numbers_tenants_and_finds_each_key) {
     cr_assert_eq(rk_tenants_parse(clash, strlen(clash), &t), RK_ERR_INVALID);
     cr_assert(strstr(rk_error_message(), "keys[1].salt"), "%s", rk_error_message());
     cr_assert_null(t);
+    const char *shared = "{\"keys\": [{\"key\": \"k1\", \"tenant\": \"A\"}, {\"key\": \"k2\", "
+                         "\"tenant\": \"B\", \"salt\": \"A\"}]}";
+    cr_assert_eq(rk_tenants_parse(shared, strlen(shared), &t), RK_ERR_INVALID,
+                 "two tenants with one salt would share a cache");
+    cr_assert(strstr(rk_error_message(), "keys[1].salt"), "%s", rk_error_message());
 }
