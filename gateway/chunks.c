@@ -84,6 +84,36 @@ static rk_status list_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
     return l->out ? RK_OK : rk_errorf(RK_ERR_NOMEM, "out of memory");
 }
 
+typedef struct top_cmd {
+    rk_cache_viewer who;
+    json_t *out;
+} top_cmd;
+
+/* The viewer's most hit chunks, as /v1/stats' top_chunks. */
+static rk_status top_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
+    top_cmd *t = ctx;
+    rk_chunk_listing ls;
+    rk_status st = rk_service_chunk_list(svc, &t->who, 0, 1, 0, RK_STATS_TOP, &ls);
+    if (st) return st;
+    t->out = json_array();
+    for (int i = 0; i < ls.n && t->out && ls.v[i].hits > 0; i++)
+        json_array_append_new(t->out, json_pack("{s:s, s:s?, s:I}", "key", ls.v[i].key, "id",
+                                                rk_scheduler_chunk_meta(e, ls.v[i].key, NULL),
+                                                "hits", (json_int_t)ls.v[i].hits));
+    rk_chunk_listing_free(&ls);
+    return t->out ? RK_OK : rk_errorf(RK_ERR_NOMEM, "out of memory");
+}
+
+json_t *rk_gw_top_chunks(req_ctx *rc) {
+    top_cmd t = {.who = rk_gw_viewer(rc)};
+    char msg[320];
+    if (run_command(rc, top_fn, &t, 1, msg, sizeof msg)) {
+        json_decref(t.out);
+        return NULL;
+    }
+    return t.out;
+}
+
 typedef struct key_cmd {
     rk_cache_viewer who;
     rk_chunk_key key;

@@ -104,4 +104,8 @@ int rk_gw_handle_list(req_ctx *rc);
 int rk_gw_handle_chunk_key(req_ctx *rc, const char *hex, int del);
 int rk_gw_handle_flush(req_ctx *rc);
 
+/* The caller's most hit chunks (at most RK_STATS_TOP, each with hits), as
+ * /v1/stats' top_chunks, asked of the engine; NULL when it could not answer. */
+json_t *rk_gw_top_chunks(req_ctx *rc);
+
 #endif

@@ -288,7 +288,12 @@ static void refresh_redis_stats(server *S) {
 static int handle_stats(req_ctx *rc) {
     if (!rk_gw_ready_service(rc->S)) return rk_gw_send_not_ready(rc), 0;
     refresh_redis_stats(rc->S);
-    rk_gw_send_json(rc, 200, rk_stats_json_for(rc->S->stats, rc->sees_all, rc->tenant));
+    json_t *doc = rk_stats_json_for(rc->S->stats, rc->sees_all, rc->tenant);
+    /* The snapshot's top chunks are everyone's ten: a tenant gets its own
+     * ten from the engine (the snapshot's, filtered, if it cannot answer). */
+    json_t *top = doc && !rc->sees_all ? rk_gw_top_chunks(rc) : NULL;
+    if (top) json_object_set_new(doc, "top_chunks", top);
+    rk_gw_send_json(rc, 200, doc);
     return 0;
 }
 

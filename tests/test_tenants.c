@@ -280,6 +280,12 @@ Test(tenants, prewarm_names_a_tenant_only_with_the_admin_key) {
     cr_assert_str_eq(chunk_status(b), "miss", "and a miss for B");
     json_t *b2 = complete(KEY_B, "b", DOC_FRESH, NULL);
     cr_assert_str_eq(chunk_status(b2), "hit", "B's own pre-warmed chunk");
+    json_t *stats = call(KEY_B, "GET", "/v1/stats", NULL, &st);
+    json_t *top = json_object_get(stats, "top_chunks");
+    cr_assert_eq(json_array_size(top), 1, "B's one chunk with hits: %s", json_dumps(top, 0));
+    cr_assert_str_eq(json_string_value(json_object_get(json_array_get(top, 0), "key")),
+                     chunk_key(b2));
+    json_decref(stats);
     json_decref(a);
     json_decref(b);
     json_decref(b2);
