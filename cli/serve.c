@@ -62,6 +62,9 @@ static const rk_setting k_serve_settings[] = {
      3600, 0, 0,
      "S  a client must send the headers, then the body, within this long, and read what is "
      "written to it (default: 10)"},
+    {"chat_separator", "chat-separator", RK_SET_STR, STR(srv.chat_separator), 0, 0, 0, 0,
+     "S  split chat user messages on S into documents and question (default: none; a body's "
+     "\"separator\" does it per request)"},
     {"log_level", "log-level", RK_SET_STR, STR(log_level), 0, 0, 0, 0,
      "L  debug|info|warn|error (default: warn)"},
     {"load_delay_s", "load-delay-s", RK_SET_DOUBLE, OFF(srv.load_delay_s), 0, 0, 3600, 0, 0,

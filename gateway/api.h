@@ -41,6 +41,7 @@ const char *rk_http_error_type(int status);
 #define RK_STOP_MAX_BYTES 256  /* bytes per stop string */
 #define RK_MAX_MESSAGES   512  /* chat messages per request */
 #define RK_MAX_PREWARM    4096 /* chunks per POST /v1/chunks */
+#define RK_MAX_CHOICES    32   /* choices per request: n × prompts in a batch */
 
 /* Limits the parser enforces (the service's own limits on tokens are checked
  * later, when the pieces are tokenized). */
@@ -51,6 +52,10 @@ typedef struct rk_parse_limits {
      * none or "auto": as rk_req_options takes it. */
     int repair_k;
     float repair_ratio;
+    /* The separator a chat body's user messages are split on when the body
+     * names none (`--chat-separator`); NULL or "" = chat messages are not
+     * split unless the body sets "separator". */
+    const char *chat_separator;
 } rk_parse_limits;
 
 typedef enum rk_chat_role {
@@ -62,6 +67,10 @@ typedef enum rk_chat_role {
 typedef struct rk_chat_msg {
     rk_chat_role role;
     char *content; /* malloc'ed, NUL-terminated (text parts joined) */
+    /* Its documents: content parts marked "ragkv_chunk": true, in order
+     * (malloc'ed, as the array); ids are all NULL (parts carry none). */
+    char **docs;
+    int n_docs;
 } rk_chat_msg;
 
 /* A validated POST /v1/completions or /v1/chat/completions body. */
@@ -74,13 +83,29 @@ typedef struct rk_api_request {
     int n_stop;
     char *model;                          /* NULL when absent */
     char separator[RK_SEPARATOR_MAX + 1]; /* "##" unless given */
-    rk_split pieces;                      /* completion: filled by the parser; chat: by render */
-    int have_pieces;                      /* pieces holds strings (free them) */
+    /* Chat: user messages are split on separator (the body set "separator",
+     * or the server has a chat separator); completions always split. */
+    int split_chat;
+    rk_split pieces;   /* completion: filled by the parser; chat: by render */
+    int have_pieces;   /* pieces holds strings (free them) */
     char **chunk_ids;  /* (pieces.n_chunks) ids given as {"id", "text"}, or NULL */
     rk_chat_msg *msgs; /* (n_msgs) chat only */
     int n_msgs;
-    char **chat_chunks; /* (n_chat_chunks) the `chunks` extension of a chat body */
+    /* (n_chat_chunks) a chat body's documents: the `chunks` extension or the
+     * top-level `documents` array (vLLM's), both the first user message's. */
+    char **chat_chunks;
     char **chat_chunk_ids;
+    /* `n`: choices per prompt (1 unless given); each has its own index and
+     * seed (the request's + its number among its prompt's choices). */
+    int n_choices;
+    /* A completion's `prompt` as an array: a batch of n_prompts prompts, one
+     * choice (n_choices) each. Strings are split (batch); token-id lists are
+     * taken as written (batch_tokens, batch_lens). 0: the one prompt is in
+     * pieces. */
+    int n_prompts;
+    rk_split *batch;
+    int32_t **batch_tokens;
+    int *batch_lens;
     int n_chat_chunks;
     int chat_chunks_given;
     /* `cache_salt` (vLLM's field): "" when absent. The gateway turns it, with

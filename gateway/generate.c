@@ -113,6 +113,7 @@ typedef struct gen {
     char id[40];
     long created;
     int headers_sent, client_gone, timed_out;
+    int index; /* its choice's index (n > 1, a batch of prompts) */
 } gen;
 
 static int write_all(gen *g, const char *s, size_t n) {
@@ -155,11 +156,11 @@ static json_t *chunk_event(gen *g, const char *text, int first) {
                               : json_pack("{s:s}", "content", text);
         return json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:o, s:n}]}", "id", g->id, "object",
                          "chat.completion.chunk", "created", (json_int_t)g->created, "model", model,
-                         "choices", "index", 0, "delta", delta, "finish_reason");
+                         "choices", "index", g->index, "delta", delta, "finish_reason");
     }
     return json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:s, s:n, s:n}]}", "id", g->id, "object",
                      "text_completion", "created", (json_int_t)g->created, "model", model,
-                     "choices", "index", 0, "text", text, "finish_reason", "logprobs");
+                     "choices", "index", g->index, "text", text, "finish_reason", "logprobs");
 }
 
 static const char *finish_reason(gen *g) {
@@ -190,15 +191,15 @@ static json_t *final_object(gen *g, const char *text, int streamed) {
     const char *object;
     if (g->api.chat) {
         object = streamed ? "chat.completion.chunk" : "chat.completion";
-        choice = streamed ? json_pack("{s:i, s:{s:s}, s:s, s:o}", "index", 0, "delta", "content",
-                                      text, "finish_reason", fr, "logprobs", logprobs)
-                          : json_pack("{s:i, s:{s:s, s:s}, s:s, s:o}", "index", 0, "message",
+        choice = streamed ? json_pack("{s:i, s:{s:s}, s:s, s:o}", "index", g->index, "delta",
+                                      "content", text, "finish_reason", fr, "logprobs", logprobs)
+                          : json_pack("{s:i, s:{s:s, s:s}, s:s, s:o}", "index", g->index, "message",
                                       "role", "assistant", "content", text, "finish_reason", fr,
                                       "logprobs", logprobs);
     } else {
         object = "text_completion";
-        choice = json_pack("{s:i, s:s, s:s, s:o}", "index", 0, "text", text, "finish_reason", fr,
-                           "logprobs", logprobs);
+        choice = json_pack("{s:i, s:s, s:s, s:o}", "index", g->index, "text", text, "finish_reason",
+                           fr, "logprobs", logprobs);
     }
     return json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o, s:o}", "id", g->id, "object", object,
                      "created", (json_int_t)g->created, "model", g->rc->S->model_name, "choices",
@@ -333,27 +334,10 @@ typedef struct prep_gen {
     rk_http_error err; /* status 0: prepared */
 } prep_gen;
 
-/* Parse, check, render (chat), tokenize: everything before queueing. */
-static void prep_generation(void *arg) {
-    prep_gen *p = arg;
-    server *S = p->S;
-    gen *g = p->g;
-    rk_http_error *err = &p->err;
-    rk_parse_limits lim = {.max_chunks = S->o.cfg.max_chunks, .max_tokens = S->o.cfg.max_tokens};
-    (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio); /* validated */
-    if (rk_api_parse(p->body, p->len, p->chat, &lim, &g->api, err)) return;
+/* Tokenize prompt number `prompt` of g's request (-1: its pieces) into a
+ * new job for g, sampling with seed; fills err on failure. */
+static void prepare_job(gen *g, int prompt, uint64_t seed, rk_http_error *err) {
     rk_service *svc = g->svc;
-    if (g->api.model && !model_matches(S, svc, g->api.model)) {
-        rk_http_errorf(err, 404, "model \"%s\" is not served here; this server serves \"%s\"",
-                       g->api.model, S->model_name);
-        return;
-    }
-    if (p->chat && rk_chat_render(S->tmpl, &g->api, S->o.cfg.max_chunks, err)) return;
-    if (!g->api.seed_given) g->api.opt.sampling.seed = rk_gw_random(S);
-    /* The caller's tenant owns what the request caches, under its salt (and
-     * the request's cache_salt inside it). */
-    g->api.opt.owner = g->rc->tenant;
-    g->api.opt.salt = rk_cache_scope(rk_tenants_salt(S->tenants, g->rc->tenant), g->api.cache_salt);
     g->job = malloc(sizeof *g->job);
     if (!g->job || rk_job_init(g->job)) {
         free(g->job);
@@ -362,14 +346,320 @@ static void prep_generation(void *arg) {
         return;
     }
     g->job->req.opt = g->api.opt;
+    g->job->req.opt.sampling.seed = seed;
     rk_error_clear();
-    rk_status st = rk_request_prepare(svc, &g->api.pieces, &g->job->req);
+    rk_status st;
+    if (prompt < 0) {
+        st = rk_request_prepare(svc, &g->api.pieces, &g->job->req);
+    } else if (g->api.batch) {
+        st = rk_request_prepare(svc, &g->api.batch[prompt], &g->job->req);
+    } else { /* token ids as written, after BOS as a text prompt has it */
+        int32_t bos = rk_tokenizer_bos(rk_model_tokenizer(svc->model));
+        st = rk_request_prepare_tokens(svc, &bos, bos >= 0, g->api.batch_tokens[prompt],
+                                       g->api.batch_lens[prompt], &g->job->req);
+    }
     if (st) {
-        rk_http_errorf(err, rk_http_status_of(st), "%s", rk_error_message());
+        if (prompt >= 0)
+            rk_http_errorf(err, rk_http_status_of(st), "prompt[%d]: %s", prompt,
+                           rk_error_message());
+        else
+            rk_http_errorf(err, rk_http_status_of(st), "%s", rk_error_message());
         return;
     }
-    if (g->api.chunk_ids && g->job->req.n_chunks == g->api.pieces.n_chunks)
+    if (prompt < 0 && g->api.chunk_ids && g->job->req.n_chunks == g->api.pieces.n_chunks)
         g->job->chunk_ids = g->api.chunk_ids;
+}
+
+/* Parse, check, render (chat), tokenize: everything before queueing. */
+static void prep_generation(void *arg) {
+    prep_gen *p = arg;
+    server *S = p->S;
+    gen *g = p->g;
+    rk_http_error *err = &p->err;
+    rk_parse_limits lim = {.max_chunks = S->o.cfg.max_chunks,
+                           .max_tokens = S->o.cfg.max_tokens,
+                           .chat_separator = S->o.chat_separator};
+    (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio); /* validated */
+    if (rk_api_parse(p->body, p->len, p->chat, &lim, &g->api, err)) return;
+    rk_service *svc = g->svc;
+    if (g->api.model && !model_matches(S, svc, g->api.model)) {
+        rk_http_errorf(err, 404, "model \"%s\" is not served here; this server serves \"%s\"",
+                       g->api.model, S->model_name);
+        return;
+    }
+    const rk_sampler_params *sp = &g->api.opt.sampling;
+    int n_vocab = rk_model_hparams(svc->model)->n_vocab;
+    for (int i = 0; i < sp->n_logit_bias; i++)
+        if (sp->logit_bias[i].token >= n_vocab) {
+            rk_http_errorf(err, 400, "'logit_bias': token %d is not in the vocabulary (0 to %d)",
+                           sp->logit_bias[i].token, n_vocab - 1);
+            return;
+        }
+    if (p->chat && rk_chat_render(S->tmpl, &g->api, S->o.cfg.max_chunks, err)) return;
+    if (!g->api.seed_given) g->api.opt.sampling.seed = rk_gw_random(S);
+    /* The caller's tenant owns what the request caches, under its salt (and
+     * the request's cache_salt inside it). */
+    g->api.opt.owner = g->rc->tenant;
+    g->api.opt.salt = rk_cache_scope(rk_tenants_salt(S->tenants, g->rc->tenant), g->api.cache_salt);
+    prepare_job(g, g->api.n_prompts ? 0 : -1, g->api.opt.sampling.seed, err);
+}
+
+/* ---------------------------------------------------------------- several choices */
+
+/* A request with several choices (`n` > 1, or `prompt` as a batch) runs one
+ * job per choice; they share the connection, so its state (headers sent,
+ * client gone) is kept here and lent to the choice that writes. */
+typedef struct choices {
+    gen **gs; /* (n) gs[0] is the request's own gen; the others share its api */
+    int n, per_prompt;
+    int headers_sent, client_gone;
+    int *opened; /* (n) a streamed chat choice's role was sent */
+} choices;
+
+static void lend(choices *cs, gen *g) {
+    g->headers_sent = cs->headers_sent;
+    g->client_gone = cs->client_gone;
+}
+
+/* After g wrote: a client gone cancels every choice. */
+static void take_back(choices *cs, gen *g) {
+    cs->headers_sent = g->headers_sent;
+    if (g->client_gone && !cs->client_gone)
+        for (int c = 0; c < cs->n; c++)
+            if (cs->gs[c]->job) rk_scheduler_cancel(g->rc->S->engine, cs->gs[c]->job);
+    cs->client_gone |= g->client_gone;
+}
+
+/* Before a streamed choice's first event: the stream's headers, and for a
+ * chat the choice's role (an event of its own, so every choice gets one). */
+static void open_choice(choices *cs, int c) {
+    gen *g = cs->gs[c];
+    if (cs->opened[c] || cs->client_gone) return;
+    cs->opened[c] = 1;
+    lend(cs, g);
+    sse_start(g);
+    if (g->api.chat) sse_event(g, chunk_event(g, "", 1));
+    take_back(cs, g);
+}
+
+/* Choice c of the request of g0: its own job (prompt c / per_prompt, seed
+ * the request's + c % per_prompt) and text, the rest g0's. */
+static gen *make_choice(gen *g0, int c, int per_prompt, rk_http_error *err) {
+    gen *g = malloc(sizeof *g);
+    if (!g) {
+        rk_http_errorf(err, 500, "out of memory");
+        return NULL;
+    }
+    *g = *g0; /* api: a shallow copy, freed with g0's */
+    g->job = NULL;
+    g->index = c;
+    g->text = (gen_text){.tok = g0->text.tok,
+                         .stop_at = -1,
+                         .max_stop = g0->text.max_stop,
+                         .stop = g0->text.stop,
+                         .n_stop = g0->text.n_stop};
+    prepare_job(g, g0->api.n_prompts ? c / per_prompt : -1,
+                g0->api.opt.sampling.seed + (uint64_t)(c % per_prompt), err);
+    if (g->job) {
+        g->job->notify_tokens = g0->job->notify_tokens;
+        g->text.skip_space = g->job->req.n_question == 0 && g->job->req.n_sys == 1;
+    }
+    return g;
+}
+
+/* Wait for every choice, streaming each one's text as it comes (events carry
+ * the choice's index). */
+static void wait_choices(choices *cs, double deadline) {
+    server *S = cs->gs[0]->rc->S;
+    int left = cs->n;
+    int *seen = calloc((size_t)cs->n, sizeof *seen), *done = calloc((size_t)cs->n, sizeof *done);
+    if (!seen || !done) { /* cancel everything and wait without streaming */
+        for (int c = 0; c < cs->n; c++) rk_scheduler_cancel(S->engine, cs->gs[c]->job);
+        for (int c = 0; c < cs->n; c++) {
+            int n, d = 0;
+            while (!d) rk_job_wait(cs->gs[c]->job, 0, 0, &n, &d);
+        }
+        free(seen);
+        free(done);
+        return;
+    }
+    while (left > 0) {
+        int timed_out = rk_time_now() > deadline;
+        for (int c = 0; c < cs->n; c++) {
+            gen *g = cs->gs[c];
+            if (done[c]) continue;
+            if (timed_out && !g->timed_out) {
+                g->timed_out = 1;
+                rk_scheduler_cancel(S->engine, g->job);
+            }
+            int n, d;
+            double poll = rk_time_now() + 0.005;
+            rk_job_wait(g->job, seen[c], timed_out ? 0 : poll, &n, &d);
+            if (d) {
+                done[c] = 1;
+                left--;
+                continue;
+            }
+            if (n > seen[c]) {
+                gt_feed(&g->text, g->job->req.out_tokens, n);
+                seen[c] = n;
+                if (g->text.stop_at >= 0) rk_scheduler_cancel(S->engine, g->job);
+                if (g->api.stream && !cs->client_gone) {
+                    open_choice(cs, c);
+                    lend(cs, g);
+                    stream_progress(g);
+                    take_back(cs, g);
+                }
+            }
+        }
+    }
+    free(seen);
+    free(done);
+}
+
+/* Answer a request with several choices: one failed choice answers for all
+ * (an error, or an error event mid-stream); otherwise every choice with its
+ * index, and usage summed over them (prompt tokens over the prompts, as
+ * OpenAI counts them; each choice carries its own `ragkv` report). */
+static void respond_choices(choices *cs) {
+    req_ctx *rc = cs->gs[0]->rc;
+    for (int c = 0; c < cs->n; c++) {
+        gen *g = cs->gs[c];
+        rk_job *j = g->job;
+        if (!j->ran || j->status || (g->timed_out && !g->api.stream)) {
+            lend(cs, g);
+            respond_generation(g);
+            return;
+        }
+    }
+    json_t *list = json_array(), *first = NULL;
+    json_int_t prompt = 0, completion = 0, cached = 0;
+    if (cs->gs[0]->api.stream) {
+        if (cs->client_gone) {
+            json_decref(list);
+            return;
+        }
+        gen *g0 = cs->gs[0];
+        lend(cs, g0);
+        sse_start(g0);
+        take_back(cs, g0);
+    }
+    for (int c = 0; c < cs->n; c++) {
+        gen *g = cs->gs[c];
+        rk_job *j = g->job;
+        gt_feed(&g->text, j->req.out_tokens, j->req.n_out);
+        if (g->text.stop_at >= 0 && g->text.stop_tokens < j->req.n_out)
+            j->req.n_out = g->text.stop_tokens;
+        log_generation(g);
+        char *text = gt_take(&g->text, 1);
+        json_t *obj = final_object(g, text ? text : "", g->api.stream);
+        free(text);
+        if (!obj) continue;
+        if (c % cs->per_prompt == 0) {
+            prompt +=
+                json_integer_value(json_object_get(json_object_get(obj, "usage"), "prompt_tokens"));
+            cached += json_integer_value(json_object_get(
+                json_object_get(json_object_get(obj, "usage"), "prompt_tokens_details"),
+                "cached_tokens"));
+        }
+        completion += j->req.n_out;
+        json_t *choice = json_array_get(json_object_get(obj, "choices"), 0);
+        if (g->api.stream) { /* the choice's last event, its own usage and report */
+            open_choice(cs, c);
+            lend(cs, g);
+            sse_event(g, obj);
+            take_back(cs, g);
+            continue;
+        }
+        json_object_set(choice, "ragkv", json_object_get(obj, "ragkv"));
+        json_array_append(list, choice);
+        if (!first)
+            first = obj;
+        else
+            json_decref(obj);
+    }
+    if (cs->gs[0]->api.stream) {
+        json_decref(list);
+        gen *g0 = cs->gs[0];
+        lend(cs, g0);
+        write_all(g0, "data: [DONE]\n\n", 14);
+        take_back(cs, g0);
+        return;
+    }
+    if (!first) {
+        json_decref(list);
+        rk_gw_send_errorf(rc, 500, "out of memory");
+        return;
+    }
+    json_object_set_new(first, "choices", list);
+    json_object_del(first, "ragkv");
+    json_object_set_new(first, "usage",
+                        json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", prompt,
+                                  "completion_tokens", completion, "total_tokens",
+                                  prompt + completion, "prompt_tokens_details", "cached_tokens",
+                                  cached));
+    rk_gw_send_json(rc, 200, first);
+}
+
+/* Run a request with several choices; g0 is prepared with choice 0's job.
+ * With n > 1, each prompt's first choice runs alone until its first token:
+ * its system prompt is then in the prefix cache and its chunks in the chunk
+ * cache, and the other choices of the prompt reuse them. */
+static void handle_choices(gen *g0, double deadline) {
+    req_ctx *rc = g0->rc;
+    server *S = rc->S;
+    int per = g0->api.n_choices, n = per * (g0->api.n_prompts ? g0->api.n_prompts : 1);
+    choices cs = {.n = n, .per_prompt = per};
+    cs.gs = calloc((size_t)n, sizeof *cs.gs);
+    cs.opened = calloc((size_t)n, sizeof *cs.opened);
+    int *submitted = calloc((size_t)n, sizeof *submitted);
+    rk_http_error err = {0};
+    if (!cs.gs || !cs.opened || !submitted) rk_http_errorf(&err, 500, "out of memory");
+    if (cs.gs) cs.gs[0] = g0;
+    if (per > 1) g0->job->notify_tokens = 1;
+    for (int c = 1; c < n && !err.status; c++) cs.gs[c] = make_choice(g0, c, per, &err);
+    /* Each prompt's first choice, then (n > 1) the others after its first token. */
+    rk_status st = RK_OK;
+    for (int round = 0; round < 2 && !err.status && !st; round++) {
+        for (int c = 0; c < n && !st; c++) {
+            if ((c % per == 0) != (round == 0)) continue;
+            if (round == 1 && per > 1 && c % per == 1) {
+                int nt, d;
+                rk_job_wait(cs.gs[c - 1]->job, 0, deadline, &nt, &d);
+            }
+            if (!(st = rk_scheduler_submit(S->engine, cs.gs[c]->job))) submitted[c] = 1;
+        }
+    }
+    if (st) {
+        for (int c = 0; c < n; c++)
+            if (submitted[c]) rk_scheduler_cancel(S->engine, cs.gs[c]->job);
+        for (int c = 0; c < n; c++) {
+            int nt, d = !submitted[c];
+            while (!d) rk_job_wait(cs.gs[c]->job, 0, 0, &nt, &d);
+        }
+        if (st == RK_ERR_BUSY)
+            rk_gw_send_errorf(rc, 503, "%s; try again", rk_error_message());
+        else
+            rk_gw_send_not_ready(rc);
+    } else if (err.status) {
+        rk_gw_send_error(rc, &err);
+    } else {
+        wait_choices(&cs, deadline);
+        respond_choices(&cs);
+    }
+    for (int c = 1; cs.gs && c < n; c++) {
+        gen *g = cs.gs[c];
+        if (!g) continue;
+        if (g->job) {
+            rk_job_destroy(g->job);
+            free(g->job);
+        }
+        free(g->text.raw);
+        free(g);
+    }
+    free(cs.gs);
+    free(cs.opened);
+    free(submitted);
 }
 
 int rk_gw_handle_generate(req_ctx *rc, int chat) {
@@ -408,6 +698,10 @@ int rk_gw_handle_generate(req_ctx *rc, int chat) {
     }
     snprintf(g.id, sizeof g.id, "%s", rc->id);
     g.created = (long)time(NULL);
+    if (g.api.n_choices * (g.api.n_prompts ? g.api.n_prompts : 1) > 1) {
+        handle_choices(&g, deadline);
+        goto done;
+    }
     rk_status st = rk_scheduler_submit(S->engine, g.job);
     if (st) {
         if (st == RK_ERR_BUSY)

@@ -689,6 +689,8 @@ static rk_status load_tenants(server *S) {
 
 rk_status rk_server_start(const rk_server_options *o, rk_server **out, int *out_port) {
     *out = NULL;
+    if (o->chat_separator[0] && rk_separator_check(o->chat_separator))
+        return rk_errorf(RK_ERR_INVALID, "chat_separator: %s", rk_error_message());
     server *S = calloc(1, sizeof *S);
     if (!S) return rk_errorf(RK_ERR_NOMEM, "out of memory");
     S->o = *o;

@@ -43,6 +43,10 @@ typedef struct rk_server_options {
     double grace_s;   /* shutdown: requests may finish this long */
     int http_threads; /* requests handled at once; 0 = queue + 16 */
     double request_timeout_s;
+    /* Chat user messages are split on this separator when the body names
+     * none ("" = not split: chat documents come as chunks, documents or
+     * ragkv_chunk parts). */
+    char chat_separator[32];
     double load_delay_s;  /* testing aid: wait before loading the model */
     double token_delay_s; /* testing aid: sleep after every generated token */
 } rk_server_options;

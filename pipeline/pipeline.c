@@ -1234,6 +1234,7 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
     if (st) return st;
     if (r->resume) {
         memcpy(s->sampler.rng, r->rng, sizeof r->rng);
+        for (int i = 0; i < r->n_out; i++) rk_sampler_accept(&s->sampler, r->out_tokens[i]);
         if ((st = save_report(r))) return st;
     }
     if (r->opt.mode == RK_MODE_PLAIN) {
@@ -1286,6 +1287,7 @@ static void take_token(rk_service *svc, rk_request *r, const float *logits,
     if (hooks && hooks->on_logits) hooks->on_logits(hooks->ctx, ri, r->n_out, logits, hp->n_vocab);
     int32_t t = hooks && hooks->force_token ? hooks->force_token(hooks->ctx, ri, r->n_out) : -1;
     if (t < 0 || t >= hp->n_vocab) t = rk_sampler_sample(&s->sampler, logits);
+    rk_sampler_accept(&s->sampler, t);
     /* Log-probabilities only where the request asks for them: the sum is a
      * pass of exp over the whole vocabulary, taken once for both. */
     if (r->opt.n_logprobs > 0) {
