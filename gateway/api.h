@@ -51,6 +51,7 @@ typedef struct rk_parse_limits {
      * none or "auto": as rk_req_options takes it. */
     int repair_k;
     float repair_ratio;
+    int repair_query;
 } rk_parse_limits;
 
 typedef enum rk_chat_role {

@@ -339,7 +339,8 @@ static void prep_generation(void *arg) {
     gen *g = p->g;
     rk_http_error *err = &p->err;
     rk_parse_limits lim = {.max_chunks = S->o.cfg.max_chunks, .max_tokens = S->o.cfg.max_tokens};
-    (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio); /* validated */
+    (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio,
+                          &lim.repair_query); /* validated */
     if (rk_api_parse(p->body, p->len, p->chat, &lim, &g->api, err)) return;
     rk_service *svc = g->svc;
     if (g->api.model && !model_matches(S, svc, g->api.model)) {

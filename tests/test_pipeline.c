@@ -105,12 +105,15 @@ static const char *STORY =
     "day.##Tom had a big dog named Max. Max liked to run and bark at the birds.##The sun was warm "
     "and the sky was blue. The children sang a happy song.##One day";
 
-static void check_modes(const char *model, const char *prompt) {
+/* Cached (second run) against the oracle in every context and position mode,
+ * with base's repair options. */
+static void check_modes_repaired(const char *model, const char *prompt,
+                                 const rk_req_options *base) {
     rk_service *svc = open_svc(model, 0);
     for (int ctx = 0; ctx < 3; ctx++)
         for (int par = 0; par < 2; par++) {
             rk_chunk_index_flush(svc->chunks); /* isolated chunks would hit across modes */
-            rk_req_options o = greedy_opts();
+            rk_req_options o = *base;
             o.chunk_context = (rk_chunk_context)ctx /* isolated, system, anchor */;
             o.positions = par ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
             rk_request first, second, oracle;
@@ -121,8 +124,8 @@ static void check_modes(const char *model, const char *prompt) {
                 cr_assert_eq(first.chunk_reports[k].status, RK_CHUNK_STATUS_MISS);
                 cr_assert_eq(second.chunk_reports[k].status, RK_CHUNK_STATUS_HIT,
                              "ctx %d par %d chunk %d", ctx, par, k);
-                cr_assert_eq(second.chunk_reports[k].zero_copy, 1,
-                             "the default reindex is in place");
+                cr_assert_eq(second.chunk_reports[k].zero_copy, !(o.repair_ratio > 0),
+                             "the default reindex is in place (copied for a ratio repair)");
             }
             rk_req_options off = o;
             off.chunk_cache = 0;
@@ -143,7 +146,26 @@ static void check_modes(const char *model, const char *prompt) {
     rk_service_close(svc);
 }
 
+static void check_modes(const char *model, const char *prompt) {
+    rk_req_options o = greedy_opts();
+    check_modes_repaired(model, prompt, &o);
+}
+
 Test(pipeline, cached_path_equals_the_oracle_in_every_mode) { check_modes(NULL, STORY); }
+
+/* The query policy chooses from the question's attention over the reused
+ * KV; the oracle's chunks are that KV computed fresh, so it chooses the same
+ * tokens and gives the same result, in every mode. */
+Test(pipeline, query_repaired_cached_path_equals_the_oracle_in_every_mode) {
+    char *model;
+    rk_req_options o = greedy_opts();
+    o.repair_ratio = 0.3f;
+    o.repair_query = 1;
+    check_modes_repaired(NULL, STORY, &o);
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    check_modes_repaired(model, STORY, &o);
+    free(model);
+}
 
 Test(pipeline, stories260k_cached_path_equals_the_oracle_in_every_mode) {
     char *model;
@@ -478,13 +500,14 @@ static void check_full_repair(const char *model, const rk_req_options *repair) {
 }
 
 /* Repair options that recompute every chunk token: first_k with k longer
- * than any chunk, or deviation at ratio 1. */
-static rk_req_options repair_all(int deviation) {
+ * than any chunk (0), deviation at ratio 1 (1), query at ratio 1 (2). */
+static rk_req_options repair_all(int policy) {
     rk_req_options o = greedy_opts();
-    if (deviation)
+    if (policy)
         o.repair_ratio = 1;
     else
         o.repair_k = 4096;
+    o.repair_query = policy == 2;
     return o;
 }
 
@@ -498,11 +521,56 @@ Test(pipeline, deviation_repair_of_every_token_gives_the_full_attention_result) 
     check_full_repair(NULL, &o);
 }
 
+Test(pipeline, query_repair_of_every_token_gives_the_full_attention_result) {
+    rk_req_options o = repair_all(2);
+    check_full_repair(NULL, &o);
+}
+
+Test(pipeline, ragqa_query_repair_of_every_token_gives_the_full_attention_result) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/ragqa/ragqa.gguf");
+    rk_req_options o = repair_all(2);
+    check_full_repair(model, &o);
+    free(model);
+}
+
+/* The query policy recomputes its ratio, every chunk's first token first,
+ * and leaves the cached entries alone. */
+Test(pipeline, query_repair_recomputes_its_ratio_first_tokens_first) {
+    rk_service *svc = open_svc(NULL, 0);
+    rk_req_options o = greedy_opts(), none = greedy_opts();
+    o.repair_ratio = 0.2f;
+    o.repair_query = 1;
+    rk_request a, b, c;
+    run_log la = {0}, lb = {0};
+    run(svc, STORY, &none, &a, &la);
+    run(svc, STORY, &o, &b, &lb);
+    int total = 0, repaired = 0;
+    for (int k = 0; k < b.n_chunks; k++) {
+        total += b.chunk_lens[k];
+        repaired += b.chunk_reports[k].repaired;
+        cr_assert_geq(b.chunk_reports[k].repaired, 1, "chunk %d: its first token", k);
+    }
+    cr_assert_eq(b.recomputed_tokens, (int)ceil(0.2 * total - 1e-9));
+    cr_assert_eq(repaired, b.recomputed_tokens);
+    cr_assert_gt(b.t.repair_ms, 0);
+    cr_assert_gt(max_diff(&la, &lb), 0);
+    run(svc, STORY, &none, &c, NULL);
+    cr_assert_eq(memcmp(a.out_tokens, c.out_tokens, STEPS * sizeof(int32_t)), 0);
+    rk_request_free(&a);
+    rk_request_free(&b);
+    rk_request_free(&c);
+    log_free(&la);
+    log_free(&lb);
+    check_pools_back(svc);
+    rk_service_close(svc);
+}
+
 Test(pipeline, stories260k_full_repairs_give_the_full_attention_result) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    for (int deviation = 0; deviation < 2; deviation++) {
-        rk_req_options o = repair_all(deviation);
+    for (int policy = 0; policy < 3; policy++) {
+        rk_req_options o = repair_all(policy);
         check_full_repair(model, &o);
     }
     free(model);
