@@ -26,7 +26,6 @@
 #include "pipeline/pipeline.h"
 
 #include <math.h>
-#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <xxhash.h>
@@ -299,7 +298,7 @@ typedef struct batch {
     float *logits; /* (n_logits, n_vocab) */
     int cap_logits;
     int n_layers; /* run only the first n_layers (0 = all) */
-    float *out_q; /* not NULL: the last layer's queries, (n_tok, n_heads * head_dim) */
+    float *out_q; /* not NULL: the last layer run's queries, (n_tok, n_heads * head_dim) */
 } batch;
 
 static void batch_reset(batch *b) {
@@ -652,7 +651,7 @@ static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_re
     size_t q_row = (size_t)hp->n_heads * hp->head_dim, row = (size_t)kv->n_kv_heads * kv->head_dim;
     batch qb = {0};
     int layer = hp->n_layers - 1; /* the question's last layer reads the answer */
-    float *q = malloc((size_t)(n_q ? n_q : 1) * hp->n_layers * q_row * sizeof *q);
+    float *q = malloc((size_t)(n_q ? n_q : 1) * q_row * sizeof *q);
     float *keys = malloc((size_t)max_keys * 2 * row * sizeof *keys);
     unsigned char *raw = malloc((size_t)bs * row * rk_dtype_size(kv->dtype));
     double *mass = malloc((size_t)max_keys * sizeof *mass);
@@ -671,7 +670,7 @@ static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_re
     qb.n_layers = layer + 1;
     qb.out_q = q;
     if (!st && qb.n_seq) st = batch_run(svc, &qb);
-    size_t qr = 0; /* the request's first question row in a layer's block of rows */
+    size_t qr = 0; /* the request's first question row in q */
     for (int i = 0; i < n_reqs && !st; i++) {
         rk_request *r = reqs[i];
         if (!wants_query(r)) continue;
@@ -682,9 +681,9 @@ static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_re
             for (int j = 0; j < r->n_question; j++) q_len[j] = L->question_index + j + 1;
             if (!(st = read_kv(svc, &r->state->kv, layer, 0, n_keys, keys, keys + n_keys * row,
                                raw)))
-                st = rk_attn_key_mass(q + ((size_t)layer * qb.n_tok + qr) * q_row, q_len,
-                                      r->n_question, keys, n_keys, hp->n_heads, hp->n_kv_heads,
-                                      hp->head_dim, 1.0f / sqrtf((float)hp->head_dim), mass);
+                st = rk_attn_key_mass(q + qr * q_row, q_len, r->n_question, keys, n_keys,
+                                      hp->n_heads, hp->n_kv_heads, hp->head_dim,
+                                      1.0f / sqrtf((float)hp->head_dim), mass);
             if (st) break;
             qr += (size_t)r->n_question;
         }
@@ -912,7 +911,8 @@ static rk_status start_request(rk_service *svc, rk_request *r) {
 /* Whether request r reuses its cached chunks in place. Recomputed tokens
  * must be private: `first_k` repair copies the blocks it writes (copy on
  * write, see build_runs), but the deviation policy recomputes layers 0-1 of
- * every chunk token, so its requests copy whole chunks (the copy path), as do
+ * every chunk token and the query policy chooses its tokens after the
+ * reindex, so their requests copy whole chunks (the copy path), as do
  * the oracle and plain modes and every request on a backend without
  * position-shifted attention. */
 static int zero_copy_for(const rk_service *svc, const rk_request *r, int tell) {
