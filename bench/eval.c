@@ -569,6 +569,7 @@ typedef struct eval {
     char type_names[MAX_TYPES][32];
     int type_count[MAX_TYPES];
     task_result *tres; /* (n_configs) --task */
+    int bad_input;     /* --task: the records file was refused (exit 2) */
     char model_desc[96];
     int n_vocab;
     double *ref_logp;  /* (n_prompts, N, n_vocab) */
@@ -1037,7 +1038,7 @@ static rk_status write_calibration(const eval *e, rk_service *svc) {
     }
     if (best < 0) {
         json_decref(cands);
-        return rk_errorf(RK_ERR_INVALID,
+        return rk_errorf(RK_ERR_NOT_FOUND,
                          "--calibrate: no configuration is within %.2f points of plain (%.2f %% "
                          "exact match); nothing written",
                          o->max_loss, 100 * p->acc);
@@ -1071,7 +1072,9 @@ static rk_status run_task(eval *e) {
              !e->o.model ? "ragkv tiny (embedded)"
              : base      ? base + 1
                          : e->o.model);
-    if (!(st = load_tasks(e, rk_model_tokenizer(svc->model)))) {
+    if ((st = load_tasks(e, rk_model_tokenizer(svc->model)))) {
+        e->bad_input = 1;
+    } else {
         e->tres = calloc((size_t)e->o.n_configs, sizeof *e->tres);
         if (!e->tres) st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
     }
@@ -1365,9 +1368,9 @@ int rk_eval_main(int argc, char **argv) {
     if (e.o.task) {
         if ((st = run_task(&e))) {
             fprintf(stderr, "ragkv eval: %s\n", rk_error_message());
+            rc = e.bad_input ? EXIT_USAGE : EXIT_FAILURE;
             eval_free(&e);
-            return st == RK_ERR_INVALID || st == RK_ERR_IO || st == RK_ERR_LIMIT ? EXIT_USAGE
-                                                                                 : EXIT_FAILURE;
+            return rc;
         }
         rc = 0;
         if (e.o.json) {

@@ -450,6 +450,15 @@ Test(eval, task_on_ragqa_scores_answers_and_calibrates, .timeout = 120) {
     snprintf(path, sizeof path, "%s/cal2.json", dir);
     cr_assert_eq(rk_repair_calibration_load(path, policy, sizeof policy), RK_OK);
     cr_assert_str_eq(policy, "first_k:1000", "first_k:1000 recomputes all: plain's answers");
+    /* ragkv serve takes it as its policy (what "auto" serves). */
+    snprintf(cmd, sizeof cmd, "%s serve --repair-calibration %s --print-config", RK_BIN, path);
+    char *printed = NULL;
+    cr_assert_eq(rk_test_run(cmd, &printed), 0, "%s", printed ? printed : "");
+    json_t *settings = json_loads(printed, 0, NULL);
+    cr_assert_not_null(settings, "%s", printed);
+    cr_assert_str_eq(json_string_value(json_object_get(settings, "repair")), "first_k:1000");
+    json_decref(settings);
+    free(printed);
     /* What is not a calibration is refused, and the output left alone. */
     char *bad = rk_test_write_tmp("eval-ragqa", "bad.json", "{\"policy\": \"none\"}");
     cr_assert_eq(rk_repair_calibration_load(bad, policy, sizeof policy), RK_ERR_INVALID);
@@ -457,6 +466,12 @@ Test(eval, task_on_ragqa_scores_answers_and_calibrates, .timeout = 120) {
     bad = rk_test_write_tmp("eval-ragqa", "bad2.json",
                             "{\"ragkv_repair_calibration\": 1, \"policy\": \"query:7\"}");
     cr_assert_eq(rk_repair_calibration_load(bad, policy, sizeof policy), RK_ERR_INVALID);
+    snprintf(cmd, sizeof cmd, "%s serve --repair-calibration %s --print-config 2>&1", RK_BIN,
+             bad);
+    printed = NULL;
+    cr_assert_eq(rk_test_run(cmd, &printed), 2, "%s", printed ? printed : "");
+    cr_assert_not_null(strstr(printed, "repair calibration"), "%s", printed);
+    free(printed);
     free(bad);
     cr_assert_eq(rk_repair_calibration_load("/nonexistent/cal.json", policy, sizeof policy),
                  RK_ERR_IO);
