@@ -466,8 +466,7 @@ Test(eval, task_on_ragqa_scores_answers_and_calibrates, .timeout = 120) {
     bad = rk_test_write_tmp("eval-ragqa", "bad2.json",
                             "{\"ragkv_repair_calibration\": 1, \"policy\": \"query:7\"}");
     cr_assert_eq(rk_repair_calibration_load(bad, policy, sizeof policy), RK_ERR_INVALID);
-    snprintf(cmd, sizeof cmd, "%s serve --repair-calibration %s --print-config 2>&1", RK_BIN,
-             bad);
+    snprintf(cmd, sizeof cmd, "%s serve --repair-calibration %s --print-config 2>&1", RK_BIN, bad);
     printed = NULL;
     cr_assert_eq(rk_test_run(cmd, &printed), 2, "%s", printed ? printed : "");
     cr_assert_not_null(strstr(printed, "repair calibration"), "%s", printed);
