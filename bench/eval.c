@@ -325,14 +325,17 @@ static rk_status parse_line(json_t *o, const char *path, int line, rk_split *out
     return st;
 }
 
-static rk_status load_prompts(const char *path, prompt_set *s) {
-    memset(s, 0, sizeof *s);
+/* Call each(o, path, line number, ctx) for every line of path, a JSON object
+ * (blank lines skipped); the first error stops it. */
+static rk_status each_json_line(const char *path,
+                                rk_status (*each)(json_t *o, const char *path, int line, void *ctx),
+                                void *ctx) {
     FILE *f = fopen(path, "r");
     if (!f) return rk_errorf(RK_ERR_IO, "%s: %s", path, strerror(errno));
     char *line = NULL;
     size_t cap = 0;
     ssize_t len;
-    int lineno = 0, cap_p = 0;
+    int lineno = 0;
     rk_status st = RK_OK;
     while (!st && (len = getline(&line, &cap, f)) >= 0) {
         lineno++;
@@ -340,32 +343,49 @@ static rk_status load_prompts(const char *path, prompt_set *s) {
         if (len == 0) continue;
         json_error_t err;
         json_t *o = json_loadb(line, (size_t)len, 0, &err);
-        if (!json_is_object(o)) {
-            json_decref(o);
+        if (!json_is_object(o))
             st = rk_errorf(RK_ERR_INVALID, "%s:%d: not a JSON object (%s)", path, lineno,
                            o ? "another JSON value" : err.text);
-            break;
-        }
-        if (s->n == cap_p) {
-            int nc = cap_p ? 2 * cap_p : 64;
-            rk_split *np = realloc(s->p, (size_t)nc * sizeof *np);
-            if (!np) {
-                json_decref(o);
-                st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-                break;
-            }
-            s->p = np;
-            cap_p = nc;
-        }
-        st = parse_line(o, path, lineno, &s->p[s->n]);
+        else
+            st = each(o, path, lineno, ctx);
         json_decref(o);
-        if (!st) {
-            if (s->p[s->n].n_chunks > s->max_chunks) s->max_chunks = s->p[s->n].n_chunks;
-            s->n++;
-        }
     }
     free(line);
     fclose(f);
+    return st;
+}
+
+/* Grow *arr (of *cap elements of size each) to hold n + 1. */
+static rk_status grow_for(void **arr, int *cap, int n, size_t size) {
+    if (n < *cap) return RK_OK;
+    int nc = *cap ? 2 * *cap : 64;
+    void *np = realloc(*arr, (size_t)nc * size);
+    if (!np) return rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
+    *arr = np;
+    *cap = nc;
+    return RK_OK;
+}
+
+typedef struct prompt_loader {
+    prompt_set *s;
+    int cap;
+} prompt_loader;
+
+static rk_status add_prompt(json_t *o, const char *path, int line, void *ctx) {
+    prompt_loader *l = ctx;
+    prompt_set *s = l->s;
+    rk_status st = grow_for((void **)&s->p, &l->cap, s->n, sizeof *s->p);
+    if (!st && !(st = parse_line(o, path, line, &s->p[s->n]))) {
+        if (s->p[s->n].n_chunks > s->max_chunks) s->max_chunks = s->p[s->n].n_chunks;
+        s->n++;
+    }
+    return st;
+}
+
+static rk_status load_prompts(const char *path, prompt_set *s) {
+    memset(s, 0, sizeof *s);
+    prompt_loader l = {s, 0};
+    rk_status st = each_json_line(path, add_prompt, &l);
     if (!st && s->n == 0) st = rk_errorf(RK_ERR_INVALID, "%s: no prompts", path);
     if (st) prompt_set_free(s);
     return st;
@@ -827,49 +847,28 @@ static rk_status task_line(eval *e, json_t *o, const char *path, int line, const
     return st;
 }
 
-static rk_status load_tasks(eval *e, const rk_tokenizer *tok) {
-    const char *path = e->o.task;
-    FILE *f = fopen(path, "r");
-    if (!f) return rk_errorf(RK_ERR_IO, "%s: %s", path, strerror(errno));
-    char *line = NULL;
-    size_t cap = 0;
-    ssize_t len;
-    int lineno = 0, cap_t = 0;
-    rk_status st = RK_OK;
-    while (!st && (len = getline(&line, &cap, f)) >= 0) {
-        lineno++;
-        while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = '\0';
-        if (len == 0) continue;
-        json_error_t err;
-        json_t *o = json_loadb(line, (size_t)len, 0, &err);
-        if (!json_is_object(o)) {
-            json_decref(o);
-            st = rk_errorf(RK_ERR_INVALID, "%s:%d: not a JSON object (%s)", path, lineno,
-                           o ? "another JSON value" : err.text);
-            break;
-        }
-        if (e->n_tasks == cap_t) {
-            int nc = cap_t ? 2 * cap_t : 64;
-            task_rec *nt = realloc(e->tasks, (size_t)nc * sizeof *nt);
-            if (!nt) {
-                json_decref(o);
-                st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-                break;
-            }
-            e->tasks = nt;
-            cap_t = nc;
-        }
-        st = task_line(e, o, path, lineno, tok, &e->tasks[e->n_tasks]);
-        json_decref(o);
-        if (!st) {
-            int nc = e->tasks[e->n_tasks].p.n_chunks;
-            if (nc > e->ps.max_chunks) e->ps.max_chunks = nc;
-            e->n_tasks++;
-        }
+typedef struct task_loader {
+    eval *e;
+    const rk_tokenizer *tok;
+    int cap;
+} task_loader;
+
+static rk_status add_task(json_t *o, const char *path, int line, void *ctx) {
+    task_loader *l = ctx;
+    eval *e = l->e;
+    rk_status st = grow_for((void **)&e->tasks, &l->cap, e->n_tasks, sizeof *e->tasks);
+    if (!st && !(st = task_line(e, o, path, line, l->tok, &e->tasks[e->n_tasks]))) {
+        int nc = e->tasks[e->n_tasks].p.n_chunks;
+        if (nc > e->ps.max_chunks) e->ps.max_chunks = nc;
+        e->n_tasks++;
     }
-    free(line);
-    fclose(f);
-    if (!st && e->n_tasks == 0) st = rk_errorf(RK_ERR_INVALID, "%s: no records", path);
+    return st;
+}
+
+static rk_status load_tasks(eval *e, const rk_tokenizer *tok) {
+    task_loader l = {e, tok, 0};
+    rk_status st = each_json_line(e->o.task, add_task, &l);
+    if (!st && e->n_tasks == 0) st = rk_errorf(RK_ERR_INVALID, "%s: no records", e->o.task);
     return st;
 }
 
@@ -1372,44 +1371,23 @@ int rk_eval_main(int argc, char **argv) {
             eval_free(&e);
             return rc;
         }
-        rc = 0;
-        if (e.o.json) {
-            json_t *root = task_json(&e);
-            char *s = root ? json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(8)) : NULL;
-            json_decref(root);
-            if (s)
-                puts(s);
-            else {
-                fprintf(stderr, "ragkv eval: out of memory writing JSON\n");
-                rc = EXIT_FAILURE;
-            }
-            free(s);
-        } else {
-            print_task_table(&e);
-        }
-        if (e.o.plot && write_svg(&e, e.o.plot)) {
-            fprintf(stderr, "ragkv eval: cannot write the plot: %s\n", rk_error_message());
-            rc = EXIT_FAILURE;
-        }
-        eval_free(&e);
-        return rc;
-    }
-    if ((st = load_prompts(e.o.prompts, &e.ps))) {
+    } else if ((st = load_prompts(e.o.prompts, &e.ps))) {
         fprintf(stderr, "ragkv eval: %s\n", rk_error_message());
         return EXIT_USAGE;
+    } else {
+        e.cr = calloc((size_t)e.o.n_configs, sizeof *e.cr);
+        if (!e.cr)
+            st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
+        else
+            st = run_reference(&e);
+        for (int ci = 0; ci < e.o.n_configs && !st; ci++) st = run_config(&e, ci);
     }
-    e.cr = calloc((size_t)e.o.n_configs, sizeof *e.cr);
-    if (!e.cr)
-        st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-    else
-        st = run_reference(&e);
-    for (int ci = 0; ci < e.o.n_configs && !st; ci++) st = run_config(&e, ci);
     rc = 0;
     if (st) {
         fprintf(stderr, "ragkv eval: %s\n", rk_error_message());
         rc = EXIT_FAILURE;
     } else if (e.o.json) {
-        json_t *root = eval_json(&e);
+        json_t *root = e.o.task ? task_json(&e) : eval_json(&e);
         char *s = root ? json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(8)) : NULL;
         json_decref(root);
         if (s)
@@ -1419,6 +1397,8 @@ int rk_eval_main(int argc, char **argv) {
             rc = EXIT_FAILURE;
         }
         free(s);
+    } else if (e.o.task) {
+        print_task_table(&e);
     } else {
         print_table(&e);
     }
