@@ -534,38 +534,6 @@ Test(pipeline, ragqa_query_repair_of_every_token_gives_the_full_attention_result
     free(model);
 }
 
-/* The query policy recomputes its ratio, every chunk's first token first,
- * and leaves the cached entries alone. */
-Test(pipeline, query_repair_recomputes_its_ratio_first_tokens_first) {
-    rk_service *svc = open_svc(NULL, 0);
-    rk_req_options o = greedy_opts(), none = greedy_opts();
-    o.repair_ratio = 0.2f;
-    o.repair_query = 1;
-    rk_request a, b, c;
-    run_log la = {0}, lb = {0};
-    run(svc, STORY, &none, &a, &la);
-    run(svc, STORY, &o, &b, &lb);
-    int total = 0, repaired = 0;
-    for (int k = 0; k < b.n_chunks; k++) {
-        total += b.chunk_lens[k];
-        repaired += b.chunk_reports[k].repaired;
-        cr_assert_geq(b.chunk_reports[k].repaired, 1, "chunk %d: its first token", k);
-    }
-    cr_assert_eq(b.recomputed_tokens, (int)ceil(0.2 * total - 1e-9));
-    cr_assert_eq(repaired, b.recomputed_tokens);
-    cr_assert_gt(b.t.repair_ms, 0);
-    cr_assert_gt(max_diff(&la, &lb), 0);
-    run(svc, STORY, &none, &c, NULL);
-    cr_assert_eq(memcmp(a.out_tokens, c.out_tokens, STEPS * sizeof(int32_t)), 0);
-    rk_request_free(&a);
-    rk_request_free(&b);
-    rk_request_free(&c);
-    log_free(&la);
-    log_free(&lb);
-    check_pools_back(svc);
-    rk_service_close(svc);
-}
-
 Test(pipeline, stories260k_full_repairs_give_the_full_attention_result) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
@@ -576,10 +544,14 @@ Test(pipeline, stories260k_full_repairs_give_the_full_attention_result) {
     free(model);
 }
 
-Test(pipeline, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone) {
+/* A ratio policy (deviation, or query when query is set) recomputes
+ * ceil(ratio x chunk tokens) (query: every chunk's first token among them),
+ * changes the result, and leaves the cached entries alone. */
+static void check_ratio_repair(int query, float ratio) {
     rk_service *svc = open_svc(NULL, 0);
     rk_req_options o = greedy_opts(), none = greedy_opts();
-    o.repair_ratio = 0.25f;
+    o.repair_ratio = ratio;
+    o.repair_query = query;
     rk_request a, b, c;
     run_log la = {0}, lb = {0};
     run(svc, STORY, &none, &a, &la);
@@ -589,14 +561,17 @@ Test(pipeline, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone)
         total += b.chunk_lens[k];
         repaired += b.chunk_reports[k].repaired;
         cr_assert_leq(b.chunk_reports[k].repaired, b.chunk_lens[k]);
+        if (query) cr_assert_geq(b.chunk_reports[k].repaired, 1, "chunk %d: its first token", k);
     }
-    cr_assert_eq(b.recomputed_tokens, (total + 3) / 4, "ceil(0.25 x %d) tokens", total);
+    cr_assert_eq(b.recomputed_tokens, (int)ceil(ratio * total - 1e-9), "ceil(%g x %d) tokens",
+                 ratio, total);
     cr_assert_eq(repaired, b.recomputed_tokens);
     cr_assert_eq(b.cached_tokens, b.sys_cached + total - repaired);
     cr_assert_eq(b.cached_tokens + b.computed_tokens, b.prompt_tokens);
     cr_assert_gt(b.t.repair_ms, 0);
-    /* The repair changed the result (layers 0..1 of every chunk token and a
-     * quarter of them through every layer now see the other chunks)... */
+    /* The repair changed the result (deviation: layers 0..1 of every chunk
+     * token, and the chosen ones through every layer, now see the other
+     * chunks)... */
     cr_assert_gt(max_diff(&la, &lb), 0);
     /* ...but not the cached entries: without it, the first run's tokens again. */
     run(svc, STORY, &none, &c, NULL);
@@ -608,6 +583,14 @@ Test(pipeline, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone)
     log_free(&lb);
     check_pools_back(svc);
     rk_service_close(svc);
+}
+
+Test(pipeline, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone) {
+    check_ratio_repair(0, 0.25f);
+}
+
+Test(pipeline, query_repair_recomputes_its_ratio_first_tokens_first_and_leaves_the_cache_alone) {
+    check_ratio_repair(1, 0.2f);
 }
 
 Test(pipeline, first_k_repair_recomputes_k_tokens_per_chunk_and_leaves_the_cache_alone) {
