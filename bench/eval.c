@@ -24,27 +24,40 @@
 #include <unistd.h>
 
 #include "bench/bench_internal.h"
+#include "bench/score.h"
 #include "engine/tokenizer.h"
 #include "pipeline/pipeline.h"
 #include "pipeline/split.h"
 
 #define MAX_CONFIGS  32
+#define MAX_TYPES    16   /* record types --task breaks results down by */
 #define SPLIT_CHUNKS 4096 /* any number of chunks a prompt file line may hold */
 
 #define DEFAULT_CONFIGS                                                                            \
     "none,first_k:1,first_k:2,first_k:4,first_k:8,first_k:16,deviation:0.02,deviation:0.05,"       \
     "deviation:0.1,deviation:0.15,deviation:0.3"
+#define DEFAULT_TASK_CONFIGS                                                                       \
+    "plain,none,first_k:2,first_k:4,first_k:8,deviation:0.05,deviation:0.15,deviation:0.3,"        \
+    "query:0.05,query:0.15,query:0.3"
 
 /* ---------------------------------------------------------------- options */
 
-typedef enum family { FAM_PLAIN, FAM_NONE, FAM_FIRST_K, FAM_DEVIATION, N_FAMILIES } family;
-static const char *const k_family_names[N_FAMILIES] = {"plain", "none", "first_k", "deviation"};
+typedef enum family {
+    FAM_PLAIN,
+    FAM_NONE,
+    FAM_FIRST_K,
+    FAM_DEVIATION,
+    FAM_QUERY,
+    N_FAMILIES
+} family;
+static const char *const k_family_names[N_FAMILIES] = {"plain", "none", "first_k", "deviation",
+                                                       "query"};
 
 typedef struct eval_config {
     char name[40];
     family fam;
     int k;        /* first_k */
-    double ratio; /* deviation */
+    double ratio; /* deviation, query */
 } eval_config;
 
 typedef struct eval_opts {
@@ -52,7 +65,12 @@ typedef struct eval_opts {
     const char *prompts;
     const char *make_set;
     const char *plot;
+    const char *task, *calibrate;
     char model_arg[1024], prompts_arg[4096], make_set_arg[4096], plot_arg[4096]; /* "" = none */
+    char task_arg[4096], calibrate_arg[4096], chunk_sep[64];
+    int chunk_tokens; /* LongBench contexts: cut into pieces of this many tokens (0 = off) */
+    double max_loss;  /* --calibrate: accuracy points a configuration may lose against plain */
+    int configs_given;
     char context_arg[16]; /* what the cached chunks are computed after */
     rk_chunk_context context;
     int set_size;
@@ -66,11 +84,15 @@ typedef struct eval_opts {
 
 static const char *k_help =
     "usage: ragkv eval --prompts FILE [options]\n"
+    "       ragkv eval --task FILE.jsonl [--calibrate OUT.json [--max-loss P]] [options]\n"
     "       ragkv eval --make-set FILE --model F.gguf [--set-size N] [--seed S]\n"
     "Compare cached RAG answers with full attention. For every prompt the reference (mode\n"
     "plain) runs greedily for N tokens; every configuration then runs teacher-forced along\n"
     "the reference's tokens (KL(reference || config) over the vocabulary, top-1 agreement,\n"
-    "rank of the reference token, at every step) and free running (greedy agreement).\n";
+    "rank of the reference token, at every step) and free running (greedy agreement).\n"
+    "With --task, every configuration answers each record greedily (stopping at a newline,\n"
+    "the end of generation or -n tokens) and is scored against its answers with LongBench's\n"
+    "normalised exact match and token F1, overall and per record type.\n";
 
 static const char *k_extra_help =
     "  --configs LIST        comma-separated configurations (default:\n"
@@ -80,6 +102,9 @@ static const char *k_extra_help =
     "                          first_k:K     recompute the first K tokens of every chunk (K >= 1)\n"
     "                          deviation:R   recompute the share R (0 < R <= 1) of chunk tokens\n"
     "                                        whose layer-1 K/V deviate most\n"
+    "                          query:R       recompute the share R of chunk tokens the question\n"
+    "                                        attends to most\n"
+    "                        (--task default: " DEFAULT_TASK_CONFIGS ")\n"
     "  -n N                  tokens per request, 1 to 4096 (default: 24)\n";
 
 #define E_OFF(m) offsetof(eval_opts, m)
@@ -109,6 +134,19 @@ static const rk_setting k_eval_settings[] = {
      "N  prompts --make-set writes (default: 60)"},
     {"seed", "seed", RK_SET_LONG, E_OFF(seed), 0, 0, 1 << 30, 0, 0,
      "S  --make-set seed (default: 2026)"},
+    {"task", "task", RK_SET_STR, E_STR(task_arg), 0, 0, 0, 0,
+     "FILE  JSON lines {\"system\", \"chunks\", \"question\", \"answers\" (or \"answer\"), "
+     "\"type\"} or LongBench's {\"input\", \"context\", \"answers\"}: score answers"},
+    {"chunk_tokens", "chunk-tokens", RK_SET_INT, E_OFF(chunk_tokens), 0, 1, 1 << 20, 0, 0,
+     "N  --task: cut a LongBench context into chunks of N tokens"},
+    {"chunk_sep", "chunk-sep", RK_SET_STR, E_STR(chunk_sep), 0, 0, 0, 0,
+     "STR  --task: cut a LongBench context into chunks at STR"},
+    {"calibrate", "calibrate", RK_SET_STR, E_STR(calibrate_arg), 0, 0, 0, 0,
+     "OUT.json  --task: write the cheapest configuration within --max-loss of plain (needs "
+     "plain among --configs) for `ragkv serve --repair-calibration`"},
+    {"max_loss", "max-loss", RK_SET_DOUBLE, E_OFF(max_loss), 0, 0, 100, 0, 0,
+     "P  --calibrate: accuracy points (exact match, overall and per type) a configuration may "
+     "lose against plain (default: 1.0)"},
 };
 
 /* Parse one configuration of --configs; 0 or -1. */
@@ -124,9 +162,10 @@ static int parse_config(const char *s, size_t n, eval_config *c) {
         return 0;
     }
     float ratio;
-    if (rk_repair_parse(buf, &c->k, &ratio)) return -1;
+    int query;
+    if (rk_repair_parse(buf, &c->k, &ratio, &query)) return -1;
     c->ratio = ratio;
-    c->fam = c->k ? FAM_FIRST_K : ratio > 0 ? FAM_DEVIATION : FAM_NONE;
+    c->fam = c->k ? FAM_FIRST_K : !(ratio > 0) ? FAM_NONE : query ? FAM_QUERY : FAM_DEVIATION;
     return 0;
 }
 
@@ -143,7 +182,7 @@ static rk_status parse_configs(const char *s, eval_opts *o) {
         if (parse_config(p, n, c))
             return rk_errorf(RK_ERR_INVALID,
                              "bad configuration '%.*s' in --configs (want plain, none, first_k:K "
-                             "with K >= 1, or deviation:R with 0 < R <= 1)",
+                             "with K >= 1, deviation:R or query:R with 0 < R <= 1)",
                              (int)(n < 60 ? n : 60), p);
         for (int i = 0; i < o->n_configs; i++)
             if (!strcmp(o->configs[i].name, c->name))
@@ -165,7 +204,10 @@ static const struct option k_eval_extra[] = {{"configs", required_argument, 0, O
 static rk_status eval_extra(void *ctx, int val, const char *arg) {
     eval_opts *o = ctx;
     long v;
-    if (val == O_CONFIGS) return parse_configs(arg, o);
+    if (val == O_CONFIGS) {
+        o->configs_given = 1;
+        return parse_configs(arg, o);
+    }
     if (val == 'n' && !rk_parse_long(arg, 1, 4096, &v)) {
         o->n_tokens = (int)v;
         return RK_OK;
@@ -181,6 +223,7 @@ static int parse_args(int argc, char **argv, eval_opts *o, int *out_exit) {
     o->n_tokens = 24;
     o->set_size = 60;
     o->seed = 2026;
+    o->max_loss = 1.0;
     parse_configs(DEFAULT_CONFIGS, o);
     rk_settings tab = {k_eval_settings, sizeof k_eval_settings / sizeof k_eval_settings[0], o};
     rk_cmdline cl = {.cmd = "eval",
@@ -202,12 +245,32 @@ static int parse_args(int argc, char **argv, eval_opts *o, int *out_exit) {
     o->prompts = o->prompts_arg[0] ? o->prompts_arg : NULL;
     o->make_set = o->make_set_arg[0] ? o->make_set_arg : NULL;
     o->plot = o->plot_arg[0] ? o->plot_arg : NULL;
+    o->task = o->task_arg[0] ? o->task_arg : NULL;
+    o->calibrate = o->calibrate_arg[0] ? o->calibrate_arg : NULL;
+    if (o->task && !o->configs_given) parse_configs(DEFAULT_TASK_CONFIGS, o);
+    if (o->task && o->prompts)
+        return rk_bench_usage_error("eval", "%s", "--task and --prompts exclude each other"), -1;
+    if ((o->calibrate || o->chunk_tokens || o->chunk_sep[0]) && !o->task)
+        return rk_bench_usage_error("eval", "%s",
+                                    "--calibrate, --chunk-tokens and --chunk-sep need --task"),
+               -1;
+    if (o->chunk_tokens && o->chunk_sep[0])
+        return rk_bench_usage_error("eval", "%s",
+                                    "--chunk-tokens and --chunk-sep exclude each other"),
+               -1;
+    int has_plain = 0;
+    for (int i = 0; i < o->n_configs; i++) has_plain |= o->configs[i].fam == FAM_PLAIN;
+    if (o->calibrate && !has_plain)
+        return rk_bench_usage_error("eval", "%s",
+                                    "--calibrate measures loss against plain: put plain in "
+                                    "--configs"),
+               -1;
     if (o->make_set && !o->model)
         return rk_bench_usage_error("eval", "%s",
                                     "--make-set needs --model (the set is the model's own text)"),
                -1;
-    if (!o->make_set && !o->prompts)
-        return rk_bench_usage_error("eval", "%s", "--prompts FILE is required"), -1;
+    if (!o->make_set && !o->prompts && !o->task)
+        return rk_bench_usage_error("eval", "%s", "--prompts FILE or --task FILE is required"), -1;
     static const char *const contexts[] = {"isolated", "system", "anchor"};
     int c = 0;
     while (c < 3 && strcmp(o->context_arg[0] ? o->context_arg : "isolated", contexts[c])) c++;
@@ -262,14 +325,17 @@ static rk_status parse_line(json_t *o, const char *path, int line, rk_split *out
     return st;
 }
 
-static rk_status load_prompts(const char *path, prompt_set *s) {
-    memset(s, 0, sizeof *s);
+/* Call each(o, path, line number, ctx) for every line of path, a JSON object
+ * (blank lines skipped); the first error stops it. */
+static rk_status each_json_line(const char *path,
+                                rk_status (*each)(json_t *o, const char *path, int line, void *ctx),
+                                void *ctx) {
     FILE *f = fopen(path, "r");
     if (!f) return rk_errorf(RK_ERR_IO, "%s: %s", path, strerror(errno));
     char *line = NULL;
     size_t cap = 0;
     ssize_t len;
-    int lineno = 0, cap_p = 0;
+    int lineno = 0;
     rk_status st = RK_OK;
     while (!st && (len = getline(&line, &cap, f)) >= 0) {
         lineno++;
@@ -277,32 +343,49 @@ static rk_status load_prompts(const char *path, prompt_set *s) {
         if (len == 0) continue;
         json_error_t err;
         json_t *o = json_loadb(line, (size_t)len, 0, &err);
-        if (!json_is_object(o)) {
-            json_decref(o);
+        if (!json_is_object(o))
             st = rk_errorf(RK_ERR_INVALID, "%s:%d: not a JSON object (%s)", path, lineno,
                            o ? "another JSON value" : err.text);
-            break;
-        }
-        if (s->n == cap_p) {
-            int nc = cap_p ? 2 * cap_p : 64;
-            rk_split *np = realloc(s->p, (size_t)nc * sizeof *np);
-            if (!np) {
-                json_decref(o);
-                st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-                break;
-            }
-            s->p = np;
-            cap_p = nc;
-        }
-        st = parse_line(o, path, lineno, &s->p[s->n]);
+        else
+            st = each(o, path, lineno, ctx);
         json_decref(o);
-        if (!st) {
-            if (s->p[s->n].n_chunks > s->max_chunks) s->max_chunks = s->p[s->n].n_chunks;
-            s->n++;
-        }
     }
     free(line);
     fclose(f);
+    return st;
+}
+
+/* Grow *arr (of *cap elements of size each) to hold n + 1. */
+static rk_status grow_for(void **arr, int *cap, int n, size_t size) {
+    if (n < *cap) return RK_OK;
+    int nc = *cap ? 2 * *cap : 64;
+    void *np = realloc(*arr, (size_t)nc * size);
+    if (!np) return rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
+    *arr = np;
+    *cap = nc;
+    return RK_OK;
+}
+
+typedef struct prompt_loader {
+    prompt_set *s;
+    int cap;
+} prompt_loader;
+
+static rk_status add_prompt(json_t *o, const char *path, int line, void *ctx) {
+    prompt_loader *l = ctx;
+    prompt_set *s = l->s;
+    rk_status st = grow_for((void **)&s->p, &l->cap, s->n, sizeof *s->p);
+    if (!st && !(st = parse_line(o, path, line, &s->p[s->n]))) {
+        if (s->p[s->n].n_chunks > s->max_chunks) s->max_chunks = s->p[s->n].n_chunks;
+        s->n++;
+    }
+    return st;
+}
+
+static rk_status load_prompts(const char *path, prompt_set *s) {
+    memset(s, 0, sizeof *s);
+    prompt_loader l = {s, 0};
+    rk_status st = each_json_line(path, add_prompt, &l);
     if (!st && s->n == 0) st = rk_errorf(RK_ERR_INVALID, "%s: no prompts", path);
     if (st) prompt_set_free(s);
     return st;
@@ -370,6 +453,10 @@ static void config_options(const eval_config *c, int n_tokens, rk_chunk_context 
     case FAM_NONE: break;
     case FAM_FIRST_K: opt->repair_k = c->k; break;
     case FAM_DEVIATION: opt->repair_ratio = (float)c->ratio; break;
+    case FAM_QUERY:
+        opt->repair_ratio = (float)c->ratio;
+        opt->repair_query = 1;
+        break;
     default: break;
     }
 }
@@ -477,9 +564,32 @@ static void summarize(const eval_opts *o, int n_prompts, config_result *cr) {
 
 /* ---------------------------------------------------------------- the evaluation */
 
+/* A --task record: its pieces, accepted answers and type. */
+typedef struct task_rec {
+    rk_split p;
+    char **answers; /* (n_answers) */
+    int n_answers;
+    int type; /* index into eval.type_names, -1 = none */
+} task_rec;
+
+/* One configuration over the --task records. */
+typedef struct task_result {
+    char **pred; /* (n_tasks) the answer as generated, cut at a newline */
+    int *em;     /* (n_tasks) */
+    double *f1;  /* (n_tasks) */
+    double acc, f1_mean, type_acc[MAX_TYPES], type_f1[MAX_TYPES], share, ms;
+    long recomputed, prompt_tokens;
+} task_result;
+
 typedef struct eval {
     eval_opts o;
     prompt_set ps;
+    task_rec *tasks; /* (n_tasks) --task */
+    int n_tasks, n_types;
+    char type_names[MAX_TYPES][32];
+    int type_count[MAX_TYPES];
+    task_result *tres; /* (n_configs) --task */
+    int bad_input;     /* --task: the records file was refused (exit 2) */
     char model_desc[96];
     int n_vocab;
     double *ref_logp;  /* (n_prompts, N, n_vocab) */
@@ -575,6 +685,8 @@ static rk_status run_config(eval *e, int ci) {
     return st;
 }
 
+static void task_rec_free(task_rec *t);
+
 static void eval_free(eval *e) {
     for (int ci = 0; e->cr && ci < e->o.n_configs; ci++) {
         for (int j = 0; e->cr[ci].pr && j < e->ps.n; j++) {
@@ -592,6 +704,383 @@ static void eval_free(eval *e) {
     free(e->ref);
     free(e->ref_logp);
     prompt_set_free(&e->ps);
+    for (int ci = 0; e->tres && ci < e->o.n_configs; ci++) {
+        for (int j = 0; e->tres[ci].pred && j < e->n_tasks; j++) free(e->tres[ci].pred[j]);
+        free(e->tres[ci].pred);
+        free(e->tres[ci].em);
+        free(e->tres[ci].f1);
+    }
+    free(e->tres);
+    for (int j = 0; j < e->n_tasks; j++) task_rec_free(&e->tasks[j]);
+    free(e->tasks);
+}
+
+/* ---------------------------------------------------------------- --task */
+
+static void task_rec_free(task_rec *t) {
+    rk_split_free(&t->p);
+    for (int i = 0; i < t->n_answers; i++) free(t->answers[i]);
+    free(t->answers);
+    memset(t, 0, sizeof *t);
+}
+
+/* The answers of a record: "answers" (a string or an array of strings) or
+ * "answer". */
+static rk_status task_answers(json_t *o, const char *path, int line, task_rec *t) {
+    json_t *a = json_object_get(o, "answers");
+    if (!a) a = json_object_get(o, "answer");
+    size_t n = json_is_array(a) ? json_array_size(a) : json_is_string(a) ? 1 : 0;
+    if (n == 0)
+        return rk_errorf(RK_ERR_INVALID,
+                         "%s:%d: want \"answers\" (a string or a non-empty array of strings) or "
+                         "\"answer\"",
+                         path, line);
+    t->answers = calloc(n, sizeof *t->answers);
+    if (!t->answers) return rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_is_array(a) ? json_array_get(a, i) : a;
+        if (!json_is_string(v))
+            return rk_errorf(RK_ERR_INVALID, "%s:%d: answer %zu is not a string", path, line, i);
+        if (!(t->answers[i] = strdup(json_string_value(v))))
+            return rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
+        t->n_answers++;
+    }
+    return RK_OK;
+}
+
+/* A LongBench context cut into chunks: at sep, or every n_tok tokens of tok
+ * (each piece decoded back to text). *out: malloc'ed strings. */
+static rk_status cut_context(const char *ctx, const char *sep, int n_tok, const rk_tokenizer *tok,
+                             char ***out, int *n_out) {
+    char **c = NULL;
+    int n = 0, cap = 0;
+    rk_status st = RK_OK;
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    if (!sep && (st = rk_tokenizer_encode(tok, ctx, strlen(ctx), 0, &ids, &n_ids))) return st;
+    const char *p = ctx;
+    for (size_t at = 0; !st;) {
+        char *piece = NULL;
+        size_t len;
+        if (sep) {
+            const char *q = strstr(p, sep);
+            len = q ? (size_t)(q - p) : strlen(p);
+            piece = strndup(p, len);
+            if (!piece) st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
+            p = q ? q + strlen(sep) : NULL;
+        } else {
+            if (at >= n_ids) break;
+            size_t m = n_ids - at < (size_t)n_tok ? n_ids - at : (size_t)n_tok;
+            st = rk_tokenizer_decode(tok, ids + at, m, 0, 0, &piece, &len);
+            at += m;
+        }
+        if (!st && n == cap) {
+            cap = cap ? 2 * cap : 16;
+            char **nc = realloc(c, (size_t)cap * sizeof *nc);
+            if (!nc)
+                st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
+            else
+                c = nc;
+        }
+        if (st) {
+            free(piece);
+            break;
+        }
+        c[n++] = piece;
+        if (sep && !p) break;
+    }
+    free(ids);
+    if (st) {
+        for (int i = 0; i < n; i++) free(c[i]);
+        free(c);
+        return st;
+    }
+    *out = c;
+    *n_out = n;
+    return RK_OK;
+}
+
+/* One --task line: the structured form, or LongBench's (input, context cut
+ * into chunks, no system prompt). */
+static rk_status task_line(eval *e, json_t *o, const char *path, int line, const rk_tokenizer *tok,
+                           task_rec *t) {
+    memset(t, 0, sizeof *t);
+    t->type = -1;
+    rk_status st = task_answers(o, path, line, t);
+    json_t *in = json_object_get(o, "input"), *ctx = json_object_get(o, "context");
+    if (!st && json_is_string(in) && json_is_string(ctx)) {
+        if (!e->o.chunk_tokens && !e->o.chunk_sep[0])
+            st = rk_errorf(RK_ERR_INVALID,
+                           "%s:%d: a LongBench record (input, context) needs --chunk-tokens N or "
+                           "--chunk-sep STR to cut its context into chunks",
+                           path, line);
+        char **c = NULL;
+        int n = 0;
+        if (!st)
+            st = cut_context(json_string_value(ctx), e->o.chunk_sep[0] ? e->o.chunk_sep : NULL,
+                             e->o.chunk_tokens, tok, &c, &n);
+        if (!st)
+            st = rk_split_structured(NULL, (const char *const *)c, n, json_string_value(in),
+                                     SPLIT_CHUNKS, &t->p);
+        for (int i = 0; i < n; i++) free(c[i]);
+        free(c);
+    } else if (!st) {
+        st = parse_line(o, path, line, &t->p);
+    }
+    json_t *type = json_object_get(o, "type");
+    if (!st && type && !json_is_string(type))
+        st = rk_errorf(RK_ERR_INVALID, "%s:%d: \"type\" must be a string", path, line);
+    if (!st && type) {
+        const char *name = json_string_value(type);
+        int k = 0;
+        while (k < e->n_types && strcmp(e->type_names[k], name)) k++;
+        if (k == MAX_TYPES || strlen(name) >= sizeof e->type_names[0])
+            st = rk_errorf(RK_ERR_LIMIT, "%s:%d: at most %d types of up to 31 bytes", path, line,
+                           MAX_TYPES);
+        else {
+            if (k == e->n_types) snprintf(e->type_names[e->n_types++], 32, "%s", name);
+            t->type = k;
+            e->type_count[k]++;
+        }
+    }
+    if (st) task_rec_free(t);
+    return st;
+}
+
+typedef struct task_loader {
+    eval *e;
+    const rk_tokenizer *tok;
+    int cap;
+} task_loader;
+
+static rk_status add_task(json_t *o, const char *path, int line, void *ctx) {
+    task_loader *l = ctx;
+    eval *e = l->e;
+    rk_status st = grow_for((void **)&e->tasks, &l->cap, e->n_tasks, sizeof *e->tasks);
+    if (!st && !(st = task_line(e, o, path, line, l->tok, &e->tasks[e->n_tasks]))) {
+        int nc = e->tasks[e->n_tasks].p.n_chunks;
+        if (nc > e->ps.max_chunks) e->ps.max_chunks = nc;
+        e->n_tasks++;
+    }
+    return st;
+}
+
+static rk_status load_tasks(eval *e, const rk_tokenizer *tok) {
+    task_loader l = {e, tok, 0};
+    rk_status st = each_json_line(e->o.task, add_task, &l);
+    if (!st && e->n_tasks == 0) st = rk_errorf(RK_ERR_INVALID, "%s: no records", e->o.task);
+    return st;
+}
+
+/* Score one generated answer against a record's answers: the best over them. */
+static rk_status score_answer(const task_rec *t, const char *pred, int *em, double *f1) {
+    *em = 0;
+    *f1 = 0;
+    for (int i = 0; i < t->n_answers; i++) {
+        int x = rk_score_exact(pred, t->answers[i]);
+        double y = rk_score_f1(pred, t->answers[i]);
+        if (x < 0 || y < 0) return rk_errorf(RK_ERR_NOMEM, "eval: out of memory scoring");
+        *em = x > *em ? x : *em;
+        *f1 = y > *f1 ? y : *f1;
+    }
+    return RK_OK;
+}
+
+/* Every record under configuration ci on a fresh service: a first run
+ * computes (and caches) its chunks, the second, measured one answers. */
+static rk_status run_task_config(eval *e, int ci) {
+    const eval_config *c = &e->o.configs[ci];
+    task_result *tr = &e->tres[ci];
+    int P = e->n_tasks;
+    tr->pred = calloc((size_t)P, sizeof *tr->pred);
+    tr->em = calloc((size_t)P, sizeof *tr->em);
+    tr->f1 = calloc((size_t)P, sizeof *tr->f1);
+    if (!tr->pred || !tr->em || !tr->f1) return rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
+    rk_service *svc;
+    rk_status st = open_service(e, &svc);
+    if (st) return st;
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    int V = rk_model_hparams(svc->model)->n_vocab;
+    rk_req_options opt;
+    config_options(c, e->o.n_tokens, e->o.context, &opt);
+    opt.stop_at_eog = 1;
+    double ms = 0, em_t[MAX_TYPES] = {0}, f1_t[MAX_TYPES] = {0}, em = 0, f1 = 0;
+    for (int j = 0; j < P && !st; j++) {
+        const task_rec *t = &e->tasks[j];
+        run_ctx ctx = {.n_steps = e->o.n_tokens, .n_vocab = V};
+        run_out warm, out;
+        if (c->fam != FAM_PLAIN) {
+            if ((st = run_prompt(svc, &t->p, &opt, &ctx, &warm))) break;
+            run_out_free(&warm);
+        }
+        if ((st = run_prompt(svc, &t->p, &opt, &ctx, &out))) break;
+        size_t len;
+        st = rk_tokenizer_decode(tok, out.tokens, (size_t)out.n_out, 0, 1, &tr->pred[j], &len);
+        if (!st) {
+            char *nl = strchr(tr->pred[j], '\n');
+            if (nl) *nl = '\0';
+            st = score_answer(t, tr->pred[j], &tr->em[j], &tr->f1[j]);
+        }
+        if (!st) {
+            em += tr->em[j];
+            f1 += tr->f1[j];
+            if (t->type >= 0) {
+                em_t[t->type] += tr->em[j];
+                f1_t[t->type] += tr->f1[j];
+            }
+            ms += out.total_ms;
+            tr->recomputed += out.recomputed;
+            tr->prompt_tokens += out.prompt_tokens;
+        }
+        run_out_free(&out);
+    }
+    rk_service_close(svc);
+    tr->acc = em / P;
+    tr->f1_mean = f1 / P;
+    for (int k = 0; k < e->n_types; k++) {
+        tr->type_acc[k] = em_t[k] / e->type_count[k];
+        tr->type_f1[k] = f1_t[k] / e->type_count[k];
+    }
+    tr->ms = ms / P;
+    tr->share = tr->prompt_tokens ? (double)tr->recomputed / tr->prompt_tokens : 0;
+    return st;
+}
+
+static void print_task_table(const eval *e) {
+    printf("ragkv eval --task: %s, %d records, up to %d tokens each (stop at a newline or the end "
+           "of generation); exact match (EM) and F1, LongBench-normalised\n",
+           e->model_desc, e->n_tasks, e->o.n_tokens);
+    printf("%-16s %8s %8s", "config", "EM %", "F1 %");
+    for (int k = 0; k < e->n_types; k++) {
+        char h[48];
+        snprintf(h, sizeof h, "%.20s EM %%", e->type_names[k]);
+        printf(" %12s", h);
+    }
+    printf(" %12s %10s\n", "recomputed %", "ms/request");
+    for (int ci = 0; ci < e->o.n_configs; ci++) {
+        const task_result *t = &e->tres[ci];
+        printf("%-16s %8.2f %8.2f", e->o.configs[ci].name, 100 * t->acc, 100 * t->f1_mean);
+        for (int k = 0; k < e->n_types; k++) printf(" %12.2f", 100 * t->type_acc[k]);
+        printf(" %12.2f %10.2f\n", 100 * t->share, t->ms);
+    }
+    if (e->n_types) printf("types: ");
+    for (int k = 0; k < e->n_types; k++)
+        printf("%s %d%s", e->type_names[k], e->type_count[k], k + 1 < e->n_types ? ", " : "\n");
+}
+
+static json_t *task_json(const eval *e) {
+    json_t *root = json_pack("{s:s, s:s, s:i, s:i, s:s}", "model", e->model_desc, "task", e->o.task,
+                             "records", e->n_tasks, "tokens", e->o.n_tokens, "scoring",
+                             "LongBench normalised exact match and token F1, best over answers");
+    json_t *types = json_array(), *configs = json_array();
+    if (!root || !types || !configs) {
+        json_decref(types);
+        json_decref(configs);
+        json_decref(root);
+        return NULL;
+    }
+    json_object_set_new(root, "types", types);
+    json_object_set_new(root, "configs", configs);
+    for (int k = 0; k < e->n_types; k++)
+        json_array_append_new(
+            types, json_pack("{s:s, s:i}", "name", e->type_names[k], "records", e->type_count[k]));
+    for (int ci = 0; ci < e->o.n_configs; ci++) {
+        const eval_config *c = &e->o.configs[ci];
+        const task_result *t = &e->tres[ci];
+        json_t *per_type = json_object(), *answers = json_array();
+        for (int k = 0; per_type && k < e->n_types; k++)
+            json_object_set_new(per_type, e->type_names[k],
+                                json_pack("{s:f, s:f, s:i}", "exact_match", t->type_acc[k], "f1",
+                                          t->type_f1[k], "records", e->type_count[k]));
+        for (int j = 0; answers && j < e->n_tasks; j++)
+            json_array_append_new(answers, json_pack("{s:s, s:i, s:f}", "prediction", t->pred[j],
+                                                     "exact_match", t->em[j], "f1", t->f1[j]));
+        json_t *x = json_pack(
+            "{s:s, s:s, s:f, s:f, s:f, s:o, s:f, s:I, s:I, s:f, s:o}", "name", c->name, "family",
+            k_family_names[c->fam], "param", c->fam == FAM_FIRST_K ? (double)c->k : c->ratio,
+            "exact_match", t->acc, "f1", t->f1_mean, "per_type", per_type, "recomputed_share",
+            t->share, "recomputed_tokens", (json_int_t)t->recomputed, "prompt_tokens",
+            (json_int_t)t->prompt_tokens, "ms_per_request", t->ms, "answers", answers);
+        if (!x) {
+            json_decref(root);
+            return NULL;
+        }
+        json_array_append_new(configs, x);
+    }
+    return root;
+}
+
+/* --calibrate: the cheapest configuration (least recomputed share, then
+ * least time) whose exact match, overall and for every type, is within
+ * max_loss points of plain's; written with what it was chosen from. */
+static rk_status write_calibration(const eval *e, rk_service *svc) {
+    const eval_opts *o = &e->o;
+    int plain = -1, best = -1;
+    for (int ci = 0; ci < o->n_configs; ci++)
+        if (o->configs[ci].fam == FAM_PLAIN) plain = ci;
+    const task_result *p = &e->tres[plain];
+    json_t *cands = json_array();
+    for (int ci = 0; ci < o->n_configs; ci++) {
+        if (o->configs[ci].fam == FAM_PLAIN) continue;
+        const task_result *t = &e->tres[ci];
+        double loss = 100 * (p->acc - t->acc);
+        int ok = loss <= o->max_loss + 1e-9;
+        for (int k = 0; k < e->n_types; k++)
+            ok &= 100 * (p->type_acc[k] - t->type_acc[k]) <= o->max_loss + 1e-9;
+        json_array_append_new(cands,
+                              json_pack("{s:s, s:f, s:f, s:f, s:b}", "name", o->configs[ci].name,
+                                        "exact_match", t->acc, "recomputed_share", t->share,
+                                        "ms_per_request", t->ms, "within_budget", ok));
+        if (ok && (best < 0 || t->share < e->tres[best].share ||
+                   (t->share == e->tres[best].share && t->ms < e->tres[best].ms)))
+            best = ci;
+    }
+    if (best < 0) {
+        json_decref(cands);
+        return rk_errorf(RK_ERR_NOT_FOUND,
+                         "--calibrate: no configuration is within %.2f points of plain (%.2f %% "
+                         "exact match); nothing written",
+                         o->max_loss, 100 * p->acc);
+    }
+    json_t *root = json_pack(
+        "{s:i, s:s, s:s, s:s, s:s, s:i, s:f, s:f, s:{s:s, s:f, s:f, s:f}, s:o}",
+        "ragkv_repair_calibration", 1, "policy", o->configs[best].name, "model", e->model_desc,
+        "model_fingerprint", rk_model_fingerprint(svc->model), "task", o->task, "records",
+        e->n_tasks, "max_loss_points", o->max_loss, "plain_exact_match", p->acc, "chosen", "name",
+        o->configs[best].name, "exact_match", e->tres[best].acc, "recomputed_share",
+        e->tres[best].share, "ms_per_request", e->tres[best].ms, "candidates", cands);
+    if (!root) return rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
+    int bad = json_dump_file(root, o->calibrate, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
+    json_decref(root);
+    if (bad) return rk_errorf(RK_ERR_IO, "%s: cannot write the calibration", o->calibrate);
+    fprintf(stderr,
+            "ragkv eval: calibration: %s (%.2f %% exact match against plain's %.2f %%, "
+            "%.2f %% recomputed) written to %s\n",
+            o->configs[best].name, 100 * e->tres[best].acc, 100 * p->acc, 100 * e->tres[best].share,
+            o->calibrate);
+    return RK_OK;
+}
+
+/* The whole --task evaluation; the output as the options ask. */
+static rk_status run_task(eval *e) {
+    rk_service *svc;
+    rk_status st = open_service(e, &svc);
+    if (st) return st;
+    const char *base = e->o.model ? strrchr(e->o.model, '/') : NULL;
+    snprintf(e->model_desc, sizeof e->model_desc, "%s",
+             !e->o.model ? "ragkv tiny (embedded)"
+             : base      ? base + 1
+                         : e->o.model);
+    if ((st = load_tasks(e, rk_model_tokenizer(svc->model)))) {
+        e->bad_input = 1;
+    } else {
+        e->tres = calloc((size_t)e->o.n_configs, sizeof *e->tres);
+        if (!e->tres) st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
+    }
+    for (int ci = 0; ci < e->o.n_configs && !st; ci++) st = run_task_config(e, ci);
+    if (!st && e->o.calibrate) st = write_calibration(e, svc);
+    rk_service_close(svc);
+    return st;
 }
 
 /* ---------------------------------------------------------------- the held-out set */
@@ -737,18 +1226,37 @@ static int by_share(const void *a, const void *b) {
 }
 
 /* Quality against recomputed share: one colour per policy family, greedy
- * agreement solid, first-token top-1 dashed; `none` starts every family. */
+ * agreement solid, first-token top-1 dashed; `none` starts every family.
+ * With --task: exact match overall solid, on the first record type (or F1
+ * without types) dashed, plain's exact match a dotted line. */
 static rk_status write_svg(const eval *e, const char *path) {
     const eval_opts *o = &e->o;
+    int task = e->tres != NULL;
+    double xs[MAX_CONFIGS], y1[MAX_CONFIGS], y2[MAX_CONFIGS], plain_y = -1;
+    for (int ci = 0; ci < o->n_configs; ci++) {
+        const task_result *t = task ? &e->tres[ci] : NULL;
+        xs[ci] = task ? t->share : e->cr[ci].recomputed_share;
+        y1[ci] = task ? t->acc : e->cr[ci].greedy_agree;
+        y2[ci] = task ? (e->n_types ? t->type_acc[0] : t->f1_mean) : e->cr[ci].first_top1;
+        if (task && o->configs[ci].fam == FAM_PLAIN) plain_y = t->acc;
+    }
+    char name1[48], name2[48];
+    snprintf(name1, sizeof name1, "%s", task ? "exact match" : "greedy agreement");
+    snprintf(name2, sizeof name2, "%.30s%s",
+             !task        ? "first-token top-1"
+             : e->n_types ? e->type_names[0]
+                          : "F1",
+             task && e->n_types ? " exact match" : "");
     FILE *f = fopen(path, "w");
     if (!f) return rk_errorf(RK_ERR_IO, "%s: %s", path, strerror(errno));
     const double W = 720, H = 480, l = 80, r = 690, top = 60, bottom = 400;
     double xmax = 0.1, ymin = 1;
     for (int ci = 0; ci < o->n_configs; ci++) {
         if (o->configs[ci].fam == FAM_PLAIN) continue;
-        xmax = fmax(xmax, e->cr[ci].recomputed_share);
-        ymin = fmin(ymin, fmin(e->cr[ci].greedy_agree, e->cr[ci].first_top1));
+        xmax = fmax(xmax, xs[ci]);
+        ymin = fmin(ymin, fmin(y1[ci], y2[ci]));
     }
+    if (plain_y >= 0) ymin = fmin(ymin, plain_y);
     xmax = ceil(xmax * 10 - 1e-9) / 10;
     ymin = floor(ymin * 10 - 1e-9) / 10;
     if (ymin >= 1) ymin = 0.9;
@@ -760,8 +1268,8 @@ static rk_status write_svg(const eval *e, const char *path) {
             "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
             W, H, W, H);
     char title[200];
-    snprintf(title, sizeof title, "ragkv eval: %s, %d prompts, %d tokens", e->model_desc, e->ps.n,
-             o->n_tokens);
+    snprintf(title, sizeof title, "ragkv eval: %s, %d %s, %d tokens", e->model_desc,
+             task ? e->n_tasks : e->ps.n, task ? "records" : "prompts", o->n_tokens);
     rk_bench_svg_text(f, W / 2, 28, "middle", 15, title);
     fprintf(f,
             "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
@@ -783,18 +1291,31 @@ static rk_status write_svg(const eval *e, const char *path) {
                       "recomputed chunk tokens (% of prompt tokens)");
     fprintf(f,
             "<text x=\"24\" y=\"%.1f\" font-size=\"13\" text-anchor=\"middle\" "
-            "transform=\"rotate(-90 24 %.1f)\">agreement with full attention (%%)</text>\n",
-            (top + bottom) / 2, (top + bottom) / 2);
-    static const char *const colors[N_FAMILIES] = {"#888", "#000", "#1f77b4", "#ff7f0e"};
-    double pts[MAX_CONFIGS + 1][3];
+            "transform=\"rotate(-90 24 %.1f)\">%s (%%)</text>\n",
+            (top + bottom) / 2, (top + bottom) / 2,
+            task ? "answer accuracy" : "agreement with full attention");
+    static const char *const colors[N_FAMILIES] = {"#888", "#000", "#1f77b4", "#ff7f0e", "#2ca02c"};
     int legend = 0;
-    for (family fam = FAM_FIRST_K; fam <= FAM_DEVIATION; fam++) {
+    if (plain_y >= 0) {
+        fprintf(f,
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
+                "stroke-width=\"1.5\" stroke-dasharray=\"2,3\"/>\n",
+                l, PY(plain_y), r, PY(plain_y), colors[FAM_PLAIN]);
+        double ly = bottom - 16 - 18 * legend++;
+        fprintf(f,
+                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
+                "stroke-width=\"1.5\" stroke-dasharray=\"2,3\"/>\n",
+                r - 230, ly - 4, r - 200, ly - 4, colors[FAM_PLAIN]);
+        rk_bench_svg_text(f, r - 194, ly, "start", 12, "plain: exact match");
+    }
+    double pts[MAX_CONFIGS + 1][3];
+    for (family fam = FAM_FIRST_K; fam < N_FAMILIES; fam++) {
         int n = 0;
         for (int ci = 0; ci < o->n_configs; ci++)
             if (o->configs[ci].fam == fam || o->configs[ci].fam == FAM_NONE) {
-                pts[n][0] = e->cr[ci].recomputed_share;
-                pts[n][1] = e->cr[ci].greedy_agree;
-                pts[n++][2] = e->cr[ci].first_top1;
+                pts[n][0] = xs[ci];
+                pts[n][1] = y1[ci];
+                pts[n++][2] = y2[ci];
             }
         int own = 0;
         for (int ci = 0; ci < o->n_configs; ci++) own += o->configs[ci].fam == fam;
@@ -808,9 +1329,8 @@ static rk_status write_svg(const eval *e, const char *path) {
             for (int i = 0; i < n; i++)
                 fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>\n", PX(pts[i][0]),
                         PY(pts[i][m]), colors[fam]);
-            char lab[64];
-            snprintf(lab, sizeof lab, "%s: %s", k_family_names[fam],
-                     m == 1 ? "greedy agreement" : "first-token top-1");
+            char lab[96];
+            snprintf(lab, sizeof lab, "%s: %s", k_family_names[fam], m == 1 ? name1 : name2);
             double ly = bottom - 16 - 18 * legend++;
             fprintf(f,
                     "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
@@ -844,22 +1364,30 @@ int rk_eval_main(int argc, char **argv) {
         }
         return 0;
     }
-    if ((st = load_prompts(e.o.prompts, &e.ps))) {
+    if (e.o.task) {
+        if ((st = run_task(&e))) {
+            fprintf(stderr, "ragkv eval: %s\n", rk_error_message());
+            rc = e.bad_input ? EXIT_USAGE : EXIT_FAILURE;
+            eval_free(&e);
+            return rc;
+        }
+    } else if ((st = load_prompts(e.o.prompts, &e.ps))) {
         fprintf(stderr, "ragkv eval: %s\n", rk_error_message());
         return EXIT_USAGE;
+    } else {
+        e.cr = calloc((size_t)e.o.n_configs, sizeof *e.cr);
+        if (!e.cr)
+            st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
+        else
+            st = run_reference(&e);
+        for (int ci = 0; ci < e.o.n_configs && !st; ci++) st = run_config(&e, ci);
     }
-    e.cr = calloc((size_t)e.o.n_configs, sizeof *e.cr);
-    if (!e.cr)
-        st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-    else
-        st = run_reference(&e);
-    for (int ci = 0; ci < e.o.n_configs && !st; ci++) st = run_config(&e, ci);
     rc = 0;
     if (st) {
         fprintf(stderr, "ragkv eval: %s\n", rk_error_message());
         rc = EXIT_FAILURE;
     } else if (e.o.json) {
-        json_t *root = eval_json(&e);
+        json_t *root = e.o.task ? task_json(&e) : eval_json(&e);
         char *s = root ? json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(8)) : NULL;
         json_decref(root);
         if (s)
@@ -869,6 +1397,8 @@ int rk_eval_main(int argc, char **argv) {
             rc = EXIT_FAILURE;
         }
         free(s);
+    } else if (e.o.task) {
+        print_task_table(&e);
     } else {
         print_table(&e);
     }

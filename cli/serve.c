@@ -158,6 +158,13 @@ static int parse_args(int argc, char **argv, serve_opts *o, int *print_config, i
         fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
         return -1;
     }
+    /* A calibration's policy replaces --repair: "auto" is what it chose. */
+    rk_config *cfg = &o->srv.cfg;
+    if (cfg->repair_calibration[0] &&
+        rk_repair_calibration_load(cfg->repair_calibration, cfg->repair, sizeof cfg->repair)) {
+        fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
+        return -1;
+    }
     return 0;
 }
 

@@ -95,19 +95,24 @@ int rk_parse_double(const char *s, double lo, double hi, double *out) {
     return 0;
 }
 
-int rk_repair_parse(const char *s, int *out_k, float *out_ratio) {
+int rk_repair_parse(const char *s, int *out_k, float *out_ratio, int *out_query) {
     long k = 0;
     double ratio = 0;
+    int query = 0;
     if (!strcmp(s, "none")) {
     } else if (!strncmp(s, "first_k:", 8)) {
         if (rk_parse_long(s + 8, 1, 1 << 20, &k)) return -1;
     } else if (!strncmp(s, "deviation:", 10)) {
         if (rk_parse_double(s + 10, 0, 1, &ratio) || !(ratio > 0)) return -1;
+    } else if (!strncmp(s, "query:", 6)) {
+        if (rk_parse_double(s + 6, 0, 1, &ratio) || !(ratio > 0)) return -1;
+        query = 1;
     } else {
         return -1;
     }
     *out_k = (int)k;
     *out_ratio = (float)ratio;
+    *out_query = query;
     return 0;
 }
 
@@ -158,12 +163,12 @@ rk_status rk_config_validate(const rk_config *cfg) {
     if (strcmp(cfg->reindex, "zero-copy") && strcmp(cfg->reindex, "copy"))
         return rk_errorf(RK_ERR_INVALID, "config: reindex must be zero-copy or copy, got \"%s\"",
                          cfg->reindex);
-    int k;
+    int k, query;
     float ratio;
-    if (rk_repair_parse(cfg->repair, &k, &ratio))
+    if (rk_repair_parse(cfg->repair, &k, &ratio, &query))
         return rk_errorf(RK_ERR_INVALID,
-                         "config: repair must be none, first_k:K (K >= 1) or deviation:R "
-                         "(0 < R <= 1), got \"%s\"",
+                         "config: repair must be none, first_k:K (K >= 1), deviation:R or "
+                         "query:R (0 < R <= 1), got \"%s\"",
                          cfg->repair);
     if (cfg->kv_memory_mb < 1 || cfg->kv_memory_mb > (1 << 24))
         return rk_errorf(RK_ERR_INVALID, "config: kv_memory_mb must be 1 to 16777216, got %d",

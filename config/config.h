@@ -78,10 +78,17 @@ double rk_time_now(void);
 int rk_parse_long(const char *s, long lo, long hi, long *out);
 int rk_parse_double(const char *s, double lo, double hi, double *out);
 
-/* A repair policy written "none", "first_k:K" (1 <= K <= 2^20) or
- * "deviation:R" (0 < R <= 1): *out_k and *out_ratio as the request options
- * take them (0 when off). 0 on success, -1 otherwise (outputs untouched). */
-int rk_repair_parse(const char *s, int *out_k, float *out_ratio);
+/* A repair policy written "none", "first_k:K" (1 <= K <= 2^20),
+ * "deviation:R" or "query:R" (0 < R <= 1): *out_k, *out_ratio and *out_query
+ * (1 for query) as the request options take them (0 when off). 0 on success,
+ * -1 otherwise (outputs untouched). */
+int rk_repair_parse(const char *s, int *out_k, float *out_ratio, int *out_query);
+
+/* Read the policy a calibration file (`ragkv eval --task ... --calibrate
+ * FILE`) chose into policy (cap bytes, NUL-terminated): RK_ERR_IO when it
+ * cannot be read, RK_ERR_INVALID when it is not a calibration (version 1)
+ * with a policy rk_repair_parse accepts; policy is untouched then. */
+rk_status rk_repair_calibration_load(const char *path, char *policy, size_t cap);
 
 /* ---------------------------------------------------------------- config */
 
@@ -111,8 +118,12 @@ typedef struct rk_config {
      * tokens (the rest goes on in the next steps); 0 = unlimited. Default 512. */
     int step_tokens;
     /* The repair policy of a request that names none (or names "auto"):
-     * "none" (default), "first_k:K" or "deviation:R" (rk_repair_parse). */
+     * "none" (default), "first_k:K", "deviation:R" or "query:R"
+     * (rk_repair_parse). */
     char repair[24];
+    /* A calibration file written by `ragkv eval --calibrate`; when set, its
+     * chosen policy replaces `repair` (ragkv serve loads it). "" = none. */
+    char repair_calibration[1024];
 
     /* chunk cache and request limits */
     int chunk_entries;    /* most chunks the index holds; default 100000 */

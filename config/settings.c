@@ -48,8 +48,10 @@ const rk_setting rk_config_settings[] = {
     {"step_tokens", "step-tokens", RK_SET_INT, CFG_OFF(step_tokens), 0, 0, 1 << 30, 0, 0,
      "N  prompt tokens per engine step next to decoding (default: 512; 0 = unlimited)"},
     {"repair", "repair", RK_SET_STR, CFG_STR(repair), 0, 0, 0, 0,
-     "POLICY  repair of a request that names none or \"auto\": none (default), first_k:K or "
-     "deviation:R"},
+     "POLICY  repair of a request that names none or \"auto\": none (default), first_k:K, "
+     "deviation:R or query:R"},
+    {"repair_calibration", "repair-calibration", RK_SET_STR, CFG_STR(repair_calibration), 0, 0, 0,
+     0, "FILE  calibration from `ragkv eval --calibrate`: its policy replaces --repair"},
     {"chunk_entries", "chunk-entries", RK_SET_INT, CFG_OFF(chunk_entries), 0, 1, 1 << 30, 0, 0,
      "N  chunks the index holds at most (default: 100000)"},
     {"max_chunks", "max-chunks", RK_SET_INT, CFG_OFF(max_chunks), 0, 0, 1 << 20, 0, 0,

@@ -82,6 +82,9 @@ typedef struct rk_batch {
     int n_logits;
     const int32_t *logit_rows; /* (n_logits) rows of tokens to compute logits for */
     int n_layers;              /* run layers [0, n_layers) only (0 = all); no logits then */
+    /* When not NULL: the rotated queries of the last layer run, (n_tokens,
+     * n_heads * head_dim), downloaded here (host memory the caller owns). */
+    float *out_q;
 } rk_batch;
 
 /* Run the transformer over the batch; writes logits (n_logits, n_vocab) to

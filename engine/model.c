@@ -750,6 +750,8 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         }
         CK(ops->rope(be, s->q, s->pos, n, hp->n_heads, hp->head_dim, &m->rope));
         CK(ops->rope(be, s->k, s->pos, n, hp->n_kv_heads, hp->head_dim, &m->rope));
+        if (b->out_q && l == n_layers - 1)
+            CK(ops->download(be, b->out_q, s->q, (size_t)n * q_dim * sizeof(float)));
         CK(ops->kv_write(be, kv, l, s->k, s->v, s->slots, n));
         CK(ops->attention(be, s->att, NULL, s->q, kv, l, &attn, hp->n_heads, scale));
         CK(matmul(m, s->xb, s->att, &L->wo, n));

@@ -63,6 +63,7 @@ typedef struct rk_parse_limits {
      * names none (`--chat-separator`); NULL or "" = chat messages are not
      * split unless the body sets "separator". */
     const char *chat_separator;
+    int repair_query;
 } rk_parse_limits;
 
 typedef enum rk_chat_role {

@@ -448,7 +448,8 @@ static void prep_generation(void *arg) {
     rk_parse_limits lim = {.max_chunks = S->o.cfg.max_chunks,
                            .max_tokens = S->o.cfg.max_tokens,
                            .chat_separator = S->o.chat_separator};
-    (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio); /* validated */
+    (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio,
+                          &lim.repair_query); /* validated */
     if (rk_api_parse(p->body, p->len, p->chat, &lim, &g->api, err)) return;
     rk_service *svc = g->svc;
     if (rk_gw_check_model(S, svc, g->api.model, err)) return;

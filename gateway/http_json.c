@@ -236,13 +236,14 @@ static int parse_stop(json_t *root, rk_api_request *out, rk_http_error *err) {
     return 0;
 }
 
-/* repair: {"policy": "auto" | "none" | "first_k" | "deviation", "k": 16,
- * "ratio": 0.15}; no repair, or "auto", is the service's policy (lim). */
+/* repair: {"policy": "auto" | "none" | "first_k" | "deviation" | "query",
+ * "k": 16, "ratio": 0.15}; no repair, or "auto", is the service's policy (lim). */
 static int parse_repair(json_t *root, const rk_parse_limits *lim, rk_req_options *o,
                         rk_http_error *err) {
     json_t *v = json_object_get(root, "repair");
     o->repair_k = lim->repair_k;
     o->repair_ratio = lim->repair_ratio;
+    o->repair_query = lim->repair_query;
     if (!v || json_is_null(v)) return 0;
     if (!json_is_object(v))
         return rk_http_errorf(err, 400,
@@ -257,18 +258,20 @@ static int parse_repair(json_t *root, const rk_parse_limits *lim, rk_req_options
     if (!strcmp(policy, "auto")) return 0;
     o->repair_k = 0;
     o->repair_ratio = 0;
+    o->repair_query = 0;
     if (!strcmp(policy, "none")) return 0;
     if (!strcmp(policy, "first_k")) {
         o->repair_k = (int)k;
         return 0;
     }
-    if (!strcmp(policy, "deviation")) {
+    if (!strcmp(policy, "deviation") || !strcmp(policy, "query")) {
         o->repair_ratio = (float)ratio;
+        o->repair_query = policy[0] == 'q';
         return 0;
     }
     return rk_http_errorf(err, 400,
-                          "'repair.policy' must be \"auto\", \"none\", \"first_k\" or "
-                          "\"deviation\""),
+                          "'repair.policy' must be \"auto\", \"none\", \"first_k\", "
+                          "\"deviation\" or \"query\""),
            1;
 }
 

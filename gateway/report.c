@@ -3,6 +3,7 @@
  * `ragkv generate --json`. */
 #include <math.h>
 #include <jansson.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -79,11 +80,19 @@ json_t *rk_report_ragkv(const rk_request *r) {
     /* Together they are usage.prompt_tokens_details.cached_tokens. */
     json_t *reused = json_pack("{s:i, s:i, s:i}", "prefix", r->sys_cached, "chunks", chunk_hits,
                                "conversation", r->conv_cached);
-    return json_pack("{s:{s:i, s:i}, s:o, s:i, s:{s:i}, s:i, s:i, s:o, s:o, s:o}", "system",
+    /* The repair policy the request ran with (what "auto" chose, for one). */
+    char repair[48] = "none";
+    if (r->opt.repair_k > 0)
+        snprintf(repair, sizeof repair, "first_k:%d", r->opt.repair_k);
+    else if (r->opt.repair_ratio > 0)
+        snprintf(repair, sizeof repair, "%s:%g", r->opt.repair_query ? "query" : "deviation",
+                 r->opt.repair_ratio);
+    return json_pack("{s:{s:i, s:i}, s:o, s:i, s:{s:i}, s:s, s:i, s:i, s:o, s:o, s:o}", "system",
                      "tokens", r->n_sys, "cached_tokens", r->sys_cached, "chunks", chunks,
                      "empty_chunks_skipped", r->n_empty_chunks, "question", "tokens", r->n_question,
-                     "recomputed_tokens", r->recomputed_tokens, "shared_blocks", r->shared_blocks,
-                     "reused", reused, "completion_ids", ids, "timings", timings_json(r));
+                     "repair", repair, "recomputed_tokens", r->recomputed_tokens, "shared_blocks",
+                     r->shared_blocks, "reused", reused, "completion_ids", ids, "timings",
+                     timings_json(r));
 }
 
 json_t *rk_report_usage(const rk_request *r) {

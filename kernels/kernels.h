@@ -285,4 +285,15 @@ rk_status rk_attn_check_block_ids(const rk_kv_cache *kv, const rk_attn_batch *ba
 /* Index of the largest element (first on ties); CPU helper used by samplers. */
 int rk_argmax_f32(const float *x, int n);
 
+/* Attention mass each key receives, a host reference computation for the
+ * `query` repair policy: for every query row i (n_q rows of n_heads *
+ * head_dim floats, already rotated) and head h, the softmax over keys
+ * 0 .. q_len[i] - 1 (rows of n_kv_heads * head_dim floats, grouped query
+ * attention: head h reads kv head h / (n_heads / n_kv_heads)) of
+ * scale * q · k, added into mass[j] for every key j (in double). mass has
+ * n_k entries (every q_len[i] in 1 .. n_k) and is added to, not cleared.
+ * RK_ERR_NOMEM leaves it as it was. */
+rk_status rk_attn_key_mass(const float *q, const int32_t *q_len, int n_q, const float *k, int n_k,
+                           int n_heads, int n_kv_heads, int head_dim, float scale, double *mass);
+
 #endif

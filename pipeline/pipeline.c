@@ -322,6 +322,7 @@ typedef struct batch {
     float *logits; /* (n_logits, n_vocab) */
     int cap_logits;
     int n_layers; /* run only the first n_layers (0 = all) */
+    float *out_q; /* not NULL: the last layer run's queries, (n_tok, n_heads * head_dim) */
 } batch;
 
 static void batch_reset(batch *b) {
@@ -476,7 +477,8 @@ static rk_status batch_run(rk_service *svc, batch *b) {
                             .rope = segments ? rk_model_rope(svc->model) : NULL},
                    .n_logits = b->n_logits,
                    .logit_rows = b->logit_rows,
-                   .n_layers = b->n_layers};
+                   .n_layers = b->n_layers,
+                   .out_q = b->out_q};
     return rk_model_forward(svc->model, rk_arena_kv(svc->arena), &fb, b->logits);
 }
 
@@ -523,9 +525,42 @@ static int by_score_desc(const void *a, const void *b) {
     return x->chunk != y->chunk ? x->chunk - y->chunk : x->off - y->off; /* stable */
 }
 
+/* Both ratio policies, second half: sort r's n_toks scored chunk tokens,
+ * take the repair_ratio of them that score highest, and queue their runs in b
+ * (one sequence per run of consecutive chosen tokens of a chunk) for the full
+ * recompute. sel: scratch of the longest chunk's length. Sets
+ * chunk_reports[].repaired and recomputed_tokens. */
+static rk_status queue_chosen(batch *b, int bs, rk_request *r, dev_tok *toks, int n_toks,
+                              unsigned char *sel) {
+    rk_status st = RK_OK;
+    int n_sel = (int)ceil(r->opt.repair_ratio * n_toks - 1e-9);
+    n_sel = n_sel < n_toks ? n_sel : n_toks;
+    qsort(toks, (size_t)n_toks, sizeof *toks, by_score_desc);
+    for (int k = 0; k < r->n_chunks && !st; k++) {
+        memset(sel, 0, (size_t)r->chunk_lens[k]);
+        int marked = 0;
+        for (int j = 0; j < n_sel; j++)
+            if (toks[j].chunk == k) sel[toks[j].off] = 1, marked++;
+        r->chunk_reports[k].repaired = marked;
+        r->recomputed_tokens += marked;
+        for (int t = 0; t < r->chunk_lens[k] && !st;) { /* one sequence per run */
+            if (!sel[t]) {
+                t++;
+                continue;
+            }
+            int t1 = t;
+            while (t1 < r->chunk_lens[k] && sel[t1]) t1++;
+            st = batch_add(b, bs, &r->state->kv, r->chunks[k] + t, t1 - t,
+                           r->state->layout.pos[k] + t, r->state->layout.index[k] + t, 0);
+            t = t1;
+        }
+    }
+    return st;
+}
+
 static int wants_deviation(const rk_request *r, const rk_hparams *hp) {
-    return r->opt.repair_ratio > 0 && r->opt.mode == RK_MODE_RAG && r->n_chunks > 0 &&
-           hp->n_layers > DEVIATION_LAYER && !chunk_from_prefix(r, 0);
+    return r->opt.repair_ratio > 0 && !r->opt.repair_query && r->opt.mode == RK_MODE_RAG &&
+           r->n_chunks > 0 && hp->n_layers > DEVIATION_LAYER && !chunk_from_prefix(r, 0);
 }
 
 /* The deviation policy, first half: recompute layers 0..DEVIATION_LAYER for
@@ -594,36 +629,103 @@ static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int 
             }
             at += (size_t)n;
         }
-        if (st) break;
-        int n_sel = (int)ceil(r->opt.repair_ratio * n_toks - 1e-9);
-        n_sel = n_sel < n_toks ? n_sel : n_toks;
-        qsort(toks, (size_t)n_toks, sizeof *toks, by_score_desc);
-        /* Mark the chosen ones in `after` (free again), chunk by chunk. */
-        unsigned char *sel = (unsigned char *)after;
-        for (int k = 0; k < r->n_chunks && !st; k++) {
-            memset(sel, 0, (size_t)r->chunk_lens[k]);
-            int marked = 0;
-            for (int j = 0; j < n_sel; j++)
-                if (toks[j].chunk == k) sel[toks[j].off] = 1, marked++;
-            r->chunk_reports[k].repaired = marked;
-            r->recomputed_tokens += marked;
-            for (int t = 0; t < r->chunk_lens[k] && !st;) { /* one sequence per run */
-                if (!sel[t]) {
-                    t++;
-                    continue;
-                }
-                int t1 = t;
-                while (t1 < r->chunk_lens[k] && sel[t1]) t1++;
-                st = batch_add(b, bs, &r->state->kv, r->chunks[k] + t, t1 - t,
-                               r->state->layout.pos[k] + t, r->state->layout.index[k] + t, 0);
-                t = t1;
-            }
-        }
+        if (!st) st = queue_chosen(b, bs, r, toks, n_toks, (unsigned char *)after);
     }
     free(before);
     free(after);
     free(raw);
     free(toks);
+    return st;
+}
+
+/* ---------------------------------------------------------------- query repair */
+
+static int wants_query(const rk_request *r) {
+    return r->opt.repair_ratio > 0 && r->opt.repair_query && r->opt.mode == RK_MODE_RAG &&
+           r->n_chunks > 0 && !chunk_from_prefix(r, 0);
+}
+
+/* The query policy, first half: run every asking request's question over its
+ * merged (reused, not yet repaired) cache through its last layer (the
+ * question's KV written there is overwritten by the question pass), score
+ * each chunk token by the attention mass the question's rows and heads give
+ * it at the last layer (rk_attn_key_mass), and queue in *b the runs of the
+ * repair_ratio of each request's chunk tokens that score highest. A chunk's
+ * first token ranks before the chunk tokens that are not first: computed
+ * alone it was position 0, the chunk's attention sink, and its reused KV is
+ * the furthest from full attention (on ragqa first_k:1 alone recovers most
+ * of the loss; see docs/fidelity.md for the variants measured). Among first
+ * tokens, and among the rest, the question's attention decides. Sets
+ * chunk_reports[].repaired and recomputed_tokens. */
+static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_reqs, batch *b) {
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    int bs = kv->block_size, n_q = 0, max_keys = 0, max_q = 0, max_toks = 0;
+    for (int i = 0; i < n_reqs; i++) {
+        rk_request *r = reqs[i];
+        if (!wants_query(r)) continue;
+        int keys = r->state->layout.question_index + r->n_question, toks = 0;
+        for (int k = 0; k < r->n_chunks; k++) toks += r->chunk_lens[k];
+        n_q += r->n_question;
+        max_q = r->n_question > max_q ? r->n_question : max_q;
+        max_keys = keys > max_keys ? keys : max_keys;
+        max_toks = toks > max_toks ? toks : max_toks;
+    }
+    if (max_toks == 0) return RK_OK;
+    size_t q_row = (size_t)hp->n_heads * hp->head_dim, row = (size_t)kv->n_kv_heads * kv->head_dim;
+    batch qb = {0};
+    int layer = hp->n_layers - 1; /* the question's last layer reads the answer */
+    float *q = malloc((size_t)(n_q ? n_q : 1) * q_row * sizeof *q);
+    float *keys = malloc((size_t)max_keys * 2 * row * sizeof *keys);
+    unsigned char *raw = malloc((size_t)bs * row * rk_dtype_size(kv->dtype));
+    double *mass = malloc((size_t)max_keys * sizeof *mass);
+    int32_t *q_len = malloc((size_t)(max_q ? max_q : 1) * sizeof *q_len);
+    dev_tok *toks = malloc((size_t)max_toks * sizeof *toks);
+    unsigned char *sel = malloc((size_t)max_toks);
+    rk_status st = q && keys && raw && mass && q_len && toks && sel
+                       ? RK_OK
+                       : rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for the query repair");
+    for (int i = 0; i < n_reqs && !st; i++) {
+        rk_request *r = reqs[i];
+        if (wants_query(r) && r->n_question)
+            st = batch_add(&qb, bs, &r->state->kv, r->question, r->n_question,
+                           r->state->layout.question_pos, r->state->layout.question_index, 0);
+    }
+    qb.n_layers = layer + 1;
+    qb.out_q = q;
+    if (!st && qb.n_seq) st = batch_run(svc, &qb);
+    size_t qr = 0; /* the request's first question row in q */
+    for (int i = 0; i < n_reqs && !st; i++) {
+        rk_request *r = reqs[i];
+        if (!wants_query(r)) continue;
+        const rk_layout *L = &r->state->layout;
+        int n_keys = L->question_index + r->n_question, n_toks = 0;
+        memset(mass, 0, (size_t)n_keys * sizeof *mass);
+        if (r->n_question) {
+            for (int j = 0; j < r->n_question; j++) q_len[j] = L->question_index + j + 1;
+            if (!(st = read_kv(svc, &r->state->kv, layer, 0, n_keys, keys, keys + n_keys * row,
+                               raw)))
+                st = rk_attn_key_mass(q + qr * q_row, q_len, r->n_question, keys, n_keys,
+                                      hp->n_heads, hp->n_kv_heads, hp->head_dim,
+                                      1.0f / sqrtf((float)hp->head_dim), mass);
+            if (st) break;
+            qr += (size_t)r->n_question;
+        }
+        double first = (double)r->n_question * hp->n_heads + 1; /* above any mass */
+        for (int k = 0; k < r->n_chunks; k++)
+            for (int t = 0; t < r->chunk_lens[k]; t++)
+                toks[n_toks++] =
+                    (dev_tok){(float)(mass[L->index[k] + t] + (t == 0 ? first : 0)), k, t};
+        st = queue_chosen(b, bs, r, toks, n_toks, sel);
+    }
+    batch_free(&qb);
+    free(q);
+    free(keys);
+    free(raw);
+    free(mass);
+    free(q_len);
+    free(toks);
+    free(sel);
     return st;
 }
 
@@ -673,6 +775,7 @@ static uint64_t request_ns(const rk_service *svc, const rk_request *r) {
         v[4] = (int32_t)r->opt.positions;
         v[5] = r->opt.repair_k;
         memcpy(&v[6], &r->opt.repair_ratio, sizeof(float));
+        v[7] = r->opt.repair_query;
     }
     uint64_t ns = XXH3_64bits_withSeed(v, sizeof v, svc->prefix_ns);
     if (r->opt.salt.hi || r->opt.salt.lo) { /* a salted request's tree of its own */
@@ -711,7 +814,8 @@ static rk_status build_key(rk_service *svc, rk_request *r) {
 
 /* How much of a matched prefix of n tokens a RAG request may take: never part
  * of a chunk (cut back to its start); with repair on, all chunks or none, so
- * the repair policy sees the chunks it would have seen. */
+ * the repair policy sees the chunks it would have seen (with the query
+ * policy, all chunks only with the whole question after them). */
 static int usable_prefix(const rk_request *r, int n) {
     const rk_req_state *s = r->state;
     if (r->opt.mode != RK_MODE_RAG) return n;
@@ -720,6 +824,10 @@ static int usable_prefix(const rk_request *r, int n) {
             n = s->layout.index[k];
     int repair = r->opt.repair_k > 0 || r->opt.repair_ratio > 0;
     if (repair && r->n_chunks && n < s->layout.question_index && n > s->layout.index[0])
+        n = s->layout.index[0];
+    /* The query policy's choice depends on the question: the whole of it too. */
+    if (repair && r->opt.repair_query && r->n_chunks && n > s->layout.index[0] &&
+        n < s->layout.question_index + r->n_question)
         n = s->layout.index[0];
     return n;
 }
@@ -832,7 +940,8 @@ static rk_status start_request(rk_service *svc, rk_request *r) {
 /* Whether request r reuses its cached chunks in place. Recomputed tokens
  * must be private: `first_k` repair copies the blocks it writes (copy on
  * write, see build_runs), but the deviation policy recomputes layers 0-1 of
- * every chunk token, so its requests copy whole chunks (the copy path), as do
+ * every chunk token and the query policy chooses its tokens after the
+ * reindex, so their requests copy whole chunks (the copy path), as do
  * the oracle and plain modes and every request on a backend without
  * position-shifted attention. */
 static int zero_copy_for(const rk_service *svc, const rk_request *r, int tell) {
@@ -1580,7 +1689,9 @@ static rk_status stage_repair(admission *a) {
     double t = rk_time_now();
     batch_reset(a->b);
     for (int i = 0; i < a->n; i++) a->reqs[i]->recomputed_tokens = 0;
-    if ((st = deviation_select(a->svc, a->reqs, a->n, a->b))) return st;
+    if ((st = deviation_select(a->svc, a->reqs, a->n, a->b)) ||
+        (st = query_select(a->svc, a->reqs, a->n, a->b)))
+        return st;
     for (int i = 0; i < a->n; i++) {
         rk_request *r = a->reqs[i];
         rk_req_state *s = r->state;

@@ -104,7 +104,11 @@ typedef struct rk_req_options {
      * first_k: the first repair_k tokens of every chunk (0 = off).
      * deviation: the repair_ratio of the request's chunk tokens whose layer-1
      * K/V move most when layers 0..1 are recomputed over the merged cache
-     * (0 = off; those two layers are then recomputed for every chunk token). */
+     * (0 = off; those two layers are then recomputed for every chunk token).
+     * query (repair_query set, with repair_ratio): the repair_ratio of the
+     * request's chunk tokens that the question attends to most, measured by
+     * a question pass over the reused KV up to a middle layer (see
+     * docs/fidelity.md); instead of deviation. */
     int repair_k;
     float repair_ratio;
     /* The cache scope (rk_cache_scope; {0, 0} = none): it goes into every
@@ -114,6 +118,7 @@ typedef struct rk_req_options {
     /* Who the chunk entries this request creates belong to (0 = nobody in
      * particular): the owner the rk_service_chunk_* calls filter on. */
     int owner;
+    int repair_query;
 } rk_req_options;
 
 /* Defaults: rag mode, chunk and prefix caches on, isolated, sequential,

@@ -12,3 +12,21 @@ mkdir -p "$out"
 "$bin" eval --model "$model" --prompts "$out/heldout.jsonl" --threads 2 \
     --plot "$out/fidelity.svg" \
     --configs plain,none,first_k:1,first_k:2,first_k:4,first_k:8,first_k:16,deviation:0.02,deviation:0.05,deviation:0.1,deviation:0.15,deviation:0.3
+
+# Answer accuracy on ragqa (docs/fidelity.md, "Results: ragqa"): the whole
+# dev set with the plot, its two halves, the other chunk contexts, and the
+# calibration chosen on the first half.
+ragqa=${RAGQA:-../shared/models/ragqa}
+if [ -f "$ragqa/ragqa.gguf" ]; then
+    configs=plain,none,first_k:2,first_k:4,first_k:8,deviation:0.05,deviation:0.15,deviation:0.3,query:0.05,query:0.15,query:0.3
+    task=(--model "$ragqa/ragqa.gguf" -n 8 --threads 1 --configs "$configs")
+    "$bin" eval --task "$ragqa/dev.jsonl" "${task[@]}" --plot "$out/fidelity-ragqa.svg"
+    head -100 "$ragqa/dev.jsonl" >"$out/ragqa-first100.jsonl"
+    tail -100 "$ragqa/dev.jsonl" >"$out/ragqa-last100.jsonl"
+    "$bin" eval --task "$out/ragqa-first100.jsonl" "${task[@]}" \
+        --calibrate "$out/ragqa-calibration.json" --max-loss 1.0
+    "$bin" eval --task "$out/ragqa-last100.jsonl" "${task[@]}"
+    for ctx in anchor system; do
+        "$bin" eval --task "$ragqa/dev.jsonl" "${task[@]}" --chunk-context "$ctx"
+    done
+fi

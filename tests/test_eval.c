@@ -2,7 +2,10 @@
  * as a child process: full attention compared with itself is exact (KL 0,
  * every token agrees), the teacher-forced runs follow the reference's tokens,
  * first_k:K recomputes min(K, chunk length) tokens of every chunk, the held-out
- * set generator writes what it says, and a bad --configs is a usage error. */
+ * set generator writes what it says, and a bad --configs is a usage error.
+ * --task: LongBench's answer normalisation against hand-worked cases, answer
+ * accuracy end to end on stories260K and ragqa (structured and LongBench
+ * records), and the calibration file read back as `ragkv serve` reads it. */
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <math.h>
@@ -10,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench/score.h"
 #include "pipeline/pipeline.h"
 #include "tests/testutil.h"
 
@@ -279,4 +283,204 @@ Test(eval, bad_configs_are_usage_errors) {
     snprintf(cmd, sizeof cmd, "%s eval --configs none 2>&1", RK_BIN);
     cr_assert_eq(rk_test_run(cmd, NULL), 2, "no --prompts must be a usage error");
     free(path);
+}
+
+/* ---------------------------------------------------------------- --task */
+
+Test(score, longbench_normalisation_matches_hand_worked_cases) {
+    static const char *const cases[][2] = {
+        {"The Cat", "cat"},
+        {"  Lily.  ", "lily"},
+        {"an apple, a pear and the plum!", "apple pear and plum"},
+        {"Theatre anthem", "theatre anthem"}, /* articles only as whole words */
+        {"A-B", "ab"},                        /* punctuation goes, then no word "a" is left */
+        {"a b-a c", "ba c"},                  /* "b-a" becomes "ba" first */
+        {"Tom's\tdog\n", "toms dog"},
+        {"THE", ""},
+        {"", ""},
+        {"caf\xc3\xa9 a", "caf\xc3\xa9"}, /* UTF-8 kept, only ASCII lowercased */
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *n = rk_score_normalize(cases[i][0], strlen(cases[i][0]));
+        cr_assert_not_null(n);
+        cr_expect_str_eq(n, cases[i][1], "normalize(\"%s\")", cases[i][0]);
+        free(n);
+    }
+    cr_expect_eq(rk_score_exact(" Lily", "Lily"), 1);
+    cr_expect_eq(rk_score_exact("The lily.", "lily"), 1);
+    cr_expect_eq(rk_score_exact("Lily Sue", "Lily"), 0);
+    /* F1: pred "the red big ball" -> red big ball (3), answer "a big ball"
+     * -> big ball (2): 2 shared, precision 2/3, recall 1, F1 0.8. */
+    cr_expect_float_eq(rk_score_f1("the red big ball", "a big ball"), 0.8, 1e-12);
+    /* Multisets: "ball ball" against "ball": 1 shared, p 1/2, r 1, F1 2/3. */
+    cr_expect_float_eq(rk_score_f1("ball ball", "ball"), 2.0 / 3, 1e-12);
+    cr_expect_float_eq(rk_score_f1("Lily", "lily!"), 1.0, 1e-12);
+    cr_expect_float_eq(rk_score_f1("Tom", "Lily"), 0.0, 1e-12);
+    cr_expect_float_eq(rk_score_f1("", ""), 0.0, 1e-12); /* nothing shared: 0, as LongBench */
+}
+
+/* Run eval --task on a records file with extra arguments; the JSON object. */
+static json_t *run_task(const char *records, const char *args) {
+    char *path = rk_test_write_tmp("eval-task", "task.jsonl", records);
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "%s eval --task %s --threads 2 --json %s", RK_BIN, path, args);
+    char *out = NULL;
+    int rc = rk_test_run(cmd, &out);
+    cr_assert_eq(rc, 0, "%s\n%s", cmd, out ? out : "");
+    json_t *root = json_loads(out, 0, NULL);
+    cr_assert_not_null(root, "%s", out);
+    free(out);
+    free(path);
+    return root;
+}
+
+/* Per configuration: one scored answer per record, exact match and F1 the
+ * means of the per-record ones, the per-type figures those of their records. */
+static void check_task(json_t *root, int records) {
+    cr_assert_eq(num(root, "records"), records);
+    json_t *c;
+    size_t i;
+    json_array_foreach(json_object_get(root, "configs"), i, c) {
+        json_t *answers = json_object_get(c, "answers");
+        cr_assert_eq(json_array_size(answers), (size_t)records);
+        double em = 0, f1 = 0;
+        json_t *a;
+        size_t j;
+        json_array_foreach(answers, j, a) {
+            cr_assert(json_is_string(json_object_get(a, "prediction")));
+            cr_assert_null(strchr(json_string_value(json_object_get(a, "prediction")), '\n'));
+            em += num(a, "exact_match");
+            f1 += num(a, "f1");
+            cr_assert_geq(num(a, "f1"), num(a, "exact_match"));
+        }
+        cr_assert_float_eq(num(c, "exact_match"), em / records, 1e-6); /* 8 digits of JSON */
+        cr_assert_float_eq(num(c, "f1"), f1 / records, 1e-6);
+    }
+}
+
+static const char *STORY_TASK =
+    "{\"system\": \"\", \"chunks\": [\"Lily had a red ball.\", \"Tom had a dog.\"], "
+    "\"question\": \"Once upon a time\", \"answers\": [\"there was a little girl\", \"x\"], "
+    "\"type\": \"a\"}\n"
+    "{\"system\": \"Read.\", \"chunks\": [\"The sun was warm.\"], \"question\": \"One day\", "
+    "\"answer\": \"Lily went to the park\", \"type\": \"b\"}\n"
+    "{\"input\": \"Once upon a time\", \"context\": \"Tom had a dog.|The sky was blue.\", "
+    "\"answers\": \"there was\"}\n";
+
+Test(eval, task_runs_end_to_end_on_stories260K) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    char args[1024];
+    snprintf(args, sizeof args,
+             "--model %s --configs plain,none,deviation:0.2,query:0.2,query:1 -n 6 "
+             "--chunk-sep '|'",
+             model);
+    json_t *root = run_task(STORY_TASK, args);
+    check_task(root, 3);
+    cr_assert_eq(json_array_size(json_object_get(root, "types")), 2);
+    /* query:1 recomputes every chunk token: plain's answers. */
+    json_t *a = json_object_get(config(root, "plain"), "answers"),
+           *b = json_object_get(config(root, "query:1"), "answers");
+    for (size_t j = 0; j < 3; j++)
+        cr_assert_str_eq(json_string_value(json_object_get(json_array_get(a, j), "prediction")),
+                         json_string_value(json_object_get(json_array_get(b, j), "prediction")));
+    cr_assert_gt(num(config(root, "query:0.2"), "recomputed_tokens"), 0);
+    json_decref(root);
+    /* The LongBench record cut every 3 tokens instead. */
+    snprintf(args, sizeof args, "--model %s --configs none -n 4 --chunk-tokens 3", model);
+    root = run_task(STORY_TASK, args);
+    check_task(root, 3);
+    json_decref(root);
+    /* A LongBench record needs one of the two ways to cut its context. */
+    char *path = rk_test_write_tmp("eval-task", "lb.jsonl", STORY_TASK);
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd, "%s eval --task %s --model %s 2>&1", RK_BIN, path, model);
+    char *out = NULL;
+    cr_assert_eq(rk_test_run(cmd, &out), 2, "%s", out ? out : "");
+    cr_assert_not_null(strstr(out, "--chunk-tokens"), "%s", out);
+    free(out);
+    free(path);
+    free(model);
+}
+
+Test(eval, task_on_ragqa_scores_answers_and_calibrates, .timeout = 120) {
+    char *model, *dev;
+    RK_REQUIRE_SHARED(model, "models/ragqa/ragqa.gguf");
+    RK_REQUIRE_SHARED(dev, "models/ragqa/dev.jsonl");
+    char *dir = rk_test_tmpdir("eval-ragqa");
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd,
+             "head -24 %s > %s/dev24.jsonl && %s eval --task %s/dev24.jsonl --model %s -n 8 "
+             "--threads 2 --json --configs plain,none,first_k:2,query:0.15 --calibrate "
+             "%s/cal.json --max-loss 100 --plot %s/acc.svg",
+             dev, dir, RK_BIN, dir, model, dir, dir);
+    char *out = NULL;
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out ? out : "");
+    json_t *root = json_loads(out, 0, NULL);
+    cr_assert_not_null(root, "%s", out);
+    free(out);
+    check_task(root, 24);
+    /* The trained model answers most questions with full attention, and
+     * chunks computed alone cost it coreference answers. */
+    json_t *plain = config(root, "plain"), *none = config(root, "none");
+    cr_assert_geq(num(plain, "exact_match"), 0.7);
+    double coref_plain =
+               num(json_object_get(json_object_get(plain, "per_type"), "coref"), "exact_match"),
+           coref_none =
+               num(json_object_get(json_object_get(none, "per_type"), "coref"), "exact_match");
+    cr_assert_gt(coref_plain, coref_none);
+    json_decref(root);
+    /* Within a budget of 100 points every configuration qualifies: the
+     * cheapest is none. The file reads back as serve reads it. */
+    char path[1024], policy[24] = "unchanged";
+    snprintf(path, sizeof path, "%s/cal.json", dir);
+    cr_assert_eq(rk_repair_calibration_load(path, policy, sizeof policy), RK_OK, "%s",
+                 rk_error_message());
+    cr_assert_str_eq(policy, "none");
+    json_t *cal = json_load_file(path, 0, NULL);
+    cr_assert_str_eq(json_string_value(json_object_get(cal, "policy")), "none");
+    cr_assert_eq(json_array_size(json_object_get(cal, "candidates")), 3);
+    json_decref(cal);
+    /* A tight budget picks a repairing policy or none at all. */
+    snprintf(cmd, sizeof cmd,
+             "%s eval --task %s/dev24.jsonl --model %s -n 8 --threads 2 --configs "
+             "plain,none,first_k:1000 --calibrate %s/cal2.json --max-loss 0",
+             RK_BIN, dir, model, dir);
+    cr_assert_eq(rk_test_run(cmd, NULL), 0);
+    snprintf(path, sizeof path, "%s/cal2.json", dir);
+    cr_assert_eq(rk_repair_calibration_load(path, policy, sizeof policy), RK_OK);
+    cr_assert_str_eq(policy, "first_k:1000", "first_k:1000 recomputes all: plain's answers");
+    /* ragkv serve takes it as its policy (what "auto" serves). */
+    snprintf(cmd, sizeof cmd, "%s serve --repair-calibration %s --print-config", RK_BIN, path);
+    char *printed = NULL;
+    cr_assert_eq(rk_test_run(cmd, &printed), 0, "%s", printed ? printed : "");
+    json_t *settings = json_loads(printed, 0, NULL);
+    cr_assert_not_null(settings, "%s", printed);
+    cr_assert_str_eq(json_string_value(json_object_get(settings, "repair")), "first_k:1000");
+    json_decref(settings);
+    free(printed);
+    /* What is not a calibration is refused, and the output left alone. */
+    char *bad = rk_test_write_tmp("eval-ragqa", "bad.json", "{\"policy\": \"none\"}");
+    cr_assert_eq(rk_repair_calibration_load(bad, policy, sizeof policy), RK_ERR_INVALID);
+    free(bad);
+    bad = rk_test_write_tmp("eval-ragqa", "bad2.json",
+                            "{\"ragkv_repair_calibration\": 1, \"policy\": \"query:7\"}");
+    cr_assert_eq(rk_repair_calibration_load(bad, policy, sizeof policy), RK_ERR_INVALID);
+    snprintf(cmd, sizeof cmd, "%s serve --repair-calibration %s --print-config 2>&1", RK_BIN, bad);
+    printed = NULL;
+    cr_assert_eq(rk_test_run(cmd, &printed), 2, "%s", printed ? printed : "");
+    cr_assert_not_null(strstr(printed, "repair calibration"), "%s", printed);
+    free(printed);
+    free(bad);
+    cr_assert_eq(rk_repair_calibration_load("/nonexistent/cal.json", policy, sizeof policy),
+                 RK_ERR_IO);
+    cr_assert_str_eq(policy, "first_k:1000");
+    snprintf(path, sizeof path, "%s/acc.svg", dir);
+    char *svg = rk_test_read_file(path, NULL);
+    cr_assert_not_null(svg);
+    cr_assert_not_null(strstr(svg, "query: exact match"));
+    free(svg);
+    free(dir);
+    free(dev);
+    free(model);
 }

@@ -2000,3 +2000,63 @@ Test(attention_segments, rejects_bad_segments_without_writing) {
     zc_free(&f);
     rk_backend_free(be);
 }
+
+/* ---------------------------------------------------------------- attention mass */
+
+/* rk_attn_key_mass against the CPU attention kernel itself: with V's row j
+ * the one-hot vector e_j (head_dim >= keys), a head's attention output is its
+ * softmax row, so the outputs summed over query rows and heads are the mass
+ * every key receives. Grouped heads, causal lengths, and a double reference. */
+Test(attention_mass, equals_the_attention_kernels_probabilities_summed) {
+    enum { NK = 12, HD = 16, KVH = 2, H = 6, NQ = 4 };
+    rk_backend *be = make_backend(1);
+    float *kbuf = calloc(NK * KVH * HD, sizeof *kbuf), *vbuf = calloc(NK * KVH * HD, sizeof *vbuf);
+    void *kl[1] = {kbuf}, *vl[1] = {vbuf};
+    rk_kv_cache kv = {1, 1, NK, KVH, HD, RK_DTYPE_F32, kl, vl};
+    float *k = rand_floats(NK * KVH * HD, -1, 1), v[NK * KVH * HD] = {0};
+    for (int j = 0; j < NK; j++)
+        for (int g = 0; g < KVH; g++) v[(j * KVH + g) * HD + j] = 1;
+    int32_t slots[NK];
+    for (int j = 0; j < NK; j++) slots[j] = j;
+    cr_assert_eq(be->ops->kv_write(be, &kv, 0, k, v, slots, NK), RK_OK);
+    float *q = rand_floats(NQ * H * HD, -2, 2), out[NQ * H * HD], scale = 0.3f;
+    /* One sequence whose NQ query rows are its last entries: row i sees
+     * NK - NQ + i + 1 keys. */
+    int32_t qs[2] = {0, NQ}, len = NK, table[1] = {0}, q_len[NQ];
+    for (int i = 0; i < NQ; i++) q_len[i] = NK - NQ + i + 1;
+    rk_attn_batch b = {
+        .n_seqs = 1, .q_start = qs, .kv_len = &len, .block_table = table, .max_blocks = 1};
+    cr_assert_eq(be->ops->attention(be, out, NULL, q, &kv, 0, &b, H, scale), RK_OK);
+    double kernel[NK] = {0}, mass[NK] = {0}, ref[NK] = {0};
+    for (int i = 0; i < NQ; i++)
+        for (int h = 0; h < H; h++)
+            for (int j = 0; j < NK; j++) kernel[j] += out[(i * H + h) * HD + j];
+    cr_assert_eq(rk_attn_key_mass(q, q_len, NQ, k, NK, H, KVH, HD, scale, mass), RK_OK);
+    for (int i = 0; i < NQ; i++)
+        for (int h = 0; h < H; h++) {
+            double p[NK], mx = -1e300, sum = 0;
+            for (int j = 0; j < q_len[i]; j++) {
+                p[j] = 0;
+                for (int e = 0; e < HD; e++)
+                    p[j] += (double)q[(i * H + h) * HD + e] * k[(j * KVH + h / (H / KVH)) * HD + e];
+                p[j] *= scale;
+                mx = p[j] > mx ? p[j] : mx;
+            }
+            for (int j = 0; j < q_len[i]; j++) sum += p[j] = exp(p[j] - mx);
+            for (int j = 0; j < q_len[i]; j++) ref[j] += p[j] / sum;
+        }
+    double total = 0;
+    for (int j = 0; j < NK; j++) {
+        cr_assert_float_eq(mass[j], ref[j], 1e-9, "key %d: %g against %g", j, mass[j], ref[j]);
+        cr_assert_float_eq(mass[j], kernel[j], 1e-4, "key %d: %g against the kernel's %g", j,
+                           mass[j], kernel[j]);
+        total += mass[j];
+    }
+    cr_assert_float_eq(total, NQ * H, 1e-9, "every row and head hands out mass 1");
+    cr_assert_gt(mass[NK - 1], 0, "only the last row sees the last key, and it does");
+    free(k);
+    free(q);
+    free(kbuf);
+    free(vbuf);
+    rk_backend_free(be);
+}

@@ -105,12 +105,15 @@ static const char *STORY =
     "day.##Tom had a big dog named Max. Max liked to run and bark at the birds.##The sun was warm "
     "and the sky was blue. The children sang a happy song.##One day";
 
-static void check_modes(const char *model, const char *prompt) {
+/* Cached (second run) against the oracle in every context and position mode,
+ * with base's repair options. */
+static void check_modes_repaired(const char *model, const char *prompt,
+                                 const rk_req_options *base) {
     rk_service *svc = open_svc(model, 0);
     for (int ctx = 0; ctx < 3; ctx++)
         for (int par = 0; par < 2; par++) {
             rk_chunk_index_flush(svc->chunks); /* isolated chunks would hit across modes */
-            rk_req_options o = greedy_opts();
+            rk_req_options o = *base;
             o.chunk_context = (rk_chunk_context)ctx /* isolated, system, anchor */;
             o.positions = par ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
             rk_request first, second, oracle;
@@ -121,8 +124,8 @@ static void check_modes(const char *model, const char *prompt) {
                 cr_assert_eq(first.chunk_reports[k].status, RK_CHUNK_STATUS_MISS);
                 cr_assert_eq(second.chunk_reports[k].status, RK_CHUNK_STATUS_HIT,
                              "ctx %d par %d chunk %d", ctx, par, k);
-                cr_assert_eq(second.chunk_reports[k].zero_copy, 1,
-                             "the default reindex is in place");
+                cr_assert_eq(second.chunk_reports[k].zero_copy, !(o.repair_ratio > 0),
+                             "the default reindex is in place (copied for a ratio repair)");
             }
             rk_req_options off = o;
             off.chunk_cache = 0;
@@ -143,7 +146,26 @@ static void check_modes(const char *model, const char *prompt) {
     rk_service_close(svc);
 }
 
+static void check_modes(const char *model, const char *prompt) {
+    rk_req_options o = greedy_opts();
+    check_modes_repaired(model, prompt, &o);
+}
+
 Test(pipeline, cached_path_equals_the_oracle_in_every_mode) { check_modes(NULL, STORY); }
+
+/* The query policy chooses from the question's attention over the reused
+ * KV; the oracle's chunks are that KV computed fresh, so it chooses the same
+ * tokens and gives the same result, in every mode. */
+Test(pipeline, query_repaired_cached_path_equals_the_oracle_in_every_mode) {
+    char *model;
+    rk_req_options o = greedy_opts();
+    o.repair_ratio = 0.3f;
+    o.repair_query = 1;
+    check_modes_repaired(NULL, STORY, &o);
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    check_modes_repaired(model, STORY, &o);
+    free(model);
+}
 
 Test(pipeline, stories260k_cached_path_equals_the_oracle_in_every_mode) {
     char *model;
@@ -590,13 +612,14 @@ static void check_full_repair(const char *model, const rk_req_options *repair) {
 }
 
 /* Repair options that recompute every chunk token: first_k with k longer
- * than any chunk, or deviation at ratio 1. */
-static rk_req_options repair_all(int deviation) {
+ * than any chunk (0), deviation at ratio 1 (1), query at ratio 1 (2). */
+static rk_req_options repair_all(int policy) {
     rk_req_options o = greedy_opts();
-    if (deviation)
+    if (policy)
         o.repair_ratio = 1;
     else
         o.repair_k = 4096;
+    o.repair_query = policy == 2;
     return o;
 }
 
@@ -610,20 +633,37 @@ Test(pipeline, deviation_repair_of_every_token_gives_the_full_attention_result) 
     check_full_repair(NULL, &o);
 }
 
+Test(pipeline, query_repair_of_every_token_gives_the_full_attention_result) {
+    rk_req_options o = repair_all(2);
+    check_full_repair(NULL, &o);
+}
+
+Test(pipeline, ragqa_query_repair_of_every_token_gives_the_full_attention_result) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/ragqa/ragqa.gguf");
+    rk_req_options o = repair_all(2);
+    check_full_repair(model, &o);
+    free(model);
+}
+
 Test(pipeline, stories260k_full_repairs_give_the_full_attention_result) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
-    for (int deviation = 0; deviation < 2; deviation++) {
-        rk_req_options o = repair_all(deviation);
+    for (int policy = 0; policy < 3; policy++) {
+        rk_req_options o = repair_all(policy);
         check_full_repair(model, &o);
     }
     free(model);
 }
 
-Test(pipeline, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone) {
+/* A ratio policy (deviation, or query when query is set) recomputes
+ * ceil(ratio x chunk tokens) (query: every chunk's first token among them),
+ * changes the result, and leaves the cached entries alone. */
+static void check_ratio_repair(int query, float ratio) {
     rk_service *svc = open_svc(NULL, 0);
     rk_req_options o = greedy_opts(), none = greedy_opts();
-    o.repair_ratio = 0.25f;
+    o.repair_ratio = ratio;
+    o.repair_query = query;
     rk_request a, b, c;
     run_log la = {0}, lb = {0};
     run(svc, STORY, &none, &a, &la);
@@ -633,14 +673,17 @@ Test(pipeline, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone)
         total += b.chunk_lens[k];
         repaired += b.chunk_reports[k].repaired;
         cr_assert_leq(b.chunk_reports[k].repaired, b.chunk_lens[k]);
+        if (query) cr_assert_geq(b.chunk_reports[k].repaired, 1, "chunk %d: its first token", k);
     }
-    cr_assert_eq(b.recomputed_tokens, (total + 3) / 4, "ceil(0.25 x %d) tokens", total);
+    cr_assert_eq(b.recomputed_tokens, (int)ceil(ratio * total - 1e-9), "ceil(%g x %d) tokens",
+                 ratio, total);
     cr_assert_eq(repaired, b.recomputed_tokens);
     cr_assert_eq(b.cached_tokens, b.sys_cached + total - repaired);
     cr_assert_eq(b.cached_tokens + b.computed_tokens, b.prompt_tokens);
     cr_assert_gt(b.t.repair_ms, 0);
-    /* The repair changed the result (layers 0..1 of every chunk token and a
-     * quarter of them through every layer now see the other chunks)... */
+    /* The repair changed the result (deviation: layers 0..1 of every chunk
+     * token, and the chosen ones through every layer, now see the other
+     * chunks)... */
     cr_assert_gt(max_diff(&la, &lb), 0);
     /* ...but not the cached entries: without it, the first run's tokens again. */
     run(svc, STORY, &none, &c, NULL);
@@ -652,6 +695,14 @@ Test(pipeline, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone)
     log_free(&lb);
     check_pools_back(svc);
     rk_service_close(svc);
+}
+
+Test(pipeline, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone) {
+    check_ratio_repair(0, 0.25f);
+}
+
+Test(pipeline, query_repair_recomputes_its_ratio_first_tokens_first_and_leaves_the_cache_alone) {
+    check_ratio_repair(1, 0.2f);
 }
 
 Test(pipeline, first_k_repair_recomputes_k_tokens_per_chunk_and_leaves_the_cache_alone) {

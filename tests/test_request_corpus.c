@@ -117,14 +117,17 @@ Test(request_corpus, repair_defaults_to_the_service_policy_and_auto_names_it) {
         const char *body;
         int k;
         float ratio;
+        int query;
     } cases[] = {
-        {"{\"prompt\": \"S##c##Q\"}", 2, 0},
-        {"{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"auto\"}}", 2, 0},
-        {"{\"prompt\": \"S##c##Q\", \"repair\": {}}", 2, 0},
-        {"{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"none\"}}", 0, 0},
-        {"{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"first_k\", \"k\": 5}}", 5, 0},
+        {"{\"prompt\": \"S##c##Q\"}", 2, 0, 0},
+        {"{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"auto\"}}", 2, 0, 0},
+        {"{\"prompt\": \"S##c##Q\", \"repair\": {}}", 2, 0, 0},
+        {"{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"none\"}}", 0, 0, 0},
+        {"{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"first_k\", \"k\": 5}}", 5, 0, 0},
         {"{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"deviation\", \"ratio\": 0.1}}", 0,
-         0.1f},
+         0.1f, 0},
+        {"{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"query\", \"ratio\": 0.05}}", 0,
+         0.05f, 1},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         rk_api_request r;
@@ -133,8 +136,19 @@ Test(request_corpus, repair_defaults_to_the_service_policy_and_auto_names_it) {
                      "%s: %s", cases[i].body, err.message);
         cr_expect_eq(r.opt.repair_k, cases[i].k, "%s", cases[i].body);
         cr_expect(fabsf(r.opt.repair_ratio - cases[i].ratio) < 1e-7f, "%s", cases[i].body);
+        cr_expect_eq(r.opt.repair_query, cases[i].query, "%s", cases[i].body);
         rk_api_request_free(&r);
     }
+    /* A service whose policy (or calibration) is query serves it to auto. */
+    rk_parse_limits qlim = {
+        .max_chunks = 8, .max_tokens = 64, .repair_ratio = 0.05f, .repair_query = 1};
+    const char *a = "{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"auto\"}}";
+    rk_api_request q;
+    rk_http_error qerr = {0};
+    cr_assert_eq(rk_api_parse(a, strlen(a), 0, &qlim, &q, &qerr), RK_OK);
+    cr_expect_eq(q.opt.repair_query, 1);
+    cr_expect(fabsf(q.opt.repair_ratio - 0.05f) < 1e-7f);
+    rk_api_request_free(&q);
     const char *bad = "{\"prompt\": \"S##c##Q\", \"repair\": {\"policy\": \"best\"}}";
     rk_api_request r;
     rk_http_error err = {0};

@@ -61,20 +61,22 @@ Test(settings, text_values_are_range_checked_and_named_in_errors) {
 }
 
 Test(settings, a_repair_policy_is_parsed_and_validated) {
-    int k = -1;
+    int k = -1, query = -1;
     float ratio = -1;
-    cr_expect_eq(rk_repair_parse("none", &k, &ratio), 0);
+    cr_expect_eq(rk_repair_parse("none", &k, &ratio, &query), 0);
     cr_expect(k == 0 && ratio == 0);
-    cr_expect_eq(rk_repair_parse("first_k:16", &k, &ratio), 0);
+    cr_expect_eq(rk_repair_parse("first_k:16", &k, &ratio, &query), 0);
     cr_expect(k == 16 && ratio == 0);
-    cr_expect_eq(rk_repair_parse("deviation:0.15", &k, &ratio), 0);
-    cr_expect(k == 0 && fabsf(ratio - 0.15f) < 1e-7f);
+    cr_expect_eq(rk_repair_parse("deviation:0.15", &k, &ratio, &query), 0);
+    cr_expect(k == 0 && fabsf(ratio - 0.15f) < 1e-7f && query == 0);
+    cr_expect_eq(rk_repair_parse("query:0.05", &k, &ratio, &query), 0);
+    cr_expect(k == 0 && fabsf(ratio - 0.05f) < 1e-7f && query == 1);
     const char *bad[] = {"",           "auto",        "first_k:0",     "first_k:",
                          "first_k:2x", "deviation:0", "deviation:1.5", "deviation:-0.1",
-                         "deviation",  "None"};
+                         "deviation",  "None",        "query:0",       "query:2"};
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         k = 7;
-        cr_expect_eq(rk_repair_parse(bad[i], &k, &ratio), -1, "'%s'", bad[i]);
+        cr_expect_eq(rk_repair_parse(bad[i], &k, &ratio, &query), -1, "'%s'", bad[i]);
         cr_expect_eq(k, 7, "'%s' left the output", bad[i]);
     }
     rk_config cfg;
