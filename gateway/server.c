@@ -225,7 +225,8 @@ static void send_json(req_ctx *rc, int status, json_t *body) {
 }
 
 static json_t *error_body(const rk_http_error *e) {
-    return json_pack("{s:{s:i, s:s, s:s}}", "error", "code", e->status, "type", e->type, "message",
+    json_t *code = e->code ? json_string(e->code) : json_integer(e->status);
+    return json_pack("{s:{s:o, s:s, s:s}}", "error", "code", code, "type", e->type, "message",
                      e->message);
 }
 
@@ -633,13 +634,15 @@ static void respond_generation(gen *g) {
             snprintf(msg, sizeof msg, "out of KV memory, try again: %s", j->error);
         else
             snprintf(msg, sizeof msg, "%s", j->error[0] ? j->error : rk_status_str(j->status));
+        rk_http_error e = {.status = status,
+                           .type = rk_http_error_type(status),
+                           .code = j->ran ? rk_http_error_code(j->status) : NULL};
+        snprintf(e.message, sizeof e.message, "%.319s", msg);
         if (g->headers_sent) { /* mid-stream: an error event, then the end */
-            rk_http_error e = {.status = status, .type = rk_http_error_type(status)};
-            snprintf(e.message, sizeof e.message, "%.319s", msg);
             sse_event(g, error_body(&e));
             write_all(g, "data: [DONE]\n\n", 14);
         } else if (!g->client_gone) {
-            send_errorf(rc, status, "%s", msg);
+            send_error(rc, &e);
         }
         return;
     }
@@ -1782,6 +1785,11 @@ static int print_settings(serve_opts *o) {
     rk_settings tabs[N_TABLES];
     bind_settings(o, tabs);
     json_t *j = rk_settings_json(tabs, N_TABLES);
+    rk_kv_plan kv; /* the KV sizes resolved against the model and this machine */
+    if (j && rk_kv_plan_for_model(&o->cfg, o->model[0] ? o->model : NULL, &kv) == RK_OK)
+        json_object_set_new(j, "kv_resolved", rk_kv_plan_json(&kv));
+    else if (j)
+        fprintf(stderr, "ragkv serve: KV sizes not resolved: %s\n", rk_error_message());
     char *s =
         j ? json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(7)) : NULL;
     json_decref(j);
@@ -1852,7 +1860,10 @@ static int wait_for_signal(server *S, sigset_t *sigs) {
         char msg[320];
         rk_scheduler_state st = rk_scheduler_get_state(S->engine, msg, sizeof msg);
         if (st != last && st == RK_SCHEDULER_READY) {
-            ready_service(S);
+            rk_service *svc = ready_service(S);
+            char kv[512];
+            if (svc) rk_kv_plan_describe(&svc->kv, kv, sizeof kv);
+            if (svc) fprintf(stderr, "ragkv: %s\n", kv);
             RK_LOG_INFO("model ready: %s (chat template %s)", S->model_name,
                         rk_chat_template_name(S->tmpl));
         }

@@ -32,7 +32,14 @@ typedef struct rk_http_error {
     int status;       /* HTTP status: 400, 401, 404, 405, 408, 409, 413, 422, 500, 501, 503, 505 */
     const char *type; /* constant: "invalid_request", "not_found", ... */
     char message[320];
+    /* The body's `code`: NULL = the HTTP status; else OpenAI's code for the
+     * error ("context_length_exceeded", see rk_http_error_code). */
+    const char *code;
 } rk_http_error;
+
+/* OpenAI's error code for a status of a lower layer (RK_ERR_CONTEXT:
+ * "context_length_exceeded"), or NULL when it has none. */
+const char *rk_http_error_code(rk_status st);
 
 /* Fill err with status, its type name and a formatted message; returns the
  * rk_status that goes with the HTTP status (RK_ERR_INVALID for 4xx, ...). */

@@ -291,6 +291,7 @@ static void publish(rk_scheduler *e, int n_finishing) {
         s.pool_total[p] = rk_arena_pool_total(svc->arena, (rk_pool_tag)p);
         s.pool_free[p] = rk_arena_pool_free(svc->arena, (rk_pool_tag)p);
     }
+    s.kv = svc->kv;
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
     walk_ctx w = {.e = e,
                   .s = &s,
@@ -376,7 +377,7 @@ static void run_group(rk_scheduler *e, rk_request **reqs, int n, rk_run_result *
         if (res[i].status == RK_ERR_EXHAUSTED) {
             char m[320];
             snprintf(m, sizeof m, "%s", res[i].error);
-            res[i].status = RK_ERR_LIMIT;
+            res[i].status = RK_ERR_CONTEXT;
             snprintf(res[i].error, sizeof res[i].error,
                      "the request needs more KV memory than the server has (%.200s)", m);
         }
@@ -462,7 +463,7 @@ static void requeue(rk_scheduler *e, rk_job **jobs, int n) {
  * which the next step runs with the decode tokens. When the
  * live pool cannot hold them while others run, they wait in the queue; a
  * group that fails otherwise is retried one by one, so a failure is its
- * request's own; one that cannot fit even alone fails with RK_ERR_LIMIT. */
+ * request's own; one that cannot fit even alone fails with RK_ERR_CONTEXT. */
 static void admit_jobs(rk_scheduler *e, rk_pipeline *p, rk_job **fresh, int n) {
     rk_request *reqs[n];
     rk_job *jobs[n];
@@ -507,7 +508,7 @@ static void admit_jobs(rk_scheduler *e, rk_pipeline *p, rk_job **fresh, int n) {
         char why[320];
         snprintf(why, sizeof why, "the request needs more KV memory than the server has (%.200s)",
                  msg);
-        finish(e, jobs[0], 1, RK_ERR_LIMIT, why);
+        finish(e, jobs[0], 1, RK_ERR_CONTEXT, why);
     } else {
         finish(e, jobs[0], 1, st, msg);
     }

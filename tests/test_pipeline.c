@@ -33,16 +33,22 @@ static void log_free(run_log *l) {
     memset(l, 0, sizeof *l);
 }
 
-/* model NULL: the embedded tiny model. */
-static rk_service *open_svc(const char *model, int chunk_blocks) {
+/* model NULL: the embedded tiny model. dtype NULL: f32, whose rounding the
+ * exactness bounds are set for; the default f16 is checked on its own. */
+static rk_service *open_svc_dtype(const char *model, int chunk_blocks, const char *dtype) {
     rk_config cfg;
     rk_config_defaults(&cfg);
     cfg.n_threads = 2;
     cfg.kv_memory_mb = 256;
+    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "%s", dtype ? dtype : "f32");
     if (chunk_blocks) cfg.chunk_blocks = chunk_blocks;
     rk_service *svc;
     cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
     return svc;
+}
+
+static rk_service *open_svc(const char *model, int chunk_blocks) {
+    return open_svc_dtype(model, chunk_blocks, NULL);
 }
 
 static rk_req_options greedy_opts(void) {
@@ -105,8 +111,10 @@ static const char *STORY =
     "day.##Tom had a big dog named Max. Max liked to run and bark at the birds.##The sun was warm "
     "and the sky was blue. The children sang a happy song.##One day";
 
-static void check_modes(const char *model, const char *prompt) {
-    rk_service *svc = open_svc(model, 0);
+/* The cached path against the oracle in every context and position mode:
+ * the same greedy tokens and logits within tol (f32 KV: 1e-4). */
+static void check_modes_kv(const char *model, const char *prompt, const char *dtype, double tol) {
+    rk_service *svc = open_svc_dtype(model, 0, dtype);
     for (int ctx = 0; ctx < 3; ctx++)
         for (int par = 0; par < 2; par++) {
             rk_chunk_index_flush(svc->chunks); /* isolated chunks would hit across modes */
@@ -130,7 +138,7 @@ static void check_modes(const char *model, const char *prompt) {
             cr_assert_eq(memcmp(second.out_tokens, oracle.out_tokens, STEPS * sizeof(int32_t)), 0,
                          "context %d parallel %d: cached tokens differ from the oracle", ctx, par);
             double d = max_diff(&ls, &lo);
-            cr_assert_leq(d, 1e-4, "context %d parallel %d: logits differ by %g", ctx, par, d);
+            cr_assert_leq(d, tol, "context %d parallel %d: logits differ by %g", ctx, par, d);
             cr_assert_eq(memcmp(first.out_tokens, second.out_tokens, STEPS * sizeof(int32_t)), 0);
             rk_request_free(&first);
             rk_request_free(&second);
@@ -143,7 +151,24 @@ static void check_modes(const char *model, const char *prompt) {
     rk_service_close(svc);
 }
 
+static void check_modes(const char *model, const char *prompt) {
+    check_modes_kv(model, prompt, NULL, 1e-4);
+}
+
 Test(pipeline, cached_path_equals_the_oracle_in_every_mode) { check_modes(NULL, STORY); }
+
+/* f16 KV rounds a cached key at its base position and the oracle's at its
+ * live one: the tokens agree, the logits within f16's rounding. */
+Test(pipeline, cached_path_equals_the_oracle_in_every_mode_with_f16_kv) {
+    check_modes_kv(NULL, STORY, "f16", 2e-2);
+}
+
+Test(pipeline, stories260k_cached_path_equals_the_oracle_in_every_mode_with_f16_kv) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    check_modes_kv(model, STORY, "f16", 2e-2);
+    free(model);
+}
 
 Test(pipeline, stories260k_cached_path_equals_the_oracle_in_every_mode) {
     char *model;
@@ -368,19 +393,125 @@ Test(pipeline, a_small_chunk_pool_evicts_lru_and_gives_every_block_back) {
     cr_assert_eq(status_of(svc, p, o, 0), RK_CHUNK_STATUS_MISS);
     snprintf(p, sizeof p, "S##%s##Q", docs[2]);
     cr_assert_eq(status_of(svc, p, o, 0), RK_CHUNK_STATUS_HIT);
-    /* A request whose chunks alone need more than the pool: a clear error. */
+    /* A request whose chunks alone need more than the pool is served: what
+     * the pool cannot hold after eviction is computed uncached. */
     snprintf(p, sizeof p, "S##%s##%s##%s##Q", docs[0], docs[1], docs[2]);
     rk_request big;
-    cr_assert_eq(prepare(svc, p, &o, &big), RK_OK);
-    rk_request *one = &big;
-    rk_status st = rk_pipeline_run(svc, &one, 1, NULL);
-    cr_assert_eq(st, RK_ERR_EXHAUSTED);
-    cr_assert(strstr(rk_error_message(), "chunk pool") != NULL, "%s", rk_error_message());
+    run(svc, p, &o, &big, NULL);
+    cr_assert_eq(big.chunk_reports[0].status, RK_CHUNK_STATUS_HIT);
+    cr_assert_eq(big.chunk_reports[1].status, RK_CHUNK_STATUS_MISS, "docs[2] evicted for it");
+    cr_assert_eq(big.chunk_reports[2].status, RK_CHUNK_STATUS_UNCACHED, "both others are held");
+    cr_assert_eq(big.chunk_reports[2].zero_copy, 0, "read from the request's own blocks");
+    cr_assert_eq(big.cached_tokens, big.chunk_lens[0]);
     rk_request_free(&big);
     check_pools_back(svc);
     rk_chunk_index_get_stats(svc->chunks, &cs);
     cr_assert_eq(rk_chunk_index_flush(svc->chunks), (int)cs.entries);
     cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_CHUNK), 4, "every chunk block came back");
+    rk_service_close(svc);
+}
+
+/* A request with more chunk tokens than the chunk pool holds, on both
+ * reindex paths and every chunk context: the chunks that do not fit are
+ * uncached, the tokens and logits equal the oracle's (chunk cache off) as a
+ * cached request's do, and a repeat hits what was cached. */
+static void check_uncached(const char *model, const char *reindex) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 2;
+    cfg.kv_memory_mb = 64;
+    cfg.chunk_blocks = 5; /* 80 tokens: two of the four chunks */
+    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
+    snprintf(cfg.reindex, sizeof cfg.reindex, "%s", reindex);
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
+    const char *prompt =
+        "You are a storyteller.##Lily had a red ball. She liked to play with it in the garden "
+        "every day and her mother watched.##Tom had a big dog named Max. Max liked to run and "
+        "bark at the birds in the park.##The sun was warm and the sky was blue. The children "
+        "sang a happy song together.##Then the rain came and everyone ran home to have soup "
+        "and bread.##One day";
+    for (int ctx = 0; ctx < 3; ctx++) {
+        rk_chunk_index_flush(svc->chunks);
+        rk_req_options o = greedy_opts();
+        o.chunk_context = (rk_chunk_context)ctx;
+        rk_request first, second, oracle;
+        run_log lf = {0}, ls = {0}, lo = {0};
+        run(svc, prompt, &o, &first, &lf);
+        int n_uncached = 0, chunk_tokens = 0;
+        for (int k = 0; k < first.n_chunks; k++) {
+            chunk_tokens += first.chunk_lens[k];
+            n_uncached += first.chunk_reports[k].status == RK_CHUNK_STATUS_UNCACHED;
+        }
+        cr_assert_gt(chunk_tokens, 80, "the chunks need more than the pool: %d", chunk_tokens);
+        cr_assert_geq(n_uncached, 1, "%s ctx %d", reindex, ctx);
+        cr_assert_lt(n_uncached, first.n_chunks, "the pool took what it could");
+        run(svc, prompt, &o, &second, &ls);
+        int hits = 0;
+        for (int k = 0; k < second.n_chunks; k++)
+            hits += second.chunk_reports[k].status == RK_CHUNK_STATUS_HIT;
+        cr_assert_geq(hits, 1, "the cached chunks hit on a repeat");
+        rk_req_options off = o;
+        off.chunk_cache = 0;
+        run(svc, prompt, &off, &oracle, &lo);
+        cr_assert_eq(memcmp(first.out_tokens, oracle.out_tokens, STEPS * sizeof(int32_t)), 0,
+                     "%s ctx %d: tokens differ from the oracle", reindex, ctx);
+        cr_assert_eq(memcmp(second.out_tokens, oracle.out_tokens, STEPS * sizeof(int32_t)), 0);
+        double d1 = max_diff(&lf, &lo), d2 = max_diff(&ls, &lo);
+        cr_assert_leq(d1, 1e-4, "%s ctx %d: logits differ by %g", reindex, ctx, d1);
+        cr_assert_leq(d2, 1e-4, "%s ctx %d: logits differ by %g", reindex, ctx, d2);
+        rk_request_free(&first);
+        rk_request_free(&second);
+        rk_request_free(&oracle);
+        log_free(&lf);
+        log_free(&ls);
+        log_free(&lo);
+    }
+    check_pools_back(svc);
+    rk_service_close(svc);
+}
+
+Test(pipeline, chunks_beyond_the_chunk_pool_are_uncached_and_equal_the_oracle) {
+    check_uncached(NULL, "zero-copy");
+    check_uncached(NULL, "copy");
+}
+
+Test(pipeline, stories260k_chunks_beyond_the_chunk_pool_are_uncached_and_equal_the_oracle) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    check_uncached(model, "zero-copy");
+    check_uncached(model, "copy");
+    free(model);
+}
+
+/* A request that cannot fit the whole KV budget fails, leaving every block
+ * in its pool: RK_ERR_CONTEXT when its live part alone is too big, else
+ * RK_ERR_EXHAUSTED, which the scheduler turns into RK_ERR_CONTEXT when
+ * nothing else runs (HTTP 400 context_length_exceeded, test_http). */
+Test(pipeline, a_request_beyond_the_whole_budget_fails_with_context_length_exceeded) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 1;
+    cfg.kv_memory_mb = 64;
+    cfg.live_blocks = 6;
+    cfg.chunk_blocks = 2;
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    rk_req_options o = greedy_opts();
+    o.max_tokens = 2;
+    char prompt[2048] = "S", piece[128];
+    for (int i = 0; i < 6; i++) {
+        snprintf(piece, sizeof piece, "##The little red fox %d ran into the deep forest.", i);
+        strcat(prompt, piece);
+    }
+    strcat(prompt, "##Q");
+    rk_request r;
+    cr_assert_eq(prepare(svc, prompt, &o, &r), RK_OK, "%s", rk_error_message());
+    rk_request *one = &r;
+    rk_status st = rk_pipeline_run(svc, &one, 1, NULL);
+    cr_assert(st == RK_ERR_EXHAUSTED || st == RK_ERR_CONTEXT, "%s", rk_status_str(st));
+    rk_request_free(&r);
+    check_pools_back(svc);
     rk_service_close(svc);
 }
 
@@ -560,5 +691,130 @@ Test(pipeline, first_k_repair_recomputes_k_tokens_per_chunk_and_leaves_the_cache
     rk_request_free(&b);
     rk_request_free(&c);
     check_pools_back(svc);
+    rk_service_close(svc);
+}
+
+/* ---------------------------------------------------------------- KV sizing */
+
+/* Qwen3-0.6B's KV shape and context; its F32 weights take 2.4 GB. */
+static rk_hparams qwen3_shape(void) {
+    rk_hparams hp;
+    memset(&hp, 0, sizeof hp);
+    hp.n_layers = 28;
+    hp.n_kv_heads = 8;
+    hp.head_dim = 128;
+    hp.n_ctx = 40960;
+    return hp;
+}
+
+static int pool_tokens(const rk_kv_plan *k, int pool) {
+    return k->pool_blocks[pool] * k->block_size;
+}
+
+Test(kv_plan, auto_holds_a_whole_context_in_the_live_and_chunk_pools_within_the_memory) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    rk_hparams hp = qwen3_shape();
+    uint64_t weights = 2390146624ull;
+    cfg.memory_limit_mb = 24 * 1024;
+    rk_kv_plan k;
+    cr_assert_eq(rk_kv_plan_make(&cfg, &hp, weights, "cpu", &k), RK_OK, "%s", rk_error_message());
+    cr_expect(k.auto_sized);
+    cr_expect_eq(k.dtype, RK_DTYPE_F16, "f16 by default on the CPU");
+    cr_expect_eq(k.token_bytes, 28 * 8 * 128 * 2 * 2);
+    cr_expect_str_eq(k.memory_source, "memory_limit_mb");
+    double left = (double)((24ull << 30) - weights);
+    cr_expect_leq((double)k.budget_bytes, RK_KV_AUTO_CAP * left + 1);
+    cr_expect_geq(pool_tokens(&k, RK_POOL_LIVE), 40960);
+    cr_expect_geq(pool_tokens(&k, RK_POOL_CHUNK), 40960);
+    cr_expect(k.fits_context);
+    /* Four times today's f32 1024 MiB chunk pool (2,336 tokens) at least. */
+    cr_expect_geq(pool_tokens(&k, RK_POOL_CHUNK), 4 * 2336);
+    char line[512];
+    rk_kv_plan_describe(&k, line, sizeof line);
+    cr_expect(strstr(line, "auto") && strstr(line, "memory_limit_mb") && strstr(line, "chunk"),
+              "%s", line);
+
+    /* A roomy machine: half of what is left, above the floor. */
+    cfg.memory_limit_mb = 64 * 1024;
+    cr_assert_eq(rk_kv_plan_make(&cfg, &hp, weights, "cpu", &k), RK_OK);
+    left = (double)((64ull << 30) - weights);
+    cr_expect_float_eq((double)k.budget_bytes, RK_KV_AUTO_SHARE * left, 1.0);
+
+    /* A laptop with 8 GiB: the cap wins and the plan says the context does not fit. */
+    cfg.memory_limit_mb = 8 * 1024;
+    cr_assert_eq(rk_kv_plan_make(&cfg, &hp, weights, "cpu", &k), RK_OK);
+    left = (double)((8ull << 30) - weights);
+    cr_expect_float_eq((double)k.budget_bytes, RK_KV_AUTO_CAP * left, 1.0);
+    cr_expect_not(k.fits_context);
+    rk_kv_plan_describe(&k, line, sizeof line);
+    cr_expect(strstr(line, "does NOT fit"), "%s", line);
+    /* ... unless --max-context asks for less. */
+    cfg.max_context = 8192;
+    cr_assert_eq(rk_kv_plan_make(&cfg, &hp, weights, "cpu", &k), RK_OK);
+    cr_expect(k.fits_context);
+    cr_expect_eq(k.context, 8192);
+    cr_expect_geq(pool_tokens(&k, RK_POOL_CHUNK), 8192);
+    cr_expect_leq((double)k.budget_bytes, RK_KV_AUTO_CAP * left + 1);
+
+    /* Less memory than the weights: a clear error. */
+    cfg.memory_limit_mb = 2000;
+    cr_expect_eq(rk_kv_plan_make(&cfg, &hp, weights, "cpu", &k), RK_ERR_INVALID);
+    cr_expect(strstr(rk_error_message(), "kv_memory_mb"), "%s", rk_error_message());
+}
+
+Test(kv_plan, explicit_budgets_types_and_small_models_are_sized_as_asked) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    rk_hparams hp = qwen3_shape();
+    rk_kv_plan k;
+    /* Yesterday's defaults: f32, 1024 MiB, 146 chunk blocks. */
+    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
+    cfg.kv_memory_mb = 1024;
+    cr_assert_eq(rk_kv_plan_make(&cfg, &hp, 0, "cpu", &k), RK_OK);
+    cr_expect_not(k.auto_sized);
+    cr_expect_eq(k.pool_blocks[RK_POOL_CHUNK], 146);
+    cr_expect_eq(pool_tokens(&k, RK_POOL_LIVE), 1872);
+    /* f16 at the same budget: twice the tokens. */
+    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f16");
+    cr_assert_eq(rk_kv_plan_make(&cfg, &hp, 0, "cpu", &k), RK_OK);
+    cr_expect_eq(k.pool_blocks[RK_POOL_CHUNK], 292);
+    /* A small model needs no more than RK_KV_AUTO_MAX_CONTEXTS contexts. */
+    rk_hparams tiny = hp;
+    tiny.n_layers = 2;
+    tiny.n_kv_heads = 2;
+    tiny.head_dim = 32;
+    tiny.n_ctx = 512;
+    cfg.kv_memory_mb = 0;
+    cfg.memory_limit_mb = 64 * 1024;
+    cr_assert_eq(rk_kv_plan_make(&cfg, &tiny, 1 << 20, "cpu", &k), RK_OK);
+    cr_expect_float_eq((double)k.budget_bytes,
+                       RK_KV_AUTO_MAX_CONTEXTS * 512.0 * (double)k.token_bytes, 1.0);
+    cr_expect(k.fits_context);
+    /* A device backend: the fixed default, whatever the host has. */
+    cr_assert_eq(rk_kv_plan_make(&cfg, &hp, 0, "cuda", &k), RK_OK);
+    cr_expect_eq(k.budget_bytes, (uint64_t)RK_KV_AUTO_DEVICE_MB << 20);
+}
+
+Test(kv_plan, a_service_sized_auto_has_the_pools_of_its_plan) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 1;
+    cfg.memory_limit_mb = 1024;
+    cfg.max_context = 1024;
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    cr_expect(svc->kv.auto_sized);
+    cr_expect(svc->kv.fits_context);
+    cr_expect_eq(rk_arena_kv(svc->arena)->dtype, RK_DTYPE_F16);
+    for (int p = 0; p < RK_POOL_COUNT; p++)
+        cr_expect_eq(rk_arena_pool_total(svc->arena, (rk_pool_tag)p), svc->kv.pool_blocks[p]);
+    cr_expect_geq(rk_arena_pool_total(svc->arena, RK_POOL_CHUNK) * 16, 1024);
+    json_t *j = rk_kv_plan_json(&svc->kv);
+    cr_expect_str_eq(json_string_value(json_object_get(j, "dtype")), "f16");
+    cr_expect_eq(json_integer_value(json_object_get(
+                     json_object_get(json_object_get(j, "pools"), "chunk"), "tokens")),
+                 svc->kv.pool_blocks[RK_POOL_CHUNK] * 16);
+    json_decref(j);
     rk_service_close(svc);
 }
