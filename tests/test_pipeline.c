@@ -484,6 +484,42 @@ Test(pipeline, stories260k_chunks_beyond_the_chunk_pool_are_uncached_and_equal_t
     free(model);
 }
 
+/* The prefix pool degrades the same way: a system prompt longer than the
+ * whole pool is computed in live blocks and not cached, and the request is
+ * answered as without the prefix cache. */
+Test(pipeline, a_system_prompt_beyond_the_prefix_pool_is_served_uncached) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 2;
+    cfg.kv_memory_mb = 64;
+    cfg.prefix_blocks = 1; /* 16 tokens */
+    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    const char *prompt = "You are a storyteller who tells long and happy stories about animals "
+                         "and children in the garden.##Lily had a red ball.##One day";
+    rk_req_options o = greedy_opts(), off = greedy_opts();
+    o.prefix_cache = 1;
+    rk_request a, b, c;
+    run_log la = {0}, lb = {0}, lc = {0};
+    run(svc, prompt, &o, &a, &la);
+    cr_assert_gt(a.n_sys, 16, "the system prompt is longer than the prefix pool");
+    run(svc, prompt, &o, &b, &lb);
+    cr_assert_eq(b.sys_cached, 0, "nothing of it could be cached");
+    run(svc, prompt, &off, &c, &lc);
+    cr_assert_eq(memcmp(a.out_tokens, c.out_tokens, STEPS * sizeof(int32_t)), 0);
+    cr_assert_eq(memcmp(b.out_tokens, c.out_tokens, STEPS * sizeof(int32_t)), 0);
+    cr_assert_leq(max_diff(&la, &lc), 1e-4);
+    rk_request_free(&a);
+    rk_request_free(&b);
+    rk_request_free(&c);
+    log_free(&la);
+    log_free(&lb);
+    log_free(&lc);
+    check_pools_back(svc);
+    rk_service_close(svc);
+}
+
 /* A request that cannot fit the whole KV budget fails, leaving every block
  * in its pool: RK_ERR_CONTEXT when its live part alone is too big, else
  * RK_ERR_EXHAUSTED, which the scheduler turns into RK_ERR_CONTEXT when
