@@ -213,9 +213,10 @@ rk_status rk_config_validate(const rk_config *cfg) {
         return rk_errorf(RK_ERR_INVALID,
                          "config: block_size must be a power of two from 8 to 64, got %d", bs);
     if (strcmp(cfg->kv_dtype, "auto") && strcmp(cfg->kv_dtype, "f32") &&
-        strcmp(cfg->kv_dtype, "f16") && strcmp(cfg->kv_dtype, "bf16"))
+        strcmp(cfg->kv_dtype, "f16") && strcmp(cfg->kv_dtype, "bf16") &&
+        strcmp(cfg->kv_dtype, "q8_0"))
         return rk_errorf(RK_ERR_INVALID,
-                         "config: kv_dtype must be auto, f32, f16 or bf16, got \"%s\"",
+                         "config: kv_dtype must be auto, f32, f16, bf16 or q8_0, got \"%s\"",
                          cfg->kv_dtype);
     if (strcmp(cfg->reindex, "zero-copy") && strcmp(cfg->reindex, "copy"))
         return rk_errorf(RK_ERR_INVALID, "config: reindex must be zero-copy or copy, got \"%s\"",

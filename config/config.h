@@ -103,7 +103,7 @@ typedef struct rk_config {
     int prefix_blocks;
     int chunk_blocks;
     int kv_poison;    /* fill freed blocks with NaN (debugging aid) */
-    char kv_dtype[8]; /* KV storage: "auto" (default: f16), "f32", "f16" or "bf16" */
+    char kv_dtype[8]; /* KV storage: "auto" (default: f16), "f32", "f16", "bf16" or "q8_0" */
     int prefix_cache; /* cache system prompts in the radix tree; default 1 */
     /* How cached chunks reach a request: "zero-copy" (default: attended in
      * place, position-shifted, where the backend can) or "copy" (rotated into

@@ -19,7 +19,7 @@ const rk_setting rk_config_settings[] = {
     {"block_size", "block-size", RK_SET_INT, CFG_OFF(block_size), 0, 1, 1 << 20, 0, 0,
      "N  tokens per KV block, power of two 8..64 (default: 16)"},
     {"kv_dtype", "kv-dtype", RK_SET_STR, CFG_STR(kv_dtype), 0, 0, 0, 0,
-     "T  KV storage type: auto, f32, f16 or bf16 (default: auto = f16)"},
+     "T  KV storage type: auto, f32, f16, bf16 or q8_0 (default: auto = f16)"},
     {"kv_memory_mb", "kv-memory-mb", RK_SET_AUTO, CFG_OFF(kv_memory_mb), 0, 1, 1 << 24, 0, 0,
      "N|auto  KV cache budget in MiB (default: auto = half the memory left after the weights, "
      "at least one full context in the live and chunk pools; see docs/operations.md)"},

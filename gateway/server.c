@@ -814,8 +814,8 @@ static rk_status run_command(req_ctx *rc, rk_scheduler_fn fn, void *ctx, int any
 
 static uint64_t kv_block_bytes(rk_service *svc) {
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
-    return 2ull * (uint64_t)kv->n_layers * (uint64_t)kv->block_size * (uint64_t)kv->n_kv_heads *
-           (uint64_t)kv->head_dim * rk_dtype_size(kv->dtype);
+    return 2ull * (uint64_t)kv->n_layers * (uint64_t)kv->block_size *
+           rk_dtype_row_bytes(kv->dtype, (size_t)kv->n_kv_heads * (size_t)kv->head_dim);
 }
 
 /* One cached entry as JSON (engine thread: reads the index and metadata). */

@@ -13,7 +13,7 @@
 #include "pipeline/persist.h"
 
 static size_t row_bytes(const rk_kv_cache *kv) {
-    return (size_t)kv->n_kv_heads * kv->head_dim * rk_dtype_size(kv->dtype);
+    return rk_dtype_row_bytes(kv->dtype, (size_t)kv->n_kv_heads * kv->head_dim);
 }
 
 /* Payload body size and layout record of an entry in the running arena. */

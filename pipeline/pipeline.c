@@ -473,7 +473,7 @@ static rk_status read_kv(rk_service *svc, const rk_seq *seq, int layer, int idx0
                          float *v, unsigned char *raw) {
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
     int bs = kv->block_size;
-    size_t row = (size_t)kv->n_kv_heads * kv->head_dim, rb = row * rk_dtype_size(kv->dtype);
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim, rb = rk_dtype_row_bytes(kv->dtype, row);
     rk_status st;
     for (int j = 0; j < n;) {
         int i = idx0 + j, run = bs - i % bs < n - j ? bs - i % bs : n - j;
@@ -527,7 +527,7 @@ static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int 
     size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
     float *before = malloc((size_t)total * 2 * row * sizeof *before);
     float *after = malloc((size_t)max_len * 2 * row * sizeof *after);
-    unsigned char *raw = malloc((size_t)bs * row * rk_dtype_size(kv->dtype));
+    unsigned char *raw = malloc((size_t)bs * rk_dtype_row_bytes(kv->dtype, row));
     dev_tok *toks = malloc((size_t)total * sizeof *toks);
     rk_status st =
         before && after && raw && toks

@@ -295,9 +295,9 @@ static void publish(rk_scheduler *e, int n_finishing) {
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
     walk_ctx w = {.e = e,
                   .s = &s,
-                  .block_bytes = 2ull * (uint64_t)kv->n_layers * (uint64_t)kv->block_size *
-                                 (uint64_t)kv->n_kv_heads * (uint64_t)kv->head_dim *
-                                 rk_dtype_size(kv->dtype)};
+                  .block_bytes =
+                      2ull * (uint64_t)kv->n_layers * (uint64_t)kv->block_size *
+                      rk_dtype_row_bytes(kv->dtype, (size_t)kv->n_kv_heads * (size_t)kv->head_dim)};
     rk_chunk_index_foreach(svc->chunks, walk_entry, &w);
     s.chunk_removed = e->chunk_removed;
     s.preemptions = e->preemptions;

@@ -24,6 +24,7 @@ static rk_dtype kv_dtype_of(const char *name, const char *backend) {
     (void)backend; /* auto: f16 on every backend; its attention kernels read f16 directly */
     return !strcmp(name, "f32")    ? RK_DTYPE_F32
            : !strcmp(name, "bf16") ? RK_DTYPE_BF16
+           : !strcmp(name, "q8_0") ? RK_DTYPE_Q8_0
                                    : RK_DTYPE_F16;
 }
 
@@ -86,6 +87,16 @@ rk_status rk_kv_plan_make(const rk_config *cfg, const rk_hparams *hp, uint64_t w
                          .head_dim = hp->head_dim,
                          .block_size = cfg->block_size,
                          .dtype = k->dtype};
+    if (k->dtype == RK_DTYPE_Q8_0 && strcmp(backend, "cpu") != 0)
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "kv_dtype q8_0 is not supported on the %s backend (its kernels read f32, "
+                         "f16 and bf16 KV): use f16",
+                         backend);
+    if (!rk_kv_dtype_ok(k->dtype, hp->head_dim))
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "kv_dtype %s needs a head size that is a multiple of 32; this model's is "
+                         "%d: use f16",
+                         cfg->kv_dtype, hp->head_dim);
     k->token_bytes = rk_arena_block_bytes(&p) / (size_t)cfg->block_size;
     k->context =
         cfg->max_context > 0 && cfg->max_context < hp->n_ctx ? cfg->max_context : hp->n_ctx;
