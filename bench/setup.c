@@ -20,7 +20,7 @@ static const rk_setting k_model_settings[] = {
      "T  the preset's weights: f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m or q6_k"},
     {"backend", "backend", RK_SET_STR, M_STR(backend), 0, 0, 0, 0, "cpu|cuda  compute backend"},
     {"kv_dtype", "kv-dtype", RK_SET_STR, M_STR(kv_dtype), 0, 0, 0, 0,
-     "T  KV storage type: f32, f16 or bf16"},
+     "T  KV storage type: f32, f16, bf16 or q8_0"},
     {"reindex", "reindex", RK_SET_STR, M_STR(reindex), 0, 0, 0, 0,
      "MODE  cached chunks: zero-copy (attended in place) or copy"},
 };

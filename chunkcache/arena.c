@@ -28,8 +28,8 @@ const char *rk_pool_name(rk_pool_tag pool) {
 }
 
 static size_t layer_block_bytes(const rk_arena_params *p) {
-    return (size_t)p->block_size * (size_t)p->n_kv_heads * (size_t)p->head_dim *
-           rk_dtype_size(p->dtype);
+    return (size_t)p->block_size *
+           rk_dtype_row_bytes(p->dtype, (size_t)p->n_kv_heads * (size_t)p->head_dim);
 }
 
 size_t rk_arena_block_bytes(const rk_arena_params *p) {
@@ -66,6 +66,9 @@ static rk_status validate_params(const rk_arena_params *p) {
     if (p->n_layers < 1 || p->n_kv_heads < 1 || p->head_dim < 1)
         return rk_errorf(RK_ERR_INVALID, "arena: bad KV shape (%d layers, %d heads, dim %d)",
                          p->n_layers, p->n_kv_heads, p->head_dim);
+    if (!rk_kv_dtype_ok(p->dtype, p->head_dim))
+        return rk_errorf(RK_ERR_INVALID, "arena: KV type %s cannot hold heads %d wide",
+                         rk_dtype_name(p->dtype), p->head_dim);
     long total = 0;
     for (int i = 0; i < RK_POOL_COUNT; i++) {
         if (p->pool_blocks[i] < 0)
@@ -95,7 +98,18 @@ void rk_arena_free(rk_arena *a) {
     free(a);
 }
 
-static void fill_nan(void *dst, size_t n_elems, rk_dtype t) {
+/* NaN in every element of n_bytes of type t (Q8_0: every block's scale). */
+static void fill_nan(void *dst, size_t n_bytes, rk_dtype t) {
+    if (t == RK_DTYPE_Q8_0) {
+        unsigned char *b = dst;
+        for (size_t i = 0; i + 34 <= n_bytes; i += 34) {
+            b[i] = 0x00; /* f16 0x7E00, little endian */
+            b[i + 1] = 0x7E;
+            memset(b + i + 2, 1, 32);
+        }
+        return;
+    }
+    size_t n_elems = n_bytes / rk_dtype_size(t);
     if (t == RK_DTYPE_F32) {
         float *f = dst;
         for (size_t i = 0; i < n_elems; i++) f[i] = NAN;
@@ -146,13 +160,12 @@ rk_status rk_arena_create(rk_backend *be, const rk_arena_params *p, rk_arena **o
         }
     }
     if (p->poison) {
-        size_t elems = layer_block_bytes(p) / rk_dtype_size(p->dtype);
         a->poison_block = malloc(layer_block_bytes(p));
         if (!a->poison_block) {
             rk_arena_free(a);
             return rk_errorf(RK_ERR_NOMEM, "arena: out of memory");
         }
-        fill_nan(a->poison_block, elems, p->dtype);
+        fill_nan(a->poison_block, layer_block_bytes(p), p->dtype);
     }
     /* Stacks: the lowest id on top, so fresh pools hand out ids in order. */
     for (int i = 0; i < RK_POOL_COUNT; i++) {

@@ -173,6 +173,11 @@ static int print_settings(serve_opts *o) {
     rk_settings tabs[N_TABLES];
     bind_settings(o, tabs);
     json_t *j = rk_settings_json(tabs, N_TABLES);
+    rk_kv_plan kv; /* the KV sizes resolved against the model and this machine */
+    if (j && rk_kv_plan_for_model(&o->srv.cfg, o->srv.model[0] ? o->srv.model : NULL, &kv) == RK_OK)
+        json_object_set_new(j, "kv_resolved", rk_kv_plan_json(&kv));
+    else if (j)
+        fprintf(stderr, "ragkv serve: KV sizes not resolved: %s\n", rk_error_message());
     char *s =
         j ? json_dumps(j, JSON_INDENT(2) | JSON_PRESERVE_ORDER | JSON_REAL_PRECISION(7)) : NULL;
     json_decref(j);

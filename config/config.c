@@ -23,6 +23,7 @@ const char *rk_status_str(rk_status st) {
     case RK_ERR_BUSY: return "busy";
     case RK_ERR_DEVICE: return "device error";
     case RK_ERR_INTERNAL: return "internal error";
+    case RK_ERR_CONTEXT: return "context length exceeded";
     }
     return "unknown status";
 }
@@ -116,6 +117,66 @@ int rk_repair_parse(const char *s, int *out_k, float *out_ratio, int *out_query)
     return 0;
 }
 
+/* ---------------------------------------------------------------- memory */
+
+/* The number after `key` in a "Key:   N kB" line of a /proc/meminfo file, in
+ * bytes; 0 when absent or unreadable. */
+static uint64_t meminfo_bytes(const char *path, const char *key) {
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    char line[256];
+    size_t n = strlen(key);
+    uint64_t v = 0;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long long kb;
+        if (!strncmp(line, key, n) && line[n] == ':' && sscanf(line + n + 1, "%llu", &kb) == 1) {
+            v = (uint64_t)kb * 1024;
+            break;
+        }
+    }
+    fclose(f);
+    return v;
+}
+
+/* A file holding one number (a cgroup limit or usage); 0 when absent,
+ * unreadable or "max" (no limit). */
+static uint64_t file_number(const char *dir, const char *name) {
+    char path[1100];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    unsigned long long v = 0;
+    if (fscanf(f, "%llu", &v) != 1) v = 0;
+    fclose(f);
+    return (uint64_t)v;
+}
+
+rk_status rk_memory_detect(const char *meminfo, const char *cgroup_dir, rk_memory_info *out) {
+    *out = (rk_memory_info){.source = "MemAvailable"};
+    if (!meminfo) meminfo = "/proc/meminfo";
+    if (!cgroup_dir) cgroup_dir = "/sys/fs/cgroup";
+    out->available = meminfo_bytes(meminfo, "MemAvailable");
+    /* v2 first; a v1 hierarchy has no limit when it reports a huge number. */
+    uint64_t limit = file_number(cgroup_dir, "memory.max"), used = 0;
+    if (limit)
+        used = file_number(cgroup_dir, "memory.current");
+    else if ((limit = file_number(cgroup_dir, "memory/memory.limit_in_bytes")) != 0)
+        used = file_number(cgroup_dir, "memory/memory.usage_in_bytes");
+    if (limit >= (uint64_t)1 << 60) limit = 0;
+    if (limit) out->cgroup = limit > used ? limit - used : 1;
+    out->bytes = out->available;
+    if (out->cgroup && (!out->bytes || out->cgroup < out->bytes)) {
+        out->bytes = out->cgroup;
+        out->source = "cgroup";
+    }
+    if (!out->bytes)
+        return rk_errorf(RK_ERR_IO,
+                         "cannot tell the available memory (no MemAvailable in %s, "
+                         "no cgroup limit): set kv_memory_mb or memory_limit_mb",
+                         meminfo);
+    return RK_OK;
+}
+
 /* ---------------------------------------------------------------- config */
 
 void rk_config_defaults(rk_config *cfg) {
@@ -123,8 +184,8 @@ void rk_config_defaults(rk_config *cfg) {
     snprintf(cfg->backend, sizeof cfg->backend, "cpu");
     cfg->n_threads = 0;
     cfg->block_size = 16;
-    snprintf(cfg->kv_dtype, sizeof cfg->kv_dtype, "f32");
-    cfg->kv_memory_mb = 1024;
+    snprintf(cfg->kv_dtype, sizeof cfg->kv_dtype, "auto");
+    cfg->kv_memory_mb = 0; /* auto */
     cfg->share_live = 0.4f;
     cfg->share_prefix = 0.1f;
     cfg->share_chunk = 0.5f;
@@ -156,9 +217,11 @@ rk_status rk_config_validate(const rk_config *cfg) {
     if (bs < 8 || bs > 64 || (bs & (bs - 1)) != 0)
         return rk_errorf(RK_ERR_INVALID,
                          "config: block_size must be a power of two from 8 to 64, got %d", bs);
-    if (strcmp(cfg->kv_dtype, "f32") && strcmp(cfg->kv_dtype, "f16") &&
-        strcmp(cfg->kv_dtype, "bf16"))
-        return rk_errorf(RK_ERR_INVALID, "config: kv_dtype must be f32, f16 or bf16, got \"%s\"",
+    if (strcmp(cfg->kv_dtype, "auto") && strcmp(cfg->kv_dtype, "f32") &&
+        strcmp(cfg->kv_dtype, "f16") && strcmp(cfg->kv_dtype, "bf16") &&
+        strcmp(cfg->kv_dtype, "q8_0"))
+        return rk_errorf(RK_ERR_INVALID,
+                         "config: kv_dtype must be auto, f32, f16, bf16 or q8_0, got \"%s\"",
                          cfg->kv_dtype);
     if (strcmp(cfg->reindex, "zero-copy") && strcmp(cfg->reindex, "copy"))
         return rk_errorf(RK_ERR_INVALID, "config: reindex must be zero-copy or copy, got \"%s\"",
@@ -170,9 +233,14 @@ rk_status rk_config_validate(const rk_config *cfg) {
                          "config: repair must be none, first_k:K (K >= 1), deviation:R or "
                          "query:R (0 < R <= 1), got \"%s\"",
                          cfg->repair);
-    if (cfg->kv_memory_mb < 1 || cfg->kv_memory_mb > (1 << 24))
-        return rk_errorf(RK_ERR_INVALID, "config: kv_memory_mb must be 1 to 16777216, got %d",
+    if (cfg->kv_memory_mb < 0 || cfg->kv_memory_mb > (1 << 24))
+        return rk_errorf(RK_ERR_INVALID,
+                         "config: kv_memory_mb must be auto (0) or 1 to 16777216, got %d",
                          cfg->kv_memory_mb);
+    if (cfg->memory_limit_mb < 0 || cfg->memory_limit_mb > (1 << 30))
+        return rk_errorf(RK_ERR_INVALID,
+                         "config: memory_limit_mb must be 0 (detect) to 1073741824, got %d",
+                         cfg->memory_limit_mb);
     float shares[3] = {cfg->share_live, cfg->share_prefix, cfg->share_chunk};
     if (!(shares[0] > 0) || !(shares[1] >= 0) || !(shares[2] >= 0) ||
         shares[0] + shares[1] + shares[2] > 1.0001f)

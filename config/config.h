@@ -25,6 +25,7 @@ typedef enum rk_status {
     RK_ERR_BUSY,        /* the resource is in use (referenced, locked) */
     RK_ERR_DEVICE,      /* the accelerator reported an error */
     RK_ERR_INTERNAL,    /* an invariant broke: a bug */
+    RK_ERR_CONTEXT,     /* a request needs more KV than the whole budget holds */
 } rk_status;
 
 /* Return a short constant description of a status ("out of memory"). */
@@ -99,16 +100,17 @@ typedef struct rk_config {
 
     /* KV arena: a memory budget split into pools by share; an explicit block
      * count (> 0) overrides the share for that pool. */
-    int block_size;     /* tokens per KV block: a power of two in [8, 64]; default 16 */
-    int kv_memory_mb;   /* KV budget in MiB; default 1024 */
-    float share_live;   /* fraction of the budget for requests in flight; default 0.4 */
-    float share_prefix; /* ... for radix-cached system prompts; default 0.1 */
-    float share_chunk;  /* ... for the chunk cache; default 0.5 */
-    int live_blocks;    /* 0 = from the share */
+    int block_size;      /* tokens per KV block: a power of two in [8, 64]; default 16 */
+    int kv_memory_mb;    /* KV budget in MiB; 0 = "auto" (default): see rk_kv_auto_budget */
+    int memory_limit_mb; /* memory "auto" sizes from; 0 (default) = detected (rk_memory_detect) */
+    float share_live;    /* fraction of the budget for requests in flight; default 0.4 */
+    float share_prefix;  /* ... for radix-cached system prompts; default 0.1 */
+    float share_chunk;   /* ... for the chunk cache; default 0.5 */
+    int live_blocks;     /* 0 = from the share */
     int prefix_blocks;
     int chunk_blocks;
     int kv_poison;    /* fill freed blocks with NaN (debugging aid) */
-    char kv_dtype[8]; /* KV storage: "f32" (default), "f16" or "bf16" */
+    char kv_dtype[8]; /* KV storage: "auto" (default: f16), "f32", "f16", "bf16" or "q8_0" */
     int prefix_cache; /* cache system prompts in the radix tree; default 1 */
     /* How cached chunks reach a request: "zero-copy" (default: attended in
      * place, position-shifted, where the backend can) or "copy" (rotated into
@@ -147,6 +149,23 @@ typedef struct rk_config {
     char redis_secret[1025];      /* the secret itself (RAGKV_REDIS_SECRET, no flag); used when
                                      there is no file; "" = none */
 } rk_config;
+
+/* ---------------------------------------------------------------- memory */
+
+/* The memory a process may still take, as `kv_memory_mb auto` sizes from. */
+typedef struct rk_memory_info {
+    uint64_t bytes;     /* available: the smaller of the two below that are known */
+    uint64_t available; /* MemAvailable of /proc/meminfo (0 = unknown) */
+    uint64_t cgroup;    /* cgroup limit minus usage (0 = no limit set) */
+    const char *source; /* "MemAvailable", "cgroup" or "memory_limit_mb" */
+} rk_memory_info;
+
+/* Detect the available memory: MemAvailable from `meminfo`, bounded by the
+ * cgroup (v2: memory.max - memory.current under `cgroup_dir`; v1:
+ * memory/memory.limit_in_bytes - memory/memory.usage_in_bytes) when a limit
+ * is set. NULL paths mean /proc/meminfo and /sys/fs/cgroup. RK_ERR_IO when
+ * neither is readable. */
+rk_status rk_memory_detect(const char *meminfo, const char *cgroup_dir, rk_memory_info *out);
 
 /* Fill cfg with the defaults (which work on a laptop). */
 void rk_config_defaults(rk_config *cfg);

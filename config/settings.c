@@ -19,9 +19,14 @@ const rk_setting rk_config_settings[] = {
     {"block_size", "block-size", RK_SET_INT, CFG_OFF(block_size), 0, 1, 1 << 20, 0, 0,
      "N  tokens per KV block, power of two 8..64 (default: 16)"},
     {"kv_dtype", "kv-dtype", RK_SET_STR, CFG_STR(kv_dtype), 0, 0, 0, 0,
-     "T  KV storage type: f32, f16 or bf16 (default: f32)"},
-    {"kv_memory_mb", "kv-memory-mb", RK_SET_INT, CFG_OFF(kv_memory_mb), 0, 1, 1 << 24, 0, 0,
-     "N  KV cache budget in MiB (default: 1024)"},
+     "T  KV storage type: auto, f32, f16, bf16 or q8_0 (default: auto = f16)"},
+    {"kv_memory_mb", "kv-memory-mb", RK_SET_AUTO, CFG_OFF(kv_memory_mb), 0, 1, 1 << 24, 0, 0,
+     "N|auto  KV cache budget in MiB (default: auto = half the memory left after the weights, "
+     "at least one full context in the live and chunk pools; see docs/operations.md)"},
+    {"memory_limit_mb", "memory-limit-mb", RK_SET_INT, CFG_OFF(memory_limit_mb), 0, 0, 1 << 30, 0,
+     0,
+     "N  memory in MiB that an auto KV budget is sized from (default: 0 = MemAvailable, "
+     "bounded by a cgroup limit)"},
     {"store_dir", "store", RK_SET_STR, CFG_STR(store_dir), 0, 0, 0, 0,
      "DIR  persistent chunk store: the disk tier (default: none)"},
     {"store_budget_mb", "store-budget-mb", RK_SET_INT, CFG_OFF(store_budget_mb), 0, 0, 1 << 30, 0,
@@ -98,6 +103,18 @@ rk_status rk_setting_parse(void *base, const rk_setting *f, const char *s) {
     char *p = (char *)base + f->off, *end;
     errno = 0;
     switch (f->type) {
+    case RK_SET_AUTO:
+        if (!strcmp(s, "auto")) {
+            *(int *)p = 0;
+            return RK_OK;
+        }
+        if (rk_parse_long(s, (long)f->lo, (long)f->hi, &(long){0})) /* checked, then set below */
+            return rk_errorf(RK_ERR_INVALID,
+                             "%s must be auto or an integer from %.0f to %.0f, "
+                             "got '%s'",
+                             f->name, f->lo, f->hi, s);
+        *(int *)p = (int)strtol(s, NULL, 10);
+        return RK_OK;
     case RK_SET_INT:
     case RK_SET_LONG: {
         long long v = strtoll(s, &end, 10);
@@ -155,6 +172,11 @@ const rk_setting *rk_settings_find(const rk_settings *tabs, int n_tabs, const ch
 static rk_status parse_json(void *base, const rk_setting *f, json_t *v) {
     char buf[64];
     switch (f->type) {
+    case RK_SET_AUTO:
+        if (json_is_string(v)) return rk_setting_parse(base, f, json_string_value(v));
+        if (!json_is_integer(v)) break;
+        snprintf(buf, sizeof buf, "%lld", (long long)json_integer_value(v));
+        return rk_setting_parse(base, f, buf);
     case RK_SET_INT:
     case RK_SET_LONG:
         if (!json_is_integer(v)) break;
@@ -175,6 +197,7 @@ static rk_status parse_json(void *base, const rk_setting *f, json_t *v) {
     return rk_errorf(RK_ERR_INVALID, "%s has the wrong type (want %s)", f->name,
                      f->type == RK_SET_STR                             ? "a string"
                      : f->type == RK_SET_BOOL                          ? "true or false"
+                     : f->type == RK_SET_AUTO                          ? "\"auto\" or an integer"
                      : f->type == RK_SET_INT || f->type == RK_SET_LONG ? "an integer"
                                                                        : "a number");
 }
@@ -252,6 +275,9 @@ json_t *rk_settings_json(const rk_settings *tabs, int n_tabs) {
             json_t *v = NULL;
             switch (f->type) {
             case RK_SET_INT: v = json_integer(*(const int *)p); break;
+            case RK_SET_AUTO:
+                v = *(const int *)p ? json_integer(*(const int *)p) : json_string("auto");
+                break;
             case RK_SET_LONG: v = json_integer(*(const long long *)p); break;
             case RK_SET_FLOAT: v = json_real(*(const float *)p); break;
             case RK_SET_DOUBLE: v = json_real(*(const double *)p); break;

@@ -19,6 +19,7 @@
 
 typedef enum rk_setting_type {
     RK_SET_INT,    /* int */
+    RK_SET_AUTO,   /* int, or the word "auto", which stands for 0 (shown as "auto") */
     RK_SET_LONG,   /* long long */
     RK_SET_FLOAT,  /* float */
     RK_SET_DOUBLE, /* double */
@@ -50,11 +51,11 @@ typedef struct rk_settings {
 
 /* The fields of rk_config, for binding to an rk_config. The first
  * RK_CONFIG_N_RUN_SETTINGS (backend, threads, block size, KV type and budget,
- * store and its budget) are the ones every model-running command takes; the
- * rest tune the server's pools and limits. */
+ * the memory the budget's "auto" sizes from, store and its budget) are the ones every model-running
+ * command takes; the rest tune the server's pools and limits. */
 extern const rk_setting rk_config_settings[];
 extern const size_t rk_config_n_settings;
-#define RK_CONFIG_N_RUN_SETTINGS 7
+#define RK_CONFIG_N_RUN_SETTINGS 8
 
 /* Set f in base from text (a flag value or environment variable). Numbers
  * must parse whole and lie in [lo, hi]; booleans are 1/0, true/false or

@@ -30,6 +30,10 @@ typedef struct rk_http_error {
 /* OpenAI's error code for a prompt and max_tokens beyond the context. */
 #define RK_CODE_CONTEXT_LENGTH "context_length_exceeded"
 
+/* OpenAI's error code for a status of a lower layer (RK_ERR_CONTEXT:
+ * "context_length_exceeded"), or NULL when it has none. */
+const char *rk_http_error_code(rk_status st);
+
 /* Fill err with status, its type name and a formatted message; returns the
  * rk_status that goes with the HTTP status (RK_ERR_INVALID for 4xx, ...). */
 rk_status rk_http_errorf(rk_http_error *err, int status, const char *fmt, ...)

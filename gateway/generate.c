@@ -338,13 +338,16 @@ static void respond_generation(gen *g) {
             snprintf(msg, sizeof msg, "out of KV memory, try again: %s", j->error);
         else
             snprintf(msg, sizeof msg, "%s", j->error[0] ? j->error : rk_status_str(j->status));
+        rk_http_error e = {.status = status,
+                           .type = rk_http_error_type(status),
+                           .code = j->ran ? rk_http_error_code(j->status) : NULL};
+        if (e.code) e.param = g->api.chat ? "messages" : "prompt";
+        snprintf(e.message, sizeof e.message, "%.319s", msg);
         if (g->headers_sent) { /* mid-stream: an error event, then the end */
-            rk_http_error e = {.status = status, .type = rk_http_error_type(status)};
-            snprintf(e.message, sizeof e.message, "%.319s", msg);
             sse_event(g, rk_gw_error_body(&e));
             write_all(g, "data: [DONE]\n\n", 14);
         } else if (!g->client_gone) {
-            rk_gw_send_errorf(rc, status, "%s", msg);
+            rk_gw_send_error(rc, &e);
         } else {
             rc->status = 499; /* nothing was answered: the client closed the request */
         }

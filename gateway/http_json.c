@@ -23,6 +23,7 @@ int rk_http_status_of(rk_status st) {
     case RK_OK: return 200;
     case RK_ERR_INVALID:
     case RK_ERR_UNSUPPORTED:
+    case RK_ERR_CONTEXT:
     case RK_ERR_FORMAT: return 400;
     case RK_ERR_NOT_FOUND: return 404;
     case RK_ERR_LIMIT: return 422;
@@ -30,6 +31,10 @@ int rk_http_status_of(rk_status st) {
     case RK_ERR_BUSY: return 503;
     default: return 500;
     }
+}
+
+const char *rk_http_error_code(rk_status st) {
+    return st == RK_ERR_CONTEXT ? RK_CODE_CONTEXT_LENGTH : NULL;
 }
 
 const char *rk_http_error_type(int status) {

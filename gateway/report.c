@@ -23,6 +23,7 @@ const char *rk_chunk_status_name(rk_chunk_status s) {
     switch (s) {
     case RK_CHUNK_STATUS_HIT: return "hit";
     case RK_CHUNK_STATUS_MISS: return "miss";
+    case RK_CHUNK_STATUS_UNCACHED: return "uncached";
     case RK_CHUNK_STATUS_OFF: break;
     }
     return "off";

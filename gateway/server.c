@@ -996,7 +996,12 @@ rk_status rk_server_start(const rk_server_options *o, rk_server **out, int *out_
 rk_scheduler_state rk_server_poll(rk_server *S, char *msg, size_t cap) {
     rk_scheduler_state st = rk_scheduler_get_state(S->engine, msg, cap);
     if (st != S->last_state && st == RK_SCHEDULER_READY) {
-        rk_gw_ready_service(S);
+        rk_service *svc = rk_gw_ready_service(S);
+        if (svc) { /* the KV sizes resolved for this model and machine */
+            char kv[512];
+            rk_kv_plan_describe(&svc->kv, kv, sizeof kv);
+            fprintf(stderr, "ragkv: %s\n", kv);
+        }
         RK_LOG_INFO("model ready: %s (chat template %s)", S->model_name,
                     rk_chat_template_name(S->tmpl));
     }

@@ -273,8 +273,9 @@ static json_t *pools_json(const rk_cache_snapshot *c) {
     json_t *o = json_object();
     for (int p = 0; p < RK_POOL_COUNT && o; p++)
         json_object_set_new(o, rk_pool_name((rk_pool_tag)p),
-                            json_pack("{s:i, s:i, s:i}", "total", c->pool_total[p], "used",
-                                      c->pool_total[p] - c->pool_free[p], "free", c->pool_free[p]));
+                            json_pack("{s:i, s:i, s:i, s:I}", "total", c->pool_total[p], "used",
+                                      c->pool_total[p] - c->pool_free[p], "free", c->pool_free[p],
+                                      "tokens", (json_int_t)c->pool_total[p] * c->kv.block_size));
     return o;
 }
 
@@ -408,11 +409,12 @@ json_t *rk_stats_json_for(rk_stats *s, int all, int owner) {
         "{s:o, s:o, s:o, s:o, s:o, s:o}", "lookup", latency_json(&s->lookup), "reindex",
         latency_json(&s->reindex), "ttft", latency_json(&s->ttft), "queue", latency_json(&s->queue),
         "total", latency_json(&s->total), "time_per_output_token", latency_json(&s->tpot));
-    json_t *root = json_pack("{s:f, s:o, s:o, s:o, s:o, s:o, s:o, s:f, s:o, s:o, s:o, s:o}",
-                             "uptime_s", rk_time_now() - s->started, "requests", requests_json(s),
-                             "tokens", tokens, "chunks", chunks, "prefix", prefix, "tiers", tiers,
-                             "pools", pools_json(c), "kv_usage_ratio", kv_usage(c), "latency",
-                             latency, "store", store, "redis", redis, "top_chunks", top);
+    json_t *root =
+        json_pack("{s:f, s:o, s:o, s:o, s:o, s:o, s:o, s:o, s:f, s:o, s:o, s:o, s:o}", "uptime_s",
+                  rk_time_now() - s->started, "requests", requests_json(s), "tokens", tokens,
+                  "chunks", chunks, "prefix", prefix, "tiers", tiers, "pools", pools_json(c), "kv",
+                  rk_kv_plan_json(&c->kv), "kv_usage_ratio", kv_usage(c), "latency", latency,
+                  "store", store, "redis", redis, "top_chunks", top);
     if (root) json_object_set_new(root, "tenants", tenants_json(s, all, owner));
     pthread_mutex_unlock(&s->mu);
     return root;

@@ -49,6 +49,16 @@ int64_t rk_dtype_first_nonfinite(rk_dtype dt, const void *p, size_t n) {
     case RK_DTYPE_F32: return scan_f32(p, (int64_t)n);
     case RK_DTYPE_F16: return scan_f16(p, (int64_t)n);
     case RK_DTYPE_BF16: return scan_bf16(p, (int64_t)n);
+    case RK_DTYPE_Q8_0: { /* only the blocks' f16 scales can be non-finite */
+        const unsigned char *b = p;
+        size_t bb = rk_dtype_row_bytes(RK_DTYPE_Q8_0, 32);
+        for (size_t i = 0; i < n / 32; i++) {
+            uint16_t d;
+            memcpy(&d, b + i * bb, sizeof d);
+            if ((d & 0x7c00u) == 0x7c00u) return (int64_t)(i * 32);
+        }
+        return -1;
+    }
     default: return -1;
     }
 }
@@ -322,11 +332,16 @@ int rk_argmax_f32(const float *x, int n) {
 
 int64_t rk_kv_slots(const rk_kv_cache *kv) { return (int64_t)kv->n_blocks * kv->block_size; }
 
+int rk_kv_dtype_ok(rk_dtype t, int head_dim) {
+    if (t == RK_DTYPE_Q8_0) return head_dim > 0 && head_dim % 32 == 0;
+    return rk_dtype_size(t) != 0;
+}
+
 static rk_status check_cache(const rk_kv_cache *kv, const char *op) {
     if (!kv || kv->n_layers <= 0 || kv->n_blocks <= 0 || kv->block_size <= 0 ||
         kv->n_kv_heads <= 0 || kv->head_dim <= 0 || !kv->k || !kv->v)
         return rk_errorf(RK_ERR_INVALID, "%s: malformed KV cache", op);
-    if (rk_dtype_size(kv->dtype) == 0)
+    if (!rk_kv_dtype_ok(kv->dtype, kv->head_dim))
         return rk_errorf(RK_ERR_INVALID, "%s: bad KV dtype %d", op, (int)kv->dtype);
     return RK_OK;
 }
@@ -515,7 +530,7 @@ static rk_status check_segments(const rk_kv_cache *kv, const rk_attn_batch *batc
 rk_status rk_attn_check_batch(const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
                               int n_heads) {
     if (!kv || !batch || kv->block_size <= 0 || kv->n_blocks <= 0 || !kv->k || !kv->v ||
-        rk_dtype_size(kv->dtype) == 0)
+        !rk_kv_dtype_ok(kv->dtype, kv->head_dim))
         return rk_errorf(RK_ERR_INVALID, "attention: malformed KV cache or batch");
     if (layer < 0 || layer >= kv->n_layers)
         return rk_errorf(RK_ERR_INVALID, "attention: layer %d out of range [0, %d)", layer,

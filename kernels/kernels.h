@@ -26,7 +26,8 @@ typedef enum rk_dtype {
     RK_DTYPE_F32 = 0,
     RK_DTYPE_F16 = 1,
     RK_DTYPE_BF16 = 2,
-    /* Block-quantized weights in GGML's layouts (weights only, never KV):
+    /* Block-quantized weights in GGML's layouts (Q8_0 also stores KV, see
+     * rk_kv_dtype_ok):
      * a row of k elements is k / rk_dtype_block() blocks of
      * rk_dtype_block_bytes() bytes each. */
     RK_DTYPE_Q8_0 = 3, /* 32: f16 d, i8 q[32]; x = d q */
@@ -52,10 +53,17 @@ size_t rk_dtype_block_bytes(rk_dtype t);
  * not a multiple of the block or t is outside the enum. */
 size_t rk_dtype_row_bytes(rk_dtype t, size_t n);
 /* Index of the first NaN or infinite element of the n elements at p (F32,
- * F16 or BF16, any alignment), or -1 when all are finite; other dtypes are
- * not examined (-1). Vectorised: the model's weights at load and every KV
+ * F16 or BF16, any alignment; Q8_0: n a multiple of 32, the first element of
+ * the first block whose scale is not finite), or -1 when all are finite;
+ * other dtypes are not examined (-1). Vectorised: the model's weights at load and every KV
  * payload loaded from the tiers go through it. */
 int64_t rk_dtype_first_nonfinite(rk_dtype dt, const void *p, size_t n);
+
+/* Whether t can store KV of heads head_dim wide: F32, F16, BF16, or Q8_0
+ * when head_dim is a multiple of its 32-element block (each head's
+ * elements are whole blocks of their own). A KV row of n elements takes
+ * rk_dtype_row_bytes(t, n) bytes. */
+int rk_kv_dtype_ok(rk_dtype t, int head_dim);
 
 /* Reference (portable C) conversions of the quantized dtypes, n a multiple of
  * the block size. dequantize writes dst(n) f32 from n elements of src;

@@ -20,8 +20,8 @@ static int may_see(const rk_cache_viewer *who, const rk_chunk_entry *en) {
 
 static uint64_t kv_block_bytes(const rk_service *svc) {
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
-    return 2ull * (uint64_t)kv->n_layers * (uint64_t)kv->block_size * (uint64_t)kv->n_kv_heads *
-           (uint64_t)kv->head_dim * rk_dtype_size(kv->dtype);
+    return 2ull * (uint64_t)kv->n_layers * (uint64_t)kv->block_size *
+           rk_dtype_row_bytes(kv->dtype, (size_t)kv->n_kv_heads * (size_t)kv->head_dim);
 }
 
 static void arena_info(const rk_service *svc, const rk_chunk_entry *en, rk_chunk_info *out) {

@@ -14,7 +14,7 @@
 #include "pipeline/persist.h"
 
 static size_t row_bytes(const rk_kv_cache *kv) {
-    return (size_t)kv->n_kv_heads * kv->head_dim * rk_dtype_size(kv->dtype);
+    return rk_dtype_row_bytes(kv->dtype, (size_t)kv->n_kv_heads * kv->head_dim);
 }
 
 /* Payload body size and layout record of an entry in the running arena. */
@@ -58,16 +58,20 @@ static rk_status copy_body(rk_service *svc, const rk_chunk_entry *e, char *body,
 int rk_persist_body_check(const rk_store_layout *layout, const void *body, size_t body_size,
                           char *why, size_t why_cap) {
     rk_dtype dt = (rk_dtype)layout->dtype;
-    size_t es = rk_dtype_size(dt);
-    if (layout->dtype < 0 || layout->dtype >= RK_DTYPE_COUNT || es == 0 || body_size % es) {
+    int known = layout->dtype >= 0 && layout->dtype < RK_DTYPE_COUNT &&
+                (dt == RK_DTYPE_Q8_0 || rk_dtype_size(dt) > 0);
+    /* Bytes of the smallest unit of values: one value, or one q8_0 block. */
+    size_t unit = !known ? 0 : dt == RK_DTYPE_Q8_0 ? rk_dtype_row_bytes(dt, 32) : rk_dtype_size(dt);
+    size_t per_unit = dt == RK_DTYPE_Q8_0 ? 32 : 1;
+    if (!known || unit == 0 || body_size % unit) {
         snprintf(why, why_cap, "KV dtype %d does not fit a %zu-byte body", (int)layout->dtype,
                  body_size);
         return 1;
     }
-    int64_t at = rk_dtype_first_nonfinite(dt, body, body_size / es);
+    size_t n_values = body_size / unit * per_unit;
+    int64_t at = rk_dtype_first_nonfinite(dt, body, n_values);
     if (at < 0) return 0;
-    snprintf(why, why_cap, "KV value %lld of %zu is NaN or infinite", (long long)at,
-             body_size / es);
+    snprintf(why, why_cap, "KV value %lld of %zu is NaN or infinite", (long long)at, n_values);
     return 1;
 }
 

@@ -37,11 +37,14 @@
  * table, then copied into place. */
 typedef struct scratch {
     rk_seq kv;
-    int used;        /* kv holds references of its own */
-    int borrowed;    /* kv.blocks are a chunk entry's: never released through kv */
-    int src_first;   /* table index of the chunk's first token in kv */
-    int pass2;       /* computed in pass 2 (after the system prompt) */
-    int anchored;    /* computed in pass 1 after the anchor, then copied into its entry */
+    int used;      /* kv holds references of its own */
+    int borrowed;  /* kv.blocks are a chunk entry's: never released through kv */
+    int src_first; /* table index of the chunk's first token in kv */
+    int pass2;     /* computed in pass 2 (after the system prompt) */
+    int anchored;  /* computed in pass 1 after the anchor, then copied into its entry */
+    /* The chunk pool had no room: its entry is the request's own, not in the
+     * index, its blocks from the live pool (see acquire_uncached). */
+    int uncached;
     int32_t *tokens; /* oracle with system context: system + chunk tokens */
 
     /* The fleet-wide compute lock on its chunk, held when rlocked. */
@@ -496,7 +499,7 @@ static rk_status read_kv(rk_service *svc, const rk_seq *seq, int layer, int idx0
                          float *v, unsigned char *raw) {
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
     int bs = kv->block_size;
-    size_t row = (size_t)kv->n_kv_heads * kv->head_dim, rb = row * rk_dtype_size(kv->dtype);
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim, rb = rk_dtype_row_bytes(kv->dtype, row);
     rk_status st;
     for (int j = 0; j < n;) {
         int i = idx0 + j, run = bs - i % bs < n - j ? bs - i % bs : n - j;
@@ -583,7 +586,7 @@ static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int 
     size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
     float *before = malloc((size_t)total * 2 * row * sizeof *before);
     float *after = malloc((size_t)max_len * 2 * row * sizeof *after);
-    unsigned char *raw = malloc((size_t)bs * row * rk_dtype_size(kv->dtype));
+    unsigned char *raw = malloc((size_t)bs * rk_dtype_row_bytes(kv->dtype, row));
     dev_tok *toks = malloc((size_t)total * sizeof *toks);
     rk_status st =
         before && after && raw && toks
@@ -917,7 +920,7 @@ static rk_status start_request(rk_service *svc, rk_request *r) {
     for (int k = 0; s->zc && k < r->n_chunks; k++)
         life += (private_tokens(r, r->chunk_lens[k], bs) + bs - 1) / bs;
     if (life > rk_arena_pool_total(svc->arena, RK_POOL_LIVE))
-        return rk_errorf(RK_ERR_LIMIT,
+        return rk_errorf(RK_ERR_CONTEXT,
                          "the request needs more KV memory than the server has: %ld live "
                          "blocks for its prompt and max_tokens, the live pool has %d",
                          life, rk_arena_pool_total(svc->arena, RK_POOL_LIVE));
@@ -1029,6 +1032,51 @@ static rk_status plan_after_context(rk_service *svc, rk_request *r, int k, const
     return batch_add(pass1, bs, &sc->kv, toks, n, pos0, 0, 0);
 }
 
+/* Chunk k of r when the chunk pool cannot take it (after evicting every
+ * entry no request holds): an entry of the request's own, outside the index,
+ * over live-pool blocks, computed at its base like a miss and reindexed like
+ * any entry, then given back with the request (the copy path gives its
+ * blocks back once copied). RK_ERR_EXHAUSTED when the live pool has no room
+ * now: the request waits while others run, and alone never fits. */
+static rk_status acquire_uncached(rk_service *svc, rk_request *r, int k, int base) {
+    rk_req_state *s = r->state;
+    int bs = rk_arena_block_size(svc->arena), n = r->chunk_lens[k], nb = (n + bs - 1) / bs;
+    rk_chunk_entry *e = calloc(1, sizeof *e);
+    int32_t *blocks = malloc((size_t)nb * sizeof *blocks);
+    if (!e || !blocks) {
+        free(e);
+        free(blocks);
+        return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    }
+    if (rk_arena_alloc(svc->arena, RK_POOL_LIVE, nb, blocks)) {
+        free(e);
+        free(blocks);
+        return rk_errorf(RK_ERR_EXHAUSTED,
+                         "neither the chunk pool nor the live pool has room for chunk %d (%d "
+                         "blocks)",
+                         k, nb);
+    }
+    *e = (rk_chunk_entry){.tokens = r->chunks[k],
+                          .n_tokens = n,
+                          .blocks = blocks,
+                          .n_blocks = nb,
+                          .base_pos = base,
+                          .state = RK_CHUNK_PENDING,
+                          .refs = 1};
+    snprintf(e->source, sizeof e->source, "uncached");
+    rk_error_clear();
+    s->entries[k] = e;
+    s->kinds[k] = RK_CHUNK_MISS;
+    s->scratch[k].uncached = 1;
+    return RK_OK;
+}
+
+/* Give an uncached entry's live blocks back (once). */
+static void drop_uncached_blocks(rk_service *svc, rk_chunk_entry *e) {
+    if (e->n_blocks) rk_arena_release(svc->arena, e->blocks, e->n_blocks);
+    e->n_blocks = 0;
+}
+
 /* Look up every chunk; queue the work each needs for pass 1. */
 static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
     rk_req_state *s = r->state;
@@ -1063,12 +1111,15 @@ static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
         rk_chunk_key key = rk_chunk_key_compute(&policy, r->chunks[k], r->chunk_lens[k]);
         rk_chunk_key_hex(key, rep->key);
         int base = n_ctx;
-        if ((st = rk_chunk_index_acquire(svc->chunks, key, r->chunks[k], r->chunk_lens[k], base,
-                                         &s->entries[k], &s->kinds[k])))
-            return st;
+        st = rk_chunk_index_acquire(svc->chunks, key, r->chunks[k], r->chunk_lens[k], base,
+                                    &s->entries[k], &s->kinds[k]);
+        if (st == RK_ERR_EXHAUSTED || st == RK_ERR_LIMIT) /* no room even after eviction */
+            st = acquire_uncached(svc, r, k, base);
+        if (st) return st;
         rk_chunk_entry *e = s->entries[k];
         if (s->kinds[k] == RK_CHUNK_MISS) e->owner = r->opt.owner; /* reserved for it */
-        if (s->kinds[k] == RK_CHUNK_MISS) {                        /* the disk tier may have it */
+        if (s->kinds[k] == RK_CHUNK_MISS &&
+            !s->scratch[k].uncached) { /* the disk tier may have it */
             int loaded;
             if ((st = rk_persist_load(svc, e, &loaded))) return st;
             if (loaded) {
@@ -1081,7 +1132,9 @@ static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
             if ((st = load_shared(svc, r, k, &loaded))) return st;
             if (loaded) continue;
         }
-        rep->status = s->kinds[k] == RK_CHUNK_HIT ? RK_CHUNK_STATUS_HIT : RK_CHUNK_STATUS_MISS;
+        rep->status = s->scratch[k].uncached        ? RK_CHUNK_STATUS_UNCACHED
+                      : s->kinds[k] == RK_CHUNK_HIT ? RK_CHUNK_STATUS_HIT
+                                                    : RK_CHUNK_STATUS_MISS;
         rep->source =
             s->kinds[k] == RK_CHUNK_HIT ? RK_CHUNK_SOURCE_ARENA : RK_CHUNK_SOURCE_COMPUTED;
         if (s->kinds[k] != RK_CHUNK_MISS) continue;
@@ -1292,7 +1345,13 @@ static void release_request(rk_service *svc, rk_request *r, int failed) {
         if (sc->used) rk_seq_release(&sc->kv, svc->arena);
         if (sc->rlocked) (void)rk_redis_unlock(svc->redis, &sc->rlock); /* never computed */
         free(sc->tokens);
-        if (s->entries[k]) rk_chunk_index_release(svc->chunks, s->entries[k], failed);
+        if (s->entries[k] && sc->uncached) {
+            drop_uncached_blocks(svc, s->entries[k]);
+            free(s->entries[k]->blocks);
+            free(s->entries[k]);
+        } else if (s->entries[k]) {
+            rk_chunk_index_release(svc->chunks, s->entries[k], failed);
+        }
     }
     if (s->lock) rk_radix_unlock(svc->prefix, s->lock);
     drop_partial(svc, s);
@@ -1571,6 +1630,10 @@ static rk_status stage_system_chunks(admission *a) {
         for (int k = 0; k < r->n_chunks; k++) {
             rk_chunk_entry *e = r->state->entries[k];
             if (r->state->kinds[k] != RK_CHUNK_MISS || !e) continue;
+            if (r->state->scratch[k].uncached) {
+                e->state = RK_CHUNK_READY; /* the request's own: neither indexed nor written */
+                continue;
+            }
             rk_chunk_index_ready(svc->chunks, e);
             persist(svc, e, r->opt.chunk_context, &r->state->scratch[k]);
         }
@@ -1612,11 +1675,12 @@ static rk_status build_runs(rk_service *svc, rk_request *r, rk_copy_plan *copies
             }
             if (!st) st = rk_runs_add(&s->runs, bs, s->own.blocks + first, m, 0);
         }
+        int own = s->scratch[k].uncached; /* the request's live blocks: neither shared nor pooled */
         if (!st && m < n) {
             st = rk_runs_add(&s->runs, bs, e->blocks + m / bs, n - m, delta);
-            r->shared_blocks += e->n_blocks - m / bs;
+            r->shared_blocks += own ? 0 : e->n_blocks - m / bs;
         }
-        r->chunk_reports[k].zero_copy = m < n;
+        r->chunk_reports[k].zero_copy = m < n && !own;
     }
     if (!st)
         st = rk_runs_add(&s->runs, bs, s->kv.blocks + sys_blocks,
@@ -1663,9 +1727,12 @@ static rk_status stage_reindex(admission *a) {
      * before decoding needs them. */
     for (int i = 0; i < a->n; i++)
         for (int k = 0; k < a->reqs[i]->n_chunks; k++) {
-            scratch *sc = &a->reqs[i]->state->scratch[k];
+            rk_req_state *s = a->reqs[i]->state;
+            scratch *sc = &s->scratch[k];
             if (sc->used) rk_seq_release(&sc->kv, svc->arena);
             sc->used = 0;
+            if (sc->uncached && !s->zc && a->reqs[i]->opt.mode == RK_MODE_RAG)
+                drop_uncached_blocks(svc, s->entries[k]); /* copied: the blocks go back */
         }
     double t_reindex = rk_time_now() - t;
     for (int i = 0; i < a->n; i++) {

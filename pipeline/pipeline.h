@@ -20,6 +20,7 @@
 #ifndef RK_PIPELINE_H
 #define RK_PIPELINE_H
 
+#include <jansson.h>
 #include <stdint.h>
 
 #include "chunkcache/arena.h"
@@ -36,8 +37,58 @@
  * serves the same weights. */
 #define RK_EMBEDDED_MODEL_SEED 20261122u
 
+/* The KV memory as resolved from the settings, the model and the machine
+ * (rk_kv_plan_make). With `kv_memory_mb auto` the budget is
+ *     min(max(min(RK_KV_AUTO_SHARE * left, most), floor), RK_KV_AUTO_CAP * left)
+ * where most = RK_KV_AUTO_MAX_CONTEXTS contexts of KV (a small model needs
+ * no more), left = the available memory (memory_limit_mb, or rk_memory_detect)
+ * minus the model's weights, and floor = what gives the live and chunk pools
+ * `context` tokens each at their shares: one request of the whole context
+ * fits with every token in chunks, cached or not, while the rest of the live
+ * pool serves others. When floor is above the cap the cap wins (logged). On
+ * a device backend auto is RK_KV_AUTO_DEVICE_MB. */
+#define RK_KV_AUTO_SHARE        0.5
+#define RK_KV_AUTO_CAP          0.75
+#define RK_KV_AUTO_MAX_CONTEXTS 64
+/* auto on a backend other than the CPU (the arena in device memory): fixed. */
+#define RK_KV_AUTO_DEVICE_MB 1024
+typedef struct rk_kv_plan {
+    rk_dtype dtype;
+    int auto_sized;            /* kv_memory_mb was auto */
+    int fits_context;          /* live and chunk pools hold `context` tokens each */
+    uint64_t budget_bytes;     /* the KV budget */
+    uint64_t memory_bytes;     /* auto: the memory sized from */
+    uint64_t weight_bytes;     /* auto: the weights taken off it */
+    const char *memory_source; /* auto: "MemAvailable", "cgroup" or "memory_limit_mb" */
+    uint64_t token_bytes;      /* KV of one token, every layer, K and V */
+    int block_size;            /* tokens per block */
+    int context;               /* tokens of the longest request (max_context or the model's) */
+    int pool_blocks[RK_POOL_COUNT];
+} rk_kv_plan;
+
+/* Resolve cfg's KV type and budget for a model of shape hp whose weights take
+ * weight_bytes, on backend `backend` ("cpu", "cuda"). RK_ERR_INVALID when the
+ * memory left cannot hold a live block; RK_ERR_IO when auto finds no memory
+ * figure. */
+rk_status rk_kv_plan_make(const rk_config *cfg, const rk_hparams *hp, uint64_t weight_bytes,
+                          const char *backend, rk_kv_plan *out);
+
+/* The plan rk_service_open would make for cfg and the model at model_path
+ * (NULL = the embedded model), without sizing an arena: the model is loaded
+ * and freed. For --print-config. */
+rk_status rk_kv_plan_for_model(const rk_config *cfg, const char *model_path, rk_kv_plan *out);
+
+/* One line describing plan: type, budget and how it was chosen, tokens per
+ * pool. */
+void rk_kv_plan_describe(const rk_kv_plan *plan, char *buf, size_t n);
+
+/* plan as JSON: {"dtype", "budget_mb", "auto", ..., "pools": {name: {"blocks",
+ * "tokens"}}}; NULL when out of memory. */
+json_t *rk_kv_plan_json(const rk_kv_plan *plan);
+
 typedef struct rk_service {
     rk_config cfg;
+    rk_kv_plan kv; /* how the arena was sized */
     rk_backend *be;
     rk_model *model;
     rk_arena *arena;
@@ -140,6 +191,10 @@ typedef enum rk_chunk_status {
     RK_CHUNK_STATUS_OFF = 0, /* the chunk cache was not used */
     RK_CHUNK_STATUS_HIT,
     RK_CHUNK_STATUS_MISS,
+    /* The chunk pool had no room for it even after evicting what no request
+     * holds: computed like a miss into the request's own live blocks, not
+     * cached. */
+    RK_CHUNK_STATUS_UNCACHED,
 } rk_chunk_status;
 
 /* Where a chunk's KV came from. */

@@ -292,12 +292,13 @@ static void publish(rk_scheduler *e, int n_finishing) {
         s.pool_total[p] = rk_arena_pool_total(svc->arena, (rk_pool_tag)p);
         s.pool_free[p] = rk_arena_pool_free(svc->arena, (rk_pool_tag)p);
     }
+    s.kv = svc->kv;
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
     walk_ctx w = {.e = e,
                   .s = &s,
-                  .block_bytes = 2ull * (uint64_t)kv->n_layers * (uint64_t)kv->block_size *
-                                 (uint64_t)kv->n_kv_heads * (uint64_t)kv->head_dim *
-                                 rk_dtype_size(kv->dtype)};
+                  .block_bytes =
+                      2ull * (uint64_t)kv->n_layers * (uint64_t)kv->block_size *
+                      rk_dtype_row_bytes(kv->dtype, (size_t)kv->n_kv_heads * (size_t)kv->head_dim)};
     rk_chunk_index_foreach(svc->chunks, walk_entry, &w);
     s.chunk_removed = e->chunk_removed;
     s.preemptions = e->preemptions;
@@ -378,7 +379,7 @@ static void run_group(rk_scheduler *e, rk_request **reqs, int n, rk_run_result *
         if (res[i].status == RK_ERR_EXHAUSTED) {
             char m[320];
             snprintf(m, sizeof m, "%s", res[i].error);
-            res[i].status = RK_ERR_LIMIT;
+            res[i].status = RK_ERR_CONTEXT;
             snprintf(res[i].error, sizeof res[i].error,
                      "the request needs more KV memory than the server has (%.200s)", m);
         }
@@ -464,7 +465,7 @@ static void requeue(rk_scheduler *e, rk_job **jobs, int n) {
  * which the next step runs with the decode tokens. When the
  * live pool cannot hold them while others run, they wait in the queue; a
  * group that fails otherwise is retried one by one, so a failure is its
- * request's own; one that cannot fit even alone fails with RK_ERR_LIMIT. */
+ * request's own; one that cannot fit even alone fails with RK_ERR_CONTEXT. */
 static void admit_jobs(rk_scheduler *e, rk_pipeline *p, rk_job **fresh, int n) {
     rk_request *reqs[n];
     rk_job *jobs[n];
@@ -509,7 +510,7 @@ static void admit_jobs(rk_scheduler *e, rk_pipeline *p, rk_job **fresh, int n) {
         char why[320];
         snprintf(why, sizeof why, "the request needs more KV memory than the server has (%.200s)",
                  msg);
-        finish(e, jobs[0], 1, RK_ERR_LIMIT, why);
+        finish(e, jobs[0], 1, RK_ERR_CONTEXT, why);
     } else {
         finish(e, jobs[0], 1, st, msg);
     }

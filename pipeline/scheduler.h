@@ -16,7 +16,7 @@
  * queue, to resume where it stopped once there is room (counted in the
  * snapshot's preemptions). A new request whose prompt does not fit while
  * others run waits at the head of the queue; one whose prompt and
- * max_tokens cannot fit even alone fails (RK_ERR_LIMIT). Cache commands (list, delete, flush,
+ * max_tokens cannot fit even alone fails (RK_ERR_CONTEXT). Cache commands (list, delete, flush,
  * pre-warm) are jobs too: functions run on the engine thread between steps; the light ones (list,
  * get, delete, flush) at once, the others (which may run the pipeline themselves) once no
  * generation runs. Statistics are published after every admission, every completion and every 100
@@ -52,6 +52,7 @@ typedef struct rk_cache_snapshot {
     rk_radix_stats prefix;
     uint64_t prefix_flushed; /* radix evictions caused by a flush (manual) */
     int pool_total[RK_POOL_COUNT], pool_free[RK_POOL_COUNT];
+    rk_kv_plan kv; /* how the KV memory was sized (pool tokens: pool_total * kv.block_size) */
     rk_top_chunk top[RK_STATS_TOP];
     int n_top;
     int queued;                /* requests waiting for the engine */

@@ -1,8 +1,10 @@
 /* pipeline/service.c — opening a backend, a model and the KV arena together. */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include <xxhash.h>
 
+#include "engine/gguf.h"
 #include "engine/mkmodel.h"
 #include "pipeline/persist.h"
 #include "pipeline/pipeline.h"
@@ -19,23 +21,167 @@ static rk_status load_embedded(rk_backend *be, rk_model **out) {
     return rk_model_load_owned_buffer(buf, len, "embedded tiny model", be, out);
 }
 
-static rk_status open_arena(rk_service *svc) {
-    const rk_hparams *hp = rk_model_hparams(svc->model);
-    const rk_config *cfg = &svc->cfg;
+static rk_dtype kv_dtype_of(const char *name, const char *backend) {
+    (void)backend; /* auto: f16 on every backend; its attention kernels read f16 directly */
+    return !strcmp(name, "f32")    ? RK_DTYPE_F32
+           : !strcmp(name, "bf16") ? RK_DTYPE_BF16
+           : !strcmp(name, "q8_0") ? RK_DTYPE_Q8_0
+                                   : RK_DTYPE_F16;
+}
+
+/* The pool sizes of a budget, with the explicit block counts over the shares. */
+static rk_status split_budget(const rk_config *cfg, rk_arena_params *p, uint64_t budget) {
+    float share[RK_POOL_COUNT] = {cfg->share_live, cfg->share_prefix, cfg->share_chunk};
+    rk_status st = rk_arena_params_from_budget(p, (size_t)budget, share);
+    if (st) return st;
+    int fixed[RK_POOL_COUNT] = {cfg->live_blocks, cfg->prefix_blocks, cfg->chunk_blocks};
+    for (int i = 0; i < RK_POOL_COUNT; i++)
+        if (fixed[i] > 0) p->pool_blocks[i] = fixed[i];
+    return RK_OK;
+}
+
+/* The auto budget (see rk_kv_plan in pipeline.h). */
+static rk_status auto_budget(const rk_config *cfg, uint64_t weight_bytes, rk_kv_plan *k) {
+    if (cfg->memory_limit_mb > 0) {
+        k->memory_bytes = (uint64_t)cfg->memory_limit_mb << 20;
+        k->memory_source = "memory_limit_mb";
+    } else {
+        rk_memory_info mi;
+        rk_status st = rk_memory_detect(NULL, NULL, &mi);
+        if (st) return st;
+        k->memory_bytes = mi.bytes;
+        k->memory_source = mi.source;
+    }
+    k->weight_bytes = weight_bytes;
+    double left = k->memory_bytes > weight_bytes ? (double)(k->memory_bytes - weight_bytes) : 0;
+    /* The smallest share among the pools sized by share must still hold the
+     * context: live always, chunk when it has a share and no block count. */
+    double s = cfg->live_blocks > 0 ? 1.0 : cfg->share_live;
+    if (cfg->chunk_blocks == 0 && cfg->share_chunk > 0 && cfg->share_chunk < s)
+        s = cfg->share_chunk;
+    double per_block = (double)k->token_bytes * k->block_size;
+    double ctx_blocks = ceil((double)k->context / k->block_size) + 1;
+    double floor_b = ctx_blocks * per_block / s + RK_POOL_COUNT * per_block;
+    double want = RK_KV_AUTO_SHARE * left, cap = RK_KV_AUTO_CAP * left;
+    double most = RK_KV_AUTO_MAX_CONTEXTS * (double)k->context * (double)k->token_bytes;
+    double b = want > floor_b ? want : floor_b;
+    if (b > most && most > floor_b) b = most;
+    if (b > cap) b = cap;
+    if (b < 2 * per_block)
+        return rk_errorf(RK_ERR_INVALID,
+                         "kv_memory_mb auto: %.0f MiB of memory (%s) leave %.0f MiB after the "
+                         "weights, too little for the KV cache; set kv_memory_mb",
+                         (double)k->memory_bytes / (1 << 20), k->memory_source, left / (1 << 20));
+    if (b > (double)((uint64_t)1 << 24) * (1 << 20)) b = (double)((uint64_t)1 << 24) * (1 << 20);
+    k->budget_bytes = (uint64_t)b;
+    return RK_OK;
+}
+
+rk_status rk_kv_plan_make(const rk_config *cfg, const rk_hparams *hp, uint64_t weight_bytes,
+                          const char *backend, rk_kv_plan *out) {
+    rk_kv_plan *k = out;
+    *k = (rk_kv_plan){.dtype = kv_dtype_of(cfg->kv_dtype, backend),
+                      .block_size = cfg->block_size,
+                      .auto_sized = cfg->kv_memory_mb == 0};
     rk_arena_params p = {.n_layers = hp->n_layers,
                          .n_kv_heads = hp->n_kv_heads,
                          .head_dim = hp->head_dim,
                          .block_size = cfg->block_size,
-                         .dtype = !strcmp(cfg->kv_dtype, "f16")    ? RK_DTYPE_F16
-                                  : !strcmp(cfg->kv_dtype, "bf16") ? RK_DTYPE_BF16
-                                                                   : RK_DTYPE_F32,
-                         .poison = cfg->kv_poison};
-    float share[RK_POOL_COUNT] = {cfg->share_live, cfg->share_prefix, cfg->share_chunk};
-    rk_status st = rk_arena_params_from_budget(&p, (size_t)cfg->kv_memory_mb << 20, share);
+                         .dtype = k->dtype};
+    if (k->dtype == RK_DTYPE_Q8_0 && strcmp(backend, "cpu") != 0)
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "kv_dtype q8_0 is not supported on the %s backend (its kernels read f32, "
+                         "f16 and bf16 KV): use f16",
+                         backend);
+    if (!rk_kv_dtype_ok(k->dtype, hp->head_dim))
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "kv_dtype %s needs a head size that is a multiple of 32; this model's is "
+                         "%d: use f16",
+                         cfg->kv_dtype, hp->head_dim);
+    k->token_bytes = rk_arena_block_bytes(&p) / (size_t)cfg->block_size;
+    k->context =
+        cfg->max_context > 0 && cfg->max_context < hp->n_ctx ? cfg->max_context : hp->n_ctx;
+    if (k->context < 1) k->context = cfg->max_context > 0 ? cfg->max_context : 1;
+    rk_status st;
+    if (k->auto_sized && strcmp(backend, "cpu") != 0) {
+        /* The arena is device memory, which this host-side rule cannot see. */
+        k->budget_bytes = (uint64_t)RK_KV_AUTO_DEVICE_MB << 20;
+        k->memory_source = "device default";
+    } else if (k->auto_sized) {
+        if ((st = auto_budget(cfg, weight_bytes, k))) return st;
+    } else {
+        k->budget_bytes = (uint64_t)cfg->kv_memory_mb << 20;
+    }
+    if ((st = split_budget(cfg, &p, k->budget_bytes))) return st;
+    memcpy(k->pool_blocks, p.pool_blocks, sizeof k->pool_blocks);
+    long need = ((long)k->context + k->block_size - 1) / k->block_size;
+    k->fits_context = k->pool_blocks[RK_POOL_LIVE] >= need && k->pool_blocks[RK_POOL_CHUNK] >= need;
+    return RK_OK;
+}
+
+void rk_kv_plan_describe(const rk_kv_plan *k, char *buf, size_t n) {
+    char how[256] = "";
+    if (k->auto_sized)
+        snprintf(how, sizeof how,
+                 " (auto: %.0f MiB available from %s, %.0f MiB of weights; a context of %d "
+                 "tokens %s)",
+                 (double)k->memory_bytes / (1 << 20), k->memory_source,
+                 (double)k->weight_bytes / (1 << 20), k->context,
+                 k->fits_context ? "fits the live and chunk pools" : "does NOT fit: lower it");
+    snprintf(buf, n,
+             "KV %s, %.0f MiB%s: live %d tokens, prefix %d tokens, chunk %d tokens (%.1f KiB a "
+             "token)",
+             rk_dtype_name(k->dtype), (double)k->budget_bytes / (1 << 20), how,
+             k->pool_blocks[RK_POOL_LIVE] * k->block_size,
+             k->pool_blocks[RK_POOL_PREFIX] * k->block_size,
+             k->pool_blocks[RK_POOL_CHUNK] * k->block_size, (double)k->token_bytes / 1024);
+}
+
+json_t *rk_kv_plan_json(const rk_kv_plan *k) {
+    json_t *pools = json_object();
+    for (int i = 0; i < RK_POOL_COUNT && pools; i++)
+        json_object_set_new(pools, rk_pool_name((rk_pool_tag)i),
+                            json_pack("{s:i, s:I}", "blocks", k->pool_blocks[i], "tokens",
+                                      (json_int_t)k->pool_blocks[i] * k->block_size));
+    json_t *o =
+        json_pack("{s:s, s:b, s:f, s:I, s:i, s:i, s:b, s:o*}", "dtype", rk_dtype_name(k->dtype),
+                  "auto", k->auto_sized, "budget_mb", (double)k->budget_bytes / (1 << 20),
+                  "token_bytes", (json_int_t)k->token_bytes, "block_size", k->block_size, "context",
+                  k->context, "fits_context", k->fits_context, "pools", pools);
+    if (o && k->auto_sized)
+        json_object_update_new(o, json_pack("{s:f, s:s, s:f}", "memory_mb",
+                                            (double)k->memory_bytes / (1 << 20), "memory_source",
+                                            k->memory_source, "weights_mb",
+                                            (double)k->weight_bytes / (1 << 20)));
+    return o;
+}
+
+/* The weights' memory: the GGUF file (mapped), or for the embedded model
+ * what a token reads. */
+static uint64_t weights_of(const rk_model *m) {
+    const rk_gguf *g = rk_model_gguf(m);
+    size_t n = g ? rk_gguf_file_size(g) : 0;
+    return n ? n : rk_model_weight_bytes(m);
+}
+
+static rk_status open_arena(rk_service *svc) {
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    const rk_config *cfg = &svc->cfg;
+    rk_status st = rk_kv_plan_make(cfg, hp, weights_of(svc->model), svc->be->name, &svc->kv);
     if (st) return st;
-    int fixed[RK_POOL_COUNT] = {cfg->live_blocks, cfg->prefix_blocks, cfg->chunk_blocks};
-    for (int i = 0; i < RK_POOL_COUNT; i++)
-        if (fixed[i] > 0) p.pool_blocks[i] = fixed[i];
+    char line[512];
+    rk_kv_plan_describe(&svc->kv, line, sizeof line);
+    if (svc->kv.auto_sized && !svc->kv.fits_context)
+        RK_LOG_WARN("%s", line);
+    else
+        RK_LOG_INFO("%s", line);
+    rk_arena_params p = {.n_layers = hp->n_layers,
+                         .n_kv_heads = hp->n_kv_heads,
+                         .head_dim = hp->head_dim,
+                         .block_size = cfg->block_size,
+                         .dtype = svc->kv.dtype,
+                         .poison = cfg->kv_poison};
+    memcpy(p.pool_blocks, svc->kv.pool_blocks, sizeof p.pool_blocks);
     return rk_arena_create(svc->be, &p, &svc->arena);
 }
 
@@ -79,6 +225,18 @@ static rk_status open_redis(rk_service *svc) {
         st = rk_redis_open(&rc, rk_model_fingerprint(svc->model), &svc->redis);
     }
     explicit_bzero(secret, sizeof secret);
+    return st;
+}
+
+rk_status rk_kv_plan_for_model(const rk_config *cfg, const char *model_path, rk_kv_plan *out) {
+    rk_backend *be = NULL;
+    rk_model *m = NULL;
+    rk_status st = rk_config_validate(cfg);
+    if (!st) st = rk_backend_create(cfg->backend, cfg->n_threads, &be);
+    if (!st) st = model_path ? rk_model_load(model_path, be, &m) : load_embedded(be, &m);
+    if (!st) st = rk_kv_plan_make(cfg, rk_model_hparams(m), weights_of(m), be->name, out);
+    rk_model_free(m);
+    rk_backend_free(be);
     return st;
 }
 

@@ -117,6 +117,28 @@ Test(arena, poison_mode_fills_freed_blocks_with_nan) {
     rk_arena_free(pa);
 }
 
+Test(arena, q8_0_blocks_are_34_bytes_per_32_values_and_poison_their_scales) {
+    rk_arena *pa;
+    rk_arena_params p = params(2, 0, 0);
+    p.dtype = RK_DTYPE_Q8_0;
+    cr_assert_eq(rk_arena_create(be, &p, &pa), RK_ERR_INVALID, "heads of 8 are not whole blocks");
+    cr_assert_null(pa);
+    p.head_dim = 64;
+    p.poison = 1;
+    cr_assert_eq(rk_arena_create(be, &p, &pa), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_arena_block_bytes(&p), 2 * 2 * 16 * (2 * 64 / 32 * 34));
+    const rk_kv_cache *kv = rk_arena_kv(pa);
+    int32_t id;
+    cr_assert_eq(rk_arena_alloc(pa, RK_POOL_LIVE, 1, &id), RK_OK);
+    size_t per_block = 16 * 2 * 64 / 32 * 34;
+    unsigned char *k1 = (unsigned char *)kv->k[1] + (size_t)id * per_block;
+    memset(k1, 0, per_block);
+    cr_assert_eq(rk_arena_release(pa, &id, 1), RK_OK);
+    for (size_t b = 0; b < per_block; b += 34)
+        cr_assert(isnan(rk_f16_to_f32((uint16_t)(k1[b] | k1[b + 1] << 8))), "block at %zu", b);
+    rk_arena_free(pa);
+}
+
 Test(arena, rejects_bad_block_sizes) {
     rk_arena *bad;
     int sizes[] = {0, 4, 12, 128};

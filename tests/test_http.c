@@ -1017,15 +1017,85 @@ Test(http_opts, limits_give_413_422_and_context_length_exceeded, .fini = stop_se
     resp_free(&r);
 }
 
-Test(http_opts, a_request_larger_than_the_kv_memory_is_422, .fini = stop_server, .timeout = 300) {
+/* OpenAI's shape for a request too large for the server: 400, the code a
+ * client reads, and the project's type and message. */
+static void expect_context_exceeded(resp *r) {
+    cr_assert_eq(r->http.status, 400, "%s", r->http.body);
+    cr_assert(r->json, "%s", r->http.body);
+    cr_assert_str_eq(jstr(r->json, "error.code"), "context_length_exceeded");
+    cr_assert_str_eq(jstr(r->json, "error.type"), "invalid_request");
+    cr_assert(strstr(jstr(r->json, "error.message"), "KV memory"), "%s", r->http.body);
+}
+
+Test(http_opts, a_request_larger_than_the_kv_memory_is_context_length_exceeded, .fini = stop_server,
+     .timeout = 300) {
     const char *args[] = {"--kv-memory-mb", "1", NULL};
     cr_assert_eq(srv_start(&S, args), 0);
     resp r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1000}");
-    expect_error(&r, 422);
-    cr_assert(strstr(jstr(r.json, "error.message"), "KV memory"), "%s", r.http.body);
+    expect_context_exceeded(&r);
+    resp_free(&r);
+    /* Chunks too many for the chunk and live pools together, with nothing else running. */
+    char body[8192] = "{\"prompt\": \"S", piece[160];
+    for (int i = 0; i < 24; i++) {
+        snprintf(piece, sizeof piece,
+                 "##Chunk %d: the little red fox ran into the deep forest "
+                 "and found a friend there.",
+                 i);
+        strcat(body, piece);
+    }
+    strcat(body, "##Q\", \"max_tokens\": 2}");
+    r = post("/v1/completions", body);
+    expect_context_exceeded(&r);
     resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 4}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    resp_free(&r);
+}
+
+/* A request whose chunks do not fit the chunk pool is served: the chunks
+ * that still do not fit after eviction are computed uncached, and the
+ * completion equals the one with the chunk cache off. */
+Test(http_opts, chunks_beyond_the_chunk_pool_are_served_uncached, .fini = stop_server,
+     .timeout = 300) {
+    const char *args[] = {"--kv-memory-mb", "64", "--chunk-blocks", "4", "--kv-dtype", "f32", NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    char prompt[4096] = "You are terse.", piece[200];
+    for (int i = 0; i < 6; i++) {
+        snprintf(piece, sizeof piece,
+                 "##Document %d. The little red fox ran into the deep "
+                 "forest, found a friend and came home.",
+                 i);
+        strcat(prompt, piece);
+    }
+    strcat(prompt, "##Who ran?");
+    resp r = postf("/v1/completions",
+                   "{\"prompt\": \"%s\", \"max_tokens\": 8, "
+                   "\"temperature\": 0}",
+                   prompt);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    check_invariants(r.json);
+    int uncached = 0, n = (int)json_array_size(jget(r.json, "ragkv.chunks"));
+    cr_assert_eq(n, 6);
+    for (int i = 0; i < n; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "ragkv.chunks.%d.status", i);
+        uncached += !strcmp(jstr(r.json, path), "uncached");
+    }
+    cr_assert_geq(uncached, 1, "%s", r.http.body);
+    cr_assert_lt(uncached, n, "the pool took what it could: %s", r.http.body);
+    resp o = postf("/v1/completions",
+                   "{\"prompt\": \"%s\", \"max_tokens\": 8, "
+                   "\"temperature\": 0, \"chunk_cache\": false}",
+                   prompt);
+    cr_assert_eq(o.http.status, 200, "%s", o.http.body);
+    cr_assert_str_eq(jstr(r.json, "choices.0.text"), jstr(o.json, "choices.0.text"));
+    resp_free(&o);
+    resp_free(&r);
+    /* The pools in tokens. */
+    r = get("/v1/stats");
+    cr_assert_eq(jint(r.json, "pools.chunk.tokens"), 4 * 16);
+    cr_assert_eq(jint(r.json, "kv.pools.chunk.tokens"), 4 * 16);
+    cr_assert_str_eq(jstr(r.json, "kv.dtype"), "f32");
     resp_free(&r);
 }
 

@@ -53,7 +53,11 @@ static float elem_f32(const void *p, rk_dtype t, size_t i) {
     case RK_DTYPE_F32: return ((const float *)p)[i];
     case RK_DTYPE_F16: return rk_f16_to_f32(((const uint16_t *)p)[i]);
     case RK_DTYPE_BF16: return rk_bf16_to_f32(((const uint16_t *)p)[i]);
-    default: return NAN; /* quantized types are tested in test_quant.c */
+    case RK_DTYPE_Q8_0: { /* KV: blocks of an f16 scale and 32 int8 */
+        const unsigned char *b = (const unsigned char *)p + i / 32 * 34;
+        return rk_f16_to_f32((uint16_t)(b[0] | b[1] << 8)) * (float)(int8_t)b[2 + i % 32];
+    }
+    default: return NAN; /* other quantized types are tested in test_quant.c */
     }
 }
 
@@ -69,7 +73,7 @@ static float round_to(float f, rk_dtype t) {
 
 /* A dtype copy of an f32 array (malloc'ed). */
 static void *to_dtype(const float *src, size_t n, rk_dtype t) {
-    void *p = malloc(n * rk_dtype_size(t) + 1);
+    void *p = malloc(rk_dtype_row_bytes(t, n) + 1);
     cr_assert(p);
     rk_cpu_from_f32(p, src, t, n);
     return p;
@@ -858,7 +862,7 @@ static void fixture_build(fixture *f, rk_backend *be, const seq_spec *specs, int
     int n_blocks = need + 3;
     f->max_blocks = max_blocks;
     size_t row = (size_t)n_kv_heads * head_dim;
-    size_t layer_bytes = (size_t)n_blocks * block_size * row * rk_dtype_size(dtype);
+    size_t layer_bytes = (size_t)n_blocks * block_size * rk_dtype_row_bytes(dtype, row);
     for (int l = 0; l < 2; l++) {
         f->kbuf[l] = malloc(layer_bytes);
         f->vbuf[l] = malloc(layer_bytes);
@@ -1185,6 +1189,51 @@ Test(attention, half_precision_caches_stay_close_to_f32) {
     rk_backend_free(be);
 }
 
+/* The documented bound of Q8_0 KV against F32 on the attention fixture's
+ * values (uniform in [-1, 1]; docs/benchmarks.md). */
+#define RK_Q8_0_KV_TOL 4e-3 /* seen: 1.9e-3 */
+
+Test(attention, q8_0_caches_are_read_directly_and_stay_close_to_f32) {
+    /* Q8_0 caches (32 int8 and an f16 scale per block, head_dim a multiple of
+     * 32): decode (split-K over 4095 entries) and prefill, paged ==
+     * contiguous bit for bit, within 1e-5 of the double reference on the
+     * dequantized values, and within RK_Q8_0_KV_TOL of the F32 result. */
+    rk_backend *be = make_backend(2);
+    char what[128];
+    double seen = 0;
+    for (int c = 0; c < 4; c++) {
+        int hd = c % 2 ? 128 : 64, B = c < 2 ? 16 : 8, G = c < 2 ? 2 : 7;
+        seq_spec specs[3] = {{1, c < 2 ? 4095 : 257}, {20, 530}, {1, 33}};
+        fixture f;
+        fixture_build(&f, be, specs, 3, 2, G, hd, B, RK_DTYPE_Q8_0);
+        snprintf(what, sizeof what, "q8_0 hd=%d B=%d G=%d", hd, B, G);
+        float *out = check_fixture(be, &f, what);
+        size_t n_out = (size_t)f.total_q * f.n_heads * hd;
+        double *r32 = malloc(n_out * sizeof(double)),
+               *l32 = malloc((size_t)f.total_q * f.n_heads * sizeof(double));
+        cr_assert(r32 && l32);
+        attn_ref(&f, 0, r32, l32);
+        double worst = 0;
+        for (size_t i = 0; i < n_out; i++) worst = fmax(worst, fabs(out[i] - r32[i]));
+        cr_assert(worst <= RK_Q8_0_KV_TOL, "%s: max |out - f32| = %g", what, worst);
+        seen = fmax(seen, worst);
+        free(r32);
+        free(l32);
+        free(out);
+        fixture_free(&f);
+    }
+    cr_log_info("q8_0 KV: max |out - f32| = %g", seen);
+    /* A head size that is not whole blocks is refused, not misread. */
+    fixture f;
+    seq_spec one = {1, 8};
+    fixture_build(&f, be, &one, 1, 2, 1, 64, 16, RK_DTYPE_Q8_0);
+    f.kv.head_dim = 48;
+    float out[4 * 48], lse[4];
+    cr_assert_eq(run_paged(be, &f, out, lse), RK_ERR_INVALID);
+    fixture_free(&f);
+    rk_backend_free(be);
+}
+
 Test(attention, one_entry_returns_its_value_and_two_equal_scores_average) {
     rk_backend *be = make_backend(1);
     float kbuf[2 * 4] = {0}, vbuf[2 * 4] = {0};
@@ -1320,7 +1369,7 @@ typedef struct shift_fixture {
 static void shift_build(shift_fixture *f, int n_blocks, int bs, int heads, int hd, rk_dtype t) {
     memset(f, 0, sizeof *f);
     f->row = (size_t)heads * hd;
-    f->layer_bytes = (size_t)n_blocks * bs * f->row * rk_dtype_size(t);
+    f->layer_bytes = (size_t)n_blocks * bs * rk_dtype_row_bytes(t, f->row);
     for (int l = 0; l < 3; l++) {
         f->kl[l] = malloc(f->layer_bytes);
         f->vl[l] = malloc(f->layer_bytes);
@@ -1486,6 +1535,48 @@ Test(rope_shift_copy, half_precision_caches_round_once_per_shift) {
     rk_backend_free(be);
 }
 
+Test(rope_shift_copy, q8_0_caches_dequantize_rotate_and_requantize_each_row) {
+    rk_backend *be = make_backend(2);
+    int n = 16, heads = 2, hd = 64;
+    rk_rope r = plain_rope(64, 10000.0f, RK_ROPE_NEOX);
+    shift_fixture f;
+    shift_build(&f, 4, 16, heads, hd, RK_DTYPE_Q8_0);
+    size_t rb = rk_dtype_row_bytes(RK_DTYPE_Q8_0, f.row);
+    cr_assert_eq(rb, f.row / 32 * 34);
+    float *x = rand_floats((size_t)n * f.row, -1, 1), *v = rand_floats((size_t)n * f.row, -1, 1);
+    float *want = malloc((size_t)n * f.row * sizeof(float));
+    unsigned char *wq = malloc(rb);
+    cr_assert(want && wq);
+    int32_t src[16], dst[16], pos[16];
+    for (int i = 0; i < n; i++) {
+        src[i] = i;
+        dst[i] = 63 - i;
+        pos[i] = 300 - 37 * i; /* shifts both ways */
+    }
+    cr_assert_eq(be->ops->kv_write(be, &f.kv, 1, x, v, src, n), RK_OK);
+    /* kv_write quantizes: the stored row is rk_quantize of the input. */
+    rk_quantize(wq, x, RK_DTYPE_Q8_0, f.row);
+    cr_assert_arr_eq((unsigned char *)f.kl[1], wq, rb);
+    for (int i = 0; i < n; i++)
+        rk_dequantize(want + (size_t)i * f.row, (unsigned char *)f.kl[1] + (size_t)i * rb,
+                      RK_DTYPE_Q8_0, f.row);
+    cr_assert_eq(be->ops->rope(be, want, pos, n, heads, hd, &r), RK_OK);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, pos, n, &r), RK_OK);
+    for (int i = 0; i < n; i++) {
+        /* the stored row dequantized, rotated in f32 as the rope op does, quantized once */
+        rk_quantize(wq, want + (size_t)i * f.row, RK_DTYPE_Q8_0, f.row);
+        cr_assert_arr_eq((unsigned char *)f.kl[1] + (size_t)dst[i] * rb, wq, rb, "row %d", i);
+        cr_assert_arr_eq((unsigned char *)f.vl[1] + (size_t)dst[i] * rb,
+                         (unsigned char *)f.vl[1] + (size_t)src[i] * rb, rb, "V is copied");
+    }
+    free(x);
+    free(v);
+    free(want);
+    free(wq);
+    shift_free(&f);
+    rk_backend_free(be);
+}
+
 Test(rope_shift_copy, rejects_bad_slots_without_writing) {
     rk_backend *be = make_backend(2);
     rk_rope r = plain_rope(16, 10000.0f, RK_ROPE_NORMAL);
@@ -1580,7 +1671,7 @@ static void zc_build(zc_fixture *f, rk_backend *be, const zc_case *zc) {
         n_blocks += blocks + zc_blocks(len, bs);
         total_runs += zc->seqs[s].n_runs;
     }
-    size_t layer = (size_t)n_blocks * bs * row * rk_dtype_size(zc->dtype);
+    size_t layer = (size_t)n_blocks * bs * rk_dtype_row_bytes(zc->dtype, (size_t)row);
     f->kl[0] = malloc(layer);
     f->vl[0] = malloc(layer);
     cr_assert(f->kl[0] && f->vl[0]);
@@ -1903,6 +1994,22 @@ Test(attention_segments, decode_across_block_and_partition_edges_inside_shared_r
     rk_backend_free(be2);
 }
 
+Test(attention_segments, q8_0_caches_match_the_copy_path_within_their_rounding) {
+    /* The copy path requantizes each rotated key (its own block scales); the
+     * shifted path reads the keys as cached and rotates the queries. */
+    rk_backend *be = make_backend(2);
+    const zc_seq seqs[] = {{5, zc_prefill, 9, 0}, {6, zc_decode, 1, 0}};
+    float worst = 0;
+    for (int pr = 0; pr < 2; pr++) {
+        rk_rope r = plain_rope(64, 10000.0f, (rk_rope_pairing)pr);
+        zc_case zc = {zc_chunks, 9, seqs, 2, 4, 2, 64, 16, RK_DTYPE_Q8_0, &r};
+        float d = zc_compare(be, &zc, RK_Q8_0_KV_TOL, "q8_0");
+        worst = d > worst ? d : worst;
+    }
+    cr_log_info("q8_0 KV: shifted against copied keys: %g", worst);
+    rk_backend_free(be);
+}
+
 Test(attention_segments, half_precision_caches_match_the_copy_path_loosely) {
     rk_backend *be = make_backend(2);
     const zc_seq seqs[] = {{5, zc_prefill, 9, 0}, {6, zc_decode, 1, 0}};
@@ -2059,4 +2166,27 @@ Test(attention_mass, equals_the_attention_kernels_probabilities_summed) {
     free(kbuf);
     free(vbuf);
     rk_backend_free(be);
+}
+
+/* A q8_0 KV body is finite exactly when every block's f16 scale is: the int8
+ * values cannot be anything else. The scan names the block's first element. */
+Test(kernels, q8_0_nonfinite_scan_checks_every_block_scale) {
+    enum { BLOCKS = 9 };
+    size_t bb = rk_dtype_row_bytes(RK_DTYPE_Q8_0, 32);
+    cr_assert_eq(bb, 34);
+    unsigned char body[BLOCKS * 34];
+    for (size_t i = 0; i < sizeof body; i++) body[i] = (unsigned char)(i * 7);
+    for (int b = 0; b < BLOCKS; b++) { /* a finite scale: 1.0 in f16 */
+        uint16_t one = 0x3c00;
+        memcpy(body + b * bb, &one, sizeof one);
+    }
+    cr_assert_eq(rk_dtype_first_nonfinite(RK_DTYPE_Q8_0, body, BLOCKS * 32), -1);
+    static const uint16_t bad[] = {0x7c00 /* +inf */, 0xfc00 /* -inf */, 0x7e00 /* NaN */};
+    for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+        unsigned char copy[sizeof body];
+        memcpy(copy, body, sizeof body);
+        memcpy(copy + 5 * bb, &bad[k], sizeof bad[k]);
+        cr_assert_eq(rk_dtype_first_nonfinite(RK_DTYPE_Q8_0, copy, BLOCKS * 32), 5 * 32,
+                     "scale 0x%04x", bad[k]);
+    }
 }

@@ -16,15 +16,20 @@
 #include "store/payload.h"
 #include "tests/testutil.h"
 
-static rk_service *open_with_store(const char *model, const char *dir) {
+static rk_service *open_with_store_kv(const char *model, const char *dir, const char *dtype) {
     rk_config cfg;
     rk_config_defaults(&cfg);
     cfg.n_threads = 2;
     cfg.kv_memory_mb = 64;
+    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "%s", dtype);
     snprintf(cfg.store_dir, sizeof cfg.store_dir, "%s", dir);
     rk_service *svc;
     cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
     return svc;
+}
+
+static rk_service *open_with_store(const char *model, const char *dir) {
+    return open_with_store_kv(model, dir, "auto");
 }
 
 typedef struct first_logits {
@@ -61,6 +66,37 @@ static void run(rk_service *svc, const char *prompt, rk_request *r, first_logits
 static const char *PROMPT =
     "Tell a story.##Lily found a shiny key under the old tree.##"
     "The key opened a small wooden box full of letters.##What was in the box?";
+
+/* Q8_0 KV goes through the store as its blocks (34 bytes per 32 values) and
+ * comes back identical; a service keeping another KV type finds none of it
+ * (the type is part of the chunk key and of the payload's layout record). */
+Test(persist, q8_0_chunks_round_trip_through_the_store_and_other_types_miss_them) {
+    char *dir = rk_test_tmpdir("persist-q8");
+    rk_service *svc = open_with_store_kv(NULL, dir, "q8_0");
+    rk_request a, b, c;
+    first_logits la = {0}, lb = {0};
+    run(svc, PROMPT, &a, &la);
+    cr_assert_eq(a.chunk_reports[0].source, RK_CHUNK_SOURCE_COMPUTED);
+    rk_service_close(svc);
+    svc = open_with_store_kv(NULL, dir, "q8_0");
+    run(svc, PROMPT, &b, &lb);
+    cr_assert_eq(b.chunk_reports[0].source, RK_CHUNK_SOURCE_DISK);
+    cr_assert_eq(b.chunk_reports[1].source, RK_CHUNK_SOURCE_DISK);
+    cr_assert_arr_eq(la.v, lb.v, (size_t)la.n * sizeof(float),
+                     "loaded q8_0 KV gives the same logits");
+    cr_assert_arr_eq(a.out_tokens, b.out_tokens, 8 * sizeof(int32_t));
+    rk_service_close(svc);
+    svc = open_with_store_kv(NULL, dir, "f16");
+    run(svc, PROMPT, &c, NULL);
+    cr_assert_eq(c.chunk_reports[0].source, RK_CHUNK_SOURCE_COMPUTED, "f16 finds no q8_0 chunk");
+    rk_service_close(svc);
+    rk_request_free(&a);
+    rk_request_free(&b);
+    rk_request_free(&c);
+    free(la.v);
+    free(lb.v);
+    free(dir);
+}
 
 Test(persist, a_restart_serves_chunks_from_disk_with_identical_results) {
     char *model;
@@ -314,7 +350,7 @@ Test(persist, prewarm_killed_at_random_points_always_leaves_a_consistent_store, 
     free(dir);
 }
 
-/* Put a NaN into the f32 KV of the payload file at path, its checksums
+/* Put a NaN into the KV of the payload file at path, its checksums
  * recomputed, as a damaged disk or a careless tool could. */
 static void poison_payload(const char *path) {
     size_t len = 0;
@@ -323,10 +359,17 @@ static void poison_payload(const char *path) {
     rk_payload_header h;
     cr_assert_eq(rk_payload_header_decode(path, (uint8_t *)b, len, &h), RK_OK, "%s",
                  rk_error_message());
-    cr_assert_eq(h.layout.dtype, 0, "an f32 KV store");
     int32_t *toks = (int32_t *)(void *)(b + RK_STORE_HEADER_BYTES);
-    float *kv = (float *)(void *)(b + RK_STORE_HEADER_BYTES + 4 * (size_t)h.n_tokens);
-    kv[h.body_size / 4 / 2] = NAN;
+    char *kv = b + RK_STORE_HEADER_BYTES + 4 * (size_t)h.n_tokens;
+    if (h.layout.dtype == RK_DTYPE_F32) {
+        float nan = NAN;
+        memcpy(kv + h.body_size / 4 / 2 * 4, &nan, sizeof nan);
+    } else { /* f16 (the default) or bf16: both NaNs have the top exponent bits set */
+        cr_assert(h.layout.dtype == RK_DTYPE_F16 || h.layout.dtype == RK_DTYPE_BF16,
+                  "an f32, f16 or bf16 KV store");
+        uint16_t nan = h.layout.dtype == RK_DTYPE_F16 ? 0x7e00 : 0x7fc0;
+        memcpy(kv + h.body_size / 2 / 2 * 2, &nan, sizeof nan);
+    }
     rk_payload_checksum(toks, h.n_tokens, kv, (size_t)h.body_size, h.checksum);
     rk_payload_header_encode(&h, (uint8_t *)b);
     FILE *f = fopen(path, "wb");

@@ -35,6 +35,8 @@ static rk_service *open_svc(const char *model, int prefix_cache) {
     rk_config_defaults(&cfg);
     cfg.n_threads = 2;
     cfg.kv_memory_mb = 256;
+    /* The exactness bounds are f32's; f16 (the default) is checked on its own. */
+    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
     cfg.prefix_cache = prefix_cache;
     rk_service *svc;
     cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());

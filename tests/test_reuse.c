@@ -100,6 +100,8 @@ static rk_service *open_svc(const char *model, int prefix_cache, const char *rei
     rk_config_defaults(&cfg);
     cfg.n_threads = 2;
     cfg.kv_memory_mb = 64;
+    /* The exactness bounds are f32's; f16 (the default) is checked on its own. */
+    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
     cfg.prefix_cache = prefix_cache;
     snprintf(cfg.reindex, sizeof cfg.reindex, "%s", reindex);
     rk_service *svc;

@@ -442,10 +442,10 @@ Test(scheduler, a_request_the_live_pool_cannot_hold_yet_waits_instead_of_failing
     cr_assert(first.done, "the second request ran after the first released its blocks");
     pthread_mutex_unlock(&first.mu);
     cr_assert_eq(first.status, RK_OK, "%s", first.error);
-    /* One that cannot fit even alone fails as too large. */
+    /* One that cannot fit even alone fails: context length exceeded. */
     submit(e, &huge, SHORT_PROMPT, 400);
     wait_done(&huge);
-    cr_assert_eq(huge.status, RK_ERR_LIMIT, "%s", huge.error);
+    cr_assert_eq(huge.status, RK_ERR_CONTEXT, "%s", huge.error);
     rk_job_destroy(&first);
     rk_job_destroy(&second);
     rk_job_destroy(&huge);

@@ -250,3 +250,96 @@ Test(settings, help_lines_wrap_at_80_columns) {
     cr_expect_geq(n, 3);
     cr_expect_str_eq(all, k_long[0].help + 3);
 }
+
+Test(settings, kv_memory_mb_takes_auto_as_text_json_and_environment) {
+    own o;
+    rk_config cfg;
+    rk_settings tabs[2];
+    bind(&o, &cfg, tabs);
+    cr_expect_eq(cfg.kv_memory_mb, 0, "auto is the default");
+    cr_expect_str_eq(cfg.kv_dtype, "auto");
+    void *base;
+    const rk_setting *f = rk_settings_find(tabs, 2, "kv_memory_mb", &base);
+    cr_assert_not_null(f);
+    cr_expect_eq(rk_setting_parse(base, f, "512"), RK_OK);
+    cr_expect_eq(cfg.kv_memory_mb, 512);
+    cr_expect_eq(rk_setting_parse(base, f, "auto"), RK_OK);
+    cr_expect_eq(cfg.kv_memory_mb, 0);
+    const char *bad[] = {"0", "Auto", "", "-5", "16777217", "12x"};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        cr_expect_eq(rk_setting_parse(base, f, bad[i]), RK_ERR_INVALID, "'%s'", bad[i]);
+        cr_expect(strstr(rk_error_message(), "auto"), "%s", rk_error_message());
+    }
+    json_t *j = rk_settings_json(tabs, 2);
+    cr_expect_str_eq(json_string_value(json_object_get(j, "kv_memory_mb")), "auto");
+    json_decref(j);
+    char *path =
+        rk_test_write_tmp("kvauto", "c.json", "{\"kv_memory_mb\": 300, \"memory_limit_mb\": 2048}");
+    cr_assert_eq(rk_settings_load_file(tabs, 2, path), RK_OK, "%s", rk_error_message());
+    cr_expect_eq(cfg.kv_memory_mb, 300);
+    cr_expect_eq(cfg.memory_limit_mb, 2048);
+    free(path);
+    path = rk_test_write_tmp("kvauto", "c.json", "{\"kv_memory_mb\": \"auto\"}");
+    cr_assert_eq(rk_settings_load_file(tabs, 2, path), RK_OK, "%s", rk_error_message());
+    cr_expect_eq(cfg.kv_memory_mb, 0);
+    free(path);
+    setenv("RAGKV_MEMORY_LIMIT_MB", "4096", 1);
+    setenv("RAGKV_KV_MEMORY_MB", "auto", 1);
+    cfg.kv_memory_mb = 7;
+    cr_expect_eq(rk_settings_load_env(tabs, 2), RK_OK, "%s", rk_error_message());
+    unsetenv("RAGKV_MEMORY_LIMIT_MB");
+    unsetenv("RAGKV_KV_MEMORY_MB");
+    cr_expect_eq(cfg.memory_limit_mb, 4096);
+    cr_expect_eq(cfg.kv_memory_mb, 0);
+    cr_expect_eq(rk_config_validate(&cfg), RK_OK, "%s", rk_error_message());
+}
+
+Test(settings, available_memory_is_meminfo_bounded_by_a_cgroup_limit) {
+    char *meminfo = rk_test_write_tmp("meminfo", "meminfo",
+                                      "MemTotal:       24684096 kB\n"
+                                      "MemFree:        23681688 kB\n"
+                                      "MemAvailable:    8388608 kB\n");
+    char *dir = rk_test_tmpdir("cgroup");
+    rk_memory_info mi;
+    /* No cgroup files: MemAvailable alone. */
+    cr_assert_eq(rk_memory_detect(meminfo, dir, &mi), RK_OK, "%s", rk_error_message());
+    cr_expect_eq(mi.bytes, (uint64_t)8 << 30);
+    cr_expect_str_eq(mi.source, "MemAvailable");
+    cr_expect_eq(mi.cgroup, 0);
+    /* v2 "max": no limit. */
+    char path[1200];
+    snprintf(path, sizeof path, "%s/memory.max", dir);
+    FILE *f = fopen(path, "w");
+    fputs("max\n", f);
+    fclose(f);
+    cr_assert_eq(rk_memory_detect(meminfo, dir, &mi), RK_OK);
+    cr_expect_eq(mi.bytes, (uint64_t)8 << 30);
+    /* A v2 limit of 3 GiB with 1 GiB used leaves 2 GiB, under MemAvailable. */
+    f = fopen(path, "w");
+    fprintf(f, "%llu\n", 3ULL << 30);
+    fclose(f);
+    snprintf(path, sizeof path, "%s/memory.current", dir);
+    f = fopen(path, "w");
+    fprintf(f, "%llu\n", 1ULL << 30);
+    fclose(f);
+    cr_assert_eq(rk_memory_detect(meminfo, dir, &mi), RK_OK);
+    cr_expect_eq(mi.bytes, (uint64_t)2 << 30);
+    cr_expect_str_eq(mi.source, "cgroup");
+    /* A limit above MemAvailable does not raise it. */
+    f = fopen(path, "w");
+    fprintf(f, "%d\n", 0);
+    fclose(f);
+    snprintf(path, sizeof path, "%s/memory.max", dir);
+    f = fopen(path, "w");
+    fprintf(f, "%llu\n", 64ULL << 30);
+    fclose(f);
+    cr_assert_eq(rk_memory_detect(meminfo, dir, &mi), RK_OK);
+    cr_expect_eq(mi.bytes, (uint64_t)8 << 30);
+    cr_expect_str_eq(mi.source, "MemAvailable");
+    /* Nothing readable at all: a clear error, not a guess. */
+    snprintf(path, sizeof path, "%s/none", dir);
+    cr_expect_eq(rk_memory_detect(path, path, &mi), RK_ERR_IO);
+    cr_expect(strstr(rk_error_message(), "kv_memory_mb"), "%s", rk_error_message());
+    free(meminfo);
+    free(dir);
+}

@@ -45,6 +45,8 @@ static rk_service *open_svc(const char *model, svc_opts so) {
     rk_config_defaults(&cfg);
     cfg.n_threads = 2;
     cfg.kv_memory_mb = 64;
+    /* The exactness bounds are f32's; f16 (the default) is checked on its own. */
+    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
     snprintf(cfg.reindex, sizeof cfg.reindex, "%s", so.reindex);
     if (so.block_size) cfg.block_size = so.block_size;
     if (so.chunk_blocks) cfg.chunk_blocks = so.chunk_blocks;

@@ -103,7 +103,7 @@ static void gather(const kv_src *src, rk_dtype dt, int t0, int n, int n_next, wo
     }
     /* Prefetch the next n_next entries into L2: the hardware prefetcher does
      * not follow segments that lie a whole kv entry apart. */
-    size_t seg_bytes = (size_t)seg * rk_dtype_size(dt);
+    size_t seg_bytes = rk_dtype_row_bytes(dt, (size_t)seg);
     for (int i = 0; i < n_next; i++) {
         if (blk_left == 0) {
             b++;
@@ -122,8 +122,9 @@ static void gather(const kv_src *src, rk_dtype dt, int t0, int n, int n_next, wo
 
 /* ---------------------------------------------------------------- inner kernels */
 
-/* The kernels read K and V as the cache stores them, F32, F16 or BF16 (type
- * ty), widening each load to f32 in registers, which is exact: a copy widened
+/* The kernels read K and V as the cache stores them, F32, F16, BF16 or Q8_0
+ * (type ty; Q8_0: eight int8 of a 32-value block times its f16 scale),
+ * widening each load to f32 in registers, which is exact: a copy widened
  * ahead into f32 tiles measured slower (its stores and reloads cost more than
  * the widening), by about half for a decode query over 4k F16 entries. Each
  * kernel is written once as an always-inline body over ty and instantiated
@@ -131,8 +132,15 @@ static void gather(const kv_src *src, rk_dtype dt, int t0, int n, int n_next, wo
  * own loads. */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-/* Element e of a row of type ty, in f32. */
+/* Element e of a row of type ty, in f32. A Q8_0 row is blocks of 32: an f16
+ * scale d, then 32 int8 q; the element is d * q. */
 ALWAYS_INLINE float kv_at(const void *row, int e, rk_dtype ty) {
+    if (ty == RK_DTYPE_Q8_0) {
+        const unsigned char *b = (const unsigned char *)row + (size_t)(e / 32) * 34;
+        uint16_t d;
+        memcpy(&d, b, 2);
+        return rk_f16_to_f32(d) * (float)(int8_t)b[2 + e % 32];
+    }
     if (ty == RK_DTYPE_F16) return rk_f16_to_f32(((const uint16_t *)row)[e]);
     if (ty == RK_DTYPE_BF16) return rk_bf16_to_f32(((const uint16_t *)row)[e]);
     return ((const float *)row)[e];
@@ -140,6 +148,7 @@ ALWAYS_INLINE float kv_at(const void *row, int e, rk_dtype ty) {
 
 /* A row of type ty advanced by off elements. */
 ALWAYS_INLINE const void *kv_skip(const void *row, int off, rk_dtype ty) {
+    if (ty == RK_DTYPE_Q8_0) return (const char *)row + (size_t)(off / 32) * 34; /* off % 32 == 0 */
     return (const char *)row + (size_t)off * (ty == RK_DTYPE_F32 ? 4 : 2);
 }
 
@@ -153,6 +162,14 @@ ALWAYS_INLINE const void *kv_skip(const void *row, int off, rk_dtype ty) {
 /* Elements e..e+7 of a row of type ty, in f32. */
 ALWAYS_INLINE __m256 kv_load8(const void *row, int e, rk_dtype ty) {
     if (ty == RK_DTYPE_F32) return _mm256_loadu_ps((const float *)row + e);
+    if (ty == RK_DTYPE_Q8_0) { /* e % 8 == 0: the eight lie in one block */
+        const unsigned char *b = (const unsigned char *)row + (size_t)(e / 32) * 34;
+        uint16_t d;
+        memcpy(&d, b, 2);
+        __m128i q = _mm_loadl_epi64((const __m128i *)(b + 2 + e % 32));
+        return _mm256_mul_ps(_mm256_set1_ps(rk_f16_to_f32(d)),
+                             _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + e));
     if (ty == RK_DTYPE_F16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -459,6 +476,7 @@ ALWAYS_INLINE void pv_group_of(work *w, const int *v, int nv, int n, int hd, rk_
 static void qk_group(work *w, const int *v, int nv, int n, int hd, float scale) {
     switch (w->ty) {
     case RK_DTYPE_F16: qk_group_of(w, v, nv, n, hd, scale, RK_DTYPE_F16); break;
+    case RK_DTYPE_Q8_0: qk_group_of(w, v, nv, n, hd, scale, RK_DTYPE_Q8_0); break;
     case RK_DTYPE_BF16: qk_group_of(w, v, nv, n, hd, scale, RK_DTYPE_BF16); break;
     default: qk_group_of(w, v, nv, n, hd, scale, RK_DTYPE_F32); break;
     }
@@ -467,6 +485,7 @@ static void qk_group(work *w, const int *v, int nv, int n, int hd, float scale) 
 static void pv_group(work *w, const int *v, int nv, int n, int hd) {
     switch (w->ty) {
     case RK_DTYPE_F16: pv_group_of(w, v, nv, n, hd, RK_DTYPE_F16); break;
+    case RK_DTYPE_Q8_0: pv_group_of(w, v, nv, n, hd, RK_DTYPE_Q8_0); break;
     case RK_DTYPE_BF16: pv_group_of(w, v, nv, n, hd, RK_DTYPE_BF16); break;
     default: pv_group_of(w, v, nv, n, hd, RK_DTYPE_F32); break;
     }
@@ -692,9 +711,8 @@ static const seq_runs *make_runs(const attn_ctx *c, int seq, seq_runs *runs) {
 }
 
 static void make_src(const attn_ctx *c, int seq, int h0, int h1, kv_src *src) {
-    size_t es = rk_dtype_size(c->dtype);
-    src->row_bytes = (size_t)c->n_kv_heads * c->head_dim * es;
-    src->head_off = (size_t)h0 * c->head_dim * es;
+    src->row_bytes = rk_dtype_row_bytes(c->dtype, (size_t)c->n_kv_heads * c->head_dim);
+    src->head_off = rk_dtype_row_bytes(c->dtype, (size_t)h0 * c->head_dim);
     src->seg = (h1 - h0) * c->head_dim;
     if (c->kv) {
         src->k = c->kv->k[c->layer];
@@ -985,7 +1003,7 @@ rk_status rk_cpu_attention_contig(rk_backend *be, float *out, float *lse, const 
                                   const void *const *k, const void *const *v, rk_dtype dtype,
                                   int n_kv_heads, int head_dim, const int32_t *q_start,
                                   const int32_t *kv_len, int n_seqs, int n_heads, float scale) {
-    if (rk_dtype_size(dtype) == 0)
+    if (!rk_kv_dtype_ok(dtype, head_dim))
         return rk_errorf(RK_ERR_INVALID, "attention: bad dtype %d", (int)dtype);
     rk_status st = rk_attn_check_shape(q_start, kv_len, n_seqs, n_heads, n_kv_heads, head_dim);
     if (st != RK_OK) return st;

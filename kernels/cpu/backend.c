@@ -105,6 +105,10 @@ void rk_cpu_to_f32(float *dst, const void *src, rk_dtype dtype, size_t n) {
         memcpy(dst, src, n * sizeof(float));
         return;
     }
+    if (dtype == RK_DTYPE_Q8_0) { /* KV rows: whole blocks */
+        rk_dequantize(dst, src, dtype, n);
+        return;
+    }
     const uint16_t *s = src;
 #ifdef __AVX2__
     if (dtype == RK_DTYPE_F16) {
@@ -129,6 +133,10 @@ void rk_cpu_from_f32(void *dst, const float *src, rk_dtype dtype, size_t n) {
     size_t i = 0;
     if (dtype == RK_DTYPE_F32) {
         memcpy(dst, src, n * sizeof(float));
+        return;
+    }
+    if (dtype == RK_DTYPE_Q8_0) { /* KV rows: whole blocks, one f16 scale each */
+        rk_quantize(dst, src, dtype, n);
         return;
     }
     uint16_t *d = dst;

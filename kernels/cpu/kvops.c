@@ -26,7 +26,7 @@ static void write_task(void *p, int task, int tid) {
     write_ctx *c = p;
     const rk_kv_cache *kv = c->kv;
     size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
-    size_t row_bytes = row * rk_dtype_size(kv->dtype);
+    size_t row_bytes = rk_dtype_row_bytes(kv->dtype, row);
     unsigned char *kb = kv->k[c->layer], *vb = kv->v[c->layer];
     int t0 = task * c->tokens_per;
     int t1 = t0 + c->tokens_per < c->n_tokens ? t0 + c->tokens_per : c->n_tokens;
@@ -78,7 +78,7 @@ static void shift_task(void *p, int task, int tid) {
     const rk_rope *r = c->rope;
     int half = r->n_rot / 2;
     size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
-    size_t row_bytes = row * rk_dtype_size(kv->dtype);
+    size_t row_bytes = rk_dtype_row_bytes(kv->dtype, row);
     int t0 = task * SHIFT_TOKENS_PER_TASK;
     int nt = c->n_tokens - t0 < SHIFT_TOKENS_PER_TASK ? c->n_tokens - t0 : SHIFT_TOKENS_PER_TASK;
 

@@ -397,6 +397,13 @@ static rk_status cuda_swiglu(rk_backend *be, float *out, const float *gate, cons
 
 /* ---------------------------------------------------------------- KV cache ops */
 
+/* The CUDA kernels read F32, F16 and BF16 KV; a Q8_0 cache (CPU only) is
+ * refused before anything is read or written. */
+static rk_status no_q8_0_kv(const rk_kv_cache *kv, const char *op) {
+    if (kv->dtype != RK_DTYPE_Q8_0) return RK_OK;
+    return rk_errorf(RK_ERR_UNSUPPORTED, "%s: q8_0 KV is not supported on the cuda backend", op);
+}
+
 /* slots are device memory. The kernels check them (a slot past the cache or
  * a slot named twice fails the call with nothing written, reported at the
  * next sync); check mode copies them back and checks them here first. */
@@ -404,6 +411,7 @@ static rk_status cuda_kv_write(rk_backend *be, const rk_kv_cache *kv, int layer,
                                const float *v, const int32_t *slots, int n_tokens) {
     rk_cuda *cu = cu_of(be);
     rk_status st = rk_kv_check_write(kv, layer, n_tokens);
+    if (st == RK_OK) st = no_q8_0_kv(kv, "kv_write");
     if (st != RK_OK || n_tokens == 0) return st;
     int64_t total = rk_kv_slots(kv);
     size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
@@ -443,6 +451,7 @@ static rk_status cuda_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv,
                                       const int32_t *delta, int n_tokens, const rk_rope *rope) {
     rk_cuda *cu = cu_of(be);
     rk_status st = rk_kv_check_shift(kv, n_tokens, rope);
+    if (st == RK_OK) st = no_q8_0_kv(kv, "rope_shift_copy");
     if (st != RK_OK || n_tokens == 0) return st;
     if (kv->n_layers > 65535)
         return rk_errorf(RK_ERR_LIMIT, "rope_shift_copy: %d layers (at most 65535)", kv->n_layers);
@@ -700,6 +709,7 @@ static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const fl
                                 int n_heads, float scale) {
     rk_cuda *cu = cu_of(be);
     rk_status st = rk_attn_check_batch(kv, layer, batch, n_heads);
+    if (st == RK_OK) st = no_q8_0_kv(kv, "attention");
     if (st != RK_OK) return st;
     int max_kv = 0; /* the longest kv range: no block is read when it is 0 */
     for (int s = 0; s < batch->n_seqs; s++)
