@@ -5,7 +5,9 @@
  *   generate.c   completions and chat: preparing a request, waiting for the
  *                engine, Server-Sent Events, the response objects
  *   chunks.c     the chunk and cache routes: pre-warm, list, get, delete, flush
+ *   respond.c    response headers and bodies, errors, reading a request body
  *   conns.c      sockets: a client gone, connections per client address
+ *   tokenize.c   POST /tokenize and /detokenize
  *   http_json.c  request bodies (api.h)       chat.c   chat templates (chat.h)
  *   report.c     finished requests as JSON (report.h)
  *   stats.c      counters, /v1/stats and /metrics (stats.h)
