@@ -110,6 +110,10 @@ rk_status rk_sampler_init(rk_sampler *s, const rk_sampler_params *p, int n_vocab
 void rk_sampler_free(rk_sampler *s);
 /* Choose the next token from logits(n_vocab). Reproducible for a given seed. */
 int32_t rk_sampler_sample(rk_sampler *s, const float *logits);
+/* The same over the tokens whose bit is set in allowed (a bitset of n_vocab
+ * bits, word i / 64; NULL: all), the others masked before temperature,
+ * top-k and top-p. Returns -1 when allowed holds no token. */
+int32_t rk_sampler_sample_masked(rk_sampler *s, const float *logits, const uint64_t *allowed);
 
 /* log(sum of exp(logits[i])) over logits(n), n >= 1, summed in double after
  * taking out the largest logit. */
