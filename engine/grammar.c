@@ -65,12 +65,13 @@ typedef struct elem {
 
 struct rk_grammar {
     int n_rules;
-    char **names;      /* (n_rules) */
-    int32_t *alt_off;  /* (n_rules + 1) into alt_start */
-    int32_t *alt_start;/* (n_alts) first element of each alternative */
-    uint8_t *alt_dead; /* (n_alts) the alternative matches nothing */
-    elem *elems;       /* alternatives, each ended by E_END */
+    char **names;       /* (n_rules) */
+    int32_t *alt_off;   /* (n_rules + 1) into alt_start */
+    int32_t *alt_start; /* (n_alts) first element of each alternative */
+    uint8_t *alt_dead;  /* (n_alts) the alternative matches nothing */
+    elem *elems;        /* alternatives, each ended by E_END */
     uint64_t (*sets)[4];
+    int32_t *minlen; /* (n_elems) fewest bytes that finish the sequence from each element */
     int n_alts, n_elems, n_sets;
     int root;
 };
@@ -262,8 +263,14 @@ static int parse_char(builder *b) {
     case 't': return '\t';
     case 'r': return '\r';
     case '0': return 0;
-    case '\\': case '"': case '\'': case ']': case '[': case '-': case '^': case '/':
-        return (unsigned char)e;
+    case '\\':
+    case '"':
+    case '\'':
+    case ']':
+    case '[':
+    case '-':
+    case '^':
+    case '/': return (unsigned char)e;
     case 'x': {
         int h = hexval(b->p[0]), l = h >= 0 ? hexval(b->p[1]) : -1;
         if (l < 0) {
@@ -420,8 +427,7 @@ static void parse_sequence(builder *b, evec *seq) {
             if (*e != '}' || lo < 0 || (hi >= 0 && hi < lo) || lo > RK_GRAMMAR_MAX_REPEAT ||
                 hi > RK_GRAMMAR_MAX_REPEAT) {
                 free(prim.p);
-                B_FAIL(b, "bad repetition {m,n} (0 <= m <= n <= %d)",
-                              RK_GRAMMAR_MAX_REPEAT);
+                B_FAIL(b, "bad repetition {m,n} (0 <= m <= n <= %d)", RK_GRAMMAR_MAX_REPEAT);
             }
             b->p = e + 1;
         }
@@ -497,6 +503,7 @@ void rk_grammar_free(rk_grammar *g) {
     free(g->alt_dead);
     free(g->elems);
     free(g->sets);
+    free(g->minlen);
     free(g);
 }
 
@@ -605,7 +612,8 @@ static rk_status finish(builder *b, rk_grammar **out) {
                 const elem *e = g->elems + g->alt_start[a];
                 int ok = 1;
                 for (; e->type != E_END && ok; e++) {
-                    if (e->type == E_REF) ok = prod[e->v];
+                    if (e->type == E_REF)
+                        ok = prod[e->v];
                     else {
                         const uint64_t *s = g->sets[e->v];
                         ok = (s[0] | s[1] | s[2] | s[3]) != 0;
@@ -622,12 +630,43 @@ static rk_status finish(builder *b, rk_grammar **out) {
     for (int r = 0; r < g->n_rules; r++)
         for (int a = g->alt_off[r]; a < g->alt_off[r + 1]; a++)
             for (const elem *e = g->elems + g->alt_start[a]; e->type != E_END; e++) {
-                int ok = e->type == E_REF
-                             ? prod[e->v]
-                             : (g->sets[e->v][0] | g->sets[e->v][1] | g->sets[e->v][2] |
-                                g->sets[e->v][3]) != 0;
+                int ok = e->type == E_REF ? prod[e->v]
+                                          : (g->sets[e->v][0] | g->sets[e->v][1] |
+                                             g->sets[e->v][2] | g->sets[e->v][3]) != 0;
                 if (!ok) g->alt_dead[a] = 1;
             }
+    /* Fewest bytes each rule matches (a fixpoint), then from each element to
+     * the end of its sequence: what finishing a stack costs at least. */
+    g->minlen = malloc((size_t)g->n_elems * sizeof *g->minlen);
+    int32_t *rmin = malloc((size_t)g->n_rules * sizeof *rmin);
+    if (!g->minlen || !rmin) {
+        free(rmin);
+        st = rk_errorf(RK_ERR_NOMEM, "grammar: out of memory");
+        goto done;
+    }
+    for (int r = 0; r < g->n_rules; r++) rmin[r] = INT32_MAX;
+    for (int changed = 1; changed;) {
+        changed = 0;
+        for (int r = 0; r < g->n_rules; r++)
+            for (int a = g->alt_off[r]; a < g->alt_off[r + 1]; a++) {
+                if (g->alt_dead[a]) continue;
+                int64_t n = 0;
+                for (const elem *e = g->elems + g->alt_start[a]; e->type != E_END; e++)
+                    n += e->type == E_SET ? 1 : rmin[e->v];
+                if (n < rmin[r]) rmin[r] = (int32_t)n, changed = 1;
+            }
+    }
+    for (int a = 0; a < g->n_alts; a++) {
+        int end = g->alt_start[a];
+        while (g->elems[end].type != E_END) end++;
+        int64_t n = 0;
+        g->minlen[end] = 0;
+        for (int i = end - 1; i >= g->alt_start[a]; i--) {
+            n += g->elems[i].type == E_SET ? 1 : rmin[g->elems[i].v];
+            g->minlen[i] = n > INT32_MAX ? INT32_MAX : (int32_t)n;
+        }
+    }
+    free(rmin);
 done:
     free(nullable);
     free(colour);
@@ -812,13 +851,14 @@ typedef struct dstate {
     int32_t leaf_off, n_leaf;
     int32_t row;  /* transition row (256 entries) or -1 */
     int32_t mask; /* cached mask slot or -1 */
+    int32_t minb; /* fewest bytes that finish it, -1 until asked */
     uint32_t hash;
     uint8_t accept;
 } dstate;
 
-#define T_UNKNOWN (-3)
-#define T_ERROR (-2)
-#define T_DEAD (-1)
+#define T_UNKNOWN             (-3)
+#define T_ERROR               (-2)
+#define T_DEAD                (-1)
 #define RK_GRAMMAR_MAX_STATES (1 << 16)
 #define RK_GRAMMAR_MAX_FRAMES (1 << 20)
 #define RK_GRAMMAR_MASK_SLOTS 256
@@ -840,6 +880,7 @@ struct rk_grammar_state {
     int n_rows, cap_rows; /* in rows of 256 */
     uint64_t **masks;
     int n_masks;
+    uint64_t *bmask; /* the budget mask (rk_grammar_state_mask_budget) */
     leaf *scratch;
     int n_scratch, cap_scratch;
     int32_t *walk; /* (max_depth + 1) states along the trie path */
@@ -860,7 +901,8 @@ static int rehash_frames(rk_grammar_state *s, int cap) {
     if (!t) return -1;
     memset(t, 0xff, (size_t)cap * sizeof *t);
     for (int i = 0; i < s->n_frames; i++) {
-        uint32_t h = mix(mix(2166136261u, (uint32_t)s->frames[i].pos), (uint32_t)s->frames[i].parent);
+        uint32_t h =
+            mix(mix(2166136261u, (uint32_t)s->frames[i].pos), (uint32_t)s->frames[i].parent);
         uint32_t k = h & (uint32_t)(cap - 1);
         while (t[k] >= 0) k = (k + 1) & (uint32_t)(cap - 1);
         t[k] = i;
@@ -980,6 +1022,7 @@ static int32_t intern_state(rk_grammar_state *s, int accept) {
     d->n_leaf = s->n_scratch;
     d->row = -1;
     d->mask = -1;
+    d->minb = -1;
     d->hash = h;
     d->accept = (uint8_t)accept;
     memcpy(s->leafs + s->n_leafs, s->scratch, (size_t)s->n_scratch * sizeof(leaf));
@@ -1032,6 +1075,7 @@ void rk_grammar_state_free(rk_grammar_state *s) {
     free(s->rows);
     for (int i = 0; i < s->n_masks; i++) free(s->masks[i]);
     free(s->masks);
+    free(s->bmask);
     free(s->scratch);
     free(s->walk);
     free(s);
@@ -1135,9 +1179,61 @@ rk_status rk_grammar_state_accept(rk_grammar_state *s, int32_t token) {
             return RK_OK;
         }
     int len = (int)(v->off[token + 1] - v->off[token]);
-    if (!len)
-        return rk_errorf(RK_ERR_INVALID, "grammar: token %d is never allowed as text", token);
+    if (!len) return rk_errorf(RK_ERR_INVALID, "grammar: token %d is never allowed as text", token);
     return rk_grammar_state_accept_bytes(s, v->bytes + v->off[token], len);
+}
+
+/* Fewest bytes that finish state sid: over its stacks, the rest of each
+ * sequence from the leaf up through its frames. */
+static int32_t state_minb(rk_grammar_state *s, int32_t sid) {
+    dstate *d = &s->st[sid];
+    if (d->minb >= 0) return d->minb;
+    int64_t best = d->accept ? 0 : INT32_MAX;
+    for (int32_t i = 0; i < d->n_leaf && best > 0; i++) {
+        leaf l = s->leafs[d->leaf_off + i];
+        int64_t n = s->g->minlen[l.pos];
+        for (int32_t f = l.parent; f >= 0 && n < best; f = s->frames[f].parent)
+            n += s->g->minlen[s->frames[f].pos];
+        if (n < best) best = n;
+    }
+    d->minb = (int32_t)best;
+    return d->minb;
+}
+
+int rk_grammar_state_min_bytes(rk_grammar_state *s) { return state_minb(s, s->cur); }
+
+rk_status rk_grammar_state_mask_budget(rk_grammar_state *s, int budget, const uint64_t **mask,
+                                       int *n_allowed) {
+    const rk_grammar_vocab *v = s->v;
+    size_t words = ((size_t)v->n_vocab + 63) / 64;
+    if (!s->bmask && !(s->bmask = malloc(words * sizeof *s->bmask)))
+        return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory for a mask");
+    uint64_t *m = s->bmask;
+    memset(m, 0, words * sizeof *m);
+    int count = 0;
+    int32_t *walk = s->walk;
+    walk[0] = s->cur;
+    for (int32_t i = 1; i < v->n_nodes;) {
+        int32_t t = step(s, walk[v->depth[i] - 1], v->byte[i]);
+        if (t < 0) {
+            if (t == T_ERROR)
+                return rk_errorf(RK_ERR_LIMIT, "grammar: the automaton outgrew its bound");
+            i = v->skip[i];
+            continue;
+        }
+        walk[v->depth[i]] = t;
+        if (v->tok[i] >= 0 && state_minb(s, t) <= budget)
+            for (int32_t k = v->tok[i]; k >= 0; k = v->tok_next[k]) {
+                m[k >> 6] |= 1ull << (k & 63);
+                count++;
+            }
+        i++;
+    }
+    if (s->st[s->cur].accept)
+        for (int i = 0; i < v->n_eog; i++) m[v->eog[i] >> 6] |= 1ull << (v->eog[i] & 63), count++;
+    *mask = m;
+    *n_allowed = count;
+    return RK_OK;
 }
 
 int rk_grammar_state_can_end(const rk_grammar_state *s) { return s->st[s->cur].accept; }
@@ -1172,7 +1268,7 @@ static const char *const k_json_prelude =
     "_never ::= []\n";
 
 #define RK_SCHEMA_REF_DEPTH 8
-#define RK_INT_MAX 999999999999999.0 /* 15 digits */
+#define RK_INT_MAX          999999999999999.0 /* 15 digits */
 
 typedef struct memo_entry {
     const json_t *target;
@@ -1190,7 +1286,8 @@ typedef struct sgen {
     char err[900];
 } sgen;
 
-static int sg_fail(sgen *G, rk_status st, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static int sg_fail(sgen *G, rk_status st, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 static int sg_fail(sgen *G, rk_status st, const char *fmt, ...) {
     if (G->st != RK_OK) return -1;
     char tmp[300];
@@ -1309,7 +1406,7 @@ static int uint_range(sbuf *o, double lo, double hi, const char *suffix, int *co
     return made;
 }
 
-#define FRAC "( \".\" [0-9]{1,15} )?"
+#define FRAC  "( \".\" [0-9]{1,15} )?"
 #define ZFRAC "( \".\" \"0\"{1,15} )?"
 
 /* Magnitudes k.f in [lo, hi] (integers; hi_inf: no upper bound). */
@@ -1351,7 +1448,8 @@ static int bound(sgen *G, const json_t *s, const char *key, double *out) {
 static void gen_numeric(sgen *G, const json_t *s, int integer, sbuf *b) {
     double mn = 0, mx = 0, xmn = 0, xmx = 0;
     int has_mn = bound(G, s, "minimum", &mn), has_mx = bound(G, s, "maximum", &mx);
-    int has_xmn = bound(G, s, "exclusiveMinimum", &xmn), has_xmx = bound(G, s, "exclusiveMaximum", &xmx);
+    int has_xmn = bound(G, s, "exclusiveMinimum", &xmn),
+        has_xmx = bound(G, s, "exclusiveMaximum", &xmx);
     if (has_mn < 0 || has_mx < 0 || has_xmn < 0 || has_xmx < 0) return;
     if (!has_mn && !has_mx && !has_xmn && !has_xmx) {
         sb_puts(b, integer ? "_int" : "_num");
@@ -1401,7 +1499,8 @@ static void gen_numeric(sgen *G, const json_t *s, int integer, sbuf *b) {
         }
     } else {
         if (hi_inf || hi >= 0) mag_range(b, "", lo_inf || lo < 0 ? 0 : lo, hi, hi_inf, &count);
-        if (lo_inf || lo < 0) mag_range(b, "\"-\" ", hi_inf || hi >= 0 ? 0 : -hi, -lo, lo_inf, &count);
+        if (lo_inf || lo < 0)
+            mag_range(b, "\"-\" ", hi_inf || hi >= 0 ? 0 : -hi, -lo, lo_inf, &count);
     }
     sb_puts(b, ")");
     if (!count) sg_fail(G, RK_ERR_INVALID, "no value lies within the bounds");
@@ -1489,7 +1588,9 @@ static int class_escape(char e, uint64_t set[2], int *neg) {
     uint64_t t[2] = {0};
     switch (e | 0x20) {
     case 'd': set_add(t, '0', '9'); break;
-    case 'w': set_add(t, '0', '9'), set_add(t, 'a', 'z'), set_add(t, 'A', 'Z'), set_add(t, '_', '_'); break;
+    case 'w':
+        set_add(t, '0', '9'), set_add(t, 'a', 'z'), set_add(t, 'A', 'Z'), set_add(t, '_', '_');
+        break;
     case 's': set_add(t, ' ', ' '), set_add(t, '\t', '\r'); break;
     default: return 0;
     }
@@ -1591,10 +1692,13 @@ static void rx_atom(rx *r) {
             char u[4];
             int n = 0;
             if (cp >= 0xD800 && cp <= 0xDFFF) RX_FAIL(r, "surrogate escapes are not supported");
-            if (cp < 0x80) u[n++] = (char)cp;
-            else if (cp < 0x800) u[n++] = (char)(0xC0 | cp >> 6), u[n++] = (char)(0x80 | (cp & 0x3F));
-            else u[n++] = (char)(0xE0 | cp >> 12), u[n++] = (char)(0x80 | (cp >> 6 & 0x3F)),
-                 u[n++] = (char)(0x80 | (cp & 0x3F));
+            if (cp < 0x80)
+                u[n++] = (char)cp;
+            else if (cp < 0x800)
+                u[n++] = (char)(0xC0 | cp >> 6), u[n++] = (char)(0x80 | (cp & 0x3F));
+            else
+                u[n++] = (char)(0xE0 | cp >> 12), u[n++] = (char)(0x80 | (cp >> 6 & 0x3F)),
+                u[n++] = (char)(0x80 | (cp & 0x3F));
             r->p += 6;
             sb_puts(r->o, "( ");
             json_char_lit(r->o, cp, u, n);
@@ -1647,14 +1751,18 @@ static void rx_seq(rx *r) {
             if (*e != '}' || lo < 0 || (hi >= 0 && hi < lo) || lo > RK_GRAMMAR_MAX_REPEAT ||
                 hi > RK_GRAMMAR_MAX_REPEAT)
                 RX_FAIL(r, "bad repetition {m,n}");
-            if (hi < 0) sb_printf(r->o, "{%ld,} ", lo);
-            else sb_printf(r->o, "{%ld,%ld} ", lo, hi);
+            if (hi < 0)
+                sb_printf(r->o, "{%ld,} ", lo);
+            else
+                sb_printf(r->o, "{%ld,%ld} ", lo, hi);
             r->p = e + 1;
         } else {
             continue;
         }
-        if (*r->p == '?') r->p++; /* lazy: the same strings match */
-        else if (*r->p == '+') RX_FAIL(r, "possessive quantifiers are not supported");
+        if (*r->p == '?')
+            r->p++; /* lazy: the same strings match */
+        else if (*r->p == '+')
+            RX_FAIL(r, "possessive quantifiers are not supported");
         if (*r->p == '*' || *r->p == '+' || *r->p == '?' || *r->p == '{')
             RX_FAIL(r, "nested quantifier");
     }
@@ -1713,7 +1821,9 @@ static int get_count(sgen *G, const json_t *s, const char *key, long *out) {
     if (!json_is_integer(v) || json_integer_value(v) < 0 ||
         json_integer_value(v) > RK_GRAMMAR_MAX_REPEAT) {
         size_t l = path_push(G, ".%s", key);
-        sg_fail(G, json_is_integer(v) && json_integer_value(v) > 0 ? RK_ERR_UNSUPPORTED : RK_ERR_INVALID,
+        sg_fail(G,
+                json_is_integer(v) && json_integer_value(v) > 0 ? RK_ERR_UNSUPPORTED
+                                                                : RK_ERR_INVALID,
                 "must be an integer from 0 to %d", RK_GRAMMAR_MAX_REPEAT);
         path_pop(G, l);
         return -1;
@@ -1747,9 +1857,12 @@ static void gen_string(sgen *G, const json_t *s, sbuf *b) {
         sg_fail(G, RK_ERR_INVALID, "maxLength is below minLength");
         return;
     }
-    if (!has_mn && !has_mx) sb_puts(b, "_str");
-    else if (mx < 0) sb_printf(b, "\"\\\"\" _chr{%ld,} \"\\\"\"", mn);
-    else sb_printf(b, "\"\\\"\" _chr{%ld,%ld} \"\\\"\"", mn, mx);
+    if (!has_mn && !has_mx)
+        sb_puts(b, "_str");
+    else if (mx < 0)
+        sb_printf(b, "\"\\\"\" _chr{%ld,} \"\\\"\"", mn);
+    else
+        sb_printf(b, "\"\\\"\" _chr{%ld,%ld} \"\\\"\"", mn, mx);
 }
 
 static void gen_array(sgen *G, const json_t *s, int rdepth, sbuf *b) {
@@ -1771,19 +1884,25 @@ static void gen_array(sgen *G, const json_t *s, int rdepth, sbuf *b) {
         item = -1;
     }
     char it[32];
-    if (item >= 0) snprintf(it, sizeof it, "s%d", item);
-    else snprintf(it, sizeof it, "_val");
+    if (item >= 0)
+        snprintf(it, sizeof it, "s%d", item);
+    else
+        snprintf(it, sizeof it, "_val");
     if (has_mx && mx == 0) {
         sb_puts(b, "\"[]\"");
     } else if (mn == 0) {
         sb_printf(b, "\"[\" ( %s ( \",\" _ws %s )", it, it);
-        if (mx < 0) sb_puts(b, "*");
-        else sb_printf(b, "{0,%ld}", mx - 1);
+        if (mx < 0)
+            sb_puts(b, "*");
+        else
+            sb_printf(b, "{0,%ld}", mx - 1);
         sb_puts(b, " )? \"]\"");
     } else {
         sb_printf(b, "\"[\" %s ( \",\" _ws %s )", it, it);
-        if (mx < 0) sb_printf(b, "{%ld,}", mn - 1);
-        else sb_printf(b, "{%ld,%ld}", mn - 1, mx - 1);
+        if (mx < 0)
+            sb_printf(b, "{%ld,}", mn - 1);
+        else
+            sb_printf(b, "{%ld,%ld}", mn - 1, mx - 1);
         sb_puts(b, " \"]\"");
     }
 }
@@ -1883,20 +2002,50 @@ static void gen_object(sgen *G, const json_t *s, int rdepth, sbuf *b) {
     free(req_of);
 }
 
-static const char *const k_keywords[] = {
-    "type", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-    "enum", "const", "pattern", "minLength", "maxLength", "minimum", "maximum",
-    "exclusiveMinimum", "exclusiveMaximum", "anyOf", "$ref", "$defs", "definitions",
-    "description", "title", "$schema", "$id", "$comment", "default", "examples", NULL};
+static const char *const k_keywords[] = {"type",
+                                         "properties",
+                                         "required",
+                                         "additionalProperties",
+                                         "items",
+                                         "minItems",
+                                         "maxItems",
+                                         "enum",
+                                         "const",
+                                         "pattern",
+                                         "minLength",
+                                         "maxLength",
+                                         "minimum",
+                                         "maximum",
+                                         "exclusiveMinimum",
+                                         "exclusiveMaximum",
+                                         "anyOf",
+                                         "$ref",
+                                         "$defs",
+                                         "definitions",
+                                         "description",
+                                         "title",
+                                         "$schema",
+                                         "$id",
+                                         "$comment",
+                                         "default",
+                                         "examples",
+                                         NULL};
 
 static int gen_typed(sgen *G, const json_t *s, const char *type, int rdepth, sbuf *b) {
-    if (!strcmp(type, "string")) gen_string(G, s, b);
-    else if (!strcmp(type, "integer")) gen_numeric(G, s, 1, b);
-    else if (!strcmp(type, "number")) gen_numeric(G, s, 0, b);
-    else if (!strcmp(type, "boolean")) sb_puts(b, "( \"true\" | \"false\" )");
-    else if (!strcmp(type, "null")) sb_puts(b, "\"null\"");
-    else if (!strcmp(type, "object")) gen_object(G, s, rdepth, b);
-    else if (!strcmp(type, "array")) gen_array(G, s, rdepth, b);
+    if (!strcmp(type, "string"))
+        gen_string(G, s, b);
+    else if (!strcmp(type, "integer"))
+        gen_numeric(G, s, 1, b);
+    else if (!strcmp(type, "number"))
+        gen_numeric(G, s, 0, b);
+    else if (!strcmp(type, "boolean"))
+        sb_puts(b, "( \"true\" | \"false\" )");
+    else if (!strcmp(type, "null"))
+        sb_puts(b, "\"null\"");
+    else if (!strcmp(type, "object"))
+        gen_object(G, s, rdepth, b);
+    else if (!strcmp(type, "array"))
+        gen_array(G, s, rdepth, b);
     else {
         size_t l = path_push(G, ".type");
         sg_fail(G, RK_ERR_INVALID, "unknown type '%s'", type);
@@ -2061,8 +2210,10 @@ static char *schema_text(const json_t *schema, rk_status *st) {
     free(G.memo);
     if (r >= 0 && !G.out.oom) sb_printf(&G.out, "root ::= s%d\n", r);
     if (r < 0 || G.out.oom) {
-        if (G.st == RK_OK) *st = rk_errorf(RK_ERR_NOMEM, "grammar: out of memory");
-        else *st = rk_errorf(G.st, "%s", G.err);
+        if (G.st == RK_OK)
+            *st = rk_errorf(RK_ERR_NOMEM, "grammar: out of memory");
+        else
+            *st = rk_errorf(G.st, "%s", G.err);
         free(G.out.p);
         return NULL;
     }

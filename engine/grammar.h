@@ -77,6 +77,17 @@ void rk_grammar_state_free(rk_grammar_state *s);
  * (RK_ERR_LIMIT) only when the state's automaton outgrows its bound. */
 rk_status rk_grammar_state_mask(rk_grammar_state *s, const uint64_t **mask);
 
+/* Fewest bytes that would finish the output from here (0 where it may end). */
+int rk_grammar_state_min_bytes(rk_grammar_state *s);
+
+/* The tokens allowed next that leave the output finishable within budget
+ * more bytes (so within budget more tokens, every token being at least one
+ * byte): what a request near its max_tokens samples from, so that it closes
+ * its JSON instead of being cut. Not cached; a bitset owned by the state,
+ * valid until the next call; *n_allowed counts its tokens (0: none can). */
+rk_status rk_grammar_state_mask_budget(rk_grammar_state *s, int budget, const uint64_t **mask,
+                                       int *n_allowed);
+
 /* Advance by a token. A token the mask does not allow gives RK_ERR_INVALID
  * and leaves the state as it was. An end-of-generation token where the
  * grammar may end marks the state finished. */

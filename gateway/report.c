@@ -12,6 +12,7 @@ const char *rk_finish_reason_name(rk_finish_reason f) {
     switch (f) {
     case RK_FINISH_STOP: return "stop";
     case RK_FINISH_CANCELLED: return "cancelled";
+    case RK_FINISH_ERROR: return "error";
     case RK_FINISH_LENGTH: break;
     }
     return "length";

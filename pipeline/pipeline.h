@@ -20,6 +20,7 @@
 #ifndef RK_PIPELINE_H
 #define RK_PIPELINE_H
 
+#include <pthread.h>
 #include <stdint.h>
 
 #include "chunkcache/arena.h"
@@ -27,6 +28,7 @@
 #include "chunkcache/radix.h"
 #include "config/config.h"
 #include "engine/engine.h"
+#include "engine/grammar.h"
 #include "store/redis.h"
 #include "store/store.h"
 #include "pipeline/split.h"
@@ -54,12 +56,20 @@ typedef struct rk_service {
     /* rk_time_now() after which an admission waits no more for chunks other
      * replicas compute. */
     double redis_wait_until;
+    /* The vocabulary's byte trie for constrained sampling, built on first
+     * use (rk_service_grammar_vocab) under grammar_lock. */
+    rk_grammar_vocab *grammar_vocab;
+    pthread_mutex_t grammar_lock;
 } rk_service;
 
 /* Create the backend, load the model (model_path NULL = build the embedded
  * `tiny` model in memory) and size the arena from cfg. */
 rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_service **out);
 void rk_service_close(rk_service *svc);
+
+/* The model's vocabulary as a byte trie for grammar states (built once, on
+ * the first call, by whichever thread makes it; owned by the service). */
+rk_status rk_service_grammar_vocab(rk_service *svc, const rk_grammar_vocab **out);
 
 typedef enum rk_req_mode {
     RK_MODE_RAG = 0,   /* chunks through the chunk cache, reindexed into place */
@@ -92,6 +102,11 @@ typedef struct rk_req_options {
     rk_sampler_params sampling;
     int stop_at_eog;
     int n_logprobs; /* 0..20 top log-probabilities per generated token */
+    /* Constrain sampling to this grammar (response_format, grammar): every
+     * token is drawn from the ones that keep the output a prefix of it, and
+     * the end only where it may end. Borrowed: the caller keeps it alive
+     * until the request has finished. NULL = unconstrained. */
+    const rk_grammar *grammar;
     /* Repair, after reindexing: recompute chunk tokens with full attention
      * over the merged cache (system, earlier chunks, themselves). The
      * recomputed KV goes to live blocks only; the cached entries are untouched.
@@ -130,6 +145,7 @@ typedef enum rk_finish_reason {
     RK_FINISH_LENGTH = 0, /* max_tokens reached */
     RK_FINISH_STOP,       /* an end-of-generation token */
     RK_FINISH_CANCELLED,  /* its cancel flag was set */
+    RK_FINISH_ERROR,      /* its grammar failed (a bound or memory); see rk_request.error */
 } rk_finish_reason;
 
 typedef struct rk_chunk_report {
@@ -193,6 +209,10 @@ typedef struct rk_request {
     int rank;
     double t_admitted;
     uint64_t rng[2];
+    /* Private: its position in opt.grammar (kept across preemption), and
+     * why it ended with RK_FINISH_ERROR. */
+    rk_grammar_state *grammar_state;
+    char error[200];
 
     rk_req_state *state;
 } rk_request;

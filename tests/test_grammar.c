@@ -72,8 +72,8 @@ static int validate(const json_t *root, const json_t *s, const json_t *v, char *
     const json_t *ref = json_object_get(s, "$ref");
     if (ref) {
         const char *r = json_string_value(ref);
-        const json_t *t = !strcmp(r, "#") ? root
-                                          : json_object_get(json_object_get(root, "$defs"), r + 8);
+        const json_t *t =
+            !strcmp(r, "#") ? root : json_object_get(json_object_get(root, "$defs"), r + 8);
         return validate(root, t, v, why, cap);
     }
     const json_t *any = json_object_get(s, "anyOf");
@@ -170,7 +170,7 @@ static uint64_t rng_next(uint64_t *x) {
     return z ^ (z >> 31);
 }
 
-#define BIT(m, i) ((m)[(i) >> 6] >> ((i) & 63) & 1)
+#define BIT(m, i) ((m)[(i) >> 6] >> ((i)&63) & 1)
 
 /* Replay out[0..n) and then the token's bytes on a fresh state: is the token
  * allowed after out? (The mask comes from a trie walk; this from bytes.) */
@@ -181,9 +181,12 @@ static int replay_allows(const rk_grammar *g, const char *out, size_t n, int32_t
     cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK);
     cr_assert_eq(rk_grammar_state_accept_bytes(s, out, (int)n), RK_OK);
     int ok;
-    if (rk_tokenizer_is_eog(g_tok, tok)) ok = rk_grammar_state_can_end(s);
-    else if (len <= 0 || len > (int)sizeof buf) ok = 0;
-    else ok = rk_grammar_state_accept_bytes(s, buf, len) == RK_OK;
+    if (rk_tokenizer_is_eog(g_tok, tok))
+        ok = rk_grammar_state_can_end(s);
+    else if (len <= 0 || len > (int)sizeof buf)
+        ok = 0;
+    else
+        ok = rk_grammar_state_accept_bytes(s, buf, len) == RK_OK;
     rk_grammar_state_free(s);
     return ok;
 }
@@ -220,7 +223,8 @@ static const char *walk(const rk_grammar *g, uint64_t seed, int max_tokens, int 
                              text);
             }
         }
-        int32_t tok = eog >= 0 && rng_next(&seed) % 2 ? eog : allowed[rng_next(&seed) % (uint64_t)na];
+        int32_t tok =
+            eog >= 0 && rng_next(&seed) % 2 ? eog : allowed[rng_next(&seed) % (uint64_t)na];
         cr_assert_eq(rk_grammar_state_accept(s, tok), RK_OK, "%s", rk_error_message());
         if (rk_tokenizer_is_eog(g_tok, tok)) {
             reason = "stop";
@@ -290,44 +294,47 @@ Test(grammar, walks_over_arrays_and_enums_give_valid_json) {
 }
 
 Test(grammar, walks_over_bounded_numbers_give_valid_json) {
-    walk_schema("{\"type\":\"object\",\"properties\":{"
-                "\"age\":{\"type\":\"integer\",\"minimum\":18,\"maximum\":130},"
-                "\"temp\":{\"type\":\"number\",\"minimum\":-40,\"maximum\":55},"
-                "\"big\":{\"type\":\"integer\",\"exclusiveMinimum\":999,\"exclusiveMaximum\":123457},"
-                "\"neg\":{\"type\":\"integer\",\"maximum\":-7},"
-                "\"score\":{\"type\":\"number\"},"
-                "\"pos\":{\"type\":\"number\",\"minimum\":1}},"
-                "\"required\":[\"age\",\"temp\",\"big\",\"neg\",\"score\",\"pos\"],"
-                "\"additionalProperties\":false}",
-                6);
+    walk_schema(
+        "{\"type\":\"object\",\"properties\":{"
+        "\"age\":{\"type\":\"integer\",\"minimum\":18,\"maximum\":130},"
+        "\"temp\":{\"type\":\"number\",\"minimum\":-40,\"maximum\":55},"
+        "\"big\":{\"type\":\"integer\",\"exclusiveMinimum\":999,\"exclusiveMaximum\":123457},"
+        "\"neg\":{\"type\":\"integer\",\"maximum\":-7},"
+        "\"score\":{\"type\":\"number\"},"
+        "\"pos\":{\"type\":\"number\",\"minimum\":1}},"
+        "\"required\":[\"age\",\"temp\",\"big\",\"neg\",\"score\",\"pos\"],"
+        "\"additionalProperties\":false}",
+        6);
 }
 
 Test(grammar, walks_over_patterns_give_matching_strings) {
-    walk_schema("{\"type\":\"object\",\"properties\":{"
-                "\"id\":{\"type\":\"string\",\"pattern\":\"^[A-Z]{2}-\\\\d{3,4}(x|yz)?$\"},"
-                "\"mail\":{\"type\":\"string\",\"pattern\":\"^[a-z0-9._]{1,8}@[a-z]{1,6}\\\\.(com|org)$\"},"
-                "\"quoted\":{\"type\":\"string\",\"pattern\":\"^\\\"[^\\\"]{0,4}\\\"$\"},"
-                "\"has\":{\"type\":\"string\",\"pattern\":\"^a(b|cd)+e$\"},"
-                "\"dot\":{\"type\":\"string\",\"pattern\":\"^.{2}\\\\s\\\\w$\"}},"
-                "\"required\":[\"id\",\"mail\",\"quoted\",\"has\",\"dot\"],"
-                "\"additionalProperties\":false}",
-                4);
+    walk_schema(
+        "{\"type\":\"object\",\"properties\":{"
+        "\"id\":{\"type\":\"string\",\"pattern\":\"^[A-Z]{2}-\\\\d{3,4}(x|yz)?$\"},"
+        "\"mail\":{\"type\":\"string\",\"pattern\":\"^[a-z0-9._]{1,8}@[a-z]{1,6}\\\\.(com|org)$\"},"
+        "\"quoted\":{\"type\":\"string\",\"pattern\":\"^\\\"[^\\\"]{0,4}\\\"$\"},"
+        "\"has\":{\"type\":\"string\",\"pattern\":\"^a(b|cd)+e$\"},"
+        "\"dot\":{\"type\":\"string\",\"pattern\":\"^.{2}\\\\s\\\\w$\"}},"
+        "\"required\":[\"id\",\"mail\",\"quoted\",\"has\",\"dot\"],"
+        "\"additionalProperties\":false}",
+        4);
 }
 
 Test(grammar, walks_over_any_of_and_refs_give_valid_json) {
-    walk_schema("{\"$defs\":{\"node\":{\"type\":\"object\",\"properties\":{"
-                "  \"v\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":9},"
-                "  \"kids\":{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/node\"},\"maxItems\":2}},"
-                "  \"required\":[\"v\",\"kids\"],\"additionalProperties\":false},"
-                " \"pt\":{\"type\":\"object\",\"properties\":{\"x\":{\"type\":\"number\"}},"
-                "  \"required\":[\"x\"],\"additionalProperties\":false}},"
-                "\"type\":\"object\",\"properties\":{"
-                "\"tree\":{\"$ref\":\"#/$defs/node\"},"
-                "\"either\":{\"anyOf\":[{\"$ref\":\"#/$defs/pt\"},{\"type\":\"string\",\"maxLength\":3},"
-                "{\"type\":\"null\"}]},"
-                "\"any\":{}},"
-                "\"required\":[\"tree\",\"either\"],\"additionalProperties\":false}",
-                4);
+    walk_schema(
+        "{\"$defs\":{\"node\":{\"type\":\"object\",\"properties\":{"
+        "  \"v\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":9},"
+        "  \"kids\":{\"type\":\"array\",\"items\":{\"$ref\":\"#/$defs/node\"},\"maxItems\":2}},"
+        "  \"required\":[\"v\",\"kids\"],\"additionalProperties\":false},"
+        " \"pt\":{\"type\":\"object\",\"properties\":{\"x\":{\"type\":\"number\"}},"
+        "  \"required\":[\"x\"],\"additionalProperties\":false}},"
+        "\"type\":\"object\",\"properties\":{"
+        "\"tree\":{\"$ref\":\"#/$defs/node\"},"
+        "\"either\":{\"anyOf\":[{\"$ref\":\"#/$defs/pt\"},{\"type\":\"string\",\"maxLength\":3},"
+        "{\"type\":\"null\"}]},"
+        "\"any\":{}},"
+        "\"required\":[\"tree\",\"either\"],\"additionalProperties\":false}",
+        4);
 }
 
 Test(grammar, json_object_walks_give_objects_or_end_by_length) {
@@ -373,7 +380,8 @@ Test(grammar, a_state_refuses_what_the_mask_refuses_and_ends_only_where_it_may) 
     cr_expect_not(BIT(m, eos), "the end is allowed before any output");
     cr_expect_neq(rk_grammar_state_accept(s, eos), RK_OK);
     cr_expect_neq(rk_grammar_state_accept_bytes(s, "\"maybe", 6), RK_OK);
-    cr_assert_eq(rk_grammar_state_accept_bytes(s, "\"yes\"", 5), RK_OK, "the state moved on a refusal");
+    cr_assert_eq(rk_grammar_state_accept_bytes(s, "\"yes\"", 5), RK_OK,
+                 "the state moved on a refusal");
     cr_expect(rk_grammar_state_can_end(s));
     cr_expect(rk_grammar_state_must_end(s));
     cr_assert_eq(rk_grammar_state_mask(s, &m), RK_OK);
@@ -381,7 +389,8 @@ Test(grammar, a_state_refuses_what_the_mask_refuses_and_ends_only_where_it_may) 
     for (int32_t i = 0; i < rk_grammar_vocab_n(g_vocab); i++) n_allowed += (int)BIT(m, i);
     cr_expect(BIT(m, eos));
     for (int32_t i = 0; i < rk_grammar_vocab_n(g_vocab); i++)
-        if (BIT(m, i)) cr_expect(rk_tokenizer_is_eog(g_tok, i), "token %d allowed after the end", i);
+        if (BIT(m, i))
+            cr_expect(rk_tokenizer_is_eog(g_tok, i), "token %d allowed after the end", i);
     rk_grammar_state_free(s);
     rk_grammar_free(g);
     json_decref(schema);
@@ -395,8 +404,8 @@ static void expect_schema_error(const char *schema_text, const char *prefix) {
     rk_status st = rk_grammar_from_schema(schema, &g);
     cr_expect_neq(st, RK_OK, "accepted: %s", schema_text);
     cr_expect_null(g);
-    cr_expect(!strncmp(rk_error_message(), prefix, strlen(prefix)), "%s: got \"%s\", want \"%s...\"",
-              schema_text, rk_error_message(), prefix);
+    cr_expect(!strncmp(rk_error_message(), prefix, strlen(prefix)),
+              "%s: got \"%s\", want \"%s...\"", schema_text, rk_error_message(), prefix);
     json_decref(schema);
 }
 
@@ -406,8 +415,9 @@ Test(grammar, schemas_outside_the_subset_are_refused_with_their_json_path) {
                         "$.properties.age.format: ");
     expect_schema_error("{\"type\":\"strin\"}", "$.type: unknown type");
     expect_schema_error("{\"oneOf\":[{\"type\":\"string\"}]}", "$.oneOf: ");
-    expect_schema_error("{\"type\":\"array\",\"items\":{\"type\":\"string\",\"pattern\":\"(?=a)\"}}",
-                        "$.items.pattern: ");
+    expect_schema_error(
+        "{\"type\":\"array\",\"items\":{\"type\":\"string\",\"pattern\":\"(?=a)\"}}",
+        "$.items.pattern: ");
     expect_schema_error("{\"type\":\"array\",\"items\":{\"type\":\"string\",\"pattern\":\"(a\"}}",
                         "$.items.pattern: ");
     expect_schema_error("{\"type\":\"object\",\"additionalProperties\":{\"type\":\"string\"}}",
@@ -509,4 +519,119 @@ Test(grammar, the_masked_sampler_never_picks_a_masked_token) {
         cr_expect_eq(rk_sampler_sample_masked(&s, logits, none), -1);
         rk_sampler_free(&s);
     }
+}
+
+/* ---------------------------------------------------- through the pipeline */
+
+#include "pipeline/pipeline.h"
+
+/* n seeded requests at temperature 1 on the model, batched in one run, each
+ * constrained to g; returns them (the caller frees). */
+static rk_request **run_constrained(rk_service *svc, const rk_grammar *g, int n, int max_tokens) {
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    int32_t *ids;
+    size_t n_ids;
+    const char *prompt = "Once upon a time, there was a little girl";
+    cr_assert_eq(rk_tokenizer_encode(tok, prompt, strlen(prompt), 0, &ids, &n_ids), RK_OK);
+    int32_t bos = rk_tokenizer_bos(tok);
+    rk_request **rs = calloc((size_t)n, sizeof *rs);
+    for (int i = 0; i < n; i++) {
+        rs[i] = calloc(1, sizeof *rs[i]);
+        rk_req_options_default(&rs[i]->opt);
+        rs[i]->opt.max_tokens = max_tokens;
+        rs[i]->opt.sampling.temperature = 1;
+        rs[i]->opt.sampling.seed = (uint64_t)i + 1;
+        rs[i]->opt.grammar = g;
+        cr_assert_eq(rk_request_prepare_tokens(svc, &bos, bos >= 0, ids, (int)n_ids, rs[i]), RK_OK,
+                     "%s", rk_error_message());
+    }
+    free(ids);
+    cr_assert_eq(rk_pipeline_run(svc, rs, n, NULL), RK_OK, "%s", rk_error_message());
+    return rs;
+}
+
+static char *output_text(rk_service *svc, const rk_request *r) {
+    char *text;
+    size_t len;
+    cr_assert_eq(rk_tokenizer_decode(rk_model_tokenizer(svc->model), r->out_tokens,
+                                     (size_t)r->n_out, 0, 0, &text, &len),
+                 RK_OK);
+    return text;
+}
+
+static rk_service *open_model(const char *path) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 2;
+    cfg.kv_memory_mb = 256;
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, path, &svc), RK_OK, "%s", rk_error_message());
+    return svc;
+}
+
+Test(grammar, batched_requests_on_stories260k_each_give_schema_valid_json) {
+    const char *path;
+    RK_REQUIRE_SHARED(path, "models/stories260K.gguf");
+    rk_service *svc = open_model(path);
+    const char *schema_text =
+        "{\"type\":\"object\",\"properties\":{"
+        "\"name\":{\"type\":\"string\",\"maxLength\":10},"
+        "\"age\":{\"type\":\"integer\",\"minimum\":1,\"maximum\":99},"
+        "\"mood\":{\"enum\":[\"happy\",\"sad\"]},"
+        "\"pets\":{\"type\":\"array\",\"items\":{\"type\":\"string\",\"pattern\":\"^[a-z]{1,6}$\"},"
+        "\"maxItems\":3}},"
+        "\"required\":[\"name\",\"age\",\"mood\",\"pets\"],\"additionalProperties\":false}";
+    json_t *schema = parse_json(schema_text);
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_from_schema(schema, &g), RK_OK, "%s", rk_error_message());
+    enum { N = 20 };
+    rk_request **rs = run_constrained(svc, g, N, 200);
+    for (int i = 0; i < N; i++) {
+        char *text = output_text(svc, rs[i]);
+        cr_expect_eq(rs[i]->finish_reason, RK_FINISH_STOP, "seed %d: %s", i + 1, text);
+        json_error_t e;
+        json_t *v = json_loads(text, 0, &e);
+        cr_assert_not_null(v, "seed %d: jansson refuses %s: %s", i + 1, text, e.text);
+        char why[600];
+        cr_expect(validate(schema, schema, v, why, sizeof why), "seed %d: %s", i + 1, why);
+        json_decref(v);
+        free(text);
+        rk_test_request_free(rs[i]);
+    }
+    free(rs);
+    /* A forced end: three tokens cannot finish the object. */
+    rs = run_constrained(svc, g, 1, 3);
+    cr_expect_eq(rs[0]->finish_reason, RK_FINISH_LENGTH);
+    cr_expect_eq(rs[0]->n_out, 3);
+    char *text = output_text(svc, rs[0]);
+    cr_expect(text[0] == '{', "%s", text);
+    free(text);
+    rk_test_request_free(rs[0]);
+    free(rs);
+    rk_grammar_free(g);
+    json_decref(schema);
+    rk_service_close(svc);
+}
+
+Test(grammar, json_object_requests_on_stories260k_give_objects) {
+    const char *path;
+    RK_REQUIRE_SHARED(path, "models/stories260K.gguf");
+    rk_service *svc = open_model(path);
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_json_object(&g), RK_OK, "%s", rk_error_message());
+    enum { N = 20 };
+    rk_request **rs = run_constrained(svc, g, N, 400);
+    for (int i = 0; i < N; i++) {
+        char *text = output_text(svc, rs[i]);
+        cr_expect_eq(rs[i]->finish_reason, RK_FINISH_STOP, "seed %d: %s", i + 1, text);
+        json_error_t e;
+        json_t *v = json_loads(text, 0, &e);
+        cr_expect(json_is_object(v), "seed %d: not an object: %s (%s)", i + 1, text, e.text);
+        json_decref(v);
+        free(text);
+        rk_test_request_free(rs[i]);
+    }
+    free(rs);
+    rk_grammar_free(g);
+    rk_service_close(svc);
 }
