@@ -117,9 +117,8 @@ int main(int argc, char **argv) {
         for (int i = 0; i < n_times; i++) sum += times[i];
         qsort(times, (size_t)n_times, sizeof *times, cmp_double);
         printf("%-12s %7.2fms %7d %9.3f %9.3f %9.3f %9.2f %8d %10zu %9d/%d\n", k_schemas[k][0],
-               compile_ms, n_times, sum / n_times, times[n_times / 2],
-               times[(int)(n_times * 0.99)], times[n_times - 1], states / SEEDS, bytes, finished,
-               SEEDS);
+               compile_ms, n_times, sum / n_times, times[n_times / 2], times[(int)(n_times * 0.99)],
+               times[n_times - 1], states / SEEDS, bytes, finished, SEEDS);
         rk_grammar_free(g);
     }
 
