@@ -83,6 +83,9 @@ typedef struct rk_api_request {
     char **chat_chunk_ids;
     int n_chat_chunks;
     int chat_chunks_given;
+    /* response_format json_object / json_schema or the `grammar` extension,
+     * compiled; opt.grammar points at it. NULL: unconstrained. */
+    rk_grammar *grammar;
 } rk_api_request;
 
 /* Parse and validate a request body of len bytes (need not be

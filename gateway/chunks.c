@@ -439,8 +439,8 @@ int rk_gw_handle_prewarm(req_ctx *rc) {
     snprintf(rc->detail, sizeof rc->detail, " chunks=%d computed=%d cached=%d failed=%d", p.pw.n,
              computed, cached, failed);
     rk_gw_send_json(rc, 200,
-              json_pack("{s:s, s:o, s:i, s:i, s:i}", "object", "list", "data", data, "computed",
-                        computed, "cached", cached, "failed", failed));
+                    json_pack("{s:s, s:o, s:i, s:i, s:i}", "object", "list", "data", data,
+                              "computed", computed, "cached", cached, "failed", failed));
 done:
     free(body);
     if (p.cmd.reqs)
@@ -476,7 +476,7 @@ static int query_int(const char *qs, const char *name, long lo, long hi, long de
 static void list_redis(req_ctx *rc, const list_cmd *l) {
     if (!rc->S->o.cfg.redis_url[0]) {
         rk_gw_send_errorf(rc, 501,
-                    "the shared tier is not configured: start the server with --redis URL");
+                          "the shared tier is not configured: start the server with --redis URL");
         return;
     }
     rk_service *svc = rk_gw_ready_service(rc->S);
@@ -503,9 +503,9 @@ static void list_redis(req_ctx *rc, const list_cmd *l) {
     free(v);
     /* SCAN has no count: total is what was seen, offset + limit at most. */
     rk_gw_send_json(rc, 200,
-              json_pack("{s:s, s:o, s:i, s:i, s:i, s:s, s:s}", "object", "list", "data", data,
-                        "total", n, "offset", l->offset, "limit", l->limit, "sort", "scan", "tier",
-                        "redis"));
+                    json_pack("{s:s, s:o, s:i, s:i, s:i, s:s, s:s}", "object", "list", "data", data,
+                              "total", n, "offset", l->offset, "limit", l->limit, "sort", "scan",
+                              "tier", "redis"));
 }
 
 int rk_gw_handle_list(req_ctx *rc) {
@@ -536,8 +536,8 @@ int rk_gw_handle_list(req_ctx *rc) {
     l.disk = !strcmp(tier, "disk");
     if (l.disk && !rc->S->o.cfg.store_dir[0])
         return rk_gw_send_errorf(rc, 501,
-                           "persistence is not configured: start the server with "
-                           "--store DIR"),
+                                 "persistence is not configured: start the server with "
+                                 "--store DIR"),
                0;
     if (!rk_gw_ready_service(rc->S)) return rk_gw_send_not_ready(rc), 0;
     char msg[320];
@@ -566,8 +566,8 @@ int rk_gw_handle_chunk_key(req_ctx *rc, const char *hex, int del) {
     }
     if (del)
         rk_gw_send_json(rc, 200,
-                  json_pack("{s:s, s:b, s:b, s:b}", "key", k.hex, "deleted", 1, "arena", k.in_arena,
-                            "disk", k.on_disk));
+                        json_pack("{s:s, s:b, s:b, s:b}", "key", k.hex, "deleted", 1, "arena",
+                                  k.in_arena, "disk", k.on_disk));
     else
         rk_gw_send_json(rc, 200, k.out);
     return 0;
@@ -584,12 +584,12 @@ int rk_gw_handle_flush(req_ctx *rc) {
     if (st) return rk_gw_send_error(rc, &err), 0;
     if (f.req.disk && !rc->S->o.cfg.store_dir[0])
         return rk_gw_send_errorf(rc, 501,
-                           "persistence is not configured: start the server with "
-                           "--store DIR"),
+                                 "persistence is not configured: start the server with "
+                                 "--store DIR"),
                0;
     if (f.req.redis && !rc->S->o.cfg.redis_url[0])
-        return rk_gw_send_errorf(rc, 501,
-                           "the shared tier is not configured: start the server with --redis URL"),
+        return rk_gw_send_errorf(
+                   rc, 501, "the shared tier is not configured: start the server with --redis URL"),
                0;
     rk_service *svc = rk_gw_ready_service(rc->S);
     if (!svc) return rk_gw_send_not_ready(rc), 0;
@@ -602,10 +602,9 @@ int rk_gw_handle_flush(req_ctx *rc) {
     if (f.req.redis && rk_redis_flush(svc->redis, &redis_keys))
         return rk_gw_send_errorf(rc, 503, "%s", rk_error_message()), 0;
     rk_gw_send_json(rc, 200,
-              json_pack("{s:{s:i, s:I, s:I, s:I, s:I}}", "flushed", "chunks", f.chunks,
-                        "prefix_nodes", (json_int_t)f.prefix_nodes, "prefix_tokens",
-                        (json_int_t)f.prefix_tokens, "disk_rows", (json_int_t)f.disk_rows,
-                        "redis_keys", (json_int_t)redis_keys));
+                    json_pack("{s:{s:i, s:I, s:I, s:I, s:I}}", "flushed", "chunks", f.chunks,
+                              "prefix_nodes", (json_int_t)f.prefix_nodes, "prefix_tokens",
+                              (json_int_t)f.prefix_tokens, "disk_rows", (json_int_t)f.disk_rows,
+                              "redis_keys", (json_int_t)redis_keys));
     return 0;
 }
-

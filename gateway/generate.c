@@ -281,8 +281,9 @@ static void respond_generation(gen *g) {
         j->req.n_out = g->text.stop_tokens; /* usage, ids and logprobs end at the stop */
     log_generation(g);
     if (g->timed_out && !g->api.stream) {
-        rk_gw_send_errorf(rc, 503, "the request ran longer than the timeout (%g s) and was cancelled",
-                    rc->S->o.timeout_s);
+        rk_gw_send_errorf(rc, 503,
+                          "the request ran longer than the timeout (%g s) and was cancelled",
+                          rc->S->o.timeout_s);
         return;
     }
     if (g->api.stream) {
@@ -422,4 +423,3 @@ done:
     rk_api_request_free(&g.api);
     return 0;
 }
-

@@ -254,6 +254,67 @@ static int parse_repair(json_t *root, const rk_parse_limits *lim, rk_req_options
            1;
 }
 
+/* response_format ({"type": "text" | "json_object" | "json_schema"}) and the
+ * `grammar` extension (grammar text), compiled into out->grammar. A schema
+ * the engine cannot enforce is refused with the JSON path of the part. */
+static int parse_response_format(json_t *root, rk_api_request *out, rk_http_error *err) {
+    json_t *rf = json_object_get(root, "response_format");
+    json_t *gr = json_object_get(root, "grammar");
+    const char *type = NULL;
+    if (rf && !json_is_null(rf)) {
+        type = json_string_value(json_object_get(rf, "type"));
+        if (!json_is_object(rf) || !type)
+            return rk_http_errorf(err, 400,
+                                  "'response_format' must be an object with a 'type': \"text\", "
+                                  "\"json_object\" or \"json_schema\""),
+                   1;
+        if (!strcmp(type, "text"))
+            type = NULL;
+        else if (strcmp(type, "json_object") && strcmp(type, "json_schema"))
+            return rk_http_errorf(err, 400,
+                                  "'response_format.type' must be \"text\", \"json_object\" or "
+                                  "\"json_schema\""),
+                   1;
+    }
+    if (gr && !json_is_null(gr)) {
+        if (!json_is_string(gr))
+            return rk_http_errorf(err, 400, "'grammar' must be a string of grammar rules"), 1;
+        if (type)
+            return rk_http_errorf(err, 400, "give 'grammar' or a JSON 'response_format', not both"),
+                   1;
+        if (rk_grammar_parse(json_string_value(gr), &out->grammar))
+            return rk_http_errorf(err, 400, "'grammar' is not valid: %s", rk_error_message()), 1;
+    } else if (type && !strcmp(type, "json_object")) {
+        if (rk_grammar_json_object(&out->grammar))
+            return rk_http_errorf(err, 500, "%s", rk_error_message()), 1;
+    } else if (type) {
+        json_t *js = json_object_get(rf, "json_schema");
+        json_t *schema = json_object_get(js, "schema");
+        json_t *name = json_object_get(js, "name"), *strict = json_object_get(js, "strict");
+        if (!json_is_object(js) || !schema)
+            return rk_http_errorf(err, 400,
+                                  "'response_format.json_schema' must be an object with a "
+                                  "'schema'"),
+                   1;
+        if (name && !json_is_null(name) && !json_is_string(name))
+            return rk_http_errorf(err, 400, "'response_format.json_schema.name' must be a string"),
+                   1;
+        if (strict && !json_is_null(strict) && !json_is_boolean(strict))
+            return rk_http_errorf(err, 400,
+                                  "'response_format.json_schema.strict' must be a boolean"),
+                   1;
+        /* strict or not, the schema is enforced whole: a part that cannot be
+         * is refused rather than left unchecked. */
+        if (rk_grammar_from_schema(schema, &out->grammar))
+            return rk_http_errorf(err, 400,
+                                  "'response_format.json_schema.schema' cannot be enforced: %s",
+                                  rk_error_message()),
+                   1;
+    }
+    out->opt.grammar = out->grammar;
+    return 0;
+}
+
 /* Fields shared by both shapes: sampling, limits, extensions. */
 static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
                         rk_http_error *err) {
@@ -334,7 +395,7 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     /* Plain mode is the no-cache reference unless asked otherwise (as `ragkv generate`). */
     o->prefix_cache = prefix >= 0 ? prefix : !plain;
     o->reuse_sequences = whole;
-    return 0;
+    return parse_response_format(root, out, err);
 }
 
 /* ---------------------------------------------------------------- completions */
@@ -605,6 +666,7 @@ void rk_api_request_free(rk_api_request *r) {
     }
     free(r->chat_chunks);
     free(r->chat_chunk_ids);
+    rk_grammar_free(r->grammar);
     memset(r, 0, sizeof *r);
 }
 
