@@ -2246,6 +2246,54 @@ rk_status rk_grammar_from_schema(const json_t *schema, rk_grammar **out) {
     return RK_OK;
 }
 
+rk_status rk_grammar_from_calls(const rk_grammar_call *calls, int n, const char *sep,
+                                rk_grammar **out) {
+    *out = NULL;
+    if (n < 1) return rk_errorf(RK_ERR_INVALID, "grammar: no call to allow");
+    sgen G = {0};
+    sb_puts(&G.out, k_json_prelude);
+    sbuf alts = {0};
+    for (int i = 0; i < n && G.st == RK_OK; i++) {
+        G.root = calls[i].schema;
+        G.n_memo = 0;
+        snprintf(G.path, sizeof G.path, "%s", calls[i].path ? calls[i].path : "$");
+        int r = calls[i].schema ? gen(&G, calls[i].schema, 0) : -1;
+        if (calls[i].schema && r < 0) break;
+        sbuf c = {0};
+        gbnf_lit(&c, calls[i].open, strlen(calls[i].open));
+        if (r >= 0)
+            sb_printf(&c, " s%d ", r);
+        else
+            sb_puts(&c, " _obj ");
+        gbnf_lit(&c, calls[i].close, strlen(calls[i].close));
+        int cr = put_rule(&G, G.n++, &c);
+        sb_printf(&alts, "%ss%d", i ? " | " : "", cr);
+    }
+    free(G.memo);
+    if (G.st != RK_OK) {
+        free(alts.p);
+        free(G.out.p);
+        return rk_errorf(G.st, "%s", G.err);
+    }
+    sb_puts(&G.out, "_call ::= ");
+    sb_puts(&G.out, alts.p ? alts.p : "");
+    sb_puts(&G.out, "\nroot ::= _call");
+    if (sep) {
+        sb_puts(&G.out, " ( ");
+        gbnf_lit(&G.out, sep, strlen(sep));
+        sb_puts(&G.out, " _call )*");
+    }
+    sb_puts(&G.out, "\n");
+    free(alts.p);
+    if (G.out.oom || alts.oom) {
+        free(G.out.p);
+        return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory");
+    }
+    rk_status st = rk_grammar_parse(G.out.p, out);
+    free(G.out.p);
+    return st;
+}
+
 rk_status rk_grammar_json_object(rk_grammar **out) {
     sbuf b = {0};
     sb_puts(&b, k_json_prelude);

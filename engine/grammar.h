@@ -51,6 +51,21 @@ rk_status rk_grammar_parse(const char *text, rk_grammar **out);
  * "$.properties.age.format: ...". */
 rk_status rk_grammar_from_schema(const json_t *schema, rk_grammar **out);
 
+/* One function call a grammar allows: literal text, the arguments (a JSON
+ * value matching schema, or any JSON object when schema is NULL), literal
+ * text. path names the schema in errors ("$.tools[0].function.parameters"). */
+typedef struct rk_grammar_call {
+    const char *open;
+    const json_t *schema;
+    const char *close;
+    const char *path;
+} rk_grammar_call;
+
+/* The grammar of one of n calls, or, when sep is not NULL, of one or more of
+ * them separated by sep (parallel tool calls). Errors as for schemas. */
+rk_status rk_grammar_from_calls(const rk_grammar_call *calls, int n, const char *sep,
+                                rk_grammar **out);
+
 /* The grammar of any JSON object (response_format {"type":"json_object"}). */
 rk_status rk_grammar_json_object(rk_grammar **out);
 

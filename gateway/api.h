@@ -57,12 +57,34 @@ typedef enum rk_chat_role {
     RK_ROLE_SYSTEM = 0,
     RK_ROLE_USER = 1,
     RK_ROLE_ASSISTANT = 2,
+    RK_ROLE_TOOL = 3, /* a tool's result */
 } rk_chat_role;
 
 typedef struct rk_chat_msg {
     rk_chat_role role;
     char *content; /* malloc'ed, NUL-terminated (text parts joined) */
+    /* Assistant messages: the calls it made, as JSON text of an array of
+     * {"name", "arguments" (an object)}; malloc'ed, NULL when none. */
+    char *tool_calls;
 } rk_chat_msg;
+
+#define RK_MAX_TOOLS 128
+
+/* tool_choice: none (tools described, never parsed), auto (the model
+ * chooses; a call it writes is parsed), required (constrained to one or
+ * more calls), a named function (constrained to calls of it). */
+typedef enum rk_tool_choice {
+    RK_TOOLS_NONE = 0,
+    RK_TOOLS_AUTO = 1,
+    RK_TOOLS_REQUIRED = 2,
+    RK_TOOLS_NAMED = 3,
+} rk_tool_choice;
+
+typedef struct rk_api_tool {
+    char *name;         /* malloc'ed */
+    char *description;  /* malloc'ed, NULL when none */
+    json_t *parameters; /* a reference, NULL when none (any object) */
+} rk_api_tool;
 
 /* A validated POST /v1/completions or /v1/chat/completions body. */
 typedef struct rk_api_request {
@@ -86,6 +108,14 @@ typedef struct rk_api_request {
     /* response_format json_object / json_schema or the `grammar` extension,
      * compiled; opt.grammar points at it. NULL: unconstrained. */
     rk_grammar *grammar;
+    /* Chat `tools` (function definitions), tool_choice (tool_named: the index
+     * of the named one) and parallel_tool_calls (default 1). */
+    rk_api_tool *tools;
+    int n_tools;
+    rk_tool_choice tool_choice;
+    int tool_named;
+    int parallel_tool_calls;
+    int parallel_given;
 } rk_api_request;
 
 /* Parse and validate a request body of len bytes (need not be

@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "engine/tokenizer.h"
+#include "gateway/chat.h"
 #include "gateway/http.h"
 #include "gateway/report.h"
 /* Incremental text of a generation: decoded bytes, what has been sent, stop
@@ -113,6 +114,11 @@ typedef struct gen {
     char id[40];
     long created;
     int headers_sent, client_gone, timed_out;
+    /* Chat with tools (tool_choice not none): the answer is held back until
+     * it is whole, then parsed for calls (tool_calls: NULL when none). */
+    int tools_active;
+    json_t *tool_calls;
+    char *tool_content;
 } gen;
 
 static int write_all(gen *g, const char *s, size_t n) {
@@ -163,6 +169,7 @@ static json_t *chunk_event(gen *g, const char *text, int first) {
 }
 
 static const char *finish_reason(gen *g) {
+    if (g->tool_calls) return "tool_calls";
     if (g->text.stop_at >= 0) return "stop";
     return rk_finish_reason_name(g->job->req.finish_reason);
 }
@@ -188,7 +195,16 @@ static json_t *final_object(gen *g, const char *text, int streamed) {
     const char *fr = finish_reason(g);
     json_t *choice;
     const char *object;
-    if (g->api.chat) {
+    if (g->api.chat && g->tool_calls) { /* the calls went out in an earlier event when streamed */
+        object = streamed ? "chat.completion.chunk" : "chat.completion";
+        choice = streamed ? json_pack("{s:i, s:{}, s:s, s:o}", "index", 0, "delta", "finish_reason",
+                                      fr, "logprobs", logprobs)
+                          : json_pack("{s:i, s:{s:s, s:o, s:O}, s:s, s:o}", "index", 0, "message",
+                                      "role", "assistant", "content",
+                                      *g->tool_content ? json_string(g->tool_content) : json_null(),
+                                      "tool_calls", g->tool_calls, "finish_reason", fr, "logprobs",
+                                      logprobs);
+    } else if (g->api.chat) {
         object = streamed ? "chat.completion.chunk" : "chat.completion";
         choice = streamed ? json_pack("{s:i, s:{s:s}, s:s, s:o}", "index", 0, "delta", "content",
                                       text, "finish_reason", fr, "logprobs", logprobs)
@@ -231,7 +247,7 @@ static void wait_job(gen *g, double deadline) {
             gt_feed(&g->text, g->job->req.out_tokens, n);
             seen = n;
             if (g->text.stop_at >= 0) rk_scheduler_cancel(S->engine, g->job);
-            if (g->api.stream && !g->client_gone) stream_progress(g);
+            if (g->api.stream && !g->client_gone && !g->tools_active) stream_progress(g);
         }
     }
 }
@@ -285,6 +301,46 @@ static void respond_generation(gen *g) {
                           "the request ran longer than the timeout (%g s) and was cancelled",
                           rc->S->o.timeout_s);
         return;
+    }
+    if (g->tools_active) { /* the whole answer, parsed for calls */
+        char *all = gt_take(&g->text, 1);
+        g->tool_calls =
+            rk_chat_tool_calls(rc->S->tmpl, &g->api, all ? all : "", g->id, &g->tool_content);
+        if (g->tool_calls && g->api.stream && !g->client_gone) {
+            /* The text before the calls, then the calls whole (one fragment
+             * each), then the end. */
+            sse_start(g);
+            json_t *delta =
+                json_pack("{s:s, s:s}", "role", "assistant", "content", g->tool_content);
+            sse_event(g, json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:o, s:n}]}", "id", g->id,
+                                   "object", "chat.completion.chunk", "created",
+                                   (json_int_t)g->created, "model", rc->S->model_name, "choices",
+                                   "index", 0, "delta", delta, "finish_reason"));
+            json_t *frag = json_array();
+            for (size_t k = 0; frag && k < json_array_size(g->tool_calls); k++) {
+                json_t *c = json_deep_copy(json_array_get(g->tool_calls, k));
+                if (c) json_object_set_new(c, "index", json_integer((json_int_t)k));
+                json_array_append_new(frag, c);
+            }
+            sse_event(g, json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:{s:o}, s:n}]}", "id", g->id,
+                                   "object", "chat.completion.chunk", "created",
+                                   (json_int_t)g->created, "model", rc->S->model_name, "choices",
+                                   "index", 0, "delta", "tool_calls", frag, "finish_reason"));
+            free(all);
+            sse_event(g, final_object(g, "", 1));
+            write_all(g, "data: [DONE]\n\n", 14);
+            return;
+        }
+        if (all && g->api.stream && !g->client_gone && *all) { /* no call: the text as usual */
+            sse_start(g);
+            sse_event(g, chunk_event(g, all, 1));
+        } else if (all && !g->api.stream) {
+            json_t *obj = final_object(g, all, 0);
+            free(all);
+            rk_gw_send_json(rc, 200, obj);
+            return;
+        }
+        free(all);
     }
     if (g->api.stream) {
         if (g->client_gone) return;
@@ -394,6 +450,7 @@ int rk_gw_handle_generate(req_ctx *rc, int chat) {
         goto done;
     }
     g.job->notify_tokens = g.api.stream || g.api.n_stop > 0;
+    g.tools_active = g.api.chat && g.api.n_tools > 0 && g.api.tool_choice != RK_TOOLS_NONE;
     g.text.tok = rk_model_tokenizer(g.svc->model);
     g.text.skip_space = g.job->req.n_question == 0 && g.job->req.n_sys == 1;
     g.text.stop = g.api.stop;
@@ -420,6 +477,8 @@ done:
         free(g.job);
     }
     free(g.text.raw);
+    json_decref(g.tool_calls);
+    free(g.tool_content);
     rk_api_request_free(&g.api);
     return 0;
 }

@@ -9,6 +9,7 @@
 #include <jansson.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <ctype.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -473,6 +474,8 @@ static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_req
                      json_object_get(root, "system");
     if (json_object_get(root, "messages"))
         return rk_http_errorf(err, 400, "'messages' belongs to /v1/chat/completions"), 1;
+    if (json_object_get(root, "tools") || json_object_get(root, "tool_choice"))
+        return rk_http_errorf(err, 400, "'tools' belong to /v1/chat/completions"), 1;
     json_int_t lp = 0;
     if (get_int(root, "logprobs", 0, 20, &lp, err)) return 1;
     out->opt.n_logprobs = (int)lp;
@@ -532,6 +535,143 @@ static int message_content(json_t *c, int i, char **out, rk_http_error *err) {
     return 0;
 }
 
+/* Function names: what OpenAI allows ([A-Za-z0-9_-], 1 to 64). */
+static int tool_name_ok(const char *s) {
+    size_t n = strlen(s);
+    if (n < 1 || n > 64) return 0;
+    for (size_t i = 0; i < n; i++)
+        if (!isalnum((unsigned char)s[i]) && s[i] != '_' && s[i] != '-') return 0;
+    return 1;
+}
+
+/* An assistant message's tool_calls, kept as JSON text of [{"name",
+ * "arguments"}] with the arguments parsed from their JSON string. */
+static int parse_msg_tool_calls(json_t *tc, int i, char **out, rk_http_error *err) {
+    if (!json_is_array(tc) || !json_array_size(tc))
+        return rk_http_errorf(err, 400, "messages[%d].tool_calls must be a non-empty array", i), 1;
+    json_t *list = json_array();
+    for (size_t k = 0; list && k < json_array_size(tc); k++) {
+        json_t *c = json_array_get(tc, k), *f = json_object_get(c, "function");
+        const char *name = json_string_value(json_object_get(f, "name"));
+        const char *args = json_string_value(json_object_get(f, "arguments"));
+        json_t *ty = json_object_get(c, "type");
+        if (!json_is_object(f) || !name || !args ||
+            (ty && !json_is_null(ty) &&
+             strcmp(json_string_value(ty) ? json_string_value(ty) : "", "function"))) {
+            json_decref(list);
+            return rk_http_errorf(err, 400,
+                                  "messages[%d].tool_calls[%zu] must be {\"type\": \"function\", "
+                                  "\"function\": {\"name\", \"arguments\"}}",
+                                  i, k),
+                   1;
+        }
+        json_t *a = json_loads(args, JSON_DECODE_ANY, NULL);
+        if (!json_is_object(a)) {
+            json_decref(a);
+            json_decref(list);
+            return rk_http_errorf(err, 400,
+                                  "messages[%d].tool_calls[%zu].function.arguments must be a JSON "
+                                  "object in a string",
+                                  i, k),
+                   1;
+        }
+        json_array_append_new(list, json_pack("{s:s, s:o}", "name", name, "arguments", a));
+    }
+    *out = list ? json_dumps(list, JSON_COMPACT) : NULL;
+    json_decref(list);
+    if (!*out) return rk_http_errorf(err, 500, "out of memory"), 1;
+    return 0;
+}
+
+/* tools, tool_choice and parallel_tool_calls of a chat body. */
+static int parse_tools(json_t *root, rk_api_request *out, rk_http_error *err) {
+    json_t *tools = json_object_get(root, "tools"), *choice = json_object_get(root, "tool_choice");
+    out->parallel_tool_calls = 1;
+    json_t *par = json_object_get(root, "parallel_tool_calls");
+    if (par && !json_is_null(par)) {
+        if (get_bool(root, "parallel_tool_calls", &out->parallel_tool_calls, err)) return 1;
+        out->parallel_given = 1;
+    }
+    if (!tools || json_is_null(tools)) {
+        if (choice && !json_is_null(choice))
+            return rk_http_errorf(err, 400, "'tool_choice' needs 'tools'"), 1;
+        return 0;
+    }
+    if (!json_is_array(tools) || json_array_size(tools) > RK_MAX_TOOLS)
+        return rk_http_errorf(err, 400, "'tools' must be an array of at most %d functions",
+                              RK_MAX_TOOLS),
+               1;
+    size_t n = json_array_size(tools);
+    out->tools = calloc(n ? n : 1, sizeof *out->tools);
+    if (!out->tools) return rk_http_errorf(err, 500, "out of memory"), 1;
+    for (size_t k = 0; k < n; k++) {
+        json_t *t = json_array_get(tools, k), *f = json_object_get(t, "function");
+        const char *ty = json_string_value(json_object_get(t, "type"));
+        const char *name = json_string_value(json_object_get(f, "name"));
+        json_t *desc = json_object_get(f, "description"),
+               *params = json_object_get(f, "parameters");
+        if (!ty || strcmp(ty, "function") || !json_is_object(f) || !name || !tool_name_ok(name))
+            return rk_http_errorf(err, 400,
+                                  "tools[%zu] must be {\"type\": \"function\", \"function\": "
+                                  "{\"name\": [A-Za-z0-9_-]{1,64}, ...}}",
+                                  k),
+                   1;
+        if ((desc && !json_is_null(desc) && !json_is_string(desc)) ||
+            (params && !json_is_null(params) && !json_is_object(params)))
+            return rk_http_errorf(err, 400,
+                                  "tools[%zu].function: 'description' must be a string and "
+                                  "'parameters' a JSON Schema object",
+                                  k),
+                   1;
+        for (size_t j = 0; j < k; j++)
+            if (!strcmp(out->tools[j].name, name))
+                return rk_http_errorf(err, 400, "tools[%zu]: the name '%s' is used twice", k, name),
+                       1;
+        out->tools[k].name = dup_str(name);
+        out->tools[k].description = json_is_string(desc) ? dup_str(json_string_value(desc)) : NULL;
+        out->tools[k].parameters = json_is_object(params) ? json_incref(params) : NULL;
+        out->n_tools = (int)k + 1;
+        if (!out->tools[k].name || (json_is_string(desc) && !out->tools[k].description))
+            return rk_http_errorf(err, 500, "out of memory"), 1;
+    }
+    out->tool_choice = n ? RK_TOOLS_AUTO : RK_TOOLS_NONE;
+    if (choice && !json_is_null(choice)) {
+        const char *c = json_string_value(choice);
+        const char *named =
+            json_string_value(json_object_get(json_object_get(choice, "function"), "name"));
+        if (c && !strcmp(c, "none")) {
+            out->tool_choice = RK_TOOLS_NONE;
+        } else if (c && !strcmp(c, "auto")) {
+            out->tool_choice = RK_TOOLS_AUTO;
+        } else if (c && !strcmp(c, "required")) {
+            out->tool_choice = RK_TOOLS_REQUIRED;
+        } else if (named) {
+            out->tool_choice = RK_TOOLS_NAMED;
+            out->tool_named = -1;
+            for (int j = 0; j < out->n_tools; j++)
+                if (!strcmp(out->tools[j].name, named)) out->tool_named = j;
+            if (out->tool_named < 0)
+                return rk_http_errorf(err, 400, "'tool_choice' names '%s', which is not in 'tools'",
+                                      named),
+                       1;
+        } else {
+            return rk_http_errorf(err, 400,
+                                  "'tool_choice' must be \"none\", \"auto\", \"required\" or "
+                                  "{\"type\": \"function\", \"function\": {\"name\"}}"),
+                   1;
+        }
+        if (out->tool_choice >= RK_TOOLS_REQUIRED && !n)
+            return rk_http_errorf(err, 400, "'tool_choice' asks for a call but 'tools' is empty"),
+                   1;
+    }
+    if (out->tool_choice >= RK_TOOLS_REQUIRED && out->grammar)
+        return rk_http_errorf(err, 400,
+                              "a required tool call cannot be combined with 'response_format' or "
+                              "'grammar'"),
+               1;
+    return 0;
+}
+
 static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
                       rk_http_error *err) {
     if (json_object_get(root, "prompt"))
@@ -563,17 +703,36 @@ static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *
             cr = RK_ROLE_USER;
         else if (!strcmp(r, "assistant"))
             cr = RK_ROLE_ASSISTANT;
+        else if (!strcmp(r, "tool"))
+            cr = RK_ROLE_TOOL;
         else
-            return rk_http_errorf(err, 400, "messages[%zu].role must be system, user or assistant",
-                                  i),
+            return rk_http_errorf(err, 400,
+                                  "messages[%zu].role must be system, user, assistant or tool", i),
                    1;
         out->msgs[i].role = cr;
         out->n_msgs = (int)i + 1;
         if (message_content(json_object_get(m, "content"), (int)i, &out->msgs[i].content, err))
             return 1;
+        json_t *tc = json_object_get(m, "tool_calls");
+        if (tc && !json_is_null(tc)) {
+            if (cr != RK_ROLE_ASSISTANT)
+                return rk_http_errorf(err, 400,
+                                      "messages[%zu]: only assistant messages carry "
+                                      "'tool_calls'",
+                                      i),
+                       1;
+            if (parse_msg_tool_calls(tc, (int)i, &out->msgs[i].tool_calls, err)) return 1;
+        }
+        json_t *tid = json_object_get(m, "tool_call_id");
+        if (tid && !json_is_null(tid) && !json_is_string(tid))
+            return rk_http_errorf(err, 400, "messages[%zu].tool_call_id must be a string", i), 1;
     }
-    if (out->msgs[n - 1].role != RK_ROLE_USER)
-        return rk_http_errorf(err, 400, "the last message must be the user's"), 1;
+    if (out->msgs[n - 1].role != RK_ROLE_USER && out->msgs[n - 1].role != RK_ROLE_TOOL)
+        return rk_http_errorf(err, 400, "the last message must be the user's or a tool's"), 1;
+    int has_user = 0;
+    for (size_t i = 0; i < n; i++) has_user |= out->msgs[i].role == RK_ROLE_USER;
+    if (!has_user) return rk_http_errorf(err, 400, "'messages' needs a user message"), 1;
+    if (parse_tools(root, out, err)) return 1;
     json_t *ch = json_object_get(root, "chunks");
     if (ch && !json_is_null(ch)) {
         if (!json_is_array(ch)) return rk_http_errorf(err, 400, "'chunks' must be an array"), 1;
@@ -658,7 +817,13 @@ void rk_api_request_free(rk_api_request *r) {
         rk_split_free(&r->pieces);
     }
     free(r->chunk_ids);
-    for (int i = 0; i < r->n_msgs; i++) free(r->msgs[i].content);
+    for (int i = 0; i < r->n_msgs; i++) free(r->msgs[i].content), free(r->msgs[i].tool_calls);
+    for (int i = 0; i < r->n_tools; i++) {
+        free(r->tools[i].name);
+        free(r->tools[i].description);
+        json_decref(r->tools[i].parameters);
+    }
+    free(r->tools);
     free(r->msgs);
     for (int i = 0; i < r->n_chat_chunks; i++) {
         free(r->chat_chunks[i]);

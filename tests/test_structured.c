@@ -42,7 +42,8 @@ static void start(const char *model) {
     cr_assert(pid >= 0);
     if (pid == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);
-        int fd = open(S.log, O_WRONLY | O_CREAT | O_TRUNC, 0644), null = open("/dev/null", O_WRONLY);
+        int fd = open(S.log, O_WRONLY | O_CREAT | O_TRUNC, 0644),
+            null = open("/dev/null", O_WRONLY);
         if (fd < 0 || null < 0) _exit(127);
         dup2(null, 1);
         dup2(fd, 2);
@@ -123,7 +124,7 @@ static const char *finish(json_t *j) {
     "\"name\":{\"type\":\"string\",\"maxLength\":12},"                                             \
     "\"age\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":120},"                                \
     "\"mood\":{\"enum\":[\"happy\",\"sad\",\"calm\"]},"                                            \
-    "\"pets\":{\"type\":\"array\",\"items\":{\"type\":\"string\",\"pattern\":\"^[a-z]{1,8}$\"},"  \
+    "\"pets\":{\"type\":\"array\",\"items\":{\"type\":\"string\",\"pattern\":\"^[a-z]{1,8}$\"},"   \
     "\"maxItems\":3},"                                                                             \
     "\"nick\":{\"anyOf\":[{\"type\":\"string\",\"maxLength\":5},{\"type\":\"null\"}]}},"           \
     "\"required\":[\"name\",\"age\",\"mood\",\"pets\",\"nick\"],\"additionalProperties\":false}"
@@ -137,15 +138,16 @@ static void check_person(const char *text) {
     json_t *mood = json_object_get(v, "mood"), *pets = json_object_get(v, "pets");
     json_t *nick = json_object_get(v, "nick");
     cr_expect(json_is_string(name), "%s", text);
-    cr_expect(json_is_integer(age) && json_integer_value(age) >= 0 && json_integer_value(age) <= 120,
+    cr_expect(json_is_integer(age) && json_integer_value(age) >= 0 &&
+                  json_integer_value(age) <= 120,
               "%s", text);
     const char *m = json_string_value(mood);
     cr_expect(m && (!strcmp(m, "happy") || !strcmp(m, "sad") || !strcmp(m, "calm")), "%s", text);
     cr_expect(json_is_array(pets) && json_array_size(pets) <= 3, "%s", text);
     for (size_t i = 0; i < json_array_size(pets); i++) {
         const char *p = json_string_value(json_array_get(pets, i));
-        cr_expect(p && strlen(p) >= 1 && strlen(p) <= 8 && strspn(p, "abcdefghijklmnopqrstuvwxyz") ==
-                                                                strlen(p),
+        cr_expect(p && strlen(p) >= 1 && strlen(p) <= 8 &&
+                      strspn(p, "abcdefghijklmnopqrstuvwxyz") == strlen(p),
                   "%s", text);
     }
     cr_expect(json_is_null(nick) || json_is_string(nick), "%s", text);
@@ -185,8 +187,9 @@ static void twenty(int chat, const char *rf, int is_schema) {
     }
 }
 
-#define SCHEMA_RF "{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"person\",\"strict\":true,"  \
-                  "\"schema\":" PERSON_SCHEMA "}}"
+#define SCHEMA_RF                                                                                  \
+    "{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"person\",\"strict\":true,"              \
+    "\"schema\":" PERSON_SCHEMA "}}"
 
 Test(structured, stories260k_gives_json_objects_and_schema_valid_json_in_20_of_20, .fini = stop) {
     const char *model;
@@ -211,10 +214,12 @@ Test(structured, schemas_that_cannot_be_enforced_are_refused_with_their_path, .f
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     start(model);
     const char *cases[][2] = {
-        {"{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"p\",\"schema\":{\"type\":\"object\","
+        {"{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"p\",\"schema\":{\"type\":"
+         "\"object\","
          "\"properties\":{\"age\":{\"type\":\"string\",\"format\":\"date\"}}}}}",
          "$.properties.age.format"},
-        {"{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"p\",\"schema\":{\"type\":\"strng\"}}}",
+        {"{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"p\",\"schema\":{\"type\":\"strng\"}"
+         "}}",
          "$.type"},
         {"{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"p\"}}", "'schema'"},
         {"{\"type\":\"yaml\"}", "response_format.type"},
@@ -234,8 +239,8 @@ Test(structured, schemas_that_cannot_be_enforced_are_refused_with_their_path, .f
     }
     int status;
     char *raw;
-    json_t *j = post("/v1/completions", "{\"prompt\":\"x\",\"grammar\":\"root ::= root \\\"a\\\"\"}",
-                     &status, &raw);
+    json_t *j = post("/v1/completions",
+                     "{\"prompt\":\"x\",\"grammar\":\"root ::= root \\\"a\\\"\"}", &status, &raw);
     cr_expect_eq(status, 400, "%s", raw);
     cr_expect(strstr(raw, "left-recursive"), "%s", raw);
     json_decref(j);
@@ -285,10 +290,11 @@ Test(structured, a_streamed_answer_is_schema_valid_json_too, .fini = stop) {
     start(model);
     int status;
     char *raw;
-    json_t *j = post("/v1/completions",
-                     "{\"prompt\":\"Once upon a time\",\"temperature\":1,\"seed\":7,\"stream\":true,"
-                     "\"max_tokens\":300,\"response_format\":" SCHEMA_RF "}",
-                     &status, &raw);
+    json_t *j =
+        post("/v1/completions",
+             "{\"prompt\":\"Once upon a time\",\"temperature\":1,\"seed\":7,\"stream\":true,"
+             "\"max_tokens\":300,\"response_format\":" SCHEMA_RF "}",
+             &status, &raw);
     json_decref(j);
     cr_assert_eq(status, 200, "%s", raw);
     /* Join the text of every data: event. */
@@ -306,4 +312,145 @@ Test(structured, a_streamed_answer_is_schema_valid_json_too, .fini = stop) {
     free(text);
     free(raw);
     free((char *)model);
+}
+
+/* ---------------------------------------------------------------- tools */
+
+#define WEATHER_TOOLS                                                                              \
+    "[{\"type\":\"function\",\"function\":{\"name\":\"get_weather\",\"description\":\"Weather in " \
+    "a city\",\"parameters\":{\"type\":\"object\",\"properties\":{\"city\":{\"type\":\"string\","  \
+    "\"maxLength\":10},\"unit\":{\"enum\":[\"c\",\"f\"]}},\"required\":[\"city\",\"unit\"],"       \
+    "\"additionalProperties\":false}}},"                                                           \
+    "{\"type\":\"function\",\"function\":{\"name\":\"add\",\"parameters\":{\"type\":\"object\","   \
+    "\"properties\":{\"a\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":99},\"b\":{\"type\":"   \
+    "\"integer\",\"minimum\":0,\"maximum\":99}},\"required\":[\"a\",\"b\"],"                       \
+    "\"additionalProperties\":false}}}]"
+
+/* A call in the response shape: its id and type, a known name, arguments
+ * that parse and satisfy that tool's parameters. */
+static void check_call(json_t *call, const char *want_name) {
+    cr_assert(json_is_object(call));
+    cr_expect(json_is_string(json_object_get(call, "id")));
+    cr_expect_str_eq(json_string_value(json_object_get(call, "type")), "function");
+    json_t *f = json_object_get(call, "function");
+    const char *name = json_string_value(json_object_get(f, "name"));
+    const char *args = json_string_value(json_object_get(f, "arguments"));
+    cr_assert(name && args, "a call without name or arguments");
+    if (want_name) cr_expect_str_eq(name, want_name);
+    json_t *a = json_loads(args, 0, NULL);
+    cr_assert(json_is_object(a), "arguments are not a JSON object: %s", args);
+    if (!strcmp(name, "get_weather")) {
+        const char *u = json_string_value(json_object_get(a, "unit"));
+        cr_expect(json_is_string(json_object_get(a, "city")) && u &&
+                      (!strcmp(u, "c") || !strcmp(u, "f")) && json_object_size(a) == 2,
+                  "%s", args);
+    } else {
+        cr_expect_str_eq(name, "add");
+        json_t *x = json_object_get(a, "a"), *y = json_object_get(a, "b");
+        cr_expect(json_is_integer(x) && json_is_integer(y) && json_integer_value(x) <= 99 &&
+                      json_integer_value(y) <= 99 && json_object_size(a) == 2,
+                  "%s", args);
+    }
+    json_decref(a);
+}
+
+static json_t *tool_request(const char *extra, int seed, int *status, char **raw) {
+    char body[8192];
+    snprintf(body, sizeof body,
+             "{\"messages\":[{\"role\":\"user\",\"content\":\"What is the weather in Paris?\"}],"
+             "\"temperature\":1,\"seed\":%d,\"max_tokens\":200,\"tools\":" WEATHER_TOOLS "%s}",
+             seed, extra);
+    return post("/v1/chat/completions", body, status, raw);
+}
+
+Test(structured, required_and_named_tool_choices_give_valid_calls_on_qwen3, .fini = stop) {
+    char *model = rk_test_model("qwen3-tiny", "f32", 1);
+    start(model);
+    for (int seed = 1; seed <= 10; seed++) {
+        const char *extra = seed <= 4 ? ",\"tool_choice\":\"required\""
+                            : seed <= 7
+                                ? ",\"tool_choice\":{\"type\":\"function\",\"function\":"
+                                  "{\"name\":\"add\"}}"
+                                : ",\"tool_choice\":\"required\",\"parallel_tool_calls\":false";
+        int status;
+        char *raw;
+        json_t *j = tool_request(extra, seed, &status, &raw);
+        cr_assert_eq(status, 200, "%s", raw);
+        cr_expect_str_eq(finish(j), "tool_calls", "%s", raw);
+        json_t *msg = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "message");
+        json_t *calls = json_object_get(msg, "tool_calls");
+        cr_assert(json_is_array(calls) && json_array_size(calls) >= 1, "%s", raw);
+        if (seed > 7) cr_expect_eq(json_array_size(calls), 1, "%s", raw);
+        for (size_t k = 0; k < json_array_size(calls); k++)
+            check_call(json_array_get(calls, k), seed > 4 && seed <= 7 ? "add" : NULL);
+        json_decref(j);
+        free(raw);
+    }
+    /* Streamed: the calls arrive as delta.tool_calls. */
+    int status;
+    char *raw;
+    json_t *j = tool_request(",\"tool_choice\":\"required\",\"stream\":true", 3, &status, &raw);
+    json_decref(j);
+    cr_assert_eq(status, 200, "%s", raw);
+    char *p = strstr(raw, "\"tool_calls\":[");
+    cr_assert(p, "no delta.tool_calls: %s", raw);
+    cr_expect(strstr(raw, "\"finish_reason\":\"tool_calls\""), "%s", raw);
+    for (char *e = strstr(raw, "data: "); e; e = strstr(e + 6, "data: ")) {
+        if (!strncmp(e + 6, "[DONE]", 6)) break;
+        char *end = strstr(e, "\n\n");
+        json_t *ev = json_loadb(e + 6, end ? (size_t)(end - e - 6) : strlen(e + 6), 0, NULL);
+        json_t *tc = json_object_get(
+            json_object_get(json_array_get(json_object_get(ev, "choices"), 0), "delta"),
+            "tool_calls");
+        for (size_t k = 0; k < json_array_size(tc); k++) {
+            cr_expect(json_is_integer(json_object_get(json_array_get(tc, k), "index")));
+            check_call(json_array_get(tc, k), NULL);
+        }
+        json_decref(ev);
+    }
+    free(raw);
+    /* A history with a call and its result renders and answers. */
+    j = post("/v1/chat/completions",
+             "{\"messages\":[{\"role\":\"user\",\"content\":\"Add 2 and 3\"},"
+             "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c1\",\"type\":"
+             "\"function\",\"function\":{\"name\":\"add\",\"arguments\":\"{\\\"a\\\":2,\\\"b\\\":3}"
+             "\"}}]},"
+             "{\"role\":\"tool\",\"tool_call_id\":\"c1\",\"content\":\"5\"}],"
+             "\"max_tokens\":8,\"tools\":" WEATHER_TOOLS "}",
+             &status, &raw);
+    cr_expect_eq(status, 200, "%s", raw);
+    json_decref(j);
+    free(raw);
+    free(model);
+}
+
+Test(structured, tool_requests_that_cannot_be_served_are_refused, .fini = stop) {
+    const char *stories;
+    RK_REQUIRE_SHARED(stories, "models/stories260K.gguf");
+    start(stories); /* a Llama-2 chat template: no tool-call format */
+    int status;
+    char *raw;
+    json_t *j = tool_request("", 1, &status, &raw);
+    cr_expect_eq(status, 400, "%s", raw);
+    cr_expect(strstr(raw, "llama2"), "%s", raw);
+    json_decref(j);
+    free(raw);
+    const char *bad[][2] = {
+        {",\"tool_choice\":{\"type\":\"function\",\"function\":{\"name\":\"nope\"}}", "nope"},
+        {",\"tool_choice\":\"sometimes\"", "tool_choice"},
+        {",\"tool_choice\":\"required\",\"response_format\":{\"type\":\"json_object\"}",
+         "combined"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        j = tool_request(bad[i][0], 1, &status, &raw);
+        cr_expect_eq(status, 400, "%s: %s", bad[i][0], raw);
+        cr_expect(strstr(raw, bad[i][1]), "want \"%s\" in %s", bad[i][1], raw);
+        json_decref(j);
+        free(raw);
+    }
+    j = post("/v1/completions", "{\"prompt\":\"x\",\"tools\":[]}", &status, &raw);
+    cr_expect_eq(status, 400, "%s", raw);
+    json_decref(j);
+    free(raw);
+    free((char *)stories);
 }
