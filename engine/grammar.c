@@ -852,6 +852,9 @@ typedef struct dstate {
     int32_t row;  /* transition row (256 entries) or -1 */
     int32_t mask; /* cached mask slot or -1 */
     int32_t minb; /* fewest bytes that finish it, -1 until asked */
+    /* With the mask: the most bytes any allowed token leaves to finish, and
+     * how many tokens it allows (-1 until the mask is made). */
+    int32_t max_after, n_allowed;
     uint32_t hash;
     uint8_t accept;
 } dstate;
@@ -1023,6 +1026,8 @@ static int32_t intern_state(rk_grammar_state *s, int accept) {
     d->row = -1;
     d->mask = -1;
     d->minb = -1;
+    d->max_after = -1;
+    d->n_allowed = -1;
     d->hash = h;
     d->accept = (uint8_t)accept;
     memcpy(s->leafs + s->n_leafs, s->scratch, (size_t)s->n_scratch * sizeof(leaf));
@@ -1106,6 +1111,8 @@ rk_status rk_grammar_state_create(const rk_grammar *g, const rk_grammar_vocab *v
     return RK_OK;
 }
 
+static int32_t state_minb(rk_grammar_state *s, int32_t sid);
+
 rk_status rk_grammar_state_mask(rk_grammar_state *s, const uint64_t **mask) {
     dstate *d = &s->st[s->cur];
     if (d->mask >= 0) {
@@ -1130,6 +1137,7 @@ rk_status rk_grammar_state_mask(rk_grammar_state *s, const uint64_t **mask) {
     walk[0] = s->cur;
     const uint8_t *byte = v->byte;
     const uint16_t *depth = v->depth;
+    int32_t max_after = 0, n_allowed = 0;
     for (int32_t i = 1; i < v->n_nodes;) {
         int32_t t = step(s, walk[depth[i] - 1], byte[i]);
         if (t < 0) {
@@ -1141,12 +1149,22 @@ rk_status rk_grammar_state_mask(rk_grammar_state *s, const uint64_t **mask) {
             continue;
         }
         walk[depth[i]] = t;
-        for (int32_t k = v->tok[i]; k >= 0; k = v->tok_next[k]) m[k >> 6] |= 1ull << (k & 63);
+        if (v->tok[i] >= 0) {
+            int32_t mb = s->st[t].minb >= 0 ? s->st[t].minb : state_minb(s, t);
+            if (mb > max_after) max_after = mb;
+            for (int32_t k = v->tok[i]; k >= 0; k = v->tok_next[k]) {
+                m[k >> 6] |= 1ull << (k & 63);
+                n_allowed++;
+            }
+        }
         i++;
     }
     d = &s->st[s->cur]; /* the walk may have moved the state array */
     if (d->accept)
-        for (int i = 0; i < v->n_eog; i++) m[v->eog[i] >> 6] |= 1ull << (v->eog[i] & 63);
+        for (int i = 0; i < v->n_eog; i++)
+            m[v->eog[i] >> 6] |= 1ull << (v->eog[i] & 63), n_allowed++;
+    d->max_after = max_after;
+    d->n_allowed = n_allowed;
     d->mask = slot;
     s->n_masks++;
     *mask = m;
@@ -1204,6 +1222,13 @@ int rk_grammar_state_min_bytes(rk_grammar_state *s) { return state_minb(s, s->cu
 
 rk_status rk_grammar_state_mask_budget(rk_grammar_state *s, int budget, const uint64_t **mask,
                                        int *n_allowed) {
+    /* Where no allowed token leaves more than budget, the cached mask is it. */
+    rk_status st = rk_grammar_state_mask(s, mask);
+    if (st) return st;
+    if (s->st[s->cur].max_after <= budget) {
+        *n_allowed = s->st[s->cur].n_allowed;
+        return RK_OK;
+    }
     const rk_grammar_vocab *v = s->v;
     size_t words = ((size_t)v->n_vocab + 63) / 64;
     if (!s->bmask && !(s->bmask = malloc(words * sizeof *s->bmask)))

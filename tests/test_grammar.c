@@ -573,6 +573,7 @@ Test(grammar, batched_requests_on_stories260k_each_give_schema_valid_json) {
     const char *path;
     RK_REQUIRE_SHARED(path, "models/stories260K.gguf");
     rk_service *svc = open_model(path);
+    free((char *)path);
     const char *schema_text =
         "{\"type\":\"object\",\"properties\":{"
         "\"name\":{\"type\":\"string\",\"maxLength\":10},"
@@ -617,6 +618,7 @@ Test(grammar, json_object_requests_on_stories260k_give_objects) {
     const char *path;
     RK_REQUIRE_SHARED(path, "models/stories260K.gguf");
     rk_service *svc = open_model(path);
+    free((char *)path);
     rk_grammar *g;
     cr_assert_eq(rk_grammar_json_object(&g), RK_OK, "%s", rk_error_message());
     enum { N = 20 };
