@@ -154,21 +154,22 @@ static void check_person(const char *text) {
     json_decref(v);
 }
 
-/* 20 seeded requests at temperature 1 with response_format rf. */
-static void twenty(int chat, const char *rf, int is_schema) {
+/* 20 seeded requests at temperature 1 with response_format rf, at most
+ * max_tokens each (json_object closes its object within them). */
+static void twenty(int chat, const char *rf, int is_schema, int max_tokens) {
     for (int seed = 1; seed <= 20; seed++) {
         char body[4096];
         if (chat)
             snprintf(body, sizeof body,
                      "{\"messages\":[{\"role\":\"user\",\"content\":\"Describe a person as "
-                     "JSON.\"}],\"temperature\":1,\"seed\":%d,\"max_tokens\":300,"
+                     "JSON.\"}],\"temperature\":1,\"seed\":%d,\"max_tokens\":%d,"
                      "\"response_format\":%s}",
-                     seed, rf);
+                     seed, max_tokens, rf);
         else
             snprintf(body, sizeof body,
                      "{\"prompt\":\"Once upon a time\",\"temperature\":1,\"seed\":%d,"
-                     "\"max_tokens\":300,\"response_format\":%s}",
-                     seed, rf);
+                     "\"max_tokens\":%d,\"response_format\":%s}",
+                     seed, max_tokens, rf);
         int status;
         char *raw;
         json_t *j = post(chat ? "/v1/chat/completions" : "/v1/completions", body, &status, &raw);
@@ -195,8 +196,8 @@ Test(structured, stories260k_gives_json_objects_and_schema_valid_json_in_20_of_2
     const char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     start(model);
-    twenty(0, "{\"type\":\"json_object\"}", 0);
-    twenty(0, SCHEMA_RF, 1);
+    twenty(0, "{\"type\":\"json_object\"}", 0, 300);
+    twenty(0, SCHEMA_RF, 1, 300);
     free((char *)model);
 }
 
@@ -204,8 +205,8 @@ Test(structured, a_synthetic_qwen3_gives_json_objects_and_schema_valid_json_in_2
      .fini = stop) {
     char *model = rk_test_model("qwen3-tiny", "f32", 1);
     start(model);
-    twenty(1, "{\"type\":\"json_object\"}", 0);
-    twenty(1, SCHEMA_RF, 1);
+    twenty(1, "{\"type\":\"json_object\"}", 0, 100);
+    twenty(1, SCHEMA_RF, 1, 200);
     free(model);
 }
 
