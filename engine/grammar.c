@@ -541,10 +541,17 @@ static int left_cycle(const rk_grammar *g, const uint8_t *nullable, int r, uint8
     return -1;
 }
 
+#define RK_GRAMMAR_MAX_ELEMS (1 << 20)
+
 /* Group the builder's alternatives by rule and check the grammar. */
 static rk_status finish(builder *b, rk_grammar **out) {
     if (b->oom) return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory");
     if (b->err[0]) return rk_errorf(RK_ERR_INVALID, "%s", b->err);
+    if (b->n_elems > RK_GRAMMAR_MAX_ELEMS)
+        return rk_errorf(RK_ERR_LIMIT,
+                         "grammar: %d elements is over the bound of %d (repetitions "
+                         "are expanded: lower their counts)",
+                         b->n_elems, RK_GRAMMAR_MAX_ELEMS);
     for (int r = 0; r < b->n_rules; r++)
         if (!b->defined[r])
             return rk_errorf(RK_ERR_INVALID, "grammar: rule '%s' is used but not defined",
