@@ -295,17 +295,21 @@ static void respond_generation(gen *g) {
     gt_feed(&g->text, j->req.out_tokens, j->req.n_out);
     if (g->text.stop_at >= 0 && g->text.stop_tokens < j->req.n_out)
         j->req.n_out = g->text.stop_tokens; /* usage, ids and logprobs end at the stop */
+    char *all = NULL; /* with tools: the whole answer, parsed for calls before it is logged */
+    if (g->tools_active) {
+        all = gt_take(&g->text, 1);
+        g->tool_calls =
+            rk_chat_tool_calls(rc->S->tmpl, &g->api, all ? all : "", g->id, &g->tool_content);
+    }
     log_generation(g);
     if (g->timed_out && !g->api.stream) {
+        free(all);
         rk_gw_send_errorf(rc, 503,
                           "the request ran longer than the timeout (%g s) and was cancelled",
                           rc->S->o.timeout_s);
         return;
     }
-    if (g->tools_active) { /* the whole answer, parsed for calls */
-        char *all = gt_take(&g->text, 1);
-        g->tool_calls =
-            rk_chat_tool_calls(rc->S->tmpl, &g->api, all ? all : "", g->id, &g->tool_content);
+    if (g->tools_active) {
         if (g->tool_calls && g->api.stream && !g->client_gone) {
             /* The text before the calls, then the calls whole (one fragment
              * each), then the end. */
