@@ -171,38 +171,31 @@ static void tools_block(rk_chat_template t, const rk_api_request *req, sbuf *b) 
                   "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
 }
 
-/* Put the tool definitions into the system message (made when there is
- * none), as the templates do. */
-static rk_status add_tools(rk_chat_template t, rk_api_request *req, rk_http_error *err) {
-    sbuf block = {0};
-    tools_block(t, req, &block);
-    if (block.oom) {
-        free(block.s);
-        return rk_http_errorf(err, 500, "out of memory");
-    }
-    if (req->msgs[0].role == RK_ROLE_SYSTEM) {
-        sbuf c = {0};
+/* The messages with the tool definitions in the system message (one made
+ * first when there is none), as the templates do: a view *out over req's
+ * messages (the caller frees it and *sys_text; req is not changed, so a
+ * request may be rendered again). */
+static rk_status with_tools(rk_chat_template t, const rk_api_request *req, rk_chat_msg **out,
+                            int *n_out, char **sys_text, rk_http_error *err) {
+    sbuf c = {0};
+    int has_sys = req->msgs[0].role == RK_ROLE_SYSTEM;
+    if (has_sys && *req->msgs[0].content) {
         sb_add(&c, req->msgs[0].content);
-        if (*req->msgs[0].content) sb_add(&c, "\n\n");
-        sb_add(&c, block.s);
-        free(block.s);
-        if (c.oom) {
-            free(c.s);
-            return rk_http_errorf(err, 500, "out of memory");
-        }
-        free(req->msgs[0].content);
-        req->msgs[0].content = c.s;
-        return RK_OK;
+        sb_add(&c, "\n\n");
     }
-    rk_chat_msg *m = realloc(req->msgs, (size_t)(req->n_msgs + 1) * sizeof *m);
-    if (!m) {
-        free(block.s);
+    tools_block(t, req, &c);
+    int n = req->n_msgs + !has_sys;
+    rk_chat_msg *m = malloc((size_t)n * sizeof *m);
+    if (c.oom || !m) {
+        free(c.s);
+        free(m);
         return rk_http_errorf(err, 500, "out of memory");
     }
-    memmove(m + 1, m, (size_t)req->n_msgs * sizeof *m);
-    m[0] = (rk_chat_msg){.role = RK_ROLE_SYSTEM, .content = block.s};
-    req->msgs = m;
-    req->n_msgs++;
+    memcpy(m + !has_sys, req->msgs, (size_t)req->n_msgs * sizeof *m);
+    m[0] = (rk_chat_msg){.role = RK_ROLE_SYSTEM, .content = c.s};
+    *out = m;
+    *n_out = n;
+    *sys_text = c.s;
     return RK_OK;
 }
 
@@ -213,6 +206,9 @@ static rk_status tools_grammar(rk_chat_template t, rk_api_request *req, rk_http_
                               "'parallel_tool_calls' true is not supported with the %s template "
                               "(one call per answer); send false or leave it out",
                               rk_chat_template_name(t));
+    rk_grammar_free(req->grammar); /* a render before this one made it (nothing else can) */
+    req->grammar = NULL;
+    req->opt.grammar = NULL;
     int n = req->tool_choice == RK_TOOLS_NAMED ? 1 : req->n_tools;
     rk_grammar_call *calls = calloc((size_t)n, sizeof *calls);
     char(*open)[160] = calloc((size_t)n, sizeof *open);
@@ -510,13 +506,22 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
                               "tools are not supported with the llama2 chat template (it has no "
                               "tool-call format)");
     rk_status tst = RK_OK;
-    if (req->n_tools && (tst = add_tools(t, req, err))) return tst;
     if (req->tool_choice >= RK_TOOLS_REQUIRED && (tst = tools_grammar(t, req, err))) return tst;
+    /* With tools, render a view of the messages whose system message
+     * describes them; req's own messages are put back at the end. */
+    rk_chat_msg *own_msgs = req->msgs, *view = NULL;
+    int own_n = req->n_msgs;
+    char *sys_text = NULL;
+    if (req->n_tools) {
+        int n_view = 0;
+        if ((tst = with_tools(t, req, &view, &n_view, &sys_text, err))) return tst;
+        req->msgs = view;
+        req->n_msgs = n_view;
+    }
     int n = req->n_msgs, empty = 0;
     user_msg *users = calloc((size_t)n, sizeof *users);
-    if (!users) return rk_http_errorf(err, 500, "out of memory");
     sbuf sys = {0}, q = {0}, block = {0};
-    rk_status st = RK_OK;
+    rk_status st = users ? RK_OK : rk_http_errorf(err, 500, "out of memory");
     for (int i = 0; i < n && !st; i++)
         if (req->msgs[i].role == RK_ROLE_USER && !(st = split_user(req, i, &users[i], err)))
             empty += users[i].split.n_empty_chunks;
@@ -555,8 +560,12 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     req->have_pieces = 1;
     req->chunk_ids = ids;
 done:
-    for (int i = 0; i < n; i++) rk_split_free(&users[i].split);
+    for (int i = 0; users && i < n; i++) rk_split_free(&users[i].split);
     free(users);
+    req->msgs = own_msgs;
+    req->n_msgs = own_n;
+    free(view);
+    free(sys_text);
     free(sys.s);
     free(q.s);
     free(block.s);

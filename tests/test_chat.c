@@ -426,6 +426,13 @@ Test(chat, tools_and_tool_turns_render_as_each_template_writes_them) {
                         "<|im_start|>assistant\n"),
               "%s", q);
     cr_expect_null(r.grammar, "auto: no constraint");
+    /* Rendering again (another template, the same one) leaves the request as parsed. */
+    char *first = strdup(sys);
+    cr_assert_eq(rk_chat_render(RK_CHAT_LLAMA3, &r, 8, &err), RK_OK, "%s", err.message);
+    cr_assert_eq(rk_chat_render(RK_CHAT_CHATML, &r, 8, &err), RK_OK, "%s", err.message);
+    cr_expect_str_eq(r.pieces.system.s, first);
+    cr_expect_eq(r.n_msgs, 4);
+    free(first);
     rk_api_request_free(&r);
 
     cr_assert_eq(render_text(RK_CHAT_LLAMA3, TOOL_BODY(",\"tool_choice\":\"required\""), &r, &err),
@@ -438,6 +445,9 @@ Test(chat, tools_and_tool_turns_render_as_each_template_writes_them) {
     cr_expect(strstr(q, "<|start_header_id|>ipython<|end_header_id|>\n\n5<|eot_id|>"), "%s", q);
     cr_expect_not_null(r.grammar, "required: constrained");
     cr_expect(r.opt.grammar == r.grammar);
+    cr_assert_eq(rk_chat_render(RK_CHAT_CHATML, &r, 8, &err), RK_OK, "%s", err.message);
+    cr_expect(r.grammar && r.opt.grammar == r.grammar,
+              "the second render's grammar replaces the first");
     rk_api_request_free(&r);
 
     cr_expect_neq(render_text(RK_CHAT_LLAMA2, TOOL_BODY(""), &r, &err), RK_OK);
