@@ -206,6 +206,8 @@ static json_t *request_body(const bench *b, int mode, int j, json_t *msgs, int t
     /* Each mode's invariants assume it reuses only its own caches; a
      * conversation's later turns are meant to reuse the earlier ones. */
     json_object_set_new(body, "reuse_sequences", json_boolean(b->o.turns > 1));
+    /* Chat messages are split into documents only on a separator the body names. */
+    if (b->o.turns > 1) json_object_set_new(body, "separator", json_string("##"));
     return body;
 }
 

@@ -23,6 +23,7 @@
 typedef struct serve_opts {
     rk_server_options srv;
     char log_level[16];
+    char model_name_policy[16];
 } serve_opts;
 
 #define OFF(m) offsetof(serve_opts, m)
@@ -40,8 +41,8 @@ static const rk_setting k_serve_settings[] = {
      "KEY  require `Authorization: Bearer KEY` on every route but /health"},
     {"admin_key", "admin-key", RK_SET_STR, STR(srv.admin_key), 0, 0, 0, 1,
      "KEY  require this key for cache flush and chunk delete"},
-    {"max_body_bytes", "max-body-bytes", RK_SET_LONG, OFF(srv.max_body_bytes), 0, 1, 1LL << 34, 0, 0,
-     "N  largest request body (default: 1048576; larger: 413)"},
+    {"max_body_bytes", "max-body-bytes", RK_SET_LONG, OFF(srv.max_body_bytes), 0, 1, 1LL << 34, 0,
+     0, "N  largest request body (default: 1048576; larger: 413)"},
     {"queue", "queue", RK_SET_INT, OFF(srv.queue), 0, 1, 1 << 20, 0, 0,
      "N  requests waiting for the engine at most (default: 64; more: 503)"},
     {"timeout_s", "timeout-s", RK_SET_DOUBLE, OFF(srv.timeout_s), 0, 0.001, 1e7, 0, 0,
@@ -55,10 +56,23 @@ static const rk_setting k_serve_settings[] = {
     {"http_threads", "http-threads", RK_SET_INT, OFF(srv.http_threads), 0, 0, 4096, 0, 0,
      "N  requests handled at once, more get 503 (default: 0 = queue + 16); 5 N connections "
      "are served"},
-    {"request_timeout_s", "request-timeout-s", RK_SET_DOUBLE, OFF(srv.request_timeout_s), 0, 0.1, 3600,
-     0, 0,
+    {"request_timeout_s", "request-timeout-s", RK_SET_DOUBLE, OFF(srv.request_timeout_s), 0, 0.1,
+     3600, 0, 0,
      "S  a client must send the headers, then the body, within this long, and read what is "
      "written to it (default: 10)"},
+    {"chat_separator", "chat-separator", RK_SET_STR, STR(srv.chat_separator), 0, 0, 0, 0,
+     "S  split chat user messages on S into documents and question (default: none; a body's "
+     "\"separator\" does it per request)"},
+    {"max_connections_per_ip", "max-connections-per-ip", RK_SET_INT,
+     OFF(srv.max_connections_per_ip), 0, 0, 1 << 20, 0, 0,
+     "N  connections one client address may hold open; more are answered 503 and closed "
+     "(default: 0 = 4 x http_threads, at least 64)"},
+    {"served_model_name", "served-model-name", RK_SET_STR, STR(srv.served_model_name), 0, 0, 0, 0,
+     "NAME[,ALIAS...]  the model name reported and accepted (default: the model's own)"},
+    {"model_name_policy", "model-name-policy", RK_SET_STR, STR(model_name_policy), 0, 0, 0, 0,
+     "P  any|strict: a request naming another model is answered (any, the default) or 404"},
+    {"cors_origin", "cors-origin", RK_SET_STR, STR(srv.cors_origin), 0, 0, 0, 0,
+     "ORIGIN  allow browser calls from ORIGIN, or * for any (default: off)"},
     {"log_level", "log-level", RK_SET_STR, STR(log_level), 0, 0, 0, 0,
      "L  debug|info|warn|error (default: warn)"},
     {"load_delay_s", "load-delay-s", RK_SET_DOUBLE, OFF(srv.load_delay_s), 0, 0, 3600, 0, 0,
@@ -79,6 +93,7 @@ static void opts_defaults(serve_opts *o) {
     memset(o, 0, sizeof *o);
     rk_server_options_default(&o->srv);
     snprintf(o->log_level, sizeof o->log_level, "warn");
+    snprintf(o->model_name_policy, sizeof o->model_name_policy, "any");
 }
 
 /* ================================================================ main */
@@ -130,6 +145,12 @@ static int parse_args(int argc, char **argv, serve_opts *o, int *print_config, i
                 o->log_level);
         return -1;
     }
+    if (strcmp(o->model_name_policy, "any") && strcmp(o->model_name_policy, "strict")) {
+        fprintf(stderr, "ragkv serve: model_name_policy must be any or strict, got '%s'\n",
+                o->model_name_policy);
+        return -1;
+    }
+    o->srv.model_name_strict = !strcmp(o->model_name_policy, "strict");
     if (rk_config_validate(&o->srv.cfg)) {
         fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
         return -1;

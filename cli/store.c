@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "cli/cli.h"
+#include "pipeline/persist.h"
 
 /* ---------------------------------------------------------------- prewarm / cache */
 
@@ -24,6 +25,7 @@ typedef struct prewarm_args {
     char input[4096];
     long long batch;
     char redis[sizeof(((rk_config *)0)->redis_url)];
+    char redis_secret_file[sizeof(((rk_config *)0)->redis_secret_file)];
 } prewarm_args;
 
 static const rk_setting k_prewarm_settings[] = {
@@ -35,6 +37,11 @@ static const rk_setting k_prewarm_settings[] = {
     {"redis", "redis", RK_SET_STR, offsetof(prewarm_args, redis),
      sizeof(((prewarm_args *)0)->redis), 0, 0, 0, RK_SECRET_URL,
      "URL  also share the chunks through this Redis (then --store is optional)"},
+    {"redis_secret_file", "redis-secret-file", RK_SET_STR,
+     offsetof(prewarm_args, redis_secret_file), sizeof(((prewarm_args *)0)->redis_secret_file), 0,
+     0, 0, 0,
+     "F  file holding the secret that authenticates Redis values (default: "
+     "RAGKV_REDIS_SECRET)"},
 };
 
 typedef struct prewarm_counts {
@@ -109,6 +116,11 @@ int rk_cli_prewarm(int argc, char **argv) {
     long batch = (long)pa.batch;
     if (!input[0]) return usage_error("prewarm", "%s", "--input is required");
     snprintf(o.cfg.redis_url, sizeof o.cfg.redis_url, "%s", pa.redis);
+    snprintf(o.cfg.redis_secret_file, sizeof o.cfg.redis_secret_file, "%s", pa.redis_secret_file);
+    const char *env_secret = getenv("RAGKV_REDIS_SECRET");
+    if (env_secret && strlen(env_secret) >= sizeof o.cfg.redis_secret)
+        return usage_error("prewarm", "%s", "RAGKV_REDIS_SECRET is longer than 1024 bytes");
+    if (env_secret) snprintf(o.cfg.redis_secret, sizeof o.cfg.redis_secret, "%s", env_secret);
     if (!o.cfg.store_dir[0] && !o.cfg.redis_url[0])
         return usage_error("prewarm", "%s", "--store or --redis is required");
     FILE *f = fopen(input, "rb");
@@ -239,6 +251,7 @@ int rk_cli_cache(int argc, char **argv) {
     }
     rk_store *st;
     if (rk_store_open_readonly(dir, &st)) return fail("cannot open the store");
+    rk_store_set_body_check(st, rk_persist_body_check); /* verify: finite KV too */
     int rc = 0;
     uint64_t bad = 0;
     rk_status s = !strcmp(sub, "ls")      ? rk_store_print_ls(st, stdout, sort, ca.limit)

@@ -132,6 +132,9 @@ typedef struct rk_config {
     int redis_timeout_ms;  /* connect and per-command timeout; default 200 */
     int redis_min_tokens;  /* shorter chunks are neither fetched nor written; default 32 */
     int redis_wait_ms;     /* longest wait for a chunk another replica computes; default 300 */
+    char redis_secret_file[1024]; /* file holding the values' HMAC secret; "" = none */
+    char redis_secret[1025];      /* the secret itself (RAGKV_REDIS_SECRET, no flag); used when
+                                     there is no file; "" = none */
 } rk_config;
 
 /* Fill cfg with the defaults (which work on a laptop). */

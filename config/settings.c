@@ -72,6 +72,13 @@ const rk_setting rk_config_settings[] = {
      0, 0, "N  chunks shorter than this skip Redis (default: 32)"},
     {"redis_wait_ms", "redis-wait-ms", RK_SET_INT, CFG_OFF(redis_wait_ms), 0, 0, 60000, 0, 0,
      "MS  longest wait for a chunk another replica computes (default: 300)"},
+    {"redis_secret_file", "redis-secret-file", RK_SET_STR, CFG_STR(redis_secret_file), 0, 0, 0, 0,
+     "F  file holding the secret that authenticates Redis values (HMAC-SHA-256; default: "
+     "RAGKV_REDIS_SECRET, else none: Redis is trusted)"},
+    /* The secret itself has no flag (a command line is visible to every user
+     * of the host): only RAGKV_REDIS_SECRET or the config file set it. */
+    {"redis_secret", NULL, RK_SET_STR, CFG_STR(redis_secret), 0, 0, 0, 1,
+     "  the Redis values' secret (RAGKV_REDIS_SECRET)"},
 };
 const size_t rk_config_n_settings = sizeof rk_config_settings / sizeof rk_config_settings[0];
 
@@ -288,6 +295,7 @@ void rk_settings_print_help(FILE *out, const rk_settings *tabs, int n_tabs) {
     for (int t = 0; t < n_tabs; t++) {
         for (size_t i = 0; i < tabs[t].n; i++) {
             const rk_setting *f = &tabs[t].fields[i];
+            if (!f->flag) continue; /* set from the environment or the file only */
             /* help is "ARG  text" for a flag with a value, "  text" for a switch */
             const char *sp = strchr(f->help, ' ');
             int arglen = sp && f->help[0] != ' ' ? (int)(sp - f->help) : 0;
@@ -377,15 +385,17 @@ int rk_cmdline_parse(const rk_cmdline *cl, int argc, char **argv, int *out_exit)
         *out_exit = 1;
         goto out;
     }
-    size_t k = 0;
+    size_t k = 0, nl = 0;
     for (int t = 0; t < cl->n_tabs; t++)
         for (size_t i = 0; i < cl->tabs[t].n; i++, k++) {
             fields[k] = &cl->tabs[t].fields[i];
             bases[k] = cl->tabs[t].base;
-            longs[k] = (struct option){
+            if (!fields[k]->flag) continue; /* no flag: environment and file only */
+            longs[nl++] = (struct option){
                 fields[k]->flag, fields[k]->type == RK_SET_BOOL ? no_argument : required_argument,
                 0, O_FIELD + (int)k};
         }
+    k = nl;
     for (size_t i = 0; i < n_extra; i++) longs[k++] = cl->extra[i];
     if (cl->n_shared) longs[k++] = (struct option){"config", required_argument, 0, O_CONFIG};
     longs[k++] = (struct option){"help", no_argument, 0, 'h'};

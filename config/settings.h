@@ -28,7 +28,7 @@ typedef enum rk_setting_type {
 
 typedef struct rk_setting {
     const char *name; /* config key; the environment name is RAGKV_<NAME> */
-    const char *flag; /* --flag */
+    const char *flag; /* --flag; NULL: none (environment and config file only) */
     rk_setting_type type;
     size_t off;       /* offset in the bound struct */
     size_t size;      /* RK_SET_STR: buffer size */

@@ -91,29 +91,58 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
 
 /* ---------------------------------------------------------------- sampling */
 
+#define RK_MAX_LOGIT_BIAS 300 /* logit_bias entries per request (OpenAI's limit) */
+
+/* A bias added to one token's logit before sampling. */
+typedef struct rk_logit_bias {
+    int32_t token;
+    float bias; /* -100..100; -100 bans the token */
+} rk_logit_bias;
+
+/* Sampling. The adjustments run first, in this order, on a copy of the
+ * logits: logit_bias; the penalties over the tokens accepted so far
+ * (rk_sampler_accept: the request's generated tokens, not its prompt);
+ * then temperature, top-k and top-p choose (greedy: the largest). */
 typedef struct rk_sampler_params {
     float temperature; /* 0 = greedy */
     int top_k;         /* 0 = off */
     float top_p;       /* 1 = off */
     uint64_t seed;
+    /* OpenAI's: logit -= count * frequency_penalty + (count > 0) *
+     * presence_penalty, count = times the token was accepted; 0 = off. */
+    float presence_penalty;
+    float frequency_penalty;
+    /* llama.cpp's and Hugging Face's: an accepted token's logit is divided
+     * by it when positive, multiplied when negative; 1 (or 0) = off. */
+    float repetition_penalty;
+    int n_logit_bias;
+    rk_logit_bias logit_bias[RK_MAX_LOGIT_BIAS];
 } rk_sampler_params;
 
 typedef struct rk_sampler {
     rk_sampler_params p;
     uint64_t rng[2];
     int n_vocab;
-    float *probs; /* (n_vocab) scratch */
-    int32_t *idx; /* (n_vocab) scratch */
+    float *probs;   /* (n_vocab) scratch */
+    int32_t *idx;   /* (n_vocab) scratch */
+    float *adj;     /* (n_vocab) the adjusted logits; NULL when nothing adjusts them */
+    int32_t *count; /* (n_vocab) times each token was accepted; NULL without penalties */
 } rk_sampler;
 
+/* Check p (ranges; logit_bias tokens inside n_vocab) and set s up; the
+ * error names the field. */
 rk_status rk_sampler_init(rk_sampler *s, const rk_sampler_params *p, int n_vocab);
 void rk_sampler_free(rk_sampler *s);
-/* Choose the next token from logits(n_vocab). Reproducible for a given seed. */
+/* Choose the next token from logits(n_vocab). Reproducible for a given seed
+ * and the same tokens accepted. */
 int32_t rk_sampler_sample(rk_sampler *s, const float *logits);
 /* The same over the tokens whose bit is set in allowed (a bitset of n_vocab
- * bits, word i / 64; NULL: all), the others masked before temperature,
- * top-k and top-p. Returns -1 when allowed holds no token. */
+ * bits, word i / 64; NULL: all), the others masked after logit_bias and the
+ * penalties and before temperature, top-k and top-p. Returns -1 when allowed
+ * holds no token. */
 int32_t rk_sampler_sample_masked(rk_sampler *s, const float *logits, const uint64_t *allowed);
+/* Record a token of the output (sampled or forced) for the penalties. */
+void rk_sampler_accept(rk_sampler *s, int32_t token);
 
 /* log(sum of exp(logits[i])) over logits(n), n >= 1, summed in double after
  * taking out the largest logit. */

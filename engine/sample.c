@@ -1,5 +1,6 @@
 /* engine/sample.c — greedy, temperature, top-k and top-p sampling with a
- * seeded xoroshiro128+ generator, and top-N log-probabilities. */
+ * seeded xoroshiro128+ generator after logit_bias and the presence,
+ * frequency and repetition penalties, and top-N log-probabilities. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,18 +32,54 @@ rk_status rk_sampler_init(rk_sampler *s, const rk_sampler_params *p, int n_vocab
                          "sampler: temperature must be >= 0, top_k >= 0, top_p in (0, 1] "
                          "(got %g, %d, %g)",
                          p->temperature, p->top_k, p->top_p);
+    if (!(p->presence_penalty >= -2 && p->presence_penalty <= 2))
+        return rk_errorf(RK_ERR_INVALID, "presence_penalty must be from -2 to 2, got %g",
+                         p->presence_penalty);
+    if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
+        return rk_errorf(RK_ERR_INVALID, "frequency_penalty must be from -2 to 2, got %g",
+                         p->frequency_penalty);
+    if (!(p->repetition_penalty >= 0) || p->repetition_penalty > 100)
+        return rk_errorf(RK_ERR_INVALID, "repetition_penalty must be from 0 (off) to 100, got %g",
+                         p->repetition_penalty);
+    if (p->n_logit_bias < 0 || p->n_logit_bias > RK_MAX_LOGIT_BIAS)
+        return rk_errorf(RK_ERR_INVALID, "logit_bias has %d entries; at most %d are allowed",
+                         p->n_logit_bias, RK_MAX_LOGIT_BIAS);
+    for (int i = 0; i < p->n_logit_bias; i++) {
+        const rk_logit_bias *b = &p->logit_bias[i];
+        if (b->token < 0 || b->token >= n_vocab)
+            return rk_errorf(RK_ERR_INVALID,
+                             "logit_bias: token %d is not in the vocabulary (0 to %d)", b->token,
+                             n_vocab - 1);
+        if (!(b->bias >= -100 && b->bias <= 100))
+            return rk_errorf(RK_ERR_INVALID,
+                             "logit_bias: the bias of token %d must be from -100 "
+                             "to 100, got %g",
+                             b->token, b->bias);
+    }
     s->p = *p;
     s->n_vocab = n_vocab;
     uint64_t seed = p->seed;
     s->rng[0] = splitmix64(&seed);
     s->rng[1] = splitmix64(&seed);
+    int penalties = p->presence_penalty != 0 || p->frequency_penalty != 0 ||
+                    (p->repetition_penalty != 0 && p->repetition_penalty != 1);
+    int nomem = 0;
     if (p->temperature > 0) {
         s->probs = malloc((size_t)n_vocab * sizeof *s->probs);
         s->idx = malloc((size_t)n_vocab * sizeof *s->idx);
-        if (!s->probs || !s->idx) {
-            rk_sampler_free(s);
-            return rk_errorf(RK_ERR_NOMEM, "sampler: out of memory");
-        }
+        nomem |= !s->probs || !s->idx;
+    }
+    if (penalties || p->n_logit_bias > 0) {
+        s->adj = malloc((size_t)n_vocab * sizeof *s->adj);
+        nomem |= !s->adj;
+    }
+    if (penalties) {
+        s->count = calloc((size_t)n_vocab, sizeof *s->count);
+        nomem |= !s->count;
+    }
+    if (nomem) {
+        rk_sampler_free(s);
+        return rk_errorf(RK_ERR_NOMEM, "sampler: out of memory");
     }
     return RK_OK;
 }
@@ -51,8 +88,45 @@ void rk_sampler_free(rk_sampler *s) {
     if (!s) return;
     free(s->probs);
     free(s->idx);
+    free(s->adj);
+    free(s->count);
     s->probs = NULL;
     s->idx = NULL;
+    s->adj = NULL;
+    s->count = NULL;
+}
+
+void rk_sampler_accept(rk_sampler *s, int32_t token) {
+    if (s->count && token >= 0 && token < s->n_vocab) s->count[token]++;
+}
+
+/* The logits with logit_bias and the penalties applied, in s->adj (or the
+ * logits themselves when nothing adjusts them). A bias of -100 bans the
+ * token outright (-inf), as OpenAI documents it. */
+static const float *adjusted(rk_sampler *s, const float *logits) {
+    if (!s->adj) return logits;
+    int n = s->n_vocab;
+    memcpy(s->adj, logits, (size_t)n * sizeof *s->adj);
+    for (int i = 0; i < s->p.n_logit_bias; i++) {
+        const rk_logit_bias *b = &s->p.logit_bias[i];
+        s->adj[b->token] = b->bias <= -100 ? -INFINITY : s->adj[b->token] + b->bias;
+    }
+    if (s->count) {
+        float rp = s->p.repetition_penalty;
+        int rep = rp != 0 && rp != 1;
+        for (int i = 0; i < n; i++) {
+            int32_t c = s->count[i];
+            if (!c) continue;
+            float v = s->adj[i];
+            if (rep) v = v > 0 ? v / rp : v * rp;
+            v -= (float)c * s->p.frequency_penalty + s->p.presence_penalty;
+            s->adj[i] = v;
+        }
+    }
+    /* Everything banned: choose among the unbiased logits rather than from nothing. */
+    float mx = s->adj[0];
+    for (int i = 1; i < n; i++) mx = s->adj[i] > mx ? s->adj[i] : mx;
+    return mx == -INFINITY ? logits : s->adj;
 }
 
 /* qsort takes no context argument; a thread-local carries the probabilities. */
@@ -72,12 +146,21 @@ int32_t rk_sampler_sample(rk_sampler *s, const float *logits) {
 
 int32_t rk_sampler_sample_masked(rk_sampler *s, const float *logits, const uint64_t *allowed) {
     int n = s->n_vocab;
+    const float *raw = logits;
+    logits = adjusted(s, logits);
     if (!allowed && s->p.temperature == 0) return rk_argmax_f32(logits, n);
     int32_t best = -1;
     float mx = 0;
-    for (int i = 0; i < n; i++)
-        if ((!allowed || ALLOWED(allowed, i)) && (best < 0 || logits[i] > mx))
-            mx = logits[i], best = i;
+    for (int pass = 0; pass < 2; pass++) {
+        best = -1;
+        for (int i = 0; i < n; i++)
+            if ((!allowed || ALLOWED(allowed, i)) && (best < 0 || logits[i] > mx))
+                mx = logits[i], best = i;
+        /* Every allowed token banned by logit_bias: choose among their
+         * unbiased logits rather than from nothing. */
+        if (best < 0 || mx != -INFINITY || logits == raw) break;
+        logits = raw;
+    }
     if (best < 0 || s->p.temperature == 0) return best;
     double sum = 0;
     for (int i = 0; i < n; i++) {

@@ -55,7 +55,21 @@ static const char *check_request(const rk_api_request *r) {
         if (n == 0 || n > RK_STOP_MAX_BYTES) return "a stop string of a bad length";
     }
     if (rk_separator_check(r->separator)) return "an invalid separator was accepted";
-    if (!r->chat && !r->have_pieces) return "a completion parsed without pieces";
+    if (r->n_choices < 1 || r->n_choices * (r->n_prompts ? r->n_prompts : 1) > RK_MAX_CHOICES)
+        return "a choice count out of range";
+    if (!(o->sampling.presence_penalty >= -2 && o->sampling.presence_penalty <= 2) ||
+        !(o->sampling.frequency_penalty >= -2 && o->sampling.frequency_penalty <= 2) ||
+        !(o->sampling.repetition_penalty > 0) || o->sampling.n_logit_bias < 0 ||
+        o->sampling.n_logit_bias > RK_MAX_LOGIT_BIAS)
+        return "a penalty or logit_bias out of range";
+    for (int i = 0; i < r->n_prompts; i++) {
+        const char *bad = r->batch ? check_split(&r->batch[i], FUZZ_MAX_CHUNKS) : NULL;
+        if (bad) return bad;
+        if (r->batch_tokens && (!r->batch_tokens[i] || r->batch_lens[i] < 1))
+            return "an empty token prompt";
+    }
+    if (!r->chat && !r->have_pieces && r->n_prompts == 0)
+        return "a completion parsed without pieces";
     return r->have_pieces ? check_split(&r->pieces, FUZZ_MAX_CHUNKS) : NULL;
 }
 

@@ -16,12 +16,19 @@
 
 /* ---------------------------------------------------------------- errors */
 
-/* An HTTP error as the JSON envelope {"error": {"code", "type", "message"}}. */
+/* An HTTP error as the JSON envelope {"error": {"message", "type", "param",
+ * "code", "status"}} (docs/api.md): code is OpenAI's string code where it
+ * has one for the case (code set), the numeric status otherwise. */
 typedef struct rk_http_error {
     int status;       /* HTTP status: 400, 401, 404, 405, 408, 409, 413, 422, 500, 501, 503, 505 */
     const char *type; /* constant: "invalid_request", "not_found", ... */
     char message[320];
+    const char *code;  /* constant OpenAI code ("context_length_exceeded"), or NULL */
+    const char *param; /* constant: the request field at fault, or NULL */
 } rk_http_error;
+
+/* OpenAI's error code for a prompt and max_tokens beyond the context. */
+#define RK_CODE_CONTEXT_LENGTH "context_length_exceeded"
 
 /* Fill err with status, its type name and a formatted message; returns the
  * rk_status that goes with the HTTP status (RK_ERR_INVALID for 4xx, ...). */
@@ -41,6 +48,7 @@ const char *rk_http_error_type(int status);
 #define RK_STOP_MAX_BYTES 256  /* bytes per stop string */
 #define RK_MAX_MESSAGES   512  /* chat messages per request */
 #define RK_MAX_PREWARM    4096 /* chunks per POST /v1/chunks */
+#define RK_MAX_CHOICES    32   /* choices per request: n × prompts in a batch */
 
 /* Limits the parser enforces (the service's own limits on tokens are checked
  * later, when the pieces are tokenized). */
@@ -51,6 +59,10 @@ typedef struct rk_parse_limits {
      * none or "auto": as rk_req_options takes it. */
     int repair_k;
     float repair_ratio;
+    /* The separator a chat body's user messages are split on when the body
+     * names none (`--chat-separator`); NULL or "" = chat messages are not
+     * split unless the body sets "separator". */
+    const char *chat_separator;
 } rk_parse_limits;
 
 typedef enum rk_chat_role {
@@ -63,6 +75,10 @@ typedef enum rk_chat_role {
 typedef struct rk_chat_msg {
     rk_chat_role role;
     char *content; /* malloc'ed, NUL-terminated (text parts joined) */
+    /* Its documents: content parts marked "ragkv_chunk": true, in order
+     * (malloc'ed, as the array); ids are all NULL (parts carry none). */
+    char **docs;
+    int n_docs;
     /* Assistant messages: the calls it made, as JSON text of an array of
      * {"name", "arguments" (an object)}; malloc'ed, NULL when none. */
     char *tool_calls;
@@ -92,17 +108,34 @@ typedef struct rk_api_request {
     rk_req_options opt; /* sampling, limits and the ragkv extensions */
     int seed_given;     /* opt.sampling.seed came from the body */
     int stream;
+    int include_usage;       /* stream_options.include_usage: a usage event before [DONE] */
     char *stop[RK_MAX_STOP]; /* malloc'ed stop strings */
     int n_stop;
     char *model;                          /* NULL when absent */
     char separator[RK_SEPARATOR_MAX + 1]; /* "##" unless given */
-    rk_split pieces;                      /* completion: filled by the parser; chat: by render */
-    int have_pieces;                      /* pieces holds strings (free them) */
+    /* Chat: user messages are split on separator (the body set "separator",
+     * or the server has a chat separator); completions always split. */
+    int split_chat;
+    rk_split pieces;   /* completion: filled by the parser; chat: by render */
+    int have_pieces;   /* pieces holds strings (free them) */
     char **chunk_ids;  /* (pieces.n_chunks) ids given as {"id", "text"}, or NULL */
     rk_chat_msg *msgs; /* (n_msgs) chat only */
     int n_msgs;
-    char **chat_chunks; /* (n_chat_chunks) the `chunks` extension of a chat body */
+    /* (n_chat_chunks) a chat body's documents: the `chunks` extension or the
+     * top-level `documents` array (vLLM's), both the first user message's. */
+    char **chat_chunks;
     char **chat_chunk_ids;
+    /* `n`: choices per prompt (1 unless given); each has its own index and
+     * seed (the request's + its number among its prompt's choices). */
+    int n_choices;
+    /* A completion's `prompt` as an array: a batch of n_prompts prompts, one
+     * choice (n_choices) each. Strings are split (batch); token-id lists are
+     * taken as written (batch_tokens, batch_lens). 0: the one prompt is in
+     * pieces. */
+    int n_prompts;
+    rk_split *batch;
+    int32_t **batch_tokens;
+    int *batch_lens;
     int n_chat_chunks;
     int chat_chunks_given;
     /* response_format json_object / json_schema or the `grammar` extension,

@@ -9,9 +9,13 @@
  *   question       the rest of the document turn, every later turn (answers
  *                  and questions) and the assistant's opening.
  *
- * The document turn is the first user message that carries documents (split
- * from its text on the separator, or the `chunks` extension, which belongs to
- * the first user message); without one, the last user message. Everything
+ * A user message's documents are its content parts marked "ragkv_chunk":
+ * true and, when the request asks for splitting (a "separator" in the body,
+ * or the server's --chat-separator), the pieces its text splits into; the
+ * `chunks` and `documents` extensions are the first user message's. Without
+ * that, a "##" in a message is text (a Markdown heading stays a heading).
+ * The document turn is the first user message that carries documents;
+ * without one, the last user message. Everything
  * before the assistant's opening therefore stays in place from one turn to
  * the next: turn N+1's system piece and chunks are turn N's, and its question
  * starts with turn N's question. Its layout extends turn N's sequence (prompt
@@ -25,6 +29,10 @@
  *   "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n" | C1 | C2 |
  *   "Q<|im_end|>\n<|im_start|>assistant\nA<|im_end|>\n<|im_start|>user\nF<|im_end|>\n"
  *   "<|im_start|>assistant\n"
+ *
+ * A chat whose last message is the assistant's continues that message: its
+ * turn is rendered open (no end-of-turn marker) in place of the assistant's
+ * opening, and the answer is the continuation.
  *
  * Llama-3 uses <|start_header_id|>role<|end_header_id|>\n\n ... <|eot_id|>;
  * Llama-2 puts the system prompt in <<SYS>> inside the first [INST]. BOS is
@@ -297,32 +305,50 @@ json_t *rk_chat_tool_calls(rk_chat_template t, const rk_api_request *req, const 
     return calls;
 }
 
-/* A user message as the pieces see it: the documents (chunks) and the text
- * after them. Without the `chunks` extension the content is split on the
- * separator as a prompt with an empty system piece in front; with it, no
- * message is split and the whole content is its question. */
+/* A user message as the pieces see it: its documents (chunks) and the text
+ * after them. Its documents are its ragkv_chunk content parts, then, when
+ * the request splits chat messages (a separator in the body or the
+ * server's), the pieces its text splits into, the text after the last
+ * separator being its question. The `chunks` and `documents` extensions
+ * belong to the first user message (take_chunks puts them first). */
 typedef struct user_msg {
-    rk_split split; /* the split content (zeroed when not split) */
+    rk_split split;    /* the split content (zeroed when not split) */
+    const char **docs; /* (n_docs) malloc'ed array; the strings are the message's or split's */
+    int n_docs;
+    int n_empty; /* empty documents skipped */
     const char *question;
 } user_msg;
 
 static rk_status split_user(const rk_api_request *req, int i, user_msg *u, rk_http_error *err) {
-    const char *content = req->msgs[i].content;
+    const rk_chat_msg *m = &req->msgs[i];
+    const char *content = m->content;
     u->question = content;
-    if (req->chat_chunks_given || !*content) return RK_OK;
-    size_t ls = strlen(req->separator), lc = strlen(content);
-    char *text = malloc(ls + lc + 1);
-    if (!text) return rk_http_errorf(err, 500, "out of memory");
-    memcpy(text, req->separator, ls);
-    memcpy(text + ls, content, lc + 1);
-    /* Only the document turn's chunks are counted against max_chunks (by
-     * rk_split_structured); the others become text. */
-    rk_status st = rk_split_prompt(text, ls + lc, req->separator, INT_MAX, &u->split);
-    free(text);
-    if (st)
-        return rk_http_errorf(err, rk_http_status_of(st), "bad messages[%d]: %s", i,
-                              rk_error_message());
-    u->question = u->split.question.s;
+    if (req->split_chat && *content) {
+        size_t ls = strlen(req->separator), lc = strlen(content);
+        char *text = malloc(ls + lc + 1);
+        if (!text) return rk_http_errorf(err, 500, "out of memory");
+        memcpy(text, req->separator, ls);
+        memcpy(text + ls, content, lc + 1);
+        /* Only the document turn's chunks are counted against max_chunks (by
+         * rk_split_structured); the others become text. */
+        rk_status st = rk_split_prompt(text, ls + lc, req->separator, INT_MAX, &u->split);
+        free(text);
+        if (st)
+            return rk_http_errorf(err, rk_http_status_of(st), "bad messages[%d]: %s", i,
+                                  rk_error_message());
+        u->question = u->split.question.s;
+        u->n_empty = u->split.n_empty_chunks;
+    }
+    int n = m->n_docs + u->split.n_chunks;
+    u->docs = calloc((size_t)(n ? n : 1), sizeof *u->docs);
+    if (!u->docs) return rk_http_errorf(err, 500, "out of memory");
+    for (int k = 0; k < m->n_docs; k++) {
+        if (*m->docs[k])
+            u->docs[u->n_docs++] = m->docs[k];
+        else
+            u->n_empty++;
+    }
+    for (int k = 0; k < u->split.n_chunks; k++) u->docs[u->n_docs++] = u->split.chunks[k].s;
     return RK_OK;
 }
 
@@ -330,8 +356,8 @@ static rk_status split_user(const rk_api_request *req, int i, user_msg *u, rk_ht
  * if any, as plain text before its question (computed with the turn, never
  * through the chunk cache). */
 static void user_text(sbuf *b, const user_msg *u) {
-    for (int k = 0; k < u->split.n_chunks; k++) {
-        sb_add(b, u->split.chunks[k].s);
+    for (int k = 0; k < u->n_docs; k++) {
+        sb_add(b, u->docs[k]);
         sb_add(b, "\n\n");
     }
     sb_add(b, u->question);
@@ -361,8 +387,9 @@ static void user_close(rk_chat_template t, sbuf *b) {
 }
 
 /* A complete system or assistant turn (Llama-2: assistant only; its system
- * messages join the <<SYS>> block of the next user turn). */
-static void other_turn(rk_chat_template t, sbuf *b, const rk_chat_msg *m) {
+ * messages join the <<SYS>> block of the next user turn). open: the
+ * assistant's turn the answer continues (a prefill), without its end. */
+static void other_turn(rk_chat_template t, sbuf *b, const rk_chat_msg *m, int open) {
     if (m->role == RK_ROLE_TOOL) { /* Qwen: a user turn of <tool_response>; Llama 3: ipython */
         sb_add(b, t == RK_CHAT_CHATML ? "<|im_start|>user\n<tool_response>\n"
                                       : "<|start_header_id|>ipython<|end_header_id|>\n\n");
@@ -386,20 +413,20 @@ static void other_turn(rk_chat_template t, sbuf *b, const rk_chat_msg *m) {
         sb_add(b, role_name(m->role));
         sb_add(b, "\n");
         sb_add(b, m->content);
-        sb_add(b, "<|im_end|>\n");
+        if (!open) sb_add(b, "<|im_end|>\n");
     } else if (t == RK_CHAT_LLAMA3) {
         sb_add(b, "<|start_header_id|>");
         sb_add(b, role_name(m->role));
         sb_add(b, "<|end_header_id|>\n\n");
         sb_add(b, m->content);
-        sb_add(b, "<|eot_id|>");
+        if (!open) sb_add(b, "<|eot_id|>");
     } else {
         /* An answer this service returns starts with the space its first
          * token decodes to (a SentencePiece word start): that space is the
          * template's, so the answer tokenizes as it was generated. */
         if (m->content[0] != ' ') sb_add(b, " ");
         sb_add(b, m->content);
-        sb_add(b, " </s><s>");
+        if (!open) sb_add(b, " </s><s>");
     }
 }
 
@@ -425,7 +452,7 @@ static void render_turns(rk_chat_template t, const rk_api_request *req, const us
         } else if (t == RK_CHAT_LLAMA2 && m->role == RK_ROLE_SYSTEM) {
             if (!skip_system) add_system(sys_block, m);
         } else {
-            other_turn(t, b, m);
+            other_turn(t, b, m, 0);
         }
     }
 }
@@ -436,68 +463,66 @@ static const char *assistant_open(rk_chat_template t) {
                                  : "";
 }
 
-/* The document turn: the first user message with a non-empty chunk (with the
- * `chunks` extension, the first user message when the extension has one),
- * else the last message, as when no turn carries documents. */
+/* The document turn: the first user message with a non-empty document
+ * (with the `chunks` or `documents` extension, the first user message when
+ * the extension has one), else the last user message, as when no turn
+ * carries documents. */
 static int document_turn(const rk_api_request *req, const user_msg *users) {
-    int first_user = -1;
+    int first_user = -1, last_user = -1;
     for (int i = 0; i < req->n_msgs; i++) {
         if (req->msgs[i].role != RK_ROLE_USER) continue;
         if (first_user < 0) first_user = i;
-        if (users[i].split.n_chunks > 0) return i;
+        last_user = i;
     }
     for (int k = 0; req->chat_chunks_given && k < req->n_chat_chunks; k++)
         if (*req->chat_chunks[k]) return first_user;
-    int last_user = first_user; /* a conversation may end with tool results */
     for (int i = 0; i < req->n_msgs; i++)
-        if (req->msgs[i].role == RK_ROLE_USER) last_user = i;
+        if (req->msgs[i].role == RK_ROLE_USER && users[i].n_docs > 0) return i;
     return last_user;
 }
 
-/* The request's chunks: the `chunks` extension's non-empty ones with their
- * ids, or the document turn's. */
-static rk_status take_chunks(rk_api_request *req, const rk_split *doc, const char *sys,
+/* The request's chunks: the `chunks`/`documents` extension's non-empty ones
+ * with their ids, then the document turn's own. */
+static rk_status take_chunks(rk_api_request *req, const user_msg *doc, const char *sys,
                              const char *question, int max_chunks, rk_split *out, char ***out_ids,
                              rk_http_error *err) {
-    int given = req->chat_chunks_given, n_in = given ? req->n_chat_chunks : doc->n_chunks;
-    int kept = 0, empty = 0;
+    int given = req->chat_chunks_given ? req->n_chat_chunks : 0, n_in = given + doc->n_docs;
+    int kept = 0, empty = 0, any_id = 0;
     *out_ids = NULL;
     const char **list = calloc((size_t)(n_in ? n_in : 1), sizeof *list);
-    char **ids = given ? calloc((size_t)(n_in ? n_in : 1), sizeof *ids) : NULL;
-    if (!list || (given && !ids)) {
+    char **ids = calloc((size_t)(n_in ? n_in : 1), sizeof *ids);
+    if (!list || !ids) {
         free(list);
         free(ids);
         return rk_http_errorf(err, 500, "out of memory");
     }
     rk_status st = RK_OK;
     for (int i = 0; i < n_in && !st; i++) {
-        const char *c = given ? req->chat_chunks[i] : doc->chunks[i].s;
+        const char *c = i < given ? req->chat_chunks[i] : doc->docs[i - given];
         if (!*c) {
             empty++;
             continue;
         }
-        const char *id = given ? req->chat_chunk_ids[i] : NULL;
+        const char *id = i < given ? req->chat_chunk_ids[i] : NULL;
         if (id && !(ids[kept] = strdup(id))) st = rk_http_errorf(err, 500, "out of memory");
+        any_id |= id != NULL;
         list[kept++] = c;
     }
     if (!st && (st = rk_split_structured(sys, list, kept, question, max_chunks, out)))
         rk_http_errorf(err, rk_http_status_of(st), "bad chat request: %s", rk_error_message());
     free(list);
-    if (st || kept == 0) {
-        for (int i = 0; ids && i < kept; i++) free(ids[i]);
+    if (!st) out->n_empty_chunks += empty;
+    if (st || !any_id) {
+        for (int i = 0; i < kept; i++) free(ids[i]);
         free(ids);
         return st;
     }
-    out->n_empty_chunks += empty;
     *out_ids = ids;
     return RK_OK;
 }
 
 rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks,
                          rk_http_error *err) {
-    if (req->n_msgs < 1 || (req->msgs[req->n_msgs - 1].role != RK_ROLE_USER &&
-                            req->msgs[req->n_msgs - 1].role != RK_ROLE_TOOL))
-        return rk_http_errorf(err, 400, "the last message must be the user's or a tool's");
     int tool_turns = 0;
     for (int i = 0; i < req->n_msgs; i++)
         tool_turns |= req->msgs[i].role == RK_ROLE_TOOL || req->msgs[i].tool_calls;
@@ -519,14 +544,24 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
         req->n_msgs = n_view;
     }
     int n = req->n_msgs, empty = 0;
-    user_msg *users = calloc((size_t)n, sizeof *users);
+    /* A last message of the assistant's is continued: rendered open, after
+     * every other turn, in place of the assistant's opening. */
+    int prefill = n > 0 && req->msgs[n - 1].role == RK_ROLE_ASSISTANT;
+    int last = prefill ? n - 1 : n;
+    user_msg *users = calloc((size_t)(n ? n : 1), sizeof *users);
     sbuf sys = {0}, q = {0}, block = {0};
     rk_status st = users ? RK_OK : rk_http_errorf(err, 500, "out of memory");
     for (int i = 0; i < n && !st; i++)
         if (req->msgs[i].role == RK_ROLE_USER && !(st = split_user(req, i, &users[i], err)))
-            empty += users[i].split.n_empty_chunks;
+            empty += users[i].n_empty;
     if (st) goto done;
     int doc = document_turn(req, users);
+    if (doc < 0 || (n > 0 && req->msgs[n - 1].role == RK_ROLE_SYSTEM)) {
+        st = rk_http_errorf(err, 400,
+                            "the last message must be the user's (or the assistant's, "
+                            "continued), after a user message");
+        goto done;
+    }
 
     /* System piece: the turns before the document turn and its opening
      * (Llama-2: every system message before it in the first user turn). */
@@ -536,19 +571,21 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     user_open(t, &sys, &block);
     sb_clear(&block);
     /* Question piece: the rest of the document turn, every later turn, the
-     * assistant's opening. */
+     * assistant's opening (or the open turn it continues). */
     sb_add(&q, users[doc].question);
     user_close(t, &q);
-    render_turns(t, req, users, doc + 1, n, 0, &q, &block);
-    sb_add(&q, assistant_open(t));
+    render_turns(t, req, users, doc + 1, last, 0, &q, &block);
+    if (prefill)
+        other_turn(t, &q, &req->msgs[n - 1], 1);
+    else
+        sb_add(&q, assistant_open(t));
     if (sys.oom || q.oom || block.oom) {
         st = rk_http_errorf(err, 500, "out of memory");
         goto done;
     }
     rk_split out;
     char **ids;
-    if ((st = take_chunks(req, &users[doc].split, sys.s, q.s, max_chunks, &out, &ids, err)))
-        goto done;
+    if ((st = take_chunks(req, &users[doc], sys.s, q.s, max_chunks, &out, &ids, err))) goto done;
     out.n_empty_chunks += empty;
     if (req->have_pieces) {
         if (req->chunk_ids)
@@ -560,7 +597,10 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     req->have_pieces = 1;
     req->chunk_ids = ids;
 done:
-    for (int i = 0; users && i < n; i++) rk_split_free(&users[i].split);
+    for (int i = 0; users && i < n; i++) {
+        rk_split_free(&users[i].split);
+        free(users[i].docs);
+    }
     free(users);
     req->msgs = own_msgs;
     req->n_msgs = own_n;

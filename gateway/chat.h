@@ -25,12 +25,15 @@ rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
                                          int has_llama3_tokens);
 
 /* Render a parsed chat request into req->pieces around the document turn
- * (the first user message with documents, else the last one): the system
- * piece is the template's system part, the turns before it and its opening;
- * the chunks are its documents, raw text; the question piece is the rest of
- * it, every later turn and the assistant prefix, so a follow-up's layout
- * extends the previous turn's. User messages are split on req->separator
- * unless the `chunks` extension gave the first one's chunks. */
+ * (the first user message with documents, else the last user message): the
+ * system piece is the template's system part, the turns before it and its
+ * opening; the chunks are its documents, raw text; the question piece is the
+ * rest of it, every later turn and the assistant prefix (or, when the last
+ * message is the assistant's, that message left open to be continued), so a
+ * follow-up's layout extends the previous turn's. A user message's documents
+ * are its ragkv_chunk parts and, when req->split_chat is set, the pieces of
+ * its text split on req->separator; the `chunks`/`documents` extension is the
+ * first user message's. */
 rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks,
                          rk_http_error *err);
 

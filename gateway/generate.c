@@ -30,6 +30,8 @@ typedef struct gen_text {
     char *const *stop;
     int n_stop;
     int oom;
+    size_t *tok_end; /* (decoded) raw length after each token */
+    int tok_cap;
 } gen_text;
 
 static void gt_append(gen_text *g, const char *s, size_t n) {
@@ -64,7 +66,16 @@ static void gt_find_stop(gen_text *g, size_t before) {
  * string: the generation ends with that token (the engine may have sampled
  * more before it heard; they are not part of the answer). */
 static void gt_feed(gen_text *g, const int32_t *tokens, int n) {
-    for (; g->decoded < n && g->stop_at < 0; g->decoded++) {
+    if (n > g->tok_cap) {
+        size_t *p = realloc(g->tok_end, (size_t)n * 2 * sizeof *p);
+        if (!p) {
+            g->oom = 1;
+            return;
+        }
+        g->tok_end = p;
+        g->tok_cap = n * 2;
+    }
+    for (; g->decoded < n && g->stop_at < 0; g->tok_end[g->decoded++] = g->len) {
         int32_t id = tokens[g->decoded];
         char *t;
         size_t tl, before = g->len;
@@ -111,7 +122,7 @@ typedef struct gen {
     rk_job *job;
     rk_service *svc;
     gen_text text;
-    char id[40];
+    char id[48]; /* "cmpl-..." or "chatcmpl-..." */
     long created;
     int headers_sent, client_gone, timed_out;
     /* Chat with tools (tool_choice not none): the answer is held back until
@@ -119,6 +130,12 @@ typedef struct gen {
     int tools_active;
     json_t *tool_calls;
     char *tool_content;
+    int events;    /* content events sent */
+    int text_done; /* the last text was taken: every token's text has gone out */
+    int lp_sent;   /* tokens whose log-probabilities went out in an event */
+    int fd;        /* the connection's socket (watched for a client gone), -1 if not found,
+                    * -2 not looked for yet */
+    int index;     /* its choice's index (n > 1, a batch of prompts) */
 } gen;
 
 static int write_all(gen *g, const char *s, size_t n) {
@@ -150,22 +167,59 @@ static void sse_start(gen *g) {
     mg_response_header_add(c, "Content-Type", "text/event-stream", -1);
     mg_response_header_add(c, "Cache-Control", "no-cache", -1);
     mg_response_header_add(c, "X-Request-Id", g->rc->id, -1);
+    rk_gw_add_cors_headers(g->rc);
     mg_response_header_send(c);
 }
 
-/* One streamed piece in OpenAI's chunk shape. */
-static json_t *chunk_event(gen *g, const char *text, int first) {
-    const char *model = g->rc->S->model_name;
-    if (g->api.chat) {
-        json_t *delta = first ? json_pack("{s:s, s:s}", "role", "assistant", "content", text)
-                              : json_pack("{s:s}", "content", text);
-        return json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:o, s:n}]}", "id", g->id, "object",
-                         "chat.completion.chunk", "created", (json_int_t)g->created, "model", model,
-                         "choices", "index", 0, "delta", delta, "finish_reason");
+/* The fields every response object and stream event starts with. */
+static json_t *object_head(gen *g, const char *object) {
+    json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:s}", "id", g->id, "object", object, "created",
+                          (json_int_t)g->created, "model", g->rc->S->model_name,
+                          "system_fingerprint", rk_model_fingerprint(g->svc->model));
+    if (o && g->api.stream && g->api.include_usage) json_object_set_new(o, "usage", json_null());
+    return o;
+}
+
+/* Tokens whose text has gone out entirely (the stream's text lags the
+ * tokens while a stop string may still begin). */
+static int tokens_sent(gen *g) {
+    if (g->text_done) return g->job->req.n_out;
+    int k = g->lp_sent;
+    while (k < g->text.decoded && g->text.tok_end[k] <= g->text.sent) k++;
+    return k;
+}
+
+/* One streamed event in OpenAI's chunk shape: a piece of text (delta or
+ * text) with the log-probabilities of the tokens it completes, and
+ * finish_reason null; or, with fr set, the last event of the choice: no
+ * text, the finish_reason. */
+static json_t *chunk_event(gen *g, const char *text, const char *fr) {
+    int chat = g->api.chat, upto = fr ? g->job->req.n_out : tokens_sent(g);
+    json_t *lp = json_null();
+    if (!fr && g->api.opt.n_logprobs > 0) {
+        json_decref(lp);
+        lp = rk_report_logprobs(rk_model_tokenizer(g->svc->model), &g->job->req, g->lp_sent, upto,
+                                chat);
+        g->lp_sent = upto;
     }
-    return json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:s, s:n, s:n}]}", "id", g->id, "object",
-                     "text_completion", "created", (json_int_t)g->created, "model", model,
-                     "choices", "index", 0, "text", text, "finish_reason", "logprobs");
+    json_t *choice;
+    if (chat) {
+        json_t *delta = json_object();
+        if (!g->events) json_object_set_new(delta, "role", json_string("assistant"));
+        if (!fr) json_object_set_new(delta, "content", json_string(text));
+        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", g->index, "delta", delta, "logprobs",
+                           lp, "finish_reason", fr ? json_string(fr) : json_null());
+    } else {
+        choice = json_pack("{s:i, s:s, s:o, s:o}", "index", g->index, "text", fr ? "" : text,
+                           "logprobs", lp, "finish_reason", fr ? json_string(fr) : json_null());
+    }
+    g->events++;
+    json_t *ev = object_head(g, chat ? "chat.completion.chunk" : "text_completion");
+    if (!ev || !choice || json_object_set_new(ev, "choices", json_pack("[o]", choice))) {
+        json_decref(ev);
+        return NULL;
+    }
+    return ev;
 }
 
 static const char *finish_reason(gen *g) {
@@ -174,69 +228,85 @@ static const char *finish_reason(gen *g) {
     return rk_finish_reason_name(g->job->req.finish_reason);
 }
 
-/* The final object: a whole response, or the last streamed event (text is
- * the remainder then). usage and ragkv come from the report. */
-static json_t *final_object(gen *g, const char *text, int streamed) {
+/* The whole response of a request that was not streamed. */
+static json_t *final_object(gen *g, const char *text) {
     rk_request *r = &g->job->req;
     const rk_tokenizer *tok = rk_model_tokenizer(g->svc->model);
-    json_t *full = rk_report_completion(tok, r, g->id, g->created, g->rc->S->model_name);
-    if (!full) return NULL;
-    json_t *choice0 = json_array_get(json_object_get(full, "choices"), 0);
-    json_t *logprobs = json_incref(json_object_get(choice0, "logprobs"));
-    json_t *usage = json_incref(json_object_get(full, "usage"));
-    json_t *ragkv = json_incref(json_object_get(full, "ragkv"));
-    json_decref(full);
-    if (!logprobs || !usage || !ragkv) {
-        json_decref(logprobs);
-        json_decref(usage);
-        json_decref(ragkv);
+    const char *fr = finish_reason(g);
+    json_t *lp = rk_report_logprobs(tok, r, 0, r->n_out, g->api.chat);
+    json_t *choice;
+    if (g->api.chat && g->tool_calls) /* content: the text before the calls, or null */
+        choice = json_pack(
+            "{s:i, s:{s:s, s:o, s:O, s:n}, s:o, s:s}", "index", g->index, "message", "role",
+            "assistant", "content", *g->tool_content ? json_string(g->tool_content) : json_null(),
+            "tool_calls", g->tool_calls, "refusal", "logprobs", lp, "finish_reason", fr);
+    else
+        choice = g->api.chat ? json_pack("{s:i, s:{s:s, s:s, s:n}, s:o, s:s}", "index", g->index,
+                                         "message", "role", "assistant", "content", text, "refusal",
+                                         "logprobs", lp, "finish_reason", fr)
+                             : json_pack("{s:i, s:s, s:o, s:s}", "index", g->index, "text", text,
+                                         "logprobs", lp, "finish_reason", fr);
+    json_t *o = object_head(g, g->api.chat ? "chat.completion" : "text_completion");
+    if (!o || !choice || json_object_set_new(o, "choices", json_pack("[o]", choice)) ||
+        json_object_set_new(o, "usage", rk_report_usage(r)) ||
+        json_object_set_new(o, "ragkv", rk_report_ragkv(r))) {
+        json_decref(o);
         return NULL;
     }
-    const char *fr = finish_reason(g);
-    json_t *choice;
-    const char *object;
-    if (g->api.chat && g->tool_calls) { /* the calls went out in an earlier event when streamed */
-        object = streamed ? "chat.completion.chunk" : "chat.completion";
-        choice = streamed ? json_pack("{s:i, s:{}, s:s, s:o}", "index", 0, "delta", "finish_reason",
-                                      fr, "logprobs", logprobs)
-                          : json_pack("{s:i, s:{s:s, s:o, s:O}, s:s, s:o}", "index", 0, "message",
-                                      "role", "assistant", "content",
-                                      *g->tool_content ? json_string(g->tool_content) : json_null(),
-                                      "tool_calls", g->tool_calls, "finish_reason", fr, "logprobs",
-                                      logprobs);
-    } else if (g->api.chat) {
-        object = streamed ? "chat.completion.chunk" : "chat.completion";
-        choice = streamed ? json_pack("{s:i, s:{s:s}, s:s, s:o}", "index", 0, "delta", "content",
-                                      text, "finish_reason", fr, "logprobs", logprobs)
-                          : json_pack("{s:i, s:{s:s, s:s}, s:s, s:o}", "index", 0, "message",
-                                      "role", "assistant", "content", text, "finish_reason", fr,
-                                      "logprobs", logprobs);
-    } else {
-        object = "text_completion";
-        choice = json_pack("{s:i, s:s, s:s, s:o}", "index", 0, "text", text, "finish_reason", fr,
-                           "logprobs", logprobs);
+    return o;
+}
+
+/* A stream's event after the last choice event (choices []): usage when
+ * stream_options.include_usage asked for it, and the ragkv report. */
+static json_t *report_event(gen *g) {
+    rk_request *r = &g->job->req;
+    json_t *o = object_head(g, g->api.chat ? "chat.completion.chunk" : "text_completion");
+    if (!o || json_object_set_new(o, "choices", json_array()) ||
+        (g->api.include_usage && json_object_set_new(o, "usage", rk_report_usage(r))) ||
+        json_object_set_new(o, "ragkv", rk_report_ragkv(r))) {
+        json_decref(o);
+        return NULL;
     }
-    return json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o, s:o}", "id", g->id, "object", object,
-                     "created", (json_int_t)g->created, "model", g->rc->S->model_name, "choices",
-                     choice, "usage", usage, "ragkv", ragkv);
+    return o;
 }
 
 /* Stream the new text, if any. */
 static void stream_progress(gen *g) {
     char *t = gt_take(&g->text, 0);
     if (!t) return;
-    int first = !g->headers_sent;
     sse_start(g);
-    if (*t) sse_event(g, chunk_event(g, t, first));
+    if (*t) sse_event(g, chunk_event(g, t, NULL));
     free(t);
 }
 
-/* Wait for the job, streaming as it goes; sets g->timed_out. */
+/* Has the client gone (closed or reset its connection)? Checked every
+ * 100 ms while waiting; cancels the job when so. */
+static void check_client(gen *g) {
+    if (g->fd == -2) /* looked for only by requests that last: it costs a scan */
+        g->fd = rk_gw_conn_fd(mg_get_request_info(g->rc->conn));
+    if (g->client_gone || !rk_gw_peer_gone(g->fd)) return;
+    g->client_gone = 1;
+    rk_scheduler_cancel(g->rc->S->engine, g->job);
+}
+
+/* Wait for the job, streaming as it goes, and watching the connection so
+ * that a client gone stops its generation at the next step; sets
+ * g->timed_out. */
 static void wait_job(gen *g, double deadline) {
     server *S = g->rc->S;
     int seen = 0, done = 0, n;
+    double next_check = rk_time_now() + 0.1;
     while (!done) {
-        int to = rk_job_wait(g->job, seen, g->timed_out ? 0 : deadline, &n, &done);
+        double until = g->timed_out || g->client_gone ? 0 : deadline;
+        int polling = until > 0 && g->fd != -1 && next_check < until;
+        if (polling) until = next_check;
+        int to = rk_job_wait(g->job, seen, until, &n, &done);
+        if (polling && rk_time_now() >= next_check) {
+            /* Tokens may have been published meanwhile without waking us. */
+            check_client(g);
+            next_check = rk_time_now() + 0.1;
+            if (to) continue;
+        }
         if (to) {
             g->timed_out = 1;
             rk_scheduler_cancel(S->engine, g->job);
@@ -289,6 +359,8 @@ static void respond_generation(gen *g) {
             write_all(g, "data: [DONE]\n\n", 14);
         } else if (!g->client_gone) {
             rk_gw_send_errorf(rc, status, "%s", msg);
+        } else {
+            rc->status = 499; /* nothing was answered: the client closed the request */
         }
         return;
     }
@@ -302,6 +374,10 @@ static void respond_generation(gen *g) {
             rk_chat_tool_calls(rc->S->tmpl, &g->api, all ? all : "", g->id, &g->tool_content);
     }
     log_generation(g);
+    if (g->client_gone) {
+        if (!g->headers_sent) rc->status = 499; /* nothing was answered */
+        return;
+    }
     if (g->timed_out && !g->api.stream) {
         free(all);
         rk_gw_send_errorf(rc, 503,
@@ -310,36 +386,38 @@ static void respond_generation(gen *g) {
         return;
     }
     if (g->tools_active) {
-        if (g->tool_calls && g->api.stream && !g->client_gone) {
-            /* The text before the calls, then the calls whole (one fragment
-             * each), then the end. */
+        if (g->tool_calls && g->api.stream) {
+            /* The text before the calls (with the role), then the calls whole
+             * (one fragment each, with their index), then the end. */
             sse_start(g);
-            json_t *delta =
-                json_pack("{s:s, s:s}", "role", "assistant", "content", g->tool_content);
-            sse_event(g, json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:o, s:n}]}", "id", g->id,
-                                   "object", "chat.completion.chunk", "created",
-                                   (json_int_t)g->created, "model", rc->S->model_name, "choices",
-                                   "index", 0, "delta", delta, "finish_reason"));
+            sse_event(g, chunk_event(g, g->tool_content, NULL));
             json_t *frag = json_array();
             for (size_t k = 0; frag && k < json_array_size(g->tool_calls); k++) {
                 json_t *c = json_deep_copy(json_array_get(g->tool_calls, k));
                 if (c) json_object_set_new(c, "index", json_integer((json_int_t)k));
                 json_array_append_new(frag, c);
             }
-            sse_event(g, json_pack("{s:s, s:s, s:I, s:s, s:[{s:i, s:{s:o}, s:n}]}", "id", g->id,
-                                   "object", "chat.completion.chunk", "created",
-                                   (json_int_t)g->created, "model", rc->S->model_name, "choices",
-                                   "index", 0, "delta", "tool_calls", frag, "finish_reason"));
+            json_t *ev = object_head(g, "chat.completion.chunk");
+            if (ev)
+                json_object_set_new(ev, "choices",
+                                    json_pack("[{s:i, s:{s:o}, s:n, s:n}]", "index", g->index,
+                                              "delta", "tool_calls", frag, "logprobs",
+                                              "finish_reason"));
+            else
+                json_decref(frag);
+            sse_event(g, ev);
             free(all);
-            sse_event(g, final_object(g, "", 1));
+            g->text_done = 1;
+            sse_event(g, chunk_event(g, NULL, finish_reason(g)));
+            sse_event(g, report_event(g));
             write_all(g, "data: [DONE]\n\n", 14);
             return;
         }
-        if (all && g->api.stream && !g->client_gone && *all) { /* no call: the text as usual */
+        if (all && g->api.stream && *all) { /* no call: the text as usual */
             sse_start(g);
-            sse_event(g, chunk_event(g, all, 1));
-        } else if (all && !g->api.stream) {
-            json_t *obj = final_object(g, all, 0);
+            sse_event(g, chunk_event(g, all, NULL));
+        } else if (!g->api.stream) {
+            json_t *obj = final_object(g, all ? all : "");
             free(all);
             rk_gw_send_json(rc, 200, obj);
             return;
@@ -347,39 +425,25 @@ static void respond_generation(gen *g) {
         free(all);
     }
     if (g->api.stream) {
-        if (g->client_gone) return;
-        int first = !g->headers_sent;
         sse_start(g);
         char *rest = gt_take(&g->text, 1);
-        if (first && g->api.chat && rest && *rest) { /* the role goes with the first piece */
-            sse_event(g, chunk_event(g, rest, 1));
-            free(rest);
-            rest = NULL;
-        }
-        sse_event(g, final_object(g, rest ? rest : "", 1));
+        g->text_done = 1;
+        /* The rest, if any; the role goes with the first event; log-probabilities
+         * of tokens that brought no text of their own (the one that completed a
+         * stop string) go in an event with empty text. */
+        if ((rest && *rest) || (g->api.chat && !g->events) ||
+            (g->api.opt.n_logprobs > 0 && g->lp_sent < j->req.n_out))
+            sse_event(g, chunk_event(g, rest ? rest : "", NULL));
         free(rest);
+        sse_event(g, chunk_event(g, NULL, finish_reason(g)));
+        sse_event(g, report_event(g));
         write_all(g, "data: [DONE]\n\n", 14);
         return;
     }
     char *text = gt_take(&g->text, 1);
-    json_t *obj = final_object(g, text ? text : "", 0);
+    json_t *obj = final_object(g, text ? text : "");
     free(text);
     rk_gw_send_json(rc, 200, obj);
-}
-
-/* Does the `model` a client named match the served one? */
-static int model_matches(server *S, rk_service *svc, const char *name) {
-    if (!strcmp(name, S->model_name) || !strcmp(name, rk_model_fingerprint(svc->model))) return 1;
-    if (S->o.model[0]) {
-        const char *b = strrchr(S->o.model, '/');
-        b = b ? b + 1 : S->o.model;
-        size_t n = strlen(b);
-        if (!strcmp(name, b) || !strcmp(name, S->o.model)) return 1;
-        if (n > 5 && !strcmp(b + n - 5, ".gguf") && strlen(name) == n - 5 &&
-            !strncmp(name, b, n - 5))
-            return 1;
-    }
-    return 0;
 }
 
 /* ---------------------------------------------------------------- preparing a generation */
@@ -393,23 +457,10 @@ typedef struct prep_gen {
     rk_http_error err; /* status 0: prepared */
 } prep_gen;
 
-/* Parse, check, render (chat), tokenize: everything before queueing. */
-static void prep_generation(void *arg) {
-    prep_gen *p = arg;
-    server *S = p->S;
-    gen *g = p->g;
-    rk_http_error *err = &p->err;
-    rk_parse_limits lim = {.max_chunks = S->o.cfg.max_chunks, .max_tokens = S->o.cfg.max_tokens};
-    (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio); /* validated */
-    if (rk_api_parse(p->body, p->len, p->chat, &lim, &g->api, err)) return;
+/* Tokenize prompt number `prompt` of g's request (-1: its pieces) into a
+ * new job for g, sampling with seed; fills err on failure. */
+static void prepare_job(gen *g, int prompt, uint64_t seed, rk_http_error *err) {
     rk_service *svc = g->svc;
-    if (g->api.model && !model_matches(S, svc, g->api.model)) {
-        rk_http_errorf(err, 404, "model \"%s\" is not served here; this server serves \"%s\"",
-                       g->api.model, S->model_name);
-        return;
-    }
-    if (p->chat && rk_chat_render(S->tmpl, &g->api, S->o.cfg.max_chunks, err)) return;
-    if (!g->api.seed_given) g->api.opt.sampling.seed = rk_gw_random(S);
     g->job = malloc(sizeof *g->job);
     if (!g->job || rk_job_init(g->job)) {
         free(g->job);
@@ -418,14 +469,342 @@ static void prep_generation(void *arg) {
         return;
     }
     g->job->req.opt = g->api.opt;
+    g->job->req.opt.sampling.seed = seed;
     rk_error_clear();
-    rk_status st = rk_request_prepare(svc, &g->api.pieces, &g->job->req);
-    if (st) {
-        rk_http_errorf(err, rk_http_status_of(st), "%s", rk_error_message());
+    rk_status st;
+    if (prompt < 0) {
+        st = rk_request_prepare(svc, &g->api.pieces, &g->job->req);
+    } else if (g->api.batch) {
+        st = rk_request_prepare(svc, &g->api.batch[prompt], &g->job->req);
+    } else { /* token ids as written, after BOS as a text prompt has it */
+        int32_t bos = rk_tokenizer_bos(rk_model_tokenizer(svc->model));
+        st = rk_request_prepare_tokens(svc, &bos, bos >= 0, g->api.batch_tokens[prompt],
+                                       g->api.batch_lens[prompt], &g->job->req);
+    }
+    if (st && g->job->req.context_exceeded) { /* OpenAI's answer to a prompt too long */
+        rk_http_errorf(err, 400, "%s", rk_error_message());
+        err->code = RK_CODE_CONTEXT_LENGTH;
+        err->param = g->api.chat ? "messages" : "prompt";
         return;
     }
-    if (g->api.chunk_ids && g->job->req.n_chunks == g->api.pieces.n_chunks)
+    if (st) {
+        if (prompt >= 0)
+            rk_http_errorf(err, rk_http_status_of(st), "prompt[%d]: %s", prompt,
+                           rk_error_message());
+        else
+            rk_http_errorf(err, rk_http_status_of(st), "%s", rk_error_message());
+        return;
+    }
+    if (prompt < 0 && g->api.chunk_ids && g->job->req.n_chunks == g->api.pieces.n_chunks)
         g->job->chunk_ids = g->api.chunk_ids;
+}
+
+/* Parse, check, render (chat), tokenize: everything before queueing. */
+static void prep_generation(void *arg) {
+    prep_gen *p = arg;
+    server *S = p->S;
+    gen *g = p->g;
+    rk_http_error *err = &p->err;
+    rk_parse_limits lim = {.max_chunks = S->o.cfg.max_chunks,
+                           .max_tokens = S->o.cfg.max_tokens,
+                           .chat_separator = S->o.chat_separator};
+    (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio); /* validated */
+    if (rk_api_parse(p->body, p->len, p->chat, &lim, &g->api, err)) return;
+    rk_service *svc = g->svc;
+    if (rk_gw_check_model(S, svc, g->api.model, err)) return;
+    const rk_sampler_params *sp = &g->api.opt.sampling;
+    int n_vocab = rk_model_hparams(svc->model)->n_vocab;
+    for (int i = 0; i < sp->n_logit_bias; i++)
+        if (sp->logit_bias[i].token >= n_vocab) {
+            rk_http_errorf(err, 400, "'logit_bias': token %d is not in the vocabulary (0 to %d)",
+                           sp->logit_bias[i].token, n_vocab - 1);
+            return;
+        }
+    if (p->chat && rk_chat_render(S->tmpl, &g->api, S->o.cfg.max_chunks, err)) return;
+    if (!g->api.seed_given) g->api.opt.sampling.seed = rk_gw_random(S);
+    prepare_job(g, g->api.n_prompts ? 0 : -1, g->api.opt.sampling.seed, err);
+}
+
+/* ---------------------------------------------------------------- several choices */
+
+/* A request with several choices (`n` > 1, or `prompt` as a batch) runs one
+ * job per choice; they share the connection, so its state (headers sent,
+ * client gone) is kept here and lent to the choice that writes. */
+typedef struct choices {
+    gen **gs; /* (n) gs[0] is the request's own gen; the others share its api */
+    int n, per_prompt;
+    int headers_sent, client_gone;
+    int *opened; /* (n) a streamed chat choice's role was sent */
+} choices;
+
+static void lend(choices *cs, gen *g) {
+    g->headers_sent = cs->headers_sent;
+    g->client_gone = cs->client_gone;
+}
+
+/* After g wrote: a client gone cancels every choice. */
+static void take_back(choices *cs, gen *g) {
+    cs->headers_sent = g->headers_sent;
+    if (g->client_gone && !cs->client_gone)
+        for (int c = 0; c < cs->n; c++)
+            if (cs->gs[c]->job) rk_scheduler_cancel(g->rc->S->engine, cs->gs[c]->job);
+    cs->client_gone |= g->client_gone;
+}
+
+/* Before a streamed choice's first event: the stream's headers, and for a
+ * chat the choice's role (an event of its own, so every choice gets one). */
+static void open_choice(choices *cs, int c) {
+    gen *g = cs->gs[c];
+    if (cs->opened[c] || cs->client_gone) return;
+    cs->opened[c] = 1;
+    lend(cs, g);
+    sse_start(g);
+    if (g->api.chat) sse_event(g, chunk_event(g, "", NULL)); /* the role, no text */
+    take_back(cs, g);
+}
+
+/* Choice c of the request of g0: its own job (prompt c / per_prompt, seed
+ * the request's + c % per_prompt) and text, the rest g0's. */
+static gen *make_choice(gen *g0, int c, int per_prompt, rk_http_error *err) {
+    gen *g = malloc(sizeof *g);
+    if (!g) {
+        rk_http_errorf(err, 500, "out of memory");
+        return NULL;
+    }
+    *g = *g0; /* api: a shallow copy, freed with g0's */
+    g->job = NULL;
+    g->index = c;
+    g->events = g->text_done = g->lp_sent = 0;
+    g->fd = -1; /* choice 0 watches the connection */
+    g->text = (gen_text){.tok = g0->text.tok,
+                         .stop_at = -1,
+                         .max_stop = g0->text.max_stop,
+                         .stop = g0->text.stop,
+                         .n_stop = g0->text.n_stop};
+    prepare_job(g, g0->api.n_prompts ? c / per_prompt : -1,
+                g0->api.opt.sampling.seed + (uint64_t)(c % per_prompt), err);
+    if (g->job) {
+        g->job->notify_tokens = g0->job->notify_tokens;
+        g->text.skip_space = g->job->req.n_question == 0 && g->job->req.n_sys == 1;
+    }
+    return g;
+}
+
+/* Wait for every choice, streaming each one's text as it comes (events carry
+ * the choice's index). */
+static void wait_choices(choices *cs, double deadline) {
+    server *S = cs->gs[0]->rc->S;
+    int left = cs->n;
+    int *seen = calloc((size_t)cs->n, sizeof *seen), *done = calloc((size_t)cs->n, sizeof *done);
+    if (!seen || !done) { /* cancel everything and wait without streaming */
+        for (int c = 0; c < cs->n; c++) rk_scheduler_cancel(S->engine, cs->gs[c]->job);
+        for (int c = 0; c < cs->n; c++) {
+            int n, d = 0;
+            while (!d) rk_job_wait(cs->gs[c]->job, 0, 0, &n, &d);
+        }
+        free(seen);
+        free(done);
+        return;
+    }
+    while (left > 0) {
+        int timed_out = rk_time_now() > deadline;
+        for (int c = 0; c < cs->n; c++) {
+            gen *g = cs->gs[c];
+            if (done[c]) continue;
+            if (timed_out && !g->timed_out) {
+                g->timed_out = 1;
+                rk_scheduler_cancel(S->engine, g->job);
+            }
+            int n, d;
+            double poll = rk_time_now() + 0.005;
+            rk_job_wait(g->job, seen[c], timed_out ? 0 : poll, &n, &d);
+            if (d) {
+                done[c] = 1;
+                left--;
+                continue;
+            }
+            if (n > seen[c]) {
+                gt_feed(&g->text, g->job->req.out_tokens, n);
+                seen[c] = n;
+                if (g->text.stop_at >= 0) rk_scheduler_cancel(S->engine, g->job);
+                if (g->api.stream && !cs->client_gone) {
+                    open_choice(cs, c);
+                    lend(cs, g);
+                    stream_progress(g);
+                    take_back(cs, g);
+                }
+            }
+        }
+    }
+    free(seen);
+    free(done);
+}
+
+/* Answer a request with several choices: one failed choice answers for all
+ * (an error, or an error event mid-stream); otherwise every choice with its
+ * index, and usage summed over them (prompt tokens over the prompts, as
+ * OpenAI counts them; each choice carries its own `ragkv` report). */
+static void respond_choices(choices *cs) {
+    req_ctx *rc = cs->gs[0]->rc;
+    for (int c = 0; c < cs->n; c++) {
+        gen *g = cs->gs[c];
+        rk_job *j = g->job;
+        if (!j->ran || j->status || (g->timed_out && !g->api.stream)) {
+            lend(cs, g);
+            respond_generation(g);
+            return;
+        }
+    }
+    json_t *list = json_array(), *first = NULL;
+    json_int_t prompt = 0, completion = 0, cached = 0;
+    if (cs->gs[0]->api.stream) {
+        if (cs->client_gone) {
+            json_decref(list);
+            return;
+        }
+        gen *g0 = cs->gs[0];
+        lend(cs, g0);
+        sse_start(g0);
+        take_back(cs, g0);
+    }
+    for (int c = 0; c < cs->n; c++) {
+        gen *g = cs->gs[c];
+        rk_job *j = g->job;
+        gt_feed(&g->text, j->req.out_tokens, j->req.n_out);
+        if (g->text.stop_at >= 0 && g->text.stop_tokens < j->req.n_out)
+            j->req.n_out = g->text.stop_tokens;
+        log_generation(g);
+        json_t *usage = rk_report_usage(&j->req);
+        if (c % cs->per_prompt == 0) {
+            prompt += json_integer_value(json_object_get(usage, "prompt_tokens"));
+            cached += json_integer_value(
+                json_object_get(json_object_get(usage, "prompt_tokens_details"), "cached_tokens"));
+        }
+        json_decref(usage);
+        completion += j->req.n_out;
+        if (g->api.stream) { /* the rest of the choice's text, then its finish event */
+            open_choice(cs, c);
+            lend(cs, g);
+            char *rest = gt_take(&g->text, 1);
+            g->text_done = 1;
+            if ((rest && *rest) || (g->api.opt.n_logprobs > 0 && g->lp_sent < j->req.n_out))
+                sse_event(g, chunk_event(g, rest ? rest : "", NULL));
+            free(rest);
+            json_t *ev = chunk_event(g, NULL, finish_reason(g));
+            json_t *choice = json_array_get(json_object_get(ev, "choices"), 0);
+            if (choice) json_object_set_new(choice, "ragkv", rk_report_ragkv(&j->req));
+            sse_event(g, ev);
+            take_back(cs, g);
+            continue;
+        }
+        char *text = gt_take(&g->text, 1);
+        json_t *obj = final_object(g, text ? text : "");
+        free(text);
+        if (!obj) continue;
+        json_t *choice = json_array_get(json_object_get(obj, "choices"), 0);
+        json_object_set(choice, "ragkv", json_object_get(obj, "ragkv"));
+        json_array_append(list, choice);
+        if (!first)
+            first = obj;
+        else
+            json_decref(obj);
+    }
+    if (cs->gs[0]->api.stream) { /* usage, summed, in an event of its own when asked */
+        json_decref(list);
+        gen *g0 = cs->gs[0];
+        lend(cs, g0);
+        if (g0->api.include_usage) {
+            json_t *ev =
+                object_head(g0, g0->api.chat ? "chat.completion.chunk" : "text_completion");
+            if (ev) {
+                json_object_set_new(ev, "choices", json_array());
+                json_object_set_new(ev, "usage",
+                                    json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", prompt,
+                                              "completion_tokens", completion, "total_tokens",
+                                              prompt + completion, "prompt_tokens_details",
+                                              "cached_tokens", cached));
+            }
+            sse_event(g0, ev);
+        }
+        write_all(g0, "data: [DONE]\n\n", 14);
+        take_back(cs, g0);
+        return;
+    }
+    if (!first) {
+        json_decref(list);
+        rk_gw_send_errorf(rc, 500, "out of memory");
+        return;
+    }
+    json_object_set_new(first, "choices", list);
+    json_object_del(first, "ragkv");
+    json_object_set_new(first, "usage",
+                        json_pack("{s:I, s:I, s:I, s:{s:I}}", "prompt_tokens", prompt,
+                                  "completion_tokens", completion, "total_tokens",
+                                  prompt + completion, "prompt_tokens_details", "cached_tokens",
+                                  cached));
+    rk_gw_send_json(rc, 200, first);
+}
+
+/* Run a request with several choices; g0 is prepared with choice 0's job.
+ * With n > 1, each prompt's first choice runs alone until its first token:
+ * its system prompt is then in the prefix cache and its chunks in the chunk
+ * cache, and the other choices of the prompt reuse them. */
+static void handle_choices(gen *g0, double deadline) {
+    req_ctx *rc = g0->rc;
+    server *S = rc->S;
+    int per = g0->api.n_choices, n = per * (g0->api.n_prompts ? g0->api.n_prompts : 1);
+    choices cs = {.n = n, .per_prompt = per};
+    cs.gs = calloc((size_t)n, sizeof *cs.gs);
+    cs.opened = calloc((size_t)n, sizeof *cs.opened);
+    int *submitted = calloc((size_t)n, sizeof *submitted);
+    rk_http_error err = {0};
+    if (!cs.gs || !cs.opened || !submitted) rk_http_errorf(&err, 500, "out of memory");
+    if (cs.gs) cs.gs[0] = g0;
+    if (per > 1) g0->job->notify_tokens = 1;
+    for (int c = 1; c < n && !err.status; c++) cs.gs[c] = make_choice(g0, c, per, &err);
+    /* Each prompt's first choice, then (n > 1) the others after its first token. */
+    rk_status st = RK_OK;
+    for (int round = 0; round < 2 && !err.status && !st; round++) {
+        for (int c = 0; c < n && !st; c++) {
+            if ((c % per == 0) != (round == 0)) continue;
+            if (round == 1 && per > 1 && c % per == 1) {
+                int nt, d;
+                rk_job_wait(cs.gs[c - 1]->job, 0, deadline, &nt, &d);
+            }
+            if (!(st = rk_scheduler_submit(S->engine, cs.gs[c]->job))) submitted[c] = 1;
+        }
+    }
+    if (st) {
+        for (int c = 0; c < n; c++)
+            if (submitted[c]) rk_scheduler_cancel(S->engine, cs.gs[c]->job);
+        for (int c = 0; c < n; c++) {
+            int nt, d = !submitted[c];
+            while (!d) rk_job_wait(cs.gs[c]->job, 0, 0, &nt, &d);
+        }
+        if (st == RK_ERR_BUSY)
+            rk_gw_send_errorf(rc, 503, "%s; try again", rk_error_message());
+        else
+            rk_gw_send_not_ready(rc);
+    } else if (err.status) {
+        rk_gw_send_error(rc, &err);
+    } else {
+        wait_choices(&cs, deadline);
+        respond_choices(&cs);
+    }
+    for (int c = 1; cs.gs && c < n; c++) {
+        gen *g = cs.gs[c];
+        if (!g) continue;
+        if (g->job) {
+            rk_job_destroy(g->job);
+            free(g->job);
+        }
+        free(g->text.raw);
+        free(g->text.tok_end);
+        free(g);
+    }
+    free(cs.gs);
+    free(cs.opened);
+    free(submitted);
 }
 
 int rk_gw_handle_generate(req_ctx *rc, int chat) {
@@ -437,6 +816,7 @@ int rk_gw_handle_generate(req_ctx *rc, int chat) {
     gen g;
     memset(&g, 0, sizeof g);
     g.rc = rc;
+    g.fd = -1;
     g.text.stop_at = -1;
     g.svc = rk_gw_ready_service(S);
     if (S->o.log_prompts) /* the only place prompt text may reach the log */
@@ -463,8 +843,13 @@ int rk_gw_handle_generate(req_ctx *rc, int chat) {
         size_t l = strlen(g.api.stop[k]);
         if (l > g.text.max_stop) g.text.max_stop = l;
     }
-    snprintf(g.id, sizeof g.id, "%s", rc->id);
+    snprintf(g.id, sizeof g.id, "%s-%s", chat ? "chatcmpl" : "cmpl", rc->id + 4);
+    g.fd = -2;
     g.created = (long)time(NULL);
+    if (g.api.n_choices * (g.api.n_prompts ? g.api.n_prompts : 1) > 1) {
+        handle_choices(&g, deadline);
+        goto done;
+    }
     rk_status st = rk_scheduler_submit(S->engine, g.job);
     if (st) {
         if (st == RK_ERR_BUSY)
@@ -483,6 +868,7 @@ done:
     free(g.text.raw);
     json_decref(g.tool_calls);
     free(g.tool_content);
+    free(g.text.tok_end);
     rk_api_request_free(&g.api);
     return 0;
 }

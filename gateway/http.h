@@ -38,6 +38,11 @@ struct rk_server {
     int have_info;
     char model_name[256];
     rk_chat_template tmpl;
+    /* Open connections per client address (max_connections_per_ip). */
+    struct rk_gw_conn_table *conns;
+    int conns_per_ip;      /* resolved */
+    atomic_long ri_offset; /* where CivetWeb keeps a connection's request_info; 0 = not known */
+    atomic_int name_mismatch_logged;
 };
 typedef struct rk_server server;
 
@@ -50,7 +55,9 @@ typedef struct req_ctx {
     char id[40];
     double t0;
     int status;
-    char detail[512]; /* extra log fields */
+    char detail[512];    /* extra log fields */
+    int expect_continue; /* the client sent `Expect: 100-continue` ... */
+    int continued;       /* ... and was told to go on (rk_gw_read_body) */
 } req_ctx;
 
 /* A fresh 64-bit random number (ids, seeds). Any thread. */
@@ -61,6 +68,9 @@ uint64_t rk_gw_random(server *S);
  * API's envelope. */
 void rk_gw_send_headers(req_ctx *rc, int status, const char *type, long long length,
                         const char *retry_after);
+/* Access-Control-Allow-* headers when cors_origin is set (between
+ * mg_response_header_start and _send). */
+void rk_gw_add_cors_headers(req_ctx *rc);
 void rk_gw_send_text(req_ctx *rc, int status, const char *type, const char *body, size_t len,
                      const char *retry_after);
 void rk_gw_send_json(req_ctx *rc, int status, json_t *body);
@@ -74,6 +84,12 @@ void rk_gw_send_errorf(req_ctx *rc, int status, const char *fmt, ...)
  * after sending 413, 408 (too slow) or 400 (the client ended it short). */
 int rk_gw_read_body(req_ctx *rc, char **out, size_t *out_len);
 
+/* The name a request's `model` is answered under: 0 when name is one the
+ * server answers to (its served names, its file, its fingerprint; any name
+ * under the "any" policy, a mismatch logged once), or -1 after filling err
+ * (404 model_not_found) under the "strict" policy. */
+int rk_gw_check_model(server *S, rk_service *svc, const char *name, rk_http_error *err);
+
 /* The service when the model is ready (NULL otherwise), with the served
  * name and chat template computed on first use. */
 rk_service *rk_gw_ready_service(server *S);
@@ -85,11 +101,31 @@ void rk_gw_send_not_ready(req_ctx *rc);
  * have small stacks. Returns -1 when no thread could be started. */
 int rk_gw_run_big_stack(void (*fn)(void *), void *arg);
 
+/* ---------------------------------------------------------------- conns.c */
+
+/* The socket of the connection ri describes (mg_get_request_info), found
+ * among the process's descriptors by its addresses; -1 when not found. Only
+ * while a handler holds the connection. */
+int rk_gw_conn_fd(const struct mg_request_info *ri);
+
+/* 1 when the client of socket fd has closed or reset the connection (a
+ * peek finds the end of the stream); 0 otherwise, and for fd < 0. */
+int rk_gw_peer_gone(int fd);
+
+/* Open connections counted per client address; thread-safe. cap: addresses
+ * expected at once (the table grows beyond). */
+typedef struct rk_gw_conn_table rk_gw_conn_table;
+rk_status rk_gw_conns_create(int cap, rk_gw_conn_table **out);
+void rk_gw_conns_free(rk_gw_conn_table *t); /* accepts NULL */
+/* Add delta (+1 opened, -1 closed) to addr's count; returns the new count. */
+int rk_gw_conns_add(rk_gw_conn_table *t, const char *addr, int delta);
+
 /* The routes of generate.c and chunks.c; each answers and returns 0. */
 int rk_gw_handle_generate(req_ctx *rc, int chat);
 int rk_gw_handle_prewarm(req_ctx *rc);
 int rk_gw_handle_list(req_ctx *rc);
 int rk_gw_handle_chunk_key(req_ctx *rc, const char *hex, int del);
 int rk_gw_handle_flush(req_ctx *rc);
+int rk_gw_handle_tokenize(req_ctx *rc, int detokenize);
 
 #endif

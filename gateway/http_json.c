@@ -3,9 +3,11 @@
  * model, so the fuzz target (fuzz/fuzz_request.c) and the corpus replay test
  * run exactly this code on hostile input.
  *
- * Unknown fields are ignored (OpenAI clients send many), except a few whose
- * non-default values ragkv cannot honour (n, best_of, echo): those are
- * refused rather than silently dropped. */
+ * Fields no OpenAI client sends are ignored. OpenAI's own request fields are
+ * each honoured, ignored for a stated reason (`user`: an end-user id), or
+ * refused with a 400 that names the field when the value asks for something
+ * ragkv does not do (refuse_unsupported lists them; docs/api.md has the
+ * table). */
 #include <jansson.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -64,6 +66,7 @@ static rk_status status_of_http(int status) {
 rk_status rk_http_errorf(rk_http_error *err, int status, const char *fmt, ...) {
     err->status = status;
     err->type = rk_http_error_type(status);
+    err->code = err->param = NULL;
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(err->message, sizeof err->message, fmt, ap);
@@ -316,6 +319,111 @@ static int parse_response_format(json_t *root, rk_api_request *out, rk_http_erro
     return 0;
 }
 
+/* OpenAI request fields ragkv does not implement: a value that asks for
+ * what they do is a 400 naming the field, never silence. The values that
+ * ask for nothing (null, the default) pass. `user` and `safety_identifier`
+ * (end-user ids for abuse monitoring) and `prompt_cache_key` (a caching hint;
+ * ragkv caches by content) are accepted and ignored. */
+static int refuse_unsupported(json_t *root, rk_http_error *err) {
+    /* Refused unless null. */
+    static const char *const any[] = {"audio",     "prediction",    "reasoning_effort",
+                                      "functions", "function_call", "web_search_options",
+                                      "verbosity"};
+    for (size_t i = 0; i < sizeof any / sizeof any[0]; i++) {
+        json_t *v = json_object_get(root, any[i]);
+        if (v && !json_is_null(v))
+            return rk_http_errorf(err, 400, "'%s' is not supported by this server", any[i]), 1;
+    }
+    json_t *v = json_object_get(root, "suffix");
+    if (v && !json_is_null(v) && !(json_is_string(v) && json_string_length(v) == 0))
+        return rk_http_errorf(err, 400, "'suffix' is not supported (no fill-in-the-middle)"), 1;
+    v = json_object_get(root, "store");
+    if (v && !json_is_null(v) && !json_is_false(v))
+        return rk_http_errorf(err, 400, "'store' must be false: this server stores no completions"),
+               1;
+    v = json_object_get(root, "metadata");
+    if (v && !json_is_null(v) && !(json_is_object(v) && json_object_size(v) == 0))
+        return rk_http_errorf(err, 400,
+                              "'metadata' is not supported: this server stores no completions"),
+               1;
+    v = json_object_get(root, "service_tier");
+    const char *tier = json_string_value(v);
+    if (v && !json_is_null(v) && !(tier && (!strcmp(tier, "auto") || !strcmp(tier, "default"))))
+        return rk_http_errorf(err, 400,
+                              "'service_tier' must be \"auto\" or \"default\": this server has "
+                              "one tier"),
+               1;
+    v = json_object_get(root, "modalities");
+    if (v && !json_is_null(v)) {
+        int ok = json_is_array(v);
+        for (size_t i = 0; ok && i < json_array_size(v); i++) {
+            const char *m = json_string_value(json_array_get(v, i));
+            ok = m && !strcmp(m, "text");
+        }
+        if (!ok) return rk_http_errorf(err, 400, "'modalities' must be [\"text\"]"), 1;
+    }
+    v = json_object_get(root, "parallel_tool_calls");
+    if (v && !json_is_null(v) && !json_is_boolean(v))
+        return rk_http_errorf(err, 400, "'parallel_tool_calls' must be true or false"), 1;
+    static const char *const ids[] = {"user", "safety_identifier", "prompt_cache_key"};
+    for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) {
+        v = json_object_get(root, ids[i]);
+        if (v && !json_is_null(v) && !json_is_string(v))
+            return rk_http_errorf(err, 400, "'%s' must be a string", ids[i]), 1;
+    }
+    return 0;
+}
+
+/* presence_penalty, frequency_penalty (OpenAI: -2 to 2), repetition_penalty
+ * (llama.cpp's: above 0, 1 = off) and logit_bias ({"token id": bias from
+ * -100 to 100}, at most RK_MAX_LOGIT_BIAS; the ids are checked against the
+ * vocabulary when the sampler starts). */
+static int parse_penalties(json_t *root, rk_sampler_params *p, rk_http_error *err) {
+    double pres = 0, freq = 0, rep = 1;
+    if (get_num(root, "presence_penalty", -2, 2, 0, &pres, err) ||
+        get_num(root, "frequency_penalty", -2, 2, 0, &freq, err) ||
+        get_num(root, "repetition_penalty", 0, 100, 1, &rep, err))
+        return 1;
+    p->presence_penalty = (float)pres;
+    p->frequency_penalty = (float)freq;
+    p->repetition_penalty = (float)rep;
+    json_t *lb = json_object_get(root, "logit_bias");
+    if (!lb || json_is_null(lb)) return 0;
+    if (!json_is_object(lb))
+        return rk_http_errorf(err, 400,
+                              "'logit_bias' must be an object {\"token id\": bias from -100 to "
+                              "100}"),
+               1;
+    if (json_object_size(lb) > RK_MAX_LOGIT_BIAS)
+        return rk_http_errorf(err, 400, "'logit_bias' has %zu entries; at most %d are allowed",
+                              json_object_size(lb), RK_MAX_LOGIT_BIAS),
+               1;
+    const char *key;
+    json_t *v;
+    int n = 0;
+    json_object_foreach(lb, key, v) {
+        size_t digits = strspn(key, "0123456789");
+        long id = digits && digits < 9 && !key[digits] ? strtol(key, NULL, 10) : -1;
+        if (id < 0 || id >= (1L << 24))
+            return rk_http_errorf(err, 400, "'logit_bias' keys must be token ids, got \"%.40s\"",
+                                  key),
+                   1;
+        if (!json_is_number(v))
+            return rk_http_errorf(err, 400, "'logit_bias' values must be numbers (token %ld)", id),
+                   1;
+        double b = json_number_value(v);
+        if (!(b >= -100 && b <= 100))
+            return rk_http_errorf(err, 400,
+                                  "'logit_bias' values must be from -100 to 100, got %g (token "
+                                  "%ld)",
+                                  b, id),
+                   1;
+        p->logit_bias[n++] = (rk_logit_bias){.token = (int32_t)id, .bias = (float)b};
+    }
+    p->n_logit_bias = n;
+    return 0;
+}
+
 /* Fields shared by both shapes: sampling, limits, extensions. */
 static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
                         rk_http_error *err) {
@@ -326,8 +434,9 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     json_t *mct = json_object_get(root, "max_completion_tokens");
     const char *mt_name = mct && !json_is_null(mct) ? "max_completion_tokens" : "max_tokens";
     json_t *mt = json_object_get(root, mt_name);
-    if (!mt || json_is_null(mt)) { /* the default, within the server's limit */
+    if (!mt || json_is_null(mt)) { /* the default, within the server's limit and the context */
         if (max_tokens > lim->max_tokens) max_tokens = lim->max_tokens;
+        o->max_tokens_fit = 1;
     } else if (get_int(root, mt_name, 0, (json_int_t)1 << 40, &max_tokens, err)) {
         return 1;
     }
@@ -349,10 +458,23 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
         get_choice(root, "position_mode", "sequential", "parallel", &pos, err) ||
         parse_stop(root, out, err) || parse_repair(root, lim, o, err))
         return 1;
-    if (n != 1 || best_of != 1)
-        return rk_http_errorf(err, 400, "'n' and 'best_of' must be 1: one completion per request"),
+    json_t *so = json_object_get(root, "stream_options");
+    if (so && !json_is_null(so)) {
+        if (!json_is_object(so))
+            return rk_http_errorf(err, 400, "'stream_options' must be an object"), 1;
+        if (get_bool(so, "include_usage", &out->include_usage, err)) return 1;
+    }
+    if (n > RK_MAX_CHOICES)
+        return rk_http_errorf(err, 422, "'n' is %lld; at most %d choices per request", (long long)n,
+                              RK_MAX_CHOICES),
                1;
+    if (best_of != 1 && best_of != n)
+        return rk_http_errorf(err, 400,
+                              "'best_of' must be 1 or equal to 'n': every completion is returned"),
+               1;
+    out->n_choices = (int)n;
     if (echo) return rk_http_errorf(err, 400, "'echo' is not supported"), 1;
+    if (refuse_unsupported(root, err) || parse_penalties(root, &o->sampling, err)) return 1;
     json_t *cc = json_object_get(root, "chunk_cache");
     if (cc && !json_is_null(cc)) {
         const char *s = json_string_value(cc);
@@ -467,6 +589,82 @@ static int parse_structured(json_t *root, const rk_parse_limits *lim, rk_api_req
     return failed;
 }
 
+/* A token-id list: *out (malloc'ed) and *n; ids are checked against the
+ * vocabulary when the request is prepared. */
+static int token_list(json_t *a, const char *what, int32_t **out, int *n, rk_http_error *err) {
+    size_t len = json_array_size(a);
+    if (len == 0) return rk_http_errorf(err, 400, "%s is an empty token list", what), 1;
+    if (len > (size_t)1 << 24) return rk_http_errorf(err, 422, "%s is too long", what), 1;
+    *out = malloc(len * sizeof **out);
+    if (!*out) return rk_http_errorf(err, 500, "out of memory"), 1;
+    *n = (int)len;
+    for (size_t i = 0; i < len; i++) {
+        json_t *v = json_array_get(a, i);
+        json_int_t id = json_is_integer(v) ? json_integer_value(v) : -1;
+        if (id < 0 || id >= (json_int_t)1 << 24)
+            return rk_http_errorf(err, 400, "%s[%zu] must be a token id (a non-negative integer)",
+                                  what, i),
+                   1;
+        (*out)[i] = (int32_t)id;
+    }
+    return 0;
+}
+
+/* `prompt` as an array: strings (each split like a prompt), one token-id
+ * list, or token-id lists; a batch of one choice per prompt (times n). */
+static int parse_prompt_batch(json_t *prompt, const rk_parse_limits *lim, rk_api_request *out,
+                              rk_http_error *err) {
+    size_t n = json_array_size(prompt);
+    if (n == 0) return rk_http_errorf(err, 400, "'prompt' is an empty array"), 1;
+    json_t *first = json_array_get(prompt, 0);
+    int one_list = json_is_integer(first);
+    size_t n_prompts = one_list ? 1 : n;
+    if (n_prompts * (size_t)out->n_choices > RK_MAX_CHOICES)
+        return rk_http_errorf(err, 422,
+                              "the request asks for %zu choices (prompts × n); at most %d are "
+                              "allowed",
+                              n_prompts * (size_t)out->n_choices, RK_MAX_CHOICES),
+               1;
+    if (one_list || json_is_array(first)) {
+        out->batch_tokens = calloc(n_prompts, sizeof *out->batch_tokens);
+        out->batch_lens = calloc(n_prompts, sizeof *out->batch_lens);
+        if (!out->batch_tokens || !out->batch_lens)
+            return rk_http_errorf(err, 500, "out of memory"), 1;
+        out->n_prompts = (int)n_prompts;
+        if (one_list)
+            return token_list(prompt, "'prompt'", &out->batch_tokens[0], &out->batch_lens[0], err);
+        for (size_t i = 0; i < n; i++) {
+            char what[48];
+            snprintf(what, sizeof what, "prompt[%zu]", i);
+            json_t *a = json_array_get(prompt, i);
+            if (!json_is_array(a))
+                return rk_http_errorf(err, 400, "prompt[%zu] must be an array of token ids", i), 1;
+            if (token_list(a, what, &out->batch_tokens[i], &out->batch_lens[i], err)) return 1;
+        }
+        return 0;
+    }
+    out->batch = calloc(n, sizeof *out->batch);
+    if (!out->batch) return rk_http_errorf(err, 500, "out of memory"), 1;
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_array_get(prompt, i);
+        if (!json_is_string(v))
+            return rk_http_errorf(err, 400,
+                                  "prompt[%zu] must be a string (a batch of strings or of token "
+                                  "lists)",
+                                  i),
+                   1;
+        rk_status st = rk_split_prompt(json_string_value(v), json_string_length(v), out->separator,
+                                       lim->max_chunks, &out->batch[i]);
+        if (st) {
+            char what[48];
+            snprintf(what, sizeof what, "bad prompt[%zu]", i);
+            return from_status(err, st, what), 1;
+        }
+        out->n_prompts = (int)i + 1;
+    }
+    return 0;
+}
+
 static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
                             rk_http_error *err) {
     json_t *prompt = json_object_get(root, "prompt");
@@ -485,8 +683,12 @@ static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_req
                                   "give either 'prompt' or 'system'/'chunks'/'question', "
                                   "not both"),
                    1;
+        if (json_is_array(prompt)) return parse_prompt_batch(prompt, lim, out, err);
         if (!json_is_string(prompt))
-            return rk_http_errorf(err, 400, "'prompt' must be a string"), 1;
+            return rk_http_errorf(err, 400,
+                                  "'prompt' must be a string, an array of strings, an array of "
+                                  "token ids or an array of token-id arrays"),
+                   1;
         rk_status st = rk_split_prompt(json_string_value(prompt), json_string_length(prompt),
                                        out->separator, lim->max_chunks, &out->pieces);
         if (st) return from_status(err, st, "bad prompt"), 1;
@@ -498,17 +700,20 @@ static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_req
 
 /* ---------------------------------------------------------------- chat */
 
-/* Message content: a string, null (empty) or an array of {"type": "text", "text"} parts. */
-static int message_content(json_t *c, int i, char **out, rk_http_error *err) {
+/* Message content: a string, null (empty) or an array of text parts
+ * {"type": "text", "text"}, joined with "\n"; a part marked "ragkv_chunk": true is one of the
+ * message's documents (m->docs), the others are joined into m->content. */
+static int message_content(json_t *c, int i, rk_chat_msg *m, rk_http_error *err) {
+    char **out = &m->content;
     if (!c || json_is_null(c)) {
         *out = dup_str("");
     } else if (json_is_string(c)) {
         *out = dup_str(json_string_value(c));
     } else if (json_is_array(c)) {
-        size_t total = 0;
+        size_t total = 0, n_docs = 0;
         for (size_t k = 0; k < json_array_size(c); k++) {
             json_t *part = json_array_get(c, k), *ty = json_object_get(part, "type");
-            json_t *tx = json_object_get(part, "text");
+            json_t *tx = json_object_get(part, "text"), *rc = json_object_get(part, "ragkv_chunk");
             if (!json_is_object(part) || !json_is_string(ty) ||
                 strcmp(json_string_value(ty), "text") != 0 || !json_is_string(tx))
                 return rk_http_errorf(err, 400,
@@ -516,13 +721,29 @@ static int message_content(json_t *c, int i, char **out, rk_http_error *err) {
                                       "\"text\": \"...\"}",
                                       i),
                        1;
-            total += json_string_length(tx);
+            if (rc && !json_is_null(rc) && !json_is_boolean(rc))
+                return rk_http_errorf(err, 400,
+                                      "messages[%d].content[%zu].ragkv_chunk must be true or false",
+                                      i, k),
+                       1;
+            if (json_is_true(rc))
+                n_docs++;
+            else
+                total += json_string_length(tx) + 1;
         }
+        if (n_docs && !(m->docs = calloc(n_docs, sizeof *m->docs)))
+            return rk_http_errorf(err, 500, "out of memory"), 1;
         *out = malloc(total + 1);
-        if (*out) {
-            size_t o = 0;
+        if (*out) { /* parts joined with newlines, as separate paragraphs */
+            size_t o = 0, n_text = 0;
             for (size_t k = 0; k < json_array_size(c); k++) {
-                json_t *tx = json_object_get(json_array_get(c, k), "text");
+                json_t *part = json_array_get(c, k), *tx = json_object_get(part, "text");
+                if (json_is_true(json_object_get(part, "ragkv_chunk"))) {
+                    if (!(m->docs[m->n_docs++] = dup_str(json_string_value(tx))))
+                        return rk_http_errorf(err, 500, "out of memory"), 1;
+                    continue;
+                }
+                if (n_text++) (*out)[o++] = '\n';
                 memcpy(*out + o, json_string_value(tx), json_string_length(tx));
                 o += json_string_length(tx);
             }
@@ -672,6 +893,74 @@ static int parse_tools(json_t *root, rk_api_request *out, rk_http_error *err) {
     return 0;
 }
 
+/* The first user message's documents: the `chunks` extension (strings or
+ * {"id", "text"}) or vLLM's `documents` ({"text" or "content", optional "id"
+ * and "title"; a title goes on the text's first line}), not both. */
+static int parse_chat_documents(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
+                                rk_http_error *err) {
+    json_t *ch = json_object_get(root, "chunks"), *docs = json_object_get(root, "documents");
+    int has_ch = ch && !json_is_null(ch), has_docs = docs && !json_is_null(docs);
+    if (has_ch && has_docs)
+        return rk_http_errorf(err, 400, "give 'chunks' or 'documents', not both"), 1;
+    if (!has_ch && !has_docs) return 0;
+    const char *name = has_ch ? "chunks" : "documents";
+    json_t *list = has_ch ? ch : docs;
+    if (!json_is_array(list)) return rk_http_errorf(err, 400, "'%s' must be an array", name), 1;
+    size_t nc = json_array_size(list);
+    if (nc > (size_t)lim->max_chunks + 65536)
+        return rk_http_errorf(err, 422, "the request has %zu chunks; at most %d are allowed", nc,
+                              lim->max_chunks),
+               1;
+    out->chat_chunks_given = 1;
+    out->chat_chunks = calloc(nc ? nc : 1, sizeof *out->chat_chunks);
+    out->chat_chunk_ids = calloc(nc ? nc : 1, sizeof *out->chat_chunk_ids);
+    if (!out->chat_chunks || !out->chat_chunk_ids)
+        return rk_http_errorf(err, 500, "out of memory"), 1;
+    for (size_t i = 0; i < nc; i++) {
+        json_t *e = json_array_get(list, i);
+        const char *t, *id = NULL, *title = NULL;
+        if (has_ch) {
+            if (chunk_entry(e, (int)i, &t, &id, err)) return 1;
+        } else {
+            json_t *tx = json_object_get(e, "text"), *ct = json_object_get(e, "content");
+            json_t *d = json_object_get(e, "id"), *ti = json_object_get(e, "title");
+            if (!json_is_object(e) || !(json_is_string(tx) || json_is_string(ct)) ||
+                (tx && ct && !json_is_null(tx) && !json_is_null(ct)))
+                return rk_http_errorf(err, 400,
+                                      "documents[%zu] must be an object with a string 'text' "
+                                      "(or 'content')",
+                                      i),
+                       1;
+            if ((d && !json_is_null(d) && !json_is_string(d)) ||
+                (ti && !json_is_null(ti) && !json_is_string(ti)))
+                return rk_http_errorf(err, 400, "documents[%zu].id and .title must be strings", i),
+                       1;
+            if (json_is_string(d) && json_string_length(d) > 255)
+                return rk_http_errorf(err, 400, "documents[%zu].id is longer than 255 bytes", i), 1;
+            t = json_string_value(json_is_string(tx) ? tx : ct);
+            id = json_string_value(d);
+            title = json_string_value(ti);
+        }
+        if (title && *title && *t) {
+            size_t lt = strlen(title), lx = strlen(t);
+            char *both = malloc(lt + lx + 2);
+            if (both) {
+                memcpy(both, title, lt);
+                both[lt] = '\n';
+                memcpy(both + lt + 1, t, lx + 1);
+            }
+            out->chat_chunks[i] = both;
+        } else {
+            out->chat_chunks[i] = dup_str(t);
+        }
+        out->chat_chunk_ids[i] = id ? dup_str(id) : NULL;
+        out->n_chat_chunks = (int)i + 1;
+        if (!out->chat_chunks[i] || (id && !out->chat_chunk_ids[i]))
+            return rk_http_errorf(err, 500, "out of memory"), 1;
+    }
+    return 0;
+}
+
 static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
                       rk_http_error *err) {
     if (json_object_get(root, "prompt"))
@@ -711,14 +1000,23 @@ static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *
                    1;
         out->msgs[i].role = cr;
         out->n_msgs = (int)i + 1;
-        if (message_content(json_object_get(m, "content"), (int)i, &out->msgs[i].content, err))
-            return 1;
-        json_t *tc = json_object_get(m, "tool_calls");
+        if (message_content(json_object_get(m, "content"), (int)i, &out->msgs[i], err)) return 1;
+        if (out->msgs[i].n_docs && cr != RK_ROLE_USER)
+            return rk_http_errorf(err, 400,
+                                  "messages[%zu]: only a user message carries documents "
+                                  "(ragkv_chunk parts)",
+                                  i),
+                   1;
+    }
+    int any_user = 0;
+    for (size_t i = 0; i < n; i++) any_user |= out->msgs[i].role == RK_ROLE_USER;
+    if (!any_user) return rk_http_errorf(err, 400, "'messages' has no user message"), 1;
+    for (size_t i = 0; i < n; i++) {
+        json_t *m = json_array_get(msgs, i), *tc = json_object_get(m, "tool_calls");
         if (tc && !json_is_null(tc)) {
-            if (cr != RK_ROLE_ASSISTANT)
+            if (out->msgs[i].role != RK_ROLE_ASSISTANT)
                 return rk_http_errorf(err, 400,
-                                      "messages[%zu]: only assistant messages carry "
-                                      "'tool_calls'",
+                                      "messages[%zu]: only assistant messages carry 'tool_calls'",
                                       i),
                        1;
             if (parse_msg_tool_calls(tc, (int)i, &out->msgs[i].tool_calls, err)) return 1;
@@ -727,36 +1025,24 @@ static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *
         if (tid && !json_is_null(tid) && !json_is_string(tid))
             return rk_http_errorf(err, 400, "messages[%zu].tool_call_id must be a string", i), 1;
     }
-    if (out->msgs[n - 1].role != RK_ROLE_USER && out->msgs[n - 1].role != RK_ROLE_TOOL)
-        return rk_http_errorf(err, 400, "the last message must be the user's or a tool's"), 1;
-    int has_user = 0;
-    for (size_t i = 0; i < n; i++) has_user |= out->msgs[i].role == RK_ROLE_USER;
-    if (!has_user) return rk_http_errorf(err, 400, "'messages' needs a user message"), 1;
     if (parse_tools(root, out, err)) return 1;
-    json_t *ch = json_object_get(root, "chunks");
-    if (ch && !json_is_null(ch)) {
-        if (!json_is_array(ch)) return rk_http_errorf(err, 400, "'chunks' must be an array"), 1;
-        size_t nc = json_array_size(ch);
-        if (nc > (size_t)lim->max_chunks + 65536)
-            return rk_http_errorf(err, 422, "the request has %zu chunks; at most %d are allowed",
-                                  nc, lim->max_chunks),
-                   1;
-        out->chat_chunks_given = 1;
-        out->chat_chunks = calloc(nc ? nc : 1, sizeof *out->chat_chunks);
-        out->chat_chunk_ids = calloc(nc ? nc : 1, sizeof *out->chat_chunk_ids);
-        if (!out->chat_chunks || !out->chat_chunk_ids)
-            return rk_http_errorf(err, 500, "out of memory"), 1;
-        for (size_t i = 0; i < nc; i++) {
-            const char *t, *id;
-            if (chunk_entry(json_array_get(ch, i), (int)i, &t, &id, err)) return 1;
-            out->chat_chunks[i] = dup_str(t);
-            out->chat_chunk_ids[i] = id ? dup_str(id) : NULL;
-            out->n_chat_chunks = (int)i + 1;
-            if (!out->chat_chunks[i] || (id && !out->chat_chunk_ids[i]))
-                return rk_http_errorf(err, 500, "out of memory"), 1;
-        }
+    if (out->msgs[n - 1].role == RK_ROLE_SYSTEM)
+        return rk_http_errorf(err, 400,
+                              "the last message must be the user's (or the assistant's, "
+                              "continued)"),
+               1;
+    /* Chat messages are split on a separator only when asked: Markdown
+     * headings ("## Summary") are text. */
+    json_t *sep = json_object_get(root, "separator");
+    if (sep && !json_is_null(sep)) {
+        out->split_chat = 1;
+    } else if (lim->chat_separator && *lim->chat_separator) {
+        if (rk_separator_check(lim->chat_separator))
+            return rk_http_errorf(err, 500, "the server's chat separator is invalid"), 1;
+        snprintf(out->separator, sizeof out->separator, "%s", lim->chat_separator);
+        out->split_chat = 1;
     }
-    return 0;
+    return parse_chat_documents(root, lim, out, err);
 }
 
 /* ---------------------------------------------------------------- entry points */
@@ -817,7 +1103,12 @@ void rk_api_request_free(rk_api_request *r) {
         rk_split_free(&r->pieces);
     }
     free(r->chunk_ids);
-    for (int i = 0; i < r->n_msgs; i++) free(r->msgs[i].content), free(r->msgs[i].tool_calls);
+    for (int i = 0; i < r->n_msgs; i++) {
+        free(r->msgs[i].content);
+        free(r->msgs[i].tool_calls);
+        for (int k = 0; k < r->msgs[i].n_docs; k++) free(r->msgs[i].docs[k]);
+        free(r->msgs[i].docs);
+    }
     for (int i = 0; i < r->n_tools; i++) {
         free(r->tools[i].name);
         free(r->tools[i].description);
@@ -832,6 +1123,13 @@ void rk_api_request_free(rk_api_request *r) {
     free(r->chat_chunks);
     free(r->chat_chunk_ids);
     rk_grammar_free(r->grammar);
+    for (int i = 0; i < r->n_prompts; i++) {
+        if (r->batch) rk_split_free(&r->batch[i]);
+        if (r->batch_tokens) free(r->batch_tokens[i]);
+    }
+    free(r->batch);
+    free(r->batch_tokens);
+    free(r->batch_lens);
     memset(r, 0, sizeof *r);
 }
 

@@ -1,6 +1,7 @@
 /* gateway/report.c — a finished request as the JSON object POST
  * /v1/completions returns (API.md), shared by the HTTP service and
  * `ragkv generate --json`. */
+#include <math.h>
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,7 +13,6 @@ const char *rk_finish_reason_name(rk_finish_reason f) {
     switch (f) {
     case RK_FINISH_STOP: return "stop";
     case RK_FINISH_CANCELLED: return "cancelled";
-    case RK_FINISH_ERROR: return "error";
     case RK_FINISH_LENGTH: break;
     }
     return "length";
@@ -92,30 +92,81 @@ json_t *rk_report_usage(const rk_request *r) {
                      "prompt_tokens_details", "cached_tokens", r->cached_tokens);
 }
 
-/* OpenAI-style logprobs: tokens, token_logprobs, top_logprobs (list of {text: lp}). */
-static json_t *logprobs_json(const rk_tokenizer *tok, const rk_request *r) {
-    if (r->opt.n_logprobs <= 0) return json_null();
-    json_t *tokens = json_array(), *lps = json_array(), *tops = json_array();
+/* A log-probability as JSON: null for one JSON cannot hold (NaN or
+ * infinite; jansson has no value for them), so that every token keeps its
+ * entry. */
+static json_t *logprob_json(double v) { return isfinite(v) ? json_real(v) : json_null(); }
+
+/* A token's bytes (at most 255, *n their count) and its text made valid UTF-8
+ * (malloc'ed; NULL when out of memory). */
+static char *token_text(const rk_tokenizer *tok, int32_t id, char buf[256], int *n) {
+    int k = rk_tokenizer_token_bytes(tok, id, 1, buf, 255);
+    *n = k < 0 ? 0 : k < 255 ? k : 255;
+    return rk_utf8_sanitize(buf, (size_t)*n, NULL);
+}
+
+static json_t *bytes_json(const char *buf, int n) {
+    json_t *a = json_array();
+    for (int i = 0; i < n; i++) json_array_append_new(a, json_integer((unsigned char)buf[i]));
+    return a;
+}
+
+/* One {token, logprob, bytes} entry of the chat shape (top_logprobs added by the caller). */
+static json_t *chat_entry(const rk_tokenizer *tok, int32_t id, float lp) {
     char buf[256];
-    for (int i = 0; i < r->n_out; i++) {
-        int n = rk_tokenizer_token_bytes(tok, r->out_tokens[i], 1, buf, sizeof buf - 1);
-        char *s = rk_utf8_sanitize(buf, n < 0 ? 0 : (size_t)(n < 255 ? n : 255), NULL);
-        json_array_append_new(tokens, json_string(s ? s : ""));
-        free(s);
-        json_array_append_new(lps, json_real(r->logprobs[i]));
-        json_t *top = json_object();
-        for (int k = 0; k < r->opt.n_logprobs; k++) {
-            int32_t id = r->top_ids[(size_t)i * r->opt.n_logprobs + k];
-            n = rk_tokenizer_token_bytes(tok, id, 1, buf, sizeof buf - 1);
-            s = rk_utf8_sanitize(buf, n < 0 ? 0 : (size_t)(n < 255 ? n : 255), NULL);
-            json_object_set_new(top, s ? s : "",
-                                json_real(r->top_logprobs[(size_t)i * r->opt.n_logprobs + k]));
-            free(s);
+    int n;
+    char *s = token_text(tok, id, buf, &n);
+    json_t *e = json_pack("{s:s, s:o, s:o}", "token", s ? s : "", "logprob", logprob_json(lp),
+                          "bytes", bytes_json(buf, n));
+    free(s);
+    return e;
+}
+
+json_t *rk_report_logprobs(const rk_tokenizer *tok, const rk_request *r, int from, int to,
+                           int chat) {
+    int k = r->opt.n_logprobs;
+    if (k <= 0) return json_null();
+    if (to > r->n_out) to = r->n_out;
+    if (from < 0) from = 0;
+    char buf[256];
+    int n;
+    if (chat) {
+        json_t *content = json_array();
+        for (int i = from; i < to; i++) {
+            json_t *e = chat_entry(tok, r->out_tokens[i], r->logprobs[i]), *tops = json_array();
+            for (int j = 0; j < k; j++)
+                json_array_append_new(tops, chat_entry(tok, r->top_ids[(size_t)i * k + j],
+                                                       r->top_logprobs[(size_t)i * k + j]));
+            json_object_set_new(e, "top_logprobs", tops);
+            json_array_append_new(content, e);
         }
-        json_array_append_new(tops, top);
+        return json_pack("{s:o, s:n}", "content", content, "refusal");
     }
-    return json_pack("{s:o, s:o, s:o}", "tokens", tokens, "token_logprobs", lps, "top_logprobs",
-                     tops);
+    json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(),
+           *offsets = json_array();
+    long offset = 0; /* bytes of the completion before token i */
+    for (int i = 0; i < to; i++) {
+        char *s = token_text(tok, r->out_tokens[i], buf, &n);
+        if (i >= from) {
+            json_array_append_new(tokens, json_string(s ? s : ""));
+            json_array_append_new(lps, logprob_json(r->logprobs[i]));
+            json_array_append_new(offsets, json_integer(offset));
+            json_t *top = json_object();
+            for (int j = 0; j < k; j++) {
+                int m;
+                char tb[256];
+                char *t = token_text(tok, r->top_ids[(size_t)i * k + j], tb, &m);
+                json_object_set_new(top, t ? t : "",
+                                    logprob_json(r->top_logprobs[(size_t)i * k + j]));
+                free(t);
+            }
+            json_array_append_new(tops, top);
+        }
+        offset += n;
+        free(s);
+    }
+    return json_pack("{s:o, s:o, s:o, s:o}", "tokens", tokens, "token_logprobs", lps,
+                     "top_logprobs", tops, "text_offset", offsets);
 }
 
 rk_status rk_report_text(const rk_tokenizer *tok, const rk_request *r, char **out) {
@@ -133,9 +184,9 @@ json_t *rk_report_completion(const rk_tokenizer *tok, const rk_request *r, const
                              long created, const char *model) {
     char *text = NULL;
     if (rk_report_text(tok, r, &text)) return NULL;
-    json_t *choice =
-        json_pack("{s:i, s:s, s:s, s:o}", "index", 0, "text", text, "finish_reason",
-                  rk_finish_reason_name(r->finish_reason), "logprobs", logprobs_json(tok, r));
+    json_t *choice = json_pack("{s:i, s:s, s:s, s:o}", "index", 0, "text", text, "finish_reason",
+                               rk_finish_reason_name(r->finish_reason), "logprobs",
+                               rk_report_logprobs(tok, r, 0, r->n_out, 0));
     free(text);
     return json_pack("{s:s, s:s, s:I, s:s, s:[o], s:o, s:o}", "id", id, "object", "text_completion",
                      "created", (json_int_t)created, "model", model, "choices", choice, "usage",

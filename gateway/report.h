@@ -27,6 +27,14 @@ rk_status rk_report_text(const rk_tokenizer *tok, const rk_request *r, char **ou
 /* The `usage` object and the `ragkv` extension object (new references). */
 json_t *rk_report_usage(const rk_request *r);
 json_t *rk_report_ragkv(const rk_request *r);
+/* The log-probabilities of generated tokens [from, to) (JSON null when the
+ * request asked for none; new reference): OpenAI's completions shape
+ * {tokens, token_logprobs, top_logprobs: [{text: logprob}], text_offset (bytes
+ * of the completion before each token)}, or with chat its chat shape
+ * {content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}],
+ * refusal: null}. */
+json_t *rk_report_logprobs(const rk_tokenizer *tok, const rk_request *r, int from, int to,
+                           int chat);
 /* The whole text_completion object (new reference; NULL when out of memory). */
 json_t *rk_report_completion(const rk_tokenizer *tok, const rk_request *r, const char *id,
                              long created, const char *model);

@@ -49,6 +49,14 @@ uint64_t rk_gw_random(server *S) {
 
 /* ---------------------------------------------------------------- responses */
 
+void rk_gw_add_cors_headers(req_ctx *rc) {
+    const char *origin = rc->S->o.cors_origin;
+    if (!origin[0]) return;
+    mg_response_header_add(rc->conn, "Access-Control-Allow-Origin", origin, -1);
+    mg_response_header_add(rc->conn, "Access-Control-Expose-Headers", "X-Request-Id", -1);
+    if (strcmp(origin, "*")) mg_response_header_add(rc->conn, "Vary", "Origin", -1);
+}
+
 void rk_gw_send_headers(req_ctx *rc, int status, const char *type, long long length,
                         const char *retry_after) {
     struct mg_connection *c = rc->conn;
@@ -61,15 +69,20 @@ void rk_gw_send_headers(req_ctx *rc, int status, const char *type, long long len
         mg_response_header_add(c, "Content-Length", n, -1);
     }
     mg_response_header_add(c, "X-Request-Id", rc->id, -1);
+    rk_gw_add_cors_headers(rc);
     if (retry_after) mg_response_header_add(c, "Retry-After", retry_after, -1);
+    /* A client told to wait for 100 Continue that gets its answer instead
+     * never sends the body: the connection cannot carry another request. */
+    if (rc->expect_continue && !rc->continued) mg_disable_connection_keep_alive(c);
     if (status == 405) {
-        const char *allow = !strcmp(rc->path, "/v1/chunks")         ? "GET, HEAD, POST"
-                            : !strncmp(rc->path, "/v1/chunks/", 11) ? "GET, HEAD, DELETE"
-                            : !strcmp(rc->path, "/v1/completions") ||
-                                    !strcmp(rc->path, "/v1/chat/completions") ||
-                                    !strcmp(rc->path, "/v1/cache/flush")
-                                ? "POST"
-                                : "GET, HEAD";
+        const char *allow =
+            !strcmp(rc->path, "/v1/chunks")         ? "GET, HEAD, POST"
+            : !strncmp(rc->path, "/v1/chunks/", 11) ? "GET, HEAD, DELETE"
+            : !strcmp(rc->path, "/v1/completions") || !strcmp(rc->path, "/v1/chat/completions") ||
+                    !strcmp(rc->path, "/v1/cache/flush") || !strcmp(rc->path, "/tokenize") ||
+                    !strcmp(rc->path, "/detokenize")
+                ? "POST"
+                : "GET, HEAD";
         mg_response_header_add(c, "Allow", allow, -1);
     }
     mg_response_header_send(c);
@@ -87,7 +100,8 @@ void rk_gw_send_json(req_ctx *rc, int status, json_t *body) {
     json_decref(body);
     if (!s) {
         static const char oom[] =
-            "{\"error\":{\"code\":500,\"type\":\"internal_error\",\"message\":\"out of memory\"}}";
+            "{\"error\":{\"message\":\"out of memory\",\"type\":\"internal_error\",\"param\":"
+            "null,\"code\":500,\"status\":500}}";
         rk_gw_send_text(rc, 500, "application/json", oom, sizeof oom - 1, NULL);
         return;
     }
@@ -95,9 +109,14 @@ void rk_gw_send_json(req_ctx *rc, int status, json_t *body) {
     free(s);
 }
 
+/* OpenAI's envelope, which its SDKs read (message, type, param, code), with
+ * the HTTP status in `status`; `code` keeps the numeric status, as before,
+ * where OpenAI has no code for the case (docs/api.md). */
 json_t *rk_gw_error_body(const rk_http_error *e) {
-    return json_pack("{s:{s:i, s:s, s:s}}", "error", "code", e->status, "type", e->type, "message",
-                     e->message);
+    json_t *code = e->code ? json_string(e->code) : json_integer(e->status);
+    json_t *param = e->param ? json_string(e->param) : json_null();
+    return json_pack("{s:{s:s, s:s, s:o, s:o, s:i}}", "error", "message", e->message, "type",
+                     e->type, "param", param, "code", code, "status", e->status);
 }
 
 void rk_gw_send_error(req_ctx *rc, const rk_http_error *e) {
@@ -125,6 +144,23 @@ int rk_gw_read_body(req_ctx *rc, char **out, size_t *out_len) {
     double deadline = rk_time_now() + S->o.request_timeout_s;
     *out = NULL;
     *out_len = 0;
+    if (rc->expect_continue && cl > max) { /* refused before the client sends it */
+        rk_gw_send_errorf(rc, 413, "the body has %lld bytes; at most %lld are accepted", cl, max);
+        return -1;
+    }
+    if (rc->expect_continue && !rc->continued) {
+        /* On the socket itself: CivetWeb takes any mg_write for the start of
+         * the response and would then send no status line of its own. */
+        static const char go_on[] = "HTTP/1.1 100 Continue\r\n\r\n";
+        int fd = rk_gw_conn_fd(mg_get_request_info(rc->conn));
+        rc->continued = 1;
+        if (fd < 0 ||
+            send(fd, go_on, sizeof go_on - 1, MSG_NOSIGNAL) != (ssize_t)sizeof go_on - 1) {
+            mg_disable_connection_keep_alive(rc->conn);
+            rk_gw_send_errorf(rc, 400, "the connection failed before the body was read");
+            return -1;
+        }
+    }
     if (cl > max) {
         /* Drain what is reasonable so the client sees the answer, then close. */
         size_t sink_cap = 65536;
@@ -200,7 +236,10 @@ rk_service *rk_gw_ready_service(server *S) {
     pthread_mutex_lock(&S->info_mu);
     if (!S->have_info) {
         const rk_hparams *hp = rk_model_hparams(svc->model);
-        if (hp->name[0]) {
+        if (S->o.served_model_name[0]) {
+            snprintf(S->model_name, sizeof S->model_name, "%.*s",
+                     (int)strcspn(S->o.served_model_name, ","), S->o.served_model_name);
+        } else if (hp->name[0]) {
             snprintf(S->model_name, sizeof S->model_name, "%s", hp->name);
         } else if (S->o.model[0]) {
             const char *b = strrchr(S->o.model, '/');
@@ -218,6 +257,50 @@ rk_service *rk_gw_ready_service(server *S) {
     }
     pthread_mutex_unlock(&S->info_mu);
     return svc;
+}
+
+/* Is name one of the comma-separated names in list? */
+static int in_list(const char *list, const char *name) {
+    size_t n = strlen(name);
+    for (const char *p = list; *p;) {
+        size_t l = strcspn(p, ",");
+        if (l == n && !strncmp(p, name, n)) return 1;
+        p += l + (p[l] == ',');
+    }
+    return 0;
+}
+
+/* Does the `model` a client named match the served one? */
+static int model_matches(server *S, rk_service *svc, const char *name) {
+    if (!strcmp(name, S->model_name) || !strcmp(name, rk_model_fingerprint(svc->model)) ||
+        in_list(S->o.served_model_name, name))
+        return 1;
+    if (S->o.model[0]) {
+        const char *b = strrchr(S->o.model, '/');
+        b = b ? b + 1 : S->o.model;
+        size_t n = strlen(b);
+        if (!strcmp(name, b) || !strcmp(name, S->o.model)) return 1;
+        if (n > 5 && !strcmp(b + n - 5, ".gguf") && strlen(name) == n - 5 &&
+            !strncmp(name, b, n - 5))
+            return 1;
+    }
+    return 0;
+}
+
+int rk_gw_check_model(server *S, rk_service *svc, const char *name, rk_http_error *err) {
+    if (!name || model_matches(S, svc, name)) return 0;
+    if (S->o.model_name_strict) {
+        rk_http_errorf(err, 404, "model \"%s\" is not served here; this server serves \"%s\"", name,
+                       S->model_name);
+        err->code = "model_not_found";
+        err->param = "model";
+        return -1;
+    }
+    if (!atomic_exchange(&S->name_mismatch_logged, 1))
+        RK_LOG_WARN("a request named model \"%.200s\"; answered as \"%s\" (model_name_policy "
+                    "any; logged once)",
+                    name, S->model_name);
+    return 0;
 }
 
 void rk_gw_send_not_ready(req_ctx *rc) {
@@ -249,16 +332,27 @@ static int handle_health(req_ctx *rc) {
              : !strcmp(what, "stopping") ? "the server is shutting down"
                                          : "the model failed to load",
              st == RK_SCHEDULER_FAILED ? ": " : "", st == RK_SCHEDULER_FAILED ? msg : "");
-    rk_gw_send_json(rc, 503,
-                    json_pack("{s:s, s:{s:i, s:s, s:s}}", "status", what, "error", "code", 503,
-                              "type", "overloaded", "message", m));
+    rk_http_error e = {.status = 503, .type = rk_http_error_type(503)};
+    snprintf(e.message, sizeof e.message, "%.319s", m);
+    json_t *body = rk_gw_error_body(&e);
+    json_object_set_new(body, "status", json_string(what));
+    rk_gw_send_json(rc, 503, body);
     return 0;
 }
 
-static int handle_models(req_ctx *rc) {
+/* GET /v1/models, or GET /v1/models/{id} (id non-NULL): the served model. */
+static int handle_models(req_ctx *rc, const char *id) {
     server *S = rc->S;
     rk_service *svc = rk_gw_ready_service(S);
     if (!svc) return rk_gw_send_not_ready(rc), 0;
+    if (id && !model_matches(S, svc, id)) {
+        rk_http_error e;
+        rk_http_errorf(&e, 404, "model \"%.200s\" is not served here; this server serves \"%s\"",
+                       id, S->model_name);
+        e.code = "model_not_found";
+        rk_gw_send_error(rc, &e);
+        return 0;
+    }
     const rk_hparams *hp = rk_model_hparams(svc->model);
     const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
     json_t *info = json_pack(
@@ -272,7 +366,10 @@ static int handle_models(req_ctx *rc) {
     json_t *m =
         json_pack("{s:s, s:s, s:I, s:s, s:o}", "id", S->model_name, "object", "model", "created",
                   (json_int_t)S->started_unix, "owned_by", "ragkv", "ragkv", info);
-    rk_gw_send_json(rc, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", m));
+    if (id)
+        rk_gw_send_json(rc, 200, m);
+    else
+        rk_gw_send_json(rc, 200, json_pack("{s:s, s:[o]}", "object", "list", "data", m));
     return 0;
 }
 
@@ -341,7 +438,10 @@ typedef enum route {
     R_CHUNKS,
     R_CHUNK_KEY,
     R_FLUSH,
-    R_STATS
+    R_STATS,
+    R_MODEL_ID,
+    R_TOKENIZE,
+    R_DETOKENIZE
 } route;
 
 static route find_route(const char *path) {
@@ -355,12 +455,39 @@ static route find_route(const char *path) {
                  {"/v1/chat/completions", R_CHAT},
                  {"/v1/chunks", R_CHUNKS},
                  {"/v1/cache/flush", R_FLUSH},
-                 {"/v1/stats", R_STATS}};
+                 {"/v1/stats", R_STATS},
+                 {"/tokenize", R_TOKENIZE},
+                 {"/detokenize", R_DETOKENIZE}};
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
         if (!strcmp(path, table[i].path)) return table[i].r;
     if (!strncmp(path, "/v1/chunks/", 11) && path[11] && !strchr(path + 11, '/'))
         return R_CHUNK_KEY;
+    if (!strncmp(path, "/v1/models/", 11) && path[11]) return R_MODEL_ID;
     return R_NONE;
+}
+
+/* A CORS preflight (OPTIONS with cors_origin set): 204 with what the route
+ * allows; browsers send no credentials with it, so no key is asked. */
+static int handle_preflight(req_ctx *rc, route r) {
+    struct mg_connection *c = rc->conn;
+    const char *asked = mg_get_header(c, "Access-Control-Request-Headers");
+    const char *methods =
+        r == R_CHUNKS      ? "GET, HEAD, POST, OPTIONS"
+        : r == R_CHUNK_KEY ? "GET, HEAD, DELETE, OPTIONS"
+        : r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE || r == R_DETOKENIZE
+            ? "POST, OPTIONS"
+            : "GET, HEAD, OPTIONS";
+    rc->status = 204;
+    mg_response_header_start(c, 204);
+    rk_gw_add_cors_headers(rc);
+    mg_response_header_add(c, "Access-Control-Allow-Methods", methods, -1);
+    mg_response_header_add(c, "Access-Control-Allow-Headers",
+                           asked && *asked ? asked : "Authorization, Content-Type", -1);
+    mg_response_header_add(c, "Access-Control-Max-Age", "86400", -1);
+    mg_response_header_add(c, "Content-Length", "0", -1);
+    mg_response_header_add(c, "X-Request-Id", rc->id, -1);
+    mg_response_header_send(c);
+    return 0;
 }
 
 static int dispatch(req_ctx *rc) {
@@ -369,10 +496,13 @@ static int dispatch(req_ctx *rc) {
     int del = !strcmp(m, "DELETE");
     route r = find_route(rc->path);
     if (r == R_NONE) return rk_gw_send_errorf(rc, 404, "no route %s %s", m, rc->path), 0;
-    int ok = r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH ? post
-             : r == R_CHUNKS                                   ? get || post
-             : r == R_CHUNK_KEY                                ? get || del
-                                                               : get;
+    if (!strcmp(m, "OPTIONS") && rc->S->o.cors_origin[0]) return handle_preflight(rc, r);
+    int ok =
+        r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE || r == R_DETOKENIZE
+            ? post
+        : r == R_CHUNKS    ? get || post
+        : r == R_CHUNK_KEY ? get || del
+                           : get;
     if (!ok) return rk_gw_send_errorf(rc, 405, "%s is not allowed on %s", m, rc->path), 0;
     if (r == R_HEALTH) return handle_health(rc);
     int admin = r == R_FLUSH || (r == R_CHUNK_KEY && del);
@@ -381,7 +511,10 @@ static int dispatch(req_ctx *rc) {
         return rk_gw_send_errorf(rc, 503, "the server is shutting down"), 0;
     switch (r) {
     case R_METRICS: return handle_metrics(rc);
-    case R_MODELS: return handle_models(rc);
+    case R_MODELS: return handle_models(rc, NULL);
+    case R_MODEL_ID: return handle_models(rc, rc->path + 11);
+    case R_TOKENIZE: return rk_gw_handle_tokenize(rc, 0);
+    case R_DETOKENIZE: return rk_gw_handle_tokenize(rc, 1);
     case R_COMPLETIONS: return rk_gw_handle_generate(rc, 0);
     case R_CHAT: return rk_gw_handle_generate(rc, 1);
     case R_CHUNKS: return post ? rk_gw_handle_prewarm(rc) : rk_gw_handle_list(rc);
@@ -450,8 +583,15 @@ static void send_bare_error(struct mg_connection *conn, int status, const char *
     free(body);
 }
 
+/* One request handed to serve_one, and the status it answered. */
+typedef struct one_call {
+    struct mg_connection *conn;
+    int status;
+} one_call;
+
 static void serve_one(void *arg) {
-    struct mg_connection *conn = arg;
+    one_call *call = arg;
+    struct mg_connection *conn = call->conn;
     server *S = mg_get_user_data(mg_get_context(conn));
     const struct mg_request_info *ri = mg_get_request_info(conn);
     /* CivetWeb leaves the path encoded (decode_url no): decoded here, where
@@ -461,7 +601,7 @@ static void serve_one(void *arg) {
     char *path = malloc(raw_len + 1);
     if (!path) {
         send_bare_error(conn, 500, "out of memory");
-        mg_set_user_connection_data(conn, (void *)(intptr_t)500);
+        call->status = 500;
         return;
     }
     int path_len = mg_url_decode(raw, (int)raw_len, path, (int)raw_len + 1, 0);
@@ -471,6 +611,8 @@ static void serve_one(void *arg) {
                   .path = path,
                   .t0 = rk_time_now()};
     rc.head = !strcmp(rc.method, "HEAD");
+    const char *expect = mg_get_header(conn, "Expect");
+    rc.expect_continue = expect && !strcasecmp(expect, "100-continue");
     uint64_t rnd = rk_gw_random(S);
     snprintf(rc.id, sizeof rc.id, "req-%016llx", (unsigned long long)rnd);
     atomic_fetch_add(&S->in_flight, 1);
@@ -486,7 +628,33 @@ static void serve_one(void *arg) {
     rk_log(quiet ? RK_LOG_DEBUG : RK_LOG_INFO, "request", "id=%s %s %s status=%d ms=%.2f%s", rc.id,
            rc.method, rc.path, rc.status, (rk_time_now() - rc.t0) * 1e3, rc.detail);
     free(path);
-    mg_set_user_connection_data(conn, (void *)(intptr_t)(rc.status > 0 ? rc.status : 500));
+    call->status = rc.status > 0 ? rc.status : 500;
+}
+
+/* Why a request's framing is refused before anything is read of its body,
+ * or NULL: two Content-Length headers, or Content-Length with
+ * Transfer-Encoding, make its end ambiguous (a proxy in front may see
+ * another request in it), so it gets 400 and its connection is closed; an
+ * HTTP/1.1 request must name its Host (RFC 9112, 3.2); an expectation other
+ * than 100-continue cannot be met (417, RFC 9110, 10.1.1). */
+static const char *framing_error(const struct mg_request_info *ri) {
+    int n_length = 0, n_te = 0, n_host = 0;
+    for (int i = 0; i < ri->num_headers; i++) {
+        const char *name = ri->http_headers[i].name;
+        if (!name) continue;
+        n_length += !strcasecmp(name, "Content-Length");
+        n_te += !strcasecmp(name, "Transfer-Encoding");
+        n_host += !strcasecmp(name, "Host");
+        if (!strcasecmp(name, "Expect") && ri->http_headers[i].value &&
+            strcasecmp(ri->http_headers[i].value, "100-continue"))
+            return "only the expectation `Expect: 100-continue` is supported";
+    }
+    if (n_length > 1) return "the request has more than one Content-Length header";
+    if (n_length && n_te) return "the request has both Content-Length and Transfer-Encoding";
+    if (n_te > 1) return "the request has more than one Transfer-Encoding header";
+    if (!n_host && ri->http_version && !strcmp(ri->http_version, "1.1"))
+        return "an HTTP/1.1 request needs a Host header";
+    return NULL;
 }
 
 /* CivetWeb runs more connection threads than requests may be handled at
@@ -498,22 +666,70 @@ static int handle_request(struct mg_connection *conn) {
     server *S = mg_get_user_data(mg_get_context(conn));
     const struct mg_request_info *ri = mg_get_request_info(conn);
     const char *uri = ri->local_uri ? ri->local_uri : "";
+    if (!atomic_load(&S->ri_offset))
+        atomic_store(&S->ri_offset, (long)((const char *)ri - (const char *)conn));
+    const char *bad = framing_error(ri);
+    if (bad) {
+        send_bare_error(conn, strstr(bad, "Expect") ? 417 : 400, bad);
+        return 400;
+    }
     int counted = strcmp(uri, "/health") && strcmp(uri, "/metrics");
     if (counted && atomic_fetch_add(&S->admitted, 1) >= S->request_slots) {
         atomic_fetch_sub(&S->admitted, 1);
         send_bare_error(conn, 503, "every request slot is busy (http_threads); try again");
         return 503;
     }
+    one_call call = {.conn = conn, .status = 500};
     int status = 503;
-    if (rk_gw_run_big_stack(serve_one, conn) == 0) {
-        intptr_t st = (intptr_t)mg_get_user_connection_data(conn);
-        status = st > 0 ? (int)st : 500;
-    } else {
+    if (rk_gw_run_big_stack(serve_one, &call) == 0)
+        status = call.status;
+    else
         send_bare_error(conn, 503, "cannot start a request thread");
-    }
-    mg_set_user_connection_data(conn, NULL);
     if (counted) atomic_fetch_sub(&S->admitted, 1);
     return status;
+}
+
+/* A new connection: counted against its address's max_connections_per_ip.
+ * One over the limit is answered 503 at once and its socket shut down, so
+ * that it frees its connection thread now instead of after
+ * request_timeout_s: one client's idle connections cannot take the threads
+ * every other client needs. */
+static int conn_opened(const struct mg_connection *conn, void **conn_data) {
+    server *S = mg_get_user_data(mg_get_context(conn));
+    long off = atomic_load(&S->ri_offset);
+    if (!S->conns || !off) return 0;
+    /* CivetWeb fills the client's address before this callback but hands
+     * out its request_info only once a request was read: reached at the
+     * offset a request showed (start_http makes one at once). */
+    const struct mg_request_info *ri = (const void *)((const char *)conn + off);
+    if (!ri->remote_addr[0]) return 0;
+    *conn_data = S; /* counted: conn_closed takes it off */
+    int n = rk_gw_conns_add(S->conns, ri->remote_addr, 1);
+    if (n <= S->conns_per_ip) return 0;
+    int fd = rk_gw_conn_fd(ri);
+    RK_LOG_DEBUG("connection %d from %s refused (max_connections_per_ip %d)%s", n, ri->remote_addr,
+                 S->conns_per_ip, fd < 0 ? "; its socket was not found" : "");
+    if (fd < 0) return 0;
+    static const char body[] =
+        "{\"error\":{\"message\":\"this address has max_connections_per_ip connections open; "
+        "close some and try again\",\"type\":\"overloaded\",\"param\":null,\"code\":503,"
+        "\"status\":503}}";
+    char msg[320];
+    int len = snprintf(msg, sizeof msg,
+                       "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                       "Content-Length: %zu\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s",
+                       sizeof body - 1, body);
+    if (len > 0 && (size_t)len < sizeof msg)
+        (void)send(fd, msg, (size_t)len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    shutdown(fd, SHUT_RDWR);
+    return 0;
+}
+
+static void conn_closed(const struct mg_connection *conn) {
+    server *S = mg_get_user_data(mg_get_context(conn));
+    const struct mg_request_info *ri = mg_get_request_info(conn);
+    if (S->conns && ri && mg_get_user_connection_data(conn) == S)
+        rk_gw_conns_add(S->conns, ri->remote_addr, -1);
 }
 
 /* CivetWeb's own refusals (a malformed or oversized request, an unknown
@@ -568,6 +784,46 @@ static void stop_civetweb(struct mg_context *ctx, int port, const char *host) {
         pthread_join(t, NULL);
     }
 }
+/* One GET /health to the server itself, so that handle_request learns
+ * where CivetWeb keeps a connection's request_info (conn_opened reads the
+ * client's address there before any request). Best effort: without it the
+ * first request from anywhere teaches the same. */
+static void learn_request_offset(server *S, int port) {
+    const char *h = S->o.host;
+    int v6 = strchr(h, ':') != NULL;
+    struct sockaddr_storage a;
+    memset(&a, 0, sizeof a);
+    socklen_t len;
+    if (v6) {
+        struct sockaddr_in6 *s6 = (struct sockaddr_in6 *)&a;
+        s6->sin6_family = AF_INET6;
+        s6->sin6_port = htons((uint16_t)port);
+        if (!strcmp(h, "::") || inet_pton(AF_INET6, h, &s6->sin6_addr) != 1)
+            s6->sin6_addr = in6addr_loopback;
+        len = sizeof *s6;
+    } else {
+        struct sockaddr_in *s4 = (struct sockaddr_in *)&a;
+        s4->sin_family = AF_INET;
+        s4->sin_port = htons((uint16_t)port);
+        if (!strcmp(h, "0.0.0.0") || inet_pton(AF_INET, h, &s4->sin_addr) != 1)
+            s4->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        len = sizeof *s4;
+    }
+    int fd = socket(a.ss_family, SOCK_STREAM, 0);
+    if (fd < 0) return;
+    struct timeval tv = {2, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+    static const char req[] = "GET /health HTTP/1.1\r\nHost: ragkv\r\nConnection: close\r\n\r\n";
+    if (!connect(fd, (struct sockaddr *)&a, len) &&
+        send(fd, req, sizeof req - 1, MSG_NOSIGNAL) == (ssize_t)sizeof req - 1) {
+        char buf[512];
+        while (recv(fd, buf, sizeof buf, 0) > 0) {
+        }
+    }
+    close(fd);
+}
+
 /* ================================================================ life cycle */
 
 void rk_server_options_default(rk_server_options *o) {
@@ -613,6 +869,13 @@ static rk_status start_http(server *S, int *out_port) {
      * request_timeout_s, which bounds the headers, every read and every
      * write, or after keep_alive_ms between two requests. */
     snprintf(threads, sizeof threads, "%d", 5 * S->request_slots);
+    /* One address may hold four fifths of the threads: the other fifth, one
+     * per request slot, stays for everyone else. At least 64, so that a
+     * small server (a few request slots) still takes a burst of short
+     * connections from one client whose closes CivetWeb has not yet seen. */
+    int per_ip = 4 * S->request_slots < 64 ? 64 : 4 * S->request_slots;
+    S->conns_per_ip = o->max_connections_per_ip > 0 ? o->max_connections_per_ip : per_ip;
+    if (rk_gw_conns_create(5 * S->request_slots, &S->conns)) return RK_ERR_NOMEM;
     long rt_ms = (long)(o->request_timeout_s * 1000 + 0.5);
     snprintf(request_ms, sizeof request_ms, "%ld", rt_ms);
     snprintf(keep_alive_ms, sizeof keep_alive_ms, "%ld", rt_ms < 5000 ? rt_ms : 5000);
@@ -629,15 +892,20 @@ static rk_status start_http(server *S, int *out_port) {
     cb.begin_request = handle_request;
     cb.log_message = civet_log;
     cb.http_error = civet_error;
+    cb.init_connection = conn_opened;
+    cb.connection_close = conn_closed;
     mg_init_library(0);
     S->ctx = mg_start(&cb, S, mg_opts);
     if (!S->ctx) {
+        rk_gw_conns_free(S->conns);
+        S->conns = NULL;
         mg_exit_library();
         return rk_errorf(RK_ERR_IO, "cannot listen on %s (in use, or not a local address?)", ports);
     }
     struct mg_server_port sp[4];
     int n_ports = mg_get_server_ports(S->ctx, 4, sp);
     *out_port = n_ports > 0 ? sp[0].port : o->port;
+    learn_request_offset(S, *out_port);
     fprintf(stderr, "ragkv: listening on http://%s%s%s:%d\n", colon ? "[" : "", o->host,
             colon ? "]" : "", *out_port);
     fflush(stderr);
@@ -646,6 +914,8 @@ static rk_status start_http(server *S, int *out_port) {
 
 rk_status rk_server_start(const rk_server_options *o, rk_server **out, int *out_port) {
     *out = NULL;
+    if (o->chat_separator[0] && rk_separator_check(o->chat_separator))
+        return rk_errorf(RK_ERR_INVALID, "chat_separator: %s", rk_error_message());
     server *S = calloc(1, sizeof *S);
     if (!S) return rk_errorf(RK_ERR_NOMEM, "out of memory");
     S->o = *o;
@@ -705,6 +975,7 @@ void rk_server_stop(rk_server *S) {
     rk_scheduler_free(S->engine);
     S->engine = NULL;
     mg_exit_library();
+    rk_gw_conns_free(S->conns);
     rk_stats_free(S->stats);
     pthread_mutex_destroy(&S->info_mu);
     free(S);

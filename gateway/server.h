@@ -5,6 +5,7 @@
  *   generate.c   completions and chat: preparing a request, waiting for the
  *                engine, Server-Sent Events, the response objects
  *   chunks.c     the chunk and cache routes: pre-warm, list, get, delete, flush
+ *   conns.c      sockets: a client gone, connections per client address
  *   http_json.c  request bodies (api.h)       chat.c   chat templates (chat.h)
  *   report.c     finished requests as JSON (report.h)
  *   stats.c      counters, /v1/stats and /metrics (stats.h)
@@ -41,8 +42,20 @@ typedef struct rk_server_options {
     double grace_s;   /* shutdown: requests may finish this long */
     int http_threads; /* requests handled at once; 0 = queue + 16 */
     double request_timeout_s;
-    double load_delay_s;  /* testing aid: wait before loading the model */
-    double token_delay_s; /* testing aid: sleep after every generated token */
+    /* Chat user messages are split on this separator when the body names
+     * none ("" = not split: chat documents come as chunks, documents or
+     * ragkv_chunk parts). */
+    char chat_separator[32];
+    /* Connections one client address may hold open at once; beyond, a new
+     * one is answered 503 and closed. 0 = 4 x http_threads, at least 64. */
+    int max_connections_per_ip;
+    /* NAME[,ALIAS...]: the model name reported (the first) and the names
+     * requests may give; "" = the model's own name. */
+    char served_model_name[512];
+    int model_name_strict; /* 1: another `model` is 404; 0: answered as the served one */
+    char cors_origin[256]; /* "" = no CORS headers; "*" or one origin */
+    double load_delay_s;   /* testing aid: wait before loading the model */
+    double token_delay_s;  /* testing aid: sleep after every generated token */
 } rk_server_options;
 
 typedef struct rk_server rk_server; /* opaque */

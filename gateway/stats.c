@@ -1,7 +1,16 @@
 /* gateway/stats.c — see stats.h. Hit-rate windows come from per-minute
  * buckets: the window of the last N minutes sums the current (partial) minute
- * and the N - 1 minutes before it. */
+ * and the N - 1 minutes before it.
+ *
+ * Chunk hits and misses are counted from the finished requests' chunk
+ * reports, one per chunk occurrence: a hit by its source (arena, disk, redis,
+ * or prefix: inside a sequence the radix cache reused, never looked up) or a
+ * miss (computed). So the totals agree with what the responses report, and
+ * the hit rate is the share of chunks not computed. Chunks of a request with
+ * the chunk cache off are not counted. */
 #include "gateway/stats.h"
+
+#include "gateway/report.h"
 
 #include <pthread.h>
 #include <stdarg.h>
@@ -23,8 +32,11 @@ struct rk_stats {
     rk_cache_snapshot snap;
     int have_snap;
     minute_bucket minutes[N_MINUTES];
-    uint64_t status_counts[600]; /* per HTTP status */
-    uint64_t requests_done;      /* finished generations */
+    uint64_t chunk_hits[RK_CHUNK_SOURCE_PREFIX + 1]; /* per rk_chunk_source (COMPUTED unused) */
+    uint64_t chunk_misses;
+    uint64_t chunk_hit_tokens, chunk_computed_tokens; /* the tokens of those chunks */
+    uint64_t status_counts[600];                      /* per HTTP status */
+    uint64_t requests_done;                           /* finished generations */
     uint64_t prompt_tokens, cached_tokens, completion_tokens;
     int in_flight;
     rk_hist lookup, reindex, ttft, queue, total;
@@ -107,18 +119,6 @@ static minute_bucket *bucket_now(rk_stats *s) {
 
 void rk_stats_publish(rk_stats *s, const rk_cache_snapshot *snap) {
     pthread_mutex_lock(&s->mu);
-    const rk_chunk_stats *old = &s->snap.chunk, *cur = &snap->chunk;
-    if (s->have_snap && cur->lookups >= old->lookups) {
-        minute_bucket *b = bucket_now(s);
-        b->lookups += cur->lookups - old->lookups;
-        b->hits += cur->hits - old->hits;
-        b->misses += cur->misses - old->misses;
-    } else if (!s->have_snap) {
-        minute_bucket *b = bucket_now(s);
-        b->lookups += cur->lookups;
-        b->hits += cur->hits;
-        b->misses += cur->misses;
-    }
     s->snap = *snap;
     s->have_snap = 1;
     pthread_mutex_unlock(&s->mu);
@@ -149,6 +149,24 @@ void rk_stats_record_request(rk_stats *s, const rk_request *r) {
     rk_hist_add(&s->queue, r->t.queue_ms / 1e3);
     rk_hist_add(&s->total, r->t.total_ms / 1e3);
     if (r->n_out > 1) rk_hist_add(&s->tpot, r->t.decode_ms / 1e3 / (r->n_out - 1));
+    minute_bucket *b = bucket_now(s);
+    for (int k = 0; k < r->n_chunks; k++) {
+        const rk_chunk_report *c = &r->chunk_reports[k];
+        if (c->status == RK_CHUNK_STATUS_HIT && c->source > RK_CHUNK_SOURCE_COMPUTED &&
+            c->source <= RK_CHUNK_SOURCE_PREFIX) {
+            s->chunk_hits[c->source]++;
+            s->chunk_hit_tokens += (uint64_t)c->tokens;
+            b->hits++;
+        } else if (c->status == RK_CHUNK_STATUS_MISS ||
+                   (c->status == RK_CHUNK_STATUS_HIT && c->source == RK_CHUNK_SOURCE_COMPUTED)) {
+            s->chunk_misses++;
+            s->chunk_computed_tokens += (uint64_t)c->tokens;
+            b->misses++;
+        } else {
+            continue; /* the chunk cache was off */
+        }
+        b->lookups++;
+    }
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -174,6 +192,21 @@ void rk_stats_snapshot(rk_stats *s, rk_cache_snapshot *out) {
 /* ---------------------------------------------------------------- JSON */
 
 static double ratio(uint64_t a, uint64_t b) { return b ? (double)a / (double)b : 0.0; }
+
+static uint64_t chunk_hits_total(const rk_stats *s) {
+    uint64_t h = 0;
+    for (int i = RK_CHUNK_SOURCE_ARENA; i <= RK_CHUNK_SOURCE_PREFIX; i++) h += s->chunk_hits[i];
+    return h;
+}
+
+/* {"arena": n, "disk": n, "redis": n, "prefix": n} */
+static json_t *hits_by_source_json(const rk_stats *s) {
+    json_t *o = json_object();
+    for (int i = RK_CHUNK_SOURCE_ARENA; o && i <= RK_CHUNK_SOURCE_PREFIX; i++)
+        json_object_set_new(o, rk_chunk_source_name((rk_chunk_source)i),
+                            json_integer((json_int_t)s->chunk_hits[i]));
+    return o;
+}
 
 /* The share of the live pool (the KV of requests in flight) in use: what
  * limits how many requests run at once. Cached chunks and prefixes have pools
@@ -223,10 +256,11 @@ static json_t *requests_json(const rk_stats *s) {
         json_object_set_new(by, code, json_integer((json_int_t)s->status_counts[i]));
         total += s->status_counts[i];
     }
-    return json_pack("{s:I, s:o, s:I, s:i, s:i, s:i, s:I}", "total", (json_int_t)total, "by_status",
-                     by, "completed_generations", (json_int_t)s->requests_done, "in_flight",
-                     s->in_flight, "queued", s->snap.queued, "running", s->snap.running,
-                     "preemptions", (json_int_t)s->snap.preemptions);
+    return json_pack("{s:I, s:o, s:I, s:i, s:i, s:i, s:I, s:I}", "total", (json_int_t)total,
+                     "by_status", by, "completed_generations", (json_int_t)s->requests_done,
+                     "in_flight", s->in_flight, "queued", s->snap.queued, "running",
+                     s->snap.running, "preemptions", (json_int_t)s->snap.preemptions,
+                     "nonfinite_logits", (json_int_t)s->snap.nonfinite_logits);
 }
 
 json_t *rk_stats_json(rk_stats *s) {
@@ -238,14 +272,16 @@ json_t *rk_stats_json(rk_stats *s) {
         json_array_append_new(top, json_pack("{s:s, s:s?, s:I}", "key", c->top[i].key, "id",
                                              c->top[i].id[0] ? c->top[i].id : NULL, "hits",
                                              (json_int_t)c->top[i].hits));
+    uint64_t hits = chunk_hits_total(s), lookups = hits + s->chunk_misses;
     json_t *chunks = json_pack(
-        "{s:I, s:I, s:I, s:f, s:{s:o, s:o, s:o}, s:I, s:I, s:f, s:{s:I, s:I}, s:I, s:I, s:I, "
-        "s:I, s:I, s:I}",
-        "lookups", (json_int_t)ch->lookups, "hits", (json_int_t)ch->hits, "misses",
-        (json_int_t)ch->misses, "hit_rate", ratio(ch->hits, ch->lookups), "windows", "1m",
-        window_json(s, 1), "5m", window_json(s, 5), "60m", window_json(s, 60), "hit_tokens",
-        (json_int_t)ch->hit_tokens, "computed_tokens", (json_int_t)ch->computed_tokens,
-        "token_hit_rate", ratio(ch->hit_tokens, ch->hit_tokens + ch->computed_tokens), "evictions",
+        "{s:I, s:I, s:o, s:I, s:f, s:{s:o, s:o, s:o}, s:I, s:I, s:f, s:{s:I, s:I}, s:I, s:I, "
+        "s:I, s:I, s:I, s:I}",
+        "lookups", (json_int_t)lookups, "hits", (json_int_t)hits, "hits_by_source",
+        hits_by_source_json(s), "misses", (json_int_t)s->chunk_misses, "hit_rate",
+        ratio(hits, lookups), "windows", "1m", window_json(s, 1), "5m", window_json(s, 5), "60m",
+        window_json(s, 60), "hit_tokens", (json_int_t)s->chunk_hit_tokens, "computed_tokens",
+        (json_int_t)s->chunk_computed_tokens, "token_hit_rate",
+        ratio(s->chunk_hit_tokens, s->chunk_hit_tokens + s->chunk_computed_tokens), "evictions",
         "capacity", (json_int_t)ch->evictions, "manual", (json_int_t)c->chunk_removed,
         "evicted_tokens", (json_int_t)ch->evicted_tokens, "entries", (json_int_t)ch->entries,
         "tokens", (json_int_t)ch->tokens, "blocks", (json_int_t)ch->blocks, "bytes",
@@ -293,16 +329,18 @@ json_t *rk_stats_json(rk_stats *s) {
     json_t *redis =
         s->have_redis
             ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, "
-                        "s:f, s:f, s:s, s:I, s:o}",
+                        "s:I, s:I, s:f, s:f, s:s, s:I, s:o}",
                         "configured", 1, "hits", (json_int_t)rd->hits, "misses",
                         (json_int_t)rd->misses, "errors", (json_int_t)rd->errors, "skipped",
                         (json_int_t)rd->skipped, "dropped_corrupt", (json_int_t)rd->dropped_corrupt,
-                        "layout_mismatch", (json_int_t)rd->layout_mismatch, "writes",
-                        (json_int_t)rd->writes, "write_drops", (json_int_t)rd->write_drops,
-                        "queued", (json_int_t)rd->queued, "bytes_in", (json_int_t)rd->bytes_in,
-                        "bytes_out", (json_int_t)rd->bytes_out, "locks_acquired",
-                        (json_int_t)rd->locks_acquired, "locks_busy", (json_int_t)rd->locks_busy,
-                        "mean_get_s", rd->get_count ? rd->get_seconds / (double)rd->get_count : 0.0,
+                        "size_refused", (json_int_t)rd->size_refused, "auth_failures",
+                        (json_int_t)rd->auth_failures, "layout_mismatch",
+                        (json_int_t)rd->layout_mismatch, "writes", (json_int_t)rd->writes,
+                        "write_drops", (json_int_t)rd->write_drops, "queued",
+                        (json_int_t)rd->queued, "bytes_in", (json_int_t)rd->bytes_in, "bytes_out",
+                        (json_int_t)rd->bytes_out, "locks_acquired", (json_int_t)rd->locks_acquired,
+                        "locks_busy", (json_int_t)rd->locks_busy, "mean_get_s",
+                        rd->get_count ? rd->get_seconds / (double)rd->get_count : 0.0,
                         "load_bytes_per_s", rd->load_bytes_per_s, "breaker",
                         rd->breaker == RK_REDIS_OPEN ? "open" : "closed", "breaker_opened",
                         (json_int_t)rd->breaker_opened, "latency", latency_json(&s->redis_latency))
@@ -385,15 +423,24 @@ char *rk_stats_prometheus(rk_stats *s) {
     text t = {0};
     pthread_mutex_lock(&s->mu);
     const rk_cache_snapshot *c = &s->snap;
-    counter(&t, "ragkv_chunk_lookups_total", "Chunk cache lookups.", c->chunk.lookups);
-    counter(&t, "ragkv_chunk_hits_total", "Chunk cache lookups that found the chunk ready.",
-            c->chunk.hits);
+    uint64_t hits = chunk_hits_total(s);
+    counter(&t, "ragkv_chunk_lookups_total",
+            "Chunks in finished requests with the chunk cache on (hits + misses).",
+            hits + s->chunk_misses);
+    put(&t,
+        "# HELP ragkv_chunk_hits_total Chunks in finished requests not computed, by where their KV "
+        "came from.\n# TYPE ragkv_chunk_hits_total counter\n");
+    for (int i = RK_CHUNK_SOURCE_ARENA; i <= RK_CHUNK_SOURCE_PREFIX; i++)
+        put(&t, "ragkv_chunk_hits_total{source=\"%s\"} %llu\n",
+            rk_chunk_source_name((rk_chunk_source)i), (unsigned long long)s->chunk_hits[i]);
     counter(&t, "ragkv_chunk_misses_total",
-            "Chunk cache lookups that had to compute the chunk (or wait for it).", c->chunk.misses);
-    counter(&t, "ragkv_chunk_hit_tokens_total", "Prompt tokens served from cached chunks.",
-            c->chunk.hit_tokens);
-    counter(&t, "ragkv_chunk_computed_tokens_total", "Chunk tokens computed into the cache.",
-            c->chunk.computed_tokens);
+            "Chunks in finished requests that were computed (cache misses).", s->chunk_misses);
+    counter(&t, "ragkv_chunk_hit_tokens_total",
+            "Tokens of the chunks counted in ragkv_chunk_hits_total (not computed).",
+            s->chunk_hit_tokens);
+    counter(&t, "ragkv_chunk_computed_tokens_total",
+            "Tokens of the chunks counted in ragkv_chunk_misses_total (computed).",
+            s->chunk_computed_tokens);
     counter(&t, "ragkv_prefix_queries_total", "System prompts matched against the prefix cache.",
             c->prefix.queries);
     counter(&t, "ragkv_prefix_hit_tokens_total",
@@ -427,6 +474,9 @@ char *rk_stats_prometheus(rk_stats *s) {
         counter(&t, "ragkv_redis_errors_total",
                 "Failed Redis calls (connect, I/O, timeout, error reply).", rd->errors);
         counter(&t, "ragkv_redis_writes_total", "Chunks committed to the Redis tier.", rd->writes);
+        counter(&t, "ragkv_redis_auth_failures_total",
+                "Redis values deleted because their HMAC tag did not verify under the secret.",
+                rd->auth_failures);
         put(&t,
             "# HELP ragkv_redis_bytes_total Chunk payload bytes moved to and from Redis.\n"
             "# TYPE ragkv_redis_bytes_total counter\n"
@@ -459,6 +509,9 @@ char *rk_stats_prometheus(rk_stats *s) {
             s->completion_tokens);
     counter(&t, "ragkv_preemptions_total",
             "Generations taken off the live pool to make room, then resumed.", c->preemptions);
+    counter(&t, "ragkv_nonfinite_logits_total",
+            "Requests failed because the model produced a NaN or infinite logit.",
+            c->nonfinite_logits);
     histogram(&t, "ragkv_time_per_output_token_seconds",
               "Decode time per generated token after the first, per request.", &s->tpot);
     histogram(&t, "ragkv_queue_time_seconds", "Time a generation waited for the engine.",

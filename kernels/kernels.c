@@ -14,6 +14,45 @@
 
 /* ---------------------------------------------------------------- dtypes */
 
+/* Elements are tested a block at a time: the inner loop only ORs comparison
+ * results, which the compiler turns into vector code, and only a block with a
+ * hit is searched again element by element. Elements are read through memcpy
+ * because a file's alignment may be as small as 1. An all-ones exponent is NaN
+ * or infinity in each format. */
+#define NONFINITE_BLOCK 4096
+#define DEFINE_NONFINITE_SCAN(fn, T, mask)                                                         \
+    static int64_t fn(const unsigned char *p, int64_t n) {                                         \
+        for (int64_t b = 0; b < n; b += NONFINITE_BLOCK) {                                         \
+            int64_t end = n - b < NONFINITE_BLOCK ? n : b + NONFINITE_BLOCK;                       \
+            unsigned hit = 0;                                                                      \
+            for (int64_t j = b; j < end; j++) {                                                    \
+                T v;                                                                               \
+                memcpy(&v, p + (size_t)j * sizeof v, sizeof v);                                    \
+                hit |= (v & (mask)) == (mask);                                                     \
+            }                                                                                      \
+            if (!hit) continue;                                                                    \
+            for (int64_t j = b; j < end; j++) {                                                    \
+                T v;                                                                               \
+                memcpy(&v, p + (size_t)j * sizeof v, sizeof v);                                    \
+                if ((v & (mask)) == (mask)) return j;                                              \
+            }                                                                                      \
+        }                                                                                          \
+        return -1;                                                                                 \
+    }
+DEFINE_NONFINITE_SCAN(scan_f32, uint32_t, 0x7f800000u)
+DEFINE_NONFINITE_SCAN(scan_f16, uint16_t, 0x7c00u)
+DEFINE_NONFINITE_SCAN(scan_bf16, uint16_t, 0x7f80u)
+#undef DEFINE_NONFINITE_SCAN
+
+int64_t rk_dtype_first_nonfinite(rk_dtype dt, const void *p, size_t n) {
+    switch (dt) {
+    case RK_DTYPE_F32: return scan_f32(p, (int64_t)n);
+    case RK_DTYPE_F16: return scan_f16(p, (int64_t)n);
+    case RK_DTYPE_BF16: return scan_bf16(p, (int64_t)n);
+    default: return -1;
+    }
+}
+
 size_t rk_dtype_size(rk_dtype t) {
     switch (t) {
     case RK_DTYPE_F32: return 4;

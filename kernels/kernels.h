@@ -51,6 +51,11 @@ size_t rk_dtype_block_bytes(rk_dtype t);
 /* Bytes of a row of n elements (n a multiple of the block size); 0 when n is
  * not a multiple of the block or t is outside the enum. */
 size_t rk_dtype_row_bytes(rk_dtype t, size_t n);
+/* Index of the first NaN or infinite element of the n elements at p (F32,
+ * F16 or BF16, any alignment), or -1 when all are finite; other dtypes are
+ * not examined (-1). Vectorised: the model's weights at load and every KV
+ * payload loaded from the tiers go through it. */
+int64_t rk_dtype_first_nonfinite(rk_dtype dt, const void *p, size_t n);
 
 /* Reference (portable C) conversions of the quantized dtypes, n a multiple of
  * the block size. dequantize writes dst(n) f32 from n elements of src;

@@ -7,6 +7,7 @@
  * order: (n_layers, 2, n_tokens, n_kv_heads, head_dim). The layout record
  * says what it was computed for; a load checks it against the running model
  * and arena, and the token ids against the request's, before any byte is used. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -52,6 +53,22 @@ static rk_status copy_body(rk_service *svc, const rk_chunk_entry *e, char *body,
             }
         }
     return st;
+}
+
+int rk_persist_body_check(const rk_store_layout *layout, const void *body, size_t body_size,
+                          char *why, size_t why_cap) {
+    rk_dtype dt = (rk_dtype)layout->dtype;
+    size_t es = rk_dtype_size(dt);
+    if (layout->dtype < 0 || layout->dtype >= RK_DTYPE_COUNT || es == 0 || body_size % es) {
+        snprintf(why, why_cap, "KV dtype %d does not fit a %zu-byte body", (int)layout->dtype,
+                 body_size);
+        return 1;
+    }
+    int64_t at = rk_dtype_first_nonfinite(dt, body, body_size / es);
+    if (at < 0) return 0;
+    snprintf(why, why_cap, "KV value %lld of %zu is NaN or infinite", (long long)at,
+             body_size / es);
+    return 1;
 }
 
 rk_status rk_persist_write(rk_service *svc, const rk_chunk_entry *e, const char *policy,
@@ -148,7 +165,9 @@ rk_status rk_persist_load(rk_service *svc, rk_chunk_entry *e, int *out_loaded) {
 }
 
 /* Upload a verified Redis payload into the entry and copy it to the disk
- * tier, whose payload files hold the same bytes. */
+ * tier, whose payload files hold the same bytes. Verified: the tier returns
+ * only values that passed its tag (with a secret), checksums and
+ * rk_persist_body_check, so nothing unchecked reaches the disk. */
 static rk_status take_redis_payload(rk_service *svc, rk_chunk_entry *e, rk_store_payload *p,
                                     int *out_loaded) {
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
@@ -179,14 +198,14 @@ rk_status rk_persist_load_redis(rk_service *svc, rk_chunk_entry *e, int *out_loa
     if (!svc->redis) return RK_OK;
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
     rk_store_layout layout = entry_layout(kv, e);
-    uint64_t n_bytes = rk_redis_value_bytes(e->n_tokens, body_bytes(kv, e));
+    uint64_t kv_bytes = body_bytes(kv, e), n_bytes = rk_redis_value_bytes(e->n_tokens, kv_bytes);
     /* Computing is cheaper (or Redis is down, or the chunk is short): no fetch
      * and no lock; the computed chunk is still offered to the tier. */
     if (!rk_redis_worth_fetching(svc->redis, e->n_tokens, n_bytes, svc->prefill_tps)) return RK_OK;
     char key[33];
     rk_chunk_key_hex(e->key, key);
     rk_store_payload p;
-    rk_status st = rk_redis_get(svc->redis, key, e->tokens, e->n_tokens, &layout, &p);
+    rk_status st = rk_redis_get(svc->redis, key, e->tokens, e->n_tokens, &layout, kv_bytes, &p);
     if (st == RK_ERR_NOT_FOUND) {
         rk_redis_lock_state ls;
         if ((st = rk_redis_try_lock(svc->redis, key, out_lock, &ls))) return st;
@@ -194,7 +213,7 @@ rk_status rk_persist_load_redis(rk_service *svc, rk_chunk_entry *e, int *out_loa
         if (ls == RK_REDIS_LOCK_ACQUIRED) {
             /* A replica may have committed the value and released its lock
              * between our get and our lock: look once more before computing. */
-            st = rk_redis_get(svc->redis, key, e->tokens, e->n_tokens, &layout, &p);
+            st = rk_redis_get(svc->redis, key, e->tokens, e->n_tokens, &layout, kv_bytes, &p);
             if (st == RK_ERR_NOT_FOUND) {
                 *out_locked = 1;
                 return RK_OK;
@@ -205,7 +224,7 @@ rk_status rk_persist_load_redis(rk_service *svc, rk_chunk_entry *e, int *out_loa
              * (this blocks the engine thread: all of an admission's waits
              * share redis_wait_ms), then compute it here if it has not come. */
             double left_ms = (svc->redis_wait_until - rk_time_now()) * 1e3;
-            st = rk_redis_wait_for(svc->redis, key, e->tokens, e->n_tokens, &layout,
+            st = rk_redis_wait_for(svc->redis, key, e->tokens, e->n_tokens, &layout, kv_bytes,
                                    left_ms > 0 ? (int)left_ms : 0, &p);
             if (st == RK_ERR_NOT_FOUND) return RK_OK;
         }

@@ -5,6 +5,12 @@
 
 #include "pipeline/pipeline.h"
 
+/* The tiers' body check (rk_store_body_check): a KV body must be of an
+ * unquantized KV dtype, a whole number of its elements, and every value
+ * finite (a NaN or infinity would poison every answer that attends to it). */
+int rk_persist_body_check(const rk_store_layout *layout, const void *body, size_t body_size,
+                          char *why, size_t why_cap);
+
 /* Write a ready entry's KV to the store and the Redis tier, those there are
  * (rk_persist_write_tiers with to_disk set, no lock). policy is "isolated"
  * or "system"; doc_id may be NULL. */

@@ -152,14 +152,21 @@ static rk_status alloc_results(rk_service *svc, rk_request *r) {
 
 static rk_status check_context(rk_service *svc, rk_request *r) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
-    long total = r->n_sys + r->n_question + (long)r->opt.max_tokens;
-    for (int i = 0; i < r->n_chunks; i++) total += r->chunk_lens[i];
+    long prompt = r->n_sys + r->n_question;
+    for (int i = 0; i < r->n_chunks; i++) prompt += r->chunk_lens[i];
     long limit = svc->cfg.max_context > 0 ? svc->cfg.max_context : hp->n_ctx;
-    if (total > limit)
+    /* A default max_tokens shrinks to the room left; the prompt must leave
+     * room for one token. */
+    if (r->opt.max_tokens_fit && prompt < limit && prompt + r->opt.max_tokens > limit)
+        r->opt.max_tokens = (int)(limit - prompt);
+    long total = prompt + (long)r->opt.max_tokens;
+    if (total > limit || (r->opt.max_tokens_fit && prompt >= limit)) {
+        r->context_exceeded = 1;
         return rk_errorf(RK_ERR_LIMIT,
-                         "the request needs %ld tokens of context (prompt + max_tokens); the "
-                         "limit is %ld",
-                         total, limit);
+                         "the request needs %ld tokens of context (a %ld-token prompt + "
+                         "max_tokens %d); the limit is %ld",
+                         total, prompt, r->opt.max_tokens, limit);
+    }
     if (r->n_sys + r->n_question == 0)
         return rk_errorf(RK_ERR_INVALID, "the prompt is empty and the model has no BOS token");
     return RK_OK;
@@ -1215,7 +1222,6 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
         /* A fresh run starts its grammar again; a resumed one goes on. */
         rk_grammar_state_free(r->grammar_state);
         r->grammar_state = NULL;
-        r->error[0] = 0;
     }
     if (r->opt.grammar && !r->grammar_state) {
         const rk_grammar_vocab *gv;
@@ -1229,6 +1235,7 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
     }
     if (r->resume) {
         memcpy(s->sampler.rng, r->rng, sizeof r->rng);
+        for (int i = 0; i < r->n_out; i++) rk_sampler_accept(&s->sampler, r->out_tokens[i]);
         if ((st = save_report(r))) return st;
     }
     if (r->opt.mode == RK_MODE_PLAIN) {
@@ -1276,12 +1283,26 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
 #define RK_GRAMMAR_BUDGET_MARGIN 64
 
 /* Sample request r's next token from its logits (or take the forced one) and
- * decide whether it is done. */
+ * decide whether it is done. A row with a NaN or infinite logit (KV that is
+ * not finite, from a bad payload or an overflow) fails the request instead:
+ * sampling it would answer garbage. Only the sampled rows are checked. */
 static void take_token(rk_service *svc, rk_request *r, const float *logits,
                        const rk_pipeline_hooks *hooks) {
     rk_req_state *s = r->state;
     int ri = s->hook_index;
     const rk_hparams *hp = rk_model_hparams(svc->model);
+    int64_t bad = rk_dtype_first_nonfinite(RK_DTYPE_F32, logits, (size_t)hp->n_vocab);
+    if (bad >= 0) {
+        r->failure = RK_ERR_INTERNAL;
+        snprintf(r->failure_msg, sizeof r->failure_msg,
+                 "the model produced a non-finite logit (token id %lld is %s) at output token "
+                 "%d: the KV it attended to is not finite (a corrupt cached chunk or an overflow)",
+                 (long long)bad, isnan(logits[bad]) ? "NaN" : "infinite", r->n_out);
+        RK_LOG_ERROR("request failed: %s", r->failure_msg);
+        svc->nonfinite_logits++;
+        s->done = 1;
+        return;
+    }
     if (hooks && hooks->on_logits) hooks->on_logits(hooks->ctx, ri, r->n_out, logits, hp->n_vocab);
     int32_t t = hooks && hooks->force_token ? hooks->force_token(hooks->ctx, ri, r->n_out) : -1;
     if (r->grammar_state) {
@@ -1302,14 +1323,17 @@ static void take_token(rk_service *svc, rk_request *r, const float *logits,
         }
         if (!st) st = rk_grammar_state_accept(r->grammar_state, t);
         if (st) {
-            snprintf(r->error, sizeof r->error, "%s", rk_error_message());
-            r->finish_reason = RK_FINISH_ERROR;
+            r->failure = st;
+            snprintf(r->failure_msg, sizeof r->failure_msg, "constrained sampling failed: %s",
+                     rk_error_message());
+            RK_LOG_ERROR("request failed: %s", r->failure_msg);
             s->done = 1;
             return;
         }
     } else if (t < 0 || t >= hp->n_vocab) {
         t = rk_sampler_sample(&s->sampler, logits);
     }
+    rk_sampler_accept(&s->sampler, t);
     /* Log-probabilities only where the request asks for them: the sum is a
      * pass of exp over the whole vocabulary, taken once for both. */
     if (r->opt.n_logprobs > 0) {
@@ -1997,6 +2021,8 @@ rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
         if (p->n_preempted) st = resume_one(p, hooks);
         if (!st && p->n_running) st = rk_pipeline_step(p, hooks);
     }
+    for (int i = 0; !st && i < n_reqs; i++)
+        if (reqs[i]->failure) st = rk_errorf(reqs[i]->failure, "%s", reqs[i]->failure_msg);
     rk_pipeline_free(p); /* on failure: releases what still runs */
     return st;
 }

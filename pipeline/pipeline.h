@@ -56,6 +56,9 @@ typedef struct rk_service {
     /* rk_time_now() after which an admission waits no more for chunks other
      * replicas compute. */
     double redis_wait_until;
+    /* Requests failed because a forward pass gave them a NaN or infinite
+     * logit (engine thread; read by the statistics snapshot). */
+    uint64_t nonfinite_logits;
     /* The vocabulary's byte trie for constrained sampling, built on first
      * use (rk_service_grammar_vocab) under grammar_lock. */
     rk_grammar_vocab *grammar_vocab;
@@ -99,6 +102,9 @@ typedef struct rk_req_options {
     rk_chunk_context chunk_context;
     rk_position_mode positions;
     int max_tokens;
+    /* 1: max_tokens is a default, not the client's: lowered to the context
+     * the prompt leaves instead of failing the context check. */
+    int max_tokens_fit;
     rk_sampler_params sampling;
     int stop_at_eog;
     int n_logprobs; /* 0..20 top log-probabilities per generated token */
@@ -145,7 +151,6 @@ typedef enum rk_finish_reason {
     RK_FINISH_LENGTH = 0, /* max_tokens reached */
     RK_FINISH_STOP,       /* an end-of-generation token */
     RK_FINISH_CANCELLED,  /* its cancel flag was set */
-    RK_FINISH_ERROR,      /* its grammar failed (a bound or memory); see rk_request.error */
 } rk_finish_reason;
 
 typedef struct rk_chunk_report {
@@ -186,7 +191,12 @@ typedef struct rk_request {
     float *logprobs;     /* (opt.max_tokens) log-probability of each sampled token, set
                           * where opt.n_logprobs > 0 */
     rk_finish_reason finish_reason;
-    int finished;                   /* it left the pipeline: everything it held is released */
+    int finished; /* it left the pipeline: everything it held is released */
+    /* Set when the pipeline failed this request alone (a forward pass gave
+     * it a NaN or infinite logit, or its grammar outgrew its bound): it is finished and its tokens
+     * must not be served; failure_msg says what happened. RK_OK otherwise. */
+    rk_status failure;
+    char failure_msg[200];
     rk_chunk_report *chunk_reports; /* (n_chunks) */
     int sys_cached;                 /* system tokens reused from the prefix cache */
     int conv_cached;       /* tokens past the system prompt reused from an earlier sequence */
@@ -194,6 +204,10 @@ typedef struct rk_request {
     int shared_blocks;     /* chunk-pool blocks its table uses in place (zero-copy) */
     int prompt_tokens, cached_tokens, computed_tokens;
     rk_req_timings t;
+    /* Set when preparing failed because the prompt and max_tokens need more
+     * context than the model (or max_context) has: the API's
+     * context_length_exceeded. */
+    int context_exceeded;
 
     /* Set from any thread (e.g. when the client disconnects): the request stops
      * at its next decode step with RK_FINISH_CANCELLED and releases all it holds. */
@@ -209,10 +223,8 @@ typedef struct rk_request {
     int rank;
     double t_admitted;
     uint64_t rng[2];
-    /* Private: its position in opt.grammar (kept across preemption), and
-     * why it ended with RK_FINISH_ERROR. */
+    /* Private: its position in opt.grammar (kept across preemption). */
     rk_grammar_state *grammar_state;
-    char error[200];
 
     rk_req_state *state;
 } rk_request;

@@ -300,6 +300,7 @@ static void publish(rk_scheduler *e, int n_finishing) {
     rk_chunk_index_foreach(svc->chunks, walk_entry, &w);
     s.chunk_removed = e->chunk_removed;
     s.preemptions = e->preemptions;
+    s.nonfinite_logits = svc->nonfinite_logits;
     s.prefix_flushed = e->prefix_flushed;
     rk_store_counters sc;
     if (svc->store && rk_store_stats(svc->store, &sc) == RK_OK) {
@@ -423,7 +424,7 @@ static void after_pass(rk_scheduler *e, int admitted) {
     if (admitted || n_done) publish(e, n_done);
     for (int i = 0; i < n; i++) {
         if (jobs[i]->req.finished)
-            finish(e, jobs[i], 1, RK_OK, "");
+            finish(e, jobs[i], 1, jobs[i]->req.failure, jobs[i]->req.failure_msg);
         else
             publish_tokens(jobs[i]);
     }

@@ -53,9 +53,10 @@ typedef struct rk_cache_snapshot {
     int pool_total[RK_POOL_COUNT], pool_free[RK_POOL_COUNT];
     rk_top_chunk top[RK_STATS_TOP];
     int n_top;
-    int queued;           /* requests waiting for the engine */
-    int running;          /* generations in progress */
-    uint64_t preemptions; /* generations taken off the live pool and requeued, all-time */
+    int queued;                /* requests waiting for the engine */
+    int running;               /* generations in progress */
+    uint64_t preemptions;      /* generations taken off the live pool and requeued, all-time */
+    uint64_t nonfinite_logits; /* requests failed by a NaN or infinite logit, all-time */
     /* The chunk store (disk tier): zero while none is configured. */
     int have_store;
     uint64_t store_rows, store_bytes, store_loads, store_writes, store_dropped_at_recovery;

@@ -4,6 +4,7 @@
 #include <xxhash.h>
 
 #include "engine/mkmodel.h"
+#include "pipeline/persist.h"
 #include "pipeline/pipeline.h"
 
 static rk_status load_embedded(rk_backend *be, rk_model **out) {
@@ -67,7 +68,18 @@ static rk_status open_redis(rk_service *svc) {
     rc.prefix = cfg->redis_prefix;
     rc.timeout_ms = cfg->redis_timeout_ms;
     rc.min_tokens = cfg->redis_min_tokens;
-    return rk_redis_open(&rc, rk_model_fingerprint(svc->model), &svc->redis);
+    rc.body_check = rk_persist_body_check;
+    uint8_t secret[RK_REDIS_SECRET_MAX];
+    size_t secret_len = 0;
+    rk_status st =
+        rk_redis_secret_load(cfg->redis_secret_file, cfg->redis_secret, secret, &secret_len);
+    if (!st) {
+        rc.secret = secret_len ? secret : NULL;
+        rc.secret_len = secret_len;
+        st = rk_redis_open(&rc, rk_model_fingerprint(svc->model), &svc->redis);
+    }
+    explicit_bzero(secret, sizeof secret);
+    return st;
 }
 
 rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_service **out) {
@@ -90,6 +102,7 @@ rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_servi
         rk_store_options_default(&so);
         so.disk_budget_bytes = (uint64_t)cfg->store_budget_mb << 20;
         so.verify_on_open = cfg->store_verify;
+        so.body_check = rk_persist_body_check;
         st = rk_store_open(cfg->store_dir, rk_model_fingerprint(svc->model), &so, &svc->store);
     }
     if (!st && cfg->redis_url[0]) st = open_redis(svc);

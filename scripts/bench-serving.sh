@@ -89,12 +89,12 @@ docs_msg=$(printf '%s##' "${docs[@]}")
 msgs=$(jq -n --arg s "$system" --arg u "$docs_msg$question" \
     '[{role: "system", content: $s}, {role: "user", content: $u}]')
 c1=$(post /v1/chat/completions "$(jq -n --argjson m "$msgs" \
-    '{messages: $m, max_tokens: 32, temperature: 0}')")
+    '{messages: $m, max_tokens: 32, temperature: 0, separator: "##"}')")
 answer=$(field '.choices[0].message.content' "$c1")
 msgs=$(jq --arg a "$answer" '. + [{role: "assistant", content: $a},
     {role: "user", content: "And which document mentions the lighthouse first?"}]' <<<"$msgs")
 c2=$(post /v1/chat/completions "$(jq -n --argjson m "$msgs" \
-    '{messages: $m, max_tokens: 1, temperature: 0}')")
+    '{messages: $m, max_tokens: 1, temperature: 0, separator: "##"}')")
 row "chat turn 1 (documents cached)" "$c1"
 row "chat turn 2" "$c2"
 printf '  chat turn 2: %s cached, TTFT / its prefill pass: %.2fx\n' \

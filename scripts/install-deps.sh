@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Install ragkv's build dependencies from Debian packages, only what is missing.
 set -euo pipefail
-pkgs=(build-essential cmake pkg-config libcivetweb-dev libjansson-dev libxxhash-dev libhiredis-dev redis-server
+pkgs=(build-essential cmake pkg-config libcivetweb-dev libjansson-dev libxxhash-dev libhiredis-dev libssl-dev redis-server
       libsqlite3-dev libcriterion-dev libopenblas-dev libpcre2-dev clang-format curl python3
       prometheus) # prometheus: for promtool, which checks the /metrics exposition in the tests
+# Node.js and npm: tests/test_openai.c installs the official openai npm SDK into build/npm
+# and drives the server with it. npm is a package of its own only where nodejs lacks it.
+pkgs+=(nodejs)
+command -v npm >/dev/null 2>&1 || pkgs+=(npm)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

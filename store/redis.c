@@ -1,14 +1,18 @@
 /* store/redis.c — the shared Redis tier (see store/redis.h for the layout,
- * the commit order and which thread calls what).
+ * the commit order, the trust model and which thread calls what).
  *
- * The payload value is byte for byte a disk payload file (the format at the
- * top of store/payload.c), so a value can be written to a file and read by
+ * The value is byte for byte a disk payload file (the format at the top of
+ * store/payload.c), followed by an HMAC-SHA-256 tag when the tier has a
+ * secret; so a value (without its tag) can be written to a file and read by
  * the disk tier and the other way round: its header is written and checked
  * by payload.c's own encoder and decoder. */
 #include "store/redis.h"
 
 #include <errno.h>
 #include <hiredis/hiredis.h>
+#include <openssl/crypto.h>
+#include <openssl/evp.h>
+#include <openssl/hmac.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,7 +26,8 @@
 #include "store/payload.h"
 
 enum {
-    META_VERSION = 1,
+    META_PLAIN = 1,  /* marker of a value without a tag */
+    META_TAGGED = 2, /* marker of a value with an HMAC-SHA-256 tag */
     KEY_CAP = RK_REDIS_PREFIX_MAX + 2 * RK_STORE_KEY_LEN + 16, /* PREFIX:FP:K:meta */
     SCAN_COUNT = 1000,
 };
@@ -33,7 +38,8 @@ static const char k_unlock_lua[] =
     "else return 0 end";
 
 /* A write waiting for the writer thread. value is the whole payload with its
- * header still zero: the writer computes the checksum and fills it. */
+ * header still zero: the writer computes the checksum and fills it. It has
+ * RK_REDIS_TAG_BYTES of room after size for the tag. */
 struct rk_redis_value {
     struct rk_redis_value *next;
     char key[RK_STORE_KEY_LEN + 1];
@@ -56,6 +62,8 @@ struct rk_redis {
     redisContext *wctx;  /* writer thread's connection; NULL when down */
     uint8_t token_seed[16];
     uint64_t token_counter;
+    uint8_t secret[RK_REDIS_SECRET_MAX]; /* the values' HMAC key; secret_len 0 = none */
+    size_t secret_len;
 
     pthread_mutex_t mu; /* everything below */
     pthread_cond_t cv_work, cv_idle;
@@ -113,6 +121,7 @@ static void encode_value(const char *fp, const rk_redis_value *j, uint8_t out_su
 
 /* What the commit marker says. */
 typedef struct meta {
+    int version; /* META_PLAIN or META_TAGGED */
     int32_t n_tokens;
     uint64_t n_bytes;
     char checksum[RK_STORE_KEY_LEN + 1];
@@ -130,9 +139,10 @@ static int meta_parse(const char *s, size_t len, meta *m) {
                &m->created, &n) != 5)
         return -1;
     end = n;
-    if (version != META_VERSION || (size_t)end != len || m->n_tokens < 1 ||
-        strlen(m->checksum) != RK_STORE_KEY_LEN)
+    if ((version != META_PLAIN && version != META_TAGGED) || (size_t)end != len ||
+        m->n_tokens < 1 || strlen(m->checksum) != RK_STORE_KEY_LEN)
         return -1;
+    m->version = version;
     m->n_bytes = bytes;
     return 0;
 }
@@ -296,39 +306,128 @@ static rk_status connect_ctx(const rk_redis_url *u, int timeout_ms, redisContext
     return RK_OK;
 }
 
-/* Run one command on *pc (connecting first when it is down), through the
- * breaker. RK_OK with the reply in *out (never an error reply; the caller
- * frees it), RK_ERR_BUSY when the breaker skipped the call, RK_ERR_IO on a
- * failure (counted; a broken connection is closed and reopened next time). */
-static rk_status run(rk_redis *r, redisContext **pc, int argc, const char **argv,
-                     const size_t *lens, redisReply **out) {
-    *out = NULL;
+/* 1 when the last failure on c was a timed-out read or write. */
+static int conn_timed_out(const redisContext *c) {
+    return c->err == REDIS_ERR_IO && strcmp(c->errstr, strerror(EAGAIN)) == 0;
+}
+
+/* Run n pipelined commands (command i: argc[i] arguments argv[i], lengths
+ * lens[i] or NULL) on *pc in one round trip, connecting first when it is
+ * down, through the breaker. RK_OK with the n replies in out (never an error
+ * reply; the caller frees them), RK_ERR_BUSY when the breaker skipped the
+ * call, RK_ERR_IO on a failure (counted; a broken connection is closed and
+ * reopened next time). A connection that was open before the call and fails
+ * other than by a timeout (the server restarted and closed it) is reopened
+ * and the commands sent once more before that counts as a failure: every
+ * command of the tier may be repeated. */
+static rk_status run_cmds(rk_redis *r, redisContext **pc, int n, const int *argc,
+                          const char **const *argv, const size_t *const *lens, redisReply **out) {
+    for (int i = 0; i < n; i++) out[i] = NULL;
     if (!breaker_allow(r)) return RK_ERR_BUSY;
-    if (!*pc) {
-        rk_status st = connect_ctx(&r->url, r->cfg.timeout_ms, pc);
-        if (st) {
-            breaker_failure(r, rk_error_message());
-            return st == RK_ERR_NOMEM ? st : RK_ERR_IO;
+    for (int attempt = 0;; attempt++) {
+        int fresh = !*pc;
+        if (fresh) {
+            rk_status st = connect_ctx(&r->url, r->cfg.timeout_ms, pc);
+            if (st) {
+                breaker_failure(r, rk_error_message());
+                return st == RK_ERR_NOMEM ? st : RK_ERR_IO;
+            }
         }
-    }
-    redisReply *rep = redisCommandArgv(*pc, argc, argv, lens);
-    if (!rep) {
+        int got = 0;
+        for (int i = 0; i < n; i++)
+            (void)redisAppendCommandArgv(*pc, argc[i], argv[i], lens ? lens[i] : NULL);
+        while (got < n) {
+            void *rep = NULL;
+            if (redisGetReply(*pc, &rep) != REDIS_OK || !rep) break;
+            out[got++] = rep;
+        }
+        if (got == n) break;
+        for (int i = 0; i < got; i++) {
+            freeReplyObject(out[i]);
+            out[i] = NULL;
+        }
         char why[160];
-        snprintf(why, sizeof why, "%s: %s", argv[0], conn_error(*pc));
+        snprintf(why, sizeof why, "%s: %s", argv[0][0], conn_error(*pc));
+        int retry = !fresh && attempt == 0 && !conn_timed_out(*pc) && (*pc)->err != REDIS_ERR_OOM;
         redisFree(*pc);
         *pc = NULL;
+        if (retry) {
+            RK_LOG_DEBUG("redis %s:%d: %s; reconnecting once", r->url.host, r->url.port, why);
+            continue;
+        }
         breaker_failure(r, why);
         return RK_ERR_IO;
     }
-    if (rep->type == REDIS_REPLY_ERROR) {
+    for (int i = 0; i < n; i++) {
+        if (out[i]->type != REDIS_REPLY_ERROR) continue;
         char why[200];
-        snprintf(why, sizeof why, "%s: %s", argv[0], rep->str);
-        freeReplyObject(rep);
+        snprintf(why, sizeof why, "%s: %s", argv[i][0], out[i]->str);
+        for (int k = 0; k < n; k++) {
+            freeReplyObject(out[k]);
+            out[k] = NULL;
+        }
         breaker_failure(r, why);
         return RK_ERR_IO;
     }
     breaker_success(r);
-    *out = rep;
+    return RK_OK;
+}
+
+/* Run one command as run_cmds does. */
+static rk_status run(rk_redis *r, redisContext **pc, int argc, const char **argv,
+                     const size_t *lens, redisReply **out) {
+    const char **const argvs[] = {argv};
+    const size_t *const lenss[] = {lens};
+    return run_cmds(r, pc, 1, &argc, argvs, lenss, out);
+}
+
+/* ---------------------------------------------------------------- authentication */
+
+/* HMAC-SHA-256 of the n bytes at p under r's secret into tag. RK_ERR_NOMEM
+ * when libcrypto cannot compute it (it allocates): never a verdict on the
+ * value. */
+static rk_status value_mac(const rk_redis *r, const uint8_t *p, size_t n,
+                           uint8_t tag[RK_REDIS_TAG_BYTES]) {
+    unsigned int len = 0;
+    if (!HMAC(EVP_sha256(), r->secret, (int)r->secret_len, p, n, tag, &len) ||
+        len != RK_REDIS_TAG_BYTES)
+        return rk_errorf(RK_ERR_NOMEM, "redis: cannot compute a value's HMAC-SHA-256 (no memory)");
+    return RK_OK;
+}
+
+rk_status rk_redis_secret_load(const char *path, const char *env_value,
+                               uint8_t out[RK_REDIS_SECRET_MAX], size_t *out_len) {
+    *out_len = 0;
+    size_t n = 0;
+    const char *what;
+    if (path && path[0]) {
+        what = path;
+        FILE *f = fopen(path, "rb");
+        if (!f) return rk_errorf(RK_ERR_IO, "redis secret file %s: %s", path, strerror(errno));
+        n = fread(out, 1, RK_REDIS_SECRET_MAX, f);
+        int more = fgetc(f) != EOF, err = ferror(f);
+        fclose(f);
+        if (err) {
+            memset(out, 0, RK_REDIS_SECRET_MAX);
+            return rk_errorf(RK_ERR_IO, "redis secret file %s: read error", path);
+        }
+        if (more) n = RK_REDIS_SECRET_MAX + 1;
+        if (n > 0 && n <= RK_REDIS_SECRET_MAX && out[n - 1] == '\n') n--;
+        if (n > 0 && n <= RK_REDIS_SECRET_MAX && out[n - 1] == '\r') n--;
+    } else if (env_value && env_value[0]) {
+        what = "RAGKV_REDIS_SECRET";
+        n = strlen(env_value);
+        if (n <= RK_REDIS_SECRET_MAX) memcpy(out, env_value, n);
+    } else {
+        return RK_OK;
+    }
+    if (n < RK_REDIS_SECRET_MIN || n > RK_REDIS_SECRET_MAX) {
+        memset(out, 0, RK_REDIS_SECRET_MAX);
+        return rk_errorf(RK_ERR_INVALID, "redis secret (%s) must be %d to %d bytes, got %s", what,
+                         RK_REDIS_SECRET_MIN, RK_REDIS_SECRET_MAX,
+                         n < RK_REDIS_SECRET_MIN ? "fewer" : "more");
+    }
+    *out_len = n;
     return RK_OK;
 }
 
@@ -422,6 +521,10 @@ static int prefix_ok(const char *s) {
 }
 
 static rk_status config_check(const rk_redis_config *c) {
+    if (c->secret_len &&
+        (!c->secret || c->secret_len < RK_REDIS_SECRET_MIN || c->secret_len > RK_REDIS_SECRET_MAX))
+        return rk_errorf(RK_ERR_INVALID, "redis secret must be %d to %d bytes", RK_REDIS_SECRET_MIN,
+                         RK_REDIS_SECRET_MAX);
     if (!c->prefix || !prefix_ok(c->prefix))
         return rk_errorf(RK_ERR_INVALID, "redis key prefix must be 1..%d of [A-Za-z0-9_.-]",
                          RK_REDIS_PREFIX_MAX);
@@ -457,14 +560,28 @@ static void write_job(rk_redis *r, rk_redis_value *j) {
     encode_value(r->fp, j, sum);
     char hex[RK_STORE_KEY_LEN + 1];
     rk_payload_checksum_hex(sum, hex);
-    snprintf(meta_s, sizeof meta_s, "%d %u %zu %s %.3f", META_VERSION, j->n_tokens, j->size, hex,
-             wall_now());
+    /* With a secret the tag follows the payload in the room left for it; a
+     * value whose tag cannot be computed is not written at all. */
+    size_t size = j->size;
+    if (r->secret_len) {
+        if (value_mac(r, j->value, j->size, j->value + j->size)) {
+            RK_LOG_WARN("redis chunk %s not written: %s", j->key, rk_error_message());
+            if (j->has_lock) release_lock(r, &r->wctx, &j->lock);
+            pthread_mutex_lock(&r->mu);
+            r->c.write_drops++;
+            pthread_mutex_unlock(&r->mu);
+            return;
+        }
+        size += RK_REDIS_TAG_BYTES;
+    }
+    snprintf(meta_s, sizeof meta_s, "%d %u %zu %s %.3f", r->secret_len ? META_TAGGED : META_PLAIN,
+             j->n_tokens, size, hex, wall_now());
     snprintf(ttl, sizeof ttl, "%d", r->cfg.ttl_s);
     int argc = r->cfg.ttl_s > 0 ? 5 : 3;
     double t0 = rk_time_now();
     /* Payload first, marker second: a reader trusts only a marked payload. */
     const char *va[] = {"SET", vkey, (const char *)j->value, "EX", ttl};
-    size_t vl[] = {3, strlen(vkey), j->size, 2, strlen(ttl)};
+    size_t vl[] = {3, strlen(vkey), size, 2, strlen(ttl)};
     redisReply *rep = NULL;
     rk_status st = run(r, &r->wctx, argc, va, vl, &rep);
     freeReplyObject(rep);
@@ -481,7 +598,7 @@ static void write_job(rk_redis *r, rk_redis_value *j) {
         r->c.write_drops++;
     } else {
         r->c.writes++;
-        r->c.bytes_out += j->size;
+        r->c.bytes_out += size;
         r->c.put_count++;
         r->c.put_seconds += dt;
     }
@@ -531,6 +648,12 @@ rk_status rk_redis_open(const rk_redis_config *cfg, const char *model_fingerprin
     memcpy(r->fp, model_fingerprint, RK_STORE_KEY_LEN + 1);
     r->cfg.url = NULL; /* not kept: it may hold the password */
     r->cfg.prefix = r->prefix;
+    r->cfg.secret = NULL; /* kept in r->secret */
+    r->cfg.secret_len = 0;
+    if (cfg->secret_len) {
+        memcpy(r->secret, cfg->secret, cfg->secret_len);
+        r->secret_len = cfg->secret_len;
+    }
     r->backoff_s = cfg->breaker_backoff_ms / 1e3;
     if (getrandom(r->token_seed, sizeof r->token_seed, 0) != (ssize_t)sizeof r->token_seed) {
         free(r);
@@ -557,6 +680,11 @@ rk_status rk_redis_open(const rk_redis_config *cfg, const char *model_fingerprin
         return st;
     }
     r->writer_started = 1;
+    if (!r->secret_len)
+        RK_LOG_WARN("redis %s:%d: no shared-tier secret (--redis-secret-file or "
+                    "RAGKV_REDIS_SECRET): chunk values are not authenticated, so anyone who can "
+                    "write to this Redis can change every replica's answers; Redis must be trusted",
+                    r->url.host, r->url.port);
     *out = r;
     return RK_OK;
 }
@@ -576,6 +704,7 @@ void rk_redis_close(rk_redis *r) {
     pthread_cond_destroy(&r->cv_idle);
     pthread_mutex_destroy(&r->mu);
     memset(&r->url, 0, sizeof r->url); /* the password */
+    OPENSSL_cleanse(r->secret, sizeof r->secret);
     free(r);
 }
 
@@ -589,16 +718,145 @@ static void drop_entry(rk_redis *r, const char *vkey, const char *mkey) {
     if (run(r, &r->eng, 3, argv, NULL, &rep) == RK_OK) freeReplyObject(rep);
 }
 
-/* One MGET of marker and payload, checked; fills *out on LOAD_HIT. */
+/* What became of a value read by load. */
+typedef enum verdict {
+    V_GOOD,    /* usable */
+    V_CORRUPT, /* deleted, counted in dropped_corrupt */
+    V_AUTH,    /* deleted, counted in auth_failures */
+    V_LAYOUT,  /* sound but for another layout: kept, a miss */
+} verdict;
+
+/* Judge the value read by load: marker mr, the value's length vlen and its
+ * first bytes vr (at most want of them). On V_GOOD *got has the header fields
+ * and *out_payload the bytes without the tag; otherwise why says what is
+ * wrong (perhaps in buf, cap bytes) and *out_unread is set when the value was
+ * refused by its size without being read. RK_ERR_NOMEM when the tag cannot be computed (no
+ * verdict). */
+static rk_status judge(rk_redis *r, const char *key, const redisReply *mr, uint64_t vlen,
+                       const redisReply *vr, uint64_t want, const int32_t *tokens, int32_t n_tokens,
+                       const rk_store_layout *layout, meta *m, rk_store_payload *got,
+                       uint64_t *out_payload, verdict *v, const char **why, int *out_unread,
+                       char *buf, size_t cap) {
+    *v = V_CORRUPT;
+    *out_unread = 0;
+    if (meta_parse(mr->str, mr->len, m)) {
+        *why = "unreadable commit marker";
+        return RK_OK;
+    }
+    if (vlen != m->n_bytes) {
+        *why = vlen < m->n_bytes ? "truncated" : "longer than its marker says";
+        *out_unread = vlen > want;
+        return RK_OK;
+    }
+    if (r->secret_len && m->version != META_TAGGED) {
+        *v = V_AUTH;
+        *why = "written without the shared secret (no tag)";
+        return RK_OK;
+    }
+    uint64_t tag = m->version == META_TAGGED ? RK_REDIS_TAG_BYTES : 0;
+    if (vlen < tag + RK_STORE_HEADER_BYTES) {
+        *why = "shorter than a header";
+        return RK_OK;
+    }
+    const uint8_t *p = (const uint8_t *)vr->str;
+    if (vlen > want || vr->len != vlen) {
+        /* Not read whole: too large for this chunk. Its header (read) tells a
+         * sound value of another layout, which is kept, from a bad one. */
+        rk_payload_header h;
+        if (layout && vr->len >= RK_STORE_HEADER_BYTES &&
+            rk_payload_header_decode("redis value", p, vr->len, &h) == RK_OK &&
+            h.header_bytes == RK_STORE_HEADER_BYTES && strcmp(h.fingerprint, r->fp) == 0 &&
+            memcmp(h.key, key, RK_STORE_KEY_LEN) == 0 && (int64_t)h.n_tokens == n_tokens &&
+            memcmp(&h.layout, layout, sizeof h.layout) != 0) {
+            *v = V_LAYOUT;
+            return RK_OK;
+        }
+        *why = "larger than a value of this chunk can be: refused unread";
+        *out_unread = 1;
+        return RK_OK;
+    }
+    uint64_t plen = vlen - tag;
+    if (tag && r->secret_len) {
+        uint8_t mac[RK_REDIS_TAG_BYTES];
+        rk_status st = value_mac(r, p, (size_t)plen, mac);
+        if (st) return st;
+        if (CRYPTO_memcmp(mac, p + plen, RK_REDIS_TAG_BYTES) != 0) {
+            *v = V_AUTH;
+            *why = "tag does not verify (forged, or written under another secret)";
+            return RK_OK;
+        }
+    }
+    meta pm = *m;
+    pm.n_bytes = plen;
+    if ((*why = check_value(r, key, &pm, p, (size_t)plen, tokens, n_tokens, got))) return RK_OK;
+    if (layout && memcmp(layout, &got->layout, sizeof got->layout) != 0) {
+        *v = V_LAYOUT;
+        return RK_OK;
+    }
+    size_t tok_bytes = 4 * (size_t)m->n_tokens;
+    if (r->cfg.body_check &&
+        r->cfg.body_check(&got->layout, p + RK_STORE_HEADER_BYTES + tok_bytes,
+                          (size_t)plen - RK_STORE_HEADER_BYTES - tok_bytes, buf, cap)) {
+        *why = buf;
+        return RK_OK;
+    }
+    *out_payload = plen;
+    *v = V_GOOD;
+    return RK_OK;
+}
+
+/* The marker of key alone, for a read with no expected size: *out_want
+ * gets the size it gives the value (0 when unreadable). RK_OK with
+ * *res LOAD_ABSENT (no marker: *out_want 0 and *present 0) or set
+ * unavailable. */
+static rk_status marker_size(rk_redis *r, const char *mkey, uint64_t *out_want, int *present,
+                             load_result *res) {
+    *out_want = 0;
+    *present = 0;
+    const char *argv[] = {"GET", mkey};
+    redisReply *rep;
+    rk_status st = run(r, &r->eng, 2, argv, NULL, &rep);
+    if (st == RK_ERR_NOMEM) return st;
+    if (st) {
+        *res = LOAD_UNAVAILABLE;
+        return RK_OK;
+    }
+    meta m;
+    if (rep->type == REDIS_REPLY_STRING) {
+        *present = 1;
+        if (!meta_parse(rep->str, rep->len, &m)) *out_want = m.n_bytes;
+    }
+    freeReplyObject(rep);
+    return RK_OK;
+}
+
+/* One round trip for the marker, the value's length and at most the bytes a
+ * value of the expected size has (GETRANGE: a larger value is never read
+ * whole); the value checked; fills *out on LOAD_HIT. body_size 0: the size
+ * comes from the marker, read first. */
 static rk_status load(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
-                      const rk_store_layout *layout, rk_store_payload *out, load_result *res) {
+                      const rk_store_layout *layout, uint64_t body_size, rk_store_payload *out,
+                      load_result *res) {
     *res = LOAD_ABSENT;
     char vkey[KEY_CAP], mkey[KEY_CAP];
     key_names(r, key, vkey, mkey, NULL);
-    const char *argv[] = {"MGET", mkey, vkey};
-    redisReply *rep;
+    uint64_t want;
+    if (layout && body_size) {
+        want = rk_payload_file_bytes((uint64_t)n_tokens, body_size) + RK_REDIS_TAG_BYTES;
+    } else {
+        int present;
+        rk_status st = marker_size(r, mkey, &want, &present, res);
+        if (st || !present || *res == LOAD_UNAVAILABLE) return st;
+    }
+    char last[24];
+    snprintf(last, sizeof last, "%llu", (unsigned long long)(want ? want - 1 : 0));
+    const char *ga[] = {"GET", mkey}, *sa[] = {"STRLEN", vkey},
+               *ra[] = {"GETRANGE", vkey, "0", last};
+    const char **const argvs[] = {ga, sa, ra};
+    const int argcs[] = {2, 2, 4};
+    redisReply *rep[3];
     double t0 = rk_time_now();
-    rk_status st = run(r, &r->eng, 3, argv, NULL, &rep);
+    rk_status st = run_cmds(r, &r->eng, 3, argcs, argvs, NULL, rep);
     double dt = rk_time_now() - t0;
     if (st == RK_ERR_NOMEM) return st;
     if (st) {
@@ -609,79 +867,85 @@ static rk_status load(rk_redis *r, const char *key, const int32_t *tokens, int32
     r->c.get_count++;
     r->c.get_seconds += dt;
     pthread_mutex_unlock(&r->mu);
-    if (rep->type != REDIS_REPLY_ARRAY || rep->elements != 2) {
-        freeReplyObject(rep);
-        return RK_OK;
-    }
-    const redisReply *mr = rep->element[0], *vr = rep->element[1];
-    if (mr->type != REDIS_REPLY_STRING) { /* no marker: not committed (yet) */
-        freeReplyObject(rep);
-        return RK_OK;
-    }
-    if (vr->type != REDIS_REPLY_STRING) { /* the payload was evicted: drop the marker */
-        freeReplyObject(rep);
-        drop_entry(r, vkey, mkey);
+    const redisReply *mr = rep[0], *lr = rep[1], *vr = rep[2];
+    int marked = mr->type == REDIS_REPLY_STRING;
+    int valued =
+        lr->type == REDIS_REPLY_INTEGER && lr->integer > 0 && vr->type == REDIS_REPLY_STRING;
+    if (!marked || !valued) { /* not committed (yet), or the payload was evicted */
+        for (int i = 0; i < 3; i++) freeReplyObject(rep[i]);
+        if (marked) drop_entry(r, vkey, mkey);
         return RK_OK;
     }
     meta m;
     rk_store_payload got; /* header fields; the buffers come last */
-    const char *bad =
-        meta_parse(mr->str, mr->len, &m)
-            ? "unreadable commit marker"
-            : check_value(r, key, &m, (uint8_t *)vr->str, vr->len, tokens, n_tokens, &got);
-    if (bad) {
-        RK_LOG_WARN("redis chunk %s: %s; dropped, computing it", key, bad);
-        freeReplyObject(rep);
-        drop_entry(r, vkey, mkey);
+    uint64_t plen = 0;
+    verdict v;
+    const char *why = NULL;
+    int unread = 0;
+    char buf[200];
+    st = judge(r, key, mr, (uint64_t)lr->integer, vr, want, tokens, n_tokens, layout, &m, &got,
+               &plen, &v, &why, &unread, buf, sizeof buf);
+    if (st || v != V_GOOD) {
+        if (!st && v != V_LAYOUT)
+            RK_LOG_WARN("redis chunk %s: %s (%lld bytes); dropped, computing it", key, why,
+                        (long long)lr->integer);
+        for (int i = 0; i < 3; i++) freeReplyObject(rep[i]);
+        if (st) return st;
+        if (v != V_LAYOUT) drop_entry(r, vkey, mkey);
         pthread_mutex_lock(&r->mu);
-        r->c.dropped_corrupt++;
-        pthread_mutex_unlock(&r->mu);
-        return RK_OK;
-    }
-    if (layout && memcmp(layout, &got.layout, sizeof got.layout) != 0) {
-        freeReplyObject(rep);
-        pthread_mutex_lock(&r->mu);
-        r->c.layout_mismatch++;
+        if (v == V_LAYOUT) {
+            r->c.layout_mismatch++;
+        } else if (v == V_AUTH) {
+            r->c.auth_failures++;
+        } else {
+            r->c.dropped_corrupt++;
+            if (unread) r->c.size_refused++;
+        }
         pthread_mutex_unlock(&r->mu);
         return RK_OK;
     }
     size_t tok_bytes = 4 * (size_t)m.n_tokens,
-           body_size = vr->len - RK_STORE_HEADER_BYTES - tok_bytes;
+           body_bytes = (size_t)plen - RK_STORE_HEADER_BYTES - tok_bytes;
     int32_t *tk = malloc(tok_bytes);
-    void *body = body_size ? malloc(body_size) : NULL;
-    if (!tk || (body_size && !body)) {
+    void *body = body_bytes ? malloc(body_bytes) : NULL;
+    if (!tk || (body_bytes && !body)) {
         free(tk);
         free(body);
-        freeReplyObject(rep);
-        return rk_errorf(RK_ERR_NOMEM, "redis: no memory for a %zu-byte payload", vr->len);
+        for (int i = 0; i < 3; i++) freeReplyObject(rep[i]);
+        return rk_errorf(RK_ERR_NOMEM, "redis: no memory for a %llu-byte payload",
+                         (unsigned long long)plen);
     }
     memcpy(tk, vr->str + RK_STORE_HEADER_BYTES, tok_bytes);
-    if (body_size) memcpy(body, vr->str + RK_STORE_HEADER_BYTES + tok_bytes, body_size);
+    if (body_bytes) memcpy(body, vr->str + RK_STORE_HEADER_BYTES + tok_bytes, body_bytes);
     *out = got;
     memcpy(out->meta.key, key, RK_STORE_KEY_LEN);
     memcpy(out->meta.model, r->fp, RK_STORE_KEY_LEN);
     memcpy(out->meta.checksum, m.checksum, RK_STORE_KEY_LEN);
     out->meta.n_tokens = m.n_tokens;
-    out->meta.n_bytes = vr->len;
+    out->meta.n_bytes = plen;
     out->meta.last_access = out->meta.created;
     out->tokens = tk;
     out->body = body;
-    out->body_size = body_size;
+    out->body_size = body_bytes;
+    size_t len = vr->len;
+    /* The cost gate weighs the whole load: the round trip and the checks
+     * (the tag's HMAC-SHA-256 is the costly one). */
+    dt = rk_time_now() - t0;
     pthread_mutex_lock(&r->mu);
-    r->c.bytes_in += vr->len;
+    r->c.bytes_in += len;
     /* Moving averages of size and time, so that the ratio is a throughput
      * weighted by size rather than dominated by small values' latency. */
     const double a = 0.2;
     if (r->avg_secs == 0) {
-        r->avg_bytes = (double)vr->len;
+        r->avg_bytes = (double)len;
         r->avg_secs = dt > 1e-9 ? dt : 1e-9;
     } else {
-        r->avg_bytes = a * (double)vr->len + (1 - a) * r->avg_bytes;
+        r->avg_bytes = a * (double)len + (1 - a) * r->avg_bytes;
         r->avg_secs = a * (dt > 1e-9 ? dt : 1e-9) + (1 - a) * r->avg_secs;
     }
     r->c.load_bytes_per_s = r->avg_bytes / r->avg_secs;
     pthread_mutex_unlock(&r->mu);
-    freeReplyObject(rep);
+    for (int i = 0; i < 3; i++) freeReplyObject(rep[i]);
     *res = LOAD_HIT;
     return RK_OK;
 }
@@ -706,11 +970,12 @@ static void count_outcome(rk_redis *r, int hit) {
 }
 
 rk_status rk_redis_get(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
-                       const rk_store_layout *layout, rk_store_payload *out) {
+                       const rk_store_layout *layout, uint64_t body_size, rk_store_payload *out) {
     rk_status st = check_query(key, tokens, n_tokens, out);
     if (st) return st;
     load_result res = LOAD_ABSENT;
-    if (n_tokens >= r->cfg.min_tokens && (st = load(r, key, tokens, n_tokens, layout, out, &res)))
+    if (n_tokens >= r->cfg.min_tokens &&
+        (st = load(r, key, tokens, n_tokens, layout, body_size, out, &res)))
         return st;
     count_outcome(r, res == LOAD_HIT);
     if (res == LOAD_HIT) return RK_OK;
@@ -745,7 +1010,7 @@ rk_status rk_redis_value_new(const char *key, const char *policy, const char *do
     size_t tok_bytes = (size_t)n_tokens * sizeof(int32_t);
     size_t size = RK_STORE_HEADER_BYTES + tok_bytes + body_size;
     rk_redis_value *j = calloc(1, sizeof *j);
-    if (j) j->value = malloc(size);
+    if (j) j->value = malloc(size + RK_REDIS_TAG_BYTES);
     if (!j || !j->value) {
         free(j);
         return rk_errorf(RK_ERR_NOMEM, "redis: no memory for a %zu-byte value", size);
@@ -906,13 +1171,13 @@ rk_status rk_redis_unlock(rk_redis *r, const rk_redis_lock *lk) {
 }
 
 rk_status rk_redis_poll(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
-                        const rk_store_layout *layout, rk_store_payload *out,
+                        const rk_store_layout *layout, uint64_t body_size, rk_store_payload *out,
                         rk_redis_poll_state *out_state) {
     *out_state = RK_REDIS_GONE;
     rk_status st = check_query(key, tokens, n_tokens, out);
     if (st) return st;
     load_result res;
-    if ((st = load(r, key, tokens, n_tokens, layout, out, &res))) return st;
+    if ((st = load(r, key, tokens, n_tokens, layout, body_size, out, &res))) return st;
     if (res == LOAD_ABSENT) {
         char lkey[KEY_CAP];
         key_names(r, key, NULL, NULL, lkey);
@@ -926,7 +1191,7 @@ rk_status rk_redis_poll(rk_redis *r, const char *key, const int32_t *tokens, int
             return RK_OK;
         }
         /* The holder may have committed and released between the two calls. */
-        if (!st && (st = load(r, key, tokens, n_tokens, layout, out, &res))) return st;
+        if (!st && (st = load(r, key, tokens, n_tokens, layout, body_size, out, &res))) return st;
     }
     *out_state = res == LOAD_HIT ? RK_REDIS_READY : RK_REDIS_GONE;
     count_outcome(r, res == LOAD_HIT);
@@ -934,12 +1199,13 @@ rk_status rk_redis_poll(rk_redis *r, const char *key, const int32_t *tokens, int
 }
 
 rk_status rk_redis_wait_for(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
-                            const rk_store_layout *layout, int bound_ms, rk_store_payload *out) {
+                            const rk_store_layout *layout, uint64_t body_size, int bound_ms,
+                            rk_store_payload *out) {
     double deadline = rk_time_now() + bound_ms / 1e3;
     int nap = 1;
     for (;;) {
         rk_redis_poll_state ps;
-        rk_status st = rk_redis_poll(r, key, tokens, n_tokens, layout, out, &ps);
+        rk_status st = rk_redis_poll(r, key, tokens, n_tokens, layout, body_size, out, &ps);
         if (st) return st;
         if (ps == RK_REDIS_READY) return RK_OK;
         if (ps == RK_REDIS_GONE)

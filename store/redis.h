@@ -9,29 +9,47 @@
  *
  * Layout, for model fingerprint FP (32 hex) and chunk key K (32 hex):
  *
- *   PREFIX:FP:K        the payload: exactly the bytes of a disk payload file
+ *   PREFIX:FP:K        the value: exactly the bytes of a disk payload file
  *                      (store/payload.c, version 2: 512-byte header with
  *                      magic, version, fingerprint, key, token count, KV
  *                      layout and dtype, body size, XXH3-128 checksum,
  *                      policy, creation time, document id; then token ids,
- *                      then body)
- *   PREFIX:FP:K:meta   the commit marker, written after the payload:
- *                      "1 N_TOKENS N_BYTES CHECKSUM_HEX CREATED_UNIX"
+ *                      then body), followed, when the tier has a secret, by
+ *                      a 32-byte tag: HMAC-SHA-256 under the secret of every
+ *                      byte before it
+ *   PREFIX:FP:K:meta   the commit marker, written after the value:
+ *                      "V N_TOKENS N_BYTES CHECKSUM_HEX CREATED_UNIX", V = 1
+ *                      for a value without a tag, 2 for one with a tag
+ *                      (N_BYTES counts the tag)
  *   PREFIX:FP:K:lock   the fleet-wide compute lock (SET NX PX), value a
  *                      random token of its holder
  *
- * A reader fetches marker and payload in one MGET and trusts a payload only
- * when its marker exists and agrees with it; then it checks the size, header,
- * fingerprint, key, token ids and checksum. A payload that fails any check is
- * deleted (payload and marker), counted in dropped_corrupt and reported as a
- * miss, so the caller computes the chunk. A payload without a marker is a miss
- * and left alone (its write may be in progress).
+ * Trust. XXH3 checksums find accidents, not forgeries: without a secret
+ * anyone who can write to Redis can change what every replica answers, so
+ * Redis must then be trusted (rk_redis_open logs that once). With a secret,
+ * a reader accepts only version-2 values whose tag verifies (compared in
+ * constant time); any other value (forged, written without the secret or
+ * under another one) is deleted, counted in auth_failures and reported as a
+ * miss. A reader without a secret accepts both versions (the tag unchecked).
+ *
+ * A reader fetches, in one round trip, the marker, the value's length and at
+ * most the bytes a value of the expected size can have (GETRANGE), so a value
+ * planted too large is never downloaded. It trusts a value only when its
+ * marker exists and agrees with it; then it checks the tag (with a secret),
+ * the size, header, fingerprint, key, token ids, checksum and the body check
+ * (finite KV). A value that fails any check is deleted (value and marker),
+ * counted in dropped_corrupt (and in size_refused when it was refused by
+ * its size unread) and reported as a miss, so the caller computes the chunk.
+ * A value without a marker is a miss and left alone (its write may be in
+ * progress); one for another layout is a miss and kept.
  *
  * Failure is never an outage: every call is bounded by the configured timeout
  * (connect and command), and after breaker_failures consecutive failures the
  * circuit breaker opens: calls return at once (a miss, a dropped write, lock
  * "unavailable") until a back-off has passed (doubling on each failed probe,
- * capped), then the next call probes Redis again. Errors are counted; a log
+ * capped), then the next call probes Redis again. A call whose connection
+ * fails other than by a timeout (the server restarted and closed it) is
+ * retried once on a new connection before it counts. Errors are counted; a log
  * line is written when the breaker opens and when it closes, not per call.
  * Writing to a closed socket raises SIGPIPE: the process must ignore it (the
  * HTTP server does).
@@ -58,7 +76,7 @@
  *
  *   if (rk_redis_worth_fetching(r, n_tokens, rk_redis_value_bytes(n_tokens,
  *                               kv_bytes), prefill_tokens_per_s) &&
- *       rk_redis_get(r, KEY, tokens, n_tokens, &LAYOUT, &p) == RK_OK)
+ *       rk_redis_get(r, KEY, tokens, n_tokens, &LAYOUT, kv_bytes, &p) == RK_OK)
  *       -> upload p.body into the entry's blocks as rk_persist_load does,
  *          source "redis" (and write it to the disk store if there is one)
  *   else switch (rk_redis_try_lock(r, KEY, &lk, &state), state):
@@ -87,6 +105,9 @@
 #define RK_REDIS_USER_MAX   127
 #define RK_REDIS_PASS_MAX   255
 #define RK_REDIS_PREFIX_MAX 64
+#define RK_REDIS_TAG_BYTES  32   /* HMAC-SHA-256 tag after an authenticated value */
+#define RK_REDIS_SECRET_MIN 16   /* bytes of a secret, at least */
+#define RK_REDIS_SECRET_MAX 1024 /* and at most */
 
 typedef struct rk_redis rk_redis; /* opaque */
 
@@ -116,6 +137,11 @@ typedef struct rk_redis_config {
     int breaker_failures;       /* consecutive failures that open the breaker; default 3 */
     int breaker_backoff_ms;     /* first back-off; default 500 */
     int breaker_backoff_max_ms; /* back-off cap; default 30000 */
+    const void *secret;         /* key of the values' HMAC-SHA-256 (copied by rk_redis_open),
+                                   RK_REDIS_SECRET_MIN..MAX bytes; NULL (default) = none:
+                                   values are unauthenticated and Redis is trusted */
+    size_t secret_len;
+    rk_store_body_check body_check; /* run on every loaded body (finite KV); NULL = none */
 } rk_redis_config;
 
 /* Breaker states, as rk_redis_counters.breaker reports them. */
@@ -130,7 +156,10 @@ typedef struct rk_redis_counters {
     uint64_t errors;              /* failed Redis calls (connect, I/O, timeout, error reply) */
     uint64_t skipped;             /* calls not made because the breaker was open */
     uint64_t dropped_corrupt;     /* payloads deleted: bad size, header, checksum, model,
-                                     key or token ids */
+                                     key, token ids or body check */
+    uint64_t size_refused;        /* of those, refused by their length without being read */
+    uint64_t auth_failures;       /* values deleted because their tag did not verify (or they
+                                     had none) while the tier has a secret */
     uint64_t layout_mismatch;     /* good payloads for another KV layout (kept; a miss) */
     uint64_t writes;              /* payloads committed (payload and marker written) */
     uint64_t write_drops;         /* puts dropped: queue full, breaker open or write failed
@@ -186,13 +215,23 @@ void rk_redis_config_default(rk_redis_config *cfg);
  * RK_ERR_INVALID with a message naming the bad part (never the password). */
 rk_status rk_redis_url_parse(const char *url, rk_redis_url *out);
 
+/* Read the tier's secret: the file at path (one trailing newline dropped)
+ * when path is not empty, else env_value (the RAGKV_REDIS_SECRET variable;
+ * may be NULL). *out_len = 0 when neither is set. RK_ERR_IO when the file
+ * cannot be read, RK_ERR_INVALID when the secret is shorter than
+ * RK_REDIS_SECRET_MIN or longer than RK_REDIS_SECRET_MAX bytes; the messages
+ * never include the secret. */
+rk_status rk_redis_secret_load(const char *path, const char *env_value,
+                               uint8_t out[RK_REDIS_SECRET_MAX], size_t *out_len);
+
 /* Validate cfg, connect the engine connection (AUTH and SELECT when the URL
  * asks), start the writer thread and return the handle in *out (free with
  * rk_redis_close). model_fingerprint is 32 lowercase hex. An unreachable
  * server is not an error (the tier starts with its breaker counting failures
  * and sharing begins when Redis answers); a bad configuration, a rejected
  * password or database is RK_ERR_INVALID with a clear message, so the
- * service can refuse to start. */
+ * service can refuse to start. Without a secret it logs one warning that
+ * Redis must be trusted. */
 rk_status rk_redis_open(const rk_redis_config *cfg, const char *model_fingerprint, rk_redis **out);
 
 /* Stop the writer thread after it has written (or, with Redis unreachable,
@@ -206,13 +245,16 @@ void rk_redis_close(rk_redis *r);
  * rk_store_payload_free; out->meta carries key, model, checksum, n_tokens,
  * n_bytes). layout may be NULL; otherwise a payload computed for another
  * layout (dtype, block size, base position, shape) is a miss and kept, since
- * another kind of replica may use it. Returns RK_OK on a hit and
+ * another kind of replica may use it. body_size is the KV bytes a value for
+ * this layout holds: no more than that value's size is ever read, and a value
+ * of another size is refused unread. 0 (or no layout): unknown; then the
+ * read is bounded only by the commit marker (one more round trip). Returns RK_OK on a hit and
  * RK_ERR_NOT_FOUND on any miss: absent, no commit marker, bad payload
  * (deleted), Redis unreachable or breaker open, fewer than min_tokens tokens.
  * RK_ERR_INVALID for a bad key, RK_ERR_NOMEM. Never waits longer than the
  * timeout (two round trips when a bad payload is deleted). */
 rk_status rk_redis_get(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
-                       const rk_store_layout *layout, rk_store_payload *out);
+                       const rk_store_layout *layout, uint64_t body_size, rk_store_payload *out);
 
 /* Any thread (see Threads above for a lock). Queue a copy of the chunk for the
  * writer thread and return at once; policy and doc_id go into the header as
@@ -268,7 +310,7 @@ rk_status rk_redis_unlock(rk_redis *r, const rk_redis_lock *lk);
  * when absent, one check of its lock. For a scheduler that parks a request
  * whose chunk another replica computes and polls once per step. */
 rk_status rk_redis_poll(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
-                        const rk_store_layout *layout, rk_store_payload *out,
+                        const rk_store_layout *layout, uint64_t body_size, rk_store_payload *out,
                         rk_redis_poll_state *out_state);
 
 /* Engine thread, blocking: rk_redis_poll until READY or GONE or bound_ms has
@@ -277,7 +319,8 @@ rk_status rk_redis_poll(rk_redis *r, const char *key, const int32_t *tokens, int
  * thread: for offline jobs and callers that may wait; the scheduler should
  * use rk_redis_poll. */
 rk_status rk_redis_wait_for(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
-                            const rk_store_layout *layout, int bound_ms, rk_store_payload *out);
+                            const rk_store_layout *layout, uint64_t body_size, int bound_ms,
+                            rk_store_payload *out);
 
 /* Bytes of the value for a chunk of n_tokens tokens and kv_bytes KV bytes
  * (header, token ids, KV): what rk_redis_worth_fetching should be given. */

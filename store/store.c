@@ -743,6 +743,13 @@ rk_status rk_store_get(rk_store *s, const char *key, rk_store_payload *out) {
     int32_t *tokens = NULL;
     void *body = NULL;
     st = rk_payload_read(path, &x, &h, &tokens, &body);
+    char bad_body[256];
+    if (st == RK_OK && s->opts.body_check &&
+        s->opts.body_check(&h.layout, body, (size_t)h.body_size, bad_body, sizeof bad_body)) {
+        free(tokens);
+        free(body);
+        st = rk_errorf(RK_ERR_FORMAT, "%s: %s", path, bad_body);
+    }
     if (st == RK_ERR_FORMAT) {
         char why[512];
         snprintf(why, sizeof why, "%s", rk_error_message());
@@ -1060,6 +1067,21 @@ typedef struct verify_ctx {
     key_list bad; /* when collecting */
 } verify_ctx;
 
+/* Read the payload at path (checked against x) and run the body check on
+ * it: RK_ERR_FORMAT with the reason when it fails. */
+static rk_status check_body(rk_store *s, const char *path, const rk_payload_expect *x) {
+    rk_payload_header h;
+    int32_t *tokens = NULL;
+    void *body = NULL;
+    rk_status st = rk_payload_read(path, x, &h, &tokens, &body);
+    char why[256];
+    if (st == RK_OK && s->opts.body_check(&h.layout, body, (size_t)h.body_size, why, sizeof why))
+        st = rk_errorf(RK_ERR_FORMAT, "%s: %s", path, why);
+    free(tokens);
+    free(body);
+    return st;
+}
+
 static rk_status verify_row(rk_store *s, const rk_store_entry *e, void *ctx) {
     verify_ctx *v = ctx;
     v->r.checked++;
@@ -1074,6 +1096,7 @@ static rk_status verify_row(rk_store *s, const rk_store_entry *e, void *ctx) {
     rk_payload_expect x;
     expect_from_row(e, &x);
     rk_status cs = rk_payload_check(path, &x, v->full);
+    if (cs == RK_OK && v->full && s->opts.body_check) cs = check_body(s, path, &x);
     if (cs == RK_OK) return RK_OK;
     if (cs == RK_ERR_NOMEM) return cs;
     v->r.bad++;
@@ -1081,6 +1104,8 @@ static rk_status verify_row(rk_store *s, const rk_store_entry *e, void *ctx) {
     if (v->collect && cs == RK_ERR_FORMAT) return key_list_push(&v->bad, e->key);
     return RK_OK;
 }
+
+void rk_store_set_body_check(rk_store *s, rk_store_body_check check) { s->opts.body_check = check; }
 
 rk_status rk_store_verify(rk_store *s, int delete_bad, rk_store_bad_fn on_bad, void *ctx,
                           rk_store_verify_result *out) {

@@ -69,12 +69,6 @@
 
 typedef struct rk_store rk_store; /* opaque */
 
-typedef struct rk_store_options {
-    uint64_t disk_budget_bytes; /* payload bytes of this model kept on disk; 0 = unlimited */
-    int verify_on_open;         /* checksum every payload at open (default 1); 0 = sizes
-                                   and headers only (loads always verify) */
-} rk_store_options;
-
 /* The layout record stored with a payload, opaque to the store. */
 typedef struct rk_store_layout {
     int32_t n_layers, n_kv_heads, head_dim;
@@ -82,6 +76,23 @@ typedef struct rk_store_layout {
     int32_t block_size; /* tokens per KV block the body was laid out for */
     int32_t base_pos;   /* position of the chunk's first token when it was computed */
 } rk_store_layout;
+
+/* A check of a loaded body beyond its checksum, supplied by the caller, who
+ * knows what the layout's dtype code means (the service checks that every KV
+ * value is finite). Returns 0 when the body is usable; otherwise nonzero with
+ * a short reason written into why (why_cap bytes). The store and the Redis
+ * tier treat a body that fails it as corrupt. */
+typedef int (*rk_store_body_check)(const rk_store_layout *layout, const void *body,
+                                   size_t body_size, char *why, size_t why_cap);
+
+typedef struct rk_store_options {
+    uint64_t disk_budget_bytes;     /* payload bytes of this model kept on disk; 0 = unlimited */
+    int verify_on_open;             /* checksum every payload at open (default 1); 0 = sizes
+                                       and headers only (loads always verify) */
+    rk_store_body_check body_check; /* run on every rk_store_get, and on every payload a
+                                       full verify reads (at open with verify_on_open);
+                                       NULL (default) = none */
+} rk_store_options;
 
 /* Metadata of one row: what listing shows. Never any text of the chunk. */
 typedef struct rk_store_entry {
@@ -208,7 +219,8 @@ rk_status rk_store_commit(rk_store *s);
 rk_status rk_store_rollback(rk_store *s);
 
 /* Load a chunk of this model: read its payload file, check the header
- * against the row and the checksum, and fill *out (release with
+ * against the row and the checksum (and the body with opts.body_check), and
+ * fill *out (release with
  * rk_store_payload_free). Counts a hit and updates the last access. A payload
  * that fails any check is deleted (row and file), counted in
  * dropped_on_load and reported as RK_ERR_NOT_FOUND with the reason; it is
@@ -254,9 +266,13 @@ typedef struct rk_store_verify_result {
     uint64_t orphans; /* payload or *.tmp files without a row (never removed here) */
 } rk_store_verify_result;
 
+/* Set the body check of s (a read-only handle has none from its open);
+ * rk_store_verify and loads run it from now on. */
+void rk_store_set_body_check(rk_store *s, rk_store_body_check check);
+
 /* Re-read every payload of this model (read-only handles: of every model) and
- * check its size, header and checksum. Each bad one is reported through
- * on_bad (may be NULL); with delete_bad set it is also removed (not allowed on
+ * check its size, header and checksum (and the body check, when s has one). Each bad one is
+ * reported through on_bad (may be NULL); with delete_bad set it is also removed (not allowed on
  * read-only handles). RK_OK even when payloads are bad: see *out. */
 rk_status rk_store_verify(rk_store *s, int delete_bad, rk_store_bad_fn on_bad, void *ctx,
                           rk_store_verify_result *out);

@@ -24,22 +24,34 @@ static void add_msg(json_t *msgs, const char *role, const char *content) {
         json_array_append_new(msgs, json_pack("{s:s, s:s}", "role", role, "content", content)), 0);
 }
 
-/* Parse {"messages": msgs, "chunks": chunks (may be NULL), "max_tokens",
- * "temperature": 0} and render it with template t; returns the status. */
-static rk_status render_body(rk_chat_template t, json_t *msgs, json_t *chunks, int max_chunks,
-                             rk_api_request *r, rk_http_error *err) {
-    json_t *body =
-        json_pack("{s:O, s:i, s:i}", "messages", msgs, "max_tokens", 12, "temperature", 0);
-    if (chunks) json_object_set(body, "chunks", chunks);
-    char *text = json_dumps(body, 0);
-    json_decref(body);
-    rk_parse_limits lim = {.max_chunks = max_chunks, .max_tokens = 64};
+/* Parse body (a JSON text) as a chat request (the server's chat separator
+ * chat_separator, NULL for none) and render it with template t; returns the status (the request is
+ * freed on failure). */
+static rk_status render_text(rk_chat_template t, const char *text, int max_chunks,
+                             const char *chat_separator, rk_api_request *r, rk_http_error *err) {
+    rk_parse_limits lim = {
+        .max_chunks = max_chunks, .max_tokens = 64, .chat_separator = chat_separator};
     memset(err, 0, sizeof *err);
     rk_status st = rk_api_parse(text, strlen(text), 1, &lim, r, err);
-    free(text);
     cr_assert_eq(st, RK_OK, "parse: %s", err->message);
     st = rk_chat_render(t, r, max_chunks, err);
     if (st) rk_api_request_free(r);
+    return st;
+}
+
+/* Parse {"messages": msgs, "chunks": chunks (may be NULL), "max_tokens",
+ * "temperature": 0, "separator": "##"} (these tests write documents inline,
+ * split on the separator the body names) and render it with template t;
+ * returns the status. */
+static rk_status render_body(rk_chat_template t, json_t *msgs, json_t *chunks, int max_chunks,
+                             rk_api_request *r, rk_http_error *err) {
+    json_t *body = json_pack("{s:O, s:i, s:i, s:s}", "messages", msgs, "max_tokens", 12,
+                             "temperature", 0, "separator", "##");
+    if (chunks) json_object_set(body, "chunks", chunks);
+    char *text = json_dumps(body, 0);
+    json_decref(body);
+    rk_status st = render_text(t, text, max_chunks, NULL, r, err);
+    free(text);
     return st;
 }
 
@@ -166,7 +178,7 @@ Test(chat, the_first_turn_with_documents_holds_the_chunks) {
 }
 
 /* The `chunks` extension belongs to the first user message, with its ids in
- * order (empty chunks skipped and counted); no message is split. */
+ * order (empty chunks skipped and counted). */
 Test(chat, the_chunks_extension_belongs_to_the_first_user_message) {
     json_t *chunks = json_pack("[{s:s, s:s}, s, {s:s, s:s}]", "id", "doc-1", "text", "c1", "", "id",
                                "doc-2", "text", "c2");
@@ -193,7 +205,8 @@ Test(chat, the_chunks_extension_belongs_to_the_first_user_message) {
         cr_assert_str_eq(r->chunk_ids[0], "doc-1");
         cr_assert_str_eq(r->chunk_ids[1], "doc-2");
     }
-    cr_assert_not_null(strstr(r2.pieces.question.s, "<|im_start|>user\nx##Q2<|im_end|>"));
+    /* The body names a separator: the later message's document is text. */
+    cr_assert_not_null(strstr(r2.pieces.question.s, "<|im_start|>user\nx\n\nQ2<|im_end|>"));
     rk_api_request_free(&r1);
     rk_api_request_free(&r2);
     json_decref(msgs);
@@ -244,6 +257,134 @@ Test(chat, limits_and_errors_follow_the_document_turn) {
     cr_assert_eq(err.status, 400);
     cr_assert_not_null(strstr(err.message, "messages[0]"), "%s", err.message);
     json_decref(msgs);
+}
+
+/* Without a separator in the body or the server's, "##" in a chat message is
+ * text: a Markdown heading does not turn a chat into a RAG prompt. The
+ * server's chat separator, or the body's, splits it. */
+Test(chat, markdown_headings_are_text_unless_a_separator_is_set) {
+    static const char *body =
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"## Summary\\nShort.##Q\"}]}";
+    rk_api_request r;
+    rk_http_error err;
+    cr_assert_eq(render_text(RK_CHAT_CHATML, body, 8, NULL, &r, &err), RK_OK, "%s", err.message);
+    cr_assert_eq(r.pieces.n_chunks, 0);
+    cr_assert_str_eq(r.pieces.question.s,
+                     "## Summary\nShort.##Q<|im_end|>\n<|im_start|>assistant\n");
+    rk_api_request_free(&r);
+    cr_assert_eq(render_text(RK_CHAT_CHATML, body, 8, "##", &r, &err), RK_OK, "%s", err.message);
+    cr_assert_eq(r.pieces.n_chunks, 1);
+    cr_assert_str_eq(r.pieces.chunks[0].s, " Summary\nShort.");
+    cr_assert_str_eq(r.pieces.question.s, "Q<|im_end|>\n<|im_start|>assistant\n");
+    rk_api_request_free(&r);
+    static const char *with_sep = "{\"messages\": [{\"role\": \"user\", \"content\": "
+                                  "\"a||b||Q\"}], \"separator\": \"||\"}";
+    cr_assert_eq(render_text(RK_CHAT_CHATML, with_sep, 8, "##", &r, &err), RK_OK, "%s",
+                 err.message);
+    cr_assert_eq(r.pieces.n_chunks, 2);
+    rk_api_request_free(&r);
+}
+
+/* vLLM's `documents` (text or content, id, title) are the first user
+ * message's chunks, as the `chunks` extension's; content parts marked
+ * ragkv_chunk are their message's chunks. Turn N+1 still extends turn N. */
+Test(chat, documents_and_ragkv_chunk_parts_are_chunks) {
+    rk_api_request r1, r2;
+    rk_http_error err;
+    static const char *docs =
+        "{\"messages\": [{\"role\": \"system\", \"content\": \"S\"}, {\"role\": \"user\", "
+        "\"content\": \"Q1\"}], \"documents\": [{\"id\": \"d1\", \"title\": \"T\", \"text\": "
+        "\"c1\"}, {\"content\": \"c2\"}, {\"text\": \"\"}]}";
+    cr_assert_eq(render_text(RK_CHAT_LLAMA3, docs, 8, NULL, &r1, &err), RK_OK, "%s", err.message);
+    cr_assert_str_eq(r1.pieces.system.s, WANT_SYS[RK_CHAT_LLAMA3]);
+    cr_assert_eq(r1.pieces.n_chunks, 2);
+    cr_assert_str_eq(r1.pieces.chunks[0].s, "T\nc1");
+    cr_assert_str_eq(r1.pieces.chunks[1].s, "c2");
+    cr_assert_eq(r1.pieces.n_empty_chunks, 1);
+    cr_assert_not_null(r1.chunk_ids);
+    cr_assert_str_eq(r1.chunk_ids[0], "d1");
+    cr_assert_null(r1.chunk_ids[1]);
+    cr_assert_str_eq(r1.pieces.question.s, WANT_Q[RK_CHAT_LLAMA3][0]);
+    rk_api_request_free(&r1);
+
+    static const char *parts1 =
+        "{\"messages\": [{\"role\": \"system\", \"content\": \"S\"}, {\"role\": \"user\", "
+        "\"content\": [{\"type\": \"text\", \"text\": \"c1\", \"ragkv_chunk\": true}, {\"type\": "
+        "\"text\", \"text\": \"c2\", \"ragkv_chunk\": true}, {\"type\": \"text\", \"text\": "
+        "\"Q1\"}]}]}";
+    static const char *parts2 =
+        "{\"messages\": [{\"role\": \"system\", \"content\": \"S\"}, {\"role\": \"user\", "
+        "\"content\": [{\"type\": \"text\", \"text\": \"c1\", \"ragkv_chunk\": true}, {\"type\": "
+        "\"text\", \"text\": \"c2\", \"ragkv_chunk\": true}, {\"type\": \"text\", \"text\": "
+        "\"Q1\"}]}, {\"role\": \"assistant\", \"content\": \"A1\"}, {\"role\": \"user\", "
+        "\"content\": \"## Q2\"}]}";
+    for (int t = 0; t < N_TEMPLATES; t++) {
+        cr_assert_eq(render_text((rk_chat_template)t, parts1, 8, NULL, &r1, &err), RK_OK, "%s",
+                     err.message);
+        cr_assert_eq(render_text((rk_chat_template)t, parts2, 8, NULL, &r2, &err), RK_OK, "%s",
+                     err.message);
+        cr_assert_str_eq(r1.pieces.system.s, WANT_SYS[t]);
+        cr_assert_eq(r1.pieces.n_chunks, 2);
+        cr_assert_str_eq(r1.pieces.chunks[0].s, "c1");
+        cr_assert_str_eq(r1.pieces.chunks[1].s, "c2");
+        cr_assert_str_eq(r1.pieces.question.s, WANT_Q[t][0]);
+        cr_assert_null(r1.chunk_ids);
+        assert_extends(&r1, &r2);
+        cr_assert_not_null(strstr(r2.pieces.question.s, "## Q2"));
+        rk_api_request_free(&r1);
+        rk_api_request_free(&r2);
+    }
+}
+
+/* A chat whose last message is the assistant's continues it: no new
+ * assistant header after it and no end-of-turn marker. */
+Test(chat, a_last_assistant_message_is_continued) {
+    static const char *want_q[N_TEMPLATES] = {
+        "Q1<|im_end|>\n<|im_start|>assistant\nThe answer is",
+        "Q1<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nThe answer is",
+        "Q1 [/INST] The answer is"};
+    for (int t = 0; t < N_TEMPLATES; t++) {
+        json_t *msgs = json_array();
+        add_msg(msgs, "system", "S");
+        add_msg(msgs, "user", "Q1");
+        add_msg(msgs, "assistant", "The answer is");
+        rk_api_request r;
+        render_ok((rk_chat_template)t, msgs, NULL, &r);
+        cr_assert_str_eq(r.pieces.system.s, WANT_SYS[t]);
+        cr_assert_str_eq(r.pieces.question.s, want_q[t], "template %d", t);
+        rk_api_request_free(&r);
+        json_decref(msgs);
+    }
+}
+
+/* Bodies the chat parser refuses, each with a 400 that says why. */
+Test(chat, bad_chat_bodies_are_400) {
+    static const char *bodies[][2] = {
+        {"{\"messages\": [{\"role\": \"assistant\", \"content\": \"A\"}]}", "no user message"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"Q\"}, {\"role\": \"system\", "
+         "\"content\": \"S\"}]}",
+         "last message"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"Q\"}], \"chunks\": [\"a\"], "
+         "\"documents\": [{\"text\": \"b\"}]}",
+         "not both"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"Q\"}], \"documents\": [\"b\"]}",
+         "documents[0]"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": \"Q\"}, {\"role\": \"assistant\", "
+         "\"content\": [{\"type\": \"text\", \"text\": \"d\", \"ragkv_chunk\": true}]}]}",
+         "only a user message"},
+        {"{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": "
+         "\"d\", \"ragkv_chunk\": 1}]}]}",
+         "ragkv_chunk"},
+    };
+    rk_parse_limits lim = {.max_chunks = 8, .max_tokens = 64};
+    for (size_t i = 0; i < sizeof bodies / sizeof bodies[0]; i++) {
+        rk_api_request r;
+        rk_http_error err = {0};
+        cr_assert_eq(rk_api_parse(bodies[i][0], strlen(bodies[i][0]), 1, &lim, &r, &err),
+                     RK_ERR_INVALID, "%s", bodies[i][0]);
+        cr_assert_eq(err.status, 400);
+        cr_assert_not_null(strstr(err.message, bodies[i][1]), "%s: %s", bodies[i][0], err.message);
+    }
 }
 
 /* ---------------------------------------------------------------- on the pipeline */
@@ -389,8 +530,8 @@ Test(chat, stories260k_a_follow_up_turn_computes_only_what_follows_the_last) {
 /* ---------------------------------------------------------------- tools */
 
 /* Parse a chat body given as text and render it with template t. */
-static rk_status render_text(rk_chat_template t, const char *body, rk_api_request *r,
-                             rk_http_error *err) {
+static rk_status render_tools_body(rk_chat_template t, const char *body, rk_api_request *r,
+                                   rk_http_error *err) {
     rk_parse_limits lim = {.max_chunks = 8, .max_tokens = 64};
     memset(err, 0, sizeof *err);
     rk_status st = rk_api_parse(body, strlen(body), 1, &lim, r, err);
@@ -414,7 +555,8 @@ static rk_status render_text(rk_chat_template t, const char *body, rk_api_reques
 Test(chat, tools_and_tool_turns_render_as_each_template_writes_them) {
     rk_api_request r;
     rk_http_error err;
-    cr_assert_eq(render_text(RK_CHAT_CHATML, TOOL_BODY(""), &r, &err), RK_OK, "%s", err.message);
+    cr_assert_eq(render_tools_body(RK_CHAT_CHATML, TOOL_BODY(""), &r, &err), RK_OK, "%s",
+                 err.message);
     const char *sys = r.pieces.system.s, *q = r.pieces.question.s;
     cr_expect(strstr(sys, "<|im_start|>system\nBe brief.\n\n# Tools\n"), "%s", sys);
     cr_expect(strstr(sys, "<tools>\n{\"type\":\"function\",\"function\":{\"name\":\"add\""), "%s",
@@ -435,8 +577,9 @@ Test(chat, tools_and_tool_turns_render_as_each_template_writes_them) {
     free(first);
     rk_api_request_free(&r);
 
-    cr_assert_eq(render_text(RK_CHAT_LLAMA3, TOOL_BODY(",\"tool_choice\":\"required\""), &r, &err),
-                 RK_OK, "%s", err.message);
+    cr_assert_eq(
+        render_tools_body(RK_CHAT_LLAMA3, TOOL_BODY(",\"tool_choice\":\"required\""), &r, &err),
+        RK_OK, "%s", err.message);
     q = r.pieces.question.s;
     cr_expect(strstr(r.pieces.system.s, "respond with JSON for a function call"), "%s",
               r.pieces.system.s);
@@ -450,13 +593,13 @@ Test(chat, tools_and_tool_turns_render_as_each_template_writes_them) {
               "the second render's grammar replaces the first");
     rk_api_request_free(&r);
 
-    cr_expect_neq(render_text(RK_CHAT_LLAMA2, TOOL_BODY(""), &r, &err), RK_OK);
+    cr_expect_neq(render_tools_body(RK_CHAT_LLAMA2, TOOL_BODY(""), &r, &err), RK_OK);
     cr_expect_eq(err.status, 400);
     cr_expect(strstr(err.message, "llama2"), "%s", err.message);
     cr_expect_neq(
-        render_text(RK_CHAT_LLAMA3,
-                    TOOL_BODY(",\"tool_choice\":\"required\",\"parallel_tool_calls\":true"), &r,
-                    &err),
+        render_tools_body(RK_CHAT_LLAMA3,
+                          TOOL_BODY(",\"tool_choice\":\"required\",\"parallel_tool_calls\":true"),
+                          &r, &err),
         RK_OK);
     cr_expect(strstr(err.message, "parallel_tool_calls"), "%s", err.message);
 }
@@ -464,7 +607,8 @@ Test(chat, tools_and_tool_turns_render_as_each_template_writes_them) {
 Test(chat, tool_calls_are_parsed_from_answers_of_either_family) {
     rk_api_request r;
     rk_http_error err;
-    cr_assert_eq(render_text(RK_CHAT_CHATML, TOOL_BODY(""), &r, &err), RK_OK, "%s", err.message);
+    cr_assert_eq(render_tools_body(RK_CHAT_CHATML, TOOL_BODY(""), &r, &err), RK_OK, "%s",
+                 err.message);
     char *content;
     json_t *calls = rk_chat_tool_calls(
         RK_CHAT_CHATML, &r,

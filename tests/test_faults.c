@@ -20,8 +20,11 @@
  *     store open, a normal one succeeds (and the store still has its rows).
  *
  * Scope: allocations inside shared libraries (libc itself, jansson, SQLite,
- * OpenBLAS, xxHash, Criterion) are not wrapped, so SQLite running out of
- * memory is not simulated here. Requests run on one compute thread, so the
+ * OpenBLAS, xxHash, hiredis, Criterion) are not wrapped, so SQLite running
+ * out of memory is not simulated here. libcrypto is the exception: this
+ * executable hands it allocation functions of its own (CRYPTO_set_mem_functions,
+ * before anything uses it) that call the wrapped ones, so the HMAC of the
+ * Redis tier runs out of memory too. Requests run on one compute thread, so the
  * order of allocations, and so N, is deterministic (loads start three: the
  * workers do not allocate).
  *
@@ -43,7 +46,12 @@
 #include <string.h>
 #include <unistd.h>
 
+#include <hiredis/hiredis.h>
+#include <openssl/crypto.h>
+#include <signal.h>
+
 #include "pipeline/pipeline.h"
+#include "store/redis.h"
 #include "store/store.h"
 #include "tests/faultinject.h"
 #include "tests/testutil.h"
@@ -535,3 +543,115 @@ static void store_case(int damaged) {
 Test(faults, every_allocation_of_opening_a_store) { store_case(0); }
 
 Test(faults, every_allocation_of_opening_a_store_that_needs_recovery) { store_case(1); }
+
+/* ---------------------------------------------------------------- the Redis tier's MAC */
+
+/* libcrypto's allocations, through this executable's wrapped allocator. */
+static void *crypto_malloc(size_t n, const char *file, int line) {
+    (void)file;
+    (void)line;
+    return malloc(n);
+}
+static void *crypto_realloc(void *p, size_t n, const char *file, int line) {
+    (void)file;
+    (void)line;
+    return realloc(p, n);
+}
+static void crypto_free(void *p, const char *file, int line) {
+    (void)file;
+    (void)line;
+    free(p);
+}
+static int g_crypto_routed;
+__attribute__((constructor)) static void route_libcrypto(void) {
+    g_crypto_routed = CRYPTO_set_mem_functions(crypto_malloc, crypto_realloc, crypto_free);
+}
+
+static const char MAC_FP[] = "00112233445566778899aabbccddeeff";
+static const char MAC_KEY[] = "ffeeddccbbaa99887766554433221100";
+
+/* Allocations of one authenticated load with the tier's secret (or none). */
+static long count_get(rk_redis *r, const int32_t *tokens, int n_tokens,
+                      const rk_store_layout *layout, size_t body_size) {
+    rk_store_payload p;
+    rk_fault_alloc_fail_at(0);
+    rk_status st = rk_redis_get(r, MAC_KEY, tokens, n_tokens, layout, body_size, &p);
+    rk_fault_alloc_stop();
+    cr_assert_eq(st, RK_OK, "%s", rk_error_message());
+    rk_store_payload_free(&p);
+    return rk_fault_alloc_count();
+}
+
+Test(faults, every_allocation_of_verifying_a_redis_values_mac) {
+    cr_assert(g_crypto_routed, "libcrypto's allocator could not be replaced");
+    signal(SIGPIPE, SIG_IGN);
+    rk_test_redis srv = {0};
+    rk_test_redis_start(&srv);
+    char url[64];
+    snprintf(url, sizeof url, "redis://127.0.0.1:%d", srv.port);
+    rk_redis_config cfg;
+    rk_redis_config_default(&cfg);
+    cfg.url = url;
+    cfg.min_tokens = 1;
+    static const char secret[] = "sixteen bytes or more of secret";
+    cfg.secret = secret;
+    cfg.secret_len = sizeof secret - 1;
+    rk_redis *r = NULL, *plain = NULL;
+    cr_assert_eq(rk_redis_open(&cfg, MAC_FP, &r), RK_OK, "%s", rk_error_message());
+    cfg.secret = NULL;
+    cfg.secret_len = 0;
+    cfg.prefix = "plain";
+    cr_assert_eq(rk_redis_open(&cfg, MAC_FP, &plain), RK_OK, "%s", rk_error_message());
+    int32_t tokens[40];
+    for (int i = 0; i < 40; i++) tokens[i] = 1000 + i;
+    uint8_t body[8192];
+    for (size_t i = 0; i < sizeof body; i++) body[i] = (uint8_t)(i * 13);
+    rk_store_layout layout = {2, 4, 8, 0, 16, 0};
+    rk_store_put_args a = {.key = MAC_KEY,
+                           .policy = "isolated",
+                           .layout = layout,
+                           .tokens = tokens,
+                           .n_tokens = 40,
+                           .body = body,
+                           .body_size = sizeof body};
+    int idle = 0;
+    cr_assert_eq(rk_redis_put(r, &a, NULL), RK_OK);
+    cr_assert_eq(rk_redis_put(plain, &a, NULL), RK_OK);
+    cr_assert_eq(rk_redis_wait_idle(r, 5000, &idle), RK_OK);
+    cr_assert(idle);
+    cr_assert_eq(rk_redis_wait_idle(plain, 5000, &idle), RK_OK);
+    cr_assert(idle);
+    long count = count_get(r, tokens, 40, &layout, sizeof body);
+    cr_assert_eq(count, count_get(r, tokens, 40, &layout, sizeof body));
+    long without = count_get(plain, tokens, 40, &layout, sizeof body);
+    cr_assert_gt(count, without, "the MAC's allocations are not counted (%ld, without %ld)", count,
+                 without);
+    cr_log_info("authenticated Redis load: %ld allocations (%ld without a secret)", count, without);
+    for (int persistent = 0; persistent < 2; persistent++)
+        for (long n = 1; n <= count; n++) {
+            rk_store_payload p;
+            rk_error_clear();
+            fail_at(n, persistent);
+            rk_status st = rk_redis_get(r, MAC_KEY, tokens, 40, &layout, sizeof body, &p);
+            rk_fault_alloc_stop();
+            if (st == RK_OK) {
+                cr_assert_eq(memcmp(p.body, body, sizeof body), 0, "allocation %ld", n);
+                rk_store_payload_free(&p);
+            } else {
+                expect_nomem(st, persistent, n, "authenticated Redis load");
+            }
+            /* Running out of memory is no verdict: the value is neither
+             * counted as forged nor deleted, and the next load succeeds. */
+            rk_redis_counters c;
+            rk_redis_stats(r, &c);
+            cr_assert_eq(c.auth_failures, 0, "%s failure at allocation %ld counted as forged",
+                         KIND[persistent], n);
+            cr_assert_eq(c.dropped_corrupt, 0, "allocation %ld", n);
+            cr_assert_eq(rk_redis_get(r, MAC_KEY, tokens, 40, &layout, sizeof body, &p), RK_OK,
+                         "after allocation %ld: %s", n, rk_error_message());
+            rk_store_payload_free(&p);
+        }
+    rk_redis_close(r);
+    rk_redis_close(plain);
+    rk_test_redis_free(&srv);
+}

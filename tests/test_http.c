@@ -579,7 +579,8 @@ Test(http, miss_then_hit_shows_in_stats_and_metrics) {
     cr_assert_eq(r.http.status, 200);
     cr_assert(strstr(header(&r, "Content-Type"), "text/plain"));
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_lookups_total"), 2);
-    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total"), 1);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"arena\"}"), 1);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"prefix\"}"), 0);
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_misses_total"), 1);
     cr_assert(metric(r.http.body, "ragkv_chunk_hit_tokens_total") > 0);
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_hit_tokens_total"),
@@ -608,7 +609,8 @@ Test(http, metrics_have_help_type_and_every_listed_name) {
                                      "ragkv_prefix_hit_tokens_total",
                                      "ragkv_evictions_total",
                                      "ragkv_requests_total",
-                                     "ragkv_store_loads_total"};
+                                     "ragkv_store_loads_total",
+                                     "ragkv_nonfinite_logits_total"};
     char line[256];
     for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++) {
         snprintf(line, sizeof line, "# TYPE %s counter\n", counters[i]);
@@ -812,10 +814,14 @@ static int sse_events(const char *body, char **events, int cap) {
     return n;
 }
 
-static void check_stream(const char *body, int chat, const char *want_text) {
+/* OpenAI's stream: content events (finish_reason null), one event with
+ * the finish_reason and no text, then one with no choices that carries the
+ * ragkv report (and usage, when with_usage: stream_options.include_usage),
+ * then [DONE]. */
+static void check_stream(const char *body, int chat, const char *want_text, int with_usage) {
     char *ev[512];
     int n = sse_events(body, ev, 512);
-    cr_assert(n >= 2, "want at least a final event and [DONE], got %d", n);
+    cr_assert(n >= 3, "want at least a finish event, a report event and [DONE], got %d", n);
     cr_assert_str_eq(ev[n - 1], "[DONE]");
     char text[8192] = "";
     for (int i = 0; i < n - 1; i++) {
@@ -824,11 +830,15 @@ static void check_stream(const char *body, int chat, const char *want_text) {
         cr_assert_str_eq(jstr(j, "object"), chat ? "chat.completion.chunk" : "text_completion");
         json_t *piece = chat ? jget(j, "choices.0.delta.content") : jget(j, "choices.0.text");
         if (piece) strncat(text, json_string_value(piece), sizeof text - strlen(text) - 1);
-        int last = i == n - 2;
-        cr_assert_eq(json_object_get(j, "usage") != NULL, last, "usage only in the final event");
-        cr_assert_eq(json_object_get(j, "ragkv") != NULL, last);
-        cr_assert_eq(json_is_string(jget(j, "choices.0.finish_reason")), last);
-        if (last) check_invariants(j);
+        int finish = i == n - 3, report = i == n - 2;
+        cr_assert_eq(json_is_object(json_object_get(j, "usage")), report && with_usage,
+                     "usage only in the report event, when asked: %s", ev[i]);
+        cr_assert_eq(json_object_get(j, "ragkv") != NULL, report);
+        cr_assert_eq(json_is_string(jget(j, "choices.0.finish_reason")), finish, "%s", ev[i]);
+        if (finish && chat) cr_assert_eq(json_object_size(jget(j, "choices.0.delta")), 0);
+        if (finish && !chat) cr_assert_str_eq(jstr(j, "choices.0.text"), "");
+        if (report) cr_assert_eq(json_array_size(json_object_get(j, "choices")), 0);
+        if (report && with_usage) check_invariants(j);
         json_decref(j);
     }
     if (want_text) cr_assert_str_eq(text, want_text);
@@ -842,14 +852,20 @@ Test(http, stream_frames_events_and_matches_the_whole_text) {
     resp st = postf("/v1/completions", req, ", \"stream\": true");
     cr_assert_eq(st.http.status, 200);
     cr_assert(strstr(header(&st, "Content-Type"), "text/event-stream"));
-    check_stream(st.http.body, 0, jstr(whole.json, "choices.0.text"));
+    check_stream(st.http.body, 0, jstr(whole.json, "choices.0.text"), 0);
+    resp_free(&st);
+    st = postf("/v1/completions", req,
+               ", \"stream\": true, \"stream_options\": {\"include_usage\": true}");
+    cr_assert_eq(st.http.status, 200);
+    check_stream(st.http.body, 0, jstr(whole.json, "choices.0.text"), 1);
     resp_free(&whole);
     resp_free(&st);
 }
 
 Test(http, chat_completion_with_chunks_in_the_message_and_as_extension) {
     const char *msgs = "\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, "
-                       "{\"role\": \"user\", \"content\": \"Doc A.##Doc B.##What?\"}]";
+                       "{\"role\": \"user\", \"content\": \"Doc A.##Doc B.##What?\"}], "
+                       "\"separator\": \"##\"";
     resp r = postf("/v1/chat/completions", "{%s, \"max_tokens\": 5, \"temperature\": 0}", msgs);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(jstr(r.json, "object"), "chat.completion");
@@ -868,15 +884,14 @@ Test(http, chat_completion_with_chunks_in_the_message_and_as_extension) {
     cr_assert_str_eq(jstr(e.json, "choices.0.message.content"), text);
     resp st = postf("/v1/chat/completions",
                     "{%s, \"max_tokens\": 5, \"temperature\": 0, "
-                    "\"stream\": true}",
+                    "\"stream\": true, \"stream_options\": {\"include_usage\": true}}",
                     msgs);
-    check_stream(st.http.body, 1, text);
+    check_stream(st.http.body, 1, text, 1);
     resp_free(&r);
     resp_free(&e);
     resp_free(&st);
     resp bad = post("/v1/chat/completions",
-                    "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": "
-                    "\"assistant\", \"content\": \"yo\"}]}");
+                    "{\"messages\": [{\"role\": \"assistant\", \"content\": \"yo\"}]}");
     expect_error(&bad, 400);
     resp_free(&bad);
 }
@@ -899,7 +914,7 @@ Test(http, malformed_input_is_400) {
         "{\"prompt\": \"x\", \"repair\": {\"policy\": \"first_k\", \"k\": -1}}",
         "{\"prompt\": \"x\", \"repair\": {\"policy\": \"deviation\", \"ratio\": 1.5}}",
         "{\"prompt\": \"x\", \"repair\": {\"policy\": \"best\"}}",
-        "{\"prompt\": \"x\", \"n\": 2}",
+        "{\"prompt\": \"x\", \"n\": 0}",
         "{\"prompt\": \"S##A##\"}",
         "{\"prompt\": \"x\", \"question\": \"y\"}",
         "{\"chunks\": [\"a\"]}",
@@ -941,9 +956,12 @@ Test(http, malformed_input_is_400) {
     resp_free(&r);
 }
 
-Test(http, unknown_model_is_404) {
-    resp r = post("/v1/completions", "{\"prompt\": \"x\", \"model\": \"gpt-9\"}");
-    expect_error(&r, 404);
+/* Under the default model_name_policy "any" (test_openai.c has "strict"). */
+Test(http, an_unknown_model_is_answered_under_the_served_name) {
+    resp r =
+        post("/v1/completions", "{\"prompt\": \"x\", \"model\": \"gpt-9\", \"max_tokens\": 1}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_str_eq(jstr(r.json, "model"), "ragkv synthetic tiny");
     resp_free(&r);
     r = post("/v1/completions",
              "{\"prompt\": \"x\", \"model\": \"ragkv synthetic tiny\", \"max_tokens\": 1}");
@@ -951,7 +969,8 @@ Test(http, unknown_model_is_404) {
     resp_free(&r);
 }
 
-Test(http_opts, limits_give_413_and_422, .fini = stop_server, .timeout = 300) {
+Test(http_opts, limits_give_413_422_and_context_length_exceeded, .fini = stop_server,
+     .timeout = 300) {
     const char *args[] = {"--max-body-bytes",
                           "2000",
                           "--max-chunks",
@@ -986,7 +1005,9 @@ Test(http_opts, limits_give_413_and_422, .fini = stop_server, .timeout = 300) {
     expect_error(&r, 422);
     resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 99}");
-    expect_error(&r, 422);
+    cr_assert_eq(r.http.status, 400, "%s", r.http.body);
+    cr_assert_str_eq(jstr(r.json, "error.code"), "context_length_exceeded");
+    cr_assert_eq(jint(r.json, "error.status"), 400);
     cr_assert(strstr(jstr(r.json, "error.message"), "context"));
     resp_free(&r);
     char chunk[600];
@@ -1424,7 +1445,8 @@ Test(http_opts, sigterm_ends_streams_with_a_final_event_and_answers_queued_reque
     cr_assert_eq(srv_start(&S, args), 0);
     rk_http_conn c, qs[2];
     stream_until_first_event("{\"prompt\": \"x\", \"max_tokens\": 2000, \"ignore_eos\": "
-                             "true, \"stream\": true}",
+                             "true, \"stream\": true, \"stream_options\": {\"include_usage\": "
+                             "true}}",
                              &c);
     open_completion("{\"prompt\": \"q\", \"max_tokens\": 5}", &qs[0]);
     open_completion("{\"prompt\": \"r\", \"max_tokens\": 5, \"stream\": true}", &qs[1]);
@@ -1433,8 +1455,8 @@ Test(http_opts, sigterm_ends_streams_with_a_final_event_and_answers_queued_reque
     double t = now_s();
     cr_assert_eq(srv_stop(&S), 0, "ragkv serve did not exit with status 0 on SIGTERM");
     cr_assert(now_s() - t < 20, "shutdown took %.1f s", now_s() - t);
-    /* The stream that was cut ends with a final event (finish_reason
-     * "cancelled", usage) and [DONE]. */
+    /* The stream that was cut ends with its finish event (finish_reason
+     * "cancelled"), the usage event and [DONE]. */
     resp cut = finish(&c);
     const char *rest = cut.http.body;
     size_t n = cut.http.body_len;
@@ -1447,7 +1469,7 @@ Test(http_opts, sigterm_ends_streams_with_a_final_event_and_answers_queued_reque
     cr_assert(last, "no event before [DONE]: %s", rest);
     json_t *ev = json_loadb(last + 6, (size_t)(done - 2 - last - 6), 0, NULL);
     cr_assert(ev, "the final event is not JSON: %.300s", last);
-    cr_assert_str_eq(jstr(ev, "choices.0.finish_reason"), "cancelled");
+    cr_assert(strstr(rest, "\"finish_reason\":\"cancelled\""), "no cancelled finish event");
     cr_assert(jint(ev, "usage.completion_tokens") > 0);
     check_invariants(ev);
     json_decref(ev);
@@ -1464,7 +1486,9 @@ Test(http_opts, sigterm_ends_streams_with_a_final_event_and_answers_queued_reque
 /* ================================================================ slow and idle clients */
 
 Test(http_opts, idle_connections_do_not_starve_the_service, .fini = stop_server, .timeout = 300) {
-    cr_assert_eq(srv_start(&S, NULL), 0);
+    /* All from one address: allowed here (test_openai.c tests the limit). */
+    const char *args[] = {"--max-connections-per-ip", "100000", NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
     enum { N_IDLE = 4 * (64 + 16) }; /* 4 x the default http_threads (queue + 16) */
     static int fds[N_IDLE];
     for (int i = 0; i < N_IDLE; i++) {
@@ -1661,4 +1685,443 @@ Test(http_opts, config_file_environment_and_flags_take_precedence_in_order, .tim
               strstr(out, "--print-config"));
     free(out);
     free(dir);
+}
+
+/* ================================================================ OpenAI request fields */
+
+/* The ids a completion generated (ragkv.completion_ids), into out; returns how many. */
+static int completion_ids(json_t *j, int32_t *out, int cap) {
+    json_t *ids = jget(j, "ragkv.completion_ids");
+    cr_assert(json_is_array(ids), "no completion_ids");
+    int n = (int)json_array_size(ids);
+    for (int i = 0; i < n && i < cap; i++)
+        out[i] = (int32_t)json_integer_value(json_array_get(ids, i));
+    return n < cap ? n : cap;
+}
+
+/* A completion of "x" with extra fields (a JSON fragment starting with a
+ * comma, or ""), 10 tokens without stopping; its generated ids into out. */
+static int complete_ids(const char *extra, int32_t *out) {
+    resp r = postf("/v1/completions",
+                   "{\"prompt\": \"The cat\", \"max_tokens\": 10, \"ignore_eos\": true%s}", extra);
+    cr_assert_eq(r.http.status, 200, "%s -> %s", extra, r.http.body);
+    int n = completion_ids(r.json, out, 10);
+    resp_free(&r);
+    cr_assert_eq(n, 10);
+    return n;
+}
+
+/* logit_bias -100 bans a token; a +100 bias makes greedy repeat a token, and
+ * penalties over the generated tokens move it off; one seed, one output. */
+Test(http, logit_bias_and_penalties_act_on_the_generated_tokens) {
+    int32_t base[10], out[10], again[10];
+    char extra[256];
+    complete_ids(", \"temperature\": 0", base);
+    snprintf(extra, sizeof extra, ", \"temperature\": 0, \"logit_bias\": {\"%d\": -100}", base[0]);
+    complete_ids(extra, out);
+    for (int i = 0; i < 10; i++)
+        cr_expect_neq(out[i], base[0], "banned token %d at %d", base[0], i);
+    /* Bias +100 on one token: greedy gives it every time. */
+    int32_t a = base[1] != base[0] ? base[1] : (base[0] + 1) % 256;
+    snprintf(extra, sizeof extra, ", \"temperature\": 0, \"logit_bias\": {\"%d\": 100}", a);
+    complete_ids(extra, out);
+    for (int i = 0; i < 10; i++) cr_assert_eq(out[i], a, "step %d: %d", i, out[i]);
+    /* With the penalties, the first token (no history) is still it; the
+     * second is not: (100 + l) / 100 - 2 - 2 is below every other logit the
+     * model gives here. */
+    snprintf(extra, sizeof extra,
+             ", \"temperature\": 0, \"logit_bias\": {\"%d\": 100}, \"presence_penalty\": 2, "
+             "\"frequency_penalty\": 2, \"repetition_penalty\": 100",
+             a);
+    complete_ids(extra, out);
+    cr_expect_eq(out[0], a);
+    cr_expect_neq(out[1], a);
+    /* Sampled with every adjustment: the same seed gives the same tokens. */
+    snprintf(extra, sizeof extra,
+             ", \"temperature\": 0.9, \"seed\": 42, \"logit_bias\": {\"%d\": -100}, "
+             "\"presence_penalty\": 0.5, \"frequency_penalty\": 0.7, \"repetition_penalty\": 1.2",
+             base[0]);
+    complete_ids(extra, out);
+    complete_ids(extra, again);
+    cr_expect_eq(memcmp(out, again, sizeof out), 0, "one seed, two outputs");
+    for (int i = 0; i < 10; i++) cr_expect_neq(out[i], base[0]);
+    /* The chat route takes them too. */
+    snprintf(extra, sizeof extra,
+             "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 6, "
+             "\"temperature\": 0, \"ignore_eos\": true, \"logit_bias\": {\"%d\": 100}}",
+             a);
+    resp r = post("/v1/chat/completions", extra);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(completion_ids(r.json, out, 10), 6);
+    for (int i = 0; i < 6; i++) cr_expect_eq(out[i], a);
+    resp_free(&r);
+}
+
+/* A value out of range, or a field ragkv does not implement asked to do
+ * something, is a 400 whose message names the field; the values that ask for
+ * nothing, and `user`, are accepted. */
+Test(http, unsupported_and_out_of_range_fields_are_400_naming_the_field) {
+    static const char *bad[][2] = {
+        {"\"presence_penalty\": 2.5", "presence_penalty"},
+        {"\"frequency_penalty\": -3", "frequency_penalty"},
+        {"\"repetition_penalty\": 0", "repetition_penalty"},
+        {"\"logit_bias\": {\"abc\": 1}", "logit_bias"},
+        {"\"logit_bias\": {\"5\": 101}", "logit_bias"},
+        {"\"logit_bias\": {\"16777215\": -100}", "logit_bias"},
+        {"\"logit_bias\": [1]", "logit_bias"},
+        {"\"n\": 2, \"best_of\": 3", "best_of"},
+        {"\"suffix\": \"end\"", "suffix"},
+        {"\"echo\": true", "echo"},
+        {"\"store\": true", "store"},
+        {"\"metadata\": {\"k\": \"v\"}", "metadata"},
+        {"\"service_tier\": \"flex\"", "service_tier"},
+        {"\"modalities\": [\"text\", \"audio\"]", "modalities"},
+        {"\"audio\": {\"voice\": \"alloy\", \"format\": \"wav\"}", "audio"},
+        {"\"prediction\": {\"type\": \"content\", \"content\": \"x\"}", "prediction"},
+        {"\"reasoning_effort\": \"low\"", "reasoning_effort"},
+        {"\"functions\": [{\"name\": \"f\"}]", "functions"},
+        {"\"function_call\": \"auto\"", "function_call"},
+        {"\"parallel_tool_calls\": true", "parallel_tool_calls"},
+        {"\"web_search_options\": {}", "web_search_options"},
+        {"\"verbosity\": \"low\"", "verbosity"},
+        {"\"user\": 5", "user"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        for (int chat = 0; chat < 2; chat++) {
+            resp r = chat ? postf("/v1/chat/completions",
+                                  "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+                                  "\"max_tokens\": 1, %s}",
+                                  bad[i][0])
+                          : postf("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1, %s}",
+                                  bad[i][0]);
+            expect_error(&r, 400);
+            cr_expect_not_null(strstr(jstr(r.json, "error.message"), bad[i][1]), "%s: %s",
+                               bad[i][0], jstr(r.json, "error.message"));
+            resp_free(&r);
+        }
+    }
+    resp r = post("/v1/chat/completions",
+                  "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], \"max_tokens\": 1, "
+                  "\"n\": 1, \"best_of\": 1, \"user\": \"u-1\", \"store\": false, \"metadata\": "
+                  "{}, \"service_tier\": \"auto\", \"modalities\": [\"text\"], \"suffix\": null, "
+                  "\"echo\": false, \"parallel_tool_calls\": false, \"safety_identifier\": \"s\", "
+                  "\"prompt_cache_key\": \"k\", \"presence_penalty\": -2, \"frequency_penalty\": "
+                  "2, \"repetition_penalty\": 1, \"logit_bias\": {}}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    resp_free(&r);
+}
+
+/* Chat documents: "##" in a message is text unless the body names a
+ * separator; the `documents` array and ragkv_chunk parts are chunks, cached
+ * by content like the `chunks` extension's. */
+Test(http, chat_documents_come_as_documents_parts_or_an_asked_separator) {
+    resp r = post("/v1/chat/completions",
+                  "{\"messages\": [{\"role\": \"user\", \"content\": \"## Summary\\nThe cat "
+                  "sat.\\n## Details\\nOn the mat.\"}], \"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 0, "%s", r.http.body);
+    check_invariants(r.json);
+    resp_free(&r);
+    r = post("/v1/chat/completions",
+             "{\"messages\": [{\"role\": \"user\", \"content\": \"Doc one.##Doc two.##Q?\"}], "
+             "\"separator\": \"##\", \"max_tokens\": 2}");
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
+    char key[2][40];
+    snprintf(key[0], sizeof key[0], "%s", jstr(r.json, "ragkv.chunks.0.key"));
+    snprintf(key[1], sizeof key[1], "%s", jstr(r.json, "ragkv.chunks.1.key"));
+    resp_free(&r);
+    /* The same documents as `documents`, then as ragkv_chunk parts: the same
+     * keys, found in the cache. */
+    r = post("/v1/chat/completions",
+             "{\"messages\": [{\"role\": \"user\", \"content\": \"Other?\"}], \"documents\": "
+             "[{\"id\": \"d1\", \"text\": \"Doc one.\"}, {\"content\": \"Doc two.\"}], "
+             "\"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
+    for (int k = 0; k < 2; k++) {
+        char path[32];
+        snprintf(path, sizeof path, "ragkv.chunks.%d.key", k);
+        cr_expect_str_eq(jstr(r.json, path), key[k]);
+        snprintf(path, sizeof path, "ragkv.chunks.%d.status", k);
+        cr_expect_str_eq(jstr(r.json, path), "hit");
+    }
+    resp_free(&r);
+    r = post(
+        "/v1/chat/completions",
+        "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": "
+        "\"Doc two.\", \"ragkv_chunk\": true}, {\"type\": \"text\", \"text\": \"## Third?\"}]}], "
+        "\"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 1, "%s", r.http.body);
+    cr_expect_str_eq(jstr(r.json, "ragkv.chunks.0.key"), key[1]);
+    cr_expect_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    resp_free(&r);
+}
+
+/* A chat whose last message is the assistant's continues it: the pieces are
+ * the template's turns with that message left open, so the greedy answer is
+ * the one /v1/completions gives for the same system and question pieces. */
+Test(http, a_last_assistant_message_is_continued) {
+    resp m = get("/v1/models");
+    const char *tmpl = jstr(m.json, "data.0.ragkv.chat_template");
+    const char *sys, *question;
+    if (!strcmp(tmpl, "chatml")) {
+        sys = "<|im_start|>user\\n";
+        question = "Tell me a story<|im_end|>\\n<|im_start|>assistant\\nOnce upon";
+    } else if (!strcmp(tmpl, "llama3")) {
+        sys = "<|start_header_id|>user<|end_header_id|>\\n\\n";
+        question = "Tell me a story<|eot_id|><|start_header_id|>assistant<|end_header_id|>\\n\\n"
+                   "Once upon";
+    } else {
+        sys = "[INST] ";
+        question = "Tell me a story [/INST] Once upon";
+    }
+    resp chat = post("/v1/chat/completions",
+                     "{\"messages\": [{\"role\": \"user\", \"content\": \"Tell me a story\"}, "
+                     "{\"role\": \"assistant\", \"content\": \"Once upon\"}], \"max_tokens\": 8, "
+                     "\"temperature\": 0, \"ignore_eos\": true}");
+    cr_assert_eq(chat.http.status, 200, "%s", chat.http.body);
+    resp comp = postf("/v1/completions",
+                      "{\"system\": \"%s\", \"question\": \"%s\", \"max_tokens\": 8, "
+                      "\"temperature\": 0, \"ignore_eos\": true}",
+                      sys, question);
+    cr_assert_eq(comp.http.status, 200, "%s", comp.http.body);
+    cr_assert_eq(jint(chat.json, "usage.prompt_tokens"), jint(comp.json, "usage.prompt_tokens"));
+    cr_assert(json_equal(jget(chat.json, "ragkv.completion_ids"),
+                         jget(comp.json, "ragkv.completion_ids")),
+              "%s\n%s", chat.http.body, comp.http.body);
+    resp_free(&m);
+    resp_free(&chat);
+    resp_free(&comp);
+}
+
+/* An exact repeat served from the whole-sequence cache counts its chunks as
+ * hits from the prefix: /v1/stats and /metrics agree with the responses. */
+Test(http, chunks_reused_with_a_sequence_count_as_prefix_hits) {
+    const char *body = "{\"prompt\": \"S##alpha beta##gamma delta##Q?\", \"max_tokens\": 3, "
+                       "\"temperature\": 0}";
+    int hits = 0, misses = 0, prefix = 0;
+    for (int i = 0; i < 2; i++) {
+        resp r = post("/v1/completions", body);
+        cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+        json_t *chunks = jget(r.json, "ragkv.chunks");
+        for (size_t k = 0; k < json_array_size(chunks); k++) {
+            json_t *c = json_array_get(chunks, k);
+            const char *st = json_string_value(json_object_get(c, "status"));
+            const char *src = json_string_value(json_object_get(c, "source"));
+            hits += !strcmp(st, "hit");
+            misses += !strcmp(st, "miss");
+            prefix += !strcmp(src, "prefix");
+        }
+        resp_free(&r);
+    }
+    cr_assert_eq(misses, 2);
+    cr_assert_eq(hits, 2);
+    cr_assert_eq(prefix, 2, "the repeat reuses the first sequence, chunks included");
+    resp r = get("/v1/stats");
+    cr_assert_eq(jint(r.json, "chunks.lookups"), 4);
+    cr_assert_eq(jint(r.json, "chunks.hits"), 2);
+    cr_assert_eq(jint(r.json, "chunks.misses"), 2);
+    cr_assert_eq(jint(r.json, "chunks.hits_by_source.prefix"), 2);
+    cr_assert_eq(jint(r.json, "chunks.hits_by_source.arena"), 0);
+    cr_assert_eq(json_real_value(jget(r.json, "chunks.hit_rate")), 0.5);
+    cr_assert_eq(jint(r.json, "chunks.windows.1m.hits"), 2);
+    cr_assert_eq(jint(r.json, "chunks.hit_tokens"), jint(r.json, "chunks.computed_tokens"));
+    cr_assert_eq(json_real_value(jget(r.json, "chunks.token_hit_rate")), 0.5);
+    resp_free(&r);
+    r = get("/metrics");
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_lookups_total"), 4);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"prefix\"}"), 2);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"arena\"}"), 0);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"disk\"}"), 0);
+    cr_assert_eq(metric(r.http.body, "ragkv_chunk_misses_total"), 2);
+    resp_free(&r);
+}
+
+/* --chat-separator splits chat messages for every request that names no
+ * separator; an invalid one stops the server from starting. */
+Test(http_opts, a_server_chat_separator_splits_chat_messages, .fini = stop_server, .timeout = 300) {
+    const char *args[] = {"--chat-separator", "##", NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    resp r = post("/v1/chat/completions",
+                  "{\"messages\": [{\"role\": \"user\", \"content\": \"Doc one.##Q?\"}], "
+                  "\"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 1, "%s", r.http.body);
+    resp_free(&r);
+    char *out;
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "%s serve --port 0 --chat-separator 'a\\b' 2>&1", RK_BIN);
+    cr_assert_neq(rk_test_run(cmd, &out), 0);
+    cr_assert(strstr(out, "chat_separator"), "%s", out);
+    free(out);
+}
+
+/* n > 1: one choice per index, each the request alone with seed + index. */
+Test(http, n_choices_have_their_own_index_and_seed) {
+    resp r = post("/v1/completions", "{\"prompt\": \"The cat\", \"n\": 3, \"seed\": 7, "
+                                     "\"temperature\": 0.9, \"max_tokens\": 6, \"ignore_eos\": "
+                                     "true}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    json_t *choices = jget(r.json, "choices");
+    cr_assert_eq(json_array_size(choices), 3, "%s", r.http.body);
+    long long prompt = 0;
+    for (int i = 0; i < 3; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "choices.%d.index", i);
+        cr_assert_eq(jint(r.json, path), i);
+        resp one = postf("/v1/completions",
+                         "{\"prompt\": \"The cat\", \"seed\": %d, \"temperature\": 0.9, "
+                         "\"max_tokens\": 6, \"ignore_eos\": true}",
+                         7 + i);
+        snprintf(path, sizeof path, "choices.%d.ragkv.completion_ids", i);
+        cr_assert(json_equal(jget(r.json, path), jget(one.json, "ragkv.completion_ids")),
+                  "choice %d differs from seed %d alone", i, 7 + i);
+        snprintf(path, sizeof path, "choices.%d.text", i);
+        cr_assert_str_eq(jstr(r.json, path), jstr(one.json, "choices.0.text"));
+        prompt = jint(one.json, "usage.prompt_tokens");
+        resp_free(&one);
+    }
+    cr_assert_eq(jint(r.json, "usage.completion_tokens"), 18);
+    cr_assert_eq(jint(r.json, "usage.prompt_tokens"), prompt, "the prompt counts once");
+    resp_free(&r);
+    /* The later choices start after the first one's first token: its system
+     * prompt and chunks are cached for them. */
+    r = post("/v1/completions", "{\"prompt\": \"Shared system.##A shared chunk of text.##Q?\", "
+                                "\"n\": 2, \"max_tokens\": 3}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_str_eq(jstr(r.json, "choices.0.ragkv.chunks.0.status"), "miss");
+    cr_assert_str_eq(jstr(r.json, "choices.1.ragkv.chunks.0.status"), "hit");
+    cr_assert_gt(jint(r.json, "choices.1.ragkv.system.cached_tokens"), 0);
+    resp_free(&r);
+    /* Streamed: every event names its choice; each choice's text is the whole one's. */
+    resp whole = post("/v1/chat/completions",
+                      "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"n\": 2, "
+                      "\"seed\": 3, \"max_tokens\": 5, \"ignore_eos\": true}");
+    cr_assert_eq(whole.http.status, 200, "%s", whole.http.body);
+    resp st = post("/v1/chat/completions",
+                   "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"n\": 2, "
+                   "\"seed\": 3, \"max_tokens\": 5, \"ignore_eos\": true, \"stream\": true}");
+    cr_assert_eq(st.http.status, 200, "%s", st.http.body);
+    char *events[256];
+    int n = sse_events(st.http.body, events, 256);
+    cr_assert_gt(n, 2);
+    cr_assert_str_eq(events[n - 1], "[DONE]");
+    char text[2][512] = {"", ""};
+    int finished[2] = {0, 0}, roles[2] = {0, 0};
+    for (int e = 0; e < n - 1; e++) {
+        json_t *ev = json_loads(events[e], 0, NULL);
+        cr_assert(ev, "%s", events[e]);
+        long long idx = jint(ev, "choices.0.index");
+        cr_assert(idx == 0 || idx == 1);
+        json_t *c = jget(ev, "choices.0.delta.content");
+        if (json_is_string(c)) strncat(text[idx], json_string_value(c), 511 - strlen(text[idx]));
+        finished[idx] += json_is_string(jget(ev, "choices.0.finish_reason"));
+        roles[idx] += json_is_string(jget(ev, "choices.0.delta.role"));
+        json_decref(ev);
+    }
+    for (int i = 0; i < 2; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "choices.%d.message.content", i);
+        cr_assert_str_eq(text[i], jstr(whole.json, path), "choice %d", i);
+        cr_assert_eq(finished[i], 1);
+        cr_assert_eq(roles[i], 1, "choice %d: its first event carries the role", i);
+    }
+    for (int e = 0; e < n; e++) free(events[e]);
+    resp_free(&whole);
+    resp_free(&st);
+}
+
+/* prompt as an array: strings, one token list, or token lists; one choice
+ * per prompt with its index, each what the prompt gives alone; usage summed. */
+Test(http, prompt_arrays_are_batches) {
+    static const char *prompts[2] = {"The cat", "S##a chunk of text##Q?"};
+    resp one[2];
+    for (int i = 0; i < 2; i++) {
+        one[i] = postf("/v1/completions",
+                       "{\"prompt\": \"%s\", \"temperature\": 0, \"max_tokens\": 4, "
+                       "\"ignore_eos\": true}",
+                       prompts[i]);
+        cr_assert_eq(one[i].http.status, 200, "%s", one[i].http.body);
+    }
+    resp r = postf("/v1/completions",
+                   "{\"prompt\": [\"%s\", \"%s\"], \"temperature\": 0, \"max_tokens\": 4, "
+                   "\"ignore_eos\": true}",
+                   prompts[0], prompts[1]);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(jget(r.json, "choices")), 2);
+    for (int i = 0; i < 2; i++) {
+        char path[64];
+        snprintf(path, sizeof path, "choices.%d.index", i);
+        cr_assert_eq(jint(r.json, path), i);
+        snprintf(path, sizeof path, "choices.%d.ragkv.completion_ids", i);
+        cr_assert(json_equal(jget(r.json, path), jget(one[i].json, "ragkv.completion_ids")),
+                  "prompt %d", i);
+    }
+    cr_assert_eq(json_array_size(jget(r.json, "choices.1.ragkv.chunks")), 1);
+    cr_assert_eq(jint(r.json, "usage.prompt_tokens"), jint(one[0].json, "usage.prompt_tokens") +
+                                                          jint(one[1].json, "usage.prompt_tokens"));
+    cr_assert_eq(jint(r.json, "usage.completion_tokens"), 8);
+    resp_free(&r);
+    /* Token ids: one list, then a batch of lists; BOS goes first, as for text. */
+    resp t1 = post("/v1/completions", "{\"prompt\": [5, 6, 7], \"temperature\": 0, "
+                                      "\"max_tokens\": 3, \"ignore_eos\": true}");
+    cr_assert_eq(t1.http.status, 200, "%s", t1.http.body);
+    cr_assert_eq(json_array_size(jget(t1.json, "choices")), 1);
+    long long bos = jint(t1.json, "ragkv.system.tokens");
+    cr_assert_eq(jint(t1.json, "usage.prompt_tokens"), 3 + bos);
+    resp t2 = post("/v1/completions", "{\"prompt\": [[9, 10], [5, 6, 7]], \"temperature\": 0, "
+                                      "\"max_tokens\": 3, \"ignore_eos\": true}");
+    cr_assert_eq(t2.http.status, 200, "%s", t2.http.body);
+    cr_assert(json_equal(jget(t2.json, "choices.1.ragkv.completion_ids"),
+                         jget(t1.json, "ragkv.completion_ids")));
+    cr_assert_eq(jint(t2.json, "usage.prompt_tokens"), 5 + 2 * bos);
+    resp_free(&t1);
+    resp_free(&t2);
+    resp_free(&one[0]);
+    resp_free(&one[1]);
+    static const char *bad[][2] = {
+        {"{\"prompt\": []}", "400"},
+        {"{\"prompt\": [[]]}", "400"},
+        {"{\"prompt\": [1, \"a\"]}", "400"},
+        {"{\"prompt\": [\"a\", 1]}", "400"},
+        {"{\"prompt\": [[1], 2]}", "400"},
+        {"{\"prompt\": [-1]}", "400"},
+        {"{\"prompt\": [16000000]}", "400"},
+        {"{\"prompt\": \"x\", \"n\": 33}", "422"},
+        {"{\"prompt\": [\"a\", \"b\", \"c\"], \"n\": 11}", "422"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        resp b = post("/v1/completions", bad[i][0]);
+        expect_error(&b, atoi(bad[i][1]));
+        resp_free(&b);
+    }
+}
+
+/* A client that leaves a stream of several choices cancels every one: they
+ * all release what they hold and stop early. */
+Test(http_opts, a_client_that_disconnects_from_n_choices_cancels_them_all, .fini = stop_server,
+     .timeout = 300) {
+    const char *args[] = {"--token-delay-s", "0.01", NULL};
+    cr_assert_eq(srv_start(&S, args), 0);
+    counts base = stats_counts();
+    rk_http_conn c;
+    stream_until_first_event("{\"prompt\": \"A system prompt.##A chunk.##Go on\", \"n\": 3, "
+                             "\"max_tokens\": 400, \"ignore_eos\": true, \"stream\": true}",
+                             &c);
+    rk_http_close(&c);
+    double until = now_s() + 30;
+    counts after = stats_counts();
+    while (!counts_equal(after, base) && now_s() < until) {
+        sleep_s(0.05);
+        after = stats_counts();
+    }
+    cr_assert(counts_equal(after, base), "live %lld refs %lld locked %lld, want %lld %lld %lld",
+              after.live_used, after.chunk_refs, after.prefix_locked, base.live_used,
+              base.chunk_refs, base.prefix_locked);
+    resp r = get("/v1/stats");
+    cr_assert(jint(r.json, "tokens.generated") < 3 * 390, "generated %lld",
+              jint(r.json, "tokens.generated"));
+    cr_assert_eq(jint(r.json, "requests.in_flight"), 1, "only this stats request is in flight");
+    resp_free(&r);
 }

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include "pipeline/pipeline.h"
+#include "store/payload.h"
 #include "tests/testutil.h"
 
 static rk_service *open_with_store(const char *model, const char *dir) {
@@ -310,5 +311,61 @@ Test(persist, prewarm_killed_at_random_points_always_leaves_a_consistent_store, 
     cr_assert(strstr(out, "200") != NULL, "all 200 chunks are stored: %s", out);
     free(out);
     free(corpus);
+    free(dir);
+}
+
+/* Put a NaN into the f32 KV of the payload file at path, its checksums
+ * recomputed, as a damaged disk or a careless tool could. */
+static void poison_payload(const char *path) {
+    size_t len = 0;
+    char *b = rk_test_read_file(path, &len);
+    cr_assert_not_null(b, "%s", path);
+    rk_payload_header h;
+    cr_assert_eq(rk_payload_header_decode(path, (uint8_t *)b, len, &h), RK_OK, "%s",
+                 rk_error_message());
+    cr_assert_eq(h.layout.dtype, 0, "an f32 KV store");
+    int32_t *toks = (int32_t *)(void *)(b + RK_STORE_HEADER_BYTES);
+    float *kv = (float *)(void *)(b + RK_STORE_HEADER_BYTES + 4 * (size_t)h.n_tokens);
+    kv[h.body_size / 4 / 2] = NAN;
+    rk_payload_checksum(toks, h.n_tokens, kv, (size_t)h.body_size, h.checksum);
+    rk_payload_header_encode(&h, (uint8_t *)b);
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(b, 1, len, f), len);
+    fclose(f);
+    free(b);
+}
+
+Test(persist, nan_kv_on_disk_is_found_by_verify_and_quarantined_at_load_never_served) {
+    char *dir = rk_test_tmpdir("nan-disk");
+    char store[4096], gen[8192], cmd[16384], *out, *files;
+    lost_db_setup(dir, store, sizeof store, gen, sizeof gen);
+    snprintf(cmd, sizeof cmd, "find %s/kv -name '*.kv'", store);
+    cr_assert_eq(rk_test_run(cmd, &files), 0);
+    int n = 0;
+    for (char *line = strtok(files, "\n"); line; line = strtok(NULL, "\n"), n++)
+        poison_payload(line);
+    free(files);
+    cr_assert_eq(n, 3);
+    /* The rows' checksums are the old ones: rebuild them from the files, as
+     * the files now say (their checksums are sound). */
+    snprintf(cmd, sizeof cmd, "rm %s/chunks.db && %s cache rebuild --store %s 2>&1", store, RK_BIN,
+             store);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "rebuilt 3 rows"), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "%s cache verify --store %s 2>&1", RK_BIN, store);
+    cr_assert_eq(rk_test_run(cmd, &out), 1, "verify passed NaN KV: %s", out);
+    cr_assert(strstr(out, "NaN or infinite") && strstr(out, "3 bad"), "%s", out);
+    free(out);
+    cr_assert_eq(rk_test_run(gen, &out), 0, "%s", out);
+    cr_assert(!strstr(out, "\"source\":\"disk\""), "NaN KV was served from disk: %s", out);
+    cr_assert(strstr(out, "\"source\":\"computed\""), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "ls %s/quarantine | wc -l", store);
+    cr_assert_eq(rk_test_run(cmd, &out), 0);
+    /* The store's open (verify_on_open) checks every payload's KV too. */
+    cr_assert_eq(atoi(out), 3, "the bad payloads were not quarantined: %s", out);
+    free(out);
     free(dir);
 }

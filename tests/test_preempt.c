@@ -42,12 +42,20 @@ static rk_service *open_svc(const char *model, int live_blocks) {
     return svc;
 }
 
+/* Set by a test: requests sample with penalties over their generated tokens. */
+static int g_penalties;
+
 static void prepare_into(rk_service *svc, const char *prompt, int max_tokens, rk_req_mode mode,
                          rk_request *r) {
     rk_req_options_default(&r->opt);
     r->opt.mode = mode;
     r->opt.max_tokens = max_tokens;
     r->opt.sampling.temperature = 0;
+    if (g_penalties) {
+        r->opt.sampling.presence_penalty = 0.4f;
+        r->opt.sampling.frequency_penalty = 0.6f;
+        r->opt.sampling.repetition_penalty = 1.3f;
+    }
     r->opt.stop_at_eog = 0;
     r->opt.n_logprobs = 2;
     rk_split sp;
@@ -159,6 +167,13 @@ Test(preempt, preempted_rag_requests_resume_with_their_greedy_tokens, .timeout =
 
 Test(preempt, preempted_plain_requests_resume_with_their_greedy_tokens, .timeout = 300) {
     check_preempted_run_matches_alone(NULL, RK_MODE_PLAIN); /* whole-sequence reuse */
+}
+
+/* The penalties count the tokens generated before a preemption too: a
+ * resumed request's sampler has seen them all. */
+Test(preempt, preempted_requests_with_penalties_resume_with_their_tokens, .timeout = 300) {
+    g_penalties = 1;
+    check_preempted_run_matches_alone(NULL, RK_MODE_RAG);
 }
 
 Test(preempt, preempted_requests_resume_with_their_greedy_tokens_stories260k, .timeout = 300) {

@@ -1,4 +1,8 @@
-/* tests/test_redis.c — the shared Redis tier against a real redis-server.
+/* tests/test_redis.c — the shared Redis tier against a real redis-server:
+ * values, markers, corruption, breaker, locks, the writer queue, the cost
+ * gate, listing and flushing; and trust: HMAC-tagged values with a secret
+ * (forged, untagged and other-secret values deleted and counted), the body
+ * check, values too large refused unread, reconnecting after a restart.
  *
  * Every test that needs a server starts its own redis-server on a free
  * loopback port in a scratch directory (no persistence) and stops it at the
@@ -101,7 +105,7 @@ static void expect_same(const rk_store_payload *p, const chunk *c) {
 }
 
 static rk_status get_chunk(rk_redis *r, const chunk *c, rk_store_payload *p) {
-    return rk_redis_get(r, c->key, c->tokens, c->n_tokens, &c->layout, p);
+    return rk_redis_get(r, c->key, c->tokens, c->n_tokens, &c->layout, sizeof c->body, p);
 }
 
 static void init(void) { signal(SIGPIPE, SIG_IGN); }
@@ -176,7 +180,8 @@ Test(redis, put_then_get_returns_identical_bytes_and_a_second_client_sees_it) {
     /* Another KV layout (another kind of replica) is a miss and is kept. */
     rk_store_layout other = c.layout;
     other.dtype = 1;
-    cr_assert_eq(rk_redis_get(b, c.key, c.tokens, c.n_tokens, &other, &p), RK_ERR_NOT_FOUND);
+    cr_assert_eq(rk_redis_get(b, c.key, c.tokens, c.n_tokens, &other, sizeof c.body, &p),
+                 RK_ERR_NOT_FOUND);
     rk_redis_stats(b, &cb);
     cr_assert_eq(cb.layout_mismatch, 1);
     cr_assert_eq(cb.dropped_corrupt, 0);
@@ -316,7 +321,7 @@ Test(redis, corrupt_truncated_wrong_model_and_wrong_token_values_are_dropped_and
     int32_t wrong[64];
     memcpy(wrong, c[3].tokens, sizeof wrong);
     wrong[5] ^= 1;
-    cr_assert_eq(rk_redis_get(a, c[3].key, wrong, c[3].n_tokens, NULL, &p), RK_ERR_NOT_FOUND);
+    cr_assert_eq(rk_redis_get(a, c[3].key, wrong, c[3].n_tokens, NULL, 0, &p), RK_ERR_NOT_FOUND);
 
     rk_redis_counters ct;
     rk_redis_stats(a, &ct);
@@ -553,7 +558,7 @@ Test(redis, nx_lock_is_taken_once_and_freed_when_its_holder_dies) {
     cr_assert_eq(sb, RK_REDIS_LOCK_HELD);
     rk_store_payload p;
     rk_redis_poll_state ps;
-    cr_assert_eq(rk_redis_poll(b, c.key, c.tokens, c.n_tokens, NULL, &p, &ps), RK_OK);
+    cr_assert_eq(rk_redis_poll(b, c.key, c.tokens, c.n_tokens, NULL, 0, &p, &ps), RK_OK);
     cr_assert_eq(ps, RK_REDIS_PENDING);
 
     /* A dies holding the lock (it never unlocks): the TTL frees it for B. */
@@ -574,7 +579,9 @@ Test(redis, nx_lock_is_taken_once_and_freed_when_its_holder_dies) {
     /* B computes and puts with its lock: A, waiting, gets the value. */
     rk_store_put_args args = chunk_args(&c);
     cr_assert_eq(rk_redis_put(b, &args, &lb), RK_OK);
-    cr_assert_eq(rk_redis_wait_for(a, c.key, c.tokens, c.n_tokens, &c.layout, 5000, &p), RK_OK);
+    cr_assert_eq(
+        rk_redis_wait_for(a, c.key, c.tokens, c.n_tokens, &c.layout, sizeof c.body, 5000, &p),
+        RK_OK);
     expect_same(&p, &c);
     rk_store_payload_free(&p);
     int idle;
@@ -590,13 +597,13 @@ Test(redis, nx_lock_is_taken_once_and_freed_when_its_holder_dies) {
     cr_assert_eq(rk_redis_try_lock(a, d.key, &la, &sa), RK_OK);
     cr_assert_eq(sa, RK_REDIS_LOCK_ACQUIRED);
     double w0 = rk_time_now();
-    cr_assert_eq(rk_redis_wait_for(b, d.key, d.tokens, d.n_tokens, NULL, 150, &p),
+    cr_assert_eq(rk_redis_wait_for(b, d.key, d.tokens, d.n_tokens, NULL, 0, 150, &p),
                  RK_ERR_NOT_FOUND);
     cr_assert_geq(rk_time_now() - w0, 0.15, "the wait ended before its bound");
     cr_assert_eq(rk_redis_unlock(a, &la), RK_OK);
     snprintf(k, sizeof k, "ragkv:%s:%s:lock", FP_A, d.key);
     cr_assert_eq(raw_int(rc, "EXISTS %s", k), 0);
-    cr_assert_eq(rk_redis_poll(b, d.key, d.tokens, d.n_tokens, NULL, &p, &ps), RK_OK);
+    cr_assert_eq(rk_redis_poll(b, d.key, d.tokens, d.n_tokens, NULL, 0, &p, &ps), RK_OK);
     cr_assert_eq(ps, RK_REDIS_GONE);
     redisFree(rc);
     rk_redis_close(a);
@@ -753,5 +760,256 @@ Test(redis, list_and_flush_touch_only_this_models_keys) {
     redisFree(rc);
     rk_redis_close(a);
     rk_redis_close(b);
+    rk_test_redis_free(&s);
+}
+
+/* ---------------------------------------------------------------- trust */
+
+static const char SECRET[] = "correct horse battery staple 42";
+
+static rk_redis *open_secret_tier(const rk_test_redis *s, const char *fp, const char *secret) {
+    rk_redis_config cfg;
+    rk_redis_config_default(&cfg);
+    cfg.min_tokens = 1;
+    if (secret) {
+        cfg.secret = secret;
+        cfg.secret_len = strlen(secret);
+    }
+    return open_tier(s, fp, &cfg);
+}
+
+/* Store under c's keys what someone with write access to Redis but without
+ * the secret can: a well-formed payload with body (and c's token ids), its
+ * checksums recomputed, then a marker of version (1: no tag; 2: a tag of 32
+ * bytes the forger has to guess, here zeros) that agrees with it. */
+static void forge(redisContext *rc, const char *fp, const chunk *c, const void *body,
+                  size_t body_size, int version) {
+    rk_payload_header h = {.n_tokens = (uint32_t)c->n_tokens,
+                           .layout = c->layout,
+                           .body_size = body_size,
+                           .created = 1e9};
+    memcpy(h.fingerprint, fp, 32);
+    memcpy(h.key, c->key, 32);
+    snprintf(h.policy, sizeof h.policy, "isolated");
+    rk_payload_checksum(c->tokens, (size_t)c->n_tokens, body, body_size, h.checksum);
+    size_t tag = version == 2 ? RK_REDIS_TAG_BYTES : 0;
+    size_t n = RK_STORE_HEADER_BYTES + 4 * (size_t)c->n_tokens + body_size + tag;
+    uint8_t *v = calloc(1, n);
+    cr_assert_not_null(v);
+    rk_payload_header_encode(&h, v);
+    memcpy(v + RK_STORE_HEADER_BYTES, c->tokens, 4 * (size_t)c->n_tokens);
+    memcpy(v + RK_STORE_HEADER_BYTES + 4 * (size_t)c->n_tokens, body, body_size);
+    char hex[33], k[200], meta[200];
+    rk_payload_checksum_hex(h.checksum, hex);
+    snprintf(k, sizeof k, "ragkv:%s:%s", fp, c->key);
+    redisReply *rep = redisCommand(rc, "SET %s %b", k, v, n);
+    cr_assert(rep && rep->type == REDIS_REPLY_STATUS);
+    freeReplyObject(rep);
+    snprintf(meta, sizeof meta, "%d %d %zu %s 1000000000.000", version, c->n_tokens, n, hex);
+    rep = redisCommand(rc, "SET %s:meta %s", k, meta);
+    cr_assert(rep && rep->type == REDIS_REPLY_STATUS);
+    freeReplyObject(rep);
+    free(v);
+}
+
+static long long key_exists(redisContext *rc, const char *fp, const chunk *c, const char *suffix) {
+    char k[200];
+    snprintf(k, sizeof k, "ragkv:%s:%s%s", fp, c->key, suffix);
+    return raw_int(rc, "EXISTS %s", k);
+}
+
+Test(redis, with_a_secret_forged_values_are_deleted_and_counted_and_honest_ones_load) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_redis *a = open_secret_tier(&s, FP_A, SECRET);
+    chunk c[3];
+    for (int i = 0; i < 3; i++) {
+        chunk_make(&c[i], 70 + (unsigned)i);
+        put_and_settle(a, &c[i]);
+    }
+    rk_store_payload p;
+    cr_assert_eq(get_chunk(a, &c[0], &p), RK_OK, "an authenticated value loads");
+    expect_same(&p, &c[0]);
+    rk_store_payload_free(&p);
+    /* The tagged value is the disk payload plus its 32-byte tag. */
+    redisContext *rc = raw(&s);
+    char k[200];
+    snprintf(k, sizeof k, "ragkv:%s:%s", FP_A, c[0].key);
+    cr_assert_eq(raw_int(rc, "STRLEN %s", k), RK_STORE_HEADER_BYTES + 4 * c[0].n_tokens +
+                                                  (long long)sizeof c[0].body + RK_REDIS_TAG_BYTES);
+
+    /* Forged: the KV changed, checksums and marker recomputed; once as an
+     * old untagged value, once with a tag made up without the secret. */
+    uint8_t evil[sizeof c[1].body];
+    for (size_t i = 0; i < sizeof evil; i++) evil[i] = (uint8_t)(c[1].body[i] ^ 0x80);
+    forge(rc, FP_A, &c[1], evil, sizeof evil, 1);
+    forge(rc, FP_A, &c[2], evil, sizeof evil, 2);
+    for (int i = 1; i < 3; i++) {
+        cr_assert_eq(get_chunk(a, &c[i], &p), RK_ERR_NOT_FOUND, "forged value %d was served", i);
+        cr_assert_eq(key_exists(rc, FP_A, &c[i], ""), 0, "forged value %d kept", i);
+        cr_assert_eq(key_exists(rc, FP_A, &c[i], ":meta"), 0, "forged marker %d kept", i);
+    }
+    rk_redis_counters ct;
+    rk_redis_stats(a, &ct);
+    cr_assert_eq(ct.auth_failures, 2);
+    cr_assert_eq(ct.dropped_corrupt, 0);
+    cr_assert_eq(ct.hits, 1);
+
+    /* Another secret: the value is a miss, deleted and counted, as after a
+     * rotation. Without a secret the tier trusts Redis and loads it. */
+    rk_redis *plain = open_secret_tier(&s, FP_A, NULL);
+    cr_assert_eq(get_chunk(plain, &c[0], &p), RK_OK, "a tier without a secret reads tagged values");
+    expect_same(&p, &c[0]);
+    rk_store_payload_free(&p);
+    rk_redis *other = open_secret_tier(&s, FP_A, "another secret, sixteen bytes+");
+    cr_assert_eq(get_chunk(other, &c[0], &p), RK_ERR_NOT_FOUND);
+    rk_redis_stats(other, &ct);
+    cr_assert_eq(ct.auth_failures, 1);
+    cr_assert_eq(key_exists(rc, FP_A, &c[0], ""), 0);
+    redisFree(rc);
+    rk_redis_close(a);
+    rk_redis_close(plain);
+    rk_redis_close(other);
+    rk_test_redis_free(&s);
+}
+
+Test(redis, a_secret_too_short_or_unreadable_is_refused_without_printing_it) {
+    uint8_t buf[RK_REDIS_SECRET_MAX];
+    size_t n = 99;
+    cr_assert_eq(rk_redis_secret_load("", NULL, buf, &n), RK_OK);
+    cr_assert_eq(n, 0, "no secret");
+    cr_assert_eq(rk_redis_secret_load(NULL, "short-secret", buf, &n), RK_ERR_INVALID);
+    cr_assert_null(strstr(rk_error_message(), "short-secret"), "%s", rk_error_message());
+    char *path = rk_test_write_tmp("redis-secret", "secret", "a file secret of 28 bytes!!\n");
+    cr_assert_eq(rk_redis_secret_load(path, "the environment's secret", buf, &n), RK_OK);
+    cr_assert_eq(n, 27, "the file wins and its newline is dropped");
+    cr_assert_eq(memcmp(buf, "a file secret of 28 bytes!!", 27), 0);
+    cr_assert_eq(rk_redis_secret_load(NULL, "the environment's secret", buf, &n), RK_OK);
+    cr_assert_eq(n, strlen("the environment's secret"));
+    cr_assert_eq(rk_redis_secret_load("/nonexistent/secret", NULL, buf, &n), RK_ERR_IO);
+    free(path);
+}
+
+/* A body check that refuses any body holding the byte 0xee. */
+static int no_ee(const rk_store_layout *layout, const void *body, size_t n, char *why, size_t cap) {
+    (void)layout;
+    if (!memchr(body, 0xee, n)) return 0;
+    snprintf(why, cap, "holds 0xee");
+    return 1;
+}
+
+Test(redis, a_value_failing_the_body_check_is_deleted_and_counted) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_redis_config cfg;
+    rk_redis_config_default(&cfg);
+    cfg.min_tokens = 1;
+    cfg.body_check = no_ee;
+    rk_redis *a = open_tier(&s, FP_A, &cfg);
+    chunk c;
+    chunk_make(&c, 90);
+    for (size_t i = 0; i < sizeof c.body; i++)
+        if (c.body[i] == 0xee) c.body[i] = 0;
+    put_and_settle(a, &c);
+    rk_store_payload p;
+    cr_assert_eq(get_chunk(a, &c, &p), RK_OK);
+    rk_store_payload_free(&p);
+    c.body[100] = 0xee;
+    put_and_settle(a, &c); /* overwrites the value, its checksums sound */
+    cr_assert_eq(get_chunk(a, &c, &p), RK_ERR_NOT_FOUND);
+    rk_redis_counters ct;
+    rk_redis_stats(a, &ct);
+    cr_assert_eq(ct.dropped_corrupt, 1);
+    redisContext *rc = raw(&s);
+    cr_assert_eq(key_exists(rc, FP_A, &c, ""), 0);
+    redisFree(rc);
+    rk_redis_close(a);
+    rk_test_redis_free(&s);
+}
+
+Test(redis, a_value_larger_than_its_chunk_is_refused_unread) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_redis *a = open_tier(&s, FP_A, NULL);
+    chunk c, d;
+    chunk_make(&c, 80);
+    chunk_make(&d, 81);
+    put_and_settle(a, &c);
+    put_and_settle(a, &d);
+    /* c: its real value with 4 MiB appended, the marker made to agree. */
+    redisContext *rc = raw(&s);
+    char k[200], meta[200];
+    snprintf(k, sizeof k, "ragkv:%s:%s", FP_A, c.key);
+    redisReply *rep = redisCommand(rc, "GET %s", k);
+    cr_assert(rep && rep->type == REDIS_REPLY_STRING);
+    size_t big = rep->len + ((size_t)4 << 20);
+    char *v = calloc(1, big);
+    cr_assert_not_null(v);
+    memcpy(v, rep->str, rep->len);
+    freeReplyObject(rep);
+    rep = redisCommand(rc, "SET %s %b", k, v, big);
+    freeReplyObject(rep);
+    free(v);
+    rep = redisCommand(rc, "GET %s:meta", k);
+    cr_assert(rep && rep->type == REDIS_REPLY_STRING);
+    int ver, nt;
+    unsigned long long nb;
+    char sum[40];
+    double created;
+    cr_assert_eq(sscanf(rep->str, "%d %d %llu %32s %lf", &ver, &nt, &nb, sum, &created), 5);
+    freeReplyObject(rep);
+    snprintf(meta, sizeof meta, "%d %d %zu %s %.3f", ver, nt, big, sum, created);
+    rep = redisCommand(rc, "SET %s:meta %s", k, meta);
+    freeReplyObject(rep);
+
+    rk_store_payload p;
+    cr_assert_eq(get_chunk(a, &c, &p), RK_ERR_NOT_FOUND);
+    rk_redis_counters ct;
+    rk_redis_stats(a, &ct);
+    cr_assert_eq(ct.size_refused, 1);
+    cr_assert_eq(ct.dropped_corrupt, 1);
+    cr_assert_lt(ct.bytes_in, 1u << 20, "%llu bytes were read", (unsigned long long)ct.bytes_in);
+    cr_assert_eq(key_exists(rc, FP_A, &c, ""), 0, "the planted value is deleted");
+
+    /* d, read by a tier of another layout (larger KV expected, same value):
+     * a sound value of another layout is a miss and kept. */
+    rk_store_layout other = d.layout;
+    other.dtype = 1;
+    cr_assert_eq(rk_redis_get(a, d.key, d.tokens, d.n_tokens, &other, 64, &p), RK_ERR_NOT_FOUND);
+    rk_redis_stats(a, &ct);
+    cr_assert_eq(ct.layout_mismatch, 1);
+    cr_assert_eq(ct.dropped_corrupt, 1);
+    cr_assert_eq(key_exists(rc, FP_A, &d, ""), 1, "another layout's value is kept");
+    cr_assert_eq(get_chunk(a, &d, &p), RK_OK);
+    rk_store_payload_free(&p);
+    redisFree(rc);
+    rk_redis_close(a);
+    rk_test_redis_free(&s);
+}
+
+Test(redis, the_first_write_and_read_after_a_restart_reconnect_instead_of_failing) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_redis *a = open_tier(&s, FP_A, NULL);
+    chunk c, d;
+    chunk_make(&c, 84);
+    chunk_make(&d, 85);
+    put_and_settle(a, &c); /* both connections are open now */
+    rk_store_payload p;
+    cr_assert_eq(get_chunk(a, &c, &p), RK_OK);
+    rk_store_payload_free(&p);
+    rk_test_redis_stop(&s);
+    rk_test_redis_start(&s); /* same port, empty */
+    put_and_settle(a, &d);
+    rk_redis_counters ct;
+    rk_redis_stats(a, &ct);
+    cr_assert_eq(ct.writes, 2, "the first write after the restart was dropped");
+    cr_assert_eq(ct.write_drops, 0);
+    cr_assert_eq(get_chunk(a, &d, &p), RK_OK, "the first read after the restart missed");
+    expect_same(&p, &d);
+    rk_store_payload_free(&p);
+    rk_redis_stats(a, &ct);
+    cr_assert_eq(ct.errors, 0);
+    rk_redis_close(a);
     rk_test_redis_free(&s);
 }

@@ -3,7 +3,12 @@
  * chunks, a corrupted value is recomputed, a dead or stalled Redis never
  * holds a request up, sharing resumes after a restart, a refused password
  * stops start-up, a fleet computes a chunk once, and an abandoned compute
- * lock (a dead holder's, a replica killed with SIGKILL) is waited out.
+ * lock (a dead holder's, a replica killed with SIGKILL) is waited out. Trust:
+ * with a secret a forged value is recomputed to the oracle's answer and never
+ * reaches the disk store (in-process and through three real servers), NaN KV
+ * from Redis is dropped and NaN KV in the arena fails the request, a logprob
+ * JSON cannot hold is null, the secret is never printed or logged and the
+ * server without one warns once.
  *
  * Every test starts its own redis-server on a free loopback port in a scratch
  * directory and stops it; the tests skip visibly without redis-server. The
@@ -11,6 +16,7 @@
 #include <criterion/criterion.h>
 #include <hiredis/hiredis.h>
 #include <jansson.h>
+#include <math.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
@@ -20,7 +26,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "chunkcache/chunk_index.h"
+#include "gateway/report.h"
+#include "gateway/api.h"
 #include "pipeline/pipeline.h"
+#include "store/payload.h"
 #include "tests/testutil.h"
 
 static rk_service *open_svc(const rk_test_redis *s, const char *password, int wait_ms) {
@@ -490,6 +500,8 @@ Test(redis_service, the_server_prewarms_lists_reports_and_flushes_the_tier) {
     char *m;
     curl(port, "GET", "/metrics", NULL, &m);
     cr_assert(strstr(m, "ragkv_redis_writes_total 2"), "%s", m);
+    cr_assert(strstr(m, "ragkv_redis_auth_failures_total 0"), "%s", m);
+    cr_assert(strstr(m, "ragkv_nonfinite_logits_total 0"), "%s", m);
     cr_assert(strstr(m, "ragkv_redis_bytes_total{direction=\"out\"}"), "%s", m);
     cr_assert(strstr(m, "ragkv_redis_latency_seconds_count"), "%s", m);
     if (rk_test_run("command -v promtool >/dev/null", NULL) == 0) {
@@ -507,12 +519,42 @@ Test(redis_service, the_server_prewarms_lists_reports_and_flushes_the_tier) {
     j = curl(port, "GET", "/v1/chunks?tier=redis", NULL, NULL);
     cr_assert_eq(jint(j, "total", NULL), 0);
     json_decref(j);
+    j = curl(port, "GET", "/v1/stats", NULL, NULL);
+    cr_assert_eq(jint(j, "redis", "auth_failures"), 0);
+    cr_assert_eq(jint(j, "requests", "nonfinite_logits"), 0);
+    json_decref(j);
     kill(pid, SIGTERM);
     int status;
     waitpid(pid, &status, 0);
     cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "server exit status %d", status);
+    /* Without a secret the server said once that Redis must be trusted. */
+    char *text = rk_test_read_file(log, NULL);
+    cr_assert_not_null(text);
+    int warnings = 0;
+    for (const char *p = text; (p = strstr(p, "no shared-tier secret")); p++) warnings++;
+    cr_assert_eq(warnings, 1, "%d trust warnings in:\n%s", warnings, text);
+    free(text);
     free(dir);
     rk_test_redis_free(&s);
+}
+
+Test(redis_service, print_config_shows_whether_a_secret_is_set_never_the_secret) {
+    char *path = rk_test_write_tmp("redis-secret-file", "secret", "file secret 0123456789abcdef\n");
+    char cmd[4400], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "RAGKV_REDIS_SECRET='env secret 0123456789abcdef' %s serve --print-config "
+             "--redis-secret-file %s",
+             RK_BIN, path);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", cmd);
+    cr_assert_null(strstr(out, "0123456789abcdef"), "a secret was printed: %s", out);
+    json_error_t je;
+    json_t *j = json_loads(out, 0, &je);
+    cr_assert_not_null(j, "%s", out);
+    cr_assert_str_eq(json_string_value(json_object_get(j, "redis_secret")), "<set>");
+    cr_assert_str_eq(json_string_value(json_object_get(j, "redis_secret_file")), path);
+    json_decref(j);
+    free(out);
+    free(path);
 }
 
 Test(redis_service, offline_prewarm_shares_chunks_with_the_fleet) {
@@ -553,7 +595,9 @@ Test(redis_service, an_admission_waits_for_other_replicas_once_not_per_chunk) {
     cfg.kv_memory_mb = 16;
     rk_service *plain;
     cr_assert_eq(rk_service_open(&cfg, NULL, &plain), RK_OK);
+    double tc = rk_time_now();
     rk_request *ref = run(plain, PROMPT);
+    tc = rk_time_now() - tc; /* computing both chunks, as a below will */
     /* Both chunks locked by replicas that will not finish in time. */
     redisContext *c = redisConnect("127.0.0.1", s.port);
     cr_assert(c && !c->err);
@@ -570,13 +614,414 @@ Test(redis_service, an_admission_waits_for_other_replicas_once_not_per_chunk) {
     double dt = rk_time_now() - t0;
     for (int k = 0; k < 2; k++) cr_assert_eq(r->chunk_reports[k].source, RK_CHUNK_SOURCE_COMPUTED);
     cr_assert_geq(dt, 0.55, "it did not wait for the holders (%.2f s)", dt);
-    /* One 600 ms bound for the admission; a bound per chunk would be 1.2 s. */
-    cr_assert_lt(dt, 1.15, "the waits added up to %.2f s", dt);
+    /* One 600 ms bound for the admission; a bound per chunk would be 1.2 s.
+     * The computing after the waits is taken off (it is slow in the
+     * sanitizer build on a busy machine). */
+    cr_assert_lt(dt - tc, 1.0, "the waits added up to %.2f s (%.2f s in all, %.2f s computing)",
+                 dt - tc, dt, tc);
     cr_assert_eq(memcmp(ref->out_tokens, r->out_tokens, 8 * sizeof(int32_t)), 0);
     redisFree(c);
     req_free(ref);
     req_free(r);
     rk_service_close(plain);
     rk_service_close(a);
+    rk_test_redis_free(&s);
+}
+
+/* ---------------------------------------------------------------- trust */
+
+static const char SECRET[] = "a fleet secret of more than sixteen bytes";
+
+/* A service on s with the given secret (NULL: none) and disk store (NULL:
+ * none); s NULL: no Redis tier. */
+static rk_service *open_tiers(const rk_test_redis *s, const char *secret, const char *store) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 1;
+    cfg.kv_memory_mb = 16;
+    cfg.redis_min_tokens = 1;
+    cfg.redis_timeout_ms = 100;
+    if (s) snprintf(cfg.redis_url, sizeof cfg.redis_url, "redis://127.0.0.1:%d", s->port);
+    if (secret) snprintf(cfg.redis_secret, sizeof cfg.redis_secret, "%s", secret);
+    if (store) snprintf(cfg.store_dir, sizeof cfg.store_dir, "%s", store);
+    rk_service *svc = NULL;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    return svc;
+}
+
+typedef enum forgery { NEGATE, ONE_NAN } forgery;
+
+/* Rewrite the f32 KV of chunk key's value as someone with write access to
+ * Redis but without the secret can: the KV changed (negated, or one value
+ * made NaN), the checksum, header and commit marker recomputed to agree; a
+ * tag, when there was one, kept as it was (nobody can recompute it without
+ * the secret). */
+static void forge_value(const rk_test_redis *s, const char *fp, const char *key, forgery how) {
+    redisContext *c = redisConnect("127.0.0.1", s->port);
+    cr_assert(c && !c->err);
+    redisReply *m = redisCommand(c, "GET ragkv:%s:%s:meta", fp, key);
+    redisReply *v = redisCommand(c, "GET ragkv:%s:%s", fp, key);
+    cr_assert(m && m->type == REDIS_REPLY_STRING && v && v->type == REDIS_REPLY_STRING);
+    int version = m->str[0] - '0';
+    size_t tag = version == 2 ? 32 : 0, len = v->len;
+    uint8_t *b = malloc(len);
+    cr_assert_not_null(b);
+    memcpy(b, v->str, len);
+    rk_payload_header h;
+    cr_assert_eq(rk_payload_header_decode("value", b, len - tag, &h), RK_OK);
+    cr_assert_eq(h.layout.dtype, 0, "the test forges f32 KV");
+    int32_t *toks = (int32_t *)(void *)(b + RK_STORE_HEADER_BYTES);
+    float *kv = (float *)(void *)(b + RK_STORE_HEADER_BYTES + 4 * (size_t)h.n_tokens);
+    size_t n = (size_t)h.body_size / 4;
+    if (how == NEGATE)
+        for (size_t i = 0; i < n; i++) kv[i] = -kv[i];
+    else
+        kv[n / 3] = NAN;
+    rk_payload_checksum(toks, h.n_tokens, kv, (size_t)h.body_size, h.checksum);
+    rk_payload_header_encode(&h, b);
+    char hex[33], marker[160];
+    rk_payload_checksum_hex(h.checksum, hex);
+    snprintf(marker, sizeof marker, "%d %u %zu %s 1000000000.000", version, h.n_tokens, len, hex);
+    redisReply *r1 = redisCommand(c, "SET ragkv:%s:%s %b", fp, key, b, len);
+    redisReply *r2 = redisCommand(c, "SET ragkv:%s:%s:meta %s", fp, key, marker);
+    cr_assert(r1 && r2 && r1->type == REDIS_REPLY_STATUS && r2->type == REDIS_REPLY_STATUS);
+    freeReplyObject(r1);
+    freeReplyObject(r2);
+    freeReplyObject(m);
+    freeReplyObject(v);
+    free(b);
+    redisFree(c);
+}
+
+static void expect_tokens(const rk_request *a, const rk_request *b) {
+    cr_assert_eq(a->n_out, b->n_out);
+    cr_assert_eq(memcmp(a->out_tokens, b->out_tokens, (size_t)a->n_out * sizeof(int32_t)), 0,
+                 "the answer differs from the oracle's");
+}
+
+Test(redis_service, with_a_secret_a_forged_value_is_recomputed_and_never_reaches_the_disk) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_tiers(&s, SECRET, NULL);
+    rk_request *oracle = run(a, PROMPT); /* computed alone: the right answer */
+    drain(a);
+    const char *fp = rk_model_fingerprint(a->model);
+    forge_value(&s, fp, oracle->chunk_reports[0].key, NEGATE);
+    char *dir = rk_test_tmpdir("redis-forged-store");
+    rk_service *b = open_tiers(&s, SECRET, dir);
+    rk_request *rb = run(b, PROMPT);
+    cr_assert_eq(rb->chunk_reports[0].source, RK_CHUNK_SOURCE_COMPUTED,
+                 "the forged value was used");
+    cr_assert_eq(rb->chunk_reports[1].source, RK_CHUNK_SOURCE_REDIS);
+    expect_tokens(oracle, rb);
+    rk_redis_counters cb;
+    rk_redis_stats(b->redis, &cb);
+    cr_assert_eq(cb.auth_failures, 1);
+    cr_assert_eq(cb.hits, 1);
+    rk_service_close(b);
+    /* Redis flushed, a restart with the store alone: what B kept is right. */
+    redisContext *c = redisConnect("127.0.0.1", s.port);
+    cr_assert(c && !c->err);
+    freeReplyObject(redisCommand(c, "FLUSHALL"));
+    redisFree(c);
+    rk_service *d = open_tiers(NULL, NULL, dir);
+    rk_request *rd = run(d, PROMPT);
+    for (int k = 0; k < 2; k++)
+        cr_assert_eq(rd->chunk_reports[k].source, RK_CHUNK_SOURCE_DISK, "chunk %d", k);
+    expect_tokens(oracle, rd);
+    req_free(oracle);
+    req_free(rb);
+    req_free(rd);
+    rk_service_close(a);
+    rk_service_close(d);
+    free(dir);
+    rk_test_redis_free(&s);
+}
+
+Test(redis_service, nan_kv_in_redis_is_dropped_and_the_answer_is_the_oracles) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_tiers(&s, NULL, NULL);
+    rk_request *oracle = run(a, PROMPT);
+    drain(a);
+    forge_value(&s, rk_model_fingerprint(a->model), oracle->chunk_reports[1].key, ONE_NAN);
+    char *dir = rk_test_tmpdir("redis-nan-store");
+    rk_service *b = open_tiers(&s, NULL, dir);
+    rk_request *rb = run(b, PROMPT);
+    cr_assert_eq(rb->chunk_reports[0].source, RK_CHUNK_SOURCE_REDIS);
+    cr_assert_eq(rb->chunk_reports[1].source, RK_CHUNK_SOURCE_COMPUTED, "the NaN value was used");
+    expect_tokens(oracle, rb);
+    rk_redis_counters cb;
+    rk_redis_stats(b->redis, &cb);
+    cr_assert_eq(cb.dropped_corrupt, 1);
+    req_free(oracle);
+    req_free(rb);
+    rk_service_close(a);
+    rk_service_close(b);
+    free(dir);
+    rk_test_redis_free(&s);
+}
+
+Test(redis_service, non_finite_kv_in_the_arena_fails_the_request_instead_of_answering_garbage) {
+    rk_service *a = open_tiers(NULL, NULL, NULL);
+    rk_request *first = run(a, PROMPT);
+    /* Poison the cached chunk's keys in the arena, as a bad payload that
+     * slipped through or an overflow would. */
+    rk_chunk_key k;
+    cr_assert_eq(rk_chunk_key_parse(first->chunk_reports[0].key, &k), RK_OK);
+    rk_chunk_entry *e = rk_chunk_index_find(a->chunks, k);
+    cr_assert_not_null(e);
+    const rk_kv_cache *kv = rk_arena_kv(a->arena);
+    cr_assert_eq(kv->dtype, RK_DTYPE_F32);
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
+    for (int l = 0; l < kv->n_layers; l++)
+        for (int t = 0; t < e->n_tokens; t++) {
+            float *kr = (float *)(void *)kv->k[l] +
+                        ((size_t)e->blocks[t / kv->block_size] * kv->block_size +
+                         (size_t)(t % kv->block_size)) *
+                            row;
+            for (size_t i = 0; i < row; i++) kr[i] = NAN;
+        }
+    rk_request *r = make_req(a, PROMPT, 8);
+    r->opt.reuse_sequences = 0;
+    rk_status st = rk_pipeline_run(a, &r, 1, NULL);
+    cr_assert_eq(st, RK_ERR_INTERNAL, "a request over NaN KV answered (%s)", rk_status_str(st));
+    cr_assert(strstr(rk_error_message(), "non-finite logit"), "%s", rk_error_message());
+    cr_assert_eq(r->chunk_reports[0].source, RK_CHUNK_SOURCE_ARENA);
+    cr_assert_eq(r->failure, RK_ERR_INTERNAL);
+    cr_assert_eq(a->nonfinite_logits, 1);
+    cr_assert_eq(rk_http_status_of(r->failure), 500, "the server answers it with a 500");
+    req_free(first);
+    req_free(r);
+    rk_service_close(a);
+}
+
+Test(redis_service, a_logprob_json_cannot_hold_is_written_as_null_never_dropped) {
+    rk_service *a = open_tiers(NULL, NULL, NULL);
+    rk_split sp;
+    cr_assert_eq(rk_split_prompt(PROMPT, strlen(PROMPT), NULL, 64, &sp), RK_OK);
+    rk_request *r = calloc(1, sizeof *r);
+    cr_assert_not_null(r);
+    rk_req_options_default(&r->opt);
+    r->opt.max_tokens = 3;
+    r->opt.sampling.temperature = 0;
+    r->opt.stop_at_eog = 0;
+    r->opt.n_logprobs = 1;
+    cr_assert_eq(rk_request_prepare(a, &sp, r), RK_OK, "%s", rk_error_message());
+    rk_split_free(&sp);
+    cr_assert_eq(rk_pipeline_run(a, &r, 1, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(r->n_out, 3);
+    r->logprobs[1] = -INFINITY; /* a token of probability 0 */
+    r->logprobs[2] = NAN;
+    r->top_logprobs[2] = NAN;
+    json_t *j = rk_report_completion(rk_model_tokenizer(a->model), r, "cmpl-1", 0, "tiny");
+    cr_assert_not_null(j);
+    json_t *lp = json_object_get(json_array_get(json_object_get(j, "choices"), 0), "logprobs");
+    json_t *tl = json_object_get(lp, "token_logprobs");
+    cr_assert_eq(json_array_size(tl), 3, "a log-probability was dropped");
+    cr_assert(json_is_real(json_array_get(tl, 0)));
+    cr_assert(json_is_null(json_array_get(tl, 1)));
+    cr_assert(json_is_null(json_array_get(tl, 2)));
+    json_t *top = json_array_get(json_object_get(lp, "top_logprobs"), 2);
+    cr_assert_eq(json_object_size(top), 1);
+    const char *k;
+    json_t *v;
+    json_object_foreach(top, k, v) cr_assert(json_is_null(v), "top logprob %s", k);
+    char *text = json_dumps(j, 0);
+    cr_assert_not_null(text, "the completion does not serialise");
+    free(text);
+    json_decref(j);
+    req_free(r);
+    rk_service_close(a);
+}
+
+/* ---------------------------------------------------------------- the server, forged */
+
+/* Start `ragkv serve` on a free port with the given extra arguments (NULL
+ * terminated, at most 12), its stderr in log; wait until it is ready. */
+static pid_t serve(int *out_port, const char *log, const char *const *args) {
+    int port = rk_test_free_port();
+    char port_s[16];
+    snprintf(port_s, sizeof port_s, "%d", port);
+    const char *argv[20] = {RK_BIN, "serve", "--port", port_s, "--kv-memory-mb", "16"};
+    int n = 6;
+    for (int i = 0; args[i] && n < 19; i++) argv[n++] = args[i];
+    argv[n] = NULL;
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        FILE *f = freopen(log, "w", stderr);
+        (void)f;
+        execv(RK_BIN, (char *const *)argv);
+        _exit(127);
+    }
+    int up = 0;
+    for (int i = 0; i < 600 && !up; i++) {
+        char cmd[128], *out = NULL;
+        snprintf(cmd, sizeof cmd, "curl -s -m 5 http://127.0.0.1:%d/health", port);
+        up = rk_test_run(cmd, &out) == 0 && strstr(out, "ok");
+        free(out);
+        if (!up) usleep(50 * 1000);
+    }
+    cr_assert(up, "the server did not start; see %s", log);
+    *out_port = port;
+    return pid;
+}
+
+/* Stop the server and check that its log never shows the secret. */
+static void stop(pid_t pid, const char *log) {
+    kill(pid, SIGTERM);
+    int status;
+    waitpid(pid, &status, 0);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "server exit status %d", status);
+    char *text = rk_test_read_file(log, NULL);
+    cr_assert_not_null(text);
+    cr_assert_null(strstr(text, SECRET), "the log shows the secret");
+    free(text);
+}
+
+static const char *COMPLETION =
+    "{\"prompt\": \"You answer from the documents.##Lily found a shiny key under the old oak "
+    "tree by the river, where the water ran cold and clear over the stones.##The key opened a "
+    "small wooden box full of letters her grandmother had written long ago.##What was in the "
+    "box?\", \"max_tokens\": 8, \"temperature\": 0}";
+
+/* POST the completion; its text (malloc'ed) and the chunks' sources. */
+static char *complete(int port, char src[2][16], char key[2][33]) {
+    json_t *j = curl(port, "POST", "/v1/completions", COMPLETION, NULL);
+    json_t *choice = json_array_get(json_object_get(j, "choices"), 0);
+    cr_assert(json_is_string(json_object_get(choice, "text")), "no completion");
+    char *text = rk_test_strdup(json_string_value(json_object_get(choice, "text")));
+    json_t *chunks = json_object_get(json_object_get(j, "ragkv"), "chunks");
+    cr_assert_eq(json_array_size(chunks), 2);
+    for (int k = 0; k < 2; k++) {
+        json_t *c = json_array_get(chunks, (size_t)k);
+        snprintf(src[k], 16, "%s", json_string_value(json_object_get(c, "source")));
+        if (key) snprintf(key[k], 33, "%s", json_string_value(json_object_get(c, "key")));
+    }
+    json_decref(j);
+    return text;
+}
+
+Test(redis_service, the_server_with_a_secret_recomputes_a_forged_value_and_keeps_it_off_disk) {
+    char *where = NULL;
+    int no_curl = rk_test_run("command -v curl", &where) != 0 || !where || !where[0];
+    free(where);
+    if (no_curl) cr_skip_test("curl is not installed");
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    char *dir = rk_test_tmpdir("redis-forged-serve");
+    char url[64], log[4200], store[4200], src[2][16], key[2][33];
+    snprintf(url, sizeof url, "redis://127.0.0.1:%d", s.port);
+    snprintf(log, sizeof log, "%s/server.log", dir);
+    snprintf(store, sizeof store, "%s/store", dir);
+    char *secret = rk_test_write_tmp("redis-forged-secret", "secret", SECRET);
+    const char *tier[] = {"--redis", url, "--redis-min-tokens", "1", "--redis-secret-file",
+                          secret,    NULL};
+    int port;
+    /* The oracle: computed alone by a replica with the secret. */
+    pid_t pid = serve(&port, log, tier);
+    char *oracle = complete(port, src, key);
+    cr_assert_str_eq(src[0], "computed");
+    long long total = 0;
+    for (int i = 0; i < 250 && total < 2; i++) { /* the writes are asynchronous */
+        json_t *j = curl(port, "GET", "/v1/chunks?tier=redis", NULL, NULL);
+        total = jint(j, "total", NULL);
+        json_decref(j);
+        if (total < 2) usleep(20 * 1000);
+    }
+    cr_assert_eq(total, 2);
+    stop(pid, log);
+    /* Someone with write access to Redis, without the secret, negates the
+     * first chunk's KV and recomputes its checksums and marker. */
+    char fp[33];
+    {
+        rk_service *svc = open_tiers(NULL, NULL, NULL); /* the same embedded model */
+        snprintf(fp, sizeof fp, "%s", rk_model_fingerprint(svc->model));
+        rk_service_close(svc);
+    }
+    forge_value(&s, fp, key[0], NEGATE);
+    const char *tier_store[] = {
+        "--redis", url, "--redis-min-tokens", "1", "--redis-secret-file", secret, "--store",
+        store,     NULL};
+    pid = serve(&port, log, tier_store);
+    char *text = complete(port, src, NULL);
+    cr_assert_str_eq(src[0], "computed", "the forged value was served");
+    cr_assert_str_eq(src[1], "redis");
+    cr_assert_str_eq(text, oracle);
+    free(text);
+    json_t *j = curl(port, "GET", "/v1/stats", NULL, NULL);
+    cr_assert_eq(jint(j, "redis", "auth_failures"), 1);
+    json_decref(j);
+    char *m;
+    curl(port, "GET", "/metrics", NULL, &m);
+    cr_assert(strstr(m, "ragkv_redis_auth_failures_total 1"), "%s", m);
+    free(m);
+    stop(pid, log);
+    /* Redis flushed: the store verifies and a restart with it alone answers
+     * as the oracle did, from disk. */
+    redisContext *c = redisConnect("127.0.0.1", s.port);
+    cr_assert(c && !c->err);
+    freeReplyObject(redisCommand(c, "FLUSHALL"));
+    redisFree(c);
+    char cmd[8600], *out = NULL;
+    snprintf(cmd, sizeof cmd, "%s cache verify --store %s 2>&1", RK_BIN, store);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "checked 2 payloads: 0 bad"), "%s", out);
+    free(out);
+    const char *disk[] = {"--store", store, NULL};
+    pid = serve(&port, log, disk);
+    text = complete(port, src, NULL);
+    cr_assert_str_eq(src[0], "disk");
+    cr_assert_str_eq(src[1], "disk");
+    cr_assert_str_eq(text, oracle, "the disk store kept a wrong answer");
+    free(text);
+    stop(pid, log);
+    free(oracle);
+    free(secret);
+    free(dir);
+    rk_test_redis_free(&s);
+}
+
+Test(redis_service, offline_prewarm_with_the_secret_writes_values_the_fleet_accepts) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    static const char *CHUNK =
+        "The ferry left the island at dawn with the mail, three goats, a crate of lemons and the "
+        "schoolteacher, who read the whole crossing and never once looked at the sea.";
+    char line[512];
+    snprintf(line, sizeof line, "{\"id\": \"ferry\", \"text\": \"%s\"}\n", CHUNK);
+    char *input = rk_test_write_tmp("redis-prewarm-secret", "in.jsonl", line);
+    char cmd[1024], *out = NULL;
+    snprintf(cmd, sizeof cmd,
+             "RAGKV_REDIS_SECRET='%s' %s prewarm --input %s --kv-memory-mb 16 --redis "
+             "redis://127.0.0.1:%d 2>&1",
+             SECRET, RK_BIN, input, s.port);
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
+    cr_assert(strstr(out, "1 computed"), "%s", out);
+    cr_assert_null(strstr(out, "no shared-tier secret"), "prewarm ignored the secret: %s", out);
+    free(out);
+    char prompt[512];
+    snprintf(prompt, sizeof prompt, "Answer briefly.##%s##Who read?", CHUNK);
+    /* A replica with the secret loads it; one with another secret cannot. */
+    rk_service *other = open_tiers(&s, "not the fleet's secret at all", NULL);
+    rk_request *r = run(other, prompt);
+    cr_assert_eq(r->chunk_reports[0].source, RK_CHUNK_SOURCE_COMPUTED);
+    rk_redis_counters c;
+    rk_redis_stats(other->redis, &c);
+    cr_assert_eq(c.auth_failures, 1);
+    req_free(r);
+    rk_service_close(other); /* writes its own value back under its secret */
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out); /* and the fleet's again */
+    free(out);
+    rk_service *a = open_tiers(&s, SECRET, NULL);
+    r = run(a, prompt);
+    cr_assert_eq(r->chunk_reports[0].source, RK_CHUNK_SOURCE_REDIS);
+    rk_redis_stats(a->redis, &c);
+    cr_assert_eq(c.auth_failures, 0);
+    req_free(r);
+    rk_service_close(a);
+    free(input);
     rk_test_redis_free(&s);
 }

@@ -144,7 +144,7 @@ Test(request_corpus, repair_defaults_to_the_service_policy_and_auto_names_it) {
 
 Test(request_corpus, chat_templates_put_chunks_between_system_and_question) {
     const char *body = "{\"messages\": [{\"role\": \"system\", \"content\": \"S\"}, {\"role\": "
-                       "\"user\", \"content\": \"c1##c2##Q\"}]}";
+                       "\"user\", \"content\": \"c1##c2##Q\"}], \"separator\": \"##\"}";
     rk_parse_limits lim = {.max_chunks = 8, .max_tokens = 64};
     static const char *want_sys[] = {
         "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n",

@@ -1,8 +1,10 @@
 /* tests/test_sampler.c — engine/sample.c: greedy, temperature, top-k and
  * top-p sampling (alone and together), seeded reproducibility, parameter
- * checks, and the top-N log-probabilities. */
+ * checks, logit_bias and the presence, frequency and repetition penalties,
+ * and the top-N log-probabilities. */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <string.h>
 
 #include "engine/engine.h"
 
@@ -202,4 +204,131 @@ Test(sampler, log_sum_exp_is_stable_for_large_logits) {
     const float logits[3] = {1000.0f, 1000.0f, -1000.0f}; /* exp overflows without the shift */
     cr_expect_float_eq(rk_log_sum_exp(logits, 3), 1000.0f + (float)log(2.0), 1e-3);
     cr_expect_float_eq(rk_log_sum_exp(logits + 2, 1), -1000.0f, 1e-3);
+}
+
+/* ---------------------------------------------------------------- adjustments */
+
+/* A bias of -100 bans a token: it never comes out, greedy or sampled, even
+ * where it has the largest logit; a positive bias moves greedy to its token. */
+Test(sampler, a_logit_bias_of_minus_100_bans_the_token) {
+    const float logits[] = {0.1f, 4.0f, 0.2f, 0.3f};
+    for (int temp = 0; temp < 2; temp++) {
+        rk_sampler s;
+        rk_sampler_params p = {
+            .temperature = (float)temp * 2, .top_p = 1, .seed = 7, .n_logit_bias = 1};
+        p.logit_bias[0] = (rk_logit_bias){.token = 1, .bias = -100};
+        cr_assert_eq(rk_sampler_init(&s, &p, 4), RK_OK, "%s", rk_error_message());
+        int counts[4];
+        histogram(&s, logits, 4, 2000, counts);
+        cr_expect_eq(counts[1], 0, "banned token drawn %d times (temperature %d)", counts[1],
+                     temp * 2);
+        rk_sampler_free(&s);
+    }
+    rk_sampler s;
+    rk_sampler_params p = {.temperature = 0, .top_p = 1, .n_logit_bias = 1};
+    p.logit_bias[0] = (rk_logit_bias){.token = 3, .bias = 5};
+    cr_assert_eq(rk_sampler_init(&s, &p, 4), RK_OK);
+    cr_expect_eq(rk_sampler_sample(&s, logits), 3);
+    rk_sampler_free(&s);
+}
+
+/* Greedy over fixed logits repeats one token forever; each penalty, over the
+ * tokens accepted so far, moves it on as its formula says. */
+Test(sampler, penalties_change_a_repetitive_greedy_output) {
+    const float logits[] = {2.0f, 1.5f, 1.2f, -3.0f};
+    int32_t out[6];
+    /* None: token 0 every time. */
+    rk_sampler s;
+    rk_sampler_params p = {.temperature = 0, .top_p = 1, .repetition_penalty = 1};
+    cr_assert_eq(rk_sampler_init(&s, &p, 4), RK_OK);
+    for (int i = 0; i < 6; i++) rk_sampler_accept(&s, out[i] = rk_sampler_sample(&s, logits));
+    for (int i = 0; i < 6; i++) cr_expect_eq(out[i], 0);
+    rk_sampler_free(&s);
+    /* presence 1: a token once seen loses 1, whatever its count: 0, 1, 2, then
+     * 0 again (2 - 1 > 1.2 - 1). */
+    p = (rk_sampler_params){.temperature = 0, .top_p = 1, .presence_penalty = 1};
+    cr_assert_eq(rk_sampler_init(&s, &p, 4), RK_OK);
+    for (int i = 0; i < 4; i++) rk_sampler_accept(&s, out[i] = rk_sampler_sample(&s, logits));
+    cr_expect(out[0] == 0 && out[1] == 1 && out[2] == 2 && out[3] == 0, "%d %d %d %d", out[0],
+              out[1], out[2], out[3]);
+    rk_sampler_free(&s);
+    /* frequency 0.4: each step takes the largest logit - 0.4 * count (ties to
+     * the lower id), checked against the formula step by step. */
+    p = (rk_sampler_params){.temperature = 0, .top_p = 1, .frequency_penalty = 0.4f};
+    cr_assert_eq(rk_sampler_init(&s, &p, 4), RK_OK);
+    int count[4] = {0};
+    for (int i = 0; i < 6; i++) {
+        int best = 0;
+        float bv = -1e30f;
+        for (int k = 0; k < 4; k++) {
+            float v = logits[k] - 0.4f * (float)count[k];
+            if (v > bv) bv = v, best = k;
+        }
+        int32_t t = rk_sampler_sample(&s, logits);
+        cr_expect_eq(t, best, "step %d", i);
+        rk_sampler_accept(&s, t);
+        count[t]++;
+    }
+    cr_expect(count[1] > 0, "a frequency penalty moves greedy off token 0");
+    rk_sampler_free(&s);
+    /* repetition 2: a seen positive logit is halved: 0 (2 -> 1), then 1 (1.5
+     * -> 0.75), then 2 (1.2 -> 0.6), then 0 again (1 > 0.75 > 0.6). A seen
+     * negative logit is doubled (more negative). */
+    p = (rk_sampler_params){.temperature = 0, .top_p = 1, .repetition_penalty = 2};
+    cr_assert_eq(rk_sampler_init(&s, &p, 4), RK_OK);
+    for (int i = 0; i < 4; i++) rk_sampler_accept(&s, out[i] = rk_sampler_sample(&s, logits));
+    cr_expect(out[0] == 0 && out[1] == 1 && out[2] == 2 && out[3] == 0, "%d %d %d %d", out[0],
+              out[1], out[2], out[3]);
+    rk_sampler_free(&s);
+}
+
+/* With penalties and a bias, one seed gives one sequence. */
+Test(sampler, the_same_seed_gives_the_same_output_with_penalties) {
+    float logits[64];
+    for (int i = 0; i < 64; i++) logits[i] = (float)((i * 37) % 11) * 0.3f;
+    int32_t runs[2][300];
+    for (int r = 0; r < 2; r++) {
+        rk_sampler s;
+        rk_sampler_params p = {.temperature = 0.8f,
+                               .top_k = 20,
+                               .top_p = 0.9f,
+                               .seed = 99,
+                               .presence_penalty = 0.5f,
+                               .frequency_penalty = 0.3f,
+                               .repetition_penalty = 1.3f,
+                               .n_logit_bias = 2};
+        p.logit_bias[0] = (rk_logit_bias){.token = 5, .bias = -100};
+        p.logit_bias[1] = (rk_logit_bias){.token = 6, .bias = 2};
+        cr_assert_eq(rk_sampler_init(&s, &p, 64), RK_OK);
+        for (int i = 0; i < 300; i++) {
+            runs[r][i] = rk_sampler_sample(&s, logits);
+            rk_sampler_accept(&s, runs[r][i]);
+            cr_expect_neq(runs[r][i], 5);
+        }
+        rk_sampler_free(&s);
+    }
+    cr_expect_eq(memcmp(runs[0], runs[1], sizeof runs[0]), 0);
+}
+
+Test(sampler, bad_penalties_and_biases_are_refused_by_name) {
+    rk_sampler s;
+    struct {
+        rk_sampler_params p;
+        const char *name;
+    } bad[] = {
+        {{.temperature = 1, .top_p = 1, .presence_penalty = 2.5f}, "presence_penalty"},
+        {{.temperature = 1, .top_p = 1, .frequency_penalty = -3}, "frequency_penalty"},
+        {{.temperature = 1, .top_p = 1, .repetition_penalty = -1}, "repetition_penalty"},
+        {{.temperature = 1, .top_p = 1, .n_logit_bias = 1, .logit_bias = {{.token = 8, .bias = 1}}},
+         "logit_bias"},
+        {{.temperature = 1,
+          .top_p = 1,
+          .n_logit_bias = 1,
+          .logit_bias = {{.token = 1, .bias = 101}}},
+         "logit_bias"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        cr_expect_eq(rk_sampler_init(&s, &bad[i].p, 8), RK_ERR_INVALID, "case %zu", i);
+        cr_expect_not_null(strstr(rk_error_message(), bad[i].name), "%s", rk_error_message());
+    }
 }

@@ -155,7 +155,8 @@ Test(settings, json_lists_every_setting_and_redacts_secrets) {
         cr_expect_not_null(rk_config_settings[i].help);
         for (size_t k = 0; k < i; k++) {
             cr_expect_str_neq(rk_config_settings[i].name, rk_config_settings[k].name);
-            cr_expect_str_neq(rk_config_settings[i].flag, rk_config_settings[k].flag);
+            if (rk_config_settings[i].flag && rk_config_settings[k].flag)
+                cr_expect_str_neq(rk_config_settings[i].flag, rk_config_settings[k].flag);
         }
     }
 }

@@ -24,6 +24,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "pipeline/persist.h"
 #include "store/store.h"
 #include "tests/testutil.h"
 
@@ -1735,5 +1736,46 @@ Test(store_faults, io_errors_while_rebuilding_leave_the_files_for_the_next_open)
     rk_store_close(s);
     expect_rebuilt(dir, c); /* the next open finds the skipped one */
     for (int i = 0; i < N_REBUILD; i++) chunk_free(&c[i]);
+    rm_rf(dir);
+}
+
+/* A payload whose KV holds a NaN or an infinity (checksums sound) is corrupt
+ * to the service's body check: quarantined at load like a bad checksum, in
+ * each KV dtype; a finite one of the same shape loads. */
+Test(store_corruption, non_finite_kv_is_quarantined_at_load_in_every_kv_dtype) {
+    char *dir = rk_test_tmpdir("store-nonfinite");
+    rk_store_options o;
+    rk_store_options_default(&o);
+    o.body_check = rk_persist_body_check;
+    rk_store *s = NULL;
+    ASSERT_OK(rk_store_open(dir, FP_A, &o, &s));
+    /* dtype, element size, a non-finite element's bits */
+    const struct {
+        int dtype, size;
+        uint32_t bits;
+    } bad[] = {{0, 4, 0x7fc00000u}, {0, 4, 0xff800000u}, {1, 2, 0x7e00u},
+               {1, 2, 0x7c00u},     {2, 2, 0x7fc0u},     {2, 2, 0xff80u}};
+    enum { NB = sizeof bad / sizeof bad[0] };
+    chunk c[NB + 1];
+    for (int i = 0; i <= NB; i++) {
+        chunk_make(&c[i], 300 + (uint64_t)i, 16, 4096);
+        c[i].layout.dtype = i < NB ? bad[i].dtype : 1;
+        memset(c[i].body, 0, c[i].body_size); /* finite: zeros */
+        if (i < NB) memcpy(c[i].body + 40 * bad[i].size, &bad[i].bits, (size_t)bad[i].size);
+        ASSERT_OK(put_chunk(s, &c[i]));
+    }
+    for (int i = 0; i < NB; i++) {
+        rk_store_payload p;
+        cr_assert_eq(rk_store_get(s, c[i].key, &p), RK_ERR_NOT_FOUND, "case %d was served", i);
+        cr_assert(strstr(rk_error_message(), "NaN or infinite"), "%s", rk_error_message());
+        cr_assert_eq(present(s, c[i].key), 0);
+        cr_assert_eq(count_quarantined(dir, c[i].key), 1, "case %d not quarantined", i);
+    }
+    expect_chunk(s, &c[NB]);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(st.quarantined, NB);
+    cr_assert_eq(st.dropped_on_load, NB);
+    rk_store_close(s);
+    for (int i = 0; i <= NB; i++) chunk_free(&c[i]);
     rm_rf(dir);
 }

@@ -1,0 +1,730 @@
+/* tests/test_openai.c — the HTTP service as OpenAI clients and hostile
+ * HTTP clients see it: the real `ragkv serve` binary on a free loopback
+ * port, spoken to with the loopback client of bench/httpclient.h, raw
+ * sockets for what no client sends on purpose, and the official `openai`
+ * npm SDK (tests/openai_sdk.mjs) where npm and its registry are reachable. */
+#include <arpa/inet.h>
+#include <criterion/criterion.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "bench/httpclient.h"
+#include "tests/testutil.h"
+
+/* ================================================================ the server */
+
+typedef struct srv {
+    pid_t pid;
+    int port;
+    rk_http_target t;
+    char log[4096];
+} srv;
+
+static srv S;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static void sleep_s(double s) {
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+typedef struct resp {
+    rk_http_response http;
+    json_t *json;
+} resp;
+
+static void resp_free(resp *r) {
+    rk_http_response_free(&r->http);
+    json_decref(r->json);
+    r->json = NULL;
+}
+
+static resp request(const char *method, const char *path, const char *headers, const char *body) {
+    resp r;
+    memset(&r, 0, sizeof r);
+    cr_assert_eq(
+        rk_http_exchange(&S.t, method, path, headers, body, body ? strlen(body) : 0, &r.http),
+        RK_OK, "%s %s: no answer: %s", method, path, rk_error_message());
+    r.json = json_loadb(r.http.body, r.http.body_len, 0, NULL);
+    return r;
+}
+
+static resp postf(const char *path, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static resp postf(const char *path, const char *fmt, ...) {
+    char body[16384];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(body, sizeof body, fmt, ap);
+    va_end(ap);
+    return request("POST", path, NULL, body);
+}
+
+static const char *header(const resp *r, const char *name) {
+    static char value[512];
+    const char *v = rk_http_header(&r->http, name);
+    if (!v) return NULL;
+    snprintf(value, sizeof value, "%.*s", (int)strcspn(v, "\r"), v);
+    return value;
+}
+
+/* Dotted path into JSON ("choices.0.text"). */
+static json_t *jget(json_t *j, const char *path) {
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *tok = strtok(buf, "."); tok && j; tok = strtok(NULL, "."))
+        j = json_is_array(j) ? json_array_get(j, (size_t)atoi(tok)) : json_object_get(j, tok);
+    return j;
+}
+
+static long long jint(json_t *j, const char *path) {
+    json_t *v = jget(j, path);
+    cr_assert(json_is_integer(v), "%s is not an integer", path);
+    return json_integer_value(v);
+}
+
+static const char *jstr(json_t *j, const char *path) {
+    json_t *v = jget(j, path);
+    cr_assert(json_is_string(v), "%s is not a string", path);
+    return json_string_value(v);
+}
+
+/* Start `ragkv serve --port 0 ARGS...` and wait until /health is 200. */
+static int srv_start(srv *s, const char *const *args) {
+    memset(s, 0, sizeof *s);
+    char *dir = rk_test_tmpdir("openai");
+    snprintf(s->log, sizeof s->log, "%s/server.log", dir);
+    free(dir);
+    const char *argv[64] = {RK_BIN, "serve", "--port", "0"};
+    int n = 4;
+    for (int i = 0; args && args[i] && n < 62; i++) argv[n++] = args[i];
+    argv[n] = NULL;
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        int fd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        int null = open("/dev/null", O_WRONLY);
+        if (fd < 0 || null < 0) _exit(127);
+        dup2(null, 1);
+        dup2(fd, 2);
+        execv(RK_BIN, (char *const *)argv);
+        _exit(127);
+    }
+    s->pid = pid;
+    static const char mark[] = "listening on http://127.0.0.1:";
+    for (double until = now_s() + 60; now_s() < until; sleep_s(0.01)) {
+        char *text = rk_test_read_file(s->log, NULL);
+        const char *p = text ? strstr(text, mark) : NULL;
+        if (p) s->port = atoi(p + strlen(mark));
+        free(text);
+        if (p) break;
+        int status;
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            s->pid = 0;
+            return -1;
+        }
+    }
+    char url[64];
+    snprintf(url, sizeof url, "http://127.0.0.1:%d", s->port);
+    if (s->port <= 0 || rk_http_parse_url(url, 120, &s->t)) return -1;
+    for (double until = now_s() + 60; now_s() < until; sleep_s(0.01)) {
+        rk_http_response h;
+        if (rk_http_exchange(&s->t, "GET", "/health", NULL, NULL, 0, &h) == RK_OK) {
+            int ok = h.status == 200;
+            rk_http_response_free(&h);
+            if (ok) return 0;
+        }
+    }
+    return -1;
+}
+
+/* SIGTERM the test's server; an unclean exit or a sanitizer report fails. */
+static void stop_server(void) {
+    if (S.pid <= 0) return;
+    kill(S.pid, SIGTERM);
+    int status = 0;
+    for (double until = now_s() + 60; waitpid(S.pid, &status, WNOHANG) != S.pid; sleep_s(0.01))
+        if (now_s() > until) {
+            kill(S.pid, SIGKILL);
+            waitpid(S.pid, &status, 0);
+            break;
+        }
+    S.pid = 0;
+    char *log = rk_test_read_file(S.log, NULL);
+    int report = log && (strstr(log, "ERROR: AddressSanitizer") ||
+                         strstr(log, "ERROR: LeakSanitizer") || strstr(log, "runtime error:"));
+    int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    if (report || code) fprintf(stderr, "ragkv serve (%d); its log:\n%s\n", code, log ? log : "");
+    free(log);
+    cr_expect_eq(code, 0, "ragkv serve exited with status %d", code);
+    cr_expect(!report, "ragkv serve's log has a sanitizer report");
+}
+
+static void start_with(const char *const *args) {
+    cr_assert_eq(srv_start(&S, args), 0, "the server did not start");
+}
+
+static void start_default(void) { start_with(NULL); }
+
+/* ================================================================ raw sockets */
+
+/* A connection to the server from a loopback address of our choosing. */
+static int connect_from(const char *from) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert(fd >= 0);
+    if (from) {
+        struct sockaddr_in b = {.sin_family = AF_INET};
+        inet_pton(AF_INET, from, &b.sin_addr);
+        cr_assert_eq(bind(fd, (struct sockaddr *)&b, sizeof b), 0, "cannot bind %s", from);
+    }
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)S.port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0, "cannot connect");
+    struct timeval tv = {20, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    return fd;
+}
+
+static void send_str(int fd, const char *s) {
+    size_t n = strlen(s);
+    while (n) {
+        ssize_t k = send(fd, s, n, MSG_NOSIGNAL);
+        cr_assert(k > 0, "send failed");
+        s += k;
+        n -= (size_t)k;
+    }
+}
+
+/* Everything the server sends until it closes (or 20 s pass); malloc'ed. */
+static char *recv_all(int fd) {
+    size_t cap = 65536, len = 0;
+    char *buf = malloc(cap);
+    cr_assert(buf);
+    for (ssize_t k; (k = recv(fd, buf + len, cap - len - 1, 0)) > 0;) {
+        len += (size_t)k;
+        if (len + 1 >= cap) cr_assert((buf = realloc(buf, cap *= 2)));
+    }
+    buf[len] = '\0';
+    return buf;
+}
+
+/* How many times needle occurs in hay. */
+static int count(const char *hay, const char *needle) {
+    int n = 0;
+    for (const char *p = strstr(hay, needle); p; p = strstr(p + 1, needle)) n++;
+    return n;
+}
+
+/* ================================================================ framing */
+
+TestSuite(openai, .init = start_default, .fini = stop_server, .timeout = 300);
+TestSuite(openai_opts, .fini = stop_server, .timeout = 300);
+
+/* A request with two Content-Length headers is refused and its connection
+ * closed: the GET hidden in its body (as the second length would have it)
+ * never runs. */
+Test(openai, a_second_content_length_is_400_and_nothing_smuggled_runs) {
+    const char *hidden = "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n";
+    char req[512];
+    snprintf(req, sizeof req,
+             "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+             "Content-Length: 2\r\nContent-Length: %zu\r\n\r\n{}%s",
+             2 + strlen(hidden), hidden);
+    int fd = connect_from(NULL);
+    send_str(fd, req);
+    char *a = recv_all(fd);
+    close(fd);
+    cr_assert(!strncmp(a, "HTTP/1.1 400", 12), "%s", a);
+    cr_assert_eq(count(a, "HTTP/1.1 "), 1, "more than one answer came: %s", a);
+    cr_assert(strstr(a, "Content-Length header"), "%s", a);
+    cr_assert_null(strstr(a, "\"object\":\"list\""), "the hidden request ran: %s", a);
+    free(a);
+    /* Content-Length with Transfer-Encoding: the same. */
+    fd = connect_from(NULL);
+    send_str(fd, "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n"
+                 "Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n");
+    a = recv_all(fd);
+    close(fd);
+    cr_assert(!strncmp(a, "HTTP/1.1 400", 12), "%s", a);
+    cr_assert_eq(count(a, "HTTP/1.1 "), 1, "%s", a);
+    free(a);
+}
+
+Test(openai, http_1_1_without_host_is_400_and_an_unknown_expectation_417) {
+    int fd = connect_from(NULL);
+    send_str(fd, "GET /health HTTP/1.1\r\n\r\n");
+    char *a = recv_all(fd);
+    close(fd);
+    cr_assert(!strncmp(a, "HTTP/1.1 400", 12), "%s", a);
+    cr_assert(strstr(a, "Host"), "%s", a);
+    free(a);
+    fd = connect_from(NULL);
+    send_str(fd, "GET /health HTTP/1.1\r\nHost: x\r\nExpect: something-else\r\n\r\n");
+    a = recv_all(fd);
+    close(fd);
+    cr_assert(!strncmp(a, "HTTP/1.1 417", 12), "%s", a);
+    free(a);
+}
+
+/* Expect: 100-continue is answered at once (curl waits a second otherwise),
+ * then the request is served as usual, and the connection kept. */
+Test(openai, expect_100_continue_is_answered_before_the_body) {
+    const char *body = "{\"prompt\": \"Once\", \"max_tokens\": 2}";
+    char head[256];
+    snprintf(head, sizeof head,
+             "POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+             "Content-Type: application/json\r\nContent-Length: %zu\r\n\r\n",
+             strlen(body));
+    int fd = connect_from(NULL);
+    send_str(fd, head);
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    cr_assert_eq(poll(&p, 1, 900), 1, "no 100 Continue within 0.9 s");
+    char buf[64] = "";
+    ssize_t k = recv(fd, buf, 25, 0);
+    cr_assert_eq(k, 25);
+    cr_assert_str_eq(buf, "HTTP/1.1 100 Continue\r\n\r\n");
+    send_str(fd, body);
+    send_str(fd, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    char *a = recv_all(fd);
+    close(fd);
+    cr_assert(!strncmp(a, "HTTP/1.1 200", 12), "%s", a);
+    cr_assert(strstr(a, "\"text_completion\""), "%s", a);
+    cr_assert_eq(count(a, "HTTP/1.1 200"), 2, "the next request was not served: %s", a);
+    free(a);
+}
+
+/* ================================================================ a client gone */
+
+static long long running_now(void) {
+    resp r = request("GET", "/v1/stats", NULL, NULL);
+    long long n = jint(r.json, "requests.running");
+    resp_free(&r);
+    return n;
+}
+
+Test(openai_opts, a_client_that_leaves_a_request_not_streamed_stops_it) {
+    const char *args[] = {"--token-delay-s", "0.01", NULL};
+    start_with(args);
+    const char *body = "{\"prompt\": \"Once\", \"max_tokens\": 1000, \"ignore_eos\": true}";
+    rk_http_conn c;
+    cr_assert_eq(rk_http_open(&S.t, "POST", "/v1/completions", NULL, body, strlen(body), &c),
+                 RK_OK);
+    double until = now_s() + 20;
+    while (running_now() != 1 && now_s() < until) sleep_s(0.02);
+    cr_assert_eq(running_now(), 1, "the request never ran");
+    sleep_s(0.2);
+    rk_http_close(&c);
+    double t0 = now_s();
+    while (running_now() != 0 && now_s() < t0 + 10) sleep_s(0.02);
+    double took = now_s() - t0;
+    cr_assert_eq(running_now(), 0, "still running 10 s after its client left");
+    cr_assert(took < 1.5, "it ran on %.2f s after its client left", took);
+    resp r = request("GET", "/v1/stats", NULL, NULL);
+    cr_assert(jint(r.json, "tokens.generated") < 900, "generated %lld",
+              jint(r.json, "tokens.generated"));
+    cr_assert_eq(jint(r.json, "requests.by_status.499"), 1, "%s", r.http.body);
+    resp_free(&r);
+}
+
+/* ================================================================ context */
+
+Test(openai_opts, an_omitted_max_tokens_fits_the_context_and_overflow_is_context_length_exceeded) {
+    const char *args[] = {"--max-context", "64", NULL};
+    start_with(args);
+    const char *prompt = "Once upon a time there was a little girl named Lily. She liked to play "
+                         "outside in the park with her friends and her dog. One day";
+    resp r = postf("/v1/completions", "{\"prompt\": \"%s\", \"ignore_eos\": true}", prompt);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    long long pt = jint(r.json, "usage.prompt_tokens");
+    cr_assert(pt > 40 && pt < 64, "prompt_tokens %lld: the test wants 40..63", pt);
+    cr_assert_eq(jint(r.json, "usage.completion_tokens"), 64 - pt);
+    cr_assert_str_eq(jstr(r.json, "choices.0.finish_reason"), "length");
+    resp_free(&r);
+    r = postf("/v1/completions", "{\"prompt\": \"%s\", \"max_tokens\": 30}", prompt);
+    cr_assert_eq(r.http.status, 400, "%s", r.http.body);
+    cr_assert_str_eq(jstr(r.json, "error.code"), "context_length_exceeded");
+    cr_assert_str_eq(jstr(r.json, "error.param"), "prompt");
+    cr_assert_eq(jint(r.json, "error.status"), 400);
+    cr_assert(strlen(jstr(r.json, "error.type")) > 0);
+    cr_assert(strstr(jstr(r.json, "error.message"), "context"));
+    resp_free(&r);
+    /* A prompt longer than the context, limit omitted: the same. */
+    r = postf("/v1/chat/completions",
+              "{\"messages\": [{\"role\": \"user\", \"content\": \"%s %s\"}]}", prompt, prompt);
+    cr_assert_eq(r.http.status, 400, "%s", r.http.body);
+    cr_assert_str_eq(jstr(r.json, "error.code"), "context_length_exceeded");
+    cr_assert_str_eq(jstr(r.json, "error.param"), "messages");
+    resp_free(&r);
+}
+
+/* ================================================================ response shapes */
+
+Test(openai, ids_and_system_fingerprint_follow_openai) {
+    resp m = request("GET", "/v1/models", NULL, NULL);
+    const char *fp = jstr(m.json, "data.0.ragkv.fingerprint");
+    resp r = postf("/v1/completions", "{\"prompt\": \"Once\", \"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert(!strncmp(jstr(r.json, "id"), "cmpl-", 5), "%s", jstr(r.json, "id"));
+    cr_assert_str_eq(jstr(r.json, "system_fingerprint"), fp);
+    cr_assert(header(&r, "X-Request-Id"));
+    resp_free(&r);
+    r = postf("/v1/chat/completions",
+              "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert(!strncmp(jstr(r.json, "id"), "chatcmpl-", 9), "%s", jstr(r.json, "id"));
+    cr_assert_str_eq(jstr(r.json, "system_fingerprint"), fp);
+    cr_assert_str_eq(jstr(r.json, "object"), "chat.completion");
+    resp_free(&r);
+    resp_free(&m);
+}
+
+/* Content parts are separate paragraphs: joined with "\n", not glued. */
+Test(openai, chat_content_parts_are_joined_with_newlines) {
+    const char *fmt = "{\"messages\": [{\"role\": \"user\", \"content\": %s}], \"max_tokens\": 4, "
+                      "\"temperature\": 0}";
+    resp parts = postf("/v1/chat/completions", fmt,
+                       "[{\"type\": \"text\", \"text\": \"What is\"}, {\"type\": \"text\", "
+                       "\"text\": \"the best book\"}]");
+    resp nl = postf("/v1/chat/completions", fmt, "\"What is\\nthe best book\"");
+    resp glued = postf("/v1/chat/completions", fmt, "\"What isthe best book\"");
+    cr_assert_eq(parts.http.status, 200, "%s", parts.http.body);
+    cr_assert_eq(jint(parts.json, "usage.prompt_tokens"), jint(nl.json, "usage.prompt_tokens"));
+    cr_assert(json_equal(jget(parts.json, "ragkv.completion_ids"),
+                         jget(nl.json, "ragkv.completion_ids")));
+    cr_assert_neq(jint(parts.json, "ragkv.question.tokens"),
+                  jint(glued.json, "ragkv.question.tokens"));
+    resp_free(&parts);
+    resp_free(&nl);
+    resp_free(&glued);
+}
+
+/* One chat logprobs entry: {token, logprob, bytes} (top_logprobs: k of them). */
+static void check_chat_logprob(json_t *e, int k) {
+    cr_assert(json_is_string(json_object_get(e, "token")));
+    cr_assert(json_is_number(json_object_get(e, "logprob")));
+    cr_assert(json_real_value(json_object_get(e, "logprob")) <= 0);
+    json_t *bytes = json_object_get(e, "bytes");
+    cr_assert(json_is_array(bytes));
+    if (k >= 0) {
+        json_t *tops = json_object_get(e, "top_logprobs");
+        cr_assert_eq(json_array_size(tops), (size_t)k);
+        for (int i = 0; i < k; i++) check_chat_logprob(json_array_get(tops, (size_t)i), -1);
+    }
+}
+
+Test(openai, chat_logprobs_have_the_chat_shape_whole_and_streamed) {
+    const char *body = "{\"messages\": [{\"role\": \"user\", \"content\": \"Tell a story\"}], "
+                       "\"max_tokens\": 6, \"temperature\": 0, \"ignore_eos\": true, "
+                       "\"logprobs\": true, \"top_logprobs\": 3%s}";
+    resp r = postf("/v1/chat/completions", body, "");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    json_t *content = jget(r.json, "choices.0.logprobs.content");
+    cr_assert_eq(json_array_size(content), 6, "%s", r.http.body);
+    for (size_t i = 0; i < 6; i++) check_chat_logprob(json_array_get(content, i), 3);
+    /* The tokens' bytes make the text. */
+    char text[512] = "";
+    for (size_t i = 0; i < 6; i++) {
+        json_t *b = json_object_get(json_array_get(content, i), "bytes");
+        for (size_t k = 0; k < json_array_size(b); k++) {
+            size_t l = strlen(text);
+            text[l] = (char)json_integer_value(json_array_get(b, k));
+            text[l + 1] = '\0';
+        }
+    }
+    cr_assert(strstr(text, jstr(r.json, "choices.0.message.content")),
+              "bytes \"%s\" vs text \"%s\"", text, jstr(r.json, "choices.0.message.content"));
+    /* Streamed: each content event carries its own tokens' log-probabilities. */
+    resp st = postf("/v1/chat/completions", body, ", \"stream\": true");
+    cr_assert_eq(st.http.status, 200);
+    size_t n_entries = 0, events = 0;
+    for (const char *p = strstr(st.http.body, "data: {"); p; p = strstr(p + 1, "data: {")) {
+        json_t *ev = json_loadb(p + 6, strcspn(p + 6, "\n"), 0, NULL);
+        cr_assert(ev, "%s", p);
+        json_t *c = jget(ev, "choices.0.delta.content");
+        if (c && json_string_length(c) > 0) {
+            events++;
+            json_t *lp = jget(ev, "choices.0.logprobs.content");
+            cr_assert(json_array_size(lp) >= 1, "a content event without logprobs: %.300s", p);
+            for (size_t i = 0; i < json_array_size(lp); i++)
+                check_chat_logprob(json_array_get(lp, i), 3);
+            n_entries += json_array_size(lp);
+        }
+        json_decref(ev);
+    }
+    cr_assert(events >= 1);
+    cr_assert_eq(n_entries, 6, "the stream's logprobs cover %zu tokens, want 6", n_entries);
+    resp_free(&st);
+    resp_free(&r);
+}
+
+Test(openai, completion_logprobs_keep_the_completions_shape_with_text_offset) {
+    resp r = postf("/v1/completions", "{\"prompt\": \"Once\", \"max_tokens\": 4, \"logprobs\": 2, "
+                                      "\"temperature\": 0, \"ignore_eos\": true}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    json_t *lp = jget(r.json, "choices.0.logprobs");
+    cr_assert_eq(json_array_size(json_object_get(lp, "tokens")), 4);
+    cr_assert_eq(json_array_size(json_object_get(lp, "token_logprobs")), 4);
+    cr_assert_eq(json_array_size(json_object_get(lp, "top_logprobs")), 4);
+    json_t *off = json_object_get(lp, "text_offset");
+    cr_assert_eq(json_array_size(off), 4);
+    cr_assert_eq(json_integer_value(json_array_get(off, 0)), 0);
+    for (size_t i = 1; i < 4; i++)
+        cr_assert(json_integer_value(json_array_get(off, i)) >=
+                  json_integer_value(json_array_get(off, i - 1)));
+    resp_free(&r);
+}
+
+/* Streamed with a stop string: the log-probabilities of every token counted
+ * in usage come out, the one that completed the stop string included. */
+Test(openai, streamed_logprobs_cover_every_token_up_to_a_stop_string) {
+    const char *req = "{\"prompt\": \"Once upon a time\", \"max_tokens\": 24, \"temperature\": 0, "
+                      "\"ignore_eos\": true, \"logprobs\": 1%s}";
+    resp whole = postf("/v1/completions", req, "");
+    cr_assert_eq(whole.http.status, 200, "%s", whole.http.body);
+    const char *text = jstr(whole.json, "choices.0.text");
+    size_t len = strlen(text);
+    cr_assert(len >= 12, "the greedy text is too short: \"%s\"", text);
+    char stop[8], extra[128];
+    snprintf(stop, sizeof stop, "%.3s", text + len / 2); /* a piece from the middle */
+    cr_assert_null(strpbrk(stop, "\"\\"), "pick another prompt: %s", stop);
+    snprintf(extra, sizeof extra,
+             ", \"stop\": \"%s\", \"stream\": true, \"stream_options\": {\"include_usage\": true}",
+             stop);
+    resp st = postf("/v1/completions", req, extra);
+    cr_assert_eq(st.http.status, 200);
+    size_t entries = 0;
+    long long usage = -1;
+    for (const char *p = strstr(st.http.body, "data: {"); p; p = strstr(p + 1, "data: {")) {
+        json_t *ev = json_loadb(p + 6, strcspn(p + 6, "\n"), 0, NULL);
+        cr_assert(ev);
+        entries += json_array_size(jget(ev, "choices.0.logprobs.token_logprobs"));
+        if (json_is_object(json_object_get(ev, "usage")))
+            usage = jint(ev, "usage.completion_tokens");
+        json_decref(ev);
+    }
+    cr_assert(strstr(st.http.body, "\"finish_reason\":\"stop\""), "%s", st.http.body);
+    cr_assert_eq((long long)entries, usage, "logprobs for %zu tokens, usage counts %lld", entries,
+                 usage);
+    resp_free(&st);
+    resp_free(&whole);
+}
+
+/* ================================================================ model names */
+
+Test(openai_opts, served_model_names_and_the_strict_policy) {
+    const char *args[] = {"--served-model-name", "gpt-x,alias-2", "--model-name-policy", "strict",
+                          NULL};
+    start_with(args);
+    resp r = request("GET", "/v1/models", NULL, NULL);
+    cr_assert_str_eq(jstr(r.json, "data.0.id"), "gpt-x");
+    resp_free(&r);
+    r = request("GET", "/v1/models/alias-2", NULL, NULL);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_str_eq(jstr(r.json, "id"), "gpt-x");
+    cr_assert_str_eq(jstr(r.json, "object"), "model");
+    resp_free(&r);
+    r = request("GET", "/v1/models/gpt-9", NULL, NULL);
+    cr_assert_eq(r.http.status, 404, "%s", r.http.body);
+    cr_assert_str_eq(jstr(r.json, "error.code"), "model_not_found");
+    resp_free(&r);
+    r = postf("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"alias-2\"}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_str_eq(jstr(r.json, "model"), "gpt-x");
+    resp_free(&r);
+    r = postf("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"gpt-9\"}");
+    cr_assert_eq(r.http.status, 404, "%s", r.http.body);
+    cr_assert_str_eq(jstr(r.json, "error.code"), "model_not_found");
+    cr_assert_str_eq(jstr(r.json, "error.param"), "model");
+    resp_free(&r);
+}
+
+/* ================================================================ connections per address */
+
+/* 60 idle connections from 127.0.0.1 with a limit of 20: 40 are answered
+ * 503 and closed at once, the service still answers 127.0.0.2 at once, and
+ * once they are closed 127.0.0.1 is served again. */
+Test(openai_opts, connections_beyond_the_per_address_limit_are_refused_at_once) {
+    const char *args[] = {"--max-connections-per-ip", "20", NULL};
+    start_with(args);
+    enum { N = 60 };
+    int fds[N], refused = 0, with_503 = 0;
+    for (int i = 0; i < N; i++) fds[i] = connect_from("127.0.0.1");
+    double until = now_s() + 5;
+    for (int i = 0; i < N; i++) {
+        struct pollfd p = {.fd = fds[i], .events = POLLIN};
+        int left = (int)((until - now_s()) * 1000);
+        if (poll(&p, 1, i < 40 ? (left > 0 ? left : 0) : 0) != 1) continue;
+        char buf[512];
+        ssize_t k = recv(fds[i], buf, sizeof buf - 1, MSG_DONTWAIT);
+        refused++;
+        if (k > 0) {
+            buf[k] = '\0';
+            with_503 += !strncmp(buf, "HTTP/1.1 503", 12);
+        }
+    }
+    cr_assert_eq(refused, N - 20, "%d of %d connections were refused, want %d", refused, N, N - 20);
+    cr_assert_eq(with_503, refused, "only %d of the refused were answered 503", with_503);
+    int other = connect_from("127.0.0.2");
+    double t0 = now_s();
+    send_str(other, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+    char *a = recv_all(other);
+    close(other);
+    cr_assert(!strncmp(a, "HTTP/1.1 200", 12), "%s", a);
+    cr_assert(now_s() - t0 < 1, "/health from another address took %.2f s", now_s() - t0);
+    free(a);
+    for (int i = 0; i < N; i++) close(fds[i]);
+    resp r = {0};
+    for (double t_end = now_s() + 10; now_s() < t_end; sleep_s(0.05)) {
+        r = request("GET", "/health", NULL, NULL);
+        if (r.http.status == 200) break;
+        resp_free(&r);
+    }
+    cr_assert_eq(r.http.status, 200);
+    resp_free(&r);
+}
+
+/* ================================================================ CORS */
+
+Test(openai, cors_is_off_unless_an_origin_is_set) {
+    resp r = request("OPTIONS", "/v1/chat/completions", "Origin: https://app.example\r\n", NULL);
+    cr_assert_eq(r.http.status, 405, "%s", r.http.body);
+    cr_assert_null(header(&r, "Access-Control-Allow-Origin"));
+    resp_free(&r);
+}
+
+Test(openai_opts, cors_answers_preflights_and_marks_responses) {
+    const char *args[] = {"--cors-origin", "https://app.example", "--api-key", "k1", NULL};
+    start_with(args);
+    resp r = request("OPTIONS", "/v1/chat/completions",
+                     "Origin: https://app.example\r\nAccess-Control-Request-Method: POST\r\n"
+                     "Access-Control-Request-Headers: authorization, content-type\r\n",
+                     NULL);
+    cr_assert_eq(r.http.status, 204, "%s", r.http.body);
+    cr_assert_str_eq(header(&r, "Access-Control-Allow-Origin"), "https://app.example");
+    cr_assert(strstr(header(&r, "Access-Control-Allow-Methods"), "POST"));
+    cr_assert(strstr(header(&r, "Access-Control-Allow-Headers"), "authorization"));
+    resp_free(&r);
+    r = request("POST", "/v1/completions",
+                "Origin: https://app.example\r\nAuthorization: Bearer k1\r\n",
+                "{\"prompt\": \"x\", \"max_tokens\": 1}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_str_eq(header(&r, "Access-Control-Allow-Origin"), "https://app.example");
+    resp_free(&r);
+}
+
+/* ================================================================ tokenize */
+
+/* What `ragkv tokenize --text TEXT` prints (the embedded model). */
+static json_t *cli_tokenize(const char *text) {
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "'%s' tokenize --text '%s' 2>/dev/null", RK_BIN, text);
+    FILE *f = popen(cmd, "r");
+    cr_assert(f);
+    char out[4096] = "";
+    size_t n = fread(out, 1, sizeof out - 1, f);
+    out[n] = '\0';
+    pclose(f);
+    json_t *j = json_loads(out, 0, NULL);
+    cr_assert(json_is_array(j), "ragkv tokenize printed: %s", out);
+    return j;
+}
+
+Test(openai, tokenize_and_detokenize_match_the_cli) {
+    const char *text = "Once upon a time, Lily";
+    json_t *want = cli_tokenize(text);
+    resp r = postf("/tokenize", "{\"content\": \"%s\"}", text);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert(json_equal(json_object_get(r.json, "tokens"), want), "%s", r.http.body);
+    resp_free(&r);
+    r = postf("/tokenize", "{\"content\": \"%s\", \"with_pieces\": true, \"add_special\": true}",
+              text);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    json_t *toks = json_object_get(r.json, "tokens");
+    cr_assert_eq(json_array_size(toks), json_array_size(want) + 1, "add_special adds BOS");
+    cr_assert(json_is_integer(jget(r.json, "tokens.0.id")));
+    cr_assert(json_equal(jget(r.json, "tokens.1.id"), json_array_get(want, 0)));
+    cr_assert(jget(r.json, "tokens.1.piece"));
+    resp_free(&r);
+    char *ids = json_dumps(want, JSON_COMPACT);
+    r = postf("/detokenize", "{\"tokens\": %s}", ids);
+    free(ids);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    const char *back = jstr(r.json, "content");
+    cr_assert(!strcmp(back, text) || (back[0] == ' ' && !strcmp(back + 1, text)),
+              "detokenized \"%s\"", back);
+    resp_free(&r);
+    r = postf("/detokenize", "{\"tokens\": [-1]}");
+    cr_assert_eq(r.http.status, 400, "%s", r.http.body);
+    resp_free(&r);
+    json_decref(want);
+}
+
+/* ================================================================ the openai SDK */
+
+/* Run a shell command; its exit status. */
+static int run(const char *cmd) {
+    int st = system(cmd);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+}
+
+/* The official `openai` npm package (v6) through tests/openai_sdk.mjs:
+ * installed once from the npm registry into build/npm; skipped, saying
+ * why, where node, npm or the registry is not there. */
+Test(openai_opts, the_official_openai_sdk_reads_every_answer, .timeout = 600) {
+    if (run("command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1"))
+        cr_skip_test("node and npm are not installed: the openai SDK test is skipped");
+    char dir[1024], cmd[4096];
+    snprintf(dir, sizeof dir, "%s/../npm", RK_TEST_TMP);
+    snprintf(cmd, sizeof cmd, "test -f '%s/node_modules/openai/package.json'", dir);
+    if (run(cmd)) {
+        snprintf(cmd, sizeof cmd,
+                 "mkdir -p '%s' && timeout 300 npm install --prefix '%s' --no-audit --no-fund "
+                 "--no-save --loglevel=error openai@6 </dev/null >'%s/install.log' 2>&1",
+                 dir, dir, dir);
+        if (run(cmd))
+            cr_skip_test("npm could not install openai@6 (registry unreachable?); see %s/"
+                         "install.log: the openai SDK test is skipped",
+                         dir);
+    }
+    const char *args[] = {"--max-context", "256", "--served-model-name", "ragkv-test", NULL};
+    start_with(args);
+    /* The script runs from the install folder, where node finds the package. */
+    char src[1024];
+    snprintf(src, sizeof src, "%s", RK_SHARED_DIR);
+    char *tail = strstr(src, "/../shared");
+    if (tail) *tail = '\0';
+    snprintf(cmd, sizeof cmd, "cp '%s/tests/openai_sdk.mjs' '%s/openai_sdk.mjs'", src, dir);
+    cr_assert_eq(run(cmd), 0, "cannot copy tests/openai_sdk.mjs from %s", src);
+    snprintf(cmd, sizeof cmd,
+             "cd '%s' && RAGKV_URL='http://127.0.0.1:%d/v1' timeout 240 node openai_sdk.mjs "
+             "</dev/null 2>&1",
+             dir, S.port);
+    FILE *f = popen(cmd, "r");
+    cr_assert(f);
+    char out[16384] = "";
+    size_t n = fread(out, 1, sizeof out - 1, f);
+    out[n] = '\0';
+    int st = pclose(f);
+    int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+    cr_log_info("openai_sdk.mjs:\n%s", out);
+    cr_assert_eq(code, 0, "openai_sdk.mjs failed (%d):\n%s", code, out);
+    cr_assert(strstr(out, "ok: all checks passed"), "%s", out);
+}
