@@ -365,6 +365,11 @@ static int refuse_unsupported(json_t *root, rk_http_error *err) {
     v = json_object_get(root, "parallel_tool_calls");
     if (v && !json_is_null(v) && !json_is_boolean(v))
         return rk_http_errorf(err, 400, "'parallel_tool_calls' must be true or false"), 1;
+    json_t *tools = json_object_get(root, "tools");
+    if (json_is_true(v) && !json_array_size(tools))
+        return rk_http_errorf(err, 400,
+                              "'parallel_tool_calls' true needs 'tools' (chat completions)"),
+               1;
     static const char *const ids[] = {"user", "safety_identifier", "prompt_cache_key"};
     for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) {
         v = json_object_get(root, ids[i]);
