@@ -54,6 +54,11 @@ rk_chunk_key rk_chunk_key_compute(const rk_chunk_policy *p, const int32_t *token
     memcpy(head + n, ints, sizeof ints), n += sizeof ints;
     memcpy(head + n, floats, sizeof floats), n += sizeof floats;
     memcpy(head + n, sys, sizeof sys), n += sizeof sys;
+    if (p->salt.hi || p->salt.lo) { /* unsalted keys stay what they were */
+        uint64_t salt[2] = {p->salt.hi, p->salt.lo};
+        memcpy(head + n, "salt", 4), n += 4;
+        memcpy(head + n, salt, sizeof salt), n += sizeof salt;
+    }
     uint64_t seed = XXH3_64bits_withSeed(head, n, XXH3_64bits(p->fingerprint, fp_len));
     XXH128_hash_t h = XXH3_128bits_withSeed(tokens, (size_t)n_tokens * sizeof *tokens, seed);
     return (rk_chunk_key){h.high64, h.low64};

@@ -4,7 +4,8 @@
  * `isolated` context, the system length for `system`), into blocks of the
  * arena's chunk pool, and kept under a content key: XXH3-128 over the model
  * fingerprint, the chunk policy (context, KV dtype, RoPE parameters, the
- * system prompt's hash for the `system` context) and the token ids. An entry
+ * system prompt's hash for the `system` context, the cache salt when the
+ * request has one) and the token ids. An entry
  * stores its token ids and a hit verifies them. In-flight requests hold
  * references; only unreferenced entries are evicted (LRU by a logical clock).
  * Single flight: a key being computed is PENDING, and later lookups of it
@@ -41,6 +42,9 @@ typedef struct rk_chunk_policy {
     rk_dtype kv_dtype;
     float rope_theta, rope_factor;
     int rope_n_rot, rope_pairing, rope_scaling;
+    /* The cache salt's hash ({0, 0} = no salt: the key is the one an unsalted
+     * policy has always had). Chunks under different salts never share a key. */
+    rk_chunk_key salt;
 } rk_chunk_policy;
 
 rk_chunk_key rk_chunk_key_compute(const rk_chunk_policy *p, const int32_t *tokens, int n_tokens);
@@ -65,6 +69,9 @@ typedef struct rk_chunk_entry {
     uint64_t hits;
     double created;  /* unix time */
     char source[12]; /* where its KV came from: "computed" or "disk" */
+    /* The caller's tag for who the entry belongs to (0 = nobody in
+     * particular); the index keeps it and never reads it. */
+    int owner;
     /* private: hash chain and LRU links */
     struct rk_chunk_entry *next_in_bucket, *lru_prev, *lru_next;
 } rk_chunk_entry;

@@ -41,6 +41,9 @@ static const rk_setting k_serve_settings[] = {
      "KEY  require `Authorization: Bearer KEY` on every route but /health"},
     {"admin_key", "admin-key", RK_SET_STR, STR(srv.admin_key), 0, 0, 0, 1,
      "KEY  require this key for cache flush and chunk delete"},
+    {"api_keys_file", "api-keys-file", RK_SET_STR, STR(srv.api_keys_file), 0, 0, 0, 0,
+     "F  JSON keys that name tenants, each with its own cache: {\"keys\": [{\"key\", "
+     "\"tenant\", \"salt\"}]} (docs/operations.md)"},
     {"max_body_bytes", "max-body-bytes", RK_SET_LONG, OFF(srv.max_body_bytes), 0, 1, 1LL << 34, 0,
      0, "N  largest request body (default: 1048576; larger: 413)"},
     {"queue", "queue", RK_SET_INT, OFF(srv.queue), 0, 1, 1 << 20, 0, 0,

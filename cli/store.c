@@ -26,6 +26,8 @@ typedef struct prewarm_args {
     long long batch;
     char redis[sizeof(((rk_config *)0)->redis_url)];
     char redis_secret_file[sizeof(((rk_config *)0)->redis_secret_file)];
+    char tenant[64];
+    char salt[RK_CACHE_SALT_MAX + 1];
 } prewarm_args;
 
 static const rk_setting k_prewarm_settings[] = {
@@ -42,6 +44,11 @@ static const rk_setting k_prewarm_settings[] = {
      0, 0, 0,
      "F  file holding the secret that authenticates Redis values (default: "
      "RAGKV_REDIS_SECRET)"},
+    {"tenant", "tenant", RK_SET_STR, offsetof(prewarm_args, tenant),
+     sizeof(((prewarm_args *)0)->tenant), 0, 0, 0, 0,
+     "NAME  compute the chunks in this tenant's cache (its salt: NAME unless --salt)"},
+    {"salt", "salt", RK_SET_STR, offsetof(prewarm_args, salt), sizeof(((prewarm_args *)0)->salt), 0,
+     0, 0, 0, "S  the tenant's salt (with --tenant), or a request's cache_salt (without)"},
 };
 
 typedef struct prewarm_counts {
@@ -103,7 +110,8 @@ int rk_cli_prewarm(int argc, char **argv) {
         "through Redis with --redis), without the HTTP server. Input lines are\n"
         "{\"id\": \"...\", \"text\": \"...\"}. Chunks already stored are skipped, so an\n"
         "interrupted run can be rerun. Malformed lines are reported with their line number\n"
-        "and skipped; the exit status is then 1.\n";
+        "and skipped; the exit status is then 1. With --tenant NAME the chunks go into that\n"
+        "tenant's cache (the keys a server with --api-keys-file gives its requests).\n";
     rk_run_opts o;
     rk_run_opts_defaults(&o);
     prewarm_args pa = {.batch = 64};
@@ -123,6 +131,10 @@ int rk_cli_prewarm(int argc, char **argv) {
     if (env_secret) snprintf(o.cfg.redis_secret, sizeof o.cfg.redis_secret, "%s", env_secret);
     if (!o.cfg.store_dir[0] && !o.cfg.redis_url[0])
         return usage_error("prewarm", "%s", "--store or --redis is required");
+    /* The scope a server gives the tenant's requests (or a request's
+     * cache_salt): the keys the server will look up. */
+    rk_chunk_key salt = pa.tenant[0] ? rk_cache_scope(pa.salt[0] ? pa.salt : pa.tenant, NULL)
+                                     : rk_cache_scope(NULL, pa.salt);
     FILE *f = fopen(input, "rb");
     if (!f) {
         rk_error_setf("%s: %s", input, strerror(errno));
@@ -164,6 +176,7 @@ int rk_cli_prewarm(int argc, char **argv) {
                 done++;
                 continue;
             }
+            items[n].salt = salt;
             n++;
         }
         if (n == batch || (eof && n > 0)) {

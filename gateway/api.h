@@ -149,6 +149,9 @@ typedef struct rk_api_request {
     int tool_named;
     int parallel_tool_calls;
     int parallel_given;
+    /* `cache_salt` (vLLM's field): "" when absent. The gateway turns it, with
+     * the caller's tenant, into opt.salt (rk_cache_scope). */
+    char cache_salt[RK_CACHE_SALT_MAX + 1];
 } rk_api_request;
 
 /* Parse and validate a request body of len bytes (need not be
@@ -167,8 +170,10 @@ typedef struct rk_prewarm_request {
     char **ids;   /* (n) document ids, NULL entries when none was given */
     int n;
     int persist;
-    int context_system; /* chunk_context "system": computed after `system` */
-    char *system;       /* malloc'ed system prompt ("" when absent) */
+    int context_system;                     /* chunk_context "system": computed after `system` */
+    char *system;                           /* malloc'ed system prompt ("" when absent) */
+    char cache_salt[RK_CACHE_SALT_MAX + 1]; /* "" when absent */
+    char tenant[64];                        /* the tenant to pre-warm for; "" when absent */
 } rk_prewarm_request;
 
 rk_status rk_prewarm_parse(const char *body, size_t len, rk_prewarm_request *out,

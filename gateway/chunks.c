@@ -46,107 +46,76 @@ static rk_status run_command(req_ctx *rc, rk_scheduler_fn fn, void *ctx, int any
     return st;
 }
 
-static uint64_t kv_block_bytes(rk_service *svc) {
-    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
-    return 2ull * (uint64_t)kv->n_layers * (uint64_t)kv->block_size * (uint64_t)kv->n_kv_heads *
-           (uint64_t)kv->head_dim * rk_dtype_size(kv->dtype);
-}
-
-/* One cached entry as JSON (engine thread: reads the index and metadata). */
-static json_t *entry_json(rk_scheduler *e, rk_service *svc, const rk_chunk_entry *en) {
-    char key[33];
-    rk_chunk_key_hex(en->key, key);
+/* A chunk as JSON: an arena entry with the id and last use the engine
+ * remembers (engine thread), or a store row. */
+static json_t *chunk_json(rk_scheduler *e, const rk_chunk_info *c) {
+    if (!strcmp(c->tier, "disk"))
+        return json_pack("{s:s, s:s?, s:i, s:I, s:I, s:f, s:f, s:s, s:s}", "key", c->key, "id",
+                         c->doc_id[0] ? c->doc_id : NULL, "tokens", c->tokens, "bytes",
+                         (json_int_t)c->bytes, "hits", (json_int_t)c->hits, "created", c->created,
+                         "last_access", c->last_access, "tier", "disk", "policy", c->policy);
     double last = 0;
-    const char *id = rk_scheduler_chunk_meta(e, key, &last);
-    return json_pack(
-        "{s:s, s:s?, s:i, s:I, s:I, s:f, s:f, s:s, s:s, s:i, s:i}", "key", key, "id", id, "tokens",
-        en->n_tokens, "bytes", (json_int_t)((uint64_t)en->n_blocks * kv_block_bytes(svc)), "hits",
-        (json_int_t)en->hits, "created", en->created, "last_access", last > 0 ? last : en->created,
-        "tier", "arena", "source", en->source, "refs", en->refs, "base_pos", en->base_pos);
-}
-
-/* One store row as JSON (the disk tier). */
-static json_t *disk_entry_json(const rk_store_entry *r) {
-    return json_pack("{s:s, s:s?, s:i, s:I, s:I, s:f, s:f, s:s, s:s}", "key", r->key, "id",
-                     r->doc_id[0] ? r->doc_id : NULL, "tokens", r->n_tokens, "bytes",
-                     (json_int_t)r->n_bytes, "hits", (json_int_t)r->hits, "created", r->created,
-                     "last_access", r->last_access, "tier", "disk", "policy", r->policy);
+    const char *id = rk_scheduler_chunk_meta(e, c->key, &last);
+    return json_pack("{s:s, s:s?, s:i, s:I, s:I, s:f, s:f, s:s, s:s, s:i, s:i}", "key", c->key,
+                     "id", id, "tokens", c->tokens, "bytes", (json_int_t)c->bytes, "hits",
+                     (json_int_t)c->hits, "created", c->created, "last_access",
+                     last > 0 ? last : c->created, "tier", "arena", "source", c->source, "refs",
+                     c->refs, "base_pos", c->base_pos);
 }
 
 typedef struct list_cmd {
+    rk_cache_viewer who;
     int by_hits, limit, offset, disk;
-    const rk_chunk_entry **v;
-    int n, cap, oom;
     json_t *out;
 } list_cmd;
 
-static int collect(void *ctx, const rk_chunk_entry *en) {
-    list_cmd *l = ctx;
-    if (l->n == l->cap) {
-        int cap = l->cap ? l->cap * 2 : 256;
-        const rk_chunk_entry **v = realloc(l->v, (size_t)cap * sizeof *v);
-        if (!v) {
-            l->oom = 1;
-            return 1;
-        }
-        l->v = v;
-        l->cap = cap;
-    }
-    l->v[l->n++] = en;
-    return 0;
-}
-
-static void sort_by_hits(const rk_chunk_entry **v, int n) {
-    /* Stable insertion-merge: a bottom-up merge sort keeps recency order among ties. */
-    const rk_chunk_entry **tmp = malloc((size_t)(n ? n : 1) * sizeof *tmp);
-    if (!tmp) return;
-    for (int w = 1; w < n; w *= 2)
-        for (int lo = 0; lo < n; lo += 2 * w) {
-            int mid = lo + w < n ? lo + w : n, hi = lo + 2 * w < n ? lo + 2 * w : n;
-            int i = lo, j = mid, k = lo;
-            while (i < mid && j < hi) tmp[k++] = v[j]->hits > v[i]->hits ? v[j++] : v[i++];
-            while (i < mid) tmp[k++] = v[i++];
-            while (j < hi) tmp[k++] = v[j++];
-            memcpy(v + lo, tmp + lo, (size_t)(hi - lo) * sizeof *v);
-        }
-    free(tmp);
-}
-
-/* The disk tier's rows (the store sorts and pages them). */
-static rk_status list_disk(list_cmd *l, rk_service *svc) {
-    rk_store_entry *rows = NULL;
-    int n = 0;
-    rk_store_counters sc;
-    rk_status st = rk_store_stats(svc->store, &sc);
-    if (!st)
-        st = rk_store_list(svc->store, l->by_hits ? RK_STORE_SORT_HITS : RK_STORE_SORT_RECENT,
-                           l->limit, l->offset, &rows, &n);
-    if (st) return st;
-    json_t *data = json_array();
-    for (int i = 0; i < n && data; i++) json_array_append_new(data, disk_entry_json(&rows[i]));
-    free(rows);
-    l->out = json_pack("{s:s, s:o, s:I, s:i, s:i, s:s, s:s}", "object", "list", "data", data,
-                       "total", (json_int_t)sc.rows, "offset", l->offset, "limit", l->limit, "sort",
-                       l->by_hits ? "hits" : "recent", "tier", "disk");
-    return l->out ? RK_OK : rk_errorf(RK_ERR_NOMEM, "out of memory");
-}
-
 static rk_status list_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
     list_cmd *l = ctx;
-    if (l->disk) return list_disk(l, svc);
-    rk_chunk_index_foreach(svc->chunks, collect, l);
-    if (l->oom) return rk_errorf(RK_ERR_NOMEM, "out of memory");
-    if (l->by_hits) sort_by_hits(l->v, l->n);
+    rk_chunk_listing ls;
+    rk_status st =
+        rk_service_chunk_list(svc, &l->who, l->disk, l->by_hits, l->offset, l->limit, &ls);
+    if (st) return st;
     json_t *data = json_array();
-    for (int i = l->offset; i < l->n && i < l->offset + l->limit && data; i++)
-        json_array_append_new(data, entry_json(e, svc, l->v[i]));
-    l->out = json_pack("{s:s, s:o, s:i, s:i, s:i, s:s, s:s}", "object", "list", "data", data,
-                       "total", l->n, "offset", l->offset, "limit", l->limit, "sort",
-                       l->by_hits ? "hits" : "recent", "tier", "arena");
+    for (int i = 0; i < ls.n && data; i++) json_array_append_new(data, chunk_json(e, &ls.v[i]));
+    l->out = json_pack("{s:s, s:o, s:I, s:i, s:i, s:s, s:s}", "object", "list", "data", data,
+                       "total", (json_int_t)ls.total, "offset", l->offset, "limit", l->limit,
+                       "sort", l->by_hits ? "hits" : "recent", "tier", l->disk ? "disk" : "arena");
+    rk_chunk_listing_free(&ls);
     return l->out ? RK_OK : rk_errorf(RK_ERR_NOMEM, "out of memory");
+}
+
+typedef struct top_cmd {
+    rk_cache_viewer who;
+    json_t *out;
+} top_cmd;
+
+/* The viewer's most hit chunks, as /v1/stats' top_chunks. */
+static rk_status top_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
+    top_cmd *t = ctx;
+    rk_chunk_listing ls;
+    rk_status st = rk_service_chunk_list(svc, &t->who, 0, 1, 0, RK_STATS_TOP, &ls);
+    if (st) return st;
+    t->out = json_array();
+    for (int i = 0; i < ls.n && t->out && ls.v[i].hits > 0; i++)
+        json_array_append_new(t->out, json_pack("{s:s, s:s?, s:I}", "key", ls.v[i].key, "id",
+                                                rk_scheduler_chunk_meta(e, ls.v[i].key, NULL),
+                                                "hits", (json_int_t)ls.v[i].hits));
+    rk_chunk_listing_free(&ls);
+    return t->out ? RK_OK : rk_errorf(RK_ERR_NOMEM, "out of memory");
+}
+
+json_t *rk_gw_top_chunks(req_ctx *rc) {
+    top_cmd t = {.who = rk_gw_viewer(rc)};
+    char msg[320];
+    if (run_command(rc, top_fn, &t, 1, msg, sizeof msg)) {
+        json_decref(t.out);
+        return NULL;
+    }
+    return t.out;
 }
 
 typedef struct key_cmd {
+    rk_cache_viewer who;
     rk_chunk_key key;
     char hex[33];
     json_t *out;
@@ -155,60 +124,33 @@ typedef struct key_cmd {
 
 static rk_status get_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
     key_cmd *k = ctx;
-    rk_chunk_entry *en = rk_chunk_index_find(svc->chunks, k->key);
-    int on_disk = 0;
-    if (svc->store) rk_store_contains(svc->store, k->hex, &on_disk);
-    if (en) {
-        k->out = entry_json(e, svc, en);
-        if (k->out && svc->store) json_object_set_new(k->out, "on_disk", json_boolean(on_disk));
-    } else if (on_disk) {
-        rk_store_entry row;
-        if (rk_store_lookup(svc->store, k->hex, &row) == RK_OK) k->out = disk_entry_json(&row);
-    }
-    if (!k->out && !en && !on_disk)
-        return rk_errorf(RK_ERR_NOT_FOUND, "no cached chunk has the key %s", k->hex);
+    rk_chunk_info c;
+    rk_status st = rk_service_chunk_get(svc, &k->who, k->key, &c);
+    if (st) return st;
+    k->out = chunk_json(e, &c);
+    if (k->out && svc->store && !strcmp(c.tier, "arena"))
+        json_object_set_new(k->out, "on_disk", json_boolean(c.on_disk));
     return k->out ? RK_OK : rk_errorf(RK_ERR_NOMEM, "out of memory");
 }
 
 /* Remove a chunk from the arena and from the store. */
 static rk_status delete_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
     key_cmd *k = ctx;
-    rk_status st = rk_chunk_index_remove(svc->chunks, k->key);
-    if (st == RK_ERR_BUSY)
-        return rk_errorf(st, "the chunk %s is in use by a request in flight; try again", k->hex);
-    if (st && st != RK_ERR_NOT_FOUND) return st;
-    k->in_arena = st == RK_OK;
+    rk_status st = rk_service_chunk_delete(svc, &k->who, k->key, &k->in_arena, &k->on_disk);
     if (k->in_arena) rk_scheduler_count_removed(e, 1, 0);
-    if (svc->store) {
-        rk_status ds = rk_store_delete(svc->store, k->hex);
-        if (ds && ds != RK_ERR_NOT_FOUND) return ds;
-        k->on_disk = ds == RK_OK;
-    }
-    if (!k->in_arena && !k->on_disk)
-        return rk_errorf(RK_ERR_NOT_FOUND, "no cached chunk has the key %s", k->hex);
-    return RK_OK;
+    return st;
 }
 
 typedef struct flush_cmd {
     rk_flush_request req;
-    int chunks;
-    uint64_t prefix_nodes, prefix_tokens, disk_rows;
+    rk_flush_counts n;
 } flush_cmd;
 
 static rk_status flush_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
     flush_cmd *f = ctx;
-    if (f->req.chunks) f->chunks = rk_chunk_index_flush(svc->chunks);
-    if (f->req.prefix && svc->prefix) {
-        rk_radix_stats a, b;
-        rk_radix_get_stats(svc->prefix, &a);
-        rk_radix_flush(svc->prefix);
-        rk_radix_get_stats(svc->prefix, &b);
-        f->prefix_nodes = b.evictions - a.evictions;
-        f->prefix_tokens = b.tokens_evicted - a.tokens_evicted;
-    }
-    rk_scheduler_count_removed(e, (uint64_t)f->chunks, f->prefix_nodes);
-    if (f->req.disk && svc->store) return rk_store_flush(svc->store, &f->disk_rows);
-    return RK_OK;
+    rk_status st = rk_service_flush(svc, f->req.chunks, f->req.prefix, f->req.disk, &f->n);
+    rk_scheduler_count_removed(e, (uint64_t)f->n.chunks, f->n.prefix_nodes);
+    return st;
 }
 
 typedef struct prewarm_cmd {
@@ -311,6 +253,7 @@ static rk_status prewarm_request(rk_service *svc, const int32_t *sys, int n_sys,
 }
 
 typedef struct prep_pw {
+    const req_ctx *rc;
     rk_service *svc;
     const char *body;
     size_t len;
@@ -324,6 +267,27 @@ static void prep_prewarm(void *arg) {
     prep_pw *p = arg;
     rk_service *svc = p->svc;
     if (rk_prewarm_parse(p->body, p->len, &p->pw, &p->err)) return;
+    /* Whose chunks: the caller's own, or (the admin key) the tenant named. */
+    const req_ctx *rc = p->rc;
+    const rk_tenants *tn = rc->S->tenants;
+    int owner = rc->tenant;
+    if (p->pw.tenant[0]) {
+        int named = rk_tenants_by_name(tn, p->pw.tenant);
+        if (!tn) {
+            rk_http_errorf(&p->err, 400, "'tenant': no keys file names tenants on this server");
+            return;
+        }
+        if (!rc->sees_all && named != rc->tenant) {
+            rk_http_errorf(&p->err, 403, "only the admin key may pre-warm for another tenant");
+            return;
+        }
+        if (!named) {
+            rk_http_errorf(&p->err, 400, "'tenant': no tenant is named \"%s\"", p->pw.tenant);
+            return;
+        }
+        owner = named;
+    }
+    rk_chunk_key salt = rk_cache_scope(rk_tenants_salt(tn, owner), p->pw.cache_salt);
     if (p->pw.persist && !svc->store && !svc->redis) {
         rk_http_errorf(&p->err, 501,
                        "persistence is not configured: start the server with --store DIR "
@@ -340,8 +304,11 @@ static void prep_prewarm(void *arg) {
             return;
         }
         for (int i = 0; i < p->pw.n; i++)
-            p->cmd.items[i] = (rk_prewarm_item){
-                .text = p->pw.texts[i], .len = strlen(p->pw.texts[i]), .doc_id = p->pw.ids[i]};
+            p->cmd.items[i] = (rk_prewarm_item){.text = p->pw.texts[i],
+                                                .len = strlen(p->pw.texts[i]),
+                                                .doc_id = p->pw.ids[i],
+                                                .salt = salt,
+                                                .owner = owner};
         return;
     }
     const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
@@ -373,6 +340,10 @@ static void prep_prewarm(void *arg) {
         rk_error_clear();
         rk_status cs = prewarm_request(svc, sys, (int)n_ids + bos, p->pw.texts[i],
                                        p->pw.context_system, &p->cmd.reqs[i]);
+        if (!cs) {
+            p->cmd.reqs[i]->opt.salt = salt;
+            p->cmd.reqs[i]->opt.owner = owner;
+        }
         if (cs) {
             p->cmd.res[i].status = cs;
             snprintf(p->cmd.res[i].error, sizeof p->cmd.res[i].error, "%s", rk_error_message());
@@ -388,6 +359,7 @@ int rk_gw_handle_prewarm(req_ctx *rc) {
     if (rk_gw_read_body(rc, &body, &len)) return 0;
     prep_pw p;
     memset(&p, 0, sizeof p);
+    p.rc = rc;
     p.svc = rk_gw_ready_service(S);
     p.body = body;
     p.len = len;
@@ -516,7 +488,7 @@ int rk_gw_handle_list(req_ctx *rc) {
         return rk_gw_send_errorf(rc, 400, "'limit' must be an integer from 1 to 100000"), 0;
     if (query_int(qs, "offset", 0, 1L << 30, 0, &offset))
         return rk_gw_send_errorf(rc, 400, "'offset' must be a non-negative integer"), 0;
-    list_cmd l = {.limit = (int)limit, .offset = (int)offset};
+    list_cmd l = {.who = rk_gw_viewer(rc), .limit = (int)limit, .offset = (int)offset};
     char sort[16] = "recent";
     int sn = qs ? mg_get_var(qs, strlen(qs), "sort", sort, sizeof sort) : -1;
     if (sn == -1)
@@ -532,6 +504,10 @@ int rk_gw_handle_list(req_ctx *rc) {
     if (tn == -1) snprintf(tier, sizeof tier, "arena");
     if (tn < -1 || (strcmp(tier, "arena") && strcmp(tier, "disk") && strcmp(tier, "redis")))
         return rk_gw_send_errorf(rc, 400, "'tier' must be arena, disk or redis"), 0;
+    if (strcmp(tier, "arena") && !l.who.all)
+        return rk_gw_send_errorf(rc, 403,
+                                 "the %s tier keeps no tenants: only the admin key lists it", tier),
+               0;
     if (!strcmp(tier, "redis")) return list_redis(rc, &l), 0;
     l.disk = !strcmp(tier, "disk");
     if (l.disk && !rc->S->o.cfg.store_dir[0])
@@ -542,7 +518,6 @@ int rk_gw_handle_list(req_ctx *rc) {
     if (!rk_gw_ready_service(rc->S)) return rk_gw_send_not_ready(rc), 0;
     char msg[320];
     rk_status st = run_command(rc, list_fn, &l, 1, msg, sizeof msg);
-    free(l.v);
     if (st) {
         json_decref(l.out);
         return rk_gw_send_errorf(rc, rk_http_status_of(st), "%s", msg), 0;
@@ -552,7 +527,7 @@ int rk_gw_handle_list(req_ctx *rc) {
 }
 
 int rk_gw_handle_chunk_key(req_ctx *rc, const char *hex, int del) {
-    key_cmd k = {0};
+    key_cmd k = {.who = rk_gw_viewer(rc)};
     if (strlen(hex) != 32 || rk_chunk_key_parse(hex, &k.key))
         return rk_gw_send_errorf(rc, 400, "a chunk key is 32 lowercase hexadecimal digits"), 0;
     rk_chunk_key_hex(k.key, k.hex);
@@ -602,9 +577,9 @@ int rk_gw_handle_flush(req_ctx *rc) {
     if (f.req.redis && rk_redis_flush(svc->redis, &redis_keys))
         return rk_gw_send_errorf(rc, 503, "%s", rk_error_message()), 0;
     rk_gw_send_json(rc, 200,
-                    json_pack("{s:{s:i, s:I, s:I, s:I, s:I}}", "flushed", "chunks", f.chunks,
-                              "prefix_nodes", (json_int_t)f.prefix_nodes, "prefix_tokens",
-                              (json_int_t)f.prefix_tokens, "disk_rows", (json_int_t)f.disk_rows,
+                    json_pack("{s:{s:i, s:I, s:I, s:I, s:I}}", "flushed", "chunks", f.n.chunks,
+                              "prefix_nodes", (json_int_t)f.n.prefix_nodes, "prefix_tokens",
+                              (json_int_t)f.n.prefix_tokens, "disk_rows", (json_int_t)f.n.disk_rows,
                               "redis_keys", (json_int_t)redis_keys));
     return 0;
 }

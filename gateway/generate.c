@@ -522,6 +522,10 @@ static void prep_generation(void *arg) {
         }
     if (p->chat && rk_chat_render(S->tmpl, &g->api, S->o.cfg.max_chunks, err)) return;
     if (!g->api.seed_given) g->api.opt.sampling.seed = rk_gw_random(S);
+    /* The caller's tenant owns what the request caches, under its salt (and
+     * the request's cache_salt inside it). */
+    g->api.opt.owner = g->rc->tenant;
+    g->api.opt.salt = rk_cache_scope(rk_tenants_salt(S->tenants, g->rc->tenant), g->api.cache_salt);
     prepare_job(g, g->api.n_prompts ? 0 : -1, g->api.opt.sampling.seed, err);
 }
 

@@ -18,6 +18,7 @@
 #include "gateway/chat.h"
 #include "gateway/server.h"
 #include "gateway/stats.h"
+#include "gateway/tenants.h"
 #include "pipeline/scheduler.h"
 
 struct rk_server {
@@ -25,6 +26,7 @@ struct rk_server {
     struct mg_context *ctx;
     rk_scheduler *engine;
     rk_stats *stats;
+    rk_tenants *tenants; /* from api_keys_file; NULL without one */
     int port;
     atomic_int stopping;
     atomic_int in_flight; /* requests being handled */
@@ -58,7 +60,17 @@ typedef struct req_ctx {
     char detail[512];    /* extra log fields */
     int expect_continue; /* the client sent `Expect: 100-continue` ... */
     int continued;       /* ... and was told to go on (rk_gw_read_body) */
+    /* Who is asking (set by authorization): the tenant of a tenant key (0:
+     * none), and whether the caller sees every tenant's chunks (the admin
+     * key; any caller while no keys file names tenants). */
+    int tenant;
+    int sees_all;
 } req_ctx;
+
+/* The chunks rc's caller may see. */
+static inline rk_cache_viewer rk_gw_viewer(const req_ctx *rc) {
+    return (rk_cache_viewer){.all = rc->sees_all, .owner = rc->tenant};
+}
 
 /* A fresh 64-bit random number (ids, seeds). Any thread. */
 uint64_t rk_gw_random(server *S);
@@ -127,5 +139,9 @@ int rk_gw_handle_list(req_ctx *rc);
 int rk_gw_handle_chunk_key(req_ctx *rc, const char *hex, int del);
 int rk_gw_handle_flush(req_ctx *rc);
 int rk_gw_handle_tokenize(req_ctx *rc, int detokenize);
+
+/* The caller's most hit chunks (at most RK_STATS_TOP, each with hits), as
+ * /v1/stats' top_chunks, asked of the engine; NULL when it could not answer. */
+json_t *rk_gw_top_chunks(req_ctx *rc);
 
 #endif

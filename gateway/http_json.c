@@ -37,6 +37,7 @@ const char *rk_http_error_type(int status) {
     switch (status) {
     case 400: return "invalid_request";
     case 401: return "unauthorized";
+    case 403: return "forbidden";
     case 404: return "not_found";
     case 405: return "method_not_allowed";
     case 408: return "request_timeout";
@@ -137,6 +138,20 @@ static int get_choice(json_t *o, const char *name, const char *a, const char *b,
         *out = 1;
     else
         return rk_http_errorf(err, 400, "'%s' must be \"%s\" or \"%s\"", name, a, b), 1;
+    return 0;
+}
+
+/* A string of 1..cap-1 bytes without NUL (a cache salt, a tenant name) into
+ * out[cap]. */
+static int get_text(json_t *o, const char *name, char *out, size_t cap, rk_http_error *err) {
+    json_t *v = json_object_get(o, name);
+    if (!v || json_is_null(v)) return 0;
+    const char *s = json_string_value(v);
+    size_t n = s ? json_string_length(v) : 0;
+    if (!s || n == 0 || n >= cap || n != strlen(s))
+        return rk_http_errorf(err, 400, "'%s' must be a string of 1 to %zu bytes", name, cap - 1),
+               1;
+    memcpy(out, s, n + 1);
     return 0;
 }
 
@@ -461,7 +476,8 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
         get_bool(root, "reuse_sequences", &whole, err) ||
         get_choice(root, "mode", "rag", "plain", &plain, err) || get_context(root, &ctx, err) ||
         get_choice(root, "position_mode", "sequential", "parallel", &pos, err) ||
-        parse_stop(root, out, err) || parse_repair(root, lim, o, err))
+        parse_stop(root, out, err) || parse_repair(root, lim, o, err) ||
+        get_text(root, "cache_salt", out->cache_salt, sizeof out->cache_salt, err))
         return 1;
     json_t *so = json_object_get(root, "stream_options");
     if (so && !json_is_null(so)) {
@@ -1188,7 +1204,9 @@ rk_status rk_prewarm_parse(const char *body, size_t len, rk_prewarm_request *out
     } else if (sys && !json_is_null(sys) && !json_is_string(sys)) {
         st = rk_http_errorf(err, 400, "'system' must be a string");
     } else if (get_bool(root, "persist", &out->persist, err) ||
-               get_choice(root, "chunk_context", "isolated", "system", &out->context_system, err)) {
+               get_choice(root, "chunk_context", "isolated", "system", &out->context_system, err) ||
+               get_text(root, "cache_salt", out->cache_salt, sizeof out->cache_salt, err) ||
+               get_text(root, "tenant", out->tenant, sizeof out->tenant, err)) {
         st = RK_ERR_INVALID;
     }
     if (!st) {

@@ -385,7 +385,12 @@ static void refresh_redis_stats(server *S) {
 static int handle_stats(req_ctx *rc) {
     if (!rk_gw_ready_service(rc->S)) return rk_gw_send_not_ready(rc), 0;
     refresh_redis_stats(rc->S);
-    rk_gw_send_json(rc, 200, rk_stats_json(rc->S->stats));
+    json_t *doc = rk_stats_json_for(rc->S->stats, rc->sees_all, rc->tenant);
+    /* The snapshot's top chunks are everyone's ten: a tenant gets its own
+     * ten from the engine (the snapshot's, filtered, if it cannot answer). */
+    json_t *top = doc && !rc->sees_all ? rk_gw_top_chunks(rc) : NULL;
+    if (top) json_object_set_new(doc, "top_chunks", top);
+    rk_gw_send_json(rc, 200, doc);
     return 0;
 }
 
@@ -400,31 +405,45 @@ static int handle_metrics(req_ctx *rc) {
 
 /* ================================================================ routing */
 
-/* Constant-time comparison of a presented key with the expected one. */
-static int key_equal(const char *given, const char *want) {
-    size_t a = strlen(given), b = strlen(want);
-    unsigned diff = (unsigned)(a ^ b);
-    for (size_t i = 0; i < b; i++)
-        diff |= (unsigned char)(i < a ? given[i] : 0) ^ (unsigned char)want[i];
-    return diff == 0;
-}
+/* Which keys may call a route. */
+typedef enum route_access {
+    ACCESS_USER = 0,     /* the user key, a tenant key or the admin key */
+    ACCESS_ADMIN = 1,    /* the admin key (the user key while none is set) */
+    ACCESS_DELETE = 2,   /* as ACCESS_ADMIN, or a tenant key (its own chunks) */
+    ACCESS_OPERATOR = 3, /* as ACCESS_USER but no tenant key (/metrics: every tenant's counters) */
+} route_access;
 
-/* 0 when the request may go on; otherwise a 401 was sent. */
-static int authorize(req_ctx *rc, int admin) {
+/* 0 when the request may go on, with rc->tenant and rc->sees_all set;
+ * otherwise a 401 was sent. Every configured key is compared, in constant
+ * time, whatever matches. */
+static int authorize(req_ctx *rc, route_access need) {
     const rk_server_options *o = &rc->S->o;
-    const char *need1 = admin && o->admin_key[0] ? o->admin_key : o->api_key;
-    const char *need2 = !admin && o->admin_key[0] ? o->admin_key : NULL;
-    if (!need1[0]) return 0;
+    const rk_tenants *tn = rc->S->tenants;
     /* The scheme is case-insensitive and ends at white space (RFC 7235). */
     const char *h = mg_get_header(rc->conn, "Authorization");
     const char *given = NULL;
     if (h && !strncasecmp(h, "Bearer", 6) && (h[6] == ' ' || h[6] == '\t'))
         for (given = h + 6; *given == ' ' || *given == '\t';) given++;
-    if (given && (key_equal(given, need1) || (need2 && key_equal(given, need2)))) return 0;
-    rk_gw_send_errorf(rc, 401, "%s",
-                      !given                     ? "missing `Authorization: Bearer KEY`"
-                      : admin && o->admin_key[0] ? "this route needs the admin key"
-                                                 : "wrong API key");
+    int is_admin = given && o->admin_key[0] && rk_key_equal(given, o->admin_key);
+    int is_user = given && o->api_key[0] && rk_key_equal(given, o->api_key);
+    int tenant = given && tn ? rk_tenants_find(tn, given) : 0;
+    /* Without a keys file every caller sees every chunk, as with one key. */
+    rc->sees_all = is_admin || !tn;
+    rc->tenant = tenant;
+    const char *admin_need = o->admin_key[0] ? o->admin_key : o->api_key;
+    int admin_ok = admin_need[0] ? (o->admin_key[0] ? is_admin : is_user) : !tn;
+    int user_ok = is_admin || is_user || (!o->api_key[0] && !tn);
+    int ok = need == ACCESS_USER       ? user_ok || tenant
+             : need == ACCESS_OPERATOR ? user_ok
+             : need == ACCESS_ADMIN    ? admin_ok
+                                       : admin_ok || tenant;
+    if (ok) return 0;
+    rk_gw_send_errorf(
+        rc, 401, "%s",
+        !given                              ? "missing `Authorization: Bearer KEY`"
+        : need == ACCESS_OPERATOR && tenant ? "this route needs the user or the admin key"
+        : need != ACCESS_USER && (o->admin_key[0] || tenant) ? "this route needs the admin key"
+                                                             : "wrong API key");
     return -1;
 }
 
@@ -505,8 +524,11 @@ static int dispatch(req_ctx *rc) {
                            : get;
     if (!ok) return rk_gw_send_errorf(rc, 405, "%s is not allowed on %s", m, rc->path), 0;
     if (r == R_HEALTH) return handle_health(rc);
-    int admin = r == R_FLUSH || (r == R_CHUNK_KEY && del);
-    if (authorize(rc, admin)) return 0;
+    route_access need = r == R_FLUSH              ? ACCESS_ADMIN
+                        : r == R_CHUNK_KEY && del ? ACCESS_DELETE
+                        : r == R_METRICS          ? ACCESS_OPERATOR
+                                                  : ACCESS_USER;
+    if (authorize(rc, need)) return 0;
     if (atomic_load(&rc->S->stopping) && r != R_METRICS && r != R_STATS)
         return rk_gw_send_errorf(rc, 503, "the server is shutting down"), 0;
     switch (r) {
@@ -625,8 +647,10 @@ static void serve_one(void *arg) {
     atomic_fetch_sub(&S->in_flight, 1);
     int quiet = !strcmp(rc.path, "/health") || !strcmp(rc.path, "/metrics");
     if (!quiet) rk_stats_record_status(S->stats, rc.status);
-    rk_log(quiet ? RK_LOG_DEBUG : RK_LOG_INFO, "request", "id=%s %s %s status=%d ms=%.2f%s", rc.id,
-           rc.method, rc.path, rc.status, (rk_time_now() - rc.t0) * 1e3, rc.detail);
+    const char *tenant = rk_tenants_name(S->tenants, rc.tenant); /* the name, never the key */
+    rk_log(quiet ? RK_LOG_DEBUG : RK_LOG_INFO, "request", "id=%s %s %s status=%d ms=%.2f%s%s%s",
+           rc.id, rc.method, rc.path, rc.status, (rk_time_now() - rc.t0) * 1e3, rc.detail,
+           tenant ? " tenant=" : "", tenant ? tenant : "");
     free(path);
     call->status = rc.status > 0 ? rc.status : 500;
 }
@@ -912,6 +936,25 @@ static rk_status start_http(server *S, int *out_port) {
     return RK_OK;
 }
 
+/* The keys file: its tenants, whose names the statistics label. Neither
+ * --api-key nor --admin-key may also be a tenant's key. */
+static rk_status load_tenants(server *S) {
+    rk_status st = rk_tenants_load(S->o.api_keys_file, &S->tenants);
+    if (st) return st;
+    if ((S->o.api_key[0] && rk_tenants_has_key(S->tenants, S->o.api_key)) ||
+        (S->o.admin_key[0] && rk_tenants_has_key(S->tenants, S->o.admin_key)))
+        return rk_errorf(RK_ERR_INVALID,
+                         "%s: a tenant's key is also the --api-key or the --admin-key",
+                         S->o.api_keys_file);
+    int n = rk_tenants_count(S->tenants);
+    const char *names[RK_STATS_TENANTS];
+    for (int i = 0; i < n && i < RK_STATS_TENANTS; i++)
+        names[i] = rk_tenants_name(S->tenants, i + 1);
+    rk_stats_set_tenants(S->stats, names, n < RK_STATS_TENANTS ? n : RK_STATS_TENANTS);
+    RK_LOG_INFO("%d tenant%s from %s", n, n == 1 ? "" : "s", S->o.api_keys_file);
+    return RK_OK;
+}
+
 rk_status rk_server_start(const rk_server_options *o, rk_server **out, int *out_port) {
     *out = NULL;
     if (o->chat_separator[0] && rk_separator_check(o->chat_separator))
@@ -923,6 +966,7 @@ rk_status rk_server_start(const rk_server_options *o, rk_server **out, int *out_
     S->started_unix = (double)time(NULL);
     S->last_state = RK_SCHEDULER_LOADING;
     rk_status st = rk_stats_create(&S->stats);
+    if (!st && o->api_keys_file[0]) st = load_tenants(S);
     rk_scheduler_params ep = {.cfg = o->cfg,
                               .model_path = o->model[0] ? o->model : NULL,
                               .max_queue = o->queue,
@@ -939,6 +983,7 @@ rk_status rk_server_start(const rk_server_options *o, rk_server **out, int *out_
     }
     if (st) {
         rk_stats_free(S->stats);
+        rk_tenants_free(S->tenants);
         pthread_mutex_destroy(&S->info_mu);
         free(S);
         return st;
@@ -977,6 +1022,7 @@ void rk_server_stop(rk_server *S) {
     mg_exit_library();
     rk_gw_conns_free(S->conns);
     rk_stats_free(S->stats);
+    rk_tenants_free(S->tenants);
     pthread_mutex_destroy(&S->info_mu);
     free(S);
     RK_LOG_INFO("stopped");

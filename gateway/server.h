@@ -9,6 +9,7 @@
  *   http_json.c  request bodies (api.h)       chat.c   chat templates (chat.h)
  *   report.c     finished requests as JSON (report.h)
  *   stats.c      counters, /v1/stats and /metrics (stats.h)
+ *   tenants.c    the keys file: keys that name tenants (tenants.h)
  *
  * Threads. rk_server_start starts the engine thread (pipeline/scheduler.h)
  * and CivetWeb's workers. A worker reads and validates a body, tokenizes (the
@@ -34,6 +35,7 @@ typedef struct rk_server_options {
     int port; /* 0 = any free port */
     char api_key[256];
     char admin_key[256];
+    char api_keys_file[1024]; /* "" = none; tenants.h describes the file */
     long long max_body_bytes;
     int queue;        /* requests waiting for the engine at most */
     double timeout_s; /* a request waiting or running longer is cancelled */
@@ -63,7 +65,8 @@ typedef struct rk_server rk_server; /* opaque */
 /* Fill o with the defaults (rk_config's included). */
 void rk_server_options_default(rk_server_options *o);
 
-/* Start the engine thread (which loads the model in the background) and
+/* Read o->api_keys_file (a malformed one fails here, naming the entry),
+ * start the engine thread (which loads the model in the background) and
  * listen on o->host:o->port; *out_port gets the port bound (o's, or the one
  * chosen for port 0), which is also printed to stderr. o is copied. Returns
  * RK_OK with the server in *out (stop it with rk_server_stop), or an error

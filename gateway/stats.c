@@ -13,6 +13,7 @@
 #include "gateway/report.h"
 
 #include <pthread.h>
+#include <stddef.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -20,6 +21,13 @@
 #include <time.h>
 
 #define N_MINUTES 60
+
+/* One tenant's counters. */
+typedef struct tenant_counts {
+    uint64_t requests, prompt_tokens, cached_tokens, chunk_hits, chunk_misses;
+} tenant_counts;
+
+#define SLOT_OTHER (RK_STATS_TENANTS + 1) /* slot 0: default; 1..64: named */
 
 typedef struct minute_bucket {
     int64_t minute; /* minutes since the epoch; -1 = unused */
@@ -47,7 +55,23 @@ struct rk_stats {
     int have_redis;
     rk_redis_counters redis;
     rk_hist redis_latency;
+    char tenant_names[RK_STATS_TENANTS + 2][64]; /* by slot */
+    int n_tenants;
+    tenant_counts tenants[RK_STATS_TENANTS + 2];
 };
+
+static int tenant_slot(const rk_stats *s, int owner) {
+    return owner <= 0 ? 0 : owner <= s->n_tenants ? owner : SLOT_OTHER;
+}
+
+void rk_stats_set_tenants(rk_stats *s, const char *const *names, int n) {
+    pthread_mutex_lock(&s->mu);
+    if (n > RK_STATS_TENANTS) n = RK_STATS_TENANTS;
+    for (int i = 0; i < n; i++)
+        snprintf(s->tenant_names[i + 1], sizeof s->tenant_names[0], "%s", names[i]);
+    s->n_tenants = n;
+    pthread_mutex_unlock(&s->mu);
+}
 
 /* ---------------------------------------------------------------- histograms */
 
@@ -98,6 +122,8 @@ rk_status rk_stats_create(rk_stats **out) {
     }
     s->started = rk_time_now();
     for (int i = 0; i < N_MINUTES; i++) s->minutes[i].minute = -1;
+    snprintf(s->tenant_names[0], sizeof s->tenant_names[0], "default");
+    snprintf(s->tenant_names[SLOT_OTHER], sizeof s->tenant_names[0], "other");
     *out = s;
     return RK_OK;
 }
@@ -143,6 +169,10 @@ void rk_stats_record_request(rk_stats *s, const rk_request *r) {
     s->prompt_tokens += (uint64_t)r->prompt_tokens;
     s->cached_tokens += (uint64_t)r->cached_tokens;
     s->completion_tokens += (uint64_t)r->n_out;
+    tenant_counts *tc = &s->tenants[tenant_slot(s, r->opt.owner)];
+    tc->requests++;
+    tc->prompt_tokens += (uint64_t)r->prompt_tokens;
+    tc->cached_tokens += (uint64_t)r->cached_tokens;
     rk_hist_add(&s->lookup, r->t.lookup_ms / 1e3);
     rk_hist_add(&s->reindex, r->t.reindex_ms / 1e3);
     if (r->n_out > 0) rk_hist_add(&s->ttft, (r->t.queue_ms + r->t.ttft_ms) / 1e3);
@@ -155,11 +185,13 @@ void rk_stats_record_request(rk_stats *s, const rk_request *r) {
         if (c->status == RK_CHUNK_STATUS_HIT && c->source > RK_CHUNK_SOURCE_COMPUTED &&
             c->source <= RK_CHUNK_SOURCE_PREFIX) {
             s->chunk_hits[c->source]++;
+            tc->chunk_hits++;
             s->chunk_hit_tokens += (uint64_t)c->tokens;
             b->hits++;
         } else if (c->status == RK_CHUNK_STATUS_MISS ||
                    (c->status == RK_CHUNK_STATUS_HIT && c->source == RK_CHUNK_SOURCE_COMPUTED)) {
             s->chunk_misses++;
+            tc->chunk_misses++;
             s->chunk_computed_tokens += (uint64_t)c->tokens;
             b->misses++;
         } else {
@@ -263,15 +295,37 @@ static json_t *requests_json(const rk_stats *s) {
                      "nonfinite_logits", (json_int_t)s->snap.nonfinite_logits);
 }
 
-json_t *rk_stats_json(rk_stats *s) {
+static json_t *tenant_json(const tenant_counts *t) {
+    return json_pack("{s:I, s:I, s:I, s:I, s:I}", "requests", (json_int_t)t->requests,
+                     "prompt_tokens", (json_int_t)t->prompt_tokens, "cached_tokens",
+                     (json_int_t)t->cached_tokens, "chunk_hits", (json_int_t)t->chunk_hits,
+                     "chunk_misses", (json_int_t)t->chunk_misses);
+}
+
+/* The per-tenant counters a caller may read (under s->mu). */
+static json_t *tenants_json(const rk_stats *s, int all, int owner) {
+    json_t *o = json_object();
+    for (int slot = 0; slot <= SLOT_OTHER && o; slot++) {
+        int listed =
+            slot == 0 || slot <= s->n_tenants || (slot == SLOT_OTHER && s->tenants[slot].requests);
+        if (!listed || (!all && slot != tenant_slot(s, owner))) continue;
+        json_object_set_new(o, s->tenant_names[slot], tenant_json(&s->tenants[slot]));
+    }
+    return o;
+}
+
+json_t *rk_stats_json(rk_stats *s) { return rk_stats_json_for(s, 1, 0); }
+
+json_t *rk_stats_json_for(rk_stats *s, int all, int owner) {
     pthread_mutex_lock(&s->mu);
     const rk_cache_snapshot *c = &s->snap;
     const rk_chunk_stats *ch = &c->chunk;
     json_t *top = json_array();
     for (int i = 0; i < c->n_top && top; i++)
-        json_array_append_new(top, json_pack("{s:s, s:s?, s:I}", "key", c->top[i].key, "id",
-                                             c->top[i].id[0] ? c->top[i].id : NULL, "hits",
-                                             (json_int_t)c->top[i].hits));
+        if (all || c->top[i].owner == owner)
+            json_array_append_new(top, json_pack("{s:s, s:s?, s:I}", "key", c->top[i].key, "id",
+                                                 c->top[i].id[0] ? c->top[i].id : NULL, "hits",
+                                                 (json_int_t)c->top[i].hits));
     uint64_t hits = chunk_hits_total(s), lookups = hits + s->chunk_misses;
     json_t *chunks = json_pack(
         "{s:I, s:I, s:o, s:I, s:f, s:{s:o, s:o, s:o}, s:I, s:I, s:f, s:{s:I, s:I}, s:I, s:I, "
@@ -359,6 +413,7 @@ json_t *rk_stats_json(rk_stats *s) {
                              "tokens", tokens, "chunks", chunks, "prefix", prefix, "tiers", tiers,
                              "pools", pools_json(c), "kv_usage_ratio", kv_usage(c), "latency",
                              latency, "store", store, "redis", redis, "top_chunks", top);
+    if (root) json_object_set_new(root, "tenants", tenants_json(s, all, owner));
     pthread_mutex_unlock(&s->mu);
     return root;
 }
@@ -494,6 +549,35 @@ char *rk_stats_prometheus(rk_stats *s) {
         put(&t, "ragkv_pool_blocks{pool=\"%s\",state=\"used\"} %d\n", name,
             c->pool_total[p] - c->pool_free[p]);
         put(&t, "ragkv_pool_blocks{pool=\"%s\",state=\"free\"} %d\n", name, c->pool_free[p]);
+    }
+    static const struct {
+        const char *name, *help;
+        size_t off;
+    } per_tenant[] = {
+        {"ragkv_tenant_requests_total", "Completed generations, by tenant.",
+         offsetof(tenant_counts, requests)},
+        {"ragkv_tenant_prompt_tokens_total", "Prompt tokens of completed generations, by tenant.",
+         offsetof(tenant_counts, prompt_tokens)},
+        {"ragkv_tenant_cached_tokens_total",
+         "Prompt tokens served from caches in completed generations, by tenant.",
+         offsetof(tenant_counts, cached_tokens)},
+        {"ragkv_tenant_chunk_hits_total",
+         "Chunks of completed generations found cached, by tenant.",
+         offsetof(tenant_counts, chunk_hits)},
+        {"ragkv_tenant_chunk_misses_total", "Chunks of completed generations computed, by tenant.",
+         offsetof(tenant_counts, chunk_misses)},
+    };
+    for (size_t m = 0; m < sizeof per_tenant / sizeof per_tenant[0]; m++) {
+        put(&t, "# HELP %s %s\n# TYPE %s counter\n", per_tenant[m].name, per_tenant[m].help,
+            per_tenant[m].name);
+        for (int slot = 0; slot <= SLOT_OTHER; slot++) {
+            const tenant_counts *tc = &s->tenants[slot];
+            if (slot > s->n_tenants && !(slot == SLOT_OTHER && tc->requests)) continue;
+            uint64_t v;
+            memcpy(&v, (const char *)tc + per_tenant[m].off, sizeof v);
+            put(&t, "%s{tenant=\"%s\"} %llu\n", per_tenant[m].name, s->tenant_names[slot],
+                (unsigned long long)v);
+        }
     }
     histogram(&t, "ragkv_ttft_seconds", "Time to first token, queueing included.", &s->ttft);
     histogram(&t, "ragkv_reindex_seconds", "Time to copy and rotate a request's cached chunks.",

@@ -29,8 +29,16 @@ void rk_stats_free(rk_stats *s);
  * goes into the per-minute buckets of the hit-rate windows. */
 void rk_stats_publish(rk_stats *s, const rk_cache_snapshot *snap);
 
-/* A finished generation: its timings go into the latency histograms and its
- * token counts into the reuse totals. */
+#define RK_STATS_TENANTS 64 /* tenants counted by name; the others count as "other" */
+
+/* Name the tenants 1..n (n <= RK_STATS_TENANTS; names are copied) whose
+ * counters are kept apart: requests owned by tenant 0 count as "default",
+ * those of tenants past n as "other". Call once, before serving. */
+void rk_stats_set_tenants(rk_stats *s, const char *const *names, int n);
+
+/* A finished generation: its timings go into the latency histograms, its
+ * token counts into the reuse totals, and its counts into its tenant's
+ * (r->opt.owner's) counters. */
 void rk_stats_record_request(rk_stats *s, const rk_request *r);
 
 /* An HTTP response with this status was sent (counted per status). */
@@ -48,6 +56,10 @@ void rk_stats_snapshot(rk_stats *s, rk_cache_snapshot *out);
 
 /* The /v1/stats document (new reference; NULL when out of memory). */
 json_t *rk_stats_json(rk_stats *s);
+
+/* The same for a caller who sees every tenant (all) or tenant `owner` only:
+ * top_chunks lists the caller's chunks and `tenants` the caller's counters. */
+json_t *rk_stats_json_for(rk_stats *s, int all, int owner);
 
 /* The /metrics page in Prometheus text format 0.0.4 (malloc'ed, NUL-terminated;
  * NULL when out of memory). */

@@ -107,6 +107,23 @@ void rk_req_options_default(rk_req_options *o) {
     o->stop_at_eog = 1;
 }
 
+rk_chunk_key rk_cache_scope(const char *tenant_salt, const char *request_salt) {
+    size_t nt = tenant_salt ? strnlen(tenant_salt, RK_CACHE_SALT_MAX) : 0;
+    size_t nr = request_salt ? strnlen(request_salt, RK_CACHE_SALT_MAX) : 0;
+    if (!nt && !nr) return (rk_chunk_key){0, 0};
+    char buf[2 * RK_CACHE_SALT_MAX + 16];
+    size_t n = 0;
+    if (nt) {
+        memcpy(buf, "\0tenant\0", 8), n = 8;
+        memcpy(buf + n, tenant_salt, nt), n += nt;
+        buf[n++] = '\0';
+    }
+    if (nr) memcpy(buf + n, request_salt, nr), n += nr;
+    XXH128_hash_t h = XXH3_128bits(buf, n);
+    if (!h.high64 && !h.low64) h.low64 = 1; /* {0, 0} means no salt */
+    return (rk_chunk_key){h.high64, h.low64};
+}
+
 /* ---------------------------------------------------------------- requests */
 
 void rk_request_free(rk_request *r) {
@@ -660,7 +677,12 @@ static uint64_t request_ns(const rk_service *svc, const rk_request *r) {
         v[5] = r->opt.repair_k;
         memcpy(&v[6], &r->opt.repair_ratio, sizeof(float));
     }
-    return XXH3_64bits_withSeed(v, sizeof v, svc->prefix_ns);
+    uint64_t ns = XXH3_64bits_withSeed(v, sizeof v, svc->prefix_ns);
+    if (r->opt.salt.hi || r->opt.salt.lo) { /* a salted request's tree of its own */
+        uint64_t salt[2] = {r->opt.salt.hi, r->opt.salt.lo};
+        ns = XXH3_64bits_withSeed(salt, sizeof salt, ns);
+    }
+    return ns;
 }
 
 /* The radix key of the prompt's layout (room for the generated tokens
@@ -870,7 +892,8 @@ static void chunk_policy(rk_service *svc, const rk_request *r, rk_chunk_policy *
                            .rope_factor = hp->rope.factor,
                            .rope_n_rot = hp->rope.n_rot,
                            .rope_pairing = (int)hp->rope.pairing,
-                           .rope_scaling = (int)hp->rope.scaling};
+                           .rope_scaling = (int)hp->rope.scaling,
+                           .salt = r->opt.salt};
     int32_t anchor;
     const int32_t *ctx;
     int n_ctx = chunk_context_tokens(svc, r, &anchor, &ctx);
@@ -938,7 +961,8 @@ static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
                                          &s->entries[k], &s->kinds[k])))
             return st;
         rk_chunk_entry *e = s->entries[k];
-        if (s->kinds[k] == RK_CHUNK_MISS) { /* the disk tier may have it */
+        if (s->kinds[k] == RK_CHUNK_MISS) e->owner = r->opt.owner; /* reserved for it */
+        if (s->kinds[k] == RK_CHUNK_MISS) {                        /* the disk tier may have it */
             int loaded;
             if ((st = rk_persist_load(svc, e, &loaded))) return st;
             if (loaded) {
@@ -2110,6 +2134,7 @@ rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_ite
             free(ids);
             continue;
         }
+        policy.salt = it->salt;
         rk_chunk_key key = rk_chunk_key_compute(&policy, ids, it->tokens);
         rk_chunk_key_hex(key, it->key);
         rk_chunk_entry *e = rk_chunk_index_find(svc->chunks, key);
@@ -2130,6 +2155,7 @@ rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_ite
                 it->status = "cached";
             } else {
                 held[i] = e;
+                e->owner = it->owner;
                 computing[i] = 1;
                 views[i] =
                     (rk_seq){.blocks = e->blocks, .n_blocks = e->n_blocks, .n_tokens = e->n_tokens};

@@ -122,11 +122,28 @@ typedef struct rk_req_options {
      * (0 = off; those two layers are then recomputed for every chunk token). */
     int repair_k;
     float repair_ratio;
+    /* The cache scope (rk_cache_scope; {0, 0} = none): it goes into every
+     * chunk key and the radix namespace, so chunks, prefixes and whole
+     * sequences are shared only among requests of the same scope. */
+    rk_chunk_key salt;
+    /* Who the chunk entries this request creates belong to (0 = nobody in
+     * particular): the owner the rk_service_chunk_* calls filter on. */
+    int owner;
 } rk_req_options;
 
 /* Defaults: rag mode, chunk and prefix caches on, isolated, sequential,
- * 128 tokens, temperature 1, stop at end of generation. */
+ * 128 tokens, temperature 1, stop at end of generation, no salt, owner 0. */
 void rk_req_options_default(rk_req_options *o);
+
+#define RK_CACHE_SALT_MAX 256 /* bytes of a cache salt, a tenant's or a request's */
+
+/* The cache scope of a request: {0, 0} when neither salt is given (NULL or
+ * ""), so such requests share what they always shared. Otherwise XXH3-128
+ * over the salts: a request's own salt alone (vLLM's cache_salt), or a
+ * tenant's salt followed by the request's, in a domain of its own (a NUL
+ * byte no JSON salt can hold leads it), so no request salt reaches a tenant's
+ * scope and a tenant's request salt only divides that tenant's cache. */
+rk_chunk_key rk_cache_scope(const char *tenant_salt, const char *request_salt);
 
 /* How a chunk's KV was found. */
 typedef enum rk_chunk_status {
@@ -334,6 +351,8 @@ typedef struct rk_prewarm_item {
     const char *text; /* chunk text (UTF-8), len bytes */
     size_t len;
     const char *doc_id; /* may be NULL */
+    rk_chunk_key salt;  /* cache scope, as rk_req_options' */
+    int owner;          /* owner of the entries it creates, as rk_req_options' */
     /* out */
     char key[33];
     int tokens;
@@ -349,5 +368,74 @@ typedef struct rk_prewarm_item {
  * chunks are written to it (with persist, those found in the arena too). A bad chunk (invalid
  * UTF-8, too long) fails alone. Returns an error only when the engine itself fails. */
 rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_items, int persist);
+
+/* ---------------------------------------------------------------- cache control */
+
+/* What the cache routes and `ragkv cache` do to the caches (pipeline/cachectl.c),
+ * as C structs: no HTTP, no JSON. Engine thread only, like the rest.
+ *
+ * A viewer says whose entries a call may see: every one (all = 1), or only
+ * those whose owner (rk_req_options.owner) is `owner`. An entry a viewer may
+ * not see is absent to it: not listed, not found, not deleted. The disk tier
+ * keeps no owner, so only a viewer of everything lists it or finds a chunk
+ * that is on disk alone. */
+typedef struct rk_cache_viewer {
+    int all;
+    int owner;
+} rk_cache_viewer;
+
+/* One cached chunk: an arena entry (tier "arena") or a store row ("disk"). */
+typedef struct rk_chunk_info {
+    char key[33];
+    const char *tier; /* "arena" or "disk" (constant) */
+    int tokens;
+    uint64_t bytes, hits;
+    double created;
+    double last_access; /* disk rows; 0 for arena entries (the caller's clock knows) */
+    int owner;          /* arena entries */
+    char source[12];    /* arena: "computed", "disk", "redis" */
+    int refs, base_pos; /* arena */
+    int on_disk;        /* arena: the store holds it too (0 without a store) */
+    char policy[32];    /* disk rows */
+    char doc_id[256];   /* disk rows: "" when none */
+} rk_chunk_info;
+
+typedef struct rk_chunk_listing {
+    rk_chunk_info *v; /* (n) malloc'ed; free with rk_chunk_listing_free */
+    int n;
+    uint64_t total; /* entries the viewer may see, before offset and limit */
+} rk_chunk_listing;
+
+void rk_chunk_listing_free(rk_chunk_listing *l);
+
+/* List the arena (disk = 0: most recently used first, or by hits, ties in
+ * recency order) or the store (disk = 1: the store's order), limit entries
+ * from offset. RK_ERR_INVALID for the disk tier without a store or for a
+ * viewer that may not see everything. */
+rk_status rk_service_chunk_list(rk_service *svc, const rk_cache_viewer *who, int disk, int by_hits,
+                                int offset, int limit, rk_chunk_listing *out);
+
+/* One chunk: the arena entry (on_disk set when the store has it too), else
+ * the store row. RK_ERR_NOT_FOUND when the viewer sees neither. */
+rk_status rk_service_chunk_get(rk_service *svc, const rk_cache_viewer *who, rk_chunk_key key,
+                               rk_chunk_info *out);
+
+/* Remove a chunk from the arena and the store; *in_arena and *on_disk say
+ * where it was. RK_ERR_NOT_FOUND when the viewer sees it nowhere,
+ * RK_ERR_BUSY while a request in flight holds it. */
+rk_status rk_service_chunk_delete(rk_service *svc, const rk_cache_viewer *who, rk_chunk_key key,
+                                  int *in_arena, int *on_disk);
+
+typedef struct rk_flush_counts {
+    int chunks;                           /* arena entries removed */
+    uint64_t prefix_nodes, prefix_tokens; /* radix nodes and tokens evicted */
+    uint64_t disk_rows;                   /* store rows removed */
+} rk_flush_counts;
+
+/* Empty the chunk index (chunks), the radix tree (prefix) and the store
+ * (disk; RK_ERR_INVALID without a store), everyone's: a flush is an
+ * operator's act. The Redis tier is flushed by the caller (rk_redis_flush),
+ * off the engine thread. */
+rk_status rk_service_flush(rk_service *svc, int chunks, int prefix, int disk, rk_flush_counts *out);
 
 #endif

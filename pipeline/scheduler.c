@@ -271,6 +271,7 @@ static int walk_entry(void *ctx, const rk_chunk_entry *en) {
     const char *id = rk_scheduler_chunk_meta(w->e, t->key, NULL);
     snprintf(t->id, sizeof t->id, "%s", id ? id : "");
     t->hits = en->hits;
+    t->owner = en->owner;
     return 0;
 }
 

@@ -38,6 +38,7 @@ typedef struct rk_top_chunk {
     char key[33];
     char id[256]; /* "" when no id is known */
     uint64_t hits;
+    int owner; /* the entry's owner (rk_req_options.owner) */
 } rk_top_chunk;
 
 /* What the engine thread publishes. */

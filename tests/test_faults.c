@@ -50,6 +50,7 @@
 #include <openssl/crypto.h>
 #include <signal.h>
 
+#include "gateway/tenants.h"
 #include "pipeline/pipeline.h"
 #include "store/redis.h"
 #include "store/store.h"
@@ -654,4 +655,90 @@ Test(faults, every_allocation_of_verifying_a_redis_values_mac) {
     rk_redis_close(r);
     rk_redis_close(plain);
     rk_test_redis_free(&srv);
+}
+
+/* ---------------------------------------------------------------- tenants */
+
+#define KEYS_FILE                                                                                  \
+    "{\"keys\": [{\"key\": \"k-one\", \"tenant\": \"A\"}, {\"key\": \"k-two\", \"tenant\": "       \
+    "\"B\", \"salt\": \"sb\"}, {\"key\": \"k-three\", \"tenant\": \"A\"}]}"
+
+static void expect_tenants(const rk_tenants *t) {
+    cr_assert_eq(rk_tenants_count(t), 2);
+    cr_assert_eq(rk_tenants_find(t, "k-one"), 1);
+    cr_assert_eq(rk_tenants_find(t, "k-two"), 2);
+    cr_assert_eq(rk_tenants_find(t, "k-three"), 1);
+    cr_assert_eq(rk_tenants_find(t, "k-four"), 0);
+    cr_assert_str_eq(rk_tenants_salt(t, 2), "sb");
+}
+
+Test(faults, every_allocation_of_loading_a_keys_file_and_none_in_a_tenant_lookup) {
+    char *path = rk_test_write_tmp("faults-keys", "keys.json", KEYS_FILE);
+    rk_tenants *t = NULL;
+    rk_fault_alloc_fail_at(0);
+    cr_assert_eq(rk_tenants_load(path, &t), RK_OK, "%s", rk_error_message());
+    rk_fault_alloc_stop();
+    long count = rk_fault_alloc_count();
+    cr_assert_gt(count, 0, "the allocations are counted");
+    expect_tenants(t);
+    /* Looking a key up allocates nothing, so it cannot fail for memory. */
+    rk_fault_alloc_fail_from(1);
+    int found = rk_tenants_find(t, "k-two") + rk_tenants_by_name(t, "A");
+    rk_chunk_key scope = rk_cache_scope(rk_tenants_salt(t, 1), "request");
+    rk_fault_alloc_stop();
+    cr_assert_eq(found, 3);
+    cr_assert(scope.hi || scope.lo);
+    cr_assert_eq(rk_fault_alloc_count(), 0, "a tenant lookup allocates nothing");
+    rk_tenants_free(t);
+    for (int persistent = 0; persistent < 2; persistent++)
+        for (long n = 1; n <= count; n++) {
+            t = NULL;
+            fail_at(n, persistent);
+            rk_status st = rk_tenants_load(path, &t);
+            rk_fault_alloc_stop();
+            expect_nomem(st, persistent, n, "keys file");
+            cr_assert_null(t, "a failed load returns no table");
+            cr_assert_eq(rk_tenants_load(path, &t), RK_OK, "a normal load after it");
+            expect_tenants(t);
+            rk_tenants_free(t);
+        }
+    free(path);
+}
+
+Test(faults, every_allocation_of_listing_a_tenants_chunks) {
+    rk_service *svc = open_service(NULL, NULL);
+    rk_req_options o;
+    rk_req_options_default(&o);
+    o.max_tokens = 1;
+    o.owner = 1;
+    o.salt = rk_cache_scope("A", NULL);
+    rk_split sp;
+    cr_assert_eq(rk_split_prompt(PROMPTS[0], strlen(PROMPTS[0]), "##", 16, &sp), RK_OK);
+    rk_request r = {.opt = o};
+    cr_assert_eq(rk_request_prepare(svc, &sp, &r), RK_OK, "%s", rk_error_message());
+    rk_request *one = &r;
+    cr_assert_eq(rk_pipeline_run(svc, &one, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_request_free(&r);
+    rk_split_free(&sp);
+    rk_cache_viewer who = {.owner = 1};
+    rk_chunk_listing l;
+    rk_fault_alloc_fail_at(0);
+    cr_assert_eq(rk_service_chunk_list(svc, &who, 0, 1, 0, 10, &l), RK_OK);
+    rk_fault_alloc_stop();
+    long count = rk_fault_alloc_count();
+    int n_listed = l.n;
+    cr_assert_gt(n_listed, 0);
+    rk_chunk_listing_free(&l);
+    for (int persistent = 0; persistent < 2; persistent++)
+        for (long n = 1; n <= count; n++) {
+            fail_at(n, persistent);
+            rk_status st = rk_service_chunk_list(svc, &who, 0, 1, 0, 10, &l);
+            rk_fault_alloc_stop();
+            expect_nomem(st, persistent, n, "chunk listing");
+            cr_assert_null(l.v);
+            cr_assert_eq(rk_service_chunk_list(svc, &who, 0, 1, 0, 10, &l), RK_OK);
+            cr_assert_eq(l.n, n_listed);
+            rk_chunk_listing_free(&l);
+        }
+    rk_service_close(svc);
 }

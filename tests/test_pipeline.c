@@ -271,6 +271,118 @@ Test(pipeline, keys_depend_on_every_token_and_the_policy) {
     cr_assert_eq(rk_chunk_key_parse("../../etc/passwd", &back), RK_ERR_INVALID);
 }
 
+Test(pipeline, an_unsalted_chunk_key_is_the_one_existing_stores_hold) {
+    /* Computed by the code before salts existed: stores and Redis keys
+     * written then stay valid. */
+    int32_t t[6] = {1, 2, 3, 4, 5, 6};
+    rk_chunk_policy p = {
+        .fingerprint = "00112233445566778899aabbccddeeff", .rope_theta = 10000, .rope_n_rot = 64};
+    char hex[33];
+    rk_chunk_key_hex(rk_chunk_key_compute(&p, t, 6), hex);
+    cr_assert_str_eq(hex, "e14be9b43988059f703b0b5786d133c9");
+    p.context_system = 1;
+    p.system_key = rk_tokens_hash(t, 3);
+    rk_chunk_key_hex(rk_chunk_key_compute(&p, t, 6), hex);
+    cr_assert_str_eq(hex, "e2e4e0f88724006a68ef300669cbc4ab");
+    rk_chunk_key none = rk_cache_scope(NULL, ""), also = rk_cache_scope("", NULL);
+    cr_assert(!none.hi && !none.lo && !also.hi && !also.lo, "no salt is no scope");
+}
+
+static int same_key(rk_chunk_key a, rk_chunk_key b) { return a.hi == b.hi && a.lo == b.lo; }
+
+Test(pipeline, a_salt_changes_every_key_and_tenants_and_request_salts_never_meet) {
+    int32_t t[6] = {1, 2, 3, 4, 5, 6};
+    rk_chunk_policy p = {
+        .fingerprint = "00112233445566778899aabbccddeeff", .rope_theta = 10000, .rope_n_rot = 64};
+    rk_chunk_key plain = rk_chunk_key_compute(&p, t, 6);
+    rk_chunk_key sa = rk_cache_scope(NULL, "a"), sb = rk_cache_scope(NULL, "b");
+    rk_chunk_key ta = rk_cache_scope("a", NULL), tab = rk_cache_scope("a", "b");
+    cr_assert(!same_key(sa, sb) && !same_key(sa, ta) && !same_key(ta, tab) && !same_key(sb, tab),
+              "a request's salt never reaches a tenant's scope, nor another salt's");
+    cr_assert(same_key(ta, rk_cache_scope("a", "")), "a tenant without a request salt");
+    p.salt = sa;
+    rk_chunk_key ka = rk_chunk_key_compute(&p, t, 6);
+    p.salt = sb;
+    rk_chunk_key kb = rk_chunk_key_compute(&p, t, 6);
+    cr_assert(!same_key(plain, ka) && !same_key(ka, kb), "the salt is part of the key");
+    p.salt = sa;
+    cr_assert(same_key(ka, rk_chunk_key_compute(&p, t, 6)), "one salt, one key");
+}
+
+Test(pipeline, salted_requests_share_chunks_and_sequences_only_within_their_salt) {
+    rk_service *svc = open_svc(NULL, 0);
+    rk_req_options a = greedy_opts(), b = greedy_opts();
+    a.salt = rk_cache_scope("tenant-a", NULL);
+    a.owner = 1;
+    b.salt = rk_cache_scope("tenant-b", NULL);
+    b.owner = 2;
+    const char *prompt = "Sys.##The merger memo puts the price at ten dollars a share.##Q";
+    cr_assert_eq(status_of(svc, prompt, a, 0), RK_CHUNK_STATUS_MISS);
+    cr_assert_eq(status_of(svc, prompt, a, 0), RK_CHUNK_STATUS_HIT);
+    cr_assert_eq(status_of(svc, prompt, b, 0), RK_CHUNK_STATUS_MISS, "B never hits A's chunk");
+    rk_req_options unsalted = greedy_opts();
+    cr_assert_eq(status_of(svc, prompt, unsalted, 0), RK_CHUNK_STATUS_MISS);
+    /* Whole sequences through the radix tree: A's is reused by A alone. */
+    a.prefix_cache = b.prefix_cache = 1;
+    const char *conv = "Sys.##A second document about the merger.##Q";
+    rk_request r;
+    run(svc, conv, &a, &r, NULL);
+    rk_request_free(&r);
+    run(svc, conv, &a, &r, NULL);
+    cr_assert_gt(r.conv_cached, 0, "A reuses its own sequence");
+    rk_request_free(&r);
+    run(svc, conv, &b, &r, NULL);
+    cr_assert_eq(r.conv_cached, 0, "B reuses none of A's sequence");
+    cr_assert_eq(r.sys_cached, 0, "nor A's system prompt");
+    cr_assert_eq(r.chunk_reports[0].status, RK_CHUNK_STATUS_MISS);
+    rk_request_free(&r);
+    rk_service_close(svc);
+}
+
+Test(pipeline, cache_control_shows_a_viewer_only_its_own_chunks) {
+    rk_service *svc = open_svc(NULL, 0);
+    rk_req_options a = greedy_opts(), b = greedy_opts();
+    a.salt = rk_cache_scope("tenant-a", NULL);
+    a.owner = 1;
+    b.salt = rk_cache_scope("tenant-b", NULL);
+    b.owner = 2;
+    rk_request r;
+    run(svc, "Sys.##Only tenant A sent this document.##Q", &a, &r, NULL);
+    rk_chunk_key ka;
+    cr_assert_eq(rk_chunk_key_parse(r.chunk_reports[0].key, &ka), RK_OK);
+    rk_request_free(&r);
+    run(svc, "Sys.##Tenant B sent this one.##Q", &b, &r, NULL);
+    rk_request_free(&r);
+    rk_cache_viewer all = {.all = 1}, va = {.owner = 1}, vb = {.owner = 2}, v0 = {.owner = 0};
+    rk_chunk_listing l;
+    cr_assert_eq(rk_service_chunk_list(svc, &all, 0, 0, 0, 100, &l), RK_OK);
+    cr_assert_eq(l.total, 2);
+    rk_chunk_listing_free(&l);
+    cr_assert_eq(rk_service_chunk_list(svc, &vb, 0, 1, 0, 100, &l), RK_OK);
+    cr_assert_eq(l.total, 1);
+    cr_assert_eq(l.n, 1);
+    cr_assert_eq(l.v[0].owner, 2);
+    rk_chunk_listing_free(&l);
+    cr_assert_eq(rk_service_chunk_list(svc, &v0, 0, 0, 0, 100, &l), RK_OK);
+    cr_assert_eq(l.total, 0);
+    rk_chunk_listing_free(&l);
+    rk_chunk_info info;
+    cr_assert_eq(rk_service_chunk_get(svc, &vb, ka, &info), RK_ERR_NOT_FOUND);
+    cr_assert_eq(rk_service_chunk_get(svc, &va, ka, &info), RK_OK);
+    cr_assert_eq(info.owner, 1);
+    int in_arena, on_disk;
+    cr_assert_eq(rk_service_chunk_delete(svc, &vb, ka, &in_arena, &on_disk), RK_ERR_NOT_FOUND);
+    cr_assert_eq(rk_service_chunk_get(svc, &all, ka, &info), RK_OK, "B's delete removed nothing");
+    cr_assert_eq(rk_service_chunk_delete(svc, &va, ka, &in_arena, &on_disk), RK_OK);
+    cr_assert(in_arena && !on_disk);
+    cr_assert_eq(rk_service_chunk_list(svc, &vb, 1, 0, 0, 10, &l), RK_ERR_INVALID,
+                 "no store, and the disk tier is for viewers of everything");
+    rk_flush_counts fc;
+    cr_assert_eq(rk_service_flush(svc, 1, 1, 0, &fc), RK_OK);
+    cr_assert_eq(fc.chunks, 1);
+    rk_service_close(svc);
+}
+
 Test(pipeline, cached_entries_are_never_modified_by_reindexing) {
     rk_service *svc = open_svc(NULL, 0);
     rk_req_options o = greedy_opts();
