@@ -139,6 +139,11 @@ void rk_sampler_free(rk_sampler *s);
 /* Choose the next token from logits(n_vocab). Reproducible for a given seed
  * and the same tokens accepted. */
 int32_t rk_sampler_sample(rk_sampler *s, const float *logits);
+/* The same over the tokens whose bit is set in allowed (a bitset of n_vocab
+ * bits, word i / 64; NULL: all), the others masked after logit_bias and the
+ * penalties and before temperature, top-k and top-p. Returns -1 when allowed
+ * holds no token. */
+int32_t rk_sampler_sample_masked(rk_sampler *s, const float *logits, const uint64_t *allowed);
 /* Record a token of the output (sampled or forced) for the penalties. */
 void rk_sampler_accept(rk_sampler *s, int32_t token);
 

@@ -139,14 +139,33 @@ static int by_prob_desc(const void *a, const void *b) {
 }
 
 int32_t rk_sampler_sample(rk_sampler *s, const float *logits) {
+    return rk_sampler_sample_masked(s, logits, NULL);
+}
+
+#define ALLOWED(m, i) ((m)[(i) >> 6] >> ((i)&63) & 1)
+
+int32_t rk_sampler_sample_masked(rk_sampler *s, const float *logits, const uint64_t *allowed) {
     int n = s->n_vocab;
+    const float *raw = logits;
     logits = adjusted(s, logits);
-    if (s->p.temperature == 0) return rk_argmax_f32(logits, n);
-    float mx = logits[0];
-    for (int i = 1; i < n; i++) mx = logits[i] > mx ? logits[i] : mx;
+    if (!allowed && s->p.temperature == 0) return rk_argmax_f32(logits, n);
+    int32_t best = -1;
+    float mx = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        best = -1;
+        for (int i = 0; i < n; i++)
+            if ((!allowed || ALLOWED(allowed, i)) && (best < 0 || logits[i] > mx))
+                mx = logits[i], best = i;
+        /* Every allowed token banned by logit_bias: choose among their
+         * unbiased logits rather than from nothing. */
+        if (best < 0 || mx != -INFINITY || logits == raw) break;
+        logits = raw;
+    }
+    if (best < 0 || s->p.temperature == 0) return best;
     double sum = 0;
     for (int i = 0; i < n; i++) {
-        s->probs[i] = expf((logits[i] - mx) / s->p.temperature);
+        s->probs[i] =
+            !allowed || ALLOWED(allowed, i) ? expf((logits[i] - mx) / s->p.temperature) : 0;
         sum += s->probs[i];
     }
     int n_keep = n;
@@ -156,6 +175,11 @@ int32_t rk_sampler_sample(rk_sampler *s, const float *logits) {
         for (int i = 0; i < n; i++) s->idx[i] = i;
         t_sort_probs = s->probs;
         qsort(s->idx, (size_t)n, sizeof *s->idx, by_prob_desc);
+        if (allowed) { /* masked tokens sort last (probability 0): never keep them */
+            int n_allowed = 0;
+            for (int w = 0; w < (n + 63) / 64; w++) n_allowed += __builtin_popcountll(allowed[w]);
+            n_keep = n_allowed;
+        }
         if (s->p.top_k > 0 && s->p.top_k < n_keep) n_keep = s->p.top_k;
         if (s->p.top_p < 1) {
             /* The nucleus of what top_k kept, renormalised (as the Hugging
@@ -180,7 +204,8 @@ int32_t rk_sampler_sample(rk_sampler *s, const float *logits) {
         acc += s->probs[id];
         if (r < acc) return id;
     }
-    return filter ? s->idx[n_keep - 1] : n - 1; /* rounding left r at the very end */
+    /* Rounding left r at the very end. */
+    return filter ? s->idx[n_keep - 1] : allowed ? best : n - 1;
 }
 
 float rk_log_sum_exp(const float *logits, int n) {

@@ -9,6 +9,7 @@
 #ifndef RK_API_H
 #define RK_API_H
 
+#include <jansson.h>
 #include <stddef.h>
 
 #include "pipeline/pipeline.h"
@@ -74,6 +75,7 @@ typedef enum rk_chat_role {
     RK_ROLE_SYSTEM = 0,
     RK_ROLE_USER = 1,
     RK_ROLE_ASSISTANT = 2,
+    RK_ROLE_TOOL = 3, /* a tool's result */
 } rk_chat_role;
 
 typedef struct rk_chat_msg {
@@ -83,7 +85,28 @@ typedef struct rk_chat_msg {
      * (malloc'ed, as the array); ids are all NULL (parts carry none). */
     char **docs;
     int n_docs;
+    /* Assistant messages: the calls it made, as JSON text of an array of
+     * {"name", "arguments" (an object)}; malloc'ed, NULL when none. */
+    char *tool_calls;
 } rk_chat_msg;
+
+#define RK_MAX_TOOLS 128
+
+/* tool_choice: none (tools described, never parsed), auto (the model
+ * chooses; a call it writes is parsed), required (constrained to one or
+ * more calls), a named function (constrained to calls of it). */
+typedef enum rk_tool_choice {
+    RK_TOOLS_NONE = 0,
+    RK_TOOLS_AUTO = 1,
+    RK_TOOLS_REQUIRED = 2,
+    RK_TOOLS_NAMED = 3,
+} rk_tool_choice;
+
+typedef struct rk_api_tool {
+    char *name;         /* malloc'ed */
+    char *description;  /* malloc'ed, NULL when none */
+    json_t *parameters; /* a reference, NULL when none (any object) */
+} rk_api_tool;
 
 /* A validated POST /v1/completions or /v1/chat/completions body. */
 typedef struct rk_api_request {
@@ -121,10 +144,31 @@ typedef struct rk_api_request {
     int *batch_lens;
     int n_chat_chunks;
     int chat_chunks_given;
+    /* response_format json_object / json_schema or the `grammar` extension,
+     * compiled; opt.grammar points at it. NULL: unconstrained. */
+    rk_grammar *grammar;
+    /* Chat `tools` (function definitions), tool_choice (tool_named: the index
+     * of the named one) and parallel_tool_calls (default 1). */
+    rk_api_tool *tools;
+    int n_tools;
+    rk_tool_choice tool_choice;
+    int tool_named;
+    int parallel_tool_calls;
+    int parallel_given;
     /* `cache_salt` (vLLM's field): "" when absent. The gateway turns it, with
      * the caller's tenant, into opt.salt (rk_cache_scope). */
     char cache_salt[RK_CACHE_SALT_MAX + 1];
 } rk_api_request;
+
+/* Structured output (structured.c), for rk_api_parse: each reads its fields
+ * of root into out and returns 0, or fills err (400 naming the field) and
+ * returns 1; what out gained is freed by rk_api_request_free either way.
+ * response_format and the `grammar` extension; a chat body's tools,
+ * tool_choice and parallel_tool_calls; message i's tool_calls (tc) as JSON
+ * text in *out (malloc'ed). */
+int rk_api_parse_response_format(json_t *root, rk_api_request *out, rk_http_error *err);
+int rk_api_parse_tools(json_t *root, rk_api_request *out, rk_http_error *err);
+int rk_api_parse_msg_tool_calls(json_t *tc, int i, char **out, rk_http_error *err);
 
 /* Parse and validate a request body of len bytes (need not be
  * NUL-terminated). chat selects the chat shape. On success *out owns its

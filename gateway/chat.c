@@ -101,6 +101,210 @@ static const char *role_name(rk_chat_role r) {
     return r == RK_ROLE_SYSTEM ? "system" : r == RK_ROLE_USER ? "user" : "assistant";
 }
 
+/* ---------------------------------------------------------------- tools */
+
+/* One tool call as the template writes it: Qwen's {"name", "arguments"} in
+ * <tool_call> tags, Llama 3's JSON {"name", "parameters"}. */
+static void call_text(rk_chat_template t, sbuf *b, const char *name, const json_t *args) {
+    char *a = json_dumps(args, JSON_COMPACT);
+    json_t *n = json_string(name);
+    char *ns = n ? json_dumps(n, JSON_ENCODE_ANY) : NULL;
+    json_decref(n);
+    if (!a || !ns) {
+        b->oom = 1;
+    } else if (t == RK_CHAT_CHATML) {
+        sb_add(b, "<tool_call>\n{\"name\": ");
+        sb_add(b, ns);
+        sb_add(b, ", \"arguments\": ");
+        sb_add(b, a);
+        sb_add(b, "}\n</tool_call>");
+    } else {
+        sb_add(b, "{\"name\": ");
+        sb_add(b, ns);
+        sb_add(b, ", \"parameters\": ");
+        sb_add(b, a);
+        sb_add(b, "}");
+    }
+    free(a);
+    free(ns);
+}
+
+/* The calls of an assistant message (JSON text of [{"name", "arguments"}]). */
+static void calls_text(rk_chat_template t, sbuf *b, const char *calls) {
+    json_t *list = json_loads(calls, 0, NULL);
+    if (!list) {
+        b->oom = 1;
+        return;
+    }
+    for (size_t k = 0; k < json_array_size(list); k++) {
+        json_t *c = json_array_get(list, k);
+        if (k) sb_add(b, "\n");
+        call_text(t, b, json_string_value(json_object_get(c, "name")),
+                  json_object_get(c, "arguments"));
+    }
+    json_decref(list);
+}
+
+/* The tool definitions as the template's system text describes them. */
+static void tools_block(rk_chat_template t, const rk_api_request *req, sbuf *b) {
+    if (t == RK_CHAT_CHATML)
+        sb_add(b, "# Tools\n\nYou may call one or more functions to assist with the user "
+                  "query.\n\nYou are provided with function signatures within <tools></tools> "
+                  "XML tags:\n<tools>");
+    else
+        sb_add(b, "You have access to the following functions. To call a function, respond "
+                  "with JSON for a function call in the format {\"name\": function name, "
+                  "\"parameters\": dictionary of argument name and its value}. Do not use "
+                  "variables.\n");
+    for (int i = 0; i < req->n_tools; i++) {
+        const rk_api_tool *tool = &req->tools[i];
+        json_t *f = json_pack("{s:s}", "name", tool->name);
+        if (f && tool->description)
+            json_object_set_new(f, "description", json_string(tool->description));
+        if (f && tool->parameters) json_object_set(f, "parameters", tool->parameters);
+        json_t *o = f ? json_pack("{s:s, s:o}", "type", "function", "function", f) : NULL;
+        char *d = o ? json_dumps(o, JSON_COMPACT) : NULL;
+        json_decref(o);
+        if (!d) {
+            b->oom = 1;
+            return;
+        }
+        sb_add(b, "\n");
+        sb_add(b, d);
+        free(d);
+    }
+    if (t == RK_CHAT_CHATML)
+        sb_add(b, "\n</tools>\n\nFor each function call, return a json object with function name "
+                  "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+                  "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
+}
+
+/* The messages with the tool definitions in the system message (one made
+ * first when there is none), as the templates do: a view *out over req's
+ * messages (the caller frees it and *sys_text; req is not changed, so a
+ * request may be rendered again). */
+static rk_status with_tools(rk_chat_template t, const rk_api_request *req, rk_chat_msg **out,
+                            int *n_out, char **sys_text, rk_http_error *err) {
+    sbuf c = {0};
+    int has_sys = req->msgs[0].role == RK_ROLE_SYSTEM;
+    if (has_sys && *req->msgs[0].content) {
+        sb_add(&c, req->msgs[0].content);
+        sb_add(&c, "\n\n");
+    }
+    tools_block(t, req, &c);
+    int n = req->n_msgs + !has_sys;
+    rk_chat_msg *m = malloc((size_t)n * sizeof *m);
+    if (c.oom || !m) {
+        free(c.s);
+        free(m);
+        return rk_http_errorf(err, 500, "out of memory");
+    }
+    memcpy(m + !has_sys, req->msgs, (size_t)req->n_msgs * sizeof *m);
+    m[0] = (rk_chat_msg){.role = RK_ROLE_SYSTEM, .content = c.s};
+    *out = m;
+    *n_out = n;
+    *sys_text = c.s;
+    return RK_OK;
+}
+
+/* tool_choice required or named: the answer is constrained to calls. */
+static rk_status tools_grammar(rk_chat_template t, rk_api_request *req, rk_http_error *err) {
+    if (t != RK_CHAT_CHATML && req->parallel_given && req->parallel_tool_calls)
+        return rk_http_errorf(err, 400,
+                              "'parallel_tool_calls' true is not supported with the %s template "
+                              "(one call per answer); send false or leave it out",
+                              rk_chat_template_name(t));
+    rk_grammar_free(req->grammar); /* a render before this one made it (nothing else can) */
+    req->grammar = NULL;
+    req->opt.grammar = NULL;
+    int n = req->tool_choice == RK_TOOLS_NAMED ? 1 : req->n_tools;
+    rk_grammar_call *calls = calloc((size_t)n, sizeof *calls);
+    char(*open)[160] = calloc((size_t)n, sizeof *open);
+    char(*path)[64] = calloc((size_t)n, sizeof *path);
+    if (!calls || !open || !path) {
+        free(calls), free(open), free(path);
+        return rk_http_errorf(err, 500, "out of memory");
+    }
+    for (int i = 0; i < n; i++) {
+        int k = req->tool_choice == RK_TOOLS_NAMED ? req->tool_named : i;
+        snprintf(open[i], sizeof open[i],
+                 t == RK_CHAT_CHATML ? "<tool_call>\n{\"name\": \"%s\", \"arguments\": "
+                                     : "{\"name\": \"%s\", \"parameters\": ",
+                 req->tools[k].name);
+        snprintf(path[i], sizeof path[i], "$.tools[%d].function.parameters", k);
+        calls[i] = (rk_grammar_call){open[i], req->tools[k].parameters,
+                                     t == RK_CHAT_CHATML ? "}\n</tool_call>" : "}", path[i]};
+    }
+    rk_status st = rk_grammar_from_calls(
+        calls, n, t == RK_CHAT_CHATML && req->parallel_tool_calls ? "\n" : NULL, &req->grammar);
+    free(calls), free(open), free(path);
+    if (st)
+        return rk_http_errorf(err, st == RK_ERR_NOMEM ? 500 : 400,
+                              "a tool's parameters cannot be enforced: %s", rk_error_message());
+    req->opt.grammar = req->grammar;
+    return RK_OK;
+}
+
+/* A call the model wrote: {"name", "arguments" or "parameters"} naming one
+ * of the tools; appended to calls in the response shape. */
+static int take_call(const rk_api_request *req, const char *s, size_t n, const char *id, int index,
+                     json_t *calls) {
+    json_t *c = json_loadb(s, n, 0, NULL);
+    const char *name = json_string_value(json_object_get(c, "name"));
+    json_t *args = json_object_get(c, "arguments");
+    if (!args) args = json_object_get(c, "parameters");
+    int known = 0;
+    for (int i = 0; name && i < req->n_tools; i++) known |= !strcmp(req->tools[i].name, name);
+    int ok = known && json_is_object(args);
+    if (ok) {
+        char *a = json_dumps(args, JSON_COMPACT);
+        char cid[96];
+        snprintf(cid, sizeof cid, "call_%s_%d", id, index);
+        json_t *call = a ? json_pack("{s:s, s:s, s:{s:s, s:s}}", "id", cid, "type", "function",
+                                     "function", "name", name, "arguments", a)
+                         : NULL;
+        free(a);
+        ok = call && !json_array_append_new(calls, call);
+    }
+    json_decref(c);
+    return ok;
+}
+
+json_t *rk_chat_tool_calls(rk_chat_template t, const rk_api_request *req, const char *text,
+                           const char *id, char **content) {
+    *content = NULL;
+    json_t *calls = json_array();
+    if (!calls) return NULL;
+    const char *first = NULL;
+    if (t == RK_CHAT_CHATML) {
+        for (const char *p = strstr(text, "<tool_call>"); p; p = strstr(p, "<tool_call>")) {
+            const char *body = p + strlen("<tool_call>");
+            const char *end = strstr(body, "</tool_call>");
+            size_t n = end ? (size_t)(end - body) : strlen(body);
+            if (take_call(req, body, n, id, (int)json_array_size(calls), calls) && !first)
+                first = p;
+            p = end ? end : body + n;
+        }
+    } else {
+        const char *p = text + strspn(text, " \t\r\n");
+        if (*p == '{' && take_call(req, p, strlen(p), id, 0, calls)) first = p;
+    }
+    if (!json_array_size(calls)) {
+        json_decref(calls);
+        return NULL;
+    }
+    size_t n = (size_t)(first - text);
+    while (n && strchr(" \t\r\n", text[n - 1])) n--;
+    *content = malloc(n + 1);
+    if (!*content) {
+        json_decref(calls);
+        return NULL;
+    }
+    memcpy(*content, text, n);
+    (*content)[n] = 0;
+    return calls;
+}
+
 /* A user message as the pieces see it: its documents (chunks) and the text
  * after them. Its documents are its ragkv_chunk content parts, then, when
  * the request splits chat messages (a separator in the body or the
@@ -186,6 +390,24 @@ static void user_close(rk_chat_template t, sbuf *b) {
  * messages join the <<SYS>> block of the next user turn). open: the
  * assistant's turn the answer continues (a prefill), without its end. */
 static void other_turn(rk_chat_template t, sbuf *b, const rk_chat_msg *m, int open) {
+    if (m->role == RK_ROLE_TOOL) { /* Qwen: a user turn of <tool_response>; Llama 3: ipython */
+        sb_add(b, t == RK_CHAT_CHATML ? "<|im_start|>user\n<tool_response>\n"
+                                      : "<|start_header_id|>ipython<|end_header_id|>\n\n");
+        sb_add(b, m->content);
+        sb_add(b, t == RK_CHAT_CHATML ? "\n</tool_response><|im_end|>\n" : "<|eot_id|>");
+        return;
+    }
+    if (m->tool_calls && t != RK_CHAT_LLAMA2) {
+        sb_add(b, t == RK_CHAT_CHATML ? "<|im_start|>assistant\n"
+                                      : "<|start_header_id|>assistant<|end_header_id|>\n\n");
+        if (*m->content) {
+            sb_add(b, m->content);
+            sb_add(b, "\n");
+        }
+        calls_text(t, b, m->tool_calls);
+        sb_add(b, t == RK_CHAT_CHATML ? "<|im_end|>\n" : "<|eot_id|>");
+        return;
+    }
     if (t == RK_CHAT_CHATML) {
         sb_add(b, "<|im_start|>");
         sb_add(b, role_name(m->role));
@@ -301,15 +523,34 @@ static rk_status take_chunks(rk_api_request *req, const user_msg *doc, const cha
 
 rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks,
                          rk_http_error *err) {
+    int tool_turns = 0;
+    for (int i = 0; i < req->n_msgs; i++)
+        tool_turns |= req->msgs[i].role == RK_ROLE_TOOL || req->msgs[i].tool_calls;
+    if (t == RK_CHAT_LLAMA2 && (req->n_tools || tool_turns))
+        return rk_http_errorf(err, 400,
+                              "tools are not supported with the llama2 chat template (it has no "
+                              "tool-call format)");
+    rk_status tst = RK_OK;
+    if (req->tool_choice >= RK_TOOLS_REQUIRED && (tst = tools_grammar(t, req, err))) return tst;
+    /* With tools, render a view of the messages whose system message
+     * describes them; req's own messages are put back at the end. */
+    rk_chat_msg *own_msgs = req->msgs, *view = NULL;
+    int own_n = req->n_msgs;
+    char *sys_text = NULL;
+    if (req->n_tools) {
+        int n_view = 0;
+        if ((tst = with_tools(t, req, &view, &n_view, &sys_text, err))) return tst;
+        req->msgs = view;
+        req->n_msgs = n_view;
+    }
     int n = req->n_msgs, empty = 0;
     /* A last message of the assistant's is continued: rendered open, after
      * every other turn, in place of the assistant's opening. */
     int prefill = n > 0 && req->msgs[n - 1].role == RK_ROLE_ASSISTANT;
     int last = prefill ? n - 1 : n;
     user_msg *users = calloc((size_t)(n ? n : 1), sizeof *users);
-    if (!users) return rk_http_errorf(err, 500, "out of memory");
     sbuf sys = {0}, q = {0}, block = {0};
-    rk_status st = RK_OK;
+    rk_status st = users ? RK_OK : rk_http_errorf(err, 500, "out of memory");
     for (int i = 0; i < n && !st; i++)
         if (req->msgs[i].role == RK_ROLE_USER && !(st = split_user(req, i, &users[i], err)))
             empty += users[i].n_empty;
@@ -356,11 +597,15 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     req->have_pieces = 1;
     req->chunk_ids = ids;
 done:
-    for (int i = 0; i < n; i++) {
+    for (int i = 0; users && i < n; i++) {
         rk_split_free(&users[i].split);
         free(users[i].docs);
     }
     free(users);
+    req->msgs = own_msgs;
+    req->n_msgs = own_n;
+    free(view);
+    free(sys_text);
     free(sys.s);
     free(q.s);
     free(block.s);

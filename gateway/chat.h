@@ -37,4 +37,13 @@ rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
 rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks,
                          rk_http_error *err);
 
+/* The tool calls in a generated answer (tool_choice auto, required or
+ * named): Qwen's <tool_call> blocks, or Llama 3's JSON call, naming one of
+ * req's tools with an object of arguments. Returns them in OpenAI's shape
+ * ([{"id": "call_<id>_<i>", "type": "function", "function": {"name",
+ * "arguments" (JSON text)}}], a new reference) with *content the text before
+ * them (malloc'ed); NULL when the answer holds no call. */
+json_t *rk_chat_tool_calls(rk_chat_template t, const rk_api_request *req, const char *text,
+                           const char *id, char **content);
+
 #endif

@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "engine/tokenizer.h"
+#include "gateway/chat.h"
 #include "gateway/http.h"
 #include "gateway/report.h"
 /* Incremental text of a generation: decoded bytes, what has been sent, stop
@@ -124,6 +125,11 @@ typedef struct gen {
     char id[48]; /* "cmpl-..." or "chatcmpl-..." */
     long created;
     int headers_sent, client_gone, timed_out;
+    /* Chat with tools (tool_choice not none): the answer is held back until
+     * it is whole, then parsed for calls (tool_calls: NULL when none). */
+    int tools_active;
+    json_t *tool_calls;
+    char *tool_content;
     int events;    /* content events sent */
     int text_done; /* the last text was taken: every token's text has gone out */
     int lp_sent;   /* tokens whose log-probabilities went out in an event */
@@ -217,6 +223,7 @@ static json_t *chunk_event(gen *g, const char *text, const char *fr) {
 }
 
 static const char *finish_reason(gen *g) {
+    if (g->tool_calls) return "tool_calls";
     if (g->text.stop_at >= 0) return "stop";
     return rk_finish_reason_name(g->job->req.finish_reason);
 }
@@ -227,11 +234,18 @@ static json_t *final_object(gen *g, const char *text) {
     const rk_tokenizer *tok = rk_model_tokenizer(g->svc->model);
     const char *fr = finish_reason(g);
     json_t *lp = rk_report_logprobs(tok, r, 0, r->n_out, g->api.chat);
-    json_t *choice = g->api.chat ? json_pack("{s:i, s:{s:s, s:s, s:n}, s:o, s:s}", "index",
-                                             g->index, "message", "role", "assistant", "content",
-                                             text, "refusal", "logprobs", lp, "finish_reason", fr)
-                                 : json_pack("{s:i, s:s, s:o, s:s}", "index", g->index, "text",
-                                             text, "logprobs", lp, "finish_reason", fr);
+    json_t *choice;
+    if (g->api.chat && g->tool_calls) /* content: the text before the calls, or null */
+        choice = json_pack(
+            "{s:i, s:{s:s, s:o, s:O, s:n}, s:o, s:s}", "index", g->index, "message", "role",
+            "assistant", "content", *g->tool_content ? json_string(g->tool_content) : json_null(),
+            "tool_calls", g->tool_calls, "refusal", "logprobs", lp, "finish_reason", fr);
+    else
+        choice = g->api.chat ? json_pack("{s:i, s:{s:s, s:s, s:n}, s:o, s:s}", "index", g->index,
+                                         "message", "role", "assistant", "content", text, "refusal",
+                                         "logprobs", lp, "finish_reason", fr)
+                             : json_pack("{s:i, s:s, s:o, s:s}", "index", g->index, "text", text,
+                                         "logprobs", lp, "finish_reason", fr);
     json_t *o = object_head(g, g->api.chat ? "chat.completion" : "text_completion");
     if (!o || !choice || json_object_set_new(o, "choices", json_pack("[o]", choice)) ||
         json_object_set_new(o, "usage", rk_report_usage(r)) ||
@@ -303,7 +317,7 @@ static void wait_job(gen *g, double deadline) {
             gt_feed(&g->text, g->job->req.out_tokens, n);
             seen = n;
             if (g->text.stop_at >= 0) rk_scheduler_cancel(S->engine, g->job);
-            if (g->api.stream && !g->client_gone) stream_progress(g);
+            if (g->api.stream && !g->client_gone && !g->tools_active) stream_progress(g);
         }
     }
 }
@@ -356,16 +370,62 @@ static void respond_generation(gen *g) {
     gt_feed(&g->text, j->req.out_tokens, j->req.n_out);
     if (g->text.stop_at >= 0 && g->text.stop_tokens < j->req.n_out)
         j->req.n_out = g->text.stop_tokens; /* usage, ids and logprobs end at the stop */
+    char *all = NULL; /* with tools: the whole answer, parsed for calls before it is logged */
+    if (g->tools_active) {
+        all = gt_take(&g->text, 1);
+        g->tool_calls =
+            rk_chat_tool_calls(rc->S->tmpl, &g->api, all ? all : "", g->id, &g->tool_content);
+    }
     log_generation(g);
     if (g->client_gone) {
         if (!g->headers_sent) rc->status = 499; /* nothing was answered */
         return;
     }
     if (g->timed_out && !g->api.stream) {
+        free(all);
         rk_gw_send_errorf(rc, 503,
                           "the request ran longer than the timeout (%g s) and was cancelled",
                           rc->S->o.timeout_s);
         return;
+    }
+    if (g->tools_active) {
+        if (g->tool_calls && g->api.stream) {
+            /* The text before the calls (with the role), then the calls whole
+             * (one fragment each, with their index), then the end. */
+            sse_start(g);
+            sse_event(g, chunk_event(g, g->tool_content, NULL));
+            json_t *frag = json_array();
+            for (size_t k = 0; frag && k < json_array_size(g->tool_calls); k++) {
+                json_t *c = json_deep_copy(json_array_get(g->tool_calls, k));
+                if (c) json_object_set_new(c, "index", json_integer((json_int_t)k));
+                json_array_append_new(frag, c);
+            }
+            json_t *ev = object_head(g, "chat.completion.chunk");
+            if (ev)
+                json_object_set_new(ev, "choices",
+                                    json_pack("[{s:i, s:{s:o}, s:n, s:n}]", "index", g->index,
+                                              "delta", "tool_calls", frag, "logprobs",
+                                              "finish_reason"));
+            else
+                json_decref(frag);
+            sse_event(g, ev);
+            free(all);
+            g->text_done = 1;
+            sse_event(g, chunk_event(g, NULL, finish_reason(g)));
+            sse_event(g, report_event(g));
+            write_all(g, "data: [DONE]\n\n", 14);
+            return;
+        }
+        if (all && g->api.stream && *all) { /* no call: the text as usual */
+            sse_start(g);
+            sse_event(g, chunk_event(g, all, NULL));
+        } else if (!g->api.stream) {
+            json_t *obj = final_object(g, all ? all : "");
+            free(all);
+            rk_gw_send_json(rc, 200, obj);
+            return;
+        }
+        free(all);
     }
     if (g->api.stream) {
         sse_start(g);
@@ -782,6 +842,7 @@ int rk_gw_handle_generate(req_ctx *rc, int chat) {
         goto done;
     }
     g.job->notify_tokens = g.api.stream || g.api.n_stop > 0;
+    g.tools_active = g.api.chat && g.api.n_tools > 0 && g.api.tool_choice != RK_TOOLS_NONE;
     g.text.tok = rk_model_tokenizer(g.svc->model);
     g.text.skip_space = g.job->req.n_question == 0 && g.job->req.n_sys == 1;
     g.text.stop = g.api.stop;
@@ -813,6 +874,8 @@ done:
         free(g.job);
     }
     free(g.text.raw);
+    json_decref(g.tool_calls);
+    free(g.tool_content);
     free(g.text.tok_end);
     rk_api_request_free(&g.api);
     return 0;

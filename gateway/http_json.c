@@ -11,73 +11,12 @@
 #include <jansson.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <ctype.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "gateway/api.h"
-
-/* ---------------------------------------------------------------- errors */
-
-int rk_http_status_of(rk_status st) {
-    switch (st) {
-    case RK_OK: return 200;
-    case RK_ERR_INVALID:
-    case RK_ERR_UNSUPPORTED:
-    case RK_ERR_CONTEXT:
-    case RK_ERR_FORMAT: return 400;
-    case RK_ERR_NOT_FOUND: return 404;
-    case RK_ERR_LIMIT: return 422;
-    case RK_ERR_EXHAUSTED:
-    case RK_ERR_BUSY: return 503;
-    default: return 500;
-    }
-}
-
-const char *rk_http_error_code(rk_status st) {
-    return st == RK_ERR_CONTEXT ? RK_CODE_CONTEXT_LENGTH : NULL;
-}
-
-const char *rk_http_error_type(int status) {
-    switch (status) {
-    case 400: return "invalid_request";
-    case 401: return "unauthorized";
-    case 403: return "forbidden";
-    case 404: return "not_found";
-    case 405: return "method_not_allowed";
-    case 408: return "request_timeout";
-    case 409: return "conflict";
-    case 413: return "request_too_large";
-    case 422: return "unprocessable";
-    case 429: return "rate_limited";
-    case 501: return "not_implemented";
-    case 503: return "overloaded";
-    case 505: return "http_version_not_supported";
-    default: return status >= 500 ? "internal_error" : "invalid_request";
-    }
-}
-
-static rk_status status_of_http(int status) {
-    switch (status) {
-    case 404: return RK_ERR_NOT_FOUND;
-    case 409: return RK_ERR_BUSY;
-    case 413:
-    case 422: return RK_ERR_LIMIT;
-    case 501: return RK_ERR_UNSUPPORTED;
-    case 503: return RK_ERR_EXHAUSTED;
-    default: return status >= 500 ? RK_ERR_INTERNAL : RK_ERR_INVALID;
-    }
-}
-
-rk_status rk_http_errorf(rk_http_error *err, int status, const char *fmt, ...) {
-    err->status = status;
-    err->type = rk_http_error_type(status);
-    err->code = err->param = NULL;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(err->message, sizeof err->message, fmt, ap);
-    va_end(ap);
-    return status_of_http(status);
-}
+#include "gateway/json_fields.h"
 
 /* An error of a lower layer (split, separator check) as an HTTP error. */
 static rk_status from_status(rk_http_error *err, rk_status st, const char *what) {
@@ -87,124 +26,6 @@ static rk_status from_status(rk_http_error *err, rk_status st, const char *what)
                                         : 500;
     rk_http_errorf(err, status, "%s: %s", what, rk_error_message());
     return st;
-}
-
-/* ---------------------------------------------------------------- field helpers */
-
-/* Each getter leaves *out untouched when the field is absent (or null) and
- * returns nonzero after filling err when it has the wrong type or range. */
-
-static int get_int(json_t *o, const char *name, json_int_t lo, json_int_t hi, json_int_t *out,
-                   rk_http_error *err) {
-    json_t *v = json_object_get(o, name);
-    if (!v || json_is_null(v)) return 0;
-    if (!json_is_integer(v)) return rk_http_errorf(err, 400, "'%s' must be an integer", name), 1;
-    json_int_t x = json_integer_value(v);
-    if (x < lo || x > hi)
-        return rk_http_errorf(err, 400, "'%s' must be from %lld to %lld, got %lld", name,
-                              (long long)lo, (long long)hi, (long long)x),
-               1;
-    *out = x;
-    return 0;
-}
-
-static int get_num(json_t *o, const char *name, double lo, double hi, int lo_open, double *out,
-                   rk_http_error *err) {
-    json_t *v = json_object_get(o, name);
-    if (!v || json_is_null(v)) return 0;
-    if (!json_is_number(v)) return rk_http_errorf(err, 400, "'%s' must be a number", name), 1;
-    double x = json_number_value(v);
-    if (!(x >= lo && x <= hi) || (lo_open && x == lo))
-        return rk_http_errorf(err, 400, "'%s' must be %s %g and at most %g, got %g", name,
-                              lo_open ? "above" : "at least", lo, hi, x),
-               1;
-    *out = x;
-    return 0;
-}
-
-static int get_bool(json_t *o, const char *name, int *out, rk_http_error *err) {
-    json_t *v = json_object_get(o, name);
-    if (!v || json_is_null(v)) return 0;
-    if (!json_is_boolean(v)) return rk_http_errorf(err, 400, "'%s' must be true or false", name), 1;
-    *out = json_is_true(v);
-    return 0;
-}
-
-/* A string field that must be one of two words: *out = 0 for a, 1 for b. */
-static int get_choice(json_t *o, const char *name, const char *a, const char *b, int *out,
-                      rk_http_error *err) {
-    json_t *v = json_object_get(o, name);
-    if (!v || json_is_null(v)) return 0;
-    const char *s = json_string_value(v);
-    if (s && !strcmp(s, a))
-        *out = 0;
-    else if (s && !strcmp(s, b))
-        *out = 1;
-    else
-        return rk_http_errorf(err, 400, "'%s' must be \"%s\" or \"%s\"", name, a, b), 1;
-    return 0;
-}
-
-/* A string of 1..cap-1 bytes without NUL (a cache salt, a tenant name) into
- * out[cap]. */
-static int get_text(json_t *o, const char *name, char *out, size_t cap, rk_http_error *err) {
-    json_t *v = json_object_get(o, name);
-    if (!v || json_is_null(v)) return 0;
-    const char *s = json_string_value(v);
-    size_t n = s ? json_string_length(v) : 0;
-    if (!s || n == 0 || n >= cap || n != strlen(s))
-        return rk_http_errorf(err, 400, "'%s' must be a string of 1 to %zu bytes", name, cap - 1),
-               1;
-    memcpy(out, s, n + 1);
-    return 0;
-}
-
-/* chunk_context: "isolated" (0), "system" (1) or "anchor" (2). */
-static int get_context(json_t *o, int *out, rk_http_error *err) {
-    static const char *const names[] = {"isolated", "system", "anchor"};
-    json_t *v = json_object_get(o, "chunk_context");
-    if (!v || json_is_null(v)) return 0;
-    const char *s = json_string_value(v);
-    for (int i = 0; s && i < 3; i++)
-        if (!strcmp(s, names[i])) {
-            *out = i;
-            return 0;
-        }
-    return rk_http_errorf(err, 400,
-                          "'chunk_context' must be \"isolated\", \"system\" or \"anchor\""),
-           1;
-}
-
-static char *dup_str(const char *s) {
-    size_t n = strlen(s);
-    char *d = malloc(n + 1);
-    if (d) memcpy(d, s, n + 1);
-    return d;
-}
-
-/* A chunk entry: "text" or {"id": "...", "text": "..."}. *text and *id point
- * into the JSON (id NULL when absent). */
-static int chunk_entry(json_t *v, int i, const char **text, const char **id, rk_http_error *err) {
-    *id = NULL;
-    if (json_is_string(v)) {
-        *text = json_string_value(v);
-        return 0;
-    }
-    if (json_is_object(v)) {
-        json_t *t = json_object_get(v, "text"), *d = json_object_get(v, "id");
-        if (!json_is_string(t))
-            return rk_http_errorf(err, 400, "chunks[%d].text must be a string", i), 1;
-        if (d && !json_is_null(d)) {
-            if (!json_is_string(d))
-                return rk_http_errorf(err, 400, "chunks[%d].id must be a string", i), 1;
-            if (json_string_length(d) > 255)
-                return rk_http_errorf(err, 400, "chunks[%d].id is longer than 255 bytes", i), 1;
-            *id = json_string_value(d);
-        }
-        *text = json_string_value(t);
-        return 0;
-    }
-    return rk_http_errorf(err, 400, "chunks[%d] must be a string or {\"id\", \"text\"}", i), 1;
 }
 
 /* ---------------------------------------------------------------- common fields */
@@ -326,9 +147,10 @@ static int refuse_unsupported(json_t *root, rk_http_error *err) {
     v = json_object_get(root, "parallel_tool_calls");
     if (v && !json_is_null(v) && !json_is_boolean(v))
         return rk_http_errorf(err, 400, "'parallel_tool_calls' must be true or false"), 1;
-    if (json_is_true(v))
+    json_t *tools = json_object_get(root, "tools");
+    if (json_is_true(v) && !json_array_size(tools))
         return rk_http_errorf(err, 400,
-                              "'parallel_tool_calls' must be false: one tool call per response"),
+                              "'parallel_tool_calls' true needs 'tools' (chat completions)"),
                1;
     static const char *const ids[] = {"user", "safety_identifier", "prompt_cache_key"};
     for (size_t i = 0; i < sizeof ids / sizeof ids[0]; i++) {
@@ -484,7 +306,7 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     /* Plain mode is the no-cache reference unless asked otherwise (as `ragkv generate`). */
     o->prefix_cache = prefix >= 0 ? prefix : !plain;
     o->reuse_sequences = whole;
-    return 0;
+    return rk_api_parse_response_format(root, out, err);
 }
 
 /* ---------------------------------------------------------------- completions */
@@ -638,6 +460,8 @@ static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_req
                      json_object_get(root, "system");
     if (json_object_get(root, "messages"))
         return rk_http_errorf(err, 400, "'messages' belongs to /v1/chat/completions"), 1;
+    if (json_object_get(root, "tools") || json_object_get(root, "tool_choice"))
+        return rk_http_errorf(err, 400, "'tools' belong to /v1/chat/completions"), 1;
     json_int_t lp = 0;
     if (get_int(root, "logprobs", 0, 20, &lp, err)) return 1;
     out->opt.n_logprobs = (int)lp;
@@ -819,9 +643,11 @@ static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *
             cr = RK_ROLE_USER;
         else if (!strcmp(r, "assistant"))
             cr = RK_ROLE_ASSISTANT;
+        else if (!strcmp(r, "tool"))
+            cr = RK_ROLE_TOOL;
         else
-            return rk_http_errorf(err, 400, "messages[%zu].role must be system, user or assistant",
-                                  i),
+            return rk_http_errorf(err, 400,
+                                  "messages[%zu].role must be system, user, assistant or tool", i),
                    1;
         out->msgs[i].role = cr;
         out->n_msgs = (int)i + 1;
@@ -836,6 +662,21 @@ static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *
     int any_user = 0;
     for (size_t i = 0; i < n; i++) any_user |= out->msgs[i].role == RK_ROLE_USER;
     if (!any_user) return rk_http_errorf(err, 400, "'messages' has no user message"), 1;
+    for (size_t i = 0; i < n; i++) {
+        json_t *m = json_array_get(msgs, i), *tc = json_object_get(m, "tool_calls");
+        if (tc && !json_is_null(tc)) {
+            if (out->msgs[i].role != RK_ROLE_ASSISTANT)
+                return rk_http_errorf(err, 400,
+                                      "messages[%zu]: only assistant messages carry 'tool_calls'",
+                                      i),
+                       1;
+            if (rk_api_parse_msg_tool_calls(tc, (int)i, &out->msgs[i].tool_calls, err)) return 1;
+        }
+        json_t *tid = json_object_get(m, "tool_call_id");
+        if (tid && !json_is_null(tid) && !json_is_string(tid))
+            return rk_http_errorf(err, 400, "messages[%zu].tool_call_id must be a string", i), 1;
+    }
+    if (rk_api_parse_tools(root, out, err)) return 1;
     if (out->msgs[n - 1].role == RK_ROLE_SYSTEM)
         return rk_http_errorf(err, 400,
                               "the last message must be the user's (or the assistant's, "
@@ -915,9 +756,16 @@ void rk_api_request_free(rk_api_request *r) {
     free(r->chunk_ids);
     for (int i = 0; i < r->n_msgs; i++) {
         free(r->msgs[i].content);
+        free(r->msgs[i].tool_calls);
         for (int k = 0; k < r->msgs[i].n_docs; k++) free(r->msgs[i].docs[k]);
         free(r->msgs[i].docs);
     }
+    for (int i = 0; i < r->n_tools; i++) {
+        free(r->tools[i].name);
+        free(r->tools[i].description);
+        json_decref(r->tools[i].parameters);
+    }
+    free(r->tools);
     free(r->msgs);
     for (int i = 0; i < r->n_chat_chunks; i++) {
         free(r->chat_chunks[i]);
@@ -925,6 +773,7 @@ void rk_api_request_free(rk_api_request *r) {
     }
     free(r->chat_chunks);
     free(r->chat_chunk_ids);
+    rk_grammar_free(r->grammar);
     for (int i = 0; i < r->n_prompts; i++) {
         if (r->batch) rk_split_free(&r->batch[i]);
         if (r->batch_tokens) free(r->batch_tokens[i]);

@@ -26,6 +26,7 @@
 #include "pipeline/pipeline.h"
 
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <xxhash.h>
@@ -140,6 +141,8 @@ void rk_request_free(rk_request *r) {
     free(r->top_logprobs);
     free(r->logprobs);
     free(r->chunk_reports);
+    rk_grammar_state_free(r->grammar_state);
+    r->grammar_state = NULL;
     r->sys = r->question = r->out_tokens = r->top_ids = NULL;
     r->chunks = NULL;
     r->chunk_lens = NULL;
@@ -1407,6 +1410,21 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
     s->done = r->opt.max_tokens == 0;
     rk_status st = rk_sampler_init(&s->sampler, &r->opt.sampling, hp->n_vocab);
     if (st) return st;
+    if (!r->resume) {
+        /* A fresh run starts its grammar again; a resumed one goes on. */
+        rk_grammar_state_free(r->grammar_state);
+        r->grammar_state = NULL;
+    }
+    if (r->opt.grammar && !r->grammar_state) {
+        const rk_grammar_vocab *gv;
+        if ((st = rk_service_grammar_vocab(svc, &gv))) return st;
+        if (rk_grammar_vocab_n(gv) != hp->n_vocab)
+            return rk_errorf(RK_ERR_UNSUPPORTED,
+                             "constrained sampling needs the tokenizer's %d ids to be the "
+                             "model's %d",
+                             (int)rk_grammar_vocab_n(gv), hp->n_vocab);
+        if ((st = rk_grammar_state_create(r->opt.grammar, gv, &r->grammar_state))) return st;
+    }
     if (r->resume) {
         memcpy(s->sampler.rng, r->rng, sizeof r->rng);
         for (int i = 0; i < r->n_out; i++) rk_sampler_accept(&s->sampler, r->out_tokens[i]);
@@ -1452,6 +1470,10 @@ static rk_status init_request(rk_service *svc, rk_request *r) {
     return RK_OK;
 }
 
+/* How many tokens before a constrained request would run out of room to
+ * close its output it starts sampling only tokens that keep room. */
+#define RK_GRAMMAR_BUDGET_MARGIN 64
+
 /* Sample request r's next token from its logits (or take the forced one) and
  * decide whether it is done. A row with a NaN or infinite logit (KV that is
  * not finite, from a bad payload or an overflow) fails the request instead:
@@ -1475,7 +1497,34 @@ static void take_token(rk_service *svc, rk_request *r, const float *logits,
     }
     if (hooks && hooks->on_logits) hooks->on_logits(hooks->ctx, ri, r->n_out, logits, hp->n_vocab);
     int32_t t = hooks && hooks->force_token ? hooks->force_token(hooks->ctx, ri, r->n_out) : -1;
-    if (t < 0 || t >= hp->n_vocab) t = rk_sampler_sample(&s->sampler, logits);
+    if (r->grammar_state) {
+        /* Constrained: draw from the tokens the grammar allows, then move
+         * its state on by the one drawn (a forced token must be allowed too). */
+        const uint64_t *mask = NULL;
+        rk_status st = RK_OK;
+        if (t < 0 || t >= hp->n_vocab) {
+            /* Near max_tokens, only tokens after which what is left still
+             * fits the tokens left: the output closes rather than being cut
+             * (where it can no longer fit, the plain mask, and it is cut). */
+            int left = r->opt.max_tokens - r->n_out - 1, n_ok = 0;
+            if (rk_grammar_state_min_bytes(r->grammar_state) + RK_GRAMMAR_BUDGET_MARGIN >= left)
+                st = rk_grammar_state_mask_budget(r->grammar_state, left, &mask, &n_ok);
+            if (!st && !n_ok) st = rk_grammar_state_mask(r->grammar_state, &mask);
+            if (!st) t = rk_sampler_sample_masked(&s->sampler, logits, mask);
+            if (!st && t < 0) st = rk_errorf(RK_ERR_INTERNAL, "grammar: no token is allowed");
+        }
+        if (!st) st = rk_grammar_state_accept(r->grammar_state, t);
+        if (st) {
+            r->failure = st;
+            snprintf(r->failure_msg, sizeof r->failure_msg, "constrained sampling failed: %s",
+                     rk_error_message());
+            RK_LOG_ERROR("request failed: %s", r->failure_msg);
+            s->done = 1;
+            return;
+        }
+    } else if (t < 0 || t >= hp->n_vocab) {
+        t = rk_sampler_sample(&s->sampler, logits);
+    }
     rk_sampler_accept(&s->sampler, t);
     /* Log-probabilities only where the request asks for them: the sum is a
      * pass of exp over the whole vocabulary, taken once for both. */
@@ -1489,7 +1538,13 @@ static void take_token(rk_service *svc, rk_request *r, const float *logits,
     if (r->n_out == 0) r->t.ttft_ms = (rk_time_now() - s->t_start) * 1e3;
     r->out_tokens[r->n_out++] = t;
     if (hooks && hooks->on_token) hooks->on_token(hooks->ctx, ri, t);
-    if (r->opt.stop_at_eog && rk_tokenizer_is_eog(rk_model_tokenizer(svc->model), t)) {
+    if ((r->opt.stop_at_eog || r->grammar_state) &&
+        rk_tokenizer_is_eog(rk_model_tokenizer(svc->model), t)) {
+        r->finish_reason = RK_FINISH_STOP;
+        s->done = 1;
+    } else if (r->grammar_state && rk_grammar_state_must_end(r->grammar_state)) {
+        /* The grammar is complete and allows nothing more: stop without
+         * spending a step on the end token. */
         r->finish_reason = RK_FINISH_STOP;
         s->done = 1;
     } else if (r->n_out >= r->opt.max_tokens) {

@@ -21,6 +21,7 @@
 #define RK_PIPELINE_H
 
 #include <jansson.h>
+#include <pthread.h>
 #include <stdint.h>
 
 #include "chunkcache/arena.h"
@@ -28,6 +29,7 @@
 #include "chunkcache/radix.h"
 #include "config/config.h"
 #include "engine/engine.h"
+#include "engine/grammar.h"
 #include "store/redis.h"
 #include "store/store.h"
 #include "pipeline/split.h"
@@ -108,12 +110,20 @@ typedef struct rk_service {
     /* Requests failed because a forward pass gave them a NaN or infinite
      * logit (engine thread; read by the statistics snapshot). */
     uint64_t nonfinite_logits;
+    /* The vocabulary's byte trie for constrained sampling, built on first
+     * use (rk_service_grammar_vocab) under grammar_lock. */
+    rk_grammar_vocab *grammar_vocab;
+    pthread_mutex_t grammar_lock;
 } rk_service;
 
 /* Create the backend, load the model (model_path NULL = build the embedded
  * `tiny` model in memory) and size the arena from cfg. */
 rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_service **out);
 void rk_service_close(rk_service *svc);
+
+/* The model's vocabulary as a byte trie for grammar states (built once, on
+ * the first call, by whichever thread makes it; owned by the service). */
+rk_status rk_service_grammar_vocab(rk_service *svc, const rk_grammar_vocab **out);
 
 typedef enum rk_req_mode {
     RK_MODE_RAG = 0,   /* chunks through the chunk cache, reindexed into place */
@@ -149,6 +159,11 @@ typedef struct rk_req_options {
     rk_sampler_params sampling;
     int stop_at_eog;
     int n_logprobs; /* 0..20 top log-probabilities per generated token */
+    /* Constrain sampling to this grammar (response_format, grammar): every
+     * token is drawn from the ones that keep the output a prefix of it, and
+     * the end only where it may end. Borrowed: the caller keeps it alive
+     * until the request has finished. NULL = unconstrained. */
+    const rk_grammar *grammar;
     /* Repair, after reindexing: recompute chunk tokens with full attention
      * over the merged cache (system, earlier chunks, themselves). The
      * recomputed KV goes to live blocks only; the cached entries are untouched.
@@ -255,8 +270,8 @@ typedef struct rk_request {
     rk_finish_reason finish_reason;
     int finished; /* it left the pipeline: everything it held is released */
     /* Set when the pipeline failed this request alone (a forward pass gave
-     * it a NaN or infinite logit): it is finished and its tokens must not be
-     * served; failure_msg says what happened. RK_OK otherwise. */
+     * it a NaN or infinite logit, or its grammar outgrew its bound): it is finished and its tokens
+     * must not be served; failure_msg says what happened. RK_OK otherwise. */
     rk_status failure;
     char failure_msg[200];
     rk_chunk_report *chunk_reports; /* (n_chunks) */
@@ -285,6 +300,8 @@ typedef struct rk_request {
     int rank;
     double t_admitted;
     uint64_t rng[2];
+    /* Private: its position in opt.grammar (kept across preemption). */
+    rk_grammar_state *grammar_state;
 
     rk_req_state *state;
 } rk_request;

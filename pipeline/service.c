@@ -247,6 +247,7 @@ rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_servi
     rk_service *svc = calloc(1, sizeof *svc);
     if (!svc) return rk_errorf(RK_ERR_NOMEM, "service: out of memory");
     svc->cfg = *cfg;
+    pthread_mutex_init(&svc->grammar_lock, NULL);
     if (!(st = rk_backend_create(cfg->backend, cfg->n_threads, &svc->be))) {
         st = model_path ? rk_model_load(model_path, svc->be, &svc->model)
                         : load_embedded(svc->be, &svc->model);
@@ -280,5 +281,17 @@ void rk_service_close(rk_service *svc) {
     rk_arena_free(svc->arena);
     rk_model_free(svc->model);
     rk_backend_free(svc->be);
+    rk_grammar_vocab_free(svc->grammar_vocab);
+    pthread_mutex_destroy(&svc->grammar_lock);
     free(svc);
+}
+
+rk_status rk_service_grammar_vocab(rk_service *svc, const rk_grammar_vocab **out) {
+    rk_status st = RK_OK;
+    pthread_mutex_lock(&svc->grammar_lock);
+    if (!svc->grammar_vocab)
+        st = rk_grammar_vocab_create(rk_model_tokenizer(svc->model), &svc->grammar_vocab);
+    *out = svc->grammar_vocab;
+    pthread_mutex_unlock(&svc->grammar_lock);
+    return st;
 }

@@ -526,3 +526,115 @@ Test(chat, stories260k_a_follow_up_turn_computes_only_what_follows_the_last) {
     check_conversation(model, 1u << RK_CHAT_CHATML | 1u << RK_CHAT_LLAMA3);
     free(model);
 }
+
+/* ---------------------------------------------------------------- tools */
+
+/* Parse a chat body given as text and render it with template t. */
+static rk_status render_tools_body(rk_chat_template t, const char *body, rk_api_request *r,
+                                   rk_http_error *err) {
+    rk_parse_limits lim = {.max_chunks = 8, .max_tokens = 64};
+    memset(err, 0, sizeof *err);
+    rk_status st = rk_api_parse(body, strlen(body), 1, &lim, r, err);
+    if (st) return st;
+    st = rk_chat_render(t, r, 8, err);
+    if (st) rk_api_request_free(r);
+    return st;
+}
+
+#define TOOL_BODY(extra)                                                                           \
+    "{\"messages\":[{\"role\":\"system\",\"content\":\"Be brief.\"},"                              \
+    "{\"role\":\"user\",\"content\":\"Add 2 and 3\"},"                                             \
+    "{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{\"id\":\"c1\",\"type\":"            \
+    "\"function\","                                                                                \
+    "\"function\":{\"name\":\"add\",\"arguments\":\"{\\\"a\\\":2,\\\"b\\\":3}\"}}]},"              \
+    "{\"role\":\"tool\",\"tool_call_id\":\"c1\",\"content\":\"5\"}],"                              \
+    "\"tools\":[{\"type\":\"function\",\"function\":{\"name\":\"add\",\"description\":\"Sum\","    \
+    "\"parameters\":{\"type\":\"object\",\"properties\":{\"a\":{\"type\":\"integer\"},"            \
+    "\"b\":{\"type\":\"integer\"}},\"required\":[\"a\",\"b\"]}}}]" extra "}"
+
+Test(chat, tools_and_tool_turns_render_as_each_template_writes_them) {
+    rk_api_request r;
+    rk_http_error err;
+    cr_assert_eq(render_tools_body(RK_CHAT_CHATML, TOOL_BODY(""), &r, &err), RK_OK, "%s",
+                 err.message);
+    const char *sys = r.pieces.system.s, *q = r.pieces.question.s;
+    cr_expect(strstr(sys, "<|im_start|>system\nBe brief.\n\n# Tools\n"), "%s", sys);
+    cr_expect(strstr(sys, "<tools>\n{\"type\":\"function\",\"function\":{\"name\":\"add\""), "%s",
+              sys);
+    cr_expect(strstr(q, "<|im_start|>assistant\n<tool_call>\n{\"name\": \"add\", \"arguments\": "
+                        "{\"a\":2,\"b\":3}}\n</tool_call><|im_end|>\n"),
+              "%s", q);
+    cr_expect(strstr(q, "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n"
+                        "<|im_start|>assistant\n"),
+              "%s", q);
+    cr_expect_null(r.grammar, "auto: no constraint");
+    /* Rendering again (another template, the same one) leaves the request as parsed. */
+    char *first = strdup(sys);
+    cr_assert_eq(rk_chat_render(RK_CHAT_LLAMA3, &r, 8, &err), RK_OK, "%s", err.message);
+    cr_assert_eq(rk_chat_render(RK_CHAT_CHATML, &r, 8, &err), RK_OK, "%s", err.message);
+    cr_expect_str_eq(r.pieces.system.s, first);
+    cr_expect_eq(r.n_msgs, 4);
+    free(first);
+    rk_api_request_free(&r);
+
+    cr_assert_eq(
+        render_tools_body(RK_CHAT_LLAMA3, TOOL_BODY(",\"tool_choice\":\"required\""), &r, &err),
+        RK_OK, "%s", err.message);
+    q = r.pieces.question.s;
+    cr_expect(strstr(r.pieces.system.s, "respond with JSON for a function call"), "%s",
+              r.pieces.system.s);
+    cr_expect(strstr(q, "{\"name\": \"add\", \"parameters\": {\"a\":2,\"b\":3}}<|eot_id|>"), "%s",
+              q);
+    cr_expect(strstr(q, "<|start_header_id|>ipython<|end_header_id|>\n\n5<|eot_id|>"), "%s", q);
+    cr_expect_not_null(r.grammar, "required: constrained");
+    cr_expect(r.opt.grammar == r.grammar);
+    cr_assert_eq(rk_chat_render(RK_CHAT_CHATML, &r, 8, &err), RK_OK, "%s", err.message);
+    cr_expect(r.grammar && r.opt.grammar == r.grammar,
+              "the second render's grammar replaces the first");
+    rk_api_request_free(&r);
+
+    cr_expect_neq(render_tools_body(RK_CHAT_LLAMA2, TOOL_BODY(""), &r, &err), RK_OK);
+    cr_expect_eq(err.status, 400);
+    cr_expect(strstr(err.message, "llama2"), "%s", err.message);
+    cr_expect_neq(
+        render_tools_body(RK_CHAT_LLAMA3,
+                          TOOL_BODY(",\"tool_choice\":\"required\",\"parallel_tool_calls\":true"),
+                          &r, &err),
+        RK_OK);
+    cr_expect(strstr(err.message, "parallel_tool_calls"), "%s", err.message);
+}
+
+Test(chat, tool_calls_are_parsed_from_answers_of_either_family) {
+    rk_api_request r;
+    rk_http_error err;
+    cr_assert_eq(render_tools_body(RK_CHAT_CHATML, TOOL_BODY(""), &r, &err), RK_OK, "%s",
+                 err.message);
+    char *content;
+    json_t *calls = rk_chat_tool_calls(
+        RK_CHAT_CHATML, &r,
+        "Let me add.\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": 2}}\n"
+        "</tool_call>\n<tool_call>\n{\"name\": \"nope\", \"arguments\": {}}\n</tool_call>\n"
+        "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 3, \"b\": 4}}\n</tool_call>",
+        "req1", &content);
+    cr_assert_not_null(calls);
+    cr_expect_eq(json_array_size(calls), 2, "the unknown function is not a call");
+    cr_expect_str_eq(content, "Let me add.");
+    json_t *f = json_object_get(json_array_get(calls, 1), "function");
+    cr_expect_str_eq(json_string_value(json_object_get(f, "name")), "add");
+    cr_expect_str_eq(json_string_value(json_object_get(f, "arguments")), "{\"a\":3,\"b\":4}");
+    cr_expect_str_eq(json_string_value(json_object_get(json_array_get(calls, 0), "id")),
+                     "call_req1_0");
+    json_decref(calls);
+    free(content);
+    calls = rk_chat_tool_calls(RK_CHAT_CHATML, &r, "Just text, no call.", "req1", &content);
+    cr_expect_null(calls);
+    calls = rk_chat_tool_calls(RK_CHAT_LLAMA3, &r,
+                               " {\"name\": \"add\", \"parameters\": {\"a\": 5, \"b\": 6}}", "r2",
+                               &content);
+    cr_assert_not_null(calls);
+    cr_expect_eq(json_array_size(calls), 1);
+    cr_expect_str_eq(content, "");
+    json_decref(calls);
+    free(content);
+    rk_api_request_free(&r);
+}
