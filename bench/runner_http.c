@@ -194,10 +194,10 @@ static json_t *request_body(const bench *b, int mode, int j, json_t *msgs, int t
         json_decref(body);
         return NULL;
     }
-    if (peer) {
-        json_object_set_new(body, "stream_options", json_pack("{s:b}", "include_usage", 1));
-        return body;
-    }
+    /* Usage (and ragkv's report with it) comes in a stream's last event only
+     * when asked for, as OpenAI does. */
+    json_object_set_new(body, "stream_options", json_pack("{s:b}", "include_usage", 1));
+    if (peer) return body;
     /* The same options as in-process (mode_options): greedy, no early stop. */
     int plain = mode == MODE_PLAIN || mode == MODE_PREFIX;
     json_object_set_new(body, "mode", json_string(plain ? "plain" : "rag"));
