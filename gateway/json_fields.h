@@ -15,8 +15,8 @@
 /* Each getter leaves *out untouched when the field is absent (or null) and
  * returns nonzero after filling err when it has the wrong type or range. */
 
-static inline int get_int(json_t *o, const char *name, json_int_t lo, json_int_t hi, json_int_t *out,
-                   rk_http_error *err) {
+static inline int get_int(json_t *o, const char *name, json_int_t lo, json_int_t hi,
+                          json_int_t *out, rk_http_error *err) {
     json_t *v = json_object_get(o, name);
     if (!v || json_is_null(v)) return 0;
     if (!json_is_integer(v)) return rk_http_errorf(err, 400, "'%s' must be an integer", name), 1;
@@ -29,8 +29,8 @@ static inline int get_int(json_t *o, const char *name, json_int_t lo, json_int_t
     return 0;
 }
 
-static inline int get_num(json_t *o, const char *name, double lo, double hi, int lo_open, double *out,
-                   rk_http_error *err) {
+static inline int get_num(json_t *o, const char *name, double lo, double hi, int lo_open,
+                          double *out, rk_http_error *err) {
     json_t *v = json_object_get(o, name);
     if (!v || json_is_null(v)) return 0;
     if (!json_is_number(v)) return rk_http_errorf(err, 400, "'%s' must be a number", name), 1;
@@ -53,7 +53,7 @@ static inline int get_bool(json_t *o, const char *name, int *out, rk_http_error 
 
 /* A string field that must be one of two words: *out = 0 for a, 1 for b. */
 static inline int get_choice(json_t *o, const char *name, const char *a, const char *b, int *out,
-                      rk_http_error *err) {
+                             rk_http_error *err) {
     json_t *v = json_object_get(o, name);
     if (!v || json_is_null(v)) return 0;
     const char *s = json_string_value(v);
@@ -105,7 +105,8 @@ static inline char *dup_str(const char *s) {
 
 /* A chunk entry: "text" or {"id": "...", "text": "..."}. *text and *id point
  * into the JSON (id NULL when absent). */
-static inline int chunk_entry(json_t *v, int i, const char **text, const char **id, rk_http_error *err) {
+static inline int chunk_entry(json_t *v, int i, const char **text, const char **id,
+                              rk_http_error *err) {
     *id = NULL;
     if (json_is_string(v)) {
         *text = json_string_value(v);

@@ -210,4 +210,3 @@ int rk_api_parse_tools(json_t *root, rk_api_request *out, rk_http_error *err) {
                1;
     return 0;
 }
-

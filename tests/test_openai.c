@@ -685,14 +685,14 @@ static int run(const char *cmd) {
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
 }
 
-/* The official `openai` npm package (v6) through tests/openai_sdk.mjs:
- * installed once from the npm registry into build/npm; skipped, saying
+/* The official `openai` npm package (v6), installed once from the npm
+ * registry into build/npm: the folder in dir, or the test is skipped, saying
  * why, where node, npm or the registry is not there. */
-Test(openai_opts, the_official_openai_sdk_reads_every_answer, .timeout = 600) {
+static void sdk_installed(char *dir, size_t cap) {
     if (run("command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1"))
         cr_skip_test("node and npm are not installed: the openai SDK test is skipped");
-    char dir[1024], cmd[4096];
-    snprintf(dir, sizeof dir, "%s/../npm", RK_TEST_TMP);
+    char cmd[4096];
+    snprintf(dir, cap, "%s/../npm", RK_TEST_TMP);
     snprintf(cmd, sizeof cmd, "test -f '%s/node_modules/openai/package.json'", dir);
     if (run(cmd)) {
         snprintf(cmd, sizeof cmd,
@@ -704,19 +704,21 @@ Test(openai_opts, the_official_openai_sdk_reads_every_answer, .timeout = 600) {
                          "install.log: the openai SDK test is skipped",
                          dir);
     }
-    const char *args[] = {"--max-context", "256", "--served-model-name", "ragkv-test", NULL};
-    start_with(args);
-    /* The script runs from the install folder, where node finds the package. */
-    char src[1024];
+}
+
+/* Run tests/SCRIPT against the running server from the SDK's folder dir,
+ * where node finds the package; it must print "ok: all checks passed". */
+static void run_sdk_script(const char *dir, const char *script) {
+    char src[1024], cmd[4096];
     snprintf(src, sizeof src, "%s", RK_SHARED_DIR);
     char *tail = strstr(src, "/../shared");
     if (tail) *tail = '\0';
-    snprintf(cmd, sizeof cmd, "cp '%s/tests/openai_sdk.mjs' '%s/openai_sdk.mjs'", src, dir);
-    cr_assert_eq(run(cmd), 0, "cannot copy tests/openai_sdk.mjs from %s", src);
+    snprintf(cmd, sizeof cmd, "cp '%s/tests/%s' '%s/%s'", src, script, dir, script);
+    cr_assert_eq(run(cmd), 0, "cannot copy tests/%s from %s", script, src);
     snprintf(cmd, sizeof cmd,
-             "cd '%s' && RAGKV_URL='http://127.0.0.1:%d/v1' timeout 240 node openai_sdk.mjs "
+             "cd '%s' && RAGKV_URL='http://127.0.0.1:%d/v1' timeout 240 node %s "
              "</dev/null 2>&1",
-             dir, S.port);
+             dir, S.port, script);
     FILE *f = popen(cmd, "r");
     cr_assert(f);
     char out[16384] = "";
@@ -724,7 +726,31 @@ Test(openai_opts, the_official_openai_sdk_reads_every_answer, .timeout = 600) {
     out[n] = '\0';
     int st = pclose(f);
     int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-    cr_log_info("openai_sdk.mjs:\n%s", out);
-    cr_assert_eq(code, 0, "openai_sdk.mjs failed (%d):\n%s", code, out);
+    cr_log_info("%s:\n%s", script, out);
+    cr_assert_eq(code, 0, "%s failed (%d):\n%s", script, code, out);
     cr_assert(strstr(out, "ok: all checks passed"), "%s", out);
+}
+
+/* Completions, chat, streams, logprobs, errors and model names through the
+ * SDK (tests/openai_sdk.mjs), on the embedded model. */
+Test(openai_opts, the_official_openai_sdk_reads_every_answer, .timeout = 600) {
+    char dir[1024];
+    sdk_installed(dir, sizeof dir);
+    const char *args[] = {"--max-context", "256", "--served-model-name", "ragkv-test", NULL};
+    start_with(args);
+    run_sdk_script(dir, "openai_sdk.mjs");
+}
+
+/* Structured output and tool calls through the SDK's own parsing helpers
+ * (chat.completions.parse, the streaming helper's finalChatCompletion), on
+ * a synthetic Qwen3 model (ChatML tool tags) with the real vocabulary
+ * (tests/openai_sdk_structured.mjs). */
+Test(openai_opts, the_official_openai_sdk_parses_structured_output_and_tool_calls, .timeout = 900) {
+    char dir[1024];
+    sdk_installed(dir, sizeof dir);
+    char *model = rk_test_model("qwen3-tiny", "f32", 1);
+    const char *args[] = {"--model", model, "--served-model-name", "ragkv-test", NULL};
+    start_with(args);
+    run_sdk_script(dir, "openai_sdk_structured.mjs");
+    free(model);
 }
