@@ -16,7 +16,15 @@
  * forward passes (chunked by step_tokens). Blocks come as decoding needs
  * them; when the live pool runs dry the youngest request is preempted and
  * resumes later. Runs on the engine thread, which alone owns the model, the arena and
- * the caches. */
+ * the caches.
+ *
+ * Its files: request.c (rk_request_prepare and the request's buffers),
+ * pipeline.c (admission: the prompt stages, a request's start and release,
+ * the radix tree), repair.c (the repair stage), batch.c (forward passes),
+ * step.c (rk_pipeline_admit/join/step/run: the running requests), prewarm.c
+ * (rk_pipeline_prewarm), service.c (the service object), cachectl.c (the
+ * rk_service_chunk_* calls); internal.h is what they share, private to
+ * pipeline/. */
 #ifndef RK_PIPELINE_H
 #define RK_PIPELINE_H
 

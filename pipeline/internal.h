@@ -1,0 +1,165 @@
+/* pipeline/internal.h — private to pipeline/: nothing outside this folder
+ * includes it (the public interface is pipeline.h). It holds what the
+ * request pipeline's files share: a request's state, a forward pass under
+ * construction, an admission, and the functions that cross files.
+ *
+ * The request pipeline's files:
+ *   request.c  request preparation: tokenizing the pieces, the context and
+ *              max_tokens checks, the result buffers, rk_request_free.
+ *   pipeline.c admission: the prompt stages in reading order (system and
+ *              chunks, system chunks, reindex, queue prompt), start, init and
+ *              release of a request, insertion into the radix tree, the
+ *              zero-copy run tables.
+ *   repair.c   the repair stage and its policies (deviation, query, first_k).
+ *   batch.c    a forward pass under construction and the model runner.
+ *   step.c     the running requests: admission into them, one decode step
+ *              (make room, preempt, feed prompts, run the pass, sample),
+ *              leaving, resuming, rk_pipeline_run.
+ *   prewarm.c  rk_pipeline_prewarm: chunks into the cache ahead of requests.
+ * Around them: service.c (the service object), scheduler.c (the engine
+ * thread), split.c, persist.c (the disk and Redis tiers), cachectl.c. */
+#ifndef RK_PIPELINE_INTERNAL_H
+#define RK_PIPELINE_INTERNAL_H
+
+#include "pipeline/pipeline.h"
+
+/* A scratch sequence: KV computed somewhere other than the request's own
+ * table, then copied into place. */
+typedef struct scratch {
+    rk_seq kv;
+    int used;      /* kv holds references of its own */
+    int borrowed;  /* kv.blocks are a chunk entry's: never released through kv */
+    int src_first; /* table index of the chunk's first token in kv */
+    int pass2;     /* computed in pass 2 (after the system prompt) */
+    int anchored;  /* computed in pass 1 after the anchor, then copied into its entry */
+    /* The chunk pool had no room: its entry is the request's own, not in the
+     * index, its blocks from the live pool (see acquire_uncached). */
+    int uncached;
+    int32_t *tokens; /* oracle with system context: system + chunk tokens */
+
+    /* The fleet-wide compute lock on its chunk, held when rlocked. */
+    rk_redis_lock rlock;
+    int rlocked;
+} scratch;
+
+struct rk_req_state {
+    rk_seq kv;           /* the merged sequence (zero-copy: its system and live blocks) */
+    int zc;              /* zero-copy: the merged sequence's table is `runs` */
+    rk_runs runs;        /* zero-copy: system, each chunk's cached blocks, live blocks */
+    rk_seq own;          /* zero-copy: private copies of the chunk blocks a repair writes */
+    rk_radix_node *lock; /* radix path held for the request */
+    int sys_first;       /* first system token to compute */
+    int n_insert;        /* system tokens to insert into the radix tree after pass 1 */
+    int32_t partial_src; /* radix page the match continues into (referenced), -1 = none */
+    int n_partial;       /* its first rows to copy, at table index reused - n_partial */
+    uint64_t ns;         /* the request's radix namespace */
+    int32_t *key;        /* (layout + max_tokens) radix key of the merged sequence */
+    int n_prompt;        /* table entries of the prompt */
+    int reused;          /* table entries taken from the radix tree */
+    int n_valid;         /* table entries whose KV is written */
+    rk_layout layout;
+    rk_chunk_entry **entries; /* (n_chunks) references held, NULL for oracle chunks */
+    rk_chunk_lookup *kinds;   /* (n_chunks) */
+    scratch *scratch;         /* (n_chunks) used ones have kv.n_blocks > 0 */
+    int32_t *qtok;            /* tokens fed in pass 3: the question (plain: chunks + question),
+                                 then, resuming, the tokens generated before but the last */
+    int n_qtok;
+    int n_gen; /* those generated tokens */
+    /* Resuming: the report of its first admission, put back once admitted
+     * (the resumed prompt finds its chunks cached, and so on). */
+    rk_request *first_report;
+    int q_index, q_pos; /* table index and position of the first of them */
+    int next_pos;       /* position of the next token to feed */
+    /* The prompt work left to the question pass (its last pass, merged with
+     * decode steps, see run_pass): the system tail from sys_next (== n_sys
+     * when pass 1 computed it), then ptok[p_next .. n_ptok) at table index
+     * p_idx and position p_pos on; the last of it gives the first token. */
+    int prefilling;
+    int sys_next;
+    const int32_t *ptok;
+    int n_ptok, p_idx, p_pos, p_next;
+    int row, fed_sys, fed_p; /* in the current pass: its logits row (-1: none), tokens fed */
+    rk_sampler sampler;
+    int done;
+    int hook_index; /* the hooks' req: its rank in admission order */
+    double t_start;
+};
+
+/* One forward pass under construction: sequences with their tokens, slots and
+ * block tables. */
+typedef struct batch {
+    int n_tok, cap_tok;
+    int32_t *tokens, *pos, *slots;
+    int n_seq, cap_seq;
+    int32_t *q_start, *kv_len, *logit_rows;
+    const rk_seq **tables;                    /* (n_seq) the sequence whose blocks are its table */
+    const rk_runs **runs;                     /* (n_seq) its run table instead, or NULL */
+    int32_t *seg_start, *seg_end, *seg_delta; /* the runs, when some sequence has them */
+    int cap_segs;
+    int max_blocks;
+    int32_t *table; /* (n_seq, max_blocks) built at run time */
+    int n_logits;
+    float *logits; /* (n_logits, n_vocab) */
+    int cap_logits;
+    int n_layers; /* run only the first n_layers (0 = all) */
+    float *out_q; /* not NULL: the last layer run's queries, (n_tok, n_heads * head_dim) */
+} batch;
+
+/* The requests admitted together and the buffers their passes share. */
+typedef struct admission {
+    rk_service *svc;
+    rk_request *const *reqs;
+    int n;
+    batch *b;
+    rk_copy_plan *copies;
+} admission;
+
+/* ---------------------------------------------------------------- request.c */
+
+/* Tokenize text t (special: control tokens parsed) into *ids (malloc'ed,
+ * NULL when empty) of *n tokens. */
+rk_status rk_request_encode(const rk_tokenizer *tok, const rk_text *t, int special, int32_t **ids,
+                            int *n);
+
+/* ---------------------------------------------------------------- batch.c */
+
+/* Empty b for the next pass, keeping its buffers. */
+void rk_batch_reset(batch *b);
+/* Free b's buffers; b is empty after. */
+void rk_batch_free(batch *b);
+rk_status rk_batch_add(batch *b, int bs, const rk_seq *seq, const int32_t *tokens, int n,
+                       int pos0, int idx0, int want_logits);
+rk_status rk_batch_add_req(batch *b, int bs, const rk_req_state *s, const int32_t *tokens, int n,
+                           int pos0, int idx0, int want_logits);
+/* Run b's forward pass (nothing when empty); its logits rows land in b->logits. */
+rk_status rk_batch_run(rk_service *svc, batch *b);
+
+/* ---------------------------------------------------------------- pipeline.c */
+
+int rk_chunk_from_prefix(const rk_request *r, int k);
+int rk_private_tokens(const rk_request *r, int n, int bs);
+int rk_zero_copy_for(const rk_service *svc, const rk_request *r, int tell);
+/* The chunk-key policy of request r's chunks. */
+void rk_request_chunk_policy(rk_service *svc, const rk_request *r, rk_chunk_policy *p);
+/* Give r a fresh state (r->state) for an admission; on failure the caller
+ * releases what it took with rk_release_request. */
+rk_status rk_init_request(rk_service *svc, rk_request *r);
+/* Release all r holds (failed: nothing goes into the radix tree, entries
+ * computed for it are dropped); r->state is NULL after. */
+void rk_release_request(rk_service *svc, rk_request *r, int failed);
+rk_status rk_insert_system(rk_service *svc, rk_request *r);
+rk_status rk_stage_system_and_chunks(admission *a);
+rk_status rk_stage_system_chunks(admission *a);
+rk_status rk_stage_reindex(admission *a);
+void rk_queue_prompt(admission *a);
+
+/* ---------------------------------------------------------------- repair.c */
+
+rk_status rk_stage_repair(admission *a);
+
+/* ---------------------------------------------------------------- step.c */
+
+rk_status rk_save_report(rk_request *r);
+void rk_restore_report(rk_request *r);
+
+#endif

@@ -1,0 +1,292 @@
+/* pipeline/repair.c — the repair stage (stage 4 of an admission, see
+ * pipeline.c): reused chunk tokens recomputed over the merged cache, chosen
+ * by the request's policy: the deviation policy (the tokens whose layer-1
+ * K/V moved most), the query policy (the tokens the question attends to
+ * most), or `first_k` (each chunk's first repair_k tokens). */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pipeline/internal.h"
+
+/* ---------------------------------------------------------------- deviation repair */
+
+/* Layer 0's K/V depend only on a token and its position, so a reused chunk's
+ * are exact once reindexed; layer 1 is the first that sees the rest of the
+ * prompt, and where a token's reused K/V is measured against fresh ones. */
+#define DEVIATION_LAYER 1
+
+/* K and V at layer of table entries idx0 .. idx0 + n - 1 of seq, as f32 rows
+ * of n_kv_heads * head_dim: k (n rows), v (n rows). raw: block_size rows of
+ * scratch in the cache dtype. Reads a block's run of entries per download. */
+static rk_status read_kv(rk_service *svc, const rk_seq *seq, int layer, int idx0, int n, float *k,
+                         float *v, unsigned char *raw) {
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    int bs = kv->block_size;
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim, rb = rk_dtype_row_bytes(kv->dtype, row);
+    rk_status st;
+    for (int j = 0; j < n;) {
+        int i = idx0 + j, run = bs - i % bs < n - j ? bs - i % bs : n - j;
+        size_t off = (size_t)rk_seq_slot(seq, bs, i) * rb;
+        if ((st = svc->be->ops->download(svc->be, raw, (const unsigned char *)kv->k[layer] + off,
+                                         run * rb)))
+            return st;
+        rk_dtype_to_f32(k + j * row, raw, kv->dtype, run * row);
+        if ((st = svc->be->ops->download(svc->be, raw, (const unsigned char *)kv->v[layer] + off,
+                                         run * rb)))
+            return st;
+        rk_dtype_to_f32(v + j * row, raw, kv->dtype, run * row);
+        j += run;
+    }
+    return RK_OK;
+}
+
+typedef struct dev_tok {
+    float score; /* squared distance of its layer-1 K and V, reused to fresh */
+    int chunk, off;
+} dev_tok;
+
+static int by_score_desc(const void *a, const void *b) {
+    const dev_tok *x = a, *y = b;
+    if (x->score != y->score) return x->score < y->score ? 1 : -1;
+    return x->chunk != y->chunk ? x->chunk - y->chunk : x->off - y->off; /* stable */
+}
+
+/* Both ratio policies, second half: sort r's n_toks scored chunk tokens,
+ * take the repair_ratio of them that score highest, and queue their runs in b
+ * (one sequence per run of consecutive chosen tokens of a chunk) for the full
+ * recompute. sel: scratch of the longest chunk's length. Sets
+ * chunk_reports[].repaired and recomputed_tokens. */
+static rk_status queue_chosen(batch *b, int bs, rk_request *r, dev_tok *toks, int n_toks,
+                              unsigned char *sel) {
+    rk_status st = RK_OK;
+    int n_sel = (int)ceil(r->opt.repair_ratio * n_toks - 1e-9);
+    n_sel = n_sel < n_toks ? n_sel : n_toks;
+    qsort(toks, (size_t)n_toks, sizeof *toks, by_score_desc);
+    for (int k = 0; k < r->n_chunks && !st; k++) {
+        memset(sel, 0, (size_t)r->chunk_lens[k]);
+        int marked = 0;
+        for (int j = 0; j < n_sel; j++)
+            if (toks[j].chunk == k) sel[toks[j].off] = 1, marked++;
+        r->chunk_reports[k].repaired = marked;
+        r->recomputed_tokens += marked;
+        for (int t = 0; t < r->chunk_lens[k] && !st;) { /* one sequence per run */
+            if (!sel[t]) {
+                t++;
+                continue;
+            }
+            int t1 = t;
+            while (t1 < r->chunk_lens[k] && sel[t1]) t1++;
+            st = rk_batch_add(b, bs, &r->state->kv, r->chunks[k] + t, t1 - t,
+                           r->state->layout.pos[k] + t, r->state->layout.index[k] + t, 0);
+            t = t1;
+        }
+    }
+    return st;
+}
+
+static int wants_deviation(const rk_request *r, const rk_hparams *hp) {
+    return r->opt.repair_ratio > 0 && !r->opt.repair_query && r->opt.mode == RK_MODE_RAG &&
+           r->n_chunks > 0 && hp->n_layers > DEVIATION_LAYER && !rk_chunk_from_prefix(r, 0);
+}
+
+/* The deviation policy, first half: recompute layers 0..DEVIATION_LAYER for
+ * every chunk token of the requests asking for it (their KV then replaces the
+ * reused one in the live blocks), score each token by how far its layer-1 K/V
+ * moved, and leave in *b (empty on entry) the runs of the repair_ratio of
+ * each request's chunk tokens that moved most, for the full recompute.
+ * Sets chunk_reports[].repaired and recomputed_tokens. */
+static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int n_reqs, batch *b) {
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    int bs = kv->block_size, max_len = 0;
+    long total = 0;
+    for (int i = 0; i < n_reqs; i++)
+        for (int k = 0; wants_deviation(reqs[i], hp) && k < reqs[i]->n_chunks; k++) {
+            total += reqs[i]->chunk_lens[k];
+            max_len = reqs[i]->chunk_lens[k] > max_len ? reqs[i]->chunk_lens[k] : max_len;
+        }
+    if (total == 0) return RK_OK;
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
+    float *before = malloc((size_t)total * 2 * row * sizeof *before);
+    float *after = malloc((size_t)max_len * 2 * row * sizeof *after);
+    unsigned char *raw = malloc((size_t)bs * rk_dtype_row_bytes(kv->dtype, row));
+    dev_tok *toks = malloc((size_t)total * sizeof *toks);
+    rk_status st =
+        before && after && raw && toks
+            ? RK_OK
+            : rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for the deviation repair");
+    /* The reused K/V at the deviation layer, then layers 0..1 again over the merged cache. */
+    size_t at = 0;
+    for (int i = 0; i < n_reqs && !st; i++) {
+        rk_request *r = reqs[i];
+        for (int k = 0; wants_deviation(r, hp) && k < r->n_chunks && !st; k++) {
+            int n = r->chunk_lens[k], idx = r->state->layout.index[k];
+            st = read_kv(svc, &r->state->kv, DEVIATION_LAYER, idx, n, before + at * 2 * row,
+                         before + (at * 2 + n) * row, raw);
+            if (!st)
+                st = rk_batch_add(b, bs, &r->state->kv, r->chunks[k], n, r->state->layout.pos[k], idx,
+                               0);
+            at += (size_t)n;
+        }
+    }
+    b->n_layers = DEVIATION_LAYER + 1;
+    if (!st) st = rk_batch_run(svc, b);
+    rk_batch_reset(b);
+    /* Score, select per request, and queue the selected runs. */
+    at = 0;
+    for (int i = 0; i < n_reqs && !st; i++) {
+        rk_request *r = reqs[i];
+        if (!wants_deviation(r, hp)) continue;
+        int n_toks = 0;
+        for (int k = 0; k < r->n_chunks && !st; k++) {
+            int n = r->chunk_lens[k], idx = r->state->layout.index[k];
+            const float *bk = before + at * 2 * row, *bv = before + (at * 2 + n) * row;
+            if ((st = read_kv(svc, &r->state->kv, DEVIATION_LAYER, idx, n, after, after + n * row,
+                              raw)))
+                break;
+            for (int t = 0; t < n; t++) {
+                double d = 0;
+                for (size_t e = 0; e < row; e++) {
+                    double dk = after[t * row + e] - bk[t * row + e];
+                    double dv = after[(n + t) * row + e] - bv[t * row + e];
+                    d += dk * dk + dv * dv;
+                }
+                toks[n_toks++] = (dev_tok){(float)d, k, t};
+            }
+            at += (size_t)n;
+        }
+        if (!st) st = queue_chosen(b, bs, r, toks, n_toks, (unsigned char *)after);
+    }
+    free(before);
+    free(after);
+    free(raw);
+    free(toks);
+    return st;
+}
+
+/* ---------------------------------------------------------------- query repair */
+
+static int wants_query(const rk_request *r) {
+    return r->opt.repair_ratio > 0 && r->opt.repair_query && r->opt.mode == RK_MODE_RAG &&
+           r->n_chunks > 0 && !rk_chunk_from_prefix(r, 0);
+}
+
+/* The query policy, first half: run every asking request's question over its
+ * merged (reused, not yet repaired) cache through its last layer (the
+ * question's KV written there is overwritten by the question pass), score
+ * each chunk token by the attention mass the question's rows and heads give
+ * it at the last layer (rk_attn_key_mass), and queue in *b the runs of the
+ * repair_ratio of each request's chunk tokens that score highest. A chunk's
+ * first token ranks before the chunk tokens that are not first: computed
+ * alone it was position 0, the chunk's attention sink, and its reused KV is
+ * the furthest from full attention (on ragqa first_k:1 alone recovers most
+ * of the loss; see docs/fidelity.md for the variants measured). Among first
+ * tokens, and among the rest, the question's attention decides. Sets
+ * chunk_reports[].repaired and recomputed_tokens. */
+static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_reqs, batch *b) {
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    int bs = kv->block_size, n_q = 0, max_keys = 0, max_q = 0, max_toks = 0;
+    for (int i = 0; i < n_reqs; i++) {
+        rk_request *r = reqs[i];
+        if (!wants_query(r)) continue;
+        int keys = r->state->layout.question_index + r->n_question, toks = 0;
+        for (int k = 0; k < r->n_chunks; k++) toks += r->chunk_lens[k];
+        n_q += r->n_question;
+        max_q = r->n_question > max_q ? r->n_question : max_q;
+        max_keys = keys > max_keys ? keys : max_keys;
+        max_toks = toks > max_toks ? toks : max_toks;
+    }
+    if (max_toks == 0) return RK_OK;
+    size_t q_row = (size_t)hp->n_heads * hp->head_dim, row = (size_t)kv->n_kv_heads * kv->head_dim;
+    batch qb = {0};
+    int layer = hp->n_layers - 1; /* the question's last layer reads the answer */
+    float *q = malloc((size_t)(n_q ? n_q : 1) * q_row * sizeof *q);
+    float *keys = malloc((size_t)max_keys * 2 * row * sizeof *keys);
+    unsigned char *raw = malloc((size_t)bs * row * rk_dtype_size(kv->dtype));
+    double *mass = malloc((size_t)max_keys * sizeof *mass);
+    int32_t *q_len = malloc((size_t)(max_q ? max_q : 1) * sizeof *q_len);
+    dev_tok *toks = malloc((size_t)max_toks * sizeof *toks);
+    unsigned char *sel = malloc((size_t)max_toks);
+    rk_status st = q && keys && raw && mass && q_len && toks && sel
+                       ? RK_OK
+                       : rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for the query repair");
+    for (int i = 0; i < n_reqs && !st; i++) {
+        rk_request *r = reqs[i];
+        if (wants_query(r) && r->n_question)
+            st = rk_batch_add(&qb, bs, &r->state->kv, r->question, r->n_question,
+                           r->state->layout.question_pos, r->state->layout.question_index, 0);
+    }
+    qb.n_layers = layer + 1;
+    qb.out_q = q;
+    if (!st && qb.n_seq) st = rk_batch_run(svc, &qb);
+    size_t qr = 0; /* the request's first question row in q */
+    for (int i = 0; i < n_reqs && !st; i++) {
+        rk_request *r = reqs[i];
+        if (!wants_query(r)) continue;
+        const rk_layout *L = &r->state->layout;
+        int n_keys = L->question_index + r->n_question, n_toks = 0;
+        memset(mass, 0, (size_t)n_keys * sizeof *mass);
+        if (r->n_question) {
+            for (int j = 0; j < r->n_question; j++) q_len[j] = L->question_index + j + 1;
+            if (!(st = read_kv(svc, &r->state->kv, layer, 0, n_keys, keys, keys + n_keys * row,
+                               raw)))
+                st = rk_attn_key_mass(q + qr * q_row, q_len, r->n_question, keys, n_keys,
+                                      hp->n_heads, hp->n_kv_heads, hp->head_dim,
+                                      1.0f / sqrtf((float)hp->head_dim), mass);
+            if (st) break;
+            qr += (size_t)r->n_question;
+        }
+        double first = (double)r->n_question * hp->n_heads + 1; /* above any mass */
+        for (int k = 0; k < r->n_chunks; k++)
+            for (int t = 0; t < r->chunk_lens[k]; t++)
+                toks[n_toks++] =
+                    (dev_tok){(float)(mass[L->index[k] + t] + (t == 0 ? first : 0)), k, t};
+        st = queue_chosen(b, bs, r, toks, n_toks, sel);
+    }
+    rk_batch_free(&qb);
+    free(q);
+    free(keys);
+    free(raw);
+    free(mass);
+    free(q_len);
+    free(toks);
+    free(sel);
+    return st;
+}
+
+/* Stage 4 (repair, optional): chunk tokens again, now attending to
+ * everything before them in the merged table: the deviation policy's
+ * choice, then the first repair_k tokens of every chunk. */
+rk_status rk_stage_repair(admission *a) {
+    int bs = rk_arena_block_size(a->svc->arena);
+    rk_status st;
+    double t = rk_time_now();
+    rk_batch_reset(a->b);
+    for (int i = 0; i < a->n; i++) a->reqs[i]->recomputed_tokens = 0;
+    if ((st = deviation_select(a->svc, a->reqs, a->n, a->b)) ||
+        (st = query_select(a->svc, a->reqs, a->n, a->b)))
+        return st;
+    for (int i = 0; i < a->n; i++) {
+        rk_request *r = a->reqs[i];
+        rk_req_state *s = r->state;
+        if (r->opt.mode == RK_MODE_PLAIN || r->opt.repair_k <= 0 || r->opt.repair_ratio > 0)
+            continue; /* one policy a request: deviation's choice is queued already */
+        if (r->n_chunks && rk_chunk_from_prefix(r, 0)) continue; /* repaired when first computed */
+        for (int k = 0; k < r->n_chunks; k++) {
+            int n = r->chunk_lens[k] < r->opt.repair_k ? r->chunk_lens[k] : r->opt.repair_k;
+            if ((st = rk_batch_add_req(a->b, bs, s, r->chunks[k], n, s->layout.pos[k],
+                                    s->layout.index[k], 0)))
+                return st;
+            r->chunk_reports[k].repaired = n;
+            r->recomputed_tokens += n;
+        }
+    }
+    if ((st = rk_batch_run(a->svc, a->b))) return st;
+    double dt = rk_time_now() - t;
+    for (int i = 0; i < a->n; i++)
+        if (a->reqs[i]->recomputed_tokens) a->reqs[i]->t.repair_ms = dt * 1e3;
+    return RK_OK;
+}
+

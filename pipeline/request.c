@@ -1,0 +1,219 @@
+/* pipeline/request.c — request preparation (see pipeline.h): a request's
+ * pieces tokenized, its context and max_tokens checked, its result buffers
+ * allocated; its options' defaults and cache scope; rk_request_free. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+#include "pipeline/internal.h"
+
+void rk_req_options_default(rk_req_options *o) {
+    memset(o, 0, sizeof *o);
+    o->chunk_cache = 1;
+    o->prefix_cache = 1;
+    o->reuse_sequences = 1;
+    o->positions = RK_POSITIONS_SEQUENTIAL;
+    o->max_tokens = 128;
+    o->sampling = (rk_sampler_params){.temperature = 1.0f, .top_k = 0, .top_p = 1.0f, .seed = 0};
+    o->stop_at_eog = 1;
+}
+
+rk_chunk_key rk_cache_scope(const char *tenant_salt, const char *request_salt) {
+    size_t nt = tenant_salt ? strnlen(tenant_salt, RK_CACHE_SALT_MAX) : 0;
+    size_t nr = request_salt ? strnlen(request_salt, RK_CACHE_SALT_MAX) : 0;
+    if (!nt && !nr) return (rk_chunk_key){0, 0};
+    char buf[2 * RK_CACHE_SALT_MAX + 16];
+    size_t n = 0;
+    if (nt) {
+        memcpy(buf, "\0tenant\0", 8), n = 8;
+        memcpy(buf + n, tenant_salt, nt), n += nt;
+        buf[n++] = '\0';
+    }
+    if (nr) memcpy(buf + n, request_salt, nr), n += nr;
+    XXH128_hash_t h = XXH3_128bits(buf, n);
+    if (!h.high64 && !h.low64) h.low64 = 1; /* {0, 0} means no salt */
+    return (rk_chunk_key){h.high64, h.low64};
+}
+
+/* ---------------------------------------------------------------- requests */
+
+void rk_request_free(rk_request *r) {
+    if (!r) return;
+    free(r->sys);
+    for (int i = 0; i < r->n_chunks; i++) free(r->chunks ? r->chunks[i] : NULL);
+    free(r->chunks);
+    free(r->chunk_lens);
+    free(r->question);
+    free(r->out_tokens);
+    free(r->top_ids);
+    free(r->top_logprobs);
+    free(r->logprobs);
+    free(r->chunk_reports);
+    rk_grammar_state_free(r->grammar_state);
+    r->grammar_state = NULL;
+    r->sys = r->question = r->out_tokens = r->top_ids = NULL;
+    r->chunks = NULL;
+    r->chunk_lens = NULL;
+    r->top_logprobs = r->logprobs = NULL;
+    r->chunk_reports = NULL;
+    r->n_chunks = 0;
+}
+
+static rk_status alloc_results(rk_service *svc, rk_request *r) {
+    int n = r->opt.max_tokens > 0 ? r->opt.max_tokens : 1, k = r->opt.n_logprobs;
+    if (r->opt.max_tokens < 0 || r->opt.max_tokens > svc->cfg.max_tokens)
+        return rk_errorf(RK_ERR_LIMIT, "max_tokens %d is outside 0..%d", r->opt.max_tokens,
+                         svc->cfg.max_tokens);
+    if (k < 0 || k > 20) return rk_errorf(RK_ERR_INVALID, "logprobs must be 0 to 20, got %d", k);
+    r->out_tokens = malloc((size_t)n * sizeof *r->out_tokens);
+    r->logprobs = malloc((size_t)n * sizeof *r->logprobs);
+    r->chunk_reports = calloc((size_t)(r->n_chunks ? r->n_chunks : 1), sizeof *r->chunk_reports);
+    if (k) {
+        r->top_ids = malloc((size_t)n * k * sizeof *r->top_ids);
+        r->top_logprobs = malloc((size_t)n * k * sizeof *r->top_logprobs);
+    }
+    if (!r->out_tokens || !r->logprobs || !r->chunk_reports ||
+        (k && (!r->top_ids || !r->top_logprobs)))
+        return rk_errorf(RK_ERR_NOMEM, "request: out of memory");
+    return RK_OK;
+}
+
+static rk_status check_context(rk_service *svc, rk_request *r) {
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    long prompt = r->n_sys + r->n_question;
+    for (int i = 0; i < r->n_chunks; i++) prompt += r->chunk_lens[i];
+    long limit = svc->cfg.max_context > 0 ? svc->cfg.max_context : hp->n_ctx;
+    /* A default max_tokens shrinks to the room left; the prompt must leave
+     * room for one token. */
+    if (r->opt.max_tokens_fit && prompt < limit && prompt + r->opt.max_tokens > limit)
+        r->opt.max_tokens = (int)(limit - prompt);
+    long total = prompt + (long)r->opt.max_tokens;
+    if (total > limit || (r->opt.max_tokens_fit && prompt >= limit)) {
+        r->context_exceeded = 1;
+        return rk_errorf(RK_ERR_LIMIT,
+                         "the request needs %ld tokens of context (a %ld-token prompt + "
+                         "max_tokens %d); the limit is %ld",
+                         total, prompt, r->opt.max_tokens, limit);
+    }
+    if (r->n_sys + r->n_question == 0)
+        return rk_errorf(RK_ERR_INVALID, "the prompt is empty and the model has no BOS token");
+    return RK_OK;
+}
+
+rk_status rk_request_encode(const rk_tokenizer *tok, const rk_text *t, int special, int32_t **ids,
+                        int *n) {
+    size_t k = 0;
+    *ids = NULL;
+    *n = 0;
+    if (t->len == 0) return RK_OK;
+    rk_status st = rk_tokenizer_encode(tok, t->s, t->len, special, ids, &k);
+    *n = (int)k;
+    return st;
+}
+
+rk_status rk_request_prepare(rk_service *svc, const rk_split *pieces, rk_request *r) {
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    rk_status st;
+    r->n_chunks = 0;
+    r->n_empty_chunks = pieces->n_empty_chunks;
+    int32_t *ids = NULL;
+    int n = 0;
+    if ((st = rk_request_encode(tok, &pieces->system, 1, &ids, &n))) goto fail;
+    int bos = rk_tokenizer_add_bos(tok) && rk_tokenizer_bos(tok) >= 0;
+    r->sys = malloc((size_t)(n + bos + 1) * sizeof *r->sys);
+    if (!r->sys) {
+        free(ids);
+        st = rk_errorf(RK_ERR_NOMEM, "request: out of memory");
+        goto fail;
+    }
+    if (bos) r->sys[0] = rk_tokenizer_bos(tok);
+    if (n) memcpy(r->sys + bos, ids, (size_t)n * sizeof *ids);
+    free(ids);
+    r->n_sys = n + bos;
+    r->chunks = calloc((size_t)(pieces->n_chunks ? pieces->n_chunks : 1), sizeof *r->chunks);
+    r->chunk_lens =
+        calloc((size_t)(pieces->n_chunks ? pieces->n_chunks : 1), sizeof *r->chunk_lens);
+    if (!r->chunks || !r->chunk_lens) {
+        st = rk_errorf(RK_ERR_NOMEM, "request: out of memory");
+        goto fail;
+    }
+    if (pieces->n_chunks > svc->cfg.max_chunks) {
+        st = rk_errorf(RK_ERR_LIMIT, "the request has %d chunks; at most %d are allowed",
+                       pieces->n_chunks, svc->cfg.max_chunks);
+        goto fail;
+    }
+    for (int i = 0; i < pieces->n_chunks; i++) {
+        /* Document text never carries control tokens: special tokens off. */
+        if ((st = rk_request_encode(tok, &pieces->chunks[i], 0, &r->chunks[i], &r->chunk_lens[i]))) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "%s", rk_error_message());
+            st = rk_errorf(st, "chunk %d: %s", i, msg);
+            goto fail;
+        }
+        r->n_chunks = i + 1;
+        if (r->chunk_lens[i] > svc->cfg.max_chunk_tokens) {
+            st = rk_errorf(RK_ERR_LIMIT, "chunk %d has %d tokens; at most %d are allowed", i,
+                           r->chunk_lens[i], svc->cfg.max_chunk_tokens);
+            goto fail;
+        }
+        if (r->chunk_lens[i] == 0) { /* text that tokenizes to nothing: skipped like an empty one */
+            free(r->chunks[i]);
+            r->chunks[i] = NULL;
+            r->n_chunks = i;
+            r->n_empty_chunks++;
+        }
+    }
+    /* Compact out chunks that tokenized to nothing. */
+    int kept = 0;
+    for (int i = 0; i < pieces->n_chunks; i++)
+        if (r->chunks[i]) {
+            r->chunks[kept] = r->chunks[i];
+            r->chunk_lens[kept++] = r->chunk_lens[i];
+        }
+    r->n_chunks = kept;
+    if ((st = rk_request_encode(tok, &pieces->question, 1, &r->question, &r->n_question))) goto fail;
+    if (r->n_question == 0 && (r->n_chunks > 0 || pieces->system.len > 0)) {
+        st = rk_errorf(RK_ERR_INVALID, "the question is empty");
+        goto fail;
+    }
+    if ((st = check_context(svc, r)) || (st = alloc_results(svc, r))) goto fail;
+    return RK_OK;
+fail:
+    for (int i = r->n_chunks; i < pieces->n_chunks && r->chunks; i++) {
+        free(r->chunks[i]);
+        r->chunks[i] = NULL;
+    }
+    r->n_chunks = pieces->n_chunks < r->n_chunks ? r->n_chunks : pieces->n_chunks;
+    rk_request_free(r);
+    return st;
+}
+
+rk_status rk_request_prepare_tokens(rk_service *svc, const int32_t *sys, int n_sys,
+                                    const int32_t *question, int n_question, rk_request *r) {
+    r->sys = malloc((size_t)(n_sys + 1) * sizeof *r->sys);
+    r->question = malloc((size_t)(n_question + 1) * sizeof *r->question);
+    r->n_chunks = 0;
+    rk_status st;
+    if (!r->sys || !r->question) {
+        st = rk_errorf(RK_ERR_NOMEM, "request: out of memory");
+        goto fail;
+    }
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    for (int i = 0; i < n_sys + n_question; i++) {
+        int32_t t = i < n_sys ? sys[i] : question[i - n_sys];
+        if (t < 0 || t >= hp->n_vocab) {
+            st = rk_errorf(RK_ERR_INVALID, "token id %d out of range [0, %d)", t, hp->n_vocab);
+            goto fail;
+        }
+    }
+    if (n_sys) memcpy(r->sys, sys, (size_t)n_sys * sizeof *sys);
+    if (n_question) memcpy(r->question, question, (size_t)n_question * sizeof *question);
+    r->n_sys = n_sys;
+    r->n_question = n_question;
+    if ((st = check_context(svc, r)) || (st = alloc_results(svc, r))) goto fail;
+    return RK_OK;
+fail:
+    rk_request_free(r);
+    return st;
+}
