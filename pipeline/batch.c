@@ -85,15 +85,15 @@ static rk_status batch_add_seq(batch *b, int bs, const rk_seq *seq, const rk_run
     return RK_OK;
 }
 
-rk_status rk_batch_add(batch *b, int bs, const rk_seq *seq, const int32_t *tokens, int n,
-                           int pos0, int idx0, int want_logits) {
+rk_status rk_batch_add(batch *b, int bs, const rk_seq *seq, const int32_t *tokens, int n, int pos0,
+                       int idx0, int want_logits) {
     return batch_add_seq(b, bs, seq, NULL, tokens, n, pos0, idx0, want_logits);
 }
 
 /* Add tokens of a request's merged sequence, addressed through its run
  * table when it reuses chunks in place. */
-rk_status rk_batch_add_req(batch *b, int bs, const rk_req_state *s, const int32_t *tokens,
-                               int n, int pos0, int idx0, int want_logits) {
+rk_status rk_batch_add_req(batch *b, int bs, const rk_req_state *s, const int32_t *tokens, int n,
+                           int pos0, int idx0, int want_logits) {
     return batch_add_seq(b, bs, &s->kv, s->zc ? &s->runs : NULL, tokens, n, pos0, idx0,
                          want_logits);
 }

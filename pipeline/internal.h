@@ -127,8 +127,8 @@ rk_status rk_request_encode(const rk_tokenizer *tok, const rk_text *t, int speci
 void rk_batch_reset(batch *b);
 /* Free b's buffers; b is empty after. */
 void rk_batch_free(batch *b);
-rk_status rk_batch_add(batch *b, int bs, const rk_seq *seq, const int32_t *tokens, int n,
-                       int pos0, int idx0, int want_logits);
+rk_status rk_batch_add(batch *b, int bs, const rk_seq *seq, const int32_t *tokens, int n, int pos0,
+                       int idx0, int want_logits);
 rk_status rk_batch_add_req(batch *b, int bs, const rk_req_state *s, const int32_t *tokens, int n,
                            int pos0, int idx0, int want_logits);
 /* Run b's forward pass (nothing when empty); its logits rows land in b->logits. */

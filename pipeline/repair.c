@@ -78,7 +78,7 @@ static rk_status queue_chosen(batch *b, int bs, rk_request *r, dev_tok *toks, in
             int t1 = t;
             while (t1 < r->chunk_lens[k] && sel[t1]) t1++;
             st = rk_batch_add(b, bs, &r->state->kv, r->chunks[k] + t, t1 - t,
-                           r->state->layout.pos[k] + t, r->state->layout.index[k] + t, 0);
+                              r->state->layout.pos[k] + t, r->state->layout.index[k] + t, 0);
             t = t1;
         }
     }
@@ -125,8 +125,8 @@ static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int 
             st = read_kv(svc, &r->state->kv, DEVIATION_LAYER, idx, n, before + at * 2 * row,
                          before + (at * 2 + n) * row, raw);
             if (!st)
-                st = rk_batch_add(b, bs, &r->state->kv, r->chunks[k], n, r->state->layout.pos[k], idx,
-                               0);
+                st = rk_batch_add(b, bs, &r->state->kv, r->chunks[k], n, r->state->layout.pos[k],
+                                  idx, 0);
             at += (size_t)n;
         }
     }
@@ -216,7 +216,7 @@ static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_re
         rk_request *r = reqs[i];
         if (wants_query(r) && r->n_question)
             st = rk_batch_add(&qb, bs, &r->state->kv, r->question, r->n_question,
-                           r->state->layout.question_pos, r->state->layout.question_index, 0);
+                              r->state->layout.question_pos, r->state->layout.question_index, 0);
     }
     qb.n_layers = layer + 1;
     qb.out_q = q;
@@ -277,7 +277,7 @@ rk_status rk_stage_repair(admission *a) {
         for (int k = 0; k < r->n_chunks; k++) {
             int n = r->chunk_lens[k] < r->opt.repair_k ? r->chunk_lens[k] : r->opt.repair_k;
             if ((st = rk_batch_add_req(a->b, bs, s, r->chunks[k], n, s->layout.pos[k],
-                                    s->layout.index[k], 0)))
+                                       s->layout.index[k], 0)))
                 return st;
             r->chunk_reports[k].repaired = n;
             r->recomputed_tokens += n;
@@ -289,4 +289,3 @@ rk_status rk_stage_repair(admission *a) {
         if (a->reqs[i]->recomputed_tokens) a->reqs[i]->t.repair_ms = dt * 1e3;
     return RK_OK;
 }
-

@@ -102,7 +102,7 @@ static rk_status check_context(rk_service *svc, rk_request *r) {
 }
 
 rk_status rk_request_encode(const rk_tokenizer *tok, const rk_text *t, int special, int32_t **ids,
-                        int *n) {
+                            int *n) {
     size_t k = 0;
     *ids = NULL;
     *n = 0;
@@ -145,7 +145,8 @@ rk_status rk_request_prepare(rk_service *svc, const rk_split *pieces, rk_request
     }
     for (int i = 0; i < pieces->n_chunks; i++) {
         /* Document text never carries control tokens: special tokens off. */
-        if ((st = rk_request_encode(tok, &pieces->chunks[i], 0, &r->chunks[i], &r->chunk_lens[i]))) {
+        if ((st =
+                 rk_request_encode(tok, &pieces->chunks[i], 0, &r->chunks[i], &r->chunk_lens[i]))) {
             char msg[512];
             snprintf(msg, sizeof msg, "%s", rk_error_message());
             st = rk_errorf(st, "chunk %d: %s", i, msg);
@@ -172,7 +173,8 @@ rk_status rk_request_prepare(rk_service *svc, const rk_split *pieces, rk_request
             r->chunk_lens[kept++] = r->chunk_lens[i];
         }
     r->n_chunks = kept;
-    if ((st = rk_request_encode(tok, &pieces->question, 1, &r->question, &r->n_question))) goto fail;
+    if ((st = rk_request_encode(tok, &pieces->question, 1, &r->question, &r->n_question)))
+        goto fail;
     if (r->n_question == 0 && (r->n_chunks > 0 || pieces->system.len > 0)) {
         st = rk_errorf(RK_ERR_INVALID, "the question is empty");
         goto fail;

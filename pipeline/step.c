@@ -294,7 +294,8 @@ static rk_status feed_prompt(batch *b, int bs, rk_request *r, int *left) {
     int n = r->n_sys - s->sys_next < *left ? r->n_sys - s->sys_next : *left;
     if (n > 0) {
         int last = s->sys_next + n == r->n_sys && s->n_ptok == 0 && r->n_out == 0;
-        if ((st = rk_batch_add_req(b, bs, s, r->sys + s->sys_next, n, s->sys_next, s->sys_next, last)))
+        if ((st = rk_batch_add_req(b, bs, s, r->sys + s->sys_next, n, s->sys_next, s->sys_next,
+                                   last)))
             return st;
         if (last) s->row = b->n_logits - 1;
         s->fed_sys = n;
@@ -305,7 +306,7 @@ static rk_status feed_prompt(batch *b, int bs, rk_request *r, int *left) {
     if (m <= 0) return RK_OK;
     int last = s->p_next + m == s->n_ptok && r->n_out == 0;
     if ((st = rk_batch_add_req(b, bs, s, s->ptok + s->p_next, m, s->p_pos + s->p_next,
-                            s->p_idx + s->p_next, last)))
+                               s->p_idx + s->p_next, last)))
         return st;
     if (last) s->row = b->n_logits - 1;
     s->fed_p = m;
@@ -329,8 +330,8 @@ static rk_status run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_
         rk_request *r = dec[i];
         rk_req_state *s = r->state;
         int idx = s->kv.n_tokens++;
-        if ((st = rk_batch_add_req(&p->b, bs, s, &r->out_tokens[r->n_out - 1], 1, s->next_pos++, idx,
-                                1)))
+        if ((st = rk_batch_add_req(&p->b, bs, s, &r->out_tokens[r->n_out - 1], 1, s->next_pos++,
+                                   idx, 1)))
             return st;
     }
     int left = budget > 0 ? budget : 1 << 30;
@@ -515,4 +516,3 @@ rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
     rk_pipeline_free(p); /* on failure: releases what still runs */
     return st;
 }
-
