@@ -129,7 +129,7 @@ static const rk_setting k_eval_settings[] = {
     {"kv_memory_mb", "kv-memory-mb", RK_SET_INT, E_OFF(cfg.kv_memory_mb), 0, 1, 1 << 24, 0, 0,
      "N  KV budget in MiB per configuration (default: 256)"},
     {"kv_dtype", "kv-dtype", RK_SET_STR, E_STR(cfg.kv_dtype), 0, 0, 0, 0,
-     "T  KV type of every run: f32 (default), f16, bf16 or auto (the server's default)"},
+     "T  KV type of every run: f32 (default), f16, bf16, q8_0 or auto (the server's default)"},
     {"reference_kv_dtype", "reference-kv-dtype", RK_SET_STR, E_STR(ref_dtype), 0, 0, 0, 0,
      "T  KV type of the reference alone (default: --kv-dtype): with f32 here and f16 in "
      "--kv-dtype, `plain` measures f16 KV against f32"},
