@@ -639,6 +639,7 @@ static rk_service *open_tiers(const rk_test_redis *s, const char *secret, const 
     rk_config_defaults(&cfg);
     cfg.n_threads = 1;
     cfg.kv_memory_mb = 16;
+    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32"); /* what the forgeries rewrite */
     cfg.redis_min_tokens = 1;
     cfg.redis_timeout_ms = 100;
     if (s) snprintf(cfg.redis_url, sizeof cfg.redis_url, "redis://127.0.0.1:%d", s->port);
@@ -837,14 +838,16 @@ Test(redis_service, a_logprob_json_cannot_hold_is_written_as_null_never_dropped)
 
 /* ---------------------------------------------------------------- the server, forged */
 
-/* Start `ragkv serve` on a free port with the given extra arguments (NULL
- * terminated, at most 12), its stderr in log; wait until it is ready. */
+/* Start `ragkv serve` on a free port with f32 KV (what the forgeries
+ * rewrite) and the given extra arguments (NULL terminated, at most 11), its
+ * stderr in log; wait until it is ready. */
 static pid_t serve(int *out_port, const char *log, const char *const *args) {
     int port = rk_test_free_port();
     char port_s[16];
     snprintf(port_s, sizeof port_s, "%d", port);
-    const char *argv[20] = {RK_BIN, "serve", "--port", port_s, "--kv-memory-mb", "16"};
-    int n = 6;
+    const char *argv[20] = {RK_BIN,           "serve", "--port",     port_s,
+                            "--kv-memory-mb", "16",    "--kv-dtype", "f32"};
+    int n = 8;
     for (int i = 0; args[i] && n < 19; i++) argv[n++] = args[i];
     argv[n] = NULL;
     pid_t pid = fork();
@@ -994,10 +997,11 @@ Test(redis_service, offline_prewarm_with_the_secret_writes_values_the_fleet_acce
     snprintf(line, sizeof line, "{\"id\": \"ferry\", \"text\": \"%s\"}\n", CHUNK);
     char *input = rk_test_write_tmp("redis-prewarm-secret", "in.jsonl", line);
     char cmd[1024], *out = NULL;
-    snprintf(cmd, sizeof cmd,
-             "RAGKV_REDIS_SECRET='%s' %s prewarm --input %s --kv-memory-mb 16 --redis "
-             "redis://127.0.0.1:%d 2>&1",
-             SECRET, RK_BIN, input, s.port);
+    snprintf(
+        cmd, sizeof cmd,
+        "RAGKV_REDIS_SECRET='%s' %s prewarm --input %s --kv-memory-mb 16 --kv-dtype f32 --redis "
+        "redis://127.0.0.1:%d 2>&1",
+        SECRET, RK_BIN, input, s.port);
     cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out);
     cr_assert(strstr(out, "1 computed"), "%s", out);
     cr_assert_null(strstr(out, "no shared-tier secret"), "prewarm ignored the secret: %s", out);
