@@ -174,6 +174,7 @@ Test(pipeline, query_repaired_cached_path_equals_the_oracle_in_every_mode) {
     check_modes_kv(NULL, STORY, &o, NULL, 1e-4, NULL);
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     check_modes_kv(model, STORY, &o, NULL, 1e-4, NULL);
+    free(model);
 }
 
 /* f16 KV rounds a cached key at its base position and the oracle's at its
