@@ -287,6 +287,49 @@ rk_status rk_grammar_state_create(const rk_grammar *g, const rk_grammar_vocab *v
 
 static int32_t state_minb(rk_grammar_state *s, int32_t sid);
 
+/* Walk the vocabulary trie from the current state in preorder, skipping
+ * the subtree of every node whose byte the state refuses, and set in m
+ * (zeroed first) every token the state allows that leaves at most budget
+ * bytes to finish the output, then the end-of-generation tokens where the
+ * output may end. *max_after gets the most bytes any token set as text
+ * leaves, *count the tokens set. T_ERROR when the automaton outgrew its
+ * bound, else 0. */
+static int mask_walk(rk_grammar_state *s, int budget, uint64_t *m, int32_t *max_after, int *count) {
+    const rk_grammar_vocab *v = s->v;
+    memset(m, 0, ((size_t)v->n_vocab + 63) / 64 * sizeof *m);
+    int32_t *walk = s->walk;
+    walk[0] = s->cur;
+    const uint8_t *byte = v->byte;
+    const uint16_t *depth = v->depth;
+    int32_t most = 0;
+    int n = 0;
+    for (int32_t i = 1; i < v->n_nodes;) {
+        int32_t t = step(s, walk[depth[i] - 1], byte[i]);
+        if (t < 0) {
+            if (t == T_ERROR) return T_ERROR;
+            i = v->skip[i];
+            continue;
+        }
+        walk[depth[i]] = t;
+        if (v->tok[i] >= 0) {
+            int32_t mb = state_minb(s, t);
+            if (mb <= budget) {
+                if (mb > most) most = mb;
+                for (int32_t k = v->tok[i]; k >= 0; k = v->tok_next[k]) {
+                    m[k >> 6] |= 1ull << (k & 63);
+                    n++;
+                }
+            }
+        }
+        i++;
+    }
+    if (s->st[s->cur].accept)
+        for (int i = 0; i < v->n_eog; i++) m[v->eog[i] >> 6] |= 1ull << (v->eog[i] & 63), n++;
+    *max_after = most;
+    *count = n;
+    return 0;
+}
+
 rk_status rk_grammar_state_mask(rk_grammar_state *s, const uint64_t **mask) {
     dstate *d = &s->st[s->cur];
     if (d->mask >= 0) {
@@ -304,39 +347,13 @@ rk_status rk_grammar_state_mask(rk_grammar_state *s, const uint64_t **mask) {
     if (!s->masks[slot]) s->masks[slot] = malloc(words * sizeof(uint64_t));
     uint64_t *m = s->masks[slot];
     if (!m) return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory for a mask");
-    memset(m, 0, words * sizeof *m);
-    /* Preorder walk of the trie: a node whose byte the state refuses is
-     * skipped with its whole subtree. */
-    int32_t *walk = s->walk;
-    walk[0] = s->cur;
-    const uint8_t *byte = v->byte;
-    const uint16_t *depth = v->depth;
-    int32_t max_after = 0, n_allowed = 0;
-    for (int32_t i = 1; i < v->n_nodes;) {
-        int32_t t = step(s, walk[depth[i] - 1], byte[i]);
-        if (t < 0) {
-            if (t == T_ERROR)
-                return rk_errorf(RK_ERR_LIMIT,
-                                 "grammar: the automaton outgrew its bound (%d states, %d frames)",
-                                 s->n_st, s->n_frames);
-            i = v->skip[i];
-            continue;
-        }
-        walk[depth[i]] = t;
-        if (v->tok[i] >= 0) {
-            int32_t mb = s->st[t].minb >= 0 ? s->st[t].minb : state_minb(s, t);
-            if (mb > max_after) max_after = mb;
-            for (int32_t k = v->tok[i]; k >= 0; k = v->tok_next[k]) {
-                m[k >> 6] |= 1ull << (k & 63);
-                n_allowed++;
-            }
-        }
-        i++;
-    }
+    int32_t max_after;
+    int n_allowed;
+    if (mask_walk(s, INT32_MAX, m, &max_after, &n_allowed) == T_ERROR)
+        return rk_errorf(RK_ERR_LIMIT,
+                         "grammar: the automaton outgrew its bound (%d states, %d frames)", s->n_st,
+                         s->n_frames);
     d = &s->st[s->cur]; /* the walk may have moved the state array */
-    if (d->accept)
-        for (int i = 0; i < v->n_eog; i++)
-            m[v->eog[i] >> 6] |= 1ull << (v->eog[i] & 63), n_allowed++;
     d->max_after = max_after;
     d->n_allowed = n_allowed;
     d->mask = slot;
@@ -408,30 +425,10 @@ rk_status rk_grammar_state_mask_budget(rk_grammar_state *s, int budget, const ui
     if (!s->bmask && !(s->bmask = malloc(words * sizeof *s->bmask)))
         return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory for a mask");
     uint64_t *m = s->bmask;
-    memset(m, 0, words * sizeof *m);
-    int count = 0;
-    int32_t *walk = s->walk;
-    walk[0] = s->cur;
-    for (int32_t i = 1; i < v->n_nodes;) {
-        int32_t t = step(s, walk[v->depth[i] - 1], v->byte[i]);
-        if (t < 0) {
-            if (t == T_ERROR)
-                return rk_errorf(RK_ERR_LIMIT, "grammar: the automaton outgrew its bound");
-            i = v->skip[i];
-            continue;
-        }
-        walk[v->depth[i]] = t;
-        if (v->tok[i] >= 0 && state_minb(s, t) <= budget)
-            for (int32_t k = v->tok[i]; k >= 0; k = v->tok_next[k]) {
-                m[k >> 6] |= 1ull << (k & 63);
-                count++;
-            }
-        i++;
-    }
-    if (s->st[s->cur].accept)
-        for (int i = 0; i < v->n_eog; i++) m[v->eog[i] >> 6] |= 1ull << (v->eog[i] & 63), count++;
+    int32_t max_after;
+    if (mask_walk(s, budget, m, &max_after, n_allowed) == T_ERROR)
+        return rk_errorf(RK_ERR_LIMIT, "grammar: the automaton outgrew its bound");
     *mask = m;
-    *n_allowed = count;
     return RK_OK;
 }
 

@@ -53,6 +53,12 @@ int rk_gram_grow(void **p, int *cap, int need, size_t size);
 /* The value of hex digit c, or -1. */
 int rk_gram_hexval(char c);
 
+/* The counts of a repetition {m}, {m,} or {m,n} whose '{' is at p: *lo and
+ * *hi (-1: no upper bound), and in *end the character after the '}'.
+ * Returns 0; -1 when no count follows the '{'; -2 when the counts are
+ * malformed or outside 0 <= m <= n <= RK_GRAMMAR_MAX_REPEAT. */
+int rk_gram_repeat(const char *p, long *lo, long *hi, const char **end);
+
 /* ------------------------------------------------------------ vocabulary */
 
 struct rk_grammar_vocab {

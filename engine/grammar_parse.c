@@ -327,6 +327,24 @@ static void add_repeat(builder *b, evec *seq, rk_gram_elem x, long lo, long hi) 
     if (prev >= 0) ev_push(b, seq, RK_GRAM_REF, prev);
 }
 
+int rk_gram_repeat(const char *p, long *lo, long *hi, const char **end) {
+    char *e;
+    *lo = strtol(p + 1, &e, 10);
+    if (e == p + 1) return -1;
+    *hi = *lo;
+    if (*e == ',') {
+        char *f;
+        *hi = strtol(e + 1, &f, 10);
+        if (f == e + 1) *hi = -1;
+        e = f;
+    }
+    if (*e != '}' || *lo < 0 || (*hi >= 0 && *hi < *lo) || *lo > RK_GRAMMAR_MAX_REPEAT ||
+        *hi > RK_GRAMMAR_MAX_REPEAT)
+        return -2;
+    *end = e + 1;
+    return 0;
+}
+
 static void parse_sequence(builder *b, evec *seq) {
     for (;;) {
         skip_space(b);
@@ -349,25 +367,14 @@ static void parse_sequence(builder *b, evec *seq) {
         } else if (q == '?') {
             hi = 1, b->p++;
         } else {
-            char *e;
-            lo = strtol(b->p + 1, &e, 10);
-            if (e == b->p + 1) {
+            const char *e;
+            int rc = rk_gram_repeat(b->p, &lo, &hi, &e);
+            if (rc < 0) {
                 free(prim.p);
-                B_FAIL(b, "'{' needs a count");
-            }
-            hi = lo;
-            if (*e == ',') {
-                char *f;
-                hi = strtol(e + 1, &f, 10);
-                if (f == e + 1) hi = -1;
-                e = f;
-            }
-            if (*e != '}' || lo < 0 || (hi >= 0 && hi < lo) || lo > RK_GRAMMAR_MAX_REPEAT ||
-                hi > RK_GRAMMAR_MAX_REPEAT) {
-                free(prim.p);
+                if (rc == -1) B_FAIL(b, "'{' needs a count");
                 B_FAIL(b, "bad repetition {m,n} (0 <= m <= n <= %d)", RK_GRAMMAR_MAX_REPEAT);
             }
-            b->p = e + 1;
+            b->p = e;
         }
         rk_gram_elem x;
         if (prim.n == 1) {
@@ -479,6 +486,9 @@ static int left_cycle(const rk_grammar *g, const uint8_t *nullable, int r, uint8
     return -1;
 }
 
+/* Does the byte class match no byte? */
+static int set_empty(const uint64_t set[4]) { return !(set[0] | set[1] | set[2] | set[3]); }
+
 #define RK_GRAMMAR_MAX_ELEMS (1 << 20)
 
 /* Group the builder's alternatives by rule and check the grammar. */
@@ -559,10 +569,8 @@ static rk_status finish(builder *b, rk_grammar **out) {
                 for (; e->type != RK_GRAM_END && ok; e++) {
                     if (e->type == RK_GRAM_REF)
                         ok = prod[e->v];
-                    else {
-                        const uint64_t *s = g->sets[e->v];
-                        ok = (s[0] | s[1] | s[2] | s[3]) != 0;
-                    }
+                    else
+                        ok = !set_empty(g->sets[e->v]);
                 }
                 if (ok) prod[r] = 1, changed = 1;
             }
@@ -575,9 +583,7 @@ static rk_status finish(builder *b, rk_grammar **out) {
     for (int r = 0; r < g->n_rules; r++)
         for (int a = g->alt_off[r]; a < g->alt_off[r + 1]; a++)
             for (const rk_gram_elem *e = g->elems + g->alt_start[a]; e->type != RK_GRAM_END; e++) {
-                int ok = e->type == RK_GRAM_REF ? prod[e->v]
-                                                : (g->sets[e->v][0] | g->sets[e->v][1] |
-                                                   g->sets[e->v][2] | g->sets[e->v][3]) != 0;
+                int ok = e->type == RK_GRAM_REF ? prod[e->v] : !set_empty(g->sets[e->v]);
                 if (!ok) g->alt_dead[a] = 1;
             }
     /* Fewest bytes each rule matches (a fixpoint), then from each element to

@@ -244,23 +244,16 @@ static void rx_seq(rx *r) {
             rk_gram_puts(r->o, " ");
             r->p++;
         } else if (q == '{') {
-            char *e;
-            long lo = strtol(r->p + 1, &e, 10), hi = lo;
-            if (e == r->p + 1) RX_FAIL(r, "'{' needs a count");
-            if (*e == ',') {
-                char *f;
-                hi = strtol(e + 1, &f, 10);
-                if (f == e + 1) hi = -1;
-                e = f;
-            }
-            if (*e != '}' || lo < 0 || (hi >= 0 && hi < lo) || lo > RK_GRAMMAR_MAX_REPEAT ||
-                hi > RK_GRAMMAR_MAX_REPEAT)
-                RX_FAIL(r, "bad repetition {m,n}");
+            const char *e;
+            long lo, hi;
+            int rc = rk_gram_repeat(r->p, &lo, &hi, &e);
+            if (rc == -1) RX_FAIL(r, "'{' needs a count");
+            if (rc < 0) RX_FAIL(r, "bad repetition {m,n}");
             if (hi < 0)
                 rk_gram_printf(r->o, "{%ld,} ", lo);
             else
                 rk_gram_printf(r->o, "{%ld,%ld} ", lo, hi);
-            r->p = e + 1;
+            r->p = e;
         } else {
             continue;
         }

@@ -88,17 +88,25 @@ typedef struct sgen {
     char err[900];
 } sgen;
 
+/* Set G's error (the first one only): the path, then the message. Returns -1. */
+static int sg_vfail(sgen *G, rk_status st, const char *fmt, va_list ap)
+    __attribute__((format(printf, 3, 0)));
+static int sg_vfail(sgen *G, rk_status st, const char *fmt, va_list ap) {
+    if (G->st != RK_OK) return -1;
+    char tmp[300];
+    vsnprintf(tmp, sizeof tmp, fmt, ap);
+    snprintf(G->err, sizeof G->err, "%.511s: %s", G->path, tmp);
+    G->st = st;
+    return -1;
+}
+
 static int sg_fail(sgen *G, rk_status st, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 static int sg_fail(sgen *G, rk_status st, const char *fmt, ...) {
-    if (G->st != RK_OK) return -1;
-    char tmp[300];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(tmp, sizeof tmp, fmt, ap);
+    sg_vfail(G, st, fmt, ap);
     va_end(ap);
-    snprintf(G->err, sizeof G->err, "%.511s: %s", G->path, tmp);
-    G->st = st;
     return -1;
 }
 
@@ -114,6 +122,20 @@ static size_t path_push(sgen *G, const char *fmt, ...) {
 }
 
 static void path_pop(sgen *G, size_t len) { G->path[len] = 0; }
+
+/* Fail as sg_fail, with the path of s's keyword key (".key" appended to the
+ * path for the message only). Returns -1. */
+static int sg_fail_at(sgen *G, const char *key, rk_status st, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+static int sg_fail_at(sgen *G, const char *key, rk_status st, const char *fmt, ...) {
+    size_t l = path_push(G, ".%s", key);
+    va_list ap;
+    va_start(ap, fmt);
+    sg_vfail(G, st, fmt, ap);
+    va_end(ap);
+    path_pop(G, l);
+    return -1;
+}
 
 /* A grammar literal of n bytes: printable ASCII as is, the rest \xHH. */
 void rk_gram_lit(rk_gram_buf *o, const char *s, size_t n) {
@@ -239,9 +261,7 @@ static int bound(sgen *G, const json_t *s, const char *key, double *out) {
     const json_t *v = json_object_get(s, key);
     if (!v) return 0;
     if (!json_is_number(v)) {
-        size_t l = path_push(G, ".%s", key);
-        sg_fail(G, RK_ERR_INVALID, "must be a number");
-        path_pop(G, l);
+        sg_fail_at(G, key, RK_ERR_INVALID, "must be a number");
         return -1;
     }
     *out = json_number_value(v);
@@ -269,11 +289,9 @@ static void gen_numeric(sgen *G, const json_t *s, int integer, rk_gram_buf *b) {
         if (!bad && has_mn && mn != floor(mn)) bad = "minimum";
         if (!bad && has_mx && mx != floor(mx)) bad = "maximum";
         if (bad) {
-            size_t l = path_push(G, ".%s", bad);
-            sg_fail(G, RK_ERR_UNSUPPORTED,
-                    "bounds on a number are enforced only as inclusive integers (minimum, "
-                    "maximum); use type integer or whole-number bounds");
-            path_pop(G, l);
+            sg_fail_at(G, bad, RK_ERR_UNSUPPORTED,
+                       "bounds on a number are enforced only as inclusive integers (minimum, "
+                       "maximum); use type integer or whole-number bounds");
             return;
         }
         if (has_mn) lo = mn;
@@ -316,11 +334,8 @@ static void gen_pattern(sgen *G, const char *pat, rk_gram_buf *b) {
     rk_status st = rk_gram_pattern(pat, b, err, sizeof err);
     if (st == RK_ERR_NOMEM)
         sg_fail(G, RK_ERR_NOMEM, "out of memory");
-    else if (st != RK_OK) {
-        size_t l = path_push(G, ".pattern");
-        sg_fail(G, st, "%s", err);
-        path_pop(G, l);
-    }
+    else if (st != RK_OK)
+        sg_fail_at(G, "pattern", st, "%s", err);
 }
 
 static int get_count(sgen *G, const json_t *s, const char *key, long *out) {
@@ -328,12 +343,10 @@ static int get_count(sgen *G, const json_t *s, const char *key, long *out) {
     if (!v) return 0;
     if (!json_is_integer(v) || json_integer_value(v) < 0 ||
         json_integer_value(v) > RK_GRAMMAR_MAX_REPEAT) {
-        size_t l = path_push(G, ".%s", key);
-        sg_fail(G,
-                json_is_integer(v) && json_integer_value(v) > 0 ? RK_ERR_UNSUPPORTED
-                                                                : RK_ERR_INVALID,
-                "must be an integer from 0 to %d", RK_GRAMMAR_MAX_REPEAT);
-        path_pop(G, l);
+        sg_fail_at(G, key,
+                   json_is_integer(v) && json_integer_value(v) > 0 ? RK_ERR_UNSUPPORTED
+                                                                   : RK_ERR_INVALID,
+                   "must be an integer from 0 to %d", RK_GRAMMAR_MAX_REPEAT);
         return -1;
     }
     *out = (long)json_integer_value(v);
@@ -347,15 +360,12 @@ static void gen_string(sgen *G, const json_t *s, rk_gram_buf *b) {
     if (has_mn < 0 || has_mx < 0) return;
     if (pat) {
         if (!json_is_string(pat)) {
-            size_t l = path_push(G, ".pattern");
-            sg_fail(G, RK_ERR_INVALID, "must be a string");
-            path_pop(G, l);
+            sg_fail_at(G, "pattern", RK_ERR_INVALID, "must be a string");
             return;
         }
         if (has_mn || has_mx) {
-            size_t l = path_push(G, has_mn ? ".minLength" : ".maxLength");
-            sg_fail(G, RK_ERR_UNSUPPORTED, "lengths cannot be combined with a pattern");
-            path_pop(G, l);
+            sg_fail_at(G, has_mn ? "minLength" : "maxLength", RK_ERR_UNSUPPORTED,
+                       "lengths cannot be combined with a pattern");
             return;
         }
         gen_pattern(G, json_string_value(pat), b);
@@ -420,21 +430,16 @@ static void gen_object(sgen *G, const json_t *s, int rdepth, rk_gram_buf *b) {
     const json_t *req = json_object_get(s, "required");
     const json_t *addl = json_object_get(s, "additionalProperties");
     if (addl && !json_is_boolean(addl)) {
-        size_t l = path_push(G, ".additionalProperties");
-        sg_fail(G, RK_ERR_UNSUPPORTED, "only true or false is supported");
-        path_pop(G, l);
+        sg_fail_at(G, "additionalProperties", RK_ERR_UNSUPPORTED,
+                   "only true or false is supported");
         return;
     }
     if (props && !json_is_object(props)) {
-        size_t l = path_push(G, ".properties");
-        sg_fail(G, RK_ERR_INVALID, "must be an object");
-        path_pop(G, l);
+        sg_fail_at(G, "properties", RK_ERR_INVALID, "must be an object");
         return;
     }
     if (req && !json_is_array(req)) {
-        size_t l = path_push(G, ".required");
-        sg_fail(G, RK_ERR_INVALID, "must be an array of property names");
-        path_pop(G, l);
+        sg_fail_at(G, "required", RK_ERR_INVALID, "must be an array of property names");
         return;
     }
     size_t np = props ? json_object_size(props) : 0;
@@ -555,9 +560,7 @@ static int gen_typed(sgen *G, const json_t *s, const char *type, int rdepth, rk_
     else if (!strcmp(type, "array"))
         gen_array(G, s, rdepth, b);
     else {
-        size_t l = path_push(G, ".type");
-        sg_fail(G, RK_ERR_INVALID, "unknown type '%s'", type);
-        path_pop(G, l);
+        sg_fail_at(G, "type", RK_ERR_INVALID, "unknown type '%s'", type);
     }
     return G->st == RK_OK ? 0 : -1;
 }
@@ -620,9 +623,7 @@ static int gen(sgen *G, const json_t *s, int rdepth) {
         int known = 0;
         for (int i = 0; k_keywords[i] && !known; i++) known = !strcmp(k_keywords[i], key);
         if (!known) {
-            size_t l = path_push(G, ".%s", key);
-            sg_fail(G, RK_ERR_UNSUPPORTED, "keyword '%s' is not supported", key);
-            path_pop(G, l);
+            sg_fail_at(G, key, RK_ERR_UNSUPPORTED, "keyword '%s' is not supported", key);
             return -1;
         }
     }
@@ -633,9 +634,7 @@ static int gen(sgen *G, const json_t *s, int rdepth) {
     const json_t *any = json_object_get(s, "anyOf"), *type = json_object_get(s, "type");
     if (en || cn) {
         if (en && (!json_is_array(en) || !json_array_size(en))) {
-            size_t l = path_push(G, ".enum");
-            sg_fail(G, RK_ERR_INVALID, "must be a non-empty array");
-            path_pop(G, l);
+            sg_fail_at(G, "enum", RK_ERR_INVALID, "must be a non-empty array");
             free(b.p);
             return -1;
         }
@@ -655,9 +654,7 @@ static int gen(sgen *G, const json_t *s, int rdepth) {
         rk_gram_puts(&b, ")");
     } else if (any) {
         if (!json_is_array(any) || !json_array_size(any)) {
-            size_t l = path_push(G, ".anyOf");
-            sg_fail(G, RK_ERR_INVALID, "must be a non-empty array of schemas");
-            path_pop(G, l);
+            sg_fail_at(G, "anyOf", RK_ERR_INVALID, "must be a non-empty array of schemas");
             free(b.p);
             return -1;
         }
@@ -692,9 +689,7 @@ static int gen(sgen *G, const json_t *s, int rdepth) {
         }
         rk_gram_puts(&b, ")");
     } else if (type) {
-        size_t l = path_push(G, ".type");
-        sg_fail(G, RK_ERR_INVALID, "must be a type name or an array of them");
-        path_pop(G, l);
+        sg_fail_at(G, "type", RK_ERR_INVALID, "must be a type name or an array of them");
     } else if (json_object_get(s, "properties")) {
         gen_object(G, s, rdepth, &b);
     } else if (json_object_get(s, "items")) {
