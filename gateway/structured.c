@@ -2,8 +2,8 @@
  * `response_format` (text, json_object, json_schema), the `grammar`
  * extension, and chat `tools`, `tool_choice`, `parallel_tool_calls` and the
  * tool calls of earlier assistant messages. The grammar itself is compiled
- * by engine/grammar.c when the request is prepared; here the fields are
- * validated and kept. Pure functions, safe from any thread. */
+ * by the engine (engine/grammar.h) when the request is prepared; here the
+ * fields are validated and kept. Pure functions, safe from any thread. */
 #include <ctype.h>
 #include <jansson.h>
 #include <stdio.h>

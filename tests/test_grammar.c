@@ -1,8 +1,8 @@
-/* tests/test_grammar.c — engine/grammar.c: grammar text, JSON Schema
- * compilation and its errors, and constrained walks over the real Qwen3
- * vocabulary: every walk gives JSON that jansson parses and that a validator
- * written here (for the supported subset, patterns checked with PCRE2)
- * accepts, and sampled mask bits agree with a byte-level replay. */
+/* tests/test_grammar.c — the grammar engine (engine/grammar*.c): grammar
+ * text, JSON Schema compilation and its errors, and constrained walks over
+ * the real Qwen3 vocabulary: every walk gives JSON that jansson parses and
+ * that a validator written here (for the supported subset, patterns checked
+ * with PCRE2) accepts, and sampled mask bits agree with a byte-level replay. */
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <stdlib.h>
