@@ -440,7 +440,8 @@ rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_ite
 /* ---------------------------------------------------------------- cache control */
 
 /* What the cache routes and `ragkv cache` do to the caches (pipeline/cachectl.c),
- * as C structs: no HTTP, no JSON. Engine thread only, like the rest.
+ * as C structs: no HTTP, no JSON. Engine thread only, like the rest, except
+ * the shared tier's two calls (below).
  *
  * A viewer says whose entries a call may see: every one (all = 1), or only
  * those whose owner (rk_req_options.owner) is `owner`. An entry a viewer may
@@ -452,10 +453,11 @@ typedef struct rk_cache_viewer {
     int owner;
 } rk_cache_viewer;
 
-/* One cached chunk: an arena entry (tier "arena") or a store row ("disk"). */
+/* One cached chunk: an arena entry (tier "arena"), a store row ("disk") or a
+ * shared-tier entry ("redis": key, tokens, bytes and created only). */
 typedef struct rk_chunk_info {
     char key[33];
-    const char *tier; /* "arena" or "disk" (constant) */
+    const char *tier; /* "arena", "disk" or "redis" (constant) */
     int tokens;
     uint64_t bytes, hits;
     double created;
@@ -502,8 +504,25 @@ typedef struct rk_flush_counts {
 
 /* Empty the chunk index (chunks), the radix tree (prefix) and the store
  * (disk; RK_ERR_INVALID without a store), everyone's: a flush is an
- * operator's act. The Redis tier is flushed by the caller (rk_redis_flush),
- * off the engine thread. */
+ * operator's act. The shared tier has its own call, below. */
 rk_status rk_service_flush(rk_service *svc, int chunks, int prefix, int disk, rk_flush_counts *out);
+
+/* The shared (Redis) tier's entries of this model, in SCAN order, limit from
+ * offset; total is the entries seen (SCAN has no count: offset + limit at
+ * most). RK_ERR_INVALID without the tier or for a viewer that may not see
+ * everything (the tier keeps no owners), RK_ERR_IO when Redis cannot be
+ * reached.
+ *
+ * Unlike the calls above, this one and rk_service_redis_flush may run on any
+ * thread, and should run off the engine thread: the tier opens a connection
+ * of its own for them, so a SCAN over many keys never holds a step up. */
+rk_status rk_service_redis_list(rk_service *svc, const rk_cache_viewer *who, int offset, int limit,
+                                rk_chunk_listing *out);
+
+/* Delete every shared-tier key of this model (payloads, markers, locks);
+ * *out_keys receives the payloads removed. Other models' keys are kept.
+ * RK_ERR_INVALID without the tier, RK_ERR_IO when Redis cannot be reached.
+ * Any thread (see rk_service_redis_list). */
+rk_status rk_service_redis_flush(rk_service *svc, uint64_t *out_keys);
 
 #endif
