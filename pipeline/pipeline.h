@@ -12,8 +12,8 @@
  * pass) and leaves them running; rk_pipeline_step decodes one token for every
  * running request, and a request that finished or was cancelled leaves in the
  * same step, releasing all it held. Requests admitted later join the next
- * step; with rk_pipeline_join their question pass is part of the steps'
- * forward passes (chunked by step_tokens). Blocks come as decoding needs
+ * step; with rk_pipeline_join their chunk misses and question pass are part
+ * of the steps' forward passes (chunked by step_tokens). Blocks come as decoding needs
  * them; when the live pool runs dry the youngest request is preempted and
  * resumes later. Runs on the engine thread, which alone owns the model, the arena and
  * the caches.
@@ -372,8 +372,13 @@ rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
  * what is left of their prompts (the question, a system tail nothing else
  * needed first, a resumed request's generated tokens) runs in the next
  * rk_pipeline_step calls, in the same forward pass as the running requests'
- * decode tokens, and the last of it samples the first token. hooks are
- * those of the steps. Fails as rk_pipeline_admit does. */
+ * decode tokens, and the last of it samples the first token. With a step
+ * budget (the service's step_tokens > 0) their isolated chunk misses run
+ * there too, before their questions: a request waits, taking no live block
+ * more, until every chunk it needs is computed (by it, or by another
+ * request that needs the same chunk), then its remaining stages run
+ * between two steps. hooks are those of the steps. Fails as
+ * rk_pipeline_admit does. */
 rk_status rk_pipeline_join(rk_pipeline *p, rk_request *const *reqs, int n_reqs);
 
 /* One step: a token for every running request in one forward pass, which
