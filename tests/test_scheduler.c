@@ -458,6 +458,59 @@ Test(pipeline, a_chunk_owner_cancelled_mid_chunk_leaves_nothing_half_computed) {
     rk_service_close(svc);
 }
 
+/* A request preempted while its chunks are computed (the live pool ran dry
+ * for a decoding request) leaves no half-computed entry either, and
+ * resumes from the start of its chunks with its tokens alone. */
+Test(pipeline, a_chunk_owner_preempted_mid_chunk_leaves_nothing_half_computed) {
+    rk_service *alone = open_svc(NULL), *svc = open_svc_steps(NULL, 1);
+    rk_request *ref = prepare(alone, SHORT_PROMPT, 8);
+    cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    uint64_t entries = entries_now(svc);
+    int chunk_free = rk_arena_pool_free(svc->arena, RK_POOL_CHUNK);
+    rk_request *a = prepare(svc, LONG_PROMPT, 200);
+    cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
+    uint64_t entries_a = entries_now(svc);
+    rk_request *b = prepare(svc, SHORT_PROMPT, 8);
+    cr_assert_eq(rk_pipeline_join(p, &b, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(b->n_out, 0, "b computes its chunks a token a step");
+    /* Take what is left of the live pool: a's next block preempts b. */
+    int n_free = rk_arena_pool_free(svc->arena, RK_POOL_LIVE);
+    int32_t *taken = malloc((size_t)(n_free ? n_free : 1) * sizeof *taken);
+    cr_assert_eq(rk_arena_alloc(svc->arena, RK_POOL_LIVE, n_free, taken), RK_OK);
+    rk_request *back = NULL;
+    for (int i = 0; i < 200 && !back; i++) {
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+        rk_pipeline_take_preempted(p, &back, 1);
+    }
+    cr_assert_eq(back, b, "b was preempted before its chunks were done");
+    cr_assert_eq(b->n_out, 0);
+    cr_assert_eq(entries_now(svc), entries_a, "b's half-computed entries are gone");
+    cr_assert_eq(rk_arena_release(svc->arena, taken, n_free), RK_OK);
+    free(taken);
+    /* Resumed, it computes its chunks again and gets its tokens alone. */
+    cr_assert_eq(rk_pipeline_join(p, &b, 1), RK_OK, "%s", rk_error_message());
+    a->cancel = 1;
+    step_until_idle(p);
+    cr_assert_eq(b->n_out, 8);
+    cr_assert_arr_eq(b->out_tokens, ref->out_tokens, 8 * sizeof(int32_t));
+    cr_assert_eq(b->preemptions, 1);
+    rk_chunk_index_flush(svc->chunks);
+    cr_assert_eq(entries_now(svc), entries);
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_CHUNK), chunk_free,
+                 "every chunk block came back");
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
+                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE), "every live block came back");
+    rk_pipeline_free(p);
+    request_free(ref);
+    request_free(a);
+    request_free(b);
+    rk_service_close(alone);
+    rk_service_close(svc);
+}
+
 /* Run r alone through rk_pipeline_join and the steps (the serving path),
  * its logits in log's first row. */
 static void run_joined(rk_service *svc, rk_request *r, logit_log *log) {
