@@ -350,6 +350,20 @@ static void step_until_idle(rk_pipeline *p) {
     cr_assert_eq(rk_pipeline_n_running(p), 0);
 }
 
+/* prompt's first n greedy tokens alone, on a service of its own. */
+static rk_request *tokens_alone(const char *prompt, int n) {
+    rk_service *alone = open_svc(NULL);
+    rk_request *ref = prepare(alone, prompt, n);
+    cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_service_close(alone);
+    return ref;
+}
+
+static void assert_live_pool_back(rk_service *svc) {
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
+                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE), "every live block came back");
+}
+
 static const char *SHARED_PROMPT = "A third system prompt.##The cat slept on the mat all day "
                                    "long.##Where did the cat sleep?";
 
@@ -358,9 +372,8 @@ static const char *SHARED_PROMPT = "A third system prompt.##The cat slept on the
  * chunk waits for that computation (the chunk is computed once) and gets
  * the tokens it gets alone. */
 Test(pipeline, a_request_joining_a_chunk_in_progress_shares_it_and_gets_its_tokens_alone) {
-    rk_service *alone = open_svc(NULL), *svc = open_svc_steps(NULL, 3);
-    rk_request *ref = prepare(alone, SHARED_PROMPT, 8);
-    cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_service *svc = open_svc_steps(NULL, 3);
+    rk_request *ref = tokens_alone(SHARED_PROMPT, 8);
 
     rk_pipeline *p;
     cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
@@ -391,7 +404,6 @@ Test(pipeline, a_request_joining_a_chunk_in_progress_shares_it_and_gets_its_toke
     request_free(a);
     request_free(b);
     request_free(c);
-    rk_service_close(alone);
     rk_service_close(svc);
 }
 
@@ -400,9 +412,8 @@ Test(pipeline, a_request_joining_a_chunk_in_progress_shares_it_and_gets_its_toke
  * request waiting for the same chunk, that one carries the computation on
  * and gets its tokens alone. */
 Test(pipeline, a_chunk_owner_cancelled_mid_chunk_leaves_nothing_half_computed) {
-    rk_service *alone = open_svc(NULL), *svc = open_svc_steps(NULL, 3);
-    rk_request *ref = prepare(alone, SHARED_PROMPT, 8);
-    cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_service *svc = open_svc_steps(NULL, 3);
+    rk_request *ref = tokens_alone(SHARED_PROMPT, 8);
     rk_pipeline *p;
     cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
     int chunk_free = rk_arena_pool_free(svc->arena, RK_POOL_CHUNK);
@@ -421,8 +432,7 @@ Test(pipeline, a_chunk_owner_cancelled_mid_chunk_leaves_nothing_half_computed) {
     cr_assert_eq(entries_now(svc), entries, "no half-computed entry is left");
     cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_CHUNK), chunk_free,
                  "every chunk block came back");
-    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
-                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE), "every live block came back");
+    assert_live_pool_back(svc);
 
     /* With a waiter: b2 starts the chunk, c joins and waits, b2 is
      * cancelled, c finishes the chunk and gets its tokens alone. */
@@ -446,15 +456,13 @@ Test(pipeline, a_chunk_owner_cancelled_mid_chunk_leaves_nothing_half_computed) {
     step_until_idle(p);
     cr_assert_eq(d->chunk_reports[0].status, RK_CHUNK_STATUS_HIT);
     cr_assert_arr_eq(d->out_tokens, ref->out_tokens, 8 * sizeof(int32_t));
-    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
-                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE), "every live block came back");
+    assert_live_pool_back(svc);
     rk_pipeline_free(p);
     request_free(ref);
     request_free(b);
     request_free(b2);
     request_free(c);
     request_free(d);
-    rk_service_close(alone);
     rk_service_close(svc);
 }
 
@@ -462,9 +470,8 @@ Test(pipeline, a_chunk_owner_cancelled_mid_chunk_leaves_nothing_half_computed) {
  * for a decoding request) leaves no half-computed entry either, and
  * resumes from the start of its chunks with its tokens alone. */
 Test(pipeline, a_chunk_owner_preempted_mid_chunk_leaves_nothing_half_computed) {
-    rk_service *alone = open_svc(NULL), *svc = open_svc_steps(NULL, 1);
-    rk_request *ref = prepare(alone, SHORT_PROMPT, 8);
-    cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_service *svc = open_svc_steps(NULL, 1);
+    rk_request *ref = tokens_alone(SHORT_PROMPT, 8);
     rk_pipeline *p;
     cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
     uint64_t entries = entries_now(svc);
@@ -501,13 +508,11 @@ Test(pipeline, a_chunk_owner_preempted_mid_chunk_leaves_nothing_half_computed) {
     cr_assert_eq(entries_now(svc), entries);
     cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_CHUNK), chunk_free,
                  "every chunk block came back");
-    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
-                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE), "every live block came back");
+    assert_live_pool_back(svc);
     rk_pipeline_free(p);
     request_free(ref);
     request_free(a);
     request_free(b);
-    rk_service_close(alone);
     rk_service_close(svc);
 }
 
