@@ -266,11 +266,13 @@ rk_status rk_chunk_index_acquire(rk_chunk_index *ix, rk_chunk_key key, const int
 void rk_chunk_index_ready(rk_chunk_index *ix, rk_chunk_entry *e) {
     if (e->state == RK_CHUNK_PENDING) ix->st.computed_tokens += (uint64_t)e->n_tokens;
     e->state = RK_CHUNK_READY;
+    e->progress = e->n_tokens;
 }
 
 void rk_chunk_index_loaded(rk_chunk_index *ix, rk_chunk_entry *e) {
     if (e->state != RK_CHUNK_PENDING) return;
     e->state = RK_CHUNK_READY;
+    e->progress = e->n_tokens;
     snprintf(e->source, sizeof e->source, "disk");
     ix->st.computes--;
     ix->st.disk_loads++;

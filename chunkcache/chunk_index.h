@@ -9,8 +9,11 @@
  * stores its token ids and a hit verifies them. In-flight requests hold
  * references; only unreferenced entries are evicted (LRU by a logical clock).
  * Single flight: a key being computed is PENDING, and later lookups of it
- * share the one computation instead of starting another. Cached entries are
- * never modified: requests copy (and rotate) their KV into live blocks.
+ * share the one computation instead of starting another (they may carry it
+ * on: see progress). A PENDING entry that loses its last reference is
+ * removed when its holder says its computation stopped (release with
+ * failed), so nothing half-computed stays. Cached entries are never
+ * modified once READY.
  *
  * Thread-safety: none inside; one thread at a time (the engine thread in
  * `ragkv serve`). An entry pointer stays valid while its holder keeps a
@@ -64,6 +67,11 @@ typedef struct rk_chunk_entry {
     int n_blocks;
     int base_pos;
     rk_chunk_state state;
+    /* PENDING: tokens of its KV written so far, from its first. A chunk may
+     * be computed a slice per forward pass, by whichever holder of a
+     * reference drives it next; it is READY only once progress reaches
+     * n_tokens, and nothing reads a PENDING entry's KV. */
+    int progress;
     int refs;          /* references held by requests */
     uint64_t last_use; /* logical clock */
     uint64_t hits;
@@ -109,7 +117,7 @@ rk_status rk_chunk_index_acquire(rk_chunk_index *ix, rk_chunk_key key, const int
                                  int n_tokens, int base_pos, rk_chunk_entry **out_entry,
                                  rk_chunk_lookup *out_kind);
 
-/* The reserved entry's KV is written: mark it READY. */
+/* The reserved entry's KV is written: mark it READY (progress n_tokens). */
 void rk_chunk_index_ready(rk_chunk_index *ix, rk_chunk_entry *e);
 
 /* The reserved entry was filled from the disk tier instead of computed: mark

@@ -15,13 +15,19 @@
  * `chunks` and `documents` extensions are the first user message's. Without
  * that, a "##" in a message is text (a Markdown heading stays a heading).
  * The document turn is the first user message that carries documents;
- * without one, the last user message. Everything
- * before the assistant's opening therefore stays in place from one turn to
- * the next: turn N+1's system piece and chunks are turn N's, and its question
- * starts with turn N's question. Its layout extends turn N's sequence (prompt
- * and answer) in the radix cache, so only the new turns are computed. A later
- * user message's own documents are text inside the question piece, computed
- * with it.
+ * without one, the last user message. The chunks are the documents of every
+ * user message from the document turn on, in message order: a later turn's
+ * documents join the document turn's, after them, so they are chunk
+ * segments, looked up in and reused from the chunk cache in this turn and
+ * every later one, never recomputed as question text. The later turns keep
+ * their text in the question piece. Everything before the assistant's
+ * opening therefore stays in place from one turn to the next: turn N+1's
+ * system piece is turn N's, its chunks are turn N's followed by its own new
+ * documents, and its question starts with turn N's question. When turn N+1
+ * brings no new documents its layout extends turn N's sequence (prompt and
+ * answer) in the radix cache, so only the new turns are computed; when it
+ * does, the system piece and every chunk are reused and the turns' text
+ * after the chunks is computed again.
  *
  * For ChatML (Qwen2/Qwen3), with system S, chunks C1 C2, question Q, answer
  * A and a follow-up F:
@@ -329,8 +335,8 @@ static rk_status split_user(const rk_api_request *req, int i, user_msg *u, rk_ht
         if (!text) return rk_http_errorf(err, 500, "out of memory");
         memcpy(text, req->separator, ls);
         memcpy(text + ls, content, lc + 1);
-        /* Only the document turn's chunks are counted against max_chunks (by
-         * rk_split_structured); the others become text. */
+        /* The chunks are counted against max_chunks together, by
+         * rk_split_structured in take_chunks. */
         rk_status st = rk_split_prompt(text, ls + lc, req->separator, INT_MAX, &u->split);
         free(text);
         if (st)
@@ -350,17 +356,6 @@ static rk_status split_user(const rk_api_request *req, int i, user_msg *u, rk_ht
     }
     for (int k = 0; k < u->split.n_chunks; k++) u->docs[u->n_docs++] = u->split.chunks[k].s;
     return RK_OK;
-}
-
-/* The text of a user message that is not the document turn: its documents,
- * if any, as plain text before its question (computed with the turn, never
- * through the chunk cache). */
-static void user_text(sbuf *b, const user_msg *u) {
-    for (int k = 0; k < u->n_docs; k++) {
-        sb_add(b, u->docs[k]);
-        sb_add(b, "\n\n");
-    }
-    sb_add(b, u->question);
 }
 
 /* The opening of a user turn; for Llama-2, the <<SYS>> block (sys_block:
@@ -447,7 +442,7 @@ static void render_turns(rk_chat_template t, const rk_api_request *req, const us
         if (m->role == RK_ROLE_USER) {
             user_open(t, b, sys_block);
             sb_clear(sys_block);
-            user_text(b, &users[i]);
+            sb_add(b, users[i].question); /* its documents are chunks */
             user_close(t, b);
         } else if (t == RK_CHAT_LLAMA2 && m->role == RK_ROLE_SYSTEM) {
             if (!skip_system) add_system(sys_block, m);
@@ -482,11 +477,13 @@ static int document_turn(const rk_api_request *req, const user_msg *users) {
 }
 
 /* The request's chunks: the `chunks`/`documents` extension's non-empty ones
- * with their ids, then the document turn's own. */
-static rk_status take_chunks(rk_api_request *req, const user_msg *doc, const char *sys,
+ * with their ids, then the documents of the user messages from the document
+ * turn doc on, in order. */
+static rk_status take_chunks(rk_api_request *req, const user_msg *users, int doc, const char *sys,
                              const char *question, int max_chunks, rk_split *out, char ***out_ids,
                              rk_http_error *err) {
-    int given = req->chat_chunks_given ? req->n_chat_chunks : 0, n_in = given + doc->n_docs;
+    int given = req->chat_chunks_given ? req->n_chat_chunks : 0, n_in = given;
+    for (int i = doc; i < req->n_msgs; i++) n_in += users[i].n_docs;
     int kept = 0, empty = 0, any_id = 0;
     *out_ids = NULL;
     const char **list = calloc((size_t)(n_in ? n_in : 1), sizeof *list);
@@ -496,9 +493,16 @@ static rk_status take_chunks(rk_api_request *req, const user_msg *doc, const cha
         free(ids);
         return rk_http_errorf(err, 500, "out of memory");
     }
+    int m = doc, d = 0; /* the next message document: users[m].docs[d] */
     rk_status st = RK_OK;
     for (int i = 0; i < n_in && !st; i++) {
-        const char *c = i < given ? req->chat_chunks[i] : doc->docs[i - given];
+        const char *c;
+        if (i < given) {
+            c = req->chat_chunks[i];
+        } else {
+            while (d >= users[m].n_docs) m++, d = 0;
+            c = users[m].docs[d++];
+        }
         if (!*c) {
             empty++;
             continue;
@@ -585,7 +589,7 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     }
     rk_split out;
     char **ids;
-    if ((st = take_chunks(req, &users[doc], sys.s, q.s, max_chunks, &out, &ids, err))) goto done;
+    if ((st = take_chunks(req, users, doc, sys.s, q.s, max_chunks, &out, &ids, err))) goto done;
     out.n_empty_chunks += empty;
     if (req->have_pieces) {
         if (req->chunk_ids)

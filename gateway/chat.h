@@ -27,13 +27,19 @@ rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
 /* Render a parsed chat request into req->pieces around the document turn
  * (the first user message with documents, else the last user message): the
  * system piece is the template's system part, the turns before it and its
- * opening; the chunks are its documents, raw text; the question piece is the
- * rest of it, every later turn and the assistant prefix (or, when the last
- * message is the assistant's, that message left open to be continued), so a
- * follow-up's layout extends the previous turn's. A user message's documents
- * are its ragkv_chunk parts and, when req->split_chat is set, the pieces of
- * its text split on req->separator; the `chunks`/`documents` extension is the
- * first user message's. */
+ * opening; the chunks are its documents and every later user message's,
+ * raw text, in order; the question piece is the rest of it, every later
+ * turn's text and the assistant prefix (or, when the last message is the
+ * assistant's, that message left open to be continued), so a follow-up's
+ * layout extends the previous turn's. A user message's documents are its
+ * ragkv_chunk parts and, when req->split_chat is set, the pieces of its text
+ * split on req->separator; the `chunks`/`documents` extension is the first
+ * user message's.
+ *
+ * On success req->pieces (and req->chunk_ids, when the extension named ids)
+ * replace what req held, owned by req. On failure err says why (400 for a
+ * bad conversation, 422 for more than max_chunks chunks, 500 when out of
+ * memory) and req's pieces are unchanged. Pure: any thread. */
 rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks,
                          rk_http_error *err);
 

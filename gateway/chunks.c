@@ -443,8 +443,8 @@ static int query_int(const char *qs, const char *name, long lo, long hi, long de
     return 0;
 }
 
-/* The shared tier's entries, in SCAN order, listed on this thread: the tier
- * opens a connection of its own, so the engine is never held up by a SCAN. */
+/* The shared tier's entries, in SCAN order, listed on this thread (see
+ * rk_service_redis_list): the engine is never held up by a SCAN. */
 static void list_redis(req_ctx *rc, const list_cmd *l) {
     if (!rc->S->o.cfg.redis_url[0]) {
         rk_gw_send_errorf(rc, 501,
@@ -460,24 +460,24 @@ static void list_redis(req_ctx *rc, const list_cmd *l) {
         rk_gw_send_errorf(rc, 400, "the redis tier is listed in SCAN order: 'sort' must be recent");
         return;
     }
-    rk_redis_entry *v = NULL;
-    int n = 0;
-    if (rk_redis_list(svc->redis, l->offset + l->limit, &v, &n)) {
-        rk_gw_send_errorf(rc, 503, "%s", rk_error_message());
+    rk_chunk_listing got;
+    rk_status st = rk_service_redis_list(svc, &l->who, l->offset, l->limit, &got);
+    if (st) {
+        rk_gw_send_errorf(rc, st == RK_ERR_IO ? 503 : rk_http_status_of(st), "%s",
+                          rk_error_message());
         return;
     }
     json_t *data = json_array();
-    for (int i = l->offset; i < n && data; i++)
+    for (int i = 0; i < got.n && data; i++)
         json_array_append_new(data,
-                              json_pack("{s:s, s:i, s:I, s:f, s:s}", "key", v[i].key, "tokens",
-                                        v[i].n_tokens, "bytes", (json_int_t)v[i].n_bytes, "created",
-                                        v[i].created, "tier", "redis"));
-    free(v);
-    /* SCAN has no count: total is what was seen, offset + limit at most. */
+                              json_pack("{s:s, s:i, s:I, s:f, s:s}", "key", got.v[i].key, "tokens",
+                                        got.v[i].tokens, "bytes", (json_int_t)got.v[i].bytes,
+                                        "created", got.v[i].created, "tier", "redis"));
     rk_gw_send_json(rc, 200,
-                    json_pack("{s:s, s:o, s:i, s:i, s:i, s:s, s:s}", "object", "list", "data", data,
-                              "total", n, "offset", l->offset, "limit", l->limit, "sort", "scan",
-                              "tier", "redis"));
+                    json_pack("{s:s, s:o, s:I, s:i, s:i, s:s, s:s}", "object", "list", "data", data,
+                              "total", (json_int_t)got.total, "offset", l->offset, "limit",
+                              l->limit, "sort", "scan", "tier", "redis"));
+    rk_chunk_listing_free(&got);
 }
 
 int rk_gw_handle_list(req_ctx *rc) {
@@ -571,11 +571,13 @@ int rk_gw_handle_flush(req_ctx *rc) {
     char msg[320];
     if ((st = run_command(rc, flush_fn, &f, 1, msg, sizeof msg)))
         return rk_gw_send_errorf(rc, rk_http_status_of(st), "%s", msg), 0;
-    /* The shared tier on this thread (its own connection): a SCAN over many
-     * keys must not hold the engine up. Other models' keys are kept. */
+    /* The shared tier on this thread (rk_service_redis_flush): a SCAN over
+     * many keys must not hold the engine up. */
     uint64_t redis_keys = 0;
-    if (f.req.redis && rk_redis_flush(svc->redis, &redis_keys))
-        return rk_gw_send_errorf(rc, 503, "%s", rk_error_message()), 0;
+    if (f.req.redis && (st = rk_service_redis_flush(svc, &redis_keys)))
+        return rk_gw_send_errorf(rc, st == RK_ERR_IO ? 503 : rk_http_status_of(st), "%s",
+                                 rk_error_message()),
+               0;
     rk_gw_send_json(rc, 200,
                     json_pack("{s:{s:i, s:I, s:I, s:I, s:I}}", "flushed", "chunks", f.n.chunks,
                               "prefix_nodes", (json_int_t)f.n.prefix_nodes, "prefix_tokens",

@@ -164,3 +164,44 @@ rk_status rk_batch_run(rk_service *svc, batch *b) {
                    .out_q = b->out_q};
     return rk_model_forward(svc->model, rk_arena_kv(svc->arena), &fb, b->logits);
 }
+
+/* ---------------------------------------------------------------- chunks fed a slice at a time */
+
+rk_status rk_feed_chunk(batch *b, int bs, chunk_feed *f, rk_chunk_entry *e, const rk_seq *seq,
+                        int *left) {
+    if (e->state != RK_CHUNK_PENDING || e->progress >= e->n_tokens) return RK_OK;
+    for (int i = 0; i < f->n; i++)
+        if (f->e[i] == e) return RK_OK; /* another request feeds it this pass */
+    int n = e->n_tokens - e->progress;
+    if (*left >= 0 && n > *left) n = *left;
+    if (n <= 0) return RK_OK;
+    if (f->n == f->cap) {
+        int cap = f->cap ? f->cap * 2 : 16;
+        rk_chunk_entry **ne = realloc(f->e, (size_t)cap * sizeof *ne);
+        if (ne) f->e = ne;
+        int *nt = realloc(f->tokens, (size_t)cap * sizeof *nt);
+        if (nt) f->tokens = nt;
+        if (!ne || !nt) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        f->cap = cap;
+    }
+    /* The chunk's tokens at its base positions progress.., attending to the
+     * ones computed before (an isolated chunk's base is 0). */
+    rk_status st = rk_batch_add(b, bs, seq, e->tokens + e->progress, n, e->base_pos + e->progress,
+                                e->progress, 0);
+    if (st) return st;
+    f->e[f->n] = e;
+    f->tokens[f->n++] = n;
+    if (*left >= 0) *left -= n;
+    return RK_OK;
+}
+
+void rk_feed_done(chunk_feed *f) {
+    for (int i = 0; i < f->n; i++) f->e[i]->progress += f->tokens[i];
+    f->n = 0;
+}
+
+void rk_feed_free(chunk_feed *f) {
+    free(f->e);
+    free(f->tokens);
+    memset(f, 0, sizeof *f);
+}

@@ -144,6 +144,38 @@ rk_status rk_service_chunk_list(rk_service *svc, const rk_cache_viewer *who, int
     return st;
 }
 
+rk_status rk_service_redis_list(rk_service *svc, const rk_cache_viewer *who, int offset, int limit,
+                                rk_chunk_listing *out) {
+    memset(out, 0, sizeof *out);
+    if (offset < 0 || limit < 0) return rk_errorf(RK_ERR_INVALID, "offset and limit must be >= 0");
+    if (!svc->redis) return rk_errorf(RK_ERR_INVALID, "no shared tier is configured");
+    if (!who->all)
+        return rk_errorf(RK_ERR_INVALID,
+                         "the redis tier keeps no owners: only a viewer of every chunk lists it");
+    rk_redis_entry *v = NULL;
+    int n = 0;
+    rk_status st = rk_redis_list(svc->redis, offset + limit, &v, &n);
+    if (st) return st;
+    int m = n > offset ? n - offset : 0;
+    if (!(out->v = calloc((size_t)(m ? m : 1), sizeof *out->v))) {
+        free(v);
+        return rk_errorf(RK_ERR_NOMEM, "out of memory");
+    }
+    for (int i = 0; i < m; i++) {
+        const rk_redis_entry *e = &v[offset + i];
+        rk_chunk_info *c = &out->v[i];
+        snprintf(c->key, sizeof c->key, "%s", e->key);
+        c->tier = "redis";
+        c->tokens = e->n_tokens;
+        c->bytes = e->n_bytes;
+        c->created = e->created;
+    }
+    out->n = m;
+    out->total = (uint64_t)n;
+    free(v);
+    return RK_OK;
+}
+
 rk_status rk_service_chunk_get(rk_service *svc, const rk_cache_viewer *who, rk_chunk_key key,
                                rk_chunk_info *out) {
     memset(out, 0, sizeof *out);
@@ -206,4 +238,10 @@ rk_status rk_service_flush(rk_service *svc, int chunks, int prefix, int disk,
     }
     if (disk) return rk_store_flush(svc->store, &out->disk_rows);
     return RK_OK;
+}
+
+rk_status rk_service_redis_flush(rk_service *svc, uint64_t *out_keys) {
+    *out_keys = 0;
+    if (!svc->redis) return rk_errorf(RK_ERR_INVALID, "no shared tier is configured");
+    return rk_redis_flush(svc->redis, out_keys);
 }

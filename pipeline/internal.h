@@ -35,6 +35,10 @@ typedef struct scratch {
     /* The chunk pool had no room: its entry is the request's own, not in the
      * index, its blocks from the live pool (see acquire_uncached). */
     int uncached;
+    /* An isolated miss (or another request's PENDING entry) computed by the
+     * steps' passes, a slice within the step budget at a time, straight
+     * into the entry's blocks (kv borrows them); see chunk_wait. */
+    int stepped;
     int32_t *tokens; /* oracle with system context: system + chunk tokens */
 
     /* The fleet-wide compute lock on its chunk, held when rlocked. */
@@ -75,6 +79,10 @@ struct rk_req_state {
      * when pass 1 computed it), then ptok[p_next .. n_ptok) at table index
      * p_idx and position p_pos on; the last of it gives the first token. */
     int prefilling;
+    /* Set (with prefilling) while its stepped chunks are computed by the
+     * steps' passes: the stages after the chunks (system chunks, reindex,
+     * repair, queue prompt) run once every one of them is READY. */
+    int chunk_wait;
     int sys_next;
     const int32_t *ptok;
     int n_ptok, p_idx, p_pos, p_next;
@@ -105,6 +113,14 @@ typedef struct batch {
     float *out_q; /* not NULL: the last layer run's queries, (n_tok, n_heads * head_dim) */
 } batch;
 
+/* The PENDING chunk entries one forward pass computes, and how many tokens
+ * of each: a chunk that several requests need is fed once a pass. */
+typedef struct chunk_feed {
+    rk_chunk_entry **e; /* (n) */
+    int *tokens;        /* (n) */
+    int n, cap;
+} chunk_feed;
+
 /* The requests admitted together and the buffers their passes share. */
 typedef struct admission {
     rk_service *svc;
@@ -112,6 +128,10 @@ typedef struct admission {
     int n;
     batch *b;
     rk_copy_plan *copies;
+    /* Leave isolated chunk misses to the steps' passes (rk_pipeline_join
+     * with a step budget) instead of computing them in pass 1. */
+    int defer;
+    chunk_feed *feed; /* pass 1's chunk entries */
 } admission;
 
 /* ---------------------------------------------------------------- request.c */
@@ -134,6 +154,16 @@ rk_status rk_batch_add_req(batch *b, int bs, const rk_req_state *s, const int32_
 /* Run b's forward pass (nothing when empty); its logits rows land in b->logits. */
 rk_status rk_batch_run(rk_service *svc, batch *b);
 
+/* Add up to *left tokens (< 0: no limit) of the PENDING entry e's
+ * uncomputed tokens to b, through seq (a view of e's blocks), unless f has
+ * it already this pass; *left goes down by what was added. */
+rk_status rk_feed_chunk(batch *b, int bs, chunk_feed *f, rk_chunk_entry *e, const rk_seq *seq,
+                        int *left);
+/* After the pass ran: each fed entry's progress goes up by its tokens; f is
+ * empty after. */
+void rk_feed_done(chunk_feed *f);
+void rk_feed_free(chunk_feed *f);
+
 /* ---------------------------------------------------------------- pipeline.c */
 
 int rk_chunk_from_prefix(const rk_request *r, int k);
@@ -152,6 +182,8 @@ rk_status rk_stage_system_and_chunks(admission *a);
 rk_status rk_stage_system_chunks(admission *a);
 rk_status rk_stage_reindex(admission *a);
 void rk_queue_prompt(admission *a);
+/* Whether every stepped chunk of r (chunk_wait) is READY or computed. */
+int rk_chunks_computed(const rk_request *r);
 
 /* ---------------------------------------------------------------- repair.c */
 

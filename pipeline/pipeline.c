@@ -379,9 +379,31 @@ static void drop_uncached_blocks(rk_service *svc, rk_chunk_entry *e) {
 }
 
 /* Look up every chunk; queue the work each needs for pass 1. */
-static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
+/* An isolated chunk computed alone at positions 0..n-1, straight into its
+ * entry's blocks (through a borrowed view): in pass 1, or, when the
+ * admission defers, by the steps' passes (the request waits for it). */
+static rk_status feed_isolated(admission *a, rk_request *r, int k) {
     rk_req_state *s = r->state;
-    int bs = rk_arena_block_size(svc->arena);
+    rk_chunk_entry *e = s->entries[k];
+    scratch *sc = &s->scratch[k];
+    sc->kv.blocks = e->blocks; /* borrowed: released with the entry, not the scratch */
+    sc->kv.n_blocks = e->n_blocks;
+    sc->kv.n_tokens = e->n_tokens;
+    sc->borrowed = 1;
+    if (e->state != RK_CHUNK_PENDING) return RK_OK;
+    if (a->defer) {
+        sc->stepped = 1;
+        s->chunk_wait = s->prefilling = 1;
+        return RK_OK;
+    }
+    int all = -1;
+    return rk_feed_chunk(a->b, rk_arena_block_size(a->svc->arena), a->feed, e, &sc->kv, &all);
+}
+
+static rk_status plan_chunks(admission *a, rk_request *r) {
+    rk_service *svc = a->svc;
+    batch *pass1 = a->b;
+    rk_req_state *s = r->state;
     rk_chunk_policy policy;
     rk_request_chunk_policy(svc, r, &policy);
     rk_status st;
@@ -438,20 +460,20 @@ static rk_status plan_chunks(rk_service *svc, rk_request *r, batch *pass1) {
                                                     : RK_CHUNK_STATUS_MISS;
         rep->source =
             s->kinds[k] == RK_CHUNK_HIT ? RK_CHUNK_SOURCE_ARENA : RK_CHUNK_SOURCE_COMPUTED;
-        if (s->kinds[k] != RK_CHUNK_MISS) continue;
+        if (s->kinds[k] == RK_CHUNK_HIT) continue;
+        if (s->kinds[k] == RK_CHUNK_SHARED) {
+            /* Another request's: computed by it in this pass 1, or left
+             * PENDING by an earlier admission, which this one carries on. */
+            if (!n_ctx && !after_system && (st = feed_isolated(a, r, k))) return st;
+            continue;
+        }
         if (n_ctx && !after_system) {
             /* After the anchor in a scratch sequence; copied into the entry
              * after pass 1. */
             if ((st = plan_after_context(svc, r, k, ctx, n_ctx, 0, pass1))) return st;
             s->scratch[k].anchored = 1;
         } else if (!after_system) {
-            /* Alone at positions 0..n-1, straight into the entry's blocks. */
-            scratch *sc = &s->scratch[k];
-            sc->kv.blocks = e->blocks; /* borrowed: released with the entry, not the scratch */
-            sc->kv.n_blocks = e->n_blocks;
-            sc->kv.n_tokens = e->n_tokens;
-            sc->borrowed = 1;
-            if ((st = rk_batch_add(pass1, bs, &sc->kv, e->tokens, e->n_tokens, 0, 0, 0))) return st;
+            if ((st = feed_isolated(a, r, k))) return st;
         } else {
             s->scratch[k].pass2 = 1; /* needs the system KV: after pass 1 */
         }
@@ -599,7 +621,8 @@ void rk_release_request(rk_service *svc, rk_request *r, int failed) {
     rk_req_state *s = r->state;
     if (!s) return;
     rk_restore_report(r);
-    if (!failed) insert_sequence(svc, r);
+    /* A request still waiting for its chunks has no sequence to keep. */
+    if (!failed && !s->chunk_wait) insert_sequence(svc, r);
     for (int k = 0; s->entries && s->scratch && k < r->n_chunks; k++) {
         scratch *sc = &s->scratch[k];
         if (sc->used) rk_seq_release(&sc->kv, svc->arena);
@@ -610,7 +633,10 @@ void rk_release_request(rk_service *svc, rk_request *r, int failed) {
             free(s->entries[k]->blocks);
             free(s->entries[k]);
         } else if (s->entries[k]) {
-            rk_chunk_index_release(svc->chunks, s->entries[k], failed);
+            /* A chunk still PENDING stops with its last holder: removed, its
+             * progress lost, or carried on by a request that holds it too. */
+            rk_chunk_entry *e = s->entries[k];
+            rk_chunk_index_release(svc->chunks, e, failed || e->state == RK_CHUNK_PENDING);
         }
     }
     if (s->lock) rk_radix_unlock(svc->prefix, s->lock);
@@ -758,8 +784,7 @@ rk_status rk_stage_system_and_chunks(admission *a) {
     }
     rk_persist_begin_lookups(a->svc);
     for (int i = 0; i < a->n; i++)
-        if (a->reqs[i]->opt.mode == RK_MODE_RAG && (st = plan_chunks(a->svc, a->reqs[i], a->b)))
-            return st;
+        if (a->reqs[i]->opt.mode == RK_MODE_RAG && (st = plan_chunks(a, a->reqs[i]))) return st;
     /* A system tail nothing before the question pass attends to goes into
      * that pass, with the question. */
     for (int i = 0; i < a->n; i++) {
@@ -782,6 +807,7 @@ rk_status rk_stage_system_and_chunks(admission *a) {
         return st;
     for (int i = 0; i < a->n; i++) drop_partial(a->svc, a->reqs[i]->state);
     if ((st = rk_batch_run(a->svc, a->b))) return st;
+    rk_feed_done(a->feed);
     rk_persist_note_prefill(a->svc, a->b->n_tok, rk_time_now() - t);
     for (int i = 0; i < a->n; i++) {
         rk_req_state *s = a->reqs[i]->state;
@@ -828,15 +854,19 @@ rk_status rk_stage_system_chunks(admission *a) {
             if ((st = rk_copy_plan_add(a->copies, bs, sc->kv.blocks, sc->src_first, &dst, 0,
                                        r->chunk_lens[k], 0)))
                 return st;
+            s->entries[k]->progress = r->chunk_lens[k]; /* once the copies ran, below */
         }
     }
     if ((st = rk_copy_plan_run(a->copies, svc->be, svc->arena, rk_model_rope(svc->model))))
         return st;
+    /* Every entry whose KV is whole now is ready, whichever request computed
+     * it (a chunk computed by the steps' passes may have been carried on by
+     * another request than the one that reserved it). */
     for (int i = 0; i < a->n; i++) {
         rk_request *r = a->reqs[i];
         for (int k = 0; k < r->n_chunks; k++) {
             rk_chunk_entry *e = r->state->entries[k];
-            if (r->state->kinds[k] != RK_CHUNK_MISS || !e) continue;
+            if (!e || e->state != RK_CHUNK_PENDING || e->progress < e->n_tokens) continue;
             if (r->state->scratch[k].uncached) {
                 e->state = RK_CHUNK_READY; /* the request's own: neither indexed nor written */
                 continue;
@@ -848,6 +878,16 @@ rk_status rk_stage_system_chunks(admission *a) {
     double dt = rk_time_now() - t;
     for (int i = 0; i < a->n; i++) a->reqs[i]->t.chunk_compute_ms += dt * 1e3;
     return RK_OK;
+}
+
+int rk_chunks_computed(const rk_request *r) {
+    const rk_req_state *s = r->state;
+    for (int k = 0; k < r->n_chunks; k++) {
+        const rk_chunk_entry *e = s->entries[k];
+        if (s->scratch[k].stepped && e->state == RK_CHUNK_PENDING && e->progress < e->n_tokens)
+            return 0;
+    }
+    return 1;
 }
 
 /* Tokens of a zero-copy request's chunk of n tokens that are copied into

@@ -12,8 +12,8 @@
  * pass) and leaves them running; rk_pipeline_step decodes one token for every
  * running request, and a request that finished or was cancelled leaves in the
  * same step, releasing all it held. Requests admitted later join the next
- * step; with rk_pipeline_join their question pass is part of the steps'
- * forward passes (chunked by step_tokens). Blocks come as decoding needs
+ * step; with rk_pipeline_join their chunk misses and question pass are part
+ * of the steps' forward passes (chunked by step_tokens). Blocks come as decoding needs
  * them; when the live pool runs dry the youngest request is preempted and
  * resumes later. Runs on the engine thread, which alone owns the model, the arena and
  * the caches.
@@ -372,8 +372,13 @@ rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
  * what is left of their prompts (the question, a system tail nothing else
  * needed first, a resumed request's generated tokens) runs in the next
  * rk_pipeline_step calls, in the same forward pass as the running requests'
- * decode tokens, and the last of it samples the first token. hooks are
- * those of the steps. Fails as rk_pipeline_admit does. */
+ * decode tokens, and the last of it samples the first token. With a step
+ * budget (the service's step_tokens > 0) their isolated chunk misses run
+ * there too, before their questions: a request waits, taking no live block
+ * more, until every chunk it needs is computed (by it, or by another
+ * request that needs the same chunk), then its remaining stages run
+ * between two steps. hooks are those of the steps. Fails as
+ * rk_pipeline_admit does. */
 rk_status rk_pipeline_join(rk_pipeline *p, rk_request *const *reqs, int n_reqs);
 
 /* One step: a token for every running request in one forward pass, which
@@ -440,7 +445,8 @@ rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_ite
 /* ---------------------------------------------------------------- cache control */
 
 /* What the cache routes and `ragkv cache` do to the caches (pipeline/cachectl.c),
- * as C structs: no HTTP, no JSON. Engine thread only, like the rest.
+ * as C structs: no HTTP, no JSON. Engine thread only, like the rest, except
+ * the shared tier's two calls (below).
  *
  * A viewer says whose entries a call may see: every one (all = 1), or only
  * those whose owner (rk_req_options.owner) is `owner`. An entry a viewer may
@@ -452,10 +458,11 @@ typedef struct rk_cache_viewer {
     int owner;
 } rk_cache_viewer;
 
-/* One cached chunk: an arena entry (tier "arena") or a store row ("disk"). */
+/* One cached chunk: an arena entry (tier "arena"), a store row ("disk") or a
+ * shared-tier entry ("redis": key, tokens, bytes and created only). */
 typedef struct rk_chunk_info {
     char key[33];
-    const char *tier; /* "arena" or "disk" (constant) */
+    const char *tier; /* "arena", "disk" or "redis" (constant) */
     int tokens;
     uint64_t bytes, hits;
     double created;
@@ -502,8 +509,25 @@ typedef struct rk_flush_counts {
 
 /* Empty the chunk index (chunks), the radix tree (prefix) and the store
  * (disk; RK_ERR_INVALID without a store), everyone's: a flush is an
- * operator's act. The Redis tier is flushed by the caller (rk_redis_flush),
- * off the engine thread. */
+ * operator's act. The shared tier has its own call, below. */
 rk_status rk_service_flush(rk_service *svc, int chunks, int prefix, int disk, rk_flush_counts *out);
+
+/* The shared (Redis) tier's entries of this model, in SCAN order, limit from
+ * offset; total is the entries seen (SCAN has no count: offset + limit at
+ * most). RK_ERR_INVALID without the tier or for a viewer that may not see
+ * everything (the tier keeps no owners), RK_ERR_IO when Redis cannot be
+ * reached.
+ *
+ * Unlike the calls above, this one and rk_service_redis_flush may run on any
+ * thread, and should run off the engine thread: the tier opens a connection
+ * of its own for them, so a SCAN over many keys never holds a step up. */
+rk_status rk_service_redis_list(rk_service *svc, const rk_cache_viewer *who, int offset, int limit,
+                                rk_chunk_listing *out);
+
+/* Delete every shared-tier key of this model (payloads, markers, locks);
+ * *out_keys receives the payloads removed. Other models' keys are kept.
+ * RK_ERR_INVALID without the tier, RK_ERR_IO when Redis cannot be reached.
+ * Any thread (see rk_service_redis_list). */
+rk_status rk_service_redis_flush(rk_service *svc, uint64_t *out_keys);
 
 #endif

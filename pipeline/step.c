@@ -165,6 +165,7 @@ struct rk_pipeline {
     int n_preempted, cap_preempted;
     batch b; /* reused by every pass */
     rk_copy_plan copies;
+    chunk_feed feed; /* the chunk entries of the pass under construction */
 };
 
 rk_status rk_pipeline_create(rk_service *svc, rk_pipeline **out) {
@@ -202,10 +203,11 @@ static void insert_by_rank(rk_request **list, int *n, rk_request *r) {
     (*n)++;
 }
 
-/* A finished request leaves: its report is completed and all it holds released. */
+/* A finished request leaves: its report is completed and all it holds
+ * released (a failed one's sequence is not kept). */
 static void leave(rk_pipeline *p, rk_request *r) {
     finish_report(r);
-    rk_release_request(p->svc, r, 0);
+    rk_release_request(p->svc, r, r->failure != RK_OK);
     r->finished = 1;
 }
 
@@ -314,9 +316,23 @@ static rk_status feed_prompt(batch *b, int bs, rk_request *r, int *left) {
     return RK_OK;
 }
 
+/* Feed r's stepped chunks that are still being computed into b, at most
+ * *left tokens, each entry once a pass whoever else needs it. */
+static rk_status feed_chunks(rk_pipeline *p, rk_request *r, int *left) {
+    rk_req_state *s = r->state;
+    int bs = rk_arena_block_size(p->svc->arena);
+    rk_status st;
+    for (int k = 0; k<r->n_chunks && * left> 0; k++)
+        if (s->scratch[k].stepped &&
+            (st = rk_feed_chunk(&p->b, bs, &p->feed, s->entries[k], &s->scratch[k].kv, left)))
+            return st;
+    return RK_OK;
+}
+
 /* One forward pass: the next token of every request in dec (their tables
  * have room for it), then the prompt work of the requests in pre, in their
- * order, at most budget tokens of it (<= 0: all of it). A request whose
+ * order, at most budget tokens of it (<= 0: all of it): the chunks a
+ * request waits for, or what is left of its prompt. A request whose
  * prompt ends in the pass takes its first token from it (a resumed one has
  * its next token already) and decodes from the next pass on; its system
  * prompt goes into the radix tree once computed. */
@@ -339,11 +355,20 @@ static rk_status run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_
         rk_req_state *s = pre[i]->state;
         s->row = -1;
         s->fed_sys = s->fed_p = 0;
-        if ((st = feed_prompt(&p->b, bs, pre[i], &left))) return st;
+        st = s->chunk_wait ? feed_chunks(p, pre[i], &left) : feed_prompt(&p->b, bs, pre[i], &left);
+        if (st) {
+            p->feed.n = 0;
+            return st;
+        }
     }
     if (p->b.n_seq == 0) return RK_OK;
     double t = rk_time_now();
-    if ((st = rk_batch_run(svc, &p->b))) return st;
+    st = rk_batch_run(svc, &p->b);
+    if (st) {
+        p->feed.n = 0;
+        return st;
+    }
+    rk_feed_done(&p->feed);
     double dt = (rk_time_now() - t) * 1e3;
     for (int i = 0; i < n_dec; i++) {
         rk_request *r = dec[i];
@@ -354,6 +379,7 @@ static rk_status run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_
     for (int i = 0; i < n_pre; i++) {
         rk_request *r = pre[i];
         rk_req_state *s = r->state;
+        if (s->chunk_wait) r->t.chunk_compute_ms += dt;
         if (!s->fed_sys && !s->fed_p) continue;
         r->t.prefill_ms += dt;
         s->sys_next += s->fed_sys;
@@ -368,9 +394,21 @@ static rk_status run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_
     return RK_OK;
 }
 
-/* The prompt stages of an admission up to the question pass; on failure
- * every one of reqs has released what it took. */
-static rk_status admit_stages(rk_pipeline *p, rk_request *const *reqs, int n_reqs, int *n_fresh) {
+/* The stages after the chunks (system chunks, reindex, repair, queue
+ * prompt) of the requests in a. */
+static rk_status stages_after_chunks(admission *a) {
+    rk_status st = rk_stage_system_chunks(a);
+    if (!st) st = rk_stage_reindex(a);
+    if (!st) st = rk_stage_repair(a);
+    if (!st) rk_queue_prompt(a);
+    return st;
+}
+
+/* The prompt stages of an admission up to the question pass (defer: up to
+ * the chunks the steps' passes compute, for the requests that wait for
+ * them); on failure every one of reqs has released what it took. */
+static rk_status admit_stages(rk_pipeline *p, rk_request *const *reqs, int n_reqs, int defer,
+                              int *n_fresh) {
     rk_status st = RK_OK;
     if (p->n_running + n_reqs > p->cap) {
         int cap = (p->n_running + n_reqs) * 2;
@@ -390,17 +428,61 @@ static rk_status admit_stages(rk_pipeline *p, rk_request *const *reqs, int n_req
         st = rk_init_request(p->svc, reqs[i]);
         if (reqs[i]->state) reqs[i]->state->hook_index = reqs[i]->rank;
     }
-    admission a = {.svc = p->svc, .reqs = reqs, .n = n_reqs, .b = &p->b, .copies = &p->copies};
+    admission a = {.svc = p->svc,
+                   .reqs = reqs,
+                   .n = n_reqs,
+                   .b = &p->b,
+                   .copies = &p->copies,
+                   .defer = defer,
+                   .feed = &p->feed};
     if (!st) st = rk_stage_system_and_chunks(&a);
-    if (!st) st = rk_stage_system_chunks(&a);
-    if (!st) st = rk_stage_reindex(&a);
-    if (!st) st = rk_stage_repair(&a);
-    if (!st) rk_queue_prompt(&a);
+    p->feed.n = 0;
+    /* The requests that wait for chunks go on in the steps (chunks_done). */
+    rk_request *go[n_reqs > 0 ? n_reqs : 1];
+    int n_go = 0;
+    for (int i = 0; !st && i < n_reqs; i++)
+        if (!reqs[i]->state->chunk_wait) go[n_go++] = reqs[i];
+    a.reqs = go;
+    a.n = n_go;
+    if (!st && n_go) st = stages_after_chunks(&a);
     if (st) {
         for (int i = 0; i < n_reqs; i++) rk_release_request(p->svc, reqs[i], 1);
         rk_copy_plan_free(&p->copies);
     }
     return st;
+}
+
+/* running[i]'s chunks are computed: its stages after the chunks run, and
+ * its prompt joins the next step. When the live pool cannot hold what they
+ * need while others run, it is preempted, to resume (its chunks cached)
+ * when there is room; another failure is its own. */
+static rk_status chunks_done(rk_pipeline *p, int i) {
+    rk_request *r = p->running[i];
+    rk_req_state *s = r->state;
+    s->chunk_wait = s->prefilling = 0;
+    admission a = {.svc = p->svc, .reqs = &r, .n = 1, .b = &p->b, .copies = &p->copies};
+    rk_status st = stages_after_chunks(&a);
+    if (!st) return RK_OK;
+    p->copies.n = 0;
+    s->chunk_wait = s->prefilling = 1; /* nothing of its sequence is kept */
+    if (st == RK_ERR_EXHAUSTED && p->n_running > 1) return preempt(p, i);
+    r->failure = st;
+    snprintf(r->failure_msg, sizeof r->failure_msg, "%s", rk_error_message());
+    RK_LOG_ERROR("request failed: %s", r->failure_msg);
+    s->done = 1;
+    return RK_OK;
+}
+
+/* The requests whose chunks the last pass completed go on. */
+static rk_status advance_chunk_waits(rk_pipeline *p) {
+    rk_status st;
+    for (int i = p->n_running - 1; i >= 0; i--) {
+        rk_request *r = p->running[i];
+        if (r->state->chunk_wait && !r->state->done && rk_chunks_computed(r) &&
+            (st = chunks_done(p, i)))
+            return st;
+    }
+    return RK_OK;
 }
 
 /* Admitted: done ones leave, the others run. */
@@ -419,7 +501,7 @@ static void admitted(rk_pipeline *p, rk_request *const *reqs, int n_reqs, int n_
 rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
                             const rk_pipeline_hooks *hooks) {
     int n_fresh, n_pre = 0;
-    rk_status st = admit_stages(p, reqs, n_reqs, &n_fresh);
+    rk_status st = admit_stages(p, reqs, n_reqs, 0, &n_fresh);
     if (st) return st;
     for (int i = 0; i < n_reqs; i++)
         if (reqs[i]->state->prefilling) p->work[n_pre++] = reqs[i];
@@ -433,7 +515,7 @@ rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
 
 rk_status rk_pipeline_join(rk_pipeline *p, rk_request *const *reqs, int n_reqs) {
     int n_fresh;
-    rk_status st = admit_stages(p, reqs, n_reqs, &n_fresh);
+    rk_status st = admit_stages(p, reqs, n_reqs, p->svc->cfg.step_tokens > 0, &n_fresh);
     if (!st) admitted(p, reqs, n_reqs, n_fresh);
     return st;
 }
@@ -458,6 +540,7 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
         if (p->running[i]->state->prefilling) p->work[n_dec + n_pre++] = p->running[i];
     if ((st = run_pass(p, p->work, n_dec, p->work + n_dec, n_pre, p->svc->cfg.step_tokens, hooks)))
         return st;
+    if ((st = advance_chunk_waits(p))) return st;
     leave_finished(p);
     return RK_OK;
 }
@@ -482,6 +565,7 @@ void rk_pipeline_free(rk_pipeline *p) {
     rk_pipeline_abort(p);
     rk_batch_free(&p->b);
     rk_copy_plan_free(&p->copies);
+    rk_feed_free(&p->feed);
     free(p->running);
     free(p->work);
     free(p->preempted);

@@ -153,7 +153,8 @@ Test(chat, without_documents_earlier_turns_are_the_system_piece) {
 }
 
 /* The first user turn with documents holds the chunks, even when it is not
- * the first turn; a later turn's documents are text in the question. */
+ * the first turn; a later turn's documents are chunks too, after the
+ * earlier ones, and its text stays in the question. */
 Test(chat, the_first_turn_with_documents_holds_the_chunks) {
     json_t *msgs = json_array();
     add_msg(msgs, "user", "Hi");
@@ -168,10 +169,21 @@ Test(chat, the_first_turn_with_documents_holds_the_chunks) {
     add_msg(msgs, "assistant", "A1");
     add_msg(msgs, "user", "c3##Q2");
     render_ok(RK_CHAT_CHATML, msgs, NULL, &r2);
-    assert_extends(&r1, &r2);
+    cr_assert_str_eq(r2.pieces.system.s, r1.pieces.system.s);
+    cr_assert_eq(r2.pieces.n_chunks, 3);
+    cr_assert_str_eq(r2.pieces.chunks[0].s, "c1");
+    cr_assert_str_eq(r2.pieces.chunks[1].s, "c2");
+    cr_assert_str_eq(r2.pieces.chunks[2].s, "c3");
     cr_assert_str_eq(r2.pieces.question.s,
-                     "Q1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\nc3\n\n"
+                     "Q1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\n"
                      "Q2<|im_end|>\n<|im_start|>assistant\n");
+    /* The next turn, with no new documents, extends this one. */
+    rk_api_request r3;
+    add_msg(msgs, "assistant", "A2");
+    add_msg(msgs, "user", "Q3");
+    render_ok(RK_CHAT_CHATML, msgs, NULL, &r3);
+    assert_extends(&r2, &r3);
+    rk_api_request_free(&r3);
     rk_api_request_free(&r1);
     rk_api_request_free(&r2);
     json_decref(msgs);
@@ -196,17 +208,20 @@ Test(chat, the_chunks_extension_belongs_to_the_first_user_message) {
     add_msg(msgs, "assistant", "A1");
     add_msg(msgs, "user", "x##Q2");
     render_ok(RK_CHAT_CHATML, msgs, chunks, &r2);
-    assert_extends(&r1, &r2);
+    cr_assert_str_eq(r2.pieces.system.s, r1.pieces.system.s);
     for (int i = 0; i < 2; i++) {
         const rk_api_request *r = i ? &r2 : &r1;
-        cr_assert_eq(r->pieces.n_chunks, 2);
+        cr_assert_eq(r->pieces.n_chunks, 2 + i);
         cr_assert_eq(r->pieces.n_empty_chunks, 1);
         cr_assert_not_null(r->chunk_ids);
         cr_assert_str_eq(r->chunk_ids[0], "doc-1");
         cr_assert_str_eq(r->chunk_ids[1], "doc-2");
     }
-    /* The body names a separator: the later message's document is text. */
-    cr_assert_not_null(strstr(r2.pieces.question.s, "<|im_start|>user\nx\n\nQ2<|im_end|>"));
+    /* The body names a separator: the later message's document is a chunk
+     * after the extension's (with no id), its question stays in place. */
+    cr_assert_str_eq(r2.pieces.chunks[2].s, "x");
+    cr_assert_null(r2.chunk_ids[2]);
+    cr_assert_not_null(strstr(r2.pieces.question.s, "<|im_start|>user\nQ2<|im_end|>"));
     rk_api_request_free(&r1);
     rk_api_request_free(&r2);
     json_decref(msgs);
@@ -232,9 +247,8 @@ Test(chat, llama2_keeps_later_system_messages_and_answer_spaces) {
     json_decref(msgs);
 }
 
-/* max_chunks applies to the document turn's chunks, not to a later turn's
- * documents (text); an empty question after a separator is refused in any
- * user message. */
+/* max_chunks applies to the chunks of every turn together; an empty
+ * question after a separator is refused in any user message. */
 Test(chat, limits_and_errors_follow_the_document_turn) {
     json_t *msgs = json_array();
     add_msg(msgs, "user", "c1##c2##c3##Q1");
@@ -245,10 +259,14 @@ Test(chat, limits_and_errors_follow_the_document_turn) {
     json_array_clear(msgs);
     add_msg(msgs, "user", "c1##Q1");
     add_msg(msgs, "assistant", "A1");
-    add_msg(msgs, "user", "c2##c3##c4##Q2");
+    add_msg(msgs, "user", "c2##Q2");
     cr_assert_eq(render_body(RK_CHAT_CHATML, msgs, NULL, 2, &r, &err), RK_OK, "%s", err.message);
-    cr_assert_eq(r.pieces.n_chunks, 1);
+    cr_assert_eq(r.pieces.n_chunks, 2);
     rk_api_request_free(&r);
+    add_msg(msgs, "assistant", "A2");
+    add_msg(msgs, "user", "c3##Q3");
+    cr_assert_eq(render_body(RK_CHAT_CHATML, msgs, NULL, 2, &r, &err), RK_ERR_LIMIT);
+    cr_assert_eq(err.status, 422);
     json_array_clear(msgs);
     add_msg(msgs, "user", "c1##");
     add_msg(msgs, "assistant", "A1");

@@ -1928,6 +1928,42 @@ Test(http, chat_documents_come_as_documents_parts_or_an_asked_separator) {
     resp_free(&r);
 }
 
+/* A later turn's documents are chunk segments: computed once, then found in
+ * the chunk cache when the conversation goes on, never recomputed as text. */
+Test(http, a_later_turns_documents_are_chunks_reused_by_the_next_turn) {
+    static const char *turn2 =
+        "{\"role\": \"user\", \"content\": \"Who?\"}, {\"role\": \"assistant\", \"content\": "
+        "\"Tim.\"}, {\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \"The "
+        "dog ran home.\", \"ragkv_chunk\": true}, {\"type\": \"text\", \"text\": \"Where?\"}]}";
+    resp r = postf("/v1/chat/completions",
+                   "{\"messages\": [%s], \"documents\": [{\"text\": \"Tim had a dog.\"}], "
+                   "\"max_tokens\": 2}",
+                   turn2);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
+    char key[40];
+    snprintf(key, sizeof key, "%s", jstr(r.json, "ragkv.chunks.1.key"));
+    check_invariants(r.json);
+    resp_free(&r);
+    /* Turn 3 sends the conversation back with one more question: both
+     * documents are hits, the second turn's included. */
+    r = postf("/v1/chat/completions",
+              "{\"messages\": [%s, {\"role\": \"assistant\", \"content\": \"Home.\"}, "
+              "{\"role\": \"user\", \"content\": \"Why?\"}], \"documents\": [{\"text\": \"Tim "
+              "had a dog.\"}], \"max_tokens\": 2}",
+              turn2);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
+    cr_expect_str_eq(jstr(r.json, "ragkv.chunks.1.key"), key);
+    for (int k = 0; k < 2; k++) {
+        char path[32];
+        snprintf(path, sizeof path, "ragkv.chunks.%d.status", k);
+        cr_expect_str_neq(jstr(r.json, path), "miss", "%s", r.http.body);
+    }
+    check_invariants(r.json);
+    resp_free(&r);
+}
+
 /* A chat whose last message is the assistant's continues it: the pieces are
  * the template's turns with that message left open, so the greedy answer is
  * the one /v1/completions gives for the same system and question pieces. */

@@ -130,6 +130,41 @@ Test(redis_service, two_services_share_chunks_with_identical_results) {
     rk_test_redis_free(&s);
 }
 
+/* The cache-control calls reach the shared tier without HTTP: a listing
+ * with the model's entries (offset and limit applied), refused to a tenant's
+ * viewer, then a flush that empties it. */
+Test(redis_service, the_service_lists_and_flushes_the_shared_tier) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_svc(&s, NULL, 300);
+    req_free(run(a, PROMPT));
+    drain(a);
+    rk_cache_viewer all = {.all = 1}, tenant = {.owner = 1};
+    rk_chunk_listing l;
+    cr_assert_eq(rk_service_redis_list(a, &all, 0, 10, &l), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(l.n, 2);
+    cr_assert_eq(l.total, 2);
+    for (int i = 0; i < l.n; i++) {
+        cr_assert_str_eq(l.v[i].tier, "redis");
+        cr_assert_eq(strlen(l.v[i].key), 32);
+        cr_assert_gt(l.v[i].tokens, 0);
+        cr_assert_gt(l.v[i].bytes, 0);
+    }
+    rk_chunk_listing_free(&l);
+    cr_assert_eq(rk_service_redis_list(a, &all, 1, 10, &l), RK_OK);
+    cr_assert_eq(l.n, 1);
+    rk_chunk_listing_free(&l);
+    cr_assert_eq(rk_service_redis_list(a, &tenant, 0, 10, &l), RK_ERR_INVALID);
+    uint64_t removed = 0;
+    cr_assert_eq(rk_service_redis_flush(a, &removed), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(removed, 2);
+    cr_assert_eq(rk_service_redis_list(a, &all, 0, 10, &l), RK_OK);
+    cr_assert_eq(l.n, 0);
+    rk_chunk_listing_free(&l);
+    rk_service_close(a);
+    rk_test_redis_free(&s);
+}
+
 Test(redis_service, a_corrupted_value_is_recomputed_and_counted) {
     rk_test_redis s = {0};
     rk_test_redis_start(&s);

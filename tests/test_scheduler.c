@@ -122,15 +122,18 @@ static void check_joining_matches_alone(const char *model, int join, int step_to
     }
     cr_assert_eq(rk_pipeline_n_running(p), 2, "b joined the running batch");
     cr_assert_eq(ja->n_out, 1 + JOIN_AFTER, "admitting b decoded nothing for a");
-    /* With the question pass merged: every step decodes a token for a and
-     * feeds at most step_tokens of b's prompt; b's first token comes with
-     * the step that feeds the last of it. */
+    /* With the question pass merged: every step decodes a token for a (until
+     * it is done) and feeds at most step_tokens of b's prompt work (with a
+     * step budget, its chunk misses too); b's first token comes with the
+     * step that feeds the last of it. */
     int left = jb->n_question, steps = 0;
     while (join && jb->n_out == 0) {
         cr_assert_eq(rk_pipeline_step(p, &hj), RK_OK);
         steps++;
-        cr_assert_eq(ja->n_out, 1 + JOIN_AFTER + steps, "a decoded in the same step");
+        int want = 1 + JOIN_AFTER + steps < LONG_TOKENS ? 1 + JOIN_AFTER + steps : LONG_TOKENS;
+        cr_assert_eq(ja->n_out, want, "a decoded in the same step");
     }
+    for (int k = 0; join && step_tokens > 0 && k < jb->n_chunks; k++) left += jb->chunk_lens[k];
     if (join && step_tokens > 0)
         cr_assert_geq(steps, (left + step_tokens - 1) / step_tokens, "b's prompt took %d steps",
                       steps);
@@ -313,6 +316,275 @@ Test(pipeline, ending_or_cancelling_a_request_releases_everything_the_same_step)
     request_free(a);
     request_free(b);
     rk_service_close(svc);
+}
+
+/* ---------------------------------------------------------------- chunks in the step budget */
+
+/* Entries in the chunk index, ready or not. */
+static uint64_t entries_now(rk_service *svc) {
+    rk_chunk_stats cs;
+    rk_chunk_index_get_stats(svc->chunks, &cs);
+    return cs.entries;
+}
+
+static uint64_t computes_now(rk_service *svc) {
+    rk_chunk_stats cs;
+    rk_chunk_index_get_stats(svc->chunks, &cs);
+    return cs.computes;
+}
+
+/* Step p until r has its first token (at most max_steps steps); returns the
+ * steps taken. */
+static int steps_to_first_token(rk_pipeline *p, rk_request *r, int max_steps) {
+    int n = 0;
+    while (r->n_out == 0 && !r->finished && n < max_steps) {
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+        n++;
+    }
+    return n;
+}
+
+static void step_until_idle(rk_pipeline *p) {
+    for (int i = 0; i < 4000 && rk_pipeline_n_running(p) > 0; i++)
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_n_running(p), 0);
+}
+
+/* prompt's first n greedy tokens alone, on a service of its own. */
+static rk_request *tokens_alone(const char *prompt, int n) {
+    rk_service *alone = open_svc(NULL);
+    rk_request *ref = prepare(alone, prompt, n);
+    cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_service_close(alone);
+    return ref;
+}
+
+static void assert_live_pool_back(rk_service *svc) {
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
+                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE), "every live block came back");
+}
+
+static const char *SHARED_PROMPT = "A third system prompt.##The cat slept on the mat all day "
+                                   "long.##Where did the cat sleep?";
+
+/* With a step budget a chunk miss is computed a slice a step, beside the
+ * running streams: a request that joins while another computes the same
+ * chunk waits for that computation (the chunk is computed once) and gets
+ * the tokens it gets alone. */
+Test(pipeline, a_request_joining_a_chunk_in_progress_shares_it_and_gets_its_tokens_alone) {
+    rk_service *svc = open_svc_steps(NULL, 3);
+    rk_request *ref = tokens_alone(SHARED_PROMPT, 8);
+
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_request *a = prepare(svc, LONG_PROMPT, 40);
+    cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_request *b = prepare(svc, SHORT_PROMPT, 8);
+    uint64_t computes_before = computes_now(svc);
+    cr_assert_eq(rk_pipeline_join(p, &b, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(b->n_out, 0, "b's chunks take more than one step of 3 tokens");
+    int a_out = a->n_out;
+    cr_assert_eq(a_out, 2, "a decoded beside b's chunk work");
+
+    rk_request *c = prepare(svc, SHARED_PROMPT, 8);
+    cr_assert_eq(rk_pipeline_join(p, &c, 1), RK_OK, "%s", rk_error_message());
+    steps_to_first_token(p, c, 400);
+    cr_assert_gt(c->n_out, 0);
+    step_until_idle(p);
+    cr_assert_eq(computes_now(svc) - computes_before, 2, "b's two chunks were computed once each");
+    cr_assert_eq(c->chunk_reports[0].status, RK_CHUNK_STATUS_MISS,
+                 "c waited for b's computation: not a hit");
+    cr_assert_eq(c->n_out, 8);
+    cr_assert_arr_eq(c->out_tokens, ref->out_tokens, 8 * sizeof(int32_t),
+                     "the request that shared the chunk gets its tokens alone");
+    cr_assert_eq(a->n_out, 40);
+    rk_pipeline_free(p);
+    request_free(ref);
+    request_free(a);
+    request_free(b);
+    request_free(c);
+    rk_service_close(svc);
+}
+
+/* A request cancelled in the middle of its chunk leaves no half-computed
+ * entry: alone, the entry goes with it and every block comes back; with a
+ * request waiting for the same chunk, that one carries the computation on
+ * and gets its tokens alone. */
+Test(pipeline, a_chunk_owner_cancelled_mid_chunk_leaves_nothing_half_computed) {
+    rk_service *svc = open_svc_steps(NULL, 3);
+    rk_request *ref = tokens_alone(SHARED_PROMPT, 8);
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    int chunk_free = rk_arena_pool_free(svc->arena, RK_POOL_CHUNK);
+    uint64_t entries = entries_now(svc);
+
+    /* Alone: cancelled after one slice of its chunks. */
+    rk_request *b = prepare(svc, SHORT_PROMPT, 8);
+    cr_assert_eq(rk_pipeline_join(p, &b, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(b->n_out, 0);
+    cr_assert_gt(entries_now(svc), entries, "b's entries are pending");
+    b->cancel = 1;
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert(b->finished);
+    cr_assert_eq(b->finish_reason, RK_FINISH_CANCELLED);
+    cr_assert_eq(entries_now(svc), entries, "no half-computed entry is left");
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_CHUNK), chunk_free,
+                 "every chunk block came back");
+    assert_live_pool_back(svc);
+
+    /* With a waiter: b2 starts the chunk, c joins and waits, b2 is
+     * cancelled, c finishes the chunk and gets its tokens alone. */
+    rk_request *b2 = prepare(svc, SHORT_PROMPT, 8);
+    cr_assert_eq(rk_pipeline_join(p, &b2, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    rk_request *c = prepare(svc, SHARED_PROMPT, 8);
+    cr_assert_eq(rk_pipeline_join(p, &c, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(c->n_out, 0);
+    b2->cancel = 1;
+    step_until_idle(p);
+    cr_assert(b2->finished && c->finished);
+    cr_assert_eq(c->n_out, 8);
+    cr_assert_arr_eq(c->out_tokens, ref->out_tokens, 8 * sizeof(int32_t),
+                     "the waiter that carried the chunk on gets its tokens alone");
+    /* What is left is ready entries only: a repeat of c hits them. */
+    rk_request *d = prepare(svc, SHARED_PROMPT, 8);
+    d->opt.reuse_sequences = 0;
+    cr_assert_eq(rk_pipeline_join(p, &d, 1), RK_OK, "%s", rk_error_message());
+    step_until_idle(p);
+    cr_assert_eq(d->chunk_reports[0].status, RK_CHUNK_STATUS_HIT);
+    cr_assert_arr_eq(d->out_tokens, ref->out_tokens, 8 * sizeof(int32_t));
+    assert_live_pool_back(svc);
+    rk_pipeline_free(p);
+    request_free(ref);
+    request_free(b);
+    request_free(b2);
+    request_free(c);
+    request_free(d);
+    rk_service_close(svc);
+}
+
+/* A request preempted while its chunks are computed (the live pool ran dry
+ * for a decoding request) leaves no half-computed entry either, and
+ * resumes from the start of its chunks with its tokens alone. */
+Test(pipeline, a_chunk_owner_preempted_mid_chunk_leaves_nothing_half_computed) {
+    rk_service *svc = open_svc_steps(NULL, 1);
+    rk_request *ref = tokens_alone(SHORT_PROMPT, 8);
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    uint64_t entries = entries_now(svc);
+    int chunk_free = rk_arena_pool_free(svc->arena, RK_POOL_CHUNK);
+    rk_request *a = prepare(svc, LONG_PROMPT, 200);
+    cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
+    uint64_t entries_a = entries_now(svc);
+    rk_request *b = prepare(svc, SHORT_PROMPT, 8);
+    cr_assert_eq(rk_pipeline_join(p, &b, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(b->n_out, 0, "b computes its chunks a token a step");
+    /* Take what is left of the live pool: a's next block preempts b. */
+    int n_free = rk_arena_pool_free(svc->arena, RK_POOL_LIVE);
+    int32_t *taken = malloc((size_t)(n_free ? n_free : 1) * sizeof *taken);
+    cr_assert_eq(rk_arena_alloc(svc->arena, RK_POOL_LIVE, n_free, taken), RK_OK);
+    rk_request *back = NULL;
+    for (int i = 0; i < 200 && !back; i++) {
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+        rk_pipeline_take_preempted(p, &back, 1);
+    }
+    cr_assert_eq(back, b, "b was preempted before its chunks were done");
+    cr_assert_eq(b->n_out, 0);
+    cr_assert_eq(entries_now(svc), entries_a, "b's half-computed entries are gone");
+    cr_assert_eq(rk_arena_release(svc->arena, taken, n_free), RK_OK);
+    free(taken);
+    /* Resumed, it computes its chunks again and gets its tokens alone. */
+    cr_assert_eq(rk_pipeline_join(p, &b, 1), RK_OK, "%s", rk_error_message());
+    a->cancel = 1;
+    step_until_idle(p);
+    cr_assert_eq(b->n_out, 8);
+    cr_assert_arr_eq(b->out_tokens, ref->out_tokens, 8 * sizeof(int32_t));
+    cr_assert_eq(b->preemptions, 1);
+    rk_chunk_index_flush(svc->chunks);
+    cr_assert_eq(entries_now(svc), entries);
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_CHUNK), chunk_free,
+                 "every chunk block came back");
+    assert_live_pool_back(svc);
+    rk_pipeline_free(p);
+    request_free(ref);
+    request_free(a);
+    request_free(b);
+    rk_service_close(svc);
+}
+
+/* Run r alone through rk_pipeline_join and the steps (the serving path),
+ * its logits in log's first row. */
+static void run_joined(rk_service *svc, rk_request *r, logit_log *log) {
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_pipeline_hooks h = {.ctx = log, .on_logits = keep_logits};
+    cr_assert_eq(rk_pipeline_join(p, &r, 1), RK_OK, "%s", rk_error_message());
+    for (int i = 0; i < 4000 && rk_pipeline_n_running(p) > 0; i++)
+        cr_assert_eq(rk_pipeline_step(p, &h), RK_OK, "%s", rk_error_message());
+    cr_assert(r->finished);
+    rk_pipeline_free(p);
+}
+
+static const char *STORY = "You are a storyteller.##Lily had a red ball. She liked to play with "
+                           "it in the garden every day.##Tom had a big dog named Max. Max liked "
+                           "to run and bark at the birds.##One day";
+
+/* Through the steps, with step budgets of 1, 7, 64 tokens and none, the
+ * first run (its chunks computed a slice a step) and the cached second run
+ * equal the oracle in every context and position mode: the same greedy
+ * tokens, logits within 1e-4 of their scale. */
+Test(pipeline, stepped_chunks_equal_the_oracle_at_every_budget_in_every_mode, .timeout = 300) {
+    enum { N = 8 };
+    static const int budgets[] = {1, 7, 64, 0};
+    for (int bi = 0; bi < 4; bi++) {
+        /* f32 KV: the oracle's keys are not rounded where the cache's are. */
+        rk_config cfg = small_config();
+        cfg.step_tokens = budgets[bi];
+        snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
+        rk_service *svc;
+        cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+        for (int ctx = 0; ctx < 3; ctx++)
+            for (int par = 0; par < 2; par++) {
+                rk_chunk_index_flush(svc->chunks);
+                rk_request *r[3];
+                logit_log log[3] = {{0}};
+                for (int i = 0; i < 3; i++) {
+                    r[i] = prepare(svc, STORY, N);
+                    r[i]->opt.chunk_context = (rk_chunk_context)ctx;
+                    r[i]->opt.positions = par ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
+                    r[i]->opt.prefix_cache = 0; /* the chunk cache alone */
+                }
+                r[2]->opt.chunk_cache = 0; /* the oracle */
+                for (int i = 0; i < 3; i++) run_joined(svc, r[i], &log[i]);
+                for (int k = 0; k < r[0]->n_chunks; k++) {
+                    cr_assert_eq(r[0]->chunk_reports[k].status, RK_CHUNK_STATUS_MISS);
+                    cr_assert_eq(r[1]->chunk_reports[k].status, RK_CHUNK_STATUS_HIT);
+                }
+                for (int i = 0; i < 2; i++) {
+                    cr_assert_arr_eq(r[i]->out_tokens, r[2]->out_tokens, N * sizeof(int32_t),
+                                     "budget %d ctx %d par %d run %d: tokens differ from the "
+                                     "oracle",
+                                     budgets[bi], ctx, par, i);
+                    for (int st = 0; st < N; st++) {
+                        double d =
+                            rel_diff(log[i].logits[0][st], log[2].logits[0][st], log[2].n_vocab);
+                        cr_assert_leq(d, 1e-4, "budget %d ctx %d par %d run %d step %d: %g",
+                                      budgets[bi], ctx, par, i, st, d);
+                    }
+                }
+                for (int i = 0; i < 3; i++) {
+                    request_free(r[i]);
+                    log_free(&log[i]);
+                }
+            }
+        cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
+                     rk_arena_pool_total(svc->arena, RK_POOL_LIVE));
+        rk_service_close(svc);
+    }
 }
 
 Test(pipeline, a_prompt_the_live_pool_cannot_hold_is_refused_and_the_running_ones_go_on) {
