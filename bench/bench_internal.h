@@ -14,8 +14,8 @@
  *   httpclient.c     the loopback HTTP client (httpclient.h)
  *   report.c         summaries, invariants, the table and the JSON object
  *   svg.c            the SVG plot
- *   eval.c           `ragkv eval` (eval.h), which shares the usage error and
- *                    the SVG text
+ *   eval*.c          `ragkv eval` (eval.h; its files share eval_internal.h),
+ *                    which shares the usage error and the SVG text
  *
  * Private to bench/. One `bench` lives for one run and is used by one thread,
  * except the HTTP runner's workers, which each write their own req_result. */

@@ -1,8 +1,11 @@
 /* bench/eval.c — see eval.h.
  *
  * Layout: options and the --configs syntax; the prompt file; one request run
- * with its hooks; the metrics; the held-out set generator; the table, the
- * JSON object and the SVG plot; rk_eval_main.
+ * with its hooks; the service of a run and the evaluation's cleanup; the
+ * held-out set generator; rk_eval_main. The reference runs and the metrics
+ * are in eval_ref.c, the --task accuracy mode in eval_task.c, the table, the
+ * JSON object and the SVG plot in eval_report.c; eval_internal.h holds what
+ * they share.
  *
  * Every configuration runs on a service of its own, opened from scratch, so
  * its chunk and prefix caches start empty: what one configuration computed
@@ -24,14 +27,10 @@
 #include <unistd.h>
 
 #include "bench/bench_internal.h"
-#include "bench/score.h"
+#include "bench/eval_internal.h"
 #include "engine/tokenizer.h"
 #include "pipeline/pipeline.h"
 #include "pipeline/split.h"
-
-#define MAX_CONFIGS  32
-#define MAX_TYPES    16   /* record types --task breaks results down by */
-#define SPLIT_CHUNKS 4096 /* any number of chunks a prompt file line may hold */
 
 #define DEFAULT_CONFIGS                                                                            \
     "none,first_k:1,first_k:2,first_k:4,first_k:8,first_k:16,deviation:0.02,deviation:0.05,"       \
@@ -42,46 +41,8 @@
 
 /* ---------------------------------------------------------------- options */
 
-typedef enum family {
-    FAM_PLAIN,
-    FAM_NONE,
-    FAM_FIRST_K,
-    FAM_DEVIATION,
-    FAM_QUERY,
-    N_FAMILIES
-} family;
-static const char *const k_family_names[N_FAMILIES] = {"plain", "none", "first_k", "deviation",
-                                                       "query"};
-
-typedef struct eval_config {
-    char name[40];
-    family fam;
-    int k;        /* first_k */
-    double ratio; /* deviation, query */
-} eval_config;
-
-typedef struct eval_opts {
-    const char *model; /* NULL = the embedded model */
-    const char *prompts;
-    const char *make_set;
-    const char *plot;
-    const char *task, *calibrate;
-    char model_arg[1024], prompts_arg[4096], make_set_arg[4096], plot_arg[4096]; /* "" = none */
-    char task_arg[4096], calibrate_arg[4096], chunk_sep[64];
-    int chunk_tokens; /* LongBench contexts: cut into pieces of this many tokens (0 = off) */
-    double max_loss;  /* --calibrate: accuracy points a configuration may lose against plain */
-    int configs_given;
-    char context_arg[16]; /* what the cached chunks are computed after */
-    rk_chunk_context context;
-    int set_size;
-    long long seed;
-    rk_config cfg;
-    char ref_dtype[8]; /* KV type of the reference ("" = cfg.kv_dtype) */
-    eval_config configs[MAX_CONFIGS];
-    int n_configs;
-    int n_tokens;
-    int json;
-} eval_opts;
+const char *const rk_eval_family_names[N_FAMILIES] = {"plain", "none", "first_k", "deviation",
+                                                      "query"};
 
 static const char *k_help =
     "usage: ragkv eval --prompts FILE [options]\n"
@@ -293,11 +254,6 @@ static int parse_args(int argc, char **argv, eval_opts *o, int *out_exit) {
 
 /* ---------------------------------------------------------------- the prompt file */
 
-typedef struct prompt_set {
-    rk_split *p; /* (n) */
-    int n, max_chunks;
-} prompt_set;
-
 static void prompt_set_free(prompt_set *s) {
     for (int i = 0; i < s->n; i++) rk_split_free(&s->p[i]);
     free(s->p);
@@ -305,7 +261,7 @@ static void prompt_set_free(prompt_set *s) {
 }
 
 /* One JSON line into pieces; line is its 1-based number for messages. */
-static rk_status parse_line(json_t *o, const char *path, int line, rk_split *out) {
+rk_status rk_eval_parse_line(json_t *o, const char *path, int line, rk_split *out) {
     json_t *prompt = json_object_get(o, "prompt");
     if (json_is_string(prompt))
         return rk_split_prompt(json_string_value(prompt), json_string_length(prompt), "##",
@@ -335,9 +291,10 @@ static rk_status parse_line(json_t *o, const char *path, int line, rk_split *out
 
 /* Call each(o, path, line number, ctx) for every line of path, a JSON object
  * (blank lines skipped); the first error stops it. */
-static rk_status each_json_line(const char *path,
-                                rk_status (*each)(json_t *o, const char *path, int line, void *ctx),
-                                void *ctx) {
+rk_status rk_eval_each_json_line(const char *path,
+                                 rk_status (*each)(json_t *o, const char *path, int line,
+                                                   void *ctx),
+                                 void *ctx) {
     FILE *f = fopen(path, "r");
     if (!f) return rk_errorf(RK_ERR_IO, "%s: %s", path, strerror(errno));
     char *line = NULL;
@@ -364,7 +321,7 @@ static rk_status each_json_line(const char *path,
 }
 
 /* Grow *arr (of *cap elements of size each) to hold n + 1. */
-static rk_status grow_for(void **arr, int *cap, int n, size_t size) {
+rk_status rk_eval_grow_for(void **arr, int *cap, int n, size_t size) {
     if (n < *cap) return RK_OK;
     int nc = *cap ? 2 * *cap : 64;
     void *np = realloc(*arr, (size_t)nc * size);
@@ -382,8 +339,8 @@ typedef struct prompt_loader {
 static rk_status add_prompt(json_t *o, const char *path, int line, void *ctx) {
     prompt_loader *l = ctx;
     prompt_set *s = l->s;
-    rk_status st = grow_for((void **)&s->p, &l->cap, s->n, sizeof *s->p);
-    if (!st && !(st = parse_line(o, path, line, &s->p[s->n]))) {
+    rk_status st = rk_eval_grow_for((void **)&s->p, &l->cap, s->n, sizeof *s->p);
+    if (!st && !(st = rk_eval_parse_line(o, path, line, &s->p[s->n]))) {
         if (s->p[s->n].n_chunks > s->max_chunks) s->max_chunks = s->p[s->n].n_chunks;
         s->n++;
     }
@@ -393,21 +350,13 @@ static rk_status add_prompt(json_t *o, const char *path, int line, void *ctx) {
 static rk_status load_prompts(const char *path, prompt_set *s) {
     memset(s, 0, sizeof *s);
     prompt_loader l = {s, 0};
-    rk_status st = each_json_line(path, add_prompt, &l);
+    rk_status st = rk_eval_each_json_line(path, add_prompt, &l);
     if (!st && s->n == 0) st = rk_errorf(RK_ERR_INVALID, "%s: no prompts", path);
     if (st) prompt_set_free(s);
     return st;
 }
 
 /* ---------------------------------------------------------------- one run */
-
-/* What the hooks see: the tokens to force (NULL = free running) and where
- * to keep each step's log-softmax. */
-typedef struct run_ctx {
-    const int32_t *force;
-    int n_steps, n_vocab;
-    double *logp; /* (n_steps, n_vocab), NULL = not kept */
-} run_ctx;
 
 static void log_softmax(const float *x, int n, double *out) {
     double mx = x[0], sum = 0;
@@ -430,21 +379,14 @@ static int32_t force(void *ctx, int req, int step) {
     return c->force && step < c->n_steps ? c->force[step] : -1;
 }
 
-typedef struct run_out {
-    int32_t *tokens; /* (n_steps) */
-    int n_out, recomputed, prompt_tokens, chunk_tokens, n_chunks;
-    int *chunk_lens; /* (n_chunks) */
-    double total_ms;
-} run_out;
-
-static void run_out_free(run_out *o) {
+void rk_eval_run_out_free(run_out *o) {
     free(o->tokens);
     free(o->chunk_lens);
     memset(o, 0, sizeof *o);
 }
 
-static void config_options(const eval_config *c, int n_tokens, rk_chunk_context context,
-                           rk_req_options *opt) {
+void rk_eval_config_options(const eval_config *c, int n_tokens, rk_chunk_context context,
+                            rk_req_options *opt) {
     rk_req_options_default(opt);
     opt->chunk_context = context;
     opt->max_tokens = n_tokens;
@@ -470,8 +412,8 @@ static void config_options(const eval_config *c, int n_tokens, rk_chunk_context 
 }
 
 /* Run one prompt under opt; ctx says what to force and keep. */
-static rk_status run_prompt(rk_service *svc, const rk_split *p, const rk_req_options *opt,
-                            run_ctx *ctx, run_out *out) {
+rk_status rk_eval_run_prompt(rk_service *svc, const rk_split *p, const rk_req_options *opt,
+                             run_ctx *ctx, run_out *out) {
     memset(out, 0, sizeof *out);
     rk_request r = {.opt = *opt};
     rk_status st = rk_request_prepare(svc, p, &r);
@@ -482,7 +424,7 @@ static rk_status run_prompt(rk_service *svc, const rk_split *p, const rk_req_opt
         out->tokens = malloc((size_t)(r.n_out ? r.n_out : 1) * sizeof *out->tokens);
         out->chunk_lens = malloc((size_t)(r.n_chunks ? r.n_chunks : 1) * sizeof *out->chunk_lens);
         if (!out->tokens || !out->chunk_lens) {
-            run_out_free(out);
+            rk_eval_run_out_free(out);
             st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
         } else {
             memcpy(out->tokens, r.out_tokens, (size_t)r.n_out * sizeof *out->tokens);
@@ -501,113 +443,10 @@ static rk_status run_prompt(rk_service *svc, const rk_split *p, const rk_req_opt
     return st;
 }
 
-/* ---------------------------------------------------------------- metrics */
-
-/* One configuration on one prompt. */
-typedef struct prompt_result {
-    run_out forced, greedy;
-    double *kl; /* (n_steps) */
-    int *top1;  /* (n_steps) 1 = the config's argmax is the reference token */
-    int *rank;  /* (n_steps) 1-based rank of the reference token */
-    int agree;  /* greedy positions equal to the reference */
-    int prefix; /* greedy tokens equal to the reference before the first difference */
-} prompt_result;
-
-typedef struct config_result {
-    prompt_result *pr; /* (n_prompts) */
-    double first_top1, mean_top1, mean_kl, first_kl, max_kl, mean_rank, greedy_agree, mean_prefix,
-        recomputed_share, ms;
-    long recomputed, prompt_tokens;
-} config_result;
-
-/* Compare the configuration's log-softmax at every step with the reference's. */
-static void compare(const double *ref_logp, const int32_t *ref_tok, const double *logp, int steps,
-                    int n_vocab, prompt_result *pr) {
-    for (int s = 0; s < steps; s++) {
-        const double *a = ref_logp + (size_t)s * n_vocab, *b = logp + (size_t)s * n_vocab;
-        double kl = 0;
-        int above = 0;
-        for (int i = 0; i < n_vocab; i++) {
-            if (a[i] > -INFINITY) kl += exp(a[i]) * (a[i] - b[i]);
-            above += b[i] > b[ref_tok[s]];
-        }
-        /* Rounding can leave a tiny negative sum where the two agree. */
-        pr->kl[s] = kl > 0 ? kl : 0;
-        pr->rank[s] = above + 1;
-        pr->top1[s] = above == 0;
-    }
-}
-
-static void summarize(const eval_opts *o, int n_prompts, config_result *cr) {
-    int N = o->n_tokens;
-    double top1 = 0, kl = 0, rank = 0, agree = 0, prefix = 0, first = 0, first_kl = 0, ms = 0;
-    cr->max_kl = 0;
-    for (int j = 0; j < n_prompts; j++) {
-        const prompt_result *pr = &cr->pr[j];
-        first += pr->top1[0];
-        first_kl += pr->kl[0];
-        for (int s = 0; s < N; s++) {
-            top1 += pr->top1[s];
-            kl += pr->kl[s];
-            rank += pr->rank[s];
-            cr->max_kl = fmax(cr->max_kl, pr->kl[s]);
-        }
-        agree += (double)pr->agree / N;
-        prefix += pr->prefix;
-        ms += pr->greedy.total_ms;
-        cr->recomputed += pr->greedy.recomputed;
-        cr->prompt_tokens += pr->greedy.prompt_tokens;
-    }
-    double n = n_prompts, ns = (double)n_prompts * N;
-    cr->first_top1 = first / n;
-    cr->first_kl = first_kl / n;
-    cr->mean_top1 = top1 / ns;
-    cr->mean_kl = kl / ns;
-    cr->mean_rank = rank / ns;
-    cr->greedy_agree = agree / n;
-    cr->mean_prefix = prefix / n;
-    cr->ms = ms / n;
-    cr->recomputed_share = cr->prompt_tokens ? (double)cr->recomputed / cr->prompt_tokens : 0;
-}
-
 /* ---------------------------------------------------------------- the evaluation */
 
-/* A --task record: its pieces, accepted answers and type. */
-typedef struct task_rec {
-    rk_split p;
-    char **answers; /* (n_answers) */
-    int n_answers;
-    int type; /* index into eval.type_names, -1 = none */
-} task_rec;
-
-/* One configuration over the --task records. */
-typedef struct task_result {
-    char **pred; /* (n_tasks) the answer as generated, cut at a newline */
-    int *em;     /* (n_tasks) */
-    double *f1;  /* (n_tasks) */
-    double acc, f1_mean, type_acc[MAX_TYPES], type_f1[MAX_TYPES], share, ms;
-    long recomputed, prompt_tokens;
-} task_result;
-
-typedef struct eval {
-    eval_opts o;
-    prompt_set ps;
-    task_rec *tasks; /* (n_tasks) --task */
-    int n_tasks, n_types;
-    char type_names[MAX_TYPES][32];
-    int type_count[MAX_TYPES];
-    task_result *tres; /* (n_configs) --task */
-    int bad_input;     /* --task: the records file was refused (exit 2) */
-    char model_desc[96];
-    int n_vocab;
-    double *ref_logp;  /* (n_prompts, N, n_vocab) */
-    run_out *ref;      /* (n_prompts) */
-    double ref_ms;     /* mean total_ms of the reference runs */
-    config_result *cr; /* (n_configs) */
-} eval;
-
 /* The service of the configurations, or with ref set the reference's. */
-static rk_status open_service(const eval *e, int ref, rk_service **svc) {
+rk_status rk_eval_open_service(const eval *e, int ref, rk_service **svc) {
     rk_config cfg = e->o.cfg;
     if (ref && e->o.ref_dtype[0]) snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "%s", e->o.ref_dtype);
     if (cfg.max_chunks < e->ps.max_chunks) cfg.max_chunks = e->ps.max_chunks;
@@ -615,94 +454,12 @@ static rk_status open_service(const eval *e, int ref, rk_service **svc) {
     return st ? st : rk_service_open(&cfg, e->o.model, svc);
 }
 
-static rk_status run_reference(eval *e) {
-    int N = e->o.n_tokens, P = e->ps.n;
-    rk_service *svc;
-    rk_status st = open_service(e, 1, &svc);
-    if (st) return st;
-    const rk_hparams *hp = rk_model_hparams(svc->model);
-    e->n_vocab = hp->n_vocab;
-    const char *base = e->o.model ? strrchr(e->o.model, '/') : NULL;
-    snprintf(e->model_desc, sizeof e->model_desc, "%s",
-             !e->o.model ? "ragkv tiny (embedded)"
-             : base      ? base + 1
-                         : e->o.model);
-    e->ref_logp = malloc((size_t)P * N * e->n_vocab * sizeof *e->ref_logp);
-    e->ref = calloc((size_t)P, sizeof *e->ref);
-    if (!e->ref_logp || !e->ref) st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-    eval_config plain = {.fam = FAM_PLAIN};
-    rk_req_options opt;
-    config_options(&plain, N, e->o.context, &opt);
-    double ms = 0;
-    for (int j = 0; j < P && !st; j++) {
-        run_ctx ctx = {
-            .n_steps = N, .n_vocab = e->n_vocab, .logp = e->ref_logp + (size_t)j * N * e->n_vocab};
-        st = run_prompt(svc, &e->ps.p[j], &opt, &ctx, &e->ref[j]);
-        if (!st && e->ref[j].n_out != N)
-            st = rk_errorf(RK_ERR_INTERNAL, "eval: prompt %d gave %d tokens, not %d", j + 1,
-                           e->ref[j].n_out, N);
-        ms += st ? 0 : e->ref[j].total_ms;
-    }
-    e->ref_ms = ms / P;
-    rk_service_close(svc);
-    return st;
-}
-
-static rk_status run_config(eval *e, int ci) {
-    int N = e->o.n_tokens, P = e->ps.n, V = e->n_vocab;
-    config_result *cr = &e->cr[ci];
-    cr->pr = calloc((size_t)P, sizeof *cr->pr);
-    double *logp = malloc((size_t)N * V * sizeof *logp);
-    if (!cr->pr || !logp) {
-        free(logp);
-        return rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-    }
-    rk_service *svc;
-    rk_status st = open_service(e, 0, &svc);
-    if (st) {
-        free(logp);
-        return st;
-    }
-    rk_req_options opt;
-    config_options(&e->o.configs[ci], N, e->o.context, &opt);
-    for (int j = 0; j < P && !st; j++) {
-        prompt_result *pr = &cr->pr[j];
-        const int32_t *ref_tok = e->ref[j].tokens;
-        pr->kl = calloc((size_t)N, sizeof *pr->kl);
-        pr->top1 = calloc((size_t)N, sizeof *pr->top1);
-        pr->rank = calloc((size_t)N, sizeof *pr->rank);
-        if (!pr->kl || !pr->top1 || !pr->rank) {
-            st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-            break;
-        }
-        run_ctx forced = {.force = ref_tok, .n_steps = N, .n_vocab = V, .logp = logp};
-        run_ctx free_run = {.n_steps = N, .n_vocab = V};
-        if ((st = run_prompt(svc, &e->ps.p[j], &opt, &forced, &pr->forced)) ||
-            (st = run_prompt(svc, &e->ps.p[j], &opt, &free_run, &pr->greedy)))
-            break;
-        if (pr->forced.n_out != N || pr->greedy.n_out != N) {
-            st = rk_errorf(RK_ERR_INTERNAL, "eval: %s gave fewer than %d tokens",
-                           e->o.configs[ci].name, N);
-            break;
-        }
-        compare(e->ref_logp + (size_t)j * N * V, ref_tok, logp, N, V, pr);
-        while (pr->prefix < N && pr->greedy.tokens[pr->prefix] == ref_tok[pr->prefix]) pr->prefix++;
-        for (int s = 0; s < N; s++) pr->agree += pr->greedy.tokens[s] == ref_tok[s];
-    }
-    rk_service_close(svc);
-    free(logp);
-    if (!st) summarize(&e->o, P, cr);
-    return st;
-}
-
-static void task_rec_free(task_rec *t);
-
 static void eval_free(eval *e) {
     for (int ci = 0; e->cr && ci < e->o.n_configs; ci++) {
         for (int j = 0; e->cr[ci].pr && j < e->ps.n; j++) {
             prompt_result *pr = &e->cr[ci].pr[j];
-            run_out_free(&pr->forced);
-            run_out_free(&pr->greedy);
+            rk_eval_run_out_free(&pr->forced);
+            rk_eval_run_out_free(&pr->greedy);
             free(pr->kl);
             free(pr->top1);
             free(pr->rank);
@@ -710,7 +467,7 @@ static void eval_free(eval *e) {
         free(e->cr[ci].pr);
     }
     free(e->cr);
-    for (int j = 0; e->ref && j < e->ps.n; j++) run_out_free(&e->ref[j]);
+    for (int j = 0; e->ref && j < e->ps.n; j++) rk_eval_run_out_free(&e->ref[j]);
     free(e->ref);
     free(e->ref_logp);
     prompt_set_free(&e->ps);
@@ -721,376 +478,8 @@ static void eval_free(eval *e) {
         free(e->tres[ci].f1);
     }
     free(e->tres);
-    for (int j = 0; j < e->n_tasks; j++) task_rec_free(&e->tasks[j]);
+    for (int j = 0; j < e->n_tasks; j++) rk_eval_task_rec_free(&e->tasks[j]);
     free(e->tasks);
-}
-
-/* ---------------------------------------------------------------- --task */
-
-static void task_rec_free(task_rec *t) {
-    rk_split_free(&t->p);
-    for (int i = 0; i < t->n_answers; i++) free(t->answers[i]);
-    free(t->answers);
-    memset(t, 0, sizeof *t);
-}
-
-/* The answers of a record: "answers" (a string or an array of strings) or
- * "answer". */
-static rk_status task_answers(json_t *o, const char *path, int line, task_rec *t) {
-    json_t *a = json_object_get(o, "answers");
-    if (!a) a = json_object_get(o, "answer");
-    size_t n = json_is_array(a) ? json_array_size(a) : json_is_string(a) ? 1 : 0;
-    if (n == 0)
-        return rk_errorf(RK_ERR_INVALID,
-                         "%s:%d: want \"answers\" (a string or a non-empty array of strings) or "
-                         "\"answer\"",
-                         path, line);
-    t->answers = calloc(n, sizeof *t->answers);
-    if (!t->answers) return rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-    for (size_t i = 0; i < n; i++) {
-        json_t *v = json_is_array(a) ? json_array_get(a, i) : a;
-        if (!json_is_string(v))
-            return rk_errorf(RK_ERR_INVALID, "%s:%d: answer %zu is not a string", path, line, i);
-        if (!(t->answers[i] = strdup(json_string_value(v))))
-            return rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-        t->n_answers++;
-    }
-    return RK_OK;
-}
-
-/* A LongBench context cut into chunks: at sep, or every n_tok tokens of tok
- * (each piece decoded back to text). *out: malloc'ed strings. */
-static rk_status cut_context(const char *ctx, const char *sep, int n_tok, const rk_tokenizer *tok,
-                             char ***out, int *n_out) {
-    char **c = NULL;
-    int n = 0, cap = 0;
-    rk_status st = RK_OK;
-    int32_t *ids = NULL;
-    size_t n_ids = 0;
-    if (!sep && (st = rk_tokenizer_encode(tok, ctx, strlen(ctx), 0, &ids, &n_ids))) return st;
-    const char *p = ctx;
-    for (size_t at = 0; !st;) {
-        char *piece = NULL;
-        size_t len;
-        if (sep) {
-            const char *q = strstr(p, sep);
-            len = q ? (size_t)(q - p) : strlen(p);
-            piece = strndup(p, len);
-            if (!piece) st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-            p = q ? q + strlen(sep) : NULL;
-        } else {
-            if (at >= n_ids) break;
-            size_t m = n_ids - at < (size_t)n_tok ? n_ids - at : (size_t)n_tok;
-            st = rk_tokenizer_decode(tok, ids + at, m, 0, 0, &piece, &len);
-            at += m;
-        }
-        if (!st && n == cap) {
-            cap = cap ? 2 * cap : 16;
-            char **nc = realloc(c, (size_t)cap * sizeof *nc);
-            if (!nc)
-                st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-            else
-                c = nc;
-        }
-        if (st) {
-            free(piece);
-            break;
-        }
-        c[n++] = piece;
-        if (sep && !p) break;
-    }
-    free(ids);
-    if (st) {
-        for (int i = 0; i < n; i++) free(c[i]);
-        free(c);
-        return st;
-    }
-    *out = c;
-    *n_out = n;
-    return RK_OK;
-}
-
-/* One --task line: the structured form, or LongBench's (input, context cut
- * into chunks, no system prompt). */
-static rk_status task_line(eval *e, json_t *o, const char *path, int line, const rk_tokenizer *tok,
-                           task_rec *t) {
-    memset(t, 0, sizeof *t);
-    t->type = -1;
-    rk_status st = task_answers(o, path, line, t);
-    json_t *in = json_object_get(o, "input"), *ctx = json_object_get(o, "context");
-    if (!st && json_is_string(in) && json_is_string(ctx)) {
-        if (!e->o.chunk_tokens && !e->o.chunk_sep[0])
-            st = rk_errorf(RK_ERR_INVALID,
-                           "%s:%d: a LongBench record (input, context) needs --chunk-tokens N or "
-                           "--chunk-sep STR to cut its context into chunks",
-                           path, line);
-        char **c = NULL;
-        int n = 0;
-        if (!st)
-            st = cut_context(json_string_value(ctx), e->o.chunk_sep[0] ? e->o.chunk_sep : NULL,
-                             e->o.chunk_tokens, tok, &c, &n);
-        if (!st)
-            st = rk_split_structured(NULL, (const char *const *)c, n, json_string_value(in),
-                                     SPLIT_CHUNKS, &t->p);
-        for (int i = 0; i < n; i++) free(c[i]);
-        free(c);
-    } else if (!st) {
-        st = parse_line(o, path, line, &t->p);
-    }
-    json_t *type = json_object_get(o, "type");
-    if (!st && type && !json_is_string(type))
-        st = rk_errorf(RK_ERR_INVALID, "%s:%d: \"type\" must be a string", path, line);
-    if (!st && type) {
-        const char *name = json_string_value(type);
-        int k = 0;
-        while (k < e->n_types && strcmp(e->type_names[k], name)) k++;
-        if (k == MAX_TYPES || strlen(name) >= sizeof e->type_names[0])
-            st = rk_errorf(RK_ERR_LIMIT, "%s:%d: at most %d types of up to 31 bytes", path, line,
-                           MAX_TYPES);
-        else {
-            if (k == e->n_types) snprintf(e->type_names[e->n_types++], 32, "%s", name);
-            t->type = k;
-            e->type_count[k]++;
-        }
-    }
-    if (st) task_rec_free(t);
-    return st;
-}
-
-typedef struct task_loader {
-    eval *e;
-    const rk_tokenizer *tok;
-    int cap;
-} task_loader;
-
-static rk_status add_task(json_t *o, const char *path, int line, void *ctx) {
-    task_loader *l = ctx;
-    eval *e = l->e;
-    rk_status st = grow_for((void **)&e->tasks, &l->cap, e->n_tasks, sizeof *e->tasks);
-    if (!st && !(st = task_line(e, o, path, line, l->tok, &e->tasks[e->n_tasks]))) {
-        int nc = e->tasks[e->n_tasks].p.n_chunks;
-        if (nc > e->ps.max_chunks) e->ps.max_chunks = nc;
-        e->n_tasks++;
-    }
-    return st;
-}
-
-static rk_status load_tasks(eval *e, const rk_tokenizer *tok) {
-    task_loader l = {e, tok, 0};
-    rk_status st = each_json_line(e->o.task, add_task, &l);
-    if (!st && e->n_tasks == 0) st = rk_errorf(RK_ERR_INVALID, "%s: no records", e->o.task);
-    return st;
-}
-
-/* Score one generated answer against a record's answers: the best over them. */
-static rk_status score_answer(const task_rec *t, const char *pred, int *em, double *f1) {
-    *em = 0;
-    *f1 = 0;
-    for (int i = 0; i < t->n_answers; i++) {
-        int x = rk_score_exact(pred, t->answers[i]);
-        double y = rk_score_f1(pred, t->answers[i]);
-        if (x < 0 || y < 0) return rk_errorf(RK_ERR_NOMEM, "eval: out of memory scoring");
-        *em = x > *em ? x : *em;
-        *f1 = y > *f1 ? y : *f1;
-    }
-    return RK_OK;
-}
-
-/* Every record under configuration ci on a fresh service: a first run
- * computes (and caches) its chunks, the second, measured one answers. */
-static rk_status run_task_config(eval *e, int ci) {
-    const eval_config *c = &e->o.configs[ci];
-    task_result *tr = &e->tres[ci];
-    int P = e->n_tasks;
-    tr->pred = calloc((size_t)P, sizeof *tr->pred);
-    tr->em = calloc((size_t)P, sizeof *tr->em);
-    tr->f1 = calloc((size_t)P, sizeof *tr->f1);
-    if (!tr->pred || !tr->em || !tr->f1) return rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-    rk_service *svc;
-    rk_status st = open_service(e, 0, &svc);
-    if (st) return st;
-    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
-    int V = rk_model_hparams(svc->model)->n_vocab;
-    rk_req_options opt;
-    config_options(c, e->o.n_tokens, e->o.context, &opt);
-    opt.stop_at_eog = 1;
-    double ms = 0, em_t[MAX_TYPES] = {0}, f1_t[MAX_TYPES] = {0}, em = 0, f1 = 0;
-    for (int j = 0; j < P && !st; j++) {
-        const task_rec *t = &e->tasks[j];
-        run_ctx ctx = {.n_steps = e->o.n_tokens, .n_vocab = V};
-        run_out warm, out;
-        if (c->fam != FAM_PLAIN) {
-            if ((st = run_prompt(svc, &t->p, &opt, &ctx, &warm))) break;
-            run_out_free(&warm);
-        }
-        if ((st = run_prompt(svc, &t->p, &opt, &ctx, &out))) break;
-        size_t len;
-        st = rk_tokenizer_decode(tok, out.tokens, (size_t)out.n_out, 0, 1, &tr->pred[j], &len);
-        if (!st) {
-            char *nl = strchr(tr->pred[j], '\n');
-            if (nl) *nl = '\0';
-            st = score_answer(t, tr->pred[j], &tr->em[j], &tr->f1[j]);
-        }
-        if (!st) {
-            em += tr->em[j];
-            f1 += tr->f1[j];
-            if (t->type >= 0) {
-                em_t[t->type] += tr->em[j];
-                f1_t[t->type] += tr->f1[j];
-            }
-            ms += out.total_ms;
-            tr->recomputed += out.recomputed;
-            tr->prompt_tokens += out.prompt_tokens;
-        }
-        run_out_free(&out);
-    }
-    rk_service_close(svc);
-    tr->acc = em / P;
-    tr->f1_mean = f1 / P;
-    for (int k = 0; k < e->n_types; k++) {
-        tr->type_acc[k] = em_t[k] / e->type_count[k];
-        tr->type_f1[k] = f1_t[k] / e->type_count[k];
-    }
-    tr->ms = ms / P;
-    tr->share = tr->prompt_tokens ? (double)tr->recomputed / tr->prompt_tokens : 0;
-    return st;
-}
-
-static void print_task_table(const eval *e) {
-    printf("ragkv eval --task: %s, %d records, up to %d tokens each (stop at a newline or the end "
-           "of generation); exact match (EM) and F1, LongBench-normalised\n",
-           e->model_desc, e->n_tasks, e->o.n_tokens);
-    printf("%-16s %8s %8s", "config", "EM %", "F1 %");
-    for (int k = 0; k < e->n_types; k++) {
-        char h[48];
-        snprintf(h, sizeof h, "%.20s EM %%", e->type_names[k]);
-        printf(" %12s", h);
-    }
-    printf(" %12s %10s\n", "recomputed %", "ms/request");
-    for (int ci = 0; ci < e->o.n_configs; ci++) {
-        const task_result *t = &e->tres[ci];
-        printf("%-16s %8.2f %8.2f", e->o.configs[ci].name, 100 * t->acc, 100 * t->f1_mean);
-        for (int k = 0; k < e->n_types; k++) printf(" %12.2f", 100 * t->type_acc[k]);
-        printf(" %12.2f %10.2f\n", 100 * t->share, t->ms);
-    }
-    if (e->n_types) printf("types: ");
-    for (int k = 0; k < e->n_types; k++)
-        printf("%s %d%s", e->type_names[k], e->type_count[k], k + 1 < e->n_types ? ", " : "\n");
-}
-
-static json_t *task_json(const eval *e) {
-    json_t *root = json_pack("{s:s, s:s, s:i, s:i, s:s}", "model", e->model_desc, "task", e->o.task,
-                             "records", e->n_tasks, "tokens", e->o.n_tokens, "scoring",
-                             "LongBench normalised exact match and token F1, best over answers");
-    json_t *types = json_array(), *configs = json_array();
-    if (!root || !types || !configs) {
-        json_decref(types);
-        json_decref(configs);
-        json_decref(root);
-        return NULL;
-    }
-    json_object_set_new(root, "types", types);
-    json_object_set_new(root, "configs", configs);
-    for (int k = 0; k < e->n_types; k++)
-        json_array_append_new(
-            types, json_pack("{s:s, s:i}", "name", e->type_names[k], "records", e->type_count[k]));
-    for (int ci = 0; ci < e->o.n_configs; ci++) {
-        const eval_config *c = &e->o.configs[ci];
-        const task_result *t = &e->tres[ci];
-        json_t *per_type = json_object(), *answers = json_array();
-        for (int k = 0; per_type && k < e->n_types; k++)
-            json_object_set_new(per_type, e->type_names[k],
-                                json_pack("{s:f, s:f, s:i}", "exact_match", t->type_acc[k], "f1",
-                                          t->type_f1[k], "records", e->type_count[k]));
-        for (int j = 0; answers && j < e->n_tasks; j++)
-            json_array_append_new(answers, json_pack("{s:s, s:i, s:f}", "prediction", t->pred[j],
-                                                     "exact_match", t->em[j], "f1", t->f1[j]));
-        json_t *x = json_pack(
-            "{s:s, s:s, s:f, s:f, s:f, s:o, s:f, s:I, s:I, s:f, s:o}", "name", c->name, "family",
-            k_family_names[c->fam], "param", c->fam == FAM_FIRST_K ? (double)c->k : c->ratio,
-            "exact_match", t->acc, "f1", t->f1_mean, "per_type", per_type, "recomputed_share",
-            t->share, "recomputed_tokens", (json_int_t)t->recomputed, "prompt_tokens",
-            (json_int_t)t->prompt_tokens, "ms_per_request", t->ms, "answers", answers);
-        if (!x) {
-            json_decref(root);
-            return NULL;
-        }
-        json_array_append_new(configs, x);
-    }
-    return root;
-}
-
-/* --calibrate: the cheapest configuration (least recomputed share, then
- * least time) whose exact match, overall and for every type, is within
- * max_loss points of plain's; written with what it was chosen from. */
-static rk_status write_calibration(const eval *e, rk_service *svc) {
-    const eval_opts *o = &e->o;
-    int plain = -1, best = -1;
-    for (int ci = 0; ci < o->n_configs; ci++)
-        if (o->configs[ci].fam == FAM_PLAIN) plain = ci;
-    const task_result *p = &e->tres[plain];
-    json_t *cands = json_array();
-    for (int ci = 0; ci < o->n_configs; ci++) {
-        if (o->configs[ci].fam == FAM_PLAIN) continue;
-        const task_result *t = &e->tres[ci];
-        double loss = 100 * (p->acc - t->acc);
-        int ok = loss <= o->max_loss + 1e-9;
-        for (int k = 0; k < e->n_types; k++)
-            ok &= 100 * (p->type_acc[k] - t->type_acc[k]) <= o->max_loss + 1e-9;
-        json_array_append_new(cands,
-                              json_pack("{s:s, s:f, s:f, s:f, s:b}", "name", o->configs[ci].name,
-                                        "exact_match", t->acc, "recomputed_share", t->share,
-                                        "ms_per_request", t->ms, "within_budget", ok));
-        if (ok && (best < 0 || t->share < e->tres[best].share ||
-                   (t->share == e->tres[best].share && t->ms < e->tres[best].ms)))
-            best = ci;
-    }
-    if (best < 0) {
-        json_decref(cands);
-        return rk_errorf(RK_ERR_NOT_FOUND,
-                         "--calibrate: no configuration is within %.2f points of plain (%.2f %% "
-                         "exact match); nothing written",
-                         o->max_loss, 100 * p->acc);
-    }
-    json_t *root = json_pack(
-        "{s:i, s:s, s:s, s:s, s:s, s:i, s:f, s:f, s:{s:s, s:f, s:f, s:f}, s:o}",
-        "ragkv_repair_calibration", 1, "policy", o->configs[best].name, "model", e->model_desc,
-        "model_fingerprint", rk_model_fingerprint(svc->model), "task", o->task, "records",
-        e->n_tasks, "max_loss_points", o->max_loss, "plain_exact_match", p->acc, "chosen", "name",
-        o->configs[best].name, "exact_match", e->tres[best].acc, "recomputed_share",
-        e->tres[best].share, "ms_per_request", e->tres[best].ms, "candidates", cands);
-    if (!root) return rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-    int bad = json_dump_file(root, o->calibrate, JSON_INDENT(2) | JSON_REAL_PRECISION(6));
-    json_decref(root);
-    if (bad) return rk_errorf(RK_ERR_IO, "%s: cannot write the calibration", o->calibrate);
-    fprintf(stderr,
-            "ragkv eval: calibration: %s (%.2f %% exact match against plain's %.2f %%, "
-            "%.2f %% recomputed) written to %s\n",
-            o->configs[best].name, 100 * e->tres[best].acc, 100 * p->acc, 100 * e->tres[best].share,
-            o->calibrate);
-    return RK_OK;
-}
-
-/* The whole --task evaluation; the output as the options ask. */
-static rk_status run_task(eval *e) {
-    rk_service *svc;
-    rk_status st = open_service(e, 0, &svc);
-    if (st) return st;
-    const char *base = e->o.model ? strrchr(e->o.model, '/') : NULL;
-    snprintf(e->model_desc, sizeof e->model_desc, "%s",
-             !e->o.model ? "ragkv tiny (embedded)"
-             : base      ? base + 1
-                         : e->o.model);
-    if ((st = load_tasks(e, rk_model_tokenizer(svc->model)))) {
-        e->bad_input = 1;
-    } else {
-        e->tres = calloc((size_t)e->o.n_configs, sizeof *e->tres);
-        if (!e->tres) st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
-    }
-    for (int ci = 0; ci < e->o.n_configs && !st; ci++) st = run_task_config(e, ci);
-    if (!st && e->o.calibrate) st = write_calibration(e, svc);
-    rk_service_close(svc);
-    return st;
 }
 
 /* ---------------------------------------------------------------- the held-out set */
@@ -1158,206 +547,6 @@ static rk_status make_set(const eval_opts *o) {
     return st;
 }
 
-/* ---------------------------------------------------------------- output */
-
-static void print_table(const eval *e) {
-    const eval_opts *o = &e->o;
-    printf("ragkv eval: %s, %d prompts, %d tokens each; reference: mode plain, greedy, %.2f "
-           "ms/request\n",
-           e->model_desc, e->ps.n, o->n_tokens, e->ref_ms);
-    printf("%-16s %9s %9s %10s %9s %9s %9s %12s %10s\n", "config", "top1@1 %", "top1 %", "mean KL",
-           "mean rank", "greedy %", "prefix", "recomputed %", "ms/request");
-    for (int ci = 0; ci < o->n_configs; ci++) {
-        const config_result *c = &e->cr[ci];
-        printf("%-16s %9.2f %9.2f %10.3g %9.3f %9.2f %9.2f %12.2f %10.2f\n", o->configs[ci].name,
-               100 * c->first_top1, 100 * c->mean_top1, c->mean_kl, c->mean_rank,
-               100 * c->greedy_agree, c->mean_prefix, 100 * c->recomputed_share, c->ms);
-    }
-}
-
-static json_t *int_array(const int32_t *a, const int *b, int n) {
-    json_t *arr = json_array();
-    for (int i = 0; arr && i < n; i++) json_array_append_new(arr, json_integer(a ? a[i] : b[i]));
-    return arr;
-}
-
-static json_t *eval_json(const eval *e) {
-    const eval_opts *o = &e->o;
-    json_t *root = json_pack("{s:s, s:i, s:i, s:s, s:{s:f}}", "model", e->model_desc, "prompts",
-                             e->ps.n, "tokens", o->n_tokens, "caches",
-                             "fresh service (empty chunk and prefix caches) per configuration",
-                             "reference", "ms_per_request", e->ref_ms);
-    json_t *refs = json_array(), *configs = json_array();
-    if (!root || !refs || !configs) goto fail;
-    json_object_set_new(root, "reference_tokens", refs);
-    json_object_set_new(root, "configs", configs);
-    for (int j = 0; j < e->ps.n; j++)
-        json_array_append_new(refs, int_array(e->ref[j].tokens, NULL, o->n_tokens));
-    for (int ci = 0; ci < o->n_configs; ci++) {
-        const eval_config *c = &o->configs[ci];
-        const config_result *r = &e->cr[ci];
-        json_t *per = json_array();
-        json_t *x = json_pack(
-            "{s:s, s:s, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:f, s:I, s:I, s:f, s:o}",
-            "name", c->name, "family", k_family_names[c->fam], "first_top1", r->first_top1,
-            "mean_top1", r->mean_top1, "mean_kl", r->mean_kl, "first_kl", r->first_kl, "max_kl",
-            r->max_kl, "mean_rank", r->mean_rank, "greedy_agreement", r->greedy_agree,
-            "mean_common_prefix", r->mean_prefix, "recomputed_share", r->recomputed_share,
-            "ms_per_request", r->ms, "recomputed_tokens", (json_int_t)r->recomputed,
-            "prompt_tokens", (json_int_t)r->prompt_tokens, "param",
-            c->fam == FAM_FIRST_K ? (double)c->k : c->ratio, "per_prompt", per);
-        if (!x) goto fail;
-        json_array_append_new(configs, x);
-        for (int j = 0; j < e->ps.n; j++) {
-            const prompt_result *pr = &r->pr[j];
-            json_t *kl = json_array();
-            for (int s = 0; kl && s < o->n_tokens; s++)
-                json_array_append_new(kl, json_real(pr->kl[s]));
-            json_t *p =
-                json_pack("{s:i, s:i, s:o, s:o, s:o, s:o, s:i, s:i}", "recomputed",
-                          pr->greedy.recomputed, "prompt_tokens", pr->greedy.prompt_tokens,
-                          "chunk_lens", int_array(NULL, pr->greedy.chunk_lens, pr->greedy.n_chunks),
-                          "forced_tokens", int_array(pr->forced.tokens, NULL, o->n_tokens),
-                          "greedy_tokens", int_array(pr->greedy.tokens, NULL, o->n_tokens), "kl",
-                          kl, "agree", pr->agree, "common_prefix", pr->prefix);
-            if (!p) goto fail;
-            json_array_append_new(per, p);
-        }
-    }
-    return root;
-fail:
-    json_decref(root);
-    return NULL;
-}
-
-static int by_share(const void *a, const void *b) {
-    const double *x = a, *y = b;
-    return (x[0] > y[0]) - (x[0] < y[0]);
-}
-
-/* Quality against recomputed share: one colour per policy family, greedy
- * agreement solid, first-token top-1 dashed; `none` starts every family.
- * With --task: exact match overall solid, on the first record type (or F1
- * without types) dashed, plain's exact match a dotted line. */
-static rk_status write_svg(const eval *e, const char *path) {
-    const eval_opts *o = &e->o;
-    int task = e->tres != NULL;
-    double xs[MAX_CONFIGS], y1[MAX_CONFIGS], y2[MAX_CONFIGS], plain_y = -1;
-    for (int ci = 0; ci < o->n_configs; ci++) {
-        const task_result *t = task ? &e->tres[ci] : NULL;
-        xs[ci] = task ? t->share : e->cr[ci].recomputed_share;
-        y1[ci] = task ? t->acc : e->cr[ci].greedy_agree;
-        y2[ci] = task ? (e->n_types ? t->type_acc[0] : t->f1_mean) : e->cr[ci].first_top1;
-        if (task && o->configs[ci].fam == FAM_PLAIN) plain_y = t->acc;
-    }
-    char name1[48], name2[48];
-    snprintf(name1, sizeof name1, "%s", task ? "exact match" : "greedy agreement");
-    snprintf(name2, sizeof name2, "%.30s%s",
-             !task        ? "first-token top-1"
-             : e->n_types ? e->type_names[0]
-                          : "F1",
-             task && e->n_types ? " exact match" : "");
-    FILE *f = fopen(path, "w");
-    if (!f) return rk_errorf(RK_ERR_IO, "%s: %s", path, strerror(errno));
-    const double W = 720, H = 480, l = 80, r = 690, top = 60, bottom = 400;
-    double xmax = 0.1, ymin = 1;
-    for (int ci = 0; ci < o->n_configs; ci++) {
-        if (o->configs[ci].fam == FAM_PLAIN) continue;
-        xmax = fmax(xmax, xs[ci]);
-        ymin = fmin(ymin, fmin(y1[ci], y2[ci]));
-    }
-    if (plain_y >= 0) ymin = fmin(ymin, plain_y);
-    xmax = ceil(xmax * 10 - 1e-9) / 10;
-    ymin = floor(ymin * 10 - 1e-9) / 10;
-    if (ymin >= 1) ymin = 0.9;
-#define PX(v) (l + (v) / xmax * (r - l))
-#define PY(v) (bottom - ((v)-ymin) / (1 - ymin) * (bottom - top))
-    fprintf(f,
-            "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" "
-            "viewBox=\"0 0 %.0f %.0f\" font-family=\"Helvetica, Arial, sans-serif\">\n"
-            "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
-            W, H, W, H);
-    char title[200];
-    snprintf(title, sizeof title, "ragkv eval: %s, %d %s, %d tokens", e->model_desc,
-             task ? e->n_tasks : e->ps.n, task ? "records" : "prompts", o->n_tokens);
-    rk_bench_svg_text(f, W / 2, 28, "middle", 15, title);
-    fprintf(f,
-            "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"none\" "
-            "stroke=\"#444\"/>\n",
-            l, top, r - l, bottom - top);
-    for (int q = 0; q <= 5; q++) {
-        double xv = xmax * q / 5, yv = ymin + (1 - ymin) * q / 5;
-        char lab[16];
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n",
-                PX(xv), top, PX(xv), bottom);
-        fprintf(f, "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"#ddd\"/>\n", l,
-                PY(yv), r, PY(yv));
-        snprintf(lab, sizeof lab, "%.0f", 100 * xv);
-        rk_bench_svg_text(f, PX(xv), bottom + 18, "middle", 12, lab);
-        snprintf(lab, sizeof lab, "%.0f", 100 * yv);
-        rk_bench_svg_text(f, l - 6, PY(yv) + 4, "end", 12, lab);
-    }
-    rk_bench_svg_text(f, (l + r) / 2, bottom + 40, "middle", 13,
-                      "recomputed chunk tokens (% of prompt tokens)");
-    fprintf(f,
-            "<text x=\"24\" y=\"%.1f\" font-size=\"13\" text-anchor=\"middle\" "
-            "transform=\"rotate(-90 24 %.1f)\">%s (%%)</text>\n",
-            (top + bottom) / 2, (top + bottom) / 2,
-            task ? "answer accuracy" : "agreement with full attention");
-    static const char *const colors[N_FAMILIES] = {"#888", "#000", "#1f77b4", "#ff7f0e", "#2ca02c"};
-    int legend = 0;
-    if (plain_y >= 0) {
-        fprintf(f,
-                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
-                "stroke-width=\"1.5\" stroke-dasharray=\"2,3\"/>\n",
-                l, PY(plain_y), r, PY(plain_y), colors[FAM_PLAIN]);
-        double ly = bottom - 16 - 18 * legend++;
-        fprintf(f,
-                "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
-                "stroke-width=\"1.5\" stroke-dasharray=\"2,3\"/>\n",
-                r - 230, ly - 4, r - 200, ly - 4, colors[FAM_PLAIN]);
-        rk_bench_svg_text(f, r - 194, ly, "start", 12, "plain: exact match");
-    }
-    double pts[MAX_CONFIGS + 1][3];
-    for (family fam = FAM_FIRST_K; fam < N_FAMILIES; fam++) {
-        int n = 0;
-        for (int ci = 0; ci < o->n_configs; ci++)
-            if (o->configs[ci].fam == fam || o->configs[ci].fam == FAM_NONE) {
-                pts[n][0] = xs[ci];
-                pts[n][1] = y1[ci];
-                pts[n++][2] = y2[ci];
-            }
-        int own = 0;
-        for (int ci = 0; ci < o->n_configs; ci++) own += o->configs[ci].fam == fam;
-        if (!own) continue;
-        qsort(pts, (size_t)n, sizeof pts[0], by_share);
-        for (int m = 1; m <= 2; m++) {
-            fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"2\"%s points=\"",
-                    colors[fam], m == 2 ? " stroke-dasharray=\"6,4\"" : "");
-            for (int i = 0; i < n; i++) fprintf(f, "%.1f,%.1f ", PX(pts[i][0]), PY(pts[i][m]));
-            fputs("\"/>\n", f);
-            for (int i = 0; i < n; i++)
-                fprintf(f, "<circle cx=\"%.1f\" cy=\"%.1f\" r=\"3\" fill=\"%s\"/>\n", PX(pts[i][0]),
-                        PY(pts[i][m]), colors[fam]);
-            char lab[96];
-            snprintf(lab, sizeof lab, "%s: %s", k_family_names[fam], m == 1 ? name1 : name2);
-            double ly = bottom - 16 - 18 * legend++;
-            fprintf(f,
-                    "<line x1=\"%.1f\" y1=\"%.1f\" x2=\"%.1f\" y2=\"%.1f\" stroke=\"%s\" "
-                    "stroke-width=\"2\"%s/>\n",
-                    r - 230, ly - 4, r - 200, ly - 4, colors[fam],
-                    m == 2 ? " stroke-dasharray=\"6,4\"" : "");
-            rk_bench_svg_text(f, r - 194, ly, "start", 12, lab);
-        }
-    }
-#undef PX
-#undef PY
-    fputs("</svg>\n", f);
-    int bad = ferror(f);
-    if (fclose(f) || bad) return rk_errorf(RK_ERR_IO, "%s: write failed", path);
-    return RK_OK;
-}
-
 /* ---------------------------------------------------------------- main */
 
 int rk_eval_main(int argc, char **argv) {
@@ -1375,7 +564,7 @@ int rk_eval_main(int argc, char **argv) {
         return 0;
     }
     if (e.o.task) {
-        if ((st = run_task(&e))) {
+        if ((st = rk_eval_run_task(&e))) {
             fprintf(stderr, "ragkv eval: %s\n", rk_error_message());
             rc = e.bad_input ? EXIT_USAGE : EXIT_FAILURE;
             eval_free(&e);
@@ -1389,15 +578,15 @@ int rk_eval_main(int argc, char **argv) {
         if (!e.cr)
             st = rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
         else
-            st = run_reference(&e);
-        for (int ci = 0; ci < e.o.n_configs && !st; ci++) st = run_config(&e, ci);
+            st = rk_eval_run_reference(&e);
+        for (int ci = 0; ci < e.o.n_configs && !st; ci++) st = rk_eval_run_config(&e, ci);
     }
     rc = 0;
     if (st) {
         fprintf(stderr, "ragkv eval: %s\n", rk_error_message());
         rc = EXIT_FAILURE;
     } else if (e.o.json) {
-        json_t *root = e.o.task ? task_json(&e) : eval_json(&e);
+        json_t *root = e.o.task ? rk_eval_task_json(&e) : rk_eval_json(&e);
         char *s = root ? json_dumps(root, JSON_INDENT(2) | JSON_REAL_PRECISION(8)) : NULL;
         json_decref(root);
         if (s)
@@ -1408,11 +597,11 @@ int rk_eval_main(int argc, char **argv) {
         }
         free(s);
     } else if (e.o.task) {
-        print_task_table(&e);
+        rk_eval_print_task_table(&e);
     } else {
-        print_table(&e);
+        rk_eval_print_table(&e);
     }
-    if (!st && e.o.plot && write_svg(&e, e.o.plot)) {
+    if (!st && e.o.plot && rk_eval_write_svg(&e, e.o.plot)) {
         fprintf(stderr, "ragkv eval: cannot write the plot: %s\n", rk_error_message());
         rc = EXIT_FAILURE;
     }
