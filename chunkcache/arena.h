@@ -6,14 +6,21 @@
  * own LIFO free list and quota:
  *
  *   live   [0, L)           requests in flight
- *   prefix [L, L+P)         radix-cached system prompts
- *   chunk  [L+P, L+P+C)     the chunk cache
+ *   prefix [L, L+P)         the radix tree's sequences (radix.h): system
+ *                           prompts and whole request sequences
+ *   chunk  [L+P, L+P+C)     the chunk cache (chunk_index.h)
  *
  * so the chunk cache can never take a live block and a burst of requests can
  * never take a cached chunk's block. Ids are global, so one block table can mix
- * pools. Every allocated block carries a reference count; a block returns to
- * its own pool's free list when its count drops to zero. Allocation is
- * all-or-nothing and reports exhaustion as RK_ERR_EXHAUSTED, never aborts.
+ * pools: a request's table holds the prefix blocks it shares from the radix
+ * tree, its own live blocks and, on the zero-copy path, the chunk-pool blocks
+ * of the cached chunks it attends in place (reindex.h, rk_runs). Every
+ * allocated block carries a reference count (the radix tree, a chunk entry
+ * and each sequence sharing the block hold one each); a block returns to its
+ * own pool's free list when its count drops to zero. A finished request's
+ * live blocks join the prefix pool by rk_arena_retag, without a copy.
+ * Allocation is all-or-nothing and reports exhaustion as RK_ERR_EXHAUSTED,
+ * never aborts.
  *
  * Thread-safety: none inside. An arena, its sequences and the caches built
  * on it (radix.h, chunk_index.h) are used by one thread at a time; in

@@ -1,19 +1,29 @@
 /* chunkcache/chunk_index.h — the position-independent chunk cache.
  *
  * Each document chunk's KV is computed once, at base positions (0 for the
- * `isolated` context, the system length for `system`), into blocks of the
- * arena's chunk pool, and kept under a content key: XXH3-128 over the model
- * fingerprint, the chunk policy (context, KV dtype, RoPE parameters, the
- * system prompt's hash for the `system` context, the cache salt when the
- * request has one) and the token ids. An entry
- * stores its token ids and a hit verifies them. In-flight requests hold
- * references; only unreferenced entries are evicted (LRU by a logical clock).
- * Single flight: a key being computed is PENDING, and later lookups of it
- * share the one computation instead of starting another (they may carry it
- * on: see progress). A PENDING entry that loses its last reference is
- * removed when its holder says its computation stopped (release with
- * failed), so nothing half-computed stays. Cached entries are never
- * modified once READY.
+ * `isolated` context, 1 after the BOS anchor for `anchor`, the system length
+ * for `system`), into blocks of the arena's chunk pool, and kept under a
+ * content key: XXH3-128 over the model fingerprint, the chunk policy
+ * (context, KV dtype, RoPE parameters, the hash of the context tokens for
+ * the `system` and `anchor` contexts, the cache salt when the request has
+ * one) and the token ids. An entry stores its token ids and a hit verifies
+ * them. In-flight requests hold references; only unreferenced entries are
+ * evicted (LRU by a logical clock). Single flight: a key being computed is
+ * PENDING, and later lookups of it share the one computation instead of
+ * starting another (they may carry it on: see progress). A PENDING entry
+ * that loses its last reference is removed when its holder says its
+ * computation stopped (release with failed), so nothing half-computed
+ * stays.
+ *
+ * Cached entries are never modified once READY. A request uses an entry's
+ * KV where it is: on the zero-copy path (the default) its block table is a
+ * run table (reindex.h, rk_runs) that lists the entry's blocks as they are,
+ * and attention rotates their keys by the run's delta (live offset - base)
+ * as it reads them; the entry's reference keeps the blocks until the
+ * request leaves. Only the copy path (--reindex copy, the deviation and
+ * query repair policies, the oracle, a backend without position-shifted
+ * attention) and the blocks a `first_k` repair writes copy (and rotate) the
+ * KV into the request's own live blocks (reindex.h, rk_copy_plan).
  *
  * Thread-safety: none inside; one thread at a time (the engine thread in
  * `ragkv serve`). An entry pointer stays valid while its holder keeps a
@@ -40,8 +50,11 @@ rk_status rk_chunk_key_parse(const char *hex, rk_chunk_key *out);
 /* Everything besides the tokens that changes a chunk's KV. */
 typedef struct rk_chunk_policy {
     const char *fingerprint; /* model fingerprint (32 hex) */
-    int context_system;      /* 0 = isolated, 1 = computed after the system prompt */
-    rk_chunk_key system_key; /* hash of the system tokens; used when context_system */
+    /* 0 = isolated, 1 = computed after the system prompt, 2 = after the
+     * anchor (rk_chunk_context's values) */
+    int context_system;
+    rk_chunk_key system_key; /* hash of the context tokens (system or anchor); used when
+                                context_system */
     rk_dtype kv_dtype;
     float rope_theta, rope_factor;
     int rope_n_rot, rope_pairing, rope_scaling;
@@ -76,7 +89,7 @@ typedef struct rk_chunk_entry {
     uint64_t last_use; /* logical clock */
     uint64_t hits;
     double created;  /* unix time */
-    char source[12]; /* where its KV came from: "computed" or "disk" */
+    char source[12]; /* where its KV came from: "computed", "disk", "redis", "uncached" */
     /* The caller's tag for who the entry belongs to (0 = nobody in
      * particular); the index keeps it and never reads it. */
     int owner;

@@ -1,5 +1,15 @@
-/* chunkcache/radix.h — the exact prefix cache for system prompts: a radix
+/* chunkcache/radix.h — the exact prefix cache of whole sequences: a radix
  * tree over token ids whose nodes own the KV pages of their edge tokens.
+ *
+ * What it caches is the caller's business; the pipeline keys it by a
+ * request's layout (pipeline/pipeline.c build_key): the system prompt, each
+ * chunk as it sits in the merged sequence, the question and then the
+ * generated tokens that have KV, with a segment mark (bit 30) on the first
+ * token of every chunk and of the question, so the same tokens segmented
+ * differently never match. A request matches its whole prompt (or, with
+ * reuse_sequences off, its system prompt alone); the system prompt is
+ * inserted once it is computed and the whole sequence when the request
+ * leaves. Tokens here are int32 keys, not necessarily token ids.
  *
  * Edges are whole pages (page_size tokens; a page is one KV block in the
  * engine, one token in the unit tests), so every shared match is
@@ -8,8 +18,11 @@
  * as the tail of the node it follows, and a match with RK_RADIX_PARTIAL also
  * names the page after the match (a child's first page or a tail) that
  * shares the most tokens with the query, for the caller to copy: a partial
- * page is never shared, because the caller writes the rest of it. Each namespace (model
- * fingerprint, tenant salt) has its own root, so different namespaces never share.
+ * page is never shared, because the caller writes the rest of it. Each
+ * namespace has its own root, so different namespaces never share; the
+ * pipeline derives one from everything besides the key that changes a
+ * sequence's KV (model, KV type, mode, chunk cache on/off, chunk context,
+ * position mode, repair policy) and the tenant or request salt.
  *
  * match() finds the longest cached prefix, splits the node where it ends
  * inside an edge, and locks the path from that node to the root in the same

@@ -104,7 +104,7 @@ typedef struct rk_config {
     int kv_memory_mb;    /* KV budget in MiB; 0 = "auto" (default): see rk_kv_auto_budget */
     int memory_limit_mb; /* memory "auto" sizes from; 0 (default) = detected (rk_memory_detect) */
     float share_live;    /* fraction of the budget for requests in flight; default 0.4 */
-    float share_prefix;  /* ... for radix-cached system prompts; default 0.1 */
+    float share_prefix;  /* ... for the radix tree's sequences; default 0.1 */
     float share_chunk;   /* ... for the chunk cache; default 0.5 */
     int live_blocks;     /* 0 = from the share */
     int prefix_blocks;

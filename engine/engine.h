@@ -6,7 +6,26 @@
  * pass computes a batch of tokens from one or more sequences at explicit
  * positions, writes their K/V into the paged cache through a slot mapping and
  * attends over each sequence's block table: the engine never owns KV memory
- * and has no contiguous-cache path. Sampling lives here too. */
+ * and has no contiguous-cache path. Sampling lives here too.
+ *
+ * Errors: every fallible call returns an rk_status with a one-line message
+ * (rk_error_message(), thread-local) and frees what it took; nothing aborts.
+ * The calls below say which codes they return.
+ * Thread-safety: a loaded model is read-only except for the activation
+ * buffers rk_model_forward reuses. So the accessors (rk_model_hparams ...
+ * rk_model_weight_bytes) and what they return may be used by any number of
+ * threads at once while the model lives (the HTTP worker threads of `ragkv
+ * serve` tokenize with rk_model_tokenizer's tokenizer, see tokenizer.h);
+ * rk_model_forward runs on one thread at a time, the one that owns the
+ * model's backend and the KV arena it writes (the engine thread in `ragkv
+ * serve`; the backend's own worker threads run inside the call). Loading
+ * and freeing are the owner's, with no other call on the model in flight.
+ * A sampler is one request's: one thread at a time. rk_log_sum_exp and
+ * rk_logprobs_top are pure and may run anywhere.
+ * Ownership: the model owns everything its accessors return (valid until
+ * rk_model_free); the caller owns the backend (which must outlive the
+ * model), the KV cache and every array of an rk_batch, none of which the
+ * model keeps after a call returns. */
 #ifndef RK_ENGINE_H
 #define RK_ENGINE_H
 
@@ -47,15 +66,24 @@ typedef struct rk_hparams {
 typedef struct rk_model rk_model; /* opaque */
 
 /* Load a model from a GGUF file for the given backend. The file stays mapped
- * for the model's lifetime (the CPU backend computes from the mapping). On
- * failure returns an error with a message naming the file and the problem. */
+ * for the model's lifetime (the CPU backend computes from the mapping). The
+ * caller owns *out (rk_model_free); on failure *out is NULL, nothing is left
+ * allocated or mapped, and the message names the file and the problem:
+ * RK_ERR_IO (the file cannot be opened, read or mapped), RK_ERR_FORMAT (not
+ * GGUF, truncated, a tensor or metadata key missing or of the wrong shape, a
+ * non-finite weight), RK_ERR_UNSUPPORTED (an architecture, tensor type, RoPE
+ * scaling or head size ragkv does not compute), RK_ERR_NOMEM (host or
+ * backend memory). */
 rk_status rk_model_load(const char *path, rk_backend *be, rk_model **out);
 
 /* Same, from a GGUF image in memory that the model takes ownership of (freed
- * with free() when the model is freed, also on failure). */
+ * with free() when the model is freed, also on failure); name only labels
+ * the messages. The same errors but RK_ERR_IO. */
 rk_status rk_model_load_owned_buffer(void *buf, size_t len, const char *name, rk_backend *be,
                                      rk_model **out);
 
+/* Free the model, its activation buffers and its tokenizer, and unmap its
+ * file; accepts NULL. No other call on m may be in flight. */
 void rk_model_free(rk_model *m);
 
 const rk_hparams *rk_model_hparams(const rk_model *m);
@@ -88,7 +116,19 @@ typedef struct rk_batch {
 } rk_batch;
 
 /* Run the transformer over the batch; writes logits (n_logits, n_vocab) to
- * host memory out_logits (may be NULL when n_logits is 0). */
+ * host memory out_logits (may be NULL when n_logits is 0), and b->out_q when
+ * set. kv is the arena's cache (chunkcache/arena.h), written at b->slots
+ * and read through the block tables; its shape must be the model's.
+ * Errors: RK_ERR_INVALID for a batch that does not fit the model or the
+ * cache (an empty batch, sequences that do not cover its tokens, a token id
+ * out of the vocabulary, n_layers out of range or partial with logits, a
+ * logit row out of the batch, a slot or table entry the backend's argument
+ * checks refuse), RK_ERR_NOMEM when the activation buffers cannot grow,
+ * RK_ERR_LIMIT for a batch too large for the attention kernel, RK_ERR_DEVICE
+ * from an accelerator. The batch checks run before anything is written; a
+ * later failure may leave the batch's KV slots partly written and the
+ * logits undefined. The model stays usable either way. Engine thread only
+ * (see above). */
 rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b,
                            float *out_logits);
 
@@ -132,9 +172,11 @@ typedef struct rk_sampler {
     int32_t *count; /* (n_vocab) times each token was accepted; NULL without penalties */
 } rk_sampler;
 
-/* Check p (ranges; logit_bias tokens inside n_vocab) and set s up; the
- * error names the field. */
+/* Check p (ranges; logit_bias tokens inside n_vocab) and set s up (s is
+ * overwritten; its buffers are s's own until rk_sampler_free). RK_ERR_INVALID
+ * names the field; RK_ERR_NOMEM. On failure s holds nothing to free. */
 rk_status rk_sampler_init(rk_sampler *s, const rk_sampler_params *p, int n_vocab);
+/* Free s's buffers; accepts NULL and a sampler whose init failed. */
 void rk_sampler_free(rk_sampler *s);
 /* Choose the next token from logits(n_vocab). Reproducible for a given seed
  * and the same tokens accepted. */

@@ -6,11 +6,12 @@
  * The request pipeline's files:
  *   request.c  request preparation: tokenizing the pieces, the context and
  *              max_tokens checks, the result buffers, rk_request_free.
- *   pipeline.c admission: the prompt stages in reading order (system and
- *              chunks, system chunks, reindex, queue prompt), start, init and
+ *   pipeline.c admission: the prompt stages in reading order (2 system
+ *              prompt and 3 chunks, 3 system chunks, 4 reindex, 6 question;
+ *              numbered as in docs/architecture.md), start, init and
  *              release of a request, insertion into the radix tree, the
  *              zero-copy run tables.
- *   repair.c   the repair stage and its policies (deviation, query, first_k).
+ *   repair.c   stage 5, repair, and its policies (deviation, query, first_k).
  *   batch.c    a forward pass under construction and the model runner.
  *   step.c     the running requests: admission into them, one decode step
  *              (make room, preempt, feed prompts, run the pass, sample),
@@ -65,8 +66,9 @@ struct rk_req_state {
     rk_chunk_entry **entries; /* (n_chunks) references held, NULL for oracle chunks */
     rk_chunk_lookup *kinds;   /* (n_chunks) */
     scratch *scratch;         /* (n_chunks) used ones have kv.n_blocks > 0 */
-    int32_t *qtok;            /* tokens fed in pass 3: the question (plain: chunks + question),
-                                 then, resuming, the tokens generated before but the last */
+    /* Tokens fed in the question pass: the question (plain: chunks +
+     * question), then, resuming, the tokens generated before but the last. */
+    int32_t *qtok;
     int n_qtok;
     int n_gen; /* those generated tokens */
     /* Resuming: the report of its first admission, put back once admitted
@@ -178,6 +180,9 @@ rk_status rk_init_request(rk_service *svc, rk_request *r);
  * computed for it are dropped); r->state is NULL after. */
 void rk_release_request(rk_service *svc, rk_request *r, int failed);
 rk_status rk_insert_system(rk_service *svc, rk_request *r);
+/* The admission stages (numbered as in docs/architecture.md): 2 system
+ * prompt and 3 chunks (pass 1), 3 chunks (pass 2), 4 reindex, 6 question
+ * (what the question pass feeds); stage 5 is repair.c's. */
 rk_status rk_stage_system_and_chunks(admission *a);
 rk_status rk_stage_system_chunks(admission *a);
 rk_status rk_stage_reindex(admission *a);
@@ -187,6 +192,7 @@ int rk_chunks_computed(const rk_request *r);
 
 /* ---------------------------------------------------------------- repair.c */
 
+/* Stage 5 (repair, optional). */
 rk_status rk_stage_repair(admission *a);
 
 /* ---------------------------------------------------------------- step.c */

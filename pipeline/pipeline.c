@@ -1,29 +1,40 @@
 /* pipeline/pipeline.c — see pipeline.h.
  *
- * Requests admitted together go through up to three prefill passes (one
- * function per stage, top to bottom under "admission stages"):
- *   pass 1: every system-prompt tail the prefix cache did not have that
- *           pass 2 or a repair attends to (the others wait for pass 3);
- *           every missing chunk of the `isolated` context, alone at positions
- *           0..n-1 into its entry's chunk-pool blocks; every oracle chunk
- *           (cache off), fresh at its live positions in a scratch sequence;
- *   pass 2: missing chunks of the `system` context, in a scratch sequence
- *           that shares the request's system KV, copied into their entries;
- *   reindex: zero-copy (the default, where the backend can): the request's
- *           table is assembled from runs, the cached chunks' own blocks
- *           among them, each attended with its shift live offset - base;
- *           copy: one rope_shift_copy moves every chunk's KV into the
- *           request's live blocks (cached ones rotated by that shift);
- *   repair: chunk tokens recomputed over the merged cache (optional,
- *           repair.c);
- *   pass 3: the rest of each prompt (deferred system tail, question), with
- *           logits for the last token: each request's first token. With
- *           rk_pipeline_join it is part of the steps' passes (run_pass).
- * Then they run (step.c). This file holds the admission: a request's start,
- * init and release, the chunk lookups and the stages in reading order, and
- * the insertion of its sequence into the radix tree; request.c prepares
- * requests, repair.c is stage 4, batch.c runs the passes (internal.h lists
- * the files). */
+ * A request's stages, numbered as in docs/architecture.md ("The request
+ * path"): 1 prepare (request.c), 2 system prompt, 3 chunks, 4 reindex,
+ * 5 repair (repair.c), 6 question, 7 decode (step.c), 8 release. Requests
+ * admitted together go through stages 2-6 one function per stage (top to
+ * bottom under "admission stages"), their forward work in up to three
+ * prefill passes:
+ *   2 system prompt: the radix match of the request's key (start_request);
+ *   3 chunks: lookup (plan_chunks), then
+ *     pass 1: every system-prompt tail the prefix cache did not have that
+ *             pass 2 or a repair attends to (the others wait for the
+ *             question pass); every missing chunk of the `isolated` context,
+ *             alone at positions 0..n-1 into its entry's chunk-pool blocks
+ *             (with rk_pipeline_join and a step budget these are "stepped"
+ *             instead: the steps' passes compute them a slice at a time,
+ *             step.c, and the request's stages from pass 2 on run once they
+ *             are whole); every anchored miss and oracle chunk (cache off)
+ *             in a scratch sequence;
+ *     pass 2: missing chunks of the `system` context, in a scratch sequence
+ *             that shares the request's system KV, copied into their entries;
+ *   4 reindex: zero-copy (the default, where the backend can): the request's
+ *             table is assembled from runs, the cached chunks' own blocks
+ *             among them, each attended with its shift live offset - base;
+ *             copy: one rope_shift_copy moves every chunk's KV into the
+ *             request's live blocks (cached ones rotated by that shift);
+ *   5 repair: chunk tokens recomputed over the merged cache (optional,
+ *             repair.c);
+ *   6 question: the question pass, the rest of each prompt (deferred system
+ *             tail, question), with logits for the last token: each
+ *             request's first token. With rk_pipeline_join it is part of the
+ *             steps' passes (run_pass in step.c).
+ * Then they decode (stage 7, step.c) and leave (stage 8, rk_release_request
+ * here). This file holds the admission: a request's start, init and
+ * release, the chunk lookups and the stages in reading order, and the
+ * insertion of its sequence into the radix tree; batch.c runs the passes
+ * (internal.h lists the files). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -765,10 +776,12 @@ static int needs_system_first(const rk_request *r) {
     return 0;
 }
 
-/* Stage 1: reserve each request's blocks and match its system prompt in the
- * radix tree, look its chunks up, then pass 1: the system tails the tree did
- * not have, the isolated chunk misses and the oracle chunks. The new system
- * pages go into the tree. */
+/* Stages 2 (system prompt) and 3 (chunks), first part: match each
+ * request's key in the radix tree and reserve its blocks, look its chunks
+ * up, then pass 1: the system tails the tree did not have (those something
+ * before the question pass attends to), the isolated chunk misses (unless
+ * the admission defers them to the steps), the anchored misses and the
+ * oracle chunks. The new system pages go into the tree. */
 rk_status rk_stage_system_and_chunks(admission *a) {
     int bs = rk_arena_block_size(a->svc->arena);
     rk_status st;
@@ -823,10 +836,10 @@ rk_status rk_stage_system_and_chunks(admission *a) {
     return RK_OK;
 }
 
-/* Stage 2: pass 2 computes the `system`-context misses after their system
- * prompt; their KV, and that of the anchored misses of pass 1, is copied
- * into their entries. Then every entry computed by this admission is ready
- * (and written through to the disk tier). */
+/* Stage 3 (chunks), second part: pass 2 computes the `system`-context
+ * misses after their system prompt; their KV, and that of the anchored
+ * misses of pass 1, is copied into their entries. Then every entry computed
+ * by this admission is ready (and written through to the disk tier). */
 rk_status rk_stage_system_chunks(admission *a) {
     rk_service *svc = a->svc;
     int bs = rk_arena_block_size(svc->arena);
@@ -936,9 +949,9 @@ static rk_status build_runs(rk_service *svc, rk_request *r, rk_copy_plan *copies
     return st;
 }
 
-/* Stage 3: every chunk's KV into its request's live blocks, cached ones
- * rotated from their base to their live offset, in one copy plan; or, for
- * the zero-copy requests, their run tables. */
+/* Stage 4 (reindex): every chunk's KV into its request's live blocks,
+ * cached ones rotated from their base to their live offset, in one copy
+ * plan; or, for the zero-copy requests, their run tables. */
 rk_status rk_stage_reindex(admission *a) {
     rk_service *svc = a->svc;
     int bs = rk_arena_block_size(svc->arena);
@@ -995,7 +1008,8 @@ rk_status rk_stage_reindex(admission *a) {
     return RK_OK;
 }
 
-/* Stage 5: what is left of each request's prompt for the question pass:
+/* Stage 6 (question), its set-up: what is left of each request's prompt for
+ * the question pass:
  * its deferred system tail and its question (plain: chunks and question;
  * resuming: and its generated tokens but the last). A request whose whole
  * prompt is its computed system prompt feeds the last system token again

@@ -1,11 +1,13 @@
-/* pipeline/pipeline.h — the request pipeline:
+/* pipeline/pipeline.h — the request pipeline, its stages numbered as in
+ * docs/architecture.md ("The request path"):
  *
- *   split → tokenize → the longest cached prefix of the request's sequence
- *   through the radix cache → chunks after it through the chunk index
- *   (compute misses once, at base positions) → reindex (the cached KV
- *   attended in place with a position shift, or copied and rotated into the
- *   request's live blocks) → repair → question prefill (first token) → decode
- *   steps → release (the whole sequence into the radix cache, copy path).
+ *   1 prepare (split, tokenize) → 2 system prompt: the longest cached prefix
+ *   of the request's sequence through the radix cache → 3 chunks after it
+ *   through the chunk index (compute misses once, at base positions) →
+ *   4 reindex (the cached KV attended in place with a position shift, or
+ *   copied and rotated into the request's live blocks) → 5 repair →
+ *   6 question prefill (first token) → 7 decode steps → 8 release (the
+ *   whole sequence into the radix cache).
  *
  * The pipeline is incremental: rk_pipeline_admit runs the prompt stages of
  * new requests together (every stage's forward work for all of them in one

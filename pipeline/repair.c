@@ -1,4 +1,4 @@
-/* pipeline/repair.c — the repair stage (stage 4 of an admission, see
+/* pipeline/repair.c — the repair stage (stage 5 of a request, see
  * pipeline.c): reused chunk tokens recomputed over the merged cache, chosen
  * by the request's policy: the deviation policy (the tokens whose layer-1
  * K/V moved most), the query policy (the tokens the question attends to
@@ -256,7 +256,7 @@ static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_re
     return st;
 }
 
-/* Stage 4 (repair, optional): chunk tokens again, now attending to
+/* Stage 5 (repair, optional): chunk tokens again, now attending to
  * everything before them in the merged table: the deviation policy's
  * choice, then the first repair_k tokens of every chunk. */
 rk_status rk_stage_repair(admission *a) {

@@ -461,7 +461,7 @@ static void requeue(rk_scheduler *e, rk_job **jobs, int n) {
                "the request was cancelled: the server is shutting down");
 }
 
-/* Admit new generations: their prompt stages up to the question pass,
+/* Admit new generations: their prompt stages (2-6) up to the question pass,
  * which the next step runs with the decode tokens. When the
  * live pool cannot hold them while others run, they wait in the queue; a
  * group that fails otherwise is retried one by one, so a failure is its
@@ -581,7 +581,7 @@ static void sleep_s(double d) {
 /* ---------------------------------------------------------------- the thread */
 
 /* Iteration-level scheduling: each iteration admits the generations that
- * arrived (their prompt stages but the last pass), then runs one step: a
+ * arrived (their prompt stages 2-6 but the question pass), then runs one step: a
  * forward pass of the next token of every running generation and of the
  * joined ones' prompt work (within step_tokens); a request leaves in the
  * step it finishes. Light commands run between

@@ -1,4 +1,5 @@
-/* pipeline/step.c — the running requests (see pipeline.h): admitted
+/* pipeline/step.c — the running requests (see pipeline.h), stage 7
+ * (decode) of docs/architecture.md's numbering: admitted
  * requests run in rk_pipeline_step, each step one pass of one token for
  * every running request, whenever it was admitted, plus the joined
  * requests' question-pass tokens within step_tokens (run_pass); the
@@ -394,8 +395,9 @@ static rk_status run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_
     return RK_OK;
 }
 
-/* The stages after the chunks (system chunks, reindex, repair, queue
- * prompt) of the requests in a. */
+/* The stages after the chunks' first part (docs/architecture.md's
+ * numbering: 3 chunks' pass 2, 4 reindex, 5 repair, 6 question set-up) of
+ * the requests in a. */
 static rk_status stages_after_chunks(admission *a) {
     rk_status st = rk_stage_system_chunks(a);
     if (!st) st = rk_stage_reindex(a);
@@ -404,9 +406,10 @@ static rk_status stages_after_chunks(admission *a) {
     return st;
 }
 
-/* The prompt stages of an admission up to the question pass (defer: up to
- * the chunks the steps' passes compute, for the requests that wait for
- * them); on failure every one of reqs has released what it took. */
+/* The prompt stages of an admission (2-6, docs/architecture.md) up to the
+ * question pass itself (defer: up to the chunks the steps' passes compute,
+ * for the requests that wait for them); on failure every one of reqs has
+ * released what it took. */
 static rk_status admit_stages(rk_pipeline *p, rk_request *const *reqs, int n_reqs, int defer,
                               int *n_fresh) {
     rk_status st = RK_OK;

@@ -5,138 +5,32 @@
  * the embedded model. */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
-#include <errno.h>
-#include <fcntl.h>
 #include <jansson.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
-#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
 #include "bench/httpclient.h"
 #include "tests/testutil.h"
 
-/* ================================================================ the server process */
+/* ================================================================ the server and the client */
 
-typedef struct srv {
-    pid_t pid;
-    int port;
-    rk_http_target t; /* http://127.0.0.1:port, a 120 s timeout per exchange */
-    char log[4096];
-} srv;
-
-static srv S; /* the server of the current test */
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static void sleep_s(double s) {
-    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
-    nanosleep(&ts, NULL);
-}
-
-/* Start `ragkv serve --port 0 ARGS...` with extra environment (NAME=VALUE
- * strings), wait for its "listening on" line. Returns 0 or -1. */
-static int srv_start_env(srv *s, const char *const *env, const char *const *args) {
-    memset(s, 0, sizeof *s);
-    char *dir = rk_test_tmpdir("http");
-    snprintf(s->log, sizeof s->log, "%s/server.log", dir);
-    free(dir);
-    const char *argv[64] = {RK_BIN, "serve", "--port", "0"};
-    int n = 4;
-    for (int i = 0; args && args[i] && n < 62; i++) argv[n++] = args[i];
-    argv[n] = NULL;
-    pid_t pid = fork();
-    if (pid < 0) return -1;
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
-        int fd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        int null = open("/dev/null", O_WRONLY);
-        if (fd < 0 || null < 0) _exit(127);
-        dup2(null, 1);
-        dup2(fd, 2);
-        for (int i = 0; env && env[i]; i++) putenv((char *)env[i]);
-        execv(RK_BIN, (char *const *)argv);
-        _exit(127);
-    }
-    s->pid = pid;
-    double until = now_s() + 60;
-    while (now_s() < until) {
-        char *text = rk_test_read_file(s->log, NULL);
-        const char *p = text ? strstr(text, "listening on http://127.0.0.1:") : NULL;
-        if (p) {
-            s->port = atoi(p + strlen("listening on http://127.0.0.1:"));
-            free(text);
-            char url[64];
-            snprintf(url, sizeof url, "http://127.0.0.1:%d", s->port);
-            return s->port > 0 && rk_http_parse_url(url, 120, &s->t) == RK_OK ? 0 : -1;
-        }
-        free(text);
-        int status;
-        if (waitpid(pid, &status, WNOHANG) == pid) {
-            s->pid = 0;
-            return -1;
-        }
-        sleep_s(0.01);
-    }
-    return -1;
-}
-
-/* ================================================================ the client */
-
-/* Requests go through the service's own loopback client (bench/httpclient.h),
+/* The server of the current test (tests/testutil.h starts and stops it).
+ * Requests go through the service's own loopback client (bench/httpclient.h),
  * the one `ragkv bench --url` uses. */
+static rk_test_server S;
 
-typedef struct resp {
-    rk_http_response http;
-    json_t *json; /* the body parsed, when it is JSON */
-} resp;
+typedef rk_test_resp resp;
 
-static void resp_free(resp *r) {
-    rk_http_response_free(&r->http);
-    json_decref(r->json);
-    r->json = NULL;
-}
-
-static void resp_parse_json(resp *r) {
-    r->json = json_loadb(r->http.body, r->http.body_len, 0, NULL);
-}
-
-/* A whole exchange with target t. Returns 0 when an answer was read. */
-static int http_to(const rk_http_target *t, const char *method, const char *path,
-                   const char *headers, const char *body, resp *r) {
-    memset(r, 0, sizeof *r);
-    if (rk_http_exchange(t, method, path, headers, body, body ? strlen(body) : 0, &r->http))
-        return -1;
-    resp_parse_json(r);
-    return 0;
-}
-
+/* A whole exchange with the test's server. Returns 0 when an answer was read. */
 static int http(const char *method, const char *path, const char *headers, const char *body,
                 resp *r) {
-    return http_to(&S.t, method, path, headers, body, r);
-}
-
-/* The value of a response header (copied into a static buffer), or NULL. */
-static const char *header(const resp *r, const char *name) {
-    static char value[512];
-    const char *v = rk_http_header(&r->http, name);
-    if (!v) return NULL;
-    snprintf(value, sizeof value, "%.*s", (int)strcspn(v, "\r"), v);
-    return value;
+    return rk_test_exchange(&S.t, method, path, headers, body, r);
 }
 
 /* Start a POST /v1/completions on c without waiting for its answer. */
@@ -150,7 +44,7 @@ static resp finish(rk_http_conn *c) {
     resp r = {0};
     cr_assert_eq(rk_http_finish(c, NULL, NULL, &r.http), RK_OK, "no answer: %s",
                  rk_error_message());
-    resp_parse_json(&r);
+    rk_test_resp_parse_json(&r);
     return r;
 }
 
@@ -213,7 +107,7 @@ static int parse_response(const char *buf, size_t len, resp *r) {
     memcpy(copy, buf, len);
     copy[len] = '\0';
     if (rk_http_parse(copy, len, &r->http)) return -1;
-    resp_parse_json(r);
+    rk_test_resp_parse_json(r);
     return 0;
 }
 
@@ -225,75 +119,22 @@ static char *raw_exchange(const char *req, size_t n, double timeout_s, double *t
     cr_assert(fd >= 0, "cannot connect");
     struct timeval tv = {(time_t)timeout_s, (long)((timeout_s - (double)(time_t)timeout_s) * 1e6)};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    double t0 = now_s();
+    double t0 = rk_test_now();
     cr_assert_eq(send_all(fd, req, n), 0);
     size_t len;
     char *buf = recv_all(fd, &len);
-    if (took) *took = now_s() - t0;
+    if (took) *took = rk_test_now() - t0;
     close(fd);
     return buf;
 }
 
-/* Start and wait until /health answers 200 (the model is loaded). */
-static int srv_start_ready(srv *s, const char *const *env, const char *const *args) {
-    if (srv_start_env(s, env, args)) return -1;
-    double until = now_s() + 60;
-    while (now_s() < until) {
-        struct resp r;
-        int ok = http("GET", "/health", NULL, NULL, &r) == 0 && r.http.status == 200;
-        resp_free(&r);
-        if (ok) return 0;
-        int status;
-        if (waitpid(s->pid, &status, WNOHANG) == s->pid) { /* it died: see its log */
-            s->pid = 0;
-            char *log = rk_test_read_file(s->log, NULL);
-            fprintf(stderr, "ragkv serve died while starting; its log:\n%s\n", log ? log : "");
-            free(log);
-            return -1;
-        }
-        sleep_s(0.01);
-    }
-    return -1;
-}
-
-static int srv_start(srv *s, const char *const *args) { return srv_start_ready(s, NULL, args); }
-
-/* SIGTERM and wait; returns the exit status (128 + signal when killed). */
-static int srv_stop(srv *s) {
-    if (s->pid <= 0) return -1;
-    kill(s->pid, SIGTERM);
-    int status = 0;
-    double until = now_s() + 60;
-    while (waitpid(s->pid, &status, WNOHANG) != s->pid) {
-        if (now_s() > until) {
-            kill(s->pid, SIGKILL);
-            waitpid(s->pid, &status, 0);
-            break;
-        }
-        sleep_s(0.01);
-    }
-    s->pid = 0;
-    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
 static void start_default(void) {
-    cr_assert_eq(srv_start(&S, NULL), 0, "the server did not start");
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, NULL), 0, "the server did not start");
 }
+
 /* Stop the test's server; a sanitizer report in its log or an unclean exit
- * fails the test (and the log goes to stderr, where `make test-asan` looks). */
-static void stop_server(void) {
-    if (S.pid <= 0) return;
-    int status = srv_stop(&S);
-    char *log = rk_test_read_file(S.log, NULL);
-    int report = log && (strstr(log, "ERROR: AddressSanitizer") ||
-                         strstr(log, "ERROR: LeakSanitizer") || strstr(log, "runtime error:"));
-    if (report || status != 0)
-        fprintf(stderr, "ragkv serve exited with status %d; its log (%s):\n%s\n", status, S.log,
-                log ? log : "");
-    free(log);
-    cr_expect_eq(status, 0, "ragkv serve exited with status %d", status);
-    cr_expect(!report, "ragkv serve's log has a sanitizer report");
-}
+ * fails the test. */
+static void stop_server(void) { rk_test_server_stop_checked(&S); }
 
 static resp get(const char *path) {
     resp r;
@@ -307,49 +148,14 @@ static resp post(const char *path, const char *body) {
     return r;
 }
 
-static resp postf(const char *path, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static resp postf(const char *path, const char *fmt, ...) {
-    char body[16384];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(body, sizeof body, fmt, ap);
-    va_end(ap);
-    return post(path, body);
-}
-
-/* Dotted path into a JSON object ("usage.prompt_tokens", "choices.0.text"). */
-static json_t *jget(json_t *j, const char *path) {
-    char buf[256];
-    snprintf(buf, sizeof buf, "%s", path);
-    for (char *tok = strtok(buf, "."); tok && j; tok = strtok(NULL, ".")) {
-        if (json_is_array(j))
-            j = json_array_get(j, (size_t)atoi(tok));
-        else
-            j = json_object_get(j, tok);
-    }
-    return j;
-}
-
-static long long jint(json_t *j, const char *path) {
-    json_t *v = jget(j, path);
-    cr_assert(json_is_integer(v), "%s is not an integer", path);
-    return json_integer_value(v);
-}
-
-static const char *jstr(json_t *j, const char *path) {
-    json_t *v = jget(j, path);
-    cr_assert(json_is_string(v), "%s is not a string", path);
-    return json_string_value(v);
-}
-
 /* An error response: status, the JSON envelope with the same code and a message. */
 static void expect_error(resp *r, int status) {
     cr_assert_eq(r->http.status, status, "want %d, got %d: %s", status, r->http.status,
                  r->http.body);
     cr_assert(r->json, "error body is not JSON: %s", r->http.body);
-    cr_assert_eq(jint(r->json, "error.code"), status);
-    cr_assert(strlen(jstr(r->json, "error.type")) > 0);
-    cr_assert(strlen(jstr(r->json, "error.message")) > 0);
+    cr_assert_eq(rk_test_jint(r->json, "error.code"), status);
+    cr_assert(strlen(rk_test_jstr(r->json, "error.type")) > 0);
+    cr_assert(strlen(rk_test_jstr(r->json, "error.message")) > 0);
 }
 
 /* The value of one Prometheus sample line ("name{labels}"), or -1. */
@@ -362,16 +168,18 @@ static double metric(const char *text, const char *sample) {
 
 /* Check the report's token invariants. */
 static void check_invariants(json_t *j) {
-    long long prompt = jint(j, "usage.prompt_tokens");
-    long long sum = jint(j, "ragkv.system.tokens") + jint(j, "ragkv.question.tokens");
-    json_t *chunks = jget(j, "ragkv.chunks");
+    long long prompt = rk_test_jint(j, "usage.prompt_tokens");
+    long long sum =
+        rk_test_jint(j, "ragkv.system.tokens") + rk_test_jint(j, "ragkv.question.tokens");
+    json_t *chunks = rk_test_jget(j, "ragkv.chunks");
     for (size_t i = 0; i < json_array_size(chunks); i++)
         sum += json_integer_value(json_object_get(json_array_get(chunks, i), "tokens"));
     cr_assert_eq(prompt, sum, "prompt_tokens %lld != system + chunks + question %lld", prompt, sum);
-    cr_assert_eq(jint(j, "usage.prompt_tokens_details.cached_tokens") +
-                     jint(j, "ragkv.timings.prompt_tokens_computed"),
+    cr_assert_eq(rk_test_jint(j, "usage.prompt_tokens_details.cached_tokens") +
+                     rk_test_jint(j, "ragkv.timings.prompt_tokens_computed"),
                  prompt);
-    cr_assert_eq(jint(j, "usage.total_tokens"), prompt + jint(j, "usage.completion_tokens"));
+    cr_assert_eq(rk_test_jint(j, "usage.total_tokens"),
+                 prompt + rk_test_jint(j, "usage.completion_tokens"));
 }
 
 /* ================================================================ basic routes */
@@ -381,33 +189,33 @@ TestSuite(http, .init = start_default, .fini = stop_server, .timeout = 300);
 Test(http, health_is_ok_without_a_key) {
     resp r = get("/health");
     cr_assert_eq(r.http.status, 200);
-    cr_assert_str_eq(jstr(r.json, "status"), "ok");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "status"), "ok");
+    rk_test_resp_free(&r);
 }
 
 Test(http, models_describe_the_served_model) {
     resp r = get("/v1/models");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "object"), "list");
-    cr_assert_str_eq(jstr(r.json, "data.0.id"), "ragkv synthetic tiny");
-    cr_assert_eq(strlen(jstr(r.json, "data.0.ragkv.fingerprint")), 32);
-    cr_assert_eq(jint(r.json, "data.0.ragkv.n_layers"), 4);
-    cr_assert_eq(jint(r.json, "data.0.ragkv.dim"), 128);
-    cr_assert_str_eq(jstr(r.json, "data.0.ragkv.chat_template"), "llama2");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "object"), "list");
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.id"), "ragkv synthetic tiny");
+    cr_assert_eq(strlen(rk_test_jstr(r.json, "data.0.ragkv.fingerprint")), 32);
+    cr_assert_eq(rk_test_jint(r.json, "data.0.ragkv.n_layers"), 4);
+    cr_assert_eq(rk_test_jint(r.json, "data.0.ragkv.dim"), 128);
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.ragkv.chat_template"), "llama2");
+    rk_test_resp_free(&r);
 }
 
 Test(http, unknown_route_is_404_and_wrong_method_405) {
     resp r = get("/v1/nothing");
     expect_error(&r, 404);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = get("/v1/completions");
     expect_error(&r, 405);
-    cr_assert_str_eq(header(&r, "Allow"), "POST");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_header(&r, "Allow"), "POST");
+    rk_test_resp_free(&r);
     cr_assert_eq(http("DELETE", "/v1/stats", NULL, NULL, &r), 0);
     expect_error(&r, 405);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* ================================================================ completions */
@@ -421,7 +229,7 @@ Test(http, head_answers_headers_only_and_keeps_the_connection) {
     static const char head[] = "HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n";
     static const char get_[] = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
     cr_assert_eq(send_all(fd, head, sizeof head - 1), 0);
-    sleep_s(0.2);
+    rk_test_sleep(0.2);
     cr_assert_eq(send_all(fd, get_, sizeof get_ - 1), 0);
     size_t n;
     char *a = recv_all(fd, &n);
@@ -433,13 +241,13 @@ Test(http, head_answers_headers_only_and_keeps_the_connection) {
     cr_assert_eq(h.http.status, 200, "%s", a);
     cr_assert(!strncmp(end + 4, "HTTP/1.1 200", 12), "the HEAD answer has a body: %s", end + 4);
     cr_assert_eq(parse_response(end + 4, n - (size_t)(end + 4 - a), &g), 0);
-    cr_assert_str_eq(jstr(g.json, "status"), "ok");
+    cr_assert_str_eq(rk_test_jstr(g.json, "status"), "ok");
     char cl[32];
     snprintf(cl, sizeof cl, "%zu", g.http.body_len);
-    cr_assert_str_eq(header(&h, "Content-Length"), cl);
-    cr_assert_str_eq(header(&h, "Content-Type"), "application/json");
-    resp_free(&h);
-    resp_free(&g);
+    cr_assert_str_eq(rk_test_header(&h, "Content-Length"), cl);
+    cr_assert_str_eq(rk_test_header(&h, "Content-Type"), "application/json");
+    rk_test_resp_free(&h);
+    rk_test_resp_free(&g);
     free(a);
     /* Every GET route answers HEAD; a POST-only route answers 405, without a body too. */
     static const char *paths[] = {"/v1/models", "/v1/stats", "/metrics", "/v1/chunks"};
@@ -448,19 +256,19 @@ Test(http, head_answers_headers_only_and_keeps_the_connection) {
         cr_assert_eq(http("HEAD", paths[i], NULL, NULL, &r), 0);
         cr_assert_eq(r.http.status, 200, "HEAD %s: %d", paths[i], r.http.status);
         cr_assert_eq(r.http.body_len, 0, "HEAD %s has a body", paths[i]);
-        cr_assert(atoi(header(&r, "Content-Length")) > 0);
-        resp_free(&r);
+        cr_assert(atoi(rk_test_header(&r, "Content-Length")) > 0);
+        rk_test_resp_free(&r);
     }
     resp r;
     cr_assert_eq(http("HEAD", "/v1/completions", NULL, NULL, &r), 0);
     cr_assert_eq(r.http.status, 405);
     cr_assert_eq(r.http.body_len, 0);
-    cr_assert_str_eq(header(&r, "Allow"), "POST");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_header(&r, "Allow"), "POST");
+    rk_test_resp_free(&r);
     cr_assert_eq(http("POST", "/health", NULL, "", &r), 0);
     expect_error(&r, 405);
-    cr_assert_str_eq(header(&r, "Allow"), "GET, HEAD");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_header(&r, "Allow"), "GET, HEAD");
+    rk_test_resp_free(&r);
 }
 
 Test(http, a_nul_byte_in_the_path_is_400) {
@@ -468,11 +276,11 @@ Test(http, a_nul_byte_in_the_path_is_400) {
     for (size_t i = 0; i < 3; i++) {
         resp r = get(paths[i]);
         expect_error(&r, 400);
-        resp_free(&r);
+        rk_test_resp_free(&r);
     }
     resp r = get("/v1/st%61ts"); /* other escapes are decoded */
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* An error answer from before routing: any status from 400 up, in the JSON
@@ -480,10 +288,10 @@ Test(http, a_nul_byte_in_the_path_is_400) {
 static void expect_refused(resp *r, const char *what) {
     cr_assert(r->http.status >= 400, "%s: %d", what, r->http.status);
     cr_assert(r->json, "%s: the body is not JSON: %s", what, r->http.body);
-    cr_assert_eq(jint(r->json, "error.code"), r->http.status);
-    cr_assert(strlen(jstr(r->json, "error.type")) > 0);
-    cr_assert(strlen(jstr(r->json, "error.message")) > 0);
-    cr_assert_str_eq(header(r, "Content-Type"), "application/json");
+    cr_assert_eq(rk_test_jint(r->json, "error.code"), r->http.status);
+    cr_assert(strlen(rk_test_jstr(r->json, "error.type")) > 0);
+    cr_assert(strlen(rk_test_jstr(r->json, "error.message")) > 0);
+    cr_assert_str_eq(rk_test_header(r, "Content-Type"), "application/json");
 }
 
 /* What CivetWeb itself refuses is answered in the same JSON error shape. */
@@ -491,7 +299,7 @@ Test(http, requests_refused_before_routing_get_the_json_error_shape) {
     resp r;
     cr_assert_eq(http("TRACE", "/", NULL, NULL, &r), 0, "TRACE: %s", rk_error_message());
     expect_refused(&r, "TRACE");
-    resp_free(&r);
+    rk_test_resp_free(&r);
     size_t big = 64 * 1024;
     char *path = malloc(big + 2);
     cr_assert(path);
@@ -500,7 +308,7 @@ Test(http, requests_refused_before_routing_get_the_json_error_shape) {
     path[big + 1] = '\0';
     cr_assert_eq(http("GET", path, NULL, NULL, &r), 0, "a 64 KiB path: %s", rk_error_message());
     expect_refused(&r, "a 64 KiB path");
-    resp_free(&r);
+    rk_test_resp_free(&r);
     free(path);
     /* Request lines no client sends. */
     const char *reqs[] = {"GET / HTTP/2.0\r\nHost: x\r\nConnection: close\r\n\r\n",
@@ -510,7 +318,7 @@ Test(http, requests_refused_before_routing_get_the_json_error_shape) {
         char *a = raw_exchange(reqs[i], strlen(reqs[i]), 10, &took);
         cr_assert_eq(parse_response(a, strlen(a), &r), 0, "%s: no answer", reqs[i]);
         expect_refused(&r, reqs[i]);
-        resp_free(&r);
+        rk_test_resp_free(&r);
         free(a);
     }
     /* An absolute URI naming this server is served. */
@@ -518,66 +326,69 @@ Test(http, requests_refused_before_routing_get_the_json_error_shape) {
     snprintf(abs, sizeof abs, "http://127.0.0.1:%d/health", S.port);
     cr_assert_eq(http("GET", abs, NULL, NULL, &r), 0, "no answer to an absolute URI");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 Test(http, completion_report_keeps_the_token_invariants) {
     resp r = post("/v1/completions", "{\"prompt\": \"You are terse.##The cat sat.##The dog ran."
                                      "##Who ran?\", \"max_tokens\": 6, \"temperature\": 0}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "object"), "text_completion");
-    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2);
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "miss");
-    cr_assert_eq(strlen(jstr(r.json, "ragkv.chunks.0.key")), 32);
-    cr_assert_eq(jint(r.json, "usage.completion_tokens"), 6);
-    cr_assert_str_eq(jstr(r.json, "choices.0.finish_reason"), "length");
+    cr_assert_str_eq(rk_test_jstr(r.json, "object"), "text_completion");
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 2);
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.status"), "miss");
+    cr_assert_eq(strlen(rk_test_jstr(r.json, "ragkv.chunks.0.key")), 32);
+    cr_assert_eq(rk_test_jint(r.json, "usage.completion_tokens"), 6);
+    cr_assert_str_eq(rk_test_jstr(r.json, "choices.0.finish_reason"), "length");
     check_invariants(r.json);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 
     /* The same chunks in another order, under another system prompt: both hits. */
     r = post("/v1/completions", "{\"system\": \"Be kind.\", \"chunks\": [\"The dog ran.\", \"The "
                                 "cat sat.\"], \"question\": \"Who sat?\", \"max_tokens\": 4}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.1.status"), "hit");
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.source"), "arena");
-    cr_assert(jint(r.json, "usage.prompt_tokens_details.cached_tokens") >=
-              jint(r.json, "ragkv.chunks.0.tokens") + jint(r.json, "ragkv.chunks.1.tokens"));
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.1.status"), "hit");
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.source"), "arena");
+    cr_assert(rk_test_jint(r.json, "usage.prompt_tokens_details.cached_tokens") >=
+              rk_test_jint(r.json, "ragkv.chunks.0.tokens") +
+                  rk_test_jint(r.json, "ragkv.chunks.1.tokens"));
     check_invariants(r.json);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 Test(http, miss_then_hit_shows_in_stats_and_metrics) {
     resp r = get("/v1/stats");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    long long lookups0 = jint(r.json, "chunks.lookups"), hits0 = jint(r.json, "chunks.hits");
-    resp_free(&r);
+    long long lookups0 = rk_test_jint(r.json, "chunks.lookups"),
+              hits0 = rk_test_jint(r.json, "chunks.hits");
+    rk_test_resp_free(&r);
     const char *body = "{\"prompt\": \"S##alpha beta gamma##Q?\", \"max_tokens\": 2}";
     r = post("/v1/completions", body);
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "miss");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.status"), "miss");
+    rk_test_resp_free(&r);
     /* Without the prefix cache: a repeat would reuse the first sequence, chunk
      * included, and never look the chunk up. */
     r = post(
         "/v1/completions",
         "{\"prompt\": \"S##alpha beta gamma##Q?\", \"max_tokens\": 2, \"prefix_cache\": false}");
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.source"), "arena");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.source"), "arena");
+    rk_test_resp_free(&r);
     r = get("/v1/stats");
-    cr_assert_eq(jint(r.json, "chunks.lookups"), lookups0 + 2);
-    cr_assert_eq(jint(r.json, "chunks.hits"), hits0 + 1);
-    cr_assert_eq(jint(r.json, "chunks.misses"), 1);
-    cr_assert_eq(jint(r.json, "chunks.windows.5m.lookups"), 2);
-    cr_assert_eq(jint(r.json, "chunks.windows.60m.hits"), 1);
-    cr_assert(jint(r.json, "chunks.entries") >= 1);
-    cr_assert(jint(r.json, "tokens.reused") > 0);
-    cr_assert(jint(r.json, "latency.ttft.count") >= 2);
-    cr_assert_eq(jint(r.json, "requests.by_status.200"), 3); /* two completions, one stats */
-    resp_free(&r);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.lookups"), lookups0 + 2);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.hits"), hits0 + 1);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.misses"), 1);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.windows.5m.lookups"), 2);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.windows.60m.hits"), 1);
+    cr_assert(rk_test_jint(r.json, "chunks.entries") >= 1);
+    cr_assert(rk_test_jint(r.json, "tokens.reused") > 0);
+    cr_assert(rk_test_jint(r.json, "latency.ttft.count") >= 2);
+    cr_assert_eq(rk_test_jint(r.json, "requests.by_status.200"),
+                 3); /* two completions, one stats */
+    rk_test_resp_free(&r);
     r = get("/metrics");
     cr_assert_eq(r.http.status, 200);
-    cr_assert(strstr(header(&r, "Content-Type"), "text/plain"));
+    cr_assert(strstr(rk_test_header(&r, "Content-Type"), "text/plain"));
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_lookups_total"), 2);
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"arena\"}"), 1);
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"prefix\"}"), 0);
@@ -595,7 +406,7 @@ Test(http, miss_then_hit_shows_in_stats_and_metrics) {
     cr_assert_eq(metric(r.http.body, "ragkv_store_loads_total"), 0);
     cr_assert_eq(metric(r.http.body, "ragkv_evictions_total{pool=\"chunk\",reason=\"capacity\"}"),
                  0);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 Test(http, metrics_have_help_type_and_every_listed_name) {
@@ -624,7 +435,7 @@ Test(http, metrics_have_help_type_and_every_listed_name) {
     cr_assert(strstr(r.http.body, "ragkv_reindex_seconds_bucket{le=\"+Inf\"} "));
     cr_assert(strstr(r.http.body, "ragkv_reindex_seconds_count "));
     cr_assert(strstr(r.http.body, "ragkv_evictions_total{pool=\"prefix\",reason=\"manual\"} "));
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* The serving metrics operators know from vLLM, and the whole exposition
@@ -634,7 +445,7 @@ Test(http, serving_metrics_follow_a_generation_and_pass_promtool) {
                   "{\"prompt\": \"Sys##A chunk.##Q\", \"max_tokens\": 4, \"temperature\": 0, "
                   "\"ignore_eos\": true}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = get("/metrics");
     static const char *gauges[] = {"ragkv_requests_running", "ragkv_requests_waiting",
                                    "ragkv_kv_usage_ratio"};
@@ -656,7 +467,7 @@ Test(http, serving_metrics_follow_a_generation_and_pass_promtool) {
     cr_assert_geq(metric(r.http.body, "ragkv_time_per_output_token_seconds_count"), 1);
 
     if (rk_test_run("command -v promtool >/dev/null", NULL) != 0) {
-        resp_free(&r);
+        rk_test_resp_free(&r);
         cr_skip_test("promtool is not installed (make deps installs it)");
     }
     char *path = rk_test_write_tmp("promtool", "metrics.txt", r.http.body);
@@ -666,7 +477,7 @@ Test(http, serving_metrics_follow_a_generation_and_pass_promtool) {
     cr_assert_eq(rc, 0, "promtool: %s", out ? out : "");
     free(out);
     free(path);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* Greedy text and ids of `ragkv generate --json` for the same prompt. */
@@ -687,13 +498,15 @@ static void expect_same_as_generate(const char *model_flag, const char *prompt, 
     char *body = json_dumps(req, 0);
     resp r = post("/v1/completions", body);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "choices.0.text"), jstr(want, "choices.0.text"));
-    cr_assert(json_equal(jget(r.json, "ragkv.completion_ids"), jget(want, "ragkv.completion_ids")),
+    cr_assert_str_eq(rk_test_jstr(r.json, "choices.0.text"), rk_test_jstr(want, "choices.0.text"));
+    cr_assert(json_equal(rk_test_jget(r.json, "ragkv.completion_ids"),
+                         rk_test_jget(want, "ragkv.completion_ids")),
               "completion ids differ");
-    cr_assert_str_eq(jstr(r.json, "choices.0.finish_reason"),
-                     jstr(want, "choices.0.finish_reason"));
-    cr_assert_eq(jint(r.json, "usage.prompt_tokens"), jint(want, "usage.prompt_tokens"));
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "choices.0.finish_reason"),
+                     rk_test_jstr(want, "choices.0.finish_reason"));
+    cr_assert_eq(rk_test_jint(r.json, "usage.prompt_tokens"),
+                 rk_test_jint(want, "usage.prompt_tokens"));
+    rk_test_resp_free(&r);
     free(body);
     json_decref(req);
     json_decref(want);
@@ -708,14 +521,14 @@ Test(http_opts, greedy_output_equals_generate_on_stories260K, .fini = stop_serve
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     const char *args[] = {"--model", model, NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     char flag[4200];
     snprintf(flag, sizeof flag, "--model %s", model);
     expect_same_as_generate(flag, "Once upon a time", 40);
     expect_same_as_generate(flag, "Lily was happy.##Tom had a red ball.##One day", 30);
     resp r = get("/v1/models");
-    cr_assert_str_eq(jstr(r.json, "data.0.ragkv.architecture"), "llama");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.ragkv.architecture"), "llama");
+    rk_test_resp_free(&r);
     free(model);
 }
 
@@ -724,20 +537,20 @@ Test(http, logprobs_give_top_alternatives) {
         post("/v1/completions",
              "{\"prompt\": \"Hello\", \"max_tokens\": 3, \"temperature\": 0, \"logprobs\": 2}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    json_t *lp = jget(r.json, "choices.0.logprobs");
+    json_t *lp = rk_test_jget(r.json, "choices.0.logprobs");
     cr_assert_eq(json_array_size(json_object_get(lp, "tokens")), 3);
     cr_assert_eq(json_array_size(json_object_get(lp, "token_logprobs")), 3);
     cr_assert(json_object_size(json_array_get(json_object_get(lp, "top_logprobs"), 0)) >= 1);
     cr_assert(json_real_value(json_array_get(json_object_get(lp, "token_logprobs"), 0)) <= 0);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 Test(http, stop_string_cuts_the_text) {
     const char *req =
         "{\"prompt\": \"Once upon a time\", \"max_tokens\": 40, \"temperature\": 0%s}";
-    resp full = postf("/v1/completions", req, "");
+    resp full = rk_test_postf(&S.t, "/v1/completions", req, "");
     cr_assert_eq(full.http.status, 200, "%s", full.http.body);
-    const char *text = jstr(full.json, "choices.0.text");
+    const char *text = rk_test_jstr(full.json, "choices.0.text");
     cr_assert(strlen(text) > 12, "text too short: %s", text);
     /* A stop string from the middle of the greedy text: the first run of 4
      * printable ASCII characters (stop strings match the generated bytes). */
@@ -757,23 +570,24 @@ Test(http, stop_string_cuts_the_text) {
     json_t *s = json_string(stop);
     char *stop_json = json_dumps(s, JSON_ENCODE_ANY);
     snprintf(extra, sizeof extra, ", \"stop\": [%s]", stop_json);
-    resp cut = postf("/v1/completions", req, extra);
+    resp cut = rk_test_postf(&S.t, "/v1/completions", req, extra);
     cr_assert_eq(cut.http.status, 200, "%s", cut.http.body);
-    cr_assert_str_eq(jstr(cut.json, "choices.0.finish_reason"), "stop");
-    cr_assert_eq(strlen(jstr(cut.json, "choices.0.text")), at);
-    cr_assert(!strncmp(jstr(cut.json, "choices.0.text"), text, at));
-    cr_assert(jint(cut.json, "usage.completion_tokens") < 40, "generation did not stop early");
+    cr_assert_str_eq(rk_test_jstr(cut.json, "choices.0.finish_reason"), "stop");
+    cr_assert_eq(strlen(rk_test_jstr(cut.json, "choices.0.text")), at);
+    cr_assert(!strncmp(rk_test_jstr(cut.json, "choices.0.text"), text, at));
+    cr_assert(rk_test_jint(cut.json, "usage.completion_tokens") < 40,
+              "generation did not stop early");
     /* The generation ends with the token that completed the stop string:
      * usage, ids and logprobs count no token past it. */
-    resp_free(&cut);
+    rk_test_resp_free(&cut);
     snprintf(extra, sizeof extra, ", \"stop\": [%s], \"logprobs\": 1", stop_json);
-    cut = postf("/v1/completions", req, extra);
+    cut = rk_test_postf(&S.t, "/v1/completions", req, extra);
     cr_assert_eq(cut.http.status, 200, "%s", cut.http.body);
-    json_t *ids = jget(cut.json, "ragkv.completion_ids"),
-           *all = jget(full.json, "ragkv.completion_ids");
-    json_t *pieces = jget(cut.json, "choices.0.logprobs.tokens");
+    json_t *ids = rk_test_jget(cut.json, "ragkv.completion_ids"),
+           *all = rk_test_jget(full.json, "ragkv.completion_ids");
+    json_t *pieces = rk_test_jget(cut.json, "choices.0.logprobs.tokens");
     size_t n = json_array_size(ids);
-    cr_assert_eq(jint(cut.json, "usage.completion_tokens"), (long long)n);
+    cr_assert_eq(rk_test_jint(cut.json, "usage.completion_tokens"), (long long)n);
     cr_assert_eq(json_array_size(pieces), n);
     for (size_t i = 0; i < n; i++)
         cr_assert(json_equal(json_array_get(ids, i), json_array_get(all, i)), "id %zu", i);
@@ -787,14 +601,14 @@ Test(http, stop_string_cuts_the_text) {
     cr_assert_not_null(strstr(joined, stop), "%s does not reach the stop string", joined);
     /* The same through the stream. */
     snprintf(extra, sizeof extra, ", \"stop\": %s, \"stream\": true", stop_json);
-    resp st = postf("/v1/completions", req, extra);
+    resp st = rk_test_postf(&S.t, "/v1/completions", req, extra);
     cr_assert_eq(st.http.status, 200);
     cr_assert(strstr(st.http.body, "\"finish_reason\":\"stop\""));
     free(stop_json);
     json_decref(s);
-    resp_free(&full);
-    resp_free(&cut);
-    resp_free(&st);
+    rk_test_resp_free(&full);
+    rk_test_resp_free(&cut);
+    rk_test_resp_free(&st);
 }
 
 /* ================================================================ streaming */
@@ -827,16 +641,19 @@ static void check_stream(const char *body, int chat, const char *want_text, int 
     for (int i = 0; i < n - 1; i++) {
         json_t *j = json_loads(ev[i], 0, NULL);
         cr_assert(j, "event %d is not JSON: %s", i, ev[i]);
-        cr_assert_str_eq(jstr(j, "object"), chat ? "chat.completion.chunk" : "text_completion");
-        json_t *piece = chat ? jget(j, "choices.0.delta.content") : jget(j, "choices.0.text");
+        cr_assert_str_eq(rk_test_jstr(j, "object"),
+                         chat ? "chat.completion.chunk" : "text_completion");
+        json_t *piece =
+            chat ? rk_test_jget(j, "choices.0.delta.content") : rk_test_jget(j, "choices.0.text");
         if (piece) strncat(text, json_string_value(piece), sizeof text - strlen(text) - 1);
         int finish = i == n - 3, report = i == n - 2;
         cr_assert_eq(json_is_object(json_object_get(j, "usage")), report && with_usage,
                      "usage only in the report event, when asked: %s", ev[i]);
         cr_assert_eq(json_object_get(j, "ragkv") != NULL, report);
-        cr_assert_eq(json_is_string(jget(j, "choices.0.finish_reason")), finish, "%s", ev[i]);
-        if (finish && chat) cr_assert_eq(json_object_size(jget(j, "choices.0.delta")), 0);
-        if (finish && !chat) cr_assert_str_eq(jstr(j, "choices.0.text"), "");
+        cr_assert_eq(json_is_string(rk_test_jget(j, "choices.0.finish_reason")), finish, "%s",
+                     ev[i]);
+        if (finish && chat) cr_assert_eq(json_object_size(rk_test_jget(j, "choices.0.delta")), 0);
+        if (finish && !chat) cr_assert_str_eq(rk_test_jstr(j, "choices.0.text"), "");
         if (report) cr_assert_eq(json_array_size(json_object_get(j, "choices")), 0);
         if (report && with_usage) check_invariants(j);
         json_decref(j);
@@ -848,52 +665,54 @@ static void check_stream(const char *body, int chat, const char *want_text, int 
 Test(http, stream_frames_events_and_matches_the_whole_text) {
     const char *req = "{\"prompt\": \"Sys##Chunk one.##Chunk two.##What?\", \"max_tokens\": 20, "
                       "\"temperature\": 0%s}";
-    resp whole = postf("/v1/completions", req, "");
-    resp st = postf("/v1/completions", req, ", \"stream\": true");
+    resp whole = rk_test_postf(&S.t, "/v1/completions", req, "");
+    resp st = rk_test_postf(&S.t, "/v1/completions", req, ", \"stream\": true");
     cr_assert_eq(st.http.status, 200);
-    cr_assert(strstr(header(&st, "Content-Type"), "text/event-stream"));
-    check_stream(st.http.body, 0, jstr(whole.json, "choices.0.text"), 0);
-    resp_free(&st);
-    st = postf("/v1/completions", req,
-               ", \"stream\": true, \"stream_options\": {\"include_usage\": true}");
+    cr_assert(strstr(rk_test_header(&st, "Content-Type"), "text/event-stream"));
+    check_stream(st.http.body, 0, rk_test_jstr(whole.json, "choices.0.text"), 0);
+    rk_test_resp_free(&st);
+    st = rk_test_postf(&S.t, "/v1/completions", req,
+                       ", \"stream\": true, \"stream_options\": {\"include_usage\": true}");
     cr_assert_eq(st.http.status, 200);
-    check_stream(st.http.body, 0, jstr(whole.json, "choices.0.text"), 1);
-    resp_free(&whole);
-    resp_free(&st);
+    check_stream(st.http.body, 0, rk_test_jstr(whole.json, "choices.0.text"), 1);
+    rk_test_resp_free(&whole);
+    rk_test_resp_free(&st);
 }
 
 Test(http, chat_completion_with_chunks_in_the_message_and_as_extension) {
     const char *msgs = "\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, "
                        "{\"role\": \"user\", \"content\": \"Doc A.##Doc B.##What?\"}], "
                        "\"separator\": \"##\"";
-    resp r = postf("/v1/chat/completions", "{%s, \"max_tokens\": 5, \"temperature\": 0}", msgs);
+    resp r = rk_test_postf(&S.t, "/v1/chat/completions",
+                           "{%s, \"max_tokens\": 5, \"temperature\": 0}", msgs);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "object"), "chat.completion");
-    cr_assert_str_eq(jstr(r.json, "choices.0.message.role"), "assistant");
-    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2);
+    cr_assert_str_eq(rk_test_jstr(r.json, "object"), "chat.completion");
+    cr_assert_str_eq(rk_test_jstr(r.json, "choices.0.message.role"), "assistant");
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 2);
     check_invariants(r.json);
-    const char *text = jstr(r.json, "choices.0.message.content");
+    const char *text = rk_test_jstr(r.json, "choices.0.message.content");
     /* The same chunks through the extension field: the same keys, now hits. */
     resp e = post("/v1/chat/completions",
                   "{\"messages\": [{\"role\": \"system\", \"content\": \"Be brief.\"}, {\"role\": "
                   "\"user\", \"content\": \"What?\"}], \"chunks\": [\"Doc A.\", {\"id\": \"b\", "
                   "\"text\": \"Doc B.\"}], \"max_tokens\": 5, \"temperature\": 0}");
     cr_assert_eq(e.http.status, 200, "%s", e.http.body);
-    cr_assert_str_eq(jstr(e.json, "ragkv.chunks.1.status"), "hit");
-    cr_assert_str_eq(jstr(e.json, "ragkv.chunks.1.key"), jstr(r.json, "ragkv.chunks.1.key"));
-    cr_assert_str_eq(jstr(e.json, "choices.0.message.content"), text);
-    resp st = postf("/v1/chat/completions",
-                    "{%s, \"max_tokens\": 5, \"temperature\": 0, "
-                    "\"stream\": true, \"stream_options\": {\"include_usage\": true}}",
-                    msgs);
+    cr_assert_str_eq(rk_test_jstr(e.json, "ragkv.chunks.1.status"), "hit");
+    cr_assert_str_eq(rk_test_jstr(e.json, "ragkv.chunks.1.key"),
+                     rk_test_jstr(r.json, "ragkv.chunks.1.key"));
+    cr_assert_str_eq(rk_test_jstr(e.json, "choices.0.message.content"), text);
+    resp st = rk_test_postf(&S.t, "/v1/chat/completions",
+                            "{%s, \"max_tokens\": 5, \"temperature\": 0, "
+                            "\"stream\": true, \"stream_options\": {\"include_usage\": true}}",
+                            msgs);
     check_stream(st.http.body, 1, text, 1);
-    resp_free(&r);
-    resp_free(&e);
-    resp_free(&st);
+    rk_test_resp_free(&r);
+    rk_test_resp_free(&e);
+    rk_test_resp_free(&st);
     resp bad = post("/v1/chat/completions",
                     "{\"messages\": [{\"role\": \"assistant\", \"content\": \"yo\"}]}");
     expect_error(&bad, 400);
-    resp_free(&bad);
+    rk_test_resp_free(&bad);
 }
 
 /* ================================================================ input errors */
@@ -927,7 +746,7 @@ Test(http, malformed_input_is_400) {
         resp r = post("/v1/completions", bodies[i]);
         cr_assert_eq(r.http.status, 400, "%s -> %d %s", bodies[i], r.http.status, r.http.body);
         expect_error(&r, 400);
-        resp_free(&r);
+        rk_test_resp_free(&r);
     }
     /* first_k: the chunks' first k tokens are recomputed and reported. */
     resp r = post("/v1/completions",
@@ -935,25 +754,25 @@ Test(http, malformed_input_is_400) {
                   "\"repair\": {\"policy\": \"first_k\", \"k\": 2}, \"max_tokens\": 1}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert(strstr(r.http.body, "\"recomputed_tokens\":4") != NULL, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     /* deviation: a ratio of all the chunk tokens, rounded up. */
     r = post("/v1/completions",
              "{\"prompt\": \"S##a first chunk of text##a second chunk##Q\", "
              "\"repair\": {\"policy\": \"deviation\", \"ratio\": 1}, \"max_tokens\": 1}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    json_int_t all = jint(r.json, "ragkv.recomputed_tokens");
+    json_int_t all = rk_test_jint(r.json, "ragkv.recomputed_tokens");
     cr_assert_gt(all, 4, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = post("/v1/completions",
              "{\"prompt\": \"S##a first chunk of text##a second chunk##Q\", "
              "\"repair\": {\"policy\": \"deviation\", \"ratio\": 0.5}, \"max_tokens\": 1}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_eq(jint(r.json, "ragkv.recomputed_tokens"), (all + 1) / 2, "%s", r.http.body);
-    resp_free(&r);
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.recomputed_tokens"), (all + 1) / 2, "%s", r.http.body);
+    rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"none\"}, "
                                 "\"max_tokens\": 1}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* Under the default model_name_policy "any" (test_openai.c has "strict"). */
@@ -961,12 +780,12 @@ Test(http, an_unknown_model_is_answered_under_the_served_name) {
     resp r =
         post("/v1/completions", "{\"prompt\": \"x\", \"model\": \"gpt-9\", \"max_tokens\": 1}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "model"), "ragkv synthetic tiny");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "model"), "ragkv synthetic tiny");
+    rk_test_resp_free(&r);
     r = post("/v1/completions",
              "{\"prompt\": \"x\", \"model\": \"ragkv synthetic tiny\", \"max_tokens\": 1}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 Test(http_opts, limits_give_413_422_and_context_length_exceeded, .fini = stop_server,
@@ -982,39 +801,39 @@ Test(http_opts, limits_give_413_422_and_context_length_exceeded, .fini = stop_se
                           "--max-tokens",
                           "100",
                           NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     char big[4000];
     memset(big, 'a', sizeof big);
     memcpy(big, "{\"prompt\": \"", 12);
     memcpy(big + sizeof big - 3, "\"}", 3);
     resp r = post("/v1/completions", big);
     expect_error(&r, 413);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"S##a##b##c##Q\"}");
     expect_error(&r, 422);
-    cr_assert(strstr(jstr(r.json, "error.message"), "chunks"));
-    resp_free(&r);
+    cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "chunks"));
+    rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"system\": \"S\", \"chunks\": [\"a\", \"b\", \"c\"], "
                                 "\"question\": \"Q\"}");
     expect_error(&r, 422);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"S##a##b##Q\", \"max_tokens\": 2}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 101}");
     expect_error(&r, 422);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 99}");
     cr_assert_eq(r.http.status, 400, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "error.code"), "context_length_exceeded");
-    cr_assert_eq(jint(r.json, "error.status"), 400);
-    cr_assert(strstr(jstr(r.json, "error.message"), "context"));
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.code"), "context_length_exceeded");
+    cr_assert_eq(rk_test_jint(r.json, "error.status"), 400);
+    cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "context"));
+    rk_test_resp_free(&r);
     char chunk[600];
     snprintf(chunk, sizeof chunk, "{\"prompt\": \"S##%0400d##Q\"}", 7);
     r = post("/v1/completions", chunk);
     expect_error(&r, 422);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* OpenAI's shape for a request too large for the server: 400, the code a
@@ -1022,18 +841,18 @@ Test(http_opts, limits_give_413_422_and_context_length_exceeded, .fini = stop_se
 static void expect_context_exceeded(resp *r) {
     cr_assert_eq(r->http.status, 400, "%s", r->http.body);
     cr_assert(r->json, "%s", r->http.body);
-    cr_assert_str_eq(jstr(r->json, "error.code"), "context_length_exceeded");
-    cr_assert_str_eq(jstr(r->json, "error.type"), "invalid_request");
-    cr_assert(strstr(jstr(r->json, "error.message"), "KV memory"), "%s", r->http.body);
+    cr_assert_str_eq(rk_test_jstr(r->json, "error.code"), "context_length_exceeded");
+    cr_assert_str_eq(rk_test_jstr(r->json, "error.type"), "invalid_request");
+    cr_assert(strstr(rk_test_jstr(r->json, "error.message"), "KV memory"), "%s", r->http.body);
 }
 
 Test(http_opts, a_request_larger_than_the_kv_memory_is_context_length_exceeded, .fini = stop_server,
      .timeout = 300) {
     const char *args[] = {"--kv-memory-mb", "1", NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     resp r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1000}");
     expect_context_exceeded(&r);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     /* Chunks too many for the chunk and live pools together, with nothing else running. */
     char body[8192] = "{\"prompt\": \"S", piece[160];
     for (int i = 0; i < 24; i++) {
@@ -1046,10 +865,10 @@ Test(http_opts, a_request_larger_than_the_kv_memory_is_context_length_exceeded, 
     strcat(body, "##Q\", \"max_tokens\": 2}");
     r = post("/v1/completions", body);
     expect_context_exceeded(&r);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 4}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* A request whose chunks do not fit the chunk pool is served: the chunks
@@ -1058,7 +877,7 @@ Test(http_opts, a_request_larger_than_the_kv_memory_is_context_length_exceeded, 
 Test(http_opts, chunks_beyond_the_chunk_pool_are_served_uncached, .fini = stop_server,
      .timeout = 300) {
     const char *args[] = {"--kv-memory-mb", "64", "--chunk-blocks", "4", "--kv-dtype", "f32", NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     char prompt[4096] = "You are terse.", piece[200];
     for (int i = 0; i < 6; i++) {
         snprintf(piece, sizeof piece,
@@ -1068,54 +887,55 @@ Test(http_opts, chunks_beyond_the_chunk_pool_are_served_uncached, .fini = stop_s
         strcat(prompt, piece);
     }
     strcat(prompt, "##Who ran?");
-    resp r = postf("/v1/completions",
-                   "{\"prompt\": \"%s\", \"max_tokens\": 8, "
-                   "\"temperature\": 0}",
-                   prompt);
+    resp r = rk_test_postf(&S.t, "/v1/completions",
+                           "{\"prompt\": \"%s\", \"max_tokens\": 8, "
+                           "\"temperature\": 0}",
+                           prompt);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     check_invariants(r.json);
-    int uncached = 0, n = (int)json_array_size(jget(r.json, "ragkv.chunks"));
+    int uncached = 0, n = (int)json_array_size(rk_test_jget(r.json, "ragkv.chunks"));
     cr_assert_eq(n, 6);
     for (int i = 0; i < n; i++) {
         char path[64];
         snprintf(path, sizeof path, "ragkv.chunks.%d.status", i);
-        uncached += !strcmp(jstr(r.json, path), "uncached");
+        uncached += !strcmp(rk_test_jstr(r.json, path), "uncached");
     }
     cr_assert_geq(uncached, 1, "%s", r.http.body);
     cr_assert_lt(uncached, n, "the pool took what it could: %s", r.http.body);
-    resp o = postf("/v1/completions",
-                   "{\"prompt\": \"%s\", \"max_tokens\": 8, "
-                   "\"temperature\": 0, \"chunk_cache\": false}",
-                   prompt);
+    resp o = rk_test_postf(&S.t, "/v1/completions",
+                           "{\"prompt\": \"%s\", \"max_tokens\": 8, "
+                           "\"temperature\": 0, \"chunk_cache\": false}",
+                           prompt);
     cr_assert_eq(o.http.status, 200, "%s", o.http.body);
-    cr_assert_str_eq(jstr(r.json, "choices.0.text"), jstr(o.json, "choices.0.text"));
-    resp_free(&o);
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "choices.0.text"),
+                     rk_test_jstr(o.json, "choices.0.text"));
+    rk_test_resp_free(&o);
+    rk_test_resp_free(&r);
     /* The pools in tokens. */
     r = get("/v1/stats");
-    cr_assert_eq(jint(r.json, "pools.chunk.tokens"), 4 * 16);
-    cr_assert_eq(jint(r.json, "kv.pools.chunk.tokens"), 4 * 16);
-    cr_assert_str_eq(jstr(r.json, "kv.dtype"), "f32");
-    resp_free(&r);
+    cr_assert_eq(rk_test_jint(r.json, "pools.chunk.tokens"), 4 * 16);
+    cr_assert_eq(rk_test_jint(r.json, "kv.pools.chunk.tokens"), 4 * 16);
+    cr_assert_str_eq(rk_test_jstr(r.json, "kv.dtype"), "f32");
+    rk_test_resp_free(&r);
 }
 
 /* ================================================================ keys */
 
 Test(http_opts, api_key_protects_every_route_but_health, .fini = stop_server, .timeout = 300) {
     const char *env[] = {"RAGKV_API_KEY=sesame", NULL};
-    cr_assert_eq(srv_start_ready(&S, env, NULL), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", env, NULL), 0);
     resp r;
     static const char *paths[] = {"/v1/models", "/v1/stats", "/metrics", "/v1/chunks"};
     for (size_t i = 0; i < 4; i++) {
         cr_assert_eq(http("GET", paths[i], NULL, NULL, &r), 0);
         expect_error(&r, 401);
-        resp_free(&r);
+        rk_test_resp_free(&r);
         cr_assert_eq(http("GET", paths[i], "Authorization: Bearer wrong\r\n", NULL, &r), 0);
         expect_error(&r, 401);
-        resp_free(&r);
+        rk_test_resp_free(&r);
         cr_assert_eq(http("GET", paths[i], "Authorization: Bearer sesame\r\n", NULL, &r), 0);
         cr_assert_eq(r.http.status, 200, "%s: %s", paths[i], r.http.body);
-        resp_free(&r);
+        rk_test_resp_free(&r);
     }
     /* The scheme is case-insensitive (RFC 7235), and may be followed by more than one space. */
     static const char *schemes[] = {"authorization: bearer sesame\r\n",
@@ -1123,45 +943,45 @@ Test(http_opts, api_key_protects_every_route_but_health, .fini = stop_server, .t
     for (size_t i = 0; i < 2; i++) {
         cr_assert_eq(http("GET", "/v1/models", schemes[i], NULL, &r), 0);
         cr_assert_eq(r.http.status, 200, "%s: %s", schemes[i], r.http.body);
-        resp_free(&r);
+        rk_test_resp_free(&r);
     }
     cr_assert_eq(http("GET", "/v1/models", "Authorization: Basic sesame\r\n", NULL, &r), 0);
     expect_error(&r, 401);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     cr_assert_eq(http("POST", "/v1/completions", NULL, "{\"prompt\": \"x\"}", &r), 0);
     expect_error(&r, 401);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     cr_assert_eq(http("POST", "/v1/completions", "Authorization: Bearer sesame\r\n",
                       "{\"prompt\": \"x\", \"max_tokens\": 1}", &r),
                  0);
     cr_assert_eq(r.http.status, 200);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = get("/health");
     cr_assert_eq(r.http.status, 200);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 Test(http_opts, admin_key_guards_flush_and_delete, .fini = stop_server, .timeout = 300) {
     const char *args[] = {"--api-key", "user", "--admin-key", "root", NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     resp r;
     cr_assert_eq(http("POST", "/v1/cache/flush", "Authorization: Bearer user\r\n", "{}", &r), 0);
     expect_error(&r, 401);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     cr_assert_eq(http("DELETE", "/v1/chunks/00000000000000000000000000000000",
                       "Authorization: Bearer user\r\n", NULL, &r),
                  0);
     expect_error(&r, 401);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     cr_assert_eq(http("POST", "/v1/cache/flush", "Authorization: Bearer root\r\n",
                       "{\"what\": \"all\"}", &r),
                  0);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     /* The admin key opens the ordinary routes too. */
     cr_assert_eq(http("GET", "/v1/stats", "Authorization: Bearer root\r\n", NULL, &r), 0);
     cr_assert_eq(r.http.status, 200);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* ================================================================ chunks and cache */
@@ -1170,154 +990,155 @@ Test(http, prewarm_list_get_delete_and_flush_chunks) {
     resp r = post("/v1/chunks", "{\"chunks\": [\"The sky is blue.\", {\"id\": \"doc-7#3\", "
                                 "\"text\": \"Grass is green.\"}]}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "data.0.status"), "computed");
-    cr_assert_str_eq(jstr(r.json, "data.1.id"), "doc-7#3");
-    cr_assert(jint(r.json, "data.1.tokens") > 0);
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.status"), "computed");
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.1.id"), "doc-7#3");
+    cr_assert(rk_test_jint(r.json, "data.1.tokens") > 0);
     char key[33];
-    snprintf(key, sizeof key, "%s", jstr(r.json, "data.1.key"));
-    resp_free(&r);
+    snprintf(key, sizeof key, "%s", rk_test_jstr(r.json, "data.1.key"));
+    rk_test_resp_free(&r);
     r = post("/v1/chunks", "{\"chunks\": [\"Grass is green.\"]}");
-    cr_assert_str_eq(jstr(r.json, "data.0.status"), "cached");
-    cr_assert_str_eq(jstr(r.json, "data.0.key"), key);
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.status"), "cached");
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.key"), key);
+    rk_test_resp_free(&r);
     /* A completion that uses it: a hit with the same key. */
     r = post("/v1/completions", "{\"prompt\": \"S##Grass is green.##Q\", \"max_tokens\": 1}");
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.key"), key);
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.key"), key);
+    rk_test_resp_free(&r);
 
     r = get("/v1/chunks?sort=hits&limit=10");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_eq(jint(r.json, "total"), 2);
-    cr_assert_str_eq(jstr(r.json, "data.0.key"), key); /* most hits first */
-    cr_assert_str_eq(jstr(r.json, "data.0.id"), "doc-7#3");
-    cr_assert_str_eq(jstr(r.json, "data.0.tier"), "arena");
-    cr_assert_eq(jint(r.json, "data.0.hits"), 1); /* the completion; a pre-warm is no hit */
-    cr_assert(jint(r.json, "data.0.bytes") > 0);
+    cr_assert_eq(rk_test_jint(r.json, "total"), 2);
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.key"), key); /* most hits first */
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.id"), "doc-7#3");
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.tier"), "arena");
+    cr_assert_eq(rk_test_jint(r.json, "data.0.hits"), 1); /* the completion; a pre-warm is no hit */
+    cr_assert(rk_test_jint(r.json, "data.0.bytes") > 0);
     cr_assert(!strstr(r.http.body, "Grass"), "chunk text leaked into the listing");
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = get("/v1/chunks?limit=1&offset=1");
-    cr_assert_eq(json_array_size(jget(r.json, "data")), 1);
-    resp_free(&r);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "data")), 1);
+    rk_test_resp_free(&r);
     r = get("/v1/chunks?sort=size");
     expect_error(&r, 400);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 
     char path[128];
     snprintf(path, sizeof path, "/v1/chunks/%s", key);
     r = get(path);
     cr_assert_eq(r.http.status, 200);
-    cr_assert_eq(jint(r.json, "refs"), 0);
-    resp_free(&r);
+    cr_assert_eq(rk_test_jint(r.json, "refs"), 0);
+    rk_test_resp_free(&r);
     r = get("/v1/chunks/xyz");
     expect_error(&r, 400);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = get("/v1/chunks/0123456789abcdef0123456789abcdef");
     expect_error(&r, 404);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     cr_assert_eq(http("DELETE", path, NULL, NULL, &r), 0);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     cr_assert_eq(http("DELETE", path, NULL, NULL, &r), 0);
     expect_error(&r, 404);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 
     r = post("/v1/cache/flush", "{\"what\": \"chunks\"}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_eq(jint(r.json, "flushed.chunks"), 1);
-    resp_free(&r);
+    cr_assert_eq(rk_test_jint(r.json, "flushed.chunks"), 1);
+    rk_test_resp_free(&r);
     r = get("/v1/stats");
-    cr_assert_eq(jint(r.json, "chunks.entries"), 0);
-    cr_assert_eq(jint(r.json, "chunks.evictions.manual"), 2);
-    resp_free(&r);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.entries"), 0);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.evictions.manual"), 2);
+    rk_test_resp_free(&r);
     r = post("/v1/cache/flush", "{\"what\": \"everything\"}");
     expect_error(&r, 400);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = post("/v1/chunks", "{\"chunks\": [\"x\"], \"persist\": true}");
     expect_error(&r, 501);
-    cr_assert(strstr(jstr(r.json, "error.message"), "persistence is not configured"));
-    resp_free(&r);
+    cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "persistence is not configured"));
+    rk_test_resp_free(&r);
     r = post("/v1/cache/flush", "{\"what\": \"all\", \"disk\": true}");
     expect_error(&r, 501);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 Test(http, prewarm_in_the_system_context_is_reused_under_that_system_prompt) {
     resp r = post("/v1/chunks", "{\"chunks\": [\"A chunk after the system.\"], "
                                 "\"chunk_context\": \"system\", \"system\": \"Be terse.\"}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "data.0.status"), "computed");
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.status"), "computed");
     char key[33];
-    snprintf(key, sizeof key, "%s", jstr(r.json, "data.0.key"));
-    resp_free(&r);
+    snprintf(key, sizeof key, "%s", rk_test_jstr(r.json, "data.0.key"));
+    rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"Be terse.##A chunk after the system.##Q\", "
                                 "\"chunk_context\": \"system\", \"max_tokens\": 1}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.key"), key);
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.key"), key);
+    rk_test_resp_free(&r);
     /* Under another system prompt it is another key: a miss. */
     r = post("/v1/completions", "{\"prompt\": \"Be kind.##A chunk after the system.##Q\", "
                                 "\"chunk_context\": \"system\", \"max_tokens\": 1}");
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "miss");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.status"), "miss");
+    rk_test_resp_free(&r);
 }
 
 Test(http_opts, the_store_keeps_chunks_across_restarts, .fini = stop_server, .timeout = 300) {
     char *dir = rk_test_tmpdir("httpstore");
     const char *args[] = {"--store", dir, NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     resp r = post("/v1/chunks", "{\"chunks\": [{\"id\": \"doc-1\", \"text\": \"Stored chunk "
                                 "text.\"}], \"persist\": true}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "data.0.status"), "computed");
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.status"), "computed");
     char key[33], path[128];
-    snprintf(key, sizeof key, "%s", jstr(r.json, "data.0.key"));
+    snprintf(key, sizeof key, "%s", rk_test_jstr(r.json, "data.0.key"));
     snprintf(path, sizeof path, "/v1/chunks/%s", key);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = get("/v1/stats");
-    cr_assert(json_is_true(jget(r.json, "store.configured")));
-    cr_assert_eq(jint(r.json, "store.rows"), 1);
-    cr_assert(jint(r.json, "store.writes") >= 1);
-    resp_free(&r);
+    cr_assert(json_is_true(rk_test_jget(r.json, "store.configured")));
+    cr_assert_eq(rk_test_jint(r.json, "store.rows"), 1);
+    cr_assert(rk_test_jint(r.json, "store.writes") >= 1);
+    rk_test_resp_free(&r);
     r = get("/v1/chunks?tier=disk");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_eq(jint(r.json, "total"), 1);
-    cr_assert_str_eq(jstr(r.json, "data.0.key"), key);
-    cr_assert_str_eq(jstr(r.json, "data.0.id"), "doc-1");
-    cr_assert_str_eq(jstr(r.json, "data.0.tier"), "disk");
-    resp_free(&r);
-    cr_assert_eq(srv_stop(&S), 0);
+    cr_assert_eq(rk_test_jint(r.json, "total"), 1);
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.key"), key);
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.id"), "doc-1");
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.tier"), "disk");
+    rk_test_resp_free(&r);
+    cr_assert_eq(rk_test_server_stop(&S), 0);
 
     /* A new process over the same store: the chunk comes back from disk. */
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     r = post("/v1/chunks", "{\"chunks\": [\"Stored chunk text.\"]}");
-    cr_assert_str_eq(jstr(r.json, "data.0.status"), "cached");
-    cr_assert_str_eq(jstr(r.json, "data.0.tier"), "disk");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.status"), "cached");
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.tier"), "disk");
+    rk_test_resp_free(&r);
     r = get(path);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "tier"), "disk");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "tier"), "disk");
+    rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"S##Stored chunk text.##Q\", \"max_tokens\": 1}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.source"), "disk");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.source"), "disk");
+    rk_test_resp_free(&r);
     r = get("/metrics");
     cr_assert_eq(metric(r.http.body, "ragkv_store_loads_total"), 1);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     cr_assert_eq(http("DELETE", path, NULL, NULL, &r), 0);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert(json_is_true(jget(r.json, "arena")) && json_is_true(jget(r.json, "disk")));
-    resp_free(&r);
+    cr_assert(json_is_true(rk_test_jget(r.json, "arena")) &&
+              json_is_true(rk_test_jget(r.json, "disk")));
+    rk_test_resp_free(&r);
     r = post("/v1/cache/flush", "{\"what\": \"all\", \"disk\": true}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_eq(jint(r.json, "flushed.disk_rows"), 0);
-    resp_free(&r);
+    cr_assert_eq(rk_test_jint(r.json, "flushed.disk_rows"), 0);
+    rk_test_resp_free(&r);
     r = get("/v1/stats");
-    cr_assert_eq(jint(r.json, "store.rows"), 0);
-    resp_free(&r);
+    cr_assert_eq(rk_test_jint(r.json, "store.rows"), 0);
+    rk_test_resp_free(&r);
     free(dir);
 }
 
@@ -1327,25 +1148,25 @@ Test(http_opts, a_deleted_store_database_is_rebuilt_and_its_chunks_served, .fini
      .timeout = 300) {
     char *dir = rk_test_tmpdir("httpstore-rebuild");
     const char *args[] = {"--store", dir, NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     resp r = post("/v1/chunks", "{\"chunks\": [\"A chunk kept on disk.\"], \"persist\": true}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
-    cr_assert_eq(srv_stop(&S), 0);
+    rk_test_resp_free(&r);
+    cr_assert_eq(rk_test_server_stop(&S), 0);
     char db[4200];
     snprintf(db, sizeof db, "%s/chunks.db", dir);
     cr_assert_eq(unlink(db), 0);
 
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     r = get("/v1/stats");
-    cr_assert_eq(jint(r.json, "store.rows"), 1, "%s", r.http.body);
-    cr_assert_eq(jint(r.json, "store.rows_rebuilt"), 1, "%s", r.http.body);
-    cr_assert_eq(jint(r.json, "store.quarantined"), 0);
-    resp_free(&r);
+    cr_assert_eq(rk_test_jint(r.json, "store.rows"), 1, "%s", r.http.body);
+    cr_assert_eq(rk_test_jint(r.json, "store.rows_rebuilt"), 1, "%s", r.http.body);
+    cr_assert_eq(rk_test_jint(r.json, "store.quarantined"), 0);
+    rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"S##A chunk kept on disk.##Q\", \"max_tokens\": 1}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "ragkv.chunks.0.source"), "disk");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.source"), "disk");
+    rk_test_resp_free(&r);
     free(dir);
 }
 
@@ -1357,9 +1178,9 @@ typedef struct counts {
 static counts stats_counts(void) {
     resp r = get("/v1/stats");
     cr_assert_eq(r.http.status, 200);
-    counts c = {jint(r.json, "pools.live.used"), jint(r.json, "chunks.referenced"),
-                jint(r.json, "prefix.locked_tokens")};
-    resp_free(&r);
+    counts c = {rk_test_jint(r.json, "pools.live.used"), rk_test_jint(r.json, "chunks.referenced"),
+                rk_test_jint(r.json, "prefix.locked_tokens")};
+    rk_test_resp_free(&r);
     return c;
 }
 
@@ -1378,7 +1199,7 @@ static void stream_until_first_event(const char *body, rk_http_conn *c) {
 Test(http_opts, a_client_that_disconnects_mid_stream_releases_everything, .fini = stop_server,
      .timeout = 300) {
     const char *args[] = {"--token-delay-s", "0.01", NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     counts base = stats_counts();
     const char *body = "{\"prompt\": \"A long system prompt for the prefix cache, long enough to "
                        "fill a block or two of sixteen tokens.##Chunk text here.##Go on\", "
@@ -1386,17 +1207,18 @@ Test(http_opts, a_client_that_disconnects_mid_stream_releases_everything, .fini 
     rk_http_conn c;
     stream_until_first_event(body, &c);
     counts during = stats_counts();
-    for (double t_end = now_s() + 2; during.live_used == base.live_used && now_s() < t_end;) {
-        sleep_s(0.01);
+    for (double t_end = rk_test_now() + 2;
+         during.live_used == base.live_used && rk_test_now() < t_end;) {
+        rk_test_sleep(0.01);
         during = stats_counts();
     }
     cr_assert(during.live_used > base.live_used, "the request holds no live blocks");
     cr_assert(during.chunk_refs > 0 && during.prefix_locked > 0);
     rk_http_close(&c);
-    double until = now_s() + 30;
+    double until = rk_test_now() + 30;
     counts after = stats_counts();
-    while (!counts_equal(after, base) && now_s() < until) {
-        sleep_s(0.05);
+    while (!counts_equal(after, base) && rk_test_now() < until) {
+        rk_test_sleep(0.05);
         after = stats_counts();
     }
     cr_assert(counts_equal(after, base), "live %lld refs %lld locked %lld, want %lld %lld %lld",
@@ -1404,32 +1226,32 @@ Test(http_opts, a_client_that_disconnects_mid_stream_releases_everything, .fini 
               base.chunk_refs, base.prefix_locked);
     /* It stopped early: far fewer than 400 tokens went through. */
     resp r = get("/v1/stats");
-    cr_assert(jint(r.json, "tokens.generated") < 390, "generated %lld",
-              jint(r.json, "tokens.generated"));
-    resp_free(&r);
+    cr_assert(rk_test_jint(r.json, "tokens.generated") < 390, "generated %lld",
+              rk_test_jint(r.json, "tokens.generated"));
+    rk_test_resp_free(&r);
 }
 
 Test(http_opts, deleting_a_chunk_in_use_is_409, .fini = stop_server, .timeout = 300) {
     const char *args[] = {"--token-delay-s", "0.01", NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     resp r = post("/v1/chunks", "{\"chunks\": [\"Busy chunk.\"]}");
     char path[128];
-    snprintf(path, sizeof path, "/v1/chunks/%s", jstr(r.json, "data.0.key"));
-    resp_free(&r);
+    snprintf(path, sizeof path, "/v1/chunks/%s", rk_test_jstr(r.json, "data.0.key"));
+    rk_test_resp_free(&r);
     rk_http_conn c;
     stream_until_first_event("{\"prompt\": \"S##Busy chunk.##Q\", \"max_tokens\": 300, "
                              "\"ignore_eos\": true, \"stream\": true}",
                              &c);
     cr_assert_eq(http("DELETE", path, NULL, NULL, &r), 0);
     expect_error(&r, 409);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     rk_http_close(&c);
 }
 
 Test(http_opts, a_full_queue_and_timeouts_give_503_or_cancel, .fini = stop_server, .timeout = 300) {
     const char *args[] = {"--token-delay-s", "0.02", "--queue", "1", "--max-batch", "1",
                           "--timeout-s",     "1.5",  NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     /* Q arrives first (its headers start its clock) but sends its body late,
      * so it waits in the queue behind R and times out there, before R does. */
     const char *qbody = "{\"prompt\": \"q\", \"max_tokens\": 5}";
@@ -1438,81 +1260,81 @@ Test(http_opts, a_full_queue_and_timeouts_give_503_or_cancel, .fini = stop_serve
              strlen(qbody));
     rk_http_conn q, rc;
     cr_assert_eq(rk_http_open(&S.t, "POST", "/v1/completions", qlen, NULL, 0, &q), RK_OK);
-    sleep_s(0.2);
+    rk_test_sleep(0.2);
     stream_until_first_event("{\"prompt\": \"x\", \"max_tokens\": 500, \"ignore_eos\": "
                              "true, \"stream\": true}",
                              &rc);
     cr_assert_eq(send_all(q.fd, qbody, strlen(qbody)), 0);
-    sleep_s(0.3);
+    rk_test_sleep(0.3);
     /* The queue (one place) is full now. */
     resp r = post("/v1/completions", "{\"prompt\": \"y\", \"max_tokens\": 1}");
     expect_error(&r, 503);
-    cr_assert_str_eq(header(&r, "Retry-After"), "1");
-    cr_assert(strstr(jstr(r.json, "error.message"), "queue"));
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_header(&r, "Retry-After"), "1");
+    cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "queue"));
+    rk_test_resp_free(&r);
     r = finish(&q);
     expect_error(&r, 503);
-    cr_assert(strstr(jstr(r.json, "error.message"), "timeout"), "%s", r.http.body);
-    resp_free(&r);
+    cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "timeout"), "%s", r.http.body);
+    rk_test_resp_free(&r);
     /* R is cancelled at its deadline: the stream ends with finish_reason "cancelled". */
     r = finish(&rc);
     const char *rr = r.http.body;
     cr_assert(strstr(rr, "\"finish_reason\":\"cancelled\""), "stream tail: %s",
               strlen(rr) > 600 ? rr + strlen(rr) - 600 : rr);
     cr_assert(strstr(rr, "data: [DONE]"));
-    resp_free(&r);
+    rk_test_resp_free(&r);
     /* A non-streaming request that runs past the timeout is answered 503. */
     r = post("/v1/completions", "{\"prompt\": \"z\", \"max_tokens\": 500, \"ignore_eos\": true}");
     expect_error(&r, 503);
-    cr_assert(strstr(jstr(r.json, "error.message"), "timeout"));
-    resp_free(&r);
+    cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "timeout"));
+    rk_test_resp_free(&r);
 }
 
 /* ================================================================ life cycle */
 
 Test(http_opts, health_is_503_while_loading, .fini = stop_server, .timeout = 300) {
     const char *args[] = {"--load-delay-s", "1.5", NULL};
-    cr_assert_eq(srv_start_env(&S, NULL, args), 0);
+    cr_assert_eq(rk_test_server_start(&S, "http", NULL, args, NULL), 0);
     resp r = get("/health");
     cr_assert_eq(r.http.status, 503, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "status"), "loading");
-    cr_assert_eq(jint(r.json, "error.code"), 503);
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "status"), "loading");
+    cr_assert_eq(rk_test_jint(r.json, "error.code"), 503);
+    rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\"}");
     expect_error(&r, 503);
-    resp_free(&r);
-    double until = now_s() + 30;
+    rk_test_resp_free(&r);
+    double until = rk_test_now() + 30;
     int status = 0;
-    while (now_s() < until) {
+    while (rk_test_now() < until) {
         r = get("/health");
         status = r.http.status;
-        resp_free(&r);
+        rk_test_resp_free(&r);
         if (status == 200) break;
-        sleep_s(0.05);
+        rk_test_sleep(0.05);
     }
     cr_assert_eq(status, 200);
 }
 
 Test(http_opts, sigterm_exits_cleanly_after_work, .timeout = 300) {
-    cr_assert_eq(srv_start(&S, NULL), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, NULL), 0);
     resp r = post("/v1/completions", "{\"prompt\": \"S##c##Q\", \"max_tokens\": 3}");
     cr_assert_eq(r.http.status, 200);
-    resp_free(&r);
-    cr_assert_eq(srv_stop(&S), 0, "ragkv serve did not exit with status 0 on SIGTERM");
+    rk_test_resp_free(&r);
+    cr_assert_eq(rk_test_server_stop(&S), 0, "ragkv serve did not exit with status 0 on SIGTERM");
 }
 
 /* requests.queued of /v1/stats. */
 static long long queued_now(void) {
     resp r = get("/v1/stats");
-    long long q = jint(r.json, "requests.queued");
-    resp_free(&r);
+    long long q = rk_test_jint(r.json, "requests.queued");
+    rk_test_resp_free(&r);
     return q;
 }
 
 Test(http_opts, sigterm_ends_streams_with_a_final_event_and_answers_queued_requests_503,
      .timeout = 300) {
     const char *args[] = {"--token-delay-s", "0.02", "--grace-s", "0.3", "--max-batch", "1", NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     rk_http_conn c, qs[2];
     stream_until_first_event("{\"prompt\": \"x\", \"max_tokens\": 2000, \"ignore_eos\": "
                              "true, \"stream\": true, \"stream_options\": {\"include_usage\": "
@@ -1520,11 +1342,12 @@ Test(http_opts, sigterm_ends_streams_with_a_final_event_and_answers_queued_reque
                              &c);
     open_completion("{\"prompt\": \"q\", \"max_tokens\": 5}", &qs[0]);
     open_completion("{\"prompt\": \"r\", \"max_tokens\": 5, \"stream\": true}", &qs[1]);
-    for (double until = now_s() + 20; queued_now() < 2 && now_s() < until;) sleep_s(0.02);
+    for (double until = rk_test_now() + 20; queued_now() < 2 && rk_test_now() < until;)
+        rk_test_sleep(0.02);
     cr_assert_eq(queued_now(), 2, "the two requests are not queued behind the stream");
-    double t = now_s();
-    cr_assert_eq(srv_stop(&S), 0, "ragkv serve did not exit with status 0 on SIGTERM");
-    cr_assert(now_s() - t < 20, "shutdown took %.1f s", now_s() - t);
+    double t = rk_test_now();
+    cr_assert_eq(rk_test_server_stop(&S), 0, "ragkv serve did not exit with status 0 on SIGTERM");
+    cr_assert(rk_test_now() - t < 20, "shutdown took %.1f s", rk_test_now() - t);
     /* The stream that was cut ends with its finish event (finish_reason
      * "cancelled"), the usage event and [DONE]. */
     resp cut = finish(&c);
@@ -1540,16 +1363,17 @@ Test(http_opts, sigterm_ends_streams_with_a_final_event_and_answers_queued_reque
     json_t *ev = json_loadb(last + 6, (size_t)(done - 2 - last - 6), 0, NULL);
     cr_assert(ev, "the final event is not JSON: %.300s", last);
     cr_assert(strstr(rest, "\"finish_reason\":\"cancelled\""), "no cancelled finish event");
-    cr_assert(jint(ev, "usage.completion_tokens") > 0);
+    cr_assert(rk_test_jint(ev, "usage.completion_tokens") > 0);
     check_invariants(ev);
     json_decref(ev);
-    resp_free(&cut);
+    rk_test_resp_free(&cut);
     /* The queued ones are answered 503 in the JSON error shape. */
     for (int i = 0; i < 2; i++) {
         resp r = finish(&qs[i]);
         expect_error(&r, 503);
-        cr_assert(strstr(jstr(r.json, "error.message"), "shutting down"), "%s", r.http.body);
-        resp_free(&r);
+        cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "shutting down"), "%s",
+                  r.http.body);
+        rk_test_resp_free(&r);
     }
 }
 
@@ -1558,28 +1382,28 @@ Test(http_opts, sigterm_ends_streams_with_a_final_event_and_answers_queued_reque
 Test(http_opts, idle_connections_do_not_starve_the_service, .fini = stop_server, .timeout = 300) {
     /* All from one address: allowed here (test_openai.c tests the limit). */
     const char *args[] = {"--max-connections-per-ip", "100000", NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     enum { N_IDLE = 4 * (64 + 16) }; /* 4 x the default http_threads (queue + 16) */
     static int fds[N_IDLE];
     for (int i = 0; i < N_IDLE; i++) {
         fds[i] = connect_port();
         cr_assert(fds[i] >= 0, "connection %d refused", i);
     }
-    sleep_s(0.5); /* the server has taken them */
+    rk_test_sleep(0.5); /* the server has taken them */
     rk_http_target within_2s = S.t;
     within_2s.timeout_s = 2.0;
-    double t0 = now_s();
+    double t0 = rk_test_now();
     resp r;
-    cr_assert_eq(http_to(&within_2s, "GET", "/health", NULL, NULL, &r), 0,
+    cr_assert_eq(rk_test_exchange(&within_2s, "GET", "/health", NULL, NULL, &r), 0,
                  "/health did not answer within 2 s with %d idle connections open: %s", N_IDLE,
                  rk_error_message());
-    double took = now_s() - t0;
+    double took = rk_test_now() - t0;
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert(took < 2, "/health took %.2f s", took);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 2}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     for (int i = 0; i < N_IDLE; i++) close(fds[i]);
 }
 
@@ -1617,48 +1441,48 @@ static void rehold_if_answered(rk_http_conn *c, int i, char *note, size_t note_s
 Test(http_opts, requests_beyond_http_threads_get_503_but_probes_answer, .fini = stop_server,
      .timeout = 300) {
     const char *args[] = {"--http-threads", "4", "--request-timeout-s", "60", NULL};
-    cr_assert_eq(srv_start_ready(&S, NULL, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     rk_http_conn held[4];
     for (int i = 0; i < 4; i++) hold_slot(&held[i]);
     /* Once the four are being handled, a fifth request is refused at once. */
     resp r = {0};
     int last = -1, tries = 0;
     char note[256] = "";
-    for (double until = now_s() + 20; now_s() < until; sleep_s(0.02), tries++) {
+    for (double until = rk_test_now() + 20; rk_test_now() < until; rk_test_sleep(0.02), tries++) {
         for (int i = 0; i < 4; i++) rehold_if_answered(&held[i], i, note, sizeof note);
         r = get("/v1/models");
         if (r.http.status == 503) break;
         last = r.http.status;
-        resp_free(&r);
+        rk_test_resp_free(&r);
     }
     if (note[0]) cr_log_warn("%s", note);
     cr_assert_eq(r.http.status, 503, "%d requests answered, the last %d; %s", tries, last,
                  note[0] ? note : "no held request was answered");
     expect_error(&r, 503);
-    cr_assert_str_eq(header(&r, "Retry-After"), "1");
-    cr_assert(strstr(jstr(r.json, "error.message"), "http_threads"), "%s", r.http.body);
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_header(&r, "Retry-After"), "1");
+    cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "http_threads"), "%s", r.http.body);
+    rk_test_resp_free(&r);
     r = get("/health");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = get("/metrics");
     cr_assert_eq(r.http.status, 200);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     /* Their clients gone, the slots are free again. */
     for (int i = 0; i < 4; i++) rk_http_close(&held[i]);
-    for (double until = now_s() + 20; now_s() < until; sleep_s(0.02)) {
+    for (double until = rk_test_now() + 20; rk_test_now() < until; rk_test_sleep(0.02)) {
         r = get("/v1/models");
         if (r.http.status == 200) break;
-        resp_free(&r);
+        rk_test_resp_free(&r);
     }
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 Test(http_opts, idle_and_slow_header_connections_are_closed_after_the_request_timeout,
      .fini = stop_server, .timeout = 300) {
     const char *env[] = {"RAGKV_REQUEST_TIMEOUT_S=1", NULL};
-    cr_assert_eq(srv_start_ready(&S, env, NULL), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", env, NULL), 0);
     double took;
     /* Nothing sent: closed without an answer. */
     char *a = raw_exchange("", 0, 6, &took);
@@ -1673,8 +1497,8 @@ Test(http_opts, idle_and_slow_header_connections_are_closed_after_the_request_ti
         resp r;
         cr_assert_eq(parse_response(a, strlen(a), &r), 0, "%s", a);
         cr_assert(r.http.status >= 400 && r.json, "%s", a);
-        cr_assert_eq(jint(r.json, "error.code"), r.http.status);
-        resp_free(&r);
+        cr_assert_eq(rk_test_jint(r.json, "error.code"), r.http.status);
+        rk_test_resp_free(&r);
     }
     free(a);
 }
@@ -1682,7 +1506,7 @@ Test(http_opts, idle_and_slow_header_connections_are_closed_after_the_request_ti
 Test(http_opts, a_slow_body_is_answered_408_within_the_request_timeout, .fini = stop_server,
      .timeout = 300) {
     const char *env[] = {"RAGKV_REQUEST_TIMEOUT_S=1", NULL};
-    cr_assert_eq(srv_start_ready(&S, env, NULL), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", env, NULL), 0);
     /* A body announced as 100 bytes of which one ever comes. */
     rk_http_target within_6s = S.t;
     within_6s.timeout_s = 6;
@@ -1691,19 +1515,19 @@ Test(http_opts, a_slow_body_is_answered_408_within_the_request_timeout, .fini = 
                               "Content-Type: application/json\r\nContent-Length: 100\r\n", NULL, 0,
                               &c),
                  RK_OK);
-    double t0 = now_s();
+    double t0 = rk_test_now();
     cr_assert_eq(send_all(c.fd, "{", 1), 0);
     /* Meanwhile other requests are served. */
     resp r = get("/health");
     cr_assert_eq(r.http.status, 200);
-    cr_assert(now_s() - t0 < 0.5);
-    resp_free(&r);
+    cr_assert(rk_test_now() - t0 < 0.5);
+    rk_test_resp_free(&r);
     r = finish(&c);
-    double took = now_s() - t0;
+    double took = rk_test_now() - t0;
     cr_assert(took < 3, "a body 99 bytes short held the connection %.2f s", took);
     expect_error(&r, 408);
-    cr_assert_str_eq(header(&r, "Connection"), "close");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_header(&r, "Connection"), "close");
+    rk_test_resp_free(&r);
 }
 
 Test(http_opts, config_file_environment_and_flags_take_precedence_in_order, .timeout = 300) {
@@ -1720,18 +1544,18 @@ Test(http_opts, config_file_environment_and_flags_take_precedence_in_order, .tim
     cr_assert_eq(rk_test_run(cmd, &out), 0);
     json_t *j = json_loads(out, 0, NULL);
     cr_assert(j, "%s", out);
-    cr_assert_eq(jint(j, "kv_memory_mb"), 64); /* file */
-    cr_assert_eq(jint(j, "max_chunks"), 9);    /* environment over file */
-    cr_assert_eq(jint(j, "queue"), 3);         /* flag over both */
-    cr_assert_eq(jint(j, "port"), 8080);       /* default */
-    cr_assert_str_eq(jstr(j, "api_key"), "<set>");
-    cr_assert(json_real_value(jget(j, "request_timeout_s")) == 10);
+    cr_assert_eq(rk_test_jint(j, "kv_memory_mb"), 64); /* file */
+    cr_assert_eq(rk_test_jint(j, "max_chunks"), 9);    /* environment over file */
+    cr_assert_eq(rk_test_jint(j, "queue"), 3);         /* flag over both */
+    cr_assert_eq(rk_test_jint(j, "port"), 8080);       /* default */
+    cr_assert_str_eq(rk_test_jstr(j, "api_key"), "<set>");
+    cr_assert(json_real_value(rk_test_jget(j, "request_timeout_s")) == 10);
     json_decref(j);
     free(out);
     snprintf(cmd, sizeof cmd, "RAGKV_REQUEST_TIMEOUT_S=2.5 %s serve --print-config", RK_BIN);
     cr_assert_eq(rk_test_run(cmd, &out), 0);
     j = json_loads(out, 0, NULL);
-    cr_assert(j && json_real_value(jget(j, "request_timeout_s")) == 2.5, "%s", out);
+    cr_assert(j && json_real_value(rk_test_jget(j, "request_timeout_s")) == 2.5, "%s", out);
     json_decref(j);
     free(out);
     snprintf(cmd, sizeof cmd, "%s serve --request-timeout-s 0 2>&1", RK_BIN);
@@ -1761,7 +1585,7 @@ Test(http_opts, config_file_environment_and_flags_take_precedence_in_order, .tim
 
 /* The ids a completion generated (ragkv.completion_ids), into out; returns how many. */
 static int completion_ids(json_t *j, int32_t *out, int cap) {
-    json_t *ids = jget(j, "ragkv.completion_ids");
+    json_t *ids = rk_test_jget(j, "ragkv.completion_ids");
     cr_assert(json_is_array(ids), "no completion_ids");
     int n = (int)json_array_size(ids);
     for (int i = 0; i < n && i < cap; i++)
@@ -1772,11 +1596,12 @@ static int completion_ids(json_t *j, int32_t *out, int cap) {
 /* A completion of "x" with extra fields (a JSON fragment starting with a
  * comma, or ""), 10 tokens without stopping; its generated ids into out. */
 static int complete_ids(const char *extra, int32_t *out) {
-    resp r = postf("/v1/completions",
-                   "{\"prompt\": \"The cat\", \"max_tokens\": 10, \"ignore_eos\": true%s}", extra);
+    resp r = rk_test_postf(&S.t, "/v1/completions",
+                           "{\"prompt\": \"The cat\", \"max_tokens\": 10, \"ignore_eos\": true%s}",
+                           extra);
     cr_assert_eq(r.http.status, 200, "%s -> %s", extra, r.http.body);
     int n = completion_ids(r.json, out, 10);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     cr_assert_eq(n, 10);
     return n;
 }
@@ -1824,7 +1649,7 @@ Test(http, logit_bias_and_penalties_act_on_the_generated_tokens) {
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_eq(completion_ids(r.json, out, 10), 6);
     for (int i = 0; i < 6; i++) cr_expect_eq(out[i], a);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* A value out of range, or a field ragkv does not implement asked to do
@@ -1858,16 +1683,17 @@ Test(http, unsupported_and_out_of_range_fields_are_400_naming_the_field) {
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         for (int chat = 0; chat < 2; chat++) {
-            resp r = chat ? postf("/v1/chat/completions",
-                                  "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
-                                  "\"max_tokens\": 1, %s}",
-                                  bad[i][0])
-                          : postf("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1, %s}",
-                                  bad[i][0]);
+            resp r =
+                chat ? rk_test_postf(&S.t, "/v1/chat/completions",
+                                     "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+                                     "\"max_tokens\": 1, %s}",
+                                     bad[i][0])
+                     : rk_test_postf(&S.t, "/v1/completions",
+                                     "{\"prompt\": \"x\", \"max_tokens\": 1, %s}", bad[i][0]);
             expect_error(&r, 400);
-            cr_expect_not_null(strstr(jstr(r.json, "error.message"), bad[i][1]), "%s: %s",
-                               bad[i][0], jstr(r.json, "error.message"));
-            resp_free(&r);
+            cr_expect_not_null(strstr(rk_test_jstr(r.json, "error.message"), bad[i][1]), "%s: %s",
+                               bad[i][0], rk_test_jstr(r.json, "error.message"));
+            rk_test_resp_free(&r);
         }
     }
     resp r = post("/v1/chat/completions",
@@ -1878,7 +1704,7 @@ Test(http, unsupported_and_out_of_range_fields_are_400_naming_the_field) {
                   "\"prompt_cache_key\": \"k\", \"presence_penalty\": -2, \"frequency_penalty\": "
                   "2, \"repetition_penalty\": 1, \"logit_bias\": {}}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* Chat documents: "##" in a message is text unless the body names a
@@ -1889,17 +1715,17 @@ Test(http, chat_documents_come_as_documents_parts_or_an_asked_separator) {
                   "{\"messages\": [{\"role\": \"user\", \"content\": \"## Summary\\nThe cat "
                   "sat.\\n## Details\\nOn the mat.\"}], \"max_tokens\": 2}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 0, "%s", r.http.body);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 0, "%s", r.http.body);
     check_invariants(r.json);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = post("/v1/chat/completions",
              "{\"messages\": [{\"role\": \"user\", \"content\": \"Doc one.##Doc two.##Q?\"}], "
              "\"separator\": \"##\", \"max_tokens\": 2}");
-    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
     char key[2][40];
-    snprintf(key[0], sizeof key[0], "%s", jstr(r.json, "ragkv.chunks.0.key"));
-    snprintf(key[1], sizeof key[1], "%s", jstr(r.json, "ragkv.chunks.1.key"));
-    resp_free(&r);
+    snprintf(key[0], sizeof key[0], "%s", rk_test_jstr(r.json, "ragkv.chunks.0.key"));
+    snprintf(key[1], sizeof key[1], "%s", rk_test_jstr(r.json, "ragkv.chunks.1.key"));
+    rk_test_resp_free(&r);
     /* The same documents as `documents`, then as ragkv_chunk parts: the same
      * keys, found in the cache. */
     r = post("/v1/chat/completions",
@@ -1907,25 +1733,25 @@ Test(http, chat_documents_come_as_documents_parts_or_an_asked_separator) {
              "[{\"id\": \"d1\", \"text\": \"Doc one.\"}, {\"content\": \"Doc two.\"}], "
              "\"max_tokens\": 2}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
     for (int k = 0; k < 2; k++) {
         char path[32];
         snprintf(path, sizeof path, "ragkv.chunks.%d.key", k);
-        cr_expect_str_eq(jstr(r.json, path), key[k]);
+        cr_expect_str_eq(rk_test_jstr(r.json, path), key[k]);
         snprintf(path, sizeof path, "ragkv.chunks.%d.status", k);
-        cr_expect_str_eq(jstr(r.json, path), "hit");
+        cr_expect_str_eq(rk_test_jstr(r.json, path), "hit");
     }
-    resp_free(&r);
+    rk_test_resp_free(&r);
     r = post(
         "/v1/chat/completions",
         "{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": "
         "\"Doc two.\", \"ragkv_chunk\": true}, {\"type\": \"text\", \"text\": \"## Third?\"}]}], "
         "\"max_tokens\": 2}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 1, "%s", r.http.body);
-    cr_expect_str_eq(jstr(r.json, "ragkv.chunks.0.key"), key[1]);
-    cr_expect_str_eq(jstr(r.json, "ragkv.chunks.0.status"), "hit");
-    resp_free(&r);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 1, "%s", r.http.body);
+    cr_expect_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.key"), key[1]);
+    cr_expect_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.status"), "hit");
+    rk_test_resp_free(&r);
 }
 
 /* A later turn's documents are chunk segments: computed once, then found in
@@ -1935,33 +1761,34 @@ Test(http, a_later_turns_documents_are_chunks_reused_by_the_next_turn) {
         "{\"role\": \"user\", \"content\": \"Who?\"}, {\"role\": \"assistant\", \"content\": "
         "\"Tim.\"}, {\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": \"The "
         "dog ran home.\", \"ragkv_chunk\": true}, {\"type\": \"text\", \"text\": \"Where?\"}]}";
-    resp r = postf("/v1/chat/completions",
-                   "{\"messages\": [%s], \"documents\": [{\"text\": \"Tim had a dog.\"}], "
-                   "\"max_tokens\": 2}",
-                   turn2);
+    resp r = rk_test_postf(&S.t, "/v1/chat/completions",
+                           "{\"messages\": [%s], \"documents\": [{\"text\": \"Tim had a dog.\"}], "
+                           "\"max_tokens\": 2}",
+                           turn2);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
     char key[40];
-    snprintf(key, sizeof key, "%s", jstr(r.json, "ragkv.chunks.1.key"));
+    snprintf(key, sizeof key, "%s", rk_test_jstr(r.json, "ragkv.chunks.1.key"));
     check_invariants(r.json);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     /* Turn 3 sends the conversation back with one more question: both
      * documents are hits, the second turn's included. */
-    r = postf("/v1/chat/completions",
-              "{\"messages\": [%s, {\"role\": \"assistant\", \"content\": \"Home.\"}, "
-              "{\"role\": \"user\", \"content\": \"Why?\"}], \"documents\": [{\"text\": \"Tim "
-              "had a dog.\"}], \"max_tokens\": 2}",
-              turn2);
+    r = rk_test_postf(
+        &S.t, "/v1/chat/completions",
+        "{\"messages\": [%s, {\"role\": \"assistant\", \"content\": \"Home.\"}, "
+        "{\"role\": \"user\", \"content\": \"Why?\"}], \"documents\": [{\"text\": \"Tim "
+        "had a dog.\"}], \"max_tokens\": 2}",
+        turn2);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
-    cr_expect_str_eq(jstr(r.json, "ragkv.chunks.1.key"), key);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 2, "%s", r.http.body);
+    cr_expect_str_eq(rk_test_jstr(r.json, "ragkv.chunks.1.key"), key);
     for (int k = 0; k < 2; k++) {
         char path[32];
         snprintf(path, sizeof path, "ragkv.chunks.%d.status", k);
-        cr_expect_str_neq(jstr(r.json, path), "miss", "%s", r.http.body);
+        cr_expect_str_neq(rk_test_jstr(r.json, path), "miss", "%s", r.http.body);
     }
     check_invariants(r.json);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* A chat whose last message is the assistant's continues it: the pieces are
@@ -1969,7 +1796,7 @@ Test(http, a_later_turns_documents_are_chunks_reused_by_the_next_turn) {
  * the one /v1/completions gives for the same system and question pieces. */
 Test(http, a_last_assistant_message_is_continued) {
     resp m = get("/v1/models");
-    const char *tmpl = jstr(m.json, "data.0.ragkv.chat_template");
+    const char *tmpl = rk_test_jstr(m.json, "data.0.ragkv.chat_template");
     const char *sys, *question;
     if (!strcmp(tmpl, "chatml")) {
         sys = "<|im_start|>user\\n";
@@ -1987,18 +1814,19 @@ Test(http, a_last_assistant_message_is_continued) {
                      "{\"role\": \"assistant\", \"content\": \"Once upon\"}], \"max_tokens\": 8, "
                      "\"temperature\": 0, \"ignore_eos\": true}");
     cr_assert_eq(chat.http.status, 200, "%s", chat.http.body);
-    resp comp = postf("/v1/completions",
-                      "{\"system\": \"%s\", \"question\": \"%s\", \"max_tokens\": 8, "
-                      "\"temperature\": 0, \"ignore_eos\": true}",
-                      sys, question);
+    resp comp = rk_test_postf(&S.t, "/v1/completions",
+                              "{\"system\": \"%s\", \"question\": \"%s\", \"max_tokens\": 8, "
+                              "\"temperature\": 0, \"ignore_eos\": true}",
+                              sys, question);
     cr_assert_eq(comp.http.status, 200, "%s", comp.http.body);
-    cr_assert_eq(jint(chat.json, "usage.prompt_tokens"), jint(comp.json, "usage.prompt_tokens"));
-    cr_assert(json_equal(jget(chat.json, "ragkv.completion_ids"),
-                         jget(comp.json, "ragkv.completion_ids")),
+    cr_assert_eq(rk_test_jint(chat.json, "usage.prompt_tokens"),
+                 rk_test_jint(comp.json, "usage.prompt_tokens"));
+    cr_assert(json_equal(rk_test_jget(chat.json, "ragkv.completion_ids"),
+                         rk_test_jget(comp.json, "ragkv.completion_ids")),
               "%s\n%s", chat.http.body, comp.http.body);
-    resp_free(&m);
-    resp_free(&chat);
-    resp_free(&comp);
+    rk_test_resp_free(&m);
+    rk_test_resp_free(&chat);
+    rk_test_resp_free(&comp);
 }
 
 /* An exact repeat served from the whole-sequence cache counts its chunks as
@@ -2010,7 +1838,7 @@ Test(http, chunks_reused_with_a_sequence_count_as_prefix_hits) {
     for (int i = 0; i < 2; i++) {
         resp r = post("/v1/completions", body);
         cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-        json_t *chunks = jget(r.json, "ragkv.chunks");
+        json_t *chunks = rk_test_jget(r.json, "ragkv.chunks");
         for (size_t k = 0; k < json_array_size(chunks); k++) {
             json_t *c = json_array_get(chunks, k);
             const char *st = json_string_value(json_object_get(c, "status"));
@@ -2019,42 +1847,43 @@ Test(http, chunks_reused_with_a_sequence_count_as_prefix_hits) {
             misses += !strcmp(st, "miss");
             prefix += !strcmp(src, "prefix");
         }
-        resp_free(&r);
+        rk_test_resp_free(&r);
     }
     cr_assert_eq(misses, 2);
     cr_assert_eq(hits, 2);
     cr_assert_eq(prefix, 2, "the repeat reuses the first sequence, chunks included");
     resp r = get("/v1/stats");
-    cr_assert_eq(jint(r.json, "chunks.lookups"), 4);
-    cr_assert_eq(jint(r.json, "chunks.hits"), 2);
-    cr_assert_eq(jint(r.json, "chunks.misses"), 2);
-    cr_assert_eq(jint(r.json, "chunks.hits_by_source.prefix"), 2);
-    cr_assert_eq(jint(r.json, "chunks.hits_by_source.arena"), 0);
-    cr_assert_eq(json_real_value(jget(r.json, "chunks.hit_rate")), 0.5);
-    cr_assert_eq(jint(r.json, "chunks.windows.1m.hits"), 2);
-    cr_assert_eq(jint(r.json, "chunks.hit_tokens"), jint(r.json, "chunks.computed_tokens"));
-    cr_assert_eq(json_real_value(jget(r.json, "chunks.token_hit_rate")), 0.5);
-    resp_free(&r);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.lookups"), 4);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.hits"), 2);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.misses"), 2);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.hits_by_source.prefix"), 2);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.hits_by_source.arena"), 0);
+    cr_assert_eq(json_real_value(rk_test_jget(r.json, "chunks.hit_rate")), 0.5);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.windows.1m.hits"), 2);
+    cr_assert_eq(rk_test_jint(r.json, "chunks.hit_tokens"),
+                 rk_test_jint(r.json, "chunks.computed_tokens"));
+    cr_assert_eq(json_real_value(rk_test_jget(r.json, "chunks.token_hit_rate")), 0.5);
+    rk_test_resp_free(&r);
     r = get("/metrics");
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_lookups_total"), 4);
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"prefix\"}"), 2);
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"arena\"}"), 0);
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_hits_total{source=\"disk\"}"), 0);
     cr_assert_eq(metric(r.http.body, "ragkv_chunk_misses_total"), 2);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* --chat-separator splits chat messages for every request that names no
  * separator; an invalid one stops the server from starting. */
 Test(http_opts, a_server_chat_separator_splits_chat_messages, .fini = stop_server, .timeout = 300) {
     const char *args[] = {"--chat-separator", "##", NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     resp r = post("/v1/chat/completions",
                   "{\"messages\": [{\"role\": \"user\", \"content\": \"Doc one.##Q?\"}], "
                   "\"max_tokens\": 2}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_eq(json_array_size(jget(r.json, "ragkv.chunks")), 1, "%s", r.http.body);
-    resp_free(&r);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 1, "%s", r.http.body);
+    rk_test_resp_free(&r);
     char *out;
     char cmd[512];
     snprintf(cmd, sizeof cmd, "%s serve --port 0 --chat-separator 'a\\b' 2>&1", RK_BIN);
@@ -2069,37 +1898,38 @@ Test(http, n_choices_have_their_own_index_and_seed) {
                                      "\"temperature\": 0.9, \"max_tokens\": 6, \"ignore_eos\": "
                                      "true}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    json_t *choices = jget(r.json, "choices");
+    json_t *choices = rk_test_jget(r.json, "choices");
     cr_assert_eq(json_array_size(choices), 3, "%s", r.http.body);
     long long prompt = 0;
     for (int i = 0; i < 3; i++) {
         char path[64];
         snprintf(path, sizeof path, "choices.%d.index", i);
-        cr_assert_eq(jint(r.json, path), i);
-        resp one = postf("/v1/completions",
-                         "{\"prompt\": \"The cat\", \"seed\": %d, \"temperature\": 0.9, "
-                         "\"max_tokens\": 6, \"ignore_eos\": true}",
-                         7 + i);
+        cr_assert_eq(rk_test_jint(r.json, path), i);
+        resp one = rk_test_postf(&S.t, "/v1/completions",
+                                 "{\"prompt\": \"The cat\", \"seed\": %d, \"temperature\": 0.9, "
+                                 "\"max_tokens\": 6, \"ignore_eos\": true}",
+                                 7 + i);
         snprintf(path, sizeof path, "choices.%d.ragkv.completion_ids", i);
-        cr_assert(json_equal(jget(r.json, path), jget(one.json, "ragkv.completion_ids")),
-                  "choice %d differs from seed %d alone", i, 7 + i);
+        cr_assert(
+            json_equal(rk_test_jget(r.json, path), rk_test_jget(one.json, "ragkv.completion_ids")),
+            "choice %d differs from seed %d alone", i, 7 + i);
         snprintf(path, sizeof path, "choices.%d.text", i);
-        cr_assert_str_eq(jstr(r.json, path), jstr(one.json, "choices.0.text"));
-        prompt = jint(one.json, "usage.prompt_tokens");
-        resp_free(&one);
+        cr_assert_str_eq(rk_test_jstr(r.json, path), rk_test_jstr(one.json, "choices.0.text"));
+        prompt = rk_test_jint(one.json, "usage.prompt_tokens");
+        rk_test_resp_free(&one);
     }
-    cr_assert_eq(jint(r.json, "usage.completion_tokens"), 18);
-    cr_assert_eq(jint(r.json, "usage.prompt_tokens"), prompt, "the prompt counts once");
-    resp_free(&r);
+    cr_assert_eq(rk_test_jint(r.json, "usage.completion_tokens"), 18);
+    cr_assert_eq(rk_test_jint(r.json, "usage.prompt_tokens"), prompt, "the prompt counts once");
+    rk_test_resp_free(&r);
     /* The later choices start after the first one's first token: its system
      * prompt and chunks are cached for them. */
     r = post("/v1/completions", "{\"prompt\": \"Shared system.##A shared chunk of text.##Q?\", "
                                 "\"n\": 2, \"max_tokens\": 3}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "choices.0.ragkv.chunks.0.status"), "miss");
-    cr_assert_str_eq(jstr(r.json, "choices.1.ragkv.chunks.0.status"), "hit");
-    cr_assert_gt(jint(r.json, "choices.1.ragkv.system.cached_tokens"), 0);
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "choices.0.ragkv.chunks.0.status"), "miss");
+    cr_assert_str_eq(rk_test_jstr(r.json, "choices.1.ragkv.chunks.0.status"), "hit");
+    cr_assert_gt(rk_test_jint(r.json, "choices.1.ragkv.system.cached_tokens"), 0);
+    rk_test_resp_free(&r);
     /* Streamed: every event names its choice; each choice's text is the whole one's. */
     resp whole = post("/v1/chat/completions",
                       "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"n\": 2, "
@@ -2118,24 +1948,24 @@ Test(http, n_choices_have_their_own_index_and_seed) {
     for (int e = 0; e < n - 1; e++) {
         json_t *ev = json_loads(events[e], 0, NULL);
         cr_assert(ev, "%s", events[e]);
-        long long idx = jint(ev, "choices.0.index");
+        long long idx = rk_test_jint(ev, "choices.0.index");
         cr_assert(idx == 0 || idx == 1);
-        json_t *c = jget(ev, "choices.0.delta.content");
+        json_t *c = rk_test_jget(ev, "choices.0.delta.content");
         if (json_is_string(c)) strncat(text[idx], json_string_value(c), 511 - strlen(text[idx]));
-        finished[idx] += json_is_string(jget(ev, "choices.0.finish_reason"));
-        roles[idx] += json_is_string(jget(ev, "choices.0.delta.role"));
+        finished[idx] += json_is_string(rk_test_jget(ev, "choices.0.finish_reason"));
+        roles[idx] += json_is_string(rk_test_jget(ev, "choices.0.delta.role"));
         json_decref(ev);
     }
     for (int i = 0; i < 2; i++) {
         char path[64];
         snprintf(path, sizeof path, "choices.%d.message.content", i);
-        cr_assert_str_eq(text[i], jstr(whole.json, path), "choice %d", i);
+        cr_assert_str_eq(text[i], rk_test_jstr(whole.json, path), "choice %d", i);
         cr_assert_eq(finished[i], 1);
         cr_assert_eq(roles[i], 1, "choice %d: its first event carries the role", i);
     }
     for (int e = 0; e < n; e++) free(events[e]);
-    resp_free(&whole);
-    resp_free(&st);
+    rk_test_resp_free(&whole);
+    rk_test_resp_free(&st);
 }
 
 /* prompt as an array: strings, one token list, or token lists; one choice
@@ -2144,48 +1974,50 @@ Test(http, prompt_arrays_are_batches) {
     static const char *prompts[2] = {"The cat", "S##a chunk of text##Q?"};
     resp one[2];
     for (int i = 0; i < 2; i++) {
-        one[i] = postf("/v1/completions",
-                       "{\"prompt\": \"%s\", \"temperature\": 0, \"max_tokens\": 4, "
-                       "\"ignore_eos\": true}",
-                       prompts[i]);
+        one[i] = rk_test_postf(&S.t, "/v1/completions",
+                               "{\"prompt\": \"%s\", \"temperature\": 0, \"max_tokens\": 4, "
+                               "\"ignore_eos\": true}",
+                               prompts[i]);
         cr_assert_eq(one[i].http.status, 200, "%s", one[i].http.body);
     }
-    resp r = postf("/v1/completions",
-                   "{\"prompt\": [\"%s\", \"%s\"], \"temperature\": 0, \"max_tokens\": 4, "
-                   "\"ignore_eos\": true}",
-                   prompts[0], prompts[1]);
+    resp r = rk_test_postf(&S.t, "/v1/completions",
+                           "{\"prompt\": [\"%s\", \"%s\"], \"temperature\": 0, \"max_tokens\": 4, "
+                           "\"ignore_eos\": true}",
+                           prompts[0], prompts[1]);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_eq(json_array_size(jget(r.json, "choices")), 2);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "choices")), 2);
     for (int i = 0; i < 2; i++) {
         char path[64];
         snprintf(path, sizeof path, "choices.%d.index", i);
-        cr_assert_eq(jint(r.json, path), i);
+        cr_assert_eq(rk_test_jint(r.json, path), i);
         snprintf(path, sizeof path, "choices.%d.ragkv.completion_ids", i);
-        cr_assert(json_equal(jget(r.json, path), jget(one[i].json, "ragkv.completion_ids")),
+        cr_assert(json_equal(rk_test_jget(r.json, path),
+                             rk_test_jget(one[i].json, "ragkv.completion_ids")),
                   "prompt %d", i);
     }
-    cr_assert_eq(json_array_size(jget(r.json, "choices.1.ragkv.chunks")), 1);
-    cr_assert_eq(jint(r.json, "usage.prompt_tokens"), jint(one[0].json, "usage.prompt_tokens") +
-                                                          jint(one[1].json, "usage.prompt_tokens"));
-    cr_assert_eq(jint(r.json, "usage.completion_tokens"), 8);
-    resp_free(&r);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "choices.1.ragkv.chunks")), 1);
+    cr_assert_eq(rk_test_jint(r.json, "usage.prompt_tokens"),
+                 rk_test_jint(one[0].json, "usage.prompt_tokens") +
+                     rk_test_jint(one[1].json, "usage.prompt_tokens"));
+    cr_assert_eq(rk_test_jint(r.json, "usage.completion_tokens"), 8);
+    rk_test_resp_free(&r);
     /* Token ids: one list, then a batch of lists; BOS goes first, as for text. */
     resp t1 = post("/v1/completions", "{\"prompt\": [5, 6, 7], \"temperature\": 0, "
                                       "\"max_tokens\": 3, \"ignore_eos\": true}");
     cr_assert_eq(t1.http.status, 200, "%s", t1.http.body);
-    cr_assert_eq(json_array_size(jget(t1.json, "choices")), 1);
-    long long bos = jint(t1.json, "ragkv.system.tokens");
-    cr_assert_eq(jint(t1.json, "usage.prompt_tokens"), 3 + bos);
+    cr_assert_eq(json_array_size(rk_test_jget(t1.json, "choices")), 1);
+    long long bos = rk_test_jint(t1.json, "ragkv.system.tokens");
+    cr_assert_eq(rk_test_jint(t1.json, "usage.prompt_tokens"), 3 + bos);
     resp t2 = post("/v1/completions", "{\"prompt\": [[9, 10], [5, 6, 7]], \"temperature\": 0, "
                                       "\"max_tokens\": 3, \"ignore_eos\": true}");
     cr_assert_eq(t2.http.status, 200, "%s", t2.http.body);
-    cr_assert(json_equal(jget(t2.json, "choices.1.ragkv.completion_ids"),
-                         jget(t1.json, "ragkv.completion_ids")));
-    cr_assert_eq(jint(t2.json, "usage.prompt_tokens"), 5 + 2 * bos);
-    resp_free(&t1);
-    resp_free(&t2);
-    resp_free(&one[0]);
-    resp_free(&one[1]);
+    cr_assert(json_equal(rk_test_jget(t2.json, "choices.1.ragkv.completion_ids"),
+                         rk_test_jget(t1.json, "ragkv.completion_ids")));
+    cr_assert_eq(rk_test_jint(t2.json, "usage.prompt_tokens"), 5 + 2 * bos);
+    rk_test_resp_free(&t1);
+    rk_test_resp_free(&t2);
+    rk_test_resp_free(&one[0]);
+    rk_test_resp_free(&one[1]);
     static const char *bad[][2] = {
         {"{\"prompt\": []}", "400"},
         {"{\"prompt\": [[]]}", "400"},
@@ -2200,7 +2032,7 @@ Test(http, prompt_arrays_are_batches) {
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         resp b = post("/v1/completions", bad[i][0]);
         expect_error(&b, atoi(bad[i][1]));
-        resp_free(&b);
+        rk_test_resp_free(&b);
     }
 }
 
@@ -2209,25 +2041,26 @@ Test(http, prompt_arrays_are_batches) {
 Test(http_opts, a_client_that_disconnects_from_n_choices_cancels_them_all, .fini = stop_server,
      .timeout = 300) {
     const char *args[] = {"--token-delay-s", "0.01", NULL};
-    cr_assert_eq(srv_start(&S, args), 0);
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     counts base = stats_counts();
     rk_http_conn c;
     stream_until_first_event("{\"prompt\": \"A system prompt.##A chunk.##Go on\", \"n\": 3, "
                              "\"max_tokens\": 400, \"ignore_eos\": true, \"stream\": true}",
                              &c);
     rk_http_close(&c);
-    double until = now_s() + 30;
+    double until = rk_test_now() + 30;
     counts after = stats_counts();
-    while (!counts_equal(after, base) && now_s() < until) {
-        sleep_s(0.05);
+    while (!counts_equal(after, base) && rk_test_now() < until) {
+        rk_test_sleep(0.05);
         after = stats_counts();
     }
     cr_assert(counts_equal(after, base), "live %lld refs %lld locked %lld, want %lld %lld %lld",
               after.live_used, after.chunk_refs, after.prefix_locked, base.live_used,
               base.chunk_refs, base.prefix_locked);
     resp r = get("/v1/stats");
-    cr_assert(jint(r.json, "tokens.generated") < 3 * 390, "generated %lld",
-              jint(r.json, "tokens.generated"));
-    cr_assert_eq(jint(r.json, "requests.in_flight"), 1, "only this stats request is in flight");
-    resp_free(&r);
+    cr_assert(rk_test_jint(r.json, "tokens.generated") < 3 * 390, "generated %lld",
+              rk_test_jint(r.json, "tokens.generated"));
+    cr_assert_eq(rk_test_jint(r.json, "requests.in_flight"), 1,
+                 "only this stats request is in flight");
+    rk_test_resp_free(&r);
 }

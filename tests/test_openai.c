@@ -5,18 +5,13 @@
  * npm SDK (tests/openai_sdk.mjs) where npm and its registry are reachable. */
 #include <arpa/inet.h>
 #include <criterion/criterion.h>
-#include <fcntl.h>
 #include <jansson.h>
 #include <netinet/in.h>
 #include <poll.h>
-#include <signal.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/socket.h>
-#include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -26,160 +21,25 @@
 
 /* ================================================================ the server */
 
-typedef struct srv {
-    pid_t pid;
-    int port;
-    rk_http_target t;
-    char log[4096];
-} srv;
+/* The server of the current test (tests/testutil.h starts and stops it). */
+static rk_test_server S;
 
-static srv S;
+typedef rk_test_resp resp;
 
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
-
-static void sleep_s(double s) {
-    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
-    nanosleep(&ts, NULL);
-}
-
-typedef struct resp {
-    rk_http_response http;
-    json_t *json;
-} resp;
-
-static void resp_free(resp *r) {
-    rk_http_response_free(&r->http);
-    json_decref(r->json);
-    r->json = NULL;
-}
-
+/* A whole exchange with the test's server (asserts that an answer came). */
 static resp request(const char *method, const char *path, const char *headers, const char *body) {
     resp r;
-    memset(&r, 0, sizeof r);
-    cr_assert_eq(
-        rk_http_exchange(&S.t, method, path, headers, body, body ? strlen(body) : 0, &r.http),
-        RK_OK, "%s %s: no answer: %s", method, path, rk_error_message());
-    r.json = json_loadb(r.http.body, r.http.body_len, 0, NULL);
+    cr_assert_eq(rk_test_exchange(&S.t, method, path, headers, body, &r), 0, "%s %s: no answer: %s",
+                 method, path, rk_error_message());
     return r;
 }
 
-static resp postf(const char *path, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static resp postf(const char *path, const char *fmt, ...) {
-    char body[16384];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(body, sizeof body, fmt, ap);
-    va_end(ap);
-    return request("POST", path, NULL, body);
-}
-
-static const char *header(const resp *r, const char *name) {
-    static char value[512];
-    const char *v = rk_http_header(&r->http, name);
-    if (!v) return NULL;
-    snprintf(value, sizeof value, "%.*s", (int)strcspn(v, "\r"), v);
-    return value;
-}
-
-/* Dotted path into JSON ("choices.0.text"). */
-static json_t *jget(json_t *j, const char *path) {
-    char buf[256];
-    snprintf(buf, sizeof buf, "%s", path);
-    for (char *tok = strtok(buf, "."); tok && j; tok = strtok(NULL, "."))
-        j = json_is_array(j) ? json_array_get(j, (size_t)atoi(tok)) : json_object_get(j, tok);
-    return j;
-}
-
-static long long jint(json_t *j, const char *path) {
-    json_t *v = jget(j, path);
-    cr_assert(json_is_integer(v), "%s is not an integer", path);
-    return json_integer_value(v);
-}
-
-static const char *jstr(json_t *j, const char *path) {
-    json_t *v = jget(j, path);
-    cr_assert(json_is_string(v), "%s is not a string", path);
-    return json_string_value(v);
-}
-
-/* Start `ragkv serve --port 0 ARGS...` and wait until /health is 200. */
-static int srv_start(srv *s, const char *const *args) {
-    memset(s, 0, sizeof *s);
-    char *dir = rk_test_tmpdir("openai");
-    snprintf(s->log, sizeof s->log, "%s/server.log", dir);
-    free(dir);
-    const char *argv[64] = {RK_BIN, "serve", "--port", "0"};
-    int n = 4;
-    for (int i = 0; args && args[i] && n < 62; i++) argv[n++] = args[i];
-    argv[n] = NULL;
-    pid_t pid = fork();
-    if (pid < 0) return -1;
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        int fd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        int null = open("/dev/null", O_WRONLY);
-        if (fd < 0 || null < 0) _exit(127);
-        dup2(null, 1);
-        dup2(fd, 2);
-        execv(RK_BIN, (char *const *)argv);
-        _exit(127);
-    }
-    s->pid = pid;
-    static const char mark[] = "listening on http://127.0.0.1:";
-    for (double until = now_s() + 60; now_s() < until; sleep_s(0.01)) {
-        char *text = rk_test_read_file(s->log, NULL);
-        const char *p = text ? strstr(text, mark) : NULL;
-        if (p) s->port = atoi(p + strlen(mark));
-        free(text);
-        if (p) break;
-        int status;
-        if (waitpid(pid, &status, WNOHANG) == pid) {
-            s->pid = 0;
-            return -1;
-        }
-    }
-    char url[64];
-    snprintf(url, sizeof url, "http://127.0.0.1:%d", s->port);
-    if (s->port <= 0 || rk_http_parse_url(url, 120, &s->t)) return -1;
-    for (double until = now_s() + 60; now_s() < until; sleep_s(0.01)) {
-        rk_http_response h;
-        if (rk_http_exchange(&s->t, "GET", "/health", NULL, NULL, 0, &h) == RK_OK) {
-            int ok = h.status == 200;
-            rk_http_response_free(&h);
-            if (ok) return 0;
-        }
-    }
-    return -1;
-}
-
 /* SIGTERM the test's server; an unclean exit or a sanitizer report fails. */
-static void stop_server(void) {
-    if (S.pid <= 0) return;
-    kill(S.pid, SIGTERM);
-    int status = 0;
-    for (double until = now_s() + 60; waitpid(S.pid, &status, WNOHANG) != S.pid; sleep_s(0.01))
-        if (now_s() > until) {
-            kill(S.pid, SIGKILL);
-            waitpid(S.pid, &status, 0);
-            break;
-        }
-    S.pid = 0;
-    char *log = rk_test_read_file(S.log, NULL);
-    int report = log && (strstr(log, "ERROR: AddressSanitizer") ||
-                         strstr(log, "ERROR: LeakSanitizer") || strstr(log, "runtime error:"));
-    int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    if (report || code) fprintf(stderr, "ragkv serve (%d); its log:\n%s\n", code, log ? log : "");
-    free(log);
-    cr_expect_eq(code, 0, "ragkv serve exited with status %d", code);
-    cr_expect(!report, "ragkv serve's log has a sanitizer report");
-}
+static void stop_server(void) { rk_test_server_stop_checked(&S); }
 
 static void start_with(const char *const *args) {
-    cr_assert_eq(srv_start(&S, args), 0, "the server did not start");
+    cr_assert_eq(rk_test_server_start_ready(&S, "openai", NULL, args), 0,
+                 "the server did not start");
 }
 
 static void start_default(void) { start_with(NULL); }
@@ -315,8 +175,8 @@ Test(openai, expect_100_continue_is_answered_before_the_body) {
 
 static long long running_now(void) {
     resp r = request("GET", "/v1/stats", NULL, NULL);
-    long long n = jint(r.json, "requests.running");
-    resp_free(&r);
+    long long n = rk_test_jint(r.json, "requests.running");
+    rk_test_resp_free(&r);
     return n;
 }
 
@@ -327,21 +187,21 @@ Test(openai_opts, a_client_that_leaves_a_request_not_streamed_stops_it) {
     rk_http_conn c;
     cr_assert_eq(rk_http_open(&S.t, "POST", "/v1/completions", NULL, body, strlen(body), &c),
                  RK_OK);
-    double until = now_s() + 20;
-    while (running_now() != 1 && now_s() < until) sleep_s(0.02);
+    double until = rk_test_now() + 20;
+    while (running_now() != 1 && rk_test_now() < until) rk_test_sleep(0.02);
     cr_assert_eq(running_now(), 1, "the request never ran");
-    sleep_s(0.2);
+    rk_test_sleep(0.2);
     rk_http_close(&c);
-    double t0 = now_s();
-    while (running_now() != 0 && now_s() < t0 + 10) sleep_s(0.02);
-    double took = now_s() - t0;
+    double t0 = rk_test_now();
+    while (running_now() != 0 && rk_test_now() < t0 + 10) rk_test_sleep(0.02);
+    double took = rk_test_now() - t0;
     cr_assert_eq(running_now(), 0, "still running 10 s after its client left");
     cr_assert(took < 1.5, "it ran on %.2f s after its client left", took);
     resp r = request("GET", "/v1/stats", NULL, NULL);
-    cr_assert(jint(r.json, "tokens.generated") < 900, "generated %lld",
-              jint(r.json, "tokens.generated"));
-    cr_assert_eq(jint(r.json, "requests.by_status.499"), 1, "%s", r.http.body);
-    resp_free(&r);
+    cr_assert(rk_test_jint(r.json, "tokens.generated") < 900, "generated %lld",
+              rk_test_jint(r.json, "tokens.generated"));
+    cr_assert_eq(rk_test_jint(r.json, "requests.by_status.499"), 1, "%s", r.http.body);
+    rk_test_resp_free(&r);
 }
 
 /* ================================================================ context */
@@ -351,69 +211,74 @@ Test(openai_opts, an_omitted_max_tokens_fits_the_context_and_overflow_is_context
     start_with(args);
     const char *prompt = "Once upon a time there was a little girl named Lily. She liked to play "
                          "outside in the park with her friends and her dog. One day";
-    resp r = postf("/v1/completions", "{\"prompt\": \"%s\", \"ignore_eos\": true}", prompt);
+    resp r = rk_test_postf(&S.t, "/v1/completions", "{\"prompt\": \"%s\", \"ignore_eos\": true}",
+                           prompt);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    long long pt = jint(r.json, "usage.prompt_tokens");
+    long long pt = rk_test_jint(r.json, "usage.prompt_tokens");
     cr_assert(pt > 40 && pt < 64, "prompt_tokens %lld: the test wants 40..63", pt);
-    cr_assert_eq(jint(r.json, "usage.completion_tokens"), 64 - pt);
-    cr_assert_str_eq(jstr(r.json, "choices.0.finish_reason"), "length");
-    resp_free(&r);
-    r = postf("/v1/completions", "{\"prompt\": \"%s\", \"max_tokens\": 30}", prompt);
+    cr_assert_eq(rk_test_jint(r.json, "usage.completion_tokens"), 64 - pt);
+    cr_assert_str_eq(rk_test_jstr(r.json, "choices.0.finish_reason"), "length");
+    rk_test_resp_free(&r);
+    r = rk_test_postf(&S.t, "/v1/completions", "{\"prompt\": \"%s\", \"max_tokens\": 30}", prompt);
     cr_assert_eq(r.http.status, 400, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "error.code"), "context_length_exceeded");
-    cr_assert_str_eq(jstr(r.json, "error.param"), "prompt");
-    cr_assert_eq(jint(r.json, "error.status"), 400);
-    cr_assert(strlen(jstr(r.json, "error.type")) > 0);
-    cr_assert(strstr(jstr(r.json, "error.message"), "context"));
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.code"), "context_length_exceeded");
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.param"), "prompt");
+    cr_assert_eq(rk_test_jint(r.json, "error.status"), 400);
+    cr_assert(strlen(rk_test_jstr(r.json, "error.type")) > 0);
+    cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "context"));
+    rk_test_resp_free(&r);
     /* A prompt longer than the context, limit omitted: the same. */
-    r = postf("/v1/chat/completions",
-              "{\"messages\": [{\"role\": \"user\", \"content\": \"%s %s\"}]}", prompt, prompt);
+    r = rk_test_postf(&S.t, "/v1/chat/completions",
+                      "{\"messages\": [{\"role\": \"user\", \"content\": \"%s %s\"}]}", prompt,
+                      prompt);
     cr_assert_eq(r.http.status, 400, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "error.code"), "context_length_exceeded");
-    cr_assert_str_eq(jstr(r.json, "error.param"), "messages");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.code"), "context_length_exceeded");
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.param"), "messages");
+    rk_test_resp_free(&r);
 }
 
 /* ================================================================ response shapes */
 
 Test(openai, ids_and_system_fingerprint_follow_openai) {
     resp m = request("GET", "/v1/models", NULL, NULL);
-    const char *fp = jstr(m.json, "data.0.ragkv.fingerprint");
-    resp r = postf("/v1/completions", "{\"prompt\": \"Once\", \"max_tokens\": 2}");
+    const char *fp = rk_test_jstr(m.json, "data.0.ragkv.fingerprint");
+    resp r = rk_test_postf(&S.t, "/v1/completions", "{\"prompt\": \"Once\", \"max_tokens\": 2}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert(!strncmp(jstr(r.json, "id"), "cmpl-", 5), "%s", jstr(r.json, "id"));
-    cr_assert_str_eq(jstr(r.json, "system_fingerprint"), fp);
-    cr_assert(header(&r, "X-Request-Id"));
-    resp_free(&r);
-    r = postf("/v1/chat/completions",
-              "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 2}");
+    cr_assert(!strncmp(rk_test_jstr(r.json, "id"), "cmpl-", 5), "%s", rk_test_jstr(r.json, "id"));
+    cr_assert_str_eq(rk_test_jstr(r.json, "system_fingerprint"), fp);
+    cr_assert(rk_test_header(&r, "X-Request-Id"));
+    rk_test_resp_free(&r);
+    r = rk_test_postf(
+        &S.t, "/v1/chat/completions",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 2}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert(!strncmp(jstr(r.json, "id"), "chatcmpl-", 9), "%s", jstr(r.json, "id"));
-    cr_assert_str_eq(jstr(r.json, "system_fingerprint"), fp);
-    cr_assert_str_eq(jstr(r.json, "object"), "chat.completion");
-    resp_free(&r);
-    resp_free(&m);
+    cr_assert(!strncmp(rk_test_jstr(r.json, "id"), "chatcmpl-", 9), "%s",
+              rk_test_jstr(r.json, "id"));
+    cr_assert_str_eq(rk_test_jstr(r.json, "system_fingerprint"), fp);
+    cr_assert_str_eq(rk_test_jstr(r.json, "object"), "chat.completion");
+    rk_test_resp_free(&r);
+    rk_test_resp_free(&m);
 }
 
 /* Content parts are separate paragraphs: joined with "\n", not glued. */
 Test(openai, chat_content_parts_are_joined_with_newlines) {
     const char *fmt = "{\"messages\": [{\"role\": \"user\", \"content\": %s}], \"max_tokens\": 4, "
                       "\"temperature\": 0}";
-    resp parts = postf("/v1/chat/completions", fmt,
-                       "[{\"type\": \"text\", \"text\": \"What is\"}, {\"type\": \"text\", "
-                       "\"text\": \"the best book\"}]");
-    resp nl = postf("/v1/chat/completions", fmt, "\"What is\\nthe best book\"");
-    resp glued = postf("/v1/chat/completions", fmt, "\"What isthe best book\"");
+    resp parts = rk_test_postf(&S.t, "/v1/chat/completions", fmt,
+                               "[{\"type\": \"text\", \"text\": \"What is\"}, {\"type\": \"text\", "
+                               "\"text\": \"the best book\"}]");
+    resp nl = rk_test_postf(&S.t, "/v1/chat/completions", fmt, "\"What is\\nthe best book\"");
+    resp glued = rk_test_postf(&S.t, "/v1/chat/completions", fmt, "\"What isthe best book\"");
     cr_assert_eq(parts.http.status, 200, "%s", parts.http.body);
-    cr_assert_eq(jint(parts.json, "usage.prompt_tokens"), jint(nl.json, "usage.prompt_tokens"));
-    cr_assert(json_equal(jget(parts.json, "ragkv.completion_ids"),
-                         jget(nl.json, "ragkv.completion_ids")));
-    cr_assert_neq(jint(parts.json, "ragkv.question.tokens"),
-                  jint(glued.json, "ragkv.question.tokens"));
-    resp_free(&parts);
-    resp_free(&nl);
-    resp_free(&glued);
+    cr_assert_eq(rk_test_jint(parts.json, "usage.prompt_tokens"),
+                 rk_test_jint(nl.json, "usage.prompt_tokens"));
+    cr_assert(json_equal(rk_test_jget(parts.json, "ragkv.completion_ids"),
+                         rk_test_jget(nl.json, "ragkv.completion_ids")));
+    cr_assert_neq(rk_test_jint(parts.json, "ragkv.question.tokens"),
+                  rk_test_jint(glued.json, "ragkv.question.tokens"));
+    rk_test_resp_free(&parts);
+    rk_test_resp_free(&nl);
+    rk_test_resp_free(&glued);
 }
 
 /* One chat logprobs entry: {token, logprob, bytes} (top_logprobs: k of them). */
@@ -434,9 +299,9 @@ Test(openai, chat_logprobs_have_the_chat_shape_whole_and_streamed) {
     const char *body = "{\"messages\": [{\"role\": \"user\", \"content\": \"Tell a story\"}], "
                        "\"max_tokens\": 6, \"temperature\": 0, \"ignore_eos\": true, "
                        "\"logprobs\": true, \"top_logprobs\": 3%s}";
-    resp r = postf("/v1/chat/completions", body, "");
+    resp r = rk_test_postf(&S.t, "/v1/chat/completions", body, "");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    json_t *content = jget(r.json, "choices.0.logprobs.content");
+    json_t *content = rk_test_jget(r.json, "choices.0.logprobs.content");
     cr_assert_eq(json_array_size(content), 6, "%s", r.http.body);
     for (size_t i = 0; i < 6; i++) check_chat_logprob(json_array_get(content, i), 3);
     /* The tokens' bytes make the text. */
@@ -449,19 +314,20 @@ Test(openai, chat_logprobs_have_the_chat_shape_whole_and_streamed) {
             text[l + 1] = '\0';
         }
     }
-    cr_assert(strstr(text, jstr(r.json, "choices.0.message.content")),
-              "bytes \"%s\" vs text \"%s\"", text, jstr(r.json, "choices.0.message.content"));
+    cr_assert(strstr(text, rk_test_jstr(r.json, "choices.0.message.content")),
+              "bytes \"%s\" vs text \"%s\"", text,
+              rk_test_jstr(r.json, "choices.0.message.content"));
     /* Streamed: each content event carries its own tokens' log-probabilities. */
-    resp st = postf("/v1/chat/completions", body, ", \"stream\": true");
+    resp st = rk_test_postf(&S.t, "/v1/chat/completions", body, ", \"stream\": true");
     cr_assert_eq(st.http.status, 200);
     size_t n_entries = 0, events = 0;
     for (const char *p = strstr(st.http.body, "data: {"); p; p = strstr(p + 1, "data: {")) {
         json_t *ev = json_loadb(p + 6, strcspn(p + 6, "\n"), 0, NULL);
         cr_assert(ev, "%s", p);
-        json_t *c = jget(ev, "choices.0.delta.content");
+        json_t *c = rk_test_jget(ev, "choices.0.delta.content");
         if (c && json_string_length(c) > 0) {
             events++;
-            json_t *lp = jget(ev, "choices.0.logprobs.content");
+            json_t *lp = rk_test_jget(ev, "choices.0.logprobs.content");
             cr_assert(json_array_size(lp) >= 1, "a content event without logprobs: %.300s", p);
             for (size_t i = 0; i < json_array_size(lp); i++)
                 check_chat_logprob(json_array_get(lp, i), 3);
@@ -471,15 +337,16 @@ Test(openai, chat_logprobs_have_the_chat_shape_whole_and_streamed) {
     }
     cr_assert(events >= 1);
     cr_assert_eq(n_entries, 6, "the stream's logprobs cover %zu tokens, want 6", n_entries);
-    resp_free(&st);
-    resp_free(&r);
+    rk_test_resp_free(&st);
+    rk_test_resp_free(&r);
 }
 
 Test(openai, completion_logprobs_keep_the_completions_shape_with_text_offset) {
-    resp r = postf("/v1/completions", "{\"prompt\": \"Once\", \"max_tokens\": 4, \"logprobs\": 2, "
-                                      "\"temperature\": 0, \"ignore_eos\": true}");
+    resp r = rk_test_postf(&S.t, "/v1/completions",
+                           "{\"prompt\": \"Once\", \"max_tokens\": 4, \"logprobs\": 2, "
+                           "\"temperature\": 0, \"ignore_eos\": true}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    json_t *lp = jget(r.json, "choices.0.logprobs");
+    json_t *lp = rk_test_jget(r.json, "choices.0.logprobs");
     cr_assert_eq(json_array_size(json_object_get(lp, "tokens")), 4);
     cr_assert_eq(json_array_size(json_object_get(lp, "token_logprobs")), 4);
     cr_assert_eq(json_array_size(json_object_get(lp, "top_logprobs")), 4);
@@ -489,7 +356,7 @@ Test(openai, completion_logprobs_keep_the_completions_shape_with_text_offset) {
     for (size_t i = 1; i < 4; i++)
         cr_assert(json_integer_value(json_array_get(off, i)) >=
                   json_integer_value(json_array_get(off, i - 1)));
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* Streamed with a stop string: the log-probabilities of every token counted
@@ -497,9 +364,9 @@ Test(openai, completion_logprobs_keep_the_completions_shape_with_text_offset) {
 Test(openai, streamed_logprobs_cover_every_token_up_to_a_stop_string) {
     const char *req = "{\"prompt\": \"Once upon a time\", \"max_tokens\": 24, \"temperature\": 0, "
                       "\"ignore_eos\": true, \"logprobs\": 1%s}";
-    resp whole = postf("/v1/completions", req, "");
+    resp whole = rk_test_postf(&S.t, "/v1/completions", req, "");
     cr_assert_eq(whole.http.status, 200, "%s", whole.http.body);
-    const char *text = jstr(whole.json, "choices.0.text");
+    const char *text = rk_test_jstr(whole.json, "choices.0.text");
     size_t len = strlen(text);
     cr_assert(len >= 12, "the greedy text is too short: \"%s\"", text);
     char stop[8], extra[128];
@@ -508,23 +375,23 @@ Test(openai, streamed_logprobs_cover_every_token_up_to_a_stop_string) {
     snprintf(extra, sizeof extra,
              ", \"stop\": \"%s\", \"stream\": true, \"stream_options\": {\"include_usage\": true}",
              stop);
-    resp st = postf("/v1/completions", req, extra);
+    resp st = rk_test_postf(&S.t, "/v1/completions", req, extra);
     cr_assert_eq(st.http.status, 200);
     size_t entries = 0;
     long long usage = -1;
     for (const char *p = strstr(st.http.body, "data: {"); p; p = strstr(p + 1, "data: {")) {
         json_t *ev = json_loadb(p + 6, strcspn(p + 6, "\n"), 0, NULL);
         cr_assert(ev);
-        entries += json_array_size(jget(ev, "choices.0.logprobs.token_logprobs"));
+        entries += json_array_size(rk_test_jget(ev, "choices.0.logprobs.token_logprobs"));
         if (json_is_object(json_object_get(ev, "usage")))
-            usage = jint(ev, "usage.completion_tokens");
+            usage = rk_test_jint(ev, "usage.completion_tokens");
         json_decref(ev);
     }
     cr_assert(strstr(st.http.body, "\"finish_reason\":\"stop\""), "%s", st.http.body);
     cr_assert_eq((long long)entries, usage, "logprobs for %zu tokens, usage counts %lld", entries,
                  usage);
-    resp_free(&st);
-    resp_free(&whole);
+    rk_test_resp_free(&st);
+    rk_test_resp_free(&whole);
 }
 
 /* ================================================================ model names */
@@ -534,26 +401,28 @@ Test(openai_opts, served_model_names_and_the_strict_policy) {
                           NULL};
     start_with(args);
     resp r = request("GET", "/v1/models", NULL, NULL);
-    cr_assert_str_eq(jstr(r.json, "data.0.id"), "gpt-x");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.id"), "gpt-x");
+    rk_test_resp_free(&r);
     r = request("GET", "/v1/models/alias-2", NULL, NULL);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "id"), "gpt-x");
-    cr_assert_str_eq(jstr(r.json, "object"), "model");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "id"), "gpt-x");
+    cr_assert_str_eq(rk_test_jstr(r.json, "object"), "model");
+    rk_test_resp_free(&r);
     r = request("GET", "/v1/models/gpt-9", NULL, NULL);
     cr_assert_eq(r.http.status, 404, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "error.code"), "model_not_found");
-    resp_free(&r);
-    r = postf("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"alias-2\"}");
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.code"), "model_not_found");
+    rk_test_resp_free(&r);
+    r = rk_test_postf(&S.t, "/v1/completions",
+                      "{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"alias-2\"}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "model"), "gpt-x");
-    resp_free(&r);
-    r = postf("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"gpt-9\"}");
+    cr_assert_str_eq(rk_test_jstr(r.json, "model"), "gpt-x");
+    rk_test_resp_free(&r);
+    r = rk_test_postf(&S.t, "/v1/completions",
+                      "{\"prompt\": \"x\", \"max_tokens\": 1, \"model\": \"gpt-9\"}");
     cr_assert_eq(r.http.status, 404, "%s", r.http.body);
-    cr_assert_str_eq(jstr(r.json, "error.code"), "model_not_found");
-    cr_assert_str_eq(jstr(r.json, "error.param"), "model");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.code"), "model_not_found");
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.param"), "model");
+    rk_test_resp_free(&r);
 }
 
 /* ================================================================ connections per address */
@@ -567,10 +436,10 @@ Test(openai_opts, connections_beyond_the_per_address_limit_are_refused_at_once) 
     enum { N = 60 };
     int fds[N], refused = 0, with_503 = 0;
     for (int i = 0; i < N; i++) fds[i] = connect_from("127.0.0.1");
-    double until = now_s() + 5;
+    double until = rk_test_now() + 5;
     for (int i = 0; i < N; i++) {
         struct pollfd p = {.fd = fds[i], .events = POLLIN};
-        int left = (int)((until - now_s()) * 1000);
+        int left = (int)((until - rk_test_now()) * 1000);
         if (poll(&p, 1, i < 40 ? (left > 0 ? left : 0) : 0) != 1) continue;
         char buf[512];
         ssize_t k = recv(fds[i], buf, sizeof buf - 1, MSG_DONTWAIT);
@@ -583,22 +452,23 @@ Test(openai_opts, connections_beyond_the_per_address_limit_are_refused_at_once) 
     cr_assert_eq(refused, N - 20, "%d of %d connections were refused, want %d", refused, N, N - 20);
     cr_assert_eq(with_503, refused, "only %d of the refused were answered 503", with_503);
     int other = connect_from("127.0.0.2");
-    double t0 = now_s();
+    double t0 = rk_test_now();
     send_str(other, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
     char *a = recv_all(other);
     close(other);
     cr_assert(!strncmp(a, "HTTP/1.1 200", 12), "%s", a);
-    cr_assert(now_s() - t0 < 1, "/health from another address took %.2f s", now_s() - t0);
+    cr_assert(rk_test_now() - t0 < 1, "/health from another address took %.2f s",
+              rk_test_now() - t0);
     free(a);
     for (int i = 0; i < N; i++) close(fds[i]);
     resp r = {0};
-    for (double t_end = now_s() + 10; now_s() < t_end; sleep_s(0.05)) {
+    for (double t_end = rk_test_now() + 10; rk_test_now() < t_end; rk_test_sleep(0.05)) {
         r = request("GET", "/health", NULL, NULL);
         if (r.http.status == 200) break;
-        resp_free(&r);
+        rk_test_resp_free(&r);
     }
     cr_assert_eq(r.http.status, 200);
-    resp_free(&r);
+    rk_test_resp_free(&r);
 }
 
 /* ================================================================ CORS */
@@ -606,8 +476,8 @@ Test(openai_opts, connections_beyond_the_per_address_limit_are_refused_at_once) 
 Test(openai, cors_is_off_unless_an_origin_is_set) {
     resp r = request("OPTIONS", "/v1/chat/completions", "Origin: https://app.example\r\n", NULL);
     cr_assert_eq(r.http.status, 405, "%s", r.http.body);
-    cr_assert_null(header(&r, "Access-Control-Allow-Origin"));
-    resp_free(&r);
+    cr_assert_null(rk_test_header(&r, "Access-Control-Allow-Origin"));
+    rk_test_resp_free(&r);
 }
 
 Test(openai_opts, cors_answers_preflights_and_marks_responses) {
@@ -618,16 +488,16 @@ Test(openai_opts, cors_answers_preflights_and_marks_responses) {
                      "Access-Control-Request-Headers: authorization, content-type\r\n",
                      NULL);
     cr_assert_eq(r.http.status, 204, "%s", r.http.body);
-    cr_assert_str_eq(header(&r, "Access-Control-Allow-Origin"), "https://app.example");
-    cr_assert(strstr(header(&r, "Access-Control-Allow-Methods"), "POST"));
-    cr_assert(strstr(header(&r, "Access-Control-Allow-Headers"), "authorization"));
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_header(&r, "Access-Control-Allow-Origin"), "https://app.example");
+    cr_assert(strstr(rk_test_header(&r, "Access-Control-Allow-Methods"), "POST"));
+    cr_assert(strstr(rk_test_header(&r, "Access-Control-Allow-Headers"), "authorization"));
+    rk_test_resp_free(&r);
     r = request("POST", "/v1/completions",
                 "Origin: https://app.example\r\nAuthorization: Bearer k1\r\n",
                 "{\"prompt\": \"x\", \"max_tokens\": 1}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    cr_assert_str_eq(header(&r, "Access-Control-Allow-Origin"), "https://app.example");
-    resp_free(&r);
+    cr_assert_str_eq(rk_test_header(&r, "Access-Control-Allow-Origin"), "https://app.example");
+    rk_test_resp_free(&r);
 }
 
 /* ================================================================ tokenize */
@@ -650,30 +520,30 @@ static json_t *cli_tokenize(const char *text) {
 Test(openai, tokenize_and_detokenize_match_the_cli) {
     const char *text = "Once upon a time, Lily";
     json_t *want = cli_tokenize(text);
-    resp r = postf("/tokenize", "{\"content\": \"%s\"}", text);
+    resp r = rk_test_postf(&S.t, "/tokenize", "{\"content\": \"%s\"}", text);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert(json_equal(json_object_get(r.json, "tokens"), want), "%s", r.http.body);
-    resp_free(&r);
-    r = postf("/tokenize", "{\"content\": \"%s\", \"with_pieces\": true, \"add_special\": true}",
-              text);
+    rk_test_resp_free(&r);
+    r = rk_test_postf(&S.t, "/tokenize",
+                      "{\"content\": \"%s\", \"with_pieces\": true, \"add_special\": true}", text);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     json_t *toks = json_object_get(r.json, "tokens");
     cr_assert_eq(json_array_size(toks), json_array_size(want) + 1, "add_special adds BOS");
-    cr_assert(json_is_integer(jget(r.json, "tokens.0.id")));
-    cr_assert(json_equal(jget(r.json, "tokens.1.id"), json_array_get(want, 0)));
-    cr_assert(jget(r.json, "tokens.1.piece"));
-    resp_free(&r);
+    cr_assert(json_is_integer(rk_test_jget(r.json, "tokens.0.id")));
+    cr_assert(json_equal(rk_test_jget(r.json, "tokens.1.id"), json_array_get(want, 0)));
+    cr_assert(rk_test_jget(r.json, "tokens.1.piece"));
+    rk_test_resp_free(&r);
     char *ids = json_dumps(want, JSON_COMPACT);
-    r = postf("/detokenize", "{\"tokens\": %s}", ids);
+    r = rk_test_postf(&S.t, "/detokenize", "{\"tokens\": %s}", ids);
     free(ids);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
-    const char *back = jstr(r.json, "content");
+    const char *back = rk_test_jstr(r.json, "content");
     cr_assert(!strcmp(back, text) || (back[0] == ' ' && !strcmp(back + 1, text)),
               "detokenized \"%s\"", back);
-    resp_free(&r);
-    r = postf("/detokenize", "{\"tokens\": [-1]}");
+    rk_test_resp_free(&r);
+    r = rk_test_postf(&S.t, "/detokenize", "{\"tokens\": [-1]}");
     cr_assert_eq(r.http.status, 400, "%s", r.http.body);
-    resp_free(&r);
+    rk_test_resp_free(&r);
     json_decref(want);
 }
 

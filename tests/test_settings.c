@@ -19,7 +19,7 @@ static const rk_setting k_own[] = {
     {"key", "key", RK_SET_STR, offsetof(own, key), sizeof(((own *)0)->key), 0, 0, 0, 1, "K  key"},
 };
 
-static void bind(own *o, rk_config *cfg, rk_settings tabs[2]) {
+static void bind_settings(own *o, rk_config *cfg, rk_settings tabs[2]) {
     memset(o, 0, sizeof *o);
     rk_config_defaults(cfg);
     tabs[0] = (rk_settings){k_own, 2, o};
@@ -30,7 +30,7 @@ Test(settings, text_values_are_range_checked_and_named_in_errors) {
     own o;
     rk_config cfg;
     rk_settings tabs[2];
-    bind(&o, &cfg, tabs);
+    bind_settings(&o, &cfg, tabs);
     void *base;
     const rk_setting *f = rk_settings_find(tabs, 2, "max_chunks", &base);
     cr_assert_not_null(f);
@@ -92,7 +92,7 @@ Test(settings, config_file_sets_both_tables_and_rejects_bad_files) {
     own o;
     rk_config cfg;
     rk_settings tabs[2];
-    bind(&o, &cfg, tabs);
+    bind_settings(&o, &cfg, tabs);
     char *p = rk_test_write_tmp("settings", "good.json",
                                 "{\"port\": 81, \"kv_dtype\": \"bf16\", \"share_live\": 0.5,"
                                 " \"prefix_cache\": false}");
@@ -126,7 +126,7 @@ Test(settings, environment_overrides_and_bad_values_name_the_variable) {
     own o;
     rk_config cfg;
     rk_settings tabs[2];
-    bind(&o, &cfg, tabs);
+    bind_settings(&o, &cfg, tabs);
     setenv("RAGKV_MAX_TOKENS", "77", 1);
     setenv("RAGKV_PORT", "90", 1);
     cr_assert_eq(rk_settings_load_env(tabs, 2), RK_OK, "%s", rk_error_message());
@@ -143,7 +143,7 @@ Test(settings, json_lists_every_setting_and_redacts_secrets) {
     own o;
     rk_config cfg;
     rk_settings tabs[2];
-    bind(&o, &cfg, tabs);
+    bind_settings(&o, &cfg, tabs);
     snprintf(o.key, sizeof o.key, "s3cret");
     json_t *j = rk_settings_json(tabs, 2);
     cr_assert_not_null(j);
@@ -255,7 +255,7 @@ Test(settings, kv_memory_mb_takes_auto_as_text_json_and_environment) {
     own o;
     rk_config cfg;
     rk_settings tabs[2];
-    bind(&o, &cfg, tabs);
+    bind_settings(&o, &cfg, tabs);
     cr_expect_eq(cfg.kv_memory_mb, 0, "auto is the default");
     cr_expect_str_eq(cfg.kv_dtype, "auto");
     void *base;

@@ -6,87 +6,26 @@
  * are refused with 400 naming their JSON path. */
 #include <criterion/criterion.h>
 #include <jansson.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
-#include <sys/wait.h>
-#include <fcntl.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "bench/httpclient.h"
 #include "tests/testutil.h"
 
-typedef struct server {
-    pid_t pid;
-    rk_http_target t;
-    char log[512];
-} server;
+/* The server of the current test (tests/testutil.h starts and stops it). */
+static rk_test_server S;
 
-static server S;
-
-static void sleep_ms(int ms) {
-    struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&ts, NULL);
-}
-
-/* `ragkv serve --port 0 --model M` until /health answers 200. */
+/* `ragkv serve --port 0 --threads 2 --model M` until /health answers 200. */
 static void start(const char *model) {
-    memset(&S, 0, sizeof S);
-    char *dir = rk_test_tmpdir("structured");
-    snprintf(S.log, sizeof S.log, "%s/server.log", dir);
-    free(dir);
-    pid_t pid = fork();
-    cr_assert(pid >= 0);
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        int fd = open(S.log, O_WRONLY | O_CREAT | O_TRUNC, 0644),
-            null = open("/dev/null", O_WRONLY);
-        if (fd < 0 || null < 0) _exit(127);
-        dup2(null, 1);
-        dup2(fd, 2);
-        execl(RK_BIN, RK_BIN, "serve", "--port", "0", "--threads", "2", "--model", model,
-              (char *)NULL);
-        _exit(127);
-    }
-    S.pid = pid;
-    for (int i = 0; i < 6000; i++) {
-        char *text = rk_test_read_file(S.log, NULL);
-        const char *p = text ? strstr(text, "listening on http://127.0.0.1:") : NULL;
-        if (p) {
-            char url[64];
-            snprintf(url, sizeof url, "http://127.0.0.1:%d",
-                     atoi(p + strlen("listening on http://127.0.0.1:")));
-            free(text);
-            cr_assert_eq(rk_http_parse_url(url, 120, &S.t), RK_OK);
-            for (int k = 0; k < 6000; k++) {
-                rk_http_response r;
-                int ok = rk_http_exchange(&S.t, "GET", "/health", NULL, NULL, 0, &r) == RK_OK &&
-                         r.status == 200;
-                if (ok || r.status) rk_http_response_free(&r);
-                if (ok) return;
-                sleep_ms(10);
-            }
-            cr_assert_fail("the server never became ready");
-        }
-        free(text);
-        int status;
-        cr_assert_neq(waitpid(pid, &status, WNOHANG), pid, "ragkv serve exited while starting");
-        sleep_ms(10);
-    }
-    cr_assert_fail("the server did not start");
+    const char *args[] = {"--threads", "2", "--model", model, NULL};
+    cr_assert_eq(rk_test_server_start_ready(&S, "structured", NULL, args), 0,
+                 "the server did not start (log: %s)", S.log);
 }
 
-static void stop(void) {
-    if (S.pid <= 0) return;
-    kill(S.pid, SIGTERM);
-    int status = 0;
-    waitpid(S.pid, &status, 0);
-    S.pid = 0;
-    cr_expect(WIFEXITED(status) && WEXITSTATUS(status) == 0, "ragkv serve exited badly");
-}
+/* Stop the server; an unclean exit or a sanitizer report fails the test. */
+static void stop(void) { rk_test_server_stop_checked(&S); }
 
 /* POST a body; returns the parsed JSON answer (or NULL) and the status. */
 static json_t *post(const char *path, const char *body, int *status, char **raw) {

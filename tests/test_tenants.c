@@ -5,15 +5,11 @@
  * chunk id or key in listings, lookups or statistics. (Timing is compared in
  * a benchmark, docs/benchmarks.md, never in a test.) Uses the embedded model. */
 #include <criterion/criterion.h>
-#include <fcntl.h>
 #include <jansson.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
-#include <time.h>
 #include <unistd.h>
 
 #include "bench/httpclient.h"
@@ -28,75 +24,17 @@
 #define DOC_FRESH  "The quarterly report shows revenue flat and costs down by a tenth."
 #define DOC_FRESH2 "The board meets on Tuesday to approve the budget for the new plant."
 
-typedef struct srv {
-    pid_t pid;
-    rk_http_target t;
-    char log[4096];
-} srv;
+/* The server of the current test (tests/testutil.h starts and stops it). */
+static rk_test_server S;
 
-static srv S;
-
-static double now_s(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+/* Run `ragkv serve --port 0 ARGS...`. Returns 0 once it listens; -1 when it
+ * exited first (its wait status in *exit_status). */
+static int srv_start(const char *const *args, int *exit_status) {
+    return rk_test_server_start(&S, "tenants", NULL, args, exit_status);
 }
 
-/* Run `ragkv serve --port 0 ARGS...` with its stderr in s->log. Returns 0
- * once it listens; -1 when it exited first (its status in *exit_status). */
-static int srv_start(srv *s, const char *const *args, int *exit_status) {
-    memset(s, 0, sizeof *s);
-    char *dir = rk_test_tmpdir("tenants");
-    snprintf(s->log, sizeof s->log, "%s/server.log", dir);
-    free(dir);
-    const char *argv[32] = {RK_BIN, "serve", "--port", "0"};
-    int n = 4;
-    for (int i = 0; args[i] && n < 31; i++) argv[n++] = args[i];
-    argv[n] = NULL;
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        int fd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
-        int null = open("/dev/null", O_WRONLY);
-        if (fd < 0 || null < 0) _exit(127);
-        dup2(null, 1);
-        dup2(fd, 2);
-        execv(RK_BIN, (char *const *)argv);
-        _exit(127);
-    }
-    s->pid = pid;
-    const char *mark = "listening on http://127.0.0.1:";
-    for (double until = now_s() + 60; now_s() < until;) {
-        char *text = rk_test_read_file(s->log, NULL);
-        const char *p = text ? strstr(text, mark) : NULL;
-        if (p) {
-            char url[64];
-            snprintf(url, sizeof url, "http://127.0.0.1:%d", atoi(p + strlen(mark)));
-            free(text);
-            return rk_http_parse_url(url, 120, &s->t) == RK_OK ? 0 : -1;
-        }
-        free(text);
-        int status;
-        if (waitpid(pid, &status, WNOHANG) == pid) {
-            s->pid = 0;
-            if (exit_status) *exit_status = status;
-            return -1;
-        }
-        struct timespec ts = {0, 10000000};
-        nanosleep(&ts, NULL);
-    }
-    return -1;
-}
-
-static void srv_stop(void) {
-    if (S.pid > 0) {
-        kill(S.pid, SIGTERM);
-        int status;
-        waitpid(S.pid, &status, 0);
-        S.pid = 0;
-    }
-}
+/* Stop the test's server; an unclean exit or a sanitizer report fails. */
+static void srv_stop(void) { rk_test_server_stop_checked(&S); }
 
 /* The body of an exchange with key as JSON (NULL when not JSON); *status
  * gets the HTTP status. */
@@ -158,20 +96,9 @@ static void start_two_tenants(const char *extra1, const char *extra2) {
                            "{\"key\": \"" KEY_B "\", \"tenant\": \"B\", \"salt\": \"b-salt\"}]}");
     const char *args[] = {"--api-keys-file", keys, "--admin-key", KEY_ADMIN, extra1, extra2, NULL};
     if (!extra1) args[4] = NULL;
-    cr_assert_eq(srv_start(&S, args, NULL), 0, "the server did not start (log: %s)", S.log);
+    int started = rk_test_server_start_ready(&S, "tenants", NULL, args);
     free(keys);
-    /* Wait for the model. */
-    for (double until = now_s() + 60; now_s() < until;) {
-        rk_http_response r;
-        if (rk_http_exchange(&S.t, "GET", "/health", NULL, NULL, 0, &r) == RK_OK) {
-            int ok = r.status == 200;
-            rk_http_response_free(&r);
-            if (ok) return;
-        }
-        struct timespec ts = {0, 20000000};
-        nanosleep(&ts, NULL);
-    }
-    cr_assert_fail("the model did not load");
+    cr_assert_eq(started, 0, "the server did not start or load its model (log: %s)", S.log);
 }
 
 TestSuite(tenants, .fini = srv_stop, .timeout = 300);
@@ -339,7 +266,7 @@ Test(tenants, a_malformed_keys_file_stops_the_server_naming_the_entry_not_the_ke
         char *keys = keys_file(bad[i].text);
         const char *args[] = {"--api-keys-file", keys, NULL};
         int status = 0;
-        cr_assert_eq(srv_start(&S, args, &status), -1, "case %zu started", i);
+        cr_assert_eq(srv_start(args, &status), -1, "case %zu started", i);
         cr_assert(WIFEXITED(status) && WEXITSTATUS(status) != 0);
         char *log = rk_test_read_file(S.log, NULL);
         cr_assert(log && strstr(log, bad[i].says), "case %zu: %s", i, log ? log : "");
@@ -353,7 +280,7 @@ Test(tenants, a_malformed_keys_file_stops_the_server_naming_the_entry_not_the_ke
     char *keys = keys_file("{\"keys\": [{\"key\": \"" KEY_ADMIN "\", \"tenant\": \"A\"}]}");
     const char *args[] = {"--api-keys-file", keys, "--admin-key", KEY_ADMIN, NULL};
     int status = 0;
-    cr_assert_eq(srv_start(&S, args, &status), -1);
+    cr_assert_eq(srv_start(args, &status), -1);
     free(keys);
 }
 

@@ -6,9 +6,11 @@
 #include "engine/mkmodel.h"
 #include "pipeline/pipeline.h"
 
+#include <fcntl.h>
 #include <hiredis/hiredis.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -16,6 +18,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 const char *rk_test_shared_path(const char *rel) {
@@ -228,4 +231,172 @@ void rk_test_redis_free(rk_test_redis *s) {
     rk_test_redis_stop(s);
     free(s->dir);
     s->dir = NULL;
+}
+
+double rk_test_now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+void rk_test_sleep(double s) {
+    struct timespec ts = {(time_t)s, (long)((s - (double)(time_t)s) * 1e9)};
+    nanosleep(&ts, NULL);
+}
+
+int rk_test_server_start(rk_test_server *s, const char *tag, const char *const *env,
+                         const char *const *args, int *exit_status) {
+    memset(s, 0, sizeof *s);
+    char *dir = rk_test_tmpdir(tag);
+    snprintf(s->log, sizeof s->log, "%s/server.log", dir);
+    free(dir);
+    const char *argv[64] = {RK_BIN, "serve", "--port", "0"};
+    int n = 4;
+    for (int i = 0; args && args[i] && n < 63; i++) argv[n++] = args[i];
+    argv[n] = NULL;
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive the test */
+        int fd = open(s->log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        int null = open("/dev/null", O_WRONLY);
+        if (fd < 0 || null < 0) _exit(127);
+        dup2(null, 1);
+        dup2(fd, 2);
+        for (int i = 0; env && env[i]; i++) putenv((char *)env[i]);
+        execv(RK_BIN, (char *const *)argv);
+        _exit(127);
+    }
+    s->pid = pid;
+    static const char mark[] = "listening on http://127.0.0.1:";
+    for (double until = rk_test_now() + 60; rk_test_now() < until; rk_test_sleep(0.01)) {
+        char *text = rk_test_read_file(s->log, NULL);
+        const char *p = text ? strstr(text, mark) : NULL;
+        if (p) {
+            s->port = atoi(p + strlen(mark));
+            free(text);
+            char url[64];
+            snprintf(url, sizeof url, "http://127.0.0.1:%d", s->port);
+            return s->port > 0 && rk_http_parse_url(url, 120, &s->t) == RK_OK ? 0 : -1;
+        }
+        free(text);
+        int status;
+        if (waitpid(pid, &status, WNOHANG) == pid) {
+            s->pid = 0;
+            if (exit_status) *exit_status = status;
+            return -1;
+        }
+    }
+    return -1;
+}
+
+int rk_test_server_start_ready(rk_test_server *s, const char *tag, const char *const *env,
+                               const char *const *args) {
+    if (rk_test_server_start(s, tag, env, args, NULL)) return -1;
+    for (double until = rk_test_now() + 60; rk_test_now() < until; rk_test_sleep(0.01)) {
+        rk_test_resp r;
+        int ok =
+            rk_test_exchange(&s->t, "GET", "/health", NULL, NULL, &r) == 0 && r.http.status == 200;
+        rk_test_resp_free(&r);
+        if (ok) return 0;
+        int status;
+        if (waitpid(s->pid, &status, WNOHANG) == s->pid) { /* it died: show its log */
+            s->pid = 0;
+            char *log = rk_test_read_file(s->log, NULL);
+            fprintf(stderr, "ragkv serve died while starting; its log:\n%s\n", log ? log : "");
+            free(log);
+            return -1;
+        }
+    }
+    return -1;
+}
+
+int rk_test_server_stop(rk_test_server *s) {
+    if (s->pid <= 0) return -1;
+    kill(s->pid, SIGTERM);
+    int status = 0;
+    double until = rk_test_now() + 60;
+    while (waitpid(s->pid, &status, WNOHANG) != s->pid) {
+        if (rk_test_now() > until) {
+            kill(s->pid, SIGKILL);
+            waitpid(s->pid, &status, 0);
+            break;
+        }
+        rk_test_sleep(0.01);
+    }
+    s->pid = 0;
+    return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+void rk_test_server_stop_checked(rk_test_server *s) {
+    if (s->pid <= 0) return;
+    int status = rk_test_server_stop(s);
+    char *log = rk_test_read_file(s->log, NULL);
+    int report = log && (strstr(log, "ERROR: AddressSanitizer") ||
+                         strstr(log, "ERROR: LeakSanitizer") || strstr(log, "runtime error:"));
+    if (report || status != 0)
+        fprintf(stderr, "ragkv serve exited with status %d; its log (%s):\n%s\n", status, s->log,
+                log ? log : "");
+    free(log);
+    cr_expect_eq(status, 0, "ragkv serve exited with status %d", status);
+    cr_expect(!report, "ragkv serve's log has a sanitizer report");
+}
+
+void rk_test_resp_parse_json(rk_test_resp *r) {
+    r->json = json_loadb(r->http.body, r->http.body_len, 0, NULL);
+}
+
+int rk_test_exchange(const rk_http_target *t, const char *method, const char *path,
+                     const char *headers, const char *body, rk_test_resp *r) {
+    memset(r, 0, sizeof *r);
+    if (rk_http_exchange(t, method, path, headers, body, body ? strlen(body) : 0, &r->http))
+        return -1;
+    rk_test_resp_parse_json(r);
+    return 0;
+}
+
+rk_test_resp rk_test_postf(const rk_http_target *t, const char *path, const char *fmt, ...) {
+    char body[16384];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(body, sizeof body, fmt, ap);
+    va_end(ap);
+    rk_test_resp r;
+    cr_assert_eq(rk_test_exchange(t, "POST", path, NULL, body, &r), 0, "POST %s: no answer: %s",
+                 path, rk_error_message());
+    return r;
+}
+
+void rk_test_resp_free(rk_test_resp *r) {
+    rk_http_response_free(&r->http);
+    json_decref(r->json);
+    r->json = NULL;
+}
+
+const char *rk_test_header(const rk_test_resp *r, const char *name) {
+    static char value[512];
+    const char *v = rk_http_header(&r->http, name);
+    if (!v) return NULL;
+    snprintf(value, sizeof value, "%.*s", (int)strcspn(v, "\r"), v);
+    return value;
+}
+
+json_t *rk_test_jget(json_t *j, const char *path) {
+    char buf[256];
+    snprintf(buf, sizeof buf, "%s", path);
+    for (char *tok = strtok(buf, "."); tok && j; tok = strtok(NULL, "."))
+        j = json_is_array(j) ? json_array_get(j, (size_t)atoi(tok)) : json_object_get(j, tok);
+    return j;
+}
+
+long long rk_test_jint(json_t *j, const char *path) {
+    json_t *v = rk_test_jget(j, path);
+    cr_assert(json_is_integer(v), "%s is not an integer", path);
+    return json_integer_value(v);
+}
+
+const char *rk_test_jstr(json_t *j, const char *path) {
+    json_t *v = rk_test_jget(j, path);
+    cr_assert(json_is_string(v), "%s is not a string", path);
+    return json_string_value(v);
 }

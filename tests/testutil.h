@@ -1,11 +1,15 @@
 /* tests/testutil.h — helpers shared by the Criterion suites: locating the
- * shared models (skipping visibly when absent), scratch directories, and
- * running the real `ragkv` binary. */
+ * shared models (skipping visibly when absent), scratch directories, running
+ * the real `ragkv` binary, and the real `ragkv serve` on a loopback port with
+ * HTTP exchanges through bench/httpclient.h. */
 #ifndef RK_TESTUTIL_H
 #define RK_TESTUTIL_H
 
+#include <jansson.h>
 #include <stddef.h>
 #include <sys/types.h>
+
+#include "bench/httpclient.h"
 
 /* Absolute path of a file under ../shared, or NULL when it does not exist.
  * The returned string is static storage reused by the next call. */
@@ -92,5 +96,78 @@ typedef struct rk_test_redis {
 void rk_test_redis_start(rk_test_redis *s);
 void rk_test_redis_stop(rk_test_redis *s);
 void rk_test_redis_free(rk_test_redis *s);
+
+/* Seconds on the monotonic clock. */
+double rk_test_now(void);
+
+/* Sleep for s seconds. */
+void rk_test_sleep(double s);
+
+/* The real `ragkv serve` binary (RK_BIN) on a free loopback port: started
+ * with --port 0, its stdout discarded, its stderr in log, killed with its
+ * parent if the test crashes (PR_SET_PDEATHSIG). */
+typedef struct rk_test_server {
+    pid_t pid;        /* 0: not running */
+    int port;         /* the port it listens on, once started */
+    rk_http_target t; /* http://127.0.0.1:port, a 120 s timeout per exchange */
+    char log[4096];   /* its stderr, in a fresh scratch directory */
+} rk_test_server;
+
+/* Start `ragkv serve --port 0 ARGS...` (args NULL-terminated, NULL for none;
+ * at most 59) with extra environment (NAME=VALUE strings, NULL-terminated, or
+ * NULL), its log in a fresh rk_test_tmpdir(tag), and wait up to 60 s for its
+ * "listening on" line. Returns 0, or -1 when it could not start or exited
+ * first (then its wait status goes to *exit_status when that is not NULL). */
+int rk_test_server_start(rk_test_server *s, const char *tag, const char *const *env,
+                         const char *const *args, int *exit_status);
+
+/* rk_test_server_start, then wait up to 60 s until GET /health answers 200
+ * (the model is loaded). Returns 0 or -1; when the server died while
+ * loading, its log goes to stderr. */
+int rk_test_server_start_ready(rk_test_server *s, const char *tag, const char *const *env,
+                               const char *const *args);
+
+/* SIGTERM the server and wait (SIGKILL after 60 s). Returns its exit status
+ * (128 + signal when killed), or -1 when it was not running. */
+int rk_test_server_stop(rk_test_server *s);
+
+/* Stop the server, if running, and fail the test (cr_expect) on an unclean
+ * exit or a sanitizer report in its log; then the log goes to stderr, where
+ * `make test-asan` looks. */
+void rk_test_server_stop_checked(rk_test_server *s);
+
+/* An HTTP answer and its body parsed as JSON (NULL when it is not JSON). */
+typedef struct rk_test_resp {
+    rk_http_response http;
+    json_t *json;
+} rk_test_resp;
+
+/* A whole exchange with t (headers: "Name: value\r\n" lines or NULL; body
+ * NULL for none). Returns 0 when an answer was read into *r (free it with
+ * rk_test_resp_free), -1 otherwise (*r zeroed). */
+int rk_test_exchange(const rk_http_target *t, const char *method, const char *path,
+                     const char *headers, const char *body, rk_test_resp *r);
+
+/* POST the body formatted from fmt (at most 16 KiB) to path on t and return
+ * the answer; asserts that one came. Free it with rk_test_resp_free. */
+rk_test_resp rk_test_postf(const rk_http_target *t, const char *path, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* Parse r's body as JSON into r->json (NULL when it is not JSON). */
+void rk_test_resp_parse_json(rk_test_resp *r);
+
+void rk_test_resp_free(rk_test_resp *r);
+
+/* The value of a response header up to its line end, copied into static
+ * storage reused by the next call; NULL when absent. */
+const char *rk_test_header(const rk_test_resp *r, const char *name);
+
+/* A dotted path into JSON ("usage.prompt_tokens", "choices.0.text"): numbers
+ * index arrays. NULL when the path does not exist. */
+json_t *rk_test_jget(json_t *j, const char *path);
+
+/* The integer (string) at a dotted path; asserts that it is one. */
+long long rk_test_jint(json_t *j, const char *path);
+const char *rk_test_jstr(json_t *j, const char *path);
 
 #endif
