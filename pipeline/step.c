@@ -541,8 +541,10 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
         if (!p->running[i]->state->prefilling) p->work[n_dec++] = p->running[i];
     for (int i = 0; i < p->n_running; i++)
         if (p->running[i]->state->prefilling) p->work[n_dec + n_pre++] = p->running[i];
-    if ((st = run_pass(p, p->work, n_dec, p->work + n_dec, n_pre, p->svc->cfg.step_tokens, hooks)))
-        return st;
+    /* The budget protects decoding streams: with none in the pass, the
+     * prompt work goes in whole. */
+    int budget = n_dec > 0 ? p->svc->cfg.step_tokens : 0;
+    if ((st = run_pass(p, p->work, n_dec, p->work + n_dec, n_pre, budget, hooks))) return st;
     if ((st = advance_chunk_waits(p))) return st;
     leave_finished(p);
     return RK_OK;
