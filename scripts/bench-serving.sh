@@ -14,6 +14,7 @@
 #
 #   scripts/bench-serving.sh MODEL [BIN] [PORT]
 # Needs curl and jq. Every request is greedy; the server stops at the end.
+# STEP_TOKENS=N in the environment runs the server with --step-tokens N.
 set -euo pipefail
 model=${1:?usage: scripts/bench-serving.sh MODEL [BIN] [PORT]}
 bin=${2:-build/ragkv}
@@ -24,7 +25,7 @@ for tool in curl jq; do
 done
 work=$(mktemp -d)
 "$bin" serve --model "$model" --threads 2 --kv-dtype f16 --kv-memory-mb 6144 --port "$port" \
-    --log-level warn >"$work/serve.log" 2>&1 &
+    ${STEP_TOKENS:+--step-tokens "$STEP_TOKENS"} --log-level warn >"$work/serve.log" 2>&1 &
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -rf "$work"' EXIT
 for _ in $(seq 600); do
