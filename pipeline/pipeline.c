@@ -402,7 +402,9 @@ static rk_status feed_isolated(admission *a, rk_request *r, int k) {
     sc->kv.n_tokens = e->n_tokens;
     sc->borrowed = 1;
     if (e->state != RK_CHUNK_PENDING) return RK_OK;
-    if (a->defer) {
+    /* A request with nothing to generate leaves when admitted: its chunks
+     * are computed now, so that it still caches them. */
+    if (a->defer && !s->done) {
         sc->stepped = 1;
         s->chunk_wait = s->prefilling = 1;
         return RK_OK;

@@ -407,6 +407,32 @@ Test(pipeline, a_request_joining_a_chunk_in_progress_shares_it_and_gets_its_toke
     rk_service_close(svc);
 }
 
+/* A request that generates nothing (max_tokens 0: it only caches its
+ * prompt) leaves when it is admitted: its chunks are computed then, even
+ * with a step budget, and stay cached. */
+Test(pipeline, a_request_with_nothing_to_generate_still_caches_its_chunks) {
+    rk_service *svc = open_svc_steps(NULL, 3);
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_request *a = prepare(svc, LONG_PROMPT, 1000);
+    cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_request *w = prepare(svc, SHARED_PROMPT, 0);
+    w->opt.max_tokens = 0;
+    cr_assert_eq(rk_pipeline_join(p, &w, 1), RK_OK, "%s", rk_error_message());
+    cr_assert(w->finished);
+    rk_request *r = prepare(svc, SHARED_PROMPT, 4);
+    r->opt.reuse_sequences = 0;
+    cr_assert_eq(rk_pipeline_join(p, &r, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(r->chunk_reports[0].status, RK_CHUNK_STATUS_HIT, "w's chunk was cached");
+    a->cancel = 1;
+    step_until_idle(p);
+    rk_pipeline_free(p);
+    request_free(a);
+    request_free(w);
+    request_free(r);
+    rk_service_close(svc);
+}
+
 /* A request cancelled in the middle of its chunk leaves no half-computed
  * entry: alone, the entry goes with it and every block comes back; with a
  * request waiting for the same chunk, that one carries the computation on
