@@ -9,8 +9,9 @@
  *   pipeline.c admission: the prompt stages in reading order (2 system
  *              prompt and 3 chunks, 3 system chunks, 4 reindex, 6 question;
  *              numbered as in docs/architecture.md), start, init and
- *              release of a request, insertion into the radix tree, the
- *              zero-copy run tables.
+ *              release of a request, the zero-copy run tables.
+ *   sequence.c a request's KV into the radix tree (system pages, whole
+ *              sequences).
  *   repair.c   stage 5, repair, and its policies (deviation, query, first_k).
  *   batch.c    a forward pass under construction and the model runner.
  *   step.c     the running requests: admission into them, one decode step
@@ -179,7 +180,13 @@ rk_status rk_init_request(rk_service *svc, rk_request *r);
 /* Release all r holds (failed: nothing goes into the radix tree, entries
  * computed for it are dropped); r->state is NULL after. */
 void rk_release_request(rk_service *svc, rk_request *r, int failed);
+/* ---------------------------------------------------------------- sequence.c */
+
 rk_status rk_insert_system(rk_service *svc, rk_request *r);
+/* A finished or preempted request's whole sequence into the radix tree
+ * (its prompt key and the generated tokens that have KV); failures only
+ * lose the caching. */
+void rk_insert_sequence(rk_service *svc, rk_request *r);
 /* The admission stages (numbered as in docs/architecture.md): 2 system
  * prompt and 3 chunks (pass 1), 3 chunks (pass 2), 4 reindex, 6 question
  * (what the question pass feeds); stage 5 is repair.c's. */

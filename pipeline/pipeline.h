@@ -21,8 +21,8 @@
  * the caches.
  *
  * Its files: request.c (rk_request_prepare and the request's buffers),
- * pipeline.c (admission: the prompt stages, a request's start and release,
- * the radix tree), repair.c (the repair stage), batch.c (forward passes),
+ * pipeline.c (admission: the prompt stages, a request's start and release),
+ * sequence.c (its KV into the radix tree), repair.c (the repair stage), batch.c (forward passes),
  * step.c (rk_pipeline_admit/join/step/run: the running requests), prewarm.c
  * (rk_pipeline_prewarm), service.c (the service object), cachectl.c (the
  * rk_service_chunk_* calls); internal.h is what they share, private to
