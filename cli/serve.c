@@ -186,22 +186,30 @@ static int print_settings(serve_opts *o) {
     return s ? 0 : EXIT_FAILURE;
 }
 
+/* The signal that asked us to stop, or 0. A handler, not sigwait: a thread
+ * a library starts before main (OpenBLAS starts its pool when it is
+ * loaded) does not block SIGTERM, and the kernel may hand a process-wide
+ * signal to any thread that does not block it; with the default action
+ * that kills the server in the middle of its shutdown. A handler runs
+ * wherever the signal lands. */
+static volatile sig_atomic_t stop_signal;
+
+static void on_stop_signal(int sig) { stop_signal = sig; }
+
 /* Wait for SIGINT or SIGTERM, watching the model load: 0, or EXIT_FAILURE
  * when the model could not be loaded. */
-static int wait_for_signal(rk_server *S, sigset_t *sigs) {
-    for (;;) {
+static int wait_for_signal(rk_server *S) {
+    while (!stop_signal) {
         struct timespec tick = {0, 100 * 1000 * 1000};
-        int sig = sigtimedwait(sigs, NULL, &tick);
-        if (sig == SIGINT || sig == SIGTERM) {
-            RK_LOG_INFO("signal %d: shutting down", sig);
-            return 0;
-        }
+        nanosleep(&tick, NULL); /* a signal cuts it short */
         char msg[320];
-        if (rk_server_poll(S, msg, sizeof msg) == RK_SCHEDULER_FAILED) {
+        if (!stop_signal && rk_server_poll(S, msg, sizeof msg) == RK_SCHEDULER_FAILED) {
             fprintf(stderr, "ragkv serve: cannot start: %s\n", msg);
             return EXIT_FAILURE;
         }
     }
+    RK_LOG_INFO("signal %d: shutting down", (int)stop_signal);
+    return 0;
 }
 
 int rk_serve_main(int argc, char **argv) {
@@ -222,20 +230,27 @@ int rk_serve_main(int argc, char **argv) {
     }
     rk_log_set_level((rk_log_level)rk_log_level_parse(o->log_level));
 
-    /* Signals: every thread created from here on blocks them; main waits for them. */
+    /* Signals: the threads started from here on block them, so their
+     * system calls are not interrupted; the main thread takes them. */
+    struct sigaction sa = {0};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN);
     sigset_t sigs;
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGINT);
     sigaddset(&sigs, SIGTERM);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
-    signal(SIGPIPE, SIG_IGN);
 
     rk_server *S = NULL;
     int rc = EXIT_FAILURE, port;
     if (rk_server_start(&o->srv, &S, &port)) {
         fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
     } else {
-        rc = wait_for_signal(S, &sigs);
+        pthread_sigmask(SIG_UNBLOCK, &sigs, NULL);
+        rc = wait_for_signal(S);
         rk_server_stop(S);
     }
     free(o);
