@@ -281,6 +281,8 @@ void rk_chunk_index_loaded(rk_chunk_index *ix, rk_chunk_entry *e) {
     ix->st.hit_tokens += (uint64_t)e->n_tokens;
 }
 
+void rk_chunk_index_hold(rk_chunk_entry *e) { e->refs++; }
+
 void rk_chunk_index_release(rk_chunk_index *ix, rk_chunk_entry *e, int failed) {
     if (!e) return;
     if (e->refs > 0) e->refs--;

@@ -85,7 +85,10 @@ typedef struct rk_chunk_entry {
      * reference drives it next; it is READY only once progress reaches
      * n_tokens, and nothing reads a PENDING entry's KV. */
     int progress;
-    int refs;          /* references held by requests */
+    /* PENDING: a tier load is filling it (the caller's flag, which the index
+     * never reads): nobody feeds it meanwhile. */
+    int loading;
+    int refs;          /* references held by requests (and by tier loads) */
     uint64_t last_use; /* logical clock */
     uint64_t hits;
     double created;  /* unix time */
@@ -137,6 +140,9 @@ void rk_chunk_index_ready(rk_chunk_index *ix, rk_chunk_entry *e);
  * it READY and count its lookup as a hit (source "disk") rather than a miss.
  * The pipeline also calls it for the Redis tier, then sets source "redis". */
 void rk_chunk_index_loaded(rk_chunk_index *ix, rk_chunk_entry *e);
+
+/* Take one more reference on e (a tier load in flight holds one). */
+void rk_chunk_index_hold(rk_chunk_entry *e);
 
 /* Drop the caller's reference. A PENDING entry whose computation failed is
  * released with failed = 1: it is removed once unreferenced. */

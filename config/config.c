@@ -199,6 +199,7 @@ void rk_config_defaults(rk_config *cfg) {
     cfg->max_context = 0;
     cfg->max_tokens = 4096;
     cfg->store_verify = 1;
+    cfg->load_mb = 256;
     cfg->kv_poison = 0;
     snprintf(cfg->redis_prefix, sizeof cfg->redis_prefix, "ragkv");
     cfg->redis_timeout_ms = 200;

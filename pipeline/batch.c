@@ -169,7 +169,7 @@ rk_status rk_batch_run(rk_service *svc, batch *b) {
 
 rk_status rk_feed_chunk(batch *b, int bs, chunk_feed *f, rk_chunk_entry *e, const rk_seq *seq,
                         int *left) {
-    if (e->state != RK_CHUNK_PENDING || e->progress >= e->n_tokens) return RK_OK;
+    if (e->state != RK_CHUNK_PENDING || e->loading || e->progress >= e->n_tokens) return RK_OK;
     for (int i = 0; i < f->n; i++)
         if (f->e[i] == e) return RK_OK; /* another request feeds it this pass */
     int n = e->n_tokens - e->progress;

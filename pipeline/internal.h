@@ -159,7 +159,8 @@ rk_status rk_batch_run(rk_service *svc, batch *b);
 
 /* Add up to *left tokens (< 0: no limit) of the PENDING entry e's
  * uncomputed tokens to b, through seq (a view of e's blocks), unless f has
- * it already this pass; *left goes down by what was added. */
+ * it already this pass or a tier load is filling it; *left goes down by what
+ * was added. */
 rk_status rk_feed_chunk(batch *b, int bs, chunk_feed *f, rk_chunk_entry *e, const rk_seq *seq,
                         int *left);
 /* After the pass ran: each fed entry's progress goes up by its tokens; f is

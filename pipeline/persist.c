@@ -136,6 +136,27 @@ rk_status rk_persist_write_tiers(rk_service *svc, const rk_chunk_entry *e, const
     return st;
 }
 
+/* Put a verified store payload into reserved entry e when it was computed
+ * from the same tokens in the same layout; *out_loaded says it was. */
+static rk_status take_store_payload(rk_service *svc, rk_chunk_entry *e, const rk_store_payload *p,
+                                    int *out_loaded) {
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    int ok = p->meta.n_tokens == e->n_tokens &&
+             memcmp(p->tokens, e->tokens, (size_t)e->n_tokens * sizeof *e->tokens) == 0 &&
+             p->layout.n_layers == kv->n_layers && p->layout.n_kv_heads == kv->n_kv_heads &&
+             p->layout.head_dim == kv->head_dim && p->layout.dtype == (int32_t)kv->dtype &&
+             p->layout.base_pos == e->base_pos && p->body_size == body_bytes(kv, e);
+    if (!ok) {
+        RK_LOG_WARN(
+            "chunk %s: the stored payload does not match this model or request; computing it",
+            p->meta.key);
+        return RK_OK;
+    }
+    rk_status st = copy_body(svc, e, p->body, 0);
+    if (!st) *out_loaded = 1;
+    return st;
+}
+
 rk_status rk_persist_load(rk_service *svc, rk_chunk_entry *e, int *out_loaded) {
     *out_loaded = 0;
     if (!svc->store) return RK_OK;
@@ -150,22 +171,70 @@ rk_status rk_persist_load(rk_service *svc, rk_chunk_entry *e, int *out_loaded) {
         RK_LOG_WARN("chunk %s: %s; computing it", key, rk_error_message());
         return RK_OK;
     }
-    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
-    int ok = p.meta.n_tokens == e->n_tokens &&
-             memcmp(p.tokens, e->tokens, (size_t)e->n_tokens * sizeof *e->tokens) == 0 &&
-             p.layout.n_layers == kv->n_layers && p.layout.n_kv_heads == kv->n_kv_heads &&
-             p.layout.head_dim == kv->head_dim && p.layout.dtype == (int32_t)kv->dtype &&
-             p.layout.base_pos == e->base_pos && p.body_size == body_bytes(kv, e);
-    if (!ok) {
-        RK_LOG_WARN(
-            "chunk %s: the stored payload does not match this model or request; computing it", key);
-        rk_store_payload_free(&p);
-        return RK_OK;
-    }
-    st = copy_body(svc, e, p.body, 0);
+    st = take_store_payload(svc, e, &p, out_loaded);
     rk_store_payload_free(&p);
-    if (!st) *out_loaded = 1;
     return st;
+}
+
+rk_status rk_persist_load_start(rk_service *svc, rk_chunk_entry *e, int *out_queued) {
+    *out_queued = 0;
+    if (!svc->loader) return RK_OK;
+    char key[33];
+    rk_chunk_key_hex(e->key, key);
+    rk_load *ld = calloc(1, sizeof *ld);
+    if (!ld) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    int found = 0;
+    rk_status st = rk_store_locate(svc->store, key, &ld->loc, &found);
+    if (st || !found) {
+        free(ld);
+        return st;
+    }
+    ld->entry = e;
+    rk_chunk_index_hold(e);
+    e->loading = 1;
+    rk_loader_submit(svc->loader, ld);
+    *out_queued = 1;
+    return RK_OK;
+}
+
+void rk_persist_drop_load(void *ctx, rk_load *ld) {
+    rk_service *svc = ctx;
+    ld->entry->loading = 0;
+    rk_chunk_index_release(svc->chunks, ld->entry, 1);
+    rk_store_payload_free(&ld->payload);
+    free(ld);
+}
+
+/* A queued load nobody waits for: its reference is the entry's last. */
+static int unwanted(const rk_load *ld) { return ld->entry->refs <= 1; }
+
+int rk_persist_collect_loads(rk_service *svc) {
+    if (!svc->loader) return 0;
+    for (rk_load *ld = rk_loader_cancel(svc->loader, unwanted), *next; ld; ld = next) {
+        next = ld->next;
+        rk_persist_drop_load(svc, ld);
+    }
+    int n = 0;
+    for (rk_load *ld; (ld = rk_loader_take(svc->loader));) {
+        rk_chunk_entry *e = ld->entry;
+        int loaded = 0;
+        rk_store_load_done(svc->store, &ld->loc, ld->st, ld->why);
+        if (ld->st) {
+            RK_LOG_WARN("chunk %s: %s; computing it", ld->loc.row.key, ld->why);
+        } else if (take_store_payload(svc, e, &ld->payload, &loaded)) {
+            RK_LOG_WARN("chunk %s: %s; computing it", ld->loc.row.key, rk_error_message());
+            loaded = 0;
+        }
+        e->loading = 0;
+        if (loaded) {
+            rk_chunk_index_loaded(svc->chunks, e);
+            n++;
+        }
+        rk_chunk_index_release(svc->chunks, e, !loaded);
+        rk_store_payload_free(&ld->payload);
+        free(ld);
+    }
+    return n;
 }
 
 /* Upload a verified Redis payload into the entry and copy it to the disk

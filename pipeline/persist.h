@@ -3,6 +3,7 @@
 #ifndef RK_PERSIST_H
 #define RK_PERSIST_H
 
+#include "pipeline/loader.h"
 #include "pipeline/pipeline.h"
 
 /* The tiers' body check (rk_store_body_check): a KV body must be of an
@@ -29,6 +30,22 @@ rk_status rk_persist_write_tiers(rk_service *svc, const rk_chunk_entry *e, const
  * payload for the same tokens and layout; *out_loaded says whether it did. A
  * missing, bad or mismatched payload is not an error: the caller computes. */
 rk_status rk_persist_load(rk_service *svc, rk_chunk_entry *e, int *out_loaded);
+
+/* The same from the loader thread (pipeline/loader.h): queue a read of the
+ * store's payload for the reserved entry e, which is marked loading and held
+ * by the load; *out_queued 0 when the store has no row for it (nothing
+ * taken). */
+rk_status rk_persist_load_start(rk_service *svc, rk_chunk_entry *e, int *out_queued);
+
+/* Engine thread: the loads the loader finished go into their entries (READY,
+ * source "disk") when they hold a verified payload for the same tokens and
+ * layout; an entry whose load failed is computed by whoever holds it (or
+ * removed, when nobody does). Queued loads of entries nobody else holds are
+ * cancelled. Returns the number of entries filled. */
+int rk_persist_collect_loads(rk_service *svc);
+
+/* Drop a load unread or untaken (rk_loader_free's drop; ctx is the service). */
+void rk_persist_drop_load(void *svc, rk_load *ld);
 
 /* After the disk tier missed: fill a reserved entry from the Redis tier when
  * the cost gate says a load beats computing and Redis holds a verified value

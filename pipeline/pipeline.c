@@ -403,8 +403,9 @@ static rk_status feed_isolated(admission *a, rk_request *r, int k) {
     sc->borrowed = 1;
     if (e->state != RK_CHUNK_PENDING) return RK_OK;
     /* A request with nothing to generate leaves when admitted: its chunks
-     * are computed now, so that it still caches them. */
-    if (a->defer && !s->done) {
+     * are computed now, so that it still caches them (or, loading, are
+     * cached by their load). */
+    if ((a->defer || e->loading) && !s->done) {
         sc->stepped = 1;
         s->chunk_wait = s->prefilling = 1;
         return RK_OK;
@@ -456,8 +457,20 @@ static rk_status plan_chunks(admission *a, rk_request *r) {
         if (s->kinds[k] == RK_CHUNK_MISS) e->owner = r->opt.owner; /* reserved for it */
         if (s->kinds[k] == RK_CHUNK_MISS &&
             !s->scratch[k].uncached) { /* the disk tier may have it */
-            int loaded;
-            if ((st = rk_persist_load(svc, e, &loaded))) return st;
+            int loaded = 0, queued = 0;
+            /* Read off the engine thread when the request can wait for it
+             * as for a chunk the steps compute (an isolated one). */
+            if (a->defer && !s->done && !n_ctx && !after_system)
+                st = rk_persist_load_start(svc, e, &queued);
+            else
+                st = rk_persist_load(svc, e, &loaded);
+            if (st) return st;
+            if (queued) {
+                rep->status = RK_CHUNK_STATUS_MISS; /* a hit once it is in place */
+                rep->source = RK_CHUNK_SOURCE_COMPUTED;
+                if ((st = feed_isolated(a, r, k))) return st;
+                continue;
+            }
             if (loaded) {
                 rk_chunk_index_loaded(svc->chunks, e);
                 s->kinds[k] = RK_CHUNK_HIT;

@@ -104,10 +104,11 @@ typedef struct rk_service {
     rk_backend *be;
     rk_model *model;
     rk_arena *arena;
-    rk_radix *prefix;       /* sequence cache over prefix-pool blocks; NULL when disabled */
-    uint64_t prefix_ns;     /* from the model fingerprint; requests derive theirs from it */
-    rk_chunk_index *chunks; /* the chunk cache over chunk-pool blocks */
-    rk_store *store;        /* the disk tier; NULL without --store */
+    rk_radix *prefix;         /* sequence cache over prefix-pool blocks; NULL when disabled */
+    uint64_t prefix_ns;       /* from the model fingerprint; requests derive theirs from it */
+    rk_chunk_index *chunks;   /* the chunk cache over chunk-pool blocks */
+    rk_store *store;          /* the disk tier; NULL without --store */
+    struct rk_loader *loader; /* reads the disk tier off the engine thread; with store */
 
     /* The shared tier; NULL without --redis. */
     rk_redis *redis;

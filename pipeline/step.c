@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "pipeline/internal.h"
+#include "pipeline/persist.h"
 
 /* ---------------------------------------------------------------- reports and tokens */
 
@@ -463,6 +464,11 @@ static rk_status chunks_done(rk_pipeline *p, int i) {
     rk_request *r = p->running[i];
     rk_req_state *s = r->state;
     s->chunk_wait = s->prefilling = 0;
+    for (int k = 0; k < r->n_chunks; k++) /* filled by a tier load meanwhile */
+        if (s->scratch[k].stepped && !strcmp(s->entries[k]->source, "disk")) {
+            r->chunk_reports[k].status = RK_CHUNK_STATUS_HIT;
+            r->chunk_reports[k].source = RK_CHUNK_SOURCE_DISK;
+        }
     admission a = {.svc = p->svc, .reqs = &r, .n = 1, .b = &p->b, .copies = &p->copies};
     rk_status st = stages_after_chunks(&a);
     if (!st) return RK_OK;
@@ -534,6 +540,7 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
         }
     }
     leave_finished(p);
+    rk_persist_collect_loads(p->svc); /* the disk tier's reads that finished */
     if ((st = make_room(p))) return st;
     /* Decode tokens first, then prompt work in arrival order. */
     int n_dec = 0, n_pre = 0;
@@ -545,6 +552,9 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
      * prompt work goes in whole. */
     int budget = n_dec > 0 ? p->svc->cfg.step_tokens : 0;
     if ((st = run_pass(p, p->work, n_dec, p->work + n_dec, n_pre, budget, hooks))) return st;
+    /* Nothing to run but loads to wait for: wait for one, not in a spin. */
+    if (p->b.n_seq == 0 && p->svc->loader && rk_loader_pending(p->svc->loader))
+        rk_loader_wait(p->svc->loader, 0.01);
     if ((st = advance_chunk_waits(p))) return st;
     leave_finished(p);
     return RK_OK;

@@ -598,45 +598,59 @@ void rk_store_expect_from_row(const rk_store_entry *e, rk_payload_expect *x) {
     x->n_bytes = e->n_bytes;
 }
 
-rk_status rk_store_get(rk_store *s, const char *key, rk_store_payload *out) {
+rk_status rk_store_locate(rk_store *s, const char *key, rk_store_located *out, int *out_found) {
+    *out_found = 0;
     rk_status st = must_write(s);
     if (st != RK_OK) return st;
-    if (!out) return rk_errorf(RK_ERR_INVALID, "store: NULL output");
-    memset(out, 0, sizeof *out);
     if ((st = check_key(key)) != RK_OK) return st;
-    rk_store_entry row;
-    int found = 0;
-    if ((st = rk_store_find_own_row(s, key, &row, &found)) != RK_OK) return st;
-    if (!found) return rk_errorf(RK_ERR_NOT_FOUND, "store: key %s not found", key);
+    memset(out, 0, sizeof *out);
+    if ((st = rk_store_find_own_row(s, key, &out->row, out_found)) != RK_OK || !*out_found)
+        return st;
+    out->body_check = s->opts.body_check;
+    out->read_delay_ms = s->opts.read_delay_ms;
+    return rk_store_key_paths(s, key, NULL, out->path, NULL, sizeof out->path);
+}
 
-    char path[PATH_MAX];
-    if ((st = rk_store_key_paths(s, key, NULL, path, NULL, sizeof path)) != RK_OK) return st;
+rk_status rk_store_read(const rk_store_located *loc, rk_store_payload *out) {
+    memset(out, 0, sizeof *out);
+    if (loc->read_delay_ms > 0) {
+        struct timespec ts = {loc->read_delay_ms / 1000, (loc->read_delay_ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
     rk_payload_expect x;
-    rk_store_expect_from_row(&row, &x);
+    rk_store_expect_from_row(&loc->row, &x);
     rk_payload_header h;
     int32_t *tokens = NULL;
     void *body = NULL;
-    st = rk_payload_read(path, &x, &h, &tokens, &body);
+    rk_status st = rk_payload_read(loc->path, &x, &h, &tokens, &body);
     char bad_body[256];
-    if (st == RK_OK && s->opts.body_check &&
-        s->opts.body_check(&h.layout, body, (size_t)h.body_size, bad_body, sizeof bad_body)) {
+    if (st == RK_OK && loc->body_check &&
+        loc->body_check(&h.layout, body, (size_t)h.body_size, bad_body, sizeof bad_body)) {
         free(tokens);
         free(body);
-        st = rk_errorf(RK_ERR_FORMAT, "%s: %s", path, bad_body);
+        return rk_errorf(RK_ERR_FORMAT, "%s: %s", loc->path, bad_body);
     }
-    if (st == RK_ERR_FORMAT) {
-        char why[512];
-        snprintf(why, sizeof why, "%s", rk_error_message());
+    if (st != RK_OK) return st;
+    out->meta = loc->row;
+    out->layout = h.layout;
+    out->tokens = tokens;
+    out->body = body;
+    out->body_size = (size_t)h.body_size;
+    return RK_OK;
+}
+
+void rk_store_load_done(rk_store *s, const rk_store_located *loc, rk_status read_status,
+                        const char *why) {
+    const char *key = loc->row.key;
+    if (read_status == RK_ERR_FORMAT) {
         RK_LOG_WARN("store %s: dropping a bad payload: %s", s->dir, why);
-        if (rk_store_remove_entry(s, key, row.n_bytes, 1) != RK_OK)
+        if (rk_store_remove_entry(s, key, loc->row.n_bytes, 1) != RK_OK)
             RK_LOG_WARN("store %s: %s", s->dir, rk_error_message());
         s->c.dropped_on_load++;
         s->c.corrupt_after_open++;
-        return rk_errorf(RK_ERR_NOT_FOUND, "store: %s failed verification and was dropped: %s", key,
-                         why);
+        return;
     }
-    if (st != RK_OK) return st;
-
+    if (read_status != RK_OK) return;
     sqlite3_stmt *q = rk_store_stmt(s, ST_TOUCH);
     sqlite3_bind_text(q, 1, key, -1, SQLITE_STATIC);
     sqlite3_bind_double(q, 2, next_stamp(s));
@@ -645,13 +659,27 @@ rk_status rk_store_get(rk_store *s, const char *key, rk_store_payload *out) {
         RK_LOG_WARN("%s", rk_error_message());
         batch_check_alive(s);
     }
-    out->meta = row;
-    out->layout = h.layout;
-    out->tokens = tokens;
-    out->body = body;
-    out->body_size = (size_t)h.body_size;
     s->c.loads++;
-    s->c.load_bytes += row.n_bytes;
+    s->c.load_bytes += loc->row.n_bytes;
+}
+
+rk_status rk_store_get(rk_store *s, const char *key, rk_store_payload *out) {
+    if (!out) return rk_errorf(RK_ERR_INVALID, "store: NULL output");
+    memset(out, 0, sizeof *out);
+    rk_store_located loc;
+    int found = 0;
+    rk_status st = rk_store_locate(s, key, &loc, &found);
+    if (st != RK_OK) return st;
+    if (!found) return rk_errorf(RK_ERR_NOT_FOUND, "store: key %s not found", key);
+    st = rk_store_read(&loc, out);
+    /* The error message is kept across the bookkeeping, which may log. */
+    char why[512];
+    snprintf(why, sizeof why, "%s", st ? rk_error_message() : "");
+    rk_store_load_done(s, &loc, st, why);
+    if (st == RK_ERR_FORMAT)
+        return rk_errorf(RK_ERR_NOT_FOUND, "store: %s failed verification and was dropped: %s", key,
+                         why);
+    if (st != RK_OK) return rk_errorf(st, "%s", why);
     return RK_OK;
 }
 

@@ -92,6 +92,8 @@ typedef struct rk_store_options {
     rk_store_body_check body_check; /* run on every rk_store_get, and on every payload a
                                        full verify reads (at open with verify_on_open);
                                        NULL (default) = none */
+    int read_delay_ms;              /* testing aid: sleep this long before every payload
+                                       read, to measure a slow disk (default 0) */
 } rk_store_options;
 
 /* Metadata of one row: what listing shows. Never any text of the chunk. */
@@ -228,8 +230,32 @@ rk_status rk_store_rollback(rk_store *s);
  * file cannot be read for another reason (then nothing is deleted). */
 rk_status rk_store_get(rk_store *s, const char *key, rk_store_payload *out);
 
-/* Free the buffers of a payload filled by rk_store_get and zero it; accepts
- * NULL and a zeroed payload. */
+/* A load in three steps, so that the payload file can be read off the
+ * thread that owns the handle (rk_store_get is the three in a row):
+ *   rk_store_locate     the row of key (owning thread): *out_found 0 when
+ *                       this model has none;
+ *   rk_store_read       the payload file, checked as by rk_store_get (any
+ *                       thread: it reads loc alone, never the handle);
+ *                       RK_ERR_FORMAT when a check fails, RK_ERR_NOT_FOUND
+ *                       when the file is gone (evicted meanwhile);
+ *   rk_store_load_done  (owning thread) with rk_store_read's status and
+ *                       error message: counts the load and its access, or
+ *                       drops a payload that failed a check (row and file)
+ *                       and counts it. */
+typedef struct rk_store_located {
+    char path[4096];
+    rk_store_entry row;
+    rk_store_body_check body_check;
+    int read_delay_ms;
+} rk_store_located;
+
+rk_status rk_store_locate(rk_store *s, const char *key, rk_store_located *out, int *out_found);
+rk_status rk_store_read(const rk_store_located *loc, rk_store_payload *out);
+void rk_store_load_done(rk_store *s, const rk_store_located *loc, rk_status read_status,
+                        const char *why);
+
+/* Free the buffers of a payload filled by rk_store_get or rk_store_read and
+ * zero it; accepts NULL and a zeroed payload. */
 void rk_store_payload_free(rk_store_payload *p);
 
 /* Set *out_present to 1 when a row of this model exists for key (the file is

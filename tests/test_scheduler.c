@@ -10,6 +10,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "pipeline/loader.h"
 #include "pipeline/pipeline.h"
 #include "pipeline/scheduler.h"
 #include "tests/testutil.h"
@@ -403,6 +404,100 @@ Test(pipeline, a_request_joining_a_chunk_in_progress_shares_it_and_gets_its_toke
     request_free(ref);
     request_free(a);
     request_free(b);
+    request_free(c);
+    rk_service_close(svc);
+}
+
+static const char *TWO_CHUNK_PROMPT = "Yet another system prompt.##Ben flew a kite in the "
+                                      "park.##Mia baked bread with her mother.##Who baked bread?";
+
+/* A service whose disk tier sleeps delay_ms before every payload read (a
+ * testing aid: a slow disk), with SHARED_PROMPT's and TWO_CHUNK_PROMPT's
+ * chunks on disk and not in the arena. */
+static rk_service *open_svc_slow_disk(int delay_ms) {
+    rk_config cfg = small_config();
+    cfg.step_tokens = 3;
+    cfg.store_read_delay_ms = delay_ms;
+    char *dir = rk_test_tmpdir("tier-load");
+    snprintf(cfg.store_dir, sizeof cfg.store_dir, "%s", dir);
+    free(dir);
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    const char *prompts[] = {SHARED_PROMPT, TWO_CHUNK_PROMPT};
+    for (int i = 0; i < 2; i++) { /* computed, so written through to the disk */
+        rk_request *w = prepare(svc, prompts[i], 1);
+        cr_assert_eq(rk_pipeline_run(svc, &w, 1, NULL), RK_OK, "%s", rk_error_message());
+        request_free(w);
+    }
+    cr_assert_eq(rk_chunk_index_flush(svc->chunks), 3, "the arena forgot the three chunks");
+    return svc;
+}
+
+/* Disk-tier reads run on the loader thread, not the engine thread: joining
+ * returns before a delayed read ends, the running stream decodes while it
+ * lasts, and the waiting request then gets the chunk from the disk (a hit,
+ * nothing computed) with its tokens alone. A queued read whose request left
+ * is cancelled before it runs, and every block comes back. */
+Test(pipeline, a_disk_load_runs_off_the_engine_thread_while_a_stream_keeps_stepping,
+     .timeout = 120) {
+    rk_request *ref = tokens_alone(SHARED_PROMPT, 8);
+    rk_service *svc = open_svc_slow_disk(500);
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_request *a = prepare(svc, LONG_PROMPT, 4000);
+    cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
+    uint64_t computes_before = computes_now(svc);
+
+    rk_request *r = prepare(svc, SHARED_PROMPT, 8);
+    r->opt.reuse_sequences = 0;
+    cr_assert_eq(rk_pipeline_join(p, &r, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_loader_pending(svc->loader), 1, "joining returned with the read in flight");
+    int a_before = a->n_out, steps = 0;
+    while (rk_loader_pending(svc->loader) > 0 && steps++ < 100000)
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_geq(a->n_out - a_before, 2, "a decoded %d tokens during the 500 ms read",
+                  a->n_out - a_before);
+    steps_to_first_token(p, r, 100);
+    for (int i = 0; i < 100 && !r->finished; i++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(r->chunk_reports[0].status, RK_CHUNK_STATUS_HIT);
+    cr_assert_eq(r->chunk_reports[0].source, RK_CHUNK_SOURCE_DISK);
+    cr_assert_eq(computes_now(svc), computes_before, "the chunk was read, not computed");
+    cr_assert_eq(r->n_out, 8);
+    cr_assert_arr_eq(r->out_tokens, ref->out_tokens, 8 * sizeof(int32_t),
+                     "the chunk read from the disk gives the tokens computed alone");
+
+    /* Two reads queued, the request cancelled: the read under way finishes
+     * (and caches its chunk), the queued one is dropped unread. */
+    rk_request *c = prepare(svc, TWO_CHUNK_PROMPT, 8);
+    c->opt.reuse_sequences = 0;
+    cr_assert_eq(rk_pipeline_join(p, &c, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_loader_pending(svc->loader), 2);
+    rk_loader_stats ls;
+    for (int i = 0; i < 5000; i++) { /* until the first read is under way */
+        rk_loader_stats_get(svc->loader, &ls);
+        if (ls.queued == 1) break;
+        rk_test_sleep(0.001);
+    }
+    cr_assert_eq(ls.queued, 1);
+    c->cancel = 1;
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    for (int i = 0; i < 100000 && rk_loader_pending(svc->loader) > 0; i++)
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    rk_loader_stats_get(svc->loader, &ls);
+    cr_assert_eq(ls.cancelled, 1, "the queued read was dropped");
+    cr_assert_eq(ls.loads, 2, "two reads ran: r's and c's first");
+    cr_assert_eq(ls.bytes_in_flight, 0);
+    a->cancel = 1;
+    step_until_idle(p);
+    assert_live_pool_back(svc);
+    rk_chunk_stats cs;
+    rk_chunk_index_get_stats(svc->chunks, &cs);
+    cr_assert_eq(cs.entries, 3, "a's chunk, r's and c's first are cached; c's second is gone: %d",
+                 (int)cs.entries);
+    rk_pipeline_free(p);
+    request_free(ref);
+    request_free(a);
+    request_free(r);
     request_free(c);
     rk_service_close(svc);
 }
