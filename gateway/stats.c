@@ -55,6 +55,7 @@ struct rk_stats {
     int have_redis;
     rk_redis_counters redis;
     rk_hist redis_latency;
+    rk_hist tier_load; /* disk tier reads, each at the mean of those published together */
     char tenant_names[RK_STATS_TENANTS + 2][64]; /* by slot */
     int n_tenants;
     tenant_counts tenants[RK_STATS_TENANTS + 2];
@@ -145,6 +146,12 @@ static minute_bucket *bucket_now(rk_stats *s) {
 
 void rk_stats_publish(rk_stats *s, const rk_cache_snapshot *snap) {
     pthread_mutex_lock(&s->mu);
+    const rk_loader_stats *old = &s->snap.loads, *now = &snap->loads;
+    if (now->loads > old->loads) {
+        uint64_t n = now->loads - old->loads;
+        double mean = (now->seconds - old->seconds) / (double)n;
+        for (uint64_t i = 0; i < n; i++) rk_hist_add(&s->tier_load, mean);
+    }
     s->snap = *snap;
     s->have_snap = 1;
     pthread_mutex_unlock(&s->mu);
@@ -357,14 +364,19 @@ json_t *rk_stats_json_for(rk_stats *s, int all, int owner) {
             : json_pack("{s:b}", "enabled", 0);
     json_t *store =
         c->have_store
-            ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I}", "configured", 1,
+            ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}", "configured", 1,
                         "rows", (json_int_t)c->store_rows, "bytes", (json_int_t)c->store_bytes,
                         "loads", (json_int_t)c->store_loads, "writes", (json_int_t)c->store_writes,
                         "dropped_at_recovery", (json_int_t)c->store_dropped_at_recovery,
                         "corrupt_after_open", (json_int_t)c->store_corrupt_after_open,
                         "quarantined", (json_int_t)c->store_quarantined, "rows_rebuilt",
                         (json_int_t)c->store_rows_rebuilt, "unreadable",
-                        (json_int_t)c->store_unreadable)
+                        (json_int_t)c->store_unreadable, "reads",
+                        json_pack("{s:I, s:I, s:I, s:I, s:i, s:o}", "completed",
+                                  (json_int_t)c->loads.loads, "failed", (json_int_t)c->loads.failed,
+                                  "cancelled", (json_int_t)c->loads.cancelled, "bytes_in_flight",
+                                  (json_int_t)c->loads.bytes_in_flight, "queued", c->loads.queued,
+                                  "latency", latency_json(&s->tier_load)))
             : json_pack("{s:b, s:n, s:n, s:i, s:i, s:i, s:i, s:i, s:i, s:i}", "configured", 0,
                         "rows", "bytes", "loads", 0, "writes", 0, "dropped_at_recovery", 0,
                         "corrupt_after_open", 0, "quarantined", 0, "rows_rebuilt", 0, "unreadable",
@@ -521,6 +533,18 @@ char *rk_stats_prometheus(rk_stats *s) {
             put(&t, "ragkv_requests_total{status=\"%d\"} %llu\n", i,
                 (unsigned long long)s->status_counts[i]);
     counter(&t, "ragkv_store_loads_total", "Chunks loaded from the disk store.", c->store_loads);
+    if (c->have_store) {
+        histogram(&t, "ragkv_tier_load_seconds",
+                  "Disk tier reads on the loader thread (each at the mean of those published "
+                  "together).",
+                  &s->tier_load);
+        gauge(&t, "ragkv_tier_load_bytes_in_flight",
+              "Chunk bytes being read from the disk tier or read and not yet placed.",
+              (double)c->loads.bytes_in_flight);
+        counter(&t, "ragkv_tier_loads_cancelled_total",
+                "Queued disk tier reads dropped because no request waited for them any more.",
+                c->loads.cancelled);
+    }
     if (s->have_redis) {
         const rk_redis_counters *rd = &s->redis;
         counter(&t, "ragkv_redis_hits_total", "Chunks loaded from the shared Redis tier.",

@@ -29,7 +29,7 @@ typedef struct rk_load {
     /* Set by the loader thread once read: */
     rk_store_payload payload;
     rk_status st;
-    char why[256]; /* the error message when st != RK_OK */
+    char why[256];  /* the error message when st != RK_OK */
     double seconds; /* the read's wall time */
     struct rk_load *next;
 } rk_load;

@@ -317,6 +317,7 @@ static void publish(rk_scheduler *e, int n_finishing) {
         s.store_rows_rebuilt = sc.rows_rebuilt;
         s.store_unreadable = sc.unreadable;
     }
+    if (svc->loader) rk_loader_stats_get(svc->loader, &s.loads);
     pthread_mutex_lock(&e->mu);
     s.queued = e->n_queued;
     s.running = e->n_running - n_finishing;

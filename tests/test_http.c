@@ -1109,12 +1109,9 @@ Test(http_opts, the_store_keeps_chunks_across_restarts, .fini = stop_server, .ti
     rk_test_resp_free(&r);
     cr_assert_eq(rk_test_server_stop(&S), 0);
 
-    /* A new process over the same store: the chunk comes back from disk. */
+    /* A new process over the same store: the chunk comes back from disk,
+     * read by the loader thread for a completion. */
     cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
-    r = post("/v1/chunks", "{\"chunks\": [\"Stored chunk text.\"]}");
-    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.status"), "cached");
-    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.tier"), "disk");
-    rk_test_resp_free(&r);
     r = get(path);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     cr_assert_str_eq(rk_test_jstr(r.json, "tier"), "disk");
@@ -1126,6 +1123,16 @@ Test(http_opts, the_store_keeps_chunks_across_restarts, .fini = stop_server, .ti
     rk_test_resp_free(&r);
     r = get("/metrics");
     cr_assert_eq(metric(r.http.body, "ragkv_store_loads_total"), 1);
+    cr_assert_eq(metric(r.http.body, "ragkv_tier_load_seconds_count"), 1);
+    cr_assert_eq(metric(r.http.body, "ragkv_tier_load_bytes_in_flight"), 0);
+    rk_test_resp_free(&r);
+    r = get("/v1/stats");
+    cr_assert_eq(rk_test_jint(r.json, "store.reads.completed"), 1);
+    cr_assert_eq(rk_test_jint(r.json, "store.reads.failed"), 0);
+    rk_test_resp_free(&r);
+    r = post("/v1/chunks", "{\"chunks\": [\"Stored chunk text.\"]}");
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.status"), "cached");
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.tier"), "arena");
     rk_test_resp_free(&r);
     cr_assert_eq(http("DELETE", path, NULL, NULL, &r), 0);
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
