@@ -1,22 +1,32 @@
 #!/usr/bin/env bash
-# A cold RAG request arriving while another streams (docs/benchmarks.md,
-# "Cold arrival"), at several step budgets, each in one run of this script:
+# A RAG request arriving while another streams (docs/benchmarks.md, "Cold
+# arrival" and "Slow tier"), each figure in one run of this script:
 #
 #   A streams 96 tokens (its prompt cached). After 1.5 s, B arrives with 8
-#   new documents of about 210 tokens (every chunk a miss) and asks for one
-#   token. Measured: A's inter-token gaps alone (median) and with B (worst),
-#   and B's time to first token, against the same with an unlimited budget.
+#   documents of about 210 tokens and asks for one token. Measured: A's
+#   inter-token gaps alone (median) and with B (worst), and B's time to
+#   first token.
 #
 #   scripts/bench-arrival.sh MODEL [BIN] [PORT] [BUDGETS...]
-# BUDGETS default to "0 32 64 128 256 512" (0 = unlimited). Needs curl and
-# jq. The server restarts for each budget and stops at the end.
+#     B's documents are new (every chunk a miss), at each step budget
+#     (default "0 32 64 128 256 512"; 0 = unlimited).
+#   DISK_DELAYS="0 200" scripts/bench-arrival.sh MODEL [BIN] [PORT] [BUDGETS...]
+#     B's documents are in the disk tier (pre-warmed, then flushed from
+#     memory), every read delayed by each of DISK_DELAYS ms
+#     (--store-read-delay-ms), at each step budget (default "128 0": with a
+#     budget the reads run on the loader thread; with none, on the engine
+#     thread).
+# Needs curl and jq. The server restarts for each figure and stops at the end.
 set -euo pipefail
 model=${1:?usage: scripts/bench-arrival.sh MODEL [BIN] [PORT] [BUDGETS...]}
 bin=${2:-build/ragkv}
 port=${3:-18490}
 shift $(($# < 3 ? $# : 3))
 budgets=("$@")
-[ ${#budgets[@]} -gt 0 ] || budgets=(0 32 64 128 256 512)
+delays=(${DISK_DELAYS:-})
+if [ ${#budgets[@]} -eq 0 ]; then
+    if [ ${#delays[@]} -gt 0 ]; then budgets=(128 0); else budgets=(0 32 64 128 256 512); fi
+fi
 url=http://127.0.0.1:$port
 for tool in curl jq; do
     command -v $tool >/dev/null || { echo "bench-arrival: $tool is required" >&2; exit 2; }
@@ -65,36 +75,71 @@ gaps() { awk 'NR > 1 { printf "%.3f\n", ($1 - p) * 1000 } { p = $1 }' "$1"; }
 median() { sort -n | awk '{ v[NR] = $1 } END { print v[int((NR + 1) / 2)] }'; }
 worst() { sort -n | tail -1; }
 
-printf '%-8s %12s %12s %8s %10s\n' budget "A gap alone" "A worst" ratio "B TTFT ms"
-for budget in "${budgets[@]}"; do
+# start_server BUDGET [ARGS...]: serve MODEL with that step budget.
+start_server() {
+    local budget=$1
+    shift
     "$bin" serve --model "$model" --threads 2 --kv-dtype f16 --kv-memory-mb 4096 \
-        --step-tokens "$budget" --port "$port" --log-level warn >"$work/serve.log" 2>&1 &
+        --step-tokens "$budget" --port "$port" --log-level warn "$@" >"$work/serve.log" 2>&1 &
     server=$!
     for _ in $(seq 600); do
-        curl -sf "$url/health" >/dev/null 2>&1 && break
+        curl -sf "$url/health" >/dev/null 2>&1 && return 0
         kill -0 "$server" 2>/dev/null || { cat "$work/serve.log" >&2; exit 1; }
         sleep 0.5
     done
+    echo "bench-arrival: the server did not start" >&2
+    exit 1
+}
+# b_prompt TAG: B's eight documents (the same for the same TAG) and question.
+b_prompt() {
+    local p="Answer from the documents." i
+    RANDOM=$((2027 + ${#1}))
+    for i in 1 2 3 4 5 6 7 8; do p+="##$(doc "b$1-$i")"; done
+    printf '%s##Which record mentions the lighthouse?' "$p"
+}
+# arrival LABEL B_PROMPT WANT: A alone, then A with B arriving; one row.
+# WANT is the status every chunk of B should report ("miss" or "hit").
+arrival() {
     stream_times "$work/warm" # A's prompt cached from here on
     stream_times "$work/alone"
+    local alone worst_gap t0 t1 a n
     alone=$(gaps "$work/alone" | median)
-    # B: eight documents no request sent before, then one token.
-    b_prompt="Answer from the documents."
-    for i in 1 2 3 4 5 6 7 8; do b_prompt+="##$(doc "b$budget-$i")"; done
-    b_prompt+="##Which record mentions the lighthouse?"
     stream_times "$work/with_b" &
     a=$!
     sleep 1.5
     t0=$EPOCHREALTIME
     curl -sf -X POST "$url/v1/completions" -H 'Content-Type: application/json' \
-        --data-binary "$(body "$b_prompt" 1 false)" >"$work/b.json"
+        --data-binary "$(body "$2" 1 false)" >"$work/b.json"
     t1=$EPOCHREALTIME
     wait $a
     worst_gap=$(gaps "$work/with_b" | worst)
-    misses=$(jq '[.ragkv.chunks[] | select(.status == "miss")] | length' "$work/b.json")
-    [ "$misses" = 8 ] || echo "bench-arrival: B had $misses misses, not 8" >&2
-    printf '%-8s %12.1f %12.1f %7.1fx %10.0f\n' "$budget" "$alone" "$worst_gap" \
+    n=$(jq --arg w "$3" '[.ragkv.chunks[] | select(.status == $w)] | length' "$work/b.json")
+    [ "$n" = 8 ] || echo "bench-arrival: B had $n chunks with status $3, not 8" >&2
+    printf '%-14s %12.1f %12.1f %7.1fx %10.0f\n' "$1" "$alone" "$worst_gap" \
         "$(jq -n --argjson w "$worst_gap" --argjson a "$alone" '$w / $a')" \
         "$(jq -n --argjson a "$t0" --argjson b "$t1" '($b - $a) * 1000')"
-    stop_server
+}
+
+printf '%-14s %12s %12s %8s %10s\n' "budget" "A gap alone" "A worst" ratio "B TTFT ms"
+if [ ${#delays[@]} -eq 0 ]; then
+    for budget in "${budgets[@]}"; do
+        start_server "$budget"
+        arrival "$budget" "$(b_prompt "$budget")" miss
+        stop_server
+    done
+    exit 0
+fi
+# The slow tier: B's documents computed once into the store, then read back.
+store="$work/store"
+docs=$(b_prompt disk | jq -R 'split("##")[1:-1] | {chunks: ., persist: true}')
+start_server 0 --store "$store"
+curl -sf -X POST "$url/v1/chunks" -H 'Content-Type: application/json' --data-binary "$docs" \
+    >/dev/null
+stop_server
+for delay in "${delays[@]}"; do
+    for budget in "${budgets[@]}"; do
+        start_server "$budget" --store "$store" --store-read-delay-ms "$delay"
+        arrival "$budget, ${delay} ms" "$(b_prompt disk)" hit
+        stop_server
+    done
 done
