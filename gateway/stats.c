@@ -533,16 +533,16 @@ char *rk_stats_prometheus(rk_stats *s) {
             put(&t, "ragkv_requests_total{status=\"%d\"} %llu\n", i,
                 (unsigned long long)s->status_counts[i]);
     counter(&t, "ragkv_store_loads_total", "Chunks loaded from the disk store.", c->store_loads);
-    if (c->have_store) {
+    if (c->have_store || s->have_redis) {
         histogram(&t, "ragkv_tier_load_seconds",
-                  "Disk tier reads on the loader thread (each at the mean of those published "
-                  "together).",
+                  "Disk and Redis tier reads on the loader thread (each at the mean of those "
+                  "published together).",
                   &s->tier_load);
         gauge(&t, "ragkv_tier_load_bytes_in_flight",
-              "Chunk bytes being read from the disk tier or read and not yet placed.",
+              "Chunk bytes being read from the tiers or read and not yet placed.",
               (double)c->loads.bytes_in_flight);
         counter(&t, "ragkv_tier_loads_cancelled_total",
-                "Queued disk tier reads dropped because no request waited for them any more.",
+                "Queued tier reads dropped because no request waited for them any more.",
                 c->loads.cancelled);
     }
     if (s->have_redis) {

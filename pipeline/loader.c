@@ -1,4 +1,4 @@
-/* pipeline/loader.c — the disk tier's reads on a thread of their own (see
+/* pipeline/loader.c — the tiers' reads on a thread of their own (see
  * loader.h). Three lists under one mutex: queued (submitted, not started),
  * the one being read, and done (read, not yet taken). */
 #include "pipeline/loader.h"
@@ -36,7 +36,7 @@ static rk_load *next_load(rk_loader *l) {
     for (;;) {
         if (l->stop) return NULL;
         rk_load *ld = l->queue_head;
-        if (ld && (l->in_flight == 0 || l->in_flight + ld->loc.row.n_bytes <= l->max_bytes)) {
+        if (ld && (l->in_flight == 0 || l->in_flight + ld->bytes <= l->max_bytes)) {
             l->queue_head = ld->next;
             if (!l->queue_head) l->queue_tail = NULL;
             l->n_queued--;
@@ -51,20 +51,25 @@ static void *loader_main(void *arg) {
     pthread_mutex_lock(&l->mu);
     for (rk_load *ld; (ld = next_load(l));) {
         l->reading = ld;
-        l->in_flight += ld->loc.row.n_bytes;
+        l->in_flight += ld->bytes;
         pthread_mutex_unlock(&l->mu);
         double t0 = rk_time_now();
-        ld->st = rk_store_read(&ld->loc, &ld->payload);
+        if (ld->tier == RK_LOAD_DISK)
+            ld->st = rk_store_read(&ld->loc, &ld->payload);
+        else
+            ld->st = rk_redis_lookup(ld->redis, RK_REDIS_CONN_LOADER, ld->key, ld->tokens,
+                                     ld->n_tokens, &ld->layout, ld->body_size, ld->wait_ms,
+                                     &ld->payload, &ld->lock, &ld->found);
         ld->seconds = rk_time_now() - t0;
         snprintf(ld->why, sizeof ld->why, "%s", ld->st ? rk_error_message() : "");
         pthread_mutex_lock(&l->mu);
         l->reading = NULL;
         l->st.loads++;
         l->st.seconds += ld->seconds;
-        if (ld->st)
+        if (ld->st || (ld->tier == RK_LOAD_REDIS && ld->found != RK_REDIS_FOUND_VALUE))
             l->st.failed++;
         else
-            l->st.bytes += ld->loc.row.n_bytes;
+            l->st.bytes += ld->bytes;
         append(&l->done_head, &l->done_tail, ld);
         l->n_done++;
         pthread_cond_broadcast(&l->cv_done);
@@ -126,7 +131,7 @@ rk_load *rk_loader_take(rk_loader *l) {
         l->done_head = ld->next;
         if (!l->done_head) l->done_tail = NULL;
         l->n_done--;
-        l->in_flight -= ld->loc.row.n_bytes;
+        l->in_flight -= ld->bytes;
         pthread_cond_broadcast(&l->cv_work); /* room for the next read */
         ld->next = NULL;
     }

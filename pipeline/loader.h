@@ -1,34 +1,54 @@
-/* pipeline/loader.h — chunk KV read from the disk tier on a thread of its
- * own, so that a slow disk never stops the engine thread's steps.
+/* pipeline/loader.h — chunk KV read from the disk and Redis tiers on a
+ * thread of its own, so that a slow disk or Redis never stops the engine
+ * thread's steps.
  *
- * The engine thread finds a chunk's row (rk_store_locate), takes a
- * reference on the PENDING entry for the load (rk_chunk_index_hold), marks
- * it loading and submits it. The loader thread reads and checks the payload
- * file (rk_store_read), one load at a time in submission order, and starts a
- * read only while the bytes it has read and not yet handed over stay within
- * max_bytes (one load larger than that still runs alone). Each step the
- * engine thread takes the finished loads, places their KV into the entries'
- * blocks and drops the loads' references; a queued load whose entry nobody
- * else holds any more is cancelled before it is read.
+ * The engine thread finds a chunk's row (rk_store_locate) or decides that
+ * Redis is worth asking, takes a reference on the PENDING entry for the load
+ * (rk_chunk_index_hold), marks it loading and submits it. The loader thread
+ * reads and checks the payload file (rk_store_read), or runs the Redis
+ * lookup (rk_redis_lookup on its own connection: get, the compute lock, the
+ * bounded wait for another replica's value), one load at a time in
+ * submission order, and starts a read only while the bytes it has read and
+ * not yet handed over stay within max_bytes (one load larger than that still
+ * runs alone). Each step the engine thread takes the finished loads, places
+ * their KV into the entries' blocks and drops the loads' references; a
+ * queued load whose entry nobody else holds any more is cancelled before it
+ * is read.
  *
- * Threads: rk_loader_free and every call below but rk_loader_stats_get from the
- * thread that owns the entries (the engine thread); rk_loader_stats_get from any
- * thread. The loader thread touches only the load itself (never the entry or
- * the store handle). */
+ * Threads: rk_loader_free and every call below but rk_loader_stats_get from
+ * the thread that owns the entries (the engine thread); rk_loader_stats_get
+ * from any thread. The loader thread touches only the load itself (never the
+ * entry or the store handle) and, for Redis, the tier's loader connection. */
 #ifndef RK_LOADER_H
 #define RK_LOADER_H
 
 #include <stdint.h>
 
 #include "chunkcache/chunk_index.h"
+#include "store/redis.h"
 #include "store/store.h"
+
+typedef enum rk_load_tier { RK_LOAD_DISK = 0, RK_LOAD_REDIS = 1 } rk_load_tier;
 
 typedef struct rk_load {
     rk_chunk_entry *entry; /* what it fills; the load holds one reference */
-    rk_store_located loc;
+    rk_load_tier tier;
+    uint64_t bytes;       /* what it reads, at most (the bound on bytes in flight) */
+    rk_store_located loc; /* RK_LOAD_DISK: the row and file */
+    /* RK_LOAD_REDIS: rk_redis_lookup's arguments; tokens are the held
+     * entry's, never written while it is PENDING. */
+    rk_redis *redis;
+    char key[RK_STORE_KEY_LEN + 1];
+    const int32_t *tokens;
+    int n_tokens;
+    rk_store_layout layout;
+    uint64_t body_size;
+    int wait_ms;
     /* Set by the loader thread once read: */
     rk_store_payload payload;
     rk_status st;
+    rk_redis_found found; /* RK_LOAD_REDIS: a value, our compute lock (lock), or nothing */
+    rk_redis_lock lock;
     char why[256];  /* the error message when st != RK_OK */
     double seconds; /* the read's wall time */
     struct rk_load *next;

@@ -176,67 +176,6 @@ rk_status rk_persist_load(rk_service *svc, rk_chunk_entry *e, int *out_loaded) {
     return st;
 }
 
-rk_status rk_persist_load_start(rk_service *svc, rk_chunk_entry *e, int *out_queued) {
-    *out_queued = 0;
-    if (!svc->loader) return RK_OK;
-    char key[33];
-    rk_chunk_key_hex(e->key, key);
-    rk_load *ld = calloc(1, sizeof *ld);
-    if (!ld) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
-    int found = 0;
-    rk_status st = rk_store_locate(svc->store, key, &ld->loc, &found);
-    if (st || !found) {
-        free(ld);
-        return st;
-    }
-    ld->entry = e;
-    rk_chunk_index_hold(e);
-    e->loading = 1;
-    rk_loader_submit(svc->loader, ld);
-    *out_queued = 1;
-    return RK_OK;
-}
-
-void rk_persist_drop_load(void *ctx, rk_load *ld) {
-    rk_service *svc = ctx;
-    ld->entry->loading = 0;
-    rk_chunk_index_release(svc->chunks, ld->entry, 1);
-    rk_store_payload_free(&ld->payload);
-    free(ld);
-}
-
-/* A queued load nobody waits for: its reference is the entry's last. */
-static int unwanted(const rk_load *ld) { return ld->entry->refs <= 1; }
-
-int rk_persist_collect_loads(rk_service *svc) {
-    if (!svc->loader) return 0;
-    for (rk_load *ld = rk_loader_cancel(svc->loader, unwanted), *next; ld; ld = next) {
-        next = ld->next;
-        rk_persist_drop_load(svc, ld);
-    }
-    int n = 0;
-    for (rk_load *ld; (ld = rk_loader_take(svc->loader));) {
-        rk_chunk_entry *e = ld->entry;
-        int loaded = 0;
-        rk_store_load_done(svc->store, &ld->loc, ld->st, ld->why);
-        if (ld->st) {
-            RK_LOG_WARN("chunk %s: %s; computing it", ld->loc.row.key, ld->why);
-        } else if (take_store_payload(svc, e, &ld->payload, &loaded)) {
-            RK_LOG_WARN("chunk %s: %s; computing it", ld->loc.row.key, rk_error_message());
-            loaded = 0;
-        }
-        e->loading = 0;
-        if (loaded) {
-            rk_chunk_index_loaded(svc->chunks, e);
-            n++;
-        }
-        rk_chunk_index_release(svc->chunks, e, !loaded);
-        rk_store_payload_free(&ld->payload);
-        free(ld);
-    }
-    return n;
-}
-
 /* Upload a verified Redis payload into the entry and copy it to the disk
  * tier, whose payload files hold the same bytes. Verified: the tier returns
  * only values that passed its tag (with a secret), checksums and
@@ -265,44 +204,128 @@ static rk_status take_redis_payload(rk_service *svc, rk_chunk_entry *e, rk_store
     return RK_OK;
 }
 
+/* Whether a Redis lookup of e is worth it: Redis configured, and the cost
+ * gate says a fetch beats computing (not when Redis is down or the chunk
+ * short: the computed chunk is still offered to the tier). */
+static int redis_worth_it(rk_service *svc, const rk_chunk_entry *e) {
+    if (!svc->redis) return 0;
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    uint64_t n_bytes = rk_redis_value_bytes(e->n_tokens, body_bytes(kv, e));
+    return rk_redis_worth_fetching(svc->redis, e->n_tokens, n_bytes, svc->prefill_tps);
+}
+
+rk_status rk_persist_load_start(rk_service *svc, rk_chunk_entry *e, int *out_queued) {
+    *out_queued = 0;
+    if (!svc->loader) return RK_OK;
+    rk_load *ld = calloc(1, sizeof *ld);
+    if (!ld) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    rk_chunk_key_hex(e->key, ld->key);
+    int found = 0;
+    rk_status st = svc->store ? rk_store_locate(svc->store, ld->key, &ld->loc, &found) : RK_OK;
+    if (st) {
+        free(ld);
+        return st;
+    }
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    if (found) {
+        ld->tier = RK_LOAD_DISK;
+        ld->bytes = ld->loc.row.n_bytes;
+    } else if (redis_worth_it(svc, e)) {
+        ld->tier = RK_LOAD_REDIS;
+        ld->redis = svc->redis;
+        ld->tokens = e->tokens;
+        ld->n_tokens = e->n_tokens;
+        ld->layout = entry_layout(kv, e);
+        ld->body_size = body_bytes(kv, e);
+        ld->bytes = rk_redis_value_bytes(e->n_tokens, ld->body_size);
+        ld->wait_ms = svc->cfg.redis_wait_ms;
+    } else {
+        free(ld);
+        return RK_OK;
+    }
+    ld->entry = e;
+    rk_chunk_index_hold(e);
+    e->loading = 1;
+    rk_loader_submit(svc->loader, ld);
+    *out_queued = 1;
+    return RK_OK;
+}
+
+void rk_persist_drop_load(void *ctx, rk_load *ld) {
+    rk_service *svc = ctx;
+    if (ld->tier == RK_LOAD_REDIS && !ld->st && ld->found == RK_REDIS_FOUND_LOCK)
+        (void)rk_redis_unlock(svc->redis, &ld->lock);
+    ld->entry->loading = 0;
+    rk_chunk_index_release(svc->chunks, ld->entry, 1);
+    rk_store_payload_free(&ld->payload);
+    free(ld);
+}
+
+/* A queued load nobody waits for: its reference is the entry's last. */
+static int unwanted(const rk_load *ld) { return ld->entry->refs <= 1; }
+
+/* A finished load into its entry: *out_loaded when the entry is READY now. */
+static void place_load(rk_service *svc, rk_load *ld, rk_persist_lock_fn hand_lock, void *ctx,
+                       int *out_loaded) {
+    rk_chunk_entry *e = ld->entry;
+    rk_status st = ld->st;
+    char why[320];
+    snprintf(why, sizeof why, "%s", ld->why);
+    if (ld->tier == RK_LOAD_DISK) {
+        rk_store_load_done(svc->store, &ld->loc, ld->st, ld->why);
+        if (!st && (st = take_store_payload(svc, e, &ld->payload, out_loaded)))
+            snprintf(why, sizeof why, "%s", rk_error_message());
+    } else if (!st && ld->found == RK_REDIS_FOUND_VALUE) {
+        if ((st = take_redis_payload(svc, e, &ld->payload, out_loaded)))
+            snprintf(why, sizeof why, "%s", rk_error_message());
+    } else if (!st && ld->found == RK_REDIS_FOUND_LOCK && !hand_lock(ctx, e, &ld->lock)) {
+        (void)rk_redis_unlock(svc->redis, &ld->lock); /* nobody left to compute it */
+    }
+    if (st) RK_LOG_WARN("chunk %s: %s; computing it", ld->key, why);
+    if (*out_loaded) {
+        rk_chunk_index_loaded(svc->chunks, e);
+        if (ld->tier == RK_LOAD_REDIS) snprintf(e->source, sizeof e->source, "redis");
+    }
+}
+
+int rk_persist_collect_loads(rk_service *svc, rk_persist_lock_fn hand_lock, void *ctx) {
+    if (!svc->loader) return 0;
+    for (rk_load *ld = rk_loader_cancel(svc->loader, unwanted), *next; ld; ld = next) {
+        next = ld->next;
+        rk_persist_drop_load(svc, ld);
+    }
+    int n = 0;
+    for (rk_load *ld; (ld = rk_loader_take(svc->loader));) {
+        rk_chunk_entry *e = ld->entry;
+        int loaded = 0;
+        place_load(svc, ld, hand_lock, ctx, &loaded);
+        e->loading = 0;
+        n += loaded;
+        rk_chunk_index_release(svc->chunks, e, !loaded);
+        rk_store_payload_free(&ld->payload);
+        free(ld);
+    }
+    return n;
+}
+
 rk_status rk_persist_load_redis(rk_service *svc, rk_chunk_entry *e, int *out_loaded,
                                 rk_redis_lock *out_lock, int *out_locked) {
     *out_loaded = *out_locked = 0;
-    if (!svc->redis) return RK_OK;
+    if (!redis_worth_it(svc, e)) return RK_OK;
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
     rk_store_layout layout = entry_layout(kv, e);
-    uint64_t kv_bytes = body_bytes(kv, e), n_bytes = rk_redis_value_bytes(e->n_tokens, kv_bytes);
-    /* Computing is cheaper (or Redis is down, or the chunk is short): no fetch
-     * and no lock; the computed chunk is still offered to the tier. */
-    if (!rk_redis_worth_fetching(svc->redis, e->n_tokens, n_bytes, svc->prefill_tps)) return RK_OK;
     char key[33];
     rk_chunk_key_hex(e->key, key);
+    /* All of an admission's waits for other replicas share redis_wait_ms. */
+    double left_ms = (svc->redis_wait_until - rk_time_now()) * 1e3;
     rk_store_payload p;
-    rk_status st = rk_redis_get(svc->redis, key, e->tokens, e->n_tokens, &layout, kv_bytes, &p);
-    if (st == RK_ERR_NOT_FOUND) {
-        rk_redis_lock_state ls;
-        if ((st = rk_redis_try_lock(svc->redis, key, out_lock, &ls))) return st;
-        if (ls == RK_REDIS_LOCK_UNAVAILABLE) return RK_OK;
-        if (ls == RK_REDIS_LOCK_ACQUIRED) {
-            /* A replica may have committed the value and released its lock
-             * between our get and our lock: look once more before computing. */
-            st = rk_redis_get(svc->redis, key, e->tokens, e->n_tokens, &layout, kv_bytes, &p);
-            if (st == RK_ERR_NOT_FOUND) {
-                *out_locked = 1;
-                return RK_OK;
-            }
-            (void)rk_redis_unlock(svc->redis, out_lock);
-        } else {
-            /* Another replica computes it: wait a bounded time for its value
-             * (this blocks the engine thread: all of an admission's waits
-             * share redis_wait_ms), then compute it here if it has not come. */
-            double left_ms = (svc->redis_wait_until - rk_time_now()) * 1e3;
-            st = rk_redis_wait_for(svc->redis, key, e->tokens, e->n_tokens, &layout, kv_bytes,
-                                   left_ms > 0 ? (int)left_ms : 0, &p);
-            if (st == RK_ERR_NOT_FOUND) return RK_OK;
-        }
-    }
+    rk_redis_found found;
+    rk_status st =
+        rk_redis_lookup(svc->redis, RK_REDIS_CONN_ENGINE, key, e->tokens, e->n_tokens, &layout,
+                        body_bytes(kv, e), left_ms > 0 ? (int)left_ms : 0, &p, out_lock, &found);
     if (st) return st;
+    *out_locked = found == RK_REDIS_FOUND_LOCK;
+    if (found != RK_REDIS_FOUND_VALUE) return RK_OK;
     st = take_redis_payload(svc, e, &p, out_loaded);
     rk_store_payload_free(&p);
     return st;

@@ -32,17 +32,22 @@ rk_status rk_persist_write_tiers(rk_service *svc, const rk_chunk_entry *e, const
 rk_status rk_persist_load(rk_service *svc, rk_chunk_entry *e, int *out_loaded);
 
 /* The same from the loader thread (pipeline/loader.h): queue a read of the
- * store's payload for the reserved entry e, which is marked loading and held
- * by the load; *out_queued 0 when the store has no row for it (nothing
- * taken). */
+ * store's payload for the reserved entry e or, when the store has none and
+ * Redis is worth asking, a Redis lookup; e is marked loading and held by the
+ * load. *out_queued 0 when neither applies (nothing taken). */
 rk_status rk_persist_load_start(rk_service *svc, rk_chunk_entry *e, int *out_queued);
 
+/* Given the compute lock a Redis lookup took for e: 1 when a request that
+ * will compute e keeps it (to release with the write), 0 when none does. */
+typedef int (*rk_persist_lock_fn)(void *ctx, rk_chunk_entry *e, const rk_redis_lock *lk);
+
 /* Engine thread: the loads the loader finished go into their entries (READY,
- * source "disk") when they hold a verified payload for the same tokens and
- * layout; an entry whose load failed is computed by whoever holds it (or
- * removed, when nobody does). Queued loads of entries nobody else holds are
+ * source "disk" or "redis") when they hold a verified payload for the same
+ * tokens and layout; an entry whose load found nothing is computed by
+ * whoever holds it (or removed, when nobody does), with the Redis compute
+ * lock handed to hand_lock. Queued loads of entries nobody else holds are
  * cancelled. Returns the number of entries filled. */
-int rk_persist_collect_loads(rk_service *svc);
+int rk_persist_collect_loads(rk_service *svc, rk_persist_lock_fn hand_lock, void *ctx);
 
 /* Drop a load unread or untaken (rk_loader_free's drop; ctx is the service). */
 void rk_persist_drop_load(void *svc, rk_load *ld);

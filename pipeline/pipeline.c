@@ -458,8 +458,9 @@ static rk_status plan_chunks(admission *a, rk_request *r) {
         if (s->kinds[k] == RK_CHUNK_MISS &&
             !s->scratch[k].uncached) { /* the disk tier may have it */
             int loaded = 0, queued = 0;
-            /* Read off the engine thread when the request can wait for it
-             * as for a chunk the steps compute (an isolated one). */
+            /* Read (disk or Redis) off the engine thread when the request
+             * can wait for it as for a chunk the steps compute (an isolated
+             * one). */
             if (a->defer && !s->done && !n_ctx && !after_system)
                 st = rk_persist_load_start(svc, e, &queued);
             else

@@ -108,7 +108,7 @@ typedef struct rk_service {
     uint64_t prefix_ns;       /* from the model fingerprint; requests derive theirs from it */
     rk_chunk_index *chunks;   /* the chunk cache over chunk-pool blocks */
     rk_store *store;          /* the disk tier; NULL without --store */
-    struct rk_loader *loader; /* reads the disk tier off the engine thread; with store */
+    struct rk_loader *loader; /* reads the tiers off the engine thread; with a store or Redis */
 
     /* The shared tier; NULL without --redis. */
     rk_redis *redis;

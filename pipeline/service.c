@@ -263,9 +263,10 @@ rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_servi
         so.read_delay_ms = cfg->store_read_delay_ms;
         so.body_check = rk_persist_body_check;
         st = rk_store_open(cfg->store_dir, rk_model_fingerprint(svc->model), &so, &svc->store);
-        if (!st) st = rk_loader_create((uint64_t)cfg->load_mb << 20, &svc->loader);
     }
     if (!st && cfg->redis_url[0]) st = open_redis(svc);
+    if (!st && (svc->store || svc->redis))
+        st = rk_loader_create((uint64_t)cfg->load_mb << 20, &svc->loader);
     if (st) {
         rk_service_close(svc);
         return st;

@@ -464,11 +464,12 @@ static rk_status chunks_done(rk_pipeline *p, int i) {
     rk_request *r = p->running[i];
     rk_req_state *s = r->state;
     s->chunk_wait = s->prefilling = 0;
-    for (int k = 0; k < r->n_chunks; k++) /* filled by a tier load meanwhile */
-        if (s->scratch[k].stepped && !strcmp(s->entries[k]->source, "disk")) {
-            r->chunk_reports[k].status = RK_CHUNK_STATUS_HIT;
-            r->chunk_reports[k].source = RK_CHUNK_SOURCE_DISK;
-        }
+    for (int k = 0; k < r->n_chunks; k++) { /* filled by a tier load meanwhile */
+        const char *src = s->entries[k]->source;
+        if (!s->scratch[k].stepped || (strcmp(src, "disk") && strcmp(src, "redis"))) continue;
+        r->chunk_reports[k].status = RK_CHUNK_STATUS_HIT;
+        r->chunk_reports[k].source = src[0] == 'd' ? RK_CHUNK_SOURCE_DISK : RK_CHUNK_SOURCE_REDIS;
+    }
     admission a = {.svc = p->svc, .reqs = &r, .n = 1, .b = &p->b, .copies = &p->copies};
     rk_status st = stages_after_chunks(&a);
     if (!st) return RK_OK;
@@ -529,6 +530,24 @@ rk_status rk_pipeline_join(rk_pipeline *p, rk_request *const *reqs, int n_reqs) 
     return st;
 }
 
+/* The Redis compute lock a load took for e goes to the first running
+ * request that waits to compute e (rk_persist_lock_fn). */
+static int keep_lock(void *ctx, rk_chunk_entry *e, const rk_redis_lock *lk) {
+    rk_pipeline *p = ctx;
+    for (int i = 0; i < p->n_running; i++) {
+        rk_request *r = p->running[i];
+        rk_req_state *s = r->state;
+        for (int k = 0; s->entries && k < r->n_chunks; k++) {
+            scratch *sc = &s->scratch[k];
+            if (s->entries[k] != e || !sc->stepped || sc->rlocked) continue;
+            sc->rlock = *lk;
+            sc->rlocked = 1;
+            return 1;
+        }
+    }
+    return 0;
+}
+
 rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
     rk_status st;
     /* Cancelled requests leave first: their blocks are free for the others. */
@@ -540,7 +559,7 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
         }
     }
     leave_finished(p);
-    rk_persist_collect_loads(p->svc); /* the disk tier's reads that finished */
+    rk_persist_collect_loads(p->svc, keep_lock, p); /* the tiers' reads that finished */
     if ((st = make_room(p))) return st;
     /* Decode tokens first, then prompt work in arrival order. */
     int n_dec = 0, n_pre = 0;

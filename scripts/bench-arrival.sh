@@ -46,17 +46,21 @@ words=(river valley town market farmer bridge winter harvest council record libr
     baker bread wheat mill water stone tower church bell lantern night morning train
     station letter journey north south painter garden flower apple orchard season rain
     cloud wind fisherman boat harbor lighthouse island map captain sailor merchant)
-RANDOM=2027
-doc() { # doc TAG: about 210 tokens of seeded words, unique to TAG
-    local out="Record $1." n=0
+# doc TAG: about 210 tokens of seeded words, unique to TAG, into $DOC (no
+# subshell: a subshell would draw from a fresh seed).
+doc() {
+    DOC="Record $1."
+    local n=0
     while [ $n -lt 160 ]; do
-        out+=" ${words[RANDOM % ${#words[@]}]}"
+        DOC+=" ${words[RANDOM % ${#words[@]}]}"
         n=$((n + 1))
-        [ $((n % 12)) -eq 0 ] && out+="."
+        [ $((n % 12)) -eq 0 ] && DOC+="."
     done
-    printf '%s.' "$out"
+    DOC+="."
 }
-a_prompt="You are a storyteller.##$(doc a)##Tell the story of the town in many words."
+RANDOM=2027
+doc a
+a_prompt="You are a storyteller.##$DOC##Tell the story of the town in many words."
 
 body() { # body PROMPT MAX_TOKENS STREAM
     jq -n --arg p "$1" --argjson n "$2" --argjson s "$3" \
@@ -90,12 +94,17 @@ start_server() {
     echo "bench-arrival: the server did not start" >&2
     exit 1
 }
-# b_prompt TAG: B's eight documents (the same for the same TAG) and question.
+# b_prompt TAG: B's eight documents (the same for the same TAG) and
+# question, into $B_PROMPT.
 b_prompt() {
-    local p="Answer from the documents." i
+    local i
+    B_PROMPT="Answer from the documents."
     RANDOM=$((2027 + ${#1}))
-    for i in 1 2 3 4 5 6 7 8; do p+="##$(doc "b$1-$i")"; done
-    printf '%s##Which record mentions the lighthouse?' "$p"
+    for i in 1 2 3 4 5 6 7 8; do
+        doc "b$1-$i"
+        B_PROMPT+="##$DOC"
+    done
+    B_PROMPT+="##Which record mentions the lighthouse?"
 }
 # arrival LABEL B_PROMPT WANT: A alone, then A with B arriving; one row.
 # WANT is the status every chunk of B should report ("miss" or "hit").
@@ -124,14 +133,16 @@ printf '%-14s %12s %12s %8s %10s\n' "budget" "A gap alone" "A worst" ratio "B TT
 if [ ${#delays[@]} -eq 0 ]; then
     for budget in "${budgets[@]}"; do
         start_server "$budget"
-        arrival "$budget" "$(b_prompt "$budget")" miss
+        b_prompt "$budget"
+        arrival "$budget" "$B_PROMPT" miss
         stop_server
     done
     exit 0
 fi
 # The slow tier: B's documents computed once into the store, then read back.
 store="$work/store"
-docs=$(b_prompt disk | jq -R 'split("##")[1:-1] | {chunks: ., persist: true}')
+b_prompt disk
+docs=$(jq -n --arg p "$B_PROMPT" '$p | split("##")[1:-1] | {chunks: ., persist: true}')
 start_server 0 --store "$store"
 curl -sf -X POST "$url/v1/chunks" -H 'Content-Type: application/json' --data-binary "$docs" \
     >/dev/null
@@ -139,7 +150,7 @@ stop_server
 for delay in "${delays[@]}"; do
     for budget in "${budgets[@]}"; do
         start_server "$budget" --store "$store" --store-read-delay-ms "$delay"
-        arrival "$budget, ${delay} ms" "$(b_prompt disk)" hit
+        arrival "$budget, ${delay} ms" "$B_PROMPT" hit
         stop_server
     done
 done

@@ -204,6 +204,7 @@ void rk_redis_close(rk_redis *r) {
         pthread_join(r->writer, NULL);
     }
     if (r->eng) redisFree(r->eng);
+    if (r->lctx) redisFree(r->lctx);
     if (r->wctx) redisFree(r->wctx);
     pthread_cond_destroy(&r->cv_work);
     pthread_cond_destroy(&r->cv_idle);
@@ -217,23 +218,23 @@ void rk_redis_close(rk_redis *r) {
 
 typedef enum load_result { LOAD_HIT, LOAD_ABSENT, LOAD_UNAVAILABLE } load_result;
 
-static void drop_entry(rk_redis *r, const char *vkey, const char *mkey) {
+static void drop_entry(rk_redis *r, redisContext **pc, const char *vkey, const char *mkey) {
     const char *argv[] = {"DEL", vkey, mkey};
     redisReply *rep;
-    if (rk_redis_run(r, &r->eng, 3, argv, NULL, &rep) == RK_OK) freeReplyObject(rep);
+    if (rk_redis_run(r, pc, 3, argv, NULL, &rep) == RK_OK) freeReplyObject(rep);
 }
 
 /* The marker of key alone, for a read with no expected size: *out_want
  * gets the size it gives the value (0 when unreadable). RK_OK with
  * *res LOAD_ABSENT (no marker: *out_want 0 and *present 0) or set
  * unavailable. */
-static rk_status marker_size(rk_redis *r, const char *mkey, uint64_t *out_want, int *present,
-                             load_result *res) {
+static rk_status marker_size(rk_redis *r, redisContext **pc, const char *mkey, uint64_t *out_want,
+                             int *present, load_result *res) {
     *out_want = 0;
     *present = 0;
     const char *argv[] = {"GET", mkey};
     redisReply *rep;
-    rk_status st = rk_redis_run(r, &r->eng, 2, argv, NULL, &rep);
+    rk_status st = rk_redis_run(r, pc, 2, argv, NULL, &rep);
     if (st == RK_ERR_NOMEM) return st;
     if (st) {
         *res = LOAD_UNAVAILABLE;
@@ -252,9 +253,9 @@ static rk_status marker_size(rk_redis *r, const char *mkey, uint64_t *out_want, 
  * value of the expected size has (GETRANGE: a larger value is never read
  * whole); the value checked; fills *out on LOAD_HIT. body_size 0: the size
  * comes from the marker, read first. */
-static rk_status load(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
-                      const rk_store_layout *layout, uint64_t body_size, rk_store_payload *out,
-                      load_result *res) {
+static rk_status load(rk_redis *r, redisContext **pc, const char *key, const int32_t *tokens,
+                      int32_t n_tokens, const rk_store_layout *layout, uint64_t body_size,
+                      rk_store_payload *out, load_result *res) {
     *res = LOAD_ABSENT;
     char vkey[KEY_CAP], mkey[KEY_CAP];
     key_names(r, key, vkey, mkey, NULL);
@@ -263,7 +264,7 @@ static rk_status load(rk_redis *r, const char *key, const int32_t *tokens, int32
         want = rk_payload_file_bytes((uint64_t)n_tokens, body_size) + RK_REDIS_TAG_BYTES;
     } else {
         int present;
-        rk_status st = marker_size(r, mkey, &want, &present, res);
+        rk_status st = marker_size(r, pc, mkey, &want, &present, res);
         if (st || !present || *res == LOAD_UNAVAILABLE) return st;
     }
     char last[24];
@@ -274,7 +275,7 @@ static rk_status load(rk_redis *r, const char *key, const int32_t *tokens, int32
     const int argcs[] = {2, 2, 4};
     redisReply *rep[3];
     double t0 = rk_time_now();
-    rk_status st = rk_redis_run_cmds(r, &r->eng, 3, argcs, argvs, NULL, rep);
+    rk_status st = rk_redis_run_cmds(r, pc, 3, argcs, argvs, NULL, rep);
     double dt = rk_time_now() - t0;
     if (st == RK_ERR_NOMEM) return st;
     if (st) {
@@ -291,7 +292,7 @@ static rk_status load(rk_redis *r, const char *key, const int32_t *tokens, int32
         lr->type == REDIS_REPLY_INTEGER && lr->integer > 0 && vr->type == REDIS_REPLY_STRING;
     if (!marked || !valued) { /* not committed (yet), or the payload was evicted */
         for (int i = 0; i < 3; i++) freeReplyObject(rep[i]);
-        if (marked) drop_entry(r, vkey, mkey);
+        if (marked) drop_entry(r, pc, vkey, mkey);
         return RK_OK;
     }
     meta m;
@@ -309,7 +310,7 @@ static rk_status load(rk_redis *r, const char *key, const int32_t *tokens, int32
                         (long long)lr->integer);
         for (int i = 0; i < 3; i++) freeReplyObject(rep[i]);
         if (st) return st;
-        if (v != V_LAYOUT) drop_entry(r, vkey, mkey);
+        if (v != V_LAYOUT) drop_entry(r, pc, vkey, mkey);
         pthread_mutex_lock(&r->mu);
         if (v == V_LAYOUT) {
             r->c.layout_mismatch++;
@@ -393,7 +394,7 @@ rk_status rk_redis_get(rk_redis *r, const char *key, const int32_t *tokens, int3
     if (st) return st;
     load_result res = LOAD_ABSENT;
     if (n_tokens >= r->cfg.min_tokens &&
-        (st = load(r, key, tokens, n_tokens, layout, body_size, out, &res)))
+        (st = load(r, &r->eng, key, tokens, n_tokens, layout, body_size, out, &res)))
         return st;
     count_outcome(r, res == LOAD_HIT);
     if (res == LOAD_HIT) return RK_OK;
@@ -505,14 +506,16 @@ rk_status rk_redis_wait_idle(rk_redis *r, int timeout_ms, int *out_idle) {
 
 /* ---------------------------------------------------------------- locks */
 
-rk_status rk_redis_try_lock(rk_redis *r, const char *key, rk_redis_lock *out_lock,
-                            rk_redis_lock_state *out_state) {
+static rk_status try_lock(rk_redis *r, redisContext **pc, const char *key, rk_redis_lock *out_lock,
+                          rk_redis_lock_state *out_state) {
     *out_state = RK_REDIS_LOCK_UNAVAILABLE;
     memset(out_lock, 0, sizeof *out_lock);
     if (!key || !rk_store_key_valid(key))
         return rk_errorf(RK_ERR_INVALID, "redis: chunk key must be 32 lowercase hex");
     /* A token unique to this lock: the seed is random per handle. */
+    pthread_mutex_lock(&r->mu);
     uint64_t ctr = ++r->token_counter;
+    pthread_mutex_unlock(&r->mu);
     uint8_t in[24];
     memcpy(in, r->token_seed, 16);
     memcpy(in + 16, &ctr, 8);
@@ -526,7 +529,7 @@ rk_status rk_redis_try_lock(rk_redis *r, const char *key, rk_redis_lock *out_loc
     snprintf(ttl, sizeof ttl, "%d", r->cfg.lock_ttl_ms);
     const char *argv[] = {"SET", lkey, out_lock->token, "NX", "PX", ttl};
     redisReply *rep;
-    rk_status st = rk_redis_run(r, &r->eng, 6, argv, NULL, &rep);
+    rk_status st = rk_redis_run(r, pc, 6, argv, NULL, &rep);
     if (st == RK_ERR_NOMEM) return st;
     if (st) return RK_OK;
     int got = rep->type == REDIS_REPLY_STATUS;
@@ -541,6 +544,11 @@ rk_status rk_redis_try_lock(rk_redis *r, const char *key, rk_redis_lock *out_loc
     return RK_OK;
 }
 
+rk_status rk_redis_try_lock(rk_redis *r, const char *key, rk_redis_lock *out_lock,
+                            rk_redis_lock_state *out_state) {
+    return try_lock(r, &r->eng, key, out_lock, out_state);
+}
+
 rk_status rk_redis_unlock(rk_redis *r, const rk_redis_lock *lk) {
     if (!lk || !rk_store_key_valid(lk->key))
         return rk_errorf(RK_ERR_INVALID, "redis: not a lock taken by rk_redis_try_lock");
@@ -548,20 +556,20 @@ rk_status rk_redis_unlock(rk_redis *r, const rk_redis_lock *lk) {
     return RK_OK;
 }
 
-rk_status rk_redis_poll(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
-                        const rk_store_layout *layout, uint64_t body_size, rk_store_payload *out,
-                        rk_redis_poll_state *out_state) {
+static rk_status poll_on(rk_redis *r, redisContext **pc, const char *key, const int32_t *tokens,
+                         int32_t n_tokens, const rk_store_layout *layout, uint64_t body_size,
+                         rk_store_payload *out, rk_redis_poll_state *out_state) {
     *out_state = RK_REDIS_GONE;
     rk_status st = check_query(key, tokens, n_tokens, out);
     if (st) return st;
     load_result res;
-    if ((st = load(r, key, tokens, n_tokens, layout, body_size, out, &res))) return st;
+    if ((st = load(r, pc, key, tokens, n_tokens, layout, body_size, out, &res))) return st;
     if (res == LOAD_ABSENT) {
         char lkey[KEY_CAP];
         key_names(r, key, NULL, NULL, lkey);
         const char *argv[] = {"EXISTS", lkey};
         redisReply *rep;
-        if ((st = rk_redis_run(r, &r->eng, 2, argv, NULL, &rep)) == RK_ERR_NOMEM) return st;
+        if ((st = rk_redis_run(r, pc, 2, argv, NULL, &rep)) == RK_ERR_NOMEM) return st;
         int held = !st && rep->type == REDIS_REPLY_INTEGER && rep->integer > 0;
         if (!st) freeReplyObject(rep);
         if (held) {
@@ -569,21 +577,28 @@ rk_status rk_redis_poll(rk_redis *r, const char *key, const int32_t *tokens, int
             return RK_OK;
         }
         /* The holder may have committed and released between the two calls. */
-        if (!st && (st = load(r, key, tokens, n_tokens, layout, body_size, out, &res))) return st;
+        if (!st && (st = load(r, pc, key, tokens, n_tokens, layout, body_size, out, &res)))
+            return st;
     }
     *out_state = res == LOAD_HIT ? RK_REDIS_READY : RK_REDIS_GONE;
     count_outcome(r, res == LOAD_HIT);
     return RK_OK;
 }
 
-rk_status rk_redis_wait_for(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
-                            const rk_store_layout *layout, uint64_t body_size, int bound_ms,
-                            rk_store_payload *out) {
+rk_status rk_redis_poll(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
+                        const rk_store_layout *layout, uint64_t body_size, rk_store_payload *out,
+                        rk_redis_poll_state *out_state) {
+    return poll_on(r, &r->eng, key, tokens, n_tokens, layout, body_size, out, out_state);
+}
+
+static rk_status wait_for(rk_redis *r, redisContext **pc, const char *key, const int32_t *tokens,
+                          int32_t n_tokens, const rk_store_layout *layout, uint64_t body_size,
+                          int bound_ms, rk_store_payload *out) {
     double deadline = rk_time_now() + bound_ms / 1e3;
     int nap = 1;
     for (;;) {
         rk_redis_poll_state ps;
-        rk_status st = rk_redis_poll(r, key, tokens, n_tokens, layout, body_size, out, &ps);
+        rk_status st = poll_on(r, pc, key, tokens, n_tokens, layout, body_size, out, &ps);
         if (st) return st;
         if (ps == RK_REDIS_READY) return RK_OK;
         if (ps == RK_REDIS_GONE)
@@ -596,6 +611,64 @@ rk_status rk_redis_wait_for(rk_redis *r, const char *key, const int32_t *tokens,
     count_outcome(r, 0);
     return rk_errorf(RK_ERR_NOT_FOUND, "redis: chunk %s did not appear within %d ms", key,
                      bound_ms);
+}
+
+rk_status rk_redis_wait_for(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
+                            const rk_store_layout *layout, uint64_t body_size, int bound_ms,
+                            rk_store_payload *out) {
+    return wait_for(r, &r->eng, key, tokens, n_tokens, layout, body_size, bound_ms, out);
+}
+
+/* ---------------------------------------------------------------- a miss's lookup */
+
+rk_status rk_redis_lookup(rk_redis *r, rk_redis_conn conn, const char *key, const int32_t *tokens,
+                          int32_t n_tokens, const rk_store_layout *layout, uint64_t body_size,
+                          int wait_ms, rk_store_payload *out, rk_redis_lock *out_lock,
+                          rk_redis_found *out_found) {
+    *out_found = RK_REDIS_FOUND_NOTHING;
+    rk_status st = check_query(key, tokens, n_tokens, out);
+    if (st) return st;
+    if (n_tokens < r->cfg.min_tokens) return RK_OK;
+    redisContext **pc = conn == RK_REDIS_CONN_LOADER ? &r->lctx : &r->eng;
+    load_result res;
+    if ((st = load(r, pc, key, tokens, n_tokens, layout, body_size, out, &res))) return st;
+    if (res == LOAD_UNAVAILABLE) {
+        count_outcome(r, 0);
+        return RK_OK;
+    }
+    if (res == LOAD_ABSENT) {
+        rk_redis_lock_state ls;
+        if ((st = try_lock(r, pc, key, out_lock, &ls))) return st;
+        if (ls == RK_REDIS_LOCK_UNAVAILABLE) {
+            count_outcome(r, 0);
+            return RK_OK;
+        }
+        if (ls == RK_REDIS_LOCK_ACQUIRED) {
+            /* A replica may have committed the value and released its lock
+             * between our get and our lock: look once more before computing. */
+            if ((st = load(r, pc, key, tokens, n_tokens, layout, body_size, out, &res))) {
+                release_lock(r, pc, out_lock);
+                return st;
+            }
+            if (res != LOAD_HIT) {
+                count_outcome(r, 0);
+                *out_found = RK_REDIS_FOUND_LOCK;
+                return RK_OK;
+            }
+            release_lock(r, pc, out_lock);
+        } else {
+            /* Another replica computes it: wait a bounded time for its value,
+             * then compute it here if it has not come. */
+            st = wait_for(r, pc, key, tokens, n_tokens, layout, body_size, wait_ms, out);
+            if (st == RK_ERR_NOT_FOUND) return RK_OK; /* counted by wait_for */
+            if (st) return st;
+            *out_found = RK_REDIS_FOUND_VALUE;
+            return RK_OK;
+        }
+    }
+    count_outcome(r, 1);
+    *out_found = RK_REDIS_FOUND_VALUE;
+    return RK_OK;
 }
 
 /* ---------------------------------------------------------------- cost gate */

@@ -54,15 +54,18 @@
  * Writing to a closed socket raises SIGPIPE: the process must ignore it (the
  * HTTP server does).
  *
- * Threads. An rk_redis handle holds two hiredis connections, which are not
+ * Threads. An rk_redis handle holds three hiredis connections, which are not
  * thread-safe:
  *   - the engine connection, used by rk_redis_get, rk_redis_poll,
- *     rk_redis_wait_for, rk_redis_try_lock, rk_redis_unlock, and by
+ *     rk_redis_wait_for, rk_redis_try_lock, rk_redis_unlock,
+ *     rk_redis_lookup with RK_REDIS_CONN_ENGINE, and by
  *     rk_redis_put/rk_redis_put_value to release the lock passed with a write
  *     they drop: call these from ONE thread (the engine thread), never
  *     concurrently;
  *   - the writer connection, owned by the writer thread that rk_redis_open
- *     starts; a put only enqueues the value for it.
+ *     starts; a put only enqueues the value for it;
+ *   - the loader connection, used by rk_redis_lookup with
+ *     RK_REDIS_CONN_LOADER from one other thread (the pipeline's loader).
  * rk_redis_put and rk_redis_put_value without a lock, rk_redis_value_new and
  * _free, rk_redis_stats, rk_redis_worth_fetching, rk_redis_wait_idle are
  * safe from any thread. rk_redis_list and rk_redis_flush open a connection of their own
@@ -321,6 +324,31 @@ rk_status rk_redis_poll(rk_redis *r, const char *key, const int32_t *tokens, int
 rk_status rk_redis_wait_for(rk_redis *r, const char *key, const int32_t *tokens, int32_t n_tokens,
                             const rk_store_layout *layout, uint64_t body_size, int bound_ms,
                             rk_store_payload *out);
+
+/* Which connection a lookup uses: the engine thread's, or the loader
+ * thread's own (opened on first use; one thread at a time, other than the
+ * engine thread). */
+typedef enum rk_redis_conn { RK_REDIS_CONN_ENGINE = 0, RK_REDIS_CONN_LOADER = 1 } rk_redis_conn;
+
+/* What the lookup of a chunk miss found. */
+typedef enum rk_redis_found {
+    RK_REDIS_FOUND_NOTHING = 0, /* compute it, without a lock (Redis down or skipped, the
+                                   lock taken by a replica whose value did not come in time) */
+    RK_REDIS_FOUND_VALUE = 1,   /* *out holds a verified payload */
+    RK_REDIS_FOUND_LOCK = 2,    /* nobody has it: the compute lock is ours (*out_lock), to
+                                   pass with the write (rk_redis_put_value) or to unlock */
+} rk_redis_found;
+
+/* The whole lookup of a chunk the arena and the disk missed, on the
+ * connection conn: get (as rk_redis_get); on a miss, take the compute lock
+ * and look once more when it is ours; when another replica holds it, wait up
+ * to wait_ms for its value (blocking the calling thread: the engine thread
+ * should hand the lookup to the loader). A miss, hit or wait is counted once.
+ * RK_ERR_INVALID, RK_ERR_NOMEM; Redis being down is no error. */
+rk_status rk_redis_lookup(rk_redis *r, rk_redis_conn conn, const char *key, const int32_t *tokens,
+                          int32_t n_tokens, const rk_store_layout *layout, uint64_t body_size,
+                          int wait_ms, rk_store_payload *out, rk_redis_lock *out_lock,
+                          rk_redis_found *out_found);
 
 /* Bytes of the value for a chunk of n_tokens tokens and kv_bytes KV bytes
  * (header, token ids, KV): what rk_redis_worth_fetching should be given. */

@@ -53,6 +53,7 @@ struct rk_redis {
     rk_redis_config cfg; /* url and prefix point into this struct's copies */
     redisContext *eng;   /* engine thread's connection; NULL when down */
     redisContext *wctx;  /* writer thread's connection; NULL when down */
+    redisContext *lctx;  /* the loader thread's connection; NULL until used or when down */
     uint8_t token_seed[16];
     uint64_t token_counter;
     uint8_t secret[RK_REDIS_SECRET_MAX]; /* the values' HMAC key; secret_len 0 = none */

@@ -29,6 +29,7 @@
 #include "chunkcache/chunk_index.h"
 #include "gateway/report.h"
 #include "gateway/api.h"
+#include "pipeline/loader.h"
 #include "pipeline/pipeline.h"
 #include "store/payload.h"
 #include "tests/testutil.h"
@@ -374,6 +375,93 @@ Test(redis_service, an_abandoned_lock_is_waited_out_then_computed) {
     redisFree(c);
     req_free(ref);
     req_free(r);
+    rk_service_close(plain);
+    rk_service_close(a);
+    rk_test_redis_free(&s);
+}
+
+/* With a step budget, Redis lookups run on the loader thread, each on its
+ * own connection: a chunk another replica shared arrives while a stream
+ * decodes beside it (a hit, the same tokens), and a chunk whose compute lock
+ * a dead replica holds is waited for there, parked with its deadline, while
+ * the stream keeps stepping, then computed to the reference tokens. */
+Test(redis_service, lookups_and_lock_waits_run_off_the_engine_thread) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_svc(&s, NULL, 300);
+    rk_request *ra = run(a, PROMPT);
+    drain(a);
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 1;
+    cfg.kv_memory_mb = 16;
+    rk_service *plain;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &plain), RK_OK);
+    char fresh[512];
+    fresh_prompt(fresh, sizeof fresh, 901);
+    rk_request *ref = run(plain, fresh);
+
+    cfg.redis_min_tokens = 1;
+    cfg.redis_timeout_ms = 1000;
+    cfg.redis_wait_ms = 10000;
+    cfg.step_tokens = 3;
+    snprintf(cfg.redis_url, sizeof cfg.redis_url, "redis://127.0.0.1:%d", s.port);
+    rk_service *b;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &b), RK_OK, "%s", rk_error_message());
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(b, &p), RK_OK);
+    rk_request *stream = make_req(b, "Tell a story.##Tom had a red ball.##Go on.", 3000);
+    cr_assert_eq(rk_pipeline_admit(p, &stream, 1, NULL), RK_OK, "%s", rk_error_message());
+
+    /* Shared by a: both chunks come from Redis through the loader. */
+    rk_request *r = make_req(b, PROMPT, 8);
+    uint64_t computed = computes(b);
+    cr_assert_eq(rk_pipeline_join(p, &r, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_loader_pending(b->loader), 2, "the two lookups were queued");
+    for (int i = 0; i < 10000 && !r->finished; i++)
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+    for (int k = 0; k < 2; k++) {
+        cr_assert_eq(r->chunk_reports[k].status, RK_CHUNK_STATUS_HIT, "chunk %d", k);
+        cr_assert_eq(r->chunk_reports[k].source, RK_CHUNK_SOURCE_REDIS, "chunk %d", k);
+    }
+    cr_assert_eq(computes(b), computed, "nothing was computed");
+    cr_assert_eq(memcmp(ra->out_tokens, r->out_tokens, 8 * sizeof(int32_t)), 0);
+
+    /* A dead holder's lock on the first chunk, 1.5 s to live. */
+    char lock[160];
+    snprintf(lock, sizeof lock, "ragkv:%s:%s:lock", rk_model_fingerprint(b->model),
+             ref->chunk_reports[0].key);
+    redisContext *c = redisConnect("127.0.0.1", s.port);
+    cr_assert(c && !c->err);
+    redisReply *rep = redisCommand(c, "SET %s dead-holder NX PX 1500", lock);
+    cr_assert(rep && rep->type == REDIS_REPLY_STATUS);
+    freeReplyObject(rep);
+    rk_request *w = make_req(b, fresh, 8);
+    double t0 = rk_time_now();
+    cr_assert_eq(rk_pipeline_join(p, &w, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_lt(rk_time_now() - t0, 0.75, "joining waited for the lock");
+    int before = stream->n_out;
+    while (rk_loader_pending(b->loader) > 0 && rk_time_now() - t0 < 30)
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_geq(rk_time_now() - t0, 1.0, "the lookup did not wait for the lock");
+    cr_assert_geq(stream->n_out - before, 2, "the stream decoded %d tokens during the wait",
+                  stream->n_out - before);
+    for (int i = 0; i < 10000 && !w->finished; i++)
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(w->chunk_reports[0].source, RK_CHUNK_SOURCE_COMPUTED);
+    cr_assert_eq(memcmp(ref->out_tokens, w->out_tokens, 8 * sizeof(int32_t)), 0,
+                 "the chunk computed after the wait gives the reference tokens");
+    stream->cancel = 1;
+    for (int i = 0; i < 100 && rk_pipeline_n_running(p) > 0; i++)
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    rk_pipeline_free(p);
+    redisFree(c);
+    req_free(stream);
+    req_free(r);
+    req_free(w);
+    req_free(ra);
+    req_free(ref);
+    rk_service_close(b);
     rk_service_close(plain);
     rk_service_close(a);
     rk_test_redis_free(&s);
