@@ -401,6 +401,11 @@ rk_status rk_pipeline_join(rk_pipeline *p, rk_request *const *reqs, int n_reqs);
  * be NULL. */
 rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks);
 
+/* Place the tier reads the loader finished (rk_pipeline_step starts with
+ * it; the engine calls it between commands too, so that reads which finish
+ * while nothing runs are not left waiting); returns the entries filled. */
+int rk_pipeline_collect_loads(rk_pipeline *p);
+
 /* Move up to cap of the requests preempted since the last call into out,
  * oldest first; returns how many. */
 int rk_pipeline_take_preempted(rk_pipeline *p, rk_request **out, int cap);

@@ -548,6 +548,10 @@ static int keep_lock(void *ctx, rk_chunk_entry *e, const rk_redis_lock *lk) {
     return 0;
 }
 
+int rk_pipeline_collect_loads(rk_pipeline *p) {
+    return rk_persist_collect_loads(p->svc, keep_lock, p);
+}
+
 rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
     rk_status st;
     /* Cancelled requests leave first: their blocks are free for the others. */
@@ -559,7 +563,7 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
         }
     }
     leave_finished(p);
-    rk_persist_collect_loads(p->svc, keep_lock, p); /* the tiers' reads that finished */
+    rk_pipeline_collect_loads(p); /* the tiers' reads that finished */
     if ((st = make_room(p))) return st;
     /* Decode tokens first, then prompt work in arrival order. */
     int n_dec = 0, n_pre = 0;
