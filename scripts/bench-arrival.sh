@@ -32,6 +32,7 @@ for tool in curl jq; do
     command -v $tool >/dev/null || { echo "bench-arrival: $tool is required" >&2; exit 2; }
 done
 work=$(mktemp -d)
+. "$(dirname "$0")/bench-lib.sh"
 server=
 stop_server() {
     [ -n "$server" ] || return 0
@@ -41,23 +42,8 @@ stop_server() {
 }
 trap 'stop_server; rm -rf "$work"' EXIT
 
-words=(river valley town market farmer bridge winter harvest council record library
-    school children teacher road mountain forest village mayor storm summer festival
-    baker bread wheat mill water stone tower church bell lantern night morning train
-    station letter journey north south painter garden flower apple orchard season rain
-    cloud wind fisherman boat harbor lighthouse island map captain sailor merchant)
-# doc TAG: about 210 tokens of seeded words, unique to TAG, into $DOC (no
-# subshell: a subshell would draw from a fresh seed).
-doc() {
-    DOC="Record $1."
-    local n=0
-    while [ $n -lt 160 ]; do
-        DOC+=" ${words[RANDOM % ${#words[@]}]}"
-        n=$((n + 1))
-        [ $((n % 12)) -eq 0 ] && DOC+="."
-    done
-    DOC+="."
-}
+# doc TAG: about 210 tokens of seeded words, unique to TAG, into $DOC.
+doc() { bench_doc "Record $1." 160; }
 RANDOM=2027
 doc a
 a_prompt="You are a storyteller.##$DOC##Tell the story of the town in many words."
@@ -83,16 +69,9 @@ worst() { sort -n | tail -1; }
 start_server() {
     local budget=$1
     shift
-    "$bin" serve --model "$model" --threads 2 --kv-dtype f16 --kv-memory-mb 4096 \
-        --step-tokens "$budget" --port "$port" --log-level warn "$@" >"$work/serve.log" 2>&1 &
-    server=$!
-    for _ in $(seq 600); do
-        curl -sf "$url/health" >/dev/null 2>&1 && return 0
-        kill -0 "$server" 2>/dev/null || { cat "$work/serve.log" >&2; exit 1; }
-        sleep 0.5
-    done
-    echo "bench-arrival: the server did not start" >&2
-    exit 1
+    bench_serve "$bin" "$model" "$port" "$work/serve.log" --kv-memory-mb 4096 \
+        --step-tokens "$budget" "$@"
+    server=$BENCH_SERVER
 }
 # b_prompt TAG: B's eight documents (the same for the same TAG) and
 # question, into $B_PROMPT.

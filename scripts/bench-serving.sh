@@ -24,35 +24,21 @@ for tool in curl jq; do
     command -v $tool >/dev/null || { echo "bench-serving: $tool is required" >&2; exit 2; }
 done
 work=$(mktemp -d)
-"$bin" serve --model "$model" --threads 2 --kv-dtype f16 --kv-memory-mb 6144 --port "$port" \
-    ${STEP_TOKENS:+--step-tokens "$STEP_TOKENS"} --log-level warn >"$work/serve.log" 2>&1 &
-server=$!
+. "$(dirname "$0")/bench-lib.sh"
+bench_serve "$bin" "$model" "$port" "$work/serve.log" --kv-memory-mb 6144 \
+    ${STEP_TOKENS:+--step-tokens "$STEP_TOKENS"}
+server=$BENCH_SERVER
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -rf "$work"' EXIT
-for _ in $(seq 600); do
-    curl -sf "$url/health" >/dev/null 2>&1 && break
-    kill -0 $server 2>/dev/null || { cat "$work/serve.log" >&2; exit 1; }
-    sleep 0.5
-done
 
 # Eight documents of seeded words (about 230 tokens each), a system prompt
 # and a question.
-words=(river valley town market farmer bridge winter harvest council record library
-    school children teacher road mountain forest village mayor storm summer festival
-    baker bread wheat mill water stone tower church bell lantern night morning train
-    station letter journey north south painter garden flower apple orchard season rain
-    cloud wind fisherman boat harbor lighthouse island map captain sailor merchant)
 # Drawn in this shell (a command substitution's subshell reseeds RANDOM), so
 # every run sends the same documents.
 RANDOM=2026
 docs=()
 for i in 1 2 3 4 5 6 7 8; do
-    out="Document $i." n=0
-    while [ $n -lt 170 ]; do
-        out+=" ${words[RANDOM % ${#words[@]}]}"
-        n=$((n + 1))
-        [ $((n % 12)) -eq 0 ] && out+="."
-    done
-    docs+=("$out.")
+    bench_doc "Document $i." 170
+    docs+=("$DOC")
 done
 system="You are a helpful assistant. Answer from the documents."
 question="Based on the documents above, which town had the oldest library and who kept it?"
