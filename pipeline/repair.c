@@ -1,8 +1,10 @@
 /* pipeline/repair.c — the repair stage (stage 5 of a request, see
  * pipeline.c): reused chunk tokens recomputed over the merged cache, chosen
- * by the request's policy: the deviation policy (the tokens whose layer-1
- * K/V moved most), the query policy (the tokens the question attends to
- * most), or `first_k` (each chunk's first repair_k tokens). */
+ * by the request's policy: the deviation policy (every chunk's first token,
+ * then the tokens whose layer-1 K/V moved most), the query policy (every
+ * chunk's first token, then the tokens the question attends to most), or
+ * `first_k` (each chunk's first repair_k tokens). */
+#include <float.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,8 +95,9 @@ static int wants_deviation(const rk_request *r, const rk_hparams *hp) {
 /* The deviation policy, first half: recompute layers 0..DEVIATION_LAYER for
  * every chunk token of the requests asking for it (their KV then replaces the
  * reused one in the live blocks), score each token by how far its layer-1 K/V
- * moved, and leave in *b (empty on entry) the runs of the repair_ratio of
- * each request's chunk tokens that moved most, for the full recompute.
+ * moved (a chunk's first token above all), and leave in *b (empty on entry)
+ * the runs of the repair_ratio of each request's chunk tokens that score
+ * highest, for the full recompute.
  * Sets chunk_reports[].repaired and recomputed_tokens. */
 static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int n_reqs, batch *b) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
@@ -152,7 +155,10 @@ static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int 
                     double dv = after[(n + t) * row + e] - bv[t * row + e];
                     d += dk * dk + dv * dv;
                 }
-                toks[n_toks++] = (dev_tok){(float)d, k, t};
+                /* A chunk's first token first: computed alone it was its
+                 * sequence's first, whose KV the model treats as no other
+                 * (docs/fidelity.md, "first tokens first"). */
+                toks[n_toks++] = (dev_tok){t == 0 ? FLT_MAX : (float)d, k, t};
             }
             at += (size_t)n;
         }

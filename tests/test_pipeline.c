@@ -892,8 +892,8 @@ Test(pipeline, stories260k_full_repairs_give_the_full_attention_result) {
 }
 
 /* A ratio policy (deviation, or query when query is set) recomputes
- * ceil(ratio x chunk tokens) (query: every chunk's first token among them),
- * changes the result, and leaves the cached entries alone. */
+ * ceil(ratio x chunk tokens), every chunk's first token among them, changes
+ * the result, and leaves the cached entries alone. */
 static void check_ratio_repair(int query, float ratio) {
     rk_service *svc = open_svc(NULL, 0);
     rk_req_options o = greedy_opts(), none = greedy_opts();
@@ -908,7 +908,7 @@ static void check_ratio_repair(int query, float ratio) {
         total += b.chunk_lens[k];
         repaired += b.chunk_reports[k].repaired;
         cr_assert_leq(b.chunk_reports[k].repaired, b.chunk_lens[k]);
-        if (query) cr_assert_geq(b.chunk_reports[k].repaired, 1, "chunk %d: its first token", k);
+        cr_assert_geq(b.chunk_reports[k].repaired, 1, "chunk %d: its first token", k);
     }
     cr_assert_eq(b.recomputed_tokens, (int)ceil(ratio * total - 1e-9), "ceil(%g x %d) tokens",
                  ratio, total);
@@ -934,6 +934,27 @@ static void check_ratio_repair(int query, float ratio) {
 
 Test(pipeline, deviation_repair_recomputes_its_ratio_and_leaves_the_cache_alone) {
     check_ratio_repair(0, 0.25f);
+}
+
+/* With room for one token a chunk, deviation recomputes one in every chunk:
+ * each chunk's first token ranks above every deviation score. */
+Test(pipeline, deviation_repair_takes_every_chunks_first_token_first) {
+    rk_service *svc = open_svc(NULL, 0);
+    rk_req_options none = greedy_opts(), o = greedy_opts();
+    rk_request a, b;
+    run(svc, STORY, &none, &a, NULL);
+    int total = 0;
+    for (int k = 0; k < a.n_chunks; k++) total += a.chunk_lens[k];
+    cr_assert_gt(a.n_chunks, 1);
+    o.repair_ratio = (float)a.n_chunks / (float)total;
+    run(svc, STORY, &o, &b, NULL);
+    cr_assert_eq(b.recomputed_tokens, b.n_chunks);
+    for (int k = 0; k < b.n_chunks; k++)
+        cr_assert_eq(b.chunk_reports[k].repaired, 1, "chunk %d", k);
+    rk_request_free(&a);
+    rk_request_free(&b);
+    check_pools_back(svc);
+    rk_service_close(svc);
 }
 
 Test(pipeline, query_repair_recomputes_its_ratio_first_tokens_first_and_leaves_the_cache_alone) {
