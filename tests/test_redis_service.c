@@ -52,6 +52,36 @@ static rk_service *open_svc(const rk_test_redis *s, const char *password, int wa
     return svc;
 }
 
+/* The configuration of a replica without the tier: one thread, 16 MiB of KV. */
+static rk_config plain_config(void) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = 1;
+    cfg.kv_memory_mb = 16;
+    return cfg;
+}
+
+static rk_service *open_plain(void) {
+    rk_config cfg = plain_config();
+    rk_service *svc = NULL;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    return svc;
+}
+
+/* A holder that died while computing chunk key (hex) for svc's model: its
+ * lock, left with ttl_ms to live. The caller frees the connection. */
+static redisContext *hold_dead_lock(const rk_test_redis *s, rk_service *svc, const char *key,
+                                    int ttl_ms) {
+    char lock[160];
+    snprintf(lock, sizeof lock, "ragkv:%s:%s:lock", rk_model_fingerprint(svc->model), key);
+    redisContext *c = redisConnect("127.0.0.1", s->port);
+    cr_assert(c && !c->err);
+    redisReply *rep = redisCommand(c, "SET %s dead-holder NX PX %d", lock, ttl_ms);
+    cr_assert(rep && rep->type == REDIS_REPLY_STATUS);
+    freeReplyObject(rep);
+    return c;
+}
+
 /* A greedy request over "system##chunks...##question", prepared on svc. */
 static rk_request *make_req(rk_service *svc, const char *prompt, int max_tokens) {
     rk_split sp;
@@ -349,22 +379,9 @@ Test(redis_service, an_abandoned_lock_is_waited_out_then_computed) {
     rk_test_redis_start(&s);
     rk_service *a = open_svc(&s, NULL, 10000);
     /* The key of the first chunk: from a run on a replica without the tier. */
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 1;
-    cfg.kv_memory_mb = 16;
-    rk_service *plain;
-    cr_assert_eq(rk_service_open(&cfg, NULL, &plain), RK_OK);
+    rk_service *plain = open_plain();
     rk_request *ref = run(plain, PROMPT);
-    /* A holder that died while computing: its lock is left with 800 ms to live. */
-    char lock[160];
-    snprintf(lock, sizeof lock, "ragkv:%s:%s:lock", rk_model_fingerprint(a->model),
-             ref->chunk_reports[0].key);
-    redisContext *c = redisConnect("127.0.0.1", s.port);
-    cr_assert(c && !c->err);
-    redisReply *rep = redisCommand(c, "SET %s dead-holder NX PX 800", lock);
-    cr_assert(rep && rep->type == REDIS_REPLY_STATUS);
-    freeReplyObject(rep);
+    redisContext *c = hold_dead_lock(&s, a, ref->chunk_reports[0].key, 800);
     double t0 = rk_time_now();
     rk_request *r = run(a, PROMPT);
     double dt = rk_time_now() - t0;
@@ -391,16 +408,12 @@ Test(redis_service, lookups_and_lock_waits_run_off_the_engine_thread) {
     rk_service *a = open_svc(&s, NULL, 300);
     rk_request *ra = run(a, PROMPT);
     drain(a);
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 1;
-    cfg.kv_memory_mb = 16;
-    rk_service *plain;
-    cr_assert_eq(rk_service_open(&cfg, NULL, &plain), RK_OK);
+    rk_service *plain = open_plain();
     char fresh[512];
     fresh_prompt(fresh, sizeof fresh, 901);
     rk_request *ref = run(plain, fresh);
 
+    rk_config cfg = plain_config();
     cfg.redis_min_tokens = 1;
     cfg.redis_timeout_ms = 1000;
     cfg.redis_wait_ms = 10000;
@@ -428,14 +441,7 @@ Test(redis_service, lookups_and_lock_waits_run_off_the_engine_thread) {
     cr_assert_eq(memcmp(ra->out_tokens, r->out_tokens, 8 * sizeof(int32_t)), 0);
 
     /* A dead holder's lock on the first chunk, 1.5 s to live. */
-    char lock[160];
-    snprintf(lock, sizeof lock, "ragkv:%s:%s:lock", rk_model_fingerprint(b->model),
-             ref->chunk_reports[0].key);
-    redisContext *c = redisConnect("127.0.0.1", s.port);
-    cr_assert(c && !c->err);
-    redisReply *rep = redisCommand(c, "SET %s dead-holder NX PX 1500", lock);
-    cr_assert(rep && rep->type == REDIS_REPLY_STATUS);
-    freeReplyObject(rep);
+    redisContext *c = hold_dead_lock(&s, b, ref->chunk_reports[0].key, 1500);
     rk_request *w = make_req(b, fresh, 8);
     double t0 = rk_time_now();
     cr_assert_eq(rk_pipeline_join(p, &w, 1), RK_OK, "%s", rk_error_message());
@@ -474,12 +480,7 @@ Test(redis_service, lookups_and_lock_waits_run_off_the_engine_thread) {
 Test(redis_service, sigkill_of_the_lock_holder_lets_the_others_compute_after_it_expires) {
     rk_test_redis s = {0};
     rk_test_redis_start(&s);
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 1;
-    cfg.kv_memory_mb = 16;
-    rk_service *plain;
-    cr_assert_eq(rk_service_open(&cfg, NULL, &plain), RK_OK);
+    rk_service *plain = open_plain();
     rk_request *ref = run(plain, PROMPT);
     const char *key = ref->chunk_reports[0].key;
     char fp[128];
@@ -712,12 +713,7 @@ Test(redis_service, an_admission_waits_for_other_replicas_once_not_per_chunk) {
     rk_test_redis s = {0};
     rk_test_redis_start(&s);
     rk_service *a = open_svc(&s, NULL, 600);
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 1;
-    cfg.kv_memory_mb = 16;
-    rk_service *plain;
-    cr_assert_eq(rk_service_open(&cfg, NULL, &plain), RK_OK);
+    rk_service *plain = open_plain();
     double tc = rk_time_now();
     rk_request *ref = run(plain, PROMPT);
     tc = rk_time_now() - tc; /* computing both chunks, as a below will */
