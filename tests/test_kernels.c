@@ -503,6 +503,51 @@ Test(matmul, bf16_rows_do_not_depend_on_n_and_packed_weights_match) {
     rk_backend_free(be);
 }
 
+/* Without the BF16 instructions (AVX-512 alone), BF16 weights on the
+ * prefill side take a tile that widens them in registers and keeps x in
+ * f32: within 1e-5 of the sum of |x w| of the double product, and a row's
+ * bits do not depend on how many rows share the call (from BLAS_MIN_N on)
+ * nor on the thread count. */
+Test(matmul, bf16_tile_without_bf16_instructions_matches_the_reference) {
+    if (rk_cpu_force_isa(RK_CPU_ISA_AVX512_VNNI) != RK_OK)
+        cr_skip_test("no AVX-512 in this build or CPU");
+    rk_backend *be2 = make_backend(2), *be3 = make_backend(3);
+    const int ks[] = {91, 1024, 7}, ms[] = {131, 64, 1}, n = 70;
+    for (int s = 0; s < 3; s++) {
+        int k = ks[s], m = ms[s];
+        float *x = rand_floats((size_t)n * k, -1.0f, 1.0f);
+        float *wf = rand_floats((size_t)m * k, -1.0f, 1.0f);
+        void *w = to_dtype(wf, (size_t)m * k, RK_DTYPE_BF16);
+        double *ref = malloc((size_t)n * m * sizeof(double)),
+               *abs_sum = malloc((size_t)n * m * sizeof(double));
+        float *ya = malloc((size_t)n * m * sizeof(float)),
+              *yb = malloc((size_t)n * m * sizeof(float));
+        cr_assert(ref && abs_sum && ya && yb);
+        matmul_ref(ref, abs_sum, x, w, RK_DTYPE_BF16, n, k, m);
+        cr_assert_eq(be2->ops->matmul(be2, ya, x, w, RK_DTYPE_BF16, n, k, m), RK_OK);
+        for (size_t i = 0; i < (size_t)n * m; i++)
+            cr_assert(fabs(ya[i] - ref[i]) <= 1e-5 * abs_sum[i] + 1e-30,
+                      "k=%d m=%d: y[%zu]=%.9g ref=%.9g", k, m, i, ya[i], ref[i]);
+        cr_assert_eq(be3->ops->matmul(be3, yb, x, w, RK_DTYPE_BF16, n, k, m), RK_OK);
+        cr_assert_arr_eq(ya, yb, (size_t)n * m * sizeof(float), "k=%d m=%d: 2 vs 3 threads", k, m);
+        /* 33 rows from an offset that is no multiple of the 4-row tile */
+        cr_assert_eq(be2->ops->matmul(be2, yb, x + 5 * (size_t)k, w, RK_DTYPE_BF16, 33, k, m),
+                     RK_OK);
+        cr_assert_arr_eq(ya + 5 * (size_t)m, yb, 33 * (size_t)m * sizeof(float),
+                         "k=%d m=%d: rows 5..37 alone differ from the batch", k, m);
+        free(x);
+        free(wf);
+        free(w);
+        free(ref);
+        free(abs_sum);
+        free(ya);
+        free(yb);
+    }
+    cr_assert_eq(rk_cpu_force_isa(RK_CPU_ISA_AUTO), RK_OK);
+    rk_backend_free(be2);
+    rk_backend_free(be3);
+}
+
 Test(matmul, degenerate_shapes) {
     rk_backend *be = make_backend(2);
     float x[6] = {1, 2, 3, 4, 5, 6}, w[6] = {1, 0, 0, 0, 1, 0}, y[4] = {9, 9, 9, 9};

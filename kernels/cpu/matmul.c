@@ -19,7 +19,9 @@
  *    into scratch like F16/BF16 ones.
  * Where the CPU has AVX-512 BF16 (rk_cpu_isa_active), BF16 weights take a
  * tile kernel of their own for every n, and quantized weights take it on the
- * prefill side, instead of the sgemm panels: see "BF16 path" below.
+ * prefill side, instead of the sgemm panels: see "BF16 path" below. Where it
+ * has AVX-512 without the BF16 instructions, BF16 weights take a tile of the
+ * same layout on the prefill side: see "BF16 path without the instructions".
  * Quantized weights packed at load (matmul_packed, qpack.c) stay on their
  * integer kernels up to RK_CPU_QPACK_MV_MAX_N rows instead of BLAS_MIN_N.
  * Every element of y is one dot product with a fixed order (see dot kernels),
@@ -353,11 +355,15 @@ static void bf16_round_row(void *p, int i, int tid) {
     memset(dst + c->k, 0, (c->xs - (size_t)c->k) * sizeof(uint16_t));
 }
 
+/* What packing needs: AVX-512 shuffles alone, so that the tile without the
+ * BF16 instructions (below) packs the same way. */
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
+
 #define BF16_LOAD(p)       ((__m512bh)_mm512_loadu_si512(p))
 #define BF16_DP(acc, a, b) _mm512_dpbf16_ps(acc, a, b)
 /* Transpose 16 x 16 dwords in place: r[l] element j becomes r[j] element l
  * (pairs within 128-bit lanes, then quarters of lanes, then lanes). */
-RK_CPU_BF16_TARGET static inline void transpose16_epi32(__m512i r[16]) {
+AVX512_TARGET static inline void transpose16_epi32(__m512i r[16]) {
     __m512i t[16], u[16];
     for (int i = 0; i < 8; i++) {
         t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -387,8 +393,8 @@ RK_CPU_BF16_TARGET static inline void transpose16_epi32(__m512i r[16]) {
  * dst + 16 (4p + g); rows from left on and the element past an odd k are 0.
  * A panel is groups 0..3 of BF16_NR rows. Each row is read in order, 16
  * pairs at a time, and the 16 x 16 block transposed in registers. */
-RK_CPU_BF16_TARGET static void bf16_pack_group(uint32_t *dst, const uint16_t *rows, size_t ld,
-                                               int k, int g, int left) {
+AVX512_TARGET static void bf16_pack_group(uint32_t *dst, const uint16_t *rows, size_t ld, int k,
+                                          int g, int left) {
     int pairs = k / 2, kp = (k + 1) / 2;
     for (int p0 = 0; p0 < pairs; p0 += 16) {
         int np = pairs - p0 < 16 ? pairs - p0 : 16;
@@ -548,6 +554,91 @@ RK_CPU_BF16_TARGET static void bf16_pack_task(void *p, int task, int tid) {
     for (int g = 0; g < BF16_NR / 16; g++)
         bf16_pack_group(dst, panel + (size_t)16 * g * c->k, (size_t)c->k, c->k, g, cols - 16 * g);
 }
+
+/* ------------------------------------------------ BF16 path without the instructions */
+
+/* Where the CPU has AVX-512 but not its BF16 instructions, BF16 weights on
+ * the prefill side (n >= BLAS_MIN_N) take the same packed panels, packed a
+ * panel per task, and a tile that widens each weight pair in registers: the
+ * pair's first element (the low half of the dword) by a 16-bit shift, the
+ * second by clearing the low half. x stays f32 and meets them in two FMAs a
+ * pair. The sgemm path pays a copy of the weights in f32 and OpenBLAS's own
+ * packing of it on every call, whatever n: on a 2-core Xeon, 2.3 ms of a
+ * 1024 x 3072 call at 33 rows (docs/benchmarks.md). Every element of y is
+ * one lane summing the pairs in order, so it does not depend on n (on this
+ * side of BLAS_MIN_N), on the tile or on the thread count. Four rows of x a
+ * tile: 16 accumulators, the four dwords of weights and their widened
+ * halves stay in the 32 registers. */
+#define BF16E_MR 4
+
+#define DEF_BF16E_TILE(MR)                                                                         \
+    AVX512_TARGET static void bf16e_tile_##MR(                                                     \
+        const float *x, size_t xs, int k, const uint32_t *wp, float *y, size_t ldy, int cols) {    \
+        __m512 acc[MR][4];                                                                         \
+        for (int r = 0; r < MR; r++)                                                               \
+            for (int u = 0; u < 4; u++) acc[r][u] = _mm512_setzero_ps();                           \
+        const __m512i high = _mm512_set1_epi32((int)0xffff0000u);                                  \
+        int kp = (k + 1) / 2;                                                                      \
+        for (int p = 0; p < kp; p++, wp += 64) {                                                   \
+            __m512i w[4] = {_mm512_loadu_si512(wp), _mm512_loadu_si512(wp + 16),                   \
+                            _mm512_loadu_si512(wp + 32), _mm512_loadu_si512(wp + 48)};             \
+            __m512 lo[4];                                                                          \
+            for (int u = 0; u < 4; u++) lo[u] = _mm512_castsi512_ps(_mm512_slli_epi32(w[u], 16));  \
+            for (int r = 0; r < MR; r++) {                                                         \
+                __m512 xv = _mm512_set1_ps(x[(size_t)r * xs + 2 * (size_t)p]);                     \
+                for (int u = 0; u < 4; u++) acc[r][u] = _mm512_fmadd_ps(xv, lo[u], acc[r][u]);     \
+            }                                                                                      \
+            if (2 * p + 1 == k) break; /* odd k: the last pair's second element is 0 */            \
+            for (int u = 0; u < 4; u++) lo[u] = _mm512_castsi512_ps(_mm512_and_si512(w[u], high)); \
+            for (int r = 0; r < MR; r++) {                                                         \
+                __m512 xv = _mm512_set1_ps(x[(size_t)r * xs + 2 * (size_t)p + 1]);                 \
+                for (int u = 0; u < 4; u++) acc[r][u] = _mm512_fmadd_ps(xv, lo[u], acc[r][u]);     \
+            }                                                                                      \
+        }                                                                                          \
+        for (int u = 0; u < 4; u++) {                                                              \
+            int left = cols - 16 * u;                                                              \
+            if (left <= 0) break;                                                                  \
+            __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);       \
+            for (int r = 0; r < MR; r++)                                                           \
+                _mm512_mask_storeu_ps(y + (size_t)r * ldy + 16 * u, mask, acc[r][u]);              \
+        }                                                                                          \
+    }
+DEF_BF16E_TILE(1)
+DEF_BF16E_TILE(2)
+DEF_BF16E_TILE(3)
+DEF_BF16E_TILE(4)
+
+/* Task: columns [c0, c0 + BF16_NR) of y for every row of x, from the panel
+ * packed into this thread's scratch. */
+AVX512_TARGET static void bf16e_gemm_task(void *p, int task, int tid) {
+    const bf16_ctx *c = p;
+    int c0 = task * BF16_NR, cols = c->m - c0 < BF16_NR ? c->m - c0 : BF16_NR;
+    uint32_t *wp = rk_cpu_scratch(c->cpu, tid);
+    const uint16_t *panel = (const uint16_t *)c->w + (size_t)c0 * c->k;
+    for (int g = 0; g < BF16_NR / 16; g++)
+        bf16_pack_group(wp, panel + (size_t)16 * g * c->k, (size_t)c->k, c->k, g, cols - 16 * g);
+    size_t m = (size_t)c->m, xs = (size_t)c->k;
+    for (int i = 0; i < c->n; i += BF16E_MR) {
+        const float *xi = c->x + (size_t)i * xs;
+        float *yi = c->y + (size_t)i * m + c0;
+        switch (c->n - i < BF16E_MR ? c->n - i : BF16E_MR) {
+        case 1: bf16e_tile_1(xi, xs, c->k, wp, yi, m, cols); break;
+        case 2: bf16e_tile_2(xi, xs, c->k, wp, yi, m, cols); break;
+        case 3: bf16e_tile_3(xi, xs, c->k, wp, yi, m, cols); break;
+        default: bf16e_tile_4(xi, xs, c->k, wp, yi, m, cols); break;
+        }
+    }
+}
+
+/* y = x . w^T for BF16 w as stored, on the tile without BF16 instructions. */
+static rk_status matmul_bf16e(rk_cpu *cpu, float *y, const float *x, const void *w, int n, int k,
+                              int m) {
+    bf16_ctx c = {cpu, y, x, w, RK_DTYPE_BF16, 0, NULL, NULL, 0, n, k, m};
+    rk_status st = rk_cpu_reserve_scratch(cpu, (size_t)(k + 1) / 2 * BF16_NR * sizeof(uint32_t));
+    if (st != RK_OK) return st;
+    rk_threadpool_run(cpu->pool, (m + BF16_NR - 1) / BF16_NR, bf16e_gemm_task, &c);
+    return RK_OK;
+}
 #endif
 
 /* ---------------------------------------------------------------- entry */
@@ -561,6 +652,8 @@ static rk_status matmul_any(rk_cpu *cpu, float *y, const float *x, const void *w
     if (rk_cpu_isa_active() == RK_CPU_ISA_AVX512_BF16 &&
         (wtype == RK_DTYPE_BF16 || (rk_dtype_is_quant(wtype) && blas)))
         return matmul_bf16(cpu, y, x, w, NULL, wtype, qpacked, n, k, m);
+    if (rk_cpu_isa_active() == RK_CPU_ISA_AVX512_VNNI && wtype == RK_DTYPE_BF16 && blas)
+        return matmul_bf16e(cpu, y, x, w, n, k, m);
 #endif
     if (blas) return matmul_blas(cpu, y, x, w, wtype, qpacked, n, k, m);
     mv_ctx c = {y, x,    w,    wtype, n,       k,
