@@ -191,7 +191,7 @@ void rk_config_defaults(rk_config *cfg) {
     cfg->share_chunk = 0.5f;
     cfg->prefix_cache = 1;
     snprintf(cfg->reindex, sizeof cfg->reindex, "zero-copy");
-    cfg->step_tokens = 128; /* docs/benchmarks.md, "Cold arrival" */
+    cfg->step_tokens = 64; /* docs/benchmarks.md, "Cold arrival" */
     snprintf(cfg->repair, sizeof cfg->repair, "none");
     cfg->chunk_entries = 100000;
     cfg->max_chunks = 64;
