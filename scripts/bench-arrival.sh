@@ -13,7 +13,7 @@
 #   DISK_DELAYS="0 200" scripts/bench-arrival.sh MODEL [BIN] [PORT] [BUDGETS...]
 #     B's documents are in the disk tier (pre-warmed, then flushed from
 #     memory), every read delayed by each of DISK_DELAYS ms
-#     (--store-read-delay-ms), at each step budget (default "128 0": with a
+#     (--store-read-delay-ms), at each step budget (default "64 0": with a
 #     budget the reads run on the loader thread; with none, on the engine
 #     thread).
 # Needs curl and jq. The server restarts for each figure and stops at the end.
@@ -25,7 +25,7 @@ shift $(($# < 3 ? $# : 3))
 budgets=("$@")
 delays=(${DISK_DELAYS:-})
 if [ ${#budgets[@]} -eq 0 ]; then
-    if [ ${#delays[@]} -gt 0 ]; then budgets=(128 0); else budgets=(0 32 64 128 256 512); fi
+    if [ ${#delays[@]} -gt 0 ]; then budgets=(64 0); else budgets=(0 32 64 128 256 512); fi
 fi
 url=http://127.0.0.1:$port
 for tool in curl jq; do
