@@ -601,7 +601,8 @@ static void engine_loop(rk_scheduler *e, rk_pipeline *p) {
         }
         take_work(e, &cmd, fresh, &n_new);
         pthread_mutex_unlock(&e->mu);
-        rk_pipeline_collect_loads(p); /* reads that finished while nothing ran */
+        if (rk_pipeline_n_running(p) == 0) /* a step places them otherwise */
+            rk_pipeline_collect_loads(p);  /* reads that finished while nothing ran */
         if (cmd) {
             run_command(e, cmd);
             continue;

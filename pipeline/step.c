@@ -468,7 +468,8 @@ static rk_status chunks_done(rk_pipeline *p, int i) {
         const char *src = s->entries[k]->source;
         if (!s->scratch[k].stepped || (strcmp(src, "disk") && strcmp(src, "redis"))) continue;
         r->chunk_reports[k].status = RK_CHUNK_STATUS_HIT;
-        r->chunk_reports[k].source = src[0] == 'd' ? RK_CHUNK_SOURCE_DISK : RK_CHUNK_SOURCE_REDIS;
+        r->chunk_reports[k].source =
+            !strcmp(src, "disk") ? RK_CHUNK_SOURCE_DISK : RK_CHUNK_SOURCE_REDIS;
     }
     admission a = {.svc = p->svc, .reqs = &r, .n = 1, .b = &p->b, .copies = &p->copies};
     rk_status st = stages_after_chunks(&a);

@@ -415,6 +415,17 @@ AVX512_TARGET static void bf16_pack_group(uint32_t *dst, const uint16_t *rows, s
 /* Two BF16 elements of x read as one dword (an alias of the uint16_t array). */
 typedef uint32_t __attribute__((may_alias)) bf16_pair;
 
+/* A tile's accumulators acc[MR][4] into its rows of y (ldy apart), the
+ * first cols columns. */
+#define STORE_TILE(MR)                                                                             \
+    for (int u = 0; u < 4; u++) {                                                                  \
+        int left = cols - 16 * u;                                                                  \
+        if (left <= 0) break;                                                                      \
+        __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);           \
+        for (int r = 0; r < MR; r++)                                                               \
+            _mm512_mask_storeu_ps(y + (size_t)r * ldy + 16 * u, mask, acc[r][u]);                  \
+    }
+
 /* y rows [0, MR) x columns [0, cols) of the tile = x rows (xs elements
  * apart) . packed panel, over kp pairs. MR is a constant at every call, so
  * the row loops unroll and the accumulators stay in registers. */
@@ -438,13 +449,7 @@ typedef uint32_t __attribute__((may_alias)) bf16_pair;
                 acc[r][3] = BF16_DP(acc[r][3], xv, w3);                                            \
             }                                                                                      \
         }                                                                                          \
-        for (int u = 0; u < 4; u++) {                                                              \
-            int left = cols - 16 * u;                                                              \
-            if (left <= 0) break;                                                                  \
-            __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);       \
-            for (int r = 0; r < MR; r++)                                                           \
-                _mm512_mask_storeu_ps(y + (size_t)r * ldy + 16 * u, mask, acc[r][u]);              \
-        }                                                                                          \
+        STORE_TILE(MR);                                                                            \
     }
 DEF_BF16_TILE(1)
 DEF_BF16_TILE(2)
@@ -595,13 +600,7 @@ RK_CPU_BF16_TARGET static void bf16_pack_task(void *p, int task, int tid) {
                 for (int u = 0; u < 4; u++) acc[r][u] = _mm512_fmadd_ps(xv, lo[u], acc[r][u]);     \
             }                                                                                      \
         }                                                                                          \
-        for (int u = 0; u < 4; u++) {                                                              \
-            int left = cols - 16 * u;                                                              \
-            if (left <= 0) break;                                                                  \
-            __mmask16 mask = left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);       \
-            for (int r = 0; r < MR; r++)                                                           \
-                _mm512_mask_storeu_ps(y + (size_t)r * ldy + 16 * u, mask, acc[r][u]);              \
-        }                                                                                          \
+        STORE_TILE(MR);                                                                            \
     }
 DEF_BF16E_TILE(1)
 DEF_BF16E_TILE(2)
