@@ -135,10 +135,11 @@ typedef struct rk_config {
     int max_tokens;       /* generated tokens per request; default 4096 */
 
     /* persistent store (the disk tier) */
-    char store_dir[1024];    /* "" = no store */
-    int store_budget_mb;     /* payload bytes kept on disk; 0 = unlimited */
-    int store_verify;        /* checksum every payload when the store opens; default 1 */
-    int store_read_delay_ms; /* testing aid: sleep before every payload read; default 0 */
+    char store_dir[1024];     /* "" = no store */
+    int store_budget_mb;      /* payload bytes kept on disk; 0 = unlimited */
+    int store_verify;         /* checksum every payload when the store opens; default 1 */
+    int store_read_delay_ms;  /* testing aid: sleep before every payload read; default 0 */
+    int store_write_delay_ms; /* testing aid: sleep before every payload write; default 0 */
     int load_mb; /* bytes read by the tier loader and not yet placed, at most; default 256 */
 
     /* shared Redis tier (store/redis.h) */

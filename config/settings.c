@@ -72,8 +72,11 @@ const rk_setting rk_config_settings[] = {
      "  check sizes and headers only when the store opens (no checksums)"},
     {"store_read_delay_ms", "store-read-delay-ms", RK_SET_INT, CFG_OFF(store_read_delay_ms), 0, 0,
      60000, 0, 0, "MS  testing aid: delay every chunk read from the disk tier"},
+    {"store_write_delay_ms", "store-write-delay-ms", RK_SET_INT, CFG_OFF(store_write_delay_ms), 0,
+     0, 60000, 0, 0, "MS  testing aid: delay every chunk write to the disk tier"},
     {"load_mb", "load-mb", RK_SET_INT, CFG_OFF(load_mb), 0, 1, 1 << 20, 0, 0,
-     "N  MiB of chunk KV read from the tiers and not yet placed, at most (default: 256)"},
+     "N  MiB of chunk KV read from the tiers and not yet placed, and MiB queued for disk writes,"
+     " at most each (default: 256)"},
     {"redis", "redis", RK_SET_STR, CFG_STR(redis_url), 0, 0, 0, RK_SECRET_URL,
      "URL  shared chunk tier redis://[user:password@]HOST:PORT[/DB] (default: none)"},
     {"redis_prefix", "redis-prefix", RK_SET_STR, CFG_STR(redis_prefix), 0, 0, 0, 0,

@@ -364,19 +364,24 @@ json_t *rk_stats_json_for(rk_stats *s, int all, int owner) {
             : json_pack("{s:b}", "enabled", 0);
     json_t *store =
         c->have_store
-            ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o}", "configured", 1,
-                        "rows", (json_int_t)c->store_rows, "bytes", (json_int_t)c->store_bytes,
-                        "loads", (json_int_t)c->store_loads, "writes", (json_int_t)c->store_writes,
-                        "dropped_at_recovery", (json_int_t)c->store_dropped_at_recovery,
-                        "corrupt_after_open", (json_int_t)c->store_corrupt_after_open,
-                        "quarantined", (json_int_t)c->store_quarantined, "rows_rebuilt",
+            ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o}",
+                        "configured", 1, "rows", (json_int_t)c->store_rows, "bytes",
+                        (json_int_t)c->store_bytes, "loads", (json_int_t)c->store_loads, "writes",
+                        (json_int_t)c->store_writes, "dropped_at_recovery",
+                        (json_int_t)c->store_dropped_at_recovery, "corrupt_after_open",
+                        (json_int_t)c->store_corrupt_after_open, "quarantined",
+                        (json_int_t)c->store_quarantined, "rows_rebuilt",
                         (json_int_t)c->store_rows_rebuilt, "unreadable",
                         (json_int_t)c->store_unreadable, "reads",
                         json_pack("{s:I, s:I, s:I, s:I, s:i, s:o}", "completed",
                                   (json_int_t)c->loads.loads, "failed", (json_int_t)c->loads.failed,
                                   "cancelled", (json_int_t)c->loads.cancelled, "bytes_in_flight",
                                   (json_int_t)c->loads.bytes_in_flight, "queued", c->loads.queued,
-                                  "latency", latency_json(&s->tier_load)))
+                                  "latency", latency_json(&s->tier_load)),
+                        "writes_pending",
+                        json_pack("{s:I, s:I}", "bytes",
+                                  (json_int_t)(c->writes.bytes_in_flight + c->writes.bytes_queued),
+                                  "failed", (json_int_t)c->writes.failed))
             : json_pack("{s:b, s:n, s:n, s:i, s:i, s:i, s:i, s:i, s:i, s:i}", "configured", 0,
                         "rows", "bytes", "loads", 0, "writes", 0, "dropped_at_recovery", 0,
                         "corrupt_after_open", 0, "quarantined", 0, "rows_rebuilt", 0, "unreadable",
@@ -544,6 +549,12 @@ char *rk_stats_prometheus(rk_stats *s) {
         counter(&t, "ragkv_tier_loads_cancelled_total",
                 "Queued tier reads dropped because no request waited for them any more.",
                 c->loads.cancelled);
+        gauge(&t, "ragkv_tier_write_bytes_in_flight",
+              "Computed chunk bytes queued for the disk tier's writer thread or being written.",
+              (double)(c->writes.bytes_in_flight + c->writes.bytes_queued));
+        counter(&t, "ragkv_tier_writes_failed_total",
+                "Disk tier writes that failed on the writer thread (the chunk stays in the arena).",
+                c->writes.failed);
     }
     if (s->have_redis) {
         const rk_redis_counters *rd = &s->redis;

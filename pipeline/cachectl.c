@@ -6,7 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "pipeline/pipeline.h"
+#include "pipeline/persist.h"
 
 void rk_chunk_listing_free(rk_chunk_listing *l) {
     if (!l) return;
@@ -98,6 +98,7 @@ static rk_status list_disk(rk_service *svc, int by_hits, int offset, int limit,
     rk_store_entry *rows = NULL;
     int n = 0;
     rk_store_counters sc;
+    rk_persist_drain_writes(svc); /* the rows of every chunk computed so far */
     rk_status st = rk_store_stats(svc->store, &sc);
     if (!st)
         st = rk_store_list(svc->store, by_hits ? RK_STORE_SORT_HITS : RK_STORE_SORT_RECENT, limit,
@@ -184,6 +185,7 @@ rk_status rk_service_chunk_get(rk_service *svc, const rk_cache_viewer *who, rk_c
     rk_chunk_entry *en = rk_chunk_index_find(svc->chunks, key);
     if (en && !may_see(who, en)) en = NULL;
     int on_disk = 0;
+    rk_persist_drain_writes(svc);
     /* A row alone says nothing of its owner: only a viewer of everything,
      * or the owner of the arena entry with the same key, learns of it. */
     if (svc->store && (en || who->all)) rk_store_contains(svc->store, hex, &on_disk);
@@ -214,6 +216,7 @@ rk_status rk_service_chunk_delete(rk_service *svc, const rk_cache_viewer *who, r
     if (st && st != RK_ERR_NOT_FOUND) return st;
     *in_arena = st == RK_OK;
     if (svc->store) {
+        rk_persist_drain_writes(svc); /* a write under way would bring it back */
         rk_status ds = rk_store_delete(svc->store, hex);
         if (ds && ds != RK_ERR_NOT_FOUND) return ds;
         *on_disk = ds == RK_OK;
@@ -236,6 +239,7 @@ rk_status rk_service_flush(rk_service *svc, int chunks, int prefix, int disk,
         out->prefix_nodes = b.evictions - a.evictions;
         out->prefix_tokens = b.tokens_evicted - a.tokens_evicted;
     }
+    if (disk) rk_persist_drain_writes(svc); /* a write under way would bring its chunk back */
     if (disk) return rk_store_flush(svc->store, &out->disk_rows);
     return RK_OK;
 }

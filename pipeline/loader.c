@@ -40,6 +40,7 @@ static rk_load *next_load(rk_loader *l) {
             l->queue_head = ld->next;
             if (!l->queue_head) l->queue_tail = NULL;
             l->n_queued--;
+            l->st.bytes_queued -= ld->bytes;
             return ld;
         }
         pthread_cond_wait(&l->cv_work, &l->mu);
@@ -54,7 +55,9 @@ static void *loader_main(void *arg) {
         l->in_flight += ld->bytes;
         pthread_mutex_unlock(&l->mu);
         double t0 = rk_time_now();
-        if (ld->tier == RK_LOAD_DISK)
+        if (ld->tier == RK_LOAD_WRITE)
+            ld->st = rk_store_put_write(ld->write);
+        else if (ld->tier == RK_LOAD_DISK)
             ld->st = rk_store_read(&ld->loc, &ld->payload);
         else
             ld->st = rk_redis_lookup(ld->redis, RK_REDIS_CONN_LOADER, ld->key, ld->tokens,
@@ -120,6 +123,7 @@ void rk_loader_submit(rk_loader *l, rk_load *ld) {
     pthread_mutex_lock(&l->mu);
     append(&l->queue_head, &l->queue_tail, ld);
     l->n_queued++;
+    l->st.bytes_queued += ld->bytes;
     pthread_cond_broadcast(&l->cv_work);
     pthread_mutex_unlock(&l->mu);
 }
@@ -148,6 +152,7 @@ rk_load *rk_loader_cancel(rk_loader *l, int (*unwanted)(const rk_load *ld)) {
         if (unwanted(ld)) {
             *pp = ld->next;
             l->n_queued--;
+            l->st.bytes_queued -= ld->bytes;
             l->st.cancelled++;
             ld->next = NULL;
             *at = ld;

@@ -15,6 +15,11 @@
  * queued load whose entry nobody else holds any more is cancelled before it
  * is read.
  *
+ * The writer is the same machinery with RK_LOAD_WRITE jobs: the engine
+ * thread begins a disk-tier put (rk_store_put_begin), the writer thread
+ * writes the payload file (rk_store_put_write) and the engine thread ends
+ * it (commits the row) when it takes the job back; stats count writes.
+ *
  * Threads: rk_loader_free and every call below but rk_loader_stats_get from
  * the thread that owns the entries (the engine thread); rk_loader_stats_get
  * from any thread. The loader thread touches only the load itself (never the
@@ -28,12 +33,14 @@
 #include "store/redis.h"
 #include "store/store.h"
 
-typedef enum rk_load_tier { RK_LOAD_DISK = 0, RK_LOAD_REDIS = 1 } rk_load_tier;
+/* What a job does: a read (the loader) or a disk-tier write (the writer,
+ * a second instance, so that a write's fsync never delays a read). */
+typedef enum rk_load_tier { RK_LOAD_DISK = 0, RK_LOAD_REDIS = 1, RK_LOAD_WRITE = 2 } rk_load_tier;
 
 typedef struct rk_load {
-    rk_chunk_entry *entry; /* what it fills; the load holds one reference */
+    rk_chunk_entry *entry; /* what it fills; the load holds one reference (NULL: a write) */
     rk_load_tier tier;
-    uint64_t bytes;       /* what it reads, at most (the bound on bytes in flight) */
+    uint64_t bytes;       /* what it reads or writes, at most (the bound on bytes in flight) */
     rk_store_located loc; /* RK_LOAD_DISK: the row and file */
     /* RK_LOAD_REDIS: rk_redis_lookup's arguments; tokens are the held
      * entry's, never written while it is PENDING. */
@@ -44,6 +51,16 @@ typedef struct rk_load {
     rk_store_layout layout;
     uint64_t body_size;
     int wait_ms;
+    /* RK_LOAD_WRITE: the put under way, run by rk_store_put_write, and what
+     * the engine thread hands on once it ends (persist.c): the token and
+     * body copies it reads, the Redis value whose body it is (NULL: body is
+     * the write's own) and the compute lock that value releases. */
+    rk_store_write *write;
+    int32_t *write_tokens;
+    void *write_body;
+    rk_redis_value *value;
+    rk_redis_lock release;
+    int has_release;
     /* Set by the loader thread once read: */
     rk_store_payload payload;
     rk_status st;
@@ -61,6 +78,7 @@ typedef struct rk_loader_stats {
     uint64_t bytes;           /* payload bytes read */
     double seconds;           /* summed wall time of the reads */
     uint64_t bytes_in_flight; /* being read or read and not yet taken */
+    uint64_t bytes_queued;    /* of the loads submitted and not yet started */
     int queued;               /* submitted, not yet started */
 } rk_loader_stats;
 

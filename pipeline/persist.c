@@ -75,6 +75,94 @@ int rk_persist_body_check(const rk_store_layout *layout, const void *body, size_
     return 1;
 }
 
+/* Hand value (may be NULL) to the Redis tier, which writes it
+ * asynchronously and then frees release (may be NULL); with no value the
+ * lock is freed at once. A dropped write (queue full, breaker open) is
+ * counted by the tier and is no error. */
+static rk_status hand_to_redis(rk_service *svc, rk_redis_value *value,
+                               const rk_redis_lock *release) {
+    if (value) {
+        rk_status st = rk_redis_put_value(svc->redis, value, release);
+        return st == RK_ERR_LIMIT ? RK_OK : st;
+    }
+    if (release) (void)rk_redis_unlock(svc->redis, release);
+    return RK_OK;
+}
+
+/* A write the writer finished, or one that never started (st: its status,
+ * why: its message): the put ends (the row commits), and value goes on to
+ * Redis. A failed disk write does not keep the chunk from the fleet. */
+static rk_status end_write(rk_service *svc, rk_load *ld) {
+    rk_status st = rk_store_put_end(svc->store, ld->write, ld->st);
+    if (st)
+        RK_LOG_WARN("chunk %s not persisted: %s", ld->key, ld->st ? ld->why : rk_error_message());
+    rk_status rs = hand_to_redis(svc, ld->value, ld->has_release ? &ld->release : NULL);
+    free(ld->write_tokens);
+    free(ld->write_body);
+    free(ld);
+    return st ? st : rs;
+}
+
+/* End the writes the writer finished; returns how many. */
+static int collect_writes(rk_service *svc) {
+    int n = 0;
+    for (rk_load *ld; svc->writer && (ld = rk_loader_take(svc->writer)); n++)
+        (void)end_write(svc, ld);
+    return n;
+}
+
+void rk_persist_drain_writes(rk_service *svc) {
+    while (svc->writer && rk_loader_pending(svc->writer)) {
+        rk_loader_wait(svc->writer, 0.05);
+        collect_writes(svc);
+    }
+}
+
+/* Put the payload a describes into the disk tier and then hand value (may
+ * be NULL) and release (may be NULL) to Redis; tokens and body (malloc'ed
+ * or NULL: what a's point at when they are the caller's to give) are taken.
+ * With the writer, the put begins here, its file is written on the writer
+ * thread and it ends when the engine thread takes it back (collect_writes):
+ * the engine thread never waits for the disk unless the bytes queued for it
+ * pass load_mb, and then only until they fit. Without (or when the tokens
+ * could not be copied), the put runs here. */
+static rk_status write_disk(rk_service *svc, const rk_store_put_args *a, int32_t *tokens,
+                            void *body, rk_redis_value *value, const rk_redis_lock *release) {
+    rk_load *ld = calloc(1, sizeof *ld);
+    if (!ld) {
+        free(tokens);
+        free(body);
+        rk_redis_value_free(value);
+        if (release) (void)rk_redis_unlock(svc->redis, release);
+        return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    }
+    ld->tier = RK_LOAD_WRITE;
+    ld->bytes = a->body_size;
+    ld->write_tokens = tokens;
+    ld->write_body = body;
+    ld->value = value;
+    if (release) ld->release = *release, ld->has_release = 1;
+    snprintf(ld->key, sizeof ld->key, "%s", a->key);
+    ld->st = rk_store_put_begin(svc->store, a, &ld->write);
+    if (ld->st) snprintf(ld->why, sizeof ld->why, "%s", rk_error_message());
+    if (ld->st || !ld->write) return end_write(svc, ld);
+    if (!svc->writer || a->tokens != tokens) {
+        ld->st = rk_store_put_write(ld->write);
+        if (ld->st) snprintf(ld->why, sizeof ld->why, "%s", rk_error_message());
+        return end_write(svc, ld);
+    }
+    uint64_t max = (uint64_t)svc->cfg.load_mb << 20;
+    for (rk_loader_stats ws;;) { /* room for it among the bytes queued to write */
+        rk_loader_stats_get(svc->writer, &ws);
+        uint64_t held = ws.bytes_in_flight + ws.bytes_queued;
+        if (held == 0 || held + ld->bytes <= max) break;
+        rk_loader_wait(svc->writer, 0.01);
+        collect_writes(svc);
+    }
+    rk_loader_submit(svc->writer, ld);
+    return RK_OK;
+}
+
 rk_status rk_persist_write(rk_service *svc, const rk_chunk_entry *e, const char *policy,
                            const char *doc_id) {
     return rk_persist_write_tiers(svc, e, policy, doc_id, 1, NULL);
@@ -108,32 +196,28 @@ rk_status rk_persist_write_tiers(rk_service *svc, const rk_chunk_entry *e, const
                 ? RK_OK
                 : rk_errorf(RK_ERR_NOMEM, "store: out of memory for a %zu-byte payload", body_size);
     if (!st) st = copy_body(svc, e, body, 1);
-    int have_body = !st;
-    if (have_body && disk) {
-        rk_store_put_args a = {.key = key,
-                               .policy = policy,
-                               .doc_id = doc_id,
-                               .layout = layout,
-                               .tokens = e->tokens,
-                               .n_tokens = e->n_tokens,
-                               .body = body,
-                               .body_size = body_size};
-        st = rk_store_put(svc->store, &a);
+    if (st) {
+        if (redis)
+            rk_redis_value_free(v);
+        else
+            free(body);
+        if (release) (void)rk_redis_unlock(svc->redis, release);
+        return st;
     }
-    if (redis && have_body) {
-        /* A failed disk write does not keep the chunk from the fleet; a
-         * dropped Redis write (queue full, breaker open) is counted by the
-         * tier and is no error of the caller's. */
-        rk_status rs = rk_redis_put_value(svc->redis, v, release);
-        if (rs && rs != RK_ERR_LIMIT && !st) st = rs;
-        release = NULL;
-    } else if (redis) {
-        rk_redis_value_free(v);
-    } else {
-        free(body);
-    }
-    if (release) (void)rk_redis_unlock(svc->redis, release);
-    return st;
+    if (!disk) return hand_to_redis(svc, v, release);
+    rk_store_put_args a = {.key = key,
+                           .policy = policy,
+                           .doc_id = doc_id,
+                           .layout = layout,
+                           .tokens = e->tokens,
+                           .n_tokens = e->n_tokens,
+                           .body = body,
+                           .body_size = body_size};
+    /* The write outlives the entry (an eviction may free it): its tokens go
+     * with it. */
+    int32_t *tokens = svc->writer ? malloc((size_t)e->n_tokens * sizeof *tokens) : NULL;
+    if (tokens) a.tokens = memcpy(tokens, e->tokens, (size_t)e->n_tokens * sizeof *tokens);
+    return write_disk(svc, &a, tokens, redis ? NULL : body, v, release);
 }
 
 /* Put a verified store payload into reserved entry e when it was computed
@@ -198,8 +282,9 @@ static rk_status take_redis_payload(rk_service *svc, rk_chunk_entry *e, rk_store
                                .n_tokens = p->meta.n_tokens,
                                .body = p->body,
                                .body_size = p->body_size};
-        if (rk_store_put(svc->store, &a))
-            RK_LOG_WARN("chunk %s not persisted: %s", key, rk_error_message());
+        (void)write_disk(svc, &a, p->tokens, p->body, NULL, NULL); /* logged there */
+        p->tokens = NULL;
+        p->body = NULL;
     }
     return RK_OK;
 }
@@ -253,6 +338,15 @@ rk_status rk_persist_load_start(rk_service *svc, rk_chunk_entry *e, int *out_que
 
 void rk_persist_drop_load(void *ctx, rk_load *ld) {
     rk_service *svc = ctx;
+    if (ld->tier == RK_LOAD_WRITE) { /* not written: the chunk is computed again when asked */
+        rk_store_put_abandon(svc->store, ld->write);
+        rk_redis_value_free(ld->value);
+        if (ld->has_release) (void)rk_redis_unlock(svc->redis, &ld->release);
+        free(ld->write_tokens);
+        free(ld->write_body);
+        free(ld);
+        return;
+    }
     if (ld->tier == RK_LOAD_REDIS && !ld->st && ld->found == RK_REDIS_FOUND_LOCK)
         (void)rk_redis_unlock(svc->redis, &ld->lock);
     ld->entry->loading = 0;
@@ -289,6 +383,7 @@ static void place_load(rk_service *svc, rk_load *ld, rk_persist_lock_fn hand_loc
 }
 
 int rk_persist_collect_loads(rk_service *svc, rk_persist_lock_fn hand_lock, void *ctx) {
+    collect_writes(svc);
     if (!svc->loader) return 0;
     for (rk_load *ld = rk_loader_cancel(svc->loader, unwanted), *next; ld; ld = next) {
         next = ld->next;

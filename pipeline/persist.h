@@ -26,6 +26,12 @@ rk_status rk_persist_write(rk_service *svc, const rk_chunk_entry *e, const char 
 rk_status rk_persist_write_tiers(rk_service *svc, const rk_chunk_entry *e, const char *policy,
                                  const char *doc_id, int to_disk, const rk_redis_lock *release);
 
+/* Engine thread: wait for every disk write queued to the writer and end
+ * it (its row commits). rk_pipeline_run, the cache commands, pre-warming
+ * and closing the service call it, so that what they report is on disk;
+ * the steps end the writes that finished as they go. */
+void rk_persist_drain_writes(rk_service *svc);
+
 /* Fill a reserved (PENDING) entry from the store when it holds a verified
  * payload for the same tokens and layout; *out_loaded says whether it did. A
  * missing, bad or mismatched payload is not an error: the caller computes. */

@@ -109,6 +109,7 @@ typedef struct rk_service {
     rk_chunk_index *chunks;   /* the chunk cache over chunk-pool blocks */
     rk_store *store;          /* the disk tier; NULL without --store */
     struct rk_loader *loader; /* reads the tiers off the engine thread; with a store or Redis */
+    struct rk_loader *writer; /* writes the disk tier's payload files; with a store */
 
     /* The shared tier; NULL without --redis. */
     rk_redis *redis;
@@ -401,10 +402,14 @@ rk_status rk_pipeline_join(rk_pipeline *p, rk_request *const *reqs, int n_reqs);
  * be NULL. */
 rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks);
 
-/* Place the tier reads the loader finished (rk_pipeline_step starts with
- * it; the engine calls it between commands too, so that reads which finish
- * while nothing runs are not left waiting); returns the entries filled. */
+/* Place the tier reads the loader finished and end the disk writes the
+ * writer finished (rk_pipeline_step starts with it; the engine calls it
+ * between commands too, so that reads which finish while nothing runs are
+ * not left waiting); returns the entries filled. */
 int rk_pipeline_collect_loads(rk_pipeline *p);
+
+/* Tier reads and disk writes submitted and not yet placed or ended. */
+int rk_pipeline_tier_work(const rk_pipeline *p);
 
 /* Move up to cap of the requests preempted since the last call into out,
  * oldest first; returns how many. */

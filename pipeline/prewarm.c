@@ -127,6 +127,7 @@ rk_status rk_pipeline_prewarm(rk_service *svc, rk_prewarm_item *items, int n_ite
         for (int i = 0; i < n_items; i++)
             if (computing[i] && strcmp(items[i].status, "computed") != 0)
                 item_fail(&items[i], "the engine failed while computing it");
+    rk_persist_drain_writes(svc); /* what it reports persisted is on disk */
     rk_batch_free(&b);
     free(held);
     free(views);

@@ -318,6 +318,7 @@ static void publish(rk_scheduler *e, int n_finishing) {
         s.store_unreadable = sc.unreadable;
     }
     if (svc->loader) rk_loader_stats_get(svc->loader, &s.loads);
+    if (svc->writer) rk_loader_stats_get(svc->writer, &s.writes);
     pthread_mutex_lock(&e->mu);
     s.queued = e->n_queued;
     s.running = e->n_running - n_finishing;
@@ -574,6 +575,16 @@ static void take_work(rk_scheduler *e, rk_job **out_cmd, rk_job **fresh, int *ou
     *out_n = n;
 }
 
+/* Wait on e->cv (e->mu held) for at most s seconds; nonzero on timeout. */
+static int timed_wait(rk_scheduler *e, double s) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    double end = (double)ts.tv_sec + ts.tv_nsec * 1e-9 + s;
+    ts.tv_sec = (time_t)end;
+    ts.tv_nsec = (long)((end - (double)ts.tv_sec) * 1e9);
+    return pthread_cond_timedwait(&e->cv, &e->mu, &ts) != 0;
+}
+
 static void sleep_s(double d) {
     struct timespec ts = {(time_t)d, (long)((d - (double)(time_t)d) * 1e9)};
     nanosleep(&ts, NULL);
@@ -593,8 +604,15 @@ static void engine_loop(rk_scheduler *e, rk_pipeline *p) {
     for (;;) {
         rk_job *cmd;
         int n_new = 0;
+        /* With tier reads or writes under way, an idle engine looks in every
+         * 10 ms to place what finished (a read's chunk, a write's row). */
+        int tier_work = rk_pipeline_tier_work(p);
         pthread_mutex_lock(&e->mu);
-        while (!e->stop && !e->head && e->n_running == 0) pthread_cond_wait(&e->cv, &e->mu);
+        while (!e->stop && !e->head && e->n_running == 0)
+            if (!tier_work)
+                pthread_cond_wait(&e->cv, &e->mu);
+            else if (timed_wait(e, 0.01))
+                break;
         if (e->stop && e->n_running == 0) {
             pthread_mutex_unlock(&e->mu);
             break;

@@ -64,7 +64,8 @@ typedef struct rk_cache_snapshot {
     int have_store;
     uint64_t store_rows, store_bytes, store_loads, store_writes, store_dropped_at_recovery;
     uint64_t store_corrupt_after_open, store_quarantined, store_rows_rebuilt, store_unreadable;
-    rk_loader_stats loads; /* the disk tier's reads off the engine thread */
+    rk_loader_stats loads;  /* the disk tier's reads off the engine thread */
+    rk_loader_stats writes; /* its writes on the writer thread (loads = writes done) */
 } rk_cache_snapshot;
 
 typedef struct rk_scheduler rk_scheduler; /* opaque */

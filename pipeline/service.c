@@ -261,12 +261,15 @@ rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_servi
         so.disk_budget_bytes = (uint64_t)cfg->store_budget_mb << 20;
         so.verify_on_open = cfg->store_verify;
         so.read_delay_ms = cfg->store_read_delay_ms;
+        so.write_delay_ms = cfg->store_write_delay_ms;
         so.body_check = rk_persist_body_check;
         st = rk_store_open(cfg->store_dir, rk_model_fingerprint(svc->model), &so, &svc->store);
     }
     if (!st && cfg->redis_url[0]) st = open_redis(svc);
     if (!st && (svc->store || svc->redis))
         st = rk_loader_create((uint64_t)cfg->load_mb << 20, &svc->loader);
+    if (!st && svc->store) /* bounded where writes are queued: rk_persist_write_tiers */
+        st = rk_loader_create(UINT64_MAX, &svc->writer);
     if (st) {
         rk_service_close(svc);
         return st;
@@ -277,6 +280,8 @@ rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_servi
 
 void rk_service_close(rk_service *svc) {
     if (!svc) return;
+    rk_persist_drain_writes(svc); /* every computed chunk reaches the disk */
+    rk_loader_free(svc->writer, rk_persist_drop_load, svc);
     rk_loader_free(svc->loader, rk_persist_drop_load, svc); /* before the entries it holds */
     rk_redis_close(svc->redis); /* writes what is queued first, bounded by the timeout */
     rk_store_close(svc->store);

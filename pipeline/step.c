@@ -549,6 +549,12 @@ static int keep_lock(void *ctx, rk_chunk_entry *e, const rk_redis_lock *lk) {
     return 0;
 }
 
+int rk_pipeline_tier_work(const rk_pipeline *p) {
+    const rk_service *svc = p->svc;
+    return (svc->loader ? rk_loader_pending(svc->loader) : 0) +
+           (svc->writer ? rk_loader_pending(svc->writer) : 0);
+}
+
 int rk_pipeline_collect_loads(rk_pipeline *p) {
     return rk_persist_collect_loads(p->svc, keep_lock, p);
 }
@@ -636,6 +642,7 @@ rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
     }
     for (int i = 0; !st && i < n_reqs; i++)
         if (reqs[i]->failure) st = rk_errorf(reqs[i]->failure, "%s", reqs[i]->failure_msg);
-    rk_pipeline_free(p); /* on failure: releases what still runs */
+    rk_pipeline_free(p);          /* on failure: releases what still runs */
+    rk_persist_drain_writes(svc); /* the chunks it computed are on disk when it returns */
     return st;
 }

@@ -65,6 +65,8 @@ struct rk_store {
     int in_batch;
     key_list batch_written;  /* payload files written by puts of the open batch */
     key_list pending_unlink; /* files of rows deleted inside the open batch */
+    key_list writing;        /* keys between rk_store_put_begin and its end */
+    uint64_t generation;     /* bumped by every delete and flush */
     uint64_t rows, bytes;    /* this model's totals (kept in step with the table) */
     double last_stamp;       /* the last last_access handed out (strictly increasing) */
     rk_store_counters c;     /* counters since open */

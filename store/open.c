@@ -403,6 +403,7 @@ void rk_store_close(rk_store *s) {
     if (s->lock_fd >= 0) close(s->lock_fd); /* releases the flock */
     rk_store_key_list_free(&s->batch_written);
     rk_store_key_list_free(&s->pending_unlink);
+    rk_store_key_list_free(&s->writing);
     free(s->dir);
     free(s->kv_dir);
     free(s);

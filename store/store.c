@@ -500,15 +500,15 @@ rk_status rk_store_insert_row(rk_store *s, const rk_payload_header *h, uint64_t 
     return st;
 }
 
-/* Create kv/ab when missing, making the new entry durable in kv/. */
-static rk_status ensure_subdir(rk_store *s, const char *sub) {
+/* Create kv/ab (sub) when missing, making the new entry durable in kv/. */
+static rk_status ensure_subdir(const char *kv_dir, const char *sub) {
     if (rk_payload_io_fault() || mkdir(sub, 0755) != 0) {
         if (errno == EEXIST) return RK_OK;
         return rk_errorf(RK_ERR_IO, "%s: mkdir: %s", sub, strerror(errno));
     }
-    int fd = open(s->kv_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int fd = open(kv_dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0 || fsync(fd) != 0) {
-        rk_status st = rk_errorf(RK_ERR_IO, "%s: fsync directory: %s", s->kv_dir, strerror(errno));
+        rk_status st = rk_errorf(RK_ERR_IO, "%s: fsync directory: %s", kv_dir, strerror(errno));
         if (fd >= 0) close(fd);
         rmdir(sub);
         return st;
@@ -517,7 +517,26 @@ static rk_status ensure_subdir(rk_store *s, const char *sub) {
     return RK_OK;
 }
 
-rk_status rk_store_put(rk_store *s, const rk_store_put_args *a) {
+/* A put between its begin and its end: everything its payload write needs,
+ * so that rk_store_put_write never reads the handle. */
+struct rk_store_write {
+    rk_payload_header h; /* all but the checksum, which the write computes */
+    const int32_t *tokens;
+    const void *body;
+    uint64_t n_bytes;
+    uint64_t generation; /* s->generation at the begin */
+    int delay_ms;
+    char kv_dir[PATH_MAX], sub[PATH_MAX], file[PATH_MAX], tmp[PATH_MAX];
+};
+
+static int writing(const rk_store *s, const char *key) {
+    for (size_t i = 0; i < s->writing.n; i++)
+        if (strcmp(s->writing.v[i], key) == 0) return 1;
+    return 0;
+}
+
+rk_status rk_store_put_begin(rk_store *s, const rk_store_put_args *a, rk_store_write **out) {
+    *out = NULL;
     rk_status st = must_write(s);
     if (st != RK_OK) return st;
     if (!a) return rk_errorf(RK_ERR_INVALID, "store: NULL put arguments");
@@ -531,6 +550,7 @@ rk_status rk_store_put(rk_store *s, const rk_store_put_args *a) {
         return rk_errorf(RK_ERR_INVALID, "store %s: key %s is stored for another model", s->dir,
                          a->key);
     }
+    if (writing(s, a->key)) return RK_OK; /* its write is under way */
     uint64_t n_bytes = rk_payload_file_bytes((uint64_t)a->n_tokens, a->body_size);
     if (s->opts.disk_budget_bytes && n_bytes > s->opts.disk_budget_bytes)
         return rk_errorf(RK_ERR_LIMIT,
@@ -549,43 +569,96 @@ rk_status rk_store_put(rk_store *s, const rk_store_put_args *a) {
         /* Room to remember the file before it exists, so a rollback finds it. */
         if ((st = key_list_reserve(&s->batch_written, 1)) != RK_OK) return st;
     }
-
-    char sub[PATH_MAX], file[PATH_MAX], tmp[PATH_MAX];
-    if ((st = rk_store_key_paths(s, a->key, sub, file, tmp, sizeof sub)) != RK_OK) return st;
-    if ((st = ensure_subdir(s, sub)) != RK_OK) return st;
-
-    rk_payload_header h;
-    memset(&h, 0, sizeof h);
-    memcpy(h.fingerprint, s->fingerprint, sizeof h.fingerprint);
-    memcpy(h.key, a->key, sizeof h.key);
-    h.n_tokens = (uint32_t)a->n_tokens;
-    h.layout = a->layout;
-    h.body_size = a->body_size;
-    rk_payload_checksum(a->tokens, (size_t)a->n_tokens, a->body, a->body_size, h.checksum);
-    snprintf(h.policy, sizeof h.policy, "%s", a->policy);
-    snprintf(h.doc_id, sizeof h.doc_id, "%s", a->doc_id ? a->doc_id : "");
-    h.created = next_stamp(s);
-
-    if ((st = rk_payload_write(tmp, file, sub, &h, a->tokens, a->body)) != RK_OK) return st;
-    s->c.writes++;
-    s->c.write_bytes += n_bytes;
-
-    st = rk_store_insert_row(s, &h, n_bytes);
-    if (st != RK_OK) {
-        if (unlink(file) != 0 && errno != ENOENT)
-            RK_LOG_WARN("store %s: cannot remove %s: %s", s->dir, file, strerror(errno));
-        batch_check_alive(s);
+    rk_store_write *w = calloc(1, sizeof *w);
+    if (!w) return rk_errorf(RK_ERR_NOMEM, "store: out of memory for a write");
+    if ((st = rk_store_key_paths(s, a->key, w->sub, w->file, w->tmp, sizeof w->sub)) != RK_OK ||
+        (st = rk_store_key_list_push(&s->writing, a->key)) != RK_OK) {
+        free(w);
         return st;
     }
-    s->rows++;
-    s->bytes += n_bytes;
-    if (s->in_batch) {
-        rk_store_key_list_push(&s->batch_written, a->key); /* reserved above: cannot fail */
+    snprintf(w->kv_dir, sizeof w->kv_dir, "%s", s->kv_dir);
+    memcpy(w->h.fingerprint, s->fingerprint, sizeof w->h.fingerprint);
+    memcpy(w->h.key, a->key, sizeof w->h.key);
+    w->h.n_tokens = (uint32_t)a->n_tokens;
+    w->h.layout = a->layout;
+    w->h.body_size = a->body_size;
+    snprintf(w->h.policy, sizeof w->h.policy, "%s", a->policy);
+    snprintf(w->h.doc_id, sizeof w->h.doc_id, "%s", a->doc_id ? a->doc_id : "");
+    w->h.created = next_stamp(s);
+    w->tokens = a->tokens;
+    w->body = a->body;
+    w->n_bytes = n_bytes;
+    w->generation = s->generation;
+    w->delay_ms = s->opts.write_delay_ms;
+    *out = w;
+    return RK_OK;
+}
+
+rk_status rk_store_put_write(rk_store_write *w) {
+    if (w->delay_ms > 0) {
+        struct timespec ts = {w->delay_ms / 1000, (w->delay_ms % 1000) * 1000000L};
+        nanosleep(&ts, NULL);
+    }
+    rk_payload_checksum(w->tokens, w->h.n_tokens, w->body, w->h.body_size, w->h.checksum);
+    rk_status st = ensure_subdir(w->kv_dir, w->sub);
+    if (st == RK_OK) st = rk_payload_write(w->tmp, w->file, w->sub, &w->h, w->tokens, w->body);
+    return st;
+}
+
+/* Forget w's key among the writes under way. */
+static void end_writing(rk_store *s, const rk_store_write *w) {
+    for (size_t i = 0; i < s->writing.n; i++)
+        if (strcmp(s->writing.v[i], w->h.key) == 0) {
+            memmove(s->writing.v[i], s->writing.v[s->writing.n - 1], sizeof(key_buf));
+            s->writing.n--;
+            return;
+        }
+}
+
+rk_status rk_store_put_end(rk_store *s, rk_store_write *w, rk_status write_status) {
+    if (!w) return write_status;
+    end_writing(s, w);
+    rk_status st = write_status;
+    if (st == RK_OK && w->generation != s->generation) {
+        /* Deleted or flushed while it was written: the row is not wanted. */
+        if (unlink(w->file) != 0 && errno != ENOENT)
+            RK_LOG_WARN("store %s: cannot remove %s: %s", s->dir, w->file, strerror(errno));
+        free(w);
         return RK_OK;
     }
-    if (rk_store_enforce_budget(s) != RK_OK)
-        RK_LOG_WARN("store %s: eviction failed: %s", s->dir, rk_error_message());
-    return RK_OK;
+    if (st == RK_OK) {
+        s->c.writes++;
+        s->c.write_bytes += w->n_bytes;
+        st = rk_store_insert_row(s, &w->h, w->n_bytes);
+        if (st != RK_OK) {
+            if (unlink(w->file) != 0 && errno != ENOENT)
+                RK_LOG_WARN("store %s: cannot remove %s: %s", s->dir, w->file, strerror(errno));
+            batch_check_alive(s);
+        }
+    }
+    if (st == RK_OK) {
+        s->rows++;
+        s->bytes += w->n_bytes;
+        if (s->in_batch)
+            rk_store_key_list_push(&s->batch_written, w->h.key); /* reserved: cannot fail */
+        else if (rk_store_enforce_budget(s) != RK_OK)
+            RK_LOG_WARN("store %s: eviction failed: %s", s->dir, rk_error_message());
+    }
+    free(w);
+    return st;
+}
+
+void rk_store_put_abandon(rk_store *s, rk_store_write *w) {
+    if (!w) return;
+    end_writing(s, w);
+    free(w);
+}
+
+rk_status rk_store_put(rk_store *s, const rk_store_put_args *a) {
+    rk_store_write *w;
+    rk_status st = rk_store_put_begin(s, a, &w);
+    if (st != RK_OK || !w) return st;
+    return rk_store_put_end(s, w, rk_store_put_write(w));
 }
 
 /* ---------------------------------------------------------------- get and friends */
@@ -719,6 +792,7 @@ rk_status rk_store_delete(rk_store *s, const char *key) {
     if (!found) return rk_errorf(RK_ERR_NOT_FOUND, "store: key %s not found", key);
     if ((st = rk_store_remove_entry(s, key, row.n_bytes, 0)) != RK_OK) return st;
     s->c.deletes++;
+    s->generation++; /* a write under way must not bring it back */
     return RK_OK;
 }
 
@@ -781,6 +855,7 @@ rk_status rk_store_flush(rk_store *s, uint64_t *out_removed) {
     st = rk_store_for_each_row(s, push_key, &keys);
     if (st == RK_OK) st = rk_store_remove_keys(s, &keys, 0, "flush");
     if (st == RK_OK && out_removed) *out_removed = keys.n;
+    if (st == RK_OK) s->generation++; /* nor bring back what was flushed */
     rk_store_key_list_free(&keys);
     if (st == RK_OK) st = rk_store_load_totals(s);
     return st;

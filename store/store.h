@@ -94,6 +94,7 @@ typedef struct rk_store_options {
                                        NULL (default) = none */
     int read_delay_ms;              /* testing aid: sleep this long before every payload
                                        read, to measure a slow disk (default 0) */
+    int write_delay_ms;             /* testing aid: the same before every payload write */
 } rk_store_options;
 
 /* Metadata of one row: what listing shows. Never any text of the chunk. */
@@ -206,6 +207,32 @@ void rk_store_close(rk_store *s);
  * when the payload alone exceeds the disk budget. On any failure no temporary
  * file and no row is left behind and earlier entries stay readable. */
 rk_status rk_store_put(rk_store *s, const rk_store_put_args *args);
+
+/* A put in three steps, so that the payload file can be written off the
+ * thread that owns the handle (rk_store_put is the three in a row):
+ *   rk_store_put_begin    (owning thread) checks the arguments and the disk
+ *                         budget; *out is NULL when there is nothing to
+ *                         write (the key is stored, or its write is under
+ *                         way), else the write, which refers to args'
+ *                         tokens and body until it ends;
+ *   rk_store_put_write    (any thread) checksums and writes the payload file
+ *                         durably (fsync'ed, renamed, directory fsync'ed),
+ *                         from w alone, never the handle;
+ *   rk_store_put_end      (owning thread) with rk_store_put_write's status:
+ *                         commits the row, or removes the file when the
+ *                         write failed or the key was deleted or flushed
+ *                         since the begin (then RK_OK: nothing is wanted);
+ *                         frees w and returns the put's status;
+ *   rk_store_put_abandon  (owning thread) instead of the write and end: w
+ *                         never wrote, forget it.
+ * A crash between the write and the end leaves a payload file without a
+ * row, which the next open gives its row back. */
+typedef struct rk_store_write rk_store_write; /* opaque */
+
+rk_status rk_store_put_begin(rk_store *s, const rk_store_put_args *args, rk_store_write **out);
+rk_status rk_store_put_write(rk_store_write *w);
+rk_status rk_store_put_end(rk_store *s, rk_store_write *w, rk_status write_status);
+void rk_store_put_abandon(rk_store *s, rk_store_write *w);
 
 /* Start a batch: the rows of the puts (and deletes) until rk_store_commit go
  * into one SQLite transaction. Payload files are still written by each put. */

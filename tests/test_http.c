@@ -1099,6 +1099,8 @@ Test(http_opts, the_store_keeps_chunks_across_restarts, .fini = stop_server, .ti
     cr_assert(json_is_true(rk_test_jget(r.json, "store.configured")));
     cr_assert_eq(rk_test_jint(r.json, "store.rows"), 1);
     cr_assert(rk_test_jint(r.json, "store.writes") >= 1);
+    cr_assert_eq(rk_test_jint(r.json, "store.writes_pending.bytes"), 0,
+                 "pre-warming returns with its writes on disk");
     rk_test_resp_free(&r);
     r = get("/v1/chunks?tier=disk");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
@@ -1125,6 +1127,8 @@ Test(http_opts, the_store_keeps_chunks_across_restarts, .fini = stop_server, .ti
     cr_assert_eq(metric(r.http.body, "ragkv_store_loads_total"), 1);
     cr_assert_eq(metric(r.http.body, "ragkv_tier_load_seconds_count"), 1);
     cr_assert_eq(metric(r.http.body, "ragkv_tier_load_bytes_in_flight"), 0);
+    cr_assert_eq(metric(r.http.body, "ragkv_tier_write_bytes_in_flight"), 0);
+    cr_assert_eq(metric(r.http.body, "ragkv_tier_writes_failed_total"), 0);
     rk_test_resp_free(&r);
     r = get("/v1/stats");
     cr_assert_eq(rk_test_jint(r.json, "store.reads.completed"), 1);

@@ -502,6 +502,72 @@ Test(pipeline, a_disk_load_runs_off_the_engine_thread_while_a_stream_keeps_stepp
     rk_service_close(svc);
 }
 
+/* Disk-tier writes run on the writer thread, not the engine thread: a
+ * chunk the steps computed is written while the running stream decodes,
+ * its row commits once the file is on disk, and a flush of the store waits
+ * for the write under way instead of letting it bring the chunk back. */
+Test(pipeline, a_disk_write_runs_off_the_engine_thread_while_a_stream_keeps_stepping,
+     .timeout = 120) {
+    rk_config cfg = small_config();
+    cfg.step_tokens = 3;
+    cfg.store_write_delay_ms = 500;
+    char *dir = rk_test_tmpdir("tier-write");
+    snprintf(cfg.store_dir, sizeof cfg.store_dir, "%s", dir);
+    free(dir);
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_request *a = prepare(svc, LONG_PROMPT, 4000);
+    cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
+    for (int i = 0; i < 100000 && rk_loader_pending(svc->writer) > 0; i++)
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+
+    rk_request *r = prepare(svc, SHARED_PROMPT, 2);
+    r->opt.reuse_sequences = 0;
+    cr_assert_eq(rk_pipeline_join(p, &r, 1), RK_OK, "%s", rk_error_message());
+    steps_to_first_token(p, r, 1000);
+    cr_assert_eq(r->chunk_reports[0].status, RK_CHUNK_STATUS_MISS);
+    const char *key = r->chunk_reports[0].key;
+    cr_assert_eq(rk_loader_pending(svc->writer), 1,
+                 "the first token came with the chunk's write under way");
+    int present = 1;
+    cr_assert_eq(rk_store_contains(svc->store, key, &present), RK_OK);
+    cr_assert_eq(present, 0, "no row before the file is on disk");
+    int a_before = a->n_out, steps = 0;
+    while (rk_loader_pending(svc->writer) > 0 && steps++ < 100000)
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_geq(a->n_out - a_before, 2, "a decoded %d tokens during the 500 ms write",
+                  a->n_out - a_before);
+    cr_assert_eq(rk_store_contains(svc->store, key, &present), RK_OK);
+    cr_assert_eq(present, 1, "the row committed once the write ended");
+
+    /* A flush while a write is under way: the write is waited for, then
+     * flushed with the rest; it does not bring its chunk back. */
+    rk_request *c = prepare(svc, TWO_CHUNK_PROMPT, 2);
+    c->opt.reuse_sequences = 0;
+    cr_assert_eq(rk_pipeline_join(p, &c, 1), RK_OK, "%s", rk_error_message());
+    steps_to_first_token(p, c, 1000);
+    cr_assert_gt(rk_loader_pending(svc->writer), 0);
+    rk_flush_counts fc;
+    cr_assert_eq(rk_service_flush(svc, 0, 0, 1, &fc), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_loader_pending(svc->writer), 0);
+    cr_assert_geq(fc.disk_rows, 4, "a's, r's and c's two chunks were flushed: %d",
+                  (int)fc.disk_rows);
+    for (int i = 0; i < 10; i++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    rk_store_counters sc;
+    cr_assert_eq(rk_store_stats(svc->store, &sc), RK_OK);
+    cr_assert_eq(sc.rows, 0);
+    a->cancel = 1;
+    step_until_idle(p);
+    assert_live_pool_back(svc);
+    rk_pipeline_free(p);
+    request_free(a);
+    request_free(r);
+    request_free(c);
+    rk_service_close(svc);
+}
+
 /* A request that generates nothing (max_tokens 0: it only caches its
  * prompt) leaves when it is admitted: its chunks are computed then, even
  * with a step budget, and stay cached. */

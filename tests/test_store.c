@@ -407,6 +407,68 @@ Test(store, delete_removes_row_and_file) {
     rm_rf(dir);
 }
 
+/* A put in three steps (the service writes the file on a thread of its
+ * own): the row commits only at the end, after the file is on disk; a
+ * second begin of the key while its write is under way writes nothing; a
+ * delete or flush between the begin and the end keeps the write from
+ * bringing the chunk back; a write left without its end (a crash) gets its
+ * row back at the next open. */
+Test(store, a_put_in_three_steps_commits_its_row_only_at_the_end) {
+    char *dir = rk_test_tmpdir("store-put3");
+    chunk a, b, c;
+    chunk_make(&a, 40, 16, 700);
+    chunk_make(&b, 41, 16, 700);
+    chunk_make(&c, 42, 16, 700);
+    rk_store *s = open_store(dir, FP_A, 1);
+    rk_store_put_args args = chunk_args(&a);
+    rk_store_write *w, *again;
+    ASSERT_OK(rk_store_put_begin(s, &args, &w));
+    cr_assert_not_null(w);
+    ASSERT_OK(rk_store_put_begin(s, &args, &again));
+    cr_assert_null(again, "a second begin of a key under way writes nothing");
+    ASSERT_OK(rk_store_put_write(w));
+    char path[4096];
+    snprintf(path, sizeof path, "%s", payload_path(s, a.key));
+    cr_assert(file_exists(path), "the file is written before the end");
+    cr_assert_eq(present(s, a.key), 0, "no row before the end");
+    ASSERT_OK(rk_store_put_end(s, w, RK_OK));
+    expect_chunk(s, &a);
+    cr_assert_eq(stats_of(s).writes, 1);
+
+    /* Flushed while its file was written: nothing comes back. */
+    args = chunk_args(&b);
+    ASSERT_OK(rk_store_put_begin(s, &args, &w));
+    ASSERT_OK(rk_store_flush(s, NULL));
+    ASSERT_OK(rk_store_put_write(w));
+    ASSERT_OK(rk_store_put_end(s, w, RK_OK));
+    cr_assert_eq(present(s, b.key), 0);
+    cr_assert(!file_exists(payload_path(s, b.key)), "the flushed write's file is removed");
+    cr_assert_eq(stats_of(s).rows, 0);
+
+    /* A failed write ends with its error and leaves nothing. */
+    args = chunk_args(&b);
+    ASSERT_OK(rk_store_put_begin(s, &args, &w));
+    cr_assert_eq(rk_store_put_end(s, w, RK_ERR_IO), RK_ERR_IO);
+    cr_assert_eq(present(s, b.key), 0);
+    ASSERT_OK(put_chunk(s, &b)); /* and the key can be written again */
+    expect_chunk(s, &b);
+
+    /* Written, never ended (the process died): the next open rebuilds its row. */
+    args = chunk_args(&c);
+    ASSERT_OK(rk_store_put_begin(s, &args, &w));
+    ASSERT_OK(rk_store_put_write(w));
+    rk_store_put_abandon(s, w);
+    rk_store_close(s);
+    s = open_store(dir, FP_A, 1);
+    expect_chunk(s, &c);
+    expect_chunk(s, &b);
+    rk_store_close(s);
+    chunk_free(&a);
+    chunk_free(&b);
+    chunk_free(&c);
+    rm_rf(dir);
+}
+
 Test(store, stats_counters_are_exact) {
     char *dir = rk_test_tmpdir("store-stats");
     chunk c[3];
