@@ -168,7 +168,7 @@ rk_status rk_batch_run(rk_service *svc, batch *b) {
 /* ---------------------------------------------------------------- chunks fed a slice at a time */
 
 rk_status rk_feed_chunk(batch *b, int bs, chunk_feed *f, rk_chunk_entry *e, const rk_seq *seq,
-                        int *left) {
+                        const rk_runs *runs, int *left) {
     if (e->state != RK_CHUNK_PENDING || e->loading || e->progress >= e->n_tokens) return RK_OK;
     for (int i = 0; i < f->n; i++)
         if (f->e[i] == e) return RK_OK; /* another request feeds it this pass */
@@ -185,9 +185,11 @@ rk_status rk_feed_chunk(batch *b, int bs, chunk_feed *f, rk_chunk_entry *e, cons
         f->cap = cap;
     }
     /* The chunk's tokens at its base positions progress.., attending to the
-     * ones computed before (an isolated chunk's base is 0). */
-    rk_status st = rk_batch_add(b, bs, seq, e->tokens + e->progress, n, e->base_pos + e->progress,
-                                e->progress, 0);
+     * ones computed before (an isolated chunk's base is 0) and to its
+     * context (the base_pos entries of the runs' first run). */
+    int idx0 = (runs ? e->base_pos : 0) + e->progress;
+    rk_status st = batch_add_seq(b, bs, seq, runs, e->tokens + e->progress, n,
+                                 e->base_pos + e->progress, idx0, 0);
     if (st) return st;
     f->e[f->n] = e;
     f->tokens[f->n++] = n;

@@ -41,6 +41,12 @@ typedef struct scratch {
      * steps' passes, a slice within the step budget at a time, straight
      * into the entry's blocks (kv borrows them); see chunk_wait. */
     int stepped;
+    /* A `system`- or `anchor`-context miss fed like an isolated one, by
+     * pass 1 or by the steps, straight into its entry's blocks: attended
+     * through a run table of two runs, the request's context (its system
+     * pages, or its anchor block) then the entry's blocks (see
+     * feed_in_context). n_runs 0: not fed that way. */
+    rk_runs ctx_runs;
     int32_t *tokens; /* oracle with system context: system + chunk tokens */
 
     /* The fleet-wide compute lock on its chunk, held when rlocked. */
@@ -53,6 +59,7 @@ struct rk_req_state {
     int zc;              /* zero-copy: the merged sequence's table is `runs` */
     rk_runs runs;        /* zero-copy: system, each chunk's cached blocks, live blocks */
     rk_seq own;          /* zero-copy: private copies of the chunk blocks a repair writes */
+    rk_seq anchor;       /* `anchor` context: one live block, the anchor token at position 0 */
     rk_radix_node *lock; /* radix path held for the request */
     int sys_first;       /* first system token to compute */
     int n_insert;        /* system tokens to insert into the radix tree after pass 1 */
@@ -158,11 +165,13 @@ rk_status rk_batch_add_req(batch *b, int bs, const rk_req_state *s, const int32_
 rk_status rk_batch_run(rk_service *svc, batch *b);
 
 /* Add up to *left tokens (< 0: no limit) of the PENDING entry e's
- * uncomputed tokens to b, through seq (a view of e's blocks), unless f has
+ * uncomputed tokens to b, through seq (a view of e's blocks) or, for a
+ * chunk computed after a context, through runs (the context, then e's
+ * blocks: the tokens go at table index base_pos + progress), unless f has
  * it already this pass or a tier load is filling it; *left goes down by what
  * was added. */
 rk_status rk_feed_chunk(batch *b, int bs, chunk_feed *f, rk_chunk_entry *e, const rk_seq *seq,
-                        int *left);
+                        const rk_runs *runs, int *left);
 /* After the pass ran: each fed entry's progress goes up by its tokens; f is
  * empty after. */
 void rk_feed_done(chunk_feed *f);

@@ -259,12 +259,16 @@ static rk_status start_request(rk_service *svc, rk_request *r) {
  * reindex, so their requests copy whole chunks (the copy path), as do
  * the oracle and plain modes and every request on a backend without
  * position-shifted attention. */
+/* Whether the backend's attention reads a sequence through a run table
+ * (position-shifted attention): the CPU's. */
+static int attends_runs(const rk_service *svc) { return strcmp(svc->be->name, "cpu") == 0; }
+
 int rk_zero_copy_for(const rk_service *svc, const rk_request *r, int tell) {
     static _Atomic int told; /* the fallback is logged once */
     if (r->opt.mode != RK_MODE_RAG || !r->opt.chunk_cache || r->n_chunks == 0 ||
         r->opt.repair_ratio > 0 || strcmp(svc->cfg.reindex, "copy") == 0)
         return 0;
-    if (strcmp(svc->be->name, "cpu") != 0) {
+    if (!attends_runs(svc)) {
         if (tell && !told++)
             RK_LOG_WARN("zero-copy reindex is not available on the %s backend: chunks are copied",
                         svc->be->name);
@@ -411,7 +415,48 @@ static rk_status feed_isolated(admission *a, rk_request *r, int k) {
         return RK_OK;
     }
     int all = -1;
-    return rk_feed_chunk(a->b, rk_arena_block_size(a->svc->arena), a->feed, e, &sc->kv, &all);
+    return rk_feed_chunk(a->b, rk_arena_block_size(a->svc->arena), a->feed, e, &sc->kv, NULL, &all);
+}
+
+/* A `system`- or `anchor`-context chunk fed like an isolated one (as
+ * feed_isolated: in pass 1, or by the steps, the request waiting for it),
+ * straight into its entry's blocks after its n_ctx context tokens: the
+ * request's system pages (computed in pass 1 first: needs_system_first) or
+ * its anchor block (the anchor token, added to pass 1 here once). The
+ * sequence fed is the run table [context, entry blocks], so every holder of
+ * the entry can carry the computation on: each has the same context tokens
+ * at the same positions. */
+static rk_status feed_in_context(admission *a, rk_request *r, int k, int n_ctx) {
+    rk_service *svc = a->svc;
+    rk_req_state *s = r->state;
+    scratch *sc = &s->scratch[k];
+    rk_chunk_entry *e = s->entries[k];
+    int bs = rk_arena_block_size(svc->arena);
+    rk_status st;
+    if (e->state != RK_CHUNK_PENDING) return RK_OK;
+    int anchor = r->opt.chunk_context == RK_CONTEXT_ANCHOR;
+    if (anchor && s->anchor.n_blocks == 0) {
+        int32_t bos = rk_tokenizer_bos(rk_model_tokenizer(svc->model));
+        if ((st = rk_seq_reserve(&s->anchor, svc->arena, RK_POOL_LIVE, 1, NULL))) return st;
+        s->anchor.n_tokens = 1;
+        if ((st = rk_batch_add(a->b, bs, &s->anchor, &bos, 1, 0, 0, 0))) return st;
+    }
+    if ((st = rk_runs_add(&sc->ctx_runs, bs, anchor ? s->anchor.blocks : s->kv.blocks, n_ctx, 0)) ||
+        (st = rk_runs_add(&sc->ctx_runs, bs, e->blocks, e->n_tokens, 0)))
+        return st;
+    if ((a->defer || e->loading) && !s->done) {
+        sc->stepped = 1;
+        s->chunk_wait = s->prefilling = 1;
+        return RK_OK;
+    }
+    int all = -1;
+    return rk_feed_chunk(a->b, bs, a->feed, e, &sc->kv, &sc->ctx_runs, &all);
+}
+
+/* A miss (or another request's PENDING entry) fed straight into its entry,
+ * alone or after its context. */
+static rk_status feed_entry(admission *a, rk_request *r, int k, int n_ctx) {
+    return n_ctx ? feed_in_context(a, r, k, n_ctx) : feed_isolated(a, r, k);
 }
 
 static rk_status plan_chunks(admission *a, rk_request *r) {
@@ -425,6 +470,10 @@ static rk_status plan_chunks(admission *a, rk_request *r) {
     int32_t anchor;
     const int32_t *ctx;
     int n_ctx = chunk_context_tokens(svc, r, &anchor, &ctx);
+    /* A miss is fed into its entry (alone, or after its context through a
+     * run table: feed_entry) where the backend attends through runs; on the
+     * others a context miss is computed in a scratch sequence and copied. */
+    int fed = n_ctx == 0 || attends_runs(svc);
     for (int k = 0; k < r->n_chunks; k++) {
         rk_chunk_report *rep = &r->chunk_reports[k];
         rep->tokens = r->chunk_lens[k];
@@ -461,7 +510,7 @@ static rk_status plan_chunks(admission *a, rk_request *r) {
             /* Read (disk or Redis) off the engine thread when the request
              * can wait for it as for a chunk the steps compute (an isolated
              * one). */
-            if (a->defer && !s->done && !n_ctx && !after_system)
+            if (a->defer && !s->done && fed)
                 st = rk_persist_load_start(svc, e, &queued);
             else
                 st = rk_persist_load(svc, e, &loaded);
@@ -469,7 +518,7 @@ static rk_status plan_chunks(admission *a, rk_request *r) {
             if (queued) {
                 rep->status = RK_CHUNK_STATUS_MISS; /* a hit once it is in place */
                 rep->source = RK_CHUNK_SOURCE_COMPUTED;
-                if ((st = feed_isolated(a, r, k))) return st;
+                if ((st = feed_entry(a, r, k, n_ctx))) return st;
                 continue;
             }
             if (loaded) {
@@ -491,16 +540,16 @@ static rk_status plan_chunks(admission *a, rk_request *r) {
         if (s->kinds[k] == RK_CHUNK_SHARED) {
             /* Another request's: computed by it in this pass 1, or left
              * PENDING by an earlier admission, which this one carries on. */
-            if (!n_ctx && !after_system && (st = feed_isolated(a, r, k))) return st;
+            if (fed && (st = feed_entry(a, r, k, n_ctx))) return st;
             continue;
         }
-        if (n_ctx && !after_system) {
+        if (fed) {
+            if ((st = feed_entry(a, r, k, n_ctx))) return st;
+        } else if (!after_system) {
             /* After the anchor in a scratch sequence; copied into the entry
              * after pass 1. */
             if ((st = plan_after_context(svc, r, k, ctx, n_ctx, 0, pass1))) return st;
             s->scratch[k].anchored = 1;
-        } else if (!after_system) {
-            if ((st = feed_isolated(a, r, k))) return st;
         } else {
             s->scratch[k].pass2 = 1; /* needs the system KV: after pass 1 */
         }
@@ -540,6 +589,7 @@ void rk_release_request(rk_service *svc, rk_request *r, int failed) {
         scratch *sc = &s->scratch[k];
         if (sc->used) rk_seq_release(&sc->kv, svc->arena);
         if (sc->rlocked) (void)rk_redis_unlock(svc->redis, &sc->rlock); /* never computed */
+        rk_runs_free(&sc->ctx_runs);
         free(sc->tokens);
         if (s->entries[k] && sc->uncached) {
             drop_uncached_blocks(svc, s->entries[k]);
@@ -557,6 +607,7 @@ void rk_release_request(rk_service *svc, rk_request *r, int failed) {
     rk_seq_release(&s->kv, svc->arena);
     rk_runs_free(&s->runs);
     rk_seq_release(&s->own, svc->arena);
+    rk_seq_release(&s->anchor, svc->arena);
     rk_sampler_free(&s->sampler);
     rk_layout_free(&s->layout);
     free(s->entries);
@@ -673,8 +724,11 @@ rk_status rk_init_request(rk_service *svc, rk_request *r) {
 static int needs_system_first(const rk_request *r) {
     if (r->opt.mode != RK_MODE_RAG) return 0;
     if (r->opt.repair_k > 0 || r->opt.repair_ratio > 0) return 1;
-    for (int k = 0; k < r->n_chunks; k++)
-        if (r->state->scratch[k].pass2) return 1;
+    for (int k = 0; k < r->n_chunks; k++) {
+        const scratch *sc = &r->state->scratch[k];
+        if (sc->pass2 || (sc->ctx_runs.n_runs && r->opt.chunk_context == RK_CONTEXT_SYSTEM))
+            return 1;
+    }
     return 0;
 }
 

@@ -324,10 +324,12 @@ static rk_status feed_chunks(rk_pipeline *p, rk_request *r, int *left) {
     rk_req_state *s = r->state;
     int bs = rk_arena_block_size(p->svc->arena);
     rk_status st;
-    for (int k = 0; k<r->n_chunks && * left> 0; k++)
-        if (s->scratch[k].stepped &&
-            (st = rk_feed_chunk(&p->b, bs, &p->feed, s->entries[k], &s->scratch[k].kv, left)))
+    for (int k = 0; k<r->n_chunks && * left> 0; k++) {
+        scratch *sc = &s->scratch[k];
+        if (sc->stepped && (st = rk_feed_chunk(&p->b, bs, &p->feed, s->entries[k], &sc->kv,
+                                               sc->ctx_runs.n_runs ? &sc->ctx_runs : NULL, left)))
             return st;
+    }
     return RK_OK;
 }
 
