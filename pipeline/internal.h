@@ -54,6 +54,13 @@ typedef struct scratch {
     int rlocked;
 } scratch;
 
+/* A run of chunk tokens the repair recomputes through every layer: n
+ * tokens at positions pos.., table indices idx.. of the merged sequence. */
+typedef struct repair_run {
+    const int32_t *tokens;
+    int n, pos, idx;
+} repair_run;
+
 struct rk_req_state {
     rk_seq kv;           /* the merged sequence (zero-copy: its system and live blocks) */
     int zc;              /* zero-copy: the merged sequence's table is `runs` */
@@ -96,7 +103,12 @@ struct rk_req_state {
     int sys_next;
     const int32_t *ptok;
     int n_ptok, p_idx, p_pos, p_next;
-    int row, fed_sys, fed_p; /* in the current pass: its logits row (-1: none), tokens fed */
+    /* Stage 5's chosen runs, in table order (n_rtok tokens in all, r_next of
+     * them fed): run at admission, or, stepped (rk_repair_stepped), fed by
+     * the steps' passes after the system tail and before ptok. */
+    repair_run *repair;
+    int n_repair, cap_repair, n_rtok, r_next;
+    int row, fed_sys, fed_p, fed_r; /* in the current pass: its logits row (-1: none), tokens fed */
     rk_sampler sampler;
     int done;
     int hook_index; /* the hooks' req: its rank in admission order */
@@ -138,8 +150,9 @@ typedef struct admission {
     int n;
     batch *b;
     rk_copy_plan *copies;
-    /* Leave isolated chunk misses to the steps' passes (rk_pipeline_join
-     * with a step budget) instead of computing them in pass 1. */
+    /* Leave isolated chunk misses and the repair's recompute to the steps'
+     * passes (rk_pipeline_join with a step budget) instead of computing them
+     * at admission. */
     int defer;
     chunk_feed *feed; /* pass 1's chunk entries */
 } admission;
@@ -211,6 +224,12 @@ int rk_chunks_computed(const rk_request *r);
 
 /* Stage 5 (repair, optional). */
 rk_status rk_stage_repair(admission *a);
+/* Whether r's repair runs are left to the steps' passes (a defers, r has
+ * something to generate). */
+int rk_repair_stepped(const admission *a, const rk_request *r);
+/* Add up to *left tokens (< 0: no limit) of the repair runs r has not fed
+ * to b, in table order; *left goes down and s->fed_r is what was added. */
+rk_status rk_repair_feed(batch *b, int bs, rk_req_state *s, int *left);
 
 /* ---------------------------------------------------------------- step.c */
 

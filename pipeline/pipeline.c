@@ -9,9 +9,10 @@
  *   2 system prompt: the radix match of the request's key (start_request);
  *   3 chunks: lookup (plan_chunks), then
  *     pass 1: every system-prompt tail the prefix cache did not have that
- *             pass 2 or a repair attends to (the others wait for the
- *             question pass); every missing chunk of the `isolated` context,
- *             alone at positions 0..n-1 into its entry's chunk-pool blocks
+ *             pass 2, a scoring pass or an unstepped repair attends to (the
+ *             others wait for the question pass); every missing chunk of
+ *             the `isolated` context, alone at positions 0..n-1 into its
+ *             entry's chunk-pool blocks
  *             (with rk_pipeline_join and a step budget these are "stepped"
  *             instead: the steps' passes compute them a slice at a time,
  *             step.c, and the request's stages from pass 2 on run once they
@@ -25,7 +26,9 @@
  *             copy: one rope_shift_copy moves every chunk's KV into the
  *             request's live blocks (cached ones rotated by that shift);
  *   5 repair: chunk tokens recomputed over the merged cache (optional,
- *             repair.c);
+ *             repair.c): a ratio policy's scoring pass, then the chosen
+ *             runs in one pass (with rk_pipeline_join and a step budget the
+ *             steps' passes feed the runs instead, after the system tail);
  *   6 question: the question pass, the rest of each prompt (deferred system
  *             tail, question), with logits for the last token: each
  *             request's first token. With rk_pipeline_join it is part of the
@@ -615,6 +618,7 @@ void rk_release_request(rk_service *svc, rk_request *r, int failed) {
     free(s->scratch);
     free(s->qtok);
     free(s->key);
+    free(s->repair);
     free(s);
     r->state = NULL;
 }
@@ -720,16 +724,19 @@ rk_status rk_init_request(rk_service *svc, rk_request *r) {
 /* ---------------------------------------------------------------- admission stages */
 
 /* Whether something before the question pass attends to r's system KV: a
- * `system`-context chunk computed after it (pass 2), or a repair. */
-static int needs_system_first(const rk_request *r) {
+ * `system`-context chunk computed after it (fed through its run table, or
+ * in pass 2), a ratio policy's
+ * scoring pass, or a repair run at admission (a stepped `first_k` repair
+ * is fed after the system tail in the steps). */
+static int needs_system_first(const admission *a, const rk_request *r) {
     if (r->opt.mode != RK_MODE_RAG) return 0;
-    if (r->opt.repair_k > 0 || r->opt.repair_ratio > 0) return 1;
     for (int k = 0; k < r->n_chunks; k++) {
         const scratch *sc = &r->state->scratch[k];
         if (sc->pass2 || (sc->ctx_runs.n_runs && r->opt.chunk_context == RK_CONTEXT_SYSTEM))
             return 1;
     }
-    return 0;
+    if (r->opt.repair_ratio > 0) return 1;
+    return r->opt.repair_k > 0 && !rk_repair_stepped(a, r);
 }
 
 /* Stages 2 (system prompt) and 3 (chunks), first part: match each
@@ -761,7 +768,7 @@ rk_status rk_stage_system_and_chunks(admission *a) {
         rk_req_state *s = r->state;
         s->sys_next = r->n_sys;
         if (s->sys_first == r->n_sys) continue;
-        if (!needs_system_first(r)) {
+        if (!needs_system_first(a, r)) {
             s->sys_next = s->sys_first;
             continue;
         }
@@ -965,11 +972,11 @@ rk_status rk_stage_reindex(admission *a) {
 }
 
 /* Stage 6 (question), its set-up: what is left of each request's prompt for
- * the question pass:
- * its deferred system tail and its question (plain: chunks and question;
- * resuming: and its generated tokens but the last). A request whose whole
- * prompt is its computed system prompt feeds the last system token again
- * for its logits. A cancelled request is done. */
+ * the question pass: its deferred system tail, its stepped repair runs
+ * (stage 5) and its question (plain: chunks and question; resuming: and its
+ * generated tokens but the last). A request whose whole prompt is its
+ * computed system prompt feeds the last system token again for its logits.
+ * A cancelled request is done. */
 void rk_queue_prompt(admission *a) {
     for (int i = 0; i < a->n; i++) {
         rk_request *r = a->reqs[i];
@@ -990,7 +997,7 @@ void rk_queue_prompt(admission *a) {
             s->n_ptok = 1;
             s->p_idx = s->p_pos = r->n_sys - 1;
         }
-        s->prefilling = s->sys_next < r->n_sys || s->n_ptok > 0;
+        s->prefilling = s->sys_next < r->n_sys || s->r_next < s->n_rtok || s->n_ptok > 0;
         if (!s->prefilling) s->n_valid = s->kv.n_tokens; /* resumed, nothing to feed */
     }
 }

@@ -381,8 +381,11 @@ rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
  * there too, before their questions: a request waits, taking no live block
  * more, until every chunk it needs is computed (by it, or by another
  * request that needs the same chunk), then its remaining stages run
- * between two steps. hooks are those of the steps. Fails as
- * rk_pipeline_admit does. */
+ * between two steps; and the tokens its repair recomputes (the runs the
+ * repair policy chose) are fed by the steps too, after its system tail and
+ * before its question, so that no step stalls for them (a deviation or
+ * query policy's scoring pass still runs between two steps). hooks are
+ * those of the steps. Fails as rk_pipeline_admit does. */
 rk_status rk_pipeline_join(rk_pipeline *p, rk_request *const *reqs, int n_reqs);
 
 /* One step: a token for every running request in one forward pass, which

@@ -3,7 +3,10 @@
  * by the request's policy: the deviation policy (every chunk's first token,
  * then the tokens whose layer-1 K/V moved most), the query policy (every
  * chunk's first token, then the tokens the question attends to most), or
- * `first_k` (each chunk's first repair_k tokens). */
+ * `first_k` (each chunk's first repair_k tokens). The chosen runs are
+ * recorded in the request's state and recomputed in one pass at admission,
+ * or, for a request joined with a step budget, fed by the steps' passes a
+ * slice within the budget at a time (feed_prompt in step.c). */
 #include <float.h>
 #include <math.h>
 #include <stdlib.h>
@@ -54,33 +57,46 @@ static int by_score_desc(const void *a, const void *b) {
     return x->chunk != y->chunk ? x->chunk - y->chunk : x->off - y->off; /* stable */
 }
 
+/* Record a run of r's chunk k, its n tokens from off, for the recompute. */
+static rk_status add_run(rk_request *r, int k, int off, int n) {
+    rk_req_state *s = r->state;
+    if (s->n_repair == s->cap_repair) {
+        int cap = s->cap_repair ? s->cap_repair * 2 : 8;
+        repair_run *u = realloc(s->repair, (size_t)cap * sizeof *u);
+        if (!u) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        s->repair = u;
+        s->cap_repair = cap;
+    }
+    s->repair[s->n_repair++] =
+        (repair_run){r->chunks[k] + off, n, s->layout.pos[k] + off, s->layout.index[k] + off};
+    s->n_rtok += n;
+    r->chunk_reports[k].repaired += n;
+    r->recomputed_tokens += n;
+    return RK_OK;
+}
+
 /* Both ratio policies, second half: sort r's n_toks scored chunk tokens,
- * take the repair_ratio of them that score highest, and queue their runs in b
- * (one sequence per run of consecutive chosen tokens of a chunk) for the full
+ * take the repair_ratio of them that score highest, and record their runs
+ * (one per run of consecutive chosen tokens of a chunk) for the full
  * recompute. sel: scratch of the longest chunk's length. Sets
  * chunk_reports[].repaired and recomputed_tokens. */
-static rk_status queue_chosen(batch *b, int bs, rk_request *r, dev_tok *toks, int n_toks,
-                              unsigned char *sel) {
+static rk_status queue_chosen(rk_request *r, dev_tok *toks, int n_toks, unsigned char *sel) {
     rk_status st = RK_OK;
     int n_sel = (int)ceil(r->opt.repair_ratio * n_toks - 1e-9);
     n_sel = n_sel < n_toks ? n_sel : n_toks;
     qsort(toks, (size_t)n_toks, sizeof *toks, by_score_desc);
     for (int k = 0; k < r->n_chunks && !st; k++) {
         memset(sel, 0, (size_t)r->chunk_lens[k]);
-        int marked = 0;
         for (int j = 0; j < n_sel; j++)
-            if (toks[j].chunk == k) sel[toks[j].off] = 1, marked++;
-        r->chunk_reports[k].repaired = marked;
-        r->recomputed_tokens += marked;
-        for (int t = 0; t < r->chunk_lens[k] && !st;) { /* one sequence per run */
+            if (toks[j].chunk == k) sel[toks[j].off] = 1;
+        for (int t = 0; t < r->chunk_lens[k] && !st;) { /* one run per run of chosen tokens */
             if (!sel[t]) {
                 t++;
                 continue;
             }
             int t1 = t;
             while (t1 < r->chunk_lens[k] && sel[t1]) t1++;
-            st = rk_batch_add(b, bs, &r->state->kv, r->chunks[k] + t, t1 - t,
-                              r->state->layout.pos[k] + t, r->state->layout.index[k] + t, 0);
+            st = add_run(r, k, t, t1 - t);
             t = t1;
         }
     }
@@ -95,9 +111,9 @@ static int wants_deviation(const rk_request *r, const rk_hparams *hp) {
 /* The deviation policy, first half: recompute layers 0..DEVIATION_LAYER for
  * every chunk token of the requests asking for it (their KV then replaces the
  * reused one in the live blocks), score each token by how far its layer-1 K/V
- * moved (a chunk's first token above all), and leave in *b (empty on entry)
- * the runs of the repair_ratio of each request's chunk tokens that score
- * highest, for the full recompute.
+ * moved (a chunk's first token above all), and record the runs of the
+ * repair_ratio of each request's chunk tokens that score highest, for the
+ * full recompute. b: empty, for the layers 0..1 pass.
  * Sets chunk_reports[].repaired and recomputed_tokens. */
 static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int n_reqs, batch *b) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
@@ -162,7 +178,7 @@ static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int 
             }
             at += (size_t)n;
         }
-        if (!st) st = queue_chosen(b, bs, r, toks, n_toks, (unsigned char *)after);
+        if (!st) st = queue_chosen(r, toks, n_toks, (unsigned char *)after);
     }
     free(before);
     free(after);
@@ -182,7 +198,7 @@ static int wants_query(const rk_request *r) {
  * merged (reused, not yet repaired) cache through its last layer (the
  * question's KV written there is overwritten by the question pass), score
  * each chunk token by the attention mass the question's rows and heads give
- * it at the last layer (rk_attn_key_mass), and queue in *b the runs of the
+ * it at the last layer (rk_attn_key_mass), and record the runs of the
  * repair_ratio of each request's chunk tokens that score highest. A chunk's
  * first token ranks before the chunk tokens that are not first: computed
  * alone it was position 0, the chunk's attention sink, and its reused KV is
@@ -249,7 +265,7 @@ static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_re
             for (int t = 0; t < r->chunk_lens[k]; t++)
                 toks[n_toks++] =
                     (dev_tok){(float)(mass[L->index[k] + t] + (t == 0 ? first : 0)), k, t};
-        st = queue_chosen(b, bs, r, toks, n_toks, sel);
+        st = queue_chosen(r, toks, n_toks, sel);
     }
     rk_batch_free(&qb);
     free(q);
@@ -262,36 +278,73 @@ static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_re
     return st;
 }
 
+int rk_repair_stepped(const admission *a, const rk_request *r) {
+    return a->defer && !r->state->done;
+}
+
+rk_status rk_repair_feed(batch *b, int bs, rk_req_state *s, int *left) {
+    rk_status st;
+    int skip = s->r_next;
+    s->fed_r = 0;
+    for (int i = 0; i < s->n_repair && *left != 0; i++) {
+        const repair_run *u = &s->repair[i];
+        if (skip >= u->n) {
+            skip -= u->n;
+            continue;
+        }
+        int m = *left >= 0 && *left < u->n - skip ? *left : u->n - skip;
+        if ((st = rk_batch_add_req(b, bs, s, u->tokens + skip, m, u->pos + skip, u->idx + skip, 0)))
+            return st;
+        skip = 0;
+        s->fed_r += m;
+        if (*left >= 0) *left -= m;
+    }
+    return RK_OK;
+}
+
 /* Stage 5 (repair, optional): chunk tokens again, now attending to
- * everything before them in the merged table: the deviation policy's
- * choice, then the first repair_k tokens of every chunk. */
+ * everything before them in the merged table: the runs a policy chose
+ * (deviation's and query's after their scoring passes, or the first
+ * repair_k tokens of every chunk), recorded in the request's state. They
+ * run here in one pass, unless stepped: then the steps' passes feed them,
+ * a slice within the budget at a time, after the system tail (run_pass).
+ * repair_ms: the scoring and this pass (stepped: the steps add theirs). */
 rk_status rk_stage_repair(admission *a) {
     int bs = rk_arena_block_size(a->svc->arena);
     rk_status st;
     double t = rk_time_now();
     rk_batch_reset(a->b);
-    for (int i = 0; i < a->n; i++) a->reqs[i]->recomputed_tokens = 0;
+    for (int i = 0; i < a->n; i++) {
+        a->reqs[i]->recomputed_tokens = 0;
+        for (int k = 0; k < a->reqs[i]->n_chunks; k++) a->reqs[i]->chunk_reports[k].repaired = 0;
+    }
     if ((st = deviation_select(a->svc, a->reqs, a->n, a->b)) ||
         (st = query_select(a->svc, a->reqs, a->n, a->b)))
         return st;
     for (int i = 0; i < a->n; i++) {
         rk_request *r = a->reqs[i];
-        rk_req_state *s = r->state;
         if (r->opt.mode == RK_MODE_PLAIN || r->opt.repair_k <= 0 || r->opt.repair_ratio > 0)
-            continue; /* one policy a request: deviation's choice is queued already */
+            continue; /* one policy a request: a ratio policy's choice is recorded already */
         if (r->n_chunks && rk_chunk_from_prefix(r, 0)) continue; /* repaired when first computed */
-        for (int k = 0; k < r->n_chunks; k++) {
-            int n = r->chunk_lens[k] < r->opt.repair_k ? r->chunk_lens[k] : r->opt.repair_k;
-            if ((st = rk_batch_add_req(a->b, bs, s, r->chunks[k], n, s->layout.pos[k],
-                                       s->layout.index[k], 0)))
+        for (int k = 0; k < r->n_chunks; k++)
+            if ((st = add_run(r, k, 0,
+                              r->chunk_lens[k] < r->opt.repair_k ? r->chunk_lens[k]
+                                                                 : r->opt.repair_k)))
                 return st;
-            r->chunk_reports[k].repaired = n;
-            r->recomputed_tokens += n;
-        }
+    }
+    for (int i = 0; i < a->n; i++) {
+        int all = -1;
+        if (!rk_repair_stepped(a, a->reqs[i]) &&
+            (st = rk_repair_feed(a->b, bs, a->reqs[i]->state, &all)))
+            return st;
     }
     if ((st = rk_batch_run(a->svc, a->b))) return st;
     double dt = rk_time_now() - t;
-    for (int i = 0; i < a->n; i++)
-        if (a->reqs[i]->recomputed_tokens) a->reqs[i]->t.repair_ms = dt * 1e3;
+    for (int i = 0; i < a->n; i++) {
+        rk_request *r = a->reqs[i];
+        r->state->r_next += r->state->fed_r;
+        r->state->fed_r = 0;
+        if (r->recomputed_tokens) r->t.repair_ms = dt * 1e3;
+    }
     return RK_OK;
 }

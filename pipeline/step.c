@@ -2,7 +2,8 @@
  * (decode) of docs/architecture.md's numbering: admitted
  * requests run in rk_pipeline_step, each step one pass of one token for
  * every running request, whenever it was admitted, plus the joined
- * requests' question-pass tokens within step_tokens (run_pass); the
+ * requests' prompt work within step_tokens (run_pass: stepped chunks,
+ * system tail, repair runs, question); the
  * finished leave. A request takes live blocks as it decodes (make_room);
  * when none is left the youngest is preempted (preempt) and resumes through
  * a later admission (resume_one). Also the sampling of a request's next
@@ -290,8 +291,9 @@ static rk_status make_room(rk_pipeline *p) {
 }
 
 /* Feed what is left of r's prompt into b, at most *left tokens: its
- * system tail, then the rest; logits for the last token when it has no
- * token yet. */
+ * system tail, its stepped repair runs, then the rest (table order: each
+ * slice attends to what the earlier ones wrote); logits for the last token
+ * when it has no token yet. */
 static rk_status feed_prompt(batch *b, int bs, rk_request *r, int *left) {
     rk_req_state *s = r->state;
     rk_status st;
@@ -306,6 +308,8 @@ static rk_status feed_prompt(batch *b, int bs, rk_request *r, int *left) {
         *left -= n;
     }
     if (s->sys_next + s->fed_sys < r->n_sys) return RK_OK;
+    if ((st = rk_repair_feed(b, bs, s, left))) return st;
+    if (s->r_next + s->fed_r < s->n_rtok) return RK_OK;
     int m = s->n_ptok - s->p_next < *left ? s->n_ptok - s->p_next : *left;
     if (m <= 0) return RK_OK;
     int last = s->p_next + m == s->n_ptok && r->n_out == 0;
@@ -358,7 +362,7 @@ static rk_status run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_
     for (int i = 0; i < n_pre; i++) {
         rk_req_state *s = pre[i]->state;
         s->row = -1;
-        s->fed_sys = s->fed_p = 0;
+        s->fed_sys = s->fed_p = s->fed_r = 0;
         st = s->chunk_wait ? feed_chunks(p, pre[i], &left) : feed_prompt(&p->b, bs, pre[i], &left);
         if (st) {
             p->feed.n = 0;
@@ -384,13 +388,15 @@ static rk_status run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_
         rk_request *r = pre[i];
         rk_req_state *s = r->state;
         if (s->chunk_wait) r->t.chunk_compute_ms += dt;
-        if (!s->fed_sys && !s->fed_p) continue;
-        r->t.prefill_ms += dt;
+        if (s->fed_r) r->t.repair_ms += dt;
+        if (s->fed_sys || s->fed_p) r->t.prefill_ms += dt;
+        if (!s->fed_sys && !s->fed_r && !s->fed_p) continue;
         s->sys_next += s->fed_sys;
+        s->r_next += s->fed_r;
         s->p_next += s->fed_p;
         if (s->fed_sys && s->sys_next == r->n_sys && s->n_insert && (st = rk_insert_system(svc, r)))
             return st;
-        if (s->sys_next < r->n_sys || s->p_next < s->n_ptok) continue;
+        if (s->sys_next < r->n_sys || s->r_next < s->n_rtok || s->p_next < s->n_ptok) continue;
         s->prefilling = 0;
         s->n_valid = s->kv.n_tokens;
         if (s->row >= 0) take_token(svc, r, p->b.logits + (size_t)s->row * n_vocab, hooks);
@@ -473,7 +479,13 @@ static rk_status chunks_done(rk_pipeline *p, int i) {
         r->chunk_reports[k].source =
             !strcmp(src, "disk") ? RK_CHUNK_SOURCE_DISK : RK_CHUNK_SOURCE_REDIS;
     }
-    admission a = {.svc = p->svc, .reqs = &r, .n = 1, .b = &p->b, .copies = &p->copies};
+    /* Its repair runs go to the steps too (their budget applies). */
+    admission a = {.svc = p->svc,
+                   .reqs = &r,
+                   .n = 1,
+                   .b = &p->b,
+                   .copies = &p->copies,
+                   .defer = p->svc->cfg.step_tokens > 0};
     rk_status st = stages_after_chunks(&a);
     if (!st) return RK_OK;
     p->copies.n = 0;

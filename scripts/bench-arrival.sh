@@ -16,6 +16,11 @@
 #     (--store-read-delay-ms), at each step budget (default "64 0": with a
 #     budget the reads run on the loader thread; with none, on the engine
 #     thread).
+#   WRITE_DELAYS="0 200" scripts/bench-arrival.sh MODEL [BIN] [PORT] [BUDGETS...]
+#     B's documents are new and written through to a fresh disk tier, every
+#     write delayed by each of WRITE_DELAYS ms (--store-write-delay-ms; 0
+#     passes no flag, for a build without it), at each step budget
+#     (default "64").
 # Needs curl and jq. The server restarts for each figure and stops at the end.
 set -euo pipefail
 model=${1:?usage: scripts/bench-arrival.sh MODEL [BIN] [PORT] [BUDGETS...]}
@@ -24,8 +29,15 @@ port=${3:-18490}
 shift $(($# < 3 ? $# : 3))
 budgets=("$@")
 delays=(${DISK_DELAYS:-})
+write_delays=(${WRITE_DELAYS:-})
 if [ ${#budgets[@]} -eq 0 ]; then
-    if [ ${#delays[@]} -gt 0 ]; then budgets=(64 0); else budgets=(0 32 64 128 256 512); fi
+    if [ ${#delays[@]} -gt 0 ]; then
+        budgets=(64 0)
+    elif [ ${#write_delays[@]} -gt 0 ]; then
+        budgets=(64)
+    else
+        budgets=(0 32 64 128 256 512)
+    fi
 fi
 url=http://127.0.0.1:$port
 for tool in curl jq; do
@@ -109,6 +121,19 @@ arrival() {
 }
 
 printf '%-14s %12s %12s %8s %10s\n' "budget" "A gap alone" "A worst" ratio "B TTFT ms"
+if [ ${#write_delays[@]} -gt 0 ]; then
+    for delay in "${write_delays[@]}"; do
+        for budget in "${budgets[@]}"; do
+            flags=(--store "$work/store-w$delay-$budget")
+            [ "$delay" = 0 ] || flags+=(--store-write-delay-ms "$delay")
+            start_server "$budget" "${flags[@]}"
+            b_prompt "w$delay-$budget"
+            arrival "$budget, w ${delay} ms" "$B_PROMPT" miss
+            stop_server
+        done
+    done
+    exit 0
+fi
 if [ ${#delays[@]} -eq 0 ]; then
     for budget in "${budgets[@]}"; do
         start_server "$budget"

@@ -793,6 +793,302 @@ Test(pipeline, stepped_chunks_equal_the_oracle_at_every_budget_in_every_mode, .t
     }
 }
 
+/* ---------------------------------------------------------------- repair in the step budget */
+
+/* f32 KV: the results compared across budgets are not rounded in the cache. */
+static rk_service *open_svc_f32(int step_tokens) {
+    rk_config cfg = small_config();
+    cfg.step_tokens = step_tokens;
+    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
+    rk_service *svc;
+    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    return svc;
+}
+
+/* STORY with a repair policy: first_k with repair_k 2 (0), deviation at
+ * ratio 0.3 (1), query at ratio 0.3 (2); the chunk cache alone. */
+static rk_request *repair_request(rk_service *svc, int policy, int par, int max_tokens) {
+    rk_request *r = prepare(svc, STORY, max_tokens);
+    r->opt.positions = par ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
+    r->opt.prefix_cache = 0;
+    if (policy == 0)
+        r->opt.repair_k = 2;
+    else
+        r->opt.repair_ratio = 0.3f;
+    r->opt.repair_query = policy == 2;
+    return r;
+}
+
+/* Through the steps at step budgets of 1, 7, 64 tokens and none, a
+ * repairing request, its chunks computed by the steps (a miss) or found
+ * (a hit), gets what it gets alone through the unbudgeted path: the same
+ * greedy tokens, logits within 1e-4, the same tokens recomputed. */
+Test(pipeline, stepped_repair_equals_unbudgeted_repair_at_every_budget, .timeout = 600) {
+    enum { N = 8 };
+    static const int budgets[] = {1, 7, 64, 0};
+    rk_request *ref[3][2];
+    logit_log ref_log[3][2] = {{{0}}};
+    rk_service *alone = open_svc_f32(0);
+    for (int pol = 0; pol < 3; pol++)
+        for (int par = 0; par < 2; par++) {
+            rk_chunk_index_flush(alone->chunks);
+            ref[pol][par] = repair_request(alone, pol, par, N);
+            rk_pipeline_hooks h = {.ctx = &ref_log[pol][par], .on_logits = keep_logits};
+            cr_assert_eq(rk_pipeline_run(alone, &ref[pol][par], 1, &h), RK_OK, "%s",
+                         rk_error_message());
+            cr_assert_gt(ref[pol][par]->recomputed_tokens, 0);
+        }
+    rk_service_close(alone);
+    for (int bi = 0; bi < 4; bi++) {
+        rk_service *svc = open_svc_f32(budgets[bi]);
+        for (int pol = 0; pol < 3; pol++)
+            for (int par = 0; par < 2; par++) {
+                rk_chunk_index_flush(svc->chunks);
+                const rk_request *want = ref[pol][par];
+                for (int hit = 0; hit < 2; hit++) {
+                    rk_request *r = repair_request(svc, pol, par, N);
+                    logit_log log = {0};
+                    run_joined(svc, r, &log);
+                    for (int k = 0; k < r->n_chunks; k++) {
+                        cr_assert_eq(r->chunk_reports[k].status,
+                                     hit ? RK_CHUNK_STATUS_HIT : RK_CHUNK_STATUS_MISS);
+                        cr_assert_eq(r->chunk_reports[k].repaired, want->chunk_reports[k].repaired,
+                                     "budget %d policy %d par %d hit %d chunk %d", budgets[bi], pol,
+                                     par, hit, k);
+                    }
+                    cr_assert_eq(r->recomputed_tokens, want->recomputed_tokens,
+                                 "budget %d policy %d par %d hit %d", budgets[bi], pol, par, hit);
+                    cr_assert_gt(r->t.repair_ms, 0);
+                    cr_assert_arr_eq(r->out_tokens, want->out_tokens, N * sizeof(int32_t),
+                                     "budget %d policy %d par %d hit %d: tokens differ from "
+                                     "the unbudgeted repair",
+                                     budgets[bi], pol, par, hit);
+                    for (int st = 0; st < N; st++) {
+                        double d = rel_diff(log.logits[0][st], ref_log[pol][par].logits[0][st],
+                                            log.n_vocab);
+                        cr_assert_leq(d, 1e-4, "budget %d policy %d par %d hit %d step %d: %g",
+                                      budgets[bi], pol, par, hit, st, d);
+                    }
+                    request_free(r);
+                    log_free(&log);
+                }
+            }
+        assert_live_pool_back(svc);
+        rk_service_close(svc);
+    }
+    for (int pol = 0; pol < 3; pol++)
+        for (int par = 0; par < 2; par++) {
+            request_free(ref[pol][par]);
+            log_free(&ref_log[pol][par]);
+        }
+}
+
+/* Deviation repair of every chunk token, fed by the steps 7 tokens at a
+ * time, gives the full-attention result (plain mode, alone). */
+Test(pipeline, stepped_deviation_repair_of_every_token_gives_the_full_attention_result) {
+    enum { N = 8 };
+    rk_service *alone = open_svc_f32(0);
+    rk_request *plain = prepare(alone, STORY, N);
+    plain->opt.mode = RK_MODE_PLAIN;
+    plain->opt.prefix_cache = 0;
+    logit_log lp = {0};
+    rk_pipeline_hooks h = {.ctx = &lp, .on_logits = keep_logits};
+    cr_assert_eq(rk_pipeline_run(alone, &plain, 1, &h), RK_OK, "%s", rk_error_message());
+    rk_service_close(alone);
+    rk_service *svc = open_svc_f32(7);
+    for (int hit = 0; hit < 2; hit++) {
+        rk_request *r = repair_request(svc, 1, 0, N);
+        r->opt.repair_ratio = 1;
+        logit_log log = {0};
+        run_joined(svc, r, &log);
+        int total = 0;
+        for (int k = 0; k < r->n_chunks; k++) total += r->chunk_lens[k];
+        cr_assert_eq(r->recomputed_tokens, total);
+        cr_assert_arr_eq(r->out_tokens, plain->out_tokens, N * sizeof(int32_t), "hit %d", hit);
+        for (int st = 0; st < N; st++) {
+            double d = rel_diff(log.logits[0][st], lp.logits[0][st], lp.n_vocab);
+            cr_assert_leq(d, 1e-4, "hit %d step %d: %g", hit, st, d);
+        }
+        request_free(r);
+        log_free(&log);
+    }
+    assert_live_pool_back(svc);
+    rk_service_close(svc);
+    request_free(plain);
+    log_free(&lp);
+}
+
+/* Steps from joining beside a decoding request to r's first token; the
+ * decoding request takes a token in each of them. */
+static int steps_joined(rk_service *svc, rk_request *r) {
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_request *other = prepare(svc, LONG_PROMPT, 1000);
+    cr_assert_eq(rk_pipeline_admit(p, &other, 1, NULL), RK_OK, "%s", rk_error_message());
+    int before = other->n_out;
+    cr_assert_eq(rk_pipeline_join(p, &r, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(other->n_out, before, "joining decoded nothing");
+    int steps = steps_to_first_token(p, r, 4000);
+    cr_assert_gt(r->n_out, 0);
+    cr_assert_eq(other->n_out, before + steps, "the decoding request took a token every step");
+    other->cancel = r->cancel = 1;
+    step_until_idle(p);
+    rk_pipeline_free(p);
+    request_free(other);
+    return steps;
+}
+
+/* At a budget of 7 a step, first_k's 4 tokens in each of STORY's chunks
+ * (more than 7 in all) are fed by the steps beside the decoding request,
+ * with the system tail and the question: its first token comes in at least
+ * ceil((system + repaired + question) / 7) steps, more than without the
+ * repair, whether its chunks were computed by the steps or found. */
+Test(pipeline, stepped_repair_runs_a_slice_a_step_beside_the_decoding_streams) {
+    rk_service *svc = open_svc_f32(7);
+    for (int hit = 0; hit < 2; hit++) {
+        if (!hit) rk_chunk_index_flush(svc->chunks);
+        int steps[2];
+        for (int repair = 0; repair < 2; repair++) {
+            if (!hit) rk_chunk_index_flush(svc->chunks);
+            rk_request *r = repair_request(svc, 0, 0, 4);
+            r->opt.repair_k = repair ? 4 : 0;
+            steps[repair] = steps_joined(svc, r);
+            cr_assert_eq(r->recomputed_tokens, repair ? 4 * r->n_chunks : 0);
+            cr_assert_gt(r->n_chunks * 4, 7);
+            if (repair) {
+                int fed = r->n_sys + r->recomputed_tokens + r->n_question;
+                cr_assert_geq(steps[1], (fed + 6) / 7, "hit %d: %d steps for %d tokens", hit,
+                              steps[1], fed);
+            }
+            request_free(r);
+        }
+        cr_assert_gt(steps[1], steps[0], "hit %d: the repair took steps of its own (%d vs %d)", hit,
+                     steps[1], steps[0]);
+    }
+    assert_live_pool_back(svc);
+    rk_service_close(svc);
+}
+
+/* A request cancelled while the steps feed its repair runs (a token a step)
+ * leaves nothing: no half-repaired sequence in the radix tree (the same
+ * request again reuses none of it and gets its tokens alone), every live
+ * block back. */
+Test(pipeline, a_request_cancelled_mid_repair_leaves_nothing_half_repaired) {
+    enum { N = 6 };
+    rk_service *alone = open_svc_f32(0);
+    rk_request *ref = repair_request(alone, 0, 0, N);
+    ref->opt.repair_k = 4;
+    ref->opt.prefix_cache = 1;
+    cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_service_close(alone);
+
+    rk_service *svc = open_svc_f32(1);
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_request *other = prepare(svc, LONG_PROMPT, 1000);
+    cr_assert_eq(rk_pipeline_admit(p, &other, 1, NULL), RK_OK, "%s", rk_error_message());
+    /* Its chunks found: the steps feed its system tail, then its repair. */
+    rk_request *warm = prepare(svc, STORY, 1);
+    warm->opt.prefix_cache = 0;
+    cr_assert_eq(rk_pipeline_join(p, &warm, 1), RK_OK, "%s", rk_error_message());
+    steps_to_first_token(p, warm, 4000);
+    rk_request *r = repair_request(svc, 0, 0, N);
+    r->opt.repair_k = 4;
+    r->opt.prefix_cache = 1;
+    cr_assert_eq(rk_pipeline_join(p, &r, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(r->chunk_reports[0].status, RK_CHUNK_STATUS_HIT);
+    cr_assert_eq(r->sys_cached, 0);
+    for (int i = 0; i < r->n_sys + 3; i++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(r->n_out, 0, "still feeding its repair runs");
+    r->cancel = 1;
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert(r->finished);
+    cr_assert_eq(r->finish_reason, RK_FINISH_CANCELLED);
+    cr_assert_eq(r->n_out, 0);
+
+    rk_request *again = repair_request(svc, 0, 0, N);
+    again->opt.repair_k = 4;
+    again->opt.prefix_cache = 1;
+    cr_assert_eq(rk_pipeline_join(p, &again, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(again->sys_cached, again->n_sys, "the whole system prompt was cached");
+    cr_assert_eq(again->conv_cached, 0, "nothing of the cancelled sequence was inserted");
+    for (int i = 0; i < 4000 && !again->finished; i++)
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(again->n_out, N);
+    cr_assert_arr_eq(again->out_tokens, ref->out_tokens, N * sizeof(int32_t));
+    other->cancel = 1;
+    step_until_idle(p);
+    assert_live_pool_back(svc);
+    rk_pipeline_free(p);
+    request_free(ref);
+    request_free(other);
+    request_free(warm);
+    request_free(r);
+    request_free(again);
+    rk_service_close(svc);
+}
+
+/* A request preempted while the steps feed its repair runs (the live pool
+ * ran dry for a decoding request) leaves nothing half-repaired either: its
+ * live blocks come back, and, joined again, it repairs from the start and
+ * gets its tokens alone. */
+Test(pipeline, a_request_preempted_mid_repair_resumes_with_its_tokens_alone) {
+    enum { N = 6 };
+    rk_service *alone = open_svc_f32(0);
+    rk_request *ref = repair_request(alone, 0, 0, N);
+    ref->opt.repair_k = 4096; /* every chunk token: a long repair */
+    cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_service_close(alone);
+
+    rk_service *svc = open_svc_f32(1);
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_request *a = prepare(svc, LONG_PROMPT, 300);
+    cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_request *b = repair_request(svc, 0, 0, N);
+    b->opt.repair_k = 4096;
+    cr_assert_eq(rk_pipeline_join(p, &b, 1), RK_OK, "%s", rk_error_message());
+    /* Through its chunks (misses) and its system tail, into its repair. */
+    for (int i = 0; i < 400 && b->recomputed_tokens == 0; i++)
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    for (int i = 0; i < b->n_sys + 1; i++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(b->n_out, 0);
+    /* Take what is left of the live pool: a's next block preempts b. */
+    int n_free = rk_arena_pool_free(svc->arena, RK_POOL_LIVE);
+    int32_t *taken = malloc((size_t)(n_free ? n_free : 1) * sizeof *taken);
+    cr_assert_eq(rk_arena_alloc(svc->arena, RK_POOL_LIVE, n_free, taken), RK_OK);
+    rk_request *back = NULL;
+    int steps = 0;
+    for (; steps < 200 && !back; steps++) {
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+        rk_pipeline_take_preempted(p, &back, 1);
+    }
+    cr_assert_eq(back, b, "b was preempted before its repair was done");
+    /* a's next block came within a block of steps: b had fed at most 1 +
+     * bs of its repair tokens. */
+    int bs = rk_arena_block_size(svc->arena);
+    cr_assert_leq(steps, bs);
+    cr_assert_gt(b->recomputed_tokens, 1 + bs, "preempted mid-repair");
+    cr_assert_eq(b->n_out, 0);
+    cr_assert_eq(rk_arena_release(svc->arena, taken, n_free), RK_OK);
+    free(taken);
+    cr_assert_null(b->state, "b holds nothing while it waits");
+    cr_assert_eq(rk_pipeline_join(p, &b, 1), RK_OK, "%s", rk_error_message());
+    for (int i = 0; i < 4000 && !b->finished; i++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(b->n_out, N);
+    cr_assert_eq(b->preemptions, 1);
+    cr_assert_eq(b->recomputed_tokens, ref->recomputed_tokens);
+    cr_assert_arr_eq(b->out_tokens, ref->out_tokens, N * sizeof(int32_t));
+    a->cancel = 1;
+    step_until_idle(p);
+    assert_live_pool_back(svc);
+    rk_pipeline_free(p);
+    request_free(ref);
+    request_free(a);
+    request_free(b);
+    rk_service_close(svc);
+}
+
 Test(pipeline, a_prompt_the_live_pool_cannot_hold_is_refused_and_the_running_ones_go_on) {
     rk_config cfg = small_config();
     cfg.live_blocks = 24;
