@@ -9,17 +9,22 @@
  *   2 system prompt: the radix match of the request's key (start_request);
  *   3 chunks: lookup (plan_chunks), then
  *     pass 1: every system-prompt tail the prefix cache did not have that
- *             pass 2, a scoring pass or an unstepped repair attends to (the
- *             others wait for the question pass); every missing chunk of
- *             the `isolated` context, alone at positions 0..n-1 into its
- *             entry's chunk-pool blocks
- *             (with rk_pipeline_join and a step budget these are "stepped"
- *             instead: the steps' passes compute them a slice at a time,
- *             step.c, and the request's stages from pass 2 on run once they
- *             are whole); every anchored miss and oracle chunk (cache off)
- *             in a scratch sequence;
- *     pass 2: missing chunks of the `system` context, in a scratch sequence
- *             that shares the request's system KV, copied into their entries;
+ *             a context chunk, a scoring pass or an unstepped repair
+ *             attends to (the others wait for the question pass); every
+ *             missing chunk, at its base positions straight into its
+ *             entry's chunk-pool blocks: alone (`isolated`), or after its
+ *             context through a run table [context, entry] (`system`: the
+ *             request's system pages; `anchor`: its anchor block, whose
+ *             token is in this pass too; feed_in_context). With
+ *             rk_pipeline_join and a step budget these are "stepped"
+ *             instead: the steps' passes compute them a slice at a time
+ *             (step.c), and the request's stages from pass 2 on run once
+ *             they are whole. The oracle's chunks (cache off) go in a
+ *             scratch sequence after their context, and so do the context
+ *             misses on a backend whose attention cannot read runs;
+ *     pass 2: on such a backend, missing chunks of the `system` context, in
+ *             a scratch sequence that shares the request's system KV; the
+ *             scratch-computed chunks are copied into their entries;
  *   4 reindex: zero-copy (the default, where the backend can): the request's
  *             table is assembled from runs, the cached chunks' own blocks
  *             among them, each attended with its shift live offset - base;

@@ -219,8 +219,15 @@ static void check_q8_0(const char *model, const char *prompt, const char *reinde
             }
             cr_assert_leq(worst, Q8_0_LOGIT_TOL, "%s context %d parallel %d: logits differ by %g",
                           reindex, ctx, par, worst);
-            cr_assert_eq(memcmp(lf.logits[0], ls.logits[0], (size_t)lo.n_vocab * sizeof(float)), 0,
-                         "a hit reads what the miss wrote");
+            /* In the `system` context the miss computes the system prompt in
+             * pass 1 beside its chunks (they attend to it), the hit in the
+             * question pass: other rows beside it, another kernel path, so
+             * its Q8_0 rows may round apart. Elsewhere the hit reads exactly
+             * what the miss wrote. */
+            if (ctx != RK_CONTEXT_SYSTEM)
+                cr_assert_eq(memcmp(lf.logits[0], ls.logits[0], (size_t)lo.n_vocab * sizeof(float)),
+                             0, "%s context %d parallel %d: a hit reads what the miss wrote",
+                             reindex, ctx, par);
             rk_request_free(&first);
             rk_request_free(&second);
             rk_request_free(&oracle);

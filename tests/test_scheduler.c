@@ -408,6 +408,63 @@ Test(pipeline, a_request_joining_a_chunk_in_progress_shares_it_and_gets_its_toke
     rk_service_close(svc);
 }
 
+/* In the `system` and `anchor` contexts too, a chunk miss is fed a slice
+ * a step beside the running stream, straight into its entry after its
+ * context (the request's system pages, or its anchor token): the chunk
+ * takes a step per 3 of its tokens, the stream decodes in every one, a
+ * second request needing it waits for that computation (computed once),
+ * and both get the tokens the request gets run alone. */
+Test(pipeline, a_context_chunk_miss_is_fed_a_slice_a_step_and_shared_in_progress, .timeout = 120) {
+    static const rk_chunk_context contexts[] = {RK_CONTEXT_SYSTEM, RK_CONTEXT_ANCHOR};
+    for (int ci = 0; ci < 2; ci++) {
+        rk_service *alone = open_svc(NULL);
+        rk_request *ref = prepare(alone, SHARED_PROMPT, 8);
+        ref->opt.chunk_context = contexts[ci];
+        cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
+        rk_service_close(alone);
+
+        rk_service *svc = open_svc_steps(NULL, 3);
+        rk_pipeline *p;
+        cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+        rk_request *a = prepare(svc, LONG_PROMPT, 4000);
+        cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
+        uint64_t computes_before = computes_now(svc);
+        rk_request *b = prepare(svc, SHARED_PROMPT, 8);
+        b->opt.chunk_context = contexts[ci];
+        cr_assert_eq(rk_pipeline_join(p, &b, 1), RK_OK, "%s", rk_error_message());
+        int a_out = a->n_out;
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+        cr_assert_eq(b->n_out, 0);
+        cr_assert_eq(a->n_out, a_out + 1, "a decoded in the same step");
+
+        rk_request *c = prepare(svc, SHARED_PROMPT, 8);
+        c->opt.chunk_context = contexts[ci];
+        cr_assert_eq(rk_pipeline_join(p, &c, 1), RK_OK, "%s", rk_error_message());
+        int steps = 1 + steps_to_first_token(p, b, 400);
+        cr_assert_geq(steps, (b->chunk_lens[0] + 2) / 3,
+                      "context %d: the %d chunk tokens took %d steps of 3", ci, b->chunk_lens[0],
+                      steps);
+        cr_assert_eq(a->n_out, a_out + steps, "context %d: a decoded in every step", ci);
+        steps_to_first_token(p, c, 400);
+        for (int i = 0; i < 400 && !(b->finished && c->finished); i++)
+            cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+        cr_assert_eq(computes_now(svc) - computes_before, 1, "context %d: computed once", ci);
+        rk_request *both[] = {b, c};
+        for (int i = 0; i < 2; i++)
+            cr_assert_arr_eq(both[i]->out_tokens, ref->out_tokens, 8 * sizeof(int32_t),
+                             "context %d, request %d: the tokens alone", ci, i);
+        a->cancel = 1;
+        step_until_idle(p);
+        assert_live_pool_back(svc);
+        rk_pipeline_free(p);
+        request_free(ref);
+        request_free(a);
+        request_free(b);
+        request_free(c);
+        rk_service_close(svc);
+    }
+}
+
 static const char *TWO_CHUNK_PROMPT = "Yet another system prompt.##Ben flew a kite in the "
                                       "park.##Mia baked bread with her mother.##Who baked bread?";
 
