@@ -21,6 +21,8 @@
 #     write delayed by each of WRITE_DELAYS ms (--store-write-delay-ms; 0
 #     passes no flag, for a build without it), at each step budget
 #     (default "64").
+# B_EXTRA='{"chunk_context": "anchor"}' (any JSON object) is merged into B's
+# request in every mode: another chunk context, a repair policy.
 # Needs curl and jq. The server restarts for each figure and stops at the end.
 set -euo pipefail
 model=${1:?usage: scripts/bench-arrival.sh MODEL [BIN] [PORT] [BUDGETS...]}
@@ -60,9 +62,9 @@ RANDOM=2027
 doc a
 a_prompt="You are a storyteller.##$DOC##Tell the story of the town in many words."
 
-body() { # body PROMPT MAX_TOKENS STREAM
-    jq -n --arg p "$1" --argjson n "$2" --argjson s "$3" \
-        '{prompt: $p, max_tokens: $n, temperature: 0, ignore_eos: true, stream: $s}'
+body() { # body PROMPT MAX_TOKENS STREAM [EXTRA]: EXTRA (a JSON object) merged in
+    jq -n --arg p "$1" --argjson n "$2" --argjson s "$3" --argjson x "${4:-{\}}" \
+        '{prompt: $p, max_tokens: $n, temperature: 0, ignore_eos: true, stream: $s} + $x'
 }
 # stream_times OUT: stream A, one arrival time (s) per content event to OUT.
 stream_times() {
@@ -109,7 +111,7 @@ arrival() {
     sleep 1.5
     t0=$EPOCHREALTIME
     curl -sf -X POST "$url/v1/completions" -H 'Content-Type: application/json' \
-        --data-binary "$(body "$2" 1 false)" >"$work/b.json"
+        --data-binary "$(body "$2" 1 false "${B_EXTRA:-{\}}")" >"$work/b.json"
     t1=$EPOCHREALTIME
     wait $a
     worst_gap=$(gaps "$work/with_b" | worst)
