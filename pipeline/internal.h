@@ -108,6 +108,12 @@ struct rk_req_state {
      * the steps' passes after the system tail and before ptok. */
     repair_run *repair;
     int n_repair, cap_repair, n_rtok, r_next;
+    /* Stepped, the deviation policy's pass too (rk_repair_score_step):
+     * while scoring, dev_next of its dev_total chunk tokens have been run
+     * through layers 0..1; dev_before holds their reused layer-1 K/V. Its
+     * runs are recorded when it ends; nothing of its prompt is fed before. */
+    int scoring, dev_next, dev_total;
+    float *dev_before;
     int row, fed_sys, fed_p, fed_r; /* in the current pass: its logits row (-1: none), tokens fed */
     rk_sampler sampler;
     int done;
@@ -230,6 +236,12 @@ int rk_repair_stepped(const admission *a, const rk_request *r);
 /* Add up to *left tokens (< 0: no limit) of the repair runs r has not fed
  * to b, in table order; *left goes down and s->fed_r is what was added. */
 rk_status rk_repair_feed(batch *b, int bs, rk_req_state *s, int *left);
+/* One slice of the deviation passes of the requests of reqs that are
+ * scoring, in a pass of the policy's layers worth budget tokens of full
+ * passes (<= 0: all of it), in b (reset); a request whose pass ends gets
+ * its runs recorded (then the steps feed them, and its question). */
+rk_status rk_repair_score_step(rk_service *svc, batch *b, rk_request *const *reqs, int n_reqs,
+                               int budget);
 
 /* ---------------------------------------------------------------- step.c */
 

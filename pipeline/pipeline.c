@@ -624,6 +624,7 @@ void rk_release_request(rk_service *svc, rk_request *r, int failed) {
     free(s->qtok);
     free(s->key);
     free(s->repair);
+    free(s->dev_before);
     free(s);
     r->state = NULL;
 }
@@ -1002,7 +1003,8 @@ void rk_queue_prompt(admission *a) {
             s->n_ptok = 1;
             s->p_idx = s->p_pos = r->n_sys - 1;
         }
-        s->prefilling = s->sys_next < r->n_sys || s->r_next < s->n_rtok || s->n_ptok > 0;
+        s->prefilling =
+            s->sys_next < r->n_sys || s->scoring || s->r_next < s->n_rtok || s->n_ptok > 0;
         if (!s->prefilling) s->n_valid = s->kv.n_tokens; /* resumed, nothing to feed */
     }
 }

@@ -108,82 +108,149 @@ static int wants_deviation(const rk_request *r, const rk_hparams *hp) {
            r->n_chunks > 0 && hp->n_layers > DEVIATION_LAYER && !rk_chunk_from_prefix(r, 0);
 }
 
-/* The deviation policy, first half: recompute layers 0..DEVIATION_LAYER for
- * every chunk token of the requests asking for it (their KV then replaces the
- * reused one in the live blocks), score each token by how far its layer-1 K/V
- * moved (a chunk's first token above all), and record the runs of the
- * repair_ratio of each request's chunk tokens that score highest, for the
- * full recompute. b: empty, for the layers 0..1 pass.
- * Sets chunk_reports[].repaired and recomputed_tokens. */
-static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int n_reqs, batch *b) {
-    const rk_hparams *hp = rk_model_hparams(svc->model);
+/* The deviation policy, first half, in three steps, so that its pass can be
+ * fed a slice at a time (rk_repair_score_step) as well as whole
+ * (deviation_select):
+ *   dev_start   saves the reused layer-1 K/V of every chunk token of r
+ *               (their KV is about to be replaced in its live blocks);
+ *   dev_feed    adds up to *left of those tokens, in table order from
+ *               dev_next, to a pass of layers 0..DEVIATION_LAYER over the
+ *               merged cache (each slice attends to the earlier ones, fresh,
+ *               as in one pass);
+ *   dev_finish  scores each token by how far its layer-1 K/V moved (a
+ *               chunk's first token above all) and records the runs of the
+ *               repair_ratio of r's chunk tokens that score highest, for
+ *               the full recompute. Sets chunk_reports[].repaired and
+ *               recomputed_tokens. */
+static rk_status dev_start(rk_service *svc, rk_request *r) {
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
-    int bs = kv->block_size, max_len = 0;
-    long total = 0;
-    for (int i = 0; i < n_reqs; i++)
-        for (int k = 0; wants_deviation(reqs[i], hp) && k < reqs[i]->n_chunks; k++) {
-            total += reqs[i]->chunk_lens[k];
-            max_len = reqs[i]->chunk_lens[k] > max_len ? reqs[i]->chunk_lens[k] : max_len;
-        }
-    if (total == 0) return RK_OK;
+    rk_req_state *s = r->state;
     size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
-    float *before = malloc((size_t)total * 2 * row * sizeof *before);
-    float *after = malloc((size_t)max_len * 2 * row * sizeof *after);
-    unsigned char *raw = malloc((size_t)bs * rk_dtype_row_bytes(kv->dtype, row));
-    dev_tok *toks = malloc((size_t)total * sizeof *toks);
-    rk_status st =
-        before && after && raw && toks
-            ? RK_OK
-            : rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for the deviation repair");
-    /* The reused K/V at the deviation layer, then layers 0..1 again over the merged cache. */
+    int total = 0;
+    for (int k = 0; k < r->n_chunks; k++) total += r->chunk_lens[k];
+    s->dev_before = malloc((size_t)total * 2 * row * sizeof *s->dev_before);
+    unsigned char *raw = malloc((size_t)kv->block_size * rk_dtype_row_bytes(kv->dtype, row));
+    rk_status st = s->dev_before && raw
+                       ? RK_OK
+                       : rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for the deviation "
+                                                 "repair");
     size_t at = 0;
-    for (int i = 0; i < n_reqs && !st; i++) {
-        rk_request *r = reqs[i];
-        for (int k = 0; wants_deviation(r, hp) && k < r->n_chunks && !st; k++) {
-            int n = r->chunk_lens[k], idx = r->state->layout.index[k];
-            st = read_kv(svc, &r->state->kv, DEVIATION_LAYER, idx, n, before + at * 2 * row,
-                         before + (at * 2 + n) * row, raw);
-            if (!st)
-                st = rk_batch_add(b, bs, &r->state->kv, r->chunks[k], n, r->state->layout.pos[k],
-                                  idx, 0);
-            at += (size_t)n;
-        }
+    for (int k = 0; k < r->n_chunks && !st; k++) {
+        int n = r->chunk_lens[k];
+        st = read_kv(svc, &s->kv, DEVIATION_LAYER, s->layout.index[k], n,
+                     s->dev_before + at * 2 * row, s->dev_before + (at * 2 + n) * row, raw);
+        at += (size_t)n;
     }
-    b->n_layers = DEVIATION_LAYER + 1;
-    if (!st) st = rk_batch_run(svc, b);
-    rk_batch_reset(b);
-    /* Score, select per request, and queue the selected runs. */
-    at = 0;
-    for (int i = 0; i < n_reqs && !st; i++) {
-        rk_request *r = reqs[i];
-        if (!wants_deviation(r, hp)) continue;
-        int n_toks = 0;
-        for (int k = 0; k < r->n_chunks && !st; k++) {
-            int n = r->chunk_lens[k], idx = r->state->layout.index[k];
-            const float *bk = before + at * 2 * row, *bv = before + (at * 2 + n) * row;
-            if ((st = read_kv(svc, &r->state->kv, DEVIATION_LAYER, idx, n, after, after + n * row,
-                              raw)))
-                break;
-            for (int t = 0; t < n; t++) {
-                double d = 0;
-                for (size_t e = 0; e < row; e++) {
-                    double dk = after[t * row + e] - bk[t * row + e];
-                    double dv = after[(n + t) * row + e] - bv[t * row + e];
-                    d += dk * dk + dv * dv;
-                }
-                /* A chunk's first token first: computed alone it was its
-                 * sequence's first, whose KV the model treats as no other
-                 * (docs/fidelity.md, "first tokens first"). */
-                toks[n_toks++] = (dev_tok){t == 0 ? FLT_MAX : (float)d, k, t};
+    free(raw);
+    s->dev_total = total;
+    s->dev_next = 0;
+    return st;
+}
+
+static rk_status dev_feed(batch *b, int bs, rk_request *r, int *left) {
+    rk_req_state *s = r->state;
+    rk_status st;
+    for (int k = 0, first = 0; k < r->n_chunks && *left != 0; first += r->chunk_lens[k++]) {
+        int off = s->dev_next - first;
+        if (off >= r->chunk_lens[k]) continue;
+        int m = r->chunk_lens[k] - off;
+        if (*left >= 0 && m > *left) m = *left;
+        if ((st = rk_batch_add(b, bs, &s->kv, r->chunks[k] + off, m, s->layout.pos[k] + off,
+                               s->layout.index[k] + off, 0)))
+            return st;
+        s->dev_next += m;
+        if (*left >= 0) *left -= m;
+    }
+    return RK_OK;
+}
+
+static rk_status dev_finish(rk_service *svc, rk_request *r) {
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    rk_req_state *s = r->state;
+    size_t row = (size_t)kv->n_kv_heads * kv->head_dim;
+    int max_len = 0;
+    for (int k = 0; k < r->n_chunks; k++)
+        max_len = r->chunk_lens[k] > max_len ? r->chunk_lens[k] : max_len;
+    float *after = malloc((size_t)max_len * 2 * row * sizeof *after);
+    unsigned char *raw = malloc((size_t)kv->block_size * rk_dtype_row_bytes(kv->dtype, row));
+    dev_tok *toks = malloc((size_t)(s->dev_total ? s->dev_total : 1) * sizeof *toks);
+    rk_status st = after && raw && toks
+                       ? RK_OK
+                       : rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for the deviation "
+                                                 "repair");
+    size_t at = 0;
+    int n_toks = 0;
+    for (int k = 0; k < r->n_chunks && !st; k++) {
+        int n = r->chunk_lens[k];
+        const float *bk = s->dev_before + at * 2 * row, *bv = s->dev_before + (at * 2 + n) * row;
+        if ((st = read_kv(svc, &s->kv, DEVIATION_LAYER, s->layout.index[k], n, after,
+                          after + n * row, raw)))
+            break;
+        for (int t = 0; t < n; t++) {
+            double d = 0;
+            for (size_t e = 0; e < row; e++) {
+                double dk = after[t * row + e] - bk[t * row + e];
+                double dv = after[(n + t) * row + e] - bv[t * row + e];
+                d += dk * dk + dv * dv;
             }
-            at += (size_t)n;
+            /* A chunk's first token first: computed alone it was its
+             * sequence's first, whose KV the model treats as no other
+             * (docs/fidelity.md, "first tokens first"). */
+            toks[n_toks++] = (dev_tok){t == 0 ? FLT_MAX : (float)d, k, t};
         }
-        if (!st) st = queue_chosen(r, toks, n_toks, (unsigned char *)after);
+        at += (size_t)n;
     }
-    free(before);
+    if (!st) st = queue_chosen(r, toks, n_toks, (unsigned char *)after);
     free(after);
     free(raw);
     free(toks);
+    free(s->dev_before);
+    s->dev_before = NULL;
+    s->scoring = 0;
+    return st;
+}
+
+/* The deviation policy's first half for the requests of reqs asking for it,
+ * in one pass of layers 0..DEVIATION_LAYER (b: empty). */
+static rk_status deviation_select(rk_service *svc, rk_request *const *reqs, int n_reqs, batch *b) {
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    int bs = rk_arena_block_size(svc->arena), all = -1;
+    rk_status st = RK_OK;
+    for (int i = 0; i < n_reqs && !st; i++)
+        if (wants_deviation(reqs[i], hp) && !reqs[i]->state->scoring &&
+            !(st = dev_start(svc, reqs[i])))
+            st = dev_feed(b, bs, reqs[i], &all);
+    b->n_layers = DEVIATION_LAYER + 1;
+    if (!st) st = rk_batch_run(svc, b);
+    rk_batch_reset(b);
+    for (int i = 0; i < n_reqs && !st; i++)
+        if (wants_deviation(reqs[i], hp) && !reqs[i]->state->scoring) st = dev_finish(svc, reqs[i]);
+    return st;
+}
+
+rk_status rk_repair_score_step(rk_service *svc, batch *b, rk_request *const *reqs, int n_reqs,
+                               int budget) {
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    int bs = rk_arena_block_size(svc->arena);
+    /* The pass runs DEVIATION_LAYER + 1 of the model's layers: a budget's
+     * worth of layer work is that many more tokens. */
+    int left = budget > 0 ? budget * (hp->n_layers / (DEVIATION_LAYER + 1)) : -1;
+    rk_status st = RK_OK;
+    rk_batch_reset(b);
+    for (int i = 0; i < n_reqs && !st; i++)
+        if (reqs[i]->state->scoring) st = dev_feed(b, bs, reqs[i], &left);
+    if (st || b->n_seq == 0) return st;
+    b->n_layers = DEVIATION_LAYER + 1;
+    double t = rk_time_now();
+    st = rk_batch_run(svc, b);
+    rk_batch_reset(b);
+    double dt = (rk_time_now() - t) * 1e3;
+    for (int i = 0; i < n_reqs && !st; i++) {
+        rk_req_state *s = reqs[i]->state;
+        if (!s->scoring) continue;
+        reqs[i]->t.repair_ms += dt;
+        if (s->dev_next == s->dev_total) st = dev_finish(svc, reqs[i]);
+    }
     return st;
 }
 
@@ -318,6 +385,14 @@ rk_status rk_stage_repair(admission *a) {
         a->reqs[i]->recomputed_tokens = 0;
         for (int k = 0; k < a->reqs[i]->n_chunks; k++) a->reqs[i]->chunk_reports[k].repaired = 0;
     }
+    /* A stepped request's deviation pass goes to the steps too
+     * (rk_repair_score_step); its runs are recorded when it ends. */
+    const rk_hparams *hp = rk_model_hparams(a->svc->model);
+    for (int i = 0; i < a->n; i++)
+        if (wants_deviation(a->reqs[i], hp) && rk_repair_stepped(a, a->reqs[i])) {
+            if ((st = dev_start(a->svc, a->reqs[i]))) return st;
+            a->reqs[i]->state->scoring = 1;
+        }
     if ((st = deviation_select(a->svc, a->reqs, a->n, a->b)) ||
         (st = query_select(a->svc, a->reqs, a->n, a->b)))
         return st;
@@ -344,7 +419,7 @@ rk_status rk_stage_repair(admission *a) {
         rk_request *r = a->reqs[i];
         r->state->r_next += r->state->fed_r;
         r->state->fed_r = 0;
-        if (r->recomputed_tokens) r->t.repair_ms = dt * 1e3;
+        if (r->recomputed_tokens || r->state->scoring) r->t.repair_ms = dt * 1e3;
     }
     return RK_OK;
 }

@@ -363,7 +363,9 @@ static rk_status run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_
         rk_req_state *s = pre[i]->state;
         s->row = -1;
         s->fed_sys = s->fed_p = s->fed_r = 0;
-        st = s->chunk_wait ? feed_chunks(p, pre[i], &left) : feed_prompt(&p->b, bs, pre[i], &left);
+        st = s->chunk_wait ? feed_chunks(p, pre[i], &left)
+             : s->scoring  ? RK_OK /* its deviation pass first: rk_repair_score_step */
+                           : feed_prompt(&p->b, bs, pre[i], &left);
         if (st) {
             p->feed.n = 0;
             return st;
@@ -599,6 +601,8 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
     /* Nothing to run but loads to wait for: wait for one, not in a spin. */
     if (p->b.n_seq == 0 && p->svc->loader && rk_loader_pending(p->svc->loader))
         rk_loader_wait(p->svc->loader, 0.01);
+    /* A slice of the deviation passes: their own pass, of fewer layers. */
+    if ((st = rk_repair_score_step(p->svc, &p->b, p->work + n_dec, n_pre, budget))) return st;
     if ((st = advance_chunk_waits(p))) return st;
     leave_finished(p);
     return RK_OK;
