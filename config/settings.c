@@ -51,8 +51,8 @@ const rk_setting rk_config_settings[] = {
     {"reindex", "reindex", RK_SET_STR, CFG_STR(reindex), 0, 0, 0, 0,
      "MODE  cached chunks: zero-copy (attended in place; default) or copy"},
     {"step_tokens", "step-tokens", RK_SET_INT, CFG_OFF(step_tokens), 0, 0, 1 << 30, 0, 0,
-     "N  prompt tokens per engine step next to decoding (chunk misses and questions; default: 64; "
-     "0 = unlimited)"},
+     "N  prompt tokens per engine step next to decoding (chunk misses, repair runs and questions;"
+     " default: 64; 0 = unlimited)"},
     {"repair", "repair", RK_SET_STR, CFG_STR(repair), 0, 0, 0, 0,
      "POLICY  repair of a request that names none or \"auto\": none (default), first_k:K, "
      "deviation:R or query:R"},
