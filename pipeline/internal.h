@@ -7,9 +7,11 @@
  *   request.c  request preparation: tokenizing the pieces, the context and
  *              max_tokens checks, the result buffers, rk_request_free.
  *   pipeline.c admission: the prompt stages in reading order (2 system
- *              prompt and 3 chunks, 3 system chunks, 4 reindex, 6 question;
- *              numbered as in docs/architecture.md), start, init and
- *              release of a request, the zero-copy run tables.
+ *              prompt and 3 chunks, 3 system chunks, 6 question; numbered
+ *              as in docs/architecture.md), start, init and release of a
+ *              request, the chunk lookups and how misses are fed.
+ *   reindex_stage.c  stage 4, reindex: the zero-copy run tables, or the
+ *              chunks copied into the request's blocks.
  *   sequence.c a request's KV into the radix tree (system pages, whole
  *              sequences).
  *   repair.c   stage 5, repair, and its policies (deviation, query, first_k).
@@ -199,7 +201,8 @@ void rk_feed_free(chunk_feed *f);
 /* ---------------------------------------------------------------- pipeline.c */
 
 int rk_chunk_from_prefix(const rk_request *r, int k);
-int rk_private_tokens(const rk_request *r, int n, int bs);
+/* Give an uncached entry's live blocks back (once). */
+void rk_drop_uncached_blocks(rk_service *svc, rk_chunk_entry *e);
 int rk_zero_copy_for(const rk_service *svc, const rk_request *r, int tell);
 /* The chunk-key policy of request r's chunks. */
 void rk_request_chunk_policy(rk_service *svc, const rk_request *r, rk_chunk_policy *p);
@@ -217,12 +220,19 @@ rk_status rk_insert_system(rk_service *svc, rk_request *r);
  * lose the caching. */
 void rk_insert_sequence(rk_service *svc, rk_request *r);
 /* The admission stages (numbered as in docs/architecture.md): 2 system
- * prompt and 3 chunks (pass 1), 3 chunks (pass 2), 4 reindex, 6 question
- * (what the question pass feeds); stage 5 is repair.c's. */
+ * prompt and 3 chunks (pass 1), 3 chunks (pass 2), 6 question (what the
+ * question pass feeds); stage 4 is reindex_stage.c's, 5 repair.c's. */
 rk_status rk_stage_system_and_chunks(admission *a);
 rk_status rk_stage_system_chunks(admission *a);
-rk_status rk_stage_reindex(admission *a);
 void rk_queue_prompt(admission *a);
+
+/* ---------------------------------------------------------------- reindex_stage.c */
+
+/* Stage 4 (reindex). */
+rk_status rk_stage_reindex(admission *a);
+/* Tokens of a zero-copy request's chunk of n tokens that are copied into
+ * private blocks: those of the blocks its `first_k` repair writes. */
+int rk_private_tokens(const rk_request *r, int n, int bs);
 /* Whether every stepped chunk of r (chunk_wait) is READY or computed. */
 int rk_chunks_computed(const rk_request *r);
 

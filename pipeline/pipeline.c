@@ -25,7 +25,7 @@
  *     pass 2: on such a backend, missing chunks of the `system` context, in
  *             a scratch sequence that shares the request's system KV; the
  *             scratch-computed chunks are copied into their entries;
- *   4 reindex: zero-copy (the default, where the backend can): the request's
+ *   4 reindex (reindex_stage.c): zero-copy (the default, where the backend can): the request's
  *             table is assembled from runs, the cached chunks' own blocks
  *             among them, each attended with its shift live offset - base;
  *             copy: one rope_shift_copy moves every chunk's KV into the
@@ -33,7 +33,8 @@
  *   5 repair: chunk tokens recomputed over the merged cache (optional,
  *             repair.c): a ratio policy's scoring pass, then the chosen
  *             runs in one pass (with rk_pipeline_join and a step budget the
- *             steps' passes feed the runs instead, after the system tail);
+ *             steps' passes run the deviation pass a slice at a time and
+ *             feed the runs, after the system tail);
  *   6 question: the question pass, the rest of each prompt (deferred system
  *             tail, question), with logits for the last token: each
  *             request's first token. With rk_pipeline_join it is part of the
@@ -395,8 +396,7 @@ static rk_status acquire_uncached(rk_service *svc, rk_request *r, int k, int bas
     return RK_OK;
 }
 
-/* Give an uncached entry's live blocks back (once). */
-static void drop_uncached_blocks(rk_service *svc, rk_chunk_entry *e) {
+void rk_drop_uncached_blocks(rk_service *svc, rk_chunk_entry *e) {
     if (e->n_blocks) rk_arena_release(svc->arena, e->blocks, e->n_blocks);
     e->n_blocks = 0;
 }
@@ -600,7 +600,7 @@ void rk_release_request(rk_service *svc, rk_request *r, int failed) {
         rk_runs_free(&sc->ctx_runs);
         free(sc->tokens);
         if (s->entries[k] && sc->uncached) {
-            drop_uncached_blocks(svc, s->entries[k]);
+            rk_drop_uncached_blocks(svc, s->entries[k]);
             free(s->entries[k]->blocks);
             free(s->entries[k]);
         } else if (s->entries[k]) {
@@ -870,111 +870,6 @@ int rk_chunks_computed(const rk_request *r) {
             return 0;
     }
     return 1;
-}
-
-/* Tokens of a zero-copy request's chunk of n tokens that are copied into
- * private blocks: those of the blocks its `first_k` repair writes. */
-int rk_private_tokens(const rk_request *r, int n, int bs) {
-    int k = r->opt.repair_k > 0 ? (r->opt.repair_k < n ? r->opt.repair_k : n) : 0;
-    int own = (k + bs - 1) / bs * bs;
-    return own < n ? own : n;
-}
-
-/* Zero-copy reindex of request r: its run table is its system blocks, each
- * chunk entry's blocks as they are (shifted by live offset - base), then its
- * live blocks; the entries it holds keep those blocks until it leaves. The
- * blocks a `first_k` repair will write are copied first (rotated to the live
- * offset, queued on copies) into private live blocks, a run of their own
- * with delta 0: copy on write at block granularity. */
-static rk_status build_runs(rk_service *svc, rk_request *r, rk_copy_plan *copies) {
-    rk_req_state *s = r->state;
-    int bs = rk_arena_block_size(svc->arena), sys_blocks = (r->n_sys + bs - 1) / bs;
-    rk_status st = RK_OK;
-    r->shared_blocks = 0;
-    if (r->n_sys) st = rk_runs_add(&s->runs, bs, s->kv.blocks, r->n_sys, 0);
-    for (int k = 0; k < r->n_chunks && !st; k++) {
-        const rk_chunk_entry *e = s->entries[k];
-        int n = e->n_tokens, m = rk_private_tokens(r, n, bs),
-            delta = s->layout.pos[k] - e->base_pos;
-        if (m) {
-            int first = s->own.n_blocks;
-            st = rk_seq_reserve(&s->own, svc->arena, RK_POOL_LIVE, (m + bs - 1) / bs * bs, NULL);
-            if (!st) {
-                s->own.n_tokens = s->own.n_blocks * bs;
-                st = rk_copy_plan_add(copies, bs, e->blocks, 0, &s->own, first * bs, m, delta);
-            }
-            if (!st) st = rk_runs_add(&s->runs, bs, s->own.blocks + first, m, 0);
-        }
-        int own = s->scratch[k].uncached; /* the request's live blocks: neither shared nor pooled */
-        if (!st && m < n) {
-            st = rk_runs_add(&s->runs, bs, e->blocks + m / bs, n - m, delta);
-            r->shared_blocks += own ? 0 : e->n_blocks - m / bs;
-        }
-        r->chunk_reports[k].zero_copy = m < n && !own;
-    }
-    if (!st)
-        st = rk_runs_add(&s->runs, bs, s->kv.blocks + sys_blocks,
-                         (s->kv.n_blocks - sys_blocks) * bs, 0);
-    return st;
-}
-
-/* Stage 4 (reindex): every chunk's KV into its request's live blocks,
- * cached ones rotated from their base to their live offset, in one copy
- * plan; or, for the zero-copy requests, their run tables. */
-rk_status rk_stage_reindex(admission *a) {
-    rk_service *svc = a->svc;
-    int bs = rk_arena_block_size(svc->arena);
-    rk_status st;
-    double t = rk_time_now();
-    int copied_tokens = 0;
-    for (int i = 0; i < a->n; i++) {
-        rk_request *r = a->reqs[i];
-        rk_req_state *s = r->state;
-        if (r->opt.mode == RK_MODE_PLAIN) continue;
-        if (s->zc) {
-            if ((st = build_runs(svc, r, a->copies))) return st;
-            for (int k = 0; k < r->n_chunks; k++)
-                copied_tokens += rk_private_tokens(r, r->chunk_lens[k], bs);
-            continue;
-        }
-        for (int k = 0; k < r->n_chunks; k++) {
-            rk_chunk_entry *e = s->entries[k];
-            if (rk_chunk_from_prefix(r, k)) continue;
-            if (e) /* cached: rotate from its base to the live offset */
-                st = rk_copy_plan_add(a->copies, bs, e->blocks, 0, &s->kv, s->layout.index[k],
-                                      e->n_tokens, s->layout.pos[k] - e->base_pos);
-            else /* oracle: computed in place already, delta 0 */
-                st = rk_copy_plan_add(a->copies, bs, s->scratch[k].kv.blocks,
-                                      s->scratch[k].src_first, &s->kv, s->layout.index[k],
-                                      r->chunk_lens[k], 0);
-            if (st) return st;
-            copied_tokens += r->chunk_lens[k];
-        }
-    }
-    if ((st = rk_copy_plan_run(a->copies, svc->be, svc->arena, rk_model_rope(svc->model))))
-        return st;
-    /* The scratch sequences' KV is in place now: their live blocks go back
-     * before decoding needs them. */
-    for (int i = 0; i < a->n; i++)
-        for (int k = 0; k < a->reqs[i]->n_chunks; k++) {
-            rk_req_state *s = a->reqs[i]->state;
-            scratch *sc = &s->scratch[k];
-            if (sc->used) rk_seq_release(&sc->kv, svc->arena);
-            sc->used = 0;
-            if (sc->uncached && !s->zc && a->reqs[i]->opt.mode == RK_MODE_RAG)
-                drop_uncached_blocks(svc, s->entries[k]); /* copied: the blocks go back */
-        }
-    double t_reindex = rk_time_now() - t;
-    for (int i = 0; i < a->n; i++) {
-        rk_request *r = a->reqs[i];
-        r->t.reindex_ms = t_reindex * 1e3;
-        for (int k = 0; k < r->n_chunks; k++) {
-            int n = r->state->zc ? rk_private_tokens(r, r->chunk_lens[k], bs) : r->chunk_lens[k];
-            r->chunk_reports[k].reindex_us =
-                copied_tokens ? t_reindex * 1e6 * n / copied_tokens : 0;
-        }
-    }
-    return RK_OK;
 }
 
 /* Stage 6 (question), its set-up: what is left of each request's prompt for
