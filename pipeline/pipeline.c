@@ -805,10 +805,12 @@ rk_status rk_stage_system_and_chunks(admission *a) {
     return RK_OK;
 }
 
-/* Stage 3 (chunks), second part: pass 2 computes the `system`-context
- * misses after their system prompt; their KV, and that of the anchored
- * misses of pass 1, is copied into their entries. Then every entry computed
- * by this admission is ready (and written through to the disk tier). */
+/* Stage 3 (chunks), second part: on a backend whose attention cannot read
+ * run tables, pass 2 computes the `system`-context misses after their
+ * system prompt in scratch sequences, and their KV, and that of the
+ * anchored misses of pass 1, is copied into their entries. Then every entry
+ * whose KV is whole (fed by pass 1 or by the steps) is ready, and written
+ * through to the tiers. */
 rk_status rk_stage_system_chunks(admission *a) {
     rk_service *svc = a->svc;
     int bs = rk_arena_block_size(svc->arena);
