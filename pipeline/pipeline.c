@@ -9,8 +9,8 @@
  *   2 system prompt: the radix match of the request's key (start_request);
  *   3 chunks: lookup (plan_chunks), then
  *     pass 1: every system-prompt tail the prefix cache did not have that
- *             a context chunk, a scoring pass or an unstepped repair
- *             attends to (the others wait for the question pass); every
+ *             an unstepped `system` chunk, a scoring pass or an unstepped
+ *             repair attends to (the others wait for the question pass); every
  *             missing chunk, at its base positions straight into its
  *             entry's chunk-pool blocks: alone (`isolated`), or after its
  *             context through a run table [context, entry] (`system`: the
@@ -429,7 +429,8 @@ static rk_status feed_isolated(admission *a, rk_request *r, int k) {
 /* A `system`- or `anchor`-context chunk fed like an isolated one (as
  * feed_isolated: in pass 1, or by the steps, the request waiting for it),
  * straight into its entry's blocks after its n_ctx context tokens: the
- * request's system pages (computed in pass 1 first: needs_system_first) or
+ * request's system pages (computed first: in pass 1, needs_system_first, or
+ * stepped, by the steps before the chunk, feed_chunks) or
  * its anchor block (the anchor token, added to pass 1 here once). The
  * sequence fed is the run table [context, entry blocks], so every holder of
  * the entry can carry the computation on: each has the same context tokens
@@ -738,7 +739,9 @@ static int needs_system_first(const admission *a, const rk_request *r) {
     if (r->opt.mode != RK_MODE_RAG) return 0;
     for (int k = 0; k < r->n_chunks; k++) {
         const scratch *sc = &r->state->scratch[k];
-        if (sc->pass2 || (sc->ctx_runs.n_runs && r->opt.chunk_context == RK_CONTEXT_SYSTEM))
+        /* A stepped one: the steps feed the system tail before it (feed_chunks). */
+        if (sc->pass2 ||
+            (sc->ctx_runs.n_runs && !sc->stepped && r->opt.chunk_context == RK_CONTEXT_SYSTEM))
             return 1;
     }
     if (r->opt.repair_ratio > 0) return 1;

@@ -323,11 +323,26 @@ static rk_status feed_prompt(batch *b, int bs, rk_request *r, int *left) {
 }
 
 /* Feed r's stepped chunks that are still being computed into b, at most
- * *left tokens, each entry once a pass whoever else needs it. */
+ * *left tokens, each entry once a pass whoever else needs it. In the
+ * `system` context, r's system tail first: its chunks attend to its system
+ * pages (a slice that ends the tail may share the pass with chunk slices:
+ * every token's KV is written before a layer's attention reads it). */
 static rk_status feed_chunks(rk_pipeline *p, rk_request *r, int *left) {
     rk_req_state *s = r->state;
     int bs = rk_arena_block_size(p->svc->arena);
     rk_status st;
+    if (r->opt.chunk_context == RK_CONTEXT_SYSTEM && s->sys_next < r->n_sys) {
+        int n = r->n_sys - s->sys_next < *left ? r->n_sys - s->sys_next : *left;
+        if (n <= 0) return RK_OK;
+        /* The system pages lead the request's own blocks (its run table
+         * comes with the reindex, after the chunks). */
+        if ((st = rk_batch_add(&p->b, bs, &s->kv, r->sys + s->sys_next, n, s->sys_next, s->sys_next,
+                               0)))
+            return st;
+        s->fed_sys = n;
+        *left -= n;
+        if (s->sys_next + n < r->n_sys) return RK_OK;
+    }
     for (int k = 0; k<r->n_chunks && * left> 0; k++) {
         scratch *sc = &s->scratch[k];
         if (sc->stepped && (st = rk_feed_chunk(&p->b, bs, &p->feed, s->entries[k], &sc->kv,
@@ -398,7 +413,9 @@ static rk_status run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_
         s->p_next += s->fed_p;
         if (s->fed_sys && s->sys_next == r->n_sys && s->n_insert && (st = rk_insert_system(svc, r)))
             return st;
-        if (s->sys_next < r->n_sys || s->r_next < s->n_rtok || s->p_next < s->n_ptok) continue;
+        if (s->chunk_wait || s->sys_next < r->n_sys || s->r_next < s->n_rtok ||
+            s->p_next < s->n_ptok)
+            continue;
         s->prefilling = 0;
         s->n_valid = s->kv.n_tokens;
         if (s->row >= 0) take_token(svc, r, p->b.logits + (size_t)s->row * n_vocab, hooks);
