@@ -89,6 +89,13 @@ static rk_status hand_to_redis(rk_service *svc, rk_redis_value *value,
     return RK_OK;
 }
 
+/* Free a write job and the copies it owned. */
+static void free_write(rk_load *ld) {
+    free(ld->write_tokens);
+    free(ld->write_body);
+    free(ld);
+}
+
 /* A write the writer finished, or one that never started (st: its status,
  * why: its message): the put ends (the row commits), and value goes on to
  * Redis. A failed disk write does not keep the chunk from the fleet. */
@@ -97,9 +104,7 @@ static rk_status end_write(rk_service *svc, rk_load *ld) {
     if (st)
         RK_LOG_WARN("chunk %s not persisted: %s", ld->key, ld->st ? ld->why : rk_error_message());
     rk_status rs = hand_to_redis(svc, ld->value, ld->has_release ? &ld->release : NULL);
-    free(ld->write_tokens);
-    free(ld->write_body);
-    free(ld);
+    free_write(ld);
     return st ? st : rs;
 }
 
@@ -342,9 +347,7 @@ void rk_persist_drop_load(void *ctx, rk_load *ld) {
         rk_store_put_abandon(svc->store, ld->write);
         rk_redis_value_free(ld->value);
         if (ld->has_release) (void)rk_redis_unlock(svc->redis, &ld->release);
-        free(ld->write_tokens);
-        free(ld->write_body);
-        free(ld);
+        free_write(ld);
         return;
     }
     if (ld->tier == RK_LOAD_REDIS && !ld->st && ld->found == RK_REDIS_FOUND_LOCK)

@@ -1062,18 +1062,25 @@ Test(pipeline, stepped_repair_runs_a_slice_a_step_beside_the_decoding_streams) {
     rk_service_close(svc);
 }
 
+/* STORY with first_k repair of repair_k tokens (prefix cache as given), its
+ * first n tokens through the unbudgeted path on a service of its own. */
+static rk_request *first_k_alone(int repair_k, int prefix_cache, int n) {
+    rk_service *alone = open_svc_f32(0);
+    rk_request *ref = repair_request(alone, 0, 0, n);
+    ref->opt.repair_k = repair_k;
+    ref->opt.prefix_cache = prefix_cache;
+    cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_service_close(alone);
+    return ref;
+}
+
 /* A request cancelled while the steps feed its repair runs (a token a step)
  * leaves nothing: no half-repaired sequence in the radix tree (the same
  * request again reuses none of it and gets its tokens alone), every live
  * block back. */
 Test(pipeline, a_request_cancelled_mid_repair_leaves_nothing_half_repaired) {
     enum { N = 6 };
-    rk_service *alone = open_svc_f32(0);
-    rk_request *ref = repair_request(alone, 0, 0, N);
-    ref->opt.repair_k = 4;
-    ref->opt.prefix_cache = 1;
-    cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
-    rk_service_close(alone);
+    rk_request *ref = first_k_alone(4, 1, N);
 
     rk_service *svc = open_svc_f32(1);
     rk_pipeline *p;
@@ -1127,11 +1134,7 @@ Test(pipeline, a_request_cancelled_mid_repair_leaves_nothing_half_repaired) {
  * gets its tokens alone. */
 Test(pipeline, a_request_preempted_mid_repair_resumes_with_its_tokens_alone) {
     enum { N = 6 };
-    rk_service *alone = open_svc_f32(0);
-    rk_request *ref = repair_request(alone, 0, 0, N);
-    ref->opt.repair_k = 4096; /* every chunk token: a long repair */
-    cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
-    rk_service_close(alone);
+    rk_request *ref = first_k_alone(4096, 0, N); /* every chunk token: a long repair */
 
     rk_service *svc = open_svc_f32(1);
     rk_pipeline *p;
