@@ -113,9 +113,11 @@ struct rk_req_state {
     /* Stepped, the deviation policy's pass too (rk_repair_score_step):
      * while scoring, dev_next of its dev_total chunk tokens have been run
      * through layers 0..1; dev_before holds their reused layer-1 K/V. Its
-     * runs are recorded when it ends; nothing of its prompt is fed before. */
+     * runs are recorded when it ends; nothing of its prompt is fed before.
+     * q_mass: the query policy's attention score of each chunk token, in
+     * chunk order, until the deviation pass ends (repair.c fuse_ranks). */
     int scoring, dev_next, dev_total;
-    float *dev_before;
+    float *dev_before, *q_mass;
     int row, fed_sys, fed_p, fed_r; /* in the current pass: its logits row (-1: none), tokens fed */
     rk_sampler sampler;
     int done;

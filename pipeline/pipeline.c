@@ -626,6 +626,7 @@ void rk_release_request(rk_service *svc, rk_request *r, int failed) {
     free(s->key);
     free(s->repair);
     free(s->dev_before);
+    free(s->q_mass);
     free(s);
     r->state = NULL;
 }

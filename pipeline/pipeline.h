@@ -184,9 +184,10 @@ typedef struct rk_req_options {
      * K/V move most when layers 0..1 are recomputed over the merged cache
      * (0 = off; those two layers are then recomputed for every chunk token).
      * query (repair_query set, with repair_ratio): the repair_ratio of the
-     * request's chunk tokens that the question attends to most, measured by
-     * a question pass over the reused KV up to a middle layer (see
-     * docs/fidelity.md); instead of deviation. */
+     * request's chunk tokens that the question's attention (a question pass
+     * over the reused KV, its last layer) or the deviation ranks highest,
+     * the two ranks taken in turn (see docs/fidelity.md). Every chunk's
+     * first token ranks first in both ratio policies. */
     int repair_k;
     float repair_ratio;
     /* The cache scope (rk_cache_scope; {0, 0} = none): it goes into every

@@ -2,12 +2,12 @@
  * pipeline.c): reused chunk tokens recomputed over the merged cache, chosen
  * by the request's policy: the deviation policy (every chunk's first token,
  * then the tokens whose layer-1 K/V moved most), the query policy (every
- * chunk's first token, then the tokens the question attends to most), or
- * `first_k` (each chunk's first repair_k tokens). The chosen runs are
- * recorded in the request's state and recomputed in one pass at admission,
- * or, for a request joined with a step budget, fed by the steps' passes a
- * slice within the budget at a time (feed_prompt in step.c). */
-#include <float.h>
+ * chunk's first token, then the tokens that either the question's attention
+ * or the layer-1 deviation ranks high), or `first_k` (each chunk's first
+ * repair_k tokens). The chosen runs are recorded in the request's state and
+ * recomputed in one pass at admission, or, for a request joined with a step
+ * budget, fed by the steps' passes a slice within the budget at a time
+ * (feed_prompt in step.c). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,13 +46,16 @@ static rk_status read_kv(rk_service *svc, const rk_seq *seq, int layer, int idx0
     return RK_OK;
 }
 
+/* A chunk token to rank: chunk first tokens before the others, then by
+ * score, highest first. */
 typedef struct dev_tok {
-    float score; /* squared distance of its layer-1 K and V, reused to fresh */
+    double score;
     int chunk, off;
 } dev_tok;
 
 static int by_score_desc(const void *a, const void *b) {
     const dev_tok *x = a, *y = b;
+    if ((x->off == 0) != (y->off == 0)) return x->off == 0 ? -1 : 1;
     if (x->score != y->score) return x->score < y->score ? 1 : -1;
     return x->chunk != y->chunk ? x->chunk - y->chunk : x->off - y->off; /* stable */
 }
@@ -75,8 +78,9 @@ static rk_status add_run(rk_request *r, int k, int off, int n) {
     return RK_OK;
 }
 
-/* Both ratio policies, second half: sort r's n_toks scored chunk tokens,
- * take the repair_ratio of them that score highest, and record their runs
+/* Both ratio policies, second half: sort r's n_toks scored chunk tokens
+ * (every chunk's first token first, see by_score_desc), take the
+ * repair_ratio of them that rank highest, and record their runs
  * (one per run of consecutive chosen tokens of a chunk) for the full
  * recompute. sel: scratch of the longest chunk's length. Sets
  * chunk_reports[].repaired and recomputed_tokens. */
@@ -103,12 +107,44 @@ static rk_status queue_chosen(rk_request *r, dev_tok *toks, int n_toks, unsigned
     return st;
 }
 
+/* Both ratio policies measure the deviation (the query policy ranks by it
+ * beside the question's attention); a model of one layer has none. */
 static int wants_deviation(const rk_request *r, const rk_hparams *hp) {
-    return r->opt.repair_ratio > 0 && !r->opt.repair_query && r->opt.mode == RK_MODE_RAG &&
-           r->n_chunks > 0 && hp->n_layers > DEVIATION_LAYER && !rk_chunk_from_prefix(r, 0);
+    return r->opt.repair_ratio > 0 && r->opt.mode == RK_MODE_RAG && r->n_chunks > 0 &&
+           hp->n_layers > DEVIATION_LAYER && !rk_chunk_from_prefix(r, 0);
 }
 
-/* The deviation policy, first half, in three steps, so that its pass can be
+/* The query policy's ranking: the better of a token's two ranks, by the
+ * question's attention mass (q_mass) and by its deviation (score), the
+ * other rank breaking ties, so the two lists are taken in turn. toks[]:
+ * scored by deviation, in the order of q_mass. */
+static rk_status fuse_ranks(dev_tok *toks, const float *q_mass, int n) {
+    dev_tok *order = malloc((size_t)n * sizeof *order);
+    int *by_dev = malloc((size_t)n * sizeof *by_dev), *by_q = malloc((size_t)n * sizeof *by_q);
+    rk_status st = order && by_dev && by_q
+                       ? RK_OK
+                       : rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for the query repair");
+    for (int pass = 0; pass < 2 && !st; pass++) {
+        int *rank = pass ? by_q : by_dev;
+        for (int j = 0; j < n; j++) /* chunk is free here: it carries the index */
+            order[j] = (dev_tok){pass ? q_mass[j] : toks[j].score, j, 1};
+        qsort(order, (size_t)n, sizeof *order, by_score_desc);
+        for (int j = 0; j < n; j++) rank[order[j].chunk] = j;
+    }
+    for (int j = 0; j < n && !st; j++) {
+        int lo = by_dev[j] < by_q[j] ? by_dev[j] : by_q[j];
+        int hi = by_dev[j] < by_q[j] ? by_q[j] : by_dev[j];
+        /* A first token keeps its deviation: first tokens are ranked among
+         * themselves by how far they moved. */
+        if (toks[j].off != 0) toks[j].score = -(lo + (double)hi / (n + 1.0));
+    }
+    free(order);
+    free(by_dev);
+    free(by_q);
+    return st;
+}
+
+/* The deviation pass, in three steps, so that its pass can be
  * fed a slice at a time (rk_repair_score_step) as well as whole
  * (deviation_select):
  *   dev_start   saves the reused layer-1 K/V of every chunk token of r
@@ -117,11 +153,12 @@ static int wants_deviation(const rk_request *r, const rk_hparams *hp) {
  *               dev_next, to a pass of layers 0..DEVIATION_LAYER over the
  *               merged cache (each slice attends to the earlier ones, fresh,
  *               as in one pass);
- *   dev_finish  scores each token by how far its layer-1 K/V moved (a
- *               chunk's first token above all) and records the runs of the
- *               repair_ratio of r's chunk tokens that score highest, for
- *               the full recompute. Sets chunk_reports[].repaired and
- *               recomputed_tokens. */
+ *   dev_finish  scores each token by how far its layer-1 K/V moved (the
+ *               query policy: fused with the question's attention ranks,
+ *               fuse_ranks) and records the runs of the repair_ratio of r's
+ *               chunk tokens that rank highest (a chunk's first token above
+ *               all), for the full recompute. Sets chunk_reports[].repaired
+ *               and recomputed_tokens. */
 static rk_status dev_start(rk_service *svc, rk_request *r) {
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
     rk_req_state *s = r->state;
@@ -193,19 +230,23 @@ static rk_status dev_finish(rk_service *svc, rk_request *r) {
                 double dv = after[(n + t) * row + e] - bv[t * row + e];
                 d += dk * dk + dv * dv;
             }
-            /* A chunk's first token first: computed alone it was its
-             * sequence's first, whose KV the model treats as no other
-             * (docs/fidelity.md, "first tokens first"). */
-            toks[n_toks++] = (dev_tok){t == 0 ? FLT_MAX : (float)d, k, t};
+            /* A chunk's first token ranks first (by_score_desc): computed
+             * alone it was its sequence's first, whose KV the model treats
+             * as no other (docs/fidelity.md, "first tokens first"); among
+             * first tokens the deviation decides too. */
+            toks[n_toks++] = (dev_tok){d, k, t};
         }
         at += (size_t)n;
     }
+    if (!st && s->q_mass) st = fuse_ranks(toks, s->q_mass, n_toks);
     if (!st) st = queue_chosen(r, toks, n_toks, (unsigned char *)after);
     free(after);
     free(raw);
     free(toks);
     free(s->dev_before);
+    free(s->q_mass);
     s->dev_before = NULL;
+    s->q_mass = NULL;
     s->scoring = 0;
     return st;
 }
@@ -263,16 +304,17 @@ static int wants_query(const rk_request *r) {
 
 /* The query policy, first half: run every asking request's question over its
  * merged (reused, not yet repaired) cache through its last layer (the
- * question's KV written there is overwritten by the question pass), score
- * each chunk token by the attention mass the question's rows and heads give
- * it at the last layer (rk_attn_key_mass), and record the runs of the
- * repair_ratio of each request's chunk tokens that score highest. A chunk's
- * first token ranks before the chunk tokens that are not first: computed
- * alone it was position 0, the chunk's attention sink, and its reused KV is
- * the furthest from full attention (on ragqa first_k:1 alone recovers most
- * of the loss; see docs/fidelity.md for the variants measured). Among first
- * tokens, and among the rest, the question's attention decides. Sets
- * chunk_reports[].repaired and recomputed_tokens. */
+ * question's KV written there is overwritten by the question pass) and
+ * score each chunk token by the attention mass the question's rows and
+ * heads give it at the last layer (rk_attn_key_mass). The scores wait in
+ * the request's state for its deviation pass, which runs after this one
+ * (at admission or in the steps) and ranks by both (fuse_ranks): the
+ * question finds the sentence it asks about, whose pronoun often moved
+ * little by layer 1, and the deviation finds the tokens whose reused KV
+ * moved most, which the question's attention at one layer misses (see
+ * docs/fidelity.md for the variants measured). On a model without a
+ * deviation layer the mass alone ranks, and the runs are recorded here.
+ * Sets chunk_reports[].repaired and recomputed_tokens then. */
 static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_reqs, batch *b) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
@@ -327,11 +369,20 @@ static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_re
             if (st) break;
             qr += (size_t)r->n_question;
         }
-        double first = (double)r->n_question * hp->n_heads + 1; /* above any mass */
+        if (wants_deviation(r, hp)) {
+            for (int k = 0; k < r->n_chunks; k++) n_toks += r->chunk_lens[k];
+            if (!(r->state->q_mass = malloc((size_t)n_toks * sizeof *r->state->q_mass))) {
+                st = rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for the query repair");
+                break;
+            }
+            for (int k = 0, j = 0; k < r->n_chunks; k++)
+                for (int t = 0; t < r->chunk_lens[k]; t++)
+                    r->state->q_mass[j++] = (float)mass[L->index[k] + t];
+            continue;
+        }
         for (int k = 0; k < r->n_chunks; k++)
             for (int t = 0; t < r->chunk_lens[k]; t++)
-                toks[n_toks++] =
-                    (dev_tok){(float)(mass[L->index[k] + t] + (t == 0 ? first : 0)), k, t};
+                toks[n_toks++] = (dev_tok){mass[L->index[k] + t], k, t};
         st = queue_chosen(r, toks, n_toks, sel);
     }
     rk_batch_free(&qb);
@@ -393,8 +444,9 @@ rk_status rk_stage_repair(admission *a) {
             if ((st = dev_start(a->svc, a->reqs[i]))) return st;
             a->reqs[i]->state->scoring = 1;
         }
-    if ((st = deviation_select(a->svc, a->reqs, a->n, a->b)) ||
-        (st = query_select(a->svc, a->reqs, a->n, a->b)))
+    /* The question's pass first: it reads the chunks' KV as reused. */
+    if ((st = query_select(a->svc, a->reqs, a->n, a->b)) ||
+        (st = deviation_select(a->svc, a->reqs, a->n, a->b)))
         return st;
     for (int i = 0; i < a->n; i++) {
         rk_request *r = a->reqs[i];

@@ -403,6 +403,48 @@ Test(eval, task_runs_end_to_end_on_stories260K) {
     free(model);
 }
 
+/* Exact match of cfg's answers, overall (type NULL) or of one type, in
+ * points. */
+static double em_points(json_t *root, const char *cfg, const char *type) {
+    json_t *c = config(root, cfg);
+    if (type) c = json_object_get(json_object_get(c, "per_type"), type);
+    return 100 * num(c, "exact_match");
+}
+
+/* The repair policies on all of ragqa's dev set: isolation costs coref
+ * answers, and the ratio policies bring them back within the goal's
+ * budgets. deviation:0.05 lost 6.5 points when the first tokens it
+ * recomputes were taken in chunk order instead of by their deviation;
+ * query:0.1 lost 2.5 with the question's attention alone. */
+Test(eval, ratio_policies_keep_ragqa_answers_within_budget, .timeout = 120) {
+    char *model, *dev;
+    RK_REQUIRE_SHARED(model, "models/ragqa/ragqa.gguf");
+    RK_REQUIRE_SHARED(dev, "models/ragqa/dev.jsonl");
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd,
+             "%s eval --task %s --model %s -n 8 --threads 2 --json --configs "
+             "plain,none,deviation:0.05,query:0.05,query:0.1",
+             RK_BIN, dev, model);
+    char *out = NULL;
+    cr_assert_eq(rk_test_run(cmd, &out), 0, "%s", out ? out : "");
+    json_t *root = json_loads(out, 0, NULL);
+    cr_assert_not_null(root, "%s", out);
+    free(out);
+    double plain = em_points(root, "plain", NULL), coref = em_points(root, "plain", "coref");
+    cr_assert_geq(coref - em_points(root, "none", "coref"), 20);
+    const char *at5[] = {"deviation:0.05", "query:0.05"};
+    for (int i = 0; i < 2; i++) {
+        cr_assert_leq(num(config(root, at5[i]), "recomputed_share"), 0.05);
+        cr_assert_geq(em_points(root, at5[i], NULL), plain - 3, "%s", at5[i]);
+    }
+    cr_assert_leq(num(config(root, "query:0.1"), "recomputed_share"), 0.15);
+    cr_assert_geq(em_points(root, "query:0.1", NULL), plain - 1);
+    cr_assert_geq(em_points(root, "query:0.1", "coref"), coref - 1.1, "one coref answer of 92");
+    json_decref(root);
+    free(model);
+    free(dev);
+}
+
 Test(eval, task_on_ragqa_scores_answers_and_calibrates, .timeout = 120) {
     char *model, *dev;
     RK_REQUIRE_SHARED(model, "models/ragqa/ragqa.gguf");
