@@ -36,8 +36,8 @@
     "none,first_k:1,first_k:2,first_k:4,first_k:8,first_k:16,deviation:0.02,deviation:0.05,"       \
     "deviation:0.1,deviation:0.15,deviation:0.3"
 #define DEFAULT_TASK_CONFIGS                                                                       \
-    "plain,none,first_k:2,first_k:4,first_k:8,deviation:0.05,deviation:0.15,deviation:0.3,"        \
-    "query:0.05,query:0.15,query:0.3"
+    "plain,none,first_k:2,first_k:4,first_k:8,deviation:0.05,deviation:0.1,deviation:0.15,"        \
+    "deviation:0.3,query:0.05,query:0.1,query:0.15,query:0.3"
 
 /* ---------------------------------------------------------------- options */
 
@@ -65,7 +65,7 @@ static const char *k_extra_help =
     "                          deviation:R   recompute the share R (0 < R <= 1) of chunk tokens\n"
     "                                        whose layer-1 K/V deviate most\n"
     "                          query:R       recompute the share R of chunk tokens the question\n"
-    "                                        attends to most\n"
+    "                                        attends to most or that deviate most, in turn\n"
     "                        (--task default: " DEFAULT_TASK_CONFIGS ")\n"
     "  -n N                  tokens per request, 1 to 4096 (default: 24)\n";
 

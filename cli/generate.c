@@ -115,7 +115,8 @@ static const rk_setting k_generate_settings[] = {
     {"repair_ratio", "repair-ratio", RK_SET_FLOAT, G_OFF(opt.repair_ratio), 0, 0, 1, 0, 0,
      "R  repair: recompute the fraction R of chunk tokens that deviate most (0 = off)"},
     {"repair_query", "repair-query", RK_SET_BOOL, G_OFF(opt.repair_query), 0, 0, 1, 0, 0,
-     "  with --repair-ratio: choose the tokens the question attends to most (policy query)"},
+     "  with --repair-ratio: the tokens the question attends to most or that deviate most, "
+     "in turn (policy query)"},
     {"logprobs", "logprobs", RK_SET_INT, G_OFF(opt.n_logprobs), 0, 0, 20, 0, 0,
      "N  top-N log-probabilities per token (0-20, with --json)"},
     {"json", "json", RK_SET_BOOL, G_OFF(json), 0, 0, 1, 0, 0,

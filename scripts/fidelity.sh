@@ -14,11 +14,12 @@ mkdir -p "$out"
     --configs plain,none,first_k:1,first_k:2,first_k:4,first_k:8,first_k:16,deviation:0.02,deviation:0.05,deviation:0.1,deviation:0.15,deviation:0.3
 
 # Answer accuracy on ragqa (docs/fidelity.md, "Results: ragqa"): the whole
-# dev set with the plot, its two halves, the other chunk contexts, and the
-# calibration chosen on the first half.
+# dev set with the plot, its two halves, the other chunk contexts, the
+# calibration chosen on the first half, and two generated sets of 1,000
+# (scripts/coref-set.py, seeds 7 and 11).
 ragqa=${RAGQA:-../shared/models/ragqa}
 if [ -f "$ragqa/ragqa.gguf" ]; then
-    configs=plain,none,first_k:2,first_k:4,first_k:8,deviation:0.05,deviation:0.15,deviation:0.3,query:0.05,query:0.15,query:0.3
+    configs=plain,none,first_k:2,first_k:4,first_k:8,deviation:0.05,deviation:0.1,deviation:0.15,deviation:0.3,query:0.05,query:0.1,query:0.15,query:0.3
     task=(--model "$ragqa/ragqa.gguf" -n 8 --threads 1 --configs "$configs")
     "$bin" eval --task "$ragqa/dev.jsonl" "${task[@]}" --plot "$out/fidelity-ragqa.svg"
     head -100 "$ragqa/dev.jsonl" >"$out/ragqa-first100.jsonl"
@@ -28,5 +29,9 @@ if [ -f "$ragqa/ragqa.gguf" ]; then
     "$bin" eval --task "$out/ragqa-last100.jsonl" "${task[@]}"
     for ctx in anchor system; do
         "$bin" eval --task "$ragqa/dev.jsonl" "${task[@]}" --chunk-context "$ctx"
+    done
+    for seed in 7 11; do
+        python3 "$(dirname "$0")/coref-set.py" 1000 "$seed" >"$out/coref-$seed.jsonl"
+        "$bin" eval --task "$out/coref-$seed.jsonl" "${task[@]}"
     done
 fi
