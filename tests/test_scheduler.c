@@ -1001,32 +1001,36 @@ static int steps_joined(rk_service *svc, rk_request *r) {
     return steps;
 }
 
-/* At a budget of 7 a step, the deviation policy's pass over every chunk
- * token (of its 2 layers: 7 x n_layers / 2 tokens a step) and then its
- * chosen runs and the question are fed by the steps beside the decoding
- * request: the first token comes in at least as many steps as the two
- * take, with the chunks found (the pass and the runs are all that is
- * left). */
+/* At a budget of 7 a step, a ratio policy's deviation pass over every
+ * chunk token (of its 2 layers: 7 x n_layers / 2 tokens a step) and then
+ * its chosen runs and the question are fed by the steps beside the
+ * decoding request: the first token comes in at least as many steps as the
+ * two take, with the chunks found (the pass and the runs are all that is
+ * left). The query policy (policy 2) has the pass too, after its question
+ * pass at admission. */
 Test(pipeline, the_deviation_pass_runs_a_slice_a_step_beside_the_decoding_streams) {
     rk_service *svc = open_svc_f32(7);
     rk_request *warm = repair_request(svc, 1, 0, 1);
     cr_assert_eq(rk_pipeline_run(svc, &warm, 1, NULL), RK_OK, "%s", rk_error_message());
     request_free(warm);
-    rk_request *r = repair_request(svc, 1, 0, 4);
-    int steps = steps_joined(svc, r);
-    int chunk_tokens = 0;
-    for (int k = 0; k < r->n_chunks; k++) {
-        cr_assert_eq(r->chunk_reports[k].status, RK_CHUNK_STATUS_HIT);
-        chunk_tokens += r->chunk_lens[k];
+    for (int policy = 1; policy <= 2; policy++) {
+        rk_request *r = repair_request(svc, policy, 0, 4);
+        int steps = steps_joined(svc, r);
+        int chunk_tokens = 0;
+        for (int k = 0; k < r->n_chunks; k++) {
+            cr_assert_eq(r->chunk_reports[k].status, RK_CHUNK_STATUS_HIT);
+            chunk_tokens += r->chunk_lens[k];
+        }
+        int slice = 7 * (rk_model_hparams(svc->model)->n_layers / 2);
+        int pass_steps = (chunk_tokens + slice - 1) / slice;
+        int feed_steps = (r->recomputed_tokens + r->n_question + 6) / 7;
+        cr_assert_gt(pass_steps, 1, "%d chunk tokens, %d a step", chunk_tokens, slice);
+        cr_assert_geq(steps, pass_steps + feed_steps,
+                      "policy %d, %d steps: %d for the pass, %d for the rest", policy, steps,
+                      pass_steps, feed_steps);
+        cr_assert_gt(r->t.repair_ms, 0);
+        request_free(r);
     }
-    int slice = 7 * (rk_model_hparams(svc->model)->n_layers / 2);
-    int pass_steps = (chunk_tokens + slice - 1) / slice;
-    int feed_steps = (r->recomputed_tokens + r->n_question + 6) / 7;
-    cr_assert_gt(pass_steps, 1, "%d chunk tokens, %d a step", chunk_tokens, slice);
-    cr_assert_geq(steps, pass_steps + feed_steps, "%d steps: %d for the pass, %d for the rest",
-                  steps, pass_steps, feed_steps);
-    cr_assert_gt(r->t.repair_ms, 0);
-    request_free(r);
     assert_live_pool_back(svc);
     rk_service_close(svc);
 }
