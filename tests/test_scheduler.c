@@ -1132,6 +1132,40 @@ Test(pipeline, a_request_cancelled_mid_repair_leaves_nothing_half_repaired) {
     rk_service_close(svc);
 }
 
+/* A query-repaired request cancelled before its deviation pass ends (its
+ * question's scores waiting in its state for the pass to end) finishes
+ * cancelled, and every live block comes back; what it held is freed (the
+ * sanitizer build checks that). */
+Test(pipeline, a_query_request_cancelled_mid_scoring_gives_everything_back) {
+    rk_service *svc = open_svc_f32(1);
+    rk_request *warm = repair_request(svc, 1, 0, 1);
+    cr_assert_eq(rk_pipeline_run(svc, &warm, 1, NULL), RK_OK, "%s", rk_error_message());
+    request_free(warm);
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_request *other = prepare(svc, LONG_PROMPT, 1000);
+    cr_assert_eq(rk_pipeline_admit(p, &other, 1, NULL), RK_OK, "%s", rk_error_message());
+    rk_request *r = repair_request(svc, 2, 0, 4);
+    cr_assert_eq(rk_pipeline_join(p, &r, 1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(r->chunk_reports[0].status, RK_CHUNK_STATUS_HIT);
+    /* At a token a step its system tail and its pass take many steps: its
+     * runs are chosen at the pass's end. */
+    for (int i = 0; i < 3; i++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(r->recomputed_tokens, 0, "nothing chosen yet: still scoring");
+    r->cancel = 1;
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert(r->finished);
+    cr_assert_eq(r->finish_reason, RK_FINISH_CANCELLED);
+    cr_assert_eq(r->n_out, 0);
+    other->cancel = 1;
+    step_until_idle(p);
+    assert_live_pool_back(svc);
+    rk_pipeline_free(p);
+    request_free(other);
+    request_free(r);
+    rk_service_close(svc);
+}
+
 /* A request preempted while the steps feed its repair runs (the live pool
  * ran dry for a decoding request) leaves nothing half-repaired either: its
  * live blocks come back, and, joined again, it repairs from the start and
