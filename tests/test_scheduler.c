@@ -1078,6 +1078,16 @@ static rk_request *first_k_alone(int repair_k, int prefix_cache, int n) {
     return ref;
 }
 
+/* Cancel r before its first token: the next step finishes it, cancelled,
+ * with nothing out. */
+static void cancel_unanswered(rk_pipeline *p, rk_request *r) {
+    r->cancel = 1;
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert(r->finished);
+    cr_assert_eq(r->finish_reason, RK_FINISH_CANCELLED);
+    cr_assert_eq(r->n_out, 0);
+}
+
 /* A request cancelled while the steps feed its repair runs (a token a step)
  * leaves nothing: no half-repaired sequence in the radix tree (the same
  * request again reuses none of it and gets its tokens alone), every live
@@ -1104,11 +1114,7 @@ Test(pipeline, a_request_cancelled_mid_repair_leaves_nothing_half_repaired) {
     cr_assert_eq(r->sys_cached, 0);
     for (int i = 0; i < r->n_sys + 3; i++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
     cr_assert_eq(r->n_out, 0, "still feeding its repair runs");
-    r->cancel = 1;
-    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
-    cr_assert(r->finished);
-    cr_assert_eq(r->finish_reason, RK_FINISH_CANCELLED);
-    cr_assert_eq(r->n_out, 0);
+    cancel_unanswered(p, r);
 
     rk_request *again = repair_request(svc, 0, 0, N);
     again->opt.repair_k = 4;
@@ -1152,11 +1158,7 @@ Test(pipeline, a_query_request_cancelled_mid_scoring_gives_everything_back) {
      * runs are chosen at the pass's end. */
     for (int i = 0; i < 3; i++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
     cr_assert_eq(r->recomputed_tokens, 0, "nothing chosen yet: still scoring");
-    r->cancel = 1;
-    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
-    cr_assert(r->finished);
-    cr_assert_eq(r->finish_reason, RK_FINISH_CANCELLED);
-    cr_assert_eq(r->n_out, 0);
+    cancel_unanswered(p, r);
     other->cancel = 1;
     step_until_idle(p);
     assert_live_pool_back(svc);
