@@ -345,6 +345,23 @@ static int steps_to_first_token(rk_pipeline *p, rk_request *r, int max_steps) {
     return n;
 }
 
+/* Step until the tier thread l has nothing pending: its jobs have finished
+ * and been taken (a write's row committed, a read's KV placed). Waits for
+ * that event, not for a count of steps: steps with nothing to run take no
+ * time, so a count would end before a delayed job does. The deadline only
+ * bounds a hang. Returns the steps taken. */
+static int step_until_tier_done(rk_pipeline *p, rk_loader *l) {
+    int steps = 0;
+    double deadline = rk_time_now() + 60;
+    while (rk_loader_pending(l) > 0) {
+        cr_assert_lt(rk_time_now(), deadline, "the tier's jobs did not end in 60 s");
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+        if (rk_pipeline_n_running(p) == 0) rk_loader_wait(l, 0.01);
+        steps++;
+    }
+    return steps;
+}
+
 static void step_until_idle(rk_pipeline *p) {
     for (int i = 0; i < 4000 && rk_pipeline_n_running(p) > 0; i++)
         cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
@@ -515,9 +532,8 @@ Test(pipeline, a_disk_load_runs_off_the_engine_thread_while_a_stream_keeps_stepp
     r->opt.reuse_sequences = 0;
     cr_assert_eq(rk_pipeline_join(p, &r, 1), RK_OK, "%s", rk_error_message());
     cr_assert_eq(rk_loader_pending(svc->loader), 1, "joining returned with the read in flight");
-    int a_before = a->n_out, steps = 0;
-    while (rk_loader_pending(svc->loader) > 0 && steps++ < 100000)
-        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+    int a_before = a->n_out;
+    step_until_tier_done(p, svc->loader);
     cr_assert_geq(a->n_out - a_before, 2, "a decoded %d tokens during the 500 ms read",
                   a->n_out - a_before);
     steps_to_first_token(p, r, 100);
@@ -544,8 +560,7 @@ Test(pipeline, a_disk_load_runs_off_the_engine_thread_while_a_stream_keeps_stepp
     cr_assert_eq(ls.queued, 1);
     c->cancel = 1;
     cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
-    for (int i = 0; i < 100000 && rk_loader_pending(svc->loader) > 0; i++)
-        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    step_until_tier_done(p, svc->loader);
     rk_loader_stats_get(svc->loader, &ls);
     cr_assert_eq(ls.cancelled, 1, "the queued read was dropped");
     cr_assert_eq(ls.loads, 2, "two reads ran: r's and c's first");
@@ -583,8 +598,7 @@ Test(pipeline, a_disk_write_runs_off_the_engine_thread_while_a_stream_keeps_step
     cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
     rk_request *a = prepare(svc, LONG_PROMPT, 4000);
     cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
-    for (int i = 0; i < 100000 && rk_loader_pending(svc->writer) > 0; i++)
-        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+    step_until_tier_done(p, svc->writer);
 
     rk_request *r = prepare(svc, SHARED_PROMPT, 2);
     r->opt.reuse_sequences = 0;
@@ -597,9 +611,8 @@ Test(pipeline, a_disk_write_runs_off_the_engine_thread_while_a_stream_keeps_step
     int present = 1;
     cr_assert_eq(rk_store_contains(svc->store, key, &present), RK_OK);
     cr_assert_eq(present, 0, "no row before the file is on disk");
-    int a_before = a->n_out, steps = 0;
-    while (rk_loader_pending(svc->writer) > 0 && steps++ < 100000)
-        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+    int a_before = a->n_out;
+    step_until_tier_done(p, svc->writer);
     cr_assert_geq(a->n_out - a_before, 2, "a decoded %d tokens during the 500 ms write",
                   a->n_out - a_before);
     cr_assert_eq(rk_store_contains(svc->store, key, &present), RK_OK);
