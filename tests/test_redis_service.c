@@ -381,12 +381,14 @@ Test(redis_service, an_abandoned_lock_is_waited_out_then_computed) {
     /* The key of the first chunk: from a run on a replica without the tier. */
     rk_service *plain = open_plain();
     rk_request *ref = run(plain, PROMPT);
-    redisContext *c = hold_dead_lock(&s, a, ref->chunk_reports[0].key, 800);
+    /* The lock is set after t0, so it lives until t0 + 0.8 s at the earliest,
+     * however loaded the machine: a request that waits it out ends later. */
     double t0 = rk_time_now();
+    redisContext *c = hold_dead_lock(&s, a, ref->chunk_reports[0].key, 800);
     rk_request *r = run(a, PROMPT);
     double dt = rk_time_now() - t0;
     cr_assert_eq(r->chunk_reports[0].source, RK_CHUNK_SOURCE_COMPUTED);
-    cr_assert_geq(dt, 0.5, "it did not wait for the lock (%.2f s)", dt);
+    cr_assert_geq(dt, 0.79, "it did not wait for the lock (%.2f s)", dt);
     cr_assert_lt(dt, 9.0, "it waited for the whole bound, not the lock (%.2f s)", dt);
     cr_assert_eq(memcmp(ref->out_tokens, r->out_tokens, 8 * sizeof(int32_t)), 0);
     redisFree(c);
@@ -440,16 +442,23 @@ Test(redis_service, lookups_and_lock_waits_run_off_the_engine_thread) {
     cr_assert_eq(computes(b), computed, "nothing was computed");
     cr_assert_eq(memcmp(ra->out_tokens, r->out_tokens, 8 * sizeof(int32_t)), 0);
 
-    /* A dead holder's lock on the first chunk, 1.5 s to live. */
-    redisContext *c = hold_dead_lock(&s, b, ref->chunk_reports[0].key, 1500);
+    /* A dead holder's lock on the first chunk, 1.5 s to live from after t0. */
     rk_request *w = make_req(b, fresh, 8);
     double t0 = rk_time_now();
+    redisContext *c = hold_dead_lock(&s, b, ref->chunk_reports[0].key, 1500);
+    /* The cost gate weighs the measured Redis bandwidth against the measured
+     * prefill rate; both are noisy on a loaded machine, and a gate that says
+     * "compute" asks nobody's lock. With no prefill rate known it asks Redis,
+     * which is the path under test. */
+    b->prefill_tps = 0;
     cr_assert_eq(rk_pipeline_join(p, &w, 1), RK_OK, "%s", rk_error_message());
-    cr_assert_lt(rk_time_now() - t0, 0.75, "joining waited for the lock");
+    cr_assert_gt(rk_loader_pending(b->loader), 0, "joining returned with the lookup queued");
     int before = stream->n_out;
-    while (rk_loader_pending(b->loader) > 0 && rk_time_now() - t0 < 30)
+    while (rk_loader_pending(b->loader) > 0) {
+        cr_assert_lt(rk_time_now() - t0, 30, "the lookups did not end");
         cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
-    cr_assert_geq(rk_time_now() - t0, 1.0, "the lookup did not wait for the lock");
+    }
+    cr_assert_geq(rk_time_now() - t0, 1.49, "the lookup did not wait for the lock");
     cr_assert_geq(stream->n_out - before, 2, "the stream decoded %d tokens during the wait",
                   stream->n_out - before);
     for (int i = 0; i < 10000 && !w->finished; i++)
