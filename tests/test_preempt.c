@@ -81,11 +81,24 @@ static void request_free(rk_request *r) {
 typedef struct stream_log {
     int32_t tokens[N_REQS][MAX_TOKENS];
     int n[N_REQS];
+    /* When set: the requests, and what each reported at its first token
+     * (its first admission): the cached system and conversation tokens
+     * and each chunk's status and source. */
+    rk_request **reqs;
+    int first_cached[N_REQS];
+    rk_chunk_report first_chunks[N_REQS][4];
 } stream_log;
 
 static void on_token(void *ctx, int req, int32_t token) {
     stream_log *l = ctx;
     cr_assert(req >= 0 && req < N_REQS && l->n[req] < MAX_TOKENS);
+    if (l->reqs && l->n[req] == 0) {
+        const rk_request *r = l->reqs[req];
+        cr_assert_leq(r->n_chunks, 4);
+        l->first_cached[req] = r->sys_cached + r->conv_cached;
+        memcpy(l->first_chunks[req], r->chunk_reports,
+               (size_t)r->n_chunks * sizeof(rk_chunk_report));
+    }
     l->tokens[req][l->n[req]++] = token;
 }
 
@@ -125,7 +138,7 @@ static void check_preempted_run_matches_alone(const char *model, rk_req_mode mod
     rk_service *svc = open_svc(model, 10);
     rk_request *reqs[N_REQS];
     for (int i = 0; i < N_REQS; i++) reqs[i] = prepare(svc, PROMPTS[i], MAX_TOKENS, mode);
-    stream_log log = {0};
+    stream_log log = {.reqs = reqs};
     rk_pipeline_hooks h = {.ctx = &log, .on_token = on_token};
     cr_assert_eq(rk_pipeline_run(svc, reqs, N_REQS, &h), RK_OK, "%s", rk_error_message());
     int preempted = 0;
@@ -138,7 +151,15 @@ static void check_preempted_run_matches_alone(const char *model, rk_req_mode mod
                          "request %d (preempted %d times) has its greedy tokens alone", i,
                          r->preemptions);
         cr_assert_eq(r->prompt_tokens, ref[i]->prompt_tokens);
-        cr_assert_geq(r->computed_tokens, 0, "the report is its first admission's");
+        /* A resumed request comes back from the caches: its report is still
+         * its first admission's, not the resumption's. */
+        cr_assert_eq(r->sys_cached + r->conv_cached, log.first_cached[i], "request %d", i);
+        for (int k = 0; k < r->n_chunks; k++) {
+            cr_assert_eq(r->chunk_reports[k].status, log.first_chunks[i][k].status, "%d/%d", i, k);
+            cr_assert_eq(r->chunk_reports[k].source, log.first_chunks[i][k].source, "%d/%d", i, k);
+        }
+        cr_assert_eq(r->computed_tokens + r->cached_tokens, r->prompt_tokens);
+        cr_assert_gt(r->computed_tokens, 0, "request %d computed its question at least", i);
         cr_assert_eq(log.n[i], MAX_TOKENS, "each token was streamed once");
         cr_assert_arr_eq(log.tokens[i], r->out_tokens, MAX_TOKENS * sizeof(int32_t));
         for (int t = 0; t < MAX_TOKENS; t++) {
