@@ -446,57 +446,26 @@ static int evict_before(const rk_radix *r, const rk_radix_node *a, const rk_radi
     return a->clock < b->clock;
 }
 
-typedef struct heap {
-    rk_radix_node **v;
-    int n, cap;
-} heap;
-
-static int heap_push(const rk_radix *r, heap *h, rk_radix_node *x) {
-    if (h->n == h->cap) {
-        int cap = h->cap ? h->cap * 2 : 64;
-        rk_radix_node **v = realloc(h->v, (size_t)cap * sizeof *v);
-        if (!v) return -1;
-        h->v = v;
-        h->cap = cap;
-    }
-    int i = h->n++;
-    while (i > 0 && evict_before(r, x, h->v[(i - 1) / 2])) {
-        h->v[i] = h->v[(i - 1) / 2];
-        i = (i - 1) / 2;
-    }
-    h->v[i] = x;
-    return 0;
+static int heap_before(const void *a, const void *b, void *ctx) {
+    return evict_before(ctx, *(rk_radix_node *const *)a, *(rk_radix_node *const *)b);
 }
 
-static rk_radix_node *heap_pop(const rk_radix *r, heap *h) {
-    rk_radix_node *top = h->v[0], *x = h->v[--h->n];
-    int i = 0;
-    for (;;) {
-        int c = 2 * i + 1;
-        if (c >= h->n) break;
-        if (c + 1 < h->n && evict_before(r, h->v[c + 1], h->v[c])) c++;
-        if (!evict_before(r, h->v[c], x)) break;
-        h->v[i] = h->v[c];
-        i = c;
-    }
-    if (h->n) h->v[i] = x;
-    return top;
-}
-
-static int collect_leaves(const rk_radix *r, rk_radix_node *n, heap *h) {
-    if (n->parent && n->n_kids == 0) return n->lock == 0 ? heap_push(r, h, n) : 0;
+/* Push the unlocked leaves under n; -1 when memory runs out. */
+static int collect_leaves(const rk_radix *r, rk_radix_node *n, rk_heap *h) {
+    if (n->parent && n->n_kids == 0) return n->lock == 0 && rk_heap_push(h, &n) ? -1 : 0;
     for (int i = 0; i < n->n_kids; i++)
         if (collect_leaves(r, n->kids[i], h)) return -1;
     return 0;
 }
 
 void rk_radix_evict(rk_radix *r, int n_tokens, int *out_evicted) {
-    heap h = {0};
+    rk_heap h = {.item_size = sizeof(rk_radix_node *), .before = heap_before, .ctx = r};
     int freed = 0;
     for (int i = 0; i < r->n_roots; i++)
         if (collect_leaves(r, r->roots[i].node, &h)) break; /* out of memory: evict what we have */
-    while (freed < n_tokens && h.n > 0) {
-        rk_radix_node *leaf = heap_pop(r, &h), *parent = leaf->parent;
+    rk_radix_node *leaf;
+    while (freed < n_tokens && rk_heap_pop(&h, &leaf)) {
+        rk_radix_node *parent = leaf->parent;
         int tail_len = leaf->tail_len;
         drop_tail(r, leaf);
         r->p.release_pages(r->p.ctx, leaf->pages, leaf->len / r->p.page_size);
@@ -508,9 +477,10 @@ void rk_radix_evict(rk_radix *r, int n_tokens, int *out_evicted) {
         r->st.nodes--;
         remove_kid(parent, leaf);
         node_free(leaf);
-        if (parent->parent && parent->n_kids == 0 && parent->lock == 0) heap_push(r, &h, parent);
+        if (parent->parent && parent->n_kids == 0 && parent->lock == 0)
+            (void)rk_heap_push(&h, &parent); /* out of memory: evict what we have */
     }
-    free(h.v);
+    rk_heap_free(&h);
     /* A tail on a root (a sequence shorter than a page) has no node to go
      * with: it goes last. */
     for (int i = 0; i < r->n_roots && freed < n_tokens; i++) {

@@ -79,6 +79,46 @@ double rk_time_now(void);
 int rk_parse_long(const char *s, long lo, long hi, long *out);
 int rk_parse_double(const char *s, double lo, double hi, double *out);
 
+/* ---------------------------------------------------------------- small helpers
+ * The three every module needs, once (config/util.c). */
+
+/* A copy of z (NULL when z is NULL or memory runs out); the caller frees it. */
+char *rk_strdup(const char *z);
+
+/* A growable zero-terminated string. Start it zeroed ({0}). An append that
+ * cannot get memory sets oom and every later append does nothing, so a
+ * builder checks once at the end. s is the caller's to free (or take). */
+typedef struct rk_strbuf {
+    char *s;    /* the text so far, zero-terminated; NULL before the first append */
+    size_t len; /* bytes in s, the terminator excluded */
+    size_t cap; /* bytes allocated */
+    int oom;    /* an append failed */
+} rk_strbuf;
+
+void rk_strbuf_putn(rk_strbuf *b, const char *z, size_t n);
+void rk_strbuf_puts(rk_strbuf *b, const char *z);
+void rk_strbuf_printf(rk_strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* The text ("" when nothing was appended), or NULL when an append failed
+ * (the buffer is freed then); the buffer is left empty. */
+char *rk_strbuf_take(rk_strbuf *b);
+void rk_strbuf_free(rk_strbuf *b);
+
+/* A binary min-heap of fixed-size items ordered by before(a, b, ctx): "a
+ * comes out before b". Start it zeroed with item_size, before and ctx set;
+ * rk_heap_free frees the items. Pushing copies the item in. */
+typedef struct rk_heap {
+    size_t item_size;
+    int (*before)(const void *a, const void *b, void *ctx);
+    void *ctx;
+    unsigned char *items; /* (cap, item_size) */
+    size_t n, cap;
+} rk_heap;
+
+rk_status rk_heap_push(rk_heap *h, const void *item);
+/* Copy the first item to out and remove it; 0 when the heap is empty. */
+int rk_heap_pop(rk_heap *h, void *out);
+void rk_heap_free(rk_heap *h);
+
 /* A repair policy written "none", "first_k:K" (1 <= K <= 2^20),
  * "deviation:R" or "query:R" (0 < R <= 1): *out_k, *out_ratio and *out_query
  * (1 for query) as the request options take them (0 when off). 0 on success,

@@ -185,48 +185,15 @@ typedef struct bpe_pair {
 typedef struct bpe_scratch {
     bpe_sym *sym;
     size_t sym_cap;
-    bpe_pair *heap;
-    size_t heap_n, heap_cap;
+    rk_heap heap; /* bpe_pair, lowest rank first */
 } bpe_scratch;
 
-static int pair_before(const bpe_pair *a, const bpe_pair *b) {
+/* The merge order: lowest rank first, leftmost among equals. */
+static int pair_before(const void *pa, const void *pb, void *ctx) {
+    (void)ctx;
+    const bpe_pair *a = pa, *b = pb;
     if (a->rank != b->rank) return a->rank < b->rank;
     return a->left < b->left;
-}
-
-static rk_status heap_push(bpe_scratch *s, bpe_pair p) {
-    if (s->heap_n == s->heap_cap) {
-        size_t cap = s->heap_cap ? s->heap_cap * 2 : 64;
-        bpe_pair *a = realloc(s->heap, cap * sizeof *a);
-        if (!a) return rk_errorf(RK_ERR_NOMEM, "tokenizer: out of memory");
-        s->heap = a;
-        s->heap_cap = cap;
-    }
-    size_t i = s->heap_n++;
-    while (i > 0) {
-        size_t parent = (i - 1) / 2;
-        if (!pair_before(&p, &s->heap[parent])) break;
-        s->heap[i] = s->heap[parent];
-        i = parent;
-    }
-    s->heap[i] = p;
-    return RK_OK;
-}
-
-static bpe_pair heap_pop(bpe_scratch *s) {
-    bpe_pair top = s->heap[0];
-    bpe_pair last = s->heap[--s->heap_n];
-    size_t i = 0;
-    for (;;) {
-        size_t c = 2 * i + 1;
-        if (c >= s->heap_n) break;
-        if (c + 1 < s->heap_n && pair_before(&s->heap[c + 1], &s->heap[c])) c++;
-        if (!pair_before(&s->heap[c], &last)) break;
-        s->heap[i] = s->heap[c];
-        i = c;
-    }
-    if (s->heap_n > 0) s->heap[i] = last;
-    return top;
 }
 
 /* Push the pair (l, r) when the merge list has it. */
@@ -234,7 +201,8 @@ static rk_status try_pair(const rk_tokenizer *t, bpe_scratch *s, int32_t l, int3
     if (l < 0 || r < 0) return RK_OK;
     const rk_tok_merge *m = merge_find(t, s->sym[l].id, s->sym[r].id);
     if (!m) return RK_OK;
-    return heap_push(s, (bpe_pair){m->rank, l, r, s->sym[l].len + s->sym[r].len, m->id});
+    bpe_pair pr = {m->rank, l, r, s->sym[l].len + s->sym[r].len, m->id};
+    return rk_heap_push(&s->heap, &pr);
 }
 
 /* Byte-level BPE over one piece of n bytes, appending the ids to out. */
@@ -252,12 +220,11 @@ static rk_status encode_piece(const rk_tokenizer *t, const unsigned char *p, siz
     int32_t ns = (int32_t)n;
     for (int32_t i = 0; i < ns; i++) s->sym[i] = (bpe_sym){t->byte_tok[p[i]], 1, i - 1, i + 1};
     s->sym[ns - 1].next = -1;
-    s->heap_n = 0;
+    s->heap.n = 0; /* emptied, its memory kept for the next piece */
     rk_status st;
     for (int32_t i = 0; i + 1 < ns; i++)
         if ((st = try_pair(t, s, i, i + 1)) != RK_OK) return st;
-    while (s->heap_n > 0) {
-        bpe_pair pr = heap_pop(s);
+    for (bpe_pair pr; rk_heap_pop(&s->heap, &pr);) {
         bpe_sym *l = &s->sym[pr.left], *r = &s->sym[pr.right];
         if (l->len == 0 || r->len == 0 || l->len + r->len != pr.size) continue; /* stale */
         l->id = pr.id;
@@ -293,7 +260,7 @@ static int next_match(const rk_tokenizer *t, const char *text, size_t n, size_t 
 rk_status rk_tok_bpe_encode(const rk_tokenizer *t, const char *text, size_t n, rk_tok_ids *out) {
     pcre2_match_data *md = pcre2_match_data_create_from_pattern(t->re, NULL);
     if (!md) return rk_errorf(RK_ERR_NOMEM, "tokenizer: out of memory for regex match data");
-    bpe_scratch s = {0};
+    bpe_scratch s = {.heap = {.item_size = sizeof(bpe_pair), .before = pair_before}};
     rk_status st = RK_OK;
     const unsigned char *u = (const unsigned char *)text;
     size_t off = 0;
@@ -320,6 +287,6 @@ rk_status rk_tok_bpe_encode(const rk_tokenizer *t, const char *text, size_t n, r
     }
     pcre2_match_data_free(md);
     free(s.sym);
-    free(s.heap);
+    rk_heap_free(&s.heap);
     return st;
 }

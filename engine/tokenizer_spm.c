@@ -28,60 +28,24 @@ typedef struct spm_pair {
     int32_t size; /* len(left) + len(right) when pushed: detects stale entries */
 } spm_pair;
 
-typedef struct spm_heap {
-    spm_pair *a;
-    size_t n, cap;
-} spm_heap;
-
-/* True when pair a should be merged before pair b. */
-static int pair_before(const spm_pair *a, const spm_pair *b) {
+/* True when pair a should be merged before pair b: the higher score,
+ * leftmost among equals. */
+static int pair_before(const void *pa, const void *pb, void *ctx) {
+    (void)ctx;
+    const spm_pair *a = pa, *b = pb;
     if (a->score != b->score) return a->score > b->score;
     return a->left < b->left;
 }
 
-static rk_status heap_push(spm_heap *h, spm_pair p) {
-    if (h->n == h->cap) {
-        size_t cap = h->cap ? h->cap * 2 : 64;
-        spm_pair *a = realloc(h->a, cap * sizeof *a);
-        if (!a) return rk_errorf(RK_ERR_NOMEM, "tokenizer: out of memory");
-        h->a = a;
-        h->cap = cap;
-    }
-    size_t i = h->n++;
-    while (i > 0) {
-        size_t parent = (i - 1) / 2;
-        if (!pair_before(&p, &h->a[parent])) break;
-        h->a[i] = h->a[parent];
-        i = parent;
-    }
-    h->a[i] = p;
-    return RK_OK;
-}
-
-static spm_pair heap_pop(spm_heap *h) {
-    spm_pair top = h->a[0];
-    spm_pair last = h->a[--h->n];
-    size_t i = 0;
-    for (;;) {
-        size_t c = 2 * i + 1;
-        if (c >= h->n) break;
-        if (c + 1 < h->n && pair_before(&h->a[c + 1], &h->a[c])) c++;
-        if (!pair_before(&h->a[c], &last)) break;
-        h->a[i] = h->a[c];
-        i = c;
-    }
-    if (h->n > 0) h->a[i] = last;
-    return top;
-}
-
 /* Push the pair (l, r) when their concatenation is a token. */
 static rk_status try_pair(const rk_tokenizer *t, const char *buf, const spm_sym *sym, int32_t l,
-                          int32_t r, spm_heap *h) {
+                          int32_t r, rk_heap *h) {
     if (l < 0 || r < 0) return RK_OK;
     int32_t size = sym[l].len + sym[r].len;
     int32_t id = rk_tok_lookup(t, buf + sym[l].start, (size_t)size);
     if (id < 0) return RK_OK;
-    return heap_push(h, (spm_pair){t->scores[id], l, r, size});
+    spm_pair p = {t->scores[id], l, r, size};
+    return rk_heap_push(h, &p);
 }
 
 /* Length of the UTF-8 character with lead byte c (the text is valid). */
@@ -117,7 +81,7 @@ static rk_status emit_symbol(const rk_tokenizer *t, const char *buf, const spm_s
 /* Run BPE by score over buf[start, end) (whole characters) and emit the ids.
  * sym has room for one symbol per byte of the segment. */
 static rk_status encode_segment(const rk_tokenizer *t, const char *buf, size_t start, size_t end,
-                                spm_sym *sym, spm_heap *h, rk_tok_ids *out) {
+                                spm_sym *sym, rk_heap *h, rk_tok_ids *out) {
     int32_t n_sym = 0;
     for (size_t i = start; i < end;) {
         int32_t cl = utf8_len((unsigned char)buf[i]);
@@ -132,8 +96,7 @@ static rk_status encode_segment(const rk_tokenizer *t, const char *buf, size_t s
     h->n = 0;
     for (int32_t i = 0; i + 1 < n_sym; i++)
         if ((st = try_pair(t, buf, sym, i, i + 1, h)) != RK_OK) return st;
-    while (h->n > 0) {
-        spm_pair p = heap_pop(h);
+    for (spm_pair p; rk_heap_pop(h, &p);) {
         spm_sym *l = &sym[p.left], *r = &sym[p.right];
         if (l->len == 0 || r->len == 0 || l->len + r->len != p.size) continue; /* stale */
         l->len += r->len;
@@ -155,7 +118,7 @@ rk_status rk_tok_spm_encode(const rk_tokenizer *t, const char *s, size_t n, int 
     size_t cap = 3 * (n + 1);
     char *buf = malloc(cap);                      /* the text, spaces spelled U+2581 */
     spm_sym *sym = malloc((n + 1) * sizeof *sym); /* (characters of a segment) */
-    spm_heap h = {0};
+    rk_heap h = {.item_size = sizeof(spm_pair), .before = pair_before};
     rk_status st = RK_OK;
     if (!buf || !sym) {
         st = rk_errorf(RK_ERR_NOMEM, "tokenizer: out of memory for %zu bytes of text", n);
@@ -192,6 +155,6 @@ rk_status rk_tok_spm_encode(const rk_tokenizer *t, const char *s, size_t n, int 
 done:
     free(buf);
     free(sym);
-    free(h.a);
+    rk_heap_free(&h);
     return st;
 }
