@@ -81,13 +81,6 @@ void rk_gguf_writer_free(rk_gguf_writer *w) {
 /* A key for messages: NULL shows as "(null)". */
 static const char *kname(const char *key) { return key ? key : "(null)"; }
 
-static char *dup_str(const char *s) {
-    size_t n = strlen(s) + 1;
-    char *p = malloc(n);
-    if (p) memcpy(p, s, n);
-    return p;
-}
-
 /* Room for entry n (zeroed) in a writer's array of *cap entries of size
  * bytes, doubling from first. Returns the array, moved or not, or NULL when
  * out of memory (the array is then unchanged). */
@@ -112,7 +105,7 @@ static rk_status w_new_kv(rk_gguf_writer *w, const char *key, uint32_t type, wkv
     wkv *kvs = w_grow(w->kvs, w->n_kv, &w->cap_kv, sizeof *kvs, 32);
     if (kvs) w->kvs = kvs;
     wkv *kv = kvs ? &kvs[w->n_kv] : NULL;
-    if (!kv || !(kv->key = dup_str(key)))
+    if (!kv || !(kv->key = rk_strdup(key)))
         return rk_errorf(RK_ERR_NOMEM, "gguf writer: out of memory for key '%s'", key);
     kv->type = type;
     w->n_kv++;
@@ -292,7 +285,7 @@ rk_status rk_gguf_writer_add_tensor(rk_gguf_writer *w, const char *name, rk_ggml
     wtensor *ts = w_grow(w->tensors, w->n_tensors, &w->cap_tensors, sizeof *ts, 64);
     if (ts) w->tensors = ts;
     wtensor *t = ts ? &ts[w->n_tensors] : NULL;
-    if (!t || !(t->name = dup_str(name)))
+    if (!t || !(t->name = rk_strdup(name)))
         return rk_errorf(RK_ERR_NOMEM, "gguf writer: out of memory for tensor '%s'", name);
     t->type = (uint32_t)type;
     t->n_dims = n_dims;

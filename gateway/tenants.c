@@ -44,13 +44,6 @@ void rk_tenants_free(rk_tenants *t) {
     free(t);
 }
 
-static char *dup_str(const char *s) {
-    size_t n = strlen(s) + 1;
-    char *d = malloc(n);
-    if (d) memcpy(d, s, n);
-    return d;
-}
-
 /* The string field name of entry i: NULL with an error set when it is not a
  * string of lo..hi bytes without NUL (absent: NULL and no error when
  * optional). */
@@ -123,7 +116,7 @@ static rk_status add_entry(rk_tenants *t, json_t *e, int i) {
                 "keys[%d].salt: tenant %s has it already (tenants would share a cache)", i,
                 t->names[k]);
     if (!id) {
-        char *nm = dup_str(name), *sl = dup_str(salt);
+        char *nm = rk_strdup(name), *sl = rk_strdup(salt);
         if (!nm || !sl) {
             free(nm);
             free(sl);
@@ -133,7 +126,7 @@ static rk_status add_entry(rk_tenants *t, json_t *e, int i) {
         t->salts[t->n_tenants] = sl;
         id = ++t->n_tenants;
     }
-    char *k = dup_str(key);
+    char *k = rk_strdup(key);
     if (!k) return rk_errorf(RK_ERR_NOMEM, "keys[%d]: out of memory", i);
     t->keys[t->n_keys++] = (key_row){k, id};
     return RK_OK;

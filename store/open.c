@@ -85,13 +85,6 @@ static const stmt_sql k_sql[ST_COUNT] = {
 
 /* ---------------------------------------------------------------- open */
 
-static char *str_dup(const char *z) {
-    size_t n = strlen(z) + 1;
-    char *p = malloc(n);
-    if (p) memcpy(p, z, n);
-    return p;
-}
-
 static char *path_join(const char *a, const char *b) {
     size_t na = strlen(a), nb = strlen(b);
     char *p = malloc(na + nb + 2);
@@ -209,7 +202,7 @@ rk_status rk_store_alloc(const char *dir, rk_store **out) {
     rk_store *s = calloc(1, sizeof *s);
     if (!s) return rk_errorf(RK_ERR_NOMEM, "store: no memory");
     s->lock_fd = -1;
-    s->dir = str_dup(dir);
+    s->dir = rk_strdup(dir);
     s->kv_dir = path_join(dir, "kv");
     if (!s->dir || !s->kv_dir) {
         rk_store_close(s);

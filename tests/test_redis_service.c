@@ -1023,7 +1023,7 @@ static char *complete(int port, char src[2][16], char key[2][33]) {
     json_t *j = curl(port, "POST", "/v1/completions", COMPLETION, NULL);
     json_t *choice = json_array_get(json_object_get(j, "choices"), 0);
     cr_assert(json_is_string(json_object_get(choice, "text")), "no completion");
-    char *text = rk_test_strdup(json_string_value(json_object_get(choice, "text")));
+    char *text = rk_strdup(json_string_value(json_object_get(choice, "text")));
     json_t *chunks = json_object_get(json_object_get(j, "ragkv"), "chunks");
     cr_assert_eq(json_array_size(chunks), 2);
     for (int k = 0; k < 2; k++) {

@@ -34,13 +34,6 @@ int rk_test_light(void) {
     return v && *v && strcmp(v, "0") != 0;
 }
 
-char *rk_test_strdup(const char *s) {
-    size_t n = strlen(s) + 1;
-    char *p = malloc(n);
-    if (p) memcpy(p, s, n);
-    return p;
-}
-
 char *rk_test_tmpdir(const char *tag) {
     static int counter;
     char path[4096];
@@ -49,7 +42,7 @@ char *rk_test_tmpdir(const char *tag) {
         snprintf(path, sizeof path, "%s/%s-%d-%d", RK_TEST_TMP, tag, (int)getpid(), counter++);
         if (mkdir(path, 0755) == 0) break;
     }
-    return rk_test_strdup(path);
+    return rk_strdup(path);
 }
 
 int rk_test_run(const char *cmd, char **out) {
@@ -102,7 +95,7 @@ char *rk_test_model(const char *preset, const char *wtype, unsigned seed) {
     mkdir(dir, 0755);
     snprintf(path, sizeof path, "%s/%s-%s-%u.gguf", dir, preset, wtype, seed);
     struct stat st;
-    if (stat(path, &st) == 0) return rk_test_strdup(path);
+    if (stat(path, &st) == 0) return rk_strdup(path);
     rk_mkmodel_opts o;
     rk_mkmodel_opts_default(&o);
     o.preset = preset;
@@ -110,7 +103,7 @@ char *rk_test_model(const char *preset, const char *wtype, unsigned seed) {
     if (strcmp(preset, "tiny") != 0) {
         o.vocab_path = rk_test_shared_path("tokenizers/qwen3/tokenizer.json");
         if (!o.vocab_path) cr_skip_test("missing ../shared/tokenizers/qwen3/tokenizer.json");
-        o.vocab_path = rk_test_strdup(o.vocab_path);
+        o.vocab_path = rk_strdup(o.vocab_path);
     }
     cr_assert_eq(rk_mkmodel_parse_wtype(wtype, &o.wtype), RK_OK);
     /* Another test process may be writing the same model: write under a unique
@@ -120,7 +113,7 @@ char *rk_test_model(const char *preset, const char *wtype, unsigned seed) {
     if (strcmp(preset, "tiny") != 0) free((char *)o.vocab_path);
     cr_assert_eq(wst, RK_OK, "mkmodel %s: %s", preset, rk_error_message());
     cr_assert_eq(rename(tmp, path), 0);
-    return rk_test_strdup(path);
+    return rk_strdup(path);
 }
 
 rk_request *rk_test_request(rk_service *svc, const int *prompt, int n_prompt, int n_sys,

@@ -21,7 +21,7 @@ const char *rk_test_shared_path(const char *rel);
     do {                                                                                           \
         const char *rk__p = rk_test_shared_path(rel);                                              \
         if (!rk__p) cr_skip_test("missing ../shared/%s (tests need the shared data)", rel);        \
-        var = rk_test_strdup(rk__p);                                                               \
+        var = rk_strdup(rk__p);                                                                    \
     } while (0)
 
 /* Skip the current test when the shared file is absent. */
@@ -39,8 +39,6 @@ int rk_test_light(void);
     do {                                                                                           \
         if (rk_test_light()) cr_skip_test("skipped in the light (sanitizer) pass: large model");   \
     } while (0)
-
-char *rk_test_strdup(const char *s);
 
 /* Create a fresh empty directory under the build tree's testtmp/ and return its
  * path (malloc'ed). */
