@@ -324,18 +324,23 @@ static json_t *tenants_json(const rk_stats *s, int all, int owner) {
 
 json_t *rk_stats_json(rk_stats *s) { return rk_stats_json_for(s, 1, 0); }
 
-json_t *rk_stats_json_for(rk_stats *s, int all, int owner) {
-    pthread_mutex_lock(&s->mu);
+/* The most hit chunks a caller may see (under s->mu). */
+static json_t *top_chunks_json(const rk_stats *s, int all, int owner) {
     const rk_cache_snapshot *c = &s->snap;
-    const rk_chunk_stats *ch = &c->chunk;
     json_t *top = json_array();
     for (int i = 0; i < c->n_top && top; i++)
         if (all || c->top[i].owner == owner)
             json_array_append_new(top, json_pack("{s:s, s:s?, s:I}", "key", c->top[i].key, "id",
                                                  c->top[i].id[0] ? c->top[i].id : NULL, "hits",
                                                  (json_int_t)c->top[i].hits));
+    return top;
+}
+
+static json_t *chunks_json(const rk_stats *s) {
+    const rk_cache_snapshot *c = &s->snap;
+    const rk_chunk_stats *ch = &c->chunk;
     uint64_t hits = chunk_hits_total(s), lookups = hits + s->chunk_misses;
-    json_t *chunks = json_pack(
+    return json_pack(
         "{s:I, s:I, s:o, s:I, s:f, s:{s:o, s:o, s:o}, s:I, s:I, s:f, s:{s:I, s:I}, s:I, s:I, "
         "s:I, s:I, s:I, s:I}",
         "lookups", (json_int_t)lookups, "hits", (json_int_t)hits, "hits_by_source",
@@ -348,47 +353,56 @@ json_t *rk_stats_json_for(rk_stats *s, int all, int owner) {
         "evicted_tokens", (json_int_t)ch->evicted_tokens, "entries", (json_int_t)ch->entries,
         "tokens", (json_int_t)ch->tokens, "blocks", (json_int_t)ch->blocks, "bytes",
         (json_int_t)c->chunk_bytes, "referenced", (json_int_t)c->chunk_referenced);
+}
+
+static json_t *prefix_json(const rk_cache_snapshot *c) {
     const rk_radix_stats *px = &c->prefix;
     uint64_t px_manual = c->prefix_flushed <= px->evictions ? c->prefix_flushed : px->evictions;
-    json_t *prefix =
-        c->have_prefix
-            ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I, s:{s:I, s:I}, s:I, s:I, s:I, s:I}",
-                        "enabled", 1, "queries", (json_int_t)px->queries, "hits",
-                        (json_int_t)px->hits, "misses", (json_int_t)px->misses, "reused_tokens",
-                        (json_int_t)px->tokens_reused, "computed_tokens",
-                        (json_int_t)px->tokens_computed, "evictions", "capacity",
-                        (json_int_t)(px->evictions - px_manual), "manual", (json_int_t)px_manual,
-                        "evicted_tokens", (json_int_t)px->tokens_evicted, "nodes",
-                        (json_int_t)px->nodes, "cached_tokens", (json_int_t)px->cached_tokens,
-                        "locked_tokens", (json_int_t)px->protected_tokens)
-            : json_pack("{s:b}", "enabled", 0);
-    json_t *store =
-        c->have_store
-            ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o}",
-                        "configured", 1, "rows", (json_int_t)c->store_rows, "bytes",
-                        (json_int_t)c->store_bytes, "loads", (json_int_t)c->store_loads, "writes",
-                        (json_int_t)c->store_writes, "dropped_at_recovery",
-                        (json_int_t)c->store_dropped_at_recovery, "corrupt_after_open",
-                        (json_int_t)c->store_corrupt_after_open, "quarantined",
-                        (json_int_t)c->store_quarantined, "rows_rebuilt",
-                        (json_int_t)c->store_rows_rebuilt, "unreadable",
-                        (json_int_t)c->store_unreadable, "reads",
-                        json_pack("{s:I, s:I, s:I, s:I, s:i, s:o}", "completed",
-                                  (json_int_t)c->loads.loads, "failed", (json_int_t)c->loads.failed,
-                                  "cancelled", (json_int_t)c->loads.cancelled, "bytes_in_flight",
-                                  (json_int_t)c->loads.bytes_in_flight, "queued", c->loads.queued,
-                                  "latency", latency_json(&s->tier_load)),
-                        "writes_pending",
-                        json_pack("{s:I, s:I}", "bytes",
-                                  (json_int_t)(c->writes.bytes_in_flight + c->writes.bytes_queued),
-                                  "failed", (json_int_t)c->writes.failed))
-            : json_pack("{s:b, s:n, s:n, s:i, s:i, s:i, s:i, s:i, s:i, s:i}", "configured", 0,
-                        "rows", "bytes", "loads", 0, "writes", 0, "dropped_at_recovery", 0,
-                        "corrupt_after_open", 0, "quarantined", 0, "rows_rebuilt", 0, "unreadable",
-                        0);
+    return c->have_prefix
+               ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I, s:{s:I, s:I}, s:I, s:I, s:I, s:I}",
+                           "enabled", 1, "queries", (json_int_t)px->queries, "hits",
+                           (json_int_t)px->hits, "misses", (json_int_t)px->misses, "reused_tokens",
+                           (json_int_t)px->tokens_reused, "computed_tokens",
+                           (json_int_t)px->tokens_computed, "evictions", "capacity",
+                           (json_int_t)(px->evictions - px_manual), "manual", (json_int_t)px_manual,
+                           "evicted_tokens", (json_int_t)px->tokens_evicted, "nodes",
+                           (json_int_t)px->nodes, "cached_tokens", (json_int_t)px->cached_tokens,
+                           "locked_tokens", (json_int_t)px->protected_tokens)
+               : json_pack("{s:b}", "enabled", 0);
+}
+
+static json_t *store_json(const rk_stats *s) {
+    const rk_cache_snapshot *c = &s->snap;
+    return c->have_store
+               ? json_pack(
+                     "{s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:o, s:o}", "configured",
+                     1, "rows", (json_int_t)c->store_rows, "bytes", (json_int_t)c->store_bytes,
+                     "loads", (json_int_t)c->store_loads, "writes", (json_int_t)c->store_writes,
+                     "dropped_at_recovery", (json_int_t)c->store_dropped_at_recovery,
+                     "corrupt_after_open", (json_int_t)c->store_corrupt_after_open, "quarantined",
+                     (json_int_t)c->store_quarantined, "rows_rebuilt",
+                     (json_int_t)c->store_rows_rebuilt, "unreadable",
+                     (json_int_t)c->store_unreadable, "reads",
+                     json_pack("{s:I, s:I, s:I, s:I, s:i, s:o}", "completed",
+                               (json_int_t)c->loads.loads, "failed", (json_int_t)c->loads.failed,
+                               "cancelled", (json_int_t)c->loads.cancelled, "bytes_in_flight",
+                               (json_int_t)c->loads.bytes_in_flight, "queued", c->loads.queued,
+                               "latency", latency_json(&s->tier_load)),
+                     "writes_pending",
+                     json_pack("{s:I, s:I}", "bytes",
+                               (json_int_t)(c->writes.bytes_in_flight + c->writes.bytes_queued),
+                               "failed", (json_int_t)c->writes.failed))
+               : json_pack("{s:b, s:n, s:n, s:i, s:i, s:i, s:i, s:i, s:i, s:i}", "configured", 0,
+                           "rows", "bytes", "loads", 0, "writes", 0, "dropped_at_recovery", 0,
+                           "corrupt_after_open", 0, "quarantined", 0, "rows_rebuilt", 0,
+                           "unreadable", 0);
+}
+
+static json_t *tiers_json(const rk_stats *s) {
+    const rk_cache_snapshot *c = &s->snap;
     const rk_redis_counters *rd = &s->redis;
-    json_t *tiers = json_pack(
-        "{s:{s:I, s:I}, s:o?, s:o?}", "arena", "entries", (json_int_t)ch->entries, "bytes",
+    return json_pack(
+        "{s:{s:I, s:I}, s:o?, s:o?}", "arena", "entries", (json_int_t)c->chunk.entries, "bytes",
         (json_int_t)c->chunk_bytes, "disk",
         c->have_store ? json_pack("{s:I, s:I}", "entries", (json_int_t)c->store_rows, "bytes",
                                   (json_int_t)c->store_bytes)
@@ -398,25 +412,37 @@ json_t *rk_stats_json_for(rk_stats *s, int all, int owner) {
                                   (json_int_t)rd->writes, "bytes_in", (json_int_t)rd->bytes_in,
                                   "bytes_out", (json_int_t)rd->bytes_out)
                       : NULL);
-    json_t *redis =
-        s->have_redis
-            ? json_pack("{s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, "
-                        "s:I, s:I, s:f, s:f, s:s, s:I, s:o}",
-                        "configured", 1, "hits", (json_int_t)rd->hits, "misses",
-                        (json_int_t)rd->misses, "errors", (json_int_t)rd->errors, "skipped",
-                        (json_int_t)rd->skipped, "dropped_corrupt", (json_int_t)rd->dropped_corrupt,
-                        "size_refused", (json_int_t)rd->size_refused, "auth_failures",
-                        (json_int_t)rd->auth_failures, "layout_mismatch",
-                        (json_int_t)rd->layout_mismatch, "writes", (json_int_t)rd->writes,
-                        "write_drops", (json_int_t)rd->write_drops, "queued",
-                        (json_int_t)rd->queued, "bytes_in", (json_int_t)rd->bytes_in, "bytes_out",
-                        (json_int_t)rd->bytes_out, "locks_acquired", (json_int_t)rd->locks_acquired,
-                        "locks_busy", (json_int_t)rd->locks_busy, "mean_get_s",
-                        rd->get_count ? rd->get_seconds / (double)rd->get_count : 0.0,
-                        "load_bytes_per_s", rd->load_bytes_per_s, "breaker",
-                        rd->breaker == RK_REDIS_OPEN ? "open" : "closed", "breaker_opened",
-                        (json_int_t)rd->breaker_opened, "latency", latency_json(&s->redis_latency))
-            : json_pack("{s:b}", "configured", 0);
+}
+
+static json_t *redis_json(const rk_stats *s) {
+    const rk_redis_counters *rd = &s->redis;
+    return s->have_redis
+               ? json_pack(
+                     "{s:b, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, "
+                     "s:I, s:I, s:f, s:f, s:s, s:I, s:o}",
+                     "configured", 1, "hits", (json_int_t)rd->hits, "misses",
+                     (json_int_t)rd->misses, "errors", (json_int_t)rd->errors, "skipped",
+                     (json_int_t)rd->skipped, "dropped_corrupt", (json_int_t)rd->dropped_corrupt,
+                     "size_refused", (json_int_t)rd->size_refused, "auth_failures",
+                     (json_int_t)rd->auth_failures, "layout_mismatch",
+                     (json_int_t)rd->layout_mismatch, "writes", (json_int_t)rd->writes,
+                     "write_drops", (json_int_t)rd->write_drops, "queued", (json_int_t)rd->queued,
+                     "bytes_in", (json_int_t)rd->bytes_in, "bytes_out", (json_int_t)rd->bytes_out,
+                     "locks_acquired", (json_int_t)rd->locks_acquired, "locks_busy",
+                     (json_int_t)rd->locks_busy, "mean_get_s",
+                     rd->get_count ? rd->get_seconds / (double)rd->get_count : 0.0,
+                     "load_bytes_per_s", rd->load_bytes_per_s, "breaker",
+                     rd->breaker == RK_REDIS_OPEN ? "open" : "closed", "breaker_opened",
+                     (json_int_t)rd->breaker_opened, "latency", latency_json(&s->redis_latency))
+               : json_pack("{s:b}", "configured", 0);
+}
+
+json_t *rk_stats_json_for(rk_stats *s, int all, int owner) {
+    pthread_mutex_lock(&s->mu);
+    const rk_cache_snapshot *c = &s->snap;
+    json_t *top = top_chunks_json(s, all, owner), *chunks = chunks_json(s),
+           *prefix = prefix_json(c), *store = store_json(s), *tiers = tiers_json(s),
+           *redis = redis_json(s);
     json_t *tokens = json_pack("{s:I, s:I, s:I, s:I, s:f}", "prompt", (json_int_t)s->prompt_tokens,
                                "reused", (json_int_t)s->cached_tokens, "computed",
                                (json_int_t)(s->prompt_tokens - s->cached_tokens), "generated",
@@ -439,153 +465,129 @@ json_t *rk_stats_json_for(rk_stats *s, int all, int owner) {
 
 /* ---------------------------------------------------------------- Prometheus */
 
-typedef struct text {
-    char *s;
-    size_t len, cap;
-    int oom;
-} text;
-
-static void put(text *t, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void put(text *t, const char *fmt, ...) {
-    if (t->oom) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int n = vsnprintf(t->s ? t->s + t->len : NULL, t->s ? t->cap - t->len : 0, fmt, ap);
-        va_end(ap);
-        if (n < 0) {
-            t->oom = 1;
-            return;
-        }
-        if (t->s && t->len + (size_t)n < t->cap) {
-            t->len += (size_t)n;
-            return;
-        }
-        size_t cap = t->cap ? t->cap : 4096;
-        while (cap <= t->len + (size_t)n) cap *= 2;
-        char *p = realloc(t->s, cap);
-        if (!p) {
-            t->oom = 1;
-            return;
-        }
-        t->s = p;
-        t->cap = cap;
-    }
+static void counter(rk_strbuf *t, const char *name, const char *help, uint64_t v) {
+    rk_strbuf_printf(t, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name,
+                     (unsigned long long)v);
 }
 
-static void counter(text *t, const char *name, const char *help, uint64_t v) {
-    put(t, "# HELP %s %s\n# TYPE %s counter\n%s %llu\n", name, help, name, name,
-        (unsigned long long)v);
+static void gauge(rk_strbuf *t, const char *name, const char *help, double v) {
+    rk_strbuf_printf(t, "# HELP %s %s\n# TYPE %s gauge\n%s %.9g\n", name, help, name, name, v);
 }
 
-static void gauge(text *t, const char *name, const char *help, double v) {
-    put(t, "# HELP %s %s\n# TYPE %s gauge\n%s %.9g\n", name, help, name, name, v);
-}
-
-static void histogram(text *t, const char *name, const char *help, const rk_hist *h) {
-    put(t, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
+static void histogram(rk_strbuf *t, const char *name, const char *help, const rk_hist *h) {
+    rk_strbuf_printf(t, "# HELP %s %s\n# TYPE %s histogram\n", name, help, name);
     uint64_t cum = 0;
     for (int b = 0; b < RK_HIST_BUCKETS; b++) {
         cum += h->counts[b];
-        put(t, "%s_bucket{le=\"%g\"} %llu\n", name, k_bounds[b], (unsigned long long)cum);
+        rk_strbuf_printf(t, "%s_bucket{le=\"%g\"} %llu\n", name, k_bounds[b],
+                         (unsigned long long)cum);
     }
-    put(t, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.9g\n%s_count %llu\n", name,
-        (unsigned long long)h->n, name, h->sum, name, (unsigned long long)h->n);
+    rk_strbuf_printf(t, "%s_bucket{le=\"+Inf\"} %llu\n%s_sum %.9g\n%s_count %llu\n", name,
+                     (unsigned long long)h->n, name, h->sum, name, (unsigned long long)h->n);
 }
 
-char *rk_stats_prometheus(rk_stats *s) {
-    text t = {0};
-    pthread_mutex_lock(&s->mu);
-    const rk_cache_snapshot *c = &s->snap;
+/* The chunk and prefix caches' counters, evictions and responses. */
+static void prom_caches(rk_strbuf *t, const rk_stats *s, const rk_cache_snapshot *c) {
     uint64_t hits = chunk_hits_total(s);
-    counter(&t, "ragkv_chunk_lookups_total",
+    counter(t, "ragkv_chunk_lookups_total",
             "Chunks in finished requests with the chunk cache on (hits + misses).",
             hits + s->chunk_misses);
-    put(&t,
+    rk_strbuf_printf(
+        t,
         "# HELP ragkv_chunk_hits_total Chunks in finished requests not computed, by where their KV "
         "came from.\n# TYPE ragkv_chunk_hits_total counter\n");
     for (int i = RK_CHUNK_SOURCE_ARENA; i <= RK_CHUNK_SOURCE_PREFIX; i++)
-        put(&t, "ragkv_chunk_hits_total{source=\"%s\"} %llu\n",
-            rk_chunk_source_name((rk_chunk_source)i), (unsigned long long)s->chunk_hits[i]);
-    counter(&t, "ragkv_chunk_misses_total",
+        rk_strbuf_printf(t, "ragkv_chunk_hits_total{source=\"%s\"} %llu\n",
+                         rk_chunk_source_name((rk_chunk_source)i),
+                         (unsigned long long)s->chunk_hits[i]);
+    counter(t, "ragkv_chunk_misses_total",
             "Chunks in finished requests that were computed (cache misses).", s->chunk_misses);
-    counter(&t, "ragkv_chunk_hit_tokens_total",
+    counter(t, "ragkv_chunk_hit_tokens_total",
             "Tokens of the chunks counted in ragkv_chunk_hits_total (not computed).",
             s->chunk_hit_tokens);
-    counter(&t, "ragkv_chunk_computed_tokens_total",
+    counter(t, "ragkv_chunk_computed_tokens_total",
             "Tokens of the chunks counted in ragkv_chunk_misses_total (computed).",
             s->chunk_computed_tokens);
-    counter(&t, "ragkv_prefix_queries_total", "System prompts matched against the prefix cache.",
+    counter(t, "ragkv_prefix_queries_total", "System prompts matched against the prefix cache.",
             c->prefix.queries);
-    counter(&t, "ragkv_prefix_hit_tokens_total",
+    counter(t, "ragkv_prefix_hit_tokens_total",
             "System-prompt tokens reused from the prefix cache.", c->prefix.tokens_reused);
     uint64_t px_manual =
         c->prefix_flushed <= c->prefix.evictions ? c->prefix_flushed : c->prefix.evictions;
-    put(&t, "# HELP ragkv_evictions_total Cache entries evicted, by pool and reason.\n"
-            "# TYPE ragkv_evictions_total counter\n");
-    put(&t, "ragkv_evictions_total{pool=\"chunk\",reason=\"capacity\"} %llu\n",
-        (unsigned long long)c->chunk.evictions);
-    put(&t, "ragkv_evictions_total{pool=\"chunk\",reason=\"manual\"} %llu\n",
-        (unsigned long long)c->chunk_removed);
-    put(&t, "ragkv_evictions_total{pool=\"prefix\",reason=\"capacity\"} %llu\n",
-        (unsigned long long)(c->prefix.evictions - px_manual));
-    put(&t, "ragkv_evictions_total{pool=\"prefix\",reason=\"manual\"} %llu\n",
-        (unsigned long long)px_manual);
-    put(&t, "# HELP ragkv_requests_total HTTP responses sent, by status.\n"
-            "# TYPE ragkv_requests_total counter\n");
+    rk_strbuf_printf(t, "# HELP ragkv_evictions_total Cache entries evicted, by pool and reason.\n"
+                        "# TYPE ragkv_evictions_total counter\n");
+    rk_strbuf_printf(t, "ragkv_evictions_total{pool=\"chunk\",reason=\"capacity\"} %llu\n",
+                     (unsigned long long)c->chunk.evictions);
+    rk_strbuf_printf(t, "ragkv_evictions_total{pool=\"chunk\",reason=\"manual\"} %llu\n",
+                     (unsigned long long)c->chunk_removed);
+    rk_strbuf_printf(t, "ragkv_evictions_total{pool=\"prefix\",reason=\"capacity\"} %llu\n",
+                     (unsigned long long)(c->prefix.evictions - px_manual));
+    rk_strbuf_printf(t, "ragkv_evictions_total{pool=\"prefix\",reason=\"manual\"} %llu\n",
+                     (unsigned long long)px_manual);
+    rk_strbuf_printf(t, "# HELP ragkv_requests_total HTTP responses sent, by status.\n"
+                        "# TYPE ragkv_requests_total counter\n");
     for (int i = 100; i < 600; i++)
         if (s->status_counts[i])
-            put(&t, "ragkv_requests_total{status=\"%d\"} %llu\n", i,
-                (unsigned long long)s->status_counts[i]);
-    counter(&t, "ragkv_store_loads_total", "Chunks loaded from the disk store.", c->store_loads);
+            rk_strbuf_printf(t, "ragkv_requests_total{status=\"%d\"} %llu\n", i,
+                             (unsigned long long)s->status_counts[i]);
+}
+
+/* The disk and Redis tiers. */
+static void prom_tiers(rk_strbuf *t, const rk_stats *s, const rk_cache_snapshot *c) {
+    counter(t, "ragkv_store_loads_total", "Chunks loaded from the disk store.", c->store_loads);
     if (c->have_store || s->have_redis) {
-        histogram(&t, "ragkv_tier_load_seconds",
+        histogram(t, "ragkv_tier_load_seconds",
                   "Disk and Redis tier reads on the loader thread (each at the mean of those "
                   "published together).",
                   &s->tier_load);
-        gauge(&t, "ragkv_tier_load_bytes_in_flight",
+        gauge(t, "ragkv_tier_load_bytes_in_flight",
               "Chunk bytes being read from the tiers or read and not yet placed.",
               (double)c->loads.bytes_in_flight);
-        counter(&t, "ragkv_tier_loads_cancelled_total",
+        counter(t, "ragkv_tier_loads_cancelled_total",
                 "Queued tier reads dropped because no request waited for them any more.",
                 c->loads.cancelled);
-        gauge(&t, "ragkv_tier_write_bytes_in_flight",
+        gauge(t, "ragkv_tier_write_bytes_in_flight",
               "Computed chunk bytes queued for the disk tier's writer thread or being written.",
               (double)(c->writes.bytes_in_flight + c->writes.bytes_queued));
-        counter(&t, "ragkv_tier_writes_failed_total",
+        counter(t, "ragkv_tier_writes_failed_total",
                 "Disk tier writes that failed on the writer thread (the chunk stays in the arena).",
                 c->writes.failed);
     }
     if (s->have_redis) {
         const rk_redis_counters *rd = &s->redis;
-        counter(&t, "ragkv_redis_hits_total", "Chunks loaded from the shared Redis tier.",
-                rd->hits);
-        counter(&t, "ragkv_redis_misses_total",
+        counter(t, "ragkv_redis_hits_total", "Chunks loaded from the shared Redis tier.", rd->hits);
+        counter(t, "ragkv_redis_misses_total",
                 "Redis tier lookups that found no usable value (skipped calls included).",
                 rd->misses);
-        counter(&t, "ragkv_redis_errors_total",
+        counter(t, "ragkv_redis_errors_total",
                 "Failed Redis calls (connect, I/O, timeout, error reply).", rd->errors);
-        counter(&t, "ragkv_redis_writes_total", "Chunks committed to the Redis tier.", rd->writes);
-        counter(&t, "ragkv_redis_auth_failures_total",
+        counter(t, "ragkv_redis_writes_total", "Chunks committed to the Redis tier.", rd->writes);
+        counter(t, "ragkv_redis_auth_failures_total",
                 "Redis values deleted because their HMAC tag did not verify under the secret.",
                 rd->auth_failures);
-        put(&t,
+        rk_strbuf_printf(
+            t,
             "# HELP ragkv_redis_bytes_total Chunk payload bytes moved to and from Redis.\n"
             "# TYPE ragkv_redis_bytes_total counter\n"
             "ragkv_redis_bytes_total{direction=\"in\"} %llu\n"
             "ragkv_redis_bytes_total{direction=\"out\"} %llu\n",
             (unsigned long long)rd->bytes_in, (unsigned long long)rd->bytes_out);
-        histogram(&t, "ragkv_redis_latency_seconds",
+        histogram(t, "ragkv_redis_latency_seconds",
                   "Redis tier get round trips (each at the mean of those read together).",
                   &s->redis_latency);
     }
-    put(&t, "# HELP ragkv_pool_blocks KV blocks per pool and state.\n"
-            "# TYPE ragkv_pool_blocks gauge\n");
+}
+
+/* The KV pools and the per-tenant counters. */
+static void prom_pools_tenants(rk_strbuf *t, const rk_stats *s, const rk_cache_snapshot *c) {
+    rk_strbuf_printf(t, "# HELP ragkv_pool_blocks KV blocks per pool and state.\n"
+                        "# TYPE ragkv_pool_blocks gauge\n");
     for (int p = 0; p < RK_POOL_COUNT; p++) {
         const char *name = rk_pool_name((rk_pool_tag)p);
-        put(&t, "ragkv_pool_blocks{pool=\"%s\",state=\"used\"} %d\n", name,
-            c->pool_total[p] - c->pool_free[p]);
-        put(&t, "ragkv_pool_blocks{pool=\"%s\",state=\"free\"} %d\n", name, c->pool_free[p]);
+        rk_strbuf_printf(t, "ragkv_pool_blocks{pool=\"%s\",state=\"used\"} %d\n", name,
+                         c->pool_total[p] - c->pool_free[p]);
+        rk_strbuf_printf(t, "ragkv_pool_blocks{pool=\"%s\",state=\"free\"} %d\n", name,
+                         c->pool_free[p]);
     }
     static const struct {
         const char *name, *help;
@@ -605,44 +607,50 @@ char *rk_stats_prometheus(rk_stats *s) {
          offsetof(tenant_counts, chunk_misses)},
     };
     for (size_t m = 0; m < sizeof per_tenant / sizeof per_tenant[0]; m++) {
-        put(&t, "# HELP %s %s\n# TYPE %s counter\n", per_tenant[m].name, per_tenant[m].help,
-            per_tenant[m].name);
+        rk_strbuf_printf(t, "# HELP %s %s\n# TYPE %s counter\n", per_tenant[m].name,
+                         per_tenant[m].help, per_tenant[m].name);
         for (int slot = 0; slot <= SLOT_OTHER; slot++) {
             const tenant_counts *tc = &s->tenants[slot];
             if (slot > s->n_tenants && !(slot == SLOT_OTHER && tc->requests)) continue;
             uint64_t v;
             memcpy(&v, (const char *)tc + per_tenant[m].off, sizeof v);
-            put(&t, "%s{tenant=\"%s\"} %llu\n", per_tenant[m].name, s->tenant_names[slot],
-                (unsigned long long)v);
+            rk_strbuf_printf(t, "%s{tenant=\"%s\"} %llu\n", per_tenant[m].name,
+                             s->tenant_names[slot], (unsigned long long)v);
         }
     }
-    histogram(&t, "ragkv_ttft_seconds", "Time to first token, queueing included.", &s->ttft);
-    histogram(&t, "ragkv_reindex_seconds", "Time to copy and rotate a request's cached chunks.",
-              &s->reindex);
+}
 
-    /* The serving set, named as vLLM names them. */
-    gauge(&t, "ragkv_requests_running", "Generations in progress.", c->running);
-    gauge(&t, "ragkv_requests_waiting", "Generations queued for the engine.", c->queued);
-    gauge(&t, "ragkv_kv_usage_ratio", "Share of the live KV pool in use (0..1).", kv_usage(c));
-    counter(&t, "ragkv_prompt_tokens_total", "Prompt tokens of completed generations.",
+/* Latencies and the serving set, named as vLLM names them. */
+static void prom_serving(rk_strbuf *t, const rk_stats *s, const rk_cache_snapshot *c) {
+    histogram(t, "ragkv_ttft_seconds", "Time to first token, queueing included.", &s->ttft);
+    histogram(t, "ragkv_reindex_seconds", "Time to copy and rotate a request's cached chunks.",
+              &s->reindex);
+    gauge(t, "ragkv_requests_running", "Generations in progress.", c->running);
+    gauge(t, "ragkv_requests_waiting", "Generations queued for the engine.", c->queued);
+    gauge(t, "ragkv_kv_usage_ratio", "Share of the live KV pool in use (0..1).", kv_usage(c));
+    counter(t, "ragkv_prompt_tokens_total", "Prompt tokens of completed generations.",
             s->prompt_tokens);
-    counter(&t, "ragkv_generation_tokens_total", "Tokens generated by completed generations.",
+    counter(t, "ragkv_generation_tokens_total", "Tokens generated by completed generations.",
             s->completion_tokens);
-    counter(&t, "ragkv_preemptions_total",
+    counter(t, "ragkv_preemptions_total",
             "Generations taken off the live pool to make room, then resumed.", c->preemptions);
-    counter(&t, "ragkv_nonfinite_logits_total",
+    counter(t, "ragkv_nonfinite_logits_total",
             "Requests failed because the model produced a NaN or infinite logit.",
             c->nonfinite_logits);
-    histogram(&t, "ragkv_time_per_output_token_seconds",
+    histogram(t, "ragkv_time_per_output_token_seconds",
               "Decode time per generated token after the first, per request.", &s->tpot);
-    histogram(&t, "ragkv_queue_time_seconds", "Time a generation waited for the engine.",
-              &s->queue);
-    histogram(&t, "ragkv_e2e_request_latency_seconds",
+    histogram(t, "ragkv_queue_time_seconds", "Time a generation waited for the engine.", &s->queue);
+    histogram(t, "ragkv_e2e_request_latency_seconds",
               "Time from submission to the last token, queueing included.", &s->total);
+}
+
+char *rk_stats_prometheus(rk_stats *s) {
+    rk_strbuf t = {0};
+    pthread_mutex_lock(&s->mu);
+    prom_caches(&t, s, &s->snap);
+    prom_tiers(&t, s, &s->snap);
+    prom_pools_tenants(&t, s, &s->snap);
+    prom_serving(&t, s, &s->snap);
     pthread_mutex_unlock(&s->mu);
-    if (t.oom) {
-        free(t.s);
-        return NULL;
-    }
-    return t.s;
+    return rk_strbuf_take(&t);
 }
