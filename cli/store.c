@@ -102,6 +102,20 @@ static size_t count_lines(FILE *f, char **line, size_t *cap) {
     return total;
 }
 
+/* Put the tiers prewarm writes to into cfg (the Redis secret from
+ * RAGKV_REDIS_SECRET); NULL, or what is wrong with the arguments. */
+static const char *prewarm_tiers(const prewarm_args *pa, rk_config *cfg) {
+    if (!pa->input[0]) return "--input is required";
+    snprintf(cfg->redis_url, sizeof cfg->redis_url, "%s", pa->redis);
+    snprintf(cfg->redis_secret_file, sizeof cfg->redis_secret_file, "%s", pa->redis_secret_file);
+    const char *env_secret = getenv("RAGKV_REDIS_SECRET");
+    if (env_secret && strlen(env_secret) >= sizeof cfg->redis_secret)
+        return "RAGKV_REDIS_SECRET is longer than 1024 bytes";
+    if (env_secret) snprintf(cfg->redis_secret, sizeof cfg->redis_secret, "%s", env_secret);
+    if (!cfg->store_dir[0] && !cfg->redis_url[0]) return "--store or --redis is required";
+    return NULL;
+}
+
 int rk_cli_prewarm(int argc, char **argv) {
     static const char *help =
         "usage: ragkv prewarm --input F.jsonl (--store DIR | --redis URL) [--model F.gguf]\n"
@@ -122,15 +136,8 @@ int rk_cli_prewarm(int argc, char **argv) {
     if (rk_cli_parse_run(&cl, &o, &own, 1, argc, argv, &exit_code)) return exit_code;
     const char *input = pa.input;
     long batch = (long)pa.batch;
-    if (!input[0]) return usage_error("prewarm", "%s", "--input is required");
-    snprintf(o.cfg.redis_url, sizeof o.cfg.redis_url, "%s", pa.redis);
-    snprintf(o.cfg.redis_secret_file, sizeof o.cfg.redis_secret_file, "%s", pa.redis_secret_file);
-    const char *env_secret = getenv("RAGKV_REDIS_SECRET");
-    if (env_secret && strlen(env_secret) >= sizeof o.cfg.redis_secret)
-        return usage_error("prewarm", "%s", "RAGKV_REDIS_SECRET is longer than 1024 bytes");
-    if (env_secret) snprintf(o.cfg.redis_secret, sizeof o.cfg.redis_secret, "%s", env_secret);
-    if (!o.cfg.store_dir[0] && !o.cfg.redis_url[0])
-        return usage_error("prewarm", "%s", "--store or --redis is required");
+    const char *why = prewarm_tiers(&pa, &o.cfg);
+    if (why) return usage_error("prewarm", "%s", why);
     /* The scope a server gives the tenant's requests (or a request's
      * cache_salt): the keys the server will look up. */
     rk_chunk_key salt = pa.tenant[0] ? rk_cache_scope(pa.salt[0] ? pa.salt : pa.tenant, NULL)
