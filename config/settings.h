@@ -6,7 +6,18 @@
  * and one command line.
  *
  * Precedence is the caller's: defaults, then rk_settings_load_file(), then
- * rk_settings_load_env(), then flags through rk_setting_parse(). */
+ * rk_settings_load_env(), then flags through rk_setting_parse().
+ *
+ * Ownership: setting tables are static data; an rk_settings borrows the
+ * struct it binds (base) and writes only into it, within each field's size.
+ * Nothing here allocates for the caller except rk_settings_json (a new
+ * reference). Errors are RK_ERR_* with the message naming the setting (and
+ * the file and line) in rk_error_message().
+ *
+ * Threads: these run at start-up, on one thread, before the structs they
+ * fill are shared. No call locks: two threads must not fill the same struct,
+ * and rk_settings_load_env reads the environment (getenv), which another
+ * thread must not change meanwhile. */
 #ifndef RK_SETTINGS_H
 #define RK_SETTINGS_H
 

@@ -263,7 +263,7 @@ typedef struct rk_req_state rk_req_state; /* private to the pipeline */
 
 typedef struct rk_request {
     rk_req_options opt;
-    /* Tokens of the pieces, owned by the request (rk_request_tokenize fills them). */
+    /* Tokens of the pieces, owned by the request (rk_request_prepare fills them). */
     int32_t *sys; /* BOS (when the model uses one) + system prompt */
     int n_sys;
     int32_t **chunks; /* (n_chunks) */

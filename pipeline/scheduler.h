@@ -181,9 +181,13 @@ void rk_scheduler_run(rk_scheduler *e, rk_request **reqs, int n, rk_run_result *
 
 /* Per-chunk metadata the engine keeps beside the chunk index: the document
  * id given for a key, and the wall-clock time of its last use. Returns the id
- * (NULL when none) and writes the last use (0 when unknown). */
+ * (NULL when none) and writes the last use (0 when unknown). Engine thread
+ * only (a cache command's function). The id is the scheduler's: copy it
+ * before the function returns, since the next touch or prune of the table
+ * (any later engine step) may replace or free it. */
 const char *rk_scheduler_chunk_meta(rk_scheduler *e, const char *key, double *out_last_use);
-/* Remember an id (NULL keeps the one known) and a use now. */
+/* Remember an id (NULL keeps the one known; copied) and a use now. Engine
+ * thread only. Keys that are not 32 characters are ignored. */
 void rk_scheduler_chunk_touch(rk_scheduler *e, const char *key, const char *id);
 
 /* Count a manual removal from the chunk index (DELETE, flush) and prefix-cache
