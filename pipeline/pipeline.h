@@ -129,8 +129,20 @@ typedef struct rk_service {
 } rk_service;
 
 /* Create the backend, load the model (model_path NULL = build the embedded
- * `tiny` model in memory) and size the arena from cfg. */
+ * `tiny` model in memory), size the arena from cfg (copied) and open the
+ * tiers it names (store, Redis) with their threads. *out is the caller's,
+ * freed with rk_service_close; on failure *out is NULL, everything taken
+ * is freed and the message says what failed (RK_ERR_IO, RK_ERR_FORMAT,
+ * RK_ERR_UNSUPPORTED for the model; RK_ERR_INVALID for a plan that does not
+ * fit). Call it on the thread that will own the service: from then on only
+ * that thread (the engine thread) touches it, except where a call below says
+ * otherwise (rk_service_grammar_vocab; the statistics read through the
+ * scheduler's snapshot). */
 rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_service **out);
+/* Stop the tier threads after their work under way (queued disk writes are
+ * finished first), close the tiers, free the caches, the model and the
+ * backend. No request may still hold anything of it (free the pipelines
+ * first). Owner thread; accepts NULL. */
 void rk_service_close(rk_service *svc);
 
 /* The model's vocabulary as a byte trie for grammar states (built once, on
@@ -329,6 +341,12 @@ rk_status rk_request_prepare(rk_service *svc, const rk_split *pieces, rk_request
 rk_status rk_request_prepare_tokens(rk_service *svc, const int32_t *sys, int n_sys,
                                     const int32_t *question, int n_question, rk_request *r);
 
+/* Free what the request owns (its tokens, result arrays, chunk reports and
+ * grammar state) and zero those fields, not r itself, which may live on the
+ * stack. Its pipeline state is freed when it leaves the pipeline, so the
+ * request must not be running: it finished, was never admitted, or its
+ * pipeline was freed. Accepts NULL and a zeroed request; may be called
+ * twice. */
 void rk_request_free(rk_request *r);
 
 /* Called on the engine thread for every sampled token. req is the request's
@@ -350,6 +368,9 @@ typedef struct rk_pipeline_hooks {
 
 typedef struct rk_pipeline rk_pipeline; /* the running requests; opaque */
 
+/* A pipeline with no running requests over svc, which must outlive it. One
+ * thread, the service's owner, calls every rk_pipeline_* function on it.
+ * RK_ERR_NOMEM when out of memory (*out NULL). */
 rk_status rk_pipeline_create(rk_service *svc, rk_pipeline **out);
 /* Abort what still runs (rk_pipeline_abort), then free. Accepts NULL. */
 void rk_pipeline_free(rk_pipeline *p);
