@@ -202,9 +202,6 @@ void rk_feed_free(chunk_feed *f);
 
 /* ---------------------------------------------------------------- pipeline.c */
 
-int rk_chunk_from_prefix(const rk_request *r, int k);
-/* Give an uncached entry's live blocks back (once). */
-void rk_drop_uncached_blocks(rk_service *svc, rk_chunk_entry *e);
 int rk_zero_copy_for(const rk_service *svc, const rk_request *r, int tell);
 /* The chunk-key policy of request r's chunks. */
 void rk_request_chunk_policy(rk_service *svc, const rk_request *r, rk_chunk_policy *p);
@@ -255,8 +252,16 @@ rk_status rk_repair_feed(batch *b, int bs, rk_req_state *s, int *left);
 rk_status rk_repair_score_step(rk_service *svc, batch *b, rk_request *const *reqs, int n_reqs,
                                int budget);
 
-/* ---------------------------------------------------------------- step.c */
+/* ---------------------------------------------------------------- request.c */
 
+/* Whether chunk k of r lies in the prefix its admission took from the radix
+ * tree (computed and repaired as an earlier request left it). */
+int rk_chunk_from_prefix(const rk_request *r, int k);
+/* Give an uncached entry's live blocks back (once). */
+void rk_drop_uncached_blocks(rk_service *svc, rk_chunk_entry *e);
+/* Keep what a request's first admission reported (before it is preempted),
+ * and put it back when it resumes: a resumed request reports its first
+ * admission, whose work the caches now stand in for. */
 rk_status rk_save_report(rk_request *r);
 void rk_restore_report(rk_request *r);
 

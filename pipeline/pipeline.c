@@ -156,11 +156,6 @@ static int usable_prefix(const rk_request *r, int n) {
     return n;
 }
 
-/* A RAG chunk that lies in the prefix taken from the tree. */
-int rk_chunk_from_prefix(const rk_request *r, int k) {
-    return r->state->layout.index[k] + r->chunk_lens[k] <= r->state->reused;
-}
-
 /* Table entries of the prompt: the layout's, or for a zero-copy table the
  * system prompt padded to a block and the question (the chunks are runs of
  * the chunk pool's blocks). */
@@ -394,11 +389,6 @@ static rk_status acquire_uncached(rk_service *svc, rk_request *r, int k, int bas
     s->kinds[k] = RK_CHUNK_MISS;
     s->scratch[k].uncached = 1;
     return RK_OK;
-}
-
-void rk_drop_uncached_blocks(rk_service *svc, rk_chunk_entry *e) {
-    if (e->n_blocks) rk_arena_release(svc->arena, e->blocks, e->n_blocks);
-    e->n_blocks = 0;
 }
 
 /* Look up every chunk; queue the work each needs for pass 1. */

@@ -20,7 +20,8 @@
  * resumes later. Runs on the engine thread, which alone owns the model, the arena and
  * the caches.
  *
- * Its files: request.c (rk_request_prepare and the request's buffers),
+ * Its files: request.c (rk_request_prepare, the request's buffers, and the
+ * report kept across preemption),
  * pipeline.c (admission: the prompt stages, a request's start and release),
  * sequence.c (its KV into the radix tree), repair.c (the repair stage), batch.c (forward passes),
  * step.c (rk_pipeline_admit/join/step/run: the running requests), prewarm.c

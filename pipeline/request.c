@@ -1,6 +1,9 @@
-/* pipeline/request.c — request preparation (see pipeline.h): a request's
- * pieces tokenized, its context and max_tokens checked, its result buffers
- * allocated; its options' defaults and cache scope; rk_request_free. */
+/* pipeline/request.c — stage 1, request preparation (see pipeline.h): a
+ * request's pieces tokenized, its context and max_tokens checked, its result
+ * buffers allocated; its options' defaults and cache scope; rk_request_free.
+ * Also the small facts about a request that the later stages share without
+ * calling each other: whether a chunk came with the radix prefix, an
+ * uncached entry's blocks, and the report kept across preemption. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -218,4 +221,58 @@ rk_status rk_request_prepare_tokens(rk_service *svc, const int32_t *sys, int n_s
 fail:
     rk_request_free(r);
     return st;
+}
+
+/* ---------------------------------------------------------------- its layout, blocks and report */
+
+/* A RAG chunk that lies in the prefix taken from the tree. */
+int rk_chunk_from_prefix(const rk_request *r, int k) {
+    return r->state->layout.index[k] + r->chunk_lens[k] <= r->state->reused;
+}
+
+/* Give an uncached entry's live blocks back (once). */
+void rk_drop_uncached_blocks(rk_service *svc, rk_chunk_entry *e) {
+    if (e->n_blocks) rk_arena_release(svc->arena, e->blocks, e->n_blocks);
+    e->n_blocks = 0;
+}
+
+/* Keep what a resumed request's first admission reported. */
+rk_status rk_save_report(rk_request *r) {
+    rk_req_state *s = r->state;
+    int nc = r->n_chunks ? r->n_chunks : 1;
+    s->first_report = malloc(sizeof *s->first_report);
+    rk_chunk_report *c = malloc((size_t)nc * sizeof *c);
+    if (!s->first_report || !c) {
+        free(s->first_report);
+        free(c);
+        s->first_report = NULL;
+        return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    }
+    memcpy(c, r->chunk_reports, (size_t)nc * sizeof *c);
+    *s->first_report = (rk_request){.chunk_reports = c,
+                                    .sys_cached = r->sys_cached,
+                                    .conv_cached = r->conv_cached,
+                                    .recomputed_tokens = r->recomputed_tokens,
+                                    .shared_blocks = r->shared_blocks,
+                                    .t = r->t};
+    return RK_OK;
+}
+
+/* Put it back; the prefill time of the resumed prompt counts. */
+void rk_restore_report(rk_request *r) {
+    rk_req_state *s = r->state;
+    rk_request *f = s->first_report;
+    if (!f) return;
+    memcpy(r->chunk_reports, f->chunk_reports,
+           (size_t)(r->n_chunks ? r->n_chunks : 1) * sizeof *f->chunk_reports);
+    r->sys_cached = f->sys_cached;
+    r->conv_cached = f->conv_cached;
+    r->recomputed_tokens = f->recomputed_tokens;
+    r->shared_blocks = f->shared_blocks;
+    double prefill_ms = r->t.prefill_ms;
+    r->t = f->t;
+    r->t.prefill_ms = prefill_ms;
+    free(f->chunk_reports);
+    free(f);
+    s->first_report = NULL;
 }

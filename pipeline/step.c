@@ -19,47 +19,6 @@
 
 /* ---------------------------------------------------------------- reports and tokens */
 
-/* Keep what a resumed request's first admission reported. */
-rk_status rk_save_report(rk_request *r) {
-    rk_req_state *s = r->state;
-    int nc = r->n_chunks ? r->n_chunks : 1;
-    s->first_report = malloc(sizeof *s->first_report);
-    rk_chunk_report *c = malloc((size_t)nc * sizeof *c);
-    if (!s->first_report || !c) {
-        free(s->first_report);
-        free(c);
-        s->first_report = NULL;
-        return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
-    }
-    memcpy(c, r->chunk_reports, (size_t)nc * sizeof *c);
-    *s->first_report = (rk_request){.chunk_reports = c,
-                                    .sys_cached = r->sys_cached,
-                                    .conv_cached = r->conv_cached,
-                                    .recomputed_tokens = r->recomputed_tokens,
-                                    .shared_blocks = r->shared_blocks,
-                                    .t = r->t};
-    return RK_OK;
-}
-
-/* Put it back; the prefill time of the resumed prompt counts. */
-void rk_restore_report(rk_request *r) {
-    rk_req_state *s = r->state;
-    rk_request *f = s->first_report;
-    if (!f) return;
-    memcpy(r->chunk_reports, f->chunk_reports,
-           (size_t)(r->n_chunks ? r->n_chunks : 1) * sizeof *f->chunk_reports);
-    r->sys_cached = f->sys_cached;
-    r->conv_cached = f->conv_cached;
-    r->recomputed_tokens = f->recomputed_tokens;
-    r->shared_blocks = f->shared_blocks;
-    double prefill_ms = r->t.prefill_ms;
-    r->t = f->t;
-    r->t.prefill_ms = prefill_ms;
-    free(f->chunk_reports);
-    free(f);
-    s->first_report = NULL;
-}
-
 /* How many tokens before a constrained request would run out of room to
  * close its output it starts sampling only tokens that keep room. */
 #define RK_GRAMMAR_BUDGET_MARGIN 64
