@@ -15,11 +15,13 @@
  * `chunks` and `documents` extensions are the first user message's. Without
  * that, a "##" in a message is text (a Markdown heading stays a heading).
  * The document turn is the first user message that carries documents;
- * without one, the last user message. The chunks are the documents of every
- * user message from the document turn on, in message order: a later turn's
- * documents join the document turn's, after them, so they are chunk
- * segments, looked up in and reused from the chunk cache in this turn and
- * every later one, never recomputed as question text. The later turns keep
+ * without one, the first user message, so a chat without documents has the
+ * same layout with no chunks (its turns after the system part are all in the
+ * question piece, where the next turn finds them). The chunks are the
+ * documents of every user message from the document turn on, in message
+ * order: a later turn's documents join the document turn's, after them, so
+ * they are chunk segments, looked up in and reused from the chunk cache in
+ * this turn and every later one, never recomputed as question text. The later turns keep
  * their text in the question piece. Everything before the assistant's
  * opening therefore stays in place from one turn to the next: turn N+1's
  * system piece is turn N's, its chunks are turn N's followed by its own new
@@ -460,20 +462,21 @@ static const char *assistant_open(rk_chat_template t) {
 
 /* The document turn: the first user message with a non-empty document
  * (with the `chunks` or `documents` extension, the first user message when
- * the extension has one), else the last user message, as when no turn
- * carries documents. */
+ * the extension has one), else the first user message. Not the last: turn
+ * N+1 would then hold turn N's question in its system piece, which turn N
+ * had in its question piece, and the radix key marks where a question
+ * starts, so turn N+1 would match turn N's sequence no further than the
+ * system part (nor would the pieces tokenize alike: a SentencePiece piece
+ * starts its first word with a word start). */
 static int document_turn(const rk_api_request *req, const user_msg *users) {
-    int first_user = -1, last_user = -1;
-    for (int i = 0; i < req->n_msgs; i++) {
-        if (req->msgs[i].role != RK_ROLE_USER) continue;
-        if (first_user < 0) first_user = i;
-        last_user = i;
-    }
+    int first_user = -1;
+    for (int i = 0; i < req->n_msgs && first_user < 0; i++)
+        if (req->msgs[i].role == RK_ROLE_USER) first_user = i;
     for (int k = 0; req->chat_chunks_given && k < req->n_chat_chunks; k++)
         if (*req->chat_chunks[k]) return first_user;
     for (int i = 0; i < req->n_msgs; i++)
         if (req->msgs[i].role == RK_ROLE_USER && users[i].n_docs > 0) return i;
-    return last_user;
+    return first_user;
 }
 
 /* The request's chunks: the `chunks`/`documents` extension's non-empty ones

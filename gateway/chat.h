@@ -25,7 +25,7 @@ rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
                                          int has_llama3_tokens);
 
 /* Render a parsed chat request into req->pieces around the document turn
- * (the first user message with documents, else the last user message): the
+ * (the first user message with documents, else the first user message): the
  * system piece is the template's system part, the turns before it and its
  * opening; the chunks are its documents and every later user message's,
  * raw text, in order; the question piece is the rest of it, every later

@@ -123,33 +123,33 @@ Test(chat, each_turn_extends_the_layout_of_the_last) {
     }
 }
 
-/* Without documents in any turn the earlier turns are in the system piece
- * and the last user message is the question. */
-Test(chat, without_documents_earlier_turns_are_the_system_piece) {
-    static const char *want_sys[N_TEMPLATES] = {
-        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nQ1<|im_end|>\n<|im_start|>assistant\n"
-        "A1<|im_end|>\n<|im_start|>user\n",
-        "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|><|start_header_id|>user<|end_"
-        "header_id|>\n\nQ1<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nA1<|eot_id|><"
-        "|start_header_id|>user<|end_header_id|>\n\n",
-        "[INST] <<SYS>>\nS\n<</SYS>>\n\nQ1 [/INST] A1 </s><s>[INST] "};
-    static const char *want_q[N_TEMPLATES] = {
-        "Q2<|im_end|>\n<|im_start|>assistant\n",
-        "Q2<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n", "Q2 [/INST]"};
+/* Without documents in any turn the layout is the one with documents, with
+ * no chunks: the system piece ends at the first user message's opening and
+ * every turn from it on is in the question piece, so each turn extends the
+ * last (earlier turns in the system piece would leave nothing of the last
+ * turn's question where the radix key has it). */
+Test(chat, without_documents_every_turn_is_in_the_question_piece) {
+    json_t *msgs = json_array();
     for (int t = 0; t < N_TEMPLATES; t++) {
-        json_t *msgs = json_array();
+        json_array_clear(msgs);
         add_msg(msgs, "system", "S");
         add_msg(msgs, "user", "Q1");
-        add_msg(msgs, "assistant", "A1");
-        add_msg(msgs, "user", "Q2");
-        rk_api_request r;
-        render_ok((rk_chat_template)t, msgs, NULL, &r);
-        cr_assert_str_eq(r.pieces.system.s, want_sys[t]);
-        cr_assert_eq(r.pieces.n_chunks, 0);
-        cr_assert_str_eq(r.pieces.question.s, want_q[t]);
-        rk_api_request_free(&r);
-        json_decref(msgs);
+        rk_api_request turns[2];
+        for (int n = 0; n < 2; n++) {
+            if (n > 0) {
+                add_msg(msgs, "assistant", "A1");
+                add_msg(msgs, "user", "Q2");
+            }
+            render_ok((rk_chat_template)t, msgs, NULL, &turns[n]);
+            cr_assert_str_eq(turns[n].pieces.system.s, WANT_SYS[t]);
+            cr_assert_eq(turns[n].pieces.n_chunks, 0);
+            cr_assert_str_eq(turns[n].pieces.question.s, WANT_Q[t][n], "template %d turn %d", t,
+                             n + 1);
+        }
+        assert_extends(&turns[0], &turns[1]);
+        for (int n = 0; n < 2; n++) rk_api_request_free(&turns[n]);
     }
+    json_decref(msgs);
 }
 
 /* The first user turn with documents holds the chunks, even when it is not
@@ -459,6 +459,7 @@ static const char *DOCUMENTS =
     "Lily had a red ball. She liked to play with it in the garden every day.##Tom had a big dog "
     "named Max. Max liked to run and bark at the birds.##The sun was warm and the sky was "
     "blue.##Tell me what Lily did one day";
+static const char *PLAIN = "Tell me a story about Lily, her red ball and the garden";
 static const char *FOLLOW_UPS[] = {"What did Tom do?", "Where did the dog run?"};
 #define TURNS 3
 
@@ -468,15 +469,17 @@ static const char *FOLLOW_UPS[] = {"What did Tom do?", "Where did the dog run?"}
  * whole prompt, and its answer as far as the answer's text tokenizes to the
  * tokens generated), so it computes the rest of the answer, the template and
  * its question alone; and it generates what it generates on a service
- * without the prefix cache. whole_answer (a bit per template): the answer is
- * repeated whole. */
-static void check_conversation_on(const char *model, unsigned whole_answer, const char *reindex) {
+ * without the prefix cache. first: the first user message, which carries
+ * n_chunks documents (0: a chat without documents). whole_answer (a bit per
+ * template): the answer is repeated whole. */
+static void check_conversation_on(const char *model, const char *first, int n_chunks,
+                                  unsigned whole_answer, const char *reindex) {
     rk_service *svc = open_svc(model, 1, reindex), *off = open_svc(model, 0, reindex);
     const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
     for (int t = 0; t < N_TEMPLATES; t++) {
         json_t *msgs = json_array();
         add_msg(msgs, "system", SYSTEM);
-        add_msg(msgs, "user", DOCUMENTS);
+        add_msg(msgs, "user", first);
         rk_request prev;
         for (int n = 0; n < TURNS; n++) {
             if (n > 0) {
@@ -490,7 +493,7 @@ static void check_conversation_on(const char *model, unsigned whole_answer, cons
             render_ok((rk_chat_template)t, msgs, NULL, &api);
             rk_request r;
             run_turn(svc, &api, &r);
-            cr_assert_eq(r.n_chunks, 3);
+            cr_assert_eq(r.n_chunks, n_chunks);
             if (n > 0) {
                 int fed = prev.n_out - 1, same = answer_tokens_repeated(&prev, &r);
                 cr_assert_eq(r.cached_tokens, prev.prompt_tokens + same,
@@ -521,10 +524,12 @@ static void check_conversation_on(const char *model, unsigned whole_answer, cons
 }
 
 /* On both reindex paths: a zero-copy turn goes into the radix tree as a
- * copy of its runs, and the next turn's match reaches past its chunks. */
+ * copy of its runs, and the next turn's match reaches past its chunks. A
+ * chat without documents extends its last turn the same way. */
 static void check_conversation(const char *model, unsigned whole_answer) {
-    check_conversation_on(model, whole_answer, "copy");
-    check_conversation_on(model, whole_answer, "zero-copy");
+    check_conversation_on(model, DOCUMENTS, 3, whole_answer, "copy");
+    check_conversation_on(model, DOCUMENTS, 3, whole_answer, "zero-copy");
+    check_conversation_on(model, PLAIN, 0, whole_answer, "copy");
 }
 
 /* The embedded model's random weights emit byte tokens, some not valid
@@ -543,6 +548,116 @@ Test(chat, stories260k_a_follow_up_turn_computes_only_what_follows_the_last) {
      * where the answer begins. */
     check_conversation(model, 1u << RK_CHAT_CHATML | 1u << RK_CHAT_LLAMA3);
     free(model);
+}
+
+/* ---------------------------------------------------------------- over HTTP */
+
+/* Chat templates as a converted model's GGUF carries them in
+ * tokenizer.chat_template (written here, not any model's own): the server
+ * picks the Llama-2 or the Llama-3 rendering from their markers. */
+static const char *LLAMA2_JINJA =
+    "{% for m in messages %}{% if m['role'] == 'system' %}{% set sys = m['content'] %}"
+    "{% elif m['role'] == 'user' %}{{ bos_token + '[INST] ' }}{% if sys %}"
+    "{{ '<<SYS>>\\n' + sys + '\\n<</SYS>>\\n\\n' }}{% set sys = '' %}{% endif %}"
+    "{{ m['content'] + ' [/INST]' }}{% else %}{{ ' ' + m['content'] + ' ' + eos_token }}"
+    "{% endif %}{% endfor %}";
+static const char *LLAMA3_JINJA =
+    "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+    "'<|end_header_id|>\\n\\n' + m['content'] + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}";
+
+/* A first user message of about 45 tokens. */
+static const char *LONG_FIRST =
+    "Once upon a time there was a little girl named Lily. She had a red ball and a big dog "
+    "named Max. Every day they went to the park to play in the sun. Tell me what happened "
+    "when the ball rolled away";
+
+/* A chat without documents over HTTP, on the real server with its default
+ * cache settings: turn 1 (a system prompt and LONG_FIRST), then turn 2 (turn
+ * 1's messages, its answer as the server returned it, a new question). Turn
+ * 2 reuses turn 1's whole prompt from the radix tree, reported as the system
+ * prompt and the conversation, and computes at most what its prompt adds to
+ * turn 1's: the answer as tokenized again (its tokens that match the ones
+ * generated are reused too), the template around it and the new question.
+ * Its answer is the one computed without the prefix cache. */
+static void check_plain_follow_up(const char *model, const char *want_template) {
+    rk_test_server srv;
+    const char *args[] = {"--model", model, "--threads", "1", NULL};
+    cr_assert_eq(rk_test_server_start_ready(&srv, "chat", NULL, args), 0,
+                 "the server did not start");
+    rk_test_resp m;
+    cr_assert_eq(rk_test_exchange(&srv.t, "GET", "/v1/models", NULL, NULL, &m), 0);
+    cr_assert_str_eq(rk_test_jstr(m.json, "data.0.ragkv.chat_template"), want_template);
+    rk_test_resp_free(&m);
+
+    json_t *msgs = json_array();
+    add_msg(msgs, "system", SYSTEM);
+    add_msg(msgs, "user", LONG_FIRST);
+    char *text = json_dumps(msgs, 0);
+    rk_test_resp t1 = rk_test_postf(
+        &srv.t, "/v1/chat/completions",
+        "{\"messages\": %s, \"max_tokens\": 8, \"temperature\": 0, \"ignore_eos\": true}", text);
+    free(text);
+    cr_assert_eq(t1.http.status, 200, "%s", t1.http.body);
+    long long p1 = rk_test_jint(t1.json, "usage.prompt_tokens");
+    cr_assert_gt(p1, 40, "%s", t1.http.body);
+    add_msg(msgs, "assistant", rk_test_jstr(t1.json, "choices.0.message.content"));
+    add_msg(msgs, "user", "What did Max do?");
+    text = json_dumps(msgs, 0);
+    const char *fmt = "{\"messages\": %s, \"max_tokens\": 8, \"temperature\": 0, \"ignore_eos\": "
+                      "true, \"prefix_cache\": %s}";
+    rk_test_resp t2 = rk_test_postf(&srv.t, "/v1/chat/completions", fmt, text, "true");
+    rk_test_resp ref = rk_test_postf(&srv.t, "/v1/chat/completions", fmt, text, "false");
+    free(text);
+    cr_assert_eq(t2.http.status, 200, "%s", t2.http.body);
+    cr_assert_eq(ref.http.status, 200, "%s", ref.http.body);
+    long long p2 = rk_test_jint(t2.json, "usage.prompt_tokens");
+    long long cached = rk_test_jint(t2.json, "usage.prompt_tokens_details.cached_tokens");
+    long long computed = rk_test_jint(t2.json, "ragkv.timings.prompt_tokens_computed");
+    cr_log_info("%s: turn 1 %lld prompt tokens; turn 2 %lld, %lld cached, %lld computed",
+                want_template, p1, p2, cached, computed);
+    cr_assert_eq(cached + computed, p2);
+    cr_assert_geq(cached, p1, "%s: turn 2 reuses %lld tokens of turn 1's %lld: %s", want_template,
+                  cached, p1, t2.http.body);
+    cr_assert_leq(computed, p2 - p1, "%s: turn 2 computes %lld tokens, its prompt adds %lld",
+                  want_template, computed, p2 - p1);
+    cr_assert_eq(rk_test_jint(t2.json, "ragkv.reused.prefix") +
+                     rk_test_jint(t2.json, "ragkv.reused.conversation"),
+                 cached, "%s", t2.http.body);
+    cr_assert_gt(rk_test_jint(t2.json, "ragkv.reused.conversation"), 0, "%s", t2.http.body);
+    cr_assert_eq(rk_test_jint(ref.json, "usage.prompt_tokens_details.cached_tokens"), 0);
+    cr_assert(json_equal(rk_test_jget(t2.json, "ragkv.completion_ids"),
+                         rk_test_jget(ref.json, "ragkv.completion_ids")),
+              "%s: the answer differs from the one without the prefix cache", want_template);
+    rk_test_resp_free(&t1);
+    rk_test_resp_free(&t2);
+    rk_test_resp_free(&ref);
+    json_decref(msgs);
+    rk_test_server_stop_checked(&srv);
+}
+
+Test(chat, qwen3_tiny_a_follow_up_without_documents_over_http_computes_its_new_turn,
+     .timeout = 300) {
+    char *model = rk_test_model("qwen3-tiny", "f32", 1);
+    check_plain_follow_up(model, "chatml");
+    free(model);
+}
+
+/* stories260K carrying each Llama chat template in its GGUF (the real
+ * SentencePiece tokenizer: a piece's first word is tokenized with its word
+ * start, so the turns must stay in the pieces they were in). */
+Test(chat, stories260k_a_follow_up_without_documents_over_http_computes_its_new_turn,
+     .timeout = 300) {
+    char *src;
+    RK_REQUIRE_SHARED(src, "models/stories260K.gguf");
+    char *llama2 = rk_test_model_with_template(src, LLAMA2_JINJA, "stories260K-llama2.gguf");
+    char *llama3 = rk_test_model_with_template(src, LLAMA3_JINJA, "stories260K-llama3.gguf");
+    check_plain_follow_up(llama2, "llama2");
+    check_plain_follow_up(llama3, "llama3");
+    free(llama2);
+    free(llama3);
+    free(src);
 }
 
 /* ---------------------------------------------------------------- tools */

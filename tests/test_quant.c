@@ -609,45 +609,6 @@ Test(quant, synthetic_quantized_models_generate_identically_across_thread_counts
 
 /* ---------------------------------------------------------------- BF16 weights */
 
-/* Copy metadata key i of g into w (the types a llama GGUF uses). */
-static void copy_kv(rk_gguf_writer *w, const rk_gguf *g, int64_t i) {
-    const char *key = rk_gguf_kv_key(g, i);
-    rk_gguf_type t = rk_gguf_kv_type(g, i);
-    if (t == RK_GGUF_STRING) {
-        const char *v;
-        cr_assert_eq(rk_gguf_get_str(g, key, &v, NULL), RK_OK);
-        cr_assert_eq(rk_gguf_writer_set_str(w, key, v), RK_OK);
-    } else if (t == RK_GGUF_UINT32) {
-        uint32_t v;
-        cr_assert_eq(rk_gguf_get_u32(g, key, &v), RK_OK);
-        cr_assert_eq(rk_gguf_writer_set_u32(w, key, v), RK_OK);
-    } else if (t == RK_GGUF_FLOAT32) {
-        float v;
-        cr_assert_eq(rk_gguf_get_f32(g, key, &v), RK_OK);
-        cr_assert_eq(rk_gguf_writer_set_f32(w, key, v), RK_OK);
-    } else if (t == RK_GGUF_ARRAY && rk_gguf_kv_arr_type(g, i) == RK_GGUF_STRING) {
-        const char *const *strs;
-        const uint32_t *lens;
-        size_t n;
-        cr_assert_eq(rk_gguf_get_arr_str(g, key, &strs, &lens, &n), RK_OK);
-        cr_assert_eq(rk_gguf_writer_set_arr_str(w, key, strs, lens, n), RK_OK);
-    } else if (t == RK_GGUF_ARRAY && rk_gguf_kv_arr_type(g, i) == RK_GGUF_FLOAT32) {
-        float *v;
-        size_t n;
-        cr_assert_eq(rk_gguf_get_arr_f32(g, key, &v, &n), RK_OK);
-        cr_assert_eq(rk_gguf_writer_set_arr_f32(w, key, v, n), RK_OK);
-        free(v);
-    } else if (t == RK_GGUF_ARRAY && rk_gguf_kv_arr_type(g, i) == RK_GGUF_INT32) {
-        int32_t *v;
-        size_t n;
-        cr_assert_eq(rk_gguf_get_arr_i32(g, key, &v, &n), RK_OK);
-        cr_assert_eq(rk_gguf_writer_set_arr_i32(w, key, v, n), RK_OK);
-        free(v);
-    } else {
-        cr_assert_fail("metadata %s has type %d, which this copy does not handle", key, (int)t);
-    }
-}
-
 /* Tensor i of the source: matrices rounded to BF16, the rest as they are. */
 static rk_status fill_bf16(void *ctx, int64_t i, void *dst, size_t n_bytes) {
     const rk_gguf_tensor *t = rk_gguf_tensor_at(ctx, i);
@@ -666,7 +627,7 @@ static char *bf16_wide_model(void) {
     cr_assert_eq(rk_gguf_open(src, &g), RK_OK, "%s", rk_error_message());
     rk_gguf_writer *w;
     cr_assert_eq(rk_gguf_writer_create(&w), RK_OK);
-    for (int64_t i = 0; i < rk_gguf_n_kv(g); i++) copy_kv(w, g, i);
+    for (int64_t i = 0; i < rk_gguf_n_kv(g); i++) rk_test_gguf_copy_kv(w, g, i);
     for (int64_t i = 0; i < rk_gguf_n_tensors(g); i++) {
         const rk_gguf_tensor *t = rk_gguf_tensor_at(g, i);
         cr_assert_eq(t->type, RK_GGML_F32);

@@ -3,6 +3,7 @@
 
 #include <criterion/criterion.h>
 
+#include "engine/gguf.h"
 #include "engine/mkmodel.h"
 #include "pipeline/pipeline.h"
 
@@ -114,6 +115,82 @@ char *rk_test_model(const char *preset, const char *wtype, unsigned seed) {
     cr_assert_eq(wst, RK_OK, "mkmodel %s: %s", preset, rk_error_message());
     cr_assert_eq(rename(tmp, path), 0);
     return rk_strdup(path);
+}
+
+void rk_test_gguf_copy_kv(rk_gguf_writer *w, const rk_gguf *g, int64_t i) {
+    const char *key = rk_gguf_kv_key(g, i);
+    rk_gguf_type t = rk_gguf_kv_type(g, i);
+    if (t == RK_GGUF_STRING) {
+        const char *v;
+        size_t n;
+        cr_assert_eq(rk_gguf_get_str(g, key, &v, &n), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_str_len(w, key, v, n), RK_OK);
+    } else if (t == RK_GGUF_UINT32) {
+        uint32_t v;
+        cr_assert_eq(rk_gguf_get_u32(g, key, &v), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_u32(w, key, v), RK_OK);
+    } else if (t == RK_GGUF_FLOAT32) {
+        float v;
+        cr_assert_eq(rk_gguf_get_f32(g, key, &v), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_f32(w, key, v), RK_OK);
+    } else if (t == RK_GGUF_ARRAY && rk_gguf_kv_arr_type(g, i) == RK_GGUF_STRING) {
+        const char *const *strs;
+        const uint32_t *lens;
+        size_t n;
+        cr_assert_eq(rk_gguf_get_arr_str(g, key, &strs, &lens, &n), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_arr_str(w, key, strs, lens, n), RK_OK);
+    } else if (t == RK_GGUF_ARRAY && rk_gguf_kv_arr_type(g, i) == RK_GGUF_FLOAT32) {
+        float *v;
+        size_t n;
+        cr_assert_eq(rk_gguf_get_arr_f32(g, key, &v, &n), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_arr_f32(w, key, v, n), RK_OK);
+        free(v);
+    } else if (t == RK_GGUF_ARRAY && rk_gguf_kv_arr_type(g, i) == RK_GGUF_INT32) {
+        int32_t *v;
+        size_t n;
+        cr_assert_eq(rk_gguf_get_arr_i32(g, key, &v, &n), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_arr_i32(w, key, v, n), RK_OK);
+        free(v);
+    } else {
+        cr_assert_fail("metadata %s has type %d, which this copy does not handle", key, (int)t);
+    }
+}
+
+/* Tensor i of the source, as it is. */
+static rk_status fill_same(void *ctx, int64_t i, void *dst, size_t n_bytes) {
+    memcpy(dst, rk_gguf_tensor_at(ctx, i)->data, n_bytes);
+    return RK_OK;
+}
+
+char *rk_test_model_with_template(const char *src, const char *jinja, const char *name) {
+    char dir[4096], path[4200], tmp[4300];
+    snprintf(dir, sizeof dir, "%s/models", RK_TEST_TMP);
+    mkdir(RK_TEST_TMP, 0755);
+    mkdir(dir, 0755);
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    struct stat st;
+    if (stat(path, &st) == 0) return rk_test_strdup(path);
+    rk_gguf *g;
+    cr_assert_eq(rk_gguf_open(src, &g), RK_OK, "%s", rk_error_message());
+    rk_gguf_writer *w;
+    cr_assert_eq(rk_gguf_writer_create(&w), RK_OK);
+    for (int64_t i = 0; i < rk_gguf_n_kv(g); i++)
+        if (strcmp(rk_gguf_kv_key(g, i), "tokenizer.chat_template") != 0)
+            rk_test_gguf_copy_kv(w, g, i);
+    cr_assert_eq(rk_gguf_writer_set_str(w, "tokenizer.chat_template", jinja), RK_OK);
+    for (int64_t i = 0; i < rk_gguf_n_tensors(g); i++) {
+        const rk_gguf_tensor *t = rk_gguf_tensor_at(g, i);
+        cr_assert_eq(rk_gguf_writer_add_tensor(w, t->name, (rk_ggml_type)t->type, t->n_dims, t->ne),
+                     RK_OK, "%s", rk_error_message());
+    }
+    /* Another test process may be writing the same file: write under a unique
+     * name and rename, which is atomic. */
+    snprintf(tmp, sizeof tmp, "%s.%d", path, (int)getpid());
+    cr_assert_eq(rk_gguf_writer_write_file(w, tmp, fill_same, g), RK_OK, "%s", rk_error_message());
+    rk_gguf_writer_free(w);
+    rk_gguf_close(g);
+    cr_assert_eq(rename(tmp, path), 0);
+    return rk_test_strdup(path);
 }
 
 rk_request *rk_test_request(rk_service *svc, const int *prompt, int n_prompt, int n_sys,

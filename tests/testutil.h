@@ -7,6 +7,7 @@
 
 #include <jansson.h>
 #include <stddef.h>
+#include <stdint.h>
 #include <sys/types.h>
 
 #include "bench/httpclient.h"
@@ -49,6 +50,18 @@ char *rk_test_tmpdir(const char *tag);
  * shared by every test afterwards (malloc'ed). Skips the test when the Qwen3
  * vocabulary the preset needs is absent. */
 char *rk_test_model(const char *preset, const char *wtype, unsigned seed);
+
+struct rk_gguf;
+struct rk_gguf_writer;
+/* Copy metadata key i of g into w (the types a llama GGUF uses; asserts on
+ * any other). */
+void rk_test_gguf_copy_kv(struct rk_gguf_writer *w, const struct rk_gguf *g, int64_t i);
+
+/* A copy of the GGUF model src (metadata and tensors as they are) that
+ * carries jinja as its tokenizer.chat_template, as a converted model does,
+ * under the build tree's testtmp/models/NAME: written on first use and shared
+ * afterwards, like rk_test_model's (malloc'ed path). */
+char *rk_test_model_with_template(const char *src, const char *jinja, const char *name);
 
 struct rk_service;
 struct rk_request;
