@@ -176,7 +176,9 @@ static int rehash_states(rk_grammar_state *s, int cap) {
 static int32_t intern_state(rk_grammar_state *s, int accept) {
     if (s->error) return T_ERROR;
     if (!s->n_scratch && !accept) return T_DEAD;
-    qsort(s->scratch, (size_t)s->n_scratch, sizeof *s->scratch, leaf_cmp);
+    /* No leaves (a grammar that may only end here) leaves scratch NULL:
+     * qsort, memcmp and memcpy are not called with it. */
+    if (s->n_scratch > 1) qsort(s->scratch, (size_t)s->n_scratch, sizeof *s->scratch, leaf_cmp);
     uint32_t h = mix(2166136261u, (uint32_t)accept);
     for (int i = 0; i < s->n_scratch; i++)
         h = mix(mix(h, (uint32_t)s->scratch[i].pos), (uint32_t)s->scratch[i].parent);
@@ -184,7 +186,8 @@ static int32_t intern_state(rk_grammar_state *s, int accept) {
     for (; s->shash[k] >= 0; k = (k + 1) & (uint32_t)(s->shash_cap - 1)) {
         const dstate *d = &s->st[s->shash[k]];
         if (d->hash == h && d->accept == accept && d->n_leaf == s->n_scratch &&
-            !memcmp(s->leafs + d->leaf_off, s->scratch, (size_t)s->n_scratch * sizeof(leaf)))
+            (!s->n_scratch ||
+             !memcmp(s->leafs + d->leaf_off, s->scratch, (size_t)s->n_scratch * sizeof(leaf))))
             return s->shash[k];
     }
     if (s->n_st >= RK_GRAMMAR_MAX_STATES ||
@@ -203,7 +206,8 @@ static int32_t intern_state(rk_grammar_state *s, int accept) {
     d->n_allowed = -1;
     d->hash = h;
     d->accept = (uint8_t)accept;
-    memcpy(s->leafs + s->n_leafs, s->scratch, (size_t)s->n_scratch * sizeof(leaf));
+    if (s->n_scratch)
+        memcpy(s->leafs + s->n_leafs, s->scratch, (size_t)s->n_scratch * sizeof(leaf));
     s->n_leafs += s->n_scratch;
     s->shash[k] = id;
     if (s->n_st * 2 > s->shash_cap && rehash_states(s, s->shash_cap * 2) < 0) return T_ERROR;

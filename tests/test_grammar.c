@@ -637,3 +637,57 @@ Test(grammar, json_object_requests_on_stories260k_give_objects) {
     rk_grammar_free(g);
     rk_service_close(svc);
 }
+
+/* A grammar that may only be empty: its first state has no stack (the
+ * sanitizer build once stopped on the sort of no stacks), allows only the
+ * end tokens, and must end at once. */
+Test(grammar, a_grammar_of_only_the_empty_string_allows_only_the_end) {
+    need_qwen3();
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_parse("root ::= \"\"\n", &g), RK_OK, "%s", rk_error_message());
+    rk_grammar_state *s;
+    cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK, "%s", rk_error_message());
+    cr_expect(rk_grammar_state_can_end(s));
+    cr_expect(rk_grammar_state_must_end(s));
+    cr_expect_eq(rk_grammar_state_min_bytes(s), 0);
+    const uint64_t *m;
+    cr_assert_eq(rk_grammar_state_mask(s, &m), RK_OK, "%s", rk_error_message());
+    int n = 0;
+    for (int32_t i = 0; i < rk_grammar_vocab_n(g_vocab); i++)
+        if (BIT(m, i)) {
+            cr_expect(rk_tokenizer_is_eog(g_tok, i), "token %d is allowed", i);
+            n++;
+        }
+    cr_expect_gt(n, 0);
+    cr_expect_neq(rk_grammar_state_accept_bytes(s, "a", 1), RK_OK);
+    rk_grammar_state_free(s);
+    rk_grammar_free(g);
+}
+
+/* 40 rules, each twice the one before: the shortest output is 2^40 bytes,
+ * more than an int holds. Sampling near max_tokens must not overflow (the
+ * sanitizer build stops on signed overflow), and the output is cut by
+ * max_tokens. */
+Test(grammar, a_grammar_longer_than_an_int_is_cut_by_max_tokens) {
+    const char *path;
+    RK_REQUIRE_SHARED(path, "models/stories260K.gguf");
+    rk_service *svc = open_model(path);
+    free((char *)path);
+    char text[2048];
+    int o = snprintf(text, sizeof text, "root ::= r39\nr0 ::= \"ab\" | \"ba\"\n");
+    for (int i = 1; i < 40; i++)
+        o += snprintf(text + o, sizeof text - (size_t)o, "r%d ::= r%d r%d\n", i, i - 1, i - 1);
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_parse(text, &g), RK_OK, "%s", rk_error_message());
+    rk_request **rs = run_constrained(svc, g, 1, 12);
+    cr_expect_eq(rs[0]->failure, RK_OK, "%s", rs[0]->failure_msg);
+    cr_expect_eq(rs[0]->finish_reason, RK_FINISH_LENGTH);
+    cr_expect_eq(rs[0]->n_out, 12);
+    char *out = output_text(svc, rs[0]);
+    for (const char *p = out; *p; p++) cr_expect(*p == 'a' || *p == 'b', "%s", out);
+    free(out);
+    rk_test_request_free(rs[0]);
+    free(rs);
+    rk_grammar_free(g);
+    rk_service_close(svc);
+}
