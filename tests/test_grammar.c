@@ -691,3 +691,71 @@ Test(grammar, a_grammar_longer_than_an_int_is_cut_by_max_tokens) {
     rk_grammar_free(g);
     rk_service_close(svc);
 }
+
+/* Negated class escapes hold non-ASCII characters: [^\D] is the digits
+ * alone, [^\S] white space alone; \S, \W, '.' and [^a] allow non-ASCII
+ * characters but never white space. Walks over the Qwen3 vocabulary, whose
+ * tokens are mostly multi-byte, checked with PCRE2. */
+Test(grammar, negated_class_escapes_in_patterns_hold_multibyte_characters_exactly) {
+    walk_schema("{\"type\":\"string\",\"pattern\":\"^[^\\\\D]{3}$\"}", 10);
+    walk_schema("{\"type\":\"string\",\"pattern\":\"^[^\\\\S]{3}$\"}", 10);
+    walk_schema("{\"type\":\"string\",\"pattern\":\"^[^\\\\W\\\\d]{2}[^\\\\w\\\\s]$\"}", 10);
+    walk_schema("{\"type\":\"string\",\"pattern\":\"^\\\\S\\\\W.[^a]$\"}", 10);
+    json_t *schema = parse_json("{\"type\":\"string\",\"pattern\":\"^[^\\\\D][^\\\\S].$\"}");
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_from_schema(schema, &g), RK_OK, "%s", rk_error_message());
+    /* ” (E2 80 9D) is neither a digit nor white space; U+00A0 and U+2028
+     * are white space and '.' refuses a line separator. */
+    const char *good[] = {"\"1 x\"", "\"7\\t\xC3\xA9\""};
+    const char *bad[] = {"\"\xE2\x80\x9D x\"", "\"1\xE2\x80\x9Dx\"", "\"1 \xE2\x80\xA8\"",
+                         "\"1 \\n\""};
+    for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
+        rk_grammar_state *s;
+        cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK);
+        cr_expect_eq(rk_grammar_state_accept_bytes(s, good[i], (int)strlen(good[i])), RK_OK, "%s",
+                     good[i]);
+        cr_expect(rk_grammar_state_can_end(s), "%s", good[i]);
+        rk_grammar_state_free(s);
+    }
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        rk_grammar_state *s;
+        cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK);
+        int took = rk_grammar_state_accept_bytes(s, bad[i], (int)strlen(bad[i])) == RK_OK;
+        cr_expect(!took || !rk_grammar_state_can_end(s), "%s", bad[i]);
+        rk_grammar_state_free(s);
+    }
+    rk_grammar_free(g);
+    json_decref(schema);
+}
+
+/* A pattern whose language holds no string JSON output can carry is
+ * refused with its path: an empty class, or U+0000 (never in the output). */
+Test(grammar, a_pattern_that_matches_nothing_is_refused) {
+    const char *pats[] = {"^[^\\\\s\\\\S]$", "^\\\\u0000+$", "^x\\\\0$", "[^\\\\w\\\\W]"};
+    for (size_t i = 0; i < sizeof pats / sizeof *pats; i++) {
+        char text[256];
+        snprintf(text, sizeof text, "{\"type\":\"string\",\"pattern\":\"%s\"}", pats[i]);
+        json_t *schema = parse_json(text);
+        rk_grammar *g = NULL;
+        cr_expect_eq(rk_grammar_from_schema(schema, &g), RK_ERR_INVALID, "%s", pats[i]);
+        cr_expect(strstr(rk_error_message(), "$.pattern: no string"), "%s: %s", pats[i],
+                  rk_error_message());
+        rk_grammar_free(g);
+        json_decref(schema);
+    }
+    /* An optional U+0000 is left out, not refused. */
+    need_qwen3();
+    json_t *schema = parse_json("{\"type\":\"string\",\"pattern\":\"^a\\\\u0000?$\"}");
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_from_schema(schema, &g), RK_OK, "%s", rk_error_message());
+    rk_grammar_state *s;
+    cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK);
+    cr_expect_eq(rk_grammar_state_accept_bytes(s, "\"a\"", 3), RK_OK);
+    cr_expect(rk_grammar_state_can_end(s));
+    rk_grammar_state_free(s);
+    cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK);
+    cr_expect_neq(rk_grammar_state_accept_bytes(s, "\"a\\u0000", 8), RK_OK);
+    rk_grammar_state_free(s);
+    rk_grammar_free(g);
+    json_decref(schema);
+}
