@@ -783,6 +783,7 @@ rk_status rk_grammar_from_schema(const json_t *schema, rk_grammar **out) {
             return rk_errorf(RK_ERR_UNSUPPORTED,
                              "$: no value satisfies the schema within %d levels of $ref",
                              RK_SCHEMA_REF_DEPTH);
+        if (st == RK_ERR_LIMIT) return rk_errorf(st, "$: the schema is over a bound: %s", msg);
         return rk_errorf(st, "$: the schema compiled to an invalid grammar: %s", msg);
     }
     return RK_OK;

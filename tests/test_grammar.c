@@ -759,3 +759,109 @@ Test(grammar, a_pattern_that_matches_nothing_is_refused) {
     rk_grammar_free(g);
     json_decref(schema);
 }
+
+/* A rule of n alternatives "w<i>" (about 11 bytes each), as grammar text. */
+static char *wide_grammar(int n) {
+    size_t cap = (size_t)n * 16 + 64, o = 0;
+    char *t = malloc(cap);
+    o += (size_t)snprintf(t, cap, "root ::= ");
+    for (int i = 0; i < n; i++)
+        o += (size_t)snprintf(t + o, cap - o, "%s\"w%07d\"", i ? " | " : "", i);
+    snprintf(t + o, cap - o, "\n");
+    return t;
+}
+
+/* 79,000 alternatives alive at once (a 1 MB text) once held the engine
+ * thread for seconds; the state's width is bounded, and the bound named. */
+Test(grammar, a_state_wider_than_its_bound_is_refused_naming_it, .timeout = 60) {
+    need_qwen3();
+    char *text = wide_grammar(79000);
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_parse(text, &g), RK_OK, "%s", rk_error_message());
+    rk_grammar_state *s = NULL;
+    cr_expect_eq(rk_grammar_state_create(g, g_vocab, &s), RK_ERR_LIMIT);
+    cr_expect(strstr(rk_error_message(), "more than 4096 alternatives at once"), "%s",
+              rk_error_message());
+    rk_grammar_state_free(s);
+    rk_grammar_free(g);
+    free(text);
+    /* At the bound it is allowed, and its first mask is the 4096 words' "w". */
+    text = wide_grammar(RK_GRAMMAR_MAX_WIDTH);
+    cr_assert_eq(rk_grammar_parse(text, &g), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK, "%s", rk_error_message());
+    const uint64_t *m;
+    cr_expect_eq(rk_grammar_state_mask(s, &m), RK_OK, "%s", rk_error_message());
+    cr_expect_eq(rk_grammar_state_accept_bytes(s, "w0004095", 8), RK_OK);
+    cr_expect(rk_grammar_state_can_end(s));
+    rk_grammar_state_free(s);
+    rk_grammar_free(g);
+    free(text);
+}
+
+/* Alternatives that double at every level (2^40 paths to one byte class)
+ * are expanded once per distinct position, not once per path. */
+Test(grammar, doubling_alternatives_expand_in_linear_time, .timeout = 20) {
+    need_qwen3();
+    char text[4096];
+    int o = snprintf(text, sizeof text, "root ::= r0\nr40 ::= \"x\"\n");
+    for (int i = 0; i < 40; i++)
+        o += snprintf(text + o, sizeof text - (size_t)o, "r%d ::= r%d | r%d\n", i, i + 1, i + 1);
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_parse(text, &g), RK_OK, "%s", rk_error_message());
+    rk_grammar_state *s;
+    cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK, "%s", rk_error_message());
+    const uint64_t *m;
+    cr_expect_eq(rk_grammar_state_mask(s, &m), RK_OK, "%s", rk_error_message());
+    cr_expect_eq(rk_grammar_state_accept_bytes(s, "x", 1), RK_OK);
+    cr_expect(rk_grammar_state_must_end(s));
+    rk_grammar_state_free(s);
+    rk_grammar_free(g);
+}
+
+Test(grammar, grammars_over_the_rule_and_time_bounds_are_refused_naming_them) {
+    /* x{0,9999} is 9999 rules: seven of them are over 65536. */
+    rk_grammar *g = NULL;
+    cr_expect_eq(rk_grammar_parse("root ::= a b c d e f g\na ::= \"x\"{0,9999}\nb ::= a\nc ::= "
+                                  "a\nd ::= a\ne ::= \"y\"{0,9999}\nf ::= \"z\"{0,9999}\ng ::= "
+                                  "\"v\"{0,9999} \"w\"{0,9999} \"u\"{0,9999} \"t\"{0,9999}\n",
+                                  &g),
+                 RK_ERR_LIMIT);
+    cr_expect(strstr(rk_error_message(), "more than 65536 rules"), "%s", rk_error_message());
+    rk_grammar_free(g);
+    g = NULL;
+    char *text = wide_grammar(2000);
+    cr_expect_eq(rk_grammar_parse_within(text, 1e-6, &g), RK_ERR_LIMIT);
+    cr_expect(strstr(rk_error_message(), "took longer than the bound"), "%s", rk_error_message());
+    rk_grammar_free(g);
+    free(text);
+}
+
+/* A repeated schema is compiled once: the second request gets the same
+ * compiled grammar from the cache. */
+Test(grammar, the_cache_compiles_a_repeated_schema_once) {
+    rk_grammar_cache *c;
+    cr_assert_eq(rk_grammar_cache_create(2, &c), RK_OK);
+    json_t *a = parse_json("{\"type\":\"object\",\"properties\":{\"x\":{\"type\":\"integer\"}}}");
+    json_t *b = parse_json("{\"type\":\"object\",\"properties\":{\"x\":{\"type\":\"integer\"}}}");
+    rk_grammar *g1, *g2, *g3;
+    cr_assert_eq(rk_grammar_cache_schema(c, a, &g1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_grammar_cache_schema(c, b, &g2), RK_OK, "%s", rk_error_message());
+    cr_expect(g1 == g2, "a repeated schema was compiled again");
+    cr_assert_eq(rk_grammar_cache_parse(c, "root ::= \"x\"", &g3), RK_OK);
+    cr_expect(g3 != g1);
+    int64_t hits, misses;
+    rk_grammar_cache_counts(c, &hits, &misses);
+    cr_expect_eq(hits, 1);
+    cr_expect_eq(misses, 2);
+    rk_grammar_free(g1);
+    rk_grammar_cache_free(c); /* the requests' references outlive the cache */
+    need_qwen3();
+    rk_grammar_state *s;
+    cr_assert_eq(rk_grammar_state_create(g2, g_vocab, &s), RK_OK);
+    cr_expect_eq(rk_grammar_state_accept_bytes(s, "{\"x\":12}", 8), RK_OK);
+    rk_grammar_state_free(s);
+    rk_grammar_free(g2);
+    rk_grammar_free(g3);
+    json_decref(a);
+    json_decref(b);
+}

@@ -460,3 +460,39 @@ Test(structured, a_pattern_that_matches_no_output_string_is_refused, .fini = sto
     }
     free((char *)model);
 }
+
+/* A grammar of 79,000 alternatives alive at once (a body just under the
+ * 1 MiB limit) is refused on the HTTP worker with the bound it is over,
+ * instead of holding the engine thread; the same request again costs no
+ * second compile (the cache), and a stream started meanwhile is served. */
+Test(structured, a_grammar_over_the_width_bound_is_refused_naming_it, .fini = stop) {
+    const char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    start(model);
+    size_t cap = 79000 * 12 + 256, o = 0;
+    char *body = malloc(cap);
+    o += (size_t)snprintf(body, cap, "{\"prompt\":\"x\",\"max_tokens\":4,\"grammar\":\"root ::= ");
+    for (int i = 0; i < 79000; i++)
+        o += (size_t)snprintf(body + o, cap - o, "%s\\\"%05d\\\"", i ? " | " : "", i);
+    snprintf(body + o, cap - o, "\"}");
+    cr_assert_lt(strlen(body), (size_t)1048576);
+    for (int k = 0; k < 2; k++) {
+        int status;
+        char *raw;
+        json_t *j = post("/v1/completions", body, &status, &raw);
+        cr_expect_eq(status, 400, "%.300s", raw);
+        cr_expect(strstr(raw, "more than 4096 alternatives at once"), "%.300s", raw);
+        json_decref(j);
+        free(raw);
+    }
+    free(body);
+    int status;
+    char *raw;
+    json_t *j = post("/v1/completions",
+                     "{\"prompt\":\"Once\",\"max_tokens\":8,\"grammar\":\"root ::= [a-z]+\"}",
+                     &status, &raw);
+    cr_expect_eq(status, 200, "%s", raw);
+    json_decref(j);
+    free(raw);
+    free((char *)model);
+}
