@@ -33,9 +33,19 @@ typedef struct dstate {
 #define T_UNKNOWN             (-3)
 #define T_ERROR               (-2)
 #define T_DEAD                (-1)
-#define RK_GRAMMAR_MAX_STATES (1 << 16)
-#define RK_GRAMMAR_MAX_FRAMES (1 << 20)
+#define RK_GRAMMAR_MAX_FRAMES 1048576
 #define RK_GRAMMAR_MASK_SLOTS 256
+/* The most positions one state's expansion may visit (its stacks included). */
+#define RK_GRAMMAR_MAX_VISITS 65536
+#define RK_STR_(x)            #x
+#define RK_STR(x)             RK_STR_(x)
+
+/* A position visited while expanding: element pos over frame parent, in the
+ * round gen (entries of older rounds count as empty). */
+typedef struct visit {
+    int32_t pos, parent;
+    uint32_t gen;
+} visit;
 
 struct rk_grammar_state {
     const rk_grammar *g;
@@ -58,9 +68,14 @@ struct rk_grammar_state {
     leaf *scratch;
     int n_scratch, cap_scratch;
     int32_t *walk; /* (max_depth + 1) states along the trie path */
+    visit *visits; /* open addressing: what this round's expansion has seen */
+    int n_visits, cap_visits;
+    uint32_t gen;
+    int start; /* the state at the start of the grammar */
     int cur;
     int finished;
-    int error; /* an allocation or a bound failed while expanding */
+    int error;         /* an allocation or a bound failed while expanding */
+    const char *bound; /* which bound, or NULL (out of memory) */
 };
 
 static uint32_t mix(uint32_t h, uint32_t x) {
@@ -104,9 +119,67 @@ static int32_t intern_frame(rk_grammar_state *s, int32_t pos, int32_t parent) {
     return id;
 }
 
+static void fail_bound(rk_grammar_state *s, const char *bound) {
+    s->error = 1;
+    s->bound = bound;
+}
+
+/* Start a round of expansion (one state's): nothing visited yet. */
+static void visits_clear(rk_grammar_state *s) {
+    s->n_scratch = 0;
+    s->n_visits = 0;
+    s->error = 0;
+    s->bound = NULL;
+    if (++s->gen == 0) { /* wrapped: old stamps could be taken for new */
+        for (int i = 0; i < s->cap_visits; i++) s->visits[i].gen = 0;
+        s->gen = 1;
+    }
+}
+
+static uint32_t visit_slot(const visit *t, int cap, uint32_t gen, int32_t pos, int32_t parent) {
+    uint32_t k = mix(mix(2166136261u, (uint32_t)pos), (uint32_t)parent) & (uint32_t)(cap - 1);
+    while (t[k].gen == gen && (t[k].pos != pos || t[k].parent != parent))
+        k = (k + 1) & (uint32_t)(cap - 1);
+    return k;
+}
+
+/* Mark (pos, parent) visited in this round: 1 when it was not yet, 0 when
+ * it was, -1 when a bound or an allocation failed (s->error set). */
+static int visit_once(rk_grammar_state *s, int32_t pos, int32_t parent) {
+    if (s->n_visits * 2 >= s->cap_visits) {
+        if (s->n_visits >= RK_GRAMMAR_MAX_VISITS) {
+            fail_bound(s, "one state's expansion visits more than " RK_STR(
+                              RK_GRAMMAR_MAX_VISITS) " grammar positions");
+            return -1;
+        }
+        int cap = s->cap_visits ? s->cap_visits * 2 : 1024;
+        visit *t = calloc((size_t)cap, sizeof *t);
+        if (!t) {
+            s->error = 1;
+            return -1;
+        }
+        for (int i = 0; i < s->cap_visits; i++)
+            if (s->visits[i].gen == s->gen)
+                t[visit_slot(t, cap, s->gen, s->visits[i].pos, s->visits[i].parent)] = s->visits[i];
+        free(s->visits);
+        s->visits = t;
+        s->cap_visits = cap;
+    }
+    uint32_t k = visit_slot(s->visits, s->cap_visits, s->gen, pos, parent);
+    if (s->visits[k].gen == s->gen) return 0;
+    s->visits[k] = (visit){pos, parent, s->gen};
+    s->n_visits++;
+    return 1;
+}
+
 static void push_leaf(rk_grammar_state *s, int32_t pos, int32_t parent) {
-    for (int i = 0; i < s->n_scratch; i++)
-        if (s->scratch[i].pos == pos && s->scratch[i].parent == parent) return;
+    if (s->n_scratch >= RK_GRAMMAR_MAX_WIDTH) {
+        fail_bound(s, "a state holds more than " RK_STR(
+                          RK_GRAMMAR_MAX_WIDTH) " alternatives at once (a rule with that many "
+                                                "alternatives that start "
+                                                "alike: factor their common prefixes)");
+        return;
+    }
     if (rk_gram_grow((void **)&s->scratch, &s->cap_scratch, s->n_scratch + 1, sizeof *s->scratch) <
         0) {
         s->error = 1;
@@ -118,10 +191,15 @@ static void push_leaf(rk_grammar_state *s, int32_t pos, int32_t parent) {
 /* Expand the stack (pos over parent) into leaves: follow rule references
  * down to their byte classes and the ends of sequences up to their callers.
  * A reference that ends its sequence returns straight to the caller's
- * caller, so right recursion (x*) keeps stacks from growing. */
+ * caller, so right recursion (x*) keeps stacks from growing. A position
+ * already visited in this round is not expanded again (its leaves are in),
+ * so a round costs at most one visit per distinct position. */
 static void expand(rk_grammar_state *s, int32_t pos, int32_t parent, int *accept) {
     const rk_grammar *g = s->g;
     for (;;) {
+        if (s->error) return;
+        int v = visit_once(s, pos, parent);
+        if (v <= 0) return;
         rk_gram_elem e = g->elems[pos];
         if (e.type == RK_GRAM_END) {
             if (parent < 0) {
@@ -140,7 +218,11 @@ static void expand(rk_grammar_state *s, int32_t pos, int32_t parent, int *accept
         if (g->elems[pos + 1].type != RK_GRAM_END) {
             ret = intern_frame(s, pos + 1, parent);
             if (ret < 0) {
-                s->error = 1;
+                if (s->n_frames >= RK_GRAMMAR_MAX_FRAMES)
+                    fail_bound(s, "the stacks hold more than " RK_STR(
+                                      RK_GRAMMAR_MAX_FRAMES) " return frames (nesting too deep)");
+                else
+                    s->error = 1;
                 return;
             }
         }
@@ -176,7 +258,9 @@ static int rehash_states(rk_grammar_state *s, int cap) {
 static int32_t intern_state(rk_grammar_state *s, int accept) {
     if (s->error) return T_ERROR;
     if (!s->n_scratch && !accept) return T_DEAD;
-    qsort(s->scratch, (size_t)s->n_scratch, sizeof *s->scratch, leaf_cmp);
+    /* No leaves (a grammar that may only end here) leaves scratch NULL:
+     * qsort, memcmp and memcpy are not called with it. */
+    if (s->n_scratch > 1) qsort(s->scratch, (size_t)s->n_scratch, sizeof *s->scratch, leaf_cmp);
     uint32_t h = mix(2166136261u, (uint32_t)accept);
     for (int i = 0; i < s->n_scratch; i++)
         h = mix(mix(h, (uint32_t)s->scratch[i].pos), (uint32_t)s->scratch[i].parent);
@@ -184,11 +268,15 @@ static int32_t intern_state(rk_grammar_state *s, int accept) {
     for (; s->shash[k] >= 0; k = (k + 1) & (uint32_t)(s->shash_cap - 1)) {
         const dstate *d = &s->st[s->shash[k]];
         if (d->hash == h && d->accept == accept && d->n_leaf == s->n_scratch &&
-            !memcmp(s->leafs + d->leaf_off, s->scratch, (size_t)s->n_scratch * sizeof(leaf)))
+            (!s->n_scratch ||
+             !memcmp(s->leafs + d->leaf_off, s->scratch, (size_t)s->n_scratch * sizeof(leaf))))
             return s->shash[k];
     }
-    if (s->n_st >= RK_GRAMMAR_MAX_STATES ||
-        rk_gram_grow((void **)&s->st, &s->cap_st, s->n_st + 1, sizeof *s->st) < 0 ||
+    if (s->n_st >= RK_GRAMMAR_MAX_STATES) {
+        fail_bound(s, "the automaton has more than " RK_STR(RK_GRAMMAR_MAX_STATES) " states");
+        return T_ERROR;
+    }
+    if (rk_gram_grow((void **)&s->st, &s->cap_st, s->n_st + 1, sizeof *s->st) < 0 ||
         rk_gram_grow((void **)&s->leafs, &s->cap_leafs, s->n_leafs + s->n_scratch,
                      sizeof *s->leafs) < 0)
         return T_ERROR;
@@ -203,7 +291,8 @@ static int32_t intern_state(rk_grammar_state *s, int accept) {
     d->n_allowed = -1;
     d->hash = h;
     d->accept = (uint8_t)accept;
-    memcpy(s->leafs + s->n_leafs, s->scratch, (size_t)s->n_scratch * sizeof(leaf));
+    if (s->n_scratch)
+        memcpy(s->leafs + s->n_leafs, s->scratch, (size_t)s->n_scratch * sizeof(leaf));
     s->n_leafs += s->n_scratch;
     s->shash[k] = id;
     if (s->n_st * 2 > s->shash_cap && rehash_states(s, s->shash_cap * 2) < 0) return T_ERROR;
@@ -221,8 +310,7 @@ static int32_t step_slow(rk_grammar_state *s, int32_t sid, unsigned c) {
         s->st[sid].row = s->n_rows++;
     }
     const rk_grammar *g = s->g;
-    s->n_scratch = 0;
-    s->error = 0;
+    visits_clear(s);
     int accept = 0;
     int32_t off = s->st[sid].leaf_off, n = s->st[sid].n_leaf;
     for (int32_t i = 0; i < n; i++) {
@@ -257,7 +345,15 @@ void rk_grammar_state_free(rk_grammar_state *s) {
     free(s->bmask);
     free(s->scratch);
     free(s->walk);
+    free(s->visits);
     free(s);
+}
+
+/* The error for a failed step: the bound that was hit (RK_ERR_LIMIT) or
+ * out of memory. */
+static rk_status state_error(const rk_grammar_state *s) {
+    if (s->bound) return rk_errorf(RK_ERR_LIMIT, "grammar: %s", s->bound);
+    return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory");
 }
 
 rk_status rk_grammar_state_create(const rk_grammar *g, const rk_grammar_vocab *v,
@@ -274,15 +370,22 @@ rk_status rk_grammar_state_create(const rk_grammar *g, const rk_grammar_vocab *v
         return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory");
     }
     int accept = 0;
+    visits_clear(s);
     for (int a = g->alt_off[g->root]; a < g->alt_off[g->root + 1]; a++)
         if (!g->alt_dead[a]) expand(s, g->alt_start[a], -1, &accept);
-    s->cur = intern_state(s, accept);
+    s->cur = s->start = intern_state(s, accept);
     if (s->cur < 0) {
+        rk_status st = state_error(s);
         rk_grammar_state_free(s);
-        return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory");
+        return st;
     }
     *out = s;
     return RK_OK;
+}
+
+void rk_grammar_state_reset(rk_grammar_state *s) {
+    s->cur = s->start;
+    s->finished = 0;
 }
 
 static int32_t state_minb(rk_grammar_state *s, int32_t sid);
@@ -349,10 +452,7 @@ rk_status rk_grammar_state_mask(rk_grammar_state *s, const uint64_t **mask) {
     if (!m) return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory for a mask");
     int32_t max_after;
     int n_allowed;
-    if (mask_walk(s, INT32_MAX, m, &max_after, &n_allowed) == T_ERROR)
-        return rk_errorf(RK_ERR_LIMIT,
-                         "grammar: the automaton outgrew its bound (%d states, %d frames)", s->n_st,
-                         s->n_frames);
+    if (mask_walk(s, INT32_MAX, m, &max_after, &n_allowed) == T_ERROR) return state_error(s);
     d = &s->st[s->cur]; /* the walk may have moved the state array */
     d->max_after = max_after;
     d->n_allowed = n_allowed;
@@ -366,8 +466,7 @@ rk_status rk_grammar_state_accept_bytes(rk_grammar_state *s, const char *bytes, 
     int32_t cur = s->cur;
     for (int i = 0; i < n; i++) {
         cur = step(s, cur, (unsigned char)bytes[i]);
-        if (cur == T_ERROR)
-            return rk_errorf(RK_ERR_LIMIT, "grammar: the automaton outgrew its bound");
+        if (cur == T_ERROR) return state_error(s);
         if (cur < 0)
             return rk_errorf(RK_ERR_INVALID, "grammar: byte %d (0x%02x) is not allowed here", i,
                              (unsigned char)bytes[i]);
@@ -426,8 +525,7 @@ rk_status rk_grammar_state_mask_budget(rk_grammar_state *s, int budget, const ui
         return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory for a mask");
     uint64_t *m = s->bmask;
     int32_t max_after;
-    if (mask_walk(s, budget, m, &max_after, n_allowed) == T_ERROR)
-        return rk_errorf(RK_ERR_LIMIT, "grammar: the automaton outgrew its bound");
+    if (mask_walk(s, budget, m, &max_after, n_allowed) == T_ERROR) return state_error(s);
     *mask = m;
     return RK_OK;
 }

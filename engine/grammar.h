@@ -37,13 +37,33 @@
 #include "config/config.h"
 #include "engine/tokenizer.h"
 
+/* Bounds on what a grammar may cost, checked where it is compiled (on the
+ * HTTP worker) and again by every state, so that no grammar holds the engine
+ * thread for long: a bound that is hit fails with RK_ERR_LIMIT and a message
+ * naming it. Rules count after repetitions are expanded; a state's width is
+ * the stacks it holds (the alternatives alive at one point of the output). */
+#define RK_GRAMMAR_MAX_RULES      65536
+#define RK_GRAMMAR_MAX_ELEMS      1048576
+#define RK_GRAMMAR_MAX_STATES     65536
+#define RK_GRAMMAR_MAX_WIDTH      4096
+#define RK_GRAMMAR_MAX_COMPILE_MS 1000
+
 typedef struct rk_grammar rk_grammar;             /* compiled rules (immutable) */
 typedef struct rk_grammar_vocab rk_grammar_vocab; /* a tokenizer's byte trie (immutable) */
 typedef struct rk_grammar_state rk_grammar_state; /* one request's position */
 
 /* Compile a grammar text (GBNF-like, see docs/api.md; the start rule is
- * `root`). Errors (RK_ERR_INVALID) give the line and what is wrong. */
+ * `root`). Errors (RK_ERR_INVALID) give the line and what is wrong; a
+ * grammar over a bound (rules, elements, RK_GRAMMAR_MAX_COMPILE_MS of
+ * compiling) gives RK_ERR_LIMIT naming it. */
 rk_status rk_grammar_parse(const char *text, rk_grammar **out);
+
+/* rk_grammar_parse with a bound of max_ms milliseconds of compiling. */
+rk_status rk_grammar_parse_within(const char *text, double max_ms, rk_grammar **out);
+
+/* Take one more reference to g (compiled grammars are shared by the
+ * requests that ask for the same one); rk_grammar_free drops one. Returns g. */
+rk_grammar *rk_grammar_ref(rk_grammar *g);
 
 /* Compile a JSON Schema. A schema outside the supported subset, or an invalid
  * one, gives RK_ERR_INVALID (outside: RK_ERR_UNSUPPORTED) with a message that
@@ -69,7 +89,24 @@ rk_status rk_grammar_from_calls(const rk_grammar_call *calls, int n, const char 
 /* The grammar of any JSON object (response_format {"type":"json_object"}). */
 rk_status rk_grammar_json_object(rk_grammar **out);
 
+/* Drop a reference; the last one frees the grammar. */
 void rk_grammar_free(rk_grammar *g);
+
+/* A cache of compiled grammars by content (thread-safe): a repeated grammar
+ * text, schema or tool set is compiled once while it stays among the
+ * capacity most recently used. Failures are not cached. */
+typedef struct rk_grammar_cache rk_grammar_cache;
+rk_status rk_grammar_cache_create(int capacity, rk_grammar_cache **out);
+void rk_grammar_cache_free(rk_grammar_cache *c);
+
+/* rk_grammar_parse, rk_grammar_from_schema and rk_grammar_json_object
+ * through cache c (NULL: no cache). *out is a reference the caller frees. */
+rk_status rk_grammar_cache_parse(rk_grammar_cache *c, const char *text, rk_grammar **out);
+rk_status rk_grammar_cache_schema(rk_grammar_cache *c, const json_t *schema, rk_grammar **out);
+rk_status rk_grammar_cache_json_object(rk_grammar_cache *c, rk_grammar **out);
+
+/* Compilations the cache answered, and those it did not (hits, misses). */
+void rk_grammar_cache_counts(rk_grammar_cache *c, int64_t *hits, int64_t *misses);
 
 /* The grammar text a schema compiles to (malloc'ed, the caller frees), for
  * tests and diagnostics; NULL with the error set on failure. */
@@ -82,14 +119,20 @@ rk_status rk_grammar_vocab_create(const rk_tokenizer *t, rk_grammar_vocab **out)
 void rk_grammar_vocab_free(rk_grammar_vocab *v);
 int32_t rk_grammar_vocab_n(const rk_grammar_vocab *v);
 
-/* A fresh state at the start of the grammar. */
+/* A fresh state at the start of the grammar. A grammar whose first state is
+ * over a bound gives RK_ERR_LIMIT naming it. */
 rk_status rk_grammar_state_create(const rk_grammar *g, const rk_grammar_vocab *v,
                                   rk_grammar_state **out);
+
+/* Back to the start of the grammar (what it learnt, its states and masks,
+ * is kept: they are the same grammar's). */
+void rk_grammar_state_reset(rk_grammar_state *s);
 void rk_grammar_state_free(rk_grammar_state *s);
 
 /* The tokens allowed next: a bitset of rk_grammar_vocab_n bits (bit i of word
  * i / 64), owned by the state and valid until the next call on it. Fails
- * (RK_ERR_LIMIT) only when the state's automaton outgrows its bound. */
+ * (RK_ERR_LIMIT, naming the bound) only when the state's automaton outgrows
+ * one of the bounds above. */
 rk_status rk_grammar_state_mask(rk_grammar_state *s, const uint64_t **mask);
 
 /* Fewest bytes that would finish the output from here (0 where it may end). */

@@ -34,6 +34,7 @@ typedef struct rk_gram_elem {
 } rk_gram_elem;
 
 struct rk_grammar {
+    int refs; /* references (atomic); the last rk_grammar_free frees it */
     int n_rules;
     char **names;        /* (n_rules) */
     int32_t *alt_off;    /* (n_rules + 1) into alt_start */

@@ -27,8 +27,14 @@ typedef struct builder {
     int n_elems, cap_elems;
     uint64_t (*sets)[4];
     int n_sets, cap_sets;
+    int32_t *name_hash; /* open addressing over names, -1 empty */
+    int name_hash_cap;
     int oom;
-    const char *p; /* parse position */
+    int over;         /* a bound was hit (err says which) */
+    double deadline;  /* rk_time_now() past which compiling stops */
+    double max_ms;    /* the bound it came from, for the message */
+    unsigned n_ticks; /* calls of b_late, so the clock is read now and then */
+    const char *p;    /* parse position */
     int line;
     char err[256];
 } builder;
@@ -77,7 +83,58 @@ static void b_fail(builder *b, const char *fmt, ...) {
 
 static int b_failed(const builder *b) { return b->oom || b->err[0]; }
 
+/* Past the compile deadline? Reads the clock one call in 256 (and on the
+ * first); a late builder fails with the time bound. */
+static int b_late(builder *b) {
+    if (b->over) return 1;
+    if (b->n_ticks++ % 256) return 0;
+    if (rk_time_now() <= b->deadline) return 0;
+    b->over = 1;
+    b->err[0] = 0;
+    snprintf(b->err, sizeof b->err,
+             "grammar: compiling it took longer than the bound of %g ms (make it smaller)",
+             b->max_ms);
+    return 1;
+}
+
+static uint32_t name_hash(const char *s, size_t len) {
+    uint32_t h = 2166136261u;
+    for (size_t i = 0; i < len; i++) h = (h ^ (unsigned char)s[i]) * 16777619u;
+    return h;
+}
+
+/* Put rule id r (named names[r]) in the name table, growing it. -1: no memory. */
+static int name_insert(builder *b, int r) {
+    if ((r + 1) * 2 > b->name_hash_cap) {
+        int cap = b->name_hash_cap ? b->name_hash_cap * 2 : 256;
+        int32_t *t = malloc((size_t)cap * sizeof *t);
+        if (!t) return -1;
+        memset(t, 0xff, (size_t)cap * sizeof *t);
+        free(b->name_hash);
+        b->name_hash = t;
+        b->name_hash_cap = cap;
+        for (int i = 0; i < r; i++) {
+            uint32_t k = name_hash(b->names[i], strlen(b->names[i])) & (uint32_t)(cap - 1);
+            while (t[k] >= 0) k = (k + 1) & (uint32_t)(cap - 1);
+            t[k] = i;
+        }
+    }
+    uint32_t k = name_hash(b->names[r], strlen(b->names[r])) & (uint32_t)(b->name_hash_cap - 1);
+    while (b->name_hash[k] >= 0) k = (k + 1) & (uint32_t)(b->name_hash_cap - 1);
+    b->name_hash[k] = r;
+    return 0;
+}
+
 static int new_rule(builder *b, const char *name, size_t len) {
+    if (b->n_rules >= RK_GRAMMAR_MAX_RULES) {
+        if (!b->err[0])
+            snprintf(b->err, sizeof b->err,
+                     "grammar: more than %d rules (repetitions are expanded into rules: lower "
+                     "their counts)",
+                     RK_GRAMMAR_MAX_RULES);
+        b->over = 1;
+        return -1;
+    }
     if (rk_gram_grow((void **)&b->names, &b->cap_rules, b->n_rules + 1, sizeof *b->names) < 0) {
         b->oom = 1;
         return -1;
@@ -95,6 +152,11 @@ static int new_rule(builder *b, const char *name, size_t len) {
     s[len] = 0;
     b->names[b->n_rules] = s;
     b->defined[b->n_rules] = 0;
+    if (name_insert(b, b->n_rules) < 0) {
+        free(s);
+        b->oom = 1;
+        return -1;
+    }
     return b->n_rules++;
 }
 
@@ -107,13 +169,18 @@ static int anon_rule(builder *b) {
 }
 
 static int rule_id(builder *b, const char *name, size_t len) {
-    for (int i = 0; i < b->n_rules; i++)
-        if (strlen(b->names[i]) == len && !memcmp(b->names[i], name, len)) return i;
+    if (b->name_hash_cap) {
+        uint32_t k = name_hash(name, len) & (uint32_t)(b->name_hash_cap - 1);
+        for (; b->name_hash[k] >= 0; k = (k + 1) & (uint32_t)(b->name_hash_cap - 1)) {
+            const char *n = b->names[b->name_hash[k]];
+            if (strlen(n) == len && !memcmp(n, name, len)) return b->name_hash[k];
+        }
+    }
     return new_rule(b, name, len);
 }
 
 static void add_alt(builder *b, int rule, const evec *v) {
-    if (b_failed(b)) return;
+    if (b_failed(b) || rule < 0 || b_late(b)) return;
     if (rk_gram_grow((void **)&b->elems, &b->cap_elems, b->n_elems + v->n + 1, sizeof *b->elems) <
             0 ||
         rk_gram_grow((void **)&b->alt_rule, &b->cap_alts, b->n_alts + 1, sizeof *b->alt_rule) < 0) {
@@ -437,10 +504,16 @@ static void builder_free(builder *b) {
     free(b->alt_start);
     free(b->elems);
     free(b->sets);
+    free(b->name_hash);
+}
+
+rk_grammar *rk_grammar_ref(rk_grammar *g) {
+    if (g) __atomic_add_fetch(&g->refs, 1, __ATOMIC_RELAXED);
+    return g;
 }
 
 void rk_grammar_free(rk_grammar *g) {
-    if (!g) return;
+    if (!g || __atomic_sub_fetch(&g->refs, 1, __ATOMIC_ACQ_REL) > 0) return;
     for (int i = 0; i < g->n_rules; i++) free(g->names[i]);
     free(g->names);
     free(g->alt_off);
@@ -452,10 +525,11 @@ void rk_grammar_free(rk_grammar *g) {
     free(g);
 }
 
-/* Is the rule's language empty of non-empty...: nullable[r] says r matches "". */
-static int fixpoint_nullable(const rk_grammar *g, uint8_t *nullable) {
+/* Which rules match "" (nullable[r]); -1 when the compile deadline passed. */
+static int fixpoint_nullable(builder *b, const rk_grammar *g, uint8_t *nullable) {
     int changed = 1;
     while (changed) {
+        if (b_late(b)) return -1;
         changed = 0;
         for (int r = 0; r < g->n_rules; r++) {
             if (nullable[r]) continue;
@@ -489,12 +563,10 @@ static int left_cycle(const rk_grammar *g, const uint8_t *nullable, int r, uint8
 /* Does the byte class match no byte? */
 static int set_empty(const uint64_t set[4]) { return !(set[0] | set[1] | set[2] | set[3]); }
 
-#define RK_GRAMMAR_MAX_ELEMS (1 << 20)
-
 /* Group the builder's alternatives by rule and check the grammar. */
 static rk_status finish(builder *b, rk_grammar **out) {
     if (b->oom) return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory");
-    if (b->err[0]) return rk_errorf(RK_ERR_INVALID, "%s", b->err);
+    if (b->err[0]) return rk_errorf(b->over ? RK_ERR_LIMIT : RK_ERR_INVALID, "%s", b->err);
     if (b->n_elems > RK_GRAMMAR_MAX_ELEMS)
         return rk_errorf(RK_ERR_LIMIT,
                          "grammar: %d elements is over the bound of %d (repetitions "
@@ -506,6 +578,7 @@ static rk_status finish(builder *b, rk_grammar **out) {
                              b->names[r]);
     rk_grammar *g = calloc(1, sizeof *g);
     if (!g) return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory");
+    g->refs = 1;
     g->n_rules = b->n_rules;
     g->n_alts = b->n_alts;
     g->n_elems = b->n_elems;
@@ -546,8 +619,16 @@ static rk_status finish(builder *b, rk_grammar **out) {
         st = rk_errorf(RK_ERR_INVALID, "grammar: no rule named 'root'");
         goto done;
     }
-    fixpoint_nullable(g, nullable);
+#define LATE_OUT                                                                                   \
+    do {                                                                                           \
+        if (b_late(b)) {                                                                           \
+            st = rk_errorf(RK_ERR_LIMIT, "%s", b->err);                                            \
+            goto done;                                                                             \
+        }                                                                                          \
+    } while (0)
+    if (fixpoint_nullable(b, g, nullable) < 0) LATE_OUT;
     for (int r = 0; r < g->n_rules; r++) {
+        LATE_OUT;
         int c = left_cycle(g, nullable, r, colour);
         if (c >= 0) {
             st = rk_errorf(RK_ERR_INVALID,
@@ -560,6 +641,7 @@ static rk_status finish(builder *b, rk_grammar **out) {
     /* Productive rules (that match some finite text); alternatives that use
      * an unproductive rule or an empty class are dead and never expanded. */
     for (int changed = 1; changed;) {
+        LATE_OUT;
         changed = 0;
         for (int r = 0; r < g->n_rules; r++) {
             if (prod[r]) continue;
@@ -597,6 +679,11 @@ static rk_status finish(builder *b, rk_grammar **out) {
     }
     for (int r = 0; r < g->n_rules; r++) rmin[r] = INT32_MAX;
     for (int changed = 1; changed;) {
+        if (b_late(b)) {
+            free(rmin);
+            st = rk_errorf(RK_ERR_LIMIT, "%s", b->err);
+            goto done;
+        }
         changed = 0;
         for (int r = 0; r < g->n_rules; r++)
             for (int a = g->alt_off[r]; a < g->alt_off[r + 1]; a++) {
@@ -631,9 +718,11 @@ done:
     return RK_OK;
 }
 
-rk_status rk_grammar_parse(const char *text, rk_grammar **out) {
+rk_status rk_grammar_parse_within(const char *text, double max_ms, rk_grammar **out) {
     *out = NULL;
     builder b = {0};
+    b.deadline = rk_time_now() + max_ms / 1e3;
+    b.max_ms = max_ms;
     parse_rules(&b, k_prelude);
     if (!b_failed(&b)) {
         b.err[0] = 0;
@@ -642,4 +731,8 @@ rk_status rk_grammar_parse(const char *text, rk_grammar **out) {
     rk_status st = finish(&b, out);
     builder_free(&b);
     return st;
+}
+
+rk_status rk_grammar_parse(const char *text, rk_grammar **out) {
+    return rk_grammar_parse_within(text, RK_GRAMMAR_MAX_COMPILE_MS, out);
 }

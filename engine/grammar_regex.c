@@ -5,7 +5,14 @@
  * The subset: literals, escapes, ASCII classes (\d \w \s and their
  * negations, [...] and [^...]), '.', groups (and non-capturing groups),
  * alternation, the quantifiers * + ? {m,n} (lazy forms match the same
- * strings), and anchors at the start and the end only. */
+ * strings), and anchors at the start and the end only.
+ *
+ * The grammar may allow fewer strings than the pattern (never more): a class
+ * holds its ASCII members exactly and the non-ASCII characters as three
+ * parts (line separators, other Unicode white space, the rest), so that
+ * negation is exact, and allows of them only the rest (_unws) unless it
+ * holds all three; control characters but tab, newline and carriage return,
+ * and U+0000 (which JSON output never carries), are never allowed. */
 #include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,6 +51,10 @@ static void json_char_lit(rk_gram_buf *o, uint32_t cp, const char *utf8, int len
     case '\f': rk_gram_lit(o, "\\f", 2); return;
     default: break;
     }
+    if (cp == 0) { /* never in the output: this character matches nothing */
+        rk_gram_puts(o, "[]");
+        return;
+    }
     if (cp < 0x20) {
         snprintf(tmp, sizeof tmp, "\\u%04X", (unsigned)cp);
         rk_gram_lit(o, tmp, 6);
@@ -52,11 +63,29 @@ static void json_char_lit(rk_gram_buf *o, uint32_t cp, const char *utf8, int len
     rk_gram_lit(o, utf8, (size_t)len);
 }
 
-/* An ASCII class (128 bits; neg: its complement, plus every non-ASCII
- * character), as the JSON-escaped alternatives it allows. Controls other
- * than \t \n \r are left out (strings made are a subset, still matching). */
-static void rx_emit_class(rk_gram_buf *o, const uint64_t set[2], int neg) {
-    uint64_t s[2] = {neg ? ~set[0] : set[0], neg ? ~set[1] : set[1]};
+/* The non-ASCII parts of a class: U+2028 and U+2029 (which '.' leaves out),
+ * the other characters that are white space to ECMA-262 or to Unicode
+ * (U+0085 U+00A0 U+1680 U+2000-U+200A U+202F U+205F U+3000 U+FEFF), and
+ * every other non-ASCII character. */
+enum { NA_LS = 1, NA_WS = 2, NA_OTHER = 4, NA_ALL = 7 };
+
+/* A class: its ASCII members and its non-ASCII parts. */
+typedef struct rx_set {
+    uint64_t ascii[2];
+    int na;
+} rx_set;
+
+static void set_not(rx_set *c) {
+    c->ascii[0] = ~c->ascii[0], c->ascii[1] = ~c->ascii[1];
+    c->na ^= NA_ALL;
+}
+
+/* A class as the JSON-escaped alternatives it allows; "[]" (nothing) when
+ * it allows nothing. Controls other than \t \n \r are left out, and so is
+ * non-ASCII white space unless every non-ASCII character is in (strings
+ * made are a subset, still matching). */
+static void rx_emit_class(rk_gram_buf *o, const rx_set *cls_set) {
+    const uint64_t *s = cls_set->ascii;
     int has = 0;
     rk_gram_puts(o, "( ");
     rk_gram_buf cls = {0};
@@ -79,7 +108,10 @@ static void rx_emit_class(rk_gram_buf *o, const uint64_t set[2], int neg) {
         rk_gram_puts(o, " ");
         has = 1;
     }
-    if (neg) rk_gram_printf(o, "%s_utf8mb ", has ? "| " : ""), has = 1;
+    if (cls_set->na == NA_ALL)
+        rk_gram_printf(o, "%s_utf8mb ", has ? "| " : ""), has = 1;
+    else if (cls_set->na & NA_OTHER)
+        rk_gram_printf(o, "%s_unws ", has ? "| " : ""), has = 1;
     if (!has) rk_gram_puts(o, "[] ");
     rk_gram_puts(o, ") ");
 }
@@ -88,19 +120,21 @@ static void set_add(uint64_t set[2], int lo, int hi) {
     for (int c = lo; c <= hi; c++) set[c >> 6] |= 1ull << (c & 63);
 }
 
-/* A class escape (\d \w \s, upper case negated) into set; 1 when it was one. */
-static int class_escape(char e, uint64_t set[2], int *neg) {
-    uint64_t t[2] = {0};
+/* A class escape (\d \w \s, upper case negated) into *out; 1 when it was
+ * one. \d and \w are ASCII only; \s is ASCII and Unicode white space. */
+static int class_escape(char e, rx_set *out) {
+    rx_set t = {{0, 0}, 0};
     switch (e | 0x20) {
-    case 'd': set_add(t, '0', '9'); break;
+    case 'd': set_add(t.ascii, '0', '9'); break;
     case 'w':
-        set_add(t, '0', '9'), set_add(t, 'a', 'z'), set_add(t, 'A', 'Z'), set_add(t, '_', '_');
+        set_add(t.ascii, '0', '9'), set_add(t.ascii, 'a', 'z'), set_add(t.ascii, 'A', 'Z'),
+            set_add(t.ascii, '_', '_');
         break;
-    case 's': set_add(t, ' ', ' '), set_add(t, '\t', '\r'); break;
+    case 's': set_add(t.ascii, ' ', ' '), set_add(t.ascii, '\t', '\r'), t.na = NA_LS | NA_WS; break;
     default: return 0;
     }
-    *neg = (e >= 'A' && e <= 'Z');
-    set[0] = t[0], set[1] = t[1];
+    if (e >= 'A' && e <= 'Z') set_not(&t);
+    *out = t;
     return 1;
 }
 
@@ -120,7 +154,7 @@ static int char_escape(char e) {
 static void rx_alt(rx *r, int depth);
 
 static void rx_class(rx *r) {
-    uint64_t set[2] = {0};
+    rx_set set = {{0, 0}, 0};
     int neg = 0;
     r->p++;
     if (*r->p == '^') neg = 1, r->p++;
@@ -129,11 +163,10 @@ static void rx_class(rx *r) {
         first = 0;
         int lo;
         if (*r->p == '\\') {
-            uint64_t t[2];
-            int tneg;
-            if (class_escape(r->p[1], t, &tneg)) {
-                if (tneg) t[0] = ~t[0], t[1] = ~t[1];
-                set[0] |= t[0], set[1] |= t[1];
+            rx_set t;
+            if (class_escape(r->p[1], &t)) {
+                set.ascii[0] |= t.ascii[0], set.ascii[1] |= t.ascii[1];
+                set.na |= t.na;
                 r->p += 2;
                 continue;
             }
@@ -156,11 +189,12 @@ static void rx_class(rx *r) {
         }
         if (lo > 0x7F || hi > 0x7F) RX_FAIL(r, "only ASCII characters are supported in a class");
         if (hi < lo) RX_FAIL(r, "reversed class range");
-        set_add(set, lo, hi);
+        set_add(set.ascii, lo, hi);
     }
     if (*r->p != ']') RX_FAIL(r, "unterminated class");
     r->p++;
-    rx_emit_class(r->o, set, neg);
+    if (neg) set_not(&set);
+    rx_emit_class(r->o, &set);
 }
 
 static void rx_atom(rx *r) {
@@ -177,17 +211,18 @@ static void rx_atom(rx *r) {
     } else if (c == '[') {
         rx_class(r);
     } else if (c == '.') {
-        uint64_t set[2] = {0};
-        set_add(set, '\n', '\n');
+        /* Anything but the line terminators \n \r U+2028 U+2029. */
+        rx_set set = {{0, 0}, NA_LS};
+        set_add(set.ascii, '\n', '\n'), set_add(set.ascii, '\r', '\r');
+        set_not(&set);
         r->p++;
-        rx_emit_class(r->o, set, 1);
+        rx_emit_class(r->o, &set);
     } else if (c == '\\') {
-        uint64_t set[2];
-        int neg;
+        rx_set set;
         char e = r->p[1];
-        if (class_escape(e, set, &neg)) {
+        if (class_escape(e, &set)) {
             r->p += 2;
-            rx_emit_class(r->o, set, neg);
+            rx_emit_class(r->o, &set);
             return;
         }
         if (e == 'u' && rk_gram_hexval(r->p[2]) >= 0 && rk_gram_hexval(r->p[3]) >= 0 &&

@@ -67,7 +67,22 @@ static const char *const k_json_prelude =
     "_val ::= _obj | _arr | _str | _num | \"true\" | \"false\" | \"null\"\n"
     "_obj ::= \"{\" ( _str \":\" _ws _val ( \",\" _ws _str \":\" _ws _val )* )? \"}\"\n"
     "_arr ::= \"[\" ( _val ( \",\" _ws _val )* )? \"]\"\n"
-    "_never ::= []\n";
+    "_never ::= []\n"
+    /* Any non-ASCII character but white space (U+0085 U+00A0 U+1680
+     * U+2000-U+200A U+2028 U+2029 U+202F U+205F U+3000 U+FEFF): what a
+     * pattern's \S, \D, \W, '.' and negated classes allow beyond ASCII. */
+    "_unws ::= \"\\xC2\" [\\x80-\\x84\\x86-\\x9F\\xA1-\\xBF] | [\\xC3-\\xDF] [\\x80-\\xBF]"
+    " | \"\\xE0\" [\\xA0-\\xBF] [\\x80-\\xBF]"
+    " | \"\\xE1\" ( [\\x80-\\x99\\x9B-\\xBF] [\\x80-\\xBF] | \"\\x9A\" [\\x81-\\xBF] )"
+    " | \"\\xE2\" ( \"\\x80\" [\\x8B-\\xA7\\xAA-\\xAE\\xB0-\\xBF] | \"\\x81\" "
+    "[\\x80-\\x9E\\xA0-\\xBF]"
+    " | [\\x82-\\xBF] [\\x80-\\xBF] )"
+    " | \"\\xE3\" ( \"\\x80\" [\\x81-\\xBF] | [\\x81-\\xBF] [\\x80-\\xBF] )"
+    " | [\\xE4-\\xEC\\xEE] [\\x80-\\xBF] [\\x80-\\xBF] | \"\\xED\" [\\x80-\\x9F] [\\x80-\\xBF]"
+    " | \"\\xEF\" ( [\\x80-\\xBA\\xBC-\\xBF] [\\x80-\\xBF] | \"\\xBB\" [\\x80-\\xBE] )"
+    " | \"\\xF0\" [\\x90-\\xBF] [\\x80-\\xBF] [\\x80-\\xBF]"
+    " | [\\xF1-\\xF3] [\\x80-\\xBF] [\\x80-\\xBF] [\\x80-\\xBF]"
+    " | \"\\xF4\" [\\x80-\\x8F] [\\x80-\\xBF] [\\x80-\\xBF]\n";
 
 #define RK_SCHEMA_REF_DEPTH 8
 #define RK_INT_MAX          999999999999999.0 /* 15 digits */
@@ -331,11 +346,35 @@ static void gen_numeric(sgen *G, const json_t *s, int integer, rk_gram_buf *b) {
  * rk_gram_pattern in grammar_regex.c). */
 static void gen_pattern(sgen *G, const char *pat, rk_gram_buf *b) {
     char err[200];
-    rk_status st = rk_gram_pattern(pat, b, err, sizeof err);
-    if (st == RK_ERR_NOMEM)
+    rk_gram_buf e = {0};
+    rk_gram_puts(&e, k_json_prelude);
+    rk_gram_puts(&e, "root ::= ");
+    size_t at = e.n;
+    rk_status st = rk_gram_pattern(pat, &e, err, sizeof err);
+    if (st == RK_OK && e.oom) st = RK_ERR_NOMEM;
+    if (st == RK_ERR_NOMEM) {
         sg_fail(G, RK_ERR_NOMEM, "out of memory");
-    else if (st != RK_OK)
+    } else if (st != RK_OK) {
         sg_fail_at(G, "pattern", st, "%s", err);
+    } else {
+        /* A pattern no output string matches (an empty class, U+0000) would
+         * leave the schema unsatisfiable or this property never written:
+         * refused, with the pattern named. */
+        rk_grammar *g = NULL;
+        rk_status pst = rk_grammar_parse(e.p, &g);
+        rk_grammar_free(g);
+        if (pst == RK_ERR_NOMEM)
+            sg_fail(G, RK_ERR_NOMEM, "out of memory");
+        else if (pst != RK_OK && strstr(rk_error_message(), "root rule matches nothing"))
+            sg_fail_at(G, "pattern", RK_ERR_INVALID,
+                       "no string that JSON output can carry matches it (an empty class, or a "
+                       "U+0000 that the output never holds)");
+        else if (pst != RK_OK)
+            sg_fail_at(G, "pattern", pst, "%s", rk_error_message());
+        else
+            rk_gram_putn(b, e.p + at, e.n - at);
+    }
+    free(e.p);
 }
 
 static int get_count(sgen *G, const json_t *s, const char *key, long *out) {
@@ -744,6 +783,7 @@ rk_status rk_grammar_from_schema(const json_t *schema, rk_grammar **out) {
             return rk_errorf(RK_ERR_UNSUPPORTED,
                              "$: no value satisfies the schema within %d levels of $ref",
                              RK_SCHEMA_REF_DEPTH);
+        if (st == RK_ERR_LIMIT) return rk_errorf(st, "$: the schema is over a bound: %s", msg);
         return rk_errorf(st, "$: the schema compiled to an invalid grammar: %s", msg);
     }
     return RK_OK;

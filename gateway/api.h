@@ -69,6 +69,8 @@ typedef struct rk_parse_limits {
      * split unless the body sets "separator". */
     const char *chat_separator;
     int repair_query;
+    /* Where compiled grammars are kept by content (NULL: compile each). */
+    rk_grammar_cache *grammar_cache;
 } rk_parse_limits;
 
 typedef enum rk_chat_role {
@@ -166,7 +168,8 @@ typedef struct rk_api_request {
  * response_format and the `grammar` extension; a chat body's tools,
  * tool_choice and parallel_tool_calls; message i's tool_calls (tc) as JSON
  * text in *out (malloc'ed). */
-int rk_api_parse_response_format(json_t *root, rk_api_request *out, rk_http_error *err);
+int rk_api_parse_response_format(json_t *root, rk_grammar_cache *cache, rk_api_request *out,
+                                 rk_http_error *err);
 int rk_api_parse_tools(json_t *root, rk_api_request *out, rk_http_error *err);
 int rk_api_parse_msg_tool_calls(json_t *tc, int i, char **out, rk_http_error *err);
 

@@ -498,6 +498,13 @@ static void prepare_job(gen *g, int prompt, uint64_t seed, rk_http_error *err) {
             rk_http_errorf(err, rk_http_status_of(st), "%s", rk_error_message());
         return;
     }
+    /* The grammar's first state and mask are made here, on the HTTP worker,
+     * not by the engine thread when the request joins. */
+    if ((st = rk_request_prepare_grammar(svc, &g->job->req))) {
+        rk_http_errorf(err, st == RK_ERR_LIMIT ? 400 : rk_http_status_of(st),
+                       "the output's grammar cannot be used: %s", rk_error_message());
+        return;
+    }
     if (prompt < 0 && g->api.chunk_ids && g->job->req.n_chunks == g->api.pieces.n_chunks)
         g->job->chunk_ids = g->api.chunk_ids;
 }
@@ -510,7 +517,8 @@ static void prep_generation(void *arg) {
     rk_http_error *err = &p->err;
     rk_parse_limits lim = {.max_chunks = S->o.cfg.max_chunks,
                            .max_tokens = S->o.cfg.max_tokens,
-                           .chat_separator = S->o.chat_separator};
+                           .chat_separator = S->o.chat_separator,
+                           .grammar_cache = g->svc->grammar_cache};
     (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio,
                           &lim.repair_query); /* validated */
     if (rk_api_parse(p->body, p->len, p->chat, &lim, &g->api, err)) return;

@@ -306,7 +306,7 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     /* Plain mode is the no-cache reference unless asked otherwise (as `ragkv generate`). */
     o->prefix_cache = prefix >= 0 ? prefix : !plain;
     o->reuse_sequences = whole;
-    return rk_api_parse_response_format(root, out, err);
+    return rk_api_parse_response_format(root, lim->grammar_cache, out, err);
 }
 
 /* ---------------------------------------------------------------- completions */

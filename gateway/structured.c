@@ -3,7 +3,9 @@
  * extension, and chat `tools`, `tool_choice`, `parallel_tool_calls` and the
  * tool calls of earlier assistant messages. The grammar itself is compiled
  * by the engine (engine/grammar.h) when the request is prepared; here the
- * fields are validated and kept. Pure functions, safe from any thread. */
+ * fields are validated and kept, and a grammar is compiled (on the HTTP
+ * worker, through the service's cache of compiled grammars when one is
+ * given). Safe from any thread. */
 #include <ctype.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -14,9 +16,11 @@
 #include "gateway/json_fields.h"
 
 /* response_format ({"type": "text" | "json_object" | "json_schema"}) and the
- * `grammar` extension (grammar text), compiled into out->grammar. A schema
- * the engine cannot enforce is refused with the JSON path of the part. */
-int rk_api_parse_response_format(json_t *root, rk_api_request *out, rk_http_error *err) {
+ * `grammar` extension (grammar text), compiled into out->grammar (through
+ * cache, which may be NULL). A schema the engine cannot enforce is refused
+ * with the JSON path of the part; a grammar over a bound, with the bound. */
+int rk_api_parse_response_format(json_t *root, rk_grammar_cache *cache, rk_api_request *out,
+                                 rk_http_error *err) {
     json_t *rf = json_object_get(root, "response_format");
     json_t *gr = json_object_get(root, "grammar");
     const char *type = NULL;
@@ -41,10 +45,10 @@ int rk_api_parse_response_format(json_t *root, rk_api_request *out, rk_http_erro
         if (type)
             return rk_http_errorf(err, 400, "give 'grammar' or a JSON 'response_format', not both"),
                    1;
-        if (rk_grammar_parse(json_string_value(gr), &out->grammar))
+        if (rk_grammar_cache_parse(cache, json_string_value(gr), &out->grammar))
             return rk_http_errorf(err, 400, "'grammar' is not valid: %s", rk_error_message()), 1;
     } else if (type && !strcmp(type, "json_object")) {
-        if (rk_grammar_json_object(&out->grammar))
+        if (rk_grammar_cache_json_object(cache, &out->grammar))
             return rk_http_errorf(err, 500, "%s", rk_error_message()), 1;
     } else if (type) {
         json_t *js = json_object_get(rf, "json_schema");
@@ -64,7 +68,7 @@ int rk_api_parse_response_format(json_t *root, rk_api_request *out, rk_http_erro
                    1;
         /* strict or not, the schema is enforced whole: a part that cannot be
          * is refused rather than left unchecked. */
-        if (rk_grammar_from_schema(schema, &out->grammar))
+        if (rk_grammar_cache_schema(cache, schema, &out->grammar))
             return rk_http_errorf(err, 400,
                                   "'response_format.json_schema.schema' cannot be enforced: %s",
                                   rk_error_message()),

@@ -659,11 +659,10 @@ rk_status rk_init_request(rk_service *svc, rk_request *r) {
     s->done = r->opt.max_tokens == 0;
     rk_status st = rk_sampler_init(&s->sampler, &r->opt.sampling, hp->n_vocab);
     if (st) return st;
-    if (!r->resume) {
-        /* A fresh run starts its grammar again; a resumed one goes on. */
-        rk_grammar_state_free(r->grammar_state);
-        r->grammar_state = NULL;
-    }
+    /* A fresh run starts its grammar again (from the state the HTTP worker
+     * made, or the one an earlier run left: what its automaton learnt is
+     * kept); a resumed one goes on. */
+    if (!r->resume && r->grammar_state) rk_grammar_state_reset(r->grammar_state);
     if (r->opt.grammar && !r->grammar_state) {
         const rk_grammar_vocab *gv;
         if ((st = rk_service_grammar_vocab(svc, &gv))) return st;

@@ -127,6 +127,9 @@ typedef struct rk_service {
      * use (rk_service_grammar_vocab) under grammar_lock. */
     rk_grammar_vocab *grammar_vocab;
     pthread_mutex_t grammar_lock;
+    /* Compiled grammars by content, shared by the HTTP workers that compile
+     * them (thread-safe on its own). */
+    rk_grammar_cache *grammar_cache;
 } rk_service;
 
 /* Create the backend, load the model (model_path NULL = build the embedded
@@ -341,6 +344,12 @@ rk_status rk_request_prepare(rk_service *svc, const rk_split *pieces, rk_request
 /* The same from token ids (copied): sys (BOS included) and question; no chunks. */
 rk_status rk_request_prepare_tokens(rk_service *svc, const int32_t *sys, int n_sys,
                                     const int32_t *question, int n_question, rk_request *r);
+
+/* Make a prepared request's grammar state (r->opt.grammar's) and its first
+ * mask on the calling thread, so that the engine thread starts from them
+ * instead of building them (an HTTP worker calls it). Nothing to do without
+ * a grammar. A grammar over a bound gives RK_ERR_LIMIT naming it. */
+rk_status rk_request_prepare_grammar(rk_service *svc, rk_request *r);
 
 /* Free what the request owns (its tokens, result arrays, chunk reports and
  * grammar state) and zero those fields, not r itself, which may live on the

@@ -9,6 +9,9 @@
 #include "pipeline/persist.h"
 #include "pipeline/pipeline.h"
 
+/* Compiled grammars the service keeps by content. */
+#define RK_GRAMMAR_CACHE_ENTRIES 64
+
 static rk_status load_embedded(rk_backend *be, rk_model **out) {
     rk_mkmodel_opts opts;
     rk_mkmodel_opts_default(&opts);
@@ -248,7 +251,8 @@ rk_status rk_service_open(const rk_config *cfg, const char *model_path, rk_servi
     if (!svc) return rk_errorf(RK_ERR_NOMEM, "service: out of memory");
     svc->cfg = *cfg;
     pthread_mutex_init(&svc->grammar_lock, NULL);
-    if (!(st = rk_backend_create(cfg->backend, cfg->n_threads, &svc->be))) {
+    st = rk_grammar_cache_create(RK_GRAMMAR_CACHE_ENTRIES, &svc->grammar_cache);
+    if (!st && !(st = rk_backend_create(cfg->backend, cfg->n_threads, &svc->be))) {
         st = model_path ? rk_model_load(model_path, svc->be, &svc->model)
                         : load_embedded(svc->be, &svc->model);
     }
@@ -291,6 +295,7 @@ void rk_service_close(rk_service *svc) {
     rk_model_free(svc->model);
     rk_backend_free(svc->be);
     rk_grammar_vocab_free(svc->grammar_vocab);
+    rk_grammar_cache_free(svc->grammar_cache);
     pthread_mutex_destroy(&svc->grammar_lock);
     free(svc);
 }
@@ -303,4 +308,25 @@ rk_status rk_service_grammar_vocab(rk_service *svc, const rk_grammar_vocab **out
     *out = svc->grammar_vocab;
     pthread_mutex_unlock(&svc->grammar_lock);
     return st;
+}
+
+rk_status rk_request_prepare_grammar(rk_service *svc, rk_request *r) {
+    if (!r->opt.grammar || r->grammar_state) return RK_OK;
+    const rk_grammar_vocab *gv;
+    rk_status st = rk_service_grammar_vocab(svc, &gv);
+    if (st) return st;
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    if (rk_grammar_vocab_n(gv) != hp->n_vocab)
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "constrained sampling needs the tokenizer's %d ids to be the model's %d",
+                         (int)rk_grammar_vocab_n(gv), hp->n_vocab);
+    rk_grammar_state *gs;
+    if ((st = rk_grammar_state_create(r->opt.grammar, gv, &gs))) return st;
+    const uint64_t *mask;
+    if ((st = rk_grammar_state_mask(gs, &mask))) {
+        rk_grammar_state_free(gs);
+        return st;
+    }
+    r->grammar_state = gs;
+    return RK_OK;
 }

@@ -56,7 +56,10 @@ static void take_token(rk_service *svc, rk_request *r, const float *logits,
              * fits the tokens left: the output closes rather than being cut
              * (where it can no longer fit, the plain mask, and it is cut). */
             int left = r->opt.max_tokens - r->n_out - 1, n_ok = 0;
-            if (rk_grammar_state_min_bytes(r->grammar_state) + RK_GRAMMAR_BUDGET_MARGIN >= left)
+            /* min_bytes may be INT32_MAX (a grammar whose shortest output
+             * is longer than that): the margin is taken from left, never
+             * added to it. */
+            if (rk_grammar_state_min_bytes(r->grammar_state) >= left - RK_GRAMMAR_BUDGET_MARGIN)
                 st = rk_grammar_state_mask_budget(r->grammar_state, left, &mask, &n_ok);
             if (!st && !n_ok) st = rk_grammar_state_mask(r->grammar_state, &mask);
             if (!st) t = rk_sampler_sample_masked(&s->sampler, logits, mask);

@@ -637,3 +637,231 @@ Test(grammar, json_object_requests_on_stories260k_give_objects) {
     rk_grammar_free(g);
     rk_service_close(svc);
 }
+
+/* A grammar that may only be empty: its first state has no stack (the
+ * sanitizer build once stopped on the sort of no stacks), allows only the
+ * end tokens, and must end at once. */
+Test(grammar, a_grammar_of_only_the_empty_string_allows_only_the_end) {
+    need_qwen3();
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_parse("root ::= \"\"\n", &g), RK_OK, "%s", rk_error_message());
+    rk_grammar_state *s;
+    cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK, "%s", rk_error_message());
+    cr_expect(rk_grammar_state_can_end(s));
+    cr_expect(rk_grammar_state_must_end(s));
+    cr_expect_eq(rk_grammar_state_min_bytes(s), 0);
+    const uint64_t *m;
+    cr_assert_eq(rk_grammar_state_mask(s, &m), RK_OK, "%s", rk_error_message());
+    int n = 0;
+    for (int32_t i = 0; i < rk_grammar_vocab_n(g_vocab); i++)
+        if (BIT(m, i)) {
+            cr_expect(rk_tokenizer_is_eog(g_tok, i), "token %d is allowed", i);
+            n++;
+        }
+    cr_expect_gt(n, 0);
+    cr_expect_neq(rk_grammar_state_accept_bytes(s, "a", 1), RK_OK);
+    rk_grammar_state_free(s);
+    rk_grammar_free(g);
+}
+
+/* 40 rules, each twice the one before: the shortest output is 2^40 bytes,
+ * more than an int holds. Sampling near max_tokens must not overflow (the
+ * sanitizer build stops on signed overflow), and the output is cut by
+ * max_tokens. */
+Test(grammar, a_grammar_longer_than_an_int_is_cut_by_max_tokens) {
+    const char *path;
+    RK_REQUIRE_SHARED(path, "models/stories260K.gguf");
+    rk_service *svc = open_model(path);
+    free((char *)path);
+    char text[2048];
+    int o = snprintf(text, sizeof text, "root ::= r39\nr0 ::= \"ab\" | \"ba\"\n");
+    for (int i = 1; i < 40; i++)
+        o += snprintf(text + o, sizeof text - (size_t)o, "r%d ::= r%d r%d\n", i, i - 1, i - 1);
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_parse(text, &g), RK_OK, "%s", rk_error_message());
+    rk_request **rs = run_constrained(svc, g, 1, 12);
+    cr_expect_eq(rs[0]->failure, RK_OK, "%s", rs[0]->failure_msg);
+    cr_expect_eq(rs[0]->finish_reason, RK_FINISH_LENGTH);
+    cr_expect_eq(rs[0]->n_out, 12);
+    char *out = output_text(svc, rs[0]);
+    for (const char *p = out; *p; p++) cr_expect(*p == 'a' || *p == 'b', "%s", out);
+    free(out);
+    rk_test_request_free(rs[0]);
+    free(rs);
+    rk_grammar_free(g);
+    rk_service_close(svc);
+}
+
+/* Negated class escapes hold non-ASCII characters: [^\D] is the digits
+ * alone, [^\S] white space alone; \S, \W, '.' and [^a] allow non-ASCII
+ * characters but never white space. Walks over the Qwen3 vocabulary, whose
+ * tokens are mostly multi-byte, checked with PCRE2. */
+Test(grammar, negated_class_escapes_in_patterns_hold_multibyte_characters_exactly) {
+    walk_schema("{\"type\":\"string\",\"pattern\":\"^[^\\\\D]{3}$\"}", 10);
+    walk_schema("{\"type\":\"string\",\"pattern\":\"^[^\\\\S]{3}$\"}", 10);
+    walk_schema("{\"type\":\"string\",\"pattern\":\"^[^\\\\W\\\\d]{2}[^\\\\w\\\\s]$\"}", 10);
+    walk_schema("{\"type\":\"string\",\"pattern\":\"^\\\\S\\\\W.[^a]$\"}", 10);
+    json_t *schema = parse_json("{\"type\":\"string\",\"pattern\":\"^[^\\\\D][^\\\\S].$\"}");
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_from_schema(schema, &g), RK_OK, "%s", rk_error_message());
+    /* ” (E2 80 9D) is neither a digit nor white space; U+00A0 and U+2028
+     * are white space and '.' refuses a line separator. */
+    const char *good[] = {"\"1 x\"", "\"7\\t\xC3\xA9\""};
+    const char *bad[] = {"\"\xE2\x80\x9D x\"", "\"1\xE2\x80\x9Dx\"", "\"1 \xE2\x80\xA8\"",
+                         "\"1 \\n\""};
+    for (size_t i = 0; i < sizeof good / sizeof *good; i++) {
+        rk_grammar_state *s;
+        cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK);
+        cr_expect_eq(rk_grammar_state_accept_bytes(s, good[i], (int)strlen(good[i])), RK_OK, "%s",
+                     good[i]);
+        cr_expect(rk_grammar_state_can_end(s), "%s", good[i]);
+        rk_grammar_state_free(s);
+    }
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        rk_grammar_state *s;
+        cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK);
+        int took = rk_grammar_state_accept_bytes(s, bad[i], (int)strlen(bad[i])) == RK_OK;
+        cr_expect(!took || !rk_grammar_state_can_end(s), "%s", bad[i]);
+        rk_grammar_state_free(s);
+    }
+    rk_grammar_free(g);
+    json_decref(schema);
+}
+
+/* A pattern whose language holds no string JSON output can carry is
+ * refused with its path: an empty class, or U+0000 (never in the output). */
+Test(grammar, a_pattern_that_matches_nothing_is_refused) {
+    const char *pats[] = {"^[^\\\\s\\\\S]$", "^\\\\u0000+$", "^x\\\\0$", "[^\\\\w\\\\W]"};
+    for (size_t i = 0; i < sizeof pats / sizeof *pats; i++) {
+        char text[256];
+        snprintf(text, sizeof text, "{\"type\":\"string\",\"pattern\":\"%s\"}", pats[i]);
+        json_t *schema = parse_json(text);
+        rk_grammar *g = NULL;
+        cr_expect_eq(rk_grammar_from_schema(schema, &g), RK_ERR_INVALID, "%s", pats[i]);
+        cr_expect(strstr(rk_error_message(), "$.pattern: no string"), "%s: %s", pats[i],
+                  rk_error_message());
+        rk_grammar_free(g);
+        json_decref(schema);
+    }
+    /* An optional U+0000 is left out, not refused. */
+    need_qwen3();
+    json_t *schema = parse_json("{\"type\":\"string\",\"pattern\":\"^a\\\\u0000?$\"}");
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_from_schema(schema, &g), RK_OK, "%s", rk_error_message());
+    rk_grammar_state *s;
+    cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK);
+    cr_expect_eq(rk_grammar_state_accept_bytes(s, "\"a\"", 3), RK_OK);
+    cr_expect(rk_grammar_state_can_end(s));
+    rk_grammar_state_free(s);
+    cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK);
+    cr_expect_neq(rk_grammar_state_accept_bytes(s, "\"a\\u0000", 8), RK_OK);
+    rk_grammar_state_free(s);
+    rk_grammar_free(g);
+    json_decref(schema);
+}
+
+/* A rule of n alternatives "w<i>" (about 11 bytes each), as grammar text. */
+static char *wide_grammar(int n) {
+    size_t cap = (size_t)n * 16 + 64, o = 0;
+    char *t = malloc(cap);
+    o += (size_t)snprintf(t, cap, "root ::= ");
+    for (int i = 0; i < n; i++)
+        o += (size_t)snprintf(t + o, cap - o, "%s\"w%07d\"", i ? " | " : "", i);
+    snprintf(t + o, cap - o, "\n");
+    return t;
+}
+
+/* 79,000 alternatives alive at once (a 1 MB text) once held the engine
+ * thread for seconds; the state's width is bounded, and the bound named. */
+Test(grammar, a_state_wider_than_its_bound_is_refused_naming_it, .timeout = 60) {
+    need_qwen3();
+    char *text = wide_grammar(79000);
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_parse(text, &g), RK_OK, "%s", rk_error_message());
+    rk_grammar_state *s = NULL;
+    cr_expect_eq(rk_grammar_state_create(g, g_vocab, &s), RK_ERR_LIMIT);
+    cr_expect(strstr(rk_error_message(), "more than 4096 alternatives at once"), "%s",
+              rk_error_message());
+    rk_grammar_state_free(s);
+    rk_grammar_free(g);
+    free(text);
+    /* At the bound it is allowed, and its first mask is the 4096 words' "w". */
+    text = wide_grammar(RK_GRAMMAR_MAX_WIDTH);
+    cr_assert_eq(rk_grammar_parse(text, &g), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK, "%s", rk_error_message());
+    const uint64_t *m;
+    cr_expect_eq(rk_grammar_state_mask(s, &m), RK_OK, "%s", rk_error_message());
+    cr_expect_eq(rk_grammar_state_accept_bytes(s, "w0004095", 8), RK_OK);
+    cr_expect(rk_grammar_state_can_end(s));
+    rk_grammar_state_free(s);
+    rk_grammar_free(g);
+    free(text);
+}
+
+/* Alternatives that double at every level (2^40 paths to one byte class)
+ * are expanded once per distinct position, not once per path. */
+Test(grammar, doubling_alternatives_expand_in_linear_time, .timeout = 20) {
+    need_qwen3();
+    char text[4096];
+    int o = snprintf(text, sizeof text, "root ::= r0\nr40 ::= \"x\"\n");
+    for (int i = 0; i < 40; i++)
+        o += snprintf(text + o, sizeof text - (size_t)o, "r%d ::= r%d | r%d\n", i, i + 1, i + 1);
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_parse(text, &g), RK_OK, "%s", rk_error_message());
+    rk_grammar_state *s;
+    cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK, "%s", rk_error_message());
+    const uint64_t *m;
+    cr_expect_eq(rk_grammar_state_mask(s, &m), RK_OK, "%s", rk_error_message());
+    cr_expect_eq(rk_grammar_state_accept_bytes(s, "x", 1), RK_OK);
+    cr_expect(rk_grammar_state_must_end(s));
+    rk_grammar_state_free(s);
+    rk_grammar_free(g);
+}
+
+Test(grammar, grammars_over_the_rule_and_time_bounds_are_refused_naming_them) {
+    /* x{0,9999} is 9999 rules: seven of them are over 65536. */
+    rk_grammar *g = NULL;
+    cr_expect_eq(rk_grammar_parse("root ::= a b c d e f g\na ::= \"x\"{0,9999}\nb ::= a\nc ::= "
+                                  "a\nd ::= a\ne ::= \"y\"{0,9999}\nf ::= \"z\"{0,9999}\ng ::= "
+                                  "\"v\"{0,9999} \"w\"{0,9999} \"u\"{0,9999} \"t\"{0,9999}\n",
+                                  &g),
+                 RK_ERR_LIMIT);
+    cr_expect(strstr(rk_error_message(), "more than 65536 rules"), "%s", rk_error_message());
+    rk_grammar_free(g);
+    g = NULL;
+    char *text = wide_grammar(2000);
+    cr_expect_eq(rk_grammar_parse_within(text, 1e-6, &g), RK_ERR_LIMIT);
+    cr_expect(strstr(rk_error_message(), "took longer than the bound"), "%s", rk_error_message());
+    rk_grammar_free(g);
+    free(text);
+}
+
+/* A repeated schema is compiled once: the second request gets the same
+ * compiled grammar from the cache. */
+Test(grammar, the_cache_compiles_a_repeated_schema_once) {
+    rk_grammar_cache *c;
+    cr_assert_eq(rk_grammar_cache_create(2, &c), RK_OK);
+    json_t *a = parse_json("{\"type\":\"object\",\"properties\":{\"x\":{\"type\":\"integer\"}}}");
+    json_t *b = parse_json("{\"type\":\"object\",\"properties\":{\"x\":{\"type\":\"integer\"}}}");
+    rk_grammar *g1, *g2, *g3;
+    cr_assert_eq(rk_grammar_cache_schema(c, a, &g1), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_grammar_cache_schema(c, b, &g2), RK_OK, "%s", rk_error_message());
+    cr_expect(g1 == g2, "a repeated schema was compiled again");
+    cr_assert_eq(rk_grammar_cache_parse(c, "root ::= \"x\"", &g3), RK_OK);
+    cr_expect(g3 != g1);
+    int64_t hits, misses;
+    rk_grammar_cache_counts(c, &hits, &misses);
+    cr_expect_eq(hits, 1);
+    cr_expect_eq(misses, 2);
+    rk_grammar_free(g1);
+    rk_grammar_cache_free(c); /* the requests' references outlive the cache */
+    need_qwen3();
+    rk_grammar_state *s;
+    cr_assert_eq(rk_grammar_state_create(g2, g_vocab, &s), RK_OK);
+    cr_expect_eq(rk_grammar_state_accept_bytes(s, "{\"x\":12}", 8), RK_OK);
+    rk_grammar_state_free(s);
+    rk_grammar_free(g2);
+    rk_grammar_free(g3);
+    json_decref(a);
+    json_decref(b);
+}

@@ -394,3 +394,105 @@ Test(structured, tool_requests_that_cannot_be_served_are_refused, .fini = stop) 
     free(raw);
     free((char *)stories);
 }
+
+/* A string schema with pattern p (JSON-escaped in the body), 10 seeds on a
+ * synthetic Qwen3 (random weights: every allowed token is likely, the
+ * multi-byte ones included); each answer must be a JSON string whose every
+ * character passes ok, of n characters. */
+static void pattern_answers(const char *p, int n, int (*ok)(unsigned char)) {
+    for (int seed = 1; seed <= 10; seed++) {
+        char body[1024];
+        snprintf(body, sizeof body,
+                 "{\"prompt\":\"x\",\"temperature\":1,\"seed\":%d,\"max_tokens\":40,"
+                 "\"response_format\":{\"type\":\"json_schema\",\"json_schema\":{\"name\":\"p\","
+                 "\"schema\":{\"type\":\"string\",\"pattern\":\"%s\"}}}}",
+                 seed, p);
+        int status;
+        char *raw;
+        json_t *j = post("/v1/completions", body, &status, &raw);
+        cr_assert_eq(status, 200, "%s: %s", p, raw);
+        const char *text = answer(j, 0);
+        json_t *v = json_loads(text, JSON_DECODE_ANY, NULL);
+        cr_assert(json_is_string(v), "%s, seed %d: not a JSON string: %s", p, seed, text);
+        const char *s = json_string_value(v);
+        cr_expect_eq(json_string_length(v), (size_t)n, "%s, seed %d: %s", p, seed, text);
+        for (size_t i = 0; i < json_string_length(v); i++)
+            cr_expect(ok((unsigned char)s[i]), "%s, seed %d: byte 0x%02x in %s", p, seed,
+                      (unsigned char)s[i], text);
+        json_decref(v);
+        json_decref(j);
+        free(raw);
+    }
+}
+
+static int is_digit(unsigned char c) { return c >= '0' && c <= '9'; }
+static int is_ascii_space(unsigned char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
+static int is_upper(unsigned char c) { return c >= 'A' && c <= 'Z'; }
+
+Test(structured, negated_class_escapes_in_a_pattern_exclude_multibyte_characters, .fini = stop) {
+    char *model = rk_test_model("qwen3-tiny", "f32", 1);
+    start(model);
+    pattern_answers("^[^\\\\D]{3}$", 3, is_digit);
+    pattern_answers("^[^\\\\S]{3}$", 3, is_ascii_space);
+    pattern_answers("^[^\\\\W\\\\d_a-z]{2}$", 2, is_upper);
+    free(model);
+}
+
+Test(structured, a_pattern_that_matches_no_output_string_is_refused, .fini = stop) {
+    const char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    start(model);
+    const char *pats[] = {"^[^\\\\s\\\\S]$", "^\\\\u0000+$", "^a[^\\\\d\\\\D]$"};
+    for (size_t i = 0; i < sizeof pats / sizeof *pats; i++) {
+        char body[1024];
+        snprintf(body, sizeof body,
+                 "{\"prompt\":\"x\",\"response_format\":{\"type\":\"json_schema\",\"json_schema\":"
+                 "{\"name\":\"p\",\"schema\":{\"type\":\"object\",\"properties\":{\"code\":"
+                 "{\"type\":\"string\",\"pattern\":\"%s\"}}}}}}",
+                 pats[i]);
+        int status;
+        char *raw;
+        json_t *j = post("/v1/completions", body, &status, &raw);
+        cr_expect_eq(status, 400, "%s: %s", pats[i], raw);
+        cr_expect(strstr(raw, "$.properties.code.pattern: no string"), "%s: %s", pats[i], raw);
+        json_decref(j);
+        free(raw);
+    }
+    free((char *)model);
+}
+
+/* A grammar of 79,000 alternatives alive at once (a body just under the
+ * 1 MiB limit) is refused on the HTTP worker with the bound it is over,
+ * instead of holding the engine thread; the same request again costs no
+ * second compile (the cache), and a stream started meanwhile is served. */
+Test(structured, a_grammar_over_the_width_bound_is_refused_naming_it, .fini = stop) {
+    const char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    start(model);
+    size_t cap = 79000 * 12 + 256, o = 0;
+    char *body = malloc(cap);
+    o += (size_t)snprintf(body, cap, "{\"prompt\":\"x\",\"max_tokens\":4,\"grammar\":\"root ::= ");
+    for (int i = 0; i < 79000; i++)
+        o += (size_t)snprintf(body + o, cap - o, "%s\\\"%05d\\\"", i ? " | " : "", i);
+    snprintf(body + o, cap - o, "\"}");
+    cr_assert_lt(strlen(body), (size_t)1048576);
+    for (int k = 0; k < 2; k++) {
+        int status;
+        char *raw;
+        json_t *j = post("/v1/completions", body, &status, &raw);
+        cr_expect_eq(status, 400, "%.300s", raw);
+        cr_expect(strstr(raw, "more than 4096 alternatives at once"), "%.300s", raw);
+        json_decref(j);
+        free(raw);
+    }
+    free(body);
+    int status;
+    char *raw;
+    json_t *j = post("/v1/completions",
+                     "{\"prompt\":\"Once\",\"max_tokens\":8,\"grammar\":\"root ::= [a-z]+\"}",
+                     &status, &raw);
+    cr_expect_eq(status, 200, "%s", raw);
+    json_decref(j);
+    free(raw);
+    free((char *)model);
+}
