@@ -169,7 +169,7 @@ char *rk_test_model_with_template(const char *src, const char *jinja, const char
     mkdir(dir, 0755);
     snprintf(path, sizeof path, "%s/%s", dir, name);
     struct stat st;
-    if (stat(path, &st) == 0) return rk_test_strdup(path);
+    if (stat(path, &st) == 0) return rk_strdup(path);
     rk_gguf *g;
     cr_assert_eq(rk_gguf_open(src, &g), RK_OK, "%s", rk_error_message());
     rk_gguf_writer *w;
@@ -190,7 +190,7 @@ char *rk_test_model_with_template(const char *src, const char *jinja, const char
     rk_gguf_writer_free(w);
     rk_gguf_close(g);
     cr_assert_eq(rename(tmp, path), 0);
-    return rk_test_strdup(path);
+    return rk_strdup(path);
 }
 
 rk_request *rk_test_request(rk_service *svc, const int *prompt, int n_prompt, int n_sys,
