@@ -838,7 +838,8 @@ Test(quant, prefill_matches_decode_on_every_real_file) {
  * one task in a fixed order, whichever thread runs it). The prompt has 40
  * tokens, so its prefill takes the sgemm path and decode the integer one. */
 Test(quant, synthetic_quantized_models_generate_identically_across_thread_counts) {
-    static const char *types[] = {"q8_0", "q4_0", "q4_k_m", "q5_k_m", "q6_k"};
+    static const char *types[] = {"q8_0", "q4_0",   "q4_k_m", "q5_k_m",
+                                  "q6_k", "q3_k_m", "q2_k",   "iq4_xs"};
     int prompt[40];
     for (int i = 0; i < 40; i++) prompt[i] = 3 + (i * 37) % 250;
     for (size_t t = 0; t < sizeof types / sizeof types[0]; t++) {
