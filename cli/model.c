@@ -35,7 +35,8 @@ static const rk_setting k_mkmodel_settings[] = {
     {"preset", "preset", RK_SET_STR, MK_STR(preset), 0, 0, 0, 0,
      "NAME  the shapes to write (below; default: tiny)"},
     {"type", "type", RK_SET_STR, MK_STR(type), 0, 0, 0, 0,
-     "T  2-D weights: f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m or q6_k (default: f32)"},
+     "T  2-D weights: f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k, q3_k_m, q2_k or iq4_xs "
+     "(default: f32)"},
     {"vocab", "vocab", RK_SET_STR, MK_STR(vocab), 0, 0, 0, 0,
      "F.json  the Qwen3 tokenizer.json (default: ../shared/tokenizers/qwen3/tokenizer.json)"},
     {"seed", "seed", RK_SET_LONG, MK_OFF(seed), 0, 0, 0x7fffffffffffffffLL, 0, 0,
@@ -82,7 +83,8 @@ int rk_cli_mkmodel(int argc, char **argv) {
     if (!out) return usage_error("mkmodel", "%s", "-o is required");
     if (rk_mkmodel_parse_wtype(a.type, &opts.wtype))
         return usage_error("mkmodel",
-                           "--type must be f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m or q6_k, "
+                           "--type must be f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k, "
+                           "q3_k_m, q2_k or iq4_xs, "
                            "got '%s'",
                            a.type);
     opts.preset = a.preset;

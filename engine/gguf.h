@@ -38,10 +38,17 @@ typedef enum rk_ggml_type {
     RK_GGML_F32 = 0,
     RK_GGML_F16 = 1,
     RK_GGML_Q4_0 = 2,
+    RK_GGML_Q4_1 = 3,
+    RK_GGML_Q5_0 = 6,
+    RK_GGML_Q5_1 = 7,
     RK_GGML_Q8_0 = 8,
+    RK_GGML_Q2_K = 10,
+    RK_GGML_Q3_K = 11,
     RK_GGML_Q4_K = 12,
     RK_GGML_Q5_K = 13,
     RK_GGML_Q6_K = 14,
+    RK_GGML_IQ4_NL = 20,
+    RK_GGML_IQ4_XS = 23,
     RK_GGML_BF16 = 30,
 } rk_ggml_type;
 

@@ -104,10 +104,11 @@ static const struct {
     const char *name;
     rk_ggml_type type;
     uint32_t file_type;
-} k_wtypes[] = {{"f32", RK_GGML_F32, 0},      {"f16", RK_GGML_F16, 1},
-                {"bf16", RK_GGML_BF16, 32},   {"q8_0", RK_GGML_Q8_0, 7},
-                {"q4_0", RK_GGML_Q4_0, 2},    {"q4_k_m", RK_GGML_Q4_K, 15},
-                {"q5_k_m", RK_GGML_Q5_K, 17}, {"q6_k", RK_GGML_Q6_K, 18}};
+} k_wtypes[] = {
+    {"f32", RK_GGML_F32, 0},      {"f16", RK_GGML_F16, 1},       {"bf16", RK_GGML_BF16, 32},
+    {"q8_0", RK_GGML_Q8_0, 7},    {"q4_0", RK_GGML_Q4_0, 2},     {"q4_k_m", RK_GGML_Q4_K, 15},
+    {"q5_k_m", RK_GGML_Q5_K, 17}, {"q6_k", RK_GGML_Q6_K, 18},    {"q3_k_m", RK_GGML_Q3_K, 12},
+    {"q2_k", RK_GGML_Q2_K, 10},   {"iq4_xs", RK_GGML_IQ4_XS, 30}};
 #define N_WTYPES (sizeof k_wtypes / sizeof k_wtypes[0])
 
 /* Parse a weight type name; see mkmodel.h. */
@@ -121,7 +122,7 @@ rk_status rk_mkmodel_parse_wtype(const char *name, rk_ggml_type *out) {
     }
     return rk_errorf(RK_ERR_INVALID,
                      "mkmodel: unknown weight type '%s' (f32, f16, bf16, q8_0, q4_0, q4_k_m, "
-                     "q5_k_m, q6_k)",
+                     "q5_k_m, q6_k, q3_k_m, q2_k, iq4_xs)",
                      name ? name : "(null)");
 }
 
@@ -135,6 +136,12 @@ static rk_dtype mk_dtype(rk_ggml_type t) {
     case RK_GGML_Q4_K: return RK_DTYPE_Q4_K;
     case RK_GGML_Q5_K: return RK_DTYPE_Q5_K;
     case RK_GGML_Q6_K: return RK_DTYPE_Q6_K;
+    case RK_GGML_Q5_0: return RK_DTYPE_Q5_0;
+    case RK_GGML_Q5_1: return RK_DTYPE_Q5_1;
+    case RK_GGML_Q2_K: return RK_DTYPE_Q2_K;
+    case RK_GGML_Q3_K: return RK_DTYPE_Q3_K;
+    case RK_GGML_IQ4_NL: return RK_DTYPE_IQ4_NL;
+    case RK_GGML_IQ4_XS: return RK_DTYPE_IQ4_XS;
     default: return RK_DTYPE_F32;
     }
 }
@@ -429,11 +436,61 @@ static int mk_more_bits_layer(int l, int n_layers) {
     return l < n_layers / 8 || l >= 7 * n_layers / 8 || (l - n_layers / 8) % 3 == 2;
 }
 
+/* The matrices a mix treats apart. */
+typedef enum mk_role { ROLE_OTHER, ROLE_OUTPUT, ROLE_ATTN_V, ROLE_ATTN_OUT, ROLE_FFN_DOWN } mk_role;
+
+/* The low-bit mixes (q3_k_m, q2_k, iq4_xs) as the reference quantizer
+ * writes them for a model without an importance matrix: the output
+ * projection at Q6_K, and
+ *   q2_k    attn_v at Q3_K (Q4_K when four or more query heads share a KV
+ *           head), attn_output and ffn_down at Q3_K;
+ *   q3_k_m  attn_v at Q5_K in the first two layers and Q4_K after,
+ *           attn_output at Q4_K, ffn_down at Q5_K in the first sixteenth
+ *           of the layers and Q4_K after;
+ *   iq4_xs  attn_v at Q5_K when four or more query heads share a KV head,
+ *           ffn_down at Q5_K in the first eighth of the layers.
+ * On rows that are not whole super-blocks each type falls back to the
+ * 32-element type the reference takes: IQ4_NL for Q2_K, Q3_K and IQ4_XS,
+ * Q5_0 for Q4_K, Q5_1 for Q5_K, Q8_0 for Q6_K. */
+static rk_ggml_type mk_low_bit_type(rk_ggml_type wt, int64_t ne0, mk_role role, int layer,
+                                    int n_layers, int gqa) {
+    rk_ggml_type t = wt;
+    if (role == ROLE_OUTPUT)
+        t = RK_GGML_Q6_K;
+    else if (wt == RK_GGML_Q2_K)
+        t = role == ROLE_ATTN_V ? (gqa >= 4 ? RK_GGML_Q4_K : RK_GGML_Q3_K)
+            : role == ROLE_ATTN_OUT || role == ROLE_FFN_DOWN ? RK_GGML_Q3_K
+                                                             : wt;
+    else if (wt == RK_GGML_Q3_K)
+        t = role == ROLE_ATTN_V     ? (layer < 2 ? RK_GGML_Q5_K : RK_GGML_Q4_K)
+            : role == ROLE_ATTN_OUT ? RK_GGML_Q4_K
+            : role == ROLE_FFN_DOWN ? (layer < n_layers / 16 ? RK_GGML_Q5_K : RK_GGML_Q4_K)
+                                    : wt;
+    else if ((role == ROLE_ATTN_V && gqa >= 4) || (role == ROLE_FFN_DOWN && layer < n_layers / 8))
+        t = RK_GGML_Q5_K; /* iq4_xs */
+    if (ne0 % 256) switch (t) {
+        case RK_GGML_Q2_K:
+        case RK_GGML_Q3_K:
+        case RK_GGML_IQ4_XS: return RK_GGML_IQ4_NL;
+        case RK_GGML_Q4_K: return RK_GGML_Q5_0;
+        case RK_GGML_Q5_K: return RK_GGML_Q5_1;
+        case RK_GGML_Q6_K: return RK_GGML_Q8_0;
+        default: break;
+        }
+    return t;
+}
+
 /* The type of one matrix under a weight type (see mkmodel.h): the output
  * projection, and in the K mixes attn_v and ffn_down of the layers
  * mk_more_bits_layer names, at Q6_K; a K type on rows that are not whole
- * super-blocks falls back to Q8_0. */
-static rk_ggml_type mk_matrix_type(rk_ggml_type wt, int64_t ne0, int is_output, int is_sensitive) {
+ * super-blocks falls back to Q8_0. The low-bit mixes: mk_low_bit_type. */
+static rk_ggml_type mk_matrix_type(const preset *p, rk_ggml_type wt, int64_t ne0, mk_role role,
+                                   int layer) {
+    if (wt == RK_GGML_Q2_K || wt == RK_GGML_Q3_K || wt == RK_GGML_IQ4_XS)
+        return mk_low_bit_type(wt, ne0, role, layer, p->n_layers, p->n_heads / p->n_kv_heads);
+    int is_output = role == ROLE_OUTPUT,
+        is_sensitive = (role == ROLE_ATTN_V || role == ROLE_FFN_DOWN) &&
+                       mk_more_bits_layer(layer, p->n_layers);
     rk_ggml_type t = wt;
     if (is_output && (wt == RK_GGML_Q4_0 || wt == RK_GGML_Q4_K || wt == RK_GGML_Q5_K))
         t = RK_GGML_Q6_K;
@@ -450,15 +507,16 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
     const int64_t kv_dim = (int64_t)p->n_kv_heads * p->head_dim, ffn = p->ffn_dim;
     rk_status st;
     /* Tied: the embedding is the output projection too. */
-    if ((st = mk_add(m, INIT_MATRIX, mk_matrix_type(wt, dim, p->tied, 0), dim, m->vocab.n,
-                     "token_embd.weight", 0)))
+    if ((st = mk_add(m, INIT_MATRIX,
+                     mk_matrix_type(p, wt, dim, p->tied ? ROLE_OUTPUT : ROLE_OTHER, 0), dim,
+                     m->vocab.n, "token_embd.weight", 0)))
         return st;
-    const rk_ggml_type t_dim = mk_matrix_type(wt, dim, 0, 0), t_q = mk_matrix_type(wt, q_dim, 0, 0);
-    const rk_ggml_type t_out = mk_matrix_type(wt, dim, 1, 0);
+    const rk_ggml_type t_dim = mk_matrix_type(p, wt, dim, ROLE_OTHER, 0);
+    const rk_ggml_type t_out = mk_matrix_type(p, wt, dim, ROLE_OUTPUT, 0);
     for (int l = 0; l < p->n_layers; l++) {
-        int more = mk_more_bits_layer(l, p->n_layers);
-        const rk_ggml_type t_v = mk_matrix_type(wt, dim, 0, more);
-        const rk_ggml_type t_ffn = mk_matrix_type(wt, ffn, 0, more);
+        const rk_ggml_type t_q = mk_matrix_type(p, wt, q_dim, ROLE_ATTN_OUT, l);
+        const rk_ggml_type t_v = mk_matrix_type(p, wt, dim, ROLE_ATTN_V, l);
+        const rk_ggml_type t_ffn = mk_matrix_type(p, wt, ffn, ROLE_FFN_DOWN, l);
         if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.attn_norm.weight", l)) ||
             (st = mk_add(m, INIT_MATRIX, t_dim, dim, q_dim, "blk.%d.attn_q.weight", l)) ||
             (st = mk_add(m, INIT_MATRIX, t_dim, dim, kv_dim, "blk.%d.attn_k.weight", l)) ||
@@ -496,7 +554,7 @@ static rk_status mk_prepare(const rk_mkmodel_opts *opts, mk_model *m) {
     if (!known)
         return rk_errorf(RK_ERR_INVALID,
                          "mkmodel: weight type %s not supported (F32, F16, BF16, Q8_0, Q4_0, "
-                         "Q4_K, Q5_K, Q6_K)",
+                         "Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS)",
                          rk_ggml_type_name((uint32_t)opts->wtype));
     if ((st = mk_vocab_load(m->p, m->name, opts->vocab_path, &m->vocab)) ||
         (st = rk_gguf_writer_create(&m->w)) || (st = mk_metadata(m, opts)) ||

@@ -69,6 +69,18 @@
  *   q5_k_m       Q5_K, the same at Q6_K;
  * and a K type on a matrix whose rows are not whole 256-element
  * super-blocks (dim 128 in the tiny presets) falls back to Q8_0.
+ * The low-bit mixes follow the reference quantizer's rules (without an
+ * importance matrix), the output projection at Q6_K in each:
+ *   q3_k_m       Q3_K; attn_v Q5_K in layers 0 and 1, Q4_K after;
+ *                attn_output Q4_K; ffn_down Q5_K in the first sixteenth of
+ *                the layers, Q4_K after;
+ *   q2_k         Q2_K; attn_v Q3_K (Q4_K when four or more query heads
+ *                share a KV head), attn_output and ffn_down Q3_K;
+ *   iq4_xs       IQ4_XS; attn_v Q5_K when four or more query heads share a
+ *                KV head, ffn_down Q5_K in the first eighth of the layers;
+ * and on rows that are not whole super-blocks their types fall back as the
+ * reference's do: Q2_K, Q3_K, IQ4_XS to IQ4_NL, Q4_K to Q5_0, Q5_K to Q5_1,
+ * Q6_K to Q8_0.
  *
  * Weights: tensor by tensor from xoshiro256** seeded with splitmix64(seed, tensor
  * name), uniform: matrices and the embedding with std 1/sqrt(in_dim) (so
@@ -92,7 +104,8 @@
 typedef struct rk_mkmodel_opts {
     const char *preset;     /* preset name (see rk_mkmodel_presets()); NULL = "tiny" */
     rk_ggml_type wtype;     /* the 2-D weights: RK_GGML_F32, F16, BF16, Q8_0, Q4_0, Q6_K, or
-                               Q4_K / Q5_K for the q4_k_m / q5_k_m mixes (see above) */
+                               Q4_K / Q5_K for the q4_k_m / q5_k_m mixes, Q3_K, Q2_K, IQ4_XS for
+                               q3_k_m, q2_k, iq4_xs (see above) */
     const char *vocab_path; /* tokenizer.json of the Qwen3 vocabulary; NULL = the default path */
     uint64_t seed;          /* weights seed */
 } rk_mkmodel_opts;

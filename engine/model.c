@@ -95,10 +95,29 @@ static rk_status be_alloc(rk_model *m, size_t bytes, void **out) {
 
 static int backend_is_host(const rk_backend *be) { return strcmp(be->name, "cpu") == 0; }
 
-#define SUPPORTED_TYPES "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K"
+#define SUPPORTED_TYPES                                                                            \
+    "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS"
+/* The CUDA backend has kernels for these only. */
+#define SUPPORTED_TYPES_CUDA "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K"
 
-/* The compute dtype of a tensor (every backend computes all of them). */
-static rk_status dtype_of(const rk_gguf_tensor *t, rk_dtype *out) {
+/* The compute dtype of a tensor on m's backend: the CPU computes every type
+ * ragkv reads, the CUDA backend all but the seven added block types, which
+ * it refuses with the same message naming the ones it computes. */
+static rk_status dtype_of(const rk_model *m, const rk_gguf_tensor *t, rk_dtype *out) {
+    if (!backend_is_host(m->be)) switch (t->type) {
+        case RK_GGML_Q4_1:
+        case RK_GGML_Q5_0:
+        case RK_GGML_Q5_1:
+        case RK_GGML_Q2_K:
+        case RK_GGML_Q3_K:
+        case RK_GGML_IQ4_NL:
+        case RK_GGML_IQ4_XS:
+            return rk_errorf(RK_ERR_UNSUPPORTED,
+                             "tensor %s has type %s; ragkv computes with %s on the %s backend",
+                             t->name, rk_ggml_type_name(t->type), SUPPORTED_TYPES_CUDA,
+                             m->be->name);
+        default: break;
+        }
     switch (t->type) {
     case RK_GGML_F32: *out = RK_DTYPE_F32; return RK_OK;
     case RK_GGML_F16: *out = RK_DTYPE_F16; return RK_OK;
@@ -108,6 +127,13 @@ static rk_status dtype_of(const rk_gguf_tensor *t, rk_dtype *out) {
     case RK_GGML_Q4_K: *out = RK_DTYPE_Q4_K; return RK_OK;
     case RK_GGML_Q5_K: *out = RK_DTYPE_Q5_K; return RK_OK;
     case RK_GGML_Q6_K: *out = RK_DTYPE_Q6_K; return RK_OK;
+    case RK_GGML_Q4_1: *out = RK_DTYPE_Q4_1; return RK_OK;
+    case RK_GGML_Q5_0: *out = RK_DTYPE_Q5_0; return RK_OK;
+    case RK_GGML_Q5_1: *out = RK_DTYPE_Q5_1; return RK_OK;
+    case RK_GGML_Q2_K: *out = RK_DTYPE_Q2_K; return RK_OK;
+    case RK_GGML_Q3_K: *out = RK_DTYPE_Q3_K; return RK_OK;
+    case RK_GGML_IQ4_NL: *out = RK_DTYPE_IQ4_NL; return RK_OK;
+    case RK_GGML_IQ4_XS: *out = RK_DTYPE_IQ4_XS; return RK_OK;
     default:
         return rk_errorf(RK_ERR_UNSUPPORTED, "tensor %s has type %s; ragkv computes with %s",
                          t->name, rk_ggml_type_name(t->type), SUPPORTED_TYPES);
@@ -166,7 +192,7 @@ static rk_status load_vec(rk_model *m, const char *name, int64_t n, int optional
     rk_status st = find(m, name, n, 1, optional, &t);
     if (st || !t) return st;
     rk_dtype dt;
-    if ((st = dtype_of(t, &dt)) || (st = check_finite(t, dt))) return st;
+    if ((st = dtype_of(m, t, &dt)) || (st = check_finite(t, dt))) return st;
     const void *src = t->data;
     if (dt != RK_DTYPE_F32) {
         float *f = malloc((size_t)n * sizeof *f);
@@ -212,7 +238,7 @@ static rk_status load_stored(rk_model *m, const char *name, int rows, int cols, 
     if (st) return st;
     out->rows = rows;
     out->cols = cols;
-    if ((st = dtype_of(t, &out->type)) || (st = check_finite(t, out->type))) return st;
+    if ((st = dtype_of(m, t, &out->type)) || (st = check_finite(t, out->type))) return st;
     m->weight_bytes += t->n_bytes;
     return place(m, t, &out->w);
 }
@@ -436,7 +462,7 @@ static rk_status load_weights(rk_model *m) {
         return rk_errorf(RK_ERR_FORMAT, "model: token_embd.weight has shape {%lld, %lld}",
                          (long long)t->ne[0], (long long)t->ne[1]);
     hp->n_vocab = (int)t->ne[1];
-    if ((st = dtype_of(t, &m->embd_type)) || (st = check_finite(t, m->embd_type)) ||
+    if ((st = dtype_of(m, t, &m->embd_type)) || (st = check_finite(t, m->embd_type)) ||
         (st = place(m, t, &m->embd)))
         return st;
 

@@ -72,7 +72,14 @@ size_t rk_dtype_size(rk_dtype t) {
     case RK_DTYPE_Q4_0:
     case RK_DTYPE_Q4_K:
     case RK_DTYPE_Q5_K:
-    case RK_DTYPE_Q6_K: return 0;
+    case RK_DTYPE_Q6_K:
+    case RK_DTYPE_Q4_1:
+    case RK_DTYPE_Q5_0:
+    case RK_DTYPE_Q5_1:
+    case RK_DTYPE_Q2_K:
+    case RK_DTYPE_Q3_K:
+    case RK_DTYPE_IQ4_NL:
+    case RK_DTYPE_IQ4_XS: return 0;
     }
     return 0;
 }
@@ -85,10 +92,17 @@ size_t rk_dtype_block(rk_dtype t) {
     case RK_DTYPE_F16:
     case RK_DTYPE_BF16: return 1;
     case RK_DTYPE_Q8_0:
-    case RK_DTYPE_Q4_0: return 32;
+    case RK_DTYPE_Q4_0:
+    case RK_DTYPE_Q4_1:
+    case RK_DTYPE_Q5_0:
+    case RK_DTYPE_Q5_1:
+    case RK_DTYPE_IQ4_NL: return 32;
     case RK_DTYPE_Q4_K:
     case RK_DTYPE_Q5_K:
-    case RK_DTYPE_Q6_K: return 256;
+    case RK_DTYPE_Q6_K:
+    case RK_DTYPE_Q2_K:
+    case RK_DTYPE_Q3_K:
+    case RK_DTYPE_IQ4_XS: return 256;
     }
     return 0;
 }
@@ -103,6 +117,13 @@ size_t rk_dtype_block_bytes(rk_dtype t) {
     case RK_DTYPE_Q4_K: return 144;
     case RK_DTYPE_Q5_K: return 176;
     case RK_DTYPE_Q6_K: return 210;
+    case RK_DTYPE_Q4_1: return 20;
+    case RK_DTYPE_Q5_0: return 22;
+    case RK_DTYPE_Q5_1: return 24;
+    case RK_DTYPE_Q2_K: return 84;
+    case RK_DTYPE_Q3_K: return 110;
+    case RK_DTYPE_IQ4_NL: return 18;
+    case RK_DTYPE_IQ4_XS: return 136;
     }
     return 0;
 }
@@ -123,6 +144,13 @@ const char *rk_dtype_name(rk_dtype t) {
     case RK_DTYPE_Q4_K: return "q4_k";
     case RK_DTYPE_Q5_K: return "q5_k";
     case RK_DTYPE_Q6_K: return "q6_k";
+    case RK_DTYPE_Q4_1: return "q4_1";
+    case RK_DTYPE_Q5_0: return "q5_0";
+    case RK_DTYPE_Q5_1: return "q5_1";
+    case RK_DTYPE_Q2_K: return "q2_k";
+    case RK_DTYPE_Q3_K: return "q3_k";
+    case RK_DTYPE_IQ4_NL: return "iq4_nl";
+    case RK_DTYPE_IQ4_XS: return "iq4_xs";
     }
     return "unknown";
 }
@@ -205,7 +233,14 @@ void rk_dtype_to_f32(float *dst, const void *src, rk_dtype t, size_t n) {
     case RK_DTYPE_Q4_0:
     case RK_DTYPE_Q4_K:
     case RK_DTYPE_Q5_K:
-    case RK_DTYPE_Q6_K: rk_dequantize(dst, src, t, n); return;
+    case RK_DTYPE_Q6_K:
+    case RK_DTYPE_Q4_1:
+    case RK_DTYPE_Q5_0:
+    case RK_DTYPE_Q5_1:
+    case RK_DTYPE_Q2_K:
+    case RK_DTYPE_Q3_K:
+    case RK_DTYPE_IQ4_NL:
+    case RK_DTYPE_IQ4_XS: rk_dequantize(dst, src, t, n); return;
     }
 }
 

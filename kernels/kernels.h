@@ -30,14 +30,21 @@ typedef enum rk_dtype {
      * rk_kv_dtype_ok):
      * a row of k elements is k / rk_dtype_block() blocks of
      * rk_dtype_block_bytes() bytes each. */
-    RK_DTYPE_Q8_0 = 3, /* 32: f16 d, i8 q[32]; x = d q */
-    RK_DTYPE_Q4_0 = 4, /* 32: f16 d, u8 q[16] (two nibbles); x = d (q - 8) */
-    RK_DTYPE_Q4_K = 5, /* 256: f16 d, dmin, 8 x 6-bit scale and min, 4-bit q */
-    RK_DTYPE_Q5_K = 6, /* 256: as Q4_K plus a fifth bit per weight */
-    RK_DTYPE_Q6_K = 7, /* 256: 6-bit q, 16 x i8 scales, f16 d; x = d s (q - 32) */
+    RK_DTYPE_Q8_0 = 3,    /* 32: f16 d, i8 q[32]; x = d q */
+    RK_DTYPE_Q4_0 = 4,    /* 32: f16 d, u8 q[16] (two nibbles); x = d (q - 8) */
+    RK_DTYPE_Q4_K = 5,    /* 256: f16 d, dmin, 8 x 6-bit scale and min, 4-bit q */
+    RK_DTYPE_Q5_K = 6,    /* 256: as Q4_K plus a fifth bit per weight */
+    RK_DTYPE_Q6_K = 7,    /* 256: 6-bit q, 16 x i8 scales, f16 d; x = d s (q - 32) */
+    RK_DTYPE_Q4_1 = 8,    /* 32: f16 d, m, 4-bit q; x = d q + m */
+    RK_DTYPE_Q5_0 = 9,    /* 32: f16 d, 5-bit q; x = d (q - 16) */
+    RK_DTYPE_Q5_1 = 10,   /* 32: f16 d, m, 5-bit q; x = d q + m */
+    RK_DTYPE_Q2_K = 11,   /* 256: 16 x 4-bit scale and min, 2-bit q, f16 d, dmin */
+    RK_DTYPE_Q3_K = 12,   /* 256: 3-bit q, 16 x 6-bit scales, f16 d; x = d (s - 32) q */
+    RK_DTYPE_IQ4_NL = 13, /* 32: f16 d, 4-bit codebook index; x = d v[q] */
+    RK_DTYPE_IQ4_XS = 14, /* 256: f16 d, 8 x 6-bit scales, 4-bit codebook index */
 } rk_dtype;
 
-#define RK_DTYPE_COUNT 8
+#define RK_DTYPE_COUNT 15
 
 /* Bytes per element of an unquantized dtype; 0 for the quantized ones (and
  * for values outside the enum). */

@@ -166,17 +166,16 @@ Test(mkmodel, parses_weight_type_names) {
     static const struct {
         const char *name;
         rk_ggml_type type;
-    } q[] = {{"q8_0", RK_GGML_Q8_0},
-             {"Q4_0", RK_GGML_Q4_0},
-             {"q4_k_m", RK_GGML_Q4_K},
-             {"q5_k_m", RK_GGML_Q5_K},
-             {"q6_k", RK_GGML_Q6_K}};
+    } q[] = {{"q8_0", RK_GGML_Q8_0},   {"Q4_0", RK_GGML_Q4_0},    {"q4_k_m", RK_GGML_Q4_K},
+             {"q5_k_m", RK_GGML_Q5_K}, {"q6_k", RK_GGML_Q6_K},    {"Q3_K_M", RK_GGML_Q3_K},
+             {"q2_k", RK_GGML_Q2_K},   {"iq4_xs", RK_GGML_IQ4_XS}};
     for (size_t i = 0; i < sizeof q / sizeof q[0]; i++) {
         cr_assert_eq(rk_mkmodel_parse_wtype(q[i].name, &t), RK_OK, "%s", q[i].name);
         cr_assert_eq(t, q[i].type, "%s", q[i].name);
     }
     cr_assert_eq(rk_mkmodel_parse_wtype("q4_k", &t), RK_ERR_INVALID); /* a tensor type, not a mix */
-    cr_assert_eq(rk_mkmodel_parse_wtype("q2_k", &t), RK_ERR_INVALID);
+    cr_assert_eq(rk_mkmodel_parse_wtype("q3_k", &t), RK_ERR_INVALID);
+    cr_assert_eq(rk_mkmodel_parse_wtype("iq4_nl", &t), RK_ERR_INVALID);
     cr_assert_eq(rk_mkmodel_parse_wtype(NULL, &t), RK_ERR_INVALID);
 }
 
@@ -189,9 +188,9 @@ Test(mkmodel, rejects_unknown_presets_weight_types_and_missing_vocabularies) {
     cr_assert_eq(rk_mkmodel_build_memory(&o, &buf, &len), RK_ERR_NOT_FOUND);
     cr_assert_not_null(strstr(rk_error_message(), "unknown preset 'nope'"));
     o.preset = "tiny";
-    o.wtype = (rk_ggml_type)10; /* Q2_K */
+    o.wtype = RK_GGML_Q4_1; /* a tensor type, no mix of ours */
     cr_assert_eq(rk_mkmodel_build_memory(&o, &buf, &len), RK_ERR_INVALID);
-    cr_assert_not_null(strstr(rk_error_message(), "Q2_K"));
+    cr_assert_not_null(strstr(rk_error_message(), "Q4_1"));
     o.wtype = RK_GGML_F32;
     o.preset = "qwen3-tiny";
     o.vocab_path = "/nonexistent/tokenizer.json";
@@ -399,6 +398,107 @@ Test(mkmodel, quantized_weights_are_the_f32_weights_quantized) {
     }
     rk_gguf_close(g32);
     free(b32);
+}
+
+/* The low-bit mixes on tiny (rows of 128 and 384, no whole super-block):
+ * each type falls back as the reference quantizer's does, Q2_K, Q3_K and
+ * IQ4_XS to IQ4_NL, Q4_K to Q5_0, Q5_K to Q5_1, Q6_K (the output) to Q8_0;
+ * q3_k_m keeps attn_v wider in layers 0 and 1 and attn_output and
+ * ffn_down at (the fallback of) Q4_K. Each matrix holds the f32 weights
+ * quantized by rk_quantize. */
+static rk_ggml_type tiny_low_bit_type(rk_ggml_type wt, const char *name) {
+    if (!strcmp(name, "output.weight")) return RK_GGML_Q8_0;
+    if (wt != RK_GGML_Q3_K) return RK_GGML_IQ4_NL;
+    if (strstr(name, "attn_v"))
+        return !strncmp(name, "blk.0.", 6) || !strncmp(name, "blk.1.", 6) ? RK_GGML_Q5_1
+                                                                          : RK_GGML_Q5_0;
+    if (strstr(name, "attn_output") || strstr(name, "ffn_down")) return RK_GGML_Q5_0;
+    return RK_GGML_IQ4_NL;
+}
+
+static rk_dtype dtype_of_ggml(rk_ggml_type t) {
+    switch (t) {
+    case RK_GGML_Q8_0: return RK_DTYPE_Q8_0;
+    case RK_GGML_Q5_0: return RK_DTYPE_Q5_0;
+    case RK_GGML_Q5_1: return RK_DTYPE_Q5_1;
+    case RK_GGML_IQ4_NL: return RK_DTYPE_IQ4_NL;
+    case RK_GGML_Q2_K: return RK_DTYPE_Q2_K;
+    case RK_GGML_Q3_K: return RK_DTYPE_Q3_K;
+    case RK_GGML_Q4_K: return RK_DTYPE_Q4_K;
+    case RK_GGML_Q6_K: return RK_DTYPE_Q6_K;
+    case RK_GGML_IQ4_XS: return RK_DTYPE_IQ4_XS;
+    default: cr_assert_fail("type %s", rk_ggml_type_name(t));
+    }
+    return RK_DTYPE_F32;
+}
+
+Test(mkmodel, low_bit_mixes_fall_back_as_the_reference_quantizer_does) {
+    static const struct {
+        rk_ggml_type wt;
+        uint32_t file_type;
+    } k[] = {{RK_GGML_Q3_K, 12}, {RK_GGML_Q2_K, 10}, {RK_GGML_IQ4_XS, 30}};
+    void *b32;
+    size_t l32;
+    build("tiny", RK_GGML_F32, 7, NULL, &b32, &l32);
+    rk_gguf *g32;
+    cr_assert_eq(rk_gguf_open_memory(b32, l32, &g32), RK_OK);
+    for (size_t w = 0; w < sizeof k / sizeof k[0]; w++) {
+        void *bq;
+        size_t lq;
+        build("tiny", k[w].wt, 7, NULL, &bq, &lq);
+        rk_gguf *gq;
+        cr_assert_eq(rk_gguf_open_memory(bq, lq, &gq), RK_OK, "%s", rk_error_message());
+        cr_assert_eq(get_u32(gq, "general.file_type"), k[w].file_type);
+        for (int64_t i = 0; i < rk_gguf_n_tensors(g32); i++) {
+            const rk_gguf_tensor *tf = rk_gguf_tensor_at(g32, i);
+            const rk_gguf_tensor *tq = rk_gguf_tensor_at(gq, i);
+            if (tf->n_dims == 1) continue;
+            rk_ggml_type want = tiny_low_bit_type(k[w].wt, tq->name);
+            cr_assert_eq(tq->type, want, "%s: %s, want %s", tq->name, rk_ggml_type_name(tq->type),
+                         rk_ggml_type_name(want));
+            unsigned char *expect = malloc(tq->n_bytes);
+            cr_assert_not_null(expect);
+            rk_quantize(expect, tf->data, dtype_of_ggml(want), (size_t)(tf->ne[0] * tf->ne[1]));
+            cr_assert_eq(memcmp(expect, tq->data, tq->n_bytes), 0, "%s differs from quantize(f32)",
+                         tq->name);
+            free(expect);
+        }
+        rk_gguf_close(gq);
+        free(bq);
+    }
+    rk_gguf_close(g32);
+    free(b32);
+}
+
+/* qwen3-tiny's ffn_down (rows of 256) in the low-bit mixes: Q4_K in
+ * q3_k_m (past the first sixteenth of two layers), Q3_K in q2_k, and
+ * IQ4_XS's own type in iq4_xs (no layer in the first eighth); the rows of
+ * 128 fall back to IQ4_NL, the tied embedding (the output) to Q8_0. */
+Test(mkmodel, low_bit_mixes_put_their_types_where_rows_are_whole_super_blocks) {
+    RK_SKIP_IF_LIGHT(); /* builds with the real vocabulary: slow under the sanitizer */
+    char *vocab;
+    RK_REQUIRE_SHARED(vocab, QWEN3_VOCAB);
+    static const rk_ggml_type mixes[][2] = {{RK_GGML_Q3_K, RK_GGML_Q4_K},
+                                            {RK_GGML_Q2_K, RK_GGML_Q3_K},
+                                            {RK_GGML_IQ4_XS, RK_GGML_IQ4_XS}};
+    for (size_t w = 0; w < 3; w++) {
+        void *b;
+        size_t l;
+        build("qwen3-tiny", mixes[w][0], 3, vocab, &b, &l);
+        rk_gguf *g;
+        cr_assert_eq(rk_gguf_open_memory(b, l, &g), RK_OK);
+        for (int layer = 0; layer < 2; layer++) {
+            char name[64];
+            snprintf(name, sizeof name, "blk.%d.ffn_down.weight", layer);
+            cr_assert_eq(rk_gguf_find_tensor(g, name)->type, mixes[w][1], "%s %s",
+                         rk_ggml_type_name(mixes[w][0]), name);
+        }
+        cr_assert_eq(rk_gguf_find_tensor(g, "blk.1.ffn_up.weight")->type, RK_GGML_IQ4_NL);
+        cr_assert_eq(rk_gguf_find_tensor(g, "token_embd.weight")->type, RK_GGML_Q8_0);
+        rk_gguf_close(g);
+        free(b);
+    }
+    free(vocab);
 }
 
 /* qwen3-tiny's FFN of 256 takes K types: ffn_down (rows of 256) is Q6_K in

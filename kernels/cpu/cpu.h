@@ -163,9 +163,36 @@ typedef struct rk_q8_block {
 /* dst(k / 32) = the activations x(k) quantized; k a multiple of 32. */
 void rk_cpu_quantize_act(rk_q8_block *dst, const float *x, int k);
 
+/* A block of 256 activations quantized to int8 as GGML's Q8_K, for the
+ * weight types whose reference dot products take it (Q2_K, Q3_K, IQ4_XS;
+ * kernels/cpu/quant_q8k.c): the element of largest magnitude max is mapped
+ * to -127, q = round(x * -127 / max) (at most 127), d = max / -127;
+ * bsums[g] = the sum of q over elements 16g .. 16g + 15. */
+typedef struct rk_q8k_block {
+    float d;
+    int16_t bsums[16];
+    int8_t q[256];
+} rk_q8k_block;
+
+/* dst(k / 256) = the activations x(k) quantized; k a multiple of 256. */
+void rk_cpu_quantize_act_k(rk_q8k_block *dst, const float *x, int k);
+
+/* 1 for the weight types whose activations are quantized to rk_q8k_block
+ * (rk_cpu_qdotk_fn), 0 for those that take rk_q8_block (rk_cpu_qdot_fn). */
+static inline int rk_cpu_act_is_q8k(rk_dtype t) {
+    return t == RK_DTYPE_Q2_K || t == RK_DTYPE_Q3_K || t == RK_DTYPE_IQ4_XS;
+}
+
 /* The dot product of one row of quantized weights (k elements) with one
  * quantized activation row. */
 typedef float (*rk_qdot_fn)(const void *w, const rk_q8_block *x, int k);
+typedef float (*rk_qdotk_fn)(const void *w, const rk_q8k_block *x, int k);
+
+/* The non-linear 16-entry codebook of IQ4_NL and IQ4_XS: a 4-bit index q
+ * stands for rk_iq4_values[q] times its block's scale. */
+extern const int8_t rk_iq4_values[16];
+/* The index of the codebook entry nearest v (the lower one on a tie). */
+int rk_cpu_iq4_nearest(float v);
 
 /* Instruction sets the quantized and BF16 kernels come in, each level
  * including the ones before it. AUTO picks the best one the CPU has
@@ -202,8 +229,24 @@ rk_status rk_cpu_force_isa(rk_cpu_isa isa);
 /* The instruction set the quantized kernels use now. */
 rk_cpu_isa rk_cpu_isa_active(void);
 /* The dot kernel of quantized dtype t for the active instruction set (NULL
- * for a dtype that is not quantized). */
+ * for a dtype that is not quantized, and for the rk_cpu_act_is_q8k types). */
 rk_qdot_fn rk_cpu_qdot_fn(rk_dtype t);
+/* The dot kernel of an rk_cpu_act_is_q8k type (NULL for the others). */
+rk_qdotk_fn rk_cpu_qdotk_fn(rk_dtype t);
+/* The instruction set the integer dot kernels run at: the active one, with
+ * AVX512_BF16 (which adds nothing to integer dots) taken down to the best
+ * level below it that this build and CPU have. */
+rk_cpu_isa rk_cpu_qdot_isa(void);
+
+/* The block types of kernels/cpu/quant_q32.c (Q4_1, Q5_0, Q5_1, IQ4_NL) and
+ * kernels/cpu/quant_q8k.c (Q2_K, Q3_K, IQ4_XS): rk_dequantize and
+ * rk_quantize of n elements (a multiple of the block), and the dot kernel
+ * of a q32 type at instruction set isa (a level rk_cpu_qdot_isa gives). */
+void rk_cpu_dequantize_q32(float *dst, const void *src, rk_dtype t, size_t n);
+void rk_cpu_quantize_q32(void *dst, const float *src, rk_dtype t, size_t n);
+rk_qdot_fn rk_cpu_qdot_q32(rk_dtype t, rk_cpu_isa isa);
+void rk_cpu_dequantize_q8k(float *dst, const void *src, rk_dtype t, size_t n);
+void rk_cpu_quantize_q8k(void *dst, const float *src, rk_dtype t, size_t n);
 
 /* Scale and min of sub-block j (0..7) from the 12 packed bytes of Q4_K/Q5_K. */
 static inline void rk_cpu_kq_scale_min(const uint8_t *s, int j, int *sc, int *m) {
@@ -245,6 +288,22 @@ void rk_cpu_qpack_matvec(float *y, const void *packed, rk_dtype t, const rk_q8_b
 
 #ifdef __AVX2__
 #include <immintrin.h>
+
+/* Sums of four adjacent products of unsigned u (0..127) and signed s bytes,
+ * as eight int32 lanes (lane i covers bytes 4i .. 4i + 3): with AVX2 and
+ * with AVX-512 VNNI, the same integers. */
+static inline __m256i rk_mul_sum_us_avx2(__m256i u, __m256i s) {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+static inline __m256i rk_mul_sum_us_vnni(__m256i u, __m256i s) {
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+}
+#endif
+
+/* Products of two signed byte vectors (a in -127..127): |a| times b with
+ * a's sign. */
+#define RK_MUL_SUM_SS(MUL, a, b) MUL(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a))
 
 /* Horizontal sum of 8 lanes in a fixed order. */
 static inline float rk_hsum256(__m256 v) {

@@ -1,5 +1,6 @@
 /* kernels/cpu/matmul.c — y(n, m) = x(n, k) · w(m, k)^T with F32, F16, BF16
- * or block-quantized (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K) weights.
+ * or block-quantized (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K,
+ * Q5_K, Q6_K, IQ4_XS) weights.
  *
  * Two paths, chosen from the shape alone (rk_cpu_matmul_uses_blas):
  *  - n >= BLAS_MIN_N (prefill): OpenBLAS cblas_sgemm, one call per panel of
@@ -14,8 +15,9 @@
  *    and meets every row of x (two at a time) while it is in L1; F16 rows are
  *    widened with F16C and BF16 rows by a 16-bit shift on the fly.
  *    Quantized weights stay quantized: the rows of x are quantized to int8
- *    blocks once (kernels/cpu/quant.c) and each row of w meets them in
- *    integer dot products; on the BLAS path quantized panels are dequantized
+ *    blocks once (kernels/cpu/quant.c; blocks of 256 for the types the
+ *    reference engine dots against Q8_K, rk_cpu_act_is_q8k) and each row of
+ *    w meets them in integer dot products; on the BLAS path quantized panels are dequantized
  *    into scratch like F16/BF16 ones.
  * Where the CPU has AVX-512 BF16 (rk_cpu_isa_active), BF16 weights take a
  * tile kernel of their own for every n, and quantized weights take it on the
@@ -132,11 +134,13 @@ typedef struct mv_ctx {
     const void *w;
     rk_dtype wtype;
     int n, k, m;
-    rk_q8_block *xq; /* quantized weights: x quantized, (n, k / 32) */
-    int32_t *xs16;   /* packed Q6_K: 32 times each 16 quantized activations' sum, (n, k / 16) */
+    rk_q8_block *xq;  /* quantized weights: x quantized, (n, k / 32) */
+    rk_q8k_block *xk; /* rk_cpu_act_is_q8k weights: x quantized, (n, k / 256), instead */
+    int32_t *xs16;    /* packed Q6_K: 32 times each 16 quantized activations' sum, (n, k / 16) */
     rk_qdot_fn qdot;
-    int qpacked;   /* w packed by rk_cpu_qpack_group */
-    int task_rows; /* rows of w per task (mv_task_rows) */
+    rk_qdotk_fn qdotk; /* with xk */
+    int qpacked;       /* w packed by rk_cpu_qpack_group */
+    int task_rows;     /* rows of w per task (mv_task_rows) */
 } mv_ctx;
 
 /* Rows of w per matvec task: two tasks a thread, at most MV_MAX_ROWS, a
@@ -172,8 +176,12 @@ static void mv_rows_quant(const mv_ctx *c, int r0, int r1) {
     size_t row_bytes = rk_dtype_row_bytes(c->wtype, (size_t)c->k), nb = (size_t)c->k / 32;
     for (int r = r0; r < r1; r++) {
         const void *wr = (const unsigned char *)c->w + (size_t)r * row_bytes;
-        for (int i = 0; i < c->n; i++)
-            c->y[(size_t)i * c->m + r] = c->qdot(wr, c->xq + (size_t)i * nb, c->k);
+        if (c->xk)
+            for (int i = 0; i < c->n; i++)
+                c->y[(size_t)i * c->m + r] = c->qdotk(wr, c->xk + (size_t)i * (nb / 8), c->k);
+        else
+            for (int i = 0; i < c->n; i++)
+                c->y[(size_t)i * c->m + r] = c->qdot(wr, c->xq + (size_t)i * nb, c->k);
     }
 }
 
@@ -182,6 +190,10 @@ static void quant_row(void *p, int i, int tid) {
     (void)tid;
     const mv_ctx *c = p;
     size_t nb = (size_t)c->k / 32;
+    if (c->xk) {
+        rk_cpu_quantize_act_k(c->xk + (size_t)i * (nb / 8), c->x + (size_t)i * c->k, c->k);
+        return;
+    }
     rk_q8_block *xq = c->xq + (size_t)i * nb;
     rk_cpu_quantize_act(xq, c->x + (size_t)i * c->k, c->k);
     if (!c->xs16) return;
@@ -214,7 +226,14 @@ static void mv_task(void *p, int task, int tid) {
     case RK_DTYPE_Q4_0:
     case RK_DTYPE_Q4_K:
     case RK_DTYPE_Q5_K:
-    case RK_DTYPE_Q6_K: mv_rows_quant(c, r0, r1); break;
+    case RK_DTYPE_Q6_K:
+    case RK_DTYPE_Q4_1:
+    case RK_DTYPE_Q5_0:
+    case RK_DTYPE_Q5_1:
+    case RK_DTYPE_Q2_K:
+    case RK_DTYPE_Q3_K:
+    case RK_DTYPE_IQ4_NL:
+    case RK_DTYPE_IQ4_XS: mv_rows_quant(c, r0, r1); break;
     }
 }
 
@@ -655,16 +674,27 @@ static rk_status matmul_any(rk_cpu *cpu, float *y, const float *x, const void *w
         return matmul_bf16e(cpu, y, x, w, n, k, m);
 #endif
     if (blas) return matmul_blas(cpu, y, x, w, wtype, qpacked, n, k, m);
-    mv_ctx c = {y, x,    w,    wtype, n,       k,
-                m, NULL, NULL, NULL,  qpacked, mv_task_rows(m, rk_threadpool_size(cpu->pool))};
+    mv_ctx c = {.y = y,
+                .x = x,
+                .w = w,
+                .wtype = wtype,
+                .n = n,
+                .k = k,
+                .m = m,
+                .qpacked = qpacked,
+                .task_rows = mv_task_rows(m, rk_threadpool_size(cpu->pool))};
     if (rk_dtype_is_quant(wtype)) {
         size_t nb = (size_t)k / 32, bytes = (size_t)n * nb * sizeof(rk_q8_block);
+        if (rk_cpu_act_is_q8k(wtype)) bytes = (size_t)n * (nb / 8) * sizeof(rk_q8k_block);
         int sums = qpacked && wtype == RK_DTYPE_Q6_K;
         void *xq;
         rk_status st = rk_cpu_reserve_shared(
             cpu, bytes + (sums ? (size_t)n * 2 * nb * sizeof(int32_t) : 0), &xq);
         if (st != RK_OK) return st;
-        c.xq = xq;
+        if (rk_cpu_act_is_q8k(wtype))
+            c.xk = xq;
+        else
+            c.xq = xq;
         if (sums) c.xs16 = (int32_t *)((unsigned char *)xq + bytes);
         /* A few rows are quicker quantized here than handed to the pool. */
         if (n < QUANT_POOL_MIN_N)
@@ -672,6 +702,7 @@ static rk_status matmul_any(rk_cpu *cpu, float *y, const float *x, const void *w
         else
             rk_threadpool_run(cpu->pool, n, quant_row, &c);
         c.qdot = rk_cpu_qdot_fn(wtype);
+        c.qdotk = rk_cpu_qdotk_fn(wtype);
     }
     rk_threadpool_run(cpu->pool, (m + c.task_rows - 1) / c.task_rows, mv_task, &c);
     return RK_OK;

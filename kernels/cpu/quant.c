@@ -28,7 +28,12 @@
  * or per 16 for Q6_K's scales), scaled to f32 once per block. The portable C
  * kernels, the AVX2 ones (_mm256_maddubs_epi16) and the AVX-512 VNNI ones
  * (_mm256_dpbusd_epi32) compute the same integer sums; only the order of the
- * f32 accumulation differs between them. */
+ * f32 accumulation differs between them.
+ *
+ * The other block types GGML files carry live beside this file:
+ * quant_q32.c (Q4_1, Q5_0, Q5_1, IQ4_NL, dotted against these activation
+ * blocks) and quant_q8k.c (Q2_K, Q3_K, IQ4_XS, dotted against Q8_K
+ * activation blocks of 256, as the reference engine does). */
 #include <math.h>
 #include <string.h>
 
@@ -125,6 +130,13 @@ void rk_dequantize(float *dst, const void *src, rk_dtype t, size_t n) {
     case RK_DTYPE_Q6_K:
         for (size_t i = 0; i < n / QKK; i++) deq_q6_k(dst + i * QKK, b + i * 210);
         return;
+    case RK_DTYPE_Q4_1:
+    case RK_DTYPE_Q5_0:
+    case RK_DTYPE_Q5_1:
+    case RK_DTYPE_IQ4_NL: rk_cpu_dequantize_q32(dst, src, t, n); return;
+    case RK_DTYPE_Q2_K:
+    case RK_DTYPE_Q3_K:
+    case RK_DTYPE_IQ4_XS: rk_cpu_dequantize_q8k(dst, src, t, n); return;
     }
 }
 
@@ -252,6 +264,13 @@ void rk_quantize(void *dst, const float *src, rk_dtype t, size_t n) {
     case RK_DTYPE_Q6_K:
         for (size_t i = 0; i < n / QKK; i++) q_q6_k(b + i * 210, src + i * QKK);
         return;
+    case RK_DTYPE_Q4_1:
+    case RK_DTYPE_Q5_0:
+    case RK_DTYPE_Q5_1:
+    case RK_DTYPE_IQ4_NL: rk_cpu_quantize_q32(dst, src, t, n); return;
+    case RK_DTYPE_Q2_K:
+    case RK_DTYPE_Q3_K:
+    case RK_DTYPE_IQ4_XS: rk_cpu_quantize_q8k(dst, src, t, n); return;
     }
 }
 
@@ -392,20 +411,6 @@ static float dot_q6_k_c(const void *w, const rk_q8_block *x, int k) {
 /* ---------------------------------------------------------------- SIMD dots */
 
 #ifdef __AVX2__
-/* Sums of four adjacent products of unsigned u (0..127 here) and signed s
- * bytes, as eight int32 lanes (lane i covers bytes 4i .. 4i + 3). */
-static inline __m256i mul_sum_us_avx2(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-static inline __m256i mul_sum_us_vnni(__m256i u, __m256i s) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-}
-#endif
-
-/* Products of two signed byte vectors: |a| times b with a's sign. */
-#define MUL_SUM_SS(MUL, a, b) MUL(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a))
-
 /* The kernels, instantiated once per multiply-add primitive. Activation
  * sums of a K-quant super-block go through a scalar accumulator. */
 #define DEF_SIMD_DOTS(SUF, MUL)                                                                    \
@@ -414,7 +419,7 @@ static inline __m256i mul_sum_us_vnni(__m256i u, __m256i s) {
         __m256 acc = _mm256_setzero_ps();                                                          \
         for (int i = 0; i < k / QK; i++, b += 34) {                                                \
             __m256i q = _mm256_loadu_si256((const __m256i *)(b + 2));                              \
-            __m256i p = MUL_SUM_SS(MUL, q, _mm256_loadu_si256((const __m256i *)x[i].q));           \
+            __m256i p = RK_MUL_SUM_SS(MUL, q, _mm256_loadu_si256((const __m256i *)x[i].q));        \
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),                                           \
                                   _mm256_set1_ps(_cvtsh_ss(rd16(b)) * x[i].d), acc);               \
         }                                                                                          \
@@ -428,7 +433,7 @@ static inline __m256i mul_sum_us_vnni(__m256i u, __m256i s) {
             __m128i raw = _mm_loadu_si128((const __m128i *)(b + 2));                               \
             __m256i q = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);                             \
             q = _mm256_sub_epi8(_mm256_and_si256(q, m4), eight);                                   \
-            __m256i p = MUL_SUM_SS(MUL, q, _mm256_loadu_si256((const __m256i *)x[i].q));           \
+            __m256i p = RK_MUL_SUM_SS(MUL, q, _mm256_loadu_si256((const __m256i *)x[i].q));        \
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p),                                           \
                                   _mm256_set1_ps(_cvtsh_ss(rd16(b)) * x[i].d), acc);               \
         }                                                                                          \
@@ -492,7 +497,7 @@ static inline __m256i mul_sum_us_vnni(__m256i u, __m256i s) {
                     __m256i q =                                                                    \
                         _mm256_sub_epi8(_mm256_or_si256(lo[g], _mm256_slli_epi16(hi, 4)), b32);    \
                     const rk_q8_block *xb = &x[4 * h + g];                                         \
-                    __m256i p = MUL_SUM_SS(MUL, q, _mm256_loadu_si256((const __m256i *)xb->q));    \
+                    __m256i p = RK_MUL_SUM_SS(MUL, q, _mm256_loadu_si256((const __m256i *)xb->q)); \
                     int e = 8 * h + 2 * g;                                                         \
                     __m256i s = _mm256_setr_epi32(sc[e], sc[e], sc[e], sc[e], sc[e + 1],           \
                                                   sc[e + 1], sc[e + 1], sc[e + 1]);                \
@@ -504,9 +509,9 @@ static inline __m256i mul_sum_us_vnni(__m256i u, __m256i s) {
         return rk_hsum256(acc);                                                                    \
     }
 
-DEF_SIMD_DOTS(avx2, mul_sum_us_avx2)
+DEF_SIMD_DOTS(avx2, rk_mul_sum_us_avx2)
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-DEF_SIMD_DOTS(vnni, mul_sum_us_vnni)
+DEF_SIMD_DOTS(vnni, rk_mul_sum_us_vnni)
 #endif
 #endif
 
@@ -621,18 +626,22 @@ rk_cpu_isa rk_cpu_isa_active(void) {
     return RK_CPU_ISA_PORTABLE;
 }
 
-rk_qdot_fn rk_cpu_qdot_fn(rk_dtype t) {
-    static const rk_qdot_fn portable[] = {dot_q8_0_c, dot_q4_0_c, dot_q4_k_c, dot_q5_k_c,
-                                          dot_q6_k_c};
-    if (!rk_dtype_is_quant(t)) return NULL;
-    int i = (int)t - (int)RK_DTYPE_Q8_0;
+rk_cpu_isa rk_cpu_qdot_isa(void) {
     rk_cpu_isa isa = rk_cpu_isa_active();
-    /* The BF16 level adds nothing for integer dots: the best level below it
-     * that this build and CPU have. */
     if (isa == RK_CPU_ISA_AVX512_BF16)
         isa = isa_available(RK_CPU_ISA_AVX512_VNNI) ? RK_CPU_ISA_AVX512_VNNI
               : isa_available(RK_CPU_ISA_AVX2)      ? RK_CPU_ISA_AVX2
                                                     : RK_CPU_ISA_PORTABLE;
+    return isa;
+}
+
+rk_qdot_fn rk_cpu_qdot_fn(rk_dtype t) {
+    static const rk_qdot_fn portable[] = {dot_q8_0_c, dot_q4_0_c, dot_q4_k_c, dot_q5_k_c,
+                                          dot_q6_k_c};
+    if (!rk_dtype_is_quant(t) || rk_cpu_act_is_q8k(t)) return NULL;
+    rk_cpu_isa isa = rk_cpu_qdot_isa();
+    if (t > RK_DTYPE_Q6_K) return rk_cpu_qdot_q32(t, isa);
+    int i = (int)t - (int)RK_DTYPE_Q8_0;
     switch (isa) {
 #if defined(__AVX2__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
     case RK_CPU_ISA_AVX512_VNNI: {

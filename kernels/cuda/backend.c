@@ -281,10 +281,22 @@ static rk_status matmul_quant(rk_cuda *cu, float *y, const float *x, const void 
     return launched(cu, cudaGetLastError(), "matmul");
 }
 
+/* The block types with kernels here: Q8_0, Q4_0, Q4_K, Q5_K and Q6_K. The
+ * others (Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, IQ4_XS) are computed on
+ * the CPU only; the model loader refuses them first, with the same list. */
+static rk_status quant_computed(rk_dtype t, const char *op) {
+    if (!rk_dtype_is_quant(t) || t <= RK_DTYPE_Q6_K) return RK_OK;
+    return rk_errorf(RK_ERR_UNSUPPORTED,
+                     "%s: %s weights are not computed on the cuda backend; it computes with F32, "
+                     "F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K",
+                     op, rk_dtype_name(t));
+}
+
 static rk_status cuda_matmul(rk_backend *be, float *y, const float *x, const void *w,
                              rk_dtype wtype, int n, int k, int m) {
     rk_cuda *cu = cu_of(be);
     rk_status st = rk_matmul_check(wtype, n, k, m);
+    if (!st) st = quant_computed(wtype, "matmul");
     if (st) return st;
     if (rk_dtype_is_quant(wtype)) {
         if (n == 0 || m == 0) return RK_OK;
@@ -356,6 +368,8 @@ static rk_status cuda_embed(rk_backend *be, float *out, const void *table, rk_dt
     rk_cuda *cu = cu_of(be);
     if (n < 0 || dim <= 0) return rk_errorf(RK_ERR_INVALID, "embed: bad shape %d x %d", n, dim);
     if (rk_dtype_block(dtype) == 0) return rk_errorf(RK_ERR_INVALID, "embed: bad dtype %d", dtype);
+    rk_status qst = quant_computed(dtype, "embed");
+    if (qst) return qst;
     if (dim % (int)rk_dtype_block(dtype))
         return rk_errorf(RK_ERR_INVALID, "embed: dim %d is not a multiple of the %s block of %zu",
                          dim, rk_dtype_name(dtype), rk_dtype_block(dtype));
