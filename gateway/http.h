@@ -113,6 +113,32 @@ void rk_gw_send_not_ready(req_ctx *rc);
  * have small stacks. Returns -1 when no thread could be started. */
 int rk_gw_run_big_stack(void (*fn)(void *), void *arg);
 
+/* ---------------------------------------------------------------- framing.c */
+
+/* One header line as parsed: its name and value (NUL-terminated), and
+ * whether white space stood between the name and the colon (CivetWeb drops
+ * it; the raw line is refused). */
+typedef struct rk_gw_header {
+    const char *name, *value;
+    int space_before_colon;
+} rk_gw_header;
+
+/* The verdict on a request's framing. */
+typedef struct rk_gw_framing {
+    int status;               /* 0: acceptable; else 400, 417 or 431 */
+    char message[160];        /* why, when refused */
+    long long content_length; /* the body's length; -1: none given */
+    int chunked;              /* Transfer-Encoding: chunked */
+} rk_gw_framing;
+
+/* Check the framing of a request with n_headers header lines h (at most
+ * max_headers - 1 are accepted: a parser that keeps max_headers cannot tell
+ * the last from more) and HTTP version http_version ("1.1", "1.0"; NULL:
+ * unknown). Returns 0, or -1 with out->status and out->message set; a
+ * refused request's connection must be closed after the answer. */
+int rk_gw_framing_check(const rk_gw_header *h, int n_headers, int max_headers,
+                        const char *http_version, rk_gw_framing *out);
+
 /* ---------------------------------------------------------------- conns.c */
 
 /* The socket of the connection ri describes (mg_get_request_info), found

@@ -477,30 +477,60 @@ static void serve_one(void *arg) {
     call->status = rc.status > 0 ? rc.status : 500;
 }
 
-/* Why a request's framing is refused before anything is read of its body,
- * or NULL: two Content-Length headers, or Content-Length with
- * Transfer-Encoding, make its end ambiguous (a proxy in front may see
- * another request in it), so it gets 400 and its connection is closed; an
- * HTTP/1.1 request must name its Host (RFC 9112, 3.2); an expectation other
- * than 100-continue cannot be met (417, RFC 9110, 10.1.1). */
-static const char *framing_error(const struct mg_request_info *ri) {
-    int n_length = 0, n_te = 0, n_host = 0;
-    for (int i = 0; i < ri->num_headers; i++) {
-        const char *name = ri->http_headers[i].name;
-        if (!name) continue;
-        n_length += !strcasecmp(name, "Content-Length");
-        n_te += !strcasecmp(name, "Transfer-Encoding");
-        n_host += !strcasecmp(name, "Host");
-        if (!strcasecmp(name, "Expect") && ri->http_headers[i].value &&
-            strcasecmp(ri->http_headers[i].value, "100-continue"))
-            return "only the expectation `Expect: 100-continue` is supported";
+/* CivetWeb parses the request line and headers in place, turning each line
+ * end, the colon after a name and the white space before it into NUL bytes,
+ * and stops without a word at the 64th header or at a line it cannot read
+ * (one that starts with white space, a colon or a byte above 126): the
+ * lines after it are dropped unseen, and a Content-Length among them with
+ * them. What it left in its buffer shows both. Every line must end in CRLF:
+ * then the next header's name starts two bytes after a value's end, and
+ * after the last value come the two NULs of its line end, the CR of the
+ * empty line and the NUL CivetWeb wrote over that line's LF. Those bytes lie
+ * in the header block, except where its last line ends in a bare LF: then
+ * the two read past the block's last NUL lie in the rest of CivetWeb's
+ * request buffer (never beyond it but for a block that fills it to its last
+ * byte), and whatever they hold the request is refused or, as CivetWeb read
+ * it whole, served.
+ *
+ * Fills h (MG_MAX_HEADERS) from ri and returns NULL, or why the header
+ * block is refused (400). */
+static const char *read_header_lines(const struct mg_request_info *ri, rk_gw_header *h) {
+    int n = ri->num_headers;
+    const char *prev_end = ri->http_version ? ri->http_version + strlen(ri->http_version) : NULL;
+    for (int i = 0; i < n; i++) {
+        const char *name = ri->http_headers[i].name, *value = ri->http_headers[i].value;
+        if (!name || !value) return "a header line could not be read";
+        size_t len = strlen(name);
+        /* "Name :": CivetWeb wrote NULs over the blank and the colon. */
+        h[i] = (rk_gw_header){.name = name,
+                              .value = value,
+                              .space_before_colon = value > name + len + 1 && !name[len + 1]};
+        if (prev_end && name != prev_end + 2) return "header lines must end in CRLF and not fold";
+        prev_end = value + strlen(value);
     }
-    if (n_length > 1) return "the request has more than one Content-Length header";
-    if (n_length && n_te) return "the request has both Content-Length and Transfer-Encoding";
-    if (n_te > 1) return "the request has more than one Transfer-Encoding header";
-    if (!n_host && ri->http_version && !strcmp(ri->http_version, "1.1"))
-        return "an HTTP/1.1 request needs a Host header";
+    if (!prev_end) return NULL;
+    if (n == 0) /* "HTTP/1.0" CR LF CR, all three blanked, and the final NUL */
+        return prev_end[0] || prev_end[1] || prev_end[2] || prev_end[3]
+                   ? "header lines must end in CRLF; a line that starts with white space, a "
+                     "colon or a byte above 126 is not a header"
+                   : NULL;
+    if (prev_end[0] || prev_end[1] || prev_end[2] != '\r' || prev_end[3])
+        return "header lines must end in CRLF; a line that starts with white space, a colon or "
+               "a byte above 126 is not a header";
     return NULL;
+}
+
+/* The request's framing (framing.c), refused before anything is read of its
+ * body: NULL, or why, with the status in *status (400, 417 or 431). */
+static const char *framing_error(const struct mg_request_info *ri, rk_gw_framing *f, int *status) {
+    rk_gw_header h[MG_MAX_HEADERS];
+    *status = 400;
+    const char *bad = ri->num_headers < MG_MAX_HEADERS ? read_header_lines(ri, h) : NULL;
+    if (bad) return bad;
+    if (ri->num_headers >= MG_MAX_HEADERS) memset(h, 0, sizeof h);
+    if (!rk_gw_framing_check(h, ri->num_headers, MG_MAX_HEADERS, ri->http_version, f)) return NULL;
+    *status = f->status;
+    return f->message;
 }
 
 /* CivetWeb runs more connection threads than requests may be handled at
@@ -514,10 +544,13 @@ static int handle_request(struct mg_connection *conn) {
     const char *uri = ri->local_uri ? ri->local_uri : "";
     if (!atomic_load(&S->ri_offset))
         atomic_store(&S->ri_offset, (long)((const char *)ri - (const char *)conn));
-    const char *bad = framing_error(ri);
-    if (bad) {
-        send_bare_error(conn, strstr(bad, "Expect") ? 417 : 400, bad);
-        return 400;
+    rk_gw_framing f;
+    int refused;
+    const char *bad = framing_error(ri, &f, &refused);
+    if (bad) { /* send_bare_error closes the connection */
+        RK_LOG_DEBUG("request from %s refused (%d): %s", ri->remote_addr, refused, bad);
+        send_bare_error(conn, refused, bad);
+        return refused;
     }
     int counted = strcmp(uri, "/health") && strcmp(uri, "/metrics");
     if (counted && atomic_fetch_add(&S->admitted, 1) >= S->request_slots) {
