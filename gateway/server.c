@@ -177,6 +177,10 @@ static int handle_models(req_ctx *rc, const char *id) {
     }
     const rk_hparams *hp = rk_model_hparams(svc->model);
     const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    /* The file's name, never its path: where the host keeps it is not the
+     * client's business. */
+    const char *file = strrchr(S->o.model, '/');
+    file = file ? file + 1 : S->o.model;
     json_t *info = json_pack(
         "{s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:s, s:s, s:i, s:i, s:s}",
         "fingerprint", rk_model_fingerprint(svc->model), "architecture", hp->arch_name, "n_layers",
@@ -184,7 +188,7 @@ static int handle_models(req_ctx *rc, const char *id) {
         "head_dim", hp->head_dim, "ffn_dim", hp->ffn_dim, "n_vocab", hp->n_vocab, "n_ctx",
         hp->n_ctx, "rope_theta", (double)hp->rope.theta, "weight_type", rk_dtype_name(hp->wtype),
         "chat_template", rk_chat_template_name(S->tmpl), "block_size", svc->cfg.block_size, "bos",
-        rk_tokenizer_bos(tok), "source", S->o.model[0] ? S->o.model : "embedded");
+        rk_tokenizer_bos(tok), "source", file[0] ? file : "embedded");
     json_t *m =
         json_pack("{s:s, s:s, s:I, s:s, s:o}", "id", S->model_name, "object", "model", "created",
                   (json_int_t)S->started_unix, "owned_by", "ragkv", "ragkv", info);

@@ -528,6 +528,9 @@ Test(http_opts, greedy_output_equals_generate_on_stories260K, .fini = stop_serve
     expect_same_as_generate(flag, "Lily was happy.##Tom had a red ball.##One day", 30);
     resp r = get("/v1/models");
     cr_assert_str_eq(rk_test_jstr(r.json, "data.0.ragkv.architecture"), "llama");
+    /* The file's name, never the path it was loaded from. */
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.ragkv.source"), "stories260K.gguf");
+    cr_assert_null(strstr(r.http.body, model), "%s", r.http.body);
     rk_test_resp_free(&r);
     free(model);
 }
@@ -1717,6 +1720,28 @@ Test(http, unsupported_and_out_of_range_fields_are_400_naming_the_field) {
                   "2, \"repetition_penalty\": 1, \"logit_bias\": {}}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     rk_test_resp_free(&r);
+}
+
+/* A value out of range is answered with the range the server applies (32
+ * choices a request), not the width of the field's parser. */
+Test(http, range_errors_quote_the_limits_the_server_applies) {
+    static const struct {
+        const char *field;
+        int status;
+        const char *says;
+    } cases[] = {{"\"n\": 0", 400, "from 1 to 32"},
+                 {"\"n\": 2000000", 422, "at most 32"},
+                 {"\"best_of\": 2000000", 400, "from 1 to 32"},
+                 {"\"max_tokens\": -1", 400, "from 0 to "}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        resp r = rk_test_postf(&S.t, "/v1/completions", "{\"prompt\": \"x\", %s}", cases[i].field);
+        expect_error(&r, cases[i].status);
+        const char *m = rk_test_jstr(r.json, "error.message");
+        cr_expect_not_null(strstr(m, cases[i].says), "%s: %s", cases[i].field, m);
+        cr_expect_null(strstr(m, "1048576"), "%s: %s", cases[i].field, m);
+        cr_expect_null(strstr(m, "1099511627776"), "%s: %s", cases[i].field, m);
+        rk_test_resp_free(&r);
+    }
 }
 
 /* Chat documents: "##" in a message is text unless the body names a
