@@ -431,10 +431,12 @@ static void send_bare_error(struct mg_connection *conn, int status, const char *
     free(body);
 }
 
-/* One request handed to serve_one, and the status it answered. */
+/* One request handed to serve_one, the status it answered, and whether it
+ * still holds a request slot. */
 typedef struct one_call {
     struct mg_connection *conn;
     int status;
+    int holds_slot;
 } one_call;
 
 static void serve_one(void *arg) {
@@ -457,7 +459,8 @@ static void serve_one(void *arg) {
                   .conn = conn,
                   .method = ri->request_method ? ri->request_method : "?",
                   .path = path,
-                  .t0 = rk_time_now()};
+                  .t0 = rk_time_now(),
+                  .holds_slot = call->holds_slot};
     rc.head = !strcmp(rc.method, "HEAD");
     const char *expect = mg_get_header(conn, "Expect");
     rc.expect_continue = expect && !strcasecmp(expect, "100-continue");
@@ -479,6 +482,7 @@ static void serve_one(void *arg) {
            tenant ? " tenant=" : "", tenant ? tenant : "");
     free(path);
     call->status = rc.status > 0 ? rc.status : 500;
+    call->holds_slot = rc.holds_slot;
 }
 
 /* CivetWeb parses the request line and headers in place, turning each line
@@ -538,16 +542,24 @@ static const char *framing_error(const struct mg_request_info *ri, rk_gw_framing
 }
 
 /* CivetWeb runs more connection threads than requests may be handled at
- * once (rk_serve_main), so that idle and slow clients, which hold a thread
- * each until request_timeout_s, cannot take the ones requests need. A
- * request beyond request_slots is refused at once; /health and /metrics are
- * never counted, so probes answer under any load. */
+ * once (start_http), so that idle and slow clients, which hold a thread
+ * each until a deadline ends them, cannot take the ones requests need. A
+ * request beyond request_slots is refused at once; so is one on a
+ * connection its address opened beyond max_connections_per_ip. /health and
+ * /metrics are never refused by either limit, so probes answer under any
+ * load. The connection's header deadline is off while a request is handled
+ * and armed again for the next request on it. */
 static int handle_request(struct mg_connection *conn) {
     server *S = mg_get_user_data(mg_get_context(conn));
     const struct mg_request_info *ri = mg_get_request_info(conn);
     const char *uri = ri->local_uri ? ri->local_uri : "";
     if (!atomic_load(&S->ri_offset))
         atomic_store(&S->ri_offset, (long)((const char *)ri - (const char *)conn));
+    rk_gw_conn_state *cs = mg_get_user_connection_data(conn);
+    if (cs) { /* the headers are in */
+        rk_gw_watchdog_disarm(S->watchdog, cs->ticket);
+        cs->ticket = 0;
+    }
     rk_gw_framing f;
     int refused;
     const char *bad = framing_error(ri, &f, &refused);
@@ -556,63 +568,69 @@ static int handle_request(struct mg_connection *conn) {
         send_bare_error(conn, refused, bad);
         return refused;
     }
-    int counted = strcmp(uri, "/health") && strcmp(uri, "/metrics");
-    if (counted && atomic_fetch_add(&S->admitted, 1) >= S->request_slots) {
+    int probe = !strcmp(uri, "/health") || !strcmp(uri, "/metrics");
+    if (!probe && cs && cs->over_limit) {
+        RK_LOG_DEBUG("request from %s refused (max_connections_per_ip %d)", ri->remote_addr,
+                     S->conns_per_ip);
+        send_bare_error(conn, 503,
+                        "this address has max_connections_per_ip connections open; close some "
+                        "and try again");
+        return 503;
+    }
+    if (!probe && atomic_fetch_add(&S->admitted, 1) >= S->request_slots) {
         atomic_fetch_sub(&S->admitted, 1);
         send_bare_error(conn, 503, "every request slot is busy (http_threads); try again");
         return 503;
     }
-    one_call call = {.conn = conn, .status = 500};
+    one_call call = {.conn = conn, .status = 500, .holds_slot = !probe};
     int status = 503;
     if (rk_gw_run_big_stack(serve_one, &call) == 0)
         status = call.status;
     else
         send_bare_error(conn, 503, "cannot start a request thread");
-    if (counted) atomic_fetch_sub(&S->admitted, 1);
+    if (call.holds_slot) atomic_fetch_sub(&S->admitted, 1);
+    if (cs) /* the next request on this connection, if it stays open */
+        cs->ticket = rk_gw_watchdog_arm(S->watchdog, cs->fd, rk_time_now() + S->header_timeout_s);
     return status;
 }
 
-/* A new connection: counted against its address's max_connections_per_ip.
- * One over the limit is answered 503 at once and its socket shut down, so
- * that it frees its connection thread now instead of after
- * request_timeout_s: one client's idle connections cannot take the threads
- * every other client needs. */
+/* A new connection, as a connection thread takes it: its socket found, its
+ * header deadline armed, and, with max_connections_per_ip set, counted
+ * against its address; one beyond the limit is marked, and each of its
+ * requests but the probes is answered 503 (handle_request). Its address is
+ * known before any request is read: CivetWeb fills it in before this
+ * callback but hands out its request_info only once a request was read, so
+ * it is reached at the offset a request showed (start_http makes one at
+ * once; before that, nothing is kept). */
 static int conn_opened(const struct mg_connection *conn, void **conn_data) {
     server *S = mg_get_user_data(mg_get_context(conn));
     long off = atomic_load(&S->ri_offset);
-    if (!S->conns || !off) return 0;
-    /* CivetWeb fills the client's address before this callback but hands
-     * out its request_info only once a request was read: reached at the
-     * offset a request showed (start_http makes one at once). */
+    if (!off) return 0;
     const struct mg_request_info *ri = (const void *)((const char *)conn + off);
     if (!ri->remote_addr[0]) return 0;
-    *conn_data = S; /* counted: conn_closed takes it off */
-    int n = rk_gw_conns_add(S->conns, ri->remote_addr, 1);
-    if (n <= S->conns_per_ip) return 0;
-    int fd = rk_gw_conn_fd(ri);
-    RK_LOG_DEBUG("connection %d from %s refused (max_connections_per_ip %d)%s", n, ri->remote_addr,
-                 S->conns_per_ip, fd < 0 ? "; its socket was not found" : "");
-    if (fd < 0) return 0;
-    static const char body[] =
-        "{\"error\":{\"message\":\"this address has max_connections_per_ip connections open; "
-        "close some and try again\",\"type\":\"overloaded\",\"param\":null,\"code\":503,"
-        "\"status\":503}}";
-    char msg[320];
-    int len = snprintf(msg, sizeof msg,
-                       "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                       "Content-Length: %zu\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s",
-                       sizeof body - 1, body);
-    if (len > 0 && (size_t)len < sizeof msg)
-        (void)send(fd, msg, (size_t)len, MSG_NOSIGNAL | MSG_DONTWAIT);
-    shutdown(fd, SHUT_RDWR);
+    rk_gw_conn_state *cs = calloc(1, sizeof *cs);
+    if (!cs) return 0;
+    cs->fd = rk_gw_conn_fd(ri);
+    if (S->conns_per_ip > 0) {
+        cs->counted = 1;
+        int n = rk_gw_conns_add(S->conns, ri->remote_addr, 1);
+        cs->over_limit = n > S->conns_per_ip;
+    }
+    cs->ticket = rk_gw_watchdog_arm(S->watchdog, cs->fd, rk_time_now() + S->header_timeout_s);
+    *conn_data = cs;
     return 0;
 }
 
+/* Before CivetWeb closes the socket: the deadline disarmed, the count
+ * taken off, the state freed. */
 static void conn_closed(const struct mg_connection *conn) {
     server *S = mg_get_user_data(mg_get_context(conn));
+    rk_gw_conn_state *cs = mg_get_user_connection_data(conn);
+    if (!cs) return;
+    rk_gw_watchdog_disarm(S->watchdog, cs->ticket);
     const struct mg_request_info *ri = mg_get_request_info(conn);
-    if (S->conns && ri && mg_get_user_connection_data(conn) == S)
-        rk_gw_conns_add(S->conns, ri->remote_addr, -1);
+    if (cs->counted && ri) rk_gw_conns_add(S->conns, ri->remote_addr, -1);
+    free(cs);
 }
 
 /* CivetWeb's own refusals (a malformed or oversized request, an unknown
@@ -720,6 +738,7 @@ void rk_server_options_default(rk_server_options *o) {
     o->max_batch = 16;
     o->grace_s = 5;
     o->request_timeout_s = 10;
+    o->header_timeout_s = 5;
 }
 
 /* Wait until no request is being handled, for at most seconds. */
@@ -748,20 +767,29 @@ static rk_status start_http(server *S, int *out_port) {
     /* CivetWeb serves each connection on one thread of its own, from the
      * request line to the close, waiting or not. Four threads more per
      * request slot let 4 x http_threads idle or slow connections be held
-     * while requests are still served; each is dropped after
-     * request_timeout_s, which bounds the headers, every read and every
-     * write, or after keep_alive_ms between two requests. */
+     * while requests are still served. A connection must send its headers
+     * within header_timeout_s of a thread taking it (or of the previous
+     * answer on it), whatever its address, or the watchdog ends it; a body
+     * must arrive within request_timeout_s of the headers (rk_gw_read_body);
+     * request_timeout_s also bounds each write. */
     snprintf(threads, sizeof threads, "%d", 5 * S->request_slots);
-    /* One address may hold four fifths of the threads: the other fifth, one
-     * per request slot, stays for everyone else. At least 64, so that a
-     * small server (a few request slots) still takes a burst of short
-     * connections from one client whose closes CivetWeb has not yet seen. */
-    int per_ip = 4 * S->request_slots < 64 ? 64 : 4 * S->request_slots;
-    S->conns_per_ip = o->max_connections_per_ip > 0 ? o->max_connections_per_ip : per_ip;
+    /* Per address: off unless set (behind a proxy every client shares one
+     * address). */
+    S->conns_per_ip = o->max_connections_per_ip > 0 ? o->max_connections_per_ip : 0;
+    S->header_timeout_s = o->header_timeout_s > 0 && o->header_timeout_s < o->request_timeout_s
+                              ? o->header_timeout_s
+                              : o->request_timeout_s;
     if (rk_gw_conns_create(5 * S->request_slots, &S->conns)) return RK_ERR_NOMEM;
+    rk_status wst = rk_gw_watchdog_start(&S->watchdog);
+    if (wst) {
+        rk_gw_conns_free(S->conns);
+        S->conns = NULL;
+        return wst;
+    }
     long rt_ms = (long)(o->request_timeout_s * 1000 + 0.5);
+    long ht_ms = (long)(S->header_timeout_s * 1000 + 0.5);
     snprintf(request_ms, sizeof request_ms, "%ld", rt_ms);
-    snprintf(keep_alive_ms, sizeof keep_alive_ms, "%ld", rt_ms < 5000 ? rt_ms : 5000);
+    snprintf(keep_alive_ms, sizeof keep_alive_ms, "%ld", ht_ms);
     const char *mg_opts[] = {"listening_ports", ports, "num_threads", threads, "request_timeout_ms",
                              request_ms, "enable_keep_alive", "yes", "keep_alive_timeout_ms",
                              keep_alive_ms,
@@ -782,6 +810,8 @@ static rk_status start_http(server *S, int *out_port) {
     if (!S->ctx) {
         rk_gw_conns_free(S->conns);
         S->conns = NULL;
+        rk_gw_watchdog_stop(S->watchdog);
+        S->watchdog = NULL;
         mg_exit_library();
         return rk_errorf(RK_ERR_IO, "cannot listen on %s (in use, or not a local address?)", ports);
     }
@@ -884,6 +914,7 @@ void rk_server_stop(rk_server *S) {
     rk_scheduler_free(S->engine);
     S->engine = NULL;
     mg_exit_library();
+    rk_gw_watchdog_stop(S->watchdog);
     rk_gw_conns_free(S->conns);
     rk_stats_free(S->stats);
     rk_tenants_free(S->tenants);

@@ -8,6 +8,7 @@
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -304,4 +305,194 @@ Test(framing, a_header_line_the_parser_would_drop_is_400) {
         expect_smuggling_refused(lines[i], head, 400);
     }
     expect_smuggling_refused("bare LF", "GET /health HTTP/1.1\nHost: x\n", 400);
+}
+
+/* ================================================================ slow clients */
+
+static void start_with(const char *const *args) {
+    cr_assert_eq(rk_test_server_start_ready(&S, "framing", NULL, args), 0,
+                 "the server did not start");
+}
+
+/* The in_flight gauge of /v1/stats, less the stats request itself. */
+static long long in_flight(void) {
+    rk_test_resp r;
+    cr_assert_eq(rk_test_exchange(&S.t, "GET", "/v1/stats", NULL, NULL, &r), 0);
+    long long n = rk_test_jint(r.json, "requests.in_flight") - 1;
+    rk_test_resp_free(&r);
+    return n;
+}
+
+/* A POST whose headers announce a 100-byte body, of which one byte is sent. */
+static int open_unfinished_body(const char *from) {
+    int fd = connect_from(from, 60);
+    cr_assert(fd >= 0, "cannot connect from %s", from ? from : "127.0.0.1");
+    static const char head[] = "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                               "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{";
+    cr_assert_eq(send_all(fd, head, sizeof head - 1), 0);
+    return fd;
+}
+
+/* A body trickling in a byte every 0.2 s, faster than any one read's
+ * timeout, is still cut at request_timeout_s (1 s) after its headers. */
+Test(slow, a_trickling_body_is_cut_at_the_request_timeout, .fini = stop_server, .timeout = 120) {
+    const char *args[] = {"--request-timeout-s", "1", NULL};
+    start_with(args);
+    int fd = open_unfinished_body(NULL);
+    double t0 = rk_test_now();
+    int answered = 0;
+    for (int i = 0; i < 98 && !answered; i++) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        answered = poll(&p, 1, 200) == 1;
+        if (!answered) cr_assert_eq(send_all(fd, " ", 1), 0, "the connection ended unanswered");
+    }
+    double took = rk_test_now() - t0;
+    cr_assert(answered, "the whole body came in %.1f s without an answer", took);
+    int closed;
+    char *raw = recv_until_close(fd, &closed);
+    close(fd);
+    cr_assert_eq(first_status(raw), 408, "%s", raw);
+    cr_assert(took < 3, "a trickling body held its connection %.2f s", took);
+    cr_assert(closed && strstr(raw, "\r\nConnection: close\r\n"), "%s", raw);
+    free(raw);
+}
+
+/* Eight bodies from 127.0.0.2 that never finish, on a server of four
+ * request slots: none is refused, and 127.0.0.3 is still served. */
+Test(slow, unfinished_bodies_hold_no_request_slot, .fini = stop_server, .timeout = 120) {
+    const char *args[] = {"--http-threads", "4", "--request-timeout-s", "60", NULL};
+    start_with(args);
+    enum { N = 8 };
+    int fds[N];
+    for (int i = 0; i < N; i++) fds[i] = open_unfinished_body("127.0.0.2");
+    /* Wait until each is being handled or has been answered. */
+    int answered = 0;
+    long long n = 0;
+    for (double until = rk_test_now() + 30; rk_test_now() < until;) {
+        answered = 0;
+        for (int i = 0; i < N; i++) {
+            struct pollfd p = {.fd = fds[i], .events = POLLIN};
+            answered += poll(&p, 1, 0) == 1;
+        }
+        if ((n = in_flight()) + answered >= N) break;
+    }
+    cr_assert_eq(answered, 0, "%d unfinished bodies were answered (%lld in flight)", answered, n);
+    cr_assert_eq(n, N);
+    int fd = connect_from("127.0.0.3", 60);
+    cr_assert(fd >= 0);
+    static const char req[] = "GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    cr_assert_eq(send_all(fd, req, sizeof req - 1), 0);
+    int closed;
+    char *raw = recv_until_close(fd, &closed);
+    close(fd);
+    cr_assert_eq(first_status(raw), 200, "%s", raw);
+    free(raw);
+    for (int i = 0; i < N; i++) close(fds[i]);
+}
+
+/* Without max_connections_per_ip (the default), one address may hold more
+ * connections than the old default limit (4 x http_threads, at least 64)
+ * and is still served. */
+Test(slow, the_per_address_limit_is_off_by_default, .fini = stop_server, .timeout = 120) {
+    const char *args[] = {"--http-threads", "16", NULL}; /* 80 connection threads */
+    start_with(args);
+    enum { N = 70 };
+    int fds[N];
+    for (int i = 0; i < N; i++) {
+        fds[i] = connect_from("127.0.0.2", 60);
+        cr_assert(fds[i] >= 0);
+    }
+    /* A probe on each first: all 70 are taken and open at once. */
+    for (int i = 0; i < N; i++) {
+        static const char req[] = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+        cr_assert_eq(send_all(fds[i], req, sizeof req - 1), 0);
+    }
+    for (int i = 0; i < N; i++) {
+        char *raw = recv_responses(fds[i], 1);
+        cr_assert_eq(first_status(raw), 200, "connection %d: %s", i, raw);
+        free(raw);
+    }
+    /* Then a request that is not a probe on each, one at a time (the
+     * request slots play no part). */
+    for (int i = 0; i < N; i++) {
+        static const char req[] = "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n";
+        cr_assert_eq(send_all(fds[i], req, sizeof req - 1), 0);
+        char *raw = recv_responses(fds[i], 1);
+        cr_assert_eq(first_status(raw), 200, "connection %d: %s", i, raw);
+        free(raw);
+    }
+    for (int i = 0; i < N; i++) close(fds[i]);
+}
+
+/* Four times as many connections as there are connection threads, spread
+ * over ten addresses, each sending headers that never end: /health from
+ * an eleventh is answered within a few header deadlines (1 s each), not
+ * after request_timeout_s (30 s). */
+Test(slow, slow_headers_from_many_addresses_do_not_keep_health_waiting, .fini = stop_server,
+     .timeout = 120) {
+    const char *args[] = {"--http-threads",
+                          "4",
+                          "--header-timeout-s",
+                          "1",
+                          "--request-timeout-s",
+                          "30",
+                          NULL}; /* 20 connection threads */
+    start_with(args);
+    enum { N_ADDR = 10, PER = 8 };
+    int fds[N_ADDR * PER];
+    for (int a = 0; a < N_ADDR; a++)
+        for (int i = 0; i < PER; i++) {
+            char from[32];
+            snprintf(from, sizeof from, "127.0.0.%d", 2 + a);
+            int fd = fds[a * PER + i] = connect_from(from, 60);
+            cr_assert(fd >= 0, "cannot connect from %s", from);
+            static const char part[] = "GET /health HTTP/1.1\r\nHost: x\r\n";
+            cr_assert_eq(send_all(fd, part, sizeof part - 1), 0);
+        }
+    double t0 = rk_test_now();
+    int fd = connect_from("127.0.0.50", 60);
+    cr_assert(fd >= 0);
+    static const char req[] = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
+    cr_assert_eq(send_all(fd, req, sizeof req - 1), 0);
+    int closed;
+    char *raw = recv_until_close(fd, &closed);
+    double took = rk_test_now() - t0;
+    close(fd);
+    cr_assert_eq(first_status(raw), 200, "%s", raw);
+    cr_assert(took < 6, "/health waited %.2f s behind %d slow-header connections", took,
+              N_ADDR * PER);
+    cr_log_info("/health answered in %.2f s behind %d slow-header connections from %d addresses",
+                took, N_ADDR * PER, N_ADDR);
+    free(raw);
+    for (int i = 0; i < N_ADDR * PER; i++) close(fds[i]);
+}
+
+/* With max_connections_per_ip, a probe on a connection beyond the limit is
+ * answered; another request there is 503. */
+Test(slow, probes_answer_beyond_the_per_address_limit, .fini = stop_server, .timeout = 120) {
+    const char *args[] = {"--max-connections-per-ip", "2", NULL};
+    start_with(args);
+    int held[2];
+    for (int i = 0; i < 2; i++) {
+        held[i] = connect_from("127.0.0.2", 60);
+        static const char req[] = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
+        cr_assert_eq(send_all(held[i], req, sizeof req - 1), 0);
+        char *raw = recv_responses(held[i], 1); /* taken and counted */
+        cr_assert_eq(first_status(raw), 200, "%s", raw);
+        free(raw);
+    }
+    static const char *paths[] = {"/health", "/metrics", "/v1/models"};
+    for (int i = 0; i < 3; i++) {
+        int fd = connect_from("127.0.0.2", 60);
+        char req[128];
+        int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+                         paths[i]);
+        cr_assert_eq(send_all(fd, req, (size_t)n), 0);
+        int closed;
+        char *raw = recv_until_close(fd, &closed);
+        close(fd);
+        cr_assert_eq(first_status(raw), i < 2 ? 200 : 503, "%s: %s", paths[i], raw);
+        free(raw);
+    }
+    for (int i = 0; i < 2; i++) close(held[i]);
 }
