@@ -61,15 +61,19 @@ static const rk_setting k_serve_settings[] = {
      "are served"},
     {"request_timeout_s", "request-timeout-s", RK_SET_DOUBLE, OFF(srv.request_timeout_s), 0, 0.1,
      3600, 0, 0,
-     "S  a client must send the headers, then the body, within this long, and read what is "
+     "S  a client must send the body within this long of its headers, and read what is "
      "written to it (default: 10)"},
+    {"header_timeout_s", "header-timeout-s", RK_SET_DOUBLE, OFF(srv.header_timeout_s), 0, 0.1, 3600,
+     0, 0,
+     "S  a connection must send its request headers within this long (at most "
+     "request_timeout_s; default: 5)"},
     {"chat_separator", "chat-separator", RK_SET_STR, STR(srv.chat_separator), 0, 0, 0, 0,
      "S  split chat user messages on S into documents and question (default: none; a body's "
      "\"separator\" does it per request)"},
     {"max_connections_per_ip", "max-connections-per-ip", RK_SET_INT,
      OFF(srv.max_connections_per_ip), 0, 0, 1 << 20, 0, 0,
-     "N  connections one client address may hold open; more are answered 503 and closed "
-     "(default: 0 = 4 x http_threads, at least 64)"},
+     "N  connections one client address may hold open; requests on more (but /health and "
+     "/metrics) get 503 (default: 0 = no limit; for direct exposure only)"},
     {"served_model_name", "served-model-name", RK_SET_STR, STR(srv.served_model_name), 0, 0, 0, 0,
      "NAME[,ALIAS...]  the model name reported and accepted (default: the model's own)"},
     {"model_name_policy", "model-name-policy", RK_SET_STR, STR(model_name_policy), 0, 0, 0, 0,

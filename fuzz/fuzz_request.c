@@ -1,6 +1,8 @@
 /* fuzz/fuzz_request.c — libFuzzer target over the HTTP request parsers: the
  * completion and chat bodies (with every chat template rendered), pre-warm and
- * flush bodies, and the prompt splitter. No model is needed. Each input is
+ * flush bodies, the prompt splitter, and the framing check over the input
+ * read as a request head (header counts and header syntax:
+ * gateway/framing.c). No model is needed. Each input is
  * checked against the parsers' invariants; a violation aborts (a crash to
  * libFuzzer). tests/test_request_corpus.c includes this file and replays
  * fuzz/corpus/ through rk_fuzz_request_check under Criterion.
@@ -10,8 +12,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "gateway/chat.h"
+#include "gateway/http.h"
 
 #define FUZZ_MAX_CHUNKS 8
 #define FUZZ_MAX_TOKENS 4096
@@ -73,6 +77,106 @@ static const char *check_request(const rk_api_request *r) {
     return r->have_pieces ? check_split(&r->pieces, FUZZ_MAX_CHUNKS) : NULL;
 }
 
+/* ---------------------------------------------------------------- request heads */
+
+#define FUZZ_MAX_HEADERS 64 /* as CivetWeb keeps */
+
+/* The input read as a request head: the first line's last word is the
+ * version ("HTTP/1.1" gives "1.1"), each later line up to an empty one or
+ * the end is "name: value" (a line without a colon is a name with no
+ * value); at most 80 lines are read, so counts past the limit are tried.
+ * The text is copied into store (size + 1 bytes), which h points into. */
+static int read_head(const uint8_t *data, size_t size, char *store, rk_gw_header *h, int cap,
+                     const char **version) {
+    memcpy(store, data, size);
+    store[size] = '\0';
+    *version = NULL;
+    char *line = store, *end = store + strlen(store);
+    int n = -1;
+    while (line < end && n < cap) {
+        char *eol = strstr(line, "\r\n");
+        if (!eol) eol = end;
+        *eol = '\0';
+        if (n >= 0 && !line[0]) break;
+        if (n < 0) {
+            char *v = strrchr(line, ' ');
+            v = v ? v + 1 : line;
+            *version = !strncmp(v, "HTTP/", 5) ? v + 5 : v;
+        } else {
+            char *colon = strchr(line, ':');
+            char *name_end = colon ? colon : line + strlen(line);
+            int blank = name_end > line && (name_end[-1] == ' ' || name_end[-1] == '\t');
+            while (name_end > line && (name_end[-1] == ' ' || name_end[-1] == '\t')) name_end--;
+            char *value = colon ? colon + 1 : name_end;
+            while (*value == ' ' || *value == '\t') value++;
+            *name_end = '\0';
+            h[n] = (rk_gw_header){.name = line, .value = value, .space_before_colon = blank};
+        }
+        n++;
+        line = eol + (eol < end ? 2 : 0);
+    }
+    return n < 0 ? 0 : n;
+}
+
+/* The framing verdict on the input read as a request head. */
+int rk_fuzz_head_verdict(const uint8_t *data, size_t size, rk_gw_framing *f);
+int rk_fuzz_head_verdict(const uint8_t *data, size_t size, rk_gw_framing *f) {
+    rk_gw_header h[80];
+    char *store = malloc(size + 1);
+    if (!store) return -2;
+    const char *version;
+    int n = read_head(data, size, store, h, 80, &version);
+    int r = rk_gw_framing_check(h, n, FUZZ_MAX_HEADERS, version, f);
+    free(store);
+    return r;
+}
+
+/* The framing check's invariants on the input read as a request head. */
+static const char *check_head(const uint8_t *data, size_t size) {
+    rk_gw_header h[80];
+    char *store = malloc(size + 1);
+    if (!store) return NULL;
+    const char *version, *bad = NULL;
+    int n = read_head(data, size, store, h, 80, &version);
+    rk_gw_framing f;
+    int r = rk_gw_framing_check(h, n, FUZZ_MAX_HEADERS, version, &f);
+    int n_cl = 0, n_te = 0, n_host = 0, n_auth = 0;
+    const char *cl = NULL;
+    for (int i = 0; i < n && i < FUZZ_MAX_HEADERS; i++) {
+        if (!strcasecmp(h[i].name, "Content-Length")) n_cl++, cl = h[i].value;
+        n_te += !strcasecmp(h[i].name, "Transfer-Encoding");
+        n_host += !strcasecmp(h[i].name, "Host");
+        n_auth += !strcasecmp(h[i].name, "Authorization");
+    }
+    if (r == 0) {
+        if (n >= FUZZ_MAX_HEADERS)
+            bad = "a head with as many headers as the parser keeps passed";
+        else if (n_cl > 1 || n_te > 1 || n_host > 1 || n_auth > 1)
+            bad = "a duplicate framing, Host or Authorization header passed";
+        else if (n_cl && n_te)
+            bad = "Content-Length beside Transfer-Encoding passed";
+        else if (f.chunked != (n_te == 1))
+            bad = "chunked does not match the head";
+        else if (f.chunked && (!version || strcmp(version, "1.1")))
+            bad = "Transfer-Encoding outside HTTP/1.1 passed";
+        else if (cl && (!cl[0] || strspn(cl, "0123456789") != strlen(cl) ||
+                        f.content_length != strtoll(cl, NULL, 10)))
+            bad = "a Content-Length other than its digits passed";
+        else if (!cl && f.content_length != -1)
+            bad = "a length without Content-Length";
+        for (int i = 0; i < n && !bad; i++)
+            if (h[i].space_before_colon) bad = "white space before a colon passed";
+    } else if (f.status != 400 && f.status != 417 && f.status != 431) {
+        bad = "a head refused with an unexpected status";
+    } else if ((f.status == 431) != (n >= FUZZ_MAX_HEADERS)) {
+        bad = "431 without too many headers, or too many headers without 431";
+    } else if (!f.message[0] || !memchr(f.message, '\0', sizeof f.message)) {
+        bad = "a head refused without a message";
+    }
+    free(store);
+    return bad;
+}
+
 const char *rk_fuzz_request_check(const uint8_t *data, size_t size);
 
 /* Run every parser over the input; NULL when every invariant holds, else what broke. */
@@ -132,6 +236,7 @@ const char *rk_fuzz_request_check(const uint8_t *data, size_t size) {
             bad = "the splitter failed with an unexpected status";
         }
     }
+    if (!bad) bad = check_head(data, size);
     return bad;
 }
 

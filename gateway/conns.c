@@ -1,6 +1,7 @@
 /* gateway/conns.c — connections below the HTTP level: finding the socket
- * of a CivetWeb connection, noticing that its client has gone, and counting
- * open connections per client address (max_connections_per_ip).
+ * of a CivetWeb connection, noticing that its client has gone, counting
+ * open connections per client address (max_connections_per_ip), and the
+ * deadline thread that ends headers and bodies arriving too slowly.
  *
  * CivetWeb 1.15 does not give its connections' sockets away. A connection's
  * socket is the one open descriptor whose peer is the client's address and
@@ -17,6 +18,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "gateway/http.h"
@@ -134,4 +136,115 @@ int rk_gw_conns_add(rk_gw_conn_table *t, const char *addr, int delta) {
     }
     pthread_mutex_unlock(&t->mu);
     return n;
+}
+
+/* ---------------------------------------------------------------- deadlines */
+
+/* One thread sleeps until the earliest armed deadline and shuts the socket
+ * of each one that passes down for reading: a read CivetWeb is blocked in
+ * (for headers, or inside mg_read for a body) returns at once with the end
+ * of the stream, however slowly bytes were trickling in, and the answer can
+ * still be written. Disarming under the same lock as the shutdown, before
+ * the socket is closed, keeps a reused descriptor safe. */
+struct rk_gw_watchdog {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    struct armed {
+        long ticket;
+        int fd;
+        double deadline; /* rk_time_now() */
+    } * e;               /* (n_e) */
+    int n_e, cap, stop;
+    long next_ticket;
+    pthread_t thread;
+};
+
+static void *watchdog_main(void *arg) {
+    rk_gw_watchdog *w = arg;
+    pthread_mutex_lock(&w->mu);
+    while (!w->stop) {
+        double now = rk_time_now(), first = now + 1.0;
+        for (int i = 0; i < w->n_e;) {
+            if (w->e[i].deadline <= now) {
+                shutdown(w->e[i].fd, SHUT_RD);
+                w->e[i] = w->e[--w->n_e];
+                continue;
+            }
+            if (w->e[i].deadline < first) first = w->e[i].deadline;
+            i++;
+        }
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        double wait = first - now;
+        long ns = ts.tv_nsec + (long)((wait - (double)(long)wait) * 1e9);
+        ts.tv_sec += (time_t)wait + ns / 1000000000L;
+        ts.tv_nsec = ns % 1000000000L;
+        pthread_cond_timedwait(&w->cv, &w->mu, &ts);
+    }
+    pthread_mutex_unlock(&w->mu);
+    return NULL;
+}
+
+rk_status rk_gw_watchdog_start(rk_gw_watchdog **out) {
+    *out = NULL;
+    rk_gw_watchdog *w = calloc(1, sizeof *w);
+    if (!w) return rk_errorf(RK_ERR_NOMEM, "out of memory");
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&w->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    if (pthread_create(&w->thread, NULL, watchdog_main, w)) {
+        pthread_cond_destroy(&w->cv);
+        pthread_mutex_destroy(&w->mu);
+        free(w);
+        return rk_errorf(RK_ERR_NOMEM, "cannot start the deadline thread");
+    }
+    *out = w;
+    return RK_OK;
+}
+
+void rk_gw_watchdog_stop(rk_gw_watchdog *w) {
+    if (!w) return;
+    pthread_mutex_lock(&w->mu);
+    w->stop = 1;
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    pthread_join(w->thread, NULL);
+    pthread_cond_destroy(&w->cv);
+    pthread_mutex_destroy(&w->mu);
+    free(w->e);
+    free(w);
+}
+
+long rk_gw_watchdog_arm(rk_gw_watchdog *w, int fd, double deadline) {
+    if (!w || fd < 0) return 0;
+    pthread_mutex_lock(&w->mu);
+    if (w->n_e == w->cap) {
+        int cap = w->cap ? 2 * w->cap : 64;
+        struct armed *ne = realloc(w->e, (size_t)cap * sizeof *ne);
+        if (!ne) {
+            pthread_mutex_unlock(&w->mu);
+            return 0; /* not armed: CivetWeb's own timeouts still apply */
+        }
+        w->e = ne;
+        w->cap = cap;
+    }
+    long t = ++w->next_ticket;
+    w->e[w->n_e++] = (struct armed){.ticket = t, .fd = fd, .deadline = deadline};
+    pthread_cond_signal(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    return t;
+}
+
+void rk_gw_watchdog_disarm(rk_gw_watchdog *w, long ticket) {
+    if (!w || ticket <= 0) return;
+    pthread_mutex_lock(&w->mu);
+    for (int i = 0; i < w->n_e; i++)
+        if (w->e[i].ticket == ticket) {
+            w->e[i] = w->e[--w->n_e];
+            break;
+        }
+    pthread_mutex_unlock(&w->mu);
 }

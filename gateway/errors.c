@@ -34,7 +34,8 @@ const char *rk_http_error_type(int status) {
     case 405: return "method_not_allowed";
     case 408: return "request_timeout";
     case 409: return "conflict";
-    case 413: return "request_too_large";
+    case 413:
+    case 431: return "request_too_large";
     case 422: return "unprocessable";
     case 429: return "rate_limited";
     case 501: return "not_implemented";

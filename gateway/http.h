@@ -42,7 +42,9 @@ struct rk_server {
     rk_chat_template tmpl;
     /* Open connections per client address (max_connections_per_ip). */
     struct rk_gw_conn_table *conns;
-    int conns_per_ip;      /* resolved */
+    int conns_per_ip;                /* resolved; 0: no limit */
+    double header_timeout_s;         /* resolved: min(header_timeout_s, request_timeout_s) */
+    struct rk_gw_watchdog *watchdog; /* header and body deadlines */
     atomic_long ri_offset; /* where CivetWeb keeps a connection's request_info; 0 = not known */
     atomic_int name_mismatch_logged;
 };
@@ -65,6 +67,9 @@ typedef struct req_ctx {
      * key; any caller while no keys file names tenants). */
     int tenant;
     int sees_all;
+    /* The request holds one of request_slots; rk_gw_read_body gives it back
+     * while the body arrives and takes it again once it is whole. */
+    int holds_slot;
 } req_ctx;
 
 /* The chunks rc's caller may see. */
@@ -91,9 +96,12 @@ void rk_gw_send_error(req_ctx *rc, const rk_http_error *e);
 void rk_gw_send_errorf(req_ctx *rc, int status, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
-/* Read the body (at most max_body_bytes), which must arrive within
- * request_timeout_s. Returns 0 and a malloc'ed NUL-terminated buffer, or -1
- * after sending 413, 408 (too slow) or 400 (the client ended it short). */
+/* Read the body (at most max_body_bytes), which must arrive whole within
+ * request_timeout_s of the headers' end, however it trickles in. While it
+ * arrives the request holds no request slot; it takes one again once the
+ * body is whole. Returns 0 and a malloc'ed NUL-terminated buffer, or -1
+ * after sending 413, 408 (too slow), 400 (the client ended it short) or 503
+ * (every slot was taken meanwhile). */
 int rk_gw_read_body(req_ctx *rc, char **out, size_t *out_len);
 
 /* The name a request's `model` is answered under: 0 when name is one the
@@ -113,6 +121,32 @@ void rk_gw_send_not_ready(req_ctx *rc);
  * have small stacks. Returns -1 when no thread could be started. */
 int rk_gw_run_big_stack(void (*fn)(void *), void *arg);
 
+/* ---------------------------------------------------------------- framing.c */
+
+/* One header line as parsed: its name and value (NUL-terminated), and
+ * whether white space stood between the name and the colon (CivetWeb drops
+ * it; the raw line is refused). */
+typedef struct rk_gw_header {
+    const char *name, *value;
+    int space_before_colon;
+} rk_gw_header;
+
+/* The verdict on a request's framing. */
+typedef struct rk_gw_framing {
+    int status;               /* 0: acceptable; else 400, 417 or 431 */
+    char message[160];        /* why, when refused */
+    long long content_length; /* the body's length; -1: none given */
+    int chunked;              /* Transfer-Encoding: chunked */
+} rk_gw_framing;
+
+/* Check the framing of a request with n_headers header lines h (at most
+ * max_headers - 1 are accepted: a parser that keeps max_headers cannot tell
+ * the last from more) and HTTP version http_version ("1.1", "1.0"; NULL:
+ * unknown). Returns 0, or -1 with out->status and out->message set; a
+ * refused request's connection must be closed after the answer. */
+int rk_gw_framing_check(const rk_gw_header *h, int n_headers, int max_headers,
+                        const char *http_version, rk_gw_framing *out);
+
 /* ---------------------------------------------------------------- conns.c */
 
 /* The socket of the connection ri describes (mg_get_request_info), found
@@ -131,6 +165,27 @@ rk_status rk_gw_conns_create(int cap, rk_gw_conn_table **out);
 void rk_gw_conns_free(rk_gw_conn_table *t); /* accepts NULL */
 /* Add delta (+1 opened, -1 closed) to addr's count; returns the new count. */
 int rk_gw_conns_add(rk_gw_conn_table *t, const char *addr, int delta);
+
+/* What the server keeps about one connection, as CivetWeb's user
+ * connection data (conn_opened in server.c makes it, conn_closed frees it). */
+typedef struct rk_gw_conn_state {
+    int fd;         /* its socket; -1 when not found */
+    long ticket;    /* its armed deadline (rk_gw_watchdog_arm); 0: none */
+    int counted;    /* counted against its address (max_connections_per_ip) */
+    int over_limit; /* opened beyond max_connections_per_ip */
+} rk_gw_conn_state;
+
+/* Deadlines on sockets: one thread shuts each armed socket down for
+ * reading when its deadline passes, so that a read blocked on it (CivetWeb
+ * reading headers, mg_read reading a body) ends at once, however slowly
+ * bytes trickle in; what is written still goes out. Thread-safe. */
+typedef struct rk_gw_watchdog rk_gw_watchdog;
+rk_status rk_gw_watchdog_start(rk_gw_watchdog **out);
+void rk_gw_watchdog_stop(rk_gw_watchdog *w); /* accepts NULL */
+/* Arm fd for deadline (rk_time_now()); returns a ticket, or 0 when nothing
+ * was armed (w NULL, fd < 0, out of memory). Disarm before fd is closed. */
+long rk_gw_watchdog_arm(rk_gw_watchdog *w, int fd, double deadline);
+void rk_gw_watchdog_disarm(rk_gw_watchdog *w, long ticket); /* 0 is ignored */
 
 /* The routes of generate.c and chunks.c; each answers and returns 0. */
 int rk_gw_handle_generate(req_ctx *rc, int chat);

@@ -9,6 +9,7 @@
  * ragkv does not do (refuse_unsupported lists them; docs/api.md has the
  * table). */
 #include <jansson.h>
+#include <limits.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <ctype.h>
@@ -224,9 +225,13 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     if (!mt || json_is_null(mt)) { /* the default, within the server's limit and the context */
         if (max_tokens > lim->max_tokens) max_tokens = lim->max_tokens;
         o->max_tokens_fit = 1;
-    } else if (get_int(root, mt_name, 0, (json_int_t)1 << 40, &max_tokens, err)) {
+    } else if (get_int(root, mt_name, LLONG_MIN, LLONG_MAX, &max_tokens, err)) {
         return 1;
     }
+    if (max_tokens < 0)
+        return rk_http_errorf(err, 400, "'%s' must be from 0 to %d, got %lld", mt_name,
+                              lim->max_tokens, (long long)max_tokens),
+               1;
     if (max_tokens > lim->max_tokens)
         return rk_http_errorf(err, 422, "'%s' is %lld; this server allows at most %d", mt_name,
                               (long long)max_tokens, lim->max_tokens),
@@ -235,9 +240,9 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
         get_num(root, "top_p", 0, 1, 1, &top_p, err) ||
         get_int(root, "top_k", 0, 1 << 24, &top_k, err) ||
         get_int(root, "seed", 0, (json_int_t)0x7fffffffffffffffLL, &seed, err) ||
-        get_int(root, "n", 1, 1 << 20, &n, err) ||
-        get_int(root, "best_of", 1, 1 << 20, &best_of, err) || get_bool(root, "echo", &echo, err) ||
-        get_bool(root, "stream", &out->stream, err) ||
+        get_int(root, "n", LLONG_MIN, LLONG_MAX, &n, err) ||
+        get_int(root, "best_of", 1, RK_MAX_CHOICES, &best_of, err) ||
+        get_bool(root, "echo", &echo, err) || get_bool(root, "stream", &out->stream, err) ||
         get_bool(root, "ignore_eos", &ignore_eos, err) ||
         get_bool(root, "prefix_cache", &prefix, err) ||
         get_bool(root, "reuse_sequences", &whole, err) ||
@@ -252,6 +257,10 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
             return rk_http_errorf(err, 400, "'stream_options' must be an object"), 1;
         if (get_bool(so, "include_usage", &out->include_usage, err)) return 1;
     }
+    if (n < 1)
+        return rk_http_errorf(err, 400, "'n' must be from 1 to %d, got %lld", RK_MAX_CHOICES,
+                              (long long)n),
+               1;
     if (n > RK_MAX_CHOICES)
         return rk_http_errorf(err, 422, "'n' is %lld; at most %d choices per request", (long long)n,
                               RK_MAX_CHOICES),

@@ -101,14 +101,13 @@ void rk_gw_send_errorf(req_ctx *rc, int status, const char *fmt, ...) {
 
 /* ---------------------------------------------------------------- request bodies */
 
-/* Read the body (at most max_body_bytes), which must arrive within
- * request_timeout_s. Returns 0 and a malloc'ed buffer, or -1 after sending
- * 413, 408 (too slow) or 400 (the client ended it short). */
-int rk_gw_read_body(req_ctx *rc, char **out, size_t *out_len) {
+/* The body, which must be whole by deadline (rk_time_now()); the
+ * watchdog ends any read still blocked then. As rk_gw_read_body, without the
+ * request slot. */
+static int read_body_by(req_ctx *rc, double deadline, char **out, size_t *out_len) {
     server *S = rc->S;
     const struct mg_request_info *ri = mg_get_request_info(rc->conn);
     long long max = S->o.max_body_bytes, cl = ri->content_length;
-    double deadline = rk_time_now() + S->o.request_timeout_s;
     *out = NULL;
     *out_len = 0;
     if (rc->expect_continue && cl > max) { /* refused before the client sends it */
@@ -150,8 +149,8 @@ int rk_gw_read_body(req_ctx *rc, char **out, size_t *out_len) {
         rk_gw_send_errorf(rc, 500, "out of memory");
         return -1;
     }
-    /* One mg_read waits at most request_timeout_ms for what it asks (CivetWeb's
-     * own limit); the deadline bounds the whole body, however it trickles in. */
+    /* One mg_read returns only once it has what it asks, however slowly
+     * that trickles in; the watchdog cuts it at the deadline. */
     int late = 0;
     for (;;) {
         if (cl >= 0 && (long long)len >= cl) break;
@@ -171,7 +170,10 @@ int rk_gw_read_body(req_ctx *rc, char **out, size_t *out_len) {
             buf = nb;
         }
         int n = mg_read(rc->conn, buf + len, cap - 1 - len);
-        if (n <= 0) break;
+        if (n <= 0) { /* the client ended it, or the watchdog did at the deadline */
+            late = rk_time_now() >= deadline;
+            break;
+        }
         len += (size_t)n;
         if ((long long)len > max) break;
     }
@@ -190,5 +192,32 @@ int rk_gw_read_body(req_ctx *rc, char **out, size_t *out_len) {
     buf[len] = '\0';
     *out = buf;
     *out_len = len;
+    return 0;
+}
+
+int rk_gw_read_body(req_ctx *rc, char **out, size_t *out_len) {
+    server *S = rc->S;
+    double deadline = rk_time_now() + S->o.request_timeout_s;
+    rk_gw_conn_state *cs = mg_get_user_connection_data(rc->conn);
+    long ticket = cs ? rk_gw_watchdog_arm(S->watchdog, cs->fd, deadline) : 0;
+    /* A body on its way holds no request slot: slow bodies cannot take the
+     * slots other clients' requests need. */
+    int gave_back = rc->holds_slot;
+    if (gave_back) {
+        atomic_fetch_sub(&S->admitted, 1);
+        rc->holds_slot = 0;
+    }
+    int rc_read = read_body_by(rc, deadline, out, out_len);
+    rk_gw_watchdog_disarm(S->watchdog, ticket);
+    if (rc_read || !gave_back) return rc_read;
+    if (atomic_fetch_add(&S->admitted, 1) >= S->request_slots) {
+        atomic_fetch_sub(&S->admitted, 1);
+        free(*out);
+        *out = NULL;
+        *out_len = 0;
+        rk_gw_send_errorf(rc, 503, "every request slot is busy (http_threads); try again");
+        return -1;
+    }
+    rc->holds_slot = 1;
     return 0;
 }

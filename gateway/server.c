@@ -177,6 +177,10 @@ static int handle_models(req_ctx *rc, const char *id) {
     }
     const rk_hparams *hp = rk_model_hparams(svc->model);
     const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    /* The file's name, never its path: where the host keeps it is not the
+     * client's business. */
+    const char *file = strrchr(S->o.model, '/');
+    file = file ? file + 1 : S->o.model;
     json_t *info = json_pack(
         "{s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:s, s:s, s:i, s:i, s:s}",
         "fingerprint", rk_model_fingerprint(svc->model), "architecture", hp->arch_name, "n_layers",
@@ -184,7 +188,7 @@ static int handle_models(req_ctx *rc, const char *id) {
         "head_dim", hp->head_dim, "ffn_dim", hp->ffn_dim, "n_vocab", hp->n_vocab, "n_ctx",
         hp->n_ctx, "rope_theta", (double)hp->rope.theta, "weight_type", rk_dtype_name(hp->wtype),
         "chat_template", rk_chat_template_name(S->tmpl), "block_size", svc->cfg.block_size, "bos",
-        rk_tokenizer_bos(tok), "source", S->o.model[0] ? S->o.model : "embedded");
+        rk_tokenizer_bos(tok), "source", file[0] ? file : "embedded");
     json_t *m =
         json_pack("{s:s, s:s, s:I, s:s, s:o}", "id", S->model_name, "object", "model", "created",
                   (json_int_t)S->started_unix, "owned_by", "ragkv", "ragkv", info);
@@ -427,10 +431,12 @@ static void send_bare_error(struct mg_connection *conn, int status, const char *
     free(body);
 }
 
-/* One request handed to serve_one, and the status it answered. */
+/* One request handed to serve_one, the status it answered, and whether it
+ * still holds a request slot. */
 typedef struct one_call {
     struct mg_connection *conn;
     int status;
+    int holds_slot;
 } one_call;
 
 static void serve_one(void *arg) {
@@ -453,7 +459,8 @@ static void serve_one(void *arg) {
                   .conn = conn,
                   .method = ri->request_method ? ri->request_method : "?",
                   .path = path,
-                  .t0 = rk_time_now()};
+                  .t0 = rk_time_now(),
+                  .holds_slot = call->holds_slot};
     rc.head = !strcmp(rc.method, "HEAD");
     const char *expect = mg_get_header(conn, "Expect");
     rc.expect_continue = expect && !strcasecmp(expect, "100-continue");
@@ -475,107 +482,155 @@ static void serve_one(void *arg) {
            tenant ? " tenant=" : "", tenant ? tenant : "");
     free(path);
     call->status = rc.status > 0 ? rc.status : 500;
+    call->holds_slot = rc.holds_slot;
 }
 
-/* Why a request's framing is refused before anything is read of its body,
- * or NULL: two Content-Length headers, or Content-Length with
- * Transfer-Encoding, make its end ambiguous (a proxy in front may see
- * another request in it), so it gets 400 and its connection is closed; an
- * HTTP/1.1 request must name its Host (RFC 9112, 3.2); an expectation other
- * than 100-continue cannot be met (417, RFC 9110, 10.1.1). */
-static const char *framing_error(const struct mg_request_info *ri) {
-    int n_length = 0, n_te = 0, n_host = 0;
-    for (int i = 0; i < ri->num_headers; i++) {
-        const char *name = ri->http_headers[i].name;
-        if (!name) continue;
-        n_length += !strcasecmp(name, "Content-Length");
-        n_te += !strcasecmp(name, "Transfer-Encoding");
-        n_host += !strcasecmp(name, "Host");
-        if (!strcasecmp(name, "Expect") && ri->http_headers[i].value &&
-            strcasecmp(ri->http_headers[i].value, "100-continue"))
-            return "only the expectation `Expect: 100-continue` is supported";
+/* CivetWeb parses the request line and headers in place, turning each line
+ * end, the colon after a name and the white space before it into NUL bytes,
+ * and stops without a word at the 64th header or at a line it cannot read
+ * (one that starts with white space, a colon or a byte above 126): the
+ * lines after it are dropped unseen, and a Content-Length among them with
+ * them. What it left in its buffer shows both. Every line must end in CRLF:
+ * then the next header's name starts two bytes after a value's end, and
+ * after the last value come the two NULs of its line end, the CR of the
+ * empty line and the NUL CivetWeb wrote over that line's LF. Those bytes lie
+ * in the header block, except where its last line ends in a bare LF: then
+ * the two read past the block's last NUL lie in the rest of CivetWeb's
+ * request buffer (never beyond it but for a block that fills it to its last
+ * byte), and whatever they hold the request is refused or, as CivetWeb read
+ * it whole, served.
+ *
+ * Fills h (MG_MAX_HEADERS) from ri and returns NULL, or why the header
+ * block is refused (400). */
+static const char *read_header_lines(const struct mg_request_info *ri, rk_gw_header *h) {
+    int n = ri->num_headers;
+    const char *prev_end = ri->http_version ? ri->http_version + strlen(ri->http_version) : NULL;
+    for (int i = 0; i < n; i++) {
+        const char *name = ri->http_headers[i].name, *value = ri->http_headers[i].value;
+        if (!name || !value) return "a header line could not be read";
+        size_t len = strlen(name);
+        /* "Name :": CivetWeb wrote NULs over the blank and the colon. */
+        h[i] = (rk_gw_header){.name = name,
+                              .value = value,
+                              .space_before_colon = value > name + len + 1 && !name[len + 1]};
+        if (prev_end && name != prev_end + 2) return "header lines must end in CRLF and not fold";
+        prev_end = value + strlen(value);
     }
-    if (n_length > 1) return "the request has more than one Content-Length header";
-    if (n_length && n_te) return "the request has both Content-Length and Transfer-Encoding";
-    if (n_te > 1) return "the request has more than one Transfer-Encoding header";
-    if (!n_host && ri->http_version && !strcmp(ri->http_version, "1.1"))
-        return "an HTTP/1.1 request needs a Host header";
+    if (!prev_end) return NULL;
+    if (n == 0) /* "HTTP/1.0" CR LF CR, all three blanked, and the final NUL */
+        return prev_end[0] || prev_end[1] || prev_end[2] || prev_end[3]
+                   ? "header lines must end in CRLF; a line that starts with white space, a "
+                     "colon or a byte above 126 is not a header"
+                   : NULL;
+    if (prev_end[0] || prev_end[1] || prev_end[2] != '\r' || prev_end[3])
+        return "header lines must end in CRLF; a line that starts with white space, a colon or "
+               "a byte above 126 is not a header";
     return NULL;
 }
 
+/* The request's framing (framing.c), refused before anything is read of its
+ * body: NULL, or why, with the status in *status (400, 417 or 431). */
+static const char *framing_error(const struct mg_request_info *ri, rk_gw_framing *f, int *status) {
+    rk_gw_header h[MG_MAX_HEADERS];
+    *status = 400;
+    const char *bad = ri->num_headers < MG_MAX_HEADERS ? read_header_lines(ri, h) : NULL;
+    if (bad) return bad;
+    if (ri->num_headers >= MG_MAX_HEADERS) memset(h, 0, sizeof h);
+    if (!rk_gw_framing_check(h, ri->num_headers, MG_MAX_HEADERS, ri->http_version, f)) return NULL;
+    *status = f->status;
+    return f->message;
+}
+
 /* CivetWeb runs more connection threads than requests may be handled at
- * once (rk_serve_main), so that idle and slow clients, which hold a thread
- * each until request_timeout_s, cannot take the ones requests need. A
- * request beyond request_slots is refused at once; /health and /metrics are
- * never counted, so probes answer under any load. */
+ * once (start_http), so that idle and slow clients, which hold a thread
+ * each until a deadline ends them, cannot take the ones requests need. A
+ * request beyond request_slots is refused at once; so is one on a
+ * connection its address opened beyond max_connections_per_ip. /health and
+ * /metrics are never refused by either limit, so probes answer under any
+ * load. The connection's header deadline is off while a request is handled
+ * and armed again for the next request on it. */
 static int handle_request(struct mg_connection *conn) {
     server *S = mg_get_user_data(mg_get_context(conn));
     const struct mg_request_info *ri = mg_get_request_info(conn);
     const char *uri = ri->local_uri ? ri->local_uri : "";
     if (!atomic_load(&S->ri_offset))
         atomic_store(&S->ri_offset, (long)((const char *)ri - (const char *)conn));
-    const char *bad = framing_error(ri);
-    if (bad) {
-        send_bare_error(conn, strstr(bad, "Expect") ? 417 : 400, bad);
-        return 400;
+    rk_gw_conn_state *cs = mg_get_user_connection_data(conn);
+    if (cs) { /* the headers are in */
+        rk_gw_watchdog_disarm(S->watchdog, cs->ticket);
+        cs->ticket = 0;
     }
-    int counted = strcmp(uri, "/health") && strcmp(uri, "/metrics");
-    if (counted && atomic_fetch_add(&S->admitted, 1) >= S->request_slots) {
+    rk_gw_framing f;
+    int refused;
+    const char *bad = framing_error(ri, &f, &refused);
+    if (bad) { /* send_bare_error closes the connection */
+        RK_LOG_DEBUG("request from %s refused (%d): %s", ri->remote_addr, refused, bad);
+        send_bare_error(conn, refused, bad);
+        return refused;
+    }
+    int probe = !strcmp(uri, "/health") || !strcmp(uri, "/metrics");
+    if (!probe && cs && cs->over_limit) {
+        RK_LOG_DEBUG("request from %s refused (max_connections_per_ip %d)", ri->remote_addr,
+                     S->conns_per_ip);
+        send_bare_error(conn, 503,
+                        "this address has max_connections_per_ip connections open; close some "
+                        "and try again");
+        return 503;
+    }
+    if (!probe && atomic_fetch_add(&S->admitted, 1) >= S->request_slots) {
         atomic_fetch_sub(&S->admitted, 1);
         send_bare_error(conn, 503, "every request slot is busy (http_threads); try again");
         return 503;
     }
-    one_call call = {.conn = conn, .status = 500};
+    one_call call = {.conn = conn, .status = 500, .holds_slot = !probe};
     int status = 503;
     if (rk_gw_run_big_stack(serve_one, &call) == 0)
         status = call.status;
     else
         send_bare_error(conn, 503, "cannot start a request thread");
-    if (counted) atomic_fetch_sub(&S->admitted, 1);
+    if (call.holds_slot) atomic_fetch_sub(&S->admitted, 1);
+    if (cs) /* the next request on this connection, if it stays open */
+        cs->ticket = rk_gw_watchdog_arm(S->watchdog, cs->fd, rk_time_now() + S->header_timeout_s);
     return status;
 }
 
-/* A new connection: counted against its address's max_connections_per_ip.
- * One over the limit is answered 503 at once and its socket shut down, so
- * that it frees its connection thread now instead of after
- * request_timeout_s: one client's idle connections cannot take the threads
- * every other client needs. */
+/* A new connection, as a connection thread takes it: its socket found, its
+ * header deadline armed, and, with max_connections_per_ip set, counted
+ * against its address; one beyond the limit is marked, and each of its
+ * requests but the probes is answered 503 (handle_request). Its address is
+ * known before any request is read: CivetWeb fills it in before this
+ * callback but hands out its request_info only once a request was read, so
+ * it is reached at the offset a request showed (start_http makes one at
+ * once; before that, nothing is kept). */
 static int conn_opened(const struct mg_connection *conn, void **conn_data) {
     server *S = mg_get_user_data(mg_get_context(conn));
     long off = atomic_load(&S->ri_offset);
-    if (!S->conns || !off) return 0;
-    /* CivetWeb fills the client's address before this callback but hands
-     * out its request_info only once a request was read: reached at the
-     * offset a request showed (start_http makes one at once). */
+    if (!off) return 0;
     const struct mg_request_info *ri = (const void *)((const char *)conn + off);
     if (!ri->remote_addr[0]) return 0;
-    *conn_data = S; /* counted: conn_closed takes it off */
-    int n = rk_gw_conns_add(S->conns, ri->remote_addr, 1);
-    if (n <= S->conns_per_ip) return 0;
-    int fd = rk_gw_conn_fd(ri);
-    RK_LOG_DEBUG("connection %d from %s refused (max_connections_per_ip %d)%s", n, ri->remote_addr,
-                 S->conns_per_ip, fd < 0 ? "; its socket was not found" : "");
-    if (fd < 0) return 0;
-    static const char body[] =
-        "{\"error\":{\"message\":\"this address has max_connections_per_ip connections open; "
-        "close some and try again\",\"type\":\"overloaded\",\"param\":null,\"code\":503,"
-        "\"status\":503}}";
-    char msg[320];
-    int len = snprintf(msg, sizeof msg,
-                       "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                       "Content-Length: %zu\r\nRetry-After: 1\r\nConnection: close\r\n\r\n%s",
-                       sizeof body - 1, body);
-    if (len > 0 && (size_t)len < sizeof msg)
-        (void)send(fd, msg, (size_t)len, MSG_NOSIGNAL | MSG_DONTWAIT);
-    shutdown(fd, SHUT_RDWR);
+    rk_gw_conn_state *cs = calloc(1, sizeof *cs);
+    if (!cs) return 0;
+    cs->fd = rk_gw_conn_fd(ri);
+    if (S->conns_per_ip > 0) {
+        cs->counted = 1;
+        int n = rk_gw_conns_add(S->conns, ri->remote_addr, 1);
+        cs->over_limit = n > S->conns_per_ip;
+    }
+    cs->ticket = rk_gw_watchdog_arm(S->watchdog, cs->fd, rk_time_now() + S->header_timeout_s);
+    *conn_data = cs;
     return 0;
 }
 
+/* Before CivetWeb closes the socket: the deadline disarmed, the count
+ * taken off, the state freed. */
 static void conn_closed(const struct mg_connection *conn) {
     server *S = mg_get_user_data(mg_get_context(conn));
+    rk_gw_conn_state *cs = mg_get_user_connection_data(conn);
+    if (!cs) return;
+    rk_gw_watchdog_disarm(S->watchdog, cs->ticket);
     const struct mg_request_info *ri = mg_get_request_info(conn);
-    if (S->conns && ri && mg_get_user_connection_data(conn) == S)
-        rk_gw_conns_add(S->conns, ri->remote_addr, -1);
+    if (cs->counted && ri) rk_gw_conns_add(S->conns, ri->remote_addr, -1);
+    free(cs);
 }
 
 /* CivetWeb's own refusals (a malformed or oversized request, an unknown
@@ -683,6 +738,7 @@ void rk_server_options_default(rk_server_options *o) {
     o->max_batch = 16;
     o->grace_s = 5;
     o->request_timeout_s = 10;
+    o->header_timeout_s = 5;
 }
 
 /* Wait until no request is being handled, for at most seconds. */
@@ -711,20 +767,29 @@ static rk_status start_http(server *S, int *out_port) {
     /* CivetWeb serves each connection on one thread of its own, from the
      * request line to the close, waiting or not. Four threads more per
      * request slot let 4 x http_threads idle or slow connections be held
-     * while requests are still served; each is dropped after
-     * request_timeout_s, which bounds the headers, every read and every
-     * write, or after keep_alive_ms between two requests. */
+     * while requests are still served. A connection must send its headers
+     * within header_timeout_s of a thread taking it (or of the previous
+     * answer on it), whatever its address, or the watchdog ends it; a body
+     * must arrive within request_timeout_s of the headers (rk_gw_read_body);
+     * request_timeout_s also bounds each write. */
     snprintf(threads, sizeof threads, "%d", 5 * S->request_slots);
-    /* One address may hold four fifths of the threads: the other fifth, one
-     * per request slot, stays for everyone else. At least 64, so that a
-     * small server (a few request slots) still takes a burst of short
-     * connections from one client whose closes CivetWeb has not yet seen. */
-    int per_ip = 4 * S->request_slots < 64 ? 64 : 4 * S->request_slots;
-    S->conns_per_ip = o->max_connections_per_ip > 0 ? o->max_connections_per_ip : per_ip;
+    /* Per address: off unless set (behind a proxy every client shares one
+     * address). */
+    S->conns_per_ip = o->max_connections_per_ip > 0 ? o->max_connections_per_ip : 0;
+    S->header_timeout_s = o->header_timeout_s > 0 && o->header_timeout_s < o->request_timeout_s
+                              ? o->header_timeout_s
+                              : o->request_timeout_s;
     if (rk_gw_conns_create(5 * S->request_slots, &S->conns)) return RK_ERR_NOMEM;
+    rk_status wst = rk_gw_watchdog_start(&S->watchdog);
+    if (wst) {
+        rk_gw_conns_free(S->conns);
+        S->conns = NULL;
+        return wst;
+    }
     long rt_ms = (long)(o->request_timeout_s * 1000 + 0.5);
+    long ht_ms = (long)(S->header_timeout_s * 1000 + 0.5);
     snprintf(request_ms, sizeof request_ms, "%ld", rt_ms);
-    snprintf(keep_alive_ms, sizeof keep_alive_ms, "%ld", rt_ms < 5000 ? rt_ms : 5000);
+    snprintf(keep_alive_ms, sizeof keep_alive_ms, "%ld", ht_ms);
     const char *mg_opts[] = {"listening_ports", ports, "num_threads", threads, "request_timeout_ms",
                              request_ms, "enable_keep_alive", "yes", "keep_alive_timeout_ms",
                              keep_alive_ms,
@@ -745,6 +810,8 @@ static rk_status start_http(server *S, int *out_port) {
     if (!S->ctx) {
         rk_gw_conns_free(S->conns);
         S->conns = NULL;
+        rk_gw_watchdog_stop(S->watchdog);
+        S->watchdog = NULL;
         mg_exit_library();
         return rk_errorf(RK_ERR_IO, "cannot listen on %s (in use, or not a local address?)", ports);
     }
@@ -847,6 +914,7 @@ void rk_server_stop(rk_server *S) {
     rk_scheduler_free(S->engine);
     S->engine = NULL;
     mg_exit_library();
+    rk_gw_watchdog_stop(S->watchdog);
     rk_gw_conns_free(S->conns);
     rk_stats_free(S->stats);
     rk_tenants_free(S->tenants);

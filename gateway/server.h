@@ -6,7 +6,9 @@
  *                engine, Server-Sent Events, the response objects
  *   chunks.c     the chunk and cache routes: pre-warm, list, get, delete, flush
  *   respond.c    response headers and bodies, errors, reading a request body
- *   conns.c      sockets: a client gone, connections per client address
+ *   conns.c      sockets: a client gone, connections per client address,
+ *                deadlines on headers and bodies
+ *   framing.c    where a request ends: the checks against request smuggling
  *   tokenize.c   POST /tokenize and /detokenize
  *   http_json.c  request bodies (api.h)       chat.c   chat templates (chat.h)
  *   report.c     finished requests as JSON (report.h)
@@ -46,12 +48,18 @@ typedef struct rk_server_options {
     double grace_s;   /* shutdown: requests may finish this long */
     int http_threads; /* requests handled at once; 0 = queue + 16 */
     double request_timeout_s;
+    /* Request headers must arrive within this long of a thread taking the
+     * connection (or of the previous answer on it); at most
+     * request_timeout_s, which bounds a body after its headers and each
+     * write. */
+    double header_timeout_s;
     /* Chat user messages are split on this separator when the body names
      * none ("" = not split: chat documents come as chunks, documents or
      * ragkv_chunk parts). */
     char chat_separator[32];
-    /* Connections one client address may hold open at once; beyond, a new
-     * one is answered 503 and closed. 0 = 4 x http_threads, at least 64. */
+    /* Connections one client address may hold open at once; the requests
+     * of one beyond (but /health and /metrics) are answered 503 and it is
+     * closed. 0 = no limit. */
     int max_connections_per_ip;
     /* NAME[,ALIAS...]: the model name reported (the first) and the names
      * requests may give; "" = the model's own name. */

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Fuzz the HTTP request parsers (fuzz/fuzz_request.c) with libFuzzer under
+# Fuzz the HTTP request parsers and the framing check on request heads
+# (fuzz/fuzz_request.c) with libFuzzer under
 # AddressSanitizer and UndefinedBehaviorSanitizer for FUZZ_SECONDS (default 60).
 # Seeds come from fuzz/corpus/ (never modified); new inputs go to
 # $FUZZ_BUILD/corpus. Installs clang from Debian when it is missing.

@@ -528,6 +528,9 @@ Test(http_opts, greedy_output_equals_generate_on_stories260K, .fini = stop_serve
     expect_same_as_generate(flag, "Lily was happy.##Tom had a red ball.##One day", 30);
     resp r = get("/v1/models");
     cr_assert_str_eq(rk_test_jstr(r.json, "data.0.ragkv.architecture"), "llama");
+    /* The file's name, never the path it was loaded from. */
+    cr_assert_str_eq(rk_test_jstr(r.json, "data.0.ragkv.source"), "stories260K.gguf");
+    cr_assert_null(strstr(r.http.body, model), "%s", r.http.body);
     rk_test_resp_free(&r);
     free(model);
 }
@@ -1418,23 +1421,28 @@ Test(http_opts, idle_connections_do_not_starve_the_service, .fini = stop_server,
     for (int i = 0; i < N_IDLE; i++) close(fds[i]);
 }
 
-/* Take a request slot: a POST whose body never finishes arriving. */
+/* Take a request slot: a streamed completion that runs far longer than the
+ * test (a token a second; the server cancels it when its client goes). A
+ * request whose body is still arriving holds no slot. */
 static void hold_slot(rk_http_conn *c) {
-    cr_assert_eq(rk_http_open(&S.t, "POST", "/v1/completions",
-                              "Content-Type: application/json\r\nContent-Length: 100\r\n", NULL, 0,
-                              c),
+    static const char body[] =
+        "{\"prompt\": \"x\", \"max_tokens\": 1000, \"ignore_eos\": true, \"stream\": true}";
+    cr_assert_eq(rk_http_open(&S.t, "POST", "/v1/completions", NULL, body, sizeof body - 1, c),
                  RK_OK, "%s", rk_error_message());
-    cr_assert_eq(send_all(c->fd, "{", 1), 0);
 }
 
 /* If the server has answered or closed the held request c, put its status
- * line into note and hold a slot again on a new connection. */
+ * line into note and hold a slot again on a new connection. A held stream
+ * that has started is what it should be: its first bytes are read and
+ * dropped. */
 static void rehold_if_answered(rk_http_conn *c, int i, char *note, size_t note_size) {
     struct pollfd p = {.fd = c->fd, .events = POLLIN};
     if (poll(&p, 1, 0) <= 0) return;
     char buf[160];
     ssize_t k = recv(c->fd, buf, sizeof buf - 1, MSG_DONTWAIT);
     buf[k > 0 ? k : 0] = '\0';
+    if (k > 0 && !strncmp(buf, "HTTP/1.1 200", 12)) return;
+    if (k > 0 && strncmp(buf, "HTTP/1.1 ", 9)) return; /* more of a running stream */
     buf[strcspn(buf, "\r\n")] = '\0';
     snprintf(note, note_size, "held request %d was answered early: \"%s\"", i,
              k > 0 ? buf : "(closed)");
@@ -1442,16 +1450,14 @@ static void rehold_if_answered(rk_http_conn *c, int i, char *note, size_t note_s
     hold_slot(c);
 }
 
-/* The four request slots are held by requests whose bodies never finish
- * arriving: a slot is taken once the headers are read and kept while the
- * handler waits for the body (up to the request timeout, 60 s here), so the
- * slots stay full for as long as the test needs, whatever the machine's
- * speed, and the engine plays no part. A held request the server answers
- * early (it should not) is noted and held again, so the check of the slots
- * still runs. */
+/* The four request slots are held by streamed completions that run far
+ * longer than the test (a token a second), so the slots stay full for as
+ * long as the test needs, whatever the machine's speed. A held request the
+ * server answers early (it should not) is noted and held again, so the
+ * check of the slots still runs. */
 Test(http_opts, requests_beyond_http_threads_get_503_but_probes_answer, .fini = stop_server,
      .timeout = 300) {
-    const char *args[] = {"--http-threads", "4", "--request-timeout-s", "60", NULL};
+    const char *args[] = {"--http-threads", "4", "--token-delay-s", "1", "--max-batch", "4", NULL};
     cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
     rk_http_conn held[4];
     for (int i = 0; i < 4; i++) hold_slot(&held[i]);
@@ -1717,6 +1723,28 @@ Test(http, unsupported_and_out_of_range_fields_are_400_naming_the_field) {
                   "2, \"repetition_penalty\": 1, \"logit_bias\": {}}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     rk_test_resp_free(&r);
+}
+
+/* A value out of range is answered with the range the server applies (32
+ * choices a request), not the width of the field's parser. */
+Test(http, range_errors_quote_the_limits_the_server_applies) {
+    static const struct {
+        const char *field;
+        int status;
+        const char *says;
+    } cases[] = {{"\"n\": 0", 400, "from 1 to 32"},
+                 {"\"n\": 2000000", 422, "at most 32"},
+                 {"\"best_of\": 2000000", 400, "from 1 to 32"},
+                 {"\"max_tokens\": -1", 400, "from 0 to "}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        resp r = rk_test_postf(&S.t, "/v1/completions", "{\"prompt\": \"x\", %s}", cases[i].field);
+        expect_error(&r, cases[i].status);
+        const char *m = rk_test_jstr(r.json, "error.message");
+        cr_expect_not_null(strstr(m, cases[i].says), "%s: %s", cases[i].field, m);
+        cr_expect_null(strstr(m, "1048576"), "%s: %s", cases[i].field, m);
+        cr_expect_null(strstr(m, "1099511627776"), "%s: %s", cases[i].field, m);
+        rk_test_resp_free(&r);
+    }
 }
 
 /* Chat documents: "##" in a message is text unless the body names a

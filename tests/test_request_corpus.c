@@ -3,7 +3,8 @@
  * (fuzz/fuzz_request.c is included here), plus the outcome each hand-written
  * seed promises by its name: ok-* and chat-ok-* parse as a completion or chat
  * body, prewarm-ok-* and flush-ok-* as those bodies, badNNN-* fail with HTTP
- * status NNN as a completion body. */
+ * status NNN as a completion body, head-ok-* pass the framing check as a
+ * request head and headNNN-* are refused by it with status NNN. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <dirent.h>
@@ -100,6 +101,17 @@ Test(request_corpus, named_seeds_give_their_promised_outcome) {
             cr_assert_neq(rk_api_parse(v[i].data, v[i].len, 0, &lim, &r, &err), RK_OK, "%s", name);
             cr_assert_eq(err.status, want, "%s: want %d, got %d (%s)", name, want, err.status,
                          err.message);
+        } else if (!strncmp(name, "head-ok-", 8)) {
+            rk_gw_framing f;
+            cr_assert_eq(rk_fuzz_head_verdict((const uint8_t *)v[i].data, v[i].len, &f), 0,
+                         "%s: %d %s", name, f.status, f.message);
+        } else if (!strncmp(name, "head", 4)) {
+            int want = atoi(name + 4);
+            rk_gw_framing f;
+            cr_assert_eq(rk_fuzz_head_verdict((const uint8_t *)v[i].data, v[i].len, &f), -1, "%s",
+                         name);
+            cr_assert_eq(f.status, want, "%s: want %d, got %d (%s)", name, want, f.status,
+                         f.message);
         } else {
             continue;
         }
