@@ -104,6 +104,9 @@ void rk_gw_send_errorf(req_ctx *rc, int status, const char *fmt, ...)
  * (every slot was taken meanwhile). */
 int rk_gw_read_body(req_ctx *rc, char **out, size_t *out_len);
 
+/* Does the `model` a client named match the served one (its name, file,
+ * fingerprint or one of --served-model-name's)? */
+int rk_gw_model_matches(server *S, rk_service *svc, const char *name);
 /* The name a request's `model` is answered under: 0 when name is one the
  * server answers to (its served names, its file, its fingerprint; any name
  * under the "any" policy, a mismatch logged once), or -1 after filling err

@@ -30,112 +30,6 @@
 #include "engine/tokenizer.h"
 #include "gateway/http.h"
 
-/* ---------------------------------------------------------------- ids */
-
-static uint64_t splitmix(uint64_t *x) {
-    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-uint64_t rk_gw_random(server *S) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    uint64_t x = (uint64_t)ts.tv_nsec ^ ((uint64_t)ts.tv_sec << 30) ^
-                 (atomic_fetch_add(&S->counter, 1) * 0x2545f4914f6cdd1dull) ^
-                 ((uint64_t)getpid() << 48);
-    return splitmix(&x);
-}
-
-/* ---------------------------------------------------------------- model facts */
-
-/* The service when ready, with the served name and chat template computed. */
-rk_service *rk_gw_ready_service(server *S) {
-    if (rk_scheduler_get_state(S->engine, NULL, 0) != RK_SCHEDULER_READY) return NULL;
-    rk_service *svc = rk_scheduler_service(S->engine);
-    if (!svc) return NULL;
-    pthread_mutex_lock(&S->info_mu);
-    if (!S->have_info) {
-        const rk_hparams *hp = rk_model_hparams(svc->model);
-        if (S->o.served_model_name[0]) {
-            snprintf(S->model_name, sizeof S->model_name, "%.*s",
-                     (int)strcspn(S->o.served_model_name, ","), S->o.served_model_name);
-        } else if (hp->name[0]) {
-            snprintf(S->model_name, sizeof S->model_name, "%s", hp->name);
-        } else if (S->o.model[0]) {
-            const char *b = strrchr(S->o.model, '/');
-            snprintf(S->model_name, sizeof S->model_name, "%.255s", b ? b + 1 : S->o.model);
-        } else {
-            snprintf(S->model_name, sizeof S->model_name, "ragkv-embedded");
-        }
-        const char *jinja = NULL;
-        const rk_gguf *g = rk_model_gguf(svc->model);
-        if (g && rk_gguf_get_str(g, "tokenizer.chat_template", &jinja, NULL)) jinja = NULL;
-        const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
-        S->tmpl = rk_chat_template_detect(jinja, hp->arch_name,
-                                          rk_tokenizer_find(tok, "<|start_header_id|>") >= 0);
-        S->have_info = 1;
-    }
-    pthread_mutex_unlock(&S->info_mu);
-    return svc;
-}
-
-/* Is name one of the comma-separated names in list? */
-static int in_list(const char *list, const char *name) {
-    size_t n = strlen(name);
-    for (const char *p = list; *p;) {
-        size_t l = strcspn(p, ",");
-        if (l == n && !strncmp(p, name, n)) return 1;
-        p += l + (p[l] == ',');
-    }
-    return 0;
-}
-
-/* Does the `model` a client named match the served one? */
-static int model_matches(server *S, rk_service *svc, const char *name) {
-    if (!strcmp(name, S->model_name) || !strcmp(name, rk_model_fingerprint(svc->model)) ||
-        in_list(S->o.served_model_name, name))
-        return 1;
-    if (S->o.model[0]) {
-        const char *b = strrchr(S->o.model, '/');
-        b = b ? b + 1 : S->o.model;
-        size_t n = strlen(b);
-        if (!strcmp(name, b) || !strcmp(name, S->o.model)) return 1;
-        if (n > 5 && !strcmp(b + n - 5, ".gguf") && strlen(name) == n - 5 &&
-            !strncmp(name, b, n - 5))
-            return 1;
-    }
-    return 0;
-}
-
-int rk_gw_check_model(server *S, rk_service *svc, const char *name, rk_http_error *err) {
-    if (!name || model_matches(S, svc, name)) return 0;
-    if (S->o.model_name_strict) {
-        rk_http_errorf(err, 404, "model \"%s\" is not served here; this server serves \"%s\"", name,
-                       S->model_name);
-        err->code = "model_not_found";
-        err->param = "model";
-        return -1;
-    }
-    if (!atomic_exchange(&S->name_mismatch_logged, 1))
-        RK_LOG_WARN("a request named model \"%.200s\"; answered as \"%s\" (model_name_policy "
-                    "any; logged once)",
-                    name, S->model_name);
-    return 0;
-}
-
-void rk_gw_send_not_ready(req_ctx *rc) {
-    char msg[320];
-    rk_scheduler_state st = rk_scheduler_get_state(rc->S->engine, msg, sizeof msg);
-    if (atomic_load(&rc->S->stopping) || st == RK_SCHEDULER_STOPPING)
-        rk_gw_send_errorf(rc, 503, "the server is shutting down");
-    else if (st == RK_SCHEDULER_FAILED)
-        rk_gw_send_errorf(rc, 503, "the model failed to load: %s", msg);
-    else
-        rk_gw_send_errorf(rc, 503, "the model is still loading");
-}
-
 /* ================================================================ small routes */
 
 static int handle_health(req_ctx *rc) {
@@ -167,7 +61,7 @@ static int handle_models(req_ctx *rc, const char *id) {
     server *S = rc->S;
     rk_service *svc = rk_gw_ready_service(S);
     if (!svc) return rk_gw_send_not_ready(rc), 0;
-    if (id && !model_matches(S, svc, id)) {
+    if (id && !rk_gw_model_matches(S, svc, id)) {
         rk_http_error e;
         rk_http_errorf(&e, 404, "model \"%.200s\" is not served here; this server serves \"%s\"",
                        id, S->model_name);
