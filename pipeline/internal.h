@@ -1,24 +1,33 @@
 /* pipeline/internal.h — private to pipeline/: nothing outside this folder
  * includes it (the public interface is pipeline.h). It holds what the
  * request pipeline's files share: a request's state, a forward pass under
- * construction, an admission, and the functions that cross files.
+ * construction, an admission, the running requests, and the functions that
+ * cross files.
  *
- * The request pipeline's files:
- *   request.c  request preparation: tokenizing the pieces, the context and
- *              max_tokens checks, the result buffers, rk_request_free.
- *   pipeline.c admission: the prompt stages in reading order (2 system
- *              prompt and 3 chunks, 3 system chunks, 6 question; numbered
- *              as in docs/architecture.md), start, init and release of a
- *              request, the chunk lookups and how misses are fed.
+ * The request pipeline's files, in three roles that data passes through one
+ * way (the scheduler decides and calls the others; the KV planner owns
+ * blocks; the runner computes; nothing below calls back up):
+ *   step.c     the scheduler's per-step policy: admission into the running
+ *              requests, one step (make room, preempt, the pass), leaving,
+ *              resuming, rk_pipeline_run.
+ *   pipeline.c the driver: stages 1-8 (numbered as in docs/architecture.md)
+ *              in order, each a call into the file named after it, and
+ *              pass 1 of stages 2 and 3.
+ *   request.c  stage 1, prepare: tokenizing the pieces, the context and
+ *              max_tokens checks, the result buffers, a request's state
+ *              (rk_init_request), rk_request_free.
+ *   prefix.c   stage 2, system prompt: the radix key, match and usable
+ *              prefix, the blocks reserved, the system pages inserted.
+ *   chunks.c   stage 3, chunks: lookups, tier loads, misses (single
+ *              flight), how they are fed (pass 1, pass 2, the steps).
  *   reindex_stage.c  stage 4, reindex: the zero-copy run tables, or the
  *              chunks copied into the request's blocks.
- *   sequence.c a request's KV into the radix tree (system pages, whole
- *              sequences).
  *   repair.c   stage 5, repair, and its policies (deviation, query, first_k).
- *   batch.c    a forward pass under construction and the model runner.
- *   step.c     the running requests: admission into them, one decode step
- *              (make room, preempt, feed prompts, run the pass, sample),
- *              leaving, resuming, rk_pipeline_run.
+ *   question.c stage 6, question: the rest of the prompt, fed in the steps.
+ *   decode.c   stage 7, decode: a step's forward pass, sampling, the report.
+ *   release.c  stage 8, release: the sequence into the radix tree, then all
+ *              a request holds given back.
+ *   batch.c    the runner: a forward pass under construction, run.
  *   prewarm.c  rk_pipeline_prewarm: chunks into the cache ahead of requests.
  * Around them: service.c (the service object), scheduler.c (the engine
  * thread), split.c, persist.c (the disk and Redis tiers), cachectl.c. */
@@ -94,7 +103,7 @@ struct rk_req_state {
     int q_index, q_pos; /* table index and position of the first of them */
     int next_pos;       /* position of the next token to feed */
     /* The prompt work left to the question pass (its last pass, merged with
-     * decode steps, see run_pass): the system tail from sys_next (== n_sys
+     * decode steps, see rk_run_pass): the system tail from sys_next (== n_sys
      * when pass 1 computed it), then ptok[p_next .. n_ptok) at table index
      * p_idx and position p_pos on; the last of it gives the first token. */
     int prefilling;
@@ -167,21 +176,167 @@ typedef struct admission {
     chunk_feed *feed; /* pass 1's chunk entries */
 } admission;
 
-/* ---------------------------------------------------------------- request.c */
+/* The running requests (rk_pipeline, opaque in pipeline.h): the
+ * scheduler's (step.c); the driver and the runner use its pass buffers. */
+struct rk_pipeline {
+    rk_service *svc;
+    rk_request **running; /* (cap) admitted and unfinished, by rank (first admission) */
+    int n_running, cap;
+    int n_admitted;         /* requests admitted so far: the next one's rank */
+    rk_request **work;      /* (2 cap) the current pass's decoding and prefilling requests */
+    rk_request **preempted; /* (cap_preempted) waiting to resume, by rank */
+    int n_preempted, cap_preempted;
+    batch b; /* reused by every pass */
+    rk_copy_plan copies;
+    chunk_feed feed; /* the chunk entries of the pass under construction */
+};
+
+/* ---------------------------------------------------------------- pipeline.c: the driver */
+
+/* Stages 1-6 of the requests admitted together (see pipeline.c): their
+ * state, then up to the question pass itself (defer: up to the chunks the
+ * steps' passes compute, for the requests that wait for them); on failure
+ * every one of reqs has released what it took. Fresh requests get their
+ * rank (*n_fresh of them). */
+rk_status rk_admit_stages(rk_pipeline *p, rk_request *const *reqs, int n_reqs, int defer,
+                          int *n_fresh);
+/* Stages 2 (system prompt) and 3 (chunks), first part: the radix match and
+ * the chunk lookups of every request in a, then pass 1 (the system tails
+ * something attends to before the question pass, the chunk misses fed at
+ * admission); the new system pages go into the tree. */
+rk_status rk_stage_system_and_chunks(admission *a);
+/* The stages after the chunks' first part: 3 chunks' pass 2, 4 reindex,
+ * 5 repair, 6 question set-up. */
+rk_status rk_stages_after_chunks(admission *a);
+/* A finished request leaves (stages 7's report and 8): its report is
+ * completed and all it holds released (a failed one's sequence is not
+ * kept). */
+void rk_leave(rk_pipeline *p, rk_request *r);
+
+/* ---------------------------------------------------------------- request.c: stage 1 */
 
 /* Tokenize text t (special: control tokens parsed) into *ids (malloc'ed,
  * NULL when empty) of *n tokens. */
 rk_status rk_request_encode(const rk_tokenizer *tok, const rk_text *t, int special, int32_t **ids,
                             int *n);
+/* Give r a fresh state (r->state) for an admission; on failure the caller
+ * releases what it took with rk_release_request. */
+rk_status rk_init_request(rk_service *svc, rk_request *r);
+/* Whether chunk k of r lies in the prefix its admission took from the radix
+ * tree (computed and repaired as an earlier request left it). */
+int rk_chunk_from_prefix(const rk_request *r, int k);
+/* Give an uncached entry's live blocks back (once). */
+void rk_drop_uncached_blocks(rk_service *svc, rk_chunk_entry *e);
+/* Keep what a request's first admission reported (before it is preempted),
+ * and put it back when it resumes: a resumed request reports its first
+ * admission, whose work the caches now stand in for. */
+rk_status rk_save_report(rk_request *r);
+void rk_restore_report(rk_request *r);
 
-/* ---------------------------------------------------------------- batch.c */
+/* ---------------------------------------------------------------- prefix.c: stage 2 */
+
+/* Match r's prompt key in the radix tree and reserve the blocks of the rest
+ * of its sequence, for either reindex path (zero-copy: its own blocks are
+ * the system's and the live ones; kv.n_tokens counts table entries of the
+ * run table). */
+rk_status rk_start_request(rk_service *svc, rk_request *r);
+/* Drop the reference on the partial page a match continued into. */
+void rk_drop_partial(rk_service *svc, rk_req_state *s);
+/* After the radix-bound system pages are computed: insert them (the tree's
+ * locked path replaces the request's). */
+rk_status rk_insert_system(rk_service *svc, rk_request *r);
+
+/* ---------------------------------------------------------------- chunks.c: stage 3 */
+
+/* The chunk-key policy of request r's chunks. */
+void rk_request_chunk_policy(rk_service *svc, const rk_request *r, rk_chunk_policy *p);
+/* Look up every chunk of r; queue the work each needs for pass 1 (or mark
+ * it stepped, for the steps' passes). */
+rk_status rk_plan_chunks(admission *a, rk_request *r);
+/* Stage 3, second part: pass 2 (the `system`-context misses on a backend
+ * without run tables), the scratch-computed chunks copied into their
+ * entries, then every whole entry ready and written through to the tiers. */
+rk_status rk_stage_system_chunks(admission *a);
+/* Whether every stepped chunk of r (chunk_wait) is READY or computed. */
+int rk_chunks_computed(const rk_request *r);
+/* Feed r's stepped chunks that are still being computed into p's pass, at
+ * most *left tokens (the system tail first in the `system` context). */
+rk_status rk_feed_chunks(rk_pipeline *p, rk_request *r, int *left);
+
+/* ---------------------------------------------------------------- reindex_stage.c: stage 4 */
+
+/* Whether the backend's attention reads a sequence through a run table
+ * (position-shifted attention): the CPU's. */
+int rk_attends_runs(const rk_service *svc);
+/* Whether request r reuses its cached chunks in place (zero-copy) rather
+ * than copying them (tell: log once when the backend cannot). */
+int rk_zero_copy_for(const rk_service *svc, const rk_request *r, int tell);
+/* Stage 4 (reindex). */
+rk_status rk_stage_reindex(admission *a);
+/* Tokens of a zero-copy request's chunk of n tokens that are copied into
+ * private blocks: those of the blocks its `first_k` repair writes. */
+int rk_private_tokens(const rk_request *r, int n, int bs);
+
+/* ---------------------------------------------------------------- repair.c: stage 5 */
+
+/* Stage 5 (repair, optional). */
+rk_status rk_stage_repair(admission *a);
+/* Whether r's repair runs are left to the steps' passes (a defers, r has
+ * something to generate). */
+int rk_repair_stepped(const admission *a, const rk_request *r);
+/* Add up to *left tokens (< 0: no limit) of the repair runs r has not fed
+ * to b, in table order; *left goes down and s->fed_r is what was added. */
+rk_status rk_repair_feed(batch *b, int bs, rk_req_state *s, int *left);
+/* One slice of the deviation passes of the requests of reqs that are
+ * scoring, in a pass of the policy's layers worth budget tokens of full
+ * passes (<= 0: all of it), in b (reset); a request whose pass ends gets
+ * its runs recorded (then the steps feed them, and its question). */
+rk_status rk_repair_score_step(rk_service *svc, batch *b, rk_request *const *reqs, int n_reqs,
+                               int budget);
+
+/* ---------------------------------------------------------------- question.c: stage 6 */
+
+/* Stage 6 (question), its set-up: what is left of each request's prompt for
+ * the question pass. A cancelled request is done. */
+void rk_queue_prompt(admission *a);
+/* Feed what is left of r's prompt into b, at most *left tokens: its system
+ * tail, its stepped repair runs, then the rest; logits for the last token
+ * when it has no token yet. */
+rk_status rk_feed_prompt(batch *b, int bs, rk_request *r, int *left);
+
+/* ---------------------------------------------------------------- decode.c: stage 7 */
+
+/* Complete r's report (token counts, total time) when it leaves or is
+ * preempted. */
+void rk_finish_report(rk_request *r);
+/* One forward pass: the next token of every request in dec, then at most
+ * budget tokens (<= 0: all) of the prompt work of the requests in pre;
+ * each request with logits in it takes its next token. */
+rk_status rk_run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_request *const *pre,
+                      int n_pre, int budget, const rk_pipeline_hooks *hooks);
+
+/* ---------------------------------------------------------------- release.c: stage 8 */
+
+/* A finished or preempted request's whole sequence into the radix tree
+ * (its prompt key and the generated tokens that have KV); failures only
+ * lose the caching. */
+void rk_insert_sequence(rk_service *svc, rk_request *r);
+/* Release all r holds (failed: nothing goes into the radix tree, entries
+ * computed for it are dropped); r->state is NULL after. */
+void rk_release_request(rk_service *svc, rk_request *r, int failed);
+
+/* ---------------------------------------------------------------- batch.c: the runner */
 
 /* Empty b for the next pass, keeping its buffers. */
 void rk_batch_reset(batch *b);
 /* Free b's buffers; b is empty after. */
 void rk_batch_free(batch *b);
+/* Add n tokens of seq to b, at positions pos0.. and table indices idx0..
+ * (their slots from seq's blocks); want_logits: a logits row for the last. */
 rk_status rk_batch_add(batch *b, int bs, const rk_seq *seq, const int32_t *tokens, int n, int pos0,
                        int idx0, int want_logits);
+/* rk_batch_add for a request's merged sequence, addressed through its run
+ * table when it reuses chunks in place. */
 rk_status rk_batch_add_req(batch *b, int bs, const rk_req_state *s, const int32_t *tokens, int n,
                            int pos0, int idx0, int want_logits);
 /* Run b's forward pass (nothing when empty); its logits rows land in b->logits. */
@@ -199,70 +354,5 @@ rk_status rk_feed_chunk(batch *b, int bs, chunk_feed *f, rk_chunk_entry *e, cons
  * empty after. */
 void rk_feed_done(chunk_feed *f);
 void rk_feed_free(chunk_feed *f);
-
-/* ---------------------------------------------------------------- pipeline.c */
-
-int rk_zero_copy_for(const rk_service *svc, const rk_request *r, int tell);
-/* The chunk-key policy of request r's chunks. */
-void rk_request_chunk_policy(rk_service *svc, const rk_request *r, rk_chunk_policy *p);
-/* Give r a fresh state (r->state) for an admission; on failure the caller
- * releases what it took with rk_release_request. */
-rk_status rk_init_request(rk_service *svc, rk_request *r);
-/* Release all r holds (failed: nothing goes into the radix tree, entries
- * computed for it are dropped); r->state is NULL after. */
-void rk_release_request(rk_service *svc, rk_request *r, int failed);
-/* ---------------------------------------------------------------- sequence.c */
-
-rk_status rk_insert_system(rk_service *svc, rk_request *r);
-/* A finished or preempted request's whole sequence into the radix tree
- * (its prompt key and the generated tokens that have KV); failures only
- * lose the caching. */
-void rk_insert_sequence(rk_service *svc, rk_request *r);
-/* The admission stages (numbered as in docs/architecture.md): 2 system
- * prompt and 3 chunks (pass 1), 3 chunks (pass 2), 6 question (what the
- * question pass feeds); stage 4 is reindex_stage.c's, 5 repair.c's. */
-rk_status rk_stage_system_and_chunks(admission *a);
-rk_status rk_stage_system_chunks(admission *a);
-void rk_queue_prompt(admission *a);
-
-/* ---------------------------------------------------------------- reindex_stage.c */
-
-/* Stage 4 (reindex). */
-rk_status rk_stage_reindex(admission *a);
-/* Tokens of a zero-copy request's chunk of n tokens that are copied into
- * private blocks: those of the blocks its `first_k` repair writes. */
-int rk_private_tokens(const rk_request *r, int n, int bs);
-/* Whether every stepped chunk of r (chunk_wait) is READY or computed. */
-int rk_chunks_computed(const rk_request *r);
-
-/* ---------------------------------------------------------------- repair.c */
-
-/* Stage 5 (repair, optional). */
-rk_status rk_stage_repair(admission *a);
-/* Whether r's repair runs are left to the steps' passes (a defers, r has
- * something to generate). */
-int rk_repair_stepped(const admission *a, const rk_request *r);
-/* Add up to *left tokens (< 0: no limit) of the repair runs r has not fed
- * to b, in table order; *left goes down and s->fed_r is what was added. */
-rk_status rk_repair_feed(batch *b, int bs, rk_req_state *s, int *left);
-/* One slice of the deviation passes of the requests of reqs that are
- * scoring, in a pass of the policy's layers worth budget tokens of full
- * passes (<= 0: all of it), in b (reset); a request whose pass ends gets
- * its runs recorded (then the steps feed them, and its question). */
-rk_status rk_repair_score_step(rk_service *svc, batch *b, rk_request *const *reqs, int n_reqs,
-                               int budget);
-
-/* ---------------------------------------------------------------- request.c */
-
-/* Whether chunk k of r lies in the prefix its admission took from the radix
- * tree (computed and repaired as an earlier request left it). */
-int rk_chunk_from_prefix(const rk_request *r, int k);
-/* Give an uncached entry's live blocks back (once). */
-void rk_drop_uncached_blocks(rk_service *svc, rk_chunk_entry *e);
-/* Keep what a request's first admission reported (before it is preempted),
- * and put it back when it resumes: a resumed request reports its first
- * admission, whose work the caches now stand in for. */
-rk_status rk_save_report(rk_request *r);
-void rk_restore_report(rk_request *r);
 
 #endif

@@ -20,14 +20,19 @@
  * resumes later. Runs on the engine thread, which alone owns the model, the arena and
  * the caches.
  *
- * Its files: request.c (rk_request_prepare, the request's buffers, and the
- * report kept across preemption),
- * pipeline.c (admission: the prompt stages, a request's start and release),
- * sequence.c (its KV into the radix tree), repair.c (the repair stage), batch.c (forward passes),
- * step.c (rk_pipeline_admit/join/step/run: the running requests), prewarm.c
- * (rk_pipeline_prewarm), service.c (the service object), cachectl.c (the
- * rk_service_chunk_* calls); internal.h is what they share, private to
- * pipeline/. */
+ * Its files, in three roles that data passes through one way: the scheduler
+ * decides (step.c: rk_pipeline_admit/join/step/run, the step budget,
+ * preemption, resuming; scheduler.c: the engine thread); the driver
+ * (pipeline.c) runs a request's stages in order, one file each: request.c
+ * (1: rk_request_prepare, the request's buffers and state, the report kept
+ * across preemption), prefix.c (2: the radix match), chunks.c (3: lookups,
+ * misses, single flight, feeds), reindex_stage.c (4), repair.c (5),
+ * question.c (6), decode.c (7: a step's forward pass and sampling),
+ * release.c (8: the sequence into the radix tree, then all a request holds);
+ * the KV planner is stages 2-4 and 8, the runner batch.c (forward passes)
+ * and decode.c. Also prewarm.c (rk_pipeline_prewarm), service.c (the
+ * service object), cachectl.c (the rk_service_chunk_* calls); internal.h is
+ * what they share, private to pipeline/. */
 #ifndef RK_PIPELINE_H
 #define RK_PIPELINE_H
 

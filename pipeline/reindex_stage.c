@@ -1,11 +1,39 @@
-/* pipeline/reindex_stage.c — stage 4 of a request (see pipeline.c),
+/* pipeline/reindex_stage.c — stage 4 of a request (driven by pipeline.c),
  * reindex: each request's cached chunks reach its table, either in place
  * (zero-copy: a run table over the chunk entries' own blocks, attended with
  * their shift live offset - base; build_runs) or copied into its live
  * blocks, rotated from their base to their live offset (one copy plan for
- * every request admitted together). The copy and rotation kernels are
+ * every request admitted together). Which path a request takes
+ * (rk_zero_copy_for) is decided here too. The copy and rotation kernels are
  * reindex/'s. */
+#include <string.h>
+
 #include "pipeline/internal.h"
+
+/* Whether the backend's attention reads a sequence through a run table
+ * (position-shifted attention): the CPU's. */
+int rk_attends_runs(const rk_service *svc) { return strcmp(svc->be->name, "cpu") == 0; }
+
+/* Whether request r reuses its cached chunks in place. Recomputed tokens
+ * must be private: `first_k` repair copies the blocks it writes (copy on
+ * write, see build_runs), but the deviation policy recomputes layers 0-1 of
+ * every chunk token and the query policy chooses its tokens after the
+ * reindex, so their requests copy whole chunks (the copy path), as do
+ * the oracle and plain modes and every request on a backend without
+ * position-shifted attention. */
+int rk_zero_copy_for(const rk_service *svc, const rk_request *r, int tell) {
+    static _Atomic int told; /* the fallback is logged once */
+    if (r->opt.mode != RK_MODE_RAG || !r->opt.chunk_cache || r->n_chunks == 0 ||
+        r->opt.repair_ratio > 0 || strcmp(svc->cfg.reindex, "copy") == 0)
+        return 0;
+    if (!rk_attends_runs(svc)) {
+        if (tell && !told++)
+            RK_LOG_WARN("zero-copy reindex is not available on the %s backend: chunks are copied",
+                        svc->be->name);
+        return 0;
+    }
+    return 1;
+}
 
 /* Tokens of a zero-copy request's chunk of n tokens that are copied into
  * private blocks: those of the blocks its `first_k` repair writes. */

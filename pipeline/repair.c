@@ -7,7 +7,7 @@
  * repair_k tokens). The chosen runs are recorded in the request's state and
  * recomputed in one pass at admission, or, for a request joined with a step
  * budget, fed by the steps' passes a slice within the budget at a time
- * (feed_prompt in step.c). */
+ * (rk_feed_prompt in question.c). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -425,7 +425,7 @@ rk_status rk_repair_feed(batch *b, int bs, rk_req_state *s, int *left) {
  * (deviation's and query's after their scoring passes, or the first
  * repair_k tokens of every chunk), recorded in the request's state. They
  * run here in one pass, unless stepped: then the steps' passes feed them,
- * a slice within the budget at a time, after the system tail (run_pass).
+ * a slice within the budget at a time, after the system tail (rk_run_pass).
  * repair_ms: the scoring and this pass (stepped: the steps add theirs). */
 rk_status rk_stage_repair(admission *a) {
     int bs = rk_arena_block_size(a->svc->arena);

@@ -1,6 +1,7 @@
 /* pipeline/request.c — stage 1, request preparation (see pipeline.h): a
  * request's pieces tokenized, its context and max_tokens checked, its result
- * buffers allocated; its options' defaults and cache scope; rk_request_free.
+ * buffers allocated; its options' defaults and cache scope; rk_request_free;
+ * on the engine thread, its state for an admission (rk_init_request).
  * Also the small facts about a request that the later stages share without
  * calling each other: whether a chunk came with the radix prefix, an
  * uncached entry's blocks, and the report kept across preemption. */
@@ -275,4 +276,101 @@ void rk_restore_report(rk_request *r) {
     free(f->chunk_reports);
     free(f);
     s->first_report = NULL;
+}
+
+/* A resumed request's prompt goes on with the tokens it generated but the
+ * last, which its next decode step feeds. */
+static void append_generated(rk_request *r) {
+    rk_req_state *s = r->state;
+    if (s->n_gen > 0)
+        memcpy(s->qtok + s->n_qtok, r->out_tokens, (size_t)s->n_gen * sizeof *s->qtok);
+    s->n_qtok += s->n_gen;
+}
+
+rk_status rk_init_request(rk_service *svc, rk_request *r) {
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    rk_req_state *s = calloc(1, sizeof *s);
+    if (!s) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    r->state = s;
+    s->partial_src = -1;
+    int nc = r->n_chunks ? r->n_chunks : 1;
+    s->entries = calloc((size_t)nc, sizeof *s->entries);
+    s->kinds = calloc((size_t)nc, sizeof *s->kinds);
+    s->scratch = calloc((size_t)nc, sizeof *s->scratch);
+    if (!s->entries || !s->kinds || !s->scratch)
+        return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    r->finished = 0;
+    if (r->resume) { /* preempted: its tokens, timings and clock go on */
+        s->t_start = r->t_admitted;
+        s->n_gen = r->n_out > 0 ? r->n_out - 1 : 0; /* none when preempted before its first */
+    } else {
+        s->t_start = r->t_admitted = rk_time_now();
+        r->n_out = 0;
+        r->preemptions = 0;
+        r->finish_reason = RK_FINISH_LENGTH;
+        double queue_ms = r->t.queue_ms; /* set by whoever queued it */
+        memset(&r->t, 0, sizeof r->t);
+        r->t.queue_ms = queue_ms;
+    }
+    /* Nothing to generate: the prompt is still cached, but no step samples. */
+    s->done = r->opt.max_tokens == 0;
+    rk_status st = rk_sampler_init(&s->sampler, &r->opt.sampling, hp->n_vocab);
+    if (st) return st;
+    /* A fresh run starts its grammar again (from the state the HTTP worker
+     * made, or the one an earlier run left: what its automaton learnt is
+     * kept); a resumed one goes on. */
+    if (!r->resume && r->grammar_state) rk_grammar_state_reset(r->grammar_state);
+    if (r->opt.grammar && !r->grammar_state) {
+        const rk_grammar_vocab *gv;
+        if ((st = rk_service_grammar_vocab(svc, &gv))) return st;
+        if (rk_grammar_vocab_n(gv) != hp->n_vocab)
+            return rk_errorf(RK_ERR_UNSUPPORTED,
+                             "constrained sampling needs the tokenizer's %d ids to be the "
+                             "model's %d",
+                             (int)rk_grammar_vocab_n(gv), hp->n_vocab);
+        if ((st = rk_grammar_state_create(r->opt.grammar, gv, &r->grammar_state))) return st;
+    }
+    if (r->resume) {
+        memcpy(s->sampler.rng, r->rng, sizeof r->rng);
+        for (int i = 0; i < r->n_out; i++) rk_sampler_accept(&s->sampler, r->out_tokens[i]);
+        if ((st = rk_save_report(r))) return st;
+    }
+    if (r->opt.mode == RK_MODE_PLAIN) {
+        /* One ordinary sequence: the chunks and the question follow the system. */
+        int n = r->n_question;
+        for (int k = 0; k < r->n_chunks; k++) n += r->chunk_lens[k];
+        s->qtok = malloc((size_t)(n + s->n_gen + 1) * sizeof *s->qtok);
+        if (!s->qtok) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        int o = 0;
+        for (int k = 0; k < r->n_chunks; k++) {
+            memcpy(s->qtok + o, r->chunks[k], (size_t)r->chunk_lens[k] * sizeof *s->qtok);
+            o += r->chunk_lens[k];
+        }
+        if (r->n_question)
+            memcpy(s->qtok + o, r->question, (size_t)r->n_question * sizeof *s->qtok);
+        s->n_qtok = n;
+        append_generated(r);
+        s->q_index = s->q_pos = r->n_sys;
+        for (int k = 0; k < r->n_chunks; k++) {
+            r->chunk_reports[k] = (rk_chunk_report){.tokens = r->chunk_lens[k],
+                                                    .status = RK_CHUNK_STATUS_OFF,
+                                                    .source = RK_CHUNK_SOURCE_COMPUTED};
+        }
+        return rk_layout_plan(RK_POSITIONS_SEQUENTIAL, r->n_sys, r->chunk_lens, r->n_chunks,
+                              &s->layout);
+    }
+    if (r->opt.chunk_context == RK_CONTEXT_ANCHOR &&
+        rk_tokenizer_bos(rk_model_tokenizer(svc->model)) < 0)
+        return rk_errorf(RK_ERR_INVALID,
+                         "chunk_context anchor needs a model with a BOS token (the anchor)");
+    if ((st = rk_layout_plan(r->opt.positions, r->n_sys, r->chunk_lens, r->n_chunks, &s->layout)))
+        return st;
+    s->qtok = malloc((size_t)(r->n_question + s->n_gen + 1) * sizeof *s->qtok);
+    if (!s->qtok) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+    if (r->n_question) memcpy(s->qtok, r->question, (size_t)r->n_question * sizeof *s->qtok);
+    s->n_qtok = r->n_question;
+    append_generated(r);
+    s->q_index = s->layout.question_index;
+    s->q_pos = s->layout.question_pos;
+    return RK_OK;
 }

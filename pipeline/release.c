@@ -1,35 +1,12 @@
-/* pipeline/sequence.c — a request's KV into the radix tree: its system
- * pages after they are computed (rk_insert_system), and its whole sequence
- * when it leaves or is preempted (rk_insert_sequence), keyed by the layout
- * pipeline.c built (build_key). Engine thread only. */
+/* pipeline/release.c — stage 8 of a request: when it leaves or is
+ * preempted, its whole sequence goes into the radix tree
+ * (rk_insert_sequence, keyed by the layout prefix.c built), then everything
+ * it holds is released (rk_release_request): chunk references, its radix
+ * lock, its blocks and buffers. KV planner, engine thread only. */
 #include <stdlib.h>
 #include <string.h>
 
 #include "pipeline/internal.h"
-
-/* After the radix-bound system pages are computed: insert them, the partial
- * last page as the tail it is (the request goes on writing its later rows,
- * which a match never copies). The tree takes a reference on the pages it
- * keeps; its locked path replaces ours. */
-rk_status rk_insert_system(rk_service *svc, rk_request *r) {
-    rk_req_state *s = r->state;
-    int bs = rk_arena_block_size(svc->arena), present;
-    rk_radix_node *node;
-    /* The tree owns the partial page from the call on, even when it fails. */
-    rk_status st =
-        s->n_insert % bs ? rk_arena_ref(svc->arena, &s->kv.blocks[s->n_insert / bs], 1) : RK_OK;
-    if (st) return st;
-    st = rk_radix_insert_partial(svc->prefix, s->ns, s->key, s->n_insert, s->kv.blocks, 0, &present,
-                                 &node);
-    if (st) return st;
-    st = rk_arena_ref(svc->arena, s->kv.blocks + present / bs,
-                      (s->n_insert / bs * bs - present) / bs);
-    if (st) return st;
-    if (s->lock) rk_radix_unlock(svc->prefix, s->lock);
-    s->lock = node;
-    s->n_insert = 0;
-    return RK_OK;
-}
 
 /* Pages blocks[0 .. ceil(n / bs)) of the sequence keyed s->key[0 .. n) into
  * the tree, which takes a reference on the pages it keeps. */
@@ -119,4 +96,47 @@ void rk_insert_sequence(rk_service *svc, rk_request *r) {
     }
     if (st == RK_ERR_EXHAUSTED) return; /* the prefix pool is all locked */
     if (st) RK_LOG_WARN("request sequence not cached: %s", rk_error_message());
+}
+
+void rk_release_request(rk_service *svc, rk_request *r, int failed) {
+    rk_req_state *s = r->state;
+    if (!s) return;
+    rk_restore_report(r);
+    /* A request still waiting for its chunks has no sequence to keep. */
+    if (!failed && !s->chunk_wait) rk_insert_sequence(svc, r);
+    for (int k = 0; s->entries && s->scratch && k < r->n_chunks; k++) {
+        scratch *sc = &s->scratch[k];
+        if (sc->used) rk_seq_release(&sc->kv, svc->arena);
+        if (sc->rlocked) (void)rk_redis_unlock(svc->redis, &sc->rlock); /* never computed */
+        rk_runs_free(&sc->ctx_runs);
+        free(sc->tokens);
+        if (s->entries[k] && sc->uncached) {
+            rk_drop_uncached_blocks(svc, s->entries[k]);
+            free(s->entries[k]->blocks);
+            free(s->entries[k]);
+        } else if (s->entries[k]) {
+            /* A chunk still PENDING stops with its last holder: removed, its
+             * progress lost, or carried on by a request that holds it too. */
+            rk_chunk_entry *e = s->entries[k];
+            rk_chunk_index_release(svc->chunks, e, failed || e->state == RK_CHUNK_PENDING);
+        }
+    }
+    if (s->lock) rk_radix_unlock(svc->prefix, s->lock);
+    rk_drop_partial(svc, s);
+    rk_seq_release(&s->kv, svc->arena);
+    rk_runs_free(&s->runs);
+    rk_seq_release(&s->own, svc->arena);
+    rk_seq_release(&s->anchor, svc->arena);
+    rk_sampler_free(&s->sampler);
+    rk_layout_free(&s->layout);
+    free(s->entries);
+    free(s->kinds);
+    free(s->scratch);
+    free(s->qtok);
+    free(s->key);
+    free(s->repair);
+    free(s->dev_before);
+    free(s->q_mass);
+    free(s);
+    r->state = NULL;
 }
