@@ -11,7 +11,8 @@ in FILE (lines "dir/a.c dir/b.c", # comments) are reported as known and only
 new ones fail, so the list can only shrink as circles are cut.
 
 The reading is textual: a definition is a line at column 0 that names a
-function and ends with "{" (the house style); a call is the name followed by
+function and opens its body with "{" (the house style; a one-line body
+counts); a call is the name followed by
 "(" outside comments and strings. Static functions are private to their file
 and cannot close a circle.
 """
@@ -19,7 +20,7 @@ import re
 import sys
 from pathlib import Path
 
-DEF = re.compile(r"^[A-Za-z_][\w \*]*?\b(rk_\w+)\s*\([^;]*\)\s*\{\s*$", re.M)
+DEF = re.compile(r"^[A-Za-z_][\w \*]*?\b(rk_\w+)\s*\([^;{]*\)\s*\{", re.M)
 COMMENT = re.compile(r"/\*.*?\*/|//[^\n]*", re.S)
 STRING = re.compile(r'"(?:\\.|[^"\\])*"')
 
