@@ -71,7 +71,8 @@ struct rk_grammar_state {
     visit *visits; /* open addressing: what this round's expansion has seen */
     int n_visits, cap_visits;
     uint32_t gen;
-    int start; /* the state at the start of the grammar */
+    int64_t n_steps; /* transitions computed by expanding (step_slow) */
+    int start;       /* the state at the start of the grammar */
     int cur;
     int finished;
     int error;         /* an allocation or a bound failed while expanding */
@@ -260,7 +261,10 @@ static int32_t intern_state(rk_grammar_state *s, int accept) {
     if (!s->n_scratch && !accept) return T_DEAD;
     /* No leaves (a grammar that may only end here) leaves scratch NULL:
      * qsort, memcmp and memcpy are not called with it. */
-    if (s->n_scratch > 1) qsort(s->scratch, (size_t)s->n_scratch, sizeof *s->scratch, leaf_cmp);
+    int sorted = 1; /* often already: leaves that each step past one byte keep their order */
+    for (int i = 1; i < s->n_scratch && sorted; i++)
+        sorted = leaf_cmp(&s->scratch[i - 1], &s->scratch[i]) < 0;
+    if (!sorted) qsort(s->scratch, (size_t)s->n_scratch, sizeof *s->scratch, leaf_cmp);
     uint32_t h = mix(2166136261u, (uint32_t)accept);
     for (int i = 0; i < s->n_scratch; i++)
         h = mix(mix(h, (uint32_t)s->scratch[i].pos), (uint32_t)s->scratch[i].parent);
@@ -299,6 +303,46 @@ static int32_t intern_state(rk_grammar_state *s, int accept) {
     return id;
 }
 
+/* The byte classes of state sid's leaves, each once (by content: every
+ * class written in a grammar is a class of its own), into sets (at most
+ * max); their count, or -1 when there are more than max. */
+static int leaf_sets(const rk_grammar_state *s, int32_t sid, int32_t *sets, int max) {
+    int n_sets = 0;
+    const dstate *d = &s->st[sid];
+    const rk_grammar *g = s->g;
+    for (int32_t i = 0; i < d->n_leaf; i++) {
+        int32_t set = g->elems[s->leafs[d->leaf_off + i].pos].v;
+        int k = 0;
+        while (k < n_sets && sets[k] != set &&
+               memcmp(g->sets[sets[k]], g->sets[set], sizeof g->sets[0]))
+            k++;
+        if (k < n_sets) continue;
+        if (n_sets == max) return -1;
+        sets[n_sets++] = set;
+    }
+    return n_sets;
+}
+
+/* Every byte that the same leaves of state sid accept as byte c leads to
+ * the same state: give row (sid's) that state for each of them at once, so
+ * that a wide state is expanded once per group of bytes its classes tell
+ * apart, not once per byte (26 times for [a-z]). Only where the state's
+ * leaves use at most 64 classes (one bit each); otherwise bytes are stepped
+ * one by one. */
+static void fill_alike(const rk_grammar_state *s, int32_t sid, unsigned c, int32_t *row) {
+    int32_t sets[64];
+    int n_sets = leaf_sets(s, sid, sets, 64);
+    if (n_sets < 0) return;
+    uint64_t key[256] = {0};
+    for (int k = 0; k < n_sets; k++) {
+        const uint64_t *set = s->g->sets[sets[k]];
+        for (unsigned b = 0; b < 256; b++)
+            if (set[b >> 6] >> (b & 63) & 1) key[b] |= 1ull << k;
+    }
+    for (unsigned b = 0; b < 256; b++)
+        if (row[b] == T_UNKNOWN && key[b] == key[c]) row[b] = row[c];
+}
+
 /* The state after byte c from state sid (computed once, then looked up). */
 static int32_t step_slow(rk_grammar_state *s, int32_t sid, unsigned c) {
     if (s->st[sid].row < 0) {
@@ -311,6 +355,7 @@ static int32_t step_slow(rk_grammar_state *s, int32_t sid, unsigned c) {
     }
     const rk_grammar *g = s->g;
     visits_clear(s);
+    s->n_steps++;
     int accept = 0;
     int32_t off = s->st[sid].leaf_off, n = s->st[sid].n_leaf;
     for (int32_t i = 0; i < n; i++) {
@@ -319,7 +364,10 @@ static int32_t step_slow(rk_grammar_state *s, int32_t sid, unsigned c) {
         if (set[c >> 6] >> (c & 63) & 1) expand(s, l.pos + 1, l.parent, &accept);
     }
     int32_t t = intern_state(s, accept);
-    if (t != T_ERROR) s->rows[(size_t)s->st[sid].row * 256 + c] = t;
+    if (t == T_ERROR) return t;
+    int32_t *row = s->rows + (size_t)s->st[sid].row * 256;
+    row[c] = t;
+    fill_alike(s, sid, c, row);
     return t;
 }
 
@@ -537,3 +585,5 @@ int rk_grammar_state_must_end(const rk_grammar_state *s) {
 }
 
 int rk_grammar_state_n_states(const rk_grammar_state *s) { return s->n_st; }
+
+int64_t rk_grammar_state_n_steps(const rk_grammar_state *s) { return s->n_steps; }

@@ -163,4 +163,9 @@ int rk_grammar_state_must_end(const rk_grammar_state *s);
 /* Automaton size, for benchmarks: states interned so far. */
 int rk_grammar_state_n_states(const rk_grammar_state *s);
 
+/* Transitions computed so far (each expands a state's stacks by one byte;
+ * bytes that the state's classes do not tell apart share one), for
+ * benchmarks and tests. */
+int64_t rk_grammar_state_n_steps(const rk_grammar_state *s);
+
 #endif

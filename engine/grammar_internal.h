@@ -11,7 +11,7 @@
  *                     lazily built automaton, stepping by bytes and tokens,
  *                     and token masks found by walking the trie;
  *   grammar_schema.c  JSON Schema (and tool calls) translated into grammar
- *                     text, with the growable text buffer used to write it;
+ *                     text (written to an rk_strbuf, config/config.h);
  *   grammar_regex.c   a schema's regular expressions (pattern) translated
  *                     into grammar text. */
 #ifndef RK_GRAMMAR_INTERNAL_H
@@ -79,26 +79,14 @@ struct rk_grammar_vocab {
 
 /* ------------------------------------------------------------ grammar text */
 
-/* A growable text buffer; on a failed allocation it sets oom and ignores
- * what follows. p is malloc'ed (NULL until something is written). */
-typedef struct rk_gram_buf {
-    char *p;
-    size_t n, cap;
-    int oom;
-} rk_gram_buf;
-
-void rk_gram_putn(rk_gram_buf *b, const char *s, size_t n);
-void rk_gram_puts(rk_gram_buf *b, const char *s);
-void rk_gram_printf(rk_gram_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
 /* A grammar literal of n bytes: printable ASCII as is, the rest \xHH. */
-void rk_gram_lit(rk_gram_buf *o, const char *s, size_t n);
+void rk_gram_lit(rk_strbuf *o, const char *s, size_t n);
 
 /* A string matching pattern (ECMA-262 search semantics: unanchored unless
  * ^ and $ say so), as a grammar expression appended to b: the grammar text of
  * the JSON-escaped form of the strings it matches. Returns RK_OK;
  * RK_ERR_UNSUPPORTED with what the pattern uses that is not supported, and
  * where, in err (no message is set: the caller reports err); RK_ERR_NOMEM. */
-rk_status rk_gram_pattern(const char *pat, rk_gram_buf *b, char *err, size_t err_size);
+rk_status rk_gram_pattern(const char *pat, rk_strbuf *b, char *err, size_t err_size);
 
 #endif

@@ -23,7 +23,7 @@
 typedef struct rx {
     const char *p;
     const char *start;
-    rk_gram_buf *o;
+    rk_strbuf *o;
     char err[200];
     int top_alts;
 } rx;
@@ -39,7 +39,7 @@ static void rx_fail(rx *r, const char *msg) {
     } while (0)
 
 /* The grammar literal of one character as it is written inside a JSON string. */
-static void json_char_lit(rk_gram_buf *o, uint32_t cp, const char *utf8, int len) {
+static void json_char_lit(rk_strbuf *o, uint32_t cp, const char *utf8, int len) {
     char tmp[8];
     switch (cp) {
     case '"': rk_gram_lit(o, "\\\"", 2); return;
@@ -52,7 +52,7 @@ static void json_char_lit(rk_gram_buf *o, uint32_t cp, const char *utf8, int len
     default: break;
     }
     if (cp == 0) { /* never in the output: this character matches nothing */
-        rk_gram_puts(o, "[]");
+        rk_strbuf_puts(o, "[]");
         return;
     }
     if (cp < 0x20) {
@@ -84,36 +84,36 @@ static void set_not(rx_set *c) {
  * it allows nothing. Controls other than \t \n \r are left out, and so is
  * non-ASCII white space unless every non-ASCII character is in (strings
  * made are a subset, still matching). */
-static void rx_emit_class(rk_gram_buf *o, const rx_set *cls_set) {
+static void rx_emit_class(rk_strbuf *o, const rx_set *cls_set) {
     const uint64_t *s = cls_set->ascii;
     int has = 0;
-    rk_gram_puts(o, "( ");
-    rk_gram_buf cls = {0};
+    rk_strbuf_puts(o, "( ");
+    rk_strbuf cls = {0};
     for (int c = 0x20; c < 0x80; c++)
         if ((s[c >> 6] >> (c & 63) & 1) && c != '"' && c != '\\')
-            rk_gram_printf(&cls, "\\x%02X", c);
-    if (cls.n) {
-        rk_gram_puts(o, "[");
-        rk_gram_puts(o, cls.p);
-        rk_gram_puts(o, "] ");
+            rk_strbuf_printf(&cls, "\\x%02X", c);
+    if (cls.len) {
+        rk_strbuf_puts(o, "[");
+        rk_strbuf_puts(o, cls.s);
+        rk_strbuf_puts(o, "] ");
         has = 1;
     }
-    free(cls.p);
+    free(cls.s);
     static const int specials[] = {'"', '\\', '\n', '\t', '\r'};
     for (size_t i = 0; i < sizeof specials / sizeof *specials; i++) {
         int c = specials[i];
         if (!(s[c >> 6] >> (c & 63) & 1)) continue;
-        if (has) rk_gram_puts(o, "| ");
+        if (has) rk_strbuf_puts(o, "| ");
         json_char_lit(o, (uint32_t)c, NULL, 0);
-        rk_gram_puts(o, " ");
+        rk_strbuf_puts(o, " ");
         has = 1;
     }
     if (cls_set->na == NA_ALL)
-        rk_gram_printf(o, "%s_utf8mb ", has ? "| " : ""), has = 1;
+        rk_strbuf_printf(o, "%s_utf8mb ", has ? "| " : ""), has = 1;
     else if (cls_set->na & NA_OTHER)
-        rk_gram_printf(o, "%s_unws ", has ? "| " : ""), has = 1;
-    if (!has) rk_gram_puts(o, "[] ");
-    rk_gram_puts(o, ") ");
+        rk_strbuf_printf(o, "%s_unws ", has ? "| " : ""), has = 1;
+    if (!has) rk_strbuf_puts(o, "[] ");
+    rk_strbuf_puts(o, ") ");
 }
 
 static void set_add(uint64_t set[2], int lo, int hi) {
@@ -240,9 +240,9 @@ static void rx_atom(rx *r) {
                 u[n++] = (char)(0xE0 | cp >> 12), u[n++] = (char)(0x80 | (cp >> 6 & 0x3F)),
                 u[n++] = (char)(0x80 | (cp & 0x3F));
             r->p += 6;
-            rk_gram_puts(r->o, "( ");
+            rk_strbuf_puts(r->o, "( ");
             json_char_lit(r->o, cp, u, n);
-            rk_gram_puts(r->o, " ) ");
+            rk_strbuf_puts(r->o, " ) ");
             return;
         }
         int ch = e ? char_escape(e) : -1;
@@ -250,9 +250,9 @@ static void rx_atom(rx *r) {
             RX_FAIL(r, "unsupported escape (backreferences, \\b, \\p are not supported)");
         r->p += 2;
         char u = (char)ch;
-        rk_gram_puts(r->o, "( ");
+        rk_strbuf_puts(r->o, "( ");
         json_char_lit(r->o, (uint32_t)ch, &u, 1);
-        rk_gram_puts(r->o, " ) ");
+        rk_strbuf_puts(r->o, " ) ");
     } else if (c == '*' || c == '+' || c == '?' || c == '{') {
         rx_fail(r, "nothing to repeat");
     } else if (c == '^' || c == '$') {
@@ -261,22 +261,22 @@ static void rx_atom(rx *r) {
         uint32_t cp;
         int n = rk_utf8_decode((const unsigned char *)r->p, strlen(r->p), &cp);
         if (n <= 0) RX_FAIL(r, "invalid UTF-8");
-        rk_gram_puts(r->o, "( ");
+        rk_strbuf_puts(r->o, "( ");
         json_char_lit(r->o, cp, r->p, n);
-        rk_gram_puts(r->o, " ) ");
+        rk_strbuf_puts(r->o, " ) ");
         r->p += n;
     }
 }
 
 static void rx_seq(rx *r) {
     while (*r->p && *r->p != '|' && *r->p != ')' && !r->err[0]) {
-        rk_gram_puts(r->o, "( ");
+        rk_strbuf_puts(r->o, "( ");
         rx_atom(r);
-        rk_gram_puts(r->o, ") ");
+        rk_strbuf_puts(r->o, ") ");
         char q = *r->p;
         if (q == '*' || q == '+' || q == '?') {
-            rk_gram_putn(r->o, &q, 1);
-            rk_gram_puts(r->o, " ");
+            rk_strbuf_putn(r->o, &q, 1);
+            rk_strbuf_puts(r->o, " ");
             r->p++;
         } else if (q == '{') {
             const char *e;
@@ -285,9 +285,9 @@ static void rx_seq(rx *r) {
             if (rc == -1) RX_FAIL(r, "'{' needs a count");
             if (rc < 0) RX_FAIL(r, "bad repetition {m,n}");
             if (hi < 0)
-                rk_gram_printf(r->o, "{%ld,} ", lo);
+                rk_strbuf_printf(r->o, "{%ld,} ", lo);
             else
-                rk_gram_printf(r->o, "{%ld,%ld} ", lo, hi);
+                rk_strbuf_printf(r->o, "{%ld,%ld} ", lo, hi);
             r->p = e;
         } else {
             continue;
@@ -302,20 +302,20 @@ static void rx_seq(rx *r) {
 }
 
 static void rx_alt(rx *r, int depth) {
-    rk_gram_puts(r->o, "( ");
+    rk_strbuf_puts(r->o, "( ");
     for (;;) {
         rx_seq(r);
         if (*r->p != '|' || r->err[0]) break;
         if (!depth) r->top_alts++;
-        rk_gram_puts(r->o, "| ");
+        rk_strbuf_puts(r->o, "| ");
         r->p++;
     }
-    rk_gram_puts(r->o, ") ");
+    rk_strbuf_puts(r->o, ") ");
 }
 
 /* A string matching pattern (ECMA-262 search semantics: unanchored unless
  * ^ and $ say so), as a grammar expression appended to b. */
-rk_status rk_gram_pattern(const char *pat, rk_gram_buf *b, char *err, size_t err_size) {
+rk_status rk_gram_pattern(const char *pat, rk_strbuf *b, char *err, size_t err_size) {
     size_t len = strlen(pat);
     int a0 = len && pat[0] == '^';
     int a1 = 0;
@@ -329,14 +329,14 @@ rk_status rk_gram_pattern(const char *pat, rk_gram_buf *b, char *err, size_t err
     memcpy(body, pat + a0, len - (size_t)a0 - (size_t)a1);
     body[len - (size_t)a0 - (size_t)a1] = 0;
     rx r = {.p = body, .start = body, .o = b};
-    rk_gram_puts(b, "\"\\\"\" ");
-    if (!a0) rk_gram_puts(b, "_chr* ");
+    rk_strbuf_puts(b, "\"\\\"\" ");
+    if (!a0) rk_strbuf_puts(b, "_chr* ");
     rx_alt(&r, 0);
     if (!r.err[0] && *r.p) rx_fail(&r, "unbalanced ')'");
     if (!r.err[0] && r.top_alts && (a0 || a1))
         rx_fail(&r, "anchors around a top-level '|' are ambiguous: write ^(a|b)$");
-    if (!a1) rk_gram_puts(b, "_chr* ");
-    rk_gram_puts(b, "\"\\\"\"");
+    if (!a1) rk_strbuf_puts(b, "_chr* ");
+    rk_strbuf_puts(b, "\"\\\"\"");
     free(body);
     if (r.err[0]) {
         snprintf(err, err_size, "%s", r.err);

@@ -4,8 +4,8 @@
  * Each (sub)schema becomes one rule s<n> of grammar text over a prelude of
  * JSON rules; local references ($ref) are memoised per nesting depth and cut
  * off at a fixed depth. Error messages start with the JSON path of the part
- * that cannot be enforced. Also here: the growable text buffer the grammar
- * text is written to (grammar_regex.c writes patterns into it). */
+ * that cannot be enforced. The text is written to an rk_strbuf
+ * (config/config.h), and grammar_regex.c writes patterns into it. */
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -13,38 +13,6 @@
 #include <string.h>
 
 #include "engine/grammar_internal.h"
-
-/* ------------------------------------------------------------ text buffer */
-
-void rk_gram_putn(rk_gram_buf *b, const char *s, size_t n) {
-    if (b->oom) return;
-    if (b->n + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->n + n + 1) cap *= 2;
-        char *p = realloc(b->p, cap);
-        if (!p) {
-            b->oom = 1;
-            return;
-        }
-        b->p = p;
-        b->cap = cap;
-    }
-    memcpy(b->p + b->n, s, n);
-    b->n += n;
-    b->p[b->n] = 0;
-}
-
-void rk_gram_puts(rk_gram_buf *b, const char *s) { rk_gram_putn(b, s, strlen(s)); }
-
-void rk_gram_printf(rk_gram_buf *b, const char *fmt, ...) {
-    char tmp[512];
-    va_list ap;
-    va_start(ap, fmt);
-    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
-    va_end(ap);
-    if (n < 0) return;
-    rk_gram_putn(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
-}
 
 /* ------------------------------------------------------------ JSON Schema */
 
@@ -93,7 +61,7 @@ typedef struct memo_entry {
 } memo_entry;
 
 typedef struct sgen {
-    rk_gram_buf out;
+    rk_strbuf out;
     int n;
     char path[512];
     const json_t *root;
@@ -153,27 +121,27 @@ static int sg_fail_at(sgen *G, const char *key, rk_status st, const char *fmt, .
 }
 
 /* A grammar literal of n bytes: printable ASCII as is, the rest \xHH. */
-void rk_gram_lit(rk_gram_buf *o, const char *s, size_t n) {
-    rk_gram_puts(o, "\"");
+void rk_gram_lit(rk_strbuf *o, const char *s, size_t n) {
+    rk_strbuf_puts(o, "\"");
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
         if (c >= 0x20 && c < 0x7F && c != '"' && c != '\\')
-            rk_gram_putn(o, (const char *)&c, 1);
+            rk_strbuf_putn(o, (const char *)&c, 1);
         else
-            rk_gram_printf(o, "\\x%02X", c);
+            rk_strbuf_printf(o, "\\x%02X", c);
     }
-    rk_gram_puts(o, "\"");
+    rk_strbuf_puts(o, "\"");
 }
 
 static int gen(sgen *G, const json_t *s, int rdepth);
 
 /* Finish rule n with body b (consumed). */
-static int put_rule(sgen *G, int n, rk_gram_buf *b) {
-    rk_gram_printf(&G->out, "s%d ::= ", n);
-    rk_gram_puts(&G->out, b->p ? b->p : "");
-    rk_gram_puts(&G->out, "\n");
+static int put_rule(sgen *G, int n, rk_strbuf *b) {
+    rk_strbuf_printf(&G->out, "s%d ::= ", n);
+    rk_strbuf_puts(&G->out, b->s ? b->s : "");
+    rk_strbuf_puts(&G->out, "\n");
     if (b->oom) G->out.oom = 1;
-    free(b->p);
+    free(b->s);
     return n;
 }
 
@@ -184,10 +152,10 @@ static int all_char(const char *s, char c, int n) {
 }
 
 /* Decimal strings of length n from a to b (a <= b, same length). */
-static void digits_range(rk_gram_buf *o, const char *a, const char *b, int n) {
+static void digits_range(rk_strbuf *o, const char *a, const char *b, int n) {
     if (n == 0) return;
     if (a[0] == b[0]) {
-        rk_gram_printf(o, "\"%c\" ", a[0]);
+        rk_strbuf_printf(o, "\"%c\" ", a[0]);
         digits_range(o, a + 1, b + 1, n - 1);
         return;
     }
@@ -196,32 +164,32 @@ static void digits_range(rk_gram_buf *o, const char *a, const char *b, int n) {
     memset(zeros, '0', sizeof zeros);
     int a_zero = all_char(a + 1, '0', n - 1), b_nine = all_char(b + 1, '9', n - 1);
     int first = 1;
-    rk_gram_puts(o, "( ");
+    rk_strbuf_puts(o, "( ");
     if (!a_zero) {
-        rk_gram_printf(o, "\"%c\" ( ", a[0]);
+        rk_strbuf_printf(o, "\"%c\" ( ", a[0]);
         digits_range(o, a + 1, nines, n - 1);
-        rk_gram_puts(o, ") ");
+        rk_strbuf_puts(o, ") ");
         first = 0;
     }
     int lo = a[0] - '0' + (a_zero ? 0 : 1), hi = b[0] - '0' - (b_nine ? 0 : 1);
     if (lo <= hi) {
-        if (!first) rk_gram_puts(o, "| ");
-        rk_gram_printf(o, "[%d-%d] ", lo, hi);
-        if (n > 1) rk_gram_printf(o, "[0-9]{%d} ", n - 1);
+        if (!first) rk_strbuf_puts(o, "| ");
+        rk_strbuf_printf(o, "[%d-%d] ", lo, hi);
+        if (n > 1) rk_strbuf_printf(o, "[0-9]{%d} ", n - 1);
         first = 0;
     }
     if (!b_nine) {
-        if (!first) rk_gram_puts(o, "| ");
-        rk_gram_printf(o, "\"%c\" ( ", b[0]);
+        if (!first) rk_strbuf_puts(o, "| ");
+        rk_strbuf_printf(o, "\"%c\" ( ", b[0]);
         digits_range(o, zeros, b + 1, n - 1);
-        rk_gram_puts(o, ") ");
+        rk_strbuf_puts(o, ") ");
     }
-    rk_gram_puts(o, ") ");
+    rk_strbuf_puts(o, ") ");
 }
 
 /* Alternatives (each prefixed by sep after the first) for the decimal
  * integers lo..hi without leading zeros; returns how many were written. */
-static int uint_range(rk_gram_buf *o, double lo, double hi, const char *suffix, int *count) {
+static int uint_range(rk_strbuf *o, double lo, double hi, const char *suffix, int *count) {
     if (hi > RK_INT_MAX) hi = RK_INT_MAX;
     if (lo < 0) lo = 0;
     if (lo > hi) return 0;
@@ -235,10 +203,10 @@ static int uint_range(rk_gram_buf *o, double lo, double hi, const char *suffix, 
         char sa[24], sbb[24];
         snprintf(sa, sizeof sa, "%.0f", a);
         snprintf(sbb, sizeof sbb, "%.0f", b);
-        if (*count) rk_gram_puts(o, "| ");
-        rk_gram_puts(o, "( ");
+        if (*count) rk_strbuf_puts(o, "| ");
+        rk_strbuf_puts(o, "( ");
         digits_range(o, sa, sbb, n);
-        rk_gram_printf(o, ") %s ", suffix);
+        rk_strbuf_printf(o, ") %s ", suffix);
         (*count)++;
         made++;
     }
@@ -249,9 +217,9 @@ static int uint_range(rk_gram_buf *o, double lo, double hi, const char *suffix, 
 #define ZFRAC "( \".\" \"0\"{1,15} )?"
 
 /* Magnitudes k.f in [lo, hi] (integers; hi_inf: no upper bound). */
-static void mag_range(rk_gram_buf *o, const char *sign, double lo, double hi, int hi_inf,
+static void mag_range(rk_strbuf *o, const char *sign, double lo, double hi, int hi_inf,
                       int *count) {
-    rk_gram_buf tmp = {0};
+    rk_strbuf tmp = {0};
     int c = 0;
     if (hi_inf) {
         uint_range(&tmp, lo, RK_INT_MAX, FRAC, &c);
@@ -260,15 +228,15 @@ static void mag_range(rk_gram_buf *o, const char *sign, double lo, double hi, in
         uint_range(&tmp, hi, hi, ZFRAC, &c);
     }
     if (c) {
-        if (*count) rk_gram_puts(o, "| ");
-        rk_gram_puts(o, sign);
-        rk_gram_puts(o, "( ");
-        rk_gram_puts(o, tmp.p);
-        rk_gram_puts(o, ") ");
+        if (*count) rk_strbuf_puts(o, "| ");
+        rk_strbuf_puts(o, sign);
+        rk_strbuf_puts(o, "( ");
+        rk_strbuf_puts(o, tmp.s);
+        rk_strbuf_puts(o, ") ");
         (*count)++;
     }
     if (tmp.oom) o->oom = 1;
-    free(tmp.p);
+    free(tmp.s);
 }
 
 /* A bound keyword of s: 1 and its value when present (a number). */
@@ -283,14 +251,14 @@ static int bound(sgen *G, const json_t *s, const char *key, double *out) {
     return 1;
 }
 
-static void gen_numeric(sgen *G, const json_t *s, int integer, rk_gram_buf *b) {
+static void gen_numeric(sgen *G, const json_t *s, int integer, rk_strbuf *b) {
     double mn = 0, mx = 0, xmn = 0, xmx = 0;
     int has_mn = bound(G, s, "minimum", &mn), has_mx = bound(G, s, "maximum", &mx);
     int has_xmn = bound(G, s, "exclusiveMinimum", &xmn),
         has_xmx = bound(G, s, "exclusiveMaximum", &xmx);
     if (has_mn < 0 || has_mx < 0 || has_xmn < 0 || has_xmx < 0) return;
     if (!has_mn && !has_mx && !has_xmn && !has_xmx) {
-        rk_gram_puts(b, integer ? "_int" : "_num");
+        rk_strbuf_puts(b, integer ? "_int" : "_num");
         return;
     }
     double lo = -INFINITY, hi = INFINITY;
@@ -318,38 +286,38 @@ static void gen_numeric(sgen *G, const json_t *s, int integer, rk_gram_buf *b) {
     }
     int lo_inf = lo <= -RK_INT_MAX, hi_inf = hi >= RK_INT_MAX;
     int count = 0;
-    rk_gram_puts(b, "( ");
+    rk_strbuf_puts(b, "( ");
     if (integer) {
         if (hi_inf || hi >= 0) uint_range(b, lo_inf ? 0 : lo, hi_inf ? RK_INT_MAX : hi, "", &count);
         if (lo_inf || lo < 0) {
-            rk_gram_buf tmp = {0};
+            rk_strbuf tmp = {0};
             int c = 0;
             uint_range(&tmp, hi_inf || hi >= 0 ? 1 : -hi, lo_inf ? RK_INT_MAX : -lo, "", &c);
             if (c) {
-                rk_gram_puts(b, count ? "| \"-\" ( " : "\"-\" ( ");
-                rk_gram_puts(b, tmp.p);
-                rk_gram_puts(b, ") ");
+                rk_strbuf_puts(b, count ? "| \"-\" ( " : "\"-\" ( ");
+                rk_strbuf_puts(b, tmp.s);
+                rk_strbuf_puts(b, ") ");
                 count++;
             }
-            free(tmp.p);
+            free(tmp.s);
         }
     } else {
         if (hi_inf || hi >= 0) mag_range(b, "", lo_inf || lo < 0 ? 0 : lo, hi, hi_inf, &count);
         if (lo_inf || lo < 0)
             mag_range(b, "\"-\" ", hi_inf || hi >= 0 ? 0 : -hi, -lo, lo_inf, &count);
     }
-    rk_gram_puts(b, ")");
+    rk_strbuf_puts(b, ")");
     if (!count) sg_fail(G, RK_ERR_INVALID, "no value lies within the bounds");
 }
 
 /* A string matching pattern, as a grammar expression appended to b (see
  * rk_gram_pattern in grammar_regex.c). */
-static void gen_pattern(sgen *G, const char *pat, rk_gram_buf *b) {
+static void gen_pattern(sgen *G, const char *pat, rk_strbuf *b) {
     char err[200];
-    rk_gram_buf e = {0};
-    rk_gram_puts(&e, k_json_prelude);
-    rk_gram_puts(&e, "root ::= ");
-    size_t at = e.n;
+    rk_strbuf e = {0};
+    rk_strbuf_puts(&e, k_json_prelude);
+    rk_strbuf_puts(&e, "root ::= ");
+    size_t at = e.len;
     rk_status st = rk_gram_pattern(pat, &e, err, sizeof err);
     if (st == RK_OK && e.oom) st = RK_ERR_NOMEM;
     if (st == RK_ERR_NOMEM) {
@@ -361,7 +329,7 @@ static void gen_pattern(sgen *G, const char *pat, rk_gram_buf *b) {
          * leave the schema unsatisfiable or this property never written:
          * refused, with the pattern named. */
         rk_grammar *g = NULL;
-        rk_status pst = rk_grammar_parse(e.p, &g);
+        rk_status pst = rk_grammar_parse(e.s, &g);
         rk_grammar_free(g);
         if (pst == RK_ERR_NOMEM)
             sg_fail(G, RK_ERR_NOMEM, "out of memory");
@@ -372,9 +340,9 @@ static void gen_pattern(sgen *G, const char *pat, rk_gram_buf *b) {
         else if (pst != RK_OK)
             sg_fail_at(G, "pattern", pst, "%s", rk_error_message());
         else
-            rk_gram_putn(b, e.p + at, e.n - at);
+            rk_strbuf_putn(b, e.s + at, e.len - at);
     }
-    free(e.p);
+    free(e.s);
 }
 
 static int get_count(sgen *G, const json_t *s, const char *key, long *out) {
@@ -392,7 +360,7 @@ static int get_count(sgen *G, const json_t *s, const char *key, long *out) {
     return 1;
 }
 
-static void gen_string(sgen *G, const json_t *s, rk_gram_buf *b) {
+static void gen_string(sgen *G, const json_t *s, rk_strbuf *b) {
     const json_t *pat = json_object_get(s, "pattern");
     long mn = 0, mx = -1;
     int has_mn = get_count(G, s, "minLength", &mn), has_mx = get_count(G, s, "maxLength", &mx);
@@ -415,14 +383,14 @@ static void gen_string(sgen *G, const json_t *s, rk_gram_buf *b) {
         return;
     }
     if (!has_mn && !has_mx)
-        rk_gram_puts(b, "_str");
+        rk_strbuf_puts(b, "_str");
     else if (mx < 0)
-        rk_gram_printf(b, "\"\\\"\" _chr{%ld,} \"\\\"\"", mn);
+        rk_strbuf_printf(b, "\"\\\"\" _chr{%ld,} \"\\\"\"", mn);
     else
-        rk_gram_printf(b, "\"\\\"\" _chr{%ld,%ld} \"\\\"\"", mn, mx);
+        rk_strbuf_printf(b, "\"\\\"\" _chr{%ld,%ld} \"\\\"\"", mn, mx);
 }
 
-static void gen_array(sgen *G, const json_t *s, int rdepth, rk_gram_buf *b) {
+static void gen_array(sgen *G, const json_t *s, int rdepth, rk_strbuf *b) {
     long mn = 0, mx = -1;
     int has_mn = get_count(G, s, "minItems", &mn), has_mx = get_count(G, s, "maxItems", &mx);
     if (has_mn < 0 || has_mx < 0) return;
@@ -446,25 +414,25 @@ static void gen_array(sgen *G, const json_t *s, int rdepth, rk_gram_buf *b) {
     else
         snprintf(it, sizeof it, "_val");
     if (has_mx && mx == 0) {
-        rk_gram_puts(b, "\"[]\"");
+        rk_strbuf_puts(b, "\"[]\"");
     } else if (mn == 0) {
-        rk_gram_printf(b, "\"[\" ( %s ( \",\" _ws %s )", it, it);
+        rk_strbuf_printf(b, "\"[\" ( %s ( \",\" _ws %s )", it, it);
         if (mx < 0)
-            rk_gram_puts(b, "*");
+            rk_strbuf_puts(b, "*");
         else
-            rk_gram_printf(b, "{0,%ld}", mx - 1);
-        rk_gram_puts(b, " )? \"]\"");
+            rk_strbuf_printf(b, "{0,%ld}", mx - 1);
+        rk_strbuf_puts(b, " )? \"]\"");
     } else {
-        rk_gram_printf(b, "\"[\" %s ( \",\" _ws %s )", it, it);
+        rk_strbuf_printf(b, "\"[\" %s ( \",\" _ws %s )", it, it);
         if (mx < 0)
-            rk_gram_printf(b, "{%ld,}", mn - 1);
+            rk_strbuf_printf(b, "{%ld,}", mn - 1);
         else
-            rk_gram_printf(b, "{%ld,%ld}", mn - 1, mx - 1);
-        rk_gram_puts(b, " \"]\"");
+            rk_strbuf_printf(b, "{%ld,%ld}", mn - 1, mx - 1);
+        rk_strbuf_puts(b, " \"]\"");
     }
 }
 
-static void gen_object(sgen *G, const json_t *s, int rdepth, rk_gram_buf *b) {
+static void gen_object(sgen *G, const json_t *s, int rdepth, rk_strbuf *b) {
     const json_t *props = json_object_get(s, "properties");
     const json_t *req = json_object_get(s, "required");
     const json_t *addl = json_object_get(s, "additionalProperties");
@@ -495,7 +463,7 @@ static void gen_object(sgen *G, const json_t *s, int rdepth, rk_gram_buf *b) {
         }
     }
     if (!np) {
-        rk_gram_puts(b, addl && json_is_false(addl) ? "\"{}\"" : "_obj");
+        rk_strbuf_puts(b, addl && json_is_false(addl) ? "\"{}\"" : "_obj");
         return;
     }
     /* Properties in the order given. first_i: none written yet, choosing
@@ -517,7 +485,7 @@ static void gen_object(sgen *G, const json_t *s, int rdepth, rk_gram_buf *b) {
         int v = gen(G, val, rdepth);
         path_pop(G, l);
         if (v < 0) break;
-        rk_gram_buf k = {0};
+        rk_strbuf k = {0};
         json_t *ks = json_string(key);
         char *enc = ks ? json_dumps(ks, JSON_ENCODE_ANY) : NULL;
         json_decref(ks);
@@ -527,28 +495,28 @@ static void gen_object(sgen *G, const json_t *s, int rdepth, rk_gram_buf *b) {
         }
         rk_gram_lit(&k, enc, strlen(enc));
         free(enc);
-        rk_gram_printf(&k, " \":\" _ws s%d", v);
+        rk_strbuf_printf(&k, " \":\" _ws s%d", v);
         kv[i] = put_rule(G, G->n++, &k);
         i++;
     }
     if (G->st == RK_OK) {
         int after_next = -1, first_next = -1; /* rules for i + 1; -1: the empty rest */
         for (size_t r = np; r-- > 0;) {
-            rk_gram_buf a = {0}, f = {0};
+            rk_strbuf a = {0}, f = {0};
             char an[32] = "", fn[32] = "";
             if (after_next >= 0) snprintf(an, sizeof an, " s%d", after_next);
             if (first_next >= 0) snprintf(fn, sizeof fn, "s%d", first_next);
             if (req_of[r]) {
-                rk_gram_printf(&a, "\",\" _ws s%d%s", kv[r], an);
-                rk_gram_printf(&f, "s%d%s", kv[r], an);
+                rk_strbuf_printf(&a, "\",\" _ws s%d%s", kv[r], an);
+                rk_strbuf_printf(&f, "s%d%s", kv[r], an);
             } else {
-                rk_gram_printf(&a, "( \",\" _ws s%d )?%s", kv[r], an);
-                rk_gram_printf(&f, "s%d%s | %s", kv[r], an, fn);
+                rk_strbuf_printf(&a, "( \",\" _ws s%d )?%s", kv[r], an);
+                rk_strbuf_printf(&f, "s%d%s | %s", kv[r], an, fn);
             }
             after_next = put_rule(G, G->n++, &a);
             first_next = put_rule(G, G->n++, &f);
         }
-        rk_gram_printf(b, "\"{\" s%d \"}\"", first_next);
+        rk_strbuf_printf(b, "\"{\" s%d \"}\"", first_next);
     }
     free(kv);
     free(req_of);
@@ -583,7 +551,7 @@ static const char *const k_keywords[] = {"type",
                                          "examples",
                                          NULL};
 
-static int gen_typed(sgen *G, const json_t *s, const char *type, int rdepth, rk_gram_buf *b) {
+static int gen_typed(sgen *G, const json_t *s, const char *type, int rdepth, rk_strbuf *b) {
     if (!strcmp(type, "string"))
         gen_string(G, s, b);
     else if (!strcmp(type, "integer"))
@@ -591,9 +559,9 @@ static int gen_typed(sgen *G, const json_t *s, const char *type, int rdepth, rk_
     else if (!strcmp(type, "number"))
         gen_numeric(G, s, 0, b);
     else if (!strcmp(type, "boolean"))
-        rk_gram_puts(b, "( \"true\" | \"false\" )");
+        rk_strbuf_puts(b, "( \"true\" | \"false\" )");
     else if (!strcmp(type, "null"))
-        rk_gram_puts(b, "\"null\"");
+        rk_strbuf_puts(b, "\"null\"");
     else if (!strcmp(type, "object"))
         gen_object(G, s, rdepth, b);
     else if (!strcmp(type, "array"))
@@ -631,8 +599,8 @@ static int gen_ref(sgen *G, const json_t *ref, int rdepth) {
         if (G->memo[i].target == target && G->memo[i].depth == rdepth) return G->memo[i].rule;
     int rule;
     if (rdepth >= RK_SCHEMA_REF_DEPTH) {
-        rk_gram_buf b = {0};
-        rk_gram_puts(&b, "_never");
+        rk_strbuf b = {0};
+        rk_strbuf_puts(&b, "_never");
         rule = put_rule(G, G->n++, &b);
     } else {
         char saved[sizeof G->path];
@@ -651,8 +619,8 @@ static int gen_ref(sgen *G, const json_t *ref, int rdepth) {
 /* The rule for schema s; -1 with G's error set. */
 static int gen(sgen *G, const json_t *s, int rdepth) {
     if (json_is_true(s)) {
-        rk_gram_buf b = {0};
-        rk_gram_puts(&b, "_val");
+        rk_strbuf b = {0};
+        rk_strbuf_puts(&b, "_val");
         return put_rule(G, G->n++, &b);
     }
     if (!json_is_object(s)) return sg_fail(G, RK_ERR_INVALID, "a schema must be an object");
@@ -668,51 +636,51 @@ static int gen(sgen *G, const json_t *s, int rdepth) {
     }
     const json_t *ref = json_object_get(s, "$ref");
     if (ref) return gen_ref(G, ref, rdepth);
-    rk_gram_buf b = {0};
+    rk_strbuf b = {0};
     const json_t *en = json_object_get(s, "enum"), *cn = json_object_get(s, "const");
     const json_t *any = json_object_get(s, "anyOf"), *type = json_object_get(s, "type");
     if (en || cn) {
         if (en && (!json_is_array(en) || !json_array_size(en))) {
             sg_fail_at(G, "enum", RK_ERR_INVALID, "must be a non-empty array");
-            free(b.p);
+            free(b.s);
             return -1;
         }
         size_t n = en ? json_array_size(en) : 1;
-        rk_gram_puts(&b, "( ");
+        rk_strbuf_puts(&b, "( ");
         for (size_t i = 0; i < n; i++) {
             char *enc = json_dumps(en ? json_array_get(en, i) : cn, JSON_ENCODE_ANY | JSON_COMPACT);
             if (!enc) {
-                free(b.p);
+                free(b.s);
                 return sg_fail(G, RK_ERR_NOMEM, "out of memory");
             }
-            if (i) rk_gram_puts(&b, "| ");
+            if (i) rk_strbuf_puts(&b, "| ");
             rk_gram_lit(&b, enc, strlen(enc));
-            rk_gram_puts(&b, " ");
+            rk_strbuf_puts(&b, " ");
             free(enc);
         }
-        rk_gram_puts(&b, ")");
+        rk_strbuf_puts(&b, ")");
     } else if (any) {
         if (!json_is_array(any) || !json_array_size(any)) {
             sg_fail_at(G, "anyOf", RK_ERR_INVALID, "must be a non-empty array of schemas");
-            free(b.p);
+            free(b.s);
             return -1;
         }
-        rk_gram_puts(&b, "( ");
+        rk_strbuf_puts(&b, "( ");
         for (size_t i = 0; i < json_array_size(any); i++) {
             size_t l = path_push(G, ".anyOf[%zu]", i);
             int r = gen(G, json_array_get(any, i), rdepth);
             path_pop(G, l);
             if (r < 0) {
-                free(b.p);
+                free(b.s);
                 return -1;
             }
-            rk_gram_printf(&b, "%ss%d ", i ? "| " : "", r);
+            rk_strbuf_printf(&b, "%ss%d ", i ? "| " : "", r);
         }
-        rk_gram_puts(&b, ")");
+        rk_strbuf_puts(&b, ")");
     } else if (json_is_string(type)) {
         gen_typed(G, s, json_string_value(type), rdepth, &b);
     } else if (json_is_array(type) && json_array_size(type)) {
-        rk_gram_puts(&b, "( ");
+        rk_strbuf_puts(&b, "( ");
         for (size_t i = 0; i < json_array_size(type) && G->st == RK_OK; i++) {
             const json_t *t = json_array_get(type, i);
             if (!json_is_string(t)) {
@@ -721,12 +689,12 @@ static int gen(sgen *G, const json_t *s, int rdepth) {
                 path_pop(G, l);
                 break;
             }
-            if (i) rk_gram_puts(&b, "| ");
-            rk_gram_puts(&b, "( ");
+            if (i) rk_strbuf_puts(&b, "| ");
+            rk_strbuf_puts(&b, "( ");
             gen_typed(G, s, json_string_value(t), rdepth, &b);
-            rk_gram_puts(&b, ") ");
+            rk_strbuf_puts(&b, ") ");
         }
-        rk_gram_puts(&b, ")");
+        rk_strbuf_puts(&b, ")");
     } else if (type) {
         sg_fail_at(G, "type", RK_ERR_INVALID, "must be a type name or an array of them");
     } else if (json_object_get(s, "properties")) {
@@ -734,10 +702,10 @@ static int gen(sgen *G, const json_t *s, int rdepth) {
     } else if (json_object_get(s, "items")) {
         gen_array(G, s, rdepth, &b);
     } else {
-        rk_gram_puts(&b, "_val");
+        rk_strbuf_puts(&b, "_val");
     }
     if (G->st != RK_OK) {
-        free(b.p);
+        free(b.s);
         return -1;
     }
     return put_rule(G, G->n++, &b);
@@ -747,20 +715,20 @@ static char *schema_text(const json_t *schema, rk_status *st) {
     sgen G = {0};
     G.root = schema;
     snprintf(G.path, sizeof G.path, "$");
-    rk_gram_puts(&G.out, k_json_prelude);
+    rk_strbuf_puts(&G.out, k_json_prelude);
     int r = gen(&G, schema, 0);
     free(G.memo);
-    if (r >= 0 && !G.out.oom) rk_gram_printf(&G.out, "root ::= s%d\n", r);
+    if (r >= 0 && !G.out.oom) rk_strbuf_printf(&G.out, "root ::= s%d\n", r);
     if (r < 0 || G.out.oom) {
         if (G.st == RK_OK)
             *st = rk_errorf(RK_ERR_NOMEM, "grammar: out of memory");
         else
             *st = rk_errorf(G.st, "%s", G.err);
-        free(G.out.p);
+        free(G.out.s);
         return NULL;
     }
     *st = RK_OK;
-    return G.out.p;
+    return G.out.s;
 }
 
 char *rk_grammar_schema_text(const json_t *schema) {
@@ -794,58 +762,58 @@ rk_status rk_grammar_from_calls(const rk_grammar_call *calls, int n, const char 
     *out = NULL;
     if (n < 1) return rk_errorf(RK_ERR_INVALID, "grammar: no call to allow");
     sgen G = {0};
-    rk_gram_puts(&G.out, k_json_prelude);
-    rk_gram_buf alts = {0};
+    rk_strbuf_puts(&G.out, k_json_prelude);
+    rk_strbuf alts = {0};
     for (int i = 0; i < n && G.st == RK_OK; i++) {
         G.root = calls[i].schema;
         G.n_memo = 0;
         snprintf(G.path, sizeof G.path, "%s", calls[i].path ? calls[i].path : "$");
         int r = calls[i].schema ? gen(&G, calls[i].schema, 0) : -1;
         if (calls[i].schema && r < 0) break;
-        rk_gram_buf c = {0};
+        rk_strbuf c = {0};
         rk_gram_lit(&c, calls[i].open, strlen(calls[i].open));
         if (r >= 0)
-            rk_gram_printf(&c, " s%d ", r);
+            rk_strbuf_printf(&c, " s%d ", r);
         else
-            rk_gram_puts(&c, " _obj ");
+            rk_strbuf_puts(&c, " _obj ");
         rk_gram_lit(&c, calls[i].close, strlen(calls[i].close));
         int cr = put_rule(&G, G.n++, &c);
-        rk_gram_printf(&alts, "%ss%d", i ? " | " : "", cr);
+        rk_strbuf_printf(&alts, "%ss%d", i ? " | " : "", cr);
     }
     free(G.memo);
     if (G.st != RK_OK) {
-        free(alts.p);
-        free(G.out.p);
+        free(alts.s);
+        free(G.out.s);
         return rk_errorf(G.st, "%s", G.err);
     }
-    rk_gram_puts(&G.out, "_call ::= ");
-    rk_gram_puts(&G.out, alts.p ? alts.p : "");
-    rk_gram_puts(&G.out, "\nroot ::= _call");
+    rk_strbuf_puts(&G.out, "_call ::= ");
+    rk_strbuf_puts(&G.out, alts.s ? alts.s : "");
+    rk_strbuf_puts(&G.out, "\nroot ::= _call");
     if (sep) {
-        rk_gram_puts(&G.out, " ( ");
+        rk_strbuf_puts(&G.out, " ( ");
         rk_gram_lit(&G.out, sep, strlen(sep));
-        rk_gram_puts(&G.out, " _call )*");
+        rk_strbuf_puts(&G.out, " _call )*");
     }
-    rk_gram_puts(&G.out, "\n");
-    free(alts.p);
+    rk_strbuf_puts(&G.out, "\n");
+    free(alts.s);
     if (G.out.oom || alts.oom) {
-        free(G.out.p);
+        free(G.out.s);
         return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory");
     }
-    rk_status st = rk_grammar_parse(G.out.p, out);
-    free(G.out.p);
+    rk_status st = rk_grammar_parse(G.out.s, out);
+    free(G.out.s);
     return st;
 }
 
 rk_status rk_grammar_json_object(rk_grammar **out) {
-    rk_gram_buf b = {0};
-    rk_gram_puts(&b, k_json_prelude);
-    rk_gram_puts(&b, "root ::= _obj\n");
+    rk_strbuf b = {0};
+    rk_strbuf_puts(&b, k_json_prelude);
+    rk_strbuf_puts(&b, "root ::= _obj\n");
     if (b.oom) {
-        free(b.p);
+        free(b.s);
         return rk_errorf(RK_ERR_NOMEM, "grammar: out of memory");
     }
-    rk_status st = rk_grammar_parse(b.p, out);
-    free(b.p);
+    rk_status st = rk_grammar_parse(b.s, out);
+    free(b.s);
     return st;
 }

@@ -74,31 +74,8 @@ rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
 
 /* ---------------------------------------------------------------- a growing string */
 
-typedef struct sbuf {
-    char *s;
-    size_t len, cap;
-    int oom;
-} sbuf;
-
-static void sb_add(sbuf *b, const char *s) {
-    size_t n = strlen(s);
-    if (b->oom) return;
-    if (b->len + n + 1 > b->cap) {
-        size_t cap = b->cap ? b->cap : 256;
-        while (cap < b->len + n + 1) cap *= 2;
-        char *p = realloc(b->s, cap);
-        if (!p) {
-            b->oom = 1;
-            return;
-        }
-        b->s = p;
-        b->cap = cap;
-    }
-    memcpy(b->s + b->len, s, n + 1);
-    b->len += n;
-}
-
-static void sb_clear(sbuf *b) {
+/* Empty b, keeping its memory for what follows. */
+static void sb_clear(rk_strbuf *b) {
     b->len = 0;
     if (b->s) b->s[0] = '\0';
 }
@@ -113,7 +90,7 @@ static const char *role_name(rk_chat_role r) {
 
 /* One tool call as the template writes it: Qwen's {"name", "arguments"} in
  * <tool_call> tags, Llama 3's JSON {"name", "parameters"}. */
-static void call_text(rk_chat_template t, sbuf *b, const char *name, const json_t *args) {
+static void call_text(rk_chat_template t, rk_strbuf *b, const char *name, const json_t *args) {
     char *a = json_dumps(args, JSON_COMPACT);
     json_t *n = json_string(name);
     char *ns = n ? json_dumps(n, JSON_ENCODE_ANY) : NULL;
@@ -121,24 +98,24 @@ static void call_text(rk_chat_template t, sbuf *b, const char *name, const json_
     if (!a || !ns) {
         b->oom = 1;
     } else if (t == RK_CHAT_CHATML) {
-        sb_add(b, "<tool_call>\n{\"name\": ");
-        sb_add(b, ns);
-        sb_add(b, ", \"arguments\": ");
-        sb_add(b, a);
-        sb_add(b, "}\n</tool_call>");
+        rk_strbuf_puts(b, "<tool_call>\n{\"name\": ");
+        rk_strbuf_puts(b, ns);
+        rk_strbuf_puts(b, ", \"arguments\": ");
+        rk_strbuf_puts(b, a);
+        rk_strbuf_puts(b, "}\n</tool_call>");
     } else {
-        sb_add(b, "{\"name\": ");
-        sb_add(b, ns);
-        sb_add(b, ", \"parameters\": ");
-        sb_add(b, a);
-        sb_add(b, "}");
+        rk_strbuf_puts(b, "{\"name\": ");
+        rk_strbuf_puts(b, ns);
+        rk_strbuf_puts(b, ", \"parameters\": ");
+        rk_strbuf_puts(b, a);
+        rk_strbuf_puts(b, "}");
     }
     free(a);
     free(ns);
 }
 
 /* The calls of an assistant message (JSON text of [{"name", "arguments"}]). */
-static void calls_text(rk_chat_template t, sbuf *b, const char *calls) {
+static void calls_text(rk_chat_template t, rk_strbuf *b, const char *calls) {
     json_t *list = json_loads(calls, 0, NULL);
     if (!list) {
         b->oom = 1;
@@ -146,7 +123,7 @@ static void calls_text(rk_chat_template t, sbuf *b, const char *calls) {
     }
     for (size_t k = 0; k < json_array_size(list); k++) {
         json_t *c = json_array_get(list, k);
-        if (k) sb_add(b, "\n");
+        if (k) rk_strbuf_puts(b, "\n");
         call_text(t, b, json_string_value(json_object_get(c, "name")),
                   json_object_get(c, "arguments"));
     }
@@ -154,16 +131,17 @@ static void calls_text(rk_chat_template t, sbuf *b, const char *calls) {
 }
 
 /* The tool definitions as the template's system text describes them. */
-static void tools_block(rk_chat_template t, const rk_api_request *req, sbuf *b) {
+static void tools_block(rk_chat_template t, const rk_api_request *req, rk_strbuf *b) {
     if (t == RK_CHAT_CHATML)
-        sb_add(b, "# Tools\n\nYou may call one or more functions to assist with the user "
-                  "query.\n\nYou are provided with function signatures within <tools></tools> "
-                  "XML tags:\n<tools>");
+        rk_strbuf_puts(b,
+                       "# Tools\n\nYou may call one or more functions to assist with the user "
+                       "query.\n\nYou are provided with function signatures within <tools></tools> "
+                       "XML tags:\n<tools>");
     else
-        sb_add(b, "You have access to the following functions. To call a function, respond "
-                  "with JSON for a function call in the format {\"name\": function name, "
-                  "\"parameters\": dictionary of argument name and its value}. Do not use "
-                  "variables.\n");
+        rk_strbuf_puts(b, "You have access to the following functions. To call a function, respond "
+                          "with JSON for a function call in the format {\"name\": function name, "
+                          "\"parameters\": dictionary of argument name and its value}. Do not use "
+                          "variables.\n");
     for (int i = 0; i < req->n_tools; i++) {
         const rk_api_tool *tool = &req->tools[i];
         json_t *f = json_pack("{s:s}", "name", tool->name);
@@ -177,14 +155,15 @@ static void tools_block(rk_chat_template t, const rk_api_request *req, sbuf *b) 
             b->oom = 1;
             return;
         }
-        sb_add(b, "\n");
-        sb_add(b, d);
+        rk_strbuf_puts(b, "\n");
+        rk_strbuf_puts(b, d);
         free(d);
     }
     if (t == RK_CHAT_CHATML)
-        sb_add(b, "\n</tools>\n\nFor each function call, return a json object with function name "
-                  "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
-                  "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
+        rk_strbuf_puts(
+            b, "\n</tools>\n\nFor each function call, return a json object with function name "
+               "and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+               "<function-name>, \"arguments\": <args-json-object>}\n</tool_call>");
 }
 
 /* The messages with the tool definitions in the system message (one made
@@ -193,11 +172,11 @@ static void tools_block(rk_chat_template t, const rk_api_request *req, sbuf *b) 
  * request may be rendered again). */
 static rk_status with_tools(rk_chat_template t, const rk_api_request *req, rk_chat_msg **out,
                             int *n_out, char **sys_text, rk_http_error *err) {
-    sbuf c = {0};
+    rk_strbuf c = {0};
     int has_sys = req->msgs[0].role == RK_ROLE_SYSTEM;
     if (has_sys && *req->msgs[0].content) {
-        sb_add(&c, req->msgs[0].content);
-        sb_add(&c, "\n\n");
+        rk_strbuf_puts(&c, req->msgs[0].content);
+        rk_strbuf_puts(&c, "\n\n");
     }
     tools_block(t, req, &c);
     int n = req->n_msgs + !has_sys;
@@ -362,75 +341,76 @@ static rk_status split_user(const rk_api_request *req, int i, user_msg *u, rk_ht
 
 /* The opening of a user turn; for Llama-2, the <<SYS>> block (sys_block:
  * joined system messages, may be empty) goes inside it. */
-static void user_open(rk_chat_template t, sbuf *b, const sbuf *sys_block) {
+static void user_open(rk_chat_template t, rk_strbuf *b, const rk_strbuf *sys_block) {
     if (t == RK_CHAT_CHATML) {
-        sb_add(b, "<|im_start|>user\n");
+        rk_strbuf_puts(b, "<|im_start|>user\n");
     } else if (t == RK_CHAT_LLAMA3) {
-        sb_add(b, "<|start_header_id|>user<|end_header_id|>\n\n");
+        rk_strbuf_puts(b, "<|start_header_id|>user<|end_header_id|>\n\n");
     } else {
-        sb_add(b, "[INST] ");
+        rk_strbuf_puts(b, "[INST] ");
         if (sys_block->len) {
-            sb_add(b, "<<SYS>>\n");
-            sb_add(b, sys_block->s);
-            sb_add(b, "\n<</SYS>>\n\n");
+            rk_strbuf_puts(b, "<<SYS>>\n");
+            rk_strbuf_puts(b, sys_block->s);
+            rk_strbuf_puts(b, "\n<</SYS>>\n\n");
         }
     }
 }
 
-static void user_close(rk_chat_template t, sbuf *b) {
-    sb_add(b, t == RK_CHAT_CHATML   ? "<|im_end|>\n"
-              : t == RK_CHAT_LLAMA3 ? "<|eot_id|>"
-                                    : " [/INST]");
+static void user_close(rk_chat_template t, rk_strbuf *b) {
+    rk_strbuf_puts(b, t == RK_CHAT_CHATML   ? "<|im_end|>\n"
+                      : t == RK_CHAT_LLAMA3 ? "<|eot_id|>"
+                                            : " [/INST]");
 }
 
 /* A complete system or assistant turn (Llama-2: assistant only; its system
  * messages join the <<SYS>> block of the next user turn). open: the
  * assistant's turn the answer continues (a prefill), without its end. */
-static void other_turn(rk_chat_template t, sbuf *b, const rk_chat_msg *m, int open) {
+static void other_turn(rk_chat_template t, rk_strbuf *b, const rk_chat_msg *m, int open) {
     if (m->role == RK_ROLE_TOOL) { /* Qwen: a user turn of <tool_response>; Llama 3: ipython */
-        sb_add(b, t == RK_CHAT_CHATML ? "<|im_start|>user\n<tool_response>\n"
-                                      : "<|start_header_id|>ipython<|end_header_id|>\n\n");
-        sb_add(b, m->content);
-        sb_add(b, t == RK_CHAT_CHATML ? "\n</tool_response><|im_end|>\n" : "<|eot_id|>");
+        rk_strbuf_puts(b, t == RK_CHAT_CHATML ? "<|im_start|>user\n<tool_response>\n"
+                                              : "<|start_header_id|>ipython<|end_header_id|>\n\n");
+        rk_strbuf_puts(b, m->content);
+        rk_strbuf_puts(b, t == RK_CHAT_CHATML ? "\n</tool_response><|im_end|>\n" : "<|eot_id|>");
         return;
     }
     if (m->tool_calls && t != RK_CHAT_LLAMA2) {
-        sb_add(b, t == RK_CHAT_CHATML ? "<|im_start|>assistant\n"
-                                      : "<|start_header_id|>assistant<|end_header_id|>\n\n");
+        rk_strbuf_puts(b, t == RK_CHAT_CHATML
+                              ? "<|im_start|>assistant\n"
+                              : "<|start_header_id|>assistant<|end_header_id|>\n\n");
         if (*m->content) {
-            sb_add(b, m->content);
-            sb_add(b, "\n");
+            rk_strbuf_puts(b, m->content);
+            rk_strbuf_puts(b, "\n");
         }
         calls_text(t, b, m->tool_calls);
-        sb_add(b, t == RK_CHAT_CHATML ? "<|im_end|>\n" : "<|eot_id|>");
+        rk_strbuf_puts(b, t == RK_CHAT_CHATML ? "<|im_end|>\n" : "<|eot_id|>");
         return;
     }
     if (t == RK_CHAT_CHATML) {
-        sb_add(b, "<|im_start|>");
-        sb_add(b, role_name(m->role));
-        sb_add(b, "\n");
-        sb_add(b, m->content);
-        if (!open) sb_add(b, "<|im_end|>\n");
+        rk_strbuf_puts(b, "<|im_start|>");
+        rk_strbuf_puts(b, role_name(m->role));
+        rk_strbuf_puts(b, "\n");
+        rk_strbuf_puts(b, m->content);
+        if (!open) rk_strbuf_puts(b, "<|im_end|>\n");
     } else if (t == RK_CHAT_LLAMA3) {
-        sb_add(b, "<|start_header_id|>");
-        sb_add(b, role_name(m->role));
-        sb_add(b, "<|end_header_id|>\n\n");
-        sb_add(b, m->content);
-        if (!open) sb_add(b, "<|eot_id|>");
+        rk_strbuf_puts(b, "<|start_header_id|>");
+        rk_strbuf_puts(b, role_name(m->role));
+        rk_strbuf_puts(b, "<|end_header_id|>\n\n");
+        rk_strbuf_puts(b, m->content);
+        if (!open) rk_strbuf_puts(b, "<|eot_id|>");
     } else {
         /* An answer this service returns starts with the space its first
          * token decodes to (a SentencePiece word start): that space is the
          * template's, so the answer tokenizes as it was generated. */
-        if (m->content[0] != ' ') sb_add(b, " ");
-        sb_add(b, m->content);
-        if (!open) sb_add(b, " </s><s>");
+        if (m->content[0] != ' ') rk_strbuf_puts(b, " ");
+        rk_strbuf_puts(b, m->content);
+        if (!open) rk_strbuf_puts(b, " </s><s>");
     }
 }
 
 /* Llama-2: a system message joins the <<SYS>> block of a user turn. */
-static void add_system(sbuf *sys_block, const rk_chat_msg *m) {
-    if (sys_block->len) sb_add(sys_block, "\n\n");
-    sb_add(sys_block, m->content);
+static void add_system(rk_strbuf *sys_block, const rk_chat_msg *m) {
+    if (sys_block->len) rk_strbuf_puts(sys_block, "\n\n");
+    rk_strbuf_puts(sys_block, m->content);
 }
 
 /* Render messages [from, to) into b as complete turns, the user ones as
@@ -438,13 +418,13 @@ static void add_system(sbuf *sys_block, const rk_chat_msg *m) {
  * (system messages the caller already put there are skipped when
  * skip_system is set). */
 static void render_turns(rk_chat_template t, const rk_api_request *req, const user_msg *users,
-                         int from, int to, int skip_system, sbuf *b, sbuf *sys_block) {
+                         int from, int to, int skip_system, rk_strbuf *b, rk_strbuf *sys_block) {
     for (int i = from; i < to; i++) {
         const rk_chat_msg *m = &req->msgs[i];
         if (m->role == RK_ROLE_USER) {
             user_open(t, b, sys_block);
             sb_clear(sys_block);
-            sb_add(b, users[i].question); /* its documents are chunks */
+            rk_strbuf_puts(b, users[i].question); /* its documents are chunks */
             user_close(t, b);
         } else if (t == RK_CHAT_LLAMA2 && m->role == RK_ROLE_SYSTEM) {
             if (!skip_system) add_system(sys_block, m);
@@ -556,7 +536,7 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     int prefill = n > 0 && req->msgs[n - 1].role == RK_ROLE_ASSISTANT;
     int last = prefill ? n - 1 : n;
     user_msg *users = calloc((size_t)(n ? n : 1), sizeof *users);
-    sbuf sys = {0}, q = {0}, block = {0};
+    rk_strbuf sys = {0}, q = {0}, block = {0};
     rk_status st = users ? RK_OK : rk_http_errorf(err, 500, "out of memory");
     for (int i = 0; i < n && !st; i++)
         if (req->msgs[i].role == RK_ROLE_USER && !(st = split_user(req, i, &users[i], err)))
@@ -579,13 +559,13 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     sb_clear(&block);
     /* Question piece: the rest of the document turn, every later turn, the
      * assistant's opening (or the open turn it continues). */
-    sb_add(&q, users[doc].question);
+    rk_strbuf_puts(&q, users[doc].question);
     user_close(t, &q);
     render_turns(t, req, users, doc + 1, last, 0, &q, &block);
     if (prefill)
         other_turn(t, &q, &req->msgs[n - 1], 1);
     else
-        sb_add(&q, assistant_open(t));
+        rk_strbuf_puts(&q, assistant_open(t));
     if (sys.oom || q.oom || block.oom) {
         st = rk_http_errorf(err, 500, "out of memory");
         goto done;

@@ -19,8 +19,7 @@
  * begin before it. */
 typedef struct gen_text {
     const rk_tokenizer *tok;
-    char *raw; /* decoded bytes of the tokens so far */
-    size_t len, cap;
+    rk_strbuf raw;   /* decoded bytes of the tokens so far */
     int decoded;     /* tokens decoded */
     int skip_space;  /* drop the leading space of the first piece (as rk_report_text) */
     size_t sent;     /* raw bytes already turned into text */
@@ -29,36 +28,18 @@ typedef struct gen_text {
     size_t max_stop; /* longest stop string */
     char *const *stop;
     int n_stop;
-    int oom;
     size_t *tok_end; /* (decoded) raw length after each token */
     int tok_cap;
 } gen_text;
-
-static void gt_append(gen_text *g, const char *s, size_t n) {
-    if (g->oom || n == 0) return;
-    if (g->len + n + 1 > g->cap) {
-        size_t cap = g->cap ? g->cap : 256;
-        while (cap < g->len + n + 1) cap *= 2;
-        char *p = realloc(g->raw, cap);
-        if (!p) {
-            g->oom = 1;
-            return;
-        }
-        g->raw = p;
-        g->cap = cap;
-    }
-    memcpy(g->raw + g->len, s, n);
-    g->len += n;
-}
 
 /* Look for stop strings ending in the bytes after offset before. */
 static void gt_find_stop(gen_text *g, size_t before) {
     size_t from = before > g->max_stop ? before - g->max_stop + 1 : 0;
     for (int k = 0; k < g->n_stop; k++) {
         size_t sl = strlen(g->stop[k]);
-        if (g->len < from + sl) continue;
-        const char *hit = memmem(g->raw + from, g->len - from, g->stop[k], sl);
-        if (hit && (g->stop_at < 0 || hit - g->raw < g->stop_at)) g->stop_at = hit - g->raw;
+        if (g->raw.len < from + sl) continue;
+        const char *hit = memmem(g->raw.s + from, g->raw.len - from, g->stop[k], sl);
+        if (hit && (g->stop_at < 0 || hit - g->raw.s < g->stop_at)) g->stop_at = hit - g->raw.s;
     }
 }
 
@@ -69,21 +50,21 @@ static void gt_feed(gen_text *g, const int32_t *tokens, int n) {
     if (n > g->tok_cap) {
         size_t *p = realloc(g->tok_end, (size_t)n * 2 * sizeof *p);
         if (!p) {
-            g->oom = 1;
+            g->raw.oom = 1;
             return;
         }
         g->tok_end = p;
         g->tok_cap = n * 2;
     }
-    for (; g->decoded < n && g->stop_at < 0; g->tok_end[g->decoded++] = g->len) {
+    for (; g->decoded < n && g->stop_at < 0; g->tok_end[g->decoded++] = g->raw.len) {
         int32_t id = tokens[g->decoded];
         char *t;
-        size_t tl, before = g->len;
+        size_t tl, before = g->raw.len;
         if (rk_tokenizer_decode(g->tok, &id, 1, 0, g->skip_space, &t, &tl)) continue;
-        gt_append(g, t, tl);
+        if (tl) rk_strbuf_putn(&g->raw, t, tl);
         free(t);
         if (rk_tokenizer_token_bytes(g->tok, id, 0, NULL, 0) > 0) g->skip_space = 0;
-        if (g->n_stop && g->len > before) {
+        if (g->n_stop && g->raw.len > before) {
             gt_find_stop(g, before);
             if (g->stop_at >= 0) g->stop_tokens = g->decoded + 1;
         }
@@ -93,17 +74,17 @@ static void gt_feed(gen_text *g, const int32_t *tokens, int n) {
 /* The next piece of text that is final (malloc'ed, valid UTF-8; NULL when
  * nothing new). final: the generation is over, send the rest. */
 static char *gt_take(gen_text *g, int final) {
-    size_t limit = g->stop_at >= 0 ? (size_t)g->stop_at : g->len;
+    size_t limit = g->stop_at >= 0 ? (size_t)g->stop_at : g->raw.len;
     if (!final && g->stop_at < 0 && g->n_stop)
-        limit = g->len > g->max_stop - 1 ? g->len - (g->max_stop - 1) : 0;
+        limit = g->raw.len > g->max_stop - 1 ? g->raw.len - (g->max_stop - 1) : 0;
     size_t end = g->sent;
     if (final) {
         end = limit > g->sent ? limit : g->sent;
     } else {
-        const unsigned char *s = (const unsigned char *)g->raw;
+        const unsigned char *s = (const unsigned char *)g->raw.s;
         while (end < limit) {
             uint32_t cp;
-            int l = rk_utf8_decode(s + end, g->len - end, &cp);
+            int l = rk_utf8_decode(s + end, g->raw.len - end, &cp);
             if (l < 0) break;  /* wait for the rest of the character */
             if (l == 0) l = 1; /* an invalid byte: becomes U+FFFD on its own */
             if (end + (size_t)l > limit) break;
@@ -111,7 +92,7 @@ static char *gt_take(gen_text *g, int final) {
         }
     }
     if (end <= g->sent) return NULL;
-    char *t = rk_utf8_sanitize(g->raw + g->sent, end - g->sent, NULL);
+    char *t = rk_utf8_sanitize(g->raw.s + g->sent, end - g->sent, NULL);
     g->sent = end;
     return t;
 }
@@ -814,7 +795,7 @@ static void handle_choices(gen *g0, double deadline) {
             rk_job_destroy(g->job);
             free(g->job);
         }
-        free(g->text.raw);
+        rk_strbuf_free(&g->text.raw);
         free(g->text.tok_end);
         free(g);
     }
@@ -881,7 +862,7 @@ done:
         rk_job_destroy(g.job);
         free(g.job);
     }
-    free(g.text.raw);
+    rk_strbuf_free(&g.text.raw);
     json_decref(g.tool_calls);
     free(g.tool_content);
     free(g.text.tok_end);

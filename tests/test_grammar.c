@@ -865,3 +865,37 @@ Test(grammar, the_cache_compiles_a_repeated_schema_once) {
     json_decref(a);
     json_decref(b);
 }
+
+/* A state as wide as the bound whose alternatives all allow [a-z] next
+ * (each alternative's class a class of its own) is expanded once per group
+ * of bytes its classes tell apart, not once per letter: a decode step's mask
+ * over such a grammar once cost the engine thread about 26 expansions of
+ * 4,096 stacks per new state. */
+Test(grammar, a_wide_state_is_expanded_once_per_group_of_alike_bytes, .timeout = 120) {
+    need_qwen3();
+    int n = RK_GRAMMAR_MAX_WIDTH;
+    size_t cap = (size_t)n * 32 + 64, o = 0;
+    char *text = malloc(cap);
+    o += (size_t)snprintf(text, cap, "root ::= ");
+    for (int i = 0; i < n; i++)
+        o += (size_t)snprintf(text + o, cap - o, "%s[a-z]{40} \"%c%c%c\"", i ? " | " : "",
+                              'a' + i % 26, 'a' + i / 26 % 26, 'a' + i / 676);
+    rk_grammar *g;
+    cr_assert_eq(rk_grammar_parse(text, &g), RK_OK, "%s", rk_error_message());
+    rk_grammar_state *s;
+    cr_assert_eq(rk_grammar_state_create(g, g_vocab, &s), RK_OK, "%s", rk_error_message());
+    const uint64_t *m;
+    for (int k = 0; k < 4; k++) {
+        cr_assert_eq(rk_grammar_state_mask(s, &m), RK_OK, "%s", rk_error_message());
+        cr_assert_eq(rk_grammar_state_accept_bytes(s, "abcde", 5), RK_OK, "%s", rk_error_message());
+    }
+    /* Every state stepped so far has two groups of bytes: [a-z] and the rest. */
+    int64_t steps = rk_grammar_state_n_steps(s);
+    int states = rk_grammar_state_n_states(s);
+    cr_expect_leq(steps, 2 * (int64_t)states, "%lld transitions expanded for %d states",
+                  (long long)steps, states);
+    cr_expect(!rk_grammar_state_can_end(s));
+    rk_grammar_state_free(s);
+    rk_grammar_free(g);
+    free(text);
+}

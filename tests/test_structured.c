@@ -4,14 +4,20 @@
  * model (the real Qwen3 vocabulary), at temperature 1 over 20 seeds: every
  * answer must parse and satisfy its schema. Schemas that cannot be enforced
  * are refused with 400 naming their JSON path. */
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
 #include <jansson.h>
+#include <netinet/in.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
+#include <sys/time.h>
 #include <unistd.h>
 
 #include "bench/httpclient.h"
+#include "engine/grammar.h"
 #include "tests/testutil.h"
 
 /* The server of the current test (tests/testutil.h starts and stops it). */
@@ -494,5 +500,85 @@ Test(structured, a_grammar_over_the_width_bound_is_refused_naming_it, .fini = st
     cr_expect_eq(status, 200, "%s", raw);
     json_decref(j);
     free(raw);
+    free((char *)model);
+}
+
+/* The largest grammar the bounds accept, as a JSON string's contents: 4,096
+ * alternatives alive at once (the width bound), each [a-z]{250} and a word of
+ * its own, 1,044,480 elements of the 1,048,576 allowed. An output takes at
+ * least 254 bytes. */
+static char *largest_grammar_json(void) {
+    size_t cap = (size_t)RK_GRAMMAR_MAX_WIDTH * 24 + 256, o = 0;
+    char *t = malloc(cap);
+    cr_assert_not_null(t);
+    o += (size_t)snprintf(t, cap, "root ::= ");
+    for (int i = 0; i < RK_GRAMMAR_MAX_WIDTH; i++)
+        o += (size_t)snprintf(t + o, cap - o, "%s[a-z]{250} \\\"%c%c%c\\\"", i ? " | " : "",
+                              'a' + i % 26, 'a' + i / 26 % 26, 'a' + i / 676);
+    return t;
+}
+
+/* SIGTERM while a request with the largest accepted grammar streams (its
+ * first token out, its output not yet complete): the server ends the stream
+ * and exits with status 0, within its grace time and the wait after it
+ * (rk_test_server_stop kills it after 60 s, which fails the test). */
+Test(structured, sigterm_with_the_largest_grammar_in_flight_exits_cleanly, .timeout = 180) {
+    const char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    const char *args[] = {"--threads", "2", "--model", model, "--grace-s", "1", NULL};
+    cr_assert_eq(rk_test_server_start_ready(&S, "structured", NULL, args), 0,
+                 "the server did not start (log: %s)", S.log);
+    char *grammar = largest_grammar_json();
+    size_t cap = strlen(grammar) + 512;
+    char *body = malloc(cap);
+    int blen = snprintf(body, cap,
+                        "{\"prompt\":\"Once\",\"max_tokens\":2000,\"stream\":true,"
+                        "\"ignore_eos\":true,\"grammar\":\"%s\"}",
+                        grammar);
+    free(grammar);
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)S.port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    struct timeval tv = {120, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    char head[256];
+    int hlen = snprintf(head, sizeof head,
+                        "POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                        "application/json\r\nContent-Length: %d\r\n\r\n",
+                        blen);
+    cr_assert_eq(send(fd, head, (size_t)hlen, MSG_NOSIGNAL), hlen);
+    for (int off = 0; off < blen;) {
+        ssize_t k = send(fd, body + off, (size_t)(blen - off), MSG_NOSIGNAL);
+        cr_assert_gt(k, 0, "the body could not be sent");
+        off += (int)k;
+    }
+    free(body);
+    /* In flight: its first token has streamed. */
+    size_t got = 0, rcap = 1 << 16;
+    char *resp = malloc(rcap);
+    while (!memmem(resp, got, "\"text\"", 6)) {
+        if (got + 4096 > rcap) resp = realloc(resp, rcap *= 2);
+        ssize_t k = recv(fd, resp + got, rcap - got, 0);
+        cr_assert_gt(k, 0, "the stream ended before its first token: %.*s", (int)got, resp);
+        got += (size_t)k;
+    }
+    cr_assert(!strncmp(resp, "HTTP/1.1 200", 12), "%.300s", resp);
+    cr_assert_eq(kill(S.pid, SIGTERM), 0);
+    /* The stream ends (finished within the grace time, or cancelled). */
+    for (;;) {
+        if (got + 4096 > rcap) resp = realloc(resp, rcap *= 2);
+        ssize_t k = recv(fd, resp + got, rcap - got, 0);
+        if (k <= 0) break;
+        got += (size_t)k;
+    }
+    cr_expect(memmem(resp, got, "data: [DONE]", 12), "the stream did not end: %.300s",
+              got > 300 ? resp + got - 300 : resp);
+    free(resp);
+    close(fd);
+    int status = rk_test_server_stop(&S); /* waits for the exit, SIGKILL after 60 s */
+    cr_expect_eq(status, 0, "ragkv serve exited with status %d after SIGTERM (log: %s)", status,
+                 S.log);
     free((char *)model);
 }
