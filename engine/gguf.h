@@ -5,7 +5,16 @@
  * (keys, strings, arrays) into memory it owns, and exposes tensor data as
  * pointers into the mapping. A malformed or hostile file yields an error with
  * a message (rk_error_message()), never a crash. The file format itself is
- * described at the top of gguf.c. */
+ * described at the top of gguf.c.
+ *
+ * Ownership: an opened rk_gguf owns its mapping and its metadata copies;
+ * every string, array and tensor pointer it hands out stays valid until
+ * rk_gguf_close, and is read-only. A writer owns what was added to it.
+ *
+ * Threads: an opened file is immutable, so any number of threads may read
+ * it (lookups, tensor data) at once; open and close are the owner's, with
+ * no reader left. A writer is used by one thread. Errors go to the calling
+ * thread's message slot. */
 #ifndef RK_GGUF_H
 #define RK_GGUF_H
 

@@ -5,8 +5,24 @@
  * for large GEMMs. The CUDA backend (kernels/cuda/) implements the same table.
  * Every pointer passed to an op is backend memory (host memory for the CPU
  * backend). Activations are f32; weights may be F32, F16, BF16 or one of the
- * block-quantized GGML types below (matmul and embed only); KV storage has
- * the dtype of the cache (F32, F16 or BF16).
+ * block-quantized GGML types below (matmul and embed only; the CUDA backend
+ * refuses the ones it does not compute, by name); KV storage has the dtype of
+ * the cache (F32, F16, BF16 or Q8_0, see rk_kv_dtype_ok).
+ *
+ * Errors: every op checks its arguments first (the rk_*_check functions
+ * below) and returns RK_ERR_INVALID, naming the op, without writing
+ * anything; RK_ERR_NOMEM when its scratch cannot be had; RK_ERR_UNSUPPORTED
+ * for a dtype or shape the backend does not compute; a device failure is
+ * RK_ERR_DEVICE (CUDA), after which the backend should be freed.
+ *
+ * Threads: a backend belongs to one thread, which calls all its ops (the
+ * engine thread); ops are not reentrant and may use the backend's own worker
+ * threads inside (the CPU backend's pool of n_threads). Ops run in call
+ * order: on the CPU each returns with its result written; on CUDA results
+ * are ordered on the backend's stream and visible to the host after
+ * download or sync. The free functions below that take no backend (dtype
+ * helpers, conversions, checks, rk_attn_key_mass) are pure and may be
+ * called from any thread.
  *
  * Paged KV: the cache of one layer is an array of blocks, shape
  *   (n_blocks, block_size, n_kv_heads, head_dim)
