@@ -120,6 +120,7 @@ typedef struct key_cmd {
     char hex[33];
     json_t *out;
     int in_arena, on_disk; /* what a delete removed */
+    char disk_why[200];    /* why its payload file stayed; "" when it did not */
 } key_cmd;
 
 static rk_status get_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
@@ -136,7 +137,8 @@ static rk_status get_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
 /* Remove a chunk from the arena and from the store. */
 static rk_status delete_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
     key_cmd *k = ctx;
-    rk_status st = rk_service_chunk_delete(svc, &k->who, k->key, &k->in_arena, &k->on_disk);
+    rk_status st = rk_service_chunk_delete(svc, &k->who, k->key, &k->in_arena, &k->on_disk,
+                                           k->disk_why, sizeof k->disk_why);
     if (k->in_arena) rk_scheduler_count_removed(e, 1, 0);
     return st;
 }
@@ -539,11 +541,12 @@ int rk_gw_handle_chunk_key(req_ctx *rc, const char *hex, int del) {
         int status = st == RK_ERR_BUSY ? 409 : rk_http_status_of(st);
         return rk_gw_send_errorf(rc, status, "%s", msg), 0;
     }
-    if (del)
-        rk_gw_send_json(rc, 200,
-                        json_pack("{s:s, s:b, s:b, s:b}", "key", k.hex, "deleted", 1, "arena",
-                                  k.in_arena, "disk", k.on_disk));
-    else
+    if (del) {
+        json_t *out = json_pack("{s:s, s:b, s:b, s:b}", "key", k.hex, "deleted", 1, "arena",
+                                k.in_arena, "disk", k.on_disk);
+        if (out && k.disk_why[0]) json_object_set_new(out, "disk_error", json_string(k.disk_why));
+        rk_gw_send_json(rc, 200, out);
+    } else
         rk_gw_send_json(rc, 200, k.out);
     return 0;
 }
@@ -578,10 +581,14 @@ int rk_gw_handle_flush(req_ctx *rc) {
         return rk_gw_send_errorf(rc, st == RK_ERR_IO ? 503 : rk_http_status_of(st), "%s",
                                  rk_error_message()),
                0;
-    rk_gw_send_json(rc, 200,
-                    json_pack("{s:{s:i, s:I, s:I, s:I, s:I}}", "flushed", "chunks", f.n.chunks,
-                              "prefix_nodes", (json_int_t)f.n.prefix_nodes, "prefix_tokens",
-                              (json_int_t)f.n.prefix_tokens, "disk_rows", (json_int_t)f.n.disk_rows,
-                              "redis_keys", (json_int_t)redis_keys));
+    json_t *out = json_pack("{s:{s:i, s:I, s:I, s:I, s:I, s:I}}", "flushed", "chunks", f.n.chunks,
+                            "prefix_nodes", (json_int_t)f.n.prefix_nodes, "prefix_tokens",
+                            (json_int_t)f.n.prefix_tokens, "disk_rows", (json_int_t)f.n.disk_rows,
+                            "disk_files_left", (json_int_t)f.n.disk_files_left, "redis_keys",
+                            (json_int_t)redis_keys);
+    if (out && f.n.disk_why[0])
+        json_object_set_new(json_object_get(out, "flushed"), "disk_error",
+                            json_string(f.n.disk_why));
+    rk_gw_send_json(rc, 200, out);
     return 0;
 }

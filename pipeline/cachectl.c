@@ -203,8 +203,10 @@ rk_status rk_service_chunk_get(rk_service *svc, const rk_cache_viewer *who, rk_c
 }
 
 rk_status rk_service_chunk_delete(rk_service *svc, const rk_cache_viewer *who, rk_chunk_key key,
-                                  int *in_arena, int *on_disk) {
+                                  int *in_arena, int *on_disk, char *disk_why, size_t why_cap) {
     *in_arena = *on_disk = 0;
+    if (why_cap) disk_why[0] = '\0';
+    int row = 0;
     char hex[33];
     rk_chunk_key_hex(key, hex);
     rk_chunk_entry *en = rk_chunk_index_find(svc->chunks, key);
@@ -217,11 +219,14 @@ rk_status rk_service_chunk_delete(rk_service *svc, const rk_cache_viewer *who, r
     *in_arena = st == RK_OK;
     if (svc->store) {
         rk_persist_drain_writes(svc); /* a write under way would bring it back */
-        rk_status ds = rk_store_delete(svc->store, hex);
+        rk_store_removal rm;
+        rk_status ds = rk_store_delete(svc->store, hex, &rm);
         if (ds && ds != RK_ERR_NOT_FOUND) return ds;
-        *on_disk = ds == RK_OK;
+        row = ds == RK_OK;
+        *on_disk = row && !rm.files_left;
+        if (rm.files_left && why_cap) snprintf(disk_why, why_cap, "%s", rm.why);
     }
-    if (!*in_arena && !*on_disk)
+    if (!*in_arena && !row)
         return rk_errorf(RK_ERR_NOT_FOUND, "no cached chunk has the key %s", hex);
     return RK_OK;
 }
@@ -240,8 +245,13 @@ rk_status rk_service_flush(rk_service *svc, int chunks, int prefix, int disk,
         out->prefix_tokens = b.tokens_evicted - a.tokens_evicted;
     }
     if (disk) rk_persist_drain_writes(svc); /* a write under way would bring its chunk back */
-    if (disk) return rk_store_flush(svc->store, &out->disk_rows);
-    return RK_OK;
+    if (!disk) return RK_OK;
+    rk_store_removal rm;
+    rk_status st = rk_store_flush(svc->store, &rm);
+    out->disk_rows = rm.rows;
+    out->disk_files_left = rm.files_left;
+    snprintf(out->disk_why, sizeof out->disk_why, "%s", rm.why);
+    return st;
 }
 
 rk_status rk_service_redis_flush(rk_service *svc, uint64_t *out_keys) {

@@ -77,7 +77,7 @@ int rk_persist_body_check(const rk_store_layout *layout, const void *body, size_
 
 /* Hand value (may be NULL) to the Redis tier, which writes it
  * asynchronously and then frees release (may be NULL); with no value the
- * lock is freed at once. A dropped write (queue full, breaker open) is
+ * lock is freed at once. A dropped write (queue full) is
  * counted by the tier and is no error. */
 static rk_status hand_to_redis(rk_service *svc, rk_redis_value *value,
                                const rk_redis_lock *release) {

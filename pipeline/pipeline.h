@@ -549,15 +549,22 @@ rk_status rk_service_chunk_get(rk_service *svc, const rk_cache_viewer *who, rk_c
                                rk_chunk_info *out);
 
 /* Remove a chunk from the arena and the store; *in_arena and *on_disk say
- * where it was. RK_ERR_NOT_FOUND when the viewer sees it nowhere,
- * RK_ERR_BUSY while a request in flight holds it. */
+ * where it was removed from. When its store row went but its payload file
+ * could not be removed (a read-only directory), *on_disk is 0 and disk_why
+ * (why_cap bytes) says why; the store keeps it from being served or
+ * rebuilt (a tombstone) and removes it at an open that can. disk_why is ""
+ * otherwise. RK_ERR_NOT_FOUND when the viewer sees it nowhere, RK_ERR_BUSY
+ * while a request in flight holds it. */
 rk_status rk_service_chunk_delete(rk_service *svc, const rk_cache_viewer *who, rk_chunk_key key,
-                                  int *in_arena, int *on_disk);
+                                  int *in_arena, int *on_disk, char *disk_why, size_t why_cap);
 
 typedef struct rk_flush_counts {
     int chunks;                           /* arena entries removed */
     uint64_t prefix_nodes, prefix_tokens; /* radix nodes and tokens evicted */
     uint64_t disk_rows;                   /* store rows removed */
+    uint64_t disk_files_left;             /* of their payload files, those that could not be
+                                             removed (tombstoned: never served or rebuilt) */
+    char disk_why[200];                   /* why the first of those stayed; "" when none */
 } rk_flush_counts;
 
 /* Empty the chunk index (chunks), the radix tree (prefix) and the store

@@ -41,6 +41,9 @@ enum {
     ST_BEGIN,
     ST_COMMIT,
     ST_ROLLBACK,
+    ST_TOMB_ADD,
+    ST_TOMB_DEL,
+    ST_TOMB_KEYS,
     ST_COUNT,
 };
 
@@ -96,11 +99,17 @@ rk_status rk_store_load_totals(rk_store *s); /* re-read this model's rows and by
 rk_status rk_store_insert_row(rk_store *s, const rk_payload_header *h, uint64_t n_bytes);
 void rk_store_expect_from_row(const rk_store_entry *e, rk_payload_expect *x);
 
-/* store.c: rows and their files. */
-rk_status rk_store_remove_entry(rk_store *s, const char *key, uint64_t n_bytes, int bad);
+/* store.c: rows and their files. out (may be NULL) gathers what a removal
+ * left; rk_store_unlink_payload returns 0 or the errno of a failed unlink,
+ * its reason in why (cap bytes; may be NULL). */
+rk_status rk_store_remove_entry(rk_store *s, const char *key, uint64_t n_bytes, int bad,
+                                rk_store_removal *out);
 rk_status rk_store_enforce_budget(rk_store *s);
 rk_status rk_store_for_each_row(rk_store *s, row_fn fn, void *ctx);
-rk_status rk_store_remove_keys(rk_store *s, const key_list *keys, int bad, const char *what);
+rk_status rk_store_remove_keys(rk_store *s, const key_list *keys, int bad, const char *what,
+                               rk_store_removal *out);
+int rk_store_unlink_payload(rk_store *s, const char *key, char *why, size_t cap);
+rk_status rk_store_tombstone(rk_store *s, const char *key, int add);
 
 /* open.c: a handle for dir with nothing opened yet (rk_store_alloc), the
  * lock, the path DIR/name, chunks.db opened with its statements prepared

@@ -41,6 +41,9 @@ static const char *const k_migrations[RK_STORE_SCHEMA_VERSION] = {
     "CREATE INDEX chunks_model_access ON chunks(model, last_access);"
     "CREATE INDEX chunks_model_hits ON chunks(model, hits);"
     "PRAGMA application_id = 1380666198;", /* STORE_APP_ID */
+    /* 1 -> 2: tombstones, the keys of removed rows whose payload file may
+     * still be there (it must not get its row back) */
+    "CREATE TABLE tombstones (key TEXT PRIMARY KEY NOT NULL) WITHOUT ROWID;",
 };
 _Static_assert(STORE_APP_ID == 1380666198, "application id literal matches");
 
@@ -81,6 +84,9 @@ static const stmt_sql k_sql[ST_COUNT] = {
     [ST_BEGIN] = {"BEGIN IMMEDIATE", NULL},
     [ST_COMMIT] = {"COMMIT", NULL},
     [ST_ROLLBACK] = {"ROLLBACK", NULL},
+    [ST_TOMB_ADD] = {"INSERT OR IGNORE INTO tombstones (key) VALUES (?1)", NULL},
+    [ST_TOMB_DEL] = {"DELETE FROM tombstones WHERE key = ?1", NULL},
+    [ST_TOMB_KEYS] = {"SELECT key FROM tombstones ORDER BY key", NULL},
 };
 
 /* ---------------------------------------------------------------- open */

@@ -204,7 +204,8 @@ rk_status rk_store_verify(rk_store *s, int delete_bad, rk_store_bad_fn on_bad, v
         rk_store_entry e;
         int found = 0;
         st = rk_store_find_own_row(s, v.bad.v[i], &e, &found);
-        if (st == RK_OK && found && (st = rk_store_remove_entry(s, e.key, e.n_bytes, 1)) == RK_OK) {
+        if (st == RK_OK && found &&
+            (st = rk_store_remove_entry(s, e.key, e.n_bytes, 1, NULL)) == RK_OK) {
             v.r.deleted++;
             s->c.corrupt_after_open++;
         }
@@ -219,6 +220,45 @@ rk_status rk_store_verify(rk_store *s, int delete_bad, rk_store_bad_fn on_bad, v
 }
 
 /* ---------------------------------------------------------------- recovery at open */
+
+/* The tombstones at open: remove each one's payload file and then the
+ * tombstone; a key with a row again (put after its delete) just loses its
+ * tombstone. Keys whose file still cannot be removed keep it and are added
+ * to keys (sorted keys of every row), so the scan leaves their files alone. */
+static rk_status clear_tombstones(rk_store *s, key_list *keys) {
+    key_list t = {0};
+    sqlite3_stmt *q = rk_store_stmt(s, ST_TOMB_KEYS);
+    int rc;
+    rk_status st = RK_OK;
+    while ((rc = sqlite3_step(q)) == SQLITE_ROW) {
+        const char *key = (const char *)sqlite3_column_text(q, 0);
+        if (!rk_store_key_valid(key)) continue; /* names no file */
+        if ((st = rk_store_key_list_push(&t, key)) != RK_OK) break;
+    }
+    if (st == RK_OK && rc != SQLITE_DONE) st = rk_store_sql_error(s, rc, "read tombstones");
+    sqlite3_reset(q);
+    size_t n_rows = keys->n, left = 0;
+    char why[200] = "";
+    for (size_t i = 0; st == RK_OK && i < t.n; i++) {
+        const char *key = t.v[i];
+        int has_row = n_rows && bsearch(key, keys->v, n_rows, sizeof *keys->v, rk_store_key_cmp);
+        if (!has_row && rk_store_unlink_payload(s, key, left ? NULL : why, sizeof why) != 0) {
+            left++;
+            st = rk_store_key_list_push(keys, key);
+            continue;
+        }
+        st = rk_store_tombstone(s, key, 0);
+    }
+    rk_store_key_list_free(&t);
+    if (st != RK_OK) return st;
+    if (left) {
+        qsort(keys->v, keys->n, sizeof *keys->v, rk_store_key_cmp);
+        RK_LOG_WARN("store %s: %zu payload files of removed chunks are still there (%s); they "
+                    "stay tombstoned, never served, and are removed at an open that can",
+                    s->dir, left, why);
+    }
+    return RK_OK;
+}
 
 static void log_bad(void *ctx, const char *key, const char *reason) {
     (void)key;
@@ -246,15 +286,17 @@ rk_status rk_store_recover(rk_store *s) {
     verify_ctx v = {
         .full = s->opts.verify_on_open, .collect = 1, .on_bad = log_bad, .on_bad_ctx = s};
     st = rk_store_for_each_row(s, verify_row, &v);
-    if (st == RK_OK && v.bad.n) st = rk_store_remove_keys(s, &v.bad, 1, "drop bad rows");
+    if (st == RK_OK && v.bad.n) st = rk_store_remove_keys(s, &v.bad, 1, "drop bad rows", NULL);
     if (st == RK_OK) s->c.dropped_on_recovery += v.bad.n;
     rk_store_key_list_free(&v.bad);
     if (st != RK_OK) return st;
 
-    /* files without a row (any model's row keeps its file) and *.tmp */
+    /* files without a row (any model's row keeps its file, and a tombstone
+     * keeps a removed row's file from getting it back) and *.tmp */
     key_list keys = {0};
     uint64_t found = 0;
     st = all_keys(s, &keys);
+    if (st == RK_OK) st = clear_tombstones(s, &keys);
     if (st == RK_OK) st = scan_files(s, &keys, 1, s->opts.verify_on_open, &found);
     rk_store_key_list_free(&keys);
     if (st != RK_OK) return st;

@@ -58,7 +58,14 @@ static void release_lock(rk_redis *r, redisContext **pc, const rk_redis_lock *lk
     if (rk_redis_run(r, pc, 5, argv, NULL, &rep) == RK_OK) freeReplyObject(rep);
 }
 
-static void write_job(rk_redis *r, rk_redis_value *j) {
+enum { WRITE_TRIES = 3 }; /* attempts of one write that reach Redis, at most */
+
+/* Write j: the value, then its marker, then release its lock. Returns 1 when
+ * the write failed and may be tried again (fewer than WRITE_TRIES attempts
+ * failed, or the breaker skipped it: Redis is away, and the write waits for
+ * it); 0 when it was committed or dropped for good (counted either way; its
+ * lock released). */
+static int write_job(rk_redis *r, rk_redis_value *j) {
     char vkey[KEY_CAP], mkey[KEY_CAP], meta_s[160], ttl[24];
     key_names(r, j->key, vkey, mkey, NULL);
     uint8_t sum[16];
@@ -75,7 +82,7 @@ static void write_job(rk_redis *r, rk_redis_value *j) {
             pthread_mutex_lock(&r->mu);
             r->c.write_drops++;
             pthread_mutex_unlock(&r->mu);
-            return;
+            return 0;
         }
         size += RK_REDIS_TAG_BYTES;
     }
@@ -97,6 +104,10 @@ static void write_job(rk_redis *r, rk_redis_value *j) {
         freeReplyObject(rep);
     }
     double dt = rk_time_now() - t0;
+    if (st == RK_ERR_IO) j->tries++;
+    /* Every command of a write may be repeated: the value and its marker
+     * are written whole again. RK_ERR_BUSY (skipped) costs no attempt. */
+    if ((st == RK_ERR_IO || st == RK_ERR_BUSY) && j->tries < WRITE_TRIES) return 1;
     if (j->has_lock) release_lock(r, &r->wctx, &j->lock);
     pthread_mutex_lock(&r->mu);
     if (st) {
@@ -108,14 +119,72 @@ static void write_job(rk_redis *r, rk_redis_value *j) {
         r->c.put_seconds += dt;
     }
     pthread_mutex_unlock(&r->mu);
+    return 0;
 }
 
+/* mu held. Wait on cv_work until rk_time_now() reaches t (or a signal). */
+static void wait_work_until(rk_redis *r, double t) {
+    struct timespec dl = {(time_t)t, (long)((t - (double)(time_t)t) * 1e9)};
+    if (dl.tv_nsec >= 1000000000L) dl.tv_nsec = 999999999L;
+    pthread_cond_timedwait(&r->cv_work, &r->mu, &dl);
+}
+
+/* mu held, and the caller's once more on return. Drop every queued write
+ * (counted), releasing their locks (best effort), when closing with Redis
+ * away. */
+static void drop_queue(rk_redis *r) {
+    rk_redis_value *list = r->head;
+    r->c.write_drops += (uint64_t)r->n_queued;
+    r->head = r->tail = NULL;
+    r->n_queued = 0;
+    r->c.queued = 0;
+    r->c.queued_bytes = 0;
+    pthread_mutex_unlock(&r->mu);
+    while (list) {
+        rk_redis_value *next = list->next;
+        if (list->has_lock) release_lock(r, &r->wctx, &list->lock);
+        rk_redis_value_free(list);
+        list = next;
+    }
+    pthread_mutex_lock(&r->mu);
+}
+
+/* The writer thread. It takes writes in order. While the breaker is open,
+ * or after a write failed, it does not skip the writes: it keeps them queued
+ * (within the queue's bounds) and makes a half-open probe (a PING past the
+ * breaker's back-off) when a write waits, then every breaker_backoff_ms
+ * (the first back-off, never doubled) while Redis does not answer; the first
+ * probe that is answered closes the breaker and the writes go on where they
+ * stopped. A write is tried at most WRITE_TRIES times. When closing, a probe
+ * that fails drops what is left. */
 static void *writer_main(void *arg) {
     rk_redis *r = arg;
+    int must_probe = 0;    /* the last write failed: a PING comes before the next */
+    double next_probe = 0; /* after a failed probe, none before this */
     pthread_mutex_lock(&r->mu);
     for (;;) {
         while (!r->head && !r->stopping) pthread_cond_wait(&r->cv_work, &r->mu);
         if (!r->head) break;
+        if (must_probe || r->is_open) {
+            if (!r->stopping && rk_time_now() < next_probe) {
+                wait_work_until(r, next_probe);
+                continue;
+            }
+            r->busy = 1;
+            pthread_mutex_unlock(&r->mu);
+            int up = rk_redis_probe(r, &r->wctx);
+            pthread_mutex_lock(&r->mu);
+            r->busy = 0;
+            if (!up) {
+                next_probe = rk_time_now() + r->cfg.breaker_backoff_ms / 1e3;
+                if (r->stopping) {
+                    drop_queue(r);
+                    pthread_cond_broadcast(&r->cv_idle);
+                }
+                continue;
+            }
+            must_probe = 0;
+        }
         rk_redis_value *j = r->head;
         r->head = j->next;
         if (!r->head) r->tail = NULL;
@@ -124,9 +193,18 @@ static void *writer_main(void *arg) {
         r->c.queued_bytes -= j->size;
         r->busy = 1;
         pthread_mutex_unlock(&r->mu);
-        write_job(r, j);
-        rk_redis_value_free(j);
+        int again = write_job(r, j);
+        if (!again) rk_redis_value_free(j);
         pthread_mutex_lock(&r->mu);
+        if (again) { /* back at the head, in its turn, counted in the queue */
+            j->next = r->head;
+            r->head = j;
+            if (!r->tail) r->tail = j;
+            r->n_queued++;
+            r->c.queued = (uint64_t)r->n_queued;
+            r->c.queued_bytes += j->size;
+            must_probe = 1;
+        }
         r->busy = 0;
         if (!r->head) pthread_cond_broadcast(&r->cv_idle);
     }
@@ -168,7 +246,7 @@ rk_status rk_redis_open(const rk_redis_config *cfg, const char *model_fingerprin
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_mutex_init(&r->mu, NULL);
-    pthread_cond_init(&r->cv_work, NULL);
+    pthread_cond_init(&r->cv_work, &ca);
     pthread_cond_init(&r->cv_idle, &ca);
     pthread_condattr_destroy(&ca);
 
@@ -419,7 +497,7 @@ static rk_status drop_write(rk_redis *r, const char *key, const rk_redis_lock *r
     r->c.write_drops++;
     pthread_mutex_unlock(&r->mu);
     if (release) release_lock(r, &r->eng, release);
-    return rk_errorf(RK_ERR_LIMIT, "redis: write of chunk %s dropped (queue full or Redis down)",
+    return rk_errorf(RK_ERR_LIMIT, "redis: write of chunk %s dropped (the write queue is full)",
                      key);
 }
 
@@ -437,24 +515,23 @@ rk_status rk_redis_put_value(rk_redis *r, rk_redis_value *v, const rk_redis_lock
         v->has_lock = 1;
         v->lock = *release;
     }
-    int room = 0;
-    if (!rk_redis_breaker_is_open(r)) {
-        pthread_mutex_lock(&r->mu);
-        room = queue_has_room(r, v->size);
-        if (room) {
-            v->next = NULL;
-            if (r->tail)
-                r->tail->next = v;
-            else
-                r->head = v;
-            r->tail = v;
-            r->n_queued++;
-            r->c.queued = (uint64_t)r->n_queued;
-            r->c.queued_bytes += v->size;
-            pthread_cond_signal(&r->cv_work);
-        }
-        pthread_mutex_unlock(&r->mu);
+    /* Queued also while the breaker is open: the writer holds it until Redis
+     * answers its probe. */
+    pthread_mutex_lock(&r->mu);
+    int room = queue_has_room(r, v->size);
+    if (room) {
+        v->next = NULL;
+        if (r->tail)
+            r->tail->next = v;
+        else
+            r->head = v;
+        r->tail = v;
+        r->n_queued++;
+        r->c.queued = (uint64_t)r->n_queued;
+        r->c.queued_bytes += v->size;
+        pthread_cond_signal(&r->cv_work);
     }
+    pthread_mutex_unlock(&r->mu);
     if (room) return RK_OK;
     rk_redis_value_free(v);
     return drop_write(r, key, release);
@@ -466,12 +543,9 @@ rk_status rk_redis_put(rk_redis *r, const rk_store_put_args *args, const rk_redi
         return rk_errorf(RK_ERR_INVALID, "redis: a put needs a key, token ids and a body");
     if (args->n_tokens >= r->cfg.min_tokens) {
         /* Skip the copy when the write would be dropped anyway. */
-        int room = !rk_redis_breaker_is_open(r);
-        if (room) {
-            pthread_mutex_lock(&r->mu);
-            room = queue_has_room(r, rk_redis_value_bytes(args->n_tokens, args->body_size));
-            pthread_mutex_unlock(&r->mu);
-        }
+        pthread_mutex_lock(&r->mu);
+        int room = queue_has_room(r, rk_redis_value_bytes(args->n_tokens, args->body_size));
+        pthread_mutex_unlock(&r->mu);
         if (!room) return drop_write(r, args->key, release);
     }
     rk_redis_value *v;

@@ -45,9 +45,14 @@
  *
  * Failure is never an outage: every call is bounded by the configured timeout
  * (connect and command), and after breaker_failures consecutive failures the
- * circuit breaker opens: calls return at once (a miss, a dropped write, lock
+ * circuit breaker opens: reads and locks return at once (a miss, lock
  * "unavailable") until a back-off has passed (doubling on each failed probe,
- * capped), then the next call probes Redis again. A call whose connection
+ * capped), then the next call probes Redis again. Writes are not dropped
+ * while it is open: they wait in the writer's queue (within its bounds), and
+ * the writer thread, while writes wait, probes Redis with a PING past the
+ * back-off, at once and then every breaker_backoff_ms; the first PING
+ * answered closes the breaker for every call, and the writer writes what
+ * waited, in order. A write is tried at most three times. A call whose connection
  * fails other than by a timeout (the server restarted and closed it) is
  * retried once on a new connection before it counts. Errors are counted; a log
  * line is written when the breaker opens and when it closes, not per call.
@@ -94,7 +99,7 @@
  *     UNAVAILABLE: compute, then rk_redis_put(r, &args, NULL)
  *
  * A chunk computed while Redis was unavailable is still offered with
- * rk_redis_put (it is dropped at once while the breaker is open). */
+ * rk_redis_put: it waits in the queue and is written when Redis answers. */
 #ifndef RK_REDIS_H
 #define RK_REDIS_H
 
@@ -165,8 +170,8 @@ typedef struct rk_redis_counters {
                                      had none) while the tier has a secret */
     uint64_t layout_mismatch;     /* good payloads for another KV layout (kept; a miss) */
     uint64_t writes;              /* payloads committed (payload and marker written) */
-    uint64_t write_drops;         /* puts dropped: queue full, breaker open or write failed
-                                     (not those under min_tokens) */
+    uint64_t write_drops;         /* puts dropped: queue full, write failed three times, or
+                                     Redis away at close (not those under min_tokens) */
     uint64_t queued;              /* puts waiting for the writer now */
     uint64_t queued_bytes;        /* their bytes */
     uint64_t bytes_in, bytes_out; /* payload bytes loaded / written */
@@ -239,8 +244,8 @@ rk_status rk_redis_open(const rk_redis_config *cfg, const char *model_fingerprin
 
 /* Stop the writer thread after it has written (or, with Redis unreachable,
  * dropped) what was queued, close both connections and free r. With Redis
- * gone this takes about breaker_failures x timeout: the open breaker then
- * drops the rest at once. Locks held by the caller are not released (they
+ * gone this takes about two timeouts (the write in progress, then one probe
+ * that fails and drops the rest at once). Locks held by the caller are not released (they
  * expire). Accepts NULL. */
 void rk_redis_close(rk_redis *r);
 
@@ -267,8 +272,9 @@ rk_status rk_redis_get(rk_redis *r, const char *key, const int32_t *tokens, int3
  * the value as soon as the lock goes; if the write is dropped, the lock is
  * released at once on this thread (engine connection: then call it from the
  * engine thread). The copy is the only work done here: one memcpy of the KV.
- * Returns RK_OK when queued; RK_ERR_LIMIT when dropped (queue full or breaker
- * open: counted in write_drops; shorter than min_tokens: not counted), which
+ * Returns RK_OK when queued (also while the breaker is open: the write waits
+ * for Redis); RK_ERR_LIMIT when dropped (queue full: counted in write_drops;
+ * shorter than min_tokens: not counted), which
  * the caller may ignore; RK_ERR_INVALID, RK_ERR_NOMEM. */
 rk_status rk_redis_put(rk_redis *r, const rk_store_put_args *args, const rk_redis_lock *release);
 

@@ -144,6 +144,40 @@ static int conn_timed_out(const redisContext *c) {
     return c->err == REDIS_ERR_IO && strcmp(c->errstr, strerror(EAGAIN)) == 0;
 }
 
+/* A half-open probe on *pc that does not wait for the breaker's back-off:
+ * PING on the open connection (once more on a new one when the server
+ * closed it), or connect (which PINGs) when it is down. Returns 1 when Redis
+ * answered: the breaker closes, so every connection's calls resume. Returns
+ * 0 when it did not: a failure counted against the breaker, the connection
+ * closed. Costs at most about two timeouts. */
+int rk_redis_probe(rk_redis *r, redisContext **pc) {
+    char why[200] = "";
+    if (*pc) {
+        redisReply *rep = redisCommand(*pc, "PING");
+        int ok = rep && rep->type != REDIS_REPLY_ERROR;
+        if (!ok) snprintf(why, sizeof why, "PING: %s", rep ? rep->str : rk_redis_conn_error(*pc));
+        int timed_out = !rep && conn_timed_out(*pc);
+        freeReplyObject(rep);
+        if (ok) {
+            breaker_success(r);
+            return 1;
+        }
+        redisFree(*pc);
+        *pc = NULL;
+        if (timed_out) {
+            rk_redis_breaker_failure(r, why);
+            return 0;
+        }
+    }
+    rk_status st = rk_redis_connect(&r->url, r->cfg.timeout_ms, pc);
+    if (st) {
+        rk_redis_breaker_failure(r, rk_error_message());
+        return 0;
+    }
+    breaker_success(r);
+    return 1;
+}
+
 /* Run n pipelined commands (command i: argc[i] arguments argv[i], lengths
  * lens[i] or NULL) on *pc in one round trip, connecting first when it is
  * down, through the breaker. RK_OK with the n replies in out (never an error

@@ -44,6 +44,7 @@ struct rk_redis_value {
     size_t size;
     int has_lock;
     rk_redis_lock lock;
+    int tries; /* attempts that reached Redis (or its time-out) and failed */
 };
 
 struct rk_redis {
@@ -103,11 +104,13 @@ rk_status rk_redis_judge(rk_redis *r, const char *key, const redisReply *mr, uin
                          rk_store_payload *got, uint64_t *out_payload, verdict *v, const char **why,
                          int *out_unread, char *buf, size_t cap);
 
-/* redis_conn.c: the breaker's state and a failure counted against it; a new
+/* redis_conn.c: the breaker's state, a failure counted against it and a
+ * half-open probe past its back-off; a new
  * connection; hiredis's error in words; commands through the breaker (see
  * the comments at their definitions); the configuration's checks. */
 int rk_redis_breaker_is_open(rk_redis *r);
 void rk_redis_breaker_failure(rk_redis *r, const char *why);
+int rk_redis_probe(rk_redis *r, redisContext **pc);
 rk_status rk_redis_connect(const rk_redis_url *u, int timeout_ms, redisContext **out);
 const char *rk_redis_conn_error(const redisContext *c);
 rk_status rk_redis_run_cmds(rk_redis *r, redisContext **pc, int n, const int *argc,

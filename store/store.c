@@ -103,13 +103,58 @@ rk_status rk_store_payload_path(const rk_store *s, const char *key, char *buf, s
 
 const char *rk_store_dir(const rk_store *s) { return s ? s->dir : NULL; }
 
-/* Remove a payload file whose row is gone; a missing file is fine. */
+/* Remove the payload file of a deleted row; a missing file is fine. Returns
+ * 0, or the errno of a failed unlink (logged; its reason into why, cap
+ * bytes, when why is not NULL). The unlink is an I/O call of
+ * rk_store_fault_io's. */
+int rk_store_unlink_payload(rk_store *s, const char *key, char *why, size_t cap) {
+    char path[PATH_MAX];
+    if (rk_store_key_paths(s, key, NULL, path, NULL, sizeof path) != RK_OK) return 0;
+    if ((rk_payload_io_fault() ? -1 : unlink(path)) == 0 || errno == ENOENT) return 0;
+    int err = errno;
+    RK_LOG_WARN("store %s: cannot remove %s: %s", s->dir, path, strerror(err));
+    if (why) snprintf(why, cap, "cannot remove kv/%.2s/%.32s.kv: %s", key, key, strerror(err));
+    return err;
+}
+
+/* The same, without a report, for files whose row never committed or was
+ * evicted (an eviction's file that stays gets its row back at the next open,
+ * and is evicted again). */
 static void unlink_payload(rk_store *s, const char *key) {
     char path[PATH_MAX];
     if (rk_store_key_paths(s, key, NULL, path, NULL, sizeof path) != RK_OK) return;
     if (unlink(path) != 0 && errno != ENOENT)
-        RK_LOG_WARN("store %s: cannot remove %s: %s (removed at next open)", s->dir, path,
-                    strerror(errno));
+        RK_LOG_WARN("store %s: cannot remove %s: %s", s->dir, path, strerror(errno));
+}
+
+/* Record (add 1) or clear (add 0) the tombstone of key: its row is gone and
+ * its payload file must not get the row back at an open. */
+rk_status rk_store_tombstone(rk_store *s, const char *key, int add) {
+    sqlite3_stmt *q = rk_store_stmt(s, add ? ST_TOMB_ADD : ST_TOMB_DEL);
+    sqlite3_bind_text(q, 1, key, -1, SQLITE_STATIC);
+    return rk_store_step_done(s, q, add ? "record a tombstone" : "clear a tombstone");
+}
+
+/* Count a payload file that could not be removed in *out (may be NULL). */
+static void note_file_left(rk_store_removal *out, const char *why) {
+    if (!out) return;
+    if (!out->files_left++) snprintf(out->why, sizeof out->why, "%s", why);
+}
+
+/* Remove the payload file of a removed row whose tombstone is recorded, and
+ * then the tombstone; a file that cannot be removed keeps it (counted in
+ * *out). The caller runs the tombstone's removal inside a transaction of
+ * its own or not at all (clear 0: it clears them together). Returns 1 when
+ * the file is gone. */
+static int remove_tombstoned(rk_store *s, const char *key, int clear, rk_store_removal *out) {
+    char why[200];
+    if (rk_store_unlink_payload(s, key, why, sizeof why) != 0) {
+        note_file_left(out, why);
+        return 0;
+    }
+    if (clear && rk_store_tombstone(s, key, 0) != RK_OK)
+        RK_LOG_WARN("store %s: %s (cleared at the next open)", s->dir, rk_error_message());
+    return 1;
 }
 
 /* Move the file at path (its name base) into DIR/quarantine/ under a unique
@@ -336,7 +381,8 @@ rk_status rk_store_commit(rk_store *s) {
         batch_abandoned(s);
         return rk_errorf(st, "%s (batch rolled back)", msg);
     }
-    for (size_t i = 0; i < s->pending_unlink.n; i++) unlink_payload(s, s->pending_unlink.v[i]);
+    for (size_t i = 0; i < s->pending_unlink.n; i++)
+        (void)remove_tombstoned(s, s->pending_unlink.v[i], 1, NULL);
     s->pending_unlink.n = 0;
     s->batch_written.n = 0;
     s->in_batch = 0;
@@ -359,18 +405,30 @@ rk_status rk_store_rollback(rk_store *s) {
 /* ---------------------------------------------------------------- removal */
 
 /* Delete key's row (n_bytes of payload) and then its file; inside a batch the
- * file goes when the batch commits. With bad set the payload failed a check:
- * its file is quarantined at once instead. */
-rk_status rk_store_remove_entry(rk_store *s, const char *key, uint64_t n_bytes, int bad) {
-    sqlite3_stmt *q = rk_store_stmt(s, ST_DELETE);
-    sqlite3_bind_text(q, 1, key, -1, SQLITE_STATIC);
-    rk_status st = rk_store_step_done(s, q, "delete a row");
+ * file goes when the batch commits. The row goes with a tombstone for key,
+ * in one transaction, which goes when the file has gone (see store.h). With
+ * bad set the payload failed a check: its file is quarantined at once
+ * instead, and no tombstone is needed (an open quarantines it again). */
+rk_status rk_store_remove_entry(rk_store *s, const char *key, uint64_t n_bytes, int bad,
+                                rk_store_removal *out) {
+    int own = !bad && !s->in_batch; /* a transaction of our own for row and tombstone */
+    rk_status st = own ? rk_store_step_done(s, rk_store_stmt(s, ST_BEGIN), "delete a row") : RK_OK;
+    if (st == RK_OK) {
+        sqlite3_stmt *q = rk_store_stmt(s, ST_DELETE);
+        sqlite3_bind_text(q, 1, key, -1, SQLITE_STATIC);
+        st = rk_store_step_done(s, q, "delete a row");
+    }
+    if (st == RK_OK && !bad) st = rk_store_tombstone(s, key, 1);
+    if (st == RK_OK && own) st = rk_store_step_done(s, rk_store_stmt(s, ST_COMMIT), "delete a row");
     if (st != RK_OK) {
+        if (own && !sqlite3_get_autocommit(s->db))
+            rk_store_step_done(s, rk_store_stmt(s, ST_ROLLBACK), "roll back");
         batch_check_alive(s);
         return st;
     }
     if (s->rows) s->rows--;
     s->bytes = s->bytes >= n_bytes ? s->bytes - n_bytes : 0;
+    if (out) out->rows++;
     if (bad) {
         quarantine_payload(s, key);
     } else if (s->in_batch) {
@@ -378,7 +436,7 @@ rk_status rk_store_remove_entry(rk_store *s, const char *key, uint64_t n_bytes, 
             RK_LOG_WARN("store %s: no memory to defer a file removal (removed at next open)",
                         s->dir);
     } else {
-        unlink_payload(s, key);
+        (void)remove_tombstoned(s, key, 1, out);
     }
     return RK_OK;
 }
@@ -497,6 +555,8 @@ rk_status rk_store_insert_row(rk_store *s, const rk_payload_header *h, uint64_t 
     sqlite3_bind_text(q, 9, rel, -1, SQLITE_STATIC);
     rk_status st = rk_store_step_done(s, q, "insert a row");
     sqlite3_clear_bindings(q);
+    /* A put of a deleted key: its file was replaced, the row is back. */
+    if (st == RK_OK) st = rk_store_tombstone(s, h->key, 0);
     return st;
 }
 
@@ -717,7 +777,7 @@ void rk_store_load_done(rk_store *s, const rk_store_located *loc, rk_status read
     const char *key = loc->row.key;
     if (read_status == RK_ERR_FORMAT) {
         RK_LOG_WARN("store %s: dropping a bad payload: %s", s->dir, why);
-        if (rk_store_remove_entry(s, key, loc->row.n_bytes, 1) != RK_OK)
+        if (rk_store_remove_entry(s, key, loc->row.n_bytes, 1, NULL) != RK_OK)
             RK_LOG_WARN("store %s: %s", s->dir, rk_error_message());
         s->c.dropped_on_load++;
         s->c.corrupt_after_open++;
@@ -782,7 +842,8 @@ rk_status rk_store_lookup(rk_store *s, const char *key, rk_store_entry *out) {
     return RK_OK;
 }
 
-rk_status rk_store_delete(rk_store *s, const char *key) {
+rk_status rk_store_delete(rk_store *s, const char *key, rk_store_removal *out) {
+    if (out) memset(out, 0, sizeof *out);
     rk_status st = must_write(s);
     if (st != RK_OK) return st;
     if ((st = check_key(key)) != RK_OK) return st;
@@ -790,7 +851,7 @@ rk_status rk_store_delete(rk_store *s, const char *key) {
     int found = 0;
     if ((st = rk_store_find_own_row(s, key, &row, &found)) != RK_OK) return st;
     if (!found) return rk_errorf(RK_ERR_NOT_FOUND, "store: key %s not found", key);
-    if ((st = rk_store_remove_entry(s, key, row.n_bytes, 0)) != RK_OK) return st;
+    if ((st = rk_store_remove_entry(s, key, row.n_bytes, 0, out)) != RK_OK) return st;
     s->c.deletes++;
     s->generation++; /* a write under way must not bring it back */
     return RK_OK;
@@ -823,13 +884,17 @@ static rk_status push_key(rk_store *s, const rk_store_entry *e, void *ctx) {
 }
 
 /* Delete the rows of keys in one transaction, then their files (quarantined
- * with bad set: they failed a check). */
-rk_status rk_store_remove_keys(rk_store *s, const key_list *keys, int bad, const char *what) {
+ * with bad set: they failed a check). Without bad each row leaves a
+ * tombstone in the same transaction, and the tombstones of the files that
+ * went are cleared together afterwards. */
+rk_status rk_store_remove_keys(rk_store *s, const key_list *keys, int bad, const char *what,
+                               rk_store_removal *out) {
     rk_status st = rk_store_step_done(s, rk_store_stmt(s, ST_BEGIN), what);
     for (size_t i = 0; st == RK_OK && i < keys->n; i++) {
         sqlite3_stmt *d = rk_store_stmt(s, ST_DELETE);
         sqlite3_bind_text(d, 1, keys->v[i], -1, SQLITE_STATIC);
         st = rk_store_step_done(s, d, what);
+        if (st == RK_OK && !bad) st = rk_store_tombstone(s, keys->v[i], 1);
     }
     if (st == RK_OK) st = rk_store_step_done(s, rk_store_stmt(s, ST_COMMIT), what);
     if (st != RK_OK) {
@@ -837,24 +902,38 @@ rk_status rk_store_remove_keys(rk_store *s, const key_list *keys, int bad, const
             rk_store_step_done(s, rk_store_stmt(s, ST_ROLLBACK), "roll back");
         return st;
     }
-    for (size_t i = 0; i < keys->n; i++) {
-        if (bad)
-            quarantine_payload(s, keys->v[i]);
-        else
-            unlink_payload(s, keys->v[i]);
+    if (out) out->rows += keys->n;
+    if (bad) {
+        for (size_t i = 0; i < keys->n; i++) quarantine_payload(s, keys->v[i]);
+        return RK_OK;
     }
+    char *gone = calloc(keys->n ? keys->n : 1, 1); /* 1 where the file went */
+    for (size_t i = 0; i < keys->n; i++) {
+        int g = remove_tombstoned(s, keys->v[i], !gone, out);
+        if (gone) gone[i] = (char)g;
+    }
+    if (!gone) return RK_OK;
+    rk_status cs = rk_store_step_done(s, rk_store_stmt(s, ST_BEGIN), "clear tombstones");
+    for (size_t i = 0; cs == RK_OK && i < keys->n; i++)
+        if (gone[i]) cs = rk_store_tombstone(s, keys->v[i], 0);
+    if (cs == RK_OK) cs = rk_store_step_done(s, rk_store_stmt(s, ST_COMMIT), "clear tombstones");
+    if (cs != RK_OK) {
+        RK_LOG_WARN("store %s: %s (cleared at the next open)", s->dir, rk_error_message());
+        if (!sqlite3_get_autocommit(s->db))
+            rk_store_step_done(s, rk_store_stmt(s, ST_ROLLBACK), "roll back");
+    }
+    free(gone);
     return RK_OK;
 }
 
-rk_status rk_store_flush(rk_store *s, uint64_t *out_removed) {
+rk_status rk_store_flush(rk_store *s, rk_store_removal *out) {
+    if (out) memset(out, 0, sizeof *out);
     rk_status st = must_write(s);
     if (st != RK_OK) return st;
-    if (out_removed) *out_removed = 0;
     if (s->in_batch) return rk_errorf(RK_ERR_INVALID, "store %s: flush inside a batch", s->dir);
     key_list keys = {0};
     st = rk_store_for_each_row(s, push_key, &keys);
-    if (st == RK_OK) st = rk_store_remove_keys(s, &keys, 0, "flush");
-    if (st == RK_OK && out_removed) *out_removed = keys.n;
+    if (st == RK_OK) st = rk_store_remove_keys(s, &keys, 0, "flush", out);
     if (st == RK_OK) s->generation++; /* nor bring back what was flushed */
     rk_store_key_list_free(&keys);
     if (st == RK_OK) st = rk_store_load_totals(s);

@@ -14,9 +14,11 @@
  *
  * Writes: the payload goes to a temporary name in its final directory, is
  * checksummed (XXH3-128 over token ids and body), fsync'ed and renamed, the
- * directory is fsync'ed, and only then does the row commit. Deletes remove the
- * row first and the file after. So after a crash every row points at a
- * complete file; at worst a file without a row remains.
+ * directory is fsync'ed, and only then does the row commit. Deletes (and
+ * flushes) remove the row and record a tombstone for its key in one
+ * transaction, then remove the file, then the tombstone. So after a crash
+ * every row points at a complete file; at worst a file without a row
+ * remains, and a deleted chunk's file is never given its row back.
  *
  * Payload files describe themselves (key, model fingerprint, tokens, layout,
  * policy, document id, creation time, checksums), so the table can always be
@@ -30,10 +32,14 @@
  *   - rows of this model whose payload is missing, of the wrong size, with a
  *     bad header or (with verify_on_open) a bad checksum are dropped and
  *     counted, their files moved to DIR/quarantine/;
- *   - a payload file without a row (an interrupted delete or eviction, or a
- *     lost table) that passes the same checks gets its row back, whatever its
- *     model; one that fails them is moved to DIR/quarantine/; leftover *.tmp
- *     files of interrupted writes are removed;
+ *   - the payload file of a tombstoned key (a delete or flush that could not
+ *     remove it: a read-only directory, or a crash in between) is removed
+ *     now and its tombstone cleared; when it still cannot be removed it stays,
+ *     tombstoned, without a row, and is tried again at the next open;
+ *   - a payload file without a row or tombstone (an interrupted eviction, a
+ *     lost table) that passes the same checks gets its row back, whatever
+ *     its model; one that fails them is moved to DIR/quarantine/; leftover
+ *     *.tmp files of interrupted writes are removed;
  *   - a kv/ab directory or file that cannot be read is skipped, logged and
  *     counted (`unreadable`), and open goes on;
  *   - rows of another model fingerprint are kept, never served, and counted.
@@ -55,7 +61,7 @@
 #include "config/config.h"
 
 /* The schema version this code writes (PRAGMA user_version of chunks.db). */
-#define RK_STORE_SCHEMA_VERSION 1
+#define RK_STORE_SCHEMA_VERSION 2
 
 /* Bytes of the fixed header at the start of every payload file this code
  * writes (format version 2); the token ids follow it, then the body (see
@@ -293,12 +299,24 @@ rk_status rk_store_contains(rk_store *s, const char *key, int *out_present);
  * Does not count as an access. */
 rk_status rk_store_lookup(rk_store *s, const char *key, rk_store_entry *out);
 
-/* Remove the row and payload file of key; RK_ERR_NOT_FOUND if none. */
-rk_status rk_store_delete(rk_store *s, const char *key);
+/* What a delete or flush removed. A row is removed (and never served again)
+ * even when its payload file cannot be: that file keeps a tombstone, so no
+ * open gives it its row back, and each open tries to remove it again. */
+typedef struct rk_store_removal {
+    uint64_t rows;       /* rows removed */
+    uint64_t files_left; /* of their payload files, those that could not be removed now */
+    char why[200];       /* the first of those: the file and the reason; "" when none */
+} rk_store_removal;
 
-/* Remove every row and payload file of this model; *out_removed (may be NULL)
- * receives the count. Rows of other models are kept. */
-rk_status rk_store_flush(rk_store *s, uint64_t *out_removed);
+/* Remove the row and payload file of key; RK_ERR_NOT_FOUND if none. *out
+ * (may be NULL) says what was removed. Inside a batch the file goes when
+ * the batch commits (a failure then is logged, the tombstone kept). */
+rk_status rk_store_delete(rk_store *s, const char *key, rk_store_removal *out);
+
+/* Remove every row and payload file of this model; *out (may be NULL) says
+ * how many rows went and which files stayed. Rows of other models are
+ * kept. */
+rk_status rk_store_flush(rk_store *s, rk_store_removal *out);
 
 /* List rows of this model (read-only handles: of every model) sorted by sort,
  * skipping offset rows and returning at most limit (limit <= 0: all). *out is

@@ -1,14 +1,20 @@
 /* tests/test_persist.c — the disk tier: chunks written through to the store,
  * loaded back after a restart (identical results), offline pre-warming with
  * the real binary (progress, resumption, malformed lines, SIGKILL at random
- * points), and failing writes that leave serving untouched. */
+ * points), failing writes that leave serving untouched, and deletes in a
+ * read-only store that say what stayed and never come back. */
 #include <criterion/criterion.h>
+#include <fcntl.h>
+#include <jansson.h>
+#include <linux/fs.h>
 #include <math.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -410,5 +416,121 @@ Test(persist, nan_kv_on_disk_is_found_by_verify_and_quarantined_at_load_never_se
     /* The store's open (verify_on_open) checks every payload's KV too. */
     cr_assert_eq(atoi(out), 3, "the bad payloads were not quarantined: %s", out);
     free(out);
+    free(dir);
+}
+
+/* ---------------------------------------------------------------- deletes that cannot remove a
+ * file */
+
+static rk_test_server g_srv;
+
+static void stop_srv(void) { rk_test_server_stop_checked(&g_srv); }
+
+/* Make directory dir unwritable (on 1) or writable again (on 0) for the
+ * server: chmod for a user, the immutable attribute for root, whom
+ * permissions do not bind. Returns 1 when, made unwritable, no file can be
+ * created in it; 0 when that could not be arranged here (then undone). */
+static int set_unwritable(const char *dir, int on) {
+    if (geteuid() == 0) {
+        int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (fd < 0) return 0;
+        int flags = 0, ok = ioctl(fd, FS_IOC_GETFLAGS, &flags) == 0;
+        if (ok) {
+            flags = on ? flags | FS_IMMUTABLE_FL : flags & ~FS_IMMUTABLE_FL;
+            ok = ioctl(fd, FS_IOC_SETFLAGS, &flags) == 0;
+        }
+        close(fd);
+        if (!ok) return 0;
+    } else if (chmod(dir, on ? 0555 : 0755) != 0) {
+        return 0;
+    }
+    if (!on) return 1;
+    char probe[4200];
+    snprintf(probe, sizeof probe, "%s/probe", dir);
+    int fd = open(probe, O_WRONLY | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) return 1;
+    close(fd);
+    unlink(probe);
+    set_unwritable(dir, 0);
+    return 0;
+}
+
+static rk_test_resp srv_call(const char *method, const char *path, const char *body) {
+    rk_test_resp r;
+    cr_assert_eq(rk_test_exchange(&g_srv.t, method, path, NULL, body, &r), 0, "%s %s: no answer",
+                 method, path);
+    return r;
+}
+
+/* With the store's directories read-only, DELETE and flush remove the rows
+ * but not the files: their answers say so ("disk": false and the reason;
+ * disk_files_left), and no restart brings the chunks back; the first start
+ * that can write removes the files. */
+Test(persist, a_delete_that_cannot_remove_its_file_says_so_and_a_restart_keeps_it_deleted,
+     .fini = stop_srv, .timeout = 300) {
+    char *dir = rk_test_tmpdir("persist-rodel");
+    const char *args[] = {"--store", dir, NULL};
+    cr_assert_eq(rk_test_server_start_ready(&g_srv, "persist", NULL, args), 0);
+    rk_test_resp r = srv_call("POST", "/v1/chunks",
+                              "{\"chunks\": [\"A chunk that will be deleted.\", \"A chunk that "
+                              "will be flushed.\"], \"persist\": true}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    char key[2][33], sub[2][4200], file[2][4300]; /* dir is a short scratch path */
+    for (int i = 0; i < 2; i++) {
+        char p[32];
+        snprintf(p, sizeof p, "data.%d.key", i);
+        snprintf(key[i], sizeof key[i], "%s", rk_test_jstr(r.json, p));
+        snprintf(sub[i], sizeof sub[i], "%.4000s/kv/%.2s", dir, key[i]);
+        snprintf(file[i], sizeof file[i], "%s/kv/%.2s/%.32s.kv", dir, key[i], key[i]);
+        cr_assert_eq(access(file[i], F_OK), 0, "%s was not written", file[i]);
+    }
+    rk_test_resp_free(&r);
+    int ro = 1;
+    for (int i = 0; i < 2; i++) ro = ro && set_unwritable(sub[i], 1);
+    if (!ro) {
+        for (int i = 0; i < 2; i++) set_unwritable(sub[i], 0);
+        free(dir);
+        cr_skip_test("cannot make a directory unwritable here (no immutable attribute)");
+    }
+
+    /* What the server answers and keeps while the directories stay read-only;
+     * checked once they are writable again, so a failure leaves none behind. */
+    char path[80];
+    snprintf(path, sizeof path, "/v1/chunks/%s", key[0]);
+    rk_test_resp del = srv_call("DELETE", path, NULL);
+    rk_test_resp flush = srv_call("POST", "/v1/cache/flush", "{\"what\": \"all\", \"disk\": true}");
+    int stopped = rk_test_server_stop(&g_srv);
+    int restarted = rk_test_server_start_ready(&g_srv, "persist", NULL, args);
+    rk_test_resp stats = restarted ? (rk_test_resp){0} : srv_call("GET", "/v1/stats", NULL);
+    int stopped2 = restarted ? -1 : rk_test_server_stop(&g_srv);
+    for (int i = 0; i < 2; i++) cr_assert(set_unwritable(sub[i], 0));
+
+    cr_assert_eq(del.http.status, 200, "%s", del.http.body);
+    cr_assert(json_is_true(rk_test_jget(del.json, "arena")), "%s", del.http.body);
+    cr_assert(json_is_false(rk_test_jget(del.json, "disk")), "%s", del.http.body);
+    const char *why = rk_test_jstr(del.json, "disk_error");
+    cr_assert(why && strstr(why, key[0]) && !strstr(why, dir), "%s", del.http.body);
+    cr_assert_eq(flush.http.status, 200, "%s", flush.http.body);
+    cr_assert_eq(rk_test_jint(flush.json, "flushed.disk_rows"), 1, "%s", flush.http.body);
+    cr_assert_eq(rk_test_jint(flush.json, "flushed.disk_files_left"), 1, "%s", flush.http.body);
+    cr_assert(rk_test_jstr(flush.json, "flushed.disk_error"), "%s", flush.http.body);
+    cr_assert_eq(stopped, 0);
+    cr_assert_eq(restarted, 0);
+    cr_assert_eq(rk_test_jint(stats.json, "store.rows"), 0, "the chunks came back: %s",
+                 stats.http.body);
+    cr_assert_eq(rk_test_jint(stats.json, "store.rows_rebuilt"), 0, "%s", stats.http.body);
+    cr_assert_eq(stopped2, 0);
+    for (int i = 0; i < 2; i++) cr_assert_eq(access(file[i], F_OK), 0, "%s went", file[i]);
+    rk_test_resp_free(&del);
+    rk_test_resp_free(&flush);
+    rk_test_resp_free(&stats);
+
+    /* Writable again: the next start removes both files and serves neither. */
+    cr_assert_eq(rk_test_server_start_ready(&g_srv, "persist", NULL, args), 0);
+    r = srv_call("GET", "/v1/stats", NULL);
+    cr_assert_eq(rk_test_jint(r.json, "store.rows"), 0, "%s", r.http.body);
+    cr_assert_eq(rk_test_jint(r.json, "store.rows_rebuilt"), 0, "%s", r.http.body);
+    rk_test_resp_free(&r);
+    for (int i = 0; i < 2; i++) cr_assert_neq(access(file[i], F_OK), 0, "%s stayed", file[i]);
     free(dir);
 }

@@ -493,9 +493,10 @@ Test(pipeline, cache_control_shows_a_viewer_only_its_own_chunks) {
     cr_assert_eq(rk_service_chunk_get(svc, &va, ka, &info), RK_OK);
     cr_assert_eq(info.owner, 1);
     int in_arena, on_disk;
-    cr_assert_eq(rk_service_chunk_delete(svc, &vb, ka, &in_arena, &on_disk), RK_ERR_NOT_FOUND);
+    cr_assert_eq(rk_service_chunk_delete(svc, &vb, ka, &in_arena, &on_disk, NULL, 0),
+                 RK_ERR_NOT_FOUND);
     cr_assert_eq(rk_service_chunk_get(svc, &all, ka, &info), RK_OK, "B's delete removed nothing");
-    cr_assert_eq(rk_service_chunk_delete(svc, &va, ka, &in_arena, &on_disk), RK_OK);
+    cr_assert_eq(rk_service_chunk_delete(svc, &va, ka, &in_arena, &on_disk, NULL, 0), RK_OK);
     cr_assert(in_arena && !on_disk);
     cr_assert_eq(rk_service_chunk_list(svc, &vb, 1, 0, 0, 10, &l), RK_ERR_INVALID,
                  "no store, and the disk tier is for viewers of everything");

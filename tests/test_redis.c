@@ -473,6 +473,79 @@ Test(redis, stalled_server_costs_at_most_the_timeout_per_call_and_then_nothing) 
     rk_test_redis_free(&s);
 }
 
+Test(redis, writes_made_while_a_paused_server_is_away_land_once_it_answers) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_redis_config cfg;
+    rk_redis_config_default(&cfg);
+    cfg.min_tokens = 1;
+    cfg.timeout_ms = 100;
+    cfg.breaker_failures = 2;
+    cfg.breaker_backoff_ms = 100;
+    cfg.breaker_backoff_max_ms = 600000; /* a back-off that would outlast the test */
+    rk_redis *a = open_tier(&s, FP_A, &cfg);
+    enum { N = 16 };
+    static chunk c[N];
+    for (int i = 0; i < N; i++) chunk_make(&c[i], 300 + (unsigned)i);
+    put_and_settle(a, &c[0]);
+    rk_store_payload p;
+    rk_redis_counters ct;
+    kill(s.pid, SIGSTOP); /* accepts connections, answers nothing */
+    /* Reads fail at the timeout until the breaker opens (the bound is
+     * against a hang only). */
+    double give_up = rk_time_now() + 60;
+    do {
+        cr_assert_eq(get_chunk(a, &c[0], &p), RK_ERR_NOT_FOUND);
+        rk_redis_stats(a, &ct);
+    } while (ct.breaker != RK_REDIS_OPEN && rk_time_now() < give_up);
+    cr_assert_eq(ct.breaker, RK_REDIS_OPEN);
+    uint64_t errors = ct.errors;
+    /* Chunks computed while Redis is away wait in the queue... */
+    for (int i = 1; i < N / 2; i++) {
+        rk_store_put_args args = chunk_args(&c[i]);
+        cr_assert_eq(rk_redis_put(a, &args, NULL), RK_OK, "put %d: %s", i, rk_error_message());
+    }
+    /* ...through the writer's probes, which fail while the server sleeps. */
+    do {
+        usleep(1000);
+        rk_redis_stats(a, &ct);
+    } while (ct.errors < errors + 2 && rk_time_now() < give_up);
+    cr_assert_geq(ct.errors, errors + 2, "the writer did not probe the paused server");
+    cr_assert_eq(ct.queued, N / 2 - 1);
+    cr_assert_eq(ct.write_drops, 0);
+    kill(s.pid, SIGCONT);
+    /* ...as do those computed right after it is back, breaker open or not. */
+    for (int i = N / 2; i < N; i++) {
+        rk_store_put_args args = chunk_args(&c[i]);
+        cr_assert_eq(rk_redis_put(a, &args, NULL), RK_OK, "put %d: %s", i, rk_error_message());
+    }
+    int idle = 0;
+    cr_assert_eq(rk_redis_wait_idle(a, 60000, &idle), RK_OK);
+    cr_assert_eq(idle, 1, "the queued writes never landed");
+    rk_redis_stats(a, &ct);
+    cr_assert_eq(ct.write_drops, 0);
+    cr_assert_eq(ct.writes, N);
+    cr_assert_eq(ct.queued, 0);
+    cr_assert_eq(ct.queued_bytes, 0);
+    /* The writer's probe closed the breaker: reads resume at once, not after
+     * the back-off. */
+    cr_assert_eq(ct.breaker, RK_REDIS_CLOSED);
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(get_chunk(a, &c[i], &p), RK_OK, "chunk %d: %s", i, rk_error_message());
+        expect_same(&p, &c[i]);
+        rk_store_payload_free(&p);
+    }
+    redisContext *rc = raw(&s);
+    char mkey[160];
+    for (int i = 0; i < N; i++) {
+        snprintf(mkey, sizeof mkey, "ragkv:%.32s:%.32s:meta", FP_A, c[i].key);
+        cr_assert_eq(raw_int(rc, "EXISTS %s", mkey), 1, "chunk %d has no marker", i);
+    }
+    redisFree(rc);
+    rk_redis_close(a);
+    rk_test_redis_free(&s);
+}
+
 Test(redis, wrong_password_fails_open_with_a_clear_message) {
     rk_test_redis s = {.password = "x"};
     rk_test_redis_start(&s);

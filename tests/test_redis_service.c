@@ -295,6 +295,52 @@ Test(redis_service, sharing_resumes_after_redis_restarts) {
     rk_test_redis_free(&s);
 }
 
+/* A pause of redis-server (SIGSTOP, then SIGCONT): every chunk computed
+ * while it slept or right after it woke reaches Redis once it is back, and a
+ * second replica loads them all from there. */
+Test(redis_service, chunks_computed_during_and_after_a_pause_reach_redis) {
+    rk_test_redis s = {0};
+    rk_test_redis_start(&s);
+    rk_service *a = open_svc(&s, NULL, 300);
+    char prompt[512];
+    fresh_prompt(prompt, sizeof prompt, 300);
+    req_free(run(a, prompt));
+    drain(a);
+    kill(s.pid, SIGSTOP);
+    enum { FIRST = 301, DURING = 4, AFTER = 4 };
+    for (int i = FIRST; i < FIRST + DURING; i++) {
+        fresh_prompt(prompt, sizeof prompt, i);
+        req_free(run(a, prompt));
+    }
+    rk_redis_counters c;
+    rk_redis_stats(a->redis, &c);
+    cr_assert_eq(c.breaker, RK_REDIS_OPEN, "the pause did not open the breaker");
+    kill(s.pid, SIGCONT);
+    for (int i = FIRST + DURING; i < FIRST + DURING + AFTER; i++) {
+        fresh_prompt(prompt, sizeof prompt, i);
+        req_free(run(a, prompt));
+    }
+    int idle = 0; /* the bound is against a hang only */
+    cr_assert_eq(rk_redis_wait_idle(a->redis, 60000, &idle), RK_OK);
+    cr_assert(idle, "the writes queued during the pause never landed");
+    rk_redis_stats(a->redis, &c);
+    cr_assert_eq(c.write_drops, 0);
+    rk_service *b = open_svc(&s, NULL, 300);
+    for (int i = FIRST; i < FIRST + DURING + AFTER; i++) {
+        fresh_prompt(prompt, sizeof prompt, i);
+        rk_request *r = run(b, prompt);
+        cr_assert_eq(r->n_chunks, 2);
+        for (int k = 0; k < 2; k++)
+            cr_assert_eq(r->chunk_reports[k].source, RK_CHUNK_SOURCE_REDIS,
+                         "prompt %d chunk %d was not shared", i, k);
+        req_free(r);
+    }
+    cr_assert_eq(computes(b), 0, "B computed nothing");
+    rk_service_close(a);
+    rk_service_close(b);
+    rk_test_redis_free(&s);
+}
+
 Test(redis_service, a_wrong_password_stops_start_up) {
     rk_test_redis s = {.password = "right-one"};
     rk_test_redis_start(&s);

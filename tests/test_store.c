@@ -391,12 +391,12 @@ Test(store, delete_removes_row_and_file) {
     char path[4096];
     snprintf(path, sizeof path, "%s", payload_path(s, a.key));
     cr_assert(file_exists(path));
-    ASSERT_OK(rk_store_delete(s, a.key));
+    ASSERT_OK(rk_store_delete(s, a.key, NULL));
     cr_assert_eq(present(s, a.key), 0);
     cr_assert(!file_exists(path));
     rk_store_payload p;
     cr_assert_eq(rk_store_get(s, a.key, &p), RK_ERR_NOT_FOUND);
-    cr_assert_eq(rk_store_delete(s, a.key), RK_ERR_NOT_FOUND);
+    cr_assert_eq(rk_store_delete(s, a.key, NULL), RK_ERR_NOT_FOUND);
     rk_store_counters st = stats_of(s);
     cr_assert_eq(st.deletes, 1);
     cr_assert_eq(st.rows, 1);
@@ -485,7 +485,7 @@ Test(store, stats_counters_are_exact) {
     rk_store_payload_free(&p);
     ASSERT_OK(rk_store_get(s, c[2].key, &p));
     rk_store_payload_free(&p);
-    ASSERT_OK(rk_store_delete(s, c[0].key));
+    ASSERT_OK(rk_store_delete(s, c[0].key, NULL));
     char missing[33];
     make_key(999, missing);
     cr_assert_eq(rk_store_get(s, missing, &p), RK_ERR_NOT_FOUND);
@@ -734,7 +734,7 @@ Test(store, another_fingerprint_serves_nothing_and_keeps_the_rows) {
         cr_assert_eq(present(s, c[i].key), 0);
         cr_assert_eq(rk_store_get(s, c[i].key, &p), RK_ERR_NOT_FOUND);
         cr_assert_eq(rk_store_lookup(s, c[i].key, &e), RK_ERR_NOT_FOUND);
-        cr_assert_eq(rk_store_delete(s, c[i].key), RK_ERR_NOT_FOUND);
+        cr_assert_eq(rk_store_delete(s, c[i].key, NULL), RK_ERR_NOT_FOUND);
         /* storing the same key for this model is refused, not overwritten */
         cr_assert_eq(put_chunk(s, &c[i]), RK_ERR_INVALID);
     }
@@ -744,9 +744,10 @@ Test(store, another_fingerprint_serves_nothing_and_keeps_the_rows) {
     cr_assert_eq(n, 0);
     chunk_make(&mine, 95, 8, 100);
     ASSERT_OK(put_chunk(s, &mine));
-    uint64_t removed = 0;
+    rk_store_removal removed;
     ASSERT_OK(rk_store_flush(s, &removed)); /* flushes model B only */
-    cr_assert_eq(removed, 1);
+    cr_assert_eq(removed.rows, 1);
+    cr_assert_eq(removed.files_left, 0);
     ASSERT_OK(put_chunk(s, &mine));
     rk_store_verify_result vr;
     ASSERT_OK(rk_store_verify(s, 1, NULL, NULL, &vr));
@@ -795,7 +796,7 @@ Test(store, bad_keys_are_rejected_as_invalid) {
         cr_assert_eq(rk_store_get(s, k, &p), RK_ERR_INVALID);
         cr_assert_eq(rk_store_contains(s, k, &pr), RK_ERR_INVALID);
         cr_assert_eq(rk_store_lookup(s, k, &e), RK_ERR_INVALID);
-        cr_assert_eq(rk_store_delete(s, k), RK_ERR_INVALID);
+        cr_assert_eq(rk_store_delete(s, k, NULL), RK_ERR_INVALID);
         cr_assert_eq(rk_store_payload_path(s, k, path, sizeof path), RK_ERR_INVALID);
         cr_assert_eq(rk_store_key_valid(k), 0);
     }
@@ -925,6 +926,131 @@ Test(store_faults, read_only_directory_fails_the_put_cleanly) {
     chunk_free(&ok[1]);
     chunk_free(&fail_same);
     chunk_free(&fail_new);
+    rm_rf(dir);
+}
+
+/* A delete in a directory the store may not write to removes the row but
+ * not the file: it says so, and no open gives the file its row back; the
+ * first open that can removes it. Root ignores directory permissions: the
+ * test process becomes nobody (drop_root_or_skip). */
+Test(store_faults, a_file_a_read_only_directory_keeps_is_reported_and_never_resurrected) {
+    char *dir = rk_test_tmpdir("store-rodel");
+    drop_root_or_skip(dir);
+    chunk a, b;
+    chunk_make(&a, 130, 16, 1000);
+    chunk_make(&b, 131, 16, 1000);
+    cr_assert_neq(strncmp(a.key, b.key, 2), 0, "the two chunks must use two directories");
+    rk_store *s = open_store(dir, FP_A, 1);
+    ASSERT_OK(put_chunk(s, &a));
+    ASSERT_OK(put_chunk(s, &b));
+    char sub[4200], path[4200], probe[4300];
+    PATHF(sub, "%s/kv/%.2s", dir, a.key);
+    PATHF(path, "%s", payload_path(s, a.key));
+    cr_assert_eq(chmod(sub, 0555), 0);
+    PATHF(probe, "%s/probe", sub);
+    int fd = open(probe, O_WRONLY | O_CREAT, 0644);
+    if (fd >= 0) {
+        close(fd);
+        unlink(probe);
+        chmod(sub, 0755);
+        rk_store_close(s);
+        chunk_free(&a);
+        chunk_free(&b);
+        free(dir);
+        cr_skip_test("chmod 0555 does not stop writes here (root or odd filesystem)");
+    }
+
+    rk_store_removal rm;
+    ASSERT_OK(rk_store_delete(s, a.key, &rm));
+    cr_assert_eq(rm.rows, 1);
+    cr_assert_eq(rm.files_left, 1, "the delete claims the file went");
+    cr_assert(strstr(rm.why, "Permission denied"), "%s", rm.why);
+    cr_assert(strstr(rm.why, a.key), "%s", rm.why);
+    cr_assert_eq(present(s, a.key), 0);
+    cr_assert(file_exists(path));
+    rk_store_close(s);
+
+    /* still read-only: the file stays, without its row */
+    s = open_store(dir, FP_A, 1);
+    rk_store_counters st = stats_of(s);
+    cr_assert_eq(present(s, a.key), 0, "the deleted chunk came back");
+    cr_assert_eq(st.rows_rebuilt, 0);
+    cr_assert_eq(st.rows, 1);
+    rk_store_payload p;
+    cr_assert_eq(rk_store_get(s, a.key, &p), RK_ERR_NOT_FOUND);
+    expect_chunk(s, &b);
+    cr_assert(file_exists(path));
+    rk_store_close(s);
+    cr_assert_eq(sql_int_on(dir, "SELECT COUNT(*) FROM tombstones"), 1);
+
+    /* writable again: the next open removes it */
+    cr_assert_eq(chmod(sub, 0755), 0);
+    s = open_store(dir, FP_A, 1);
+    cr_assert_eq(present(s, a.key), 0);
+    cr_assert_eq(stats_of(s).rows_rebuilt, 0);
+    cr_assert(!file_exists(path), "the tombstoned file was not removed");
+    rk_store_close(s);
+    cr_assert_eq(sql_int_on(dir, "SELECT COUNT(*) FROM tombstones"), 0);
+
+    /* and the key may be stored again */
+    s = open_store(dir, FP_A, 1);
+    ASSERT_OK(put_chunk(s, &a));
+    expect_chunk(s, &a);
+    rk_store_close(s);
+    chunk_free(&a);
+    chunk_free(&b);
+    rm_rf(dir);
+}
+
+/* The same for a flush, as root too: the unlink of the second file fails
+ * with EIO (rk_store_fault_io). Then a tombstone left by a crash between a
+ * delete's commit and its unlink (the file back in place) keeps the file
+ * from getting its row back too. */
+Test(store_faults, a_flush_reports_the_files_it_could_not_remove_and_no_open_rebuilds_them) {
+    char *dir = rk_test_tmpdir("store-flushleft");
+    chunk c[3];
+    for (int i = 0; i < 3; i++) chunk_make(&c[i], 140 + (unsigned)i, 16, 1000);
+    rk_store *s = open_store(dir, FP_A, 1);
+    for (int i = 0; i < 3; i++) ASSERT_OK(put_chunk(s, &c[i]));
+    rk_store_removal rm;
+    rk_store_fault_io(2);
+    rk_status st = rk_store_flush(s, &rm);
+    rk_store_fault_io(0);
+    ASSERT_OK(st);
+    cr_assert_eq(rm.rows, 3);
+    cr_assert_eq(rm.files_left, 1);
+    cr_assert(strstr(rm.why, strerror(EIO)), "%s", rm.why);
+    cr_assert_eq(stats_of(s).rows, 0);
+    cr_assert_eq(count_files(dir, ".kv"), 1);
+    rk_store_close(s);
+    cr_assert_eq(sql_int_on(dir, "SELECT COUNT(*) FROM tombstones"), 1);
+    s = open_store(dir, FP_A, 1);
+    cr_assert_eq(stats_of(s).rows, 0, "a flushed chunk came back");
+    cr_assert_eq(stats_of(s).rows_rebuilt, 0);
+    cr_assert_eq(count_files(dir, ".kv"), 0);
+    rk_store_close(s);
+    cr_assert_eq(sql_int_on(dir, "SELECT COUNT(*) FROM tombstones"), 0);
+
+    /* a crash after the delete's commit, before its unlink */
+    s = open_store(dir, FP_A, 1);
+    ASSERT_OK(put_chunk(s, &c[0]));
+    char path[4096], saved[4200];
+    snprintf(path, sizeof path, "%s", payload_path(s, c[0].key));
+    PATHF(saved, "%s/saved.bin", dir);
+    cr_assert_eq(link(path, saved), 0, "%s", strerror(errno));
+    ASSERT_OK(rk_store_delete(s, c[0].key, &rm));
+    cr_assert_eq(rm.files_left, 0);
+    cr_assert(!file_exists(path));
+    rk_store_close(s);
+    cr_assert_eq(rename(saved, path), 0);
+    char sql[200]; /* as if the unlink never ran */
+    snprintf(sql, sizeof sql, "INSERT INTO tombstones (key) VALUES ('%s')", c[0].key);
+    sql_on(dir, sql);
+    s = open_store(dir, FP_A, 1);
+    cr_assert_eq(present(s, c[0].key), 0, "the deleted chunk came back");
+    cr_assert(!file_exists(path));
+    rk_store_close(s);
+    for (int i = 0; i < 3; i++) chunk_free(&c[i]);
     rm_rf(dir);
 }
 
@@ -1173,7 +1299,7 @@ Test(store, batches_commit_together_and_roll_back_cleanly) {
 
     ASSERT_OK(rk_store_begin(s));
     for (int i = 0; i < 6; i++) ASSERT_OK(put_chunk(s, &c[i]));
-    ASSERT_OK(rk_store_delete(s, c[5].key)); /* its file goes at commit */
+    ASSERT_OK(rk_store_delete(s, c[5].key, NULL)); /* its file goes at commit */
     cr_assert_eq(count_files(dir, ".kv"), 6);
     cr_assert_eq(put_chunk(s, &c[5]), RK_ERR_BUSY);
     ASSERT_OK(rk_store_commit(s));
@@ -1191,9 +1317,9 @@ Test(store, batches_commit_together_and_roll_back_cleanly) {
     for (int i = 0; i < 5; i++) expect_chunk(s, &c[i]);
     cr_assert_eq(present(s, c[5].key), 0);
     cr_assert_eq(count_files(dir, ".kv"), 5);
-    uint64_t removed = 0;
+    rk_store_removal removed;
     ASSERT_OK(rk_store_flush(s, &removed));
-    cr_assert_eq(removed, 5);
+    cr_assert_eq(removed.rows, 5);
     cr_assert_eq(count_files(dir, ".kv"), 0);
     cr_assert_eq(stats_of(s).rows, 0);
     rk_store_close(s);
@@ -1203,7 +1329,7 @@ Test(store, batches_commit_together_and_roll_back_cleanly) {
 
 /* ---------------------------------------------------------------- schema */
 
-Test(store_schema, a_version_0_database_migrates_to_version_1) {
+Test(store_schema, a_version_0_database_migrates_to_the_current_version) {
     char *dir = rk_test_tmpdir("store-schema0");
     sql_on(dir, "CREATE TABLE scratch (x INTEGER)"); /* a real database, user_version 0 */
     cr_assert_eq(sql_int_on(dir, "PRAGMA user_version"), 0);
@@ -1212,13 +1338,33 @@ Test(store_schema, a_version_0_database_migrates_to_version_1) {
     chunk_make(&c, 160, 8, 64);
     ASSERT_OK(put_chunk(s, &c));
     rk_store_close(s);
-    cr_assert_eq(sql_int_on(dir, "PRAGMA user_version"), 1);
+    cr_assert_eq(sql_int_on(dir, "PRAGMA user_version"), RK_STORE_SCHEMA_VERSION);
     cr_assert_eq(sql_int_on(dir, "PRAGMA application_id"), 0x524b4b56);
     cr_assert_eq(sql_int_on(dir, "SELECT COUNT(*) FROM chunks"), 1);
     cr_assert_eq(sql_int_on(dir, "SELECT COUNT(*) FROM sqlite_master WHERE name = 'scratch'"), 1);
-    s = open_store(dir, FP_A, 1); /* already at version 1: opens as is */
+    s = open_store(dir, FP_A, 1); /* already current: opens as is */
     expect_chunk(s, &c);
     rk_store_close(s);
+    chunk_free(&c);
+    rm_rf(dir);
+}
+
+Test(store_schema, a_version_1_database_gains_tombstones_and_keeps_its_rows) {
+    char *dir = rk_test_tmpdir("store-schema1");
+    rk_store *s = open_store(dir, FP_A, 1);
+    chunk c;
+    chunk_make(&c, 161, 8, 64);
+    ASSERT_OK(put_chunk(s, &c));
+    rk_store_close(s);
+    sql_on(dir, "DROP TABLE tombstones; PRAGMA user_version = 1"); /* as version 1 left it */
+    rk_store *ro = NULL;
+    cr_assert_eq(rk_store_open_readonly(dir, &ro), RK_ERR_UNSUPPORTED);
+    s = open_store(dir, FP_A, 1);
+    expect_chunk(s, &c);
+    ASSERT_OK(rk_store_delete(s, c.key, NULL));
+    rk_store_close(s);
+    cr_assert_eq(sql_int_on(dir, "PRAGMA user_version"), 2);
+    cr_assert_eq(sql_int_on(dir, "SELECT COUNT(*) FROM tombstones"), 0);
     chunk_free(&c);
     rm_rf(dir);
 }
@@ -1309,7 +1455,7 @@ Test(store_offline, read_only_handle_lists_counts_and_verifies_without_deleting)
     rk_store_verify_result vr;
     cr_assert_eq(put_chunk(ro, &b), RK_ERR_INVALID);
     cr_assert_eq(rk_store_get(ro, a[0].key, &p), RK_ERR_INVALID);
-    cr_assert_eq(rk_store_delete(ro, a[0].key), RK_ERR_INVALID);
+    cr_assert_eq(rk_store_delete(ro, a[0].key, NULL), RK_ERR_INVALID);
     cr_assert_eq(rk_store_flush(ro, NULL), RK_ERR_INVALID);
     cr_assert_eq(rk_store_verify(ro, 1, NULL, NULL, &vr), RK_ERR_INVALID);
     cr_assert_eq(rk_store_begin(ro), RK_ERR_INVALID);
@@ -1725,7 +1871,7 @@ Test(store_faults, every_failing_io_call_of_a_put_fails_it_cleanly) {
     ASSERT_OK(put_chunk(s, &c));
     int n_calls = rk_store_fault_io(0);
     cr_assert_geq(n_calls, 8, "a put makes only %d I/O calls", n_calls);
-    ASSERT_OK(rk_store_delete(s, c.key));
+    ASSERT_OK(rk_store_delete(s, c.key, NULL));
     int fds = count_fds();
     for (int nth = 1; nth <= n_calls; nth++) {
         rk_store_fault_io(nth);
