@@ -10,9 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <signal.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include "bench/httpclient.h"
@@ -340,38 +338,11 @@ Test(bench, http_mode_reports_an_unreachable_server) {
     free(out);
 }
 
-/* Start `ragkv serve --port 0` and read the port it prints (0 when it printed
- * none); *out_pid is the child, *out_f the read end of its output. */
-static int start_server(pid_t *out_pid, FILE **out_f) {
-    int fds[2];
-    cr_assert_eq(pipe(fds), 0);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        dup2(fds[1], STDOUT_FILENO);
-        dup2(fds[1], STDERR_FILENO);
-        close(fds[0]);
-        close(fds[1]);
-        execl(RK_BIN, RK_BIN, "serve", "--port", "0", "--threads", "2", (char *)NULL);
-        _exit(127);
-    }
-    close(fds[1]);
-    FILE *f = fdopen(fds[0], "r");
-    char line[256];
-    int port = 0;
-    while (port == 0 && fgets(line, sizeof line, f)) {
-        const char *p = strstr(line, "http://127.0.0.1:");
-        if (p) port = atoi(p + 17);
-    }
-    *out_pid = pid;
-    *out_f = f;
-    return port;
-}
-
-static void stop_server(pid_t pid, FILE *f) {
-    kill(pid, SIGTERM);
-    waitpid(pid, NULL, 0);
-    fclose(f);
+/* Start `ragkv serve --port 0 --threads 2`; the port it listens on, or 0
+ * when it did not start. */
+static int start_server(rk_test_server *s) {
+    static const char *const args[] = {"--threads", "2", NULL};
+    return rk_test_server_start(s, "bench-serve", NULL, args, NULL) == 0 ? s->port : 0;
 }
 
 /* Run `ragkv bench ARGS --json` without asserting (the server must be stopped first). */
@@ -390,9 +361,8 @@ static json_t *parse_json(const char *what, int rc, char *out) {
 }
 
 Test(bench, http_mode_against_ragkv_serve_counts_what_in_process_counts, .timeout = 300) {
-    pid_t pid;
-    FILE *f;
-    int port = start_server(&pid, &f);
+    rk_test_server srv;
+    int port = start_server(&srv);
     char args[512], *out1 = NULL, *out2 = NULL;
     int rc1 = -1, rc2 = -1;
     if (port > 0) {
@@ -405,7 +375,7 @@ Test(bench, http_mode_against_ragkv_serve_counts_what_in_process_counts, .timeou
                  EMB " --modes rag --prewarm --concurrency 3 --url http://localhost:%d", port);
         rc2 = run_bench_raw(args, &out2);
     }
-    stop_server(pid, f);
+    rk_test_server_stop(&srv);
     cr_assert_gt(port, 0, "ragkv serve printed no port");
     json_t *http = parse_json("bench --url", rc1, out1);
     json_t *warm = parse_json("bench --url --prewarm", rc2, out2);
@@ -450,9 +420,8 @@ static long server_lookups(int port) {
 }
 
 Test(bench, a_url_list_sends_requests_round_robin_to_its_replicas, .timeout = 300) {
-    pid_t pid_a, pid_b;
-    FILE *fa, *fb;
-    int port_a = start_server(&pid_a, &fa), port_b = start_server(&pid_b, &fb);
+    rk_test_server sa, sb;
+    int port_a = start_server(&sa), port_b = start_server(&sb);
     char args[512], *out = NULL;
     int rc = -1;
     long lookups_a = -1, lookups_b = -1;
@@ -464,8 +433,8 @@ Test(bench, a_url_list_sends_requests_round_robin_to_its_replicas, .timeout = 30
         lookups_a = server_lookups(port_a);
         lookups_b = server_lookups(port_b);
     }
-    stop_server(pid_a, fa);
-    stop_server(pid_b, fb);
+    rk_test_server_stop(&sa);
+    rk_test_server_stop(&sb);
     cr_assert(port_a > 0 && port_b > 0, "ragkv serve printed no port");
     json_t *root = parse_json("bench --url A,B", rc, out);
     json_t *rag = json_object_get(json_object_get(root, "modes"), "rag");
@@ -494,9 +463,8 @@ static json_t *check_turn(json_t *m, int t, int requests) {
 #define SCEN "--corpus 12 --k 2 --requests 8 --chunk-tokens 32:48 --question-tokens 8 --threads 2"
 
 Test(bench, serving_scenarios_over_http_with_a_peer_server, .timeout = 240) {
-    pid_t pid_a, pid_b;
-    FILE *fa, *fb;
-    int port_a = start_server(&pid_a, &fa), port_b = start_server(&pid_b, &fb);
+    rk_test_server sa, sb;
+    int port_a = start_server(&sa), port_b = start_server(&sb);
     char args[1024], *out[3] = {NULL, NULL, NULL}, *dir = rk_test_tmpdir("bench_peer"),
                      svg_path[512];
     int rc[3] = {-1, -1, -1};
@@ -517,8 +485,8 @@ Test(bench, serving_scenarios_over_http_with_a_peer_server, .timeout = 240) {
                  port_a, port_b);
         rc[2] = run_bench_raw(args, &out[2]);
     }
-    stop_server(pid_a, fa);
-    stop_server(pid_b, fb);
+    rk_test_server_stop(&sa);
+    rk_test_server_stop(&sb);
     cr_assert(port_a > 0 && port_b > 0, "ragkv serve printed no port");
 
     /* The peer: its own row, the same request list and output lengths. */

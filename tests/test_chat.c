@@ -408,15 +408,10 @@ Test(chat, bad_chat_bodies_are_400) {
 /* ---------------------------------------------------------------- on the pipeline */
 
 static rk_service *open_svc(const char *model, int prefix_cache, const char *reindex) {
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 2;
-    cfg.kv_memory_mb = 64;
+    rk_config cfg = rk_test_config(2, 64, NULL);
     cfg.prefix_cache = prefix_cache;
     snprintf(cfg.reindex, sizeof cfg.reindex, "%s", reindex);
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
-    return svc;
+    return rk_test_service_open(&cfg, model);
 }
 
 /* Prepare and run the rendered request api on svc (greedy: the body says

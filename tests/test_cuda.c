@@ -44,27 +44,8 @@ _Static_assert(RK_TEST_MATVEC_MAX_N == RK_CUDA_MATVEC_MAX_N, "keep in step with 
 
 /* ---------------------------------------------------------------- helpers */
 
-static uint64_t rng_state = 0x243f6a8885a308d3ull;
-
-static uint64_t rng_next(void) {
-    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-static float frand(float lo, float hi) {
-    return lo + (hi - lo) * (float)((rng_next() >> 40) * (1.0 / 16777216.0));
-}
-
-static int irand(int n) { return (int)(rng_next() % (uint64_t)n); }
-
-static float *rand_floats(size_t n, float lo, float hi) {
-    float *p = malloc(n * sizeof(float) + 4);
-    cr_assert(p);
-    for (size_t i = 0; i < n; i++) p[i] = frand(lo, hi);
-    return p;
-}
+/* The suite's random numbers: one stream from a fixed seed. */
+static rk_test_rng rng = {0x243f6a8885a308d3ull};
 
 /* The CUDA backend, or a visible skip saying why there is none. */
 static rk_backend *gpu_or_skip(void) {
@@ -172,7 +153,8 @@ Test(cuda, out_of_memory_is_a_device_error_that_says_how_much_is_free) {
  * are not the reference here). */
 static void check_matmul(rk_backend *gpu, rk_backend *cpu, rk_dtype wt, int n, int k, int m) {
     int quant = rk_dtype_is_quant(wt);
-    float *x = rand_floats((size_t)n * k, -1, 1), *wf = rand_floats((size_t)m * k, -1, 1);
+    float *x = rk_test_rand_floats(&rng, (size_t)n * k, -1, 1),
+          *wf = rk_test_rand_floats(&rng, (size_t)m * k, -1, 1);
     size_t wbytes = (size_t)m * rk_dtype_row_bytes(wt, (size_t)k);
     void *w = xmalloc(wbytes);
     if (quant) {
@@ -267,7 +249,8 @@ Test(cuda, rmsnorm_matches_cpu_in_and_out_of_place) {
     for (int di = 0; di < 6; di++) {
         int dim = dims[di], rows = 9;
         size_t n = (size_t)rows * dim;
-        float *x = rand_floats(n, -3, 3), *w = rand_floats((size_t)dim, 0.5f, 1.5f);
+        float *x = rk_test_rand_floats(&rng, n, -3, 3),
+              *w = rk_test_rand_floats(&rng, (size_t)dim, 0.5f, 1.5f);
         float *want = xmalloc(n * 4), *got = xmalloc(n * 4);
         cr_assert_eq(cpu->ops->rmsnorm(cpu, want, x, w, rows, dim, 1e-5f), RK_OK);
         float *dx = dev_copy(gpu, x, n * 4), *dw = dev_copy(gpu, w, (size_t)dim * 4);
@@ -307,7 +290,8 @@ Test(cuda, rope_matches_cpu_for_both_pairings_up_to_position_1e6) {
         cr_assert_eq(rk_rope_init(&rope, &p), RK_OK);
         int n_tokens = 8, n_heads = 3;
         size_t n = (size_t)n_tokens * n_heads * head_dim;
-        float *x = rand_floats(n, -2, 2), *want = xmalloc(n * 4), *got = xmalloc(n * 4);
+        float *x = rk_test_rand_floats(&rng, n, -2, 2), *want = xmalloc(n * 4),
+              *got = xmalloc(n * 4);
         memcpy(want, x, n * 4);
         cr_assert_eq(cpu->ops->rope(cpu, want, positions, n_tokens, n_heads, head_dim, &rope),
                      RK_OK);
@@ -340,7 +324,7 @@ Test(cuda, embed_gathers_rows_of_every_dtype_exactly) {
     for (int t = 0; t < 3; t++)
         for (int dim = 33; dim <= 64; dim += 31) {
             int vocab = 50;
-            float *tf = rand_floats((size_t)vocab * dim, -1, 1);
+            float *tf = rk_test_rand_floats(&rng, (size_t)vocab * dim, -1, 1);
             void *table = xmalloc((size_t)vocab * dim * rk_dtype_size(types[t]));
             rk_cpu_from_f32(table, tf, types[t], (size_t)vocab * dim);
             size_t n = 7 * (size_t)dim;
@@ -374,7 +358,7 @@ Test(cuda, embed_dequantizes_rows_of_every_quantized_dtype) {
     for (int t = 0; t < 5; t++) {
         rk_dtype dt = QUANT_TYPES[t];
         size_t row = rk_dtype_row_bytes(dt, dim), n = 7 * (size_t)dim;
-        float *tf = rand_floats((size_t)vocab * dim, -1, 1);
+        float *tf = rk_test_rand_floats(&rng, (size_t)vocab * dim, -1, 1);
         void *table = xmalloc((size_t)vocab * row);
         rk_quantize(table, tf, dt, (size_t)vocab * dim);
         float *want = xmalloc(n * 4), *got = xmalloc(n * 4);
@@ -424,7 +408,7 @@ Test(cuda, embed_reports_a_negative_id_found_on_the_device) {
 Test(cuda, swiglu_add_and_add_bias_match_cpu) {
     rk_backend *gpu = gpu_or_skip(), *cpu = cpu_backend();
     size_t n = 100003;
-    float *g = rand_floats(n, -12, 12), *u = rand_floats(n, -2, 2);
+    float *g = rk_test_rand_floats(&rng, n, -12, 12), *u = rk_test_rand_floats(&rng, n, -2, 2);
     float *want = xmalloc(n * 4), *got = xmalloc(n * 4);
     cr_assert_eq(cpu->ops->swiglu(cpu, want, g, u, n), RK_OK);
     float *dg = dev_copy(gpu, g, n * 4), *du = dev_copy(gpu, u, n * 4),
@@ -539,8 +523,8 @@ Test(cuda, kv_write_converts_like_cpu_and_skips_negative_slots) {
         for (int i = 0; i < n_tokens; i++) slots[i] = (i * 37 + 5) % 96; /* distinct, scattered */
         slots[3] = -1;
         slots[20] = -7;
-        float *k = rand_floats((size_t)n_tokens * row, -100, 100);
-        float *v = rand_floats((size_t)n_tokens * row, -1e-3f, 1e-3f);
+        float *k = rk_test_rand_floats(&rng, (size_t)n_tokens * row, -100, 100);
+        float *v = rk_test_rand_floats(&rng, (size_t)n_tokens * row, -1e-3f, 1e-3f);
         cr_assert_eq(cpu->ops->kv_write(cpu, &c.host, 1, k, v, slots, n_tokens), RK_OK);
         float *dk = dev_copy(gpu, k, (size_t)n_tokens * row * 4);
         float *dv = dev_copy(gpu, v, (size_t)n_tokens * row * 4);
@@ -565,7 +549,8 @@ static void kv_write_rejects(rk_backend *gpu, int check) {
     test_cache c;
     cache_make(gpu, &c, 1, 4, 16, 1, 32, RK_DTYPE_BF16, 0x22);
     cache_push(gpu, &c);
-    float *k = rand_floats(3 * 32, -1, 1), *v = rand_floats(3 * 32, -1, 1);
+    float *k = rk_test_rand_floats(&rng, 3 * 32, -1, 1),
+          *v = rk_test_rand_floats(&rng, 3 * 32, -1, 1);
     float *dk = dev_copy(gpu, k, 3 * 32 * 4), *dv = dev_copy(gpu, v, 3 * 32 * 4);
     const int32_t cases[2][3] = {{5, 64, 6}, {5, 9, 5}}; /* past the cache; written twice */
     const char *msgs[2] = {"slot 64 out of range [0, 64)", "slot 5 is written twice"};
@@ -690,7 +675,7 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
     int32_t *perm = xmalloc((size_t)n_blocks * 4);
     for (int i = 0; i < n_blocks; i++) perm[i] = i;
     for (int i = n_blocks - 1; i > 0; i--) {
-        int j = irand(i + 1);
+        int j = rk_test_irand(&rng, i + 1);
         int32_t t = perm[i];
         perm[i] = perm[j];
         perm[j] = t;
@@ -708,13 +693,13 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
         for (int i = 0; i < ac->kv_len[s]; i++) {
             size_t slot = entry_slot(table + s * max_blocks, bs, sg, s, i);
             for (size_t e = 0; e < row; e++) {
-                fill_dtype(c.host.k[1], slot * row + e, ac->dtype, frand(-1, 1));
-                fill_dtype(c.host.v[1], slot * row + e, ac->dtype, frand(-1, 1));
+                fill_dtype(c.host.k[1], slot * row + e, ac->dtype, rk_test_frand(&rng, -1, 1));
+                fill_dtype(c.host.v[1], slot * row + e, ac->dtype, rk_test_frand(&rng, -1, 1));
             }
         }
     cache_push(gpu, &c);
     size_t nq_elems = (size_t)rows * n_heads * hd;
-    float *q = rand_floats(nq_elems, -4, 4);
+    float *q = rk_test_rand_floats(&rng, nq_elems, -4, 4);
     float *want = xmalloc(nq_elems * 4), *got = xmalloc(nq_elems * 4);
     float *want_lse = xmalloc((size_t)rows * n_heads * 4),
           *got_lse = xmalloc((size_t)rows * n_heads * 4);
@@ -909,15 +894,15 @@ Test(cuda, attention_with_one_unshifted_run_gives_the_bits_of_no_segments) {
     cache_make(gpu, &c, 1, 8, 16, 2, 64, RK_DTYPE_F32, 0);
     size_t elems = c.layer_bytes / sizeof(float);
     for (size_t i = 0; i < elems; i++) {
-        ((float *)c.host.k[0])[i] = frand(-1, 1);
-        ((float *)c.host.v[0])[i] = frand(-1, 1);
+        ((float *)c.host.k[0])[i] = rk_test_frand(&rng, -1, 1);
+        ((float *)c.host.v[0])[i] = rk_test_frand(&rng, -1, 1);
     }
     cache_push(gpu, &c);
     const int32_t table[8] = {3, 1, 4, 0, 6, 2, 5, -1}; /* 100 entries: 7 blocks */
     int32_t q_start[2] = {0, 5}, kv_len[1] = {100};
     int32_t seg_start[2] = {0, 1}, seg_end[1] = {100}, seg_delta[1] = {0};
     size_t n = 5 * 4 * 64;
-    float *q = rand_floats(n, -4, 4), *plain = xmalloc(n * 4), *seg = xmalloc(n * 4);
+    float *q = rk_test_rand_floats(&rng, n, -4, 4), *plain = xmalloc(n * 4), *seg = xmalloc(n * 4);
     float *dq = dev_copy(gpu, q, n * 4), *dout = dev_alloc(gpu, n * 4);
     int32_t *dtable = dev_copy(gpu, table, sizeof table);
     rk_attn_batch b = {
@@ -1021,8 +1006,8 @@ Test(cuda, rope_shift_copy_matches_cpu_on_every_layer_and_dtype) {
             size_t elems = c.layer_bytes / rk_dtype_size(types[t]);
             for (int l = 0; l < 3; l++)
                 for (size_t i = 0; i < elems; i++) {
-                    fill_dtype(c.host.k[l], i, types[t], frand(-2, 2));
-                    fill_dtype(c.host.v[l], i, types[t], frand(-2, 2));
+                    fill_dtype(c.host.k[l], i, types[t], rk_test_frand(&rng, -2, 2));
+                    fill_dtype(c.host.v[l], i, types[t], rk_test_frand(&rng, -2, 2));
                 }
             cache_push(gpu, &c);
             /* sources in blocks 0..2, destinations in blocks 4..7 */
@@ -1031,7 +1016,7 @@ Test(cuda, rope_shift_copy_matches_cpu_on_every_layer_and_dtype) {
             for (int i = 0; i < n; i++) {
                 src[i] = (i * 7) % 48;
                 dst[i] = 64 + (i * 11) % 64;
-                delta[i] = i % 5 == 0 ? 1000000 - i : irand(20000) - 5000;
+                delta[i] = i % 5 == 0 ? 1000000 - i : rk_test_irand(&rng, 20000) - 5000;
             }
             cr_assert_eq(cpu->ops->rope_shift_copy(cpu, &c.host, src, dst, delta, n, &rope), RK_OK);
             cr_assert_eq(gpu->ops->rope_shift_copy(gpu, &c.dev, src, dst, delta, n, &rope), RK_OK,

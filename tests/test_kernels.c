@@ -17,28 +17,8 @@
 
 /* ---------------------------------------------------------------- helpers */
 
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-
-static uint64_t rng_next(void) {
-    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-/* Uniform in [lo, hi). */
-static float frand(float lo, float hi) {
-    return lo + (hi - lo) * (float)((rng_next() >> 40) * (1.0 / 16777216.0));
-}
-
-static int irand(int n) { return (int)(rng_next() % (uint64_t)n); }
-
-static float *rand_floats(size_t n, float lo, float hi) {
-    float *p = malloc(n * sizeof(float) + 1);
-    cr_assert(p);
-    for (size_t i = 0; i < n; i++) p[i] = frand(lo, hi);
-    return p;
-}
+/* The suite's random numbers: one stream from a fixed seed. */
+static rk_test_rng rng = {0x9e3779b97f4a7c15ull};
 
 static rk_backend *make_backend(int n_threads) {
     rk_backend *be = NULL;
@@ -137,7 +117,7 @@ Test(convert, vector_conversions_match_the_scalar_ones) {
     float *x = malloc(n * sizeof(float));
     cr_assert(x);
     for (size_t i = 0; i < n; i++) {
-        float mag = powf(2.0f, frand(-30.0f, 18.0f));
+        float mag = powf(2.0f, rk_test_frand(&rng, -30.0f, 18.0f));
         x[i] = (i % 2 ? -1.0f : 1.0f) * mag;
     }
     x[0] = 0.0f;
@@ -317,8 +297,8 @@ Test(matmul, matches_a_double_reference_and_is_thread_count_independent) {
                 for (int d = 0; d < 3; d++) {
                     int n = ns[a], k = ks[b], m = ms[c];
                     rk_dtype t = ts[d];
-                    float *x = rand_floats((size_t)n * k, -1.0f, 1.0f);
-                    float *wf = rand_floats((size_t)m * k, -1.0f, 1.0f);
+                    float *x = rk_test_rand_floats(&rng, (size_t)n * k, -1.0f, 1.0f);
+                    float *wf = rk_test_rand_floats(&rng, (size_t)m * k, -1.0f, 1.0f);
                     void *w = to_dtype(wf, (size_t)m * k, t);
                     double *ref = malloc((size_t)n * m * sizeof(double));
                     double *abs_sum = malloc((size_t)n * m * sizeof(double));
@@ -363,8 +343,8 @@ Test(matmul, matvec_rows_do_not_depend_on_n_or_on_each_other) {
     int k = 301, m = 45; /* 9 steps of 32, 1 of 8, a tail of 5 */
     for (int d = 0; d < 3; d++) {
         rk_dtype t = (rk_dtype)d;
-        float *x = rand_floats(3 * (size_t)k, -1.0f, 1.0f);
-        float *wf = rand_floats((size_t)m * k, -1.0f, 1.0f);
+        float *x = rk_test_rand_floats(&rng, 3 * (size_t)k, -1.0f, 1.0f);
+        float *wf = rk_test_rand_floats(&rng, (size_t)m * k, -1.0f, 1.0f);
         void *w = to_dtype(wf, (size_t)m * k, t);
         float y3[3 * 45], y1[45];
         cr_assert_eq(be->ops->matmul(be, y3, x, w, t, 3, k, m), RK_OK);
@@ -397,8 +377,8 @@ Test(matmul, bf16_kernels_round_the_activations_to_bf16) {
             for (int c = 0; c < 3; c++) {
                 int n = ns[a], k = ks[b], m = ms[c];
                 size_t nk = (size_t)n * k, nm = (size_t)n * m;
-                float *x = rand_floats(nk, -1.0f, 1.0f);
-                float *wf = rand_floats((size_t)m * k, -1.0f, 1.0f);
+                float *x = rk_test_rand_floats(&rng, nk, -1.0f, 1.0f);
+                float *wf = rk_test_rand_floats(&rng, (size_t)m * k, -1.0f, 1.0f);
                 void *w = to_dtype(wf, (size_t)m * k, RK_DTYPE_BF16);
                 cr_assert_eq(rk_cpu_force_isa(RK_CPU_ISA_AVX512_BF16), RK_OK);
                 float *xr = bf16_kernel_input(x, nk);
@@ -447,8 +427,8 @@ Test(matmul, bf16_rows_do_not_depend_on_n_and_packed_weights_match) {
     const int n = 45, ks[] = {333, 1024, 7}, ms[] = {150, 64, 1};
     for (int s = 0; s < 3; s++) {
         int k = ks[s], m = ms[s];
-        float *x = rand_floats((size_t)n * k, -1.0f, 1.0f);
-        float *wf = rand_floats((size_t)m * k, -1.0f, 1.0f);
+        float *x = rk_test_rand_floats(&rng, (size_t)n * k, -1.0f, 1.0f);
+        float *wf = rk_test_rand_floats(&rng, (size_t)m * k, -1.0f, 1.0f);
         void *w = to_dtype(wf, (size_t)m * k, RK_DTYPE_BF16);
         size_t bytes = be->ops->packed_bytes(be, RK_DTYPE_BF16, k, m);
         cr_assert_geq(bytes, (size_t)m * k * 2);
@@ -515,8 +495,8 @@ Test(matmul, bf16_tile_without_bf16_instructions_matches_the_reference) {
     const int ks[] = {91, 1024, 7}, ms[] = {131, 64, 1}, n = 70;
     for (int s = 0; s < 3; s++) {
         int k = ks[s], m = ms[s];
-        float *x = rand_floats((size_t)n * k, -1.0f, 1.0f);
-        float *wf = rand_floats((size_t)m * k, -1.0f, 1.0f);
+        float *x = rk_test_rand_floats(&rng, (size_t)n * k, -1.0f, 1.0f);
+        float *wf = rk_test_rand_floats(&rng, (size_t)m * k, -1.0f, 1.0f);
         void *w = to_dtype(wf, (size_t)m * k, RK_DTYPE_BF16);
         double *ref = malloc((size_t)n * m * sizeof(double)),
                *abs_sum = malloc((size_t)n * m * sizeof(double));
@@ -568,8 +548,8 @@ Test(matmul, degenerate_shapes) {
 Test(ops, rmsnorm_matches_a_double_reference_in_and_out_of_place) {
     rk_backend *be = make_backend(2);
     int rows = 5, dim = 37;
-    float *x = rand_floats((size_t)rows * dim, -2.0f, 2.0f);
-    float *w = rand_floats((size_t)dim, 0.5f, 1.5f);
+    float *x = rk_test_rand_floats(&rng, (size_t)rows * dim, -2.0f, 2.0f);
+    float *w = rk_test_rand_floats(&rng, (size_t)dim, 0.5f, 1.5f);
     float *out = malloc((size_t)rows * dim * sizeof(float));
     float *inplace = malloc((size_t)rows * dim * sizeof(float));
     cr_assert(out && inplace);
@@ -601,7 +581,8 @@ Test(ops, rmsnorm_matches_a_double_reference_in_and_out_of_place) {
 Test(ops, swiglu_is_silu_of_gate_times_up) {
     rk_backend *be = make_backend(2);
     size_t n = 70001;
-    float *g = rand_floats(n, -20.0f, 20.0f), *u = rand_floats(n, -2.0f, 2.0f);
+    float *g = rk_test_rand_floats(&rng, n, -20.0f, 20.0f),
+          *u = rk_test_rand_floats(&rng, n, -2.0f, 2.0f);
     float *out = malloc(n * sizeof(float));
     cr_assert(out);
     g[0] = 0.0f;
@@ -633,7 +614,8 @@ Test(ops, swiglu_is_silu_of_gate_times_up) {
 Test(ops, add_and_add_bias) {
     rk_backend *be = make_backend(2);
     size_t n = 100000;
-    float *y = rand_floats(n, -1, 1), *x = rand_floats(n, -1, 1), *y0 = malloc(n * 4);
+    float *y = rk_test_rand_floats(&rng, n, -1, 1), *x = rk_test_rand_floats(&rng, n, -1, 1),
+          *y0 = malloc(n * 4);
     cr_assert(y0);
     memcpy(y0, y, n * 4);
     cr_assert_eq(be->ops->add(be, y, x, n), RK_OK);
@@ -651,7 +633,7 @@ Test(ops, add_and_add_bias) {
 Test(ops, embed_gathers_rows_of_every_dtype) {
     rk_backend *be = make_backend(2);
     int vocab = 50, dim = 13;
-    float *tf = rand_floats((size_t)vocab * dim, -1, 1);
+    float *tf = rk_test_rand_floats(&rng, (size_t)vocab * dim, -1, 1);
     int32_t ids[5] = {49, 0, 7, 7, 23};
     float out[5 * 13];
     for (int d = 0; d < 3; d++) {
@@ -824,7 +806,7 @@ Test(rope, rotates_both_pairings_like_the_reference_up_to_1e6) {
             rk_rope r;
             cr_assert_eq(rk_rope_init(&r, &p), RK_OK);
             size_t n = 7 * (size_t)n_heads * hd;
-            float *x = rand_floats(n, -1, 1), *y = malloc(n * sizeof(float));
+            float *x = rk_test_rand_floats(&rng, n, -1, 1), *y = malloc(n * sizeof(float));
             cr_assert(y);
             memcpy(y, x, n * sizeof(float));
             cr_assert_eq(be->ops->rope(be, y, pos, 7, n_heads, hd, &r), RK_OK);
@@ -922,7 +904,7 @@ static void fixture_build(fixture *f, rk_backend *be, const seq_spec *specs, int
     cr_assert(perm);
     for (int i = 0; i < n_blocks; i++) perm[i] = i;
     for (int i = n_blocks - 1; i > 0; i--) {
-        int j = irand(i + 1), tmp = perm[i];
+        int j = rk_test_irand(&rng, i + 1), tmp = perm[i];
         perm[i] = perm[j];
         perm[j] = tmp;
     }
@@ -942,8 +924,8 @@ static void fixture_build(fixture *f, rk_backend *be, const seq_spec *specs, int
         for (int b = 0; b < max_blocks; b++) row_t[b] = b < nb ? perm[next++] : -1;
         f->kv_len[s] = L;
         f->q_start[s + 1] = f->q_start[s] + specs[s].n_q;
-        f->kf[s] = rand_floats((size_t)L * row + 1, -1, 1);
-        f->vf[s] = rand_floats((size_t)L * row + 1, -1, 1);
+        f->kf[s] = rk_test_rand_floats(&rng, (size_t)L * row + 1, -1, 1);
+        f->vf[s] = rk_test_rand_floats(&rng, (size_t)L * row + 1, -1, 1);
         f->ck[s] = to_dtype(f->kf[s], (size_t)L * row, dtype);
         f->cv[s] = to_dtype(f->vf[s], (size_t)L * row, dtype);
         int32_t *slots = malloc((size_t)L * sizeof(int32_t) + 4);
@@ -954,7 +936,7 @@ static void fixture_build(fixture *f, rk_backend *be, const seq_spec *specs, int
     }
     free(perm);
     f->total_q = f->q_start[n_seqs];
-    f->q = rand_floats((size_t)f->total_q * f->n_heads * head_dim + 1, -2, 2);
+    f->q = rk_test_rand_floats(&rng, (size_t)f->total_q * f->n_heads * head_dim + 1, -2, 2);
 }
 
 static void fixture_free(fixture *f) {
@@ -1356,7 +1338,8 @@ Test(kv_write, skips_negative_slots_and_rejects_bad_ones_without_writing) {
         memset(v1, 0xab, bytes);
         void *kl[2] = {k0, k1}, *vl[2] = {v0, v1};
         rk_kv_cache kv = {2, n_blocks, bs, heads, hd, t, kl, vl};
-        float *k = rand_floats(5 * row, -1, 1), *v = rand_floats(5 * row, -1, 1);
+        float *k = rk_test_rand_floats(&rng, 5 * row, -1, 1),
+              *v = rk_test_rand_floats(&rng, 5 * row, -1, 1);
         int32_t slots[5] = {3, -1, 31, -7, 12};
         cr_assert_eq(be->ops->kv_write(be, &kv, 1, k, v, slots, 5), RK_OK);
         unsigned char *kb = k1;
@@ -1383,7 +1366,7 @@ Test(kv_write, skips_negative_slots_and_rejects_bad_ones_without_writing) {
         void *snap = malloc(bytes);
         cr_assert(snap);
         memcpy(snap, k1, bytes);
-        float *k2 = rand_floats(5 * row, 5, 6);
+        float *k2 = rk_test_rand_floats(&rng, 5 * row, 5, 6);
         int32_t bad[3] = {0, 32, 1};
         cr_assert_eq(be->ops->kv_write(be, &kv, 1, k2, k2, bad, 3), RK_ERR_INVALID);
         cr_assert_arr_eq(snap, k1, bytes);
@@ -1447,7 +1430,7 @@ Test(rope_shift_copy, shifting_keys_equals_computing_them_at_the_new_position) {
             cr_assert_eq(rk_rope_init(&r, &p), RK_OK);
             shift_fixture f;
             shift_build(&f, n_blocks, bs, heads, hd, RK_DTYPE_F32);
-            float *x = rand_floats((size_t)n * f.row, -1, 1);
+            float *x = rk_test_rand_floats(&rng, (size_t)n * f.row, -1, 1);
             float *k_src = malloc((size_t)n * f.row * sizeof(float));
             float *k_dst = malloc((size_t)n * f.row * sizeof(float));
             cr_assert(k_src && k_dst);
@@ -1463,7 +1446,7 @@ Test(rope_shift_copy, shifting_keys_equals_computing_them_at_the_new_position) {
             }
             cr_assert_eq(be->ops->rope(be, k_src, pos_src, n, heads, hd, &r), RK_OK);
             cr_assert_eq(be->ops->rope(be, k_dst, pos_dst, n, heads, hd, &r), RK_OK);
-            float *v = rand_floats((size_t)n * f.row, -1, 1);
+            float *v = rk_test_rand_floats(&rng, (size_t)n * f.row, -1, 1);
             for (int l = 0; l < 3; l++)
                 cr_assert_eq(be->ops->kv_write(be, &f.kv, l, k_src, v, src, n), RK_OK);
             unsigned char *snap_k = malloc(f.layer_bytes), *snap_v = malloc(f.layer_bytes);
@@ -1509,8 +1492,8 @@ Test(rope_shift_copy, shifting_by_d_then_minus_d_restores_the_keys) {
         rk_rope r = plain_rope(128, 1000000.0f, (rk_rope_pairing)pr);
         shift_fixture f;
         shift_build(&f, n_blocks, bs, heads, hd, RK_DTYPE_F32);
-        float *k = rand_floats((size_t)n * f.row, -1, 1),
-              *v = rand_floats((size_t)n * f.row, -1, 1);
+        float *k = rk_test_rand_floats(&rng, (size_t)n * f.row, -1, 1),
+              *v = rk_test_rand_floats(&rng, (size_t)n * f.row, -1, 1);
         int32_t a[40], b[40], c[40], d[40], md[40];
         for (int i = 0; i < n; i++) {
             a[i] = i;
@@ -1544,8 +1527,8 @@ Test(rope_shift_copy, half_precision_caches_round_once_per_shift) {
         rk_dtype t = (rk_dtype)dt;
         shift_fixture f;
         shift_build(&f, 4, 16, heads, hd, t);
-        float *x = rand_floats((size_t)n * f.row, -1, 1),
-              *v = rand_floats((size_t)n * f.row, -1, 1);
+        float *x = rk_test_rand_floats(&rng, (size_t)n * f.row, -1, 1),
+              *v = rk_test_rand_floats(&rng, (size_t)n * f.row, -1, 1);
         float *want = malloc((size_t)n * f.row * sizeof(float));
         cr_assert(want);
         int32_t src[16], dst[16], pos[16], delta[16];
@@ -1588,7 +1571,8 @@ Test(rope_shift_copy, q8_0_caches_dequantize_rotate_and_requantize_each_row) {
     shift_build(&f, 4, 16, heads, hd, RK_DTYPE_Q8_0);
     size_t rb = rk_dtype_row_bytes(RK_DTYPE_Q8_0, f.row);
     cr_assert_eq(rb, f.row / 32 * 34);
-    float *x = rand_floats((size_t)n * f.row, -1, 1), *v = rand_floats((size_t)n * f.row, -1, 1);
+    float *x = rk_test_rand_floats(&rng, (size_t)n * f.row, -1, 1),
+          *v = rk_test_rand_floats(&rng, (size_t)n * f.row, -1, 1);
     float *want = malloc((size_t)n * f.row * sizeof(float));
     unsigned char *wq = malloc(rb);
     cr_assert(want && wq);
@@ -1627,7 +1611,7 @@ Test(rope_shift_copy, rejects_bad_slots_without_writing) {
     rk_rope r = plain_rope(16, 10000.0f, RK_ROPE_NORMAL);
     shift_fixture f;
     shift_build(&f, 2, 8, 1, 16, RK_DTYPE_F32);
-    float *k = rand_floats(16 * f.row, -1, 1);
+    float *k = rk_test_rand_floats(&rng, 16 * f.row, -1, 1);
     int32_t all[16];
     for (int i = 0; i < 16; i++) all[i] = i;
     for (int l = 0; l < 3; l++) cr_assert_eq(be->ops->kv_write(be, &f.kv, l, k, k, all, 16), RK_OK);
@@ -1727,7 +1711,7 @@ static void zc_build(zc_fixture *f, rk_backend *be, const zc_case *zc) {
     cr_assert(order);
     for (int i = 0; i < n_blocks; i++) order[i] = i;
     for (int i = n_blocks - 1; i > 0; i--) {
-        int j = irand(i + 1);
+        int j = rk_test_irand(&rng, i + 1);
         int32_t t = order[i];
         order[i] = order[j];
         order[j] = t;
@@ -1769,8 +1753,8 @@ static void zc_build(zc_fixture *f, rk_backend *be, const zc_case *zc) {
             slots[j] = (blocks)[j / bs] * bs + j % bs;                                             \
         }                                                                                          \
         for (size_t e = 0; e < (size_t)(len)*row; e++) {                                           \
-            k[e] = frand(-1, 1);                                                                   \
-            v[e] = frand(-1, 1);                                                                   \
+            k[e] = rk_test_frand(&rng, -1, 1);                                                     \
+            v[e] = rk_test_frand(&rng, -1, 1);                                                     \
         }                                                                                          \
         cr_assert_eq(be->ops->rope(be, k, pos, (len), zc->n_kv, zc->hd, zc->rope), RK_OK);         \
         cr_assert_eq(be->ops->kv_write(be, &f->kv, 0, k, v, slots, (len)), RK_OK);                 \
@@ -1831,7 +1815,7 @@ static void zc_build(zc_fixture *f, rk_backend *be, const zc_case *zc) {
     cr_assert(next <= n_blocks);
     /* queries, rotated at their live positions */
     f->rows = f->q_start[n_seqs];
-    f->q = rand_floats((size_t)f->rows * zc->n_heads * zc->hd, -4, 4);
+    f->q = rk_test_rand_floats(&rng, (size_t)f->rows * zc->n_heads * zc->hd, -4, 4);
     for (int s = 0; s < n_seqs; s++) {
         int n_q = zc->seqs[s].n_q;
         for (int j = 0; j < n_q; j++) {
@@ -1985,7 +1969,8 @@ Test(attention_segments, sixty_four_runs_over_several_partitions_match_the_copy_
     zc_chunk chunks[64];
     int run[64];
     for (int c = 0; c < 60; c++) {
-        chunks[c] = (zc_chunk){1 + irand(48), c % 7 == 3 ? 1500 + irand(500) : 0};
+        chunks[c] = (zc_chunk){1 + rk_test_irand(&rng, 48),
+                               c % 7 == 3 ? 1500 + rk_test_irand(&rng, 500) : 0};
         run[c + 1] = c;
     }
     chunks[60] = (zc_chunk){13, ZC_LIVE};
@@ -2165,13 +2150,13 @@ Test(attention_mass, equals_the_attention_kernels_probabilities_summed) {
     float *kbuf = calloc(NK * KVH * HD, sizeof *kbuf), *vbuf = calloc(NK * KVH * HD, sizeof *vbuf);
     void *kl[1] = {kbuf}, *vl[1] = {vbuf};
     rk_kv_cache kv = {1, 1, NK, KVH, HD, RK_DTYPE_F32, kl, vl};
-    float *k = rand_floats(NK * KVH * HD, -1, 1), v[NK * KVH * HD] = {0};
+    float *k = rk_test_rand_floats(&rng, NK * KVH * HD, -1, 1), v[NK * KVH * HD] = {0};
     for (int j = 0; j < NK; j++)
         for (int g = 0; g < KVH; g++) v[(j * KVH + g) * HD + j] = 1;
     int32_t slots[NK];
     for (int j = 0; j < NK; j++) slots[j] = j;
     cr_assert_eq(be->ops->kv_write(be, &kv, 0, k, v, slots, NK), RK_OK);
-    float *q = rand_floats(NQ * H * HD, -2, 2), out[NQ * H * HD], scale = 0.3f;
+    float *q = rk_test_rand_floats(&rng, NQ * H * HD, -2, 2), out[NQ * H * HD], scale = 0.3f;
     /* One sequence whose NQ query rows are its last entries: row i sees
      * NK - NQ + i + 1 keys. */
     int32_t qs[2] = {0, NQ}, len = NK, table[1] = {0}, q_len[NQ];

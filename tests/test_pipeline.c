@@ -14,39 +14,14 @@
 
 #define STEPS 12
 
-typedef struct run_log {
-    int n_vocab;
-    float *logits[STEPS];
-} run_log;
-
-static void keep_logits(void *ctx, int req, int step, const float *logits, int n_vocab) {
-    run_log *l = (run_log *)ctx + req;
-    if (step >= STEPS) return;
-    l->n_vocab = n_vocab;
-    free(l->logits[step]);
-    l->logits[step] = malloc((size_t)n_vocab * sizeof(float));
-    memcpy(l->logits[step], logits, (size_t)n_vocab * sizeof(float));
-}
-
-static void log_free(run_log *l) {
-    for (int i = 0; i < STEPS; i++) free(l->logits[i]);
-    memset(l, 0, sizeof *l);
-}
-
 /* model NULL: the embedded tiny model. dtype NULL: f32, whose rounding the
  * exactness bounds are set for; the default f16 is checked on its own. */
 static rk_service *open_svc_dtype(const char *model, int chunk_blocks, const char *dtype,
                                   const char *reindex) {
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 2;
-    cfg.kv_memory_mb = 256;
-    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "%s", dtype ? dtype : "f32");
+    rk_config cfg = rk_test_config(2, 256, dtype ? dtype : "f32");
     if (reindex) snprintf(cfg.reindex, sizeof cfg.reindex, "%s", reindex);
     if (chunk_blocks) cfg.chunk_blocks = chunk_blocks;
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
-    return svc;
+    return rk_test_service_open(&cfg, model);
 }
 
 static rk_service *open_svc(const char *model, int chunk_blocks) {
@@ -80,30 +55,20 @@ static rk_status prepare(rk_service *svc, const char *prompt, const rk_req_optio
 
 /* Run one prompt; keep its report in *r (caller frees) and logits in *log. */
 static void run(rk_service *svc, const char *prompt, const rk_req_options *o, rk_request *r,
-                run_log *log) {
+                rk_test_log *log) {
     cr_assert_eq(prepare(svc, prompt, o, r), RK_OK, "%s", rk_error_message());
-    rk_pipeline_hooks h = {.ctx = log, .on_logits = log ? keep_logits : NULL};
+    rk_pipeline_hooks h = {.ctx = log, .on_logits = log ? rk_test_keep_logits : NULL};
     rk_request *one = r;
     cr_assert_eq(rk_pipeline_run(svc, &one, 1, &h), RK_OK, "%s", rk_error_message());
     cr_assert_eq(r->cached_tokens + r->computed_tokens, r->prompt_tokens);
 }
 
-static double max_diff(const run_log *a, const run_log *b) {
+static double max_diff(const rk_test_log *a, const rk_test_log *b) {
     double worst = 0;
     for (int s = 0; s < STEPS; s++)
         for (int i = 0; i < a->n_vocab; i++)
             worst = fmax(worst, fabs((double)a->logits[s][i] - b->logits[s][i]));
     return worst;
-}
-
-static void check_pools_back(rk_service *svc) {
-    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
-                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE), "every live block came back");
-    rk_chunk_stats cs;
-    rk_chunk_index_get_stats(svc->chunks, &cs);
-    cr_assert_eq(rk_arena_pool_total(svc->arena, RK_POOL_CHUNK) -
-                     rk_arena_pool_free(svc->arena, RK_POOL_CHUNK),
-                 (int)cs.blocks, "the chunk pool holds exactly the entries' blocks");
 }
 
 /* ---------------------------------------------------------------- exactness */
@@ -127,7 +92,7 @@ static void check_modes_kv(const char *model, const char *prompt, const rk_req_o
             o.chunk_context = (rk_chunk_context)ctx /* isolated, system, anchor */;
             o.positions = par ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
             rk_request first, second, oracle;
-            run_log lf = {0}, ls = {0}, lo = {0};
+            rk_test_log lf = {0}, ls = {0}, lo = {0};
             run(svc, prompt, &o, &first, &lf);
             run(svc, prompt, &o, &second, &ls);
             for (int k = 0; k < second.n_chunks; k++) {
@@ -148,11 +113,11 @@ static void check_modes_kv(const char *model, const char *prompt, const rk_req_o
             rk_request_free(&first);
             rk_request_free(&second);
             rk_request_free(&oracle);
-            log_free(&lf);
-            log_free(&ls);
-            log_free(&lo);
+            rk_test_log_free(&lf, 1);
+            rk_test_log_free(&ls, 1);
+            rk_test_log_free(&lo, 1);
         }
-    check_pools_back(svc);
+    rk_test_check_pools_back(svc);
     rk_service_close(svc);
 }
 
@@ -204,7 +169,7 @@ static void check_q8_0(const char *model, const char *prompt, const char *reinde
             o.chunk_context = (rk_chunk_context)ctx;
             o.positions = par ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
             rk_request first, second, oracle;
-            run_log lf = {0}, ls = {0}, lo = {0};
+            rk_test_log lf = {0}, ls = {0}, lo = {0};
             run(svc, prompt, &o, &first, &lf);
             run(svc, prompt, &o, &second, &ls);
             for (int k = 0; k < second.n_chunks; k++)
@@ -231,12 +196,12 @@ static void check_q8_0(const char *model, const char *prompt, const char *reinde
             rk_request_free(&first);
             rk_request_free(&second);
             rk_request_free(&oracle);
-            log_free(&lf);
-            log_free(&ls);
-            log_free(&lo);
+            rk_test_log_free(&lf, 1);
+            rk_test_log_free(&ls, 1);
+            rk_test_log_free(&lo, 1);
         }
     cr_log_info("q8_0 KV, %s: first-token logits within %g of the oracle's", reindex, worst);
-    check_pools_back(svc);
+    rk_test_check_pools_back(svc);
     rk_service_close(svc);
 }
 
@@ -304,7 +269,7 @@ static void check_one_chunk_equals_plain(const char *model) {
     plain.mode = RK_MODE_PLAIN;
     plain.prefix_cache = 0;
     rk_request a, b, c;
-    run_log la = {0}, lb = {0}, lc = {0};
+    rk_test_log la = {0}, lb = {0}, lc = {0};
     run(svc, p, &o, &a, &la);
     run(svc, p, &o, &b, &lb); /* cached */
     run(svc, p, &plain, &c, &lc);
@@ -315,9 +280,9 @@ static void check_one_chunk_equals_plain(const char *model) {
     rk_request_free(&a);
     rk_request_free(&b);
     rk_request_free(&c);
-    log_free(&la);
-    log_free(&lb);
-    log_free(&lc);
+    rk_test_log_free(&la, 1);
+    rk_test_log_free(&lb, 1);
+    rk_test_log_free(&lc, 1);
     rk_service_close(svc);
 }
 
@@ -575,7 +540,7 @@ Test(pipeline, eight_requests_missing_one_chunk_compute_it_once) {
         cr_assert_str_eq(reqs[i].chunk_reports[0].key, reqs[0].chunk_reports[0].key);
     }
     for (int i = 0; i < 8; i++) rk_request_free(&reqs[i]);
-    check_pools_back(svc);
+    rk_test_check_pools_back(svc);
     rk_service_close(svc);
 }
 
@@ -614,7 +579,7 @@ Test(pipeline, a_small_chunk_pool_evicts_lru_and_gives_every_block_back) {
     cr_assert_eq(big.chunk_reports[2].zero_copy, 0, "read from the request's own blocks");
     cr_assert_eq(big.cached_tokens, big.chunk_lens[0]);
     rk_request_free(&big);
-    check_pools_back(svc);
+    rk_test_check_pools_back(svc);
     rk_chunk_index_get_stats(svc->chunks, &cs);
     cr_assert_eq(rk_chunk_index_flush(svc->chunks), (int)cs.entries);
     cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_CHUNK), 4, "every chunk block came back");
@@ -626,15 +591,10 @@ Test(pipeline, a_small_chunk_pool_evicts_lru_and_gives_every_block_back) {
  * uncached, the tokens and logits equal the oracle's (chunk cache off) as a
  * cached request's do, and a repeat hits what was cached. */
 static void check_uncached(const char *model, const char *reindex) {
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 2;
-    cfg.kv_memory_mb = 64;
+    rk_config cfg = rk_test_config(2, 64, "f32");
     cfg.chunk_blocks = 5; /* 80 tokens: two of the four chunks */
-    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
     snprintf(cfg.reindex, sizeof cfg.reindex, "%s", reindex);
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
+    rk_service *svc = rk_test_service_open(&cfg, model);
     const char *prompt =
         "You are a storyteller.##Lily had a red ball. She liked to play with it in the garden "
         "every day and her mother watched.##Tom had a big dog named Max. Max liked to run and "
@@ -646,7 +606,7 @@ static void check_uncached(const char *model, const char *reindex) {
         rk_req_options o = greedy_opts();
         o.chunk_context = (rk_chunk_context)ctx;
         rk_request first, second, oracle;
-        run_log lf = {0}, ls = {0}, lo = {0};
+        rk_test_log lf = {0}, ls = {0}, lo = {0};
         run(svc, prompt, &o, &first, &lf);
         int n_uncached = 0, chunk_tokens = 0;
         for (int k = 0; k < first.n_chunks; k++) {
@@ -673,11 +633,11 @@ static void check_uncached(const char *model, const char *reindex) {
         rk_request_free(&first);
         rk_request_free(&second);
         rk_request_free(&oracle);
-        log_free(&lf);
-        log_free(&ls);
-        log_free(&lo);
+        rk_test_log_free(&lf, 1);
+        rk_test_log_free(&ls, 1);
+        rk_test_log_free(&lo, 1);
     }
-    check_pools_back(svc);
+    rk_test_check_pools_back(svc);
     rk_service_close(svc);
 }
 
@@ -698,20 +658,15 @@ Test(pipeline, stories260k_chunks_beyond_the_chunk_pool_are_uncached_and_equal_t
  * whole pool is computed in live blocks and not cached, and the request is
  * answered as without the prefix cache. */
 Test(pipeline, a_system_prompt_beyond_the_prefix_pool_is_served_uncached) {
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 2;
-    cfg.kv_memory_mb = 64;
+    rk_config cfg = rk_test_config(2, 64, "f32");
     cfg.prefix_blocks = 1; /* 16 tokens */
-    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    rk_service *svc = rk_test_service_open(&cfg, NULL);
     const char *prompt = "You are a storyteller who tells long and happy stories about animals "
                          "and children in the garden.##Lily had a red ball.##One day";
     rk_req_options o = greedy_opts(), off = greedy_opts();
     o.prefix_cache = 1;
     rk_request a, b, c;
-    run_log la = {0}, lb = {0}, lc = {0};
+    rk_test_log la = {0}, lb = {0}, lc = {0};
     run(svc, prompt, &o, &a, &la);
     cr_assert_gt(a.n_sys, 16, "the system prompt is longer than the prefix pool");
     run(svc, prompt, &o, &b, &lb);
@@ -723,10 +678,10 @@ Test(pipeline, a_system_prompt_beyond_the_prefix_pool_is_served_uncached) {
     rk_request_free(&a);
     rk_request_free(&b);
     rk_request_free(&c);
-    log_free(&la);
-    log_free(&lb);
-    log_free(&lc);
-    check_pools_back(svc);
+    rk_test_log_free(&la, 1);
+    rk_test_log_free(&lb, 1);
+    rk_test_log_free(&lc, 1);
+    rk_test_check_pools_back(svc);
     rk_service_close(svc);
 }
 
@@ -735,14 +690,10 @@ Test(pipeline, a_system_prompt_beyond_the_prefix_pool_is_served_uncached) {
  * RK_ERR_EXHAUSTED, which the scheduler turns into RK_ERR_CONTEXT when
  * nothing else runs (HTTP 400 context_length_exceeded, test_http). */
 Test(pipeline, a_request_beyond_the_whole_budget_fails_with_context_length_exceeded) {
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 1;
-    cfg.kv_memory_mb = 64;
+    rk_config cfg = rk_test_config(1, 64, NULL);
     cfg.live_blocks = 6;
     cfg.chunk_blocks = 2;
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    rk_service *svc = rk_test_service_open(&cfg, NULL);
     rk_req_options o = greedy_opts();
     o.max_tokens = 2;
     char prompt[2048] = "S", piece[128];
@@ -757,7 +708,7 @@ Test(pipeline, a_request_beyond_the_whole_budget_fails_with_context_length_excee
     rk_status st = rk_pipeline_run(svc, &one, 1, NULL);
     cr_assert(st == RK_ERR_EXHAUSTED || st == RK_ERR_CONTEXT, "%s", rk_status_str(st));
     rk_request_free(&r);
-    check_pools_back(svc);
+    rk_test_check_pools_back(svc);
     rk_service_close(svc);
 }
 
@@ -817,7 +768,7 @@ Test(pipeline, bad_input_is_an_error_or_a_defined_result) {
     svc->cfg.max_chunk_tokens = 4;
     cr_assert_eq(prepare(svc, "S##a chunk that is longer than four tokens##Q", &o, &r),
                  RK_ERR_LIMIT);
-    check_pools_back(svc);
+    rk_test_check_pools_back(svc);
     rk_service_close(svc);
 }
 
@@ -831,7 +782,7 @@ static void check_full_repair(const char *model, const rk_req_options *repair) {
     plain.mode = RK_MODE_PLAIN;
     plain.prefix_cache = 0;
     rk_request warm, a, b;
-    run_log la = {0}, lb = {0};
+    rk_test_log la = {0}, lb = {0};
     run(svc, STORY, &o, &warm, NULL); /* the chunks are cached... */
     run(svc, STORY, &o, &a, &la);     /* ...hit, then repaired */
     run(svc, STORY, &plain, &b, &lb);
@@ -848,9 +799,9 @@ static void check_full_repair(const char *model, const rk_req_options *repair) {
     rk_request_free(&warm);
     rk_request_free(&a);
     rk_request_free(&b);
-    log_free(&la);
-    log_free(&lb);
-    check_pools_back(svc);
+    rk_test_log_free(&la, 1);
+    rk_test_log_free(&lb, 1);
+    rk_test_check_pools_back(svc);
     rk_service_close(svc);
 }
 
@@ -908,7 +859,7 @@ static void check_ratio_repair(int query, float ratio) {
     o.repair_ratio = ratio;
     o.repair_query = query;
     rk_request a, b, c;
-    run_log la = {0}, lb = {0};
+    rk_test_log la = {0}, lb = {0};
     run(svc, STORY, &none, &a, &la);
     run(svc, STORY, &o, &b, &lb);
     int total = 0, repaired = 0;
@@ -934,9 +885,9 @@ static void check_ratio_repair(int query, float ratio) {
     rk_request_free(&a);
     rk_request_free(&b);
     rk_request_free(&c);
-    log_free(&la);
-    log_free(&lb);
-    check_pools_back(svc);
+    rk_test_log_free(&la, 1);
+    rk_test_log_free(&lb, 1);
+    rk_test_check_pools_back(svc);
     rk_service_close(svc);
 }
 
@@ -961,7 +912,7 @@ Test(pipeline, deviation_repair_takes_every_chunks_first_token_first) {
         cr_assert_eq(b.chunk_reports[k].repaired, 1, "chunk %d", k);
     rk_request_free(&a);
     rk_request_free(&b);
-    check_pools_back(svc);
+    rk_test_check_pools_back(svc);
     rk_service_close(svc);
 }
 
@@ -986,7 +937,7 @@ Test(pipeline, first_k_repair_recomputes_k_tokens_per_chunk_and_leaves_the_cache
     rk_request_free(&a);
     rk_request_free(&b);
     rk_request_free(&c);
-    check_pools_back(svc);
+    rk_test_check_pools_back(svc);
     rk_service_close(svc);
 }
 
@@ -1105,8 +1056,7 @@ Test(kv_plan, a_service_sized_auto_has_the_pools_of_its_plan) {
     cfg.n_threads = 1;
     cfg.memory_limit_mb = 1024;
     cfg.max_context = 1024;
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    rk_service *svc = rk_test_service_open(&cfg, NULL);
     cr_expect(svc->kv.auto_sized);
     cr_expect(svc->kv.fits_context);
     cr_expect_eq(rk_arena_kv(svc->arena)->dtype, RK_DTYPE_F16);

@@ -27,21 +27,15 @@ static const char *PROMPTS[N_REQS] = {
 };
 
 static rk_config config(int live_blocks) {
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 2;
-    cfg.kv_memory_mb = 64;
     /* The exactness bounds are f32's; f16 (the default) is checked on its own. */
-    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
+    rk_config cfg = rk_test_config(2, 64, "f32");
     cfg.live_blocks = live_blocks;
     return cfg;
 }
 
 static rk_service *open_svc(const char *model, int live_blocks) {
     rk_config cfg = config(live_blocks);
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
-    return svc;
+    return rk_test_service_open(&cfg, model);
 }
 
 /* Set by a test: requests sample with penalties over their generated tokens. */
@@ -107,22 +101,14 @@ static int chunk_refs(void *ctx, const rk_chunk_entry *e) {
     return 0;
 }
 
-/* Nothing is held: every live block is free; with the caches flushed, every
- * block of every pool is. */
+/* Nothing is held: no chunk entry is referenced, no radix path is locked,
+ * every live block is free; with the caches flushed, every block of every
+ * pool is. */
 static void check_all_released(rk_service *svc) {
     int refs = 0;
     rk_chunk_index_foreach(svc->chunks, chunk_refs, &refs);
     cr_assert_eq(refs, 0, "no chunk entry is referenced");
-    rk_radix_stats rs;
-    rk_radix_get_stats(svc->prefix, &rs);
-    cr_assert_eq(rs.protected_tokens, 0, "no radix path is locked");
-    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
-                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE));
-    rk_radix_flush(svc->prefix);
-    rk_chunk_index_flush(svc->chunks);
-    for (int p = 0; p < RK_POOL_COUNT; p++)
-        cr_assert_eq(rk_arena_pool_free(svc->arena, (rk_pool_tag)p),
-                     rk_arena_pool_total(svc->arena, (rk_pool_tag)p), "pool %d", p);
+    rk_test_check_all_released(svc);
 }
 
 static void check_preempted_run_matches_alone(const char *model, rk_req_mode mode) {

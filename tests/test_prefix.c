@@ -10,37 +10,11 @@
 #include "pipeline/pipeline.h"
 #include "tests/testutil.h"
 
-#define MAX_STEPS 24
-
-typedef struct logit_log {
-    int n_vocab;
-    float *logits[MAX_STEPS]; /* per step */
-} logit_log;
-
-static void keep_logits(void *ctx, int seq, int step, const float *logits, int n_vocab) {
-    logit_log *l = ctx;
-    (void)seq;
-    if (step >= MAX_STEPS) return;
-    l->n_vocab = n_vocab;
-    l->logits[step] = malloc((size_t)n_vocab * sizeof(float));
-    memcpy(l->logits[step], logits, (size_t)n_vocab * sizeof(float));
-}
-
-static void free_log(logit_log *l) {
-    for (int i = 0; i < MAX_STEPS; i++) free(l->logits[i]);
-}
-
 static rk_service *open_svc(const char *model, int prefix_cache) {
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 2;
-    cfg.kv_memory_mb = 256;
     /* The exactness bounds are f32's; f16 (the default) is checked on its own. */
-    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
+    rk_config cfg = rk_test_config(2, 256, "f32");
     cfg.prefix_cache = prefix_cache;
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
-    return svc;
+    return rk_test_service_open(&cfg, model);
 }
 
 /* BOS (when the model wants one) + system tokens + question tokens. */
@@ -63,9 +37,9 @@ static int build_prompt(rk_service *svc, const char *sys, const char *question, 
 }
 
 static void generate(rk_service *svc, const int32_t *prompt, int n, int n_system, int32_t *out,
-                     logit_log *log, int *n_cached) {
+                     rk_test_log *log, int *n_cached) {
     rk_request *r = rk_test_request(svc, prompt, n, n_system, 16);
-    rk_pipeline_hooks h = {.ctx = log, .on_logits = keep_logits};
+    rk_pipeline_hooks h = {.ctx = log, .on_logits = rk_test_keep_logits};
     cr_assert_eq(rk_pipeline_run(svc, &r, 1, &h), RK_OK, "%s", rk_error_message());
     cr_assert_eq(r->n_out, 16);
     memcpy(out, r->out_tokens, 16 * sizeof *out);
@@ -81,7 +55,7 @@ static void check_cached_equals_uncached(const char *model, const char *sys, con
     cr_assert_gt(n_system, 2 * bs, "the system prompt should span several blocks");
 
     int32_t ref[16], first[16], second[16];
-    logit_log lref = {0}, l1 = {0}, l2 = {0};
+    rk_test_log lref = {0}, l1 = {0}, l2 = {0};
     int cached;
     generate(off, prompt, n, n_system, ref, &lref, &cached);
     cr_assert_eq(cached, 0);
@@ -123,9 +97,9 @@ static void check_cached_equals_uncached(const char *model, const char *sys, con
     rk_radix_flush(on->prefix);
     cr_assert_eq(rk_arena_pool_free(on->arena, RK_POOL_PREFIX),
                  rk_arena_pool_total(on->arena, RK_POOL_PREFIX));
-    free_log(&lref);
-    free_log(&l1);
-    free_log(&l2);
+    rk_test_log_free(&lref, 1);
+    rk_test_log_free(&l1, 1);
+    rk_test_log_free(&l2, 1);
     rk_service_close(on);
     rk_service_close(off);
 }
@@ -220,7 +194,7 @@ Test(prefix, a_max_tokens_zero_request_in_a_generating_batch_generates_nothing) 
 }
 
 /* Max |a - b| over a step's logits, relative to the step's largest |logit|. */
-static double worst_logit_error(const logit_log *ref, const logit_log *got, int steps) {
+static double worst_logit_error(const rk_test_log *ref, const rk_test_log *got, int steps) {
     double worst = 0;
     for (int s = 0; s < steps; s++) {
         double scale = 0, d = 0;
@@ -242,7 +216,7 @@ static void check_short_system(int n_question) {
     cr_assert_lt(n_sys, bs);
     for (int i = 0; i < n; i++) prompt[i] = (7 + 31 * i) % n_vocab;
     int32_t ref[16], first[16], second[16];
-    logit_log lref = {0}, l1 = {0}, l2 = {0};
+    rk_test_log lref = {0}, l1 = {0}, l2 = {0};
     int cached;
     generate(off, prompt, n, n_sys, ref, &lref, &cached);
     generate(on, prompt, n, n_sys, first, &l1, &cached);
@@ -259,9 +233,9 @@ static void check_short_system(int n_question) {
                  rk_arena_pool_total(on->arena, RK_POOL_PREFIX));
     cr_assert_eq(rk_arena_pool_free(on->arena, RK_POOL_LIVE),
                  rk_arena_pool_total(on->arena, RK_POOL_LIVE));
-    free_log(&lref);
-    free_log(&l1);
-    free_log(&l2);
+    rk_test_log_free(&lref, 1);
+    rk_test_log_free(&l1, 1);
+    rk_test_log_free(&l2, 1);
     rk_service_close(on);
     rk_service_close(off);
 }

@@ -35,10 +35,7 @@
 #include "tests/testutil.h"
 
 static rk_service *open_svc(const rk_test_redis *s, const char *password, int wait_ms) {
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 1;
-    cfg.kv_memory_mb = 16;
+    rk_config cfg = rk_test_config(1, 16, NULL);
     cfg.redis_min_tokens = 1;
     cfg.redis_timeout_ms = 100;
     cfg.redis_wait_ms = wait_ms;
@@ -47,9 +44,7 @@ static rk_service *open_svc(const rk_test_redis *s, const char *password, int wa
                  s->port);
     else
         snprintf(cfg.redis_url, sizeof cfg.redis_url, "redis://127.0.0.1:%d", s->port);
-    rk_service *svc = NULL;
-    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
-    return svc;
+    return rk_test_service_open(&cfg, NULL);
 }
 
 /* The configuration of a replica without the tier: one thread, 16 MiB of KV. */

@@ -59,28 +59,8 @@ Test(reuse, retag_moves_blocks_between_pools_and_keeps_their_sizes) {
 
 #define STEPS 8
 
-typedef struct run_log {
-    int n_vocab;
-    float *logits[STEPS];
-} run_log;
-
-static void keep_logits(void *ctx, int req, int step, const float *logits, int n_vocab) {
-    run_log *l = ctx;
-    (void)req;
-    if (step >= STEPS) return;
-    l->n_vocab = n_vocab;
-    l->logits[step] = malloc((size_t)n_vocab * sizeof(float));
-    cr_assert_not_null(l->logits[step]);
-    memcpy(l->logits[step], logits, (size_t)n_vocab * sizeof(float));
-}
-
-static void log_free(run_log *l) {
-    for (int s = 0; s < STEPS; s++) free(l->logits[s]);
-    memset(l, 0, sizeof *l);
-}
-
 /* Max |a - b| over every step's logits, relative to the step's largest |logit|. */
-static double logit_error(const run_log *a, const run_log *b) {
+static double logit_error(const rk_test_log *a, const rk_test_log *b) {
     double worst = 0;
     for (int s = 0; s < STEPS; s++) {
         double scale = 0, d = 0;
@@ -96,17 +76,11 @@ static double logit_error(const run_log *a, const run_log *b) {
  * as a copy of its runs, and a match that reaches the question takes the
  * copy path with every chunk in the prefix). */
 static rk_service *open_svc(const char *model, int prefix_cache, const char *reindex) {
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 2;
-    cfg.kv_memory_mb = 64;
     /* The exactness bounds are f32's; f16 (the default) is checked on its own. */
-    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
+    rk_config cfg = rk_test_config(2, 64, "f32");
     cfg.prefix_cache = prefix_cache;
     snprintf(cfg.reindex, sizeof cfg.reindex, "%s", reindex);
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
-    return svc;
+    return rk_test_service_open(&cfg, model);
 }
 
 static rk_req_options greedy(rk_req_mode mode) {
@@ -140,8 +114,8 @@ static int chunk_hit_tokens(const rk_request *r) {
 
 /* Run r; check the usage invariants and that the report's ragkv.reused
  * splits usage's cached_tokens. */
-static void run(rk_service *svc, rk_request *r, run_log *log) {
-    rk_pipeline_hooks h = {.ctx = log, .on_logits = log ? keep_logits : NULL};
+static void run(rk_service *svc, rk_request *r, rk_test_log *log) {
+    rk_pipeline_hooks h = {.ctx = log, .on_logits = log ? rk_test_keep_logits : NULL};
     cr_assert_eq(rk_pipeline_run(svc, &r, 1, &h), RK_OK, "%s", rk_error_message());
     cr_assert_eq(r->n_out, STEPS);
     cr_assert_eq(r->cached_tokens + r->computed_tokens, r->prompt_tokens);
@@ -160,21 +134,6 @@ static void run(rk_service *svc, rk_request *r, run_log *log) {
                                                     "cached_tokens")));
     json_decref(usage);
     json_decref(rag);
-}
-
-/* After a flush of both caches every block is back in its pool. */
-static void check_pools_back(rk_service *svc) {
-    rk_radix_stats st;
-    rk_radix_get_stats(svc->prefix, &st);
-    cr_assert_eq(st.protected_tokens, 0, "no lock outlives a request");
-    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
-                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE));
-    rk_radix_flush(svc->prefix);
-    rk_chunk_index_flush(svc->chunks);
-    for (int i = 0; i < RK_POOL_COUNT; i++)
-        cr_assert_eq(rk_arena_pool_free(svc->arena, (rk_pool_tag)i),
-                     rk_arena_pool_total(svc->arena, (rk_pool_tag)i), "pool %s",
-                     rk_pool_name((rk_pool_tag)i));
 }
 
 static const char *STORY =
@@ -209,7 +168,7 @@ static void check_exact_repeat(const char *model, const char *reindex) {
     for (int c = 0; c < N_CONFIGS; c++) {
         rk_req_options o = config(c);
         rk_request ref, first, second;
-        run_log lref = {0}, l1 = {0}, l2 = {0};
+        rk_test_log lref = {0}, l1 = {0}, l2 = {0};
         prepare(off, STORY, &o, &ref);
         prepare(svc, STORY, &o, &first);
         prepare(svc, STORY, &o, &second);
@@ -233,11 +192,11 @@ static void check_exact_repeat(const char *model, const char *reindex) {
         rk_request_free(&ref);
         rk_request_free(&first);
         rk_request_free(&second);
-        log_free(&lref);
-        log_free(&l1);
-        log_free(&l2);
+        rk_test_log_free(&lref, 1);
+        rk_test_log_free(&l1, 1);
+        rk_test_log_free(&l2, 1);
     }
-    check_pools_back(svc);
+    rk_test_check_all_released(svc);
     rk_service_close(svc);
     rk_service_close(off);
 }
@@ -262,7 +221,7 @@ static void check_last_word(const char *model, const char *reindex) {
     for (int c = 0; c < N_CONFIGS; c++) {
         rk_req_options o = config(c);
         rk_request ref, first, second;
-        run_log lref = {0}, l1 = {0}, l2 = {0};
+        rk_test_log lref = {0}, l1 = {0}, l2 = {0};
         prepare(off, other, &o, &ref);
         prepare(svc, STORY, &o, &first);
         prepare(svc, other, &o, &second);
@@ -282,11 +241,11 @@ static void check_last_word(const char *model, const char *reindex) {
         rk_request_free(&ref);
         rk_request_free(&first);
         rk_request_free(&second);
-        log_free(&lref);
-        log_free(&l1);
-        log_free(&l2);
+        rk_test_log_free(&lref, 1);
+        rk_test_log_free(&l1, 1);
+        rk_test_log_free(&l2, 1);
     }
-    check_pools_back(svc);
+    rk_test_check_all_released(svc);
     rk_service_close(svc);
     rk_service_close(off);
 }
@@ -325,7 +284,7 @@ static void check_follow_up(const char *model, const char *reindex) {
     for (int c = 0; c < N_CONFIGS; c++) {
         rk_req_options o = config(c);
         rk_request ref, first, second;
-        run_log lref = {0}, l1 = {0}, l2 = {0};
+        rk_test_log lref = {0}, l1 = {0}, l2 = {0};
         prepare(svc, STORY, &o, &first);
         run(svc, &first, &l1);
         prepare(off, STORY, &o, &ref);
@@ -344,11 +303,11 @@ static void check_follow_up(const char *model, const char *reindex) {
         rk_request_free(&ref);
         rk_request_free(&first);
         rk_request_free(&second);
-        log_free(&lref);
-        log_free(&l1);
-        log_free(&l2);
+        rk_test_log_free(&lref, 1);
+        rk_test_log_free(&l1, 1);
+        rk_test_log_free(&l2, 1);
     }
-    check_pools_back(svc);
+    rk_test_check_all_released(svc);
     rk_service_close(svc);
     rk_service_close(off);
 }
@@ -381,7 +340,7 @@ Test(reuse, the_same_tokens_segmented_differently_never_match) {
     rk_request_free(&a);
     rk_request_free(&b);
     rk_request_free(&p);
-    check_pools_back(svc);
+    rk_test_check_all_released(svc);
     rk_service_close(svc);
 }
 
@@ -404,6 +363,6 @@ Test(reuse, without_sequence_reuse_only_the_system_prompt_is_reused) {
     cr_assert_eq(st.cached_tokens, (uint64_t)a.n_sys);
     rk_request_free(&a);
     rk_request_free(&b);
-    check_pools_back(svc);
+    rk_test_check_all_released(svc);
     rk_service_close(svc);
 }

@@ -19,38 +19,20 @@
 
 /* Logits of every step of up to two requests, by hook index. */
 typedef struct logit_log {
-    int n_vocab;
-    float *logits[2][MAX_STEPS];
+    rk_test_log req[2];
 } logit_log;
 
 static void keep_logits(void *ctx, int req, int step, const float *logits, int n_vocab) {
-    logit_log *l = ctx;
     cr_assert(req >= 0 && req < 2 && step < MAX_STEPS);
-    l->n_vocab = n_vocab;
-    free(l->logits[req][step]);
-    l->logits[req][step] = malloc((size_t)n_vocab * sizeof(float));
-    memcpy(l->logits[req][step], logits, (size_t)n_vocab * sizeof(float));
+    rk_test_keep_logits(((logit_log *)ctx)->req, req, step, logits, n_vocab);
 }
 
-static void log_free(logit_log *l) {
-    for (int r = 0; r < 2; r++)
-        for (int s = 0; s < MAX_STEPS; s++) free(l->logits[r][s]);
-}
-
-static rk_config small_config(void) {
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 2;
-    cfg.kv_memory_mb = 64;
-    return cfg;
-}
+static rk_config small_config(void) { return rk_test_config(2, 64, NULL); }
 
 static rk_service *open_svc_steps(const char *model, int step_tokens) {
     rk_config cfg = small_config();
     cfg.step_tokens = step_tokens;
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
-    return svc;
+    return rk_test_service_open(&cfg, model);
 }
 
 static rk_service *open_svc(const char *model) { return open_svc_steps(model, 0); }
@@ -147,11 +129,11 @@ static void check_joining_matches_alone(const char *model, int join, int step_to
     cr_assert_arr_eq(ja->out_tokens, a->out_tokens, LONG_TOKENS * sizeof(int32_t));
     cr_assert_arr_eq(jb->out_tokens, b->out_tokens, SHORT_TOKENS * sizeof(int32_t),
                      "the joining request's greedy tokens are its tokens alone");
-    int n = la.n_vocab;
+    int n = la.req[0].n_vocab;
     for (int s = 0; s < LONG_TOKENS; s++)
-        cr_assert_leq(rel_diff(lj.logits[0][s], la.logits[0][s], n), 1e-4, "a, step %d", s);
+        cr_assert_leq(rel_diff(lj.req[0].logits[s], la.req[0].logits[s], n), 1e-4, "a, step %d", s);
     for (int s = 0; s < SHORT_TOKENS; s++)
-        cr_assert_leq(rel_diff(lj.logits[1][s], lb.logits[0][s], n), 1e-4, "b, step %d", s);
+        cr_assert_leq(rel_diff(lj.req[1].logits[s], lb.req[0].logits[s], n), 1e-4, "b, step %d", s);
     cr_assert_eq(jb->chunk_reports[0].status, RK_CHUNK_STATUS_MISS);
     cr_assert_eq(jb->t.prefill_ms > 0, 1);
 
@@ -160,9 +142,9 @@ static void check_joining_matches_alone(const char *model, int join, int step_to
     request_free(b);
     request_free(ja);
     request_free(jb);
-    log_free(&la);
-    log_free(&lb);
-    log_free(&lj);
+    rk_test_log_free(la.req, 2);
+    rk_test_log_free(lb.req, 2);
+    rk_test_log_free(lj.req, 2);
     rk_service_close(alone);
     rk_service_close(svc);
 }
@@ -501,8 +483,7 @@ static rk_service *open_svc_slow_disk(int delay_ms) {
     char *dir = rk_test_tmpdir("tier-load");
     snprintf(cfg.store_dir, sizeof cfg.store_dir, "%s", dir);
     free(dir);
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    rk_service *svc = rk_test_service_open(&cfg, NULL);
     const char *prompts[] = {SHARED_PROMPT, TWO_CHUNK_PROMPT};
     for (int i = 0; i < 2; i++) { /* computed, so written through to the disk */
         rk_request *w = prepare(svc, prompts[i], 1);
@@ -592,8 +573,7 @@ Test(pipeline, a_disk_write_runs_off_the_engine_thread_while_a_stream_keeps_step
     char *dir = rk_test_tmpdir("tier-write");
     snprintf(cfg.store_dir, sizeof cfg.store_dir, "%s", dir);
     free(dir);
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    rk_service *svc = rk_test_service_open(&cfg, NULL);
     rk_pipeline *p;
     cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
     rk_request *a = prepare(svc, LONG_PROMPT, 4000);
@@ -827,13 +807,12 @@ Test(pipeline, stepped_chunks_equal_the_oracle_at_every_budget_in_every_mode, .t
         rk_config cfg = small_config();
         cfg.step_tokens = budgets[bi];
         snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
-        rk_service *svc;
-        cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+        rk_service *svc = rk_test_service_open(&cfg, NULL);
         for (int ctx = 0; ctx < 3; ctx++)
             for (int par = 0; par < 2; par++) {
                 rk_chunk_index_flush(svc->chunks);
                 rk_request *r[3];
-                logit_log log[3] = {{0}};
+                logit_log log[3] = {0};
                 for (int i = 0; i < 3; i++) {
                     r[i] = prepare(svc, STORY, N);
                     r[i]->opt.chunk_context = (rk_chunk_context)ctx;
@@ -852,15 +831,15 @@ Test(pipeline, stepped_chunks_equal_the_oracle_at_every_budget_in_every_mode, .t
                                      "oracle",
                                      budgets[bi], ctx, par, i);
                     for (int st = 0; st < N; st++) {
-                        double d =
-                            rel_diff(log[i].logits[0][st], log[2].logits[0][st], log[2].n_vocab);
+                        double d = rel_diff(log[i].req[0].logits[st], log[2].req[0].logits[st],
+                                            log[2].req[0].n_vocab);
                         cr_assert_leq(d, 1e-4, "budget %d ctx %d par %d run %d step %d: %g",
                                       budgets[bi], ctx, par, i, st, d);
                     }
                 }
                 for (int i = 0; i < 3; i++) {
                     request_free(r[i]);
-                    log_free(&log[i]);
+                    rk_test_log_free(log[i].req, 2);
                 }
             }
         cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
@@ -876,8 +855,7 @@ static rk_service *open_svc_f32(int step_tokens) {
     rk_config cfg = small_config();
     cfg.step_tokens = step_tokens;
     snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    rk_service *svc = rk_test_service_open(&cfg, NULL);
     return svc;
 }
 
@@ -903,7 +881,7 @@ Test(pipeline, stepped_repair_equals_unbudgeted_repair_at_every_budget, .timeout
     enum { N = 8 };
     static const int budgets[] = {1, 7, 64, 0};
     rk_request *ref[3][2];
-    logit_log ref_log[3][2] = {{{0}}};
+    logit_log ref_log[3][2] = {0};
     rk_service *alone = open_svc_f32(0);
     for (int pol = 0; pol < 3; pol++)
         for (int par = 0; par < 2; par++) {
@@ -940,13 +918,14 @@ Test(pipeline, stepped_repair_equals_unbudgeted_repair_at_every_budget, .timeout
                                      "the unbudgeted repair",
                                      budgets[bi], pol, par, hit);
                     for (int st = 0; st < N; st++) {
-                        double d = rel_diff(log.logits[0][st], ref_log[pol][par].logits[0][st],
-                                            log.n_vocab);
+                        double d =
+                            rel_diff(log.req[0].logits[st], ref_log[pol][par].req[0].logits[st],
+                                     log.req[0].n_vocab);
                         cr_assert_leq(d, 1e-4, "budget %d policy %d par %d hit %d step %d: %g",
                                       budgets[bi], pol, par, hit, st, d);
                     }
                     request_free(r);
-                    log_free(&log);
+                    rk_test_log_free(log.req, 2);
                 }
             }
         assert_live_pool_back(svc);
@@ -955,7 +934,7 @@ Test(pipeline, stepped_repair_equals_unbudgeted_repair_at_every_budget, .timeout
     for (int pol = 0; pol < 3; pol++)
         for (int par = 0; par < 2; par++) {
             request_free(ref[pol][par]);
-            log_free(&ref_log[pol][par]);
+            rk_test_log_free(ref_log[pol][par].req, 2);
         }
 }
 
@@ -982,16 +961,16 @@ Test(pipeline, stepped_deviation_repair_of_every_token_gives_the_full_attention_
         cr_assert_eq(r->recomputed_tokens, total);
         cr_assert_arr_eq(r->out_tokens, plain->out_tokens, N * sizeof(int32_t), "hit %d", hit);
         for (int st = 0; st < N; st++) {
-            double d = rel_diff(log.logits[0][st], lp.logits[0][st], lp.n_vocab);
+            double d = rel_diff(log.req[0].logits[st], lp.req[0].logits[st], lp.req[0].n_vocab);
             cr_assert_leq(d, 1e-4, "hit %d step %d: %g", hit, st, d);
         }
         request_free(r);
-        log_free(&log);
+        rk_test_log_free(log.req, 2);
     }
     assert_live_pool_back(svc);
     rk_service_close(svc);
     request_free(plain);
-    log_free(&lp);
+    rk_test_log_free(lp.req, 2);
 }
 
 /* Steps from joining beside a decoding request to r's first token; the
@@ -1241,9 +1220,7 @@ Test(pipeline, a_request_preempted_mid_repair_resumes_with_its_tokens_alone) {
 Test(pipeline, a_prompt_the_live_pool_cannot_hold_is_refused_and_the_running_ones_go_on) {
     rk_config cfg = small_config();
     cfg.live_blocks = 24;
-    rk_service *alone, *svc;
-    cr_assert_eq(rk_service_open(&cfg, NULL, &alone), RK_OK, "%s", rk_error_message());
-    cr_assert_eq(rk_service_open(&cfg, NULL, &svc), RK_OK, "%s", rk_error_message());
+    rk_service *alone = rk_test_service_open(&cfg, NULL), *svc = rk_test_service_open(&cfg, NULL);
     rk_request *ref = prepare(alone, LONG_PROMPT, 150);
     cr_assert_eq(rk_pipeline_run(alone, &ref, 1, NULL), RK_OK, "%s", rk_error_message());
 

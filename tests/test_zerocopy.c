@@ -12,28 +12,7 @@
 #include "pipeline/pipeline.h"
 #include "tests/testutil.h"
 
-#define MAX_STEPS 48
-#define MAX_REQS  4
-
-typedef struct run_log {
-    int n_vocab, n_steps;
-    float *logits[MAX_STEPS];
-} run_log;
-
-static void keep_logits(void *ctx, int req, int step, const float *logits, int n_vocab) {
-    run_log *l = (run_log *)ctx + req;
-    if (step >= MAX_STEPS) return;
-    l->n_vocab = n_vocab;
-    l->n_steps = step + 1 > l->n_steps ? step + 1 : l->n_steps;
-    free(l->logits[step]);
-    l->logits[step] = malloc((size_t)n_vocab * sizeof(float));
-    memcpy(l->logits[step], logits, (size_t)n_vocab * sizeof(float));
-}
-
-static void log_free(run_log *l) {
-    for (int i = 0; i < MAX_STEPS; i++) free(l->logits[i]);
-    memset(l, 0, sizeof *l);
-}
+#define MAX_REQS 4
 
 typedef struct svc_opts {
     const char *reindex;
@@ -41,19 +20,13 @@ typedef struct svc_opts {
 } svc_opts;
 
 static rk_service *open_svc(const char *model, svc_opts so) {
-    rk_config cfg;
-    rk_config_defaults(&cfg);
-    cfg.n_threads = 2;
-    cfg.kv_memory_mb = 64;
     /* The exactness bounds are f32's; f16 (the default) is checked on its own. */
-    snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "f32");
+    rk_config cfg = rk_test_config(2, 64, "f32");
     snprintf(cfg.reindex, sizeof cfg.reindex, "%s", so.reindex);
     if (so.block_size) cfg.block_size = so.block_size;
     if (so.chunk_blocks) cfg.chunk_blocks = so.chunk_blocks;
     cfg.kv_poison = so.poison;
-    rk_service *svc;
-    cr_assert_eq(rk_service_open(&cfg, model, &svc), RK_OK, "%s", rk_error_message());
-    return svc;
+    return rk_test_service_open(&cfg, model);
 }
 
 static rk_req_options greedy_opts(int max_tokens) {
@@ -80,17 +53,17 @@ static void prepare(rk_service *svc, const char *prompt, const rk_req_options *o
 
 /* Run prompts[0..n) admitted together; reports in r[], logits in log[]. */
 static void run_together(rk_service *svc, const char *const *prompts, int n,
-                         const rk_req_options *o, rk_request *r, run_log *log) {
+                         const rk_req_options *o, rk_request *r, rk_test_log *log) {
     rk_request *reqs[MAX_REQS];
     for (int i = 0; i < n; i++) {
         prepare(svc, prompts[i], o, &r[i]);
         reqs[i] = &r[i];
     }
-    rk_pipeline_hooks h = {.ctx = log, .on_logits = keep_logits};
+    rk_pipeline_hooks h = {.ctx = log, .on_logits = rk_test_keep_logits};
     cr_assert_eq(rk_pipeline_run(svc, reqs, n, &h), RK_OK, "%s", rk_error_message());
 }
 
-static double max_diff(const run_log *a, const run_log *b) {
+static double max_diff(const rk_test_log *a, const rk_test_log *b) {
     cr_assert_eq(a->n_steps, b->n_steps);
     double worst = 0;
     for (int s = 0; s < a->n_steps; s++)
@@ -102,14 +75,8 @@ static double max_diff(const run_log *a, const run_log *b) {
 /* Every live block free, the chunk pool holding exactly the entries' blocks,
  * no entry referenced. */
 static void check_counts_back(rk_service *svc) {
-    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
-                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE), "every live block came back");
-    rk_chunk_stats cs;
-    rk_chunk_index_get_stats(svc->chunks, &cs);
-    cr_assert_eq(rk_arena_pool_total(svc->arena, RK_POOL_CHUNK) -
-                     rk_arena_pool_free(svc->arena, RK_POOL_CHUNK),
-                 (int)cs.blocks, "the chunk pool holds exactly the entries' blocks");
-    cr_assert_eq(rk_chunk_index_flush(svc->chunks), (int)cs.entries, "no entry is referenced");
+    int entries = rk_test_check_pools_back(svc);
+    cr_assert_eq(rk_chunk_index_flush(svc->chunks), entries, "no entry is referenced");
     cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_CHUNK),
                  rk_arena_pool_total(svc->arena, RK_POOL_CHUNK));
 }
@@ -126,7 +93,7 @@ static void check_same(const char *model, svc_opts so, const char *const *prompt
     int bs = rk_arena_block_size(zc->arena);
     for (int pass = 0; pass < 2; pass++) {
         rk_request rz[MAX_REQS], rc[MAX_REQS];
-        run_log lz[MAX_REQS] = {0}, lc[MAX_REQS] = {0};
+        rk_test_log lz[MAX_REQS] = {0}, lc[MAX_REQS] = {0};
         run_together(zc, prompts, n, o, rz, lz);
         run_together(cp, prompts, n, o, rc, lc);
         for (int i = 0; i < n; i++) {
@@ -158,8 +125,8 @@ static void check_same(const char *model, svc_opts so, const char *const *prompt
             cr_assert_leq(d, 1e-4, "pass %d request %d: logits differ by %g", pass, i, d);
             rk_request_free(&rz[i]);
             rk_request_free(&rc[i]);
-            log_free(&lz[i]);
-            log_free(&lc[i]);
+            rk_test_log_free(&lz[i], 1);
+            rk_test_log_free(&lc[i], 1);
         }
     }
     check_counts_back(zc);
@@ -264,7 +231,7 @@ Test(zerocopy, held_shared_blocks_survive_eviction_and_delete) {
     /* The reference: the same request alone on a copy service. */
     rk_service *cp = open_svc(model, (svc_opts){.reindex = "copy"});
     rk_request ref;
-    run_log lref = {0};
+    rk_test_log lref = {0};
     run_together(cp, &held, 1, &o, &ref, &lref);
     rk_service *svc =
         open_svc(model, (svc_opts){.reindex = "zero-copy", .chunk_blocks = 6, .poison = 1});
@@ -272,10 +239,10 @@ Test(zerocopy, held_shared_blocks_survive_eviction_and_delete) {
     rk_pipeline *p;
     cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
     rk_request r;
-    run_log lr = {0};
+    rk_test_log lr = {0};
     prepare(svc, held, &o, &r);
     rk_request *one = &r;
-    rk_pipeline_hooks h = {.ctx = &lr, .on_logits = keep_logits};
+    rk_pipeline_hooks h = {.ctx = &lr, .on_logits = rk_test_keep_logits};
     cr_assert_eq(rk_pipeline_admit(p, &one, 1, &h), RK_OK, "%s", rk_error_message());
     cr_assert_eq(r.shared_blocks, 4);
     rk_chunk_key keys[2];
@@ -321,8 +288,8 @@ Test(zerocopy, held_shared_blocks_survive_eviction_and_delete) {
     rk_pipeline_free(p);
     rk_request_free(&r);
     rk_request_free(&ref);
-    log_free(&lr);
-    log_free(&lref);
+    rk_test_log_free(&lr, 1);
+    rk_test_log_free(&lref, 1);
     rk_service_close(svc);
     rk_service_close(cp);
     free(model);
@@ -345,7 +312,7 @@ Test(zerocopy, the_reindex_setting_defaults_to_zero_copy_and_is_checked) {
 static void check_report(rk_service *svc, const rk_req_options *o, const char *want,
                          int want_shared) {
     rk_request r;
-    run_log l[1] = {0};
+    rk_test_log l[1] = {0};
     run_together(svc, &STORY, 1, o, &r, l);
     json_t *j = rk_report_ragkv(&r);
     cr_assert_not_null(j);
@@ -362,7 +329,7 @@ static void check_report(rk_service *svc, const rk_req_options *o, const char *w
     cr_assert_eq(want_shared, shared > 0, "shared_blocks %d", (int)shared);
     json_decref(j);
     rk_request_free(&r);
-    log_free(l);
+    rk_test_log_free(l, 1);
 }
 
 Test(zerocopy, the_report_names_each_chunks_path_and_the_shared_blocks) {

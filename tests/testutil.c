@@ -46,6 +46,84 @@ char *rk_test_tmpdir(const char *tag) {
     return rk_strdup(path);
 }
 
+rk_config rk_test_config(int n_threads, int kv_memory_mb, const char *kv_dtype) {
+    rk_config cfg;
+    rk_config_defaults(&cfg);
+    cfg.n_threads = n_threads;
+    cfg.kv_memory_mb = kv_memory_mb;
+    if (kv_dtype) snprintf(cfg.kv_dtype, sizeof cfg.kv_dtype, "%s", kv_dtype);
+    return cfg;
+}
+
+rk_service *rk_test_service_open(const rk_config *cfg, const char *model) {
+    rk_service *svc = NULL;
+    cr_assert_eq(rk_service_open(cfg, model, &svc), RK_OK, "%s", rk_error_message());
+    return svc;
+}
+
+int rk_test_check_pools_back(rk_service *svc) {
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
+                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE), "every live block came back");
+    rk_chunk_stats cs;
+    rk_chunk_index_get_stats(svc->chunks, &cs);
+    cr_assert_eq(rk_arena_pool_total(svc->arena, RK_POOL_CHUNK) -
+                     rk_arena_pool_free(svc->arena, RK_POOL_CHUNK),
+                 (int)cs.blocks, "the chunk pool holds exactly the entries' blocks");
+    return (int)cs.entries;
+}
+
+void rk_test_check_all_released(rk_service *svc) {
+    rk_radix_stats rs;
+    rk_radix_get_stats(svc->prefix, &rs);
+    cr_assert_eq(rs.protected_tokens, 0, "no radix path is locked");
+    cr_assert_eq(rk_arena_pool_free(svc->arena, RK_POOL_LIVE),
+                 rk_arena_pool_total(svc->arena, RK_POOL_LIVE), "every live block came back");
+    rk_radix_flush(svc->prefix);
+    rk_chunk_index_flush(svc->chunks);
+    for (int i = 0; i < RK_POOL_COUNT; i++)
+        cr_assert_eq(rk_arena_pool_free(svc->arena, (rk_pool_tag)i),
+                     rk_arena_pool_total(svc->arena, (rk_pool_tag)i), "pool %s",
+                     rk_pool_name((rk_pool_tag)i));
+}
+
+void rk_test_keep_logits(void *ctx, int req, int step, const float *logits, int n_vocab) {
+    rk_test_log *l = (rk_test_log *)ctx + req;
+    if (step < 0 || step >= RK_TEST_LOG_STEPS) return;
+    l->n_vocab = n_vocab;
+    if (step + 1 > l->n_steps) l->n_steps = step + 1;
+    free(l->logits[step]);
+    l->logits[step] = malloc((size_t)n_vocab * sizeof(float));
+    cr_assert_not_null(l->logits[step]);
+    memcpy(l->logits[step], logits, (size_t)n_vocab * sizeof(float));
+}
+
+void rk_test_log_free(rk_test_log *logs, int n) {
+    for (int i = 0; i < n; i++) {
+        for (int s = 0; s < RK_TEST_LOG_STEPS; s++) free(logs[i].logits[s]);
+        memset(&logs[i], 0, sizeof logs[i]);
+    }
+}
+
+uint64_t rk_test_rng_next(rk_test_rng *g) {
+    uint64_t z = (g->state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+float rk_test_frand(rk_test_rng *g, float lo, float hi) {
+    return lo + (hi - lo) * (float)((rk_test_rng_next(g) >> 40) * (1.0 / 16777216.0));
+}
+
+int rk_test_irand(rk_test_rng *g, int n) { return (int)(rk_test_rng_next(g) % (uint64_t)n); }
+
+float *rk_test_rand_floats(rk_test_rng *g, size_t n, float lo, float hi) {
+    float *p = malloc(n * sizeof(float) + 1); /* + 1: never malloc(0) */
+    cr_assert(p);
+    for (size_t i = 0; i < n; i++) p[i] = rk_test_frand(g, lo, hi);
+    return p;
+}
+
 int rk_test_run(const char *cmd, char **out) {
     FILE *f = popen(cmd, "r");
     if (!f) return -1;

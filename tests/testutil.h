@@ -11,6 +11,7 @@
 #include <sys/types.h>
 
 #include "bench/httpclient.h"
+#include "config/config.h"
 
 /* Absolute path of a file under ../shared, or NULL when it does not exist.
  * The returned string is static storage reused by the next call. */
@@ -76,6 +77,58 @@ void rk_test_request_free(struct rk_request *r);
  * of room); returns the number generated. */
 int rk_test_greedy(struct rk_service *svc, const int *prompt, int n_prompt, int n_sys, int max_new,
                    int *out);
+
+/* The configuration the service suites start from: rk_config_defaults with
+ * n_threads threads, kv_memory_mb of KV memory and KV in kv_dtype (NULL:
+ * the default). A suite sets whatever else it varies on the copy. */
+rk_config rk_test_config(int n_threads, int kv_memory_mb, const char *kv_dtype);
+
+/* rk_service_open(cfg, model) (model NULL: the embedded tiny model), asserting
+ * that it opens. */
+struct rk_service *rk_test_service_open(const rk_config *cfg, const char *model);
+
+/* After its requests: every live block is free and the chunk pool holds
+ * exactly its entries' blocks (the entries stay cached). Returns the number
+ * of chunk entries. */
+int rk_test_check_pools_back(struct rk_service *svc);
+
+/* Nothing is held: no radix path is locked and every live block is free;
+ * then both caches are flushed and every block of every pool is free. */
+void rk_test_check_all_released(struct rk_service *svc);
+
+/* The logits of each step of one request, as rk_pipeline_hooks.on_logits
+ * hands them over. Zero-initialise; free with rk_test_log_free. */
+#define RK_TEST_LOG_STEPS 64
+typedef struct rk_test_log {
+    int n_vocab;
+    int n_steps; /* one past the last step kept */
+    float *logits[RK_TEST_LOG_STEPS];
+} rk_test_log;
+
+/* An on_logits hook: ctx is an array of rk_test_log, one a request by its
+ * hook index. Keeps a copy of the step's logits (replacing an earlier one of
+ * the same step); steps from RK_TEST_LOG_STEPS on are not kept. */
+void rk_test_keep_logits(void *ctx, int req, int step, const float *logits, int n_vocab);
+
+/* Free the logits of logs[0..n) and zero them. */
+void rk_test_log_free(rk_test_log *logs, int n);
+
+/* A reproducible stream of random numbers (splitmix64) from its seed:
+ * `rk_test_rng g = {seed};`. */
+typedef struct rk_test_rng {
+    uint64_t state;
+} rk_test_rng;
+
+uint64_t rk_test_rng_next(rk_test_rng *g);
+
+/* Uniform in [lo, hi). */
+float rk_test_frand(rk_test_rng *g, float lo, float hi);
+
+/* Uniform in [0, n). */
+int rk_test_irand(rk_test_rng *g, int n);
+
+/* n floats uniform in [lo, hi) (malloc'ed, never NULL: asserts). */
+float *rk_test_rand_floats(rk_test_rng *g, size_t n, float lo, float hi);
 
 /* Run a shell command, capture stdout (malloc'ed, NUL-terminated) into *out
  * (may be NULL), return the exit status (or -1 if it could not run). */
