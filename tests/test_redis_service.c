@@ -22,7 +22,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -623,33 +622,14 @@ Test(redis_service, the_server_prewarms_lists_reports_and_flushes_the_tier) {
     if (no_curl) cr_skip_test("curl is not installed");
     rk_test_redis s = {0};
     rk_test_redis_start(&s);
-    char *dir = rk_test_tmpdir("redis-serve");
-    char url[64], port_s[16], log[4200];
+    char url[64];
     snprintf(url, sizeof url, "redis://127.0.0.1:%d", s.port);
-    int port = rk_test_free_port();
-    snprintf(port_s, sizeof port_s, "%d", port);
-    snprintf(log, sizeof log, "%s/server.log", dir);
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlive a failed test */
-        FILE *f = freopen(log, "w", stderr);
-        (void)f;
-        execl(RK_BIN, RK_BIN, "serve", "--port", port_s, "--kv-memory-mb", "16", "--redis", url,
-              "--redis-min-tokens", "1", (char *)NULL);
-        _exit(127);
-    }
-    json_t *j = NULL;
-    for (int i = 0; i < 600 && !j; i++) { /* until the model is loaded */
-        char cmd[128], *out = NULL;
-        snprintf(cmd, sizeof cmd, "curl -s -m 5 http://127.0.0.1:%d/health", port);
-        /* Refused until the server listens; then 503 until the model is ready. */
-        if (rk_test_run(cmd, &out) == 0 && strstr(out, "ok"))
-            j = curl(port, "GET", "/v1/stats", NULL, NULL);
-        free(out);
-        if (!j) usleep(50 * 1000);
-    }
-    cr_assert_not_null(j, "the server did not start; see %s", log);
+    rk_test_server srv = {0};
+    const char *args[] = {"--kv-memory-mb", "16", "--redis", url, "--redis-min-tokens", "1", NULL};
+    cr_assert_eq(rk_test_server_start_ready(&srv, "redis-serve", NULL, args), 0,
+                 "the server did not start; see %s", srv.log);
+    int port = srv.port;
+    json_t *j = curl(port, "GET", "/v1/stats", NULL, NULL);
     cr_assert(json_is_true(json_object_get(json_object_get(j, "redis"), "configured")));
     json_decref(j);
     j = curl(port, "POST", "/v1/chunks",
@@ -697,18 +677,15 @@ Test(redis_service, the_server_prewarms_lists_reports_and_flushes_the_tier) {
     cr_assert_eq(jint(j, "redis", "auth_failures"), 0);
     cr_assert_eq(jint(j, "requests", "nonfinite_logits"), 0);
     json_decref(j);
-    kill(pid, SIGTERM);
-    int status;
-    waitpid(pid, &status, 0);
-    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "server exit status %d", status);
+    int status = rk_test_server_stop(&srv);
+    cr_assert_eq(status, 0, "server exit status %d", status);
     /* Without a secret the server said once that Redis must be trusted. */
-    char *text = rk_test_read_file(log, NULL);
+    char *text = rk_test_read_file(srv.log, NULL);
     cr_assert_not_null(text);
     int warnings = 0;
     for (const char *p = text; (p = strstr(p, "no shared-tier secret")); p++) warnings++;
     cr_assert_eq(warnings, 1, "%d trust warnings in:\n%s", warnings, text);
     free(text);
-    free(dir);
     rk_test_redis_free(&s);
 }
 
@@ -1007,47 +984,24 @@ Test(redis_service, a_logprob_json_cannot_hold_is_written_as_null_never_dropped)
 
 /* ---------------------------------------------------------------- the server, forged */
 
-/* Start `ragkv serve` on a free port with f32 KV (what the forgeries
- * rewrite) and the given extra arguments (NULL terminated, at most 11), its
- * stderr in log; wait until it is ready. */
-static pid_t serve(int *out_port, const char *log, const char *const *args) {
-    int port = rk_test_free_port();
-    char port_s[16];
-    snprintf(port_s, sizeof port_s, "%d", port);
-    const char *argv[20] = {RK_BIN,           "serve", "--port",     port_s,
-                            "--kv-memory-mb", "16",    "--kv-dtype", "f32"};
-    int n = 8;
-    for (int i = 0; args[i] && n < 19; i++) argv[n++] = args[i];
+/* Start `ragkv serve` with f32 KV (what the forgeries rewrite) and the
+ * given extra arguments (NULL terminated, at most 11); wait until it is
+ * ready. */
+static void serve(rk_test_server *srv, const char *const *args) {
+    const char *argv[16] = {"--kv-memory-mb", "16", "--kv-dtype", "f32"};
+    int n = 4;
+    for (int i = 0; args[i] && n < 15; i++) argv[n++] = args[i];
     argv[n] = NULL;
-    pid_t pid = fork();
-    cr_assert_geq(pid, 0);
-    if (pid == 0) {
-        prctl(PR_SET_PDEATHSIG, SIGKILL);
-        FILE *f = freopen(log, "w", stderr);
-        (void)f;
-        execv(RK_BIN, (char *const *)argv);
-        _exit(127);
-    }
-    int up = 0;
-    for (int i = 0; i < 600 && !up; i++) {
-        char cmd[128], *out = NULL;
-        snprintf(cmd, sizeof cmd, "curl -s -m 5 http://127.0.0.1:%d/health", port);
-        up = rk_test_run(cmd, &out) == 0 && strstr(out, "ok");
-        free(out);
-        if (!up) usleep(50 * 1000);
-    }
-    cr_assert(up, "the server did not start; see %s", log);
-    *out_port = port;
-    return pid;
+    *srv = (rk_test_server){0};
+    cr_assert_eq(rk_test_server_start_ready(srv, "redis-forged-serve", NULL, argv), 0,
+                 "the server did not start; see %s", srv->log);
 }
 
 /* Stop the server and check that its log never shows the secret. */
-static void stop(pid_t pid, const char *log) {
-    kill(pid, SIGTERM);
-    int status;
-    waitpid(pid, &status, 0);
-    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "server exit status %d", status);
-    char *text = rk_test_read_file(log, NULL);
+static void stop(rk_test_server *srv) {
+    int status = rk_test_server_stop(srv);
+    cr_assert_eq(status, 0, "server exit status %d", status);
+    char *text = rk_test_read_file(srv->log, NULL);
     cr_assert_not_null(text);
     cr_assert_null(strstr(text, SECRET), "the log shows the secret");
     free(text);
@@ -1084,16 +1038,16 @@ Test(redis_service, the_server_with_a_secret_recomputes_a_forged_value_and_keeps
     rk_test_redis s = {0};
     rk_test_redis_start(&s);
     char *dir = rk_test_tmpdir("redis-forged-serve");
-    char url[64], log[4200], store[4200], src[2][16], key[2][33];
+    char url[64], store[4200], src[2][16], key[2][33];
     snprintf(url, sizeof url, "redis://127.0.0.1:%d", s.port);
-    snprintf(log, sizeof log, "%s/server.log", dir);
     snprintf(store, sizeof store, "%s/store", dir);
     char *secret = rk_test_write_tmp("redis-forged-secret", "secret", SECRET);
     const char *tier[] = {"--redis", url, "--redis-min-tokens", "1", "--redis-secret-file",
                           secret,    NULL};
-    int port;
+    rk_test_server srv;
     /* The oracle: computed alone by a replica with the secret. */
-    pid_t pid = serve(&port, log, tier);
+    serve(&srv, tier);
+    int port = srv.port;
     char *oracle = complete(port, src, key);
     cr_assert_str_eq(src[0], "computed");
     long long total = 0;
@@ -1104,7 +1058,7 @@ Test(redis_service, the_server_with_a_secret_recomputes_a_forged_value_and_keeps
         if (total < 2) usleep(20 * 1000);
     }
     cr_assert_eq(total, 2);
-    stop(pid, log);
+    stop(&srv);
     /* Someone with write access to Redis, without the secret, negates the
      * first chunk's KV and recomputes its checksums and marker. */
     char fp[33];
@@ -1117,7 +1071,8 @@ Test(redis_service, the_server_with_a_secret_recomputes_a_forged_value_and_keeps
     const char *tier_store[] = {
         "--redis", url, "--redis-min-tokens", "1", "--redis-secret-file", secret, "--store",
         store,     NULL};
-    pid = serve(&port, log, tier_store);
+    serve(&srv, tier_store);
+    port = srv.port;
     char *text = complete(port, src, NULL);
     cr_assert_str_eq(src[0], "computed", "the forged value was served");
     cr_assert_str_eq(src[1], "redis");
@@ -1130,7 +1085,7 @@ Test(redis_service, the_server_with_a_secret_recomputes_a_forged_value_and_keeps
     curl(port, "GET", "/metrics", NULL, &m);
     cr_assert(strstr(m, "ragkv_redis_auth_failures_total 1"), "%s", m);
     free(m);
-    stop(pid, log);
+    stop(&srv);
     /* Redis flushed: the store verifies and a restart with it alone answers
      * as the oracle did, from disk. */
     redisContext *c = redisConnect("127.0.0.1", s.port);
@@ -1143,13 +1098,14 @@ Test(redis_service, the_server_with_a_secret_recomputes_a_forged_value_and_keeps
     cr_assert(strstr(out, "checked 2 payloads: 0 bad"), "%s", out);
     free(out);
     const char *disk[] = {"--store", store, NULL};
-    pid = serve(&port, log, disk);
+    serve(&srv, disk);
+    port = srv.port;
     text = complete(port, src, NULL);
     cr_assert_str_eq(src[0], "disk");
     cr_assert_str_eq(src[1], "disk");
     cr_assert_str_eq(text, oracle, "the disk store kept a wrong answer");
     free(text);
-    stop(pid, log);
+    stop(&srv);
     free(oracle);
     free(secret);
     free(dir);
