@@ -279,6 +279,90 @@ Test(openai, ids_and_system_fingerprint_follow_openai) {
     rk_test_resp_free(&m);
 }
 
+/* ================================================================ stream framing */
+
+/* Read every event of one stream as a client that indexes choices[0] on each
+ * would, and check OpenAI's framing: choices[0] exists on every event but
+ * the usage event, which comes once, last, and only with include_usage;
+ * every choice finishes once; ragkv's report comes once per choice (in the
+ * usage event or on the finish event, top level, for one choice; inside
+ * each choice's finish event for several). */
+static void read_every_event(const char *path, const char *body, int include_usage, int n_choices) {
+    char full[2048];
+    snprintf(full, sizeof full, "{%s, \"stream\": true%s}", body,
+             include_usage ? ", \"stream_options\": {\"include_usage\": true}" : "");
+    resp st = request("POST", path, "Content-Type: application/json\r\n", full);
+    cr_assert_eq(st.http.status, 200, "%s: %s", full, st.http.body);
+    int events = 0, empty = 0, finishes = 0, reports = 0, done = 0, last_empty = 0;
+    for (const char *p = st.http.body; *p;) {
+        cr_assert(!strncmp(p, "data: ", 6), "%s: not an event: %.60s", full, p);
+        const char *end = strstr(p, "\n\n");
+        cr_assert(end, "%s: an event is not ended by a blank line", full);
+        cr_assert(!done, "%s: an event after [DONE]", full);
+        if (!strncmp(p + 6, "[DONE]", 6)) {
+            done = 1;
+            p = end + 2;
+            continue;
+        }
+        json_t *ev = json_loadb(p + 6, (size_t)(end - p - 6), 0, NULL);
+        cr_assert(ev, "%s: not JSON: %.200s", full, p);
+        events++;
+        json_t *choices = json_object_get(ev, "choices");
+        cr_assert(json_is_array(choices), "%s: no choices: %.300s", full, p);
+        json_t *c0 = json_array_get(choices, 0); /* what such a client reads */
+        last_empty = c0 == NULL;
+        if (!c0) {
+            empty++;
+            cr_assert(include_usage, "%s: an event with empty choices, usage not asked: %.300s",
+                      full, p);
+            cr_assert(json_is_object(json_object_get(ev, "usage")), "%.300s", p);
+        } else {
+            cr_assert(json_is_integer(json_object_get(c0, "index")), "%.300s", p);
+            cr_assert(!json_is_object(json_object_get(ev, "usage")),
+                      "%s: usage on a choice event: %.300s", full, p);
+            finishes += json_is_string(json_object_get(c0, "finish_reason"));
+            reports += json_is_object(json_object_get(c0, "ragkv"));
+        }
+        reports += json_is_object(json_object_get(ev, "ragkv"));
+        json_decref(ev);
+        p = end + 2;
+    }
+    cr_assert(done, "%s: no [DONE]", full);
+    cr_assert(events >= n_choices, "%s: %d events", full, events);
+    cr_assert_eq(empty, include_usage, "%s: %d events with empty choices", full, empty);
+    if (include_usage) cr_assert(last_empty, "%s: the usage event is not the last", full);
+    cr_assert_eq(finishes, n_choices, "%s: %d finish events for %d choices", full, finishes,
+                 n_choices);
+    cr_assert_eq(reports, n_choices, "%s: %d ragkv reports for %d choices", full, reports,
+                 n_choices);
+    rk_test_resp_free(&st);
+}
+
+Test(openai, every_stream_event_has_a_first_choice_unless_usage_was_asked) {
+    static const struct {
+        const char *path, *body;
+        int n_choices;
+    } kinds[] = {
+        {"/v1/completions", "\"prompt\": \"Once\", \"max_tokens\": 6", 1},
+        {"/v1/completions", "\"prompt\": \"Once\", \"max_tokens\": 6, \"logprobs\": 2", 1},
+        {"/v1/completions", "\"prompt\": \"Once\", \"max_tokens\": 0", 1},
+        {"/v1/completions", "\"prompt\": \"Once\", \"max_tokens\": 6, \"n\": 2", 2},
+        {"/v1/completions", "\"prompt\": [\"Once\", \"Then\"], \"max_tokens\": 6", 2},
+        {"/v1/chat/completions",
+         "\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 6", 1},
+        {"/v1/chat/completions",
+         "\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 6, "
+         "\"logprobs\": true, \"top_logprobs\": 1",
+         1},
+        {"/v1/chat/completions",
+         "\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 6, \"n\": 3",
+         3},
+    };
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++)
+        for (int usage = 0; usage <= 1; usage++)
+            read_every_event(kinds[k].path, kinds[k].body, usage, kinds[k].n_choices);
+}
+
 /* Content parts are separate paragraphs: joined with "\n", not glued. */
 Test(openai, chat_content_parts_are_joined_with_newlines) {
     const char *fmt = "{\"messages\": [{\"role\": \"user\", \"content\": %s}], \"max_tokens\": 4, "
