@@ -174,8 +174,19 @@ try {
   assert.equal(e.status, 400);
   assert.equal(e.code, "context_length_exceeded");
   assert.equal(e.param, "prompt");
-  assert.equal(typeof e.type, "string");
+  assert.equal(e.type, "invalid_request_error");
   assert.match(e.message, /context/);
+}
+
+step("a field error names the field in param");
+try {
+  await client.completions.create({ model: SERVED, prompt: "Once", temperature: 500 });
+  assert.fail("temperature 500 was accepted");
+} catch (e) {
+  assert.ok(e instanceof OpenAI.BadRequestError, `got ${e?.constructor?.name}: ${e}`);
+  assert.equal(e.param, "temperature");
+  assert.equal(e.code, null);
+  assert.equal(e.type, "invalid_request_error");
 }
 
 console.log("ok: all checks passed");

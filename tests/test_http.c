@@ -148,14 +148,36 @@ static resp post(const char *path, const char *body) {
     return r;
 }
 
-/* An error response: status, the JSON envelope with the same code and a message. */
+/* OpenAI's error type for an HTTP status. */
+static const char *openai_error_type(int status) {
+    return status == 401   ? "authentication_error"
+           : status == 403 ? "permission_error"
+           : status == 429 ? "rate_limit_error"
+           : status == 503 ? "service_unavailable_error"
+           : status >= 500 ? "server_error"
+                           : "invalid_request_error";
+}
+
+/* OpenAI's envelope: its type for the status, a message, a code that is a
+ * string or null (never the status), param a string or null; the HTTP
+ * status in `status`. */
+static void expect_envelope(resp *r) {
+    cr_assert(r->json, "error body is not JSON: %s", r->http.body);
+    cr_assert_eq(rk_test_jint(r->json, "error.status"), r->http.status, "%s", r->http.body);
+    cr_assert_str_eq(rk_test_jstr(r->json, "error.type"), openai_error_type(r->http.status), "%s",
+                     r->http.body);
+    cr_assert(strlen(rk_test_jstr(r->json, "error.message")) > 0);
+    json_t *code = rk_test_jget(r->json, "error.code"),
+           *param = rk_test_jget(r->json, "error.param");
+    cr_assert(json_is_null(code) || json_is_string(code), "error.code: %s", r->http.body);
+    cr_assert(json_is_null(param) || json_is_string(param), "error.param: %s", r->http.body);
+}
+
+/* An error response: status, and OpenAI's envelope. */
 static void expect_error(resp *r, int status) {
     cr_assert_eq(r->http.status, status, "want %d, got %d: %s", status, r->http.status,
                  r->http.body);
-    cr_assert(r->json, "error body is not JSON: %s", r->http.body);
-    cr_assert_eq(rk_test_jint(r->json, "error.code"), status);
-    cr_assert(strlen(rk_test_jstr(r->json, "error.type")) > 0);
-    cr_assert(strlen(rk_test_jstr(r->json, "error.message")) > 0);
+    expect_envelope(r);
 }
 
 /* The value of one Prometheus sample line ("name{labels}"), or -1. */
@@ -288,9 +310,7 @@ Test(http, a_nul_byte_in_the_path_is_400) {
 static void expect_refused(resp *r, const char *what) {
     cr_assert(r->http.status >= 400, "%s: %d", what, r->http.status);
     cr_assert(r->json, "%s: the body is not JSON: %s", what, r->http.body);
-    cr_assert_eq(rk_test_jint(r->json, "error.code"), r->http.status);
-    cr_assert(strlen(rk_test_jstr(r->json, "error.type")) > 0);
-    cr_assert(strlen(rk_test_jstr(r->json, "error.message")) > 0);
+    expect_envelope(r);
     cr_assert_str_eq(rk_test_header(r, "Content-Type"), "application/json");
 }
 
@@ -780,6 +800,44 @@ Test(http, malformed_input_is_400) {
     rk_test_resp_free(&r);
 }
 
+/* OpenAI's envelope names the field at fault in `param` (its path when it is
+ * nested), has a string `code` or null, and OpenAI's type. */
+Test(http, errors_name_the_field_and_use_openai_types_and_codes) {
+    static const struct {
+        const char *path, *body;
+        int status;
+        const char *param; /* NULL: null */
+    } cases[] = {
+        {"/v1/completions", "{\"prompt\": \"x\", \"temperature\": \"hot\"}", 400, "temperature"},
+        {"/v1/completions", "{\"prompt\": \"x\", \"repair\": {\"policy\": \"best\"}}", 400,
+         "repair.policy"},
+        {"/v1/completions", "{\"prompt\": [\"a\", 5]}", 400, "prompt[1]"},
+        {"/v1/completions", "{\"prompt\": \"x\", \"n\": 33}", 422, "n"},
+        {"/v1/completions", "{\"prompt\": \"x\", \"logprobs\": 21}", 400, "logprobs"},
+        {"/v1/chat/completions", "{\"messages\": [{\"role\": \"wizard\", \"content\": \"x\"}]}",
+         400, "messages[0].role"},
+        {"/v1/completions", "{not json", 400, NULL},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        resp r = post(cases[i].path, cases[i].body);
+        expect_error(&r, cases[i].status);
+        cr_assert(json_is_null(rk_test_jget(r.json, "error.code")), "%s", r.http.body);
+        json_t *param = rk_test_jget(r.json, "error.param");
+        if (cases[i].param)
+            cr_assert_str_eq(json_string_value(param), cases[i].param, "%s -> %s", cases[i].body,
+                             r.http.body);
+        else
+            cr_assert(json_is_null(param), "%s -> %s", cases[i].body, r.http.body);
+        rk_test_resp_free(&r);
+    }
+    resp r = get("/v1/nothing-here");
+    expect_error(&r, 404);
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.type"), "invalid_request_error");
+    cr_assert(json_is_null(rk_test_jget(r.json, "error.code")), "%s", r.http.body);
+    cr_assert(json_is_null(rk_test_jget(r.json, "error.param")), "%s", r.http.body);
+    rk_test_resp_free(&r);
+}
+
 /* Under the default model_name_policy "any" (test_openai.c has "strict"). */
 Test(http, an_unknown_model_is_answered_under_the_served_name) {
     resp r =
@@ -847,7 +905,7 @@ static void expect_context_exceeded(resp *r) {
     cr_assert_eq(r->http.status, 400, "%s", r->http.body);
     cr_assert(r->json, "%s", r->http.body);
     cr_assert_str_eq(rk_test_jstr(r->json, "error.code"), "context_length_exceeded");
-    cr_assert_str_eq(rk_test_jstr(r->json, "error.type"), "invalid_request");
+    cr_assert_str_eq(rk_test_jstr(r->json, "error.type"), "invalid_request_error");
     cr_assert(strstr(rk_test_jstr(r->json, "error.message"), "KV memory"), "%s", r->http.body);
 }
 
@@ -1314,7 +1372,8 @@ Test(http_opts, health_is_503_while_loading, .fini = stop_server, .timeout = 300
     resp r = get("/health");
     cr_assert_eq(r.http.status, 503, "%s", r.http.body);
     cr_assert_str_eq(rk_test_jstr(r.json, "status"), "loading");
-    cr_assert_eq(rk_test_jint(r.json, "error.code"), 503);
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.type"), "service_unavailable_error");
+    cr_assert(json_is_null(rk_test_jget(r.json, "error.code")), "%s", r.http.body);
     rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\"}");
     expect_error(&r, 503);
@@ -1517,7 +1576,7 @@ Test(http_opts, idle_and_slow_header_connections_are_closed_after_the_request_ti
         resp r;
         cr_assert_eq(parse_response(a, strlen(a), &r), 0, "%s", a);
         cr_assert(r.http.status >= 400 && r.json, "%s", a);
-        cr_assert_eq(rk_test_jint(r.json, "error.code"), r.http.status);
+        expect_envelope(&r);
         rk_test_resp_free(&r);
     }
     free(a);
