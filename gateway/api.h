@@ -71,6 +71,12 @@ const char *rk_http_error_param(const char *message, char *buf, size_t cap);
 typedef struct rk_parse_limits {
     int max_chunks; /* chunks per request */
     int max_tokens; /* largest max_tokens accepted */
+    /* Tokens of context a request may use, prompt and max_tokens together
+     * (max_context or the model's); 0 = unknown. A max_tokens over the
+     * largest accepted that also leaves no room for a prompt is refused as
+     * OpenAI refuses a request over the context (400
+     * context_length_exceeded), not as a server limit (422). */
+    int context;
     /* The service's repair policy (config `repair`), for a request that names
      * none or "auto": as rk_req_options takes it. */
     int repair_k;

@@ -509,6 +509,9 @@ static void prep_generation(void *arg) {
     rk_http_error *err = &p->err;
     rk_parse_limits lim = {.max_chunks = S->o.cfg.max_chunks,
                            .max_tokens = S->o.cfg.max_tokens,
+                           .context = g->svc->cfg.max_context > 0
+                                          ? g->svc->cfg.max_context
+                                          : rk_model_hparams(g->svc->model)->n_ctx,
                            .chat_separator = S->o.chat_separator,
                            .grammar_cache = g->svc->grammar_cache};
     (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio,

@@ -178,6 +178,16 @@ try {
   assert.match(e.message, /context/);
 }
 
+step("max_tokens beyond the context as a BadRequestError");
+try {
+  await client.completions.create({ model: SERVED, prompt: "Once", max_tokens: 100000 });
+  assert.fail("max_tokens beyond the context was accepted");
+} catch (e) {
+  assert.ok(e instanceof OpenAI.BadRequestError, `got ${e?.constructor?.name}: ${e}`);
+  assert.equal(e.code, "context_length_exceeded");
+  assert.equal(e.type, "invalid_request_error");
+}
+
 step("a field error names the field in param");
 try {
   await client.completions.create({ model: SERVED, prompt: "Once", temperature: 500 });

@@ -883,8 +883,10 @@ Test(http_opts, limits_give_413_422_and_context_length_exceeded, .fini = stop_se
     r = post("/v1/completions", "{\"prompt\": \"S##a##b##Q\", \"max_tokens\": 2}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     rk_test_resp_free(&r);
+    /* Over max_tokens (100) and over the context (60) too: the context's 400. */
     r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 101}");
-    expect_error(&r, 422);
+    expect_error(&r, 400);
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.code"), "context_length_exceeded");
     rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\", \"max_tokens\": 99}");
     cr_assert_eq(r.http.status, 400, "%s", r.http.body);

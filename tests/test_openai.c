@@ -256,6 +256,37 @@ Test(openai_opts, an_omitted_max_tokens_fits_the_context_and_overflow_is_context
     rk_test_resp_free(&r);
 }
 
+/* A max_tokens over the server's largest that no prompt fits beside is over
+ * the context: 400 context_length_exceeded, as OpenAI answers, not the 422
+ * of a server limit (OpenAI's SDKs raise BadRequestError for it). */
+Test(openai_opts, max_tokens_beyond_the_context_is_context_length_exceeded_not_422) {
+    const char *args[] = {"--max-context", "256", "--max-tokens", "200", NULL};
+    start_with(args);
+    static const char *const paths[] = {"/v1/completions", "/v1/chat/completions"};
+    static const char *const params[] = {"prompt", "messages"};
+    for (int chat = 0; chat < 2; chat++)
+        for (int k = 0; k < 2; k++) {
+            long long mt = k ? 100000 : 256; /* over the server's 200, and no room for a prompt */
+            resp r = rk_test_postf(&S.t, paths[chat],
+                                   chat ? "{\"messages\": [{\"role\": \"user\", \"content\": "
+                                          "\"Hi\"}], \"max_tokens\": %lld}"
+                                        : "{\"prompt\": \"Once\", \"max_tokens\": %lld}",
+                                   mt);
+            cr_assert_eq(r.http.status, 400, "max_tokens %lld: %s", mt, r.http.body);
+            cr_assert_str_eq(rk_test_jstr(r.json, "error.code"), "context_length_exceeded");
+            cr_assert_str_eq(rk_test_jstr(r.json, "error.type"), "invalid_request_error");
+            cr_assert_str_eq(rk_test_jstr(r.json, "error.param"), params[chat]);
+            cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "context"), "%s", r.http.body);
+            rk_test_resp_free(&r);
+        }
+    /* Over the server's limit with room in the context: the server's limit, 422. */
+    resp r = rk_test_postf(&S.t, "/v1/completions", "{\"prompt\": \"Once\", \"max_tokens\": 201}");
+    cr_assert_eq(r.http.status, 422, "%s", r.http.body);
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.param"), "max_tokens");
+    cr_assert(json_is_null(rk_test_jget(r.json, "error.code")), "%s", r.http.body);
+    rk_test_resp_free(&r);
+}
+
 /* ================================================================ response shapes */
 
 Test(openai, ids_and_system_fingerprint_follow_openai) {
