@@ -223,6 +223,39 @@ Test(openai_opts, a_client_that_leaves_a_request_not_streamed_stops_it) {
     rk_test_resp_free(&r);
 }
 
+/* requests.in_flight of /v1/stats once it is want (a request answered just
+ * before may still be finishing when the next one reads it), or its value
+ * after 20 s. */
+static long long in_flight_becomes(long long want) {
+    long long n = -1;
+    for (double until = rk_test_now() + 20; n != want && rk_test_now() < until;) {
+        resp r = request("GET", "/v1/stats", NULL, NULL);
+        n = rk_test_jint(r.json, "requests.in_flight");
+        rk_test_resp_free(&r);
+        if (n != want) rk_test_sleep(0.02);
+    }
+    return n;
+}
+
+/* requests.in_flight counts the requests being handled, not the stats
+ * request that reads it: 0 on an idle server, 1 beside one generation. */
+Test(openai_opts, stats_in_flight_does_not_count_the_stats_request_itself) {
+    const char *args[] = {"--token-delay-s", "0.01", NULL};
+    start_with(args);
+    cr_assert_eq(in_flight_becomes(0), 0, "an idle server");
+    const char *body = "{\"prompt\": \"Once\", \"max_tokens\": 1000, \"ignore_eos\": true}";
+    rk_http_conn c;
+    cr_assert_eq(rk_http_open(&S.t, "POST", "/v1/completions", NULL, body, strlen(body), &c),
+                 RK_OK);
+    double until = rk_test_now() + 20;
+    while (running_now() != 1 && rk_test_now() < until) rk_test_sleep(0.02);
+    cr_assert_eq(running_now(), 1, "the request never ran");
+    cr_assert_eq(in_flight_becomes(1), 1, "one generation running");
+    cr_assert_eq(running_now(), 1, "the generation ended before its in_flight was read");
+    rk_http_close(&c);
+    cr_assert_eq(in_flight_becomes(0), 0, "the generation's client left 20 s ago");
+}
+
 /* ================================================================ context */
 
 Test(openai_opts, an_omitted_max_tokens_fits_the_context_and_overflow_is_context_length_exceeded) {
