@@ -17,15 +17,17 @@
 
 /* ---------------------------------------------------------------- errors */
 
-/* An HTTP error as the JSON envelope {"error": {"message", "type", "param",
- * "code", "status"}} (docs/api.md): code is OpenAI's string code where it
- * has one for the case (code set), the numeric status otherwise. */
+/* An HTTP error as OpenAI's JSON envelope {"error": {"message", "type",
+ * "param", "code"}} with the HTTP status added as "status" (docs/api.md):
+ * code is OpenAI's string code where it has one for the case, null
+ * otherwise; param the request field at fault, given or named by the
+ * message, null otherwise. */
 typedef struct rk_http_error {
     int status;       /* HTTP status: 400, 401, 404, 405, 408, 409, 413, 422, 500, 501, 503, 505 */
-    const char *type; /* constant: "invalid_request", "not_found", ... */
+    const char *type; /* constant: "invalid_request_error", "server_error", ... */
     char message[320];
     const char *code;  /* constant OpenAI code ("context_length_exceeded"), or NULL */
-    const char *param; /* constant: the request field at fault, or NULL */
+    const char *param; /* constant: the request field at fault, or NULL (then the message's) */
 } rk_http_error;
 
 /* OpenAI's error code for a prompt and max_tokens beyond the context. */
@@ -44,8 +46,17 @@ rk_status rk_http_errorf(rk_http_error *err, int status, const char *fmt, ...)
  * 422 for a limit, 503 when busy or out of room, 500 otherwise. */
 int rk_http_status_of(rk_status st);
 
-/* The type name of an HTTP error status ("invalid_request" for 400). */
+/* OpenAI's type name for an HTTP error status: "invalid_request_error" for
+ * 4xx, "authentication_error" (401), "permission_error" (403),
+ * "rate_limit_error" (429), "service_unavailable_error" (503),
+ * "server_error" for other 5xx. */
 const char *rk_http_error_type(int status);
+
+/* The request field an error message is about, copied into buf[cap], or
+ * NULL: messages about a field start with its quoted name ("'stop' must
+ * be ...", "'repair.policy' ...") or with an indexed path ("messages[2].role
+ * must be ...", "prompt[1]: ..."). */
+const char *rk_http_error_param(const char *message, char *buf, size_t cap);
 
 /* ---------------------------------------------------------------- request bodies */
 
@@ -60,6 +71,12 @@ const char *rk_http_error_type(int status);
 typedef struct rk_parse_limits {
     int max_chunks; /* chunks per request */
     int max_tokens; /* largest max_tokens accepted */
+    /* Tokens of context a request may use, prompt and max_tokens together
+     * (max_context or the model's); 0 = unknown. A max_tokens over the
+     * largest accepted that also leaves no room for a prompt is refused as
+     * OpenAI refuses a request over the context (400
+     * context_length_exceeded), not as a server limit (422). */
+    int context;
     /* The service's repair policy (config `repair`), for a request that names
      * none or "auto": as rk_req_options takes it. */
     int repair_k;

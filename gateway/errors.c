@@ -1,8 +1,10 @@
 /* gateway/errors.c — the API's one error envelope: HTTP statuses for the
- * lower layers' rk_status codes, their type names, OpenAI's error codes, and
- * rk_http_errorf. Pure functions, safe from any thread. */
+ * lower layers' rk_status codes, OpenAI's type names and error codes, the
+ * field an error message names, and rk_http_errorf. Pure functions, safe from any thread. */
+#include <ctype.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 
 #include "gateway/api.h"
 
@@ -27,22 +29,37 @@ const char *rk_http_error_code(rk_status st) {
 
 const char *rk_http_error_type(int status) {
     switch (status) {
-    case 400: return "invalid_request";
-    case 401: return "unauthorized";
-    case 403: return "forbidden";
-    case 404: return "not_found";
-    case 405: return "method_not_allowed";
-    case 408: return "request_timeout";
-    case 409: return "conflict";
-    case 413:
-    case 431: return "request_too_large";
-    case 422: return "unprocessable";
-    case 429: return "rate_limited";
-    case 501: return "not_implemented";
-    case 503: return "overloaded";
-    case 505: return "http_version_not_supported";
-    default: return status >= 500 ? "internal_error" : "invalid_request";
+    case 401: return "authentication_error";
+    case 403: return "permission_error";
+    case 429: return "rate_limit_error";
+    case 503: return "service_unavailable_error";
+    default: return status >= 500 ? "server_error" : "invalid_request_error";
     }
+}
+
+/* A character of a field path: a name, an index, a dot between them. */
+static int path_char(char c) {
+    return isalnum((unsigned char)c) || c == '_' || c == '.' || c == '[' || c == ']';
+}
+
+const char *rk_http_error_param(const char *message, char *buf, size_t cap) {
+    const char *p = message, *end;
+    if (*p == '\'') { /* 'name' ... */
+        end = ++p;
+        while (path_char(*end)) end++;
+        if (*end != '\'') return NULL;
+    } else { /* name[i].more ... : an unquoted path names a field only with an index */
+        end = p;
+        while (isalnum((unsigned char)*end) || *end == '_') end++;
+        if (end == p || *end != '[') return NULL;
+        while (path_char(*end)) end++;
+        while (end > p && end[-1] == '.') end--;
+    }
+    size_t n = (size_t)(end - p);
+    if (n == 0 || n >= cap || !(isalpha((unsigned char)*p) || *p == '_')) return NULL;
+    memcpy(buf, p, n);
+    buf[n] = '\0';
+    return buf;
 }
 
 static rk_status status_of_http(int status) {

@@ -237,18 +237,31 @@ static json_t *final_object(gen *g, const char *text) {
     return o;
 }
 
-/* A stream's event after the last choice event (choices []): usage when
- * stream_options.include_usage asked for it, and the ragkv report. */
-static json_t *report_event(gen *g) {
+/* A stream's last events: the choice's finish event, then, when
+ * stream_options.include_usage asked for it, the usage event (choices [],
+ * as OpenAI sends it). The ragkv report goes in the usage event when there
+ * is one, else as a top-level field of the finish event: no event has empty
+ * choices unless the client asked for usage. */
+static void stream_finish(gen *g) {
+    json_t *fin = chunk_event(g, NULL, finish_reason(g));
     rk_request *r = &g->job->req;
+    if (!g->api.include_usage) {
+        if (fin && json_object_set_new(fin, "ragkv", rk_report_ragkv(r))) {
+            json_decref(fin);
+            fin = NULL;
+        }
+        sse_event(g, fin);
+        return;
+    }
+    sse_event(g, fin);
     json_t *o = object_head(g, g->api.chat ? "chat.completion.chunk" : "text_completion");
     if (!o || json_object_set_new(o, "choices", json_array()) ||
-        (g->api.include_usage && json_object_set_new(o, "usage", rk_report_usage(r))) ||
+        json_object_set_new(o, "usage", rk_report_usage(r)) ||
         json_object_set_new(o, "ragkv", rk_report_ragkv(r))) {
         json_decref(o);
-        return NULL;
+        o = NULL;
     }
-    return o;
+    sse_event(g, o);
 }
 
 /* Stream the new text, if any. */
@@ -392,8 +405,7 @@ static void respond_generation(gen *g) {
             sse_event(g, ev);
             free(all);
             g->text_done = 1;
-            sse_event(g, chunk_event(g, NULL, finish_reason(g)));
-            sse_event(g, report_event(g));
+            stream_finish(g);
             write_all(g, "data: [DONE]\n\n", 14);
             return;
         }
@@ -419,8 +431,7 @@ static void respond_generation(gen *g) {
             (g->api.opt.n_logprobs > 0 && g->lp_sent < j->req.n_out))
             sse_event(g, chunk_event(g, rest ? rest : "", NULL));
         free(rest);
-        sse_event(g, chunk_event(g, NULL, finish_reason(g)));
-        sse_event(g, report_event(g));
+        stream_finish(g);
         write_all(g, "data: [DONE]\n\n", 14);
         return;
     }
@@ -498,6 +509,9 @@ static void prep_generation(void *arg) {
     rk_http_error *err = &p->err;
     rk_parse_limits lim = {.max_chunks = S->o.cfg.max_chunks,
                            .max_tokens = S->o.cfg.max_tokens,
+                           .context = g->svc->cfg.max_context > 0
+                                          ? g->svc->cfg.max_context
+                                          : rk_model_hparams(g->svc->model)->n_ctx,
                            .chat_separator = S->o.chat_separator,
                            .grammar_cache = g->svc->grammar_cache};
     (void)rk_repair_parse(S->o.cfg.repair, &lim.repair_k, &lim.repair_ratio,

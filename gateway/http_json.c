@@ -232,6 +232,15 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
         return rk_http_errorf(err, 400, "'%s' must be from 0 to %d, got %lld", mt_name,
                               lim->max_tokens, (long long)max_tokens),
                1;
+    if (max_tokens > lim->max_tokens && lim->context > 0 && max_tokens >= lim->context) {
+        /* No prompt fits beside it: over the context, whatever the prompt. */
+        rk_http_errorf(err, 400,
+                       "the context is %d tokens, prompt and completion together; '%s' is %lld",
+                       lim->context, mt_name, (long long)max_tokens);
+        err->code = RK_CODE_CONTEXT_LENGTH;
+        err->param = out->chat ? "messages" : "prompt";
+        return 1;
+    }
     if (max_tokens > lim->max_tokens)
         return rk_http_errorf(err, 422, "'%s' is %lld; this server allows at most %d", mt_name,
                               (long long)max_tokens, lim->max_tokens),

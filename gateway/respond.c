@@ -67,8 +67,8 @@ void rk_gw_send_json(req_ctx *rc, int status, json_t *body) {
     json_decref(body);
     if (!s) {
         static const char oom[] =
-            "{\"error\":{\"message\":\"out of memory\",\"type\":\"internal_error\",\"param\":"
-            "null,\"code\":500,\"status\":500}}";
+            "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\",\"param\":"
+            "null,\"code\":null,\"status\":500}}";
         rk_gw_send_text(rc, 500, "application/json", oom, sizeof oom - 1, NULL);
         return;
     }
@@ -77,11 +77,14 @@ void rk_gw_send_json(req_ctx *rc, int status, json_t *body) {
 }
 
 /* OpenAI's envelope, which its SDKs read (message, type, param, code), with
- * the HTTP status in `status`; `code` keeps the numeric status, as before,
- * where OpenAI has no code for the case (docs/api.md). */
+ * the HTTP status in `status`: `code` is OpenAI's string code or null,
+ * `param` the field at fault (given, or named by the message) or null
+ * (docs/api.md). */
 json_t *rk_gw_error_body(const rk_http_error *e) {
-    json_t *code = e->code ? json_string(e->code) : json_integer(e->status);
-    json_t *param = e->param ? json_string(e->param) : json_null();
+    char field[64];
+    const char *name = e->param ? e->param : rk_http_error_param(e->message, field, sizeof field);
+    json_t *code = e->code ? json_string(e->code) : json_null();
+    json_t *param = name ? json_string(name) : json_null();
     return json_pack("{s:{s:s, s:s, s:o, s:o, s:i}}", "error", "message", e->message, "type",
                      e->type, "param", param, "code", code, "status", e->status);
 }

@@ -106,6 +106,10 @@ static int handle_stats(req_ctx *rc) {
     if (!rk_gw_ready_service(rc->S)) return rk_gw_send_not_ready(rc), 0;
     refresh_redis_stats(rc->S);
     json_t *doc = rk_stats_json_for(rc->S->stats, rc->sees_all, rc->tenant);
+    /* The requests in flight are the others: this one does not count itself. */
+    json_t *in_flight = json_object_get(json_object_get(doc, "requests"), "in_flight");
+    if (json_integer_value(in_flight) > 0)
+        json_integer_set(in_flight, json_integer_value(in_flight) - 1);
     /* The snapshot's top chunks are everyone's ten: a tenant gets its own
      * ten from the engine (the snapshot's, filtered, if it cannot answer). */
     json_t *top = doc && !rc->sees_all ? rk_gw_top_chunks(rc) : NULL;

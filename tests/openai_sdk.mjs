@@ -64,15 +64,24 @@ for (const includeUsage of [false, true]) {
     stream: true,
     ...(includeUsage ? { stream_options: { include_usage: true } } : {}),
   });
-  let text = "", finishes = 0, usage = null;
+  let text = "", finishes = 0, usage = null, report = null;
   for await (const chunk of stream) {
     assert.equal(chunk.object, "text_completion");
     if (chunk.usage) usage = chunk.usage;
-    if (chunk.choices.length === 0) continue;
+    if (chunk.ragkv) report = chunk.ragkv;
+    // Empty choices: the usage event alone, and only when asked for.
+    if (chunk.choices.length === 0) {
+      assert.ok(includeUsage && chunk.usage, "an event with empty choices, usage not asked");
+      continue;
+    }
     text += chunk.choices[0].text;
-    if (chunk.choices[0].finish_reason !== null) finishes++;
+    if (chunk.choices[0].finish_reason !== null) {
+      finishes++;
+      if (!includeUsage) assert.ok(chunk.ragkv, "the finish event carries the report");
+    }
   }
   assert.equal(finishes, 1);
+  assert.ok(report.question.tokens > 0, "the report counts the question");
   assert.equal(text, c.choices[0].text);
   if (includeUsage) assert.equal(usage.completion_tokens, c.usage.completion_tokens);
   else assert.equal(usage, null);
@@ -114,7 +123,10 @@ for (const includeUsage of [false, true]) {
   for await (const chunk of stream) {
     assert.equal(chunk.object, "chat.completion.chunk");
     if (chunk.usage) usage = chunk.usage;
-    if (chunk.choices.length === 0) continue;
+    if (chunk.choices.length === 0) {
+      assert.ok(includeUsage && chunk.usage, "an event with empty choices, usage not asked");
+      continue;
+    }
     const ch = chunk.choices[0];
     if (ch.delta.role) role = ch.delta.role;
     if (ch.delta.content) text += ch.delta.content;
@@ -162,8 +174,29 @@ try {
   assert.equal(e.status, 400);
   assert.equal(e.code, "context_length_exceeded");
   assert.equal(e.param, "prompt");
-  assert.equal(typeof e.type, "string");
+  assert.equal(e.type, "invalid_request_error");
   assert.match(e.message, /context/);
+}
+
+step("max_tokens beyond the context as a BadRequestError");
+try {
+  await client.completions.create({ model: SERVED, prompt: "Once", max_tokens: 100000 });
+  assert.fail("max_tokens beyond the context was accepted");
+} catch (e) {
+  assert.ok(e instanceof OpenAI.BadRequestError, `got ${e?.constructor?.name}: ${e}`);
+  assert.equal(e.code, "context_length_exceeded");
+  assert.equal(e.type, "invalid_request_error");
+}
+
+step("a field error names the field in param");
+try {
+  await client.completions.create({ model: SERVED, prompt: "Once", temperature: 500 });
+  assert.fail("temperature 500 was accepted");
+} catch (e) {
+  assert.ok(e instanceof OpenAI.BadRequestError, `got ${e?.constructor?.name}: ${e}`);
+  assert.equal(e.param, "temperature");
+  assert.equal(e.code, null);
+  assert.equal(e.type, "invalid_request_error");
 }
 
 console.log("ok: all checks passed");

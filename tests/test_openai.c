@@ -223,6 +223,39 @@ Test(openai_opts, a_client_that_leaves_a_request_not_streamed_stops_it) {
     rk_test_resp_free(&r);
 }
 
+/* requests.in_flight of /v1/stats once it is want (a request answered just
+ * before may still be finishing when the next one reads it), or its value
+ * after 20 s. */
+static long long in_flight_becomes(long long want) {
+    long long n = -1;
+    for (double until = rk_test_now() + 20; n != want && rk_test_now() < until;) {
+        resp r = request("GET", "/v1/stats", NULL, NULL);
+        n = rk_test_jint(r.json, "requests.in_flight");
+        rk_test_resp_free(&r);
+        if (n != want) rk_test_sleep(0.02);
+    }
+    return n;
+}
+
+/* requests.in_flight counts the requests being handled, not the stats
+ * request that reads it: 0 on an idle server, 1 beside one generation. */
+Test(openai_opts, stats_in_flight_does_not_count_the_stats_request_itself) {
+    const char *args[] = {"--token-delay-s", "0.01", NULL};
+    start_with(args);
+    cr_assert_eq(in_flight_becomes(0), 0, "an idle server");
+    const char *body = "{\"prompt\": \"Once\", \"max_tokens\": 1000, \"ignore_eos\": true}";
+    rk_http_conn c;
+    cr_assert_eq(rk_http_open(&S.t, "POST", "/v1/completions", NULL, body, strlen(body), &c),
+                 RK_OK);
+    double until = rk_test_now() + 20;
+    while (running_now() != 1 && rk_test_now() < until) rk_test_sleep(0.02);
+    cr_assert_eq(running_now(), 1, "the request never ran");
+    cr_assert_eq(in_flight_becomes(1), 1, "one generation running");
+    cr_assert_eq(running_now(), 1, "the generation ended before its in_flight was read");
+    rk_http_close(&c);
+    cr_assert_eq(in_flight_becomes(0), 0, "the generation's client left 20 s ago");
+}
+
 /* ================================================================ context */
 
 Test(openai_opts, an_omitted_max_tokens_fits_the_context_and_overflow_is_context_length_exceeded) {
@@ -243,7 +276,7 @@ Test(openai_opts, an_omitted_max_tokens_fits_the_context_and_overflow_is_context
     cr_assert_str_eq(rk_test_jstr(r.json, "error.code"), "context_length_exceeded");
     cr_assert_str_eq(rk_test_jstr(r.json, "error.param"), "prompt");
     cr_assert_eq(rk_test_jint(r.json, "error.status"), 400);
-    cr_assert(strlen(rk_test_jstr(r.json, "error.type")) > 0);
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.type"), "invalid_request_error");
     cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "context"));
     rk_test_resp_free(&r);
     /* A prompt longer than the context, limit omitted: the same. */
@@ -253,6 +286,37 @@ Test(openai_opts, an_omitted_max_tokens_fits_the_context_and_overflow_is_context
     cr_assert_eq(r.http.status, 400, "%s", r.http.body);
     cr_assert_str_eq(rk_test_jstr(r.json, "error.code"), "context_length_exceeded");
     cr_assert_str_eq(rk_test_jstr(r.json, "error.param"), "messages");
+    rk_test_resp_free(&r);
+}
+
+/* A max_tokens over the server's largest that no prompt fits beside is over
+ * the context: 400 context_length_exceeded, as OpenAI answers, not the 422
+ * of a server limit (OpenAI's SDKs raise BadRequestError for it). */
+Test(openai_opts, max_tokens_beyond_the_context_is_context_length_exceeded_not_422) {
+    const char *args[] = {"--max-context", "256", "--max-tokens", "200", NULL};
+    start_with(args);
+    static const char *const paths[] = {"/v1/completions", "/v1/chat/completions"};
+    static const char *const params[] = {"prompt", "messages"};
+    for (int chat = 0; chat < 2; chat++)
+        for (int k = 0; k < 2; k++) {
+            long long mt = k ? 100000 : 256; /* over the server's 200, and no room for a prompt */
+            resp r = rk_test_postf(&S.t, paths[chat],
+                                   chat ? "{\"messages\": [{\"role\": \"user\", \"content\": "
+                                          "\"Hi\"}], \"max_tokens\": %lld}"
+                                        : "{\"prompt\": \"Once\", \"max_tokens\": %lld}",
+                                   mt);
+            cr_assert_eq(r.http.status, 400, "max_tokens %lld: %s", mt, r.http.body);
+            cr_assert_str_eq(rk_test_jstr(r.json, "error.code"), "context_length_exceeded");
+            cr_assert_str_eq(rk_test_jstr(r.json, "error.type"), "invalid_request_error");
+            cr_assert_str_eq(rk_test_jstr(r.json, "error.param"), params[chat]);
+            cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "context"), "%s", r.http.body);
+            rk_test_resp_free(&r);
+        }
+    /* Over the server's limit with room in the context: the server's limit, 422. */
+    resp r = rk_test_postf(&S.t, "/v1/completions", "{\"prompt\": \"Once\", \"max_tokens\": 201}");
+    cr_assert_eq(r.http.status, 422, "%s", r.http.body);
+    cr_assert_str_eq(rk_test_jstr(r.json, "error.param"), "max_tokens");
+    cr_assert(json_is_null(rk_test_jget(r.json, "error.code")), "%s", r.http.body);
     rk_test_resp_free(&r);
 }
 
@@ -277,6 +341,90 @@ Test(openai, ids_and_system_fingerprint_follow_openai) {
     cr_assert_str_eq(rk_test_jstr(r.json, "object"), "chat.completion");
     rk_test_resp_free(&r);
     rk_test_resp_free(&m);
+}
+
+/* ================================================================ stream framing */
+
+/* Read every event of one stream as a client that indexes choices[0] on each
+ * would, and check OpenAI's framing: choices[0] exists on every event but
+ * the usage event, which comes once, last, and only with include_usage;
+ * every choice finishes once; ragkv's report comes once per choice (in the
+ * usage event or on the finish event, top level, for one choice; inside
+ * each choice's finish event for several). */
+static void read_every_event(const char *path, const char *body, int include_usage, int n_choices) {
+    char full[2048];
+    snprintf(full, sizeof full, "{%s, \"stream\": true%s}", body,
+             include_usage ? ", \"stream_options\": {\"include_usage\": true}" : "");
+    resp st = request("POST", path, "Content-Type: application/json\r\n", full);
+    cr_assert_eq(st.http.status, 200, "%s: %s", full, st.http.body);
+    int events = 0, empty = 0, finishes = 0, reports = 0, done = 0, last_empty = 0;
+    for (const char *p = st.http.body; *p;) {
+        cr_assert(!strncmp(p, "data: ", 6), "%s: not an event: %.60s", full, p);
+        const char *end = strstr(p, "\n\n");
+        cr_assert(end, "%s: an event is not ended by a blank line", full);
+        cr_assert(!done, "%s: an event after [DONE]", full);
+        if (!strncmp(p + 6, "[DONE]", 6)) {
+            done = 1;
+            p = end + 2;
+            continue;
+        }
+        json_t *ev = json_loadb(p + 6, (size_t)(end - p - 6), 0, NULL);
+        cr_assert(ev, "%s: not JSON: %.200s", full, p);
+        events++;
+        json_t *choices = json_object_get(ev, "choices");
+        cr_assert(json_is_array(choices), "%s: no choices: %.300s", full, p);
+        json_t *c0 = json_array_get(choices, 0); /* what such a client reads */
+        last_empty = c0 == NULL;
+        if (!c0) {
+            empty++;
+            cr_assert(include_usage, "%s: an event with empty choices, usage not asked: %.300s",
+                      full, p);
+            cr_assert(json_is_object(json_object_get(ev, "usage")), "%.300s", p);
+        } else {
+            cr_assert(json_is_integer(json_object_get(c0, "index")), "%.300s", p);
+            cr_assert(!json_is_object(json_object_get(ev, "usage")),
+                      "%s: usage on a choice event: %.300s", full, p);
+            finishes += json_is_string(json_object_get(c0, "finish_reason"));
+            reports += json_is_object(json_object_get(c0, "ragkv"));
+        }
+        reports += json_is_object(json_object_get(ev, "ragkv"));
+        json_decref(ev);
+        p = end + 2;
+    }
+    cr_assert(done, "%s: no [DONE]", full);
+    cr_assert(events >= n_choices, "%s: %d events", full, events);
+    cr_assert_eq(empty, include_usage, "%s: %d events with empty choices", full, empty);
+    if (include_usage) cr_assert(last_empty, "%s: the usage event is not the last", full);
+    cr_assert_eq(finishes, n_choices, "%s: %d finish events for %d choices", full, finishes,
+                 n_choices);
+    cr_assert_eq(reports, n_choices, "%s: %d ragkv reports for %d choices", full, reports,
+                 n_choices);
+    rk_test_resp_free(&st);
+}
+
+Test(openai, every_stream_event_has_a_first_choice_unless_usage_was_asked) {
+    static const struct {
+        const char *path, *body;
+        int n_choices;
+    } kinds[] = {
+        {"/v1/completions", "\"prompt\": \"Once\", \"max_tokens\": 6", 1},
+        {"/v1/completions", "\"prompt\": \"Once\", \"max_tokens\": 6, \"logprobs\": 2", 1},
+        {"/v1/completions", "\"prompt\": \"Once\", \"max_tokens\": 0", 1},
+        {"/v1/completions", "\"prompt\": \"Once\", \"max_tokens\": 6, \"n\": 2", 2},
+        {"/v1/completions", "\"prompt\": [\"Once\", \"Then\"], \"max_tokens\": 6", 2},
+        {"/v1/chat/completions",
+         "\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 6", 1},
+        {"/v1/chat/completions",
+         "\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 6, "
+         "\"logprobs\": true, \"top_logprobs\": 1",
+         1},
+        {"/v1/chat/completions",
+         "\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"max_tokens\": 6, \"n\": 3",
+         3},
+    };
+    for (size_t k = 0; k < sizeof kinds / sizeof kinds[0]; k++)
+        for (int usage = 0; usage <= 1; usage++)
+            read_every_event(kinds[k].path, kinds[k].body, usage, kinds[k].n_choices);
 }
 
 /* Content parts are separate paragraphs: joined with "\n", not glued. */
