@@ -56,7 +56,7 @@ static int parse_stop(json_t *root, rk_api_request *out, rk_http_error *err) {
             return rk_http_errorf(err, 400, "each stop string must be 1 to %d bytes",
                                   RK_STOP_MAX_BYTES),
                    1;
-        if (!(out->stop[out->n_stop] = dup_str(json_string_value(s))))
+        if (!(out->stop[out->n_stop] = rk_strdup(json_string_value(s))))
             return rk_http_errorf(err, 500, "out of memory"), 1;
         out->n_stop++;
     }
@@ -212,13 +212,13 @@ static int parse_penalties(json_t *root, rk_sampler_params *p, rk_http_error *er
     return 0;
 }
 
-/* Fields shared by both shapes: sampling, limits, extensions. */
-static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
-                        rk_http_error *err) {
+/* max_tokens (or max_completion_tokens) into *max_tokens, which holds the
+ * default: absent, the server's limit caps it; beyond the context it is
+ * context_length_exceeded, beyond the server's limit 422. */
+static int parse_max_tokens(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
+                            json_int_t *max_tokens_io, rk_http_error *err) {
     rk_req_options *o = &out->opt;
-    json_int_t max_tokens = o->max_tokens, top_k = 0, seed = 0, n = 1, best_of = 1;
-    double temp = o->sampling.temperature, top_p = o->sampling.top_p;
-    int echo = 0, ignore_eos = 0, prefix = -1, plain = 0, ctx = 0, pos = 0, whole = 1;
+    json_int_t max_tokens = *max_tokens_io;
     json_t *mct = json_object_get(root, "max_completion_tokens");
     const char *mt_name = mct && !json_is_null(mct) ? "max_completion_tokens" : "max_tokens";
     json_t *mt = json_object_get(root, mt_name);
@@ -245,6 +245,53 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
         return rk_http_errorf(err, 422, "'%s' is %lld; this server allows at most %d", mt_name,
                               (long long)max_tokens, lim->max_tokens),
                1;
+    *max_tokens_io = max_tokens;
+    return 0;
+}
+
+/* ragkv's own fields: chunk_cache, and the model name and separator. */
+static int parse_cache_fields(json_t *root, rk_api_request *out, rk_http_error *err) {
+    rk_req_options *o = &out->opt;
+    json_t *cc = json_object_get(root, "chunk_cache");
+    if (cc && !json_is_null(cc)) {
+        const char *s = json_string_value(cc);
+        if (json_is_boolean(cc))
+            o->chunk_cache = json_is_true(cc);
+        else if (s && !strcmp(s, "on"))
+            o->chunk_cache = 1;
+        else if (s && !strcmp(s, "off"))
+            o->chunk_cache = 0;
+        else
+            return rk_http_errorf(err, 400, "'chunk_cache' must be \"on\" or \"off\""), 1;
+    }
+    json_t *m = json_object_get(root, "model");
+    if (m && !json_is_null(m)) {
+        if (!json_is_string(m)) return rk_http_errorf(err, 400, "'model' must be a string"), 1;
+        if (!(out->model = rk_strdup(json_string_value(m))))
+            return rk_http_errorf(err, 500, "out of memory"), 1;
+    }
+    json_t *sep = json_object_get(root, "separator");
+    if (sep && !json_is_null(sep)) {
+        const char *s = json_string_value(sep);
+        if (!s || strlen(s) != json_string_length(sep) || rk_separator_check(s))
+            return rk_http_errorf(err, 400,
+                                  "'separator' must be a string of 1 to %d bytes without a "
+                                  "backslash",
+                                  RK_SEPARATOR_MAX),
+                   1;
+        snprintf(out->separator, sizeof out->separator, "%s", s);
+    }
+    return 0;
+}
+
+/* Fields shared by both shapes: sampling, limits, extensions. */
+static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
+                        rk_http_error *err) {
+    rk_req_options *o = &out->opt;
+    json_int_t max_tokens = o->max_tokens, top_k = 0, seed = 0, n = 1, best_of = 1;
+    double temp = o->sampling.temperature, top_p = o->sampling.top_p;
+    int echo = 0, ignore_eos = 0, prefix = -1, plain = 0, ctx = 0, pos = 0, whole = 1;
+    if (parse_max_tokens(root, lim, out, &max_tokens, err)) return 1;
     if (get_num(root, "temperature", 0, 100, 0, &temp, err) ||
         get_num(root, "top_p", 0, 1, 1, &top_p, err) ||
         get_int(root, "top_k", 0, 1 << 24, &top_k, err) ||
@@ -281,37 +328,9 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
     out->n_choices = (int)n;
     if (echo) return rk_http_errorf(err, 400, "'echo' is not supported"), 1;
     if (refuse_unsupported(root, err) || parse_penalties(root, &o->sampling, err)) return 1;
-    json_t *cc = json_object_get(root, "chunk_cache");
-    if (cc && !json_is_null(cc)) {
-        const char *s = json_string_value(cc);
-        if (json_is_boolean(cc))
-            o->chunk_cache = json_is_true(cc);
-        else if (s && !strcmp(s, "on"))
-            o->chunk_cache = 1;
-        else if (s && !strcmp(s, "off"))
-            o->chunk_cache = 0;
-        else
-            return rk_http_errorf(err, 400, "'chunk_cache' must be \"on\" or \"off\""), 1;
-    }
+    if (parse_cache_fields(root, out, err)) return 1;
     json_t *seed_v = json_object_get(root, "seed");
     out->seed_given = seed_v && !json_is_null(seed_v);
-    json_t *m = json_object_get(root, "model");
-    if (m && !json_is_null(m)) {
-        if (!json_is_string(m)) return rk_http_errorf(err, 400, "'model' must be a string"), 1;
-        if (!(out->model = dup_str(json_string_value(m))))
-            return rk_http_errorf(err, 500, "out of memory"), 1;
-    }
-    json_t *sep = json_object_get(root, "separator");
-    if (sep && !json_is_null(sep)) {
-        const char *s = json_string_value(sep);
-        if (!s || strlen(s) != json_string_length(sep) || rk_separator_check(s))
-            return rk_http_errorf(err, 400,
-                                  "'separator' must be a string of 1 to %d bytes without a "
-                                  "backslash",
-                                  RK_SEPARATOR_MAX),
-                   1;
-        snprintf(out->separator, sizeof out->separator, "%s", s);
-    }
     o->max_tokens = (int)max_tokens;
     o->sampling.temperature = (float)temp;
     o->sampling.top_p = (float)top_p;
@@ -385,7 +404,7 @@ static int parse_structured(json_t *root, const rk_parse_limits *lim, rk_api_req
             failed = 1;
         }
         for (int i = 0; i < kept && !failed; i++)
-            if (ids[i] && !(out->chunk_ids[i] = dup_str(ids[i]))) {
+            if (ids[i] && !(out->chunk_ids[i] = rk_strdup(ids[i]))) {
                 rk_http_errorf(err, 500, "out of memory");
                 failed = 1;
             }
@@ -512,9 +531,9 @@ static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_req
 static int message_content(json_t *c, int i, rk_chat_msg *m, rk_http_error *err) {
     char **out = &m->content;
     if (!c || json_is_null(c)) {
-        *out = dup_str("");
+        *out = rk_strdup("");
     } else if (json_is_string(c)) {
-        *out = dup_str(json_string_value(c));
+        *out = rk_strdup(json_string_value(c));
     } else if (json_is_array(c)) {
         size_t total = 0, n_docs = 0;
         for (size_t k = 0; k < json_array_size(c); k++) {
@@ -545,7 +564,7 @@ static int message_content(json_t *c, int i, rk_chat_msg *m, rk_http_error *err)
             for (size_t k = 0; k < json_array_size(c); k++) {
                 json_t *part = json_array_get(c, k), *tx = json_object_get(part, "text");
                 if (json_is_true(json_object_get(part, "ragkv_chunk"))) {
-                    if (!(m->docs[m->n_docs++] = dup_str(json_string_value(tx))))
+                    if (!(m->docs[m->n_docs++] = rk_strdup(json_string_value(tx))))
                         return rk_http_errorf(err, 500, "out of memory"), 1;
                     continue;
                 }
@@ -620,9 +639,9 @@ static int parse_chat_documents(json_t *root, const rk_parse_limits *lim, rk_api
             }
             out->chat_chunks[i] = both;
         } else {
-            out->chat_chunks[i] = dup_str(t);
+            out->chat_chunks[i] = rk_strdup(t);
         }
-        out->chat_chunk_ids[i] = id ? dup_str(id) : NULL;
+        out->chat_chunk_ids[i] = id ? rk_strdup(id) : NULL;
         out->n_chat_chunks = (int)i + 1;
         if (!out->chat_chunks[i] || (id && !out->chat_chunk_ids[i]))
             return rk_http_errorf(err, 500, "out of memory"), 1;
@@ -860,7 +879,7 @@ rk_status rk_prewarm_parse(const char *body, size_t len, rk_prewarm_request *out
     if (!st) {
         out->texts = calloc(n, sizeof *out->texts);
         out->ids = calloc(n, sizeof *out->ids);
-        out->system = dup_str(json_is_string(sys) ? json_string_value(sys) : "");
+        out->system = rk_strdup(json_is_string(sys) ? json_string_value(sys) : "");
         if (!out->texts || !out->ids || !out->system)
             st = rk_http_errorf(err, 500, "out of memory");
     }
@@ -874,8 +893,8 @@ rk_status rk_prewarm_parse(const char *body, size_t len, rk_prewarm_request *out
             st = rk_http_errorf(err, 400, "chunks[%zu] is empty", i);
             break;
         }
-        out->texts[i] = dup_str(t);
-        out->ids[i] = id ? dup_str(id) : NULL;
+        out->texts[i] = rk_strdup(t);
+        out->ids[i] = id ? rk_strdup(id) : NULL;
         out->n = (int)i + 1;
         if (!out->texts[i] || (id && !out->ids[i])) st = rk_http_errorf(err, 500, "out of memory");
     }

@@ -96,13 +96,6 @@ static inline int get_context(json_t *o, int *out, rk_http_error *err) {
            1;
 }
 
-static inline char *dup_str(const char *s) {
-    size_t n = strlen(s);
-    char *d = malloc(n + 1);
-    if (d) memcpy(d, s, n + 1);
-    return d;
-}
-
 /* A chunk entry: "text" or {"id": "...", "text": "..."}. *text and *id point
  * into the JSON (id NULL when absent). */
 static inline int chunk_entry(json_t *v, int i, const char **text, const char **id,
