@@ -54,49 +54,7 @@ static resp finish(rk_http_conn *c) {
  * two requests on one keep-alive connection read as bytes) goes over a plain
  * socket; the answer is parsed by the client's own parser. */
 
-static int connect_port(void) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) return -1;
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)S.port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    struct timeval tv = {120, 0};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    if (connect(fd, (struct sockaddr *)&a, sizeof a)) {
-        close(fd);
-        return -1;
-    }
-    return fd;
-}
-
-static int send_all(int fd, const char *p, size_t n) {
-    while (n) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-        if (k <= 0) return -1;
-        p += k;
-        n -= (size_t)k;
-    }
-    return 0;
-}
-
-/* Read until the peer closes (or the socket's receive timeout); returns the
- * bytes (malloc'ed, NUL-terminated) and their count in *n. */
-static char *recv_all(int fd, size_t *n) {
-    size_t cap = 65536, len = 0;
-    char *buf = malloc(cap);
-    cr_assert(buf);
-    for (;;) {
-        if (len + 1 >= cap) {
-            buf = realloc(buf, cap *= 2);
-            cr_assert(buf);
-        }
-        ssize_t k = recv(fd, buf + len, cap - len - 1, 0);
-        if (k <= 0) break;
-        len += (size_t)k;
-    }
-    buf[len] = '\0';
-    *n = len;
-    return buf;
-}
+static int connect_port(void) { return rk_test_connect(S.port, NULL, 120); }
 
 /* Parse a whole answer read as bytes (copied). Returns 0, or -1 when buf
  * holds no answer. */
@@ -120,9 +78,9 @@ static char *raw_exchange(const char *req, size_t n, double timeout_s, double *t
     struct timeval tv = {(time_t)timeout_s, (long)((timeout_s - (double)(time_t)timeout_s) * 1e6)};
     setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     double t0 = rk_test_now();
-    cr_assert_eq(send_all(fd, req, n), 0);
+    cr_assert_eq(rk_test_send_all(fd, req, n), 0);
     size_t len;
-    char *buf = recv_all(fd, &len);
+    char *buf = rk_test_recv_all(fd, &len, NULL);
     if (took) *took = rk_test_now() - t0;
     close(fd);
     return buf;
@@ -250,11 +208,11 @@ Test(http, head_answers_headers_only_and_keeps_the_connection) {
     cr_assert(fd >= 0);
     static const char head[] = "HEAD /health HTTP/1.1\r\nHost: x\r\n\r\n";
     static const char get_[] = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
-    cr_assert_eq(send_all(fd, head, sizeof head - 1), 0);
+    cr_assert_eq(rk_test_send_all(fd, head, sizeof head - 1), 0);
     rk_test_sleep(0.2);
-    cr_assert_eq(send_all(fd, get_, sizeof get_ - 1), 0);
+    cr_assert_eq(rk_test_send_all(fd, get_, sizeof get_ - 1), 0);
     size_t n;
-    char *a = recv_all(fd, &n);
+    char *a = rk_test_recv_all(fd, &n, NULL);
     close(fd);
     const char *end = strstr(a, "\r\n\r\n");
     cr_assert(end, "no answer: %s", a);
@@ -1340,7 +1298,7 @@ Test(http_opts, a_full_queue_and_timeouts_give_503_or_cancel, .fini = stop_serve
     stream_until_first_event("{\"prompt\": \"x\", \"max_tokens\": 500, \"ignore_eos\": "
                              "true, \"stream\": true}",
                              &rc);
-    cr_assert_eq(send_all(q.fd, qbody, strlen(qbody)), 0);
+    cr_assert_eq(rk_test_send_all(q.fd, qbody, strlen(qbody)), 0);
     rk_test_sleep(0.3);
     /* The queue (one place) is full now. */
     resp r = post("/v1/completions", "{\"prompt\": \"y\", \"max_tokens\": 1}");
@@ -1597,7 +1555,7 @@ Test(http_opts, a_slow_body_is_answered_408_within_the_request_timeout, .fini = 
                               &c),
                  RK_OK);
     double t0 = rk_test_now();
-    cr_assert_eq(send_all(c.fd, "{", 1), 0);
+    cr_assert_eq(rk_test_send_all(c.fd, "{", 1), 0);
     /* Meanwhile other requests are served. */
     resp r = get("/health");
     cr_assert_eq(r.http.status, 200);

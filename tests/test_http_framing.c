@@ -30,59 +30,8 @@ static void stop_server(void) { rk_test_server_stop_checked(&S); }
 
 /* ---------------------------------------------------------------- raw sockets */
 
-/* A connection to the server from the loopback address `from` (127.0.0.1
- * when NULL), with a receive timeout of timeout_s; -1 when refused. */
 static int connect_from(const char *from, double timeout_s) {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    if (fd < 0) return -1;
-    if (from) {
-        struct sockaddr_in src = {.sin_family = AF_INET};
-        inet_pton(AF_INET, from, &src.sin_addr);
-        if (bind(fd, (struct sockaddr *)&src, sizeof src)) {
-            close(fd);
-            return -1;
-        }
-    }
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)S.port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    struct timeval tv = {(time_t)timeout_s, (long)((timeout_s - (double)(time_t)timeout_s) * 1e6)};
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    if (connect(fd, (struct sockaddr *)&a, sizeof a)) {
-        close(fd);
-        return -1;
-    }
-    return fd;
-}
-
-static int send_all(int fd, const char *p, size_t n) {
-    while (n) {
-        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
-        if (k <= 0) return -1;
-        p += k;
-        n -= (size_t)k;
-    }
-    return 0;
-}
-
-/* Read until the peer closes or the receive timeout; the bytes, malloc'ed
- * and NUL-terminated; *closed: whether the peer closed. */
-static char *recv_until_close(int fd, int *closed) {
-    size_t cap = 65536, len = 0;
-    char *buf = malloc(cap);
-    cr_assert(buf);
-    *closed = 0;
-    for (;;) {
-        if (len + 1 >= cap) {
-            buf = realloc(buf, cap *= 2);
-            cr_assert(buf);
-        }
-        ssize_t k = recv(fd, buf + len, cap - len - 1, 0);
-        if (k == 0) *closed = 1;
-        if (k <= 0) break;
-        len += (size_t)k;
-    }
-    buf[len] = '\0';
-    return buf;
+    return rk_test_connect(S.port, from, timeout_s);
 }
 
 /* The number of whole responses at the start of raw (each framed by its
@@ -161,9 +110,9 @@ static void expect_smuggling_refused(const char *what, const char *head, int wan
     int len = snprintf(req, n, "%s\r\n%s", head, smuggled);
     int fd = connect_from(NULL, 60);
     cr_assert(fd >= 0);
-    cr_assert_eq(send_all(fd, req, (size_t)len), 0);
+    cr_assert_eq(rk_test_send_all(fd, req, (size_t)len), 0);
     int closed;
-    char *raw = recv_until_close(fd, &closed);
+    char *raw = rk_test_recv_all(fd, NULL, &closed);
     close(fd);
     cr_assert(closed, "%s: the connection was left open: %s", what, raw);
     cr_assert_eq(first_status(raw), want, "%s: %s", what, raw);
@@ -199,7 +148,7 @@ Test(framing, two_well_framed_requests_on_one_connection_are_both_answered) {
     int len = snprintf(req, sizeof req, "GET /health HTTP/1.1\r\nHost: x\r\n\r\n%s", smuggled);
     int fd = connect_from(NULL, 60);
     cr_assert(fd >= 0);
-    cr_assert_eq(send_all(fd, req, (size_t)len), 0);
+    cr_assert_eq(rk_test_send_all(fd, req, (size_t)len), 0);
     char *raw = recv_responses(fd, 2);
     close(fd);
     cr_assert_eq(count_responses(raw), 2, "%s", raw);
@@ -238,10 +187,10 @@ Test(framing, sixty_three_headers_are_served_and_sixty_four_refused) {
         char *head = with_headers("GET /health HTTP/1.1\r\nHost: x\r\n", extra, "\r\n");
         int fd = connect_from(NULL, 60);
         cr_assert(fd >= 0);
-        cr_assert_eq(send_all(fd, head, strlen(head)), 0);
+        cr_assert_eq(rk_test_send_all(fd, head, strlen(head)), 0);
         shutdown(fd, SHUT_WR);
         int closed;
-        char *raw = recv_until_close(fd, &closed);
+        char *raw = rk_test_recv_all(fd, NULL, &closed);
         close(fd);
         cr_assert_eq(first_status(raw), extra == 62 ? 200 : 431, "%d headers: %s", extra + 1, raw);
         if (extra == 63)
@@ -329,7 +278,7 @@ static int open_unfinished_body(const char *from) {
     cr_assert(fd >= 0, "cannot connect from %s", from ? from : "127.0.0.1");
     static const char head[] = "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                                "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{";
-    cr_assert_eq(send_all(fd, head, sizeof head - 1), 0);
+    cr_assert_eq(rk_test_send_all(fd, head, sizeof head - 1), 0);
     return fd;
 }
 
@@ -344,15 +293,18 @@ Test(slow, a_trickling_body_is_cut_at_the_request_timeout, .fini = stop_server, 
     for (int i = 0; i < 98 && !answered; i++) {
         struct pollfd p = {.fd = fd, .events = POLLIN};
         answered = poll(&p, 1, 200) == 1;
-        if (!answered) cr_assert_eq(send_all(fd, " ", 1), 0, "the connection ended unanswered");
+        if (!answered)
+            cr_assert_eq(rk_test_send_all(fd, " ", 1), 0, "the connection ended unanswered");
     }
     double took = rk_test_now() - t0;
     cr_assert(answered, "the whole body came in %.1f s without an answer", took);
     int closed;
-    char *raw = recv_until_close(fd, &closed);
+    char *raw = rk_test_recv_all(fd, NULL, &closed);
     close(fd);
     cr_assert_eq(first_status(raw), 408, "%s", raw);
-    cr_assert(took < 3, "a trickling body held its connection %.2f s", took);
+    /* The whole body would take 20 s at this pace: a 408 well before that is
+     * the deadline's (1 s), with room for a loaded machine. */
+    cr_assert(took < 10, "a trickling body held its connection %.2f s", took);
     cr_assert(closed && strstr(raw, "\r\nConnection: close\r\n"), "%s", raw);
     free(raw);
 }
@@ -381,9 +333,9 @@ Test(slow, unfinished_bodies_hold_no_request_slot, .fini = stop_server, .timeout
     int fd = connect_from("127.0.0.3", 60);
     cr_assert(fd >= 0);
     static const char req[] = "GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
-    cr_assert_eq(send_all(fd, req, sizeof req - 1), 0);
+    cr_assert_eq(rk_test_send_all(fd, req, sizeof req - 1), 0);
     int closed;
-    char *raw = recv_until_close(fd, &closed);
+    char *raw = rk_test_recv_all(fd, NULL, &closed);
     close(fd);
     cr_assert_eq(first_status(raw), 200, "%s", raw);
     free(raw);
@@ -405,7 +357,7 @@ Test(slow, the_per_address_limit_is_off_by_default, .fini = stop_server, .timeou
     /* A probe on each first: all 70 are taken and open at once. */
     for (int i = 0; i < N; i++) {
         static const char req[] = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
-        cr_assert_eq(send_all(fds[i], req, sizeof req - 1), 0);
+        cr_assert_eq(rk_test_send_all(fds[i], req, sizeof req - 1), 0);
     }
     for (int i = 0; i < N; i++) {
         char *raw = recv_responses(fds[i], 1);
@@ -416,7 +368,7 @@ Test(slow, the_per_address_limit_is_off_by_default, .fini = stop_server, .timeou
      * request slots play no part). */
     for (int i = 0; i < N; i++) {
         static const char req[] = "GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n";
-        cr_assert_eq(send_all(fds[i], req, sizeof req - 1), 0);
+        cr_assert_eq(rk_test_send_all(fds[i], req, sizeof req - 1), 0);
         char *raw = recv_responses(fds[i], 1);
         cr_assert_eq(first_status(raw), 200, "connection %d: %s", i, raw);
         free(raw);
@@ -447,19 +399,21 @@ Test(slow, slow_headers_from_many_addresses_do_not_keep_health_waiting, .fini = 
             int fd = fds[a * PER + i] = connect_from(from, 60);
             cr_assert(fd >= 0, "cannot connect from %s", from);
             static const char part[] = "GET /health HTTP/1.1\r\nHost: x\r\n";
-            cr_assert_eq(send_all(fd, part, sizeof part - 1), 0);
+            cr_assert_eq(rk_test_send_all(fd, part, sizeof part - 1), 0);
         }
     double t0 = rk_test_now();
     int fd = connect_from("127.0.0.50", 60);
     cr_assert(fd >= 0);
     static const char req[] = "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n";
-    cr_assert_eq(send_all(fd, req, sizeof req - 1), 0);
+    cr_assert_eq(rk_test_send_all(fd, req, sizeof req - 1), 0);
     int closed;
-    char *raw = recv_until_close(fd, &closed);
+    char *raw = rk_test_recv_all(fd, NULL, &closed);
     double took = rk_test_now() - t0;
     close(fd);
     cr_assert_eq(first_status(raw), 200, "%s", raw);
-    cr_assert(took < 6, "/health waited %.2f s behind %d slow-header connections", took,
+    /* Four rounds of the 1 s header deadline; without it, the 30 s request
+     * timeout. The bound sits between, with room for a loaded machine. */
+    cr_assert(took < 20, "/health waited %.2f s behind %d slow-header connections", took,
               N_ADDR * PER);
     cr_log_info("/health answered in %.2f s behind %d slow-header connections from %d addresses",
                 took, N_ADDR * PER, N_ADDR);
@@ -476,7 +430,7 @@ Test(slow, probes_answer_beyond_the_per_address_limit, .fini = stop_server, .tim
     for (int i = 0; i < 2; i++) {
         held[i] = connect_from("127.0.0.2", 60);
         static const char req[] = "GET /health HTTP/1.1\r\nHost: x\r\n\r\n";
-        cr_assert_eq(send_all(held[i], req, sizeof req - 1), 0);
+        cr_assert_eq(rk_test_send_all(held[i], req, sizeof req - 1), 0);
         char *raw = recv_responses(held[i], 1); /* taken and counted */
         cr_assert_eq(first_status(raw), 200, "%s", raw);
         free(raw);
@@ -487,9 +441,9 @@ Test(slow, probes_answer_beyond_the_per_address_limit, .fini = stop_server, .tim
         char req[128];
         int n = snprintf(req, sizeof req, "GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
                          paths[i]);
-        cr_assert_eq(send_all(fd, req, (size_t)n), 0);
+        cr_assert_eq(rk_test_send_all(fd, req, (size_t)n), 0);
         int closed;
-        char *raw = recv_until_close(fd, &closed);
+        char *raw = rk_test_recv_all(fd, NULL, &closed);
         close(fd);
         cr_assert_eq(first_status(raw), i < 2 ? 200 : 503, "%s: %s", paths[i], raw);
         free(raw);

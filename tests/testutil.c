@@ -9,6 +9,7 @@
 
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
+#include <arpa/inet.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -547,4 +548,58 @@ const char *rk_test_jstr(json_t *j, const char *path) {
     json_t *v = rk_test_jget(j, path);
     cr_assert(json_is_string(v), "%s is not a string", path);
     return json_string_value(v);
+}
+
+/* ---------------------------------------------------------------- raw sockets */
+
+int rk_test_connect(int port, const char *from, double timeout_s) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return -1;
+    if (from) {
+        struct sockaddr_in src = {.sin_family = AF_INET};
+        inet_pton(AF_INET, from, &src.sin_addr);
+        if (bind(fd, (struct sockaddr *)&src, sizeof src)) {
+            close(fd);
+            return -1;
+        }
+    }
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    struct timeval tv = {(time_t)timeout_s, (long)((timeout_s - (double)(time_t)timeout_s) * 1e6)};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    if (connect(fd, (struct sockaddr *)&a, sizeof a)) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+int rk_test_send_all(int fd, const char *p, size_t n) {
+    while (n) {
+        ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+        if (k <= 0) return -1;
+        p += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+char *rk_test_recv_all(int fd, size_t *n, int *closed) {
+    size_t cap = 65536, len = 0;
+    char *buf = malloc(cap);
+    cr_assert(buf);
+    if (closed) *closed = 0;
+    for (;;) {
+        if (len + 1 >= cap) {
+            buf = realloc(buf, cap *= 2);
+            cr_assert(buf);
+        }
+        ssize_t k = recv(fd, buf + len, cap - len - 1, 0);
+        if (k == 0 && closed) *closed = 1;
+        if (k <= 0) break;
+        len += (size_t)k;
+    }
+    buf[len] = '\0';
+    if (n) *n = len;
+    return buf;
 }

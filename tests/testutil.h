@@ -144,6 +144,17 @@ char *rk_test_write_tmp(const char *tag, const char *name, const char *text);
 /* A free TCP port on 127.0.0.1 (asserts on failure). */
 int rk_test_free_port(void);
 
+/* Raw sockets, for what no client sends on purpose. A connection to
+ * 127.0.0.1:port from the loopback address `from` (127.0.0.1 when NULL),
+ * with a receive timeout of timeout_s; -1 when refused. */
+int rk_test_connect(int port, const char *from, double timeout_s);
+/* Send all n bytes; 0, or -1 when the peer is gone. */
+int rk_test_send_all(int fd, const char *p, size_t n);
+/* Read until the peer closes or the receive timeout: the bytes (malloc'ed,
+ * NUL-terminated), their count in *n and whether the peer closed in
+ * *closed (either may be NULL). */
+char *rk_test_recv_all(int fd, size_t *n, int *closed);
+
 /* A redis-server of a test's own: a free loopback port, a scratch directory,
  * no persistence, requirepass when password is set. */
 typedef struct rk_test_redis {
