@@ -260,3 +260,40 @@ Test(embeddings, the_embedding_model_lists_the_embedding_capability) {
     start("qwen3-embedding-tiny", NULL);
     cr_expect(has_embedding_capability());
 }
+
+/* The stats the engine published after the last command or request. */
+static json_t *stats(void) {
+    rk_test_resp r;
+    cr_assert_eq(rk_test_exchange(&S.t, "GET", "/v1/stats", NULL, NULL, &r), 0);
+    rk_test_resp_parse_json(&r);
+    json_t *j = json_incref(r.json);
+    rk_test_resp_free(&r);
+    cr_assert_not_null(j);
+    return j;
+}
+
+Test(embeddings, an_embedding_call_leaves_nothing_in_the_caches_or_the_live_pool) {
+    start("qwen3-embedding-tiny", NULL);
+    rk_test_resp r = post("{\"input\": [\"a passage long enough to fill more than one KV block of "
+                          "sixteen tokens, so that blocks are taken\", \"and another\"]}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    rk_test_resp_free(&r);
+    json_t *s = stats();
+    cr_expect_eq(rk_test_jint(s, "prefix.cached_tokens"), 0);
+    cr_expect_eq(rk_test_jint(s, "chunks.entries"), 0);
+    cr_expect_eq(rk_test_jint(s, "pools.live.used"), 0);
+    json_decref(s);
+    /* A generation of the same text does cache its sequence: the check above can fail. */
+    rk_test_resp g;
+    cr_assert_eq(rk_test_exchange(&S.t, "POST", "/v1/completions", NULL,
+                                  "{\"prompt\": \"a passage long enough to fill more than one KV "
+                                  "block of sixteen tokens, so that blocks are taken\", "
+                                  "\"max_tokens\": 2}",
+                                  &g),
+                 0);
+    cr_assert_eq(g.http.status, 200, "%s", g.http.body);
+    rk_test_resp_free(&g);
+    s = stats();
+    cr_expect_gt(rk_test_jint(s, "prefix.cached_tokens"), 0);
+    json_decref(s);
+}
