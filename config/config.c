@@ -185,6 +185,7 @@ void rk_config_defaults(rk_config *cfg) {
     cfg->n_threads = 0;
     cfg->block_size = 16;
     snprintf(cfg->kv_dtype, sizeof cfg->kv_dtype, "auto");
+    snprintf(cfg->pooling, sizeof cfg->pooling, "auto");
     cfg->kv_memory_mb = 0; /* auto */
     cfg->share_live = 0.4f;
     cfg->share_prefix = 0.1f;
@@ -218,6 +219,11 @@ rk_status rk_config_validate(const rk_config *cfg) {
     if (bs < 8 || bs > 64 || (bs & (bs - 1)) != 0)
         return rk_errorf(RK_ERR_INVALID,
                          "config: block_size must be a power of two from 8 to 64, got %d", bs);
+    if (strcmp(cfg->pooling, "auto") && strcmp(cfg->pooling, "none") &&
+        strcmp(cfg->pooling, "mean") && strcmp(cfg->pooling, "cls") && strcmp(cfg->pooling, "last"))
+        return rk_errorf(RK_ERR_INVALID,
+                         "config: pooling must be auto, none, mean, cls or last, got \"%s\"",
+                         cfg->pooling);
     if (strcmp(cfg->kv_dtype, "auto") && strcmp(cfg->kv_dtype, "f32") &&
         strcmp(cfg->kv_dtype, "f16") && strcmp(cfg->kv_dtype, "bf16") &&
         strcmp(cfg->kv_dtype, "q8_0"))

@@ -159,6 +159,10 @@ typedef struct rk_config {
     /* Prompt tokens one engine step computes at most next to the decode
      * tokens (the rest goes on in the next steps); 0 = unlimited. Default 512. */
     int step_tokens;
+    /* How /v1/embeddings pools a sequence: "auto" (default: the model file's
+     * <arch>.pooling_type; none when it has no such key), "none", "mean",
+     * "cls" or "last". */
+    char pooling[8];
     /* The repair policy of a request that names none (or names "auto"):
      * "none" (default), "first_k:K", "deviation:R" or "query:R"
      * (rk_repair_parse). */

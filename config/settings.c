@@ -50,6 +50,8 @@ const rk_setting rk_config_settings[] = {
      "  do not cache system prompts in the radix tree"},
     {"reindex", "reindex", RK_SET_STR, CFG_STR(reindex), 0, 0, 0, 0,
      "MODE  cached chunks: zero-copy (attended in place; default) or copy"},
+    {"pooling", "pooling", RK_SET_STR, CFG_STR(pooling), 0, 0, 0, 0,
+     "P  embedding pooling: auto (the model file's), none, mean, cls or last (default: auto)"},
     {"step_tokens", "step-tokens", RK_SET_INT, CFG_OFF(step_tokens), 0, 0, 1 << 30, 0, 0,
      "N  prompt tokens per engine step next to decoding (chunk misses, repair runs and questions;"
      " default: 64; 0 = unlimited)"},

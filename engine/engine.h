@@ -43,6 +43,17 @@ typedef enum rk_arch {
     RK_ARCH_QWEN3 = 2, /* per-head RMSNorm on Q and K */
 } rk_arch;
 
+/* How a sequence's final hidden states (after the output norm) become one
+ * embedding: <arch>.pooling_type in GGUF, numbered as the reference engine
+ * numbers them. */
+typedef enum rk_pooling {
+    RK_POOLING_UNSET = -1, /* the file has no pooling_type key */
+    RK_POOLING_NONE = 0,   /* per token: no sequence embedding */
+    RK_POOLING_MEAN = 1,
+    RK_POOLING_CLS = 2,  /* the first token */
+    RK_POOLING_LAST = 3, /* the last token */
+} rk_pooling;
+
 typedef struct rk_hparams {
     rk_arch arch;
     char arch_name[16];
@@ -60,7 +71,8 @@ typedef struct rk_hparams {
     int has_qk_norm;
     int tied_embeddings;
     rk_rope_params rope;
-    rk_dtype wtype; /* dtype of the attention/FFN matrices (of blk.0.attn_q) */
+    rk_dtype wtype;     /* dtype of the attention/FFN matrices (of blk.0.attn_q) */
+    rk_pooling pooling; /* <arch>.pooling_type; RK_POOLING_UNSET when absent */
 } rk_hparams;
 
 typedef struct rk_model rk_model; /* opaque */
@@ -113,10 +125,14 @@ typedef struct rk_batch {
     /* When not NULL: the rotated queries of the last layer run, (n_tokens,
      * n_heads * head_dim), downloaded here (host memory the caller owns). */
     float *out_q;
+    /* Set: out_logits gets the hidden states of logit_rows after the output
+     * norm, (n_logits, dim), instead of logits (embeddings). */
+    int hidden;
 } rk_batch;
 
-/* Run the transformer over the batch; writes logits (n_logits, n_vocab) to
- * host memory out_logits (may be NULL when n_logits is 0), and b->out_q when
+/* Run the transformer over the batch; writes logits (n_logits, n_vocab), or
+ * with b->hidden the normed hidden states (n_logits, dim), to host memory
+ * out_logits (may be NULL when n_logits is 0), and b->out_q when
  * set. kv is the arena's cache (chunkcache/arena.h), written at b->slots
  * and read through the block tables; its shape must be the model's.
  * Errors: RK_ERR_INVALID for a batch that does not fit the model or the

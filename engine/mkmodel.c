@@ -30,6 +30,7 @@ typedef struct preset {
     float theta, eps;
     int tied, qkv_bias, qk_norm;
     vocab_kind vocab;
+    int pooling; /* <arch>.pooling_type written when > 0 (1 mean, 2 cls, 3 last); 0: no key */
 } preset;
 
 #define QWEN3_N_VOCAB 151936
@@ -49,18 +50,22 @@ static const rk_mkmodel_preset_info k_infos[] = {
                  "tiny vocabulary padded to 32000 (~1.1 B parameters, 4.4 GB in F32)"},
     {"qwen3-8b", "qwen3, Qwen3-8B shapes: 36 layers, dim 4096, 32 heads / 8 KV, head 128, FFN "
                  "12288, untied, Qwen3 vocabulary (~8.2 B parameters, 33 GB in F32)"},
+    {"qwen3-embedding-tiny", "qwen3-tiny's shapes and Qwen3 vocabulary with pooling_type 3 "
+                             "(last token), as Qwen3-Embedding files have: an embedding model"},
 };
 
 static const preset k_presets[] = {
-    /* tiny */ {"llama", 4, 128, 4, 2, 32, 384, 4096, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY},
+    /* tiny */ {"llama", 4, 128, 4, 2, 32, 384, 4096, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY, 0},
     /* qwen3-0.6b */
-    {"qwen3", 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3},
-    /* qwen3-tiny */ {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3},
-    /* qwen2-tiny */ {"qwen2", 2, 128, 4, 2, 32, 256, 32768, 1e6f, 1e-6f, 1, 1, 0, VOCAB_QWEN3},
+    {"qwen3", 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 0},
+    /* qwen3-tiny */ {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 0},
+    /* qwen2-tiny */ {"qwen2", 2, 128, 4, 2, 32, 256, 32768, 1e6f, 1e-6f, 1, 1, 0, VOCAB_QWEN3, 0},
     /* llama-1b */
-    {"llama", 22, 2048, 32, 4, 64, 5632, 2048, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY_32000},
+    {"llama", 22, 2048, 32, 4, 64, 5632, 2048, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY_32000, 0},
     /* qwen3-8b */
-    {"qwen3", 36, 4096, 32, 8, 128, 12288, 40960, 1e6f, 1e-6f, 0, 0, 1, VOCAB_QWEN3},
+    {"qwen3", 36, 4096, 32, 8, 128, 12288, 40960, 1e6f, 1e-6f, 0, 0, 1, VOCAB_QWEN3, 0},
+    /* qwen3-embedding-tiny */
+    {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 3},
 };
 
 #define N_PRESETS (sizeof k_presets / sizeof k_presets[0])
@@ -397,7 +402,8 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
         (st = mk_set_arch_u32(w, a, "attention.value_length", (uint32_t)p->head_dim)) ||
         (st = mk_set_arch_f32(w, a, "attention.layer_norm_rms_epsilon", p->eps)) ||
         (st = mk_set_arch_f32(w, a, "rope.freq_base", p->theta)) ||
-        (st = mk_set_arch_u32(w, a, "rope.dimension_count", (uint32_t)p->head_dim)))
+        (st = mk_set_arch_u32(w, a, "rope.dimension_count", (uint32_t)p->head_dim)) ||
+        (p->pooling > 0 && (st = mk_set_arch_u32(w, a, "pooling_type", (uint32_t)p->pooling))))
         return st;
 
     if ((st = rk_gguf_writer_set_str(w, "tokenizer.ggml.model", mv->v.model))) return st;

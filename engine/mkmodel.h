@@ -30,6 +30,7 @@
  *   <arch>.rope.dimension_count             u32     head_dim (RoPE over the whole head;
  *                                                    llama pairs adjacent dims, qwen2/qwen3
  *                                                    use NeoX half-split pairs, as in llama.cpp)
+ *   <arch>.pooling_type                     u32     embedding presets only: 3 = last token
  *   tokenizer.ggml.model                    string  "llama" (tiny vocab) | "gpt2" (Qwen3 vocab)
  *   tokenizer.ggml.pre                      string  gpt2 only ("qwen2")
  *   tokenizer.ggml.tokens                   [string]

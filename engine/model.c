@@ -428,6 +428,21 @@ static rk_status read_hparams(rk_model *m) {
     if ((st = get_f32_arch(m, "attention.layer_norm_rms_epsilon", 1e-5f, &hp->rms_eps)) ||
         (st = check_positive(m, "attention.layer_norm_rms_epsilon", hp->rms_eps)))
         return st;
+    char pkey[64];
+    snprintf(pkey, sizeof pkey, "%s.pooling_type", arch);
+    uint32_t pooling;
+    st = rk_gguf_get_u32(m->gguf, pkey, &pooling);
+    if (st == RK_ERR_NOT_FOUND) {
+        hp->pooling = RK_POOLING_UNSET;
+    } else if (st) {
+        return st;
+    } else if (pooling > RK_POOLING_LAST) {
+        return rk_errorf(RK_ERR_FORMAT,
+                         "model: %s = %u is not 0 (none), 1 (mean), 2 (cls) or 3 (last)", pkey,
+                         pooling);
+    } else {
+        hp->pooling = (rk_pooling)pooling;
+    }
     hp->has_qkv_bias = hp->arch == RK_ARCH_QWEN2;
     hp->has_qk_norm = hp->arch == RK_ARCH_QWEN3;
     return read_rope(m);
@@ -801,6 +816,8 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
     for (int i = 0; i < b->n_logits; i++)
         CK(ops->rmsnorm(be, s->xl + (size_t)i * hp->dim, s->x + (size_t)b->logit_rows[i] * hp->dim,
                         m->out_norm, 1, hp->dim, hp->rms_eps));
+    if (b->hidden) /* embeddings: the normed hidden states themselves */
+        return ops->download(be, out_logits, s->xl, (size_t)b->n_logits * hp->dim * 4);
     CK(matmul(m, s->logits, s->xl, &m->out, b->n_logits));
     CK(ops->download(be, out_logits, s->logits, (size_t)b->n_logits * hp->n_vocab * 4));
 #undef CK

@@ -592,3 +592,8 @@ int rk_gw_handle_flush(req_ctx *rc) {
     rk_gw_send_json(rc, 200, out);
     return 0;
 }
+
+rk_status rk_gw_run_command(req_ctx *rc, rk_scheduler_fn fn, void *ctx, int anytime, char *msg,
+                            size_t cap) {
+    return run_command(rc, fn, ctx, anytime, msg, cap);
+}

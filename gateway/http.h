@@ -197,6 +197,12 @@ int rk_gw_handle_list(req_ctx *rc);
 int rk_gw_handle_chunk_key(req_ctx *rc, const char *hex, int del);
 int rk_gw_handle_flush(req_ctx *rc);
 int rk_gw_handle_tokenize(req_ctx *rc, int detokenize);
+int rk_gw_handle_embeddings(req_ctx *rc);
+/* Run fn on the engine thread as a command job and wait (at most until the
+ * request's timeout). Returns the command's status (RK_ERR_EXHAUSTED when it
+ * never ran: queue full, timeout, shutdown), with its message in msg. */
+rk_status rk_gw_run_command(req_ctx *rc, rk_scheduler_fn fn, void *ctx, int anytime, char *msg,
+                            size_t cap);
 
 /* The caller's most hit chunks (at most RK_STATS_TOP, each with hits), as
  * /v1/stats' top_chunks, asked of the engine; NULL when it could not answer. */

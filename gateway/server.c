@@ -83,9 +83,14 @@ static int handle_models(req_ctx *rc, const char *id) {
         hp->n_ctx, "rope_theta", (double)hp->rope.theta, "weight_type", rk_dtype_name(hp->wtype),
         "chat_template", rk_chat_template_name(S->tmpl), "block_size", svc->cfg.block_size, "bos",
         rk_tokenizer_bos(tok), "source", file[0] ? file : "embedded");
-    json_t *m =
-        json_pack("{s:s, s:s, s:I, s:s, s:o}", "id", S->model_name, "object", "model", "created",
-                  (json_int_t)S->started_unix, "owned_by", "ragkv", "ragkv", info);
+    /* Every model completes; one with a pooling type (its file's or
+     * --pooling) makes embeddings too. */
+    json_t *caps = json_pack("[s]", "completion");
+    if (caps && rk_service_pooling(svc) != RK_POOLING_NONE)
+        json_array_append_new(caps, json_string("embedding"));
+    json_t *m = json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", S->model_name, "object", "model",
+                          "created", (json_int_t)S->started_unix, "owned_by", "ragkv",
+                          "capabilities", caps, "ragkv", info);
     if (id)
         rk_gw_send_json(rc, 200, m);
     else
@@ -184,7 +189,8 @@ typedef enum route {
     R_STATS,
     R_MODEL_ID,
     R_TOKENIZE,
-    R_DETOKENIZE
+    R_DETOKENIZE,
+    R_EMBEDDINGS
 } route;
 
 static route find_route(const char *path) {
@@ -200,7 +206,8 @@ static route find_route(const char *path) {
                  {"/v1/cache/flush", R_FLUSH},
                  {"/v1/stats", R_STATS},
                  {"/tokenize", R_TOKENIZE},
-                 {"/detokenize", R_DETOKENIZE}};
+                 {"/detokenize", R_DETOKENIZE},
+                 {"/v1/embeddings", R_EMBEDDINGS}};
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
         if (!strcmp(path, table[i].path)) return table[i].r;
     if (!strncmp(path, "/v1/chunks/", 11) && path[11] && !strchr(path + 11, '/'))
@@ -214,12 +221,12 @@ static route find_route(const char *path) {
 static int handle_preflight(req_ctx *rc, route r) {
     struct mg_connection *c = rc->conn;
     const char *asked = mg_get_header(c, "Access-Control-Request-Headers");
-    const char *methods =
-        r == R_CHUNKS      ? "GET, HEAD, POST, OPTIONS"
-        : r == R_CHUNK_KEY ? "GET, HEAD, DELETE, OPTIONS"
-        : r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE || r == R_DETOKENIZE
-            ? "POST, OPTIONS"
-            : "GET, HEAD, OPTIONS";
+    const char *methods = r == R_CHUNKS      ? "GET, HEAD, POST, OPTIONS"
+                          : r == R_CHUNK_KEY ? "GET, HEAD, DELETE, OPTIONS"
+                          : r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE ||
+                                  r == R_DETOKENIZE || r == R_EMBEDDINGS
+                              ? "POST, OPTIONS"
+                              : "GET, HEAD, OPTIONS";
     rc->status = 204;
     mg_response_header_start(c, 204);
     rk_gw_add_cors_headers(rc);
@@ -240,12 +247,12 @@ static int dispatch(req_ctx *rc) {
     route r = find_route(rc->path);
     if (r == R_NONE) return rk_gw_send_errorf(rc, 404, "no route %s %s", m, rc->path), 0;
     if (!strcmp(m, "OPTIONS") && rc->S->o.cors_origin[0]) return handle_preflight(rc, r);
-    int ok =
-        r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE || r == R_DETOKENIZE
-            ? post
-        : r == R_CHUNKS    ? get || post
-        : r == R_CHUNK_KEY ? get || del
-                           : get;
+    int ok = r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE ||
+                     r == R_DETOKENIZE || r == R_EMBEDDINGS
+                 ? post
+             : r == R_CHUNKS    ? get || post
+             : r == R_CHUNK_KEY ? get || del
+                                : get;
     if (!ok) return rk_gw_send_errorf(rc, 405, "%s is not allowed on %s", m, rc->path), 0;
     if (r == R_HEALTH) return handle_health(rc);
     route_access need = r == R_FLUSH              ? ACCESS_ADMIN
@@ -261,6 +268,7 @@ static int dispatch(req_ctx *rc) {
     case R_MODEL_ID: return handle_models(rc, rc->path + 11);
     case R_TOKENIZE: return rk_gw_handle_tokenize(rc, 0);
     case R_DETOKENIZE: return rk_gw_handle_tokenize(rc, 1);
+    case R_EMBEDDINGS: return rk_gw_handle_embeddings(rc);
     case R_COMPLETIONS: return rk_gw_handle_generate(rc, 0);
     case R_CHAT: return rk_gw_handle_generate(rc, 1);
     case R_CHUNKS: return post ? rk_gw_handle_prewarm(rc) : rk_gw_handle_list(rc);

@@ -470,6 +470,24 @@ void rk_pipeline_abort(rk_pipeline *p);
 rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
                           const rk_pipeline_hooks *hooks);
 
+/* ---------------------------------------------------------------- embeddings */
+
+/* The pooling /v1/embeddings uses: cfg.pooling when set, else the model
+ * file's (RK_POOLING_NONE when it has none). */
+rk_pooling rk_service_pooling(const rk_service *svc);
+
+/* One embedding per input: inputs[i] (n_tokens[i] >= 1 token ids, inside the
+ * vocabulary) run through the model in forward passes of bounded size over
+ * live-pool blocks taken for the pass and released after it (nothing enters
+ * the radix tree or the chunk index); each sequence's final hidden states
+ * (after the output norm) are pooled (mean, cls or last) and L2-normalised
+ * into out (n_inputs, dim). RK_ERR_INVALID for pooling none or an empty
+ * input, RK_ERR_EXHAUSTED when the live pool has no room for one input (the
+ * generations running hold it), RK_ERR_NOMEM, and the forward pass's errors.
+ * Engine thread only. */
+rk_status rk_pipeline_embed(rk_service *svc, const int32_t *const *inputs, const int *n_tokens,
+                            int n_inputs, rk_pooling pooling, float *out);
+
 /* ---------------------------------------------------------------- pre-warming */
 
 typedef struct rk_prewarm_item {
