@@ -171,7 +171,8 @@ int rk_api_parse_tools(json_t *root, rk_api_request *out, rk_http_error *err) {
                 return rk_http_errorf(err, 400, "tools[%zu]: the name '%s' is used twice", k, name),
                        1;
         out->tools[k].name = rk_strdup(name);
-        out->tools[k].description = json_is_string(desc) ? rk_strdup(json_string_value(desc)) : NULL;
+        out->tools[k].description =
+            json_is_string(desc) ? rk_strdup(json_string_value(desc)) : NULL;
         out->tools[k].parameters = json_is_object(params) ? json_incref(params) : NULL;
         out->n_tools = (int)k + 1;
         if (!out->tools[k].name || (json_is_string(desc) && !out->tools[k].description))
