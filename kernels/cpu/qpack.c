@@ -41,11 +41,11 @@
  * off before the group's scale), Q3_K values as 0..7 (4 times each 16-element
  * sum of its Q8_K activations is taken back off, as the unpacked kernels of
  * quant_q8k.c do: the integer sum of a super-block is theirs). Integer sums
- * are exact; the f32 order is
- * fixed per output (block after block, in k order), so a row of x gets the
- * same bits alone or with others, on any thread. The prefill side reads
- * rows back (rk_cpu_qpack_dequant_rows) with the arithmetic of
- * rk_dequantize, so it gets the bits of the stored weights. */
+ * are exact; the f32 order is fixed per output (block after block, in k
+ * order), so a row of x gets the same bits alone or with others, on any
+ * thread. The prefill side reads rows back (rk_cpu_qpack_dequant_rows) with
+ * the arithmetic of rk_dequantize, so it gets the bits of the stored
+ * weights. */
 #include <string.h>
 
 #include "kernels/cpu/cpu.h"
