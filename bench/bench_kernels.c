@@ -549,7 +549,7 @@ static void print_gbs(double bytes, double seconds) {
 
 static void bench_quant(rk_backend *be) {
     int k = 1024, m = 3072, n_max = 512, m_big = 151936;
-    static const rk_dtype types[] = {RK_DTYPE_Q8_0, RK_DTYPE_Q4_0, RK_DTYPE_Q4_K,
+    static const rk_dtype types[] = {RK_DTYPE_Q8_0, RK_DTYPE_Q4_0, RK_DTYPE_Q3_K, RK_DTYPE_Q4_K,
                                      RK_DTYPE_Q5_K, RK_DTYPE_Q6_K, RK_DTYPE_BF16};
     static const rk_cpu_isa isas[] = {RK_CPU_ISA_PORTABLE, RK_CPU_ISA_AVX2, RK_CPU_ISA_AVX512_VNNI};
     float *w = rand_f32((size_t)m * k), *x = rand_f32((size_t)n_max * k);

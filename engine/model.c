@@ -215,7 +215,7 @@ static rk_status load_vec(rk_model *m, const char *name, int64_t n, int optional
 }
 
 /* Give w a packed copy where the backend reads one faster (on the CPU: BF16
- * with AVX-512 BF16, for the tile kernel whatever n is; Q8_0, Q4_K and Q6_K
+ * with AVX-512 BF16, for the tile kernel whatever n is; Q8_0, Q3_K, Q4_K and Q6_K
  * with AVX-512 VNNI, for the interleaved decode kernels). The stored weights
  * stay mapped for the embedding rows; the packed copy is the memory the
  * matmuls read. */

@@ -511,7 +511,7 @@ static void check_product(const float *y, const float *x, const float *wf, rk_dt
 }
 
 /* Every instruction set this build and CPU have, and the packed weights
- * where the backend packs them (Q8_0, Q4_K, Q6_K with AVX-512 VNNI): the
+ * where the backend packs them (Q8_0, Q3_K, Q4_K, Q6_K with AVX-512 VNNI): the
  * same bound, and on the prefill side the bits of the weights as stored.
  * Packed weights take the integer kernels below RK_CPU_QPACK_MV_MAX_N rows,
  * so their prefill side starts there. */
@@ -624,6 +624,56 @@ Test(quant, packed_rows_do_not_depend_on_the_batch) {
     }
     rk_backend_free(be);
     if (!n_packed) cr_skip_test("no AVX-512 VNNI in this build or CPU: nothing is packed");
+}
+
+/* Packed Q3_K meets the Q8_K activations as the unpacked kernels do: over
+ * one super-block (k = 256) the f32 step is a single product of the same
+ * integer sum, so each packed output has the bits of the portable dot. Rows
+ * past a whole group (m = 75) and one to five rows of x (every batch width
+ * of the kernel); weights and activations of every magnitude, so the 16-sums,
+ * the scales and the high bits all reach their range. */
+Test(quant, packed_q3_k_sums_the_integers_of_the_unpacked_dot) {
+    rk_backend *be;
+    cr_assert_eq(rk_backend_create("cpu", 2, &be), RK_OK);
+    const int k = 256, m = 75, n_max = 5;
+    size_t bytes = be->ops->packed_bytes(be, RK_DTYPE_Q3_K, k, m);
+    if (!bytes) {
+        rk_backend_free(be);
+        cr_skip_test("no AVX-512 VNNI in this build or CPU: Q3_K is not packed");
+    }
+    size_t rb = rk_dtype_row_bytes(RK_DTYPE_Q3_K, (size_t)k);
+    float *wf = malloc((size_t)m * k * sizeof *wf), *x = malloc((size_t)n_max * k * sizeof *x);
+    float *y = malloc((size_t)n_max * m * sizeof *y);
+    unsigned char *wq = malloc(rb * (size_t)m);
+    rk_q8k_block *xk = malloc((size_t)n_max * sizeof *xk);
+    void *packed;
+    cr_assert(wf && x && y && wq && xk);
+    for (size_t i = 0; i < (size_t)m * k; i++) wf[i] = frand() * (i % 37 == 0 ? 16.0f : 1.0f);
+    for (size_t i = 0; i < (size_t)n_max * k; i++) x[i] = frand() * (i % 29 == 0 ? 8.0f : 1.0f);
+    rk_quantize(wq, wf, RK_DTYPE_Q3_K, (size_t)m * k);
+    cr_assert_eq(be->ops->alloc(be, bytes, &packed), RK_OK);
+    cr_assert_eq(be->ops->pack(be, packed, wq, RK_DTYPE_Q3_K, k, m), RK_OK);
+    for (int i = 0; i < n_max; i++) rk_cpu_quantize_act_k(xk + i, x + (size_t)i * k, k);
+    for (int n = 1; n <= n_max; n++) {
+        cr_assert_eq(be->ops->matmul_packed(be, y, x, packed, RK_DTYPE_Q3_K, n, k, m), RK_OK);
+        cr_assert_eq(rk_cpu_force_isa(RK_CPU_ISA_PORTABLE), RK_OK);
+        rk_qdotk_fn dot = rk_cpu_qdotk_fn(RK_DTYPE_Q3_K);
+        for (int i = 0; i < n; i++)
+            for (int r = 0; r < m; r++) {
+                float want = dot(wq + (size_t)r * rb, xk + i, k);
+                cr_assert(memcmp(&y[(size_t)i * m + r], &want, sizeof want) == 0,
+                          "n %d row %d of x, row %d of w: %.9g, the portable dot %.9g", n, i, r,
+                          y[(size_t)i * m + r], want);
+            }
+        cr_assert_eq(rk_cpu_force_isa(RK_CPU_ISA_AUTO), RK_OK);
+    }
+    be->ops->free(be, packed);
+    rk_backend_free(be);
+    free(wf);
+    free(x);
+    free(y);
+    free(wq);
+    free(xk);
 }
 
 Test(quant, the_prefill_path_matches_dequantized_f32_for_every_type) {

@@ -259,7 +259,7 @@ static inline void rk_cpu_kq_scale_min(const uint8_t *s, int j, int *sc, int *m)
     }
 }
 
-/* Q8_0, Q4_K and Q6_K weights packed for the AVX-512 VNNI integer kernels,
+/* Q8_0, Q3_K, Q4_K and Q6_K weights packed for the AVX-512 VNNI integer kernels,
  * eight rows to a group (kernels/cpu/qpack.c has the layout). */
 /* 1 when weights of type t are packed here: the type has a packed layout and
  * the active instruction set is AVX-512 VNNI or above. */
@@ -277,11 +277,12 @@ void rk_cpu_qpack_group(void *dst, const void *w, rk_dtype t, int k, int m, int 
  * bits rk_dequantize gives for the stored rows. */
 void rk_cpu_qpack_dequant_rows(float *dst, const void *packed, rk_dtype t, int k, int r0, int rows);
 #ifdef RK_CPU_VNNI_KERNELS
-/* y(n, m) columns 8 g0 .. 8 g1 - 1 = the quantized rows of x (n, k / 32 blocks)
- * . packed weights; xs16 (n, k / 16): 32 times each 16 activations' sum
- * (Q6_K only, else unused). */
+/* y(n, m) columns 8 g0 .. 8 g1 - 1 = the quantized rows of x (n, k / 32 blocks;
+ * for Q3_K, xk: n, k / 256 Q8_K blocks instead) . packed weights; xs16
+ * (n, k / 16): 32 times each 16 activations' sum (Q6_K only, else unused). */
 void rk_cpu_qpack_matvec(float *y, const void *packed, rk_dtype t, const rk_q8_block *xq,
-                         const int32_t *xs16, int n, int k, int m, int g0, int g1);
+                         const rk_q8k_block *xk, const int32_t *xs16, int n, int k, int m, int g0,
+                         int g1);
 #endif
 
 /* ---------------------------------------------------------------- SIMD helpers */

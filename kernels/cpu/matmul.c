@@ -213,7 +213,7 @@ static void mv_task(void *p, int task, int tid) {
     int r1 = r0 + c->task_rows < c->m ? r0 + c->task_rows : c->m;
 #ifdef RK_CPU_VNNI_KERNELS
     if (c->qpacked) {
-        rk_cpu_qpack_matvec(c->y, c->w, c->wtype, c->xq, c->xs16, c->n, c->k, c->m, r0 / 8,
+        rk_cpu_qpack_matvec(c->y, c->w, c->wtype, c->xq, c->xk, c->xs16, c->n, c->k, c->m, r0 / 8,
                             (r1 + 7) / 8);
         return;
     }
@@ -722,8 +722,8 @@ rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w,
 
 /* ---------------------------------------------------------------- packed weights */
 
-/* BF16 weights are packed for the tile kernel (AVX-512 BF16); Q8_0, Q4_K and
- * Q6_K ones for the VNNI integer kernels (qpack.c). */
+/* BF16 weights are packed for the tile kernel (AVX-512 BF16); Q8_0, Q3_K,
+ * Q4_K and Q6_K ones for the VNNI integer kernels (qpack.c). */
 size_t rk_cpu_packed_bytes(rk_backend *be, rk_dtype wtype, int k, int m) {
     (void)be;
     if (k <= 0 || m <= 0) return 0;

@@ -1,4 +1,4 @@
-/* kernels/cpu/qpack.c — Q8_0, Q4_K and Q6_K weights repacked once, at load,
+/* kernels/cpu/qpack.c — Q8_0, Q3_K, Q4_K and Q6_K weights repacked once, at load,
  * for the integer kernels of CPUs with AVX-512 VNNI (decode, and every
  * matmul below RK_CPU_QPACK_MV_MAX_N rows).
  *
@@ -25,15 +25,27 @@
  *     then the high 2 bits in 2 chunks of 32 bytes: chunk u, byte 4r + e,
  *     bits 2p .. 2p + 1 hold those of element 16u + 4p + e |
  *     f16 d[8] | i8 sc[16 groups of 16][8]
+ *   Q3_K (256 elements, 912 bytes; 8 x 110 plus 32: the 6-bit scales are
+ *   unpacked to bytes); element values v = q + 4 (1 - h), 0..7, as in
+ *   kernels/cpu/quant_q8k.c:
+ *     per pair p of 16-groups (elements 32p .. 32p + 31), 96 bytes: two
+ *     chunks of 32 bytes of low bits, chunk s (group 2p + s), byte 4r + e,
+ *     bits 2t .. 2t + 1 hold the low two bits of v of element
+ *     32p + 16s + 4t + e; then 32 bytes of high bits, byte 4r + e, bit
+ *     4s + t holds bit 2 of v of that element |
+ *     f16 d[8] | i8 s - 32[16 groups][8]
  *
  * The unsigned operand of dpbusd is the weight: Q8_0 quants are stored plus
  * 128 (the kernel takes 128 times the activation block's sum back off), Q6_K
  * quants as 0..63 (32 times each 16-element activation sum is taken back
- * off before the group's scale). Integer sums are exact; the f32 order is
- * fixed per output (block after block, in k order), so a row of x gets the
- * same bits alone or with others, on any thread. The prefill side reads
- * rows back (rk_cpu_qpack_dequant_rows) with the arithmetic of
- * rk_dequantize, so it gets the bits of the stored weights. */
+ * off before the group's scale), Q3_K values as 0..7 (4 times each 16-element
+ * sum of its Q8_K activations is taken back off, as the unpacked kernels of
+ * quant_q8k.c do: the integer sum of a super-block is theirs). Integer sums
+ * are exact; the f32 order is fixed per output (block after block, in k
+ * order), so a row of x gets the same bits alone or with others, on any
+ * thread. The prefill side reads rows back (rk_cpu_qpack_dequant_rows) with
+ * the arithmetic of rk_dequantize, so it gets the bits of the stored
+ * weights. */
 #include <string.h>
 
 #include "kernels/cpu/cpu.h"
@@ -48,6 +60,7 @@ static size_t col_bytes(rk_dtype t) {
     case RK_DTYPE_Q8_0: return 272;
     case RK_DTYPE_Q4_K: return 1184;
     case RK_DTYPE_Q6_K: return 1680;
+    case RK_DTYPE_Q3_K: return 912;
     default: return 0;
     }
 }
@@ -107,6 +120,36 @@ static void gather_row(uint8_t *out, const uint8_t *p, int r, int chunks) {
 #define Q6K_HI(j) (192 * (j) + 128)
 #define Q6K_D     1536
 #define Q6K_SC    1552
+#define Q3K_LO(p) (96 * (p))
+#define Q3K_HI(p) (96 * (p) + 64)
+#define Q3K_D     768
+#define Q3K_SC    784
+
+/* Q3_K's 6-bit scale of group g, as quant_q8k.c reads it (minus 32). */
+static int q3k_scale(const uint8_t *sc, int g) {
+    return ((sc[g % 8] >> 4 * (g / 8) & 15) | (sc[8 + g % 4] >> 2 * (g / 4) & 3) << 4) - 32;
+}
+
+/* Q3_K row r of the block b into the column at dst. */
+static void pack_q3_k(uint8_t *dst, const uint8_t *b, int r) {
+    memcpy(dst + Q3K_D + 2 * r, b + 108, 2);
+    for (int g = 0; g < 16; g++) dst[Q3K_SC + 8 * g + r] = (uint8_t)(int8_t)q3k_scale(b + 96, g);
+    for (int p = 0; p < 8; p++) {
+        uint8_t lo[2][16] = {{0}}, hi[16] = {0};
+        for (int s = 0; s < 2; s++)
+            for (int t = 0; t < 4; t++)
+                for (int e = 0; e < 4; e++) {
+                    int el = 32 * p + 16 * s + 4 * t + e, n = el / 128, j = el % 128 / 32,
+                        l = el % 32;
+                    int v = (b[32 + 32 * n + l] >> 2 * j & 3) | (b[l] >> (4 * n + j) & 1) << 2;
+                    lo[s][e] |= (uint8_t)((v & 3) << 2 * t);
+                    hi[e] |= (uint8_t)((v >> 2) << (4 * s + t));
+                }
+        scatter_row(dst + Q3K_LO(p), r, lo[0], 1);
+        scatter_row(dst + Q3K_LO(p) + 32, r, lo[1], 1);
+        scatter_row(dst + Q3K_HI(p), r, hi, 1);
+    }
+}
 
 static void pack_col(uint8_t *dst, const uint8_t *const src[QR], rk_dtype t) {
     memset(dst, 0, col_bytes(t));
@@ -118,6 +161,10 @@ static void pack_col(uint8_t *dst, const uint8_t *const src[QR], rk_dtype t) {
             memcpy(dst + 2 * r, b, 2);
             for (int l = 0; l < 32; l++) lo[l] = b[2 + l] ^ 0x80;
             scatter_row(dst + 16, r, lo, 8);
+            continue;
+        }
+        if (t == RK_DTYPE_Q3_K) {
+            pack_q3_k(dst, b, r);
             continue;
         }
         uint8_t q[256];
@@ -256,6 +303,22 @@ void rk_cpu_qpack_dequant_rows(float *dst, const void *packed, rk_dtype t, int k
                     for (int l = 0; l < 16; l++) {
                         yj[l] = ds * (float)(q[l] & 15) - dm;
                         yj[l + 16] = ds * (float)(q[l] >> 4) - dm;
+                    }
+                }
+            } else if (t == RK_DTYPE_Q3_K) {
+                float d = rk_f16_to_f32(rd16(col + Q3K_D + 2 * r));
+                for (int p = 0; p < 8; p++) {
+                    gather_row(q, col + Q3K_LO(p), r, 2);
+                    gather_row(h, col + Q3K_HI(p), r, 1);
+                    for (int s = 0; s < 2; s++) {
+                        float dl = d * (float)(int8_t)col[Q3K_SC + 8 * (2 * p + s) + r];
+                        float *yg = y + 32 * p + 16 * s;
+                        /* element 4t + e of the group: low bits at 2t of q[4s + e] */
+                        for (int l = 0; l < 16; l++) {
+                            int tt = l / 4, e = l % 4;
+                            int v = (q[4 * s + e] >> 2 * tt & 3) | (h[e] >> (4 * s + tt) & 1) << 2;
+                            yg[l] = dl * (float)(v - 4);
+                        }
                     }
                 }
             } else {
@@ -432,20 +495,83 @@ RK_CPU_VNNI_TARGET QPACK_INLINE void rows_q6_k(const uint8_t *col, const rk_q8_b
     for (int r = 0; r < nr; r++) out[r] = acc[r];
 }
 
+/* The low two bits of chunk t (0..3) of a Q3_K low-bit chunk, and bit 2 of
+ * chunk 4s + t of a high-bit chunk in place. */
+RK_CPU_VNNI_TARGET static inline __m256i q3_lo(__m256i l, int t) {
+    const __m256i m = _mm256_set1_epi8(3);
+    switch (t) {
+    case 0: return _mm256_and_si256(l, m);
+    case 1: return _mm256_and_si256(_mm256_srli_epi16(l, 2), m);
+    case 2: return _mm256_and_si256(_mm256_srli_epi16(l, 4), m);
+    default: return _mm256_and_si256(_mm256_srli_epi16(l, 6), m);
+    }
+}
+RK_CPU_VNNI_TARGET static inline __m256i q3_hi(__m256i h, int bit) {
+    const __m256i m = _mm256_set1_epi8(4);
+    switch (bit) {
+    case 0: return _mm256_and_si256(_mm256_slli_epi16(h, 2), m);
+    case 1: return _mm256_and_si256(_mm256_slli_epi16(h, 1), m);
+    case 2: return _mm256_and_si256(h, m);
+    default: return _mm256_and_si256(_mm256_srli_epi16(h, bit - 2), m);
+    }
+}
+
+/* Q3_K against Q8_K activations: per 16-group the eight rows' integer sums,
+ * less 4 times the activations' 16-sum, times the group's scale, into one
+ * int32 per super-block and row; then d x.d once, as quant_q8k.c does. */
+RK_CPU_VNNI_TARGET QPACK_INLINE void rows_q3_k(const uint8_t *col, const rk_q8k_block *const *x,
+                                               int nr, int nb, __m256 *out) {
+    __m256 acc[XR_MAX];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, col += 912) {
+        __m256i isum[XR_MAX];
+        for (int r = 0; r < nr; r++) isum[r] = _mm256_setzero_si256();
+        for (int p = 0; p < 8; p++) {
+            __m256i h = _mm256_loadu_si256((const __m256i *)(col + Q3K_HI(p)));
+            for (int s = 0; s < 2; s++) {
+                int g = 2 * p + s;
+                __m256i l = _mm256_loadu_si256((const __m256i *)(col + Q3K_LO(p) + 32 * s));
+                __m256i sg[XR_MAX];
+                for (int r = 0; r < nr; r++) sg[r] = _mm256_setzero_si256();
+                for (int t = 0; t < 4; t++) {
+                    __m256i v = _mm256_or_si256(q3_lo(l, t), q3_hi(h, 4 * s + t));
+                    for (int r = 0; r < nr; r++)
+                        sg[r] = DP(sg[r], v, bcast4(x[r][b].q + 16 * g + 4 * t));
+                }
+                __m256i sc =
+                    _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(col + Q3K_SC + 8 * g)));
+                for (int r = 0; r < nr; r++) {
+                    __m256i c = _mm256_sub_epi32(sg[r], _mm256_set1_epi32(4 * x[r][b].bsums[g]));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(c, sc));
+                }
+            }
+        }
+        __m256 d = f16x8(col + Q3K_D);
+        for (int r = 0; r < nr; r++)
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]),
+                                     _mm256_mul_ps(d, _mm256_set1_ps(x[r][b].d)), acc[r]);
+    }
+    for (int r = 0; r < nr; r++) out[r] = acc[r];
+}
+
 /* y(nr rows from i0, columns 8 g ..) = rows i0 .. i0 + nr - 1 of x . the
  * group at col (left of its 8 rows exist). */
 RK_CPU_VNNI_TARGET QPACK_INLINE void group_rows(float *y, const uint8_t *col, rk_dtype t,
-                                                const rk_q8_block *xq, const int32_t *xs16, int i0,
-                                                int nr, int k, int m, int g, int left) {
+                                                const rk_q8_block *xq, const rk_q8k_block *xk,
+                                                const int32_t *xs16, int i0, int nr, int k, int m,
+                                                int g, int left) {
     int nb = k / (int)rk_dtype_block(t), nx = k / 32;
     const rk_q8_block *x[XR_MAX];
+    const rk_q8k_block *x8k[XR_MAX];
     const int32_t *s16[XR_MAX];
     for (int r = 0; r < nr; r++) {
-        x[r] = xq + (size_t)(i0 + r) * nx;
+        x[r] = xq ? xq + (size_t)(i0 + r) * nx : NULL;
+        x8k[r] = xk ? xk + (size_t)(i0 + r) * (nx / 8) : NULL;     /* Q3_K only */
         s16[r] = xs16 ? xs16 + (size_t)(i0 + r) * (k / 16) : NULL; /* Q6_K only */
     }
     __m256 v[XR_MAX];
     switch (t) {
+    case RK_DTYPE_Q3_K: rows_q3_k(col, x8k, nr, nb, v); break;
     case RK_DTYPE_Q8_0: rows_q8_0(col, x, nr, nb, v); break;
     case RK_DTYPE_Q4_K: rows_q4_k(col, x, nr, nb, v); break;
     default: rows_q6_k(col, x, s16, nr, nb, v); break;
@@ -460,18 +586,19 @@ RK_CPU_VNNI_TARGET QPACK_INLINE void group_rows(float *y, const uint8_t *col, rk
 }
 
 RK_CPU_VNNI_TARGET void rk_cpu_qpack_matvec(float *y, const void *packed, rk_dtype t,
-                                            const rk_q8_block *xq, const int32_t *xs16, int n,
-                                            int k, int m, int g0, int g1) {
+                                            const rk_q8_block *xq, const rk_q8k_block *xk,
+                                            const int32_t *xs16, int n, int k, int m, int g0,
+                                            int g1) {
     size_t gb = group_bytes(t, k);
     for (int g = g0; g < g1; g++) {
         const uint8_t *col = (const uint8_t *)packed + (size_t)g * gb;
         int left = m - QR * g < QR ? m - QR * g : QR, i = 0;
         for (; i + XR_MAX <= n; i += XR_MAX)
-            group_rows(y, col, t, xq, xs16, i, XR_MAX, k, m, g, left);
+            group_rows(y, col, t, xq, xk, xs16, i, XR_MAX, k, m, g, left);
         switch (n - i) {
-        case 3: group_rows(y, col, t, xq, xs16, i, 3, k, m, g, left); break;
-        case 2: group_rows(y, col, t, xq, xs16, i, 2, k, m, g, left); break;
-        case 1: group_rows(y, col, t, xq, xs16, i, 1, k, m, g, left); break;
+        case 3: group_rows(y, col, t, xq, xk, xs16, i, 3, k, m, g, left); break;
+        case 2: group_rows(y, col, t, xq, xk, xs16, i, 2, k, m, g, left); break;
+        case 1: group_rows(y, col, t, xq, xk, xs16, i, 1, k, m, g, left); break;
         }
     }
 }
