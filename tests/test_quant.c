@@ -307,7 +307,6 @@ static const int8_t k_iq4_codebook[16] = {-127, -104, -83, -65, -49, -35, -22, -
                                           1,    13,   25,  38,  53,  69,  89,  113};
 
 static float ref_element(const uint8_t *b, rk_dtype t, int e) {
-    int nib32 = e < 16 ? b[e] & 15 : b[e - 16] >> 4; /* with b at the nibbles */
     switch (t) {
     case RK_DTYPE_Q4_1: {
         int q = e < 16 ? b[4 + e] & 15 : b[4 + e - 16] >> 4;
@@ -322,7 +321,6 @@ static float ref_element(const uint8_t *b, rk_dtype t, int e) {
     }
     case RK_DTYPE_IQ4_NL: {
         int q = e < 16 ? b[2 + e] & 15 : b[2 + e - 16] >> 4;
-        (void)nib32;
         return ref_h(b) * (float)k_iq4_codebook[q];
     }
     case RK_DTYPE_Q2_K: {

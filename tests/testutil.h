@@ -218,8 +218,9 @@ typedef struct rk_test_resp {
 } rk_test_resp;
 
 /* A whole exchange with t (headers: "Name: value\r\n" lines or NULL; body
- * NULL for none). Returns 0 when an answer was read into *r (free it with
- * rk_test_resp_free), -1 otherwise (*r zeroed). */
+ * NULL for none). Returns 0 when an answer was read into *r, its body
+ * parsed into r->json when it is JSON (free both with rk_test_resp_free),
+ * -1 otherwise (*r zeroed). */
 int rk_test_exchange(const rk_http_target *t, const char *method, const char *path,
                      const char *headers, const char *body, rk_test_resp *r);
 
