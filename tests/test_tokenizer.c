@@ -254,7 +254,8 @@ Test(tokenizer, llama_merges_across_words_when_the_vocabulary_has_such_pieces) {
                   .bos_id = -1,
                   .eos_id = -1,
                   .unk_id = 0,
-                  .pad_id = -1};
+                  .pad_id = -1,
+                  .add_space_prefix = 1};
     rk_tokenizer *t;
     cr_assert_eq(rk_tokenizer_create(&v, &t), RK_OK, "%s", rk_error_message());
     static const int32_t ab[] = {1, 5};
@@ -939,4 +940,35 @@ Test(utf8, sanitize_replaces_each_bad_byte_and_nul_with_u_fffd) {
                         "c\xEF\xBF\xBD\xEF\xBF\xBD");
     cr_expect_eq(n, strlen(s));
     free(s);
+}
+
+/* A SentencePiece BPE model's tokenizer.json (byte fallback, U+2581 for
+ * spaces) becomes a llama vocabulary whose scores follow the merge ranks: it
+ * encodes as the reference engine encodes the GGUF file ragkv writes from it
+ * (llama-server's /tokenize on `ragkv mkmodel --preset phi3-tiny --vocab
+ * tests/data/spm-tokenizer.json`). */
+Test(tokenizer, a_sentencepiece_tokenizer_json_becomes_a_llama_vocabulary) {
+    rk_vocab v;
+    cr_assert_eq(rk_vocab_from_hf_json(RK_TEST_DATA "/spm-tokenizer.json", 0, &v), RK_OK, "%s",
+                 rk_error_message());
+    cr_assert_str_eq(v.model, "llama");
+    cr_assert_eq(v.n_merges, 0);
+    cr_assert(v.add_space_prefix && v.add_bos);
+    cr_assert_eq(v.unk_id, 0);
+    cr_assert_eq(v.bos_id, 1);
+    cr_assert_eq(v.eos_id, 2);
+    cr_assert_eq(v.token_types[0], RK_TOKEN_UNKNOWN);
+    cr_assert_eq(v.token_types[3 + 0x41], RK_TOKEN_BYTE);
+    cr_assert_str_eq(v.tokens[3 + 0x41], "<0x41>");
+    /* The first merge ("▁ t") scores -1, a single character 0. */
+    cr_assert_eq(v.scores[v.n_tokens - 1] < 0, 1);
+    rk_tokenizer *t;
+    cr_assert_eq(rk_tokenizer_create(&v, &t), RK_OK, "%s", rk_error_message());
+    rk_vocab_free(&v);
+    static const int32_t once[] = {357, 360, 331, 364, 329, 343, 337};
+    expect_ids(t, "Once upon a time the cat", 0, once, 7);
+    /* A character without a piece falls back to its bytes. */
+    static const int32_t euro[] = {259, 3 + 0xE2, 3 + 0x82, 3 + 0xAC};
+    expect_ids(t, "\xE2\x82\xAC", 0, euro, 4);
+    rk_tokenizer_free(t);
 }
