@@ -289,6 +289,34 @@ Test(openai_opts, an_omitted_max_tokens_fits_the_context_and_overflow_is_context
     rk_test_resp_free(&r);
 }
 
+/* A prompt of token ids is the text prompt's ids: BOS goes in front only
+ * where the model's text prompts get one (phi3-tiny's do not). */
+Test(openai_opts, a_token_id_prompt_answers_as_its_text_does_with_bos_only_where_text_has_it) {
+    char *model = rk_test_model("phi3-tiny", "f32", 7);
+    const char *args[] = {"--model", model, NULL};
+    start_with(args);
+    const char *body = "{\"prompt\": %s, \"max_tokens\": 6, \"temperature\": 0}";
+    resp t = rk_test_postf(&S.t, "/tokenize", "{\"content\": \"Once upon a time the cat\"}");
+    cr_assert_eq(t.http.status, 200, "%s", t.http.body);
+    char *ids = json_dumps(rk_test_jget(t.json, "tokens"), JSON_COMPACT);
+    resp a = rk_test_postf(&S.t, "/v1/completions", body, "\"Once upon a time the cat\"");
+    resp b = rk_test_postf(&S.t, "/v1/completions", body, ids);
+    cr_assert_eq(a.http.status, 200, "%s", a.http.body);
+    cr_assert_eq(b.http.status, 200, "%s", b.http.body);
+    cr_assert_eq(rk_test_jint(a.json, "usage.prompt_tokens"),
+                 (long long)json_array_size(rk_test_jget(t.json, "tokens")));
+    cr_assert_eq(rk_test_jint(b.json, "usage.prompt_tokens"),
+                 rk_test_jint(a.json, "usage.prompt_tokens"));
+    cr_assert(json_equal(rk_test_jget(a.json, "ragkv.completion_ids"),
+                         rk_test_jget(b.json, "ragkv.completion_ids")),
+              "%s\n%s", a.http.body, b.http.body);
+    free(ids);
+    rk_test_resp_free(&t);
+    rk_test_resp_free(&a);
+    rk_test_resp_free(&b);
+    free(model);
+}
+
 /* A max_tokens over the server's largest that no prompt fits beside is over
  * the context: 400 context_length_exceeded, as OpenAI answers, not the 422
  * of a server limit (OpenAI's SDKs raise BadRequestError for it). */
