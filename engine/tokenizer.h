@@ -47,6 +47,9 @@ typedef struct rk_vocab {
     int32_t bos_id, eos_id, unk_id, pad_id; /* -1 when absent */
     int add_bos;                            /* tokenizer.ggml.add_bos_token */
     int add_space_prefix; /* llama: tokenizer.ggml.add_space_prefix, a U+2581 before the text */
+    /* Special tokens but BOS, EOS and <unk> take the whitespace after them
+     * (Phi-3's tokenizer marks them rstrip): set for general.architecture phi3 */
+    int special_rstrip;
 } rk_vocab;
 
 /* Release the arrays and zero the struct; accepts NULL and a zeroed struct. */

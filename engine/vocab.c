@@ -187,7 +187,11 @@ static rk_status read_specials(const rk_gguf *g, rk_vocab *v, int32_t n, int gpt
     if (st && st != RK_ERR_NOT_FOUND) return st;
     st = rk_gguf_get_bool(g, "tokenizer.ggml.add_space_prefix", &flag);
     if (st == RK_OK) v->add_space_prefix = !gpt2 && flag;
-    return st == RK_ERR_NOT_FOUND ? RK_OK : st;
+    if (st && st != RK_ERR_NOT_FOUND) return st;
+    const char *arch;
+    v->special_rstrip =
+        rk_gguf_get_str(g, "general.architecture", &arch, NULL) == RK_OK && !strcmp(arch, "phi3");
+    return RK_OK;
 }
 
 rk_status rk_vocab_from_gguf(const rk_gguf *g, rk_vocab *out) {

@@ -972,3 +972,23 @@ Test(tokenizer, a_sentencepiece_tokenizer_json_becomes_a_llama_vocabulary) {
     expect_ids(t, "\xE2\x82\xAC", 0, euro, 4);
     rk_tokenizer_free(t);
 }
+
+/* phi3: special tokens but BOS, EOS and <unk> take the whitespace after them,
+ * as Phi-3's tokenizer marks them; the ids are the reference engine's
+ * (llama-server /tokenize with parse_special) on the same file. */
+Test(tokenizer, phi3_special_tokens_take_the_whitespace_after_them) {
+    char *path = rk_test_model("phi3-tiny", "f32", 7);
+    rk_gguf *g;
+    cr_assert_eq(rk_gguf_open(path, &g), RK_OK, "%s", rk_error_message());
+    rk_tokenizer *t;
+    cr_assert_eq(rk_tokenizer_from_gguf(g, &t), RK_OK, "%s", rk_error_message());
+    static const int32_t chat[] = {32010, 357, 360, 331, 364, 32007, 32001};
+    expect_ids(t, "<|user|>\nOnce upon a time<|end|>\n<|assistant|>\n", 1, chat, 7);
+    static const int32_t sys[] = {32006, 331, 32002, 341};
+    expect_ids(t, "<|system|>   \n\n a<|placeholder1|>b", 1, sys, 4);
+    static const int32_t kept[] = {1, 259, 351, 268, 2, 259, 283, 32000, 259, 259, 284};
+    expect_ids(t, "<s> hi</s>  x<|endoftext|> y", 1, kept, 11);
+    rk_tokenizer_free(t);
+    rk_gguf_close(g);
+    free(path);
+}
