@@ -30,7 +30,8 @@ typedef struct preset {
     float theta, eps;
     int tied, qkv_bias, qk_norm;
     vocab_kind vocab;
-    int pooling; /* <arch>.pooling_type written when > 0 (1 mean, 2 cls, 3 last); 0: no key */
+    int pooling; /* <arch>.pooling_type written when > 0 (1 mean, 2 cls, 3 last, 4 rank: with
+                    the head and prompt of mk_rerank_*); 0: no key */
 } preset;
 
 #define QWEN3_N_VOCAB 151936
@@ -52,6 +53,9 @@ static const rk_mkmodel_preset_info k_infos[] = {
                  "12288, untied, Qwen3 vocabulary (~8.2 B parameters, 33 GB in F32)"},
     {"qwen3-embedding-tiny", "qwen3-tiny's shapes and Qwen3 vocabulary with pooling_type 3 "
                              "(last token), as Qwen3-Embedding files have: an embedding model"},
+    {"qwen3-reranker-tiny", "qwen3-tiny's shapes and Qwen3 vocabulary with pooling_type 4 "
+                            "(rank), a yes/no head cls.output and the rerank prompt, as "
+                            "Qwen3-Reranker files have: a reranking model"},
 };
 
 static const preset k_presets[] = {
@@ -66,6 +70,8 @@ static const preset k_presets[] = {
     {"qwen3", 36, 4096, 32, 8, 128, 12288, 40960, 1e6f, 1e-6f, 0, 0, 1, VOCAB_QWEN3, 0},
     /* qwen3-embedding-tiny */
     {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 3},
+    /* qwen3-reranker-tiny */
+    {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 4},
 };
 
 #define N_PRESETS (sizeof k_presets / sizeof k_presets[0])
@@ -375,6 +381,25 @@ static rk_status mk_set_arch_f32(rk_gguf_writer *w, const char *arch, const char
     return rk_gguf_writer_set_f32(w, key, v);
 }
 
+/* Rank presets (pooling 4) are written as the reference converter writes
+ * Qwen3-Reranker: the labels of the head cls.output (its rows: "yes", "no")
+ * and the prompt a (query, document) pair is scored with. */
+#define MK_RERANK_PROMPT                                                                           \
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "    \
+    "and the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"   \
+    "<|im_start|>user\n<Instruct>: Given a web search query, retrieve relevant passages that "     \
+    "answer the query\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"                       \
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+static rk_status mk_rerank_metadata(rk_gguf_writer *w, const char *arch) {
+    static const char *const labels[] = {"yes", "no"};
+    char key[128];
+    snprintf(key, sizeof key, "%s.classifier.output_labels", arch);
+    rk_status st = rk_gguf_writer_set_arr_str(w, key, labels, NULL, 2);
+    if (!st) st = rk_gguf_writer_set_str(w, "tokenizer.chat_template.rerank", MK_RERANK_PROMPT);
+    return st;
+}
+
 static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
     const preset *p = m->p;
     rk_gguf_writer *w = m->w;
@@ -405,6 +430,7 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
         (st = mk_set_arch_u32(w, a, "rope.dimension_count", (uint32_t)p->head_dim)) ||
         (p->pooling > 0 && (st = mk_set_arch_u32(w, a, "pooling_type", (uint32_t)p->pooling))))
         return st;
+    if (p->pooling == 4 && (st = mk_rerank_metadata(w, a))) return st;
 
     if ((st = rk_gguf_writer_set_str(w, "tokenizer.ggml.model", mv->v.model))) return st;
     if (mv->v.pre[0] && (st = rk_gguf_writer_set_str(w, "tokenizer.ggml.pre", mv->v.pre)))
@@ -545,6 +571,9 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
     }
     if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "output_norm.weight", 0))) return st;
     if (!p->tied && (st = mk_add(m, INIT_MATRIX, t_out, dim, m->vocab.n, "output.weight", 0)))
+        return st;
+    /* A reranker's head: two rows (yes, no) of the output projection's type. */
+    if (p->pooling == 4 && (st = mk_add(m, INIT_MATRIX, t_out, dim, 2, "cls.output.weight", 0)))
         return st;
     return RK_OK;
 }
