@@ -255,6 +255,13 @@ int rk_gw_handle_embeddings(req_ctx *rc) {
         return 0;
     }
     rk_pooling pooling = rk_service_pooling(svc);
+    if (pooling == RK_POOLING_RANK) {
+        json_decref(root);
+        rk_gw_send_errorf(rc, 400,
+                          "this model makes no embeddings: it is a reranking model (pooling type "
+                          "rank); use /v1/rerank");
+        return 0;
+    }
     if (pooling == RK_POOLING_NONE) {
         json_decref(root);
         rk_gw_send_errorf(rc, 400,
