@@ -235,6 +235,7 @@ typedef enum init_kind {
     INIT_MATRIX, /* uniform, std 1/sqrt(ne[0]) */
     INIT_NORM,   /* 1 + U(-0.05, 0.05) */
     INIT_BIAS,   /* uniform, std 0.02 */
+    INIT_ROWS,   /* rows rows[] of the INIT_MATRIX tensor src with the same ne[0] */
 } init_kind;
 
 typedef struct mk_tensor {
@@ -243,6 +244,8 @@ typedef struct mk_tensor {
     rk_ggml_type type;
     uint32_t n_dims;
     int64_t ne[2];
+    const char *src; /* INIT_ROWS: the tensor whose rows these are */
+    int32_t rows[2]; /* INIT_ROWS: which (ne[1] of them) */
 } mk_tensor;
 
 typedef struct mk_fill_ctx {
@@ -300,7 +303,8 @@ static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
                          t->name, n_bytes, rk_dtype_row_bytes(dt, n));
     float scale, bias = 0.0f;
     switch (t->kind) {
-    case INIT_MATRIX: scale = sqrtf(3.0f / (float)t->ne[0]); break;
+    case INIT_MATRIX:
+    case INIT_ROWS: scale = sqrtf(3.0f / (float)t->ne[0]); break;
     case INIT_NORM:
         scale = 0.05f;
         bias = 1.0f;
@@ -309,9 +313,23 @@ static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
     }
     scale *= 0x1p-31f; /* int32 -> [-1, 1) */
     xoshiro r;
-    xo_seed(&r, fc->seed, t->name);
+    xo_seed(&r, fc->seed, t->kind == INIT_ROWS ? t->src : t->name);
     float buf[FILL_CHUNK];
     uint8_t *out = dst;
+    if (t->kind == INIT_ROWS) { /* each row from its place in src's stream (ne[0] even) */
+        for (int64_t k = 0; k < t->ne[1]; k++) {
+            xo_seed(&r, fc->seed, t->src);
+            for (int64_t skip = (int64_t)t->rows[k] * t->ne[0] / 2; skip > 0; skip--) xo_next(&r);
+            for (int64_t j = 0; j < t->ne[0]; j += 2) {
+                uint64_t x = xo_next(&r);
+                buf[j] = (float)(int32_t)(uint32_t)(x >> 32) * scale;
+                buf[j + 1] = (float)(int32_t)(uint32_t)x * scale;
+            }
+            rk_quantize(out + rk_dtype_row_bytes(dt, (size_t)(k * t->ne[0])), buf, dt,
+                        (size_t)t->ne[0]);
+        }
+        return RK_OK;
+    }
     for (size_t i = 0; i < n; i += FILL_CHUNK) {
         size_t m = n - i < FILL_CHUNK ? n - i : FILL_CHUNK;
         for (size_t j = 0; j < m; j += 2) {
@@ -572,9 +590,23 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
     if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "output_norm.weight", 0))) return st;
     if (!p->tied && (st = mk_add(m, INIT_MATRIX, t_out, dim, m->vocab.n, "output.weight", 0)))
         return st;
-    /* A reranker's head: two rows (yes, no) of the output projection's type. */
-    if (p->pooling == 4 && (st = mk_add(m, INIT_MATRIX, t_out, dim, 2, "cls.output.weight", 0)))
-        return st;
+    /* A reranker's head, as the reference converter makes it: the output
+     * projection's rows of "yes" and "no", in the projection's type. */
+    if (p->pooling == 4) {
+        int32_t yes = -1, no = -1;
+        for (int32_t i = 0; i < m->vocab.n; i++) {
+            if (yes < 0 && !strcmp(m->vocab.tokens[i], "yes")) yes = i;
+            if (no < 0 && !strcmp(m->vocab.tokens[i], "no")) no = i;
+        }
+        if (yes < 0 || no < 0 || dim % 2)
+            return rk_errorf(RK_ERR_INVALID, "mkmodel %s: the vocabulary has no \"yes\" or \"no\"",
+                             m->name);
+        if ((st = mk_add(m, INIT_ROWS, t_out, dim, 2, "cls.output.weight", 0))) return st;
+        mk_tensor *t = &m->tensors[m->n_tensors - 1];
+        t->src = p->tied ? "token_embd.weight" : "output.weight";
+        t->rows[0] = yes;
+        t->rows[1] = no;
+    }
     return RK_OK;
 }
 

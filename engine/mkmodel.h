@@ -61,7 +61,10 @@
  *   blk.N.ffn_down.weight      {ffn, dim}
  *   output_norm.weight         {dim}
  *   output.weight              {dim, n_vocab}             absent when embeddings are tied
- *   cls.output.weight          {dim, 2}                   reranker presets: the yes/no head
+ *   cls.output.weight          {dim, 2}                   reranker presets: the yes/no head,
+ *                                                         the output projection's rows of the
+ *                                                         tokens "yes" and "no" (as the reference
+ *                                                         converter writes Qwen3-Reranker)
  * 2-D tensors (matrices and the embedding) have the chosen weight type; 1-D
  * tensors (norm weights, biases) are always F32, as in llama.cpp's files.
  * The quantized weight types are mixes, like the files llama-quantize writes:

@@ -150,6 +150,21 @@ Test(mkmodel, the_reranker_preset_has_the_rank_pooling_head_and_prompt) {
     cr_assert_not_null(t);
     cr_expect_eq(t->ne[0], 128);
     cr_expect_eq(t->ne[1], 2);
+    /* Its rows are the (tied) output projection's rows of "yes" and "no". */
+    const char *const *toks;
+    size_t n_toks = 0;
+    cr_assert_eq(rk_gguf_get_arr_str(g, "tokenizer.ggml.tokens", &toks, NULL, &n_toks), RK_OK);
+    int64_t ids[2] = {-1, -1};
+    for (size_t i = 0; i < n_toks; i++) {
+        if (ids[0] < 0 && !strcmp(toks[i], "yes")) ids[0] = (int64_t)i;
+        if (ids[1] < 0 && !strcmp(toks[i], "no")) ids[1] = (int64_t)i;
+    }
+    const rk_gguf_tensor *e = rk_gguf_find_tensor(g, "token_embd.weight");
+    cr_assert(e && ids[0] >= 0 && ids[1] >= 0);
+    for (int k = 0; k < 2; k++)
+        cr_expect_eq(memcmp((const float *)t->data + k * 128, (const float *)e->data + ids[k] * 128,
+                            128 * sizeof(float)),
+                     0, "row %d is not token %lld's", k, (long long)ids[k]);
     rk_gguf_close(g);
     free(buf);
 }

@@ -238,16 +238,93 @@ Test(rerank, a_reranking_model_reranks_only) {
         "does not generate");
 }
 
-Test(rerank, pooling_none_turns_a_reranking_model_back_into_a_generator) {
+/* Qwen3-Reranker's prompt with q and d in place, as a JSON string (malloc'ed). */
+static char *filled_prompt(const char *q, const char *d) {
+    char text[2048];
+    snprintf(text, sizeof text,
+             "<|im_start|>system\nJudge whether the Document meets the requirements based on the "
+             "Query and the Instruct provided. Note that the answer can only be \"yes\" or "
+             "\"no\".<|im_end|>\n<|im_start|>user\n<Instruct>: Given a web search query, "
+             "retrieve relevant passages that answer the query\n<Query>: %s\n<Document>: "
+             "%s<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n",
+             q, d);
+    json_t *s = json_string(text);
+    char *out = json_dumps(s, JSON_ENCODE_ANY);
+    json_decref(s);
+    return out;
+}
+
+/* The id of a one-token text. */
+static long long token_id(const char *text) {
+    char body[128];
+    snprintf(body, sizeof body, "{\"content\": \"%s\"}", text);
+    rk_test_resp t = post_to("/tokenize", body);
+    cr_assert_eq(json_array_size(rk_test_jget(t.json, "tokens")), 1, "%s: %s", text, t.http.body);
+    long long id = rk_test_jint(t.json, "tokens.0");
+    rk_test_resp_free(&t);
+    return id;
+}
+
+/* The score is P("yes") against "no" after the prompt: the same model served
+ * with --pooling none generates, and its next-token logprobs for "yes" and
+ * "no" after the filled prompt (each forced in turn by logit_bias; the
+ * logprobs reported are the model's, before the bias) give the same
+ * probability; the pair is the same tokens too. */
+Test(rerank, the_score_is_the_yes_probability_the_model_generates_after_the_prompt) {
+    const char *q = "Which city is the capital of France?";
+    const char *docs[] = {"Paris is the capital and largest city of France.",
+                          "Photosynthesis turns light into chemical energy.",
+                          "<|im_end|> a document with a control token in it"};
+    double score[3];
+    long long n_tokens[3];
+    start("qwen3-reranker-tiny", NULL);
+    for (int i = 0; i < 3; i++) {
+        json_t *d = json_string(docs[i]);
+        char *dj = json_dumps(d, JSON_ENCODE_ANY);
+        json_decref(d);
+        char body[1024];
+        snprintf(body, sizeof body, "{\"query\": \"%s\", \"documents\": [%s]}", q, dj);
+        free(dj);
+        rk_test_resp r = post(body);
+        cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+        int index;
+        result_at(&r, 0, &index, &score[i]);
+        n_tokens[i] = rk_test_jint(r.json, "usage.prompt_tokens");
+        rk_test_resp_free(&r);
+    }
+    rk_test_server_stop_checked(&S);
+
     const char *extra[] = {"--pooling", "none", NULL};
     start("qwen3-reranker-tiny", extra);
     char caps[128];
     capabilities(caps, sizeof caps);
     cr_expect_str_eq(caps, "completion");
-    rk_test_resp r = post_to("/v1/completions", "{\"prompt\": \"hello\", \"max_tokens\": 2}");
-    cr_expect_eq(r.http.status, 200, "%s", r.http.body);
-    rk_test_resp_free(&r);
     expect_error("{\"query\": \"q\", \"documents\": [\"a\"]}", 400, "does not rerank");
+    long long yes = token_id("yes"), no = token_id("no");
+    for (int i = 0; i < 3; i++) {
+        char *prompt = filled_prompt(q, docs[i]);
+        double lp[2];
+        for (int k = 0; k < 2; k++) { /* the model's logprob of yes, then of no, forced */
+            char body[4096];
+            snprintf(body, sizeof body,
+                     "{\"prompt\": %s, \"max_tokens\": 1, \"temperature\": 0, \"logprobs\": 1, "
+                     "\"logit_bias\": {\"%lld\": 100}}",
+                     prompt, k ? no : yes);
+            rk_test_resp r = post_to("/v1/completions", body);
+            cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+            cr_expect_eq(rk_test_jint(r.json, "usage.prompt_tokens"), n_tokens[i], "document %d",
+                         i);
+            cr_assert_eq(rk_test_jint(r.json, "ragkv.completion_ids.0"), k ? no : yes);
+            json_t *l = rk_test_jget(r.json, "choices.0.logprobs.token_logprobs.0");
+            cr_assert(json_is_number(l), "%s", r.http.body);
+            lp[k] = json_number_value(l);
+            rk_test_resp_free(&r);
+        }
+        free(prompt);
+        double p_yes = 1.0 / (1.0 + exp(lp[1] - lp[0]));
+        cr_expect_float_eq(score[i], p_yes, 2e-5, "document %d: score %.7f, P(yes) %.7f", i,
+                           score[i], p_yes);
+    }
 }
 
 Test(rerank, an_embedding_model_embeds_only) {
