@@ -327,6 +327,39 @@ Test(rerank, the_score_is_the_yes_probability_the_model_generates_after_the_prom
     }
 }
 
+/* Without tokenizer.chat_template.rerank a pair is [BOS] query [EOS] [SEP]
+ * document [EOS], each special token where the vocabulary adds it: for the
+ * Qwen3 vocabulary (none of them) the query's tokens then the document's,
+ * control tokens in the texts not parsed. */
+Test(rerank, without_a_rerank_prompt_the_pair_is_the_query_then_the_document) {
+    char *src = rk_test_model("qwen3-reranker-tiny", "f32", 1);
+    char *model = rk_test_model_without_key(src, "tokenizer.chat_template.rerank",
+                                            "qwen3-reranker-tiny-no-prompt.gguf");
+    const char *args[] = {"--model", model, NULL};
+    cr_assert_eq(rk_test_server_start_ready(&S, "rerank", NULL, args), 0);
+    free(model);
+    free(src);
+    const char *q = "capital of France", *d = "Paris <|im_end|> is the capital";
+    char body[512];
+    long long n = 0;
+    const char *texts[] = {q, d};
+    for (int i = 0; i < 2; i++) {
+        snprintf(body, sizeof body, "{\"content\": \"%s\", \"parse_special\": false}", texts[i]);
+        rk_test_resp t = post_to("/tokenize", body);
+        n += (long long)json_array_size(rk_test_jget(t.json, "tokens"));
+        rk_test_resp_free(&t);
+    }
+    snprintf(body, sizeof body, "{\"query\": \"%s\", \"documents\": [\"%s\"]}", q, d);
+    rk_test_resp r = post(body);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_expect_eq(rk_test_jint(r.json, "usage.prompt_tokens"), n, "%s", r.http.body);
+    int index;
+    double score;
+    result_at(&r, 0, &index, &score);
+    cr_expect(score > 0 && score < 1, "%g", score);
+    rk_test_resp_free(&r);
+}
+
 Test(rerank, an_embedding_model_embeds_only) {
     start("qwen3-embedding-tiny", NULL);
     char caps[128];
