@@ -31,7 +31,8 @@ typedef struct preset {
     float theta, eps;
     int tied, qkv_bias, qk_norm;
     vocab_kind vocab;
-    int pooling; /* <arch>.pooling_type written when > 0 (1 mean, 2 cls, 3 last); 0: no key */
+    int pooling; /* <arch>.pooling_type written when > 0 (1 mean, 2 cls, 3 last, 4 rank: with
+                    the head and prompt of mk_rerank_*); 0: no key */
     /* phi3: attn_qkv and ffn_up hold the fused matrices; RoPE on the first
      * n_rot dimensions (0: all); LongRoPE factors for a context_length above
      * orig_ctx (0: none) */
@@ -65,6 +66,9 @@ static const rk_mkmodel_preset_info k_infos[] = {
                  "12288, untied, Qwen3 vocabulary (~8.2 B parameters, 33 GB in F32)"},
     {"qwen3-embedding-tiny", "qwen3-tiny's shapes and Qwen3 vocabulary with pooling_type 3 "
                              "(last token), as Qwen3-Embedding files have: an embedding model"},
+    {"qwen3-reranker-tiny", "qwen3-tiny's shapes and Qwen3 vocabulary with pooling_type 4 "
+                            "(rank), a yes/no head cls.output and the rerank prompt, as "
+                            "Qwen3-Reranker files have: a reranking model"},
     {"phi3-tiny", "phi3 (fused QKV and gate/up, RoPE on 24 of 32 dimensions, LongRoPE from "
                   "4096 to 8192), 2 layers, dim 128, 4 heads / 2 KV, FFN 256, tied, Phi-3 "
                   "vocabulary (--vocab: Llama 2's tokenizer.json)"},
@@ -165,6 +169,21 @@ static const preset k_presets[] = {
      .qk_norm = 1,
      .vocab = VOCAB_QWEN3,
      .pooling = 3},
+    /* qwen3-reranker-tiny */
+    {.arch = "qwen3",
+     .n_layers = 2,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3,
+     .pooling = 4},
     /* phi3-tiny */
     {.arch = "phi3",
      .n_layers = 2,
@@ -375,6 +394,7 @@ typedef enum init_kind {
     INIT_NORM,   /* 1 + U(-0.05, 0.05) */
     INIT_BIAS,   /* uniform, std 0.02 */
     INIT_LONG,   /* LongRoPE long factors: U(1, 8) */
+    INIT_ROWS,   /* rows rows[] of the INIT_MATRIX tensor src with the same ne[0] */
 } init_kind;
 
 typedef struct mk_tensor {
@@ -383,6 +403,8 @@ typedef struct mk_tensor {
     rk_ggml_type type;
     uint32_t n_dims;
     int64_t ne[2];
+    const char *src; /* INIT_ROWS: the tensor whose rows these are */
+    int32_t rows[2]; /* INIT_ROWS: which (ne[1] of them) */
 } mk_tensor;
 
 typedef struct mk_fill_ctx {
@@ -440,7 +462,8 @@ static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
                          t->name, n_bytes, rk_dtype_row_bytes(dt, n));
     float scale, bias = 0.0f;
     switch (t->kind) {
-    case INIT_MATRIX: scale = sqrtf(3.0f / (float)t->ne[0]); break;
+    case INIT_MATRIX:
+    case INIT_ROWS: scale = sqrtf(3.0f / (float)t->ne[0]); break;
     case INIT_NORM:
         scale = 0.05f;
         bias = 1.0f;
@@ -453,9 +476,23 @@ static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
     }
     scale *= 0x1p-31f; /* int32 -> [-1, 1) */
     xoshiro r;
-    xo_seed(&r, fc->seed, t->name);
+    xo_seed(&r, fc->seed, t->kind == INIT_ROWS ? t->src : t->name);
     float buf[FILL_CHUNK];
     uint8_t *out = dst;
+    if (t->kind == INIT_ROWS) { /* each row from its place in src's stream (ne[0] even) */
+        for (int64_t k = 0; k < t->ne[1]; k++) {
+            xo_seed(&r, fc->seed, t->src);
+            for (int64_t skip = (int64_t)t->rows[k] * t->ne[0] / 2; skip > 0; skip--) xo_next(&r);
+            for (int64_t j = 0; j < t->ne[0]; j += 2) {
+                uint64_t x = xo_next(&r);
+                buf[j] = (float)(int32_t)(uint32_t)(x >> 32) * scale;
+                buf[j + 1] = (float)(int32_t)(uint32_t)x * scale;
+            }
+            rk_quantize(out + rk_dtype_row_bytes(dt, (size_t)(k * t->ne[0])), buf, dt,
+                        (size_t)t->ne[0]);
+        }
+        return RK_OK;
+    }
     for (size_t i = 0; i < n; i += FILL_CHUNK) {
         size_t m = n - i < FILL_CHUNK ? n - i : FILL_CHUNK;
         for (size_t j = 0; j < m; j += 2) {
@@ -525,6 +562,25 @@ static rk_status mk_set_arch_f32(rk_gguf_writer *w, const char *arch, const char
     return rk_gguf_writer_set_f32(w, key, v);
 }
 
+/* Rank presets (pooling 4) are written as the reference converter writes
+ * Qwen3-Reranker: the labels of the head cls.output (its rows: "yes", "no")
+ * and the prompt a (query, document) pair is scored with. */
+#define MK_RERANK_PROMPT                                                                           \
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "    \
+    "and the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"   \
+    "<|im_start|>user\n<Instruct>: Given a web search query, retrieve relevant passages that "     \
+    "answer the query\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"                       \
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+static rk_status mk_rerank_metadata(rk_gguf_writer *w, const char *arch) {
+    static const char *const labels[] = {"yes", "no"};
+    char key[128];
+    snprintf(key, sizeof key, "%s.classifier.output_labels", arch);
+    rk_status st = rk_gguf_writer_set_arr_str(w, key, labels, NULL, 2);
+    if (!st) st = rk_gguf_writer_set_str(w, "tokenizer.chat_template.rerank", MK_RERANK_PROMPT);
+    return st;
+}
+
 static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
     const preset *p = m->p;
     rk_gguf_writer *w = m->w;
@@ -564,6 +620,7 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
                                sqrtf(1.0f + logf((float)p->n_ctx / (float)p->orig_ctx) /
                                                 logf((float)p->orig_ctx))))))
         return st;
+    if (p->pooling == 4 && (st = mk_rerank_metadata(w, a))) return st;
 
     if ((st = rk_gguf_writer_set_str(w, "tokenizer.ggml.model", mv->v.model))) return st;
     if (mv->v.pre[0] && (st = rk_gguf_writer_set_str(w, "tokenizer.ggml.pre", mv->v.pre)))
@@ -725,6 +782,23 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
     if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "output_norm.weight", 0))) return st;
     if (!p->tied && (st = mk_add(m, INIT_MATRIX, t_out, dim, m->vocab.n, "output.weight", 0)))
         return st;
+    /* A reranker's head, as the reference converter makes it: the output
+     * projection's rows of "yes" and "no", in the projection's type. */
+    if (p->pooling == 4) {
+        int32_t yes = -1, no = -1;
+        for (int32_t i = 0; i < m->vocab.n; i++) {
+            if (yes < 0 && !strcmp(m->vocab.tokens[i], "yes")) yes = i;
+            if (no < 0 && !strcmp(m->vocab.tokens[i], "no")) no = i;
+        }
+        if (yes < 0 || no < 0 || dim % 2)
+            return rk_errorf(RK_ERR_INVALID, "mkmodel %s: the vocabulary has no \"yes\" or \"no\"",
+                             m->name);
+        if ((st = mk_add(m, INIT_ROWS, t_out, dim, 2, "cls.output.weight", 0))) return st;
+        mk_tensor *t = &m->tensors[m->n_tensors - 1];
+        t->src = p->tied ? "token_embd.weight" : "output.weight";
+        t->rows[0] = yes;
+        t->rows[1] = no;
+    }
     return RK_OK;
 }
 

@@ -30,7 +30,10 @@
  *   <arch>.rope.dimension_count             u32     head_dim (RoPE over the whole head;
  *                                                    llama pairs adjacent dims, qwen2/qwen3
  *                                                    use NeoX half-split pairs, as in llama.cpp)
- *   <arch>.pooling_type                     u32     embedding presets only: 3 = last token
+ *   <arch>.pooling_type                     u32     embedding presets: 3 = last token;
+ *                                                    reranker presets: 4 = rank
+ *   <arch>.classifier.output_labels         [string] reranker presets: ["yes", "no"]
+ *   tokenizer.chat_template.rerank          string  reranker presets: Qwen3-Reranker's prompt
  *   tokenizer.ggml.model                    string  "llama" (tiny vocab) | "gpt2" (Qwen3 vocab)
  *   tokenizer.ggml.pre                      string  gpt2 only ("qwen2")
  *   tokenizer.ggml.tokens                   [string]
@@ -58,6 +61,10 @@
  *   blk.N.ffn_down.weight      {ffn, dim}
  *   output_norm.weight         {dim}
  *   output.weight              {dim, n_vocab}             absent when embeddings are tied
+ *   cls.output.weight          {dim, 2}                   reranker presets: the yes/no head,
+ *                                                         the output projection's rows of the
+ *                                                         tokens "yes" and "no" (as the reference
+ *                                                         converter writes Qwen3-Reranker)
  * 2-D tensors (matrices and the embedding) have the chosen weight type; 1-D
  * tensors (norm weights, biases) are always F32, as in llama.cpp's files.
  * The quantized weight types are mixes, like the files llama-quantize writes:

@@ -437,10 +437,10 @@ static rk_status read_hparams(rk_model *m) {
         hp->pooling = RK_POOLING_UNSET;
     } else if (st) {
         return st;
-    } else if (pooling > RK_POOLING_LAST) {
+    } else if (pooling > RK_POOLING_RANK) {
         return rk_errorf(RK_ERR_FORMAT,
-                         "model: %s = %u is not 0 (none), 1 (mean), 2 (cls) or 3 (last)", pkey,
-                         pooling);
+                         "model: %s = %u is not 0 (none), 1 (mean), 2 (cls), 3 (last) or 4 (rank)",
+                         pkey, pooling);
     } else {
         hp->pooling = (rk_pooling)pooling;
     }

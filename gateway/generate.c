@@ -839,6 +839,17 @@ int rk_gw_handle_generate(req_ctx *rc, int chat) {
         rk_gw_send_not_ready(rc);
         goto done;
     }
+    if (!rk_service_generates(g.svc)) {
+        free(body);
+        rk_gw_send_errorf(
+            rc, 400,
+            "this model does not generate text: its file declares pooling type %d "
+            "(%s model); use %s, or serve it with --pooling none to generate",
+            (int)rk_model_hparams(g.svc->model)->pooling,
+            rk_service_pooling(g.svc) == RK_POOLING_RANK ? "a reranking" : "an embedding",
+            rk_service_pooling(g.svc) == RK_POOLING_RANK ? "/v1/rerank" : "/v1/embeddings");
+        goto done;
+    }
     prep_gen p = {.S = S, .g = &g, .body = body, .len = len, .chat = chat};
     prep_generation(&p);
     free(body);

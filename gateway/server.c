@@ -83,11 +83,18 @@ static int handle_models(req_ctx *rc, const char *id) {
         hp->n_ctx, "rope_theta", (double)hp->rope.theta, "weight_type", rk_dtype_name(hp->wtype),
         "chat_template", rk_chat_template_name(S->tmpl), "block_size", svc->cfg.block_size, "bos",
         rk_tokenizer_bos(tok), "source", file[0] ? file : "embedded");
-    /* Every model completes; one with a pooling type (its file's or
-     * --pooling) makes embeddings too. */
-    json_t *caps = json_pack("[s]", "completion");
-    if (caps && rk_service_pooling(svc) != RK_POOLING_NONE)
+    /* A model completes unless its file declares a pooling type (an
+     * embedding or reranking model); one with a pooling type (its file's or
+     * --pooling) makes embeddings, one with rank pooling and a
+     * classification head reranks. */
+    json_t *caps = json_array();
+    rk_pooling pooling = rk_service_pooling(svc);
+    if (caps && rk_service_generates(svc)) json_array_append_new(caps, json_string("completion"));
+    if (caps && pooling != RK_POOLING_NONE && pooling != RK_POOLING_RANK)
         json_array_append_new(caps, json_string("embedding"));
+    if (caps && pooling == RK_POOLING_RANK && rk_service_can_rerank(svc))
+        json_array_append_new(caps, json_string("rerank"));
+    rk_error_clear();
     json_t *m = json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", S->model_name, "object", "model",
                           "created", (json_int_t)S->started_unix, "owned_by", "ragkv",
                           "capabilities", caps, "ragkv", info);
@@ -190,7 +197,8 @@ typedef enum route {
     R_MODEL_ID,
     R_TOKENIZE,
     R_DETOKENIZE,
-    R_EMBEDDINGS
+    R_EMBEDDINGS,
+    R_RERANK
 } route;
 
 static route find_route(const char *path) {
@@ -207,7 +215,9 @@ static route find_route(const char *path) {
                  {"/v1/stats", R_STATS},
                  {"/tokenize", R_TOKENIZE},
                  {"/detokenize", R_DETOKENIZE},
-                 {"/v1/embeddings", R_EMBEDDINGS}};
+                 {"/v1/embeddings", R_EMBEDDINGS},
+                 {"/v1/rerank", R_RERANK},
+                 {"/rerank", R_RERANK}};
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
         if (!strcmp(path, table[i].path)) return table[i].r;
     if (!strncmp(path, "/v1/chunks/", 11) && path[11] && !strchr(path + 11, '/'))
@@ -224,7 +234,7 @@ static int handle_preflight(req_ctx *rc, route r) {
     const char *methods = r == R_CHUNKS      ? "GET, HEAD, POST, OPTIONS"
                           : r == R_CHUNK_KEY ? "GET, HEAD, DELETE, OPTIONS"
                           : r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE ||
-                                  r == R_DETOKENIZE || r == R_EMBEDDINGS
+                                  r == R_DETOKENIZE || r == R_EMBEDDINGS || r == R_RERANK
                               ? "POST, OPTIONS"
                               : "GET, HEAD, OPTIONS";
     rc->status = 204;
@@ -248,7 +258,7 @@ static int dispatch(req_ctx *rc) {
     if (r == R_NONE) return rk_gw_send_errorf(rc, 404, "no route %s %s", m, rc->path), 0;
     if (!strcmp(m, "OPTIONS") && rc->S->o.cors_origin[0]) return handle_preflight(rc, r);
     int ok = r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE ||
-                     r == R_DETOKENIZE || r == R_EMBEDDINGS
+                     r == R_DETOKENIZE || r == R_EMBEDDINGS || r == R_RERANK
                  ? post
              : r == R_CHUNKS    ? get || post
              : r == R_CHUNK_KEY ? get || del
@@ -269,6 +279,7 @@ static int dispatch(req_ctx *rc) {
     case R_TOKENIZE: return rk_gw_handle_tokenize(rc, 0);
     case R_DETOKENIZE: return rk_gw_handle_tokenize(rc, 1);
     case R_EMBEDDINGS: return rk_gw_handle_embeddings(rc);
+    case R_RERANK: return rk_gw_handle_rerank(rc);
     case R_COMPLETIONS: return rk_gw_handle_generate(rc, 0);
     case R_CHAT: return rk_gw_handle_generate(rc, 1);
     case R_CHUNKS: return post ? rk_gw_handle_prewarm(rc) : rk_gw_handle_list(rc);

@@ -822,3 +822,16 @@ Test(openai_opts, the_official_openai_sdk_parses_structured_output_and_tool_call
     run_sdk_script(dir, "openai_sdk_structured.mjs");
     free(model);
 }
+
+/* embeddings.create through the SDK, floats and base64 (which the SDK asks
+ * for by default and decodes itself), on an embedding model
+ * (tests/openai_sdk_embeddings.mjs). */
+Test(openai_opts, the_official_openai_sdk_reads_embeddings_as_floats_and_base64, .timeout = 600) {
+    char dir[1024];
+    sdk_installed(dir, sizeof dir);
+    char *model = rk_test_model("qwen3-embedding-tiny", "f32", 1);
+    const char *args[] = {"--model", model, "--served-model-name", "ragkv-test", NULL};
+    start_with(args);
+    run_sdk_script(dir, "openai_sdk_embeddings.mjs");
+    free(model);
+}

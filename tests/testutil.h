@@ -65,6 +65,9 @@ void rk_test_gguf_copy_kv(struct rk_gguf_writer *w, const struct rk_gguf *g, int
  * afterwards, like rk_test_model's (malloc'ed path). */
 char *rk_test_model_with_template(const char *src, const char *jinja, const char *name);
 
+/* The same with the metadata key `drop` left out and no template set. */
+char *rk_test_model_without_key(const char *src, const char *drop, const char *name);
+
 struct rk_service;
 struct rk_request;
 /* A prepared token-level request (greedy unless temperature > 0): the first
