@@ -156,7 +156,7 @@ static const char *DOC_D =
 Test(cluster, two_replicas_behind_haproxy_share_documents_keep_affinity_and_fail_over,
      .timeout = 600) {
     if (!have("haproxy")) cr_skip_test("haproxy is not installed (scripts/install-deps.sh)");
-    const char *model;
+    char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
     rk_test_redis redis = {0};
     rk_test_redis_start(&redis); /* skips without redis-server */
@@ -271,6 +271,7 @@ Test(cluster, two_replicas_behind_haproxy_share_documents_keep_affinity_and_fail
     rk_test_redis_stop(&redis);
     rk_test_redis_free(&redis);
     free(dir);
+    free(model);
 }
 
 /* ---------------------------------------------------------------- deployment files */
