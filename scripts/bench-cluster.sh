@@ -17,6 +17,8 @@
 # requests generating 4 tokens each, with a fault injected 2 s in, and the
 # requests that failed (a restarted replica's counters start again at 0):
 #   kill9    one replica killed with SIGKILL mid-run (not restarted)
+#   sigterm  one replica stopped with SIGTERM mid-run, not drained in HAProxy
+#            first (not restarted)
 #   rolling  every replica in turn: drained in HAProxy (runtime API), stopped
 #            with SIGTERM, restarted, put back once /ready
 #   redis    redis-server killed mid-run and started again empty
@@ -189,7 +191,7 @@ admin() {
 s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.sendall(sys.argv[2].encode() + b"\n")
 s.recv(4096)' "$work/admin.sock" "$1"
 }
-for fault in kill9 rolling redis; do
+for fault in kill9 sigterm rolling redis; do
     start_redis
     for i in $(seq 1 "$n"); do start_replica "$i" $((base + 90)); done
     start_haproxy affinity
@@ -200,6 +202,7 @@ for fault in kill9 rolling redis; do
     sleep 2
     case $fault in
     kill9) kill -9 "${rep_pid[2]}" ;;
+    sigterm) kill "${rep_pid[2]}" ;;
     rolling)
         for i in $(seq 1 "$n"); do
             admin "set server ragkv/ragkv-$i state drain"
