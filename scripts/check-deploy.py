@@ -4,7 +4,10 @@ cluster of ragkv replicas needs (the drain, the probes, the shared secret,
 the memory, Redis without persistence, the model mounted read-only).
 
 Exit status 0 when every check passes, 1 with a list of failures, 77 when
-PyYAML (Debian: python3-yaml) is missing. tests/test_cluster.c runs it."""
+PyYAML (Debian: python3-yaml) is missing. tests/test_cluster.c runs it.
+
+--sync first copies deploy/haproxy/haproxy.cfg into the ConfigMap of
+deploy/k8s/haproxy.yaml (run it after editing the configuration)."""
 import os
 import re
 import sys
@@ -196,6 +199,21 @@ def dockerfile():
           "Dockerfile: the final stage copies nothing from the build")
 
 
+def sync_configmap():
+    with open(os.path.join(DEPLOY, "haproxy", "haproxy.cfg")) as f:
+        cfg = f.read()
+    path = os.path.join(DEPLOY, "k8s", "haproxy.yaml")
+    with open(path) as f:
+        text = f.read()
+    head, rest = text.split("  haproxy.cfg: |\n", 1)
+    tail = rest[rest.index("\n---\n") + 1:]  # the next document
+    body = "".join(("    " + l if l.strip() else "") + "\n" for l in cfg.rstrip("\n").split("\n"))
+    with open(path, "w") as f:
+        f.write(head + "  haproxy.cfg: |\n" + body + tail)
+
+
+if sys.argv[1:] == ["--sync"]:
+    sync_configmap()
 for part in (compose, kubernetes, dockerfile):
     try:
         part()
