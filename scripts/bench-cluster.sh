@@ -23,7 +23,7 @@
 #            with SIGTERM, restarted, put back once /ready
 #   redis    redis-server killed mid-run and started again empty
 #
-#   scripts/bench-cluster.sh [--faults] MODEL [BIN] [REPLICAS] [REQUESTS]
+#   [KV_MB=8] [K=4] scripts/bench-cluster.sh [--faults] MODEL [BIN] [REPLICAS] [REQUESTS]
 # Needs curl, haproxy, redis-server and python3.
 # Loopback only; everything it starts is stopped at the end.
 set -euo pipefail
@@ -34,7 +34,8 @@ bin=${2:-build/ragkv}
 n=${3:-3}
 requests=${4:-300}
 # KV memory per replica (MiB): small enough that one replica's chunk pool
-# does not hold the whole corpus, which is where affinity matters.
+# does not hold the whole corpus, which is where affinity matters. K: chunks
+# per request (the hash sees the first).
 kv_mb=${KV_MB:-8}
 here=$(cd "$(dirname "$0")/.." && pwd)
 # shellcheck source=scripts/bench-lib.sh
@@ -43,7 +44,7 @@ for tool in curl haproxy redis-server python3; do
     command -v $tool >/dev/null || { echo "bench-cluster: $tool is required" >&2; exit 2; }
 done
 # The workload: small enough for stories260K's context, Zipf-popular chunks.
-workload=(--modes rag --requests "$requests" --corpus 120 --k 4 --chunk-tokens 24:48
+workload=(--modes rag --requests "$requests" --corpus 120 --k "${K:-4}" --chunk-tokens 24:48
     --question-tokens 8 --system-tokens 16 --zipf 1.1 --concurrency 6 --seed 7)
 base=$((20000 + RANDOM % 20000))
 work=$(mktemp -d)
