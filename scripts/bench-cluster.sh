@@ -202,7 +202,10 @@ for fault in kill9 sigterm rolling redis; do
     bench_pid=$!
     sleep 2
     case $fault in
-    kill9) kill -9 "${rep_pid[2]}" ;;
+    kill9)
+        kill -9 "${rep_pid[2]}"
+        { wait "${rep_pid[2]}"; } 2>/dev/null || true # no "Killed" line
+        ;;
     sigterm) kill "${rep_pid[2]}" ;;
     rolling)
         for i in $(seq 1 "$n"); do
@@ -217,6 +220,7 @@ for fault in kill9 sigterm rolling redis; do
         ;;
     redis)
         kill -9 "$redis_pid"
+        { wait "$redis_pid"; } 2>/dev/null || true
         sleep 2
         start_redis
         ;;
