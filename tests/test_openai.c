@@ -623,7 +623,7 @@ Test(openai_opts, served_model_names_and_the_strict_policy) {
 /* ================================================================ connections per address */
 
 /* 60 connections from 127.0.0.1 with a limit of 20: on every one /health
- * answers, on the 40 beyond the limit /v1/models is answered 503 and the
+ * and /ready answer, on the 40 beyond the limit /v1/models is answered 503 and the
  * connection closed; the service still answers 127.0.0.2 at once, and once
  * they are closed 127.0.0.1 is served again. */
 Test(openai_opts, requests_beyond_the_per_address_limit_are_refused_but_probes_answer) {
@@ -640,6 +640,14 @@ Test(openai_opts, requests_beyond_the_per_address_limit_are_refused_but_probes_a
         probes += !strncmp(a, "HTTP/1.1 200", 12);
         free(a);
     }
+    int ready = 0;
+    for (int i = 0; i < N; i++) send_str(fds[i], "GET /ready HTTP/1.1\r\nHost: x\r\n\r\n");
+    for (int i = 0; i < N; i++) {
+        char *a = recv_one(fds[i]);
+        ready += !strncmp(a, "HTTP/1.1 200", 12);
+        free(a);
+    }
+    cr_assert_eq(ready, N, "/ready answered 200 on %d of %d connections", ready, N);
     for (int i = 0; i < N; i++)
         send_str(fds[i], "GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
     for (int i = 0; i < N; i++) {

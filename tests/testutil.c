@@ -467,7 +467,7 @@ int rk_test_server_start_ready(rk_test_server *s, const char *tag, const char *c
     for (double until = rk_test_now() + 60; rk_test_now() < until; rk_test_sleep(0.01)) {
         rk_test_resp r;
         int ok =
-            rk_test_exchange(&s->t, "GET", "/health", NULL, NULL, &r) == 0 && r.http.status == 200;
+            rk_test_exchange(&s->t, "GET", "/ready", NULL, NULL, &r) == 0 && r.http.status == 200;
         rk_test_resp_free(&r);
         if (ok) return 0;
         int status;

@@ -200,7 +200,7 @@ typedef struct rk_test_server {
 int rk_test_server_start(rk_test_server *s, const char *tag, const char *const *env,
                          const char *const *args, int *exit_status);
 
-/* rk_test_server_start, then wait up to 60 s until GET /health answers 200
+/* rk_test_server_start, then wait up to 60 s until GET /ready answers 200
  * (the model is loaded). Returns 0 or -1; when the server died while
  * loading, its log goes to stderr. */
 int rk_test_server_start_ready(rk_test_server *s, const char *tag, const char *const *env,
