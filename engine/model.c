@@ -556,8 +556,10 @@ static rk_status load_weights(rk_model *m) {
     return RK_OK;
 }
 
-/* Fingerprint: XXH3-128 over the hyper-parameters, the tensor table and a
- * sample (first and last 64 KiB) of every tensor's data. */
+/* Fingerprint: XXH3-128 over the hyper-parameters, the RoPE tables, the
+ * tensor table and a sample (first and last 64 KiB) of every tensor's data.
+ * It keys persistent stores, so nothing that differs between runs of the
+ * same file (an address) may enter it. */
 static void compute_fingerprint(rk_model *m) {
     XXH3_state_t *s = XXH3_createState();
     if (!s) {
@@ -565,7 +567,11 @@ static void compute_fingerprint(rk_model *m) {
         return;
     }
     XXH3_128bits_reset(s);
-    XXH3_128bits_update(s, &m->hp, sizeof m->hp);
+    rk_hparams hp; /* without the description's address; memcpy keeps the padding's zeros */
+    memcpy(&hp, &m->hp, sizeof hp);
+    hp.desc = NULL;
+    XXH3_128bits_update(s, &hp, sizeof hp);
+    XXH3_128bits_update(s, &m->rope, sizeof m->rope); /* factors and scale from the file */
     for (int64_t i = 0; i < rk_gguf_n_tensors(m->gguf); i++) {
         const rk_gguf_tensor *t = rk_gguf_tensor_at(m->gguf, i);
         XXH3_128bits_update(s, t->name, strlen(t->name));
