@@ -66,7 +66,7 @@ struct rk_model {
     void **host_allocs; /* host buffers (converted small tensors) */
     int n_host, cap_host;
     size_t weight_bytes;
-    int has_fused; /* some layer has a fused matrix (fuse_mats) */
+    int has_fused; /* some layer has a fused matrix (fuse_mats, or the file's) */
     char fingerprint[33];
     rk_scratch s;
 };
@@ -512,6 +512,7 @@ static rk_status load_weights(rk_model *m) {
          * backend packs them. */
         if (hp->desc->fused_qkv && rk_gguf_find_tensor(m->gguf, N("attn_qkv.weight"))) {
             if ((st = load_mat(m, name, q_dim + 2 * kv_dim, hp->dim, &L->qkv))) return st;
+            m->has_fused = 1;
         } else {
             rk_matrix *qkv[] = {&L->wq, &L->wk, &L->wv};
             if ((st = load_stored(m, N("attn_q.weight"), q_dim, hp->dim, &L->wq)) ||
@@ -524,6 +525,7 @@ static rk_status load_weights(rk_model *m) {
         if (hp->desc->fused_gate_up) {
             if ((st = load_mat(m, N("ffn_up.weight"), 2 * hp->ffn_dim, hp->dim, &L->gate_up)))
                 return st;
+            m->has_fused = 1;
         } else {
             rk_matrix *gate_up[] = {&L->gate, &L->up};
             if ((st = load_stored(m, N("ffn_gate.weight"), hp->ffn_dim, hp->dim, &L->gate)) ||
