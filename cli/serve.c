@@ -24,6 +24,7 @@ typedef struct serve_opts {
     rk_server_options srv;
     char log_level[16];
     char model_name_policy[16];
+    char reasoning[8];
 } serve_opts;
 
 #define OFF(m) offsetof(serve_opts, m)
@@ -78,6 +79,9 @@ static const rk_setting k_serve_settings[] = {
      "NAME[,ALIAS...]  the model name reported and accepted (default: the model's own)"},
     {"model_name_policy", "model-name-policy", RK_SET_STR, STR(model_name_policy), 0, 0, 0, 0,
      "P  any|strict: a request naming another model is answered (any, the default) or 404"},
+    {"reasoning", "reasoning", RK_SET_STR, STR(reasoning), 0, 0, 0, 0,
+     "M  auto|on|off: a thinking model's <think> block goes to reasoning_content (auto: when "
+     "the model has <think> tokens; off: it stays in content; default: auto)"},
     {"cors_origin", "cors-origin", RK_SET_STR, STR(srv.cors_origin), 0, 0, 0, 0,
      "ORIGIN  allow browser calls from ORIGIN, or * for any (default: off)"},
     {"log_level", "log-level", RK_SET_STR, STR(log_level), 0, 0, 0, 0,
@@ -101,6 +105,7 @@ static void opts_defaults(serve_opts *o) {
     rk_server_options_default(&o->srv);
     snprintf(o->log_level, sizeof o->log_level, "warn");
     snprintf(o->model_name_policy, sizeof o->model_name_policy, "any");
+    snprintf(o->reasoning, sizeof o->reasoning, "auto");
 }
 
 /* ================================================================ main */
@@ -158,6 +163,11 @@ static int parse_args(int argc, char **argv, serve_opts *o, int *print_config, i
         return -1;
     }
     o->srv.model_name_strict = !strcmp(o->model_name_policy, "strict");
+    if (strcmp(o->reasoning, "auto") && strcmp(o->reasoning, "on") && strcmp(o->reasoning, "off")) {
+        fprintf(stderr, "ragkv serve: reasoning must be auto, on or off, got '%s'\n", o->reasoning);
+        return -1;
+    }
+    o->srv.reasoning = !strcmp(o->reasoning, "on") ? 1 : !strcmp(o->reasoning, "off") ? 0 : -1;
     if (rk_config_validate(&o->srv.cfg)) {
         fprintf(stderr, "ragkv serve: %s\n", rk_error_message());
         return -1;

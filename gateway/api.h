@@ -177,6 +177,11 @@ typedef struct rk_api_request {
     /* `cache_salt` (vLLM's field): "" when absent. The gateway turns it, with
      * the caller's tenant, into opt.salt (rk_cache_scope). */
     char cache_salt[RK_CACHE_SALT_MAX + 1];
+    /* chat_template_kwargs.enable_thinking: -1 when absent, else 0 or 1. */
+    int enable_thinking;
+    /* Render the answer's turn with an empty thinking block (a thinking
+     * model asked not to think): set by the caller before rk_chat_render. */
+    int no_thinking;
 } rk_api_request;
 
 /* Structured output (structured.c), for rk_api_parse: each reads its fields

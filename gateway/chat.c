@@ -393,10 +393,14 @@ static void other_turn(rk_chat_template t, rk_strbuf *b, const rk_chat_msg *m, i
         return;
     }
     if (t == RK_CHAT_CHATML) {
+        /* An earlier answer's thinking is dropped, as Qwen3's template does. */
+        const char *content = m->content, *think_end = strstr(content, "</think>");
+        if (m->role == RK_ROLE_ASSISTANT && think_end && !open)
+            for (content = think_end + 8; *content == '\n'; content++) continue;
         rk_strbuf_puts(b, "<|im_start|>");
         rk_strbuf_puts(b, role_name(m->role));
         rk_strbuf_puts(b, "\n");
-        rk_strbuf_puts(b, m->content);
+        rk_strbuf_puts(b, content);
         if (!open) rk_strbuf_puts(b, "<|im_end|>\n");
     } else if (t == RK_CHAT_LLAMA3) {
         rk_strbuf_puts(b, "<|start_header_id|>");
@@ -577,10 +581,13 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     rk_strbuf_puts(&q, users[doc].question);
     user_close(t, &q);
     render_turns(t, req, users, doc + 1, last, 0, &q, &block);
-    if (prefill)
+    if (prefill) {
         other_turn(t, &q, &req->msgs[n - 1], 1);
-    else
+    } else {
         rk_strbuf_puts(&q, assistant_open(t));
+        /* Qwen3's template with enable_thinking false: an empty thinking block. */
+        if (req->no_thinking && t == RK_CHAT_CHATML) rk_strbuf_puts(&q, "<think>\n\n</think>\n\n");
+    }
     if (sys.oom || q.oom || block.oom) {
         st = rk_http_errorf(err, 500, "out of memory");
         goto done;

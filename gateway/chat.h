@@ -53,4 +53,34 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
 json_t *rk_chat_tool_calls(rk_chat_template t, const rk_api_request *req, const char *text,
                            const char *id, char **content);
 
+/* ---------------------------------------------------------------- thinking (reasoning.c) */
+
+/* A thinking model's answer ("<think>...</think>answer", Qwen3) split into
+ * the thinking (message.reasoning_content) and the answer (content). An
+ * answer that does not start with <think> (after whitespace) is all answer;
+ * thinking that never closes is all thinking. Whitespace around the
+ * thinking and before the answer belongs to neither. */
+typedef enum rk_think_state {
+    RK_THINK_START = 0, /* nothing decided yet */
+    RK_THINK_OPENED,    /* after <think> */
+    RK_THINK_IN,        /* in the thinking */
+    RK_THINK_AFTER,     /* after </think> */
+    RK_THINK_ANSWER,    /* in the answer */
+} rk_think_state;
+
+typedef struct rk_think_split {
+    rk_think_state state;
+    rk_strbuf pending; /* text not yet known to be thinking or answer */
+} rk_think_split;
+
+/* Feed the next n bytes of the answer; append to reasoning and content what
+ * is now decided (final: the answer is over, decide the rest). The pieces
+ * of a stream add up to what the whole text gives at once. Release with
+ * rk_strbuf_free(&s->pending). */
+void rk_think_feed(rk_think_split *s, const char *text, size_t n, int final, rk_strbuf *reasoning,
+                   rk_strbuf *content);
+
+/* The same for a whole answer. */
+void rk_think_split_text(const char *text, rk_strbuf *reasoning, rk_strbuf *content);
+
 #endif

@@ -117,6 +117,12 @@ typedef struct gen {
     int fd;        /* the connection's socket (watched for a client gone), -1 if not found,
                     * -2 not looked for yet */
     int index;     /* its choice's index (n > 1, a batch of prompts) */
+    /* A thinking model's answer: its <think> block goes to reasoning_content
+     * (think splits the stream; reasoning: the whole thinking of an answer
+     * held back for tool calls). */
+    int thinking;
+    rk_think_split think;
+    char *reasoning;
 } gen;
 
 static int write_all(gen *g, const char *s, size_t n) {
@@ -187,7 +193,16 @@ static json_t *chunk_event(gen *g, const char *text, const char *fr) {
     if (chat) {
         json_t *delta = json_object();
         if (!g->events) json_object_set_new(delta, "role", json_string("assistant"));
-        if (!fr) json_object_set_new(delta, "content", json_string(text));
+        if (!fr && g->thinking) {
+            rk_strbuf r = {0}, c = {0};
+            rk_think_feed(&g->think, text, strlen(text), g->text_done, &r, &c);
+            if (r.len) json_object_set_new(delta, "reasoning_content", json_string(r.s));
+            if (c.len || !r.len) json_object_set_new(delta, "content", json_string(c.s ? c.s : ""));
+            rk_strbuf_free(&r);
+            rk_strbuf_free(&c);
+        } else if (!fr) {
+            json_object_set_new(delta, "content", json_string(text));
+        }
         choice = json_pack("{s:i, s:o, s:o, s:o}", "index", g->index, "delta", delta, "logprobs",
                            lp, "finish_reason", fr ? json_string(fr) : json_null());
     } else {
@@ -203,6 +218,23 @@ static json_t *chunk_event(gen *g, const char *text, const char *fr) {
     return ev;
 }
 
+/* With tool calls, the thinking held back with the answer, as one event
+ * (NULL, which sse_event skips, when there was none). */
+static json_t *reasoning_event(gen *g) {
+    if (!g->reasoning || !*g->reasoning) return NULL;
+    json_t *ev = object_head(g, "chat.completion.chunk");
+    json_t *delta = json_pack("{s:s}", "reasoning_content", g->reasoning);
+    if (!g->events) json_object_set_new(delta, "role", json_string("assistant"));
+    g->events++;
+    if (ev && delta)
+        json_object_set_new(ev, "choices",
+                            json_pack("[{s:i, s:o, s:n, s:n}]", "index", g->index, "delta", delta,
+                                      "logprobs", "finish_reason"));
+    else
+        json_decref(delta);
+    return ev;
+}
+
 static const char *finish_reason(gen *g) {
     if (g->tool_calls) return "tool_calls";
     if (g->text.stop_at >= 0) return "stop";
@@ -215,6 +247,12 @@ static json_t *final_object(gen *g, const char *text) {
     const rk_tokenizer *tok = rk_model_tokenizer(g->svc->model);
     const char *fr = finish_reason(g);
     json_t *lp = rk_report_logprobs(tok, r, 0, r->n_out, g->api.chat);
+    rk_strbuf think = {0}, answer = {0};
+    if (g->thinking && !g->tool_calls) { /* (with calls, the answer was split before) */
+        rk_think_split_text(text, &think, &answer);
+        text = answer.s ? answer.s : "";
+    }
+    const char *reasoning = g->tool_calls ? g->reasoning : think.s;
     json_t *choice;
     if (g->api.chat && g->tool_calls) /* content: the text before the calls, or null */
         choice = json_pack(
@@ -227,6 +265,11 @@ static json_t *final_object(gen *g, const char *text) {
                                          "logprobs", lp, "finish_reason", fr)
                              : json_pack("{s:i, s:s, s:o, s:s}", "index", g->index, "text", text,
                                          "logprobs", lp, "finish_reason", fr);
+    if (choice && reasoning && *reasoning)
+        json_object_set_new(json_object_get(choice, "message"), "reasoning_content",
+                            json_string(reasoning));
+    rk_strbuf_free(&think);
+    rk_strbuf_free(&answer);
     json_t *o = object_head(g, g->api.chat ? "chat.completion" : "text_completion");
     if (!o || !choice || json_object_set_new(o, "choices", json_pack("[o]", choice)) ||
         json_object_set_new(o, "usage", rk_report_usage(r)) ||
@@ -367,6 +410,14 @@ static void respond_generation(gen *g) {
     char *all = NULL; /* with tools: the whole answer, parsed for calls before it is logged */
     if (g->tools_active) {
         all = gt_take(&g->text, 1);
+        if (g->thinking && all) { /* calls are looked for in the answer, after the thinking */
+            rk_strbuf think = {0}, answer = {0};
+            rk_think_split_text(all, &think, &answer);
+            g->reasoning = rk_strbuf_take(&think);
+            free(all);
+            all = answer.s ? rk_strbuf_take(&answer) : rk_strdup("");
+            g->thinking = 0; /* what is sent from here on is the answer */
+        }
         g->tool_calls =
             rk_chat_tool_calls(rc->S->tmpl, &g->api, all ? all : "", g->id, &g->tool_content);
     }
@@ -387,6 +438,7 @@ static void respond_generation(gen *g) {
             /* The text before the calls (with the role), then the calls whole
              * (one fragment each, with their index), then the end. */
             sse_start(g);
+            sse_event(g, reasoning_event(g));
             sse_event(g, chunk_event(g, g->tool_content, NULL));
             json_t *frag = json_array();
             for (size_t k = 0; frag && k < json_array_size(g->tool_calls); k++) {
@@ -409,8 +461,9 @@ static void respond_generation(gen *g) {
             write_all(g, "data: [DONE]\n\n", 14);
             return;
         }
-        if (all && g->api.stream && *all) { /* no call: the text as usual */
+        if (all && g->api.stream && (*all || g->reasoning)) { /* no call: the text as usual */
             sse_start(g);
+            sse_event(g, reasoning_event(g));
             sse_event(g, chunk_event(g, all, NULL));
         } else if (!g->api.stream) {
             json_t *obj = final_object(g, all ? all : "");
@@ -529,6 +582,14 @@ static void prep_generation(void *arg) {
                            sp->logit_bias[i].token, n_vocab - 1);
             return;
         }
+    /* A thinking model thinks unless asked not to; a grammar, a schema or a
+     * required tool call constrains the answer from its first token, so
+     * there it answers without thinking. */
+    if (p->chat && S->thinks) {
+        int constrained = g->api.grammar || g->api.tool_choice >= RK_TOOLS_REQUIRED;
+        g->api.no_thinking = g->api.enable_thinking == 0 || constrained;
+        g->thinking = !g->api.no_thinking;
+    }
     if (p->chat && rk_chat_render(S->tmpl, &g->api, S->o.cfg.max_chunks, err)) return;
     if (!g->api.seed_given) g->api.opt.sampling.seed = rk_gw_random(S);
     /* The caller's tenant owns what the request caches, under its salt (and
@@ -588,6 +649,8 @@ static gen *make_choice(gen *g0, int c, int per_prompt, rk_http_error *err) {
     g->job = NULL;
     g->index = c;
     g->events = g->text_done = g->lp_sent = 0;
+    g->think = (rk_think_split){0};
+    g->reasoning = NULL;
     g->fd = -1; /* choice 0 watches the connection */
     g->text = (gen_text){.tok = g0->text.tok,
                          .stop_at = -1,
@@ -812,6 +875,8 @@ static void handle_choices(gen *g0, double deadline) {
             free(g->job);
         }
         rk_strbuf_free(&g->text.raw);
+        rk_strbuf_free(&g->think.pending);
+        free(g->reasoning);
         free(g->text.tok_end);
         free(g);
     }
@@ -890,6 +955,8 @@ done:
         free(g.job);
     }
     rk_strbuf_free(&g.text.raw);
+    rk_strbuf_free(&g.think.pending);
+    free(g.reasoning);
     json_decref(g.tool_calls);
     free(g.tool_content);
     free(g.text.tok_end);

@@ -40,6 +40,7 @@ struct rk_server {
     int have_info;
     char model_name[256];
     rk_chat_template tmpl;
+    int thinks; /* answers start with a <think> block split off as reasoning_content */
     /* Open connections per client address (max_connections_per_ip). */
     struct rk_gw_conn_table *conns;
     int conns_per_ip;                /* resolved; 0: no limit */

@@ -145,6 +145,13 @@ static int refuse_unsupported(json_t *root, rk_http_error *err) {
         }
         if (!ok) return rk_http_errorf(err, 400, "'modalities' must be [\"text\"]"), 1;
     }
+    v = json_object_get(root, "chat_template_kwargs");
+    json_t *think = json_object_get(v, "enable_thinking");
+    if (v && !json_is_null(v) && (!json_is_object(v) || (think && !json_is_boolean(think))))
+        return rk_http_errorf(err, 400,
+                              "'chat_template_kwargs' must be an object; its 'enable_thinking' "
+                              "true or false"),
+               1;
     v = json_object_get(root, "parallel_tool_calls");
     if (v && !json_is_null(v) && !json_is_boolean(v))
         return rk_http_errorf(err, 400, "'parallel_tool_calls' must be true or false"), 1;
@@ -831,6 +838,9 @@ rk_status rk_api_parse(const char *body, size_t len, int chat, const rk_parse_li
     if (!root) return RK_ERR_INVALID;
     int failed = parse_common(root, lim, out, err) ||
                  (chat ? parse_chat(root, lim, out, err) : parse_completion(root, lim, out, err));
+    json_t *think =
+        json_object_get(json_object_get(root, "chat_template_kwargs"), "enable_thinking");
+    out->enable_thinking = json_is_boolean(think) ? json_is_true(think) : -1;
     json_decref(root);
     if (failed) {
         rk_api_request_free(out);

@@ -671,6 +671,7 @@ void rk_server_options_default(rk_server_options *o) {
     o->grace_s = 5;
     o->request_timeout_s = 10;
     o->header_timeout_s = 5;
+    o->reasoning = -1;
 }
 
 /* Wait until no request is being handled, for at most seconds. */

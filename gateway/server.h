@@ -65,6 +65,10 @@ typedef struct rk_server_options {
      * requests may give; "" = the model's own name. */
     char served_model_name[512];
     int model_name_strict; /* 1: another `model` is 404; 0: answered as the served one */
+    /* A thinking model's <think> block in message.reasoning_content: 1 on,
+     * 0 off (left in content), -1 auto (when the vocabulary has <think> and
+     * </think> and the template is ChatML). */
+    int reasoning;
     char cors_origin[256]; /* "" = no CORS headers; "*" or one origin */
     double load_delay_s;   /* testing aid: wait before loading the model */
     double token_delay_s;  /* testing aid: sleep after every generated token */

@@ -770,3 +770,69 @@ Test(chat, tool_calls_are_parsed_from_answers_of_either_family) {
     free(content);
     rk_api_request_free(&r);
 }
+
+/* ---------------------------------------------------------------- thinking */
+
+/* Split text whole, then fed in every two pieces and byte by byte: the same
+ * thinking and answer each time. */
+static void expect_think(const char *text, const char *want_r, const char *want_c) {
+    rk_strbuf r = {0}, c = {0};
+    rk_think_split_text(text, &r, &c);
+    cr_assert_str_eq(r.s ? r.s : "", want_r, "thinking of \"%s\"", text);
+    cr_assert_str_eq(c.s ? c.s : "", want_c, "answer of \"%s\"", text);
+    rk_strbuf_free(&r);
+    rk_strbuf_free(&c);
+    size_t n = strlen(text);
+    for (size_t cut = 0; cut <= n + 1; cut++) {
+        rk_think_split s = {0};
+        rk_strbuf r2 = {0}, c2 = {0};
+        if (cut <= n) { /* two pieces */
+            rk_think_feed(&s, text, cut, 0, &r2, &c2);
+            rk_think_feed(&s, text + cut, n - cut, 1, &r2, &c2);
+        } else { /* byte by byte */
+            for (size_t i = 0; i < n; i++) rk_think_feed(&s, text + i, 1, 0, &r2, &c2);
+            rk_think_feed(&s, "", 0, 1, &r2, &c2);
+        }
+        cr_assert_str_eq(r2.s ? r2.s : "", want_r, "\"%s\" cut at %zu: thinking", text, cut);
+        cr_assert_str_eq(c2.s ? c2.s : "", want_c, "\"%s\" cut at %zu: answer", text, cut);
+        rk_strbuf_free(&r2);
+        rk_strbuf_free(&c2);
+        rk_strbuf_free(&s.pending);
+    }
+}
+
+Test(chat, thinking_is_split_from_the_answer_however_the_text_arrives) {
+    expect_think("<think>\nLet me see.\nIt is 4.\n</think>\n\nThe answer is 4.",
+                 "Let me see.\nIt is 4.", "The answer is 4.");
+    expect_think("The answer is 4.", "", "The answer is 4.");
+    expect_think("  <think>a b</think>c", "a b", "c");
+    expect_think("<think>\n\n</think>\n\nHi", "", "Hi");
+    expect_think("<think>never closes ", "never closes", "");
+    expect_think("<thi", "", "<thi");
+    expect_think("<think>x </thinking> y</think> z </think>", "x </thinking> y", "z </think>");
+    expect_think("", "", "");
+    expect_think("Say <think> later", "", "Say <think> later");
+}
+
+/* Qwen3's template: a request that turns thinking off gets an empty
+ * thinking block after the assistant's opening; an earlier answer's thinking
+ * is dropped from the history. */
+Test(chat, chatml_without_thinking_opens_the_answer_after_an_empty_thinking_block) {
+    json_t *msgs = json_array();
+    add_msg(msgs, "user", "Q1");
+    add_msg(msgs, "assistant", "<think>\nhmm\n</think>\n\nA1");
+    add_msg(msgs, "user", "Q2");
+    rk_api_request r;
+    render_ok(RK_CHAT_CHATML, msgs, NULL, &r);
+    cr_assert_str_eq(r.pieces.question.s, "Q1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n<|"
+                                          "im_start|>user\nQ2<|im_end|>\n<|im_start|>assistant\n");
+    cr_assert_eq(r.enable_thinking, -1);
+    rk_http_error err = {0};
+    r.no_thinking = 1;
+    cr_assert_eq(rk_chat_render(RK_CHAT_CHATML, &r, 8, &err), RK_OK, "%s", err.message);
+    const char *q = r.pieces.question.s;
+    const char *tail = "<|im_start|>assistant\n<think>\n\n</think>\n\n";
+    cr_assert(strlen(q) > strlen(tail) && !strcmp(q + strlen(q) - strlen(tail), tail), "%s", q);
+    rk_api_request_free(&r);
+    json_decref(msgs);
+}

@@ -317,6 +317,70 @@ Test(openai_opts, a_token_id_prompt_answers_as_its_text_does_with_bos_only_where
     free(model);
 }
 
+/* The delta field of every event of a chat stream, concatenated; each
+ * event has a first choice. */
+static void stream_field(const char *body, const char *field, char *out, size_t cap) {
+    out[0] = '\0';
+    for (const char *p = strstr(body, "data: {"); p; p = strstr(p + 1, "data: {")) {
+        const char *end = strstr(p, "\n\n");
+        char *ev = strndup(p + 6, end ? (size_t)(end - p - 6) : strlen(p + 6));
+        json_t *j = json_loads(ev, 0, NULL);
+        cr_assert_not_null(j, "%s", ev);
+        cr_assert(json_is_object(json_array_get(json_object_get(j, "choices"), 0)), "%s", ev);
+        const char *v = json_string_value(json_object_get(
+            json_object_get(json_array_get(json_object_get(j, "choices"), 0), "delta"), field));
+        if (v) strncat(out, v, cap - strlen(out) - 1);
+        json_decref(j);
+        free(ev);
+    }
+}
+
+/* Qwen3 thinks in a <think> block: it goes to reasoning_content, whole and
+ * streamed, never to content (the first tokens forced to <think> by
+ * logit_bias); enable_thinking false renders an empty block instead, and
+ * --reasoning off leaves the block in content. */
+Test(openai_opts, a_thinking_models_think_block_is_reasoning_content_not_content) {
+    char *model = rk_test_model("qwen3-tiny", "f32", 1);
+    const char *args[] = {"--model", model, NULL};
+    start_with(args);
+    const char *body = "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
+                       "\"max_tokens\": 3, \"temperature\": 0, \"ignore_eos\": true, "
+                       "\"logit_bias\": {\"151667\": 100}%s}";
+    resp r = rk_test_postf(&S.t, "/v1/chat/completions", body, "");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_str_eq(rk_test_jstr(r.json, "choices.0.message.reasoning_content"), "<think><think>",
+                     "%s", r.http.body);
+    cr_assert_str_eq(rk_test_jstr(r.json, "choices.0.message.content"), "");
+    resp st = rk_test_postf(&S.t, "/v1/chat/completions", body, ", \"stream\": true");
+    char reasoning[256], content[256];
+    stream_field(st.http.body, "reasoning_content", reasoning, sizeof reasoning);
+    stream_field(st.http.body, "content", content, sizeof content);
+    cr_assert_str_eq(reasoning, "<think><think>", "%s", st.http.body);
+    cr_assert_str_eq(content, "", "%s", st.http.body);
+    /* Thinking off: the prompt ends with an empty block, 4 tokens more. */
+    resp off = rk_test_postf(&S.t, "/v1/chat/completions", body,
+                             ", \"chat_template_kwargs\": {\"enable_thinking\": false}");
+    cr_assert_eq(off.http.status, 200, "%s", off.http.body);
+    cr_assert_eq(rk_test_jint(off.json, "usage.prompt_tokens"),
+                 rk_test_jint(r.json, "usage.prompt_tokens") + 4, "%s", off.http.body);
+    resp bad = rk_test_postf(&S.t, "/v1/chat/completions", body,
+                             ", \"chat_template_kwargs\": {\"enable_thinking\": 1}");
+    cr_assert_eq(bad.http.status, 400, "%s", bad.http.body);
+    rk_test_resp_free(&r);
+    rk_test_resp_free(&st);
+    rk_test_resp_free(&off);
+    rk_test_resp_free(&bad);
+    stop_server();
+    const char *args_off[] = {"--model", model, "--reasoning", "off", NULL};
+    start_with(args_off);
+    r = rk_test_postf(&S.t, "/v1/chat/completions", body, "");
+    cr_assert_str_eq(rk_test_jstr(r.json, "choices.0.message.content"), "<think><think><think>",
+                     "%s", r.http.body);
+    cr_assert_null(rk_test_jget(r.json, "choices.0.message.reasoning_content"));
+    rk_test_resp_free(&r);
+    free(model);
+}
+
 /* A max_tokens over the server's largest that no prompt fits beside is over
  * the context: 400 context_length_exceeded, as OpenAI answers, not the 422
  * of a server limit (OpenAI's SDKs raise BadRequestError for it). */
