@@ -31,6 +31,9 @@ typedef struct preset {
     int tied, qkv_bias, qk_norm;
     vocab_kind vocab;
     int pooling; /* <arch>.pooling_type written when > 0 (1 mean, 2 cls, 3 last); 0: no key */
+    /* Mixture of experts (0 experts: a dense FFN): experts per layer, used per
+     * token, and each expert's FFN width */
+    int n_expert, n_expert_used, ffn_exp;
 } preset;
 
 #define QWEN3_N_VOCAB 151936
@@ -52,20 +55,34 @@ static const rk_mkmodel_preset_info k_infos[] = {
                  "12288, untied, Qwen3 vocabulary (~8.2 B parameters, 33 GB in F32)"},
     {"qwen3-embedding-tiny", "qwen3-tiny's shapes and Qwen3 vocabulary with pooling_type 3 "
                              "(last token), as Qwen3-Embedding files have: an embedding model"},
+    {"qwen3moe-tiny", "qwen3moe (mixture of experts), 2 layers, dim 128, 4 heads / 2 KV, head 32, "
+                      "8 experts of FFN 64, 2 used per token, tied, Qwen3 vocabulary"},
+    {"qwen3moe-a3b-12l", "qwen3moe, Qwen3-30B-A3B's layer shapes: dim 2048, 32 heads / 4 KV, head "
+                         "128, 128 experts of FFN 768, 8 used, untied, Qwen3 vocabulary, 12 of its "
+                         "48 layers (~7.9 B parameters, 4.6 GB at q4_k_m)"},
 };
 
 static const preset k_presets[] = {
-    /* tiny */ {"llama", 4, 128, 4, 2, 32, 384, 4096, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY, 0},
+    /* tiny */ {"llama", 4, 128, 4, 2, 32, 384, 4096, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY, 0, 0, 0,
+                0},
     /* qwen3-0.6b */
-    {"qwen3", 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 0},
-    /* qwen3-tiny */ {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 0},
-    /* qwen2-tiny */ {"qwen2", 2, 128, 4, 2, 32, 256, 32768, 1e6f, 1e-6f, 1, 1, 0, VOCAB_QWEN3, 0},
+    {"qwen3", 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 0, 0, 0, 0},
+    /* qwen3-tiny */
+    {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 0, 0, 0, 0},
+    /* qwen2-tiny */
+    {"qwen2", 2, 128, 4, 2, 32, 256, 32768, 1e6f, 1e-6f, 1, 1, 0, VOCAB_QWEN3, 0, 0, 0, 0},
     /* llama-1b */
-    {"llama", 22, 2048, 32, 4, 64, 5632, 2048, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY_32000, 0},
+    {"llama", 22, 2048, 32, 4, 64, 5632, 2048, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY_32000, 0, 0, 0,
+     0},
     /* qwen3-8b */
-    {"qwen3", 36, 4096, 32, 8, 128, 12288, 40960, 1e6f, 1e-6f, 0, 0, 1, VOCAB_QWEN3, 0},
+    {"qwen3", 36, 4096, 32, 8, 128, 12288, 40960, 1e6f, 1e-6f, 0, 0, 1, VOCAB_QWEN3, 0, 0, 0, 0},
     /* qwen3-embedding-tiny */
-    {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 3},
+    {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 3, 0, 0, 0},
+    /* qwen3moe-tiny */
+    {"qwen3moe", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 0, 8, 2, 64},
+    /* qwen3moe-a3b-12l */
+    {"qwen3moe", 12, 2048, 32, 4, 128, 6144, 40960, 1e6f, 1e-6f, 0, 0, 1, VOCAB_QWEN3, 0, 128, 8,
+     768},
 };
 
 #define N_PRESETS (sizeof k_presets / sizeof k_presets[0])
@@ -236,7 +253,7 @@ typedef struct mk_tensor {
     init_kind kind;
     rk_ggml_type type;
     uint32_t n_dims;
-    int64_t ne[2];
+    int64_t ne[3]; /* ne[2]: experts of a stacked expert tensor, else 1 */
 } mk_tensor;
 
 typedef struct mk_fill_ctx {
@@ -287,7 +304,7 @@ static void xo_seed(xoshiro *r, uint64_t seed, const char *name) {
 static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
     const mk_fill_ctx *fc = ctx;
     const mk_tensor *t = &fc->tensors[index];
-    size_t n = (size_t)t->ne[0] * (size_t)(t->n_dims > 1 ? t->ne[1] : 1);
+    size_t n = (size_t)t->ne[0] * (size_t)t->ne[1] * (size_t)t->ne[2];
     rk_dtype dt = mk_dtype(t->type);
     if (rk_dtype_row_bytes(dt, n) != n_bytes)
         return rk_errorf(RK_ERR_INTERNAL, "mkmodel: tensor %s: %zu bytes requested, %zu expected",
@@ -338,9 +355,10 @@ static void mk_model_free(mk_model *m) {
     memset(m, 0, sizeof *m);
 }
 
-/* Declare a tensor to the writer and remember how to fill it. */
-static rk_status mk_add(mk_model *m, init_kind kind, rk_ggml_type type, int64_t ne0, int64_t ne1,
-                        const char *fmt, int layer) {
+/* Declare a tensor to the writer and remember how to fill it: 1-D when ne1
+ * is 0, 3-D (a stack of ne2 matrices) when ne2 > 1. */
+static rk_status mk_add3(mk_model *m, init_kind kind, rk_ggml_type type, int64_t ne0, int64_t ne1,
+                         int64_t ne2, const char *fmt, int layer) {
     if (m->n_tensors == m->cap) {
         int64_t cap = m->cap ? m->cap * 2 : 64;
         mk_tensor *p = realloc(m->tensors, (size_t)cap * sizeof *p);
@@ -353,13 +371,19 @@ static rk_status mk_add(mk_model *m, init_kind kind, rk_ggml_type type, int64_t 
     snprintf(t->name, sizeof t->name, fmt, layer);
     t->kind = kind;
     t->type = ne1 ? type : RK_GGML_F32; /* 1-D tensors stay F32 */
-    t->n_dims = ne1 ? 2 : 1;
+    t->n_dims = ne2 > 1 ? 3 : ne1 ? 2 : 1;
     t->ne[0] = ne0;
     t->ne[1] = ne1 ? ne1 : 1;
+    t->ne[2] = ne2 > 1 ? ne2 : 1;
     rk_status st = rk_gguf_writer_add_tensor(m->w, t->name, t->type, t->n_dims, t->ne);
     if (st) return st;
     m->n_tensors++;
     return RK_OK;
+}
+
+static rk_status mk_add(mk_model *m, init_kind kind, rk_ggml_type type, int64_t ne0, int64_t ne1,
+                        const char *fmt, int layer) {
+    return mk_add3(m, kind, type, ne0, ne1, 1, fmt, layer);
 }
 
 static rk_status mk_set_arch_u32(rk_gguf_writer *w, const char *arch, const char *suffix,
@@ -404,6 +428,11 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
         (st = mk_set_arch_f32(w, a, "rope.freq_base", p->theta)) ||
         (st = mk_set_arch_u32(w, a, "rope.dimension_count", (uint32_t)p->head_dim)) ||
         (p->pooling > 0 && (st = mk_set_arch_u32(w, a, "pooling_type", (uint32_t)p->pooling))))
+        return st;
+    if (p->n_expert > 0 &&
+        ((st = mk_set_arch_u32(w, a, "expert_count", (uint32_t)p->n_expert)) ||
+         (st = mk_set_arch_u32(w, a, "expert_used_count", (uint32_t)p->n_expert_used)) ||
+         (st = mk_set_arch_u32(w, a, "expert_feed_forward_length", (uint32_t)p->ffn_exp))))
         return st;
 
     if ((st = rk_gguf_writer_set_str(w, "tokenizer.ggml.model", mv->v.model))) return st;
@@ -537,8 +566,25 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
              (st = mk_add(m, INIT_NORM, wt, p->head_dim, 0, "blk.%d.attn_k_norm.weight", l))))
             return st;
         if ((st = mk_add(m, INIT_MATRIX, t_q, q_dim, dim, "blk.%d.attn_output.weight", l)) ||
-            (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.ffn_norm.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_gate.weight", l)) ||
+            (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.ffn_norm.weight", l)))
+            return st;
+        if (p->n_expert > 0) {
+            /* The router stays F32, as the reference converter and quantizer keep it. */
+            const int64_t ne = p->n_expert, fe = p->ffn_exp;
+            const rk_ggml_type t_exp = mk_matrix_type(p, wt, dim, ROLE_OTHER, l);
+            const rk_ggml_type t_down = mk_matrix_type(p, wt, fe, ROLE_FFN_DOWN, l);
+            if ((st = mk_add(m, INIT_MATRIX, RK_GGML_F32, dim, ne, "blk.%d.ffn_gate_inp.weight",
+                             l)) ||
+                (st = mk_add3(m, INIT_MATRIX, t_exp, dim, fe, ne, "blk.%d.ffn_gate_exps.weight",
+                              l)) ||
+                (st =
+                     mk_add3(m, INIT_MATRIX, t_exp, dim, fe, ne, "blk.%d.ffn_up_exps.weight", l)) ||
+                (st = mk_add3(m, INIT_MATRIX, t_down, fe, dim, ne, "blk.%d.ffn_down_exps.weight",
+                              l)))
+                return st;
+            continue;
+        }
+        if ((st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_gate.weight", l)) ||
             (st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_up.weight", l)) ||
             (st = mk_add(m, INIT_MATRIX, t_ffn, ffn, dim, "blk.%d.ffn_down.weight", l)))
             return st;
@@ -614,6 +660,9 @@ rk_status rk_mkmodel_preset_hparams(const char *preset_name, rk_mkmodel_hparams 
     out->tied_embeddings = p->tied;
     out->qkv_bias = p->qkv_bias;
     out->qk_norm = p->qk_norm;
+    out->n_expert = p->n_expert;
+    out->n_expert_used = p->n_expert_used;
+    out->ffn_exp = p->ffn_exp;
     if (p->vocab == VOCAB_QWEN3) {
         out->n_vocab = QWEN3_N_VOCAB;
     } else if (p->vocab == VOCAB_TINY_32000) {

@@ -8,7 +8,7 @@
  * memory at start-up.
  *
  * Metadata written (what the model loader reads), <arch> = general.architecture:
- *   general.architecture                    string  "llama" | "qwen2" | "qwen3"
+ *   general.architecture                    string  "llama" | "qwen2" | "qwen3" | "qwen3moe"
  *   general.name                            string  "ragkv synthetic <preset>"
  *   general.file_type                       u32     llama.cpp's numbering: 0 = all F32,
  *                                                    1 = mostly F16, 32 = mostly BF16,
@@ -31,6 +31,9 @@
  *                                                    llama pairs adjacent dims, qwen2/qwen3
  *                                                    use NeoX half-split pairs, as in llama.cpp)
  *   <arch>.pooling_type                     u32     embedding presets only: 3 = last token
+ *   <arch>.expert_count                     u32     qwen3moe: experts per layer
+ *   <arch>.expert_used_count                u32     qwen3moe: experts per token
+ *   <arch>.expert_feed_forward_length       u32     qwen3moe: each expert's FFN width
  *   tokenizer.ggml.model                    string  "llama" (tiny vocab) | "gpt2" (Qwen3 vocab)
  *   tokenizer.ggml.pre                      string  gpt2 only ("qwen2")
  *   tokenizer.ggml.tokens                   [string]
@@ -56,6 +59,10 @@
  *   blk.N.ffn_gate.weight      {dim, ffn}
  *   blk.N.ffn_up.weight        {dim, ffn}
  *   blk.N.ffn_down.weight      {ffn, dim}
+ *   blk.N.ffn_gate_inp.weight  {dim, n_expert}            qwen3moe, instead of the three
+ *   blk.N.ffn_gate_exps.weight {dim, ffn_exp, n_expert}   above: the router (always F32)
+ *   blk.N.ffn_up_exps.weight   {dim, ffn_exp, n_expert}   and the experts' matrices
+ *   blk.N.ffn_down_exps.weight {ffn_exp, dim, n_expert}   stacked, expert e at index e
  *   output_norm.weight         {dim}
  *   output.weight              {dim, n_vocab}             absent when embeddings are tied
  * 2-D tensors (matrices and the embedding) have the chosen weight type; 1-D
@@ -125,7 +132,7 @@ const rk_mkmodel_preset_info *rk_mkmodel_presets(size_t *out_n);
 
 /* The shape of a preset, as written to the metadata. */
 typedef struct rk_mkmodel_hparams {
-    const char *arch; /* "llama", "qwen2", "qwen3" */
+    const char *arch; /* "llama", "qwen2", "qwen3", "qwen3moe" */
     int n_layers;
     int dim;
     int n_heads;
@@ -139,6 +146,9 @@ typedef struct rk_mkmodel_hparams {
     int qkv_bias;        /* qwen2 */
     int qk_norm;         /* qwen3 */
     int n_vocab;         /* vocabulary rows (after padding) */
+    int n_expert;        /* qwen3moe: experts per layer; 0 for a dense FFN */
+    int n_expert_used;   /* experts per token */
+    int ffn_exp;         /* each expert's FFN width */
 } rk_mkmodel_hparams;
 
 /* Look up a preset's shape; RK_ERR_NOT_FOUND with a message listing the
