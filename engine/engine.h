@@ -66,6 +66,9 @@ typedef struct rk_hparams {
     rk_rope_params rope;
     rk_dtype wtype;     /* dtype of the attention/FFN matrices (of blk.0.attn_q) */
     rk_pooling pooling; /* <arch>.pooling_type; RK_POOLING_UNSET when absent */
+    /* Mixture of experts (desc->moe != RK_MOE_NONE), else 0: experts per
+     * layer, experts per token, each expert's FFN width */
+    int n_expert, n_expert_used, ffn_exp;
 } rk_hparams;
 
 typedef struct rk_model rk_model; /* opaque */

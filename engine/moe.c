@@ -17,7 +17,7 @@
 
 static rk_status check_params(const rk_moe_route_params *p) {
     if (!p || p->n_expert < 1 || p->n_used < 1 || p->n_used > p->n_expert ||
-        (p->gating != RK_MOE_GATING_SOFTMAX && p->gating != RK_MOE_GATING_SIGMOID))
+        (p->gating != RK_MOE_SOFTMAX && p->gating != RK_MOE_SIGMOID))
         return rk_errorf(RK_ERR_INVALID, "moe: bad routing parameters (%d of %d experts)",
                          p ? p->n_used : 0, p ? p->n_expert : 0);
     return RK_OK;
@@ -25,7 +25,7 @@ static rk_status check_params(const rk_moe_route_params *p) {
 
 /* probs(n) = the gating function of logits(n). */
 static void gate_probs(const float *logits, int n, rk_moe_gating g, float *probs) {
-    if (g == RK_MOE_GATING_SIGMOID) {
+    if (g == RK_MOE_SIGMOID) {
         for (int i = 0; i < n; i++) probs[i] = 1.0f / (1.0f + expf(-logits[i]));
         return;
     }
@@ -112,6 +112,7 @@ void rk_moe_scratch_free(rk_moe_scratch *s) {
     free(s->yg);
     free(s->hg);
     free(s->ug);
+    free(s->acc);
     memset(s, 0, sizeof *s);
 }
 
@@ -136,7 +137,9 @@ static rk_status scratch_reserve(rk_moe_scratch *s, int n, const rk_moe_layer *L
     t.yg = malloc(c * t.cap_dim * sizeof(float));
     t.hg = malloc(c * t.cap_ffn * sizeof(float));
     t.ug = malloc(c * t.cap_ffn * sizeof(float));
-    if (!t.logits || !t.ids || !t.w || !t.offs || !t.order || !t.xg || !t.yg || !t.hg || !t.ug) {
+    t.acc = malloc(c * t.cap_dim * sizeof(float));
+    if (!t.logits || !t.ids || !t.w || !t.offs || !t.order || !t.xg || !t.yg || !t.hg || !t.ug ||
+        !t.acc) {
         rk_moe_scratch_free(&t);
         return rk_errorf(RK_ERR_NOMEM, "moe: out of memory for %d tokens", n);
     }
@@ -163,7 +166,8 @@ rk_status rk_moe_ffn(rk_backend *be, const rk_moe_layer *L, const float *x, floa
         (st = rk_moe_route(s->logits, n, &L->route, s->ids, s->w)) ||
         (st = rk_moe_group(s->ids, n * k, ne, s->offs, s->order)))
         return st;
-    memset(y, 0, (size_t)n * dim * sizeof *y);
+    float *acc = s->acc;
+    memset(acc, 0, (size_t)n * dim * sizeof *acc);
     for (int e = 0; e < ne; e++) {
         int c = s->offs[e + 1] - s->offs[e];
         if (c == 0) continue; /* nobody chose it: its weights are not read */
@@ -179,10 +183,10 @@ rk_status rk_moe_ffn(rk_backend *be, const rk_moe_layer *L, const float *x, floa
         /* Experts are added in increasing id order for every token, so a
          * token's sum has the same order alone or in any batch. */
         for (int i = 0; i < c; i++) {
-            float wt = s->w[pairs[i]], *dst = y + (size_t)(pairs[i] / k) * dim;
+            float wt = s->w[pairs[i]], *dst = acc + (size_t)(pairs[i] / k) * dim;
             const float *src = s->yg + (size_t)i * dim;
             for (int d = 0; d < dim; d++) dst[d] += wt * src[d];
         }
     }
-    return RK_OK;
+    return ops->add(be, y, acc, (size_t)n * dim);
 }

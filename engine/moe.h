@@ -30,19 +30,15 @@
 #include <stdint.h>
 
 #include "config/config.h"
+#include "engine/arch.h"
 #include "kernels/kernels.h"
 
-typedef enum rk_moe_gating {
-    RK_MOE_GATING_SOFTMAX = 0, /* qwen3moe, qwen2moe, mixtral */
-    RK_MOE_GATING_SIGMOID = 1, /* deepseek-v3 style */
-} rk_moe_gating;
-
 typedef struct rk_moe_route_params {
-    int n_expert; /* experts to choose from, >= 1 */
-    int n_used;   /* experts per token, 1..n_expert */
-    rk_moe_gating gating;
-    int norm_topk; /* divide the n_used weights by their sum */
-    float w_scale; /* multiply the weights by it; 0 or 1: no scaling */
+    int n_expert;         /* experts to choose from, >= 1 */
+    int n_used;           /* experts per token, 1..n_expert */
+    rk_moe_gating gating; /* RK_MOE_SOFTMAX or RK_MOE_SIGMOID (arch.h) */
+    int norm_topk;        /* divide the n_used weights by their sum */
+    float w_scale;        /* multiply the weights by it; 0 or 1: no scaling */
 } rk_moe_route_params;
 
 /* Route n_tokens tokens: logits (n_tokens, n_expert) in, out_ids (n_tokens,
@@ -87,13 +83,15 @@ typedef struct rk_moe_scratch {
     int32_t *order; /* (cap * n_used) */
     float *xg, *yg; /* (cap, dim): the gathered rows of one expert, its outputs */
     float *hg, *ug; /* (cap, ffn_exp) */
+    float *acc;     /* (cap, dim): the weighted sums */
 } rk_moe_scratch;
 
 void rk_moe_scratch_free(rk_moe_scratch *s);
 
-/* y(n, dim) = the MoE FFN of x(n, dim) (host memory, y distinct from x) on
- * the host backend be. RK_ERR_NOMEM when scratch cannot be had, else the
- * backend ops' status. */
+/* y(n, dim) += the MoE FFN of x(n, dim) (host memory, y distinct from x) on
+ * the host backend be: the experts' weighted sum is formed first, then added
+ * to y (the residual stream). RK_ERR_NOMEM when scratch cannot be had, else
+ * the backend ops' status. */
 rk_status rk_moe_ffn(rk_backend *be, const rk_moe_layer *L, const float *x, float *y, int n,
                      rk_moe_scratch *s);
 

@@ -33,11 +33,11 @@ static void ref_route(const float *logits, const rk_moe_route_params *p, int *id
     double mx = -INFINITY, sum = 0;
     for (int e = 0; e < ne; e++) mx = logits[e] > mx ? logits[e] : mx;
     for (int e = 0; e < ne; e++) {
-        probs[e] = p->gating == RK_MOE_GATING_SIGMOID ? 1.0 / (1.0 + exp(-(double)logits[e]))
-                                                      : exp((double)logits[e] - mx);
+        probs[e] = p->gating == RK_MOE_SIGMOID ? 1.0 / (1.0 + exp(-(double)logits[e]))
+                                               : exp((double)logits[e] - mx);
         sum += probs[e];
     }
-    if (p->gating == RK_MOE_GATING_SOFTMAX)
+    if (p->gating == RK_MOE_SOFTMAX)
         for (int e = 0; e < ne; e++) probs[e] /= sum;
     for (int e = 0; e < ne; e++) order[e] = e;
     g_sort_vals = probs;
@@ -90,29 +90,29 @@ static void check_routing(rk_moe_route_params p, int n_tokens, int ties) {
 }
 
 Test(moe, softmax_top8_of_128_renormalised_matches_reference) {
-    check_routing((rk_moe_route_params){128, 8, RK_MOE_GATING_SOFTMAX, 1, 0.0f}, 200, 0);
+    check_routing((rk_moe_route_params){128, 8, RK_MOE_SOFTMAX, 1, 0.0f}, 200, 0);
 }
 
 Test(moe, softmax_top2_of_8_matches_reference_with_ties) {
-    check_routing((rk_moe_route_params){8, 2, RK_MOE_GATING_SOFTMAX, 1, 0.0f}, 500, 1);
+    check_routing((rk_moe_route_params){8, 2, RK_MOE_SOFTMAX, 1, 0.0f}, 500, 1);
 }
 
 Test(moe, ties_among_128_experts_keep_the_lower_id_first) {
-    check_routing((rk_moe_route_params){128, 8, RK_MOE_GATING_SOFTMAX, 1, 0.0f}, 200, 1);
+    check_routing((rk_moe_route_params){128, 8, RK_MOE_SOFTMAX, 1, 0.0f}, 200, 1);
 }
 
 Test(moe, softmax_without_renormalisation_keeps_the_probabilities) {
-    check_routing((rk_moe_route_params){64, 6, RK_MOE_GATING_SOFTMAX, 0, 0.0f}, 100, 0);
-    check_routing((rk_moe_route_params){64, 6, RK_MOE_GATING_SOFTMAX, 0, 0.0f}, 100, 1);
+    check_routing((rk_moe_route_params){64, 6, RK_MOE_SOFTMAX, 0, 0.0f}, 100, 0);
+    check_routing((rk_moe_route_params){64, 6, RK_MOE_SOFTMAX, 0, 0.0f}, 100, 1);
 }
 
 Test(moe, sigmoid_gating_with_scale_matches_reference) {
-    check_routing((rk_moe_route_params){32, 4, RK_MOE_GATING_SIGMOID, 1, 2.5f}, 100, 0);
-    check_routing((rk_moe_route_params){32, 4, RK_MOE_GATING_SIGMOID, 0, 2.5f}, 100, 1);
+    check_routing((rk_moe_route_params){32, 4, RK_MOE_SIGMOID, 1, 2.5f}, 100, 0);
+    check_routing((rk_moe_route_params){32, 4, RK_MOE_SIGMOID, 0, 2.5f}, 100, 1);
 }
 
 Test(moe, all_experts_used_is_a_full_sort) {
-    check_routing((rk_moe_route_params){16, 16, RK_MOE_GATING_SOFTMAX, 1, 0.0f}, 50, 1);
+    check_routing((rk_moe_route_params){16, 16, RK_MOE_SOFTMAX, 1, 0.0f}, 50, 1);
 }
 
 Test(moe, exact_tie_at_the_kth_place_picks_the_lower_id) {
@@ -120,7 +120,7 @@ Test(moe, exact_tie_at_the_kth_place_picks_the_lower_id) {
     float logits[8] = {0, 0, 1, 0, 0, 1, 0, 3};
     int32_t ids[2];
     float w[2];
-    rk_moe_route_params p = {8, 2, RK_MOE_GATING_SOFTMAX, 1, 0.0f};
+    rk_moe_route_params p = {8, 2, RK_MOE_SOFTMAX, 1, 0.0f};
     cr_assert_eq(rk_moe_route(logits, 1, &p, ids, w), RK_OK);
     cr_assert_eq(ids[0], 7);
     cr_assert_eq(ids[1], 2);
@@ -132,11 +132,11 @@ Test(moe, bad_parameters_are_refused) {
     float logits[4] = {0};
     int32_t ids[4] = {-7, -7, -7, -7};
     float w[4];
-    rk_moe_route_params p = {4, 5, RK_MOE_GATING_SOFTMAX, 1, 0.0f};
+    rk_moe_route_params p = {4, 5, RK_MOE_SOFTMAX, 1, 0.0f};
     cr_assert_eq(rk_moe_route(logits, 1, &p, ids, w), RK_ERR_INVALID);
     p.n_used = 0;
     cr_assert_eq(rk_moe_route(logits, 1, &p, ids, w), RK_ERR_INVALID);
-    p = (rk_moe_route_params){0, 0, RK_MOE_GATING_SOFTMAX, 1, 0.0f};
+    p = (rk_moe_route_params){0, 0, RK_MOE_SOFTMAX, 1, 0.0f};
     cr_assert_eq(rk_moe_route(logits, 1, &p, ids, w), RK_ERR_INVALID);
     cr_assert_eq(ids[0], -7, "nothing written on a refused call");
 }
@@ -199,13 +199,8 @@ static void ffn_case_init(ffn_case *c, int n_expert, int n_used, int dim, int ff
         c->mu[e] = (rk_moe_mat){(const char *)c->up + e * gb, NULL, t};
         c->md[e] = (rk_moe_mat){(const char *)c->down + e * db, NULL, t};
     }
-    c->L = (rk_moe_layer){{n_expert, n_used, RK_MOE_GATING_SOFTMAX, 1, 0.0f},
-                          dim,
-                          ffn,
-                          c->router,
-                          c->mg,
-                          c->mu,
-                          c->md};
+    c->L = (rk_moe_layer){
+        {n_expert, n_used, RK_MOE_SOFTMAX, 1, 0.0f}, dim, ffn, c->router, c->mg, c->mu, c->md};
 }
 
 static void ffn_case_free(ffn_case *c) {
@@ -259,7 +254,7 @@ static void check_ffn(ffn_case *c, int n, double tol) {
     rk_backend *be = NULL;
     cr_assert_eq(rk_backend_create("cpu", 2, &be), RK_OK, "%s", rk_error_message());
     float *x = rk_test_rand_floats(&rng, (size_t)n * c->dim, -1.0f, 1.0f);
-    float *y = malloc((size_t)n * c->dim * sizeof *y);
+    float *y = calloc((size_t)n * c->dim, sizeof *y);
     double *ry = malloc((size_t)c->dim * sizeof *ry);
     cr_assert(x && y && ry);
     rk_moe_scratch s = {0};
@@ -276,10 +271,12 @@ static void check_ffn(ffn_case *c, int n, double tol) {
     /* A token alone gets what it got in the batch (same routing, same sums). */
     float *y1 = malloc((size_t)c->dim * sizeof *y1);
     cr_assert(y1);
+    for (int d = 0; d < c->dim; d++) y1[d] = 1.0f; /* the output is added to y */
     int t = n / 2;
     cr_assert_eq(rk_moe_ffn(be, &c->L, x + (size_t)t * c->dim, y1, 1, &s), RK_OK);
     for (int d = 0; d < c->dim; d++)
-        cr_assert(fabsf(y1[d] - y[(size_t)t * c->dim + d]) <= 1e-5f * (float)fmax(1.0, fabs(y1[d])),
+        cr_assert(fabsf(y1[d] - 1.0f - y[(size_t)t * c->dim + d]) <=
+                      1e-5f * (float)fmax(1.0, fabs(y1[d])),
                   "token %d alone, dim %d: %.7g, in the batch %.7g", t, d, y1[d],
                   y[(size_t)t * c->dim + d]);
     free(y1);
@@ -331,7 +328,7 @@ Test(moe, ffn_never_reads_an_expert_no_token_chose) {
     cr_assert_eq(rk_backend_create("cpu", 2, &be), RK_OK);
     int n = 9;
     float *x = rk_test_rand_floats(&rng, (size_t)n * c.dim, 0.5f, 1.0f);
-    float *y = malloc((size_t)n * c.dim * sizeof *y);
+    float *y = calloc((size_t)n * c.dim, sizeof *y);
     cr_assert(x && y);
     rk_moe_scratch s = {0};
     cr_assert_eq(rk_moe_ffn(be, &c.L, x, y, n, &s), RK_OK, "%s", rk_error_message());
