@@ -89,11 +89,16 @@
  * and on rows that are not whole super-blocks their types fall back as the
  * reference's do: Q2_K, Q3_K, IQ4_XS to IQ4_NL, Q4_K to Q5_0, Q5_K to Q5_1,
  * Q6_K to Q8_0.
+ * In the qwen3moe presets the expert stacks take these rules as the dense
+ * matrices do (ffn_down_exps as ffn_down, ffn_gate_exps and ffn_up_exps as
+ * the other matrices), and the router ffn_gate_inp stays F32.
  *
  * Weights: tensor by tensor from xoshiro256** seeded with splitmix64(seed, tensor
  * name), uniform: matrices and the embedding with std 1/sqrt(in_dim) (so
  * activations stay near unit scale), norm weights 1 + U(-0.05, 0.05), biases
- * std 0.02. The f32 values depend only on the seed and the tensor, so every
+ * std 0.02 (an expert stack's experts are consecutive stretches of one
+ * tensor's stream, so each has its own values). The f32 values depend only
+ * on the seed and the tensor, so every
  * weight type gets the same numbers (before rounding), and the same options
  * always give the same bytes. */
 #ifndef RK_MKMODEL_H
