@@ -502,9 +502,10 @@ static rk_status apply_rope_freqs(rk_model *m) {
 
 /* One stacked expert tensor name {ne0, ne1, n_expert} as n_expert matrices
  * (ne1, ne0) at offsets of whole rows, each packed on its own where the
- * backend packs; out[e] for expert e. Counted in weight_bytes for the share
- * a token reads (n_expert_used of n_expert). */
-static rk_status load_stack(rk_model *m, const char *name, int rows, int cols, rk_moe_mat *out) {
+ * backend packs and pack is set; out[e] for expert e. Counted in
+ * weight_bytes for the share a token reads (n_expert_used of n_expert). */
+static rk_status load_stack(rk_model *m, const char *name, int rows, int cols, int pack,
+                            rk_moe_mat *out) {
     const rk_hparams *hp = &m->hp;
     const rk_gguf_tensor *t = rk_gguf_find_tensor(m->gguf, name);
     if (!t) return rk_errorf(RK_ERR_FORMAT, "model: tensor %s is missing", name);
@@ -520,7 +521,7 @@ static rk_status load_stack(rk_model *m, const char *name, int rows, int cols, r
     m->weight_bytes += t->n_bytes / (size_t)hp->n_expert * (size_t)hp->n_expert_used;
     size_t per = rk_dtype_row_bytes(dt, (size_t)cols) * (size_t)rows;
     const rk_backend_ops *ops = m->be->ops;
-    size_t packed = ops->packed_bytes ? ops->packed_bytes(m->be, dt, cols, rows) : 0;
+    size_t packed = pack && ops->packed_bytes ? ops->packed_bytes(m->be, dt, cols, rows) : 0;
     unsigned char *p = NULL;
     if (packed && (st = be_alloc(m, packed * (size_t)hp->n_expert, (void **)&p))) return st;
     for (int e = 0; e < hp->n_expert; e++) {
@@ -530,6 +531,57 @@ static rk_status load_stack(rk_model *m, const char *name, int rows, int cols, r
         if ((st = ops->pack(m->be, p + (size_t)e * packed, w, dt, cols, rows))) return st;
         out[e].packed = p + (size_t)e * packed;
     }
+    return RK_OK;
+}
+
+/* Each expert's gate and up packed as one matrix [gate; up] (2 ffn_exp,
+ * dim) where the backend packs their type, as fuse_mats does for a dense
+ * FFN: a decoded token's expert is then two matmuls, not three. Otherwise
+ * gate and up are packed (where the backend packs) on their own. */
+static rk_status fuse_experts(rk_model *m, rk_layer *L) {
+    const rk_hparams *hp = &m->hp;
+    const rk_backend_ops *ops = m->be->ops;
+    rk_moe_layer *M = &L->moe;
+    rk_dtype t = M->gate[0].type;
+    int rows = 2 * hp->ffn_exp;
+    size_t bytes =
+        t == M->up[0].type && ops->packed_bytes ? ops->packed_bytes(m->be, t, hp->dim, rows) : 0;
+    rk_status st = RK_OK;
+    if (bytes == 0) {
+        for (int e = 0; e < hp->n_expert && !st; e++) {
+            rk_moe_mat *mats[2] = {&M->gate[e], &M->up[e]};
+            for (int i = 0; i < 2 && !st; i++) {
+                rk_matrix w = {mats[i]->w, NULL, t, hp->ffn_exp, hp->dim};
+                if (!(st = pack_mat(m, &w))) mats[i]->packed = w.packed;
+            }
+        }
+        return st;
+    }
+    size_t half = rk_dtype_row_bytes(t, (size_t)hp->dim) * (size_t)hp->ffn_exp;
+    unsigned char *p, *stored = malloc(2 * half);
+    rk_moe_mat *gu = calloc((size_t)hp->n_expert, sizeof *gu);
+    if (!stored || !gu) {
+        free(stored);
+        free(gu);
+        return rk_errorf(RK_ERR_NOMEM, "model: out of memory fusing experts");
+    }
+    if ((st = track(&m->host_allocs, &m->n_host, &m->cap_host, gu))) {
+        free(stored);
+        free(gu);
+        return st;
+    }
+    st = be_alloc(m, bytes * (size_t)hp->n_expert, (void **)&p);
+    for (int e = 0; e < hp->n_expert && !st; e++) {
+        memcpy(stored, M->gate[e].w, half);
+        memcpy(stored + half, M->up[e].w, half);
+        gu[e] = (rk_moe_mat){NULL, p + (size_t)e * bytes, t};
+        st = ops->pack(m->be, p + (size_t)e * bytes, stored, t, hp->dim, rows);
+    }
+    free(stored);
+    if (st) return st;
+    M->gate_up = gu;
+    M->up_offset =
+        ops->packed_offset ? ops->packed_offset(m->be, t, hp->dim, hp->ffn_exp) : SIZE_MAX;
     return RK_OK;
 }
 
@@ -576,11 +628,11 @@ static rk_status load_experts(rk_model *m, int l, rk_layer *L) {
     snprintf(gate, sizeof gate, "blk.%d.ffn_gate_exps.weight", l);
     snprintf(up, sizeof up, "blk.%d.ffn_up_exps.weight", l);
     snprintf(down, sizeof down, "blk.%d.ffn_down_exps.weight", l);
-    if ((st = load_stack(m, gate, hp->ffn_exp, hp->dim, L->moe.gate)) ||
-        (st = load_stack(m, up, hp->ffn_exp, hp->dim, L->moe.up)) ||
-        (st = load_stack(m, down, hp->dim, hp->ffn_exp, L->moe.down)))
+    if ((st = load_stack(m, gate, hp->ffn_exp, hp->dim, 0, L->moe.gate)) ||
+        (st = load_stack(m, up, hp->ffn_exp, hp->dim, 0, L->moe.up)) ||
+        (st = load_stack(m, down, hp->dim, hp->ffn_exp, 1, L->moe.down)))
         return st;
-    return RK_OK;
+    return fuse_experts(m, L);
 }
 
 static rk_status load_weights(rk_model *m) {

@@ -113,6 +113,7 @@ void rk_moe_scratch_free(rk_moe_scratch *s) {
     free(s->hg);
     free(s->ug);
     free(s->acc);
+    free(s->gu);
     memset(s, 0, sizeof *s);
 }
 
@@ -138,8 +139,9 @@ static rk_status scratch_reserve(rk_moe_scratch *s, int n, const rk_moe_layer *L
     t.hg = malloc(c * t.cap_ffn * sizeof(float));
     t.ug = malloc(c * t.cap_ffn * sizeof(float));
     t.acc = malloc(c * t.cap_dim * sizeof(float));
+    t.gu = malloc(c * 2 * t.cap_ffn * sizeof(float));
     if (!t.logits || !t.ids || !t.w || !t.offs || !t.order || !t.xg || !t.yg || !t.hg || !t.ug ||
-        !t.acc) {
+        !t.acc || !t.gu) {
         rk_moe_scratch_free(&t);
         return rk_errorf(RK_ERR_NOMEM, "moe: out of memory for %d tokens", n);
     }
@@ -153,6 +155,34 @@ static rk_status mat_mul(rk_backend *be, float *y, const float *x, const rk_moe_
                          int cols, int rows) {
     if (mat->packed) return be->ops->matmul_packed(be, y, x, mat->packed, mat->type, n, cols, rows);
     return be->ops->matmul(be, y, x, mat->w, mat->type, n, cols, rows);
+}
+
+/* Rows of gathered tokens up to which a fused [gate; up] matrix is
+ * multiplied whole and its output split by copying; above, each half is
+ * multiplied on its own (as the dense FFN does). */
+#define MOE_FUSED_WHOLE_MAX_N 16
+
+/* hg(c, ffn), ug(c, ffn) = xg(c, dim) times expert e's gate and up. */
+static rk_status gate_up(rk_backend *be, const rk_moe_layer *L, int e, int c, rk_moe_scratch *s) {
+    int dim = L->dim, ffn = L->ffn_exp;
+    rk_status st;
+    if (!L->gate_up) {
+        if ((st = mat_mul(be, s->hg, s->xg, &L->gate[e], c, dim, ffn))) return st;
+        return mat_mul(be, s->ug, s->xg, &L->up[e], c, dim, ffn);
+    }
+    const rk_moe_mat *gu = &L->gate_up[e];
+    if (c > MOE_FUSED_WHOLE_MAX_N && L->up_offset != SIZE_MAX) {
+        const rk_moe_mat up = {NULL, (const char *)gu->packed + L->up_offset, gu->type};
+        if ((st = mat_mul(be, s->hg, s->xg, gu, c, dim, ffn))) return st;
+        return mat_mul(be, s->ug, s->xg, &up, c, dim, ffn);
+    }
+    if ((st = mat_mul(be, s->gu, s->xg, gu, c, dim, 2 * ffn))) return st;
+    for (int i = 0; i < c; i++) {
+        memcpy(s->hg + (size_t)i * ffn, s->gu + (size_t)i * 2 * ffn, (size_t)ffn * sizeof(float));
+        memcpy(s->ug + (size_t)i * ffn, s->gu + ((size_t)i * 2 + 1) * ffn,
+               (size_t)ffn * sizeof(float));
+    }
+    return RK_OK;
 }
 
 /* The MoE FFN; see moe.h. */
@@ -175,8 +205,7 @@ rk_status rk_moe_ffn(rk_backend *be, const rk_moe_layer *L, const float *x, floa
         for (int i = 0; i < c; i++)
             memcpy(s->xg + (size_t)i * dim, x + (size_t)(pairs[i] / k) * dim,
                    (size_t)dim * sizeof *x);
-        if ((st = mat_mul(be, s->hg, s->xg, &L->gate[e], c, dim, ffn)) ||
-            (st = mat_mul(be, s->ug, s->xg, &L->up[e], c, dim, ffn)) ||
+        if ((st = gate_up(be, L, e, c, s)) ||
             (st = ops->swiglu(be, s->hg, s->hg, s->ug, (size_t)c * ffn)) ||
             (st = mat_mul(be, s->yg, s->hg, &L->down[e], c, ffn, dim)))
             return st;

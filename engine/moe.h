@@ -70,6 +70,12 @@ typedef struct rk_moe_layer {
     rk_moe_mat *gate;    /* [n_expert] each (ffn_exp, dim) */
     rk_moe_mat *up;      /* [n_expert] each (ffn_exp, dim) */
     rk_moe_mat *down;    /* [n_expert] each (dim, ffn_exp) */
+    /* Optional (NULL: gate and up apart): [n_expert] each [gate; up]
+     * (2 ffn_exp, dim) as one packed matrix, which the FFN multiplies
+     * instead; up_offset is the backend's packed_offset of its row ffn_exp
+     * (SIZE_MAX: the parts cannot be multiplied apart). */
+    rk_moe_mat *gate_up;
+    size_t up_offset;
 } rk_moe_layer;
 
 /* Activation buffers of rk_moe_ffn, grown on demand; zero-initialise, free
@@ -84,6 +90,7 @@ typedef struct rk_moe_scratch {
     float *xg, *yg; /* (cap, dim): the gathered rows of one expert, its outputs */
     float *hg, *ug; /* (cap, ffn_exp) */
     float *acc;     /* (cap, dim): the weighted sums */
+    float *gu;      /* (cap, 2 ffn_exp): a fused gate/up output */
 } rk_moe_scratch;
 
 void rk_moe_scratch_free(rk_moe_scratch *s);
