@@ -101,7 +101,9 @@ const rk_gguf *rk_model_gguf(const rk_model *m);
 rk_backend *rk_model_backend(const rk_model *m);
 /* 32 lowercase hex digits identifying the weights and hyper-parameters. */
 const char *rk_model_fingerprint(const rk_model *m);
-/* Bytes of weights read per decoded token (every matrix once), for bandwidth figures. */
+/* Bytes of weights read per decoded token (every matrix once; of a
+ * mixture-of-experts layer the router and the expert_used_count /
+ * expert_count share of its experts), for bandwidth figures. */
 size_t rk_model_weight_bytes(const rk_model *m);
 
 /* One forward call. Sequence s of attn owns token rows attn.q_start[s] ..
