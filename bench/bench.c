@@ -321,19 +321,25 @@ static rk_status parse_urls(const char *list, double timeout_s, rk_http_target *
 }
 
 /* Wait while the server at t answers 503 (loading its model), up to the HTTP
- * timeout; anything but a final 200 from /health is an error. */
+ * timeout; anything but a final 200 from /ready is an error. A server
+ * without /ready (404: the reference engine) is asked /health instead. */
 static rk_status wait_ready(const rk_http_target *t, const char *url, double timeout_s) {
     int status = 0;
     double t_wait = rk_time_now();
     rk_status st;
+    const char *path = "/ready";
     for (;;) {
         char *body = NULL;
-        st = rk_http_request(t, "GET", "/health", NULL, 0, &status, &body);
+        st = rk_http_request(t, "GET", path, NULL, 0, &status, &body);
         free(body);
+        if (!st && status == 404 && !strcmp(path, "/ready")) {
+            path = "/health";
+            continue;
+        }
         if (st || status != 503 || rk_time_now() - t_wait > timeout_s) break;
         usleep(100000);
     }
-    if (!st && status != 200) st = rk_errorf(RK_ERR_IO, "%s/health answered %d", url, status);
+    if (!st && status != 200) st = rk_errorf(RK_ERR_IO, "%s%s answered %d", url, path, status);
     return st;
 }
 

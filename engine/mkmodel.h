@@ -30,7 +30,10 @@
  *   <arch>.rope.dimension_count             u32     head_dim (RoPE over the whole head;
  *                                                    llama pairs adjacent dims, qwen2/qwen3
  *                                                    use NeoX half-split pairs, as in llama.cpp)
- *   <arch>.pooling_type                     u32     embedding presets only: 3 = last token
+ *   <arch>.pooling_type                     u32     embedding presets: 3 = last token;
+ *                                                    reranker presets: 4 = rank
+ *   <arch>.classifier.output_labels         [string] reranker presets: ["yes", "no"]
+ *   tokenizer.chat_template.rerank          string  reranker presets: Qwen3-Reranker's prompt
  *   <arch>.expert_count                     u32     qwen3moe: experts per layer
  *   <arch>.expert_used_count                u32     qwen3moe: experts per token
  *   <arch>.expert_feed_forward_length       u32     qwen3moe: each expert's FFN width
@@ -65,6 +68,10 @@
  *   blk.N.ffn_down_exps.weight {ffn_exp, dim, n_expert}   stacked, expert e at index e
  *   output_norm.weight         {dim}
  *   output.weight              {dim, n_vocab}             absent when embeddings are tied
+ *   cls.output.weight          {dim, 2}                   reranker presets: the yes/no head,
+ *                                                         the output projection's rows of the
+ *                                                         tokens "yes" and "no" (as the reference
+ *                                                         converter writes Qwen3-Reranker)
  * 2-D tensors (matrices and the embedding) have the chosen weight type; 1-D
  * tensors (norm weights, biases) are always F32, as in llama.cpp's files.
  * The quantized weight types are mixes, like the files llama-quantize writes:

@@ -71,7 +71,7 @@ struct rk_model {
     void **host_allocs; /* host buffers (converted small tensors) */
     int n_host, cap_host;
     size_t weight_bytes;
-    int has_fused;        /* some layer has a fused matrix (fuse_mats) */
+    int has_fused;        /* some layer has a fused matrix (fuse_mats, or the file's) */
     rk_moe_scratch moe_s; /* the MoE FFN's buffers (host memory) */
     char fingerprint[33];
     rk_scratch s;
@@ -473,26 +473,41 @@ static rk_status read_hparams(rk_model *m) {
         hp->pooling = RK_POOLING_UNSET;
     } else if (st) {
         return st;
-    } else if (pooling > RK_POOLING_LAST) {
+    } else if (pooling > RK_POOLING_RANK) {
         return rk_errorf(RK_ERR_FORMAT,
-                         "model: %s = %u is not 0 (none), 1 (mean), 2 (cls) or 3 (last)", pkey,
-                         pooling);
+                         "model: %s = %u is not 0 (none), 1 (mean), 2 (cls), 3 (last) or 4 (rank)",
+                         pkey, pooling);
     } else {
         hp->pooling = (rk_pooling)pooling;
     }
     return read_rope(m);
 }
 
-/* llama 3 files carry precomputed per-frequency divisors in rope_freqs.weight. */
+/* Per-frequency divisors of the RoPE frequencies, where the file has them:
+ * llama 3 files in rope_freqs.weight; LongRoPE files (phi3) in
+ * rope_factors_short.weight and rope_factors_long.weight, the long ones for
+ * a context longer than the original one. ragkv serves up to the file's
+ * context_length, so a file whose context exceeds its original one computes
+ * with the long factors, as the reference engine does at that context. The
+ * rotation is also scaled by rope.scaling.attn_factor where present. */
 static rk_status apply_rope_freqs(rk_model *m) {
-    const rk_gguf_tensor *t = rk_gguf_find_tensor(m->gguf, "rope_freqs.weight");
+    const rk_hparams *hp = &m->hp;
+    const char *name = "rope_freqs.weight";
+    if (!rk_gguf_find_tensor(m->gguf, name))
+        name = hp->n_ctx > hp->rope.orig_ctx ? "rope_factors_long.weight"
+                                             : "rope_factors_short.weight";
+    float attn_factor;
+    rk_status st = get_f32_arch(m, "rope.scaling.attn_factor", 1.0f, &attn_factor);
+    if (st || (st = check_positive(m, "rope.scaling.attn_factor", attn_factor))) return st;
+    m->rope.mscale *= attn_factor;
+    const rk_gguf_tensor *t = rk_gguf_find_tensor(m->gguf, name);
     if (!t) return RK_OK;
     int n = m->rope.n_rot / 2;
     if (t->type != RK_GGML_F32 || t->ne[0] != n || t->ne[1] != 1)
-        return rk_errorf(RK_ERR_FORMAT, "model: rope_freqs.weight should be F32 {%d}", n);
+        return rk_errorf(RK_ERR_FORMAT, "model: %s should be F32 {%d}", name, n);
     const float *f = t->data;
     for (int i = 0; i < n; i++) {
-        if (!(f[i] > 0)) return rk_errorf(RK_ERR_FORMAT, "model: rope_freqs.weight[%d] <= 0", i);
+        if (!(f[i] > 0)) return rk_errorf(RK_ERR_FORMAT, "model: %s[%d] <= 0", name, i);
         m->rope.freq[i] /= f[i];
     }
     return RK_OK;
@@ -660,20 +675,38 @@ static rk_status load_weights(rk_model *m) {
         rk_layer *L = &m->layers[l];
         if ((st = load_vec(m, N("attn_norm.weight"), hp->dim, 0, &L->attn_norm)) ||
             (st = load_vec(m, N("ffn_norm.weight"), hp->dim, 0, &L->ffn_norm)) ||
-            (st = load_stored(m, N("attn_q.weight"), q_dim, hp->dim, &L->wq)) ||
-            (st = load_stored(m, N("attn_k.weight"), kv_dim, hp->dim, &L->wk)) ||
-            (st = load_stored(m, N("attn_v.weight"), kv_dim, hp->dim, &L->wv)) ||
             (st = load_mat(m, N("attn_output.weight"), hp->dim, q_dim, &L->wo)))
             return st;
-        rk_matrix *qkv[] = {&L->wq, &L->wk, &L->wv}, *gate_up[] = {&L->gate, &L->up};
-        if ((st = fuse_mats(m, qkv, 3, &L->qkv))) return st;
+        /* Q, K, V: one attn_qkv matrix where the family's files may hold one
+         * (they may also hold the three), else three, fused here where the
+         * backend packs them. */
+        if (hp->desc->fused_qkv && rk_gguf_find_tensor(m->gguf, N("attn_qkv.weight"))) {
+            if ((st = load_mat(m, name, q_dim + 2 * kv_dim, hp->dim, &L->qkv))) return st;
+            m->has_fused = 1;
+        } else {
+            rk_matrix *qkv[] = {&L->wq, &L->wk, &L->wv};
+            if ((st = load_stored(m, N("attn_q.weight"), q_dim, hp->dim, &L->wq)) ||
+                (st = load_stored(m, N("attn_k.weight"), kv_dim, hp->dim, &L->wk)) ||
+                (st = load_stored(m, N("attn_v.weight"), kv_dim, hp->dim, &L->wv)) ||
+                (st = fuse_mats(m, qkv, 3, &L->qkv)))
+                return st;
+        }
+        /* The FFN: experts (load_experts), or gate and up (ffn_up holds both,
+         * gate first, in fused families) and down. */
         if (hp->desc->moe) {
             if ((st = load_experts(m, l, L))) return st;
-        } else if ((st = load_stored(m, N("ffn_gate.weight"), hp->ffn_dim, hp->dim, &L->gate)) ||
-                   (st = load_stored(m, N("ffn_up.weight"), hp->ffn_dim, hp->dim, &L->up)) ||
-                   (st = load_mat(m, N("ffn_down.weight"), hp->dim, hp->ffn_dim, &L->down)) ||
-                   (st = fuse_mats(m, gate_up, 2, &L->gate_up))) {
+        } else if ((st = load_mat(m, N("ffn_down.weight"), hp->dim, hp->ffn_dim, &L->down))) {
             return st;
+        } else if (hp->desc->fused_gate_up) {
+            if ((st = load_mat(m, N("ffn_up.weight"), 2 * hp->ffn_dim, hp->dim, &L->gate_up)))
+                return st;
+            m->has_fused = 1;
+        } else {
+            rk_matrix *gate_up[] = {&L->gate, &L->up};
+            if ((st = load_stored(m, N("ffn_gate.weight"), hp->ffn_dim, hp->dim, &L->gate)) ||
+                (st = load_stored(m, N("ffn_up.weight"), hp->ffn_dim, hp->dim, &L->up)) ||
+                (st = fuse_mats(m, gate_up, 2, &L->gate_up)))
+                return st;
         }
         if (hp->desc->qk_norm &&
             ((st = load_vec(m, N("attn_q_norm.weight"), hp->head_dim, 0, &L->q_norm)) ||
@@ -696,12 +729,14 @@ static rk_status load_weights(rk_model *m) {
         m->weight_bytes += t->n_bytes;
         if ((st = pack_mat(m, &m->out))) return st;
     }
-    hp->wtype = m->layers[0].wq.type;
+    hp->wtype = m->layers[0].wq.rows ? m->layers[0].wq.type : m->layers[0].qkv.type;
     return RK_OK;
 }
 
-/* Fingerprint: XXH3-128 over the hyper-parameters, the tensor table and a
- * sample (first and last 64 KiB) of every tensor's data. */
+/* Fingerprint: XXH3-128 over the hyper-parameters, the RoPE tables, the
+ * tensor table and a sample (first and last 64 KiB) of every tensor's data.
+ * It keys persistent stores, so nothing that differs between runs of the
+ * same file (an address) may enter it. */
 static void compute_fingerprint(rk_model *m) {
     XXH3_state_t *s = XXH3_createState();
     if (!s) {
@@ -709,7 +744,11 @@ static void compute_fingerprint(rk_model *m) {
         return;
     }
     XXH3_128bits_reset(s);
-    XXH3_128bits_update(s, &m->hp, sizeof m->hp);
+    rk_hparams hp; /* without the description's address; memcpy keeps the padding's zeros */
+    memcpy(&hp, &m->hp, sizeof hp);
+    hp.desc = NULL;
+    XXH3_128bits_update(s, &hp, sizeof hp);
+    XXH3_128bits_update(s, &m->rope, sizeof m->rope); /* factors and scale from the file */
     for (int64_t i = 0; i < rk_gguf_n_tensors(m->gguf); i++) {
         const rk_gguf_tensor *t = rk_gguf_tensor_at(m->gguf, i);
         XXH3_128bits_update(s, t->name, strlen(t->name));
@@ -898,6 +937,15 @@ static rk_status matmul(rk_model *m, float *y, const float *x, const rk_matrix *
 static rk_status matmul_fused(rk_model *m, const rk_matrix *w, const float *x, int n, float *out[],
                               const int widths[], int n_out) {
     const rk_backend_ops *ops = m->be->ops;
+    if (!w->packed) { /* fused in the file, not packed: each part is a range of its rows */
+        size_t row_bytes = rk_dtype_row_bytes(w->type, (size_t)w->cols);
+        for (int i = 0, r = 0; i < n_out; r += widths[i], i++) {
+            rk_status st = ops->matmul(m->be, out[i], x, (const char *)w->w + (size_t)r * row_bytes,
+                                       w->type, n, w->cols, widths[i]);
+            if (st) return st;
+        }
+        return RK_OK;
+    }
     size_t off[3];
     int apart = n > FUSED_WHOLE_MAX_N && ops->packed_offset && n_out <= 3;
     for (int i = 0, r = 0; apart && i < n_out; r += widths[i], i++)

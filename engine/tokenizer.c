@@ -284,8 +284,8 @@ static rk_status build_specials(rk_tokenizer *t) {
 /* End-of-generation tokens: eos, plus the usual end markers when present as
  * non-normal tokens. */
 static void build_eog(rk_tokenizer *t) {
-    static const char *const names[] = {"<|im_end|>", "<|endoftext|>", "<|eot_id|>",
-                                        "<|end_of_text|>", "</s>"};
+    static const char *const names[] = {"<|im_end|>",      "<|endoftext|>", "<|eot_id|>",
+                                        "<|end_of_text|>", "</s>",          "<|end|>"};
     t->n_eog = 0;
     if (t->eos_id >= 0) t->eog[t->n_eog++] = t->eos_id;
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
@@ -347,6 +347,8 @@ rk_status rk_tokenizer_create(const rk_vocab *v, rk_tokenizer **out) {
     t->unk_id = v->unk_id;
     t->pad_id = v->pad_id;
     t->add_bos = v->add_bos != 0;
+    t->add_space_prefix = !gpt2 && v->add_space_prefix;
+    t->special_rstrip = v->special_rstrip;
 
     t->text = malloc(total);
     t->text_off = malloc(((size_t)n + 1) * sizeof *t->text_off);
@@ -444,7 +446,7 @@ static rk_status encode_fragment(const rk_tokenizer *t, const char *s, size_t n,
                                  rk_tok_ids *out) {
     if (n == 0) return RK_OK;
     if (t->is_gpt2) return rk_tok_bpe_encode(t, s, n, out);
-    return rk_tok_spm_encode(t, s, n, after_special, out);
+    return rk_tok_spm_encode(t, s, n, after_special && t->add_space_prefix, out);
 }
 
 /* Id of the longest special token that starts at s (n bytes left), or -1. */
@@ -486,6 +488,10 @@ rk_status rk_tokenizer_encode(const rk_tokenizer *t, const char *text, size_t le
                 goto fail;
             after_special = 1;
             i += rk_tok_text_len(t, id);
+            if (t->special_rstrip && id != t->bos_id && id != t->eos_id && id != t->unk_id)
+                while (i < len &&
+                       (text[i] == ' ' || text[i] == '\t' || text[i] == '\n' || text[i] == '\r'))
+                    i++;
             frag = i;
         }
     }

@@ -46,14 +46,23 @@ typedef struct rk_vocab {
     char **merges;                          /* (n_merges) "left right", gpt2 only */
     int32_t bos_id, eos_id, unk_id, pad_id; /* -1 when absent */
     int add_bos;                            /* tokenizer.ggml.add_bos_token */
+    int add_space_prefix; /* llama: tokenizer.ggml.add_space_prefix, a U+2581 before the text */
+    /* Special tokens but BOS, EOS and <unk> take the whitespace after them
+     * (Phi-3's tokenizer marks them rstrip): set for the SentencePiece
+     * vocabularies of general.architecture phi3 (Phi-3, Phi-3.5; Phi-4-mini's
+     * o200k tokens keep their whitespace) */
+    int special_rstrip;
 } rk_vocab;
 
 /* Release the arrays and zero the struct; accepts NULL and a zeroed struct. */
 void rk_vocab_free(rk_vocab *v);
 
-/* Read a Hugging Face tokenizer.json (byte-level BPE, e.g. Qwen3) into a gpt2
- * vocabulary, added tokens included, padded with unused "[PAD<id>]" tokens up
- * to n_pad_to entries when n_pad_to is larger than the vocabulary. */
+/* Read a Hugging Face tokenizer.json into a vocabulary, added tokens
+ * included, padded with unused "[PAD<id>]" tokens up to n_pad_to entries when
+ * n_pad_to is larger than the vocabulary: byte-level BPE (Qwen3) becomes a
+ * gpt2 vocabulary; BPE with byte fallback and U+2581 for spaces (the
+ * SentencePiece models: Llama 2, Phi-3, Gemma) a llama one, whose scores
+ * follow the merge ranks (see vocab.c). */
 rk_status rk_vocab_from_hf_json(const char *path, int32_t n_pad_to, rk_vocab *out);
 
 /* The small byte-level vocabulary of the embedded `tiny` model: a llama

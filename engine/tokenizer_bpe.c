@@ -26,12 +26,20 @@ static const char k_re_llama3[] =
     "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+"
     "[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
 
+/* o200k (GPT-4o, Phi-4-mini): cased words with their contractions, numbers
+ * of up to three digits. */
+static const char k_re_gpt4o[] =
+    "[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}\\p{Lo}\\p{M}]*[\\p{Ll}\\p{Lm}\\p{Lo}"
+    "\\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\\r\\n\\p{L}\\p{N}]?[\\p{Lu}\\p{Lt}\\p{Lm}"
+    "\\p{Lo}\\p{M}]+[\\p{Ll}\\p{Lm}\\p{Lo}\\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\\p{N}{1,3}|"
+    " ?[^\\s\\p{L}\\p{N}]+[\\r\\n/]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+";
+
 static const struct {
     const char *name;
     const char *re;
 } k_pre[] = {
     {"default", k_re_gpt2},  {"gpt2", k_re_gpt2},        {"qwen2", k_re_qwen2},
-    {"llama3", k_re_llama3}, {"llama-bpe", k_re_llama3},
+    {"llama3", k_re_llama3}, {"llama-bpe", k_re_llama3}, {"gpt-4o", k_re_gpt4o},
 };
 #define N_PRE (sizeof k_pre / sizeof k_pre[0])
 
@@ -41,7 +49,7 @@ const char *rk_tok_pre_name_for_regex(const char *re) {
     return NULL;
 }
 
-const char *rk_tok_pre_names(void) { return "default, gpt2, qwen2, llama3, llama-bpe"; }
+const char *rk_tok_pre_names(void) { return "default, gpt2, qwen2, llama3, llama-bpe, gpt-4o"; }
 
 /* ================================================================ byte <-> unicode */
 

@@ -180,10 +180,18 @@ static rk_status read_specials(const rk_gguf *g, rk_vocab *v, int32_t n, int gpt
         (st = gguf_token_id(g, "tokenizer.ggml.padding_token_id", n, &v->pad_id)) != RK_OK)
         return st;
     v->add_bos = gpt2 ? 0 : 1;
-    int add_bos;
-    st = rk_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &add_bos);
-    if (st == RK_OK) v->add_bos = add_bos != 0;
-    return st == RK_ERR_NOT_FOUND ? RK_OK : st;
+    v->add_space_prefix = !gpt2;
+    int flag;
+    st = rk_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &flag);
+    if (st == RK_OK) v->add_bos = flag != 0;
+    if (st && st != RK_ERR_NOT_FOUND) return st;
+    st = rk_gguf_get_bool(g, "tokenizer.ggml.add_space_prefix", &flag);
+    if (st == RK_OK) v->add_space_prefix = !gpt2 && flag;
+    if (st && st != RK_ERR_NOT_FOUND) return st;
+    const char *arch;
+    v->special_rstrip = !gpt2 && rk_gguf_get_str(g, "general.architecture", &arch, NULL) == RK_OK &&
+                        !strcmp(arch, "phi3");
+    return RK_OK;
 }
 
 rk_status rk_vocab_from_gguf(const rk_gguf *g, rk_vocab *out) {
@@ -373,18 +381,18 @@ static rk_status hf_tokens(rk_vocab *v, const char *path, const json_t *vmap, co
             return st;
         v->token_types[id] = special ? RK_TOKEN_CONTROL : RK_TOKEN_USER_DEFINED;
     }
-    for (int32_t id = 0; id < n_base; id++)
-        if (!v->tokens[id])
-            return rk_errorf(RK_ERR_FORMAT, "%s: token id %d is not assigned", path, (int)id);
-    for (int32_t id = n_base; id < n; id++) {
+    /* Ids no entry names (o200k leaves 199998 and 200000..200017 free) and
+     * the ids up to n are unused "[PAD<id>]" tokens, as GGUF converters
+     * write them. */
+    v->n_tokens = n;
+    for (int32_t id = 0; id < n; id++) {
+        if (v->tokens[id]) continue;
         char buf[32];
         int len = snprintf(buf, sizeof buf, "[PAD%d]", (int)id);
-        v->n_tokens = id + 1;
         if (!(v->tokens[id] = dup_n(buf, (size_t)len)))
             return rk_errorf(RK_ERR_NOMEM, "%s: out of memory", path);
         v->token_types[id] = RK_TOKEN_UNUSED;
     }
-    v->n_tokens = n;
     return RK_OK;
 }
 
@@ -413,11 +421,127 @@ static rk_status hf_load(const char *path, json_t **out) {
     return rk_errorf(RK_ERR_FORMAT, "%s:%d: %s", path, jerr.line, jerr.text);
 }
 
+/* ---------------------------------------------------------------- SentencePiece-style BPE */
+
+/* A SentencePiece BPE model exported to tokenizer.json: model.byte_fallback,
+ * spaces turned into U+2581 by the normalizer or a Metaspace pre-tokenizer,
+ * no byte-level pre-tokenizer. */
+static int hf_is_spm(const json_t *root) {
+    const json_t *model = json_object_get(root, "model");
+    const json_t *pre = json_object_get(root, "pre_tokenizer");
+    const char *pre_type = json_string_value(json_object_get(pre, "type"));
+    return json_is_true(json_object_get(model, "byte_fallback")) &&
+           (!pre_type || strcmp(pre_type, "Metaspace") == 0);
+}
+
+/* Whether the text gets a U+2581 in front: a Prepend normalizer, or a
+ * Metaspace pre-tokenizer whose prepend_scheme is not "never". */
+static int hf_spm_space_prefix(const json_t *root) {
+    const json_t *norm = json_object_get(root, "normalizer");
+    const json_t *list = json_object_get(norm, "normalizers");
+    size_t i;
+    const json_t *item;
+    if (json_is_object(norm) && !list) {
+        const char *type = json_string_value(json_object_get(norm, "type"));
+        if (type && strcmp(type, "Prepend") == 0) return 1;
+    }
+    json_array_foreach(list, i, item) {
+        const char *type = json_string_value(json_object_get(item, "type"));
+        if (type && strcmp(type, "Prepend") == 0) return 1;
+    }
+    const json_t *pre = json_object_get(root, "pre_tokenizer");
+    const char *scheme = json_string_value(json_object_get(pre, "prepend_scheme"));
+    return json_is_object(pre) && (!scheme || strcmp(scheme, "never") != 0);
+}
+
+/* Scores for a llama (SentencePiece) vocabulary from the merge list: ragkv
+ * and the reference engine merge the adjacent pair whose joined piece scores
+ * highest, Hugging Face the pair of lowest merge rank; a piece scoring
+ * -(rank of the first merge that makes it) gives both the same order.
+ * Pieces no merge makes score -1e9 (reached only when nothing else is),
+ * single characters 0. */
+static rk_status hf_spm_scores(rk_vocab *v, const char *path, const json_t *vmap,
+                               const json_t *merges) {
+    if (!(v->scores = malloc((size_t)v->n_tokens * sizeof *v->scores)))
+        return rk_errorf(RK_ERR_NOMEM, "%s: out of memory", path);
+    for (int32_t id = 0; id < v->n_tokens; id++) {
+        const char *t = v->tokens[id];
+        uint32_t cp;
+        size_t len = strlen(t);
+        int first = len ? rk_utf8_decode((const unsigned char *)t, len, &cp) : 0;
+        v->scores[id] = first > 0 && (size_t)first == len ? 0.0f : -1e9f;
+    }
+    size_t i;
+    const json_t *m;
+    json_array_foreach(merges, i, m) {
+        char *pair;
+        rk_status st = hf_merge(m, path, i, &pair);
+        if (st) return st;
+        char *sp = strchr(pair, ' ');
+        memmove(sp, sp + 1, strlen(sp + 1) + 1); /* "a b" -> "ab" */
+        const json_t *id = json_object_get(vmap, pair);
+        free(pair);
+        if (!json_is_integer(id)) continue;
+        int64_t k = json_integer_value(id);
+        float score = -(float)(i + 1);
+        if (k >= 0 && k < v->n_tokens && v->scores[k] < score) v->scores[k] = score;
+    }
+    return RK_OK;
+}
+
+/* The llama vocabulary of a SentencePiece-style tokenizer.json: byte tokens
+ * typed BYTE, model.unk_token UNKNOWN, <s>/<bos>, </s>/<eos> and <pad> the
+ * special ids; BOS added when the post-processor starts with a special
+ * token. */
+static rk_status hf_spm_vocab(const json_t *root, const char *path, int32_t n_pad_to, rk_vocab *v) {
+    const json_t *model = json_object_get(root, "model");
+    const json_t *vmap = json_object_get(model, "vocab");
+    const json_t *merges = json_object_get(model, "merges");
+    const json_t *added = json_object_get(root, "added_tokens");
+    if (!json_is_object(vmap) || !json_is_array(merges) || (added && !json_is_array(added)))
+        return rk_errorf(RK_ERR_FORMAT, "%s: model.vocab, model.merges or added_tokens missing",
+                         path);
+    memset(v, 0, sizeof *v);
+    int32_t n_base;
+    rk_status st = hf_size(path, vmap, added, &n_base);
+    if (!st) st = vocab_init(v, "llama", n_pad_to > n_base ? n_pad_to : n_base);
+    if (!st) st = hf_tokens(v, path, vmap, added, n_base);
+    if (!st) st = hf_spm_scores(v, path, vmap, merges);
+    if (st) return st;
+    const char *unk = json_string_value(json_object_get(model, "unk_token"));
+    for (int32_t id = 0; id < n_base; id++) {
+        const char *t = v->tokens[id];
+        if (is_byte_token(t)) v->token_types[id] = RK_TOKEN_BYTE;
+        if (unk && strcmp(t, unk) == 0) {
+            v->token_types[id] = RK_TOKEN_UNKNOWN;
+            v->unk_id = id;
+        }
+        if (v->token_types[id] == RK_TOKEN_NORMAL || v->token_types[id] == RK_TOKEN_BYTE) continue;
+        if (!strcmp(t, "<s>") || !strcmp(t, "<bos>")) v->bos_id = id;
+        if (!strcmp(t, "</s>") || !strcmp(t, "<eos>")) v->eos_id = id;
+        if (!strcmp(t, "<pad>")) v->pad_id = id;
+    }
+    const json_t *single = json_object_get(json_object_get(root, "post_processor"), "single");
+    v->add_bos = v->bos_id >= 0 && json_object_get(json_array_get(single, 0), "SpecialToken");
+    v->add_space_prefix = hf_spm_space_prefix(root);
+    return RK_OK;
+}
+
 rk_status rk_vocab_from_hf_json(const char *path, int32_t n_pad_to, rk_vocab *out) {
     memset(out, 0, sizeof *out);
     json_t *root;
     rk_status st = hf_load(path, &root);
     if (st) return st;
+    if (hf_is_spm(root)) {
+        rk_vocab v;
+        st = hf_spm_vocab(root, path, n_pad_to, &v);
+        json_decref(root);
+        if (st)
+            rk_vocab_free(&v);
+        else
+            *out = v;
+        return st;
+    }
     rk_vocab v;
     memset(&v, 0, sizeof v);
     const json_t *model = json_object_get(root, "model");
@@ -549,6 +673,7 @@ rk_status rk_vocab_tiny(rk_vocab *out) {
     v.bos_id = 1;
     v.eos_id = 2;
     v.add_bos = 1;
+    v.add_space_prefix = 1;
     *out = v;
     return RK_OK;
 

@@ -43,6 +43,7 @@
  * opening, and the answer is the continuation.
  *
  * Llama-3 uses <|start_header_id|>role<|end_header_id|>\n\n ... <|eot_id|>;
+ * Phi-3 <|role|>\n ... <|end|>\n;
  * Llama-2 puts the system prompt in <<SYS>> inside the first [INST]. BOS is
  * added by the tokenizer step, never written here. */
 #include <limits.h>
@@ -56,6 +57,7 @@ const char *rk_chat_template_name(rk_chat_template t) {
     case RK_CHAT_CHATML: return "chatml";
     case RK_CHAT_LLAMA3: return "llama3";
     case RK_CHAT_LLAMA2: return "llama2";
+    case RK_CHAT_PHI3: return "phi3";
     }
     return "?";
 }
@@ -66,8 +68,10 @@ rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
         if (strstr(jinja, "<|im_start|>")) return RK_CHAT_CHATML;
         if (strstr(jinja, "<|start_header_id|>")) return RK_CHAT_LLAMA3;
         if (strstr(jinja, "[INST]")) return RK_CHAT_LLAMA2;
+        if (strstr(jinja, "<|assistant|>") && strstr(jinja, "<|end|>")) return RK_CHAT_PHI3;
     }
     if (arch && (!strcmp(arch, "qwen2") || !strcmp(arch, "qwen3"))) return RK_CHAT_CHATML;
+    if (arch && !strcmp(arch, "phi3")) return RK_CHAT_PHI3;
     if (has_llama3_tokens) return RK_CHAT_LLAMA3;
     return RK_CHAT_LLAMA2;
 }
@@ -346,6 +350,8 @@ static void user_open(rk_chat_template t, rk_strbuf *b, const rk_strbuf *sys_blo
         rk_strbuf_puts(b, "<|im_start|>user\n");
     } else if (t == RK_CHAT_LLAMA3) {
         rk_strbuf_puts(b, "<|start_header_id|>user<|end_header_id|>\n\n");
+    } else if (t == RK_CHAT_PHI3) {
+        rk_strbuf_puts(b, "<|user|>\n");
     } else {
         rk_strbuf_puts(b, "[INST] ");
         if (sys_block->len) {
@@ -359,6 +365,7 @@ static void user_open(rk_chat_template t, rk_strbuf *b, const rk_strbuf *sys_blo
 static void user_close(rk_chat_template t, rk_strbuf *b) {
     rk_strbuf_puts(b, t == RK_CHAT_CHATML   ? "<|im_end|>\n"
                       : t == RK_CHAT_LLAMA3 ? "<|eot_id|>"
+                      : t == RK_CHAT_PHI3   ? "<|end|>\n"
                                             : " [/INST]");
 }
 
@@ -397,6 +404,12 @@ static void other_turn(rk_chat_template t, rk_strbuf *b, const rk_chat_msg *m, i
         rk_strbuf_puts(b, "<|end_header_id|>\n\n");
         rk_strbuf_puts(b, m->content);
         if (!open) rk_strbuf_puts(b, "<|eot_id|>");
+    } else if (t == RK_CHAT_PHI3) {
+        rk_strbuf_puts(b, "<|");
+        rk_strbuf_puts(b, role_name(m->role));
+        rk_strbuf_puts(b, "|>\n");
+        rk_strbuf_puts(b, m->content);
+        if (!open) rk_strbuf_puts(b, "<|end|>\n");
     } else {
         /* An answer this service returns starts with the space its first
          * token decodes to (a SentencePiece word start): that space is the
@@ -437,6 +450,7 @@ static void render_turns(rk_chat_template t, const rk_api_request *req, const us
 static const char *assistant_open(rk_chat_template t) {
     return t == RK_CHAT_CHATML   ? "<|im_start|>assistant\n"
            : t == RK_CHAT_LLAMA3 ? "<|start_header_id|>assistant<|end_header_id|>\n\n"
+           : t == RK_CHAT_PHI3   ? "<|assistant|>\n"
                                  : "";
 }
 
@@ -513,10 +527,11 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     int tool_turns = 0;
     for (int i = 0; i < req->n_msgs; i++)
         tool_turns |= req->msgs[i].role == RK_ROLE_TOOL || req->msgs[i].tool_calls;
-    if (t == RK_CHAT_LLAMA2 && (req->n_tools || tool_turns))
+    if ((t == RK_CHAT_LLAMA2 || t == RK_CHAT_PHI3) && (req->n_tools || tool_turns))
         return rk_http_errorf(err, 400,
-                              "tools are not supported with the llama2 chat template (it has no "
-                              "tool-call format)");
+                              "tools are not supported with the %s chat template (it has no "
+                              "tool-call format)",
+                              rk_chat_template_name(t));
     rk_status tst = RK_OK;
     if (req->tool_choice >= RK_TOOLS_REQUIRED && (tst = tools_grammar(t, req, err))) return tst;
     /* With tools, render a view of the messages whose system message

@@ -1,13 +1,17 @@
 /* gateway/embeddings.c — POST /v1/embeddings in OpenAI's shape: `input` (a
  * string, an array of strings, an array of token ids, or an array of
  * those), `encoding_format` (float or base64: little-endian float32),
- * `dimensions`, and `usage.prompt_tokens`. Parsing and tokenizing run on the
+ * `dimensions` (the first ones, renormalised), `truncate` and
+ * `truncation_direction` (text-embeddings-inference's), and
+ * `usage.prompt_tokens`. Parsing and tokenizing run on the
  * request's thread; the forward passes run on the engine thread as a
  * command job (rk_pipeline_embed), between decode steps, keeping nothing in
  * the caches. */
 #include <jansson.h>
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "engine/tokenizer.h"
 #include "gateway/http.h"
@@ -75,10 +79,15 @@ static int read_ids(json_t *a, int n_vocab, const char *where, int32_t **out, in
     return 0;
 }
 
+/* How an input over the context is handled: refused (the default), or cut
+ * to the context keeping its start (right) or its end (left). */
+typedef enum truncation { TRUNC_NONE, TRUNC_RIGHT, TRUNC_LEFT } truncation;
+
 /* `input` into in: each input tokenized, none empty, none over context
- * tokens. 0, or -1 after filling err (in holds what to free either way). */
-static int parse_input(json_t *input, const rk_tokenizer *tok, int context, embed_inputs *in,
-                       rk_http_error *err) {
+ * tokens (or cut to them as trunc says). 0, or -1 after filling err (in
+ * holds what to free either way). */
+static int parse_input(json_t *input, const rk_tokenizer *tok, int context, truncation trunc,
+                       embed_inputs *in, rk_http_error *err) {
     int single = json_is_string(input);
     if (json_is_array(input) && json_array_size(input) > 0 &&
         json_is_integer(json_array_get(input, 0)))
@@ -124,9 +133,17 @@ static int parse_input(json_t *input, const rk_tokenizer *tok, int context, embe
             rk_http_errorf(err, 400, "'%s' is empty", where);
             return -1;
         }
+        if (in->n_tokens[i] > context && trunc != TRUNC_NONE) {
+            if (trunc == TRUNC_LEFT)
+                memmove(in->ids[i], in->ids[i] + (in->n_tokens[i] - context),
+                        (size_t)context * sizeof *in->ids[i]);
+            in->n_tokens[i] = context;
+        }
         if (in->n_tokens[i] > context) {
-            rk_http_errorf(err, 400, "'%s' has %d tokens, more than the context of %d", where,
-                           in->n_tokens[i], context);
+            rk_http_errorf(err, 400,
+                           "'%s' has %d tokens, more than the context of %d (set \"truncate\": "
+                           "true to cut it)",
+                           where, in->n_tokens[i], context);
             err->code = RK_CODE_CONTEXT_LENGTH;
             return -1;
         }
@@ -190,9 +207,10 @@ static json_t *float_array(const float *v, int n) {
     return a;
 }
 
-/* Read and check the body into in (and the options); 0, or -1 after filling err. */
+/* Read and check the body into in (and the options: base64, the width
+ * served); 0, or -1 after filling err. */
 static int parse_request(server *S, rk_service *svc, json_t *root, embed_inputs *in, int *base64,
-                         rk_http_error *err) {
+                         int *width, rk_http_error *err) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
     json_t *model = json_object_get(root, "model");
     if (model && !json_is_null(model) && !json_is_string(model)) {
@@ -208,28 +226,54 @@ static int parse_request(server *S, rk_service *svc, json_t *root, embed_inputs 
     }
     *base64 = !strcmp(f, "base64");
     json_t *dims = json_object_get(root, "dimensions");
+    *width = hp->dim;
     if (dims && !json_is_null(dims)) {
-        if (!json_is_integer(dims) || json_integer_value(dims) < 1) {
-            rk_http_errorf(err, 400, "'dimensions' must be a positive integer");
+        if (!json_is_integer(dims) || json_integer_value(dims) < 1 ||
+            json_integer_value(dims) > hp->dim) {
+            rk_http_errorf(err, 400, "'dimensions' must be an integer from 1 to %d", hp->dim);
+            err->param = "dimensions";
             return -1;
         }
-        /* Truncating is sound only for Matryoshka-trained models, and no
-         * GGUF key says a model is one: the full width alone is accepted. */
-        if (json_integer_value(dims) != hp->dim) {
+        /* Truncating is sound for embedding models trained for it
+         * (Matryoshka, as Qwen3-Embedding is); no GGUF key says which, so an
+         * embedding model's file (one declaring a pooling type) may be
+         * truncated, and a generative model pooled by --pooling, never
+         * trained to embed at all, serves its full width alone. */
+        rk_pooling file = hp->pooling;
+        if (json_integer_value(dims) != hp->dim &&
+            (file == RK_POOLING_UNSET || file == RK_POOLING_NONE)) {
             rk_http_errorf(err, 400,
-                           "'dimensions' must be %d: this model's embeddings are not trained to "
-                           "be truncated (Matryoshka), so only the full width is served",
+                           "'dimensions' must be %d: this model is a generative one pooled by "
+                           "--pooling, not an embedding model trained to be truncated",
                            hp->dim);
+            err->param = "dimensions";
             return -1;
         }
+        *width = (int)json_integer_value(dims);
     }
+    json_t *tr = json_object_get(root, "truncate");
+    if (tr && !json_is_null(tr) && !json_is_boolean(tr)) {
+        rk_http_errorf(err, 400, "'truncate' must be true or false");
+        err->param = "truncate";
+        return -1;
+    }
+    json_t *dir = json_object_get(root, "truncation_direction");
+    const char *d = dir && !json_is_null(dir) ? json_string_value(dir) : "right";
+    if (!d || (strcasecmp(d, "right") && strcasecmp(d, "left"))) {
+        rk_http_errorf(err, 400, "'truncation_direction' must be \"right\" or \"left\"");
+        err->param = "truncation_direction";
+        return -1;
+    }
+    truncation trunc = !json_is_true(tr)         ? TRUNC_NONE
+                       : !strcasecmp(d, "right") ? TRUNC_RIGHT
+                                                 : TRUNC_LEFT;
     json_t *input = json_object_get(root, "input");
     if (!input) {
         rk_http_errorf(err, 400, "'input' is required");
         return -1;
     }
     int context = svc->cfg.max_context > 0 ? svc->cfg.max_context : hp->n_ctx;
-    return parse_input(input, rk_model_tokenizer(svc->model), context, in, err);
+    return parse_input(input, rk_model_tokenizer(svc->model), context, trunc, in, err);
 }
 
 int rk_gw_handle_embeddings(req_ctx *rc) {
@@ -255,6 +299,13 @@ int rk_gw_handle_embeddings(req_ctx *rc) {
         return 0;
     }
     rk_pooling pooling = rk_service_pooling(svc);
+    if (pooling == RK_POOLING_RANK) {
+        json_decref(root);
+        rk_gw_send_errorf(rc, 400,
+                          "this model makes no embeddings: it is a reranking model (pooling type "
+                          "rank); use /v1/rerank");
+        return 0;
+    }
     if (pooling == RK_POOLING_NONE) {
         json_decref(root);
         rk_gw_send_errorf(rc, 400,
@@ -262,10 +313,10 @@ int rk_gw_handle_embeddings(req_ctx *rc) {
                           "with --pooling mean, cls or last)");
         return 0;
     }
-    int dim = rk_model_hparams(svc->model)->dim, base64 = 0;
+    int dim = rk_model_hparams(svc->model)->dim, base64 = 0, width = dim;
     embed_inputs in = {0};
     rk_http_error err = {0};
-    if (parse_request(rc->S, svc, root, &in, &base64, &err)) {
+    if (parse_request(rc->S, svc, root, &in, &base64, &width, &err)) {
         json_decref(root);
         inputs_free(&in);
         rk_gw_send_error(rc, &err);
@@ -291,8 +342,14 @@ int rk_gw_handle_embeddings(req_ctx *rc) {
     json_t *data = json_array();
     for (int i = 0; data && i < in.n; i++) {
         prompt_tokens += in.n_tokens[i];
-        const float *v = cmd.out + (size_t)i * dim;
-        json_t *e = base64 ? base64_floats(v, dim) : float_array(v, dim);
+        float *v = cmd.out + (size_t)i * dim;
+        if (width < dim) { /* the first width values, made unit length again */
+            double norm = 0;
+            for (int k = 0; k < width; k++) norm += (double)v[k] * v[k];
+            float scale = norm > 0 ? (float)(1.0 / sqrt(norm)) : 0.0f;
+            for (int k = 0; k < width; k++) v[k] *= scale;
+        }
+        json_t *e = base64 ? base64_floats(v, width) : float_array(v, width);
         json_t *item =
             e ? json_pack("{s:s, s:i, s:o}", "object", "embedding", "index", i, "embedding", e)
               : NULL;

@@ -471,9 +471,11 @@ static void prepare_job(gen *g, int prompt, uint64_t seed, rk_http_error *err) {
         st = rk_request_prepare(svc, &g->api.pieces, &g->job->req);
     } else if (g->api.batch) {
         st = rk_request_prepare(svc, &g->api.batch[prompt], &g->job->req);
-    } else { /* token ids as written, after BOS as a text prompt has it */
-        int32_t bos = rk_tokenizer_bos(rk_model_tokenizer(svc->model));
-        st = rk_request_prepare_tokens(svc, &bos, bos >= 0, g->api.batch_tokens[prompt],
+    } else { /* token ids as written, after BOS where a text prompt has one */
+        const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+        int32_t bos = rk_tokenizer_bos(tok);
+        int with_bos = rk_tokenizer_add_bos(tok) && bos >= 0;
+        st = rk_request_prepare_tokens(svc, &bos, with_bos, g->api.batch_tokens[prompt],
                                        g->api.batch_lens[prompt], &g->job->req);
     }
     if (st && g->job->req.context_exceeded) { /* OpenAI's answer to a prompt too long */
@@ -835,6 +837,17 @@ int rk_gw_handle_generate(req_ctx *rc, int chat) {
     if (!g.svc) {
         free(body);
         rk_gw_send_not_ready(rc);
+        goto done;
+    }
+    if (!rk_service_generates(g.svc)) {
+        free(body);
+        rk_gw_send_errorf(
+            rc, 400,
+            "this model does not generate text: its file declares pooling type %d "
+            "(%s model); use %s, or serve it with --pooling none to generate",
+            (int)rk_model_hparams(g.svc->model)->pooling,
+            rk_service_pooling(g.svc) == RK_POOLING_RANK ? "a reranking" : "an embedding",
+            rk_service_pooling(g.svc) == RK_POOLING_RANK ? "/v1/rerank" : "/v1/embeddings");
         goto done;
     }
     prep_gen p = {.S = S, .g = &g, .body = body, .len = len, .chat = chat};

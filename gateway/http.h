@@ -198,6 +198,7 @@ int rk_gw_handle_chunk_key(req_ctx *rc, const char *hex, int del);
 int rk_gw_handle_flush(req_ctx *rc);
 int rk_gw_handle_tokenize(req_ctx *rc, int detokenize);
 int rk_gw_handle_embeddings(req_ctx *rc);
+int rk_gw_handle_rerank(req_ctx *rc);
 /* Run fn on the engine thread as a command job and wait (at most until the
  * request's timeout). Returns the command's status (RK_ERR_EXHAUSTED when it
  * never ran: queue full, timeout, shutdown), with its message in msg. */

@@ -32,22 +32,34 @@
 
 /* ================================================================ small routes */
 
-static int handle_health(req_ctx *rc) {
+/* The server's state for the probes: "ok" (serving), "loading", "stopping"
+ * (from the moment SIGTERM arrives) or "failed" (msg says why). */
+static const char *probe_state(server *S, char *msg, size_t cap) {
+    rk_scheduler_state st = rk_scheduler_get_state(S->engine, msg, cap);
+    if (atomic_load(&S->stopping) || st == RK_SCHEDULER_STOPPING) return "stopping";
+    return st == RK_SCHEDULER_READY ? "ok" : st == RK_SCHEDULER_FAILED ? "failed" : "loading";
+}
+
+/* GET /health (ready 0): 200 while the process is alive, loading or
+ * draining included, so that a liveness probe never kills a server that is
+ * loading its model or finishing its requests; 503 only when the model
+ * failed to load. GET /ready (ready 1): 200 when requests are served, 503
+ * while loading and from the moment SIGTERM arrives, so that a load
+ * balancer sends new work elsewhere. */
+static int handle_probe(req_ctx *rc, int ready) {
     char msg[320];
-    rk_scheduler_state st = rk_scheduler_get_state(rc->S->engine, msg, sizeof msg);
-    if (st == RK_SCHEDULER_READY && !atomic_load(&rc->S->stopping)) {
-        rk_gw_send_json(rc, 200, json_pack("{s:s}", "status", "ok"));
+    const char *what = probe_state(rc->S, msg, sizeof msg);
+    int serving = !strcmp(what, "ok");
+    if (serving || (!ready && strcmp(what, "failed"))) {
+        rk_gw_send_json(rc, 200, json_pack("{s:s}", "status", what));
         return 0;
     }
-    const char *what = atomic_load(&rc->S->stopping) || st == RK_SCHEDULER_STOPPING ? "stopping"
-                       : st == RK_SCHEDULER_FAILED                                  ? "failed"
-                                                                                    : "loading";
     char m[400];
     snprintf(m, sizeof m, "%s%s%s",
              !strcmp(what, "loading")    ? "the model is still loading"
              : !strcmp(what, "stopping") ? "the server is shutting down"
                                          : "the model failed to load",
-             st == RK_SCHEDULER_FAILED ? ": " : "", st == RK_SCHEDULER_FAILED ? msg : "");
+             !strcmp(what, "failed") ? ": " : "", !strcmp(what, "failed") ? msg : "");
     rk_http_error e = {.status = 503, .type = rk_http_error_type(503)};
     snprintf(e.message, sizeof e.message, "%.319s", m);
     json_t *body = rk_gw_error_body(&e);
@@ -83,11 +95,18 @@ static int handle_models(req_ctx *rc, const char *id) {
         hp->n_ctx, "rope_theta", (double)hp->rope.theta, "weight_type", rk_dtype_name(hp->wtype),
         "chat_template", rk_chat_template_name(S->tmpl), "block_size", svc->cfg.block_size, "bos",
         rk_tokenizer_bos(tok), "source", file[0] ? file : "embedded");
-    /* Every model completes; one with a pooling type (its file's or
-     * --pooling) makes embeddings too. */
-    json_t *caps = json_pack("[s]", "completion");
-    if (caps && rk_service_pooling(svc) != RK_POOLING_NONE)
+    /* A model completes unless its file declares a pooling type (an
+     * embedding or reranking model); one with a pooling type (its file's or
+     * --pooling) makes embeddings, one with rank pooling and a
+     * classification head reranks. */
+    json_t *caps = json_array();
+    rk_pooling pooling = rk_service_pooling(svc);
+    if (caps && rk_service_generates(svc)) json_array_append_new(caps, json_string("completion"));
+    if (caps && pooling != RK_POOLING_NONE && pooling != RK_POOLING_RANK)
         json_array_append_new(caps, json_string("embedding"));
+    if (caps && pooling == RK_POOLING_RANK && rk_service_can_rerank(svc))
+        json_array_append_new(caps, json_string("rerank"));
+    rk_error_clear();
     json_t *m = json_pack("{s:s, s:s, s:I, s:s, s:o, s:o}", "id", S->model_name, "object", "model",
                           "created", (json_int_t)S->started_unix, "owned_by", "ragkv",
                           "capabilities", caps, "ragkv", info);
@@ -179,6 +198,7 @@ static int authorize(req_ctx *rc, route_access need) {
 typedef enum route {
     R_NONE,
     R_HEALTH,
+    R_READY,
     R_METRICS,
     R_MODELS,
     R_COMPLETIONS,
@@ -190,7 +210,8 @@ typedef enum route {
     R_MODEL_ID,
     R_TOKENIZE,
     R_DETOKENIZE,
-    R_EMBEDDINGS
+    R_EMBEDDINGS,
+    R_RERANK
 } route;
 
 static route find_route(const char *path) {
@@ -198,6 +219,7 @@ static route find_route(const char *path) {
         const char *path;
         route r;
     } table[] = {{"/health", R_HEALTH},
+                 {"/ready", R_READY},
                  {"/metrics", R_METRICS},
                  {"/v1/models", R_MODELS},
                  {"/v1/completions", R_COMPLETIONS},
@@ -207,7 +229,9 @@ static route find_route(const char *path) {
                  {"/v1/stats", R_STATS},
                  {"/tokenize", R_TOKENIZE},
                  {"/detokenize", R_DETOKENIZE},
-                 {"/v1/embeddings", R_EMBEDDINGS}};
+                 {"/v1/embeddings", R_EMBEDDINGS},
+                 {"/v1/rerank", R_RERANK},
+                 {"/rerank", R_RERANK}};
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
         if (!strcmp(path, table[i].path)) return table[i].r;
     if (!strncmp(path, "/v1/chunks/", 11) && path[11] && !strchr(path + 11, '/'))
@@ -224,7 +248,7 @@ static int handle_preflight(req_ctx *rc, route r) {
     const char *methods = r == R_CHUNKS      ? "GET, HEAD, POST, OPTIONS"
                           : r == R_CHUNK_KEY ? "GET, HEAD, DELETE, OPTIONS"
                           : r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE ||
-                                  r == R_DETOKENIZE || r == R_EMBEDDINGS
+                                  r == R_DETOKENIZE || r == R_EMBEDDINGS || r == R_RERANK
                               ? "POST, OPTIONS"
                               : "GET, HEAD, OPTIONS";
     rc->status = 204;
@@ -248,13 +272,13 @@ static int dispatch(req_ctx *rc) {
     if (r == R_NONE) return rk_gw_send_errorf(rc, 404, "no route %s %s", m, rc->path), 0;
     if (!strcmp(m, "OPTIONS") && rc->S->o.cors_origin[0]) return handle_preflight(rc, r);
     int ok = r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE ||
-                     r == R_DETOKENIZE || r == R_EMBEDDINGS
+                     r == R_DETOKENIZE || r == R_EMBEDDINGS || r == R_RERANK
                  ? post
              : r == R_CHUNKS    ? get || post
              : r == R_CHUNK_KEY ? get || del
                                 : get;
     if (!ok) return rk_gw_send_errorf(rc, 405, "%s is not allowed on %s", m, rc->path), 0;
-    if (r == R_HEALTH) return handle_health(rc);
+    if (r == R_HEALTH || r == R_READY) return handle_probe(rc, r == R_READY);
     route_access need = r == R_FLUSH              ? ACCESS_ADMIN
                         : r == R_CHUNK_KEY && del ? ACCESS_DELETE
                         : r == R_METRICS          ? ACCESS_OPERATOR
@@ -269,6 +293,7 @@ static int dispatch(req_ctx *rc) {
     case R_TOKENIZE: return rk_gw_handle_tokenize(rc, 0);
     case R_DETOKENIZE: return rk_gw_handle_tokenize(rc, 1);
     case R_EMBEDDINGS: return rk_gw_handle_embeddings(rc);
+    case R_RERANK: return rk_gw_handle_rerank(rc);
     case R_COMPLETIONS: return rk_gw_handle_generate(rc, 0);
     case R_CHAT: return rk_gw_handle_generate(rc, 1);
     case R_CHUNKS: return post ? rk_gw_handle_prewarm(rc) : rk_gw_handle_list(rc);
@@ -380,7 +405,8 @@ static void serve_one(void *arg) {
         dispatch(&rc);
     rk_stats_in_flight(S->stats, -1);
     atomic_fetch_sub(&S->in_flight, 1);
-    int quiet = !strcmp(rc.path, "/health") || !strcmp(rc.path, "/metrics");
+    int quiet =
+        !strcmp(rc.path, "/health") || !strcmp(rc.path, "/ready") || !strcmp(rc.path, "/metrics");
     if (!quiet) rk_stats_record_status(S->stats, rc.status);
     const char *tenant = rk_tenants_name(S->tenants, rc.tenant); /* the name, never the key */
     rk_log(quiet ? RK_LOG_DEBUG : RK_LOG_INFO, "request", "id=%s %s %s status=%d ms=%.2f%s%s%s",
@@ -451,8 +477,8 @@ static const char *framing_error(const struct mg_request_info *ri, rk_gw_framing
  * once (start_http), so that idle and slow clients, which hold a thread
  * each until a deadline ends them, cannot take the ones requests need. A
  * request beyond request_slots is refused at once; so is one on a
- * connection its address opened beyond max_connections_per_ip. /health and
- * /metrics are never refused by either limit, so probes answer under any
+ * connection its address opened beyond max_connections_per_ip. /health,
+ * /ready and /metrics are never refused by either limit, so probes answer under any
  * load. The connection's header deadline is off while a request is handled
  * and armed again for the next request on it. */
 static int handle_request(struct mg_connection *conn) {
@@ -474,7 +500,7 @@ static int handle_request(struct mg_connection *conn) {
         send_bare_error(conn, refused, bad);
         return refused;
     }
-    int probe = !strcmp(uri, "/health") || !strcmp(uri, "/metrics");
+    int probe = !strcmp(uri, "/health") || !strcmp(uri, "/ready") || !strcmp(uri, "/metrics");
     if (!probe && cs && cs->over_limit) {
         RK_LOG_DEBUG("request from %s refused (max_connections_per_ip %d)", ri->remote_addr,
                      S->conns_per_ip);

@@ -58,7 +58,7 @@ typedef struct rk_server_options {
      * ragkv_chunk parts). */
     char chat_separator[32];
     /* Connections one client address may hold open at once; the requests
-     * of one beyond (but /health and /metrics) are answered 503 and it is
+     * of one beyond (but /health, /ready and /metrics) are answered 503 and it is
      * closed. 0 = no limit. */
     int max_connections_per_ip;
     /* NAME[,ALIAS...]: the model name reported (the first) and the names

@@ -1,13 +1,15 @@
-/* pipeline/embed.c — rk_pipeline_embed (see pipeline.h): sequence
- * embeddings. The inputs go through the model in forward passes of bounded
- * size, each over live-pool blocks taken for that pass alone and released
- * after it: an embedding leaves nothing in the radix tree, the chunk index
- * or the arena. Each sequence's normed final hidden states are pooled and
- * L2-normalised. */
+/* pipeline/embed.c — rk_pipeline_embed and rk_pipeline_rerank (see
+ * pipeline.h): sequence embeddings and reranking scores. The inputs go
+ * through the model in forward passes of bounded size, each over live-pool
+ * blocks taken for that pass alone and released after it: neither leaves
+ * anything in the radix tree, the chunk index or the arena. Each sequence's
+ * normed final hidden states are pooled and L2-normalised (an embedding), or
+ * the pooled state goes through the file's classification head (a score). */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/kernels.h"
 #include "pipeline/internal.h"
 
 /* Tokens per forward pass: bounds activation memory and how long one pass
@@ -20,6 +22,109 @@ rk_pooling rk_service_pooling(const rk_service *svc) {
         if (!strcmp(svc->cfg.pooling, names[i])) return (rk_pooling)i;
     rk_pooling p = rk_model_hparams(svc->model)->pooling;
     return p == RK_POOLING_UNSET ? RK_POOLING_NONE : p;
+}
+
+int rk_service_generates(const rk_service *svc) {
+    rk_pooling file = rk_model_hparams(svc->model)->pooling;
+    return file == RK_POOLING_UNSET || file == RK_POOLING_NONE ||
+           rk_service_pooling(svc) == RK_POOLING_NONE;
+}
+
+/* A reranker's classification head, widened to f32. */
+typedef struct rank_head {
+    int n_labels;
+    int softmax; /* qwen3: the score is softmax(logits)[0], else logits[0] */
+    float *w;    /* (n_labels, dim) */
+    float *b;    /* (n_labels) or NULL */
+} rank_head;
+
+static void head_free(rank_head *h) {
+    free(h->w);
+    free(h->b);
+}
+
+/* The f32 form of a GGUF tensor type the head may have; -1 when none. */
+static int head_dtype(uint32_t t) {
+    switch (t) {
+    case RK_GGML_F32: return RK_DTYPE_F32;
+    case RK_GGML_F16: return RK_DTYPE_F16;
+    case RK_GGML_BF16: return RK_DTYPE_BF16;
+    case RK_GGML_Q8_0: return RK_DTYPE_Q8_0;
+    case RK_GGML_Q4_0: return RK_DTYPE_Q4_0;
+    case RK_GGML_Q4_K: return RK_DTYPE_Q4_K;
+    case RK_GGML_Q5_K: return RK_DTYPE_Q5_K;
+    case RK_GGML_Q6_K: return RK_DTYPE_Q6_K;
+    default: return -1;
+    }
+}
+
+/* Read cls.output.weight (and .bias) from the model file into h (h->w NULL
+ * with a message when the model has no usable head). */
+static rk_status head_load(const rk_service *svc, rank_head *h) {
+    *h = (rank_head){0};
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    const rk_gguf *g = rk_model_gguf(svc->model);
+    if (rk_service_pooling(svc) != RK_POOLING_RANK)
+        return rk_errorf(RK_ERR_INVALID, "rerank: the model's pooling type is not rank");
+    const rk_gguf_tensor *w = rk_gguf_find_tensor(g, "cls.output.weight");
+    if (!w)
+        return rk_errorf(RK_ERR_INVALID, "rerank: the model file has no classification head "
+                                         "(cls.output.weight)");
+    int dt = head_dtype(w->type);
+    if (w->n_dims != 2 || w->ne[0] != hp->dim || w->ne[1] < 1 || w->ne[1] > 64 || dt < 0 ||
+        rk_dtype_row_bytes((rk_dtype)dt, (size_t)hp->dim) * (size_t)w->ne[1] != w->n_bytes)
+        return rk_errorf(RK_ERR_INVALID,
+                         "rerank: cls.output.weight must be (%d, 1..64) of F32, F16, BF16, Q8_0, "
+                         "Q4_0, Q4_K, Q5_K or Q6_K",
+                         hp->dim);
+    h->n_labels = (int)w->ne[1];
+    h->softmax = strcmp(hp->arch_name, "qwen3") == 0;
+    h->w = malloc((size_t)h->n_labels * hp->dim * sizeof *h->w);
+    if (!h->w) return rk_errorf(RK_ERR_NOMEM, "rerank: out of memory");
+    size_t row = rk_dtype_row_bytes((rk_dtype)dt, (size_t)hp->dim);
+    for (int l = 0; l < h->n_labels; l++)
+        rk_dequantize(h->w + (size_t)l * hp->dim, (const char *)w->data + (size_t)l * row,
+                      (rk_dtype)dt, (size_t)hp->dim);
+    const rk_gguf_tensor *b = rk_gguf_find_tensor(g, "cls.output.bias");
+    if (b) {
+        if (b->type != RK_GGML_F32 || b->ne[0] != h->n_labels || b->n_dims != 1 ||
+            b->n_bytes != (size_t)h->n_labels * sizeof(float)) {
+            head_free(h);
+            *h = (rank_head){0};
+            return rk_errorf(RK_ERR_INVALID, "rerank: cls.output.bias must be (%d) F32",
+                             (int)w->ne[1]);
+        }
+        h->b = malloc((size_t)h->n_labels * sizeof *h->b);
+        if (!h->b) {
+            head_free(h);
+            *h = (rank_head){0};
+            return rk_errorf(RK_ERR_NOMEM, "rerank: out of memory");
+        }
+        memcpy(h->b, b->data, (size_t)h->n_labels * sizeof *h->b);
+    }
+    return RK_OK;
+}
+
+int rk_service_can_rerank(const rk_service *svc) {
+    rank_head h;
+    rk_status st = head_load(svc, &h);
+    head_free(&h);
+    return st == RK_OK;
+}
+
+/* The score of one pooled hidden state v (dim). */
+static float head_score(const rank_head *h, const float *v, int dim) {
+    double logit[64], top = -INFINITY;
+    for (int l = 0; l < h->n_labels; l++) {
+        double acc = h->b ? h->b[l] : 0.0;
+        for (int i = 0; i < dim; i++) acc += (double)h->w[(size_t)l * dim + i] * v[i];
+        logit[l] = acc;
+        top = acc > top ? acc : top;
+    }
+    if (!h->softmax) return (float)logit[0];
+    double sum = 0;
+    for (int l = 0; l < h->n_labels; l++) sum += exp(logit[l] - top);
+    return (float)(exp(logit[0] - top) / sum);
 }
 
 /* One pass's buffers: its sequences' tokens, slots, tables and pooled rows. */
@@ -46,9 +151,10 @@ static void pass_free(embed_pass *p) {
     free(p->hidden);
 }
 
-/* Run the sequences gathered in p, pool them into out (n_seq, dim) and
- * release their blocks. */
-static rk_status pass_run(rk_service *svc, embed_pass *p, rk_pooling pooling, float *out) {
+/* Run the sequences gathered in p, pool them into out (n_seq, dim), or
+ * score them with head into out (n_seq), and release their blocks. */
+static rk_status pass_run(rk_service *svc, embed_pass *p, rk_pooling pooling, const rank_head *head,
+                          float *out) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
     int dim = hp->dim;
     rk_status st = RK_OK;
@@ -79,8 +185,10 @@ static rk_status pass_run(rk_service *svc, embed_pass *p, rk_pooling pooling, fl
     for (int s = 0; s < p->n_seq; s++) {
         int n = p->q_start[s + 1] - p->q_start[s];
         int n_rows = pooling == RK_POOLING_MEAN ? n : 1;
-        float *v = out + (size_t)s * dim;
-        if (!st) {
+        float *v = head ? p->hidden + (size_t)row * dim : out + (size_t)s * dim;
+        if (!st && head) {
+            out[s] = head_score(head, v, dim);
+        } else if (!st) {
             double norm = 0;
             for (int i = 0; i < dim; i++) {
                 double acc = 0;
@@ -98,10 +206,11 @@ static rk_status pass_run(rk_service *svc, embed_pass *p, rk_pooling pooling, fl
     return st;
 }
 
-rk_status rk_pipeline_embed(rk_service *svc, const int32_t *const *inputs, const int *n_tokens,
-                            int n_inputs, rk_pooling pooling, float *out) {
-    if (pooling != RK_POOLING_MEAN && pooling != RK_POOLING_CLS && pooling != RK_POOLING_LAST)
-        return rk_errorf(RK_ERR_INVALID, "embeddings: the model has no pooling (see --pooling)");
+/* Pool (or with head, score) each input into out: rows of width dim, or
+ * of 1 with head. */
+static rk_status run_passes(rk_service *svc, const int32_t *const *inputs, const int *n_tokens,
+                            int n_inputs, rk_pooling pooling, const rank_head *head, float *out) {
+    size_t width = head ? 1 : (size_t)rk_model_hparams(svc->model)->dim;
     int total = 0, longest = 0;
     for (int i = 0; i < n_inputs; i++) {
         if (n_tokens[i] < 1) return rk_errorf(RK_ERR_INVALID, "embeddings: input %d is empty", i);
@@ -127,8 +236,7 @@ rk_status rk_pipeline_embed(rk_service *svc, const int32_t *const *inputs, const
     for (int i = 0; !st && i < n_inputs;) {
         int n = n_tokens[i];
         if (p.n_seq > 0 && p.n_tok + n > cap_tok) {
-            st =
-                pass_run(svc, &p, pooling, out + (size_t)first * rk_model_hparams(svc->model)->dim);
+            st = pass_run(svc, &p, pooling, head, out + (size_t)first * width);
             first = i;
             continue;
         }
@@ -137,8 +245,7 @@ rk_status rk_pipeline_embed(rk_service *svc, const int32_t *const *inputs, const
         st = rk_seq_reserve(seq, svc->arena, RK_POOL_LIVE, n, p.slots + p.n_tok);
         if (st == RK_ERR_EXHAUSTED && p.n_seq > 0) { /* run what fits, then go on */
             rk_error_clear();
-            st =
-                pass_run(svc, &p, pooling, out + (size_t)first * rk_model_hparams(svc->model)->dim);
+            st = pass_run(svc, &p, pooling, head, out + (size_t)first * width);
             first = i;
             continue;
         }
@@ -158,9 +265,30 @@ rk_status rk_pipeline_embed(rk_service *svc, const int32_t *const *inputs, const
         p.n_seq++;
         i++;
     }
-    if (!st && p.n_seq > 0)
-        st = pass_run(svc, &p, pooling, out + (size_t)first * rk_model_hparams(svc->model)->dim);
+    if (!st && p.n_seq > 0) st = pass_run(svc, &p, pooling, head, out + (size_t)first * width);
     for (int s = 0; s < p.n_seq; s++) rk_seq_release(&p.seqs[s], svc->arena);
     pass_free(&p);
+    return st;
+}
+
+rk_status rk_pipeline_embed(rk_service *svc, const int32_t *const *inputs, const int *n_tokens,
+                            int n_inputs, rk_pooling pooling, float *out) {
+    if (pooling != RK_POOLING_MEAN && pooling != RK_POOLING_CLS && pooling != RK_POOLING_LAST)
+        return rk_errorf(RK_ERR_INVALID, "embeddings: the model has no pooling (see --pooling)");
+    return run_passes(svc, inputs, n_tokens, n_inputs, pooling, NULL, out);
+}
+
+rk_status rk_pipeline_rerank(rk_service *svc, const int32_t *const *inputs, const int *n_tokens,
+                             int n_inputs, float *out) {
+    rank_head h;
+    rk_status st = head_load(svc, &h);
+    if (st) return st;
+    /* The reference engine pools the last token of qwen3 rerankers, the
+     * first (CLS) of the others. */
+    rk_pooling pooling = strcmp(rk_model_hparams(svc->model)->arch_name, "qwen3") == 0
+                             ? RK_POOLING_LAST
+                             : RK_POOLING_CLS;
+    st = run_passes(svc, inputs, n_tokens, n_inputs, pooling, &h, out);
+    head_free(&h);
     return st;
 }

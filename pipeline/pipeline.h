@@ -488,6 +488,29 @@ rk_pooling rk_service_pooling(const rk_service *svc);
 rk_status rk_pipeline_embed(rk_service *svc, const int32_t *const *inputs, const int *n_tokens,
                             int n_inputs, rk_pooling pooling, float *out);
 
+/* Whether the service generates text (/v1/completions, /v1/chat/completions):
+ * 1 unless the model file declares a pooling type (an embedding or a
+ * reranking model), and then only when --pooling none overrides it. */
+int rk_service_generates(const rk_service *svc);
+
+/* Whether the service reranks: its pooling (rk_service_pooling) is rank and
+ * the model file has a classification head cls.output.weight of shape (dim,
+ * n_labels) in a weight type ragkv reads, with cls.output.bias (n_labels)
+ * optional. 0 and a message (rk_error_message) otherwise. */
+int rk_service_can_rerank(const rk_service *svc);
+
+/* One relevance score per input of a reranking model (rk_service_can_rerank):
+ * inputs[i] (the query and document already formatted and tokenized) run
+ * through the model as rk_pipeline_embed's do; the normed hidden state of
+ * the pooled token (the last for qwen3, the first otherwise) goes through
+ * the head, and the score is the first label's probability after a softmax
+ * over the labels (qwen3: P("yes")), or the first logit for other
+ * architectures, into out (n_inputs). RK_ERR_INVALID when the model cannot
+ * rerank or for an empty input, and rk_pipeline_embed's errors. Engine
+ * thread only. */
+rk_status rk_pipeline_rerank(rk_service *svc, const int32_t *const *inputs, const int *n_tokens,
+                             int n_inputs, float *out);
+
 /* ---------------------------------------------------------------- pre-warming */
 
 typedef struct rk_prewarm_item {

@@ -24,7 +24,7 @@ bench_doc() {
 }
 
 # bench_serve BIN MODEL PORT LOG [ARGS...]: start `BIN serve` in the
-# background ($BENCH_SERVER is its pid) and wait until /health answers; on a
+# background ($BENCH_SERVER is its pid) and wait until /ready answers; on a
 # server that exits first, print its log and exit 1.
 bench_serve() {
     local bin=$1 model=$2 port=$3 log=$4
@@ -33,7 +33,7 @@ bench_serve() {
         "$@" >"$log" 2>&1 &
     BENCH_SERVER=$!
     for _ in $(seq 600); do
-        curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && return 0
+        curl -sf "http://127.0.0.1:$port/ready" >/dev/null 2>&1 && return 0
         kill -0 "$BENCH_SERVER" 2>/dev/null || { cat "$log" >&2; exit 1; }
         sleep 0.5
     done

@@ -33,7 +33,7 @@ EOF
 server=$!
 trap 'kill $server 2>/dev/null; wait $server 2>/dev/null; rm -rf "$work"' EXIT
 for _ in $(seq 600); do
-    curl -sf "$url/health" >/dev/null 2>&1 && break
+    curl -sf "$url/ready" >/dev/null 2>&1 && break
     kill -0 $server 2>/dev/null || { cat "$work/serve.log" >&2; exit 1; }
     sleep 0.5
 done

@@ -52,13 +52,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_ready(port, proc, what):
+def wait_ready(port, proc, what, path="/health"):
     deadline = time.time() + 120
     while time.time() < deadline:
         if proc.poll() is not None:
             sys.exit(f"{what} exited while starting")
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
                 if r.status == 200:
                     return
         except Exception:
@@ -122,7 +122,7 @@ def main():
             [ragkv, "serve", "--model", model, "--port", str(p_rk), "--kv-dtype", "f32"],
             stdout=log_rk, stderr=subprocess.STDOUT))
         wait_ready(p_ref, procs[0], "the reference server")
-        wait_ready(p_rk, procs[1], "ragkv serve")
+        wait_ready(p_rk, procs[1], "ragkv serve", "/ready")
         ours, theirs = embed(p_rk), embed(p_ref)
     finally:
         for p in procs:

@@ -12,7 +12,7 @@ trap 'kill "$pid" 2>/dev/null || true; wait "$pid" 2>/dev/null || true; rm -f "$
 url=""
 for _ in $(seq 100); do
     url=$(grep -o 'http://[0-9.]*:[0-9]*' "$log" | head -1 || true)
-    [ -n "$url" ] && curl -sf "$url/health" >/dev/null 2>&1 && break
+    [ -n "$url" ] && curl -sf "$url/ready" >/dev/null 2>&1 && break
     sleep 0.1
 done
 [ -n "$url" ] || { echo "the service did not start:"; cat "$log"; exit 1; }

@@ -3,7 +3,8 @@
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config libcivetweb-dev libjansson-dev libxxhash-dev libhiredis-dev libssl-dev redis-server
       libsqlite3-dev libcriterion-dev libopenblas-dev libpcre2-dev clang-format curl python3
-      prometheus) # prometheus: for promtool, which checks the /metrics exposition in the tests
+      prometheus # prometheus: for promtool, which checks the /metrics exposition in the tests
+      haproxy python3-yaml) # tests/test_cluster.c: replicas behind HAProxy, deploy/ files checked
 # Node.js and npm: tests/test_openai.c installs the official openai npm SDK into build/npm
 # and drives the server with it. npm is a package of its own only where nodejs lacks it.
 pkgs+=(nodejs)

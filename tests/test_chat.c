@@ -14,7 +14,7 @@
 #include "pipeline/pipeline.h"
 #include "tests/testutil.h"
 
-#define N_TEMPLATES 3
+#define N_TEMPLATES 4
 
 /* ---------------------------------------------------------------- rendering */
 
@@ -78,7 +78,7 @@ static const char *WANT_SYS[N_TEMPLATES] = {
     "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n",
     "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|><|start_header_id|>user<|end_"
     "header_id|>\n\n",
-    "[INST] <<SYS>>\nS\n<</SYS>>\n\n"};
+    "[INST] <<SYS>>\nS\n<</SYS>>\n\n", "<|system|>\nS<|end|>\n<|user|>\n"};
 
 /* The question pieces of turns 1, 2 and 3 of the conversation below. */
 static const char *WANT_Q[N_TEMPLATES][3] = {
@@ -95,7 +95,11 @@ static const char *WANT_Q[N_TEMPLATES][3] = {
      "eot_id|><|start_header_id|>user<|end_header_id|>\n\nQ3<|eot_id|><|start_header_id|>"
      "assistant<|end_header_id|>\n\n"},
     {"Q1 [/INST]", "Q1 [/INST] A1 </s><s>[INST] Q2 [/INST]",
-     "Q1 [/INST] A1 </s><s>[INST] Q2 [/INST] A2 </s><s>[INST] Q3 [/INST]"}};
+     "Q1 [/INST] A1 </s><s>[INST] Q2 [/INST] A2 </s><s>[INST] Q3 [/INST]"},
+    {"Q1<|end|>\n<|assistant|>\n",
+     "Q1<|end|>\n<|assistant|>\nA1<|end|>\n<|user|>\nQ2<|end|>\n<|assistant|>\n",
+     "Q1<|end|>\n<|assistant|>\nA1<|end|>\n<|user|>\nQ2<|end|>\n<|assistant|>\nA2<|end|>\n<|"
+     "user|>\nQ3<|end|>\n<|assistant|>\n"}};
 
 Test(chat, each_turn_extends_the_layout_of_the_last) {
     const char *answers[] = {"A1", "A2"}, *questions[] = {"Q2", "Q3"};
@@ -360,7 +364,7 @@ Test(chat, a_last_assistant_message_is_continued) {
     static const char *want_q[N_TEMPLATES] = {
         "Q1<|im_end|>\n<|im_start|>assistant\nThe answer is",
         "Q1<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nThe answer is",
-        "Q1 [/INST] The answer is"};
+        "Q1 [/INST] The answer is", "Q1<|end|>\n<|assistant|>\nThe answer is"};
     for (int t = 0; t < N_TEMPLATES; t++) {
         json_t *msgs = json_array();
         add_msg(msgs, "system", "S");

@@ -209,7 +209,11 @@ Test(embeddings, bad_requests_get_400_in_the_error_envelope) {
     expect_error("{\"input\": 5}", 400, NULL);
     expect_error("{\"input\": [[1, 2], [999999999]]}", 400, NULL);
     expect_error("{\"input\": \"hi\", \"encoding_format\": \"int8\"}", 400, NULL);
-    expect_error("{\"input\": \"hi\", \"dimensions\": 64}", 400, NULL);
+    expect_error("{\"input\": \"hi\", \"dimensions\": 129}", 400, NULL);
+    expect_error("{\"input\": \"hi\", \"dimensions\": 0}", 400, NULL);
+    expect_error("{\"input\": \"hi\", \"truncate\": \"yes\"}", 400, NULL);
+    expect_error("{\"input\": \"hi\", \"truncate\": true, \"truncation_direction\": \"up\"}", 400,
+                 NULL);
     char body[1024] = "{\"input\": \"";
     for (int i = 0; i < 40; i++) strcat(body, "token after token ");
     strcat(body, "\"}");
@@ -227,7 +231,6 @@ static int has_embedding_capability(void) {
     cr_assert_eq(rk_test_exchange(&S.t, "GET", "/v1/models", NULL, NULL, &r), 0);
     json_t *caps = rk_test_jget(r.json, "data.0.capabilities");
     cr_assert(json_is_array(caps), "%s", r.http.body);
-    cr_expect_str_eq(json_string_value(json_array_get(caps, 0)), "completion");
     int found = 0;
     for (size_t i = 0; i < json_array_size(caps); i++)
         found |= !strcmp(json_string_value(json_array_get(caps, i)), "embedding");
@@ -269,7 +272,9 @@ static json_t *stats(void) {
 }
 
 Test(embeddings, an_embedding_call_leaves_nothing_in_the_caches_or_the_live_pool) {
-    start("qwen3-embedding-tiny", NULL);
+    /* A generative model pooled by --pooling both embeds and generates. */
+    const char *extra[] = {"--pooling", "last", NULL};
+    start("qwen3-tiny", extra);
     rk_test_resp r = post("{\"input\": [\"a passage long enough to fill more than one KV block of "
                           "sixteen tokens, so that blocks are taken\", \"and another\"]}");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
@@ -292,4 +297,98 @@ Test(embeddings, an_embedding_call_leaves_nothing_in_the_caches_or_the_live_pool
     s = stats();
     cr_expect_gt(rk_test_jint(s, "prefix.cached_tokens"), 0);
     json_decref(s);
+}
+
+/* data[0].embedding of an answer as n floats (asserted). */
+static void vec_n(json_t *root, float *out, int n) {
+    json_t *e = rk_test_jget(root, "data.0.embedding");
+    cr_assert(json_is_array(e));
+    cr_assert_eq(json_array_size(e), (size_t)n);
+    for (int k = 0; k < n; k++) out[k] = (float)json_number_value(json_array_get(e, (size_t)k));
+}
+
+Test(embeddings, dimensions_are_the_first_values_renormalised) {
+    start("qwen3-embedding-tiny", NULL);
+    rk_test_resp full = post("{\"input\": \"matryoshka dolls nest\"}");
+    rk_test_resp cut = post("{\"input\": \"matryoshka dolls nest\", \"dimensions\": 32}");
+    cr_assert_eq(cut.http.status, 200, "%s", cut.http.body);
+    float f[DIM], c[32];
+    vec_of(full.json, 0, f);
+    vec_n(cut.json, c, 32);
+    double norm = 0, n2 = 0;
+    for (int k = 0; k < 32; k++) norm += (double)f[k] * f[k];
+    norm = sqrt(norm);
+    for (int k = 0; k < 32; k++) {
+        cr_expect_float_eq(c[k], f[k] / norm, 1e-6, "value %d: %g vs %g", k, c[k], f[k] / norm);
+        n2 += (double)c[k] * c[k];
+    }
+    cr_expect_float_eq(n2, 1.0, 1e-5);
+    /* base64 carries the same 32 values: 128 bytes. */
+    rk_test_resp b = post("{\"input\": \"matryoshka dolls nest\", \"dimensions\": 32, "
+                          "\"encoding_format\": \"base64\"}");
+    cr_assert_eq(b.http.status, 200, "%s", b.http.body);
+    cr_expect_eq(strlen(rk_test_jstr(b.json, "data.0.embedding")), (32 * 4 + 2) / 3 * 4);
+    rk_test_resp_free(&b);
+    rk_test_resp_free(&cut);
+    rk_test_resp_free(&full);
+}
+
+Test(embeddings, a_generative_model_pooled_by_flag_serves_its_full_width_only) {
+    const char *extra[] = {"--pooling", "mean", NULL};
+    start("qwen3-tiny", extra);
+    expect_error("{\"input\": \"hi\", \"dimensions\": 32}", 400, NULL);
+    rk_test_resp r = post("{\"input\": \"hi\", \"dimensions\": 128}");
+    cr_expect_eq(r.http.status, 200, "%s", r.http.body);
+    rk_test_resp_free(&r);
+}
+
+Test(embeddings, truncate_cuts_an_input_to_the_context_from_the_side_asked) {
+    const char *extra[] = {"--max-context", "16", NULL};
+    start("qwen3-embedding-tiny", extra);
+    /* 16 tokens or more: count them with /tokenize. */
+    const char *text = "one two three four five six seven eight nine ten eleven twelve thirteen "
+                       "fourteen fifteen sixteen seventeen eighteen nineteen twenty";
+    rk_test_resp t;
+    char body[1024];
+    snprintf(body, sizeof body, "{\"content\": \"%s\", \"add_special\": true}", text);
+    cr_assert_eq(rk_test_exchange(&S.t, "POST", "/tokenize", NULL, body, &t), 0);
+    json_t *toks = rk_test_jget(t.json, "tokens");
+    size_t n = json_array_size(toks);
+    cr_assert_gt(n, 16);
+    snprintf(body, sizeof body, "{\"input\": \"%s\"}", text);
+    expect_error(body, 400, "context_length_exceeded");
+    /* Right (the default): the first 16 tokens; left: the last 16. */
+    const char *dirs[] = {"", ", \"truncation_direction\": \"left\""};
+    for (int d = 0; d < 2; d++) {
+        snprintf(body, sizeof body, "{\"input\": \"%s\", \"truncate\": true%s}", text, dirs[d]);
+        rk_test_resp r = post(body);
+        cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+        cr_expect_eq(rk_test_jint(r.json, "usage.prompt_tokens"), 16);
+        char ids[512] = "{\"input\": [";
+        for (size_t i = 0; i < 16; i++) {
+            size_t k = d ? n - 16 + i : i;
+            snprintf(ids + strlen(ids), sizeof ids - strlen(ids), "%s%lld", i ? "," : "",
+                     (long long)json_integer_value(json_array_get(toks, k)));
+        }
+        strcat(ids, "]}");
+        rk_test_resp w = post(ids);
+        cr_assert_eq(w.http.status, 200, "%s", w.http.body);
+        float a[DIM], b[DIM];
+        vec_of(r.json, 0, a);
+        vec_of(w.json, 0, b);
+        cr_expect_float_eq(dot(a, b), 1.0, 1e-5, "direction %d", d);
+        rk_test_resp_free(&w);
+        rk_test_resp_free(&r);
+    }
+    rk_test_resp_free(&t);
+}
+
+Test(embeddings, an_embedding_model_does_not_generate) {
+    start("qwen3-embedding-tiny", NULL);
+    rk_test_resp g;
+    cr_assert_eq(rk_test_exchange(&S.t, "POST", "/v1/completions", NULL,
+                                  "{\"prompt\": \"hello\", \"max_tokens\": 2}", &g),
+                 0);
+    cr_expect_eq(g.http.status, 400, "%s", g.http.body);
+    rk_test_resp_free(&g);
 }

@@ -8,6 +8,7 @@
 #include <jansson.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -982,6 +983,9 @@ Test(http_opts, api_key_protects_every_route_but_health, .fini = stop_server, .t
     r = get("/health");
     cr_assert_eq(r.http.status, 200);
     rk_test_resp_free(&r);
+    r = get("/ready");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    rk_test_resp_free(&r);
 }
 
 Test(http_opts, admin_key_guards_flush_and_delete, .fini = stop_server, .timeout = 300) {
@@ -1326,14 +1330,21 @@ Test(http_opts, a_full_queue_and_timeouts_give_503_or_cancel, .fini = stop_serve
 
 /* ================================================================ life cycle */
 
-Test(http_opts, health_is_503_while_loading, .fini = stop_server, .timeout = 300) {
+/* /health is 200 while the process lives (a liveness probe must not kill a
+ * server loading its model); /ready is 503 until the model is loaded. */
+Test(http_opts, ready_is_503_and_health_200_while_loading, .fini = stop_server, .timeout = 300) {
     const char *args[] = {"--load-delay-s", "1.5", NULL};
     cr_assert_eq(rk_test_server_start(&S, "http", NULL, args, NULL), 0);
-    resp r = get("/health");
+    resp r = get("/ready");
     cr_assert_eq(r.http.status, 503, "%s", r.http.body);
     cr_assert_str_eq(rk_test_jstr(r.json, "status"), "loading");
     cr_assert_str_eq(rk_test_jstr(r.json, "error.type"), "service_unavailable_error");
     cr_assert(json_is_null(rk_test_jget(r.json, "error.code")), "%s", r.http.body);
+    cr_assert_str_eq(rk_test_header(&r, "Retry-After"), "1");
+    rk_test_resp_free(&r);
+    r = get("/health");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_str_eq(rk_test_jstr(r.json, "status"), "loading");
     rk_test_resp_free(&r);
     r = post("/v1/completions", "{\"prompt\": \"x\"}");
     expect_error(&r, 503);
@@ -1341,13 +1352,60 @@ Test(http_opts, health_is_503_while_loading, .fini = stop_server, .timeout = 300
     double until = rk_test_now() + 30;
     int status = 0;
     while (rk_test_now() < until) {
-        r = get("/health");
+        r = get("/ready");
         status = r.http.status;
         rk_test_resp_free(&r);
         if (status == 200) break;
         rk_test_sleep(0.05);
     }
     cr_assert_eq(status, 200);
+    r = get("/health");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_str_eq(rk_test_jstr(r.json, "status"), "ok");
+    rk_test_resp_free(&r);
+}
+
+/* SIGTERM drains: /ready turns 503 at once (a load balancer stops sending
+ * work), /health stays 200, new requests get 503 with Retry-After, the
+ * request already running finishes whole, and the process exits 0. */
+Test(http_opts, sigterm_drains_ready_503_running_requests_finish, .timeout = 300) {
+    const char *args[] = {"--token-delay-s", "0.02", "--grace-s", "60", NULL};
+    cr_assert_eq(rk_test_server_start_ready(&S, "http", NULL, args), 0);
+    rk_http_conn c;
+    open_completion("{\"prompt\": \"x\", \"max_tokens\": 300, \"ignore_eos\": true}", &c);
+    for (double until = rk_test_now() + 20; rk_test_now() < until; rk_test_sleep(0.02)) {
+        resp st = get("/v1/stats");
+        long long running = rk_test_jint(st.json, "requests.running");
+        rk_test_resp_free(&st);
+        if (running > 0) break;
+    }
+    cr_assert_eq(kill(S.pid, SIGTERM), 0);
+    resp r = {0};
+    for (double until = rk_test_now() + 20; rk_test_now() < until; rk_test_sleep(0.02)) {
+        r = get("/ready");
+        if (r.http.status == 503) break;
+        rk_test_resp_free(&r);
+    }
+    cr_assert_eq(r.http.status, 503, "/ready did not turn 503 after SIGTERM: %s", r.http.body);
+    cr_assert_str_eq(rk_test_jstr(r.json, "status"), "stopping");
+    cr_assert_str_eq(rk_test_header(&r, "Retry-After"), "1");
+    rk_test_resp_free(&r);
+    r = get("/health");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_str_eq(rk_test_jstr(r.json, "status"), "stopping");
+    rk_test_resp_free(&r);
+    r = post("/v1/completions", "{\"prompt\": \"y\", \"max_tokens\": 1}");
+    expect_error(&r, 503);
+    cr_assert_str_eq(rk_test_header(&r, "Retry-After"), "1");
+    cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "shutting down"), "%s", r.http.body);
+    rk_test_resp_free(&r);
+    /* The running request was not cut: all its tokens, finish_reason length. */
+    r = finish(&c);
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(rk_test_jint(r.json, "usage.completion_tokens"), 300, "%s", r.http.body);
+    cr_assert_str_eq(rk_test_jstr(r.json, "choices.0.finish_reason"), "length");
+    rk_test_resp_free(&r);
+    cr_assert_eq(rk_test_server_stop(&S), 0, "ragkv serve did not exit with status 0 on SIGTERM");
 }
 
 Test(http_opts, sigterm_exits_cleanly_after_work, .timeout = 300) {
@@ -1502,6 +1560,9 @@ Test(http_opts, requests_beyond_http_threads_get_503_but_probes_answer, .fini = 
     cr_assert(strstr(rk_test_jstr(r.json, "error.message"), "http_threads"), "%s", r.http.body);
     rk_test_resp_free(&r);
     r = get("/health");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    rk_test_resp_free(&r);
+    r = get("/ready");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
     rk_test_resp_free(&r);
     r = get("/metrics");

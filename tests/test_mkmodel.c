@@ -101,17 +101,74 @@ static void expect_layers(const rk_gguf *g, int n_layers, uint32_t wt, int64_t d
 
 /* ---------------------------------------------------------------- presets */
 
-Test(mkmodel, lists_nine_presets_with_descriptions) {
+Test(mkmodel, lists_the_presets_with_descriptions) {
     size_t n = 0;
     const rk_mkmodel_preset_info *p = rk_mkmodel_presets(&n);
-    cr_assert_eq(n, 9);
     const char *names[] = {
-        "tiny",     "qwen3-0.6b",           "qwen3-tiny",    "qwen2-tiny",      "llama-1b",
-        "qwen3-8b", "qwen3-embedding-tiny", "qwen3moe-tiny", "qwen3moe-a3b-12l"};
-    for (size_t i = 0; i < n; i++) {
-        cr_assert_str_eq(p[i].name, names[i]);
-        cr_assert_gt(strlen(p[i].description), 20);
+        "tiny",      "qwen3-0.6b",    "qwen3-tiny",           "qwen2-tiny",
+        "llama-1b",  "qwen3-8b",      "qwen3-embedding-tiny", "qwen3-reranker-tiny",
+        "phi3-tiny", "qwen3moe-tiny", "qwen3moe-a3b-12l"};
+    size_t n_names = sizeof names / sizeof names[0];
+    cr_assert_geq(n, n_names);
+    for (size_t i = 0; i < n; i++) cr_assert_gt(strlen(p[i].description), 20);
+    for (size_t k = 0; k < n_names; k++) {
+        int found = 0;
+        for (size_t i = 0; i < n; i++) found |= !strcmp(p[i].name, names[k]);
+        cr_expect(found, "preset %s is not listed", names[k]);
     }
+    cr_assert_str_eq(p[0].name, "tiny");
+}
+
+/* The reranker preset is written as the reference converter writes
+ * Qwen3-Reranker: rank pooling, the yes/no labels, the rerank prompt and a
+ * two-row head. */
+Test(mkmodel, the_reranker_preset_has_the_rank_pooling_head_and_prompt) {
+    const char *vocab = rk_test_shared_path("tokenizers/qwen3/tokenizer.json");
+    if (!vocab) cr_skip_test("missing ../shared/tokenizers/qwen3/tokenizer.json");
+    rk_mkmodel_opts o;
+    rk_mkmodel_opts_default(&o);
+    o.preset = "qwen3-reranker-tiny";
+    o.vocab_path = vocab;
+    void *buf;
+    size_t len;
+    cr_assert_eq(rk_mkmodel_build_memory(&o, &buf, &len), RK_OK, "%s", rk_error_message());
+    rk_gguf *g;
+    cr_assert_eq(rk_gguf_open_memory(buf, len, &g), RK_OK, "%s", rk_error_message());
+    uint32_t pooling = 0;
+    cr_expect_eq(rk_gguf_get_u32(g, "qwen3.pooling_type", &pooling), RK_OK);
+    cr_expect_eq(pooling, 4);
+    const char *const *labels;
+    size_t n_labels = 0;
+    cr_assert_eq(rk_gguf_get_arr_str(g, "qwen3.classifier.output_labels", &labels, NULL, &n_labels),
+                 RK_OK);
+    cr_assert_eq(n_labels, 2);
+    cr_expect_str_eq(labels[0], "yes");
+    cr_expect_str_eq(labels[1], "no");
+    const char *tmpl;
+    size_t tlen;
+    cr_assert_eq(rk_gguf_get_str(g, "tokenizer.chat_template.rerank", &tmpl, &tlen), RK_OK);
+    cr_expect(strstr(tmpl, "<Query>: {query}\n<Document>: {document}<|im_end|>"), "%s", tmpl);
+    const rk_gguf_tensor *t = rk_gguf_find_tensor(g, "cls.output.weight");
+    cr_assert_not_null(t);
+    cr_expect_eq(t->ne[0], 128);
+    cr_expect_eq(t->ne[1], 2);
+    /* Its rows are the (tied) output projection's rows of "yes" and "no". */
+    const char *const *toks;
+    size_t n_toks = 0;
+    cr_assert_eq(rk_gguf_get_arr_str(g, "tokenizer.ggml.tokens", &toks, NULL, &n_toks), RK_OK);
+    int64_t ids[2] = {-1, -1};
+    for (size_t i = 0; i < n_toks; i++) {
+        if (ids[0] < 0 && !strcmp(toks[i], "yes")) ids[0] = (int64_t)i;
+        if (ids[1] < 0 && !strcmp(toks[i], "no")) ids[1] = (int64_t)i;
+    }
+    const rk_gguf_tensor *e = rk_gguf_find_tensor(g, "token_embd.weight");
+    cr_assert(e && ids[0] >= 0 && ids[1] >= 0);
+    for (int k = 0; k < 2; k++)
+        cr_expect_eq(memcmp((const float *)t->data + k * 128, (const float *)e->data + ids[k] * 128,
+                            128 * sizeof(float)),
+                     0, "row %d is not token %lld's", k, (long long)ids[k]);
+    rk_gguf_close(g);
+    free(buf);
 }
 
 Test(mkmodel, preset_shapes_match_the_real_models) {

@@ -289,6 +289,34 @@ Test(openai_opts, an_omitted_max_tokens_fits_the_context_and_overflow_is_context
     rk_test_resp_free(&r);
 }
 
+/* A prompt of token ids is the text prompt's ids: BOS goes in front only
+ * where the model's text prompts get one (phi3-tiny's do not). */
+Test(openai_opts, a_token_id_prompt_answers_as_its_text_does_with_bos_only_where_text_has_it) {
+    char *model = rk_test_model("phi3-tiny", "f32", 7);
+    const char *args[] = {"--model", model, NULL};
+    start_with(args);
+    const char *body = "{\"prompt\": %s, \"max_tokens\": 6, \"temperature\": 0}";
+    resp t = rk_test_postf(&S.t, "/tokenize", "{\"content\": \"Once upon a time the cat\"}");
+    cr_assert_eq(t.http.status, 200, "%s", t.http.body);
+    char *ids = json_dumps(rk_test_jget(t.json, "tokens"), JSON_COMPACT);
+    resp a = rk_test_postf(&S.t, "/v1/completions", body, "\"Once upon a time the cat\"");
+    resp b = rk_test_postf(&S.t, "/v1/completions", body, ids);
+    cr_assert_eq(a.http.status, 200, "%s", a.http.body);
+    cr_assert_eq(b.http.status, 200, "%s", b.http.body);
+    cr_assert_eq(rk_test_jint(a.json, "usage.prompt_tokens"),
+                 (long long)json_array_size(rk_test_jget(t.json, "tokens")));
+    cr_assert_eq(rk_test_jint(b.json, "usage.prompt_tokens"),
+                 rk_test_jint(a.json, "usage.prompt_tokens"));
+    cr_assert(json_equal(rk_test_jget(a.json, "ragkv.completion_ids"),
+                         rk_test_jget(b.json, "ragkv.completion_ids")),
+              "%s\n%s", a.http.body, b.http.body);
+    free(ids);
+    rk_test_resp_free(&t);
+    rk_test_resp_free(&a);
+    rk_test_resp_free(&b);
+    free(model);
+}
+
 /* A max_tokens over the server's largest that no prompt fits beside is over
  * the context: 400 context_length_exceeded, as OpenAI answers, not the 422
  * of a server limit (OpenAI's SDKs raise BadRequestError for it). */
@@ -595,7 +623,7 @@ Test(openai_opts, served_model_names_and_the_strict_policy) {
 /* ================================================================ connections per address */
 
 /* 60 connections from 127.0.0.1 with a limit of 20: on every one /health
- * answers, on the 40 beyond the limit /v1/models is answered 503 and the
+ * and /ready answer, on the 40 beyond the limit /v1/models is answered 503 and the
  * connection closed; the service still answers 127.0.0.2 at once, and once
  * they are closed 127.0.0.1 is served again. */
 Test(openai_opts, requests_beyond_the_per_address_limit_are_refused_but_probes_answer) {
@@ -612,6 +640,14 @@ Test(openai_opts, requests_beyond_the_per_address_limit_are_refused_but_probes_a
         probes += !strncmp(a, "HTTP/1.1 200", 12);
         free(a);
     }
+    int ready = 0;
+    for (int i = 0; i < N; i++) send_str(fds[i], "GET /ready HTTP/1.1\r\nHost: x\r\n\r\n");
+    for (int i = 0; i < N; i++) {
+        char *a = recv_one(fds[i]);
+        ready += !strncmp(a, "HTTP/1.1 200", 12);
+        free(a);
+    }
+    cr_assert_eq(ready, N, "/ready answered 200 on %d of %d connections", ready, N);
     for (int i = 0; i < N; i++)
         send_str(fds[i], "GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
     for (int i = 0; i < N; i++) {
@@ -792,5 +828,18 @@ Test(openai_opts, the_official_openai_sdk_parses_structured_output_and_tool_call
     const char *args[] = {"--model", model, "--served-model-name", "ragkv-test", NULL};
     start_with(args);
     run_sdk_script(dir, "openai_sdk_structured.mjs");
+    free(model);
+}
+
+/* embeddings.create through the SDK, floats and base64 (which the SDK asks
+ * for by default and decodes itself), on an embedding model
+ * (tests/openai_sdk_embeddings.mjs). */
+Test(openai_opts, the_official_openai_sdk_reads_embeddings_as_floats_and_base64, .timeout = 600) {
+    char dir[1024];
+    sdk_installed(dir, sizeof dir);
+    char *model = rk_test_model("qwen3-embedding-tiny", "f32", 1);
+    const char *args[] = {"--model", model, "--served-model-name", "ragkv-test", NULL};
+    start_with(args);
+    run_sdk_script(dir, "openai_sdk_embeddings.mjs");
     free(model);
 }

@@ -142,6 +142,20 @@ Test(pipeline, query_repaired_cached_path_equals_the_oracle_in_every_mode) {
     free(model);
 }
 
+/* phi3 rotates only 24 of each head's 32 dimensions, with LongRoPE factors
+ * and an attention factor: reindexing a cached chunk rotates the same
+ * dimensions by the same frequencies, so cached equals the oracle in every
+ * mode, plain and query-repaired. */
+Test(pipeline, phi3_cached_path_equals_the_oracle_in_every_mode) {
+    char *model = rk_test_model("phi3-tiny", "f32", 7);
+    check_modes(model, STORY);
+    rk_req_options o = greedy_opts();
+    o.repair_ratio = 0.3f;
+    o.repair_query = 1;
+    check_modes_kv(model, STORY, &o, NULL, 1e-4, NULL);
+    free(model);
+}
+
 /* f16 KV rounds a cached key at its base position and the oracle's at its
  * live one: the tokens agree, the logits within f16's rounding. */
 Test(pipeline, cached_path_equals_the_oracle_in_every_mode_with_f16_kv) {

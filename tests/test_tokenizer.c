@@ -254,7 +254,8 @@ Test(tokenizer, llama_merges_across_words_when_the_vocabulary_has_such_pieces) {
                   .bos_id = -1,
                   .eos_id = -1,
                   .unk_id = 0,
-                  .pad_id = -1};
+                  .pad_id = -1,
+                  .add_space_prefix = 1};
     rk_tokenizer *t;
     cr_assert_eq(rk_tokenizer_create(&v, &t), RK_OK, "%s", rk_error_message());
     static const int32_t ab[] = {1, 5};
@@ -893,10 +894,15 @@ Test(tokenizer, vocab_from_hf_json_rejects_broken_files) {
     rk_vocab_free(&v);
     free(p);
 
-    snprintf(json, sizeof json, "%s{\"a\": 0, \"b\": 2}}}", head); /* id 1 missing */
+    /* An id no entry names is an unused padding token, as converters write it. */
+    snprintf(json, sizeof json, "%s{\"a\": 0, \"b\": 2}}}", head);
     p = rk_test_write_tmp("tokenizer", "gap.json", json);
-    cr_assert_eq(rk_vocab_from_hf_json(p, 0, &v), RK_ERR_FORMAT);
-    cr_assert(strstr(rk_error_message(), "id 1 is not assigned") != NULL, "%s", rk_error_message());
+    cr_assert_eq(rk_vocab_from_hf_json(p, 0, &v), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(v.n_tokens, 3);
+    cr_assert_str_eq(v.tokens[1], "[PAD1]");
+    cr_assert_eq(v.token_types[1], RK_TOKEN_UNUSED);
+    cr_assert_str_eq(v.tokens[2], "b");
+    rk_vocab_free(&v);
     free(p);
 
     snprintf(json, sizeof json,
@@ -939,4 +945,55 @@ Test(utf8, sanitize_replaces_each_bad_byte_and_nul_with_u_fffd) {
                         "c\xEF\xBF\xBD\xEF\xBF\xBD");
     cr_expect_eq(n, strlen(s));
     free(s);
+}
+
+/* A SentencePiece BPE model's tokenizer.json (byte fallback, U+2581 for
+ * spaces) becomes a llama vocabulary whose scores follow the merge ranks: it
+ * encodes as the reference engine encodes the GGUF file ragkv writes from it
+ * (llama-server's /tokenize on `ragkv mkmodel --preset phi3-tiny --vocab
+ * tests/data/spm-tokenizer.json`). */
+Test(tokenizer, a_sentencepiece_tokenizer_json_becomes_a_llama_vocabulary) {
+    rk_vocab v;
+    cr_assert_eq(rk_vocab_from_hf_json(RK_TEST_DATA "/spm-tokenizer.json", 0, &v), RK_OK, "%s",
+                 rk_error_message());
+    cr_assert_str_eq(v.model, "llama");
+    cr_assert_eq(v.n_merges, 0);
+    cr_assert(v.add_space_prefix && v.add_bos);
+    cr_assert_eq(v.unk_id, 0);
+    cr_assert_eq(v.bos_id, 1);
+    cr_assert_eq(v.eos_id, 2);
+    cr_assert_eq(v.token_types[0], RK_TOKEN_UNKNOWN);
+    cr_assert_eq(v.token_types[3 + 0x41], RK_TOKEN_BYTE);
+    cr_assert_str_eq(v.tokens[3 + 0x41], "<0x41>");
+    /* The first merge ("▁ t") scores -1, a single character 0. */
+    cr_assert_eq(v.scores[v.n_tokens - 1] < 0, 1);
+    rk_tokenizer *t;
+    cr_assert_eq(rk_tokenizer_create(&v, &t), RK_OK, "%s", rk_error_message());
+    rk_vocab_free(&v);
+    static const int32_t once[] = {357, 360, 331, 364, 329, 343, 337};
+    expect_ids(t, "Once upon a time the cat", 0, once, 7);
+    /* A character without a piece falls back to its bytes. */
+    static const int32_t euro[] = {259, 3 + 0xE2, 3 + 0x82, 3 + 0xAC};
+    expect_ids(t, "\xE2\x82\xAC", 0, euro, 4);
+    rk_tokenizer_free(t);
+}
+
+/* phi3: special tokens but BOS, EOS and <unk> take the whitespace after them,
+ * as Phi-3's tokenizer marks them; the ids are the reference engine's
+ * (llama-server /tokenize with parse_special) on the same file. */
+Test(tokenizer, phi3_special_tokens_take_the_whitespace_after_them) {
+    char *path = rk_test_model("phi3-tiny", "f32", 7);
+    rk_gguf *g;
+    cr_assert_eq(rk_gguf_open(path, &g), RK_OK, "%s", rk_error_message());
+    rk_tokenizer *t;
+    cr_assert_eq(rk_tokenizer_from_gguf(g, &t), RK_OK, "%s", rk_error_message());
+    static const int32_t chat[] = {32010, 357, 360, 331, 364, 32007, 32001};
+    expect_ids(t, "<|user|>\nOnce upon a time<|end|>\n<|assistant|>\n", 1, chat, 7);
+    static const int32_t sys[] = {32006, 331, 32002, 341};
+    expect_ids(t, "<|system|>   \n\n a<|placeholder1|>b", 1, sys, 4);
+    static const int32_t kept[] = {1, 259, 351, 268, 2, 259, 283, 32000, 259, 259, 284};
+    expect_ids(t, "<s> hi</s>  x<|endoftext|> y", 1, kept, 11);
+    rk_tokenizer_free(t);
+    rk_gguf_close(g);
+    free(path);
 }

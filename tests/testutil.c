@@ -180,7 +180,11 @@ char *rk_test_model(const char *preset, const char *wtype, unsigned seed) {
     rk_mkmodel_opts_default(&o);
     o.preset = preset;
     o.seed = seed;
-    if (strcmp(preset, "tiny") != 0) {
+    if (strncmp(preset, "phi3", 4) == 0) {
+        /* Any SentencePiece vocabulary of up to 32000 pieces makes the same
+         * weights: a small one of the repository's. */
+        o.vocab_path = rk_strdup(RK_TEST_DATA "/spm-tokenizer.json");
+    } else if (strcmp(preset, "tiny") != 0) {
         o.vocab_path = rk_test_shared_path("tokenizers/qwen3/tokenizer.json");
         if (!o.vocab_path) cr_skip_test("missing ../shared/tokenizers/qwen3/tokenizer.json");
         o.vocab_path = rk_strdup(o.vocab_path);
@@ -208,6 +212,14 @@ void rk_test_gguf_copy_kv(rk_gguf_writer *w, const rk_gguf *g, int64_t i) {
         uint32_t v;
         cr_assert_eq(rk_gguf_get_u32(g, key, &v), RK_OK);
         cr_assert_eq(rk_gguf_writer_set_u32(w, key, v), RK_OK);
+    } else if (t == RK_GGUF_UINT64) {
+        uint64_t v;
+        cr_assert_eq(rk_gguf_get_u64(g, key, &v), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_u64(w, key, v), RK_OK);
+    } else if (t == RK_GGUF_BOOL) {
+        int v;
+        cr_assert_eq(rk_gguf_get_bool(g, key, &v), RK_OK);
+        cr_assert_eq(rk_gguf_writer_set_bool(w, key, v), RK_OK);
     } else if (t == RK_GGUF_FLOAT32) {
         float v;
         cr_assert_eq(rk_gguf_get_f32(g, key, &v), RK_OK);
@@ -241,7 +253,9 @@ static rk_status fill_same(void *ctx, int64_t i, void *dst, size_t n_bytes) {
     return RK_OK;
 }
 
-char *rk_test_model_with_template(const char *src, const char *jinja, const char *name) {
+/* rk_test_model_with_template (jinja not NULL: replace tokenizer.chat_template)
+ * and rk_test_model_without_key (drop not NULL: leave that key out). */
+static char *model_copy(const char *src, const char *jinja, const char *drop, const char *name) {
     char dir[4096], path[4200], tmp[4300];
     snprintf(dir, sizeof dir, "%s/models", RK_TEST_TMP);
     mkdir(RK_TEST_TMP, 0755);
@@ -254,9 +268,9 @@ char *rk_test_model_with_template(const char *src, const char *jinja, const char
     rk_gguf_writer *w;
     cr_assert_eq(rk_gguf_writer_create(&w), RK_OK);
     for (int64_t i = 0; i < rk_gguf_n_kv(g); i++)
-        if (strcmp(rk_gguf_kv_key(g, i), "tokenizer.chat_template") != 0)
+        if (strcmp(rk_gguf_kv_key(g, i), jinja ? "tokenizer.chat_template" : drop) != 0)
             rk_test_gguf_copy_kv(w, g, i);
-    cr_assert_eq(rk_gguf_writer_set_str(w, "tokenizer.chat_template", jinja), RK_OK);
+    if (jinja) cr_assert_eq(rk_gguf_writer_set_str(w, "tokenizer.chat_template", jinja), RK_OK);
     for (int64_t i = 0; i < rk_gguf_n_tensors(g); i++) {
         const rk_gguf_tensor *t = rk_gguf_tensor_at(g, i);
         cr_assert_eq(rk_gguf_writer_add_tensor(w, t->name, (rk_ggml_type)t->type, t->n_dims, t->ne),
@@ -270,6 +284,14 @@ char *rk_test_model_with_template(const char *src, const char *jinja, const char
     rk_gguf_close(g);
     cr_assert_eq(rename(tmp, path), 0);
     return rk_strdup(path);
+}
+
+char *rk_test_model_with_template(const char *src, const char *jinja, const char *name) {
+    return model_copy(src, jinja, NULL, name);
+}
+
+char *rk_test_model_without_key(const char *src, const char *drop, const char *name) {
+    return model_copy(src, NULL, drop, name);
 }
 
 rk_request *rk_test_request(rk_service *svc, const int *prompt, int n_prompt, int n_sys,
@@ -445,7 +467,7 @@ int rk_test_server_start_ready(rk_test_server *s, const char *tag, const char *c
     for (double until = rk_test_now() + 60; rk_test_now() < until; rk_test_sleep(0.01)) {
         rk_test_resp r;
         int ok =
-            rk_test_exchange(&s->t, "GET", "/health", NULL, NULL, &r) == 0 && r.http.status == 200;
+            rk_test_exchange(&s->t, "GET", "/ready", NULL, NULL, &r) == 0 && r.http.status == 200;
         rk_test_resp_free(&r);
         if (ok) return 0;
         int status;

@@ -49,7 +49,8 @@ char *rk_test_tmpdir(const char *tag);
 /* Path of a synthetic model (rk_mkmodel preset, weight type "f32"/"f16"/"bf16",
  * seed) under the build tree's testtmp/models/, written on first use and
  * shared by every test afterwards (malloc'ed). Skips the test when the Qwen3
- * vocabulary the preset needs is absent. */
+ * vocabulary the preset needs is absent; phi3 presets take the small
+ * SentencePiece vocabulary of tests/data/spm-tokenizer.json. */
 char *rk_test_model(const char *preset, const char *wtype, unsigned seed);
 
 struct rk_gguf;
@@ -63,6 +64,9 @@ void rk_test_gguf_copy_kv(struct rk_gguf_writer *w, const struct rk_gguf *g, int
  * under the build tree's testtmp/models/NAME: written on first use and shared
  * afterwards, like rk_test_model's (malloc'ed path). */
 char *rk_test_model_with_template(const char *src, const char *jinja, const char *name);
+
+/* The same with the metadata key `drop` left out and no template set. */
+char *rk_test_model_without_key(const char *src, const char *drop, const char *name);
 
 struct rk_service;
 struct rk_request;
@@ -196,7 +200,7 @@ typedef struct rk_test_server {
 int rk_test_server_start(rk_test_server *s, const char *tag, const char *const *env,
                          const char *const *args, int *exit_status);
 
-/* rk_test_server_start, then wait up to 60 s until GET /health answers 200
+/* rk_test_server_start, then wait up to 60 s until GET /ready answers 200
  * (the model is loaded). Returns 0 or -1; when the server died while
  * loading, its log goes to stderr. */
 int rk_test_server_start_ready(rk_test_server *s, const char *tag, const char *const *env,
