@@ -11,6 +11,12 @@ static const rk_arch_desc k_archs[] = {
     {.name = "qwen2", .qkv_bias = 1, .rope_neox = 1, .act = RK_FFN_SILU},
     {.name = "qwen3", .qk_norm = 1, .rope_neox = 1, .act = RK_FFN_SILU},
     {.name = "phi3", .fused_qkv = 1, .fused_gate_up = 1, .rope_neox = 1, .act = RK_FFN_SILU},
+    {.name = "qwen3moe",
+     .qk_norm = 1,
+     .rope_neox = 1,
+     .act = RK_FFN_SILU,
+     .moe = RK_MOE_SOFTMAX,
+     .moe_norm_topk = 1},
 };
 #define N_ARCHS (sizeof k_archs / sizeof k_archs[0])
 

@@ -47,6 +47,9 @@ typedef struct rk_arch_desc {
     unsigned fused_gate_up : 1; /* ffn_up holds [gate; up] (no ffn_gate tensor) */
     rk_ffn_act act;
     rk_moe_gating moe; /* RK_MOE_NONE: dense */
+    /* Mixture of experts: the chosen experts' weights divided by their sum
+     * (the reference engine fixes this per family, e.g. on for qwen3moe) */
+    unsigned moe_norm_topk : 1;
 } rk_arch_desc;
 
 /* The description of the family named name, or NULL when ragkv does not

@@ -68,6 +68,9 @@ typedef struct rk_hparams {
     rk_rope_params rope;
     rk_dtype wtype;     /* dtype of the attention/FFN matrices (of blk.0.attn_q) */
     rk_pooling pooling; /* <arch>.pooling_type; RK_POOLING_UNSET when absent */
+    /* Mixture of experts (desc->moe != RK_MOE_NONE), else 0: experts per
+     * layer, experts per token, each expert's FFN width */
+    int n_expert, n_expert_used, ffn_exp;
 } rk_hparams;
 
 typedef struct rk_model rk_model; /* opaque */
@@ -100,7 +103,9 @@ const rk_gguf *rk_model_gguf(const rk_model *m);
 rk_backend *rk_model_backend(const rk_model *m);
 /* 32 lowercase hex digits identifying the weights and hyper-parameters. */
 const char *rk_model_fingerprint(const rk_model *m);
-/* Bytes of weights read per decoded token (every matrix once), for bandwidth figures. */
+/* Bytes of weights read per decoded token (every matrix once; of a
+ * mixture-of-experts layer the router and the expert_used_count /
+ * expert_count share of its experts), for bandwidth figures. */
 size_t rk_model_weight_bytes(const rk_model *m);
 
 /* One forward call. Sequence s of attn owns token rows attn.q_start[s] ..

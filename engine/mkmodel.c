@@ -38,6 +38,9 @@ typedef struct preset {
      * n_rot dimensions (0: all); LongRoPE factors for a context_length above
      * orig_ctx (0: none) */
     int fused, n_rot, orig_ctx;
+    /* Mixture of experts (0 experts: a dense FFN): experts per layer, used per
+     * token, and each expert's FFN width */
+    int n_expert, n_expert_used, ffn_exp;
 } preset;
 
 #define QWEN3_N_VOCAB 151936
@@ -85,6 +88,11 @@ static const rk_mkmodel_preset_info k_infos[] = {
     {"phi4-mini", "phi3, Phi-4-mini shapes: 32 layers, dim 3072, 24 heads / 8 KV, head 128, RoPE "
                   "on 96 dimensions, FFN 8192, LongRoPE from 4096 to 131072, tied, o200k "
                   "vocabulary (--vocab: its tokenizer.json; ~3.8 B parameters, 15 GB in F32)"},
+    {"qwen3moe-tiny", "qwen3moe (mixture of experts), 2 layers, dim 128, 4 heads / 2 KV, head 32, "
+                      "8 experts of FFN 64, 2 used per token, tied, Qwen3 vocabulary"},
+    {"qwen3moe-a3b-12l", "qwen3moe, Qwen3-30B-A3B's layer shapes: dim 2048, 32 heads / 4 KV, head "
+                         "128, 128 experts of FFN 768, 8 used, untied, Qwen3 vocabulary, 12 of its "
+                         "48 layers (~7.9 B parameters, 4.6 GB at q4_k_m)"},
 };
 
 static const preset k_presets[] = {
@@ -229,6 +237,39 @@ static const preset k_presets[] = {
      .fused = 1,
      .n_rot = 96,
      .orig_ctx = 4096},
+    /* qwen3moe-tiny */
+    {.arch = "qwen3moe",
+     .n_layers = 2,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3,
+     .n_expert = 8,
+     .n_expert_used = 2,
+     .ffn_exp = 64},
+    /* qwen3moe-a3b-12l */
+    {.arch = "qwen3moe",
+     .n_layers = 12,
+     .dim = 2048,
+     .n_heads = 32,
+     .n_kv_heads = 4,
+     .head_dim = 128,
+     .ffn_dim = 6144,
+     .n_ctx = 40960,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .qk_norm = 1,
+     .vocab = VOCAB_QWEN3,
+     .n_expert = 128,
+     .n_expert_used = 8,
+     .ffn_exp = 768},
 };
 
 #define N_PRESETS (sizeof k_presets / sizeof k_presets[0])
@@ -461,7 +502,7 @@ typedef struct mk_tensor {
     init_kind kind;
     rk_ggml_type type;
     uint32_t n_dims;
-    int64_t ne[2];
+    int64_t ne[3];   /* ne[2]: experts of a stacked expert tensor, else 1 */
     const char *src; /* INIT_ROWS: the tensor whose rows these are */
     int32_t rows[2]; /* INIT_ROWS: which (ne[1] of them) */
 } mk_tensor;
@@ -514,7 +555,7 @@ static void xo_seed(xoshiro *r, uint64_t seed, const char *name) {
 static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
     const mk_fill_ctx *fc = ctx;
     const mk_tensor *t = &fc->tensors[index];
-    size_t n = (size_t)t->ne[0] * (size_t)(t->n_dims > 1 ? t->ne[1] : 1);
+    size_t n = (size_t)t->ne[0] * (size_t)t->ne[1] * (size_t)t->ne[2];
     rk_dtype dt = mk_dtype(t->type);
     if (rk_dtype_row_bytes(dt, n) != n_bytes)
         return rk_errorf(RK_ERR_INTERNAL, "mkmodel: tensor %s: %zu bytes requested, %zu expected",
@@ -584,9 +625,10 @@ static void mk_model_free(mk_model *m) {
     memset(m, 0, sizeof *m);
 }
 
-/* Declare a tensor to the writer and remember how to fill it. */
-static rk_status mk_add(mk_model *m, init_kind kind, rk_ggml_type type, int64_t ne0, int64_t ne1,
-                        const char *fmt, int layer) {
+/* Declare a tensor to the writer and remember how to fill it: 1-D when ne1
+ * is 0, 3-D (a stack of ne2 matrices) when ne2 > 1. */
+static rk_status mk_add3(mk_model *m, init_kind kind, rk_ggml_type type, int64_t ne0, int64_t ne1,
+                         int64_t ne2, const char *fmt, int layer) {
     if (m->n_tensors == m->cap) {
         int64_t cap = m->cap ? m->cap * 2 : 64;
         mk_tensor *p = realloc(m->tensors, (size_t)cap * sizeof *p);
@@ -599,13 +641,19 @@ static rk_status mk_add(mk_model *m, init_kind kind, rk_ggml_type type, int64_t 
     snprintf(t->name, sizeof t->name, fmt, layer);
     t->kind = kind;
     t->type = ne1 ? type : RK_GGML_F32; /* 1-D tensors stay F32 */
-    t->n_dims = ne1 ? 2 : 1;
+    t->n_dims = ne2 > 1 ? 3 : ne1 ? 2 : 1;
     t->ne[0] = ne0;
     t->ne[1] = ne1 ? ne1 : 1;
+    t->ne[2] = ne2 > 1 ? ne2 : 1;
     rk_status st = rk_gguf_writer_add_tensor(m->w, t->name, t->type, t->n_dims, t->ne);
     if (st) return st;
     m->n_tensors++;
     return RK_OK;
+}
+
+static rk_status mk_add(mk_model *m, init_kind kind, rk_ggml_type type, int64_t ne0, int64_t ne1,
+                        const char *fmt, int layer) {
+    return mk_add3(m, kind, type, ne0, ne1, 1, fmt, layer);
 }
 
 static rk_status mk_set_arch_u32(rk_gguf_writer *w, const char *arch, const char *suffix,
@@ -670,6 +718,11 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
         (st = mk_set_arch_u32(w, a, "rope.dimension_count",
                               (uint32_t)(p->n_rot ? p->n_rot : p->head_dim))) ||
         (p->pooling > 0 && (st = mk_set_arch_u32(w, a, "pooling_type", (uint32_t)p->pooling))))
+        return st;
+    if (p->n_expert > 0 &&
+        ((st = mk_set_arch_u32(w, a, "expert_count", (uint32_t)p->n_expert)) ||
+         (st = mk_set_arch_u32(w, a, "expert_used_count", (uint32_t)p->n_expert_used)) ||
+         (st = mk_set_arch_u32(w, a, "expert_feed_forward_length", (uint32_t)p->ffn_exp))))
         return st;
     /* LongRoPE: the attention factor its converter writes, sqrt(1 + ln(s) / ln(orig)). */
     if (p->orig_ctx &&
@@ -823,6 +876,22 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
         if ((st = mk_add(m, INIT_MATRIX, t_q, q_dim, dim, "blk.%d.attn_output.weight", l)) ||
             (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.ffn_norm.weight", l)))
             return st;
+        if (p->n_expert > 0) {
+            /* The router stays F32, as the reference converter and quantizer keep it. */
+            const int64_t ne = p->n_expert, fe = p->ffn_exp;
+            const rk_ggml_type t_exp = mk_matrix_type(p, wt, dim, ROLE_OTHER, l);
+            const rk_ggml_type t_down = mk_matrix_type(p, wt, fe, ROLE_FFN_DOWN, l);
+            if ((st = mk_add(m, INIT_MATRIX, RK_GGML_F32, dim, ne, "blk.%d.ffn_gate_inp.weight",
+                             l)) ||
+                (st = mk_add3(m, INIT_MATRIX, t_exp, dim, fe, ne, "blk.%d.ffn_gate_exps.weight",
+                              l)) ||
+                (st =
+                     mk_add3(m, INIT_MATRIX, t_exp, dim, fe, ne, "blk.%d.ffn_up_exps.weight", l)) ||
+                (st = mk_add3(m, INIT_MATRIX, t_down, fe, dim, ne, "blk.%d.ffn_down_exps.weight",
+                              l)))
+                return st;
+            continue;
+        }
         if (p->fused) { /* ffn_up holds gate then up */
             if ((st = mk_add(m, INIT_MATRIX, t_dim, dim, 2 * ffn, "blk.%d.ffn_up.weight", l)))
                 return st;
@@ -926,6 +995,9 @@ rk_status rk_mkmodel_preset_hparams(const char *preset_name, rk_mkmodel_hparams 
     out->tied_embeddings = p->tied;
     out->qkv_bias = p->qkv_bias;
     out->qk_norm = p->qk_norm;
+    out->n_expert = p->n_expert;
+    out->n_expert_used = p->n_expert_used;
+    out->ffn_exp = p->ffn_exp;
     if (p->vocab == VOCAB_QWEN3) {
         out->n_vocab = QWEN3_N_VOCAB;
     } else if (p->vocab == VOCAB_TINY_32000) {

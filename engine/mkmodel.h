@@ -8,7 +8,7 @@
  * memory at start-up.
  *
  * Metadata written (what the model loader reads), <arch> = general.architecture:
- *   general.architecture                    string  "llama" | "qwen2" | "qwen3"
+ *   general.architecture                    string  "llama" | "qwen2" | "qwen3" | "qwen3moe"
  *   general.name                            string  "ragkv synthetic <preset>"
  *   general.file_type                       u32     llama.cpp's numbering: 0 = all F32,
  *                                                    1 = mostly F16, 32 = mostly BF16,
@@ -34,6 +34,9 @@
  *                                                    reranker presets: 4 = rank
  *   <arch>.classifier.output_labels         [string] reranker presets: ["yes", "no"]
  *   tokenizer.chat_template.rerank          string  reranker presets: Qwen3-Reranker's prompt
+ *   <arch>.expert_count                     u32     qwen3moe: experts per layer
+ *   <arch>.expert_used_count                u32     qwen3moe: experts per token
+ *   <arch>.expert_feed_forward_length       u32     qwen3moe: each expert's FFN width
  *   tokenizer.ggml.model                    string  "llama" (tiny vocab) | "gpt2" (Qwen3 vocab)
  *   tokenizer.ggml.pre                      string  gpt2 only ("qwen2")
  *   tokenizer.ggml.tokens                   [string]
@@ -59,6 +62,10 @@
  *   blk.N.ffn_gate.weight      {dim, ffn}
  *   blk.N.ffn_up.weight        {dim, ffn}
  *   blk.N.ffn_down.weight      {ffn, dim}
+ *   blk.N.ffn_gate_inp.weight  {dim, n_expert}            qwen3moe, instead of the three
+ *   blk.N.ffn_gate_exps.weight {dim, ffn_exp, n_expert}   above: the router (always F32)
+ *   blk.N.ffn_up_exps.weight   {dim, ffn_exp, n_expert}   and the experts' matrices
+ *   blk.N.ffn_down_exps.weight {ffn_exp, dim, n_expert}   stacked, expert e at index e
  *   output_norm.weight         {dim}
  *   output.weight              {dim, n_vocab}             absent when embeddings are tied
  *   cls.output.weight          {dim, 2}                   reranker presets: the yes/no head,
@@ -89,11 +96,16 @@
  * and on rows that are not whole super-blocks their types fall back as the
  * reference's do: Q2_K, Q3_K, IQ4_XS to IQ4_NL, Q4_K to Q5_0, Q5_K to Q5_1,
  * Q6_K to Q8_0.
+ * In the qwen3moe presets the expert stacks take these rules as the dense
+ * matrices do (ffn_down_exps as ffn_down, ffn_gate_exps and ffn_up_exps as
+ * the other matrices), and the router ffn_gate_inp stays F32.
  *
  * Weights: tensor by tensor from xoshiro256** seeded with splitmix64(seed, tensor
  * name), uniform: matrices and the embedding with std 1/sqrt(in_dim) (so
  * activations stay near unit scale), norm weights 1 + U(-0.05, 0.05), biases
- * std 0.02. The f32 values depend only on the seed and the tensor, so every
+ * std 0.02 (an expert stack's experts are consecutive stretches of one
+ * tensor's stream, so each has its own values). The f32 values depend only
+ * on the seed and the tensor, so every
  * weight type gets the same numbers (before rounding), and the same options
  * always give the same bytes. */
 #ifndef RK_MKMODEL_H
@@ -132,7 +144,7 @@ const rk_mkmodel_preset_info *rk_mkmodel_presets(size_t *out_n);
 
 /* The shape of a preset, as written to the metadata. */
 typedef struct rk_mkmodel_hparams {
-    const char *arch; /* "llama", "qwen2", "qwen3" */
+    const char *arch; /* "llama", "qwen2", "qwen3", "qwen3moe" */
     int n_layers;
     int dim;
     int n_heads;
@@ -146,6 +158,9 @@ typedef struct rk_mkmodel_hparams {
     int qkv_bias;        /* qwen2 */
     int qk_norm;         /* qwen3 */
     int n_vocab;         /* vocabulary rows (after padding) */
+    int n_expert;        /* qwen3moe: experts per layer; 0 for a dense FFN */
+    int n_expert_used;   /* experts per token */
+    int ffn_exp;         /* each expert's FFN width */
 } rk_mkmodel_hparams;
 
 /* Look up a preset's shape; RK_ERR_NOT_FOUND with a message listing the

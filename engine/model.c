@@ -18,6 +18,8 @@
 #include <string.h>
 #include <xxhash.h>
 
+#include "engine/moe.h"
+
 typedef struct rk_matrix {
     const void *w;      /* (rows, cols) backend memory, cols contiguous */
     const void *packed; /* w in the backend's packed layout, or NULL (see pack_mat) */
@@ -33,6 +35,9 @@ typedef struct rk_layer {
     /* [wq; wk; wv] and [gate; up] packed as one matrix each where the
      * backend packs them (see fuse_mats), else rows 0 */
     rk_matrix qkv, gate_up;
+    /* Mixture of experts (load_experts): the router and each expert's
+     * matrices in place of gate, up and down; moe.gate NULL when dense */
+    rk_moe_layer moe;
 } rk_layer;
 
 /* Activation buffers, sized for cap tokens and cap_logits logit rows. */
@@ -66,7 +71,8 @@ struct rk_model {
     void **host_allocs; /* host buffers (converted small tensors) */
     int n_host, cap_host;
     size_t weight_bytes;
-    int has_fused; /* some layer has a fused matrix (fuse_mats, or the file's) */
+    int has_fused;        /* some layer has a fused matrix (fuse_mats, or the file's) */
+    rk_moe_scratch moe_s; /* the MoE FFN's buffers (host memory) */
     char fingerprint[33];
     rk_scratch s;
 };
@@ -369,6 +375,35 @@ static rk_status read_rope(rk_model *m) {
     return rk_rope_init(&m->rope, rp);
 }
 
+/* The expert counts of a mixture-of-experts family, checked; ffn_dim
+ * (feed_forward_length, optional for these families) defaults to the width
+ * of the experts a token uses, as the reference engine takes it. */
+static rk_status read_experts(rk_model *m) {
+    rk_hparams *hp = &m->hp;
+    if (!hp->desc->moe) return RK_OK;
+    rk_status st;
+    if ((st = get_u32_arch(m, "expert_count", 0, 1, &hp->n_expert)) ||
+        (st = get_u32_arch(m, "expert_used_count", 0, 1, &hp->n_expert_used)) ||
+        (st = get_u32_arch(m, "expert_feed_forward_length", 0, 1, &hp->ffn_exp)))
+        return st;
+    if (hp->n_expert < 1 || hp->n_expert > 4096 || hp->n_expert_used < 1 ||
+        hp->n_expert_used > hp->n_expert || hp->ffn_exp < 1)
+        return rk_errorf(RK_ERR_FORMAT,
+                         "model: %s.expert_count %d, expert_used_count %d, "
+                         "expert_feed_forward_length %d are inconsistent",
+                         hp->arch_name, hp->n_expert, hp->n_expert_used, hp->ffn_exp);
+    if (hp->ffn_dim == 0) hp->ffn_dim = hp->ffn_exp * hp->n_expert_used;
+    if (hp->desc->act != RK_FFN_SILU)
+        return rk_errorf(RK_ERR_UNSUPPORTED, "model: %s: experts with a non-SiLU gate",
+                         hp->arch_name);
+    if (!backend_is_host(m->be))
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "model: %s is a mixture of experts, which the %s backend does not "
+                         "compute (cpu only)",
+                         hp->arch_name, m->be->name);
+    return RK_OK;
+}
+
 static rk_status read_hparams(rk_model *m) {
     rk_hparams *hp = &m->hp;
     const char *arch;
@@ -391,12 +426,13 @@ static rk_status read_hparams(rk_model *m) {
 
     if ((st = get_u32_arch(m, "block_count", 0, 1, &hp->n_layers)) ||
         (st = get_u32_arch(m, "embedding_length", 0, 1, &hp->dim)) ||
-        (st = get_u32_arch(m, "feed_forward_length", 0, 1, &hp->ffn_dim)) ||
+        (st = get_u32_arch(m, "feed_forward_length", 0, !hp->desc->moe, &hp->ffn_dim)) ||
         (st = get_u32_arch(m, "attention.head_count", 0, 1, &hp->n_heads)) ||
         (st = get_u32_arch(m, "attention.head_count_kv", (uint32_t)hp->n_heads, 0,
                            &hp->n_kv_heads)) ||
         (st = get_u32_arch(m, "context_length", 2048, 0, &hp->n_ctx)))
         return st;
+    if ((st = read_experts(m))) return st;
     if (hp->n_layers < 1 || hp->dim < 1 || hp->ffn_dim < 1 || hp->n_heads < 1 || hp->n_kv_heads < 1)
         return rk_errorf(RK_ERR_FORMAT,
                          "model: inconsistent shape (%d layers, dim %d, ffn %d, %d heads, %d kv)",
@@ -479,6 +515,141 @@ static rk_status apply_rope_freqs(rk_model *m) {
 
 /* ---------------------------------------------------------------- loading */
 
+/* One stacked expert tensor name {ne0, ne1, n_expert} as n_expert matrices
+ * (ne1, ne0) at offsets of whole rows, each packed on its own where the
+ * backend packs and pack is set; out[e] for expert e. Counted in
+ * weight_bytes for the share a token reads (n_expert_used of n_expert). */
+static rk_status load_stack(rk_model *m, const char *name, int rows, int cols, int pack,
+                            rk_moe_mat *out) {
+    const rk_hparams *hp = &m->hp;
+    const rk_gguf_tensor *t = rk_gguf_find_tensor(m->gguf, name);
+    if (!t) return rk_errorf(RK_ERR_FORMAT, "model: tensor %s is missing", name);
+    if (t->ne[0] != cols || t->ne[1] != rows || t->ne[2] != hp->n_expert || t->ne[3] != 1)
+        return rk_errorf(RK_ERR_FORMAT,
+                         "model: tensor %s has shape {%lld, %lld, %lld, %lld}, expected "
+                         "{%d, %d, %d}",
+                         name, (long long)t->ne[0], (long long)t->ne[1], (long long)t->ne[2],
+                         (long long)t->ne[3], cols, rows, hp->n_expert);
+    rk_dtype dt;
+    rk_status st;
+    if ((st = dtype_of(m, t, &dt)) || (st = check_finite(t, dt))) return st;
+    m->weight_bytes += t->n_bytes / (size_t)hp->n_expert * (size_t)hp->n_expert_used;
+    size_t per = rk_dtype_row_bytes(dt, (size_t)cols) * (size_t)rows;
+    const rk_backend_ops *ops = m->be->ops;
+    size_t packed = pack && ops->packed_bytes ? ops->packed_bytes(m->be, dt, cols, rows) : 0;
+    unsigned char *p = NULL;
+    if (packed && (st = be_alloc(m, packed * (size_t)hp->n_expert, (void **)&p))) return st;
+    for (int e = 0; e < hp->n_expert; e++) {
+        const void *w = (const unsigned char *)t->data + (size_t)e * per;
+        out[e] = (rk_moe_mat){w, NULL, dt};
+        if (!packed) continue;
+        if ((st = ops->pack(m->be, p + (size_t)e * packed, w, dt, cols, rows))) return st;
+        out[e].packed = p + (size_t)e * packed;
+    }
+    return RK_OK;
+}
+
+/* Each expert's gate and up packed as one matrix [gate; up] (2 ffn_exp,
+ * dim) where the backend packs their type, as fuse_mats does for a dense
+ * FFN: a decoded token's expert is then two matmuls, not three. Otherwise
+ * gate and up are packed (where the backend packs) on their own. */
+static rk_status fuse_experts(rk_model *m, rk_layer *L) {
+    const rk_hparams *hp = &m->hp;
+    const rk_backend_ops *ops = m->be->ops;
+    rk_moe_layer *M = &L->moe;
+    rk_dtype t = M->gate[0].type;
+    int rows = 2 * hp->ffn_exp;
+    size_t bytes =
+        t == M->up[0].type && ops->packed_bytes ? ops->packed_bytes(m->be, t, hp->dim, rows) : 0;
+    rk_status st = RK_OK;
+    if (bytes == 0) {
+        for (int e = 0; e < hp->n_expert && !st; e++) {
+            rk_moe_mat *mats[2] = {&M->gate[e], &M->up[e]};
+            for (int i = 0; i < 2 && !st; i++) {
+                rk_matrix w = {mats[i]->w, NULL, t, hp->ffn_exp, hp->dim};
+                if (!(st = pack_mat(m, &w))) mats[i]->packed = w.packed;
+            }
+        }
+        return st;
+    }
+    size_t half = rk_dtype_row_bytes(t, (size_t)hp->dim) * (size_t)hp->ffn_exp;
+    unsigned char *p, *stored = malloc(2 * half);
+    rk_moe_mat *gu = calloc((size_t)hp->n_expert, sizeof *gu);
+    if (!stored || !gu) {
+        free(stored);
+        free(gu);
+        return rk_errorf(RK_ERR_NOMEM, "model: out of memory fusing experts");
+    }
+    if ((st = track(&m->host_allocs, &m->n_host, &m->cap_host, gu))) {
+        free(stored);
+        free(gu);
+        return st;
+    }
+    st = be_alloc(m, bytes * (size_t)hp->n_expert, (void **)&p);
+    for (int e = 0; e < hp->n_expert && !st; e++) {
+        memcpy(stored, M->gate[e].w, half);
+        memcpy(stored + half, M->up[e].w, half);
+        gu[e] = (rk_moe_mat){NULL, p + (size_t)e * bytes, t};
+        st = ops->pack(m->be, p + (size_t)e * bytes, stored, t, hp->dim, rows);
+    }
+    free(stored);
+    if (st) return st;
+    M->gate_up = gu;
+    M->up_offset =
+        ops->packed_offset ? ops->packed_offset(m->be, t, hp->dim, hp->ffn_exp) : SIZE_MAX;
+    return RK_OK;
+}
+
+/* The router and experts of layer l (a mixture-of-experts family): the
+ * router as F32 (converted when stored otherwise), the expert stacks as
+ * load_stack reads them. Host backends only (read_experts). */
+static rk_status load_experts(rk_model *m, int l, rk_layer *L) {
+    const rk_hparams *hp = &m->hp;
+    char name[96];
+    const rk_gguf_tensor *t;
+    snprintf(name, sizeof name, "blk.%d.ffn_gate_inp.weight", l);
+    rk_status st = find(m, name, hp->dim, hp->n_expert, 0, &t);
+    rk_dtype dt;
+    if (st || (st = dtype_of(m, t, &dt)) || (st = check_finite(t, dt))) return st;
+    m->weight_bytes += t->n_bytes;
+    const float *router = t->data;
+    if (dt != RK_DTYPE_F32) {
+        size_t n = (size_t)hp->n_expert * hp->dim;
+        float *f = malloc(n * sizeof *f);
+        if (!f) return rk_errorf(RK_ERR_NOMEM, "model: out of memory");
+        if ((st = track(&m->host_allocs, &m->n_host, &m->cap_host, f))) {
+            free(f);
+            return st;
+        }
+        rk_dequantize(f, t->data, dt, n);
+        router = f;
+    }
+    rk_moe_mat *mats = calloc((size_t)hp->n_expert * 3, sizeof *mats);
+    if (!mats) return rk_errorf(RK_ERR_NOMEM, "model: out of memory");
+    if ((st = track(&m->host_allocs, &m->n_host, &m->cap_host, mats))) {
+        free(mats);
+        return st;
+    }
+    L->moe = (rk_moe_layer){
+        .route = {hp->n_expert, hp->n_expert_used, hp->desc->moe, hp->desc->moe_norm_topk, 0.0f},
+        .dim = hp->dim,
+        .ffn_exp = hp->ffn_exp,
+        .router = router,
+        .gate = mats,
+        .up = mats + hp->n_expert,
+        .down = mats + 2 * (size_t)hp->n_expert,
+    };
+    char gate[96], up[96], down[96];
+    snprintf(gate, sizeof gate, "blk.%d.ffn_gate_exps.weight", l);
+    snprintf(up, sizeof up, "blk.%d.ffn_up_exps.weight", l);
+    snprintf(down, sizeof down, "blk.%d.ffn_down_exps.weight", l);
+    if ((st = load_stack(m, gate, hp->ffn_exp, hp->dim, 0, L->moe.gate)) ||
+        (st = load_stack(m, up, hp->ffn_exp, hp->dim, 0, L->moe.up)) ||
+        (st = load_stack(m, down, hp->dim, hp->ffn_exp, 1, L->moe.down)))
+        return st;
+    return fuse_experts(m, L);
+}
+
 static rk_status load_weights(rk_model *m) {
     rk_hparams *hp = &m->hp;
     const rk_gguf_tensor *t;
@@ -504,8 +675,7 @@ static rk_status load_weights(rk_model *m) {
         rk_layer *L = &m->layers[l];
         if ((st = load_vec(m, N("attn_norm.weight"), hp->dim, 0, &L->attn_norm)) ||
             (st = load_vec(m, N("ffn_norm.weight"), hp->dim, 0, &L->ffn_norm)) ||
-            (st = load_mat(m, N("attn_output.weight"), hp->dim, q_dim, &L->wo)) ||
-            (st = load_mat(m, N("ffn_down.weight"), hp->dim, hp->ffn_dim, &L->down)))
+            (st = load_mat(m, N("attn_output.weight"), hp->dim, q_dim, &L->wo)))
             return st;
         /* Q, K, V: one attn_qkv matrix where the family's files may hold one
          * (they may also hold the three), else three, fused here where the
@@ -521,8 +691,13 @@ static rk_status load_weights(rk_model *m) {
                 (st = fuse_mats(m, qkv, 3, &L->qkv)))
                 return st;
         }
-        /* Gate and up: ffn_up holds both, gate first, in fused families. */
-        if (hp->desc->fused_gate_up) {
+        /* The FFN: experts (load_experts), or gate and up (ffn_up holds both,
+         * gate first, in fused families) and down. */
+        if (hp->desc->moe) {
+            if ((st = load_experts(m, l, L))) return st;
+        } else if ((st = load_mat(m, N("ffn_down.weight"), hp->dim, hp->ffn_dim, &L->down))) {
+            return st;
+        } else if (hp->desc->fused_gate_up) {
             if ((st = load_mat(m, N("ffn_up.weight"), 2 * hp->ffn_dim, hp->dim, &L->gate_up)))
                 return st;
             m->has_fused = 1;
@@ -657,6 +832,7 @@ void rk_model_free(rk_model *m) {
     free(m->allocs);
     free(m->host_allocs);
     free(m->layers);
+    rk_moe_scratch_free(&m->moe_s);
     rk_tokenizer_free(m->tok);
     rk_gguf_close(m->gguf);
     free(m->owned_buf);
@@ -846,6 +1022,10 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         CK(matmul(m, s->xb, s->att, &L->wo, n));
         CK(ops->add(be, s->x, s->xb, (size_t)n * hp->dim));
         CK(ops->rmsnorm(be, s->xb, s->x, L->ffn_norm, n, hp->dim, hp->rms_eps));
+        if (L->moe.gate) { /* x += the chosen experts' weighted sum */
+            CK(rk_moe_ffn(be, &L->moe, s->xb, s->x, n, &m->moe_s));
+            continue;
+        }
         if (L->gate_up.rows) {
             float *out[] = {s->hb, s->hb2};
             const int widths[] = {hp->ffn_dim, hp->ffn_dim};

@@ -171,6 +171,56 @@ Test(engine, qwen2_tiny_with_qkv_bias_generates_identically_across_thread_counts
     free(path);
 }
 
+/* qwen3moe: the experts a token chooses depend on nothing but its own
+ * activations, so the thread count changes no token. */
+Test(engine, qwen3moe_tiny_loads_its_experts_and_generates_identically_across_thread_counts) {
+    const char *types[2] = {"f32", "q8_0"};
+    for (int i = 0; i < 2; i++) {
+        char *path = rk_test_model("qwen3moe-tiny", types[i], 1);
+        rk_service *svc = open_model(path, 1);
+        const rk_hparams *hp = rk_model_hparams(svc->model);
+        cr_assert_str_eq(hp->desc->name, "qwen3moe");
+        cr_assert_eq(hp->desc->moe, RK_MOE_SOFTMAX);
+        cr_assert(hp->desc->qk_norm && hp->desc->moe_norm_topk);
+        cr_assert_eq(hp->n_expert, 8);
+        cr_assert_eq(hp->n_expert_used, 2);
+        cr_assert_eq(hp->ffn_exp, 64);
+        rk_service_close(svc);
+        check_thread_invariance(path, 32);
+        free(path);
+    }
+}
+
+/* Sequences batched together share each expert's matmul (their tokens are
+ * grouped by expert), and each still gets the tokens it gets alone. */
+Test(engine, qwen3moe_tiny_batch_of_four_prompts_gives_the_tokens_of_each_alone) {
+    char *path = rk_test_model("qwen3moe-tiny", "f32", 1);
+    rk_service *svc = open_model(path, 2);
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    const char *texts[4] = {"<|im_start|>user\nHi<|im_end|>\n", "The cache keys KV by content.",
+                            "x", "Experts are chosen per token, eight of one hundred and twenty"};
+    int32_t alone[4][40];
+    rk_request *reqs[4];
+    for (int i = 0; i < 4; i++) {
+        int32_t *ids;
+        size_t n;
+        cr_assert_eq(rk_tokenizer_encode(tok, texts[i], strlen(texts[i]), 1, &ids, &n), RK_OK);
+        int max_new = 20 + 5 * i;
+        cr_assert_eq(greedy(svc, ids, (int)n, max_new, alone[i]), max_new);
+        reqs[i] = rk_test_request(svc, ids, (int)n, 0, max_new);
+        free(ids);
+    }
+    cr_assert_eq(rk_pipeline_run(svc, reqs, 4, NULL), RK_OK, "%s", rk_error_message());
+    for (int i = 0; i < 4; i++) {
+        cr_assert_eq(reqs[i]->n_out, 20 + 5 * i);
+        for (int j = 0; j < reqs[i]->n_out; j++)
+            cr_assert_eq(reqs[i]->out_tokens[j], alone[i][j], "prompt %d token %d", i, j);
+        rk_test_request_free(reqs[i]);
+    }
+    rk_service_close(svc);
+    free(path);
+}
+
 /* phi3 (fused QKV and gate/up, RoPE on 24 of 32 dimensions, LongRoPE long
  * factors and attention factor): the greedy tokens the reference engine
  * (llama.cpp's llama-server, default settings, prompt given as these ids)
@@ -260,6 +310,29 @@ Test(engine, unknown_family_is_unsupported_and_the_message_lists_the_known_ones)
     cr_assert_eq(load_family("bert"), RK_ERR_UNSUPPORTED);
     const char *msg = rk_error_message();
     cr_assert_not_null(strstr(msg, "\"bert\" is not supported (llama, qwen2, qwen3"), "%s", msg);
+}
+
+Test(engine, qwen3moe_with_more_experts_used_than_it_has_is_a_format_error) {
+    rk_gguf_writer *w;
+    cr_assert_eq(rk_gguf_writer_create(&w), RK_OK);
+    cr_assert_eq(rk_gguf_writer_set_str(w, "general.architecture", "qwen3moe"), RK_OK);
+    const char *keys[] = {"qwen3moe.block_count",          "qwen3moe.embedding_length",
+                          "qwen3moe.attention.head_count", "qwen3moe.expert_count",
+                          "qwen3moe.expert_used_count",    "qwen3moe.expert_feed_forward_length"};
+    const uint32_t vals[] = {2, 128, 4, 4, 8, 64};
+    for (int i = 0; i < 6; i++) cr_assert_eq(rk_gguf_writer_set_u32(w, keys[i], vals[i]), RK_OK);
+    void *buf;
+    size_t len;
+    cr_assert_eq(rk_gguf_writer_write_memory(w, NULL, NULL, &buf, &len), RK_OK);
+    rk_gguf_writer_free(w);
+    rk_backend *be;
+    cr_assert_eq(rk_backend_create("cpu", 1, &be), RK_OK);
+    rk_model *m = NULL;
+    cr_assert_eq(rk_model_load_owned_buffer(buf, len, "moe.gguf", be, &m), RK_ERR_FORMAT);
+    cr_assert_null(m);
+    const char *msg = rk_error_message();
+    cr_assert_not_null(strstr(msg, "expert_count 4, expert_used_count 8"), "%s", msg);
+    rk_backend_free(be);
 }
 
 Test(engine, recurrent_families_are_refused_with_the_reason) {

@@ -104,9 +104,10 @@ static void expect_layers(const rk_gguf *g, int n_layers, uint32_t wt, int64_t d
 Test(mkmodel, lists_the_presets_with_descriptions) {
     size_t n = 0;
     const rk_mkmodel_preset_info *p = rk_mkmodel_presets(&n);
-    const char *names[] = {"tiny",     "qwen3-0.6b", "qwen3-tiny",           "qwen2-tiny",
-                           "llama-1b", "qwen3-8b",   "qwen3-embedding-tiny", "qwen3-reranker-tiny",
-                           "phi3-tiny"};
+    const char *names[] = {
+        "tiny",      "qwen3-0.6b",    "qwen3-tiny",           "qwen2-tiny",
+        "llama-1b",  "qwen3-8b",      "qwen3-embedding-tiny", "qwen3-reranker-tiny",
+        "phi3-tiny", "qwen3moe-tiny", "qwen3moe-a3b-12l"};
     size_t n_names = sizeof names / sizeof names[0];
     cr_assert_geq(n, n_names);
     for (size_t i = 0; i < n; i++) cr_assert_gt(strlen(p[i].description), 20);
@@ -182,6 +183,18 @@ Test(mkmodel, preset_shapes_match_the_real_models) {
     cr_assert_eq(h.ffn_dim, 12288);
     cr_assert_eq(h.tied_embeddings, 0);
     cr_assert_eq(h.n_vocab, 151936);
+    cr_assert_eq(h.n_expert, 0);
+    cr_assert_eq(rk_mkmodel_preset_hparams("qwen3moe-a3b-12l", &h), RK_OK);
+    cr_assert_str_eq(h.arch, "qwen3moe");
+    cr_assert_eq(h.n_layers, 12);
+    cr_assert_eq(h.dim, 2048);
+    cr_assert_eq(h.n_heads, 32);
+    cr_assert_eq(h.n_kv_heads, 4);
+    cr_assert_eq(h.head_dim, 128);
+    cr_assert_eq(h.n_expert, 128);
+    cr_assert_eq(h.n_expert_used, 8);
+    cr_assert_eq(h.ffn_exp, 768);
+    cr_assert_eq(h.tied_embeddings, 0);
     cr_assert_eq(rk_mkmodel_preset_hparams("qwen3-0.6b", &h), RK_OK);
     cr_assert_eq(h.n_layers, 28);
     cr_assert_eq(h.dim, 1024);
@@ -676,6 +689,56 @@ Test(mkmodel, qwen2_tiny_has_qkv_biases_and_no_qk_norm) {
     expect_layers(g, 2, RK_GGML_BF16, 128, 128, 64, 256, 1, 0, 32);
     const float *bias = rk_gguf_find_tensor(g, "blk.1.attn_k.bias")->data;
     for (int i = 0; i < 64; i++) cr_assert(fabsf(bias[i]) < 0.035f && isfinite(bias[i]));
+    remove_model(g, dir, path);
+    free(vocab);
+}
+
+/* Assert a stacked expert tensor {ne0, ne1, n_expert} of type. */
+static void expect_experts(const rk_gguf *g, const char *name, uint32_t type, int64_t ne0,
+                           int64_t ne1, int64_t n_expert) {
+    const rk_gguf_tensor *t = rk_gguf_find_tensor(g, name);
+    cr_assert_not_null(t, "tensor %s missing", name);
+    cr_assert_eq(t->type, type, "%s: type %s", name, rk_ggml_type_name(t->type));
+    cr_assert_eq(t->n_dims, 3u, "%s: %u dims", name, t->n_dims);
+    cr_assert_eq(t->ne[0], ne0, "%s: ne[0] = %lld", name, (long long)t->ne[0]);
+    cr_assert_eq(t->ne[1], ne1, "%s: ne[1] = %lld", name, (long long)t->ne[1]);
+    cr_assert_eq(t->ne[2], n_expert, "%s: ne[2] = %lld", name, (long long)t->ne[2]);
+}
+
+Test(mkmodel, qwen3moe_tiny_has_the_reference_expert_keys_and_stacked_experts) {
+    char *vocab;
+    RK_REQUIRE_SHARED(vocab, QWEN3_VOCAB);
+    char *dir, path[4096];
+    rk_gguf *g = write_and_open("qwen3moe-tiny", RK_GGML_Q8_0, 1, vocab, &dir, path, sizeof path);
+    cr_assert_str_eq(get_str(g, "general.architecture"), "qwen3moe");
+    cr_assert_eq(get_u32(g, "qwen3moe.block_count"), 2);
+    cr_assert_eq(get_u32(g, "qwen3moe.embedding_length"), 128);
+    cr_assert_eq(get_u32(g, "qwen3moe.expert_count"), 8);
+    cr_assert_eq(get_u32(g, "qwen3moe.expert_used_count"), 2);
+    cr_assert_eq(get_u32(g, "qwen3moe.expert_feed_forward_length"), 64);
+    cr_assert_eq(get_u32(g, "qwen3moe.attention.key_length"), 32);
+    expect_qwen3_vocab(g);
+    /* per layer: 2 norms, q k v o, 2 QK norms, the router and 3 expert stacks */
+    cr_assert_eq(rk_gguf_n_tensors(g), 1 + 2 * 12 + 1);
+    char name[96];
+    for (int l = 0; l < 2; l++) {
+        snprintf(name, sizeof name, "blk.%d.ffn_gate_inp.weight", l);
+        expect_tensor(g, name, RK_GGML_F32, 128, 8);
+        snprintf(name, sizeof name, "blk.%d.ffn_gate_exps.weight", l);
+        expect_experts(g, name, RK_GGML_Q8_0, 128, 64, 8);
+        snprintf(name, sizeof name, "blk.%d.ffn_up_exps.weight", l);
+        expect_experts(g, name, RK_GGML_Q8_0, 128, 64, 8);
+        snprintf(name, sizeof name, "blk.%d.ffn_down_exps.weight", l);
+        expect_experts(g, name, RK_GGML_Q8_0, 64, 128, 8);
+        snprintf(name, sizeof name, "blk.%d.ffn_gate.weight", l);
+        cr_assert_null(rk_gguf_find_tensor(g, name), "no dense FFN");
+        snprintf(name, sizeof name, "blk.%d.attn_q_norm.weight", l);
+        expect_tensor(g, name, RK_GGML_F32, 32, 0);
+    }
+    /* Each expert of the stack has its own random weights: expert 0 and 7 differ. */
+    const rk_gguf_tensor *t = rk_gguf_find_tensor(g, "blk.1.ffn_up_exps.weight");
+    size_t per = t->n_bytes / 8;
+    cr_assert_neq(memcmp(t->data, (const char *)t->data + 7 * per, per), 0);
     remove_model(g, dir, path);
     free(vocab);
 }

@@ -262,6 +262,27 @@ Test(pipeline, qwen3_tiny_cached_path_equals_the_oracle_in_every_mode) {
     free(model);
 }
 
+/* qwen3moe: a reused chunk's tokens are routed as the oracle routes them
+ * (routing reads only the token's own activations, which reuse leaves
+ * within f32 rounding), in every context and position mode, with and
+ * without a query repair, and with every chunk token repaired. */
+#define MOE_PROMPT                                                                                 \
+    "<|im_start|>system\nAnswer from the documents.<|im_end|>\n##"                                 \
+    "文档一：缓存的键由内容决定。##Document two: the KV of a chunk is "              \
+    "rotated to its live offset.##<|im_start|>user\nWhat decides the key?"                         \
+    "<|im_end|>\n<|im_start|>assistant\n"
+
+Test(pipeline, qwen3moe_tiny_cached_path_equals_the_oracle_in_every_mode) {
+    char *model = rk_test_model("qwen3moe-tiny", "f32", 1);
+    check_modes(model, MOE_PROMPT);
+    rk_req_options o = greedy_opts();
+    o.repair_ratio = 0.3f;
+    o.repair_query = 1;
+    check_modes_kv(model, MOE_PROMPT, &o, NULL, 1e-4, NULL);
+    check_modes_kv(model, MOE_PROMPT, &o, NULL, 1e-4, "copy");
+    free(model);
+}
+
 Test(pipeline, qwen3_0_6b_cached_path_equals_the_oracle_in_every_mode, .timeout = 1500) {
     RK_SKIP_IF_LIGHT();
     char *model = rk_test_model("qwen3-0.6b", "f32", 3);
@@ -857,6 +878,15 @@ Test(pipeline, ragqa_query_repair_of_every_token_gives_the_full_attention_result
 Test(pipeline, stories260k_full_repairs_give_the_full_attention_result) {
     char *model;
     RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    for (int policy = 0; policy < 3; policy++) {
+        rk_req_options o = repair_all(policy);
+        check_full_repair(model, &o);
+    }
+    free(model);
+}
+
+Test(pipeline, qwen3moe_tiny_full_repairs_give_the_full_attention_result) {
+    char *model = rk_test_model("qwen3moe-tiny", "f32", 1);
     for (int policy = 0; policy < 3; policy++) {
         rk_req_options o = repair_all(policy);
         check_full_repair(model, &o);

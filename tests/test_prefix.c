@@ -123,6 +123,13 @@ Test(prefix, qwen3_tiny_cached_system_prompt_gives_the_uncached_result) {
     free(model);
 }
 
+Test(prefix, qwen3moe_tiny_cached_system_prompt_gives_the_uncached_result) {
+    char *model = rk_test_model("qwen3moe-tiny", "f32", 1);
+    check_cached_equals_uncached(model, SYS_EN,
+                                 "<|im_start|>user\nWhat did Max chase?<|im_end|>\n");
+    free(model);
+}
+
 Test(prefix, qwen3_0_6b_cached_system_prompt_gives_the_uncached_result, .timeout = 1200) {
     RK_SKIP_IF_LIGHT();
     char *model = rk_test_model("qwen3-0.6b", "f32", 3);

@@ -321,6 +321,13 @@ Test(reuse, stories260k_a_follow_up_computes_only_its_new_tokens) {
     free(model);
 }
 
+Test(reuse, qwen3moe_tiny_an_exact_repeat_and_a_follow_up_compute_only_their_new_tokens) {
+    char *model = rk_test_model("qwen3moe-tiny", "f32", 1);
+    on_both_paths(check_exact_repeat, model);
+    on_both_paths(check_follow_up, model);
+    free(model);
+}
+
 /* Segment boundaries and the request's mode are part of what matches: the
  * same text as plain, or with its chunks split differently, shares only the
  * system prompt (plain: nothing, another namespace). */

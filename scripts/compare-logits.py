@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Compare ragkv's greedy tokens and top-5 log-probabilities with a reference server's.
+
+    scripts/compare-logits.py [REFERENCE_SERVER] [--ragkv build/ragkv]
+        [--model F.gguf | --preset NAME [--type T]] [--tokens N] [--threads T]
+        [--tol 2e-3]
+
+REFERENCE_SERVER is llama.cpp's `llama-server` binary, started here on
+127.0.0.1 with the same file; without it the script says so and exits 0.
+The model defaults to a fresh `ragkv mkmodel --preset qwen3moe-tiny` (F32,
+Qwen3 vocabulary). ragkv runs as `ragkv serve --kv-dtype f32`, the reference
+with an F32 KV cache and without flash attention (`-ctk f32 -ctv f32 -fa
+off`): its CPU flash-attention kernel rounds through F16 and moves these
+log-probabilities by up to 8e-3 on its own.
+
+Both servers get the same 4 prompts, each as one greedy request of N tokens
+(64 by default) that ignores end-of-generation: the reference's
+`/completion` with `n_probs: 5`, ragkv's `/v1/completions` with
+`logprobs: 5`. For every prompt the script prints how many leading tokens
+agree, and over the agreeing steps the largest difference between the two
+top-5 log-probabilities, rank by rank. It exits 1 when a prompt's tokens
+part before N, or a difference exceeds --tol (2e-3)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+PROMPTS = [
+    "<|im_start|>user\nWhat does a KV cache store?<|im_end|>\n<|im_start|>assistant\n",
+    "The chunk cache keys the KV of each document by its content, so a later request",
+    "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
+    "东京是日本的首都。Paris est la capitale de la France.",
+]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(port, proc, what):
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"{what} exited while starting")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    sys.exit(f"{what} did not become ready")
+
+
+def post(port, path, body):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=1800) as r:
+        return json.load(r)
+
+
+def reference_run(port, prompt, n):
+    """(token ids, [top-5 logprobs, descending] per step) from llama-server."""
+    doc = post(port, "/completion", {
+        "prompt": prompt, "n_predict": n, "temperature": 0, "n_probs": 5,
+        "ignore_eos": True, "cache_prompt": False, "seed": 1})
+    ids, tops = [], []
+    for step in doc["completion_probabilities"]:
+        ids.append(step["id"])
+        tops.append(sorted((t["logprob"] for t in step["top_logprobs"]), reverse=True)[:5])
+    return ids, tops
+
+
+def ragkv_run(port, prompt, n):
+    """(token ids, [top-5 logprobs, descending] per step) from ragkv serve."""
+    doc = post(port, "/v1/completions", {
+        "prompt": prompt, "max_tokens": n, "temperature": 0, "logprobs": 5,
+        "ignore_eos": True})
+    choice = doc["choices"][0]
+    ids = doc.get("ragkv", choice.get("ragkv", {}))["completion_ids"]
+    tops = [sorted((v for v in step.values() if v is not None), reverse=True)[:5]
+            for step in choice["logprobs"]["top_logprobs"]]
+    return ids, tops
+
+
+def main():
+    args = sys.argv[1:]
+    ragkv, model, preset, wtype = "build/ragkv", None, "qwen3moe-tiny", "f32"
+    n, threads, tol, ref = 64, 2, 2e-3, None
+    while args:
+        a = args.pop(0)
+        if a == "--ragkv":
+            ragkv = args.pop(0)
+        elif a == "--model":
+            model = args.pop(0)
+        elif a == "--preset":
+            preset = args.pop(0)
+        elif a == "--type":
+            wtype = args.pop(0)
+        elif a == "--tokens":
+            n = int(args.pop(0))
+        elif a == "--threads":
+            threads = int(args.pop(0))
+        elif a == "--tol":
+            tol = float(args.pop(0))
+        else:
+            ref = a
+    if not ref:
+        print("compare-logits: no reference server binary given; skipped "
+              "(usage: scripts/compare-logits.py PATH/llama-server)")
+        return 0
+    tmp = tempfile.mkdtemp(prefix="ragkv-logitcmp-")
+    if not model:
+        model = os.path.join(tmp, f"{preset}-{wtype}.gguf")
+        subprocess.run([ragkv, "mkmodel", "--preset", preset, "--type", wtype, "-o", model],
+                       check=True, stdout=subprocess.DEVNULL)
+    procs = []
+    results = []
+    try:
+        p_ref = free_port()
+        log_ref = open(os.path.join(tmp, "reference.log"), "w")
+        procs.append(subprocess.Popen(
+            [ref, "-m", model, "--host", "127.0.0.1", "--port", str(p_ref), "-c", "4096",
+             "-t", str(threads), "-np", "1", "-ctk", "f32", "-ctv", "f32", "-fa", "off"],
+            stdout=log_ref, stderr=subprocess.STDOUT))
+        wait_ready(p_ref, procs[0], "the reference server")
+        theirs = [reference_run(p_ref, p, n) for p in PROMPTS]
+        procs[0].terminate()
+        procs[0].wait()
+        p_rk = free_port()
+        log_rk = open(os.path.join(tmp, "ragkv.log"), "w")
+        procs.append(subprocess.Popen(
+            [ragkv, "serve", "--model", model, "--port", str(p_rk), "--kv-dtype", "f32",
+             "--threads", str(threads)],
+            stdout=log_rk, stderr=subprocess.STDOUT))
+        wait_ready(p_rk, procs[1], "ragkv serve")
+        ours = [ragkv_run(p_rk, p, n) for p in PROMPTS]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+                p.wait()
+    ok = True
+    worst_all = 0.0
+    for i, ((ids_o, top_o), (ids_t, top_t)) in enumerate(zip(ours, theirs)):
+        same = 0
+        while same < min(len(ids_o), len(ids_t)) and ids_o[same] == ids_t[same]:
+            same += 1
+        worst = 0.0
+        for s in range(same):
+            for a, b in zip(top_o[s], top_t[s]):
+                worst = max(worst, abs(a - b))
+        worst_all = max(worst_all, worst)
+        good = same >= n and worst <= tol
+        ok &= good
+        print(f"prompt {i}: {same}/{n} greedy tokens agree, top-5 logprobs differ by at most "
+              f"{worst:.2e}{'' if good else '  <-- FAIL'}")
+    print(f"worst top-5 logprob difference over {len(PROMPTS)} prompts: {worst_all:.2e} "
+          f"(tolerance {tol:g}); model {model}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
