@@ -794,7 +794,8 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         if (b->out_q && l == n_layers - 1)
             CK(ops->download(be, b->out_q, s->q, (size_t)n * q_dim * sizeof(float)));
         CK(ops->kv_write(be, kv, l, s->k, s->v, s->slots, n));
-        CK(ops->attention(be, s->att, NULL, s->q, kv, l, &attn, hp->n_heads, scale));
+        rk_attn_params ap = {.scale = scale};
+        CK(ops->attention(be, s->att, NULL, s->q, kv, l, &attn, hp->n_heads, &ap));
         CK(matmul(m, s->xb, s->att, &L->wo, n));
         CK(ops->add(be, s->x, s->xb, (size_t)n * hp->dim));
         CK(ops->rmsnorm(be, s->xb, s->x, L->ffn_norm, n, hp->dim, hp->rms_eps));

@@ -487,6 +487,17 @@ rk_status rk_kv_check_shift_slots(const rk_kv_cache *kv, const int32_t *src_slot
     return RK_OK;
 }
 
+rk_status rk_attn_check_params(const rk_attn_params *p) {
+    if (!p) return rk_errorf(RK_ERR_INVALID, "attention: no params");
+    if (!isfinite(p->scale))
+        return rk_errorf(RK_ERR_INVALID, "attention: scale %g is not finite", (double)p->scale);
+    if (!isfinite(p->softcap) || p->softcap < 0.0f)
+        return rk_errorf(RK_ERR_INVALID, "attention: softcap %g must be finite and >= 0",
+                         (double)p->softcap);
+    if (p->window < 0) return rk_errorf(RK_ERR_INVALID, "attention: window %d < 0", p->window);
+    return RK_OK;
+}
+
 rk_status rk_attn_check_shape(const int32_t *q_start, const int32_t *kv_len, int n_seqs,
                               int n_heads, int n_kv_heads, int head_dim) {
     if (n_seqs < 0) return rk_errorf(RK_ERR_INVALID, "attention: n_seqs %d < 0", n_seqs);

@@ -198,6 +198,27 @@ typedef struct rk_attn_batch {
     const rk_rope *rope;      /* the model's RoPE table; needed when some seg_delta != 0 */
 } rk_attn_batch;
 
+/* How the scores of an attention call are formed and which entries a query
+ * row sees, beyond causality:
+ *  - score = scale * q·k, then, when softcap > 0, softcap * tanh(score /
+ *    softcap) (attention-logit soft-capping, Gemma 2);
+ *  - window > 0 (a sliding-window layer): the query row whose own entry is
+ *    e (its index in the sequence's kv order, as causality counts it) sees
+ *    only the entries j with e - window < j <= e, the window most recent
+ *    ones itself included. The boundary is the reference engine's: an entry
+ *    window or more entries back is masked. With segments the indices are
+ *    the entries' places in the concatenated runs, not their positions.
+ * Zero-initialise and set scale for plain causal attention. */
+typedef struct rk_attn_params {
+    float scale;   /* multiplies q·k */
+    float softcap; /* > 0: soft-cap the scaled scores at it; 0: none */
+    int window;    /* > 0: sliding window of this many entries; 0: the whole range */
+} rk_attn_params;
+
+/* Bad params (a scale or cap not finite, a negative cap or window) are
+ * RK_ERR_INVALID. */
+rk_status rk_attn_check_params(const rk_attn_params *p);
+
 /* ---------------------------------------------------------------- backend */
 
 typedef struct rk_backend rk_backend;
@@ -247,11 +268,12 @@ typedef struct rk_backend_ops {
     /* write k, v (n_tokens, n_kv_heads, head_dim) of layer to slots(n_tokens); slot < 0 skipped */
     rk_status (*kv_write)(rk_backend *be, const rk_kv_cache *kv, int layer, const float *k,
                           const float *v, const int32_t *slots, int n_tokens);
-    /* out(n_q, n_heads, head_dim) = softmax(q k^T * scale) v, GQA (n_heads % n_kv_heads == 0);
-     * lse(n_q, n_heads) natural-log sum-exp of the scaled scores, may be NULL */
+    /* out(n_q, n_heads, head_dim) = softmax(scores) v, GQA (n_heads % n_kv_heads == 0),
+     * the scores and the visible entries as params says (rk_attn_params);
+     * lse(n_q, n_heads) natural-log sum-exp of the scores, may be NULL */
     rk_status (*attention)(rk_backend *be, float *out, float *lse, const float *q,
                            const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
-                           int n_heads, float scale);
+                           int n_heads, const rk_attn_params *params);
     /* For every layer and token t: K at dst_slots[t] = R(delta[t]) · K at src_slots[t],
      * V copied unchanged. src and dst must not overlap. src_slots, dst_slots and
      * delta are HOST arrays (the reindex plan is built on the host); the backend

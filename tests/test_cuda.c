@@ -703,7 +703,7 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
     float *want = xmalloc(nq_elems * 4), *got = xmalloc(nq_elems * 4);
     float *want_lse = xmalloc((size_t)rows * n_heads * 4),
           *got_lse = xmalloc((size_t)rows * n_heads * 4);
-    float scale = 1.0f / sqrtf((float)hd);
+    rk_attn_params ap = {.scale = 1.0f / sqrtf((float)hd)};
     int32_t seg_start[4] = {0}, seg_end[18], seg_delta[18];
     if (sg)
         for (int s = 0; s < ac->n_seqs; s++) {
@@ -724,8 +724,8 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
                         .seg_end = sg ? seg_end : NULL,
                         .seg_delta = sg ? seg_delta : NULL,
                         .rope = sg ? sg->rope : NULL};
-    cr_assert_eq(cpu->ops->attention(cpu, want, want_lse, q, &c.host, 1, &hb, n_heads, scale),
-                 RK_OK, "%s", rk_error_message());
+    cr_assert_eq(cpu->ops->attention(cpu, want, want_lse, q, &c.host, 1, &hb, n_heads, &ap), RK_OK,
+                 "%s", rk_error_message());
 
     float *dq = dev_copy(gpu, q, nq_elems * 4), *dout = dev_alloc(gpu, nq_elems * 4);
     float *dlse = dev_alloc(gpu, (size_t)rows * n_heads * 4);
@@ -737,9 +737,8 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
         if (mi == 4) { /* segments: the same batch with every delta negated, plan kept */
             if (!sg) break;
             for (int k = 0; k < seg_start[ac->n_seqs]; k++) seg_delta[k] = -seg_delta[k];
-            cr_assert_eq(
-                cpu->ops->attention(cpu, want, want_lse, q, &c.host, 1, &hb, n_heads, scale), RK_OK,
-                "%s", rk_error_message());
+            cr_assert_eq(cpu->ops->attention(cpu, want, want_lse, q, &c.host, 1, &hb, n_heads, &ap),
+                         RK_OK, "%s", rk_error_message());
         } else {
 #ifdef RAGKV_CUDA
             rk_cuda_set_attn_partition(gpu, modes[mi]);
@@ -751,7 +750,7 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
         cr_assert_eq(gpu->ops->memset(gpu, dlse, 0xff, (size_t)rows * n_heads * 4), RK_OK);
         int with_lse = mi != 1; /* and once without */
         cr_assert_eq(gpu->ops->attention(gpu, dout, with_lse ? dlse : NULL, dq, &c.dev, 1, &db,
-                                         n_heads, scale),
+                                         n_heads, &ap),
                      RK_OK, "%s", rk_error_message());
         dev_read(gpu, got, dout, nq_elems * 4);
         char what[256];
@@ -912,15 +911,16 @@ Test(cuda, attention_with_one_unshifted_run_gives_the_bits_of_no_segments) {
     bs.seg_end = seg_end;
     bs.seg_delta = seg_delta; /* no rope: no delta needs one */
     const int modes[3] = {0, -1, 32};
+    rk_attn_params ap8 = {.scale = 0.125f};
     for (int mi = 0; mi < 3; mi++) {
 #ifdef RAGKV_CUDA
         rk_cuda_set_attn_partition(gpu, modes[mi]);
 #endif
-        cr_assert_eq(gpu->ops->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 4, 0.125f), RK_OK,
-                     "%s", rk_error_message());
+        cr_assert_eq(gpu->ops->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 4, &ap8), RK_OK, "%s",
+                     rk_error_message());
         dev_read(gpu, plain, dout, n * 4);
-        cr_assert_eq(gpu->ops->attention(gpu, dout, NULL, dq, &c.dev, 0, &bs, 4, 0.125f), RK_OK,
-                     "%s", rk_error_message());
+        cr_assert_eq(gpu->ops->attention(gpu, dout, NULL, dq, &c.dev, 0, &bs, 4, &ap8), RK_OK, "%s",
+                     rk_error_message());
         dev_read(gpu, seg, dout, n * 4);
         char what[64];
         snprintf(what, sizeof what, "one unshifted run, partition %d", modes[mi]);
@@ -951,26 +951,31 @@ Test(cuda, attention_rejects_what_the_cpu_rejects_and_reports_bad_block_ids) {
     rk_attn_batch b = {
         .n_seqs = 1, .q_start = q_start, .kv_len = kv_len, .block_table = dtable, .max_blocks = 2};
     const rk_backend_ops *o = gpu->ops;
+    rk_attn_params ap8 = {.scale = 0.125f};
     /* host-checked: no launch */
     rk_attn_batch bad = b;
     bad.kv_len = short_len;
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &bad, 2, 0.125f), RK_ERR_INVALID);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &bad, 2, &ap8), RK_ERR_INVALID);
     cr_assert(strstr(rk_error_message(), "kv_len 1 < 2 query rows") != NULL, "%s",
               rk_error_message());
     bad.kv_len = long_len;
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &bad, 2, 0.125f), RK_ERR_INVALID);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &bad, 2, &ap8), RK_ERR_INVALID);
     cr_assert(strstr(rk_error_message(), "needs 3 blocks, table has 2") != NULL, "%s",
               rk_error_message());
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 1, &b, 2, 0.125f), RK_ERR_INVALID);
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 3, 0.125f), RK_ERR_INVALID);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 1, &b, 2, &ap8), RK_ERR_INVALID);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 3, &ap8), RK_ERR_INVALID);
+    /* sliding windows and soft-capping are the CPU backend's alone */
+    rk_attn_params swa = {.scale = 0.125f, .window = 8}, cap = {.scale = 0.125f, .softcap = 30};
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, &swa), RK_ERR_UNSUPPORTED);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, &cap), RK_ERR_UNSUPPORTED);
     /* block id 9 is used by entries 16..19: found on the device */
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, 0.125f), RK_OK);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, &ap8), RK_OK);
     cr_assert_eq(o->sync(gpu), RK_ERR_INVALID);
     cr_assert(strstr(rk_error_message(), "block 1 is 9") != NULL, "%s", rk_error_message());
     cr_assert_eq(o->sync(gpu), RK_OK);
 #ifdef RAGKV_CUDA
     rk_cuda_set_check(gpu, 1);
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, 0.125f), RK_ERR_INVALID);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, &ap8), RK_ERR_INVALID);
     cr_assert(strstr(rk_error_message(), "block 1 is 9, not in [0, 4)") != NULL, "%s",
               rk_error_message());
 #endif

@@ -720,9 +720,17 @@ static rk_status attn_plan(rk_cuda *cu, const rk_attn_batch *b, int n_heads, int
  * here. */
 static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const float *q,
                                 const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
-                                int n_heads, float scale) {
+                                int n_heads, const rk_attn_params *params) {
     rk_cuda *cu = cu_of(be);
-    rk_status st = rk_attn_check_batch(kv, layer, batch, n_heads);
+    rk_status st = rk_attn_check_params(params);
+    if (st != RK_OK) return st;
+    if (params->window > 0 || params->softcap > 0.0f)
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "attention: a sliding window (%d) or soft-capping (%g) is not "
+                         "supported on CUDA",
+                         params->window, (double)params->softcap);
+    float scale = params->scale;
+    st = rk_attn_check_batch(kv, layer, batch, n_heads);
     if (st == RK_OK) st = no_q8_0_kv(kv, "attention");
     if (st != RK_OK) return st;
     int max_kv = 0; /* the longest kv range: no block is read when it is 0 */
