@@ -396,13 +396,15 @@ static void bench_shift(rk_backend *be) {
     rk_rope_params rp = {.n_rot = 128, .theta = 1000000.0f, .pairing = RK_ROPE_NEOX};
     rk_rope rope;
     check(rk_rope_init(&rope, &rp), "rope_init");
+    const rk_rope *ropes[28];
+    for (int l = 0; l < n_layers; l++) ropes[l] = &rope;
     double bytes = 2.0 * n_tok * n_layers * row_bytes; /* K + V read (and as much written) */
     double t;
     printf("\n(d) rope_shift_copy, 4096 tokens x 28 layers x (8 x 128), F32, K + V = %.0f MB\n",
            bytes / 1e6);
     TIME_BEST(
         3, t,
-        check(be->ops->rope_shift_copy(be, &kv, src, dst, delta, n_tok, &rope), "rope_shift_copy"));
+        check(be->ops->rope_shift_copy(be, &kv, src, dst, delta, n_tok, ropes), "rope_shift_copy"));
     double t_shift = t;
     /* the same bytes as one memcpy per layer and tensor (contiguous runs) */
     size_t run = (size_t)n_tok * row_bytes;

@@ -61,7 +61,8 @@ struct rk_model {
     const float *out_norm;
     rk_matrix out;
     rk_layer *layers;
-    void **allocs; /* backend buffers this model owns */
+    const rk_rope **layer_rope; /* (n_layers) the RoPE of each layer */
+    void **allocs;              /* backend buffers this model owns */
     int n_allocs, cap_allocs;
     void **host_allocs; /* host buffers (converted small tensors) */
     int n_host, cap_host;
@@ -555,6 +556,9 @@ static rk_status load_common(rk_model *m) {
     if ((st = read_hparams(m)) || (st = apply_rope_freqs(m)) || (st = load_weights(m)) ||
         (st = rk_tokenizer_from_gguf(m->gguf, &m->tok)))
         return st;
+    m->layer_rope = malloc((size_t)m->hp.n_layers * sizeof *m->layer_rope);
+    if (!m->layer_rope) return rk_errorf(RK_ERR_NOMEM, "model: out of memory");
+    for (int l = 0; l < m->hp.n_layers; l++) m->layer_rope[l] = &m->rope;
     if (rk_tokenizer_n_vocab(m->tok) > m->hp.n_vocab)
         return rk_errorf(RK_ERR_FORMAT, "model: tokenizer has %d tokens but the embedding %d rows",
                          rk_tokenizer_n_vocab(m->tok), m->hp.n_vocab);
@@ -618,6 +622,7 @@ void rk_model_free(rk_model *m) {
     free(m->allocs);
     free(m->host_allocs);
     free(m->layers);
+    free(m->layer_rope);
     rk_tokenizer_free(m->tok);
     rk_gguf_close(m->gguf);
     free(m->owned_buf);
@@ -626,7 +631,10 @@ void rk_model_free(rk_model *m) {
 
 const rk_hparams *rk_model_hparams(const rk_model *m) { return &m->hp; }
 const rk_tokenizer *rk_model_tokenizer(const rk_model *m) { return m->tok; }
-const rk_rope *rk_model_rope(const rk_model *m) { return &m->rope; }
+const rk_rope *rk_model_rope(const rk_model *m, int layer) {
+    return layer >= 0 && layer < m->hp.n_layers ? m->layer_rope[layer] : NULL;
+}
+const rk_rope *const *rk_model_ropes(const rk_model *m) { return m->layer_rope; }
 const rk_gguf *rk_model_gguf(const rk_model *m) { return m->gguf; }
 rk_backend *rk_model_backend(const rk_model *m) { return m->be; }
 const char *rk_model_fingerprint(const rk_model *m) { return m->fingerprint; }
@@ -789,12 +797,14 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
             CK(ops->rmsnorm(be, s->k, s->k, L->k_norm, n * hp->n_kv_heads, hp->head_dim,
                             hp->rms_eps));
         }
-        CK(ops->rope(be, s->q, s->pos, n, hp->n_heads, hp->head_dim, &m->rope));
-        CK(ops->rope(be, s->k, s->pos, n, hp->n_kv_heads, hp->head_dim, &m->rope));
+        const rk_rope *rope = m->layer_rope[l];
+        CK(ops->rope(be, s->q, s->pos, n, hp->n_heads, hp->head_dim, rope));
+        CK(ops->rope(be, s->k, s->pos, n, hp->n_kv_heads, hp->head_dim, rope));
         if (b->out_q && l == n_layers - 1)
             CK(ops->download(be, b->out_q, s->q, (size_t)n * q_dim * sizeof(float)));
         CK(ops->kv_write(be, kv, l, s->k, s->v, s->slots, n));
         rk_attn_params ap = {.scale = scale};
+        if (attn.seg_start) attn.rope = rope; /* segments rotate with the layer's own */
         CK(ops->attention(be, s->att, NULL, s->q, kv, l, &attn, hp->n_heads, &ap));
         CK(matmul(m, s->xb, s->att, &L->wo, n));
         CK(ops->add(be, s->x, s->xb, (size_t)n * hp->dim));

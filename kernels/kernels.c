@@ -427,6 +427,7 @@ rk_status rk_kv_check_write_slots(const rk_kv_cache *kv, const int32_t *slots, i
 
 /* The rotated dimensions of rope fit a head of head_dim. */
 static rk_status check_n_rot(const rk_rope *rope, int head_dim, const char *op) {
+    if (!rope) return rk_errorf(RK_ERR_INVALID, "%s: no RoPE table", op);
     if (rope->n_rot <= 0 || (rope->n_rot & 1) || rope->n_rot > head_dim ||
         rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
         return rk_errorf(RK_ERR_INVALID, "%s: n_rot %d does not fit head_dim %d", op, rope->n_rot,
@@ -452,12 +453,23 @@ rk_status rk_rope_check(int n_tokens, int n_heads, int head_dim, const rk_rope *
     return check_n_rot(rope, head_dim, "rope");
 }
 
-rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *rope) {
+rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *const *ropes) {
     rk_status st = check_cache(kv, "rope_shift_copy");
     if (st != RK_OK) return st;
     if (n_tokens < 0)
         return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_tokens %d < 0", n_tokens);
-    return check_n_rot(rope, kv->head_dim, "rope_shift_copy");
+    if (!ropes) return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: no RoPE tables");
+    for (int l = 0; l < kv->n_layers; l++)
+        if ((st = check_n_rot(ropes[l], kv->head_dim, "rope_shift_copy")) != RK_OK) return st;
+    return RK_OK;
+}
+
+int rk_rope_same(const rk_rope *a, const rk_rope *b) {
+    if (a == b) return 1;
+    if (!a || !b || a->n_rot != b->n_rot || a->pairing != b->pairing || a->mscale != b->mscale ||
+        a->n_rot < 0 || a->n_rot > 2 * RK_ROPE_MAX_PAIRS)
+        return 0;
+    return memcmp(a->freq, b->freq, (size_t)(a->n_rot / 2) * sizeof a->freq[0]) == 0;
 }
 
 rk_status rk_kv_check_shift_slots(const rk_kv_cache *kv, const int32_t *src_slots,

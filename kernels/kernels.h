@@ -265,6 +265,12 @@ typedef struct rk_backend_ops {
                       int head_dim, const rk_rope *rope);
     /* out(n) = silu(gate(n)) * up(n); out may equal gate */
     rk_status (*swiglu)(rk_backend *be, float *out, const float *gate, const float *up, size_t n);
+    /* out(n) = gelu(gate(n)) * up(n), gelu the tanh approximation
+     * 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) in f32 (Gemma's FFN);
+     * out may equal gate */
+    rk_status (*geglu)(rk_backend *be, float *out, const float *gate, const float *up, size_t n);
+    /* x(n) *= s */
+    rk_status (*scale)(rk_backend *be, float *x, float s, size_t n);
     /* write k, v (n_tokens, n_kv_heads, head_dim) of layer to slots(n_tokens); slot < 0 skipped */
     rk_status (*kv_write)(rk_backend *be, const rk_kv_cache *kv, int layer, const float *k,
                           const float *v, const int32_t *slots, int n_tokens);
@@ -274,13 +280,15 @@ typedef struct rk_backend_ops {
     rk_status (*attention)(rk_backend *be, float *out, float *lse, const float *q,
                            const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
                            int n_heads, const rk_attn_params *params);
-    /* For every layer and token t: K at dst_slots[t] = R(delta[t]) · K at src_slots[t],
-     * V copied unchanged. src and dst must not overlap. src_slots, dst_slots and
-     * delta are HOST arrays (the reindex plan is built on the host); the backend
-     * uploads them itself. */
+    /* For every layer l and token t: K at dst_slots[t] = R_l(delta[t]) · K at src_slots[t],
+     * R_l the rotation of ropes[l] (ropes has kv->n_layers entries: a model whose
+     * layers use different RoPE, Gemma 3's local and global ones, shifts each
+     * layer with its own), V copied unchanged. src and dst must not overlap.
+     * src_slots, dst_slots, delta and ropes are HOST arrays (the reindex plan
+     * is built on the host); the backend uploads them itself. */
     rk_status (*rope_shift_copy)(rk_backend *be, const rk_kv_cache *kv, const int32_t *src_slots,
                                  const int32_t *dst_slots, const int32_t *delta, int n_tokens,
-                                 const rk_rope *rope);
+                                 const rk_rope *const *ropes);
 } rk_backend_ops;
 
 struct rk_backend {
@@ -313,8 +321,11 @@ rk_status rk_kv_check_write_slots(const rk_kv_cache *kv, const int32_t *slots, i
 /* rope over (n_tokens, n_heads, head_dim): n_tokens >= 0, n_heads and
  * head_dim > 0, n_rot even and within head_dim. */
 rk_status rk_rope_check(int n_tokens, int n_heads, int head_dim, const rk_rope *rope);
-/* rope_shift_copy: a well-formed cache, n_tokens >= 0, n_rot fits head_dim. */
-rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *rope);
+/* rope_shift_copy: a well-formed cache, n_tokens >= 0, every layer's rope
+ * given, its n_rot fitting head_dim. */
+rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *const *ropes);
+/* Whether two RoPE tables rotate alike (the same one or equal contents). */
+int rk_rope_same(const rk_rope *a, const rk_rope *b);
 /* rope_shift_copy slots: all in range, no destination twice, no slot both a
  * source and a destination; tmp (2 * n_tokens). */
 rk_status rk_kv_check_shift_slots(const rk_kv_cache *kv, const int32_t *src_slots,

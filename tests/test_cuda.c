@@ -35,6 +35,10 @@
 #include "kernels/cuda/cuda.h"
 #endif
 
+/* The same RoPE for each layer of a cache of at most 8, as rope_shift_copy
+ * takes them. */
+#define LAYERS(r) ((const rk_rope *const[]){r, r, r, r, r, r, r, r})
+
 /* kernels/cuda/cuda.h's RK_CUDA_MATVEC_MAX_N (the largest n the f32-math
  * matrix-vector kernel takes), restated so this file builds without CUDA. */
 #define RK_TEST_MATVEC_MAX_N 8
@@ -419,6 +423,16 @@ Test(cuda, swiglu_add_and_add_bias_match_cpu) {
     cr_assert_eq(gpu->ops->swiglu(gpu, dg, dg, du, n), RK_OK); /* in place */
     dev_read(gpu, got, dg, n * 4);
     assert_close(got, want, n, 1e-6f, 1e-5f, "swiglu in place");
+    cr_assert_eq(cpu->ops->geglu(cpu, want, g, u, n), RK_OK);
+    cr_assert_eq(gpu->ops->upload(gpu, dg, g, n * 4), RK_OK);
+    cr_assert_eq(gpu->ops->geglu(gpu, dout, dg, du, n), RK_OK);
+    dev_read(gpu, got, dout, n * 4);
+    assert_close(got, want, n, 1e-6f, 1e-5f, "geglu");
+    memcpy(want, g, n * 4);
+    cr_assert_eq(cpu->ops->scale(cpu, want, 3.5f, n), RK_OK);
+    cr_assert_eq(gpu->ops->scale(gpu, dg, 3.5f, n), RK_OK);
+    dev_read(gpu, got, dg, n * 4);
+    assert_equal_f32(got, want, n, "scale");
 
     /* add: exact */
     memcpy(want, g, n * 4);
@@ -1023,9 +1037,10 @@ Test(cuda, rope_shift_copy_matches_cpu_on_every_layer_and_dtype) {
                 dst[i] = 64 + (i * 11) % 64;
                 delta[i] = i % 5 == 0 ? 1000000 - i : rk_test_irand(&rng, 20000) - 5000;
             }
-            cr_assert_eq(cpu->ops->rope_shift_copy(cpu, &c.host, src, dst, delta, n, &rope), RK_OK);
-            cr_assert_eq(gpu->ops->rope_shift_copy(gpu, &c.dev, src, dst, delta, n, &rope), RK_OK,
-                         "%s", rk_error_message());
+            cr_assert_eq(cpu->ops->rope_shift_copy(cpu, &c.host, src, dst, delta, n, LAYERS(&rope)),
+                         RK_OK);
+            cr_assert_eq(gpu->ops->rope_shift_copy(gpu, &c.dev, src, dst, delta, n, LAYERS(&rope)),
+                         RK_OK, "%s", rk_error_message());
             unsigned char *buf = xmalloc(c.layer_bytes);
             for (int l = 0; l < 3; l++) {
                 /* V: byte for byte */
@@ -1071,8 +1086,9 @@ Test(cuda, rope_shift_copy_rejects_bad_plans_without_writing) {
                            "slot 0 is both a source and a destination", "out of range",
                            "out of range"};
     for (int i = 0; i < 4; i++) {
-        cr_assert_eq(gpu->ops->rope_shift_copy(gpu, &c.dev, src[i], dst[i], delta, 2, &rope),
-                     RK_ERR_INVALID, "case %d", i);
+        cr_assert_eq(
+            gpu->ops->rope_shift_copy(gpu, &c.dev, src[i], dst[i], delta, 2, LAYERS(&rope)),
+            RK_ERR_INVALID, "case %d", i);
         cr_assert(strstr(rk_error_message(), msgs[i]) != NULL, "%s", rk_error_message());
     }
     cache_assert_same(gpu, &c, "rejected rope_shift_copy");

@@ -15,6 +15,10 @@
 #include "kernels/kernels.h"
 #include "tests/testutil.h"
 
+/* The same RoPE for each layer of a cache of at most 8, as rope_shift_copy
+ * takes them. */
+#define LAYERS(r) ((const rk_rope *const[]){r, r, r, r, r, r, r, r})
+
 /* ---------------------------------------------------------------- helpers */
 
 /* The suite's random numbers: one stream from a fixed seed. */
@@ -604,6 +608,40 @@ Test(ops, swiglu_is_silu_of_gate_times_up) {
     memcpy(g2, g, n * sizeof(float));
     cr_assert_eq(be->ops->swiglu(be, g2, g2, u, n), RK_OK);
     cr_assert_arr_eq(g2, out, n * sizeof(float));
+    free(g);
+    free(g2);
+    free(u);
+    free(out);
+    rk_backend_free(be);
+}
+
+Test(ops, geglu_is_tanh_gelu_of_gate_times_up_and_scale_multiplies) {
+    rk_backend *be = make_backend(2);
+    size_t n = 70001;
+    float *g = rk_test_rand_floats(&rng, n, -12.0f, 12.0f),
+          *u = rk_test_rand_floats(&rng, n, -2.0f, 2.0f);
+    float *out = malloc(n * sizeof(float)), *g2 = malloc(n * sizeof(float));
+    cr_assert(out && g2);
+    g[0] = 0.0f;
+    g[1] = -100.0f;
+    g[2] = 100.0f;
+    u[2] = 0.5f;
+    cr_assert_eq(be->ops->geglu(be, out, g, u, n), RK_OK);
+    cr_assert_eq(out[0], 0.0f);
+    cr_assert(fabsf(out[1]) < 1e-30f);
+    cr_assert_eq(out[2], 50.0f);
+    for (size_t i = 0; i < n; i++) {
+        double x = g[i];
+        double ref = 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))) * u[i];
+        cr_assert(fabs(out[i] - ref) <= 1e-5 * fabs(ref) + 1e-6, "at %zu: %g vs %g", i, out[i],
+                  ref);
+    }
+    memcpy(g2, g, n * sizeof(float));
+    cr_assert_eq(be->ops->geglu(be, g2, g2, u, n), RK_OK); /* in place */
+    cr_assert_arr_eq(g2, out, n * sizeof(float));
+    memcpy(g2, g, n * sizeof(float));
+    cr_assert_eq(be->ops->scale(be, g2, 0.25f, n), RK_OK);
+    for (size_t i = 0; i < n; i++) cr_assert_eq(g2[i], g[i] * 0.25f);
     free(g);
     free(g2);
     free(u);
@@ -1557,7 +1595,8 @@ Test(rope_shift_copy, shifting_keys_equals_computing_them_at_the_new_position) {
             cr_assert(snap_k && snap_v);
             memcpy(snap_k, f.kl[2], f.layer_bytes);
             memcpy(snap_v, f.vl[2], f.layer_bytes);
-            cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, &r), RK_OK);
+            cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, LAYERS(&r)),
+                         RK_OK);
             for (int l = 0; l < 3; l++) {
                 const float *kc = f.kl[l];
                 for (int i = 0; i < n; i++) {
@@ -1589,6 +1628,73 @@ Test(rope_shift_copy, shifting_keys_equals_computing_them_at_the_new_position) {
     rk_backend_free(be);
 }
 
+Test(rope_shift_copy, each_layer_is_shifted_with_its_own_rope) {
+    /* Gemma 3's pattern in three layers: a local base (10000) for layers 0
+     * and 2, a global one (1e6, linear scaling 8) for layer 1, the local
+     * table given once as the same pointer and once as an equal copy. Each
+     * layer's shifted keys equal its keys computed at the new positions with
+     * its own RoPE, and differ from those of the other RoPE. */
+    rk_backend *be = make_backend(2);
+    int n = 20, heads = 2, hd = 64;
+    rk_rope_params pl = {.n_rot = 64, .theta = 10000.0f, .pairing = RK_ROPE_NEOX},
+                   pg = {.n_rot = 64,
+                         .theta = 1000000.0f,
+                         .pairing = RK_ROPE_NEOX,
+                         .scaling = RK_ROPE_SCALING_LINEAR,
+                         .factor = 8.0f};
+    rk_rope local, global, local2;
+    cr_assert_eq(rk_rope_init(&local, &pl), RK_OK);
+    cr_assert_eq(rk_rope_init(&global, &pg), RK_OK);
+    local2 = local;
+    const rk_rope *ropes[3] = {&local, &global, &local2};
+    shift_fixture f;
+    shift_build(&f, 8, 16, heads, hd, RK_DTYPE_F32);
+    float *x = rk_test_rand_floats(&rng, (size_t)n * f.row, -1, 1);
+    float *v = rk_test_rand_floats(&rng, (size_t)n * f.row, -1, 1);
+    float *ks[3], *kd[3];
+    int32_t pos_src[20], pos_dst[20], src[20], dst[20], delta[20];
+    for (int i = 0; i < n; i++) {
+        pos_src[i] = 700 + i;
+        pos_dst[i] = 40 + 2 * i;
+        delta[i] = pos_dst[i] - pos_src[i];
+        src[i] = i;
+        dst[i] = 127 - i;
+    }
+    for (int l = 0; l < 3; l++) {
+        ks[l] = malloc((size_t)n * f.row * sizeof(float));
+        kd[l] = malloc((size_t)n * f.row * sizeof(float));
+        cr_assert(ks[l] && kd[l]);
+        memcpy(ks[l], x, (size_t)n * f.row * sizeof(float));
+        memcpy(kd[l], x, (size_t)n * f.row * sizeof(float));
+        cr_assert_eq(be->ops->rope(be, ks[l], pos_src, n, heads, hd, ropes[l]), RK_OK);
+        cr_assert_eq(be->ops->rope(be, kd[l], pos_dst, n, heads, hd, ropes[l]), RK_OK);
+        cr_assert_eq(be->ops->kv_write(be, &f.kv, l, ks[l], v, src, n), RK_OK);
+    }
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, ropes), RK_OK);
+    for (int l = 0; l < 3; l++) {
+        float worst = 0, other = 0;
+        for (int i = 0; i < n; i++)
+            for (size_t e = 0; e < f.row; e++) {
+                float got = ((const float *)f.kl[l])[(size_t)dst[i] * f.row + e];
+                worst = fmaxf(worst, fabsf(got - kd[l][(size_t)i * f.row + e]));
+                other = fmaxf(other, fabsf(got - kd[1 - l % 2][(size_t)i * f.row + e]));
+            }
+        cr_assert(worst <= 1e-4f, "layer %d: shifted keys off by %g", l, worst); /* fp32 angles */
+        cr_assert(other > 1e-2f, "layer %d: the other RoPE gives the same keys", l);
+    }
+    /* a layer without a table is refused */
+    const rk_rope *missing[3] = {&local, NULL, &local};
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, missing), RK_ERR_INVALID);
+    for (int l = 0; l < 3; l++) {
+        free(ks[l]);
+        free(kd[l]);
+    }
+    free(x);
+    free(v);
+    shift_free(&f);
+    rk_backend_free(be);
+}
+
 Test(rope_shift_copy, shifting_by_d_then_minus_d_restores_the_keys) {
     rk_backend *be = make_backend(2);
     int n = 40, heads = 3, hd = 128, bs = 8, n_blocks = 16;
@@ -1607,8 +1713,8 @@ Test(rope_shift_copy, shifting_by_d_then_minus_d_restores_the_keys) {
             md[i] = -d[i];
         }
         cr_assert_eq(be->ops->kv_write(be, &f.kv, 1, k, v, a, n), RK_OK);
-        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, a, b, d, n, &r), RK_OK);
-        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, b, c, md, n, &r), RK_OK);
+        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, a, b, d, n, LAYERS(&r)), RK_OK);
+        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, b, c, md, n, LAYERS(&r)), RK_OK);
         const float *kc = f.kl[1];
         for (int i = 0; i < n; i++)
             for (size_t e = 0; e < f.row; e++) {
@@ -1648,7 +1754,7 @@ Test(rope_shift_copy, half_precision_caches_round_once_per_shift) {
             for (size_t e = 0; e < f.row; e++)
                 want[(size_t)i * f.row + e] = elem_f32(f.kl[0], t, (size_t)i * f.row + e);
         cr_assert_eq(be->ops->rope(be, want, pos, n, heads, hd, &r), RK_OK);
-        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, &r), RK_OK);
+        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, LAYERS(&r)), RK_OK);
         /* the same f32 rotation as the rope op, then exactly one rounding */
         for (int i = 0; i < n; i++)
             for (size_t e = 0; e < f.row; e++) {
@@ -1694,7 +1800,7 @@ Test(rope_shift_copy, q8_0_caches_dequantize_rotate_and_requantize_each_row) {
         rk_dequantize(want + (size_t)i * f.row, (unsigned char *)f.kl[1] + (size_t)i * rb,
                       RK_DTYPE_Q8_0, f.row);
     cr_assert_eq(be->ops->rope(be, want, pos, n, heads, hd, &r), RK_OK);
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, pos, n, &r), RK_OK);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, pos, n, LAYERS(&r)), RK_OK);
     for (int i = 0; i < n; i++) {
         /* the stored row dequantized, rotated in f32 as the rope op does, quantized once */
         rk_quantize(wq, want + (size_t)i * f.row, RK_DTYPE_Q8_0, f.row);
@@ -1725,16 +1831,22 @@ Test(rope_shift_copy, rejects_bad_slots_without_writing) {
     int32_t delta[2] = {5, 5};
     int32_t s1[2] = {0, 1}, d_over[2] = {2, 16}, d_neg[2] = {-1, 3}, d_dup[2] = {4, 4},
             d_overlap[2] = {1, 5};
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_over, delta, 2, &r), RK_ERR_INVALID);
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_neg, delta, 2, &r), RK_ERR_INVALID);
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, d_over, s1, delta, 2, &r), RK_ERR_INVALID);
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_dup, delta, 2, &r), RK_ERR_INVALID);
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_overlap, delta, 2, &r), RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_over, delta, 2, LAYERS(&r)),
+                 RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_neg, delta, 2, LAYERS(&r)),
+                 RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, d_over, s1, delta, 2, LAYERS(&r)),
+                 RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_dup, delta, 2, LAYERS(&r)),
+                 RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_overlap, delta, 2, LAYERS(&r)),
+                 RK_ERR_INVALID);
     cr_assert_arr_eq(snap, f.kl[0], f.layer_bytes);
     rk_rope wide = plain_rope(32, 10000.0f, RK_ROPE_NORMAL); /* n_rot > head_dim */
     int32_t d_ok[2] = {8, 9};
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_ok, delta, 2, &wide), RK_ERR_INVALID);
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_ok, delta, 2, &r), RK_OK);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_ok, delta, 2, LAYERS(&wide)),
+                 RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_ok, delta, 2, LAYERS(&r)), RK_OK);
     free(snap);
     free(k);
     shift_free(&f);
@@ -1909,8 +2021,8 @@ static void zc_build(zc_fixture *f, rk_backend *be, const zc_case *zc) {
             }
             tbl += zc_blocks(f->seg_end[r] - b0, bs);
         }
-        cr_assert_eq(be->ops->rope_shift_copy(be, &f->kv, src, dst, dl, begin, zc->rope), RK_OK,
-                     "%s", rk_error_message());
+        cr_assert_eq(be->ops->rope_shift_copy(be, &f->kv, src, dst, dl, begin, LAYERS(zc->rope)),
+                     RK_OK, "%s", rk_error_message());
         free(src);
         free(dst);
         free(dl);

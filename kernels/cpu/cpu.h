@@ -96,7 +96,7 @@ rk_status rk_cpu_attention(rk_backend *be, float *out, float *lse, const float *
                            int n_heads, const rk_attn_params *params);
 rk_status rk_cpu_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv, const int32_t *src_slots,
                                  const int32_t *dst_slots, const int32_t *delta, int n_tokens,
-                                 const rk_rope *rope);
+                                 const rk_rope *const *ropes);
 
 /* Smallest n (rows of x) for which matmul takes the BLAS path (for quantized
  * weights at the AVX-512 BF16 level, the BF16 tile kernel instead; BF16

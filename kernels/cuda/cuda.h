@@ -143,6 +143,9 @@ cudaError_t rk_cuda_launch_rope(float *x, const int32_t *pos, int n_tokens, int 
                                 int head_dim, const rk_rope *rope, cudaStream_t s);
 cudaError_t rk_cuda_launch_swiglu(float *out, const float *gate, const float *up, size_t n,
                                   cudaStream_t s);
+cudaError_t rk_cuda_launch_geglu(float *out, const float *gate, const float *up, size_t n,
+                                 cudaStream_t s);
+cudaError_t rk_cuda_launch_scale(float *x, float v, size_t n, cudaStream_t s);
 cudaError_t rk_cuda_launch_add(float *y, const float *x, size_t n, cudaStream_t s);
 cudaError_t rk_cuda_launch_add_bias(float *y, const float *b, int n, int m, cudaStream_t s);
 /* Split src(n) f32 into hi(n) + lo(n) of dtype (F16 or BF16): hi = round(x),
