@@ -52,6 +52,11 @@ static const rk_mkmodel_preset_info k_infos[] = {
                  "12288, untied, Qwen3 vocabulary (~8.2 B parameters, 33 GB in F32)"},
     {"qwen3-embedding-tiny", "qwen3-tiny's shapes and Qwen3 vocabulary with pooling_type 3 "
                              "(last token), as Qwen3-Embedding files have: an embedding model"},
+    {"gemma2-tiny", "gemma2, 4 layers, dim 128, 4 heads / 2 KV, head 32, FFN 256, tied, "
+                    "sliding window 16 on even layers, soft-capping 50 / 30, tiny vocabulary"},
+    {"gemma3-micro", "gemma3, 6 layers (5 sliding, window 16, then 1 global), dim 128, 4 heads / "
+                     "2 KV, head 32, FFN 256, tied, QK-norm, tiny vocabulary (tests that do not "
+                     "read the Gemma 3 vocabulary)"},
 };
 
 static const preset k_presets[] = {
@@ -66,7 +71,34 @@ static const preset k_presets[] = {
     {"qwen3", 36, 4096, 32, 8, 128, 12288, 40960, 1e6f, 1e-6f, 0, 0, 1, VOCAB_QWEN3, 0},
     /* qwen3-embedding-tiny */
     {"qwen3", 2, 128, 4, 2, 32, 256, 40960, 1e6f, 1e-6f, 1, 0, 1, VOCAB_QWEN3, 3},
+    /* gemma2-tiny */
+    {"gemma2", 4, 128, 4, 2, 32, 256, 8192, 10000.0f, 1e-6f, 1, 0, 0, VOCAB_TINY, 0},
+    /* gemma3-micro */
+    {"gemma3", 6, 128, 4, 2, 32, 256, 32768, 1e6f, 1e-6f, 1, 0, 1, VOCAB_TINY, 0},
 };
+
+/* What the Gemma presets add (keys the reference converter writes):
+ * <arch>.attention.sliding_window, gemma2's soft caps, and for the
+ * post-norms the tensors post_attention_norm and post_ffw_norm. */
+typedef struct gemma_extra {
+    const char *name;    /* the preset */
+    int window;          /* attention.sliding_window */
+    float attn_softcap;  /* attn_logit_softcapping (gemma2), 0: no key */
+    float final_softcap; /* final_logit_softcapping (gemma2), 0: no key */
+    float rope_linear;   /* rope.scaling.type linear with this factor (> 0), 0: no key */
+} gemma_extra;
+
+static const gemma_extra k_gemma[] = {
+    {"gemma2-tiny", 16, 50.0f, 30.0f, 0.0f},
+    {"gemma3-micro", 16, 0.0f, 0.0f, 0.0f},
+};
+
+/* The Gemma additions of the preset named name, NULL for the others. */
+static const gemma_extra *gemma_of(const char *name) {
+    for (size_t i = 0; i < sizeof k_gemma / sizeof k_gemma[0]; i++)
+        if (strcmp(k_gemma[i].name, name) == 0) return &k_gemma[i];
+    return NULL;
+}
 
 #define N_PRESETS (sizeof k_presets / sizeof k_presets[0])
 _Static_assert(sizeof k_infos / sizeof k_infos[0] == N_PRESETS, "one info line per preset");
@@ -405,6 +437,20 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
         (st = mk_set_arch_u32(w, a, "rope.dimension_count", (uint32_t)p->head_dim)) ||
         (p->pooling > 0 && (st = mk_set_arch_u32(w, a, "pooling_type", (uint32_t)p->pooling))))
         return st;
+    const gemma_extra *g = gemma_of(m->name);
+    if (g && ((st = mk_set_arch_u32(w, a, "attention.sliding_window", (uint32_t)g->window)) ||
+              (g->attn_softcap > 0 &&
+               (st = mk_set_arch_f32(w, a, "attn_logit_softcapping", g->attn_softcap))) ||
+              (g->final_softcap > 0 &&
+               (st = mk_set_arch_f32(w, a, "final_logit_softcapping", g->final_softcap)))))
+        return st;
+    if (g && g->rope_linear > 0) {
+        char key[128];
+        snprintf(key, sizeof key, "%s.rope.scaling.type", a);
+        if ((st = rk_gguf_writer_set_str(w, key, "linear")) ||
+            (st = mk_set_arch_f32(w, a, "rope.scaling.factor", g->rope_linear)))
+            return st;
+    }
 
     if ((st = rk_gguf_writer_set_str(w, "tokenizer.ggml.model", mv->v.model))) return st;
     if (mv->v.pre[0] && (st = rk_gguf_writer_set_str(w, "tokenizer.ggml.pre", mv->v.pre)))
@@ -518,6 +564,7 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
                      m->vocab.n, "token_embd.weight", 0)))
         return st;
     const rk_ggml_type t_dim = mk_matrix_type(p, wt, dim, ROLE_OTHER, 0);
+    const int post_norms = gemma_of(m->name) != NULL;
     const rk_ggml_type t_out = mk_matrix_type(p, wt, dim, ROLE_OUTPUT, 0);
     for (int l = 0; l < p->n_layers; l++) {
         const rk_ggml_type t_q = mk_matrix_type(p, wt, q_dim, ROLE_ATTN_OUT, l);
@@ -537,10 +584,14 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
              (st = mk_add(m, INIT_NORM, wt, p->head_dim, 0, "blk.%d.attn_k_norm.weight", l))))
             return st;
         if ((st = mk_add(m, INIT_MATRIX, t_q, q_dim, dim, "blk.%d.attn_output.weight", l)) ||
+            (post_norms &&
+             (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.post_attention_norm.weight", l))) ||
             (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.ffn_norm.weight", l)) ||
             (st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_gate.weight", l)) ||
             (st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_up.weight", l)) ||
-            (st = mk_add(m, INIT_MATRIX, t_ffn, ffn, dim, "blk.%d.ffn_down.weight", l)))
+            (st = mk_add(m, INIT_MATRIX, t_ffn, ffn, dim, "blk.%d.ffn_down.weight", l)) ||
+            (post_norms &&
+             (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.post_ffw_norm.weight", l))))
             return st;
     }
     if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "output_norm.weight", 0))) return st;

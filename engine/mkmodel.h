@@ -8,7 +8,8 @@
  * memory at start-up.
  *
  * Metadata written (what the model loader reads), <arch> = general.architecture:
- *   general.architecture                    string  "llama" | "qwen2" | "qwen3"
+ *   general.architecture                    string  "llama" | "qwen2" | "qwen3" | "gemma2" |
+ *                                                    "gemma3"
  *   general.name                            string  "ragkv synthetic <preset>"
  *   general.file_type                       u32     llama.cpp's numbering: 0 = all F32,
  *                                                    1 = mostly F16, 32 = mostly BF16,
@@ -31,6 +32,13 @@
  *                                                    llama pairs adjacent dims, qwen2/qwen3
  *                                                    use NeoX half-split pairs, as in llama.cpp)
  *   <arch>.pooling_type                     u32     embedding presets only: 3 = last token
+ *   <arch>.attention.sliding_window         u32     gemma2, gemma3: the sliding window
+ *                                                    (gemma2: even layers slide; gemma3:
+ *                                                    every layer but each sixth)
+ *   <arch>.attn_logit_softcapping           f32     gemma2 only
+ *   <arch>.final_logit_softcapping          f32     gemma2 only
+ *   <arch>.rope.scaling.type, .factor       string, f32  gemma3 presets with linear RoPE
+ *                                                    scaling of the global layers only
  *   tokenizer.ggml.model                    string  "llama" (tiny vocab) | "gpt2" (Qwen3 vocab)
  *   tokenizer.ggml.pre                      string  gpt2 only ("qwen2")
  *   tokenizer.ggml.tokens                   [string]
@@ -49,13 +57,15 @@
  *   blk.N.attn_q.bias          {n_heads * head_dim}       qwen2 only
  *   blk.N.attn_k.bias          {n_kv_heads * head_dim}    qwen2 only
  *   blk.N.attn_v.bias          {n_kv_heads * head_dim}    qwen2 only
- *   blk.N.attn_q_norm.weight   {head_dim}                 qwen3 only
- *   blk.N.attn_k_norm.weight   {head_dim}                 qwen3 only
+ *   blk.N.attn_q_norm.weight   {head_dim}                 qwen3, gemma3
+ *   blk.N.attn_k_norm.weight   {head_dim}                 qwen3, gemma3
  *   blk.N.attn_output.weight   {n_heads * head_dim, dim}
+ *   blk.N.post_attention_norm.weight {dim}                gemma2, gemma3
  *   blk.N.ffn_norm.weight      {dim}
  *   blk.N.ffn_gate.weight      {dim, ffn}
  *   blk.N.ffn_up.weight        {dim, ffn}
  *   blk.N.ffn_down.weight      {ffn, dim}
+ *   blk.N.post_ffw_norm.weight {dim}                      gemma2, gemma3
  *   output_norm.weight         {dim}
  *   output.weight              {dim, n_vocab}             absent when embeddings are tied
  * 2-D tensors (matrices and the embedding) have the chosen weight type; 1-D
