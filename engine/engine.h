@@ -1,6 +1,6 @@
 /* engine/engine.h — models and the transformer forward pass.
  *
- * A model is loaded from GGUF (architectures llama, qwen2, qwen3; weights
+ * A model is loaded from GGUF (the families of arch.h; weights
  * F32, F16, BF16, or Q8_0 / Q4_0 / Q4_K / Q5_K / Q6_K kept quantized on the
  * CPU backend), with its tokenizer read from the same file. The forward
  * pass computes a batch of tokens from one or more sequences at explicit
@@ -33,15 +33,10 @@
 #include <stdint.h>
 
 #include "config/config.h"
+#include "engine/arch.h"
 #include "engine/gguf.h"
 #include "engine/tokenizer.h"
 #include "kernels/kernels.h"
-
-typedef enum rk_arch {
-    RK_ARCH_LLAMA = 0,
-    RK_ARCH_QWEN2 = 1, /* QKV biases */
-    RK_ARCH_QWEN3 = 2, /* per-head RMSNorm on Q and K */
-} rk_arch;
 
 /* How a sequence's final hidden states (after the output norm) become one
  * embedding: <arch>.pooling_type in GGUF, numbered as the reference engine
@@ -55,7 +50,7 @@ typedef enum rk_pooling {
 } rk_pooling;
 
 typedef struct rk_hparams {
-    rk_arch arch;
+    const rk_arch_desc *desc; /* the family (arch.h) */
     char arch_name[16];
     char name[96]; /* general.name, "" when absent */
     int n_layers;
@@ -67,8 +62,6 @@ typedef struct rk_hparams {
     int n_vocab;
     int n_ctx; /* training context length */
     float rms_eps;
-    int has_qkv_bias;
-    int has_qk_norm;
     int tied_embeddings;
     rk_rope_params rope;
     rk_dtype wtype;     /* dtype of the attention/FFN matrices (of blk.0.attn_q) */

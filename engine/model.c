@@ -339,7 +339,7 @@ static rk_status read_rope(rk_model *m) {
     if ((st = get_f32_arch(m, "rope.freq_base", 10000.0f, &rp->theta)) ||
         (st = check_positive(m, "rope.freq_base", rp->theta)))
         return st;
-    rp->pairing = hp->arch == RK_ARCH_LLAMA ? RK_ROPE_NORMAL : RK_ROPE_NEOX;
+    rp->pairing = hp->desc->rope_neox ? RK_ROPE_NEOX : RK_ROPE_NORMAL;
     if ((st = get_f32_arch(m, "rope.scaling.factor", 1.0f, &rp->factor))) return st;
     int orig;
     if ((st = get_u32_arch(m, "rope.scaling.original_context_length", (uint32_t)hp->n_ctx, 0,
@@ -375,15 +375,16 @@ static rk_status read_hparams(rk_model *m) {
     const char *arch;
     rk_status st = rk_gguf_get_str(m->gguf, "general.architecture", &arch, NULL);
     if (st) return rk_errorf(RK_ERR_FORMAT, "model: general.architecture is missing");
-    if (!strcmp(arch, "llama"))
-        hp->arch = RK_ARCH_LLAMA;
-    else if (!strcmp(arch, "qwen2"))
-        hp->arch = RK_ARCH_QWEN2;
-    else if (!strcmp(arch, "qwen3"))
-        hp->arch = RK_ARCH_QWEN3;
-    else
-        return rk_errorf(RK_ERR_UNSUPPORTED,
-                         "model: architecture \"%s\" is not supported (llama, qwen2, qwen3)", arch);
+    if (!(hp->desc = rk_arch_find(arch))) {
+        const char *why = rk_arch_refusal(arch);
+        if (why)
+            return rk_errorf(RK_ERR_UNSUPPORTED, "model: architecture \"%s\" is refused: %s", arch,
+                             why);
+        char names[128];
+        rk_arch_names(names, sizeof names);
+        return rk_errorf(RK_ERR_UNSUPPORTED, "model: architecture \"%s\" is not supported (%s)",
+                         arch, names);
+    }
     snprintf(hp->arch_name, sizeof hp->arch_name, "%s", arch);
     const char *name;
     if (rk_gguf_get_str(m->gguf, "general.name", &name, NULL) == RK_OK)
@@ -444,8 +445,6 @@ static rk_status read_hparams(rk_model *m) {
     } else {
         hp->pooling = (rk_pooling)pooling;
     }
-    hp->has_qkv_bias = hp->arch == RK_ARCH_QWEN2;
-    hp->has_qk_norm = hp->arch == RK_ARCH_QWEN3;
     return read_rope(m);
 }
 
@@ -502,14 +501,15 @@ static rk_status load_weights(rk_model *m) {
         rk_matrix *qkv[] = {&L->wq, &L->wk, &L->wv}, *gate_up[] = {&L->gate, &L->up};
         if ((st = fuse_mats(m, qkv, 3, &L->qkv)) || (st = fuse_mats(m, gate_up, 2, &L->gate_up)))
             return st;
-        if (hp->has_qk_norm &&
+        if (hp->desc->qk_norm &&
             ((st = load_vec(m, N("attn_q_norm.weight"), hp->head_dim, 0, &L->q_norm)) ||
              (st = load_vec(m, N("attn_k_norm.weight"), hp->head_dim, 0, &L->k_norm))))
             return st;
-        /* Biases are optional in any architecture (qwen2 always has them). */
-        if ((st = load_vec(m, N("attn_q.bias"), q_dim, !hp->has_qkv_bias, &L->bq)) ||
-            (st = load_vec(m, N("attn_k.bias"), kv_dim, !hp->has_qkv_bias, &L->bk)) ||
-            (st = load_vec(m, N("attn_v.bias"), kv_dim, !hp->has_qkv_bias, &L->bv)))
+        /* Biases are optional where the family does not require them. */
+        int bias_optional = !hp->desc->qkv_bias;
+        if ((st = load_vec(m, N("attn_q.bias"), q_dim, bias_optional, &L->bq)) ||
+            (st = load_vec(m, N("attn_k.bias"), kv_dim, bias_optional, &L->bk)) ||
+            (st = load_vec(m, N("attn_v.bias"), kv_dim, bias_optional, &L->bv)))
             return st;
     }
 #undef N

@@ -175,7 +175,7 @@ Test(engine, qwen3_0_6b_f32_and_bf16_load_and_generate_identically_across_thread
         cr_assert_eq(hp->n_layers, 28);
         cr_assert_eq(hp->head_dim, 128);
         cr_assert_eq(hp->n_vocab, 151936);
-        cr_assert(hp->tied_embeddings && hp->has_qk_norm);
+        cr_assert(hp->tied_embeddings && hp->desc->qk_norm);
         rk_service_close(svc);
         check_thread_invariance(path, 6);
         free(path);
@@ -200,6 +200,40 @@ Test(engine, hostile_model_file_exits_1_with_a_message) {
     cr_assert_eq(rk_test_run(cmd, &out), 1);
     free(out);
     free(dir);
+}
+
+/* Load a header-only model file of the named family; return the status. */
+static rk_status load_family(const char *arch) {
+    rk_gguf_writer *w;
+    cr_assert_eq(rk_gguf_writer_create(&w), RK_OK);
+    cr_assert_eq(rk_gguf_writer_set_str(w, "general.architecture", arch), RK_OK);
+    void *buf;
+    size_t len;
+    cr_assert_eq(rk_gguf_writer_write_memory(w, NULL, NULL, &buf, &len), RK_OK);
+    rk_gguf_writer_free(w);
+    rk_backend *be;
+    cr_assert_eq(rk_backend_create("cpu", 1, &be), RK_OK);
+    rk_model *m = NULL;
+    rk_status st = rk_model_load_owned_buffer(buf, len, "family.gguf", be, &m);
+    cr_assert_null(m);
+    rk_backend_free(be);
+    return st;
+}
+
+Test(engine, unknown_family_is_unsupported_and_the_message_lists_the_known_ones) {
+    cr_assert_eq(load_family("bert"), RK_ERR_UNSUPPORTED);
+    const char *msg = rk_error_message();
+    cr_assert_not_null(strstr(msg, "\"bert\" is not supported (llama, qwen2, qwen3"), "%s", msg);
+}
+
+Test(engine, recurrent_families_are_refused_with_the_reason) {
+    const char *families[] = {"mamba", "qwen3next", "jamba"};
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(load_family(families[i]), RK_ERR_UNSUPPORTED);
+        const char *msg = rk_error_message();
+        cr_assert_not_null(strstr(msg, "recurrent state cannot be reused at another position"),
+                           "%s", msg);
+    }
 }
 
 Test(engine, invalid_utf8_prompt_exits_1_with_a_message) {

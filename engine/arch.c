@@ -1,0 +1,41 @@
+/* engine/arch.c — the model families ragkv computes, one description each
+ * (see arch.h), and the ones it refuses on purpose. */
+#include "engine/arch.h"
+
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+
+static const rk_arch_desc k_archs[] = {
+    {.name = "llama", .act = RK_FFN_SILU},
+    {.name = "qwen2", .qkv_bias = 1, .rope_neox = 1, .act = RK_FFN_SILU},
+    {.name = "qwen3", .qk_norm = 1, .rope_neox = 1, .act = RK_FFN_SILU},
+};
+#define N_ARCHS (sizeof k_archs / sizeof k_archs[0])
+
+/* Families whose layers keep a recurrent state in place of (or beside) KV. */
+static const char *const k_recurrent[] = {
+    "mamba",  "mamba2",    "rwkv6", "rwkv7",         "jamba",  "falcon-h1",  "qwen3next",
+    "qwen35", "qwen35moe", "lfm2",  "granitehybrid", "plamo2", "nemotron_h",
+};
+
+const rk_arch_desc *rk_arch_find(const char *name) {
+    for (size_t i = 0; i < N_ARCHS; i++)
+        if (!strcmp(k_archs[i].name, name)) return &k_archs[i];
+    return NULL;
+}
+
+const char *rk_arch_refusal(const char *name) {
+    for (size_t i = 0; i < sizeof k_recurrent / sizeof k_recurrent[0]; i++)
+        if (!strcmp(k_recurrent[i], name))
+            return "its layers keep a recurrent state instead of KV, and a recurrent state "
+                   "cannot be reused at another position, so its chunks cannot be cached";
+    return NULL;
+}
+
+void rk_arch_names(char *out, size_t n) {
+    size_t len = 0;
+    if (n) out[0] = '\0';
+    for (size_t i = 0; i < N_ARCHS && len < n; i++)
+        len += (size_t)snprintf(out + len, n - len, "%s%s", i ? ", " : "", k_archs[i].name);
+}

@@ -1,0 +1,64 @@
+/* engine/arch.h — what makes each model family what it is, in one place.
+ *
+ * A GGUF file names its family in general.architecture. Every difference
+ * between the families ragkv computes is one field of the family's
+ * description below, read once at load; the forward pass reads the
+ * description, never the family's name. Shapes (layers, widths, heads,
+ * windows, RoPE bases) are the file's; the description says which of the
+ * file's keys and tensors a family has and how the pass uses them.
+ *
+ * Norm weights: GGUF converters fold Gemma's `1 + w` RMSNorm offset into the
+ * stored weight, so every family's norm is plain x / rms(x) * w here.
+ *
+ * Thread-safety: the descriptions are constant; any thread may read them. */
+#ifndef RK_ARCH_H
+#define RK_ARCH_H
+
+#include <stddef.h>
+
+/* The FFN's gate activation: out = act(x·Wgate) * (x·Wup), then ·Wdown. */
+typedef enum rk_ffn_act {
+    RK_FFN_SILU = 0,      /* SwiGLU: llama, qwen2, qwen3 */
+    RK_FFN_GELU_TANH = 1, /* GeGLU with tanh-approximated GELU: gemma2, gemma3 */
+} rk_ffn_act;
+
+/* How a mixture-of-experts router's logits become expert weights. */
+typedef enum rk_moe_gating {
+    RK_MOE_NONE = 0,    /* a dense FFN */
+    RK_MOE_SOFTMAX = 1, /* softmax over all experts, then top-k */
+    RK_MOE_SIGMOID = 2, /* sigmoid per expert, then top-k */
+} rk_moe_gating;
+
+typedef struct rk_arch_desc {
+    const char *name; /* general.architecture */
+    /* Attention */
+    unsigned qkv_bias : 1;  /* attn_{q,k,v}.bias required (optional otherwise) */
+    unsigned qk_norm : 1;   /* per-head RMSNorm on Q and K: attn_{q,k}_norm */
+    unsigned fused_qkv : 1; /* one attn_qkv matrix holds [Q; K; V] */
+    unsigned rope_neox : 1; /* RoPE pairs (i, i + n_rot/2), else (2i, 2i + 1) */
+    /* Sliding-window layers: 0 none; p > 0 every p-th layer (l % p == p - 1)
+     * is global and the others slide over <arch>.attention.sliding_window
+     * table positions. */
+    int swa_period;
+    /* Norms and the residual stream */
+    unsigned post_norms : 1;      /* post_attention_norm, post_ffw_norm before each add */
+    unsigned embd_scale_sqrt : 1; /* token embeddings multiplied by sqrt(dim) */
+    /* FFN */
+    unsigned fused_gate_up : 1; /* ffn_up holds [gate; up] (no ffn_gate tensor) */
+    rk_ffn_act act;
+    rk_moe_gating moe; /* RK_MOE_NONE: dense */
+} rk_arch_desc;
+
+/* The description of the family named name, or NULL when ragkv does not
+ * compute it. */
+const rk_arch_desc *rk_arch_find(const char *name);
+
+/* A one-line reason for a family ragkv refuses on purpose (a recurrent state
+ * instead of KV, which cannot be reused at another position), or NULL. */
+const char *rk_arch_refusal(const char *name);
+
+/* The supported families' names, comma-separated, into out (n bytes,
+ * truncated to fit), for messages and help. */
+void rk_arch_names(char *out, size_t n);
+
+#endif
