@@ -64,6 +64,13 @@ typedef struct rk_hparams {
     float rms_eps;
     int tied_embeddings;
     rk_rope_params rope;
+    /* Attention (arch.h): q·k scale; sliding window (0: no layer slides) and
+     * the period of global layers; soft caps (0: none); the sliding layers'
+     * RoPE. */
+    float attn_scale;
+    int sliding_window, swa_period;
+    float attn_softcap, final_softcap;
+    rk_rope_params rope_swa;
     rk_dtype wtype;     /* dtype of the attention/FFN matrices (of blk.0.attn_q) */
     rk_pooling pooling; /* <arch>.pooling_type; RK_POOLING_UNSET when absent */
 } rk_hparams;
