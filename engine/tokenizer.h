@@ -46,14 +46,23 @@ typedef struct rk_vocab {
     char **merges;                          /* (n_merges) "left right", gpt2 only */
     int32_t bos_id, eos_id, unk_id, pad_id; /* -1 when absent */
     int add_bos;                            /* tokenizer.ggml.add_bos_token */
+    /* llama: set when tokenizer.ggml.add_space_prefix is false (Gemma's
+     * vocabularies); otherwise a space is put before the text (and before
+     * text after a special token) and the decoder drops it after BOS. */
+    int no_space_prefix;
 } rk_vocab;
 
 /* Release the arrays and zero the struct; accepts NULL and a zeroed struct. */
 void rk_vocab_free(rk_vocab *v);
 
-/* Read a Hugging Face tokenizer.json (byte-level BPE, e.g. Qwen3) into a gpt2
- * vocabulary, added tokens included, padded with unused "[PAD<id>]" tokens up
- * to n_pad_to entries when n_pad_to is larger than the vocabulary. */
+/* Read a Hugging Face tokenizer.json into a vocabulary, added tokens
+ * included, padded with unused "[PAD<id>]" tokens up to n_pad_to entries when
+ * n_pad_to is larger than the vocabulary. Byte-level BPE (Qwen3) becomes a
+ * gpt2 vocabulary with its merges; SentencePiece-style BPE with byte
+ * fallback (Gemma 3: spaces spelled U+2581, <0xXX> byte tokens) a llama
+ * vocabulary whose scores rank each piece by the first merge that makes it
+ * (-rank; pieces no merge makes: 0 for single characters, -1e9 else), and
+ * no_space_prefix unless the normalizer prepends U+2581. */
 rk_status rk_vocab_from_hf_json(const char *path, int32_t n_pad_to, rk_vocab *out);
 
 /* The small byte-level vocabulary of the embedded `tiny` model: a llama

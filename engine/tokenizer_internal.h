@@ -54,7 +54,8 @@ struct rk_tokenizer {
 
     int32_t bos_id, eos_id, unk_id, pad_id;
     int add_bos;
-    int32_t eog[8]; /* end-of-generation ids */
+    int add_space_prefix; /* llama: a space before the text (rk_vocab) */
+    int32_t eog[8];       /* end-of-generation ids */
     int n_eog;
 
     /* Special tokens matched when parse_special is set, bucketed by first byte

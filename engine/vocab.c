@@ -180,9 +180,12 @@ static rk_status read_specials(const rk_gguf *g, rk_vocab *v, int32_t n, int gpt
         (st = gguf_token_id(g, "tokenizer.ggml.padding_token_id", n, &v->pad_id)) != RK_OK)
         return st;
     v->add_bos = gpt2 ? 0 : 1;
-    int add_bos;
+    int add_bos, space = 1;
     st = rk_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &add_bos);
     if (st == RK_OK) v->add_bos = add_bos != 0;
+    if (st != RK_OK && st != RK_ERR_NOT_FOUND) return st;
+    st = rk_gguf_get_bool(g, "tokenizer.ggml.add_space_prefix", &space);
+    v->no_space_prefix = space == 0;
     return st == RK_ERR_NOT_FOUND ? RK_OK : st;
 }
 
@@ -413,6 +416,122 @@ static rk_status hf_load(const char *path, json_t **out) {
     return rk_errorf(RK_ERR_FORMAT, "%s:%d: %s", path, jerr.line, jerr.text);
 }
 
+/* Whether the normalizer (or one of a Sequence's) is of type type, and, for
+ * a Replace, replaces the string from with to. */
+static int hf_norm_has(const json_t *n, const char *type, const char *from, const char *to) {
+    if (!json_is_object(n)) return 0;
+    const char *t = json_string_value(json_object_get(n, "type"));
+    if (t && !strcmp(t, "Sequence")) {
+        size_t i;
+        const json_t *e;
+        json_array_foreach(json_object_get(n, "normalizers"), i, e) {
+            if (hf_norm_has(e, type, from, to)) return 1;
+        }
+        return 0;
+    }
+    if (!t || strcmp(t, type) != 0) return 0;
+    if (!from) return 1;
+    const char *f = json_string_value(json_object_get(json_object_get(n, "pattern"), "String"));
+    const char *c = json_string_value(json_object_get(n, "content"));
+    return f && c && !strcmp(f, from) && !strcmp(c, to);
+}
+
+/* A SentencePiece-style BPE tokenizer.json (byte fallback, spaces as
+ * U+2581) as a llama vocabulary; see rk_vocab_from_hf_json. */
+static rk_status hf_spm(const char *path, const json_t *root, int32_t n_pad_to, rk_vocab *out) {
+    const json_t *model = json_object_get(root, "model");
+    const json_t *vmap = json_object_get(model, "vocab");
+    const json_t *merges = json_object_get(model, "merges");
+    const json_t *added = json_object_get(root, "added_tokens");
+    const json_t *norm = json_object_get(root, "normalizer");
+    if (!json_is_object(vmap) || !json_is_array(merges) || (added && !json_is_array(added)))
+        return rk_errorf(RK_ERR_FORMAT, "%s: model.vocab, model.merges or added_tokens malformed",
+                         path);
+    if (!hf_norm_has(norm, "Replace", " ", "\xe2\x96\x81"))
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "%s: a byte-fallback BPE whose normalizer does not spell spaces U+2581",
+                         path);
+    rk_vocab v;
+    int32_t n_base = 0;
+    rk_status st = hf_size(path, vmap, added, &n_base);
+    if (!st) st = vocab_init(&v, "llama", n_pad_to > n_base ? n_pad_to : n_base);
+    if (st) return st;
+    if (!(v.scores = malloc((size_t)v.n_tokens * sizeof *v.scores))) {
+        rk_vocab_free(&v);
+        return rk_errorf(RK_ERR_NOMEM, "%s: out of memory", path);
+    }
+    if ((st = hf_tokens(&v, path, vmap, added, n_base))) {
+        rk_vocab_free(&v);
+        return st;
+    }
+    /* Scores: -rank of the first merge making a piece. */
+    char *made = calloc((size_t)v.n_tokens, 1);
+    if (!made) {
+        rk_vocab_free(&v);
+        return rk_errorf(RK_ERR_NOMEM, "%s: out of memory", path);
+    }
+    size_t i;
+    const json_t *m;
+    char buf[1024];
+    json_array_foreach(merges, i, m) {
+        const char *a = NULL, *b = NULL;
+        size_t la = 0, lb = 0;
+        if (json_is_array(m) && json_array_size(m) == 2) {
+            a = json_string_value(json_array_get(m, 0));
+            b = json_string_value(json_array_get(m, 1));
+            la = json_string_length(json_array_get(m, 0));
+            lb = json_string_length(json_array_get(m, 1));
+        } else if (json_is_string(m)) {
+            a = json_string_value(m);
+            const char *sp = strchr(a, ' ');
+            if (sp) {
+                la = (size_t)(sp - a);
+                b = sp + 1;
+                lb = strlen(b);
+            }
+        }
+        if (!a || !b || la + lb >= sizeof buf) {
+            free(made);
+            rk_vocab_free(&v);
+            return rk_errorf(RK_ERR_FORMAT, "%s: merge %zu is malformed", path, i);
+        }
+        memcpy(buf, a, la);
+        memcpy(buf + la, b, lb);
+        buf[la + lb] = '\0';
+        const json_t *id = json_object_get(vmap, buf);
+        if (!json_is_integer(id)) continue; /* makes no piece: never applies */
+        int64_t t = json_integer_value(id);
+        if (t < 0 || t >= v.n_tokens || made[t]) continue;
+        made[t] = 1;
+        v.scores[t] = -(float)i;
+    }
+    for (int32_t t = 0; t < v.n_tokens; t++) {
+        if (made[t]) continue;
+        const char *s = v.tokens[t];
+        size_t len = strlen(s), cl = len ? ((unsigned char)s[0] < 0x80   ? 1
+                                            : (unsigned char)s[0] < 0xE0 ? 2
+                                            : (unsigned char)s[0] < 0xF0 ? 3
+                                                                         : 4)
+                                         : 0;
+        v.scores[t] = len == cl && v.token_types[t] == RK_TOKEN_NORMAL ? 0.0f : -1e9f;
+        if (is_byte_token(s) && v.token_types[t] == RK_TOKEN_NORMAL)
+            v.token_types[t] = RK_TOKEN_BYTE;
+    }
+    free(made);
+    for (int32_t t = 0; t < v.n_tokens; t++) {
+        const char *s = v.tokens[t];
+        if (v.token_types[t] == RK_TOKEN_UNUSED) v.scores[t] = -1e9f;
+        if (!strcmp(s, "<bos>") && v.bos_id < 0) v.bos_id = t;
+        if (!strcmp(s, "<eos>") && v.eos_id < 0) v.eos_id = t;
+        if (!strcmp(s, "<unk>") && v.unk_id < 0) v.unk_id = t;
+        if (!strcmp(s, "<pad>") && v.pad_id < 0) v.pad_id = t;
+    }
+    v.add_bos = 1;
+    v.no_space_prefix = !hf_norm_has(norm, "Prepend", NULL, NULL);
+    *out = v;
+    return RK_OK;
+}
+
 rk_status rk_vocab_from_hf_json(const char *path, int32_t n_pad_to, rk_vocab *out) {
     memset(out, 0, sizeof *out);
     json_t *root;
@@ -427,6 +546,11 @@ rk_status rk_vocab_from_hf_json(const char *path, int32_t n_pad_to, rk_vocab *ou
     const char *mtype = json_string_value(json_object_get(model, "type"));
     const char *pre = hf_pre_name(json_object_get(root, "pre_tokenizer"));
     int32_t n_base = 0;
+    if (mtype && !strcmp(mtype, "BPE") && json_is_true(json_object_get(model, "byte_fallback"))) {
+        st = hf_spm(path, root, n_pad_to, out);
+        json_decref(root);
+        return st;
+    }
     if (!mtype || strcmp(mtype, "BPE") != 0 || !json_is_object(vmap) || !json_is_array(merges))
         st = rk_errorf(RK_ERR_UNSUPPORTED,
                        "%s: not a BPE tokenizer with model.vocab and model.merges", path);

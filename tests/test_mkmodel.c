@@ -104,10 +104,11 @@ static void expect_layers(const rk_gguf *g, int n_layers, uint32_t wt, int64_t d
 Test(mkmodel, lists_the_presets_with_descriptions) {
     size_t n = 0;
     const rk_mkmodel_preset_info *p = rk_mkmodel_presets(&n);
-    cr_assert_eq(n, 9);
-    const char *names[] = {"tiny",        "qwen3-0.6b", "qwen3-tiny",           "qwen2-tiny",
-                           "llama-1b",    "qwen3-8b",   "qwen3-embedding-tiny", "gemma2-tiny",
-                           "gemma3-micro"};
+    cr_assert_eq(n, 11);
+    const char *names[] = {
+        "tiny",     "qwen3-0.6b",           "qwen3-tiny",  "qwen2-tiny",   "llama-1b",
+        "qwen3-8b", "qwen3-embedding-tiny", "gemma2-tiny", "gemma3-micro", "gemma3-tiny",
+        "gemma3-1b"};
     for (size_t i = 0; i < n; i++) {
         cr_assert_str_eq(p[i].name, names[i]);
         cr_assert_gt(strlen(p[i].description), 20);

@@ -31,6 +31,13 @@ const char *rk_test_shared_path(const char *rel) {
     return path;
 }
 
+const char *rk_test_gemma3_tokenizer(void) {
+    const char *env = getenv("RAGKV_GEMMA3_TOKENIZER");
+    struct stat st;
+    if (env && *env && stat(env, &st) == 0) return env;
+    return rk_test_shared_path("tokenizers/gemma3/tokenizer.json");
+}
+
 int rk_test_light(void) {
     const char *v = getenv("RAGKV_TEST_LIGHT");
     return v && *v && strcmp(v, "0") != 0;
@@ -180,7 +187,13 @@ char *rk_test_model(const char *preset, const char *wtype, unsigned seed) {
     rk_mkmodel_opts_default(&o);
     o.preset = preset;
     o.seed = seed;
-    if (strcmp(preset, "tiny") != 0) {
+    if (!strncmp(preset, "gemma3-", 7) && strcmp(preset, "gemma3-micro") != 0) {
+        o.vocab_path = rk_test_gemma3_tokenizer();
+        if (!o.vocab_path)
+            cr_skip_test("no Gemma 3 tokenizer.json: set RAGKV_GEMMA3_TOKENIZER or put it in "
+                         "../shared/tokenizers/gemma3/");
+        o.vocab_path = rk_strdup(o.vocab_path);
+    } else if (strcmp(preset, "tiny") != 0) {
         o.vocab_path = rk_test_shared_path("tokenizers/qwen3/tokenizer.json");
         if (!o.vocab_path) cr_skip_test("missing ../shared/tokenizers/qwen3/tokenizer.json");
         o.vocab_path = rk_strdup(o.vocab_path);

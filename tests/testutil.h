@@ -52,6 +52,11 @@ char *rk_test_tmpdir(const char *tag);
  * vocabulary the preset needs is absent. */
 char *rk_test_model(const char *preset, const char *wtype, unsigned seed);
 
+/* Gemma 3's tokenizer.json (about 33 MB, not in the repository): the file
+ * RAGKV_GEMMA3_TOKENIZER names, else ../shared/tokenizers/gemma3/tokenizer.json;
+ * NULL when neither exists (callers skip, naming both). Static storage. */
+const char *rk_test_gemma3_tokenizer(void);
+
 struct rk_gguf;
 struct rk_gguf_writer;
 /* Copy metadata key i of g into w (the types a llama GGUF uses; asserts on
