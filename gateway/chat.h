@@ -12,15 +12,16 @@ typedef enum rk_chat_template {
     RK_CHAT_CHATML = 0, /* <|im_start|>role\n...<|im_end|> (Qwen2, Qwen3) */
     RK_CHAT_LLAMA3 = 1, /* <|start_header_id|>role<|end_header_id|>\n\n...<|eot_id|> */
     RK_CHAT_LLAMA2 = 2, /* [INST] <<SYS>>...<</SYS>> ... [/INST] */
+    RK_CHAT_GEMMA = 3,  /* <start_of_turn>user|model\n...<end_of_turn>\n (Gemma 2, Gemma 3) */
 } rk_chat_template;
 
-/* Name of a template: "chatml", "llama3", "llama2". */
+/* Name of a template: "chatml", "llama3", "llama2", "gemma". */
 const char *rk_chat_template_name(rk_chat_template t);
 
 /* Choose a template: from the GGUF tokenizer.chat_template text when given
  * (NULL when absent), else from the architecture name ("qwen2", "qwen3":
- * ChatML) and the vocabulary (has_llama3_tokens: <|start_header_id|> exists),
- * else Llama-2. */
+ * ChatML; "gemma2", "gemma3": Gemma) and the vocabulary (has_llama3_tokens:
+ * <|start_header_id|> exists), else Llama-2. */
 rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
                                          int has_llama3_tokens);
 
