@@ -284,8 +284,8 @@ static rk_status build_specials(rk_tokenizer *t) {
 /* End-of-generation tokens: eos, plus the usual end markers when present as
  * non-normal tokens. */
 static void build_eog(rk_tokenizer *t) {
-    static const char *const names[] = {"<|im_end|>", "<|endoftext|>", "<|eot_id|>",
-                                        "<|end_of_text|>", "</s>"};
+    static const char *const names[] = {"<|im_end|>",      "<|endoftext|>", "<|eot_id|>",
+                                        "<|end_of_text|>", "</s>",          "<end_of_turn>"};
     t->n_eog = 0;
     if (t->eos_id >= 0) t->eog[t->n_eog++] = t->eos_id;
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {

@@ -967,6 +967,9 @@ Test(tokenizer, gemma3_vocabulary_encodes_as_the_reference_tokenizer, .timeout =
     rk_tokenizer *t;
     cr_assert_eq(rk_tokenizer_create(&v, &t), RK_OK, "%s", rk_error_message());
     rk_vocab_free(&v);
+    /* a chat turn's end ends generation, as <eos> does */
+    cr_assert(rk_tokenizer_is_eog(t, 106) && rk_tokenizer_is_eog(t, 1));
+    cr_assert_str_eq(rk_tokenizer_token_text(t, 106), "<end_of_turn>");
     json_error_t jerr;
     json_t *root = json_load_file(RK_TEST_DATA "/gemma3_tokens.json", JSON_ALLOW_NUL, &jerr);
     cr_assert_not_null(root, "%s", jerr.text);
