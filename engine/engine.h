@@ -107,6 +107,9 @@ const rk_rope *rk_model_rope(const rk_model *m, int layer);
 /* The same for every layer, (n_layers) entries, as rope_shift_copy takes
  * them. */
 const rk_rope *const *rk_model_ropes(const rk_model *m);
+/* The attention of layer l as the forward pass computes it: the model's
+ * scale and soft cap, and the layer's sliding window (0: global). */
+rk_attn_params rk_model_attn_params(const rk_model *m, int layer);
 const rk_gguf *rk_model_gguf(const rk_model *m);
 rk_backend *rk_model_backend(const rk_model *m);
 /* 32 lowercase hex digits identifying the weights and hyper-parameters. */

@@ -692,6 +692,11 @@ const rk_rope *rk_model_rope(const rk_model *m, int layer) {
     return layer >= 0 && layer < m->hp.n_layers ? m->layer_rope[layer] : NULL;
 }
 const rk_rope *const *rk_model_ropes(const rk_model *m) { return m->layer_rope; }
+rk_attn_params rk_model_attn_params(const rk_model *m, int layer) {
+    int window = layer >= 0 && layer < m->hp.n_layers ? m->layers[layer].window : 0;
+    return (rk_attn_params){
+        .scale = m->hp.attn_scale, .softcap = m->hp.attn_softcap, .window = window};
+}
 const rk_gguf *rk_model_gguf(const rk_model *m) { return m->gguf; }
 rk_backend *rk_model_backend(const rk_model *m) { return m->be; }
 const char *rk_model_fingerprint(const rk_model *m) { return m->fingerprint; }
@@ -861,8 +866,7 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         if (b->out_q && l == n_layers - 1)
             CK(ops->download(be, b->out_q, s->q, (size_t)n * q_dim * sizeof(float)));
         CK(ops->kv_write(be, kv, l, s->k, s->v, s->slots, n));
-        rk_attn_params ap = {
-            .scale = hp->attn_scale, .softcap = hp->attn_softcap, .window = L->window};
+        rk_attn_params ap = rk_model_attn_params(m, l);
         if (attn.seg_start) attn.rope = rope; /* segments rotate with the layer's own */
         CK(ops->attention(be, s->att, NULL, s->q, kv, l, &attn, hp->n_heads, &ap));
         CK(matmul(m, s->xb, s->att, &L->wo, n));

@@ -659,25 +659,31 @@ void rk_backend_free(rk_backend *be) {
 /* Per query row and head: scores over its keys, softmax in double, mass
  * added per key. Straightforward on purpose: it scores a few question rows. */
 rk_status rk_attn_key_mass(const float *q, const int32_t *q_len, int n_q, const float *k, int n_k,
-                           int n_heads, int n_kv_heads, int head_dim, float scale, double *mass) {
-    int group = n_heads / n_kv_heads;
+                           int n_heads, int n_kv_heads, int head_dim, const rk_attn_params *params,
+                           double *mass) {
+    rk_status st = rk_attn_check_params(params);
+    if (st != RK_OK) return st;
+    int group = n_heads / n_kv_heads, window = params->window;
+    double scale = params->scale, cap = params->softcap;
     size_t q_row = (size_t)n_heads * head_dim, k_row = (size_t)n_kv_heads * head_dim;
     double *p = malloc((size_t)(n_k > 0 ? n_k : 1) * sizeof *p);
     if (!p) return rk_errorf(RK_ERR_NOMEM, "attention mass: out of memory");
     for (int i = 0; i < n_q; i++) {
         int len = q_len[i] < n_k ? q_len[i] : n_k;
-        for (int h = 0; h < n_heads && len > 0; h++) {
+        int lo = window > 0 && q_len[i] > window ? q_len[i] - window : 0;
+        for (int h = 0; h < n_heads && len > lo; h++) {
             const float *qv = q + i * q_row + (size_t)h * head_dim;
             double mx = -INFINITY, sum = 0;
-            for (int j = 0; j < len; j++) {
+            for (int j = lo; j < len; j++) {
                 const float *kv = k + j * k_row + (size_t)(h / group) * head_dim;
                 double d = 0;
                 for (int e = 0; e < head_dim; e++) d += (double)qv[e] * kv[e];
                 p[j] = d * scale;
+                if (cap > 0) p[j] = cap * tanh(p[j] / cap);
                 mx = p[j] > mx ? p[j] : mx;
             }
-            for (int j = 0; j < len; j++) sum += p[j] = exp(p[j] - mx);
-            for (int j = 0; j < len; j++) mass[j] += p[j] / sum;
+            for (int j = lo; j < len; j++) sum += p[j] = exp(p[j] - mx);
+            for (int j = lo; j < len; j++) mass[j] += p[j] / sum;
         }
     }
     free(p);

@@ -353,11 +353,14 @@ int rk_argmax_f32(const float *x, int n);
  * `query` repair policy: for every query row i (n_q rows of n_heads *
  * head_dim floats, already rotated) and head h, the softmax over keys
  * 0 .. q_len[i] - 1 (rows of n_kv_heads * head_dim floats, grouped query
- * attention: head h reads kv head h / (n_heads / n_kv_heads)) of
- * scale * q · k, added into mass[j] for every key j (in double). mass has
+ * attention: head h reads kv head h / (n_heads / n_kv_heads)) of the
+ * scores params says (scale * q.k, soft-capped; with a window, row i sees
+ * keys q_len[i] - window .. q_len[i] - 1 only), added into mass[j] for
+ * every key j (in double). mass has
  * n_k entries (every q_len[i] in 1 .. n_k) and is added to, not cleared.
- * RK_ERR_NOMEM leaves it as it was. */
+ * RK_ERR_NOMEM leaves it as it was; bad params are RK_ERR_INVALID. */
 rk_status rk_attn_key_mass(const float *q, const int32_t *q_len, int n_q, const float *k, int n_k,
-                           int n_heads, int n_kv_heads, int head_dim, float scale, double *mass);
+                           int n_heads, int n_kv_heads, int head_dim, const rk_attn_params *params,
+                           double *mass);
 
 #endif

@@ -2404,42 +2404,53 @@ Test(attention_mass, equals_the_attention_kernels_probabilities_summed) {
     int32_t slots[NK];
     for (int j = 0; j < NK; j++) slots[j] = j;
     cr_assert_eq(be->ops->kv_write(be, &kv, 0, k, v, slots, NK), RK_OK);
-    float *q = rk_test_rand_floats(&rng, NQ * H * HD, -2, 2), out[NQ * H * HD], scale = 0.3f;
+    float *q = rk_test_rand_floats(&rng, NQ * H * HD, -2, 2), out[NQ * H * HD];
     /* One sequence whose NQ query rows are its last entries: row i sees
-     * NK - NQ + i + 1 keys. */
+     * NK - NQ + i + 1 keys (its last `window` ones with a window). Plain,
+     * a window of 5 and soft-capping at 0.5 (below the largest scores). */
     int32_t qs[2] = {0, NQ}, len = NK, table[1] = {0}, q_len[NQ];
     for (int i = 0; i < NQ; i++) q_len[i] = NK - NQ + i + 1;
     rk_attn_batch b = {
         .n_seqs = 1, .q_start = qs, .kv_len = &len, .block_table = table, .max_blocks = 1};
-    rk_attn_params ap = {.scale = scale};
-    cr_assert_eq(be->ops->attention(be, out, NULL, q, &kv, 0, &b, H, &ap), RK_OK);
-    double kernel[NK] = {0}, mass[NK] = {0}, ref[NK] = {0};
-    for (int i = 0; i < NQ; i++)
-        for (int h = 0; h < H; h++)
-            for (int j = 0; j < NK; j++) kernel[j] += out[(i * H + h) * HD + j];
-    cr_assert_eq(rk_attn_key_mass(q, q_len, NQ, k, NK, H, KVH, HD, scale, mass), RK_OK);
-    for (int i = 0; i < NQ; i++)
-        for (int h = 0; h < H; h++) {
-            double p[NK], mx = -1e300, sum = 0;
-            for (int j = 0; j < q_len[i]; j++) {
-                p[j] = 0;
-                for (int e = 0; e < HD; e++)
-                    p[j] += (double)q[(i * H + h) * HD + e] * k[(j * KVH + h / (H / KVH)) * HD + e];
-                p[j] *= scale;
-                mx = p[j] > mx ? p[j] : mx;
+    const rk_attn_params cases[3] = {
+        {.scale = 0.3f}, {.scale = 0.3f, .window = 5}, {.scale = 0.3f, .softcap = 0.5f}};
+    for (int c = 0; c < 3; c++) {
+        const rk_attn_params *ap = &cases[c];
+        cr_assert_eq(be->ops->attention(be, out, NULL, q, &kv, 0, &b, H, ap), RK_OK);
+        double kernel[NK] = {0}, mass[NK] = {0}, ref[NK] = {0};
+        for (int i = 0; i < NQ; i++)
+            for (int h = 0; h < H; h++)
+                for (int j = 0; j < NK; j++) kernel[j] += out[(i * H + h) * HD + j];
+        cr_assert_eq(rk_attn_key_mass(q, q_len, NQ, k, NK, H, KVH, HD, ap, mass), RK_OK);
+        for (int i = 0; i < NQ; i++)
+            for (int h = 0; h < H; h++) {
+                double p[NK], mx = -1e300, sum = 0;
+                int lo = ap->window && q_len[i] > ap->window ? q_len[i] - ap->window : 0;
+                for (int j = lo; j < q_len[i]; j++) {
+                    p[j] = 0;
+                    for (int e = 0; e < HD; e++)
+                        p[j] +=
+                            (double)q[(i * H + h) * HD + e] * k[(j * KVH + h / (H / KVH)) * HD + e];
+                    p[j] *= ap->scale;
+                    if (ap->softcap > 0) p[j] = ap->softcap * tanh(p[j] / ap->softcap);
+                    mx = p[j] > mx ? p[j] : mx;
+                }
+                for (int j = lo; j < q_len[i]; j++) sum += p[j] = exp(p[j] - mx);
+                for (int j = lo; j < q_len[i]; j++) ref[j] += p[j] / sum;
             }
-            for (int j = 0; j < q_len[i]; j++) sum += p[j] = exp(p[j] - mx);
-            for (int j = 0; j < q_len[i]; j++) ref[j] += p[j] / sum;
+        double total = 0;
+        for (int j = 0; j < NK; j++) {
+            cr_assert_float_eq(mass[j], ref[j], 1e-9, "case %d key %d: %g against %g", c, j,
+                               mass[j], ref[j]);
+            cr_assert_float_eq(mass[j], kernel[j], 1e-4,
+                               "case %d key %d: %g against the kernel's %g", c, j, mass[j],
+                               kernel[j]);
+            total += mass[j];
         }
-    double total = 0;
-    for (int j = 0; j < NK; j++) {
-        cr_assert_float_eq(mass[j], ref[j], 1e-9, "key %d: %g against %g", j, mass[j], ref[j]);
-        cr_assert_float_eq(mass[j], kernel[j], 1e-4, "key %d: %g against the kernel's %g", j,
-                           mass[j], kernel[j]);
-        total += mass[j];
+        cr_assert_float_eq(total, NQ * H, 1e-9, "every row and head hands out mass 1");
+        cr_assert_gt(mass[NK - 1], 0, "only the last row sees the last key, and it does");
+        if (ap->window) cr_assert_eq(mass[0], 0, "the first key lies outside every window");
     }
-    cr_assert_float_eq(total, NQ * H, 1e-9, "every row and head hands out mass 1");
-    cr_assert_gt(mass[NK - 1], 0, "only the last row sees the last key, and it does");
     free(k);
     free(q);
     free(kbuf);
