@@ -253,6 +253,33 @@ Test(engine, gemma2_slides_on_even_layers_with_soft_caps) {
     free(path);
 }
 
+/* gemma3-tiny carries Gemma 3's real vocabulary (skipped without the
+ * tokenizer.json, see rk_test_gemma3_tokenizer): the file says no space
+ * prefix, its tokenizer gives the reference ids, <end_of_turn> ends
+ * generation, and the model generates over the window. */
+Test(engine, gemma3_tiny_reads_its_real_vocabulary_back_from_the_file) {
+    char *path = rk_test_model("gemma3-tiny", "f32", 7);
+    rk_service *svc = open_model(path, 2);
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    cr_assert_eq(rk_model_hparams(svc->model)->n_vocab, 262144);
+    int b;
+    cr_assert_eq(rk_gguf_get_bool(rk_model_gguf(svc->model), "tokenizer.ggml.add_space_prefix", &b),
+                 RK_OK);
+    cr_assert_eq(b, 0);
+    const char *text = "Hello, my dog is cute";
+    int32_t *ids, want[] = {9259, 236764, 1041, 4799, 563, 12864};
+    size_t n;
+    cr_assert_eq(rk_tokenizer_encode(tok, text, strlen(text), 1, &ids, &n), RK_OK);
+    cr_assert_eq(n, 6);
+    cr_assert_arr_eq(ids, want, sizeof want);
+    free(ids);
+    cr_assert(rk_tokenizer_is_eog(tok, rk_tokenizer_find(tok, "<end_of_turn>")));
+    cr_assert_eq(rk_tokenizer_bos(tok), 2);
+    rk_service_close(svc);
+    check_plain_thread_invariance(path, 24);
+    free(path);
+}
+
 /* ---------------------------------------------------------------- errors */
 
 Test(engine, hostile_model_file_exits_1_with_a_message) {
