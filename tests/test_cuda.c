@@ -674,8 +674,8 @@ static void fill_dtype(void *dst, size_t i, rk_dtype dt, float f) {
  * segments (sg not NULL) the batch is run once more with every delta negated
  * and the plan left as it is, so a plan reused across different runs would
  * show too. */
-static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac,
-                           const attn_segs *sg) {
+static void attention_case_p(rk_backend *gpu, rk_backend *cpu, const attn_case *ac,
+                             const attn_segs *sg, int window, float softcap) {
     int H = ac->n_kv_heads, n_heads = H * ac->group, hd = ac->head_dim, bs = ac->block_size;
     int need[3], max_blocks = 1, n_blocks = 3, rows = 0;
     int32_t q_start[4] = {0};
@@ -717,7 +717,7 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
     float *want = xmalloc(nq_elems * 4), *got = xmalloc(nq_elems * 4);
     float *want_lse = xmalloc((size_t)rows * n_heads * 4),
           *got_lse = xmalloc((size_t)rows * n_heads * 4);
-    rk_attn_params ap = {.scale = 1.0f / sqrtf((float)hd)};
+    rk_attn_params ap = {.scale = 1.0f / sqrtf((float)hd), .softcap = softcap, .window = window};
     int32_t seg_start[4] = {0}, seg_end[18], seg_delta[18];
     if (sg)
         for (int s = 0; s < ac->n_seqs; s++) {
@@ -769,10 +769,11 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
         dev_read(gpu, got, dout, nq_elems * 4);
         char what[256];
         snprintf(what, sizeof what,
-                 "attention %s G=%d hd=%d bs=%d seqs=%d (n_q %d/%d/%d, kv %d/%d/%d) partition "
-                 "%d%s%s",
+                 "attention %s G=%d hd=%d bs=%d seqs=%d (n_q %d/%d/%d, kv %d/%d/%d) window %d "
+                 "softcap %g partition %d%s%s",
                  rk_dtype_name(ac->dtype), ac->group, hd, bs, ac->n_seqs, ac->n_q[0], ac->n_q[1],
-                 ac->n_q[2], ac->kv_len[0], ac->kv_len[1], ac->kv_len[2], modes[mi],
+                 ac->n_q[2], ac->kv_len[0], ac->kv_len[1], ac->kv_len[2], window, (double)softcap,
+                 modes[mi],
                  sg ? (sg->rope && sg->rope->pairing == RK_ROPE_NEOX ? " segments neox"
                                                                      : " segments normal")
                     : "",
@@ -798,6 +799,38 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
     free(got);
     free(want_lse);
     free(got_lse);
+}
+
+static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac,
+                           const attn_segs *sg) {
+    attention_case_p(gpu, cpu, ac, sg, 0, 0.0f);
+}
+
+/* Sliding windows (shorter than a tile, a tile, across partitions) and
+ * soft-capping, alone and together, over prefill, decode and split decode,
+ * every KV dtype, and over segments: the CPU's results. */
+Test(cuda, attention_with_windows_and_soft_caps_matches_cpu, .timeout = 1200) {
+    rk_backend *gpu = gpu_or_skip(), *cpu = cpu_backend();
+    const int windows[4] = {5, 32, 100, 600};
+    const rk_dtype types[3] = {RK_DTYPE_F32, RK_DTYPE_F16, RK_DTYPE_BF16};
+    for (int wi = 0; wi < 4; wi++)
+        for (int ti = 0; ti < 3; ti++)
+            for (int cap = 0; cap < 2; cap++) {
+                attn_case mixed = {3, {40, 1, 0}, {300, 1500, 3}, 2, 2, 64, 16, types[ti]};
+                attention_case_p(gpu, cpu, &mixed, NULL, windows[wi], cap ? 20.0f : 0.0f);
+                attn_case decode = {1, {1}, {4095}, 2, 4, 128, 32, types[ti]};
+                attention_case_p(gpu, cpu, &decode, NULL, windows[wi], cap ? 20.0f : 0.0f);
+            }
+    attn_case soft = {2, {33, 1, 0}, {300, 300, 0}, 2, 2, 80, 16, RK_DTYPE_F32};
+    attention_case_p(gpu, cpu, &soft, NULL, 0, 0.5f);
+    rk_rope_params p = {.n_rot = 64, .theta = 1e4f, .pairing = RK_ROPE_NEOX};
+    rk_rope rope;
+    cr_assert_eq(rk_rope_init(&rope, &p), RK_OK);
+    attn_case seg = {1, {40}, {300}, 2, 2, 64, 16, RK_DTYPE_F32};
+    attn_segs sg = {.n_runs = {3}, .len = {{100, 37, 163}}, .delta = {{50, 0, -20}}, .rope = &rope};
+    attention_case_p(gpu, cpu, &seg, &sg, 64, 0.0f);
+    rk_backend_free(gpu);
+    rk_backend_free(cpu);
 }
 
 Test(cuda, attention_prefill_and_decode_match_cpu_over_permuted_tables, .timeout = 1200) {
@@ -978,10 +1011,10 @@ Test(cuda, attention_rejects_what_the_cpu_rejects_and_reports_bad_block_ids) {
               rk_error_message());
     cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 1, &b, 2, &ap8), RK_ERR_INVALID);
     cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 3, &ap8), RK_ERR_INVALID);
-    /* sliding windows and soft-capping are the CPU backend's alone */
-    rk_attn_params swa = {.scale = 0.125f, .window = 8}, cap = {.scale = 0.125f, .softcap = 30};
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, &swa), RK_ERR_UNSUPPORTED);
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, &cap), RK_ERR_UNSUPPORTED);
+    /* bad params */
+    rk_attn_params swa = {.scale = 0.125f, .window = -1}, cap = {.scale = 0.125f, .softcap = -30};
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, &swa), RK_ERR_INVALID);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, &cap), RK_ERR_INVALID);
     /* block id 9 is used by entries 16..19: found on the device */
     cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, &ap8), RK_OK);
     cr_assert_eq(o->sync(gpu), RK_ERR_INVALID);

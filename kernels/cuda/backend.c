@@ -762,11 +762,6 @@ static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const fl
     rk_cuda *cu = cu_of(be);
     rk_status st = rk_attn_check_params(params);
     if (st != RK_OK) return st;
-    if (params->window > 0 || params->softcap > 0.0f)
-        return rk_errorf(RK_ERR_UNSUPPORTED,
-                         "attention: a sliding window (%d) or soft-capping (%g) is not "
-                         "supported on CUDA",
-                         params->window, (double)params->softcap);
     float scale = params->scale;
     st = rk_attn_check_batch(kv, layer, batch, n_heads);
     if (st == RK_OK) st = no_q8_0_kv(kv, "attention");
@@ -813,6 +808,8 @@ static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const fl
         .group = n_heads / kv->n_kv_heads,
         .part_len = cu->plan_part_len,
         .scale = scale,
+        .softcap = params->softcap,
+        .window = params->window,
         .seqs = (const rk_cuda_attn_seq *)plan,
         .units = (const rk_cuda_attn_unit *)(plan + cu->plan_units_off),
         .n_units = cu->plan_units,

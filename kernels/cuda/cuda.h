@@ -118,6 +118,8 @@ typedef struct rk_cuda_attn_args {
     int max_blocks, n_blocks, block_size, n_kv_heads, head_dim, n_heads, group;
     int part_len; /* kv entries per partition, a multiple of the tile */
     float scale;
+    float softcap;                  /* > 0: scores soft-capped (rk_attn_params) */
+    int window;                     /* > 0: sliding window of this many entries */
     const rk_cuda_attn_seq *seqs;   /* device */
     const rk_cuda_attn_unit *units; /* device */
     int n_units;
