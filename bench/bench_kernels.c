@@ -281,21 +281,19 @@ static void bench_attention(rk_backend *be) {
         rk_attn_batch batch2 = batch;
         batch2.block_table = in_order;
         const void *ck[1] = {kc}, *cv[1] = {vc};
-        float scale = 1.0f / sqrtf((float)hd);
+        rk_attn_params ap = {.scale = 1.0f / sqrtf((float)hd)};
         /* alternate single runs of the layouts and keep each one's best, so
          * drift and noise from other processes hit them alike */
         int rounds = n_q > 1 ? 6 : 60;
         double tp = 1e30, ti = 1e30, tc = 1e30;
         for (int round = 0; round <= rounds; round++) {
             double t0 = rk_time_now();
-            check(be->ops->attention(be, out, NULL, q, &kv, 0, &batch, n_heads, scale),
-                  "attention");
+            check(be->ops->attention(be, out, NULL, q, &kv, 0, &batch, n_heads, &ap), "attention");
             double t1 = rk_time_now();
-            check(be->ops->attention(be, out, NULL, q, &kv, 0, &batch2, n_heads, scale),
-                  "attention");
+            check(be->ops->attention(be, out, NULL, q, &kv, 0, &batch2, n_heads, &ap), "attention");
             double t2 = rk_time_now();
             check(rk_cpu_attention_contig(be, out, NULL, q, ck, cv, RK_DTYPE_F32, n_kv, hd, qs,
-                                          &len, 1, n_heads, scale),
+                                          &len, 1, n_heads, &ap),
                   "attention_contig");
             double t3 = rk_time_now();
             if (round == 0) continue; /* warm-up */
@@ -343,10 +341,11 @@ static void bench_f16_attention(rk_backend *be) {
               *out = rand_f32((size_t)n_q * n_heads * hd);
         int32_t qs[2] = {0, n_q}, len = L;
         const void *ck[1] = {kc}, *cv[1] = {vc};
+        rk_attn_params ap = {.scale = 1.0f / sqrtf((float)hd)};
         double t;
         TIME_BEST(n_q > 1 ? 8 : 60, t,
                   check(rk_cpu_attention_contig(be, out, NULL, q, ck, cv, RK_DTYPE_F16, n_kv, hd,
-                                                qs, &len, 1, n_heads, 1.0f / sqrtf((float)hd)),
+                                                qs, &len, 1, n_heads, &ap),
                         "attention_contig"));
         /* scores per head: query i sees L - n_q + i + 1 entries */
         double scores = (double)n_q * (L - n_q) + (double)n_q * (n_q + 1) / 2;
@@ -397,13 +396,15 @@ static void bench_shift(rk_backend *be) {
     rk_rope_params rp = {.n_rot = 128, .theta = 1000000.0f, .pairing = RK_ROPE_NEOX};
     rk_rope rope;
     check(rk_rope_init(&rope, &rp), "rope_init");
+    const rk_rope *ropes[28];
+    for (int l = 0; l < n_layers; l++) ropes[l] = &rope;
     double bytes = 2.0 * n_tok * n_layers * row_bytes; /* K + V read (and as much written) */
     double t;
     printf("\n(d) rope_shift_copy, 4096 tokens x 28 layers x (8 x 128), F32, K + V = %.0f MB\n",
            bytes / 1e6);
     TIME_BEST(
         3, t,
-        check(be->ops->rope_shift_copy(be, &kv, src, dst, delta, n_tok, &rope), "rope_shift_copy"));
+        check(be->ops->rope_shift_copy(be, &kv, src, dst, delta, n_tok, ropes), "rope_shift_copy"));
     double t_shift = t;
     /* the same bytes as one memcpy per layer and tensor (contiguous runs) */
     size_t run = (size_t)n_tok * row_bytes;
@@ -473,7 +474,7 @@ static void bench_segments(rk_backend *be) {
     int32_t *perm = shuffled(n_blocks);
     void *kl[1] = {kp}, *vl[1] = {vp};
     rk_kv_cache kv = {1, n_blocks, bs, n_kv, hd, RK_DTYPE_F32, kl, vl};
-    float scale = 1.0f / sqrtf((float)hd);
+    rk_attn_params ap = {.scale = 1.0f / sqrtf((float)hd)};
     printf("  %-32s %10s %8s\n", "", "best ms", "ratio");
     for (int n_q = 1; n_q <= 512; n_q += 511) { /* decode, then a 512-query prefill */
         float *q = rand_f32((size_t)n_q * n_heads * hd),
@@ -496,12 +497,11 @@ static void bench_segments(rk_backend *be) {
         int rounds = n_q > 1 ? 4 : 300;
         for (int round = 0; round <= rounds; round++) {
             double t0 = rk_time_now();
-            check(be->ops->attention(be, out, NULL, q, &kv, 0, &one, n_heads, scale), "attention");
+            check(be->ops->attention(be, out, NULL, q, &kv, 0, &one, n_heads, &ap), "attention");
             double t1 = rk_time_now();
-            check(be->ops->attention(be, out, NULL, q, &kv, 0, &runs, n_heads, scale), "attention");
+            check(be->ops->attention(be, out, NULL, q, &kv, 0, &runs, n_heads, &ap), "attention");
             double t2 = rk_time_now();
-            check(be->ops->attention(be, out, NULL, q, &kv, 0, &runs0, n_heads, scale),
-                  "attention");
+            check(be->ops->attention(be, out, NULL, q, &kv, 0, &runs0, n_heads, &ap), "attention");
             double t3 = rk_time_now();
             if (round == 0) continue; /* warm-up */
             if (t1 - t0 < t_one) t_one = t1 - t0;

@@ -38,7 +38,9 @@ static const rk_setting k_mkmodel_settings[] = {
      "T  2-D weights: f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k, q3_k_m, q2_k or iq4_xs "
      "(default: f32)"},
     {"vocab", "vocab", RK_SET_STR, MK_STR(vocab), 0, 0, 0, 0,
-     "F.json  the Qwen3 tokenizer.json (default: ../shared/tokenizers/qwen3/tokenizer.json)"},
+     "F.json  the preset's tokenizer.json: Qwen3's (default "
+     "../shared/tokenizers/qwen3/tokenizer.json) or Gemma 3's (default "
+     "../shared/tokenizers/gemma3/tokenizer.json)"},
     {"seed", "seed", RK_SET_LONG, MK_OFF(seed), 0, 0, 0x7fffffffffffffffLL, 0, 0,
      "S  weights seed (default: 42)"},
 };

@@ -40,6 +40,26 @@ typedef struct rk_arch_desc {
      * is global and the others slide over <arch>.attention.sliding_window
      * table positions. */
     int swa_period;
+    /* The window when the file has no <arch>.attention.sliding_window: 0
+     * makes every layer global (Gemma 3 files without the key), gemma2's
+     * files default to 4096 as the reference engine does. */
+    int swa_default_window;
+    /* Sliding layers rotate with <arch>.rope.freq_base_swa, default 10000,
+     * unscaled (Gemma 3's local RoPE); else with the global RoPE, whose base
+     * <arch>.rope.freq_base_swa overrides when present (gemma2). */
+    unsigned swa_local_rope : 1;
+    /* Soft-capping, cap * tanh(x / cap): the attention logits when
+     * attn_softcap > 0, at <arch>.attn_logit_softcapping (default
+     * attn_softcap); the output logits at <arch>.final_logit_softcapping
+     * (default final_softcap, 0: none) in families that read that key
+     * (final_softcap_key). */
+    float attn_softcap;
+    unsigned final_softcap_key : 1;
+    float final_softcap;
+    /* q·k is scaled by 1/sqrt(head_dim), except in a model of exactly this
+     * many layers, scaled by 1/sqrt(dim / n_heads) (Gemma's 27B models,
+     * whose query_pre_attn_scalar is not the head size; 0: never). */
+    int scale_dim_layers;
     /* Norms and the residual stream */
     unsigned post_norms : 1;      /* post_attention_norm, post_ffw_norm before each add */
     unsigned embd_scale_sqrt : 1; /* token embeddings multiplied by sqrt(dim) */

@@ -66,6 +66,13 @@ typedef struct rk_hparams {
     float rms_eps;
     int tied_embeddings;
     rk_rope_params rope;
+    /* Attention (arch.h): q·k scale; sliding window (0: no layer slides) and
+     * the period of global layers; soft caps (0: none); the sliding layers'
+     * RoPE. */
+    float attn_scale;
+    int sliding_window, swa_period;
+    float attn_softcap, final_softcap;
+    rk_rope_params rope_swa;
     rk_dtype wtype;     /* dtype of the attention/FFN matrices (of blk.0.attn_q) */
     rk_pooling pooling; /* <arch>.pooling_type; RK_POOLING_UNSET when absent */
     /* Mixture of experts (desc->moe != RK_MOE_NONE), else 0: experts per
@@ -98,7 +105,16 @@ void rk_model_free(rk_model *m);
 
 const rk_hparams *rk_model_hparams(const rk_model *m);
 const rk_tokenizer *rk_model_tokenizer(const rk_model *m);
-const rk_rope *rk_model_rope(const rk_model *m);
+/* The RoPE layer l rotates its queries and keys with (0 <= l < n_layers;
+ * NULL outside): one table for every layer, except in families whose
+ * sliding-window layers use a base of their own (Gemma 3). */
+const rk_rope *rk_model_rope(const rk_model *m, int layer);
+/* The same for every layer, (n_layers) entries, as rope_shift_copy takes
+ * them. */
+const rk_rope *const *rk_model_ropes(const rk_model *m);
+/* The attention of layer l as the forward pass computes it: the model's
+ * scale and soft cap, and the layer's sliding window (0: global). */
+rk_attn_params rk_model_attn_params(const rk_model *m, int layer);
 const rk_gguf *rk_model_gguf(const rk_model *m);
 rk_backend *rk_model_backend(const rk_model *m);
 /* 32 lowercase hex digits identifying the weights and hyper-parameters. */
@@ -118,7 +134,8 @@ typedef struct rk_batch {
     const int32_t *tokens; /* (n_tokens) */
     const int32_t *pos;    /* (n_tokens) RoPE positions */
     const int32_t *slots;  /* (n_tokens) KV slot each token's K/V is written to */
-    rk_attn_batch attn;    /* block_table here is host memory */
+    rk_attn_batch attn;    /* block_table here is host memory; rope is ignored: segments are
+                            * read with each layer's own (rk_model_rope) */
     int n_logits;
     const int32_t *logit_rows; /* (n_logits) rows of tokens to compute logits for */
     int n_layers;              /* run layers [0, n_layers) only (0 = all); no logits then */

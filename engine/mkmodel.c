@@ -23,7 +23,8 @@ typedef enum vocab_kind {
     VOCAB_TINY_32000, /* rk_vocab_tiny() padded with unused tokens to 32000 */
     VOCAB_QWEN3,      /* the Qwen3 tokenizer.json padded to 151936 */
     VOCAB_PHI3,       /* Llama 2's (or Phi-3's) tokenizer.json, Phi-3's added tokens, to 32064 */
-    VOCAB_PHI4, /* o200k's (or Phi-4-mini's) tokenizer.json, Phi-4's added tokens, to 200064 */
+    VOCAB_PHI4,   /* o200k's (or Phi-4-mini's) tokenizer.json, Phi-4's added tokens, to 200064 */
+    VOCAB_GEMMA3, /* the Gemma 3 tokenizer.json (262144 tokens) */
 } vocab_kind;
 
 typedef struct preset {
@@ -62,6 +63,7 @@ static const char *const k_phi4_added[] = {
     "<|assistant|>", "<|end|>",       "<|user|>",       "<|system|>",        "<|tool|>",
     "<|/tool|>",     "<|tool_call|>", "<|/tool_call|>", "<|tool_response|>", "<|tag|>",
 };
+#define GEMMA3_N_VOCAB 262144
 
 /* Names and help lines; k_presets below has the shapes, in the same order. */
 static const rk_mkmodel_preset_info k_infos[] = {
@@ -93,6 +95,16 @@ static const rk_mkmodel_preset_info k_infos[] = {
     {"qwen3moe-a3b-12l", "qwen3moe, Qwen3-30B-A3B's layer shapes: dim 2048, 32 heads / 4 KV, head "
                          "128, 128 experts of FFN 768, 8 used, untied, Qwen3 vocabulary, 12 of its "
                          "48 layers (~7.9 B parameters, 4.6 GB at q4_k_m)"},
+    {"gemma2-tiny", "gemma2, 4 layers, dim 128, 4 heads / 2 KV, head 32, FFN 256, tied, "
+                    "sliding window 16 on even layers, soft-capping 50 / 30, tiny vocabulary"},
+    {"gemma3-micro", "gemma3, 6 layers (5 sliding, window 16, then 1 global), dim 128, 4 heads / "
+                     "2 KV, head 32, FFN 256, tied, QK-norm, tiny vocabulary (tests that do not "
+                     "read the Gemma 3 vocabulary)"},
+    {"gemma3-tiny", "gemma3, 6 layers (5 sliding, window 16, then 1 global), dim 64, 4 heads / 2 "
+                    "KV, head 32, FFN 128, tied, QK-norm, Gemma 3 vocabulary (--vocab)"},
+    {"gemma3-1b", "gemma3, Gemma-3-1B shapes: 26 layers (window 512, every sixth global), dim "
+                  "1152, 4 heads / 1 KV, head 256, FFN 6912, tied, Gemma 3 vocabulary (~1 B "
+                  "parameters, 4 GB in F32)"},
 };
 
 static const preset k_presets[] = {
@@ -270,7 +282,87 @@ static const preset k_presets[] = {
      .n_expert = 128,
      .n_expert_used = 8,
      .ffn_exp = 768},
+    /* gemma2-tiny */
+    {.arch = "gemma2",
+     .n_layers = 4,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 8192,
+     .theta = 10000.0f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .vocab = VOCAB_TINY},
+    /* gemma3-micro */
+    {.arch = "gemma3",
+     .n_layers = 6,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 256,
+     .n_ctx = 32768,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_TINY},
+    /* gemma3-tiny */
+    {.arch = "gemma3",
+     .n_layers = 6,
+     .dim = 64,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 128,
+     .n_ctx = 32768,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_GEMMA3},
+    /* gemma3-1b */
+    {.arch = "gemma3",
+     .n_layers = 26,
+     .dim = 1152,
+     .n_heads = 4,
+     .n_kv_heads = 1,
+     .head_dim = 256,
+     .ffn_dim = 6912,
+     .n_ctx = 32768,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_GEMMA3},
 };
+
+/* What the Gemma presets add (keys the reference converter writes):
+ * <arch>.attention.sliding_window, gemma2's soft caps, and for the
+ * post-norms the tensors post_attention_norm and post_ffw_norm. */
+typedef struct gemma_extra {
+    const char *name;    /* the preset */
+    int window;          /* attention.sliding_window */
+    float attn_softcap;  /* attn_logit_softcapping (gemma2), 0: no key */
+    float final_softcap; /* final_logit_softcapping (gemma2), 0: no key */
+    float rope_linear;   /* rope.scaling.type linear with this factor (> 0), 0: no key */
+} gemma_extra;
+
+static const gemma_extra k_gemma[] = {
+    {"gemma2-tiny", 16, 50.0f, 30.0f, 0.0f},
+    {"gemma3-micro", 16, 0.0f, 0.0f, 0.0f},
+    {"gemma3-tiny", 16, 0.0f, 0.0f, 0.0f},
+    {"gemma3-1b", 512, 0.0f, 0.0f, 0.0f},
+};
+
+/* The Gemma additions of the preset named name, NULL for the others. */
+static const gemma_extra *gemma_of(const char *name) {
+    for (size_t i = 0; i < sizeof k_gemma / sizeof k_gemma[0]; i++)
+        if (strcmp(k_gemma[i].name, name) == 0) return &k_gemma[i];
+    return NULL;
+}
 
 #define N_PRESETS (sizeof k_presets / sizeof k_presets[0])
 _Static_assert(sizeof k_infos / sizeof k_infos[0] == N_PRESETS, "one info line per preset");
@@ -454,6 +546,22 @@ static rk_status mk_vocab_load(const preset *p, const char *pname, const char *v
             (st = mk_vocab_add_phi4(&mv->v)))
             return wrap_error(st, pname, "cannot read the Phi-4 vocabulary");
         pad_to = PHI4_N_VOCAB;
+    } else if (p->vocab == VOCAB_GEMMA3) {
+        const char *path = vocab_path ? vocab_path : RK_MKMODEL_DEFAULT_GEMMA3_VOCAB;
+        st = rk_vocab_from_hf_json(path, GEMMA3_N_VOCAB, &mv->v);
+        if (st) return wrap_error(st, pname, "cannot read the Gemma 3 vocabulary");
+        if (strcmp(mv->v.model, "llama") != 0) {
+            mk_vocab_free(mv);
+            return rk_errorf(RK_ERR_FORMAT,
+                             "mkmodel %s: %s is not Gemma 3's SentencePiece-style vocabulary",
+                             pname, path);
+        }
+        /* Ids past the text model's 262144 rows (the vision models'
+         * <image_soft_token>) are left out, as the reference's text files
+         * have them. */
+        for (int32_t i = GEMMA3_N_VOCAB; i < mv->v.n_tokens; i++) free(mv->v.tokens[i]);
+        if (mv->v.n_tokens > GEMMA3_N_VOCAB) mv->v.n_tokens = GEMMA3_N_VOCAB;
+        pad_to = GEMMA3_N_VOCAB;
     } else {
         st = rk_vocab_tiny(&mv->v);
         if (st) return wrap_error(st, pname, "cannot build the tiny vocabulary");
@@ -733,6 +841,20 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
                                                 logf((float)p->orig_ctx))))))
         return st;
     if (p->pooling == 4 && (st = mk_rerank_metadata(w, a))) return st;
+    const gemma_extra *g = gemma_of(m->name);
+    if (g && ((st = mk_set_arch_u32(w, a, "attention.sliding_window", (uint32_t)g->window)) ||
+              (g->attn_softcap > 0 &&
+               (st = mk_set_arch_f32(w, a, "attn_logit_softcapping", g->attn_softcap))) ||
+              (g->final_softcap > 0 &&
+               (st = mk_set_arch_f32(w, a, "final_logit_softcapping", g->final_softcap)))))
+        return st;
+    if (g && g->rope_linear > 0) {
+        char key[128];
+        snprintf(key, sizeof key, "%s.rope.scaling.type", a);
+        if ((st = rk_gguf_writer_set_str(w, key, "linear")) ||
+            (st = mk_set_arch_f32(w, a, "rope.scaling.factor", g->rope_linear)))
+            return st;
+    }
 
     if ((st = rk_gguf_writer_set_str(w, "tokenizer.ggml.model", mv->v.model))) return st;
     if (mv->v.pre[0] && (st = rk_gguf_writer_set_str(w, "tokenizer.ggml.pre", mv->v.pre)))
@@ -850,6 +972,7 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
                      m->vocab.n, "token_embd.weight", 0)))
         return st;
     const rk_ggml_type t_dim = mk_matrix_type(p, wt, dim, ROLE_OTHER, 0);
+    const int post_norms = gemma_of(m->name) != NULL;
     const rk_ggml_type t_out = mk_matrix_type(p, wt, dim, ROLE_OUTPUT, 0);
     for (int l = 0; l < p->n_layers; l++) {
         const rk_ggml_type t_q = mk_matrix_type(p, wt, q_dim, ROLE_ATTN_OUT, l);
@@ -874,7 +997,11 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
              (st = mk_add(m, INIT_NORM, wt, p->head_dim, 0, "blk.%d.attn_k_norm.weight", l))))
             return st;
         if ((st = mk_add(m, INIT_MATRIX, t_q, q_dim, dim, "blk.%d.attn_output.weight", l)) ||
-            (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.ffn_norm.weight", l)))
+            (post_norms &&
+             (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.post_attention_norm.weight", l))) ||
+            (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.ffn_norm.weight", l)) ||
+            (post_norms &&
+             (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.post_ffw_norm.weight", l))))
             return st;
         if (p->n_expert > 0) {
             /* The router stays F32, as the reference converter and quantizer keep it. */
@@ -1000,6 +1127,8 @@ rk_status rk_mkmodel_preset_hparams(const char *preset_name, rk_mkmodel_hparams 
     out->ffn_exp = p->ffn_exp;
     if (p->vocab == VOCAB_QWEN3) {
         out->n_vocab = QWEN3_N_VOCAB;
+    } else if (p->vocab == VOCAB_GEMMA3) {
+        out->n_vocab = GEMMA3_N_VOCAB;
     } else if (p->vocab == VOCAB_TINY_32000) {
         out->n_vocab = LLAMA_N_VOCAB;
     } else if (p->vocab == VOCAB_PHI3) {

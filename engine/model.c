@@ -28,9 +28,11 @@ typedef struct rk_matrix {
 } rk_matrix;
 
 typedef struct rk_layer {
-    const float *attn_norm, *ffn_norm; /* (dim) */
-    const float *q_norm, *k_norm;      /* (head_dim), qwen3 */
-    const float *bq, *bk, *bv;         /* (n_heads*head_dim), (kv_dim), (kv_dim); qwen2 */
+    const float *attn_norm, *ffn_norm;           /* (dim) */
+    const float *q_norm, *k_norm;                /* (head_dim), qwen3, gemma3 */
+    const float *post_attn_norm, *post_ffn_norm; /* (dim), families with post_norms */
+    int window;                                  /* sliding window of the layer, 0: global */
+    const float *bq, *bk, *bv;                   /* (n_heads*head_dim), (kv_dim), (kv_dim); qwen2 */
     rk_matrix wq, wk, wv, wo, gate, up, down;
     /* [wq; wk; wv] and [gate; up] packed as one matrix each where the
      * backend packs them (see fuse_mats), else rows 0 */
@@ -57,6 +59,7 @@ typedef struct rk_scratch {
 struct rk_model {
     rk_hparams hp;
     rk_rope rope;
+    rk_rope rope_swa; /* the sliding layers' (hp.rope_swa) */
     rk_backend *be;
     rk_gguf *gguf;
     void *owned_buf;
@@ -66,7 +69,8 @@ struct rk_model {
     const float *out_norm;
     rk_matrix out;
     rk_layer *layers;
-    void **allocs; /* backend buffers this model owns */
+    const rk_rope **layer_rope; /* (n_layers) the RoPE of each layer */
+    void **allocs;              /* backend buffers this model owns */
     int n_allocs, cap_allocs;
     void **host_allocs; /* host buffers (converted small tensors) */
     int n_host, cap_host;
@@ -327,6 +331,44 @@ static rk_status check_positive(const rk_model *m, const char *suffix, float v) 
                      m->hp.arch_name, suffix, v);
 }
 
+/* The attention's scale, sliding window, soft caps and the sliding layers'
+ * RoPE, as the family (arch.h) and the file say; checked. */
+static rk_status read_attn(rk_model *m) {
+    rk_hparams *hp = &m->hp;
+    const rk_arch_desc *d = hp->desc;
+    rk_status st;
+    hp->attn_scale = 1.0f / sqrtf((float)hp->head_dim);
+    if (d->scale_dim_layers > 0 && hp->n_layers == d->scale_dim_layers)
+        hp->attn_scale = 1.0f / sqrtf((float)(hp->dim / hp->n_heads));
+    hp->sliding_window = hp->swa_period = 0;
+    if (d->swa_period > 0 &&
+        ((st = get_u32_arch(m, "attention.sliding_window", (uint32_t)d->swa_default_window, 0,
+                            &hp->sliding_window)) ||
+         (st = get_u32_arch(m, "attention.sliding_window_pattern", (uint32_t)d->swa_period, 0,
+                            &hp->swa_period))))
+        return st;
+    hp->attn_softcap = hp->final_softcap = 0.0f;
+    if (d->attn_softcap > 0 &&
+        ((st = get_f32_arch(m, "attn_logit_softcapping", d->attn_softcap, &hp->attn_softcap)) ||
+         (st = check_positive(m, "attn_logit_softcapping", hp->attn_softcap))))
+        return st;
+    if (d->final_softcap_key &&
+        ((st = get_f32_arch(m, "final_logit_softcapping", d->final_softcap, &hp->final_softcap)) ||
+         (hp->final_softcap != 0.0f &&
+          (st = check_positive(m, "final_logit_softcapping", hp->final_softcap)))))
+        return st;
+    hp->rope_swa = hp->rope;
+    if (d->swa_local_rope) {
+        hp->rope_swa.theta = 10000.0f;
+        hp->rope_swa.scaling = RK_ROPE_SCALING_NONE;
+        hp->rope_swa.factor = 1.0f;
+    }
+    if ((st = get_f32_arch(m, "rope.freq_base_swa", hp->rope_swa.theta, &hp->rope_swa.theta)) ||
+        (st = check_positive(m, "rope.freq_base_swa", hp->rope_swa.theta)))
+        return st;
+    return rk_rope_init(&m->rope_swa, &hp->rope_swa);
+}
+
 /* The RoPE parameters (hp's head_dim and context known), checked. */
 static rk_status read_rope(rk_model *m) {
     rk_hparams *hp = &m->hp;
@@ -480,7 +522,17 @@ static rk_status read_hparams(rk_model *m) {
     } else {
         hp->pooling = (rk_pooling)pooling;
     }
-    return read_rope(m);
+    if ((st = read_rope(m))) return st;
+    return read_attn(m);
+}
+
+/* Whether layer l slides (the reference engine's pattern): with a window,
+ * every layer but each swa_period-th (l % period == period - 1), or every
+ * layer for a period of 0 (a file's explicit pattern). */
+static int layer_slides(const rk_hparams *hp, int l) {
+    if (hp->sliding_window <= 0) return 0;
+    if (hp->swa_period == 0) return 1;
+    return l % hp->swa_period < hp->swa_period - 1;
 }
 
 /* Per-frequency divisors of the RoPE frequencies, where the file has them:
@@ -712,6 +764,11 @@ static rk_status load_weights(rk_model *m) {
             ((st = load_vec(m, N("attn_q_norm.weight"), hp->head_dim, 0, &L->q_norm)) ||
              (st = load_vec(m, N("attn_k_norm.weight"), hp->head_dim, 0, &L->k_norm))))
             return st;
+        if (hp->desc->post_norms &&
+            ((st = load_vec(m, N("post_attention_norm.weight"), hp->dim, 0, &L->post_attn_norm)) ||
+             (st = load_vec(m, N("post_ffw_norm.weight"), hp->dim, 0, &L->post_ffn_norm))))
+            return st;
+        L->window = layer_slides(hp, l) ? hp->sliding_window : 0;
         /* Biases are optional where the family does not require them. */
         int bias_optional = !hp->desc->qkv_bias;
         if ((st = load_vec(m, N("attn_q.bias"), q_dim, bias_optional, &L->bq)) ||
@@ -749,6 +806,7 @@ static void compute_fingerprint(rk_model *m) {
     hp.desc = NULL;
     XXH3_128bits_update(s, &hp, sizeof hp);
     XXH3_128bits_update(s, &m->rope, sizeof m->rope); /* factors and scale from the file */
+    XXH3_128bits_update(s, &m->rope_swa, sizeof m->rope_swa);
     for (int64_t i = 0; i < rk_gguf_n_tensors(m->gguf); i++) {
         const rk_gguf_tensor *t = rk_gguf_tensor_at(m->gguf, i);
         XXH3_128bits_update(s, t->name, strlen(t->name));
@@ -769,6 +827,10 @@ static rk_status load_common(rk_model *m) {
     if ((st = read_hparams(m)) || (st = apply_rope_freqs(m)) || (st = load_weights(m)) ||
         (st = rk_tokenizer_from_gguf(m->gguf, &m->tok)))
         return st;
+    m->layer_rope = malloc((size_t)m->hp.n_layers * sizeof *m->layer_rope);
+    if (!m->layer_rope) return rk_errorf(RK_ERR_NOMEM, "model: out of memory");
+    for (int l = 0; l < m->hp.n_layers; l++)
+        m->layer_rope[l] = layer_slides(&m->hp, l) ? &m->rope_swa : &m->rope;
     if (rk_tokenizer_n_vocab(m->tok) > m->hp.n_vocab)
         return rk_errorf(RK_ERR_FORMAT, "model: tokenizer has %d tokens but the embedding %d rows",
                          rk_tokenizer_n_vocab(m->tok), m->hp.n_vocab);
@@ -833,6 +895,7 @@ void rk_model_free(rk_model *m) {
     free(m->host_allocs);
     free(m->layers);
     rk_moe_scratch_free(&m->moe_s);
+    free(m->layer_rope);
     rk_tokenizer_free(m->tok);
     rk_gguf_close(m->gguf);
     free(m->owned_buf);
@@ -841,7 +904,15 @@ void rk_model_free(rk_model *m) {
 
 const rk_hparams *rk_model_hparams(const rk_model *m) { return &m->hp; }
 const rk_tokenizer *rk_model_tokenizer(const rk_model *m) { return m->tok; }
-const rk_rope *rk_model_rope(const rk_model *m) { return &m->rope; }
+const rk_rope *rk_model_rope(const rk_model *m, int layer) {
+    return layer >= 0 && layer < m->hp.n_layers ? m->layer_rope[layer] : NULL;
+}
+const rk_rope *const *rk_model_ropes(const rk_model *m) { return m->layer_rope; }
+rk_attn_params rk_model_attn_params(const rk_model *m, int layer) {
+    int window = layer >= 0 && layer < m->hp.n_layers ? m->layers[layer].window : 0;
+    return (rk_attn_params){
+        .scale = m->hp.attn_scale, .softcap = m->hp.attn_softcap, .window = window};
+}
 const rk_gguf *rk_model_gguf(const rk_model *m) { return m->gguf; }
 rk_backend *rk_model_backend(const rk_model *m) { return m->be; }
 const char *rk_model_fingerprint(const rk_model *m) { return m->fingerprint; }
@@ -985,13 +1056,14 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         return st;
     rk_attn_batch attn = b->attn;
     attn.block_table = s->table;
-    float scale = 1.0f / sqrtf((float)hp->head_dim);
 
 #define CK(call)                                                                                   \
     do {                                                                                           \
         if ((st = (call))) return st;                                                              \
     } while (0)
     CK(ops->embed(be, s->x, m->embd, m->embd_type, s->tokens, n, hp->dim));
+    if (hp->desc->embd_scale_sqrt) /* after the lookup, in f32, as the reference engine */
+        CK(ops->scale(be, s->x, sqrtf((float)hp->dim), (size_t)n * hp->dim));
     int n_layers = b->n_layers > 0 ? b->n_layers : hp->n_layers;
     for (int l = 0; l < n_layers; l++) {
         const rk_layer *L = &m->layers[l];
@@ -1013,13 +1085,18 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
             CK(ops->rmsnorm(be, s->k, s->k, L->k_norm, n * hp->n_kv_heads, hp->head_dim,
                             hp->rms_eps));
         }
-        CK(ops->rope(be, s->q, s->pos, n, hp->n_heads, hp->head_dim, &m->rope));
-        CK(ops->rope(be, s->k, s->pos, n, hp->n_kv_heads, hp->head_dim, &m->rope));
+        const rk_rope *rope = m->layer_rope[l];
+        CK(ops->rope(be, s->q, s->pos, n, hp->n_heads, hp->head_dim, rope));
+        CK(ops->rope(be, s->k, s->pos, n, hp->n_kv_heads, hp->head_dim, rope));
         if (b->out_q && l == n_layers - 1)
             CK(ops->download(be, b->out_q, s->q, (size_t)n * q_dim * sizeof(float)));
         CK(ops->kv_write(be, kv, l, s->k, s->v, s->slots, n));
-        CK(ops->attention(be, s->att, NULL, s->q, kv, l, &attn, hp->n_heads, scale));
+        rk_attn_params ap = rk_model_attn_params(m, l);
+        if (attn.seg_start) attn.rope = rope; /* segments rotate with the layer's own */
+        CK(ops->attention(be, s->att, NULL, s->q, kv, l, &attn, hp->n_heads, &ap));
         CK(matmul(m, s->xb, s->att, &L->wo, n));
+        if (L->post_attn_norm)
+            CK(ops->rmsnorm(be, s->xb, s->xb, L->post_attn_norm, n, hp->dim, hp->rms_eps));
         CK(ops->add(be, s->x, s->xb, (size_t)n * hp->dim));
         CK(ops->rmsnorm(be, s->xb, s->x, L->ffn_norm, n, hp->dim, hp->rms_eps));
         if (L->moe.gate) { /* x += the chosen experts' weighted sum */
@@ -1034,8 +1111,13 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
             CK(matmul(m, s->hb, s->xb, &L->gate, n));
             CK(matmul(m, s->hb2, s->xb, &L->up, n));
         }
-        CK(ops->swiglu(be, s->hb, s->hb, s->hb2, (size_t)n * hp->ffn_dim));
+        if (hp->desc->act == RK_FFN_GELU_TANH)
+            CK(ops->geglu(be, s->hb, s->hb, s->hb2, (size_t)n * hp->ffn_dim));
+        else
+            CK(ops->swiglu(be, s->hb, s->hb, s->hb2, (size_t)n * hp->ffn_dim));
         CK(matmul(m, s->xb, s->hb, &L->down, n));
+        if (L->post_ffn_norm)
+            CK(ops->rmsnorm(be, s->xb, s->xb, L->post_ffn_norm, n, hp->dim, hp->rms_eps));
         CK(ops->add(be, s->x, s->xb, (size_t)n * hp->dim));
     }
     /* Without logits nothing is downloaded: sync, so an error the device
@@ -1048,6 +1130,11 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         return ops->download(be, out_logits, s->xl, (size_t)b->n_logits * hp->dim * 4);
     CK(matmul(m, s->logits, s->xl, &m->out, b->n_logits));
     CK(ops->download(be, out_logits, s->logits, (size_t)b->n_logits * hp->n_vocab * 4));
+    if (hp->final_softcap > 0) { /* as the reference: scale by 1 / cap, tanh, scale by cap */
+        float cap = hp->final_softcap, inv = 1.0f / cap;
+        for (size_t i = 0; i < (size_t)b->n_logits * hp->n_vocab; i++)
+            out_logits[i] = tanhf(out_logits[i] * inv) * cap;
+    }
 #undef CK
     return RK_OK;
 }

@@ -250,12 +250,18 @@ static int special_cmp(const void *pa, const void *pb) {
 }
 
 /* Collect the control and user-defined tokens that parse_special matches. */
+/* Tokens matched by their text when special tokens are parsed: control,
+ * user-defined and the unknown token, as the reference engine matches them. */
+static int is_matched_special(const rk_tokenizer *t, int32_t id) {
+    int32_t ty = t->types[id];
+    return (ty == RK_TOKEN_CONTROL || ty == RK_TOKEN_USER_DEFINED || ty == RK_TOKEN_UNKNOWN) &&
+           rk_tok_text_len(t, id) > 0;
+}
+
 static rk_status build_specials(rk_tokenizer *t) {
     int32_t n = 0;
     for (int32_t id = 0; id < t->n_tokens; id++)
-        if ((t->types[id] == RK_TOKEN_CONTROL || t->types[id] == RK_TOKEN_USER_DEFINED) &&
-            rk_tok_text_len(t, id) > 0)
-            n++;
+        if (is_matched_special(t, id)) n++;
     special_key *keys = malloc((size_t)(n ? n : 1) * sizeof *keys);
     t->special = malloc((size_t)(n ? n : 1) * sizeof *t->special);
     if (!keys || !t->special) {
@@ -264,8 +270,7 @@ static rk_status build_specials(rk_tokenizer *t) {
     }
     n = 0;
     for (int32_t id = 0; id < t->n_tokens; id++)
-        if ((t->types[id] == RK_TOKEN_CONTROL || t->types[id] == RK_TOKEN_USER_DEFINED) &&
-            rk_tok_text_len(t, id) > 0)
+        if (is_matched_special(t, id))
             keys[n++] =
                 (special_key){(unsigned char)t->text[t->text_off[id]], rk_tok_text_len(t, id), id};
     qsort(keys, (size_t)n, sizeof *keys, special_cmp);
@@ -285,7 +290,8 @@ static rk_status build_specials(rk_tokenizer *t) {
  * non-normal tokens. */
 static void build_eog(rk_tokenizer *t) {
     static const char *const names[] = {"<|im_end|>",      "<|endoftext|>", "<|eot_id|>",
-                                        "<|end_of_text|>", "</s>",          "<|end|>"};
+                                        "<|end_of_text|>", "</s>",          "<|end|>",
+                                        "<end_of_turn>"};
     t->n_eog = 0;
     if (t->eos_id >= 0) t->eog[t->n_eog++] = t->eos_id;
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
@@ -534,7 +540,7 @@ rk_status rk_tokenizer_decode(const rk_tokenizer *t, const int32_t *ids, size_t 
     char *buf = malloc(total + 1);
     if (!buf) return rk_errorf(RK_ERR_NOMEM, "decode: out of memory for %zu bytes", total);
     size_t pos = 0;
-    int skip = skip_leading_space && !t->is_gpt2;
+    int skip = skip_leading_space && !t->is_gpt2 && t->add_space_prefix;
     for (size_t i = 0; i < n; i++) {
         int32_t id = ids[i];
         if (t->dec_special[id] && !render_special) continue;

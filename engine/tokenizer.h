@@ -62,7 +62,8 @@ void rk_vocab_free(rk_vocab *v);
  * n_pad_to is larger than the vocabulary: byte-level BPE (Qwen3) becomes a
  * gpt2 vocabulary; BPE with byte fallback and U+2581 for spaces (the
  * SentencePiece models: Llama 2, Phi-3, Gemma) a llama one, whose scores
- * follow the merge ranks (see vocab.c). */
+ * follow the merge ranks (see vocab.c), with the space prefix only where the
+ * normalizer prepends U+2581 (not Gemma's). */
 rk_status rk_vocab_from_hf_json(const char *path, int32_t n_pad_to, rk_vocab *out);
 
 /* The small byte-level vocabulary of the embedded `tiny` model: a llama

@@ -423,15 +423,13 @@ static rk_status hf_load(const char *path, json_t **out) {
 
 /* ---------------------------------------------------------------- SentencePiece-style BPE */
 
-/* A SentencePiece BPE model exported to tokenizer.json: model.byte_fallback,
- * spaces turned into U+2581 by the normalizer or a Metaspace pre-tokenizer,
- * no byte-level pre-tokenizer. */
+/* A SentencePiece BPE model exported to tokenizer.json: a BPE model with
+ * byte_fallback (spaces turned into U+2581 by the normalizer or a Metaspace
+ * pre-tokenizer; Gemma's Split on " " then finds none). */
 static int hf_is_spm(const json_t *root) {
     const json_t *model = json_object_get(root, "model");
-    const json_t *pre = json_object_get(root, "pre_tokenizer");
-    const char *pre_type = json_string_value(json_object_get(pre, "type"));
-    return json_is_true(json_object_get(model, "byte_fallback")) &&
-           (!pre_type || strcmp(pre_type, "Metaspace") == 0);
+    const char *type = json_string_value(json_object_get(model, "type"));
+    return type && !strcmp(type, "BPE") && json_is_true(json_object_get(model, "byte_fallback"));
 }
 
 /* Whether the text gets a U+2581 in front: a Prepend normalizer, or a
@@ -450,8 +448,9 @@ static int hf_spm_space_prefix(const json_t *root) {
         if (type && strcmp(type, "Prepend") == 0) return 1;
     }
     const json_t *pre = json_object_get(root, "pre_tokenizer");
+    const char *type = json_string_value(json_object_get(pre, "type"));
     const char *scheme = json_string_value(json_object_get(pre, "prepend_scheme"));
-    return json_is_object(pre) && (!scheme || strcmp(scheme, "never") != 0);
+    return type && !strcmp(type, "Metaspace") && (!scheme || strcmp(scheme, "never") != 0);
 }
 
 /* Scores for a llama (SentencePiece) vocabulary from the merge list: ragkv
@@ -490,9 +489,9 @@ static rk_status hf_spm_scores(rk_vocab *v, const char *path, const json_t *vmap
 }
 
 /* The llama vocabulary of a SentencePiece-style tokenizer.json: byte tokens
- * typed BYTE, model.unk_token UNKNOWN, <s>/<bos>, </s>/<eos> and <pad> the
- * special ids; BOS added when the post-processor starts with a special
- * token. */
+ * typed BYTE, model.unk_token UNKNOWN, the first special <s>/<bos>,
+ * </s>/<eos> and <pad> the special ids; BOS added when the post-processor
+ * starts with a special token. */
 static rk_status hf_spm_vocab(const json_t *root, const char *path, int32_t n_pad_to, rk_vocab *v) {
     const json_t *model = json_object_get(root, "model");
     const json_t *vmap = json_object_get(model, "vocab");
@@ -516,10 +515,12 @@ static rk_status hf_spm_vocab(const json_t *root, const char *path, int32_t n_pa
             v->token_types[id] = RK_TOKEN_UNKNOWN;
             v->unk_id = id;
         }
-        if (v->token_types[id] == RK_TOKEN_NORMAL || v->token_types[id] == RK_TOKEN_BYTE) continue;
-        if (!strcmp(t, "<s>") || !strcmp(t, "<bos>")) v->bos_id = id;
-        if (!strcmp(t, "</s>") || !strcmp(t, "<eos>")) v->eos_id = id;
-        if (!strcmp(t, "<pad>")) v->pad_id = id;
+        /* Special (control) tokens only, the first of each kind: Gemma also
+         * has <s> and </s> as ordinary added tokens. */
+        if (v->token_types[id] != RK_TOKEN_CONTROL) continue;
+        if ((!strcmp(t, "<s>") || !strcmp(t, "<bos>")) && v->bos_id < 0) v->bos_id = id;
+        if ((!strcmp(t, "</s>") || !strcmp(t, "<eos>")) && v->eos_id < 0) v->eos_id = id;
+        if (!strcmp(t, "<pad>") && v->pad_id < 0) v->pad_id = id;
     }
     const json_t *single = json_object_get(json_object_get(root, "post_processor"), "single");
     v->add_bos = v->bos_id >= 0 && json_object_get(json_array_get(single, 0), "SpecialToken");

@@ -44,8 +44,12 @@
  *
  * Llama-3 uses <|start_header_id|>role<|end_header_id|>\n\n ... <|eot_id|>;
  * Phi-3 <|role|>\n ... <|end|>\n;
- * Llama-2 puts the system prompt in <<SYS>> inside the first [INST]. BOS is
- * added by the tokenizer step, never written here. */
+ * Llama-2 puts the system prompt in <<SYS>> inside the first [INST]. Gemma
+ * (2 and 3) writes <start_of_turn>user\n ... <end_of_turn>\n and
+ * <start_of_turn>model\n for the assistant; it has no system role: the
+ * system text and a blank line open the first user turn (as Llama-2's
+ * <<SYS>> block does here), and each message's text is trimmed as its
+ * template trims it. BOS is added by the tokenizer step, never written here. */
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,6 +62,7 @@ const char *rk_chat_template_name(rk_chat_template t) {
     case RK_CHAT_LLAMA3: return "llama3";
     case RK_CHAT_LLAMA2: return "llama2";
     case RK_CHAT_PHI3: return "phi3";
+    case RK_CHAT_GEMMA: return "gemma";
     }
     return "?";
 }
@@ -69,9 +74,11 @@ rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
         if (strstr(jinja, "<|start_header_id|>")) return RK_CHAT_LLAMA3;
         if (strstr(jinja, "[INST]")) return RK_CHAT_LLAMA2;
         if (strstr(jinja, "<|assistant|>") && strstr(jinja, "<|end|>")) return RK_CHAT_PHI3;
+        if (strstr(jinja, "<start_of_turn>")) return RK_CHAT_GEMMA;
     }
     if (arch && (!strcmp(arch, "qwen2") || !strcmp(arch, "qwen3"))) return RK_CHAT_CHATML;
     if (arch && !strcmp(arch, "phi3")) return RK_CHAT_PHI3;
+    if (arch && (!strcmp(arch, "gemma2") || !strcmp(arch, "gemma3"))) return RK_CHAT_GEMMA;
     if (has_llama3_tokens) return RK_CHAT_LLAMA3;
     return RK_CHAT_LLAMA2;
 }
@@ -346,7 +353,13 @@ static rk_status split_user(const rk_api_request *req, int i, user_msg *u, rk_ht
 /* The opening of a user turn; for Llama-2, the <<SYS>> block (sys_block:
  * joined system messages, may be empty) goes inside it. */
 static void user_open(rk_chat_template t, rk_strbuf *b, const rk_strbuf *sys_block) {
-    if (t == RK_CHAT_CHATML) {
+    if (t == RK_CHAT_GEMMA) {
+        rk_strbuf_puts(b, "<start_of_turn>user\n");
+        if (sys_block->len) {
+            rk_strbuf_puts(b, sys_block->s);
+            rk_strbuf_puts(b, "\n\n");
+        }
+    } else if (t == RK_CHAT_CHATML) {
         rk_strbuf_puts(b, "<|im_start|>user\n");
     } else if (t == RK_CHAT_LLAMA3) {
         rk_strbuf_puts(b, "<|start_header_id|>user<|end_header_id|>\n\n");
@@ -366,7 +379,16 @@ static void user_close(rk_chat_template t, rk_strbuf *b) {
     rk_strbuf_puts(b, t == RK_CHAT_CHATML   ? "<|im_end|>\n"
                       : t == RK_CHAT_LLAMA3 ? "<|eot_id|>"
                       : t == RK_CHAT_PHI3   ? "<|end|>\n"
+                      : t == RK_CHAT_GEMMA  ? "<end_of_turn>\n"
                                             : " [/INST]");
+}
+
+/* s without its leading (lead) and trailing whitespace, as Jinja's trim. */
+static void put_trimmed(rk_strbuf *b, const char *s, int lead) {
+    size_t n = strlen(s);
+    while (lead && n && strchr(" \t\n\r\f\v", *s)) s++, n--;
+    while (n && strchr(" \t\n\r\f\v", s[n - 1])) n--;
+    rk_strbuf_putn(b, s, n);
 }
 
 /* A complete system or assistant turn (Llama-2: assistant only; its system
@@ -392,7 +414,15 @@ static void other_turn(rk_chat_template t, rk_strbuf *b, const rk_chat_msg *m, i
         rk_strbuf_puts(b, t == RK_CHAT_CHATML ? "<|im_end|>\n" : "<|eot_id|>");
         return;
     }
-    if (t == RK_CHAT_CHATML) {
+    if (t == RK_CHAT_GEMMA) { /* system messages wait for the next user turn */
+        rk_strbuf_puts(b, "<start_of_turn>model\n");
+        if (open) { /* continued as it stands, but for the template's leading trim */
+            rk_strbuf_puts(b, m->content + strspn(m->content, " \t\n\r\f\v"));
+        } else {
+            put_trimmed(b, m->content, 1);
+            rk_strbuf_puts(b, "<end_of_turn>\n");
+        }
+    } else if (t == RK_CHAT_CHATML) {
         /* An earlier answer's thinking is dropped, as Qwen3's template does. */
         const char *content = m->content, *think_end = strstr(content, "</think>");
         if (m->role == RK_ROLE_ASSISTANT && think_end && !open)
@@ -441,9 +471,12 @@ static void render_turns(rk_chat_template t, const rk_api_request *req, const us
         if (m->role == RK_ROLE_USER) {
             user_open(t, b, sys_block);
             sb_clear(sys_block);
-            rk_strbuf_puts(b, users[i].question); /* its documents are chunks */
+            if (t == RK_CHAT_GEMMA)
+                put_trimmed(b, users[i].question, 1);
+            else
+                rk_strbuf_puts(b, users[i].question); /* its documents are chunks */
             user_close(t, b);
-        } else if (t == RK_CHAT_LLAMA2 && m->role == RK_ROLE_SYSTEM) {
+        } else if ((t == RK_CHAT_LLAMA2 || t == RK_CHAT_GEMMA) && m->role == RK_ROLE_SYSTEM) {
             if (!skip_system) add_system(sys_block, m);
         } else {
             other_turn(t, b, m, 0);
@@ -455,6 +488,7 @@ static const char *assistant_open(rk_chat_template t) {
     return t == RK_CHAT_CHATML   ? "<|im_start|>assistant\n"
            : t == RK_CHAT_LLAMA3 ? "<|start_header_id|>assistant<|end_header_id|>\n\n"
            : t == RK_CHAT_PHI3   ? "<|assistant|>\n"
+           : t == RK_CHAT_GEMMA  ? "<start_of_turn>model\n"
                                  : "";
 }
 
@@ -531,7 +565,8 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     int tool_turns = 0;
     for (int i = 0; i < req->n_msgs; i++)
         tool_turns |= req->msgs[i].role == RK_ROLE_TOOL || req->msgs[i].tool_calls;
-    if ((t == RK_CHAT_LLAMA2 || t == RK_CHAT_PHI3) && (req->n_tools || tool_turns))
+    if ((t == RK_CHAT_LLAMA2 || t == RK_CHAT_PHI3 || t == RK_CHAT_GEMMA) &&
+        (req->n_tools || tool_turns))
         return rk_http_errorf(err, 400,
                               "tools are not supported with the %s chat template (it has no "
                               "tool-call format)",
@@ -571,14 +606,17 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
 
     /* System piece: the turns before the document turn and its opening
      * (Llama-2: every system message before it in the first user turn). */
-    for (int i = 0; t == RK_CHAT_LLAMA2 && i < doc; i++)
+    for (int i = 0; (t == RK_CHAT_LLAMA2 || t == RK_CHAT_GEMMA) && i < doc; i++)
         if (req->msgs[i].role == RK_ROLE_SYSTEM) add_system(&block, &req->msgs[i]);
     render_turns(t, req, users, 0, doc, 1, &sys, &block);
     user_open(t, &sys, &block);
     sb_clear(&block);
     /* Question piece: the rest of the document turn, every later turn, the
      * assistant's opening (or the open turn it continues). */
-    rk_strbuf_puts(&q, users[doc].question);
+    if (t == RK_CHAT_GEMMA)
+        put_trimmed(&q, users[doc].question, 1);
+    else
+        rk_strbuf_puts(&q, users[doc].question);
     user_close(t, &q);
     render_turns(t, req, users, doc + 1, last, 0, &q, &block);
     if (prefill) {

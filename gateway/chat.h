@@ -13,15 +13,16 @@ typedef enum rk_chat_template {
     RK_CHAT_LLAMA3 = 1, /* <|start_header_id|>role<|end_header_id|>\n\n...<|eot_id|> */
     RK_CHAT_LLAMA2 = 2, /* [INST] <<SYS>>...<</SYS>> ... [/INST] */
     RK_CHAT_PHI3 = 3,   /* <|role|>\n...<|end|>\n (Phi-3, Phi-4-mini) */
+    RK_CHAT_GEMMA = 4,  /* <start_of_turn>user|model\n...<end_of_turn>\n (Gemma 2, Gemma 3) */
 } rk_chat_template;
 
-/* Name of a template: "chatml", "llama3", "llama2", "phi3". */
+/* Name of a template: "chatml", "llama3", "llama2", "phi3", "gemma". */
 const char *rk_chat_template_name(rk_chat_template t);
 
 /* Choose a template: from the GGUF tokenizer.chat_template text when given
  * (NULL when absent), else from the architecture name ("qwen2", "qwen3":
- * ChatML; "phi3": Phi-3) and the vocabulary (has_llama3_tokens: <|start_header_id|> exists),
- * else Llama-2. */
+ * ChatML; "phi3": Phi-3; "gemma2", "gemma3": Gemma) and the vocabulary
+ * (has_llama3_tokens: <|start_header_id|> exists), else Llama-2. */
 rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
                                          int has_llama3_tokens);
 

@@ -427,6 +427,7 @@ rk_status rk_kv_check_write_slots(const rk_kv_cache *kv, const int32_t *slots, i
 
 /* The rotated dimensions of rope fit a head of head_dim. */
 static rk_status check_n_rot(const rk_rope *rope, int head_dim, const char *op) {
+    if (!rope) return rk_errorf(RK_ERR_INVALID, "%s: no RoPE table", op);
     if (rope->n_rot <= 0 || (rope->n_rot & 1) || rope->n_rot > head_dim ||
         rope->n_rot > 2 * RK_ROPE_MAX_PAIRS)
         return rk_errorf(RK_ERR_INVALID, "%s: n_rot %d does not fit head_dim %d", op, rope->n_rot,
@@ -452,12 +453,23 @@ rk_status rk_rope_check(int n_tokens, int n_heads, int head_dim, const rk_rope *
     return check_n_rot(rope, head_dim, "rope");
 }
 
-rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *rope) {
+rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *const *ropes) {
     rk_status st = check_cache(kv, "rope_shift_copy");
     if (st != RK_OK) return st;
     if (n_tokens < 0)
         return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: n_tokens %d < 0", n_tokens);
-    return check_n_rot(rope, kv->head_dim, "rope_shift_copy");
+    if (!ropes) return rk_errorf(RK_ERR_INVALID, "rope_shift_copy: no RoPE tables");
+    for (int l = 0; l < kv->n_layers; l++)
+        if ((st = check_n_rot(ropes[l], kv->head_dim, "rope_shift_copy")) != RK_OK) return st;
+    return RK_OK;
+}
+
+int rk_rope_same(const rk_rope *a, const rk_rope *b) {
+    if (a == b) return 1;
+    if (!a || !b || a->n_rot != b->n_rot || a->pairing != b->pairing || a->mscale != b->mscale ||
+        a->n_rot < 0 || a->n_rot > 2 * RK_ROPE_MAX_PAIRS)
+        return 0;
+    return memcmp(a->freq, b->freq, (size_t)(a->n_rot / 2) * sizeof a->freq[0]) == 0;
 }
 
 rk_status rk_kv_check_shift_slots(const rk_kv_cache *kv, const int32_t *src_slots,
@@ -484,6 +496,17 @@ rk_status rk_kv_check_shift_slots(const rk_kv_cache *kv, const int32_t *src_slot
         else
             j++;
     }
+    return RK_OK;
+}
+
+rk_status rk_attn_check_params(const rk_attn_params *p) {
+    if (!p) return rk_errorf(RK_ERR_INVALID, "attention: no params");
+    if (!isfinite(p->scale))
+        return rk_errorf(RK_ERR_INVALID, "attention: scale %g is not finite", (double)p->scale);
+    if (!isfinite(p->softcap) || p->softcap < 0.0f)
+        return rk_errorf(RK_ERR_INVALID, "attention: softcap %g must be finite and >= 0",
+                         (double)p->softcap);
+    if (p->window < 0) return rk_errorf(RK_ERR_INVALID, "attention: window %d < 0", p->window);
     return RK_OK;
 }
 
@@ -636,25 +659,31 @@ void rk_backend_free(rk_backend *be) {
 /* Per query row and head: scores over its keys, softmax in double, mass
  * added per key. Straightforward on purpose: it scores a few question rows. */
 rk_status rk_attn_key_mass(const float *q, const int32_t *q_len, int n_q, const float *k, int n_k,
-                           int n_heads, int n_kv_heads, int head_dim, float scale, double *mass) {
-    int group = n_heads / n_kv_heads;
+                           int n_heads, int n_kv_heads, int head_dim, const rk_attn_params *params,
+                           double *mass) {
+    rk_status st = rk_attn_check_params(params);
+    if (st != RK_OK) return st;
+    int group = n_heads / n_kv_heads, window = params->window;
+    double scale = params->scale, cap = params->softcap;
     size_t q_row = (size_t)n_heads * head_dim, k_row = (size_t)n_kv_heads * head_dim;
     double *p = malloc((size_t)(n_k > 0 ? n_k : 1) * sizeof *p);
     if (!p) return rk_errorf(RK_ERR_NOMEM, "attention mass: out of memory");
     for (int i = 0; i < n_q; i++) {
         int len = q_len[i] < n_k ? q_len[i] : n_k;
-        for (int h = 0; h < n_heads && len > 0; h++) {
+        int lo = window > 0 && q_len[i] > window ? q_len[i] - window : 0;
+        for (int h = 0; h < n_heads && len > lo; h++) {
             const float *qv = q + i * q_row + (size_t)h * head_dim;
             double mx = -INFINITY, sum = 0;
-            for (int j = 0; j < len; j++) {
+            for (int j = lo; j < len; j++) {
                 const float *kv = k + j * k_row + (size_t)(h / group) * head_dim;
                 double d = 0;
                 for (int e = 0; e < head_dim; e++) d += (double)qv[e] * kv[e];
                 p[j] = d * scale;
+                if (cap > 0) p[j] = cap * tanh(p[j] / cap);
                 mx = p[j] > mx ? p[j] : mx;
             }
-            for (int j = 0; j < len; j++) sum += p[j] = exp(p[j] - mx);
-            for (int j = 0; j < len; j++) mass[j] += p[j] / sum;
+            for (int j = lo; j < len; j++) sum += p[j] = exp(p[j] - mx);
+            for (int j = lo; j < len; j++) mass[j] += p[j] / sum;
         }
     }
     free(p);

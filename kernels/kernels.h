@@ -198,6 +198,27 @@ typedef struct rk_attn_batch {
     const rk_rope *rope;      /* the model's RoPE table; needed when some seg_delta != 0 */
 } rk_attn_batch;
 
+/* How the scores of an attention call are formed and which entries a query
+ * row sees, beyond causality:
+ *  - score = scale * q·k, then, when softcap > 0, softcap * tanh(score /
+ *    softcap) (attention-logit soft-capping, Gemma 2);
+ *  - window > 0 (a sliding-window layer): the query row whose own entry is
+ *    e (its index in the sequence's kv order, as causality counts it) sees
+ *    only the entries j with e - window < j <= e, the window most recent
+ *    ones itself included. The boundary is the reference engine's: an entry
+ *    window or more entries back is masked. With segments the indices are
+ *    the entries' places in the concatenated runs, not their positions.
+ * Zero-initialise and set scale for plain causal attention. */
+typedef struct rk_attn_params {
+    float scale;   /* multiplies q·k */
+    float softcap; /* > 0: soft-cap the scaled scores at it; 0: none */
+    int window;    /* > 0: sliding window of this many entries; 0: the whole range */
+} rk_attn_params;
+
+/* Bad params (a scale or cap not finite, a negative cap or window) are
+ * RK_ERR_INVALID. */
+rk_status rk_attn_check_params(const rk_attn_params *p);
+
 /* ---------------------------------------------------------------- backend */
 
 typedef struct rk_backend rk_backend;
@@ -244,21 +265,30 @@ typedef struct rk_backend_ops {
                       int head_dim, const rk_rope *rope);
     /* out(n) = silu(gate(n)) * up(n); out may equal gate */
     rk_status (*swiglu)(rk_backend *be, float *out, const float *gate, const float *up, size_t n);
+    /* out(n) = gelu(gate(n)) * up(n), gelu the tanh approximation
+     * 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))) in f32 (Gemma's FFN);
+     * out may equal gate */
+    rk_status (*geglu)(rk_backend *be, float *out, const float *gate, const float *up, size_t n);
+    /* x(n) *= s */
+    rk_status (*scale)(rk_backend *be, float *x, float s, size_t n);
     /* write k, v (n_tokens, n_kv_heads, head_dim) of layer to slots(n_tokens); slot < 0 skipped */
     rk_status (*kv_write)(rk_backend *be, const rk_kv_cache *kv, int layer, const float *k,
                           const float *v, const int32_t *slots, int n_tokens);
-    /* out(n_q, n_heads, head_dim) = softmax(q k^T * scale) v, GQA (n_heads % n_kv_heads == 0);
-     * lse(n_q, n_heads) natural-log sum-exp of the scaled scores, may be NULL */
+    /* out(n_q, n_heads, head_dim) = softmax(scores) v, GQA (n_heads % n_kv_heads == 0),
+     * the scores and the visible entries as params says (rk_attn_params);
+     * lse(n_q, n_heads) natural-log sum-exp of the scores, may be NULL */
     rk_status (*attention)(rk_backend *be, float *out, float *lse, const float *q,
                            const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
-                           int n_heads, float scale);
-    /* For every layer and token t: K at dst_slots[t] = R(delta[t]) · K at src_slots[t],
-     * V copied unchanged. src and dst must not overlap. src_slots, dst_slots and
-     * delta are HOST arrays (the reindex plan is built on the host); the backend
-     * uploads them itself. */
+                           int n_heads, const rk_attn_params *params);
+    /* For every layer l and token t: K at dst_slots[t] = R_l(delta[t]) · K at src_slots[t],
+     * R_l the rotation of ropes[l] (ropes has kv->n_layers entries: a model whose
+     * layers use different RoPE, Gemma 3's local and global ones, shifts each
+     * layer with its own), V copied unchanged. src and dst must not overlap.
+     * src_slots, dst_slots, delta and ropes are HOST arrays (the reindex plan
+     * is built on the host); the backend uploads them itself. */
     rk_status (*rope_shift_copy)(rk_backend *be, const rk_kv_cache *kv, const int32_t *src_slots,
                                  const int32_t *dst_slots, const int32_t *delta, int n_tokens,
-                                 const rk_rope *rope);
+                                 const rk_rope *const *ropes);
 } rk_backend_ops;
 
 struct rk_backend {
@@ -291,8 +321,11 @@ rk_status rk_kv_check_write_slots(const rk_kv_cache *kv, const int32_t *slots, i
 /* rope over (n_tokens, n_heads, head_dim): n_tokens >= 0, n_heads and
  * head_dim > 0, n_rot even and within head_dim. */
 rk_status rk_rope_check(int n_tokens, int n_heads, int head_dim, const rk_rope *rope);
-/* rope_shift_copy: a well-formed cache, n_tokens >= 0, n_rot fits head_dim. */
-rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *rope);
+/* rope_shift_copy: a well-formed cache, n_tokens >= 0, every layer's rope
+ * given, its n_rot fitting head_dim. */
+rk_status rk_kv_check_shift(const rk_kv_cache *kv, int n_tokens, const rk_rope *const *ropes);
+/* Whether two RoPE tables rotate alike (the same one or equal contents). */
+int rk_rope_same(const rk_rope *a, const rk_rope *b);
 /* rope_shift_copy slots: all in range, no destination twice, no slot both a
  * source and a destination; tmp (2 * n_tokens). */
 rk_status rk_kv_check_shift_slots(const rk_kv_cache *kv, const int32_t *src_slots,
@@ -320,11 +353,14 @@ int rk_argmax_f32(const float *x, int n);
  * `query` repair policy: for every query row i (n_q rows of n_heads *
  * head_dim floats, already rotated) and head h, the softmax over keys
  * 0 .. q_len[i] - 1 (rows of n_kv_heads * head_dim floats, grouped query
- * attention: head h reads kv head h / (n_heads / n_kv_heads)) of
- * scale * q · k, added into mass[j] for every key j (in double). mass has
+ * attention: head h reads kv head h / (n_heads / n_kv_heads)) of the
+ * scores params says (scale * q.k, soft-capped; with a window, row i sees
+ * keys q_len[i] - window .. q_len[i] - 1 only), added into mass[j] for
+ * every key j (in double). mass has
  * n_k entries (every q_len[i] in 1 .. n_k) and is added to, not cleared.
- * RK_ERR_NOMEM leaves it as it was. */
+ * RK_ERR_NOMEM leaves it as it was; bad params are RK_ERR_INVALID. */
 rk_status rk_attn_key_mass(const float *q, const int32_t *q_len, int n_q, const float *k, int n_k,
-                           int n_heads, int n_kv_heads, int head_dim, float scale, double *mass);
+                           int n_heads, int n_kv_heads, int head_dim, const rk_attn_params *params,
+                           double *mass);
 
 #endif

@@ -157,7 +157,7 @@ rk_status rk_batch_run(rk_service *svc, batch *b) {
                             .seg_start = segments ? b->seg_start : NULL,
                             .seg_end = segments ? b->seg_end : NULL,
                             .seg_delta = segments ? b->seg_delta : NULL,
-                            .rope = segments ? rk_model_rope(svc->model) : NULL},
+                            .rope = NULL /* the forward pass sets each layer's */},
                    .n_logits = b->n_logits,
                    .logit_rows = b->logit_rows,
                    .n_layers = b->n_layers,

@@ -342,7 +342,7 @@ rk_status rk_stage_system_chunks(admission *a) {
                 (st = plan_system_chunk(svc, r, k, a->b, a->copies)))
                 return st;
     }
-    if ((st = rk_copy_plan_run(a->copies, svc->be, svc->arena, rk_model_rope(svc->model))) ||
+    if ((st = rk_copy_plan_run(a->copies, svc->be, svc->arena, rk_model_ropes(svc->model))) ||
         (st = rk_batch_run(svc, a->b)))
         return st;
     for (int i = 0; i < a->n; i++) {
@@ -359,7 +359,7 @@ rk_status rk_stage_system_chunks(admission *a) {
             s->entries[k]->progress = r->chunk_lens[k]; /* once the copies ran, below */
         }
     }
-    if ((st = rk_copy_plan_run(a->copies, svc->be, svc->arena, rk_model_rope(svc->model))))
+    if ((st = rk_copy_plan_run(a->copies, svc->be, svc->arena, rk_model_ropes(svc->model))))
         return st;
     /* Every entry whose KV is whole now is ready, whichever request computed
      * it (a chunk computed by the steps' passes may have been carried on by

@@ -160,7 +160,8 @@ rk_status rk_stage_system_and_chunks(admission *a) {
     double t_lookup = rk_time_now() - t;
     t = rk_time_now();
     /* The partial pages' rows first: the tails computed in pass 1 attend to them. */
-    if ((st = rk_copy_plan_run(a->copies, a->svc->be, a->svc->arena, rk_model_rope(a->svc->model))))
+    if ((st =
+             rk_copy_plan_run(a->copies, a->svc->be, a->svc->arena, rk_model_ropes(a->svc->model))))
         return st;
     for (int i = 0; i < a->n; i++) rk_drop_partial(a->svc, a->reqs[i]->state);
     if ((st = rk_batch_run(a->svc, a->b))) return st;

@@ -114,7 +114,7 @@ rk_status rk_stage_reindex(admission *a) {
             copied_tokens += r->chunk_lens[k];
         }
     }
-    if ((st = rk_copy_plan_run(a->copies, svc->be, svc->arena, rk_model_rope(svc->model))))
+    if ((st = rk_copy_plan_run(a->copies, svc->be, svc->arena, rk_model_ropes(svc->model))))
         return st;
     /* The scratch sequences' KV is in place now: their live blocks go back
      * before decoding needs them. */

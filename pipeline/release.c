@@ -50,7 +50,7 @@ static rk_status insert_runs(rk_service *svc, rk_req_state *s, int n) {
                                       &seq, from, end - from, s->runs.delta[i]);
             start = s->runs.end[i];
         }
-        if (!st) st = rk_copy_plan_run(&copies, svc->be, svc->arena, rk_model_rope(svc->model));
+        if (!st) st = rk_copy_plan_run(&copies, svc->be, svc->arena, rk_model_ropes(svc->model));
         if (!st) st = insert_pages(svc, s, n, seq.blocks);
     }
     if (m.node) rk_radix_unlock(svc->prefix, m.node);

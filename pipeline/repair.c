@@ -361,11 +361,12 @@ static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_re
         memset(mass, 0, (size_t)n_keys * sizeof *mass);
         if (r->n_question) {
             for (int j = 0; j < r->n_question; j++) q_len[j] = L->question_index + j + 1;
+            /* the layer's own scores: scale, soft cap, sliding window */
+            rk_attn_params ap = rk_model_attn_params(svc->model, layer);
             if (!(st = read_kv(svc, &r->state->kv, layer, 0, n_keys, keys, keys + n_keys * row,
                                raw)))
                 st = rk_attn_key_mass(q + qr * q_row, q_len, r->n_question, keys, n_keys,
-                                      hp->n_heads, hp->n_kv_heads, hp->head_dim,
-                                      1.0f / sqrtf((float)hp->head_dim), mass);
+                                      hp->n_heads, hp->n_kv_heads, hp->head_dim, &ap, mass);
             if (st) break;
             qr += (size_t)r->n_question;
         }

@@ -56,10 +56,11 @@ rk_status rk_copy_plan_add(rk_copy_plan *p, int block_size, const int32_t *src_b
     return RK_OK;
 }
 
-rk_status rk_copy_plan_run(rk_copy_plan *p, rk_backend *be, rk_arena *a, const rk_rope *rope) {
+rk_status rk_copy_plan_run(rk_copy_plan *p, rk_backend *be, rk_arena *a,
+                           const rk_rope *const *ropes) {
     if (p->n == 0) return RK_OK;
     rk_status st =
-        be->ops->rope_shift_copy(be, rk_arena_kv(a), p->src, p->dst, p->delta, p->n, rope);
+        be->ops->rope_shift_copy(be, rk_arena_kv(a), p->src, p->dst, p->delta, p->n, ropes);
     p->n = 0;
     return st;
 }

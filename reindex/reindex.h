@@ -94,14 +94,14 @@ rk_status rk_copy_plan_add(rk_copy_plan *p, int block_size, const int32_t *src_b
                            int src_first, const rk_seq *dst, int dst_first, int n, int delta);
 
 /* Run the whole plan as one rope_shift_copy call on be over a's KV with the
- * model's rope, then empty it (also on failure: the plan is not retried).
- * An empty plan is RK_OK without a call. Errors are the backend's:
- * RK_ERR_INVALID, found before anything is written, for a slot outside the
- * arena, a destination slot written twice, a slot that is both a source and
- * a destination, or a rope the cache's head size does not fit;
+ * model's RoPE of each layer (rk_model_ropes), then empty it (also on failure: the plan is not
+ * retried). An empty plan is RK_OK without a call. Errors are the backend's: RK_ERR_INVALID, found
+ * before anything is written, for a slot outside the arena, a destination slot written twice, a
+ * slot that is both a source and a destination, or a rope the cache's head size does not fit;
  * RK_ERR_NOMEM; RK_ERR_DEVICE on an accelerator, after which the
  * destination rows are undefined. The sources are never written. */
-rk_status rk_copy_plan_run(rk_copy_plan *p, rk_backend *be, rk_arena *a, const rk_rope *rope);
+rk_status rk_copy_plan_run(rk_copy_plan *p, rk_backend *be, rk_arena *a,
+                           const rk_rope *const *ropes);
 
 /* Free the arrays and zero the plan; a zeroed plan is fine. */
 void rk_copy_plan_free(rk_copy_plan *p);

@@ -14,7 +14,7 @@
 #include "pipeline/pipeline.h"
 #include "tests/testutil.h"
 
-#define N_TEMPLATES 4
+#define N_TEMPLATES 5
 
 /* ---------------------------------------------------------------- rendering */
 
@@ -78,7 +78,8 @@ static const char *WANT_SYS[N_TEMPLATES] = {
     "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n",
     "<|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|><|start_header_id|>user<|end_"
     "header_id|>\n\n",
-    "[INST] <<SYS>>\nS\n<</SYS>>\n\n", "<|system|>\nS<|end|>\n<|user|>\n"};
+    "[INST] <<SYS>>\nS\n<</SYS>>\n\n", "<|system|>\nS<|end|>\n<|user|>\n",
+    "<start_of_turn>user\nS\n\n"};
 
 /* The question pieces of turns 1, 2 and 3 of the conversation below. */
 static const char *WANT_Q[N_TEMPLATES][3] = {
@@ -99,7 +100,13 @@ static const char *WANT_Q[N_TEMPLATES][3] = {
     {"Q1<|end|>\n<|assistant|>\n",
      "Q1<|end|>\n<|assistant|>\nA1<|end|>\n<|user|>\nQ2<|end|>\n<|assistant|>\n",
      "Q1<|end|>\n<|assistant|>\nA1<|end|>\n<|user|>\nQ2<|end|>\n<|assistant|>\nA2<|end|>\n<|"
-     "user|>\nQ3<|end|>\n<|assistant|>\n"}};
+     "user|>\nQ3<|end|>\n<|assistant|>\n"},
+    {"Q1<end_of_turn>\n<start_of_turn>model\n",
+     "Q1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n<start_of_turn>user\nQ2<end_of_"
+     "turn>\n<start_of_turn>model\n",
+     "Q1<end_of_turn>\n<start_of_turn>model\nA1<end_of_turn>\n<start_of_turn>user\nQ2<end_of_"
+     "turn>\n<start_of_turn>model\nA2<end_of_turn>\n<start_of_turn>user\nQ3<end_of_turn>\n<"
+     "start_of_turn>model\n"}};
 
 Test(chat, each_turn_extends_the_layout_of_the_last) {
     const char *answers[] = {"A1", "A2"}, *questions[] = {"Q2", "Q3"};
@@ -230,6 +237,34 @@ Test(chat, the_chunks_extension_belongs_to_the_first_user_message) {
     rk_api_request_free(&r2);
     json_decref(msgs);
     json_decref(chunks);
+}
+
+/* Gemma: the text Gemma 3's own template (tokenizer_config.json's
+ * chat_template) renders for the same conversation, documents aside:
+ * BOS (added by the tokenizer step), the system text and a blank line
+ * opening the first user turn, every message trimmed, the assistant as
+ * "model"; tools are refused; the template is detected from the GGUF's
+ * chat_template text and from the family. */
+Test(chat, gemma_renders_as_its_template) {
+    json_t *msgs = json_array();
+    add_msg(msgs, "system", "You are helpful.");
+    add_msg(msgs, "user", "  What is a KV cache?  ");
+    add_msg(msgs, "assistant", " Keys and values. ");
+    add_msg(msgs, "user", "And reuse?\n");
+    rk_api_request r;
+    render_ok(RK_CHAT_GEMMA, msgs, NULL, &r);
+    char all[1024];
+    snprintf(all, sizeof all, "%s%s", r.pieces.system.s, r.pieces.question.s);
+    cr_assert_str_eq(all, "<start_of_turn>user\nYou are helpful.\n\nWhat is a KV cache?<end_of_"
+                          "turn>\n<start_of_turn>model\nKeys and values.<end_of_turn>\n<start_"
+                          "of_turn>user\nAnd reuse?<end_of_turn>\n<start_of_turn>model\n");
+    rk_api_request_free(&r);
+    json_decref(msgs);
+    cr_assert_eq(rk_chat_template_detect("{{ bos_token }}...'<start_of_turn>' + role", "llama", 0),
+                 RK_CHAT_GEMMA);
+    cr_assert_eq(rk_chat_template_detect(NULL, "gemma3", 0), RK_CHAT_GEMMA);
+    cr_assert_eq(rk_chat_template_detect(NULL, "gemma2", 0), RK_CHAT_GEMMA);
+    cr_assert_str_eq(rk_chat_template_name(RK_CHAT_GEMMA), "gemma");
 }
 
 /* Llama-2: a system message after the document turn opens the next [INST]
@@ -364,7 +399,8 @@ Test(chat, a_last_assistant_message_is_continued) {
     static const char *want_q[N_TEMPLATES] = {
         "Q1<|im_end|>\n<|im_start|>assistant\nThe answer is",
         "Q1<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nThe answer is",
-        "Q1 [/INST] The answer is", "Q1<|end|>\n<|assistant|>\nThe answer is"};
+        "Q1 [/INST] The answer is", "Q1<|end|>\n<|assistant|>\nThe answer is",
+        "Q1<end_of_turn>\n<start_of_turn>model\nThe answer is"};
     for (int t = 0; t < N_TEMPLATES; t++) {
         json_t *msgs = json_array();
         add_msg(msgs, "system", "S");

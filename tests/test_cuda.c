@@ -35,6 +35,10 @@
 #include "kernels/cuda/cuda.h"
 #endif
 
+/* The same RoPE for each layer of a cache of at most 8, as rope_shift_copy
+ * takes them. */
+#define LAYERS(r) ((const rk_rope *const[]){r, r, r, r, r, r, r, r})
+
 /* kernels/cuda/cuda.h's RK_CUDA_MATVEC_MAX_N (the largest n the f32-math
  * matrix-vector kernel takes), restated so this file builds without CUDA. */
 #define RK_TEST_MATVEC_MAX_N 8
@@ -419,6 +423,16 @@ Test(cuda, swiglu_add_and_add_bias_match_cpu) {
     cr_assert_eq(gpu->ops->swiglu(gpu, dg, dg, du, n), RK_OK); /* in place */
     dev_read(gpu, got, dg, n * 4);
     assert_close(got, want, n, 1e-6f, 1e-5f, "swiglu in place");
+    cr_assert_eq(cpu->ops->geglu(cpu, want, g, u, n), RK_OK);
+    cr_assert_eq(gpu->ops->upload(gpu, dg, g, n * 4), RK_OK);
+    cr_assert_eq(gpu->ops->geglu(gpu, dout, dg, du, n), RK_OK);
+    dev_read(gpu, got, dout, n * 4);
+    assert_close(got, want, n, 1e-6f, 1e-5f, "geglu");
+    memcpy(want, g, n * 4);
+    cr_assert_eq(cpu->ops->scale(cpu, want, 3.5f, n), RK_OK);
+    cr_assert_eq(gpu->ops->scale(gpu, dg, 3.5f, n), RK_OK);
+    dev_read(gpu, got, dg, n * 4);
+    assert_equal_f32(got, want, n, "scale");
 
     /* add: exact */
     memcpy(want, g, n * 4);
@@ -660,8 +674,8 @@ static void fill_dtype(void *dst, size_t i, rk_dtype dt, float f) {
  * segments (sg not NULL) the batch is run once more with every delta negated
  * and the plan left as it is, so a plan reused across different runs would
  * show too. */
-static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac,
-                           const attn_segs *sg) {
+static void attention_case_p(rk_backend *gpu, rk_backend *cpu, const attn_case *ac,
+                             const attn_segs *sg, int window, float softcap) {
     int H = ac->n_kv_heads, n_heads = H * ac->group, hd = ac->head_dim, bs = ac->block_size;
     int need[3], max_blocks = 1, n_blocks = 3, rows = 0;
     int32_t q_start[4] = {0};
@@ -703,7 +717,7 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
     float *want = xmalloc(nq_elems * 4), *got = xmalloc(nq_elems * 4);
     float *want_lse = xmalloc((size_t)rows * n_heads * 4),
           *got_lse = xmalloc((size_t)rows * n_heads * 4);
-    float scale = 1.0f / sqrtf((float)hd);
+    rk_attn_params ap = {.scale = 1.0f / sqrtf((float)hd), .softcap = softcap, .window = window};
     int32_t seg_start[4] = {0}, seg_end[18], seg_delta[18];
     if (sg)
         for (int s = 0; s < ac->n_seqs; s++) {
@@ -724,8 +738,8 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
                         .seg_end = sg ? seg_end : NULL,
                         .seg_delta = sg ? seg_delta : NULL,
                         .rope = sg ? sg->rope : NULL};
-    cr_assert_eq(cpu->ops->attention(cpu, want, want_lse, q, &c.host, 1, &hb, n_heads, scale),
-                 RK_OK, "%s", rk_error_message());
+    cr_assert_eq(cpu->ops->attention(cpu, want, want_lse, q, &c.host, 1, &hb, n_heads, &ap), RK_OK,
+                 "%s", rk_error_message());
 
     float *dq = dev_copy(gpu, q, nq_elems * 4), *dout = dev_alloc(gpu, nq_elems * 4);
     float *dlse = dev_alloc(gpu, (size_t)rows * n_heads * 4);
@@ -737,9 +751,8 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
         if (mi == 4) { /* segments: the same batch with every delta negated, plan kept */
             if (!sg) break;
             for (int k = 0; k < seg_start[ac->n_seqs]; k++) seg_delta[k] = -seg_delta[k];
-            cr_assert_eq(
-                cpu->ops->attention(cpu, want, want_lse, q, &c.host, 1, &hb, n_heads, scale), RK_OK,
-                "%s", rk_error_message());
+            cr_assert_eq(cpu->ops->attention(cpu, want, want_lse, q, &c.host, 1, &hb, n_heads, &ap),
+                         RK_OK, "%s", rk_error_message());
         } else {
 #ifdef RAGKV_CUDA
             rk_cuda_set_attn_partition(gpu, modes[mi]);
@@ -751,15 +764,16 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
         cr_assert_eq(gpu->ops->memset(gpu, dlse, 0xff, (size_t)rows * n_heads * 4), RK_OK);
         int with_lse = mi != 1; /* and once without */
         cr_assert_eq(gpu->ops->attention(gpu, dout, with_lse ? dlse : NULL, dq, &c.dev, 1, &db,
-                                         n_heads, scale),
+                                         n_heads, &ap),
                      RK_OK, "%s", rk_error_message());
         dev_read(gpu, got, dout, nq_elems * 4);
         char what[256];
         snprintf(what, sizeof what,
-                 "attention %s G=%d hd=%d bs=%d seqs=%d (n_q %d/%d/%d, kv %d/%d/%d) partition "
-                 "%d%s%s",
+                 "attention %s G=%d hd=%d bs=%d seqs=%d (n_q %d/%d/%d, kv %d/%d/%d) window %d "
+                 "softcap %g partition %d%s%s",
                  rk_dtype_name(ac->dtype), ac->group, hd, bs, ac->n_seqs, ac->n_q[0], ac->n_q[1],
-                 ac->n_q[2], ac->kv_len[0], ac->kv_len[1], ac->kv_len[2], modes[mi],
+                 ac->n_q[2], ac->kv_len[0], ac->kv_len[1], ac->kv_len[2], window, (double)softcap,
+                 modes[mi],
                  sg ? (sg->rope && sg->rope->pairing == RK_ROPE_NEOX ? " segments neox"
                                                                      : " segments normal")
                     : "",
@@ -785,6 +799,38 @@ static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac
     free(got);
     free(want_lse);
     free(got_lse);
+}
+
+static void attention_case(rk_backend *gpu, rk_backend *cpu, const attn_case *ac,
+                           const attn_segs *sg) {
+    attention_case_p(gpu, cpu, ac, sg, 0, 0.0f);
+}
+
+/* Sliding windows (shorter than a tile, a tile, across partitions) and
+ * soft-capping, alone and together, over prefill, decode and split decode,
+ * every KV dtype, and over segments: the CPU's results. */
+Test(cuda, attention_with_windows_and_soft_caps_matches_cpu, .timeout = 1200) {
+    rk_backend *gpu = gpu_or_skip(), *cpu = cpu_backend();
+    const int windows[4] = {5, 32, 100, 600};
+    const rk_dtype types[3] = {RK_DTYPE_F32, RK_DTYPE_F16, RK_DTYPE_BF16};
+    for (int wi = 0; wi < 4; wi++)
+        for (int ti = 0; ti < 3; ti++)
+            for (int cap = 0; cap < 2; cap++) {
+                attn_case mixed = {3, {40, 1, 0}, {300, 1500, 3}, 2, 2, 64, 16, types[ti]};
+                attention_case_p(gpu, cpu, &mixed, NULL, windows[wi], cap ? 20.0f : 0.0f);
+                attn_case decode = {1, {1}, {4095}, 2, 4, 128, 32, types[ti]};
+                attention_case_p(gpu, cpu, &decode, NULL, windows[wi], cap ? 20.0f : 0.0f);
+            }
+    attn_case soft = {2, {33, 1, 0}, {300, 300, 0}, 2, 2, 80, 16, RK_DTYPE_F32};
+    attention_case_p(gpu, cpu, &soft, NULL, 0, 0.5f);
+    rk_rope_params p = {.n_rot = 64, .theta = 1e4f, .pairing = RK_ROPE_NEOX};
+    rk_rope rope;
+    cr_assert_eq(rk_rope_init(&rope, &p), RK_OK);
+    attn_case seg = {1, {40}, {300}, 2, 2, 64, 16, RK_DTYPE_F32};
+    attn_segs sg = {.n_runs = {3}, .len = {{100, 37, 163}}, .delta = {{50, 0, -20}}, .rope = &rope};
+    attention_case_p(gpu, cpu, &seg, &sg, 64, 0.0f);
+    rk_backend_free(gpu);
+    rk_backend_free(cpu);
 }
 
 Test(cuda, attention_prefill_and_decode_match_cpu_over_permuted_tables, .timeout = 1200) {
@@ -912,15 +958,16 @@ Test(cuda, attention_with_one_unshifted_run_gives_the_bits_of_no_segments) {
     bs.seg_end = seg_end;
     bs.seg_delta = seg_delta; /* no rope: no delta needs one */
     const int modes[3] = {0, -1, 32};
+    rk_attn_params ap8 = {.scale = 0.125f};
     for (int mi = 0; mi < 3; mi++) {
 #ifdef RAGKV_CUDA
         rk_cuda_set_attn_partition(gpu, modes[mi]);
 #endif
-        cr_assert_eq(gpu->ops->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 4, 0.125f), RK_OK,
-                     "%s", rk_error_message());
+        cr_assert_eq(gpu->ops->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 4, &ap8), RK_OK, "%s",
+                     rk_error_message());
         dev_read(gpu, plain, dout, n * 4);
-        cr_assert_eq(gpu->ops->attention(gpu, dout, NULL, dq, &c.dev, 0, &bs, 4, 0.125f), RK_OK,
-                     "%s", rk_error_message());
+        cr_assert_eq(gpu->ops->attention(gpu, dout, NULL, dq, &c.dev, 0, &bs, 4, &ap8), RK_OK, "%s",
+                     rk_error_message());
         dev_read(gpu, seg, dout, n * 4);
         char what[64];
         snprintf(what, sizeof what, "one unshifted run, partition %d", modes[mi]);
@@ -951,26 +998,31 @@ Test(cuda, attention_rejects_what_the_cpu_rejects_and_reports_bad_block_ids) {
     rk_attn_batch b = {
         .n_seqs = 1, .q_start = q_start, .kv_len = kv_len, .block_table = dtable, .max_blocks = 2};
     const rk_backend_ops *o = gpu->ops;
+    rk_attn_params ap8 = {.scale = 0.125f};
     /* host-checked: no launch */
     rk_attn_batch bad = b;
     bad.kv_len = short_len;
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &bad, 2, 0.125f), RK_ERR_INVALID);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &bad, 2, &ap8), RK_ERR_INVALID);
     cr_assert(strstr(rk_error_message(), "kv_len 1 < 2 query rows") != NULL, "%s",
               rk_error_message());
     bad.kv_len = long_len;
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &bad, 2, 0.125f), RK_ERR_INVALID);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &bad, 2, &ap8), RK_ERR_INVALID);
     cr_assert(strstr(rk_error_message(), "needs 3 blocks, table has 2") != NULL, "%s",
               rk_error_message());
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 1, &b, 2, 0.125f), RK_ERR_INVALID);
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 3, 0.125f), RK_ERR_INVALID);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 1, &b, 2, &ap8), RK_ERR_INVALID);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 3, &ap8), RK_ERR_INVALID);
+    /* bad params */
+    rk_attn_params swa = {.scale = 0.125f, .window = -1}, cap = {.scale = 0.125f, .softcap = -30};
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, &swa), RK_ERR_INVALID);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, &cap), RK_ERR_INVALID);
     /* block id 9 is used by entries 16..19: found on the device */
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, 0.125f), RK_OK);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, &ap8), RK_OK);
     cr_assert_eq(o->sync(gpu), RK_ERR_INVALID);
     cr_assert(strstr(rk_error_message(), "block 1 is 9") != NULL, "%s", rk_error_message());
     cr_assert_eq(o->sync(gpu), RK_OK);
 #ifdef RAGKV_CUDA
     rk_cuda_set_check(gpu, 1);
-    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, 0.125f), RK_ERR_INVALID);
+    cr_assert_eq(o->attention(gpu, dout, NULL, dq, &c.dev, 0, &b, 2, &ap8), RK_ERR_INVALID);
     cr_assert(strstr(rk_error_message(), "block 1 is 9, not in [0, 4)") != NULL, "%s",
               rk_error_message());
 #endif
@@ -1018,9 +1070,10 @@ Test(cuda, rope_shift_copy_matches_cpu_on_every_layer_and_dtype) {
                 dst[i] = 64 + (i * 11) % 64;
                 delta[i] = i % 5 == 0 ? 1000000 - i : rk_test_irand(&rng, 20000) - 5000;
             }
-            cr_assert_eq(cpu->ops->rope_shift_copy(cpu, &c.host, src, dst, delta, n, &rope), RK_OK);
-            cr_assert_eq(gpu->ops->rope_shift_copy(gpu, &c.dev, src, dst, delta, n, &rope), RK_OK,
-                         "%s", rk_error_message());
+            cr_assert_eq(cpu->ops->rope_shift_copy(cpu, &c.host, src, dst, delta, n, LAYERS(&rope)),
+                         RK_OK);
+            cr_assert_eq(gpu->ops->rope_shift_copy(gpu, &c.dev, src, dst, delta, n, LAYERS(&rope)),
+                         RK_OK, "%s", rk_error_message());
             unsigned char *buf = xmalloc(c.layer_bytes);
             for (int l = 0; l < 3; l++) {
                 /* V: byte for byte */
@@ -1066,8 +1119,9 @@ Test(cuda, rope_shift_copy_rejects_bad_plans_without_writing) {
                            "slot 0 is both a source and a destination", "out of range",
                            "out of range"};
     for (int i = 0; i < 4; i++) {
-        cr_assert_eq(gpu->ops->rope_shift_copy(gpu, &c.dev, src[i], dst[i], delta, 2, &rope),
-                     RK_ERR_INVALID, "case %d", i);
+        cr_assert_eq(
+            gpu->ops->rope_shift_copy(gpu, &c.dev, src[i], dst[i], delta, 2, LAYERS(&rope)),
+            RK_ERR_INVALID, "case %d", i);
         cr_assert(strstr(rk_error_message(), msgs[i]) != NULL, "%s", rk_error_message());
     }
     cache_assert_same(gpu, &c, "rejected rope_shift_copy");

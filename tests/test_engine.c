@@ -4,6 +4,7 @@
  * and BF16 that generate identically across thread counts, and clean errors
  * for hostile files and invalid prompts. */
 #include <criterion/criterion.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -266,6 +267,103 @@ Test(engine, qwen3_0_6b_f32_and_bf16_load_and_generate_identically_across_thread
         check_thread_invariance(path, 6);
         free(path);
     }
+}
+
+/* The Gemma families: what the loader reads from the files mkmodel writes as
+ * the reference converter does, and generation over prompts longer than the
+ * sliding window that does not depend on the thread count. */
+static void check_plain_thread_invariance(const char *path, int n_new) {
+    int32_t out[3][64];
+    int threads[3] = {1, 2, 3};
+    const char *text = "Once upon a time there was a little girl who lived in a village near the "
+                       "forest, and every day she walked to the river";
+    for (int t = 0; t < 3; t++) {
+        rk_service *svc = open_model(path, threads[t]);
+        int32_t *ids;
+        size_t n;
+        cr_assert_eq(
+            rk_tokenizer_encode(rk_model_tokenizer(svc->model), text, strlen(text), 1, &ids, &n),
+            RK_OK);
+        cr_assert_gt(n, 20, "the prompt should exceed the window of 16");
+        cr_assert_eq(greedy(svc, ids, (int)n, n_new, out[t]), n_new);
+        free(ids);
+        rk_service_close(svc);
+    }
+    cr_assert_eq(memcmp(out[0], out[1], (size_t)n_new * 4), 0, "1 vs 2 threads");
+    cr_assert_eq(memcmp(out[0], out[2], (size_t)n_new * 4), 0, "1 vs 3 threads");
+}
+
+Test(engine, gemma3_layers_slide_with_the_local_rope_and_every_sixth_is_global) {
+    char *path = rk_test_model("gemma3-micro", "f32", 4);
+    rk_service *svc = open_model(path, 2);
+    const rk_model *m = svc->model;
+    const rk_hparams *hp = rk_model_hparams(m);
+    cr_assert_str_eq(hp->desc->name, "gemma3");
+    cr_assert(hp->desc->post_norms && hp->desc->embd_scale_sqrt && hp->desc->qk_norm);
+    cr_assert_eq(hp->desc->act, RK_FFN_GELU_TANH);
+    cr_assert_eq(hp->sliding_window, 16);
+    cr_assert_eq(hp->swa_period, 6);
+    cr_assert_float_eq(hp->attn_scale, 1.0f / sqrtf(32.0f), 1e-9);
+    cr_assert_eq(hp->attn_softcap, 0.0f);
+    cr_assert_eq(hp->final_softcap, 0.0f);
+    cr_assert_eq(hp->rope.theta, 1e6f);
+    cr_assert_eq(hp->rope_swa.theta, 10000.0f);
+    for (int l = 0; l < 5; l++) cr_assert_eq(rk_model_rope(m, l), rk_model_rope(m, 0));
+    cr_assert_neq(rk_model_rope(m, 5), rk_model_rope(m, 0));
+    cr_assert_neq(rk_model_rope(m, 5)->freq[1], rk_model_rope(m, 0)->freq[1]);
+    cr_assert_eq(rk_model_ropes(m)[5], rk_model_rope(m, 5));
+    cr_assert_null(rk_model_rope(m, 6));
+    rk_service_close(svc);
+    check_plain_thread_invariance(path, 40);
+    free(path);
+}
+
+Test(engine, gemma2_slides_on_even_layers_with_soft_caps) {
+    char *path = rk_test_model("gemma2-tiny", "bf16", 5);
+    rk_service *svc = open_model(path, 2);
+    const rk_model *m = svc->model;
+    const rk_hparams *hp = rk_model_hparams(m);
+    cr_assert_str_eq(hp->desc->name, "gemma2");
+    cr_assert_eq(hp->sliding_window, 16);
+    cr_assert_eq(hp->swa_period, 2);
+    cr_assert_eq(hp->attn_softcap, 50.0f);
+    cr_assert_eq(hp->final_softcap, 30.0f);
+    cr_assert(!hp->desc->qk_norm);
+    /* one RoPE for every layer (gemma2's sliding layers use the global base) */
+    for (int l = 1; l < hp->n_layers; l++)
+        cr_assert_eq(memcmp(rk_model_rope(m, l)->freq, rk_model_rope(m, 0)->freq,
+                            sizeof rk_model_rope(m, 0)->freq),
+                     0);
+    rk_service_close(svc);
+    check_plain_thread_invariance(path, 40);
+    free(path);
+}
+
+/* gemma3-tiny carries Gemma 3's real vocabulary (skipped without the
+ * tokenizer.json, see rk_test_gemma3_tokenizer): the file says no space
+ * prefix, its tokenizer gives the reference ids, <end_of_turn> ends
+ * generation, and the model generates over the window. */
+Test(engine, gemma3_tiny_reads_its_real_vocabulary_back_from_the_file) {
+    char *path = rk_test_model("gemma3-tiny", "f32", 7);
+    rk_service *svc = open_model(path, 2);
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    cr_assert_eq(rk_model_hparams(svc->model)->n_vocab, 262144);
+    int b;
+    cr_assert_eq(rk_gguf_get_bool(rk_model_gguf(svc->model), "tokenizer.ggml.add_space_prefix", &b),
+                 RK_OK);
+    cr_assert_eq(b, 0);
+    const char *text = "Hello, my dog is cute";
+    int32_t *ids, want[] = {9259, 236764, 1041, 4799, 563, 12864};
+    size_t n;
+    cr_assert_eq(rk_tokenizer_encode(tok, text, strlen(text), 1, &ids, &n), RK_OK);
+    cr_assert_eq(n, 6);
+    cr_assert_arr_eq(ids, want, sizeof want);
+    free(ids);
+    cr_assert(rk_tokenizer_is_eog(tok, rk_tokenizer_find(tok, "<end_of_turn>")));
+    cr_assert_eq(rk_tokenizer_bos(tok), 2);
+    rk_service_close(svc);
+    check_plain_thread_invariance(path, 24);
+    free(path);
 }
 
 /* ---------------------------------------------------------------- errors */

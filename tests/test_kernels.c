@@ -15,6 +15,10 @@
 #include "kernels/kernels.h"
 #include "tests/testutil.h"
 
+/* The same RoPE for each layer of a cache of at most 8, as rope_shift_copy
+ * takes them. */
+#define LAYERS(r) ((const rk_rope *const[]){r, r, r, r, r, r, r, r})
+
 /* ---------------------------------------------------------------- helpers */
 
 /* The suite's random numbers: one stream from a fixed seed. */
@@ -611,6 +615,40 @@ Test(ops, swiglu_is_silu_of_gate_times_up) {
     rk_backend_free(be);
 }
 
+Test(ops, geglu_is_tanh_gelu_of_gate_times_up_and_scale_multiplies) {
+    rk_backend *be = make_backend(2);
+    size_t n = 70001;
+    float *g = rk_test_rand_floats(&rng, n, -12.0f, 12.0f),
+          *u = rk_test_rand_floats(&rng, n, -2.0f, 2.0f);
+    float *out = malloc(n * sizeof(float)), *g2 = malloc(n * sizeof(float));
+    cr_assert(out && g2);
+    g[0] = 0.0f;
+    g[1] = -100.0f;
+    g[2] = 100.0f;
+    u[2] = 0.5f;
+    cr_assert_eq(be->ops->geglu(be, out, g, u, n), RK_OK);
+    cr_assert_eq(out[0], 0.0f);
+    cr_assert(fabsf(out[1]) < 1e-30f);
+    cr_assert_eq(out[2], 50.0f);
+    for (size_t i = 0; i < n; i++) {
+        double x = g[i];
+        double ref = 0.5 * x * (1.0 + tanh(sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x))) * u[i];
+        cr_assert(fabs(out[i] - ref) <= 1e-5 * fabs(ref) + 1e-6, "at %zu: %g vs %g", i, out[i],
+                  ref);
+    }
+    memcpy(g2, g, n * sizeof(float));
+    cr_assert_eq(be->ops->geglu(be, g2, g2, u, n), RK_OK); /* in place */
+    cr_assert_arr_eq(g2, out, n * sizeof(float));
+    memcpy(g2, g, n * sizeof(float));
+    cr_assert_eq(be->ops->scale(be, g2, 0.25f, n), RK_OK);
+    for (size_t i = 0; i < n; i++) cr_assert_eq(g2[i], g[i] * 0.25f);
+    free(g);
+    free(g2);
+    free(u);
+    free(out);
+    rk_backend_free(be);
+}
+
 Test(ops, add_and_add_bias) {
     rk_backend *be = make_backend(2);
     size_t n = 100000;
@@ -869,6 +907,8 @@ typedef struct fixture {
     float *q;         // (total_q, n_heads, head_dim)
     float **kf, **vf; // [seq] -> (kv_len, n_kv_heads, head_dim) unrounded f32
     void **ck, **cv;  // [seq] -> the same in dtype (contiguous cache)
+    int window;       // sliding window (0: none), set after fixture_build
+    float softcap;    // soft-capping of the scores (0: none)
 } fixture;
 
 static void fixture_build(fixture *f, rk_backend *be, const seq_spec *specs, int n_seqs,
@@ -970,10 +1010,15 @@ static rk_attn_batch fixture_batch(const fixture *f) {
 
 static float fixture_scale(const fixture *f) { return 1.0f / sqrtf((float)f->head_dim); }
 
+static rk_attn_params fixture_params(const fixture *f) {
+    return (rk_attn_params){.scale = fixture_scale(f), .softcap = f->softcap, .window = f->window};
+}
+
 /* Run paged attention into out/lse (malloc'ed by the caller). */
 static rk_status run_paged(rk_backend *be, const fixture *f, float *out, float *lse) {
     rk_attn_batch b = fixture_batch(f);
-    return be->ops->attention(be, out, lse, f->q, &f->kv, 1, &b, f->n_heads, fixture_scale(f));
+    rk_attn_params ap = fixture_params(f);
+    return be->ops->attention(be, out, lse, f->q, &f->kv, 1, &b, f->n_heads, &ap);
 }
 
 /* The naive double reference on the stored (dtype-rounded) K/V, or on the
@@ -990,8 +1035,11 @@ static void attn_ref(const fixture *f, int rounded, double *out, double *lse) {
                 size_t qi = (size_t)(f->q_start[s] + j) * f->n_heads + h;
                 const float *q = f->q + qi * hd;
                 int kh = h / G, vis = L - n_q + j + 1;
+                /* the row's own entry is vis - 1; a window sees the last
+                 * window entries up to it */
+                int first = f->window > 0 && vis > f->window ? vis - f->window : 0;
                 double mx = -INFINITY;
-                for (int t = 0; t < vis; t++) {
+                for (int t = first; t < vis; t++) {
                     size_t o = ((size_t)t * f->n_kv_heads + kh) * hd;
                     double d = 0;
                     for (int e = 0; e < hd; e++) {
@@ -1000,16 +1048,17 @@ static void attn_ref(const fixture *f, int rounded, double *out, double *lse) {
                         d += (double)q[e] * kval;
                     }
                     sc[t] = d * scale;
+                    if (f->softcap > 0) sc[t] = f->softcap * tanh(sc[t] / f->softcap);
                     if (sc[t] > mx) mx = sc[t];
                 }
                 double sum = 0;
-                for (int t = 0; t < vis; t++) {
+                for (int t = first; t < vis; t++) {
                     sc[t] = exp(sc[t] - mx);
                     sum += sc[t];
                 }
                 for (int e = 0; e < hd; e++) {
                     double a = 0;
-                    for (int t = 0; t < vis; t++) {
+                    for (int t = first; t < vis; t++) {
                         size_t o = ((size_t)t * f->n_kv_heads + kh) * hd + e;
                         double vval = rounded ? elem_f32(f->cv[s], f->dtype, o) : f->vf[s][o];
                         a += sc[t] * vval;
@@ -1032,10 +1081,11 @@ static float *check_fixture(rk_backend *be, const fixture *f, const char *what) 
     double *rout = malloc(n_out * sizeof(double)), *rlse = malloc(n_lse * sizeof(double));
     cr_assert(out && lse && cout && clse && rout && rlse);
     cr_assert_eq(run_paged(be, f, out, lse), RK_OK, "%s: %s", what, rk_error_message());
+    rk_attn_params ap = fixture_params(f);
     cr_assert_eq(rk_cpu_attention_contig(be, cout, clse, f->q, (const void *const *)f->ck,
                                          (const void *const *)f->cv, f->dtype, f->n_kv_heads,
                                          f->head_dim, f->q_start, f->kv_len, f->n_seqs, f->n_heads,
-                                         fixture_scale(f)),
+                                         &ap),
                  RK_OK);
     cr_assert_arr_eq(out, cout, (n_out - 1) * sizeof(float), "%s: paged and contiguous differ",
                      what);
@@ -1261,6 +1311,97 @@ Test(attention, q8_0_caches_are_read_directly_and_stay_close_to_f32) {
     rk_backend_free(be);
 }
 
+static float max_abs_diff(const float *a, const float *b, size_t n) {
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++) {
+        float d = fabsf(a[i] - b[i]);
+        if (!(d <= m)) m = d; /* NaN wins */
+    }
+    return m;
+}
+
+Test(attention, sliding_windows_and_soft_capping_match_the_reference) {
+    /* A sliding window sees the last `window` entries up to the row's own
+     * (i - window < j <= i): windows shorter than a tile, a tile, a block,
+     * and crossing the 512-entry partitions of both the split decode and the
+     * prefill walk; with and without soft-capping; every cache type.
+     * Paged == contiguous bit for bit and both within 1e-5 of the double
+     * reference, which masks by the same rule. */
+    rk_backend *be = make_backend(2);
+    char what[160];
+    static const int windows[] = {1, 5, 16, 32, 33, 100, 512, 600, 5000};
+    for (size_t wi = 0; wi < sizeof windows / sizeof *windows; wi++)
+        for (int cap = 0; cap < 2; cap++) {
+            rk_dtype dt = (rk_dtype)(wi % 4 == 3 ? RK_DTYPE_Q8_0 : (rk_dtype)(wi % 3));
+            seq_spec specs[6] = {{1, 1500}, {40, 700}, {17, 17}, {1, 3}, {130, 1100}, {0, 9}};
+            fixture f;
+            fixture_build(&f, be, specs, 6, 2, 2 + (int)wi % 3, dt == RK_DTYPE_Q8_0 ? 64 : 44,
+                          block_sizes[wi % 3], dt);
+            f.window = windows[wi];
+            f.softcap = cap ? 1.5f : 0.0f;
+            snprintf(what, sizeof what, "window %d softcap %g %s", f.window, (double)f.softcap,
+                     rk_dtype_name(dt));
+            free(check_fixture(be, &f, what));
+            fixture_free(&f);
+        }
+    /* soft-capping alone, over long decodes */
+    seq_spec specs[2] = {{1, 4095}, {33, 600}};
+    fixture f;
+    fixture_build(&f, be, specs, 2, 2, 4, 64, 16, RK_DTYPE_F32);
+    f.softcap = 0.5f; /* well below the largest scores: the cap matters */
+    free(check_fixture(be, &f, "softcap 0.5"));
+    fixture_free(&f);
+    rk_backend_free(be);
+}
+
+Test(attention, a_window_changes_the_result_and_does_not_depend_on_threads) {
+    /* The window must matter (a test that passes with it ignored would prove
+     * nothing): outputs with and without it differ for rows past it and agree
+     * bit for bit for rows that see no more than it. The decode row and the
+     * prefill's last row over the same cache agree bit for bit, and so do 1,
+     * 2 and 4 threads. */
+    rk_backend *bes[3] = {make_backend(1), make_backend(2), make_backend(4)};
+    int rows = 40, L = 1300, W = 530;
+    seq_spec specs[2] = {{rows, L}, {1, L}};
+    fixture f;
+    fixture_build(&f, bes[0], specs, 2, 2, 4, 64, 16, RK_DTYPE_F32);
+    memcpy(f.table + f.max_blocks, f.table, (size_t)f.max_blocks * sizeof(int32_t));
+    size_t qrow = (size_t)f.n_heads * f.head_dim, n_out = (size_t)(rows + 1) * qrow;
+    memcpy(f.q + rows * qrow, f.q + (rows - 1) * qrow, qrow * sizeof(float));
+    float *full = malloc(n_out * sizeof(float)), *out[3];
+    cr_assert(full);
+    cr_assert_eq(run_paged(bes[0], &f, full, NULL), RK_OK);
+    f.window = W;
+    for (int e = 0; e < 3; e++) {
+        out[e] = malloc(n_out * sizeof(float));
+        cr_assert(out[e]);
+        cr_assert_eq(run_paged(bes[e], &f, out[e], NULL), RK_OK);
+    }
+    for (int e = 1; e < 3; e++)
+        cr_assert_arr_eq(out[0], out[e], n_out * sizeof(float), "threads %d", e == 1 ? 2 : 4);
+    cr_assert_arr_eq(out[0] + (rows - 1) * qrow, out[0] + rows * qrow, qrow * sizeof(float),
+                     "decode and prefill rows differ");
+    cr_assert(max_abs_diff(out[0], full, n_out) > 1e-3f, "the window changed nothing");
+    /* a window as long as the cache is no window */
+    f.window = L;
+    cr_assert_eq(run_paged(bes[1], &f, out[1], NULL), RK_OK);
+    cr_assert_arr_eq(out[1], full, n_out * sizeof(float));
+    /* bad params are refused */
+    rk_attn_batch b = fixture_batch(&f);
+    rk_attn_params bad[3] = {
+        {.scale = NAN}, {.scale = 1, .softcap = -1}, {.scale = 1, .window = -2}};
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(
+            bes[0]->ops->attention(bes[0], out[0], NULL, f.q, &f.kv, 1, &b, f.n_heads, &bad[i]),
+            RK_ERR_INVALID);
+    for (int e = 0; e < 3; e++) {
+        free(out[e]);
+        rk_backend_free(bes[e]);
+    }
+    free(full);
+    fixture_free(&f);
+}
+
 Test(attention, one_entry_returns_its_value_and_two_equal_scores_average) {
     rk_backend *be = make_backend(1);
     float kbuf[2 * 4] = {0}, vbuf[2 * 4] = {0};
@@ -1273,12 +1414,13 @@ Test(attention, one_entry_returns_its_value_and_two_equal_scores_average) {
     int32_t qs[2] = {0, 1}, len = 1, table[1] = {0};
     rk_attn_batch b = {
         .n_seqs = 1, .q_start = qs, .kv_len = &len, .block_table = table, .max_blocks = 1};
-    cr_assert_eq(be->ops->attention(be, out, &lse, q, &kv, 0, &b, 1, 0.5f), RK_OK);
+    rk_attn_params half = {.scale = 0.5f};
+    cr_assert_eq(be->ops->attention(be, out, &lse, q, &kv, 0, &b, 1, &half), RK_OK);
     float v0[4] = {1, 2, 3, 4};
     cr_assert_arr_eq(out, v0, sizeof out);
     cr_assert_eq(lse, 1.0f); /* 0.5 * q.k = 1, one term: lse = 1 */
     len = 2;
-    cr_assert_eq(be->ops->attention(be, out, &lse, q, &kv, 0, &b, 1, 0.5f), RK_OK);
+    cr_assert_eq(be->ops->attention(be, out, &lse, q, &kv, 0, &b, 1, &half), RK_OK);
     for (int i = 0; i < 4; i++) cr_assert_float_eq(out[i], 3.0f + i, 1e-6);
     cr_assert_float_eq(lse, 1.0f + logf(2.0f), 1e-6);
     rk_backend_free(be);
@@ -1292,29 +1434,29 @@ Test(attention, rejects_bad_tables_and_shapes) {
     float *out = malloc((size_t)2 * f.n_heads * 8 * sizeof(float));
     cr_assert(out);
     rk_attn_batch b = fixture_batch(&f);
-    float scale = fixture_scale(&f);
+    rk_attn_params ap = fixture_params(&f);
     /* -1 beyond kv_len is fine (entries 40.. are not used) */
     cr_assert_eq(f.table[3], -1);
-    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b, f.n_heads, scale), RK_OK);
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b, f.n_heads, &ap), RK_OK);
     int32_t saved = f.table[2];
     f.table[2] = -1; /* entries 32..39 live in block 2 */
-    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b, f.n_heads, scale),
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b, f.n_heads, &ap),
                  RK_ERR_INVALID);
     f.table[2] = f.kv.n_blocks;
-    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b, f.n_heads, scale),
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b, f.n_heads, &ap),
                  RK_ERR_INVALID);
     f.table[2] = saved;
     int32_t short_len = 1; /* kv_len < n_q */
     rk_attn_batch b2 = b;
     b2.kv_len = &short_len;
-    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b2, f.n_heads, scale),
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b2, f.n_heads, &ap),
                  RK_ERR_INVALID);
     int32_t long_len = 16 * f.max_blocks + 1; /* does not fit the table */
     b2.kv_len = &long_len;
-    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b2, f.n_heads, scale),
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b2, f.n_heads, &ap),
                  RK_ERR_INVALID);
-    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b, 3, scale), RK_ERR_INVALID);
-    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 2, &b, f.n_heads, scale),
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 1, &b, 3, &ap), RK_ERR_INVALID);
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 2, &b, f.n_heads, &ap),
                  RK_ERR_INVALID);
     free(out);
     fixture_free(&f);
@@ -1453,7 +1595,8 @@ Test(rope_shift_copy, shifting_keys_equals_computing_them_at_the_new_position) {
             cr_assert(snap_k && snap_v);
             memcpy(snap_k, f.kl[2], f.layer_bytes);
             memcpy(snap_v, f.vl[2], f.layer_bytes);
-            cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, &r), RK_OK);
+            cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, LAYERS(&r)),
+                         RK_OK);
             for (int l = 0; l < 3; l++) {
                 const float *kc = f.kl[l];
                 for (int i = 0; i < n; i++) {
@@ -1485,6 +1628,73 @@ Test(rope_shift_copy, shifting_keys_equals_computing_them_at_the_new_position) {
     rk_backend_free(be);
 }
 
+Test(rope_shift_copy, each_layer_is_shifted_with_its_own_rope) {
+    /* Gemma 3's pattern in three layers: a local base (10000) for layers 0
+     * and 2, a global one (1e6, linear scaling 8) for layer 1, the local
+     * table given once as the same pointer and once as an equal copy. Each
+     * layer's shifted keys equal its keys computed at the new positions with
+     * its own RoPE, and differ from those of the other RoPE. */
+    rk_backend *be = make_backend(2);
+    int n = 20, heads = 2, hd = 64;
+    rk_rope_params pl = {.n_rot = 64, .theta = 10000.0f, .pairing = RK_ROPE_NEOX},
+                   pg = {.n_rot = 64,
+                         .theta = 1000000.0f,
+                         .pairing = RK_ROPE_NEOX,
+                         .scaling = RK_ROPE_SCALING_LINEAR,
+                         .factor = 8.0f};
+    rk_rope local, global, local2;
+    cr_assert_eq(rk_rope_init(&local, &pl), RK_OK);
+    cr_assert_eq(rk_rope_init(&global, &pg), RK_OK);
+    local2 = local;
+    const rk_rope *ropes[3] = {&local, &global, &local2};
+    shift_fixture f;
+    shift_build(&f, 8, 16, heads, hd, RK_DTYPE_F32);
+    float *x = rk_test_rand_floats(&rng, (size_t)n * f.row, -1, 1);
+    float *v = rk_test_rand_floats(&rng, (size_t)n * f.row, -1, 1);
+    float *ks[3], *kd[3];
+    int32_t pos_src[20], pos_dst[20], src[20], dst[20], delta[20];
+    for (int i = 0; i < n; i++) {
+        pos_src[i] = 700 + i;
+        pos_dst[i] = 40 + 2 * i;
+        delta[i] = pos_dst[i] - pos_src[i];
+        src[i] = i;
+        dst[i] = 127 - i;
+    }
+    for (int l = 0; l < 3; l++) {
+        ks[l] = malloc((size_t)n * f.row * sizeof(float));
+        kd[l] = malloc((size_t)n * f.row * sizeof(float));
+        cr_assert(ks[l] && kd[l]);
+        memcpy(ks[l], x, (size_t)n * f.row * sizeof(float));
+        memcpy(kd[l], x, (size_t)n * f.row * sizeof(float));
+        cr_assert_eq(be->ops->rope(be, ks[l], pos_src, n, heads, hd, ropes[l]), RK_OK);
+        cr_assert_eq(be->ops->rope(be, kd[l], pos_dst, n, heads, hd, ropes[l]), RK_OK);
+        cr_assert_eq(be->ops->kv_write(be, &f.kv, l, ks[l], v, src, n), RK_OK);
+    }
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, ropes), RK_OK);
+    for (int l = 0; l < 3; l++) {
+        float worst = 0, other = 0;
+        for (int i = 0; i < n; i++)
+            for (size_t e = 0; e < f.row; e++) {
+                float got = ((const float *)f.kl[l])[(size_t)dst[i] * f.row + e];
+                worst = fmaxf(worst, fabsf(got - kd[l][(size_t)i * f.row + e]));
+                other = fmaxf(other, fabsf(got - kd[1 - l % 2][(size_t)i * f.row + e]));
+            }
+        cr_assert(worst <= 1e-4f, "layer %d: shifted keys off by %g", l, worst); /* fp32 angles */
+        cr_assert(other > 1e-2f, "layer %d: the other RoPE gives the same keys", l);
+    }
+    /* a layer without a table is refused */
+    const rk_rope *missing[3] = {&local, NULL, &local};
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, missing), RK_ERR_INVALID);
+    for (int l = 0; l < 3; l++) {
+        free(ks[l]);
+        free(kd[l]);
+    }
+    free(x);
+    free(v);
+    shift_free(&f);
+    rk_backend_free(be);
+}
+
 Test(rope_shift_copy, shifting_by_d_then_minus_d_restores_the_keys) {
     rk_backend *be = make_backend(2);
     int n = 40, heads = 3, hd = 128, bs = 8, n_blocks = 16;
@@ -1503,8 +1713,8 @@ Test(rope_shift_copy, shifting_by_d_then_minus_d_restores_the_keys) {
             md[i] = -d[i];
         }
         cr_assert_eq(be->ops->kv_write(be, &f.kv, 1, k, v, a, n), RK_OK);
-        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, a, b, d, n, &r), RK_OK);
-        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, b, c, md, n, &r), RK_OK);
+        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, a, b, d, n, LAYERS(&r)), RK_OK);
+        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, b, c, md, n, LAYERS(&r)), RK_OK);
         const float *kc = f.kl[1];
         for (int i = 0; i < n; i++)
             for (size_t e = 0; e < f.row; e++) {
@@ -1544,7 +1754,7 @@ Test(rope_shift_copy, half_precision_caches_round_once_per_shift) {
             for (size_t e = 0; e < f.row; e++)
                 want[(size_t)i * f.row + e] = elem_f32(f.kl[0], t, (size_t)i * f.row + e);
         cr_assert_eq(be->ops->rope(be, want, pos, n, heads, hd, &r), RK_OK);
-        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, &r), RK_OK);
+        cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, delta, n, LAYERS(&r)), RK_OK);
         /* the same f32 rotation as the rope op, then exactly one rounding */
         for (int i = 0; i < n; i++)
             for (size_t e = 0; e < f.row; e++) {
@@ -1590,7 +1800,7 @@ Test(rope_shift_copy, q8_0_caches_dequantize_rotate_and_requantize_each_row) {
         rk_dequantize(want + (size_t)i * f.row, (unsigned char *)f.kl[1] + (size_t)i * rb,
                       RK_DTYPE_Q8_0, f.row);
     cr_assert_eq(be->ops->rope(be, want, pos, n, heads, hd, &r), RK_OK);
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, pos, n, &r), RK_OK);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, src, dst, pos, n, LAYERS(&r)), RK_OK);
     for (int i = 0; i < n; i++) {
         /* the stored row dequantized, rotated in f32 as the rope op does, quantized once */
         rk_quantize(wq, want + (size_t)i * f.row, RK_DTYPE_Q8_0, f.row);
@@ -1621,16 +1831,22 @@ Test(rope_shift_copy, rejects_bad_slots_without_writing) {
     int32_t delta[2] = {5, 5};
     int32_t s1[2] = {0, 1}, d_over[2] = {2, 16}, d_neg[2] = {-1, 3}, d_dup[2] = {4, 4},
             d_overlap[2] = {1, 5};
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_over, delta, 2, &r), RK_ERR_INVALID);
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_neg, delta, 2, &r), RK_ERR_INVALID);
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, d_over, s1, delta, 2, &r), RK_ERR_INVALID);
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_dup, delta, 2, &r), RK_ERR_INVALID);
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_overlap, delta, 2, &r), RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_over, delta, 2, LAYERS(&r)),
+                 RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_neg, delta, 2, LAYERS(&r)),
+                 RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, d_over, s1, delta, 2, LAYERS(&r)),
+                 RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_dup, delta, 2, LAYERS(&r)),
+                 RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_overlap, delta, 2, LAYERS(&r)),
+                 RK_ERR_INVALID);
     cr_assert_arr_eq(snap, f.kl[0], f.layer_bytes);
     rk_rope wide = plain_rope(32, 10000.0f, RK_ROPE_NORMAL); /* n_rot > head_dim */
     int32_t d_ok[2] = {8, 9};
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_ok, delta, 2, &wide), RK_ERR_INVALID);
-    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_ok, delta, 2, &r), RK_OK);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_ok, delta, 2, LAYERS(&wide)),
+                 RK_ERR_INVALID);
+    cr_assert_eq(be->ops->rope_shift_copy(be, &f.kv, s1, d_ok, delta, 2, LAYERS(&r)), RK_OK);
     free(snap);
     free(k);
     shift_free(&f);
@@ -1667,6 +1883,7 @@ typedef struct zc_case {
     int n_heads, n_kv, hd, bs;
     rk_dtype dtype;
     const rk_rope *rope;
+    int window; /* sliding window of both paths (0: none) */
 } zc_case;
 
 typedef struct zc_fixture {
@@ -1804,8 +2021,8 @@ static void zc_build(zc_fixture *f, rk_backend *be, const zc_case *zc) {
             }
             tbl += zc_blocks(f->seg_end[r] - b0, bs);
         }
-        cr_assert_eq(be->ops->rope_shift_copy(be, &f->kv, src, dst, dl, begin, zc->rope), RK_OK,
-                     "%s", rk_error_message());
+        cr_assert_eq(be->ops->rope_shift_copy(be, &f->kv, src, dst, dl, begin, LAYERS(zc->rope)),
+                     RK_OK, "%s", rk_error_message());
         free(src);
         free(dst);
         free(dl);
@@ -1865,15 +2082,6 @@ static rk_attn_batch zc_run_batch(const zc_fixture *f, int n_seqs, const rk_rope
     return b;
 }
 
-static float max_abs_diff(const float *a, const float *b, size_t n) {
-    float m = 0.0f;
-    for (size_t i = 0; i < n; i++) {
-        float d = fabsf(a[i] - b[i]);
-        if (!(d <= m)) m = d; /* NaN wins */
-    }
-    return m;
-}
-
 /* Run both paths and require outputs and lse within tol; unless every delta
  * is 0, also require that dropping the deltas (no counter-rotation) moves the
  * output by more than 10 tol, so the comparison can tell. Returns the
@@ -1885,20 +2093,20 @@ static float zc_compare(rk_backend *be, const zc_case *zc, float tol, const char
     float *want = malloc(n_out * sizeof(float)), *got = malloc(n_out * sizeof(float));
     float *want_lse = malloc(n_lse * sizeof(float)), *got_lse = malloc(n_lse * sizeof(float));
     cr_assert(want && got && want_lse && got_lse);
-    float scale = 1.0f / sqrtf((float)zc->hd);
+    rk_attn_params ap = {.scale = 1.0f / sqrtf((float)zc->hd), .window = zc->window};
     rk_attn_batch pb = zc_packed_batch(&f, zc->n_seqs), rb = zc_run_batch(&f, zc->n_seqs, zc->rope);
-    cr_assert_eq(be->ops->attention(be, want, want_lse, f.q, &f.kv, 0, &pb, zc->n_heads, scale),
+    cr_assert_eq(be->ops->attention(be, want, want_lse, f.q, &f.kv, 0, &pb, zc->n_heads, &ap),
                  RK_OK, "%s: %s", what, rk_error_message());
-    cr_assert_eq(be->ops->attention(be, got, got_lse, f.q, &f.kv, 0, &rb, zc->n_heads, scale),
-                 RK_OK, "%s: %s", what, rk_error_message());
+    cr_assert_eq(be->ops->attention(be, got, got_lse, f.q, &f.kv, 0, &rb, zc->n_heads, &ap), RK_OK,
+                 "%s: %s", what, rk_error_message());
     float d_out = max_abs_diff(got, want, n_out), d_lse = max_abs_diff(got_lse, want_lse, n_lse);
     cr_assert(d_out <= tol && d_lse <= tol, "%s: output differs by %g, lse by %g (tolerance %g)",
               what, d_out, d_lse, tol);
     int rotates = 0;
     for (int r = 0; r < f.seg_start[zc->n_seqs]; r++) rotates |= f.seg_delta[r] != 0;
-    if (rotates) {
+    if (rotates && zc->window == 0) { /* a window may hide every shifted run */
         memset(f.seg_delta, 0, (size_t)f.seg_start[zc->n_seqs] * sizeof(int32_t));
-        cr_assert_eq(be->ops->attention(be, got, NULL, f.q, &f.kv, 0, &rb, zc->n_heads, scale),
+        cr_assert_eq(be->ops->attention(be, got, NULL, f.q, &f.kv, 0, &rb, zc->n_heads, &ap),
                      RK_OK);
         float d0 = max_abs_diff(got, want, n_out);
         cr_assert(d0 > 10 * tol, "%s: without the rotation the output moves only %g", what, d0);
@@ -1945,7 +2153,8 @@ Test(attention_segments, prefill_and_decode_match_the_copy_path) {
                                     .orig_ctx = 256};
                 rk_rope r;
                 cr_assert_eq(rk_rope_init(&r, &p), RK_OK);
-                zc_case zc = {zc_chunks, 9, seqs, 4, 2 * groups_[gi], 2, hd, 16, RK_DTYPE_F32, &r};
+                zc_case zc = {zc_chunks,    9,  seqs, 4, 2 * groups_[gi], 2, hd, 16,
+                              RK_DTYPE_F32, &r, 0};
                 char what[96];
                 snprintf(what, sizeof what, "pairing %d group %d variant %d", pr, groups_[gi],
                          variant);
@@ -1985,9 +2194,46 @@ Test(attention_segments, sixty_four_runs_over_several_partitions_match_the_copy_
         rk_rope r = plain_rope(64, 10000.0f, (rk_rope_pairing)pr);
         for (int nq = 1; nq <= 11; nq += 10) {
             zc_seq seq = {64, run, nq, 0};
-            zc_case zc = {chunks, 64, &seq, 1, 8, 2, 64, 16, RK_DTYPE_F32, &r};
+            zc_case zc = {chunks, 64, &seq, 1, 8, 2, 64, 16, RK_DTYPE_F32, &r, 0};
             zc_compare(be, &zc, 1e-5f, nq == 1 ? "64 runs, decode" : "64 runs, prefill");
         }
+    }
+    rk_backend_free(be);
+}
+
+Test(attention_segments, sliding_windows_match_the_copy_path) {
+    /* A window counts entries of the concatenated runs: runs wholly before
+     * it, cut by its start, and one window longer than several runs; the
+     * runs path and the packed copy agree within 1e-5 for decode and
+     * prefill rows, over the partition edges of the 64-run case. */
+    rk_backend *be = make_backend(2);
+    zc_chunk chunks[64];
+    int run[64];
+    for (int c = 0; c < 60; c++) {
+        chunks[c] = (zc_chunk){1 + rk_test_irand(&rng, 48),
+                               c % 7 == 3 ? 1500 + rk_test_irand(&rng, 500) : 0};
+        run[c + 1] = c;
+    }
+    chunks[60] = (zc_chunk){13, ZC_LIVE};
+    chunks[61] = (zc_chunk){32, ZC_LIVE};
+    chunks[62] = (zc_chunk){7, ZC_LIVE};
+    chunks[63] = (zc_chunk){11, ZC_LIVE};
+    run[0] = 60;
+    run[61] = 61;
+    run[62] = 62;
+    run[63] = 63;
+    static const int windows[] = {3, 40, 517, 1000};
+    for (int pr = 0; pr < 2; pr++) {
+        rk_rope r = plain_rope(64, 10000.0f, (rk_rope_pairing)pr);
+        for (int wi = 0; wi < 4; wi++)
+            for (int nq = 1; nq <= 11; nq += 10) {
+                zc_seq seq = {64, run, nq, 0};
+                zc_case zc = {chunks, 64, &seq, 1, 8, 2, 64, 16, RK_DTYPE_F32, &r, windows[wi]};
+                char what[64];
+                snprintf(what, sizeof what, "window %d, %s", windows[wi],
+                         nq == 1 ? "decode" : "prefill");
+                zc_compare(be, &zc, 1e-5f, what);
+            }
     }
     rk_backend_free(be);
 }
@@ -2004,7 +2250,7 @@ Test(attention_segments, decode_across_block_and_partition_edges_inside_shared_r
         zc_chunk chunks[4] = {{600, 0}, {45, 7}, {tails[ti], ZC_LIVE}, {tails[ti] + 3, ZC_LIVE}};
         const int a[] = {1, 0, 2}, b[] = {0, 1, 3};
         zc_seq seqs[2] = {{3, a, 1, 0}, {3, b, 1, 100}};
-        zc_case zc = {chunks, 4, seqs, 2, 8, 2, 64, 16, RK_DTYPE_F32, &r};
+        zc_case zc = {chunks, 4, seqs, 2, 8, 2, 64, 16, RK_DTYPE_F32, &r, 0};
         zc_compare(be2, &zc, 1e-5f, "shared runs");
         /* one thread (another split plan) and two: bit-identical */
         zc_fixture f;
@@ -2013,8 +2259,9 @@ Test(attention_segments, decode_across_block_and_partition_edges_inside_shared_r
         float *o1 = malloc(n * sizeof(float)), *o2 = malloc(n * sizeof(float));
         cr_assert(o1 && o2);
         rk_attn_batch rb = zc_run_batch(&f, 2, &r);
-        cr_assert_eq(be1->ops->attention(be1, o1, NULL, f.q, &f.kv, 0, &rb, 8, 0.125f), RK_OK);
-        cr_assert_eq(be2->ops->attention(be2, o2, NULL, f.q, &f.kv, 0, &rb, 8, 0.125f), RK_OK);
+        rk_attn_params ap8 = {.scale = 0.125f};
+        cr_assert_eq(be1->ops->attention(be1, o1, NULL, f.q, &f.kv, 0, &rb, 8, &ap8), RK_OK);
+        cr_assert_eq(be2->ops->attention(be2, o2, NULL, f.q, &f.kv, 0, &rb, 8, &ap8), RK_OK);
         cr_assert_arr_eq(o1, o2, n * sizeof(float));
         free(o1);
         free(o2);
@@ -2032,7 +2279,7 @@ Test(attention_segments, q8_0_caches_match_the_copy_path_within_their_rounding) 
     float worst = 0;
     for (int pr = 0; pr < 2; pr++) {
         rk_rope r = plain_rope(64, 10000.0f, (rk_rope_pairing)pr);
-        zc_case zc = {zc_chunks, 9, seqs, 2, 4, 2, 64, 16, RK_DTYPE_Q8_0, &r};
+        zc_case zc = {zc_chunks, 9, seqs, 2, 4, 2, 64, 16, RK_DTYPE_Q8_0, &r, 0};
         float d = zc_compare(be, &zc, RK_Q8_0_KV_TOL, "q8_0");
         worst = d > worst ? d : worst;
     }
@@ -2051,7 +2298,7 @@ Test(attention_segments, half_precision_caches_match_the_copy_path_loosely) {
     for (int di = 0; di < 2; di++)
         for (int pr = 0; pr < 2; pr++) {
             rk_rope r = plain_rope(64, 10000.0f, (rk_rope_pairing)pr);
-            zc_case zc = {zc_chunks, 9, seqs, 2, 4, 2, 64, 16, dts[di], &r};
+            zc_case zc = {zc_chunks, 9, seqs, 2, 4, 2, 64, 16, dts[di], &r, 0};
             float d = zc_compare(be, &zc, tols[di], rk_dtype_name(dts[di]));
             cr_assert(d > 0.0f, "%s: the copy path's rounding should show", rk_dtype_name(dts[di]));
         }
@@ -2068,7 +2315,7 @@ Test(attention_segments, one_unshifted_run_is_bit_identical_to_no_segments) {
             const int run[1] = {0};
             zc_seq seq = {1, run, nq, 0};
             rk_rope r = plain_rope(64, 10000.0f, RK_ROPE_NEOX);
-            zc_case zc = {chunks, 1, &seq, 1, 4, 2, 64, 16, RK_DTYPE_F32, &r};
+            zc_case zc = {chunks, 1, &seq, 1, 4, 2, 64, 16, RK_DTYPE_F32, &r, 0};
             zc_fixture f;
             zc_build(&f, be, &zc);
             size_t n = (size_t)nq * 4 * 64;
@@ -2077,9 +2324,10 @@ Test(attention_segments, one_unshifted_run_is_bit_identical_to_no_segments) {
             rk_attn_batch plain = zc_packed_batch(&f, 1);
             plain.block_table = f.run_table;
             rk_attn_batch seg = zc_run_batch(&f, 1, NULL); /* no rope needed for delta 0 */
-            cr_assert_eq(be->ops->attention(be, a, NULL, f.q, &f.kv, 0, &plain, 4, 0.125f), RK_OK);
-            cr_assert_eq(be->ops->attention(be, b, NULL, f.q, &f.kv, 0, &seg, 4, 0.125f), RK_OK,
-                         "%s", rk_error_message());
+            rk_attn_params ap8 = {.scale = 0.125f};
+            cr_assert_eq(be->ops->attention(be, a, NULL, f.q, &f.kv, 0, &plain, 4, &ap8), RK_OK);
+            cr_assert_eq(be->ops->attention(be, b, NULL, f.q, &f.kv, 0, &seg, 4, &ap8), RK_OK, "%s",
+                         rk_error_message());
             cr_assert_arr_eq(a, b, n * sizeof(float));
             free(a);
             free(b);
@@ -2094,15 +2342,15 @@ Test(attention_segments, rejects_bad_segments_without_writing) {
     zc_chunk chunks[3] = {{20, 0}, {9, 0}, {3, ZC_LIVE}}; /* blocks 2 + 1 + 1, max_blocks 4 */
     zc_seq seq = {3, run, 2, 5};
     rk_rope r = plain_rope(32, 10000.0f, RK_ROPE_NORMAL);
-    zc_case zc = {chunks, 3, &seq, 1, 2, 2, 32, 16, RK_DTYPE_F32, &r};
+    zc_case zc = {chunks, 3, &seq, 1, 2, 2, 32, 16, RK_DTYPE_F32, &r, 0};
     zc_fixture f;
     zc_build(&f, be, &zc);
     cr_assert_eq(f.max_blocks, 4);
     float out[2 * 2 * 32], sentinel[2 * 2 * 32];
     for (int i = 0; i < 2 * 2 * 32; i++) sentinel[i] = out[i] = -7.0f;
-    float scale = 1.0f / sqrtf(32.0f);
+    rk_attn_params ap = {.scale = 1.0f / sqrtf(32.0f)};
     rk_attn_batch ok = zc_run_batch(&f, 1, &r);
-    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 0, &ok, 2, scale), RK_OK);
+    cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 0, &ok, 2, &ap), RK_OK);
     for (int i = 0; i < 2 * 2 * 32; i++) out[i] = -7.0f;
 #define BAD(stmt)                                                                                  \
     do {                                                                                           \
@@ -2118,8 +2366,8 @@ Test(attention_segments, rejects_bad_segments_without_writing) {
         b.block_table = table;                                                                     \
         b.rope = &rr;                                                                              \
         stmt;                                                                                      \
-        cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 0, &b, 2, scale),               \
-                     RK_ERR_INVALID, "accepted: %s", #stmt);                                       \
+        cr_assert_eq(be->ops->attention(be, out, NULL, f.q, &f.kv, 0, &b, 2, &ap), RK_ERR_INVALID, \
+                     "accepted: %s", #stmt);                                                       \
         cr_assert_arr_eq(out, sentinel, sizeof out, "wrote on: %s", #stmt);                        \
     } while (0)
     BAD(ss[0] = 1);                /* does not start at 0 */
@@ -2156,41 +2404,53 @@ Test(attention_mass, equals_the_attention_kernels_probabilities_summed) {
     int32_t slots[NK];
     for (int j = 0; j < NK; j++) slots[j] = j;
     cr_assert_eq(be->ops->kv_write(be, &kv, 0, k, v, slots, NK), RK_OK);
-    float *q = rk_test_rand_floats(&rng, NQ * H * HD, -2, 2), out[NQ * H * HD], scale = 0.3f;
+    float *q = rk_test_rand_floats(&rng, NQ * H * HD, -2, 2), out[NQ * H * HD];
     /* One sequence whose NQ query rows are its last entries: row i sees
-     * NK - NQ + i + 1 keys. */
+     * NK - NQ + i + 1 keys (its last `window` ones with a window). Plain,
+     * a window of 5 and soft-capping at 0.5 (below the largest scores). */
     int32_t qs[2] = {0, NQ}, len = NK, table[1] = {0}, q_len[NQ];
     for (int i = 0; i < NQ; i++) q_len[i] = NK - NQ + i + 1;
     rk_attn_batch b = {
         .n_seqs = 1, .q_start = qs, .kv_len = &len, .block_table = table, .max_blocks = 1};
-    cr_assert_eq(be->ops->attention(be, out, NULL, q, &kv, 0, &b, H, scale), RK_OK);
-    double kernel[NK] = {0}, mass[NK] = {0}, ref[NK] = {0};
-    for (int i = 0; i < NQ; i++)
-        for (int h = 0; h < H; h++)
-            for (int j = 0; j < NK; j++) kernel[j] += out[(i * H + h) * HD + j];
-    cr_assert_eq(rk_attn_key_mass(q, q_len, NQ, k, NK, H, KVH, HD, scale, mass), RK_OK);
-    for (int i = 0; i < NQ; i++)
-        for (int h = 0; h < H; h++) {
-            double p[NK], mx = -1e300, sum = 0;
-            for (int j = 0; j < q_len[i]; j++) {
-                p[j] = 0;
-                for (int e = 0; e < HD; e++)
-                    p[j] += (double)q[(i * H + h) * HD + e] * k[(j * KVH + h / (H / KVH)) * HD + e];
-                p[j] *= scale;
-                mx = p[j] > mx ? p[j] : mx;
+    const rk_attn_params cases[3] = {
+        {.scale = 0.3f}, {.scale = 0.3f, .window = 5}, {.scale = 0.3f, .softcap = 0.5f}};
+    for (int c = 0; c < 3; c++) {
+        const rk_attn_params *ap = &cases[c];
+        cr_assert_eq(be->ops->attention(be, out, NULL, q, &kv, 0, &b, H, ap), RK_OK);
+        double kernel[NK] = {0}, mass[NK] = {0}, ref[NK] = {0};
+        for (int i = 0; i < NQ; i++)
+            for (int h = 0; h < H; h++)
+                for (int j = 0; j < NK; j++) kernel[j] += out[(i * H + h) * HD + j];
+        cr_assert_eq(rk_attn_key_mass(q, q_len, NQ, k, NK, H, KVH, HD, ap, mass), RK_OK);
+        for (int i = 0; i < NQ; i++)
+            for (int h = 0; h < H; h++) {
+                double p[NK], mx = -1e300, sum = 0;
+                int lo = ap->window && q_len[i] > ap->window ? q_len[i] - ap->window : 0;
+                for (int j = lo; j < q_len[i]; j++) {
+                    p[j] = 0;
+                    for (int e = 0; e < HD; e++)
+                        p[j] +=
+                            (double)q[(i * H + h) * HD + e] * k[(j * KVH + h / (H / KVH)) * HD + e];
+                    p[j] *= ap->scale;
+                    if (ap->softcap > 0) p[j] = ap->softcap * tanh(p[j] / ap->softcap);
+                    mx = p[j] > mx ? p[j] : mx;
+                }
+                for (int j = lo; j < q_len[i]; j++) sum += p[j] = exp(p[j] - mx);
+                for (int j = lo; j < q_len[i]; j++) ref[j] += p[j] / sum;
             }
-            for (int j = 0; j < q_len[i]; j++) sum += p[j] = exp(p[j] - mx);
-            for (int j = 0; j < q_len[i]; j++) ref[j] += p[j] / sum;
+        double total = 0;
+        for (int j = 0; j < NK; j++) {
+            cr_assert_float_eq(mass[j], ref[j], 1e-9, "case %d key %d: %g against %g", c, j,
+                               mass[j], ref[j]);
+            cr_assert_float_eq(mass[j], kernel[j], 1e-4,
+                               "case %d key %d: %g against the kernel's %g", c, j, mass[j],
+                               kernel[j]);
+            total += mass[j];
         }
-    double total = 0;
-    for (int j = 0; j < NK; j++) {
-        cr_assert_float_eq(mass[j], ref[j], 1e-9, "key %d: %g against %g", j, mass[j], ref[j]);
-        cr_assert_float_eq(mass[j], kernel[j], 1e-4, "key %d: %g against the kernel's %g", j,
-                           mass[j], kernel[j]);
-        total += mass[j];
+        cr_assert_float_eq(total, NQ * H, 1e-9, "every row and head hands out mass 1");
+        cr_assert_gt(mass[NK - 1], 0, "only the last row sees the last key, and it does");
+        if (ap->window) cr_assert_eq(mass[0], 0, "the first key lies outside every window");
     }
-    cr_assert_float_eq(total, NQ * H, 1e-9, "every row and head hands out mass 1");
-    cr_assert_gt(mass[NK - 1], 0, "only the last row sees the last key, and it does");
     free(k);
     free(q);
     free(kbuf);

@@ -104,10 +104,21 @@ static void expect_layers(const rk_gguf *g, int n_layers, uint32_t wt, int64_t d
 Test(mkmodel, lists_the_presets_with_descriptions) {
     size_t n = 0;
     const rk_mkmodel_preset_info *p = rk_mkmodel_presets(&n);
-    const char *names[] = {
-        "tiny",      "qwen3-0.6b",    "qwen3-tiny",           "qwen2-tiny",
-        "llama-1b",  "qwen3-8b",      "qwen3-embedding-tiny", "qwen3-reranker-tiny",
-        "phi3-tiny", "qwen3moe-tiny", "qwen3moe-a3b-12l"};
+    const char *names[] = {"tiny",
+                           "qwen3-0.6b",
+                           "qwen3-tiny",
+                           "qwen2-tiny",
+                           "llama-1b",
+                           "qwen3-8b",
+                           "qwen3-embedding-tiny",
+                           "qwen3-reranker-tiny",
+                           "phi3-tiny",
+                           "qwen3moe-tiny",
+                           "qwen3moe-a3b-12l",
+                           "gemma2-tiny",
+                           "gemma3-micro",
+                           "gemma3-tiny",
+                           "gemma3-1b"};
     size_t n_names = sizeof names / sizeof names[0];
     cr_assert_geq(n, n_names);
     for (size_t i = 0; i < n; i++) cr_assert_gt(strlen(p[i].description), 20);

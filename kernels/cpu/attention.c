@@ -72,6 +72,9 @@ typedef struct work {
     int qrun;              /* run whose rotation qr holds; -1: none */
     int *koff;             /* (nq) offset of the vector's kv head in a segment */
     int *lim;              /* (nq) visible entries per query vector */
+    int *lo;               /* (nq) first visible entry (0 without a window) */
+    int lo_min;            /* the smallest lo */
+    float softcap;         /* > 0: scores soft-capped at it */
     float *m, *l, *acc;    /* (nq), (nq), (nq, head_dim): partition state */
     float *M, *S, *O;      /* (nq), (nq), (nq, head_dim): merged state */
 } work;
@@ -491,8 +494,11 @@ static void pv_group(work *w, const int *v, int nv, int n, int hd) {
     }
 }
 
-/* Visible entries of vector i in the tile [t0, t1) of the partition at p0. */
+/* Entries of vector i in the tile [t0, t1) of the partition at p0 that its
+ * scores cover, from t0 to its last visible one (those before its window
+ * start, lo, are masked by mask_scores); 0 when it sees none. */
 static inline int tile_count(const work *w, int i, int p0, int t0, int t1) {
+    if (t1 <= w->lo[i]) return 0; /* wholly before the vector's window */
     int e = w->lim[i] < p0 + PART ? w->lim[i] : p0 + PART;
     if (e > t1) e = t1;
     return e - t0;
@@ -501,6 +507,17 @@ static inline int tile_count(const work *w, int i, int p0, int t0, int t1) {
 /* Online-softmax update of vector i with its n scores in sc (turned into
  * probabilities in place); returns the factor the accumulator must be scaled
  * by. */
+/* Soft-cap the n scores of vector i for the tile at t0 and mask those before
+ * its window (at least one remains, see tile_count). */
+static void mask_scores(work *w, int i, int t0, int n) {
+    float *sc = w->sc + (size_t)i * (TILE + 8);
+    if (w->softcap > 0.0f) {
+        float cap = w->softcap;
+        for (int t = 0; t < n; t++) sc[t] = cap * tanhf(sc[t] / cap);
+    }
+    for (int t = 0; t < w->lo[i] - t0 && t < n; t++) sc[t] = -INFINITY;
+}
+
 static float softmax_update(work *w, int i, int n) {
     float *sc = w->sc + (size_t)i * (TILE + 8);
     float mt, ls = 0.0f;
@@ -553,6 +570,7 @@ static void attn_tiles(const kv_src *src, rk_dtype dt, int hd, float scale, int 
                        int b, int base, work *w) {
     for (int t0 = a; t0 < b; t0 += TILE) {
         int t1 = t0 + TILE < b ? t0 + TILE : b;
+        if (t1 <= w->lo_min) continue; /* before every vector's window */
         int n_next = b - t1 < TILE ? b - t1 : TILE;
         gather(src, dt, t0 - base, t1 - t0, n_next, w);
         /* scores, up to GROUP vectors at a time that see the tile and share a
@@ -576,6 +594,7 @@ static void attn_tiles(const kv_src *src, rk_dtype dt, int hd, float scale, int 
         for (int i = 0; i < nq; i++) {
             int n = tile_count(w, i, p0, t0, t1);
             if (n <= 0) continue;
+            mask_scores(w, i, t0, n);
             float alpha = softmax_update(w, i, n);
             float *acc = w->acc + (size_t)i * hd;
             if (alpha != 1.0f)
@@ -634,6 +653,10 @@ static void attn_partition(const kv_src *src, const seq_runs *runs, rk_dtype dt,
     for (int a = p0; a < p_end; r++) {
         int begin = r > 0 ? runs->end[r - 1] : 0;
         int b = runs->end[r] < p_end ? runs->end[r] : p_end;
+        if (b <= w->lo_min) { /* before every vector's window: not rotated for */
+            a = b;
+            continue;
+        }
         kv_src piece = *src;
         piece.table = src->table + runs->block[r];
         use_run(runs, r, nq, hd, w);
@@ -642,10 +665,13 @@ static void attn_partition(const kv_src *src, const seq_runs *runs, rk_dtype dt,
     }
 }
 
-/* Merge one partition result (m, l, acc) into the running (M, S, O). */
+/* Merge one partition result (m, l, acc) into the running (M, S, O). A
+ * partition the vector saw nothing of (before its window: m = -inf, l = 0)
+ * leaves it as it was, and a running state of nothing is replaced. */
 static void merge_part(float *M, float *S, float *O, float m, float l, const float *acc, int hd,
                        int first) {
-    if (first) {
+    if (!first && m == -INFINITY) return;
+    if (first || *M == -INFINITY) {
         *M = m;
         *S = l;
         memcpy(O, acc, (size_t)hd * sizeof(float));
@@ -686,7 +712,8 @@ typedef struct attn_ctx {
     rk_dtype dtype;
     const int32_t *q_start, *kv_len;
     int n_heads, group, nq_max, heads_max;
-    float scale;
+    float scale, softcap;
+    int window;
     const attn_task *tasks;
     const attn_task *merges;
     float *partials; /* per decode sequence: (n_kv_heads, n_parts, group, head_dim + 2) */
@@ -730,7 +757,7 @@ static void make_src(const attn_ctx *c, int seq, int h0, int h1, kv_src *src) {
 static size_t work_bytes(int nq, int hd) {
     size_t f = (size_t)nq * (TILE + 8) + 3 * (size_t)nq * hd + 4 * (size_t)nq;
     return f * sizeof(float) + (2 * TILE + 2 * (size_t)nq) * sizeof(float *) +
-           2 * (size_t)nq * sizeof(int) + 256;
+           3 * (size_t)nq * sizeof(int) + 256;
 }
 
 static void work_init(work *w, void *mem, int nq, int hd) {
@@ -760,6 +787,9 @@ static void work_init(work *w, void *mem, int nq, int hd) {
     f += (size_t)nq * hd;
     w->lim = (int *)f;
     w->koff = w->lim + nq;
+    w->lo = w->koff + nq;
+    w->lo_min = 0;
+    w->softcap = 0.0f;
 }
 
 /* Fill the query vectors of rows j0..j1-1 of a sequence and kv heads h0..h1-1
@@ -768,14 +798,20 @@ static int setup_vectors(const attn_ctx *c, const attn_task *t, work *w) {
     int n_q = c->q_start[t->seq + 1] - c->q_start[t->seq];
     int L = c->kv_len[t->seq];
     int nq = 0;
+    w->lo_min = INT32_MAX;
+    w->softcap = c->softcap;
     for (int j = t->j0; j < t->j1; j++) {
+        int lim = L - n_q + j + 1; /* the row's own entry is lim - 1 */
+        int lo = c->window > 0 && lim > c->window ? lim - c->window : 0;
+        if (lo < w->lo_min) w->lo_min = lo;
         size_t row = (size_t)(c->q_start[t->seq] + j);
         for (int h = t->h0; h < t->h1; h++)
             for (int g = 0; g < c->group; g++) {
                 w->q[nq] = c->q + (row * c->n_heads + (size_t)h * c->group + g) * c->head_dim;
                 w->q0[nq] = w->q[nq];
                 w->koff[nq] = (h - t->h0) * c->head_dim;
-                w->lim[nq] = L - n_q + j + 1;
+                w->lim[nq] = lim;
+                w->lo[nq] = lo;
                 nq++;
             }
     }
@@ -808,12 +844,13 @@ static void task_run(void *p, int ti, int tid) {
     }
     int lmax = 0;
     for (int i = 0; i < nq; i++) lmax = w.lim[i] > lmax ? w.lim[i] : lmax;
-    for (int p0 = 0; p0 < lmax; p0 += PART) {
+    int pfirst = w.lo_min / PART * PART; /* partitions before it hold no window */
+    for (int p0 = pfirst; p0 < lmax; p0 += PART) {
         attn_partition(&src, runs, c->dtype, hd, c->scale, nq, p0, &w);
         for (int i = 0; i < nq; i++)
             if (p0 < w.lim[i])
                 merge_part(&w.M[i], &w.S[i], w.O + (size_t)i * hd, w.m[i], w.l[i],
-                           w.acc + (size_t)i * hd, hd, p0 == 0);
+                           w.acc + (size_t)i * hd, hd, p0 == pfirst);
     }
     int per_row = (t->h1 - t->h0) * G;
     for (int i = 0; i < nq; i++) {
@@ -960,7 +997,7 @@ static rk_status attn_run(attn_ctx *c, int n_seqs) {
  * shape; the caller adds where the keys and values are. */
 static attn_ctx attn_ctx_of(rk_backend *be, float *out, float *lse, const float *q, rk_dtype dtype,
                             int n_kv_heads, int head_dim, const int32_t *q_start,
-                            const int32_t *kv_len, int n_heads, float scale) {
+                            const int32_t *kv_len, int n_heads, const rk_attn_params *p) {
     return (attn_ctx){.cpu = be->impl,
                       .out = out,
                       .lse = lse,
@@ -972,7 +1009,9 @@ static attn_ctx attn_ctx_of(rk_backend *be, float *out, float *lse, const float 
                       .kv_len = kv_len,
                       .n_heads = n_heads,
                       .group = n_heads / n_kv_heads,
-                      .scale = scale};
+                      .scale = p->scale,
+                      .softcap = p->softcap,
+                      .window = p->window};
 }
 
 /* Paged attention (the attention op of the table). Validates the batch: every
@@ -980,12 +1019,13 @@ static attn_ctx attn_ctx_of(rk_backend *be, float *out, float *lse, const float 
  * kv_len must fit the table and be >= the number of query rows. */
 rk_status rk_cpu_attention(rk_backend *be, float *out, float *lse, const float *q,
                            const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
-                           int n_heads, float scale) {
-    rk_status st = rk_attn_check_batch(kv, layer, batch, n_heads);
+                           int n_heads, const rk_attn_params *params) {
+    rk_status st = rk_attn_check_params(params);
+    if (st == RK_OK) st = rk_attn_check_batch(kv, layer, batch, n_heads);
     if (st == RK_OK) st = rk_attn_check_block_ids(kv, batch, batch->block_table);
     if (st != RK_OK) return st;
     attn_ctx c = attn_ctx_of(be, out, lse, q, kv->dtype, kv->n_kv_heads, kv->head_dim,
-                             batch->q_start, batch->kv_len, n_heads, scale);
+                             batch->q_start, batch->kv_len, n_heads, params);
     c.kv = kv;
     c.layer = layer;
     c.table = batch->block_table;
@@ -1002,13 +1042,16 @@ rk_status rk_cpu_attention(rk_backend *be, float *out, float *lse, const float *
 rk_status rk_cpu_attention_contig(rk_backend *be, float *out, float *lse, const float *q,
                                   const void *const *k, const void *const *v, rk_dtype dtype,
                                   int n_kv_heads, int head_dim, const int32_t *q_start,
-                                  const int32_t *kv_len, int n_seqs, int n_heads, float scale) {
+                                  const int32_t *kv_len, int n_seqs, int n_heads,
+                                  const rk_attn_params *params) {
     if (!rk_kv_dtype_ok(dtype, head_dim))
         return rk_errorf(RK_ERR_INVALID, "attention: bad dtype %d", (int)dtype);
-    rk_status st = rk_attn_check_shape(q_start, kv_len, n_seqs, n_heads, n_kv_heads, head_dim);
+    rk_status st = rk_attn_check_params(params);
+    if (st == RK_OK)
+        st = rk_attn_check_shape(q_start, kv_len, n_seqs, n_heads, n_kv_heads, head_dim);
     if (st != RK_OK) return st;
     attn_ctx c =
-        attn_ctx_of(be, out, lse, q, dtype, n_kv_heads, head_dim, q_start, kv_len, n_heads, scale);
+        attn_ctx_of(be, out, lse, q, dtype, n_kv_heads, head_dim, q_start, kv_len, n_heads, params);
     c.ck = k;
     c.cv = v;
     return attn_run(&c, n_seqs);

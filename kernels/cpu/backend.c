@@ -360,6 +360,36 @@ static rk_status cpu_swiglu(rk_backend *be, float *out, const float *gate, const
     return RK_OK;
 }
 
+/* gelu (tanh approximation) of one value, in f32. */
+static inline float gelu_tanh(float g) {
+    const float c = 0.79788456080286535588f; /* sqrt(2 / pi) */
+    return 0.5f * g * (1.0f + tanhf(c * g * (1.0f + 0.044715f * g * g)));
+}
+
+static void geglu_task(void *p, int task, int tid) {
+    (void)tid;
+    swiglu_ctx *c = p;
+    size_t i0 = (size_t)task * ELEMS_PER_TASK;
+    size_t i1 = i0 + ELEMS_PER_TASK < c->n ? i0 + ELEMS_PER_TASK : c->n;
+    for (size_t i = i0; i < i1; i++) c->out[i] = gelu_tanh(c->gate[i]) * c->up[i];
+}
+
+static rk_status cpu_geglu(rk_backend *be, float *out, const float *gate, const float *up,
+                           size_t n) {
+    if (n == 0) return RK_OK;
+    size_t n_tasks = (n + ELEMS_PER_TASK - 1) / ELEMS_PER_TASK;
+    if (n_tasks > INT32_MAX) return rk_errorf(RK_ERR_INVALID, "geglu: %zu elements is too many", n);
+    swiglu_ctx c = {out, gate, up, n};
+    rk_threadpool_run(cpu_of(be)->pool, (int)n_tasks, geglu_task, &c);
+    return RK_OK;
+}
+
+static rk_status cpu_scale(rk_backend *be, float *x, float s, size_t n) {
+    (void)be;
+    for (size_t i = 0; i < n; i++) x[i] *= s;
+    return RK_OK;
+}
+
 /* ---------------------------------------------------------------- rope */
 
 typedef struct rope_ctx {
@@ -422,6 +452,8 @@ static const rk_backend_ops cpu_ops = {
     .embed = cpu_embed,
     .rope = cpu_rope,
     .swiglu = cpu_swiglu,
+    .geglu = cpu_geglu,
+    .scale = cpu_scale,
     .kv_write = rk_cpu_kv_write,
     .attention = rk_cpu_attention,
     .rope_shift_copy = rk_cpu_rope_shift_copy,

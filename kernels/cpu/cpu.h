@@ -93,10 +93,10 @@ rk_status rk_cpu_kv_write(rk_backend *be, const rk_kv_cache *kv, int layer, cons
                           const float *v, const int32_t *slots, int n_tokens);
 rk_status rk_cpu_attention(rk_backend *be, float *out, float *lse, const float *q,
                            const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
-                           int n_heads, float scale);
+                           int n_heads, const rk_attn_params *params);
 rk_status rk_cpu_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv, const int32_t *src_slots,
                                  const int32_t *dst_slots, const int32_t *delta, int n_tokens,
-                                 const rk_rope *rope);
+                                 const rk_rope *const *ropes);
 
 /* Smallest n (rows of x) for which matmul takes the BLAS path (for quantized
  * weights at the AVX-512 BF16 level, the BF16 tile kernel instead; BF16
@@ -113,7 +113,8 @@ int rk_cpu_matmul_uses_blas(int n, int k, int m, rk_dtype wtype);
 rk_status rk_cpu_attention_contig(rk_backend *be, float *out, float *lse, const float *q,
                                   const void *const *k, const void *const *v, rk_dtype dtype,
                                   int n_kv_heads, int head_dim, const int32_t *q_start,
-                                  const int32_t *kv_len, int n_seqs, int n_heads, float scale);
+                                  const int32_t *kv_len, int n_seqs, int n_heads,
+                                  const rk_attn_params *params);
 
 /* KV partition size of the attention kernel: the kv range of every query row
  * is split into partitions of this many entries (the last one shorter), each

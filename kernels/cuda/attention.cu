@@ -14,8 +14,12 @@
  *  - K of the tile is widened to f32 into the warp's shared memory (rows
  *    padded to head_dim + 1 floats: lane i reading row i hits bank i);
  *  - lane i computes the scores of entry i against the warp's query vectors
- *    (query vectors broadcast from shared memory), scaled, masked causally in
- *    table order: query row j of a sequence sees entries 0 .. kv_len - n_q + j;
+ *    (query vectors broadcast from shared memory), scaled (then soft-capped,
+ *    cap * tanh(s / cap), when the params ask), masked causally in table
+ *    order: query row j of a sequence sees entries 0 .. kv_len - n_q + j,
+ *    with a sliding window only the last `window` of them (a tile or a whole
+ *    partition before a vector's window gives it nothing: -inf scores, and
+ *    the merge weighs such a partition by e^-inf = 0);
  *  - online softmax in f32: tile max and sum by warp reductions, rescale of
  *    the running sum and accumulators, p = exp(s - max);
  *  - P·V: lane i owns head dims [i * DPL, (i + 1) * DPL) and reads them of
@@ -133,6 +137,7 @@ __global__ void __launch_bounds__(128) attn_kernel(const rk_cuda_attn_args a, in
     const int nv = u.n_rows * u.n_g;
 
     int lim[QV]; /* visible entries of each vector (0 for an empty slot) */
+    int lo[QV];  /* its first visible entry: 0, or with a window lim - window */
 #pragma unroll
     for (int v = 0; v < QV; v++) {
         float *dst = sQ + v * hd4;
@@ -145,6 +150,7 @@ __global__ void __launch_bounds__(128) attn_kernel(const rk_cuda_attn_args a, in
             for (int d = lane; d < hd4; d += 32) dst[d] = 0.0f;
             lim[v] = 0;
         }
+        lo[v] = a.window > 0 && lim[v] > a.window ? lim[v] - a.window : 0;
     }
     const int lim_max = sq.kv_len - sq.n_q + u.j0 + u.n_rows;
     const int p0 = u.part * a.part_len;
@@ -243,7 +249,8 @@ __global__ void __launch_bounds__(128) attn_kernel(const rk_cuda_attn_args a, in
 #pragma unroll
             for (int v = 0; v < QV; v++) {
                 float sv = s[v] * a.scale;
-                if (!(lane < nt && t0 + lane < lim[v])) sv = -INFINITY;
+                if (a.softcap > 0.0f) sv = a.softcap * tanhf(sv / a.softcap);
+                if (!(lane < nt && t0 + lane < lim[v] && t0 + lane >= lo[v])) sv = -INFINITY;
                 float m_new = fmaxf(m[v], rk_cu_warp_max(sv));
                 float alpha = 1.0f, p = 0.0f;
                 if (m_new != -INFINITY) {

@@ -409,6 +409,19 @@ static rk_status cuda_swiglu(rk_backend *be, float *out, const float *gate, cons
     return launched(cu, rk_cuda_launch_swiglu(out, gate, up, n, cu->stream), "swiglu");
 }
 
+static rk_status cuda_geglu(rk_backend *be, float *out, const float *gate, const float *up,
+                            size_t n) {
+    if (n == 0) return RK_OK;
+    rk_cuda *cu = cu_of(be);
+    return launched(cu, rk_cuda_launch_geglu(out, gate, up, n, cu->stream), "geglu");
+}
+
+static rk_status cuda_scale(rk_backend *be, float *x, float s, size_t n) {
+    if (n == 0) return RK_OK;
+    rk_cuda *cu = cu_of(be);
+    return launched(cu, rk_cuda_launch_scale(x, s, n, cu->stream), "scale");
+}
+
 /* ---------------------------------------------------------------- KV cache ops */
 
 /* The CUDA kernels read F32, F16 and BF16 KV; a Q8_0 cache (CPU only) is
@@ -458,13 +471,15 @@ static rk_status cuda_kv_write(rk_backend *be, const rk_kv_cache *kv, int layer,
 
 /* src_slots, dst_slots and delta are host memory (the pipeline's copy plan):
  * checked here exactly like the CPU op (nothing is written on failure), then
- * uploaded with the layer pointers into one scratch buffer; one launch covers
- * every layer. */
+ * uploaded with the layer pointers into one scratch buffer; one launch per
+ * distinct RoPE covers the layers that use it (their K pointers, then their V
+ * pointers, staged together). */
 static rk_status cuda_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv,
                                       const int32_t *src_slots, const int32_t *dst_slots,
-                                      const int32_t *delta, int n_tokens, const rk_rope *rope) {
+                                      const int32_t *delta, int n_tokens,
+                                      const rk_rope *const *ropes) {
     rk_cuda *cu = cu_of(be);
-    rk_status st = rk_kv_check_shift(kv, n_tokens, rope);
+    rk_status st = rk_kv_check_shift(kv, n_tokens, ropes);
     if (st == RK_OK) st = no_q8_0_kv(kv, "rope_shift_copy");
     if (st != RK_OK || n_tokens == 0) return st;
     if (kv->n_layers > 65535)
@@ -476,11 +491,24 @@ static rk_status cuda_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv,
         (st = rk_kv_check_shift_slots(kv, src_slots, dst_slots, n_tokens,
                                       (int32_t *)(cu->host + stage))) != RK_OK)
         return st;
-    /* staging: layer pointers (K then V), then src, dst, delta */
+    /* staging: per RoPE group its layer pointers (K then V), then src, dst,
+     * delta */
     void **ptrs = (void **)cu->host;
-    for (int l = 0; l < kv->n_layers; l++) {
-        ptrs[l] = kv->k[l];
-        ptrs[kv->n_layers + l] = kv->v[l];
+    size_t at = 0;
+    for (int g = 0; g < kv->n_layers; g++) {
+        int seen = 0;
+        for (int e = 0; e < g && !seen; e++) seen = rk_rope_same(ropes[e], ropes[g]);
+        if (seen) continue;
+        size_t n = 0;
+        for (int l = g; l < kv->n_layers; l++)
+            if (rk_rope_same(ropes[l], ropes[g])) n++;
+        for (int l = g, i = 0; l < kv->n_layers; l++)
+            if (rk_rope_same(ropes[l], ropes[g])) {
+                ptrs[at + i] = kv->k[l];
+                ptrs[at + n + i] = kv->v[l];
+                i++;
+            }
+        at += 2 * n;
     }
     int32_t *idx = (int32_t *)(cu->host + ptr_bytes);
     memcpy(idx, src_slots, nb);
@@ -490,10 +518,20 @@ static rk_status cuda_rope_shift_copy(rk_backend *be, const rk_kv_cache *kv,
         (st = h2d(cu, cu->shift.p, cu->host, stage, "rope_shift_copy")) != RK_OK)
         return st;
     const unsigned char *d = cu->shift.p;
-    cudaError_t e = rk_cuda_launch_shift((void *const *)d, kv->n_layers, kv->dtype,
-                                         (const int32_t *)(d + ptr_bytes), n_tokens, kv->n_kv_heads,
-                                         kv->head_dim, rope, cu->stream);
-    return launched(cu, e, "rope_shift_copy");
+    at = 0;
+    for (int g = 0; g < kv->n_layers; g++) {
+        int seen = 0;
+        for (int e = 0; e < g && !seen; e++) seen = rk_rope_same(ropes[e], ropes[g]);
+        if (seen) continue;
+        int n = 0;
+        for (int l = g; l < kv->n_layers; l++) n += rk_rope_same(ropes[l], ropes[g]);
+        cudaError_t e = rk_cuda_launch_shift((void *const *)(d + at * sizeof(void *)), n, kv->dtype,
+                                             (const int32_t *)(d + ptr_bytes), n_tokens,
+                                             kv->n_kv_heads, kv->head_dim, ropes[g], cu->stream);
+        if (e != cudaSuccess) return launched(cu, e, "rope_shift_copy");
+        at += 2 * (size_t)n;
+    }
+    return launched(cu, cudaSuccess, "rope_shift_copy");
 }
 
 /* ---------------------------------------------------------------- attention */
@@ -720,9 +758,12 @@ static rk_status attn_plan(rk_cuda *cu, const rk_attn_batch *b, int n_heads, int
  * here. */
 static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const float *q,
                                 const rk_kv_cache *kv, int layer, const rk_attn_batch *batch,
-                                int n_heads, float scale) {
+                                int n_heads, const rk_attn_params *params) {
     rk_cuda *cu = cu_of(be);
-    rk_status st = rk_attn_check_batch(kv, layer, batch, n_heads);
+    rk_status st = rk_attn_check_params(params);
+    if (st != RK_OK) return st;
+    float scale = params->scale;
+    st = rk_attn_check_batch(kv, layer, batch, n_heads);
     if (st == RK_OK) st = no_q8_0_kv(kv, "attention");
     if (st != RK_OK) return st;
     int max_kv = 0; /* the longest kv range: no block is read when it is 0 */
@@ -767,6 +808,8 @@ static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const fl
         .group = n_heads / kv->n_kv_heads,
         .part_len = cu->plan_part_len,
         .scale = scale,
+        .softcap = params->softcap,
+        .window = params->window,
         .seqs = (const rk_cuda_attn_seq *)plan,
         .units = (const rk_cuda_attn_unit *)(plan + cu->plan_units_off),
         .n_units = cu->plan_units,
@@ -804,6 +847,8 @@ static const rk_backend_ops cuda_ops = {
     .embed = cuda_embed,
     .rope = cuda_rope,
     .swiglu = cuda_swiglu,
+    .geglu = cuda_geglu,
+    .scale = cuda_scale,
     .kv_write = cuda_kv_write,
     .attention = cuda_attention,
     .rope_shift_copy = cuda_rope_shift_copy,

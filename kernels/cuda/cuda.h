@@ -118,6 +118,8 @@ typedef struct rk_cuda_attn_args {
     int max_blocks, n_blocks, block_size, n_kv_heads, head_dim, n_heads, group;
     int part_len; /* kv entries per partition, a multiple of the tile */
     float scale;
+    float softcap;                  /* > 0: scores soft-capped (rk_attn_params) */
+    int window;                     /* > 0: sliding window of this many entries */
     const rk_cuda_attn_seq *seqs;   /* device */
     const rk_cuda_attn_unit *units; /* device */
     int n_units;
@@ -143,6 +145,9 @@ cudaError_t rk_cuda_launch_rope(float *x, const int32_t *pos, int n_tokens, int 
                                 int head_dim, const rk_rope *rope, cudaStream_t s);
 cudaError_t rk_cuda_launch_swiglu(float *out, const float *gate, const float *up, size_t n,
                                   cudaStream_t s);
+cudaError_t rk_cuda_launch_geglu(float *out, const float *gate, const float *up, size_t n,
+                                 cudaStream_t s);
+cudaError_t rk_cuda_launch_scale(float *x, float v, size_t n, cudaStream_t s);
 cudaError_t rk_cuda_launch_add(float *y, const float *x, size_t n, cudaStream_t s);
 cudaError_t rk_cuda_launch_add_bias(float *y, const float *b, int n, int m, cudaStream_t s);
 /* Split src(n) f32 into hi(n) + lo(n) of dtype (F16 or BF16): hi = round(x),

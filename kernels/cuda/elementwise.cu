@@ -170,6 +170,36 @@ extern "C" cudaError_t rk_cuda_launch_swiglu(float *out, const float *gate, cons
     return cudaGetLastError();
 }
 
+/* The CPU's formula (kernels/cpu/backend.c), in f32 with round-to-nearest
+ * products; tanhf may differ from the host's in the last bits. */
+__global__ void geglu_kernel(float *out, const float *gate, const float *up, size_t n) {
+    const float c = 0.79788456080286535588f; /* sqrt(2 / pi) */
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
+        float g = gate[i];
+        out[i] = 0.5f * g * (1.0f + tanhf(c * g * (1.0f + 0.044715f * g * g))) * up[i];
+    }
+}
+
+extern "C" cudaError_t rk_cuda_launch_geglu(float *out, const float *gate, const float *up,
+                                            size_t n, cudaStream_t s) {
+    if (n == 0) return cudaSuccess;
+    geglu_kernel<<<ew_blocks(n), EW_THREADS, 0, s>>>(out, gate, up, n);
+    return cudaGetLastError();
+}
+
+__global__ void scale_kernel(float *x, float v, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        x[i] *= v;
+}
+
+extern "C" cudaError_t rk_cuda_launch_scale(float *x, float v, size_t n, cudaStream_t s) {
+    if (n == 0) return cudaSuccess;
+    scale_kernel<<<ew_blocks(n), EW_THREADS, 0, s>>>(x, v, n);
+    return cudaGetLastError();
+}
+
 __global__ void add_kernel(float *y, const float *x, size_t n) {
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
          i += (size_t)gridDim.x * blockDim.x)
