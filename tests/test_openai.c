@@ -381,6 +381,39 @@ Test(openai_opts, a_thinking_models_think_block_is_reasoning_content_not_content
     free(model);
 }
 
+/* Each family serves chat with documents over HTTP: its template renders
+ * the turn, the documents are chunks, and a repeat finds them cached. */
+Test(openai_opts, every_family_answers_chat_with_documents_and_hits_them_on_repeat,
+     .timeout = 600) {
+    const char *presets[] = {"phi3-tiny", "gemma3-micro", "gemma2-tiny", "qwen3moe-tiny"};
+    const char *body =
+        "{\"messages\": [{\"role\": \"system\", \"content\": \"Answer from the documents.\"}, "
+        "{\"role\": \"user\", \"content\": \"Who had the red ball?\"}], "
+        "\"documents\": [{\"text\": \"Lily had a red ball. She played with it in the garden.\"}, "
+        "{\"text\": \"Tom had a big dog named Max who liked to run.\"}], \"max_tokens\": 4, "
+        "\"temperature\": 0}";
+    for (size_t i = 0; i < sizeof presets / sizeof presets[0]; i++) {
+        char *model = rk_test_model(presets[i], "f32", 3);
+        const char *args[] = {"--model", model, NULL};
+        start_with(args);
+        resp a = rk_test_postf(&S.t, "/v1/chat/completions", "%s", body);
+        resp b = rk_test_postf(&S.t, "/v1/chat/completions", "%s", body);
+        cr_assert_eq(a.http.status, 200, "%s: %s", presets[i], a.http.body);
+        cr_assert_eq(b.http.status, 200, "%s: %s", presets[i], b.http.body);
+        cr_assert_eq(json_array_size(rk_test_jget(a.json, "ragkv.chunks")), 2, "%s", presets[i]);
+        cr_assert_str_eq(rk_test_jstr(a.json, "ragkv.chunks.0.status"), "miss", "%s", presets[i]);
+        cr_assert_str_eq(rk_test_jstr(b.json, "ragkv.chunks.0.status"), "hit", "%s", presets[i]);
+        cr_assert_str_eq(rk_test_jstr(b.json, "ragkv.chunks.1.status"), "hit", "%s", presets[i]);
+        cr_assert(json_equal(rk_test_jget(a.json, "choices.0.message.content"),
+                             rk_test_jget(b.json, "choices.0.message.content")),
+                  "%s: %s\n%s", presets[i], a.http.body, b.http.body);
+        rk_test_resp_free(&a);
+        rk_test_resp_free(&b);
+        stop_server();
+        free(model);
+    }
+}
+
 /* A max_tokens over the server's largest that no prompt fits beside is over
  * the context: 400 context_length_exceeded, as OpenAI answers, not the 422
  * of a server limit (OpenAI's SDKs raise BadRequestError for it). */
