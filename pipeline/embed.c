@@ -397,11 +397,22 @@ void rk_embed_step(rk_service *svc, rk_embed_task *const *tasks, int n_tasks, in
             task_end(svc, t, st, "embeddings: out of memory");
     }
     if (st) return;
-    rk_status full = RK_OK;
-    for (int i = 0; i < n_tasks && left > 0 && !full; i++)
-        while (!tasks[i]->done && tasks[i]->next < tasks[i]->n_inputs && left > 0 && !full)
-            full = add_slice(svc, &p, tasks[i], &left);
-    if (full) rk_error_clear();
+    int full = 0; /* the live pool has no room for the next slice */
+    for (int i = 0; i < n_tasks && left > 0 && !full; i++) {
+        rk_embed_task *t = tasks[i];
+        while (!t->done && t->next < t->n_inputs && left > 0) {
+            rk_status sst = add_slice(svc, &p, t, &left);
+            if (sst == RK_ERR_EXHAUSTED) {
+                rk_error_clear();
+                full = 1;
+                break;
+            }
+            if (sst) {
+                task_end(svc, t, sst, rk_error_message()); /* its slices in p are dropped */
+                break;
+            }
+        }
+    }
     if (p.n_seq > 0) {
         pass_run(svc, &p);
     } else if (full && !others_running) {
