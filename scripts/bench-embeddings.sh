@@ -9,9 +9,10 @@
 #   both on 2 threads, run one after the other; embeddings per second.
 #   (b) a stream beside it: stream A (temperature 0, TOKENS tokens) alone,
 #   then again with the same call sent after A's first token; A's median
-#   gap between tokens alone, its worst gap while the call runs, and their
-#   ratio; for BIN and, when BEFORE is given, for an older binary too.
-#   ragkv runs with --step-tokens 64.
+#   gap between tokens alone, its median and worst gaps while the call runs,
+#   the worst over the median alone, and A's tokens while the call ran; for
+#   BIN and, when BEFORE is given, for an older binary too. ragkv runs with
+#   --step-tokens 64.
 #
 #   scripts/bench-embeddings.sh MODEL [BIN] [REF] [BEFORE] [INPUTS] [TOKENS]
 #     MODEL a qwen3 GGUF without a pooling key (`ragkv mkmodel --preset
@@ -129,12 +130,13 @@ beside() {
     embed_call "$work/t"
     t1=$EPOCHREALTIME
     wait $a
-    local med with n_during
+    local med med_with with n_during
     med=$(gaps "$work/alone" | median)
+    med_with=$(gaps "$work/with" "$t0" "$t1" | median)
     with=$(gaps "$work/with" "$t0" "$t1" | worst)
     n_during=$(awk -v a="$t0" -v b="$t1" '$1 > a && $1 < b' "$work/with" | wc -l)
     read -r _ s <"$work/t"
-    printf '%-28s %10s %10s %8.1f %10d %10.1f\n' "$1" "$med" "$with" \
+    printf '%-28s %10s %10s %10s %8.1f %10d %10.1f\n' "$1" "$med" "$med_with" "$with" \
         "$(awk -v a="$with" -v b="$med" 'BEGIN { print a / b }')" "$n_during" "$s"
 }
 
@@ -158,7 +160,8 @@ fi
 
 echo
 echo "(b) stream A ($tokens tokens) beside the same call, --step-tokens 64"
-printf '%-28s %10s %10s %8s %10s %10s\n' binary "median ms" "worst ms" ratio "A tokens" "call s"
+printf '%-28s %10s %10s %10s %8s %10s %10s\n' binary "median ms" "med. with" "worst with" \
+    "worst/med" "A tokens" "call s"
 for b in "$bin" ${before:+"$before"}; do
     bench_serve "$b" "$model" "$port" "$work/serve.log" "${ragkv_args[@]}"
     server=$BENCH_SERVER
