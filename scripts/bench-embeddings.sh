@@ -12,7 +12,7 @@
 #   gap between tokens alone, its median and worst gaps while the call runs,
 #   the worst over the median alone, and A's tokens while the call ran; for
 #   BIN and, when BEFORE is given, for an older binary too. ragkv runs with
-#   --step-tokens 64.
+#   --step-tokens 64. Each row ends with the 1-minute load average.
 #
 #   scripts/bench-embeddings.sh MODEL [BIN] [REF] [BEFORE] [INPUTS] [TOKENS]
 #     MODEL a qwen3 GGUF without a pooling key (`ragkv mkmodel --preset
@@ -114,8 +114,8 @@ throughput() {
     embed_call "$work/t"
     local s
     read -r _ s <"$work/t"
-    printf '%-28s %8d %10.1f %12.1f\n' "$1" "$inputs" "$s" \
-        "$(awk -v n="$inputs" -v s="$s" 'BEGIN { print n / s }')"
+    printf '%-28s %8d %10.1f %12.1f %6s\n' "$1" "$inputs" "$s" \
+        "$(awk -v n="$inputs" -v s="$s" 'BEGIN { print n / s }')" "$(cut -d' ' -f1 /proc/loadavg)"
 }
 
 # beside NAME: stream A alone, then A with the call sent after its first token.
@@ -136,13 +136,14 @@ beside() {
     with=$(gaps "$work/with" "$t0" "$t1" | worst)
     n_during=$(awk -v a="$t0" -v b="$t1" '$1 > a && $1 < b' "$work/with" | wc -l)
     read -r _ s <"$work/t"
-    printf '%-28s %10s %10s %10s %8.1f %10d %10.1f\n' "$1" "$med" "$med_with" "$with" \
-        "$(awk -v a="$with" -v b="$med" 'BEGIN { print a / b }')" "$n_during" "$s"
+    printf '%-28s %10s %10s %10s %8.1f %10d %10.1f %6s\n' "$1" "$med" "$med_with" "$with" \
+        "$(awk -v a="$with" -v b="$med" 'BEGIN { print a / b }')" "$n_during" "$s" \
+        "$(cut -d' ' -f1 /proc/loadavg)"
 }
 
 ragkv_args=(--pooling last --step-tokens 64)
 echo "(a) one call of $inputs inputs of 64 tokens, 2 threads"
-printf '%-28s %8s %10s %12s\n' server inputs seconds "embeddings/s"
+printf '%-28s %8s %10s %12s %6s\n' server inputs seconds "embeddings/s" load
 bench_serve "$bin" "$model" "$port" "$work/serve.log" "${ragkv_args[@]}"
 server=$BENCH_SERVER
 throughput "ragkv"
@@ -161,7 +162,7 @@ fi
 echo
 echo "(b) stream A ($tokens tokens) beside the same call, --step-tokens 64"
 printf '%-28s %10s %10s %10s %8s %10s %10s\n' binary "median ms" "med. with" "worst with" \
-    "worst/med" "A tokens" "call s"
+    "worst/med" "A tokens" "call s" load
 for b in "$bin" ${before:+"$before"}; do
     bench_serve "$b" "$model" "$port" "$work/serve.log" "${ragkv_args[@]}"
     server=$BENCH_SERVER
