@@ -161,7 +161,7 @@ fi
 
 echo
 echo "(b) stream A ($tokens tokens) beside the same call, --step-tokens 64"
-printf '%-28s %10s %10s %10s %8s %10s %10s\n' binary "median ms" "med. with" "worst with" \
+printf '%-28s %10s %10s %10s %8s %10s %10s %6s\n' binary "median ms" "med. with" "worst with" \
     "worst/med" "A tokens" "call s" load
 for b in "$bin" ${before:+"$before"}; do
     bench_serve "$b" "$model" "$port" "$work/serve.log" "${ragkv_args[@]}"
