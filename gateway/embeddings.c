@@ -182,10 +182,16 @@ rk_status rk_gw_run_embed(req_ctx *rc, rk_service *svc, int32_t *const *ids, con
             rk_scheduler_cancel(S->engine, &job);
         }
     st = job.ran ? job.status : RK_ERR_EXHAUSTED;
-    snprintf(msg, cap, "%s",
-             job.ran                     ? job.error
-             : atomic_load(&S->stopping) ? "the server is shutting down"
-                                         : "the request was cancelled before it ran");
+    if (timed_out && st) {
+        st = RK_ERR_BUSY; /* 503 */
+        snprintf(msg, cap, "the request ran longer than the timeout (%g s) and was cancelled",
+                 S->o.timeout_s);
+    } else {
+        snprintf(msg, cap, "%s",
+                 job.ran                     ? job.error
+                 : atomic_load(&S->stopping) ? "the server is shutting down"
+                                             : "the request was cancelled before it ran");
+    }
     rk_job_destroy(&job);
     rk_embed_task_free(task);
     return st;

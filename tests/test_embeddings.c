@@ -461,3 +461,34 @@ Test(embeddings, a_large_call_runs_in_slices_between_a_streams_tokens_with_the_s
     rk_test_resp_free(&sliced);
     free(body);
 }
+
+/* A call that runs past --timeout-s is cancelled in the steps: 503 with the
+ * timeout named, and what its inputs held (an input fed over two passes
+ * holds blocks between them) goes back to the live pool. 2048 inputs of 12
+ * tokens are 12 passes of 2048 tokens, each step followed by the test
+ * delay of 0.05 s: far past the 0.2 s allowed. */
+Test(embeddings, a_call_past_the_timeout_is_cancelled_and_releases_its_blocks) {
+    const char *extra[] = {"--timeout-s", "0.2", "--token-delay-s", "0.05", NULL};
+    start("qwen3-embedding-tiny", extra);
+    json_t *input = json_array();
+    for (int i = 0; i < 2048; i++) {
+        json_t *ids = json_array();
+        for (int k = 0; k < 12; k++) json_array_append_new(ids, json_integer(1000 + 7 * i + k));
+        json_array_append_new(input, ids);
+    }
+    json_t *req = json_pack("{s:o}", "input", input);
+    char *body = json_dumps(req, JSON_COMPACT);
+    json_decref(req);
+    rk_test_resp r = post(body);
+    cr_expect_eq(r.http.status, 503, "%s", r.http.body);
+    cr_expect(strstr(rk_test_jstr(r.json, "error.message"), "timeout") != NULL, "%s", r.http.body);
+    rk_test_resp_free(&r);
+    json_t *st = stats();
+    cr_expect_eq(rk_test_jint(st, "pools.live.used"), 0);
+    json_decref(st);
+    /* The server goes on: a small call is answered. */
+    rk_test_resp ok = post("{\"input\": \"still here\"}");
+    cr_expect_eq(ok.http.status, 200, "%s", ok.http.body);
+    rk_test_resp_free(&ok);
+    free(body);
+}
