@@ -4,9 +4,9 @@
  * `dimensions` (the first ones, renormalised), `truncate` and
  * `truncation_direction` (text-embeddings-inference's), and
  * `usage.prompt_tokens`. Parsing and tokenizing run on the
- * request's thread; the forward passes run on the engine thread as a
- * command job (rk_pipeline_embed), between decode steps, keeping nothing in
- * the caches. */
+ * request's thread; the forward passes run on the engine thread as
+ * embedding work of its steps (rk_gw_run_embed: an rk_embed_task fed a
+ * slice a step beside the decoding streams), keeping nothing in the caches. */
 #include <jansson.h>
 #include <math.h>
 #include <stdlib.h>
@@ -151,18 +151,50 @@ static int parse_input(json_t *input, const rk_tokenizer *tok, int context, trun
     return 0;
 }
 
-/* The command job: the passes, on the engine thread. */
-typedef struct embed_cmd {
-    embed_inputs *in;
-    rk_pooling pooling;
-    float *out; /* (n, dim) */
-} embed_cmd;
-
-static rk_status embed_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
-    (void)e;
-    embed_cmd *c = ctx;
-    return rk_pipeline_embed(svc, (const int32_t *const *)c->in->ids, c->in->n_tokens, c->in->n,
-                             c->pooling, c->out);
+rk_status rk_gw_run_embed(req_ctx *rc, rk_service *svc, int32_t *const *ids, const int *n_tokens,
+                          int n, rk_pooling pooling, float *out, char *msg, size_t cap) {
+    server *S = rc->S;
+    rk_embed_task *task;
+    rk_error_clear();
+    rk_status st =
+        rk_embed_task_create(svc, (const int32_t *const *)ids, n_tokens, n, pooling, out, &task);
+    if (st) {
+        snprintf(msg, cap, "%s", rk_error_message());
+        return st;
+    }
+    rk_job job;
+    if (rk_job_init(&job)) {
+        rk_embed_task_free(task);
+        snprintf(msg, cap, "cannot create a job");
+        return RK_ERR_INTERNAL;
+    }
+    job.embed = task;
+    if ((st = rk_scheduler_submit(S->engine, &job))) {
+        snprintf(msg, cap, "%s", rk_error_message());
+        rk_job_destroy(&job);
+        rk_embed_task_free(task);
+        return RK_ERR_EXHAUSTED; /* queue full, loading or stopping: 503 */
+    }
+    int n_seen, done = 0, timed_out = 0;
+    while (!done)
+        if (rk_job_wait(&job, 0, timed_out ? 0 : rc->t0 + S->o.timeout_s, &n_seen, &done)) {
+            timed_out = 1;
+            rk_scheduler_cancel(S->engine, &job);
+        }
+    st = job.ran ? job.status : RK_ERR_EXHAUSTED;
+    if (timed_out && st) {
+        st = RK_ERR_BUSY; /* 503 */
+        snprintf(msg, cap, "the request ran longer than the timeout (%g s) and was cancelled",
+                 S->o.timeout_s);
+    } else {
+        snprintf(msg, cap, "%s",
+                 job.ran                     ? job.error
+                 : atomic_load(&S->stopping) ? "the server is shutting down"
+                                             : "the request was cancelled before it ran");
+    }
+    rk_job_destroy(&job);
+    rk_embed_task_free(task);
+    return st;
 }
 
 /* n floats as little-endian float32 bytes in base64 (new reference). */
@@ -323,17 +355,17 @@ int rk_gw_handle_embeddings(req_ctx *rc) {
         return 0;
     }
     json_decref(root);
-    embed_cmd cmd = {
-        .in = &in, .pooling = pooling, .out = malloc((size_t)in.n * dim * sizeof *cmd.out)};
-    if (!cmd.out) {
+    float *out = malloc((size_t)in.n * dim * sizeof *out);
+    if (!out) {
         inputs_free(&in);
         rk_gw_send_errorf(rc, 500, "out of memory");
         return 0;
     }
     char msg[320];
-    rk_status st = rk_gw_run_command(rc, embed_fn, &cmd, 1, msg, sizeof msg);
+    rk_status st =
+        rk_gw_run_embed(rc, svc, in.ids, in.n_tokens, in.n, pooling, out, msg, sizeof msg);
     if (st) {
-        free(cmd.out);
+        free(out);
         inputs_free(&in);
         rk_gw_send_errorf(rc, rk_http_status_of(st), "%s", msg);
         return 0;
@@ -342,7 +374,7 @@ int rk_gw_handle_embeddings(req_ctx *rc) {
     json_t *data = json_array();
     for (int i = 0; data && i < in.n; i++) {
         prompt_tokens += in.n_tokens[i];
-        float *v = cmd.out + (size_t)i * dim;
+        float *v = out + (size_t)i * dim;
         if (width < dim) { /* the first width values, made unit length again */
             double norm = 0;
             for (int k = 0; k < width; k++) norm += (double)v[k] * v[k];
@@ -358,7 +390,7 @@ int rk_gw_handle_embeddings(req_ctx *rc) {
             data = NULL;
         }
     }
-    free(cmd.out);
+    free(out);
     inputs_free(&in);
     rk_gw_send_json(rc, 200,
                     data ? json_pack("{s:s, s:o, s:s, s:{s:I, s:I}}", "object", "list", "data",

@@ -206,6 +206,15 @@ int rk_gw_handle_rerank(req_ctx *rc);
 rk_status rk_gw_run_command(req_ctx *rc, rk_scheduler_fn fn, void *ctx, int anytime, char *msg,
                             size_t cap);
 
+/* Run inputs (n of them, n_tokens[i] token ids each) through the model on
+ * the engine thread as embedding work of its steps (rk_embed_task, pooling
+ * as rk_embed_task_create takes it: rank gives scores) into out, and wait
+ * (at most until the request's timeout, then cancelled). Returns its status
+ * (RK_ERR_EXHAUSTED when it never ran: queue full, timeout, shutdown), with
+ * its message in msg. */
+rk_status rk_gw_run_embed(req_ctx *rc, rk_service *svc, int32_t *const *ids, const int *n_tokens,
+                          int n, rk_pooling pooling, float *out, char *msg, size_t cap);
+
 /* The caller's most hit chunks (at most RK_STATS_TOP, each with hits), as
  * /v1/stats' top_chunks, asked of the engine; NULL when it could not answer. */
 json_t *rk_gw_top_chunks(req_ctx *rc);

@@ -11,8 +11,8 @@
  * that key, [BOS] query [EOS] [SEP] document [EOS] with each special token
  * only where the vocabulary adds it. Parsing and tokenizing run on the
  * request's thread; the forward passes and the classification head run on
- * the engine thread as a command job (rk_pipeline_rerank), keeping nothing
- * in the caches. */
+ * the engine thread as embedding work of its steps (rk_gw_run_embed with
+ * rank pooling), keeping nothing in the caches. */
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
@@ -230,19 +230,6 @@ static int parse_request(server *S, rk_service *svc, json_t *root, rerank_inputs
     return 0;
 }
 
-/* The command job: the passes and the head, on the engine thread. */
-typedef struct rerank_cmd {
-    rerank_inputs *in;
-    float *scores; /* (n) */
-} rerank_cmd;
-
-static rk_status rerank_fn(void *ctx, rk_scheduler *e, rk_service *svc) {
-    (void)e;
-    rerank_cmd *c = ctx;
-    return rk_pipeline_rerank(svc, (const int32_t *const *)c->in->ids, c->in->n_tokens, c->in->n,
-                              c->scores);
-}
-
 /* Result order: the score descending, then the index ascending. */
 typedef struct ranked {
     float score;
@@ -333,22 +320,23 @@ int rk_gw_handle_rerank(req_ctx *rc) {
         rk_gw_send_error(rc, &err);
         return 0;
     }
-    rerank_cmd cmd = {.in = &in, .scores = malloc((size_t)in.n * sizeof *cmd.scores)};
-    if (!cmd.scores) {
+    float *scores = malloc((size_t)in.n * sizeof *scores);
+    if (!scores) {
         inputs_free(&in);
         json_decref(root);
         rk_gw_send_errorf(rc, 500, "out of memory");
         return 0;
     }
     char msg[320];
-    rk_status st = rk_gw_run_command(rc, rerank_fn, &cmd, 1, msg, sizeof msg);
+    rk_status st = rk_gw_run_embed(rc, svc, in.ids, in.n_tokens, in.n, RK_POOLING_RANK, scores, msg,
+                                   sizeof msg);
     if (st) {
         rk_gw_send_errorf(rc, rk_http_status_of(st), "%s", msg);
     } else {
-        json_t *out = answer(rc, &in, cmd.scores, top_n, return_docs);
+        json_t *out = answer(rc, &in, scores, top_n, return_docs);
         rk_gw_send_json(rc, 200, out);
     }
-    free(cmd.scores);
+    free(scores);
     inputs_free(&in);
     json_decref(root);
     return 0;

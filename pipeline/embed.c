@@ -1,19 +1,26 @@
-/* pipeline/embed.c — rk_pipeline_embed and rk_pipeline_rerank (see
- * pipeline.h): sequence embeddings and reranking scores. The inputs go
- * through the model in forward passes of bounded size, each over live-pool
- * blocks taken for that pass alone and released after it: neither leaves
- * anything in the radix tree, the chunk index or the arena. Each sequence's
- * normed final hidden states are pooled and L2-normalised (an embedding), or
- * the pooled state goes through the file's classification head (a score). */
+/* pipeline/embed.c — embedding and rerank tasks (rk_embed_task, see
+ * pipeline.h): sequence embeddings and reranking scores, computed as prompt
+ * work of the engine's steps. Each step's embedding pass (rk_embed_step,
+ * called by rk_pipeline_step after the step's own pass) holds slices of the
+ * tasks' inputs, in arrival order, within what the step budget left: an
+ * input longer than that is fed over several passes, each slice attending
+ * to the entries its earlier slices wrote (causal, as chunked prefill), so
+ * the result is the one-pass one. An input holds live-pool blocks from its
+ * first slice to its last, then releases them: nothing enters the radix
+ * tree, the chunk index or the arena. Each input's normed final hidden
+ * states are pooled and L2-normalised (an embedding), or the pooled state
+ * goes through the file's classification head (a score). */
 #include <math.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels/kernels.h"
 #include "pipeline/internal.h"
 
-/* Tokens per forward pass: bounds activation memory and how long one pass
- * holds the engine thread. An input longer than this runs alone. */
+/* Tokens per embedding pass when the step gives no budget (no stream
+ * decodes, or --step-tokens 0): bounds activation memory. */
 #define EMBED_PASS_TOKENS 2048
 
 rk_pooling rk_service_pooling(const rk_service *svc) {
@@ -127,15 +134,109 @@ static float head_score(const rank_head *h, const float *v, int dim) {
     return (float)(exp(logit[0] - top) / sum);
 }
 
-/* One pass's buffers: its sequences' tokens, slots, tables and pooled rows. */
+/* ---------------------------------------------------------------- tasks */
+
+struct rk_embed_task {
+    const int32_t *const *inputs; /* (n_inputs) the caller's, until done */
+    const int *n_tokens;          /* (n_inputs) */
+    int n_inputs;
+    rk_pooling pooling; /* the rows pooled: mean, cls or last */
+    rank_head head;     /* head.w NULL: embeddings */
+    float *out;         /* (n_inputs, dim), or (n_inputs) with a head; the caller's */
+    int next;           /* the input being fed */
+    int fed;            /* its tokens fed so far */
+    rk_seq seq;         /* its blocks while it is fed over several passes */
+    double *acc;        /* (dim) its pooled rows, summed (mean) or copied (cls, last) */
+    atomic_int cancel;
+    int done;
+    rk_status status;
+    char error[320];
+};
+
+rk_status rk_embed_task_create(const rk_service *svc, const int32_t *const *inputs,
+                               const int *n_tokens, int n_inputs, rk_pooling pooling, float *out,
+                               rk_embed_task **out_task) {
+    *out_task = NULL;
+    const rk_hparams *hp = rk_model_hparams(svc->model);
+    rank_head h = {0};
+    if (pooling == RK_POOLING_RANK) {
+        rk_status st = head_load(svc, &h);
+        if (st) return st;
+        /* The reference engine pools the last token of qwen3 rerankers, the
+         * first (CLS) of the others. */
+        pooling = strcmp(hp->arch_name, "qwen3") == 0 ? RK_POOLING_LAST : RK_POOLING_CLS;
+    } else if (pooling != RK_POOLING_MEAN && pooling != RK_POOLING_CLS &&
+               pooling != RK_POOLING_LAST) {
+        return rk_errorf(RK_ERR_INVALID, "embeddings: the model has no pooling (see --pooling)");
+    }
+    for (int i = 0; i < n_inputs; i++)
+        if (n_tokens[i] < 1) {
+            head_free(&h);
+            return rk_errorf(RK_ERR_INVALID, "embeddings: input %d is empty", i);
+        }
+    rk_embed_task *t = calloc(1, sizeof *t);
+    double *acc = malloc((size_t)hp->dim * sizeof *acc);
+    if (!t || !acc) {
+        free(t);
+        free(acc);
+        head_free(&h);
+        return rk_errorf(RK_ERR_NOMEM, "embeddings: out of memory");
+    }
+    *t = (rk_embed_task){.inputs = inputs,
+                         .n_tokens = n_tokens,
+                         .n_inputs = n_inputs,
+                         .pooling = pooling,
+                         .head = h,
+                         .out = out,
+                         .acc = acc,
+                         .done = n_inputs == 0};
+    *out_task = t;
+    return RK_OK;
+}
+
+void rk_embed_task_cancel(rk_embed_task *t) { atomic_store(&t->cancel, 1); }
+
+int rk_embed_task_done(const rk_embed_task *t, rk_status *out_status, char *msg, size_t cap) {
+    if (!t->done) return 0;
+    if (out_status) *out_status = t->status;
+    if (msg && cap) snprintf(msg, cap, "%s", t->status ? t->error : "");
+    return 1;
+}
+
+void rk_embed_task_free(rk_embed_task *t) {
+    if (!t) return;
+    head_free(&t->head);
+    free(t->acc);
+    free(t);
+}
+
+/* The task ends with st (its blocks released). */
+static void task_end(rk_service *svc, rk_embed_task *t, rk_status st, const char *msg) {
+    rk_seq_release(&t->seq, svc->arena);
+    t->status = st;
+    snprintf(t->error, sizeof t->error, "%s", st ? msg : "");
+    t->done = 1;
+}
+
+/* ---------------------------------------------------------------- one pass */
+
+/* Tokens from..from+n-1 of one task's input, a sequence of the pass. */
+typedef struct slice {
+    rk_embed_task *t;
+    int input, from, n;
+    int row, n_rows; /* its pooled rows among the pass's hidden rows */
+    rk_seq seq;      /* the input's blocks for the pass */
+} slice;
+
+/* One pass's buffers, for at most cap tokens. */
 typedef struct embed_pass {
     int n_tok, n_seq, n_rows, max_blocks;
-    int32_t *tokens, *pos, *slots; /* (n_tok) */
-    int32_t *q_start;              /* (n_seq + 1) */
-    int32_t *kv_len;               /* (n_seq) */
-    int32_t *rows;                 /* (n_rows) rows whose hidden states are pooled */
+    int32_t *tokens, *pos, *slots; /* (cap) */
+    int32_t *rows;                 /* (cap) rows whose hidden states are pooled */
+    int32_t *q_start;              /* (cap + 1) */
+    int32_t *kv_len;               /* (cap) */
+    slice *slices;                 /* (cap) */
     int32_t *table;                /* (n_seq, max_blocks) */
-    rk_seq *seqs;                  /* (n_seq) the blocks each sequence took */
     float *hidden;                 /* (n_rows, dim) */
 } embed_pass;
 
@@ -143,29 +244,101 @@ static void pass_free(embed_pass *p) {
     free(p->tokens);
     free(p->pos);
     free(p->slots);
+    free(p->rows);
     free(p->q_start);
     free(p->kv_len);
-    free(p->rows);
+    free(p->slices);
     free(p->table);
-    free(p->seqs);
     free(p->hidden);
 }
 
-/* Run the sequences gathered in p, pool them into out (n_seq, dim), or
- * score them with head into out (n_seq), and release their blocks. */
-static rk_status pass_run(rk_service *svc, embed_pass *p, rk_pooling pooling, const rank_head *head,
-                          float *out) {
-    const rk_hparams *hp = rk_model_hparams(svc->model);
-    int dim = hp->dim;
+static rk_status pass_alloc(embed_pass *p, int cap) {
+    *p = (embed_pass){0};
+    p->tokens = malloc((size_t)cap * sizeof *p->tokens);
+    p->pos = malloc((size_t)cap * sizeof *p->pos);
+    p->slots = malloc((size_t)cap * sizeof *p->slots);
+    p->rows = malloc((size_t)cap * sizeof *p->rows);
+    p->q_start = malloc((size_t)(cap + 1) * sizeof *p->q_start);
+    p->kv_len = malloc((size_t)cap * sizeof *p->kv_len);
+    p->slices = calloc((size_t)cap, sizeof *p->slices);
+    if (p->tokens && p->pos && p->slots && p->rows && p->q_start && p->kv_len && p->slices)
+        return RK_OK;
+    pass_free(p);
+    return rk_errorf(RK_ERR_NOMEM, "embeddings: out of memory");
+}
+
+/* Add the next slice of t (at most *left tokens) to the pass: the input's
+ * next tokens, their blocks (the ones its earlier slices took, and more),
+ * and the rows its pooling reads. RK_ERR_EXHAUSTED when the live pool has
+ * no room for them (the task is unchanged). */
+static rk_status add_slice(rk_service *svc, embed_pass *p, rk_embed_task *t, int *left) {
+    int len = t->n_tokens[t->next], from = t->fed;
+    int n = len - from < *left ? len - from : *left;
+    slice *s = &p->slices[p->n_seq];
+    *s = (slice){.t = t, .input = t->next, .from = from, .n = n, .row = p->n_rows, .seq = t->seq};
+    rk_status st = rk_seq_reserve(&s->seq, svc->arena, RK_POOL_LIVE, n, p->slots + p->n_tok);
+    t->seq = s->seq; /* blocks it took stay with the input either way */
+    if (st) return st;
+    t->seq = (rk_seq){0};
+    s->seq.n_tokens += n;
+    memcpy(p->tokens + p->n_tok, t->inputs[t->next] + from, (size_t)n * sizeof *p->tokens);
+    for (int j = 0; j < n; j++) p->pos[p->n_tok + j] = from + j;
+    if (t->pooling == RK_POOLING_MEAN)
+        for (int j = 0; j < n; j++) p->rows[p->n_rows++] = p->n_tok + j;
+    else if (t->pooling == RK_POOLING_CLS && from == 0)
+        p->rows[p->n_rows++] = p->n_tok;
+    else if (t->pooling == RK_POOLING_LAST && from + n == len)
+        p->rows[p->n_rows++] = p->n_tok + n - 1;
+    s->n_rows = p->n_rows - s->row;
+    p->q_start[p->n_seq] = p->n_tok;
+    p->kv_len[p->n_seq] = from + n;
+    p->n_tok += n;
+    p->q_start[p->n_seq + 1] = p->n_tok;
+    p->max_blocks = s->seq.n_blocks > p->max_blocks ? s->seq.n_blocks : p->max_blocks;
+    p->n_seq++;
+    *left -= n;
+    if (from + n == len) {
+        t->next++;
+        t->fed = 0;
+    } else {
+        t->fed = from + n;
+    }
+    return RK_OK;
+}
+
+/* The input's pooled state in t->acc is complete: its embedding (unit
+ * length) or its score into t->out. */
+static void finish_input(rk_embed_task *t, int input, int n_rows, int dim) {
+    if (t->head.w) {
+        float v[dim];
+        for (int i = 0; i < dim; i++) v[i] = (float)t->acc[i];
+        t->out[input] = head_score(&t->head, v, dim);
+        return;
+    }
+    float *v = t->out + (size_t)input * dim;
+    double norm = 0;
+    for (int i = 0; i < dim; i++) {
+        v[i] = (float)(t->acc[i] / n_rows);
+        norm += (double)v[i] * v[i];
+    }
+    float scale = norm > 0 ? (float)(1.0 / sqrt(norm)) : 0.0f;
+    for (int i = 0; i < dim; i++) v[i] *= scale;
+}
+
+/* Run the pass gathered in p, then take each slice's hidden rows into its
+ * task: a slice that ends its input completes it and releases its blocks;
+ * another gives its blocks back to its task for the next slice. A failed
+ * pass ends the tasks in it. */
+static void pass_run(rk_service *svc, embed_pass *p) {
+    int dim = rk_model_hparams(svc->model)->dim;
     rk_status st = RK_OK;
-    free(p->table);
-    free(p->hidden);
     p->table = malloc((size_t)p->n_seq * p->max_blocks * sizeof *p->table);
-    p->hidden = malloc((size_t)p->n_rows * dim * sizeof *p->hidden);
+    p->hidden = malloc((size_t)(p->n_rows ? p->n_rows : 1) * dim * sizeof *p->hidden);
     if (!p->table || !p->hidden) st = rk_errorf(RK_ERR_NOMEM, "embeddings: out of memory");
     for (int s = 0; !st && s < p->n_seq; s++)
         for (int k = 0; k < p->max_blocks; k++)
-            p->table[s * p->max_blocks + k] = k < p->seqs[s].n_blocks ? p->seqs[s].blocks[k] : -1;
+            p->table[s * p->max_blocks + k] =
+                k < p->slices[s].seq.n_blocks ? p->slices[s].seq.blocks[k] : -1;
     if (!st) {
         rk_batch b = {.n_tokens = p->n_tok,
                       .tokens = p->tokens,
@@ -181,114 +354,80 @@ static rk_status pass_run(rk_service *svc, embed_pass *p, rk_pooling pooling, co
                       .hidden = 1};
         st = rk_model_forward(svc->model, rk_arena_kv(svc->arena), &b, p->hidden);
     }
-    int row = 0;
+    char msg[320];
+    snprintf(msg, sizeof msg, "%s", st ? rk_error_message() : "");
     for (int s = 0; s < p->n_seq; s++) {
-        int n = p->q_start[s + 1] - p->q_start[s];
-        int n_rows = pooling == RK_POOLING_MEAN ? n : 1;
-        float *v = head ? p->hidden + (size_t)row * dim : out + (size_t)s * dim;
-        if (!st && head) {
-            out[s] = head_score(head, v, dim);
-        } else if (!st) {
-            double norm = 0;
-            for (int i = 0; i < dim; i++) {
-                double acc = 0;
-                for (int r = 0; r < n_rows; r++) acc += p->hidden[(size_t)(row + r) * dim + i];
-                v[i] = (float)(acc / n_rows);
-                norm += (double)v[i] * v[i];
+        slice *sl = &p->slices[s];
+        rk_embed_task *t = sl->t;
+        if (st || t->done) { /* a failed pass, or an earlier slice of t failed */
+            rk_seq_release(&sl->seq, svc->arena);
+            if (!t->done) task_end(svc, t, st, msg);
+            continue;
+        }
+        if (sl->from == 0) memset(t->acc, 0, (size_t)dim * sizeof *t->acc);
+        const float *h = p->hidden + (size_t)sl->row * dim;
+        if (t->pooling == RK_POOLING_MEAN) {
+            for (int r = 0; r < sl->n_rows; r++)
+                for (int i = 0; i < dim; i++) t->acc[i] += h[(size_t)r * dim + i];
+        } else if (sl->n_rows) {
+            for (int i = 0; i < dim; i++) t->acc[i] = h[i];
+        }
+        int len = t->n_tokens[sl->input];
+        if (sl->from + sl->n < len) {
+            t->seq = sl->seq; /* its next slice goes on from here */
+            continue;
+        }
+        rk_seq_release(&sl->seq, svc->arena);
+        finish_input(t, sl->input, t->pooling == RK_POOLING_MEAN ? len : 1, dim);
+        if (sl->input == t->n_inputs - 1) task_end(svc, t, RK_OK, ""); /* its last input */
+    }
+}
+
+void rk_embed_step(rk_service *svc, rk_embed_task *const *tasks, int n_tasks, int budget,
+                   int others_running) {
+    int left = budget > 0 && budget < EMBED_PASS_TOKENS ? budget : EMBED_PASS_TOKENS;
+    embed_pass p;
+    rk_status st = pass_alloc(&p, left);
+    for (int i = 0; i < n_tasks; i++) {
+        rk_embed_task *t = tasks[i];
+        if (t->done) continue;
+        if (atomic_load(&t->cancel))
+            task_end(svc, t, RK_ERR_BUSY, "the request was cancelled");
+        else if (st)
+            task_end(svc, t, st, "embeddings: out of memory");
+    }
+    if (st) return;
+    int full = 0; /* the live pool has no room for the next slice */
+    for (int i = 0; i < n_tasks && left > 0 && !full; i++) {
+        rk_embed_task *t = tasks[i];
+        while (!t->done && t->next < t->n_inputs && left > 0) {
+            rk_status sst = add_slice(svc, &p, t, &left);
+            if (sst == RK_ERR_EXHAUSTED) {
+                rk_error_clear();
+                full = 1;
+                break;
             }
-            float scale = norm > 0 ? (float)(1.0 / sqrt(norm)) : 0.0f;
-            for (int i = 0; i < dim; i++) v[i] *= scale;
+            if (sst) {
+                task_end(svc, t, sst, rk_error_message()); /* its slices in p are dropped */
+                break;
+            }
         }
-        row += n_rows;
-        rk_seq_release(&p->seqs[s], svc->arena);
     }
-    p->n_tok = p->n_seq = p->n_rows = p->max_blocks = 0;
-    return st;
-}
-
-/* Pool (or with head, score) each input into out: rows of width dim, or
- * of 1 with head. */
-static rk_status run_passes(rk_service *svc, const int32_t *const *inputs, const int *n_tokens,
-                            int n_inputs, rk_pooling pooling, const rank_head *head, float *out) {
-    size_t width = head ? 1 : (size_t)rk_model_hparams(svc->model)->dim;
-    int total = 0, longest = 0;
-    for (int i = 0; i < n_inputs; i++) {
-        if (n_tokens[i] < 1) return rk_errorf(RK_ERR_INVALID, "embeddings: input %d is empty", i);
-        total += n_tokens[i];
-        longest = n_tokens[i] > longest ? n_tokens[i] : longest;
+    if (p.n_seq > 0) {
+        pass_run(svc, &p);
+    } else if (full && !others_running) {
+        /* No room even with no generation running: the first waiting task
+         * fails (its blocks go back), so the ones after it can go on. */
+        for (int i = 0; i < n_tasks; i++)
+            if (!tasks[i]->done) {
+                rk_embed_task *t = tasks[i];
+                char msg[320];
+                snprintf(msg, sizeof msg,
+                         "embeddings: the live pool has no room for input %d (%d tokens)", t->next,
+                         t->n_tokens[t->next]);
+                task_end(svc, t, RK_ERR_EXHAUSTED, msg);
+                break;
+            }
     }
-    int cap_tok = total < EMBED_PASS_TOKENS ? total : EMBED_PASS_TOKENS;
-    cap_tok = longest > cap_tok ? longest : cap_tok;
-    int cap_seq = n_inputs > 0 ? n_inputs : 1;
-    embed_pass p = {0};
-    p.tokens = malloc((size_t)cap_tok * sizeof *p.tokens);
-    p.pos = malloc((size_t)cap_tok * sizeof *p.pos);
-    p.slots = malloc((size_t)cap_tok * sizeof *p.slots);
-    p.rows = malloc((size_t)cap_tok * sizeof *p.rows);
-    p.q_start = malloc((size_t)(cap_seq + 1) * sizeof *p.q_start);
-    p.kv_len = malloc((size_t)cap_seq * sizeof *p.kv_len);
-    p.seqs = calloc((size_t)cap_seq, sizeof *p.seqs);
-    rk_status st = RK_OK;
-    if (!p.tokens || !p.pos || !p.slots || !p.rows || !p.q_start || !p.kv_len || !p.seqs)
-        st = rk_errorf(RK_ERR_NOMEM, "embeddings: out of memory");
-    int bs = rk_arena_block_size(svc->arena);
-    int first = 0; /* the first input of the pass being gathered */
-    for (int i = 0; !st && i < n_inputs;) {
-        int n = n_tokens[i];
-        if (p.n_seq > 0 && p.n_tok + n > cap_tok) {
-            st = pass_run(svc, &p, pooling, head, out + (size_t)first * width);
-            first = i;
-            continue;
-        }
-        rk_seq *seq = &p.seqs[p.n_seq];
-        *seq = (rk_seq){0};
-        st = rk_seq_reserve(seq, svc->arena, RK_POOL_LIVE, n, p.slots + p.n_tok);
-        if (st == RK_ERR_EXHAUSTED && p.n_seq > 0) { /* run what fits, then go on */
-            rk_error_clear();
-            st = pass_run(svc, &p, pooling, head, out + (size_t)first * width);
-            first = i;
-            continue;
-        }
-        if (st) break;
-        memcpy(p.tokens + p.n_tok, inputs[i], (size_t)n * sizeof *p.tokens);
-        for (int j = 0; j < n; j++) p.pos[p.n_tok + j] = j;
-        p.q_start[p.n_seq] = p.n_tok;
-        p.kv_len[p.n_seq] = n;
-        if (pooling == RK_POOLING_MEAN)
-            for (int j = 0; j < n; j++) p.rows[p.n_rows++] = p.n_tok + j;
-        else
-            p.rows[p.n_rows++] = pooling == RK_POOLING_CLS ? p.n_tok : p.n_tok + n - 1;
-        p.n_tok += n;
-        p.q_start[p.n_seq + 1] = p.n_tok;
-        int nb = (n + bs - 1) / bs;
-        p.max_blocks = nb > p.max_blocks ? nb : p.max_blocks;
-        p.n_seq++;
-        i++;
-    }
-    if (!st && p.n_seq > 0) st = pass_run(svc, &p, pooling, head, out + (size_t)first * width);
-    for (int s = 0; s < p.n_seq; s++) rk_seq_release(&p.seqs[s], svc->arena);
     pass_free(&p);
-    return st;
-}
-
-rk_status rk_pipeline_embed(rk_service *svc, const int32_t *const *inputs, const int *n_tokens,
-                            int n_inputs, rk_pooling pooling, float *out) {
-    if (pooling != RK_POOLING_MEAN && pooling != RK_POOLING_CLS && pooling != RK_POOLING_LAST)
-        return rk_errorf(RK_ERR_INVALID, "embeddings: the model has no pooling (see --pooling)");
-    return run_passes(svc, inputs, n_tokens, n_inputs, pooling, NULL, out);
-}
-
-rk_status rk_pipeline_rerank(rk_service *svc, const int32_t *const *inputs, const int *n_tokens,
-                             int n_inputs, float *out) {
-    rank_head h;
-    rk_status st = head_load(svc, &h);
-    if (st) return st;
-    /* The reference engine pools the last token of qwen3 rerankers, the
-     * first (CLS) of the others. */
-    rk_pooling pooling = strcmp(rk_model_hparams(svc->model)->arch_name, "qwen3") == 0
-                             ? RK_POOLING_LAST
-                             : RK_POOLING_CLS;
-    st = run_passes(svc, inputs, n_tokens, n_inputs, pooling, &h, out);
-    head_free(&h);
-    return st;
 }

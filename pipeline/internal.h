@@ -188,8 +188,20 @@ struct rk_pipeline {
     int n_preempted, cap_preempted;
     batch b; /* reused by every pass */
     rk_copy_plan copies;
-    chunk_feed feed; /* the chunk entries of the pass under construction */
+    chunk_feed feed;        /* the chunk entries of the pass under construction */
+    rk_embed_task **embeds; /* (cap_embeds) embedding work joined and not done, in join order */
+    int n_embeds, cap_embeds;
 };
+
+/* ---------------------------------------------------------------- embed.c: embedding work */
+
+/* One embedding pass of the step: slices of tasks' inputs, in their order,
+ * at most budget tokens of them (<= 0: up to 2048). Cancelled tasks end
+ * first; a failure ends the tasks it touched (rk_embed_task_done). When the
+ * live pool has no room for any slice, they wait for the generations to
+ * release blocks (others_running), or the first waiting task fails. */
+void rk_embed_step(rk_service *svc, rk_embed_task *const *tasks, int n_tasks, int budget,
+                   int others_running);
 
 /* ---------------------------------------------------------------- pipeline.c: the driver */
 

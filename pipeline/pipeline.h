@@ -428,7 +428,8 @@ rk_status rk_pipeline_join(rk_pipeline *p, rk_request *const *reqs, int n_reqs);
 /* One step: a token for every running request in one forward pass, which
  * also feeds the prompt work of joined requests, in the order they were
  * admitted, at most the service's step_tokens of it (0 = all; the rest in
- * the next steps).
+ * the next steps); then, when embedding work joined (rk_pipeline_embed_join),
+ * one embedding pass within what that left of step_tokens.
  * Cancelled requests stop and leave first; every request that finished
  * (cancelled, end of generation, max_tokens) leaves in this call: its report
  * is complete, finished is 1 and every block reference, chunk reference and
@@ -476,18 +477,6 @@ rk_status rk_pipeline_run(rk_service *svc, rk_request *const *reqs, int n_reqs,
  * file's (RK_POOLING_NONE when it has none). */
 rk_pooling rk_service_pooling(const rk_service *svc);
 
-/* One embedding per input: inputs[i] (n_tokens[i] >= 1 token ids, inside the
- * vocabulary) run through the model in forward passes of bounded size over
- * live-pool blocks taken for the pass and released after it (nothing enters
- * the radix tree or the chunk index); each sequence's final hidden states
- * (after the output norm) are pooled (mean, cls or last) and L2-normalised
- * into out (n_inputs, dim). RK_ERR_INVALID for pooling none or an empty
- * input, RK_ERR_EXHAUSTED when the live pool has no room for one input (the
- * generations running hold it), RK_ERR_NOMEM, and the forward pass's errors.
- * Engine thread only. */
-rk_status rk_pipeline_embed(rk_service *svc, const int32_t *const *inputs, const int *n_tokens,
-                            int n_inputs, rk_pooling pooling, float *out);
-
 /* Whether the service generates text (/v1/completions, /v1/chat/completions):
  * 1 unless the model file declares a pooling type (an embedding or a
  * reranking model), and then only when --pooling none overrides it. */
@@ -499,17 +488,45 @@ int rk_service_generates(const rk_service *svc);
  * optional. 0 and a message (rk_error_message) otherwise. */
 int rk_service_can_rerank(const rk_service *svc);
 
-/* One relevance score per input of a reranking model (rk_service_can_rerank):
- * inputs[i] (the query and document already formatted and tokenized) run
- * through the model as rk_pipeline_embed's do; the normed hidden state of
- * the pooled token (the last for qwen3, the first otherwise) goes through
- * the head, and the score is the first label's probability after a softmax
- * over the labels (qwen3: P("yes")), or the first logit for other
- * architectures, into out (n_inputs). RK_ERR_INVALID when the model cannot
- * rerank or for an empty input, and rk_pipeline_embed's errors. Engine
- * thread only. */
-rk_status rk_pipeline_rerank(rk_service *svc, const int32_t *const *inputs, const int *n_tokens,
-                             int n_inputs, float *out);
+/* An embedding or rerank call: its inputs, run through the model as prompt
+ * work of the engine's steps (rk_pipeline_embed_join), a slice at a time;
+ * opaque. */
+typedef struct rk_embed_task rk_embed_task;
+
+/* A task over inputs[i] (n_tokens[i] >= 1 token ids inside the vocabulary;
+ * the caller's, kept until the task is done) writing into out (the
+ * caller's). pooling mean, cls or last: each input's final hidden states
+ * (after the output norm) are pooled and L2-normalised into out (n_inputs,
+ * dim). pooling rank (a reranking model, rk_service_can_rerank; the inputs
+ * are the query and document already formatted and tokenized): the normed
+ * hidden state of the pooled token (the last for qwen3, the first
+ * otherwise) goes through the head, and the score is the first label's
+ * probability after a softmax over the labels (qwen3: P("yes")), or the
+ * first logit for other architectures, into out (n_inputs). Reads only the
+ * service's immutable parts (any thread). RK_ERR_INVALID for pooling none,
+ * a model that cannot rerank, or an empty input; RK_ERR_NOMEM. */
+rk_status rk_embed_task_create(const rk_service *svc, const int32_t *const *inputs,
+                               const int *n_tokens, int n_inputs, rk_pooling pooling, float *out,
+                               rk_embed_task **out_task);
+/* Ask the engine to end t at its next step (any thread). */
+void rk_embed_task_cancel(rk_embed_task *t);
+/* 1 once t is done (it holds no blocks then) with its status and message
+ * (msg, cap bytes, may be NULL): RK_OK with out complete; RK_ERR_BUSY when
+ * cancelled, RK_ERR_EXHAUSTED when the live pool had no room for an input
+ * while no generation ran, RK_ERR_NOMEM or the forward pass's errors.
+ * 0 while it runs. */
+int rk_embed_task_done(const rk_embed_task *t, rk_status *out_status, char *msg, size_t cap);
+/* Free a task that is done or never joined a pipeline. Accepts NULL. */
+void rk_embed_task_free(rk_embed_task *t);
+
+/* Add t to the pipeline's embedding work: each rk_pipeline_step then runs
+ * one embedding pass after its own, holding slices of the joined tasks'
+ * inputs in join order within what the step budget left (a step with no
+ * decoding stream, or --step-tokens 0: up to 2048 tokens), until t is done
+ * (rk_embed_task_done). RK_ERR_NOMEM. */
+rk_status rk_pipeline_embed_join(rk_pipeline *p, rk_embed_task *t);
+/* Embedding tasks joined and not done. */
+int rk_pipeline_n_embedding(const rk_pipeline *p);
 
 /* ---------------------------------------------------------------- pre-warming */
 

@@ -37,6 +37,8 @@ struct rk_scheduler {
     int stop;
     rk_job **running; /* (max_batch) generations in the pipeline, changed by the engine only */
     int n_running;
+    rk_job **embedding; /* (cap_embedding) embedding jobs in the pipeline, likewise */
+    int n_embedding, cap_embedding;
 
     /* Engine thread only. */
     meta **buckets; /* (n_buckets) chunk key -> id, last use */
@@ -124,6 +126,20 @@ static void finish(rk_scheduler *e, rk_job *j, int ran, rk_status st, const char
         }
     pthread_mutex_unlock(&e->mu);
     complete(j, ran, st, msg);
+}
+
+/* Take embedding job j off its list, then complete it. */
+static void embed_finish(rk_scheduler *e, rk_job *j, rk_status st, const char *msg) {
+    pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < e->n_embedding; i++)
+        if (e->embedding[i] == j) {
+            memmove(e->embedding + i, e->embedding + i + 1,
+                    (size_t)(e->n_embedding - i - 1) * sizeof *e->embedding);
+            e->n_embedding--;
+            break;
+        }
+    pthread_mutex_unlock(&e->mu);
+    complete(j, 1, st, msg);
 }
 
 static void unlink_job(rk_scheduler *e, rk_job *j) {
@@ -496,7 +512,9 @@ static void admit_jobs(rk_scheduler *e, rk_pipeline *p, rk_job **fresh, int n) {
         after_pass(e, 1);
         return;
     }
-    if (st == RK_ERR_EXHAUSTED && rk_pipeline_n_running(p) > 0) {
+    /* Blocks the others hold come back: wait for them. */
+    if (st == RK_ERR_EXHAUSTED &&
+        (rk_pipeline_n_running(p) > 0 || rk_pipeline_n_embedding(p) > 0)) {
         requeue(e, jobs, m);
         return;
     }
@@ -518,12 +536,57 @@ static void admit_jobs(rk_scheduler *e, rk_pipeline *p, rk_job **fresh, int n) {
     }
 }
 
-/* One decode step for every running generation. The ones it preempted go
- * back to the head of the queue, oldest first, to resume when the live pool
- * has room for them again. A failed step fails them all. */
+/* ---------------------------------------------------------------- embedding work */
+
+/* An embedding job joins the steps (the running list's companion). */
+static void embed_start(rk_scheduler *e, rk_pipeline *p, rk_job *j) {
+    pthread_mutex_lock(&e->mu);
+    if (e->n_embedding == e->cap_embedding) {
+        int cap = e->cap_embedding ? e->cap_embedding * 2 : 8;
+        rk_job **q = realloc(e->embedding, (size_t)cap * sizeof *q);
+        if (!q) {
+            pthread_mutex_unlock(&e->mu);
+            complete(j, 1, RK_ERR_NOMEM, "engine: out of memory");
+            return;
+        }
+        e->embedding = q;
+        e->cap_embedding = cap;
+    }
+    e->embedding[e->n_embedding++] = j;
+    if (e->stop) rk_embed_task_cancel(j->embed); /* take_all did not see it */
+    pthread_mutex_unlock(&e->mu);
+    rk_error_clear();
+    if (rk_pipeline_embed_join(p, j->embed)) {
+        char msg[320];
+        snprintf(msg, sizeof msg, "%s", rk_error_message());
+        embed_finish(e, j, RK_ERR_NOMEM, msg);
+    }
+}
+
+/* Complete the embedding jobs whose tasks are done, after publishing the
+ * statistics (their blocks are back: a client may ask right after). */
+static void embed_collect(rk_scheduler *e) {
+    int published = 0;
+    for (int i = e->n_embedding - 1; i >= 0; i--) {
+        rk_job *j = e->embedding[i];
+        rk_status st;
+        char msg[320];
+        if (!rk_embed_task_done(j->embed, &st, msg, sizeof msg)) continue;
+        if (!published++) rk_scheduler_publish(e);
+        embed_finish(e, j, st, msg);
+    }
+}
+
+/* ---------------------------------------------------------------- steps */
+
+/* One decode step for every running generation (and the step's embedding
+ * pass). The ones it preempted go back to the head of the queue, oldest
+ * first, to resume when the live pool has room for them again. A failed
+ * step fails them all. */
 static void step_jobs(rk_scheduler *e, rk_pipeline *p) {
     rk_error_clear();
     rk_status st = rk_pipeline_step(p, NULL);
+    embed_collect(e);
     if (st == RK_OK) {
         rk_request *out[e->p.max_batch];
         rk_job *jobs[e->p.max_batch];
@@ -545,19 +608,27 @@ static void step_jobs(rk_scheduler *e, rk_pipeline *p) {
     while (e->n_running > 0) finish(e, e->running[0], 1, st, msg);
 }
 
-/* With e->mu held: the work of the next iteration. A command at the head of
- * the queue runs when it may (a light one at once, the others once no
- * generation runs: they may run the pipeline themselves); otherwise queued
- * generations join the running ones, up to max_batch, in queue order, while
- * their estimated blocks fit in the free live pool (the first one when
- * nothing runs, whatever its size). They go on the running list. */
-static void take_work(rk_scheduler *e, rk_job **out_cmd, rk_job **fresh, int *out_n) {
-    *out_cmd = NULL;
+/* With e->mu held: the work of the next iteration. An embedding job at the
+ * head of the queue joins the steps at once (*out_embed). Then a command at
+ * the head runs when it may (a light one at once, the others once no
+ * generation or embedding runs: they may run the pipeline themselves);
+ * otherwise queued generations join the running ones, up to max_batch, in
+ * queue order, while their estimated blocks fit in the free live pool (the
+ * first one when nothing runs, whatever its size). They go on the running
+ * list. */
+static void take_work(rk_scheduler *e, rk_job **out_cmd, rk_job **out_embed, rk_job **fresh,
+                      int *out_n) {
+    *out_cmd = *out_embed = NULL;
     *out_n = 0;
     rk_job *h = e->head;
+    if (h && h->embed) {
+        unlink_job(e, h);
+        *out_embed = h;
+        h = e->head;
+    }
     if (!h) return;
     if (h->fn) {
-        if (h->anytime || e->n_running == 0) {
+        if (h->anytime || (e->n_running == 0 && e->n_embedding == 0)) {
             unlink_job(e, h);
             *out_cmd = h;
         }
@@ -566,7 +637,7 @@ static void take_work(rk_scheduler *e, rk_job **out_cmd, rk_job **fresh, int *ou
     int budget = rk_arena_pool_free(e->svc->arena, RK_POOL_LIVE), n = 0;
     for (rk_job *j = h, *next; j && e->n_running < e->p.max_batch; j = next) {
         next = j->next;
-        if (j->fn || (j->est_blocks > budget && e->n_running > 0)) break;
+        if (j->fn || j->embed || (j->est_blocks > budget && e->n_running > 0)) break;
         unlink_job(e, j);
         fresh[n++] = j;
         e->running[e->n_running++] = j;
@@ -593,32 +664,34 @@ static void sleep_s(double d) {
 /* ---------------------------------------------------------------- the thread */
 
 /* Iteration-level scheduling: each iteration admits the generations that
- * arrived (their prompt stages 2-6 but the question pass), then runs one step: a
- * forward pass of the next token of every running generation and of the
- * joined ones' prompt work (within step_tokens); a request leaves in the
- * step it finishes. Light commands run between
+ * arrived (their prompt stages 2-6 but the question pass) and the embedding
+ * work, then runs one step: a forward pass of the next token of every
+ * running generation and of the joined ones' prompt work (within
+ * step_tokens), and an embedding pass within what that left; a request
+ * leaves in the step it finishes. Light commands run between
  * iterations. On stop, what runs was flagged cancelled and leaves at the next
  * step. */
 static void engine_loop(rk_scheduler *e, rk_pipeline *p) {
     rk_job *fresh[e->p.max_batch];
     for (;;) {
-        rk_job *cmd;
+        rk_job *cmd, *embed;
         int n_new = 0;
         /* With tier reads or writes under way, an idle engine looks in every
          * 10 ms to place what finished (a read's chunk, a write's row). */
         int tier_work = rk_pipeline_tier_work(p);
         pthread_mutex_lock(&e->mu);
-        while (!e->stop && !e->head && e->n_running == 0)
+        while (!e->stop && !e->head && e->n_running == 0 && e->n_embedding == 0)
             if (!tier_work)
                 pthread_cond_wait(&e->cv, &e->mu);
             else if (timed_wait(e, 0.01))
                 break;
-        if (e->stop && e->n_running == 0) {
+        if (e->stop && e->n_running == 0 && e->n_embedding == 0) {
             pthread_mutex_unlock(&e->mu);
             break;
         }
-        take_work(e, &cmd, fresh, &n_new);
+        take_work(e, &cmd, &embed, fresh, &n_new);
         pthread_mutex_unlock(&e->mu);
+        if (embed) embed_start(e, p, embed);
         if (rk_pipeline_n_running(p) == 0) /* a step places them otherwise */
             rk_pipeline_collect_loads(p);  /* reads that finished while nothing ran */
         if (cmd) {
@@ -626,8 +699,9 @@ static void engine_loop(rk_scheduler *e, rk_pipeline *p) {
             continue;
         }
         if (n_new) admit_jobs(e, p, fresh, n_new);
-        if (rk_pipeline_n_running(p) > 0) step_jobs(e, p);
-        if (e->p.token_delay_s > 0 && (n_new || e->n_running)) sleep_s(e->p.token_delay_s);
+        if (rk_pipeline_n_running(p) > 0 || rk_pipeline_n_embedding(p) > 0) step_jobs(e, p);
+        if (e->p.token_delay_s > 0 && (n_new || e->n_running || e->n_embedding))
+            sleep_s(e->p.token_delay_s);
         poll_anytime(e);
     }
 }
@@ -731,7 +805,7 @@ rk_status rk_scheduler_submit(rk_scheduler *e, rk_job *j) {
         st = rk_errorf(RK_ERR_BUSY, "the queue is full (%d requests waiting)", e->n_queued);
     } else {
         j->t_submit = rk_time_now();
-        j->est_blocks = j->fn ? 0 : rk_request_live_blocks(e->svc, &j->req);
+        j->est_blocks = j->fn || j->embed ? 0 : rk_request_live_blocks(e->svc, &j->req);
         j->done = j->ran = 0;
         j->n_tokens = 0;
         j->queued = 1;
@@ -760,8 +834,11 @@ void rk_scheduler_cancel(rk_scheduler *e, rk_job *j) {
         complete(j, 1, RK_OK, "");
     } else if (was_queued) {
         complete(j, 0, RK_ERR_BUSY, "the request was cancelled before it ran");
-    } else if (!j->fn)
+    } else if (j->embed) {
+        rk_embed_task_cancel(j->embed);
+    } else if (!j->fn) {
         j->req.cancel = 1;
+    }
 }
 
 /* With e->mu held: unlink every queued job into a list; flag the running ones. */
@@ -775,6 +852,7 @@ static rk_job *take_all(rk_scheduler *e) {
     }
     for (int i = 0; i < e->n_running; i++)
         if (!e->running[i]->fn) e->running[i]->req.cancel = 1;
+    for (int i = 0; i < e->n_embedding; i++) rk_embed_task_cancel(e->embedding[i]->embed);
     return list;
 }
 
@@ -816,6 +894,7 @@ void rk_scheduler_free(rk_scheduler *e) {
     pthread_cond_destroy(&e->cv);
     pthread_mutex_destroy(&e->mu);
     free(e->running);
+    free(e->embedding);
     free(e->model_path);
     free(e);
 }

@@ -16,9 +16,12 @@
  * queue, to resume where it stopped once there is room (counted in the
  * snapshot's preemptions). A new request whose prompt does not fit while
  * others run waits at the head of the queue; one whose prompt and
- * max_tokens cannot fit even alone fails (RK_ERR_CONTEXT). Cache commands (list, delete, flush,
- * pre-warm) are jobs too: functions run on the engine thread between steps; the light ones (list,
- * get, delete, flush) at once, the others (which may run the pipeline themselves) once no
+ * max_tokens cannot fit even alone fails (RK_ERR_CONTEXT). Embedding work
+ * (a job's rk_embed_task) joins the running generations too: each step's
+ * embedding pass feeds its inputs within what the step budget left, so a
+ * large embedding call never stalls the streams for more than a step. Cache commands (list, delete,
+ * flush, pre-warm) are jobs too: functions run on the engine thread between steps; the light ones
+ * (list, get, delete, flush) at once, the others (which may run the pipeline themselves) once no
  * generation runs. Statistics are published after every admission, every completion and every 100
  * ms.
  *
@@ -98,8 +101,10 @@ typedef rk_status (*rk_scheduler_fn)(void *ctx, rk_scheduler *e, rk_service *svc
 
 typedef struct rk_job {
     /* Set by the submitter before rk_scheduler_submit. */
-    rk_request req;     /* a generation (prepared), when fn is NULL */
-    rk_scheduler_fn fn; /* or a command */
+    rk_request req;       /* a generation (prepared), when fn and embed are NULL */
+    rk_scheduler_fn fn;   /* or a command */
+    rk_embed_task *embed; /* or embedding work (/v1/embeddings, /v1/rerank): run in the
+                             steps, beside the generations; the submitter's */
     void *fn_ctx;
     int notify_tokens;      /* wake the waiter at every token (streaming, stop strings) */
     int anytime;            /* a command that may run between two decode steps while
@@ -151,8 +156,8 @@ rk_service *rk_scheduler_service(rk_scheduler *e);
 rk_status rk_scheduler_submit(rk_scheduler *e, rk_job *j);
 
 /* Cancel a job: a queued one is taken out of the queue and completed at once
- * (done, ran = 0); a running generation is flagged and stops at its next
- * decode step. The caller still waits for done. */
+ * (done, ran = 0); a running generation or embedding task is flagged and
+ * stops at its next step. The caller still waits for done. */
 void rk_scheduler_cancel(rk_scheduler *e, rk_job *j);
 
 /* Flag every running generation and complete every queued job as cancelled. */

@@ -6,7 +6,9 @@
  * within step_tokens (rk_run_pass: stepped chunks, system tail, repair
  * runs, question); the finished leave. A request takes live blocks as it
  * decodes (make_room); when none is left the youngest is preempted
- * (preempt) and resumes through a later admission (resume_one). */
+ * (preempt) and resumes through a later admission (resume_one). Embedding
+ * work (rk_pipeline_embed_join) takes what the step budget left, in a pass
+ * of its own after the step's (embed_work). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -236,6 +238,31 @@ int rk_pipeline_collect_loads(rk_pipeline *p) {
     return rk_persist_collect_loads(p->svc, keep_lock, p);
 }
 
+rk_status rk_pipeline_embed_join(rk_pipeline *p, rk_embed_task *t) {
+    if (p->n_embeds == p->cap_embeds) {
+        int cap = p->cap_embeds ? p->cap_embeds * 2 : 8;
+        rk_embed_task **q = realloc(p->embeds, (size_t)cap * sizeof *q);
+        if (!q) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        p->embeds = q;
+        p->cap_embeds = cap;
+    }
+    p->embeds[p->n_embeds++] = t;
+    return RK_OK;
+}
+
+int rk_pipeline_n_embedding(const rk_pipeline *p) { return p->n_embeds; }
+
+/* The step's embedding pass, within budget prompt tokens (<= 0: the pass's
+ * own bound); the tasks done leave the list (their owners see them done). */
+static void embed_work(rk_pipeline *p, int budget) {
+    if (p->n_embeds == 0) return;
+    rk_embed_step(p->svc, p->embeds, p->n_embeds, budget, p->n_running > 0);
+    int kept = 0;
+    for (int i = 0; i < p->n_embeds; i++)
+        if (!rk_embed_task_done(p->embeds[i], NULL, NULL, 0)) p->embeds[kept++] = p->embeds[i];
+    p->n_embeds = kept;
+}
+
 rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
     rk_status st;
     /* Cancelled requests leave first: their blocks are free for the others. */
@@ -259,11 +286,14 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
      * prompt work goes in whole. */
     int budget = n_dec > 0 ? p->svc->cfg.step_tokens : 0;
     if ((st = rk_run_pass(p, p->work, n_dec, p->work + n_dec, n_pre, budget, hooks))) return st;
+    /* Prompt tokens the pass fed: what is left of the budget goes to embeddings. */
+    int left = budget > 0 ? budget - (p->b.n_tok - n_dec) : 0;
     /* Nothing to run but loads to wait for: wait for one, not in a spin. */
-    if (p->b.n_seq == 0 && p->svc->loader && rk_loader_pending(p->svc->loader))
+    if (p->b.n_seq == 0 && p->n_embeds == 0 && p->svc->loader && rk_loader_pending(p->svc->loader))
         rk_loader_wait(p->svc->loader, 0.01);
     /* A slice of the deviation passes: their own pass, of fewer layers. */
     if ((st = rk_repair_score_step(p->svc, &p->b, p->work + n_dec, n_pre, budget))) return st;
+    if (budget <= 0 || left > 0) embed_work(p, left); /* unless the prompt work took it all */
     if ((st = advance_chunk_waits(p))) return st;
     leave_finished(p);
     return RK_OK;
@@ -287,6 +317,9 @@ void rk_pipeline_abort(rk_pipeline *p) {
 void rk_pipeline_free(rk_pipeline *p) {
     if (!p) return;
     rk_pipeline_abort(p);
+    for (int i = 0; i < p->n_embeds; i++) rk_embed_task_cancel(p->embeds[i]);
+    embed_work(p, 0); /* the cancelled tasks end: their blocks go back */
+    free(p->embeds);
     rk_batch_free(&p->b);
     rk_copy_plan_free(&p->copies);
     rk_feed_free(&p->feed);

@@ -1,10 +1,11 @@
 /* tests/test_embeddings.c — POST /v1/embeddings end to end: the real `ragkv
  * serve` on loopback with the qwen3-embedding-tiny preset (Qwen3 vocabulary,
  * pooling_type 3 = last token), and qwen3-tiny (no pooling key) with and
- * without --pooling. */
+ * without --pooling, alone and beside a stream. */
 #include <criterion/criterion.h>
 #include <jansson.h>
 #include <math.h>
+#include <poll.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,10 +18,10 @@ static rk_test_server S;
 
 static void stop_server(void) { rk_test_server_stop_checked(&S); }
 
-/* Start a server on preset's model with extra args (NULL-terminated, at most 4). */
+/* Start a server on preset's model with extra args (NULL-terminated, at most 8). */
 static void start(const char *preset, const char *const *extra) {
     char *model = rk_test_model(preset, "f32", 1);
-    const char *args[8] = {"--model", model};
+    const char *args[12] = {"--model", model};
     int n = 2;
     for (int i = 0; extra && extra[i]; i++) args[n++] = extra[i];
     args[n] = NULL;
@@ -391,4 +392,103 @@ Test(embeddings, an_embedding_model_does_not_generate) {
                  0);
     cr_expect_eq(g.http.status, 400, "%s", g.http.body);
     rk_test_resp_free(&g);
+}
+
+/* A large call and a stream on one server: the call's inputs go through the
+ * steps a slice at a time (--step-tokens 8, inputs of 20 tokens and more:
+ * each over several passes), between the stream's tokens. The stream
+ * starts first and asks for 16 tokens; the call, sent after its first one,
+ * needs more than 100 steps. Run as one command between two steps (as
+ * before), the call would be answered before the stream's next token; in
+ * the steps, the stream ends first while the call is still unanswered. The
+ * vectors are the ones the call gets alone (no stream: no budget, every
+ * input whole in one pass), and nothing stays in the live pool. */
+Test(embeddings, a_large_call_runs_in_slices_between_a_streams_tokens_with_the_same_vectors) {
+    const char *extra[] = {"--pooling", "mean", "--step-tokens", "8", "--token-delay-s",
+                           "0.01",      NULL};
+    start("qwen3-tiny", extra);
+    enum { N = 40 };
+    json_t *input = json_array();
+    for (int i = 0; i < N; i++)
+        json_array_append_new(
+            input, json_sprintf("Passage %d: the river runs past the mill, the baker bakes bread "
+                                "and the bell rings over the valley %d times.",
+                                i, 3 * i + 1));
+    json_t *req = json_pack("{s:o}", "input", input);
+    char *body = json_dumps(req, JSON_COMPACT);
+    json_decref(req);
+
+    rk_http_conn g, e;
+    const char *gen =
+        "{\"prompt\": \"Once upon a time\", \"max_tokens\": 16, \"ignore_eos\": true, "
+        "\"temperature\": 0, \"stream\": true}";
+    cr_assert_eq(rk_http_open(&S.t, "POST", "/v1/completions", NULL, gen, strlen(gen), &g), RK_OK);
+    cr_assert_eq(rk_http_wait_for(&g, "data: "), RK_OK, "no first token: %s", rk_error_message());
+    cr_assert_eq(rk_http_open(&S.t, "POST", "/v1/embeddings", NULL, body, strlen(body), &e), RK_OK);
+    rk_http_response gr;
+    cr_assert_eq(rk_http_finish(&g, NULL, NULL, &gr), RK_OK, "%s", rk_error_message());
+    int events = 0;
+    for (const char *p = gr.body; (p = strstr(p, "data: {")); p++) events++;
+    cr_expect_geq(events, 16, "the stream sent %d events: %s", events, gr.body);
+    cr_expect(strstr(gr.body, "data: [DONE]") != NULL, "the stream did not end: %s", gr.body);
+    rk_http_response_free(&gr);
+    /* The stream is over; the embedding call has not been answered yet. */
+    struct pollfd pf = {.fd = e.fd, .events = POLLIN};
+    cr_expect_eq(poll(&pf, 1, 0), 0,
+                 "the embedding call was answered before the stream's last token");
+    rk_test_resp sliced = {0};
+    cr_assert_eq(rk_http_finish(&e, NULL, NULL, &sliced.http), RK_OK, "%s", rk_error_message());
+    rk_test_resp_parse_json(&sliced);
+    cr_assert_eq(sliced.http.status, 200, "%s", sliced.http.body);
+    rk_test_resp whole = post(body);
+    cr_assert_eq(whole.http.status, 200, "%s", whole.http.body);
+    cr_expect_eq(rk_test_jint(whole.json, "usage.prompt_tokens"),
+                 rk_test_jint(sliced.json, "usage.prompt_tokens"));
+    cr_assert_gt(rk_test_jint(whole.json, "usage.prompt_tokens"), N * 20);
+    double worst = 0;
+    for (int i = 0; i < N; i++) {
+        float a[DIM], b[DIM];
+        vec_of(sliced.json, i, a);
+        vec_of(whole.json, i, b);
+        for (int k = 0; k < DIM; k++) worst = fmax(worst, fabs((double)a[k] - b[k]));
+    }
+    cr_log_info("sliced against whole: max |difference| %.3g", worst);
+    cr_expect_leq(worst, 1e-5, "the sliced vectors differ from the whole ones by %.3g", worst);
+    json_t *st = stats();
+    cr_expect_eq(rk_test_jint(st, "pools.live.used"), 0);
+    json_decref(st);
+    rk_test_resp_free(&whole);
+    rk_test_resp_free(&sliced);
+    free(body);
+}
+
+/* A call that runs past --timeout-s is cancelled in the steps: 503 with the
+ * timeout named, and what its inputs held (an input fed over two passes
+ * holds blocks between them) goes back to the live pool. 2048 inputs of 12
+ * tokens are 12 passes of 2048 tokens, each step followed by the test
+ * delay of 0.05 s: far past the 0.2 s allowed. */
+Test(embeddings, a_call_past_the_timeout_is_cancelled_and_releases_its_blocks) {
+    const char *extra[] = {"--timeout-s", "0.2", "--token-delay-s", "0.05", NULL};
+    start("qwen3-embedding-tiny", extra);
+    json_t *input = json_array();
+    for (int i = 0; i < 2048; i++) {
+        json_t *ids = json_array();
+        for (int k = 0; k < 12; k++) json_array_append_new(ids, json_integer(1000 + 7 * i + k));
+        json_array_append_new(input, ids);
+    }
+    json_t *req = json_pack("{s:o}", "input", input);
+    char *body = json_dumps(req, JSON_COMPACT);
+    json_decref(req);
+    rk_test_resp r = post(body);
+    cr_expect_eq(r.http.status, 503, "%s", r.http.body);
+    cr_expect(strstr(rk_test_jstr(r.json, "error.message"), "timeout") != NULL, "%s", r.http.body);
+    rk_test_resp_free(&r);
+    json_t *st = stats();
+    cr_expect_eq(rk_test_jint(st, "pools.live.used"), 0);
+    json_decref(st);
+    /* The server goes on: a small call is answered. */
+    rk_test_resp ok = post("{\"input\": \"still here\"}");
+    cr_expect_eq(ok.http.status, 200, "%s", ok.http.body);
+    rk_test_resp_free(&ok);
+    free(body);
 }
