@@ -1,5 +1,6 @@
-/* engine/model.c — loading llama / qwen2 / qwen3 models from GGUF and the
- * transformer forward pass over a paged KV cache.
+/* engine/model.c — loading a model's weights from GGUF (its
+ * hyper-parameters: model_hparams.c) and the transformer forward pass over a
+ * paged KV cache.
  *
  * Per layer, for a batch of n tokens (x is the residual stream):
  *   xb = rmsnorm(x) · attn_norm
@@ -9,8 +10,6 @@
  *   x += att·Wo
  *   xb = rmsnorm(x) · ffn_norm;  x += (silu(xb·Wgate) * (xb·Wup)) · Wdown
  * then logits = (rmsnorm(x) · output_norm) · Wout for the requested rows. */
-#include "engine/engine.h"
-
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -18,68 +17,7 @@
 #include <string.h>
 #include <xxhash.h>
 
-#include "engine/moe.h"
-
-typedef struct rk_matrix {
-    const void *w;      /* (rows, cols) backend memory, cols contiguous */
-    const void *packed; /* w in the backend's packed layout, or NULL (see pack_mat) */
-    rk_dtype type;
-    int rows, cols;
-} rk_matrix;
-
-typedef struct rk_layer {
-    const float *attn_norm, *ffn_norm;           /* (dim) */
-    const float *q_norm, *k_norm;                /* (head_dim), qwen3, gemma3 */
-    const float *post_attn_norm, *post_ffn_norm; /* (dim), families with post_norms */
-    int window;                                  /* sliding window of the layer, 0: global */
-    const float *bq, *bk, *bv;                   /* (n_heads*head_dim), (kv_dim), (kv_dim); qwen2 */
-    rk_matrix wq, wk, wv, wo, gate, up, down;
-    /* [wq; wk; wv] and [gate; up] packed as one matrix each where the
-     * backend packs them (see fuse_mats), else rows 0 */
-    rk_matrix qkv, gate_up;
-    /* Mixture of experts (load_experts): the router and each expert's
-     * matrices in place of gate, up and down; moe.gate NULL when dense */
-    rk_moe_layer moe;
-} rk_layer;
-
-/* Activation buffers, sized for cap tokens and cap_logits logit rows. */
-typedef struct rk_scratch {
-    int cap, cap_logits, cap_blocks;
-    float *x, *xb;                 /* (cap, dim) */
-    float *q, *att;                /* (cap, n_heads*head_dim) */
-    float *k, *v;                  /* (cap, kv_dim) */
-    float *hb, *hb2;               /* (cap, ffn_dim) */
-    float *fused;                  /* (cap, max(q + 2 kv, 2 ffn_dim)): fused matmul outputs */
-    float *xl;                     /* (cap_logits, dim) */
-    float *logits;                 /* (cap_logits, n_vocab) */
-    int32_t *tokens, *pos, *slots; /* (cap) */
-    int32_t *table;                /* (cap_blocks) */
-} rk_scratch;
-
-struct rk_model {
-    rk_hparams hp;
-    rk_rope rope;
-    rk_rope rope_swa; /* the sliding layers' (hp.rope_swa) */
-    rk_backend *be;
-    rk_gguf *gguf;
-    void *owned_buf;
-    rk_tokenizer *tok;
-    const void *embd; /* token_embd (n_vocab, dim) */
-    rk_dtype embd_type;
-    const float *out_norm;
-    rk_matrix out;
-    rk_layer *layers;
-    const rk_rope **layer_rope; /* (n_layers) the RoPE of each layer */
-    void **allocs;              /* backend buffers this model owns */
-    int n_allocs, cap_allocs;
-    void **host_allocs; /* host buffers (converted small tensors) */
-    int n_host, cap_host;
-    size_t weight_bytes;
-    int has_fused;        /* some layer has a fused matrix (fuse_mats, or the file's) */
-    rk_moe_scratch moe_s; /* the MoE FFN's buffers (host memory) */
-    char fingerprint[33];
-    rk_scratch s;
-};
+#include "engine/model_internal.h"
 
 /* ---------------------------------------------------------------- helpers */
 
@@ -296,275 +234,6 @@ static rk_status fuse_mats(rk_model *m, rk_matrix *parts[], int n_parts, rk_matr
     return RK_OK;
 }
 
-/* ---------------------------------------------------------------- hparams */
-
-static rk_status get_u32_arch(rk_model *m, const char *suffix, uint32_t def, int required,
-                              int *out) {
-    char key[128];
-    snprintf(key, sizeof key, "%s.%s", m->hp.arch_name, suffix);
-    uint32_t v;
-    rk_status st = rk_gguf_get_u32(m->gguf, key, &v);
-    if (st == RK_ERR_NOT_FOUND) {
-        if (required) return rk_errorf(RK_ERR_FORMAT, "model: metadata key %s is missing", key);
-        v = def;
-    } else if (st) {
-        return st;
-    }
-    if (v > (1u << 30)) return rk_errorf(RK_ERR_FORMAT, "model: %s = %u is out of range", key, v);
-    *out = (int)v;
-    return RK_OK;
-}
-
-/* An optional float key: def when absent, an error when stored with another type. */
-static rk_status get_f32_arch(rk_model *m, const char *suffix, float def, float *out) {
-    char key[128];
-    snprintf(key, sizeof key, "%s.%s", m->hp.arch_name, suffix);
-    rk_status st = rk_gguf_get_f32(m->gguf, key, out);
-    if (st == RK_ERR_NOT_FOUND) *out = def;
-    return st == RK_ERR_NOT_FOUND ? RK_OK : st;
-}
-
-/* A float hyper-parameter that must be finite and > 0 (NaN fails the compare). */
-static rk_status check_positive(const rk_model *m, const char *suffix, float v) {
-    if (v > 0 && isfinite(v)) return RK_OK;
-    return rk_errorf(RK_ERR_FORMAT, "model: %s.%s = %g is invalid (must be finite and > 0)",
-                     m->hp.arch_name, suffix, v);
-}
-
-/* The attention's scale, sliding window, soft caps and the sliding layers'
- * RoPE, as the family (arch.h) and the file say; checked. */
-static rk_status read_attn(rk_model *m) {
-    rk_hparams *hp = &m->hp;
-    const rk_arch_desc *d = hp->desc;
-    rk_status st;
-    hp->attn_scale = 1.0f / sqrtf((float)hp->head_dim);
-    if (d->scale_dim_layers > 0 && hp->n_layers == d->scale_dim_layers)
-        hp->attn_scale = 1.0f / sqrtf((float)(hp->dim / hp->n_heads));
-    hp->sliding_window = hp->swa_period = 0;
-    if (d->swa_period > 0 &&
-        ((st = get_u32_arch(m, "attention.sliding_window", (uint32_t)d->swa_default_window, 0,
-                            &hp->sliding_window)) ||
-         (st = get_u32_arch(m, "attention.sliding_window_pattern", (uint32_t)d->swa_period, 0,
-                            &hp->swa_period))))
-        return st;
-    hp->attn_softcap = hp->final_softcap = 0.0f;
-    if (d->attn_softcap > 0 &&
-        ((st = get_f32_arch(m, "attn_logit_softcapping", d->attn_softcap, &hp->attn_softcap)) ||
-         (st = check_positive(m, "attn_logit_softcapping", hp->attn_softcap))))
-        return st;
-    if (d->final_softcap_key &&
-        ((st = get_f32_arch(m, "final_logit_softcapping", d->final_softcap, &hp->final_softcap)) ||
-         (hp->final_softcap != 0.0f &&
-          (st = check_positive(m, "final_logit_softcapping", hp->final_softcap)))))
-        return st;
-    hp->rope_swa = hp->rope;
-    if (d->swa_local_rope) {
-        hp->rope_swa.theta = 10000.0f;
-        hp->rope_swa.scaling = RK_ROPE_SCALING_NONE;
-        hp->rope_swa.factor = 1.0f;
-    }
-    if ((st = get_f32_arch(m, "rope.freq_base_swa", hp->rope_swa.theta, &hp->rope_swa.theta)) ||
-        (st = check_positive(m, "rope.freq_base_swa", hp->rope_swa.theta)))
-        return st;
-    return rk_rope_init(&m->rope_swa, &hp->rope_swa);
-}
-
-/* The RoPE parameters (hp's head_dim and context known), checked. */
-static rk_status read_rope(rk_model *m) {
-    rk_hparams *hp = &m->hp;
-    const char *arch = hp->arch_name;
-    rk_status st;
-    char key[128];
-    rk_rope_params *rp = &hp->rope;
-    memset(rp, 0, sizeof *rp);
-    if ((st = get_u32_arch(m, "rope.dimension_count", (uint32_t)hp->head_dim, 0, &rp->n_rot)))
-        return st;
-    if (rp->n_rot < 2 || rp->n_rot > hp->head_dim || rp->n_rot % 2)
-        return rk_errorf(RK_ERR_FORMAT,
-                         "model: %s.rope.dimension_count = %d is invalid (even, 2..head_dim %d)",
-                         arch, rp->n_rot, hp->head_dim);
-    if ((st = get_f32_arch(m, "rope.freq_base", 10000.0f, &rp->theta)) ||
-        (st = check_positive(m, "rope.freq_base", rp->theta)))
-        return st;
-    rp->pairing = hp->desc->rope_neox ? RK_ROPE_NEOX : RK_ROPE_NORMAL;
-    if ((st = get_f32_arch(m, "rope.scaling.factor", 1.0f, &rp->factor))) return st;
-    int orig;
-    if ((st = get_u32_arch(m, "rope.scaling.original_context_length", (uint32_t)hp->n_ctx, 0,
-                           &orig)))
-        return st;
-    rp->orig_ctx = orig;
-    if ((st = get_f32_arch(m, "rope.scaling.yarn_beta_fast", 32.0f, &rp->beta_fast)) ||
-        (st = get_f32_arch(m, "rope.scaling.yarn_beta_slow", 1.0f, &rp->beta_slow)) ||
-        (st = get_f32_arch(m, "rope.scaling.low_freq_factor", 1.0f, &rp->low_freq_factor)) ||
-        (st = get_f32_arch(m, "rope.scaling.high_freq_factor", 4.0f, &rp->high_freq_factor)))
-        return st;
-    const char *stype = "none";
-    snprintf(key, sizeof key, "%s.rope.scaling.type", hp->arch_name);
-    rk_gguf_get_str(m->gguf, key, &stype, NULL);
-    if (!strcmp(stype, "none"))
-        rp->scaling = RK_ROPE_SCALING_NONE;
-    else if (!strcmp(stype, "linear"))
-        rp->scaling = RK_ROPE_SCALING_LINEAR;
-    else if (!strcmp(stype, "yarn"))
-        rp->scaling = RK_ROPE_SCALING_YARN;
-    else if (!strcmp(stype, "llama3"))
-        rp->scaling = RK_ROPE_SCALING_LLAMA3;
-    else
-        return rk_errorf(RK_ERR_UNSUPPORTED, "model: rope scaling \"%s\" not supported", stype);
-    if (rp->scaling != RK_ROPE_SCALING_NONE &&
-        (st = check_positive(m, "rope.scaling.factor", rp->factor)))
-        return st;
-    return rk_rope_init(&m->rope, rp);
-}
-
-/* The expert counts of a mixture-of-experts family, checked; ffn_dim
- * (feed_forward_length, optional for these families) defaults to the width
- * of the experts a token uses, as the reference engine takes it. */
-static rk_status read_experts(rk_model *m) {
-    rk_hparams *hp = &m->hp;
-    if (!hp->desc->moe) return RK_OK;
-    rk_status st;
-    if ((st = get_u32_arch(m, "expert_count", 0, 1, &hp->n_expert)) ||
-        (st = get_u32_arch(m, "expert_used_count", 0, 1, &hp->n_expert_used)) ||
-        (st = get_u32_arch(m, "expert_feed_forward_length", 0, 1, &hp->ffn_exp)))
-        return st;
-    if (hp->n_expert < 1 || hp->n_expert > 4096 || hp->n_expert_used < 1 ||
-        hp->n_expert_used > hp->n_expert || hp->ffn_exp < 1)
-        return rk_errorf(RK_ERR_FORMAT,
-                         "model: %s.expert_count %d, expert_used_count %d, "
-                         "expert_feed_forward_length %d are inconsistent",
-                         hp->arch_name, hp->n_expert, hp->n_expert_used, hp->ffn_exp);
-    if (hp->ffn_dim == 0) hp->ffn_dim = hp->ffn_exp * hp->n_expert_used;
-    if (hp->desc->act != RK_FFN_SILU)
-        return rk_errorf(RK_ERR_UNSUPPORTED, "model: %s: experts with a non-SiLU gate",
-                         hp->arch_name);
-    if (!backend_is_host(m->be))
-        return rk_errorf(RK_ERR_UNSUPPORTED,
-                         "model: %s is a mixture of experts, which the %s backend does not "
-                         "compute (cpu only)",
-                         hp->arch_name, m->be->name);
-    return RK_OK;
-}
-
-static rk_status read_hparams(rk_model *m) {
-    rk_hparams *hp = &m->hp;
-    const char *arch;
-    rk_status st = rk_gguf_get_str(m->gguf, "general.architecture", &arch, NULL);
-    if (st) return rk_errorf(RK_ERR_FORMAT, "model: general.architecture is missing");
-    if (!(hp->desc = rk_arch_find(arch))) {
-        const char *why = rk_arch_refusal(arch);
-        if (why)
-            return rk_errorf(RK_ERR_UNSUPPORTED, "model: architecture \"%s\" is refused: %s", arch,
-                             why);
-        char names[128];
-        rk_arch_names(names, sizeof names);
-        return rk_errorf(RK_ERR_UNSUPPORTED, "model: architecture \"%s\" is not supported (%s)",
-                         arch, names);
-    }
-    snprintf(hp->arch_name, sizeof hp->arch_name, "%s", arch);
-    const char *name;
-    if (rk_gguf_get_str(m->gguf, "general.name", &name, NULL) == RK_OK)
-        snprintf(hp->name, sizeof hp->name, "%s", name);
-
-    if ((st = get_u32_arch(m, "block_count", 0, 1, &hp->n_layers)) ||
-        (st = get_u32_arch(m, "embedding_length", 0, 1, &hp->dim)) ||
-        (st = get_u32_arch(m, "feed_forward_length", 0, !hp->desc->moe, &hp->ffn_dim)) ||
-        (st = get_u32_arch(m, "attention.head_count", 0, 1, &hp->n_heads)) ||
-        (st = get_u32_arch(m, "attention.head_count_kv", (uint32_t)hp->n_heads, 0,
-                           &hp->n_kv_heads)) ||
-        (st = get_u32_arch(m, "context_length", 2048, 0, &hp->n_ctx)))
-        return st;
-    if ((st = read_experts(m))) return st;
-    if (hp->n_layers < 1 || hp->dim < 1 || hp->ffn_dim < 1 || hp->n_heads < 1 || hp->n_kv_heads < 1)
-        return rk_errorf(RK_ERR_FORMAT,
-                         "model: inconsistent shape (%d layers, dim %d, ffn %d, %d heads, %d kv)",
-                         hp->n_layers, hp->dim, hp->ffn_dim, hp->n_heads, hp->n_kv_heads);
-    if (hp->n_heads % hp->n_kv_heads)
-        return rk_errorf(RK_ERR_FORMAT,
-                         "model: %s.attention.head_count %d is not a multiple of "
-                         "%s.attention.head_count_kv %d",
-                         arch, hp->n_heads, arch, hp->n_kv_heads);
-    /* A position needs at least one earlier one to attend to: 0 or 1 is a broken file. */
-    if (hp->n_ctx < 2)
-        return rk_errorf(RK_ERR_FORMAT, "model: %s.context_length = %d is invalid (must be >= 2)",
-                         arch, hp->n_ctx);
-    char key[128];
-    snprintf(key, sizeof key, "%s.attention.key_length", arch);
-    if (rk_gguf_find_key(m->gguf, key) < 0 && hp->dim % hp->n_heads)
-        return rk_errorf(RK_ERR_FORMAT,
-                         "model: %s.embedding_length %d is not a multiple of "
-                         "%s.attention.head_count %d (and %s is absent)",
-                         arch, hp->dim, arch, hp->n_heads, key);
-    if ((st = get_u32_arch(m, "attention.key_length", (uint32_t)(hp->dim / hp->n_heads), 0,
-                           &hp->head_dim)))
-        return st;
-    int vlen;
-    if ((st = get_u32_arch(m, "attention.value_length", (uint32_t)hp->head_dim, 0, &vlen)))
-        return st;
-    if (vlen != hp->head_dim || hp->head_dim < 2 || hp->head_dim > 2 * RK_ROPE_MAX_PAIRS)
-        return rk_errorf(RK_ERR_UNSUPPORTED, "model: head_dim %d / value_length %d not supported",
-                         hp->head_dim, vlen);
-    if ((st = get_f32_arch(m, "attention.layer_norm_rms_epsilon", 1e-5f, &hp->rms_eps)) ||
-        (st = check_positive(m, "attention.layer_norm_rms_epsilon", hp->rms_eps)))
-        return st;
-    char pkey[64];
-    snprintf(pkey, sizeof pkey, "%s.pooling_type", arch);
-    uint32_t pooling;
-    st = rk_gguf_get_u32(m->gguf, pkey, &pooling);
-    if (st == RK_ERR_NOT_FOUND) {
-        hp->pooling = RK_POOLING_UNSET;
-    } else if (st) {
-        return st;
-    } else if (pooling > RK_POOLING_RANK) {
-        return rk_errorf(RK_ERR_FORMAT,
-                         "model: %s = %u is not 0 (none), 1 (mean), 2 (cls), 3 (last) or 4 (rank)",
-                         pkey, pooling);
-    } else {
-        hp->pooling = (rk_pooling)pooling;
-    }
-    if ((st = read_rope(m))) return st;
-    return read_attn(m);
-}
-
-/* Whether layer l slides (the reference engine's pattern): with a window,
- * every layer but each swa_period-th (l % period == period - 1), or every
- * layer for a period of 0 (a file's explicit pattern). */
-static int layer_slides(const rk_hparams *hp, int l) {
-    if (hp->sliding_window <= 0) return 0;
-    if (hp->swa_period == 0) return 1;
-    return l % hp->swa_period < hp->swa_period - 1;
-}
-
-/* Per-frequency divisors of the RoPE frequencies, where the file has them:
- * llama 3 files in rope_freqs.weight; LongRoPE files (phi3) in
- * rope_factors_short.weight and rope_factors_long.weight, the long ones for
- * a context longer than the original one. ragkv serves up to the file's
- * context_length, so a file whose context exceeds its original one computes
- * with the long factors, as the reference engine does at that context. The
- * rotation is also scaled by rope.scaling.attn_factor where present. */
-static rk_status apply_rope_freqs(rk_model *m) {
-    const rk_hparams *hp = &m->hp;
-    const char *name = "rope_freqs.weight";
-    if (!rk_gguf_find_tensor(m->gguf, name))
-        name = hp->n_ctx > hp->rope.orig_ctx ? "rope_factors_long.weight"
-                                             : "rope_factors_short.weight";
-    float attn_factor;
-    rk_status st = get_f32_arch(m, "rope.scaling.attn_factor", 1.0f, &attn_factor);
-    if (st || (st = check_positive(m, "rope.scaling.attn_factor", attn_factor))) return st;
-    m->rope.mscale *= attn_factor;
-    const rk_gguf_tensor *t = rk_gguf_find_tensor(m->gguf, name);
-    if (!t) return RK_OK;
-    int n = m->rope.n_rot / 2;
-    if (t->type != RK_GGML_F32 || t->ne[0] != n || t->ne[1] != 1)
-        return rk_errorf(RK_ERR_FORMAT, "model: %s should be F32 {%d}", name, n);
-    const float *f = t->data;
-    for (int i = 0; i < n; i++) {
-        if (!(f[i] > 0)) return rk_errorf(RK_ERR_FORMAT, "model: %s[%d] <= 0", name, i);
-        m->rope.freq[i] /= f[i];
-    }
-    return RK_OK;
-}
-
 /* ---------------------------------------------------------------- loading */
 
 /* One stacked expert tensor name {ne0, ne1, n_expert} as n_expert matrices
@@ -768,7 +437,7 @@ static rk_status load_weights(rk_model *m) {
             ((st = load_vec(m, N("post_attention_norm.weight"), hp->dim, 0, &L->post_attn_norm)) ||
              (st = load_vec(m, N("post_ffw_norm.weight"), hp->dim, 0, &L->post_ffn_norm))))
             return st;
-        L->window = layer_slides(hp, l) ? hp->sliding_window : 0;
+        L->window = rk_model_layer_slides(hp, l) ? hp->sliding_window : 0;
         /* Biases are optional where the family does not require them. */
         int bias_optional = !hp->desc->qkv_bias;
         if ((st = load_vec(m, N("attn_q.bias"), q_dim, bias_optional, &L->bq)) ||
@@ -824,13 +493,13 @@ static void compute_fingerprint(rk_model *m) {
 
 static rk_status load_common(rk_model *m) {
     rk_status st;
-    if ((st = read_hparams(m)) || (st = apply_rope_freqs(m)) || (st = load_weights(m)) ||
-        (st = rk_tokenizer_from_gguf(m->gguf, &m->tok)))
+    if ((st = rk_model_read_hparams(m)) || (st = rk_model_apply_rope_freqs(m)) ||
+        (st = load_weights(m)) || (st = rk_tokenizer_from_gguf(m->gguf, &m->tok)))
         return st;
     m->layer_rope = malloc((size_t)m->hp.n_layers * sizeof *m->layer_rope);
     if (!m->layer_rope) return rk_errorf(RK_ERR_NOMEM, "model: out of memory");
     for (int l = 0; l < m->hp.n_layers; l++)
-        m->layer_rope[l] = layer_slides(&m->hp, l) ? &m->rope_swa : &m->rope;
+        m->layer_rope[l] = rk_model_layer_slides(&m->hp, l) ? &m->rope_swa : &m->rope;
     if (rk_tokenizer_n_vocab(m->tok) > m->hp.n_vocab)
         return rk_errorf(RK_ERR_FORMAT, "model: tokenizer has %d tokens but the embedding %d rows",
                          rk_tokenizer_n_vocab(m->tok), m->hp.n_vocab);

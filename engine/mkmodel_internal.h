@@ -1,0 +1,60 @@
+/* engine/mkmodel_internal.h — what the synthetic-model writer's files
+ * share: a preset's shape (mkmodel_presets.c holds the table) and the lookups
+ * mkmodel.c uses. Private to engine/. */
+#ifndef RK_MKMODEL_INTERNAL_H
+#define RK_MKMODEL_INTERNAL_H
+
+#include "engine/mkmodel.h"
+
+typedef enum vocab_kind {
+    VOCAB_TINY,       /* rk_vocab_tiny() as is */
+    VOCAB_TINY_32000, /* rk_vocab_tiny() padded with unused tokens to 32000 */
+    VOCAB_QWEN3,      /* the Qwen3 tokenizer.json padded to 151936 */
+    VOCAB_PHI3,       /* Llama 2's (or Phi-3's) tokenizer.json, Phi-3's added tokens, to 32064 */
+    VOCAB_PHI4,   /* o200k's (or Phi-4-mini's) tokenizer.json, Phi-4's added tokens, to 200064 */
+    VOCAB_GEMMA3, /* the Gemma 3 tokenizer.json (262144 tokens) */
+} vocab_kind;
+
+typedef struct preset {
+    const char *arch;
+    int n_layers, dim, n_heads, n_kv_heads, head_dim, ffn_dim, n_ctx;
+    float theta, eps;
+    int tied, qkv_bias, qk_norm;
+    vocab_kind vocab;
+    int pooling; /* <arch>.pooling_type written when > 0 (1 mean, 2 cls, 3 last, 4 rank: with
+                    the head and prompt of mk_rerank_*); 0: no key */
+    /* phi3: attn_qkv and ffn_up hold the fused matrices; RoPE on the first
+     * n_rot dimensions (0: all); LongRoPE factors for a context_length above
+     * orig_ctx (0: none) */
+    int fused, n_rot, orig_ctx;
+    /* Mixture of experts (0 experts: a dense FFN): experts per layer, used per
+     * token, and each expert's FFN width */
+    int n_expert, n_expert_used, ffn_exp;
+} preset;
+
+#define QWEN3_N_VOCAB 151936
+#define LLAMA_N_VOCAB 32000
+#define PHI3_N_VOCAB  32064
+#define PHI4_N_VOCAB  200064
+
+#define GEMMA3_N_VOCAB 262144
+
+/* What the Gemma presets add (keys the reference converter writes):
+ * <arch>.attention.sliding_window, gemma2's soft caps, and for the
+ * post-norms the tensors post_attention_norm and post_ffw_norm. */
+typedef struct gemma_extra {
+    const char *name;    /* the preset */
+    int window;          /* attention.sliding_window */
+    float attn_softcap;  /* attn_logit_softcapping (gemma2), 0: no key */
+    float final_softcap; /* final_logit_softcapping (gemma2), 0: no key */
+    float rope_linear;   /* rope.scaling.type linear with this factor (> 0), 0: no key */
+} gemma_extra;
+
+/* Find a preset by name (NULL = "tiny"); *out_name (may be NULL) gets its
+ * static name. RK_ERR_NOT_FOUND lists the presets. */
+rk_status rk_mk_preset_find(const char *name, const preset **out, const char **out_name);
+
+/* The Gemma additions of the preset named name, NULL for the others. */
+const gemma_extra *rk_mk_gemma_of(const char *name);
+
+#endif
