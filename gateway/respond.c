@@ -203,16 +203,16 @@ int rk_gw_read_body(req_ctx *rc, char **out, size_t *out_len) {
     double deadline = rk_time_now() + S->o.request_timeout_s;
     rk_gw_conn_state *cs = mg_get_user_connection_data(rc->conn);
     long ticket = cs ? rk_gw_watchdog_arm(S->watchdog, cs->fd, deadline) : 0;
-    /* A body on its way holds no request slot: slow bodies cannot take the
-     * slots other clients' requests need. */
-    int gave_back = rc->holds_slot;
-    if (gave_back) {
+    /* A body on its way holds no request slot (a request with a body is
+     * admitted here, once it is in): slow bodies cannot take the slots other
+     * clients' requests need. */
+    if (rc->holds_slot) {
         atomic_fetch_sub(&S->admitted, 1);
         rc->holds_slot = 0;
     }
     int rc_read = read_body_by(rc, deadline, out, out_len);
     rk_gw_watchdog_disarm(S->watchdog, ticket);
-    if (rc_read || !gave_back) return rc_read;
+    if (rc_read) return rc_read;
     if (atomic_fetch_add(&S->admitted, 1) >= S->request_slots) {
         atomic_fetch_sub(&S->admitted, 1);
         free(*out);

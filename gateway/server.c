@@ -509,12 +509,16 @@ static int handle_request(struct mg_connection *conn) {
                         "and try again");
         return 503;
     }
-    if (!probe && atomic_fetch_add(&S->admitted, 1) >= S->request_slots) {
+    /* A request with a body takes its slot once the body is in
+     * (rk_gw_read_body): a body on its way holds none. */
+    int has_body = ri->content_length > 0 || mg_get_header(conn, "Transfer-Encoding");
+    int takes_slot = !probe && !has_body;
+    if (takes_slot && atomic_fetch_add(&S->admitted, 1) >= S->request_slots) {
         atomic_fetch_sub(&S->admitted, 1);
         send_bare_error(conn, 503, "every request slot is busy (http_threads); try again");
         return 503;
     }
-    one_call call = {.conn = conn, .status = 500, .holds_slot = !probe};
+    one_call call = {.conn = conn, .status = 500, .holds_slot = takes_slot};
     int status = 503;
     if (rk_gw_run_big_stack(serve_one, &call) == 0)
         status = call.status;
