@@ -82,6 +82,13 @@ static const rk_setting k_serve_settings[] = {
     {"reasoning", "reasoning", RK_SET_STR, STR(reasoning), 0, 0, 0, 0,
      "M  auto|on|off: a thinking model's <think> block goes to reasoning_content (auto: when "
      "the model has <think> tokens; off: it stays in content; default: auto)"},
+    {"responses_max", "responses-max", RK_SET_INT, OFF(srv.responses_max), 0, 0, 1 << 24, 0, 0,
+     "N  responses kept for previous_response_id and GET /v1/responses/{id}, oldest dropped "
+     "first (default: 10000; 0 = none stored)"},
+    {"responses_max_bytes", "responses-max-bytes", RK_SET_LONG, OFF(srv.responses_max_bytes), 0,
+     1024, 1LL << 40, 0, 0, "N  bytes of stored responses at most (default: 268435456)"},
+    {"responses_ttl_s", "responses-ttl-s", RK_SET_DOUBLE, OFF(srv.responses_ttl_s), 0, 1, 1e8, 0, 0,
+     "S  a stored response is dropped this long after it was made (default: 3600)"},
     {"cors_origin", "cors-origin", RK_SET_STR, STR(srv.cors_origin), 0, 0, 0, 0,
      "ORIGIN  allow browser calls from ORIGIN, or * for any (default: off)"},
     {"log_level", "log-level", RK_SET_STR, STR(log_level), 0, 0, 0, 0,

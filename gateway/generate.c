@@ -123,6 +123,8 @@ typedef struct gen {
     int thinking;
     rk_think_split think;
     char *reasoning;
+    /* Another route's shape (responses.c): objects and events pass through it. */
+    const rk_gw_sink *sink;
 } gen;
 
 static int write_all(gen *g, const char *s, size_t n) {
@@ -136,12 +138,35 @@ static int write_all(gen *g, const char *s, size_t n) {
 }
 
 static int sse_event(gen *g, json_t *ev) {
+    if (g->sink) { /* the sink writes its own events */
+        char *s = ev ? g->sink->event(g->sink->ctx, ev) : NULL;
+        int rc = s ? write_all(g, s, strlen(s)) : -1;
+        free(s);
+        return rc;
+    }
     char *s = ev ? json_dumps(ev, JSON_COMPACT) : NULL;
     json_decref(ev);
     if (!s) return -1;
     int rc = write_all(g, "data: ", 6) || write_all(g, s, strlen(s)) || write_all(g, "\n\n", 2);
     free(s);
     return rc;
+}
+
+/* The stream's end: [DONE], or the sink's last events. */
+static void sse_done(gen *g) {
+    if (!g->sink) {
+        write_all(g, "data: [DONE]\n\n", 14);
+        return;
+    }
+    char *s = g->sink->done(g->sink->ctx);
+    if (s) write_all(g, s, strlen(s));
+    free(s);
+}
+
+/* A whole (unstreamed) answer, through the sink when there is one. */
+static void send_final(gen *g, json_t *obj) {
+    if (g->sink && obj) obj = g->sink->final(g->sink->ctx, obj);
+    rk_gw_send_json(g->rc, 200, obj);
 }
 
 static void sse_start(gen *g) {
@@ -396,7 +421,7 @@ static void respond_generation(gen *g) {
         snprintf(e.message, sizeof e.message, "%.319s", msg);
         if (g->headers_sent) { /* mid-stream: an error event, then the end */
             sse_event(g, rk_gw_error_body(&e));
-            write_all(g, "data: [DONE]\n\n", 14);
+            sse_done(g);
         } else if (!g->client_gone) {
             rk_gw_send_error(rc, &e);
         } else {
@@ -458,7 +483,7 @@ static void respond_generation(gen *g) {
             free(all);
             g->text_done = 1;
             stream_finish(g);
-            write_all(g, "data: [DONE]\n\n", 14);
+            sse_done(g);
             return;
         }
         if (all && g->api.stream && (*all || g->reasoning)) { /* no call: the text as usual */
@@ -468,7 +493,7 @@ static void respond_generation(gen *g) {
         } else if (!g->api.stream) {
             json_t *obj = final_object(g, all ? all : "");
             free(all);
-            rk_gw_send_json(rc, 200, obj);
+            send_final(g, obj);
             return;
         }
         free(all);
@@ -485,13 +510,13 @@ static void respond_generation(gen *g) {
             sse_event(g, chunk_event(g, rest ? rest : "", NULL));
         free(rest);
         stream_finish(g);
-        write_all(g, "data: [DONE]\n\n", 14);
+        sse_done(g);
         return;
     }
     char *text = gt_take(&g->text, 1);
     json_t *obj = final_object(g, text ? text : "");
     free(text);
-    rk_gw_send_json(rc, 200, obj);
+    send_final(g, obj);
 }
 
 /* ---------------------------------------------------------------- preparing a generation */
@@ -886,14 +911,19 @@ static void handle_choices(gen *g0, double deadline) {
 }
 
 int rk_gw_handle_generate(req_ctx *rc, int chat) {
-    server *S = rc->S;
-    double deadline = rc->t0 + S->o.timeout_s;
     char *body;
     size_t len;
     if (rk_gw_read_body(rc, &body, &len)) return 0;
+    return rk_gw_generate(rc, chat, body, len, NULL);
+}
+
+int rk_gw_generate(req_ctx *rc, int chat, char *body, size_t len, const rk_gw_sink *sink) {
+    server *S = rc->S;
+    double deadline = rc->t0 + S->o.timeout_s;
     gen g;
     memset(&g, 0, sizeof g);
     g.rc = rc;
+    g.sink = sink;
     g.fd = -1;
     g.text.stop_at = -1;
     g.svc = rk_gw_ready_service(S);
@@ -935,6 +965,10 @@ int rk_gw_handle_generate(req_ctx *rc, int chat) {
     snprintf(g.id, sizeof g.id, "%s-%s", chat ? "chatcmpl" : "cmpl", rc->id + 4);
     g.fd = -2;
     g.created = (long)time(NULL);
+    if (sink && g.api.n_choices * (g.api.n_prompts ? g.api.n_prompts : 1) > 1) {
+        rk_gw_send_errorf(rc, 400, "one answer per request here: 'n' must be 1");
+        goto done;
+    }
     if (g.api.n_choices * (g.api.n_prompts ? g.api.n_prompts : 1) > 1) {
         handle_choices(&g, deadline);
         goto done;

@@ -48,6 +48,7 @@ struct rk_server {
     struct rk_gw_watchdog *watchdog; /* header and body deadlines */
     atomic_long ri_offset; /* where CivetWeb keeps a connection's request_info; 0 = not known */
     atomic_int name_mismatch_logged;
+    struct rk_resp_store *responses; /* stored responses; NULL when responses_max is 0 */
 };
 typedef struct rk_server server;
 
@@ -193,6 +194,27 @@ void rk_gw_watchdog_disarm(rk_gw_watchdog *w, long ticket); /* 0 is ignored */
 
 /* The routes of generate.c and chunks.c; each answers and returns 0. */
 int rk_gw_handle_generate(req_ctx *rc, int chat);
+
+/* A route that answers a chat generation in a shape of its own
+ * (responses.c): what the chat path would write goes through it first. */
+typedef struct rk_gw_sink {
+    void *ctx;
+    /* The chat.completion object of an unstreamed answer (the reference is
+     * taken) into the object sent (a new reference; NULL: out of memory). */
+    json_t *(*final)(void *ctx, json_t *obj);
+    /* A chat.completion.chunk event, or an error envelope mid-stream (the
+     * reference is taken), into the bytes written (malloc'ed; "" for none,
+     * NULL: out of memory). */
+    char *(*event)(void *ctx, json_t *ev);
+    /* The stream's end (where chat writes [DONE]): the bytes written. */
+    char *(*done)(void *ctx);
+} rk_gw_sink;
+
+/* Generate for a body already read (taken: freed here), answering as
+ * /v1/completions (chat 0) or /v1/chat/completions (chat 1) would, through
+ * sink when not NULL (chat only, one choice). Errors before the answer
+ * starts are sent as the chat route sends them. Returns 0. */
+int rk_gw_generate(req_ctx *rc, int chat, char *body, size_t len, const rk_gw_sink *sink);
 int rk_gw_handle_prewarm(req_ctx *rc);
 int rk_gw_handle_list(req_ctx *rc);
 int rk_gw_handle_chunk_key(req_ctx *rc, const char *hex, int del);
@@ -200,6 +222,9 @@ int rk_gw_handle_flush(req_ctx *rc);
 int rk_gw_handle_tokenize(req_ctx *rc, int detokenize);
 int rk_gw_handle_embeddings(req_ctx *rc);
 int rk_gw_handle_rerank(req_ctx *rc);
+/* POST /v1/responses (rest NULL); GET or DELETE (del) /v1/responses/{id}
+ * and GET /v1/responses/{id}/input_items (rest: what follows the slash). */
+int rk_gw_handle_responses(req_ctx *rc, const char *rest, int del);
 /* Run fn on the engine thread as a command job and wait (at most until the
  * request's timeout). Returns the command's status (RK_ERR_EXHAUSTED when it
  * never ran: queue full, timeout, shutdown), with its message in msg. */

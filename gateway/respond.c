@@ -45,9 +45,11 @@ void rk_gw_send_headers(req_ctx *rc, int status, const char *type, long long len
         const char *allow =
             !strcmp(rc->path, "/v1/chunks")         ? "GET, HEAD, POST"
             : !strncmp(rc->path, "/v1/chunks/", 11) ? "GET, HEAD, DELETE"
+            : !strncmp(rc->path, "/v1/responses/", 14) && !strchr(rc->path + 14, '/')
+                ? "GET, HEAD, DELETE"
             : !strcmp(rc->path, "/v1/completions") || !strcmp(rc->path, "/v1/chat/completions") ||
-                    !strcmp(rc->path, "/v1/cache/flush") || !strcmp(rc->path, "/tokenize") ||
-                    !strcmp(rc->path, "/detokenize")
+                    !strcmp(rc->path, "/v1/responses") || !strcmp(rc->path, "/v1/cache/flush") ||
+                    !strcmp(rc->path, "/tokenize") || !strcmp(rc->path, "/detokenize")
                 ? "POST"
                 : "GET, HEAD";
         mg_response_header_add(c, "Allow", allow, -1);

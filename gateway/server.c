@@ -29,6 +29,7 @@
 #include "engine/gguf.h"
 #include "engine/tokenizer.h"
 #include "gateway/http.h"
+#include "gateway/responses.h"
 
 /* ================================================================ small routes */
 
@@ -211,7 +212,10 @@ typedef enum route {
     R_TOKENIZE,
     R_DETOKENIZE,
     R_EMBEDDINGS,
-    R_RERANK
+    R_RERANK,
+    R_RESPONSES,
+    R_RESPONSE_ID,
+    R_RESPONSE_ITEMS
 } route;
 
 static route find_route(const char *path) {
@@ -231,12 +235,18 @@ static route find_route(const char *path) {
                  {"/detokenize", R_DETOKENIZE},
                  {"/v1/embeddings", R_EMBEDDINGS},
                  {"/v1/rerank", R_RERANK},
-                 {"/rerank", R_RERANK}};
+                 {"/rerank", R_RERANK},
+                 {"/v1/responses", R_RESPONSES}};
     for (size_t i = 0; i < sizeof table / sizeof table[0]; i++)
         if (!strcmp(path, table[i].path)) return table[i].r;
     if (!strncmp(path, "/v1/chunks/", 11) && path[11] && !strchr(path + 11, '/'))
         return R_CHUNK_KEY;
     if (!strncmp(path, "/v1/models/", 11) && path[11]) return R_MODEL_ID;
+    if (!strncmp(path, "/v1/responses/", 14) && path[14] && path[14] != '/') {
+        const char *slash = strchr(path + 14, '/');
+        if (!slash) return R_RESPONSE_ID;
+        if (!strcmp(slash, "/input_items")) return R_RESPONSE_ITEMS;
+    }
     return R_NONE;
 }
 
@@ -248,9 +258,11 @@ static int handle_preflight(req_ctx *rc, route r) {
     const char *methods = r == R_CHUNKS      ? "GET, HEAD, POST, OPTIONS"
                           : r == R_CHUNK_KEY ? "GET, HEAD, DELETE, OPTIONS"
                           : r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE ||
-                                  r == R_DETOKENIZE || r == R_EMBEDDINGS || r == R_RERANK
+                                  r == R_DETOKENIZE || r == R_EMBEDDINGS || r == R_RERANK ||
+                                  r == R_RESPONSES
                               ? "POST, OPTIONS"
-                              : "GET, HEAD, OPTIONS";
+                          : r == R_RESPONSE_ID ? "GET, HEAD, DELETE, OPTIONS"
+                                               : "GET, HEAD, OPTIONS";
     rc->status = 204;
     mg_response_header_start(c, 204);
     rk_gw_add_cors_headers(rc);
@@ -272,11 +284,11 @@ static int dispatch(req_ctx *rc) {
     if (r == R_NONE) return rk_gw_send_errorf(rc, 404, "no route %s %s", m, rc->path), 0;
     if (!strcmp(m, "OPTIONS") && rc->S->o.cors_origin[0]) return handle_preflight(rc, r);
     int ok = r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE ||
-                     r == R_DETOKENIZE || r == R_EMBEDDINGS || r == R_RERANK
+                     r == R_DETOKENIZE || r == R_EMBEDDINGS || r == R_RERANK || r == R_RESPONSES
                  ? post
-             : r == R_CHUNKS    ? get || post
-             : r == R_CHUNK_KEY ? get || del
-                                : get;
+             : r == R_CHUNKS                          ? get || post
+             : r == R_CHUNK_KEY || r == R_RESPONSE_ID ? get || del
+                                                      : get;
     if (!ok) return rk_gw_send_errorf(rc, 405, "%s is not allowed on %s", m, rc->path), 0;
     if (r == R_HEALTH || r == R_READY) return handle_probe(rc, r == R_READY);
     route_access need = r == R_FLUSH              ? ACCESS_ADMIN
@@ -294,6 +306,9 @@ static int dispatch(req_ctx *rc) {
     case R_DETOKENIZE: return rk_gw_handle_tokenize(rc, 1);
     case R_EMBEDDINGS: return rk_gw_handle_embeddings(rc);
     case R_RERANK: return rk_gw_handle_rerank(rc);
+    case R_RESPONSES: return rk_gw_handle_responses(rc, NULL, 0);
+    case R_RESPONSE_ID:
+    case R_RESPONSE_ITEMS: return rk_gw_handle_responses(rc, rc->path + 14, del);
     case R_COMPLETIONS: return rk_gw_handle_generate(rc, 0);
     case R_CHAT: return rk_gw_handle_generate(rc, 1);
     case R_CHUNKS: return post ? rk_gw_handle_prewarm(rc) : rk_gw_handle_list(rc);
@@ -676,6 +691,9 @@ void rk_server_options_default(rk_server_options *o) {
     o->request_timeout_s = 10;
     o->header_timeout_s = 5;
     o->reasoning = -1;
+    o->responses_max = 10000;
+    o->responses_max_bytes = 256LL << 20;
+    o->responses_ttl_s = 3600;
 }
 
 /* Wait until no request is being handled, for at most seconds. */
@@ -793,6 +811,9 @@ rk_status rk_server_start(const rk_server_options *o, rk_server **out, int *out_
     S->last_state = RK_SCHEDULER_LOADING;
     rk_status st = rk_stats_create(&S->stats);
     if (!st && o->api_keys_file[0]) st = load_tenants(S);
+    if (!st && o->responses_max > 0)
+        st = rk_resp_store_create(o->responses_max, o->responses_max_bytes, o->responses_ttl_s,
+                                  &S->responses);
     rk_scheduler_params ep = {.cfg = o->cfg,
                               .model_path = o->model[0] ? o->model : NULL,
                               .max_queue = o->queue,
@@ -810,6 +831,7 @@ rk_status rk_server_start(const rk_server_options *o, rk_server **out, int *out_
     if (st) {
         rk_stats_free(S->stats);
         rk_tenants_free(S->tenants);
+        rk_resp_store_free(S->responses);
         pthread_mutex_destroy(&S->info_mu);
         free(S);
         return st;
@@ -855,6 +877,7 @@ void rk_server_stop(rk_server *S) {
     rk_gw_conns_free(S->conns);
     rk_stats_free(S->stats);
     rk_tenants_free(S->tenants);
+    rk_resp_store_free(S->responses);
     pthread_mutex_destroy(&S->info_mu);
     free(S);
     RK_LOG_INFO("stopped");

@@ -70,8 +70,13 @@ typedef struct rk_server_options {
      * </think> and the template is ChatML). */
     int reasoning;
     char cors_origin[256]; /* "" = no CORS headers; "*" or one origin */
-    double load_delay_s;   /* testing aid: wait before loading the model */
-    double token_delay_s;  /* testing aid: sleep after every generated token */
+    /* Stored responses (POST /v1/responses with store): at most this many,
+     * this many bytes of JSON, each kept this long; lost on restart. */
+    int responses_max;
+    long long responses_max_bytes;
+    double responses_ttl_s;
+    double load_delay_s;  /* testing aid: wait before loading the model */
+    double token_delay_s; /* testing aid: sleep after every generated token */
 } rk_server_options;
 
 typedef struct rk_server rk_server; /* opaque */
