@@ -49,7 +49,7 @@ static int reasoning_tokens(resp_ctx *x, json_t *output) {
         const char *t = json_string_value(json_object_get(c, "text"));
         int32_t *ids = NULL;
         size_t k = 0;
-        if (t && !rk_tokenizer_encode(rk_model_tokenizer(svc->model), t, strlen(t), 0, &ids, &k))
+        if (t && !rk_tokenizer_encode(rk_model_tokenizer(svc->model), t, strlen(t), 1, &ids, &k))
             n += (int)k;
         free(ids);
     }
@@ -61,11 +61,12 @@ static json_t *usage_of(resp_ctx *x, json_t *u, json_t *output) {
     if (!u) return json_null();
     json_int_t in = json_integer_value(json_object_get(u, "prompt_tokens"));
     json_int_t out = json_integer_value(json_object_get(u, "completion_tokens"));
+    json_int_t rt = reasoning_tokens(x, output);
     json_int_t cached = json_integer_value(
         json_object_get(json_object_get(u, "prompt_tokens_details"), "cached_tokens"));
-    return json_pack("{s:I, s:{s:I}, s:I, s:{s:i}, s:I}", "input_tokens", in,
+    return json_pack("{s:I, s:{s:I}, s:I, s:{s:I}, s:I}", "input_tokens", in,
                      "input_tokens_details", "cached_tokens", cached, "output_tokens", out,
-                     "output_tokens_details", "reasoning_tokens", reasoning_tokens(x, output),
+                     "output_tokens_details", "reasoning_tokens", rt < out ? rt : out,
                      "total_tokens", in + out);
 }
 
