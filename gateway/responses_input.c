@@ -192,6 +192,38 @@ static json_t *input_items(json_t *input, const char *id_base) {
     return items;
 }
 
+/* The top-level `documents` (strings or {"text" or "content"} without ids)
+ * as ragkv_chunk parts at the start of the input's first user message, so
+ * that the stored conversation carries them and a later turn renders them
+ * as this one does. 1 when moved; 0 when left to the chat body (none, ids
+ * given, or no user message in the input). */
+static int documents_into_items(json_t *root, json_t *items) {
+    json_t *docs = json_object_get(root, "documents"), *user = NULL;
+    if (!json_is_array(docs) || !json_array_size(docs)) return 0;
+    for (size_t i = 0; !user && i < json_array_size(items); i++) {
+        json_t *it = json_array_get(items, i);
+        const char *role = json_string_value(json_object_get(it, "role"));
+        if (role && !strcmp(role, "user") && json_is_array(json_object_get(it, "content")))
+            user = it;
+    }
+    if (!user) return 0;
+    json_t *parts = json_array();
+    for (size_t k = 0; k < json_array_size(docs); k++) {
+        json_t *d = json_array_get(docs, k);
+        json_t *t = json_is_string(d) ? d : json_object_get(d, "text");
+        if (!t && json_is_object(d)) t = json_object_get(d, "content");
+        if (!json_is_string(t) || (json_is_object(d) && json_object_get(d, "id"))) {
+            json_decref(parts);
+            return 0; /* the chat parser checks it, or keeps its id */
+        }
+        json_array_append_new(
+            parts, json_pack("{s:s, s:O, s:b}", "type", "input_text", "text", t, "ragkv_chunk", 1));
+    }
+    json_array_extend(parts, json_object_get(user, "content"));
+    json_object_set_new(user, "content", parts);
+    return 1;
+}
+
 /* text.format as response_format; reasoning.effort as enable_thinking. */
 static int add_format_and_reasoning(json_t *root, json_t *chat, rk_http_error *err) {
     json_t *text = json_object_get(root, "text"), *fmt = json_object_get(text, "format");
@@ -272,7 +304,7 @@ static int add_tools(json_t *root, json_t *chat, rk_http_error *err) {
 }
 
 /* The scalar fields: renamed, passed through, refused. */
-static int add_fields(json_t *root, json_t *chat, rk_http_error *err) {
+static int add_fields(json_t *root, json_t *chat, int docs_moved, rk_http_error *err) {
     for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++) {
         json_t *v = json_object_get(root, refused[i]);
         if (v && !json_is_null(v) && !json_is_false(v))
@@ -287,7 +319,8 @@ static int add_fields(json_t *root, json_t *chat, rk_http_error *err) {
         return fail(err, "truncation", "'truncation' must be \"disabled\" or \"auto\"%s", ""), 1;
     for (size_t i = 0; i < sizeof pass_through / sizeof pass_through[0]; i++) {
         json_t *v = json_object_get(root, pass_through[i]);
-        if (v) json_object_set(chat, pass_through[i], v);
+        if (v && !(docs_moved && !strcmp(pass_through[i], "documents")))
+            json_object_set(chat, pass_through[i], v);
     }
     json_t *mot = json_object_get(root, "max_output_tokens");
     if (mot && !json_is_null(mot)) json_object_set(chat, "max_tokens", mot);
@@ -337,8 +370,9 @@ json_t *rk_resp_chat_body(json_t *root, json_t *conversation, const char *id_bas
         return fail(err, "input", "'input' must be a string or a non-empty array of items%s", "");
     json_t *chat = json_object();
     json_t *items = input_items(in, id_base);
+    int docs_moved = items && documents_into_items(root, items);
     json_t *msgs = items ? messages(root, conversation, items, err) : NULL;
-    if (!chat || !msgs || add_fields(root, chat, err)) {
+    if (!chat || !msgs || add_fields(root, chat, docs_moved, err)) {
         if (!err->status) rk_http_errorf(err, 500, "out of memory");
         json_decref(chat);
         json_decref(msgs);

@@ -265,6 +265,42 @@ Test(responses, previous_response_id_reuses_every_earlier_token) {
     rk_test_resp_free(&items);
 }
 
+/* Documents (the `documents` field, or ragkv_chunk parts) are cached
+ * chunks, and stay in the stored conversation: the next turn renders them
+ * where they were and reuses everything before its own input. */
+Test(responses, documents_are_chunks_and_stay_with_the_conversation) {
+    start_stories(NULL, NULL);
+    resp t1 = create(200, "{\"input\": \"What did the cat do?\", \"documents\": [\"The cat "
+                          "sat on the mat all day long.\", {\"text\": \"The dog ran in the "
+                          "park.\"}], \"max_output_tokens\": 6, \"seed\": 2}");
+    cr_assert_eq(json_array_size(rk_test_jget(t1.json, "ragkv.chunks")), 2, "%s", t1.http.body);
+    resp items = call("GET", fmt("/v1/responses/%s/input_items", jstr(t1.json, "id")), NULL, NULL);
+    cr_assert(json_is_true(rk_test_jget(items.json, "data.0.content.0.ragkv_chunk")), "%s",
+              items.http.body);
+    /* At least turn 1's prompt, documents included, is reused (its answer
+     * too where it tokenizes alike in the rendered turn: the three-turn
+     * test checks that). */
+    long long before = jint(t1.json, "usage.input_tokens");
+    resp t2 = create(200, fmt("{\"input\": \"And the dog?\", \"previous_response_id\": \"%s\", "
+                              "\"max_output_tokens\": 6, \"seed\": 3}",
+                              jstr(t1.json, "id")));
+    cr_assert_eq(json_array_size(rk_test_jget(t2.json, "ragkv.chunks")), 2, "%s", t2.http.body);
+    cr_assert_geq(jint(t2.json, "usage.input_tokens_details.cached_tokens"), before - 2, "%s",
+                  t2.http.body);
+    /* The same documents as parts of an input item render the same prompt. */
+    resp parts = create(200, "{\"input\": [{\"role\": \"user\", \"content\": [{\"type\": "
+                             "\"input_text\", \"text\": \"The cat sat on the mat all day "
+                             "long.\", \"ragkv_chunk\": true}, {\"type\": \"input_text\", "
+                             "\"text\": \"The dog ran in the park.\", \"ragkv_chunk\": true}, "
+                             "{\"type\": \"input_text\", \"text\": \"What did the cat "
+                             "do?\"}]}], \"max_output_tokens\": 6, \"seed\": 2}");
+    cr_assert_str_eq(output_text(parts.json), output_text(t1.json));
+    cr_assert_eq(jint(parts.json, "usage.input_tokens"), jint(t1.json, "usage.input_tokens"));
+    cr_assert_str_eq(jstr(parts.json, "ragkv.chunks.0.status"), "hit");
+    resp *all[] = {&t1, &items, &t2, &parts};
+    for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) rk_test_resp_free(all[i]);
+}
+
 /* The store keeps at most --responses-max responses, dropping the oldest. */
 Test(responses, the_store_drops_the_oldest_beyond_its_count) {
     start_stories("--responses-max", "2");
