@@ -40,7 +40,8 @@ struct rk_server {
     int have_info;
     char model_name[256];
     rk_chat_template tmpl;
-    int thinks; /* answers start with a <think> block split off as reasoning_content */
+    int forced_tmpl; /* --chat-template resolved: a rk_chat_template, or -1 (the model's) */
+    int thinks;      /* answers start with a <think> block split off as reasoning_content */
     /* Open connections per client address (max_connections_per_ip). */
     struct rk_gw_conn_table *conns;
     int conns_per_ip;                /* resolved; 0: no limit */

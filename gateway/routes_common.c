@@ -58,8 +58,10 @@ rk_service *rk_gw_ready_service(server *S) {
         const rk_gguf *g = rk_model_gguf(svc->model);
         if (g && rk_gguf_get_str(g, "tokenizer.chat_template", &jinja, NULL)) jinja = NULL;
         const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
-        S->tmpl = rk_chat_template_detect(jinja, hp->arch_name,
-                                          rk_tokenizer_find(tok, "<|start_header_id|>") >= 0);
+        S->tmpl = S->forced_tmpl >= 0
+                      ? (rk_chat_template)S->forced_tmpl
+                      : rk_chat_template_detect(jinja, hp->arch_name,
+                                                rk_tokenizer_find(tok, "<|start_header_id|>") >= 0);
         S->thinks = S->o.reasoning > 0 || (S->o.reasoning < 0 && S->tmpl == RK_CHAT_CHATML &&
                                            rk_tokenizer_find(tok, "<think>") >= 0 &&
                                            rk_tokenizer_find(tok, "</think>") >= 0);

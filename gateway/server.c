@@ -20,6 +20,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <errno.h>
 #include <string.h>
 #include <strings.h>
 #include <sys/socket.h>
@@ -799,13 +800,52 @@ static rk_status load_tenants(server *S) {
     return RK_OK;
 }
 
+/* --chat-template: a template's name, or a Jinja file whose text names one
+ * as a GGUF's tokenizer.chat_template would (-1 in *out when none is set). */
+static rk_status resolve_chat_template(const char *spec, int *out) {
+    *out = -1;
+    if (!spec[0]) return RK_OK;
+    for (int t = RK_CHAT_CHATML; t <= RK_CHAT_GEMMA; t++)
+        if (!strcmp(spec, rk_chat_template_name((rk_chat_template)t))) return *out = t, RK_OK;
+    FILE *f = fopen(spec, "rb");
+    if (!f)
+        return rk_errorf(RK_ERR_INVALID,
+                         "chat_template: '%s' is neither a template name (chatml, llama3, llama2, "
+                         "phi3, gemma) nor a readable file: %s",
+                         spec, strerror(errno));
+    size_t cap = 1 << 20;
+    char *text = malloc(cap);
+    size_t n = text ? fread(text, 1, cap - 1, f) : 0;
+    int big = text && n == cap - 1 && fgetc(f) != EOF;
+    fclose(f);
+    if (!text) return rk_errorf(RK_ERR_NOMEM, "out of memory");
+    text[n] = '\0';
+    /* Recognised only when the text decides, whatever the architecture says. */
+    rk_chat_template a = rk_chat_template_detect(text, "qwen3", 0);
+    int known = a == rk_chat_template_detect(text, NULL, 0);
+    free(text);
+    if (big) return rk_errorf(RK_ERR_INVALID, "chat_template: %s is over 1 MiB", spec);
+    if (!known)
+        return rk_errorf(RK_ERR_INVALID,
+                         "chat_template: no template is recognised in %s (it must use "
+                         "<|im_start|>, <|start_header_id|>, [INST], <|assistant|> with <|end|>, "
+                         "or <start_of_turn>)",
+                         spec);
+    *out = (int)a;
+    return RK_OK;
+}
+
 rk_status rk_server_start(const rk_server_options *o, rk_server **out, int *out_port) {
     *out = NULL;
+    int forced_tmpl;
+    rk_status tst = resolve_chat_template(o->chat_template, &forced_tmpl);
+    if (tst) return tst;
     if (o->chat_separator[0] && rk_separator_check(o->chat_separator))
         return rk_errorf(RK_ERR_INVALID, "chat_separator: %s", rk_error_message());
     server *S = calloc(1, sizeof *S);
     if (!S) return rk_errorf(RK_ERR_NOMEM, "out of memory");
     S->o = *o;
+    S->forced_tmpl = forced_tmpl;
     pthread_mutex_init(&S->info_mu, NULL);
     S->started_unix = (double)time(NULL);
     S->last_state = RK_SCHEDULER_LOADING;

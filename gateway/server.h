@@ -73,6 +73,11 @@ typedef struct rk_server_options {
     /* Stored responses (POST /v1/responses with store): at most this many,
      * this many bytes of JSON, each kept this long; lost on restart. */
     int responses_max;
+    /* The chat template: a name (chatml, llama3, llama2, phi3, gemma) or a
+     * Jinja file read as the GGUF's tokenizer.chat_template would be; "" =
+     * the model's own. Resolved when the server starts (an unknown name, an
+     * unreadable file or one no template is recognised in fails it). */
+    char chat_template[1024];
     long long responses_max_bytes;
     double responses_ttl_s;
     double load_delay_s;  /* testing aid: wait before loading the model */

@@ -872,3 +872,57 @@ Test(chat, chatml_without_thinking_opens_the_answer_after_an_empty_thinking_bloc
     rk_api_request_free(&r);
     json_decref(msgs);
 }
+
+/* A served model's template and its prompt tokens for one chat turn. */
+static void template_and_prompt(const char *const *args, char *tmpl, size_t cap, long long *n) {
+    rk_test_server srv;
+    cr_assert_eq(rk_test_server_start_ready(&srv, "chat", NULL, args), 0, "did not start");
+    rk_test_resp m, r;
+    cr_assert_eq(rk_test_exchange(&srv.t, "GET", "/v1/models", NULL, NULL, &m), 0);
+    snprintf(tmpl, cap, "%s", rk_test_jstr(m.json, "data.0.ragkv.chat_template"));
+    r = rk_test_postf(&srv.t, "/v1/chat/completions",
+                      "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], "
+                      "\"max_tokens\": 1}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    *n = rk_test_jint(r.json, "usage.prompt_tokens");
+    rk_test_resp_free(&m);
+    rk_test_resp_free(&r);
+    rk_test_server_stop_checked(&srv);
+}
+
+/* --chat-template NAME or FILE overrides the model's template (the
+ * embedded model's is Llama-2): the name, or a Jinja file's markers as a
+ * GGUF's would be read; anything else stops the server at startup. */
+Test(chat, chat_template_flag_names_the_template_or_a_jinja_file, .timeout = 300) {
+    char tmpl[32];
+    long long n_default, n_chatml, n_file;
+    const char *plain[] = {"--threads", "1", NULL};
+    template_and_prompt(plain, tmpl, sizeof tmpl, &n_default);
+    cr_assert_str_eq(tmpl, "llama2");
+    const char *named[] = {"--threads", "1", "--chat-template", "chatml", NULL};
+    template_and_prompt(named, tmpl, sizeof tmpl, &n_chatml);
+    cr_assert_str_eq(tmpl, "chatml");
+    cr_assert_neq(n_chatml, n_default, "the turn is rendered otherwise");
+    char *file = rk_test_write_tmp("chat", "t.jinja", LLAMA3_JINJA);
+    const char *from_file[] = {"--threads", "1", "--chat-template", file, NULL};
+    template_and_prompt(from_file, tmpl, sizeof tmpl, &n_file);
+    cr_assert_str_eq(tmpl, "llama3");
+    cr_assert_neq(n_file, n_default);
+    char *junk = rk_test_write_tmp("chat", "junk.jinja", "{{ messages }}");
+    const char *bad[][5] = {{"--chat-template", "chat-ml", NULL},
+                            {"--chat-template", junk, NULL},
+                            {"--chat-template", "/no/such/file.jinja", NULL}};
+    const char *why[] = {"neither a template name", "no template is recognised",
+                         "neither a template name"};
+    for (int i = 0; i < 3; i++) {
+        rk_test_server srv;
+        int status = 0;
+        cr_assert_eq(rk_test_server_start(&srv, "chat", NULL, bad[i], &status), -1, "%s started",
+                     bad[i][1]);
+        char *log = rk_test_read_file(srv.log, NULL);
+        cr_assert(log && strstr(log, why[i]), "%s: %s", bad[i][1], log ? log : "(no log)");
+        free(log);
+    }
+    free(file);
+    free(junk);
+}
