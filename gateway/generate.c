@@ -11,98 +11,15 @@
 
 #include "engine/tokenizer.h"
 #include "gateway/chat.h"
+#include "gateway/gen_text.h"
 #include "gateway/http.h"
 #include "gateway/report.h"
-/* Incremental text of a generation: decoded bytes, what has been sent, stop
- * strings. Text goes out only up to a point that is final: complete UTF-8
- * characters, and far enough from the end that no stop string can still
- * begin before it. */
-typedef struct gen_text {
-    const rk_tokenizer *tok;
-    rk_strbuf raw;   /* decoded bytes of the tokens so far */
-    int decoded;     /* tokens decoded */
-    int skip_space;  /* drop the leading space of the first piece (as rk_report_text) */
-    size_t sent;     /* raw bytes already turned into text */
-    long stop_at;    /* raw offset of the first stop match, or -1 */
-    int stop_tokens; /* tokens up to the one that completed that match */
-    size_t max_stop; /* longest stop string */
-    char *const *stop;
-    int n_stop;
-    size_t *tok_end; /* (decoded) raw length after each token */
-    int tok_cap;
-} gen_text;
-
-/* Look for stop strings ending in the bytes after offset before. */
-static void gt_find_stop(gen_text *g, size_t before) {
-    size_t from = before > g->max_stop ? before - g->max_stop + 1 : 0;
-    for (int k = 0; k < g->n_stop; k++) {
-        size_t sl = strlen(g->stop[k]);
-        if (g->raw.len < from + sl) continue;
-        const char *hit = memmem(g->raw.s + from, g->raw.len - from, g->stop[k], sl);
-        if (hit && (g->stop_at < 0 || hit - g->raw.s < g->stop_at)) g->stop_at = hit - g->raw.s;
-    }
-}
-
-/* Decode tokens [decoded, n) one at a time, until one completes a stop
- * string: the generation ends with that token (the engine may have sampled
- * more before it heard; they are not part of the answer). */
-static void gt_feed(gen_text *g, const int32_t *tokens, int n) {
-    if (n > g->tok_cap) {
-        size_t *p = realloc(g->tok_end, (size_t)n * 2 * sizeof *p);
-        if (!p) {
-            g->raw.oom = 1;
-            return;
-        }
-        g->tok_end = p;
-        g->tok_cap = n * 2;
-    }
-    for (; g->decoded < n && g->stop_at < 0; g->tok_end[g->decoded++] = g->raw.len) {
-        int32_t id = tokens[g->decoded];
-        char *t;
-        size_t tl, before = g->raw.len;
-        if (rk_tokenizer_decode(g->tok, &id, 1, 0, g->skip_space, &t, &tl)) continue;
-        if (tl) rk_strbuf_putn(&g->raw, t, tl);
-        free(t);
-        if (rk_tokenizer_token_bytes(g->tok, id, 0, NULL, 0) > 0) g->skip_space = 0;
-        if (g->n_stop && g->raw.len > before) {
-            gt_find_stop(g, before);
-            if (g->stop_at >= 0) g->stop_tokens = g->decoded + 1;
-        }
-    }
-}
-
-/* The next piece of text that is final (malloc'ed, valid UTF-8; NULL when
- * nothing new). final: the generation is over, send the rest. */
-static char *gt_take(gen_text *g, int final) {
-    size_t limit = g->stop_at >= 0 ? (size_t)g->stop_at : g->raw.len;
-    if (!final && g->stop_at < 0 && g->n_stop)
-        limit = g->raw.len > g->max_stop - 1 ? g->raw.len - (g->max_stop - 1) : 0;
-    size_t end = g->sent;
-    if (final) {
-        end = limit > g->sent ? limit : g->sent;
-    } else {
-        const unsigned char *s = (const unsigned char *)g->raw.s;
-        while (end < limit) {
-            uint32_t cp;
-            int l = rk_utf8_decode(s + end, g->raw.len - end, &cp);
-            if (l < 0) break;  /* wait for the rest of the character */
-            if (l == 0) l = 1; /* an invalid byte: becomes U+FFFD on its own */
-            if (end + (size_t)l > limit) break;
-            end += (size_t)l;
-        }
-    }
-    if (end <= g->sent) return NULL;
-    char *t = rk_utf8_sanitize(g->raw.s + g->sent, end - g->sent, NULL);
-    g->sent = end;
-    return t;
-}
-
 typedef struct gen {
     req_ctx *rc;
     rk_api_request api;
     rk_job *job;
     rk_service *svc;
-    gen_text text;
+    rk_gen_text text;
     char id[48]; /* "cmpl-..." or "chatcmpl-..." */
     long created;
     int headers_sent, client_gone, timed_out;
@@ -334,7 +251,7 @@ static void stream_finish(gen *g) {
 
 /* Stream the new text, if any. */
 static void stream_progress(gen *g) {
-    char *t = gt_take(&g->text, 0);
+    char *t = rk_gt_take(&g->text, 0);
     if (!t) return;
     sse_start(g);
     if (*t) sse_event(g, chunk_event(g, t, NULL));
@@ -376,7 +293,7 @@ static void wait_job(gen *g, double deadline) {
         }
         if (n > seen && !done) {
             /* Tokens 0..n-1 are final; the engine may append more meanwhile. */
-            gt_feed(&g->text, g->job->req.out_tokens, n);
+            rk_gt_feed(&g->text, g->job->req.out_tokens, n);
             seen = n;
             if (g->text.stop_at >= 0) rk_scheduler_cancel(S->engine, g->job);
             if (g->api.stream && !g->client_gone && !g->tools_active) stream_progress(g);
@@ -429,12 +346,12 @@ static void respond_generation(gen *g) {
         }
         return;
     }
-    gt_feed(&g->text, j->req.out_tokens, j->req.n_out);
+    rk_gt_feed(&g->text, j->req.out_tokens, j->req.n_out);
     if (g->text.stop_at >= 0 && g->text.stop_tokens < j->req.n_out)
         j->req.n_out = g->text.stop_tokens; /* usage, ids and logprobs end at the stop */
     char *all = NULL; /* with tools: the whole answer, parsed for calls before it is logged */
     if (g->tools_active) {
-        all = gt_take(&g->text, 1);
+        all = rk_gt_take(&g->text, 1);
         if (g->thinking && all) { /* calls are looked for in the answer, after the thinking */
             rk_strbuf think = {0}, answer = {0};
             rk_think_split_text(all, &think, &answer);
@@ -500,7 +417,7 @@ static void respond_generation(gen *g) {
     }
     if (g->api.stream) {
         sse_start(g);
-        char *rest = gt_take(&g->text, 1);
+        char *rest = rk_gt_take(&g->text, 1);
         g->text_done = 1;
         /* The rest, if any; the role goes with the first event; log-probabilities
          * of tokens that brought no text of their own (the one that completed a
@@ -513,7 +430,7 @@ static void respond_generation(gen *g) {
         sse_done(g);
         return;
     }
-    char *text = gt_take(&g->text, 1);
+    char *text = rk_gt_take(&g->text, 1);
     json_t *obj = final_object(g, text ? text : "");
     free(text);
     send_final(g, obj);
@@ -677,11 +594,11 @@ static gen *make_choice(gen *g0, int c, int per_prompt, rk_http_error *err) {
     g->think = (rk_think_split){0};
     g->reasoning = NULL;
     g->fd = -1; /* choice 0 watches the connection */
-    g->text = (gen_text){.tok = g0->text.tok,
-                         .stop_at = -1,
-                         .max_stop = g0->text.max_stop,
-                         .stop = g0->text.stop,
-                         .n_stop = g0->text.n_stop};
+    g->text = (rk_gen_text){.tok = g0->text.tok,
+                            .stop_at = -1,
+                            .max_stop = g0->text.max_stop,
+                            .stop = g0->text.stop,
+                            .n_stop = g0->text.n_stop};
     prepare_job(g, g0->api.n_prompts ? c / per_prompt : -1,
                 g0->api.opt.sampling.seed + (uint64_t)(c % per_prompt), err);
     if (g->job) {
@@ -725,7 +642,7 @@ static void wait_choices(choices *cs, double deadline) {
                 continue;
             }
             if (n > seen[c]) {
-                gt_feed(&g->text, g->job->req.out_tokens, n);
+                rk_gt_feed(&g->text, g->job->req.out_tokens, n);
                 seen[c] = n;
                 if (g->text.stop_at >= 0) rk_scheduler_cancel(S->engine, g->job);
                 if (g->api.stream && !cs->client_gone) {
@@ -771,7 +688,7 @@ static void respond_choices(choices *cs) {
     for (int c = 0; c < cs->n; c++) {
         gen *g = cs->gs[c];
         rk_job *j = g->job;
-        gt_feed(&g->text, j->req.out_tokens, j->req.n_out);
+        rk_gt_feed(&g->text, j->req.out_tokens, j->req.n_out);
         if (g->text.stop_at >= 0 && g->text.stop_tokens < j->req.n_out)
             j->req.n_out = g->text.stop_tokens;
         log_generation(g);
@@ -786,7 +703,7 @@ static void respond_choices(choices *cs) {
         if (g->api.stream) { /* the rest of the choice's text, then its finish event */
             open_choice(cs, c);
             lend(cs, g);
-            char *rest = gt_take(&g->text, 1);
+            char *rest = rk_gt_take(&g->text, 1);
             g->text_done = 1;
             if ((rest && *rest) || (g->api.opt.n_logprobs > 0 && g->lp_sent < j->req.n_out))
                 sse_event(g, chunk_event(g, rest ? rest : "", NULL));
@@ -798,7 +715,7 @@ static void respond_choices(choices *cs) {
             take_back(cs, g);
             continue;
         }
-        char *text = gt_take(&g->text, 1);
+        char *text = rk_gt_take(&g->text, 1);
         json_t *obj = final_object(g, text ? text : "");
         free(text);
         if (!obj) continue;

@@ -4,6 +4,9 @@
  *                routes (health, models, stats, metrics) and shutdown
  *   generate.c   completions and chat: preparing a request, waiting for the
  *                engine, Server-Sent Events, the response objects
+ *   gen_text.c   a generation's text as its tokens are decoded, stop strings
+ *   responses.c  POST /v1/responses on the chat path, stored responses
+ *                (responses.h; responses_input.c, responses_store.c)
  *   chunks.c     the chunk and cache routes: pre-warm, list, get, delete, flush
  *   respond.c    response headers and bodies, errors, reading a request body
  *   conns.c      sockets: a client gone, connections per client address,
