@@ -158,6 +158,12 @@ typedef struct rk_api_request {
      * taken as written (batch_tokens, batch_lens). 0: the one prompt is in
      * pieces. */
     int n_prompts;
+    /* `echo` (completions): the answer's text starts with its prompt, as
+     * given: prompt_texts[i] for a string prompt i (NULL for token ids,
+     * decoded when answered). */
+    int echo;
+    char **prompt_texts; /* (n_prompt_texts) */
+    int n_prompt_texts;
     rk_split *batch;
     int32_t **batch_tokens;
     int *batch_lens;

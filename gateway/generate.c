@@ -42,6 +42,7 @@ typedef struct gen {
     char *reasoning;
     /* Another route's shape (responses.c): objects and events pass through it. */
     const rk_gw_sink *sink;
+    int echoed; /* a streamed completion with `echo`: its prompt went out */
 } gen;
 
 static int write_all(gen *g, const char *s, size_t n) {
@@ -183,10 +184,48 @@ static const char *finish_reason(gen *g) {
     return rk_finish_reason_name(g->job->req.finish_reason);
 }
 
+/* A completion's prompt as given, for `echo` (malloc'ed): its string, or its
+ * token ids decoded. */
+static char *echo_text(gen *g) {
+    int p = g->api.n_prompts ? g->index / g->api.n_choices : 0;
+    if (p < g->api.n_prompt_texts && g->api.prompt_texts[p])
+        return rk_strdup(g->api.prompt_texts[p]);
+    char *t = NULL;
+    size_t tl = 0;
+    if (g->api.batch_tokens && p < g->api.n_prompts &&
+        !rk_tokenizer_decode(rk_model_tokenizer(g->svc->model), g->api.batch_tokens[p],
+                             (size_t)g->api.batch_lens[p], 0, 0, &t, &tl)) {
+        char *s = rk_utf8_sanitize(t, tl, NULL);
+        free(t);
+        return s;
+    }
+    return rk_strdup("");
+}
+
+/* A streamed completion with `echo`: its prompt, as the first text event. */
+static void send_echo(gen *g) {
+    if (!g->api.echo || g->api.chat || g->echoed) return;
+    g->echoed = 1;
+    char *t = echo_text(g);
+    if (t) sse_event(g, chunk_event(g, t, NULL));
+    free(t);
+}
+
 /* The whole response of a request that was not streamed. */
 static json_t *final_object(gen *g, const char *text) {
     rk_request *r = &g->job->req;
     const rk_tokenizer *tok = rk_model_tokenizer(g->svc->model);
+    char *echoed = NULL; /* `echo`: the prompt and the text */
+    if (g->api.echo && !g->api.chat) {
+        char *e = echo_text(g);
+        size_t el = e ? strlen(e) : 0, tl = strlen(text);
+        if (e && (echoed = malloc(el + tl + 1))) {
+            memcpy(echoed, e, el);
+            memcpy(echoed + el, text, tl + 1);
+            text = echoed;
+        }
+        free(e);
+    }
     const char *fr = finish_reason(g);
     json_t *lp = rk_report_logprobs(tok, r, 0, r->n_out, g->api.chat);
     rk_strbuf think = {0}, answer = {0};
@@ -212,6 +251,7 @@ static json_t *final_object(gen *g, const char *text) {
                             json_string(reasoning));
     rk_strbuf_free(&think);
     rk_strbuf_free(&answer);
+    free(echoed);
     json_t *o = object_head(g, g->api.chat ? "chat.completion" : "text_completion");
     if (!o || !choice || json_object_set_new(o, "choices", json_pack("[o]", choice)) ||
         json_object_set_new(o, "usage", rk_report_usage(r)) ||
@@ -254,6 +294,7 @@ static void stream_progress(gen *g) {
     char *t = rk_gt_take(&g->text, 0);
     if (!t) return;
     sse_start(g);
+    send_echo(g);
     if (*t) sse_event(g, chunk_event(g, t, NULL));
     free(t);
 }
@@ -417,6 +458,7 @@ static void respond_generation(gen *g) {
     }
     if (g->api.stream) {
         sse_start(g);
+        send_echo(g);
         char *rest = rk_gt_take(&g->text, 1);
         g->text_done = 1;
         /* The rest, if any; the role goes with the first event; log-probabilities
@@ -576,6 +618,7 @@ static void open_choice(choices *cs, int c) {
     lend(cs, g);
     sse_start(g);
     if (g->api.chat) sse_event(g, chunk_event(g, "", NULL)); /* the role, no text */
+    send_echo(g);
     take_back(cs, g);
 }
 
@@ -590,7 +633,7 @@ static gen *make_choice(gen *g0, int c, int per_prompt, rk_http_error *err) {
     *g = *g0; /* api: a shallow copy, freed with g0's */
     g->job = NULL;
     g->index = c;
-    g->events = g->text_done = g->lp_sent = 0;
+    g->events = g->text_done = g->lp_sent = g->echoed = 0;
     g->think = (rk_think_split){0};
     g->reasoning = NULL;
     g->fd = -1; /* choice 0 watches the connection */

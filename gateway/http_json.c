@@ -333,7 +333,7 @@ static int parse_common(json_t *root, const rk_parse_limits *lim, rk_api_request
                               "'best_of' must be 1 or equal to 'n': every completion is returned"),
                1;
     out->n_choices = (int)n;
-    if (echo) return rk_http_errorf(err, 400, "'echo' is not supported"), 1;
+    out->echo = echo;
     if (refuse_unsupported(root, err) || parse_penalties(root, &o->sampling, err)) return 1;
     if (parse_cache_fields(root, out, err)) return 1;
     json_t *seed_v = json_object_get(root, "seed");
@@ -497,6 +497,19 @@ static int parse_prompt_batch(json_t *prompt, const rk_parse_limits *lim, rk_api
     return 0;
 }
 
+/* With `echo`: a copy of each string prompt (NULL for token ids). */
+static int echo_texts(json_t *prompt, rk_api_request *out) {
+    size_t n = json_is_array(prompt) ? json_array_size(prompt) : 1;
+    if (!(out->prompt_texts = calloc(n ? n : 1, sizeof *out->prompt_texts))) return 1;
+    out->n_prompt_texts = (int)n;
+    for (size_t i = 0; i < n; i++) {
+        json_t *v = json_is_array(prompt) ? json_array_get(prompt, i) : prompt;
+        if (json_is_string(v) && !(out->prompt_texts[i] = rk_strdup(json_string_value(v))))
+            return 1;
+    }
+    return 0;
+}
+
 static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
                             rk_http_error *err) {
     json_t *prompt = json_object_get(root, "prompt");
@@ -509,6 +522,15 @@ static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_req
     json_int_t lp = 0;
     if (get_int(root, "logprobs", 0, 20, &lp, err)) return 1;
     out->opt.n_logprobs = (int)lp;
+    if (out->echo && lp > 0)
+        return rk_http_errorf(err, 400,
+                              "'echo' with 'logprobs' is not supported: the prompt tokens' "
+                              "log-probabilities are not computed"),
+               1;
+    if (out->echo && structured)
+        return rk_http_errorf(err, 400, "'echo' needs 'prompt' (not 'system'/'chunks'/'question')"),
+               1;
+    if (out->echo && echo_texts(prompt, out)) return rk_http_errorf(err, 500, "out of memory"), 1;
     if (prompt && !json_is_null(prompt)) {
         if (structured)
             return rk_http_errorf(err, 400,
@@ -660,6 +682,7 @@ static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *
                       rk_http_error *err) {
     if (json_object_get(root, "prompt"))
         return rk_http_errorf(err, 400, "'prompt' belongs to /v1/completions; send 'messages'"), 1;
+    if (out->echo) return rk_http_errorf(err, 400, "'echo' belongs to /v1/completions"), 1;
     int lp = 0;
     json_int_t top = 0;
     if (get_bool(root, "logprobs", &lp, err) || get_int(root, "top_logprobs", 0, 20, &top, err))
@@ -822,6 +845,8 @@ void rk_api_request_free(rk_api_request *r) {
         if (r->batch) rk_split_free(&r->batch[i]);
         if (r->batch_tokens) free(r->batch_tokens[i]);
     }
+    for (int i = 0; i < r->n_prompt_texts; i++) free(r->prompt_texts[i]);
+    free(r->prompt_texts);
     free(r->batch);
     free(r->batch_tokens);
     free(r->batch_lens);

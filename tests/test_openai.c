@@ -820,6 +820,51 @@ static json_t *cli_tokenize(const char *text) {
     return j;
 }
 
+/* `echo` starts a completion's text with its prompt, whole and streamed
+ * (the prompt is the first event), per prompt of a batch; with logprobs, and
+ * on chat, it is refused naming the field. */
+Test(openai, echo_puts_the_prompt_before_the_completion) {
+    const char *body = "{\"prompt\": %s, \"max_tokens\": 6, \"seed\": 4, \"n\": %d%s}";
+    resp plain = rk_test_postf(&S.t, "/v1/completions", body, "\"Once upon a time\"", 1, "");
+    resp echo =
+        rk_test_postf(&S.t, "/v1/completions", body, "\"Once upon a time\"", 1, ", \"echo\": true");
+    char want[512];
+    snprintf(want, sizeof want, "Once upon a time%s", rk_test_jstr(plain.json, "choices.0.text"));
+    cr_assert_str_eq(rk_test_jstr(echo.json, "choices.0.text"), want, "%s", echo.http.body);
+    cr_assert_eq(rk_test_jint(echo.json, "usage.completion_tokens"),
+                 rk_test_jint(plain.json, "usage.completion_tokens"));
+    resp st = rk_test_postf(&S.t, "/v1/completions", body, "\"Once upon a time\"", 1,
+                            ", \"echo\": true, \"stream\": true");
+    const char *first = strstr(st.http.body, "\"text\":\"");
+    cr_assert(first && !strncmp(first + 8, "Once upon a time\"", 17), "%s", st.http.body);
+    rk_strbuf all = {0};
+    for (const char *p = strstr(st.http.body, "\"text\":\""); p; p = strstr(p + 1, "\"text\":\"")) {
+        json_t *v = json_loadb(p + 7, strcspn(p + 8, "\"") + 2, JSON_DECODE_ANY, NULL);
+        rk_strbuf_puts(&all, json_string_value(v));
+        json_decref(v);
+    }
+    cr_assert_str_eq(all.s, want);
+    resp batch = rk_test_postf(&S.t, "/v1/completions", body, "[\"A cat\", \"A dog\"]", 2,
+                               ", \"echo\": true");
+    cr_assert_eq(json_array_size(rk_test_jget(batch.json, "choices")), 4, "%s", batch.http.body);
+    for (int i = 0; i < 4; i++) {
+        char path[32];
+        snprintf(path, sizeof path, "choices.%d.text", i);
+        cr_assert(!strncmp(rk_test_jstr(batch.json, path), i < 2 ? "A cat" : "A dog", 5));
+    }
+    resp lp = rk_test_postf(&S.t, "/v1/completions", body, "\"x\"", 1,
+                            ", \"echo\": true, \"logprobs\": 1");
+    cr_assert_eq(lp.http.status, 400);
+    cr_assert_str_eq(rk_test_jstr(lp.json, "error.param"), "echo");
+    resp chat = rk_test_postf(&S.t, "/v1/chat/completions",
+                              "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
+                              "\"echo\": true}");
+    cr_assert_eq(chat.http.status, 400);
+    rk_strbuf_free(&all);
+    resp *rs[] = {&plain, &echo, &st, &batch, &lp, &chat};
+    for (size_t i = 0; i < sizeof rs / sizeof rs[0]; i++) rk_test_resp_free(rs[i]);
+}
+
 Test(openai, tokenize_and_detokenize_match_the_cli) {
     const char *text = "Once upon a time, Lily";
     json_t *want = cli_tokenize(text);
