@@ -559,6 +559,45 @@ static int run(const char *cmd) {
     return WIFEXITED(st) ? WEXITSTATUS(st) : 128;
 }
 
+/* Run tests/SCRIPT with node from the folder above node_modules (the path
+ * of a file npm installed, cut at "/node_modules/"), against the server. */
+static void run_node(const char *installed, const char *script) {
+    char dir[2048], src[1024], cmd[8192];
+    snprintf(dir, sizeof dir, "%s", installed);
+    *strstr(dir, "/node_modules/") = '\0';
+    snprintf(src, sizeof src, "%s", RK_TEST_DATA);
+    *strstr(src, "/tests/data") = '\0';
+    snprintf(cmd, sizeof cmd,
+             "cp '%s/tests/%s' '%s/' && cd '%s' && RAGKV_URL='http://127.0.0.1:%d/v1' timeout 300 "
+             "node %s </dev/null 2>&1",
+             src, script, dir, dir, S.port, script);
+    FILE *f = popen(cmd, "r");
+    cr_assert(f);
+    static char out[65536];
+    size_t n = fread(out, 1, sizeof out - 1, f);
+    out[n] = '\0';
+    int st = pclose(f);
+    int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+    cr_log_info("%s:\n%s", script, out);
+    cr_assert_eq(code, 0, "%s failed (%d):\n%s", script, code, out);
+    cr_assert(strstr(out, "ok: all checks passed"), "%s", out);
+}
+
+/* The Agents SDK for JavaScript runs an agent with one function tool
+ * (returning documents) on /v1/responses to a final answer
+ * (tests/openai_agents_responses.mjs); skipped where npm cannot install it. */
+Test(responses, the_openai_agents_sdk_runs_an_agent_with_a_function_tool, .timeout = 900) {
+    const char *why = NULL;
+    char *pkg = rk_test_npm_file("@openai/agents@0.20", "@openai/agents", "package.json", &why);
+    if (!pkg) cr_skip_test("%s: the Agents SDK test is skipped", why);
+    char *model = qwen3_model();
+    const char *args[] = {"--model", model, "--served-model-name", "ragkv-test", NULL};
+    start_with(args);
+    run_node(pkg, "openai_agents_responses.mjs");
+    free(pkg);
+    free(model);
+}
+
 /* responses.create, .stream, .parse (zod), function tools and
  * previous_response_id through the official SDK
  * (tests/openai_sdk_responses.mjs); skipped where npm cannot install it. */
@@ -568,37 +607,16 @@ Test(responses, the_official_openai_sdk_speaks_responses, .timeout = 900) {
     if (!sdk) cr_skip_test("%s: the openai SDK test is skipped", why);
     char *zod = rk_test_npm_file("zod@3", "zod", "package.json", &why);
     if (!zod) cr_skip_test("%s: the openai SDK test is skipped", why);
-    /* node finds both packages through NODE_PATH (their node_modules). */
-    char paths[4096];
-    snprintf(paths, sizeof paths, "%s", sdk);
-    *strstr(paths, "/openai/package.json") = '\0';
-    char zpath[2048];
-    snprintf(zpath, sizeof zpath, "%s", zod);
-    *strstr(zpath, "/zod/package.json") = '\0';
+    /* An ES module resolves packages from its own folder: zod is linked
+     * beside the SDK (each package has a folder of its own). */
+    char cmd[8192];
+    snprintf(cmd, sizeof cmd, "ln -sfn '%.*s' '%.*szod'", (int)(strlen(zod) - 13), zod,
+             (int)(strlen(sdk) - 19), sdk); /* - "/package.json", - "openai/package.json" */
+    cr_assert_eq(run(cmd), 0, "%s", cmd);
     char *model = qwen3_model();
     const char *args[] = {"--model", model, "--served-model-name", "ragkv-test", NULL};
     start_with(args);
-    char src[1024], cmd[16384];
-    snprintf(src, sizeof src, "%s", RK_TEST_DATA);
-    *strstr(src, "/tests/data") = '\0';
-    /* An ES module resolves packages from its own folder: run a copy from
-     * the SDK's node_modules parent, with zod linked beside it. */
-    snprintf(cmd, sizeof cmd,
-             "cp '%s/tests/openai_sdk_responses.mjs' '%s/../' && ln -sfn '%s/zod' '%s/zod' && "
-             "cd '%s/..' && RAGKV_URL='http://127.0.0.1:%d/v1' timeout 300 node "
-             "openai_sdk_responses.mjs </dev/null 2>&1",
-             src, paths, zpath, paths, paths, S.port);
-    FILE *f = popen(cmd, "r");
-    cr_assert(f);
-    static char out[65536];
-    size_t n = fread(out, 1, sizeof out - 1, f);
-    out[n] = '\0';
-    int st = pclose(f);
-    int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-    cr_log_info("openai_sdk_responses.mjs:\n%s", out);
-    cr_assert_eq(code, 0, "openai_sdk_responses.mjs failed (%d):\n%s", code, out);
-    cr_assert(strstr(out, "ok: all checks passed"), "%s", out);
-    (void)run;
+    run_node(sdk, "openai_sdk_responses.mjs");
     free(sdk);
     free(zod);
     free(model);
