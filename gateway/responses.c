@@ -108,8 +108,10 @@ static json_t *response_object(resp_ctx *x, json_t *output, const char *status, 
         usage_of(x, usage, output));
     if (!o) return NULL;
     if (!strcmp(status, "incomplete"))
-        json_object_set_new(o, "incomplete_details",
-                            json_pack("{s:s}", "reason", "max_output_tokens"));
+        json_object_set_new(
+            o, "incomplete_details",
+            json_pack("{s:s}", "reason",
+                      !strcmp(x->finish, "cancelled") ? "cancelled" : "max_output_tokens"));
     if (ragkv) json_object_set(o, "ragkv", ragkv);
     return o;
 }
@@ -146,6 +148,13 @@ static json_t *call_item(resp_ctx *x, int k, json_t *call, const char *args, con
                      status);
 }
 
+/* A response's status for chat's finish_reason: stop and tool_calls are
+ * completed; length (max_output_tokens) and cancelled (the timeout, a
+ * shutdown) incomplete. */
+static const char *status_of(const char *finish) {
+    return !strcmp(finish, "length") || !strcmp(finish, "cancelled") ? "incomplete" : "completed";
+}
+
 /* The output items of a chat answer's message. */
 static json_t *items_of_message(resp_ctx *x, json_t *msg, const char *finish) {
     json_t *out = json_array();
@@ -153,7 +162,7 @@ static json_t *items_of_message(resp_ctx *x, json_t *msg, const char *finish) {
     const char *c = json_string_value(json_object_get(msg, "content"));
     json_t *calls = json_object_get(msg, "tool_calls");
     if (r && *r) json_array_append_new(out, reasoning_item(x, r));
-    const char *st = !strcmp(finish, "length") ? "incomplete" : "completed";
+    const char *st = status_of(finish);
     if ((c && *c) || !json_array_size(calls))
         json_array_append_new(out, message_item(x, st, json_pack("[o]", text_part(c ? c : ""))));
     for (size_t k = 0; k < json_array_size(calls); k++) {
@@ -163,10 +172,6 @@ static json_t *items_of_message(resp_ctx *x, json_t *msg, const char *finish) {
         json_array_append_new(out, call_item(x, (int)k, call, a ? a : "{}", "completed"));
     }
     return out;
-}
-
-static const char *status_of(const char *finish) {
-    return !strcmp(finish, "length") ? "incomplete" : "completed";
 }
 
 /* Keep a finished response (store: true) with its conversation. */
@@ -186,6 +191,7 @@ static json_t *sink_final(void *ctx, json_t *obj) {
     json_t *choice = json_array_get(json_object_get(obj, "choices"), 0);
     const char *fr = json_string_value(json_object_get(choice, "finish_reason"));
     fr = fr ? fr : "stop";
+    snprintf(x->finish, sizeof x->finish, "%s", fr);
     json_t *items = items_of_message(x, json_object_get(choice, "message"), fr);
     json_t *r = response_object(x, items, status_of(fr), json_object_get(obj, "usage"),
                                 json_object_get(obj, "ragkv"));
@@ -353,7 +359,7 @@ static char *sink_done(void *ctx) {
     const char *fr = x->finish[0] ? x->finish : "stop";
     close_item(x, &out, 1, NULL);
     if (x->message_at < 0 && !x->n_calls && !x->failed) text_delta(x, &out, 0, "");
-    close_item(x, &out, 0, status_of(fr));
+    close_item(x, &out, 0, x->failed ? "incomplete" : status_of(fr));
     const char *status = x->failed ? "failed" : status_of(fr);
     json_t *r = response_object(x, json_incref(x->output), status, x->usage, x->ragkv);
     if (r && !x->failed) keep(x, r);

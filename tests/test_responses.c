@@ -434,6 +434,23 @@ Test(responses, a_stream_sends_the_events_in_order_and_ends_with_the_unstreamed_
     rk_test_resp_free(&g);
 }
 
+/* A stream the server's timeout cuts (--timeout-s) ends with
+ * response.incomplete, reason "cancelled", its message item incomplete. */
+Test(responses, a_stream_cut_by_the_timeout_ends_incomplete) {
+    const char *args[] = {"--timeout-s", "1", "--token-delay-s", "0.05", NULL};
+    start_with(args);
+    resp st = create(200, "{\"input\": \"Hi\", \"max_output_tokens\": 400, \"stream\": true}");
+    json_t *evs = read_events(st.http.body);
+    size_t n = json_array_size(evs);
+    cr_assert_str_eq(ev_type(evs, n - 1), "response.incomplete", "%s", st.http.body);
+    json_t *fin = rk_test_jget(json_array_get(evs, n - 1), "response");
+    cr_assert_str_eq(jstr(fin, "incomplete_details.reason"), "cancelled");
+    cr_assert_str_eq(jstr(fin, "output.0.status"), "incomplete");
+    cr_assert_lt(jint(fin, "usage.output_tokens"), 400);
+    json_decref(evs);
+    rk_test_resp_free(&st);
+}
+
 /* ================================================================ thinking, tools, schemas */
 
 static const char *const TOOLS =
