@@ -208,6 +208,11 @@ int rk_api_parse_msg_tool_calls(json_t *tc, int i, char **out, rk_http_error *er
 rk_status rk_api_parse(const char *body, size_t len, int chat, const rk_parse_limits *lim,
                        rk_api_request *out, rk_http_error *err);
 
+/* A request body of len bytes as a JSON object (a new reference), or NULL
+ * with err (400: not JSON, not an object, arrays and objects nested deeper
+ * than 32 levels, which are refused before parsing). */
+json_t *rk_api_load_object(const char *body, size_t len, rk_http_error *err);
+
 /* Free what a parsed request owns and zero it; accepts a zeroed request. */
 void rk_api_request_free(rk_api_request *r);
 

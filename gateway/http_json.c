@@ -790,7 +790,7 @@ static int json_depth(const char *s, size_t len) {
     return max;
 }
 
-static json_t *load_object(const char *body, size_t len, rk_http_error *err) {
+json_t *rk_api_load_object(const char *body, size_t len, rk_http_error *err) {
     if (json_depth(body, len) > MAX_DEPTH) {
         rk_http_errorf(err, 400, "the body nests arrays and objects deeper than %d levels",
                        MAX_DEPTH);
@@ -859,7 +859,7 @@ rk_status rk_api_parse(const char *body, size_t len, int chat, const rk_parse_li
     rk_req_options_default(&out->opt);
     snprintf(out->separator, sizeof out->separator, "##");
     out->chat = chat;
-    json_t *root = load_object(body, len, err);
+    json_t *root = rk_api_load_object(body, len, err);
     if (!root) return RK_ERR_INVALID;
     int failed = parse_common(root, lim, out, err) ||
                  (chat ? parse_chat(root, lim, out, err) : parse_completion(root, lim, out, err));
@@ -893,7 +893,7 @@ void rk_prewarm_request_free(rk_prewarm_request *p) {
 rk_status rk_prewarm_parse(const char *body, size_t len, rk_prewarm_request *out,
                            rk_http_error *err) {
     memset(out, 0, sizeof *out);
-    json_t *root = load_object(body, len, err);
+    json_t *root = rk_api_load_object(body, len, err);
     if (!root) return RK_ERR_INVALID;
     rk_status st = RK_OK;
     json_t *ch = json_object_get(root, "chunks"), *sys = json_object_get(root, "system");
@@ -945,7 +945,7 @@ rk_status rk_flush_parse(const char *body, size_t len, rk_flush_request *out, rk
     while (i < len && (body[i] == ' ' || body[i] == '\n' || body[i] == '\r' || body[i] == '\t'))
         i++;
     if (i == len) return RK_OK; /* no body: everything */
-    json_t *root = load_object(body, len, err);
+    json_t *root = rk_api_load_object(body, len, err);
     if (!root) return RK_ERR_INVALID;
     rk_status st = RK_OK;
     json_t *what = json_object_get(root, "what");

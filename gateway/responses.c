@@ -380,11 +380,9 @@ static void send_not_found(req_ctx *rc, const char *id, const char *param) {
 /* Parse and translate; 0 with x ready and *chat the chat body, or -1 after answering. */
 static int prepare(resp_ctx *x, const char *body, size_t len, json_t **chat) {
     req_ctx *rc = x->rc;
-    json_error_t je;
-    x->root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
-    if (!json_is_object(x->root)) {
-        rk_gw_send_errorf(rc, 400, "the body must be a JSON object%s%s", x->root ? "" : ": ",
-                          x->root ? "" : je.text);
+    rk_http_error lerr = {0};
+    if (!(x->root = rk_api_load_object(body, len, &lerr))) {
+        rk_gw_send_error(rc, &lerr);
         return -1;
     }
     json_t *prev = json_object_get(x->root, "previous_response_id");

@@ -215,6 +215,13 @@ Test(responses, what_cannot_be_honoured_is_a_400_naming_the_field) {
     }
     resp bad = create(400, "not json");
     rk_test_resp_free(&bad);
+    char deep[256] = "{\"input\": \"x\", \"metadata\": ";
+    for (int i = 0; i < 40; i++) strcat(deep, "[");
+    for (int i = 0; i < 40; i++) strcat(deep, "]");
+    strcat(deep, "}");
+    resp nested = create(400, deep);
+    cr_assert(strstr(jstr(nested.json, "error.message"), "deeper"), "%s", nested.http.body);
+    rk_test_resp_free(&nested);
     /* The chat path's own checks still apply. */
     resp mt = create(400, "{\"input\": \"x\", \"max_output_tokens\": -1}");
     rk_test_resp_free(&mt);
