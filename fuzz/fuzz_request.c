@@ -1,6 +1,7 @@
 /* fuzz/fuzz_request.c — libFuzzer target over the HTTP request parsers: the
  * completion and chat bodies (with every chat template rendered), pre-warm and
- * flush bodies, the prompt splitter, and the framing check over the input
+ * flush bodies, Responses bodies (translated into chat bodies, which then
+ * parse as chat), the prompt splitter, and the framing check over the input
  * read as a request head (header counts and header syntax:
  * gateway/framing.c). No model is needed. Each input is
  * checked against the parsers' invariants; a violation aborts (a crash to
@@ -16,6 +17,7 @@
 
 #include "gateway/chat.h"
 #include "gateway/http.h"
+#include "gateway/responses.h"
 
 #define FUZZ_MAX_CHUNKS 8
 #define FUZZ_MAX_TOKENS 4096
@@ -177,6 +179,48 @@ static const char *check_head(const uint8_t *data, size_t size) {
     return bad;
 }
 
+/* The input as a POST /v1/responses body: translated into a chat body,
+ * alone and after its own input items as a stored conversation, then parsed
+ * as chat. 0 when it translates and parses; 1 when refused with a good
+ * error; -1 with *bad set when an invariant broke. err gets the refusal. */
+int rk_fuzz_responses(const uint8_t *data, size_t size, rk_http_error *err, const char **bad);
+int rk_fuzz_responses(const uint8_t *data, size_t size, rk_http_error *err, const char **bad) {
+    rk_parse_limits lim = {.max_chunks = FUZZ_MAX_CHUNKS, .max_tokens = FUZZ_MAX_TOKENS};
+    json_t *root = rk_api_load_object((const char *)data, size, err);
+    *bad = NULL;
+    if (!root) return (*bad = check_error(err)) ? -1 : 1;
+    int outcome = 0;
+    json_t *conv = NULL;
+    for (int pass = 0; pass < 2 && !*bad && outcome == 0; pass++) {
+        json_t *input = NULL;
+        json_t *chat = rk_resp_chat_body(root, conv, "fz", &input, err);
+        if (!chat) {
+            *bad = input ? "a refused body left its input items" : check_error(err);
+            outcome = 1;
+            break;
+        }
+        if (!json_is_array(input) || !json_array_size(input) ||
+            !json_is_array(json_object_get(chat, "messages")))
+            *bad = "a translated body without input items or messages";
+        char *text = json_dumps(chat, JSON_COMPACT);
+        rk_api_request r;
+        if (!*bad && text && rk_api_parse(text, strlen(text), 1, &lim, &r, err) == RK_OK) {
+            *bad = check_request(&r);
+            rk_api_request_free(&r);
+        } else if (!*bad && text) {
+            *bad = check_error(err);
+            outcome = 1;
+        }
+        free(text);
+        json_decref(chat);
+        json_decref(conv);
+        conv = input; /* the second pass continues the first's conversation */
+    }
+    json_decref(conv);
+    json_decref(root);
+    return *bad ? -1 : outcome;
+}
+
 const char *rk_fuzz_request_check(const uint8_t *data, size_t size);
 
 /* Run every parser over the input; NULL when every invariant holds, else what broke. */
@@ -235,6 +279,10 @@ const char *rk_fuzz_request_check(const uint8_t *data, size_t size) {
         } else if (st != RK_ERR_INVALID && st != RK_ERR_LIMIT) {
             bad = "the splitter failed with an unexpected status";
         }
+    }
+    if (!bad) {
+        rk_http_error err = {0};
+        rk_fuzz_responses(data, size, &err, &bad);
     }
     if (!bad) bad = check_head(data, size);
     return bad;

@@ -2,7 +2,9 @@
  * through the request parsers with the fuzz target's own invariant checks
  * (fuzz/fuzz_request.c is included here), plus the outcome each hand-written
  * seed promises by its name: ok-* and chat-ok-* parse as a completion or chat
- * body, prewarm-ok-* and flush-ok-* as those bodies, badNNN-* fail with HTTP
+ * body, prewarm-ok-* and flush-ok-* as those bodies, resp-ok-* translate as
+ * a POST /v1/responses body into a chat body that parses, resp400-* are
+ * refused with 400 (translated or parsed), badNNN-* fail with HTTP
  * status NNN as a completion body, head-ok-* pass the framing check as a
  * request head and headNNN-* are refused by it with status NNN. */
 #include <criterion/criterion.h>
@@ -101,6 +103,13 @@ Test(request_corpus, named_seeds_give_their_promised_outcome) {
             cr_assert_neq(rk_api_parse(v[i].data, v[i].len, 0, &lim, &r, &err), RK_OK, "%s", name);
             cr_assert_eq(err.status, want, "%s: want %d, got %d (%s)", name, want, err.status,
                          err.message);
+        } else if (!strncmp(name, "resp-ok-", 8) || !strncmp(name, "resp400-", 8)) {
+            const char *bad = NULL;
+            int outcome = rk_fuzz_responses((const uint8_t *)v[i].data, v[i].len, &err, &bad);
+            cr_assert_null(bad, "%s: %s", name, bad ? bad : "");
+            cr_assert_eq(outcome, name[4] == '-' ? 0 : 1, "%s: %d %s", name, err.status,
+                         err.message);
+            if (outcome) cr_assert_eq(err.status, 400, "%s: %s", name, err.message);
         } else if (!strncmp(name, "head-ok-", 8)) {
             rk_gw_framing f;
             cr_assert_eq(rk_fuzz_head_verdict((const uint8_t *)v[i].data, v[i].len, &f), 0,
