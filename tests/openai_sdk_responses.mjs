@@ -94,6 +94,25 @@ assert.equal(fin.output_text, r.output_text);
 assert.equal(fin.id, ended.id);
 assert.deepEqual(comparable(ended), comparable(r));
 
+step("thinking streamed as reasoning_text, gathered by the stream helper");
+const think = {
+  model,
+  input: "Hi",
+  max_output_tokens: 4,
+  temperature: 0,
+  logit_bias: { 151667: 100 }, // <think>: the answer opens a thinking block
+};
+const tr = await client.responses.create(think);
+assert.equal(tr.output[0].type, "reasoning");
+const ts = client.responses.stream(think);
+let thought = "";
+for await (const ev of ts) if (ev.type === "response.reasoning_text.delta") thought += ev.delta;
+const tf = await ts.finalResponse();
+assert.equal(thought, tr.output[0].content[0].text);
+assert.equal(tf.output[0].type, "reasoning");
+assert.equal(tf.output[0].content[0].text, tr.output[0].content[0].text);
+assert.ok(tr.usage.output_tokens_details.reasoning_tokens > 0);
+
 step("a function tool round trip with function_call_output");
 const tools = [
   {
