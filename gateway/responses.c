@@ -448,7 +448,7 @@ static int handle_create(req_ctx *rc) {
 }
 
 /* GET /v1/responses/{id}/input_items: a list, newest first unless ?order=asc. */
-static void send_input_items(req_ctx *rc, const char *id, json_t *input) {
+static void send_input_items(req_ctx *rc, json_t *input) {
     const char *q = mg_get_request_info(rc->conn)->query_string;
     int asc = q && strstr(q, "order=asc");
     json_t *data = json_array();
@@ -457,7 +457,6 @@ static void send_input_items(req_ctx *rc, const char *id, json_t *input) {
         json_array_append(data, json_array_get(input, asc ? i : n - 1 - i));
     json_t *first = json_object_get(json_array_get(data, 0), "id");
     json_t *last = json_object_get(json_array_get(data, n ? n - 1 : 0), "id");
-    (void)id;
     rk_gw_send_json(rc, 200,
                     json_pack("{s:s, s:o, s:O, s:O, s:b}", "object", "list", "data", data,
                               "first_id", first ? first : json_null(), "last_id",
@@ -482,7 +481,7 @@ int rk_gw_handle_responses(req_ctx *rc, const char *rest, int del) {
         rk_resp_store_get(st, rc->tenant, id, items ? NULL : &resp, items ? &input : NULL, NULL))
         return send_not_found(rc, id, NULL), 0;
     if (items) {
-        send_input_items(rc, id, input);
+        send_input_items(rc, input);
         json_decref(input);
     } else {
         rk_gw_send_json(rc, 200, resp);

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
+#include <time.h>
 
 #include "tests/testutil.h"
 
@@ -323,6 +324,33 @@ Test(responses, the_store_drops_the_oldest_beyond_its_count) {
         cr_assert_eq(g.http.status, want[i], "response %d: %d", i, g.http.status);
         rk_test_resp_free(&g);
     }
+}
+
+/* A response larger than --responses-max-bytes is not kept, and a kept one
+ * is dropped --responses-ttl-s after it was made. */
+Test(responses, the_store_keeps_nothing_over_its_bytes_or_past_its_ttl) {
+    const char *small[] = {"--responses-max-bytes", "1024", NULL};
+    start_with(small);
+    resp r = create(200, "{\"input\": \"Hi\", \"max_output_tokens\": 1}");
+    cr_assert_gt(strlen(r.http.body), 1024);
+    resp g = call("GET", fmt("/v1/responses/%s", jstr(r.json, "id")), NULL, NULL);
+    cr_assert_eq(g.http.status, 404, "a response over the store's bytes is not kept");
+    rk_test_resp_free(&r);
+    rk_test_resp_free(&g);
+    stop_server();
+    const char *ttl[] = {"--responses-ttl-s", "1", NULL};
+    start_with(ttl);
+    r = create(200, "{\"input\": \"Hi\", \"max_output_tokens\": 1}");
+    const char *path = fmt("/v1/responses/%s", jstr(r.json, "id"));
+    g = call("GET", path, NULL, NULL);
+    cr_assert_eq(g.http.status, 200);
+    rk_test_resp_free(&g);
+    struct timespec ts = {1, 500 * 1000 * 1000};
+    nanosleep(&ts, NULL);
+    g = call("GET", path, NULL, NULL);
+    cr_assert_eq(g.http.status, 404, "expired after its TTL");
+    rk_test_resp_free(&r);
+    rk_test_resp_free(&g);
 }
 
 /* One tenant never sees, continues or deletes another's response. */
