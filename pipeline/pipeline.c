@@ -193,9 +193,10 @@ rk_status rk_stages_after_chunks(admission *a) {
 }
 
 /* A finished request leaves: its report is completed and all it holds
- * released (a failed one's sequence is not kept). */
+ * released (a failed one's sequence is not kept; a zero-copy one's copy
+ * into the radix tree is queued on p). */
 void rk_leave(rk_pipeline *p, rk_request *r) {
     rk_finish_report(r);
-    rk_release_request(p->svc, r, r->failure != RK_OK);
+    rk_release_leaving(p, r);
     r->finished = 1;
 }

@@ -409,6 +409,13 @@ int rk_pipeline_n_running(const rk_pipeline *p);
 rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
                             const rk_pipeline_hooks *hooks);
 
+/* Tokens of the sequences of requests that left still being copied into
+ * the radix tree. A request that reuses its chunks in place (zero-copy)
+ * leaves a copy of its sequence to make, rotated out of the chunk pool's
+ * blocks; beside decoding streams (a step budget) each step makes a slice
+ * of it, and the request's blocks are held until it is made. */
+int rk_pipeline_inserting(const rk_pipeline *p);
+
 /* Admit prepared requests like rk_pipeline_admit, up to the question pass:
  * what is left of their prompts (the question, a system tail nothing else
  * needed first, a resumed request's generated tokens) runs in the next
