@@ -195,6 +195,13 @@ int rk_api_parse_response_format(json_t *root, rk_grammar_cache *cache, rk_api_r
 int rk_api_parse_tools(json_t *root, rk_api_request *out, rk_http_error *err);
 int rk_api_parse_msg_tool_calls(json_t *tc, int i, char **out, rk_http_error *err);
 
+/* A completion body's `segments` (segments.c): texts and chunk groups in
+ * order, into out->pieces (and out->chunk_ids when a chunk named an id).
+ * Returns 0, or fills err (400 for a malformed list, 422 over a limit)
+ * and returns 1; what out gained is freed by rk_api_request_free. */
+int rk_api_parse_segments(json_t *segs, const rk_parse_limits *lim, rk_api_request *out,
+                          rk_http_error *err);
+
 /* Parse and validate a request body of len bytes (need not be
  * NUL-terminated). chat selects the chat shape. On success *out owns its
  * strings (rk_api_request_free); on failure err says why (400 malformed,

@@ -499,7 +499,7 @@ static int parse_prompt_batch(json_t *prompt, const rk_parse_limits *lim, rk_api
 
 static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
                             rk_http_error *err) {
-    json_t *prompt = json_object_get(root, "prompt");
+    json_t *prompt = json_object_get(root, "prompt"), *segs = json_object_get(root, "segments");
     int structured = json_object_get(root, "question") || json_object_get(root, "chunks") ||
                      json_object_get(root, "system");
     if (json_object_get(root, "messages"))
@@ -509,6 +509,14 @@ static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_req
     json_int_t lp = 0;
     if (get_int(root, "logprobs", 0, 20, &lp, err)) return 1;
     out->opt.n_logprobs = (int)lp;
+    if (segs && !json_is_null(segs)) {
+        if (structured || (prompt && !json_is_null(prompt)))
+            return rk_http_errorf(err, 400,
+                                  "give one of 'prompt', 'segments' or "
+                                  "'system'/'chunks'/'question'"),
+                   1;
+        return rk_api_parse_segments(segs, lim, out, err);
+    }
     if (prompt && !json_is_null(prompt)) {
         if (structured)
             return rk_http_errorf(err, 400,

@@ -241,6 +241,8 @@ rk_status rk_request_encode(const rk_tokenizer *tok, const rk_text *t, int speci
 /* Give r a fresh state (r->state) for an admission; on failure the caller
  * releases what it took with rk_release_request. */
 rk_status rk_init_request(rk_service *svc, rk_request *r);
+/* The chunk group chunk k of r belongs to (0 when r has one). */
+int rk_chunk_group(const rk_request *r, int k);
 /* Whether chunk k of r lies in the prefix its admission took from the radix
  * tree (computed and repaired as an earlier request left it). */
 int rk_chunk_from_prefix(const rk_request *r, int k);

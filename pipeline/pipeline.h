@@ -270,6 +270,7 @@ typedef struct rk_chunk_report {
     rk_chunk_status status;
     rk_chunk_source source;
     int live_offset; /* position of its first token in this request */
+    int group;       /* its chunk group (0 when the request has one) */
     double reindex_us;
     int repaired;  /* its tokens the repair policy recomputed through every layer */
     int zero_copy; /* attended in place in the chunk pool (else copied into live blocks) */
@@ -293,6 +294,15 @@ typedef struct rk_request {
     int n_empty_chunks; /* skipped by the splitter */
     int32_t *question;
     int n_question;
+    /* More than one chunk group (rk_split's n_groups > 1; else 0): group g
+     * is chunks [group_end[g - 1], group_end[g]) (from 0 for g = 0), and for
+     * g < n_groups - 1 the text gap[g] (gap_len[g] tokens, n_gap_tokens in
+     * all) follows it; the question follows the last group. */
+    int n_groups;
+    int *group_end;
+    int32_t **gap;
+    int *gap_len;
+    int n_gap_tokens;
 
     /* Results. */
     int32_t *out_tokens; /* (opt.max_tokens) */

@@ -36,7 +36,8 @@ int rk_pipeline_n_running(const rk_pipeline *p) { return p->n_running; }
 
 int rk_request_live_blocks(const rk_service *svc, const rk_request *r) {
     int bs = rk_arena_block_size(svc->arena), zc = rk_zero_copy_for(svc, r, 0);
-    long tokens = (long)r->n_sys + r->n_question + 1 + (r->resume && r->n_out ? r->n_out - 1 : 0);
+    long tokens = (long)r->n_sys + r->n_gap_tokens + r->n_question + 1 +
+                  (r->resume && r->n_out ? r->n_out - 1 : 0);
     long extra = 0;
     for (int k = 0; k < r->n_chunks; k++) {
         tokens += zc ? rk_private_tokens(r, r->chunk_lens[k], bs) : r->chunk_lens[k];

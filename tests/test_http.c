@@ -155,7 +155,11 @@ static void check_invariants(json_t *j) {
     json_t *chunks = rk_test_jget(j, "ragkv.chunks");
     for (size_t i = 0; i < json_array_size(chunks); i++)
         sum += json_integer_value(json_object_get(json_array_get(chunks, i), "tokens"));
-    cr_assert_eq(prompt, sum, "prompt_tokens %lld != system + chunks + question %lld", prompt, sum);
+    json_t *texts = rk_test_jget(j, "ragkv.texts");
+    for (size_t i = 0; i < json_array_size(texts); i++)
+        sum += json_integer_value(json_object_get(json_array_get(texts, i), "tokens"));
+    cr_assert_eq(prompt, sum, "prompt_tokens %lld != system + chunks + texts + question %lld",
+                 prompt, sum);
     cr_assert_eq(rk_test_jint(j, "usage.prompt_tokens_details.cached_tokens") +
                      rk_test_jint(j, "ragkv.timings.prompt_tokens_computed"),
                  prompt);
@@ -333,6 +337,50 @@ Test(http, completion_report_keeps_the_token_invariants) {
                   rk_test_jint(r.json, "ragkv.chunks.1.tokens"));
     check_invariants(r.json);
     rk_test_resp_free(&r);
+}
+
+/* The segments form: documents anywhere. A passage first sent in another
+ * request, under another system prompt, is a hit inside the third group of
+ * a conversation, at the live offset after everything before it. */
+Test(http, segments_place_documents_where_they_stand_and_a_later_passage_hits_there) {
+    resp r = post("/v1/completions", "{\"system\": \"Be brief.\", \"chunks\": [\"The owl "
+                                     "hooted at night.\"], \"question\": \"Who hooted?\", "
+                                     "\"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    rk_test_resp_free(&r);
+    r = post("/v1/completions",
+             "{\"segments\": [{\"text\": \"You are terse.\"}, {\"chunks\": [\"The cat sat.\", "
+             "{\"id\": \"d2\", \"text\": \"The dog ran.\"}]}, {\"text\": \"Who sat? The cat. "
+             "And then?\"}, {\"chunks\": []}, {\"text\": \"More.\"}, {\"chunks\": [\"The owl "
+             "hooted at night.\"]}, {\"text\": \"Who hooted?\"}], \"max_tokens\": 3}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 3);
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.0.group"), 0);
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.1.group"), 0);
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.2.group"), 2);
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.status"), "miss");
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.2.status"), "hit");
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.2.source"), "arena");
+    /* After group 0 and the two texts (at least a token each). */
+    int end0 = rk_test_jint(r.json, "ragkv.chunks.1.live_offset") +
+               rk_test_jint(r.json, "ragkv.chunks.1.tokens");
+    cr_assert_geq(rk_test_jint(r.json, "ragkv.chunks.2.live_offset"), end0 + 2);
+    check_invariants(r.json);
+    rk_test_resp_free(&r);
+    /* Malformed lists are 400s naming what is wrong. */
+    const char *bad[] = {
+        "{\"segments\": \"x\"}",
+        "{\"segments\": []}",
+        "{\"segments\": [{\"text\": \"a\", \"chunks\": []}]}",
+        "{\"segments\": [{\"text\": 1}]}",
+        "{\"segments\": [{\"text\": \"sys\"}, {\"chunks\": [\"c\"]}]}",
+        "{\"segments\": [{\"text\": \"q\"}], \"prompt\": \"q\"}",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        r = post("/v1/completions", bad[i]);
+        expect_error(&r, 400);
+        rk_test_resp_free(&r);
+    }
 }
 
 Test(http, miss_then_hit_shows_in_stats_and_metrics) {
