@@ -703,12 +703,12 @@ static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *
                    1;
         out->msgs[i].role = cr;
         out->n_msgs = (int)i + 1;
-        if (message_content(json_object_get(m, "content"), (int)i, &out->msgs[i], err)) return 1;
-        if (out->msgs[i].n_docs && cr != RK_ROLE_USER)
+        if (message_content(json_object_get(m, "content"), (int)i, &out->msgs[i], err) ||
+            rk_api_parse_msg_documents(m, (int)i, &out->msgs[i], err))
+            return 1;
+        if (out->msgs[i].n_docs && cr != RK_ROLE_USER && cr != RK_ROLE_TOOL)
             return rk_http_errorf(err, 400,
-                                  "messages[%zu]: only a user message carries documents "
-                                  "(ragkv_chunk parts)",
-                                  i),
+                                  "messages[%zu]: only user and tool messages carry documents", i),
                    1;
     }
     int any_user = 0;
@@ -728,7 +728,7 @@ static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *
         if (tid && !json_is_null(tid) && !json_is_string(tid))
             return rk_http_errorf(err, 400, "messages[%zu].tool_call_id must be a string", i), 1;
     }
-    if (rk_api_parse_tools(root, out, err)) return 1;
+    if (rk_api_parse_tools(root, out, err) || rk_api_parse_chunking(root, out, err)) return 1;
     if (out->msgs[n - 1].role == RK_ROLE_SYSTEM)
         return rk_http_errorf(err, 400,
                               "the last message must be the user's (or the assistant's, "

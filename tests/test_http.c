@@ -383,6 +383,43 @@ Test(http, segments_place_documents_where_they_stand_and_a_later_passage_hits_th
     }
 }
 
+/* A chat whose turns each bring documents (a `documents` field on each
+ * user message): three groups where the turns stand. Turn 3's passage,
+ * seen before in another conversation, is a hit inside group 2 at the live
+ * offset after the turns before it. */
+Test(http, a_chat_turns_documents_are_groups_and_a_passage_seen_elsewhere_hits_in_group_2) {
+    resp r = post("/v1/chat/completions",
+                  "{\"messages\": [{\"role\": \"user\", \"content\": \"Who hooted?\", "
+                  "\"documents\": [\"The owl hooted at night.\"]}], \"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    rk_test_resp_free(&r);
+    r = post("/v1/chat/completions",
+             "{\"messages\": ["
+             "{\"role\": \"system\", \"content\": \"Answer from the documents.\"},"
+             "{\"role\": \"user\", \"content\": \"Who sat?\", \"documents\": [\"The cat "
+             "sat.\"]},"
+             "{\"role\": \"assistant\", \"content\": \"The cat.\"},"
+             "{\"role\": \"user\", \"content\": \"Who ran?\", \"documents\": [\"The dog "
+             "ran.\", \"The fox hid.\"]},"
+             "{\"role\": \"assistant\", \"content\": \"The dog.\"},"
+             "{\"role\": \"user\", \"content\": \"Who hooted?\", \"documents\": [\"The owl "
+             "hooted at night.\"]}], \"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 4);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.texts")), 2);
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.0.group"), 0);
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.2.group"), 1);
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.3.group"), 2);
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.3.status"), "hit");
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.3.source"), "arena");
+    int after = rk_test_jint(r.json, "ragkv.chunks.2.live_offset") +
+                rk_test_jint(r.json, "ragkv.chunks.2.tokens") +
+                rk_test_jint(r.json, "ragkv.texts.1.tokens");
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.3.live_offset"), after);
+    check_invariants(r.json);
+    rk_test_resp_free(&r);
+}
+
 Test(http, miss_then_hit_shows_in_stats_and_metrics) {
     resp r = get("/v1/stats");
     cr_assert_eq(r.http.status, 200, "%s", r.http.body);
