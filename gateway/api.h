@@ -100,8 +100,9 @@ typedef enum rk_chat_role {
 typedef struct rk_chat_msg {
     rk_chat_role role;
     char *content; /* malloc'ed, NUL-terminated (text parts joined) */
-    /* Its documents: content parts marked "ragkv_chunk": true, in order
-     * (malloc'ed, as the array); ids are all NULL (parts carry none). */
+    /* Its documents: content parts marked "ragkv_chunk": true, then its
+     * `documents` field, in order (malloc'ed, as the array); a user or
+     * tool message's, a chunk group where it stands. */
     char **docs;
     int n_docs;
     /* Assistant messages: the calls it made, as JSON text of an array of
@@ -188,6 +189,10 @@ typedef struct rk_api_request {
     /* Render the answer's turn with an empty thinking block (a thinking
      * model asked not to think): set by the caller before rk_chat_render. */
     int no_thinking;
+    /* `chunking.tool_results`: a tool message's content is passages (a
+     * JSON array of them, or its text split on the separator), a chunk
+     * group where the message stands. */
+    int chunk_tool_results;
 } rk_api_request;
 
 /* Structured output (structured.c), for rk_api_parse: each reads its fields
@@ -200,6 +205,21 @@ int rk_api_parse_response_format(json_t *root, rk_grammar_cache *cache, rk_api_r
                                  rk_http_error *err);
 int rk_api_parse_tools(json_t *root, rk_api_request *out, rk_http_error *err);
 int rk_api_parse_msg_tool_calls(json_t *tc, int i, char **out, rk_http_error *err);
+
+/* Chat documents where they stand (chat_docs.c), for rk_api_parse: message
+ * i's `documents` field (strings or {"text" or "content"}; a user or tool
+ * message's) appended to msg->docs, and the body's `chunking` object
+ * ({"tool_results": true}: every tool message's content is passages,
+ * out->chunk_tool_results). Each returns 0, or fills err and returns 1. */
+int rk_api_parse_msg_documents(json_t *m, int i, rk_chat_msg *msg, rk_http_error *err);
+int rk_api_parse_chunking(json_t *root, rk_api_request *out, rk_http_error *err);
+
+/* A completion body's `segments` (segments.c): texts and chunk groups in
+ * order, into out->pieces (and out->chunk_ids when a chunk named an id).
+ * Returns 0, or fills err (400 for a malformed list, 422 over a limit)
+ * and returns 1; what out gained is freed by rk_api_request_free. */
+int rk_api_parse_segments(json_t *segs, const rk_parse_limits *lim, rk_api_request *out,
+                          rk_http_error *err);
 
 /* Parse and validate a request body of len bytes (need not be
  * NUL-terminated). chat selects the chat shape. On success *out owns its

@@ -311,7 +311,9 @@ json_t *rk_chat_tool_calls(rk_chat_template t, const rk_api_request *req, const 
  * belong to the first user message (take_chunks puts them first). */
 typedef struct user_msg {
     rk_split split;    /* the split content (zeroed when not split) */
-    const char **docs; /* (n_docs) malloc'ed array; the strings are the message's or split's */
+    json_t *passages;  /* a tool result's JSON array of passages, or NULL */
+    const char **docs; /* (n_docs) malloc'ed array; the strings are the message's, split's or
+                        * passages' */
     int n_docs;
     int n_empty; /* empty documents skipped */
     const char *question;
@@ -350,6 +352,64 @@ static rk_status split_user(const rk_api_request *req, int i, user_msg *u, rk_ht
     return RK_OK;
 }
 
+/* A tool message as the layout sees it: its documents (ragkv_chunk parts,
+ * its `documents`) and, with chunking.tool_results, its content as
+ * passages: a JSON array of them (strings, or objects with a string "text"
+ * or "content"), else its text split on the separator (no separator: one
+ * passage). u->question is what stays text (all of it without passages). */
+static rk_status split_tool(const rk_api_request *req, int i, user_msg *u, rk_http_error *err) {
+    const rk_chat_msg *m = &req->msgs[i];
+    u->question = m->content;
+    json_t *a = NULL;
+    if (req->chunk_tool_results && *m->content) {
+        a = json_loads(m->content, JSON_DECODE_ANY, NULL);
+        if (a && !json_is_array(a)) json_decref(a), a = NULL;
+        for (size_t k = 0; a && k < json_array_size(a); k++) {
+            json_t *p = json_array_get(a, k), *t = p;
+            if (json_is_object(p))
+                t = json_object_get(p, "text") ? json_object_get(p, "text")
+                                               : json_object_get(p, "content");
+            if (!json_is_string(t)) json_decref(a), a = NULL; /* not passages: text */
+        }
+        if (!a) {
+            rk_status st =
+                rk_split_prompt(m->content, strlen(m->content), req->separator, INT_MAX, &u->split);
+            if (st)
+                return rk_http_errorf(err, rk_http_status_of(st), "bad messages[%d]: %s", i,
+                                      rk_error_message());
+            /* Every piece is a passage: the text after the last separator too. */
+        }
+        u->question = "";
+    }
+    u->passages = a;
+    int n_split = u->split.n_chunks + (u->split.question.s && *u->split.question.s) +
+                  (u->split.system.s && *u->split.system.s);
+    int n = m->n_docs + n_split + (a ? (int)json_array_size(a) : 0);
+    u->docs = calloc((size_t)(n ? n : 1), sizeof *u->docs);
+    if (!u->docs) return rk_http_errorf(err, 500, "out of memory");
+    for (int k = 0; k < m->n_docs; k++) {
+        if (*m->docs[k])
+            u->docs[u->n_docs++] = m->docs[k];
+        else
+            u->n_empty++;
+    }
+    for (size_t k = 0; a && k < json_array_size(a); k++) {
+        json_t *p = json_array_get(a, k), *t = p;
+        if (json_is_object(p))
+            t = json_object_get(p, "text") ? json_object_get(p, "text")
+                                           : json_object_get(p, "content");
+        if (*json_string_value(t))
+            u->docs[u->n_docs++] = json_string_value(t);
+        else
+            u->n_empty++;
+    }
+    if (u->split.system.s && *u->split.system.s) u->docs[u->n_docs++] = u->split.system.s;
+    for (int k = 0; k < u->split.n_chunks; k++) u->docs[u->n_docs++] = u->split.chunks[k].s;
+    if (u->split.question.s && *u->split.question.s) u->docs[u->n_docs++] = u->split.question.s;
+    u->n_empty += u->split.n_empty_chunks;
+    return RK_OK;
+}
+
 /* The opening of a user turn; for Llama-2, the <<SYS>> block (sys_block:
  * joined system messages, may be empty) goes inside it. */
 static void user_open(rk_chat_template t, rk_strbuf *b, const rk_strbuf *sys_block) {
@@ -383,6 +443,16 @@ static void user_close(rk_chat_template t, rk_strbuf *b) {
                                             : " [/INST]");
 }
 
+/* A tool result's turn: Qwen's user turn of <tool_response>, Llama 3's ipython. */
+static void tool_open(rk_chat_template t, rk_strbuf *b) {
+    rk_strbuf_puts(b, t == RK_CHAT_CHATML ? "<|im_start|>user\n<tool_response>\n"
+                                          : "<|start_header_id|>ipython<|end_header_id|>\n\n");
+}
+
+static void tool_close(rk_chat_template t, rk_strbuf *b) {
+    rk_strbuf_puts(b, t == RK_CHAT_CHATML ? "\n</tool_response><|im_end|>\n" : "<|eot_id|>");
+}
+
 /* s without its leading (lead) and trailing whitespace, as Jinja's trim. */
 static void put_trimmed(rk_strbuf *b, const char *s, int lead) {
     size_t n = strlen(s);
@@ -395,11 +465,10 @@ static void put_trimmed(rk_strbuf *b, const char *s, int lead) {
  * messages join the <<SYS>> block of the next user turn). open: the
  * assistant's turn the answer continues (a prefill), without its end. */
 static void other_turn(rk_chat_template t, rk_strbuf *b, const rk_chat_msg *m, int open) {
-    if (m->role == RK_ROLE_TOOL) { /* Qwen: a user turn of <tool_response>; Llama 3: ipython */
-        rk_strbuf_puts(b, t == RK_CHAT_CHATML ? "<|im_start|>user\n<tool_response>\n"
-                                              : "<|start_header_id|>ipython<|end_header_id|>\n\n");
+    if (m->role == RK_ROLE_TOOL) {
+        tool_open(t, b);
         rk_strbuf_puts(b, m->content);
-        rk_strbuf_puts(b, t == RK_CHAT_CHATML ? "\n</tool_response><|im_end|>\n" : "<|eot_id|>");
+        tool_close(t, b);
         return;
     }
     if (m->tool_calls && t != RK_CHAT_LLAMA2) {
@@ -492,72 +561,104 @@ static const char *assistant_open(rk_chat_template t) {
                                  : "";
 }
 
-/* The document turn: the first user message with a non-empty document
- * (with the `chunks` or `documents` extension, the first user message when
- * the extension has one), else the first user message. Not the last: turn
- * N+1 would then hold turn N's question in its system piece, which turn N
- * had in its question piece, and the radix key marks where a question
- * starts, so turn N+1 would match turn N's sequence no further than the
- * system part (nor would the pieces tokenize alike: a SentencePiece piece
- * starts its first word with a word start). */
-static int document_turn(const rk_api_request *req, const user_msg *users) {
-    int first_user = -1;
-    for (int i = 0; i < req->n_msgs && first_user < 0; i++)
-        if (req->msgs[i].role == RK_ROLE_USER) first_user = i;
-    for (int k = 0; req->chat_chunks_given && k < req->n_chat_chunks; k++)
-        if (*req->chat_chunks[k]) return first_user;
-    for (int i = 0; i < req->n_msgs; i++)
-        if (req->msgs[i].role == RK_ROLE_USER && users[i].n_docs > 0) return i;
-    return first_user;
+/* Whether message i is a document turn, a chunk group where it stands: a
+ * user or tool message with documents, or the first user message when the
+ * `chunks`/`documents` extension (its documents) has one. */
+static int is_group(const rk_api_request *req, const user_msg *users, int i, int first_user) {
+    if (i == first_user && req->chat_chunks_given)
+        for (int k = 0; k < req->n_chat_chunks; k++)
+            if (*req->chat_chunks[k]) return 1;
+    return users[i].n_docs > 0;
 }
 
-/* The request's chunks: the `chunks`/`documents` extension's non-empty ones
- * with their ids, then the documents of the user messages from the document
- * turn doc on, in order. */
-static rk_status take_chunks(rk_api_request *req, const user_msg *users, int doc, const char *sys,
-                             const char *question, int max_chunks, rk_split *out, char ***out_ids,
-                             rk_http_error *err) {
-    int given = req->chat_chunks_given ? req->n_chat_chunks : 0, n_in = given;
-    for (int i = doc; i < req->n_msgs; i++) n_in += users[i].n_docs;
-    int kept = 0, empty = 0, any_id = 0;
-    *out_ids = NULL;
+/* The layout as segments: texts[0], group 0, texts[1], ..., texts[n]
+ * (group g: message gmsg[g]'s documents, the extension's first for the
+ * first user message), with the ids the extension gave, into *out. */
+static rk_status layout_split(rk_api_request *req, const user_msg *users, const int *gmsg, int n,
+                              int first_user, rk_strbuf *texts, int max_chunks, rk_split *out,
+                              char ***out_ids, rk_http_error *err) {
+    int given = req->chat_chunks_given ? req->n_chat_chunks : 0, n_in = given, empty = 0;
+    for (int g = 0; g < n; g++) n_in += users[gmsg[g]].n_docs;
     const char **list = calloc((size_t)(n_in ? n_in : 1), sizeof *list);
     char **ids = calloc((size_t)(n_in ? n_in : 1), sizeof *ids);
-    if (!list || !ids) {
-        free(list);
-        free(ids);
-        return rk_http_errorf(err, 500, "out of memory");
-    }
-    int m = doc, d = 0; /* the next message document: users[m].docs[d] */
+    rk_segment *segs = calloc((size_t)(2 * n + 1), sizeof *segs);
     rk_status st = RK_OK;
-    for (int i = 0; i < n_in && !st; i++) {
-        const char *c;
-        if (i < given) {
-            c = req->chat_chunks[i];
-        } else {
-            while (d >= users[m].n_docs) m++, d = 0;
-            c = users[m].docs[d++];
+    int kept = 0, any_id = 0;
+    *out_ids = NULL;
+    if (!list || !ids || !segs) st = rk_http_errorf(err, 500, "out of memory");
+    for (int g = 0; g < n && !st; g++) {
+        const user_msg *u = &users[gmsg[g]];
+        segs[2 * g] = (rk_segment){.text = texts[g].s ? texts[g].s : ""};
+        segs[2 * g + 1] = (rk_segment){.chunks = list + kept};
+        int from = gmsg[g] == first_user ? 0 : given;
+        for (int i = from; i < given + u->n_docs && !st; i++) {
+            const char *c = i < given ? req->chat_chunks[i] : u->docs[i - given];
+            const char *id = i < given ? req->chat_chunk_ids[i] : NULL;
+            if (!*c) {
+                empty++;
+                continue;
+            }
+            if (id && !(ids[kept] = strdup(id))) st = rk_http_errorf(err, 500, "out of memory");
+            any_id |= id != NULL;
+            list[kept++] = c;
+            segs[2 * g + 1].n_chunks++;
         }
-        if (!*c) {
-            empty++;
-            continue;
-        }
-        const char *id = i < given ? req->chat_chunk_ids[i] : NULL;
-        if (id && !(ids[kept] = strdup(id))) st = rk_http_errorf(err, 500, "out of memory");
-        any_id |= id != NULL;
-        list[kept++] = c;
     }
-    if (!st && (st = rk_split_structured(sys, list, kept, question, max_chunks, out)))
+    segs[2 * n] = (rk_segment){.text = texts[n].s ? texts[n].s : ""};
+    if (!st && (st = rk_split_segments(segs, 2 * n + 1, max_chunks, out)))
         rk_http_errorf(err, rk_http_status_of(st), "bad chat request: %s", rk_error_message());
     free(list);
+    free(segs);
     if (!st) out->n_empty_chunks += empty;
     if (st || !any_id) {
-        for (int i = 0; i < kept; i++) free(ids[i]);
+        for (int i = 0; ids && i < kept; i++) free(ids[i]);
         free(ids);
         return st;
     }
     *out_ids = ids;
     return RK_OK;
+}
+
+/* The texts around the chunk groups of messages gmsg[0 .. n) into
+ * texts[0 .. n]: the turns before the first group and its message's
+ * opening (Llama-2 and Gemma: every system message before it in the first
+ * user turn), then after each group the rest of its message, the turns up
+ * to the next group's message and that one's opening, and after the last
+ * the later turns and the assistant's opening (or the open turn it
+ * continues, last: the messages before it). */
+static void render_texts(rk_chat_template t, const rk_api_request *req, const user_msg *users,
+                         const int *gmsg, int n, int last, rk_strbuf *texts, rk_strbuf *block) {
+    for (int i = 0; (t == RK_CHAT_LLAMA2 || t == RK_CHAT_GEMMA) && i < gmsg[0]; i++)
+        if (req->msgs[i].role == RK_ROLE_SYSTEM) add_system(block, &req->msgs[i]);
+    render_turns(t, req, users, 0, gmsg[0], 1, &texts[0], block);
+    for (int g = 0; g < n; g++) {
+        int m = gmsg[g];
+        const user_msg *u = &users[m];
+        rk_strbuf *b = &texts[g], *after = &texts[g + 1];
+        if (g > 0) render_turns(t, req, users, gmsg[g - 1] + 1, m, 0, b, block);
+        if (req->msgs[m].role == RK_ROLE_TOOL) {
+            tool_open(t, b);
+            rk_strbuf_puts(after, u->question);
+            tool_close(t, after);
+            continue;
+        }
+        user_open(t, b, block);
+        sb_clear(block);
+        if (t == RK_CHAT_GEMMA)
+            put_trimmed(after, u->question, 1);
+        else
+            rk_strbuf_puts(after, u->question);
+        user_close(t, after);
+    }
+    render_turns(t, req, users, gmsg[n - 1] + 1, last, 0, &texts[n], block);
+    if (last < req->n_msgs) {
+        other_turn(t, &texts[n], &req->msgs[last], 1);
+    } else {
+        rk_strbuf_puts(&texts[n], assistant_open(t));
+        /* Qwen3's template with enable_thinking false: an empty thinking block. */
+        if (req->no_thinking && t == RK_CHAT_CHATML)
+            rk_strbuf_puts(&texts[n], "<think>\n\n</think>\n\n");
+    }
 }
 
 rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks,
@@ -590,49 +691,51 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     int prefill = n > 0 && req->msgs[n - 1].role == RK_ROLE_ASSISTANT;
     int last = prefill ? n - 1 : n;
     user_msg *users = calloc((size_t)(n ? n : 1), sizeof *users);
-    rk_strbuf sys = {0}, q = {0}, block = {0};
+    rk_strbuf block = {0}, *texts = NULL;
+    int *gmsg = NULL;
     rk_status st = users ? RK_OK : rk_http_errorf(err, 500, "out of memory");
-    for (int i = 0; i < n && !st; i++)
-        if (req->msgs[i].role == RK_ROLE_USER && !(st = split_user(req, i, &users[i], err)))
-            empty += users[i].n_empty;
+    for (int i = 0; i < n && !st; i++) {
+        rk_chat_role role = req->msgs[i].role;
+        if (role == RK_ROLE_USER)
+            st = split_user(req, i, &users[i], err);
+        else if (role == RK_ROLE_TOOL)
+            st = split_tool(req, i, &users[i], err);
+        empty += users[i].n_empty;
+    }
     if (st) goto done;
-    int doc = document_turn(req, users);
-    if (doc < 0 || (n > 0 && req->msgs[n - 1].role == RK_ROLE_SYSTEM)) {
+    int first_user = -1, n_groups = 0;
+    for (int i = 0; i < n && first_user < 0; i++)
+        if (req->msgs[i].role == RK_ROLE_USER) first_user = i;
+    if (first_user < 0 || (n > 0 && req->msgs[n - 1].role == RK_ROLE_SYSTEM)) {
         st = rk_http_errorf(err, 400,
                             "the last message must be the user's (or the assistant's, "
                             "continued), after a user message");
         goto done;
     }
-
-    /* System piece: the turns before the document turn and its opening
-     * (Llama-2: every system message before it in the first user turn). */
-    for (int i = 0; (t == RK_CHAT_LLAMA2 || t == RK_CHAT_GEMMA) && i < doc; i++)
-        if (req->msgs[i].role == RK_ROLE_SYSTEM) add_system(&block, &req->msgs[i]);
-    render_turns(t, req, users, 0, doc, 1, &sys, &block);
-    user_open(t, &sys, &block);
-    sb_clear(&block);
-    /* Question piece: the rest of the document turn, every later turn, the
-     * assistant's opening (or the open turn it continues). */
-    if (t == RK_CHAT_GEMMA)
-        put_trimmed(&q, users[doc].question, 1);
-    else
-        rk_strbuf_puts(&q, users[doc].question);
-    user_close(t, &q);
-    render_turns(t, req, users, doc + 1, last, 0, &q, &block);
-    if (prefill) {
-        other_turn(t, &q, &req->msgs[n - 1], 1);
-    } else {
-        rk_strbuf_puts(&q, assistant_open(t));
-        /* Qwen3's template with enable_thinking false: an empty thinking block. */
-        if (req->no_thinking && t == RK_CHAT_CHATML) rk_strbuf_puts(&q, "<think>\n\n</think>\n\n");
+    /* Each document turn is a chunk group where it stands; without one,
+     * the first user message is a group of none (its layout extends into
+     * the next turn's: see the top of this file). */
+    gmsg = malloc((size_t)n * sizeof *gmsg);
+    texts = calloc((size_t)n + 1, sizeof *texts);
+    if (!gmsg || !texts) {
+        st = rk_http_errorf(err, 500, "out of memory");
+        goto done;
     }
-    if (sys.oom || q.oom || block.oom) {
+    for (int i = 0; i < last; i++)
+        if (is_group(req, users, i, first_user)) gmsg[n_groups++] = i;
+    if (n_groups == 0) gmsg[n_groups++] = first_user;
+    render_texts(t, req, users, gmsg, n_groups, last, texts, &block);
+    int oom = block.oom;
+    for (int g = 0; g <= n_groups; g++) oom |= texts[g].oom;
+    if (oom) {
         st = rk_http_errorf(err, 500, "out of memory");
         goto done;
     }
     rk_split out;
     char **ids;
-    if ((st = take_chunks(req, users, doc, sys.s, q.s, max_chunks, &out, &ids, err))) goto done;
+    if ((st = layout_split(req, users, gmsg, n_groups, first_user, texts, max_chunks, &out, &ids,
+                           err)))
+        goto done;
     out.n_empty_chunks += empty;
     if (req->have_pieces) {
         if (req->chunk_ids)
@@ -646,15 +749,17 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
 done:
     for (int i = 0; users && i < n; i++) {
         rk_split_free(&users[i].split);
+        json_decref(users[i].passages);
         free(users[i].docs);
     }
+    for (int g = 0; texts && g <= n; g++) free(texts[g].s);
+    free(texts);
+    free(gmsg);
     free(users);
     req->msgs = own_msgs;
     req->n_msgs = own_n;
     free(view);
     free(sys_text);
-    free(sys.s);
-    free(q.s);
     free(block.s);
     return st;
 }

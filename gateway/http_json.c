@@ -512,7 +512,7 @@ static int echo_texts(json_t *prompt, rk_api_request *out) {
 
 static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_request *out,
                             rk_http_error *err) {
-    json_t *prompt = json_object_get(root, "prompt");
+    json_t *prompt = json_object_get(root, "prompt"), *segs = json_object_get(root, "segments");
     int structured = json_object_get(root, "question") || json_object_get(root, "chunks") ||
                      json_object_get(root, "system");
     if (json_object_get(root, "messages"))
@@ -527,10 +527,20 @@ static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_req
                               "'echo' with 'logprobs' is not supported: the prompt tokens' "
                               "log-probabilities are not computed"),
                1;
-    if (out->echo && structured)
-        return rk_http_errorf(err, 400, "'echo' needs 'prompt' (not 'system'/'chunks'/'question')"),
+    if (out->echo && (structured || (segs && !json_is_null(segs))))
+        return rk_http_errorf(
+                   err, 400,
+                   "'echo' needs 'prompt' (not 'segments' or 'system'/'chunks'/'question')"),
                1;
     if (out->echo && echo_texts(prompt, out)) return rk_http_errorf(err, 500, "out of memory"), 1;
+    if (segs && !json_is_null(segs)) {
+        if (structured || (prompt && !json_is_null(prompt)))
+            return rk_http_errorf(err, 400,
+                                  "give one of 'prompt', 'segments' or "
+                                  "'system'/'chunks'/'question'"),
+                   1;
+        return rk_api_parse_segments(segs, lim, out, err);
+    }
     if (prompt && !json_is_null(prompt)) {
         if (structured)
             return rk_http_errorf(err, 400,
@@ -718,12 +728,12 @@ static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *
                    1;
         out->msgs[i].role = cr;
         out->n_msgs = (int)i + 1;
-        if (message_content(json_object_get(m, "content"), (int)i, &out->msgs[i], err)) return 1;
-        if (out->msgs[i].n_docs && cr != RK_ROLE_USER)
+        if (message_content(json_object_get(m, "content"), (int)i, &out->msgs[i], err) ||
+            rk_api_parse_msg_documents(m, (int)i, &out->msgs[i], err))
+            return 1;
+        if (out->msgs[i].n_docs && cr != RK_ROLE_USER && cr != RK_ROLE_TOOL)
             return rk_http_errorf(err, 400,
-                                  "messages[%zu]: only a user message carries documents "
-                                  "(ragkv_chunk parts)",
-                                  i),
+                                  "messages[%zu]: only user and tool messages carry documents", i),
                    1;
     }
     int any_user = 0;
@@ -743,7 +753,7 @@ static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *
         if (tid && !json_is_null(tid) && !json_is_string(tid))
             return rk_http_errorf(err, 400, "messages[%zu].tool_call_id must be a string", i), 1;
     }
-    if (rk_api_parse_tools(root, out, err)) return 1;
+    if (rk_api_parse_tools(root, out, err) || rk_api_parse_chunking(root, out, err)) return 1;
     if (out->msgs[n - 1].role == RK_ROLE_SYSTEM)
         return rk_http_errorf(err, 400,
                               "the last message must be the user's (or the assistant's, "

@@ -69,12 +69,13 @@ json_t *rk_report_ragkv(const rk_request *r) {
                                   ? "none"
                               : c->zero_copy ? "zero-copy"
                                              : "copy";
-        json_array_append_new(chunks, json_pack("{s:i, s:s, s:i, s:s, s:s, s:i, s:s, s:f, s:i}",
-                                                "index", k, "key", c->key, "tokens", c->tokens,
-                                                "status", rk_chunk_status_name(c->status), "source",
-                                                rk_chunk_source_name(c->source), "live_offset",
-                                                c->live_offset, "reindex", reindex, "reindex_us",
-                                                c->reindex_us, "recomputed_tokens", c->repaired));
+        json_array_append_new(chunks,
+                              json_pack("{s:i, s:i, s:s, s:i, s:s, s:s, s:i, s:s, s:f, s:i}",
+                                        "index", k, "group", c->group, "key", c->key, "tokens",
+                                        c->tokens, "status", rk_chunk_status_name(c->status),
+                                        "source", rk_chunk_source_name(c->source), "live_offset",
+                                        c->live_offset, "reindex", reindex, "reindex_us",
+                                        c->reindex_us, "recomputed_tokens", c->repaired));
     }
     json_t *ids = json_array();
     for (int i = 0; i < r->n_out; i++) json_array_append_new(ids, json_integer(r->out_tokens[i]));
@@ -88,12 +89,17 @@ json_t *rk_report_ragkv(const rk_request *r) {
     else if (r->opt.repair_ratio > 0)
         snprintf(repair, sizeof repair, "%s:%g", r->opt.repair_query ? "query" : "deviation",
                  r->opt.repair_ratio);
-    return json_pack("{s:{s:i, s:i}, s:o, s:i, s:{s:i}, s:s, s:i, s:i, s:o, s:o, s:o}", "system",
-                     "tokens", r->n_sys, "cached_tokens", r->sys_cached, "chunks", chunks,
-                     "empty_chunks_skipped", r->n_empty_chunks, "question", "tokens", r->n_question,
-                     "repair", repair, "recomputed_tokens", r->recomputed_tokens, "shared_blocks",
-                     r->shared_blocks, "reused", reused, "completion_ids", ids, "timings",
-                     timings_json(r));
+    /* The texts between chunk groups (none with one group): text g follows group g. */
+    json_t *texts = json_array();
+    for (int g = 0; g + 1 < r->n_groups; g++)
+        json_array_append_new(texts,
+                              json_pack("{s:i, s:i}", "after_group", g, "tokens", r->gap_len[g]));
+    return json_pack("{s:{s:i, s:i}, s:o, s:o, s:i, s:{s:i}, s:s, s:i, s:i, s:o, s:o, s:o}",
+                     "system", "tokens", r->n_sys, "cached_tokens", r->sys_cached, "chunks", chunks,
+                     "texts", texts, "empty_chunks_skipped", r->n_empty_chunks, "question",
+                     "tokens", r->n_question, "repair", repair, "recomputed_tokens",
+                     r->recomputed_tokens, "shared_blocks", r->shared_blocks, "reused", reused,
+                     "completion_ids", ids, "timings", timings_json(r));
 }
 
 json_t *rk_report_usage(const rk_request *r) {

@@ -222,6 +222,7 @@ rk_status rk_plan_chunks(admission *a, rk_request *r) {
         rk_chunk_report *rep = &r->chunk_reports[k];
         rep->tokens = r->chunk_lens[k];
         rep->live_offset = s->layout.pos[k];
+        rep->group = rk_chunk_group(r, k);
         if (rk_chunk_from_prefix(r, k)) { /* in place already, as an earlier request left it */
             rep->status = RK_CHUNK_STATUS_HIT;
             rep->source = RK_CHUNK_SOURCE_PREFIX;

@@ -103,7 +103,7 @@ void rk_finish_report(rk_request *r) {
             r->chunk_reports[k].source != RK_CHUNK_SOURCE_PREFIX)
             cached += r->chunk_lens[k] - r->chunk_reports[k].repaired; /* repaired: computed */
     }
-    r->prompt_tokens = r->n_sys + chunk_tokens + r->n_question;
+    r->prompt_tokens = r->n_sys + chunk_tokens + r->n_gap_tokens + r->n_question;
     r->cached_tokens = cached;
     r->computed_tokens = r->prompt_tokens - cached;
     r->t.total_ms = (rk_time_now() - r->state->t_start) * 1e3 + r->t.queue_ms;

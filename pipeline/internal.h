@@ -36,6 +36,8 @@
 
 #include "pipeline/pipeline.h"
 
+typedef struct rk_insert_job rk_insert_job; /* release.c */
+
 /* A scratch sequence: KV computed somewhere other than the request's own
  * table, then copied into place. */
 typedef struct scratch {
@@ -191,6 +193,10 @@ struct rk_pipeline {
     chunk_feed feed;        /* the chunk entries of the pass under construction */
     rk_embed_task **embeds; /* (cap_embeds) embedding work joined and not done, in join order */
     int n_embeds, cap_embeds;
+    /* Sequences of requests that left, being copied into the radix tree a
+     * slice a step (release.c), oldest first. */
+    rk_insert_job **inserts;
+    int n_inserts, cap_inserts;
 };
 
 /* ---------------------------------------------------------------- embed.c: embedding work */
@@ -222,7 +228,8 @@ rk_status rk_stage_system_and_chunks(admission *a);
 rk_status rk_stages_after_chunks(admission *a);
 /* A finished request leaves (stages 7's report and 8): its report is
  * completed and all it holds released (a failed one's sequence is not
- * kept). */
+ * kept; a zero-copy one's copy into the radix tree is queued on p, see
+ * rk_inserts_step). */
 void rk_leave(rk_pipeline *p, rk_request *r);
 
 /* ---------------------------------------------------------------- request.c: stage 1 */
@@ -234,6 +241,8 @@ rk_status rk_request_encode(const rk_tokenizer *tok, const rk_text *t, int speci
 /* Give r a fresh state (r->state) for an admission; on failure the caller
  * releases what it took with rk_release_request. */
 rk_status rk_init_request(rk_service *svc, rk_request *r);
+/* The chunk group chunk k of r belongs to (0 when r has one). */
+int rk_chunk_group(const rk_request *r, int k);
 /* Whether chunk k of r lies in the prefix its admission took from the radix
  * tree (computed and repaired as an earlier request left it). */
 int rk_chunk_from_prefix(const rk_request *r, int k);
@@ -331,11 +340,21 @@ rk_status rk_run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_requ
 
 /* A finished or preempted request's whole sequence into the radix tree
  * (its prompt key and the generated tokens that have KV); failures only
- * lose the caching. */
-void rk_insert_sequence(rk_service *svc, rk_request *r);
+ * lose the caching. A zero-copy sequence is a copy of its runs: with p not
+ * NULL it is queued on p (rk_inserts_step runs it), else made at once. */
+void rk_insert_sequence(rk_service *svc, rk_pipeline *p, rk_request *r);
 /* Release all r holds (failed: nothing goes into the radix tree, entries
  * computed for it are dropped); r->state is NULL after. */
 void rk_release_request(rk_service *svc, rk_request *r, int failed);
+/* rk_release_request for a request that leaves p (failed when r->failure
+ * is set): a zero-copy sequence's copy into the tree is queued on p. */
+void rk_release_leaving(rk_pipeline *p, rk_request *r);
+/* Run the queued copies of sequences into the radix tree, oldest first, at
+ * most max tokens of them (<= 0: all); those done go into the tree.
+ * Returns how many are still queued. */
+int rk_inserts_step(rk_pipeline *p, int max);
+/* Drop the queued copies (their sequences are not cached). */
+void rk_inserts_drop(rk_pipeline *p);
 
 /* ---------------------------------------------------------------- batch.c: the runner */
 

@@ -105,8 +105,8 @@ rk_status rk_admit_stages(rk_pipeline *p, rk_request *const *reqs, int n_reqs, i
 /* Whether something before the question pass attends to r's system KV: a
  * `system`-context chunk computed after it (fed through its run table, or
  * in pass 2), a ratio policy's
- * scoring pass, or a repair run at admission (a stepped `first_k` repair
- * is fed after the system tail in the steps). */
+ * scoring pass, or a repair run (or a text between chunk groups) at
+ * admission (stepped ones are fed after the system tail in the steps). */
 static int needs_system_first(const admission *a, const rk_request *r) {
     if (r->opt.mode != RK_MODE_RAG) return 0;
     for (int k = 0; k < r->n_chunks; k++) {
@@ -117,7 +117,8 @@ static int needs_system_first(const admission *a, const rk_request *r) {
             return 1;
     }
     if (r->opt.repair_ratio > 0) return 1;
-    return r->opt.repair_k > 0 && !rk_repair_stepped(a, r);
+    /* The texts between chunk groups run with the repair's runs. */
+    return (r->opt.repair_k > 0 || r->n_groups > 1) && !rk_repair_stepped(a, r);
 }
 
 /* Stages 2 (system prompt) and 3 (chunks), first part: match each
@@ -193,9 +194,10 @@ rk_status rk_stages_after_chunks(admission *a) {
 }
 
 /* A finished request leaves: its report is completed and all it holds
- * released (a failed one's sequence is not kept). */
+ * released (a failed one's sequence is not kept; a zero-copy one's copy
+ * into the radix tree is queued on p). */
 void rk_leave(rk_pipeline *p, rk_request *r) {
     rk_finish_report(r);
-    rk_release_request(p->svc, r, r->failure != RK_OK);
+    rk_release_leaving(p, r);
     r->finished = 1;
 }

@@ -270,6 +270,7 @@ typedef struct rk_chunk_report {
     rk_chunk_status status;
     rk_chunk_source source;
     int live_offset; /* position of its first token in this request */
+    int group;       /* its chunk group (0 when the request has one) */
     double reindex_us;
     int repaired;  /* its tokens the repair policy recomputed through every layer */
     int zero_copy; /* attended in place in the chunk pool (else copied into live blocks) */
@@ -293,6 +294,15 @@ typedef struct rk_request {
     int n_empty_chunks; /* skipped by the splitter */
     int32_t *question;
     int n_question;
+    /* More than one chunk group (rk_split's n_groups > 1; else 0): group g
+     * is chunks [group_end[g - 1], group_end[g]) (from 0 for g = 0), and for
+     * g < n_groups - 1 the text gap[g] (gap_len[g] tokens, n_gap_tokens in
+     * all) follows it; the question follows the last group. */
+    int n_groups;
+    int *group_end;
+    int32_t **gap;
+    int *gap_len;
+    int n_gap_tokens;
 
     /* Results. */
     int32_t *out_tokens; /* (opt.max_tokens) */
@@ -408,6 +418,13 @@ int rk_pipeline_n_running(const rk_pipeline *p);
  * has. hooks may be NULL. */
 rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
                             const rk_pipeline_hooks *hooks);
+
+/* Tokens of the sequences of requests that left still being copied into
+ * the radix tree. A request that reuses its chunks in place (zero-copy)
+ * leaves a copy of its sequence to make, rotated out of the chunk pool's
+ * blocks; beside decoding streams (a step budget) each step makes a slice
+ * of it, and the request's blocks are held until it is made. */
+int rk_pipeline_inserting(const rk_pipeline *p);
 
 /* Admit prepared requests like rk_pipeline_admit, up to the question pass:
  * what is left of their prompts (the question, a system tail nothing else

@@ -59,6 +59,11 @@ static rk_status build_key(rk_service *svc, rk_request *r) {
                (size_t)r->chunk_lens[k] * sizeof *s->key);
         s->key[s->layout.index[k]] |= SEGMENT_MARK;
     }
+    for (int g = 0; g < s->layout.n_gaps; g++) { /* the texts between chunk groups */
+        if (!r->gap_len[g]) continue;
+        memcpy(s->key + s->layout.gap_index[g], r->gap[g], (size_t)r->gap_len[g] * sizeof *s->key);
+        s->key[s->layout.gap_index[g]] |= SEGMENT_MARK;
+    }
     /* Generated tokens resumed as prompt carry no mark, as when inserted. */
     if (s->n_qtok > s->n_gen) s->key[s->q_index] |= SEGMENT_MARK;
     return RK_OK;

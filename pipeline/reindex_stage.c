@@ -20,11 +20,13 @@ int rk_attends_runs(const rk_service *svc) { return strcmp(svc->be->name, "cpu")
  * every chunk token and the query policy chooses its tokens after the
  * reindex, so their requests copy whole chunks (the copy path), as do
  * the oracle and plain modes and every request on a backend without
- * position-shifted attention. */
+ * position-shifted attention. So are requests with more than one chunk
+ * group: the texts between their groups are computed in their live blocks
+ * between the chunks, which a run table of whole blocks does not place. */
 int rk_zero_copy_for(const rk_service *svc, const rk_request *r, int tell) {
     static _Atomic int told; /* the fallback is logged once */
     if (r->opt.mode != RK_MODE_RAG || !r->opt.chunk_cache || r->n_chunks == 0 ||
-        r->opt.repair_ratio > 0 || strcmp(svc->cfg.reindex, "copy") == 0)
+        r->opt.repair_ratio > 0 || r->n_groups > 1 || strcmp(svc->cfg.reindex, "copy") == 0)
         return 0;
     if (!rk_attends_runs(svc)) {
         if (tell && !told++)

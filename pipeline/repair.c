@@ -60,21 +60,52 @@ static int by_score_desc(const void *a, const void *b) {
     return x->chunk != y->chunk ? x->chunk - y->chunk : x->off - y->off; /* stable */
 }
 
+static rk_status push_run(rk_req_state *s, repair_run u) {
+    if (s->n_repair == s->cap_repair) {
+        int cap = s->cap_repair ? s->cap_repair * 2 : 8;
+        repair_run *q = realloc(s->repair, (size_t)cap * sizeof *q);
+        if (!q) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
+        s->repair = q;
+        s->cap_repair = cap;
+    }
+    s->repair[s->n_repair++] = u;
+    s->n_rtok += u.n;
+    return RK_OK;
+}
+
 /* Record a run of r's chunk k, its n tokens from off, for the recompute. */
 static rk_status add_run(rk_request *r, int k, int off, int n) {
     rk_req_state *s = r->state;
-    if (s->n_repair == s->cap_repair) {
-        int cap = s->cap_repair ? s->cap_repair * 2 : 8;
-        repair_run *u = realloc(s->repair, (size_t)cap * sizeof *u);
-        if (!u) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
-        s->repair = u;
-        s->cap_repair = cap;
-    }
-    s->repair[s->n_repair++] =
-        (repair_run){r->chunks[k] + off, n, s->layout.pos[k] + off, s->layout.index[k] + off};
-    s->n_rtok += n;
+    rk_status st = push_run(
+        s, (repair_run){r->chunks[k] + off, n, s->layout.pos[k] + off, s->layout.index[k] + off});
+    if (st) return st;
     r->chunk_reports[k].repaired += n;
     r->recomputed_tokens += n;
+    return RK_OK;
+}
+
+static int by_index(const void *a, const void *b) {
+    const repair_run *x = a, *y = b;
+    return (x->idx > y->idx) - (x->idx < y->idx);
+}
+
+/* The texts between r's chunk groups (what of them its radix prefix does
+ * not hold) go with the repair runs: computed in table order over the merged
+ * table, they attend to everything before them, and the isolated chunks
+ * after them do not see them, as in the oracle. They are not repairs: no
+ * chunk counts them. The runs are put back in table order. */
+static rk_status add_gap_runs(rk_request *r) {
+    rk_req_state *s = r->state;
+    const rk_layout *L = &s->layout;
+    for (int g = 0; g < L->n_gaps; g++) {
+        int from = s->reused - L->gap_index[g];
+        from = from < 0 ? 0 : from;
+        if (from >= r->gap_len[g]) continue;
+        rk_status st = push_run(s, (repair_run){r->gap[g] + from, r->gap_len[g] - from,
+                                                L->gap_pos[g] + from, L->gap_index[g] + from});
+        if (st) return st;
+    }
+    qsort(s->repair, (size_t)s->n_repair, sizeof *s->repair, by_index);
     return RK_OK;
 }
 
@@ -460,6 +491,10 @@ rk_status rk_stage_repair(admission *a) {
                                                                  : r->opt.repair_k)))
                 return st;
     }
+    for (int i = 0; i < a->n; i++)
+        if (a->reqs[i]->opt.mode == RK_MODE_RAG && a->reqs[i]->n_groups > 1 &&
+            (st = add_gap_runs(a->reqs[i])))
+            return st;
     for (int i = 0; i < a->n; i++) {
         int all = -1;
         if (!rk_repair_stepped(a, a->reqs[i]) &&

@@ -49,6 +49,13 @@ void rk_request_free(rk_request *r) {
     free(r->chunks);
     free(r->chunk_lens);
     free(r->question);
+    for (int g = 0; r->gap && g + 1 < r->n_groups; g++) free(r->gap[g]);
+    free(r->gap);
+    free(r->gap_len);
+    free(r->group_end);
+    r->gap = NULL;
+    r->gap_len = r->group_end = NULL;
+    r->n_groups = r->n_gap_tokens = 0;
     free(r->out_tokens);
     free(r->top_ids);
     free(r->top_logprobs);
@@ -85,7 +92,7 @@ static rk_status alloc_results(rk_service *svc, rk_request *r) {
 
 static rk_status check_context(rk_service *svc, rk_request *r) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
-    long prompt = r->n_sys + r->n_question;
+    long prompt = r->n_sys + r->n_gap_tokens + r->n_question;
     for (int i = 0; i < r->n_chunks; i++) prompt += r->chunk_lens[i];
     long limit = svc->cfg.max_context > 0 ? svc->cfg.max_context : hp->n_ctx;
     /* A default max_tokens shrinks to the room left; the prompt must leave
@@ -116,11 +123,41 @@ rk_status rk_request_encode(const rk_tokenizer *tok, const rk_text *t, int speci
     return st;
 }
 
+/* The chunk groups of pieces into r: where each group ends among r's
+ * chunks (kept_upto[i]: r's chunks among the first i pieces, those that
+ * tokenized to nothing left out) and the texts between groups, tokenized
+ * like the question. */
+static rk_status prepare_groups(rk_service *svc, const rk_split *pieces, const int *kept_upto,
+                                rk_request *r) {
+    const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
+    int n = pieces->n_groups;
+    if (r->opt.repair_ratio > 0)
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "a ratio repair policy (deviation, query) takes one chunk group; this "
+                         "request has %d (use first_k or none)",
+                         n);
+    r->group_end = malloc((size_t)n * sizeof *r->group_end);
+    r->gap = calloc((size_t)n, sizeof *r->gap);
+    r->gap_len = calloc((size_t)n, sizeof *r->gap_len);
+    if (!r->group_end || !r->gap || !r->gap_len)
+        return rk_errorf(RK_ERR_NOMEM, "request: out of memory");
+    r->n_groups = n;
+    for (int g = 0; g < n; g++) {
+        r->group_end[g] = kept_upto[pieces->group_end[g]];
+        if (g + 1 == n) break;
+        rk_status st = rk_request_encode(tok, &pieces->texts[g], 1, &r->gap[g], &r->gap_len[g]);
+        if (st) return st;
+        r->n_gap_tokens += r->gap_len[g];
+    }
+    return RK_OK;
+}
+
 rk_status rk_request_prepare(rk_service *svc, const rk_split *pieces, rk_request *r) {
     const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
     rk_status st;
     r->n_chunks = 0;
     r->n_empty_chunks = pieces->n_empty_chunks;
+    int *kept_upto = NULL;
     int32_t *ids = NULL;
     int n = 0;
     if ((st = rk_request_encode(tok, &pieces->system, 1, &ids, &n))) goto fail;
@@ -138,6 +175,11 @@ rk_status rk_request_prepare(rk_service *svc, const rk_split *pieces, rk_request
     r->chunks = calloc((size_t)(pieces->n_chunks ? pieces->n_chunks : 1), sizeof *r->chunks);
     r->chunk_lens =
         calloc((size_t)(pieces->n_chunks ? pieces->n_chunks : 1), sizeof *r->chunk_lens);
+    if (pieces->n_groups > 1 &&
+        (kept_upto = calloc((size_t)pieces->n_chunks + 1, sizeof *kept_upto)) == NULL) {
+        st = rk_errorf(RK_ERR_NOMEM, "request: out of memory");
+        goto fail;
+    }
     if (!r->chunks || !r->chunk_lens) {
         st = rk_errorf(RK_ERR_NOMEM, "request: out of memory");
         goto fail;
@@ -169,14 +211,20 @@ rk_status rk_request_prepare(rk_service *svc, const rk_split *pieces, rk_request
             r->n_empty_chunks++;
         }
     }
-    /* Compact out chunks that tokenized to nothing. */
+    /* Compact out chunks that tokenized to nothing (a group's end moves
+     * down with them). */
     int kept = 0;
-    for (int i = 0; i < pieces->n_chunks; i++)
+    for (int i = 0; i < pieces->n_chunks; i++) {
         if (r->chunks[i]) {
             r->chunks[kept] = r->chunks[i];
             r->chunk_lens[kept++] = r->chunk_lens[i];
         }
+        if (kept_upto) kept_upto[i + 1] = kept;
+    }
     r->n_chunks = kept;
+    if (pieces->n_groups > 1 && (st = prepare_groups(svc, pieces, kept_upto, r))) goto fail;
+    free(kept_upto);
+    kept_upto = NULL;
     if ((st = rk_request_encode(tok, &pieces->question, 1, &r->question, &r->n_question)))
         goto fail;
     if (r->n_question == 0 && (r->n_chunks > 0 || pieces->system.len > 0)) {
@@ -186,6 +234,7 @@ rk_status rk_request_prepare(rk_service *svc, const rk_split *pieces, rk_request
     if ((st = check_context(svc, r)) || (st = alloc_results(svc, r))) goto fail;
     return RK_OK;
 fail:
+    free(kept_upto);
     for (int i = r->n_chunks; i < pieces->n_chunks && r->chunks; i++) {
         free(r->chunks[i]);
         r->chunks[i] = NULL;
@@ -227,6 +276,12 @@ fail:
 /* ---------------------------------------------------------------- its layout, blocks and report */
 
 /* A RAG chunk that lies in the prefix taken from the tree. */
+int rk_chunk_group(const rk_request *r, int k) {
+    int g = 0;
+    while (g + 1 < r->n_groups && r->group_end[g] <= k) g++;
+    return g;
+}
+
 int rk_chunk_from_prefix(const rk_request *r, int k) {
     return r->state->layout.index[k] + r->chunk_lens[k] <= r->state->reused;
 }
@@ -287,6 +342,13 @@ static void append_generated(rk_request *r) {
     s->n_qtok += s->n_gen;
 }
 
+/* r's layout: its chunk groups and the texts between them. */
+static rk_status plan_layout(const rk_request *r, rk_position_mode mode, rk_layout *out) {
+    rk_layout_groups gr = {r->n_groups, r->group_end, r->gap_len};
+    return rk_layout_plan(mode, r->n_sys, r->chunk_lens, r->n_chunks, r->n_groups > 1 ? &gr : NULL,
+                          out);
+}
+
 rk_status rk_init_request(rk_service *svc, rk_request *r) {
     const rk_hparams *hp = rk_model_hparams(svc->model);
     rk_req_state *s = calloc(1, sizeof *s);
@@ -336,13 +398,20 @@ rk_status rk_init_request(rk_service *svc, rk_request *r) {
         if ((st = rk_save_report(r))) return st;
     }
     if (r->opt.mode == RK_MODE_PLAIN) {
-        /* One ordinary sequence: the chunks and the question follow the system. */
-        int n = r->n_question;
+        /* One ordinary sequence: the chunks (and the texts between their
+         * groups) and the question follow the system. */
+        int n = r->n_question + r->n_gap_tokens;
         for (int k = 0; k < r->n_chunks; k++) n += r->chunk_lens[k];
         s->qtok = malloc((size_t)(n + s->n_gen + 1) * sizeof *s->qtok);
         if (!s->qtok) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
         int o = 0;
-        for (int k = 0; k < r->n_chunks; k++) {
+        for (int k = 0, g = 0; k <= r->n_chunks; k++) {
+            for (; g + 1 < r->n_groups && r->group_end[g] == k; g++) { /* text after group g */
+                if (r->gap_len[g])
+                    memcpy(s->qtok + o, r->gap[g], (size_t)r->gap_len[g] * sizeof *s->qtok);
+                o += r->gap_len[g];
+            }
+            if (k == r->n_chunks) break;
             memcpy(s->qtok + o, r->chunks[k], (size_t)r->chunk_lens[k] * sizeof *s->qtok);
             o += r->chunk_lens[k];
         }
@@ -354,17 +423,16 @@ rk_status rk_init_request(rk_service *svc, rk_request *r) {
         for (int k = 0; k < r->n_chunks; k++) {
             r->chunk_reports[k] = (rk_chunk_report){.tokens = r->chunk_lens[k],
                                                     .status = RK_CHUNK_STATUS_OFF,
-                                                    .source = RK_CHUNK_SOURCE_COMPUTED};
+                                                    .source = RK_CHUNK_SOURCE_COMPUTED,
+                                                    .group = rk_chunk_group(r, k)};
         }
-        return rk_layout_plan(RK_POSITIONS_SEQUENTIAL, r->n_sys, r->chunk_lens, r->n_chunks,
-                              &s->layout);
+        return plan_layout(r, RK_POSITIONS_SEQUENTIAL, &s->layout);
     }
     if (r->opt.chunk_context == RK_CONTEXT_ANCHOR &&
         rk_tokenizer_bos(rk_model_tokenizer(svc->model)) < 0)
         return rk_errorf(RK_ERR_INVALID,
                          "chunk_context anchor needs a model with a BOS token (the anchor)");
-    if ((st = rk_layout_plan(r->opt.positions, r->n_sys, r->chunk_lens, r->n_chunks, &s->layout)))
-        return st;
+    if ((st = plan_layout(r, r->opt.positions, &s->layout))) return st;
     s->qtok = malloc((size_t)(r->n_question + s->n_gen + 1) * sizeof *s->qtok);
     if (!s->qtok) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
     if (r->n_question) memcpy(s->qtok, r->question, (size_t)r->n_question * sizeof *s->qtok);

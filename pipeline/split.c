@@ -51,6 +51,9 @@ void rk_split_free(rk_split *s) {
     for (int i = 0; i < s->n_chunks; i++) free(s->chunks[i].s);
     free(s->chunks);
     free(s->question.s);
+    for (int g = 0; s->texts && g + 1 < s->n_groups; g++) free(s->texts[g].s);
+    free(s->texts);
+    free(s->group_end);
     memset(s, 0, sizeof *s);
 }
 
@@ -167,4 +170,76 @@ rk_status rk_split_structured(const char *system, const char *const *chunks, int
 fail:
     rk_split_free(out);
     return st;
+}
+
+/* Append n bytes of s to t (t->s NULL: empty). */
+static rk_status text_append(rk_text *t, const char *s, size_t n) {
+    char *p = realloc(t->s, t->len + n + 1);
+    if (!p) return rk_errorf(RK_ERR_NOMEM, "split: out of memory");
+    memcpy(p + t->len, s, n);
+    t->len += n;
+    p[t->len] = '\0';
+    t->s = p;
+    return RK_OK;
+}
+
+rk_status rk_split_segments(const rk_segment *segs, int n_segs, int max_chunks, rk_split *out) {
+    memset(out, 0, sizeof *out);
+    int n_groups = 0, n_chunks = 0, n_nonempty = 0;
+    for (int i = 0; i < n_segs; i++) {
+        if (segs[i].text) continue;
+        n_groups++;
+        n_chunks += segs[i].n_chunks;
+        for (int k = 0; k < segs[i].n_chunks; k++)
+            n_nonempty += segs[i].chunks[k] && *segs[i].chunks[k];
+    }
+    if (n_nonempty > max_chunks)
+        return rk_errorf(RK_ERR_LIMIT, "the request has %d chunks; at most %d are allowed",
+                         n_nonempty, max_chunks);
+    out->chunks = calloc((size_t)(n_nonempty ? n_nonempty : 1), sizeof *out->chunks);
+    out->group_end = calloc((size_t)(n_groups ? n_groups : 1), sizeof *out->group_end);
+    out->texts = calloc((size_t)(n_groups ? n_groups : 1), sizeof *out->texts);
+    out->n_groups = n_groups;
+    out->n_empty_chunks = n_chunks - n_nonempty;
+    rk_status st = RK_OK;
+    if (!out->chunks || !out->group_end || !out->texts)
+        st = rk_errorf(RK_ERR_NOMEM, "split: out of memory");
+    /* The text being gathered: the system prompt, then texts[g] after group
+     * g, the question after the last. */
+    int g = 0;
+    for (int i = 0; i < n_segs && !st; i++) {
+        rk_text *t = g == 0 ? &out->system : g < n_groups ? &out->texts[g - 1] : &out->question;
+        if (n_groups == 0) t = &out->question;
+        if (segs[i].text) {
+            st = text_append(t, segs[i].text, strlen(segs[i].text));
+            continue;
+        }
+        for (int k = 0; k < segs[i].n_chunks && !st; k++) {
+            const char *c = segs[i].chunks[k];
+            if (!c || !*c) continue;
+            st = copy_plain(c, &out->chunks[out->n_chunks]);
+            if (!st) out->n_chunks++;
+        }
+        out->group_end[g++] = out->n_chunks;
+    }
+    /* Every text exists, empty or not. */
+    if (!st && !out->system.s) st = text_append(&out->system, "", 0);
+    if (!st && !out->question.s) st = text_append(&out->question, "", 0);
+    for (int i = 0; i + 1 < n_groups && !st; i++)
+        if (!out->texts[i].s) st = text_append(&out->texts[i], "", 0);
+    if (!st && n_groups > 0 && out->question.len == 0)
+        st = rk_errorf(RK_ERR_INVALID,
+                       "the question (the text after the last chunk group) is empty");
+    if (st) {
+        rk_split_free(out);
+        return st;
+    }
+    if (n_groups <= 1) { /* one group: the classic layout */
+        free(out->texts);
+        free(out->group_end);
+        out->texts = NULL;
+        out->group_end = NULL;
+        out->n_groups = 0;
+    }
+    return RK_OK;
 }

@@ -31,7 +31,23 @@ typedef struct rk_split {
     int n_chunks;
     rk_text question;
     int n_empty_chunks; /* empty chunks that were skipped */
+    /* More than one chunk group (n_groups > 1; 0 or 1: one group, the
+     * chunks): group g is chunks [group_end[g - 1], group_end[g]) (from 0
+     * for g = 0), and texts[g], for g < n_groups - 1, is the text between
+     * group g and group g + 1. The layout is system, group 0, texts[0],
+     * group 1, ..., the last group, question. */
+    int n_groups;
+    int *group_end; /* (n_groups) */
+    rk_text *texts; /* (n_groups - 1) */
 } rk_split;
+
+/* One segment of a layout (rk_split_segments): text (a string), or a chunk
+ * group of n_chunks chunks (text NULL; a group may have none). */
+typedef struct rk_segment {
+    const char *text;
+    const char *const *chunks;
+    int n_chunks;
+} rk_segment;
 
 /* Check a separator: 1 to RK_SEPARATOR_MAX bytes, no backslash, no NUL. */
 rk_status rk_separator_check(const char *sep);
@@ -45,6 +61,17 @@ rk_status rk_split_prompt(const char *prompt, size_t len, const char *sep, int m
  * skipped and counted) and question, with the same rules. */
 rk_status rk_split_structured(const char *system, const char *const *chunks, int n_chunks,
                               const char *question, int max_chunks, rk_split *out);
+
+/* A layout from segments in order: the text before the first group is the
+ * system prompt, the text after the last group the question, each text
+ * between two groups stays between them (adjacent texts are joined; two
+ * adjacent groups have an empty text between them). No group at all: the
+ * text is a plain prompt (all question). Empty chunks are skipped and
+ * counted; a group left with no chunks still separates the texts around
+ * it. With a group, an empty question is RK_ERR_INVALID; more than
+ * max_chunks chunks RK_ERR_LIMIT. One group gives what rk_split_structured
+ * gives. */
+rk_status rk_split_segments(const rk_segment *segs, int n_segs, int max_chunks, rk_split *out);
 
 void rk_split_free(rk_split *s);
 

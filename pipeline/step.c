@@ -16,6 +16,13 @@
 #include "pipeline/internal.h"
 #include "pipeline/persist.h"
 
+/* Tokens of a left request's sequence copied into the radix tree per
+ * prompt token of the step budget, while others decode. A copied token
+ * (every layer's K rotated, V moved) costs about a twentieth of a computed
+ * one on qwen3-0.6b (docs/benchmarks.md, "Cold arrival"): at 4, a step's
+ * copy slice costs a fifth of its prompt budget. */
+#define INSERT_TOKENS_PER_BUDGET_TOKEN 4
+
 /* ---------------------------------------------------------------- running requests */
 
 rk_status rk_pipeline_create(rk_service *svc, rk_pipeline **out) {
@@ -29,7 +36,8 @@ int rk_pipeline_n_running(const rk_pipeline *p) { return p->n_running; }
 
 int rk_request_live_blocks(const rk_service *svc, const rk_request *r) {
     int bs = rk_arena_block_size(svc->arena), zc = rk_zero_copy_for(svc, r, 0);
-    long tokens = (long)r->n_sys + r->n_question + 1 + (r->resume && r->n_out ? r->n_out - 1 : 0);
+    long tokens = (long)r->n_sys + r->n_gap_tokens + r->n_question + 1 +
+                  (r->resume && r->n_out ? r->n_out - 1 : 0);
     long extra = 0;
     for (int k = 0; k < r->n_chunks; k++) {
         tokens += zc ? rk_private_tokens(r, r->chunk_lens[k], bs) : r->chunk_lens[k];
@@ -120,6 +128,10 @@ static rk_status make_room(rk_pipeline *p) {
                 if (st) return st;
                 continue;
             }
+            if (p->n_inserts > 0) { /* the left requests' blocks go back first */
+                rk_inserts_step(p, 0);
+                continue;
+            }
             if (p->n_running == 1) /* admission checked that it fits alone */
                 return rk_errorf(RK_ERR_LIMIT, "the live pool cannot hold the request alone");
             if ((st = preempt(p, p->n_running - 1))) return st;
@@ -186,6 +198,7 @@ static void admitted(rk_pipeline *p, rk_request *const *reqs, int n_reqs, int n_
         else
             insert_by_rank(p->running, &p->n_running, reqs[i]);
     }
+    if (p->n_running == 0) rk_inserts_step(p, 0); /* no step follows */
 }
 
 rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
@@ -205,8 +218,15 @@ rk_status rk_pipeline_admit(rk_pipeline *p, rk_request *const *reqs, int n_reqs,
 
 rk_status rk_pipeline_join(rk_pipeline *p, rk_request *const *reqs, int n_reqs) {
     int n_fresh;
+    double t0 = rk_time_now();
     rk_status st = rk_admit_stages(p, reqs, n_reqs, p->svc->cfg.step_tokens > 0, &n_fresh);
+    if (st == RK_ERR_EXHAUSTED && p->n_inserts > 0) { /* blocks the left requests still hold */
+        rk_inserts_step(p, 0);
+        st = rk_admit_stages(p, reqs, n_reqs, p->svc->cfg.step_tokens > 0, &n_fresh);
+    }
     if (!st) admitted(p, reqs, n_reqs, n_fresh);
+    if (rk_log_get_level() <= RK_LOG_DEBUG)
+        RK_LOG_DEBUG("join: %d requests admitted in %.1f ms", n_reqs, (rk_time_now() - t0) * 1e3);
     return st;
 }
 
@@ -265,6 +285,8 @@ static void embed_work(rk_pipeline *p, int budget) {
 
 rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
     rk_status st;
+    double t[6];
+    t[0] = rk_time_now();
     /* Cancelled requests leave first: their blocks are free for the others. */
     for (int i = 0; i < p->n_running; i++) {
         rk_request *r = p->running[i];
@@ -276,6 +298,7 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
     leave_finished(p);
     rk_pipeline_collect_loads(p); /* the tiers' reads that finished */
     if ((st = make_room(p))) return st;
+    t[1] = rk_time_now();
     /* Decode tokens first, then prompt work in arrival order. */
     int n_dec = 0, n_pre = 0;
     for (int i = 0; i < p->n_running; i++)
@@ -287,15 +310,28 @@ rk_status rk_pipeline_step(rk_pipeline *p, const rk_pipeline_hooks *hooks) {
     int budget = n_dec > 0 ? p->svc->cfg.step_tokens : 0;
     if ((st = rk_run_pass(p, p->work, n_dec, p->work + n_dec, n_pre, budget, hooks))) return st;
     /* Prompt tokens the pass fed: what is left of the budget goes to embeddings. */
-    int left = budget > 0 ? budget - (p->b.n_tok - n_dec) : 0;
+    int left = budget > 0 ? budget - (p->b.n_tok - n_dec) : 0, n_prompt = p->b.n_tok - n_dec;
+    t[2] = rk_time_now();
     /* Nothing to run but loads to wait for: wait for one, not in a spin. */
     if (p->b.n_seq == 0 && p->n_embeds == 0 && p->svc->loader && rk_loader_pending(p->svc->loader))
         rk_loader_wait(p->svc->loader, 0.01);
     /* A slice of the deviation passes: their own pass, of fewer layers. */
     if ((st = rk_repair_score_step(p->svc, &p->b, p->work + n_dec, n_pre, budget))) return st;
+    t[3] = rk_time_now();
     if (budget <= 0 || left > 0) embed_work(p, left); /* unless the prompt work took it all */
+    t[4] = rk_time_now();
     if ((st = advance_chunk_waits(p))) return st;
     leave_finished(p);
+    /* The sequences of the requests that left go into the radix tree:
+     * beside decoding streams a slice a step, else all at once. */
+    int copy = p->n_running > 0 && budget > 0 ? INSERT_TOKENS_PER_BUDGET_TOKEN * budget : 0;
+    rk_inserts_step(p, copy);
+    t[5] = rk_time_now();
+    if (rk_log_get_level() <= RK_LOG_DEBUG)
+        RK_LOG_DEBUG("step: %d decoding + %d prompt tokens (budget %d); ms: before %.1f, "
+                     "pass %.1f, scoring %.1f, embedding %.1f, after %.1f",
+                     n_dec, n_prompt, budget, (t[1] - t[0]) * 1e3, (t[2] - t[1]) * 1e3,
+                     (t[3] - t[2]) * 1e3, (t[4] - t[3]) * 1e3, (t[5] - t[4]) * 1e3);
     return RK_OK;
 }
 
@@ -309,6 +345,7 @@ int rk_pipeline_take_preempted(rk_pipeline *p, rk_request **out, int cap) {
 }
 
 void rk_pipeline_abort(rk_pipeline *p) {
+    rk_inserts_drop(p);
     for (int i = 0; i < p->n_running; i++) rk_release_request(p->svc, p->running[i], 1);
     p->n_running = 0;
     p->n_preempted = 0; /* they hold nothing */
@@ -323,6 +360,7 @@ void rk_pipeline_free(rk_pipeline *p) {
     rk_batch_free(&p->b);
     rk_copy_plan_free(&p->copies);
     rk_feed_free(&p->feed);
+    free(p->inserts);
     free(p->running);
     free(p->work);
     free(p->preempted);

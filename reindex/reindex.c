@@ -5,30 +5,46 @@
 #include <string.h>
 
 rk_status rk_layout_plan(rk_position_mode mode, int n_system, const int *chunk_lens, int n_chunks,
-                         rk_layout *out) {
+                         const rk_layout_groups *groups, rk_layout *out) {
     memset(out, 0, sizeof *out);
+    int n_groups = groups ? groups->n : 1, n_gaps = n_groups > 1 ? n_groups - 1 : 0;
     out->pos = malloc((size_t)(n_chunks ? n_chunks : 1) * sizeof *out->pos);
     out->index = malloc((size_t)(n_chunks ? n_chunks : 1) * sizeof *out->index);
-    if (!out->pos || !out->index) {
+    out->gap_pos = malloc((size_t)(n_gaps ? n_gaps : 1) * sizeof *out->gap_pos);
+    out->gap_index = malloc((size_t)(n_gaps ? n_gaps : 1) * sizeof *out->gap_index);
+    if (!out->pos || !out->index || !out->gap_pos || !out->gap_index) {
         rk_layout_free(out);
         return rk_errorf(RK_ERR_NOMEM, "reindex: out of memory");
     }
     out->n_chunks = n_chunks;
-    int index = n_system, longest = 0;
-    for (int k = 0; k < n_chunks; k++) {
-        out->index[k] = index;
-        out->pos[k] = mode == RK_POSITIONS_PARALLEL ? n_system : index;
-        index += chunk_lens[k];
-        longest = chunk_lens[k] > longest ? chunk_lens[k] : longest;
+    out->n_gaps = n_gaps;
+    int parallel = mode == RK_POSITIONS_PARALLEL;
+    int index = n_system, pos = n_system; /* where the next segment starts */
+    for (int g = 0, k = 0; g < n_groups; g++) {
+        int end = groups ? groups->end[g] : n_chunks, longest = 0;
+        for (; k < end; k++) {
+            out->index[k] = index;
+            out->pos[k] = parallel ? pos : index;
+            index += chunk_lens[k];
+            longest = chunk_lens[k] > longest ? chunk_lens[k] : longest;
+        }
+        pos = parallel ? pos + longest : index;
+        if (g + 1 == n_groups) break;
+        out->gap_index[g] = index;
+        out->gap_pos[g] = pos;
+        index += groups->gap_len[g];
+        pos += groups->gap_len[g];
     }
     out->question_index = index;
-    out->question_pos = mode == RK_POSITIONS_PARALLEL ? n_system + longest : index;
+    out->question_pos = pos;
     return RK_OK;
 }
 
 void rk_layout_free(rk_layout *l) {
     free(l->pos);
     free(l->index);
+    free(l->gap_pos);
+    free(l->gap_index);
     memset(l, 0, sizeof *l);
 }
 

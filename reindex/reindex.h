@@ -59,14 +59,30 @@ typedef struct rk_layout {
     int *pos;   /* (n_chunks) live position of each chunk's first token */
     int *index; /* (n_chunks) table index of each chunk's first token */
     int question_pos, question_index;
+    /* With chunk groups: the text after group g (g < n_gaps = groups - 1)
+     * starts at table index gap_index[g] and position gap_pos[g]. */
+    int n_gaps;
+    int *gap_pos, *gap_index;
 } rk_layout;
 
+/* Chunk groups: group g is chunks [end[g - 1], end[g]) (from 0 for g = 0)
+ * and a text of gap_len[g] tokens follows it, for g < n - 1. */
+typedef struct rk_layout_groups {
+    int n;
+    const int *end;
+    const int *gap_len;
+} rk_layout_groups;
+
 /* Plan table indices and live positions for a system prompt of n_system
- * tokens followed by chunks of the given lengths (n_chunks >= 0). *out is
- * overwritten and owns two malloc'ed arrays afterwards: release them with
- * rk_layout_free. RK_ERR_NOMEM leaves *out empty (nothing to free). */
+ * tokens followed by chunks of the given lengths (n_chunks >= 0), in
+ * groups when groups is not NULL (else one group), then the question. In
+ * table order every segment follows the one before. Sequential positions
+ * are the table indices; parallel ones start every chunk of a group at the
+ * group's first position and what follows it after its longest chunk.
+ * *out is overwritten and owns malloc'ed arrays afterwards: release them
+ * with rk_layout_free. RK_ERR_NOMEM leaves *out empty (nothing to free). */
 rk_status rk_layout_plan(rk_position_mode mode, int n_system, const int *chunk_lens, int n_chunks,
-                         rk_layout *out);
+                         const rk_layout_groups *groups, rk_layout *out);
 /* Free the arrays and zero the layout; a zeroed layout is fine. */
 void rk_layout_free(rk_layout *l);
 

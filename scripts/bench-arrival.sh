@@ -23,6 +23,9 @@
 #     (default "64").
 # B_EXTRA='{"chunk_context": "anchor"}' (any JSON object) is merged into B's
 # request in every mode: another chunk context, a repair policy.
+# SERVE_FLAGS="--log-level debug" adds flags to every server (debug: a line
+# per engine step, its tokens and times); KEEP_LOGS=DIR keeps each server's
+# log there as serve-BUDGET.log.
 # Needs curl and jq. The server restarts for each figure and stops at the end.
 set -euo pipefail
 model=${1:?usage: scripts/bench-arrival.sh MODEL [BIN] [PORT] [BUDGETS...]}
@@ -48,10 +51,12 @@ done
 work=$(mktemp -d)
 . "$(dirname "$0")/bench-lib.sh"
 server=
+server_label=
 stop_server() {
     [ -n "$server" ] || return 0
     kill "$server" 2>/dev/null || true
     wait "$server" 2>/dev/null || true
+    [ -z "${KEEP_LOGS:-}" ] || cp "$work/serve.log" "$KEEP_LOGS/serve-$server_label.log"
     server=
 }
 trap 'stop_server; rm -rf "$work"' EXIT
@@ -84,8 +89,9 @@ start_server() {
     local budget=$1
     shift
     bench_serve "$bin" "$model" "$port" "$work/serve.log" --kv-memory-mb 4096 \
-        --step-tokens "$budget" "$@"
+        --step-tokens "$budget" ${SERVE_FLAGS:-} "$@"
     server=$BENCH_SERVER
+    server_label=$budget
 }
 # b_prompt TAG: B's eight documents (the same for the same TAG) and
 # question, into $B_PROMPT.

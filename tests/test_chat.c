@@ -67,6 +67,12 @@ static void assert_extends(const rk_api_request *earlier, const rk_api_request *
     cr_assert_eq(later->pieces.n_chunks, earlier->pieces.n_chunks);
     for (int k = 0; k < later->pieces.n_chunks; k++)
         cr_assert_str_eq(later->pieces.chunks[k].s, earlier->pieces.chunks[k].s);
+    cr_assert_eq(later->pieces.n_groups, earlier->pieces.n_groups);
+    for (int g = 0; g < later->pieces.n_groups; g++) {
+        cr_assert_eq(later->pieces.group_end[g], earlier->pieces.group_end[g]);
+        if (g + 1 < later->pieces.n_groups)
+            cr_assert_str_eq(later->pieces.texts[g].s, earlier->pieces.texts[g].s);
+    }
     cr_assert_eq(
         strncmp(later->pieces.question.s, earlier->pieces.question.s, earlier->pieces.question.len),
         0, "\"%s\" does not start with \"%s\"", later->pieces.question.s,
@@ -163,10 +169,10 @@ Test(chat, without_documents_every_turn_is_in_the_question_piece) {
     json_decref(msgs);
 }
 
-/* The first user turn with documents holds the chunks, even when it is not
- * the first turn; a later turn's documents are chunks too, after the
- * earlier ones, and its text stays in the question. */
-Test(chat, the_first_turn_with_documents_holds_the_chunks) {
+/* The first user turn with documents holds the first chunk group, even
+ * when it is not the first turn; a later turn's documents are a group where
+ * they stand, after the text of the turns between. */
+Test(chat, each_turn_with_documents_is_a_chunk_group_where_it_stands) {
     json_t *msgs = json_array();
     add_msg(msgs, "user", "Hi");
     add_msg(msgs, "assistant", "Hello");
@@ -185,9 +191,16 @@ Test(chat, the_first_turn_with_documents_holds_the_chunks) {
     cr_assert_str_eq(r2.pieces.chunks[0].s, "c1");
     cr_assert_str_eq(r2.pieces.chunks[1].s, "c2");
     cr_assert_str_eq(r2.pieces.chunks[2].s, "c3");
-    cr_assert_str_eq(r2.pieces.question.s,
-                     "Q1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\n"
-                     "Q2<|im_end|>\n<|im_start|>assistant\n");
+    cr_assert_eq(r2.pieces.n_groups, 2);
+    cr_assert_eq(r2.pieces.group_end[0], 2);
+    cr_assert_eq(r2.pieces.group_end[1], 3);
+    cr_assert_str_eq(r2.pieces.texts[0].s,
+                     "Q1<|im_end|>\n<|im_start|>assistant\nA1<|im_end|>\n<|im_start|>user\n");
+    cr_assert_str_eq(r2.pieces.question.s, "Q2<|im_end|>\n<|im_start|>assistant\n");
+    /* Turn 1's layout is the start of turn 2's: its question piece is
+     * turn 2's first text, continued. */
+    cr_assert_eq(strncmp(r2.pieces.texts[0].s, r1.pieces.question.s, r1.pieces.question.len - 1),
+                 0);
     /* The next turn, with no new documents, extends this one. */
     rk_api_request r3;
     add_msg(msgs, "assistant", "A2");
@@ -228,11 +241,13 @@ Test(chat, the_chunks_extension_belongs_to_the_first_user_message) {
         cr_assert_str_eq(r->chunk_ids[0], "doc-1");
         cr_assert_str_eq(r->chunk_ids[1], "doc-2");
     }
-    /* The body names a separator: the later message's document is a chunk
-     * after the extension's (with no id), its question stays in place. */
+    /* The body names a separator: the later message's document is a group
+     * of its own (a chunk with no id) where the message stands. */
     cr_assert_str_eq(r2.pieces.chunks[2].s, "x");
     cr_assert_null(r2.chunk_ids[2]);
-    cr_assert_not_null(strstr(r2.pieces.question.s, "<|im_start|>user\nQ2<|im_end|>"));
+    cr_assert_eq(r2.pieces.n_groups, 2);
+    cr_assert_not_null(strstr(r2.pieces.texts[0].s, "A1<|im_end|>\n<|im_start|>user\n"));
+    cr_assert_str_eq(r2.pieces.question.s, "Q2<|im_end|>\n<|im_start|>assistant\n");
     rk_api_request_free(&r1);
     rk_api_request_free(&r2);
     json_decref(msgs);
@@ -429,7 +444,7 @@ Test(chat, bad_chat_bodies_are_400) {
          "documents[0]"},
         {"{\"messages\": [{\"role\": \"user\", \"content\": \"Q\"}, {\"role\": \"assistant\", "
          "\"content\": [{\"type\": \"text\", \"text\": \"d\", \"ragkv_chunk\": true}]}]}",
-         "only a user message"},
+         "only user and tool messages"},
         {"{\"messages\": [{\"role\": \"user\", \"content\": [{\"type\": \"text\", \"text\": "
          "\"d\", \"ragkv_chunk\": 1}]}]}",
          "ragkv_chunk"},
@@ -925,4 +940,59 @@ Test(chat, chat_template_flag_names_the_template_or_a_jinja_file, .timeout = 300
     }
     free(file);
     free(junk);
+}
+
+/* An agent's loop: a tool result asked to be chunked is a group where it
+ * stands (a JSON array of passages, or text split on the separator), as is
+ * a later user message's `documents` field; the turns between are texts. */
+Test(chat, tool_results_and_message_documents_are_groups_where_they_stand) {
+    const char *body =
+        "{\"messages\": ["
+        "{\"role\": \"system\", \"content\": \"S\"},"
+        "{\"role\": \"user\", \"content\": \"Q1\", \"documents\": [\"d1\", {\"text\": \"d2\"}]},"
+        "{\"role\": \"assistant\", \"content\": \"\", \"tool_calls\": [{\"id\": \"c1\", \"type\": "
+        "\"function\", \"function\": {\"name\": \"search\", \"arguments\": \"{}\"}}]},"
+        "{\"role\": \"tool\", \"tool_call_id\": \"c1\", \"content\": \"[\\\"p1\\\", {\\\"text\\\": "
+        "\\\"p2\\\"}, \\\"\\\"]\"},"
+        "{\"role\": \"assistant\", \"content\": \"A1\"},"
+        "{\"role\": \"tool\", \"tool_call_id\": \"c2\", \"content\": \"p3##p4\"},"
+        "{\"role\": \"user\", \"content\": \"Q2\"}],"
+        " \"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"search\"}}],"
+        " \"chunking\": {\"tool_results\": true}, \"max_tokens\": 4}";
+    rk_api_request r;
+    rk_http_error err;
+    cr_assert_eq(render_text(RK_CHAT_CHATML, body, 16, NULL, &r, &err), RK_OK, "%s", err.message);
+    cr_assert_eq(r.pieces.n_groups, 3);
+    cr_assert_eq(r.pieces.n_chunks, 6);
+    const char *want[] = {"d1", "d2", "p1", "p2", "p3", "p4"};
+    for (int k = 0; k < 6; k++) cr_assert_str_eq(r.pieces.chunks[k].s, want[k]);
+    cr_assert_eq(r.pieces.group_end[0], 2);
+    cr_assert_eq(r.pieces.group_end[1], 4);
+    cr_assert_eq(r.pieces.group_end[2], 6);
+    cr_assert_eq(r.pieces.n_empty_chunks, 1);
+    cr_assert(strstr(r.pieces.system.s, "<|im_start|>user\n") != NULL);
+    cr_assert(strncmp(r.pieces.texts[0].s, "Q1<|im_end|>\n", 13) == 0, "%s", r.pieces.texts[0].s);
+    size_t n0 = strlen(r.pieces.texts[0].s);
+    const char *opening = "<|im_start|>user\n<tool_response>\n";
+    cr_assert(n0 > strlen(opening) && !strcmp(r.pieces.texts[0].s + n0 - strlen(opening), opening),
+              "%s", r.pieces.texts[0].s);
+    cr_assert(strncmp(r.pieces.texts[1].s, "\n</tool_response><|im_end|>\n", 28) == 0);
+    cr_assert(strstr(r.pieces.texts[1].s, "A1<|im_end|>") != NULL);
+    cr_assert(
+        strncmp(r.pieces.question.s, "\n</tool_response><|im_end|>\n<|im_start|>user\nQ2", 47) == 0,
+        "%s", r.pieces.question.s);
+    rk_api_request_free(&r);
+    /* Without chunking, a tool result is text (after the group), and a
+     * tool message's documents field is its group. */
+    const char *plain = "{\"messages\": [{\"role\": \"user\", \"content\": \"Q\"},"
+                        "{\"role\": \"tool\", \"content\": \"p1##p2\", \"documents\": [\"x\"]},"
+                        "{\"role\": \"user\", \"content\": \"Q2\"}], \"max_tokens\": 4}";
+    cr_assert_eq(render_text(RK_CHAT_CHATML, plain, 16, NULL, &r, &err), RK_OK, "%s", err.message);
+    cr_assert_eq(r.pieces.n_groups, 0, "one group: the classic layout");
+    cr_assert_eq(r.pieces.n_chunks, 1);
+    cr_assert_str_eq(r.pieces.chunks[0].s, "x");
+    cr_assert(strstr(r.pieces.system.s, "<tool_response>\n") != NULL);
+    cr_assert(strncmp(r.pieces.question.s, "p1##p2\n</tool_response>", 23) == 0, "%s",
+              r.pieces.question.s);
+    rk_api_request_free(&r);
 }

@@ -155,7 +155,11 @@ static void check_invariants(json_t *j) {
     json_t *chunks = rk_test_jget(j, "ragkv.chunks");
     for (size_t i = 0; i < json_array_size(chunks); i++)
         sum += json_integer_value(json_object_get(json_array_get(chunks, i), "tokens"));
-    cr_assert_eq(prompt, sum, "prompt_tokens %lld != system + chunks + question %lld", prompt, sum);
+    json_t *texts = rk_test_jget(j, "ragkv.texts");
+    for (size_t i = 0; i < json_array_size(texts); i++)
+        sum += json_integer_value(json_object_get(json_array_get(texts, i), "tokens"));
+    cr_assert_eq(prompt, sum, "prompt_tokens %lld != system + chunks + texts + question %lld",
+                 prompt, sum);
     cr_assert_eq(rk_test_jint(j, "usage.prompt_tokens_details.cached_tokens") +
                      rk_test_jint(j, "ragkv.timings.prompt_tokens_computed"),
                  prompt);
@@ -331,6 +335,87 @@ Test(http, completion_report_keeps_the_token_invariants) {
     cr_assert(rk_test_jint(r.json, "usage.prompt_tokens_details.cached_tokens") >=
               rk_test_jint(r.json, "ragkv.chunks.0.tokens") +
                   rk_test_jint(r.json, "ragkv.chunks.1.tokens"));
+    check_invariants(r.json);
+    rk_test_resp_free(&r);
+}
+
+/* The segments form: documents anywhere. A passage first sent in another
+ * request, under another system prompt, is a hit inside the third group of
+ * a conversation, at the live offset after everything before it. */
+Test(http, segments_place_documents_where_they_stand_and_a_later_passage_hits_there) {
+    resp r = post("/v1/completions", "{\"system\": \"Be brief.\", \"chunks\": [\"The owl "
+                                     "hooted at night.\"], \"question\": \"Who hooted?\", "
+                                     "\"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    rk_test_resp_free(&r);
+    r = post("/v1/completions",
+             "{\"segments\": [{\"text\": \"You are terse.\"}, {\"chunks\": [\"The cat sat.\", "
+             "{\"id\": \"d2\", \"text\": \"The dog ran.\"}]}, {\"text\": \"Who sat? The cat. "
+             "And then?\"}, {\"chunks\": []}, {\"text\": \"More.\"}, {\"chunks\": [\"The owl "
+             "hooted at night.\"]}, {\"text\": \"Who hooted?\"}], \"max_tokens\": 3}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 3);
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.0.group"), 0);
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.1.group"), 0);
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.2.group"), 2);
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.0.status"), "miss");
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.2.status"), "hit");
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.2.source"), "arena");
+    /* After group 0 and the two texts (at least a token each). */
+    int end0 = rk_test_jint(r.json, "ragkv.chunks.1.live_offset") +
+               rk_test_jint(r.json, "ragkv.chunks.1.tokens");
+    cr_assert_geq(rk_test_jint(r.json, "ragkv.chunks.2.live_offset"), end0 + 2);
+    check_invariants(r.json);
+    rk_test_resp_free(&r);
+    /* Malformed lists are 400s naming what is wrong. */
+    const char *bad[] = {
+        "{\"segments\": \"x\"}",
+        "{\"segments\": []}",
+        "{\"segments\": [{\"text\": \"a\", \"chunks\": []}]}",
+        "{\"segments\": [{\"text\": 1}]}",
+        "{\"segments\": [{\"text\": \"sys\"}, {\"chunks\": [\"c\"]}]}",
+        "{\"segments\": [{\"text\": \"q\"}], \"prompt\": \"q\"}",
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        r = post("/v1/completions", bad[i]);
+        expect_error(&r, 400);
+        rk_test_resp_free(&r);
+    }
+}
+
+/* A chat whose turns each bring documents (a `documents` field on each
+ * user message): three groups where the turns stand. Turn 3's passage,
+ * seen before in another conversation, is a hit inside group 2 at the live
+ * offset after the turns before it. */
+Test(http, a_chat_turns_documents_are_groups_and_a_passage_seen_elsewhere_hits_in_group_2) {
+    resp r = post("/v1/chat/completions",
+                  "{\"messages\": [{\"role\": \"user\", \"content\": \"Who hooted?\", "
+                  "\"documents\": [\"The owl hooted at night.\"]}], \"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    rk_test_resp_free(&r);
+    r = post("/v1/chat/completions",
+             "{\"messages\": ["
+             "{\"role\": \"system\", \"content\": \"Answer from the documents.\"},"
+             "{\"role\": \"user\", \"content\": \"Who sat?\", \"documents\": [\"The cat "
+             "sat.\"]},"
+             "{\"role\": \"assistant\", \"content\": \"The cat.\"},"
+             "{\"role\": \"user\", \"content\": \"Who ran?\", \"documents\": [\"The dog "
+             "ran.\", \"The fox hid.\"]},"
+             "{\"role\": \"assistant\", \"content\": \"The dog.\"},"
+             "{\"role\": \"user\", \"content\": \"Who hooted?\", \"documents\": [\"The owl "
+             "hooted at night.\"]}], \"max_tokens\": 2}");
+    cr_assert_eq(r.http.status, 200, "%s", r.http.body);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 4);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.texts")), 2);
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.0.group"), 0);
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.2.group"), 1);
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.3.group"), 2);
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.3.status"), "hit");
+    cr_assert_str_eq(rk_test_jstr(r.json, "ragkv.chunks.3.source"), "arena");
+    int after = rk_test_jint(r.json, "ragkv.chunks.2.live_offset") +
+                rk_test_jint(r.json, "ragkv.chunks.2.tokens") +
+                rk_test_jint(r.json, "ragkv.texts.1.tokens");
+    cr_assert_eq(rk_test_jint(r.json, "ragkv.chunks.3.live_offset"), after);
     check_invariants(r.json);
     rk_test_resp_free(&r);
 }

@@ -11,7 +11,7 @@
 Test(reindex, sequential_layout_follows_table_order) {
     const int lens[] = {3, 7, 2};
     rk_layout l;
-    cr_assert_eq(rk_layout_plan(RK_POSITIONS_SEQUENTIAL, 5, lens, 3, &l), RK_OK);
+    cr_assert_eq(rk_layout_plan(RK_POSITIONS_SEQUENTIAL, 5, lens, 3, NULL, &l), RK_OK);
     cr_assert_eq(l.n_chunks, 3);
     const int want[] = {5, 8, 15};
     for (int k = 0; k < 3; k++) {
@@ -27,7 +27,7 @@ Test(reindex, sequential_layout_follows_table_order) {
 Test(reindex, parallel_layout_starts_every_chunk_after_the_system_prompt) {
     const int lens[] = {3, 7, 2};
     rk_layout l;
-    cr_assert_eq(rk_layout_plan(RK_POSITIONS_PARALLEL, 5, lens, 3, &l), RK_OK);
+    cr_assert_eq(rk_layout_plan(RK_POSITIONS_PARALLEL, 5, lens, 3, NULL, &l), RK_OK);
     const int want_index[] = {5, 8, 15};
     for (int k = 0; k < 3; k++) {
         cr_expect_eq(l.index[k], want_index[k], "chunk %d index", k);
@@ -42,12 +42,44 @@ Test(reindex, parallel_layout_starts_every_chunk_after_the_system_prompt) {
 Test(reindex, no_chunks_puts_the_question_right_after_the_system_prompt) {
     for (int mode = RK_POSITIONS_SEQUENTIAL; mode <= RK_POSITIONS_PARALLEL; mode++) {
         rk_layout l;
-        cr_assert_eq(rk_layout_plan((rk_position_mode)mode, 9, NULL, 0, &l), RK_OK);
+        cr_assert_eq(rk_layout_plan((rk_position_mode)mode, 9, NULL, 0, NULL, &l), RK_OK);
         cr_expect_eq(l.n_chunks, 0);
         cr_expect_eq(l.question_index, 9, "mode %d", mode);
         cr_expect_eq(l.question_pos, 9, "mode %d", mode);
         rk_layout_free(&l);
     }
+}
+
+Test(reindex, chunk_groups_follow_the_texts_between_them) {
+    /* system 5; group 0: chunks of 4 and 7; a text of 3; group 1: none; a
+     * text of 2; group 2: a chunk of 6; then the question. */
+    const int lens[] = {4, 7, 6}, ends[] = {2, 2, 3}, gaps[] = {3, 2};
+    rk_layout_groups g = {3, ends, gaps};
+    rk_layout l;
+    cr_assert_eq(rk_layout_plan(RK_POSITIONS_SEQUENTIAL, 5, lens, 3, &g, &l), RK_OK);
+    cr_expect_eq(l.n_gaps, 2);
+    cr_expect_eq(l.index[0], 5);
+    cr_expect_eq(l.index[1], 9);
+    cr_expect_eq(l.gap_index[0], 16);
+    cr_expect_eq(l.gap_index[1], 19);
+    cr_expect_eq(l.index[2], 21);
+    cr_expect_eq(l.question_index, 27);
+    for (int k = 0; k < 3; k++) cr_expect_eq(l.pos[k], l.index[k]);
+    cr_expect_eq(l.gap_pos[0], 16);
+    cr_expect_eq(l.question_pos, 27);
+    rk_layout_free(&l);
+    /* Parallel: a group's chunks share its first position; what follows
+     * starts after its longest chunk. Table indices are the same. */
+    cr_assert_eq(rk_layout_plan(RK_POSITIONS_PARALLEL, 5, lens, 3, &g, &l), RK_OK);
+    cr_expect_eq(l.pos[0], 5);
+    cr_expect_eq(l.pos[1], 5);
+    cr_expect_eq(l.gap_pos[0], 12);
+    cr_expect_eq(l.gap_pos[1], 15);
+    cr_expect_eq(l.pos[2], 17);
+    cr_expect_eq(l.question_pos, 23);
+    cr_expect_eq(l.index[2], 21);
+    cr_expect_eq(l.question_index, 27);
+    rk_layout_free(&l);
 }
 
 Test(reindex, copy_plan_maps_table_indices_to_slots_across_blocks) {

@@ -250,6 +250,49 @@ static held held_now(rk_service *svc) {
     return h;
 }
 
+/* A request that reused its chunks in place leaves beside a decoding
+ * stream: its sequence goes into the radix tree a slice a step (at most 4
+ * tokens a prompt token of the budget), its blocks held until then; once
+ * in, the same prompt finds all of it. */
+Test(pipeline, a_left_sequence_goes_into_the_radix_tree_a_slice_a_step_beside_a_stream) {
+    rk_service *svc = open_svc_steps(NULL, 2);
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    rk_request *a = prepare(svc, LONG_PROMPT, 100);
+    rk_request *b = prepare(svc, SHORT_PROMPT, 2);
+    rk_request *c = prepare(svc, SHORT_PROMPT, 2);
+    cr_assert_eq(rk_pipeline_admit(p, &a, 1, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert_eq(rk_pipeline_join(p, &b, 1), RK_OK, "%s", rk_error_message());
+    for (int i = 0; i < 200 && !b->finished; i++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert(b->finished && !a->finished);
+    cr_assert_gt(b->shared_blocks, 0, "b read its chunks in place");
+    int left = rk_pipeline_inserting(p);
+    cr_assert_gt(left, 2 * 4, "b's copy takes more than one step: %d tokens", left);
+    while (left > 0) {
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+        int now = rk_pipeline_inserting(p);
+        cr_assert(left - now > 0 && left - now <= 2 * 4, "a step copied %d tokens", left - now);
+        left = now;
+    }
+    cr_assert_eq(rk_pipeline_join(p, &c, 1), RK_OK, "%s", rk_error_message());
+    for (int i = 0; i < 200 && !c->finished; i++) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    cr_assert(c->finished);
+    cr_assert_eq(c->cached_tokens, c->prompt_tokens - 1, "%d of %d", c->cached_tokens,
+                 c->prompt_tokens);
+    for (int i = 0; i < 2; i++) cr_assert_eq(c->out_tokens[i], b->out_tokens[i]);
+    a->cancel = 1;
+    cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    held end = held_now(svc);
+    cr_assert_eq(end.live_used, 0, "every copy gave its blocks back");
+    cr_assert_eq(end.prefix_locked, 0, "and its radix lock");
+    rk_pipeline_free(p);
+    request_free(a);
+    request_free(b);
+    request_free(c);
+    rk_service_close(svc);
+}
+
 Test(pipeline, ending_or_cancelling_a_request_releases_everything_the_same_step) {
     rk_service *svc = open_svc(NULL);
     rk_pipeline *p;
