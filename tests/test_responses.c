@@ -309,6 +309,29 @@ Test(responses, documents_are_chunks_and_stay_with_the_conversation) {
     for (size_t i = 0; i < sizeof all / sizeof all[0]; i++) rk_test_resp_free(all[i]);
 }
 
+/* With chunking.tool_results, a function_call_output of passages is a
+ * chunk group where it stands, after the user message's documents. */
+Test(responses, a_chunked_function_call_output_is_a_group_where_it_stands) {
+    char *model = qwen3_model();
+    const char *args[] = {"--model", model, NULL};
+    start_with(args);
+    resp r = create(
+        200, "{\"input\": [{\"role\": \"user\", \"content\": [{\"type\": \"input_text\", "
+             "\"text\": \"The cat sat.\", \"ragkv_chunk\": true}, {\"type\": \"input_text\", "
+             "\"text\": \"Find the dog.\"}]}, {\"type\": \"function_call\", \"call_id\": "
+             "\"c1\", \"name\": \"search\", \"arguments\": \"{}\"}, {\"type\": "
+             "\"function_call_output\", \"call_id\": \"c1\", \"output\": \"[\\\"The dog "
+             "ran.\\\", \\\"The dog sat.\\\"]\"}], \"chunking\": {\"tool_results\": true}, "
+             "\"max_output_tokens\": 3, \"temperature\": 0}");
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.chunks")), 3, "%s", r.http.body);
+    cr_assert_eq(jint(r.json, "ragkv.chunks.0.group"), 0);
+    cr_assert_eq(jint(r.json, "ragkv.chunks.1.group"), 1);
+    cr_assert_eq(jint(r.json, "ragkv.chunks.2.group"), 1);
+    cr_assert_eq(json_array_size(rk_test_jget(r.json, "ragkv.texts")), 1);
+    rk_test_resp_free(&r);
+    free(model);
+}
+
 /* The store keeps at most --responses-max responses, dropping the oldest. */
 Test(responses, the_store_drops_the_oldest_beyond_its_count) {
     start_stories("--responses-max", "2");
