@@ -35,43 +35,21 @@ import json
 import math
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
+
+from serverlib import free_port, post, wait_ready
 
 SYLLABLES = ["ka", "lo", "mi", "ren", "tas", "vo", "shi", "pa", "dun", "el", "ri", "mor",
              "ta", "quin", "ve", "sol", "an", "gri", "po", "zel", "nu", "bra", "tor", "ix"]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def post(port, path, body, timeout=3600):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.load(r)
 
 
-def wait_ready(port, proc, path, log):
-    for _ in range(1200):
-        if proc.poll() is not None:
-            sys.exit(f"the server exited (log: {log})")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(0.5)
-    sys.exit(f"the server did not start in 600 s (log: {log})")
 
 
 def corpus(rng, n, words):
@@ -159,7 +137,7 @@ def run_turns(port, convs, docs, args, ragkv, measured):
 def serve(cmd, port, ready_path, log):
     f = open(log, "w")
     proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-    wait_ready(port, proc, ready_path, log)
+    wait_ready(port, proc, f"{cmd[0]} (log: {log})", ready_path, 600)
     return proc
 
 

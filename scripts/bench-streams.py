@@ -11,30 +11,23 @@ reports the generated tokens of all N over the wall time from the first
 send to the last answer (aggregate tok/s, prompts included in the time),
 and the median of the requests' own `decode_tokens_per_s`. Each count runs
 `--rounds` times after one warm-up request; the best round is printed."""
-import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
+
+from serverlib import free_port, post as post_json, wait_ready
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+
 
 
 def post(port, body):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=3600) as r:
-        return json.load(r)
+    return post_json(port, "/v1/completions", body)
 
 
 def one(port, i, n_tokens, out):
@@ -69,15 +62,7 @@ def main():
     proc = subprocess.Popen([ragkv, "serve", "--model", model, "--port", str(port), "--threads",
                              str(threads)], stdout=log, stderr=subprocess.STDOUT)
     try:
-        deadline = time.time() + 900
-        while True:
-            if proc.poll() is not None or time.time() > deadline:
-                sys.exit("ragkv serve did not start")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                    break
-            except Exception:
-                time.sleep(0.5)
+        wait_ready(port, proc, "ragkv serve", "/ready", 900)
         post(port, {"prompt": "warm up", "max_tokens": 4, "temperature": 0})
         print(f"model {model}, {threads} threads, {n_tokens} tokens per stream")
         print("streams  aggregate tok/s  median per-stream decode tok/s")

@@ -11,15 +11,13 @@ script says so and exits 0. The model defaults to a fresh
 pooling_type 3). Both servers get the same 20 varied inputs, one call each
 with the whole list; the script prints each input's cosine similarity and
 the smallest, and exits 1 when one is under 0.9999."""
-import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
+
+from serverlib import free_port, post, wait_ready
 
 INPUTS = [
     "The cat sat on the mat.",
@@ -46,33 +44,8 @@ INPUTS = [
 ]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(port, proc, what, path="/health"):
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"{what} exited while starting")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(0.2)
-    sys.exit(f"{what} did not become ready")
-
-
 def embed(port):
-    body = json.dumps({"input": INPUTS, "model": "m"}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/embeddings", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        doc = json.load(r)
+    doc = post(port, "/v1/embeddings", {"input": INPUTS, "model": "m"}, 300)
     out = [None] * len(INPUTS)
     for d in doc["data"]:
         out[d["index"]] = d["embedding"]

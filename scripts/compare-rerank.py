@@ -18,14 +18,12 @@ pairs), one /v1/rerank call per query; the script prints each pair's two
 scores and their difference, checks that both servers rank each query's
 documents in the same order, and exits 1 when a difference is over the
 tolerance or an order differs."""
-import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
+
+from serverlib import free_port, post, wait_ready
 
 CASES = [
     ("What is the capital of France?", [
@@ -59,34 +57,9 @@ CASES = [
 ]
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(port, proc, what):
-    deadline = time.time() + 120
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"{what} exited while starting")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(0.2)
-    sys.exit(f"{what} did not become ready")
-
-
 def rerank(port, query, docs):
     """[(index, score)] best first, as the server sorts them."""
-    body = json.dumps({"model": "m", "query": query, "documents": docs}).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/rerank", data=body,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=300) as r:
-        doc = json.load(r)
+    doc = post(port, "/v1/rerank", {"model": "m", "query": query, "documents": docs}, 300)
     return [(x["index"], x["relevance_score"]) for x in doc["results"]]
 
 
@@ -129,7 +102,7 @@ def main():
             [ragkv, "serve", "--model", model, "--port", str(p_rk), "--kv-dtype", "f32"],
             stdout=log_rk, stderr=subprocess.STDOUT))
         wait_ready(p_ref, procs[0], "the reference server")
-        wait_ready(p_rk, procs[1], "ragkv serve")
+        wait_ready(p_rk, procs[1], "ragkv serve", "/ready")
         answers = [(rerank(p_rk, q, d), rerank(p_ref, q, d)) for q, d in CASES]
     finally:
         for p in procs:
