@@ -319,6 +319,20 @@ typedef struct user_msg {
     const char *question;
 } user_msg;
 
+/* Room for n documents in u->docs, and m's own (its ragkv_chunk parts and
+ * `documents`) first, the empty ones counted. Nonzero when out of memory. */
+static int take_docs(const rk_chat_msg *m, int n, user_msg *u) {
+    u->docs = calloc((size_t)(n ? n : 1), sizeof *u->docs);
+    if (!u->docs) return 1;
+    for (int k = 0; k < m->n_docs; k++) {
+        if (*m->docs[k])
+            u->docs[u->n_docs++] = m->docs[k];
+        else
+            u->n_empty++;
+    }
+    return 0;
+}
+
 static rk_status split_user(const rk_api_request *req, int i, user_msg *u, rk_http_error *err) {
     const rk_chat_msg *m = &req->msgs[i];
     const char *content = m->content;
@@ -339,15 +353,8 @@ static rk_status split_user(const rk_api_request *req, int i, user_msg *u, rk_ht
         u->question = u->split.question.s;
         u->n_empty = u->split.n_empty_chunks;
     }
-    int n = m->n_docs + u->split.n_chunks;
-    u->docs = calloc((size_t)(n ? n : 1), sizeof *u->docs);
-    if (!u->docs) return rk_http_errorf(err, 500, "out of memory");
-    for (int k = 0; k < m->n_docs; k++) {
-        if (*m->docs[k])
-            u->docs[u->n_docs++] = m->docs[k];
-        else
-            u->n_empty++;
-    }
+    if (take_docs(m, m->n_docs + u->split.n_chunks, u))
+        return rk_http_errorf(err, 500, "out of memory");
     for (int k = 0; k < u->split.n_chunks; k++) u->docs[u->n_docs++] = u->split.chunks[k].s;
     return RK_OK;
 }
@@ -384,15 +391,8 @@ static rk_status split_tool(const rk_api_request *req, int i, user_msg *u, rk_ht
     u->passages = a;
     int n_split = u->split.n_chunks + (u->split.question.s && *u->split.question.s) +
                   (u->split.system.s && *u->split.system.s);
-    int n = m->n_docs + n_split + (a ? (int)json_array_size(a) : 0);
-    u->docs = calloc((size_t)(n ? n : 1), sizeof *u->docs);
-    if (!u->docs) return rk_http_errorf(err, 500, "out of memory");
-    for (int k = 0; k < m->n_docs; k++) {
-        if (*m->docs[k])
-            u->docs[u->n_docs++] = m->docs[k];
-        else
-            u->n_empty++;
-    }
+    if (take_docs(m, m->n_docs + n_split + (a ? (int)json_array_size(a) : 0), u))
+        return rk_http_errorf(err, 500, "out of memory");
     for (size_t k = 0; a && k < json_array_size(a); k++) {
         json_t *p = json_array_get(a, k), *t = p;
         if (json_is_object(p))
