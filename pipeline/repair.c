@@ -73,6 +73,11 @@ static rk_status push_run(rk_req_state *s, repair_run u) {
     return RK_OK;
 }
 
+static int by_index(const void *a, const void *b) {
+    const repair_run *x = a, *y = b;
+    return (x->idx > y->idx) - (x->idx < y->idx);
+}
+
 /* Record a run of r's chunk k, its n tokens from off, for the recompute. */
 static rk_status add_run(rk_request *r, int k, int off, int n) {
     rk_req_state *s = r->state;
@@ -82,11 +87,6 @@ static rk_status add_run(rk_request *r, int k, int off, int n) {
     r->chunk_reports[k].repaired += n;
     r->recomputed_tokens += n;
     return RK_OK;
-}
-
-static int by_index(const void *a, const void *b) {
-    const repair_run *x = a, *y = b;
-    return (x->idx > y->idx) - (x->idx < y->idx);
 }
 
 /* The texts between r's chunk groups (what of them its radix prefix does
@@ -135,6 +135,10 @@ static rk_status queue_chosen(rk_request *r, dev_tok *toks, int n_toks, unsigned
             t = t1;
         }
     }
+    /* Among the texts between chunk groups, in table order (nothing of the
+     * runs is fed before they are chosen). */
+    if (!st)
+        qsort(r->state->repair, (size_t)r->state->n_repair, sizeof *r->state->repair, by_index);
     return st;
 }
 
@@ -210,22 +214,45 @@ static rk_status dev_start(rk_service *svc, rk_request *r) {
         at += (size_t)n;
     }
     free(raw);
-    s->dev_total = total;
+    s->dev_total = total + r->n_gap_tokens; /* the texts between groups run too */
     s->dev_next = 0;
     return st;
+}
+
+/* Segment i of the tokens a deviation pass runs, in table order: r's
+ * chunks and the texts between its chunk groups (run too, so that a chunk
+ * after a text sees it, as in the full pass); its tokens, their count,
+ * first position and table index. */
+static void scored_segment(const rk_request *r, int i, const int32_t **tok, int *n, int *pos,
+                           int *idx) {
+    const rk_layout *L = &r->state->layout;
+    int k = 0, g = 0;
+    for (int j = 0;; j++) { /* merge the chunks and the texts by table index */
+        int gap = g < L->n_gaps && (k == r->n_chunks || L->gap_index[g] <= L->index[k]);
+        if (j == i) {
+            *tok = gap ? r->gap[g] : r->chunks[k];
+            *n = gap ? r->gap_len[g] : r->chunk_lens[k];
+            *pos = gap ? L->gap_pos[g] : L->pos[k];
+            *idx = gap ? L->gap_index[g] : L->index[k];
+            return;
+        }
+        gap ? g++ : k++;
+    }
 }
 
 static rk_status dev_feed(batch *b, int bs, rk_request *r, int *left) {
     rk_req_state *s = r->state;
     rk_status st;
-    for (int k = 0, first = 0; k < r->n_chunks && *left != 0; first += r->chunk_lens[k++]) {
+    int n_segs = r->n_chunks + s->layout.n_gaps;
+    for (int i = 0, first = 0, n = 0; i < n_segs && *left != 0; first += n, i++) {
+        const int32_t *tok;
+        int pos, idx;
+        scored_segment(r, i, &tok, &n, &pos, &idx);
         int off = s->dev_next - first;
-        if (off >= r->chunk_lens[k]) continue;
-        int m = r->chunk_lens[k] - off;
+        if (off >= n) continue;
+        int m = n - off;
         if (*left >= 0 && m > *left) m = *left;
-        if ((st = rk_batch_add(b, bs, &s->kv, r->chunks[k] + off, m, s->layout.pos[k] + off,
-                               s->layout.index[k] + off, 0)))
-            return st;
+        if ((st = rk_batch_add(b, bs, &s->kv, tok + off, m, pos + off, idx + off, 0))) return st;
         s->dev_next += m;
         if (*left >= 0) *left -= m;
     }
@@ -241,7 +268,8 @@ static rk_status dev_finish(rk_service *svc, rk_request *r) {
         max_len = r->chunk_lens[k] > max_len ? r->chunk_lens[k] : max_len;
     float *after = malloc((size_t)max_len * 2 * row * sizeof *after);
     unsigned char *raw = malloc((size_t)kv->block_size * rk_dtype_row_bytes(kv->dtype, row));
-    dev_tok *toks = malloc((size_t)(s->dev_total ? s->dev_total : 1) * sizeof *toks);
+    dev_tok *toks =
+        malloc((size_t)(s->dev_total ? s->dev_total : 1) * sizeof *toks); /* >= chunk tokens */
     rk_status st = after && raw && toks
                        ? RK_OK
                        : rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for the deviation "
@@ -355,7 +383,7 @@ static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_re
         if (!wants_query(r)) continue;
         int keys = r->state->layout.question_index + r->n_question, toks = 0;
         for (int k = 0; k < r->n_chunks; k++) toks += r->chunk_lens[k];
-        n_q += r->n_question;
+        n_q += r->n_gap_tokens + r->n_question;
         max_q = r->n_question > max_q ? r->n_question : max_q;
         max_keys = keys > max_keys ? keys : max_keys;
         max_toks = toks > max_toks ? toks : max_toks;
@@ -376,9 +404,17 @@ static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_re
                        : rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory for the query repair");
     for (int i = 0; i < n_reqs && !st; i++) {
         rk_request *r = reqs[i];
-        if (wants_query(r) && r->n_question)
-            st = rk_batch_add(&qb, bs, &r->state->kv, r->question, r->n_question,
-                              r->state->layout.question_pos, r->state->layout.question_index, 0);
+        const rk_layout *L = &r->state->layout;
+        if (!wants_query(r)) continue;
+        /* The texts between chunk groups first, in the same pass: the
+         * question attends to them, and they are not computed yet. */
+        for (int g = 0; g < L->n_gaps && !st; g++)
+            if (r->gap_len[g])
+                st = rk_batch_add(&qb, bs, &r->state->kv, r->gap[g], r->gap_len[g], L->gap_pos[g],
+                                  L->gap_index[g], 0);
+        if (!st && r->n_question)
+            st = rk_batch_add(&qb, bs, &r->state->kv, r->question, r->n_question, L->question_pos,
+                              L->question_index, 0);
     }
     qb.n_layers = layer + 1;
     qb.out_q = q;
@@ -388,6 +424,7 @@ static rk_status query_select(rk_service *svc, rk_request *const *reqs, int n_re
         rk_request *r = reqs[i];
         if (!wants_query(r)) continue;
         const rk_layout *L = &r->state->layout;
+        qr += (size_t)r->n_gap_tokens; /* the rows of its texts */
         int n_keys = L->question_index + r->n_question, n_toks = 0;
         memset(mass, 0, (size_t)n_keys * sizeof *mass);
         if (r->n_question) {

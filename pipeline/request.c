@@ -131,11 +131,6 @@ static rk_status prepare_groups(rk_service *svc, const rk_split *pieces, const i
                                 rk_request *r) {
     const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
     int n = pieces->n_groups;
-    if (r->opt.repair_ratio > 0)
-        return rk_errorf(RK_ERR_UNSUPPORTED,
-                         "a ratio repair policy (deviation, query) takes one chunk group; this "
-                         "request has %d (use first_k or none)",
-                         n);
     r->group_end = malloc((size_t)n * sizeof *r->group_end);
     r->gap = calloc((size_t)n, sizeof *r->gap);
     r->gap_len = calloc((size_t)n, sizeof *r->gap_len);

@@ -2,9 +2,10 @@
  * documents that arrive later in a conversation sit where they stand, a
  * text between two groups. The cached path equals the oracle (the same
  * layout, every chunk computed fresh) in every chunk context and position
- * mode, with and without a `first_k` repair; repairing every chunk token
- * gives full attention over the same tokens; a follow-up that adds a group
- * reuses the earlier sequence and finds its new chunk where it stands. */
+ * mode, with and without a repair (`first_k`, `deviation`, `query`);
+ * repairing every chunk token gives full attention over the same tokens; a
+ * follow-up that adds a group reuses the earlier sequence and finds its new
+ * chunk where it stands. */
 #include <criterion/criterion.h>
 #include <math.h>
 #include <stdlib.h>
@@ -111,7 +112,7 @@ Test(groups, segments_make_the_layout_and_join_adjacent_texts) {
 
 /* Cached (second run) against the oracle in every context and position
  * mode: the same greedy tokens and logits within 1e-4 (f32 KV). */
-static void check_modes(const char *model, int repair_k) {
+static void check_modes_with(const char *model, int repair_k, float ratio, int query) {
     rk_service *svc = open_svc(model);
     rk_segment segs[8];
     int n = layout(segs, 1, 3);
@@ -120,6 +121,8 @@ static void check_modes(const char *model, int repair_k) {
             rk_chunk_index_flush(svc->chunks);
             rk_req_options o = greedy_opts();
             o.repair_k = repair_k;
+            o.repair_ratio = ratio;
+            o.repair_query = query;
             o.chunk_context = (rk_chunk_context)ctx;
             o.positions = par ? RK_POSITIONS_PARALLEL : RK_POSITIONS_SEQUENTIAL;
             rk_request first, second, oracle;
@@ -143,8 +146,12 @@ static void check_modes(const char *model, int repair_k) {
             double d = max_diff(&ls, &lo);
             cr_assert_leq(d, 1e-4, "context %d parallel %d: logits differ by %g", ctx, par, d);
             cr_assert_eq(memcmp(first.out_tokens, second.out_tokens, STEPS * sizeof(int32_t)), 0);
-            cr_assert_eq(second.recomputed_tokens, repair_k ? 5 * repair_k : 0,
-                         "the texts between groups are not repairs");
+            if (ratio == 0)
+                cr_assert_eq(second.recomputed_tokens, repair_k ? 5 * repair_k : 0,
+                             "the texts between groups are not repairs");
+            int chunk_tokens = 0;
+            for (int k = 0; k < 5; k++) chunk_tokens += second.chunk_lens[k];
+            cr_assert_leq(second.recomputed_tokens, chunk_tokens);
             rk_request_free(&first);
             rk_request_free(&second);
             rk_request_free(&oracle);
@@ -156,7 +163,16 @@ static void check_modes(const char *model, int repair_k) {
     rk_service_close(svc);
 }
 
+static void check_modes(const char *model, int repair_k) {
+    check_modes_with(model, repair_k, 0, 0);
+}
+
 Test(groups, cached_path_equals_the_oracle_in_every_mode) { check_modes(NULL, 0); }
+
+Test(groups, deviation_and_query_repaired_cached_path_equals_the_oracle_in_every_mode) {
+    check_modes_with(NULL, 0, 0.3f, 0);
+    check_modes_with(NULL, 0, 0.3f, 1);
+}
 
 Test(groups, first_k_repaired_cached_path_equals_the_oracle_in_every_mode) { check_modes(NULL, 2); }
 
@@ -173,14 +189,19 @@ Test(groups, qwen3_tiny_cached_path_equals_the_oracle_in_every_mode) {
     free(model);
 }
 
-/* Every chunk token repaired: full attention over the same tokens in the
- * same order (plain mode), whatever the groups. */
-Test(groups, repairing_every_chunk_token_gives_the_full_attention_result) {
+/* Every chunk token repaired (first_k longer than any chunk, deviation or
+ * query at ratio 1): full attention over the same tokens in the same order
+ * (plain mode), whatever the groups. */
+static void check_full_repair(int policy) {
     rk_service *svc = open_svc(NULL);
     rk_segment segs[8];
     int n = layout(segs, 1, 3);
     rk_req_options o = greedy_opts(), plain = greedy_opts();
-    o.repair_k = 4096;
+    if (policy)
+        o.repair_ratio = 1;
+    else
+        o.repair_k = 4096;
+    o.repair_query = policy == 2;
     plain.mode = RK_MODE_PLAIN;
     rk_request warm, a, b;
     rk_test_log la = {0}, lb = {0};
@@ -198,6 +219,10 @@ Test(groups, repairing_every_chunk_token_gives_the_full_attention_result) {
     rk_test_log_free(&lb, 1);
     rk_test_check_pools_back(svc);
     rk_service_close(svc);
+}
+
+Test(groups, repairing_every_chunk_token_gives_the_full_attention_result) {
+    for (int policy = 0; policy < 3; policy++) check_full_repair(policy);
 }
 
 /* A conversation: turn 1 has one group, turn 2 repeats it and adds a turn
@@ -253,22 +278,6 @@ Test(groups, a_follow_up_reuses_the_conversation_and_finds_a_later_chunk_where_i
     rk_service_close(svc);
 }
 
-Test(groups, a_ratio_repair_policy_is_refused_for_several_groups) {
-    rk_service *svc = open_svc(NULL);
-    rk_segment segs[8];
-    int n = layout(segs, 1, 3);
-    rk_split sp;
-    cr_assert_eq(rk_split_segments(segs, n, svc->cfg.max_chunks, &sp), RK_OK);
-    rk_request r;
-    memset(&r, 0, sizeof r);
-    r.opt = greedy_opts();
-    r.opt.repair_ratio = 0.2f;
-    cr_assert_eq(rk_request_prepare(svc, &sp, &r), RK_ERR_UNSUPPORTED);
-    cr_assert(strstr(rk_error_message(), "one chunk group"));
-    rk_split_free(&sp);
-    rk_service_close(svc);
-}
-
 static void keep_logits_of(void *ctx, int req, int step, const float *logits, int n_vocab) {
     if (req == 1 && step < STEPS) rk_test_keep_logits(ctx, 0, step, logits, n_vocab);
 }
@@ -294,6 +303,7 @@ Test(groups, a_layout_of_groups_fed_a_few_tokens_a_step_gets_its_tokens_alone) {
         rk_req_options o = greedy_opts();
         o.chunk_context = (rk_chunk_context)ctx;
         o.repair_k = ctx == 2 ? 2 : 0;
+        o.repair_ratio = ctx == 1 ? 0.3f : 0; /* its deviation pass a slice a step too */
         rk_service *alone = open_svc(NULL);
         rk_request b;
         rk_test_log lb = {0};
