@@ -83,6 +83,7 @@ static rk_dtype mk_dtype(rk_ggml_type t) {
     case RK_GGML_Q3_K: return RK_DTYPE_Q3_K;
     case RK_GGML_IQ4_NL: return RK_DTYPE_IQ4_NL;
     case RK_GGML_IQ4_XS: return RK_DTYPE_IQ4_XS;
+    case RK_GGML_MXFP4: return RK_DTYPE_MXFP4;
     default: return RK_DTYPE_F32;
     }
 }

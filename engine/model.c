@@ -44,7 +44,8 @@ static rk_status be_alloc(rk_model *m, size_t bytes, void **out) {
 static int backend_is_host(const rk_backend *be) { return strcmp(be->name, "cpu") == 0; }
 
 #define SUPPORTED_TYPES                                                                            \
-    "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS"
+    "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, " \
+    "MXFP4"
 /* The CUDA backend has kernels for these only. */
 #define SUPPORTED_TYPES_CUDA "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K"
 
@@ -60,6 +61,7 @@ static rk_status dtype_of(const rk_model *m, const rk_gguf_tensor *t, rk_dtype *
         case RK_GGML_Q3_K:
         case RK_GGML_IQ4_NL:
         case RK_GGML_IQ4_XS:
+        case RK_GGML_MXFP4:
             return rk_errorf(RK_ERR_UNSUPPORTED,
                              "tensor %s has type %s; ragkv computes with %s on the %s backend",
                              t->name, rk_ggml_type_name(t->type), SUPPORTED_TYPES_CUDA,
@@ -82,6 +84,7 @@ static rk_status dtype_of(const rk_model *m, const rk_gguf_tensor *t, rk_dtype *
     case RK_GGML_Q3_K: *out = RK_DTYPE_Q3_K; return RK_OK;
     case RK_GGML_IQ4_NL: *out = RK_DTYPE_IQ4_NL; return RK_OK;
     case RK_GGML_IQ4_XS: *out = RK_DTYPE_IQ4_XS; return RK_OK;
+    case RK_GGML_MXFP4: *out = RK_DTYPE_MXFP4; return RK_OK;
     default:
         return rk_errorf(RK_ERR_UNSUPPORTED, "tensor %s has type %s; ragkv computes with %s",
                          t->name, rk_ggml_type_name(t->type), SUPPORTED_TYPES);

@@ -58,9 +58,13 @@ typedef enum rk_dtype {
     RK_DTYPE_Q3_K = 12,   /* 256: 3-bit q, 16 x 6-bit scales, f16 d; x = d (s - 32) q */
     RK_DTYPE_IQ4_NL = 13, /* 32: f16 d, 4-bit codebook index; x = d v[q] */
     RK_DTYPE_IQ4_XS = 14, /* 256: f16 d, 8 x 6-bit scales, 4-bit codebook index */
+    /* 32 elements in 17 bytes: u8 e (E8M0 scale 2^(e - 127)), u8 q[16] (byte i:
+     * element i low nibble, i + 16 high), each nibble an E2M1 float (sign bit
+     * 3; 0, .5, 1, 1.5, 2, 3, 4, 6); x = e2m1(q) 2^(e - 127). GGML type 39. */
+    RK_DTYPE_MXFP4 = 15,
 } rk_dtype;
 
-#define RK_DTYPE_COUNT 15
+#define RK_DTYPE_COUNT 16
 
 /* Bytes per element of an unquantized dtype; 0 for the quantized ones (and
  * for values outside the enum). */
