@@ -687,6 +687,9 @@ rk_status rk_attn_key_mass(const float *q, const int32_t *q_len, int n_q, const 
                 if (cap > 0) p[j] = cap * tanh(p[j] / cap);
                 mx = p[j] > mx ? p[j] : mx;
             }
+            double sk = params->sinks ? params->sinks[h] : -INFINITY;
+            if (sk > mx) mx = sk;
+            sum = exp(sk - mx); /* the sink's share of the denominator (0 without) */
             for (int j = lo; j < len; j++) sum += p[j] = exp(p[j] - mx);
             for (int j = lo; j < len; j++) mass[j] += p[j] / sum;
         }

@@ -2,18 +2,21 @@
 """Compare ragkv's greedy tokens and top-5 log-probabilities with a reference server's.
 
     scripts/compare-logits.py [REFERENCE_SERVER] [--ragkv build/ragkv]
-        [--model F.gguf | --preset NAME [--type T]] [--tokens N] [--threads T]
-        [--tol 2e-3]
+        [--model F.gguf | --preset NAME [--type T] [--vocab tokenizer.json]]
+        [--tokens N] [--threads T] [--tol 2e-3]
 
 REFERENCE_SERVER is llama.cpp's `llama-server` binary, started here on
 127.0.0.1 with the same file; without it the script says so and exits 0.
 The model defaults to a fresh `ragkv mkmodel --preset qwen3moe-tiny` (F32,
-Qwen3 vocabulary). ragkv runs as `ragkv serve --kv-dtype f32`, the reference
+Qwen3 vocabulary); --vocab is passed on to mkmodel (gpt-oss-tiny needs
+gpt-oss's or o200k's tokenizer.json). ragkv runs as `ragkv serve --kv-dtype f32`, the reference
 with an F32 KV cache and without flash attention (`-ctk f32 -ctv f32 -fa
 off`): its CPU flash-attention kernel rounds through F16 and moves these
-log-probabilities by up to 8e-3 on its own.
+log-probabilities by up to 8e-3 on its own), and `--reasoning-format none`
+(its gpt-oss output parser otherwise turns a random model's text away).
 
-Both servers get the same 4 prompts, each as one greedy request of N tokens
+Both servers get the same 4 prompts (the first in the model's chat format:
+ChatML, or harmony for gpt-oss), each as one greedy request of N tokens
 (64 by default) that ignores end-of-generation: the reference's
 `/completion` with `n_probs: 5`, ragkv's `/v1/completions` with
 `logprobs: 5`. For every prompt the script prints how many leading tokens
@@ -35,6 +38,8 @@ PROMPTS = [
     "def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
     "东京是日本的首都。Paris est la capitale de la France.",
 ]
+HARMONY_PROMPT = ("<|start|>system<|message|>Reasoning: low<|end|><|start|>user<|message|>"
+                  "What does a KV cache store?<|end|><|start|>assistant")
 
 
 def free_port():
@@ -92,7 +97,7 @@ def ragkv_run(port, prompt, n):
 
 def main():
     args = sys.argv[1:]
-    ragkv, model, preset, wtype = "build/ragkv", None, "qwen3moe-tiny", "f32"
+    ragkv, model, preset, wtype, vocab = "build/ragkv", None, "qwen3moe-tiny", "f32", None
     n, threads, tol, ref = 64, 2, 2e-3, None
     while args:
         a = args.pop(0)
@@ -104,6 +109,8 @@ def main():
             preset = args.pop(0)
         elif a == "--type":
             wtype = args.pop(0)
+        elif a == "--vocab":
+            vocab = args.pop(0)
         elif a == "--tokens":
             n = int(args.pop(0))
         elif a == "--threads":
@@ -119,8 +126,12 @@ def main():
     tmp = tempfile.mkdtemp(prefix="ragkv-logitcmp-")
     if not model:
         model = os.path.join(tmp, f"{preset}-{wtype}.gguf")
-        subprocess.run([ragkv, "mkmodel", "--preset", preset, "--type", wtype, "-o", model],
+        subprocess.run([ragkv, "mkmodel", "--preset", preset, "--type", wtype, "-o", model] +
+                       (["--vocab", vocab] if vocab else []),
                        check=True, stdout=subprocess.DEVNULL)
+    prompts = list(PROMPTS)
+    if "gpt-oss" in os.path.basename(model):  # a preset's file is named after it
+        prompts[0] = HARMONY_PROMPT
     procs = []
     results = []
     try:
@@ -128,10 +139,11 @@ def main():
         log_ref = open(os.path.join(tmp, "reference.log"), "w")
         procs.append(subprocess.Popen(
             [ref, "-m", model, "--host", "127.0.0.1", "--port", str(p_ref), "-c", "4096",
-             "-t", str(threads), "-np", "1", "-ctk", "f32", "-ctv", "f32", "-fa", "off"],
+             "-t", str(threads), "-np", "1", "-ctk", "f32", "-ctv", "f32", "-fa", "off",
+             "--reasoning-format", "none"],
             stdout=log_ref, stderr=subprocess.STDOUT))
         wait_ready(p_ref, procs[0], "the reference server")
-        theirs = [reference_run(p_ref, p, n) for p in PROMPTS]
+        theirs = [reference_run(p_ref, p, n) for p in prompts]
         procs[0].terminate()
         procs[0].wait()
         p_rk = free_port()
@@ -141,7 +153,7 @@ def main():
              "--threads", str(threads)],
             stdout=log_rk, stderr=subprocess.STDOUT))
         wait_ready(p_rk, procs[1], "ragkv serve")
-        ours = [ragkv_run(p_rk, p, n) for p in PROMPTS]
+        ours = [ragkv_run(p_rk, p, n) for p in prompts]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -162,7 +174,7 @@ def main():
         ok &= good
         print(f"prompt {i}: {same}/{n} greedy tokens agree, top-5 logprobs differ by at most "
               f"{worst:.2e}{'' if good else '  <-- FAIL'}")
-    print(f"worst top-5 logprob difference over {len(PROMPTS)} prompts: {worst_all:.2e} "
+    print(f"worst top-5 logprob difference over {len(prompts)} prompts: {worst_all:.2e} "
           f"(tolerance {tol:g}); model {model}")
     return 0 if ok else 1
 

@@ -762,6 +762,10 @@ static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const fl
     rk_cuda *cu = cu_of(be);
     rk_status st = rk_attn_check_params(params);
     if (st != RK_OK) return st;
+    if (params->sinks)
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "attention: attention sinks (gpt-oss) are not computed on the cuda "
+                         "backend");
     float scale = params->scale;
     st = rk_attn_check_batch(kv, layer, batch, n_heads);
     if (st == RK_OK) st = no_q8_0_kv(kv, "attention");
