@@ -71,9 +71,9 @@ typedef struct rk_moe_layer {
     rk_moe_route_params route;
     int dim, ffn_exp;
     const float *router; /* (n_expert, dim) F32 */
-    rk_moe_mat *gate; /* [n_expert] each (ffn_exp, dim) */
-    rk_moe_mat *up;   /* [n_expert] each (ffn_exp, dim) */
-    rk_moe_mat *down; /* [n_expert] each (dim, ffn_exp) */
+    rk_moe_mat *gate;    /* [n_expert] each (ffn_exp, dim) */
+    rk_moe_mat *up;      /* [n_expert] each (ffn_exp, dim) */
+    rk_moe_mat *down;    /* [n_expert] each (dim, ffn_exp) */
     /* Optional (NULL: gate and up apart): [n_expert] each [gate; up]
      * (2 ffn_exp, dim) as one packed matrix, which the FFN multiplies
      * instead; up_offset is the backend's packed_offset of its row ffn_exp
