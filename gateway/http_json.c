@@ -847,6 +847,12 @@ rk_status rk_api_parse(const char *body, size_t len, int chat, const rk_parse_li
                             : !strcmp(es, "medium") ? 2
                             : !strcmp(es, "high")   ? 3
                                                     : -1;
+    if (!failed && !chat && effort && !json_is_null(effort)) {
+        rk_http_errorf(err, 400,
+                       "'reasoning_effort' is not supported on completions (chat with the "
+                       "harmony template of gpt-oss takes it)");
+        failed = 1;
+    }
     if (!failed && effort && !json_is_null(effort) && (!es || out->reasoning_effort < 0)) {
         rk_http_errorf(err, 400, "'reasoning_effort' must be \"low\", \"medium\" or \"high\"");
         failed = 1;
