@@ -17,8 +17,8 @@ static const rk_setting k_model_settings[] = {
     {"preset", "preset", RK_SET_STR, M_STR(preset), 0, 0, 0, 0,
      "NAME  without --model: write this `ragkv mkmodel` preset to a temporary file"},
     {"type", "type", RK_SET_STR, M_STR(type), 0, 0, 0, 0,
-     "T  the preset's weights: f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k, q3_k_m, q2_k or "
-     "iq4_xs"},
+     "T  the preset's weights: f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k, q3_k_m, q2_k, "
+     "iq4_xs or mxfp4"},
     {"backend", "backend", RK_SET_STR, M_STR(backend), 0, 0, 0, 0, "cpu|cuda  compute backend"},
     {"kv_dtype", "kv-dtype", RK_SET_STR, M_STR(kv_dtype), 0, 0, 0, 0,
      "T  KV storage type: f32, f16, bf16 or q8_0"},
@@ -48,7 +48,7 @@ static rk_status model_check(const rk_bench_model *m) {
     if (rk_mkmodel_parse_wtype(m->type, &t))
         return rk_errorf(RK_ERR_INVALID,
                          "--type must be f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k, q3_k_m, "
-                         "q2_k or iq4_xs, got '%s'",
+                         "q2_k, iq4_xs or mxfp4, got '%s'",
                          m->type);
     return rk_config_validate(&cfg);
 }

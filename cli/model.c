@@ -35,12 +35,12 @@ static const rk_setting k_mkmodel_settings[] = {
     {"preset", "preset", RK_SET_STR, MK_STR(preset), 0, 0, 0, 0,
      "NAME  the shapes to write (below; default: tiny)"},
     {"type", "type", RK_SET_STR, MK_STR(type), 0, 0, 0, 0,
-     "T  2-D weights: f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k, q3_k_m, q2_k or iq4_xs "
-     "(default: f32)"},
+     "T  2-D weights: f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k, q3_k_m, q2_k, iq4_xs "
+     "or mxfp4 (experts MXFP4, the rest Q8_0) (default: f32)"},
     {"vocab", "vocab", RK_SET_STR, MK_STR(vocab), 0, 0, 0, 0,
      "F.json  the preset's tokenizer.json: Qwen3's (default "
-     "../shared/tokenizers/qwen3/tokenizer.json) or Gemma 3's (default "
-     "../shared/tokenizers/gemma3/tokenizer.json)"},
+     "../shared/tokenizers/qwen3/tokenizer.json), Gemma 3's (default "
+     "../shared/tokenizers/gemma3/tokenizer.json), gpt-oss's or o200k's (gpt-oss presets)"},
     {"seed", "seed", RK_SET_LONG, MK_OFF(seed), 0, 0, 0x7fffffffffffffffLL, 0, 0,
      "S  weights seed (default: 42)"},
 };
@@ -86,7 +86,7 @@ int rk_cli_mkmodel(int argc, char **argv) {
     if (rk_mkmodel_parse_wtype(a.type, &opts.wtype))
         return usage_error("mkmodel",
                            "--type must be f32, f16, bf16, q8_0, q4_0, q4_k_m, q5_k_m, q6_k, "
-                           "q3_k_m, q2_k or iq4_xs, "
+                           "q3_k_m, q2_k, iq4_xs or mxfp4, "
                            "got '%s'",
                            a.type);
     opts.preset = a.preset;

@@ -83,7 +83,8 @@ static const rk_setting k_serve_settings[] = {
      "M  auto|on|off: a thinking model's <think> block goes to reasoning_content (auto: when "
      "the model has <think> tokens; off: it stays in content; default: auto)"},
     {"chat_template", "chat-template", RK_SET_STR, STR(srv.chat_template), 0, 0, 0, 0,
-     "NAME|F  the chat template: chatml, llama3, llama2, phi3, gemma, or a Jinja file read as "
+     "NAME|F  the chat template: chatml, llama3, llama2, phi3, gemma, harmony, or a Jinja file "
+     "read as "
      "the model's tokenizer.chat_template (default: the model's)"},
     {"responses_max", "responses-max", RK_SET_INT, OFF(srv.responses_max), 0, 0, 1 << 24, 0, 0,
      "N  responses kept for previous_response_id and GET /v1/responses/{id}, oldest dropped "

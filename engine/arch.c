@@ -38,6 +38,19 @@ static const rk_arch_desc k_archs[] = {
      .post_norms = 1,
      .embd_scale_sqrt = 1,
      .act = RK_FFN_GELU_TANH},
+    /* Sliding layers alternate with global ones from layer 0 (l % 2 == 0
+     * slides), YaRN on every layer as the file gives it. */
+    {.name = "gpt-oss",
+     .qkv_bias = 1,
+     .rope_neox = 1,
+     .swa_period = 2,
+     .swa_default_window = 128,
+     .act = RK_FFN_SWIGLU_OAI,
+     .moe = RK_MOE_SOFTMAX_TOPK,
+     .attn_out_bias = 1,
+     .attn_sinks = 1,
+     .moe_biases = 1,
+     .ffn_norm = "post_attention_norm"},
 };
 #define N_ARCHS (sizeof k_archs / sizeof k_archs[0])
 

@@ -20,6 +20,9 @@
 typedef enum rk_ffn_act {
     RK_FFN_SILU = 0,      /* SwiGLU: llama, qwen2, qwen3 */
     RK_FFN_GELU_TANH = 1, /* GeGLU with tanh-approximated GELU: gemma2, gemma3 */
+    /* gpt-oss's clamped SwiGLU: g' = min(g, 7), u' = clamp(u, -7, 7),
+     * out = g' sigmoid(1.702 g') (u' + 1) (the reference's swiglu_oai) */
+    RK_FFN_SWIGLU_OAI = 2,
 } rk_ffn_act;
 
 /* How a mixture-of-experts router's logits become expert weights. */
@@ -27,6 +30,9 @@ typedef enum rk_moe_gating {
     RK_MOE_NONE = 0,    /* a dense FFN */
     RK_MOE_SOFTMAX = 1, /* softmax over all experts, then top-k */
     RK_MOE_SIGMOID = 2, /* sigmoid per expert, then top-k */
+    /* top-k of the logits themselves, then softmax over the k chosen
+     * (gpt-oss; the reference's SOFTMAX_WEIGHT gating) */
+    RK_MOE_SOFTMAX_TOPK = 3,
 } rk_moe_gating;
 
 typedef struct rk_arch_desc {
@@ -70,6 +76,16 @@ typedef struct rk_arch_desc {
     /* Mixture of experts: the chosen experts' weights divided by their sum
      * (the reference engine fixes this per family, e.g. on for qwen3moe) */
     unsigned moe_norm_topk : 1;
+    /* gpt-oss: attn_output.bias; a learned sink logit per head
+     * (blk.N.attn_sinks.weight, rk_attn_params.sinks); biases on the router
+     * (ffn_gate_inp.bias) and on every expert's gate, up and down
+     * (ffn_{gate,up,down}_exps.bias, {width, n_expert}) */
+    unsigned attn_out_bias : 1;
+    unsigned attn_sinks : 1;
+    unsigned moe_biases : 1;
+    /* The norm before the FFN, blk.N.<ffn_norm>.weight; NULL: "ffn_norm"
+     * (gpt-oss files call it "post_attention_norm") */
+    const char *ffn_norm;
 } rk_arch_desc;
 
 /* The description of the family named name, or NULL when ragkv does not

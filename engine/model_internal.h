@@ -20,6 +20,8 @@ typedef struct rk_layer {
     const float *post_attn_norm, *post_ffn_norm; /* (dim), families with post_norms */
     int window;                                  /* sliding window of the layer, 0: global */
     const float *bq, *bk, *bv;                   /* (n_heads*head_dim), (kv_dim), (kv_dim); qwen2 */
+    const float *bo;                             /* (dim) attn_output.bias; gpt-oss */
+    const float *sinks;                          /* (n_heads) host memory; gpt-oss */
     rk_matrix wq, wk, wv, wo, gate, up, down;
     /* [wq; wk; wv] and [gate; up] packed as one matrix each where the
      * backend packs them (see fuse_mats), else rows 0 */

@@ -17,7 +17,8 @@
 
 static rk_status check_params(const rk_moe_route_params *p) {
     if (!p || p->n_expert < 1 || p->n_used < 1 || p->n_used > p->n_expert ||
-        (p->gating != RK_MOE_SOFTMAX && p->gating != RK_MOE_SIGMOID))
+        (p->gating != RK_MOE_SOFTMAX && p->gating != RK_MOE_SIGMOID &&
+         p->gating != RK_MOE_SOFTMAX_TOPK))
         return rk_errorf(RK_ERR_INVALID, "moe: bad routing parameters (%d of %d experts)",
                          p ? p->n_used : 0, p ? p->n_expert : 0);
     return RK_OK;
@@ -27,6 +28,10 @@ static rk_status check_params(const rk_moe_route_params *p) {
 static void gate_probs(const float *logits, int n, rk_moe_gating g, float *probs) {
     if (g == RK_MOE_SIGMOID) {
         for (int i = 0; i < n; i++) probs[i] = 1.0f / (1.0f + expf(-logits[i]));
+        return;
+    }
+    if (g == RK_MOE_SOFTMAX_TOPK) { /* chosen on the logits, softmax after */
+        memcpy(probs, logits, (size_t)n * sizeof *probs);
         return;
     }
     float mx = -INFINITY;
@@ -71,6 +76,7 @@ rk_status rk_moe_route(const float *logits, int n_tokens, const rk_moe_route_par
             w[pos] = v;
             if (cnt < k) cnt++;
         }
+        if (p->gating == RK_MOE_SOFTMAX_TOPK) gate_probs(w, k, RK_MOE_SOFTMAX, w);
         if (p->norm_topk) {
             float sum = 0;
             for (int j = 0; j < k; j++) sum += w[j];
@@ -185,6 +191,25 @@ static rk_status gate_up(rk_backend *be, const rk_moe_layer *L, int e, int c, rk
     return RK_OK;
 }
 
+/* rows(c, width) += the bias of expert e (bias + e * width) on every row. */
+static void add_row_bias(float *rows, const float *bias, int e, int c, int width) {
+    if (!bias) return;
+    const float *b = bias + (size_t)e * width;
+    for (int i = 0; i < c; i++)
+        for (int d = 0; d < width; d++) rows[(size_t)i * width + d] += b[d];
+}
+
+/* h(n) = gpt-oss's clamped SwiGLU of gate h and up u (arch.h), as the
+ * reference computes it: g / (1 + e^(-alpha g)) * (u + 1). */
+static void swiglu_oai(float *h, const float *u, size_t n) {
+    const float alpha = 1.702f, limit = 7.0f;
+    for (size_t i = 0; i < n; i++) {
+        float g = h[i] < limit ? h[i] : limit;
+        float v = u[i] < -limit ? -limit : u[i] > limit ? limit : u[i];
+        h[i] = g / (1.0f + expf(alpha * -g)) * (v + 1.0f);
+    }
+}
+
 /* The MoE FFN; see moe.h. */
 rk_status rk_moe_ffn(rk_backend *be, const rk_moe_layer *L, const float *x, float *y, int n,
                      rk_moe_scratch *s) {
@@ -192,8 +217,9 @@ rk_status rk_moe_ffn(rk_backend *be, const rk_moe_layer *L, const float *x, floa
     if (st || (st = scratch_reserve(s, n, L))) return st;
     const rk_backend_ops *ops = be->ops;
     int ne = L->route.n_expert, k = L->route.n_used, dim = L->dim, ffn = L->ffn_exp;
-    if ((st = ops->matmul(be, s->logits, x, L->router, RK_DTYPE_F32, n, dim, ne)) ||
-        (st = rk_moe_route(s->logits, n, &L->route, s->ids, s->w)) ||
+    if ((st = ops->matmul(be, s->logits, x, L->router, RK_DTYPE_F32, n, dim, ne))) return st;
+    if (L->router_b) add_row_bias(s->logits, L->router_b, 0, n, ne);
+    if ((st = rk_moe_route(s->logits, n, &L->route, s->ids, s->w)) ||
         (st = rk_moe_group(s->ids, n * k, ne, s->offs, s->order)))
         return st;
     float *acc = s->acc;
@@ -205,10 +231,15 @@ rk_status rk_moe_ffn(rk_backend *be, const rk_moe_layer *L, const float *x, floa
         for (int i = 0; i < c; i++)
             memcpy(s->xg + (size_t)i * dim, x + (size_t)(pairs[i] / k) * dim,
                    (size_t)dim * sizeof *x);
-        if ((st = gate_up(be, L, e, c, s)) ||
-            (st = ops->swiglu(be, s->hg, s->hg, s->ug, (size_t)c * ffn)) ||
-            (st = mat_mul(be, s->yg, s->hg, &L->down[e], c, ffn, dim)))
+        if ((st = gate_up(be, L, e, c, s))) return st;
+        add_row_bias(s->hg, L->gate_b, e, c, ffn);
+        add_row_bias(s->ug, L->up_b, e, c, ffn);
+        if (L->act == RK_FFN_SWIGLU_OAI)
+            swiglu_oai(s->hg, s->ug, (size_t)c * ffn);
+        else if ((st = ops->swiglu(be, s->hg, s->hg, s->ug, (size_t)c * ffn)))
             return st;
+        if ((st = mat_mul(be, s->yg, s->hg, &L->down[e], c, ffn, dim))) return st;
+        add_row_bias(s->yg, L->down_b, e, c, dim);
         /* Experts are added in increasing id order for every token, so a
          * token's sum has the same order alone or in any batch. */
         for (int i = 0; i < c; i++) {

@@ -2,15 +2,19 @@
  *
  * A MoE layer replaces the dense FFN with n_expert SwiGLU experts of width
  * ffn_exp and a router (n_expert, dim). For every token:
- *   logits = router · x                           (n_expert)
- *   probs  = softmax(logits) | sigmoid(logits)    (the gating function)
+ *   logits = router · x (+ router_b)               (n_expert)
+ *   probs  = softmax(logits) | sigmoid(logits) | logits (the gating function)
  *   ids    = the n_used experts of highest prob, highest first; equal probs
  *            in increasing expert order
- *   w      = probs[ids], divided by their sum when norm_topk (the sum clamped
+ *   w      = probs[ids], softmax over these n_used (RK_MOE_SOFTMAX_TOPK),
+ *            divided by their sum when norm_topk (the sum clamped
  *            from below at 2^-14, the smallest normal f16, as the reference
  *            engine does), then times w_scale when it is not 0 or 1
- *   y      = sum over the n_used experts e of w_e · down_e(silu(gate_e x) * up_e x)
- * qwen3moe: softmax gating, norm_topk on, no scale.
+ *   y      = sum over the n_used experts e of w_e · down_e(act(gate_e x, up_e x))
+ *            (each of gate_e x, up_e x and down_e(.) plus its bias where the
+ *            layer has biases)
+ * qwen3moe: softmax gating, norm_topk on, no scale, SiLU, no biases.
+ * gpt-oss: RK_MOE_SOFTMAX_TOPK, no norm, no scale, RK_FFN_SWIGLU_OAI, biases.
  *
  * The expert tensors are stored stacked, as GGUF files hold them: the
  * ffn_gate_exps tensor has ne = {dim, ffn_exp, n_expert}, so expert e is the
@@ -36,7 +40,7 @@
 typedef struct rk_moe_route_params {
     int n_expert;         /* experts to choose from, >= 1 */
     int n_used;           /* experts per token, 1..n_expert */
-    rk_moe_gating gating; /* RK_MOE_SOFTMAX or RK_MOE_SIGMOID (arch.h) */
+    rk_moe_gating gating; /* RK_MOE_SOFTMAX, _SIGMOID or _SOFTMAX_TOPK (arch.h) */
     int norm_topk;        /* divide the n_used weights by their sum */
     float w_scale;        /* multiply the weights by it; 0 or 1: no scaling */
 } rk_moe_route_params;
@@ -76,6 +80,10 @@ typedef struct rk_moe_layer {
      * (SIZE_MAX: the parts cannot be multiplied apart). */
     rk_moe_mat *gate_up;
     size_t up_offset;
+    rk_ffn_act act; /* RK_FFN_SILU (0) or RK_FFN_SWIGLU_OAI */
+    /* Optional biases (NULL: none), host memory: the router's (n_expert),
+     * and per expert e the gate's and up's at e * ffn_exp, down's at e * dim */
+    const float *router_b, *gate_b, *up_b, *down_b;
 } rk_moe_layer;
 
 /* Activation buffers of rk_moe_ffn, grown on demand; zero-initialise, free

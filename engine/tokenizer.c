@@ -292,12 +292,25 @@ static void build_eog(rk_tokenizer *t) {
     static const char *const names[] = {"<|im_end|>",      "<|endoftext|>", "<|eot_id|>",
                                         "<|end_of_text|>", "</s>",          "<|end|>",
                                         "<end_of_turn>"};
+    static const char *const harmony[] = {"<|return|>", "<|call|>"};
     t->n_eog = 0;
     if (t->eos_id >= 0) t->eog[t->n_eog++] = t->eos_id;
+    /* o200k_harmony (gpt-oss): <|end|> closes one message of an answer
+     * (its analysis, before the final one); <|return|> and <|call|> end it. */
+    int is_harmony = 1;
+    for (size_t i = 0; i < 2; i++) {
+        int32_t id = rk_tok_lookup(t, harmony[i], strlen(harmony[i]));
+        is_harmony &= id >= 0 && t->types[id] != RK_TOKEN_NORMAL;
+    }
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         int32_t id = rk_tok_lookup(t, names[i], strlen(names[i]));
         if (id < 0 || t->types[id] == RK_TOKEN_NORMAL || id == t->eos_id) continue;
+        if (is_harmony && !strcmp(names[i], "<|end|>")) continue;
         t->eog[t->n_eog++] = id;
+    }
+    for (size_t i = 0; is_harmony && i < 2; i++) {
+        int32_t id = rk_tok_lookup(t, harmony[i], strlen(harmony[i]));
+        if (id != t->eos_id) t->eog[t->n_eog++] = id;
     }
 }
 

@@ -56,7 +56,7 @@ struct rk_tokenizer {
     int add_bos;
     int add_space_prefix; /* llama: a U+2581 before the text and after each special token */
     int special_rstrip;   /* special tokens but bos, eos and unk take the whitespace after them */
-    int32_t eog[8];       /* end-of-generation ids */
+    int32_t eog[12];      /* end-of-generation ids */
     int n_eog;
 
     /* Special tokens matched when parse_special is set, bucketed by first byte

@@ -186,6 +186,9 @@ typedef struct rk_api_request {
     char cache_salt[RK_CACHE_SALT_MAX + 1];
     /* chat_template_kwargs.enable_thinking: -1 when absent, else 0 or 1. */
     int enable_thinking;
+    /* `reasoning_effort`: 0 absent, 1 "low", 2 "medium", 3 "high" (the
+     * harmony template's "Reasoning: " line; other templates refuse it). */
+    int reasoning_effort;
     /* Render the answer's turn with an empty thinking block (a thinking
      * model asked not to think): set by the caller before rk_chat_render. */
     int no_thinking;

@@ -63,6 +63,7 @@ const char *rk_chat_template_name(rk_chat_template t) {
     case RK_CHAT_LLAMA2: return "llama2";
     case RK_CHAT_PHI3: return "phi3";
     case RK_CHAT_GEMMA: return "gemma";
+    case RK_CHAT_HARMONY: return "harmony";
     }
     return "?";
 }
@@ -70,6 +71,7 @@ const char *rk_chat_template_name(rk_chat_template t) {
 rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
                                          int has_llama3_tokens) {
     if (jinja) {
+        if (strstr(jinja, "<|channel|>") && strstr(jinja, "<|message|>")) return RK_CHAT_HARMONY;
         if (strstr(jinja, "<|im_start|>")) return RK_CHAT_CHATML;
         if (strstr(jinja, "<|start_header_id|>")) return RK_CHAT_LLAMA3;
         if (strstr(jinja, "[INST]")) return RK_CHAT_LLAMA2;
@@ -79,6 +81,7 @@ rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
     if (arch && (!strcmp(arch, "qwen2") || !strcmp(arch, "qwen3"))) return RK_CHAT_CHATML;
     if (arch && !strcmp(arch, "phi3")) return RK_CHAT_PHI3;
     if (arch && (!strcmp(arch, "gemma2") || !strcmp(arch, "gemma3"))) return RK_CHAT_GEMMA;
+    if (arch && !strcmp(arch, "gpt-oss")) return RK_CHAT_HARMONY;
     if (has_llama3_tokens) return RK_CHAT_LLAMA3;
     return RK_CHAT_LLAMA2;
 }
@@ -425,6 +428,8 @@ static void user_open(rk_chat_template t, rk_strbuf *b, const rk_strbuf *sys_blo
         rk_strbuf_puts(b, "<|start_header_id|>user<|end_header_id|>\n\n");
     } else if (t == RK_CHAT_PHI3) {
         rk_strbuf_puts(b, "<|user|>\n");
+    } else if (t == RK_CHAT_HARMONY) {
+        rk_strbuf_puts(b, "<|start|>user<|message|>");
     } else {
         rk_strbuf_puts(b, "[INST] ");
         if (sys_block->len) {
@@ -436,11 +441,12 @@ static void user_open(rk_chat_template t, rk_strbuf *b, const rk_strbuf *sys_blo
 }
 
 static void user_close(rk_chat_template t, rk_strbuf *b) {
-    rk_strbuf_puts(b, t == RK_CHAT_CHATML   ? "<|im_end|>\n"
-                      : t == RK_CHAT_LLAMA3 ? "<|eot_id|>"
-                      : t == RK_CHAT_PHI3   ? "<|end|>\n"
-                      : t == RK_CHAT_GEMMA  ? "<end_of_turn>\n"
-                                            : " [/INST]");
+    rk_strbuf_puts(b, t == RK_CHAT_CHATML    ? "<|im_end|>\n"
+                      : t == RK_CHAT_LLAMA3  ? "<|eot_id|>"
+                      : t == RK_CHAT_PHI3    ? "<|end|>\n"
+                      : t == RK_CHAT_GEMMA   ? "<end_of_turn>\n"
+                      : t == RK_CHAT_HARMONY ? "<|end|>"
+                                             : " [/INST]");
 }
 
 /* A tool result's turn: Qwen's user turn of <tool_response>, Llama 3's ipython. */
@@ -481,6 +487,14 @@ static void other_turn(rk_chat_template t, rk_strbuf *b, const rk_chat_msg *m, i
         }
         calls_text(t, b, m->tool_calls);
         rk_strbuf_puts(b, t == RK_CHAT_CHATML ? "<|im_end|>\n" : "<|eot_id|>");
+        return;
+    }
+    if (t == RK_CHAT_HARMONY) { /* system: the developer's instructions; earlier answers: final */
+        rk_strbuf_puts(b, m->role == RK_ROLE_SYSTEM
+                              ? "<|start|>developer<|message|># Instructions\n\n"
+                              : "<|start|>assistant<|channel|>final<|message|>");
+        rk_strbuf_puts(b, m->content);
+        if (!open) rk_strbuf_puts(b, "<|end|>");
         return;
     }
     if (t == RK_CHAT_GEMMA) { /* system messages wait for the next user turn */
@@ -554,11 +568,12 @@ static void render_turns(rk_chat_template t, const rk_api_request *req, const us
 }
 
 static const char *assistant_open(rk_chat_template t) {
-    return t == RK_CHAT_CHATML   ? "<|im_start|>assistant\n"
-           : t == RK_CHAT_LLAMA3 ? "<|start_header_id|>assistant<|end_header_id|>\n\n"
-           : t == RK_CHAT_PHI3   ? "<|assistant|>\n"
-           : t == RK_CHAT_GEMMA  ? "<start_of_turn>model\n"
-                                 : "";
+    return t == RK_CHAT_CHATML    ? "<|im_start|>assistant\n"
+           : t == RK_CHAT_LLAMA3  ? "<|start_header_id|>assistant<|end_header_id|>\n\n"
+           : t == RK_CHAT_PHI3    ? "<|assistant|>\n"
+           : t == RK_CHAT_GEMMA   ? "<start_of_turn>model\n"
+           : t == RK_CHAT_HARMONY ? "<|start|>assistant"
+                                  : "";
 }
 
 /* Whether message i is a document turn, a chunk group where it stands: a
@@ -630,6 +645,7 @@ static void render_texts(rk_chat_template t, const rk_api_request *req, const us
                          const int *gmsg, int n, int last, rk_strbuf *texts, rk_strbuf *block) {
     for (int i = 0; (t == RK_CHAT_LLAMA2 || t == RK_CHAT_GEMMA) && i < gmsg[0]; i++)
         if (req->msgs[i].role == RK_ROLE_SYSTEM) add_system(block, &req->msgs[i]);
+    if (t == RK_CHAT_HARMONY) rk_harmony_system(&texts[0], req->reasoning_effort);
     render_turns(t, req, users, 0, gmsg[0], 1, &texts[0], block);
     for (int g = 0; g < n; g++) {
         int m = gmsg[g];
@@ -666,11 +682,16 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     int tool_turns = 0;
     for (int i = 0; i < req->n_msgs; i++)
         tool_turns |= req->msgs[i].role == RK_ROLE_TOOL || req->msgs[i].tool_calls;
-    if ((t == RK_CHAT_LLAMA2 || t == RK_CHAT_PHI3 || t == RK_CHAT_GEMMA) &&
+    if ((t == RK_CHAT_LLAMA2 || t == RK_CHAT_PHI3 || t == RK_CHAT_GEMMA || t == RK_CHAT_HARMONY) &&
         (req->n_tools || tool_turns))
         return rk_http_errorf(err, 400,
                               "tools are not supported with the %s chat template (it has no "
                               "tool-call format)",
+                              rk_chat_template_name(t));
+    if (req->reasoning_effort && t != RK_CHAT_HARMONY)
+        return rk_http_errorf(err, 400,
+                              "'reasoning_effort' is not supported with the %s chat template "
+                              "(the harmony template of gpt-oss takes it)",
                               rk_chat_template_name(t));
     rk_status tst = RK_OK;
     if (req->tool_choice >= RK_TOOLS_REQUIRED && (tst = tools_grammar(t, req, err))) return tst;

@@ -9,19 +9,20 @@
 /* ---------------------------------------------------------------- chat templates */
 
 typedef enum rk_chat_template {
-    RK_CHAT_CHATML = 0, /* <|im_start|>role\n...<|im_end|> (Qwen2, Qwen3) */
-    RK_CHAT_LLAMA3 = 1, /* <|start_header_id|>role<|end_header_id|>\n\n...<|eot_id|> */
-    RK_CHAT_LLAMA2 = 2, /* [INST] <<SYS>>...<</SYS>> ... [/INST] */
-    RK_CHAT_PHI3 = 3,   /* <|role|>\n...<|end|>\n (Phi-3, Phi-4-mini) */
-    RK_CHAT_GEMMA = 4,  /* <start_of_turn>user|model\n...<end_of_turn>\n (Gemma 2, Gemma 3) */
+    RK_CHAT_CHATML = 0,  /* <|im_start|>role\n...<|im_end|> (Qwen2, Qwen3) */
+    RK_CHAT_LLAMA3 = 1,  /* <|start_header_id|>role<|end_header_id|>\n\n...<|eot_id|> */
+    RK_CHAT_LLAMA2 = 2,  /* [INST] <<SYS>>...<</SYS>> ... [/INST] */
+    RK_CHAT_PHI3 = 3,    /* <|role|>\n...<|end|>\n (Phi-3, Phi-4-mini) */
+    RK_CHAT_GEMMA = 4,   /* <start_of_turn>user|model\n...<end_of_turn>\n (Gemma 2, Gemma 3) */
+    RK_CHAT_HARMONY = 5, /* <|start|>role<|message|>...<|end|> (gpt-oss; see harmony.c) */
 } rk_chat_template;
 
-/* Name of a template: "chatml", "llama3", "llama2", "phi3", "gemma". */
+/* Name of a template: "chatml", "llama3", "llama2", "phi3", "gemma", "harmony". */
 const char *rk_chat_template_name(rk_chat_template t);
 
 /* Choose a template: from the GGUF tokenizer.chat_template text when given
  * (NULL when absent), else from the architecture name ("qwen2", "qwen3":
- * ChatML; "phi3": Phi-3; "gemma2", "gemma3": Gemma) and the vocabulary
+ * ChatML; "phi3": Phi-3; "gemma2", "gemma3": Gemma; "gpt-oss": harmony) and the vocabulary
  * (has_llama3_tokens: <|start_header_id|> exists), else Llama-2. */
 rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
                                          int has_llama3_tokens);
@@ -72,6 +73,10 @@ typedef enum rk_think_state {
 typedef struct rk_think_split {
     rk_think_state state;
     rk_strbuf pending; /* text not yet known to be thinking or answer */
+    /* harmony (gpt-oss): rk_think_feed splits the answer by channel
+     * (rk_harmony_feed); analysis: the message being read is the analysis
+     * channel's */
+    int harmony, analysis;
 } rk_think_split;
 
 /* Feed the next n bytes of the answer; append to reasoning and content what
@@ -81,7 +86,21 @@ typedef struct rk_think_split {
 void rk_think_feed(rk_think_split *s, const char *text, size_t n, int final, rk_strbuf *reasoning,
                    rk_strbuf *content);
 
-/* The same for a whole answer. */
+/* The same for a whole answer (harmony: split by channel). */
 void rk_think_split_text(const char *text, rk_strbuf *reasoning, rk_strbuf *content);
+void rk_think_split_text_as(int harmony, const char *text, rk_strbuf *reasoning,
+                            rk_strbuf *content);
+
+/* Harmony (harmony.c): the analysis channel's message bodies to reasoning,
+ * the other channels' to content, headers and tags to neither (the answer
+ * decoded with its special tokens as text); the states of rk_think_split:
+ * START a header, OPENED a channel's name, IN a body, ANSWER after
+ * <|return|> or <|call|>. */
+void rk_harmony_feed(rk_think_split *s, const char *text, size_t n, int final, rk_strbuf *reasoning,
+                     rk_strbuf *content);
+
+/* The harmony system message (its model identity, "Reasoning: " effort,
+ * 1 low, 2 medium, 3 high, 0 the default medium, and its channels), into b. */
+void rk_harmony_system(rk_strbuf *b, int effort);
 
 #endif

@@ -34,7 +34,7 @@ void rk_gt_feed(rk_gen_text *g, const int32_t *tokens, int n) {
         int32_t id = tokens[g->decoded];
         char *t;
         size_t tl, before = g->raw.len;
-        if (rk_tokenizer_decode(g->tok, &id, 1, 0, g->skip_space, &t, &tl)) continue;
+        if (rk_tokenizer_decode(g->tok, &id, 1, g->specials, g->skip_space, &t, &tl)) continue;
         if (tl) rk_strbuf_putn(&g->raw, t, tl);
         free(t);
         if (rk_tokenizer_token_bytes(g->tok, id, 0, NULL, 0) > 0) g->skip_space = 0;

@@ -19,6 +19,7 @@ typedef struct rk_gen_text {
     rk_strbuf raw;   /* decoded bytes of the tokens so far */
     int decoded;     /* tokens decoded */
     int skip_space;  /* drop the leading space of the first piece (as rk_report_text) */
+    int specials;    /* special tokens as their text (harmony's channel tags, split later) */
     size_t sent;     /* raw bytes already turned into text */
     long stop_at;    /* raw offset of the first stop match, or -1 */
     int stop_tokens; /* tokens up to the one that completed that match */

@@ -230,7 +230,7 @@ static json_t *final_object(gen *g, const char *text) {
     json_t *lp = rk_report_logprobs(tok, r, 0, r->n_out, g->api.chat);
     rk_strbuf think = {0}, answer = {0};
     if (g->thinking && !g->tool_calls) { /* (with calls, the answer was split before) */
-        rk_think_split_text(text, &think, &answer);
+        rk_think_split_text_as(g->think.harmony, text, &think, &answer);
         text = answer.s ? answer.s : "";
     }
     const char *reasoning = g->tool_calls ? g->reasoning : think.s;
@@ -395,7 +395,7 @@ static void respond_generation(gen *g) {
         all = rk_gt_take(&g->text, 1);
         if (g->thinking && all) { /* calls are looked for in the answer, after the thinking */
             rk_strbuf think = {0}, answer = {0};
-            rk_think_split_text(all, &think, &answer);
+            rk_think_split_text_as(g->think.harmony, all, &think, &answer);
             g->reasoning = rk_strbuf_take(&think);
             free(all);
             all = answer.s ? rk_strbuf_take(&answer) : rk_strdup("");
@@ -573,6 +573,9 @@ static void prep_generation(void *arg) {
         int constrained = g->api.grammar || g->api.tool_choice >= RK_TOOLS_REQUIRED;
         g->api.no_thinking = g->api.enable_thinking == 0 || constrained;
         g->thinking = !g->api.no_thinking;
+        /* harmony has no answer without its channels: split them always */
+        g->think.harmony = S->tmpl == RK_CHAT_HARMONY;
+        if (g->think.harmony) g->thinking = 1;
     }
     if (p->chat && rk_chat_render(S->tmpl, &g->api, S->o.cfg.max_chunks, err)) return;
     if (!g->api.seed_given) g->api.opt.sampling.seed = rk_gw_random(S);
@@ -634,14 +637,15 @@ static gen *make_choice(gen *g0, int c, int per_prompt, rk_http_error *err) {
     g->job = NULL;
     g->index = c;
     g->events = g->text_done = g->lp_sent = g->echoed = 0;
-    g->think = (rk_think_split){0};
+    g->think = (rk_think_split){.harmony = g0->think.harmony};
     g->reasoning = NULL;
     g->fd = -1; /* choice 0 watches the connection */
     g->text = (rk_gen_text){.tok = g0->text.tok,
                             .stop_at = -1,
                             .max_stop = g0->text.max_stop,
                             .stop = g0->text.stop,
-                            .n_stop = g0->text.n_stop};
+                            .n_stop = g0->text.n_stop,
+                            .specials = g0->text.specials};
     prepare_job(g, g0->api.n_prompts ? c / per_prompt : -1,
                 g0->api.opt.sampling.seed + (uint64_t)(c % per_prompt), err);
     if (g->job) {
@@ -915,6 +919,7 @@ int rk_gw_generate(req_ctx *rc, int chat, char *body, size_t len, const rk_gw_si
     g.job->notify_tokens = g.api.stream || g.api.n_stop > 0;
     g.tools_active = g.api.chat && g.api.n_tools > 0 && g.api.tool_choice != RK_TOOLS_NONE;
     g.text.tok = rk_model_tokenizer(g.svc->model);
+    g.text.specials = g.think.harmony && g.thinking;
     g.text.skip_space = g.job->req.n_question == 0 && g.job->req.n_sys == 1;
     g.text.stop = g.api.stop;
     g.text.n_stop = g.api.n_stop;

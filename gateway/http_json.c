@@ -109,9 +109,8 @@ static int parse_repair(json_t *root, const rk_parse_limits *lim, rk_req_options
  * ragkv caches by content) are accepted and ignored. */
 static int refuse_unsupported(json_t *root, rk_http_error *err) {
     /* Refused unless null. */
-    static const char *const any[] = {"audio",     "prediction",    "reasoning_effort",
-                                      "functions", "function_call", "web_search_options",
-                                      "verbosity"};
+    static const char *const any[] = {"audio",         "prediction",         "functions",
+                                      "function_call", "web_search_options", "verbosity"};
     for (size_t i = 0; i < sizeof any / sizeof any[0]; i++) {
         json_t *v = json_object_get(root, any[i]);
         if (v && !json_is_null(v))
@@ -876,6 +875,23 @@ rk_status rk_api_parse(const char *body, size_t len, int chat, const rk_parse_li
     json_t *think =
         json_object_get(json_object_get(root, "chat_template_kwargs"), "enable_thinking");
     out->enable_thinking = json_is_boolean(think) ? json_is_true(think) : -1;
+    json_t *effort = json_object_get(root, "reasoning_effort");
+    const char *es = json_string_value(effort);
+    out->reasoning_effort = !es                     ? 0
+                            : !strcmp(es, "low")    ? 1
+                            : !strcmp(es, "medium") ? 2
+                            : !strcmp(es, "high")   ? 3
+                                                    : -1;
+    if (!failed && !chat && effort && !json_is_null(effort)) {
+        rk_http_errorf(err, 400,
+                       "'reasoning_effort' is not supported on completions (chat with the "
+                       "harmony template of gpt-oss takes it)");
+        failed = 1;
+    }
+    if (!failed && effort && !json_is_null(effort) && (!es || out->reasoning_effort < 0)) {
+        rk_http_errorf(err, 400, "'reasoning_effort' must be \"low\", \"medium\" or \"high\"");
+        failed = 1;
+    }
     json_decref(root);
     if (failed) {
         rk_api_request_free(out);

@@ -31,6 +31,10 @@ static void consume(rk_think_split *s, size_t n) {
 
 void rk_think_feed(rk_think_split *s, const char *text, size_t n, int final, rk_strbuf *reasoning,
                    rk_strbuf *content) {
+    if (s->harmony) {
+        rk_harmony_feed(s, text, n, final, reasoning, content);
+        return;
+    }
     rk_strbuf_putn(&s->pending, text, n);
     if (!s->pending.s) return;
     for (;;) {
@@ -82,7 +86,12 @@ void rk_think_feed(rk_think_split *s, const char *text, size_t n, int final, rk_
 }
 
 void rk_think_split_text(const char *text, rk_strbuf *reasoning, rk_strbuf *content) {
-    rk_think_split s = {0};
+    rk_think_split_text_as(0, text, reasoning, content);
+}
+
+void rk_think_split_text_as(int harmony, const char *text, rk_strbuf *reasoning,
+                            rk_strbuf *content) {
+    rk_think_split s = {.harmony = harmony};
     rk_think_feed(&s, text, strlen(text), 1, reasoning, content);
     rk_strbuf_free(&s.pending);
 }

@@ -62,9 +62,11 @@ rk_service *rk_gw_ready_service(server *S) {
                       ? (rk_chat_template)S->forced_tmpl
                       : rk_chat_template_detect(jinja, hp->arch_name,
                                                 rk_tokenizer_find(tok, "<|start_header_id|>") >= 0);
-        S->thinks = S->o.reasoning > 0 || (S->o.reasoning < 0 && S->tmpl == RK_CHAT_CHATML &&
-                                           rk_tokenizer_find(tok, "<think>") >= 0 &&
-                                           rk_tokenizer_find(tok, "</think>") >= 0);
+        S->thinks =
+            S->o.reasoning > 0 ||
+            (S->o.reasoning < 0 && S->tmpl == RK_CHAT_CHATML &&
+             rk_tokenizer_find(tok, "<think>") >= 0 && rk_tokenizer_find(tok, "</think>") >= 0) ||
+            (S->o.reasoning != 0 && S->tmpl == RK_CHAT_HARMONY);
         S->have_info = 1;
     }
     pthread_mutex_unlock(&S->info_mu);

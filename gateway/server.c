@@ -805,13 +805,13 @@ static rk_status load_tenants(server *S) {
 static rk_status resolve_chat_template(const char *spec, int *out) {
     *out = -1;
     if (!spec[0]) return RK_OK;
-    for (int t = RK_CHAT_CHATML; t <= RK_CHAT_GEMMA; t++)
+    for (int t = RK_CHAT_CHATML; t <= RK_CHAT_HARMONY; t++)
         if (!strcmp(spec, rk_chat_template_name((rk_chat_template)t))) return *out = t, RK_OK;
     FILE *f = fopen(spec, "rb");
     if (!f)
         return rk_errorf(RK_ERR_INVALID,
                          "chat_template: '%s' is neither a template name (chatml, llama3, llama2, "
-                         "phi3, gemma) nor a readable file: %s",
+                         "phi3, gemma, harmony) nor a readable file: %s",
                          spec, strerror(errno));
     size_t cap = 1 << 20;
     char *text = malloc(cap);

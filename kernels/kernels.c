@@ -79,7 +79,8 @@ size_t rk_dtype_size(rk_dtype t) {
     case RK_DTYPE_Q2_K:
     case RK_DTYPE_Q3_K:
     case RK_DTYPE_IQ4_NL:
-    case RK_DTYPE_IQ4_XS: return 0;
+    case RK_DTYPE_IQ4_XS:
+    case RK_DTYPE_MXFP4: return 0;
     }
     return 0;
 }
@@ -96,7 +97,8 @@ size_t rk_dtype_block(rk_dtype t) {
     case RK_DTYPE_Q4_1:
     case RK_DTYPE_Q5_0:
     case RK_DTYPE_Q5_1:
-    case RK_DTYPE_IQ4_NL: return 32;
+    case RK_DTYPE_IQ4_NL:
+    case RK_DTYPE_MXFP4: return 32;
     case RK_DTYPE_Q4_K:
     case RK_DTYPE_Q5_K:
     case RK_DTYPE_Q6_K:
@@ -124,6 +126,7 @@ size_t rk_dtype_block_bytes(rk_dtype t) {
     case RK_DTYPE_Q3_K: return 110;
     case RK_DTYPE_IQ4_NL: return 18;
     case RK_DTYPE_IQ4_XS: return 136;
+    case RK_DTYPE_MXFP4: return 17;
     }
     return 0;
 }
@@ -151,6 +154,7 @@ const char *rk_dtype_name(rk_dtype t) {
     case RK_DTYPE_Q3_K: return "q3_k";
     case RK_DTYPE_IQ4_NL: return "iq4_nl";
     case RK_DTYPE_IQ4_XS: return "iq4_xs";
+    case RK_DTYPE_MXFP4: return "mxfp4";
     }
     return "unknown";
 }
@@ -240,7 +244,8 @@ void rk_dtype_to_f32(float *dst, const void *src, rk_dtype t, size_t n) {
     case RK_DTYPE_Q2_K:
     case RK_DTYPE_Q3_K:
     case RK_DTYPE_IQ4_NL:
-    case RK_DTYPE_IQ4_XS: rk_dequantize(dst, src, t, n); return;
+    case RK_DTYPE_IQ4_XS:
+    case RK_DTYPE_MXFP4: rk_dequantize(dst, src, t, n); return;
     }
 }
 
@@ -682,6 +687,9 @@ rk_status rk_attn_key_mass(const float *q, const int32_t *q_len, int n_q, const 
                 if (cap > 0) p[j] = cap * tanh(p[j] / cap);
                 mx = p[j] > mx ? p[j] : mx;
             }
+            double sk = params->sinks ? params->sinks[h] : -INFINITY;
+            if (sk > mx) mx = sk;
+            sum = exp(sk - mx); /* the sink's share of the denominator (0 without) */
             for (int j = lo; j < len; j++) sum += p[j] = exp(p[j] - mx);
             for (int j = lo; j < len; j++) mass[j] += p[j] / sum;
         }

@@ -58,9 +58,13 @@ typedef enum rk_dtype {
     RK_DTYPE_Q3_K = 12,   /* 256: 3-bit q, 16 x 6-bit scales, f16 d; x = d (s - 32) q */
     RK_DTYPE_IQ4_NL = 13, /* 32: f16 d, 4-bit codebook index; x = d v[q] */
     RK_DTYPE_IQ4_XS = 14, /* 256: f16 d, 8 x 6-bit scales, 4-bit codebook index */
+    /* 32 elements in 17 bytes: u8 e (E8M0 scale 2^(e - 127)), u8 q[16] (byte i:
+     * element i low nibble, i + 16 high), each nibble an E2M1 float (sign bit
+     * 3; 0, .5, 1, 1.5, 2, 3, 4, 6); x = e2m1(q) 2^(e - 127). GGML type 39. */
+    RK_DTYPE_MXFP4 = 15,
 } rk_dtype;
 
-#define RK_DTYPE_COUNT 15
+#define RK_DTYPE_COUNT 16
 
 /* Bytes per element of an unquantized dtype; 0 for the quantized ones (and
  * for values outside the enum). */
@@ -208,11 +212,17 @@ typedef struct rk_attn_batch {
  *    ones itself included. The boundary is the reference engine's: an entry
  *    window or more entries back is masked. With segments the indices are
  *    the entries' places in the concatenated runs, not their positions.
+ *  - sinks (gpt-oss): one learned logit per query head that joins each of
+ *    the head's softmax denominators and contributes no value,
+ *    out = sum_j e^(s_j) v_j / (e^sink + sum_j e^(s_j)); lse includes it.
+ *    It belongs to the head, not to a position, so moving or reusing KV
+ *    entries never touches it.
  * Zero-initialise and set scale for plain causal attention. */
 typedef struct rk_attn_params {
-    float scale;   /* multiplies q·k */
-    float softcap; /* > 0: soft-cap the scaled scores at it; 0: none */
-    int window;    /* > 0: sliding window of this many entries; 0: the whole range */
+    float scale;        /* multiplies q·k */
+    float softcap;      /* > 0: soft-cap the scaled scores at it; 0: none */
+    int window;         /* > 0: sliding window of this many entries; 0: the whole range */
+    const float *sinks; /* (n_heads) host memory, finite; NULL: none (CUDA refuses them) */
 } rk_attn_params;
 
 /* Bad params (a scale or cap not finite, a negative cap or window) are
@@ -355,7 +365,8 @@ int rk_argmax_f32(const float *x, int n);
  * 0 .. q_len[i] - 1 (rows of n_kv_heads * head_dim floats, grouped query
  * attention: head h reads kv head h / (n_heads / n_kv_heads)) of the
  * scores params says (scale * q.k, soft-capped; with a window, row i sees
- * keys q_len[i] - window .. q_len[i] - 1 only), added into mass[j] for
+ * keys q_len[i] - window .. q_len[i] - 1 only; a head's sink in the
+ * denominator), added into mass[j] for
  * every key j (in double). mass has
  * n_k entries (every q_len[i] in 1 .. n_k) and is added to, not cleared.
  * RK_ERR_NOMEM leaves it as it was; bad params are RK_ERR_INVALID. */

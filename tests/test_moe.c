@@ -208,7 +208,12 @@ static void ffn_case_init(ffn_case *c, int n_expert, int n_used, int dim, int ff
                           c->mu,
                           c->md,
                           NULL,
-                          SIZE_MAX};
+                          SIZE_MAX,
+                          RK_FFN_SILU,
+                          NULL,
+                          NULL,
+                          NULL,
+                          NULL};
 }
 
 static void ffn_case_free(ffn_case *c) {

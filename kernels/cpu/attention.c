@@ -10,7 +10,8 @@
  *    accumulator, p = exp(s - max) and acc += p v in kv order.
  *  - Partitions are merged in order with their (max, sum): M' = max(M, m),
  *    S' = S e^(M-M') + l e^(m-M'), O' = O e^(M-M') + acc e^(m-M');
- *    out = O / S and lse = M + ln S.
+ *    out = O / S and lse = M + ln S; a head's sink logit (rk_attn_params)
+ *    joins (M, S) as a last score of value zero before that.
  * All query heads of one kv head (the GQA group), and in prefill several
  * query rows, share one pass over each K/V tile. Parallelism: a prefill
  * sequence runs tasks of (row block, kv head) that walk the partitions in
@@ -684,8 +685,18 @@ static void merge_part(float *M, float *S, float *O, float m, float l, const flo
     *M = mn;
 }
 
-static void finish(float *out, float *lse, float M, float S, const float *O, int hd) {
-    for (int d = 0; d < hd; d++) out[d] = O[d] / S;
+/* out = O / S; with a sink logit (sinks non-NULL, its head's) first joined
+ * to the running (M, S, O) as a score whose value is zero. */
+static void finish(float *out, float *lse, float M, float S, const float *O, int hd,
+                   const float *sinks, size_t qi, int n_heads) {
+    float a = 1.0f;
+    if (sinks) {
+        float sk = sinks[qi % (size_t)n_heads], mn = M > sk ? M : sk;
+        a = expf(M - mn);
+        S = S * a + expf(sk - mn);
+        M = mn;
+    }
+    for (int d = 0; d < hd; d++) out[d] = sinks ? O[d] * a / S : O[d] / S;
     if (lse) *lse = M + logf(S);
 }
 
@@ -714,6 +725,7 @@ typedef struct attn_ctx {
     int n_heads, group, nq_max, heads_max;
     float scale, softcap;
     int window;
+    const float *sinks;
     const attn_task *tasks;
     const attn_task *merges;
     float *partials; /* per decode sequence: (n_kv_heads, n_parts, group, head_dim + 2) */
@@ -857,7 +869,7 @@ static void task_run(void *p, int ti, int tid) {
         int j = t->j0 + i / per_row, h = t->h0 + (i % per_row) / G, g = i % G;
         size_t qi = (size_t)(c->q_start[t->seq] + j) * c->n_heads + (size_t)h * G + g;
         finish(c->out + qi * hd, c->lse ? c->lse + qi : NULL, w.M[i], w.S[i], w.O + (size_t)i * hd,
-               hd);
+               hd, c->sinks, qi, c->n_heads);
     }
 }
 
@@ -880,7 +892,7 @@ static void merge_run(void *p, int ti, int tid) {
     for (int g = 0; g < G; g++) {
         size_t qi = row * c->n_heads + (size_t)t->h0 * G + g;
         finish(c->out + qi * hd, c->lse ? c->lse + qi : NULL, w.M[g], w.S[g], w.O + (size_t)g * hd,
-               hd);
+               hd, c->sinks, qi, c->n_heads);
     }
 }
 
@@ -1011,7 +1023,8 @@ static attn_ctx attn_ctx_of(rk_backend *be, float *out, float *lse, const float 
                       .group = n_heads / n_kv_heads,
                       .scale = p->scale,
                       .softcap = p->softcap,
-                      .window = p->window};
+                      .window = p->window,
+                      .sinks = p->sinks};
 }
 
 /* Paged attention (the attention op of the table). Validates the batch: every

@@ -249,6 +249,15 @@ rk_qdot_fn rk_cpu_qdot_q32(rk_dtype t, rk_cpu_isa isa);
 void rk_cpu_dequantize_q8k(float *dst, const void *src, rk_dtype t, size_t n);
 void rk_cpu_quantize_q8k(void *dst, const float *src, rk_dtype t, size_t n);
 
+/* MXFP4 (kernels/cpu/quant_mxfp4.c): its E2M1 codes as twice their value,
+ * half the E8M0 scale e (2^(e - 128), exact), the conversions of n elements
+ * and the dot kernel at instruction set isa. */
+extern const int8_t rk_mxfp4_values[16];
+float rk_cpu_e8m0_half(uint8_t e);
+void rk_cpu_dequantize_mxfp4(float *dst, const void *src, size_t n);
+void rk_cpu_quantize_mxfp4(void *dst, const float *src, size_t n);
+rk_qdot_fn rk_cpu_qdot_mxfp4(rk_cpu_isa isa);
+
 /* Scale and min of sub-block j (0..7) from the 12 packed bytes of Q4_K/Q5_K. */
 static inline void rk_cpu_kq_scale_min(const uint8_t *s, int j, int *sc, int *m) {
     if (j < 4) {

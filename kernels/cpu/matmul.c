@@ -233,7 +233,8 @@ static void mv_task(void *p, int task, int tid) {
     case RK_DTYPE_Q2_K:
     case RK_DTYPE_Q3_K:
     case RK_DTYPE_IQ4_NL:
-    case RK_DTYPE_IQ4_XS: mv_rows_quant(c, r0, r1); break;
+    case RK_DTYPE_IQ4_XS:
+    case RK_DTYPE_MXFP4: mv_rows_quant(c, r0, r1); break;
     }
 }
 

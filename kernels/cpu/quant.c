@@ -137,6 +137,7 @@ void rk_dequantize(float *dst, const void *src, rk_dtype t, size_t n) {
     case RK_DTYPE_Q2_K:
     case RK_DTYPE_Q3_K:
     case RK_DTYPE_IQ4_XS: rk_cpu_dequantize_q8k(dst, src, t, n); return;
+    case RK_DTYPE_MXFP4: rk_cpu_dequantize_mxfp4(dst, src, n); return;
     }
 }
 
@@ -271,6 +272,7 @@ void rk_quantize(void *dst, const float *src, rk_dtype t, size_t n) {
     case RK_DTYPE_Q2_K:
     case RK_DTYPE_Q3_K:
     case RK_DTYPE_IQ4_XS: rk_cpu_quantize_q8k(dst, src, t, n); return;
+    case RK_DTYPE_MXFP4: rk_cpu_quantize_mxfp4(dst, src, n); return;
     }
 }
 
@@ -640,6 +642,7 @@ rk_qdot_fn rk_cpu_qdot_fn(rk_dtype t) {
                                           dot_q6_k_c};
     if (!rk_dtype_is_quant(t) || rk_cpu_act_is_q8k(t)) return NULL;
     rk_cpu_isa isa = rk_cpu_qdot_isa();
+    if (t == RK_DTYPE_MXFP4) return rk_cpu_qdot_mxfp4(isa);
     if (t > RK_DTYPE_Q6_K) return rk_cpu_qdot_q32(t, isa);
     int i = (int)t - (int)RK_DTYPE_Q8_0;
     switch (isa) {

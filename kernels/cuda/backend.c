@@ -282,7 +282,7 @@ static rk_status matmul_quant(rk_cuda *cu, float *y, const float *x, const void 
 }
 
 /* The block types with kernels here: Q8_0, Q4_0, Q4_K, Q5_K and Q6_K. The
- * others (Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, IQ4_XS) are computed on
+ * others (Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, IQ4_XS, MXFP4) are computed on
  * the CPU only; the model loader refuses them first, with the same list. */
 static rk_status quant_computed(rk_dtype t, const char *op) {
     if (!rk_dtype_is_quant(t) || t <= RK_DTYPE_Q6_K) return RK_OK;
@@ -762,6 +762,10 @@ static rk_status cuda_attention(rk_backend *be, float *out, float *lse, const fl
     rk_cuda *cu = cu_of(be);
     rk_status st = rk_attn_check_params(params);
     if (st != RK_OK) return st;
+    if (params->sinks)
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "attention: attention sinks (gpt-oss) are not computed on the cuda "
+                         "backend");
     float scale = params->scale;
     st = rk_attn_check_batch(kv, layer, batch, n_heads);
     if (st == RK_OK) st = no_q8_0_kv(kv, "attention");
