@@ -260,18 +260,55 @@ static void prompt_set_free(prompt_set *s) {
     memset(s, 0, sizeof *s);
 }
 
+/* A line's "segments" (texts and chunk groups in order, as a completion
+ * body's) into pieces. */
+static rk_status parse_segments(json_t *segs, const char *path, int line, rk_split *out) {
+    size_t n = json_array_size(segs), n_chunks = 0;
+    for (size_t i = 0; i < n; i++)
+        n_chunks += json_array_size(json_object_get(json_array_get(segs, i), "chunks"));
+    rk_segment *list = calloc(n ? n : 1, sizeof *list);
+    const char **c = calloc(n_chunks ? n_chunks : 1, sizeof *c);
+    rk_status st = list && c ? RK_OK : rk_errorf(RK_ERR_NOMEM, "eval: out of memory");
+    for (size_t i = 0, at = 0; i < n && !st; i++) {
+        json_t *s = json_array_get(segs, i), *t = json_object_get(s, "text"),
+               *ch = json_object_get(s, "chunks");
+        if (json_is_string(t)) {
+            list[i].text = json_string_value(t);
+            continue;
+        }
+        if (!json_is_array(ch)) {
+            st = rk_errorf(RK_ERR_INVALID, "%s:%d: segment %zu is not {\"text\"} or {\"chunks\"}",
+                           path, line, i);
+            break;
+        }
+        list[i].chunks = c + at;
+        for (size_t k = 0; k < json_array_size(ch) && !st; k++, at++) {
+            c[at] = json_string_value(json_array_get(ch, k));
+            if (!c[at])
+                st = rk_errorf(RK_ERR_INVALID, "%s:%d: segment %zu chunk %zu is not a string", path,
+                               line, i, k);
+            list[i].n_chunks++;
+        }
+    }
+    if (!st) st = rk_split_segments(list, (int)n, SPLIT_CHUNKS, out);
+    free(list);
+    free(c);
+    return st;
+}
+
 /* One JSON line into pieces; line is its 1-based number for messages. */
 rk_status rk_eval_parse_line(json_t *o, const char *path, int line, rk_split *out) {
-    json_t *prompt = json_object_get(o, "prompt");
+    json_t *prompt = json_object_get(o, "prompt"), *segs = json_object_get(o, "segments");
     if (json_is_string(prompt))
         return rk_split_prompt(json_string_value(prompt), json_string_length(prompt), "##",
                                SPLIT_CHUNKS, out);
+    if (json_is_array(segs)) return parse_segments(segs, path, line, out);
     json_t *sys = json_object_get(o, "system"), *chunks = json_object_get(o, "chunks"),
            *q = json_object_get(o, "question");
     if (!json_is_string(q) || (sys && !json_is_string(sys)) || (chunks && !json_is_array(chunks)))
         return rk_errorf(RK_ERR_INVALID,
-                         "%s:%d: want {\"prompt\": ...} or {\"system\": ..., \"chunks\": [...], "
-                         "\"question\": ...}",
+                         "%s:%d: want {\"prompt\": ...}, {\"segments\": [...]} or {\"system\": "
+                         "..., \"chunks\": [...], \"question\": ...}",
                          path, line);
     size_t n = json_array_size(chunks);
     const char **c = calloc(n ? n : 1, sizeof *c);

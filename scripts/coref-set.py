@@ -6,6 +6,13 @@ pronoun subject whose referent is the most recent name of its gender, named in
 an earlier chunk (`coref`, 46 %) or earlier in the same chunk (`direct`).
 
     scripts/coref-set.py N SEED > set.jsonl
+    scripts/coref-set.py N SEED --turns 2 > set-2turns.jsonl
+
+With --turns 2 the same records (the same N and SEED give the same stories)
+are written as `segments`: the chunks before the middle one, the middle
+chunk as text, the chunks after it, then the question; the prompt's tokens
+are the one-group record's, but the story arrives in two chunk groups with
+a live text between them, as passages do over two turns of a chat.
 
 The sets are larger than dev.jsonl and made independently of it, so a repair
 policy chosen on dev.jsonl can be checked on them. They are not ragqa's
@@ -71,14 +78,29 @@ def record(rng, kind):
                     "fact_chunk": c}
 
 
+def two_turns(rec):
+    """rec with its chunks in two groups, the middle chunk a text between."""
+    c, m = rec["chunks"], len(rec["chunks"]) // 2
+    out = {"segments": [{"text": rec["system"]}, {"chunks": c[:m]}, {"text": c[m]},
+                        {"chunks": c[m + 1:]}, {"text": rec["question"]}]}
+    out.update({k: rec[k] for k in ("answer", "type", "fact_chunk")})
+    return out
+
+
 def main():
-    if len(sys.argv) != 3:
-        sys.exit("usage: scripts/coref-set.py N SEED > set.jsonl")
-    n, seed = int(sys.argv[1]), int(sys.argv[2])
+    args = sys.argv[1:]
+    turns = 1
+    if len(args) == 4 and args[2] == "--turns":
+        turns = int(args.pop(3))
+        args.pop(2)
+    if len(args) != 2 or turns not in (1, 2):
+        sys.exit("usage: scripts/coref-set.py N SEED [--turns 2] > set.jsonl")
+    n, seed = int(args[0]), int(args[1])
     rng = random.Random(seed)
     for _ in range(n):
         kind = "coref" if rng.random() < 0.46 else "direct"
-        print(json.dumps(record(rng, kind)))
+        rec = record(rng, kind)
+        print(json.dumps(two_turns(rec) if turns == 2 else rec))
 
 
 main()
