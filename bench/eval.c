@@ -76,8 +76,9 @@ static const rk_setting k_eval_settings[] = {
     {"model", "model", RK_SET_STR, E_STR(model_arg), 0, 0, 0, 0,
      "F.gguf  model file (default: the embedded `tiny` model)"},
     {"prompts", "prompts", RK_SET_STR, E_STR(prompts_arg), 0, 0, 0, 0,
-     "FILE  JSON lines: {\"system\": S, \"chunks\": [C, ...], \"question\": Q} or "
-     "{\"prompt\": \"system##chunk##...##question\"}"},
+     "FILE  JSON lines: {\"system\": S, \"chunks\": [C, ...], \"question\": Q}, "
+     "{\"prompt\": \"system##chunk##...##question\"} or {\"segments\": [{\"text\": T}, "
+     "{\"chunks\": [C, ...]}, ...]} (chunk groups anywhere, as a completion's segments)"},
     {"json", "json", RK_SET_BOOL, E_OFF(json), 0, 0, 1, 0, 0,
      "  print one JSON object instead of the table"},
     {"chunk_context", "chunk-context", RK_SET_STR, E_STR(context_arg), 0, 0, 0, 0,
