@@ -78,6 +78,11 @@ static int by_index(const void *a, const void *b) {
     return (x->idx > y->idx) - (x->idx < y->idx);
 }
 
+/* s's runs in table order (none may be recorded yet: no array). */
+static void sort_runs(rk_req_state *s) {
+    if (s->n_repair > 1) qsort(s->repair, (size_t)s->n_repair, sizeof *s->repair, by_index);
+}
+
 /* Record a run of r's chunk k, its n tokens from off, for the recompute. */
 static rk_status add_run(rk_request *r, int k, int off, int n) {
     rk_req_state *s = r->state;
@@ -105,7 +110,7 @@ static rk_status add_gap_runs(rk_request *r) {
                                                 L->gap_pos[g] + from, L->gap_index[g] + from});
         if (st) return st;
     }
-    qsort(s->repair, (size_t)s->n_repair, sizeof *s->repair, by_index);
+    sort_runs(s);
     return RK_OK;
 }
 
@@ -137,8 +142,7 @@ static rk_status queue_chosen(rk_request *r, dev_tok *toks, int n_toks, unsigned
     }
     /* Among the texts between chunk groups, in table order (nothing of the
      * runs is fed before they are chosen). */
-    if (!st)
-        qsort(r->state->repair, (size_t)r->state->n_repair, sizeof *r->state->repair, by_index);
+    if (!st) sort_runs(r->state);
     return st;
 }
 
