@@ -357,56 +357,95 @@ static void log_generation(gen *g) {
              g->client_gone ? " client_gone=1" : "");
 }
 
+/* A job that did not run (timeout, shutdown) or failed: its error, as an
+ * event when the stream has started, else as the answer. */
+static void respond_failure(gen *g) {
+    rk_job *j = g->job;
+    req_ctx *rc = g->rc;
+    int status = !j->ran ? 503 : rk_http_status_of(j->status);
+    char msg[400];
+    if (g->timed_out && !j->ran)
+        snprintf(msg, sizeof msg, "the request waited longer than the timeout (%g s)",
+                 rc->S->o.timeout_s);
+    else if (!j->ran && atomic_load(&rc->S->stopping))
+        snprintf(msg, sizeof msg, "the server is shutting down");
+    else if (j->status == RK_ERR_EXHAUSTED)
+        snprintf(msg, sizeof msg, "out of KV memory, try again: %s", j->error);
+    else
+        snprintf(msg, sizeof msg, "%s", j->error[0] ? j->error : rk_status_str(j->status));
+    rk_http_error e = {.status = status,
+                       .type = rk_http_error_type(status),
+                       .code = j->ran ? rk_http_error_code(j->status) : NULL};
+    if (e.code) e.param = g->api.chat ? "messages" : "prompt";
+    snprintf(e.message, sizeof e.message, "%.319s", msg);
+    if (g->headers_sent) { /* mid-stream: an error event, then the end */
+        sse_event(g, rk_gw_error_body(&e));
+        sse_done(g);
+    } else if (!g->client_gone) {
+        rk_gw_send_error(rc, &e);
+    } else {
+        rc->status = 499; /* nothing was answered: the client closed the request */
+    }
+}
+
+/* With tools: the whole answer, its thinking split off (calls are looked
+ * for after it), and its tool calls parsed (g->tool_calls, g->tool_content).
+ * Returns the answer (malloc'ed, may be NULL). */
+static char *take_tool_answer(gen *g) {
+    char *all = rk_gt_take(&g->text, 1);
+    if (g->thinking && all) {
+        rk_strbuf think = {0}, answer = {0};
+        rk_think_split_text_as(g->think.harmony, all, &think, &answer);
+        g->reasoning = rk_strbuf_take(&think);
+        free(all);
+        all = answer.s ? rk_strbuf_take(&answer) : rk_strdup("");
+        g->thinking = 0; /* what is sent from here on is the answer */
+    }
+    g->tool_calls =
+        rk_chat_tool_calls(g->rc->S->tmpl, &g->api, all ? all : "", g->id, &g->tool_content);
+    return all;
+}
+
+/* A stream's tool calls: the text before them (with the role), then the
+ * calls whole (one fragment each, with their index), then the end. */
+static void stream_tool_calls(gen *g) {
+    sse_start(g);
+    sse_event(g, reasoning_event(g));
+    sse_event(g, chunk_event(g, g->tool_content, NULL));
+    json_t *frag = json_array();
+    for (size_t k = 0; frag && k < json_array_size(g->tool_calls); k++) {
+        json_t *c = json_deep_copy(json_array_get(g->tool_calls, k));
+        if (c) json_object_set_new(c, "index", json_integer((json_int_t)k));
+        json_array_append_new(frag, c);
+    }
+    json_t *ev = object_head(g, "chat.completion.chunk");
+    if (ev)
+        json_object_set_new(ev, "choices",
+                            json_pack("[{s:i, s:{s:o}, s:n, s:n}]", "index", g->index, "delta",
+                                      "tool_calls", frag, "logprobs", "finish_reason"));
+    else
+        json_decref(frag);
+    sse_event(g, ev);
+    g->text_done = 1;
+    stream_finish(g);
+    sse_done(g);
+}
+
 static void respond_generation(gen *g) {
     rk_job *j = g->job;
     req_ctx *rc = g->rc;
     if (!j->ran || j->status) {
-        int status = !j->ran ? 503 : rk_http_status_of(j->status);
-        char msg[400];
-        if (g->timed_out && !j->ran)
-            snprintf(msg, sizeof msg, "the request waited longer than the timeout (%g s)",
-                     rc->S->o.timeout_s);
-        else if (!j->ran && atomic_load(&rc->S->stopping))
-            snprintf(msg, sizeof msg, "the server is shutting down");
-        else if (j->status == RK_ERR_EXHAUSTED)
-            snprintf(msg, sizeof msg, "out of KV memory, try again: %s", j->error);
-        else
-            snprintf(msg, sizeof msg, "%s", j->error[0] ? j->error : rk_status_str(j->status));
-        rk_http_error e = {.status = status,
-                           .type = rk_http_error_type(status),
-                           .code = j->ran ? rk_http_error_code(j->status) : NULL};
-        if (e.code) e.param = g->api.chat ? "messages" : "prompt";
-        snprintf(e.message, sizeof e.message, "%.319s", msg);
-        if (g->headers_sent) { /* mid-stream: an error event, then the end */
-            sse_event(g, rk_gw_error_body(&e));
-            sse_done(g);
-        } else if (!g->client_gone) {
-            rk_gw_send_error(rc, &e);
-        } else {
-            rc->status = 499; /* nothing was answered: the client closed the request */
-        }
+        respond_failure(g);
         return;
     }
     rk_gt_feed(&g->text, j->req.out_tokens, j->req.n_out);
     if (g->text.stop_at >= 0 && g->text.stop_tokens < j->req.n_out)
         j->req.n_out = g->text.stop_tokens; /* usage, ids and logprobs end at the stop */
-    char *all = NULL; /* with tools: the whole answer, parsed for calls before it is logged */
-    if (g->tools_active) {
-        all = rk_gt_take(&g->text, 1);
-        if (g->thinking && all) { /* calls are looked for in the answer, after the thinking */
-            rk_strbuf think = {0}, answer = {0};
-            rk_think_split_text_as(g->think.harmony, all, &think, &answer);
-            g->reasoning = rk_strbuf_take(&think);
-            free(all);
-            all = answer.s ? rk_strbuf_take(&answer) : rk_strdup("");
-            g->thinking = 0; /* what is sent from here on is the answer */
-        }
-        g->tool_calls =
-            rk_chat_tool_calls(rc->S->tmpl, &g->api, all ? all : "", g->id, &g->tool_content);
-    }
+    char *all = g->tools_active ? take_tool_answer(g) : NULL; /* parsed before it is logged */
     log_generation(g);
     if (g->client_gone) {
         if (!g->headers_sent) rc->status = 499; /* nothing was answered */
+        free(all);
         return;
     }
     if (g->timed_out && !g->api.stream) {
@@ -418,30 +457,8 @@ static void respond_generation(gen *g) {
     }
     if (g->tools_active) {
         if (g->tool_calls && g->api.stream) {
-            /* The text before the calls (with the role), then the calls whole
-             * (one fragment each, with their index), then the end. */
-            sse_start(g);
-            sse_event(g, reasoning_event(g));
-            sse_event(g, chunk_event(g, g->tool_content, NULL));
-            json_t *frag = json_array();
-            for (size_t k = 0; frag && k < json_array_size(g->tool_calls); k++) {
-                json_t *c = json_deep_copy(json_array_get(g->tool_calls, k));
-                if (c) json_object_set_new(c, "index", json_integer((json_int_t)k));
-                json_array_append_new(frag, c);
-            }
-            json_t *ev = object_head(g, "chat.completion.chunk");
-            if (ev)
-                json_object_set_new(ev, "choices",
-                                    json_pack("[{s:i, s:{s:o}, s:n, s:n}]", "index", g->index,
-                                              "delta", "tool_calls", frag, "logprobs",
-                                              "finish_reason"));
-            else
-                json_decref(frag);
-            sse_event(g, ev);
             free(all);
-            g->text_done = 1;
-            stream_finish(g);
-            sse_done(g);
+            stream_tool_calls(g);
             return;
         }
         if (all && g->api.stream && (*all || g->reasoning)) { /* no call: the text as usual */
