@@ -19,7 +19,7 @@
 /* The FFN's gate activation: out = act(x·Wgate) * (x·Wup), then ·Wdown. */
 typedef enum rk_ffn_act {
     RK_FFN_SILU = 0,      /* SwiGLU: llama, qwen2, qwen3 */
-    RK_FFN_GELU_TANH = 1, /* GeGLU with tanh-approximated GELU: gemma2, gemma3 */
+    RK_FFN_GELU_TANH = 1, /* GeGLU with tanh-approximated GELU: gemma2, gemma3, gemma4 */
 } rk_ffn_act;
 
 /* How a mixture-of-experts router's logits become expert weights. */
@@ -70,6 +70,24 @@ typedef struct rk_arch_desc {
     /* Mixture of experts: the chosen experts' weights divided by their sum
      * (the reference engine fixes this per family, e.g. on for qwen3moe) */
     unsigned moe_norm_topk : 1;
+    /* Gemma 4 (model_gemma4.c). Each layer's kind (sliding or global) is
+     * the file's per-layer bool array <arch>.attention.sliding_window_pattern,
+     * and the two kinds have their own rotated dims
+     * (<arch>.rope.dimension_count_swa) */
+    unsigned swa_pattern_arr : 1;
+    unsigned attn_unscaled : 1; /* q·k not scaled (Q and K are RMS-normed per head) */
+    unsigned v_norm : 1;        /* V RMS-normed per head without a weight; attn_v optional
+                                 * (V = K before its norm when absent) */
+    /* Per-layer token embeddings (<arch>.embedding_length_per_layer_input
+     * wide per layer, 0: none): a second embedding table, projected from the
+     * scaled embedding and added, gated into each layer's output. */
+    unsigned per_layer_embd : 1;
+    /* The last <arch>.attention.shared_kv_layers layers compute no K/V and
+     * attend over the KV of the last owning layer of their kind: the KV
+     * cache holds the owning layers only (rk_model_kv_layer). */
+    unsigned shared_kv : 1;
+    unsigned layer_out_scale : 1; /* blk.N.layer_output_scale.weight, optional, scales x */
+    unsigned cpu_only : 1;        /* refused on other backends */
 } rk_arch_desc;
 
 /* The description of the family named name, or NULL when ragkv does not
