@@ -226,7 +226,8 @@ char *rk_test_model(const char *preset, const char *wtype, unsigned seed) {
         /* Any SentencePiece vocabulary of up to 32000 pieces makes the same
          * weights: a small one of the repository's. */
         o.vocab_path = rk_strdup(RK_TEST_DATA "/spm-tokenizer.json");
-    } else if (!strncmp(preset, "gemma3-", 7) && strcmp(preset, "gemma3-micro") != 0) {
+    } else if ((!strncmp(preset, "gemma3-", 7) && strcmp(preset, "gemma3-micro") != 0) ||
+               !strncmp(preset, "gemma4-", 7)) {
         o.vocab_path = rk_test_gemma3_tokenizer();
         if (!o.vocab_path)
             cr_skip_test("no Gemma 3 tokenizer.json: set RAGKV_GEMMA3_TOKENIZER or put it in "
