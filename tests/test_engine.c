@@ -318,6 +318,63 @@ Test(engine, gemma3_layers_slide_with_the_local_rope_and_every_sixth_is_global) 
     free(path);
 }
 
+/* gemma4-tiny (skipped without Gemma 3's tokenizer.json, its vocabulary):
+ * the layer kinds from the file's array (sliding, sliding, global, twice),
+ * unscaled attention, the final soft cap of 30, the global layers' RoPE
+ * rotating 4 of 16 pairs (rope_freqs.weight), and the last three layers
+ * attending over the KV of layers 1 and 2: the KV cache and its sizing hold
+ * three layers, not six. */
+Test(engine, gemma4_tiny_reuses_kv_of_earlier_layers_and_holds_only_the_owning_ones) {
+    char *path = rk_test_model("gemma4-tiny", "f32", 9);
+    rk_service *svc = open_model(path, 2);
+    const rk_model *m = svc->model;
+    const rk_hparams *hp = rk_model_hparams(m);
+    cr_assert_str_eq(hp->desc->name, "gemma4");
+    cr_assert_eq(hp->n_layers, 6);
+    cr_assert_eq(hp->n_kv_layers, 3);
+    cr_assert_eq(hp->n_embd_per_layer, 32);
+    cr_assert_eq(hp->attn_scale, 1.0f);
+    cr_assert_eq(hp->final_softcap, 30.0f);
+    cr_assert_eq(hp->sliding_window, 16);
+    const int kv_of[6] = {0, 1, 2, 1, 1, 2}, window[6] = {16, 16, 0, 16, 16, 0};
+    for (int l = 0; l < 6; l++) {
+        cr_assert_eq(rk_model_kv_layer(m, l), kv_of[l], "layer %d", l);
+        cr_assert_eq(rk_model_attn_params(m, l).window, window[l], "layer %d", l);
+        cr_assert_eq(rk_model_rope(m, l), rk_model_rope(m, kv_of[l]), "the owner's RoPE");
+    }
+    cr_assert_eq(rk_model_kv_layer(m, 6), -1);
+    const rk_rope *local = rk_model_rope(m, 0), *global = rk_model_rope(m, 2);
+    cr_assert_eq(local->n_rot, 32);
+    cr_assert_eq(global->n_rot, 32);
+    cr_assert_float_eq(local->freq[1], powf(10000.0f, -2.0f / 32), 1e-6);
+    cr_assert_float_eq(global->freq[1], powf(1e6f, -2.0f / 32), 1e-6);
+    for (int i = 4; i < 16; i++) cr_assert_lt(global->freq[i], 1e-20f, "pair %d stays put", i);
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    cr_assert_eq(kv->n_layers, 3);
+    cr_assert_eq(svc->kv.token_bytes,
+                 2ull * 3 * rk_dtype_row_bytes(kv->dtype, (size_t)kv->n_kv_heads * kv->head_dim));
+    rk_service_close(svc);
+    check_plain_thread_invariance(path, 40);
+    free(path);
+}
+
+/* A gemma4 file without its per-layer kinds is refused, naming the key. */
+Test(engine, gemma4_without_its_layer_kinds_is_refused) {
+    char *src = rk_test_model("gemma4-tiny", "f32", 9);
+    char *path = rk_test_model_without_key(src, "gemma4.attention.sliding_window_pattern",
+                                           "gemma4-tiny-no-pattern.gguf");
+    rk_backend *be;
+    cr_assert_eq(rk_backend_create("cpu", 1, &be), RK_OK);
+    rk_model *m;
+    cr_assert_eq(rk_model_load(path, be, &m), RK_ERR_FORMAT);
+    cr_assert_null(m);
+    cr_assert(strstr(rk_error_message(), "gemma4.attention.sliding_window_pattern is missing"),
+              "%s", rk_error_message());
+    rk_backend_free(be);
+    free(path);
+    free(src);
+}
+
 Test(engine, gemma2_slides_on_even_layers_with_soft_caps) {
     char *path = rk_test_model("gemma2-tiny", "bf16", 5);
     rk_service *svc = open_model(path, 2);
