@@ -387,7 +387,6 @@ static rk_status load_weights(rk_model *m) {
         (st = place(m, t, &m->embd)))
         return st;
 
-    int q_dim = hp->n_heads * hp->head_dim, kv_dim = hp->n_kv_heads * hp->head_dim;
     m->layers = calloc((size_t)hp->n_layers, sizeof *m->layers);
     if (!m->layers) return rk_errorf(RK_ERR_NOMEM, "model: out of memory");
     char name[96];
@@ -400,6 +399,9 @@ static rk_status load_weights(rk_model *m) {
         L->ffn_dim = m->ffn_of ? m->ffn_of[l] : hp->ffn_dim;
         L->out_scale = 1.0f;
         const int ffn = L->ffn_dim;
+        int hd = rk_model_slides(m, l) ? m->head_dim_swa : m->head_dim_global;
+        L->head_dim = hd = hd ? hd : hp->head_dim;
+        const int q_dim = hp->n_heads * hd, kv_dim = hp->n_kv_heads * hd;
         if ((st = load_vec(m, N("attn_norm.weight"), hp->dim, 0, &L->attn_norm)) ||
             (st = load_vec(m, N("ffn_norm.weight"), hp->dim, 0, &L->ffn_norm)) ||
             (st = load_mat(m, N("attn_output.weight"), hp->dim, q_dim, &L->wo)))
@@ -441,9 +443,8 @@ static rk_status load_weights(rk_model *m) {
                 return st;
         }
         if (hp->desc->qk_norm &&
-            ((st = load_vec(m, N("attn_q_norm.weight"), hp->head_dim, 0, &L->q_norm)) ||
-             (L->owns_kv &&
-              (st = load_vec(m, N("attn_k_norm.weight"), hp->head_dim, 0, &L->k_norm)))))
+            ((st = load_vec(m, N("attn_q_norm.weight"), hd, 0, &L->q_norm)) ||
+             (L->owns_kv && (st = load_vec(m, N("attn_k_norm.weight"), hd, 0, &L->k_norm)))))
             return st;
         if (hp->desc->post_norms &&
             ((st = load_vec(m, N("post_attention_norm.weight"), hp->dim, 0, &L->post_attn_norm)) ||
@@ -735,7 +736,6 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
     int n = b->n_tokens, n_table = b->attn.n_seqs * b->attn.max_blocks;
     if ((st = scratch_reserve(m, n, b->n_logits, n_table))) return st;
     rk_scratch *s = &m->s;
-    int q_dim = hp->n_heads * hp->head_dim, kv_dim = hp->n_kv_heads * hp->head_dim;
     if ((st = ops->upload(be, s->tokens, b->tokens, (size_t)n * 4)) ||
         (st = ops->upload(be, s->pos, b->pos, (size_t)n * 4)) ||
         (st = ops->upload(be, s->slots, b->slots, (size_t)n * 4)) ||
@@ -755,6 +755,7 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
     int n_layers = b->n_layers > 0 ? b->n_layers : hp->n_layers;
     for (int l = 0; l < n_layers; l++) {
         const rk_layer *L = &m->layers[l];
+        const int hd = L->head_dim, q_dim = hp->n_heads * hd, kv_dim = hp->n_kv_heads * hd;
         CK(ops->rmsnorm(be, s->xb, s->x, L->attn_norm, n, hp->dim, hp->rms_eps));
         if (L->qkv.rows) {
             float *out[] = {s->q, s->k, s->v};
@@ -772,17 +773,23 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         if (L->bk) CK(ops->add_bias(be, s->k, L->bk, n, kv_dim));
         if (L->bv) CK(ops->add_bias(be, s->v, L->bv, n, kv_dim));
         if (L->q_norm)
-            CK(ops->rmsnorm(be, s->q, s->q, L->q_norm, n * hp->n_heads, hp->head_dim, hp->rms_eps));
+            CK(ops->rmsnorm(be, s->q, s->q, L->q_norm, n * hp->n_heads, hd, hp->rms_eps));
         if (L->k_norm)
-            CK(ops->rmsnorm(be, s->k, s->k, L->k_norm, n * hp->n_kv_heads, hp->head_dim,
-                            hp->rms_eps));
+            CK(ops->rmsnorm(be, s->k, s->k, L->k_norm, n * hp->n_kv_heads, hd, hp->rms_eps));
         if (hp->desc->v_norm && L->owns_kv)
-            CK(ops->rmsnorm(be, s->v, s->v, m->ones, n * hp->n_kv_heads, hp->head_dim,
-                            hp->rms_eps));
+            CK(ops->rmsnorm(be, s->v, s->v, m->ones, n * hp->n_kv_heads, hd, hp->rms_eps));
+        if (hd < hp->head_dim) { /* zero-padded to the KV cache's heads (gemma4; host) */
+            rk_gemma4_widen(s->q, n * hp->n_heads, hd, hp->head_dim);
+            if (L->owns_kv) {
+                rk_gemma4_widen(s->k, n * hp->n_kv_heads, hd, hp->head_dim);
+                rk_gemma4_widen(s->v, n * hp->n_kv_heads, hd, hp->head_dim);
+            }
+        }
         const rk_rope *rope = m->layer_rope[l];
         CK(ops->rope(be, s->q, s->pos, n, hp->n_heads, hp->head_dim, rope));
         if (b->out_q && l == n_layers - 1)
-            CK(ops->download(be, b->out_q, s->q, (size_t)n * q_dim * sizeof(float)));
+            CK(ops->download(be, b->out_q, s->q,
+                             (size_t)n * hp->n_heads * hp->head_dim * sizeof(float)));
         if (L->owns_kv) { /* else the layer attends over an earlier layer's KV, as it is */
             CK(ops->rope(be, s->k, s->pos, n, hp->n_kv_heads, hp->head_dim, rope));
             CK(ops->kv_write(be, kv, L->kv_layer, s->k, s->v, s->slots, n));
@@ -790,6 +797,7 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         rk_attn_params ap = rk_model_attn_params(m, l);
         if (attn.seg_start) attn.rope = rope; /* segments rotate with the layer's own */
         CK(ops->attention(be, s->att, NULL, s->q, kv, L->kv_layer, &attn, hp->n_heads, &ap));
+        if (hd < hp->head_dim) rk_gemma4_narrow(s->att, n * hp->n_heads, hp->head_dim, hd);
         CK(matmul(m, s->xb, s->att, &L->wo, n));
         if (L->post_attn_norm)
             CK(ops->rmsnorm(be, s->xb, s->xb, L->post_attn_norm, n, hp->dim, hp->rms_eps));

@@ -67,25 +67,28 @@ rk_status rk_gemma4_read_hparams(rk_model *m) {
                          "cpu backend only, not on %s",
                          arch, m->be->name);
     if (hp->desc->swa_pattern_arr && (st = read_kinds(m))) return st;
-    /* One head size for both kinds: the KV cache has one row shape. */
+    /* The sliding layers' head size: the KV cache's rows are the larger
+     * of the two kinds', the smaller zero-padded (model_internal.h). */
     int k_swa, v_swa, shared;
     if ((st = get_u32_key(m, "attention.key_length_swa", (uint32_t)hp->head_dim, &k_swa)) ||
         (st = get_u32_key(m, "attention.value_length_swa", (uint32_t)k_swa, &v_swa)))
         return st;
-    if (k_swa != hp->head_dim || v_swa != hp->head_dim)
+    if (k_swa != v_swa || k_swa < 2 || k_swa > 2 * RK_ROPE_MAX_PAIRS ||
+        (k_swa != hp->head_dim && !hp->desc->attn_unscaled))
         return rk_errorf(RK_ERR_UNSUPPORTED,
-                         "model: %s.attention.key_length_swa %d / value_length_swa %d differ "
-                         "from key_length %d: ragkv computes files whose sliding and global "
-                         "layers have one head size",
+                         "model: %s.attention.key_length_swa %d / value_length_swa %d not "
+                         "supported (key_length %d)",
                          arch, k_swa, v_swa, hp->head_dim);
+    m->head_dim_swa = k_swa;
+    m->head_dim_global = hp->head_dim;
     /* The sliding layers' rotated dims (the global ones: rope.dimension_count). */
     int n_rot_swa;
     if ((st = get_u32_key(m, "rope.dimension_count_swa", (uint32_t)hp->rope.n_rot, &n_rot_swa)))
         return st;
-    if (n_rot_swa < 2 || n_rot_swa > hp->head_dim || n_rot_swa % 2)
+    if (n_rot_swa < 2 || n_rot_swa > k_swa || n_rot_swa % 2)
         return rk_errorf(RK_ERR_FORMAT,
                          "model: %s.rope.dimension_count_swa = %d is invalid (even, 2..%d)", arch,
-                         n_rot_swa, hp->head_dim);
+                         n_rot_swa, k_swa);
     hp->rope_swa.n_rot = n_rot_swa;
     if ((st = rk_rope_init(&m->rope_swa, &hp->rope_swa))) return st;
     if ((st = get_u32_key(m, "embedding_length_per_layer_input", 0, &hp->n_embd_per_layer)))
@@ -109,7 +112,20 @@ rk_status rk_gemma4_read_hparams(rk_model *m) {
                              l, rk_model_slides(m, l) ? "sliding" : "global", src);
     }
     hp->n_kv_layers = n_kv;
+    if (k_swa > hp->head_dim) hp->head_dim = k_swa; /* the KV cache's head size */
     return RK_OK;
+}
+
+void rk_gemma4_widen(float *x, int rows, int from, int to) {
+    for (int r = rows - 1; r >= 0; r--) { /* last row first: each moves up or stays */
+        memmove(x + (size_t)r * to, x + (size_t)r * from, (size_t)from * sizeof *x);
+        memset(x + (size_t)r * to + from, 0, (size_t)(to - from) * sizeof *x);
+    }
+}
+
+void rk_gemma4_narrow(float *x, int rows, int from, int to) {
+    for (int r = 0; r < rows; r++)
+        memmove(x + (size_t)r * to, x + (size_t)r * from, (size_t)to * sizeof *x);
 }
 
 /* A norm weight of n floats (F32 in every file the reference converter writes). */

@@ -31,6 +31,12 @@ typedef struct rk_layer {
      * (an earlier one's; owns_kv 0), its FFN width, its per-layer embedding's
      * gate (dim -> ple), projection (ple -> dim) and norm, its output scale */
     int kv_layer, owns_kv, ffn_dim;
+    /* Its heads' size: hp.head_dim (the KV cache's), or less in a family whose
+     * sliding and global layers differ (gemma4): its Q, K and V are then
+     * zero-padded to hp.head_dim for RoPE, the KV cache and attention (the
+     * padding adds nothing to q·k, attention is unscaled, and the output's
+     * padding is dropped before attn_output) */
+    int head_dim;
     rk_matrix ple_gate, ple_proj;
     const float *ple_norm;
     float out_scale; /* 1 where the file has none */
@@ -77,6 +83,7 @@ struct rk_model {
      * layer's FFN width, whether it slides */
     int *ffn_of;
     unsigned char *slides;
+    int head_dim_swa, head_dim_global; /* each kind's head size, 0: hp.head_dim */
     /* Gemma 4's per-layer embeddings (model_gemma4.c): the table (n_vocab,
      * n_layers * ple), the projection from the embedding, its norm (ple),
      * a ones vector (head_dim, V's weightless norm), the batch's inputs
@@ -109,6 +116,10 @@ rk_status rk_gemma4_load(rk_model *m);
 /* The batch's per-layer inputs from tokens (host, n) and the scaled
  * embeddings in m->s.x, into m->ple_in. */
 rk_status rk_gemma4_ple_inputs(rk_model *m, const int32_t *tokens, int n);
+/* Rows of x (host) from width `from` to `to`, in place: widen pads each row
+ * with zeros, narrow drops each row's tail. */
+void rk_gemma4_widen(float *x, int rows, int from, int to);
+void rk_gemma4_narrow(float *x, int rows, int from, int to);
 /* x += layer l's per-layer embedding term; then x *= its output scale. */
 rk_status rk_gemma4_layer_out(rk_model *m, int l, int n);
 void rk_gemma4_free(rk_model *m);
