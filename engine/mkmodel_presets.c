@@ -46,8 +46,9 @@ static const rk_mkmodel_preset_info k_infos[] = {
                   "1152, 4 heads / 1 KV, head 256, FFN 6912, tied, Gemma 3 vocabulary (~1 B "
                   "parameters, 4 GB in F32)"},
     {"gemma4-tiny", "gemma4, 6 layers (2 sliding, window 16, then 1 global; the last 3 reuse the "
-                    "KV of layers 1 and 2), dim 64, 4 heads / 2 KV, head 32, FFN 128 (256 in the "
-                    "KV-sharing layers), per-layer embeddings of 32, tied, Gemma 3 vocabulary"},
+                    "KV of layers 1 and 2), dim 64, 4 heads / 2 KV, head 16 sliding and 32 global "
+                    "(RoPE on 8 of its 32), FFN 128 (256 in the KV-sharing layers), per-layer "
+                    "embeddings of 32, tied, Gemma 3 vocabulary"},
     {"gemma4-e2b", "gemma4, Gemma-4-E2B shapes: 35 layers (window 512, every fifth global, the "
                    "last 20 reuse KV), dim 1536, 8 heads / 1 KV, head 256 (global 512), FFN 6144 "
                    "(12288 sharing), per-layer embeddings of 256, tied, Gemma 3 vocabulary"},
@@ -314,7 +315,7 @@ static const preset k_presets[] = {
 };
 
 static const gemma4_extra k_gemma4[] = {
-    {"gemma4-tiny", 16, 3, 32, 32, 4, 3, 32, 256, 10000.0f, 30.0f},
+    {"gemma4-tiny", 16, 3, 16, 16, 4, 3, 32, 256, 10000.0f, 30.0f},
     {"gemma4-e2b", 512, 5, 256, 256, 64, 20, 256, 12288, 10000.0f, 30.0f},
 };
 

@@ -320,8 +320,9 @@ Test(engine, gemma3_layers_slide_with_the_local_rope_and_every_sixth_is_global) 
 
 /* gemma4-tiny (skipped without Gemma 3's tokenizer.json, its vocabulary):
  * the layer kinds from the file's array (sliding, sliding, global, twice),
- * unscaled attention, the final soft cap of 30, the global layers' RoPE
- * rotating 4 of 16 pairs (rope_freqs.weight), and the last three layers
+ * heads of 16 in the sliding layers and 32 in the global ones, unscaled
+ * attention, the final soft cap of 30, the global layers' RoPE rotating 4
+ * of 16 pairs (rope_freqs.weight), and the last three layers
  * attending over the KV of layers 1 and 2: the KV cache and its sizing hold
  * three layers, not six. */
 Test(engine, gemma4_tiny_reuses_kv_of_earlier_layers_and_holds_only_the_owning_ones) {
@@ -344,13 +345,14 @@ Test(engine, gemma4_tiny_reuses_kv_of_earlier_layers_and_holds_only_the_owning_o
     }
     cr_assert_eq(rk_model_kv_layer(m, 6), -1);
     const rk_rope *local = rk_model_rope(m, 0), *global = rk_model_rope(m, 2);
-    cr_assert_eq(local->n_rot, 32);
+    cr_assert_eq(local->n_rot, 16);
     cr_assert_eq(global->n_rot, 32);
-    cr_assert_float_eq(local->freq[1], powf(10000.0f, -2.0f / 32), 1e-6);
+    cr_assert_float_eq(local->freq[1], powf(10000.0f, -2.0f / 16), 1e-6);
     cr_assert_float_eq(global->freq[1], powf(1e6f, -2.0f / 32), 1e-6);
     for (int i = 4; i < 16; i++) cr_assert_lt(global->freq[i], 1e-20f, "pair %d stays put", i);
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
     cr_assert_eq(kv->n_layers, 3);
+    cr_assert_eq(kv->head_dim, 32, "the sliding layers' heads of 16 padded to the global 32");
     cr_assert_eq(svc->kv.token_bytes,
                  2ull * 3 * rk_dtype_row_bytes(kv->dtype, (size_t)kv->n_kv_heads * kv->head_dim));
     rk_service_close(svc);
