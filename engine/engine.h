@@ -80,8 +80,9 @@ typedef struct rk_hparams {
     int n_expert, n_expert_used, ffn_exp;
     /* Layers that hold KV (the KV cache's n_layers): n_layers, fewer where
      * the last layers reuse an earlier layer's KV (gemma4,
-     * rk_model_kv_layer); the width of each layer's own token embedding
-     * (gemma4's per-layer embeddings, 0: none). */
+     * rk_model_kv_layer; 0 in a shape made by hand reads as n_layers); the
+     * width of each layer's own token embedding (gemma4's per-layer
+     * embeddings, 0: none). */
     int n_kv_layers, n_embd_per_layer;
 } rk_hparams;
 

@@ -86,7 +86,7 @@ rk_status rk_kv_plan_make(const rk_config *cfg, const rk_hparams *hp, uint64_t w
     *k = (rk_kv_plan){.dtype = kv_dtype_of(cfg->kv_dtype, backend),
                       .block_size = cfg->block_size,
                       .auto_sized = cfg->kv_memory_mb == 0};
-    rk_arena_params p = {.n_layers = hp->n_kv_layers,
+    rk_arena_params p = {.n_layers = hp->n_kv_layers ? hp->n_kv_layers : hp->n_layers,
                          .n_kv_heads = hp->n_kv_heads,
                          .head_dim = hp->head_dim,
                          .block_size = cfg->block_size,
@@ -178,7 +178,7 @@ static rk_status open_arena(rk_service *svc) {
         RK_LOG_WARN("%s", line);
     else
         RK_LOG_INFO("%s", line);
-    rk_arena_params p = {.n_layers = hp->n_kv_layers,
+    rk_arena_params p = {.n_layers = hp->n_kv_layers ? hp->n_kv_layers : hp->n_layers,
                          .n_kv_heads = hp->n_kv_heads,
                          .head_dim = hp->head_dim,
                          .block_size = cfg->block_size,
