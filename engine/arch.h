@@ -8,7 +8,8 @@
  * file's keys and tensors a family has and how the pass uses them.
  *
  * Norm weights: GGUF converters fold Gemma's `1 + w` RMSNorm offset into the
- * stored weight, so every family's norm is plain x / rms(x) * w here.
+ * stored weight (Gemma 4's norms have none), so every family's norm is plain
+ * x / rms(x) * w here.
  *
  * Thread-safety: the descriptions are constant; any thread may read them. */
 #ifndef RK_ARCH_H

@@ -53,8 +53,10 @@ static rk_status get_u32_or_arr(rk_model *m, const char *suffix, uint32_t def, i
     for (size_t j = 0; j < n; j++) {
         if (a[j] < 1 || a[j] > (1 << 30) || (!per_layer && a[j] != a[0])) {
             free(a);
-            return rk_errorf(RK_ERR_UNSUPPORTED, "model: %s[%zu] = %d is %s", key, j, a[j],
-                             per_layer ? "out of range" : "not every layer's value");
+            return rk_errorf(RK_ERR_UNSUPPORTED, "model: %s[%zu] = %d %s", key, j, a[j],
+                             per_layer ? "is out of range"
+                                       : "differs from layer 0's (ragkv computes one value for "
+                                         "every layer)");
         }
         max = a[j] > max ? a[j] : max;
     }
