@@ -355,6 +355,9 @@ Test(engine, gemma4_tiny_reuses_kv_of_earlier_layers_and_holds_only_the_owning_o
     cr_assert_eq(kv->head_dim, 32, "the sliding layers' heads of 16 padded to the global 32");
     cr_assert_eq(svc->kv.token_bytes,
                  2ull * 3 * rk_dtype_row_bytes(kv->dtype, (size_t)kv->n_kv_heads * kv->head_dim));
+    json_t *j = rk_kv_plan_json(&svc->kv);
+    cr_assert_eq(json_integer_value(json_object_get(j, "layers")), 3, "/stats says so");
+    json_decref(j);
     rk_service_close(svc);
     check_plain_thread_invariance(path, 40);
     free(path);
