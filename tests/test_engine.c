@@ -8,7 +8,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "engine/gguf.h"
+#include "config/config.h"
 #include "engine/mkmodel.h"
 #include "pipeline/pipeline.h"
 #include "tests/testutil.h"
@@ -361,6 +364,85 @@ Test(engine, gemma4_tiny_reuses_kv_of_earlier_layers_and_holds_only_the_owning_o
     rk_service_close(svc);
     check_plain_thread_invariance(path, 40);
     free(path);
+}
+
+/* A copy of gemma4 file src (in the test directory, as name) whose attn_v
+ * tensors are left out (drop) or hold attn_k's values. */
+typedef struct vk_copy {
+    const rk_gguf *g;
+    int64_t src[512]; /* the source tensor of each written one */
+} vk_copy;
+
+static rk_status fill_vk(void *ctx, int64_t i, void *dst, size_t n_bytes) {
+    const vk_copy *c = ctx;
+    memcpy(dst, rk_gguf_tensor_at(c->g, c->src[i])->data, n_bytes);
+    return RK_OK;
+}
+
+static char *copy_without_v(const char *src, int drop, const char *name) {
+    char path[4200], tmp[4300];
+    snprintf(path, sizeof path, "%s/models/%s", RK_TEST_TMP, name);
+    rk_gguf *g;
+    cr_assert_eq(rk_gguf_open(src, &g), RK_OK, "%s", rk_error_message());
+    rk_gguf_writer *w;
+    cr_assert_eq(rk_gguf_writer_create(&w), RK_OK);
+    for (int64_t i = 0; i < rk_gguf_n_kv(g); i++) rk_test_gguf_copy_kv(w, g, i);
+    static vk_copy c;
+    c.g = g;
+    int64_t n = 0;
+    for (int64_t i = 0; i < rk_gguf_n_tensors(g); i++) {
+        const rk_gguf_tensor *t = rk_gguf_tensor_at(g, i);
+        const char *v = strstr(t->name, ".attn_v.weight");
+        int64_t from = i;
+        if (v && drop) continue;
+        if (v) { /* blk.N.attn_v.weight -> blk.N.attn_k.weight */
+            char k[96];
+            snprintf(k, sizeof k, "%.*s.attn_k.weight", (int)(v - t->name), t->name);
+            for (from = 0; strcmp(rk_gguf_tensor_at(g, from)->name, k) != 0; from++)
+                cr_assert_lt(from + 1, rk_gguf_n_tensors(g), "%s has no %s", src, k);
+        }
+        cr_assert_lt(n, 512);
+        c.src[n++] = from;
+        cr_assert_eq(rk_gguf_writer_add_tensor(w, t->name, (rk_ggml_type)t->type, t->n_dims, t->ne),
+                     RK_OK, "%s", rk_error_message());
+    }
+    snprintf(tmp, sizeof tmp, "%s.%d", path, (int)getpid());
+    cr_assert_eq(rk_gguf_writer_write_file(w, tmp, fill_vk, &c), RK_OK, "%s", rk_error_message());
+    rk_gguf_writer_free(w);
+    rk_gguf_close(g);
+    cr_assert_eq(rename(tmp, path), 0);
+    return rk_strdup(path);
+}
+
+static void greedy_of(const char *path, const char *text, int n_new, int32_t *out) {
+    rk_service *svc = open_model(path, 2);
+    int32_t *ids;
+    size_t n;
+    cr_assert_eq(
+        rk_tokenizer_encode(rk_model_tokenizer(svc->model), text, strlen(text), 1, &ids, &n),
+        RK_OK);
+    cr_assert_eq(greedy(svc, ids, (int)n, n_new, out), n_new);
+    free(ids);
+    rk_service_close(svc);
+}
+
+/* Without attn_v a gemma4 layer's V is its K before the K norm, as the
+ * reference engine computes it: the file without attn_v gives the tokens of
+ * the file whose attn_v holds attn_k's values, and not the original's. */
+Test(engine, gemma4_without_attn_v_takes_v_from_k) {
+    char *src = rk_test_model("gemma4-tiny", "f32", 9);
+    char *no_v = copy_without_v(src, 1, "gemma4-tiny-no-v.gguf");
+    char *v_is_k = copy_without_v(src, 0, "gemma4-tiny-v-is-k.gguf");
+    const char *text = "Once upon a time, in a small village by the sea, there lived a girl";
+    int32_t a[24], b[24], c[24];
+    greedy_of(no_v, text, 24, a);
+    greedy_of(v_is_k, text, 24, b);
+    greedy_of(src, text, 24, c);
+    cr_assert_arr_eq(a, b, sizeof a);
+    cr_assert(memcmp(a, c, sizeof a) != 0, "the original's own attn_v gives other tokens");
+    free(no_v);
+    free(v_is_k);
+    free(src);
 }
 
 /* A gemma4 file without its per-layer kinds is refused, naming the key. */
