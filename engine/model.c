@@ -11,6 +11,7 @@
  *   xb = rmsnorm(x) · ffn_norm;  x += (silu(xb·Wgate) * (xb·Wup)) · Wdown
  * then logits = (rmsnorm(x) · output_norm) · Wout for the requested rows. */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -488,9 +489,21 @@ static void compute_fingerprint(rk_model *m) {
     rk_hparams hp; /* without the description's address; memcpy keeps the padding's zeros */
     memcpy(&hp, &m->hp, sizeof hp);
     hp.desc = NULL;
-    XXH3_128bits_update(s, &hp, sizeof hp);
+    /* The fields up to the experts' as before Gemma 4's were added (so the
+     * other families' fingerprints, which key stores, stay what they were),
+     * then what Gemma 4's layers add, where a model has it. */
+    hp.n_kv_layers = hp.n_embd_per_layer = 0;
+    size_t align = _Alignof(rk_hparams), head = offsetof(rk_hparams, n_kv_layers);
+    XXH3_128bits_update(s, &hp, (head + align - 1) / align * align);
     XXH3_128bits_update(s, &m->rope, sizeof m->rope); /* factors and scale from the file */
     XXH3_128bits_update(s, &m->rope_swa, sizeof m->rope_swa);
+    if (m->slides || m->hp.n_kv_layers != m->hp.n_layers || m->hp.n_embd_per_layer) {
+        int g4[4] = {m->hp.n_kv_layers, m->hp.n_embd_per_layer, m->head_dim_swa,
+                     m->head_dim_global};
+        XXH3_128bits_update(s, g4, sizeof g4);
+        if (m->slides) XXH3_128bits_update(s, m->slides, (size_t)m->hp.n_layers);
+    }
+    if (m->ffn_of) XXH3_128bits_update(s, m->ffn_of, (size_t)m->hp.n_layers * sizeof(int));
     for (int64_t i = 0; i < rk_gguf_n_tensors(m->gguf); i++) {
         const rk_gguf_tensor *t = rk_gguf_tensor_at(m->gguf, i);
         XXH3_128bits_update(s, t->name, strlen(t->name));
