@@ -66,6 +66,15 @@ rk_status rk_gemma4_read_hparams(rk_model *m) {
                          "model: %s (per-layer embeddings, layers sharing KV) is computed on the "
                          "cpu backend only, not on %s",
                          arch, m->be->name);
+    /* The mixture-of-experts variant (26B-A4B) has a dense FFN beside its
+     * experts: computing the dense one alone would be silently wrong. */
+    int n_expert;
+    if ((st = get_u32_key(m, "expert_count", 0, &n_expert))) return st;
+    if (n_expert > 0 || rk_gguf_find_tensor(m->gguf, "blk.0.ffn_gate_inp.weight"))
+        return rk_errorf(RK_ERR_UNSUPPORTED,
+                         "model: %s with experts (%s.expert_count %d) is not computed: ragkv "
+                         "computes the dense Gemma 4 models",
+                         arch, arch, n_expert);
     if (hp->desc->swa_pattern_arr && (st = read_kinds(m))) return st;
     /* The sliding layers' head size: the KV cache's rows are the larger
      * of the two kinds', the smaller zero-padded (model_internal.h). */

@@ -367,7 +367,8 @@ Test(engine, gemma4_tiny_reuses_kv_of_earlier_layers_and_holds_only_the_owning_o
 }
 
 /* A copy of gemma4 file src (in the test directory, as name) whose attn_v
- * tensors are left out (drop) or hold attn_k's values. */
+ * tensors are left out (drop) or hold attn_k's values, with the u32 key
+ * add_u32 = 8 added where not NULL. */
 typedef struct vk_copy {
     const rk_gguf *g;
     int64_t src[512]; /* the source tensor of each written one */
@@ -379,7 +380,7 @@ static rk_status fill_vk(void *ctx, int64_t i, void *dst, size_t n_bytes) {
     return RK_OK;
 }
 
-static char *copy_without_v(const char *src, int drop, const char *name) {
+static char *copy_without_v(const char *src, int drop, const char *name, const char *add_u32) {
     char path[4200], tmp[4300];
     snprintf(path, sizeof path, "%s/models/%s", RK_TEST_TMP, name);
     rk_gguf *g;
@@ -387,6 +388,7 @@ static char *copy_without_v(const char *src, int drop, const char *name) {
     rk_gguf_writer *w;
     cr_assert_eq(rk_gguf_writer_create(&w), RK_OK);
     for (int64_t i = 0; i < rk_gguf_n_kv(g); i++) rk_test_gguf_copy_kv(w, g, i);
+    if (add_u32) cr_assert_eq(rk_gguf_writer_set_u32(w, add_u32, 8), RK_OK);
     static vk_copy c;
     c.g = g;
     int64_t n = 0;
@@ -431,8 +433,8 @@ static void greedy_of(const char *path, const char *text, int n_new, int32_t *ou
  * the file whose attn_v holds attn_k's values, and not the original's. */
 Test(engine, gemma4_without_attn_v_takes_v_from_k) {
     char *src = rk_test_model("gemma4-tiny", "f32", 9);
-    char *no_v = copy_without_v(src, 1, "gemma4-tiny-no-v.gguf");
-    char *v_is_k = copy_without_v(src, 0, "gemma4-tiny-v-is-k.gguf");
+    char *no_v = copy_without_v(src, 1, "gemma4-tiny-no-v.gguf", NULL);
+    char *v_is_k = copy_without_v(src, 0, "gemma4-tiny-v-is-k.gguf", NULL);
     const char *text = "Once upon a time, in a small village by the sea, there lived a girl";
     int32_t a[24], b[24], c[24];
     greedy_of(no_v, text, 24, a);
@@ -442,6 +444,21 @@ Test(engine, gemma4_without_attn_v_takes_v_from_k) {
     cr_assert(memcmp(a, c, sizeof a) != 0, "the original's own attn_v gives other tokens");
     free(no_v);
     free(v_is_k);
+    free(src);
+}
+
+/* A gemma4 file with experts (26B-A4B) is refused, not computed as its
+ * dense FFN alone. */
+Test(engine, gemma4_with_experts_is_refused) {
+    char *src = rk_test_model("gemma4-tiny", "f32", 9);
+    char *path = copy_without_v(src, 0, "gemma4-tiny-experts.gguf", "gemma4.expert_count");
+    rk_backend *be;
+    cr_assert_eq(rk_backend_create("cpu", 1, &be), RK_OK);
+    rk_model *m;
+    cr_assert_eq(rk_model_load(path, be, &m), RK_ERR_UNSUPPORTED);
+    cr_assert(strstr(rk_error_message(), "gemma4.expert_count 8"), "%s", rk_error_message());
+    rk_backend_free(be);
+    free(path);
     free(src);
 }
 
