@@ -170,7 +170,7 @@ static void describe_service(bench *b, mode_result *m, rk_service *svc) {
     b->n_kv_heads = hp->n_kv_heads;
     b->head_dim = hp->head_dim;
     snprintf(b->model_desc, sizeof b->model_desc, "%s", hp->name[0] ? hp->name : hp->arch_name);
-    rk_arena_params ap = {.n_layers = hp->n_layers,
+    rk_arena_params ap = {.n_layers = hp->n_kv_layers ? hp->n_kv_layers : hp->n_layers,
                           .n_kv_heads = hp->n_kv_heads,
                           .head_dim = hp->head_dim,
                           .block_size = rk_arena_block_size(svc->arena),

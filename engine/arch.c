@@ -51,6 +51,23 @@ static const rk_arch_desc k_archs[] = {
      .attn_sinks = 1,
      .moe_biases = 1,
      .ffn_norm = "post_attention_norm"},
+    {.name = "gemma4",
+     .qk_norm = 1,
+     .rope_neox = 1,
+     .swa_period = 1, /* sliding windows on; the layers' kinds are the file's array */
+     .swa_local_rope = 1,
+     .final_softcap_key = 1,
+     .final_softcap = 30.0f,
+     .post_norms = 1,
+     .embd_scale_sqrt = 1,
+     .act = RK_FFN_GELU_TANH,
+     .swa_pattern_arr = 1,
+     .attn_unscaled = 1,
+     .v_norm = 1,
+     .per_layer_embd = 1,
+     .shared_kv = 1,
+     .layer_out_scale = 1,
+     .cpu_only = 1},
 };
 #define N_ARCHS (sizeof k_archs / sizeof k_archs[0])
 

@@ -8,7 +8,8 @@
  * file's keys and tensors a family has and how the pass uses them.
  *
  * Norm weights: GGUF converters fold Gemma's `1 + w` RMSNorm offset into the
- * stored weight, so every family's norm is plain x / rms(x) * w here.
+ * stored weight (Gemma 4's norms have none), so every family's norm is plain
+ * x / rms(x) * w here.
  *
  * Thread-safety: the descriptions are constant; any thread may read them. */
 #ifndef RK_ARCH_H
@@ -19,7 +20,7 @@
 /* The FFN's gate activation: out = act(x·Wgate) * (x·Wup), then ·Wdown. */
 typedef enum rk_ffn_act {
     RK_FFN_SILU = 0,      /* SwiGLU: llama, qwen2, qwen3 */
-    RK_FFN_GELU_TANH = 1, /* GeGLU with tanh-approximated GELU: gemma2, gemma3 */
+    RK_FFN_GELU_TANH = 1, /* GeGLU with tanh-approximated GELU: gemma2, gemma3, gemma4 */
     /* gpt-oss's clamped SwiGLU: g' = min(g, 7), u' = clamp(u, -7, 7),
      * out = g' sigmoid(1.702 g') (u' + 1) (the reference's swiglu_oai) */
     RK_FFN_SWIGLU_OAI = 2,
@@ -86,6 +87,24 @@ typedef struct rk_arch_desc {
     /* The norm before the FFN, blk.N.<ffn_norm>.weight; NULL: "ffn_norm"
      * (gpt-oss files call it "post_attention_norm") */
     const char *ffn_norm;
+    /* Gemma 4 (model_gemma4.c). Each layer's kind (sliding or global) is
+     * the file's per-layer bool array <arch>.attention.sliding_window_pattern,
+     * and the two kinds have their own rotated dims
+     * (<arch>.rope.dimension_count_swa) */
+    unsigned swa_pattern_arr : 1;
+    unsigned attn_unscaled : 1; /* q·k not scaled (Q and K are RMS-normed per head) */
+    unsigned v_norm : 1;        /* V RMS-normed per head without a weight; attn_v optional
+                                 * (V = K before its norm when absent) */
+    /* Per-layer token embeddings (<arch>.embedding_length_per_layer_input
+     * wide per layer, 0: none): a second embedding table, projected from the
+     * scaled embedding and added, gated into each layer's output. */
+    unsigned per_layer_embd : 1;
+    /* The last <arch>.attention.shared_kv_layers layers compute no K/V and
+     * attend over the KV of the last owning layer of their kind: the KV
+     * cache holds the owning layers only (rk_model_kv_layer). */
+    unsigned shared_kv : 1;
+    unsigned layer_out_scale : 1; /* blk.N.layer_output_scale.weight, optional, scales x */
+    unsigned cpu_only : 1;        /* refused on other backends */
 } rk_arch_desc;
 
 /* The description of the family named name, or NULL when ragkv does not

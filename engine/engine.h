@@ -78,6 +78,12 @@ typedef struct rk_hparams {
     /* Mixture of experts (desc->moe != RK_MOE_NONE), else 0: experts per
      * layer, experts per token, each expert's FFN width */
     int n_expert, n_expert_used, ffn_exp;
+    /* Layers that hold KV (the KV cache's n_layers): n_layers, fewer where
+     * the last layers reuse an earlier layer's KV (gemma4,
+     * rk_model_kv_layer; 0 in a shape made by hand reads as n_layers); the
+     * width of each layer's own token embedding (gemma4's per-layer
+     * embeddings, 0: none). */
+    int n_kv_layers, n_embd_per_layer;
 } rk_hparams;
 
 typedef struct rk_model rk_model; /* opaque */
@@ -110,11 +116,16 @@ const rk_tokenizer *rk_model_tokenizer(const rk_model *m);
  * sliding-window layers use a base of their own (Gemma 3). */
 const rk_rope *rk_model_rope(const rk_model *m, int layer);
 /* The same for every layer, (n_layers) entries, as rope_shift_copy takes
- * them. */
+ * them: the first n_kv_layers are the KV cache's layers (the layers that
+ * own KV come first, so KV layer i is model layer i). */
 const rk_rope *const *rk_model_ropes(const rk_model *m);
 /* The attention of layer l as the forward pass computes it: the model's
  * scale and soft cap, and the layer's sliding window (0: global). */
 rk_attn_params rk_model_attn_params(const rk_model *m, int layer);
+/* The KV cache layer model layer l writes and attends over: l itself, or for
+ * a layer that reuses KV (gemma4's shared layers) the owning layer's; -1
+ * outside 0..n_layers-1. */
+int rk_model_kv_layer(const rk_model *m, int layer);
 const rk_gguf *rk_model_gguf(const rk_model *m);
 rk_backend *rk_model_backend(const rk_model *m);
 /* 32 lowercase hex digits identifying the weights and hyper-parameters. */

@@ -296,11 +296,13 @@ static rk_status mk_vocab_load(const preset *p, const char *pname, const char *v
 /* ================================================================ weights */
 
 typedef enum init_kind {
-    INIT_MATRIX, /* uniform, std 1/sqrt(ne[0]) */
-    INIT_NORM,   /* 1 + U(-0.05, 0.05) */
-    INIT_BIAS,   /* uniform, std 0.02 */
-    INIT_LONG,   /* LongRoPE long factors: U(1, 8) */
-    INIT_ROWS,   /* rows rows[] of the INIT_MATRIX tensor src with the same ne[0] */
+    INIT_MATRIX,  /* uniform, std 1/sqrt(ne[0]) */
+    INIT_NORM,    /* 1 + U(-0.05, 0.05) */
+    INIT_BIAS,    /* uniform, std 0.02 */
+    INIT_LONG,    /* LongRoPE long factors: U(1, 8) */
+    INIT_ROWS,    /* rows rows[] of the INIT_MATRIX tensor src with the same ne[0] */
+    INIT_PARTIAL, /* proportional RoPE divisors: rows[0] ones, then 1e30 */
+    INIT_QK_NORM, /* INIT_NORM times ne[0]^-1/4: q·k of unscaled attention as if scaled */
 } init_kind;
 
 typedef struct mk_tensor {
@@ -374,13 +376,22 @@ static rk_status mk_fill(void *ctx, int64_t index, void *dst, size_t n_bytes) {
         scale = 0.05f;
         bias = 1.0f;
         break;
+    case INIT_QK_NORM:
+        bias = 1.0f / sqrtf(sqrtf((float)t->ne[0]));
+        scale = 0.05f * bias;
+        break;
     case INIT_LONG:
         scale = 3.5f;
         bias = 4.5f;
         break;
     default: scale = 0.02f * sqrtf(3.0f); break;
     }
-    scale *= 0x1p-31f; /* int32 -> [-1, 1) */
+    scale *= 0x1p-31f;             /* int32 -> [-1, 1) */
+    if (t->kind == INIT_PARTIAL) { /* a vector, F32 */
+        float *f = dst;
+        for (int64_t i = 0; i < t->ne[0]; i++) f[i] = i < t->rows[0] ? 1.0f : 1e30f;
+        return RK_OK;
+    }
     xoshiro r;
     xo_seed(&r, fc->seed, t->kind == INIT_ROWS ? t->src : t->name);
     float buf[FILL_CHUNK];
@@ -494,6 +505,42 @@ static rk_status mk_rerank_metadata(rk_gguf_writer *w, const char *arch) {
     return st;
 }
 
+/* Gemma 4's keys (see gemma4_extra): the layer kinds, the sliding layers'
+ * head and RoPE, shared KV, per-layer embeddings, per-layer FFN widths. */
+static rk_status mk_gemma4_metadata(mk_model *m, const gemma4_extra *g) {
+    const preset *p = m->p;
+    rk_gguf_writer *w = m->w;
+    const char *a = p->arch;
+    char key[128];
+    uint8_t swa[128];
+    int32_t ffn[128];
+    if (p->n_layers > 128) return rk_errorf(RK_ERR_INTERNAL, "mkmodel: too many layers");
+    for (int l = 0; l < p->n_layers; l++) {
+        swa[l] = l % g->period != g->period - 1;
+        ffn[l] = l >= p->n_layers - g->n_shared && g->ffn_shared ? g->ffn_shared : p->ffn_dim;
+    }
+    rk_status st;
+    snprintf(key, sizeof key, "%s.attention.sliding_window_pattern", a);
+    if ((st = rk_gguf_writer_set_arr(w, key, RK_GGUF_BOOL, swa, (size_t)p->n_layers))) return st;
+    snprintf(key, sizeof key, "%s.feed_forward_length", a);
+    if ((st = rk_gguf_writer_set_arr_i32(w, key, ffn, (size_t)p->n_layers))) return st;
+    return (st = mk_set_arch_u32(w, a, "attention.sliding_window", (uint32_t)g->window)) ||
+                   (st = mk_set_arch_u32(w, a, "attention.shared_kv_layers",
+                                         (uint32_t)g->n_shared)) ||
+                   (st = mk_set_arch_u32(w, a, "embedding_length_per_layer_input",
+                                         (uint32_t)g->ple)) ||
+                   (st = mk_set_arch_u32(w, a, "attention.key_length_swa",
+                                         (uint32_t)g->head_dim_swa)) ||
+                   (st = mk_set_arch_u32(w, a, "attention.value_length_swa",
+                                         (uint32_t)g->head_dim_swa)) ||
+                   (st = mk_set_arch_u32(w, a, "rope.dimension_count_swa",
+                                         (uint32_t)g->n_rot_swa)) ||
+                   (st = mk_set_arch_f32(w, a, "rope.freq_base_swa", g->theta_swa)) ||
+                   (st = mk_set_arch_f32(w, a, "final_logit_softcapping", g->final_softcap))
+               ? st
+               : RK_OK;
+}
+
 static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
     const preset *p = m->p;
     rk_gguf_writer *w = m->w;
@@ -514,7 +561,8 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
         (st = mk_set_arch_u32(w, a, "context_length", (uint32_t)p->n_ctx)) ||
         (st = mk_set_arch_u32(w, a, "embedding_length", (uint32_t)p->dim)) ||
         (st = mk_set_arch_u32(w, a, "block_count", (uint32_t)p->n_layers)) ||
-        (st = mk_set_arch_u32(w, a, "feed_forward_length", (uint32_t)p->ffn_dim)) ||
+        (!rk_mk_gemma4_of(m->name) &&
+         (st = mk_set_arch_u32(w, a, "feed_forward_length", (uint32_t)p->ffn_dim))) ||
         (st = mk_set_arch_u32(w, a, "attention.head_count", (uint32_t)p->n_heads)) ||
         (st = mk_set_arch_u32(w, a, "attention.head_count_kv", (uint32_t)p->n_kv_heads)) ||
         (st = mk_set_arch_u32(w, a, "attention.key_length", (uint32_t)p->head_dim)) ||
@@ -556,6 +604,8 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
               (g->final_softcap > 0 &&
                (st = mk_set_arch_f32(w, a, "final_logit_softcapping", g->final_softcap)))))
         return st;
+    const gemma4_extra *g4 = rk_mk_gemma4_of(m->name);
+    if (g4 && (st = mk_gemma4_metadata(m, g4))) return st;
     if (g && g->rope_linear > 0) {
         char key[128];
         snprintf(key, sizeof key, "%s.rope.scaling.type", a);
@@ -688,8 +738,62 @@ static rk_status mk_gptoss_layer(mk_model *m, int l) {
     return RK_OK;
 }
 
+/* Gemma 4's tensors (see gemma4_extra), named as the reference converter
+ * names them; the layers that reuse KV have no attn_k, attn_v, attn_k_norm.
+ * Its attention is unscaled: the Q and K norm weights carry head_dim^-1/4
+ * each, so random weights give logits of the usual size (unit ones make a
+ * model so peaked that float rounding moves its log-probabilities by 1e-2). */
+static rk_status mk_gemma4_tensors(mk_model *m, rk_ggml_type wt, const gemma4_extra *g) {
+    const preset *p = m->p;
+    const int64_t dim = p->dim, ple = g->ple, nl = p->n_layers;
+    rk_status st;
+    if ((st = mk_add(m, INIT_MATRIX, mk_matrix_type(p, wt, dim, ROLE_OUTPUT, 0), dim, m->vocab.n,
+                     "token_embd.weight", 0)) ||
+        (st = mk_add(m, INIT_MATRIX, mk_matrix_type(p, wt, ple * nl, ROLE_OTHER, 0), ple * nl,
+                     m->vocab.n, "per_layer_token_embd.weight", 0)) ||
+        (st = mk_add(m, INIT_MATRIX, mk_matrix_type(p, wt, dim, ROLE_OTHER, 0), dim, ple * nl,
+                     "per_layer_model_proj.weight", 0)) ||
+        (st = mk_add(m, INIT_NORM, wt, ple, 0, "per_layer_proj_norm.weight", 0)) ||
+        (st = mk_add(m, INIT_PARTIAL, wt, p->head_dim / 2, 0, "rope_freqs.weight", 0)))
+        return st;
+    m->tensors[m->n_tensors - 1].rows[0] = g->rot_pairs;
+    for (int l = 0; l < nl; l++) {
+        int slides = l % g->period != g->period - 1, owns = l < nl - g->n_shared;
+        int64_t hd = slides ? g->head_dim_swa : p->head_dim, q_dim = p->n_heads * hd,
+                kv_dim = p->n_kv_heads * hd;
+        int64_t ffn = l >= nl - g->n_shared && g->ffn_shared ? g->ffn_shared : p->ffn_dim;
+        const rk_ggml_type t_dim = mk_matrix_type(p, wt, dim, ROLE_OTHER, l);
+        if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.attn_norm.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, t_dim, dim, q_dim, "blk.%d.attn_q.weight", l)) ||
+            (owns &&
+             ((st = mk_add(m, INIT_MATRIX, t_dim, dim, kv_dim, "blk.%d.attn_k.weight", l)) ||
+              (st = mk_add(m, INIT_MATRIX, mk_matrix_type(p, wt, dim, ROLE_ATTN_V, l), dim, kv_dim,
+                           "blk.%d.attn_v.weight", l)) ||
+              (st = mk_add(m, INIT_QK_NORM, wt, hd, 0, "blk.%d.attn_k_norm.weight", l)))) ||
+            (st = mk_add(m, INIT_QK_NORM, wt, hd, 0, "blk.%d.attn_q_norm.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, mk_matrix_type(p, wt, q_dim, ROLE_ATTN_OUT, l), q_dim, dim,
+                         "blk.%d.attn_output.weight", l)) ||
+            (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.post_attention_norm.weight", l)) ||
+            (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.ffn_norm.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_gate.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, t_dim, dim, ffn, "blk.%d.ffn_up.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, mk_matrix_type(p, wt, ffn, ROLE_FFN_DOWN, l), ffn, dim,
+                         "blk.%d.ffn_down.weight", l)) ||
+            (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.post_ffw_norm.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, t_dim, dim, ple, "blk.%d.inp_gate.weight", l)) ||
+            (st = mk_add(m, INIT_MATRIX, mk_matrix_type(p, wt, ple, ROLE_OTHER, l), ple, dim,
+                         "blk.%d.proj.weight", l)) ||
+            (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.post_norm.weight", l)) ||
+            (st = mk_add(m, INIT_NORM, wt, 1, 0, "blk.%d.layer_output_scale.weight", l)))
+            return st;
+    }
+    return mk_add(m, INIT_NORM, wt, dim, 0, "output_norm.weight", 0);
+}
+
 static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
     const preset *p = m->p;
+    const gemma4_extra *g4 = rk_mk_gemma4_of(m->name);
+    if (g4) return mk_gemma4_tensors(m, wt, g4);
     const int64_t dim = p->dim, q_dim = (int64_t)p->n_heads * p->head_dim;
     const int64_t kv_dim = (int64_t)p->n_kv_heads * p->head_dim, ffn = p->ffn_dim;
     rk_status st;

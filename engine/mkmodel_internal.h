@@ -59,6 +59,22 @@ typedef struct gemma_extra {
     float rope_linear;   /* rope.scaling.type linear with this factor (> 0), 0: no key */
 } gemma_extra;
 
+/* What the Gemma 4 presets add, as the reference converter writes them:
+ * the layer kinds as a bool array (every period-th layer global), the head
+ * size of the sliding layers (the preset's head_dim is the global layers'),
+ * their rotated dims and base, the global layers' proportional RoPE
+ * (rope_freqs.weight: rot_pairs pairs rotate, the others get divisor 1e30),
+ * shared KV layers, per-layer embeddings of width ple, the shared layers'
+ * FFN width (double-wide MLP; 0: the preset's), the final soft cap. */
+typedef struct gemma4_extra {
+    const char *name;
+    int window, period, head_dim_swa, n_rot_swa, rot_pairs, n_shared, ple, ffn_shared;
+    float theta_swa, final_softcap;
+} gemma4_extra;
+
+/* The Gemma 4 additions of the preset named name, NULL for the others. */
+const gemma4_extra *rk_mk_gemma4_of(const char *name);
+
 /* Find a preset by name (NULL = "tiny"); *out_name (may be NULL) gets its
  * static name. RK_ERR_NOT_FOUND lists the presets. */
 rk_status rk_mk_preset_find(const char *name, const preset **out, const char **out_name);

@@ -52,6 +52,13 @@ static const rk_mkmodel_preset_info k_infos[] = {
     {"gemma3-1b", "gemma3, Gemma-3-1B shapes: 26 layers (window 512, every sixth global), dim "
                   "1152, 4 heads / 1 KV, head 256, FFN 6912, tied, Gemma 3 vocabulary (~1 B "
                   "parameters, 4 GB in F32)"},
+    {"gemma4-tiny", "gemma4, 6 layers (2 sliding, window 16, then 1 global; the last 3 reuse the "
+                    "KV of layers 1 and 2), dim 64, 4 heads / 2 KV, head 16 sliding and 32 global "
+                    "(RoPE on 8 of its 32), FFN 128 (256 in the KV-sharing layers), per-layer "
+                    "embeddings of 32, tied, Gemma 3 vocabulary"},
+    {"gemma4-e2b", "gemma4, Gemma-4-E2B shapes: 35 layers (window 512, every fifth global, the "
+                   "last 20 reuse KV), dim 1536, 8 heads / 1 KV, head 256 (global 512), FFN 6144 "
+                   "(12288 sharing), per-layer embeddings of 256, tied, Gemma 3 vocabulary"},
 };
 
 static const preset k_presets[] = {
@@ -322,7 +329,46 @@ static const preset k_presets[] = {
      .tied = 1,
      .qk_norm = 1,
      .vocab = VOCAB_GEMMA3},
+    /* gemma4-tiny */
+    {.arch = "gemma4",
+     .n_layers = 6,
+     .dim = 64,
+     .n_heads = 4,
+     .n_kv_heads = 2,
+     .head_dim = 32,
+     .ffn_dim = 128,
+     .n_ctx = 32768,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_GEMMA3},
+    /* gemma4-e2b */
+    {.arch = "gemma4",
+     .n_layers = 35,
+     .dim = 1536,
+     .n_heads = 8,
+     .n_kv_heads = 1,
+     .head_dim = 512,
+     .ffn_dim = 6144,
+     .n_ctx = 131072,
+     .theta = 1e6f,
+     .eps = 1e-6f,
+     .tied = 1,
+     .qk_norm = 1,
+     .vocab = VOCAB_GEMMA3},
 };
+
+static const gemma4_extra k_gemma4[] = {
+    {"gemma4-tiny", 16, 3, 16, 16, 4, 3, 32, 256, 10000.0f, 30.0f},
+    {"gemma4-e2b", 512, 5, 256, 256, 64, 20, 256, 12288, 10000.0f, 30.0f},
+};
+
+const gemma4_extra *rk_mk_gemma4_of(const char *name) {
+    for (size_t i = 0; i < sizeof k_gemma4 / sizeof k_gemma4[0]; i++)
+        if (strcmp(k_gemma4[i].name, name) == 0) return &k_gemma4[i];
+    return NULL;
+}
 
 static const gemma_extra k_gemma[] = {
     {"gemma2-tiny", 16, 50.0f, 30.0f, 0.0f},

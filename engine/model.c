@@ -11,6 +11,7 @@
  *   xb = rmsnorm(x) · ffn_norm;  x += (silu(xb·Wgate) * (xb·Wup)) · Wdown
  * then logits = (rmsnorm(x) · output_norm) · Wout for the requested rows. */
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -410,7 +411,6 @@ static rk_status load_weights(rk_model *m) {
         (st = place(m, t, &m->embd)))
         return st;
 
-    int q_dim = hp->n_heads * hp->head_dim, kv_dim = hp->n_kv_heads * hp->head_dim;
     m->layers = calloc((size_t)hp->n_layers, sizeof *m->layers);
     if (!m->layers) return rk_errorf(RK_ERR_NOMEM, "model: out of memory");
     char name[96];
@@ -420,6 +420,15 @@ static rk_status load_weights(rk_model *m) {
         char ffn_norm[96];
         snprintf(ffn_norm, sizeof ffn_norm, "blk.%d.%s.weight", l,
                  hp->desc->ffn_norm ? hp->desc->ffn_norm : "ffn_norm");
+        /* the KV layer it writes, or (past the owning layers) the last owning one of its kind */
+        L->owns_kv = l < hp->n_kv_layers;
+        L->kv_layer = L->owns_kv ? l : hp->n_kv_layers - (rk_model_slides(m, l) ? 2 : 1);
+        L->ffn_dim = m->ffn_of ? m->ffn_of[l] : hp->ffn_dim;
+        L->out_scale = 1.0f;
+        const int ffn = L->ffn_dim;
+        int hd = rk_model_slides(m, l) ? m->head_dim_swa : m->head_dim_global;
+        L->head_dim = hd = hd ? hd : hp->head_dim;
+        const int q_dim = hp->n_heads * hd, kv_dim = hp->n_kv_heads * hd;
         if ((st = load_vec(m, N("attn_norm.weight"), hp->dim, 0, &L->attn_norm)) ||
             (st = load_vec(m, ffn_norm, hp->dim, 0, &L->ffn_norm)) ||
             (st = load_mat(m, N("attn_output.weight"), hp->dim, q_dim, &L->wo)))
@@ -430,6 +439,12 @@ static rk_status load_weights(rk_model *m) {
         if (hp->desc->fused_qkv && rk_gguf_find_tensor(m->gguf, N("attn_qkv.weight"))) {
             if ((st = load_mat(m, name, q_dim + 2 * kv_dim, hp->dim, &L->qkv))) return st;
             m->has_fused = 1;
+        } else if (!L->owns_kv ||
+                   (hp->desc->v_norm && !rk_gguf_find_tensor(m->gguf, N("attn_v.weight")))) {
+            /* Q alone (a layer reusing KV), or Q and K (V = K) */
+            if ((st = load_mat(m, N("attn_q.weight"), q_dim, hp->dim, &L->wq)) ||
+                (L->owns_kv && (st = load_mat(m, N("attn_k.weight"), kv_dim, hp->dim, &L->wk))))
+                return st;
         } else {
             rk_matrix *qkv[] = {&L->wq, &L->wk, &L->wv};
             if ((st = load_stored(m, N("attn_q.weight"), q_dim, hp->dim, &L->wq)) ||
@@ -442,33 +457,32 @@ static rk_status load_weights(rk_model *m) {
          * gate first, in fused families) and down. */
         if (hp->desc->moe) {
             if ((st = load_experts(m, l, L))) return st;
-        } else if ((st = load_mat(m, N("ffn_down.weight"), hp->dim, hp->ffn_dim, &L->down))) {
+        } else if ((st = load_mat(m, N("ffn_down.weight"), hp->dim, ffn, &L->down))) {
             return st;
         } else if (hp->desc->fused_gate_up) {
-            if ((st = load_mat(m, N("ffn_up.weight"), 2 * hp->ffn_dim, hp->dim, &L->gate_up)))
-                return st;
+            if ((st = load_mat(m, N("ffn_up.weight"), 2 * ffn, hp->dim, &L->gate_up))) return st;
             m->has_fused = 1;
         } else {
             rk_matrix *gate_up[] = {&L->gate, &L->up};
-            if ((st = load_stored(m, N("ffn_gate.weight"), hp->ffn_dim, hp->dim, &L->gate)) ||
-                (st = load_stored(m, N("ffn_up.weight"), hp->ffn_dim, hp->dim, &L->up)) ||
+            if ((st = load_stored(m, N("ffn_gate.weight"), ffn, hp->dim, &L->gate)) ||
+                (st = load_stored(m, N("ffn_up.weight"), ffn, hp->dim, &L->up)) ||
                 (st = fuse_mats(m, gate_up, 2, &L->gate_up)))
                 return st;
         }
         if (hp->desc->qk_norm &&
-            ((st = load_vec(m, N("attn_q_norm.weight"), hp->head_dim, 0, &L->q_norm)) ||
-             (st = load_vec(m, N("attn_k_norm.weight"), hp->head_dim, 0, &L->k_norm))))
+            ((st = load_vec(m, N("attn_q_norm.weight"), hd, 0, &L->q_norm)) ||
+             (L->owns_kv && (st = load_vec(m, N("attn_k_norm.weight"), hd, 0, &L->k_norm)))))
             return st;
         if (hp->desc->post_norms &&
             ((st = load_vec(m, N("post_attention_norm.weight"), hp->dim, 0, &L->post_attn_norm)) ||
              (st = load_vec(m, N("post_ffw_norm.weight"), hp->dim, 0, &L->post_ffn_norm))))
             return st;
-        L->window = rk_model_layer_slides(hp, l) ? hp->sliding_window : 0;
+        L->window = rk_model_slides(m, l) ? hp->sliding_window : 0;
         /* Biases are optional where the family does not require them. */
         int bias_optional = !hp->desc->qkv_bias;
         if ((st = load_vec(m, N("attn_q.bias"), q_dim, bias_optional, &L->bq)) ||
-            (st = load_vec(m, N("attn_k.bias"), kv_dim, bias_optional, &L->bk)) ||
-            (st = load_vec(m, N("attn_v.bias"), kv_dim, bias_optional, &L->bv)))
+            (L->owns_kv && ((st = load_vec(m, N("attn_k.bias"), kv_dim, bias_optional, &L->bk)) ||
+                            (st = load_vec(m, N("attn_v.bias"), kv_dim, bias_optional, &L->bv)))))
             return st;
         if (hp->desc->attn_out_bias &&
             (st = load_vec(m, N("attn_output.bias"), hp->dim, 0, &L->bo)))
@@ -478,6 +492,8 @@ static rk_status load_weights(rk_model *m) {
             return st;
     }
 #undef N
+    if ((hp->desc->per_layer_embd || hp->desc->layer_out_scale) && (st = rk_gemma4_load(m)))
+        return st;
     if ((st = load_vec(m, "output_norm.weight", hp->dim, 0, &m->out_norm))) return st;
     if (rk_gguf_find_tensor(m->gguf, "output.weight")) {
         if ((st = load_mat(m, "output.weight", hp->n_vocab, hp->dim, &m->out))) return st;
@@ -505,9 +521,21 @@ static void compute_fingerprint(rk_model *m) {
     rk_hparams hp; /* without the description's address; memcpy keeps the padding's zeros */
     memcpy(&hp, &m->hp, sizeof hp);
     hp.desc = NULL;
-    XXH3_128bits_update(s, &hp, sizeof hp);
+    /* The fields up to the experts' as before Gemma 4's were added (so the
+     * other families' fingerprints, which key stores, stay what they were),
+     * then what Gemma 4's layers add, where a model has it. */
+    hp.n_kv_layers = hp.n_embd_per_layer = 0;
+    size_t align = _Alignof(rk_hparams), head = offsetof(rk_hparams, n_kv_layers);
+    XXH3_128bits_update(s, &hp, (head + align - 1) / align * align);
     XXH3_128bits_update(s, &m->rope, sizeof m->rope); /* factors and scale from the file */
     XXH3_128bits_update(s, &m->rope_swa, sizeof m->rope_swa);
+    if (m->slides || m->hp.n_kv_layers != m->hp.n_layers || m->hp.n_embd_per_layer) {
+        int g4[4] = {m->hp.n_kv_layers, m->hp.n_embd_per_layer, m->head_dim_swa,
+                     m->head_dim_global};
+        XXH3_128bits_update(s, g4, sizeof g4);
+        if (m->slides) XXH3_128bits_update(s, m->slides, (size_t)m->hp.n_layers);
+    }
+    if (m->ffn_of) XXH3_128bits_update(s, m->ffn_of, (size_t)m->hp.n_layers * sizeof(int));
     for (int64_t i = 0; i < rk_gguf_n_tensors(m->gguf); i++) {
         const rk_gguf_tensor *t = rk_gguf_tensor_at(m->gguf, i);
         XXH3_128bits_update(s, t->name, strlen(t->name));
@@ -531,7 +559,7 @@ static rk_status load_common(rk_model *m) {
     m->layer_rope = malloc((size_t)m->hp.n_layers * sizeof *m->layer_rope);
     if (!m->layer_rope) return rk_errorf(RK_ERR_NOMEM, "model: out of memory");
     for (int l = 0; l < m->hp.n_layers; l++)
-        m->layer_rope[l] = rk_model_layer_slides(&m->hp, l) ? &m->rope_swa : &m->rope;
+        m->layer_rope[l] = rk_model_slides(m, l) ? &m->rope_swa : &m->rope;
     if (rk_tokenizer_n_vocab(m->tok) > m->hp.n_vocab)
         return rk_errorf(RK_ERR_FORMAT, "model: tokenizer has %d tokens but the embedding %d rows",
                          rk_tokenizer_n_vocab(m->tok), m->hp.n_vocab);
@@ -597,6 +625,7 @@ void rk_model_free(rk_model *m) {
     free(m->layers);
     rk_moe_scratch_free(&m->moe_s);
     free(m->layer_rope);
+    rk_gemma4_free(m);
     rk_tokenizer_free(m->tok);
     rk_gguf_close(m->gguf);
     free(m->owned_buf);
@@ -616,6 +645,9 @@ rk_attn_params rk_model_attn_params(const rk_model *m, int layer) {
                             .window = window,
                             .sinks = layer >= 0 && layer < m->hp.n_layers ? m->layers[layer].sinks
                                                                           : NULL};
+}
+int rk_model_kv_layer(const rk_model *m, int layer) {
+    return layer >= 0 && layer < m->hp.n_layers ? m->layers[layer].kv_layer : -1;
 }
 const rk_gguf *rk_model_gguf(const rk_model *m) { return m->gguf; }
 rk_backend *rk_model_backend(const rk_model *m) { return m->be; }
@@ -676,7 +708,7 @@ static rk_status check_batch(const rk_model *m, const rk_kv_cache *kv, const rk_
     const rk_hparams *hp = &m->hp;
     if (b->n_tokens < 1 || b->attn.n_seqs < 1 || b->n_logits < 0)
         return rk_errorf(RK_ERR_INVALID, "forward: empty batch");
-    if (kv->n_layers != hp->n_layers || kv->n_kv_heads != hp->n_kv_heads ||
+    if (kv->n_layers != hp->n_kv_layers || kv->n_kv_heads != hp->n_kv_heads ||
         kv->head_dim != hp->head_dim)
         return rk_errorf(RK_ERR_INVALID, "forward: KV cache shape does not match the model");
     if (b->attn.q_start[0] != 0 || b->attn.q_start[b->attn.n_seqs] != b->n_tokens)
@@ -752,7 +784,6 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
     int n = b->n_tokens, n_table = b->attn.n_seqs * b->attn.max_blocks;
     if ((st = scratch_reserve(m, n, b->n_logits, n_table))) return st;
     rk_scratch *s = &m->s;
-    int q_dim = hp->n_heads * hp->head_dim, kv_dim = hp->n_kv_heads * hp->head_dim;
     if ((st = ops->upload(be, s->tokens, b->tokens, (size_t)n * 4)) ||
         (st = ops->upload(be, s->pos, b->pos, (size_t)n * 4)) ||
         (st = ops->upload(be, s->slots, b->slots, (size_t)n * 4)) ||
@@ -768,9 +799,11 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
     CK(ops->embed(be, s->x, m->embd, m->embd_type, s->tokens, n, hp->dim));
     if (hp->desc->embd_scale_sqrt) /* after the lookup, in f32, as the reference engine */
         CK(ops->scale(be, s->x, sqrtf((float)hp->dim), (size_t)n * hp->dim));
+    if (m->ple_embd) CK(rk_gemma4_ple_inputs(m, s->tokens, n));
     int n_layers = b->n_layers > 0 ? b->n_layers : hp->n_layers;
     for (int l = 0; l < n_layers; l++) {
         const rk_layer *L = &m->layers[l];
+        const int hd = L->head_dim, q_dim = hp->n_heads * hd, kv_dim = hp->n_kv_heads * hd;
         CK(ops->rmsnorm(be, s->xb, s->x, L->attn_norm, n, hp->dim, hp->rms_eps));
         if (L->qkv.rows) {
             float *out[] = {s->q, s->k, s->v};
@@ -778,26 +811,41 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
             CK(matmul_fused(m, &L->qkv, s->xb, n, out, widths, 3));
         } else {
             CK(matmul(m, s->q, s->xb, &L->wq, n));
-            CK(matmul(m, s->k, s->xb, &L->wk, n));
-            CK(matmul(m, s->v, s->xb, &L->wv, n));
+            if (L->wk.rows) CK(matmul(m, s->k, s->xb, &L->wk, n));
+            if (L->wv.rows)
+                CK(matmul(m, s->v, s->xb, &L->wv, n));
+            else if (L->wk.rows) /* V = K before its norm (gemma4 without attn_v; host) */
+                memcpy(s->v, s->k, (size_t)n * kv_dim * sizeof(float));
         }
         if (L->bq) CK(ops->add_bias(be, s->q, L->bq, n, q_dim));
         if (L->bk) CK(ops->add_bias(be, s->k, L->bk, n, kv_dim));
         if (L->bv) CK(ops->add_bias(be, s->v, L->bv, n, kv_dim));
-        if (L->q_norm) {
-            CK(ops->rmsnorm(be, s->q, s->q, L->q_norm, n * hp->n_heads, hp->head_dim, hp->rms_eps));
-            CK(ops->rmsnorm(be, s->k, s->k, L->k_norm, n * hp->n_kv_heads, hp->head_dim,
-                            hp->rms_eps));
+        if (L->q_norm)
+            CK(ops->rmsnorm(be, s->q, s->q, L->q_norm, n * hp->n_heads, hd, hp->rms_eps));
+        if (L->k_norm)
+            CK(ops->rmsnorm(be, s->k, s->k, L->k_norm, n * hp->n_kv_heads, hd, hp->rms_eps));
+        if (hp->desc->v_norm && L->owns_kv)
+            CK(ops->rmsnorm(be, s->v, s->v, m->ones, n * hp->n_kv_heads, hd, hp->rms_eps));
+        if (hd < hp->head_dim) { /* zero-padded to the KV cache's heads (gemma4; host) */
+            rk_gemma4_widen(s->q, n * hp->n_heads, hd, hp->head_dim);
+            if (L->owns_kv) {
+                rk_gemma4_widen(s->k, n * hp->n_kv_heads, hd, hp->head_dim);
+                rk_gemma4_widen(s->v, n * hp->n_kv_heads, hd, hp->head_dim);
+            }
         }
         const rk_rope *rope = m->layer_rope[l];
         CK(ops->rope(be, s->q, s->pos, n, hp->n_heads, hp->head_dim, rope));
-        CK(ops->rope(be, s->k, s->pos, n, hp->n_kv_heads, hp->head_dim, rope));
         if (b->out_q && l == n_layers - 1)
-            CK(ops->download(be, b->out_q, s->q, (size_t)n * q_dim * sizeof(float)));
-        CK(ops->kv_write(be, kv, l, s->k, s->v, s->slots, n));
+            CK(ops->download(be, b->out_q, s->q,
+                             (size_t)n * hp->n_heads * hp->head_dim * sizeof(float)));
+        if (L->owns_kv) { /* else the layer attends over an earlier layer's KV, as it is */
+            CK(ops->rope(be, s->k, s->pos, n, hp->n_kv_heads, hp->head_dim, rope));
+            CK(ops->kv_write(be, kv, L->kv_layer, s->k, s->v, s->slots, n));
+        }
         rk_attn_params ap = rk_model_attn_params(m, l);
         if (attn.seg_start) attn.rope = rope; /* segments rotate with the layer's own */
-        CK(ops->attention(be, s->att, NULL, s->q, kv, l, &attn, hp->n_heads, &ap));
+        CK(ops->attention(be, s->att, NULL, s->q, kv, L->kv_layer, &attn, hp->n_heads, &ap));
+        if (hd < hp->head_dim) rk_gemma4_narrow(s->att, n * hp->n_heads, hp->head_dim, hd);
         CK(matmul(m, s->xb, s->att, &L->wo, n));
         if (L->bo) CK(ops->add_bias(be, s->xb, L->bo, n, hp->dim));
         if (L->post_attn_norm)
@@ -810,20 +858,21 @@ rk_status rk_model_forward(rk_model *m, const rk_kv_cache *kv, const rk_batch *b
         }
         if (L->gate_up.rows) {
             float *out[] = {s->hb, s->hb2};
-            const int widths[] = {hp->ffn_dim, hp->ffn_dim};
+            const int widths[] = {L->ffn_dim, L->ffn_dim};
             CK(matmul_fused(m, &L->gate_up, s->xb, n, out, widths, 2));
         } else {
             CK(matmul(m, s->hb, s->xb, &L->gate, n));
             CK(matmul(m, s->hb2, s->xb, &L->up, n));
         }
         if (hp->desc->act == RK_FFN_GELU_TANH)
-            CK(ops->geglu(be, s->hb, s->hb, s->hb2, (size_t)n * hp->ffn_dim));
+            CK(ops->geglu(be, s->hb, s->hb, s->hb2, (size_t)n * L->ffn_dim));
         else
-            CK(ops->swiglu(be, s->hb, s->hb, s->hb2, (size_t)n * hp->ffn_dim));
+            CK(ops->swiglu(be, s->hb, s->hb, s->hb2, (size_t)n * L->ffn_dim));
         CK(matmul(m, s->xb, s->hb, &L->down, n));
         if (L->post_ffn_norm)
             CK(ops->rmsnorm(be, s->xb, s->xb, L->post_ffn_norm, n, hp->dim, hp->rms_eps));
         CK(ops->add(be, s->x, s->xb, (size_t)n * hp->dim));
+        if (hp->desc->per_layer_embd || hp->desc->layer_out_scale) CK(rk_gemma4_layer_out(m, l, n));
     }
     /* Without logits nothing is downloaded: sync, so an error the device
      * found in this pass is reported by this pass. */

@@ -5,6 +5,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "engine/model_internal.h"
@@ -23,6 +24,47 @@ static rk_status get_u32_arch(rk_model *m, const char *suffix, uint32_t def, int
     }
     if (v > (1u << 30)) return rk_errorf(RK_ERR_FORMAT, "model: %s = %u is out of range", key, v);
     *out = (int)v;
+    return RK_OK;
+}
+
+/* A u32 key that may also be a per-layer array (n_layers entries), as the
+ * reference engine reads feed_forward_length and head_count_kv: *out the
+ * largest entry, *per_layer (when not NULL) a malloc'ed copy of the array
+ * or NULL for a scalar; an array where per_layer is NULL must hold one
+ * value. */
+static rk_status get_u32_or_arr(rk_model *m, const char *suffix, uint32_t def, int required,
+                                int *out, int **per_layer) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", m->hp.arch_name, suffix);
+    int64_t i = rk_gguf_find_key(m->gguf, key);
+    if (per_layer) *per_layer = NULL;
+    if (i < 0 || rk_gguf_kv_type(m->gguf, i) != RK_GGUF_ARRAY)
+        return get_u32_arch(m, suffix, def, required, out);
+    int32_t *a;
+    size_t n;
+    rk_status st = rk_gguf_get_arr_i32(m->gguf, key, &a, &n);
+    if (st) return st;
+    if ((int64_t)n != m->hp.n_layers) {
+        free(a);
+        return rk_errorf(RK_ERR_FORMAT, "model: %s has %zu entries for %d layers", key, n,
+                         m->hp.n_layers);
+    }
+    int max = 0;
+    for (size_t j = 0; j < n; j++) {
+        if (a[j] < 1 || a[j] > (1 << 30) || (!per_layer && a[j] != a[0])) {
+            free(a);
+            return rk_errorf(RK_ERR_UNSUPPORTED, "model: %s[%zu] = %d %s", key, j, a[j],
+                             per_layer ? "is out of range"
+                                       : "differs from layer 0's (ragkv computes one value for "
+                                         "every layer)");
+        }
+        max = a[j] > max ? a[j] : max;
+    }
+    *out = max;
+    if (per_layer)
+        *per_layer = a;
+    else
+        free(a);
     return RK_OK;
 }
 
@@ -48,15 +90,16 @@ static rk_status read_attn(rk_model *m) {
     rk_hparams *hp = &m->hp;
     const rk_arch_desc *d = hp->desc;
     rk_status st;
-    hp->attn_scale = 1.0f / sqrtf((float)hp->head_dim);
+    hp->attn_scale = d->attn_unscaled ? 1.0f : 1.0f / sqrtf((float)hp->head_dim);
     if (d->scale_dim_layers > 0 && hp->n_layers == d->scale_dim_layers)
         hp->attn_scale = 1.0f / sqrtf((float)(hp->dim / hp->n_heads));
     hp->sliding_window = hp->swa_period = 0;
+    /* with the pattern as a per-layer array (rk_gemma4_read_hparams), the window is required */
     if (d->swa_period > 0 &&
-        ((st = get_u32_arch(m, "attention.sliding_window", (uint32_t)d->swa_default_window, 0,
-                            &hp->sliding_window)) ||
-         (st = get_u32_arch(m, "attention.sliding_window_pattern", (uint32_t)d->swa_period, 0,
-                            &hp->swa_period))))
+        ((st = get_u32_arch(m, "attention.sliding_window", (uint32_t)d->swa_default_window,
+                            d->swa_pattern_arr, &hp->sliding_window)) ||
+         (!d->swa_pattern_arr && (st = get_u32_arch(m, "attention.sliding_window_pattern",
+                                                    (uint32_t)d->swa_period, 0, &hp->swa_period)))))
         return st;
     hp->attn_softcap = hp->final_softcap = 0.0f;
     if (d->attn_softcap > 0 &&
@@ -178,10 +221,11 @@ rk_status rk_model_read_hparams(rk_model *m) {
 
     if ((st = get_u32_arch(m, "block_count", 0, 1, &hp->n_layers)) ||
         (st = get_u32_arch(m, "embedding_length", 0, 1, &hp->dim)) ||
-        (st = get_u32_arch(m, "feed_forward_length", 0, !hp->desc->moe, &hp->ffn_dim)) ||
+        (st = get_u32_or_arr(m, "feed_forward_length", 0, !hp->desc->moe, &hp->ffn_dim,
+                             &m->ffn_of)) ||
         (st = get_u32_arch(m, "attention.head_count", 0, 1, &hp->n_heads)) ||
-        (st = get_u32_arch(m, "attention.head_count_kv", (uint32_t)hp->n_heads, 0,
-                           &hp->n_kv_heads)) ||
+        (st = get_u32_or_arr(m, "attention.head_count_kv", (uint32_t)hp->n_heads, 0,
+                             &hp->n_kv_heads, NULL)) ||
         (st = get_u32_arch(m, "context_length", 2048, 0, &hp->n_ctx)))
         return st;
     if ((st = read_experts(m))) return st;
@@ -232,8 +276,11 @@ rk_status rk_model_read_hparams(rk_model *m) {
     } else {
         hp->pooling = (rk_pooling)pooling;
     }
-    if ((st = read_rope(m))) return st;
-    return read_attn(m);
+    hp->n_kv_layers = hp->n_layers;
+    if ((st = read_rope(m)) || (st = read_attn(m))) return st;
+    const rk_arch_desc *d = hp->desc;
+    return d->swa_pattern_arr || d->shared_kv || d->per_layer_embd ? rk_gemma4_read_hparams(m)
+                                                                   : RK_OK;
 }
 
 /* Whether layer l slides (the reference engine's pattern): with a window,
@@ -243,6 +290,11 @@ int rk_model_layer_slides(const rk_hparams *hp, int l) {
     if (hp->sliding_window <= 0) return 0;
     if (hp->swa_period == 0) return 1;
     return l % hp->swa_period < hp->swa_period - 1;
+}
+
+int rk_model_slides(const rk_model *m, int l) {
+    if (m->slides) return m->hp.sliding_window > 0 && m->slides[l];
+    return rk_model_layer_slides(&m->hp, l);
 }
 
 /* Per-frequency divisors of the RoPE frequencies, where the file has them:

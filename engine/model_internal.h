@@ -29,6 +29,19 @@ typedef struct rk_layer {
     /* Mixture of experts (load_experts): the router and each expert's
      * matrices in place of gate, up and down; moe.gate NULL when dense */
     rk_moe_layer moe;
+    /* Gemma 4 (model_gemma4.c): the KV layer it writes (its own) or reads
+     * (an earlier one's; owns_kv 0), its FFN width, its per-layer embedding's
+     * gate (dim -> ple), projection (ple -> dim) and norm, its output scale */
+    int kv_layer, owns_kv, ffn_dim;
+    /* Its heads' size: hp.head_dim (the KV cache's), or less in a family whose
+     * sliding and global layers differ (gemma4): its Q, K and V are then
+     * zero-padded to hp.head_dim for RoPE, the KV cache and attention (the
+     * padding adds nothing to q·k, attention is unscaled, and the output's
+     * padding is dropped before attn_output) */
+    int head_dim;
+    rk_matrix ple_gate, ple_proj;
+    const float *ple_norm;
+    float out_scale; /* 1 where the file has none */
 } rk_layer;
 
 /* Activation buffers, sized for cap tokens and cap_logits logit rows. */
@@ -68,6 +81,21 @@ struct rk_model {
     rk_moe_scratch moe_s; /* the MoE FFN's buffers (host memory) */
     char fingerprint[33];
     rk_scratch s;
+    /* Per-layer shapes read from arrays (NULL: every layer the same): a
+     * layer's FFN width, whether it slides */
+    int *ffn_of;
+    unsigned char *slides;
+    int head_dim_swa, head_dim_global; /* each kind's head size, 0: hp.head_dim */
+    /* Gemma 4's per-layer embeddings (model_gemma4.c): the table (n_vocab,
+     * n_layers * ple), the projection from the embedding, its norm (ple),
+     * a ones vector (head_dim, V's weightless norm), the batch's inputs
+     * (cap, n_layers, ple) and a buffer of as many floats, host memory */
+    const void *ple_embd;
+    rk_dtype ple_type;
+    rk_matrix ple_model_proj;
+    const float *ple_proj_norm, *ones;
+    float *ple_in, *ple_tmp;
+    int ple_cap;
 };
 
 /* Read the hyper-parameters and RoPE tables of m's GGUF into m->hp, m->rope
@@ -79,5 +107,23 @@ rk_status rk_model_apply_rope_freqs(rk_model *m);
 
 /* Whether layer l of a model with hp slides over a window. */
 int rk_model_layer_slides(const rk_hparams *hp, int l);
+/* The same for m's layer l, read from the file's per-layer array where it has one. */
+int rk_model_slides(const rk_model *m, int l);
+
+/* Gemma 4 (model_gemma4.c). Read the keys of the family's layer kinds,
+ * shared KV and per-layer embeddings (after the common ones). */
+rk_status rk_gemma4_read_hparams(rk_model *m);
+/* Load the per-layer embedding tensors and each layer's output scale. */
+rk_status rk_gemma4_load(rk_model *m);
+/* The batch's per-layer inputs from tokens (host, n) and the scaled
+ * embeddings in m->s.x, into m->ple_in. */
+rk_status rk_gemma4_ple_inputs(rk_model *m, const int32_t *tokens, int n);
+/* Rows of x (host) from width `from` to `to`, in place: widen pads each row
+ * with zeros, narrow drops each row's tail. */
+void rk_gemma4_widen(float *x, int rows, int from, int to);
+void rk_gemma4_narrow(float *x, int rows, int from, int to);
+/* x += layer l's per-layer embedding term; then x *= its output scale. */
+rk_status rk_gemma4_layer_out(rk_model *m, int l, int n);
+void rk_gemma4_free(rk_model *m);
 
 #endif

@@ -80,7 +80,10 @@ rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
     }
     if (arch && (!strcmp(arch, "qwen2") || !strcmp(arch, "qwen3"))) return RK_CHAT_CHATML;
     if (arch && !strcmp(arch, "phi3")) return RK_CHAT_PHI3;
-    if (arch && (!strcmp(arch, "gemma2") || !strcmp(arch, "gemma3"))) return RK_CHAT_GEMMA;
+    /* gemma4 files computed here carry Gemma 3's vocabulary (Gemma 4's own
+     * tokenizer, whose turns are <|turn>role\n...<turn|>, is not read) */
+    if (arch && (!strcmp(arch, "gemma2") || !strcmp(arch, "gemma3") || !strcmp(arch, "gemma4")))
+        return RK_CHAT_GEMMA;
     if (arch && !strcmp(arch, "gpt-oss")) return RK_CHAT_HARMONY;
     if (has_llama3_tokens) return RK_CHAT_LLAMA3;
     return RK_CHAT_LLAMA2;

@@ -90,13 +90,13 @@ static int handle_models(req_ctx *rc, const char *id) {
     const char *file = strrchr(S->o.model, '/');
     file = file ? file + 1 : S->o.model;
     json_t *info = json_pack(
-        "{s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:s, s:s, s:i, s:i, s:s}",
+        "{s:s, s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:s, s:s, s:i, s:i, s:s}",
         "fingerprint", rk_model_fingerprint(svc->model), "architecture", hp->arch_name, "n_layers",
-        hp->n_layers, "dim", hp->dim, "n_heads", hp->n_heads, "n_kv_heads", hp->n_kv_heads,
-        "head_dim", hp->head_dim, "ffn_dim", hp->ffn_dim, "n_vocab", hp->n_vocab, "n_ctx",
-        hp->n_ctx, "rope_theta", (double)hp->rope.theta, "weight_type", rk_dtype_name(hp->wtype),
-        "chat_template", rk_chat_template_name(S->tmpl), "block_size", svc->cfg.block_size, "bos",
-        rk_tokenizer_bos(tok), "source", file[0] ? file : "embedded");
+        hp->n_layers, "n_kv_layers", hp->n_kv_layers, "dim", hp->dim, "n_heads", hp->n_heads,
+        "n_kv_heads", hp->n_kv_heads, "head_dim", hp->head_dim, "ffn_dim", hp->ffn_dim, "n_vocab",
+        hp->n_vocab, "n_ctx", hp->n_ctx, "rope_theta", (double)hp->rope.theta, "weight_type",
+        rk_dtype_name(hp->wtype), "chat_template", rk_chat_template_name(S->tmpl), "block_size",
+        svc->cfg.block_size, "bos", rk_tokenizer_bos(tok), "source", file[0] ? file : "embedded");
     /* A model completes unless its file declares a pooling type (an
      * embedding or reranking model); one with a pooling type (its file's or
      * --pooling) makes embeddings, one with rank pooling and a

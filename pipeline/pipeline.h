@@ -79,6 +79,7 @@ typedef struct rk_kv_plan {
     uint64_t weight_bytes;     /* auto: the weights taken off it */
     const char *memory_source; /* auto: "MemAvailable", "cgroup" or "memory_limit_mb" */
     uint64_t token_bytes;      /* KV of one token, every layer, K and V */
+    int kv_layers;             /* the layers that hold KV (Gemma 4: fewer than the model's) */
     int block_size;            /* tokens per block */
     int context;               /* tokens of the longest request (max_context or the model's) */
     int pool_blocks[RK_POOL_COUNT];

@@ -21,15 +21,16 @@
  * prompt, and where a token's reused K/V is measured against fresh ones. */
 #define DEVIATION_LAYER 1
 
-/* K and V at layer of table entries idx0 .. idx0 + n - 1 of seq, as f32 rows
- * of n_kv_heads * head_dim: k (n rows), v (n rows). raw: block_size rows of
- * scratch in the cache dtype. Reads a block's run of entries per download. */
+/* K and V that model layer `layer` attends over, of table entries idx0 .. idx0 + n - 1 of seq, as
+ * f32 rows of n_kv_heads * head_dim: k (n rows), v (n rows). raw: block_size rows of scratch in the
+ * cache dtype. Reads a block's run of entries per download. */
 static rk_status read_kv(rk_service *svc, const rk_seq *seq, int layer, int idx0, int n, float *k,
                          float *v, unsigned char *raw) {
     const rk_kv_cache *kv = rk_arena_kv(svc->arena);
     int bs = kv->block_size;
     size_t row = (size_t)kv->n_kv_heads * kv->head_dim, rb = rk_dtype_row_bytes(kv->dtype, row);
     rk_status st;
+    layer = rk_model_kv_layer(svc->model, layer); /* the KV layer it attends over */
     for (int j = 0; j < n;) {
         int i = idx0 + j, run = bs - i % bs < n - j ? bs - i % bs : n - j;
         size_t off = (size_t)rk_seq_slot(seq, bs, i) * rb;

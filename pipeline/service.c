@@ -86,7 +86,7 @@ rk_status rk_kv_plan_make(const rk_config *cfg, const rk_hparams *hp, uint64_t w
     *k = (rk_kv_plan){.dtype = kv_dtype_of(cfg->kv_dtype, backend),
                       .block_size = cfg->block_size,
                       .auto_sized = cfg->kv_memory_mb == 0};
-    rk_arena_params p = {.n_layers = hp->n_layers,
+    rk_arena_params p = {.n_layers = hp->n_kv_layers ? hp->n_kv_layers : hp->n_layers,
                          .n_kv_heads = hp->n_kv_heads,
                          .head_dim = hp->head_dim,
                          .block_size = cfg->block_size,
@@ -102,6 +102,7 @@ rk_status rk_kv_plan_make(const rk_config *cfg, const rk_hparams *hp, uint64_t w
                          "%d: use f16",
                          cfg->kv_dtype, hp->head_dim);
     k->token_bytes = rk_arena_block_bytes(&p) / (size_t)cfg->block_size;
+    k->kv_layers = p.n_layers;
     k->context =
         cfg->max_context > 0 && cfg->max_context < hp->n_ctx ? cfg->max_context : hp->n_ctx;
     if (k->context < 1) k->context = cfg->max_context > 0 ? cfg->max_context : 1;
@@ -133,11 +134,12 @@ void rk_kv_plan_describe(const rk_kv_plan *k, char *buf, size_t n) {
                  k->fits_context ? "fits the live and chunk pools" : "does NOT fit: lower it");
     snprintf(buf, n,
              "KV %s, %.0f MiB%s: live %d tokens, prefix %d tokens, chunk %d tokens (%.1f KiB a "
-             "token)",
+             "token, %d layers)",
              rk_dtype_name(k->dtype), (double)k->budget_bytes / (1 << 20), how,
              k->pool_blocks[RK_POOL_LIVE] * k->block_size,
              k->pool_blocks[RK_POOL_PREFIX] * k->block_size,
-             k->pool_blocks[RK_POOL_CHUNK] * k->block_size, (double)k->token_bytes / 1024);
+             k->pool_blocks[RK_POOL_CHUNK] * k->block_size, (double)k->token_bytes / 1024,
+             k->kv_layers);
 }
 
 json_t *rk_kv_plan_json(const rk_kv_plan *k) {
@@ -146,11 +148,11 @@ json_t *rk_kv_plan_json(const rk_kv_plan *k) {
         json_object_set_new(pools, rk_pool_name((rk_pool_tag)i),
                             json_pack("{s:i, s:I}", "blocks", k->pool_blocks[i], "tokens",
                                       (json_int_t)k->pool_blocks[i] * k->block_size));
-    json_t *o =
-        json_pack("{s:s, s:b, s:f, s:I, s:i, s:i, s:b, s:o*}", "dtype", rk_dtype_name(k->dtype),
-                  "auto", k->auto_sized, "budget_mb", (double)k->budget_bytes / (1 << 20),
-                  "token_bytes", (json_int_t)k->token_bytes, "block_size", k->block_size, "context",
-                  k->context, "fits_context", k->fits_context, "pools", pools);
+    json_t *o = json_pack(
+        "{s:s, s:b, s:f, s:I, s:i, s:i, s:i, s:b, s:o*}", "dtype", rk_dtype_name(k->dtype), "auto",
+        k->auto_sized, "budget_mb", (double)k->budget_bytes / (1 << 20), "token_bytes",
+        (json_int_t)k->token_bytes, "layers", k->kv_layers, "block_size", k->block_size, "context",
+        k->context, "fits_context", k->fits_context, "pools", pools);
     if (o && k->auto_sized)
         json_object_update_new(o, json_pack("{s:f, s:s, s:f}", "memory_mb",
                                             (double)k->memory_bytes / (1 << 20), "memory_source",
@@ -178,7 +180,7 @@ static rk_status open_arena(rk_service *svc) {
         RK_LOG_WARN("%s", line);
     else
         RK_LOG_INFO("%s", line);
-    rk_arena_params p = {.n_layers = hp->n_layers,
+    rk_arena_params p = {.n_layers = hp->n_kv_layers ? hp->n_kv_layers : hp->n_layers,
                          .n_kv_heads = hp->n_kv_heads,
                          .head_dim = hp->head_dim,
                          .block_size = cfg->block_size,

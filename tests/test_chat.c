@@ -278,6 +278,7 @@ Test(chat, gemma_renders_as_its_template) {
     cr_assert_eq(rk_chat_template_detect("{{ bos_token }}...'<start_of_turn>' + role", "llama", 0),
                  RK_CHAT_GEMMA);
     cr_assert_eq(rk_chat_template_detect(NULL, "gemma3", 0), RK_CHAT_GEMMA);
+    cr_assert_eq(rk_chat_template_detect(NULL, "gemma4", 0), RK_CHAT_GEMMA);
     cr_assert_eq(rk_chat_template_detect(NULL, "gemma2", 0), RK_CHAT_GEMMA);
     cr_assert_str_eq(rk_chat_template_name(RK_CHAT_GEMMA), "gemma");
 }

@@ -8,7 +8,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "engine/gguf.h"
+#include "config/config.h"
 #include "engine/mkmodel.h"
 #include "pipeline/pipeline.h"
 #include "tests/testutil.h"
@@ -316,6 +319,164 @@ Test(engine, gemma3_layers_slide_with_the_local_rope_and_every_sixth_is_global) 
     rk_service_close(svc);
     check_plain_thread_invariance(path, 40);
     free(path);
+}
+
+/* gemma4-tiny (skipped without Gemma 3's tokenizer.json, its vocabulary):
+ * the layer kinds from the file's array (sliding, sliding, global, twice),
+ * heads of 16 in the sliding layers and 32 in the global ones, unscaled
+ * attention, the final soft cap of 30, the global layers' RoPE rotating 4
+ * of 16 pairs (rope_freqs.weight), and the last three layers
+ * attending over the KV of layers 1 and 2: the KV cache and its sizing hold
+ * three layers, not six. */
+Test(engine, gemma4_tiny_reuses_kv_of_earlier_layers_and_holds_only_the_owning_ones) {
+    char *path = rk_test_model("gemma4-tiny", "f32", 9);
+    rk_service *svc = open_model(path, 2);
+    const rk_model *m = svc->model;
+    const rk_hparams *hp = rk_model_hparams(m);
+    cr_assert_str_eq(hp->desc->name, "gemma4");
+    cr_assert_eq(hp->n_layers, 6);
+    cr_assert_eq(hp->n_kv_layers, 3);
+    cr_assert_eq(hp->n_embd_per_layer, 32);
+    cr_assert_eq(hp->attn_scale, 1.0f);
+    cr_assert_eq(hp->final_softcap, 30.0f);
+    cr_assert_eq(hp->sliding_window, 16);
+    const int kv_of[6] = {0, 1, 2, 1, 1, 2}, window[6] = {16, 16, 0, 16, 16, 0};
+    for (int l = 0; l < 6; l++) {
+        cr_assert_eq(rk_model_kv_layer(m, l), kv_of[l], "layer %d", l);
+        cr_assert_eq(rk_model_attn_params(m, l).window, window[l], "layer %d", l);
+        cr_assert_eq(rk_model_rope(m, l), rk_model_rope(m, kv_of[l]), "the owner's RoPE");
+    }
+    cr_assert_eq(rk_model_kv_layer(m, 6), -1);
+    const rk_rope *local = rk_model_rope(m, 0), *global = rk_model_rope(m, 2);
+    cr_assert_eq(local->n_rot, 16);
+    cr_assert_eq(global->n_rot, 32);
+    cr_assert_float_eq(local->freq[1], powf(10000.0f, -2.0f / 16), 1e-6);
+    cr_assert_float_eq(global->freq[1], powf(1e6f, -2.0f / 32), 1e-6);
+    for (int i = 4; i < 16; i++) cr_assert_lt(global->freq[i], 1e-20f, "pair %d stays put", i);
+    const rk_kv_cache *kv = rk_arena_kv(svc->arena);
+    cr_assert_eq(kv->n_layers, 3);
+    cr_assert_eq(kv->head_dim, 32, "the sliding layers' heads of 16 padded to the global 32");
+    cr_assert_eq(svc->kv.token_bytes,
+                 2ull * 3 * rk_dtype_row_bytes(kv->dtype, (size_t)kv->n_kv_heads * kv->head_dim));
+    json_t *j = rk_kv_plan_json(&svc->kv);
+    cr_assert_eq(json_integer_value(json_object_get(j, "layers")), 3, "/stats says so");
+    json_decref(j);
+    rk_service_close(svc);
+    check_plain_thread_invariance(path, 40);
+    free(path);
+}
+
+/* A copy of gemma4 file src (in the test directory, as name) whose attn_v
+ * tensors are left out (drop) or hold attn_k's values, with the u32 key
+ * add_u32 = 8 added where not NULL. */
+typedef struct vk_copy {
+    const rk_gguf *g;
+    int64_t src[512]; /* the source tensor of each written one */
+} vk_copy;
+
+static rk_status fill_vk(void *ctx, int64_t i, void *dst, size_t n_bytes) {
+    const vk_copy *c = ctx;
+    memcpy(dst, rk_gguf_tensor_at(c->g, c->src[i])->data, n_bytes);
+    return RK_OK;
+}
+
+static char *copy_without_v(const char *src, int drop, const char *name, const char *add_u32) {
+    char path[4200], tmp[4300];
+    snprintf(path, sizeof path, "%s/models/%s", RK_TEST_TMP, name);
+    rk_gguf *g;
+    cr_assert_eq(rk_gguf_open(src, &g), RK_OK, "%s", rk_error_message());
+    rk_gguf_writer *w;
+    cr_assert_eq(rk_gguf_writer_create(&w), RK_OK);
+    for (int64_t i = 0; i < rk_gguf_n_kv(g); i++) rk_test_gguf_copy_kv(w, g, i);
+    if (add_u32) cr_assert_eq(rk_gguf_writer_set_u32(w, add_u32, 8), RK_OK);
+    static vk_copy c;
+    c.g = g;
+    int64_t n = 0;
+    for (int64_t i = 0; i < rk_gguf_n_tensors(g); i++) {
+        const rk_gguf_tensor *t = rk_gguf_tensor_at(g, i);
+        const char *v = strstr(t->name, ".attn_v.weight");
+        int64_t from = i;
+        if (v && drop) continue;
+        if (v) { /* blk.N.attn_v.weight -> blk.N.attn_k.weight */
+            char k[96];
+            snprintf(k, sizeof k, "%.*s.attn_k.weight", (int)(v - t->name), t->name);
+            for (from = 0; strcmp(rk_gguf_tensor_at(g, from)->name, k) != 0; from++)
+                cr_assert_lt(from + 1, rk_gguf_n_tensors(g), "%s has no %s", src, k);
+        }
+        cr_assert_lt(n, 512);
+        c.src[n++] = from;
+        cr_assert_eq(rk_gguf_writer_add_tensor(w, t->name, (rk_ggml_type)t->type, t->n_dims, t->ne),
+                     RK_OK, "%s", rk_error_message());
+    }
+    snprintf(tmp, sizeof tmp, "%s.%d", path, (int)getpid());
+    cr_assert_eq(rk_gguf_writer_write_file(w, tmp, fill_vk, &c), RK_OK, "%s", rk_error_message());
+    rk_gguf_writer_free(w);
+    rk_gguf_close(g);
+    cr_assert_eq(rename(tmp, path), 0);
+    return rk_strdup(path);
+}
+
+static void greedy_of(const char *path, const char *text, int n_new, int32_t *out) {
+    rk_service *svc = open_model(path, 2);
+    int32_t *ids;
+    size_t n;
+    cr_assert_eq(
+        rk_tokenizer_encode(rk_model_tokenizer(svc->model), text, strlen(text), 1, &ids, &n),
+        RK_OK);
+    cr_assert_eq(greedy(svc, ids, (int)n, n_new, out), n_new);
+    free(ids);
+    rk_service_close(svc);
+}
+
+/* Without attn_v a gemma4 layer's V is its K before the K norm, as the
+ * reference engine computes it: the file without attn_v gives the tokens of
+ * the file whose attn_v holds attn_k's values, and not the original's. */
+Test(engine, gemma4_without_attn_v_takes_v_from_k) {
+    char *src = rk_test_model("gemma4-tiny", "f32", 9);
+    char *no_v = copy_without_v(src, 1, "gemma4-tiny-no-v.gguf", NULL);
+    char *v_is_k = copy_without_v(src, 0, "gemma4-tiny-v-is-k.gguf", NULL);
+    const char *text = "Once upon a time, in a small village by the sea, there lived a girl";
+    int32_t a[24], b[24], c[24];
+    greedy_of(no_v, text, 24, a);
+    greedy_of(v_is_k, text, 24, b);
+    greedy_of(src, text, 24, c);
+    cr_assert_arr_eq(a, b, sizeof a);
+    cr_assert(memcmp(a, c, sizeof a) != 0, "the original's own attn_v gives other tokens");
+    free(no_v);
+    free(v_is_k);
+    free(src);
+}
+
+/* A gemma4 file with experts (26B-A4B) is refused, not computed as its
+ * dense FFN alone. */
+Test(engine, gemma4_with_experts_is_refused) {
+    char *src = rk_test_model("gemma4-tiny", "f32", 9);
+    char *path = copy_without_v(src, 0, "gemma4-tiny-experts.gguf", "gemma4.expert_count");
+    rk_backend *be;
+    cr_assert_eq(rk_backend_create("cpu", 1, &be), RK_OK);
+    rk_model *m;
+    cr_assert_eq(rk_model_load(path, be, &m), RK_ERR_UNSUPPORTED);
+    cr_assert(strstr(rk_error_message(), "gemma4.expert_count 8"), "%s", rk_error_message());
+    rk_backend_free(be);
+    free(path);
+    free(src);
+}
+
+/* A gemma4 file without its per-layer kinds is refused, naming the key. */
+Test(engine, gemma4_without_its_layer_kinds_is_refused) {
+    char *src = rk_test_model("gemma4-tiny", "f32", 9);
+    char *path = rk_test_model_without_key(src, "gemma4.attention.sliding_window_pattern",
+                                           "gemma4-tiny-no-pattern.gguf");
+    rk_backend *be;
+    cr_assert_eq(rk_backend_create("cpu", 1, &be), RK_OK);
+    rk_model *m;
+    cr_assert_eq(rk_model_load(path, be, &m), RK_ERR_FORMAT);
+    cr_assert_null(m);
+    cr_assert(strstr(rk_error_message(), "gemma4.attention.sliding_window_pattern is missing"),
+              "%s", rk_error_message());
+    rk_backend_free(be);
+    free(path);
+    free(src);
 }
 
 Test(engine, gemma2_slides_on_even_layers_with_soft_caps) {

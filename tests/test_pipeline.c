@@ -128,14 +128,13 @@ static void check_modes(const char *model, const char *prompt) {
 
 Test(pipeline, cached_path_equals_the_oracle_in_every_mode) { check_modes(NULL, STORY); }
 
-/* Sliding windows (gemma3-micro: five layers of window 16 with the local
- * RoPE, then a global one; gemma2-tiny: window 16 on even layers, soft
- * caps): chunks longer than the window, cached and reused in every context
- * and position mode, with each repair policy, on both reindex paths, give
- * the oracle's tokens and logits within 1e-4. */
+/* Sliding windows (gemma3-micro: 5 layers of window 16, local RoPE, then a global one; gemma2-tiny:
+ * window 16 on even layers, soft caps; gemma4-tiny: window 16, 3 of 6 layers reading others' KV):
+ * chunks longer than the window, cached and reused in every context and position mode, with each
+ * repair policy, on both reindex paths, give the oracle's tokens and logits within 1e-4. */
 Test(pipeline, gemma_cached_path_equals_the_oracle_in_every_mode, .timeout = 600) {
-    const char *presets[2] = {"gemma3-micro", "gemma2-tiny"};
-    for (int p = 0; p < 2; p++) {
+    const char *presets[3] = {"gemma3-micro", "gemma2-tiny", "gemma4-tiny"};
+    for (int p = 0; p < 3; p++) {
         char *model = rk_test_model(presets[p], "f32", 6);
         rk_service *svc = open_svc_dtype(model, 0, NULL, NULL);
         int32_t *ids;

@@ -329,12 +329,13 @@ Test(reuse, qwen3moe_tiny_an_exact_repeat_and_a_follow_up_compute_only_their_new
 }
 
 /* Sliding windows (gemma3-micro: window 16 with the local RoPE, a global
- * layer; gemma2-tiny: window 16, soft caps): a repeat, a changed last word
+ * layer; gemma2-tiny: window 16, soft caps; gemma4-tiny: window 16, layers
+ * reusing an earlier layer's KV): a repeat, a changed last word
  * and a follow-up reuse the stored sequence and give what a service without
  * sequence reuse gives, in every configuration, on both reindex paths. */
 Test(reuse, gemma_sequences_are_reused_exactly) {
-    const char *presets[2] = {"gemma3-micro", "gemma2-tiny"};
-    for (int p = 0; p < 2; p++) {
+    const char *presets[3] = {"gemma3-micro", "gemma2-tiny", "gemma4-tiny"};
+    for (int p = 0; p < 3; p++) {
         char *model = rk_test_model(presets[p], "f32", 8);
         on_both_paths(check_exact_repeat, model);
         on_both_paths(check_last_word, model);

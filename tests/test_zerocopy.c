@@ -164,10 +164,11 @@ Test(zerocopy, stories260k_zero_copy_equals_copy_in_every_mode) {
 }
 
 /* Gemma 3's local and global RoPE and sliding windows: the runs are read
- * with each layer's RoPE, as the copy rotates them. */
+ * with each layer's RoPE, as the copy rotates them; Gemma 4's layers that
+ * reuse KV read the runs of the layer that owns it. */
 Test(zerocopy, gemma_zero_copy_equals_copy_in_every_mode, .timeout = 600) {
-    const char *presets[2] = {"gemma3-micro", "gemma2-tiny"};
-    for (int p = 0; p < 2; p++) {
+    const char *presets[3] = {"gemma3-micro", "gemma2-tiny", "gemma4-tiny"};
+    for (int p = 0; p < 3; p++) {
         char *model = rk_test_model(presets[p], "f32", 6);
         check_every_mode(model);
         free(model);

@@ -226,7 +226,8 @@ char *rk_test_model(const char *preset, const char *wtype, unsigned seed) {
         /* Any SentencePiece vocabulary of up to 32000 pieces makes the same
          * weights: a small one of the repository's. */
         o.vocab_path = rk_strdup(RK_TEST_DATA "/spm-tokenizer.json");
-    } else if (!strncmp(preset, "gemma3-", 7) && strcmp(preset, "gemma3-micro") != 0) {
+    } else if ((!strncmp(preset, "gemma3-", 7) && strcmp(preset, "gemma3-micro") != 0) ||
+               !strncmp(preset, "gemma4-", 7)) {
         o.vocab_path = rk_test_gemma3_tokenizer();
         if (!o.vocab_path)
             cr_skip_test("no Gemma 3 tokenizer.json: set RAGKV_GEMMA3_TOKENIZER or put it in "
@@ -288,6 +289,16 @@ void rk_test_gguf_copy_kv(rk_gguf_writer *w, const rk_gguf *g, int64_t i) {
         size_t n;
         cr_assert_eq(rk_gguf_get_arr_f32(g, key, &v, &n), RK_OK);
         cr_assert_eq(rk_gguf_writer_set_arr_f32(w, key, v, n), RK_OK);
+        free(v);
+    } else if (t == RK_GGUF_ARRAY && rk_gguf_kv_arr_type(g, i) == RK_GGUF_BOOL) {
+        int32_t *v;
+        size_t n;
+        cr_assert_eq(rk_gguf_get_arr_i32(g, key, &v, &n), RK_OK);
+        uint8_t *b = malloc(n ? n : 1);
+        cr_assert_not_null(b);
+        for (size_t j = 0; j < n; j++) b[j] = v[j] != 0;
+        cr_assert_eq(rk_gguf_writer_set_arr(w, key, RK_GGUF_BOOL, b, n), RK_OK);
+        free(b);
         free(v);
     } else if (t == RK_GGUF_ARRAY && rk_gguf_kv_arr_type(g, i) == RK_GGUF_INT32) {
         int32_t *v;
