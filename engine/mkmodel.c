@@ -790,6 +790,45 @@ static rk_status mk_gemma4_tensors(mk_model *m, rk_ggml_type wt, const gemma4_ex
     return mk_add(m, INIT_NORM, wt, dim, 0, "output_norm.weight", 0);
 }
 
+/* A mixture-of-experts layer's FFN: the router (F32, as the reference
+ * converter and quantizer keep it) and the stacked experts (MXFP4 files:
+ * the experts MXFP4), and gpt-oss's biases and sinks. */
+static rk_status mk_expert_layer(mk_model *m, rk_ggml_type wt, int l) {
+    const preset *p = m->p;
+    const int64_t ne = p->n_expert, fe = p->ffn_exp, dim = p->dim;
+    const rk_ggml_type t_exp = wt == RK_GGML_MXFP4 ? wt : mk_matrix_type(p, wt, dim, ROLE_OTHER, l);
+    const rk_ggml_type t_down =
+        wt == RK_GGML_MXFP4 ? wt : mk_matrix_type(p, wt, fe, ROLE_FFN_DOWN, l);
+    rk_status st;
+    if ((st = mk_add(m, INIT_MATRIX, RK_GGML_F32, dim, ne, "blk.%d.ffn_gate_inp.weight", l)) ||
+        (st = mk_add3(m, INIT_MATRIX, t_exp, dim, fe, ne, "blk.%d.ffn_gate_exps.weight", l)) ||
+        (st = mk_add3(m, INIT_MATRIX, t_exp, dim, fe, ne, "blk.%d.ffn_up_exps.weight", l)) ||
+        (st = mk_add3(m, INIT_MATRIX, t_down, fe, dim, ne, "blk.%d.ffn_down_exps.weight", l)))
+        return st;
+    return p->gptoss_window ? mk_gptoss_layer(m, l) : RK_OK;
+}
+
+/* A reranker's head, as the reference converter makes it: the output
+ * projection's rows of "yes" and "no", in the projection's type t_out. */
+static rk_status mk_rerank_head(mk_model *m, rk_ggml_type t_out) {
+    const preset *p = m->p;
+    int32_t yes = -1, no = -1;
+    for (int32_t i = 0; i < m->vocab.n; i++) {
+        if (yes < 0 && !strcmp(m->vocab.tokens[i], "yes")) yes = i;
+        if (no < 0 && !strcmp(m->vocab.tokens[i], "no")) no = i;
+    }
+    if (yes < 0 || no < 0 || p->dim % 2)
+        return rk_errorf(RK_ERR_INVALID, "mkmodel %s: the vocabulary has no \"yes\" or \"no\"",
+                         m->name);
+    rk_status st = mk_add(m, INIT_ROWS, t_out, p->dim, 2, "cls.output.weight", 0);
+    if (st) return st;
+    mk_tensor *t = &m->tensors[m->n_tensors - 1];
+    t->src = p->tied ? "token_embd.weight" : "output.weight";
+    t->rows[0] = yes;
+    t->rows[1] = no;
+    return RK_OK;
+}
+
 static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
     const preset *p = m->p;
     const gemma4_extra *g4 = rk_mk_gemma4_of(m->name);
@@ -838,22 +877,7 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
              (st = mk_add(m, INIT_NORM, wt, dim, 0, "blk.%d.post_ffw_norm.weight", l))))
             return st;
         if (p->n_expert > 0) {
-            /* The router stays F32, as the reference converter and quantizer keep it. */
-            const int64_t ne = p->n_expert, fe = p->ffn_exp;
-            const rk_ggml_type t_exp =
-                wt == RK_GGML_MXFP4 ? wt : mk_matrix_type(p, wt, dim, ROLE_OTHER, l);
-            const rk_ggml_type t_down =
-                wt == RK_GGML_MXFP4 ? wt : mk_matrix_type(p, wt, fe, ROLE_FFN_DOWN, l);
-            if ((st = mk_add(m, INIT_MATRIX, RK_GGML_F32, dim, ne, "blk.%d.ffn_gate_inp.weight",
-                             l)) ||
-                (st = mk_add3(m, INIT_MATRIX, t_exp, dim, fe, ne, "blk.%d.ffn_gate_exps.weight",
-                              l)) ||
-                (st =
-                     mk_add3(m, INIT_MATRIX, t_exp, dim, fe, ne, "blk.%d.ffn_up_exps.weight", l)) ||
-                (st = mk_add3(m, INIT_MATRIX, t_down, fe, dim, ne, "blk.%d.ffn_down_exps.weight",
-                              l)))
-                return st;
-            if (p->gptoss_window && (st = mk_gptoss_layer(m, l))) return st;
+            if ((st = mk_expert_layer(m, wt, l))) return st;
             continue;
         }
         if (p->fused) { /* ffn_up holds gate then up */
@@ -874,24 +898,7 @@ static rk_status mk_tensors(mk_model *m, rk_ggml_type wt) {
     if ((st = mk_add(m, INIT_NORM, wt, dim, 0, "output_norm.weight", 0))) return st;
     if (!p->tied && (st = mk_add(m, INIT_MATRIX, t_out, dim, m->vocab.n, "output.weight", 0)))
         return st;
-    /* A reranker's head, as the reference converter makes it: the output
-     * projection's rows of "yes" and "no", in the projection's type. */
-    if (p->pooling == 4) {
-        int32_t yes = -1, no = -1;
-        for (int32_t i = 0; i < m->vocab.n; i++) {
-            if (yes < 0 && !strcmp(m->vocab.tokens[i], "yes")) yes = i;
-            if (no < 0 && !strcmp(m->vocab.tokens[i], "no")) no = i;
-        }
-        if (yes < 0 || no < 0 || dim % 2)
-            return rk_errorf(RK_ERR_INVALID, "mkmodel %s: the vocabulary has no \"yes\" or \"no\"",
-                             m->name);
-        if ((st = mk_add(m, INIT_ROWS, t_out, dim, 2, "cls.output.weight", 0))) return st;
-        mk_tensor *t = &m->tensors[m->n_tensors - 1];
-        t->src = p->tied ? "token_embd.weight" : "output.weight";
-        t->rows[0] = yes;
-        t->rows[1] = no;
-    }
-    return RK_OK;
+    return p->pooling == 4 ? mk_rerank_head(m, t_out) : RK_OK;
 }
 
 /* Resolve the preset, load the vocabulary and declare everything. */
