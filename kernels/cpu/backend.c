@@ -16,6 +16,8 @@
 
 /* ---------------------------------------------------------------- memory */
 
+static rk_cpu *cpu_of(rk_backend *be) { return (rk_cpu *)be->impl; }
+
 static void *aligned_bytes(size_t n_bytes) {
     size_t n = n_bytes ? n_bytes : 1;
     if (n > SIZE_MAX - ALIGN) return NULL;
@@ -25,13 +27,17 @@ static void *aligned_bytes(size_t n_bytes) {
 
 /* Large buffers (weights, the KV arena) are 2 MiB aligned and advised to use
  * transparent huge pages: attention reads one head of every kv entry, a page
- * apart, and would otherwise miss the TLB on nearly every entry. */
+ * apart, and would otherwise miss the TLB on nearly every entry. Their pages
+ * are then faulted in by the populator's thread (populate.c), not by a
+ * forward pass. */
 static rk_status cpu_alloc(rk_backend *be, size_t n_bytes, void **out) {
-    (void)be;
     if (n_bytes >= HUGE_MIN && n_bytes <= SIZE_MAX - HUGE_ALIGN) {
         size_t n = (n_bytes + HUGE_ALIGN - 1) / HUGE_ALIGN * HUGE_ALIGN;
         *out = aligned_alloc(HUGE_ALIGN, n);
-        if (*out) (void)madvise(*out, n, MADV_HUGEPAGE); /* advice only: failure is harmless */
+        if (*out) {
+            (void)madvise(*out, n, MADV_HUGEPAGE); /* advice only: failure is harmless */
+            rk_populator_add(cpu_of(be)->populate, *out, n);
+        }
     } else {
         *out = aligned_bytes(n_bytes);
     }
@@ -40,7 +46,7 @@ static rk_status cpu_alloc(rk_backend *be, size_t n_bytes, void **out) {
 }
 
 static void cpu_free(rk_backend *be, void *p) {
-    (void)be;
+    rk_populator_forget(cpu_of(be)->populate, p);
     free(p);
 }
 
@@ -94,8 +100,6 @@ rk_status rk_cpu_reserve_shared(rk_cpu *cpu, size_t n_bytes, void **out) {
     *out = cpu->shared;
     return RK_OK;
 }
-
-static rk_cpu *cpu_of(rk_backend *be) { return (rk_cpu *)be->impl; }
 
 /* ---------------------------------------------------------------- conversions */
 
@@ -472,6 +476,7 @@ rk_status rk_cpu_backend_create(int n_threads, rk_backend **out) {
         return rk_errorf(RK_ERR_NOMEM, "cpu backend: out of memory");
     }
     rk_status st = rk_threadpool_create(n_threads, &cpu->pool);
+    if (!st && (st = rk_populator_create(&cpu->populate))) rk_threadpool_free(cpu->pool);
     if (st != RK_OK) {
         free(be);
         free(cpu);
@@ -495,6 +500,7 @@ void rk_cpu_backend_free(rk_backend *be) {
     if (!be) return;
     rk_cpu *cpu = be->impl;
     if (cpu) {
+        rk_populator_free(cpu->populate);
         rk_threadpool_free(cpu->pool);
         free(cpu->scratch);
         free(cpu->shared);

@@ -48,8 +48,17 @@ void rk_threadpool_run(rk_threadpool *pool, int n_tasks, rk_task_fn fn, void *ct
 
 /* ---------------------------------------------------------------- backend state */
 
+/* The pages of large buffers faulted in by a thread of their own
+ * (populate.c): add a buffer once allocated; forget it before freeing it. */
+typedef struct rk_populator rk_populator;
+rk_status rk_populator_create(rk_populator **out);
+void rk_populator_add(rk_populator *pp, void *p, size_t n);
+void rk_populator_forget(rk_populator *pp, void *p);
+void rk_populator_free(rk_populator *pp);
+
 typedef struct rk_cpu {
     rk_threadpool *pool;
+    rk_populator *populate; /* large buffers' pages, faulted in ahead of use */
     int n_threads;
     unsigned char *scratch; /* (n_threads, scratch_stride) per-thread scratch, 64-byte aligned */
     size_t scratch_stride;
