@@ -16,6 +16,9 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "kernels/cpu/cpu.h"
 
@@ -41,6 +44,8 @@ struct rk_populator {
 
 static void *populate_main(void *arg) {
     rk_populator *pp = arg;
+    /* The lowest priority: the forward passes' threads come first. */
+    (void)setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), 19);
     pthread_mutex_lock(&pp->mu);
     for (;;) {
         while (!pp->stop && pp->n_q == 0) pthread_cond_wait(&pp->cv, &pp->mu);
