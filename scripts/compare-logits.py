@@ -30,12 +30,12 @@ top-5 log-probabilities, rank by rank. It exits 1 when a prompt's tokens
 part before N, or a difference exceeds --tol (2e-3)."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
+
+from serverlib import free_port, post, wait_ready
 
 PROMPTS = [
     "<|im_start|>user\nWhat does a KV cache store?<|im_end|>\n<|im_start|>assistant\n",
@@ -49,35 +49,6 @@ HARMONY_PROMPT = ("<|start|>system<|message|>Reasoning: low<|end|><|start|>user<
 # 190 tokens, so the window cuts in before the 64 generated ones.
 LONG_PROMPT = ("The chunk cache keeps each document's keys and values, so a later request "
                "that quotes the same document skips its prefill. ") * 8
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_ready(port, proc, what, path="/health"):
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"{what} exited while starting")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except Exception:
-            pass
-        time.sleep(0.2)
-    sys.exit(f"{what} did not become ready")
-
-
-def post(port, path, body):
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}",
-                                 data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=1800) as r:
-        return json.load(r)
 
 
 def reference_run(port, prompt, n):
@@ -167,7 +138,7 @@ def main():
              "-t", str(threads), "-np", "1", "-ctk", "f32", "-ctv", "f32", "-fa", "off",
              "--reasoning-format", "none"],
             stdout=log_ref, stderr=subprocess.STDOUT))
-        wait_ready(p_ref, procs[0], "the reference server")
+        wait_ready(p_ref, procs[0], "the reference server", "/health", 300)
         theirs = [reference_run(p_ref, p, n) for p in prompts]
         procs[0].terminate()
         procs[0].wait()
@@ -177,7 +148,7 @@ def main():
             [ragkv, "serve", "--model", model, "--port", str(p_rk), "--kv-dtype", "f32",
              "--threads", str(threads)],
             stdout=log_rk, stderr=subprocess.STDOUT))
-        wait_ready(p_rk, procs[1], "ragkv serve", "/ready")  # /health: up, maybe loading
+        wait_ready(p_rk, procs[1], "ragkv serve", "/ready", 300)  # /health: up, maybe loading
         ours = [ragkv_run(p_rk, p, n) for p in prompts]
     finally:
         for p in procs:
