@@ -4,7 +4,7 @@ and compare greedy generations: the generated token ids must agree for N
 tokens and each step's top-5 log-probabilities must agree within a tolerance.
 
     scripts/compare-reference.py MODEL.gguf [--ragkv build/ragkv]
-        [--server /work/ref/llama.cpp/build/bin/llama-server] [-n 64] [--tol 2e-3]
+        [--server PATH/llama-server] [-n 64] [--tol 2e-3]
 
 Both engines keep an F32 KV cache, and the reference runs with its flash
 attention off (its CPU kernel rounds through F16). Where the tokens part, the
@@ -15,12 +15,12 @@ Prints one line per prompt and a summary; exits 1 on a mismatch."""
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
+
+from serverlib import free_port, wait_ready
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -28,12 +28,6 @@ PROMPTS = [
     "def fibonacci(n):\n    if n < 2:\n        return n\n",
     "Question: what is the capital of France? Answer:",
 ]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def post(url, body, timeout=120):
@@ -72,13 +66,7 @@ def reference(server, model, n, threads):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if r.status == 200:
-                        break
-            except Exception:
-                time.sleep(0.1)
+        wait_ready(port, proc, "the reference server", "/health", 60)
         out = []
         for p in PROMPTS:
             steps = stream(url + "/completion", {"prompt": p, "n_predict": n, "temperature": 0,
@@ -115,7 +103,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--ragkv", default="build/ragkv")
-    ap.add_argument("--server", default="/work/ref/llama.cpp/build/bin/llama-server")
+    ap.add_argument("--server", default="llama-server",
+                    help="the reference engine's llama-server (default: the one on PATH)")
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--tol", type=float, default=5e-3)
     ap.add_argument("--threads", type=int, default=2)
