@@ -23,6 +23,10 @@
 #include "kernels/cpu/cpu.h"
 
 #define POPULATE_STEP ((size_t)32 << 20) /* bytes a call: a buffer's free waits at most this */
+/* Buffers waiting at most. The queue is fixed so that adding to it never
+ * allocates: how many allocations a load makes must not depend on how far
+ * the thread has got (tests/test_faults.c fails each one in turn). */
+#define POPULATE_QUEUE 256
 
 typedef struct region {
     unsigned char *p;
@@ -33,8 +37,8 @@ struct rk_populator {
     pthread_mutex_t mu;
     pthread_cond_t cv;   /* work arrived, or stop */
     pthread_cond_t idle; /* a step ended */
-    region *q;           /* (n_q) in order; q[0] is the one being walked */
-    int n_q, cap_q;
+    region q[POPULATE_QUEUE]; /* (n_q) in order; q[0] is the one being walked */
+    int n_q;
     int busy; /* a step on q[0] is under way (the lock is not held) */
     int stop;
     int started; /* the thread runs */
@@ -84,13 +88,8 @@ rk_status rk_populator_create(rk_populator **out) {
 void rk_populator_add(rk_populator *pp, void *p, size_t n) {
     if (!pp || !p || !n) return;
     pthread_mutex_lock(&pp->mu);
-    if (!pp->off && pp->n_q == pp->cap_q) {
-        int cap = pp->cap_q ? pp->cap_q * 2 : 16;
-        region *q = realloc(pp->q, (size_t)cap * sizeof *q);
-        if (q) pp->q = q, pp->cap_q = cap;
-    }
     /* Without room or a thread, the buffer is faulted in by its first use. */
-    if (!pp->off && pp->n_q < pp->cap_q &&
+    if (!pp->off && pp->n_q < POPULATE_QUEUE &&
         (pp->started ||
          (pp->started = pthread_create(&pp->thread, NULL, populate_main, pp) == 0))) {
         pp->q[pp->n_q++] = (region){p, n, 0};
@@ -120,6 +119,5 @@ void rk_populator_free(rk_populator *pp) {
     pthread_cond_destroy(&pp->idle);
     pthread_cond_destroy(&pp->cv);
     pthread_mutex_destroy(&pp->mu);
-    free(pp->q);
     free(pp);
 }
