@@ -35,8 +35,8 @@ typedef struct region {
 
 struct rk_populator {
     pthread_mutex_t mu;
-    pthread_cond_t cv;   /* work arrived, or stop */
-    pthread_cond_t idle; /* a step ended */
+    pthread_cond_t cv;        /* work arrived, or stop */
+    pthread_cond_t idle;      /* a step ended */
     region q[POPULATE_QUEUE]; /* (n_q) in order; q[0] is the one being walked */
     int n_q;
     int busy; /* a step on q[0] is under way (the lock is not held) */
