@@ -332,25 +332,16 @@ Test(gptoss, tiny_preset_loads_as_the_family_says) {
 
 static rk_req_options greedy_opts(void) {
     rk_req_options o;
-    rk_req_options_default(&o);
-    o.max_tokens = STEPS;
-    o.sampling.temperature = 0;
-    o.stop_at_eog = 0;
-    o.prefix_cache = 0; /* the chunk cache alone */
+    rk_test_oracle_options(&o, STEPS);
     return o;
 }
 
 static void run(rk_service *svc, const char *prompt, const rk_req_options *o, rk_request *r,
                 rk_test_log *log) {
     rk_split sp;
-    memset(r, 0, sizeof *r);
-    r->opt = *o;
     cr_assert_eq(rk_split_prompt(prompt, strlen(prompt), NULL, svc->cfg.max_chunks, &sp), RK_OK);
-    cr_assert_eq(rk_request_prepare(svc, &sp, r), RK_OK, "%s", rk_error_message());
+    rk_test_run_split(svc, &sp, o, r, log);
     rk_split_free(&sp);
-    rk_pipeline_hooks h = {.ctx = log, .on_logits = rk_test_keep_logits};
-    rk_request *one = r;
-    cr_assert_eq(rk_pipeline_run(svc, &one, 1, &h), RK_OK, "%s", rk_error_message());
 }
 
 /* Four chunks of 35 to 45 tokens after a system prompt (177 tokens):

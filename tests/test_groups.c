@@ -18,11 +18,7 @@
 
 static rk_req_options greedy_opts(void) {
     rk_req_options o;
-    rk_req_options_default(&o);
-    o.max_tokens = STEPS;
-    o.sampling.temperature = 0;
-    o.stop_at_eog = 0;
-    o.prefix_cache = 0; /* the chunk cache alone, as test_pipeline's oracle checks */
+    rk_test_oracle_options(&o, STEPS);
     return o;
 }
 
@@ -51,24 +47,10 @@ static int layout(rk_segment *segs, int with1, int n_groups) {
 static void run(rk_service *svc, const rk_segment *segs, int n_segs, const rk_req_options *o,
                 rk_request *r, rk_test_log *log) {
     rk_split sp;
-    memset(r, 0, sizeof *r);
-    r->opt = *o;
     cr_assert_eq(rk_split_segments(segs, n_segs, svc->cfg.max_chunks, &sp), RK_OK, "%s",
                  rk_error_message());
-    cr_assert_eq(rk_request_prepare(svc, &sp, r), RK_OK, "%s", rk_error_message());
+    rk_test_run_split(svc, &sp, o, r, log);
     rk_split_free(&sp);
-    rk_pipeline_hooks h = {.ctx = log, .on_logits = log ? rk_test_keep_logits : NULL};
-    rk_request *one = r;
-    cr_assert_eq(rk_pipeline_run(svc, &one, 1, &h), RK_OK, "%s", rk_error_message());
-    cr_assert_eq(r->cached_tokens + r->computed_tokens, r->prompt_tokens);
-}
-
-static double max_diff(const rk_test_log *a, const rk_test_log *b) {
-    double worst = 0;
-    for (int s = 0; s < STEPS; s++)
-        for (int i = 0; i < a->n_vocab; i++)
-            worst = fmax(worst, fabs((double)a->logits[s][i] - b->logits[s][i]));
-    return worst;
 }
 
 static rk_service *open_svc(const char *model) {
@@ -143,7 +125,7 @@ static void check_modes_with(const char *model, int repair_k, float ratio, int q
             run(svc, segs, n, &off, &oracle, &lo);
             cr_assert_eq(memcmp(second.out_tokens, oracle.out_tokens, STEPS * sizeof(int32_t)), 0,
                          "context %d parallel %d: cached tokens differ from the oracle", ctx, par);
-            double d = max_diff(&ls, &lo);
+            double d = rk_test_max_logit_diff(&ls, &lo);
             cr_assert_leq(d, 1e-4, "context %d parallel %d: logits differ by %g", ctx, par, d);
             cr_assert_eq(memcmp(first.out_tokens, second.out_tokens, STEPS * sizeof(int32_t)), 0);
             if (ratio == 0)
@@ -210,7 +192,7 @@ static void check_full_repair(int policy) {
     run(svc, segs, n, &plain, &b, &lb);
     cr_assert_eq(a.prompt_tokens, b.prompt_tokens);
     cr_assert_eq(memcmp(a.out_tokens, b.out_tokens, STEPS * sizeof(int32_t)), 0);
-    double d = max_diff(&la, &lb);
+    double d = rk_test_max_logit_diff(&la, &lb);
     cr_assert_leq(d, 1e-4, "repaired logits differ from full attention by %g", d);
     rk_request_free(&warm);
     rk_request_free(&a);
@@ -266,7 +248,7 @@ Test(groups, a_follow_up_reuses_the_conversation_and_finds_a_later_chunk_where_i
     off.chunk_cache = 0;
     run(svc, turn2, 5, &off, &cold, &lc);
     cr_assert_eq(memcmp(t2.out_tokens, cold.out_tokens, STEPS * sizeof(int32_t)), 0);
-    double d = max_diff(&l2, &lc);
+    double d = rk_test_max_logit_diff(&l2, &lc);
     cr_assert_leq(d, 1e-4, "logits differ by %g", d);
     rk_request_free(&other);
     rk_request_free(&t1);
@@ -335,7 +317,7 @@ Test(groups, a_layout_of_groups_fed_a_few_tokens_a_step_gets_its_tokens_alone) {
                       steps);
         cr_assert_eq(memcmp(jb.out_tokens, b.out_tokens, STEPS * sizeof(int32_t)), 0, "context %d",
                      ctx);
-        double d = max_diff(&lj, &lb);
+        double d = rk_test_max_logit_diff(&lj, &lb);
         cr_assert_leq(d, 1e-4, "context %d: logits differ by %g", ctx, d);
         a.cancel = 1;
         while (rk_pipeline_n_running(p) > 0) cr_assert_eq(rk_pipeline_step(p, &h), RK_OK);

@@ -30,13 +30,7 @@ static rk_service *open_svc(const char *model, int chunk_blocks) {
 
 static rk_req_options greedy_opts(void) {
     rk_req_options o;
-    rk_req_options_default(&o);
-    o.max_tokens = STEPS;
-    o.sampling.temperature = 0;
-    o.stop_at_eog = 0;
-    /* The chunk cache alone: with the prefix cache a repeated request would
-     * reuse its earlier sequence whole and never look its chunks up. */
-    o.prefix_cache = 0;
+    rk_test_oracle_options(&o, STEPS);
     return o;
 }
 
@@ -56,19 +50,10 @@ static rk_status prepare(rk_service *svc, const char *prompt, const rk_req_optio
 /* Run one prompt; keep its report in *r (caller frees) and logits in *log. */
 static void run(rk_service *svc, const char *prompt, const rk_req_options *o, rk_request *r,
                 rk_test_log *log) {
-    cr_assert_eq(prepare(svc, prompt, o, r), RK_OK, "%s", rk_error_message());
-    rk_pipeline_hooks h = {.ctx = log, .on_logits = log ? rk_test_keep_logits : NULL};
-    rk_request *one = r;
-    cr_assert_eq(rk_pipeline_run(svc, &one, 1, &h), RK_OK, "%s", rk_error_message());
-    cr_assert_eq(r->cached_tokens + r->computed_tokens, r->prompt_tokens);
-}
-
-static double max_diff(const rk_test_log *a, const rk_test_log *b) {
-    double worst = 0;
-    for (int s = 0; s < STEPS; s++)
-        for (int i = 0; i < a->n_vocab; i++)
-            worst = fmax(worst, fabs((double)a->logits[s][i] - b->logits[s][i]));
-    return worst;
+    rk_split sp;
+    cr_assert_eq(rk_split_prompt(prompt, strlen(prompt), NULL, svc->cfg.max_chunks, &sp), RK_OK);
+    rk_test_run_split(svc, &sp, o, r, log);
+    rk_split_free(&sp);
 }
 
 /* ---------------------------------------------------------------- exactness */
@@ -107,7 +92,7 @@ static void check_modes_kv(const char *model, const char *prompt, const rk_req_o
             run(svc, prompt, &off, &oracle, &lo);
             cr_assert_eq(memcmp(second.out_tokens, oracle.out_tokens, STEPS * sizeof(int32_t)), 0,
                          "context %d parallel %d: cached tokens differ from the oracle", ctx, par);
-            double d = max_diff(&ls, &lo);
+            double d = rk_test_max_logit_diff(&ls, &lo);
             cr_assert_leq(d, tol, "context %d parallel %d: logits differ by %g", ctx, par, d);
             cr_assert_eq(memcmp(first.out_tokens, second.out_tokens, STEPS * sizeof(int32_t)), 0);
             rk_request_free(&first);
@@ -341,8 +326,8 @@ static void check_one_chunk_equals_plain(const char *model) {
     run(svc, p, &plain, &c, &lc);
     cr_assert_eq(b.chunk_reports[0].status, RK_CHUNK_STATUS_HIT);
     cr_assert_eq(memcmp(b.out_tokens, c.out_tokens, STEPS * sizeof(int32_t)), 0);
-    cr_assert_leq(max_diff(&lb, &lc), 1e-4);
-    cr_assert_leq(max_diff(&la, &lc), 1e-4);
+    cr_assert_leq(rk_test_max_logit_diff(&lb, &lc), 1e-4);
+    cr_assert_leq(rk_test_max_logit_diff(&la, &lc), 1e-4);
     rk_request_free(&a);
     rk_request_free(&b);
     rk_request_free(&c);
@@ -693,7 +678,7 @@ static void check_uncached(const char *model, const char *reindex) {
         cr_assert_eq(memcmp(first.out_tokens, oracle.out_tokens, STEPS * sizeof(int32_t)), 0,
                      "%s ctx %d: tokens differ from the oracle", reindex, ctx);
         cr_assert_eq(memcmp(second.out_tokens, oracle.out_tokens, STEPS * sizeof(int32_t)), 0);
-        double d1 = max_diff(&lf, &lo), d2 = max_diff(&ls, &lo);
+        double d1 = rk_test_max_logit_diff(&lf, &lo), d2 = rk_test_max_logit_diff(&ls, &lo);
         cr_assert_leq(d1, 1e-4, "%s ctx %d: logits differ by %g", reindex, ctx, d1);
         cr_assert_leq(d2, 1e-4, "%s ctx %d: logits differ by %g", reindex, ctx, d2);
         rk_request_free(&first);
@@ -740,7 +725,7 @@ Test(pipeline, a_system_prompt_beyond_the_prefix_pool_is_served_uncached) {
     run(svc, prompt, &off, &c, &lc);
     cr_assert_eq(memcmp(a.out_tokens, c.out_tokens, STEPS * sizeof(int32_t)), 0);
     cr_assert_eq(memcmp(b.out_tokens, c.out_tokens, STEPS * sizeof(int32_t)), 0);
-    cr_assert_leq(max_diff(&la, &lc), 1e-4);
+    cr_assert_leq(rk_test_max_logit_diff(&la, &lc), 1e-4);
     rk_request_free(&a);
     rk_request_free(&b);
     rk_request_free(&c);
@@ -860,7 +845,7 @@ static void check_full_repair(const char *model, const rk_req_options *repair) {
     cr_assert_eq(a.recomputed_tokens, total);
     cr_assert_eq(a.cached_tokens, a.sys_cached, "repaired tokens count as computed");
     cr_assert_eq(memcmp(a.out_tokens, b.out_tokens, STEPS * sizeof(int32_t)), 0);
-    double d = max_diff(&la, &lb);
+    double d = rk_test_max_logit_diff(&la, &lb);
     cr_assert_leq(d, 1e-4, "repaired logits differ from full attention by %g", d);
     rk_request_free(&warm);
     rk_request_free(&a);
@@ -953,7 +938,7 @@ static void check_ratio_repair(int query, float ratio) {
     /* The repair changed the result (deviation: layers 0..1 of every chunk
      * token, and the chosen ones through every layer, now see the other
      * chunks)... */
-    cr_assert_gt(max_diff(&la, &lb), 0);
+    cr_assert_gt(rk_test_max_logit_diff(&la, &lb), 0);
     /* ...but not the cached entries: without it, the first run's tokens again. */
     run(svc, STORY, &none, &c, NULL);
     cr_assert_eq(memcmp(a.out_tokens, c.out_tokens, STEPS * sizeof(int32_t)), 0);

@@ -63,15 +63,6 @@ static void run_together(rk_service *svc, const char *const *prompts, int n,
     cr_assert_eq(rk_pipeline_run(svc, reqs, n, &h), RK_OK, "%s", rk_error_message());
 }
 
-static double max_diff(const rk_test_log *a, const rk_test_log *b) {
-    cr_assert_eq(a->n_steps, b->n_steps);
-    double worst = 0;
-    for (int s = 0; s < a->n_steps; s++)
-        for (int i = 0; i < a->n_vocab; i++)
-            worst = fmax(worst, fabs((double)a->logits[s][i] - b->logits[s][i]));
-    return worst;
-}
-
 /* Every live block free, the chunk pool holding exactly the entries' blocks,
  * no entry referenced. */
 static void check_counts_back(rk_service *svc) {
@@ -121,7 +112,7 @@ static void check_same(const char *model, svc_opts so, const char *const *prompt
             cr_assert_eq(
                 memcmp(rz[i].out_tokens, rc[i].out_tokens, (size_t)rz[i].n_out * sizeof(int32_t)),
                 0, "pass %d request %d: zero-copy tokens differ from copy", pass, i);
-            double d = max_diff(&lz[i], &lc[i]);
+            double d = rk_test_max_logit_diff(&lz[i], &lc[i]);
             cr_assert_leq(d, 1e-4, "pass %d request %d: logits differ by %g", pass, i, d);
             rk_request_free(&rz[i]);
             rk_request_free(&rc[i]);
@@ -289,7 +280,7 @@ Test(zerocopy, held_shared_blocks_survive_eviction_and_delete) {
     while (rk_pipeline_n_running(p)) cr_assert_eq(rk_pipeline_step(p, &h), RK_OK);
     cr_assert_eq(r.finished, 1);
     cr_assert_eq(memcmp(r.out_tokens, ref.out_tokens, (size_t)o.max_tokens * sizeof(int32_t)), 0);
-    double d = max_diff(&lr, &lref);
+    double d = rk_test_max_logit_diff(&lr, &lref);
     cr_assert_leq(d, 1e-4, "logits differ from the copy path by %g", d);
     for (int k = 0; k < 2; k++) {
         cr_assert_eq(rk_chunk_index_find(svc->chunks, keys[k])->refs, 0);

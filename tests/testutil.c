@@ -10,6 +10,7 @@
 #include <fcntl.h>
 #include <hiredis/hiredis.h>
 #include <arpa/inet.h>
+#include <math.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -145,6 +146,34 @@ void rk_test_log_free(rk_test_log *logs, int n) {
         for (int s = 0; s < RK_TEST_LOG_STEPS; s++) free(logs[i].logits[s]);
         memset(&logs[i], 0, sizeof logs[i]);
     }
+}
+
+void rk_test_oracle_options(rk_req_options *o, int max_tokens) {
+    rk_req_options_default(o);
+    o->max_tokens = max_tokens;
+    o->sampling.temperature = 0;
+    o->stop_at_eog = 0;
+    o->prefix_cache = 0;
+}
+
+void rk_test_run_split(rk_service *svc, const rk_split *sp, const rk_req_options *o, rk_request *r,
+                       rk_test_log *log) {
+    memset(r, 0, sizeof *r);
+    r->opt = *o;
+    cr_assert_eq(rk_request_prepare(svc, sp, r), RK_OK, "%s", rk_error_message());
+    rk_pipeline_hooks h = {.ctx = log, .on_logits = log ? rk_test_keep_logits : NULL};
+    cr_assert_eq(rk_pipeline_run(svc, &r, 1, &h), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(r->cached_tokens + r->computed_tokens, r->prompt_tokens);
+}
+
+double rk_test_max_logit_diff(const rk_test_log *a, const rk_test_log *b) {
+    cr_assert_eq(a->n_steps, b->n_steps);
+    cr_assert_eq(a->n_vocab, b->n_vocab);
+    double worst = 0;
+    for (int s = 0; s < a->n_steps; s++)
+        for (int i = 0; i < a->n_vocab; i++)
+            worst = fmax(worst, fabs((double)a->logits[s][i] - b->logits[s][i]));
+    return worst;
 }
 
 uint64_t rk_test_rng_next(rk_test_rng *g) {

@@ -129,6 +129,24 @@ void rk_test_keep_logits(void *ctx, int req, int step, const float *logits, int 
 /* Free the logits of logs[0..n) and zero them. */
 void rk_test_log_free(rk_test_log *logs, int n);
 
+struct rk_req_options;
+/* Options for comparing a cached run with its oracle: max_tokens greedy
+ * tokens, past an end of generation, with the chunk cache alone (the prefix
+ * cache off: a repeat served whole from the radix tree would never look its
+ * chunks up). */
+void rk_test_oracle_options(struct rk_req_options *o, int max_tokens);
+
+struct rk_split;
+/* Prepare r (zeroed first) from split sp with options o and run it alone,
+ * its logits kept in *log (NULL: not kept). Asserts that both succeed and
+ * that its cached and computed tokens add up to its prompt. */
+void rk_test_run_split(struct rk_service *svc, const struct rk_split *sp,
+                       const struct rk_req_options *o, struct rk_request *r, rk_test_log *log);
+
+/* The largest difference between two runs' logits; both kept the same
+ * steps. */
+double rk_test_max_logit_diff(const rk_test_log *a, const rk_test_log *b);
+
 /* A reproducible stream of random numbers (splitmix64) from its seed:
  * `rk_test_rng g = {seed};`. */
 typedef struct rk_test_rng {
