@@ -309,27 +309,9 @@ static int parse_request(server *S, rk_service *svc, json_t *root, embed_inputs 
 }
 
 int rk_gw_handle_embeddings(req_ctx *rc) {
-    char *body;
-    size_t len;
-    if (rk_gw_read_body(rc, &body, &len)) return 0;
-    rk_service *svc = rk_gw_ready_service(rc->S);
-    if (!svc) {
-        free(body);
-        rk_gw_send_not_ready(rc);
-        return 0;
-    }
-    json_error_t je;
-    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
-    free(body);
-    if (!root || !json_is_object(root)) {
-        if (root)
-            rk_gw_send_errorf(rc, 400, "the body must be a JSON object");
-        else
-            rk_gw_send_errorf(rc, 400, "the body is not valid JSON: %s (line %d, column %d)",
-                              je.text, je.line, je.column);
-        json_decref(root);
-        return 0;
-    }
+    rk_service *svc;
+    json_t *root = rk_gw_read_json(rc, &svc);
+    if (!root) return 0;
     rk_pooling pooling = rk_service_pooling(svc);
     if (pooling == RK_POOLING_RANK) {
         json_decref(root);

@@ -123,6 +123,12 @@ rk_service *rk_gw_ready_service(server *S);
 /* 503: loading, failed to load, or shutting down. */
 void rk_gw_send_not_ready(req_ctx *rc);
 
+/* The body of a route that answers from the model: read it, find the ready
+ * service (*svc) and parse the body as a JSON object. Returns the object
+ * (the caller's), or NULL after sending the error (the read's, 503 not
+ * ready, 400 not JSON or not an object). */
+json_t *rk_gw_read_json(req_ctx *rc, rk_service **svc);
+
 /* Run fn(arg) on a thread with a 4 MiB stack and wait: CivetWeb's workers
  * have small stacks. Returns -1 when no thread could be started. */
 int rk_gw_run_big_stack(void (*fn)(void *), void *arg);

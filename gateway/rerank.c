@@ -280,27 +280,9 @@ static json_t *answer(req_ctx *rc, const rerank_inputs *in, const float *scores,
 }
 
 int rk_gw_handle_rerank(req_ctx *rc) {
-    char *body;
-    size_t len;
-    if (rk_gw_read_body(rc, &body, &len)) return 0;
-    rk_service *svc = rk_gw_ready_service(rc->S);
-    if (!svc) {
-        free(body);
-        rk_gw_send_not_ready(rc);
-        return 0;
-    }
-    json_error_t je;
-    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
-    free(body);
-    if (!root || !json_is_object(root)) {
-        if (root)
-            rk_gw_send_errorf(rc, 400, "the body must be a JSON object");
-        else
-            rk_gw_send_errorf(rc, 400, "the body is not valid JSON: %s (line %d, column %d)",
-                              je.text, je.line, je.column);
-        json_decref(root);
-        return 0;
-    }
+    rk_service *svc;
+    json_t *root = rk_gw_read_json(rc, &svc);
+    if (!root) return 0;
     if (!rk_service_can_rerank(svc)) {
         char why[200];
         snprintf(why, sizeof why, "%s", rk_error_message());

@@ -116,6 +116,29 @@ int rk_gw_check_model(server *S, rk_service *svc, const char *name, rk_http_erro
     return 0;
 }
 
+json_t *rk_gw_read_json(req_ctx *rc, rk_service **svc) {
+    char *body;
+    size_t len;
+    if (rk_gw_read_body(rc, &body, &len)) return NULL;
+    *svc = rk_gw_ready_service(rc->S);
+    if (!*svc) {
+        free(body);
+        rk_gw_send_not_ready(rc);
+        return NULL;
+    }
+    json_error_t je;
+    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
+    free(body);
+    if (!root)
+        rk_gw_send_errorf(rc, 400, "the body is not valid JSON: %s (line %d, column %d)", je.text,
+                          je.line, je.column);
+    else if (!json_is_object(root))
+        rk_gw_send_errorf(rc, 400, "the body must be a JSON object");
+    if (root && json_is_object(root)) return root;
+    json_decref(root);
+    return NULL;
+}
+
 void rk_gw_send_not_ready(req_ctx *rc) {
     char msg[320];
     rk_scheduler_state st = rk_scheduler_get_state(rc->S->engine, msg, sizeof msg);

@@ -12,23 +12,6 @@
 #include "gateway/http.h"
 #include "gateway/report.h"
 
-/* A body's JSON object, or NULL after a 400. */
-static json_t *load_body(req_ctx *rc, const char *body, size_t len) {
-    json_error_t je;
-    json_t *root = json_loadb(body, len, JSON_REJECT_DUPLICATES, &je);
-    if (!root) {
-        rk_gw_send_errorf(rc, 400, "the body is not valid JSON: %s (line %d, column %d)", je.text,
-                          je.line, je.column);
-        return NULL;
-    }
-    if (!json_is_object(root)) {
-        json_decref(root);
-        rk_gw_send_errorf(rc, 400, "the body must be a JSON object");
-        return NULL;
-    }
-    return root;
-}
-
 /* A boolean field (absent or null: dflt), or -1 after a 400. */
 static int get_flag(req_ctx *rc, json_t *root, const char *name, int dflt) {
     json_t *v = json_object_get(root, name);
@@ -131,17 +114,8 @@ static void detokenize(req_ctx *rc, const rk_tokenizer *tok, json_t *root) {
 }
 
 int rk_gw_handle_tokenize(req_ctx *rc, int detok) {
-    char *body;
-    size_t len;
-    if (rk_gw_read_body(rc, &body, &len)) return 0;
-    rk_service *svc = rk_gw_ready_service(rc->S);
-    if (!svc) {
-        free(body);
-        rk_gw_send_not_ready(rc);
-        return 0;
-    }
-    json_t *root = load_body(rc, body, len);
-    free(body);
+    rk_service *svc;
+    json_t *root = rk_gw_read_json(rc, &svc);
     if (!root) return 0;
     const rk_tokenizer *tok = rk_model_tokenizer(svc->model);
     if (detok)
