@@ -55,13 +55,13 @@ def stream(url, body, timeout=120):
     return steps
 
 
-def reference(server, model, n, threads):
+def reference(server, model, n, threads, ctx):
     port = free_port()
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = os.path.dirname(server)
     proc = subprocess.Popen(
         ["timeout", "600", server, "-m", model, "--host", "127.0.0.1", "--port", str(port),
-         "-c", "1024", "-t", str(threads), "-np", "1", "-ctk", "f32", "-ctv", "f32",
+         "-c", str(ctx), "-t", str(threads), "-np", "1", "-ctk", "f32", "-ctv", "f32",
          "-fa", "off"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
@@ -108,8 +108,11 @@ def main():
     ap.add_argument("-n", type=int, default=64)
     ap.add_argument("--tol", type=float, default=5e-3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx", type=int, default=1024,
+                    help="the reference's context (-c); a LongRoPE file (Phi-3) needs one "
+                         "above its original context length, as ragkv computes at its own")
     a = ap.parse_args()
-    ref = reference(a.server, a.model, a.n, a.threads)
+    ref = reference(a.server, a.model, a.n, a.threads, a.ctx)
     got = ours(a.ragkv, a.model, a.n, a.threads)
     ok = True
     worst_all = 0.0
