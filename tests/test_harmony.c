@@ -678,6 +678,9 @@ Test(harmony, the_service_renders_tools_and_parses_calls, .timeout = 300) {
     cr_assert_not_null(strstr(cs.http.body, "\"finish_reason\":\"tool_calls\""), "%s",
                        cs.http.body);
     cr_assert_not_null(strstr(cs.http.body, "data: [DONE]"), "%s", cs.http.body);
+    cr_assert_not_null(strstr(cs.http.body, "\"reasoning_content\":\"Need it.\""), "%s",
+                       cs.http.body);
+    cr_assert_null(strstr(cs.http.body, "to=functions"), "no header is text: %s", cs.http.body);
     /* tool_choice none: the same answer is text, not parsed */
     rk_test_resp cn =
         rk_test_postf(&S.t, "/v1/chat/completions", ask, ", \"tool_choice\": \"none\"");
