@@ -106,8 +106,14 @@ typedef struct rk_chat_msg {
     char **docs;
     int n_docs;
     /* Assistant messages: the calls it made, as JSON text of an array of
-     * {"name", "arguments" (an object)}; malloc'ed, NULL when none. */
+     * {"name", "arguments" (an object), "id" (when given)}; malloc'ed, NULL
+     * when none. */
     char *tool_calls;
+    /* Tool messages: the tool_call_id it answers (malloc'ed, NULL when none). */
+    char *tool_call_id;
+    /* A rendering's own system message, written as it stands (harmony's
+     * developer message with tools); never set by the parser. */
+    int verbatim;
 } rk_chat_msg;
 
 #define RK_MAX_TOOLS 128

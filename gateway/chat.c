@@ -192,10 +192,15 @@ static rk_status with_tools(rk_chat_template t, const rk_api_request *req, rk_ch
     rk_strbuf c = {0};
     int has_sys = req->msgs[0].role == RK_ROLE_SYSTEM;
     if (has_sys && *req->msgs[0].content) {
+        /* harmony: the developer message, its instructions before its tools */
+        if (t == RK_CHAT_HARMONY) rk_strbuf_puts(&c, "# Instructions\n\n");
         rk_strbuf_puts(&c, req->msgs[0].content);
         rk_strbuf_puts(&c, "\n\n");
     }
-    tools_block(t, req, &c);
+    if (t == RK_CHAT_HARMONY)
+        rk_harmony_functions(&c, req);
+    else
+        tools_block(t, req, &c);
     int n = req->n_msgs + !has_sys;
     rk_chat_msg *m = malloc((size_t)n * sizeof *m);
     if (c.oom || !m) {
@@ -204,7 +209,7 @@ static rk_status with_tools(rk_chat_template t, const rk_api_request *req, rk_ch
         return rk_http_errorf(err, 500, "out of memory");
     }
     memcpy(m + !has_sys, req->msgs, (size_t)req->n_msgs * sizeof *m);
-    m[0] = (rk_chat_msg){.role = RK_ROLE_SYSTEM, .content = c.s};
+    m[0] = (rk_chat_msg){.role = RK_ROLE_SYSTEM, .content = c.s, .verbatim = 1};
     *out = m;
     *n_out = n;
     *sys_text = c.s;
@@ -249,14 +254,10 @@ static rk_status tools_grammar(rk_chat_template t, rk_api_request *req, rk_http_
     return RK_OK;
 }
 
-/* A call the model wrote: {"name", "arguments" or "parameters"} naming one
- * of the tools; appended to calls in the response shape. */
-static int take_call(const rk_api_request *req, const char *s, size_t n, const char *id, int index,
-                     json_t *calls) {
-    json_t *c = json_loadb(s, n, 0, NULL);
-    const char *name = json_string_value(json_object_get(c, "name"));
-    json_t *args = json_object_get(c, "arguments");
-    if (!args) args = json_object_get(c, "parameters");
+/* A call of name with args (a JSON object) naming one of the tools,
+ * appended to calls in the response shape; 0 when it is not a call. */
+static int add_call(const rk_api_request *req, const char *name, const json_t *args, const char *id,
+                    int index, json_t *calls) {
     int known = 0;
     for (int i = 0; name && i < req->n_tools; i++) known |= !strcmp(req->tools[i].name, name);
     int ok = known && json_is_object(args);
@@ -270,8 +271,34 @@ static int take_call(const rk_api_request *req, const char *s, size_t n, const c
         free(a);
         ok = call && !json_array_append_new(calls, call);
     }
+    return ok;
+}
+
+/* A call the model wrote: {"name", "arguments" or "parameters"} naming one
+ * of the tools; appended to calls in the response shape. */
+static int take_call(const rk_api_request *req, const char *s, size_t n, const char *id, int index,
+                     json_t *calls) {
+    json_t *c = json_loadb(s, n, 0, NULL);
+    json_t *args = json_object_get(c, "arguments");
+    if (!args) args = json_object_get(c, "parameters");
+    int ok = add_call(req, json_string_value(json_object_get(c, "name")), args, id, index, calls);
     json_decref(c);
     return ok;
+}
+
+/* Harmony: the messages addressed to a function and closed by <|call|>,
+ * their bodies the arguments; *first where the first call's message begins. */
+static void harmony_calls(const rk_api_request *req, const char *text, const char *id,
+                          json_t *calls, const char **first) {
+    size_t pos = 0, n = 0, at = 0;
+    const char *args;
+    char name[65];
+    while (rk_harmony_find_call(text, &pos, name, &args, &n, &at)) {
+        json_t *a = json_loadb(args, n, 0, NULL);
+        if (add_call(req, name, a, id, (int)json_array_size(calls), calls) && !*first)
+            *first = text + at;
+        json_decref(a);
+    }
 }
 
 json_t *rk_chat_tool_calls(rk_chat_template t, const rk_api_request *req, const char *text,
@@ -280,7 +307,9 @@ json_t *rk_chat_tool_calls(rk_chat_template t, const rk_api_request *req, const 
     json_t *calls = json_array();
     if (!calls) return NULL;
     const char *first = NULL;
-    if (t == RK_CHAT_CHATML) {
+    if (t == RK_CHAT_HARMONY) {
+        harmony_calls(req, text, id, calls, &first);
+    } else if (t == RK_CHAT_CHATML) {
         for (const char *p = strstr(text, "<tool_call>"); p; p = strstr(p, "<tool_call>")) {
             const char *body = p + strlen("<tool_call>");
             const char *end = strstr(body, "</tool_call>");
@@ -298,6 +327,17 @@ json_t *rk_chat_tool_calls(rk_chat_template t, const rk_api_request *req, const 
         return NULL;
     }
     size_t n = (size_t)(first - text);
+    if (t == RK_CHAT_HARMONY) { /* the content of the messages before the call */
+        rk_strbuf before = {0}, reasoning = {0}, answer = {0};
+        rk_strbuf_putn(&before, text, n);
+        if (before.s) rk_think_split_text_as(1, before.s, &reasoning, &answer);
+        int oom = before.oom || reasoning.oom || answer.oom;
+        free(before.s);
+        free(reasoning.s);
+        *content = oom ? NULL : answer.s ? rk_strbuf_take(&answer) : rk_strdup("");
+        if (!*content) json_decref(calls), calls = NULL;
+        return calls;
+    }
     while (n && strchr(" \t\r\n", text[n - 1])) n--;
     *content = malloc(n + 1);
     if (!*content) {
@@ -452,14 +492,88 @@ static void user_close(rk_chat_template t, rk_strbuf *b) {
                                              : " [/INST]");
 }
 
-/* A tool result's turn: Qwen's user turn of <tool_response>, Llama 3's ipython. */
-static void tool_open(rk_chat_template t, rk_strbuf *b) {
+/* Harmony: the function whose result tool message i is (malloc'ed, NULL
+ * when none): the call of an earlier assistant message with its
+ * tool_call_id, else the first call of the latest assistant message when
+ * it made calls, as the template names it. */
+static char *tool_name(const rk_api_request *req, int i) {
+    const char *id = req->msgs[i].tool_call_id;
+    char *name = NULL;
+    int latest = 1; /* no answer without calls in between yet */
+    for (int j = i - 1; j >= 0; j--) {
+        const rk_chat_msg *m = &req->msgs[j];
+        if (m->role != RK_ROLE_ASSISTANT) continue;
+        json_t *list = m->tool_calls ? json_loads(m->tool_calls, 0, NULL) : NULL;
+        for (size_t k = 0; id && k < json_array_size(list); k++) {
+            json_t *c = json_array_get(list, k);
+            const char *cid = json_string_value(json_object_get(c, "id"));
+            if (cid && !strcmp(cid, id)) {
+                free(name);
+                name = rk_strdup(json_string_value(json_object_get(c, "name")));
+                json_decref(list);
+                return name;
+            }
+        }
+        if (latest && list && !name)
+            name = rk_strdup(json_string_value(json_object_get(json_array_get(list, 0), "name")));
+        latest = 0;
+        json_decref(list);
+        if (!id) break;
+    }
+    return name;
+}
+
+/* A tool result's turn: Qwen's user turn of <tool_response>, Llama 3's
+ * ipython, harmony's message from functions.NAME (message i's). */
+static void tool_open(rk_chat_template t, const rk_api_request *req, int i, rk_strbuf *b) {
+    if (t == RK_CHAT_HARMONY) {
+        char *name = tool_name(req, i); /* found: rk_chat_render checked */
+        if (!name) b->oom = 1;
+        rk_harmony_tool_open(b, name ? name : "");
+        free(name);
+        return;
+    }
     rk_strbuf_puts(b, t == RK_CHAT_CHATML ? "<|im_start|>user\n<tool_response>\n"
                                           : "<|start_header_id|>ipython<|end_header_id|>\n\n");
 }
 
+/* A tool result's text (after its documents, n_docs of them): harmony's is
+ * a JSON string, as the template's tojson writes it (none after documents
+ * when it is empty). */
+static void tool_text(rk_chat_template t, rk_strbuf *b, const char *text, int n_docs) {
+    if (t != RK_CHAT_HARMONY)
+        rk_strbuf_puts(b, text);
+    else if (*text || !n_docs)
+        rk_harmony_tool_text(b, text);
+}
+
 static void tool_close(rk_chat_template t, rk_strbuf *b) {
-    rk_strbuf_puts(b, t == RK_CHAT_CHATML ? "\n</tool_response><|im_end|>\n" : "<|eot_id|>");
+    rk_strbuf_puts(b, t == RK_CHAT_CHATML    ? "\n</tool_response><|im_end|>\n"
+                      : t == RK_CHAT_HARMONY ? "<|end|>"
+                                             : "<|eot_id|>");
+}
+
+/* Harmony: an assistant message's calls, each its own message (the
+ * template writes one call per message), after its text on the analysis
+ * channel unless a later answer without calls follows (as the template
+ * drops it then). */
+static void harmony_calls_turn(const rk_api_request *req, rk_strbuf *b, const rk_chat_msg *m) {
+    int later_answer = 0;
+    for (int j = (int)(m - req->msgs) + 1; j < req->n_msgs; j++)
+        later_answer |= req->msgs[j].role == RK_ROLE_ASSISTANT && !req->msgs[j].tool_calls;
+    if (*m->content && !later_answer) {
+        rk_strbuf_puts(b, "<|start|>assistant<|channel|>analysis<|message|>");
+        rk_strbuf_puts(b, m->content);
+        rk_strbuf_puts(b, "<|end|>");
+    }
+    json_t *list = json_loads(m->tool_calls, 0, NULL);
+    if (!list) b->oom = 1;
+    for (size_t k = 0; k < json_array_size(list); k++) {
+        json_t *c = json_array_get(list, k);
+        rk_harmony_call(b, json_string_value(json_object_get(c, "name")),
+                        json_object_get(c, "arguments"));
+    }
+    json_decref(list);
 }
 
 /* s without its leading (lead) and trailing whitespace, as Jinja's trim. */
@@ -473,11 +587,22 @@ static void put_trimmed(rk_strbuf *b, const char *s, int lead) {
 /* A complete system or assistant turn (Llama-2: assistant only; its system
  * messages join the <<SYS>> block of the next user turn). open: the
  * assistant's turn the answer continues (a prefill), without its end. */
-static void other_turn(rk_chat_template t, rk_strbuf *b, const rk_chat_msg *m, int open) {
+static void other_turn(rk_chat_template t, const rk_api_request *req, rk_strbuf *b,
+                       const rk_chat_msg *m, int open) {
     if (m->role == RK_ROLE_TOOL) {
-        tool_open(t, b);
-        rk_strbuf_puts(b, m->content);
+        tool_open(t, req, (int)(m - req->msgs), b);
+        tool_text(t, b, m->content, 0);
         tool_close(t, b);
+        return;
+    }
+    if (m->tool_calls && t == RK_CHAT_HARMONY) {
+        harmony_calls_turn(req, b, m);
+        return;
+    }
+    if (t == RK_CHAT_HARMONY && m->verbatim) { /* the developer message with tools */
+        rk_strbuf_puts(b, "<|start|>developer<|message|>");
+        rk_strbuf_puts(b, m->content);
+        rk_strbuf_puts(b, "<|end|>");
         return;
     }
     if (m->tool_calls && t != RK_CHAT_LLAMA2) {
@@ -565,7 +690,7 @@ static void render_turns(rk_chat_template t, const rk_api_request *req, const us
         } else if ((t == RK_CHAT_LLAMA2 || t == RK_CHAT_GEMMA) && m->role == RK_ROLE_SYSTEM) {
             if (!skip_system) add_system(sys_block, m);
         } else {
-            other_turn(t, b, m, 0);
+            other_turn(t, req, b, m, 0);
         }
     }
 }
@@ -648,7 +773,7 @@ static void render_texts(rk_chat_template t, const rk_api_request *req, const us
                          const int *gmsg, int n, int last, rk_strbuf *texts, rk_strbuf *block) {
     for (int i = 0; (t == RK_CHAT_LLAMA2 || t == RK_CHAT_GEMMA) && i < gmsg[0]; i++)
         if (req->msgs[i].role == RK_ROLE_SYSTEM) add_system(block, &req->msgs[i]);
-    if (t == RK_CHAT_HARMONY) rk_harmony_system(&texts[0], req->reasoning_effort);
+    if (t == RK_CHAT_HARMONY) rk_harmony_system(&texts[0], req->reasoning_effort, req->n_tools > 0);
     render_turns(t, req, users, 0, gmsg[0], 1, &texts[0], block);
     for (int g = 0; g < n; g++) {
         int m = gmsg[g];
@@ -656,8 +781,8 @@ static void render_texts(rk_chat_template t, const rk_api_request *req, const us
         rk_strbuf *b = &texts[g], *after = &texts[g + 1];
         if (g > 0) render_turns(t, req, users, gmsg[g - 1] + 1, m, 0, b, block);
         if (req->msgs[m].role == RK_ROLE_TOOL) {
-            tool_open(t, b);
-            rk_strbuf_puts(after, u->question);
+            tool_open(t, req, m, b);
+            tool_text(t, after, u->question, u->n_docs);
             tool_close(t, after);
             continue;
         }
@@ -671,7 +796,7 @@ static void render_texts(rk_chat_template t, const rk_api_request *req, const us
     }
     render_turns(t, req, users, gmsg[n - 1] + 1, last, 0, &texts[n], block);
     if (last < req->n_msgs) {
-        other_turn(t, &texts[n], &req->msgs[last], 1);
+        other_turn(t, req, &texts[n], &req->msgs[last], 1);
     } else {
         rk_strbuf_puts(&texts[n], assistant_open(t));
         /* Qwen3's template with enable_thinking false: an empty thinking block. */
@@ -685,7 +810,7 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     int tool_turns = 0;
     for (int i = 0; i < req->n_msgs; i++)
         tool_turns |= req->msgs[i].role == RK_ROLE_TOOL || req->msgs[i].tool_calls;
-    if ((t == RK_CHAT_LLAMA2 || t == RK_CHAT_PHI3 || t == RK_CHAT_GEMMA || t == RK_CHAT_HARMONY) &&
+    if ((t == RK_CHAT_LLAMA2 || t == RK_CHAT_PHI3 || t == RK_CHAT_GEMMA) &&
         (req->n_tools || tool_turns))
         return rk_http_errorf(err, 400,
                               "tools are not supported with the %s chat template (it has no "
@@ -696,6 +821,22 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
                               "'reasoning_effort' is not supported with the %s chat template "
                               "(the harmony template of gpt-oss takes it)",
                               rk_chat_template_name(t));
+    if (t == RK_CHAT_HARMONY && req->tool_choice >= RK_TOOLS_REQUIRED)
+        return rk_http_errorf(err, 400,
+                              "'tool_choice' \"required\" or a named function is not supported "
+                              "with the harmony chat template (the call would have to be "
+                              "constrained after the model's analysis message); use \"auto\"");
+    for (int i = 0; t == RK_CHAT_HARMONY && i < req->n_msgs; i++) {
+        if (req->msgs[i].role != RK_ROLE_TOOL) continue;
+        char *name = tool_name(req, i);
+        if (!name)
+            return rk_http_errorf(err, 400,
+                                  "messages[%d]: a tool message needs an earlier assistant "
+                                  "message with 'tool_calls' (harmony names the function that "
+                                  "answers)",
+                                  i);
+        free(name);
+    }
     rk_status tst = RK_OK;
     if (req->tool_choice >= RK_TOOLS_REQUIRED && (tst = tools_grammar(t, req, err))) return tst;
     /* With tools, render a view of the messages whose system message
@@ -714,7 +855,7 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
      * every other turn, in place of the assistant's opening. */
     int prefill = n > 0 && req->msgs[n - 1].role == RK_ROLE_ASSISTANT;
     int last = prefill ? n - 1 : n;
-    user_msg *users = calloc((size_t)(n ? n : 1), sizeof *users);
+    user_msg *users = calloc((size_t)(n > 0 ? n : 1), sizeof *users);
     rk_strbuf block = {0}, *texts = NULL;
     int *gmsg = NULL;
     rk_status st = users ? RK_OK : rk_http_errorf(err, 500, "out of memory");

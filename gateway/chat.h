@@ -47,11 +47,14 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
                          rk_http_error *err);
 
 /* The tool calls in a generated answer (tool_choice auto, required or
- * named): Qwen's <tool_call> blocks, or Llama 3's JSON call, naming one of
- * req's tools with an object of arguments. Returns them in OpenAI's shape
- * ([{"id": "call_<id>_<i>", "type": "function", "function": {"name",
- * "arguments" (JSON text)}}], a new reference) with *content the text before
- * them (malloc'ed); NULL when the answer holds no call. */
+ * named): Qwen's <tool_call> blocks, Llama 3's JSON call, or harmony's
+ * messages to=functions.NAME closed by <|call|> (text: the answer decoded
+ * with its special tokens), naming one of req's tools with an object of
+ * arguments. Returns them in OpenAI's shape ([{"id": "call_<id>_<i>",
+ * "type": "function", "function": {"name", "arguments" (JSON text)}}], a
+ * new reference) with *content the text before them (malloc'ed; harmony:
+ * the content of the messages before the first call); NULL when the answer
+ * holds no call. */
 json_t *rk_chat_tool_calls(rk_chat_template t, const rk_api_request *req, const char *text,
                            const char *id, char **content);
 
@@ -100,7 +103,29 @@ void rk_harmony_feed(rk_think_split *s, const char *text, size_t n, int final, r
                      rk_strbuf *content);
 
 /* The harmony system message (its model identity, "Reasoning: " effort,
- * 1 low, 2 medium, 3 high, 0 the default medium, and its channels), into b. */
-void rk_harmony_system(rk_strbuf *b, int effort);
+ * 1 low, 2 medium, 3 high, 0 the default medium, and its channels; with
+ * tools, the line that sends calls to the commentary channel), into b. */
+void rk_harmony_system(rk_strbuf *b, int effort, int tools);
+
+/* Harmony tools, as gpt-oss's template writes them: req's tools as the
+ * developer message's "# Tools" section (namespace functions, each tool a
+ * TypeScript-like type of its parameters); an assistant's call
+ * ("<|start|>assistant to=functions.NAME<|channel|>commentary
+ * json<|message|>ARGS<|call|>", ARGS as the template's tojson); a tool
+ * result's opening ("<|start|>functions.NAME to=assistant<|channel|>
+ * commentary<|message|>") and its text as a JSON string. */
+void rk_harmony_functions(rk_strbuf *b, const rk_api_request *req);
+void rk_harmony_call(rk_strbuf *b, const char *name, const json_t *args);
+void rk_harmony_tool_open(rk_strbuf *b, const char *name);
+void rk_harmony_tool_text(rk_strbuf *b, const char *content);
+
+/* The next tool call in a harmony answer (decoded with its special tokens),
+ * from *pos on: a message whose header has "to=functions.NAME" and whose
+ * body is closed by <|call|>. Returns 1 with name (NUL-terminated, at most
+ * 64 characters of [A-Za-z0-9_-]), the body (*args, *args_len: the
+ * arguments' text), *at where the message begins (its <|start|>, else its
+ * header) and *pos after it; 0 when there is none. */
+int rk_harmony_find_call(const char *text, size_t *pos, char name[65], const char **args,
+                         size_t *args_len, size_t *at);
 
 #endif

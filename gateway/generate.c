@@ -393,6 +393,12 @@ static void respond_failure(gen *g) {
  * Returns the answer (malloc'ed, may be NULL). */
 static char *take_tool_answer(gen *g) {
     char *all = rk_gt_take(&g->text, 1);
+    /* harmony: a call is known by its message's header, which the split
+     * below drops, so the calls are parsed from the answer with its tags */
+    int harmony = g->rc->S->tmpl == RK_CHAT_HARMONY;
+    if (harmony)
+        g->tool_calls =
+            rk_chat_tool_calls(RK_CHAT_HARMONY, &g->api, all ? all : "", g->id, &g->tool_content);
     if (g->thinking && all) {
         rk_strbuf think = {0}, answer = {0};
         rk_think_split_text_as(g->think.harmony, all, &think, &answer);
@@ -401,8 +407,9 @@ static char *take_tool_answer(gen *g) {
         all = answer.s ? rk_strbuf_take(&answer) : rk_strdup("");
         g->thinking = 0; /* what is sent from here on is the answer */
     }
-    g->tool_calls =
-        rk_chat_tool_calls(g->rc->S->tmpl, &g->api, all ? all : "", g->id, &g->tool_content);
+    if (!harmony)
+        g->tool_calls =
+            rk_chat_tool_calls(g->rc->S->tmpl, &g->api, all ? all : "", g->id, &g->tool_content);
     return all;
 }
 

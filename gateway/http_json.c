@@ -751,6 +751,9 @@ static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *
         json_t *tid = json_object_get(m, "tool_call_id");
         if (tid && !json_is_null(tid) && !json_is_string(tid))
             return rk_http_errorf(err, 400, "messages[%zu].tool_call_id must be a string", i), 1;
+        if (json_is_string(tid) && out->msgs[i].role == RK_ROLE_TOOL &&
+            !(out->msgs[i].tool_call_id = rk_strdup(json_string_value(tid))))
+            return rk_http_errorf(err, 500, "out of memory"), 1;
     }
     if (rk_api_parse_tools(root, out, err) || rk_api_parse_chunking(root, out, err)) return 1;
     if (out->msgs[n - 1].role == RK_ROLE_SYSTEM)
@@ -833,6 +836,7 @@ void rk_api_request_free(rk_api_request *r) {
     for (int i = 0; i < r->n_msgs; i++) {
         free(r->msgs[i].content);
         free(r->msgs[i].tool_calls);
+        free(r->msgs[i].tool_call_id);
         for (int k = 0; k < r->msgs[i].n_docs; k++) free(r->msgs[i].docs[k]);
         free(r->msgs[i].docs);
     }

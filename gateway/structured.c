@@ -118,7 +118,10 @@ int rk_api_parse_msg_tool_calls(json_t *tc, int i, char **out, rk_http_error *er
                                   i, k),
                    1;
         }
-        json_array_append_new(list, json_pack("{s:s, s:o}", "name", name, "arguments", a));
+        json_t *call = json_pack("{s:s, s:o}", "name", name, "arguments", a);
+        const char *cid = json_string_value(json_object_get(c, "id"));
+        if (call && cid) json_object_set_new(call, "id", json_string(cid));
+        json_array_append_new(list, call);
     }
     *out = list ? json_dumps(list, JSON_COMPACT) : NULL;
     json_decref(list);
