@@ -43,6 +43,10 @@ typedef struct gen {
     /* Another route's shape (responses.c): objects and events pass through it. */
     const rk_gw_sink *sink;
     int echoed; /* a streamed completion with `echo`: its prompt went out */
+    /* ... in the event being made (echoing), the log-probabilities of its
+     * prompt's tokens with it; echo_len: its bytes, before the completion's */
+    int echoing;
+    size_t echo_len;
 } gen;
 
 static int write_all(gen *g, const char *s, size_t n) {
@@ -126,10 +130,15 @@ static int tokens_sent(gen *g) {
 static json_t *chunk_event(gen *g, const char *text, const char *fr) {
     int chat = g->api.chat, upto = fr ? g->job->req.n_out : tokens_sent(g);
     json_t *lp = json_null();
-    if (!fr && g->api.opt.n_logprobs > 0) {
+    const rk_tokenizer *tok = rk_model_tokenizer(g->svc->model);
+    if (!fr && g->api.opt.n_logprobs > 0 && g->echoing) { /* the prompt's tokens alone */
         json_decref(lp);
-        lp = rk_report_logprobs(rk_model_tokenizer(g->svc->model), &g->job->req, g->lp_sent, upto,
-                                chat);
+        lp = rk_report_echo_logprobs(tok, &g->job->req, text, strlen(text), 0, 0);
+    } else if (!fr && g->api.opt.n_logprobs > 0) {
+        json_decref(lp);
+        lp = g->api.echo && !chat
+                 ? rk_report_echo_logprobs(tok, &g->job->req, NULL, g->echo_len, g->lp_sent, upto)
+                 : rk_report_logprobs(tok, &g->job->req, g->lp_sent, upto, chat);
         g->lp_sent = upto;
     }
     json_t *choice;
@@ -207,7 +216,12 @@ static void send_echo(gen *g) {
     if (!g->api.echo || g->api.chat || g->echoed) return;
     g->echoed = 1;
     char *t = echo_text(g);
-    if (t) sse_event(g, chunk_event(g, t, NULL));
+    if (t) {
+        g->echo_len = strlen(t);
+        g->echoing = 1;
+        sse_event(g, chunk_event(g, t, NULL));
+        g->echoing = 0;
+    }
     free(t);
 }
 
@@ -216,9 +230,11 @@ static json_t *final_object(gen *g, const char *text) {
     rk_request *r = &g->job->req;
     const rk_tokenizer *tok = rk_model_tokenizer(g->svc->model);
     char *echoed = NULL; /* `echo`: the prompt and the text */
+    json_t *lp = NULL;
     if (g->api.echo && !g->api.chat) {
         char *e = echo_text(g);
         size_t el = e ? strlen(e) : 0, tl = strlen(text);
+        if (e) lp = rk_report_echo_logprobs(tok, r, e, el, 0, r->n_out);
         if (e && (echoed = malloc(el + tl + 1))) {
             memcpy(echoed, e, el);
             memcpy(echoed + el, text, tl + 1);
@@ -227,7 +243,7 @@ static json_t *final_object(gen *g, const char *text) {
         free(e);
     }
     const char *fr = finish_reason(g);
-    json_t *lp = rk_report_logprobs(tok, r, 0, r->n_out, g->api.chat);
+    if (!lp) lp = rk_report_logprobs(tok, r, 0, r->n_out, g->api.chat);
     rk_strbuf think = {0}, answer = {0};
     if (g->thinking && !g->tool_calls) { /* (with calls, the answer was split before) */
         rk_think_split_text_as(g->think.harmony, text, &think, &answer);
@@ -660,7 +676,8 @@ static gen *make_choice(gen *g0, int c, int per_prompt, rk_http_error *err) {
     *g = *g0; /* api: a shallow copy, freed with g0's */
     g->job = NULL;
     g->index = c;
-    g->events = g->text_done = g->lp_sent = g->echoed = 0;
+    g->events = g->text_done = g->lp_sent = g->echoed = g->echoing = 0;
+    g->echo_len = 0;
     g->think = (rk_think_split){.harmony = g0->think.harmony};
     g->reasoning = NULL;
     g->fd = -1; /* choice 0 watches the connection */

@@ -441,6 +441,16 @@ static int token_list(json_t *a, const char *what, int32_t **out, int *n, rk_htt
     return 0;
 }
 
+/* A string prompt into its pieces: split on the separator, or with the
+ * prompt's log-probabilities (`echo` with `logprobs`: every token of it is
+ * scored as written) taken whole, all of it the question. */
+static rk_status split_prompt(json_t *v, const rk_parse_limits *lim, const rk_api_request *in,
+                              rk_split *out) {
+    const char *s = json_string_value(v);
+    if (in->opt.prompt_logprobs && *s) return rk_split_structured("", NULL, 0, s, 0, out);
+    return rk_split_prompt(s, json_string_length(v), in->separator, lim->max_chunks, out);
+}
+
 /* `prompt` as an array: strings (each split like a prompt), one token-id
  * list, or token-id lists; a batch of one choice per prompt (times n). */
 static int parse_prompt_batch(json_t *prompt, const rk_parse_limits *lim, rk_api_request *out,
@@ -484,8 +494,7 @@ static int parse_prompt_batch(json_t *prompt, const rk_parse_limits *lim, rk_api
                                   "lists)",
                                   i),
                    1;
-        rk_status st = rk_split_prompt(json_string_value(v), json_string_length(v), out->separator,
-                                       lim->max_chunks, &out->batch[i]);
+        rk_status st = split_prompt(v, lim, out, &out->batch[i]);
         if (st) {
             char what[48];
             snprintf(what, sizeof what, "bad prompt[%zu]", i);
@@ -521,11 +530,7 @@ static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_req
     json_int_t lp = 0;
     if (get_int(root, "logprobs", 0, 20, &lp, err)) return 1;
     out->opt.n_logprobs = (int)lp;
-    if (out->echo && lp > 0)
-        return rk_http_errorf(err, 400,
-                              "'echo' with 'logprobs' is not supported: the prompt tokens' "
-                              "log-probabilities are not computed"),
-               1;
+    out->opt.prompt_logprobs = out->echo && lp > 0;
     if (out->echo && (structured || (segs && !json_is_null(segs))))
         return rk_http_errorf(
                    err, 400,
@@ -552,8 +557,7 @@ static int parse_completion(json_t *root, const rk_parse_limits *lim, rk_api_req
                                   "'prompt' must be a string, an array of strings, an array of "
                                   "token ids or an array of token-id arrays"),
                    1;
-        rk_status st = rk_split_prompt(json_string_value(prompt), json_string_length(prompt),
-                                       out->separator, lim->max_chunks, &out->pieces);
+        rk_status st = split_prompt(prompt, lim, out, &out->pieces);
         if (st) return from_status(err, st, "bad prompt"), 1;
         out->have_pieces = 1;
         return 0;

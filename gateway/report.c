@@ -138,14 +138,65 @@ static json_t *chat_entry(const rk_tokenizer *tok, int32_t id, float lp) {
     return e;
 }
 
+/* The completion shape's four lists, appended to entry by entry. */
+typedef struct lp_lists {
+    json_t *tokens, *lps, *tops, *offsets;
+} lp_lists;
+
+static void lists_init(lp_lists *l) {
+    l->tokens = json_array();
+    l->lps = json_array();
+    l->tops = json_array();
+    l->offsets = json_array();
+}
+
+static json_t *lists_object(lp_lists *l) {
+    return json_pack("{s:o, s:o, s:o, s:o}", "tokens", l->tokens, "token_logprobs", l->lps,
+                     "top_logprobs", l->tops, "text_offset", l->offsets);
+}
+
+/* One token's entry: its text, log-probability, top k ({text: logprob}; null
+ * when nothing came before it: top_ids[0] < 0) and text offset. */
+static void lists_add(lp_lists *l, const rk_tokenizer *tok, int32_t id, float lp,
+                      const int32_t *top_ids, const float *top_lps, int k, long offset) {
+    char buf[256];
+    int n;
+    char *s = token_text(tok, id, buf, &n);
+    json_array_append_new(l->tokens, json_string(s ? s : ""));
+    free(s);
+    json_array_append_new(l->lps, logprob_json(lp));
+    json_array_append_new(l->offsets, json_integer(offset));
+    json_t *top = top_ids[0] < 0 ? json_null() : json_object();
+    for (int j = 0; j < k && top_ids[j] >= 0; j++) {
+        char *t = token_text(tok, top_ids[j], buf, &n);
+        json_object_set_new(top, t ? t : "", logprob_json(top_lps[j]));
+        free(t);
+    }
+    json_array_append_new(l->tops, top);
+}
+
+/* Generated tokens [from, to) of r into l; text offsets from base (the
+ * bytes before the completion). */
+static void add_generated(lp_lists *l, const rk_tokenizer *tok, const rk_request *r, int from,
+                          int to, long base) {
+    int k = r->opt.n_logprobs, n;
+    char buf[256];
+    long offset = base; /* bytes of the completion before token i */
+    for (int i = 0; i < to; i++) {
+        if (i >= from)
+            lists_add(l, tok, r->out_tokens[i], r->logprobs[i], r->top_ids + (size_t)i * k,
+                      r->top_logprobs + (size_t)i * k, k, offset);
+        free(token_text(tok, r->out_tokens[i], buf, &n));
+        offset += n;
+    }
+}
+
 json_t *rk_report_logprobs(const rk_tokenizer *tok, const rk_request *r, int from, int to,
                            int chat) {
     int k = r->opt.n_logprobs;
     if (k <= 0) return json_null();
     if (to > r->n_out) to = r->n_out;
     if (from < 0) from = 0;
-    char buf[256];
-    int n;
     if (chat) {
         json_t *content = json_array();
         for (int i = from; i < to; i++) {
@@ -158,31 +209,52 @@ json_t *rk_report_logprobs(const rk_tokenizer *tok, const rk_request *r, int fro
         }
         return json_pack("{s:o, s:n}", "content", content, "refusal");
     }
-    json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(),
-           *offsets = json_array();
-    long offset = 0; /* bytes of the completion before token i */
-    for (int i = 0; i < to; i++) {
-        char *s = token_text(tok, r->out_tokens[i], buf, &n);
-        if (i >= from) {
-            json_array_append_new(tokens, json_string(s ? s : ""));
-            json_array_append_new(lps, logprob_json(r->logprobs[i]));
-            json_array_append_new(offsets, json_integer(offset));
-            json_t *top = json_object();
-            for (int j = 0; j < k; j++) {
-                int m;
-                char tb[256];
-                char *t = token_text(tok, r->top_ids[(size_t)i * k + j], tb, &m);
-                json_object_set_new(top, t ? t : "",
-                                    logprob_json(r->top_logprobs[(size_t)i * k + j]));
-                free(t);
-            }
-            json_array_append_new(tops, top);
-        }
-        offset += n;
-        free(s);
+    lp_lists l;
+    lists_init(&l);
+    add_generated(&l, tok, r, from, to, 0);
+    return lists_object(&l);
+}
+
+/* The question's tokens into l (the prompt's entries after its system
+ * tokens: BOS alone for an echoed prompt), their text offsets in echo. The
+ * tokens' bytes concatenated may hold more than echo before it (the space
+ * a SentencePiece tokenizer puts before the first word): offsets are taken
+ * back by what comes before echo, and kept inside it. */
+static void add_prompt(lp_lists *l, const rk_tokenizer *tok, const rk_request *r, const char *echo,
+                       size_t echo_len) {
+    int k = r->opt.n_logprobs, nq = r->n_question;
+    long e_len = (long)echo_len, total = 0, shift = 0;
+    rk_strbuf d = {0};
+    char buf[1024];
+    for (int i = 0; i < nq; i++) {
+        int n = rk_tokenizer_token_bytes(tok, r->question[i], 0, buf, sizeof buf);
+        if (n > 0) rk_strbuf_putn(&d, buf, n < (int)sizeof buf ? (size_t)n : sizeof buf);
+        total += n > 0 ? n : 0;
     }
-    return json_pack("{s:o, s:o, s:o, s:o}", "tokens", tokens, "token_logprobs", lps,
-                     "top_logprobs", tops, "text_offset", offsets);
+    if (d.s && (long)d.len == total && total >= e_len && !memcmp(d.s + total - e_len, echo, e_len))
+        shift = total - e_len;
+    rk_strbuf_free(&d);
+    long at = 0;
+    for (int i = 0; i < nq; i++) {
+        size_t j = (size_t)(r->n_sys + i);
+        long off = at - shift < 0 ? 0 : at - shift > e_len ? e_len : at - shift;
+        lists_add(l, tok, r->question[i], r->prompt_logprobs[j], r->prompt_top_ids + j * k,
+                  r->prompt_top_logprobs + j * k, k, off);
+        int n = rk_tokenizer_token_bytes(tok, r->question[i], 0, buf, sizeof buf);
+        at += n > 0 ? n : 0;
+    }
+}
+
+json_t *rk_report_echo_logprobs(const rk_tokenizer *tok, const rk_request *r, const char *echo,
+                                size_t echo_len, int from, int to) {
+    if (r->opt.n_logprobs <= 0) return json_null();
+    if (to > r->n_out) to = r->n_out;
+    if (from < 0) from = 0;
+    lp_lists l;
+    lists_init(&l);
+    if (echo && r->prompt_logprobs) add_prompt(&l, tok, r, echo, echo_len);
+    add_generated(&l, tok, r, from, to, (long)echo_len);
+    return lists_object(&l);
 }
 
 rk_status rk_report_text(const rk_tokenizer *tok, const rk_request *r, char **out) {

@@ -35,6 +35,15 @@ json_t *rk_report_ragkv(const rk_request *r);
  * refusal: null}. */
 json_t *rk_report_logprobs(const rk_tokenizer *tok, const rk_request *r, int from, int to,
                            int chat);
+/* With `echo` (completions): the same completions shape for a request
+ * whose answer starts with its prompt as echoed (echo_len bytes): first,
+ * when echo is not NULL (the echoed text itself) and the request has them
+ * (opt.prompt_logprobs), the prompt's tokens after its system tokens (BOS
+ * alone for an echoed prompt), each with its entry (a token with nothing
+ * before it has null logprob and top_logprobs) and its offset in echo; then
+ * generated tokens [from, to), offsets counted from echo's start. */
+json_t *rk_report_echo_logprobs(const rk_tokenizer *tok, const rk_request *r, const char *echo,
+                                size_t echo_len, int from, int to);
 /* The whole text_completion object (new reference; NULL when out of memory). */
 json_t *rk_report_completion(const rk_tokenizer *tok, const rk_request *r, const char *id,
                              long created, const char *model);

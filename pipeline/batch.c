@@ -9,7 +9,7 @@
 /* ---------------------------------------------------------------- batches */
 
 void rk_batch_reset(batch *b) {
-    b->n_tok = b->n_seq = b->n_logits = 0;
+    b->n_tok = b->n_seq = b->n_logits = b->n_prompt_rows = 0;
     b->max_blocks = 0;
     b->n_layers = 0;
 }
@@ -60,10 +60,15 @@ static rk_status batch_add_seq(batch *b, int bs, const rk_seq *seq, const rk_run
         const rk_runs **rt = realloc(b->runs, (size_t)cap * sizeof *rt);
         if (!rt) return rk_errorf(RK_ERR_NOMEM, "pipeline: out of memory");
         b->runs = rt;
-        if ((st = grow32(&b->q_start, cap + 1)) || (st = grow32(&b->kv_len, cap)) ||
-            (st = grow32(&b->logit_rows, cap)))
-            return st;
+        if ((st = grow32(&b->q_start, cap + 1)) || (st = grow32(&b->kv_len, cap))) return st;
         b->cap_seq = cap;
+    }
+    int rows = want_logits == RK_LOGITS_ALL ? n : want_logits ? 1 : 0;
+    if (b->n_logits + rows > b->cap_rows) {
+        int cap = b->cap_rows ? b->cap_rows : 16;
+        while (cap < b->n_logits + rows) cap *= 2;
+        if ((st = grow32(&b->logit_rows, cap))) return st;
+        b->cap_rows = cap;
     }
     for (int j = 0; j < n; j++) {
         b->tokens[b->n_tok + j] = tokens[j];
@@ -77,7 +82,7 @@ static rk_status batch_add_seq(batch *b, int bs, const rk_seq *seq, const rk_run
     b->kv_len[b->n_seq] = idx0 + n;
     b->tables[b->n_seq] = seq;
     b->runs[b->n_seq] = runs;
-    if (want_logits) b->logit_rows[b->n_logits++] = b->n_tok - 1;
+    for (int j = b->n_tok - rows; j < b->n_tok; j++) b->logit_rows[b->n_logits++] = j;
     int nb = (idx0 + n + bs - 1) / bs;
     if (runs) rk_runs_cover(runs, bs, idx0 + n, NULL, NULL, &nb);
     b->max_blocks = nb > b->max_blocks ? nb : b->max_blocks;

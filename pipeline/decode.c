@@ -131,13 +131,15 @@ rk_status rk_run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_requ
             return st;
     }
     int left = budget > 0 ? budget : 1 << 30;
+    /* Prompts' log-probability rows: a bounded share of logits per pass. */
+    int max_rows = (int)(RK_PROMPT_LOGITS_BYTES / ((size_t)n_vocab * sizeof(float)));
     for (int i = 0; i < n_pre; i++) {
         rk_req_state *s = pre[i]->state;
         s->row = -1;
-        s->fed_sys = s->fed_p = s->fed_r = 0;
+        s->fed_sys = s->fed_p = s->fed_r = s->lp_n = 0;
         st = s->chunk_wait ? rk_feed_chunks(p, pre[i], &left)
              : s->scoring  ? RK_OK /* its deviation pass first: rk_repair_score_step */
-                           : rk_feed_prompt(&p->b, bs, pre[i], &left);
+                           : rk_feed_prompt(&p->b, bs, pre[i], &left, max_rows);
         if (st) {
             p->feed.n = 0;
             return st;
@@ -164,6 +166,7 @@ rk_status rk_run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_requ
         if (s->chunk_wait) r->t.chunk_compute_ms += dt;
         if (s->fed_r) r->t.repair_ms += dt;
         if (s->fed_sys || s->fed_p) r->t.prefill_ms += dt;
+        if (s->lp_n) rk_take_prompt_logprobs(r, p->b.logits, n_vocab);
         if (!s->fed_sys && !s->fed_r && !s->fed_p) continue;
         s->sys_next += s->fed_sys;
         s->r_next += s->fed_r;
@@ -175,7 +178,10 @@ rk_status rk_run_pass(rk_pipeline *p, rk_request *const *dec, int n_dec, rk_requ
             continue;
         s->prefilling = 0;
         s->n_valid = s->kv.n_tokens;
-        if (s->row >= 0) take_token(svc, r, p->b.logits + (size_t)s->row * n_vocab, hooks);
+        if (r->opt.max_tokens == 0) /* computed for its log-probabilities alone */
+            s->done = 1;
+        else if (s->row >= 0)
+            take_token(svc, r, p->b.logits + (size_t)s->row * n_vocab, hooks);
     }
     return RK_OK;
 }

@@ -130,6 +130,9 @@ struct rk_req_state {
     int scoring, dev_next, dev_total;
     float *dev_before, *q_mass;
     int row, fed_sys, fed_p, fed_r; /* in the current pass: its logits row (-1: none), tokens fed */
+    /* In the current pass, with the prompt's log-probabilities: lp_n logits
+     * rows from lp_row, for its prompt tokens from lp_seq on (rk_feed_prompt). */
+    int lp_row, lp_seq, lp_n;
     rk_sampler sampler;
     int done;
     int hook_index; /* the hooks' req: its rank in admission order */
@@ -142,9 +145,12 @@ typedef struct batch {
     int n_tok, cap_tok;
     int32_t *tokens, *pos, *slots;
     int n_seq, cap_seq;
-    int32_t *q_start, *kv_len, *logit_rows;
-    const rk_seq **tables;                    /* (n_seq) the sequence whose blocks are its table */
-    const rk_runs **runs;                     /* (n_seq) its run table instead, or NULL */
+    int32_t *q_start, *kv_len;
+    int32_t *logit_rows; /* (cap_rows) the n_logits rows asked for */
+    int cap_rows;
+    int n_prompt_rows;     /* of them, rows of prompts' log-probabilities (rk_feed_prompt) */
+    const rk_seq **tables; /* (n_seq) the sequence whose blocks are its table */
+    const rk_runs **runs;  /* (n_seq) its run table instead, or NULL */
     int32_t *seg_start, *seg_end, *seg_delta; /* the runs, when some sequence has them */
     int cap_segs;
     int max_blocks;
@@ -322,8 +328,12 @@ rk_status rk_repair_score_step(rk_service *svc, batch *b, rk_request *const *req
 void rk_queue_prompt(admission *a);
 /* Feed what is left of r's prompt into b, at most *left tokens: its system
  * tail, its stepped repair runs, then the rest; logits for the last token
- * when it has no token yet. */
-rk_status rk_feed_prompt(batch *b, int bs, rk_request *r, int *left);
+ * when it has no token yet; with opt.prompt_logprobs (until its first
+ * token) for every token, at most max_rows of them in b's prompt rows. */
+rk_status rk_feed_prompt(batch *b, int bs, rk_request *r, int *left, int max_rows);
+/* After the pass ran: the prompt rows rk_feed_prompt asked for r reduced to
+ * its prompt log-probability entries. */
+void rk_take_prompt_logprobs(rk_request *r, const float *logits, int n_vocab);
 
 /* ---------------------------------------------------------------- decode.c: stage 7 */
 
@@ -362,8 +372,17 @@ void rk_inserts_drop(rk_pipeline *p);
 void rk_batch_reset(batch *b);
 /* Free b's buffers; b is empty after. */
 void rk_batch_free(batch *b);
+/* want_logits of rk_batch_add: a logits row for every token added. */
+#define RK_LOGITS_ALL 2
+
+/* Logits rows one pass computes for prompts' log-probabilities, at most
+ * (the rest of such a prompt goes to the next passes): this many bytes of
+ * logits, and at least one row. */
+#define RK_PROMPT_LOGITS_BYTES (32 << 20)
+
 /* Add n tokens of seq to b, at positions pos0.. and table indices idx0..
- * (their slots from seq's blocks); want_logits: a logits row for the last. */
+ * (their slots from seq's blocks); want_logits: 1, a logits row for the
+ * last; RK_LOGITS_ALL, one for each. */
 rk_status rk_batch_add(batch *b, int bs, const rk_seq *seq, const int32_t *tokens, int n, int pos0,
                        int idx0, int want_logits);
 /* rk_batch_add for a request's merged sequence, addressed through its run

@@ -108,7 +108,7 @@ rk_status rk_admit_stages(rk_pipeline *p, rk_request *const *reqs, int n_reqs, i
  * scoring pass, or a repair run (or a text between chunk groups) at
  * admission (stepped ones are fed after the system tail in the steps). */
 static int needs_system_first(const admission *a, const rk_request *r) {
-    if (r->opt.mode != RK_MODE_RAG) return 0;
+    if (r->opt.mode != RK_MODE_RAG || r->opt.prompt_logprobs) return 0;
     for (int k = 0; k < r->n_chunks; k++) {
         const scratch *sc = &r->state->scratch[k];
         /* A stepped one: the steps feed the system tail before it (rk_feed_chunks). */

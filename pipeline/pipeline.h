@@ -193,6 +193,13 @@ typedef struct rk_req_options {
     rk_sampler_params sampling;
     int stop_at_eog;
     int n_logprobs; /* 0..20 top log-probabilities per generated token */
+    /* With n_logprobs > 0: also the log-probability of every prompt token
+     * given the tokens before it, and the top n_logprobs there (the results'
+     * prompt_* arrays). Needs logits at every prompt position, so the
+     * request's prompt is computed whole: no chunks (RK_ERR_INVALID when it
+     * has some), no radix match or insert, no repair; and with max_tokens 0
+     * its prompt is still computed. */
+    int prompt_logprobs;
     /* Constrain sampling to this grammar (response_format, grammar): every
      * token is drawn from the ones that keep the output a prefix of it, and
      * the end only where it may end. Borrowed: the caller keeps it alive
@@ -312,6 +319,14 @@ typedef struct rk_request {
     float *top_logprobs; /* same shape */
     float *logprobs;     /* (opt.max_tokens) log-probability of each sampled token, set
                           * where opt.n_logprobs > 0 */
+    /* With opt.prompt_logprobs, entry j of the prompt (sys, then question:
+     * n_sys + n_question entries) has the log-probability of token j given
+     * tokens 0..j-1 and the top opt.n_logprobs there, most likely first;
+     * entry 0 has NaN and ids -1 (nothing comes before it). Set by the
+     * prompt's passes, before the first token is sampled. */
+    float *prompt_logprobs;     /* (n_sys + n_question) */
+    int32_t *prompt_top_ids;    /* (n_sys + n_question, opt.n_logprobs) */
+    float *prompt_top_logprobs; /* same shape */
     rk_finish_reason finish_reason;
     int finished; /* it left the pipeline: everything it held is released */
     /* Set when the pipeline failed this request alone (a forward pass gave

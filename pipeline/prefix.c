@@ -118,7 +118,9 @@ static rk_status start_request(rk_service *svc, rk_request *r) {
     int whole_seq = r->opt.reuse_sequences;
     int n_key = whole_seq ? s->q_index + s->n_qtok : r->n_sys;
     int leave_one = whole_seq || s->n_qtok == 0;
-    int use_prefix = svc->prefix && r->opt.prefix_cache && n_key > 0;
+    /* A prompt whose log-probabilities are asked is computed whole: a
+     * prefix taken from the tree would leave its rows without logits. */
+    int use_prefix = svc->prefix && r->opt.prefix_cache && n_key > 0 && !r->opt.prompt_logprobs;
     if (use_prefix) {
         if ((st = build_key(svc, r))) return st;
         s->ns = request_ns(svc, r);

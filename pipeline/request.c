@@ -5,6 +5,7 @@
  * Also the small facts about a request that the later stages share without
  * calling each other: whether a chunk came with the radix prefix, an
  * uncached entry's blocks, and the report kept across preemption. */
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,6 +61,11 @@ void rk_request_free(rk_request *r) {
     free(r->top_ids);
     free(r->top_logprobs);
     free(r->logprobs);
+    free(r->prompt_logprobs);
+    free(r->prompt_top_ids);
+    free(r->prompt_top_logprobs);
+    r->prompt_logprobs = r->prompt_top_logprobs = NULL;
+    r->prompt_top_ids = NULL;
     free(r->chunk_reports);
     rk_grammar_state_free(r->grammar_state);
     r->grammar_state = NULL;
@@ -69,6 +75,32 @@ void rk_request_free(rk_request *r) {
     r->top_logprobs = r->logprobs = NULL;
     r->chunk_reports = NULL;
     r->n_chunks = 0;
+}
+
+/* The prompt's log-probability entries (opt.prompt_logprobs): the prompt
+ * is then computed whole, so it may have no chunks, and no repair runs on
+ * it; entry 0 has nothing before it (NaN, ids -1). */
+static rk_status alloc_prompt_logprobs(rk_request *r) {
+    int k = r->opt.n_logprobs, n = r->n_sys + r->n_question;
+    if (k < 1)
+        return rk_errorf(RK_ERR_INVALID, "the prompt's log-probabilities need logprobs 1 to 20");
+    if (r->n_chunks > 0 || r->n_groups > 1)
+        return rk_errorf(RK_ERR_INVALID,
+                         "the prompt's log-probabilities need a prompt without chunks");
+    r->opt.repair_k = 0;
+    r->opt.repair_ratio = 0;
+    r->opt.repair_query = 0;
+    r->prompt_logprobs = malloc((size_t)(n ? n : 1) * sizeof *r->prompt_logprobs);
+    r->prompt_top_ids = malloc((size_t)(n ? n : 1) * k * sizeof *r->prompt_top_ids);
+    r->prompt_top_logprobs = malloc((size_t)(n ? n : 1) * k * sizeof *r->prompt_top_logprobs);
+    if (!r->prompt_logprobs || !r->prompt_top_ids || !r->prompt_top_logprobs)
+        return rk_errorf(RK_ERR_NOMEM, "request: out of memory");
+    for (int i = 0; i < n; i++) r->prompt_logprobs[i] = NAN;
+    for (size_t i = 0; i < (size_t)n * k; i++) {
+        r->prompt_top_ids[i] = -1;
+        r->prompt_top_logprobs[i] = NAN;
+    }
+    return RK_OK;
 }
 
 static rk_status alloc_results(rk_service *svc, rk_request *r) {
@@ -87,7 +119,7 @@ static rk_status alloc_results(rk_service *svc, rk_request *r) {
     if (!r->out_tokens || !r->logprobs || !r->chunk_reports ||
         (k && (!r->top_ids || !r->top_logprobs)))
         return rk_errorf(RK_ERR_NOMEM, "request: out of memory");
-    return RK_OK;
+    return r->opt.prompt_logprobs ? alloc_prompt_logprobs(r) : RK_OK;
 }
 
 static rk_status check_context(rk_service *svc, rk_request *r) {
@@ -369,8 +401,9 @@ rk_status rk_init_request(rk_service *svc, rk_request *r) {
         memset(&r->t, 0, sizeof r->t);
         r->t.queue_ms = queue_ms;
     }
-    /* Nothing to generate: the prompt is still cached, but no step samples. */
-    s->done = r->opt.max_tokens == 0;
+    /* Nothing to generate: the prompt is still cached, but no step samples
+     * (its question is computed only for the prompt's log-probabilities). */
+    s->done = r->opt.max_tokens == 0 && !r->opt.prompt_logprobs;
     rk_status st = rk_sampler_init(&s->sampler, &r->opt.sampling, hp->n_vocab);
     if (st) return st;
     /* A fresh run starts its grammar again (from the state the HTTP worker

@@ -823,8 +823,8 @@ static json_t *cli_tokenize(const char *text) {
 }
 
 /* `echo` starts a completion's text with its prompt, whole and streamed
- * (the prompt is the first event), per prompt of a batch; with logprobs, and
- * on chat, it is refused naming the field. */
+ * (the prompt is the first event), per prompt of a batch; on chat it is
+ * refused. */
 Test(openai, echo_puts_the_prompt_before_the_completion) {
     const char *body = "{\"prompt\": %s, \"max_tokens\": 6, \"seed\": 4, \"n\": %d%s}";
     resp plain = rk_test_postf(&S.t, "/v1/completions", body, "\"Once upon a time\"", 1, "");
@@ -854,17 +854,221 @@ Test(openai, echo_puts_the_prompt_before_the_completion) {
         snprintf(path, sizeof path, "choices.%d.text", i);
         cr_assert(!strncmp(rk_test_jstr(batch.json, path), i < 2 ? "A cat" : "A dog", 5));
     }
-    resp lp = rk_test_postf(&S.t, "/v1/completions", body, "\"x\"", 1,
-                            ", \"echo\": true, \"logprobs\": 1");
-    cr_assert_eq(lp.http.status, 400);
-    cr_assert_str_eq(rk_test_jstr(lp.json, "error.param"), "echo");
     resp chat = rk_test_postf(&S.t, "/v1/chat/completions",
                               "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}], "
                               "\"echo\": true}");
     cr_assert_eq(chat.http.status, 400);
     rk_strbuf_free(&all);
-    resp *rs[] = {&plain, &echo, &st, &batch, &lp, &chat};
+    resp *rs[] = {&plain, &echo, &st, &batch, &chat};
     for (size_t i = 0; i < sizeof rs / sizeof rs[0]; i++) rk_test_resp_free(rs[i]);
+}
+
+/* ================================================================ echo with logprobs */
+
+/* The one-token oracle of a prompt token: a completion of the tokens before
+ * it (ids[0..i), "" for none), its one token forced to ids[i] by logit_bias
+ * (log-probabilities are of the raw logits, before any bias). Returns the
+ * answer's logprobs object (owned by *out). */
+static json_t *one_step(json_t *ids, size_t i, int k, resp *out) {
+    rk_strbuf prefix = {0};
+    rk_strbuf_puts(&prefix, i ? "[" : "\"\"");
+    for (size_t j = 0; j < i; j++)
+        rk_strbuf_printf(&prefix, "%s%lld", j ? ", " : "",
+                         (long long)json_integer_value(json_array_get(ids, j)));
+    if (i) rk_strbuf_puts(&prefix, "]");
+    long long want = json_integer_value(json_array_get(ids, i));
+    *out =
+        rk_test_postf(&S.t, "/v1/completions",
+                      "{\"prompt\": %s, \"max_tokens\": 1, \"temperature\": 0, \"logprobs\": %d, "
+                      "\"ignore_eos\": true, \"logit_bias\": {\"%lld\": 100}}",
+                      prefix.s, k, want);
+    rk_strbuf_free(&prefix);
+    cr_assert_eq(out->http.status, 200, "%s", out->http.body);
+    cr_assert_eq(rk_test_jint(out->json, "ragkv.completion_ids.0"), want, "%s", out->http.body);
+    return rk_test_jget(out->json, "choices.0.logprobs");
+}
+
+/* Top log-probabilities {text: logprob} equal (same texts, values within
+ * 1e-4), with k entries in order, most likely first. */
+static void check_top(json_t *top, json_t *want, int k, size_t i) {
+    cr_assert(json_is_object(top), "top_logprobs[%zu] is an object", i);
+    cr_assert_eq(json_object_size(top), (size_t)k, "top_logprobs[%zu] has %d entries", i, k);
+    const char *key;
+    json_t *v;
+    double before = 0;
+    int first = 1;
+    json_object_foreach(top, key, v) {
+        double lp = json_real_value(v);
+        cr_assert(first || lp <= before, "top_logprobs[%zu] is sorted", i);
+        before = lp;
+        first = 0;
+        json_t *w = json_object_get(want, key);
+        cr_assert(w, "top_logprobs[%zu] has '%s' that the one-step run has not", i, key);
+        cr_assert_float_eq(lp, json_real_value(w), 1e-4, "top_logprobs[%zu]['%s']", i, key);
+    }
+}
+
+/* `echo` with `logprobs` (lm-evaluation-harness's loglikelihood request):
+ * the prompt's tokens are its tokenization, each with the log-probability
+ * a one-token completion of the tokens before it gives it; text offsets
+ * point into the prompt; max_tokens 0 answers the prompt alone, and with
+ * generated tokens they follow; a token-id prompt scores the same; a
+ * stream sends the prompt with its entries first, for each choice. */
+Test(openai_opts, echo_with_logprobs_scores_each_prompt_token_as_a_one_token_completion_does) {
+    char *model;
+    RK_REQUIRE_SHARED(model, "models/stories260K.gguf");
+    const char *args[] = {"--model", model, NULL};
+    start_with(args);
+    enum { K = 3, GEN = 3 };
+    const char *prompt = "Once upon a time there was a little dog named Max";
+    size_t plen = strlen(prompt);
+    resp tk =
+        rk_test_postf(&S.t, "/tokenize", "{\"content\": \"%s\", \"with_pieces\": true}", prompt);
+    cr_assert_eq(tk.http.status, 200, "%s", tk.http.body);
+    json_t *pieces = rk_test_jget(tk.json, "tokens"), *ids = json_array();
+    size_t n = json_array_size(pieces);
+    for (size_t i = 0; i < n; i++)
+        json_array_append(ids, json_object_get(json_array_get(pieces, i), "id"));
+    cr_assert_gt(n, 8);
+
+    resp e = rk_test_postf(&S.t, "/v1/completions",
+                           "{\"prompt\": \"%s\", \"echo\": true, \"logprobs\": %d, "
+                           "\"max_tokens\": 0}",
+                           prompt, K);
+    cr_assert_eq(e.http.status, 200, "%s", e.http.body);
+    cr_assert_str_eq(rk_test_jstr(e.json, "choices.0.text"), prompt);
+    cr_assert_str_eq(rk_test_jstr(e.json, "choices.0.finish_reason"), "length");
+    cr_assert_eq(rk_test_jint(e.json, "usage.completion_tokens"), 0);
+    json_t *lp = rk_test_jget(e.json, "choices.0.logprobs");
+    json_t *tokens = json_object_get(lp, "tokens"), *lps = json_object_get(lp, "token_logprobs");
+    json_t *tops = json_object_get(lp, "top_logprobs"), *offs = json_object_get(lp, "text_offset");
+    cr_assert_eq(json_array_size(tokens), n, "%s", e.http.body);
+    cr_assert_eq(json_array_size(lps), n);
+    cr_assert_eq(json_array_size(tops), n);
+    cr_assert_eq(json_array_size(offs), n);
+    for (size_t i = 0; i < n; i++) {
+        const char *piece = json_string_value(json_object_get(json_array_get(pieces, i), "piece"));
+        const char *tok = json_string_value(json_array_get(tokens, i));
+        cr_assert_str_eq(tok, piece, "token %zu", i);
+        long long off = json_integer_value(json_array_get(offs, i));
+        cr_assert(off >= 0 && (size_t)off <= plen);
+        if (i == 0)
+            cr_assert_eq(off, 0);
+        else /* the piece's text where its offset points */
+            cr_assert(!strncmp(prompt + off, tok, strlen(tok)), "token %zu '%s' at %lld", i, tok,
+                      off);
+        /* stories260K puts BOS before the prompt: the first token has one too. */
+        resp o;
+        json_t *want = one_step(ids, i, K, &o);
+        cr_assert(json_is_real(json_array_get(lps, i)), "token_logprobs[%zu]", i);
+        cr_assert_float_eq(
+            json_real_value(json_array_get(lps, i)),
+            json_real_value(json_array_get(json_object_get(want, "token_logprobs"), 0)), 1e-4,
+            "token_logprobs[%zu]", i);
+        check_top(json_array_get(tops, i), json_array_get(json_object_get(want, "top_logprobs"), 0),
+                  K, i);
+        rk_test_resp_free(&o);
+    }
+
+    /* The same prompt as token ids scores the same. */
+    char *id_list = json_dumps(ids, JSON_COMPACT);
+    resp ti = rk_test_postf(&S.t, "/v1/completions",
+                            "{\"prompt\": %s, \"echo\": true, \"logprobs\": %d, "
+                            "\"max_tokens\": 0}",
+                            id_list, K);
+    cr_assert_eq(ti.http.status, 200, "%s", ti.http.body);
+    json_t *ti_lps = rk_test_jget(ti.json, "choices.0.logprobs.token_logprobs");
+    cr_assert_eq(json_array_size(ti_lps), n);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_float_eq(json_real_value(json_array_get(ti_lps, i)),
+                           json_real_value(json_array_get(lps, i)), 1e-4);
+
+    /* With generated tokens: the prompt's entries, then theirs, offsets on. */
+    const char *gen_body = "{\"prompt\": \"%s\", \"echo\": true, \"logprobs\": 1, \"max_tokens\": "
+                           "%d, \"temperature\": 0, \"ignore_eos\": true%s}";
+    resp g = rk_test_postf(&S.t, "/v1/completions", gen_body, prompt, GEN, "");
+    cr_assert_eq(g.http.status, 200, "%s", g.http.body);
+    json_t *glp = rk_test_jget(g.json, "choices.0.logprobs");
+    cr_assert_eq(json_array_size(json_object_get(glp, "tokens")), n + GEN, "%s", g.http.body);
+    cr_assert_eq(json_integer_value(json_array_get(json_object_get(glp, "text_offset"), n)),
+                 (long long)plen);
+    cr_assert(!strncmp(rk_test_jstr(g.json, "choices.0.text"), prompt, plen));
+    for (size_t i = 0; i < n; i++)
+        cr_assert_float_eq(
+            json_real_value(json_array_get(json_object_get(glp, "token_logprobs"), i)),
+            json_real_value(json_array_get(lps, i)), 1e-4);
+
+    /* Streamed, two choices: each choice's first event is the prompt with its
+     * n entries; its later events carry the generated tokens' entries, with
+     * offsets from the prompt's end. */
+    resp st = rk_test_postf(&S.t, "/v1/completions", gen_body, prompt, GEN,
+                            ", \"stream\": true, \"n\": 2");
+    cr_assert_eq(st.http.status, 200, "%s", st.http.body);
+    int events[2] = {0, 0};
+    size_t generated[2] = {0, 0};
+    for (const char *p = strstr(st.http.body, "data: {"); p; p = strstr(p + 1, "data: {")) {
+        json_t *ev = json_loadb(p + 6, strcspn(p + 6, "\n"), 0, NULL);
+        cr_assert(ev, "an event is JSON");
+        json_t *c = json_array_get(json_object_get(ev, "choices"), 0);
+        int idx = (int)json_integer_value(json_object_get(c, "index"));
+        json_t *elp = json_object_get(c, "logprobs");
+        if (c && json_is_null(json_object_get(c, "finish_reason"))) {
+            cr_assert(idx == 0 || idx == 1);
+            json_t *et = json_object_get(elp, "tokens");
+            if (events[idx]++ == 0) {
+                cr_assert_str_eq(json_string_value(json_object_get(c, "text")), prompt);
+                cr_assert_eq(json_array_size(et), n, "%s", p);
+            } else {
+                for (size_t j = 0; j < json_array_size(et); j++)
+                    cr_assert_geq(
+                        json_integer_value(json_array_get(json_object_get(elp, "text_offset"), j)),
+                        (long long)plen);
+                generated[idx] += json_array_size(et);
+            }
+        }
+        json_decref(ev);
+    }
+    for (int c = 0; c < 2; c++) {
+        cr_assert_gt(events[c], 1, "choice %d", c);
+        cr_assert_eq(generated[c], GEN, "choice %d streamed %zu generated entries", c,
+                     generated[c]);
+    }
+    free(id_list);
+    json_decref(ids);
+    resp *rs[] = {&tk, &e, &ti, &g, &st};
+    for (size_t i = 0; i < sizeof rs / sizeof rs[0]; i++) rk_test_resp_free(rs[i]);
+    free(model);
+}
+
+/* On a model without BOS the first prompt token has nothing before it:
+ * null log-probability and top_logprobs, as OpenAI answers; the next is
+ * the one-token completion's of the first. */
+Test(openai_opts, echo_with_logprobs_gives_null_to_a_first_token_with_nothing_before_it) {
+    char *model = rk_test_model("phi3-tiny", "f32", 7);
+    const char *args[] = {"--model", model, NULL};
+    start_with(args);
+    resp tk = rk_test_postf(&S.t, "/tokenize", "{\"content\": \"Once upon a time\"}");
+    json_t *ids = rk_test_jget(tk.json, "tokens");
+    resp e = rk_test_postf(&S.t, "/v1/completions",
+                           "{\"prompt\": \"Once upon a time\", \"echo\": true, \"logprobs\": 2, "
+                           "\"max_tokens\": 0}");
+    cr_assert_eq(e.http.status, 200, "%s", e.http.body);
+    json_t *lp = rk_test_jget(e.json, "choices.0.logprobs");
+    cr_assert_eq(json_array_size(json_object_get(lp, "tokens")), json_array_size(ids));
+    cr_assert(json_is_null(json_array_get(json_object_get(lp, "token_logprobs"), 0)), "%s",
+              e.http.body);
+    cr_assert(json_is_null(json_array_get(json_object_get(lp, "top_logprobs"), 0)));
+    resp o;
+    json_t *want = one_step(ids, 1, 2, &o);
+    cr_assert_float_eq(json_real_value(json_array_get(json_object_get(lp, "token_logprobs"), 1)),
+                       json_real_value(json_array_get(json_object_get(want, "token_logprobs"), 0)),
+                       1e-4, "%s", e.http.body);
+    check_top(json_array_get(json_object_get(lp, "top_logprobs"), 1),
+              json_array_get(json_object_get(want, "top_logprobs"), 0), 2, 1);
+    rk_test_resp_free(&o);
+    rk_test_resp_free(&e);
+    rk_test_resp_free(&tk);
+    free(model);
 }
 
 Test(openai, tokenize_and_detokenize_match_the_cli) {

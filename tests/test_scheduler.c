@@ -1394,3 +1394,159 @@ Test(scheduler, a_request_the_live_pool_cannot_hold_yet_waits_instead_of_failing
     rk_job_destroy(&huge);
     rk_scheduler_free(e);
 }
+
+/* ================================================================ prompt log-probabilities */
+
+/* A prompt of more tokens than one pass computes log-probability rows for
+ * on a model with Qwen3's vocabulary (RK_PROMPT_LOGITS_BYTES: about 55 rows
+ * of 151,936 logits), so the prompt goes over several passes. */
+static const char *SCORED_PROMPT =
+    "Once upon a time there was a little girl named Lily who lived in a small house near the "
+    "woods with her mother, her father and a big brown dog called Max. Every morning she walked "
+    "to the river to watch the ducks swim, and every evening she told her mother about the "
+    "birds, the fish and the frogs she had seen on the way.";
+
+static rk_request *prepare_scored(rk_service *svc, int max_tokens, int k, int scored) {
+    rk_request *r = calloc(1, sizeof *r);
+    rk_req_options_default(&r->opt);
+    r->opt.max_tokens = max_tokens;
+    r->opt.sampling.temperature = 0;
+    r->opt.n_logprobs = k;
+    r->opt.prompt_logprobs = scored;
+    rk_split sp;
+    cr_assert_eq(rk_split_prompt(SCORED_PROMPT, strlen(SCORED_PROMPT), NULL, 4, &sp), RK_OK);
+    cr_assert_eq(rk_request_prepare(svc, &sp, r), RK_OK, "%s", rk_error_message());
+    rk_split_free(&sp);
+    return r;
+}
+
+/* Log-probabilities computed in passes of other shapes agree to rounding:
+ * within 1e-4 of their size (at least 1e-4). */
+static int lp_close(float a, float b) { return fabsf(a - b) <= 1e-4f * fmaxf(1.0f, fabsf(b)); }
+
+static int32_t forced;
+static int32_t force_one(void *ctx, int req, int step) {
+    (void)ctx, (void)req, (void)step;
+    return forced;
+}
+
+/* The oracle of entry j: the prompt's first j tokens as a request of their
+ * own whose one token is forced to token j: its reported log-probability
+ * and top k (the sampler's) are what entry j must hold. */
+static void check_entry_against_one_step(rk_service *svc, const rk_request *r, int j) {
+    int k = r->opt.n_logprobs;
+    rk_request *o = calloc(1, sizeof *o);
+    rk_req_options_default(&o->opt);
+    o->opt.max_tokens = 1;
+    o->opt.sampling.temperature = 0;
+    o->opt.n_logprobs = k;
+    o->opt.prefix_cache = 0;
+    cr_assert_eq(r->n_sys, 0, "the Qwen3 vocabulary has no BOS");
+    cr_assert_eq(rk_request_prepare_tokens(svc, NULL, 0, r->question, j, o), RK_OK, "%s",
+                 rk_error_message());
+    forced = r->question[j];
+    rk_pipeline_hooks h = {.force_token = force_one};
+    cr_assert_eq(rk_pipeline_run(svc, &o, 1, &h), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(o->out_tokens[0], forced);
+    cr_assert(lp_close(r->prompt_logprobs[j], o->logprobs[0]), "entry %d: %g, alone %g", j,
+              r->prompt_logprobs[j], o->logprobs[0]);
+    for (int t = 0; t < k; t++) {
+        cr_assert_eq(r->prompt_top_ids[(size_t)j * k + t], o->top_ids[t], "entry %d, top %d", j, t);
+        cr_assert(lp_close(r->prompt_top_logprobs[(size_t)j * k + t], o->top_logprobs[t]));
+        if (t)
+            cr_assert_leq(r->prompt_top_logprobs[(size_t)j * k + t],
+                          r->prompt_top_logprobs[(size_t)j * k + t - 1]);
+    }
+    request_free(o);
+}
+
+/* Every prompt token's log-probability given the tokens before it, over
+ * passes of a bounded number of logits rows, is the one a request of those
+ * tokens alone reports for it; the first has none; several such prompts in
+ * one admission and max_tokens 0 give the same; and the generated tokens
+ * are those of the same prompt without the prompt's log-probabilities. */
+Test(pipeline, a_prompts_log_probabilities_over_several_passes_equal_each_prefix_alone,
+     .timeout = 300) {
+    char *model = rk_test_model("qwen3-tiny", "f32", 1);
+    enum { K = 3, GEN = 4 };
+    rk_service *svc = open_svc(model);
+    rk_request *r = prepare_scored(svc, GEN, K, 1);
+    int n = r->n_sys + r->n_question;
+    cr_assert_gt(n, 60, "the prompt has %d tokens", n);
+    cr_assert_eq(rk_pipeline_run(svc, &r, 1, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(r->n_out, GEN);
+    cr_assert(isnan(r->prompt_logprobs[0]), "nothing comes before the first token");
+    cr_assert_eq(r->prompt_top_ids[0], -1);
+    for (int j = 1; j < n; j++) cr_assert(isfinite(r->prompt_logprobs[j]), "entry %d", j);
+    int js[] = {1, 2, 54, 55, 56, n - 1};
+    for (size_t i = 0; i < sizeof js / sizeof js[0]; i++)
+        check_entry_against_one_step(svc, r, js[i]);
+
+    /* The same prompt without its log-probabilities generates the same tokens. */
+    rk_request *plain = prepare_scored(svc, GEN, K, 0);
+    cr_assert_eq(rk_pipeline_run(svc, &plain, 1, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_arr_eq(plain->out_tokens, r->out_tokens, GEN * sizeof(int32_t));
+    cr_assert_null(plain->prompt_logprobs);
+
+    /* Two in one admission (the second waits for rows the first took) and
+     * one with max_tokens 0: the same entries; nothing generated there. */
+    rk_request *two[] = {prepare_scored(svc, GEN, K, 1), prepare_scored(svc, 0, K, 1)};
+    cr_assert_eq(rk_pipeline_run(svc, two, 2, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(two[1]->n_out, 0);
+    cr_assert_eq(two[1]->finish_reason, RK_FINISH_LENGTH);
+    for (int q = 0; q < 2; q++)
+        for (int j = 1; j < n; j++) {
+            cr_assert(lp_close(two[q]->prompt_logprobs[j], r->prompt_logprobs[j]),
+                      "request %d, entry %d", q, j);
+            cr_assert_eq(two[q]->prompt_top_ids[(size_t)j * K], r->prompt_top_ids[(size_t)j * K]);
+        }
+    cr_assert_arr_eq(two[0]->out_tokens, r->out_tokens, GEN * sizeof(int32_t));
+    request_free(two[0]);
+    request_free(two[1]);
+    request_free(plain);
+    request_free(r);
+    rk_test_check_pools_back(svc);
+    rk_service_close(svc);
+    free(model);
+}
+
+/* Joined beside a decoding stream with a step budget of a few tokens, the
+ * prompt's rows come a slice a step and equal those computed alone. */
+Test(pipeline, a_prompts_log_probabilities_fed_a_few_tokens_a_step_equal_them_alone,
+     .timeout = 300) {
+    char *model = rk_test_model("qwen3-tiny", "f32", 1);
+    enum { K = 2, STEP = 7 };
+    rk_service *alone = open_svc(model);
+    rk_request *a = prepare_scored(alone, 2, K, 1);
+    cr_assert_eq(rk_pipeline_run(alone, &a, 1, NULL), RK_OK, "%s", rk_error_message());
+    int n = a->n_sys + a->n_question;
+
+    rk_service *svc = open_svc_steps(model, STEP);
+    rk_request *stream = prepare(svc, LONG_PROMPT, 60), *b = prepare_scored(svc, 2, K, 1);
+    rk_pipeline *p;
+    cr_assert_eq(rk_pipeline_create(svc, &p), RK_OK);
+    cr_assert_eq(rk_pipeline_admit(p, &stream, 1, NULL), RK_OK, "%s", rk_error_message());
+    cr_assert_eq(rk_pipeline_join(p, &b, 1), RK_OK, "%s", rk_error_message());
+    int steps = 0;
+    while (b->n_out == 0) {
+        cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK, "%s", rk_error_message());
+        steps++;
+    }
+    cr_assert_geq(steps, (n + STEP - 1) / STEP, "the prompt took %d steps", steps);
+    while (rk_pipeline_n_running(p) > 0) cr_assert_eq(rk_pipeline_step(p, NULL), RK_OK);
+    for (int j = 1; j < n; j++) {
+        cr_assert(lp_close(b->prompt_logprobs[j], a->prompt_logprobs[j]), "entry %d: %g, %g", j,
+                  b->prompt_logprobs[j], a->prompt_logprobs[j]);
+        for (int t = 0; t < K; t++)
+            cr_assert_eq(b->prompt_top_ids[(size_t)j * K + t],
+                         a->prompt_top_ids[(size_t)j * K + t]);
+    }
+    cr_assert_arr_eq(b->out_tokens, a->out_tokens, 2 * sizeof(int32_t));
+    rk_pipeline_free(p);
+    request_free(stream);
+    request_free(b);
+    request_free(a);
+    rk_service_close(alone);
+    rk_service_close(svc);
+    free(model);
+}
