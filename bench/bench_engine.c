@@ -95,6 +95,28 @@ static const rk_setting k_settings[] = {
      "N  tokens decoded after a 16-token prompt (default: 16)"},
 };
 
+/* KV memory tried first: enough for most runs' prompts. */
+#define FIRST_KV_MB 512
+
+/* The KV arena sized to the run, as the reference's llama-bench sizes its
+ * context: a larger one would still be faulted in by its background thread
+ * (kernels/cpu/populate.c) while the decode is measured, its page clearing
+ * taking memory bandwidth from the weights. Reopens *svc when the first
+ * budget's live pool is too small for the prompt. */
+static rk_status size_kv(rk_bench_model *m, rk_config *cfg, int n_prompt, int n_decode,
+                         rk_service **svc) {
+    const rk_kv_plan *k = &(*svc)->kv;
+    long tokens = (n_prompt > 16 + n_decode ? n_prompt : 16 + n_decode) + 2L * k->block_size;
+    if ((long)k->pool_blocks[RK_POOL_LIVE] * k->block_size >= tokens) return RK_OK;
+    /* the live pool's share of the budget, from the first plan */
+    double share = (double)k->pool_blocks[RK_POOL_LIVE] * k->block_size * k->token_bytes /
+                   (double)k->budget_bytes;
+    cfg->kv_memory_mb = (int)((double)tokens * k->token_bytes / share / (1 << 20)) + 1;
+    rk_service_close(*svc);
+    *svc = NULL;
+    return rk_bench_model_open(m, cfg, svc);
+}
+
 int main(int argc, char **argv) {
     static const char *usage =
         "usage: bench_engine [--model F.gguf | --preset NAME --type T] [--threads N]\n"
@@ -114,10 +136,9 @@ int main(int argc, char **argv) {
     int threads = m.threads, n_prompt = o.n_prompt, n_decode = o.n_decode;
     rk_config cfg;
     rk_config_defaults(&cfg);
-    /* Room for the prompt in the live pool (40% of the budget) at f32 KV. */
-    cfg.kv_memory_mb = 8192;
+    cfg.kv_memory_mb = FIRST_KV_MB;
     rk_service *svc;
-    if (rk_bench_model_open(&m, &cfg, &svc)) {
+    if (rk_bench_model_open(&m, &cfg, &svc) || size_kv(&m, &cfg, n_prompt, n_decode, &svc)) {
         fprintf(stderr, "bench_engine: %s\n", rk_error_message());
         rk_bench_model_done(&m);
         return 1;
