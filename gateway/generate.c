@@ -11,43 +11,10 @@
 
 #include "engine/tokenizer.h"
 #include "gateway/chat.h"
+#include "gateway/gen.h"
 #include "gateway/gen_text.h"
 #include "gateway/http.h"
 #include "gateway/report.h"
-typedef struct gen {
-    req_ctx *rc;
-    rk_api_request api;
-    rk_job *job;
-    rk_service *svc;
-    rk_gen_text text;
-    char id[48]; /* "cmpl-..." or "chatcmpl-..." */
-    long created;
-    int headers_sent, client_gone, timed_out;
-    /* Chat with tools (tool_choice not none): the answer is held back until
-     * it is whole, then parsed for calls (tool_calls: NULL when none). */
-    int tools_active;
-    json_t *tool_calls;
-    char *tool_content;
-    int events;    /* content events sent */
-    int text_done; /* the last text was taken: every token's text has gone out */
-    int lp_sent;   /* tokens whose log-probabilities went out in an event */
-    int fd;        /* the connection's socket (watched for a client gone), -1 if not found,
-                    * -2 not looked for yet */
-    int index;     /* its choice's index (n > 1, a batch of prompts) */
-    /* A thinking model's answer: its <think> block goes to reasoning_content
-     * (think splits the stream; reasoning: the whole thinking of an answer
-     * held back for tool calls). */
-    int thinking;
-    rk_think_split think;
-    char *reasoning;
-    /* Another route's shape (responses.c): objects and events pass through it. */
-    const rk_gw_sink *sink;
-    int echoed; /* a streamed completion with `echo`: its prompt went out */
-    /* ... in the event being made (echoing), the log-probabilities of its
-     * prompt's tokens with it; echo_len: its bytes, before the completion's */
-    int echoing;
-    size_t echo_len;
-} gen;
 
 static int write_all(gen *g, const char *s, size_t n) {
     if (g->client_gone) return -1;
@@ -105,177 +72,18 @@ static void sse_start(gen *g) {
     mg_response_header_send(c);
 }
 
-/* The fields every response object and stream event starts with. */
-static json_t *object_head(gen *g, const char *object) {
-    json_t *o = json_pack("{s:s, s:s, s:I, s:s, s:s}", "id", g->id, "object", object, "created",
-                          (json_int_t)g->created, "model", g->rc->S->model_name,
-                          "system_fingerprint", rk_model_fingerprint(g->svc->model));
-    if (o && g->api.stream && g->api.include_usage) json_object_set_new(o, "usage", json_null());
-    return o;
-}
-
-/* Tokens whose text has gone out entirely (the stream's text lags the
- * tokens while a stop string may still begin). */
-static int tokens_sent(gen *g) {
-    if (g->text_done) return g->job->req.n_out;
-    int k = g->lp_sent;
-    while (k < g->text.decoded && g->text.tok_end[k] <= g->text.sent) k++;
-    return k;
-}
-
-/* One streamed event in OpenAI's chunk shape: a piece of text (delta or
- * text) with the log-probabilities of the tokens it completes, and
- * finish_reason null; or, with fr set, the last event of the choice: no
- * text, the finish_reason. */
-static json_t *chunk_event(gen *g, const char *text, const char *fr) {
-    int chat = g->api.chat, upto = fr ? g->job->req.n_out : tokens_sent(g);
-    json_t *lp = json_null();
-    const rk_tokenizer *tok = rk_model_tokenizer(g->svc->model);
-    if (!fr && g->api.opt.n_logprobs > 0 && g->echoing) { /* the prompt's tokens alone */
-        json_decref(lp);
-        lp = rk_report_echo_logprobs(tok, &g->job->req, text, strlen(text), 0, 0);
-    } else if (!fr && g->api.opt.n_logprobs > 0) {
-        json_decref(lp);
-        lp = g->api.echo && !chat
-                 ? rk_report_echo_logprobs(tok, &g->job->req, NULL, g->echo_len, g->lp_sent, upto)
-                 : rk_report_logprobs(tok, &g->job->req, g->lp_sent, upto, chat);
-        g->lp_sent = upto;
-    }
-    json_t *choice;
-    if (chat) {
-        json_t *delta = json_object();
-        if (!g->events) json_object_set_new(delta, "role", json_string("assistant"));
-        if (!fr && g->thinking) {
-            rk_strbuf r = {0}, c = {0};
-            rk_think_feed(&g->think, text, strlen(text), g->text_done, &r, &c);
-            if (r.len) json_object_set_new(delta, "reasoning_content", json_string(r.s));
-            if (c.len || !r.len) json_object_set_new(delta, "content", json_string(c.s ? c.s : ""));
-            rk_strbuf_free(&r);
-            rk_strbuf_free(&c);
-        } else if (!fr) {
-            json_object_set_new(delta, "content", json_string(text));
-        }
-        choice = json_pack("{s:i, s:o, s:o, s:o}", "index", g->index, "delta", delta, "logprobs",
-                           lp, "finish_reason", fr ? json_string(fr) : json_null());
-    } else {
-        choice = json_pack("{s:i, s:s, s:o, s:o}", "index", g->index, "text", fr ? "" : text,
-                           "logprobs", lp, "finish_reason", fr ? json_string(fr) : json_null());
-    }
-    g->events++;
-    json_t *ev = object_head(g, chat ? "chat.completion.chunk" : "text_completion");
-    if (!ev || !choice || json_object_set_new(ev, "choices", json_pack("[o]", choice))) {
-        json_decref(ev);
-        return NULL;
-    }
-    return ev;
-}
-
-/* With tool calls, the thinking held back with the answer, as one event
- * (NULL, which sse_event skips, when there was none). */
-static json_t *reasoning_event(gen *g) {
-    if (!g->reasoning || !*g->reasoning) return NULL;
-    json_t *ev = object_head(g, "chat.completion.chunk");
-    json_t *delta = json_pack("{s:s}", "reasoning_content", g->reasoning);
-    if (!g->events) json_object_set_new(delta, "role", json_string("assistant"));
-    g->events++;
-    if (ev && delta)
-        json_object_set_new(ev, "choices",
-                            json_pack("[{s:i, s:o, s:n, s:n}]", "index", g->index, "delta", delta,
-                                      "logprobs", "finish_reason"));
-    else
-        json_decref(delta);
-    return ev;
-}
-
-static const char *finish_reason(gen *g) {
-    if (g->tool_calls) return "tool_calls";
-    if (g->text.stop_at >= 0) return "stop";
-    return rk_finish_reason_name(g->job->req.finish_reason);
-}
-
-/* A completion's prompt as given, for `echo` (malloc'ed): its string, or its
- * token ids decoded. */
-static char *echo_text(gen *g) {
-    int p = g->api.n_prompts ? g->index / g->api.n_choices : 0;
-    if (p < g->api.n_prompt_texts && g->api.prompt_texts[p])
-        return rk_strdup(g->api.prompt_texts[p]);
-    char *t = NULL;
-    size_t tl = 0;
-    if (g->api.batch_tokens && p < g->api.n_prompts &&
-        !rk_tokenizer_decode(rk_model_tokenizer(g->svc->model), g->api.batch_tokens[p],
-                             (size_t)g->api.batch_lens[p], 0, 0, &t, &tl)) {
-        char *s = rk_utf8_sanitize(t, tl, NULL);
-        free(t);
-        return s;
-    }
-    return rk_strdup("");
-}
-
 /* A streamed completion with `echo`: its prompt, as the first text event. */
 static void send_echo(gen *g) {
     if (!g->api.echo || g->api.chat || g->echoed) return;
     g->echoed = 1;
-    char *t = echo_text(g);
+    char *t = rk_gen_echo_text(g);
     if (t) {
         g->echo_len = strlen(t);
         g->echoing = 1;
-        sse_event(g, chunk_event(g, t, NULL));
+        sse_event(g, rk_gen_chunk_event(g, t, NULL));
         g->echoing = 0;
     }
     free(t);
-}
-
-/* The whole response of a request that was not streamed. */
-static json_t *final_object(gen *g, const char *text) {
-    rk_request *r = &g->job->req;
-    const rk_tokenizer *tok = rk_model_tokenizer(g->svc->model);
-    char *echoed = NULL; /* `echo`: the prompt and the text */
-    json_t *lp = NULL;
-    if (g->api.echo && !g->api.chat) {
-        char *e = echo_text(g);
-        size_t el = e ? strlen(e) : 0, tl = strlen(text);
-        if (e) lp = rk_report_echo_logprobs(tok, r, e, el, 0, r->n_out);
-        if (e && (echoed = malloc(el + tl + 1))) {
-            memcpy(echoed, e, el);
-            memcpy(echoed + el, text, tl + 1);
-            text = echoed;
-        }
-        free(e);
-    }
-    const char *fr = finish_reason(g);
-    if (!lp) lp = rk_report_logprobs(tok, r, 0, r->n_out, g->api.chat);
-    rk_strbuf think = {0}, answer = {0};
-    if (g->thinking && !g->tool_calls) { /* (with calls, the answer was split before) */
-        rk_think_split_text_as(g->think.harmony, text, &think, &answer);
-        text = answer.s ? answer.s : "";
-    }
-    const char *reasoning = g->tool_calls ? g->reasoning : think.s;
-    json_t *choice;
-    if (g->api.chat && g->tool_calls) /* content: the text before the calls, or null */
-        choice = json_pack(
-            "{s:i, s:{s:s, s:o, s:O, s:n}, s:o, s:s}", "index", g->index, "message", "role",
-            "assistant", "content", *g->tool_content ? json_string(g->tool_content) : json_null(),
-            "tool_calls", g->tool_calls, "refusal", "logprobs", lp, "finish_reason", fr);
-    else
-        choice = g->api.chat ? json_pack("{s:i, s:{s:s, s:s, s:n}, s:o, s:s}", "index", g->index,
-                                         "message", "role", "assistant", "content", text, "refusal",
-                                         "logprobs", lp, "finish_reason", fr)
-                             : json_pack("{s:i, s:s, s:o, s:s}", "index", g->index, "text", text,
-                                         "logprobs", lp, "finish_reason", fr);
-    if (choice && reasoning && *reasoning)
-        json_object_set_new(json_object_get(choice, "message"), "reasoning_content",
-                            json_string(reasoning));
-    rk_strbuf_free(&think);
-    rk_strbuf_free(&answer);
-    free(echoed);
-    json_t *o = object_head(g, g->api.chat ? "chat.completion" : "text_completion");
-    if (!o || !choice || json_object_set_new(o, "choices", json_pack("[o]", choice)) ||
-        json_object_set_new(o, "usage", rk_report_usage(r)) ||
-        json_object_set_new(o, "ragkv", rk_report_ragkv(r))) {
-        json_decref(o);
-        return NULL;
-    }
-    return o;
 }
 
 /* A stream's last events: the choice's finish event, then, when
@@ -284,7 +92,7 @@ static json_t *final_object(gen *g, const char *text) {
  * is one, else as a top-level field of the finish event: no event has empty
  * choices unless the client asked for usage. */
 static void stream_finish(gen *g) {
-    json_t *fin = chunk_event(g, NULL, finish_reason(g));
+    json_t *fin = rk_gen_chunk_event(g, NULL, rk_gen_finish_reason(g));
     rk_request *r = &g->job->req;
     if (!g->api.include_usage) {
         if (fin && json_object_set_new(fin, "ragkv", rk_report_ragkv(r))) {
@@ -295,7 +103,7 @@ static void stream_finish(gen *g) {
         return;
     }
     sse_event(g, fin);
-    json_t *o = object_head(g, g->api.chat ? "chat.completion.chunk" : "text_completion");
+    json_t *o = rk_gen_object_head(g, g->api.chat ? "chat.completion.chunk" : "text_completion");
     if (!o || json_object_set_new(o, "choices", json_array()) ||
         json_object_set_new(o, "usage", rk_report_usage(r)) ||
         json_object_set_new(o, "ragkv", rk_report_ragkv(r))) {
@@ -311,7 +119,7 @@ static void stream_progress(gen *g) {
     if (!t) return;
     sse_start(g);
     send_echo(g);
-    if (*t) sse_event(g, chunk_event(g, t, NULL));
+    if (*t) sse_event(g, rk_gen_chunk_event(g, t, NULL));
     free(t);
 }
 
@@ -369,7 +177,7 @@ static void log_generation(gen *g) {
              " prompt_tokens=%d cached_tokens=%d completion_tokens=%d chunks=%d hits=%d misses=%d "
              "finish=%s queue_ms=%.2f ttft_ms=%.2f engine_ms=%.2f%s",
              r->prompt_tokens, r->cached_tokens, r->n_out, r->n_chunks, hits, misses,
-             finish_reason(g), r->t.queue_ms, r->t.ttft_ms, r->t.total_ms,
+             rk_gen_finish_reason(g), r->t.queue_ms, r->t.ttft_ms, r->t.total_ms,
              g->client_gone ? " client_gone=1" : "");
 }
 
@@ -433,15 +241,15 @@ static char *take_tool_answer(gen *g) {
  * calls whole (one fragment each, with their index), then the end. */
 static void stream_tool_calls(gen *g) {
     sse_start(g);
-    sse_event(g, reasoning_event(g));
-    sse_event(g, chunk_event(g, g->tool_content, NULL));
+    sse_event(g, rk_gen_reasoning_event(g));
+    sse_event(g, rk_gen_chunk_event(g, g->tool_content, NULL));
     json_t *frag = json_array();
     for (size_t k = 0; frag && k < json_array_size(g->tool_calls); k++) {
         json_t *c = json_deep_copy(json_array_get(g->tool_calls, k));
         if (c) json_object_set_new(c, "index", json_integer((json_int_t)k));
         json_array_append_new(frag, c);
     }
-    json_t *ev = object_head(g, "chat.completion.chunk");
+    json_t *ev = rk_gen_object_head(g, "chat.completion.chunk");
     if (ev)
         json_object_set_new(ev, "choices",
                             json_pack("[{s:i, s:{s:o}, s:n, s:n}]", "index", g->index, "delta",
@@ -486,10 +294,10 @@ static void respond_generation(gen *g) {
         }
         if (all && g->api.stream && (*all || g->reasoning)) { /* no call: the text as usual */
             sse_start(g);
-            sse_event(g, reasoning_event(g));
-            sse_event(g, chunk_event(g, all, NULL));
+            sse_event(g, rk_gen_reasoning_event(g));
+            sse_event(g, rk_gen_chunk_event(g, all, NULL));
         } else if (!g->api.stream) {
-            json_t *obj = final_object(g, all ? all : "");
+            json_t *obj = rk_gen_final_object(g, all ? all : "");
             free(all);
             send_final(g, obj);
             return;
@@ -506,14 +314,14 @@ static void respond_generation(gen *g) {
          * stop string) go in an event with empty text. */
         if ((rest && *rest) || (g->api.chat && !g->events) ||
             (g->api.opt.n_logprobs > 0 && g->lp_sent < j->req.n_out))
-            sse_event(g, chunk_event(g, rest ? rest : "", NULL));
+            sse_event(g, rk_gen_chunk_event(g, rest ? rest : "", NULL));
         free(rest);
         stream_finish(g);
         sse_done(g);
         return;
     }
     char *text = rk_gt_take(&g->text, 1);
-    json_t *obj = final_object(g, text ? text : "");
+    json_t *obj = rk_gen_final_object(g, text ? text : "");
     free(text);
     send_final(g, obj);
 }
@@ -660,7 +468,7 @@ static void open_choice(choices *cs, int c) {
     cs->opened[c] = 1;
     lend(cs, g);
     sse_start(g);
-    if (g->api.chat) sse_event(g, chunk_event(g, "", NULL)); /* the role, no text */
+    if (g->api.chat) sse_event(g, rk_gen_chunk_event(g, "", NULL)); /* the role, no text */
     send_echo(g);
     take_back(cs, g);
 }
@@ -794,9 +602,9 @@ static void respond_choices(choices *cs) {
             char *rest = rk_gt_take(&g->text, 1);
             g->text_done = 1;
             if ((rest && *rest) || (g->api.opt.n_logprobs > 0 && g->lp_sent < j->req.n_out))
-                sse_event(g, chunk_event(g, rest ? rest : "", NULL));
+                sse_event(g, rk_gen_chunk_event(g, rest ? rest : "", NULL));
             free(rest);
-            json_t *ev = chunk_event(g, NULL, finish_reason(g));
+            json_t *ev = rk_gen_chunk_event(g, NULL, rk_gen_finish_reason(g));
             json_t *choice = json_array_get(json_object_get(ev, "choices"), 0);
             if (choice) json_object_set_new(choice, "ragkv", rk_report_ragkv(&j->req));
             sse_event(g, ev);
@@ -804,7 +612,7 @@ static void respond_choices(choices *cs) {
             continue;
         }
         char *text = rk_gt_take(&g->text, 1);
-        json_t *obj = final_object(g, text ? text : "");
+        json_t *obj = rk_gen_final_object(g, text ? text : "");
         free(text);
         if (!obj) continue;
         json_t *choice = json_array_get(json_object_get(obj, "choices"), 0);
@@ -821,7 +629,7 @@ static void respond_choices(choices *cs) {
         lend(cs, g0);
         if (g0->api.include_usage) {
             json_t *ev =
-                object_head(g0, g0->api.chat ? "chat.completion.chunk" : "text_completion");
+                rk_gen_object_head(g0, g0->api.chat ? "chat.completion.chunk" : "text_completion");
             if (ev) {
                 json_object_set_new(ev, "choices", json_array());
                 json_object_set_new(ev, "usage",
