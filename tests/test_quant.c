@@ -510,7 +510,7 @@ static void check_product(const float *y, const float *x, const float *wf, rk_dt
 }
 
 /* Every instruction set this build and CPU have, and the packed weights
- * where the backend packs them (Q8_0, Q3_K, Q4_K, Q6_K with AVX-512 VNNI): the
+ * where the backend packs them (Q8_0, Q3_K, Q4_K, Q6_K, MXFP4 with AVX-512 VNNI): the
  * same bound, and on the prefill side the bits of the weights as stored.
  * Packed weights take the integer kernels below RK_CPU_QPACK_MV_MAX_N rows,
  * so their prefill side starts there. */

@@ -278,7 +278,7 @@ static inline void rk_cpu_kq_scale_min(const uint8_t *s, int j, int *sc, int *m)
     }
 }
 
-/* Q8_0, Q3_K, Q4_K and Q6_K weights packed for the AVX-512 VNNI integer kernels,
+/* Q8_0, Q3_K, Q4_K, Q6_K and MXFP4 weights packed for the AVX-512 VNNI integer kernels,
  * eight rows to a group (kernels/cpu/qpack.c has the layout). */
 /* 1 when weights of type t are packed here: the type has a packed layout and
  * the active instruction set is AVX-512 VNNI or above. */

@@ -724,7 +724,7 @@ rk_status rk_cpu_matmul(rk_backend *be, float *y, const float *x, const void *w,
 /* ---------------------------------------------------------------- packed weights */
 
 /* BF16 weights are packed for the tile kernel (AVX-512 BF16); Q8_0, Q3_K,
- * Q4_K and Q6_K ones for the VNNI integer kernels (qpack.c). */
+ * Q4_K, Q6_K and MXFP4 ones for the VNNI integer kernels (qpack.c). */
 size_t rk_cpu_packed_bytes(rk_backend *be, rk_dtype wtype, int k, int m) {
     (void)be;
     if (k <= 0 || m <= 0) return 0;

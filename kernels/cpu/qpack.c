@@ -1,4 +1,4 @@
-/* kernels/cpu/qpack.c — Q8_0, Q3_K, Q4_K and Q6_K weights repacked once, at load,
+/* kernels/cpu/qpack.c — Q8_0, Q3_K, Q4_K, Q6_K and MXFP4 weights repacked once, at load,
  * for the integer kernels of CPUs with AVX-512 VNNI (decode, and every
  * matmul below RK_CPU_QPACK_MV_MAX_N rows).
  *
@@ -34,13 +34,19 @@
  *     32p + 16s + 4t + e; then 32 bytes of high bits, byte 4r + e, bit
  *     4s + t holds bit 2 of v of that element |
  *     f16 d[8] | i8 s - 32[16 groups][8]
+ *   MXFP4 (32 elements, 136 bytes = 8 x 17):
+ *     u8 e[8] | 4 chunks of 32 bytes as one Q4_K sub-block's: chunk t, byte
+ *     4r + e holds the code of element 4t + e in its low nibble, 16 + 4t + e
+ *     in its high
  *
  * The unsigned operand of dpbusd is the weight: Q8_0 quants are stored plus
  * 128 (the kernel takes 128 times the activation block's sum back off), Q6_K
  * quants as 0..63 (32 times each 16-element activation sum is taken back
  * off before the group's scale), Q3_K values as 0..7 (4 times each 16-element
  * sum of its Q8_K activations is taken back off, as the unpacked kernels of
- * quant_q8k.c do: the integer sum of a super-block is theirs). Integer sums
+ * quant_q8k.c do: the integer sum of a super-block is theirs), MXFP4 codes
+ * looked up as twice their value plus 12, 0..24 (12 times the activation
+ * block's sum is taken back off). Integer sums
  * are exact; the f32 order is fixed per output (block after block, in k
  * order), so a row of x gets the same bits alone or with others, on any
  * thread. The prefill side reads rows back (rk_cpu_qpack_dequant_rows) with
@@ -61,6 +67,7 @@ static size_t col_bytes(rk_dtype t) {
     case RK_DTYPE_Q4_K: return 1184;
     case RK_DTYPE_Q6_K: return 1680;
     case RK_DTYPE_Q3_K: return 912;
+    case RK_DTYPE_MXFP4: return 136;
     default: return 0;
     }
 }
@@ -124,6 +131,7 @@ static void gather_row(uint8_t *out, const uint8_t *p, int r, int chunks) {
 #define Q3K_HI(p) (96 * (p) + 64)
 #define Q3K_D     768
 #define Q3K_SC    784
+#define MXFP4_Q   8
 
 /* Q3_K's 6-bit scale of group g, as quant_q8k.c reads it (minus 32). */
 static int q3k_scale(const uint8_t *sc, int g) {
@@ -165,6 +173,11 @@ static void pack_col(uint8_t *dst, const uint8_t *const src[QR], rk_dtype t) {
         }
         if (t == RK_DTYPE_Q3_K) {
             pack_q3_k(dst, b, r);
+            continue;
+        }
+        if (t == RK_DTYPE_MXFP4) { /* byte l of a block: elements l and 16 + l already */
+            dst[r] = b[0];
+            scatter_row(dst + MXFP4_Q, r, b + 1, 4);
             continue;
         }
         uint8_t q[256];
@@ -304,6 +317,13 @@ void rk_cpu_qpack_dequant_rows(float *dst, const void *packed, rk_dtype t, int k
                         yj[l] = ds * (float)(q[l] & 15) - dm;
                         yj[l + 16] = ds * (float)(q[l] >> 4) - dm;
                     }
+                }
+            } else if (t == RK_DTYPE_MXFP4) {
+                float d = rk_cpu_e8m0_half(col[r]);
+                gather_row(q, col + MXFP4_Q, r, 4);
+                for (int l = 0; l < 16; l++) {
+                    y[l] = d * (float)rk_mxfp4_values[q[l] & 15];
+                    y[l + 16] = d * (float)rk_mxfp4_values[q[l] >> 4];
                 }
             } else if (t == RK_DTYPE_Q3_K) {
                 float d = rk_f16_to_f32(rd16(col + Q3K_D + 2 * r));
@@ -554,6 +574,48 @@ RK_CPU_VNNI_TARGET QPACK_INLINE void rows_q3_k(const uint8_t *col, const rk_q8k_
     for (int r = 0; r < nr; r++) out[r] = acc[r];
 }
 
+/* 2^(e - 128) for the eight E8M0 bytes at p, as rk_cpu_e8m0_half: the
+ * product of two powers of two that are normal floats, 2^(e/2 - 64) and
+ * 2^(e - e/2 - 64), is exact, subnormal results included. */
+RK_CPU_VNNI_TARGET static inline __m256 e8m0_half8(const uint8_t *p) {
+    __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    __m256i a = _mm256_srli_epi32(e, 1), b = _mm256_sub_epi32(e, a), bias = _mm256_set1_epi32(63);
+    return _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(a, bias), 23)),
+                         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(b, bias), 23)));
+}
+
+RK_CPU_VNNI_TARGET QPACK_INLINE void rows_mxfp4(const uint8_t *col, const rk_q8_block *const *x,
+                                                int nr, int nb, __m256 *out) {
+    static const int8_t lut_plus12[16] = {12, 13, 14, 15, 16, 18, 20, 24,
+                                          12, 11, 10, 9,  8,  6,  4,  0};
+    const __m256i m4 = _mm256_set1_epi8(15);
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut_plus12));
+    __m256 acc[XR_MAX];
+    for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++, col += 136) {
+        const uint8_t *q = col + MXFP4_Q;
+        __m256i s0[XR_MAX], s1[XR_MAX];
+        for (int r = 0; r < nr; r++) s0[r] = s1[r] = _mm256_setzero_si256();
+        for (int t = 0; t < 4; t++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * t));
+            __m256i lo = _mm256_shuffle_epi8(lut, _mm256_and_si256(v, m4));
+            __m256i hi = _mm256_shuffle_epi8(lut, _mm256_and_si256(_mm256_srli_epi16(v, 4), m4));
+            for (int r = 0; r < nr; r++) {
+                s0[r] = DP(s0[r], lo, bcast4(x[r][b].q + 4 * t));
+                s1[r] = DP(s1[r], hi, bcast4(x[r][b].q + 16 + 4 * t));
+            }
+        }
+        __m256 d = e8m0_half8(col);
+        for (int r = 0; r < nr; r++) {
+            __m256i s = _mm256_sub_epi32(_mm256_add_epi32(s0[r], s1[r]),
+                                         _mm256_set1_epi32(12 * x[r][b].sum));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                     _mm256_mul_ps(d, _mm256_set1_ps(x[r][b].d)), acc[r]);
+        }
+    }
+    for (int r = 0; r < nr; r++) out[r] = acc[r];
+}
+
 /* y(nr rows from i0, columns 8 g ..) = rows i0 .. i0 + nr - 1 of x . the
  * group at col (left of its 8 rows exist). */
 RK_CPU_VNNI_TARGET QPACK_INLINE void group_rows(float *y, const uint8_t *col, rk_dtype t,
@@ -574,6 +636,7 @@ RK_CPU_VNNI_TARGET QPACK_INLINE void group_rows(float *y, const uint8_t *col, rk
     case RK_DTYPE_Q3_K: rows_q3_k(col, x8k, nr, nb, v); break;
     case RK_DTYPE_Q8_0: rows_q8_0(col, x, nr, nb, v); break;
     case RK_DTYPE_Q4_K: rows_q4_k(col, x, nr, nb, v); break;
+    case RK_DTYPE_MXFP4: rows_mxfp4(col, x, nr, nb, v); break;
     default: rows_q6_k(col, x, s16, nr, nb, v); break;
     }
     for (int r = 0; r < nr; r++) {
