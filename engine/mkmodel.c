@@ -202,6 +202,52 @@ static rk_status mk_vocab_add_harmony(rk_vocab *v) {
     return st;
 }
 
+/* Gemma 4's chat and tool tokens. Gemma 4's own tokenizer.json is not read
+ * here: its presets take Gemma 3's pieces and merges as the gemma4 model
+ * (BPE by merge rank over SentencePiece-spelled text, as Gemma 4's files
+ * are written), with these tokens in place of <unused0> .. <unused11>: the
+ * chat markers control tokens, those a chat parser reads in the text
+ * user-defined, as the reference converter types them. */
+static const struct {
+    const char *text;
+    int type;
+} k_gemma4_added[] = {
+    {"<|turn>", RK_TOKEN_CONTROL},
+    {"<turn|>", RK_TOKEN_CONTROL},
+    {"<|think|>", RK_TOKEN_CONTROL},
+    {"<|channel>", RK_TOKEN_USER_DEFINED},
+    {"<channel|>", RK_TOKEN_USER_DEFINED},
+    {"<|tool>", RK_TOKEN_CONTROL},
+    {"<tool|>", RK_TOKEN_CONTROL},
+    {"<|tool_call>", RK_TOKEN_USER_DEFINED},
+    {"<tool_call|>", RK_TOKEN_USER_DEFINED},
+    {"<|tool_response>", RK_TOKEN_USER_DEFINED},
+    {"<tool_response|>", RK_TOKEN_USER_DEFINED},
+    {"<|\"|>", RK_TOKEN_USER_DEFINED},
+};
+#define GEMMA4_FIRST_ADDED 6 /* <unused0> in Gemma 3's vocabulary */
+
+static rk_status mk_vocab_gemma4(rk_vocab *v) {
+    size_t n = sizeof k_gemma4_added / sizeof k_gemma4_added[0];
+    for (size_t i = 0; i < n; i++) {
+        int32_t id = GEMMA4_FIRST_ADDED + (int32_t)i;
+        char want[16];
+        snprintf(want, sizeof want, "<unused%d>", (int)i);
+        if (id >= v->n_tokens || strcmp(v->tokens[id], want) != 0)
+            return rk_errorf(RK_ERR_FORMAT, "token %d is not %s", (int)id, want);
+        char *text = rk_strdup(k_gemma4_added[i].text);
+        if (!text) return rk_errorf(RK_ERR_NOMEM, "out of memory");
+        free(v->tokens[id]);
+        v->tokens[id] = text;
+        v->token_types[id] = k_gemma4_added[i].type;
+    }
+    if (v->n_merges <= 0) return rk_errorf(RK_ERR_FORMAT, "the tokenizer.json has no merges");
+    snprintf(v->model, sizeof v->model, "gemma4");
+    v->add_bos = 1;
+    v->add_space_prefix = 0;
+    return RK_OK;
+}
+
 static rk_status mk_vocab_load(const preset *p, const char *pname, const char *vocab_path,
                                mk_vocab *mv) {
     memset(mv, 0, sizeof *mv);
@@ -260,6 +306,10 @@ static rk_status mk_vocab_load(const preset *p, const char *pname, const char *v
         for (int32_t i = GEMMA3_N_VOCAB; i < mv->v.n_tokens; i++) free(mv->v.tokens[i]);
         if (mv->v.n_tokens > GEMMA3_N_VOCAB) mv->v.n_tokens = GEMMA3_N_VOCAB;
         pad_to = GEMMA3_N_VOCAB;
+        if (!strcmp(p->arch, "gemma4") && (st = mk_vocab_gemma4(&mv->v))) {
+            mk_vocab_free(mv);
+            return wrap_error(st, pname, "cannot make Gemma 4's vocabulary");
+        }
     } else {
         st = rk_vocab_tiny(&mv->v);
         if (st) return wrap_error(st, pname, "cannot build the tiny vocabulary");
@@ -625,9 +675,12 @@ static rk_status mk_metadata(mk_model *m, const rk_mkmodel_opts *opts) {
         return st;
     if ((st = rk_gguf_writer_set_arr_i32(w, "tokenizer.ggml.token_type", mv->types, (size_t)mv->n)))
         return st;
-    if (mv->v.n_merges > 0 && (st = rk_gguf_writer_set_arr_str(w, "tokenizer.ggml.merges",
-                                                               (const char *const *)mv->v.merges,
-                                                               NULL, (size_t)mv->v.n_merges)))
+    /* A llama (SentencePiece) vocabulary is written, as converters write it,
+     * without the merges its tokenizer.json had. */
+    if (mv->v.n_merges > 0 && strcmp(mv->v.model, "llama") != 0 &&
+        (st = rk_gguf_writer_set_arr_str(w, "tokenizer.ggml.merges",
+                                         (const char *const *)mv->v.merges, NULL,
+                                         (size_t)mv->v.n_merges)))
         return st;
     const struct {
         const char *key;

@@ -332,10 +332,11 @@ rk_status rk_tokenizer_create(const rk_vocab *v, rk_tokenizer **out) {
     *out = NULL;
     if (!v || v->n_tokens <= 0 || !v->tokens)
         return rk_errorf(RK_ERR_INVALID, "tokenizer: empty vocabulary");
-    int gpt2 = strcmp(v->model, "gpt2") == 0;
-    if (!gpt2 && strcmp(v->model, "llama") != 0)
+    int gpt2 = strcmp(v->model, "gpt2") == 0, gemma4 = strcmp(v->model, "gemma4") == 0;
+    if (!gpt2 && !gemma4 && strcmp(v->model, "llama") != 0)
         return rk_errorf(RK_ERR_UNSUPPORTED,
-                         "tokenizer: model \"%.16s\" is not supported (supported: llama, gpt2)",
+                         "tokenizer: model \"%.16s\" is not supported (supported: llama, gpt2, "
+                         "gemma4)",
                          v->model);
     int32_t n = v->n_tokens;
     const int32_t *special_ids[4] = {&v->bos_id, &v->eos_id, &v->unk_id, &v->pad_id};
@@ -358,7 +359,8 @@ rk_status rk_tokenizer_create(const rk_vocab *v, rk_tokenizer **out) {
     if (!t) return rk_errorf(RK_ERR_NOMEM, "tokenizer: out of memory");
     rk_status st = RK_ERR_NOMEM;
     t->is_gpt2 = gpt2;
-    snprintf(t->model, sizeof t->model, "%s", gpt2 ? "gpt2" : "llama");
+    t->spm_merges = gemma4;
+    snprintf(t->model, sizeof t->model, "%s", v->model);
     snprintf(t->pre, sizeof t->pre, "%.31s", v->pre);
     t->n_tokens = n;
     t->bos_id = v->bos_id;
@@ -366,7 +368,7 @@ rk_status rk_tokenizer_create(const rk_vocab *v, rk_tokenizer **out) {
     t->unk_id = v->unk_id;
     t->pad_id = v->pad_id;
     t->add_bos = v->add_bos != 0;
-    t->add_space_prefix = !gpt2 && v->add_space_prefix;
+    t->add_space_prefix = !gpt2 && !gemma4 && v->add_space_prefix;
     t->special_rstrip = v->special_rstrip;
 
     t->text = malloc(total);
@@ -398,6 +400,7 @@ rk_status rk_tokenizer_create(const rk_vocab *v, rk_tokenizer **out) {
             snprintf(name, sizeof name, "<0x%02X>", (unsigned)b);
             t->byte_tok[b] = rk_tok_lookup(t, name, 6);
         }
+        if (gemma4 && (st = rk_tok_bpe_merges_init(t, v)) != RK_OK) goto fail;
         t->spm_split = spm_can_split(t);
     }
     if ((st = build_decode(t)) != RK_OK) goto fail;
@@ -465,6 +468,7 @@ static rk_status encode_fragment(const rk_tokenizer *t, const char *s, size_t n,
                                  rk_tok_ids *out) {
     if (n == 0) return RK_OK;
     if (t->is_gpt2) return rk_tok_bpe_encode(t, s, n, out);
+    if (t->spm_merges) return rk_tok_bpe_spm_encode(t, s, n, out);
     return rk_tok_spm_encode(t, s, n, after_special && t->add_space_prefix, out);
 }
 

@@ -1,10 +1,13 @@
 /* engine/tokenizer.h — text <-> token ids.
  *
- * Two tokenizer families, both read from GGUF metadata (tokenizer.ggml.*):
+ * Three tokenizer families, all read from GGUF metadata (tokenizer.ggml.*):
  *   - "llama": SentencePiece-style BPE driven by token scores, with byte
  *     fallback tokens <0xXX> and the U+2581 space marker;
  *   - "gpt2": byte-level BPE driven by a ranked merge list, with a regex
- *     pre-tokenizer chosen by tokenizer.ggml.pre (e.g. "qwen2"), run with PCRE2.
+ *     pre-tokenizer chosen by tokenizer.ggml.pre (e.g. "qwen2"), run with PCRE2;
+ *   - "gemma4": BPE driven by a ranked merge list over text spelled as
+ *     SentencePiece spells it (U+2581 spaces, <0xXX> byte fallback, no space
+ *     prefix), runs of newlines apart; BOS always added. Decoded as llama.
  * Special tokens (control / user-defined) are recognised in the input text
  * only when the caller asks for it. Decoding returns the exact bytes.
  *
@@ -36,14 +39,15 @@ enum {
  * tokenizer is built from. All arrays are owned by the struct and released by
  * rk_vocab_free(). */
 typedef struct rk_vocab {
-    char model[16]; /* "llama" or "gpt2" */
+    char model[16]; /* "llama", "gpt2" or "gemma4" */
     char pre[32];   /* gpt2 pre-tokenizer name ("qwen2", "default", ...); "" for llama */
     int32_t n_tokens;
     char **tokens;        /* (n_tokens) NUL-terminated token texts, as stored in GGUF */
     float *scores;        /* (n_tokens) or NULL */
     int32_t *token_types; /* (n_tokens) RK_TOKEN_* */
     int32_t n_merges;
-    char **merges;                          /* (n_merges) "left right", gpt2 only */
+    char **merges; /* (n_merges) "left right": gpt2, gemma4 (and a SentencePiece-style
+                    * tokenizer.json's, which a llama tokenizer does not use) */
     int32_t bos_id, eos_id, unk_id, pad_id; /* -1 when absent */
     int add_bos;                            /* tokenizer.ggml.add_bos_token */
     int add_space_prefix; /* llama: tokenizer.ggml.add_space_prefix, a U+2581 before the text */

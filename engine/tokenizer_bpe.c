@@ -1,4 +1,5 @@
-/* engine/tokenizer_bpe.c — the gpt2 (byte-level BPE) encoder.
+/* engine/tokenizer_bpe.c — the gpt2 (byte-level BPE) encoder, and gemma4's
+ * BPE over SentencePiece-spelled text (rk_tok_bpe_spm_encode, at the end).
  *
  * 1. A regex chosen by tokenizer.ggml.pre splits the text into pieces (PCRE2,
  *    UTF + UCP, JIT when available). Text between matches, if any, is a piece
@@ -91,17 +92,7 @@ static const rk_tok_merge *merge_find(const rk_tokenizer *t, int32_t left, int32
     }
 }
 
-rk_status rk_tok_bpe_init(rk_tokenizer *t, const rk_vocab *v) {
-    for (int b = 0; b < 256; b++) {
-        char buf[4];
-        int n = rk_tok_utf8_encode(rk_tok_gpt2_byte_to_unicode((uint8_t)b), buf);
-        t->byte_tok[b] = rk_tok_lookup(t, buf, (size_t)n);
-        if (t->byte_tok[b] < 0)
-            return rk_errorf(RK_ERR_FORMAT,
-                             "gpt2 vocabulary has no token for byte 0x%02X (\"%.*s\")", (unsigned)b,
-                             n, buf);
-    }
-
+rk_status rk_tok_bpe_merges_init(rk_tokenizer *t, const rk_vocab *v) {
     if (v->n_merges < 0 || (v->n_merges > 0 && !v->merges))
         return rk_errorf(RK_ERR_INVALID, "tokenizer: bad merge list");
     uint32_t cap = 16;
@@ -145,6 +136,21 @@ rk_status rk_tok_bpe_init(rk_tokenizer *t, const rk_vocab *v) {
     if (n_skipped > 0)
         RK_LOG_WARN("%d of %d merges refer to tokens not in the vocabulary; ignored",
                     (int)n_skipped, (int)v->n_merges);
+    return RK_OK;
+}
+
+rk_status rk_tok_bpe_init(rk_tokenizer *t, const rk_vocab *v) {
+    for (int b = 0; b < 256; b++) {
+        char buf[4];
+        int n = rk_tok_utf8_encode(rk_tok_gpt2_byte_to_unicode((uint8_t)b), buf);
+        t->byte_tok[b] = rk_tok_lookup(t, buf, (size_t)n);
+        if (t->byte_tok[b] < 0)
+            return rk_errorf(RK_ERR_FORMAT,
+                             "gpt2 vocabulary has no token for byte 0x%02X (\"%.*s\")", (unsigned)b,
+                             n, buf);
+    }
+    rk_status st = rk_tok_bpe_merges_init(t, v);
+    if (st != RK_OK) return st;
 
     const char *re = NULL;
     for (size_t i = 0; i < N_PRE; i++)
@@ -206,17 +212,21 @@ static int pair_before(const void *pa, const void *pb, void *ctx) {
 
 /* Push the pair (l, r) when the merge list has it. */
 static rk_status try_pair(const rk_tokenizer *t, bpe_scratch *s, int32_t l, int32_t r) {
-    if (l < 0 || r < 0) return RK_OK;
+    if (l < 0 || r < 0 || s->sym[l].id < 0 || s->sym[r].id < 0) return RK_OK;
     const rk_tok_merge *m = merge_find(t, s->sym[l].id, s->sym[r].id);
     if (!m) return RK_OK;
     bpe_pair pr = {m->rank, l, r, s->sym[l].len + s->sym[r].len, m->id};
     return rk_heap_push(&s->heap, &pr);
 }
 
-/* Byte-level BPE over one piece of n bytes, appending the ids to out. */
-static rk_status encode_piece(const rk_tokenizer *t, const unsigned char *p, size_t n,
+/* BPE over one piece of n bytes, appending the ids to out. by_char 0
+ * (gpt2): each byte starts as the token of its byte-level character. by_char
+ * 1 (gemma4): each UTF-8 character starts as the token spelling it, or as
+ * none (id -1: merged with nothing, and written as its <0xXX> byte tokens,
+ * those the vocabulary has). */
+static rk_status encode_piece(const rk_tokenizer *t, const unsigned char *p, size_t n, int by_char,
                               bpe_scratch *s, rk_tok_ids *out) {
-    if (n == 1) return rk_tok_ids_push(out, t->byte_tok[p[0]]);
+    if (n == 1 && !by_char) return rk_tok_ids_push(out, t->byte_tok[p[0]]);
     if (n > s->sym_cap) {
         size_t cap = s->sym_cap ? s->sym_cap : 64;
         while (cap < n) cap *= 2;
@@ -225,8 +235,16 @@ static rk_status encode_piece(const rk_tokenizer *t, const unsigned char *p, siz
         s->sym = sym;
         s->sym_cap = cap;
     }
-    int32_t ns = (int32_t)n;
-    for (int32_t i = 0; i < ns; i++) s->sym[i] = (bpe_sym){t->byte_tok[p[i]], 1, i - 1, i + 1};
+    int32_t ns = 0;
+    for (size_t i = 0; i < n; ns++) {
+        int32_t len = 1;
+        if (by_char)
+            while (i + (size_t)len < n && (p[i + (size_t)len] & 0xC0) == 0x80) len++;
+        int32_t id =
+            by_char ? rk_tok_lookup(t, (const char *)p + i, (size_t)len) : t->byte_tok[p[i]];
+        s->sym[ns] = (bpe_sym){id, len, ns - 1, ns + 1};
+        i += (size_t)len;
+    }
     s->sym[ns - 1].next = -1;
     s->heap.n = 0; /* emptied, its memory kept for the next piece */
     rk_status st;
@@ -244,8 +262,18 @@ static rk_status encode_piece(const rk_tokenizer *t, const unsigned char *p, siz
             (st = try_pair(t, s, pr.left, l->next)) != RK_OK)
             return st;
     }
-    for (int32_t i = 0; i >= 0; i = s->sym[i].next)
-        if ((st = rk_tok_ids_push(out, s->sym[i].id)) != RK_OK) return st;
+    size_t at = 0; /* byte offset of symbol i in the piece */
+    for (int32_t i = 0; i >= 0; i = s->sym[i].next) {
+        if (s->sym[i].id >= 0) {
+            st = rk_tok_ids_push(out, s->sym[i].id);
+        } else {
+            for (int32_t b = 0; st == RK_OK && b < s->sym[i].len; b++)
+                if (t->byte_tok[p[at + (size_t)b]] >= 0)
+                    st = rk_tok_ids_push(out, t->byte_tok[p[at + (size_t)b]]);
+        }
+        if (st != RK_OK) return st;
+        at += (size_t)s->sym[i].len;
+    }
     return RK_OK;
 }
 
@@ -283,17 +311,46 @@ rk_status rk_tok_bpe_encode(const rk_tokenizer *t, const char *text, size_t n, r
             break;
         }
         if (rc == 0) ms = me = n; /* the rest is one piece */
-        if (ms > off && (st = encode_piece(t, u + off, ms - off, &s, out)) != RK_OK) break;
+        if (ms > off && (st = encode_piece(t, u + off, ms - off, 0, &s, out)) != RK_OK) break;
         if (me == ms && ms < n) {
             /* An empty match: take one character as a piece and go on. */
             size_t cl = 1;
             while (ms + cl < n && (u[ms + cl] & 0xC0) == 0x80) cl++;
             me = ms + cl;
         }
-        if (me > ms && (st = encode_piece(t, u + ms, me - ms, &s, out)) != RK_OK) break;
+        if (me > ms && (st = encode_piece(t, u + ms, me - ms, 0, &s, out)) != RK_OK) break;
         off = me;
     }
     pcre2_match_data_free(md);
+    free(s.sym);
+    rk_heap_free(&s.heap);
+    return st;
+}
+
+rk_status rk_tok_bpe_spm_encode(const rk_tokenizer *t, const char *text, size_t n,
+                                rk_tok_ids *out) {
+    size_t spaces = 0;
+    for (size_t i = 0; i < n; i++) spaces += text[i] == ' ';
+    unsigned char *u = malloc(n + 2 * spaces + 1); /* U+2581 is 3 bytes */
+    if (!u) return rk_errorf(RK_ERR_NOMEM, "tokenizer: out of memory");
+    size_t len = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (text[i] == ' ') {
+            memcpy(u + len, "\xE2\x96\x81", 3);
+            len += 3;
+        } else {
+            u[len++] = (unsigned char)text[i];
+        }
+    }
+    bpe_scratch s = {.heap = {.item_size = sizeof(bpe_pair), .before = pair_before}};
+    rk_status st = RK_OK;
+    for (size_t a = 0, b; st == RK_OK && a < len; a = b) {
+        int newlines = u[a] == '\n';
+        for (b = a + 1; b < len && (u[b] == '\n') == newlines;) b++;
+        int32_t whole = newlines ? rk_tok_lookup(t, (const char *)u + a, b - a) : -1;
+        st = whole >= 0 ? rk_tok_ids_push(out, whole) : encode_piece(t, u + a, b - a, 1, &s, out);
+    }
+    free(u);
     free(s.sym);
     rk_heap_free(&s.heap);
     return st;

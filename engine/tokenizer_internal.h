@@ -35,7 +35,9 @@ typedef struct rk_tok_merge {
 } rk_tok_merge;
 
 struct rk_tokenizer {
-    int is_gpt2; /* 0: llama (SentencePiece scores), 1: gpt2 (byte-level merges) */
+    int is_gpt2;    /* 0: llama (SentencePiece scores), 1: gpt2 (byte-level merges) */
+    int spm_merges; /* gemma4: SentencePiece text (U+2581, <0xXX>) merged by rank; decoded as
+                     * llama's (is_gpt2 0) */
     char model[16];
     char pre[32];
     int32_t n_tokens;
@@ -65,7 +67,7 @@ struct rk_tokenizer {
     uint32_t special_first[257]; /* bucket b is special[special_first[b] .. special_first[b+1]) */
     int32_t n_special;
 
-    /* gpt2 only */
+    /* gpt2 and gemma4 */
     rk_tok_merge *merges; /* (merge_mask + 1) hash table */
     uint32_t merge_mask;
     pcre2_code *re; /* pre-tokenizer */
@@ -99,6 +101,16 @@ rk_status rk_tok_spm_encode(const rk_tokenizer *t, const char *s, size_t n, int 
 /* Build the gpt2 parts of t (byte table, merge table, pre-tokenizer regex)
  * from the vocabulary's merges and pre name. */
 rk_status rk_tok_bpe_init(rk_tokenizer *t, const rk_vocab *v);
+
+/* Build t's merge table from the vocabulary's merges (gpt2 and gemma4). */
+rk_status rk_tok_bpe_merges_init(rk_tokenizer *t, const rk_vocab *v);
+
+/* Encode one fragment of valid UTF-8 text (no special tokens in it) with the
+ * gemma4 algorithm, appending to out: spaces become U+2581, runs of newlines
+ * and runs of other characters are pieces (a run of newlines that is a token
+ * is taken whole), each piece's characters are merged by rank, and a
+ * character no token spells becomes its <0xXX> byte tokens. */
+rk_status rk_tok_bpe_spm_encode(const rk_tokenizer *t, const char *s, size_t n, rk_tok_ids *out);
 
 /* Release the gpt2 parts of t; accepts a tokenizer without them. */
 void rk_tok_bpe_free(rk_tokenizer *t);

@@ -3,14 +3,15 @@
  * model's vocabulary).
  *
  * GGUF keys read (as llama.cpp writes them):
- *   tokenizer.ggml.model            string  "llama" | "gpt2"            (required)
+ *   tokenizer.ggml.model            string  "llama" | "gpt2" | "gemma4" (required)
  *   tokenizer.ggml.pre              string  gpt2 pre-tokenizer name     (default "default")
  *   tokenizer.ggml.tokens           [string] token texts                (required)
  *   tokenizer.ggml.scores           [f32]   one per token               (optional)
  *   tokenizer.ggml.token_type       [i32]   one per token, RK_TOKEN_*   (optional: NORMAL)
- *   tokenizer.ggml.merges           [string] "left right", by rank      (required for gpt2)
+ *   tokenizer.ggml.merges           [string] "left right", by rank      (required for gpt2, gemma4)
  *   tokenizer.ggml.{bos,eos,unknown,padding}_token_id  u32 (0xFFFFFFFF = none)
- *   tokenizer.ggml.add_bos_token    bool    (default: llama 1, gpt2 0) */
+ *   tokenizer.ggml.add_bos_token    bool    (default: llama 1, gpt2 0; gemma4 always 1,
+ *                                            as the reference engine overrides it) */
 #include <ctype.h>
 #include <errno.h>
 #include <jansson.h>
@@ -154,14 +155,14 @@ static rk_status read_token_types(const rk_gguf *g, rk_vocab *v, size_t n, int g
     return st;
 }
 
-/* A gpt2 vocabulary's merges, by rank. */
+/* A gpt2 or gemma4 vocabulary's merges, by rank. */
 static rk_status read_merges(const rk_gguf *g, rk_vocab *v) {
     const char *const *strs;
     const uint32_t *lens;
     size_t n;
     rk_status st = rk_gguf_get_arr_str(g, "tokenizer.ggml.merges", &strs, &lens, &n);
     if (st == RK_ERR_NOT_FOUND)
-        return rk_errorf(RK_ERR_FORMAT, "gpt2 vocabulary without tokenizer.ggml.merges");
+        return rk_errorf(RK_ERR_FORMAT, "%s vocabulary without tokenizer.ggml.merges", v->model);
     if (st != RK_OK) return st;
     if (n > VOCAB_MAX_TOKENS)
         return rk_errorf(RK_ERR_FORMAT, "tokenizer.ggml.merges has %zu entries", n);
@@ -201,11 +202,12 @@ rk_status rk_vocab_from_gguf(const rk_gguf *g, rk_vocab *out) {
     rk_status st = gguf_short_str(g, "tokenizer.ggml.model", model, sizeof model);
     if (st != RK_OK) return st;
     if (!model[0]) return rk_errorf(RK_ERR_FORMAT, "GGUF has no tokenizer.ggml.model");
-    if (strcmp(model, "llama") != 0 && strcmp(model, "gpt2") != 0)
+    if (strcmp(model, "llama") != 0 && strcmp(model, "gpt2") != 0 && strcmp(model, "gemma4") != 0)
         return rk_errorf(RK_ERR_UNSUPPORTED,
-                         "tokenizer.ggml.model \"%s\" is not supported (supported: llama, gpt2)",
+                         "tokenizer.ggml.model \"%s\" is not supported (supported: llama, gpt2, "
+                         "gemma4)",
                          model);
-    int gpt2 = strcmp(model, "gpt2") == 0;
+    int gpt2 = strcmp(model, "gpt2") == 0, gemma4 = strcmp(model, "gemma4") == 0;
 
     const char *const *strs;
     const uint32_t *lens;
@@ -235,8 +237,12 @@ rk_status rk_vocab_from_gguf(const rk_gguf *g, rk_vocab *out) {
         }
     }
     if (!st) st = read_token_types(g, &v, n, gpt2);
-    if (!st && gpt2) st = read_merges(g, &v);
+    if (!st && (gpt2 || gemma4)) st = read_merges(g, &v);
     if (!st) st = read_specials(g, &v, (int32_t)n, gpt2);
+    if (gemma4) { /* text is spelled as SentencePiece's, never with a leading U+2581 */
+        v.add_bos = 1;
+        v.add_space_prefix = 0;
+    }
     if (st) {
         rk_vocab_free(&v);
         return st;
@@ -506,6 +512,7 @@ static rk_status hf_spm_vocab(const json_t *root, const char *path, int32_t n_pa
     if (!st) st = vocab_init(v, "llama", n_pad_to > n_base ? n_pad_to : n_base);
     if (!st) st = hf_tokens(v, path, vmap, added, n_base);
     if (!st) st = hf_spm_scores(v, path, vmap, merges);
+    if (!st) st = hf_merges(v, path, merges); /* kept for the gemma4 model; llama ignores them */
     if (st) return st;
     const char *unk = json_string_value(json_object_get(model, "unk_token"));
     for (int32_t id = 0; id < n_base; id++) {
