@@ -291,7 +291,7 @@ static rk_status build_specials(rk_tokenizer *t) {
 static void build_eog(rk_tokenizer *t) {
     static const char *const names[] = {"<|im_end|>",      "<|endoftext|>", "<|eot_id|>",
                                         "<|end_of_text|>", "</s>",          "<|end|>",
-                                        "<end_of_turn>"};
+                                        "<end_of_turn>",   "<turn|>"};
     static const char *const harmony[] = {"<|return|>", "<|call|>"};
     t->n_eog = 0;
     if (t->eos_id >= 0) t->eog[t->n_eog++] = t->eos_id;

@@ -198,6 +198,9 @@ typedef struct rk_api_request {
     /* Render the answer's turn with an empty thinking block (a thinking
      * model asked not to think): set by the caller before rk_chat_render. */
     int no_thinking;
+    /* Render the request to think (Gemma 4's <|think|> in its system turn):
+     * set by the caller before rk_chat_render. */
+    int thinking;
     /* `chunking.tool_results`: a tool message's content is passages (a
      * JSON array of them, or its text split on the separator), a chunk
      * group where the message stands. */

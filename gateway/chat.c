@@ -49,7 +49,9 @@
  * <start_of_turn>model\n for the assistant; it has no system role: the
  * system text and a blank line open the first user turn (as Llama-2's
  * <<SYS>> block does here), and each message's text is trimmed as its
- * template trims it. BOS is added by the tokenizer step, never written here. */
+ * template trims it. Gemma 4 (chat_gemma4.c) has a system turn of its own:
+ * <|turn>system\n ... <turn|>\n, then <|turn>user|model\n ... <turn|>\n.
+ * BOS is added by the tokenizer step, never written here. */
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,14 +66,16 @@ const char *rk_chat_template_name(rk_chat_template t) {
     case RK_CHAT_PHI3: return "phi3";
     case RK_CHAT_GEMMA: return "gemma";
     case RK_CHAT_HARMONY: return "harmony";
+    case RK_CHAT_GEMMA4: return "gemma4";
     }
     return "?";
 }
 
-rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
-                                         int has_llama3_tokens) {
+rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch, int has_llama3_tokens,
+                                         int has_gemma4_tokens) {
     if (jinja) {
         if (strstr(jinja, "<|channel|>") && strstr(jinja, "<|message|>")) return RK_CHAT_HARMONY;
+        if (strstr(jinja, "<|turn>")) return RK_CHAT_GEMMA4;
         if (strstr(jinja, "<|im_start|>")) return RK_CHAT_CHATML;
         if (strstr(jinja, "<|start_header_id|>")) return RK_CHAT_LLAMA3;
         if (strstr(jinja, "[INST]")) return RK_CHAT_LLAMA2;
@@ -80,6 +84,8 @@ rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
     }
     if (arch && (!strcmp(arch, "qwen2") || !strcmp(arch, "qwen3"))) return RK_CHAT_CHATML;
     if (arch && !strcmp(arch, "phi3")) return RK_CHAT_PHI3;
+    /* gemma4 files written with Gemma 3's vocabulary keep Gemma 3's template */
+    if (arch && !strcmp(arch, "gemma4") && has_gemma4_tokens) return RK_CHAT_GEMMA4;
     /* gemma4 files computed here carry Gemma 3's vocabulary (Gemma 4's own
      * tokenizer, whose turns are <|turn>role\n...<turn|>, is not read) */
     if (arch && (!strcmp(arch, "gemma2") || !strcmp(arch, "gemma3") || !strcmp(arch, "gemma4")))
@@ -473,6 +479,8 @@ static void user_open(rk_chat_template t, rk_strbuf *b, const rk_strbuf *sys_blo
         rk_strbuf_puts(b, "<|user|>\n");
     } else if (t == RK_CHAT_HARMONY) {
         rk_strbuf_puts(b, "<|start|>user<|message|>");
+    } else if (t == RK_CHAT_GEMMA4) {
+        rk_strbuf_puts(b, "<|turn>user\n");
     } else {
         rk_strbuf_puts(b, "[INST] ");
         if (sys_block->len) {
@@ -489,6 +497,7 @@ static void user_close(rk_chat_template t, rk_strbuf *b) {
                       : t == RK_CHAT_PHI3    ? "<|end|>\n"
                       : t == RK_CHAT_GEMMA   ? "<end_of_turn>\n"
                       : t == RK_CHAT_HARMONY ? "<|end|>"
+                      : t == RK_CHAT_GEMMA4  ? "<turn|>\n"
                                              : " [/INST]");
 }
 
@@ -599,6 +608,10 @@ static void other_turn(rk_chat_template t, const rk_api_request *req, rk_strbuf 
         harmony_calls_turn(req, b, m);
         return;
     }
+    if (t == RK_CHAT_GEMMA4) {
+        rk_gemma4_turn(b, req, m, open);
+        return;
+    }
     if (t == RK_CHAT_HARMONY && m->verbatim) { /* the developer message with tools */
         rk_strbuf_puts(b, "<|start|>developer<|message|>");
         rk_strbuf_puts(b, m->content);
@@ -682,7 +695,7 @@ static void render_turns(rk_chat_template t, const rk_api_request *req, const us
         if (m->role == RK_ROLE_USER) {
             user_open(t, b, sys_block);
             sb_clear(sys_block);
-            if (t == RK_CHAT_GEMMA)
+            if (t == RK_CHAT_GEMMA || t == RK_CHAT_GEMMA4)
                 put_trimmed(b, users[i].question, 1);
             else
                 rk_strbuf_puts(b, users[i].question); /* its documents are chunks */
@@ -701,6 +714,7 @@ static const char *assistant_open(rk_chat_template t) {
            : t == RK_CHAT_PHI3    ? "<|assistant|>\n"
            : t == RK_CHAT_GEMMA   ? "<start_of_turn>model\n"
            : t == RK_CHAT_HARMONY ? "<|start|>assistant"
+           : t == RK_CHAT_GEMMA4  ? "<|turn>model\n"
                                   : "";
 }
 
@@ -774,6 +788,7 @@ static void render_texts(rk_chat_template t, const rk_api_request *req, const us
     for (int i = 0; (t == RK_CHAT_LLAMA2 || t == RK_CHAT_GEMMA) && i < gmsg[0]; i++)
         if (req->msgs[i].role == RK_ROLE_SYSTEM) add_system(block, &req->msgs[i]);
     if (t == RK_CHAT_HARMONY) rk_harmony_system(&texts[0], req->reasoning_effort, req->n_tools > 0);
+    if (t == RK_CHAT_GEMMA4) rk_gemma4_system(&texts[0], req);
     render_turns(t, req, users, 0, gmsg[0], 1, &texts[0], block);
     for (int g = 0; g < n; g++) {
         int m = gmsg[g];
@@ -788,7 +803,7 @@ static void render_texts(rk_chat_template t, const rk_api_request *req, const us
         }
         user_open(t, b, block);
         sb_clear(block);
-        if (t == RK_CHAT_GEMMA)
+        if (t == RK_CHAT_GEMMA || t == RK_CHAT_GEMMA4)
             put_trimmed(after, u->question, 1);
         else
             rk_strbuf_puts(after, u->question);
@@ -816,6 +831,10 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
                               "tools are not supported with the %s chat template (it has no "
                               "tool-call format)",
                               rk_chat_template_name(t));
+    if (t == RK_CHAT_GEMMA4 && (req->n_tools || tool_turns))
+        return rk_http_errorf(err, 400,
+                              "tools are not supported with the gemma4 chat template (its "
+                              "tool-call syntax is not implemented)");
     if (req->reasoning_effort && t != RK_CHAT_HARMONY)
         return rk_http_errorf(err, 400,
                               "'reasoning_effort' is not supported with the %s chat template "

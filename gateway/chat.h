@@ -15,17 +15,20 @@ typedef enum rk_chat_template {
     RK_CHAT_PHI3 = 3,    /* <|role|>\n...<|end|>\n (Phi-3, Phi-4-mini) */
     RK_CHAT_GEMMA = 4,   /* <start_of_turn>user|model\n...<end_of_turn>\n (Gemma 2, Gemma 3) */
     RK_CHAT_HARMONY = 5, /* <|start|>role<|message|>...<|end|> (gpt-oss; see harmony.c) */
+    RK_CHAT_GEMMA4 = 6,  /* <|turn>user|model|system\n...<turn|>\n (Gemma 4; chat_gemma4.c) */
 } rk_chat_template;
 
-/* Name of a template: "chatml", "llama3", "llama2", "phi3", "gemma", "harmony". */
+/* Name of a template: "chatml", "llama3", "llama2", "phi3", "gemma", "harmony", "gemma4". */
 const char *rk_chat_template_name(rk_chat_template t);
 
 /* Choose a template: from the GGUF tokenizer.chat_template text when given
  * (NULL when absent), else from the architecture name ("qwen2", "qwen3":
- * ChatML; "phi3": Phi-3; "gemma2", "gemma3": Gemma; "gpt-oss": harmony) and the vocabulary
- * (has_llama3_tokens: <|start_header_id|> exists), else Llama-2. */
-rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch,
-                                         int has_llama3_tokens);
+ * ChatML; "phi3": Phi-3; "gemma2", "gemma3": Gemma; "gemma4": Gemma 4 when
+ * has_gemma4_tokens (<|turn> exists), else Gemma; "gpt-oss": harmony) and
+ * the vocabulary (has_llama3_tokens: <|start_header_id|> exists), else
+ * Llama-2. */
+rk_chat_template rk_chat_template_detect(const char *jinja, const char *arch, int has_llama3_tokens,
+                                         int has_gemma4_tokens);
 
 /* Render a parsed chat request into req->pieces around the document turn
  * (the first user message with documents, else the first user message): the
@@ -71,7 +74,13 @@ typedef enum rk_think_state {
     RK_THINK_IN,        /* in the thinking */
     RK_THINK_AFTER,     /* after </think> */
     RK_THINK_ANSWER,    /* in the answer */
+    RK_THINK_END,       /* after Gemma 4's end of turn (<turn|>): neither */
 } rk_think_state;
+
+/* The kinds of split: Qwen3's <think> tags, harmony's channels, Gemma 4's
+ * "<|channel>thought\n...<channel|>" (the answer decoded with its special
+ * tokens; its <turn|> ends the answer). */
+enum { RK_THINK_TAGS = 0, RK_THINK_HARMONY = 1, RK_THINK_GEMMA4 = 2 };
 
 typedef struct rk_think_split {
     rk_think_state state;
@@ -80,6 +89,7 @@ typedef struct rk_think_split {
      * (rk_harmony_feed); analysis: the message being read is the analysis
      * channel's */
     int harmony, analysis;
+    int gemma4; /* Gemma 4's channel tags in place of <think> */
 } rk_think_split;
 
 /* Feed the next n bytes of the answer; append to reasoning and content what
@@ -89,10 +99,29 @@ typedef struct rk_think_split {
 void rk_think_feed(rk_think_split *s, const char *text, size_t n, int final, rk_strbuf *reasoning,
                    rk_strbuf *content);
 
-/* The same for a whole answer (harmony: split by channel). */
+/* The same for a whole answer (kind: an RK_THINK_ kind; harmony: split by
+ * channel). */
 void rk_think_split_text(const char *text, rk_strbuf *reasoning, rk_strbuf *content);
-void rk_think_split_text_as(int harmony, const char *text, rk_strbuf *reasoning,
-                            rk_strbuf *content);
+void rk_think_split_text_as(int kind, const char *text, rk_strbuf *reasoning, rk_strbuf *content);
+static inline int rk_think_kind(const rk_think_split *s) {
+    return s->harmony ? RK_THINK_HARMONY : s->gemma4 ? RK_THINK_GEMMA4 : RK_THINK_TAGS;
+}
+
+/* ---------------------------------------------------------------- Gemma 4 (chat_gemma4.c) */
+
+/* Gemma 4's system turn, as its template opens: when the first message is a
+ * system message or req->thinking is set, "<|turn>system\n", "<|think|>\n"
+ * when thinking, the first message's text trimmed, "<turn|>\n"; else
+ * nothing. Into b. */
+void rk_gemma4_system(rk_strbuf *b, const rk_api_request *req);
+
+/* Gemma 4: a system or assistant message m of req as a turn into b (the
+ * first message, a system one, is the system turn's and writes nothing): the
+ * text trimmed, an assistant's thinking channels dropped, an assistant
+ * message after another continuing its model turn (no new opening). open: the
+ * assistant's turn the answer continues, without its end (its text only
+ * trimmed at the start). */
+void rk_gemma4_turn(rk_strbuf *b, const rk_api_request *req, const rk_chat_msg *m, int open);
 
 /* Harmony (harmony.c): the analysis channel's message bodies to reasoning,
  * the other channels' to content, headers and tags to neither (the answer

@@ -136,7 +136,7 @@ json_t *rk_gen_final_object(gen *g, const char *text) {
     if (!lp) lp = rk_report_logprobs(tok, r, 0, r->n_out, g->api.chat);
     rk_strbuf think = {0}, answer = {0};
     if (g->thinking && !g->tool_calls) { /* (with calls, the answer was split before) */
-        rk_think_split_text_as(g->think.harmony, text, &think, &answer);
+        rk_think_split_text_as(rk_think_kind(&g->think), text, &think, &answer);
         text = answer.s ? answer.s : "";
     }
     const char *reasoning = g->tool_calls ? g->reasoning : think.s;

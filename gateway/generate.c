@@ -225,7 +225,7 @@ static char *take_tool_answer(gen *g) {
             rk_chat_tool_calls(RK_CHAT_HARMONY, &g->api, all ? all : "", g->id, &g->tool_content);
     if (g->thinking && all) {
         rk_strbuf think = {0}, answer = {0};
-        rk_think_split_text_as(g->think.harmony, all, &think, &answer);
+        rk_think_split_text_as(rk_think_kind(&g->think), all, &think, &answer);
         g->reasoning = rk_strbuf_take(&think);
         free(all);
         all = answer.s ? rk_strbuf_take(&answer) : rk_strdup("");
@@ -421,9 +421,12 @@ static void prep_generation(void *arg) {
         int constrained = g->api.grammar || g->api.tool_choice >= RK_TOOLS_REQUIRED;
         g->api.no_thinking = g->api.enable_thinking == 0 || constrained;
         g->thinking = !g->api.no_thinking;
-        /* harmony has no answer without its channels: split them always */
+        g->api.thinking = g->thinking; /* Gemma 4's <|think|> */
+        /* harmony has no answer without its channels, and Gemma 4's thought
+         * channel never goes to the answer: split them always */
         g->think.harmony = S->tmpl == RK_CHAT_HARMONY;
-        if (g->think.harmony) g->thinking = 1;
+        g->think.gemma4 = S->tmpl == RK_CHAT_GEMMA4;
+        if (g->think.harmony || g->think.gemma4) g->thinking = 1;
     }
     if (p->chat && rk_chat_render(S->tmpl, &g->api, S->o.cfg.max_chunks, err)) return;
     if (!g->api.seed_given) g->api.opt.sampling.seed = rk_gw_random(S);
@@ -486,7 +489,7 @@ static gen *make_choice(gen *g0, int c, int per_prompt, rk_http_error *err) {
     g->index = c;
     g->events = g->text_done = g->lp_sent = g->echoed = g->echoing = 0;
     g->echo_len = 0;
-    g->think = (rk_think_split){.harmony = g0->think.harmony};
+    g->think = (rk_think_split){.harmony = g0->think.harmony, .gemma4 = g0->think.gemma4};
     g->reasoning = NULL;
     g->fd = -1; /* choice 0 watches the connection */
     g->text = (rk_gen_text){.tok = g0->text.tok,
@@ -768,7 +771,7 @@ int rk_gw_generate(req_ctx *rc, int chat, char *body, size_t len, const rk_gw_si
     g.job->notify_tokens = g.api.stream || g.api.n_stop > 0;
     g.tools_active = g.api.chat && g.api.n_tools > 0 && g.api.tool_choice != RK_TOOLS_NONE;
     g.text.tok = rk_model_tokenizer(g.svc->model);
-    g.text.specials = g.think.harmony && g.thinking;
+    g.text.specials = (g.think.harmony || g.think.gemma4) && g.thinking;
     g.text.skip_space = g.job->req.n_question == 0 && g.job->req.n_sys == 1;
     g.text.stop = g.api.stop;
     g.text.n_stop = g.api.n_stop;

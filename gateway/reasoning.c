@@ -6,12 +6,19 @@
  * to be thinking or answer: a tag cut between two pieces, and the
  * whitespace at the end of the thinking or at the start of the answer, wait
  * for the next piece. So the pieces of a stream add up to exactly what the
- * whole text splits into. */
+ * whole text splits into.
+ *
+ * Gemma 4 writes "<|channel>thought\n...<channel|>The answer<turn|>" (decoded
+ * with its special tokens): the same split with its channel tags, and its
+ * end of turn (the end-of-generation token, decoded) and what follows it
+ * belong to neither. */
 #include <string.h>
 
 #include "gateway/chat.h"
 
 static const char k_open[] = "<think>", k_close[] = "</think>";
+static const char k_g4_open[] = "<|channel>thought", k_g4_close[] = "<channel|>",
+                  k_g4_end[] = "<turn|>";
 
 static int is_space(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
 
@@ -21,6 +28,14 @@ static size_t partial_tag(const char *s, size_t n, const char *tag) {
     for (size_t k = tl - 1 < n ? tl - 1 : n; k > 0; k--)
         if (memcmp(s + n - k, tag, k) == 0) return k;
     return 0;
+}
+
+/* Where the first of tag a and tag b (NULL: none) is in p, or NULL; *which
+ * says which one. */
+static const char *first_tag(const char *p, const char *a, const char *b, int *which) {
+    const char *x = strstr(p, a), *y = b ? strstr(p, b) : NULL;
+    *which = y && (!x || y < x);
+    return *which ? y : x;
 }
 
 /* Drop the first n bytes of the pending text. */
@@ -35,6 +50,9 @@ void rk_think_feed(rk_think_split *s, const char *text, size_t n, int final, rk_
         rk_harmony_feed(s, text, n, final, reasoning, content);
         return;
     }
+    const char *open = s->gemma4 ? k_g4_open : k_open,
+               *close_tag = s->gemma4 ? k_g4_close : k_close;
+    const char *end_tag = s->gemma4 ? k_g4_end : NULL;
     rk_strbuf_putn(&s->pending, text, n);
     if (!s->pending.s) return;
     for (;;) {
@@ -42,13 +60,13 @@ void rk_think_feed(rk_think_split *s, const char *text, size_t n, int final, rk_
         size_t len = s->pending.len, ws = 0;
         while (ws < len && is_space(p[ws])) ws++;
         if (s->state == RK_THINK_START) { /* is it thinking at all? */
-            size_t rest = len - ws, ol = sizeof k_open - 1;
-            if (rest >= ol && memcmp(p + ws, k_open, ol) == 0) {
+            size_t rest = len - ws, ol = strlen(open);
+            if (rest >= ol && memcmp(p + ws, open, ol) == 0) {
                 consume(s, ws + ol);
                 s->state = RK_THINK_OPENED;
                 continue;
             }
-            if (!final && (rest == 0 || (rest < ol && memcmp(p + ws, k_open, rest) == 0))) return;
+            if (!final && (rest == 0 || (rest < ol && memcmp(p + ws, open, rest) == 0))) return;
             s->state = RK_THINK_ANSWER;
             continue;
         }
@@ -59,15 +77,20 @@ void rk_think_feed(rk_think_split *s, const char *text, size_t n, int final, rk_
             continue;
         }
         if (s->state == RK_THINK_IN) {
-            const char *close = len ? strstr(p, k_close) : NULL;
+            int ended = 0;
+            const char *close = len ? first_tag(p, close_tag, end_tag, &ended) : NULL;
             size_t end = close ? (size_t)(close - p) : len;
-            if (!close && !final) end -= partial_tag(p, len, k_close);
+            if (!close && !final) {
+                size_t k = partial_tag(p, len, close_tag),
+                       k2 = end_tag ? partial_tag(p, len, end_tag) : 0;
+                end -= k > k2 ? k : k2;
+            }
             size_t keep = end; /* whitespace before the close tag is not thinking */
             while (keep > 0 && is_space(p[keep - 1])) keep--;
             if (keep) rk_strbuf_putn(reasoning, p, keep);
             if (close) {
-                consume(s, end + sizeof k_close - 1);
-                s->state = RK_THINK_AFTER;
+                consume(s, end + strlen(ended ? end_tag : close_tag));
+                s->state = ended ? RK_THINK_END : RK_THINK_AFTER;
                 continue;
             }
             consume(s, final ? len : keep);
@@ -79,9 +102,17 @@ void rk_think_feed(rk_think_split *s, const char *text, size_t n, int final, rk_
             s->state = RK_THINK_ANSWER;
             continue;
         }
-        if (len) rk_strbuf_putn(content, p, len);
-        consume(s, len);
-        return;
+        if (s->state == RK_THINK_END) { /* after Gemma 4's end of turn: neither */
+            consume(s, len);
+            return;
+        }
+        const char *e = end_tag && len ? strstr(p, end_tag) : NULL;
+        size_t upto = e ? (size_t)(e - p) : len;
+        if (!e && end_tag && !final) upto -= partial_tag(p, len, end_tag);
+        if (upto) rk_strbuf_putn(content, p, upto);
+        consume(s, upto);
+        if (!e) return;
+        s->state = RK_THINK_END;
     }
 }
 
@@ -89,9 +120,8 @@ void rk_think_split_text(const char *text, rk_strbuf *reasoning, rk_strbuf *cont
     rk_think_split_text_as(0, text, reasoning, content);
 }
 
-void rk_think_split_text_as(int harmony, const char *text, rk_strbuf *reasoning,
-                            rk_strbuf *content) {
-    rk_think_split s = {.harmony = harmony};
+void rk_think_split_text_as(int kind, const char *text, rk_strbuf *reasoning, rk_strbuf *content) {
+    rk_think_split s = {.harmony = kind == RK_THINK_HARMONY, .gemma4 = kind == RK_THINK_GEMMA4};
     rk_think_feed(&s, text, strlen(text), 1, reasoning, content);
     rk_strbuf_free(&s.pending);
 }

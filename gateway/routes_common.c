@@ -61,12 +61,16 @@ rk_service *rk_gw_ready_service(server *S) {
         S->tmpl = S->forced_tmpl >= 0
                       ? (rk_chat_template)S->forced_tmpl
                       : rk_chat_template_detect(jinja, hp->arch_name,
-                                                rk_tokenizer_find(tok, "<|start_header_id|>") >= 0);
+                                                rk_tokenizer_find(tok, "<|start_header_id|>") >= 0,
+                                                rk_tokenizer_find(tok, "<|turn>") >= 0);
         S->thinks =
             S->o.reasoning > 0 ||
             (S->o.reasoning < 0 && S->tmpl == RK_CHAT_CHATML &&
              rk_tokenizer_find(tok, "<think>") >= 0 && rk_tokenizer_find(tok, "</think>") >= 0) ||
-            (S->o.reasoning != 0 && S->tmpl == RK_CHAT_HARMONY);
+            (S->o.reasoning != 0 && S->tmpl == RK_CHAT_HARMONY) ||
+            (S->o.reasoning < 0 && S->tmpl == RK_CHAT_GEMMA4 &&
+             rk_tokenizer_find(tok, "<|channel>") >= 0 &&
+             rk_tokenizer_find(tok, "<channel|>") >= 0);
         S->have_info = 1;
     }
     pthread_mutex_unlock(&S->info_mu);

@@ -805,13 +805,13 @@ static rk_status load_tenants(server *S) {
 static rk_status resolve_chat_template(const char *spec, int *out) {
     *out = -1;
     if (!spec[0]) return RK_OK;
-    for (int t = RK_CHAT_CHATML; t <= RK_CHAT_HARMONY; t++)
+    for (int t = RK_CHAT_CHATML; t <= RK_CHAT_GEMMA4; t++)
         if (!strcmp(spec, rk_chat_template_name((rk_chat_template)t))) return *out = t, RK_OK;
     FILE *f = fopen(spec, "rb");
     if (!f)
         return rk_errorf(RK_ERR_INVALID,
                          "chat_template: '%s' is neither a template name (chatml, llama3, llama2, "
-                         "phi3, gemma, harmony) nor a readable file: %s",
+                         "phi3, gemma, harmony, gemma4) nor a readable file: %s",
                          spec, strerror(errno));
     size_t cap = 1 << 20;
     char *text = malloc(cap);
@@ -821,15 +821,15 @@ static rk_status resolve_chat_template(const char *spec, int *out) {
     if (!text) return rk_errorf(RK_ERR_NOMEM, "out of memory");
     text[n] = '\0';
     /* Recognised only when the text decides, whatever the architecture says. */
-    rk_chat_template a = rk_chat_template_detect(text, "qwen3", 0);
-    int known = a == rk_chat_template_detect(text, NULL, 0);
+    rk_chat_template a = rk_chat_template_detect(text, "qwen3", 0, 0);
+    int known = a == rk_chat_template_detect(text, NULL, 0, 0);
     free(text);
     if (big) return rk_errorf(RK_ERR_INVALID, "chat_template: %s is over 1 MiB", spec);
     if (!known)
         return rk_errorf(RK_ERR_INVALID,
                          "chat_template: no template is recognised in %s (it must use "
                          "<|im_start|>, <|start_header_id|>, [INST], <|assistant|> with <|end|>, "
-                         "or <start_of_turn>)",
+                         "<start_of_turn>, or <|turn>)",
                          spec);
     *out = (int)a;
     return RK_OK;

@@ -275,12 +275,135 @@ Test(chat, gemma_renders_as_its_template) {
                           "of_turn>user\nAnd reuse?<end_of_turn>\n<start_of_turn>model\n");
     rk_api_request_free(&r);
     json_decref(msgs);
-    cr_assert_eq(rk_chat_template_detect("{{ bos_token }}...'<start_of_turn>' + role", "llama", 0),
-                 RK_CHAT_GEMMA);
-    cr_assert_eq(rk_chat_template_detect(NULL, "gemma3", 0), RK_CHAT_GEMMA);
-    cr_assert_eq(rk_chat_template_detect(NULL, "gemma4", 0), RK_CHAT_GEMMA);
-    cr_assert_eq(rk_chat_template_detect(NULL, "gemma2", 0), RK_CHAT_GEMMA);
+    cr_assert_eq(
+        rk_chat_template_detect("{{ bos_token }}...'<start_of_turn>' + role", "llama", 0, 0),
+        RK_CHAT_GEMMA);
+    cr_assert_eq(rk_chat_template_detect(NULL, "gemma3", 0, 0), RK_CHAT_GEMMA);
+    cr_assert_eq(rk_chat_template_detect(NULL, "gemma4", 0, 0), RK_CHAT_GEMMA);
+    cr_assert_eq(rk_chat_template_detect(NULL, "gemma2", 0, 0), RK_CHAT_GEMMA);
     cr_assert_str_eq(rk_chat_template_name(RK_CHAT_GEMMA), "gemma");
+}
+
+/* The system piece, the chunks and the question of r, joined, into all. */
+static void joined(const rk_api_request *r, char *all, size_t cap) {
+    size_t n = (size_t)snprintf(all, cap, "%s", r->pieces.system.s);
+    for (int k = 0; k < r->pieces.n_chunks && n < cap; k++)
+        n += (size_t)snprintf(all + n, cap - n, "%s", r->pieces.chunks[k].s);
+    if (n < cap) snprintf(all + n, cap - n, "%s", r->pieces.question.s);
+}
+
+/* Render msgs with Gemma 4's template (thinking: the request to think) and
+ * compare the joined pieces with want. */
+static void expect_gemma4(json_t *msgs, int thinking, const char *want) {
+    rk_api_request r;
+    render_ok(RK_CHAT_GEMMA4, msgs, NULL, &r);
+    if (thinking) {
+        rk_http_error err = {0};
+        r.thinking = 1;
+        cr_assert_eq(rk_chat_render(RK_CHAT_GEMMA4, &r, 8, &err), RK_OK, "%s", err.message);
+    }
+    char all[1024];
+    joined(&r, all, sizeof all);
+    cr_assert_str_eq(all, want);
+    rk_api_request_free(&r);
+    json_decref(msgs);
+}
+
+/* Gemma 4: every expected text below is the literal output of Gemma 4's own
+ * chat template (tokenizer.chat_template of Gemma 4 E4B, rendered with
+ * Jinja2, bos_token "<bos>", add_generation_prompt true, enable_thinking
+ * true where thinking is set) for the same conversation, less the "<bos>"
+ * the tokenizer step adds: the first system message in a system turn of its
+ * own, "<|think|>\n" opening it when thinking (alone when there is no system
+ * message), later system messages as system turns, every message trimmed,
+ * the assistant as "model", an earlier answer's thought channel dropped and
+ * an answer right after another continuing its model turn. */
+Test(chat, gemma4_renders_as_its_template) {
+    json_t *msgs = json_array();
+    add_msg(msgs, "user", "  What is a KV cache?  ");
+    expect_gemma4(msgs, 0, "<|turn>user\nWhat is a KV cache?<turn|>\n<|turn>model\n");
+
+    msgs = json_array();
+    add_msg(msgs, "system", " Be brief. ");
+    add_msg(msgs, "user", "Hi");
+    expect_gemma4(msgs, 0,
+                  "<|turn>system\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n");
+
+    msgs = json_array();
+    add_msg(msgs, "system", " You are helpful. ");
+    add_msg(msgs, "user", "  What is a KV cache?  ");
+    add_msg(msgs, "assistant", "<|channel>thought\nKeys, values.<channel|> Keys and values. ");
+    add_msg(msgs, "assistant", "More.");
+    add_msg(msgs, "user", "And reuse?\n");
+    expect_gemma4(msgs, 0,
+                  "<|turn>system\nYou are helpful.<turn|>\n<|turn>user\nWhat is a KV "
+                  "cache?<turn|>\n<|turn>model\nKeys and values.<turn|>\nMore.<turn|>\n<|turn>"
+                  "user\nAnd reuse?<turn|>\n<|turn>model\n");
+
+    msgs = json_array();
+    add_msg(msgs, "user", "Hi");
+    expect_gemma4(msgs, 1,
+                  "<|turn>system\n<|think|>\n<turn|>\n<|turn>user\nHi<turn|>\n<|turn>model\n");
+
+    msgs = json_array();
+    add_msg(msgs, "system", "Be brief.");
+    add_msg(msgs, "user", "Hi");
+    add_msg(msgs, "system", " Later. ");
+    add_msg(msgs, "user", "Again");
+    expect_gemma4(msgs, 1,
+                  "<|turn>system\n<|think|>\nBe brief.<turn|>\n<|turn>user\nHi<turn|>\n<|turn>"
+                  "system\nLater.<turn|>\n<|turn>user\nAgain<turn|>\n<|turn>model\n");
+}
+
+/* Gemma 4 with documents: the system piece ends with the document turn's
+ * opening, the documents are chunks, raw, and the question closes the turn;
+ * joined they are the template's text for the message's whole text ("Doc
+ * one. Doc two. What do they say?"), and a follow-up extends the layout. */
+Test(chat, gemma4_documents_are_chunks_of_the_user_turn) {
+    json_t *msgs = json_array();
+    add_msg(msgs, "system", "S");
+    add_msg(msgs, "user", "Doc one. ##Doc two. ##What do they say?");
+    rk_api_request r, r2;
+    render_ok(RK_CHAT_GEMMA4, msgs, NULL, &r);
+    cr_assert_str_eq(r.pieces.system.s, "<|turn>system\nS<turn|>\n<|turn>user\n");
+    cr_assert_eq(r.pieces.n_chunks, 2);
+    cr_assert_str_eq(r.pieces.question.s, "What do they say?<turn|>\n<|turn>model\n");
+    char all[1024];
+    joined(&r, all, sizeof all);
+    cr_assert_str_eq(all, "<|turn>system\nS<turn|>\n<|turn>user\nDoc one. Doc two. What do they "
+                          "say?<turn|>\n<|turn>model\n");
+    add_msg(msgs, "assistant", "They say hello.");
+    add_msg(msgs, "user", "Why?");
+    render_ok(RK_CHAT_GEMMA4, msgs, NULL, &r2);
+    assert_extends(&r, &r2);
+    cr_assert_str_eq(r2.pieces.question.s, "What do they say?<turn|>\n<|turn>model\nThey say "
+                                           "hello.<turn|>\n<|turn>user\nWhy?<turn|>\n<|turn>"
+                                           "model\n");
+    rk_api_request_free(&r);
+    rk_api_request_free(&r2);
+    json_decref(msgs);
+}
+
+/* Gemma 4 is known by its template's <|turn>, or by the gemma4 family when
+ * the vocabulary has <|turn> (a gemma4 file with Gemma 3's vocabulary keeps
+ * Gemma 3's template); tools are refused with a reason. */
+Test(chat, gemma4_is_detected_and_refuses_tools) {
+    cr_assert_eq(
+        rk_chat_template_detect("{{- '<|turn>' + role + '\\n' }}<start_of_turn>", "llama", 0, 0),
+        RK_CHAT_GEMMA4);
+    cr_assert_eq(rk_chat_template_detect(NULL, "gemma4", 0, 1), RK_CHAT_GEMMA4);
+    cr_assert_eq(rk_chat_template_detect(NULL, "gemma4", 0, 0), RK_CHAT_GEMMA);
+    cr_assert_eq(rk_chat_template_detect(NULL, "gemma3", 0, 1), RK_CHAT_GEMMA);
+    cr_assert_str_eq(rk_chat_template_name(RK_CHAT_GEMMA4), "gemma4");
+    rk_api_request r;
+    rk_http_error err;
+    const char *body =
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"tools\": [{\"type\": "
+        "\"function\", \"function\": {\"name\": \"f\", \"parameters\": {\"type\": \"object\"}}}]}";
+    cr_assert_eq(render_text(RK_CHAT_GEMMA4, body, 8, NULL, &r, &err), RK_ERR_INVALID);
+    cr_assert_eq(err.status, 400);
+    cr_assert(strstr(err.message, "gemma4") && strstr(err.message, "not implemented"), "%s",
+              err.message);
 }
 
 /* Llama-2: a system message after the document turn opens the next [INST]
@@ -827,16 +950,16 @@ Test(chat, tool_calls_are_parsed_from_answers_of_either_family) {
 
 /* Split text whole, then fed in every two pieces and byte by byte: the same
  * thinking and answer each time. */
-static void expect_think(const char *text, const char *want_r, const char *want_c) {
+static void expect_think_as(int kind, const char *text, const char *want_r, const char *want_c) {
     rk_strbuf r = {0}, c = {0};
-    rk_think_split_text(text, &r, &c);
+    rk_think_split_text_as(kind, text, &r, &c);
     cr_assert_str_eq(r.s ? r.s : "", want_r, "thinking of \"%s\"", text);
     cr_assert_str_eq(c.s ? c.s : "", want_c, "answer of \"%s\"", text);
     rk_strbuf_free(&r);
     rk_strbuf_free(&c);
     size_t n = strlen(text);
     for (size_t cut = 0; cut <= n + 1; cut++) {
-        rk_think_split s = {0};
+        rk_think_split s = {.gemma4 = kind == RK_THINK_GEMMA4};
         rk_strbuf r2 = {0}, c2 = {0};
         if (cut <= n) { /* two pieces */
             rk_think_feed(&s, text, cut, 0, &r2, &c2);
@@ -853,6 +976,10 @@ static void expect_think(const char *text, const char *want_r, const char *want_
     }
 }
 
+static void expect_think(const char *text, const char *want_r, const char *want_c) {
+    expect_think_as(RK_THINK_TAGS, text, want_r, want_c);
+}
+
 Test(chat, thinking_is_split_from_the_answer_however_the_text_arrives) {
     expect_think("<think>\nLet me see.\nIt is 4.\n</think>\n\nThe answer is 4.",
                  "Let me see.\nIt is 4.", "The answer is 4.");
@@ -864,6 +991,24 @@ Test(chat, thinking_is_split_from_the_answer_however_the_text_arrives) {
     expect_think("<think>x </thinking> y</think> z </think>", "x </thinking> y", "z </think>");
     expect_think("", "", "");
     expect_think("Say <think> later", "", "Say <think> later");
+}
+
+/* Gemma 4's answer, decoded with its special tokens: the thought channel is
+ * the thinking, the rest the answer, its end of turn (<turn|>, the end of
+ * generation) and what follows belong to neither; Qwen3's tags are text. */
+Test(chat, gemma4_thought_channel_is_split_from_the_answer_however_the_text_arrives) {
+    expect_think_as(RK_THINK_GEMMA4,
+                    "<|channel>thought\nLet me see.\nIt is 4.<channel|>The answer is 4.<turn|>",
+                    "Let me see.\nIt is 4.", "The answer is 4.");
+    expect_think_as(RK_THINK_GEMMA4, "The answer is 4.<turn|>", "", "The answer is 4.");
+    expect_think_as(RK_THINK_GEMMA4, "<|channel>thought\n<channel|>Hi", "", "Hi");
+    expect_think_as(RK_THINK_GEMMA4, "<|channel>thought\nnever closes ", "never closes", "");
+    expect_think_as(RK_THINK_GEMMA4, "<|channel>thought\nstops<turn|>x", "stops", "");
+    expect_think_as(RK_THINK_GEMMA4, "<|chan", "", "<|chan");
+    expect_think_as(RK_THINK_GEMMA4, "<think>a</think>b<turn", "", "<think>a</think>b<turn");
+    expect_think_as(RK_THINK_GEMMA4, "Say <|channel>thought later", "",
+                    "Say <|channel>thought later");
+    expect_think_as(RK_THINK_GEMMA4, "", "", "");
 }
 
 /* Qwen3's template: a request that turns thinking off gets an empty

@@ -31,9 +31,9 @@ static rk_status render(const char *body, rk_api_request *r, rk_http_error *err)
 
 Test(harmony, detected_from_the_template_or_the_family) {
     cr_assert_eq(rk_chat_template_detect("{{ '<|start|>' + role + '<|channel|>' + '<|message|>' }}",
-                                         "llama", 0),
+                                         "llama", 0, 0),
                  RK_CHAT_HARMONY);
-    cr_assert_eq(rk_chat_template_detect(NULL, "gpt-oss", 0), RK_CHAT_HARMONY);
+    cr_assert_eq(rk_chat_template_detect(NULL, "gpt-oss", 0, 0), RK_CHAT_HARMONY);
     cr_assert_str_eq(rk_chat_template_name(RK_CHAT_HARMONY), "harmony");
 }
 

@@ -201,8 +201,8 @@ Test(request_corpus, chat_templates_put_chunks_between_system_and_question) {
         cr_assert_str_eq(r.pieces.question.s, want_q[t]);
         rk_api_request_free(&r);
     }
-    cr_assert_eq(rk_chat_template_detect("{% if x %}<|im_start|>", "llama", 0), RK_CHAT_CHATML);
-    cr_assert_eq(rk_chat_template_detect(NULL, "qwen3", 0), RK_CHAT_CHATML);
-    cr_assert_eq(rk_chat_template_detect(NULL, "llama", 1), RK_CHAT_LLAMA3);
-    cr_assert_eq(rk_chat_template_detect(NULL, "llama", 0), RK_CHAT_LLAMA2);
+    cr_assert_eq(rk_chat_template_detect("{% if x %}<|im_start|>", "llama", 0, 0), RK_CHAT_CHATML);
+    cr_assert_eq(rk_chat_template_detect(NULL, "qwen3", 0, 0), RK_CHAT_CHATML);
+    cr_assert_eq(rk_chat_template_detect(NULL, "llama", 1, 0), RK_CHAT_LLAMA3);
+    cr_assert_eq(rk_chat_template_detect(NULL, "llama", 0, 0), RK_CHAT_LLAMA2);
 }
