@@ -416,6 +416,40 @@ Test(openai_opts, every_family_answers_chat_with_documents_and_hits_them_on_repe
     }
 }
 
+/* Gemma 4 over HTTP (gemma4-tiny, whose vocabulary has Gemma 4's chat
+ * tokens): the server picks the gemma4 template, and an answer that opens
+ * with the thought channel (constrained by a grammar to one, as a random
+ * model writes none) gives the thought as reasoning_content and the rest as
+ * content, whole and streamed. */
+Test(openai_opts, gemma4_chat_takes_its_template_and_its_thought_is_reasoning, .timeout = 300) {
+    char *model = rk_test_model("gemma4-tiny", "f32", 3);
+    const char *args[] = {"--model", model, NULL};
+    start_with(args);
+    resp m = request("GET", "/v1/models", NULL, NULL);
+    cr_assert_str_eq(rk_test_jstr(m.json, "data.0.ragkv.chat_template"), "gemma4", "%s",
+                     m.http.body);
+    const char *body =
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"Who had the red ball?\"}], "
+        "\"documents\": [{\"text\": \"Lily had a red ball.\"}], \"max_tokens\": 40, "
+        "\"temperature\": 0, \"grammar\": \"root ::= \\\"<|channel>thought\\\\nThe "
+        "document says so.<channel|>Lily.\\\"\"%s}";
+    resp a = rk_test_postf(&S.t, "/v1/chat/completions", body, "");
+    cr_assert_eq(a.http.status, 200, "%s", a.http.body);
+    cr_assert_str_eq(rk_test_jstr(a.json, "choices.0.message.reasoning_content"),
+                     "The document says so.", "%s", a.http.body);
+    cr_assert_str_eq(rk_test_jstr(a.json, "choices.0.message.content"), "Lily.", "%s", a.http.body);
+    resp b = rk_test_postf(&S.t, "/v1/chat/completions", body, ", \"stream\": true");
+    cr_assert_eq(b.http.status, 200);
+    cr_assert_not_null(strstr(b.http.body, "\"reasoning_content\":\""), "%s", b.http.body);
+    cr_assert_null(strstr(b.http.body, "<|channel>"), "%s", b.http.body);
+    cr_assert_null(strstr(b.http.body, "<channel|>"), "%s", b.http.body);
+    rk_test_resp_free(&m);
+    rk_test_resp_free(&a);
+    rk_test_resp_free(&b);
+    stop_server();
+    free(model);
+}
+
 /* A max_tokens over the server's largest that no prompt fits beside is over
  * the context: 400 context_length_exceeded, as OpenAI answers, not the 422
  * of a server limit (OpenAI's SDKs raise BadRequestError for it). */
