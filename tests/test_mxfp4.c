@@ -135,7 +135,7 @@ Test(mxfp4, dot_is_the_scaled_integer_sum_at_every_isa) {
         x[i] = frand() * (i % 53 == 0 ? 16.0f : 1.0f);
     }
     rk_quantize(wq, w, RK_DTYPE_MXFP4, (size_t)k);
-    rk_cpu_quantize_act(xq, x, k);
+    rk_cpu_quantize_act(xq, x, k, 1);
     double ref = 0;
     for (int b = 0; b < k / 32; b++) {
         long s = 0;

@@ -170,8 +170,21 @@ typedef struct rk_q8_block {
     int8_t q[32];
 } rk_q8_block;
 
-/* dst(k / 32) = the activations x(k) quantized; k a multiple of 32. */
-void rk_cpu_quantize_act(rk_q8_block *dst, const float *x, int k);
+/* dst(k / 32) = the activations x(k) quantized; k a multiple of 32; q
+ * rounded to nearest even. f16_scale 0: d = max |x| / 127, q = x * (1 / d).
+ * f16_scale 1 (the rk_cpu_act_is_q8_0 types): as the reference engine's
+ * Q8_0 activations, d = max |x| / 127 rounded to f16 and q = x * (127 /
+ * max |x|), so the integer sums and scales are the reference's. */
+void rk_cpu_quantize_act(rk_q8_block *dst, const float *x, int k, int f16_scale);
+
+/* 1 for the weight types the reference engine dots against Q8_0 (or Q8_1)
+ * activations, whose scale is an f16: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL
+ * and MXFP4. The K-quants dot against Q8_K there, with an f32 scale: here
+ * against rk_q8_block with an f32 d, or rk_q8k_block (rk_cpu_act_is_q8k). */
+static inline int rk_cpu_act_is_q8_0(rk_dtype t) {
+    return t == RK_DTYPE_Q8_0 || t == RK_DTYPE_Q4_0 || t == RK_DTYPE_Q4_1 || t == RK_DTYPE_Q5_0 ||
+           t == RK_DTYPE_Q5_1 || t == RK_DTYPE_IQ4_NL || t == RK_DTYPE_MXFP4;
+}
 
 /* A block of 256 activations quantized to int8 as GGML's Q8_K, for the
  * weight types whose reference dot products take it (Q2_K, Q3_K, IQ4_XS;

@@ -195,7 +195,7 @@ static void quant_row(void *p, int i, int tid) {
         return;
     }
     rk_q8_block *xq = c->xq + (size_t)i * nb;
-    rk_cpu_quantize_act(xq, c->x + (size_t)i * c->k, c->k);
+    rk_cpu_quantize_act(xq, c->x + (size_t)i * c->k, c->k, rk_cpu_act_is_q8_0(c->wtype));
     if (!c->xs16) return;
     int32_t *s = c->xs16 + (size_t)i * 2 * nb;
     for (size_t b = 0; b < nb; b++)

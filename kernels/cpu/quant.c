@@ -281,7 +281,19 @@ void rk_quantize(void *dst, const float *src, rk_dtype t, size_t n) {
 /* The AVX2 loop computes the same bits as the scalar one: the same max,
  * scale and products, and _mm256_cvtps_epi32 rounds to nearest even as
  * lrintf does in the default rounding mode. */
-void rk_cpu_quantize_act(rk_q8_block *dst, const float *x, int k) {
+/* The step d of a block whose largest magnitude is amax, and the factor id
+ * its values are multiplied by before rounding (see rk_cpu_quantize_act). */
+static void act_scale(float amax, int f16_scale, float *d, float *id) {
+    if (f16_scale) {
+        *d = rk_f16_to_f32(rk_f32_to_f16(amax / 127.0f));
+        *id = amax > 0 ? 127.0f / amax : 0.0f;
+    } else {
+        *d = amax / 127.0f;
+        *id = *d > 0 ? 1.0f / *d : 0.0f;
+    }
+}
+
+void rk_cpu_quantize_act(rk_q8_block *dst, const float *x, int k, int f16_scale) {
     for (int b = 0; b < k / QK; b++, x += QK) {
 #ifdef __AVX2__
         const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -294,7 +306,8 @@ void rk_cpu_quantize_act(rk_q8_block *dst, const float *x, int k) {
         m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
         float amax = _mm_cvtss_f32(m4);
-        float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+        float d, id;
+        act_scale(amax, f16_scale, &d, &id);
         __m256i q[4];
         for (int u = 0; u < 4; u++)
             q[u] = _mm256_cvtps_epi32(_mm256_mul_ps(v[u], _mm256_set1_ps(id)));
@@ -312,7 +325,8 @@ void rk_cpu_quantize_act(rk_q8_block *dst, const float *x, int k) {
 #else
         float amax = 0;
         for (int l = 0; l < QK; l++) amax = fmaxf(amax, fabsf(x[l]));
-        float d = amax / 127.0f, id = d > 0 ? 1.0f / d : 0.0f;
+        float d, id;
+        act_scale(amax, f16_scale, &d, &id);
         int sum = 0;
         for (int l = 0; l < QK; l++) {
             int q = (int)lrintf(x[l] * id);
