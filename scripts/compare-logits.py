@@ -26,7 +26,8 @@ ChatML, or harmony for gpt-oss), each as one greedy request of N tokens
 `/completion` with `n_probs: 5` (streamed), ragkv's `/v1/completions` with
 `logprobs: 5`. For every prompt the script prints how many leading tokens
 agree, and over the agreeing steps the largest difference between the two
-top-5 log-probabilities, rank by rank. It exits 1 when a prompt's tokens
+top-5 log-probabilities, rank by rank, and where the tokens part, how far
+apart the reference's top two log-probabilities were there. It exits 1 when a prompt's tokens
 part before N, or a difference exceeds --tol (2e-3)."""
 import json
 import os
@@ -169,8 +170,13 @@ def main():
         cut = len(ids_t) < n  # the reference's stream ended early (see reference_run)
         good = same >= min(n, len(ids_t)) and worst <= tol
         ok &= good
+        # Where the tokens part: how far apart the reference's top two were
+        # (a near tie parts at rounding differences).
+        gap = ""
+        if same < min(len(ids_o), len(ids_t)) and len(top_t[same]) > 1:
+            gap = f"; parted where the reference's top two were {top_t[same][0] - top_t[same][1]:.2e} apart"
         print(f"prompt {i}: {same}/{n} greedy tokens agree, top-5 logprobs differ by at most "
-              f"{worst:.2e}{'' if good else '  <-- FAIL'}"
+              f"{worst:.2e}{gap}{'' if good else '  <-- FAIL'}"
               f"{f' (the reference stopped after {len(ids_t)}: not valid UTF-8)' if cut else ''}")
     print(f"worst top-5 logprob difference over {len(prompts)} prompts: {worst_all:.2e} "
           f"(tolerance {tol:g}); model {model}")
