@@ -5,6 +5,7 @@
 #define RK_MKMODEL_INTERNAL_H
 
 #include "engine/mkmodel.h"
+#include "engine/tokenizer.h"
 
 typedef enum vocab_kind {
     VOCAB_TINY,       /* rk_vocab_tiny() as is */
@@ -81,5 +82,27 @@ rk_status rk_mk_preset_find(const char *name, const preset **out, const char **o
 
 /* The Gemma additions of the preset named name, NULL for the others. */
 const gemma_extra *rk_mk_gemma_of(const char *name);
+
+/* ---------------------------------------------------------------- vocabulary (mkmodel_vocab.c) */
+
+/* A vocabulary ready for the writer: token pointers (into the loaded rk_vocab
+ * or the padding block), with padding applied. */
+typedef struct mk_vocab {
+    rk_vocab v;          /* as loaded; owns the strings */
+    int32_t n;           /* tokens after padding */
+    const char **tokens; /* (n) */
+    float *scores;       /* (n) or NULL */
+    int32_t *types;      /* (n) */
+    char *pad_blob;      /* texts of the padding tokens */
+} mk_vocab;
+
+/* The preset's vocabulary into *mv (vocab_path: its tokenizer.json, or NULL
+ * for the preset's default); errors name the preset (pname). */
+rk_status rk_mk_vocab_load(const preset *p, const char *pname, const char *vocab_path,
+                           mk_vocab *mv);
+/* Release mv and zero it; accepts a zeroed one. */
+void rk_mk_vocab_free(mk_vocab *mv);
+/* The tokenizer.ggml.* keys of mv into w. */
+rk_status rk_mk_vocab_write(rk_gguf_writer *w, const mk_vocab *mv);
 
 #endif
