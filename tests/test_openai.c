@@ -1213,6 +1213,19 @@ Test(openai_opts, the_official_openai_sdk_parses_structured_output_and_tool_call
     free(model);
 }
 
+/* gpt-oss (harmony) through the SDK (tests/openai_sdk_harmony.mjs):
+ * documents and their chunk hits, the analysis channel as
+ * reasoning_content and a tool call as tool_calls, whole and streamed. */
+Test(openai_opts, the_official_openai_sdk_reads_gpt_oss_reasoning_and_tool_calls, .timeout = 900) {
+    char dir[1024];
+    sdk_installed(dir, sizeof dir);
+    char *model = rk_test_model("gpt-oss-tiny", "f32", 3);
+    const char *args[] = {"--model", model, "--served-model-name", "ragkv-test", NULL};
+    start_with(args);
+    run_sdk_script(dir, "openai_sdk_harmony.mjs");
+    free(model);
+}
+
 /* embeddings.create through the SDK, floats and base64 (which the SDK asks
  * for by default and decodes itself), on an embedding model
  * (tests/openai_sdk_embeddings.mjs). */
