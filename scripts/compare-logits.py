@@ -3,7 +3,7 @@
 
     scripts/compare-logits.py [REFERENCE_SERVER] [--ragkv build/ragkv]
         [--model F.gguf | --preset NAME [--type T] [--vocab tokenizer.json] [--seed S]]
-        [--tokens N] [--threads T] [--tol 2e-3]
+        [--tokens N] [--threads T] [--tol 2e-3] [--ctx 4096]
 
 REFERENCE_SERVER is llama.cpp's `llama-server` binary, started here on
 127.0.0.1 with the same file; without it the script says so and exits 0.
@@ -93,7 +93,7 @@ def main():
     args = sys.argv[1:]
     ragkv, model, preset, wtype, vocab = "build/ragkv", None, "qwen3moe-tiny", "f32", None
     seed = None
-    n, threads, tol, ref = 64, 2, 2e-3, None
+    n, threads, tol, ref, ctx = 64, 2, 2e-3, None, 4096
     while args:
         a = args.pop(0)
         if a == "--ragkv":
@@ -114,6 +114,8 @@ def main():
             threads = int(args.pop(0))
         elif a == "--tol":
             tol = float(args.pop(0))
+        elif a == "--ctx":  # a LongRoPE file (Phi-3) needs one above its original context
+            ctx = int(args.pop(0))
         else:
             ref = a
     if not ref:
@@ -135,7 +137,7 @@ def main():
         p_ref = free_port()
         log_ref = open(os.path.join(tmp, "reference.log"), "w")
         procs.append(subprocess.Popen(
-            [ref, "-m", model, "--host", "127.0.0.1", "--port", str(p_ref), "-c", "4096",
+            [ref, "-m", model, "--host", "127.0.0.1", "--port", str(p_ref), "-c", str(ctx),
              "-t", str(threads), "-np", "1", "-ctk", "f32", "-ctv", "f32", "-fa", "off",
              "--reasoning-format", "none"],
             stdout=log_ref, stderr=subprocess.STDOUT))
