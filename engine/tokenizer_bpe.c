@@ -247,7 +247,7 @@ static rk_status encode_piece(const rk_tokenizer *t, const unsigned char *p, siz
     }
     s->sym[ns - 1].next = -1;
     s->heap.n = 0; /* emptied, its memory kept for the next piece */
-    rk_status st;
+    rk_status st = RK_OK;
     for (int32_t i = 0; i + 1 < ns; i++)
         if ((st = try_pair(t, s, i, i + 1)) != RK_OK) return st;
     for (bpe_pair pr; rk_heap_pop(&s->heap, &pr);) {

@@ -1150,6 +1150,14 @@ Test(tokenizer, gemma4_model_encodes_as_the_reference_engine_on_the_same_file, .
     cr_assert_eq(rk_tokenizer_find(t, "<|turn>"), 6);
     cr_assert_eq(rk_tokenizer_find(t, "<channel|>"), 10);
     expect_vectors(t, "gemma4_tokens.json", 1, 0, 1);
+    /* A piece of one character no token spells (NUL): its byte token. */
+    int32_t *ids = NULL;
+    size_t n = 0;
+    cr_assert_eq(rk_tokenizer_encode(t, "\0", 1, 1, &ids, &n), RK_OK);
+    cr_assert_eq(n, 1);
+    cr_assert_geq(ids[0], 0);
+    cr_assert_eq(ids[0], rk_tokenizer_find(t, "<0x00>"));
+    free(ids);
     rk_tokenizer_free(t);
     free(path);
 }
