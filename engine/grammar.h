@@ -61,6 +61,10 @@ rk_status rk_grammar_parse(const char *text, rk_grammar **out);
 /* rk_grammar_parse with a bound of max_ms milliseconds of compiling. */
 rk_status rk_grammar_parse_within(const char *text, double max_ms, rk_grammar **out);
 
+/* Appends to o the grammar text's literal for the n bytes of s (printable
+ * ASCII as is, the rest \xHH), for grammars written by program. */
+void rk_grammar_literal(rk_strbuf *o, const char *s, size_t n);
+
 /* Take one more reference to g (compiled grammars are shared by the
  * requests that ask for the same one); rk_grammar_free drops one. Returns g. */
 rk_grammar *rk_grammar_ref(rk_grammar *g);

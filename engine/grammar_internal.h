@@ -77,11 +77,6 @@ struct rk_grammar_vocab {
     int max_depth;
 };
 
-/* ------------------------------------------------------------ grammar text */
-
-/* A grammar literal of n bytes: printable ASCII as is, the rest \xHH. */
-void rk_gram_lit(rk_strbuf *o, const char *s, size_t n);
-
 /* A string matching pattern (ECMA-262 search semantics: unanchored unless
  * ^ and $ say so), as a grammar expression appended to b: the grammar text of
  * the JSON-escaped form of the strings it matches. Returns RK_OK;

@@ -42,13 +42,13 @@ static void rx_fail(rx *r, const char *msg) {
 static void json_char_lit(rk_strbuf *o, uint32_t cp, const char *utf8, int len) {
     char tmp[8];
     switch (cp) {
-    case '"': rk_gram_lit(o, "\\\"", 2); return;
-    case '\\': rk_gram_lit(o, "\\\\", 2); return;
-    case '\n': rk_gram_lit(o, "\\n", 2); return;
-    case '\t': rk_gram_lit(o, "\\t", 2); return;
-    case '\r': rk_gram_lit(o, "\\r", 2); return;
-    case '\b': rk_gram_lit(o, "\\b", 2); return;
-    case '\f': rk_gram_lit(o, "\\f", 2); return;
+    case '"': rk_grammar_literal(o, "\\\"", 2); return;
+    case '\\': rk_grammar_literal(o, "\\\\", 2); return;
+    case '\n': rk_grammar_literal(o, "\\n", 2); return;
+    case '\t': rk_grammar_literal(o, "\\t", 2); return;
+    case '\r': rk_grammar_literal(o, "\\r", 2); return;
+    case '\b': rk_grammar_literal(o, "\\b", 2); return;
+    case '\f': rk_grammar_literal(o, "\\f", 2); return;
     default: break;
     }
     if (cp == 0) { /* never in the output: this character matches nothing */
@@ -57,10 +57,10 @@ static void json_char_lit(rk_strbuf *o, uint32_t cp, const char *utf8, int len) 
     }
     if (cp < 0x20) {
         snprintf(tmp, sizeof tmp, "\\u%04X", (unsigned)cp);
-        rk_gram_lit(o, tmp, 6);
+        rk_grammar_literal(o, tmp, 6);
         return;
     }
-    rk_gram_lit(o, utf8, (size_t)len);
+    rk_grammar_literal(o, utf8, (size_t)len);
 }
 
 /* The non-ASCII parts of a class: U+2028 and U+2029 (which '.' leaves out),

@@ -121,7 +121,7 @@ static int sg_fail_at(sgen *G, const char *key, rk_status st, const char *fmt, .
 }
 
 /* A grammar literal of n bytes: printable ASCII as is, the rest \xHH. */
-void rk_gram_lit(rk_strbuf *o, const char *s, size_t n) {
+void rk_grammar_literal(rk_strbuf *o, const char *s, size_t n) {
     rk_strbuf_puts(o, "\"");
     for (size_t i = 0; i < n; i++) {
         unsigned char c = (unsigned char)s[i];
@@ -493,7 +493,7 @@ static void gen_object(sgen *G, const json_t *s, int rdepth, rk_strbuf *b) {
             sg_fail(G, RK_ERR_NOMEM, "out of memory");
             break;
         }
-        rk_gram_lit(&k, enc, strlen(enc));
+        rk_grammar_literal(&k, enc, strlen(enc));
         free(enc);
         rk_strbuf_printf(&k, " \":\" _ws s%d", v);
         kv[i] = put_rule(G, G->n++, &k);
@@ -654,7 +654,7 @@ static int gen(sgen *G, const json_t *s, int rdepth) {
                 return sg_fail(G, RK_ERR_NOMEM, "out of memory");
             }
             if (i) rk_strbuf_puts(&b, "| ");
-            rk_gram_lit(&b, enc, strlen(enc));
+            rk_grammar_literal(&b, enc, strlen(enc));
             rk_strbuf_puts(&b, " ");
             free(enc);
         }
@@ -771,12 +771,12 @@ rk_status rk_grammar_from_calls(const rk_grammar_call *calls, int n, const char 
         int r = calls[i].schema ? gen(&G, calls[i].schema, 0) : -1;
         if (calls[i].schema && r < 0) break;
         rk_strbuf c = {0};
-        rk_gram_lit(&c, calls[i].open, strlen(calls[i].open));
+        rk_grammar_literal(&c, calls[i].open, strlen(calls[i].open));
         if (r >= 0)
             rk_strbuf_printf(&c, " s%d ", r);
         else
             rk_strbuf_puts(&c, " _obj ");
-        rk_gram_lit(&c, calls[i].close, strlen(calls[i].close));
+        rk_grammar_literal(&c, calls[i].close, strlen(calls[i].close));
         int cr = put_rule(&G, G.n++, &c);
         rk_strbuf_printf(&alts, "%ss%d", i ? " | " : "", cr);
     }
@@ -791,7 +791,7 @@ rk_status rk_grammar_from_calls(const rk_grammar_call *calls, int n, const char 
     rk_strbuf_puts(&G.out, "\nroot ::= _call");
     if (sep) {
         rk_strbuf_puts(&G.out, " ( ");
-        rk_gram_lit(&G.out, sep, strlen(sep));
+        rk_grammar_literal(&G.out, sep, strlen(sep));
         rk_strbuf_puts(&G.out, " _call )*");
     }
     rk_strbuf_puts(&G.out, "\n");

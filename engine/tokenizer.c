@@ -287,11 +287,12 @@ static rk_status build_specials(rk_tokenizer *t) {
 }
 
 /* End-of-generation tokens: eos, plus the usual end markers when present as
- * non-normal tokens. */
+ * non-normal tokens (Gemma 4's <|tool_response> opens the results of the
+ * calls just written: the answer is over, as the reference engine has it). */
 static void build_eog(rk_tokenizer *t) {
     static const char *const names[] = {"<|im_end|>",      "<|endoftext|>", "<|eot_id|>",
                                         "<|end_of_text|>", "</s>",          "<|end|>",
-                                        "<end_of_turn>",   "<turn|>"};
+                                        "<end_of_turn>",   "<turn|>",       "<|tool_response>"};
     static const char *const harmony[] = {"<|return|>", "<|call|>"};
     t->n_eog = 0;
     if (t->eos_id >= 0) t->eog[t->n_eog++] = t->eos_id;

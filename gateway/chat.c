@@ -224,6 +224,20 @@ static rk_status with_tools(rk_chat_template t, const rk_api_request *req, rk_ch
 
 /* tool_choice required or named: the answer is constrained to calls. */
 static rk_status tools_grammar(rk_chat_template t, rk_api_request *req, rk_http_error *err) {
+    if (t == RK_CHAT_GEMMA4) {         /* its own call syntax (chat_gemma4.c) */
+        rk_grammar_free(req->grammar); /* a render before this one made it */
+        req->grammar = NULL;
+        req->opt.grammar = NULL;
+        char *text = rk_gemma4_calls_grammar(req);
+        if (!text) return rk_http_errorf(err, 500, "out of memory");
+        rk_status st = rk_grammar_parse(text, &req->grammar);
+        free(text);
+        if (st)
+            return rk_http_errorf(err, st == RK_ERR_NOMEM ? 500 : 400,
+                                  "the tools' calls cannot be enforced: %s", rk_error_message());
+        req->opt.grammar = req->grammar;
+        return RK_OK;
+    }
     if (t != RK_CHAT_CHATML && req->parallel_given && req->parallel_tool_calls)
         return rk_http_errorf(err, 400,
                               "'parallel_tool_calls' true is not supported with the %s template "
@@ -307,6 +321,19 @@ static void harmony_calls(const rk_api_request *req, const char *text, const cha
     }
 }
 
+/* Gemma 4: its <|tool_call>call:NAME{...}<tool_call|> calls. */
+static void gemma4_calls(const rk_api_request *req, const char *text, const char *id, json_t *calls,
+                         const char **first) {
+    size_t pos = 0, at = 0;
+    json_t *args;
+    char name[65];
+    while (rk_gemma4_find_call(text, &pos, name, &args, &at)) {
+        if (add_call(req, name, args, id, (int)json_array_size(calls), calls) && !*first)
+            *first = text + at;
+        json_decref(args);
+    }
+}
+
 json_t *rk_chat_tool_calls(rk_chat_template t, const rk_api_request *req, const char *text,
                            const char *id, char **content) {
     *content = NULL;
@@ -315,6 +342,8 @@ json_t *rk_chat_tool_calls(rk_chat_template t, const rk_api_request *req, const 
     const char *first = NULL;
     if (t == RK_CHAT_HARMONY) {
         harmony_calls(req, text, id, calls, &first);
+    } else if (t == RK_CHAT_GEMMA4) {
+        gemma4_calls(req, text, id, calls, &first);
     } else if (t == RK_CHAT_CHATML) {
         for (const char *p = strstr(text, "<tool_call>"); p; p = strstr(p, "<tool_call>")) {
             const char *body = p + strlen("<tool_call>");
@@ -533,12 +562,15 @@ static char *tool_name(const rk_api_request *req, int i) {
 }
 
 /* A tool result's turn: Qwen's user turn of <tool_response>, Llama 3's
- * ipython, harmony's message from functions.NAME (message i's). */
+ * ipython, harmony's message from functions.NAME, Gemma 4's
+ * <|tool_response> in the model's turn (message i's). */
 static void tool_open(rk_chat_template t, const rk_api_request *req, int i, rk_strbuf *b) {
-    if (t == RK_CHAT_HARMONY) {
-        char *name = tool_name(req, i); /* found: rk_chat_render checked */
+    if (t == RK_CHAT_HARMONY || t == RK_CHAT_GEMMA4) {
+        /* found: rk_chat_render checked */
+        char *name = t == RK_CHAT_HARMONY ? tool_name(req, i) : rk_gemma4_tool_name(req, i);
         if (!name) b->oom = 1;
-        rk_harmony_tool_open(b, name ? name : "");
+        if (t == RK_CHAT_HARMONY) rk_harmony_tool_open(b, name ? name : "");
+        if (t == RK_CHAT_GEMMA4) rk_gemma4_tool_open(b, name ? name : "");
         free(name);
         return;
     }
@@ -551,12 +583,16 @@ static void tool_open(rk_chat_template t, const rk_api_request *req, int i, rk_s
  * when it is empty). */
 static void tool_text(rk_chat_template t, rk_strbuf *b, const char *text, int n_docs) {
     if (t != RK_CHAT_HARMONY)
-        rk_strbuf_puts(b, text);
+        rk_strbuf_puts(b, text); /* Gemma 4's too: its value's marks are no escapes */
     else if (*text || !n_docs)
         rk_harmony_tool_text(b, text);
 }
 
-static void tool_close(rk_chat_template t, rk_strbuf *b) {
+static void tool_close(rk_chat_template t, const rk_api_request *req, int i, rk_strbuf *b) {
+    if (t == RK_CHAT_GEMMA4) {
+        rk_gemma4_tool_close(b, req, i);
+        return;
+    }
     rk_strbuf_puts(b, t == RK_CHAT_CHATML    ? "\n</tool_response><|im_end|>\n"
                       : t == RK_CHAT_HARMONY ? "<|end|>"
                                              : "<|eot_id|>");
@@ -598,18 +634,18 @@ static void put_trimmed(rk_strbuf *b, const char *s, int lead) {
  * assistant's turn the answer continues (a prefill), without its end. */
 static void other_turn(rk_chat_template t, const rk_api_request *req, rk_strbuf *b,
                        const rk_chat_msg *m, int open) {
+    if (t == RK_CHAT_GEMMA4) { /* tool results too: chat_gemma4.c */
+        rk_gemma4_turn(b, req, m, open);
+        return;
+    }
     if (m->role == RK_ROLE_TOOL) {
         tool_open(t, req, (int)(m - req->msgs), b);
         tool_text(t, b, m->content, 0);
-        tool_close(t, b);
+        tool_close(t, req, (int)(m - req->msgs), b);
         return;
     }
     if (m->tool_calls && t == RK_CHAT_HARMONY) {
         harmony_calls_turn(req, b, m);
-        return;
-    }
-    if (t == RK_CHAT_GEMMA4) {
-        rk_gemma4_turn(b, req, m, open);
         return;
     }
     if (t == RK_CHAT_HARMONY && m->verbatim) { /* the developer message with tools */
@@ -798,7 +834,7 @@ static void render_texts(rk_chat_template t, const rk_api_request *req, const us
         if (req->msgs[m].role == RK_ROLE_TOOL) {
             tool_open(t, req, m, b);
             tool_text(t, after, u->question, u->n_docs);
-            tool_close(t, after);
+            tool_close(t, req, m, after);
             continue;
         }
         user_open(t, b, block);
@@ -812,7 +848,8 @@ static void render_texts(rk_chat_template t, const rk_api_request *req, const us
     render_turns(t, req, users, gmsg[n - 1] + 1, last, 0, &texts[n], block);
     if (last < req->n_msgs) {
         other_turn(t, req, &texts[n], &req->msgs[last], 1);
-    } else {
+    } else if (t != RK_CHAT_GEMMA4 || req->msgs[last - 1].role != RK_ROLE_TOOL) {
+        /* (Gemma 4's results are in the model's turn, which goes on) */
         rk_strbuf_puts(&texts[n], assistant_open(t));
         /* Qwen3's template with enable_thinking false: an empty thinking block. */
         if (req->no_thinking && t == RK_CHAT_CHATML)
@@ -831,10 +868,6 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
                               "tools are not supported with the %s chat template (it has no "
                               "tool-call format)",
                               rk_chat_template_name(t));
-    if (t == RK_CHAT_GEMMA4 && (req->n_tools || tool_turns))
-        return rk_http_errorf(err, 400,
-                              "tools are not supported with the gemma4 chat template (its "
-                              "tool-call syntax is not implemented)");
     if (req->reasoning_effort && t != RK_CHAT_HARMONY)
         return rk_http_errorf(err, 400,
                               "'reasoning_effort' is not supported with the %s chat template "
@@ -845,14 +878,18 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
                               "'tool_choice' \"required\" or a named function is not supported "
                               "with the harmony chat template (the call would have to be "
                               "constrained after the model's analysis message); use \"auto\"");
-    for (int i = 0; t == RK_CHAT_HARMONY && i < req->n_msgs; i++) {
+    for (int i = 0; (t == RK_CHAT_HARMONY || t == RK_CHAT_GEMMA4) && i < req->n_msgs; i++) {
         if (req->msgs[i].role != RK_ROLE_TOOL) continue;
-        char *name = tool_name(req, i);
+        char *name = t == RK_CHAT_HARMONY ? tool_name(req, i) : rk_gemma4_tool_name(req, i);
         if (!name)
             return rk_http_errorf(err, 400,
-                                  "messages[%d]: a tool message needs an earlier assistant "
-                                  "message with 'tool_calls' (harmony names the function that "
-                                  "answers)",
+                                  t == RK_CHAT_HARMONY
+                                      ? "messages[%d]: a tool message needs an earlier assistant "
+                                        "message with 'tool_calls' (harmony names the function "
+                                        "that answers)"
+                                      : "messages[%d]: a tool message needs the 'tool_call_id' "
+                                        "of a call of the assistant message before it (gemma4 "
+                                        "writes each result after its call)",
                                   i);
         free(name);
     }
@@ -863,7 +900,7 @@ rk_status rk_chat_render(rk_chat_template t, rk_api_request *req, int max_chunks
     rk_chat_msg *own_msgs = req->msgs, *view = NULL;
     int own_n = req->n_msgs;
     char *sys_text = NULL;
-    if (req->n_tools) {
+    if (req->n_tools && t != RK_CHAT_GEMMA4) { /* Gemma 4's system turn has them */
         int n_view = 0;
         if ((tst = with_tools(t, req, &view, &n_view, &sys_text, err))) return tst;
         req->msgs = view;

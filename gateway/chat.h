@@ -110,9 +110,10 @@ static inline int rk_think_kind(const rk_think_split *s) {
 /* ---------------------------------------------------------------- Gemma 4 (chat_gemma4.c) */
 
 /* Gemma 4's system turn, as its template opens: when the first message is a
- * system message or req->thinking is set, "<|turn>system\n", "<|think|>\n"
- * when thinking, the first message's text trimmed, "<turn|>\n"; else
- * nothing. Into b. */
+ * system message, req->thinking is set or req has tools, "<|turn>system\n",
+ * "<|think|>\n" when thinking, the first message's text trimmed, each
+ * tool's declaration ("<|tool>declaration:NAME{...}<tool|>"), "<turn|>\n";
+ * else nothing. Into b. */
 void rk_gemma4_system(rk_strbuf *b, const rk_api_request *req);
 
 /* Gemma 4: a system or assistant message m of req as a turn into b (the
@@ -122,6 +123,42 @@ void rk_gemma4_system(rk_strbuf *b, const rk_api_request *req);
  * assistant's turn the answer continues, without its end (its text only
  * trimmed at the start). */
 void rk_gemma4_turn(rk_strbuf *b, const rk_api_request *req, const rk_chat_msg *m, int open);
+
+/* Gemma 4 tools. An assistant message with calls (rk_gemma4_turn) writes
+ * each as "<|tool_call>call:NAME{key:value,...}<tool_call|>"; the tool
+ * messages right after it are its results, each
+ * "<|tool_response>response:NAME{value:<|\"|>TEXT<|\"|>}<tool_response|>"
+ * (rk_gemma4_tool_open, the text, rk_gemma4_tool_close), and the calling
+ * message's text (and the turn's end, when it has text) follows the last
+ * of them; with no result after it, its text and "<|tool_response>" (where
+ * the results would go) follow the calls. */
+void rk_gemma4_call(rk_strbuf *b, const char *name, const json_t *args);
+void rk_gemma4_tool_open(rk_strbuf *b, const char *name);
+void rk_gemma4_tool_close(rk_strbuf *b, const rk_api_request *req, int i);
+
+/* The assistant message whose calls tool message i answers (the one before
+ * the run of tool messages i is in, when it has calls), or NULL. */
+const rk_chat_msg *rk_gemma4_caller(const rk_api_request *req, int i);
+
+/* The name of the call tool message i answers: the call of its caller with
+ * its tool_call_id (malloc'ed), or NULL when there is none (or no memory). */
+char *rk_gemma4_tool_name(const rk_api_request *req, int i);
+
+/* The next call in a Gemma 4 answer (decoded with its special tokens), from
+ * *pos on: "<|tool_call>call:NAME{...}<tool_call|>" with NAME at most 64
+ * characters of [A-Za-z0-9_-] and a mapping in Gemma 4's value syntax.
+ * Returns 1 with name, *args (a new JSON object), *at where the call begins
+ * and *pos after it; 0 when there is none. */
+int rk_gemma4_find_call(const char *text, size_t *pos, char name[65], json_t **args, size_t *at);
+
+/* tool_choice required or named: the grammar text (malloc'ed, NULL when
+ * memory ran out) of one call of req's tools, or of the named one (several
+ * in a row when parallel_tool_calls), in Gemma 4's syntax, each tool's
+ * mapping shaped by its parameters: its properties in the template's key
+ * order, the required ones present, each value of its type (enums, strings
+ * without a '<', integers, numbers, booleans, lists, mappings); a value of
+ * another schema is any value. */
+char *rk_gemma4_calls_grammar(const rk_api_request *req);
 
 /* Harmony (harmony.c): the analysis channel's message bodies to reasoning,
  * the other channels' to content, headers and tags to neither (the answer

@@ -10,15 +10,17 @@
  *
  * Gemma 4 writes "<|channel>thought\n...<channel|>The answer<turn|>" (decoded
  * with its special tokens): the same split with its channel tags, and its
- * end of turn (the end-of-generation token, decoded) and what follows it
- * belong to neither. */
+ * end of turn or, after calls, "<|tool_response>" (end-of-generation
+ * tokens, decoded) and what follows them belong to neither. */
 #include <string.h>
 
 #include "gateway/chat.h"
 
 static const char k_open[] = "<think>", k_close[] = "</think>";
-static const char k_g4_open[] = "<|channel>thought", k_g4_close[] = "<channel|>",
-                  k_g4_end[] = "<turn|>";
+static const char k_g4_open[] = "<|channel>thought", k_g4_close[] = "<channel|>";
+/* Gemma 4's ends of an answer: its end of turn, and the opening of a tool's
+ * results after its calls (both end generation). */
+static const char *const k_g4_ends[] = {"<turn|>", "<|tool_response>"};
 
 static int is_space(char c) { return c == ' ' || c == '\n' || c == '\r' || c == '\t'; }
 
@@ -30,12 +32,25 @@ static size_t partial_tag(const char *s, size_t n, const char *tag) {
     return 0;
 }
 
-/* Where the first of tag a and tag b (NULL: none) is in p, or NULL; *which
- * says which one. */
-static const char *first_tag(const char *p, const char *a, const char *b, int *which) {
-    const char *x = strstr(p, a), *y = b ? strstr(p, b) : NULL;
-    *which = y && (!x || y < x);
-    return *which ? y : x;
+/* Where the first end of an answer is in p (Gemma 4's; none for the
+ * others), or NULL; its length into *len. */
+static const char *find_end(const rk_think_split *s, const char *p, size_t *len) {
+    const char *first = NULL;
+    for (size_t i = 0; s->gemma4 && i < sizeof k_g4_ends / sizeof *k_g4_ends; i++) {
+        const char *e = strstr(p, k_g4_ends[i]);
+        if (e && (!first || e < first)) first = e, *len = strlen(k_g4_ends[i]);
+    }
+    return first;
+}
+
+/* The longest suffix of p[0..n) that may begin an end of an answer. */
+static size_t partial_end(const rk_think_split *s, const char *p, size_t n) {
+    size_t k = 0;
+    for (size_t i = 0; s->gemma4 && i < sizeof k_g4_ends / sizeof *k_g4_ends; i++) {
+        size_t ki = partial_tag(p, n, k_g4_ends[i]);
+        if (ki > k) k = ki;
+    }
+    return k;
 }
 
 /* Drop the first n bytes of the pending text. */
@@ -52,7 +67,6 @@ void rk_think_feed(rk_think_split *s, const char *text, size_t n, int final, rk_
     }
     const char *open = s->gemma4 ? k_g4_open : k_open,
                *close_tag = s->gemma4 ? k_g4_close : k_close;
-    const char *end_tag = s->gemma4 ? k_g4_end : NULL;
     rk_strbuf_putn(&s->pending, text, n);
     if (!s->pending.s) return;
     for (;;) {
@@ -77,19 +91,21 @@ void rk_think_feed(rk_think_split *s, const char *text, size_t n, int final, rk_
             continue;
         }
         if (s->state == RK_THINK_IN) {
-            int ended = 0;
-            const char *close = len ? first_tag(p, close_tag, end_tag, &ended) : NULL;
+            size_t end_len = 0;
+            const char *close = len ? strstr(p, close_tag) : NULL,
+                       *e = len ? find_end(s, p, &end_len) : NULL;
+            int ended = e && (!close || e < close);
+            if (ended) close = e;
             size_t end = close ? (size_t)(close - p) : len;
             if (!close && !final) {
-                size_t k = partial_tag(p, len, close_tag),
-                       k2 = end_tag ? partial_tag(p, len, end_tag) : 0;
+                size_t k = partial_tag(p, len, close_tag), k2 = partial_end(s, p, len);
                 end -= k > k2 ? k : k2;
             }
             size_t keep = end; /* whitespace before the close tag is not thinking */
             while (keep > 0 && is_space(p[keep - 1])) keep--;
             if (keep) rk_strbuf_putn(reasoning, p, keep);
             if (close) {
-                consume(s, end + strlen(ended ? end_tag : close_tag));
+                consume(s, end + (ended ? end_len : strlen(close_tag)));
                 s->state = ended ? RK_THINK_END : RK_THINK_AFTER;
                 continue;
             }
@@ -106,9 +122,10 @@ void rk_think_feed(rk_think_split *s, const char *text, size_t n, int final, rk_
             consume(s, len);
             return;
         }
-        const char *e = end_tag && len ? strstr(p, end_tag) : NULL;
+        size_t end_len = 0;
+        const char *e = len ? find_end(s, p, &end_len) : NULL;
         size_t upto = e ? (size_t)(e - p) : len;
-        if (!e && end_tag && !final) upto -= partial_tag(p, len, end_tag);
+        if (!e && !final) upto -= partial_end(s, p, len);
         if (upto) rk_strbuf_putn(content, p, upto);
         consume(s, upto);
         if (!e) return;

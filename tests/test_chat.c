@@ -386,8 +386,8 @@ Test(chat, gemma4_documents_are_chunks_of_the_user_turn) {
 
 /* Gemma 4 is known by its template's <|turn>, or by the gemma4 family when
  * the vocabulary has <|turn> (a gemma4 file with Gemma 3's vocabulary keeps
- * Gemma 3's template); tools are refused with a reason. */
-Test(chat, gemma4_is_detected_and_refuses_tools) {
+ * Gemma 3's template). Its tools: tests/test_gemma4.c. */
+Test(chat, gemma4_is_detected) {
     cr_assert_eq(
         rk_chat_template_detect("{{- '<|turn>' + role + '\\n' }}<start_of_turn>", "llama", 0, 0),
         RK_CHAT_GEMMA4);
@@ -395,15 +395,6 @@ Test(chat, gemma4_is_detected_and_refuses_tools) {
     cr_assert_eq(rk_chat_template_detect(NULL, "gemma4", 0, 0), RK_CHAT_GEMMA);
     cr_assert_eq(rk_chat_template_detect(NULL, "gemma3", 0, 1), RK_CHAT_GEMMA);
     cr_assert_str_eq(rk_chat_template_name(RK_CHAT_GEMMA4), "gemma4");
-    rk_api_request r;
-    rk_http_error err;
-    const char *body =
-        "{\"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}], \"tools\": [{\"type\": "
-        "\"function\", \"function\": {\"name\": \"f\", \"parameters\": {\"type\": \"object\"}}}]}";
-    cr_assert_eq(render_text(RK_CHAT_GEMMA4, body, 8, NULL, &r, &err), RK_ERR_INVALID);
-    cr_assert_eq(err.status, 400);
-    cr_assert(strstr(err.message, "gemma4") && strstr(err.message, "not implemented"), "%s",
-              err.message);
 }
 
 /* Llama-2: a system message after the document turn opens the next [INST]
@@ -1004,6 +995,12 @@ Test(chat, gemma4_thought_channel_is_split_from_the_answer_however_the_text_arri
     expect_think_as(RK_THINK_GEMMA4, "<|channel>thought\n<channel|>Hi", "", "Hi");
     expect_think_as(RK_THINK_GEMMA4, "<|channel>thought\nnever closes ", "never closes", "");
     expect_think_as(RK_THINK_GEMMA4, "<|channel>thought\nstops<turn|>x", "stops", "");
+    /* calls end the answer with the opening of their results */
+    expect_think_as(RK_THINK_GEMMA4,
+                    "<|channel>thought\nCall f.<channel|>On it.<|tool_call>call:f{}<tool_call|>"
+                    "<|tool_response>x",
+                    "Call f.", "On it.<|tool_call>call:f{}<tool_call|>");
+    expect_think_as(RK_THINK_GEMMA4, "<|channel>thought\ncut<|tool_response>", "cut", "");
     expect_think_as(RK_THINK_GEMMA4, "<|chan", "", "<|chan");
     expect_think_as(RK_THINK_GEMMA4, "<think>a</think>b<turn", "", "<think>a</think>b<turn");
     expect_think_as(RK_THINK_GEMMA4, "Say <|channel>thought later", "",

@@ -421,7 +421,7 @@ Test(openai_opts, every_family_answers_chat_with_documents_and_hits_them_on_repe
  * with the thought channel (constrained by a grammar to one, as a random
  * model writes none) gives the thought as reasoning_content and the rest as
  * content, whole and streamed. */
-Test(openai_opts, gemma4_chat_takes_its_template_and_its_thought_is_reasoning, .timeout = 300) {
+Test(openai_opts, gemma4_chat_takes_its_template_its_thought_and_its_tools, .timeout = 300) {
     char *model = rk_test_model("gemma4-tiny", "f32", 3);
     const char *args[] = {"--model", model, NULL};
     start_with(args);
@@ -443,9 +443,70 @@ Test(openai_opts, gemma4_chat_takes_its_template_and_its_thought_is_reasoning, .
     cr_assert_not_null(strstr(b.http.body, "\"reasoning_content\":\""), "%s", b.http.body);
     cr_assert_null(strstr(b.http.body, "<|channel>"), "%s", b.http.body);
     cr_assert_null(strstr(b.http.body, "<channel|>"), "%s", b.http.body);
+    /* Tools: a call written in Gemma 4's syntax (forced here by a grammar,
+     * after a thought and some text) is a tool call, whole and streamed. */
+    const char *tools =
+        "\"tools\": [{\"type\": \"function\", \"function\": {\"name\": \"get_weather\", "
+        "\"parameters\": {\"type\": \"object\", \"properties\": {\"city\": {\"type\": "
+        "\"string\"}, \"unit\": {\"type\": \"string\", \"enum\": [\"c\", \"f\"]}}, "
+        "\"required\": [\"unit\"]}}}]";
+    const char *call_body =
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"Weather in Paris?\"}], "
+        "\"max_tokens\": 120, \"temperature\": 0, %s, \"grammar\": \"root ::= "
+        "\\\"<|channel>thought\\\\nAsk the tool.<channel|>Checking. "
+        "<|tool_call>call:get_weather{city:<|\\\\\\\"|>Paris<|\\\\\\\"|>,unit:<|\\\\\\\"|>c<|"
+        "\\\\\\\"|>}<tool_call|>\\\"\"%s}";
+    resp c = rk_test_postf(&S.t, "/v1/chat/completions", call_body, tools, "");
+    cr_assert_eq(c.http.status, 200, "%s", c.http.body);
+    cr_assert_str_eq(rk_test_jstr(c.json, "choices.0.finish_reason"), "tool_calls", "%s",
+                     c.http.body);
+    cr_assert_str_eq(rk_test_jstr(c.json, "choices.0.message.tool_calls.0.function.name"),
+                     "get_weather");
+    cr_assert_str_eq(rk_test_jstr(c.json, "choices.0.message.tool_calls.0.function.arguments"),
+                     "{\"city\":\"Paris\",\"unit\":\"c\"}");
+    cr_assert_str_eq(rk_test_jstr(c.json, "choices.0.message.content"), "Checking.");
+    cr_assert_str_eq(rk_test_jstr(c.json, "choices.0.message.reasoning_content"), "Ask the tool.");
+    resp cs = rk_test_postf(&S.t, "/v1/chat/completions", call_body, tools, ", \"stream\": true");
+    cr_assert_eq(cs.http.status, 200);
+    cr_assert_not_null(strstr(cs.http.body, "\"tool_calls\":[{"), "%s", cs.http.body);
+    cr_assert_not_null(strstr(cs.http.body, "\"finish_reason\":\"tool_calls\""), "%s",
+                       cs.http.body);
+    cr_assert_null(strstr(cs.http.body, "<|tool_call>"), "%s", cs.http.body);
+    /* tool_choice required: the answer is constrained to a call of the tool,
+     * its required enum filled (the only choices: c or f) */
+    resp rq = rk_test_postf(&S.t, "/v1/chat/completions",
+                            "{\"messages\": [{\"role\": \"user\", \"content\": \"Weather?\"}], "
+                            "\"max_tokens\": 200, \"temperature\": 0, \"tool_choice\": "
+                            "\"required\", \"parallel_tool_calls\": false, %s}",
+                            tools);
+    cr_assert_eq(rq.http.status, 200, "%s", rq.http.body);
+    cr_assert_str_eq(rk_test_jstr(rq.json, "choices.0.finish_reason"), "tool_calls", "%s",
+                     rq.http.body);
+    cr_assert_str_eq(rk_test_jstr(rq.json, "choices.0.message.tool_calls.0.function.name"),
+                     "get_weather");
+    json_t *cargs = json_loads(
+        rk_test_jstr(rq.json, "choices.0.message.tool_calls.0.function.arguments"), 0, NULL);
+    const char *unit = json_string_value(json_object_get(cargs, "unit"));
+    cr_assert(unit && (!strcmp(unit, "c") || !strcmp(unit, "f")), "%s", rq.http.body);
+    json_decref(cargs);
+    /* the conversation goes on with the call and its result in the model's
+     * turn (rendered as tests/test_gemma4.c checks) */
+    resp h = rk_test_postf(
+        &S.t, "/v1/chat/completions",
+        "{\"messages\": [{\"role\": \"user\", \"content\": \"Weather in Paris?\"}, "
+        "{\"role\": \"assistant\", \"content\": null, \"tool_calls\": [{\"id\": \"call_1\", "
+        "\"type\": \"function\", \"function\": {\"name\": \"get_weather\", \"arguments\": "
+        "\"{\\\"unit\\\": \\\"c\\\"}\"}}]}, {\"role\": \"tool\", \"tool_call_id\": \"call_1\", "
+        "\"content\": \"{\\\"temp\\\": 18}\"}], \"max_tokens\": 4, \"temperature\": 0, %s}",
+        tools);
+    cr_assert_eq(h.http.status, 200, "%s", h.http.body);
     rk_test_resp_free(&m);
     rk_test_resp_free(&a);
     rk_test_resp_free(&b);
+    rk_test_resp_free(&c);
+    rk_test_resp_free(&cs);
+    rk_test_resp_free(&rq);
+    rk_test_resp_free(&h);
     stop_server();
     free(model);
 }
