@@ -111,6 +111,10 @@ typedef struct rk_chat_msg {
     char *tool_calls;
     /* Tool messages: the tool_call_id it answers (malloc'ed, NULL when none). */
     char *tool_call_id;
+    /* Assistant messages: the thinking the answer came with (its
+     * reasoning_content; malloc'ed, NULL when none); Gemma 4 writes it
+     * before the calls of a message after the last user message. */
+    char *reasoning;
     /* A rendering's own system message, written as it stands (harmony's
      * developer message with tools); never set by the parser. */
     int verbatim;
@@ -211,12 +215,12 @@ typedef struct rk_api_request {
  * of root into out and returns 0, or fills err (400 naming the field) and
  * returns 1; what out gained is freed by rk_api_request_free either way.
  * response_format and the `grammar` extension; a chat body's tools,
- * tool_choice and parallel_tool_calls; message i's tool_calls (tc) as JSON
- * text in *out (malloc'ed). */
+ * tool_choice and parallel_tool_calls; message i's (m's) tool_calls,
+ * tool_call_id and reasoning_content (or reasoning) into msg, its role set. */
 int rk_api_parse_response_format(json_t *root, rk_grammar_cache *cache, rk_api_request *out,
                                  rk_http_error *err);
 int rk_api_parse_tools(json_t *root, rk_api_request *out, rk_http_error *err);
-int rk_api_parse_msg_tool_calls(json_t *tc, int i, char **out, rk_http_error *err);
+int rk_api_parse_msg_tool_fields(json_t *m, int i, rk_chat_msg *msg, rk_http_error *err);
 
 /* Chat documents where they stand (chat_docs.c), for rk_api_parse: message
  * i's `documents` field (strings or {"text" or "content"}; a user or tool

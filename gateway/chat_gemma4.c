@@ -620,6 +620,14 @@ void rk_gemma4_turn(rk_strbuf *b, const rk_api_request *req, const rk_chat_msg *
     if (!assistant || !after_answer(req, m))
         rk_strbuf_puts(b, assistant ? "<|turn>model\n" : "<|turn>system\n");
     if (assistant && m->tool_calls) {
+        int after_user = 1; /* its thinking is kept in the turn of the last question */
+        for (const rk_chat_msg *x = m + 1; x < req->msgs + req->n_msgs; x++)
+            after_user &= x->role != RK_ROLE_USER;
+        if (m->reasoning && after_user) {
+            rk_strbuf_puts(b, "<|channel>thought\n");
+            rk_strbuf_puts(b, m->reasoning);
+            rk_strbuf_puts(b, "\n<channel|>");
+        }
         json_t *list = json_loads(m->tool_calls, 0, NULL);
         if (!list) b->oom = 1;
         for (size_t k = 0; k < json_array_size(list); k++) {

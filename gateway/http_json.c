@@ -742,23 +742,9 @@ static int parse_chat(json_t *root, const rk_parse_limits *lim, rk_api_request *
     int any_user = 0;
     for (size_t i = 0; i < n; i++) any_user |= out->msgs[i].role == RK_ROLE_USER;
     if (!any_user) return rk_http_errorf(err, 400, "'messages' has no user message"), 1;
-    for (size_t i = 0; i < n; i++) {
-        json_t *m = json_array_get(msgs, i), *tc = json_object_get(m, "tool_calls");
-        if (tc && !json_is_null(tc)) {
-            if (out->msgs[i].role != RK_ROLE_ASSISTANT)
-                return rk_http_errorf(err, 400,
-                                      "messages[%zu]: only assistant messages carry 'tool_calls'",
-                                      i),
-                       1;
-            if (rk_api_parse_msg_tool_calls(tc, (int)i, &out->msgs[i].tool_calls, err)) return 1;
-        }
-        json_t *tid = json_object_get(m, "tool_call_id");
-        if (tid && !json_is_null(tid) && !json_is_string(tid))
-            return rk_http_errorf(err, 400, "messages[%zu].tool_call_id must be a string", i), 1;
-        if (json_is_string(tid) && out->msgs[i].role == RK_ROLE_TOOL &&
-            !(out->msgs[i].tool_call_id = rk_strdup(json_string_value(tid))))
-            return rk_http_errorf(err, 500, "out of memory"), 1;
-    }
+    for (size_t i = 0; i < n; i++)
+        if (rk_api_parse_msg_tool_fields(json_array_get(msgs, i), (int)i, &out->msgs[i], err))
+            return 1;
     if (rk_api_parse_tools(root, out, err) || rk_api_parse_chunking(root, out, err)) return 1;
     if (out->msgs[n - 1].role == RK_ROLE_SYSTEM)
         return rk_http_errorf(err, 400,
@@ -841,6 +827,7 @@ void rk_api_request_free(rk_api_request *r) {
         free(r->msgs[i].content);
         free(r->msgs[i].tool_calls);
         free(r->msgs[i].tool_call_id);
+        free(r->msgs[i].reasoning);
         for (int k = 0; k < r->msgs[i].n_docs; k++) free(r->msgs[i].docs[k]);
         free(r->msgs[i].docs);
     }

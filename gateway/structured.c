@@ -89,7 +89,7 @@ static int tool_name_ok(const char *s) {
 
 /* An assistant message's tool_calls, kept as JSON text of [{"name",
  * "arguments"}] with the arguments parsed from their JSON string. */
-int rk_api_parse_msg_tool_calls(json_t *tc, int i, char **out, rk_http_error *err) {
+static int parse_tool_calls(json_t *tc, int i, char **out, rk_http_error *err) {
     if (!json_is_array(tc) || !json_array_size(tc))
         return rk_http_errorf(err, 400, "messages[%d].tool_calls must be a non-empty array", i), 1;
     json_t *list = json_array();
@@ -126,6 +126,30 @@ int rk_api_parse_msg_tool_calls(json_t *tc, int i, char **out, rk_http_error *er
     *out = list ? json_dumps(list, JSON_COMPACT) : NULL;
     json_decref(list);
     if (!*out) return rk_http_errorf(err, 500, "out of memory"), 1;
+    return 0;
+}
+
+int rk_api_parse_msg_tool_fields(json_t *m, int i, rk_chat_msg *msg, rk_http_error *err) {
+    json_t *tc = json_object_get(m, "tool_calls"), *tid = json_object_get(m, "tool_call_id");
+    json_t *th = json_object_get(m, "reasoning_content");
+    if (!th || json_is_null(th)) th = json_object_get(m, "reasoning");
+    if (tc && !json_is_null(tc)) {
+        if (msg->role != RK_ROLE_ASSISTANT)
+            return rk_http_errorf(err, 400,
+                                  "messages[%d]: only assistant messages carry 'tool_calls'", i),
+                   1;
+        if (parse_tool_calls(tc, i, &msg->tool_calls, err)) return 1;
+    }
+    if (tid && !json_is_null(tid) && !json_is_string(tid))
+        return rk_http_errorf(err, 400, "messages[%d].tool_call_id must be a string", i), 1;
+    if (th && !json_is_null(th) && !json_is_string(th))
+        return rk_http_errorf(err, 400, "messages[%d].reasoning_content must be a string", i), 1;
+    if (json_is_string(tid) && msg->role == RK_ROLE_TOOL &&
+        !(msg->tool_call_id = rk_strdup(json_string_value(tid))))
+        return rk_http_errorf(err, 500, "out of memory"), 1;
+    if (json_is_string(th) && msg->role == RK_ROLE_ASSISTANT && json_string_length(th) &&
+        !(msg->reasoning = rk_strdup(json_string_value(th))))
+        return rk_http_errorf(err, 500, "out of memory"), 1;
     return 0;
 }
 

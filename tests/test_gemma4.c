@@ -145,6 +145,25 @@ Test(gemma4, tools_calls_and_results_render_as_the_template) {
                   "<|turn>system\n" P_DECL "<turn|>\n"
                   "<|turn>user\nQ<turn|>\n<|turn>model\n<|tool_call>call:ping{}<tool_call|><|to"
                   "ol_response><|turn>user\nAgain<turn|>\n<|turn>model\n");
+    /* the thinking of a call after the last question stays (reasoning_content), an earlier
+     * one's is dropped */
+    expect_render("[{\"role\": \"user\", \"content\": \"Weather in Paris?\"}, {\"role\": \"assi"
+                  "stant\", \"content\": \"\", \"reasoning_content\": \"The tool knows.\", \"to"
+                  "ol_calls\": [{\"id\": \"c2\", \"type\": \"function\", \"function\": {\"name\""
+                  ": \"ping\", \"arguments\": \"{}\"}}]}, {\"role\": \"tool\", \"tool_call_id\""
+                  ": \"c2\", \"content\": \"pong\"}, {\"role\": \"assistant\", \"content\": \"D"
+                  "one.\"}, {\"role\": \"user\", \"content\": \"And now?\"}, {\"role\": \"assis"
+                  "tant\", \"content\": \"\", \"reasoning_content\": \"Again.\", \"tool_calls\""
+                  ": [{\"id\": \"c2\", \"type\": \"function\", \"function\": {\"name\": \"ping\""
+                  ", \"arguments\": \"{}\"}}]}, {\"role\": \"tool\", \"tool_call_id\": \"c2\", "
+                  "\"content\": \"pong\"}]",
+                  P_TOOL,
+                  "<|turn>system\n" P_DECL "<turn|>\n"
+                  "<|turn>user\nWeather in Paris?<turn|>\n<|turn>model\n<|tool_call>call:ping{}"
+                  "<tool_call|><|tool_response>response:ping{value:<|\"|>pong<|\"|>}<tool_respo"
+                  "nse|>Done.<turn|>\n<|turn>user\nAnd now?<turn|>\n<|turn>model\n<|channel>tho"
+                  "ught\nAgain.\n<channel|><|tool_call>call:ping{}<tool_call|><|tool_response>r"
+                  "esponse:ping{value:<|\"|>pong<|\"|>}<tool_response|>");
     /* results without ids, in the calls' order, that are JSON: their values as the reference
      * engine passes them to the template (a mapping's keys in place of value:) */
     expect_render("[{\"role\": \"user\", \"content\": \"Q\"}, {\"role\": \"assistant\", \"conte"
