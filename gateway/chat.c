@@ -634,10 +634,6 @@ static void put_trimmed(rk_strbuf *b, const char *s, int lead) {
  * assistant's turn the answer continues (a prefill), without its end. */
 static void other_turn(rk_chat_template t, const rk_api_request *req, rk_strbuf *b,
                        const rk_chat_msg *m, int open) {
-    if (t == RK_CHAT_GEMMA4) { /* tool results too: chat_gemma4.c */
-        rk_gemma4_turn(b, req, m, open);
-        return;
-    }
     if (m->role == RK_ROLE_TOOL) {
         tool_open(t, req, (int)(m - req->msgs), b);
         tool_text(t, b, m->content, 0);
@@ -646,6 +642,10 @@ static void other_turn(rk_chat_template t, const rk_api_request *req, rk_strbuf 
     }
     if (m->tool_calls && t == RK_CHAT_HARMONY) {
         harmony_calls_turn(req, b, m);
+        return;
+    }
+    if (t == RK_CHAT_GEMMA4) {
+        rk_gemma4_turn(b, req, m, open);
         return;
     }
     if (t == RK_CHAT_HARMONY && m->verbatim) { /* the developer message with tools */

@@ -436,45 +436,16 @@ void rk_gemma4_tool_open(rk_strbuf *b, const char *name) {
     rk_strbuf_puts(b, k_quote);
 }
 
-/* A result's end: its tag and, after the last result, the calling
- * message's text and its turn's end when it has some (else the turn stays
- * open for the model's next words). */
-static void result_end(rk_strbuf *b, const rk_api_request *req, int i) {
-    rk_strbuf_puts(b, "<tool_response|>");
+void rk_gemma4_tool_close(rk_strbuf *b, const rk_api_request *req, int i) {
+    rk_strbuf_puts(b, k_quote);
+    rk_strbuf_puts(b, "}<tool_response|>");
+    /* after the last result: the calling message's text, and its turn's end
+     * when it has some (else the turn stays open for the model's words) */
     if (i + 1 < req->n_msgs && req->msgs[i + 1].role == RK_ROLE_TOOL) return;
     const rk_chat_msg *caller = rk_gemma4_caller(req, i);
     size_t at = b->len;
     if (caller) put_answer(b, caller->content);
     if (b->len > at) rk_strbuf_puts(b, "<turn|>\n");
-}
-
-void rk_gemma4_tool_close(rk_strbuf *b, const rk_api_request *req, int i) {
-    rk_strbuf_puts(b, k_quote);
-    rk_strbuf_puts(b, "}");
-    result_end(b, req, i);
-}
-
-/* Tool message i whole: a result that is JSON as its value (a mapping's
- * keys and values in place of value:), as the reference engine passes
- * results to this template; other text as a string. */
-static void put_result(rk_strbuf *b, const rk_api_request *req, int i) {
-    char *name = rk_gemma4_tool_name(req, i); /* found: rk_chat_render checked */
-    if (!name) b->oom = 1;
-    json_t *v = json_loads(req->msgs[i].content, JSON_DECODE_ANY, NULL);
-    if (!v) {
-        rk_gemma4_tool_open(b, name ? name : "");
-        rk_strbuf_puts(b, req->msgs[i].content);
-        rk_gemma4_tool_close(b, req, i);
-    } else {
-        rk_strbuf_puts(b, "<|tool_response>response:");
-        rk_strbuf_puts(b, name ? name : "");
-        if (!json_is_object(v)) rk_strbuf_puts(b, "{value:");
-        put_argument(b, v, 0); /* a mapping's braces are the response's */
-        if (!json_is_object(v)) rk_strbuf_puts(b, "}");
-        result_end(b, req, i);
-    }
-    json_decref(v);
-    free(name);
 }
 
 /* ---------------------------------------------------------------- calls the model writes */
@@ -612,10 +583,6 @@ static int after_answer(const rk_api_request *req, const rk_chat_msg *m) {
 
 void rk_gemma4_turn(rk_strbuf *b, const rk_api_request *req, const rk_chat_msg *m, int open) {
     if (m == req->msgs && m->role == RK_ROLE_SYSTEM) return; /* the system turn's */
-    if (m->role == RK_ROLE_TOOL) {
-        put_result(b, req, (int)(m - req->msgs));
-        return;
-    }
     int assistant = m->role == RK_ROLE_ASSISTANT;
     if (!assistant || !after_answer(req, m))
         rk_strbuf_puts(b, assistant ? "<|turn>model\n" : "<|turn>system\n");

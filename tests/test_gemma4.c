@@ -164,26 +164,43 @@ Test(gemma4, tools_calls_and_results_render_as_the_template) {
                   "nse|>Done.<turn|>\n<|turn>user\nAnd now?<turn|>\n<|turn>model\n<|channel>tho"
                   "ught\nAgain.\n<channel|><|tool_call>call:ping{}<tool_call|><|tool_response>r"
                   "esponse:ping{value:<|\"|>pong<|\"|>}<tool_response|>");
-    /* results without ids, in the calls' order, that are JSON: their values as the reference
-     * engine passes them to the template (a mapping's keys in place of value:) */
+    /* a result that is JSON text is a string value, as the template writes it */
     expect_render("[{\"role\": \"user\", \"content\": \"Q\"}, {\"role\": \"assistant\", \"conte"
                   "nt\": \"\", \"tool_calls\": [{\"id\": \"c1\", \"type\": \"function\", \"func"
                   "tion\": {\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\": \\\"Pari"
                   "s\\\", \\\"days\\\": 2, \\\"ratio\\\": 0.5, \\\"flag\\\": true, \\\"list\\\""
                   ": [1, \\\"a\\\"], \\\"nested\\\": {\\\"b\\\": 1, \\\"A\\\": null}}\"}}, {\"i"
                   "d\": \"c2\", \"type\": \"function\", \"function\": {\"name\": \"ping\", \"ar"
-                  "guments\": \"{}\"}}]}, {\"role\": \"tool\", \"content\": \"{\\\"temp\\\": 18"
-                  ", \\\"sky\\\": \\\"clear\\\", \\\"wind\\\": null, \\\"gusts\\\": [1.5, true]"
-                  "}\"}, {\"role\": \"tool\", \"content\": \"42\"}, {\"role\": \"user\", \"cont"
-                  "ent\": \"Ok?\"}]",
+                  "guments\": \"{}\"}}]}, {\"role\": \"tool\", \"tool_call_id\": \"c1\", \"cont"
+                  "ent\": \"{\\\"temp\\\": 18, \\\"sky\\\": \\\"clear\\\", \\\"wind\\\": null, "
+                  "\\\"gusts\\\": [1.5, true]}\"}, {\"role\": \"tool\", \"tool_call_id\": \"c2\""
+                  ", \"content\": \"42\"}, {\"role\": \"user\", \"content\": \"Ok?\"}]",
                   W_TOOL "," P_TOOL,
                   "<|turn>system\n" W_DECL P_DECL "<turn|>\n"
                   "<|turn>user\nQ<turn|>\n<|turn>model\n<|tool_call>call:get_weather{city:<|\"|"
                   ">Paris<|\"|>,days:2,flag:true,list:[1,<|\"|>a<|\"|>],nested:{A:None,b:1},rat"
                   "io:0.5}<tool_call|><|tool_call>call:ping{}<tool_call|><|tool_response>respon"
-                  "se:get_weather{gusts:[1.5,true],sky:<|\"|>clear<|\"|>,temp:18,wind:None}<too"
-                  "l_response|><|tool_response>response:ping{value:42}<tool_response|><|turn>us"
-                  "er\nOk?<turn|>\n<|turn>model\n");
+                  "se:get_weather{value:<|\"|>{\"temp\": 18, \"sky\": \"clear\", \"wind\": null"
+                  ", \"gusts\": [1.5, true]}<|\"|>}<tool_response|><|tool_response>response:pin"
+                  "g{value:<|\"|>42<|\"|>}<tool_response|><|turn>user\nOk?<turn|>\n<|turn>model"
+                  "\n");
+}
+
+/* A result without a tool_call_id answers the call in its place (the
+ * template would name it "unknown"). */
+Test(gemma4, a_result_without_an_id_answers_the_call_in_its_place) {
+    expect_render("[{\"role\": \"user\", \"content\": \"Q\"}, {\"role\": \"assistant\", "
+                  "\"content\": \"\", \"tool_calls\": [{\"id\": \"c1\", \"type\": \"function\", "
+                  "\"function\": {\"name\": \"ping\", \"arguments\": \"{}\"}}, {\"id\": \"c2\", "
+                  "\"type\": \"function\", \"function\": {\"name\": \"now\", \"arguments\": "
+                  "\"{}\"}}]}, {\"role\": \"tool\", \"content\": \"a\"}, {\"role\": \"tool\", "
+                  "\"content\": \"b\"}]",
+                  P_TOOL,
+                  "<|turn>system\n" P_DECL "<turn|>\n"
+                  "<|turn>user\nQ<turn|>\n<|turn>model\n<|tool_call>call:ping{}<tool_call|>"
+                  "<|tool_call>call:now{}<tool_call|><|tool_response>response:ping{value:<|\"|>a"
+                  "<|\"|>}<tool_response|><|tool_response>response:now{value:<|\"|>b<|\"|>}"
+                  "<tool_response|>");
 }
 
 /* A tool result with documents: a chunk group inside its value, the rest of
