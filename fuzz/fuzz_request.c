@@ -1,5 +1,6 @@
 /* fuzz/fuzz_request.c — libFuzzer target over the HTTP request parsers: the
- * completion and chat bodies (with every chat template rendered), pre-warm and
+ * completion and chat bodies (with every chat template rendered, and the
+ * body read as an answer's tool calls under each), pre-warm and
  * flush bodies, Responses bodies (translated into chat bodies, which then
  * parse as chat), the prompt splitter, and the framing check over the input
  * read as a request head (header counts and header syntax:
@@ -223,6 +224,32 @@ int rk_fuzz_responses(const uint8_t *data, size_t size, rk_http_error *err, cons
 
 const char *rk_fuzz_request_check(const uint8_t *data, size_t size);
 
+/* The input read as a model's answer under template t: no calls, or calls
+ * of r's tools whose arguments are JSON objects, with the text before them. */
+static const char *check_calls(rk_chat_template t, const rk_api_request *r, const char *data,
+                               size_t size) {
+    char *text = strndup(data, size), *content = NULL;
+    if (!text) return NULL;
+    json_t *calls = rk_chat_tool_calls(t, r, text, "id", &content);
+    const char *bad = NULL;
+    if (!calls != !content) bad = "tool calls without their content, or content without calls";
+    if (calls && !json_array_size(calls)) bad = "an empty list of tool calls";
+    for (size_t k = 0; !bad && k < json_array_size(calls); k++) {
+        json_t *f = json_object_get(json_array_get(calls, k), "function");
+        const char *name = json_string_value(json_object_get(f, "name"));
+        const char *a = json_string_value(json_object_get(f, "arguments"));
+        json_t *args = a ? json_loads(a, 0, NULL) : NULL;
+        int known = 0;
+        for (int i = 0; name && i < r->n_tools; i++) known |= !strcmp(r->tools[i].name, name);
+        if (!known || !json_is_object(args)) bad = "a tool call of no tool, or not an object";
+        json_decref(args);
+    }
+    json_decref(calls);
+    free(content);
+    free(text);
+    return bad;
+}
+
 /* Run every parser over the input; NULL when every invariant holds, else what broke. */
 const char *rk_fuzz_request_check(const uint8_t *data, size_t size) {
     const char *body = (const char *)data, *bad = NULL;
@@ -235,7 +262,7 @@ const char *rk_fuzz_request_check(const uint8_t *data, size_t size) {
             continue;
         }
         bad = check_request(&r);
-        for (int t = RK_CHAT_CHATML; chat && !bad && t <= RK_CHAT_LLAMA2; t++) {
+        for (int t = RK_CHAT_CHATML; chat && !bad && t <= RK_CHAT_GEMMA4; t++) {
             rk_http_error e2 = {0};
             if (rk_chat_render((rk_chat_template)t, &r, FUZZ_MAX_CHUNKS, &e2) == RK_OK)
                 bad = r.have_pieces ? check_split(&r.pieces, FUZZ_MAX_CHUNKS)
@@ -244,6 +271,7 @@ const char *rk_fuzz_request_check(const uint8_t *data, size_t size) {
                 bad = check_error(&e2);
             if (!bad && r.have_pieces && r.pieces.question.len == 0)
                 bad = "a chat question piece without its template";
+            if (!bad && r.n_tools) bad = check_calls((rk_chat_template)t, &r, body, size);
         }
         rk_api_request_free(&r);
     }
