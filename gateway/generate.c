@@ -768,6 +768,10 @@ int rk_gw_generate(req_ctx *rc, int chat, char *body, size_t len, const rk_gw_si
         rk_gw_send_error(rc, &p.err);
         goto done;
     }
+    if (sink && sink->prompt) { /* what would run, not run */
+        sink->prompt(sink->ctx, &g.api, &g.job->req);
+        goto done;
+    }
     g.job->notify_tokens = g.api.stream || g.api.n_stop > 0;
     g.tools_active = g.api.chat && g.api.n_tools > 0 && g.api.tool_choice != RK_TOOLS_NONE;
     g.text.tok = rk_model_tokenizer(g.svc->model);

@@ -215,6 +215,10 @@ typedef struct rk_gw_sink {
     char *(*event)(void *ctx, json_t *ev);
     /* The stream's end (where chat writes [DONE]): the bytes written. */
     char *(*done)(void *ctx);
+    /* When set, nothing is generated: once the body is parsed, rendered and
+     * tokenized, this answers the request with what it would run (the
+     * pieces in api, their tokens in req); the others are not called. */
+    void (*prompt)(void *ctx, const rk_api_request *api, const rk_request *req);
 } rk_gw_sink;
 
 /* Generate for a body already read (taken: freed here), answering as
@@ -227,6 +231,7 @@ int rk_gw_handle_list(req_ctx *rc);
 int rk_gw_handle_chunk_key(req_ctx *rc, const char *hex, int del);
 int rk_gw_handle_flush(req_ctx *rc);
 int rk_gw_handle_tokenize(req_ctx *rc, int detokenize);
+int rk_gw_handle_apply_template(req_ctx *rc);
 int rk_gw_handle_embeddings(req_ctx *rc);
 int rk_gw_handle_rerank(req_ctx *rc);
 /* POST /v1/responses (rest NULL); GET or DELETE (del) /v1/responses/{id}

@@ -212,6 +212,7 @@ typedef enum route {
     R_MODEL_ID,
     R_TOKENIZE,
     R_DETOKENIZE,
+    R_APPLY_TEMPLATE,
     R_EMBEDDINGS,
     R_RERANK,
     R_RESPONSES,
@@ -234,6 +235,7 @@ static route find_route(const char *path) {
                  {"/v1/stats", R_STATS},
                  {"/tokenize", R_TOKENIZE},
                  {"/detokenize", R_DETOKENIZE},
+                 {"/apply-template", R_APPLY_TEMPLATE},
                  {"/v1/embeddings", R_EMBEDDINGS},
                  {"/v1/rerank", R_RERANK},
                  {"/rerank", R_RERANK},
@@ -251,17 +253,21 @@ static route find_route(const char *path) {
     return R_NONE;
 }
 
+/* The routes that take POST alone. */
+static int post_only(route r) {
+    return r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE ||
+           r == R_DETOKENIZE || r == R_APPLY_TEMPLATE || r == R_EMBEDDINGS || r == R_RERANK ||
+           r == R_RESPONSES;
+}
+
 /* A CORS preflight (OPTIONS with cors_origin set): 204 with what the route
  * allows; browsers send no credentials with it, so no key is asked. */
 static int handle_preflight(req_ctx *rc, route r) {
     struct mg_connection *c = rc->conn;
     const char *asked = mg_get_header(c, "Access-Control-Request-Headers");
-    const char *methods = r == R_CHUNKS      ? "GET, HEAD, POST, OPTIONS"
-                          : r == R_CHUNK_KEY ? "GET, HEAD, DELETE, OPTIONS"
-                          : r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE ||
-                                  r == R_DETOKENIZE || r == R_EMBEDDINGS || r == R_RERANK ||
-                                  r == R_RESPONSES
-                              ? "POST, OPTIONS"
+    const char *methods = r == R_CHUNKS        ? "GET, HEAD, POST, OPTIONS"
+                          : r == R_CHUNK_KEY   ? "GET, HEAD, DELETE, OPTIONS"
+                          : post_only(r)       ? "POST, OPTIONS"
                           : r == R_RESPONSE_ID ? "GET, HEAD, DELETE, OPTIONS"
                                                : "GET, HEAD, OPTIONS";
     rc->status = 204;
@@ -284,9 +290,7 @@ static int dispatch(req_ctx *rc) {
     route r = find_route(rc->path);
     if (r == R_NONE) return rk_gw_send_errorf(rc, 404, "no route %s %s", m, rc->path), 0;
     if (!strcmp(m, "OPTIONS") && rc->S->o.cors_origin[0]) return handle_preflight(rc, r);
-    int ok = r == R_COMPLETIONS || r == R_CHAT || r == R_FLUSH || r == R_TOKENIZE ||
-                     r == R_DETOKENIZE || r == R_EMBEDDINGS || r == R_RERANK || r == R_RESPONSES
-                 ? post
+    int ok = post_only(r)                             ? post
              : r == R_CHUNKS                          ? get || post
              : r == R_CHUNK_KEY || r == R_RESPONSE_ID ? get || del
                                                       : get;
@@ -305,6 +309,7 @@ static int dispatch(req_ctx *rc) {
     case R_MODEL_ID: return handle_models(rc, rc->path + 11);
     case R_TOKENIZE: return rk_gw_handle_tokenize(rc, 0);
     case R_DETOKENIZE: return rk_gw_handle_tokenize(rc, 1);
+    case R_APPLY_TEMPLATE: return rk_gw_handle_apply_template(rc);
     case R_EMBEDDINGS: return rk_gw_handle_embeddings(rc);
     case R_RERANK: return rk_gw_handle_rerank(rc);
     case R_RESPONSES: return rk_gw_handle_responses(rc, NULL, 0);

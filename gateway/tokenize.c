@@ -3,7 +3,10 @@
  * ({"content", "add_special", "with_pieces"}; {"tokens"}). The ids are
  * those `ragkv tokenize` prints; the text is what `ragkv detokenize`
  * prints. The tokenizer is immutable, so this runs on the request's own
- * thread without the engine. */
+ * thread without the engine. POST /apply-template: a chat body rendered by
+ * the served model's template and tokenized, as the chat route would run
+ * it, nothing generated ({"prompt"} as llama.cpp's server answers, with
+ * the pieces and their tokens). */
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
@@ -124,4 +127,40 @@ int rk_gw_handle_tokenize(req_ctx *rc, int detok) {
         tokenize(rc, tok, root);
     json_decref(root);
     return 0;
+}
+
+/* POST /apply-template: what a chat body would run. */
+static void send_prompt(void *ctx, const rk_api_request *api, const rk_request *req) {
+    req_ctx *rc = ctx;
+    rk_strbuf text = {0};
+    json_t *chunks = json_array(), *tokens = json_array();
+    rk_strbuf_puts(&text, api->pieces.system.s);
+    for (int k = 0; k < api->pieces.n_chunks; k++) {
+        rk_strbuf_puts(&text, api->pieces.chunks[k].s);
+        json_array_append_new(chunks, json_string(api->pieces.chunks[k].s));
+    }
+    rk_strbuf_puts(&text, api->pieces.question.s);
+    for (int i = 0; i < req->n_sys; i++) json_array_append_new(tokens, json_integer(req->sys[i]));
+    for (int k = 0; k < req->n_chunks; k++)
+        for (int i = 0; i < req->chunk_lens[k]; i++)
+            json_array_append_new(tokens, json_integer(req->chunks[k][i]));
+    for (int i = 0; i < req->n_question; i++)
+        json_array_append_new(tokens, json_integer(req->question[i]));
+    json_t *out = text.s && chunks && tokens
+                      ? json_pack("{s:s, s:{s:s, s:O, s:s, s:O}}", "prompt", text.s, "ragkv",
+                                  "system", api->pieces.system.s, "chunks", chunks, "question",
+                                  api->pieces.question.s, "tokens", tokens)
+                      : NULL;
+    json_decref(chunks);
+    json_decref(tokens);
+    rk_strbuf_free(&text);
+    rk_gw_send_json(rc, 200, out); /* NULL: 500 */
+}
+
+int rk_gw_handle_apply_template(req_ctx *rc) {
+    char *body;
+    size_t len;
+    if (rk_gw_read_body(rc, &body, &len)) return 0;
+    rk_gw_sink sink = {.ctx = rc, .prompt = send_prompt};
+    return rk_gw_generate(rc, 1, body, len, &sink);
 }

@@ -500,6 +500,31 @@ Test(openai_opts, gemma4_chat_takes_its_template_its_thought_and_its_tools, .tim
         "\"content\": \"{\\\"temp\\\": 18}\"}], \"max_tokens\": 4, \"temperature\": 0, %s}",
         tools);
     cr_assert_eq(h.http.status, 200, "%s", h.http.body);
+    /* /apply-template: the prompt the chat route would run (thinking on by
+     * default, the tools declared), with its pieces and tokens, BOS first */
+    resp at = rk_test_postf(&S.t, "/apply-template",
+                            "{\"messages\": [{\"role\": \"user\", \"content\": \" Hi \"}], "
+                            "\"documents\": [{\"text\": \"Doc.\"}], \"tools\": [{\"type\": "
+                            "\"function\", \"function\": {\"name\": \"ping\"}}]}");
+    cr_assert_eq(at.http.status, 200, "%s", at.http.body);
+    cr_assert_str_eq(rk_test_jstr(at.json, "prompt"),
+                     "<|turn>system\n<|think|>\n<|tool>declaration:ping{description:<|\"|><|\"|>}"
+                     "<tool|><turn|>\n<|turn>user\nDoc.Hi<turn|>\n<|turn>model\n");
+    cr_assert_str_eq(rk_test_jstr(at.json, "ragkv.chunks.0"), "Doc.");
+    cr_assert_str_eq(rk_test_jstr(at.json, "ragkv.question"), "Hi<turn|>\n<|turn>model\n");
+    json_t *toks = rk_test_jget(at.json, "ragkv.tokens");
+    cr_assert_eq(json_integer_value(json_array_get(toks, 0)),
+                 json_integer_value(rk_test_jget(m.json, "data.0.ragkv.bos")));
+    resp tk = rk_test_postf(&S.t, "/tokenize",
+                            "{\"content\": \"<|turn>system\\n<|think|>\\n<|tool>declaration:ping{"
+                            "description:<|\\\"|><|\\\"|>}<tool|><turn|>\\n<|turn>user\\n\"}");
+    cr_assert_eq(tk.http.status, 200, "%s", tk.http.body);
+    for (size_t i = 0; i < json_array_size(rk_test_jget(tk.json, "tokens")); i++)
+        cr_assert(json_equal(json_array_get(toks, i + 1),
+                             json_array_get(rk_test_jget(tk.json, "tokens"), i)),
+                  "token %zu of the system piece", i);
+    rk_test_resp_free(&at);
+    rk_test_resp_free(&tk);
     rk_test_resp_free(&m);
     rk_test_resp_free(&a);
     rk_test_resp_free(&b);
