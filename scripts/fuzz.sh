@@ -23,7 +23,7 @@ SAN="-fsanitize=address,undefined -fno-sanitize-recover=undefined"
 cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_C_COMPILER=clang -DRAGKV_WERROR=OFF \
     -DCMAKE_C_FLAGS="-fsanitize=fuzzer-no-link $SAN" >/dev/null
 cmake --build "$BUILD" -j "$JOBS" --target ragkv_core
-LIBS="$(pkg-config --libs jansson libpcre2-8 sqlite3 openblas) -lxxhash -lcivetweb -lpthread -lm"
+LIBS="$(pkg-config --libs jansson libpcre2-8 sqlite3 openblas hiredis libcrypto) -lxxhash -lcivetweb -lpthread -lm"
 # shellcheck disable=SC2086
 clang -g -O1 -D_GNU_SOURCE -I. $(pkg-config --cflags jansson) -fsanitize=fuzzer $SAN \
     fuzz/fuzz_request.c "$BUILD/libragkv_core.a" $LIBS -o "$BUILD/fuzz_request"
