@@ -55,7 +55,8 @@ typedef struct rk_grammar_state rk_grammar_state; /* one request's position */
 /* Compile a grammar text (GBNF-like, see docs/api.md; the start rule is
  * `root`). Errors (RK_ERR_INVALID) give the line and what is wrong; a
  * grammar over a bound (rules, elements, RK_GRAMMAR_MAX_COMPILE_MS of
- * compiling) gives RK_ERR_LIMIT naming it. */
+ * compiling, counted in the calling thread's CPU time) gives RK_ERR_LIMIT
+ * naming it. */
 rk_status rk_grammar_parse(const char *text, rk_grammar **out);
 
 /* rk_grammar_parse with a bound of max_ms milliseconds of compiling. */
