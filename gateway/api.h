@@ -205,6 +205,10 @@ typedef struct rk_api_request {
     /* Render the request to think (Gemma 4's <|think|> in its system turn):
      * set by the caller before rk_chat_render. */
     int thinking;
+    /* The day of the request, "YYYY-MM-DD" (the harmony template's "Current
+     * date: " line; empty: no such line): set by the caller before
+     * rk_chat_render. */
+    char today[16];
     /* `chunking.tool_results`: a tool message's content is passages (a
      * JSON array of them, or its text split on the separator), a chunk
      * group where the message stands. */

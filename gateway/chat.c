@@ -667,10 +667,11 @@ static void other_turn(rk_chat_template t, const rk_api_request *req, rk_strbuf 
         return;
     }
     if (t == RK_CHAT_HARMONY) { /* system: the developer's instructions; earlier answers: final */
-        rk_strbuf_puts(b, m->role == RK_ROLE_SYSTEM
-                              ? "<|start|>developer<|message|># Instructions\n\n"
+        int sys = m->role == RK_ROLE_SYSTEM;
+        rk_strbuf_puts(b, sys ? "<|start|>developer<|message|># Instructions\n\n"
                               : "<|start|>assistant<|channel|>final<|message|>");
         rk_strbuf_puts(b, m->content);
+        if (sys) rk_strbuf_puts(b, "\n\n"); /* as the template ends its instructions */
         if (!open) rk_strbuf_puts(b, "<|end|>");
         return;
     }
@@ -823,7 +824,8 @@ static void render_texts(rk_chat_template t, const rk_api_request *req, const us
                          const int *gmsg, int n, int last, rk_strbuf *texts, rk_strbuf *block) {
     for (int i = 0; (t == RK_CHAT_LLAMA2 || t == RK_CHAT_GEMMA) && i < gmsg[0]; i++)
         if (req->msgs[i].role == RK_ROLE_SYSTEM) add_system(block, &req->msgs[i]);
-    if (t == RK_CHAT_HARMONY) rk_harmony_system(&texts[0], req->reasoning_effort, req->n_tools > 0);
+    if (t == RK_CHAT_HARMONY)
+        rk_harmony_system(&texts[0], req->reasoning_effort, req->n_tools > 0, req->today);
     if (t == RK_CHAT_GEMMA4) rk_gemma4_system(&texts[0], req);
     render_turns(t, req, users, 0, gmsg[0], 1, &texts[0], block);
     for (int g = 0; g < n; g++) {

@@ -168,10 +168,11 @@ char *rk_gemma4_calls_grammar(const rk_api_request *req);
 void rk_harmony_feed(rk_think_split *s, const char *text, size_t n, int final, rk_strbuf *reasoning,
                      rk_strbuf *content);
 
-/* The harmony system message (its model identity, "Reasoning: " effort,
- * 1 low, 2 medium, 3 high, 0 the default medium, and its channels; with
- * tools, the line that sends calls to the commentary channel), into b. */
-void rk_harmony_system(rk_strbuf *b, int effort, int tools);
+/* The harmony system message (its model identity, "Current date: " today
+ * unless NULL or empty, "Reasoning: " effort, 1 low, 2 medium, 3 high, 0
+ * the default medium, and its channels; with tools, the line that sends
+ * calls to the commentary channel), into b. */
+void rk_harmony_system(rk_strbuf *b, int effort, int tools, const char *today);
 
 /* Harmony tools, as gpt-oss's template writes them: req's tools as the
  * developer message's "# Tools" section (namespace functions, each tool a

@@ -428,6 +428,11 @@ static void prep_generation(void *arg) {
         g->think.gemma4 = S->tmpl == RK_CHAT_GEMMA4;
         if (g->think.harmony || g->think.gemma4) g->thinking = 1;
     }
+    if (p->chat) { /* the day, in the server's time zone, as the templates' strftime_now */
+        time_t now = time(NULL);
+        struct tm day;
+        if (localtime_r(&now, &day)) strftime(g->api.today, sizeof g->api.today, "%Y-%m-%d", &day);
+    }
     if (p->chat && rk_chat_render(S->tmpl, &g->api, S->o.cfg.max_chunks, err)) return;
     if (!g->api.seed_given) g->api.opt.sampling.seed = rk_gw_random(S);
     /* The caller's tenant owns what the request caches, under its salt (and

@@ -109,10 +109,12 @@ void rk_harmony_feed(rk_think_split *s, const char *text, size_t n, int final, r
     }
 }
 
-void rk_harmony_system(rk_strbuf *b, int effort, int tools) {
+void rk_harmony_system(rk_strbuf *b, int effort, int tools, const char *today) {
     static const char *const names[] = {"medium", "low", "medium", "high"};
     rk_strbuf_puts(b, "<|start|>system<|message|>You are ChatGPT, a large language model trained "
-                      "by OpenAI.\nKnowledge cutoff: 2024-06\n\nReasoning: ");
+                      "by OpenAI.\nKnowledge cutoff: 2024-06\n");
+    if (today && *today) rk_strbuf_printf(b, "Current date: %s\n", today);
+    rk_strbuf_puts(b, "\nReasoning: ");
     rk_strbuf_puts(b, names[effort >= 0 && effort <= 3 ? effort : 0]);
     rk_strbuf_puts(b, "\n\n# Valid channels: analysis, commentary, final. Channel must be "
                       "included for every message.");

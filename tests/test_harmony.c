@@ -8,6 +8,7 @@
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "engine/tokenizer.h"
 #include "gateway/chat.h"
@@ -50,12 +51,20 @@ Test(harmony, renders_system_developer_documents_and_question) {
                         &r, &err),
                  RK_OK, "%s", err.message);
     cr_assert_str_eq(r.pieces.system.s,
-                     SYS_HIGH "<|start|>developer<|message|># Instructions\n\nBe brief.<|end|>"
+                     SYS_HIGH "<|start|>developer<|message|># Instructions\n\nBe brief.\n\n<|end|>"
                               "<|start|>user<|message|>");
     cr_assert_eq(r.pieces.n_chunks, 2);
     cr_assert_str_eq(r.pieces.chunks[0].s, "Lily had a red ball.");
     cr_assert_str_eq(r.pieces.chunks[1].s, "Tom had a dog.");
     cr_assert_str_eq(r.pieces.question.s, "Who had the ball?<|end|><|start|>assistant");
+    /* the day of the request, as the template's strftime_now writes it (the
+     * server sets it; the reference engine writes the same line) */
+    snprintf(r.today, sizeof r.today, "2026-01-02");
+    cr_assert_eq(rk_chat_render(RK_CHAT_HARMONY, &r, 8, &err), RK_OK, "%s", err.message);
+    static const char dated[] = "<|start|>system<|message|>You are ChatGPT, a large language "
+                                "model trained by OpenAI.\nKnowledge cutoff: 2024-06\nCurrent "
+                                "date: 2026-01-02\n\nReasoning: high\n\n";
+    cr_assert(!strncmp(r.pieces.system.s, dated, sizeof dated - 1), "%s", r.pieces.system.s);
     rk_api_request_free(&r);
     /* a follow-up: the earlier answer on the final channel, the system piece
      * and chunks unchanged, the question extended */
@@ -585,10 +594,21 @@ Test(harmony, the_service_answers_chat_with_documents, .timeout = 300) {
 /* The prompt tokens of body as rendered here: the system and question
  * pieces with their special tokens, the chunks without (t's BOS first
  * when it adds one). */
-static long long rendered_tokens(const rk_tokenizer *t, const char *body) {
+/* The local date, "YYYY-MM-DD", as the server writes it in the system
+ * message. */
+static void today(char out[16]) {
+    time_t now = time(NULL);
+    struct tm day;
+    cr_assert_not_null(localtime_r(&now, &day));
+    strftime(out, 16, "%Y-%m-%d", &day);
+}
+
+static long long rendered_tokens(const rk_tokenizer *t, const char *body, const char *today) {
     rk_api_request r;
     rk_http_error err;
     cr_assert_eq(render(body, &r, &err), RK_OK, "%s", err.message);
+    snprintf(r.today, sizeof r.today, "%s", today); /* as the server renders it */
+    cr_assert_eq(rk_chat_render(RK_CHAT_HARMONY, &r, 8, &err), RK_OK, "%s", err.message);
     long long n = rk_tokenizer_add_bos(t) ? 1 : 0;
     for (int i = -1; i <= r.pieces.n_chunks; i++) {
         const char *s = i < 0                    ? r.pieces.system.s
@@ -640,9 +660,14 @@ Test(harmony, the_service_renders_tools_and_parses_calls, .timeout = 300) {
         "\"function\": {\"name\": \"get_weather\", \"arguments\": \"{\\\"city\\\": "
         "\\\"Paris\\\"}\"}}]}, {\"role\": \"tool\", \"tool_call_id\": \"c1\", \"content\": "
         "\"21 C, clear\"}], " CALL_TOOLS ", \"max_tokens\": 4, \"temperature\": 0}";
+    char day0[16], day1[16]; /* the server's day: the one before or after the request */
+    today(day0);
     rk_test_resp a = rk_test_postf(&S.t, "/v1/chat/completions", "%s", round_trip);
+    today(day1);
     cr_assert_eq(a.http.status, 200, "%s", a.http.body);
-    long long want = rendered_tokens(rk_model_tokenizer(m), round_trip);
+    long long want = rendered_tokens(rk_model_tokenizer(m), round_trip, day0);
+    if (rk_test_jint(a.json, "usage.prompt_tokens") != want)
+        want = rendered_tokens(rk_model_tokenizer(m), round_trip, day1);
     cr_assert_eq(rk_test_jint(a.json, "usage.prompt_tokens"), want, "%s", a.http.body);
     /* the same conversation as Responses items: the same prompt */
     rk_test_resp ra = rk_test_postf(
