@@ -1231,21 +1231,34 @@ static int run(const char *cmd) {
 
 /* The official `openai` npm package (v6), installed once from the npm
  * registry into build/npm: the folder in dir, or the test is skipped, saying
- * why, where node, npm or the registry is not there. */
+ * why, where node, npm or the registry is not there. The package is
+ * installed in a folder of this process's and renamed into place whole,
+ * marked "installed", so that a suite run beside this one, or an install
+ * killed midway, never leaves a half-installed package to run. */
 static void sdk_installed(char *dir, size_t cap) {
     if (run("command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1"))
         cr_skip_test("node and npm are not installed: the openai SDK test is skipped");
-    char cmd[4096];
+    char cmd[8192], tmp[1100];
     snprintf(dir, cap, "%s/../npm", RK_TEST_TMP);
-    snprintf(cmd, sizeof cmd, "test -f '%s/node_modules/openai/package.json'", dir);
+    snprintf(tmp, sizeof tmp, "%s.%ld", dir, (long)getpid());
+    snprintf(cmd, sizeof cmd, "test -f '%s/installed'", dir);
     if (run(cmd)) {
         snprintf(cmd, sizeof cmd,
-                 "mkdir -p '%s' && timeout 300 npm install --prefix '%s' --no-audit --no-fund "
-                 "--no-save --loglevel=error openai@6 </dev/null >'%s/install.log' 2>&1",
-                 dir, dir, dir);
-        if (run(cmd))
-            cr_skip_test("npm could not install openai@6 (registry unreachable?); see %s/"
-                         "install.log: the openai SDK test is skipped",
+                 "rm -rf '%s' && mkdir -p '%s' && timeout 300 npm install --prefix '%s' "
+                 "--no-audit --no-fund --no-save --loglevel=error openai@6 </dev/null "
+                 ">'%s.install.log' 2>&1 && touch '%s/installed'",
+                 tmp, tmp, tmp, dir, tmp);
+        int failed = run(cmd);
+        /* the first whole install in place wins; a later one is dropped */
+        snprintf(cmd, sizeof cmd,
+                 "if [ %d -eq 0 ] && ! [ -f '%s/installed' ]; then rm -rf '%s'; mv -T '%s' '%s' "
+                 "2>/dev/null; "
+                 "fi; rm -rf '%s'",
+                 failed, dir, dir, tmp, dir, tmp);
+        run(cmd);
+        if (failed)
+            cr_skip_test("npm could not install openai@6 (registry unreachable?); see "
+                         "%s.install.log: the openai SDK test is skipped",
                          dir);
     }
 }

@@ -493,11 +493,14 @@ Test(responses, a_stream_sends_the_events_in_order_and_ends_with_the_unstreamed_
 }
 
 /* A stream the server's timeout cuts (--timeout-s) ends with
- * response.incomplete, reason "cancelled", its message item incomplete. */
+ * response.incomplete, reason "cancelled", its message item incomplete.
+ * Greedy, so that the answer is one that runs to max_output_tokens (a
+ * sampled one may end by itself before the timeout). */
 Test(responses, a_stream_cut_by_the_timeout_ends_incomplete) {
     const char *args[] = {"--timeout-s", "1", "--token-delay-s", "0.05", NULL};
     start_with(args);
-    resp st = create(200, "{\"input\": \"Hi\", \"max_output_tokens\": 400, \"stream\": true}");
+    resp st = create(200, "{\"input\": \"Hi\", \"max_output_tokens\": 400, \"temperature\": 0, "
+                          "\"stream\": true}");
     json_t *evs = read_events(st.http.body);
     size_t n = json_array_size(evs);
     cr_assert_str_eq(ev_type(evs, n - 1), "response.incomplete", "%s", st.http.body);
